@@ -1,0 +1,76 @@
+"""A tiny offline Qwen-style tokenizer carrying the real Cosmos3 special tokens and a Qwen3-VL-like chat template.
+
+Byte-level BPE with the 256 byte symbols and no merges (every byte is one token), then `<|endoftext|>`
+and the six special tokens Cosmos3 relies on. Saved as a transformers `Qwen2Tokenizer`, so the same
+folder loads in `AutoTokenizer` (ours and diffusers'). Vocabulary size 263.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen3-VL-Instruct's template shape: string or part-list content, media placeholders, generation prompt.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map used by byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, (chr(c) for c in chars), strict=True))
+
+
+def write_tiny_tokenizer(out_dir: Path) -> int:
+    """Write the tokenizer into `out_dir`; returns its vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    byte_map = _bytes_to_unicode()
+    vocab = {byte_map[b]: b for b in range(256)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok = Qwen2TokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out_dir))
+    return len(tok)
