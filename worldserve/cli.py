@@ -1,0 +1,40 @@
+"""The `worldserve` console script: one argparse subcommand per verb, each living in `worldserve/commands/`.
+
+Every verb module exposes `add_arguments(parser)` and `run(args) -> int`; modules are imported only when
+their verb runs, so `worldserve make-tiny` does not pay for FastAPI and `worldserve serve` not for PyAV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+VERBS: dict[str, tuple[str, str]] = {
+    "serve": ("worldserve.commands.serve", "serve the video and chat APIs over HTTP"),
+    "generate": ("worldserve.commands.generate", "generate one video (or image) offline"),
+    "make-tiny": ("worldserve.commands.make_tiny", "write a tiny random checkpoint in the real layout"),
+    "info": ("worldserve.commands.info", "describe a checkpoint: components, parameters, dtypes, defaults"),
+    "bench": ("worldserve.commands.bench", "benchmark the denoising step and decode (GPU)"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="worldserve", description="Serving engine for Cosmos3 world models")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for verb, (module, help_text) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        if verb == chosen:  # only the verb that runs imports its module
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

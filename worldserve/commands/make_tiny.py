@@ -1,0 +1,20 @@
+"""`worldserve make-tiny DIR`: write a tiny random Cosmos3 checkpoint in the exact layout of nvidia/Cosmos3-Nano."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="output folder (created)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random tensor (same seed, same bytes)")
+    p.add_argument("--no-sound", action="store_true", help="leave out the sound tokenizer and audio heads")
+    p.add_argument("--no-vision", action="store_true", help="leave out the Reasoner's vision encoder")
+
+
+def run(args: argparse.Namespace) -> int:
+    from worldserve.weights.tiny import make_tiny
+
+    out = make_tiny(args.dir, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision)
+    print(f"wrote a tiny random Cosmos3 checkpoint to {out} (its outputs are noise)")
+    return 0

@@ -1,0 +1,67 @@
+"""Messages between the engine (CPU-side request lifecycle) and the video backend (the GPU side).
+
+The engine never touches tensors: it asks a `VideoBackend` to `prepare` a request (prompt encoding, und
+prefill of both CFG branches, initial noise, I2V encode), to advance a list of prepared requests by one
+denoising step (`denoise`, batched when their `batch_key`s match), and to `decode` a finished one into a
+`VideoResult` (uint8 frames + float audio on the host). Muxing to MP4 then runs in a CPU pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from worldserve.params import VideoParams
+
+
+@dataclass(slots=True, kw_only=True)
+class VideoResult:
+    frames: np.ndarray
+    """uint8 (F, H, W, 3); F == 1 for an image."""
+    fps: float
+    """Frame rate of the frames."""
+    audio: np.ndarray | None = None
+    """float32 (channels, samples) in [-1, 1], trimmed to the video duration; None without sound."""
+    sample_rate: int = 48000
+    """Audio sample rate in Hz."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time per stage (prefill, diffuse, vae.decode, audio.decode, ...)."""
+    peak_memory_mb: float = 0.0
+    """Peak accelerator memory during the request (0 on CPU)."""
+
+
+class DenoiseState(Protocol):
+    """Per-request state the backend owns; the engine only reads these fields."""
+
+    request_id: str
+    step_index: int
+    num_steps: int
+
+    @property
+    def batch_key(self) -> Hashable:
+        """Requests with equal keys may denoise in one batched forward."""
+        ...
+
+
+class VideoBackend(Protocol):
+    has_sound: bool
+    """Whether the checkpoint ships a sound tokenizer (audio on by default)."""
+
+    def validate(self, params: VideoParams) -> VideoParams:
+        """Model-aware validation (prompt length, sound availability); raises ParamError."""
+        ...
+
+    def prepare(self, request_id: str, params: VideoParams) -> DenoiseState: ...
+
+    def denoise(self, states: Sequence[DenoiseState]) -> None:
+        """Advance every state by exactly one step."""
+        ...
+
+    def decode(self, state: DenoiseState) -> VideoResult: ...
+
+    def release(self, state: DenoiseState) -> None:
+        """Free the state's device memory (called on cancel and after decode)."""
+        ...

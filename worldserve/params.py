@@ -1,0 +1,124 @@
+"""Per-request immutable parameters: VideoParams (generation) with validation that runs before any GPU work.
+
+The API layer and the `generate` CLI build a VideoParams; `validate(limits)` raises `ParamError` naming the
+offending field (the API turns it into a 400 with `param` set). Defaults are the Cosmos3 model defaults
+(1280x720, 189 frames, 24 fps, 35 steps, CFG 6, seed 42), never generic ones.
+
+Resolution policy: width and height must be multiples of 16; the pixel area picks the model's tier
+(256p / 480p / 720p, the largest being 1280x720-sized) and each tier caps num_frames as cosmos-framework
+does (400 / 300 / 200). Any multiple-of-16 size inside the 720p area is accepted (diffusers accepts any).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# (tier name, max pixel area, max frames, default flow shift). Areas: 320x256, 640x640, 1280x720.
+RESOLUTION_TIERS: tuple[tuple[str, int, int, float], ...] = (
+    ("256", 320 * 256, 400, 3.0),
+    ("480", 640 * 640, 300, 5.0),
+    ("720", 1280 * 720, 200, 10.0),
+)
+MAX_SIDE = 1280
+SIZE_MULTIPLE = 16
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid. `param` names the field, as in the OpenAI error JSON."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def resolution_tier(width: int, height: int) -> tuple[str, int, int, float]:
+    area = width * height
+    for tier in RESOLUTION_TIERS:
+        if area <= tier[1]:
+            return tier
+    raise ParamError(
+        "size",
+        f"size {width}x{height} is above the model's largest resolution tier (720p: at most "
+        f"{RESOLUTION_TIERS[-1][1]} pixels, e.g. 1280x720, 960x960, 720x1280)",
+    )
+
+
+def default_flow_shift(width: int, height: int) -> float:
+    """10 at 720p, 5 at 480p, 3 at 256p (the training shift table)."""
+    return resolution_tier(width, height)[3]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoParams:
+    prompt: str
+    """Plain text or a JSON document (the model's native structured prompt)."""
+    negative_prompt: str | None = None
+    """None: the default negative prompt shipped with worldserve."""
+    width: int = 1280
+    """Output width in pixels (multiple of 16)."""
+    height: int = 720
+    """Output height in pixels (multiple of 16)."""
+    num_frames: int = 189
+    """1 (an image) or 4k+1."""
+    fps: float = 24.0
+    """Output frame rate; also drives the temporal positions and prompt metadata."""
+    num_inference_steps: int = 35
+    """Denoising steps (1..200)."""
+    guidance_scale: float = 6.0
+    """CFG scale (0..20); 1 runs only the conditional branch."""
+    flow_shift: float | None = None
+    """None: 10 / 5 / 3 by resolution tier."""
+    seed: int = 42
+    """Initial-noise seed; the same seed gives the same output whatever else is batched."""
+    generate_sound: bool | None = None
+    """None: on when the checkpoint has a sound tokenizer."""
+    max_sequence_length: int = 4096
+    """Cap on prompt tokens (after templating); longer prompts are an error."""
+    image: np.ndarray | None = None
+    """Image-to-video conditioning frame, uint8 (H, W, 3), any size (resized and centre-cropped)."""
+
+    @property
+    def latent_frames(self) -> int:
+        return (self.num_frames - 1) // 4 + 1
+
+    def resolved_flow_shift(self) -> float:
+        return self.flow_shift if self.flow_shift is not None else default_flow_shift(self.width, self.height)
+
+    def validate(self) -> VideoParams:
+        """Raise ParamError naming the first bad field; return self for chaining."""
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise ParamError("prompt", "prompt must be a non-empty string")
+        for name in ("width", "height"):
+            v = getattr(self, name)
+            if v < SIZE_MULTIPLE or v % SIZE_MULTIPLE or v > MAX_SIDE:
+                raise ParamError("size", f"{name}={v} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]")
+        tier, _, max_frames, _ = resolution_tier(self.width, self.height)
+        if self.num_frames < 1 or (self.num_frames - 1) % 4:
+            raise ParamError("num_frames", f"num_frames={self.num_frames} must be 1 or 4k+1 (e.g. 93, 121, 189)")
+        if self.num_frames > max_frames:
+            raise ParamError(
+                "num_frames", f"num_frames={self.num_frames} exceeds the {tier}p limit of {max_frames} frames"
+            )
+        if not (math.isfinite(self.fps) and 1 <= self.fps <= 120):
+            raise ParamError("fps", f"fps={self.fps} must be a number in [1, 120]")
+        if not 1 <= self.num_inference_steps <= 200:
+            raise ParamError("num_inference_steps", f"num_inference_steps={self.num_inference_steps} must be in [1, 200]")
+        if not (math.isfinite(self.guidance_scale) and 0 <= self.guidance_scale <= 20):
+            raise ParamError("guidance_scale", f"guidance_scale={self.guidance_scale} must be in [0, 20]")
+        if self.flow_shift is not None and not (math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100):
+            raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in (0, 100]")
+        if not 0 <= self.seed < 2**63:
+            raise ParamError("seed", f"seed={self.seed} must be in [0, 2**63)")
+        if not 1 <= self.max_sequence_length <= 131072:
+            raise ParamError("max_sequence_length", "max_sequence_length must be in [1, 131072]")
+        if self.image is not None:
+            img = self.image
+            if not (isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3):
+                raise ParamError("input_reference", "the conditioning image must be decoded to uint8 (H, W, 3)")
+            if self.num_frames == 1:
+                raise ParamError("input_reference", "image-to-video needs num_frames > 1")
+        return self
