@@ -1,0 +1,40 @@
+"""Shared fixtures: offline Hugging Face, a session-wide tiny random checkpoint in the real layout.
+
+`HF_HUB_OFFLINE=1` is forced before anything imports huggingface_hub, so no test can download.
+`tiny_ckpt` is written once per session with `make_tiny` (seed 0); tests that break or rewrite a
+checkpoint copy it first (`tiny_copy`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    from worldserve.weights.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "Cosmos3-Tiny", seed=0)
+
+
+@pytest.fixture
+def tiny_copy(tiny_ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, dst)
+    return dst
