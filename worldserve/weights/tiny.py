@@ -101,9 +101,24 @@ def _random_tensor(key: str, shape: tuple[int, ...], gen: torch.Generator) -> to
 
 
 def _seeded_module(build, seed: int):
-    with torch.random.fork_rng(devices=[]):
+    import warnings
+
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # diffusers' AVAE uses the old weight_norm API
         torch.manual_seed(seed)
         return build()
+
+
+def _save_quietly(module, out: Path) -> None:
+    from diffusers.utils import logging as dlogging
+
+    was_enabled = dlogging.is_progress_bar_enabled()
+    dlogging.disable_progress_bar()
+    try:
+        module.save_pretrained(str(out), safe_serialization=True)
+    finally:
+        if was_enabled:
+            dlogging.enable_progress_bar()
 
 
 def write_transformer(out: Path, config: Cosmos3Config, seed: int) -> dict[str, str]:
@@ -122,7 +137,7 @@ def write_vae(out: Path, seed: int) -> None:
     from diffusers import AutoencoderKLWan
 
     vae = _seeded_module(lambda: AutoencoderKLWan(**TINY_VAE_CONFIG), seed)
-    vae.save_pretrained(str(out), safe_serialization=True)
+    _save_quietly(vae, out)
 
 
 def write_sound_tokenizer(out: Path, seed: int) -> None:
@@ -136,7 +151,7 @@ def write_sound_tokenizer(out: Path, seed: int) -> None:
                     p.normal_(0.0, 0.1)
         return m
 
-    _seeded_module(build, seed).save_pretrained(str(out), safe_serialization=True)
+    _save_quietly(_seeded_module(build, seed), out)
 
 
 def write_vision_encoder(out: Path, seed: int, out_hidden_size: int) -> dict[str, str]:
@@ -144,8 +159,14 @@ def write_vision_encoder(out: Path, seed: int, out_hidden_size: int) -> dict[str
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     cfg = Qwen3VLVisionConfig(**TINY_VISION_CONFIG, out_hidden_size=out_hidden_size)
+    from transformers.utils import logging as tlogging
+
     model = _seeded_module(lambda: Qwen3VLVisionModel._from_config(cfg), seed)
-    model.save_pretrained(str(out), safe_serialization=True)
+    tlogging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(out), safe_serialization=True)
+    finally:
+        tlogging.enable_progress_bar()
     return {k: "vision_encoder/model.safetensors" for k in model.state_dict()}
 
 

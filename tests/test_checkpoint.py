@@ -1,0 +1,256 @@
+"""Foundation: the tiny checkpoint's layout, determinism, diffusers / transformers loading, and loader errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from worldserve.models.cosmos3.checkpoint_keys import count_parameters, transformer_checkpoint_shapes
+from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.cosmos3.reasoner_keys import reasoner_key
+from worldserve.weights.checkpoint import CheckpointError, read_layout, resolve_model
+from worldserve.weights.loader import check_checkpoint, read_header, stream_tensors
+from worldserve.weights.safetensors_shards import write_sharded
+
+PREFIX = "diffusion_pytorch_model"
+
+
+def _all_files(root):
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_layout_matches_the_released_repo(tiny_ckpt):
+    for rel in (
+        "model_index.json",
+        "config.json",
+        "model.safetensors.index.json",
+        "transformer/config.json",
+        f"transformer/{PREFIX}.safetensors.index.json",
+        "vae/config.json",
+        "sound_tokenizer/config.json",
+        "text_tokenizer/tokenizer.json",
+        "vision_encoder/model.safetensors",
+        "scheduler/scheduler_config.json",
+    ):
+        assert (tiny_ckpt / rel).is_file(), rel
+    assert len(list((tiny_ckpt / "transformer").glob(f"{PREFIX}-*-of-*.safetensors"))) > 1
+    layout = read_layout(tiny_ckpt)
+    assert layout.has_sound and layout.has_vision
+    root_index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    assert root_index["layers.0.self_attn.to_q.weight"].startswith("transformer/")
+    assert root_index["blocks.0.attn.qkv.weight"] == "vision_encoder/model.safetensors"
+
+
+def test_make_tiny_is_deterministic(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d, seed in ((a, 3), (b, 3), (c, 4)):
+        subprocess.run(
+            [sys.executable, "-m", "worldserve.cli", "make-tiny", str(d), "--seed", str(seed), "--no-vision"],
+            check=True,
+            capture_output=True,
+        )
+    assert _all_files(a) == _all_files(b)
+    assert _all_files(a) != _all_files(c)
+    assert not (a / "vision_encoder").exists()
+
+
+def test_no_sound_variant(tmp_path):
+    from worldserve.weights.tiny import make_tiny
+
+    root = make_tiny(tmp_path / "ns", sound=False, vision=False)
+    layout = read_layout(root)
+    assert not layout.has_sound and "sound_tokenizer" not in layout.components
+    assert not any("audio" in k for k in read_header(root / "transformer", PREFIX).shapes)
+
+
+def test_diffusers_loads_tiny_with_every_key(tiny_ckpt):
+    from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer
+
+    model, info = Cosmos3OmniTransformer.from_pretrained(
+        tiny_ckpt, subfolder="transformer", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ours = transformer_checkpoint_shapes(Cosmos3Config.from_json(tiny_ckpt / "transformer" / "config.json"))
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert ours == theirs
+    pipe = Cosmos3OmniPipeline.from_pretrained(tiny_ckpt)
+    assert pipe.sound_tokenizer is not None and pipe.vae.config.z_dim == 48
+
+
+def test_key_table_matches_diffusers_at_nano_size():
+    from diffusers import Cosmos3OmniTransformer
+
+    cfg = Cosmos3Config.nano()
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer(**cfg.to_dict())
+    assert transformer_checkpoint_shapes(cfg) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert abs(count_parameters(cfg) / 1e9 - 15.2) < 0.1
+
+
+def test_reasoner_subset_loads_strictly_in_qwen3vl(tiny_ckpt):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    root = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg = Qwen3VLConfig(
+        text_config=root["text_config"],
+        vision_config=root["vision_config"],
+        image_token_id=root["image_token_id"],
+        video_token_id=root["video_token_id"],
+        vision_start_token_id=root["vision_start_token_id"],
+        vision_end_token_id=root["vision_end_token_id"],
+        tie_word_embeddings=False,
+    )
+    model = Qwen3VLForConditionalGeneration(cfg)
+    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    state = {}
+    for file in sorted(set(index.values())):
+        for key, t in load_file(tiny_ckpt / file).items():
+            name = reasoner_key(key)
+            if name is not None:
+                state[name] = t.float()
+    result = model.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+
+
+def test_sharded_equals_unsharded(tiny_copy):
+    folder = tiny_copy / "transformer"
+    header = read_header(folder, PREFIX)
+    sharded = dict(stream_tensors(header, header.shapes, progress=False))
+    for f in folder.glob(f"{PREFIX}*"):
+        f.unlink()
+    write_sharded(folder, PREFIX, sharded, max_shard_bytes=1 << 40)
+    assert (folder / f"{PREFIX}.safetensors").is_file()
+    single = read_header(folder, PREFIX)
+    assert single.shapes == header.shapes
+    for k, t in stream_tensors(single, single.shapes, progress=False):
+        assert torch.equal(t, sharded[k]), k
+
+
+def _expected(root):
+    return transformer_checkpoint_shapes(Cosmos3Config.from_json(root / "transformer" / "config.json"))
+
+
+def _rewrite_first_shard(root, edit, holding=None):
+    """Rewrite one shard (the first, or the one holding key `holding`) through `edit`, keeping the index true."""
+    folder = root / "transformer"
+    shard = sorted(folder.glob(f"{PREFIX}-*.safetensors"))[0]
+    if holding is not None:
+        shard = read_header(folder, PREFIX).files[holding]
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard)
+    index_path = folder / f"{PREFIX}.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({k: shard.name for k in tensors})
+    index_path.write_text(json.dumps(index))
+    return shard, tensors
+
+
+def test_missing_shard_is_named(tiny_copy):
+    shard = sorted((tiny_copy / "transformer").glob(f"{PREFIX}-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        read_header(tiny_copy / "transformer", PREFIX)
+
+
+def test_wrong_shape_missing_and_unexpected_keys_are_one_error(tiny_copy):
+    def edit(t):
+        key = next(k for k in t if k.endswith("weight") and t[k].ndim == 2)
+        t[key] = t[key][:, :-1].contiguous()
+
+    _rewrite_first_shard(tiny_copy, edit)
+    with pytest.raises(CheckpointError, match="wrong shapes"):
+        check_checkpoint(read_header(tiny_copy / "transformer", PREFIX), _expected(tiny_copy), "t")
+    expected = dict(_expected(tiny_copy))
+    expected["layers.9.extra.weight"] = (4,)
+    del expected["norm.weight"]
+    with pytest.raises(CheckpointError, match=r"1 missing keys: layers\.9\.extra\.weight.*1 unexpected keys: norm"):
+        check_checkpoint(read_header(tiny_copy / "transformer", PREFIX), expected, "t")
+
+
+def test_truncated_safetensors_is_named(tiny_copy):
+    shard = sorted((tiny_copy / "transformer").glob(f"{PREFIX}-*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard.name}.*unreadable"):
+        read_header(tiny_copy / "transformer", PREFIX)
+
+
+def test_wrong_dtype_is_named(tiny_copy):
+    def edit(t):
+        key = next(k for k in t if t[k].ndim == 2)
+        t[key] = t[key].to(torch.int32)
+        edit.key = key
+
+    _rewrite_first_shard(tiny_copy, edit)
+    with pytest.raises(CheckpointError, match=f"non-float tensors: {edit.key}: I32"):
+        check_checkpoint(read_header(tiny_copy / "transformer", PREFIX), _expected(tiny_copy), "t")
+
+
+def test_fp8_checkpoint_is_detected_and_dequantised(tiny_copy):
+    folder = tiny_copy / "transformer"
+    original = dict(stream_tensors(read_header(folder, PREFIX), _expected(tiny_copy), progress=False))
+
+    def edit(t):
+        for key in [k for k in t if k.endswith("proj.weight") or k.endswith("to_q.weight")]:
+            w = t[key].float()  # ModelOpt-style per-row scales
+            scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+            t[key] = (w / scale).to(torch.float8_e4m3fn)
+            t[key[: -len("weight")] + "weight_scale"] = scale.squeeze(1)
+            edit.keys.append(key)
+
+    edit.keys = []
+    _rewrite_first_shard(tiny_copy, edit, holding="layers.0.mlp.gate_proj.weight")
+    header = read_header(folder, PREFIX)
+    assert header.is_fp8 and edit.keys
+    check_checkpoint(header, _expected(tiny_copy), "t")
+    loaded = dict(stream_tensors(header, _expected(tiny_copy), progress=False))
+    for key in edit.keys:
+        ref = original[key].float()
+        assert (loaded[key] - ref).norm() / ref.norm() < 0.05, key
+
+
+def test_resolve_model_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(CheckpointError, match="not in the Hugging Face cache"):
+        resolve_model("nvidia/Cosmos3-Nano")
+    with pytest.raises(CheckpointError, match="no model_index.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(CheckpointError, match="neither an existing folder"):
+        resolve_model("not/a/repo/id")
+
+
+def test_resolve_model_finds_an_hf_cache_snapshot(tiny_ckpt, tmp_path, monkeypatch):
+    import shutil
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--nvidia--Cosmos3-Nano"
+    snap = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_ckpt, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    assert resolve_model("nvidia/Cosmos3-Nano") == snap
+
+
+def test_info_cli_describes_the_checkpoint(tiny_ckpt):
+    out = subprocess.run(
+        [sys.executable, "-m", "worldserve.cli", "info", str(tiny_ckpt), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    info = json.loads(out)
+    assert info["components"]["transformer"]["parameters"] == count_parameters(
+        Cosmos3Config.from_json(tiny_ckpt / "transformer" / "config.json")
+    )
+    assert info["generation_defaults"]["num_frames"] == 189
+    assert info["generation_defaults"]["generate_sound"] is True

@@ -1,0 +1,134 @@
+"""Resolving a model reference to a Cosmos3 checkpoint folder and describing its components.
+
+A reference is a local folder, or a Hugging Face repo id (`nvidia/Cosmos3-Nano`) looked up in the HF cache
+(`HF_HOME` / `HF_HUB_CACHE`, honouring `--revision`). With `HF_HUB_OFFLINE=1` (always set in tests) a
+missing snapshot is one clear error naming the cache folder; otherwise huggingface_hub downloads it.
+`None` means the embedded tiny checkpoint, written once under the user cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from worldserve.models.cosmos3.config import Cosmos3Config
+
+GENERATION_COMPONENTS = ("transformer", "vae", "text_tokenizer", "scheduler")
+OPTIONAL_COMPONENTS = ("sound_tokenizer", "vision_encoder")
+# Only what generation and the Reasoner read; the repo also carries assets/ and example outputs.
+ALLOW_PATTERNS = [
+    "model_index.json",
+    "config.json",
+    "model.safetensors.index.json",
+    "transformer/*",
+    "vae/*",
+    "sound_tokenizer/*",
+    "text_tokenizer/*",
+    "vision_encoder/*",
+    "scheduler/*",
+]
+TINY_SEED = 0
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint folder is missing, incomplete or inconsistent; the message says what to fix."""
+
+
+def user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "worldserve"
+
+
+def default_tiny_checkpoint() -> Path:
+    """The embedded default model: a tiny random checkpoint, written once (atomically) and reused."""
+    from worldserve.weights.tiny import make_tiny
+
+    target = user_cache_dir() / f"tiny-cosmos3-seed{TINY_SEED}"
+    if (target / "model_index.json").is_file():
+        return target
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    make_tiny(tmp, seed=TINY_SEED)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _hf_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def resolve_model(ref: str | None, revision: str | None = None) -> Path:
+    """A model reference -> a local checkpoint folder holding model_index.json."""
+    if ref is None:
+        return default_tiny_checkpoint()
+    local = Path(ref).expanduser()
+    if local.exists():
+        if not (local / "model_index.json").is_file():
+            raise CheckpointError(f"{local} is not a Cosmos3 checkpoint folder (no model_index.json)")
+        return local.resolve()
+    if ref.count("/") != 1 or ref.startswith((".", "/")):
+        raise CheckpointError(f"model {ref!r} is neither an existing folder nor a Hugging Face repo id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        path = snapshot_download(
+            ref, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=offline
+        )
+    except LocalEntryNotFoundError as e:
+        raise CheckpointError(
+            f"{ref} (revision {revision or 'main'}) is not in the Hugging Face cache {_hf_cache_dir()} "
+            "and HF_HUB_OFFLINE=1 forbids downloading it"
+        ) from e
+    return Path(path)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointLayout:
+    root: Path
+    """The checkpoint folder."""
+    components: tuple[str, ...]
+    """Component folders present (transformer, vae, ...)."""
+    model_index: dict
+    """model_index.json."""
+    transformer_config: Cosmos3Config
+    """transformer/config.json parsed."""
+
+    @property
+    def has_sound(self) -> bool:
+        return "sound_tokenizer" in self.components and bool(self.transformer_config.sound_gen)
+
+    @property
+    def has_vision(self) -> bool:
+        return "vision_encoder" in self.components
+
+
+def read_layout(root: Path) -> CheckpointLayout:
+    """Check the folder has every generation component and parse the configs."""
+    index_path = root / "model_index.json"
+    if not index_path.is_file():
+        raise CheckpointError(f"{root}: model_index.json is missing")
+    index = json.loads(index_path.read_text())
+    missing = [c for c in GENERATION_COMPONENTS if not (root / c).is_dir()]
+    if missing:
+        raise CheckpointError(f"{root}: component folder(s) missing: {', '.join(missing)}")
+    present = [c for c in GENERATION_COMPONENTS + OPTIONAL_COMPONENTS if (root / c).is_dir()]
+    if "sound_tokenizer" in present and (index.get("sound_tokenizer") or [None])[0] is None:
+        present.remove("sound_tokenizer")
+    cfg_path = root / "transformer" / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{root}: transformer/config.json is missing")
+    try:
+        config = Cosmos3Config.from_json(cfg_path)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
+    return CheckpointLayout(root=root, components=tuple(present), model_index=index, transformer_config=config)
