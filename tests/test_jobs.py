@@ -1,0 +1,125 @@
+"""JobStore: SQLite rows + files, status guards, pagination, recovery after a crash, expiry."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
+
+SPEC = JobSpec(model="m", prompt="p", size="64x64", seconds="1", quality="default", fps=24.0, num_frames=9)
+
+
+def _job(created_at: float | None = None) -> Job:
+    return Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=created_at or time.time(), spec=SPEC)
+
+
+def _complete(store: JobStore, job_id: str, data: bytes = b"mp4", ttl: float | None = None) -> bool:
+    return store.complete(job_id, data, completed_at=time.time(), ttl_s=ttl, inference_time_s=1.5,
+                          stage_durations={"diffuse": 1.0}, peak_memory_mb=12.5)  # fmt: skip
+
+
+def test_create_progress_complete_roundtrip(tmp_path):
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {"params": {"prompt": "p"}}, reference=b"img")
+    assert store.get(job.id).status is JobStatus.QUEUED
+    assert store.reference_path(job.id).read_bytes() == b"img"
+    store.set_progress([(job.id, 50)])
+    assert store.get(job.id).progress == 0, "progress only moves while in_progress"
+    assert store.mark_in_progress(job.id, time.time())
+    store.set_progress([(job.id, 50)])
+    assert store.get(job.id).progress == 50
+    assert _complete(store, job.id, b"video-bytes")
+    got = store.get(job.id)
+    assert (got.status, got.progress, got.file_name) == (JobStatus.COMPLETED, 100, f"{job.id}.mp4")
+    assert got.stage_durations == {"diffuse": 1.0} and got.peak_memory_mb == 12.5 and got.inference_time_s == 1.5
+    assert store.video_path(job.id).read_bytes() == b"video-bytes"
+    assert not store.reference_path(job.id).exists(), "inputs are dropped once the output exists"
+    assert not [p for p in tmp_path.rglob(".*.tmp")], "no temp files left behind"
+    store.close()
+    reopened = JobStore(tmp_path)
+    assert reopened.get(job.id) == got
+
+
+def test_complete_after_delete_leaves_nothing(tmp_path):
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, None)
+    store.mark_in_progress(job.id, time.time())
+    assert store.delete(job.id).id == job.id
+    assert not _complete(store, job.id)
+    assert store.get(job.id) is None and not store.video_path(job.id).exists()
+    assert store.delete(job.id) is None
+
+
+def test_fail_records_code_and_message(tmp_path):
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, b"ref")
+    assert store.fail(job.id, 400, "bad", completed_at=time.time(), ttl_s=None)
+    got = store.get(job.id)
+    assert (got.status, got.error_code, got.error_message) == (JobStatus.FAILED, 400, "bad")
+    assert not store.fail(job.id, 500, "again", completed_at=time.time(), ttl_s=None), "terminal is final"
+    assert not store.reference_path(job.id).exists()
+
+
+def test_list_order_cursor_and_has_more(tmp_path):
+    store = JobStore(tmp_path)
+    t0 = 1_700_000_000.0
+    ids = []
+    for i in range(5):
+        job = _job(created_at=t0 + (i // 2))  # equal timestamps: insertion order breaks the tie
+        store.create(job, {}, None)
+        ids.append(job.id)
+    jobs, more = store.list(order="asc")
+    assert [j.id for j in jobs] == ids and not more
+    jobs, more = store.list()  # desc by default
+    assert [j.id for j in jobs] == ids[::-1]
+    page, more = store.list(order="asc", limit=2)
+    assert [j.id for j in page] == ids[:2] and more
+    page, more = store.list(order="asc", limit=2, after=page[-1].id)
+    assert [j.id for j in page] == ids[2:4] and more
+    page, more = store.list(order="asc", limit=2, after=page[-1].id)
+    assert [j.id for j in page] == ids[4:] and not more
+    page, more = store.list(order="desc", after=ids[2])
+    assert [j.id for j in page] == [ids[1], ids[0]]
+    assert store.list(limit=0) == ([], True)
+    assert store.list(limit=0, after=ids[0], order="desc") == ([], False)
+    assert store.list(after="video_gen_" + "0" * 32) == ([], False)
+
+
+def test_recover_requeues_and_cleans(tmp_path):
+    store = JobStore(tmp_path)
+    queued, running, done = _job(), _job(), _job()
+    for job in (queued, running, done):
+        store.create(job, {"params": {}}, b"ref")
+    store.mark_in_progress(running.id, time.time())
+    store.set_progress([(running.id, 40)])
+    store.mark_in_progress(done.id, time.time())
+    _complete(store, done.id)
+    (tmp_path / "videos" / f"{running.id}.mp4").write_bytes(b"partial")  # crash between rename and UPDATE
+    (tmp_path / "videos" / ".x.mp4.abc.tmp").write_bytes(b"tmp")
+    store.close()
+
+    store = JobStore(tmp_path)
+    assert store.recover() == [queued.id, running.id]
+    got = store.get(running.id)
+    assert (got.status, got.progress) == (JobStatus.QUEUED, 0)
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == [f"{done.id}.mp4"]
+    assert store.load_inputs(running.id) == ({"params": {}}, b"ref")
+
+
+def test_expiry_and_bad_ids(tmp_path):
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, None)
+    store.mark_in_progress(job.id, time.time())
+    _complete(store, job.id, ttl=0.01)
+    assert store.get(job.id).expires_at is not None
+    assert store.expired(time.time() + 1) == [job.id]
+    for bad in ("../../etc/passwd", "video_gen_XYZ", ""):
+        assert store.get(bad) is None and store.delete(bad) is None
+    with pytest.raises(AssertionError):
+        store.video_path("../x")

@@ -1,0 +1,219 @@
+"""Engine and server configuration: small frozen dataclasses, one per concern, and the CLI generated from them.
+
+`EngineConfig` = `ModelConfig` + `ParallelConfig` + `SchedulerConfig` + `ServerConfig`. Each field's one-line
+attribute docstring is its `--help` text, its name is its flag (`max_batch_size` -> `--max-batch-size`) and
+its default is the flag's default: one source of truth (`add_config_arguments`, `config_from_args`).
+Constructors validate and do no I/O; `EngineConfig.resolve()` fills the values that depend on the
+environment (storage folder, sync timeout, API key, served name) and returns a new object.
+Per-request knobs (steps, size, seed...) live in `params.VideoParams`, never here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field, replace
+
+from worldserve import envs
+
+TINY_SERVED_NAME = "worldserve/tiny-cosmos3"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    model: str | None = field(default=None, metadata={"positional": True})
+    """Checkpoint folder or Hugging Face repo id (e.g. nvidia/Cosmos3-Nano); omitted: the embedded tiny random checkpoint, whose output is noise."""
+    revision: str | None = None
+    """Hugging Face revision (branch, tag or commit) of MODEL."""
+    served_model_name: str | None = None
+    """Name clients must send in `model` and that /v1/models lists; default: MODEL."""
+    device: str | None = None
+    """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
+    dtype: str | None = field(default=None, metadata={"choices": ("bfloat16", "float16", "float32")})
+    """Weight and activation dtype; default: bfloat16 on GPU, float32 on CPU."""
+    init_timeout: float = 600.0
+    """Seconds allowed for loading the model before startup fails (the recipe uses 1800)."""
+    omni: bool = False
+    """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
+    backend: str = field(default="auto", metadata={"hidden": True, "choices": ("auto", "fake")})
+    """Tests only: `fake` serves deterministic colour frames from a numpy backend instead of the model."""
+    fake_step_delay: float = field(default=0.0, metadata={"hidden": True})
+    """Tests only: seconds the fake backend sleeps per denoising step."""
+
+    def __post_init__(self) -> None:
+        if not self.init_timeout > 0:
+            raise ValueError(f"--init-timeout must be > 0 seconds, got {self.init_timeout}")
+        if self.fake_step_delay < 0:
+            raise ValueError("--fake-step-delay must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
+    """Tensor-parallel degree of the transformer (only 1 is supported in this version)."""
+    ulysses_degree: int = field(default=1, metadata={"aliases": ("--usp",)})
+    """Ulysses sequence-parallel degree (only 1 is supported in this version)."""
+    cfg_parallel_size: int = 1
+    """Run the CFG branches on this many GPUs (only 1 is supported in this version)."""
+    enable_layerwise_offload: bool = False
+    """Stream transformer blocks between CPU and GPU to save memory (not supported in this version)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+            if value > 1:
+                raise ValueError(f"{flag} {value} is not supported yet: this version runs on one GPU ({flag} 1)")
+        if self.enable_layerwise_offload:
+            raise ValueError("--enable-layerwise-offload is not supported yet; run without it")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    max_queued_requests: int = 256
+    """Jobs waiting for admission beyond this answer 429 with Retry-After."""
+    max_batch_size: int = 1
+    """Requests denoised together in one step (and held in memory at once); same-shape requests only."""
+    encode_workers: int = 2
+    """Threads that encode finished videos to MP4 while the next request denoises."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM, seconds to let running requests finish; the rest stay queued and resume at restart."""
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be >= 1")
+        if self.max_batch_size < 1:
+            raise ValueError("--max-batch-size must be >= 1")
+        if self.encode_workers < 1:
+            raise ValueError("--encode-workers must be >= 1")
+        if self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    """Address to bind."""
+    port: int = 8000
+    """Port to bind."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` on /v1/*; default: $WORLDSERVE_API_KEY or $VLLM_API_KEY, else open."""
+    storage_dir: str | None = None
+    """Folder of the job database and the videos; default: $XDG_CACHE_HOME/worldserve/storage."""
+    sync_timeout: float | None = None
+    """Seconds /v1/videos/sync waits before 504 (the job goes on); default: $VLLM_OMNI_VIDEO_SYNC_TIMEOUT or 600."""
+    max_upload_mb: float = 100.0
+    """Largest request body accepted on /v1/videos*, in MiB (413 above)."""
+    job_ttl: float | None = None
+    """Delete finished jobs and their files this many seconds after completion; default: keep forever."""
+    uvicorn_log_level: str = field(
+        default="info", metadata={"choices": ("critical", "error", "warning", "info", "debug", "trace")}
+    )
+    """Log level of the HTTP server."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.sync_timeout is not None and not (math.isfinite(self.sync_timeout) and self.sync_timeout > 0):
+            raise ValueError("--sync-timeout must be a positive number of seconds")
+        if not self.max_upload_mb > 0:
+            raise ValueError("--max-upload-mb must be > 0")
+        if self.job_ttl is not None and not self.job_ttl > 0:
+            raise ValueError("--job-ttl must be > 0 seconds")
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(
+            model=config_from_args(ModelConfig, args),
+            parallel=config_from_args(ParallelConfig, args),
+            scheduler=config_from_args(SchedulerConfig, args),
+            server=config_from_args(ServerConfig, args),
+        )
+
+    def resolve(self) -> EngineConfig:
+        """Fill environment-dependent defaults; the result has no None left in those fields."""
+        served = self.model.served_model_name or self.model.model or TINY_SERVED_NAME
+        server = replace(
+            self.server,
+            api_key=self.server.api_key or envs.api_key(),
+            storage_dir=self.server.storage_dir or str(envs.storage_dir()),
+            sync_timeout=self.server.sync_timeout or envs.sync_timeout_s(),
+        )
+        return replace(self, model=replace(self.model, served_model_name=served), server=server)
+
+
+CONFIG_CLASSES = (ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal written right below it in the class body (vLLM's get_attr_docs)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _scalar_type(hint: object) -> type:
+    """`int | None` -> int; the type argparse converts the flag's text with."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return inner
+    assert isinstance(hint, type), hint
+    return hint
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per dataclass field; metadata may mark it positional, hidden, or give choices/aliases."""
+    hints = typing.get_type_hints(cls)
+    docs = attribute_docs(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        kind = _scalar_type(hints[f.name])
+        text = docs.get(f.name, "")
+        if f.default not in (None, False, ""):
+            text += f" (default: {f.default})"
+        kwargs: dict[str, typing.Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else text}
+        if kind is bool:
+            kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        if meta.get("positional"):
+            group.add_argument(f.name, nargs="?", default=f.default, metavar=f.name.upper(), **kwargs)
+        else:
+            flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+            group.add_argument(*flags, dest=f.name, default=f.default, **kwargs)
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> typing.Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})

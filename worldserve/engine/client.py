@@ -1,0 +1,243 @@
+"""EngineClient: the asyncio-side handle on the engine and the job store; the only thing `api/` talks to.
+
+The HTTP event loop never waits on GPU work: `submit` persists a queued job and drops a `Request` into the
+engine's inbox, then returns. Completion comes back from the engine thread as `on_done(job_id)`, bridged into
+the loop with `loop.call_soon_threadsafe`, which resolves the futures of `wait(job_id)` (the sync route).
+Store reads are short SQLite queries and run inline.
+
+Lifecycle: `start()` re-submits every job the store reports unfinished (a crash or shutdown left it queued
+or in progress; it re-runs from its persisted inputs, or fails with a reason if the reference image is
+gone), then starts the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
+(submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the engine
+and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from worldserve.engine.engine import Engine
+from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
+from worldserve.engine.request import EncodeOptions, Request
+from worldserve.params import VideoParams
+
+__all__ = [
+    "EncodeOptions", "EngineClient", "Job", "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+SWEEP_PERIOD_MAX_S = 60.0
+
+
+class QueueFullError(Exception):
+    """More than `max_queued_requests` jobs wait for admission (HTTP 429)."""
+
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"the request queue is full; retry in about {retry_after_s}s")
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDownError(Exception):
+    """The server is stopping and takes no new work (HTTP 503)."""
+
+
+def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
+    """What the store keeps to re-run a job: every VideoParams field but the image (kept as a file)."""
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(VideoParams) if f.name != "image"}
+    return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options}
+
+
+def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple[VideoParams, EncodeOptions]:
+    image = None
+    if reference is not None:
+        from worldserve.media.image import decode_image
+
+        image = decode_image(reference)
+    params = VideoParams(**record["params"], image=image)
+    return params, EncodeOptions(crf=record["crf"], codec_options=record["codec_options"])
+
+
+class EngineClient:
+    def __init__(
+        self,
+        engine: Engine,
+        store: JobStore,
+        *,
+        model_name: str,
+        max_queued_requests: int,
+        job_ttl_s: float | None = None,
+    ):
+        self.engine = engine
+        self.store = store
+        self.model_name = model_name
+        self.max_queued_requests = max_queued_requests
+        self.job_ttl_s = job_ttl_s
+        self.accepting = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: dict[str, list[asyncio.Future]] = defaultdict(list)
+        self._sweeper: asyncio.Task | None = None
+        self._stop_thread: threading.Thread | None = None
+        self._started = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        self.engine.on_done = self._on_done_threadsafe
+        resumed = self._recover()
+        if resumed:
+            log.info("resuming %d unfinished job(s) from %s", resumed, self.store.root)
+        self.engine.start()
+        if self.job_ttl_s:
+            self._sweeper = asyncio.create_task(self._sweep_forever())
+        self.accepting = True
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Stop intake now and stop the engine in the background (safe from a signal handler)."""
+        self.accepting = False
+        if self._stop_thread is None and self._started:
+            self._stop_thread = threading.Thread(
+                target=self._stop_engine, args=(timeout_s,), name="worldserve-stop", daemon=True
+            )
+            self._stop_thread.start()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        if not self._started:
+            return
+        self.begin_shutdown(timeout_s)
+        await asyncio.to_thread(self._stop_thread.join)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._wake_all(ShuttingDownError("the server is shutting down"))
+        self.store.close()
+        self._started = False
+
+    def _stop_engine(self, timeout_s: float) -> None:
+        self.engine.stop(timeout_s)
+        if self._loop is not None and not self._loop.is_closed():
+            err = ShuttingDownError("the server is shutting down")
+            try:
+                self._loop.call_soon_threadsafe(self._wake_all, err)
+            except RuntimeError:  # loop closed meanwhile
+                pass
+
+    def health(self) -> tuple[bool, str | None]:
+        if not self._started:
+            return False, "No engine initialized"
+        if not self.engine.alive:
+            return False, "engine stopped" if self.engine.crashed is None else f"engine crashed: {self.engine.crashed}"
+        if not self.accepting:
+            return False, "shutting down"
+        return True, None
+
+    def _recover(self) -> int:
+        resumed = 0
+        for job_id in self.store.recover():
+            try:
+                record, reference = self.store.load_inputs(job_id)
+                params, encode = inputs_from_record(record, reference)
+            except FileNotFoundError:
+                self._fail_now(job_id, "The job was interrupted by a restart and its reference image is missing "
+                               "from the storage folder; submit it again.")  # fmt: skip
+                continue
+            except Exception as exc:
+                self._fail_now(job_id, f"The job was interrupted by a restart and could not be restored: {exc}")
+                continue
+            self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic()))
+            resumed += 1
+        return resumed
+
+    def _fail_now(self, job_id: str, message: str) -> None:
+        log.warning("job %s: %s", job_id, message)
+        self.store.fail(job_id, 500, message, completed_at=time.time(), ttl_s=self.job_ttl_s)
+
+    async def _sweep_forever(self) -> None:
+        period = min(SWEEP_PERIOD_MAX_S, max(0.05, self.job_ttl_s / 2))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for job_id in await asyncio.to_thread(self.store.expired, time.time()):
+                    self.delete(job_id)
+            except Exception:
+                log.exception("expiry sweep failed")
+
+    # -- jobs -----------------------------------------------------------------------------------------
+    def validate(self, params: VideoParams) -> VideoParams:
+        """Model-aware checks (prompt length, sound availability); raises ParamError."""
+        return self.engine.backend.validate(params)
+
+    @property
+    def has_sound(self) -> bool:
+        return bool(self.engine.backend.has_sound)
+
+    def submit(self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None) -> Job:
+        if not self.accepting:
+            raise ShuttingDownError("the server is shutting down and accepts no new jobs")
+        if self.engine.num_waiting >= self.max_queued_requests:
+            raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
+        job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
+        self.store.create(job, inputs_record(params, encode), reference)
+        self.engine.add_request(Request(job_id=job.id, params=params, encode=encode, arrival_time=time.monotonic()))
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        return self.store.get(job_id)
+
+    def list(self, *, after: str | None, limit: int | None, order: str) -> tuple[list[Job], bool]:
+        return self.store.list(after=after, limit=limit, order=order)
+
+    def delete(self, job_id: str) -> Job | None:
+        """Remove the job and its files; a queued or running one is aborted at the next step boundary."""
+        job = self.store.delete(job_id)
+        if job is not None and not job.status.terminal:
+            self.engine.abort(job_id)
+        return job
+
+    def video_path(self, job_id: str):
+        return self.store.video_path(job_id)
+
+    async def wait(self, job_id: str) -> Job | None:
+        """Wait until the job is completed or failed; None if it was deleted meanwhile."""
+        loop = asyncio.get_running_loop()
+        while True:
+            future = loop.create_future()
+            self._waiters[job_id].append(future)
+            try:
+                job = self.store.get(job_id)  # checked after registering: no wake-up can be missed
+                if job is None or job.status.terminal:
+                    return job
+                await future
+            finally:
+                futures = self._waiters.get(job_id, [])
+                if future in futures:
+                    futures.remove(future)
+                if not futures:
+                    self._waiters.pop(job_id, None)
+
+    def _on_done_threadsafe(self, job_id: str) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._wake, job_id)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+    def _wake(self, job_id: str) -> None:
+        for future in self._waiters.get(job_id, ()):
+            if not future.done():
+                future.set_result(None)
+
+    def _wake_all(self, exc: BaseException) -> None:
+        for futures in self._waiters.values():
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)

@@ -1,0 +1,311 @@
+"""The video engine: a busy loop in its own thread driving a `VideoBackend` one denoising step at a time.
+
+Each iteration: apply the inbox (new requests, aborts) -> admit (`backend.prepare`, job `in_progress`) ->
+step the scheduler's batch once (`backend.denoise`) and write every member's progress to the job store ->
+decode the requests that finished their steps (`backend.decode`, then `backend.release`) and hand the frames
+to a CPU pool that muxes the MP4 and saves the job, so encoding overlaps the next request's denoising.
+
+Invariants: only this thread calls the backend and touches the scheduler; other threads talk to it through
+`add_request` / `abort` / `drain` / `stop` (a condition-guarded inbox). An abort takes effect at the next
+step boundary and always releases the request's state. An exception inside a request (prepare, its denoise
+batch, decode, encode) fails only the jobs involved (status `failed`, error {code, message}); the loop
+itself never dies of one. `on_done(job_id)` is called (from this thread or an encoder) whenever a job
+reaches completed/failed or is aborted, so the HTTP side can wake waiters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+
+from worldserve.config import SchedulerConfig
+from worldserve.engine.jobs import JobStore
+from worldserve.engine.outputs import VideoBackend, VideoResult
+from worldserve.engine.request import Request
+from worldserve.engine.scheduler import Scheduler
+from worldserve.params import ParamError
+
+log = logging.getLogger(__name__)
+
+Encoder = Callable[..., bytes]
+"""`encode_mp4(frames, fps, audio, sample_rate=..., crf=..., codec_options=...) -> bytes`."""
+
+
+class EngineObserver(Protocol):
+    """Where the engine reports timings (the Prometheus metrics implement it)."""
+
+    def on_step(self, seconds: float, batch_size: int) -> None: ...
+
+    def on_finished(self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float) -> None: ...
+
+    def on_failed(self, code: int) -> None: ...
+
+
+class NullObserver:
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        pass
+
+    def on_finished(self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float) -> None:
+        pass
+
+    def on_failed(self, code: int) -> None:
+        pass
+
+
+def default_encoder(*args, **kwargs) -> bytes:
+    from worldserve.media.mp4 import encode_mp4  # PyAV: imported on first use only
+
+    return encode_mp4(*args, **kwargs)
+
+
+def error_for(exc: BaseException) -> tuple[int, str]:
+    """(HTTP-like code, message) recorded on a failed job."""
+    if isinstance(exc, ParamError):
+        return 400, exc.message
+    code = getattr(exc, "status_code", 500)
+    return (code if isinstance(code, int) and 400 <= code < 600 else 500), f"Video generation failed: {exc}"
+
+
+class Engine:
+    def __init__(
+        self,
+        backend: VideoBackend,
+        store: JobStore,
+        config: SchedulerConfig,
+        *,
+        encoder: Encoder = default_encoder,
+        observer: EngineObserver | None = None,
+        job_ttl_s: float | None = None,
+    ):
+        self.backend = backend
+        self.store = store
+        self.config = config
+        self.observer: EngineObserver = observer or NullObserver()
+        self.on_done: Callable[[str], None] = lambda job_id: None
+        self._encoder = encoder
+        self._ttl_s = job_ttl_s
+        self._sched = Scheduler(config.max_batch_size)
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._num_waiting = 0  # queued, not yet admitted (inbox + scheduler), guarded by _cv
+        self._num_running = 0
+        self._num_encoding = 0
+        self._draining = False
+        self._hard_stop = False
+        self._service_ewma_s: float | None = None
+        self._pool = ThreadPoolExecutor(config.encode_workers, thread_name_prefix="worldserve-encode")
+        self._thread = threading.Thread(target=self._run, name="worldserve-engine", daemon=True)
+        self.crashed: BaseException | None = None
+
+    # -- API for other threads --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_request(self, request: Request) -> None:
+        with self._cv:
+            self._inbox.append(("add", request))
+            self._num_waiting += 1
+            self._cv.notify()
+
+    def abort(self, job_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", job_id))
+            self._cv.notify()
+
+    def drain(self) -> None:
+        """Stop admitting; the loop exits once the running requests are done (queued jobs stay queued)."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify()
+
+    def stop(self, timeout_s: float) -> None:
+        """Drain for up to `timeout_s`, then stop at the next step boundary; waits for the encoders."""
+        self.drain()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            with self._cv:
+                self._hard_stop = True
+                self._cv.notify()
+            self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.crashed is None
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._num_running
+
+    def estimated_slot_wait_s(self) -> float:
+        """Rough seconds until a queue slot frees: mean service time / batch size (1 s before any data)."""
+        ewma = self._service_ewma_s
+        return 1.0 if ewma is None else ewma / self.config.max_batch_size
+
+    # -- the loop (engine thread) -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._inbox or self._sched.has_work() or self._should_exit()):
+                        self._cv.wait()
+                    inbox, self._inbox = self._inbox, []
+                    self._sched.admitting = not self._draining
+                for kind, payload in inbox:
+                    if kind == "add":
+                        self._sched.add(payload)
+                    else:
+                        self._abort(payload)
+                if self._should_exit():
+                    break
+                self._iterate()
+        except BaseException as exc:  # a bug in the loop itself: report unhealthy rather than hang
+            self.crashed = exc
+            log.exception("engine loop crashed")
+        finally:
+            self._park_running()
+
+    def _should_exit(self) -> bool:
+        return self._hard_stop or (self._draining and not self._sched.running)
+
+    def _iterate(self) -> None:
+        for request in self._sched.admit():
+            with self._cv:
+                self._num_waiting -= 1
+            self._prepare(request)
+        batch = self._sched.next_batch()
+        if batch:
+            self._step(batch)
+        self._num_running = len(self._sched.running)
+
+    def _prepare(self, request: Request) -> None:
+        if not self.store.mark_in_progress(request.job_id, time.time()):
+            self.on_done(request.job_id)  # deleted while it waited
+            return
+        request.admitted_time = t0 = time.monotonic()
+        try:
+            request.state = self.backend.prepare(request.job_id, request.params)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        request.stage_seconds["prepare"] = time.monotonic() - t0
+        self._sched.start(request)
+
+    def _step(self, batch: list[Request]) -> None:
+        t0 = time.monotonic()
+        try:
+            self.backend.denoise([r.state for r in batch])
+        except Exception as exc:  # the batch's states are undefined now: fail every member
+            for request in batch:
+                self._sched.finish(request)
+                self._release(request)
+                self._fail(request, exc)
+            return
+        seconds = time.monotonic() - t0
+        self.observer.on_step(seconds, len(batch))
+        for request in batch:
+            request.stage_seconds["diffuse"] = request.stage_seconds.get("diffuse", 0.0) + seconds
+        self.store.set_progress([(r.job_id, r.progress) for r in batch])
+        for request in batch:
+            if request.denoised:
+                self._sched.finish(request)
+                self._decode(request)
+
+    def _decode(self, request: Request) -> None:
+        t0 = time.monotonic()
+        try:
+            result = self.backend.decode(request.state)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        finally:
+            self._release(request)
+        request.stage_seconds["decode"] = time.monotonic() - t0
+        with self._cv:
+            self._num_encoding += 1
+        self._pool.submit(self._encode_and_save, request, result)
+
+    def _encode_and_save(self, request: Request, result: VideoResult) -> None:
+        try:
+            t0 = time.monotonic()
+            video = self._encoder(
+                np.asarray(result.frames), result.fps, result.audio, sample_rate=result.sample_rate,
+                crf=request.encode.crf, codec_options=request.encode.codec_options,
+            )  # fmt: skip
+            now = time.monotonic()
+            stages = {**request.stage_seconds, **result.stage_seconds, "encode": now - t0}
+            saved = self.store.complete(
+                request.job_id, video, completed_at=time.time(), ttl_s=self._ttl_s,
+                inference_time_s=now - request.admitted_time, stage_durations=_rounded(stages),
+                peak_memory_mb=float(result.peak_memory_mb),
+            )  # fmt: skip
+            if saved:
+                service = now - request.admitted_time
+                ewma = self._service_ewma_s
+                self._service_ewma_s = service if ewma is None else 0.8 * ewma + 0.2 * service
+                self.observer.on_finished(
+                    now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
+                    float(result.peak_memory_mb),
+                )  # fmt: skip
+        except Exception as exc:
+            self._fail(request, exc)
+        finally:
+            with self._cv:
+                self._num_encoding -= 1
+            self.on_done(request.job_id)
+
+    def _abort(self, job_id: str) -> None:
+        request = self._sched.remove(job_id)
+        if request is None:
+            return  # unknown, already finished, or being encoded (the store drops its output)
+        if request.state is None:
+            with self._cv:
+                self._num_waiting -= 1
+        self._release(request)
+        self._num_running = len(self._sched.running)
+        self.on_done(job_id)
+
+    def _release(self, request: Request) -> None:
+        if request.state is None:
+            return
+        state, request.state = request.state, None
+        try:
+            self.backend.release(state)
+        except Exception:
+            log.exception("backend.release failed for %s", request.job_id)
+
+    def _fail(self, request: Request, exc: BaseException) -> None:
+        code, message = error_for(exc)
+        if code >= 500:
+            log.error("job %s failed: %s", request.job_id, message, exc_info=exc)
+        else:
+            log.info("job %s rejected: %s", request.job_id, message)
+        if self.store.fail(request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s):
+            self.observer.on_failed(code)
+        self.on_done(request.job_id)
+
+    def _park_running(self) -> None:
+        """On a hard stop: release what is still running and give its jobs back to the queue."""
+        parked = list(self._sched.running)
+        for request in parked:
+            self._sched.finish(request)
+            self._release(request)
+        if parked:
+            self.store.requeue([r.job_id for r in parked])
+            log.warning("stopped with %d running job(s); they are queued again and resume at restart", len(parked))
+        self._num_running = 0
+
+
+def _rounded(stages: dict[str, float]) -> dict[str, float]:
+    return {k: round(float(v), 4) for k, v in stages.items()}

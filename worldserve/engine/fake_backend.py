@@ -1,0 +1,103 @@
+"""A numpy-only `VideoBackend` for tests (and `worldserve serve --backend fake`): no model, no torch.
+
+Frames are deterministic in the seed: frame i is one flat colour drawn from `default_rng(seed)`, returned as
+a broadcast view (no memory even at 720p x 189 frames). Audio, when on, is a seed-dependent stereo sine at
+48 kHz covering num_frames / fps seconds. Each `denoise` call sleeps `step_delay` seconds (a stand-in for
+GPU time) and records its batch size, so engine-policy tests can assert on batching. A prompt containing
+`__fail__:prepare`, `__fail__:denoise` or `__fail__:decode` raises at that stage (failure-isolation tests).
+It never changes the outputs of one request because of another one in its batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from worldserve.engine.outputs import VideoResult
+from worldserve.params import ParamError, VideoParams
+
+FAIL_MARKER = "__fail__:"
+SAMPLE_RATE = 48000
+
+
+@dataclass(slots=True, eq=False)
+class FakeState:
+    request_id: str
+    step_index: int
+    num_steps: int
+    params: VideoParams
+
+    @property
+    def batch_key(self) -> Hashable:
+        p = self.params
+        return (p.width, p.height, p.num_frames)
+
+
+class FakeBackendError(RuntimeError):
+    """Raised on purpose by a `__fail__:<stage>` prompt."""
+
+
+class FakeBackend:
+    def __init__(self, *, step_delay: float = 0.0, has_sound: bool = True):
+        self.has_sound = has_sound
+        self.step_delay = step_delay
+        self.batch_sizes: list[int] = []
+        """Size of every denoise call, in order."""
+        self.live: set[str] = set()
+        """Request ids prepared and not yet released (a leak shows here)."""
+        self.released: list[str] = []
+        self._lock = threading.Lock()
+
+    def validate(self, params: VideoParams) -> VideoParams:
+        if params.generate_sound and not self.has_sound:
+            raise ParamError("generate_sound", "this checkpoint has no sound tokenizer; set generate_sound=false")
+        if len(params.prompt) > 64 * params.max_sequence_length:  # a byte-ish tokenizer bound
+            raise ParamError("prompt", "prompt is longer than max_sequence_length tokens")
+        return params
+
+    def prepare(self, request_id: str, params: VideoParams) -> FakeState:
+        _maybe_fail(params, "prepare")
+        with self._lock:
+            self.live.add(request_id)
+        return FakeState(request_id, 0, params.num_inference_steps, params)
+
+    def denoise(self, states: Sequence[FakeState]) -> None:
+        assert len({s.batch_key for s in states}) == 1, "a batch mixes batch keys"
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        for state in states:
+            _maybe_fail(state.params, "denoise")
+        for state in states:
+            assert state.step_index < state.num_steps, "denoised past the last step"
+            state.step_index += 1
+        self.batch_sizes.append(len(states))
+
+    def decode(self, state: FakeState) -> VideoResult:
+        p = state.params
+        _maybe_fail(p, "decode")
+        rng = np.random.default_rng(p.seed)
+        colours = rng.integers(0, 256, size=(p.num_frames, 1, 1, 3), dtype=np.uint8)
+        frames = np.broadcast_to(colours, (p.num_frames, p.height, p.width, 3))
+        audio = None
+        sound = self.has_sound if p.generate_sound is None else p.generate_sound
+        if sound:
+            n = int(p.num_frames / p.fps * SAMPLE_RATE)
+            t = np.arange(n, dtype=np.float32) / SAMPLE_RATE
+            freq = 220.0 + float(rng.integers(0, 440))
+            tone = 0.2 * np.sin(2 * np.pi * freq * t, dtype=np.float32)
+            audio = np.stack([tone, tone * 0.5]).astype(np.float32)
+        return VideoResult(frames=frames, fps=p.fps, audio=audio, sample_rate=SAMPLE_RATE)
+
+    def release(self, state: FakeState) -> None:
+        with self._lock:
+            self.live.discard(state.request_id)
+            self.released.append(state.request_id)
+
+
+def _maybe_fail(params: VideoParams, stage: str) -> None:
+    if FAIL_MARKER + stage in params.prompt:
+        raise FakeBackendError(f"injected failure at {stage}")

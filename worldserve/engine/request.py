@@ -1,0 +1,56 @@
+"""One video request inside the engine: its immutable inputs and the mutable bookkeeping of its lifetime.
+
+A `Request` is created by the client when a job is submitted (or re-submitted after a restart), waits in
+the scheduler, gets a backend `DenoiseState` when admitted (`prepare`), advances one denoising step per
+engine iteration, then is decoded and handed to the encoder pool. Only the engine thread mutates it, except
+`stage_seconds["encode"]`, written by the one encoder that owns the request after decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worldserve.engine.outputs import DenoiseState
+from worldserve.params import VideoParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncodeOptions:
+    """How the finished frames become an MP4 (per request, from `quality` / `extra_params`)."""
+
+    crf: int = 18
+    """x264 constant rate factor (0 = lossless)."""
+    codec_options: dict[str, str] | None = None
+    """Extra libx264 options (`extra_params.video_codec_options`); None: the encoder's defaults."""
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class Request:
+    job_id: str
+    params: VideoParams
+    encode: EncodeOptions = field(default_factory=EncodeOptions)
+    arrival_time: float
+    """Monotonic clock when the job was (re-)submitted: e2e latency and queue time start here."""
+    state: DenoiseState | None = None
+    """The backend's per-request state; set by `prepare`, dropped after `release`."""
+    admitted_time: float | None = None
+    """Monotonic clock when the scheduler admitted it (prepare started)."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Engine-measured stage wall times: prepare, diffuse (sum of its steps), decode, encode."""
+
+    @property
+    def num_steps(self) -> int:
+        return self.state.num_steps if self.state is not None else self.params.num_inference_steps
+
+    @property
+    def steps_done(self) -> int:
+        return self.state.step_index if self.state is not None else 0
+
+    @property
+    def denoised(self) -> bool:
+        return self.state is not None and self.state.step_index >= self.state.num_steps
+
+    @property
+    def progress(self) -> int:
+        """Percent of denoising steps done; 99 at most, 100 is reserved for a saved video."""
+        return min(99, self.steps_done * 100 // max(1, self.num_steps))

@@ -1,0 +1,49 @@
+"""Every environment variable worldserve reads, in one place (design.md anti-pattern 9: no scattered getenv).
+
+Values are read when a function is called (never at import), so tests can set them per case. Command-line
+flags win over these variables; the variables win over built-in defaults. The vLLM / vLLM-Omni names are
+honoured so that existing deployments keep working.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_SYNC_TIMEOUT_S = 600.0
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be a number of seconds") from None
+
+
+def sync_timeout_s() -> float:
+    """`VLLM_OMNI_VIDEO_SYNC_TIMEOUT` (older builds: `VLLM_VIDEO_SYNC_TIMEOUT`), default 600 s."""
+    for name in ("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "VLLM_VIDEO_SYNC_TIMEOUT"):
+        value = _env_float(name)
+        if value is not None:
+            return value
+    return DEFAULT_SYNC_TIMEOUT_S
+
+
+def api_key() -> str | None:
+    """`WORLDSERVE_API_KEY`, else vLLM's `VLLM_API_KEY`; None (no auth) when neither is set."""
+    return os.environ.get("WORLDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
+def cache_dir() -> Path:
+    """The user cache folder: `$XDG_CACHE_HOME/worldserve`, else `~/.cache/worldserve`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "worldserve"
+
+
+def storage_dir() -> Path:
+    """Job store folder: `WORLDSERVE_STORAGE_DIR`, else `VLLM_OMNI_SERVER_STORAGE__PATH`, else the cache."""
+    explicit = os.environ.get("WORLDSERVE_STORAGE_DIR") or os.environ.get("VLLM_OMNI_SERVER_STORAGE__PATH")
+    return Path(explicit) if explicit else cache_dir() / "storage"
