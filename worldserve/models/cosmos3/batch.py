@@ -1,0 +1,218 @@
+"""Input and output dataclasses of the Cosmos3 transformer, and the packing of several requests into one.
+
+- `UndBatch`: new text tokens of one or more sequences for an und (understanding-tower) step: a prompt
+  prefill, a chunk, or one decode token each. Each sequence has its own `KVCache`.
+- `GenItem`: one denoising input: video latent [C, T, H, W] (clean conditioning frames included),
+  optional sound latent [C_s, T_s], the integer scheduler timestep, the fps, which latent frames are
+  clean, and the und K/V cache of its prompt (the CFG branch). cond and uncond are two items.
+- `GenBatch.pack(items, ...)`: the packed gen stream, item after item, each [video T*Hp*Wp | sound T_s]
+  tokens. It holds host metadata (`GenLayout`) and small device index tensors built once, so that
+  `forward` needs no host syncs and runs its linear layers over all tokens of all items at once.
+- `GenOutput`: per item the velocity [C, T, H, W] (zeros on clean frames) and [C_s, T_s] or None.
+Patchify is 2x2 with zero padding of odd latent H/W; the feature index is (ph*p + pw)*C + c; tokens are
+T-major, then row, then column (cosmos3-model.md §2.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.cosmos3.positions import media_origin, sound_positions, text_positions, video_positions
+from worldserve.models.layers.attention import KVCache
+
+
+def patchify(latents: Tensor, p: int) -> Tensor:
+    """[C, T, H, W] -> [T*Hp*Wp, p*p*C] with Hp = ceil(H/p), Wp = ceil(W/p) (bottom/right zero pad)."""
+    c, t, h, w = latents.shape
+    pad_h, pad_w = (-h) % p, (-w) % p
+    if pad_h or pad_w:
+        latents = F.pad(latents, (0, pad_w, 0, pad_h))
+    hp, wp = (h + pad_h) // p, (w + pad_w) // p
+    x = latents.reshape(c, t, hp, p, wp, p)  # [C, T, Hp, ph, Wp, pw]
+    x = x.permute(1, 2, 4, 3, 5, 0)  # [T, Hp, Wp, ph, pw, C]
+    return x.reshape(t * hp * wp, p * p * c)
+
+
+def unpatchify(tokens: Tensor, grid: tuple[int, int, int], hw: tuple[int, int], p: int) -> Tensor:
+    """[T*Hp*Wp, p*p*C] -> [C, T, H, W], cropping the patchify padding."""
+    t, hp, wp = grid
+    x = tokens.reshape(t, hp, wp, p, p, -1)  # [T, Hp, Wp, ph, pw, C]
+    x = x.permute(5, 0, 1, 3, 2, 4)  # [C, T, Hp, ph, Wp, pw]
+    x = x.reshape(x.shape[0], t, hp * p, wp * p)  # [C, T, Hp*p, Wp*p]
+    return x[:, :, : hw[0], : hw[1]].contiguous()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UndBatch:
+    input_ids: Tensor
+    """[N] long: the new tokens of every sequence, packed in sequence order."""
+    positions: Tensor
+    """[3, N] mRoPE ids of those tokens (text: (k, k, k))."""
+    seq_lens: tuple[int, ...]
+    """New tokens per sequence (host metadata); sums to N."""
+    inputs_embeds: Tensor | None = None
+    """[N, hidden] optional override of embed_tokens(input_ids) (e.g. vision embeddings spliced in)."""
+
+    def __post_init__(self) -> None:
+        if sum(self.seq_lens) != self.input_ids.shape[0] or any(n <= 0 for n in self.seq_lens):
+            raise ValueError(
+                f"seq_lens {self.seq_lens} must be positive and sum to {self.input_ids.shape[0]}"
+            )
+        if tuple(self.positions.shape) != (3, self.input_ids.shape[0]):
+            raise ValueError(
+                f"positions must be [3, {self.input_ids.shape[0]}], got {tuple(self.positions.shape)}"
+            )
+
+    @classmethod
+    def text(cls, token_ids: Sequence[Tensor], starts: Sequence[int] | None = None) -> UndBatch:
+        """Plain text chunks; sequence i's tokens sit at positions starts[i], starts[i]+1, ... (default 0)."""
+        starts = [0] * len(token_ids) if starts is None else list(starts)
+        ids = torch.cat([t.reshape(-1) for t in token_ids])
+        pos = torch.cat(
+            [text_positions(t.numel(), start=s) for t, s in zip(token_ids, starts, strict=True)], 1
+        )
+        return cls(input_ids=ids, positions=pos.to(ids.device), seq_lens=tuple(t.numel() for t in token_ids))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenItem:
+    latents: Tensor
+    """[C, T, H, W] video latent at this step (clean frames hold the conditioning latent)."""
+    timestep: Tensor | float
+    """Integer scheduler timestep (0-d tensor or number); the network sees timestep * timestep_scale."""
+    und_cache: KVCache
+    """The prompt's und K/V (prefill_und) of this item's CFG branch; its length is L_text."""
+    fps: float = 24.0
+    """Video fps (temporal mRoPE modulation)."""
+    clean_frames: tuple[int, ...] = ()
+    """Latent frames given clean (I2V: (0,)): no timestep embedding, zero velocity."""
+    sound: Tensor | None = None
+    """[C_s, T_s] sound latent (all frames noisy), or None."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemLayout:
+    gen_offset: int
+    """First row of this item in the packed gen stream."""
+    grid: tuple[int, int, int]
+    """Video patch grid (T, Hp, Wp)."""
+    latent_hw: tuple[int, int]
+    """Unpadded latent (H, W)."""
+    num_sound: int
+    """Sound tokens (0 without sound)."""
+
+    @property
+    def num_video(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_video + self.num_sound
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenBatch:
+    items: tuple[GenItem, ...]
+    """The requests / CFG branches, in stream order."""
+    layout: tuple[ItemLayout, ...]
+    """Host metadata per item."""
+    positions: Tensor
+    """[3, N] mRoPE ids of the whole gen stream."""
+    timesteps: Tensor
+    """[B] float32 integer scheduler timesteps, one per item."""
+    temb_rows: Tensor
+    """[N_noisy] long: gen rows that get the timestep embedding (noisy video tokens and sound tokens)."""
+    temb_items: Tensor
+    """[N_noisy] long: item of each such row."""
+    video_rows: Tensor
+    """[N_vout] long: gen rows of noisy video tokens (read by proj_out)."""
+    video_slots: Tensor
+    """[N_vout] long: their row in the item-after-item stack of all video tokens."""
+    sound_rows: Tensor
+    """[N_s] long: gen rows of sound tokens."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(x.num_tokens for x in self.layout)
+
+    @classmethod
+    def pack(cls, items: Sequence[GenItem], *, config: Cosmos3Config, device: torch.device | str) -> GenBatch:
+        """Lay out `items` into one gen stream (positions and index tensors are built on the CPU, moved once)."""
+        if not items:
+            raise ValueError("GenBatch needs at least one item")
+        p = config.latent_patch_size
+        layouts, positions = [], []
+        temb_rows, temb_items, video_rows, video_slots, sound_rows = [], [], [], [], []
+        offset = video_base = 0
+        for b, item in enumerate(items):
+            c, t, h, w = _check_item(item, config)
+            grid = (t, -(-h // p), -(-w // p))
+            num_sound = 0 if item.sound is None else item.sound.shape[1]
+            lay = ItemLayout(gen_offset=offset, grid=grid, latent_hw=(h, w), num_sound=num_sound)
+            origin = media_origin(item.und_cache.length, config)
+            positions.append(video_positions(grid, origin=origin, fps=float(item.fps), config=config))
+            per_frame = grid[1] * grid[2]
+            frame = torch.arange(lay.num_video) // per_frame  # [N_vid] latent frame of each token
+            noisy = ~torch.isin(frame, torch.tensor(item.clean_frames, dtype=torch.long))
+            rows = torch.arange(lay.num_video)[noisy]
+            video_rows.append(rows + offset)
+            video_slots.append(rows + video_base)
+            snd = torch.arange(num_sound) + offset + lay.num_video
+            if num_sound:
+                positions.append(sound_positions(num_sound, origin=origin, config=config))
+            sound_rows.append(snd)
+            temb_rows += [rows + offset, snd]
+            temb_items.append(torch.full((rows.numel() + num_sound,), b, dtype=torch.long))
+            layouts.append(lay)
+            offset += lay.num_tokens
+            video_base += lay.num_video
+        timesteps = torch.stack(
+            [torch.as_tensor(it.timestep).to(device=device, dtype=torch.float32).reshape(()) for it in items]
+        )
+        return cls(
+            items=tuple(items),
+            layout=tuple(layouts),
+            positions=torch.cat(positions, dim=1).to(device),
+            timesteps=timesteps,
+            temb_rows=torch.cat(temb_rows).to(device),
+            temb_items=torch.cat(temb_items).to(device),
+            video_rows=torch.cat(video_rows).to(device),
+            video_slots=torch.cat(video_slots).to(device),
+            sound_rows=torch.cat(sound_rows).to(device),
+        )
+
+
+def _check_item(item: GenItem, config: Cosmos3Config) -> tuple[int, int, int, int]:
+    if item.latents.ndim != 4 or item.latents.shape[0] != config.latent_channel:
+        raise ValueError(
+            f"latents must be [{config.latent_channel}, T, H, W], got {tuple(item.latents.shape)}"
+        )
+    c, t, h, w = item.latents.shape
+    if any(not 0 <= f < t for f in item.clean_frames):
+        raise ValueError(f"clean_frames {item.clean_frames} out of range for {t} latent frames")
+    if item.sound is not None:
+        if not config.sound_gen:
+            raise ValueError(
+                "this checkpoint has no sound heads (sound_gen=False) but a sound latent was given"
+            )
+        if item.sound.ndim != 2 or item.sound.shape[0] != config.sound_dim or item.sound.shape[1] == 0:
+            raise ValueError(f"sound must be [{config.sound_dim}, T_s>0], got {tuple(item.sound.shape)}")
+    if item.und_cache.length == 0:
+        raise ValueError("und_cache is empty: run prefill_und on the prompt first")
+    if item.fps <= 0:
+        raise ValueError(f"fps must be positive, got {item.fps}")
+    return c, t, h, w
+
+
+@dataclass(frozen=True, slots=True)
+class GenOutput:
+    video: tuple[Tensor, ...]
+    """Per item velocity [C, T, H, W]; zeros on clean frames."""
+    sound: tuple[Tensor | None, ...]
+    """Per item sound velocity [C_s, T_s], or None for an item without sound."""

@@ -1,0 +1,131 @@
+"""One Cosmos3 MoT layer: an und and a gen copy of a Qwen3 decoder block that meet only in attention.
+
+`TowerBlock` holds one tower's weights (fused qkv_proj, per-head q/k RMSNorm, o_proj, fused gate_up_proj,
+down_proj, two RMSNorms) and its two halves of the computation: `project_qkv` (pre-norm, q/k/v, q/k norm,
+RoPE) and `finish` (o_proj + residual, SwiGLU MLP + residual). The two pathways built from them:
+- `und_layer_step`: causal self-attention of new text tokens over their sequence's cached K/V (the new K/V
+  are written into the cache first); text never sees gen tokens.
+- `gen_layer_step`: gen queries attend, unmasked, to [und K/V of their item's prompt ; the item's gen K/V].
+The linear layers run over all packed tokens at once; only attention loops over the items / sequences
+(per-item SDPA; packed varlen attention can replace the loop without touching the weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.layers.attention import KVCache, attention
+from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worldserve.models.layers.norm import RMSNorm
+from worldserve.models.layers.rope import apply_rope
+from worldserve.parallel.groups import SINGLE, ParallelGroup
+
+
+class TowerBlock(nn.Module):
+    """One tower's half of a MoT layer (pre-norm attention block + SwiGLU MLP block)."""
+
+    def __init__(self, config: Cosmos3Config, *, dtype: torch.dtype, tp: ParallelGroup = SINGLE) -> None:
+        super().__init__()
+        d, hd, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
+        if config.num_key_value_heads % tp.size:
+            raise ValueError(
+                f"num_key_value_heads={config.num_key_value_heads} not divisible by tp={tp.size}"
+            )
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = config.num_key_value_heads // tp.size
+        self.head_dim = hd
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        bias = config.attention_bias
+        self.input_layernorm = RMSNorm(d, eps, dtype=dtype)
+        self.qkv_proj = ColumnParallelLinear(
+            d, config.q_dim + 2 * config.kv_dim, bias=bias, dtype=dtype, tp=tp
+        )
+        self.q_norm = RMSNorm(hd, eps, dtype=dtype)
+        self.k_norm = RMSNorm(hd, eps, dtype=dtype)
+        self.o_proj = RowParallelLinear(config.q_dim, d, bias=bias, dtype=dtype, tp=tp)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear(
+            d, 2 * config.intermediate_size, bias=False, dtype=dtype, tp=tp
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, d, bias=False, dtype=dtype, tp=tp)
+
+    def project_qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]."""
+        qkv = self.qkv_proj(self.input_layernorm(h))  # [N, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))  # [N, Hq, D]
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [N, Hkv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, h: Tensor, attn: Tensor) -> Tensor:
+        """Residual stream h [N, d] + o_proj(attn [N, Hq, D]), then + SwiGLU MLP."""
+        h = h + self.o_proj(attn.flatten(1))  # [N, Hq*D] -> [N, d]
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class MoTLayer(nn.Module):
+    """The und and gen TowerBlocks of one layer (nothing inside a layer is shared between towers)."""
+
+    def __init__(self, config: Cosmos3Config, *, dtype: torch.dtype, tp: ParallelGroup = SINGLE) -> None:
+        super().__init__()
+        self.und = TowerBlock(config, dtype=dtype, tp=tp)
+        self.gen = TowerBlock(config, dtype=dtype, tp=tp)
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def und_layer_step(
+    block: TowerBlock,
+    layer: int,
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    caches: Sequence[KVCache],
+    seq_lens: Sequence[int],
+    *,
+    kv_only: bool = False,
+) -> Tensor | None:
+    """One und layer over the new tokens h [N, d] of len(caches) sequences; writes their K/V.
+
+    Returns the updated residual stream, or None with `kv_only` (only the K/V were wanted).
+    """
+    q, k, v = block.project_qkv(h, cos, sin)
+    outs, start = [], 0
+    for cache, n in zip(caches, seq_lens, strict=True):
+        k_all, v_all = cache.write(layer, k[start : start + n], v[start : start + n])
+        if not kv_only:
+            outs.append(attention(q[start : start + n], k_all, v_all, causal=True))
+        start += n
+    if kv_only:
+        return None
+    return block.finish(h, _cat(outs))
+
+
+def gen_layer_step(
+    block: TowerBlock,
+    layer: int,
+    g: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    caches: Sequence[KVCache],
+    spans: Sequence[tuple[int, int]],
+) -> Tensor:
+    """One gen layer over the packed gen stream g [N, d]; item i owns rows spans[i] = (start, count)."""
+    q, k, v = block.project_qkv(g, cos, sin)
+    outs = []
+    for cache, (start, n) in zip(caches, spans, strict=True):
+        k_und, v_und = cache.kv(layer)  # [L_text, Hkv, D]
+        k_i = torch.cat([k_und, k[start : start + n]])  # [L_text + n, Hkv, D]
+        v_i = torch.cat([v_und, v[start : start + n]])
+        outs.append(attention(q[start : start + n], k_i, v_i))
+    return block.finish(g, _cat(outs))

@@ -1,0 +1,221 @@
+"""Cosmos3Transformer: our inference-first Mixture-of-Transformers (und tower + gen tower) for Cosmos3.
+
+Data flow of a video request (cosmos3-model.md §5.6):
+  prefill_und(prompts)      -> one K/V cache per prompt (cond, uncond), computed once per request;
+  forward(GenBatch)         -> per denoising step: patchify + proj_in (+ timestep embedding on noisy
+                               tokens), sound via audio_proj_in + audio_modality_embed (+ temb), the gen
+                               layers attending to [cached und K/V ; gen K/V], norm_moe_gen, proj_out /
+                               audio_proj_out, unpatchify. Several requests and both CFG branches share it.
+The und pathway also stands alone for the Reasoner: und_step(UndBatch, caches) prefills or decodes text
+with its own K/V caches and returns final-normed hidden states; compute_logits applies lm_head.
+Loading: build under `torch.device("meta")` with the target dtype, `to_empty(device=...)`, call
+`load_checkpoint_tensor(key, tensor)` for every checkpoint key (q/k/v and gate/up are fused here), then
+`post_load()`. time_embedder stays float32 whatever the model dtype; do not call `.to(dtype)` on the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worldserve.models.cosmos3.batch import GenBatch, GenOutput, UndBatch, patchify, unpatchify
+from worldserve.models.cosmos3.checkpoint_keys import transformer_checkpoint_shapes
+from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.cosmos3.layer import MoTLayer, gen_layer_step, und_layer_step
+from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
+from worldserve.models.layers.attention import ContiguousKVCache, KVCache
+from worldserve.models.layers.linear import Embedding, ReplicatedLinear
+from worldserve.models.layers.norm import RMSNorm
+from worldserve.models.layers.rope import MRotaryEmbedding
+from worldserve.parallel.groups import SINGLE, ParallelGroup
+
+TIMESTEP_FREQ_DIM = 256
+"""Width of the sinusoidal timestep features (cos half first, then sin)."""
+
+
+class TimestepEmbedder(nn.Module):
+    """t_net [B] -> linear_2(silu(linear_1(cat(cos(t f), sin(t f))))) [B, dim], all in float32."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = ReplicatedLinear(TIMESTEP_FREQ_DIM, dim, bias=True, dtype=torch.float32)
+        self.linear_2 = ReplicatedLinear(dim, dim, bias=True, dtype=torch.float32)
+
+    def forward(self, t_net: Tensor) -> Tensor:
+        half = TIMESTEP_FREQ_DIM // 2
+        exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t_net.device)
+        freqs = torch.exp(exponent / half)  # [half]
+        args = t_net.float()[:, None] * freqs[None, :]  # [B, half]
+        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # [B, 256]
+        return self.linear_2(F.silu(self.linear_1(features)))
+
+
+class DomainAwareLinear(nn.Module):
+    """Per-embodiment linear: y = x @ fc[d].view(in, out) + bias[d] (note the [in, out] view)."""
+
+    def __init__(self, in_features: int, out_features: int, num_domains: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.fc = Embedding(num_domains, in_features * out_features, dtype=dtype)
+        self.bias = Embedding(num_domains, out_features, dtype=dtype)
+
+    def forward(self, x: Tensor, domain: Tensor) -> Tensor:
+        """x [N, in], domain [N] long -> [N, out]."""
+        w = self.fc(domain).view(-1, self.in_features, self.out_features)  # [N, in, out]
+        return torch.bmm(x.unsqueeze(1), w).squeeze(1) + self.bias(domain)
+
+
+class Cosmos3Transformer(nn.Module):
+    """Both towers, embeddings, heads; parameter names are ours, checkpoint keys map via weights.py."""
+
+    def __init__(
+        self, config: Cosmos3Config, *, dtype: torch.dtype = torch.bfloat16, tp: ParallelGroup = SINGLE
+    ) -> None:
+        super().__init__()
+        c, d = config, config.hidden_size
+        self.config = c
+        self.tp = tp
+        self.embed_tokens = Embedding(c.vocab_size, d, dtype=dtype)
+        self.layers = nn.ModuleList(MoTLayer(c, dtype=dtype, tp=tp) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+        self.norm_moe_gen = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+        self.lm_head = ReplicatedLinear(d, c.vocab_size, bias=False, dtype=dtype)
+        self.rotary_emb = MRotaryEmbedding(c.head_dim, c.rope_theta, c.rope_axes_dim)
+        self.proj_in = ReplicatedLinear(c.patch_latent_dim, d, bias=True, dtype=dtype)
+        self.proj_out = ReplicatedLinear(d, c.patch_latent_dim, bias=True, dtype=dtype)
+        self.time_embedder = TimestepEmbedder(d)
+        if c.sound_gen:
+            self.audio_proj_in = ReplicatedLinear(c.sound_dim, d, bias=True, dtype=dtype)
+            self.audio_proj_out = ReplicatedLinear(d, c.sound_dim, bias=True, dtype=dtype)
+            self.audio_modality_embed = nn.Parameter(torch.empty(d, dtype=dtype), requires_grad=False)
+        if c.action_gen:
+            n = c.num_embodiment_domains
+            self.action_proj_in = DomainAwareLinear(c.action_dim, d, n, dtype=dtype)
+            self.action_proj_out = DomainAwareLinear(d, c.action_dim, n, dtype=dtype)
+            self.action_modality_embed = nn.Parameter(torch.empty(d, dtype=dtype), requires_grad=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activation / weight dtype (time_embedder excepted)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------ loading
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint key this model loads, with its on-disk shape."""
+        return transformer_checkpoint_shapes(self.config)
+
+    def load_checkpoint_tensor(self, key: str, tensor: Tensor) -> None:
+        """Copy checkpoint tensor `key` (any dtype/device) into its (fused, rank-local) parameter slice."""
+        target = checkpoint_target(key, self.config, self.tp.size)
+        copy_checkpoint_tensor(self.get_parameter(target.name), target, tensor, key, self.tp)
+
+    def post_load(self) -> None:
+        """Recompute non-persistent buffers (RoPE tables) on the model's device, e.g. after to_empty()."""
+        self.rotary_emb.reset_buffers()
+
+    # ------------------------------------------------------------------ und pathway
+    def new_und_cache(self, capacity: int) -> ContiguousKVCache:
+        """An empty contiguous K/V cache for one sequence on this model's device."""
+        blk = self.layers[0].und
+        return ContiguousKVCache(
+            num_layers=len(self.layers),
+            num_kv_heads=blk.num_kv_heads,
+            head_dim=blk.head_dim,
+            capacity=capacity,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def und_step(self, batch: UndBatch, caches: Sequence[KVCache], *, kv_only: bool = False) -> Tensor | None:
+        """Run the und tower on the new tokens of len(caches) sequences, appending their K/V.
+
+        Returns the final-normed hidden states [N, d] (feed rows to compute_logits), or None with kv_only,
+        which skips everything after the last layer's K/V.
+        """
+        if len(caches) != len(batch.seq_lens):
+            raise ValueError(f"{len(caches)} caches for {len(batch.seq_lens)} sequences")
+        h = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed_tokens(batch.input_ids)
+        h = h.to(self.dtype)  # [N, d]
+        cos, sin = self.rotary_emb.cos_sin(batch.positions, h.dtype)
+        for cache, n in zip(caches, batch.seq_lens, strict=True):
+            cache.reserve(n)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            out = und_layer_step(
+                layer.und, i, h, cos, sin, caches, batch.seq_lens, kv_only=kv_only and i == last
+            )
+            if out is not None:
+                h = out
+        for cache, n in zip(caches, batch.seq_lens, strict=True):
+            cache.advance(n)
+        return None if kv_only else self.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Final-normed hidden [M, d] -> logits [M, vocab] (lm_head)."""
+        return self.lm_head(hidden)
+
+    def prefill_und(self, prompts: Sequence[Tensor]) -> list[ContiguousKVCache]:
+        """Text K/V of each prompt ([L_i] token ids, positions (k, k, k)), in one batched und pass."""
+        caches = [self.new_und_cache(int(p.numel())) for p in prompts]
+        batch = UndBatch.text([p.to(self.device) for p in prompts])
+        self.und_step(batch, caches, kv_only=True)
+        return caches
+
+    # ------------------------------------------------------------------ gen pathway
+    @torch.inference_mode()
+    def forward(self, batch: GenBatch) -> GenOutput:
+        """One denoising forward of every item in `batch` -> per-item velocities."""
+        g = self._embed_gen(batch)  # [N, d]
+        cos, sin = self.rotary_emb.cos_sin(batch.positions, g.dtype)
+        caches = [item.und_cache for item in batch.items]
+        spans = [(x.gen_offset, x.num_tokens) for x in batch.layout]
+        for i, layer in enumerate(self.layers):
+            g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans)
+        return self._decode_gen(g, batch)
+
+    def _embed_gen(self, batch: GenBatch) -> Tensor:
+        """Packed gen stream [N, d]: per item [proj_in(video patches) | audio_proj_in(sound) + embed] + temb."""
+        dtype, p = self.dtype, self.config.latent_patch_size
+        patches = [patchify(item.latents.to(dtype), p) for item in batch.items]  # each [T*Hp*Wp, 192]
+        video = self.proj_in(torch.cat(patches)).split([x.num_video for x in batch.layout])
+        sounds = [item.sound.to(dtype).t() for item in batch.items if item.sound is not None]  # [T_s, C_s]
+        sound_tokens: list[Tensor] = []
+        if sounds:
+            sound_all = self.audio_proj_in(torch.cat(sounds)) + self.audio_modality_embed
+            sound_tokens = list(sound_all.split([x.num_sound for x in batch.layout if x.num_sound]))
+        parts: list[Tensor] = []
+        for vid, lay in zip(video, batch.layout, strict=True):
+            parts.append(vid)
+            if lay.num_sound:
+                parts.append(sound_tokens.pop(0))
+        g = torch.cat(parts) if len(parts) > 1 else parts[0]
+        temb = self.time_embedder(batch.timesteps * self.config.timestep_scale).to(dtype)  # [B, d]
+        return g.index_add(0, batch.temb_rows, temb.index_select(0, batch.temb_items))
+
+    def _decode_gen(self, g: Tensor, batch: GenBatch) -> GenOutput:
+        """norm_moe_gen + heads on the noisy rows, back to per-item latent-shaped velocities."""
+        p = self.config.latent_patch_size
+        vel = self.proj_out(self.norm_moe_gen(g.index_select(0, batch.video_rows)))  # [N_vout, 192]
+        num_video = sum(x.num_video for x in batch.layout)
+        all_video = vel.new_zeros(num_video, vel.shape[1]).index_copy_(0, batch.video_slots, vel)
+        video = tuple(
+            unpatchify(tok, lay.grid, lay.latent_hw, p)
+            for tok, lay in zip(
+                all_video.split([x.num_video for x in batch.layout]), batch.layout, strict=True
+            )
+        )
+        sound: list[Tensor | None] = [None] * len(batch.items)
+        if batch.sound_rows.numel():
+            s = self.audio_proj_out(self.norm_moe_gen(g.index_select(0, batch.sound_rows)))  # [N_s, C_s]
+            chunks = iter(s.split([x.num_sound for x in batch.layout if x.num_sound]))
+            sound = [next(chunks).t().contiguous() if x.num_sound else None for x in batch.layout]
+        return GenOutput(video=video, sound=tuple(sound))

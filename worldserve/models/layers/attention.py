@@ -1,0 +1,144 @@
+"""The one attention entry point (scaled dot-product, GQA) and the contiguous per-sequence K/V cache.
+
+`attention(q, k, v, causal=...)` takes token-major tensors, q [Nq, Hq, D] and k/v [Nk, Hkv, D] with
+Hq a multiple of Hkv, and returns [Nq, Hq, D]. It runs `F.scaled_dot_product_attention` with
+`enable_gqa` (no K/V repeat). On CUDA the backend priority is cuDNN, then flash, then mem-efficient,
+then math; on CPU the math kernel runs. A causal call with Nq < Nk (decode, chunked prefill) aligns the
+mask to the bottom right: query i of the new chunk sees keys [0, Nk - Nq + i]. Nothing here reads device
+values on the host, so it stays capturable (CUDA graphs, fullgraph compile).
+
+`ContiguousKVCache` holds one sequence's K/V for every layer, post-norm and post-RoPE, in one
+[layers, capacity, Hkv, D] buffer per K and V. Its `length` is host metadata. The und step writes a chunk
+with `write(layer, k, v)` in every layer and then calls `advance(n)` once. A paged cache can replace
+it behind the same `KVCache` protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN first: it is the fastest Hopper SDPA kernel for the tower's shapes (performance.md §4) and
+# accepts unequal q/kv head counts; flash also does GQA; mem-efficient declines GQA; math always works.
+_CUDA_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def _lower_right_causal_mask(nq: int, nk: int, device: torch.device) -> Tensor:
+    """[Nq, Nk] bool, True where allowed: key j <= (Nk - Nq) + query i."""
+    q_idx = torch.arange(nq, device=device).unsqueeze(1)
+    k_idx = torch.arange(nk, device=device).unsqueeze(0)
+    return k_idx <= q_idx + (nk - nq)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None) -> Tensor:
+    """q [Nq, Hq, D], k/v [Nk, Hkv, D] -> [Nq, Hq, D]; unmasked, or causal aligned at the bottom right."""
+    nq, nk = q.shape[0], k.shape[0]
+    is_causal = False
+    mask = None
+    if causal and nq > 1:
+        if nq == nk:
+            is_causal = True
+        else:
+            mask = _lower_right_causal_mask(nq, nk, q.device)
+    # SDPA wants [B, H, N, D]; these are strided views of the token-major tensors.
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Nq, D]
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Nk, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cuda":
+        with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+            )
+    else:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
+    return out.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
+
+
+class KVCache(Protocol):
+    """What the und step needs from a per-sequence cache (contiguous now, paged later)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def reserve(self, num_new: int) -> None: ...
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]: ...
+
+    def advance(self, num_new: int) -> None: ...
+
+
+class ContiguousKVCache:
+    """K/V of one sequence for all layers: [layers, capacity, Hkv, D] buffers + a host-side length."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, capacity, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Tokens whose K/V are committed (host int; never read from the device)."""
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def reserve(self, num_new: int) -> None:
+        """Make room for `num_new` more tokens (reallocates at least 2x when it must grow)."""
+        need = self._length + num_new
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((old.shape[0], new_cap, *old.shape[2:]))
+            new[:, : self._length] = old[:, : self._length]
+            setattr(self, name, new)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k/v [n, Hkv, D] after the committed tokens; return this layer's K/V [length + n, Hkv, D]."""
+        end = self._length + k.shape[0]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache full: {end} > capacity {self.capacity}; call reserve() first")
+        self.k[layer, self._length : end] = k
+        self.v[layer, self._length : end] = v
+        return self.k[layer, :end], self.v[layer, :end]
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Committed K/V of one layer: [length, Hkv, D] views."""
+        return self.k[layer, : self._length], self.v[layer, : self._length]
+
+    def advance(self, num_new: int) -> None:
+        """Commit the chunk written by the last `write` of every layer."""
+        if self._length + num_new > self.capacity:
+            raise RuntimeError("advance past capacity")
+        self._length += num_new
