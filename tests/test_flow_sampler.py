@@ -1,0 +1,212 @@
+"""L1 sampler parity: our stateless FlowSchedule / SolverState UniPC and Euler against diffusers' schedulers.
+
+Random velocity tensors with fixed seeds stand in for the model; diffusers is driven exactly as the Cosmos3
+pipeline drives it with `use_native_flow_schedule=True` (sigmas passed to `set_timesteps`, `step(v, t, x)`
+with a leading batch axis). Also checks CFG combine and the cond/uncond batch layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+from worldserve.sampling.flow import (
+    FlowSchedule,
+    SolverState,
+    StepInput,
+    euler_step,
+    unipc_step,
+    unipc_step_batch,
+)
+from worldserve.sampling.guidance import CfgBatchLayout, cfg_combine, needs_uncond
+
+# cosmos3-model.md §5.4: the reference schedule for 35 steps at shift 10.
+DOC_TIMESTEPS_35_SHIFT_10 = [
+    999, 996, 993, 990, 987, 983, 979, 975, 971, 966, 961, 956, 950, 944, 937, 930, 922, 913, 904, 893,
+    882, 869, 855, 838, 820, 799, 775, 747, 714, 673, 624, 563, 483, 377, 227,
+]  # fmt: skip
+DOC_SIGMAS_35_SHIFT_10 = [
+    0.9999, 0.9970, 0.9939, 0.9906, 0.9872, 0.9835, 0.9796, 0.9755, 0.9711, 0.9664, 0.9614, 0.9560, 0.9503,
+    0.9441, 0.9374, 0.9301, 0.9222, 0.9135, 0.9041, 0.8937, 0.8822, 0.8694, 0.8551, 0.8390, 0.8207, 0.7998,
+    0.7756, 0.7474, 0.7140, 0.6739, 0.6247, 0.5631, 0.4836, 0.3771, 0.2271,
+]  # fmt: skip
+
+
+def diffusers_unipc(num_steps: int, shift: float) -> UniPCMultistepScheduler:
+    sched = UniPCMultistepScheduler(
+        use_flow_sigmas=True,
+        use_karras_sigmas=False,
+        prediction_type="flow_prediction",
+        flow_shift=shift,
+        solver_order=2,
+        solver_type="bh2",
+    )
+    # Exactly the pipeline's use_native_flow_schedule=True branch.
+    sigmas = np.linspace(1.0 - 1.0 / sched.config.num_train_timesteps, 0.0, num_steps + 1)[:-1]
+    sched.set_timesteps(num_steps, sigmas=sigmas)
+    return sched
+
+
+def random_run(num_steps: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    return x, [torch.randn(shape, generator=gen) for _ in range(num_steps)]
+
+
+def reference_trajectory(sched, x, velocities, start: int = 0) -> list[torch.Tensor]:
+    out = []
+    for i, t in enumerate(sched.timesteps[start:]):
+        x = sched.step(velocities[i].unsqueeze(0), t, x.unsqueeze(0), return_dict=False)[0].squeeze(0)
+        out.append(x)
+    return out
+
+
+def our_trajectory(schedule, x, velocities, start: int = 0) -> list[torch.Tensor]:
+    state, out = SolverState(), []
+    for i, v in enumerate(velocities):
+        x, state = unipc_step(schedule, state, start + i, v, x)
+        out.append(x)
+    return out
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("shift", [3.0, 5.0, 10.0])
+@pytest.mark.parametrize("num_steps", [1, 2, 3, 35])
+def test_unipc_matches_diffusers(num_steps, shift):
+    ref_sched = diffusers_unipc(num_steps, shift)
+    schedule = FlowSchedule.native(num_steps, shift)
+    assert torch.equal(schedule.timesteps, ref_sched.timesteps)
+    assert torch.equal(schedule.sigmas.to(torch.float32), ref_sched.sigmas)
+    x, velocities = random_run(num_steps, (2, 48, 3, 4, 5), seed=num_steps * 100 + int(shift))
+    ours = our_trajectory(schedule, x, velocities)
+    ref = reference_trajectory(ref_sched, x, velocities)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert a.dtype == torch.float32
+        assert max_rel_err(a, b) <= 1e-6, f"step {step}"
+    # Same float32 operations in the same order: in practice bit-identical on CPU.
+    assert torch.equal(ours[-1], ref[-1])
+
+
+def test_native_schedule_is_the_reference_table():
+    schedule = FlowSchedule.native(35, 10.0)
+    assert schedule.timesteps.tolist() == DOC_TIMESTEPS_35_SHIFT_10
+    assert [round(s, 4) for s in schedule.sigmas[:-1].tolist()] == DOC_SIGMAS_35_SHIFT_10
+    assert schedule.sigmas[-1] == 0 and schedule.sigmas.dtype == torch.float64
+    assert schedule.timesteps.dtype == torch.int64 and schedule.num_steps == 35
+    # diffusers' native base linspace(1 - 1/1000, 0) is the reference's linspace(0.999, 0) exactly.
+    for n in (1, 2, 3, 35, 50, 200):
+        assert np.array_equal(np.linspace(1 - 1 / 1000, 0, n + 1), np.linspace(0.999, 0, n + 1))
+    assert FlowSchedule.native(35, 10.0) is schedule  # cached: one immutable table per (steps, shift)
+
+
+def test_default_flow_base_nudges_first_sigma_like_diffusers():
+    ref = UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=10.0)
+    ref.set_timesteps(35)  # base linspace(1, 1/1000): first sigma is 1 -> lowered by 1e-6
+    ours = FlowSchedule.from_base_sigmas(np.linspace(1, 1 / 1000, 36)[:-1], 10.0)
+    assert torch.equal(ours.sigmas.to(torch.float32), ref.sigmas)
+    assert torch.equal(ours.timesteps, ref.timesteps)
+    assert ours.sigmas[0].item() == pytest.approx(1 - 1e-6, abs=1e-12)
+
+
+def test_fresh_state_mid_schedule_matches_diffusers_begin_index():
+    ref_sched = diffusers_unipc(10, 5.0)
+    ref_sched.set_begin_index(4)
+    x, velocities = random_run(6, (3, 7), seed=7)
+    ours = our_trajectory(FlowSchedule.native(10, 5.0), x, velocities, start=4)
+    ref = reference_trajectory(ref_sched, x, velocities, start=4)
+    assert torch.equal(ours[-1], ref[-1])
+
+
+def test_interleaved_requests_step_independently():
+    sched_a, sched_b = FlowSchedule.native(6, 10.0), FlowSchedule.native(4, 3.0)
+    xa, va = random_run(6, (2, 3, 4), seed=1)
+    xb, vb = random_run(4, (5,), seed=2)
+    alone_a, alone_b = our_trajectory(sched_a, xa, va), our_trajectory(sched_b, xb, vb)
+    # Request b joins two steps later; both then advance in shared batches (a server's view).
+    state_a, state_b, ya, yb = SolverState(), SolverState(), xa, xb
+    for tick in range(6):
+        items, owners = [StepInput(sched_a, state_a, tick, va[tick], ya)], ["a"]
+        if tick >= 2:
+            items.append(StepInput(sched_b, state_b, tick - 2, vb[tick - 2], yb))
+            owners.append("b")
+        for owner, (sample, state) in zip(owners, unipc_step_batch(items), strict=True):
+            if owner == "a":
+                ya, state_a = sample, state
+            else:
+                yb, state_b = sample, state
+    assert torch.equal(ya, alone_a[-1]) and torch.equal(yb, alone_b[-1])
+
+
+def test_step_is_pure_and_validates():
+    schedule = FlowSchedule.native(3, 10.0)
+    x, velocities = random_run(3, (4, 4), seed=3)
+    x_copy, v_copy = x.clone(), velocities[0].clone()
+    state0 = SolverState()
+    y1, s1 = unipc_step(schedule, state0, 0, velocities[0], x)
+    assert torch.equal(x, x_copy) and torch.equal(velocities[0], v_copy)
+    assert state0.last_sample is None and state0.x0_history == () and state0.next_step is None
+    y1_again, _ = unipc_step(schedule, state0, 0, velocities[0], x)
+    assert torch.equal(y1, y1_again)
+    assert s1.next_step == 1 and s1.last_order == 1 and len(s1.x0_history) == 1
+    with pytest.raises(ValueError, match="expects step 1"):
+        unipc_step(schedule, s1, 2, velocities[2], y1)
+    with pytest.raises(ValueError, match="outside"):
+        unipc_step(schedule, SolverState(), 3, velocities[0], x)
+    with pytest.raises(ValueError, match="shape"):
+        unipc_step(schedule, s1, 1, velocities[1][:2], y1)
+
+
+def test_low_precision_inputs_step_in_float32():
+    schedule = FlowSchedule.native(5, 10.0)
+    x, velocities = random_run(5, (8, 16), seed=4)
+    ref = our_trajectory(schedule, x, velocities)[-1]
+    low = our_trajectory(schedule, x.bfloat16(), [v.bfloat16() for v in velocities])[-1]
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), ref, atol=0.05, rtol=0.02)
+
+
+def test_euler_matches_diffusers_flow_match_euler():
+    num_steps, shift = 8, 5.0
+    ref = FlowMatchEulerDiscreteScheduler(shift=shift)
+    ref.set_timesteps(sigmas=np.linspace(0.999, 0, num_steps + 1)[:-1].tolist())
+    schedule = FlowSchedule.native(num_steps, shift)
+    x, velocities = random_run(num_steps, (3, 6), seed=5)
+    y = x
+    for i, t in enumerate(ref.timesteps):
+        x = ref.step(velocities[i], t, x, return_dict=False)[0]
+        y = euler_step(schedule, i, velocities[i], y)
+    # FlowMatchEuler shifts its sigmas in float32 (a last-ulp difference from our float64 table).
+    torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-6)
+    sig = schedule.sigmas.to(torch.float32)
+    z = euler_step(schedule, 0, velocities[0], velocities[1])
+    assert torch.equal(z, velocities[1] + float(sig[1] - sig[0]) * velocities[0])
+
+
+def test_cfg_combine_and_rule():
+    gen = torch.Generator().manual_seed(6)
+    cond, uncond = torch.randn(4, 5, generator=gen), torch.randn(4, 5, generator=gen)
+    assert torch.equal(cfg_combine(cond, uncond, 6.0), uncond + 6.0 * (cond - uncond))
+    assert cfg_combine(cond, None, 1.0) is cond  # diffusers skips the uncond pass at exactly 1.0
+    assert needs_uncond(6.0) and needs_uncond(0.0) and needs_uncond(0.5) and not needs_uncond(1.0)
+    assert torch.equal(cfg_combine(cond, uncond, 0.0), uncond)
+    with pytest.raises(ValueError, match="unconditional"):
+        cfg_combine(cond, None, 6.0)
+
+
+def test_cfg_batch_layout_round_trip():
+    layout = CfgBatchLayout.build([6.0, 1.0, 4.0])
+    assert layout.num_rows == 5 and layout.uncond_rows == (3, None, 4)
+    assert layout.row_sources() == [(0, True), (1, True), (2, True), (0, False), (2, False)]
+    gen = torch.Generator().manual_seed(8)
+    outputs = torch.randn(5, 2, 3, generator=gen)
+    guided = layout.combine(outputs)
+    assert torch.equal(guided[0], cfg_combine(outputs[0], outputs[3], 6.0))
+    assert torch.equal(guided[1], outputs[1])
+    assert torch.equal(guided[2], cfg_combine(outputs[2], outputs[4], 4.0))
+    with pytest.raises(ValueError, match="expected 5"):
+        layout.combine(outputs[:4])

@@ -1,0 +1,189 @@
+"""Prompt formatting (reference rules, cosmos3-model.md §5.2 / §12) and token ids against diffusers.
+
+Token parity: diffusers' `Cosmos3OmniPipeline.tokenize_prompt` on the tiny checkpoint, with its own templates
+and system prompt off, fed our formatted strings, must give exactly our ids (§13's parity settings).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worldserve.models.cosmos3.prompt import (
+    PromptEncoder,
+    VideoShape,
+    aspect_ratio_label,
+    default_negative_prompt,
+    format_negative_prompt,
+    format_prompt,
+    format_prompts,
+)
+from worldserve.params import ParamError, VideoParams
+
+VIDEO_720 = VideoShape(height=720, width=1280, num_frames=189, fps=24.0)
+IMAGE_720 = VideoShape(height=720, width=1280, num_frames=1, fps=24.0)
+METADATA_720 = "The video is 7.9 seconds long and is of 24 FPS. This video is of 720x1280 resolution."
+PROMPT_KEYS = (
+    "subjects",
+    "background_setting",
+    "lighting",
+    "aesthetics",
+    "cinematography",
+    "style_medium",
+    "artistic_style",
+    "context",
+    "actions",
+    "text_and_signage_elements",
+    "segments",
+    "transitions",
+    "temporal_caption",
+    "audio_description",
+)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_ckpt) -> PromptEncoder:
+    return PromptEncoder.from_pretrained(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_ckpt):
+    from diffusers import Cosmos3OmniPipeline
+
+    return Cosmos3OmniPipeline.from_pretrained(tiny_ckpt)
+
+
+def diffusers_ids(pipeline, cond: str, uncond: str, shape: VideoShape, system: bool = False):
+    return pipeline.tokenize_prompt(
+        cond,
+        uncond,
+        num_frames=shape.num_frames,
+        height=shape.height,
+        width=shape.width,
+        fps=shape.fps,
+        use_system_prompt=system,
+        add_resolution_template=False,
+        add_duration_template=False,
+    )
+
+
+def test_plain_text_matches_doc_example():
+    assert (
+        format_prompt("A red fox runs through snow.", VIDEO_720)
+        == f"A red fox runs through snow. {METADATA_720}"
+    )
+    assert format_prompt("  a cat...  ", VIDEO_720) == f"a cat. {METADATA_720}"
+    params = VideoParams(prompt="a cat", negative_prompt="")
+    assert format_prompts(params).cond == f"a cat. {METADATA_720}"
+    assert format_prompts(params).uncond == METADATA_720  # empty negative: the sentences alone
+
+
+def test_image_mode_has_no_duration_sentence():
+    assert format_prompt("a cat", IMAGE_720) == "a cat. This image is of 720x1280 resolution."
+    # Reference text2image default negative is "": only the SAME metadata sentence remains.
+    assert format_negative_prompt(None, IMAGE_720) == "This image is of 720x1280 resolution."
+
+
+def test_json_prompt_gets_metadata_injected():
+    prompt = json.dumps({"subjects": [{"description": "a fox"}], "duration": "3s", "context": "snow \u00e9"})
+    out = format_prompt(prompt, VIDEO_720)
+    obj = json.loads(out)
+    # Existing keys are overwritten in place; new ones appended in the reference's order.
+    assert list(obj) == ["subjects", "duration", "context", "fps", "resolution", "aspect_ratio"]
+    assert obj["duration"] == "7s" and obj["fps"] == 24.0
+    assert obj["resolution"] == {"H": 720, "W": 1280} and obj["aspect_ratio"] == "16,9"
+    assert out == json.dumps(obj)  # default separators, ASCII escapes
+    assert "\\u00e9" in out
+    image = json.loads(format_prompt(prompt, IMAGE_720))
+    assert "duration" not in image and "fps" not in image and image["resolution"] == {"H": 720, "W": 1280}
+    # A JSON array or string is plain text, as in the reference.
+    assert format_prompt('["a", "b"]', VIDEO_720) == f'["a", "b"]. {METADATA_720}'
+
+
+def test_aspect_ratio_labels():
+    assert aspect_ratio_label(1280, 720) == "16,9"
+    assert aspect_ratio_label(720, 1280) == "9,16"
+    assert aspect_ratio_label(960, 960) == "1,1"
+    assert aspect_ratio_label(1104, 832) == "4,3"
+    assert aspect_ratio_label(832, 1104) == "3,4"
+    assert aspect_ratio_label(832, 480) == "16,9"
+    assert aspect_ratio_label(320, 256) == "4,3"
+
+
+def test_default_negative_prompt_is_reference_json():
+    text = default_negative_prompt()
+    obj = json.loads(text)
+    assert isinstance(obj, dict) and all(k in obj for k in PROMPT_KEYS)
+    assert json.dumps(obj) == text  # serialised exactly as the reference loads it
+    assert "\\u2014" in text and 14_000 < len(text) < 16_000
+    uncond = format_negative_prompt(None, VIDEO_720)
+    assert uncond == f"{text}. {METADATA_720}"
+    assert format_prompts(VideoParams(prompt="a cat")).uncond == uncond
+    # A user JSON negative is not injected: SAME sentences are appended to its text.
+    assert format_negative_prompt('{"a": 1}', VIDEO_720) == f'{{"a": 1}}. {METADATA_720}'
+
+
+@pytest.mark.parametrize(
+    ("prompt", "negative", "shape"),
+    [
+        ("A red fox runs through snow.", None, VIDEO_720),
+        (
+            json.dumps({"subjects": [], "context": "caf\u00e9"}),
+            "blurry",
+            VideoShape(height=64, width=96, num_frames=17, fps=16.0),
+        ),
+        ("a cat", None, VideoShape(height=48, width=80, num_frames=1, fps=24.0)),
+    ],
+)
+def test_token_ids_match_diffusers(pipeline, encoder, prompt, negative, shape):
+    params = VideoParams(
+        prompt=prompt,
+        negative_prompt=negative,
+        height=shape.height,
+        width=shape.width,
+        num_frames=shape.num_frames,
+        fps=shape.fps,
+        max_sequence_length=100_000,  # the tiny tokenizer is byte-level: ~15k tokens for the default negative
+    )
+    texts = format_prompts(params)
+    cond, uncond = encoder.encode_params(params)
+    assert (cond, uncond) == tuple(diffusers_ids(pipeline, texts.cond, texts.uncond, shape))
+    tok = encoder.tokenizer
+    assert cond[-2:] == [
+        tok.convert_tokens_to_ids("<|im_end|>"),
+        tok.convert_tokens_to_ids("<|vision_start|>"),
+    ]
+    assert cond[0] == tok.convert_tokens_to_ids("<|im_start|>")  # no BOS, no system turn
+
+
+def test_system_prompt_option_matches_diffusers(pipeline, tiny_ckpt):
+    encoder = PromptEncoder.from_pretrained(tiny_ckpt / "text_tokenizer", use_system_prompt=True)
+    for shape in (VIDEO_720, IMAGE_720):
+        cond_ref, _ = diffusers_ids(pipeline, "a cat", "", shape, system=True)
+        assert encoder.encode("a cat", is_image=shape.is_image) == cond_ref
+
+
+def test_too_long_prompts_are_param_errors(encoder):
+    short = dict(negative_prompt="", height=48, width=80, num_frames=9, fps=24.0)
+    with pytest.raises(ParamError) as err:
+        encoder.encode_params(VideoParams(prompt="x" * 300, max_sequence_length=200, **short))
+    assert err.value.param == "prompt"
+    n = len(encoder.encode(format_prompts(VideoParams(prompt="x" * 300, **short)).cond))
+    assert f"{n} tokens" in err.value.message and "max_sequence_length=200" in err.value.message
+
+    with pytest.raises(ParamError) as err:
+        encoder.encode_params(
+            VideoParams(prompt="a cat", **{**short, "negative_prompt": "y" * 300}, max_sequence_length=200)
+        )
+    assert err.value.param == "negative_prompt"
+    with pytest.raises(ParamError) as err:
+        encoder.encode_params(
+            VideoParams(prompt="a cat", height=48, width=80, num_frames=9, max_sequence_length=4096)
+        )
+    assert err.value.param == "max_sequence_length" and "default negative prompt" in err.value.message
+    # Without CFG the negative is not tokenized, so it cannot fail the request.
+    cond, uncond = encoder.encode_params(
+        VideoParams(prompt="a cat", num_frames=9, height=48, width=80), with_uncond=False
+    )
+    assert uncond is None and len(cond) < 4096

@@ -1,0 +1,221 @@
+"""Prompt formatting and tokenization for Cosmos3 generation, exactly as the reference (cosmos-framework) does.
+
+Runs in the API process before a request is queued. Input: a `VideoParams` (prompt, negative prompt, size,
+frames, fps). Output: the conditional and unconditional token-id lists the und tower prefills, each
+`chat_template(user: text, add_generation_prompt) + [<|im_end|>] + [<|vision_start|>]` (cosmos3-model.md §2.1).
+
+Formatting (cosmos-framework inference/inference.py `_get_prompt_sample_data`; cosmos3-model.md §5.2, §12):
+- JSON-object prompt: parsed; `duration` ("<int(frames/fps)>s") and `fps` (float) are set for video (removed
+  for images), `resolution` {"H","W"} and `aspect_ratio` always; re-serialised with default `json.dumps`.
+- plain text: stripped, then "<text>. The video is {d:.1f} seconds long and is of {fps:.0f} FPS." (video only)
+  and ". This video|image is of {h}x{w} resolution.", each joined by `rstrip('.') + '. '`.
+- negative: the SAME sentences appended to the negative text (never JSON-injected), then `lstrip('.')`, so an
+  empty negative yields the sentences alone. None means the shipped default: for video the reference's
+  `neg_prompts.json` "bad video" description (assets/negative_prompt.json, serialised with `json.dumps`;
+  content as mirrored verbatim in NVIDIA/TensorRT-LLM's cosmos3/negative_prompt.py, Apache-2.0); for an image
+  (num_frames == 1) "" as in the reference's text2image defaults.
+- aspect_ratio: the reference injects its CLI choice (default "16,9"), from which it derives the size; we take
+  the size as given and label it with the nearest of its five ratios (1,1 4,3 3,4 16,9 9,16) in log space.
+- no system prompt by default (reference `use_system_prompt: false`); `use_system_prompt=True` prepends the
+  diffusers/reference system prompt (typo "give" included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from worldserve.params import ParamError, VideoParams
+
+DURATION_TEMPLATE = "The video is {duration:.1f} seconds long and is of {fps:.0f} FPS."
+VIDEO_RESOLUTION_TEMPLATE = "This video is of {height}x{width} resolution."
+IMAGE_RESOLUTION_TEMPLATE = "This image is of {height}x{width} resolution."
+SYSTEM_PROMPT_VIDEO = "You are a helpful assistant who will generate videos from a give prompt."
+SYSTEM_PROMPT_IMAGE = "You are a helpful assistant who will generate images from a give prompt."
+EOS_TOKEN = "<|im_end|>"
+START_OF_GENERATION_TOKEN = "<|vision_start|>"
+ASPECT_RATIOS: dict[str, float] = {"1,1": 1.0, "4,3": 4 / 3, "3,4": 3 / 4, "16,9": 16 / 9, "9,16": 9 / 16}
+"""The reference's aspect-ratio labels (width,height) and their values."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoShape:
+    """What prompt metadata describes: output size, frame count and rate."""
+
+    height: int
+    """Output height in pixels."""
+    width: int
+    """Output width in pixels."""
+    num_frames: int
+    """1 for an image, else the video frame count."""
+    fps: float
+    """Frame rate (ignored for an image)."""
+
+    @property
+    def is_image(self) -> bool:
+        return self.num_frames == 1
+
+    @classmethod
+    def of(cls, params: VideoParams) -> VideoShape:
+        return cls(height=params.height, width=params.width, num_frames=params.num_frames, fps=params.fps)
+
+
+def aspect_ratio_label(width: int, height: int) -> str:
+    """The reference label nearest to width/height in log space, e.g. 1280x720 -> "16,9", 960x960 -> "1,1"."""
+    target = math.log(width / height)
+    return min(ASPECT_RATIOS, key=lambda k: abs(math.log(ASPECT_RATIOS[k]) - target))
+
+
+def _join(base: str, sentence: str) -> str:
+    # The reference's join rule: drop trailing dots, then ". " and the sentence.
+    return base.rstrip(".") + ". " + sentence
+
+
+def _metadata_sentences(text: str, shape: VideoShape) -> str:
+    """Reference `_format_prompt_with_template`: strip, duration sentence (video only), resolution sentence."""
+    text = text.strip()
+    if not shape.is_image:
+        text = _join(text, DURATION_TEMPLATE.format(duration=shape.num_frames / shape.fps, fps=shape.fps))
+    text = text.strip()
+    template = IMAGE_RESOLUTION_TEMPLATE if shape.is_image else VIDEO_RESOLUTION_TEMPLATE
+    return _join(text, template.format(height=shape.height, width=shape.width))
+
+
+def _parse_json_object(prompt: str) -> dict[str, Any] | None:
+    """The parsed prompt iff it is a JSON object; arrays, strings, numbers stay plain text (as the reference)."""
+    try:
+        obj = json.loads(prompt)
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def format_prompt(prompt: str, shape: VideoShape) -> str:
+    """The conditional text: JSON metadata injection or plain-text metadata sentences."""
+    obj = _parse_json_object(prompt)
+    if obj is not None:
+        metadata: dict[str, Any] = {}
+        if shape.is_image:
+            obj.pop("duration", None)
+            obj.pop("fps", None)
+        else:
+            metadata["duration"] = f"{int(shape.num_frames / shape.fps)}s"
+            metadata["fps"] = float(shape.fps)
+        metadata["resolution"] = {"H": int(shape.height), "W": int(shape.width)}
+        metadata["aspect_ratio"] = aspect_ratio_label(shape.width, shape.height)
+        obj.update(metadata)  # existing keys keep their place, new ones go last (reference dict.update)
+        return json.dumps(obj)
+    if not prompt.strip():
+        # The reference would emit a leading ". "; an empty base yields the sentences alone (§12 join rule).
+        return _metadata_sentences("", shape).lstrip(".").strip()
+    return _metadata_sentences(prompt, shape)
+
+
+@lru_cache(maxsize=1)
+def default_negative_prompt() -> str:
+    """The shipped video negative prompt as the reference feeds it: `json.dumps(json.load(file))`."""
+    text = resources.files("worldserve").joinpath("assets/negative_prompt.json").read_text(encoding="utf-8")
+    return json.dumps(json.loads(text))
+
+
+def format_negative_prompt(negative_prompt: str | None, shape: VideoShape) -> str:
+    """The unconditional text in SAME metadata mode (None: the default negative for video, "" for images)."""
+    if negative_prompt is None:
+        negative_prompt = "" if shape.is_image else default_negative_prompt()
+    return _metadata_sentences(negative_prompt, shape).lstrip(".").strip()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTexts:
+    """The two formatted strings of one request, before tokenization."""
+
+    cond: str
+    """Conditional (prompt) branch text."""
+    uncond: str
+    """Unconditional (negative prompt) branch text."""
+
+
+def format_prompts(params: VideoParams) -> PromptTexts:
+    shape = VideoShape.of(params)
+    return PromptTexts(
+        cond=format_prompt(params.prompt, shape), uncond=format_negative_prompt(params.negative_prompt, shape)
+    )
+
+
+class PromptEncoder:
+    """Formatted text -> und token ids through the checkpoint's own tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Any, *, use_system_prompt: bool = False):
+        eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+        start = tokenizer.convert_tokens_to_ids(START_OF_GENERATION_TOKEN)
+        if eos is None or start is None or eos == tokenizer.unk_token_id or start == tokenizer.unk_token_id:
+            raise ValueError(f"the text tokenizer lacks {EOS_TOKEN} or {START_OF_GENERATION_TOKEN}")
+        if tokenizer.eos_token_id != eos:
+            raise ValueError(
+                f"the text tokenizer's eos_token must be {EOS_TOKEN}, got {tokenizer.eos_token!r}"
+            )
+        self.tokenizer = tokenizer
+        self.use_system_prompt = use_system_prompt
+        self.suffix_ids = (eos, start)
+        """Appended after the chat template: eos (<|im_end|>) then start-of-generation (<|vision_start|>)."""
+        # Most requests share the ~15k-character default negative and a few shapes: tokenize those once.
+        self._encode_cached = lru_cache(maxsize=32)(self.encode)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, use_system_prompt: bool = False) -> PromptEncoder:
+        """Load from a checkpoint folder (its `text_tokenizer/`) or from a tokenizer folder itself."""
+        from transformers import AutoTokenizer
+
+        folder = Path(path)
+        if (folder / "text_tokenizer").is_dir():
+            folder = folder / "text_tokenizer"
+        return cls(AutoTokenizer.from_pretrained(str(folder)), use_system_prompt=use_system_prompt)
+
+    def encode(self, text: str, *, is_image: bool = False) -> list[int]:
+        """chat_template([system?, user: text], add_generation_prompt=True) + [eos, <|vision_start|>]."""
+        conversation = []
+        if self.use_system_prompt:
+            system = SYSTEM_PROMPT_IMAGE if is_image else SYSTEM_PROMPT_VIDEO
+            conversation.append({"role": "system", "content": system})
+        conversation.append({"role": "user", "content": text})
+        encoded = self.tokenizer.apply_chat_template(
+            conversation, tokenize=True, add_generation_prompt=True, add_vision_id=False, return_dict=True
+        )
+        return [*encoded["input_ids"], *self.suffix_ids]
+
+    def encode_params(
+        self, params: VideoParams, *, with_uncond: bool = True
+    ) -> tuple[list[int], list[int] | None]:
+        """(cond_ids, uncond_ids) for a request; uncond is None when `with_uncond` is False (no CFG).
+
+        Raises ParamError when a branch is longer than `params.max_sequence_length` tokens: param "prompt"
+        for the prompt, "negative_prompt" for a given negative prompt, "max_sequence_length" when the
+        default negative prompt itself does not fit.
+        """
+        texts = format_prompts(params)
+        is_image = params.num_frames == 1
+        limit = params.max_sequence_length
+        cond = self.encode(texts.cond, is_image=is_image)
+        if len(cond) > limit:
+            raise ParamError(
+                "prompt",
+                f"prompt is {len(cond)} tokens after templating, above max_sequence_length={limit}; "
+                "shorten the prompt or raise max_sequence_length",
+            )
+        if not with_uncond:
+            return cond, None
+        uncond = list(self._encode_cached(texts.uncond, is_image=is_image))
+        if len(uncond) > limit:
+            user_given = params.negative_prompt is not None
+            raise ParamError(
+                "negative_prompt" if user_given else "max_sequence_length",
+                f"{'negative_prompt' if user_given else 'the default negative prompt'} is {len(uncond)} tokens "
+                f"after templating, above max_sequence_length={limit}; pass a shorter negative_prompt "
+                "or raise max_sequence_length",
+            )
+        return cond, uncond
