@@ -1,0 +1,249 @@
+"""Engine + EngineClient on the FakeBackend: batching, joins at step boundaries, cancel, failure isolation,
+encode overlap, drain/stop and restart recovery. Stub encoder unless the test is about the encoder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from serving_helpers import make_client, stub_encoder, wait_until
+
+from worldserve.engine.client import EncodeOptions, JobSpec, JobStatus, QueueFullError, ShuttingDownError
+from worldserve.engine.fake_backend import FakeBackend
+from worldserve.params import VideoParams
+
+
+def _params(prompt: str = "a cat", *, steps: int = 4, width: int = 64, frames: int = 5, seed: int = 1) -> VideoParams:
+    return VideoParams(prompt=prompt, width=width, height=64, num_frames=frames, num_inference_steps=steps,
+                       seed=seed, fps=8.0)  # fmt: skip
+
+
+def _spec(p: VideoParams) -> JobSpec:
+    return JobSpec(model="test-model", prompt=p.prompt, size=f"{p.width}x{p.height}", seconds="1",
+                   quality="default", fps=p.fps, num_frames=p.num_frames)  # fmt: skip
+
+
+def _submit(client, p: VideoParams, encode: EncodeOptions | None = None):
+    return client.submit(p, _spec(p), encode or EncodeOptions(), None)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_one_request_end_to_end(tmp_path):
+    backend = FakeBackend()
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        job = _submit(client, _params(steps=3, seed=7), EncodeOptions(crf=0, codec_options={"preset": "fast"}))
+        done = await asyncio.wait_for(client.wait(job.id), 10)
+        await client.shutdown(5)
+        return job, done
+
+    job, done = run(main())
+    assert done.status is JobStatus.COMPLETED and done.progress == 100
+    assert set(done.stage_durations) >= {"prepare", "diffuse", "decode", "encode"}
+    meta = json.loads((tmp_path / "videos" / f"{job.id}.mp4").read_bytes()[7:])
+    assert meta["frames"] == [5, 64, 64, 3] and meta["audio"] == [2, 30000] and meta["fps"] == 8.0
+    assert meta["crf"] == 0 and meta["codec_options"] == {"preset": "fast"}
+    assert backend.batch_sizes == [1, 1, 1] and not backend.live, "three steps, state released"
+
+
+def test_same_shape_requests_batch_and_join_at_step_boundaries(tmp_path):
+    backend = FakeBackend(step_delay=0.02)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_batch_size=4)
+        await client.start()
+        first = _submit(client, _params(steps=10))
+        await asyncio.to_thread(wait_until, lambda: client.get(first.id).progress >= 30)
+        late = [_submit(client, _params(steps=3, seed=s)) for s in range(2)]
+        other = _submit(client, _params(steps=2, width=128))  # different batch key
+        jobs = [first, *late, other]
+        results = await asyncio.wait_for(asyncio.gather(*(client.wait(j.id) for j in jobs)), 20)
+        await client.shutdown(5)
+        return results
+
+    results = run(main())
+    assert all(r.status is JobStatus.COMPLETED for r in results)
+    assert max(backend.batch_sizes) == 3, f"the late pair joined the running request: {backend.batch_sizes}"
+    assert backend.batch_sizes[0] == 1 and backend.batch_sizes[-2:] == [1, 1], "the 128-wide one runs alone"
+    assert len(backend.batch_sizes) == 10 + 2, "joined steps cost nothing extra"
+
+
+def test_progress_rises_step_by_step(tmp_path):
+    backend = FakeBackend(step_delay=0.03)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        job = _submit(client, _params(steps=5))
+        seen = []
+        while (current := client.get(job.id)).status is not JobStatus.COMPLETED:
+            seen.append(current.progress)
+            await asyncio.sleep(0.005)
+        await client.shutdown(5)
+        return seen
+
+    seen = run(main())
+    assert seen == sorted(seen) and {20, 40, 60, 80} <= set(seen) and max(seen) < 100
+
+
+def test_cancel_mid_job_releases_and_next_runs(tmp_path):
+    backend = FakeBackend(step_delay=0.02)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        victim = _submit(client, _params(steps=200))
+        queued = _submit(client, _params(steps=200, seed=3))
+        after = _submit(client, _params(steps=2))
+        await asyncio.to_thread(wait_until, lambda: client.get(victim.id).progress >= 2)
+        assert client.delete(queued.id).status is JobStatus.QUEUED
+        assert client.delete(victim.id).status is JobStatus.IN_PROGRESS
+        assert await asyncio.wait_for(client.wait(victim.id), 5) is None
+        done = await asyncio.wait_for(client.wait(after.id), 10)
+        await client.shutdown(5)
+        return victim, done
+
+    victim, done = run(main())
+    assert done.status is JobStatus.COMPLETED
+    assert victim.id in backend.released and not backend.live
+    assert len(backend.batch_sizes) < 60, "the cancelled job stopped at a step boundary"
+    assert not (tmp_path / "videos" / f"{victim.id}.mp4").exists()
+
+
+@pytest.mark.parametrize("stage", ["prepare", "denoise", "decode", "encode"])
+def test_a_failing_request_fails_alone(tmp_path, stage):
+    backend = FakeBackend()
+
+    def encoder(frames, fps, audio, **kw):
+        if frames.shape[2] == 96:
+            raise RuntimeError("mux exploded")
+        return stub_encoder(frames, fps, audio, **kw)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_batch_size=2, encoder=encoder)
+        await client.start()
+        bad = _params(f"x __fail__:{stage}", width=96 if stage == "encode" else 64)
+        jobs = [_submit(client, bad), _submit(client, _params(width=80))]
+        results = await asyncio.wait_for(asyncio.gather(*(client.wait(j.id) for j in jobs)), 10)
+        health = client.health()
+        await client.shutdown(5)
+        return results, health
+
+    (failed, ok), health = run(main())
+    assert failed.status is JobStatus.FAILED and failed.error_code == 500
+    assert failed.error_message.startswith("Video generation failed:")
+    assert ok.status is JobStatus.COMPLETED and health == (True, None)
+    assert not backend.live
+
+
+def test_encoding_overlaps_the_next_denoise(tmp_path):
+    backend = FakeBackend(step_delay=0.02)
+    events = []
+
+    def slow_encoder(frames, fps, audio, **kw):
+        events.append(("encode-start", time.monotonic()))
+        time.sleep(0.3)
+        events.append(("encode-end", time.monotonic()))
+        return stub_encoder(frames, fps, audio, **kw)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, encoder=slow_encoder)
+        await client.start()
+        a, b = _submit(client, _params(steps=2)), _submit(client, _params(steps=5, seed=2))
+        await asyncio.wait_for(asyncio.gather(client.wait(a.id), client.wait(b.id)), 10)
+        await client.shutdown(5)
+        return client.get
+
+    run(main())
+    starts = [t for name, t in events if name == "encode-start"]
+    ends = [t for name, t in events if name == "encode-end"]
+    # b's five steps (0.1 s) ran inside a's 0.3 s encode; serially b's encode would start after a's ended.
+    assert starts[1] < ends[0]
+
+
+def test_queue_bound_and_shutdown_intake(tmp_path):
+    backend = FakeBackend(step_delay=0.05)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_queued_requests=2)
+        await client.start()
+        running = _submit(client, _params(steps=100))
+        await asyncio.to_thread(wait_until, lambda: client.engine.num_running == 1)
+        _submit(client, _params())
+        _submit(client, _params())
+        with pytest.raises(QueueFullError) as full:
+            _submit(client, _params())
+        assert full.value.retry_after_s >= 1
+        waiter = asyncio.create_task(client.wait(running.id))
+        client.begin_shutdown(0.2)
+        with pytest.raises(ShuttingDownError):
+            _submit(client, _params())
+        await client.shutdown(0.2)
+        with pytest.raises(ShuttingDownError):
+            await waiter
+        return running
+
+    running = run(main())
+    # The hard stop parked the running job: it is queued again, to resume at the next start.
+    from worldserve.engine.jobs import JobStore
+
+    store = JobStore(tmp_path)
+    assert store.get(running.id).status is JobStatus.QUEUED
+    assert store.count(JobStatus.QUEUED) == 3
+
+
+def test_restart_resumes_unfinished_jobs(tmp_path):
+    from PIL import Image
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 12), (10, 200, 30)).save(buf, format="PNG")
+    png = buf.getvalue()
+
+    async def first_life():
+        client = make_client(tmp_path, backend=FakeBackend(step_delay=0.05))
+        await client.start()
+        p = _params(steps=100)
+        running = client.submit(p, _spec(p), EncodeOptions(crf=5), png)
+        lost = client.submit(p, _spec(p), EncodeOptions(), png)
+        await asyncio.to_thread(wait_until, lambda: client.get(running.id).progress > 0)
+        client.engine.stop(0)  # what a crash leaves: one row in_progress, one queued
+        return running, lost
+
+    running, lost = run(first_life())
+    (tmp_path / "inputs" / f"{lost.id}.ref").unlink()
+
+    async def second_life():
+        backend = FakeBackend()
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        results = await asyncio.wait_for(asyncio.gather(client.wait(running.id), client.wait(lost.id)), 10)
+        await client.shutdown(5)
+        return results
+
+    resumed, failed = run(second_life())
+    assert resumed.status is JobStatus.COMPLETED
+    meta = json.loads((tmp_path / "videos" / f"{running.id}.mp4").read_bytes()[7:])
+    assert meta["crf"] == 5
+    assert failed.status is JobStatus.FAILED and "reference image is missing" in failed.error_message
+
+
+def test_waiters_are_woken_from_the_engine_thread(tmp_path):
+    async def main():
+        client = make_client(tmp_path)
+        await client.start()
+        jobs = [_submit(client, _params(steps=1, seed=i)) for i in range(20)]
+        results = await asyncio.wait_for(asyncio.gather(*(client.wait(j.id) for j in jobs)), 10)
+        await client.shutdown(5)
+        return results, threading.active_count()
+
+    results, _ = run(main())
+    assert all(r.status is JobStatus.COMPLETED for r in results)
