@@ -1,0 +1,136 @@
+"""The und pathway and its K/V cache: computed once and reused, incremental == full, and Qwen3-VL-exact.
+
+- A gen forward reads the prompt's cached und K/V without changing it, and reusing one cache over several
+  denoising steps gives exactly what a fresh prefill per step gives (the diffusers way, which
+  test_transformer_parity checks separately).
+- und_step decode (one token per step, the cache growing past its capacity) and chunked prefill (causal
+  mask aligned bottom-right) reproduce a one-shot prefill of the whole text; several sequences packed in
+  one und_step reproduce separate calls.
+- On its own, the und tower + norm + lm_head is transformers' Qwen3-VL text model: same logits for text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from worldserve.models.cosmos3.batch import GenBatch, GenItem, UndBatch
+from worldserve.models.cosmos3.reasoner_keys import reasoner_key
+
+VOCAB = 263
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    from worldserve.weights.loader import load_transformer
+
+    return load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+
+
+def _ids(seed, n):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_cached_und_kv_reused_across_steps_equals_recompute(model):
+    ids = _ids(0, 33)
+    (cache,) = model.prefill_und([ids])
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    g = torch.Generator().manual_seed(1)
+    for step, t in enumerate((999, 700, 300)):
+        latents, sound = torch.randn(48, 3, 3, 5, generator=g), torch.randn(64, 10, generator=g)
+        item = dict(latents=latents, timestep=t, sound=sound, clean_frames=(0,) if step else ())
+        cached = model(GenBatch.pack([GenItem(und_cache=cache, **item)], config=model.config, device="cpu"))
+        (fresh_cache,) = model.prefill_und([ids])
+        fresh = model(GenBatch.pack([GenItem(und_cache=fresh_cache, **item)], config=model.config, device="cpu"))
+        assert torch.equal(cached.video[0], fresh.video[0])
+        assert torch.equal(cached.sound[0], fresh.sound[0])
+    assert torch.equal(cache.k, k0) and torch.equal(cache.v, v0)
+    assert cache.length == 33
+
+
+def test_prefill_kv_equals_full_und_step(model):
+    """kv_only prefill (skips the last layer's attention output and MLP) stores the same K/V."""
+    ids = _ids(2, 20)
+    (fast,) = model.prefill_und([ids])
+    full = model.new_und_cache(20)
+    model.und_step(UndBatch.text([ids]), [full])
+    assert torch.equal(fast.k[:, :20], full.k[:, :20]) and torch.equal(fast.v[:, :20], full.v[:, :20])
+
+
+def test_decode_and_chunked_prefill_equal_one_shot(model):
+    ids = _ids(3, 24)
+    one_shot = model.new_und_cache(24)
+    hidden = model.und_step(UndBatch.text([ids]), [one_shot])  # [24, d]
+
+    decode = model.new_und_cache(4)  # too small on purpose: reserve() must grow it
+    model.und_step(UndBatch.text([ids[:10]]), [decode])
+    steps = []
+    for k in range(10, 24):
+        steps.append(model.und_step(UndBatch.text([ids[k : k + 1]], starts=[decode.length]), [decode]))
+    assert decode.length == 24 and decode.capacity >= 24
+    assert rel(torch.cat(steps), hidden[10:]) <= TOL
+    assert rel(decode.k[:, :24], one_shot.k[:, :24]) <= TOL
+
+    chunked = model.new_und_cache(24)
+    outs = []
+    for a in range(0, 24, 7):
+        outs.append(model.und_step(UndBatch.text([ids[a : a + 7]], starts=[a]), [chunked]))
+    assert rel(torch.cat(outs), hidden) <= TOL
+
+
+def test_packed_sequences_equal_separate_calls(model):
+    a, b = _ids(4, 13), _ids(5, 29)
+    ca, cb = model.new_und_cache(13), model.new_und_cache(29)
+    packed = model.und_step(UndBatch.text([a, b]), [ca, cb])
+    sa, sb = model.new_und_cache(13), model.new_und_cache(29)
+    ha = model.und_step(UndBatch.text([a]), [sa])
+    hb = model.und_step(UndBatch.text([b]), [sb])
+    assert rel(packed[:13], ha) <= TOL and rel(packed[13:], hb) <= TOL
+    assert rel(ca.k, sa.k) <= TOL and rel(cb.v, sb.v) <= TOL
+
+
+def test_und_tower_is_the_qwen3vl_text_model(model, tiny_ckpt):
+    """Prefill + decode logits equal transformers' Qwen3VLForConditionalGeneration on the same weights."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    root = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg = Qwen3VLConfig(
+        text_config=root["text_config"],
+        vision_config=root["vision_config"],
+        image_token_id=root["image_token_id"],
+        video_token_id=root["video_token_id"],
+        vision_start_token_id=root["vision_start_token_id"],
+        vision_end_token_id=root["vision_end_token_id"],
+        tie_word_embeddings=False,
+    )
+    hf = Qwen3VLForConditionalGeneration(cfg).eval()
+    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    state = {}
+    for file in sorted(set(index.values())):
+        for key, t in load_file(tiny_ckpt / file).items():
+            name = reasoner_key(key)
+            if name is not None:
+                state[name] = t.float()
+    hf.load_state_dict(state, strict=True)
+
+    ids = _ids(6, 18)
+    cache = model.new_und_cache(18)
+    hidden = model.und_step(UndBatch.text([ids]), [cache])
+    ours = [model.compute_logits(hidden)]
+    seq = ids
+    for _ in range(3):  # greedy decode, one token at a time from the cache
+        nxt = ours[-1][-1].argmax().reshape(1)
+        seq = torch.cat([seq, nxt])
+        h = model.und_step(UndBatch.text([nxt], starts=[cache.length]), [cache])
+        ours.append(model.compute_logits(h))
+    with torch.no_grad():
+        ref = hf(input_ids=seq[None]).logits[0]  # [L + 3, vocab]
+    assert rel(torch.cat(ours), ref[: seq.numel()]) <= TOL
