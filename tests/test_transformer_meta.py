@@ -1,0 +1,101 @@
+"""Building Cosmos3Transformer on the meta device, the checkpoint -> fused-parameter map, and dtype rules.
+
+- Nano builds on meta in bf16 with exactly checkpoint_keys.count_parameters parameters (~15.17B).
+- Every checkpoint key lands in a slice of one of our parameters with the checkpoint's shape, and the
+  slices tile every parameter exactly once (q|k|v and gate|up fused), also per rank under tensor parallel.
+- The loader path (meta -> to_empty -> load_checkpoint_tensor -> post_load) rebuilds the RoPE buffers and
+  keeps time_embedder in float32; a bf16 model tracks the float32 one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from worldserve.models.cosmos3.batch import GenBatch, GenItem
+from worldserve.models.cosmos3.checkpoint_keys import count_parameters, transformer_checkpoint_shapes
+from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+from worldserve.models.cosmos3.weights import checkpoint_target
+from worldserve.parallel.groups import ParallelGroup
+
+
+def _build_meta(config, dtype=torch.bfloat16, tp=None):
+    kw = {} if tp is None else {"tp": tp}
+    with torch.device("meta"):
+        return Cosmos3Transformer(config, dtype=dtype, **kw)
+
+
+def test_nano_builds_on_meta_with_the_checkpoint_parameter_count():
+    t0 = time.perf_counter()
+    model = _build_meta(Cosmos3Config.nano())
+    assert time.perf_counter() - t0 < 5.0
+    n = sum(p.numel() for p in model.parameters())
+    assert n == count_parameters(Cosmos3Config.nano())
+    assert abs(n / 1e9 - 15.17) < 0.05
+    assert all(p.is_meta for p in model.parameters())
+    assert model.checkpoint_shapes() == transformer_checkpoint_shapes(model.config)
+    assert {p.dtype for n, p in model.named_parameters() if n.startswith("time_embedder.")} == {torch.float32}
+    assert {p.dtype for n, p in model.named_parameters() if not n.startswith("time_embedder.")} == {
+        torch.bfloat16
+    }
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("config", [Cosmos3Config.nano(), Cosmos3Config.tiny()], ids=["nano", "tiny"])
+def test_checkpoint_keys_tile_our_parameters(config, tp_size):
+    model = _build_meta(config, tp=ParallelGroup(rank=tp_size - 1, size=tp_size))
+    params = dict(model.named_parameters())
+    covered = {name: [] for name in params}
+    for key, shape in transformer_checkpoint_shapes(config).items():
+        t = checkpoint_target(key, config, tp_size)
+        param = params[t.name]
+        local = list(shape)
+        if t.shard_dim is not None:
+            local[t.shard_dim] //= tp_size
+        rows = t.rows if t.rows is not None else param.shape[0]
+        assert [rows, *param.shape[1:]] == local, key
+        covered[t.name].append((t.offset, rows))
+    for name, spans in covered.items():
+        spans.sort()
+        assert spans and spans[0][0] == 0, name
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])), name
+        assert spans[-1][0] + spans[-1][1] == params[name].shape[0], name
+
+
+def test_unknown_and_misshaped_keys_are_refused():
+    config = Cosmos3Config.tiny()
+    model = Cosmos3Transformer(config, dtype=torch.float32)
+    with pytest.raises(KeyError):
+        model.load_checkpoint_tensor("layers.0.self_attn.to_qkv.weight", torch.zeros(1))
+    with pytest.raises(KeyError):
+        model.load_checkpoint_tensor(f"layers.{config.num_hidden_layers}.mlp.up_proj.weight", torch.zeros(1))
+    with pytest.raises(ValueError, match="to_k"):
+        model.load_checkpoint_tensor("layers.0.self_attn.to_k.weight", torch.zeros(3, config.hidden_size))
+
+
+def test_loader_path_and_bf16_tracks_float32(tiny_ckpt):
+    from worldserve.weights.loader import load_transformer
+
+    f32 = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    bf16 = load_transformer(tiny_ckpt, dtype=torch.bfloat16, progress=False)
+    fresh = Cosmos3Transformer(f32.config, dtype=torch.float32)
+    assert torch.equal(f32.rotary_emb.inv_freq, fresh.rotary_emb.inv_freq)
+    assert torch.equal(f32.rotary_emb.axis_of_slot, fresh.rotary_emb.axis_of_slot)
+    assert bf16.time_embedder.linear_1.weight.dtype == torch.float32
+    assert bf16.layers[0].gen.qkv_proj.weight.dtype == torch.bfloat16
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 263, (21,), generator=g)
+    latents, sound = torch.randn(48, 3, 3, 5, generator=g), torch.randn(64, 10, generator=g)
+    outs = []
+    for m in (f32, bf16):
+        (cache,) = m.prefill_und([ids])
+        item = GenItem(latents=latents, timestep=900, und_cache=cache, sound=sound, clean_frames=(0,))
+        outs.append(m(GenBatch.pack([item], config=m.config, device="cpu")))
+    assert outs[1].video[0].dtype == torch.bfloat16
+    v32, v16 = outs[0].video[0], outs[1].video[0].float()
+    assert ((v16 - v32).norm() / v32.norm()).item() < 5e-2
+    assert torch.count_nonzero(outs[1].video[0][:, 0]) == 0
