@@ -46,7 +46,9 @@ def reference_forward(ref, ids, latents, timestep, fps=24.0, clean_frames=(), so
     seq_len = und_len + vis["num_vision_tokens"]
     kw = {}
     if sound is not None:
-        snd = Pipe._prepare_sound_segment(pipe, sound, origin, float(ref.config.sound_latent_fps), seq_len, "cpu")
+        snd = Pipe._prepare_sound_segment(
+            pipe, sound, origin, float(ref.config.sound_latent_fps), seq_len, "cpu"
+        )
         mrope.append(snd["sound_mrope_ids"])
         seq_len += snd["sound_len"]
         kw = dict(
@@ -101,12 +103,18 @@ def check(models, cases):
             clean_frames=c.get("clean_frames", ()),
             sound=c.get("sound"),
         )
-        for c, cache in zip(cases, caches)
+        for c, cache in zip(cases, caches, strict=True)
     ]
     out = ours(GenBatch.pack(items, config=ours.config, device="cpu"))
-    for c, video, sound in zip(cases, out.video, out.sound):
+    for c, video, sound in zip(cases, out.video, out.sound, strict=True):
         ref_video, ref_sound = reference_forward(
-            ref, c["ids"], c["latents"], c["timestep"], c.get("fps", 24.0), c.get("clean_frames", ()), c.get("sound")
+            ref,
+            c["ids"],
+            c["latents"],
+            c["timestep"],
+            c.get("fps", 24.0),
+            c.get("clean_frames", ()),
+            c.get("sound"),
         )
         assert video.shape == c["latents"].shape
         assert rel(video, ref_video) <= TOL
@@ -180,10 +188,14 @@ def test_positions_match_the_pipeline_builders(models):
     origin = media_origin(110, cfg)
     assert origin == nxt + 15000
     for grid, fps in [((48, 23, 40), 24.0), ((12, 3, 5), 16.0), ((7, 2, 2), 29.97), ((1, 4, 6), 10.0)]:
-        ref, _ = get_3d_mrope_ids_vae_tokens(*grid, origin, fps=fps, base_fps=24.0, temporal_compression_factor=4)
+        ref, _ = get_3d_mrope_ids_vae_tokens(
+            *grid, origin, fps=fps, base_fps=24.0, temporal_compression_factor=4
+        )
         assert torch.equal(video_positions(grid, origin=origin, fps=fps, config=cfg), ref.float())
     for n in (1, 10, 197):
-        ref, _ = get_3d_mrope_ids_vae_tokens(n, 1, 1, origin, fps=25.0, base_fps=24.0, temporal_compression_factor=1)
+        ref, _ = get_3d_mrope_ids_vae_tokens(
+            n, 1, 1, origin, fps=25.0, base_fps=24.0, temporal_compression_factor=1
+        )
         assert torch.equal(sound_positions(n, origin=origin, config=cfg), ref.float())
 
 

@@ -49,7 +49,9 @@ def test_cached_und_kv_reused_across_steps_equals_recompute(model):
         item = dict(latents=latents, timestep=t, sound=sound, clean_frames=(0,) if step else ())
         cached = model(GenBatch.pack([GenItem(und_cache=cache, **item)], config=model.config, device="cpu"))
         (fresh_cache,) = model.prefill_und([ids])
-        fresh = model(GenBatch.pack([GenItem(und_cache=fresh_cache, **item)], config=model.config, device="cpu"))
+        fresh = model(
+            GenBatch.pack([GenItem(und_cache=fresh_cache, **item)], config=model.config, device="cpu")
+        )
         assert torch.equal(cached.video[0], fresh.video[0])
         assert torch.equal(cached.sound[0], fresh.sound[0])
     assert torch.equal(cache.k, k0) and torch.equal(cache.v, v0)
