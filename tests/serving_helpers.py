@@ -7,9 +7,15 @@ condition with a deadline instead of sleeping a fixed time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+
+import httpx
 
 from worldserve.config import SchedulerConfig
 from worldserve.engine.client import EngineClient
@@ -63,3 +69,39 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.005):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+@contextlib.asynccontextmanager
+async def asgi_server(storage: Path, *, api_key: str | None = None, sync_timeout_s: float = 30.0,
+                      max_upload_bytes: int = 8 * 2**20, **client_kw) -> AsyncIterator[httpx.AsyncClient]:
+    """The app over httpx.ASGITransport (no socket), its lifespan entered by hand."""
+    from worldserve.api.app import build_app
+
+    client = make_client(storage, **client_kw)
+    app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
+                    shutdown_timeout_s=2.0)  # fmt: skip
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            http.engine_client = client  # type: ignore[attr-defined]
+            yield http
+
+
+async def poll_job(http: httpx.AsyncClient, job_id: str, timeout: float = 20.0, headers=None) -> dict:
+    """GET the job until it is completed or failed; returns the last body."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = await http.get(f"/v1/videos/{job_id}", headers=headers)
+        body = r.json()
+        if body["status"] in ("completed", "failed"):
+            return body
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"job {job_id} did not finish in {timeout}s")
+
+
+def png_bytes(width: int = 24, height: int = 16, colour=(200, 30, 60)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buf, format="PNG")
+    return buf.getvalue()

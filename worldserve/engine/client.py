@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from worldserve.engine.engine import Engine
+from worldserve.engine.engine import Engine, EngineObserver
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import VideoParams
@@ -174,6 +174,18 @@ class EngineClient:
     def validate(self, params: VideoParams) -> VideoParams:
         """Model-aware checks (prompt length, sound availability); raises ParamError."""
         return self.engine.backend.validate(params)
+
+    def observe(self, observer: EngineObserver) -> None:
+        """Route the engine's step / finish / failure reports to `observer` (the metrics)."""
+        self.engine.observer = observer
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
 
     @property
     def has_sound(self) -> bool:

@@ -1,0 +1,256 @@
+"""The video API over httpx.ASGITransport on the FakeBackend (stub encoder): shapes, defaults, body types,
+sync headers and timeout, job lifecycle, list/delete/content semantics, auth, ids, limits, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+
+import pytest
+from serving_helpers import asgi_server, png_bytes, poll_job
+
+from worldserve.engine.fake_backend import FakeBackend
+
+pytestmark = pytest.mark.anyio
+SMALL = {"size": "64x48", "num_frames": "5", "num_inference_steps": "2", "fps": "8"}
+JOB_FIELDS = {
+    "id", "object", "model", "prompt", "status", "progress", "size", "seconds", "quality", "fps", "num_frames",
+    "duration_s", "created_at", "completed_at", "expires_at", "remixed_from_video_id", "error", "media_type",
+    "file_name", "inference_time_s", "stage_durations", "peak_memory_mb", "action",
+}  # fmt: skip
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def _meta(content: bytes) -> dict:
+    assert content.startswith(b"FAKEMP4")
+    return json.loads(content[7:])
+
+
+async def test_create_multipart_then_poll_then_download(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/videos", files={"prompt": (None, '{"subjects": [{"a": 1}]}'), **{
+            k: (None, v) for k, v in SMALL.items()}})  # fmt: skip
+        assert r.status_code == 200, r.text
+        job = r.json()
+        assert set(job) == JOB_FIELDS
+        assert re.fullmatch(r"video_gen_[0-9a-f]{32}", job["id"])
+        assert (job["object"], job["status"], job["progress"], job["model"]) == ("video", "queued", 0, "test-model")
+        assert (job["size"], job["num_frames"], job["fps"], job["media_type"]) == ("64x48", 5, 8.0, "video/mp4")
+        done = await poll_job(http, job["id"])
+        assert done["status"] == "completed" and done["progress"] == 100
+        assert done["file_name"] == f"{job['id']}.mp4" and done["completed_at"] >= done["created_at"]
+        assert {"prepare", "diffuse", "decode", "encode"} <= set(done["stage_durations"])
+        content = await http.get(f"/v1/videos/{job['id']}/content")
+        assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+        assert content.headers["content-disposition"] == f'attachment; filename="{job["id"]}.mp4"'
+        assert _meta(content.content)["frames"] == [5, 48, 64, 3]
+        part = await http.get(f"/v1/videos/{job['id']}/content", headers={"Range": "bytes=0-6"})
+        assert part.status_code == 206 and part.content == b"FAKEMP4"
+
+
+async def test_omitted_fields_take_model_defaults(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        job = (await http.post("/v1/videos", data={"prompt": "a cat"})).json()
+        assert (job["size"], job["num_frames"], job["fps"], job["seconds"]) == ("1280x720", 189, 24.0, "8")
+        done = await poll_job(http, job["id"])
+        meta = _meta((await http.get(f"/v1/videos/{job['id']}/content")).content)
+        assert meta["frames"] == [189, 720, 1280, 3] and meta["crf"] == 18 and meta["audio"] == [2, 378000]
+        assert done["status"] == "completed"
+
+
+async def test_json_body_same_names_and_structured_prompt(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        body = {"prompt": {"subjects": ["a dog"]}, "size": "64x48", "num_frames": 9, "fps": 8, "seed": 3,
+                "num_inference_steps": 1, "generate_sound": False, "quality": "lossless",
+                "extra_params": {"video_codec_options": {"preset": "fast"}}}  # fmt: skip
+        r = await http.post("/v1/videos", json=body)
+        assert r.status_code == 200, r.text
+        job = r.json()
+        assert job["prompt"] == '{"subjects":["a dog"]}' and job["quality"] == "lossless"
+        await poll_job(http, job["id"])
+        meta = _meta((await http.get(f"/v1/videos/{job['id']}/content")).content)
+        assert meta["audio"] is None and meta["crf"] == 0 and meta["codec_options"] == {"preset": "fast"}
+        assert meta["frames"] == [9, 48, 64, 3]
+
+
+async def test_seconds_width_height_and_extra_params(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/videos", data={"prompt": "x", "width": "32", "height": "32", "seconds": "2",
+                                                "fps": "10", "extra_params": '{"generate_sound": false}'})  # fmt: skip
+        job = r.json()
+        assert (job["num_frames"], job["size"], job["seconds"]) == (21, "32x32", "2")
+        r = await http.post("/v1/videos", data={"prompt": "x", "extra_params": "[1]"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "Invalid JSON in form field: expected dict, got list."
+        r = await http.post("/v1/videos", data={"prompt": "x", "extra_params": "{nope"})
+        assert r.json()["error"] == {"message": "Invalid JSON in form field.", "type": "Bad Request",
+                                     "param": "extra_params", "code": 400}  # fmt: skip
+        r = await http.post("/v1/videos", data={"prompt": "x", "extra_params": '{"flow_shift": -1}'})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params"
+
+
+async def test_model_name_check(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/videos", data={"prompt": "x", "model": "other", **SMALL})
+        assert r.status_code == 400
+        assert r.json()["error"] == {
+            "message": "Model mismatch: request specifies 'other' but server is running 'test-model'.",
+            "type": "Bad Request", "param": "model", "code": 400,
+        }  # fmt: skip
+        assert (await http.post("/v1/videos", data={"prompt": "x", "model": "test-model", **SMALL})).status_code == 200
+
+
+async def test_sync_route_headers_and_body(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/videos/sync", data={"prompt": "x", **SMALL}, headers={"Accept": "video/mp4"})
+        assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+        assert re.fullmatch(r"video_sync-[0-9a-f]{32}", r.headers["x-request-id"])
+        assert r.headers["x-model"] == "test-model"
+        assert float(r.headers["x-inference-time-s"]) >= 0 and float(r.headers["x-peak-memory-mb"]) == 0.0
+        assert "diffuse" in json.loads(r.headers["x-stage-durations"])
+        assert "content-disposition" not in r.headers
+        job = (await http.get(f"/v1/videos/{r.headers['x-video-id']}")).json()
+        assert job["status"] == "completed", "the sync route is a normal job"
+
+
+async def test_sync_timeout_504_and_job_survives(tmp_path):
+    async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.05), sync_timeout_s=0.2) as http:
+        r = await http.post("/v1/videos/sync", data={"prompt": "x", **SMALL, "num_inference_steps": "10"})
+        assert r.status_code == 504
+        assert r.json()["error"]["message"] == "Video generation timed out after 0.2s."
+        assert r.json()["error"]["type"] == "Gateway Timeout"
+        done = await poll_job(http, r.headers["x-video-id"])
+        assert done["status"] == "completed"
+
+
+async def test_failed_job_get_uses_failure_code_and_content_422(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        job = (await http.post("/v1/videos", data={"prompt": "__fail__:denoise", **SMALL})).json()
+        body = await poll_job(http, job["id"])
+        r = await http.get(f"/v1/videos/{job['id']}")
+        assert r.status_code == 500 and body["status"] == "failed"
+        assert body["error"]["code"] == 500 and "injected failure" in body["error"]["message"]
+        c = await http.get(f"/v1/videos/{job['id']}/content")
+        assert c.status_code == 422
+        assert c.json()["error"]["message"] == "Video generation failed. Check job status for error details."
+        s = await http.post("/v1/videos/sync", data={"prompt": "__fail__:decode", **SMALL})
+        assert s.status_code == 500 and s.json()["error"]["message"].startswith("Video generation failed:")
+        assert (await http.delete(f"/v1/videos/{job['id']}")).status_code == 200
+
+
+async def test_in_progress_content_delete_and_unknown_ids(tmp_path):
+    async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.02)) as http:
+        job = (await http.post("/v1/videos", data={"prompt": "x", **SMALL, "num_inference_steps": "200"})).json()
+        r = await http.get(f"/v1/videos/{job['id']}/content")
+        assert r.status_code == 404 and r.json()["error"]["message"] == "Generation is still in-progress"
+        assert (await http.get(f"/v1/videos/{job['id']}")).headers["openai-poll-after-ms"] == "500"
+        d = await http.delete(f"/v1/videos/{job['id']}")
+        assert d.status_code == 200 and d.json() == {"id": job["id"], "deleted": True, "object": "video.deleted"}
+        for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/content")):
+            r = await http.request(method, f"/v1/videos/{job['id']}{path}")
+            assert r.status_code == 404 and r.json()["error"]["message"] == "Video not found"
+        r = await http.get("/v1/videos/..%2F..%2Fetc%2Fpasswd/content")
+        assert r.status_code == 404
+
+
+async def test_list_pagination_and_bad_query(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        ids = [(await http.post("/v1/videos", data={"prompt": f"p{i}", **SMALL})).json()["id"] for i in range(5)]
+        page = (await http.get("/v1/videos", params={"limit": 2, "order": "asc"})).json()
+        assert [j["id"] for j in page["data"]] == ids[:2] and page["has_more"] and page["object"] == "list"
+        assert (page["first_id"], page["last_id"]) == (ids[0], ids[1])
+        page = (await http.get("/v1/videos", params={"limit": 10, "order": "asc", "after": ids[1]})).json()
+        assert [j["id"] for j in page["data"]] == ids[2:] and not page["has_more"]
+        newest = (await http.get("/v1/videos")).json()
+        assert [j["id"] for j in newest["data"]] == ids[::-1]
+        assert (await http.get("/v1/videos", params={"after": "video_gen_nope"})).json()["data"] == []
+        for bad in ({"limit": 101}, {"limit": -1}, {"order": "up"}, {"limit": "x"}):
+            r = await http.get("/v1/videos", params=bad)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request", bad
+            assert r.json()["error"]["param"] in ("limit", "order")
+
+
+async def test_image_to_video_upload_and_data_url(tmp_path):
+    png = png_bytes()
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/videos", data={"prompt": "x", **SMALL},
+                            files={"input_reference": ("ref.png", png, "image/png")})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        r = await http.post("/v1/videos", json={"prompt": "x", **SMALL, "image_reference": {"image_url": url}})
+        assert r.status_code == 200, r.text
+        r = await http.post("/v1/videos", data={"prompt": "x", "image_reference": json.dumps({"image_url": url})},
+                            files={"input_reference": ("ref.png", png, "image/png")})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("Provide only one of input_reference")
+        r = await http.post("/v1/videos", data={"prompt": "x", "image_reference": '{"file_id": "f"}'})
+        assert r.json()["error"]["message"] == "Invalid image_reference: file_id is not supported yet."
+
+
+async def test_auth_request_ids_and_open_routes(tmp_path):
+    async with asgi_server(tmp_path, api_key="sekret") as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = await http.get("/v1/videos", headers=headers)
+            assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        ok = await http.get("/v1/models", headers={"Authorization": "Bearer sekret", "X-Request-Id": "abc"})
+        assert ok.status_code == 200 and ok.headers["x-request-id"] == "abc"
+        card = ok.json()["data"][0]
+        assert ok.json()["object"] == "list" and card["id"] == "test-model" and card["object"] == "model"
+        for path in ("/health", "/metrics", "/version", "/openapi.json"):
+            r = await http.get(path)
+            assert r.status_code == 200, path
+            assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+        assert (await http.get("/health")).json() == {"status": "healthy"}
+
+
+async def test_unknown_route_and_method_use_the_envelope(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        r = await http.get("/v2/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "Not Found"
+        r = await http.put("/v1/videos")
+        assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+async def test_queue_full_429_with_retry_after(tmp_path):
+    async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.05), max_queued_requests=1) as http:
+        await http.post("/v1/videos", data={"prompt": "x", **SMALL, "num_inference_steps": "100"})
+        await asyncio.sleep(0.1)  # admitted: the queue is empty again
+        assert (await http.post("/v1/videos", data={"prompt": "y", **SMALL})).status_code == 200
+        r = await http.post("/v1/videos", data={"prompt": "z", **SMALL})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "Too Many Requests"
+        text = (await http.get("/metrics")).text
+        assert 'worldserve:request_rejected_total{model_name="test-model",reason="queue_full"} 1.0' in text
+
+
+async def test_upload_limit_413(tmp_path):
+    async with asgi_server(tmp_path, max_upload_bytes=1024) as http:
+        r = await http.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"0" * 4096)})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+        async def chunks():  # no Content-Length: the byte counter catches it
+            for _ in range(8):
+                yield b'{"prompt": "' + b"x" * 200
+
+        r = await http.post("/v1/videos", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+
+
+async def test_metrics_families(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        job = (await http.post("/v1/videos", data={"prompt": "x", **SMALL})).json()
+        await poll_job(http, job["id"])
+        failed = (await http.post("/v1/videos", data={"prompt": "__fail__:prepare", **SMALL})).json()
+        await poll_job(http, failed["id"])
+        text = (await http.get("/metrics")).text
+        for family in ("num_requests_waiting", "num_requests_running", "step_time_seconds_bucket",
+                       "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+                       'stage_duration_seconds_count{model_name="test-model",stage="encode"}',
+                       "request_success_total", 'request_failure_total{model_name="test-model",status="500"} 1.0',
+                       "peak_memory_mb"):  # fmt: skip
+            assert f"worldserve:{family}" in text, family

@@ -1,0 +1,87 @@
+"""build_app(client, ...) -> the FastAPI application: video routes, /v1/models, /health, /version, /metrics.
+
+The app only talks to an `EngineClient` (never to torch). Its lifespan starts the client (job recovery,
+engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, so tests enter
+`app.router.lifespan_context(app)` themselves (or run a real uvicorn). Middlewares, outermost first:
+request ids, then the /v1 API key. Exception handlers turn every error into the vLLM envelope (errors.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from worldserve import __version__
+from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
+from worldserve.api.errors import install_error_handlers
+from worldserve.api.metrics import Metrics
+from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
+from worldserve.api.state import AppState
+from worldserve.api.videos import router as videos_router
+from worldserve.engine.client import EngineClient
+
+
+def build_app(
+    client: EngineClient,
+    *,
+    metrics: Metrics | None = None,
+    api_key: str | None = None,
+    sync_timeout_s: float = 600.0,
+    max_upload_bytes: int = 100 * 2**20,
+    shutdown_timeout_s: float = 30.0,
+    model_root: str | None = None,
+) -> FastAPI:
+    metrics = metrics or Metrics(client.model_name)
+    metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
+    client.observe(metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.shutdown(shutdown_timeout_s)
+
+    app = FastAPI(
+        title="worldserve",
+        version=__version__,
+        description="vLLM-Omni / OpenAI-Videos-compatible video generation for Cosmos3 models.",
+        lifespan=lifespan,
+    )
+    app.state.ws = AppState(
+        client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
+        sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
+    )  # fmt: skip
+    install_error_handlers(app)
+    app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)
+    app.include_router(videos_router)
+    created = int(time.time())
+
+    @app.get("/v1/models", response_model=ModelList, tags=["models"])
+    async def list_models() -> ModelList:
+        name = client.model_name
+        permission = ModelPermission(id=f"modelperm-{name}", created=created)
+        return ModelList(data=[ModelCard(id=name, created=created, root=model_root or name, permission=[permission])])
+
+    @app.get("/health", tags=["server"])
+    async def health() -> JSONResponse:
+        ok, reason = client.health()
+        if ok:
+            return JSONResponse({"status": "healthy"})
+        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+    @app.get("/version", tags=["server"])
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics", tags=["server"], response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

@@ -1,0 +1,58 @@
+"""Bearer-key check for /v1/* and the X-Request-Id header, as two small pure-ASGI middlewares.
+
+Auth follows vLLM: with an API key configured, any request whose path starts with /v1 must carry
+`Authorization: Bearer KEY`, else 401 with the bare body {"error": "Unauthorized"} (not the envelope).
+OPTIONS, /health, /metrics, /version, /docs and /openapi.json stay open. Keys are compared in constant time.
+Request ids: the incoming X-Request-Id is echoed, otherwise a uuid4 hex is generated; a route that sets its
+own (the sync route's `video_sync-<hex>`) keeps it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+PROTECTED_PREFIX = "/v1"
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            self._expected is not None
+            and scope["type"] in ("http", "websocket")
+            and scope.get("method") != "OPTIONS"
+            and scope["path"].startswith(PROTECTED_PREFIX)
+        ):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self._expected):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if "x-request-id" not in headers:
+                    headers["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -1,0 +1,100 @@
+"""Every error leaves the server in vLLM's envelope: {"error": {"message", "type", "param", "code"}}.
+
+`type` is the HTTP reason phrase ("Bad Request", "Not Found", ...) and `code` the status (serving-api.md
+§3.2). Request validation answers 400, never FastAPI's 422 `{"detail": ...}`: the message starts
+"N validation error(s):" followed by one dict per error with loc ('body', field), as vLLM prints it, and
+`param` names the first offending field. Unknown routes and methods get the envelope too (404 / 405).
+The one exception is auth: 401 `{"error": "Unauthorized"}` (see auth.py).
+"""
+
+from __future__ import annotations
+
+import http
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from worldserve.params import ParamError
+
+log = logging.getLogger(__name__)
+MAX_INPUT_REPR = 200
+
+
+class APIError(Exception):
+    """Raised anywhere in a route to answer `status` with the envelope."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+
+def reason_phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": reason_phrase(status), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=dict(headers or {}))
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]], loc_prefix: tuple[str, ...] = ("body",)) -> APIError:
+    """pydantic errors -> a 400 APIError whose message reads like vLLM's and whose param is the first field."""
+    items = []
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        if loc_prefix and loc[: len(loc_prefix)] != loc_prefix:
+            loc = (*loc_prefix, *loc)
+        value = None if err.get("type") == "missing" else err.get("input")
+        if isinstance(value, str | bytes) and len(value) > MAX_INPUT_REPR:
+            value = value[:MAX_INPUT_REPR] + "..."
+        elif not isinstance(value, str | bytes | int | float | bool | type(None)):
+            value = repr(value)[:MAX_INPUT_REPR]
+        items.append({"type": err.get("type"), "loc": loc, "msg": err.get("msg"), "input": value})
+    n = len(items)
+    message = f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(f"  {item}" for item in items)
+    fields = [str(part) for item in items for part in item["loc"][1:2]]
+    return APIError(400, message, param=fields[0] if fields else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(ParamError)
+    async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
+        return error_response(400, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc.errors(), loc_prefix=())
+        return error_response(400, err.message, err.param)
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        err = validation_error(exc.errors())
+        return error_response(400, err.message, err.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,79 @@
+"""Prometheus metrics, named `worldserve:*` and labelled `model_name` (vLLM scrapes `vllm:*` the same way).
+
+`Metrics` is the engine's observer (on_step / on_finished / on_failed are called from the engine and
+encoder threads; prometheus-client is thread-safe) and owns its own CollectorRegistry, so several apps can
+live in one process (tests). Queue depth and running count are read at scrape time through callbacks;
+the GPU-memory gauge exists only when the server passes a reader (commands/serve.py does on CUDA).
+
+Families: num_requests_waiting, num_requests_running (gauges); step_time_seconds, step_batch_size,
+e2e_request_latency_seconds, request_queue_time_seconds, stage_duration_seconds{stage} (histograms);
+request_success_total, request_failure_total{status}, request_rejected_total{reason} (counters);
+peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, *, gpu_memory_bytes: Callable[[], float] | None = None):
+        self.registry = CollectorRegistry()
+        r, label = self.registry, ["model_name"]
+        self._label = {"model_name": model_name}
+        self.waiting = Gauge("worldserve:num_requests_waiting", "Video jobs queued for admission.", label, registry=r)
+        self.running = Gauge("worldserve:num_requests_running", "Video jobs holding denoise state.", label, registry=r)
+        self.step_time = Histogram("worldserve:step_time_seconds", "Wall time of one batched denoising step.",
+                                   label, buckets=STEP_BUCKETS, registry=r)  # fmt: skip
+        self.batch_size = Histogram("worldserve:step_batch_size", "Requests per denoising step.", label,
+                                    buckets=BATCH_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("worldserve:e2e_request_latency_seconds", "Submit to saved video.", label,
+                             buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.queue_time = Histogram("worldserve:request_queue_time_seconds", "Submit to admission.", label,
+                                    buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.stage = Histogram("worldserve:stage_duration_seconds", "Per-request stage wall time.",
+                               [*label, "stage"], buckets=STAGE_BUCKETS, registry=r)  # fmt: skip
+        self.success = Counter("worldserve:request_success", "Jobs completed.", label, registry=r)
+        self.failure = Counter("worldserve:request_failure", "Jobs failed, by error code.", [*label, "status"], registry=r)
+        self.rejected = Counter("worldserve:request_rejected", "Requests refused before becoming a job.",
+                                [*label, "reason"], registry=r)  # fmt: skip
+        self.peak_memory = Gauge("worldserve:peak_memory_mb", "Peak accelerator memory of the last finished job.",
+                                 label, registry=r)  # fmt: skip
+        if gpu_memory_bytes is not None:
+            gpu = Gauge("worldserve:gpu_memory_used_bytes", "Accelerator memory in use.", label, registry=r)
+            gpu.labels(**self._label).set_function(gpu_memory_bytes)
+
+    def track_queue(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
+        self.waiting.labels(**self._label).set_function(waiting)
+        self.running.labels(**self._label).set_function(running)
+
+    # -- EngineObserver --------------------------------------------------------------------------------
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        self.step_time.labels(**self._label).observe(seconds)
+        self.batch_size.labels(**self._label).observe(batch_size)
+
+    def on_finished(self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float) -> None:
+        self.success.labels(**self._label).inc()
+        self.e2e.labels(**self._label).observe(e2e_s)
+        self.queue_time.labels(**self._label).observe(queue_s)
+        for stage, seconds in stages.items():
+            self.stage.labels(stage=stage, **self._label).observe(seconds)
+        self.peak_memory.labels(**self._label).set(peak_memory_mb)
+
+    def on_failed(self, code: int) -> None:
+        self.failure.labels(status=str(code), **self._label).inc()
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason=reason, **self._label).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,179 @@
+"""Wire shapes of the video API (pydantic v2): the create request, the OpenAI/vLLM-Omni job object, list,
+delete, model list and error envelope (serving-api.md §3.2, §4.1, §6, §7.2).
+
+`VideoCreateRequest` validates field types, ranges and regexes the same way for multipart, urlencoded and
+JSON bodies (form strings are coerced: "24" -> 24, "yes" -> True); cross-field rules and model limits are
+applied later by `video_inputs.py` and `VideoParams.validate`. Undeclared fields are ignored, as in
+vLLM-Omni. `VideoObject.from_job` is the one place a stored `Job` becomes the job JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from worldserve.engine.client import Job
+
+INT64 = 2**63
+
+
+class VideoCreateRequest(BaseModel):
+    """Fields of POST /v1/videos and /v1/videos/sync (same names in every body type)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(description="Text, or a JSON document as a string (Cosmos3's structured prompt).")
+    model: str | None = Field(None, description="Must equal the served model name when given.")
+    negative_prompt: str | None = None
+    seconds: str | None = Field(None, pattern=r"^[1-9]\d*$", description="Without num_frames: seconds x fps.")
+    size: str | None = Field(None, pattern=r"^\d+x\d+$", description="WIDTHxHEIGHT; overrides width/height.")
+    user: str | None = None
+    quality: str | None = Field(None, description="default | high | lossless (x264 crf 18 / 10 / 0).")
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    num_frames: int | None = Field(None, ge=1, description="1 or 4k+1; default 189.")
+    fps: float | None = Field(None, ge=1, allow_inf_nan=False, description="Default 24.")
+    num_inference_steps: int | None = Field(None, ge=1, le=200, description="Default 35.")
+    guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False, description="Default 6.0.")
+    flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64, description="Default 42.")
+    max_sequence_length: int | None = Field(None, ge=1, description="Prompt-token cap; default 4096.")
+    generate_sound: bool | None = Field(None, description="Default: on when the checkpoint has a sound tokenizer.")
+    sound_duration: float | None = Field(None, gt=0, allow_inf_nan=False)
+    num_outputs_per_prompt: int = Field(1, ge=1, le=10)
+    image_reference: str | dict[str, Any] | None = Field(None, description='{"image_url": "data:image/...;base64,..."}')
+    video_reference: str | dict[str, Any] | None = None
+    extra_params: str | dict[str, Any] | None = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
+
+    @field_validator("seconds", "size", mode="before")
+    @classmethod
+    def _number_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class ExtraParams(BaseModel):
+    """The `extra_params` keys worldserve honours; other keys are accepted and ignored (as vLLM-Omni)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_sequence_length: int | None = Field(None, ge=1)
+    flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
+    generate_sound: bool | None = None
+    sound_gen: bool | None = None
+    sound_duration: float | None = Field(None, gt=0, allow_inf_nan=False)
+    audio_duration: float | None = Field(None, gt=0, allow_inf_nan=False)
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1, le=200)
+    guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    video_codec_options: dict[str, str | int | float] | None = None
+    guardrails: bool | None = Field(None, description="Accepted; this server loads no guardrail models.")
+
+
+class VideoError(BaseModel):
+    code: int | str
+    message: str
+
+
+class VideoObject(BaseModel):
+    """The job object (OpenAI Videos `Video` + vLLM-Omni extensions)."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    prompt: str
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    progress: int
+    size: str | None
+    seconds: str
+    quality: str
+    fps: float | None
+    num_frames: int | None
+    duration_s: float | None
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    remixed_from_video_id: str | None = None
+    error: VideoError | None = None
+    media_type: str = "video/mp4"
+    file_name: str | None = None
+    inference_time_s: float | None = None
+    stage_durations: dict[str, float] = Field(default_factory=dict)
+    peak_memory_mb: float | None = None
+    action: dict[str, Any] | None = None
+
+    @classmethod
+    def from_job(cls, job: Job) -> VideoObject:
+        spec = job.spec
+        error = None
+        if job.error_message is not None:
+            error = VideoError(code=job.error_code or 500, message=job.error_message)
+        return cls(
+            id=job.id, model=spec.model, prompt=spec.prompt, status=job.status.value, progress=job.progress,
+            size=spec.size, seconds=spec.seconds, quality=spec.quality, fps=spec.fps, num_frames=spec.num_frames,
+            duration_s=round(spec.num_frames / spec.fps, 4), created_at=int(job.created_at),
+            completed_at=_int_or_none(job.completed_at), expires_at=_int_or_none(job.expires_at), error=error,
+            file_name=job.file_name, inference_time_s=job.inference_time_s, stage_durations=job.stage_durations,
+            peak_memory_mb=job.peak_memory_mb,
+        )  # fmt: skip
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    deleted: bool = True
+    object: Literal["video.deleted"] = "video.deleted"
+
+
+class ModelPermission(BaseModel):
+    id: str
+    object: Literal["model_permission"] = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "worldserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,26 @@
+"""What every route shares, hung on `app.state.ws` by `build_app`: the engine client, settings, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from worldserve.api.metrics import Metrics
+from worldserve.engine.client import EngineClient
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AppState:
+    client: EngineClient
+    metrics: Metrics
+    served_model_name: str
+    model_root: str | None
+    """The model argument as given (shown as `root` in /v1/models)."""
+    sync_timeout_s: float
+    max_upload_bytes: int
+    shutdown_timeout_s: float
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.ws

@@ -1,0 +1,173 @@
+"""The video routes: POST /v1/videos, POST /v1/videos/sync, GET /v1/videos, GET|DELETE /v1/videos/{id},
+GET /v1/videos/{id}/content (serving-api.md §5, §6).
+
+Create = validate (400s before any GPU work) -> persist a queued job -> hand it to the engine -> 200 with the
+job object. Sync = the same job, awaited up to the sync timeout: 200 video/mp4 with the timing headers, or
+504 "Video generation timed out after <N>s." while the job goes on (GET /v1/videos/<X-Video-Id> finds it).
+DELETE removes the job and its files and aborts its GPU work at the next step boundary. A failed job's GET
+answers with the failure's status code (vLLM-Omni quirk). Content supports HTTP Range (Starlette).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from worldserve.api.errors import APIError
+from worldserve.api.protocol import ErrorResponse, VideoCreateRequest, VideoDeleted, VideoList, VideoObject
+from worldserve.api.state import AppState, app_state
+from worldserve.api.video_inputs import VideoInputs, build_inputs, read_fields
+from worldserve.engine.client import Job, JobStatus, QueueFullError, ShuttingDownError
+
+router = APIRouter(tags=["videos"])
+State = Annotated[AppState, Depends(app_state)]
+NOT_FOUND = "Video not found"
+POLL_AFTER_MS = "500"
+
+
+def _request_body_schema() -> dict[str, Any]:
+    schema = VideoCreateRequest.model_json_schema()
+    form = json.loads(json.dumps(schema))
+    form["properties"]["input_reference"] = {"type": "string", "format": "binary",
+                                             "description": "Image for image-to-video."}  # fmt: skip
+    return {"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": form},
+        "application/x-www-form-urlencoded": {"schema": schema},
+        "application/json": {"schema": schema},
+    }}}  # fmt: skip
+
+
+BODY = _request_body_schema()
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Invalid request", "model": ErrorResponse},
+    401: {"description": "Missing or wrong API key"},
+    404: {"description": "Unknown job", "model": ErrorResponse},
+}
+
+
+async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
+    try:
+        fields = await read_fields(request, st.max_upload_bytes)
+    except APIError as exc:
+        if exc.status == 413:
+            st.metrics.on_rejected("too_large")
+        raise
+    inputs = await build_inputs(fields, served_model=st.served_model_name, has_sound=st.client.has_sound)
+    st.client.validate(inputs.params)
+    try:
+        job = st.client.submit(inputs.params, inputs.spec, inputs.encode, inputs.reference)
+    except QueueFullError as exc:
+        st.metrics.on_rejected("queue_full")
+        raise APIError(429, f"Too many queued requests ({st.client.max_queued_requests}); retry later.",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
+    except ShuttingDownError:
+        st.metrics.on_rejected("shutting_down")
+        raise APIError(503, "The server is shutting down and accepts no new jobs.") from None
+    return job, inputs
+
+
+def _job_response(job: Job) -> JSONResponse:
+    body = VideoObject.from_job(job).model_dump(mode="json")
+    if job.status is JobStatus.FAILED:
+        return JSONResponse(body, status_code=job.error_code if 400 <= (job.error_code or 0) < 600 else 500)
+    headers = {} if job.status.terminal else {"openai-poll-after-ms": POLL_AFTER_MS}
+    return JSONResponse(body, headers=headers)
+
+
+@router.post("/v1/videos", response_model=VideoObject, openapi_extra=BODY, responses={**ERRORS, 413: {}, 429: {}})
+async def create_video(request: Request, st: State) -> JSONResponse:
+    """Create an async video job (multipart, urlencoded or JSON body)."""
+    job, _ = await _submit(request, st)
+    return _job_response(job)
+
+
+@router.post(
+    "/v1/videos/sync",
+    openapi_extra=BODY,
+    response_class=Response,
+    responses={200: {"content": {"video/mp4": {}}, "description": "The MP4"}, **ERRORS, 413: {}, 429: {}, 504: {}},
+)
+async def create_video_sync(request: Request, st: State) -> Response:
+    """Generate and return the MP4 (blocking); the job also stays retrievable under /v1/videos."""
+    request_id = f"video_sync-{uuid.uuid4().hex}"
+    job, _ = await _submit(request, st)
+    ids = {"X-Request-Id": request_id, "X-Video-Id": job.id}
+    try:
+        done = await asyncio.wait_for(st.client.wait(job.id), st.sync_timeout_s)
+    except TimeoutError:
+        raise APIError(504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids) from None
+    except ShuttingDownError:
+        raise APIError(503, f"The server is shutting down; job {job.id} stays queued and resumes after a restart.",
+                       headers=ids) from None  # fmt: skip
+    if done is None:
+        raise APIError(404, f"{NOT_FOUND}: the job was deleted before it completed.", headers=ids)
+    if done.status is JobStatus.FAILED:
+        raise APIError(done.error_code or 500, done.error_message or "Video generation failed.", headers=ids)
+    try:
+        video = await asyncio.to_thread(st.client.video_path(job.id).read_bytes)
+    except FileNotFoundError:
+        raise APIError(404, "Generated video file not found on disk", headers=ids) from None
+    headers = {
+        **ids,
+        "X-Model": st.served_model_name,
+        "X-Inference-Time-S": f"{done.inference_time_s or 0.0:.3f}",
+        "X-Stage-Durations": json.dumps({k: round(v, 3) for k, v in done.stage_durations.items()}, separators=(",", ":")),
+        "X-Peak-Memory-MB": f"{done.peak_memory_mb or 0.0:.3f}",
+    }
+    return Response(video, media_type="video/mp4", headers=headers)
+
+
+@router.get("/v1/videos", response_model=VideoList, responses=ERRORS)
+async def list_videos(
+    st: State,
+    after: Annotated[str | None, Query(description="Job id cursor")] = None,
+    limit: Annotated[int | None, Query(ge=0, le=100)] = None,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+) -> VideoList:
+    """List jobs by creation time (newest first by default)."""
+    jobs, has_more = st.client.list(after=after, limit=limit, order=order)
+    data = [VideoObject.from_job(j) for j in jobs]
+    return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                     has_more=has_more)  # fmt: skip
+
+
+@router.get("/v1/videos/{video_id}", response_model=VideoObject, responses=ERRORS)
+async def retrieve_video(video_id: str, st: State) -> JSONResponse:
+    """Job status, progress (per denoising step) and metadata; a failed job answers with its error code."""
+    job = st.client.get(video_id)
+    if job is None:
+        raise APIError(404, NOT_FOUND, param="video_id")
+    return _job_response(job)
+
+
+@router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
+async def delete_video(video_id: str, st: State) -> VideoDeleted:
+    """Cancel (at the next step boundary) if queued or running, and remove the job and its files."""
+    if st.client.delete(video_id) is None:
+        raise APIError(404, NOT_FOUND, param="video_id")
+    return VideoDeleted(id=video_id)
+
+
+@router.get(
+    "/v1/videos/{video_id}/content",
+    response_class=FileResponse,
+    responses={200: {"content": {"video/mp4": {}}, "description": "The MP4 (Range supported)"}, 422: {}, **ERRORS},
+)
+async def download_video(video_id: str, st: State) -> FileResponse:
+    """Download the MP4 (HTTP Range supported); `variant` other than video is not offered."""
+    job = st.client.get(video_id)
+    if job is None:
+        raise APIError(404, NOT_FOUND, param="video_id")
+    if job.status is JobStatus.FAILED:
+        raise APIError(422, "Video generation failed. Check job status for error details.")
+    if job.status is not JobStatus.COMPLETED:
+        raise APIError(404, "Generation is still in-progress")
+    path = st.client.video_path(video_id)
+    if not path.is_file():
+        raise APIError(404, "Generated video file not found on disk")
+    return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
