@@ -164,22 +164,25 @@ def test_system_prompt_option_matches_diffusers(pipeline, tiny_ckpt):
         assert encoder.encode("a cat", is_image=shape.is_image) == cond_ref
 
 
+LONG_TEXT = " ".join(f"q{i}z" for i in range(300))  # digits and odd pairs: little for BPE to merge
+
+
 def test_too_long_prompts_are_param_errors(encoder):
     short = dict(negative_prompt="", height=48, width=80, num_frames=9, fps=24.0)
     with pytest.raises(ParamError) as err:
-        encoder.encode_params(VideoParams(prompt="x" * 300, max_sequence_length=200, **short))
+        encoder.encode_params(VideoParams(prompt=LONG_TEXT, max_sequence_length=200, **short))
     assert err.value.param == "prompt"
-    n = len(encoder.encode(format_prompts(VideoParams(prompt="x" * 300, **short)).cond))
+    n = len(encoder.encode(format_prompts(VideoParams(prompt=LONG_TEXT, **short)).cond))
     assert f"{n} tokens" in err.value.message and "max_sequence_length=200" in err.value.message
 
     with pytest.raises(ParamError) as err:
         encoder.encode_params(
-            VideoParams(prompt="a cat", **{**short, "negative_prompt": "y" * 300}, max_sequence_length=200)
+            VideoParams(prompt="a cat", **{**short, "negative_prompt": LONG_TEXT}, max_sequence_length=200)
         )
     assert err.value.param == "negative_prompt"
     with pytest.raises(ParamError) as err:
         encoder.encode_params(
-            VideoParams(prompt="a cat", height=48, width=80, num_frames=9, max_sequence_length=4096)
+            VideoParams(prompt="a cat", height=48, width=80, num_frames=9, max_sequence_length=1000)
         )
     assert err.value.param == "max_sequence_length" and "default negative prompt" in err.value.message
     # Without CFG the negative is not tokenized, so it cannot fail the request.

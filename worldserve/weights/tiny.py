@@ -21,7 +21,7 @@ import torch
 from worldserve.models.cosmos3.checkpoint_keys import is_fp32_key, transformer_checkpoint_shapes
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.weights.safetensors_shards import write_sharded
-from worldserve.weights.tokenizer_fixture import SPECIAL_TOKENS, write_tiny_tokenizer
+from worldserve.weights.tokenizer_fixture import special_token_ids, write_tiny_tokenizer
 
 # Wan2.2 TI2V-5B latent statistics (cosmos3-model.md §6.3): kept real so normalisation is exercised.
 WAN22_LATENTS_MEAN = [
@@ -244,7 +244,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sound: bool = True, vision: bo
         "use_native_flow_schedule": True,
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    token_ids = {t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)}
+    token_ids = special_token_ids(out / "text_tokenizer")
     (out / "config.json").write_text(json.dumps(_root_config(config, token_ids, vision), indent=2) + "\n")
     root_index = {"metadata": {"format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(root_index, indent=2) + "\n")

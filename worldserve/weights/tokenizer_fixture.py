@@ -1,8 +1,10 @@
 """A tiny offline Qwen-style tokenizer carrying the real Cosmos3 special tokens and a Qwen3-VL-like chat template.
 
-Byte-level BPE with the 256 byte symbols and no merges (every byte is one token), then `<|endoftext|>`
-and the six special tokens Cosmos3 relies on. Saved as a transformers `Qwen2Tokenizer`, so the same
-folder loads in `AutoTokenizer` (ours and diffusers'). Vocabulary size 263.
+Byte-level BPE like Qwen's: the 256 byte symbols (ids 0..255, in byte order), then merges learnt
+deterministically from the shipped default negative prompt plus a little English (so prompts compress about
+3x, as with the real tokenizer, and the default negative stays under `max_sequence_length`), then
+`<|endoftext|>` and the six special tokens Cosmos3 relies on. Saved as a transformers `Qwen2Tokenizer`, so
+the same folder loads in `AutoTokenizer` (ours and diffusers').
 """
 
 from __future__ import annotations
@@ -51,6 +53,32 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars), strict=True))
 
 
+MERGE_VOCAB_SIZE = 1280
+TRAINING_TEXT = (
+    "A red fox runs through a snowy forest at dawn. The camera slowly pans to the right as the light changes. "
+    "A person walks along the beach while waves crash on the shore, and the sound of seagulls fills the air. "
+    "Describe the video. What happens in this image? The robot arm picks up the cup and places it on the table."
+)
+
+
+def _learn_merges() -> list[tuple[str, str]]:
+    """BPE merges learnt from the default negative prompt and TRAINING_TEXT (deterministic)."""
+    import json
+    from importlib import resources
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    negative = json.dumps(json.loads(resources.files("worldserve.assets").joinpath("negative_prompt.json").read_text()))
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=MERGE_VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    learner.train_from_iterator([negative, TRAINING_TEXT], trainer=trainer)
+    merges = json.loads(learner.to_str())["model"]["merges"]
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+
+
 def write_tiny_tokenizer(out_dir: Path) -> int:
     """Write the tokenizer into `out_dir`; returns its vocabulary size."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -58,7 +86,10 @@ def write_tiny_tokenizer(out_dir: Path) -> int:
 
     byte_map = _bytes_to_unicode()
     vocab = {byte_map[b]: b for b in range(256)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    merges = _learn_merges()
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -74,3 +105,11 @@ def write_tiny_tokenizer(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out_dir))
     return len(tok)
+
+
+def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
+    """Ids of SPECIAL_TOKENS in a written tokenizer."""
+    import json
+
+    added = json.loads((tokenizer_dir / "tokenizer.json").read_text())["added_tokens"]
+    return {t["content"]: t["id"] for t in added if t["content"] in SPECIAL_TOKENS}

@@ -1,0 +1,1 @@
+"""Data files shipped with worldserve (the default negative prompt)."""
