@@ -85,3 +85,12 @@ def build_app(
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+def route_table(app: FastAPI) -> list[tuple[str, list[str]]]:
+    """(path, methods) of every HTTP route, for the startup log (included routers are expanded via OpenAPI)."""
+    table = {r.path: sorted(r.methods) for r in app.routes if getattr(r, "methods", None) and hasattr(r, "path")}
+    for path, operations in app.openapi()["paths"].items():
+        table.setdefault(path, sorted(m.upper() for m in operations))
+    return sorted(table.items())
+

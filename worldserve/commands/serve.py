@@ -1,0 +1,162 @@
+"""`worldserve serve [MODEL] --host H --port P [--omni] [--init-timeout S] ...`: the HTTP server.
+
+Same command line as the recipe's `vllm serve nvidia/Cosmos3-Nano --omni --port 8000 --init-timeout 1800`.
+Flags come from the config dataclasses (config.py). Startup: resolve the config, load the model within
+--init-timeout (no MODEL: the embedded tiny random checkpoint, loudly), open the job store, wire
+engine + client + app, log the routes, then uvicorn ("Application startup complete." = ready).
+SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get --shutdown-timeout seconds
+to finish, anything unfinished stays queued in the store and is re-run at the next start.
+`--backend fake` (hidden) serves numpy colour frames with no model: for tests only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from worldserve import __version__
+from worldserve.config import CONFIG_CLASSES, EngineConfig, ModelConfig, add_config_arguments
+
+log = logging.getLogger("worldserve.serve")
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for cls in CONFIG_CLASSES:
+        add_config_arguments(parser, cls)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
+    try:
+        config = EngineConfig.from_args(args).resolve()
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
+    if config.model.omni:
+        log.info("--omni accepted: worldserve always serves the omni video API")
+    loaded = _load_backend_within(config.model)
+    if loaded is None:
+        return 1
+    backend, gpu_memory = loaded
+    return _serve(config, backend, gpu_memory)
+
+
+def _serve(config: EngineConfig, backend: Any, gpu_memory: Any) -> int:
+    from worldserve.api.app import build_app, route_table
+    from worldserve.api.metrics import Metrics
+    from worldserve.engine.client import EngineClient
+    from worldserve.engine.engine import Engine
+    from worldserve.engine.jobs import JobStore
+
+    server_cfg, served = config.server, config.model.served_model_name
+    store = JobStore(server_cfg.storage_dir)
+    log.info("job store: %s (ttl: %s)", store.root, f"{server_cfg.job_ttl:g}s" if server_cfg.job_ttl else "none")
+    metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
+    engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=server_cfg.job_ttl)
+    client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
+                          job_ttl_s=server_cfg.job_ttl)  # fmt: skip
+    app = build_app(
+        client, metrics=metrics, api_key=server_cfg.api_key, sync_timeout_s=server_cfg.sync_timeout,
+        max_upload_bytes=server_cfg.max_upload_bytes, shutdown_timeout_s=config.scheduler.shutdown_timeout,
+        model_root=config.model.model,
+    )  # fmt: skip
+    log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
+             config.scheduler.max_queued_requests, server_cfg.sync_timeout,
+             ", API key required on /v1" if server_cfg.api_key else "")  # fmt: skip
+    log.info("Starting worldserve API server on http://%s:%d", server_cfg.host, server_cfg.port)
+    log.info("Available routes are:")
+    for path, methods in route_table(app):
+        log.info("Route: %s, Methods: %s", path, ", ".join(methods))
+    uv_config = uvicorn.Config(
+        app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
+        timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
+    )  # fmt: skip
+    GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run()
+    return 0
+
+
+def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
+    """Load the backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = _load_backend(cfg)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    started = time.monotonic()
+    loader = threading.Thread(target=target, name="worldserve-load", daemon=True)
+    loader.start()
+    loader.join(cfg.init_timeout)
+    if loader.is_alive():
+        log.error("Model did not become ready within %gs (--init-timeout); raise it for cold caches", cfg.init_timeout)
+        return None
+    if "error" in outcome:
+        log.error("could not load the model: %s", outcome["error"], exc_info=outcome["error"])
+        return None
+    log.info("model ready in %.1fs", time.monotonic() - started)
+    return outcome["value"]
+
+
+def _load_backend(cfg: ModelConfig) -> tuple[Any, Any]:
+    """(VideoBackend, GPU-memory reader or None)."""
+    if cfg.backend == "fake":
+        from worldserve.engine.fake_backend import FakeBackend
+
+        log.warning("--backend fake: serving numpy colour frames, no model (tests only)")
+        return FakeBackend(step_delay=cfg.fake_step_delay), None
+    from worldserve.weights.checkpoint import resolve_model
+
+    path = resolve_model(cfg.model, cfg.revision)
+    if cfg.model is None:
+        bar = "=" * 88
+        log.warning(bar)
+        log.warning("No MODEL given: serving the embedded TINY RANDOM Cosmos3 checkpoint at %s", path)
+        log.warning("Its videos and audio are NOISE. For real output: worldserve serve nvidia/Cosmos3-Nano")
+        log.warning(bar)
+    import torch
+
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+    pipeline = VideoPipeline.from_pretrained(path, device=cfg.device, dtype=dtype)
+    gpu_memory = None
+    if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
+        device = torch.device(cfg.device or "cuda")
+        gpu_memory = lambda: float(torch.cuda.memory_allocated(device))  # noqa: E731
+    return pipeline, gpu_memory
+
+
+def _non_default_args(args: argparse.Namespace) -> str:
+    defaults = {}
+    for cls in CONFIG_CLASSES:
+        parser = argparse.ArgumentParser(add_help=False)
+        add_config_arguments(parser, cls)
+        defaults.update(vars(parser.parse_args([])))
+    changed = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    if "api_key" in changed:
+        changed["api_key"] = "***"
+    return f"non-default args: {changed}" if changed else "all defaults"
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that stops job intake the moment a shutdown signal arrives (then uvicorn's own)."""
+
+    def __init__(self, config: uvicorn.Config, client: Any, shutdown_timeout: float):
+        super().__init__(config)
+        self._client = client
+        self._shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            log.info("shutdown requested: no new jobs; running ones get %gs to finish", self._shutdown_timeout)
+            self._client.begin_shutdown(self._shutdown_timeout)
+        super().handle_exit(sig, frame)
