@@ -105,3 +105,26 @@ def png_bytes(width: int = 24, height: int = 16, colour=(200, 30, 60)) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (width, height), colour).save(buf, format="PNG")
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s: float = 60.0, **client_kw):
+    """A real uvicorn on a loopback port in a background thread (lifespan included); yields (url, client)."""
+    import threading
+
+    import uvicorn
+
+    from worldserve.api.app import build_app
+
+    client = make_client(storage, **client_kw)
+    app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive())
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", client
+    finally:
+        server.should_exit = True
+        thread.join(15)

@@ -1,0 +1,136 @@
+"""A real uvicorn on a loopback port: the recipe's curl, async progress, cancel, 64 concurrent requests and
+the official `openai` client's videos calls. FakeBackend; the recipe test uses the real MP4 encoder."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+from serving_helpers import png_bytes, uvicorn_thread, wait_until
+
+from worldserve.engine.fake_backend import FakeBackend
+
+RECIPE_PROMPT = (
+    '{"subjects":[{"description":"a red robot arm","action":"stacks two wooden blocks"}],'
+    '"background_setting":"a sunlit workshop","cinematography":{"camera_motion":"Static"},'
+    '"audio_description":"soft clicks of wood on wood"}'
+)
+NEGATIVE = '{"artifacts":"blurry, distorted, flickering"}'
+
+
+def recipe_fields(size: str) -> list[tuple[str, str]]:
+    return [("prompt", RECIPE_PROMPT), ("negative_prompt", NEGATIVE), ("size", size), ("num_frames", "189"),
+            ("fps", "24"), ("num_inference_steps", "35"), ("guidance_scale", "6.0"),
+            ("max_sequence_length", "4096"), ("flow_shift", "10.0"), ("seed", "123")]  # fmt: skip
+
+
+def test_recipe_curl_gives_h264_aac_mp4(tmp_path):
+    pytest.importorskip("worldserve.media.mp4")
+    av = pytest.importorskip("av")
+    size = "320x192"  # the recipe's fields and frame count; a small size keeps the x264 encode under a second
+    out = tmp_path / "output.mp4"
+    with uvicorn_thread(tmp_path / "store", real_encoder=True) as (url, _):
+        if shutil.which("curl"):
+            cmd = ["curl", "-sS", "-X", "POST", f"{url}/v1/videos/sync", "-H", "Accept: video/mp4",
+                   "-D", str(tmp_path / "headers"), "--output", str(out)]  # fmt: skip
+            for name, value in recipe_fields(size):
+                cmd += ["-F", f"{name}={value}"]
+            subprocess.run(cmd, check=True, timeout=120)
+            headers = (tmp_path / "headers").read_text().lower()
+        else:
+            r = httpx.post(f"{url}/v1/videos/sync", files=[(k, (None, v)) for k, v in recipe_fields(size)], timeout=120)
+            out.write_bytes(r.content)
+            headers = "\n".join(f"{k}: {v}" for k, v in r.headers.items()).lower()
+    assert " 200" in headers.splitlines()[0] if "http/" in headers else True
+    assert "content-type: video/mp4" in headers and "x-request-id: video_sync-" in headers
+    with av.open(str(out)) as container:
+        video = container.streams.video[0]
+        audio = container.streams.audio[0]
+        assert video.codec_context.name == "h264" and video.average_rate == 24
+        assert (video.codec_context.width, video.codec_context.height) == (320, 192)
+        assert audio.codec_context.name == "aac" and audio.codec_context.sample_rate == 48000
+        assert audio.codec_context.channels == 2
+        frames = sum(1 for _ in container.decode(video=0))
+    assert frames == 189
+
+
+def test_async_progress_rises_then_content(tmp_path):
+    with uvicorn_thread(tmp_path, backend=FakeBackend(step_delay=0.02)) as (url, _):
+        with httpx.Client(base_url=url, timeout=10) as http:
+            job = http.post("/v1/videos", data={"prompt": "x", "size": "64x48", "num_frames": "5",
+                                                "num_inference_steps": "25"}).json()  # fmt: skip
+            seen = []
+            while (body := http.get(f"/v1/videos/{job['id']}").json())["status"] != "completed":
+                seen.append(body["progress"])
+                time.sleep(0.01)
+            assert len(set(seen)) >= 5 and seen == sorted(seen) and 0 < max(seen) < 100, seen
+            content = http.get(f"/v1/videos/{job['id']}/content")
+            assert content.status_code == 200 and content.content.startswith(b"FAKEMP4")
+
+
+def test_cancel_mid_job_over_http(tmp_path):
+    backend = FakeBackend(step_delay=0.02)
+    with uvicorn_thread(tmp_path, backend=backend) as (url, _):
+        with httpx.Client(base_url=url, timeout=10) as http:
+            job = http.post("/v1/videos", data={"prompt": "x", "size": "64x48", "num_frames": "5",
+                                                "num_inference_steps": "200"}).json()  # fmt: skip
+            wait_until(lambda: http.get(f"/v1/videos/{job['id']}").json()["progress"] >= 2)
+            assert http.delete(f"/v1/videos/{job['id']}").json()["deleted"] is True
+            wait_until(lambda: job["id"] in backend.released)
+            assert not backend.live and http.get(f"/v1/videos/{job['id']}").status_code == 404
+            n_steps = len(backend.batch_sizes)
+            time.sleep(0.1)
+            assert len(backend.batch_sizes) == n_steps, "no more steps after the cancel"
+
+
+def test_64_concurrent_requests_no_errors(tmp_path):
+    backend = FakeBackend(step_delay=0.002)
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=64)) as http:
+            async def one(i):
+                form = {"prompt": f"p{i}", "size": "64x48", "num_frames": "5", "num_inference_steps": "4",
+                        "seed": str(i)}  # fmt: skip
+                if i % 2:
+                    return await http.post("/v1/videos/sync", data=form)
+                job = (await http.post("/v1/videos", data=form)).json()
+                while (r := await http.get(f"/v1/videos/{job['id']}")).json()["status"] != "completed":
+                    await asyncio.sleep(0.01)
+                return await http.get(f"/v1/videos/{job['id']}/content")
+
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    with uvicorn_thread(tmp_path, backend=backend, max_batch_size=8) as (url, _):
+        responses = asyncio.run(main(url))
+        listed = httpx.get(f"{url}/v1/videos", params={"limit": 100}).json()
+    assert [r.status_code for r in responses] == [200] * 64
+    assert len({r.content for r in responses}) == 64, "every seed gave its own video"
+    assert max(backend.batch_sizes) > 1 and len(listed["data"]) == 64
+
+
+def test_openai_client_videos_calls(tmp_path):
+    openai = pytest.importorskip("openai")
+    with uvicorn_thread(tmp_path, api_key="sk-test") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0)
+        small = {"num_frames": 5, "num_inference_steps": 2, "fps": 8}
+        video = client.videos.create(prompt="a cat", size="64x48", seconds="1", extra_body=small)
+        assert video.id.startswith("video_gen_") and video.status == "queued" and video.size == "64x48"
+        done = client.videos.create_and_poll(prompt="a dog", size="64x48", extra_body=small, poll_interval_ms=20)
+        assert done.status == "completed" and done.progress == 100
+        image = client.videos.create(prompt="i2v", size="64x48", extra_body=small,
+                                     input_reference=("ref.png", png_bytes(), "image/png"))  # fmt: skip
+        assert client.videos.retrieve(image.id).model == "test-model"
+        ids = [v.id for v in client.videos.list(limit=2, order="asc")]  # auto-paginates over all pages
+        assert ids[:2] == [video.id, done.id] and image.id in ids
+        content = client.videos.download_content(done.id)
+        assert content.content.startswith(b"FAKEMP4")
+        deleted = client.videos.delete(video.id)
+        assert deleted.deleted and deleted.id == video.id
+        with pytest.raises(openai.NotFoundError):
+            client.videos.retrieve(video.id)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).videos.list()
