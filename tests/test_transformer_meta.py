@@ -159,3 +159,25 @@ def test_tensor_parallel_2_over_gloo_equals_single(tiny_ckpt, tmp_path):
         p.join(timeout=60)
     assert all(p.exitcode == 0 for p in procs)
     assert ((y - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_gen_batch_validates_its_items():
+    config = Cosmos3Config.tiny()
+    model = Cosmos3Transformer(config, dtype=torch.float32)
+    empty = model.new_und_cache(4)
+    full = model.new_und_cache(4)
+    full.advance(4)
+    ok = dict(latents=torch.zeros(48, 2, 2, 2), timestep=1, und_cache=full)
+    GenBatch.pack([GenItem(**ok)], config=config, device="cpu")
+    bad = [
+        dict(ok, latents=torch.zeros(16, 2, 2, 2)),
+        dict(ok, clean_frames=(2,)),
+        dict(ok, sound=torch.zeros(32, 5)),
+        dict(ok, und_cache=empty),
+        dict(ok, fps=0.0),
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            GenBatch.pack([GenItem(**kw)], config=config, device="cpu")
+    with pytest.raises(ValueError):
+        GenBatch.pack([], config=config, device="cpu")

@@ -1,4 +1,4 @@
-"""Our Cosmos3Transformer against diffusers' Cosmos3OmniTransformer on the tiny random checkpoint (float32, CPU).
+"""Our Cosmos3Transformer against diffusers' Cosmos3OmniTransformer on the tiny checkpoint (float32, CPU).
 
 The diffusers forward inputs are built by the pipeline's own segment builders
 (`Cosmos3OmniPipeline._prepare_{text,vision,sound}_segment`, called with a stand-in `self` that carries only
@@ -91,7 +91,7 @@ def make_case(seed, text_len, grid, sound_frames=0):
 
 
 def check(models, cases):
-    """cases: dicts(ids, latents, timestep, fps, clean_frames, sound); one our-forward vs one diffusers call each."""
+    """cases: dicts(ids, latents, timestep, fps, clean_frames, sound); one forward of ours, one diffusers call each."""
     ref, ours = models
     caches = ours.prefill_und([c["ids"] for c in cases])
     items = [
@@ -209,3 +209,26 @@ def test_action_heads_load_and_match(models):
     assert torch.equal(ref.action_modality_embed, ours.action_modality_embed)
     with torch.no_grad():
         assert rel(ours.action_proj_in(x, dom), ref.action_proj_in(x, dom)) <= TOL
+
+
+def test_attention_bias_checkpoint(tmp_path):
+    """A diffusers model with attention_bias=True, saved and loaded by both: fused q|k|v biases are right."""
+    from diffusers import Cosmos3OmniTransformer
+
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.weights.loader import load_transformer
+
+    cfg = Cosmos3Config.tiny(vocab_size=VOCAB, sound=True)
+    cfg = Cosmos3Config.from_dict({**cfg.to_dict(), "attention_bias": True})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        ref = Cosmos3OmniTransformer(**cfg.to_dict()).eval()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name.endswith("bias") or "modality_embed" in name or "norm" in name:
+                    p.add_(0.1 * torch.randn_like(p))
+    ref.save_pretrained(str(tmp_path / "transformer"))
+    ours = load_transformer(tmp_path, dtype=torch.float32, progress=False)
+    assert ours.layers[1].gen.qkv_proj.bias is not None and ours.layers[0].und.o_proj.bias is not None
+    ids, latents, sound = make_case(10, 15, (2, 3, 5), sound_frames=6)
+    check((ref, ours), [dict(ids=ids, latents=latents, timestep=640, sound=sound, clean_frames=(0,))])
