@@ -1,0 +1,263 @@
+"""VideoPipeline: the GPU side of a video request, as the engine's `VideoBackend` (prepare / denoise / decode).
+
+prepare:  VideoParams -> prompt token ids (cond, uncond) -> und K/V prefill of both CFG branches, once ->
+          initial noise drawn exactly as diffusers' Cosmos3OmniPipeline draws it (CPU generator seeded with
+          the request's seed: the video noise, then the sound noise) -> I2V: latent frame 0 replaced by the
+          VAE-encoded conditioning image (held clean) -> an immutable FlowSchedule + per-request SolverStates.
+denoise:  one step for a list of prepared requests: one transformer forward over every request and both
+          CFG branches (GenBatch), CFG combine in float32, then each request's UniPC step.
+decode:   Wan2.2 VAE (video) and AVAE (audio, trimmed to the video length) -> host uint8 frames + float audio.
+The sampling state is float32 (diffusers' `sampling_dtype`); the transformer runs in its own dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from worldserve.engine.outputs import VideoResult
+from worldserve.models.cosmos3.audio_vae import AudioVAE
+from worldserve.models.cosmos3.batch import GenBatch, GenItem
+from worldserve.models.cosmos3.prompt import PromptEncoder
+from worldserve.models.cosmos3.vae import VideoVAE
+from worldserve.params import ParamError, VideoParams
+from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
+from worldserve.sampling.guidance import cfg_combine, needs_uncond
+from worldserve.weights.checkpoint import read_layout
+from worldserve.weights.loader import load_transformer
+
+
+@dataclass(slots=True, eq=False)
+class VideoRequestState:
+    """One request's denoising state (implements engine.outputs.DenoiseState)."""
+
+    request_id: str
+    params: VideoParams
+    schedule: FlowSchedule
+    latents: Tensor
+    """float32 [48, T, h, w] on the device."""
+    sound: Tensor | None
+    """float32 [64, T_s] or None."""
+    und_caches: list
+    """[cond] or [cond, uncond] prompt K/V caches."""
+    clean_frames: tuple[int, ...]
+    """Latent frames held clean (I2V: (0,))."""
+    video_solver: SolverState = field(default_factory=SolverState)
+    sound_solver: SolverState = field(default_factory=SolverState)
+    step_index: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return self.schedule.num_steps
+
+    @property
+    def batch_key(self) -> tuple:
+        snd = 0 if self.sound is None else self.sound.shape[1]
+        return (tuple(self.latents.shape), snd)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.num_steps
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class VideoPipeline:
+    """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
+
+    def __init__(self, transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder, device):
+        self.transformer = transformer
+        self.vae = vae
+        self.audio_vae = audio_vae
+        self.encoder = encoder
+        self.device = torch.device(device)
+        self.config = transformer.config
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        vae_tiling: bool = False,
+        progress: bool = True,
+    ) -> VideoPipeline:
+        """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint."""
+        root = Path(path)
+        layout = read_layout(root)
+        device = torch.device(device) if device is not None else default_device()
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        transformer = load_transformer(root, dtype=dtype, device=device, progress=progress)
+        vae = VideoVAE.from_pretrained(root / "vae", dtype=dtype, device=device, tiling=vae_tiling)
+        audio_vae = None
+        if layout.has_sound:
+            audio_vae = AudioVAE.from_pretrained(root / "sound_tokenizer", dtype=dtype, device=device)
+        return cls(transformer, vae, audio_vae, PromptEncoder.from_pretrained(root), device)
+
+    # ------------------------------------------------------------------ VideoBackend
+    @property
+    def has_sound(self) -> bool:
+        return self.audio_vae is not None
+
+    def sound_enabled(self, params: VideoParams) -> bool:
+        return self.has_sound if params.generate_sound is None else bool(params.generate_sound)
+
+    def validate(self, params: VideoParams) -> VideoParams:
+        """Field checks plus model checks (sound available, prompts within max_sequence_length)."""
+        params.validate()
+        if self.sound_enabled(params):
+            if not self.has_sound:
+                raise ParamError(
+                    "generate_sound", "generate_sound was requested but this checkpoint has no sound tokenizer"
+                )
+            if params.num_frames == 1:
+                raise ParamError("generate_sound", "sound cannot be generated for a single image (num_frames=1)")
+        self.encoder.encode_params(params, with_uncond=needs_uncond(params.guidance_scale))
+        return params
+
+    @torch.inference_mode()
+    def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:
+        t0 = time.perf_counter()
+        cfg = needs_uncond(params.guidance_scale)
+        cond_ids, uncond_ids = self.encoder.encode_params(params, with_uncond=cfg)
+        prompts = [torch.tensor(cond_ids, dtype=torch.long)]
+        if uncond_ids is not None:
+            prompts.append(torch.tensor(uncond_ids, dtype=torch.long))
+        caches = self.transformer.prefill_und(prompts)
+        t1 = time.perf_counter()
+        latents, sound = self._initial_noise(params)
+        clean: tuple[int, ...] = ()
+        if params.image is not None:
+            latents[:, 0] = self._encode_image(params)
+            clean = (0,)
+        state = VideoRequestState(
+            request_id=request_id,
+            params=params,
+            schedule=FlowSchedule.native(params.num_inference_steps, params.resolved_flow_shift()),
+            latents=latents,
+            sound=sound,
+            und_caches=caches,
+            clean_frames=clean,
+        )
+        state.stage_seconds["prefill"] = t1 - t0
+        state.stage_seconds["prepare_latents"] = time.perf_counter() - t1
+        return state
+
+    def _initial_noise(self, params: VideoParams) -> tuple[Tensor, Tensor | None]:
+        """fp32 noise from a CPU generator seeded per request: video [48,T,h,w] first, then sound [64,T_s]."""
+        gen = torch.Generator(device="cpu").manual_seed(params.seed)
+        c, t, h, w = self.vae.latent_shape(params.num_frames, params.height, params.width)
+        latents = torch.randn((c, t, h, w), generator=gen, dtype=torch.float32)
+        sound = None
+        if self.sound_enabled(params):
+            n = self.audio_vae.latent_frames(params.num_frames, params.fps)
+            sound = torch.randn((self.audio_vae.latent_channels, n), generator=gen, dtype=torch.float32)
+            sound = sound.to(self.device)
+        return latents.to(self.device), sound
+
+    def _encode_image(self, params: VideoParams) -> Tensor:
+        from worldserve.media.image import resize_center_crop
+
+        image = resize_center_crop(params.image, params.width, params.height)
+        # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so encoding one frame
+        # equals frame 0 of encoding the image repeated over the whole clip, at a fraction of the cost.
+        cond = self.vae.encode_condition(image, params.num_frames, first_frame_only=True)  # [1, 48, 1, h, w]
+        return cond[0, :, 0].to(self.device)
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[VideoRequestState]) -> None:
+        """Advance every state by one step with a single batched transformer forward."""
+        t0 = time.perf_counter()
+        items: list[GenItem] = []
+        for s in states:
+            timestep = s.schedule.timesteps[s.step_index]
+            for cache in s.und_caches:  # cond, then uncond when CFG is on
+                items.append(
+                    GenItem(
+                        latents=s.latents,
+                        timestep=timestep,
+                        und_cache=cache,
+                        fps=float(s.params.fps),
+                        clean_frames=s.clean_frames,
+                        sound=s.sound,
+                    )
+                )
+        out = self.transformer(GenBatch.pack(items, config=self.config, device=self.device))
+        row = 0
+        for s in states:
+            n = len(s.und_caches)
+            v_video = [v.float() for v in out.video[row : row + n]]
+            v_sound = [v.float() for v in out.sound[row : row + n]] if s.sound is not None else None
+            row += n
+            self._step(s, v_video, v_sound)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        for s in states:
+            s.stage_seconds["diffuse"] = s.stage_seconds.get("diffuse", 0.0) + elapsed
+
+    def _step(self, s: VideoRequestState, v_video: list[Tensor], v_sound: list[Tensor] | None) -> None:
+        g = s.params.guidance_scale
+        velocity = cfg_combine(v_video[0], v_video[1], g) if len(v_video) == 2 else v_video[0]
+        s.latents, s.video_solver = unipc_step(s.schedule, s.video_solver, s.step_index, velocity, s.latents)
+        if s.sound is not None:
+            vs = cfg_combine(v_sound[0], v_sound[1], g) if len(v_sound) == 2 else v_sound[0]
+            s.sound, s.sound_solver = unipc_step(s.schedule, s.sound_solver, s.step_index, vs, s.sound)
+        s.step_index += 1
+
+    @torch.inference_mode()
+    def decode(self, state: VideoRequestState) -> VideoResult:
+        t0 = time.perf_counter()
+        frames = self.vae.decode(state.latents[None])[0]  # (F, H, W, 3) uint8
+        t1 = time.perf_counter()
+        audio = None
+        if state.sound is not None:
+            p = state.params
+            audio = self.audio_vae.decode(state.sound, self.audio_vae.num_samples(p.num_frames, p.fps))
+        t2 = time.perf_counter()
+        stages = dict(state.stage_seconds)
+        stages["vae.decode"] = t1 - t0
+        if audio is not None:
+            stages["audio.decode"] = t2 - t1
+        peak = 0.0
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return VideoResult(
+            frames=frames,
+            fps=float(state.params.fps),
+            audio=audio,
+            sample_rate=self.audio_vae.sample_rate if self.audio_vae else 48000,
+            stage_seconds=stages,
+            peak_memory_mb=peak,
+        )
+
+    def release(self, state: VideoRequestState) -> None:
+        state.und_caches = []
+        state.latents = state.latents.new_empty(0)
+        state.sound = None
+
+    # ------------------------------------------------------------------ one-shot
+    def generate(
+        self,
+        params: VideoParams,
+        request_id: str = "generate",
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> tuple[VideoResult, VideoRequestState]:
+        """Validate, prepare, run every step, decode. `on_step(done, total)` after each step."""
+        self.validate(params)
+        state = self.prepare(request_id, params)
+        while not state.done:
+            self.denoise([state])
+            if on_step is not None:
+                on_step(state.step_index, state.num_steps)
+        result = self.decode(state)
+        return result, state
