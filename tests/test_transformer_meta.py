@@ -88,7 +88,7 @@ def test_loader_path_and_bf16_tracks_float32(tiny_ckpt):
     assert bf16.layers[0].gen.qkv_proj.weight.dtype == torch.bfloat16
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 263, (21,), generator=g)
+    ids = torch.randint(0, 256, (21,), generator=g)
     latents, sound = torch.randn(48, 3, 3, 5, generator=g), torch.randn(64, 10, generator=g)
     outs = []
     for m in (f32, bf16):
@@ -119,7 +119,7 @@ def _build_tp(root, tp):
 def _cfg_forward(model):
     """cond + uncond (different prompt lengths), I2V with sound: all velocities flattened."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 263, (21,), generator=g), torch.randint(0, 263, (9,), generator=g)]
+    prompts = [torch.randint(0, 256, (21,), generator=g), torch.randint(0, 256, (9,), generator=g)]
     latents, sound = torch.randn(48, 3, 3, 5, generator=g), torch.randn(64, 10, generator=g)
     items = [
         GenItem(latents=latents, timestep=800, und_cache=c, sound=sound, clean_frames=(0,))
