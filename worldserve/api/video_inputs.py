@@ -120,7 +120,8 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
     quality = req.quality or "default"
     if quality not in QUALITY_CRF:
         raise ParamError("quality", f"quality must be one of {sorted(QUALITY_CRF)}")
-    image = await asyncio.to_thread(decode_image, reference) if reference is not None else None
+    source = "image_reference" if upload is None else "input_reference"
+    image = await asyncio.to_thread(decode_image, reference, param=source) if reference is not None else None
     params = _video_params(req, extra, image)
     sound = params.generate_sound if params.generate_sound is not None else has_sound
     duration = req.sound_duration or extra.sound_duration or extra.audio_duration
@@ -218,7 +219,7 @@ def _video_params(req: VideoCreateRequest, extra: ExtraParams, image: np.ndarray
     if req.size is not None:
         kw["width"], kw["height"] = (int(v) for v in req.size.split("x"))
     elif (req.width is None) != (req.height is None):
-        raise ParamError("width" if req.height is None else "height", "width and height must be given together")
+        raise ParamError("height" if req.height is None else "width", "width and height must be given together")
     elif req.width is not None:
         kw["width"], kw["height"] = req.width, req.height
     fps = kw.setdefault("fps", VideoParams.__dataclass_fields__["fps"].default)

@@ -1,0 +1,203 @@
+"""Bad input never gets a 5xx: a table of known cases (status, envelope, `param`), then a hypothesis-driven
+run over every operation of /openapi.json (valid-ish and garbage values, every body type)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from serving_helpers import asgi_server, uvicorn_thread
+
+pytestmark = pytest.mark.anyio
+MISSING_PROMPT = "{'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', 'input': None}"
+NOT_AN_IMAGE = "Invalid input_reference: provided content is not a valid image or video."
+OK = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "1"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+# (form fields or a callable building the request kwargs, status, param, message substring)
+CASES = [
+    ("missing prompt", {"size": "64x48"}, 400, "prompt", MISSING_PROMPT),
+    ("empty prompt", {"prompt": ""}, 400, "prompt", "prompt must be a non-empty string"),
+    ("size 640x", {**OK, "size": "640x"}, 400, "size", "string_pattern_mismatch"),
+    ("size 1280*720", {**OK, "size": "1280*720"}, 400, "size", "should match pattern"),
+    ("size 1280X720", {**OK, "size": "1280X720"}, 400, "size", "pattern"),
+    ("size not /16", {**OK, "size": "100x48"}, 400, "size", "multiple of 16"),
+    ("size above 720p", {**OK, "size": "1280x1280"}, 400, "size", "largest resolution tier"),
+    ("width alone", {**OK, "size": "", "width": "64"}, 400, "height", "width and height must be given together"),
+    ("seconds abc", {**OK, "seconds": "abc"}, 400, "seconds", "pattern"),
+    ("seconds 0", {**OK, "seconds": "0"}, 400, "seconds", "pattern"),
+    ("huge num_frames", {**OK, "num_frames": "1001"}, 400, "num_frames", "exceeds the 256p limit"),
+    ("num_frames 0", {**OK, "num_frames": "0"}, 400, "num_frames", "greater than or equal to 1"),
+    ("num_frames not 4k+1", {**OK, "num_frames": "8"}, 400, "num_frames", "must be 1 or 4k+1"),
+    ("num_frames float", {**OK, "num_frames": "5.5"}, 400, "num_frames", "int_parsing"),
+    ("negative steps", {**OK, "num_inference_steps": "-3"}, 400, "num_inference_steps", "greater than or equal to 1"),
+    ("201 steps", {**OK, "num_inference_steps": "201"}, 400, "num_inference_steps", "less than or equal to 200"),
+    ("guidance 25", {**OK, "guidance_scale": "25"}, 400, "guidance_scale", "less than or equal to 20"),
+    ("guidance nan", {**OK, "guidance_scale": "nan"}, 400, "guidance_scale", "finite"),
+    ("fps 0", {**OK, "fps": "0"}, 400, "fps", "greater than or equal to 1"),
+    ("seed -1", {**OK, "seed": "-1"}, 400, "seed", "seed=-1"),
+    ("seed 2**64", {**OK, "seed": str(2**64)}, 400, "seed", "less than"),
+    ("bool garbage", {**OK, "generate_sound": "maybe"}, 400, "generate_sound", "bool_parsing"),
+    ("quality ultra", {**OK, "quality": "ultra"}, 400, "quality", "quality must be one of"),
+    ("n outputs", {**OK, "num_outputs_per_prompt": "2"}, 400, "num_outputs_per_prompt", "one video per job"),
+    ("model mismatch", {**OK, "model": "nvidia/Cosmos3-Super"}, 400, "model", "Model mismatch: request specifies"),
+    ("extra_params not JSON", {**OK, "extra_params": "{"}, 400, "extra_params", "Invalid JSON in form field."),
+    ("extra_params list", {**OK, "extra_params": "[]"}, 400, "extra_params", "expected dict, got list."),
+    ("extra_params action", {**OK, "extra_params": '{"action_mode": "policy"}'}, 400, "extra_params.action_mode",
+     "not supported"),
+    ("video_reference", {**OK, "video_reference": '{"video_url": "data:video/mp4;base64,AA=="}'}, 400,
+     "video_reference", "not supported"),
+    ("image url download", {**OK, "image_reference": '{"image_url": "https://example.com/a.png"}'}, 400,
+     "image_reference", "does not download"),
+    ("image url scheme", {**OK, "image_reference": '{"image_url": "ftp://x"}'}, 400, "image_reference",
+     "must be an http(s) URL or data URL."),
+    ("bad base64", {**OK, "image_reference": '{"image_url": "data:image/png;base64,@@@"}'}, 400, "image_reference",
+     "base64"),
+    ("data url not an image", {**OK, "image_reference": '{"image_url": "data:image/png;base64,AAAA"}'}, 400,
+     "image_reference", "not a valid image"),
+    ("input_reference as text", {**OK, "input_reference": "hello"}, 400, "input_reference", "file upload"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "fields", "status", "param", "message"), CASES, ids=[c[0] for c in CASES])
+async def test_bad_form_fields(tmp_path, name, fields, status, param, message):
+    async with asgi_server(tmp_path) as http:
+        for route in ("/v1/videos", "/v1/videos/sync"):
+            r = await http.post(route, data=fields)
+            assert r.status_code == status, (route, r.text)
+            err = r.json()["error"]
+            assert err["code"] == status and err["type"] == "Bad Request" and err["param"] == param, err
+            assert message in err["message"], err["message"]
+        jobs = (await http.get("/v1/videos")).json()["data"]
+        assert jobs == [], "a rejected request leaves no job behind"
+
+
+async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
+    async with asgi_server(tmp_path, api_key="k", max_upload_bytes=4096) as http:
+        auth = {"Authorization": "Bearer k"}
+        r = await http.post("/v1/videos", data=OK, files={"input_reference": ("x.png", b"not an image", "image/png")},
+                            headers=auth)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["message"] == NOT_AN_IMAGE
+        assert r.json()["error"]["param"] == "input_reference"
+        r = await http.post("/v1/videos", data=OK, files={"input_reference": ("x.png", b"", "image/png")}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["message"] == NOT_AN_IMAGE
+        for body, ctype, fragment in (
+            (b"[1, 2]", "application/json", "must be an object"),
+            (b"{nope", "application/json", "Invalid JSON body"),
+            (b"<xml/>", "text/xml", "Unsupported Content-Type"),
+            (b"--x\r\ngarbage", "multipart/form-data", "Invalid form body"),
+            (b"", "application/json", "Field required"),
+            (json.dumps({"prompt": 5}).encode(), "application/json", "string_type"),
+        ):
+            r = await http.post("/v1/videos", content=body, headers={**auth, "Content-Type": ctype})
+            assert r.status_code == 400 and fragment in r.json()["error"]["message"], (ctype, r.text)
+        for method, path in (("GET", "/v1/videos/video_gen_" + "0" * 32), ("DELETE", "/v1/videos/nope"),
+                             ("GET", "/v1/videos/nope/content")):  # fmt: skip
+            r = await http.request(method, path, headers=auth)
+            assert r.status_code == 404 and r.json()["error"]["message"] == "Video not found"
+        r = await http.post("/v1/videos", data=OK, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        r = await http.post("/v1/videos", data=OK, files={"input_reference": ("x.png", b"0" * 5000)}, headers=auth)
+        assert r.status_code == 413 and r.json()["error"]["type"] in ("Request Entity Too Large", "Content Too Large")
+
+
+# -- hypothesis over /openapi.json -------------------------------------------------------------------------
+GARBAGE = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=30),
+    st.sampled_from(["", "nan", "inf", "-1", "0", "1e400", "9" * 30, "video_gen_" + "a" * 32, "../..", "x" * 300]),
+)  # fmt: skip
+
+
+def from_schema(schema: dict) -> st.SearchStrategy:
+    """A value that usually fits `schema`, sometimes not."""
+    if "anyOf" in schema:
+        return st.one_of([from_schema(s) for s in schema["anyOf"]])
+    kind = schema.get("type")
+    if kind == "string":
+        if schema.get("format") == "binary":
+            return st.binary(max_size=64)
+        if "pattern" in schema:
+            return st.from_regex(schema["pattern"], fullmatch=True).filter(lambda s: len(s) < 12)
+        if "enum" in schema:
+            return st.sampled_from(schema["enum"])
+        return st.text(max_size=40)
+    if kind == "integer":
+        return st.integers(min_value=schema.get("minimum", -(2**70)), max_value=min(schema.get("maximum", 2**70), 400))
+    if kind == "number":
+        return st.floats(min_value=schema.get("minimum"), max_value=schema.get("maximum"), allow_nan=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    if kind == "object":
+        return st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=3)
+    return GARBAGE
+
+
+def maybe_garbage(schema: dict) -> st.SearchStrategy:
+    return st.one_of(from_schema(schema), from_schema(schema), GARBAGE)
+
+
+def as_form_value(value) -> str | bytes:
+    if isinstance(value, bytes | str):
+        return value
+    return json.dumps(value) if isinstance(value, dict | list | bool) or value is None else str(value)
+
+
+@st.composite
+def api_calls(draw, spec: dict) -> dict:
+    operations = [(path, method, op) for path, item in spec["paths"].items() for method, op in item.items()]
+    path, method, op = draw(st.sampled_from(operations))
+    params: dict = {}
+    for param in op.get("parameters", []):
+        if param["in"] == "path":
+            value = draw(st.one_of(st.from_regex(r"video_gen_[0-9a-f]{32}", fullmatch=True), st.text(
+                alphabet=st.characters(min_codepoint=48, max_codepoint=122), min_size=1, max_size=20)))
+            path = path.replace("{" + param["name"] + "}", value)
+        elif draw(st.booleans()):
+            params[param["name"]] = as_form_value(draw(maybe_garbage(param.get("schema", {}))))
+    call: dict = {"method": method.upper(), "url": path, "params": params}
+    content = op.get("requestBody", {}).get("content", {})
+    if content:
+        ctype = draw(st.sampled_from(sorted(content)))
+        props = content[ctype]["schema"]["properties"]
+        chosen = draw(st.lists(st.sampled_from(sorted(props)), unique=True, max_size=len(props)))
+        if "prompt" not in chosen and draw(st.integers(0, 4)):
+            chosen.append("prompt")
+        fields = {name: draw(maybe_garbage(props[name])) for name in chosen}
+        if ctype == "application/json":
+            call["content"] = json.dumps({k: v.hex() if isinstance(v, bytes) else v for k, v in fields.items()})
+            call["headers"] = {"Content-Type": ctype}
+        elif ctype == "multipart/form-data":
+            call["files"] = {k: (("f.bin", v) if isinstance(v, bytes) else (None, as_form_value(v))) for k, v in fields.items()}
+            call["files"].setdefault("_", (None, ""))  # always multipart, even with no fields
+        else:
+            call["data"] = {k: as_form_value(v) for k, v in fields.items() if not isinstance(v, bytes)}
+    return call
+
+
+def test_fuzz_openapi_operations_never_5xx(tmp_path):
+    with uvicorn_thread(tmp_path, sync_timeout_s=5.0, max_batch_size=4) as (url, _):
+        spec = httpx.get(f"{url}/openapi.json").json()
+        assert {"/v1/videos", "/v1/videos/sync", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= set(
+            spec["paths"])
+        with httpx.Client(base_url=url, timeout=30) as http:
+
+            @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+            @given(api_calls(spec))
+            def check(call):
+                r = http.request(**call)
+                assert r.status_code < 500, (call, r.status_code, r.text[:500])
+                if r.status_code >= 400 and r.status_code != 401:
+                    err = r.json()["error"]
+                    assert err["code"] == r.status_code and isinstance(err["message"], str) and err["type"]
+
+            check()
