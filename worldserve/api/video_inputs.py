@@ -131,7 +131,7 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
     spec = JobSpec(model=served_model, prompt=params.prompt, size=f"{params.width}x{params.height}",
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,
                    user=req.user)  # fmt: skip
-    codec = {k: str(v) for k, v in extra.video_codec_options.items()} if extra.video_codec_options else None
+    codec = dict(extra.video_codec_options) if extra.video_codec_options else None
     return VideoInputs(params, spec, EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec), reference)
 
 

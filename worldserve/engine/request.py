@@ -20,7 +20,7 @@ class EncodeOptions:
 
     crf: int = 18
     """x264 constant rate factor (0 = lossless)."""
-    codec_options: dict[str, str] | None = None
+    codec_options: dict[str, str | int | float] | None = None
     """Extra libx264 options (`extra_params.video_codec_options`); None: the encoder's defaults."""
 
 
