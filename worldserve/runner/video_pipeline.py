@@ -109,7 +109,10 @@ class VideoPipeline:
         return self.audio_vae is not None
 
     def sound_enabled(self, params: VideoParams) -> bool:
-        return self.has_sound if params.generate_sound is None else bool(params.generate_sound)
+        """Audio is on by default for videos when the checkpoint has a sound tokenizer; off for images."""
+        if params.generate_sound is None:
+            return self.has_sound and params.num_frames > 1
+        return bool(params.generate_sound)
 
     def validate(self, params: VideoParams) -> VideoParams:
         """Field checks plus model checks (sound available, prompts within max_sequence_length)."""

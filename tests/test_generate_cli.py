@@ -1,0 +1,81 @@
+"""`worldserve generate` end to end on the tiny checkpoint: MP4 / PNG / NPZ outputs decoded back, latents file,
+and bad input rejected before any model work with the field named."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.torch import load_file
+
+from media_probe import probe_mp4
+
+SMALL = ["--size", "80x48", "--num-frames", "9", "--steps", "2", "--negative-prompt", ""]
+
+
+def _generate(*args, check=True):
+    return subprocess.run(
+        [sys.executable, "-m", "worldserve.cli", "generate", *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=300,
+    )
+
+
+def test_t2v_with_sound_to_mp4_and_latents(tiny_ckpt, tmp_path):
+    out, lat = tmp_path / "out.mp4", tmp_path / "lat.safetensors"
+    proc = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--fps", "24", "-o", out, "--save-latents", lat)
+    assert f"wrote {out}" in proc.stdout and "diffuse" in proc.stdout and "vae.decode" in proc.stdout
+    info = probe_mp4(out.read_bytes())
+    assert info.video_codec == "h264" and info.pix_fmt == "yuv420p"
+    assert info.num_frames == 9 and abs(info.fps - 24) < 1e-6
+    assert info.audio_codec == "aac" and info.sample_rate == 48000 and info.channels == 2
+    assert abs(info.audio_duration - 9 / 24) < 0.05
+    tensors = load_file(lat)
+    assert tuple(tensors["video_latents"].shape) == (48, 3, 3, 5)
+    assert tuple(tensors["sound_latents"].shape) == (64, 10)
+
+
+def test_i2v_and_npz(tiny_ckpt, tmp_path):
+    img = tmp_path / "in.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 50, 3), dtype=np.uint8)).save(img)
+    out = tmp_path / "out.npz"
+    _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--image", img, "--no-sound", "-o", out)
+    data = np.load(out)
+    assert data["frames"].shape == (9, 48, 80, 3) and data["frames"].dtype == np.uint8
+    assert "audio" not in data and float(data["fps"]) == 24.0
+
+
+def test_t2i_png(tiny_ckpt, tmp_path):
+    out = tmp_path / "img.png"
+    prompt = tmp_path / "p.json"
+    prompt.write_text('{"subjects": [{"description": "a lighthouse"}], "style_medium": "photo"}')
+    _generate(tiny_ckpt, "--prompt-file", prompt, "--size", "64x64", "--num-frames", "1", "--steps", "2", "-o", out)
+    with Image.open(io.BytesIO(out.read_bytes())) as im:
+        assert im.size == (64, 64) and im.mode == "RGB"
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--size", "81x48"], "size"),
+        (["--size", "1920x1080"], "size"),
+        (["--size", "wide"], "size"),
+        (["--num-frames", "10"], "num_frames"),
+        (["--num-frames", "401", "--size", "320x192"], "num_frames"),
+        (["--steps", "0"], "num_inference_steps"),
+        (["--image", "/nonexistent.png"], "image"),
+        (["--image", __file__], "image"),
+        (["--max-sequence-length", "5"], "prompt"),
+    ],
+)
+def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):
+    proc = _generate(tiny_ckpt, "--prompt", "a cat", *args, "-o", tmp_path / "x.mp4", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: {field}:" in proc.stderr
+    assert not (tmp_path / "x.mp4").exists()

@@ -1,0 +1,144 @@
+"""`worldserve generate [MODEL] --prompt TEXT ... -o out.mp4`: one video (or image) offline, no server.
+
+Bad input fails before the model loads, with the field named (exit code 2). Output by suffix: `.mp4`
+(H.264 + AAC 48 kHz stereo), `.png` (text-to-image, num_frames 1), `.npz` (lossless: uint8 frames, float32
+audio, fps, sample rate). `--save-latents F.safetensors` also writes the final video and audio latents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from worldserve.params import ParamError, VideoParams
+
+OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="plain text or a JSON document")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a file (e.g. a JSON prompt)")
+    p.add_argument("--negative-prompt", default=None, help="default: the shipped Cosmos3 negative prompt")
+    p.add_argument("--image", type=Path, default=None, help="conditioning image for image-to-video")
+    p.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT, multiples of 16 (default 1280x720)")
+    p.add_argument("--num-frames", type=int, default=189, help="1 (an image) or 4k+1 (default 189)")
+    p.add_argument("--fps", type=float, default=24.0)
+    p.add_argument("--steps", type=int, default=35, help="denoising steps")
+    p.add_argument("--guidance", type=float, default=6.0, help="CFG scale; 1 runs one branch")
+    p.add_argument("--flow-shift", type=float, default=None, help="default: 10 / 5 / 3 by resolution tier")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--no-sound", action="store_true", help="no joint audio")
+    p.add_argument("--max-sequence-length", type=int, default=4096)
+    p.add_argument("-o", "--output", type=Path, required=True, help="out.mp4, out.png or out.npz")
+    p.add_argument("--save-latents", type=Path, default=None, help="also write final latents (.safetensors)")
+    p.add_argument("--revision", default=None, help="HF revision of MODEL")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--vae-tiling", action="store_true", help="decode the video in tiles (less memory)")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ParamError("size", f"size {size!r} must look like 1280x720")
+    return int(parts[0]), int(parts[1])
+
+
+def build_params(args: argparse.Namespace) -> VideoParams:
+    prompt = args.prompt if args.prompt is not None else _read_text(args.prompt_file, "prompt_file")
+    width, height = parse_size(args.size)
+    image = None
+    if args.image is not None:
+        from worldserve.media.image import decode_image
+
+        image = decode_image(_read_bytes(args.image, "image"), param="image")
+    if args.output.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise ParamError("output", f"-o must end in one of {', '.join(OUTPUT_SUFFIXES)}")
+    if args.output.suffix.lower() == ".png" and args.num_frames != 1:
+        raise ParamError("output", "a .png output needs --num-frames 1")
+    return VideoParams(
+        prompt=prompt,
+        negative_prompt=args.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=args.num_frames,
+        fps=args.fps,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        flow_shift=args.flow_shift,
+        seed=args.seed,
+        generate_sound=False if args.no_sound else None,
+        max_sequence_length=args.max_sequence_length,
+        image=image,
+    ).validate()
+
+
+def _read_text(path: Path, param: str) -> str:
+    return _read_bytes(path, param).decode("utf-8")
+
+
+def _read_bytes(path: Path, param: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ParamError(param, f"cannot read {path}: {e.strerror}") from e
+
+
+def write_output(path: Path, result) -> None:
+    from worldserve.media.image import encode_png
+    from worldserve.media.video import encode_mp4, write_npz
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        write_npz(path, result.frames, result.audio, result.fps, result.sample_rate)
+    elif suffix == ".png":
+        path.write_bytes(encode_png(result.frames[0]))
+    else:
+        path.write_bytes(encode_mp4(result.frames, result.fps, result.audio, result.sample_rate))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        params = build_params(args)
+    except ParamError as e:
+        print(f"worldserve generate: error: {e.param}: {e.message}", file=sys.stderr)
+        return 2
+    import torch
+    from tqdm.auto import tqdm
+
+    from worldserve.runner.video_pipeline import VideoPipeline
+    from worldserve.weights.checkpoint import resolve_model
+
+    t0 = time.perf_counter()
+    root = resolve_model(args.model, args.revision)
+    if args.model is None:
+        print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    pipe = VideoPipeline.from_pretrained(root, device=args.device, dtype=dtype, vae_tiling=args.vae_tiling)
+    load_s = time.perf_counter() - t0
+    try:
+        pipe.validate(params)
+    except ParamError as e:
+        print(f"worldserve generate: error: {e.param}: {e.message}", file=sys.stderr)
+        return 2
+    with tqdm(total=params.num_inference_steps, desc="Denoising", unit="step") as bar:
+        result, state = pipe.generate(params, on_step=lambda done, total: bar.update(1))
+    t1 = time.perf_counter()
+    write_output(args.output, result)
+    stages = {"load": load_s, **result.stage_seconds, "encode": time.perf_counter() - t1}
+    if args.save_latents is not None:
+        from safetensors.torch import save_file
+
+        tensors = {"video_latents": state.latents.cpu().contiguous()}
+        if state.sound is not None:
+            tensors["sound_latents"] = state.sound.cpu().contiguous()
+        save_file(tensors, str(args.save_latents))
+    print(f"wrote {args.output}")
+    for name, seconds in stages.items():
+        print(f"  {name:16s} {seconds:8.3f} s")
+    return 0
