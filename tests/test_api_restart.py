@@ -1,0 +1,93 @@
+"""`python -m worldserve.cli serve --backend fake` as a subprocess: kill -9 mid-job, restart on the same
+storage folder (completed jobs still downloadable, interrupted and queued ones re-run to completion), then
+SIGTERM with a short --shutdown-timeout (clean exit, the running job parked as queued)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serving_helpers import png_bytes, wait_until
+
+from worldserve.engine.jobs import JobStatus, JobStore
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+SMALL = {"size": "64x48", "num_frames": "5", "fps": "8"}
+CLEAN_EXIT = (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful shutdown
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, storage: Path, log: Path, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--backend", "fake", "--host", "127.0.0.1",
+               "--port", str(self.port), "--storage-dir", str(storage), *extra]  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        wait_until(self._ready, timeout=60, interval=0.05)
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def test_kill9_restart_then_sigterm(tmp_path):
+    storage = tmp_path / "store"
+    first = ServerProcess(storage, tmp_path / "first.log", "--fake-step-delay", "0.05")
+    log = (tmp_path / "first.log").read_text()
+    assert "Route: /v1/videos/sync, Methods: POST" in log and "Application startup complete." in log
+    with httpx.Client(base_url=first.url, timeout=10) as http:
+        done = http.post("/v1/videos", data={"prompt": "quick", **SMALL, "num_inference_steps": "2"}).json()
+        wait_until(lambda: http.get(f"/v1/videos/{done['id']}").json()["status"] == "completed", timeout=20)
+        video = http.get(f"/v1/videos/{done['id']}/content").content
+        running = http.post("/v1/videos", data={"prompt": "long", **SMALL, "num_inference_steps": "200"}).json()
+        queued = http.post("/v1/videos", data={"prompt": "i2v", **SMALL, "num_inference_steps": "3"},
+                           files={"input_reference": ("ref.png", png_bytes(), "image/png")}).json()  # fmt: skip
+        wait_until(lambda: http.get(f"/v1/videos/{running['id']}").json()["progress"] > 0, timeout=20)
+    first.kill()
+
+    second = ServerProcess(storage, tmp_path / "second.log", "--shutdown-timeout", "0.3")
+    with httpx.Client(base_url=second.url, timeout=10) as http:
+        assert http.get(f"/v1/videos/{done['id']}").json()["status"] == "completed"
+        assert http.get(f"/v1/videos/{done['id']}/content").content == video
+        for job in (running, queued):
+            wait_until(lambda j=job: http.get(f"/v1/videos/{j['id']}").json()["status"] == "completed", timeout=30)
+            assert http.get(f"/v1/videos/{job['id']}/content").status_code == 200
+        ids = [j["id"] for j in http.get("/v1/videos", params={"order": "asc"}).json()["data"]]
+        assert ids == [done["id"], running["id"], queued["id"]]
+    assert "resuming 2 unfinished job(s)" in (tmp_path / "second.log").read_text()
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.proc.wait(20) in CLEAN_EXIT
+
+    third = ServerProcess(storage, tmp_path / "third.log", "--fake-step-delay", "0.05", "--shutdown-timeout", "0.3")
+    with httpx.Client(base_url=third.url, timeout=10) as http:
+        parked = http.post("/v1/videos", data={"prompt": "parked", **SMALL, "num_inference_steps": "200"}).json()
+        wait_until(lambda: http.get(f"/v1/videos/{parked['id']}").json()["progress"] > 0, timeout=20)
+    started = time.monotonic()
+    third.proc.send_signal(signal.SIGTERM)
+    assert third.proc.wait(20) in CLEAN_EXIT and time.monotonic() - started < 10
+    log = (tmp_path / "third.log").read_text()
+    assert "shutdown requested" in log and "queued again" in log
+    store = JobStore(storage)
+    assert store.get(parked["id"]).status is JobStatus.QUEUED and store.get(parked["id"]).progress == 0
