@@ -1,0 +1,134 @@
+"""End-to-end full-size generation on a GPU with random weights: 1280x720, 189 frames, 35 steps, CFG 6, audio.
+
+Builds the real Cosmos3-Nano shapes (15.2B transformer, Wan2.2 VAE, AVAE decoder) with random bf16 weights
+behind our VideoPipeline (no checkpoint can be downloaded here), runs one text-to-video + audio request
+through prepare / 35 denoise steps / decode, muxes the MP4 (H.264 + AAC 48 kHz stereo), decodes it back to
+check the streams, and writes per-stage times as JSON. The output is noise by construction.
+
+    PYTHONPATH=. python bench/e2e_generate.py --out $OUT [--steps 35] [--size 1280x720] [--frames 189]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+EXAMPLE_PROMPT = json.dumps(
+    {
+        "subjects": [{"description": "a red fox", "action": "runs through fresh snow"}],
+        "background_setting": "a pine forest at dawn",
+        "cinematography": {"camera_motion": "slow pan right", "framing": "wide shot"},
+        "audio_description": "wind in the trees, soft crunch of snow",
+    }
+)
+
+
+def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False):
+    from worldserve.bench.models import build_audio_vae, build_our_transformer, build_video_vae
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.models.cosmos3.prompt import PromptEncoder
+    from worldserve.runner.video_pipeline import VideoPipeline
+    from worldserve.weights.tokenizer_fixture import write_tiny_tokenizer
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = Cosmos3Config.tiny(vocab_size=2048) if tiny else Cosmos3Config.nano()
+    transformer = build_our_transformer(config, device, dtype, None, seed)
+    vae = build_video_vae(device, dtype, tiny=tiny)
+    audio = build_audio_vae(device, dtype, tiny=tiny)
+    tok_dir = Path(tempfile.mkdtemp()) / "text_tokenizer"
+    write_tiny_tokenizer(tok_dir)  # the real Qwen tokenizer is not available offline; ids are a subset
+    return VideoPipeline(transformer, vae, audio, PromptEncoder.from_pretrained(tok_dir), device)
+
+
+def main() -> None:
+    from worldserve.media.video import encode_mp4
+    from worldserve.params import VideoParams
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=35)
+    ap.add_argument("--size", default="1280x720")
+    ap.add_argument("--frames", type=int, default=189)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test of this script)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    t0 = time.perf_counter()
+    pipe = build_pipeline(device, tiny=args.tiny)
+    build_s = time.perf_counter() - t0
+    w, h = (int(x) for x in args.size.split("x"))
+    params = VideoParams(
+        prompt=EXAMPLE_PROMPT, width=w, height=h, num_frames=args.frames, num_inference_steps=args.steps, seed=123
+    )
+    step_times: list[float] = []
+    last = [time.perf_counter()]
+
+    def on_step(done: int, total: int) -> None:
+        now = time.perf_counter()
+        step_times.append(now - last[0])
+        last[0] = now
+        print(f"step {done}/{total}: {step_times[-1]:.3f} s", flush=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t1 = time.perf_counter()
+    pipe.validate(params)
+    state = pipe.prepare("e2e", params)
+    while not state.done:
+        pipe.denoise([state])
+        on_step(state.step_index, state.num_steps)
+    tiling = False
+    try:
+        result = pipe.decode(state)
+    except torch.OutOfMemoryError:
+        print("decode ran out of memory untiled; retrying the decode with VAE tiling", flush=True)
+        torch.cuda.empty_cache()
+        pipe.vae.model.enable_tiling()
+        tiling = True
+        result = pipe.decode(state)
+    t2 = time.perf_counter()
+    mp4 = encode_mp4(result.frames, result.fps, result.audio, result.sample_rate)
+    mux_s = time.perf_counter() - t2
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(mp4)) as c:
+        vs, aus = c.streams.video[0], c.streams.audio[0]
+        n_frames = sum(1 for _ in c.decode(vs))
+        probe = {
+            "video_codec": vs.codec_context.name,
+            "pix_fmt": vs.codec_context.pix_fmt,
+            "frames": n_frames,
+            "fps": float(vs.average_rate),
+            "audio_codec": aus.codec_context.name,
+            "sample_rate": aus.codec_context.sample_rate,
+            "channels": aus.codec_context.channels,
+            "bytes": len(mp4),
+        }
+    report = {
+        "command": "PYTHONPATH=. python bench/e2e_generate.py " + " ".join(
+            [f"--steps {args.steps}", f"--size {args.size}", f"--frames {args.frames}"]
+        ),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "build_random_model_s": build_s,
+        "generate_s": t2 - t1,
+        "stages_s": {**result.stage_seconds, "mux": mux_s},
+        "step_s": step_times,
+        "median_step_s": sorted(step_times)[len(step_times) // 2],
+        "vae_tiling": tiling,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+        "mp4": probe,
+    }
+    (args.out / "e2e_generate.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "step_s"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
