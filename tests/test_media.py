@@ -1,0 +1,271 @@
+"""L0: media encoding and image inputs (no model): MP4 mux round trips through PyAV, PNG, npz, codec-option
+validation, image decoding errors, and the conditioning resize against diffusers' own function."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import _preprocess_conditioning_image
+from media_probe import probe_mp4
+from PIL import Image
+
+from worldserve.media.audio import audio_num_samples, fit_audio
+from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image, encode_png, resize_center_crop
+from worldserve.media.video import encode_mp4, frame_rate, h264_options, write_npz
+from worldserve.params import ParamError
+
+SR = 48000
+
+
+def _frames(num_frames: int, height: int = 32, width: int = 48) -> np.ndarray:
+    """Smooth moving gradients (moderately saturated): compressible, so a crf-18 round trip stays close."""
+    y, x = np.mgrid[0:height, 0:width]
+    out = np.empty((num_frames, height, width, 3), np.uint8)
+    for t in range(num_frames):
+        out[t, ..., 0] = 40 + (x * 150 // max(width - 1, 1) + 4 * t) % 170
+        out[t, ..., 1] = 40 + y * 150 // max(height - 1, 1)
+        out[t, ..., 2] = 110
+    return out
+
+
+def _sine(num_samples: int, freq: float = 440.0) -> np.ndarray:
+    t = np.arange(num_samples) / SR
+    return np.stack([0.5 * np.sin(2 * np.pi * freq * t), 0.3 * np.sin(2 * np.pi * 2 * freq * t)]).astype(
+        np.float32
+    )
+
+
+@pytest.mark.parametrize("num_frames", [5, 9, 17])
+def test_mp4_round_trip_with_audio(num_frames):
+    n = audio_num_samples(num_frames, 24.0, SR)
+    data = encode_mp4(_frames(num_frames), 24.0, _sine(n))
+    p = probe_mp4(data, decode=True)
+    assert data[4:8] == b"ftyp" and "mp4" in p.container_format
+    assert (p.video_codec, p.pix_fmt, p.width, p.height) == ("h264", "yuv420p", 48, 32)
+    assert p.num_frames == num_frames and p.fps == 24
+    assert p.video_duration == pytest.approx(num_frames / 24)
+    assert p.colorspace == 1  # tagged BT.709
+    assert (p.audio_codec, p.sample_rate, p.channels) == ("aac", SR, 2)
+    assert p.first_audio_pts == 0
+    assert abs(p.audio_duration - p.video_duration) <= 1e-3  # MP4 edit lists are in milliseconds
+    assert n <= p.audio_samples_decoded < n + 1024  # only the last AAC frame's padding is extra
+    # pixels survive crf 18 + 4:2:0 chroma subsampling (colour accuracy: test_mp4_colours_survive)
+    assert np.abs(p.frames.astype(int) - _frames(num_frames)).mean() < 4.0
+
+
+def test_mp4_colours_survive():
+    """Flat saturated patches come back within a few levels: the BT.709 conversion and the BT.709 tag agree
+    (a BT.601/BT.709 mismatch moves saturated green by about 40 levels)."""
+    colours = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [250, 200, 30], [128, 128, 128], [20, 20, 20]])
+    frames = np.zeros((3, 32, 96, 3), np.uint8)
+    for k, colour in enumerate(colours):
+        frames[:, :, 16 * k : 16 * (k + 1)] = colour
+    decoded = probe_mp4(encode_mp4(frames, 24.0), decode=True).frames
+    centres = decoded[:, 8:24, [16 * k + 8 for k in range(len(colours))]].astype(int)  # (F, 16, 6, 3)
+    assert np.abs(centres - colours[None, None]).max() <= 4
+
+
+def test_audio_is_aligned_at_pts_zero():
+    """The AAC priming delay is hidden by the edit list: decoded audio lines up with the input sample for
+    sample (a shift by the 1024-sample priming would put the 440 Hz sine far out of phase)."""
+    n = audio_num_samples(17, 24.0, SR)
+    audio = _sine(n)
+    p = probe_mp4(encode_mp4(_frames(17), 24.0, audio), decode=True)
+
+    def snr(lag: int) -> float:
+        decoded = p.audio[:, 2048 + lag : 2048 + lag + 20000]
+        ref = audio[:, 2048 : 2048 + 20000]
+        return float(10 * np.log10((ref**2).sum() / ((decoded - ref) ** 2).sum()))
+
+    assert snr(0) > 20.0, snr(0)
+    assert snr(0) > max(snr(-1), snr(1), snr(-1024), snr(1024))
+
+
+@pytest.mark.parametrize(
+    ("fps", "expected"),
+    [(30000 / 1001, Fraction(30000, 1001)), (23.976, Fraction(2997, 125)), (Fraction(24000, 1001), None),
+     (12.5, Fraction(25, 2))],
+)  # fmt: skip
+def test_mp4_non_integer_fps(fps, expected):
+    expected = expected or fps
+    assert frame_rate(fps) == expected
+    n = audio_num_samples(9, float(fps), SR)
+    p = probe_mp4(encode_mp4(_frames(9), fps, _sine(n)))
+    assert p.num_frames == 9
+    assert p.fps == expected
+    assert p.video_duration == pytest.approx(float(9 / expected), abs=1e-4)
+    assert abs(p.audio_duration - p.video_duration) <= 1e-3
+
+
+def test_mp4_without_audio_and_single_frame():
+    p = probe_mp4(encode_mp4(_frames(1, 16, 16), 24.0))
+    assert (p.num_frames, p.width, p.height, p.audio_codec) == (1, 16, 16, None)
+
+
+@pytest.mark.parametrize("extra", [-5000, 0, 1919, 7000])
+def test_mp4_audio_is_fitted_to_video_duration(extra):
+    n = audio_num_samples(9, 24.0, SR)
+    p = probe_mp4(encode_mp4(_frames(9), 24.0, _sine(n + extra)))
+    assert abs(p.audio_duration - 9 / 24) <= 1e-3
+
+
+def test_mp4_mono_audio():
+    p = probe_mp4(encode_mp4(_frames(5), 24.0, _sine(10000)[:1]))
+    assert p.channels == 1
+
+
+def test_fit_audio():
+    audio = np.array([[0.5, 2.0, -3.0, np.nan]], np.float32)
+    np.testing.assert_array_equal(fit_audio(audio, 6), [[0.5, 1.0, -1.0, 0.0, 0.0, 0.0]])
+    assert fit_audio(audio, 2).shape == (1, 2)
+    with pytest.raises(ValueError, match="channels"):
+        fit_audio(np.zeros((3, 10), np.float32), 10)
+
+
+@pytest.mark.parametrize(
+    ("frames", "match"),
+    [(np.zeros((3, 32, 47, 3), np.uint8), "even"), (np.zeros((3, 31, 48, 3), np.uint8), "even"),
+     (np.zeros((3, 32, 48, 3), np.float32), "uint8"), (np.zeros((0, 32, 48, 3), np.uint8), "uint8"),
+     (np.zeros((32, 48, 3), np.uint8), "uint8")],
+)  # fmt: skip
+def test_mp4_rejects_bad_frames(frames, match):
+    with pytest.raises(ValueError, match=match):
+        encode_mp4(frames, 24.0)
+
+
+@pytest.mark.parametrize("fps", [0.0, -24.0, float("inf"), float("nan")])
+def test_mp4_rejects_bad_fps(fps):
+    with pytest.raises(ValueError, match="fps"):
+        encode_mp4(_frames(2), fps)
+
+
+def test_codec_options_defaults_and_overrides():
+    assert h264_options(None) == {"preset": "ultrafast", "threads": "0", "crf": "18"}
+    opts = h264_options({"preset": "medium", "threads": 2, "crf": "23", "tune": "film", "g": 48.0}, crf=20)
+    assert opts == {"preset": "medium", "threads": "2", "crf": "23", "tune": "film", "g": "48"}
+    p = probe_mp4(
+        encode_mp4(_frames(5), 24.0, codec_options={"preset": "veryfast", "bf": 2, "profile": "high"})
+    )
+    assert p.num_frames == 5
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"x264-params": "keyint=1"}, {"filter_complex": "x"}, {"preset": "ultrafast -y"}, {"preset": 3},
+     {"threads": "-1"}, {"threads": "1e9"}, {"crf": 52}, {"crf": True}, {"g": 0}, {"tune": ["film"]},
+     ["preset"]],
+)  # fmt: skip
+def test_codec_options_reject_anything_else(options):
+    with pytest.raises(ParamError) as err:
+        encode_mp4(_frames(2), 24.0, codec_options=options)
+    assert err.value.param == "video_codec_options"
+
+
+def test_png_round_trip():
+    frame = _frames(1, 48, 80)
+    for inp in (frame, frame[0]):
+        data = encode_png(inp)
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        np.testing.assert_array_equal(np.array(Image.open(io.BytesIO(data))), frame[0])
+    with pytest.raises(ValueError):
+        encode_png(frame[0, ..., :2])
+
+
+def test_write_npz_is_lossless(tmp_path):
+    frames, audio = _frames(5), _sine(1000)
+    path = write_npz(tmp_path / "out.npz", frames, audio, 30000 / 1001, SR)
+    with np.load(path) as z:
+        np.testing.assert_array_equal(z["frames"], frames)
+        np.testing.assert_array_equal(z["audio"], audio)
+        assert float(z["fps"]) == 30000 / 1001 and int(z["sample_rate"]) == SR
+    with np.load(write_npz(tmp_path / "v.npz", frames, None, 24.0)) as z:
+        assert "audio" not in z.files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "v.npz"]
+
+
+# ---- image inputs ----------------------------------------------------------------------------------------
+
+
+def _encode(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def test_decode_image_formats():
+    rgb = _frames(1, 20, 30)[0]
+    np.testing.assert_array_equal(decode_image(_encode(Image.fromarray(rgb), "PNG")), rgb)
+    rgba = np.concatenate([rgb, np.full((20, 30, 1), 7, np.uint8)], axis=2)
+    np.testing.assert_array_equal(decode_image(_encode(Image.fromarray(rgba), "PNG")), rgb)
+    gray = decode_image(_encode(Image.fromarray(rgb[..., 1]), "PNG"))
+    assert gray.shape == (20, 30, 3) and gray.dtype == np.uint8
+    assert decode_image(_encode(Image.fromarray(rgb), "JPEG", quality=95)).shape == (20, 30, 3)
+
+
+def test_decode_image_applies_exif_orientation():
+    img = Image.fromarray(_frames(1, 20, 30)[0])
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    out = decode_image(_encode(img, "JPEG", exif=exif.tobytes()))
+    assert out.shape == (30, 20, 3)
+
+
+@pytest.mark.parametrize("data", [b"", b"not an image at all", b"\x00" * 100, b"GIF89a" + b"\x00" * 10])
+def test_decode_image_rejects_non_images(data):
+    with pytest.raises(ParamError) as err:
+        decode_image(data)
+    assert err.value.param == "input_reference"
+    assert str(err.value) == INVALID_REFERENCE_MESSAGE
+
+
+def test_decode_image_rejects_truncated_file():
+    data = _encode(Image.fromarray(_frames(1, 64, 64)[0]), "PNG")
+    with pytest.raises(ParamError):
+        decode_image(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    ("src", "size"),
+    [((45, 70), (48, 32)), ((37, 50), (48, 32)), ((100, 60), (48, 32)), ((20, 30), (96, 64)),
+     ((32, 48), (48, 32)), ((333, 777), (320, 192)), ((31, 17), (64, 96)), ((720, 1280), (832, 480)),
+     ((64, 64), (320, 192)), ((1000, 1500), (320, 192))],
+)  # fmt: skip
+def test_resize_center_crop_matches_diffusers(src, size):
+    """Compare the [-1, 1] tensors the pipeline feeds the VAE: ours (uint8 -> /127.5 - 1) vs diffusers'
+    `_preprocess_conditioning_image` on the same uint8 image, given as numpy and as PIL."""
+    (h, w), (width, height) = src, size
+    image = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    ours = resize_center_crop(image, width, height)
+    assert ours.shape == (height, width, 3) and ours.dtype == np.uint8
+    ours_t = torch.from_numpy(ours).permute(2, 0, 1).float() / 127.5 - 1.0
+    for ref_input in (image, Image.fromarray(image)):
+        ref = _preprocess_conditioning_image(ref_input, height=height, width=width)[0]
+        torch.testing.assert_close(ours_t, ref, rtol=0, atol=0)
+
+
+def test_resize_center_crop_accepts_views():
+    image = np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    view = image[::-1, 5:55]
+    view.flags.writeable = False
+    np.testing.assert_array_equal(resize_center_crop(view, 48, 32), resize_center_crop(view.copy(), 48, 32))
+
+
+def test_resize_center_crop_rejects_bad_input():
+    with pytest.raises(ValueError):
+        resize_center_crop(np.zeros((10, 10, 3), np.float32), 16, 16)
+    with pytest.raises(ValueError):
+        resize_center_crop(np.zeros((10, 10, 3), np.uint8), 0, 16)
+
+
+def test_media_imports_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import worldserve.media.video, worldserve.media.image, worldserve.media.audio\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

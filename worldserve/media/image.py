@@ -1,0 +1,93 @@
+"""Still images: decode an uploaded conditioning image, cover-resize + centre-crop it, encode PNG output.
+
+Inputs are raw bytes (an `input_reference` upload) or uint8 RGB arrays; outputs are uint8 (H, W, 3) arrays
+or PNG bytes. Decoding and PNG use Pillow only, so the API process can validate uploads without torch.
+
+`resize_center_crop` reproduces what diffusers 0.42.1's Cosmos3 pipeline does to an I2V image
+(`_preprocess_conditioning_image`, cosmos3-model.md §5.3 step 1): scale to cover the target
+(`scale = max(W/w, H/h)`, sizes `ceil(scale*w)`, `ceil(scale*h)`), antialiased bilinear resize on float32,
+`round()` crop offsets, then round and clamp to uint8. The resize is torch's own CPU kernel
+(`F.interpolate(..., antialias=True)`), imported lazily: the oracle's float results depend on which ATen
+loop runs (FMA contraction differs with the tap count), so calling that kernel is the only way to be equal
+to it on every machine, and it is several times faster than a numpy port. The backend (which has torch)
+calls it when it prepares an I2V request.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from worldserve.params import ParamError
+
+INVALID_REFERENCE_MESSAGE = "Invalid input_reference: provided content is not a valid image or video."
+
+
+def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
+    """Decode image bytes (any Pillow format) to uint8 RGB (H, W, 3), applying the EXIF orientation.
+
+    Alpha is dropped as `Image.convert("RGB")` does (the diffusers pipeline converts the same way).
+    Raises ParamError(param, ...) for anything Pillow cannot decode, truncated files and decompression bombs.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                img.load()
+                img = ImageOps.exif_transpose(img)
+                rgb = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as exc:  # fmt: skip
+        raise ParamError(param, INVALID_REFERENCE_MESSAGE) from exc
+    if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
+        raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+    return rgb
+
+
+def encode_png(frame: np.ndarray, *, compress_level: int = 6) -> bytes:
+    """uint8 (H, W, 3), or a one-frame video (1, H, W, 3), -> PNG bytes (text-to-image output)."""
+    if frame.ndim == 4 and frame.shape[0] == 1:
+        frame = frame[0]
+    if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3:
+        raise ValueError(f"encode_png expects uint8 (H, W, 3), got {frame.dtype} {frame.shape}")
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(frame), mode="RGB").save(
+        buf, format="PNG", compress_level=compress_level
+    )
+    return buf.getvalue()
+
+
+def cover_crop_box(src_width: int, src_height: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """(resized_width, resized_height, crop_left, crop_top) exactly as diffusers computes them."""
+    scale = max(width / src_width, height / src_height)
+    resized_h = math.ceil(scale * src_height)
+    resized_w = math.ceil(scale * src_width)
+    return resized_w, resized_h, round((resized_w - width) / 2), round((resized_h - height) / 2)
+
+
+def resize_center_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 RGB (h, w, 3) -> uint8 (height, width, 3): cover-resize (antialiased bilinear) + centre crop.
+
+    Mapping the result with `/127.5 - 1` gives exactly the [-1, 1] frame diffusers' Cosmos3 pipeline feeds
+    the VAE. Runs on the CPU with torch's intra-op threads.
+    """
+    import torch  # lazy: the rest of media/ stays importable without torch
+    import torch.nn.functional as F
+
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"resize_center_crop expects uint8 (H, W, 3), got {image.dtype} {image.shape}")
+    if width <= 0 or height <= 0:
+        raise ValueError(f"target size must be positive, got {width}x{height}")
+    src_h, src_w = image.shape[:2]
+    resized_w, resized_h, left, top = cover_crop_box(src_w, src_h, width, height)
+    if not (image.flags.c_contiguous and image.flags.writeable):
+        image = np.array(image, order="C", copy=True)
+    # Same tensor as the pipeline builds (channels-last strides), so the same ATen loop runs.
+    x = torch.from_numpy(image).unsqueeze(0).permute(0, 3, 1, 2).to(torch.float32)  # [1, 3, h, w]
+    x = F.interpolate(x, size=(resized_h, resized_w), mode="bilinear", align_corners=False, antialias=True)
+    x = x[0, :, top : top + height, left : left + width]  # [3, height, width]
+    return x.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous().numpy()

@@ -1,0 +1,189 @@
+"""Video output: uint8 frames (F, H, W, 3) [+ float audio (C, N)] -> MP4 bytes, in memory, with PyAV.
+
+The container matches serving-api.md §4.4 "Output encoding": H.264 (libx264) yuv420p at crf 18 with
+`video_codec_options` (default preset ultrafast, threads 0), frame rate = the request fps (non-integer
+rates such as 30000/1001 are exact, via a Fraction time base), exactly F frames; plus an AAC track (see
+`media/audio.py`) lasting as long as the video. Frames are converted with the BT.709 matrix (limited range)
+and tagged as such, so players that assume BT.709 for untagged HD video show the right colours.
+
+`video_codec_options` is user input: only the allowlisted libx264 options below are accepted, each value
+checked, and anything else raises `ParamError("video_codec_options", ...)`, so a request cannot pass
+arbitrary FFmpeg options. `write_npz` stores the raw frames and audio losslessly (for parity checks).
+Runs on the CPU (a pool off the engine loop); imports numpy and av only.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Mapping
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+from av.video.reformatter import ColorRange, Colorspace
+
+from worldserve.media.audio import AacTrack, audio_num_samples, fit_audio
+from worldserve.params import ParamError
+
+DEFAULT_CODEC_OPTIONS: dict[str, str] = {"preset": "ultrafast", "threads": "0"}
+X264_PRESETS = (
+    "ultrafast",
+    "superfast",
+    "veryfast",
+    "faster",
+    "fast",
+    "medium",
+    "slow",
+    "slower",
+    "veryslow",
+)
+X264_TUNES = ("film", "animation", "grain", "stillimage", "fastdecode", "zerolatency", "psnr", "ssim")
+H264_PROFILES = ("baseline", "main", "high")
+# Integer options and their inclusive ranges: CPU threads (0 = auto), quality, GOP length, B-frames.
+INT_OPTION_RANGES: dict[str, tuple[int, int]] = {
+    "threads": (0, 64),
+    "crf": (0, 51),
+    "g": (1, 1000),
+    "bf": (0, 16),
+}
+CHOICE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "preset": X264_PRESETS,
+    "tune": X264_TUNES,
+    "profile": H264_PROFILES,
+}
+MAX_FRAME_RATE_DENOMINATOR = 10_000
+_BT709 = 1  # AVCOL_SPC/PRI/TRC_BT709
+_LIMITED_RANGE = 1  # AVCOL_RANGE_MPEG
+
+
+def h264_options(codec_options: Mapping[str, object] | None, crf: int = 18) -> dict[str, str]:
+    """Validated libx264 options: the defaults, then `crf`, then the caller's allowlisted overrides."""
+    options = {**DEFAULT_CODEC_OPTIONS, "crf": str(_check_int("crf", crf))}
+    if codec_options is None:
+        return options
+    if not isinstance(codec_options, Mapping):
+        raise ParamError("video_codec_options", "video_codec_options must be an object of encoder options.")
+    for key, value in codec_options.items():
+        if key in CHOICE_OPTIONS:
+            if not isinstance(value, str) or value not in CHOICE_OPTIONS[key]:
+                allowed = ", ".join(CHOICE_OPTIONS[key])
+                raise ParamError(
+                    "video_codec_options", f"video_codec_options.{key} must be one of: {allowed}."
+                )
+            options[key] = value
+        elif key in INT_OPTION_RANGES:
+            options[key] = str(_check_int(key, value))
+        else:
+            allowed = ", ".join(sorted([*CHOICE_OPTIONS, *INT_OPTION_RANGES]))
+            raise ParamError(
+                "video_codec_options",
+                f"Unsupported video_codec_options key {key!r}; allowed keys: {allowed}.",
+            )
+    return options
+
+
+def _check_int(key: str, value: object) -> int:
+    """An integer option given as int, integral float or decimal string, inside its allowed range."""
+    lo, hi = INT_OPTION_RANGES[key]
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value.strip())
+    if number is None or not lo <= number <= hi:
+        raise ParamError(
+            "video_codec_options", f"video_codec_options.{key} must be an integer in [{lo}, {hi}]."
+        )
+    return number
+
+
+def frame_rate(fps: float | Fraction) -> Fraction:
+    """Exact frame rate: a Fraction stays as is; a float becomes the nearest fraction with a denominator
+    of at most 10000 (29.97002997... -> 30000/1001, 23.976 -> 2997/125)."""
+    if isinstance(fps, Fraction):
+        rate = fps
+    else:
+        if not math.isfinite(fps):
+            raise ValueError(f"fps must be finite, got {fps}")
+        rate = Fraction(fps).limit_denominator(MAX_FRAME_RATE_DENOMINATOR)
+    if rate <= 0:
+        raise ValueError(f"fps must be positive, got {fps}")
+    return rate
+
+
+def _check_frames(frames: np.ndarray) -> None:
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"frames must be uint8 (F>=1, H, W, 3), got {frames.dtype} {frames.shape}")
+    height, width = frames.shape[1:3]
+    if height % 2 or width % 2:
+        raise ValueError(
+            f"H.264 yuv420p needs even frame sizes, got {width}x{height} (Cosmos3 sizes are multiples of 16)"
+        )
+
+
+def encode_mp4(
+    frames: np.ndarray,
+    fps: float | Fraction,
+    audio: np.ndarray | None = None,
+    sample_rate: int = 48000,
+    crf: int = 18,
+    codec_options: Mapping[str, object] | None = None,
+) -> bytes:
+    """Encode uint8 (F, H, W, 3) frames, and optionally float32 (C, N) audio, into MP4 bytes.
+
+    The audio is trimmed or zero-padded to `int(F / fps * sample_rate)` samples (the video duration).
+    Raises ParamError for bad `codec_options`, ValueError for malformed frames or audio.
+    """
+    _check_frames(frames)
+    options = h264_options(codec_options, crf)
+    rate = frame_rate(fps)
+    num_frames, height, width = frames.shape[:3]
+    if audio is not None:
+        audio = fit_audio(audio, audio_num_samples(num_frames, float(fps), sample_rate))
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        video = container.add_stream("libx264", rate=rate, options=options)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        ctx = video.codec_context
+        ctx.colorspace, ctx.color_primaries, ctx.color_trc = _BT709, _BT709, _BT709
+        ctx.color_range = _LIMITED_RANGE
+        track = AacTrack.add(container, audio, sample_rate) if audio is not None else None
+        frame_duration = 1 / rate
+        for i in range(num_frames):
+            rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[i]), format="rgb24")
+            yuv = rgb.reformat(
+                format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+            )
+            yuv.pts, yuv.time_base = i, frame_duration
+            container.mux(video.encode(yuv))
+            if track is not None:  # interleave: audio up to the end of this frame
+                track.write_until(container, math.floor((i + 1) * sample_rate / rate))
+        container.mux(video.encode(None))
+        if track is not None:
+            track.finish(container)
+    return buf.getvalue()
+
+
+def write_npz(
+    path: str | Path, frames: np.ndarray, audio: np.ndarray | None, fps: float, sample_rate: int = 48000
+) -> Path:
+    """Store frames (uint8), audio (float32 or absent), fps and sample_rate losslessly; atomic rename."""
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {
+        "frames": np.ascontiguousarray(frames),
+        "fps": np.asarray(float(fps), dtype=np.float64),
+        "sample_rate": np.asarray(int(sample_rate), dtype=np.int64),
+    }
+    if audio is not None:
+        arrays["audio"] = np.ascontiguousarray(audio, dtype=np.float32)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+    os.replace(tmp, path)
+    return path
