@@ -1,0 +1,101 @@
+"""The server on the real `VideoPipeline` and the tiny random checkpoint (CPU): in process over ASGI
+(T2V sync MP4, I2V async, a batched pair), and `worldserve serve` with no MODEL as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from serving_helpers import asgi_server, png_bytes, poll_job, wait_until
+
+pytestmark = pytest.mark.anyio
+TINY = {"size": "32x32", "num_frames": "5", "num_inference_steps": "2", "fps": "8"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_ckpt):
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    return VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", progress=False)
+
+
+def probe(mp4: bytes) -> dict:
+    import av
+
+    with av.open(io.BytesIO(mp4)) as container:
+        v = container.streams.video[0].codec_context
+        audio = container.streams.audio
+        a = audio[0].codec_context if audio else None
+        info = {"video": v.name, "size": (v.width, v.height), "rate": container.streams.video[0].average_rate,
+                "audio": a and (a.name, a.sample_rate, a.channels)}  # fmt: skip
+        info["frames"] = sum(1 for _ in container.decode(video=0))
+    return info
+
+
+async def test_sync_i2v_and_batched_pair_on_the_tiny_checkpoint(tmp_path, pipeline):
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, max_batch_size=2) as http:
+        r = await http.post("/v1/videos/sync", data={"prompt": '{"subjects":["a cat"]}', **TINY})
+        assert r.status_code == 200, r.text
+        assert probe(r.content) == {"video": "h264", "size": (32, 32), "rate": 8, "audio": ("aac", 48000, 2),
+                                    "frames": 5}  # fmt: skip
+        stages = r.headers["x-stage-durations"]
+        assert "vae.decode" in stages and "encode" in stages
+
+        i2v = (await http.post("/v1/videos", data={"prompt": "move", **TINY, "generate_sound": "false"},
+                               files={"input_reference": ("r.png", png_bytes(40, 24), "image/png")})).json()  # fmt: skip
+        pair = [(await http.post("/v1/videos", data={"prompt": f"p{i}", **TINY, "seed": str(i)})).json() for i in range(2)]
+        for job in (i2v, *pair):
+            assert (await poll_job(http, job["id"], timeout=60))["status"] == "completed"
+        assert probe((await http.get(f"/v1/videos/{i2v['id']}/content")).content)["audio"] is None
+        contents = [(await http.get(f"/v1/videos/{j['id']}/content")).content for j in pair]
+        assert contents[0] != contents[1]
+
+
+async def test_model_validation_reaches_the_client(tmp_path, pipeline):
+    async with asgi_server(tmp_path, backend=pipeline) as http:
+        r = await http.post("/v1/videos", data={"prompt": "x " * 50, **TINY, "max_sequence_length": "4"})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "max_sequence_length"), r.text
+        r = await http.post("/v1/videos", data={"prompt": "x", **TINY, "num_frames": "1", "generate_sound": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "generate_sound"
+        await asyncio.sleep(0)
+
+
+def test_serve_without_model_uses_the_tiny_checkpoint_loudly(tmp_path):
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", "--omni", "--init-timeout", "300"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        assert proc.poll() is None, log.read_text()
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(ready, timeout=120, interval=0.1)
+        text = log.read_text()
+        assert "TINY RANDOM" in text and "NOISE" in text
+        assert (tmp_path / "cache" / "worldserve" / "storage" / "jobs.sqlite3").is_file(), "default storage dir"
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "worldserve/tiny-cosmos3"
+        r = httpx.post(f"{url}/v1/videos/sync", data={"prompt": "noise", **TINY}, timeout=120)
+        assert r.status_code == 200 and r.headers["content-type"] == "video/mp4" and r.content[4:8] == b"ftyp"
+    finally:
+        proc.terminate()
+        proc.wait(30)
