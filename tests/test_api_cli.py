@@ -1,0 +1,110 @@
+"""`worldserve serve` flags generated from the config dataclasses, env fallbacks, refusals, import layering,
+and the job TTL sweep."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serving_helpers import asgi_server, poll_job
+
+from worldserve.cli import build_parser
+from worldserve.config import TINY_SERVED_NAME, EngineConfig, ParallelConfig, ServerConfig
+
+API_DIR = Path(__file__).resolve().parents[1] / "worldserve" / "api"
+
+
+def parse(*argv: str) -> EngineConfig:
+    args = build_parser(["serve", *argv]).parse_args(["serve", *argv])
+    return EngineConfig.from_args(args)
+
+
+def test_recipe_command_line_parses():
+    cfg = parse("nvidia/Cosmos3-Nano", "--host", "0.0.0.0", "--port", "8000", "--init-timeout", "1800", "--omni")
+    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.init_timeout == 1800 and cfg.model.omni
+    assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
+
+
+def test_every_flag_maps_to_a_field():
+    cfg = parse("--served-model-name", "cosmos", "--api-key", "k", "--storage-dir", "/s", "--max-queued-requests", "3",
+                "--max-batch-size", "4", "--sync-timeout", "12.5", "--max-upload-mb", "2", "--job-ttl", "60",
+                "--device", "cuda:1", "--dtype", "bfloat16", "-tp", "1", "--ulysses-degree", "1",
+                "--cfg-parallel-size", "1", "--encode-workers", "3", "--shutdown-timeout", "5")  # fmt: skip
+    assert cfg.model.served_model_name == "cosmos" and cfg.model.device == "cuda:1" and cfg.model.dtype == "bfloat16"
+    assert cfg.scheduler.max_queued_requests == 3 and cfg.scheduler.max_batch_size == 4
+    assert cfg.scheduler.encode_workers == 3 and cfg.scheduler.shutdown_timeout == 5
+    s = cfg.server
+    assert (s.api_key, s.storage_dir, s.sync_timeout, s.max_upload_bytes, s.job_ttl) == ("k", "/s", 12.5, 2 * 2**20, 60)
+    assert cfg.parallel == ParallelConfig()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["-tp", "2"], ["--ulysses-degree", "4"], ["--cfg-parallel-size", "2"], ["--enable-layerwise-offload"],
+     ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"]],
+)  # fmt: skip
+def test_unsupported_or_bad_values_are_refused(argv):
+    with pytest.raises(ValueError, match="not supported|must be"):
+        parse(*argv)
+
+
+def test_resolve_env_fallbacks(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "1800")
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("WORLDSERVE_STORAGE_DIR", raising=False)
+    monkeypatch.delenv("VLLM_OMNI_SERVER_STORAGE__PATH", raising=False)
+    monkeypatch.delenv("WORLDSERVE_API_KEY", raising=False)
+    cfg = parse().resolve()
+    assert cfg.server.sync_timeout == 1800 and cfg.server.api_key == "from-env"
+    assert cfg.server.storage_dir == str(tmp_path / "worldserve" / "storage")
+    assert cfg.model.served_model_name == TINY_SERVED_NAME
+    assert parse("m", "--sync-timeout", "5").resolve().server.sync_timeout == 5, "the flag wins"
+    assert parse("some/model").resolve().model.served_model_name == "some/model"
+    monkeypatch.setenv("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="VLLM_OMNI_VIDEO_SYNC_TIMEOUT"):
+        parse().resolve()
+
+
+def test_hidden_test_flags_stay_out_of_help(capsys):
+    with pytest.raises(SystemExit):
+        build_parser(["serve", "--help"]).parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--max-batch-size" in out and "--omni" in out and "--backend" not in out and "--fake-step-delay" not in out
+    assert ServerConfig().max_upload_mb == 100
+
+
+def test_api_layer_imports_only_the_engine_client_and_never_torch():
+    for path in API_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert not name.startswith("torch"), f"{path.name} imports {name}"
+                if name.startswith("worldserve.engine"):
+                    assert name == "worldserve.engine.client", f"{path.name} imports {name}"
+    code = "import sys, worldserve.api.app, worldserve.commands.serve; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_job_ttl_removes_finished_jobs_and_files(tmp_path, anyio_backend):
+    import asyncio
+
+    async with asgi_server(tmp_path, job_ttl_s=0.3) as http:
+        job = (await http.post("/v1/videos", data={"prompt": "x", "size": "64x48", "num_frames": "5",
+                                                   "num_inference_steps": "1"})).json()  # fmt: skip
+        done = await poll_job(http, job["id"])
+        assert done["expires_at"] is not None and done["expires_at"] >= done["completed_at"]
+        assert (tmp_path / "videos" / f"{job['id']}.mp4").exists()
+        for _ in range(100):
+            if (await http.get(f"/v1/videos/{job['id']}")).status_code == 404:
+                break
+            await asyncio.sleep(0.02)
+        assert (await http.get(f"/v1/videos/{job['id']}")).status_code == 404
+        assert not (tmp_path / "videos" / f"{job['id']}.mp4").exists()
