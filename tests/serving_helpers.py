@@ -72,8 +72,14 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.005):
 
 
 @contextlib.asynccontextmanager
-async def asgi_server(storage: Path, *, api_key: str | None = None, sync_timeout_s: float = 30.0,
-                      max_upload_bytes: int = 8 * 2**20, **client_kw) -> AsyncIterator[httpx.AsyncClient]:
+async def asgi_server(
+    storage: Path,
+    *,
+    api_key: str | None = None,
+    sync_timeout_s: float = 30.0,
+    max_upload_bytes: int = 8 * 2**20,
+    **client_kw,
+) -> AsyncIterator[httpx.AsyncClient]:
     """The app over httpx.ASGITransport (no socket), its lifespan entered by hand."""
     from worldserve.api.app import build_app
 

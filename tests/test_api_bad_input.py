@@ -87,7 +87,9 @@ async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
                             headers=auth)  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["message"] == NOT_AN_IMAGE
         assert r.json()["error"]["param"] == "input_reference"
-        r = await http.post("/v1/videos", data=OK, files={"input_reference": ("x.png", b"", "image/png")}, headers=auth)
+        r = await http.post(
+            "/v1/videos", data=OK, files={"input_reference": ("x.png", b"", "image/png")}, headers=auth
+        )
         assert r.status_code == 400 and r.json()["error"]["message"] == NOT_AN_IMAGE
         for body, ctype, fragment in (
             (b"[1, 2]", "application/json", "must be an object"),
@@ -105,8 +107,13 @@ async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
             assert r.status_code == 404 and r.json()["error"]["message"] == "Video not found"
         r = await http.post("/v1/videos", data=OK, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
-        r = await http.post("/v1/videos", data=OK, files={"input_reference": ("x.png", b"0" * 5000)}, headers=auth)
-        assert r.status_code == 413 and r.json()["error"]["type"] in ("Request Entity Too Large", "Content Too Large")
+        r = await http.post(
+            "/v1/videos", data=OK, files={"input_reference": ("x.png", b"0" * 5000)}, headers=auth
+        )
+        assert r.status_code == 413 and r.json()["error"]["type"] in (
+            "Request Entity Too Large",
+            "Content Too Large",
+        )
 
 
 # -- hypothesis over /openapi.json -------------------------------------------------------------------------
@@ -130,7 +137,9 @@ def from_schema(schema: dict) -> st.SearchStrategy:
             return st.sampled_from(schema["enum"])
         return st.text(max_size=40)
     if kind == "integer":
-        return st.integers(min_value=schema.get("minimum", -(2**70)), max_value=min(schema.get("maximum", 2**70), 400))
+        return st.integers(
+            min_value=schema.get("minimum", -(2**70)), max_value=min(schema.get("maximum", 2**70), 400)
+        )
     if kind == "number":
         return st.floats(min_value=schema.get("minimum"), max_value=schema.get("maximum"), allow_nan=False)
     if kind == "boolean":
@@ -159,8 +168,14 @@ def api_calls(draw, spec: dict) -> dict:
     params: dict = {}
     for param in op.get("parameters", []):
         if param["in"] == "path":
-            value = draw(st.one_of(st.from_regex(r"video_gen_[0-9a-f]{32}", fullmatch=True), st.text(
-                alphabet=st.characters(min_codepoint=48, max_codepoint=122), min_size=1, max_size=20)))
+            value = draw(
+                st.one_of(
+                    st.from_regex(r"video_gen_[0-9a-f]{32}", fullmatch=True),
+                    st.text(
+                        alphabet=st.characters(min_codepoint=48, max_codepoint=122), min_size=1, max_size=20
+                    ),
+                )
+            )
             path = path.replace("{" + param["name"] + "}", value)
         elif draw(st.booleans()):
             params[param["name"]] = as_form_value(draw(maybe_garbage(param.get("schema", {}))))
@@ -174,10 +189,15 @@ def api_calls(draw, spec: dict) -> dict:
             chosen.append("prompt")
         fields = {name: draw(maybe_garbage(props[name])) for name in chosen}
         if ctype == "application/json":
-            call["content"] = json.dumps({k: v.hex() if isinstance(v, bytes) else v for k, v in fields.items()})
+            call["content"] = json.dumps(
+                {k: v.hex() if isinstance(v, bytes) else v for k, v in fields.items()}
+            )
             call["headers"] = {"Content-Type": ctype}
         elif ctype == "multipart/form-data":
-            call["files"] = {k: (("f.bin", v) if isinstance(v, bytes) else (None, as_form_value(v))) for k, v in fields.items()}
+            call["files"] = {
+                k: (("f.bin", v) if isinstance(v, bytes) else (None, as_form_value(v)))
+                for k, v in fields.items()
+            }
             call["files"].setdefault("_", (None, ""))  # always multipart, even with no fields
         else:
             call["data"] = {k: as_form_value(v) for k, v in fields.items() if not isinstance(v, bytes)}
@@ -187,8 +207,12 @@ def api_calls(draw, spec: dict) -> dict:
 def test_fuzz_openapi_operations_never_5xx(tmp_path):
     with uvicorn_thread(tmp_path, sync_timeout_s=5.0, max_batch_size=4) as (url, _):
         spec = httpx.get(f"{url}/openapi.json").json()
-        assert {"/v1/videos", "/v1/videos/sync", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content"} <= set(
-            spec["paths"])
+        assert {
+            "/v1/videos",
+            "/v1/videos/sync",
+            "/v1/videos/{video_id}",
+            "/v1/videos/{video_id}/content",
+        } <= set(spec["paths"])
         with httpx.Client(base_url=url, timeout=30) as http:
 
             @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)

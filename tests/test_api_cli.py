@@ -23,7 +23,9 @@ def parse(*argv: str) -> EngineConfig:
 
 
 def test_recipe_command_line_parses():
-    cfg = parse("nvidia/Cosmos3-Nano", "--host", "0.0.0.0", "--port", "8000", "--init-timeout", "1800", "--omni")
+    cfg = parse(
+        "nvidia/Cosmos3-Nano", "--host", "0.0.0.0", "--port", "8000", "--init-timeout", "1800", "--omni"
+    )
     assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.init_timeout == 1800 and cfg.model.omni
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
 
@@ -33,11 +35,21 @@ def test_every_flag_maps_to_a_field():
                 "--max-batch-size", "4", "--sync-timeout", "12.5", "--max-upload-mb", "2", "--job-ttl", "60",
                 "--device", "cuda:1", "--dtype", "bfloat16", "-tp", "1", "--ulysses-degree", "1",
                 "--cfg-parallel-size", "1", "--encode-workers", "3", "--shutdown-timeout", "5")  # fmt: skip
-    assert cfg.model.served_model_name == "cosmos" and cfg.model.device == "cuda:1" and cfg.model.dtype == "bfloat16"
+    assert (
+        cfg.model.served_model_name == "cosmos"
+        and cfg.model.device == "cuda:1"
+        and cfg.model.dtype == "bfloat16"
+    )
     assert cfg.scheduler.max_queued_requests == 3 and cfg.scheduler.max_batch_size == 4
     assert cfg.scheduler.encode_workers == 3 and cfg.scheduler.shutdown_timeout == 5
     s = cfg.server
-    assert (s.api_key, s.storage_dir, s.sync_timeout, s.max_upload_bytes, s.job_ttl) == ("k", "/s", 12.5, 2 * 2**20, 60)
+    assert (s.api_key, s.storage_dir, s.sync_timeout, s.max_upload_bytes, s.job_ttl) == (
+        "k",
+        "/s",
+        12.5,
+        2 * 2**20,
+        60,
+    )
     assert cfg.parallel == ParallelConfig()
 
 
@@ -73,7 +85,12 @@ def test_hidden_test_flags_stay_out_of_help(capsys):
     with pytest.raises(SystemExit):
         build_parser(["serve", "--help"]).parse_args(["serve", "--help"])
     out = capsys.readouterr().out
-    assert "--max-batch-size" in out and "--omni" in out and "--backend" not in out and "--fake-step-delay" not in out
+    assert (
+        "--max-batch-size" in out
+        and "--omni" in out
+        and "--backend" not in out
+        and "--fake-step-delay" not in out
+    )
     assert ServerConfig().max_upload_mb == 100
 
 

@@ -53,7 +53,10 @@ async def test_sync_i2v_and_batched_pair_on_the_tiny_checkpoint(tmp_path, pipeli
 
         i2v = (await http.post("/v1/videos", data={"prompt": "move", **TINY, "generate_sound": "false"},
                                files={"input_reference": ("r.png", png_bytes(40, 24), "image/png")})).json()  # fmt: skip
-        pair = [(await http.post("/v1/videos", data={"prompt": f"p{i}", **TINY, "seed": str(i)})).json() for i in range(2)]
+        pair = [
+            (await http.post("/v1/videos", data={"prompt": f"p{i}", **TINY, "seed": str(i)})).json()
+            for i in range(2)
+        ]
         for job in (i2v, *pair):
             assert (await poll_job(http, job["id"], timeout=60))["status"] == "completed"
         assert probe((await http.get(f"/v1/videos/{i2v['id']}/content")).content)["audio"] is None
@@ -64,8 +67,12 @@ async def test_sync_i2v_and_batched_pair_on_the_tiny_checkpoint(tmp_path, pipeli
 async def test_model_validation_reaches_the_client(tmp_path, pipeline):
     async with asgi_server(tmp_path, backend=pipeline) as http:
         r = await http.post("/v1/videos", data={"prompt": "x " * 50, **TINY, "max_sequence_length": "4"})
-        assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "max_sequence_length"), r.text
-        r = await http.post("/v1/videos", data={"prompt": "x", **TINY, "num_frames": "1", "generate_sound": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "max_sequence_length"), (
+            r.text
+        )
+        r = await http.post(
+            "/v1/videos", data={"prompt": "x", **TINY, "num_frames": "1", "generate_sound": "true"}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "generate_sound"
         await asyncio.sleep(0)
 
@@ -92,7 +99,9 @@ def test_serve_without_model_uses_the_tiny_checkpoint_loudly(tmp_path):
         wait_until(ready, timeout=120, interval=0.1)
         text = log.read_text()
         assert "TINY RANDOM" in text and "NOISE" in text
-        assert (tmp_path / "cache" / "worldserve" / "storage" / "jobs.sqlite3").is_file(), "default storage dir"
+        assert (tmp_path / "cache" / "worldserve" / "storage" / "jobs.sqlite3").is_file(), (
+            "default storage dir"
+        )
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "worldserve/tiny-cosmos3"
         r = httpx.post(f"{url}/v1/videos/sync", data={"prompt": "noise", **TINY}, timeout=120)
         assert r.status_code == 200 and r.headers["content-type"] == "video/mp4" and r.content[4:8] == b"ftyp"

@@ -61,7 +61,9 @@ def test_kill9_restart_then_sigterm(tmp_path):
         done = http.post("/v1/videos", data={"prompt": "quick", **SMALL, "num_inference_steps": "2"}).json()
         wait_until(lambda: http.get(f"/v1/videos/{done['id']}").json()["status"] == "completed", timeout=20)
         video = http.get(f"/v1/videos/{done['id']}/content").content
-        running = http.post("/v1/videos", data={"prompt": "long", **SMALL, "num_inference_steps": "200"}).json()
+        running = http.post(
+            "/v1/videos", data={"prompt": "long", **SMALL, "num_inference_steps": "200"}
+        ).json()
         queued = http.post("/v1/videos", data={"prompt": "i2v", **SMALL, "num_inference_steps": "3"},
                            files={"input_reference": ("ref.png", png_bytes(), "image/png")}).json()  # fmt: skip
         wait_until(lambda: http.get(f"/v1/videos/{running['id']}").json()["progress"] > 0, timeout=20)
@@ -72,7 +74,9 @@ def test_kill9_restart_then_sigterm(tmp_path):
         assert http.get(f"/v1/videos/{done['id']}").json()["status"] == "completed"
         assert http.get(f"/v1/videos/{done['id']}/content").content == video
         for job in (running, queued):
-            wait_until(lambda j=job: http.get(f"/v1/videos/{j['id']}").json()["status"] == "completed", timeout=30)
+            wait_until(
+                lambda j=job: http.get(f"/v1/videos/{j['id']}").json()["status"] == "completed", timeout=30
+            )
             assert http.get(f"/v1/videos/{job['id']}/content").status_code == 200
         ids = [j["id"] for j in http.get("/v1/videos", params={"order": "asc"}).json()["data"]]
         assert ids == [done["id"], running["id"], queued["id"]]
@@ -80,9 +84,13 @@ def test_kill9_restart_then_sigterm(tmp_path):
     second.proc.send_signal(signal.SIGTERM)
     assert second.proc.wait(20) in CLEAN_EXIT
 
-    third = ServerProcess(storage, tmp_path / "third.log", "--fake-step-delay", "0.05", "--shutdown-timeout", "0.3")
+    third = ServerProcess(
+        storage, tmp_path / "third.log", "--fake-step-delay", "0.05", "--shutdown-timeout", "0.3"
+    )
     with httpx.Client(base_url=third.url, timeout=10) as http:
-        parked = http.post("/v1/videos", data={"prompt": "parked", **SMALL, "num_inference_steps": "200"}).json()
+        parked = http.post(
+            "/v1/videos", data={"prompt": "parked", **SMALL, "num_inference_steps": "200"}
+        ).json()
         wait_until(lambda: http.get(f"/v1/videos/{parked['id']}").json()["progress"] > 0, timeout=20)
     started = time.monotonic()
     third.proc.send_signal(signal.SIGTERM)

@@ -41,7 +41,9 @@ def test_recipe_curl_gives_h264_aac_mp4(tmp_path):
             subprocess.run(cmd, check=True, timeout=120)
             headers = (tmp_path / "headers").read_text().lower()
         else:
-            r = httpx.post(f"{url}/v1/videos/sync", files=[(k, (None, v)) for k, v in recipe_fields(size)], timeout=120)
+            r = httpx.post(
+                f"{url}/v1/videos/sync", files=[(k, (None, v)) for k, v in recipe_fields(size)], timeout=120
+            )
             out.write_bytes(r.content)
             headers = "\n".join(f"{k}: {v}" for k, v in r.headers.items()).lower()
     assert " 200" in headers.splitlines()[0] if "http/" in headers else True
@@ -90,14 +92,17 @@ def test_64_concurrent_requests_no_errors(tmp_path):
     backend = FakeBackend(step_delay=0.002)
 
     async def main(url):
-        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=64)) as http:
+        async with httpx.AsyncClient(
+            base_url=url, timeout=60, limits=httpx.Limits(max_connections=64)
+        ) as http:
+
             async def one(i):
                 form = {"prompt": f"p{i}", "size": "64x48", "num_frames": "5", "num_inference_steps": "4",
                         "seed": str(i)}  # fmt: skip
                 if i % 2:
                     return await http.post("/v1/videos/sync", data=form)
                 job = (await http.post("/v1/videos", data=form)).json()
-                while (r := await http.get(f"/v1/videos/{job['id']}")).json()["status"] != "completed":
+                while (await http.get(f"/v1/videos/{job['id']}")).json()["status"] != "completed":
                     await asyncio.sleep(0.01)
                 return await http.get(f"/v1/videos/{job['id']}/content")
 
@@ -118,7 +123,9 @@ def test_openai_client_videos_calls(tmp_path):
         small = {"num_frames": 5, "num_inference_steps": 2, "fps": 8}
         video = client.videos.create(prompt="a cat", size="64x48", seconds="1", extra_body=small)
         assert video.id.startswith("video_gen_") and video.status == "queued" and video.size == "64x48"
-        done = client.videos.create_and_poll(prompt="a dog", size="64x48", extra_body=small, poll_interval_ms=20)
+        done = client.videos.create_and_poll(
+            prompt="a dog", size="64x48", extra_body=small, poll_interval_ms=20
+        )
         assert done.status == "completed" and done.progress == 100
         image = client.videos.create(prompt="i2v", size="64x48", extra_body=small,
                                      input_reference=("ref.png", png_bytes(), "image/png"))  # fmt: skip

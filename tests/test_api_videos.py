@@ -40,8 +40,18 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
         job = r.json()
         assert set(job) == JOB_FIELDS
         assert re.fullmatch(r"video_gen_[0-9a-f]{32}", job["id"])
-        assert (job["object"], job["status"], job["progress"], job["model"]) == ("video", "queued", 0, "test-model")
-        assert (job["size"], job["num_frames"], job["fps"], job["media_type"]) == ("64x48", 5, 8.0, "video/mp4")
+        assert (job["object"], job["status"], job["progress"], job["model"]) == (
+            "video",
+            "queued",
+            0,
+            "test-model",
+        )
+        assert (job["size"], job["num_frames"], job["fps"], job["media_type"]) == (
+            "64x48",
+            5,
+            8.0,
+            "video/mp4",
+        )
         done = await poll_job(http, job["id"])
         assert done["status"] == "completed" and done["progress"] == 100
         assert done["file_name"] == f"{job['id']}.mp4" and done["completed_at"] >= done["created_at"]
@@ -86,7 +96,10 @@ async def test_seconds_width_height_and_extra_params(tmp_path):
         job = r.json()
         assert (job["num_frames"], job["size"], job["seconds"]) == (21, "32x32", "2")
         r = await http.post("/v1/videos", data={"prompt": "x", "extra_params": "[1]"})
-        assert r.status_code == 400 and r.json()["error"]["message"] == "Invalid JSON in form field: expected dict, got list."
+        assert (
+            r.status_code == 400
+            and r.json()["error"]["message"] == "Invalid JSON in form field: expected dict, got list."
+        )
         r = await http.post("/v1/videos", data={"prompt": "x", "extra_params": "{nope"})
         assert r.json()["error"] == {"message": "Invalid JSON in form field.", "type": "Bad Request",
                                      "param": "extra_params", "code": 400}  # fmt: skip
@@ -102,7 +115,9 @@ async def test_model_name_check(tmp_path):
             "message": "Model mismatch: request specifies 'other' but server is running 'test-model'.",
             "type": "Bad Request", "param": "model", "code": 400,
         }  # fmt: skip
-        assert (await http.post("/v1/videos", data={"prompt": "x", "model": "test-model", **SMALL})).status_code == 200
+        assert (
+            await http.post("/v1/videos", data={"prompt": "x", "model": "test-model", **SMALL})
+        ).status_code == 200
 
 
 async def test_sync_route_headers_and_body(tmp_path):
@@ -145,12 +160,18 @@ async def test_failed_job_get_uses_failure_code_and_content_422(tmp_path):
 
 async def test_in_progress_content_delete_and_unknown_ids(tmp_path):
     async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.02)) as http:
-        job = (await http.post("/v1/videos", data={"prompt": "x", **SMALL, "num_inference_steps": "200"})).json()
+        job = (
+            await http.post("/v1/videos", data={"prompt": "x", **SMALL, "num_inference_steps": "200"})
+        ).json()
         r = await http.get(f"/v1/videos/{job['id']}/content")
         assert r.status_code == 404 and r.json()["error"]["message"] == "Generation is still in-progress"
         assert (await http.get(f"/v1/videos/{job['id']}")).headers["openai-poll-after-ms"] == "500"
         d = await http.delete(f"/v1/videos/{job['id']}")
-        assert d.status_code == 200 and d.json() == {"id": job["id"], "deleted": True, "object": "video.deleted"}
+        assert d.status_code == 200 and d.json() == {
+            "id": job["id"],
+            "deleted": True,
+            "object": "video.deleted",
+        }
         for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/content")):
             r = await http.request(method, f"/v1/videos/{job['id']}{path}")
             assert r.status_code == 404 and r.json()["error"]["message"] == "Video not found"
@@ -160,7 +181,9 @@ async def test_in_progress_content_delete_and_unknown_ids(tmp_path):
 
 async def test_list_pagination_and_bad_query(tmp_path):
     async with asgi_server(tmp_path) as http:
-        ids = [(await http.post("/v1/videos", data={"prompt": f"p{i}", **SMALL})).json()["id"] for i in range(5)]
+        ids = [
+            (await http.post("/v1/videos", data={"prompt": f"p{i}", **SMALL})).json()["id"] for i in range(5)
+        ]
         page = (await http.get("/v1/videos", params={"limit": 2, "order": "asc"})).json()
         assert [j["id"] for j in page["data"]] == ids[:2] and page["has_more"] and page["object"] == "list"
         assert (page["first_id"], page["last_id"]) == (ids[0], ids[1])
@@ -183,11 +206,15 @@ async def test_image_to_video_upload_and_data_url(tmp_path):
         assert r.status_code == 200, r.text
         assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
         url = "data:image/png;base64," + base64.b64encode(png).decode()
-        r = await http.post("/v1/videos", json={"prompt": "x", **SMALL, "image_reference": {"image_url": url}})
+        r = await http.post(
+            "/v1/videos", json={"prompt": "x", **SMALL, "image_reference": {"image_url": url}}
+        )
         assert r.status_code == 200, r.text
         r = await http.post("/v1/videos", data={"prompt": "x", "image_reference": json.dumps({"image_url": url})},
                             files={"input_reference": ("ref.png", png, "image/png")})  # fmt: skip
-        assert r.status_code == 400 and r.json()["error"]["message"].startswith("Provide only one of input_reference")
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "Provide only one of input_reference"
+        )
         r = await http.post("/v1/videos", data={"prompt": "x", "image_reference": '{"file_id": "f"}'})
         assert r.json()["error"]["message"] == "Invalid image_reference: file_id is not supported yet."
 
@@ -230,7 +257,9 @@ async def test_queue_full_429_with_retry_after(tmp_path):
 
 async def test_upload_limit_413(tmp_path):
     async with asgi_server(tmp_path, max_upload_bytes=1024) as http:
-        r = await http.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"0" * 4096)})
+        r = await http.post(
+            "/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"0" * 4096)}
+        )
         assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
         async def chunks():  # no Content-Length: the byte counter catches it

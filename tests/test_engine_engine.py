@@ -16,7 +16,9 @@ from worldserve.engine.fake_backend import FakeBackend
 from worldserve.params import VideoParams
 
 
-def _params(prompt: str = "a cat", *, steps: int = 4, width: int = 64, frames: int = 5, seed: int = 1) -> VideoParams:
+def _params(
+    prompt: str = "a cat", *, steps: int = 4, width: int = 64, frames: int = 5, seed: int = 1
+) -> VideoParams:
     return VideoParams(prompt=prompt, width=width, height=64, num_frames=frames, num_inference_steps=steps,
                        seed=seed, fps=8.0)  # fmt: skip
 
@@ -40,7 +42,9 @@ def test_one_request_end_to_end(tmp_path):
     async def main():
         client = make_client(tmp_path, backend=backend)
         await client.start()
-        job = _submit(client, _params(steps=3, seed=7), EncodeOptions(crf=0, codec_options={"preset": "fast"}))
+        job = _submit(
+            client, _params(steps=3, seed=7), EncodeOptions(crf=0, codec_options={"preset": "fast"})
+        )
         done = await asyncio.wait_for(client.wait(job.id), 10)
         await client.shutdown(5)
         return job, done
@@ -201,8 +205,9 @@ def test_queue_bound_and_shutdown_intake(tmp_path):
 
 
 def test_restart_resumes_unfinished_jobs(tmp_path):
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     buf = io.BytesIO()
     Image.new("RGB", (20, 12), (10, 200, 30)).save(buf, format="PNG")

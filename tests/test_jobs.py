@@ -12,7 +12,9 @@ SPEC = JobSpec(model="m", prompt="p", size="64x64", seconds="1", quality="defaul
 
 
 def _job(created_at: float | None = None) -> Job:
-    return Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=created_at or time.time(), spec=SPEC)
+    return Job(
+        id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=created_at or time.time(), spec=SPEC
+    )
 
 
 def _complete(store: JobStore, job_id: str, data: bytes = b"mp4", ttl: float | None = None) -> bool:
@@ -34,7 +36,9 @@ def test_create_progress_complete_roundtrip(tmp_path):
     assert _complete(store, job.id, b"video-bytes")
     got = store.get(job.id)
     assert (got.status, got.progress, got.file_name) == (JobStatus.COMPLETED, 100, f"{job.id}.mp4")
-    assert got.stage_durations == {"diffuse": 1.0} and got.peak_memory_mb == 12.5 and got.inference_time_s == 1.5
+    assert (
+        got.stage_durations == {"diffuse": 1.0} and got.peak_memory_mb == 12.5 and got.inference_time_s == 1.5
+    )
     assert store.video_path(job.id).read_bytes() == b"video-bytes"
     assert not store.reference_path(job.id).exists(), "inputs are dropped once the output exists"
     assert not [p for p in tmp_path.rglob(".*.tmp")], "no temp files left behind"

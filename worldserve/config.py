@@ -71,7 +71,9 @@ class ParallelConfig:
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
             if value > 1:
-                raise ValueError(f"{flag} {value} is not supported yet: this version runs on one GPU ({flag} 1)")
+                raise ValueError(
+                    f"{flag} {value} is not supported yet: this version runs on one GPU ({flag} 1)"
+                )
         if self.enable_layerwise_offload:
             raise ValueError("--enable-layerwise-offload is not supported yet; run without it")
 

@@ -67,7 +67,9 @@ def build_app(
     async def list_models() -> ModelList:
         name = client.model_name
         permission = ModelPermission(id=f"modelperm-{name}", created=created)
-        return ModelList(data=[ModelCard(id=name, created=created, root=model_root or name, permission=[permission])])
+        return ModelList(
+            data=[ModelCard(id=name, created=created, root=model_root or name, permission=[permission])]
+        )
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:
@@ -89,8 +91,9 @@ def build_app(
 
 def route_table(app: FastAPI) -> list[tuple[str, list[str]]]:
     """(path, methods) of every HTTP route, for the startup log (included routers are expanded via OpenAPI)."""
-    table = {r.path: sorted(r.methods) for r in app.routes if getattr(r, "methods", None) and hasattr(r, "path")}
+    table = {
+        r.path: sorted(r.methods) for r in app.routes if getattr(r, "methods", None) and hasattr(r, "path")
+    }
     for path, operations in app.openapi()["paths"].items():
         table.setdefault(path, sorted(m.upper() for m in operations))
     return sorted(table.items())
-

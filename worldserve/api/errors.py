@@ -29,7 +29,9 @@ MAX_INPUT_REPR = 200
 class APIError(Exception):
     """Raised anywhere in a route to answer `status` with the envelope."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -48,11 +50,15 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": reason_phrase(status), "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=dict(headers or {}))
 
 
-def validation_error(errors: Sequence[Mapping[str, Any]], loc_prefix: tuple[str, ...] = ("body",)) -> APIError:
+def validation_error(
+    errors: Sequence[Mapping[str, Any]], loc_prefix: tuple[str, ...] = ("body",)
+) -> APIError:
     """pydantic errors -> a 400 APIError whose message reads like vLLM's and whose param is the first field."""
     items = []
     for err in errors:

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -30,8 +37,12 @@ class Metrics:
         self.registry = CollectorRegistry()
         r, label = self.registry, ["model_name"]
         self._label = {"model_name": model_name}
-        self.waiting = Gauge("worldserve:num_requests_waiting", "Video jobs queued for admission.", label, registry=r)
-        self.running = Gauge("worldserve:num_requests_running", "Video jobs holding denoise state.", label, registry=r)
+        self.waiting = Gauge(
+            "worldserve:num_requests_waiting", "Video jobs queued for admission.", label, registry=r
+        )
+        self.running = Gauge(
+            "worldserve:num_requests_running", "Video jobs holding denoise state.", label, registry=r
+        )
         self.step_time = Histogram("worldserve:step_time_seconds", "Wall time of one batched denoising step.",
                                    label, buckets=STEP_BUCKETS, registry=r)  # fmt: skip
         self.batch_size = Histogram("worldserve:step_batch_size", "Requests per denoising step.", label,
@@ -43,7 +54,9 @@ class Metrics:
         self.stage = Histogram("worldserve:stage_duration_seconds", "Per-request stage wall time.",
                                [*label, "stage"], buckets=STAGE_BUCKETS, registry=r)  # fmt: skip
         self.success = Counter("worldserve:request_success", "Jobs completed.", label, registry=r)
-        self.failure = Counter("worldserve:request_failure", "Jobs failed, by error code.", [*label, "status"], registry=r)
+        self.failure = Counter(
+            "worldserve:request_failure", "Jobs failed, by error code.", [*label, "status"], registry=r
+        )
         self.rejected = Counter("worldserve:request_rejected", "Requests refused before becoming a job.",
                                 [*label, "reason"], registry=r)  # fmt: skip
         self.peak_memory = Gauge("worldserve:peak_memory_mb", "Peak accelerator memory of the last finished job.",
@@ -61,7 +74,9 @@ class Metrics:
         self.step_time.labels(**self._label).observe(seconds)
         self.batch_size.labels(**self._label).observe(batch_size)
 
-    def on_finished(self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float) -> None:
+    def on_finished(
+        self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
+    ) -> None:
         self.success.labels(**self._label).inc()
         self.e2e.labels(**self._label).observe(e2e_s)
         self.queue_time.labels(**self._label).observe(queue_s)

@@ -39,10 +39,14 @@ class VideoCreateRequest(BaseModel):
     flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="Default 42.")
     max_sequence_length: int | None = Field(None, ge=1, description="Prompt-token cap; default 4096.")
-    generate_sound: bool | None = Field(None, description="Default: on when the checkpoint has a sound tokenizer.")
+    generate_sound: bool | None = Field(
+        None, description="Default: on when the checkpoint has a sound tokenizer."
+    )
     sound_duration: float | None = Field(None, gt=0, allow_inf_nan=False)
     num_outputs_per_prompt: int = Field(1, ge=1, le=10)
-    image_reference: str | dict[str, Any] | None = Field(None, description='{"image_url": "data:image/...;base64,..."}')
+    image_reference: str | dict[str, Any] | None = Field(
+        None, description='{"image_url": "data:image/...;base64,..."}'
+    )
     video_reference: str | dict[str, Any] | None = None
     extra_params: str | dict[str, Any] | None = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
 

@@ -58,7 +58,9 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     stream = _bounded(request, max_bytes)
     try:
         if ctype == "multipart/form-data":
-            form = await MultiPartParser(request.headers, stream, max_files=8, max_fields=200, max_part_size=max_bytes).parse()
+            form = await MultiPartParser(
+                request.headers, stream, max_files=8, max_fields=200, max_part_size=max_bytes
+            ).parse()
         elif ctype == "application/x-www-form-urlencoded":
             form = await FormParser(request.headers, stream, max_fields=200, max_part_size=max_bytes).parse()
         elif ctype == "application/json" or ctype.endswith("+json"):
@@ -148,7 +150,9 @@ def _extra_params(raw: str | dict | None) -> ExtraParams:
                        param="extra_params")  # fmt: skip
     for key in UNSUPPORTED_EXTRA:
         if raw.get(key) not in (None, False):
-            raise ParamError(f"extra_params.{key}", f"extra_params.{key}: transfer/action modes are not supported yet")
+            raise ParamError(
+                f"extra_params.{key}", f"extra_params.{key}: transfer/action modes are not supported yet"
+            )
     try:
         return ExtraParams.model_validate(raw)
     except ValidationError as exc:
@@ -193,14 +197,18 @@ def _image_reference_bytes(raw: str | dict) -> bytes:
         if isinstance(url, str) and url.startswith(("http://", "https://")):
             raise ParamError("image_reference", "Invalid image_reference.image_url: this server does not download "
                              "URLs; send a data URL or an input_reference upload.")  # fmt: skip
-        raise ParamError("image_reference", "Invalid image_reference.image_url: must be an http(s) URL or data URL.")
+        raise ParamError(
+            "image_reference", "Invalid image_reference.image_url: must be an http(s) URL or data URL."
+        )
     header, _, payload = url.partition(",")
     if not header.endswith(";base64"):
         raise ParamError("image_reference", "Only base64 data URLs are supported for now.")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ParamError("image_reference", "Invalid image_reference.image_url: bad base64 payload.") from None
+        raise ParamError(
+            "image_reference", "Invalid image_reference.image_url: bad base64 payload."
+        ) from None
 
 
 def _video_params(req: VideoCreateRequest, extra: ExtraParams, image: np.ndarray | None) -> VideoParams:
@@ -219,7 +227,9 @@ def _video_params(req: VideoCreateRequest, extra: ExtraParams, image: np.ndarray
     if req.size is not None:
         kw["width"], kw["height"] = (int(v) for v in req.size.split("x"))
     elif (req.width is None) != (req.height is None):
-        raise ParamError("height" if req.height is None else "width", "width and height must be given together")
+        raise ParamError(
+            "height" if req.height is None else "width", "width and height must be given together"
+        )
     elif req.width is not None:
         kw["width"], kw["height"] = req.width, req.height
     fps = kw.setdefault("fps", VideoParams.__dataclass_fields__["fps"].default)

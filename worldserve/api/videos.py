@@ -79,7 +79,9 @@ def _job_response(job: Job) -> JSONResponse:
     return JSONResponse(body, headers=headers)
 
 
-@router.post("/v1/videos", response_model=VideoObject, openapi_extra=BODY, responses={**ERRORS, 413: {}, 429: {}})
+@router.post(
+    "/v1/videos", response_model=VideoObject, openapi_extra=BODY, responses={**ERRORS, 413: {}, 429: {}}
+)
 async def create_video(request: Request, st: State) -> JSONResponse:
     """Create an async video job (multipart, urlencoded or JSON body)."""
     job, _ = await _submit(request, st)
@@ -90,7 +92,13 @@ async def create_video(request: Request, st: State) -> JSONResponse:
     "/v1/videos/sync",
     openapi_extra=BODY,
     response_class=Response,
-    responses={200: {"content": {"video/mp4": {}}, "description": "The MP4"}, **ERRORS, 413: {}, 429: {}, 504: {}},
+    responses={
+        200: {"content": {"video/mp4": {}}, "description": "The MP4"},
+        **ERRORS,
+        413: {},
+        429: {},
+        504: {},
+    },
 )
 async def create_video_sync(request: Request, st: State) -> Response:
     """Generate and return the MP4 (blocking); the job also stays retrievable under /v1/videos."""
@@ -100,7 +108,9 @@ async def create_video_sync(request: Request, st: State) -> Response:
     try:
         done = await asyncio.wait_for(st.client.wait(job.id), st.sync_timeout_s)
     except TimeoutError:
-        raise APIError(504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids) from None
+        raise APIError(
+            504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids
+        ) from None
     except ShuttingDownError:
         raise APIError(503, f"The server is shutting down; job {job.id} stays queued and resumes after a restart.",
                        headers=ids) from None  # fmt: skip
@@ -116,7 +126,9 @@ async def create_video_sync(request: Request, st: State) -> Response:
         **ids,
         "X-Model": st.served_model_name,
         "X-Inference-Time-S": f"{done.inference_time_s or 0.0:.3f}",
-        "X-Stage-Durations": json.dumps({k: round(v, 3) for k, v in done.stage_durations.items()}, separators=(",", ":")),
+        "X-Stage-Durations": json.dumps(
+            {k: round(v, 3) for k, v in done.stage_durations.items()}, separators=(",", ":")
+        ),
         "X-Peak-Memory-MB": f"{done.peak_memory_mb or 0.0:.3f}",
     }
     return Response(video, media_type="video/mp4", headers=headers)
@@ -156,7 +168,11 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
 @router.get(
     "/v1/videos/{video_id}/content",
     response_class=FileResponse,
-    responses={200: {"content": {"video/mp4": {}}, "description": "The MP4 (Range supported)"}, 422: {}, **ERRORS},
+    responses={
+        200: {"content": {"video/mp4": {}}, "description": "The MP4 (Range supported)"},
+        422: {},
+        **ERRORS,
+    },
 )
 async def download_video(video_id: str, st: State) -> FileResponse:
     """Download the MP4 (HTTP Range supported); `variant` other than video is not offered."""

@@ -57,7 +57,9 @@ def _serve(config: EngineConfig, backend: Any, gpu_memory: Any) -> int:
 
     server_cfg, served = config.server, config.model.served_model_name
     store = JobStore(server_cfg.storage_dir)
-    log.info("job store: %s (ttl: %s)", store.root, f"{server_cfg.job_ttl:g}s" if server_cfg.job_ttl else "none")
+    log.info(
+        "job store: %s (ttl: %s)", store.root, f"{server_cfg.job_ttl:g}s" if server_cfg.job_ttl else "none"
+    )
     metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
     engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=server_cfg.job_ttl)
     client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
@@ -97,7 +99,10 @@ def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
     loader.start()
     loader.join(cfg.init_timeout)
     if loader.is_alive():
-        log.error("Model did not become ready within %gs (--init-timeout); raise it for cold caches", cfg.init_timeout)
+        log.error(
+            "Model did not become ready within %gs (--init-timeout); raise it for cold caches",
+            cfg.init_timeout,
+        )
         return None
     if "error" in outcome:
         log.error("could not load the model: %s", outcome["error"], exc_info=outcome["error"])
@@ -157,6 +162,8 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.should_exit:
-            log.info("shutdown requested: no new jobs; running ones get %gs to finish", self._shutdown_timeout)
+            log.info(
+                "shutdown requested: no new jobs; running ones get %gs to finish", self._shutdown_timeout
+            )
             self._client.begin_shutdown(self._shutdown_timeout)
         super().handle_exit(sig, frame)

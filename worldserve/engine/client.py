@@ -134,7 +134,10 @@ class EngineClient:
         if not self._started:
             return False, "No engine initialized"
         if not self.engine.alive:
-            return False, "engine stopped" if self.engine.crashed is None else f"engine crashed: {self.engine.crashed}"
+            return (
+                False,
+                "engine stopped" if self.engine.crashed is None else f"engine crashed: {self.engine.crashed}",
+            )
         if not self.accepting:
             return False, "shutting down"
         return True, None
@@ -150,9 +153,13 @@ class EngineClient:
                                "from the storage folder; submit it again.")  # fmt: skip
                 continue
             except Exception as exc:
-                self._fail_now(job_id, f"The job was interrupted by a restart and could not be restored: {exc}")
+                self._fail_now(
+                    job_id, f"The job was interrupted by a restart and could not be restored: {exc}"
+                )
                 continue
-            self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic()))
+            self.engine.add_request(
+                Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic())
+            )
             resumed += 1
         return resumed
 
@@ -191,14 +198,18 @@ class EngineClient:
     def has_sound(self) -> bool:
         return bool(self.engine.backend.has_sound)
 
-    def submit(self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None) -> Job:
+    def submit(
+        self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
+    ) -> Job:
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down and accepts no new jobs")
         if self.engine.num_waiting >= self.max_queued_requests:
             raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
         job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
         self.store.create(job, inputs_record(params, encode), reference)
-        self.engine.add_request(Request(job_id=job.id, params=params, encode=encode, arrival_time=time.monotonic()))
+        self.engine.add_request(
+            Request(job_id=job.id, params=params, encode=encode, arrival_time=time.monotonic())
+        )
         return job
 
     def get(self, job_id: str) -> Job | None:

@@ -42,7 +42,9 @@ class EngineObserver(Protocol):
 
     def on_step(self, seconds: float, batch_size: int) -> None: ...
 
-    def on_finished(self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float) -> None: ...
+    def on_finished(
+        self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
+    ) -> None: ...
 
     def on_failed(self, code: int) -> None: ...
 
@@ -51,7 +53,9 @@ class NullObserver:
     def on_step(self, seconds: float, batch_size: int) -> None:
         pass
 
-    def on_finished(self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float) -> None:
+    def on_finished(
+        self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
+    ) -> None:
         pass
 
     def on_failed(self, code: int) -> None:
@@ -309,7 +313,9 @@ class Engine:
             self._release(request)
         if parked:
             self.store.requeue([r.job_id for r in parked])
-            log.warning("stopped with %d running job(s); they are queued again and resume at restart", len(parked))
+            log.warning(
+                "stopped with %d running job(s); they are queued again and resume at restart", len(parked)
+            )
         self._num_running = 0
 
 

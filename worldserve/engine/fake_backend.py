@@ -54,7 +54,9 @@ class FakeBackend:
 
     def validate(self, params: VideoParams) -> VideoParams:
         if params.generate_sound and not self.has_sound:
-            raise ParamError("generate_sound", "this checkpoint has no sound tokenizer; set generate_sound=false")
+            raise ParamError(
+                "generate_sound", "this checkpoint has no sound tokenizer; set generate_sound=false"
+            )
         if len(params.prompt) > 64 * params.max_sequence_length:  # a byte-ish tokenizer bound
             raise ParamError("prompt", "prompt is longer than max_sequence_length tokens")
         return params

@@ -30,7 +30,7 @@ JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
 SCHEMA_VERSION = 1
 
 
-class JobStatus(str, enum.Enum):
+class JobStatus(enum.StrEnum):
     QUEUED = "queued"
     IN_PROGRESS = "in_progress"
     COMPLETED = "completed"
@@ -235,7 +235,9 @@ class JobStore:
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
         """
         with self._lock:
-            self._db.execute("UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'")
+            self._db.execute(
+                "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'"
+            )
             rows = self._db.execute("SELECT id, status FROM jobs").fetchall()
             unfinished = self._db.execute(
                 "SELECT id FROM jobs WHERE status='queued' ORDER BY created_at, seq"
@@ -258,7 +260,9 @@ class JobStore:
 
     def expired(self, now: float) -> list[str]:
         with self._lock:
-            rows = self._db.execute("SELECT id FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+            rows = self._db.execute(
+                "SELECT id FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+            )
             return [r["id"] for r in rows.fetchall()]
 
     # -- reads ----------------------------------------------------------------------------------------
@@ -278,7 +282,9 @@ class JobStore:
         reference = self.reference_path(job_id).read_bytes() if row["has_reference"] else None
         return json.loads(row["inputs"]), reference
 
-    def list(self, *, after: str | None = None, limit: int | None = None, order: str = "desc") -> tuple[list[Job], bool]:
+    def list(
+        self, *, after: str | None = None, limit: int | None = None, order: str = "desc"
+    ) -> tuple[list[Job], bool]:
         """One page in `created_at` order, starting after the job `after`; returns (jobs, has_more)."""
         assert order in ("asc", "desc")
         where, args = "", []
