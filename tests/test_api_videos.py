@@ -283,3 +283,25 @@ async def test_metrics_families(tmp_path):
                        "request_success_total", 'request_failure_total{model_name="test-model",status="500"} 1.0',
                        "peak_memory_mb"):  # fmt: skip
             assert f"worldserve:{family}" in text, family
+
+
+async def test_shutdown_stops_intake_with_503(tmp_path):
+    async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.02)) as http:
+        running = (
+            await http.post("/v1/videos", data={"prompt": "x", **SMALL, "num_inference_steps": "200"})
+        ).json()
+        sync = asyncio.create_task(http.post("/v1/videos/sync", data={"prompt": "queued behind", **SMALL}))
+        await asyncio.sleep(0.1)
+        http.engine_client.begin_shutdown(0.1)
+        r = await http.post("/v1/videos", data={"prompt": "late", **SMALL})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "Service Unavailable"
+        health = await http.get("/health")
+        assert health.status_code == 503 and health.json() == {
+            "status": "unhealthy",
+            "reason": "shutting down",
+        }
+        answer = await sync
+        assert answer.status_code == 503 and "resumes after a restart" in answer.json()["error"]["message"]
+        assert (await http.get(f"/v1/videos/{running['id']}")).json()["status"] == "queued", (
+            "parked for restart"
+        )
