@@ -65,9 +65,9 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
         st.metrics.on_rejected("queue_full")
         raise APIError(429, f"Too many queued requests ({st.client.max_queued_requests}); retry later.",
                        headers={"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
-    except ShuttingDownError:
+    except ShuttingDownError as exc:
         st.metrics.on_rejected("shutting_down")
-        raise APIError(503, "The server is shutting down and accepts no new jobs.") from None
+        raise APIError(503, str(exc)) from None
     return job, inputs
 
 

@@ -202,7 +202,9 @@ class EngineClient:
         self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
     ) -> Job:
         if not self.accepting:
-            raise ShuttingDownError("the server is shutting down and accepts no new jobs")
+            raise ShuttingDownError("The server is shutting down and accepts no new jobs.")
+        if not self.engine.alive:
+            raise ShuttingDownError("The engine has stopped (see the server log); no new jobs are accepted.")
         if self.engine.num_waiting >= self.max_queued_requests:
             raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
         job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)

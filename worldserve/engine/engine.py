@@ -105,7 +105,6 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._num_waiting = 0  # queued, not yet admitted (inbox + scheduler), guarded by _cv
         self._num_running = 0
-        self._num_encoding = 0
         self._draining = False
         self._hard_stop = False
         self._service_ewma_s: float | None = None
@@ -242,8 +241,6 @@ class Engine:
         finally:
             self._release(request)
         request.stage_seconds["decode"] = time.monotonic() - t0
-        with self._cv:
-            self._num_encoding += 1
         self._pool.submit(self._encode_and_save, request, result)
 
     def _encode_and_save(self, request: Request, result: VideoResult) -> None:
@@ -271,8 +268,6 @@ class Engine:
         except Exception as exc:
             self._fail(request, exc)
         finally:
-            with self._cv:
-                self._num_encoding -= 1
             self.on_done(request.job_id)
 
     def _abort(self, job_id: str) -> None:
