@@ -125,3 +125,16 @@ async def test_job_ttl_removes_finished_jobs_and_files(tmp_path, anyio_backend):
             await asyncio.sleep(0.02)
         assert (await http.get(f"/v1/videos/{job['id']}")).status_code == 404
         assert not (tmp_path / "videos" / f"{job['id']}.mp4").exists()
+
+
+def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
+    import time as _time
+
+    from worldserve.commands import serve
+    from worldserve.config import ModelConfig
+
+    monkeypatch.setattr(serve, "_load_backend", lambda cfg: _time.sleep(5))
+    assert serve._load_backend_within(ModelConfig(init_timeout=0.05)) is None
+    assert "did not become ready within 0.05s" in caplog.text
+    monkeypatch.setattr(serve, "_load_backend", lambda cfg: ("backend", None))
+    assert serve._load_backend_within(ModelConfig()) == ("backend", None)
