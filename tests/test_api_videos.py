@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from serving_helpers import asgi_server, png_bytes, poll_job
+from serving_helpers import asgi_server, png_bytes, poll_job, wait_until
 
 from worldserve.engine.fake_backend import FakeBackend
 
@@ -246,7 +246,7 @@ async def test_unknown_route_and_method_use_the_envelope(tmp_path):
 async def test_queue_full_429_with_retry_after(tmp_path):
     async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.05), max_queued_requests=1) as http:
         await http.post("/v1/videos", data={"prompt": "x", **SMALL, "num_inference_steps": "100"})
-        await asyncio.sleep(0.1)  # admitted: the queue is empty again
+        await asyncio.to_thread(wait_until, lambda: http.engine_client.num_running == 1)  # queue empty again
         assert (await http.post("/v1/videos", data={"prompt": "y", **SMALL})).status_code == 200
         r = await http.post("/v1/videos", data={"prompt": "z", **SMALL})
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
