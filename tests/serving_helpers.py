@@ -85,7 +85,7 @@ async def asgi_server(
 
     client = make_client(storage, **client_kw)
     app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
-                    shutdown_timeout_s=2.0)  # fmt: skip
+                    shutdown_timeout_s=0.3)  # fmt: skip
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
