@@ -1,7 +1,7 @@
 """Shared builders for the engine / API / server tests (not a test module).
 
 `make_client` wires FakeBackend + JobStore + Engine + EngineClient the way `worldserve serve` does, with a
-stub encoder by default (fast); `real_encoder=True` uses media.mp4.encode_mp4. `wait_until` polls a
+stub encoder by default (fast); `real_encoder=True` uses media.video.encode_mp4. `wait_until` polls a
 condition with a deadline instead of sleeping a fixed time.
 """
 

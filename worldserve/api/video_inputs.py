@@ -134,6 +134,10 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,
                    user=req.user)  # fmt: skip
     codec = dict(extra.video_codec_options) if extra.video_codec_options else None
+    if codec is not None:
+        from worldserve.media.video import h264_options
+
+        h264_options(codec, QUALITY_CRF[quality])  # a bad option is a 400 now, not a failed job later
     return VideoInputs(params, spec, EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec), reference)
 
 

@@ -63,14 +63,9 @@ class NullObserver:
 
 
 def default_encoder(*args, **kwargs) -> bytes:
-    """media's `encode_mp4`, imported on first use (PyAV). It lives in media/video.py (design.md layout);
-    media/mp4.py is the name the serving brief used, so it is tried first."""
-    try:
-        from worldserve.media.mp4 import encode_mp4
-    except ModuleNotFoundError as exc:
-        if exc.name != "worldserve.media.mp4":
-            raise
-        from worldserve.media.video import encode_mp4
+    """media.video.encode_mp4, imported on first use (PyAV)."""
+    from worldserve.media.video import encode_mp4
+
     return encode_mp4(*args, **kwargs)
 
 
