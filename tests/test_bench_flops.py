@@ -1,0 +1,130 @@
+"""The benchmark's FLOP model (performance.md §1, cosmos3-model.md §9) and the `worldserve bench` CLI.
+
+CPU only; no timing thresholds. One tiny smoke run of the whole harness on the CPU checks that every phase
+produces its fields (numbers meaningless at that size).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from worldserve.bench.flops import (
+    NANO,
+    PEAK_BF16_TFLOPS,
+    TowerShape,
+    forward_flops,
+    forward_flops_split,
+    roofline_seconds,
+)
+from worldserve.bench.workload import Workload, parse_point
+from worldserve.models.cosmos3.config import Cosmos3Config
+
+
+def test_linear_params_per_layer_is_192_9M():
+    assert NANO.linear_params_per_layer == 192_937_984
+    assert TowerShape.from_config(Cosmos3Config.nano()) == NANO
+
+
+def test_720p_189_frame_tokens():
+    w = Workload()
+    assert w.latent_shape == (1, 48, 48, 45, 80)
+    assert w.patch_grid == (48, 23, 40)
+    assert w.video_tokens == 44_160
+    assert w.audio_frames == 197
+    assert w.gen_tokens == 44_357
+
+
+def test_480p_121_frame_tokens():
+    w = parse_point("832x480x121")
+    assert w.latent_shape == (1, 48, 31, 30, 52)
+    assert w.video_tokens == 31 * 15 * 26
+    assert w.audio_frames == 127  # ceil(242000 / 1920)
+
+
+def test_forward_flops_720p_1k_text():
+    linear, attention = forward_flops_split(44_357, 1024)
+    assert linear == pytest.approx(0.616e15, rel=5e-3)
+    assert attention == pytest.approx(1.187e15, rel=5e-3)
+    assert linear + attention == pytest.approx(1.80e15, rel=5e-3)
+    assert attention / (linear + attention) == pytest.approx(0.66, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("n_gen", "n_text", "expected"),
+    [(44_160, 300, 1.77e15), (44_357, 300, 1.79e15), (44_357, 3500, 1.87e15)],  # cosmos3-model.md §9 table
+)
+def test_forward_flops_table(n_gen, n_text, expected):
+    assert forward_flops(n_gen, n_text) == pytest.approx(expected, rel=5e-3)
+
+
+def test_request_flops_and_roofline():
+    per_request = 70 * forward_flops(44_357, 1024)  # 35 steps x CFG 2
+    assert per_request == pytest.approx(126.2e15, rel=2e-3)
+    assert 70 * forward_flops(44_357, 0) == pytest.approx(124.4e15, rel=2e-3)
+    assert 70 * forward_flops(44_357, 4096) == pytest.approx(131.9e15, rel=2e-3)
+    assert PEAK_BF16_TFLOPS == 790.0
+    assert roofline_seconds(per_request) == pytest.approx(160, rel=0.01)  # performance.md §2
+    assert roofline_seconds(per_request) / 35 == pytest.approx(4.57, rel=0.01)
+
+
+def test_step_is_two_forwards_with_own_text_lengths():
+    w = Workload(cond_text=300, uncond_text=1200)
+    assert w.step_flops() == pytest.approx(forward_flops(44_357, 300) + forward_flops(44_357, 1200))
+
+
+def test_workload_rejects_bad_sizes():
+    with pytest.raises(ValueError):
+        Workload(width=1000)
+    with pytest.raises(ValueError):
+        Workload(num_frames=190)
+    with pytest.raises(ValueError):
+        parse_point("1280x720")
+
+
+def test_bench_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "worldserve.cli", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for flag in ("--points", "--steps", "--phases", "--skip-diffusers", "--tiny"):
+        assert flag in out
+
+
+def test_bench_tiny_cpu_smoke(tmp_path):
+    from worldserve.cli import main
+
+    rc = main(
+        [
+            "bench",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--points",
+            "64x32x5",
+            "--steps",
+            "1",
+            "--text-tokens",
+            "7",
+            "--neg-text-tokens",
+            "5",
+            "--phases",
+            "transformer,decode",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    (result,) = tmp_path.glob("bench-*.json")
+    data = json.loads(result.read_text())
+    point = data["points"][0]
+    assert point["gen_tokens"] == 2 * 1 * 2 + 6  # 2 latent frames of 1x2 patches + ceil(10000 / 1920) audio
+    assert point["ours"]["step_s"]["samples"] and point["diffusers"]["step_s"]["samples"]
+    assert all(v < 0.05 for v in point["parity"].values())  # same weights, bf16
+    assert data["decode"]["vae_decode_s"]["samples"] and data["decode"]["mux_synthetic_bytes"] > 0
+    assert data["e2e_estimate"]["ours"]["steps"] == 35

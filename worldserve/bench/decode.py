@@ -1,0 +1,225 @@
+"""The fixed tail of a request: Wan2.2 VAE decode, audio (AVAE) decode, uint8 conversion + copy to the
+host, and the MP4 mux (H.264 + AAC), each timed on its own.
+
+The VAE decode is timed as `VideoVAE.decode_pixels` (denormalise + diffusers' `AutoencoderKLWan.decode`,
+causal-conv cache over 48 latent frames, no tiling); the uint8 postprocess and the device-to-host copy
+separately; the audio decode as `AudioVAE.decode` (weight norm folded, trimmed to the video length). The
+mux uses `worldserve.media` `encode_mp4` when present (else PyAV directly, same settings: libx264
+ultrafast crf 18 + AAC). Random VAE weights decode to noise-like frames, which x264 compresses far worse
+than real video, so the mux is also timed on a smooth synthetic clip of the same size. Optional: a profile
+of one VAE decode and two VAE variants (cudnn.benchmark; channels_last_3d weights).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from worldserve.bench.timing import allocated_gib, free_memory, peak_gib, reset_peak, time_region
+from worldserve.bench.workload import Workload
+
+
+def find_encoder() -> tuple[str, Callable]:
+    """(name, encode_mp4(frames, fps, audio)) from worldserve.media, or a PyAV fallback."""
+    for mod in ("worldserve.media.mp4", "worldserve.media.video"):
+        try:
+            module = __import__(mod, fromlist=["encode_mp4"])
+            return f"{mod}.encode_mp4", module.encode_mp4
+        except (ImportError, AttributeError):
+            continue
+    return "pyav-direct", _pyav_encode
+
+
+def _pyav_encode(
+    frames: np.ndarray, fps: float, audio: np.ndarray | None = None, sample_rate: int = 48000
+) -> bytes:
+    import io
+    from fractions import Fraction
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as c:
+        v = c.add_stream(
+            "libx264",
+            rate=Fraction(fps).limit_denominator(10000),
+            options={"preset": "ultrafast", "crf": "18", "threads": "0"},
+        )
+        v.width, v.height, v.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        a = c.add_stream("aac", rate=sample_rate, layout="stereo") if audio is not None else None
+        for f in frames:
+            c.mux(v.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
+        c.mux(v.encode(None))
+        if a is not None:
+            af = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(audio, dtype=np.float32), format="fltp", layout="stereo"
+            )
+            af.sample_rate = sample_rate
+            c.mux(a.encode(af))
+            c.mux(a.encode(None))
+    return buf.getvalue()
+
+
+def synthetic_clip(w: Workload) -> np.ndarray:
+    """A smooth moving gradient (F, H, W, 3) uint8: compresses like real footage, unlike noise."""
+    y = np.linspace(0, 1, w.height, dtype=np.float32)[:, None]
+    x = np.linspace(0, 1, w.width, dtype=np.float32)[None, :]
+    out = np.empty((w.num_frames, w.height, w.width, 3), dtype=np.uint8)
+    for i in range(w.num_frames):
+        s = i / max(w.num_frames - 1, 1)
+        out[i, ..., 0] = (255 * (0.5 + 0.5 * np.sin(6.28 * (x + s)))).astype(np.uint8)
+        out[i, ..., 1] = (255 * (0.5 + 0.5 * np.cos(6.28 * (y - s)))).astype(np.uint8)
+        out[i, ..., 2] = (255 * ((x + y) / 2)).astype(np.uint8)
+    return out
+
+
+def bench_decode(
+    w: Workload,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    tiny: bool,
+    repeats: int,
+    log: Callable[[str], None],
+    variants: bool = False,
+    profile_file: Path | None = None,
+) -> dict:
+    """Time the VAE, audio decode, postprocess and mux for workload `w`; returns a JSON-able dict.
+
+    With `variants`, the VAE decode is also timed with `cudnn.benchmark` and then with channels_last_3d
+    weights (+ benchmark); with `profile_file`, one default decode runs under torch.profiler."""
+    from worldserve.bench.models import build_audio_vae, build_video_vae, param_count
+
+    res: dict = {"workload": w.label}
+    g = torch.Generator(device="cpu").manual_seed(1)
+    latents = torch.randn(w.latent_shape, generator=g).to(device)  # normalised, as the sampler leaves them
+    vae = build_video_vae(device, dtype, tiny=tiny)
+    res["vae_params"] = param_count(vae.model)
+    resident = allocated_gib(device)
+    reset_peak(device)
+    pixels_box: list[torch.Tensor] = []
+
+    def decode() -> None:
+        pixels_box[:] = [vae.decode_pixels(latents)]
+
+    log(f"VAE decode {w.label} (warm-up + {repeats})")
+    t = time_region(decode, device, warmup=1, repeats=repeats)
+    res["vae_decode_s"] = t.to_dict()
+    res["vae_peak_gib"] = peak_gib(device)
+    res["vae_peak_above_resident_gib"] = res["vae_peak_gib"] - resident
+    pixels = pixels_box[0]
+    res["decoded_shape"] = list(pixels.shape)
+    frames_box: list[np.ndarray] = []
+    t_post = time_region(
+        lambda: frames_box.__setitem__(slice(None), [vae.pixels_to_uint8(pixels).cpu().numpy()]),
+        device,
+        warmup=1,
+        repeats=repeats,
+    )
+    res["postprocess_d2h_s"] = t_post.to_dict()
+    frames = frames_box[0][0]
+    sample = pixels[..., ::8, ::8].clone()  # a strided sample of the output, to check the variants against
+    pixels = None
+    pixels_box.clear()
+    if profile_file is not None:
+        from worldserve.bench.variants import profile_step
+
+        log("profiling one VAE decode")
+        res["vae_profile"] = profile_step(lambda: vae.decode_pixels(latents), device, profile_file)
+    if variants:
+        res["vae_variants"] = _vae_variants(vae, latents, device, log, sample)
+    vae = None  # drop the decoder before the audio phase
+    free_memory(device)
+
+    audio = None
+    if w.sound:
+        avae = build_audio_vae(device, dtype, tiny=tiny)
+        res["audio_vae_params"] = param_count(avae.model.decoder)
+        snd = torch.randn((64, w.audio_frames), generator=g).to(device)
+        box: list[np.ndarray] = []
+        log(f"audio decode {w.audio_frames} latent frames")
+        ta = time_region(
+            lambda: box.__setitem__(slice(None), [avae.decode(snd, w.audio_samples)]),
+            device,
+            warmup=1,
+            repeats=max(repeats, 3),
+        )
+        res["audio_decode_s"] = ta.to_dict()
+        audio = box[0]
+        avae = None
+
+    name, encode = find_encoder()
+    res["mux_encoder"] = name
+    log(f"mux with {name}")
+    for label, clip in (("decoded", frames), ("synthetic", synthetic_clip(w))):
+        t0 = time.perf_counter()
+        try:
+            data = encode(clip, w.fps, audio)
+        except Exception as e:  # a broken media module must not cost the other numbers
+            res["mux_error"] = f"{name}: {type(e).__name__}: {e}"
+            name, encode = "pyav-direct", _pyav_encode
+            res["mux_encoder"] = name
+            t0 = time.perf_counter()
+            data = encode(clip, w.fps, audio)
+        res[f"mux_{label}_s"] = time.perf_counter() - t0
+        res[f"mux_{label}_bytes"] = len(data)
+    return res
+
+
+def _vae_variants(
+    vae, latents: torch.Tensor, device: torch.device, log: Callable[[str], None], sample: torch.Tensor
+) -> dict:
+    """VAE decode with cudnn.benchmark, then with channels_last_3d weights too (one warm-up, one timed each);
+    each output's strided sample is compared with the default decode's (`max_abs_diff`)."""
+    out: dict = {}
+    prev = torch.backends.cudnn.benchmark
+    box: list[torch.Tensor] = []
+
+    def run(z: torch.Tensor) -> None:
+        box[:] = [vae.decode_pixels(z)[..., ::8, ::8]]
+
+    try:
+        torch.backends.cudnn.benchmark = True
+        log("VAE variant: cudnn.benchmark")
+        out["cudnn_benchmark"] = time_region(lambda: run(latents), device, warmup=1, repeats=1).to_dict()
+        out["cudnn_benchmark"]["max_abs_diff"] = float((box[0] - sample).abs().max())
+        log("VAE variant: channels_last_3d + cudnn.benchmark")
+        _set_memory_format(vae.model, channels_last=True)
+        cl = latents.contiguous(memory_format=torch.channels_last_3d)
+        out["channels_last_3d"] = time_region(lambda: run(cl), device, warmup=1, repeats=1).to_dict()
+        out["channels_last_3d"]["max_abs_diff"] = float((box[0] - sample).abs().max())
+    except RuntimeError as e:  # e.g. out of memory in a variant: keep the default numbers
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    finally:
+        torch.backends.cudnn.benchmark = prev
+        _set_memory_format(vae.model, channels_last=False)
+    return out
+
+
+@torch.no_grad()
+def _set_memory_format(model: torch.nn.Module, *, channels_last: bool) -> None:
+    """Conv3d weights to channels_last_3d and Conv2d weights to channels_last (or back); `Module.to(memory_format=)`
+    refuses models that also hold 1-D and 4-D parameters."""
+    for p in model.parameters():
+        if p.ndim == 5:
+            p.data = p.data.contiguous(
+                memory_format=torch.channels_last_3d if channels_last else torch.contiguous_format
+            )
+        elif p.ndim == 4:
+            p.data = p.data.contiguous(
+                memory_format=torch.channels_last if channels_last else torch.contiguous_format
+            )
+
+
+def decode_total(res: dict) -> float:
+    """Fixed decode tail (median times): VAE + uint8/D2H + audio + mux of real-looking frames."""
+    total = (
+        res["vae_decode_s"]["median"] + res["postprocess_d2h_s"]["median"] + res.get("mux_synthetic_s", 0.0)
+    )
+    if "audio_decode_s" in res:
+        total += res["audio_decode_s"]["median"]
+    return total

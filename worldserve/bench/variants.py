@@ -1,0 +1,324 @@
+"""Quick variants and diagnostics for the denoising step: kernel micro-benchmarks at the tower's real shapes,
+a torch.compile'd gen layer, and a torch.profiler kernel table.
+
+- `attention_micro`: SDPA at the joint gen shape (N_g queries over T + N_g keys, GQA 32/8, d 128) in our
+  token-major layout (strided [1, H, N, D] views, `layers.attention.attention`) vs contiguous [1, H, N, D]
+  with cuDNN forced, vs PyTorch's default choice, vs cuDNN on both CFG items at once (B=2).
+- `gemm_micro`: fused q|k|v and gate|up projections vs the separate GEMMs diffusers runs.
+- `compiled_layers`: a context that routes every gen TowerBlock's `project_qkv` / `finish` through one
+  torch.compile'd function of (activations, weights) (default mode, static shapes), so that the 36 layers
+  share a graph; attention (cat of cached text K/V + SDPA) stays eager. It mirrors TowerBlock at tp=1.
+- `layer_numerics`: one gen layer eager and compiled (bf16) against a float32 copy, to tell a wrong compiled
+  path from bf16 rounding amplified over 36 random layers.
+- `profile_step`: one call under torch.profiler; the kernel table goes to a text file and the kernel time
+  is summed by category (attention, GEMM, copies/cat/index, other elementwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worldserve.bench.timing import time_region
+
+
+def _tf(flops: float, s: float) -> float:
+    return flops / s / 1e12
+
+
+def attention_micro(
+    n_gen: int,
+    n_text: int,
+    device: torch.device,
+    *,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    repeats: int = 5,
+) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from worldserve.models.layers.attention import attention
+
+    dt = torch.bfloat16
+    q = torch.randn(n_gen, heads, head_dim, device=device, dtype=dt)  # token-major, as our layer has them
+    k = torch.randn(n_text + n_gen, kv_heads, head_dim, device=device, dtype=dt)
+    v = torch.randn_like(k)
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))  # [1, H, N, D]
+    flops = 4.0 * n_gen * (n_gen + n_text) * heads * head_dim
+    out: dict = {"shape": f"{n_gen}x{n_gen + n_text}, GQA {heads}/{kv_heads}, d {head_dim}", "flops": flops}
+
+    def native_cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+
+    q2, k2, v2 = (torch.cat([x, x]) for x in (qh, kh, vh))  # CFG-batched B=2 (equal text lengths)
+
+    def cudnn_b2():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q2, k2, v2, enable_gqa=True)
+
+    cases: dict[str, Callable[[], object]] = {
+        "ours_token_major": lambda: attention(q, k, v),
+        "bhnd_cudnn_forced": native_cudnn,
+        "bhnd_default": lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True),
+        "bhnd_cudnn_b2_per_item": cudnn_b2,
+    }
+    for name, fn in cases.items():
+        try:
+            t = time_region(fn, device, warmup=1, repeats=repeats)
+            per = 2 if name.endswith("b2_per_item") else 1  # report per item
+            out[name] = {"ms": t.median * 1e3 / per, "tflops": _tf(flops, t.median / per)}
+        except RuntimeError as e:  # a backend that declines the shape
+            out[name] = {"error": str(e).splitlines()[0][:200]}
+    # What PyTorch's default picks (SDPBackend: 1 flash, 2 efficient, 3 cuDNN); private API, informative only.
+    rep = heads // kv_heads
+    for label, args, kw in (
+        ("default_choice_gqa", (qh, kh, vh), {"enable_gqa": True}),
+        ("default_choice_mha", (qh, kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)), {}),
+    ):
+        try:
+            choice = int(torch._fused_sdp_choice(*args, **kw))
+            out[label] = {1: "FLASH_ATTENTION", 2: "EFFICIENT_ATTENTION", 3: "CUDNN_ATTENTION"}.get(
+                choice, choice
+            )
+        except Exception as e:
+            out[label] = f"n/a ({type(e).__name__})"
+    return out
+
+
+class _FixedKV:
+    """A stand-in und cache holding one layer's text K/V."""
+
+    def __init__(self, k, v):
+        self.k, self.v, self.length = k, v, k.shape[0]
+
+    def kv(self, layer: int):
+        return self.k, self.v
+
+
+@torch.no_grad()
+def layer_numerics(
+    model, device: torch.device, *, n_gen: int = 4096, n_text: int = 300, seed: int = 0
+) -> dict:
+    """One gen layer in bf16, eager and compiled, against a float32 copy of it (rel. L2 to float32).
+
+    Small n_gen: the float32 reference runs SDPA's math kernel, which materialises the score matrix.
+    """
+    import copy
+
+    from worldserve.models.cosmos3.layer import gen_layer_step
+
+    blk = model.layers[0].gen
+    g = torch.Generator(device=device).manual_seed(seed)
+    d, hkv, hd = model.config.hidden_size, blk.num_kv_heads, blk.head_dim
+    x = torch.randn(n_gen, d, device=device, generator=g).to(torch.bfloat16)
+    kt = torch.randn(n_text, hkv, hd, device=device, generator=g).to(torch.bfloat16)
+    vt = torch.randn(n_text, hkv, hd, device=device, generator=g).to(torch.bfloat16)
+    pos = torch.arange(n_gen, dtype=torch.float32, device=device).expand(3, -1) + 15000.0
+    cos, sin = model.rotary_emb.cos_sin(pos, torch.float32)
+    spans = [(0, n_gen)]
+    ref_blk = copy.deepcopy(blk).float()
+    ref = gen_layer_step(ref_blk, 0, x.float(), cos, sin, [_FixedKV(kt.float(), vt.float())], spans)
+    del ref_blk
+    args = (0, x, cos.to(torch.bfloat16), sin.to(torch.bfloat16), [_FixedKV(kt, vt)], spans)
+    eager = gen_layer_step(blk, *args)
+    with compiled_layers(model):
+        compiled = gen_layer_step(blk, *args)
+
+    def rel(a):
+        return float((a.double() - ref.double()).norm() / ref.double().norm())
+
+    return {
+        "tokens": n_gen,
+        "eager_vs_fp32": rel(eager),
+        "compiled_vs_fp32": rel(compiled),
+        "compiled_vs_eager": float((compiled.double() - eager.double()).norm() / eager.double().norm()),
+    }
+
+
+def gemm_micro(
+    n: int,
+    device: torch.device,
+    *,
+    d: int = 4096,
+    q: int = 4096,
+    kv: int = 1024,
+    inter: int = 12288,
+    repeats: int = 10,
+) -> dict:
+    dt = torch.bfloat16
+    x = torch.randn(n, d, device=device, dtype=dt)
+    h = torch.randn(n, inter, device=device, dtype=dt)
+    w = {
+        name: torch.randn(rows, cols, device=device, dtype=dt) * 0.02
+        for name, rows, cols in (
+            ("qkv", q + 2 * kv, d),
+            ("q", q, d),
+            ("k", kv, d),
+            ("v", kv, d),
+            ("o", d, q),
+            ("gate_up", 2 * inter, d),
+            ("gate", inter, d),
+            ("up", inter, d),
+            ("down", d, inter),
+        )
+    }
+    cases = {
+        "qkv_fused": ([("x", "qkv")], 2.0 * n * d * (q + 2 * kv)),
+        "qkv_separate": ([("x", "q"), ("x", "k"), ("x", "v")], 2.0 * n * d * (q + 2 * kv)),
+        "gate_up_fused": ([("x", "gate_up")], 2.0 * n * d * 2 * inter),
+        "gate_up_separate": ([("x", "gate"), ("x", "up")], 2.0 * n * d * 2 * inter),
+        "o_proj": ([("x", "o")], 2.0 * n * q * d),
+        "down_proj": ([("h", "down")], 2.0 * n * inter * d),
+    }
+    acts = {"x": x, "h": h}
+    out: dict = {"tokens": n}
+    for name, (ops, flops) in cases.items():
+
+        def run(ops=ops):
+            for a, b in ops:
+                F.linear(acts[a], w[b])
+
+        t = time_region(run, device, warmup=2, repeats=repeats)
+        out[name] = {"ms": t.median * 1e3, "tflops": _tf(flops, t.median)}
+    return out
+
+
+def _qkv_impl(
+    h,
+    cos,
+    sin,
+    ln_w,
+    qkv_w,
+    qkv_b,
+    qn_w,
+    kn_w,
+    eps: float,
+    q_size: int,
+    kv_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+):
+    from worldserve.models.layers.norm import rms_norm
+    from worldserve.models.layers.rope import apply_rope
+
+    qkv = F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = rms_norm(q.unflatten(-1, (heads, head_dim)), qn_w, eps)
+    k = rms_norm(k.unflatten(-1, (kv_heads, head_dim)), kn_w, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.unflatten(-1, (kv_heads, head_dim))
+
+
+def _finish_impl(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps: float):
+    from worldserve.models.layers.norm import rms_norm
+
+    h = h + F.linear(attn.flatten(1), o_w, o_b)
+    gate, up = F.linear(rms_norm(h, ln_w, eps), gu_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down_w)
+
+
+@contextlib.contextmanager
+def compiled_layers(model, *, mode: str = "default"):
+    """Route every gen TowerBlock through compiled qkv / finish functions for the duration of the block."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    qkv_c = torch.compile(_qkv_impl, mode=mode, dynamic=False)
+    fin_c = torch.compile(_finish_impl, mode=mode, dynamic=False)
+    blocks = [layer.gen for layer in model.layers]
+    for b in blocks:
+        eps = b.input_layernorm.eps
+
+        def project_qkv(h, cos, sin, b=b, eps=eps):
+            return qkv_c(
+                h,
+                cos,
+                sin,
+                b.input_layernorm.weight,
+                b.qkv_proj.weight,
+                b.qkv_proj.bias,
+                b.q_norm.weight,
+                b.k_norm.weight,
+                eps,
+                b.q_size,
+                b.kv_size,
+                b.num_heads,
+                b.num_kv_heads,
+                b.head_dim,
+            )
+
+        def finish(h, attn, b=b, eps=eps):
+            return fin_c(
+                h,
+                attn,
+                b.o_proj.weight,
+                b.o_proj.bias,
+                b.post_attention_layernorm.weight,
+                b.gate_up_proj.weight,
+                b.down_proj.weight,
+                eps,
+            )
+
+        b.project_qkv, b.finish = project_qkv, finish  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        for b in blocks:
+            del b.project_qkv, b.finish
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("fmha", "flash", "sdpa", "attention", "attn")):
+        return "attention"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")):
+        return "gemm"
+    if any(s in n for s in ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter")):
+        return "copy/cat/index"
+    return "elementwise/other"
+
+
+def profile_step(
+    fn: Callable[[], object], device: torch.device, out_file: Path, *, row_limit: int = 40
+) -> dict:
+    """Run `fn` once under torch.profiler; write the kernel table to `out_file`; return category sums (ms)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(ka.table(sort_by=sort, row_limit=row_limit, max_name_column_width=90))
+    kernels = []
+    for e in ka:
+        if device.type == "cuda" and e.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0) if device.type == "cuda" else e.self_cpu_time_total
+        kernels.append((e.key, us / 1e3, e.count))
+    kernels.sort(key=lambda x: -x[1])
+    cats: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        cats[_kernel_category(name)] = cats.get(_kernel_category(name), 0.0) + ms
+    total = sum(cats.values())
+    return {
+        "table_file": out_file.name,
+        "kernel_ms_total": total,
+        "by_category_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [
+            {"name": n[:160], "ms": ms, "calls": c, "category": _kernel_category(n)}
+            for n, ms, c in kernels[:15]
+        ],
+    }
