@@ -38,6 +38,8 @@ def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = Cosmos3Config.tiny(vocab_size=2048) if tiny else Cosmos3Config.nano()
     transformer = build_our_transformer(config, device, dtype, None, seed)
+    if device.type == "cuda":
+        transformer.compile_gen_layers()  # as VideoPipeline.from_pretrained does by default
     vae = build_video_vae(device, dtype, tiny=tiny)
     audio = build_audio_vae(device, dtype, tiny=tiny)
     tok_dir = Path(tempfile.mkdtemp()) / "text_tokenizer"
@@ -54,7 +56,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=35)
     ap.add_argument("--size", default="1280x720")
     ap.add_argument("--frames", type=int, default=189)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test of this script)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test of this script)"
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -63,7 +67,12 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     w, h = (int(x) for x in args.size.split("x"))
     params = VideoParams(
-        prompt=EXAMPLE_PROMPT, width=w, height=h, num_frames=args.frames, num_inference_steps=args.steps, seed=123
+        prompt=EXAMPLE_PROMPT,
+        width=w,
+        height=h,
+        num_frames=args.frames,
+        num_inference_steps=args.steps,
+        seed=123,
     )
     step_times: list[float] = []
     last = [time.perf_counter()]
@@ -112,9 +121,8 @@ def main() -> None:
             "bytes": len(mp4),
         }
     report = {
-        "command": "PYTHONPATH=. python bench/e2e_generate.py " + " ".join(
-            [f"--steps {args.steps}", f"--size {args.size}", f"--frames {args.frames}"]
-        ),
+        "command": "PYTHONPATH=. python bench/e2e_generate.py "
+        + " ".join([f"--steps {args.steps}", f"--size {args.size}", f"--frames {args.frames}"]),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "build_random_model_s": build_s,

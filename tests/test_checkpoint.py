@@ -170,7 +170,9 @@ def test_wrong_shape_missing_and_unexpected_keys_are_one_error(tiny_copy):
     expected = dict(_expected(tiny_copy))
     expected["layers.9.extra.weight"] = (4,)
     del expected["norm.weight"]
-    with pytest.raises(CheckpointError, match=r"1 missing keys: layers\.9\.extra\.weight.*1 unexpected keys: norm"):
+    with pytest.raises(
+        CheckpointError, match=r"1 missing keys: layers\.9\.extra\.weight.*1 unexpected keys: norm"
+    ):
         check_checkpoint(read_header(tiny_copy / "transformer", PREFIX), expected, "t")
 
 

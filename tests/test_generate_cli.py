@@ -9,10 +9,9 @@ import sys
 
 import numpy as np
 import pytest
+from media_probe import probe_mp4
 from PIL import Image
 from safetensors.torch import load_file
-
-from media_probe import probe_mp4
 
 SMALL = ["--size", "80x48", "--num-frames", "9", "--steps", "2", "--negative-prompt", ""]
 
@@ -55,7 +54,9 @@ def test_t2i_png(tiny_ckpt, tmp_path):
     out = tmp_path / "img.png"
     prompt = tmp_path / "p.json"
     prompt.write_text('{"subjects": [{"description": "a lighthouse"}], "style_medium": "photo"}')
-    _generate(tiny_ckpt, "--prompt-file", prompt, "--size", "64x64", "--num-frames", "1", "--steps", "2", "-o", out)
+    _generate(
+        tiny_ckpt, "--prompt-file", prompt, "--size", "64x64", "--num-frames", "1", "--steps", "2", "-o", out
+    )
     with Image.open(io.BytesIO(out.read_bytes())) as im:
         assert im.size == (64, 64) and im.mode == "RGB"
 

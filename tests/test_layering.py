@@ -60,5 +60,9 @@ def test_models_reach_parallel_only_through_layers():
 
 
 def test_every_module_has_a_docstring():
-    missing = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if ast.get_docstring(ast.parse(p.read_text())) is None]
+    missing = [
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if ast.get_docstring(ast.parse(p.read_text())) is None
+    ]
     assert not missing, "modules without a docstring: " + ", ".join(missing)

@@ -37,6 +37,10 @@ class ModelConfig:
     """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
     dtype: str | None = field(default=None, metadata={"choices": ("bfloat16", "float16", "float32")})
     """Weight and activation dtype; default: bfloat16 on GPU, float32 on CPU."""
+    enforce_eager: bool = False
+    """Run the transformer eagerly; by default the gen layers are torch.compile'd on GPU (first request per shape compiles, about 15 s)."""
+    vae_tiling: bool = False
+    """Decode the video in spatial tiles (less memory, a little slower)."""
     init_timeout: float = 600.0
     """Seconds allowed for loading the model before startup fails (the recipe uses 1800)."""
     omni: bool = False

@@ -95,10 +95,14 @@ class VideoParams:
         for name in ("width", "height"):
             v = getattr(self, name)
             if v < SIZE_MULTIPLE or v % SIZE_MULTIPLE or v > MAX_SIDE:
-                raise ParamError("size", f"{name}={v} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]")
+                raise ParamError(
+                    "size", f"{name}={v} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]"
+                )
         tier, _, max_frames, _ = resolution_tier(self.width, self.height)
         if self.num_frames < 1 or (self.num_frames - 1) % 4:
-            raise ParamError("num_frames", f"num_frames={self.num_frames} must be 1 or 4k+1 (e.g. 93, 121, 189)")
+            raise ParamError(
+                "num_frames", f"num_frames={self.num_frames} must be 1 or 4k+1 (e.g. 93, 121, 189)"
+            )
         if self.num_frames > max_frames:
             raise ParamError(
                 "num_frames", f"num_frames={self.num_frames} exceeds the {tier}p limit of {max_frames} frames"
@@ -106,10 +110,14 @@ class VideoParams:
         if not (math.isfinite(self.fps) and 1 <= self.fps <= 120):
             raise ParamError("fps", f"fps={self.fps} must be a number in [1, 120]")
         if not 1 <= self.num_inference_steps <= 200:
-            raise ParamError("num_inference_steps", f"num_inference_steps={self.num_inference_steps} must be in [1, 200]")
+            raise ParamError(
+                "num_inference_steps", f"num_inference_steps={self.num_inference_steps} must be in [1, 200]"
+            )
         if not (math.isfinite(self.guidance_scale) and 0 <= self.guidance_scale <= 20):
             raise ParamError("guidance_scale", f"guidance_scale={self.guidance_scale} must be in [0, 20]")
-        if self.flow_shift is not None and not (math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100):
+        if self.flow_shift is not None and not (
+            math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100
+        ):
             raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in (0, 100]")
         if not 0 <= self.seed < 2**63:
             raise ParamError("seed", f"seed={self.seed} must be in [0, 2**63)")
@@ -117,8 +125,12 @@ class VideoParams:
             raise ParamError("max_sequence_length", "max_sequence_length must be in [1, 131072]")
         if self.image is not None:
             img = self.image
-            if not (isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3):
-                raise ParamError("input_reference", "the conditioning image must be decoded to uint8 (H, W, 3)")
+            if not (
+                isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
+            ):
+                raise ParamError(
+                    "input_reference", "the conditioning image must be decoded to uint8 (H, W, 3)"
+                )
             if self.num_frames == 1:
                 raise ParamError("input_reference", "image-to-video needs num_frames > 1")
         return self

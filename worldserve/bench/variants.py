@@ -5,9 +5,8 @@ a torch.compile'd gen layer, and a torch.profiler kernel table.
   token-major layout (strided [1, H, N, D] views, `layers.attention.attention`) vs contiguous [1, H, N, D]
   with cuDNN forced, vs PyTorch's default choice, vs cuDNN on both CFG items at once (B=2).
 - `gemm_micro`: fused q|k|v and gate|up projections vs the separate GEMMs diffusers runs.
-- `compiled_layers`: a context that routes every gen TowerBlock's `project_qkv` / `finish` through one
-  torch.compile'd function of (activations, weights) (default mode, static shapes), so that the 36 layers
-  share a graph; attention (cat of cached text K/V + SDPA) stays eager. It mirrors TowerBlock at tp=1.
+- `compiled_layers`: the model's own regional compile (`Cosmos3Transformer.compile_gen_layers`: one
+  torch.compile'd qkv / finish graph shared by the 36 layers) for a block; attention stays eager.
 - `layer_numerics`: one gen layer eager and compiled (bf16) against a float32 copy, to tell a wrong compiled
   path from bf16 rounding amplified over 36 random layers.
 - `profile_step`: one call under torch.profiler; the kernel table goes to a text file and the kernel time
@@ -189,88 +188,17 @@ def gemm_micro(
     return out
 
 
-def _qkv_impl(
-    h,
-    cos,
-    sin,
-    ln_w,
-    qkv_w,
-    qkv_b,
-    qn_w,
-    kn_w,
-    eps: float,
-    q_size: int,
-    kv_size: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-):
-    from worldserve.models.layers.norm import rms_norm
-    from worldserve.models.layers.rope import apply_rope
-
-    qkv = F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = rms_norm(q.unflatten(-1, (heads, head_dim)), qn_w, eps)
-    k = rms_norm(k.unflatten(-1, (kv_heads, head_dim)), kn_w, eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.unflatten(-1, (kv_heads, head_dim))
-
-
-def _finish_impl(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps: float):
-    from worldserve.models.layers.norm import rms_norm
-
-    h = h + F.linear(attn.flatten(1), o_w, o_b)
-    gate, up = F.linear(rms_norm(h, ln_w, eps), gu_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down_w)
-
-
 @contextlib.contextmanager
 def compiled_layers(model, *, mode: str = "default"):
-    """Route every gen TowerBlock through compiled qkv / finish functions for the duration of the block."""
-    import torch._dynamo
+    """The model's own regional compile (`compile_gen_layers`) for the duration of the block, then eager."""
+    from worldserve.models.cosmos3.layer import finish_math, qkv_math
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    qkv_c = torch.compile(_qkv_impl, mode=mode, dynamic=False)
-    fin_c = torch.compile(_finish_impl, mode=mode, dynamic=False)
-    blocks = [layer.gen for layer in model.layers]
-    for b in blocks:
-        eps = b.input_layernorm.eps
-
-        def project_qkv(h, cos, sin, b=b, eps=eps):
-            return qkv_c(
-                h,
-                cos,
-                sin,
-                b.input_layernorm.weight,
-                b.qkv_proj.weight,
-                b.qkv_proj.bias,
-                b.q_norm.weight,
-                b.k_norm.weight,
-                eps,
-                b.q_size,
-                b.kv_size,
-                b.num_heads,
-                b.num_kv_heads,
-                b.head_dim,
-            )
-
-        def finish(h, attn, b=b, eps=eps):
-            return fin_c(
-                h,
-                attn,
-                b.o_proj.weight,
-                b.o_proj.bias,
-                b.post_attention_layernorm.weight,
-                b.gate_up_proj.weight,
-                b.down_proj.weight,
-                eps,
-            )
-
-        b.project_qkv, b.finish = project_qkv, finish  # instance attributes shadow the methods
+    model.compile_gen_layers(mode=mode)
     try:
         yield
     finally:
-        for b in blocks:
-            del b.project_qkv, b.finish
+        for layer in model.layers:
+            layer.gen.qkv_fn, layer.gen.finish_fn = qkv_math, finish_math
 
 
 def _kernel_category(name: str) -> str:

@@ -18,7 +18,9 @@ OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)"
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="plain text or a JSON document")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file (e.g. a JSON prompt)")
@@ -39,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--vae-tiling", action="store_true", help="decode the video in tiles (less memory)")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the gen layers on GPU")
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -119,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    pipe = VideoPipeline.from_pretrained(root, device=args.device, dtype=dtype, vae_tiling=args.vae_tiling)
+    pipe = VideoPipeline.from_pretrained(
+        root, device=args.device, dtype=dtype, vae_tiling=args.vae_tiling, compile=not args.enforce_eager
+    )
     load_s = time.perf_counter() - t0
     try:
         pipe.validate(params)

@@ -23,7 +23,9 @@ COMPONENT_WEIGHTS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)"
+    )
     p.add_argument("--revision", default=None, help="HF revision (branch, tag or commit)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 

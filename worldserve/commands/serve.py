@@ -132,7 +132,9 @@ def _load_backend(cfg: ModelConfig) -> tuple[Any, Any]:
     from worldserve.runner.video_pipeline import VideoPipeline
 
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-    pipeline = VideoPipeline.from_pretrained(path, device=cfg.device, dtype=dtype)
+    pipeline = VideoPipeline.from_pretrained(
+        path, device=cfg.device, dtype=dtype, vae_tiling=cfg.vae_tiling, compile=not cfg.enforce_eager
+    )
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
         device = torch.device(cfg.device or "cuda")

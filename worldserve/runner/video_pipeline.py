@@ -73,7 +73,9 @@ def default_device() -> torch.device:
 class VideoPipeline:
     """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
 
-    def __init__(self, transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder, device):
+    def __init__(
+        self, transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder, device
+    ):
         self.transformer = transformer
         self.vae = vae
         self.audio_vae = audio_vae
@@ -89,14 +91,20 @@ class VideoPipeline:
         dtype: torch.dtype | None = None,
         vae_tiling: bool = False,
         progress: bool = True,
+        compile: bool = True,
     ) -> VideoPipeline:
-        """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint."""
+        """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint.
+
+        `compile`: torch.compile the gen layers on CUDA (1.13x a step on an H200, bench/results/); CPU
+        always runs eagerly."""
         root = Path(path)
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         transformer = load_transformer(root, dtype=dtype, device=device, progress=progress)
+        if compile and device.type == "cuda":
+            transformer.compile_gen_layers()
         vae = VideoVAE.from_pretrained(root / "vae", dtype=dtype, device=device, tiling=vae_tiling)
         audio_vae = None
         if layout.has_sound:
@@ -120,10 +128,13 @@ class VideoPipeline:
         if self.sound_enabled(params):
             if not self.has_sound:
                 raise ParamError(
-                    "generate_sound", "generate_sound was requested but this checkpoint has no sound tokenizer"
+                    "generate_sound",
+                    "generate_sound was requested but this checkpoint has no sound tokenizer",
                 )
             if params.num_frames == 1:
-                raise ParamError("generate_sound", "sound cannot be generated for a single image (num_frames=1)")
+                raise ParamError(
+                    "generate_sound", "sound cannot be generated for a single image (num_frames=1)"
+                )
         self.encoder.encode_params(params, with_uncond=needs_uncond(params.guidance_scale))
         return params
 

@@ -131,4 +131,6 @@ def read_layout(root: Path) -> CheckpointLayout:
         config = Cosmos3Config.from_json(cfg_path)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
-    return CheckpointLayout(root=root, components=tuple(present), model_index=index, transformer_config=config)
+    return CheckpointLayout(
+        root=root, components=tuple(present), model_index=index, transformer_config=config
+    )

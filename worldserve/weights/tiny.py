@@ -219,7 +219,9 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sound: bool = True, vision: bo
     out.mkdir(parents=True, exist_ok=True)
     vocab = write_tiny_tokenizer(out / "text_tokenizer")
     config = Cosmos3Config.tiny(vocab_size=vocab, sound=sound)
-    weight_map = {k: f"transformer/{f}" for k, f in write_transformer(out / "transformer", config, seed).items()}
+    weight_map = {
+        k: f"transformer/{f}" for k, f in write_transformer(out / "transformer", config, seed).items()
+    }
     write_vae(out / "vae", seed + 1)
     if sound:
         write_sound_tokenizer(out / "sound_tokenizer", seed + 2)

@@ -68,7 +68,9 @@ def _learn_merges() -> list[tuple[str, str]]:
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    negative = json.dumps(json.loads(resources.files("worldserve.assets").joinpath("negative_prompt.json").read_text()))
+    negative = json.dumps(
+        json.loads(resources.files("worldserve.assets").joinpath("negative_prompt.json").read_text())
+    )
     learner = Tokenizer(models.BPE())
     learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     trainer = trainers.BpeTrainer(

@@ -93,11 +93,15 @@ class Cosmos3Config:
                 f"patch_latent_dim={self.patch_latent_dim} != latent_patch_size**2 * latent_channel"
             )
         if sum(self.rope_axes_dim) != self.head_dim // 2:
-            raise ValueError(f"rope_axes_dim {self.rope_axes_dim} must sum to head_dim/2 = {self.head_dim // 2}")
+            raise ValueError(
+                f"rope_axes_dim {self.rope_axes_dim} must sum to head_dim/2 = {self.head_dim // 2}"
+            )
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu', the Nano MLP)")
         if not self.qk_norm_for_text or self.use_und_k_norm_for_gen:
-            raise ValueError("only qk_norm_for_text=True, use_und_k_norm_for_gen=False (the Nano setting) is supported")
+            raise ValueError(
+                "only qk_norm_for_text=True, use_und_k_norm_for_gen=False (the Nano setting) is supported"
+            )
         if self.sound_gen and not self.sound_dim:
             raise ValueError("sound_gen=True needs sound_dim")
         if self.action_gen and not self.action_dim:

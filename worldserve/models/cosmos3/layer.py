@@ -8,6 +8,11 @@ RoPE) and `finish` (o_proj + residual, SwiGLU MLP + residual). The two pathways 
 - `gen_layer_step`: gen queries attend, unmasked, to [und K/V of their item's prompt ; the item's gen K/V].
 The linear layers run over all packed tokens at once; only attention loops over the items / sequences
 (per-item SDPA; packed varlen attention can replace the loop without touching the weights).
+
+Regional compilation: the two halves are written as pure functions of (activations, weights)
+(`qkv_math`, `finish_math`), so one `torch.compile`d copy of each serves all 36 layers (one graph per
+shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of a
+tensor-parallel o_proj / down_proj stays outside).
 """
 
 from __future__ import annotations
@@ -21,9 +26,31 @@ from torch import Tensor, nn
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.layers.attention import KVCache, attention
 from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worldserve.models.layers.norm import RMSNorm
+from worldserve.models.layers.norm import RMSNorm, rms_norm
 from worldserve.models.layers.rope import apply_rope
 from worldserve.parallel.groups import SINGLE, ParallelGroup
+
+
+def qkv_math(
+    h: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, qkv_w: Tensor, qkv_b: Tensor | None,
+    qn_w: Tensor, kn_w: Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Pre-norm, fused q|k|v, per-head q/k RMSNorm, RoPE: h [N, d] -> q [N, Hq, D], k, v [N, Hkv, D]."""
+    qkv = F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)  # [N, q + 2 kv]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = rms_norm(q.unflatten(-1, (heads, head_dim)), qn_w, eps)  # [N, Hq, D]
+    k = rms_norm(k.unflatten(-1, (kv_heads, head_dim)), kn_w, eps)  # [N, Hkv, D]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.unflatten(-1, (kv_heads, head_dim))
+
+
+def finish_math(
+    h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, ln_w: Tensor, gu_w: Tensor, down_w: Tensor,
+    eps: float,
+) -> Tensor:  # fmt: skip
+    """Single-rank `finish`: h + o_proj(attn), then + down(silu(gate) * up) of the post-norm."""
+    h = h + F.linear(attn.flatten(1), o_w, o_b)  # [N, Hq*D] -> [N, d]
+    gate, up = F.linear(rms_norm(h, ln_w, eps), gu_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down_w)
 
 
 class TowerBlock(nn.Module):
@@ -54,21 +81,42 @@ class TowerBlock(nn.Module):
             d, 2 * config.intermediate_size, bias=False, dtype=dtype, tp=tp
         )
         self.down_proj = RowParallelLinear(config.intermediate_size, d, bias=False, dtype=dtype, tp=tp)
+        self.tp_size = tp.size
+        self.qkv_fn = qkv_math
+        self.finish_fn = finish_math
 
     def project_qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]."""
-        qkv = self.qkv_proj(self.input_layernorm(h))  # [N, q + 2 kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))  # [N, Hq, D]
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [N, Hkv, D]
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.qkv_fn(
+            h, cos, sin, self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
+            self.q_norm.weight, self.k_norm.weight, self.input_layernorm.eps,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
 
     def finish(self, h: Tensor, attn: Tensor) -> Tensor:
         """Residual stream h [N, d] + o_proj(attn [N, Hq, D]), then + SwiGLU MLP."""
-        h = h + self.o_proj(attn.flatten(1))  # [N, Hq*D] -> [N, d]
+        if self.tp_size == 1:
+            return self.finish_fn(
+                h, attn, self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
+                self.gate_up_proj.weight, self.down_proj.weight, self.post_attention_layernorm.eps,
+            )  # fmt: skip
+        h = h + self.o_proj(attn.flatten(1))  # [N, Hq*D] -> [N, d]; all-reduce across TP ranks
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
+
+
+def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backend: str = "inductor") -> None:
+    """Route `blocks` through one shared torch.compile'd copy of qkv_math / finish_math (static shapes)."""
+    import torch._dynamo
+
+    # One graph per distinct shape (resolution / batch mix); allow many before dynamo falls back to eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
+    finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
+    for block in blocks:
+        block.qkv_fn = qkv_c
+        if block.tp_size == 1:
+            block.finish_fn = finish_c
 
 
 class MoTLayer(nn.Module):

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from worldserve.models.cosmos3.batch import GenBatch, GenOutput, UndBatch, patchify, unpatchify
 from worldserve.models.cosmos3.checkpoint_keys import transformer_checkpoint_shapes
 from worldserve.models.cosmos3.config import Cosmos3Config
-from worldserve.models.cosmos3.layer import MoTLayer, gen_layer_step, und_layer_step
+from worldserve.models.cosmos3.layer import MoTLayer, compile_blocks, gen_layer_step, und_layer_step
 from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
 from worldserve.models.layers.attention import ContiguousKVCache, KVCache
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
@@ -108,6 +108,12 @@ class Cosmos3Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     # ------------------------------------------------------------------ loading
+    def compile_gen_layers(self, *, mode: str = "default", backend: str = "inductor") -> None:
+        """torch.compile the gen tower's per-layer math (one shared graph per shape for all layers).
+
+        The und tower stays eager: it runs once per request on prompts of every length."""
+        compile_blocks([layer.gen for layer in self.layers], mode=mode, backend=backend)
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint key this model loads, with its on-disk shape."""
         return transformer_checkpoint_shapes(self.config)
