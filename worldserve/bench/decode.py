@@ -23,47 +23,6 @@ from worldserve.bench.timing import allocated_gib, free_memory, peak_gib, reset_
 from worldserve.bench.workload import Workload
 
 
-def find_encoder() -> tuple[str, Callable]:
-    """(name, encode_mp4(frames, fps, audio)) from worldserve.media, or a PyAV fallback."""
-    for mod in ("worldserve.media.mp4", "worldserve.media.video"):
-        try:
-            module = __import__(mod, fromlist=["encode_mp4"])
-            return f"{mod}.encode_mp4", module.encode_mp4
-        except (ImportError, AttributeError):
-            continue
-    return "pyav-direct", _pyav_encode
-
-
-def _pyav_encode(
-    frames: np.ndarray, fps: float, audio: np.ndarray | None = None, sample_rate: int = 48000
-) -> bytes:
-    import io
-    from fractions import Fraction
-
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as c:
-        v = c.add_stream(
-            "libx264",
-            rate=Fraction(fps).limit_denominator(10000),
-            options={"preset": "ultrafast", "crf": "18", "threads": "0"},
-        )
-        v.width, v.height, v.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        a = c.add_stream("aac", rate=sample_rate, layout="stereo") if audio is not None else None
-        for f in frames:
-            c.mux(v.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
-        c.mux(v.encode(None))
-        if a is not None:
-            af = av.AudioFrame.from_ndarray(
-                np.ascontiguousarray(audio, dtype=np.float32), format="fltp", layout="stereo"
-            )
-            af.sample_rate = sample_rate
-            c.mux(a.encode(af))
-            c.mux(a.encode(None))
-    return buf.getvalue()
-
-
 def synthetic_clip(w: Workload) -> np.ndarray:
     """A smooth moving gradient (F, H, W, 3) uint8: compresses like real footage, unlike noise."""
     y = np.linspace(0, 1, w.height, dtype=np.float32)[:, None]
@@ -152,19 +111,12 @@ def bench_decode(
         audio = box[0]
         avae = None
 
-    name, encode = find_encoder()
-    res["mux_encoder"] = name
-    log(f"mux with {name}")
+    from worldserve.media.video import encode_mp4
+
+    res["mux_encoder"] = "worldserve.media.video.encode_mp4"
     for label, clip in (("decoded", frames), ("synthetic", synthetic_clip(w))):
         t0 = time.perf_counter()
-        try:
-            data = encode(clip, w.fps, audio)
-        except Exception as e:  # a broken media module must not cost the other numbers
-            res["mux_error"] = f"{name}: {type(e).__name__}: {e}"
-            name, encode = "pyav-direct", _pyav_encode
-            res["mux_encoder"] = name
-            t0 = time.perf_counter()
-            data = encode(clip, w.fps, audio)
+        data = encode_mp4(clip, w.fps, audio)
         res[f"mux_{label}_s"] = time.perf_counter() - t0
         res[f"mux_{label}_bytes"] = len(data)
     return res

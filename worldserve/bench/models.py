@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.weights.tiny import TINY_VAE_CONFIG, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
 
 # The real Nano Wan2.2 VAE (cosmos3-model.md §6.1) and a tiny stand-in with the same compression.
 WAN22_VAE = dict(
@@ -32,107 +33,8 @@ WAN22_VAE = dict(
     scale_factor_temporal=4,
     scale_factor_spatial=16,
 )
-TINY_VAE = {**WAN22_VAE, "base_dim": 8, "decoder_base_dim": 16, "num_res_blocks": 1}
-WAN22_MEAN = [
-    -0.2289,
-    -0.0052,
-    -0.1323,
-    -0.2339,
-    -0.2799,
-    0.0174,
-    0.1838,
-    0.1557,
-    -0.1382,
-    0.0542,
-    0.2813,
-    0.0891,
-    0.1570,
-    -0.0098,
-    0.0375,
-    -0.1825,
-    -0.2246,
-    -0.1207,
-    -0.0698,
-    0.5109,
-    0.2665,
-    -0.2108,
-    -0.2158,
-    0.2502,
-    -0.2055,
-    -0.0322,
-    0.1109,
-    0.1567,
-    -0.0729,
-    0.0899,
-    -0.2799,
-    -0.1230,
-    -0.0313,
-    -0.1649,
-    0.0117,
-    0.0723,
-    -0.2839,
-    -0.2083,
-    -0.0520,
-    0.3748,
-    0.0152,
-    0.1957,
-    0.1433,
-    -0.2944,
-    0.3573,
-    -0.0548,
-    -0.1681,
-    -0.0667,
-]
-WAN22_STD = [
-    0.4765,
-    1.0364,
-    0.4514,
-    1.1677,
-    0.5313,
-    0.4990,
-    0.4818,
-    0.5013,
-    0.8158,
-    1.0344,
-    0.5894,
-    1.0901,
-    0.6885,
-    0.6165,
-    0.8454,
-    0.4978,
-    0.5759,
-    0.3523,
-    0.7135,
-    0.6804,
-    0.5833,
-    1.4146,
-    0.8986,
-    0.5659,
-    0.7069,
-    0.5338,
-    0.4889,
-    0.4917,
-    0.4069,
-    0.4999,
-    0.6866,
-    0.4093,
-    0.5709,
-    0.6065,
-    0.6415,
-    0.4944,
-    0.5726,
-    1.2042,
-    0.5458,
-    1.6887,
-    0.3971,
-    1.0600,
-    0.3943,
-    0.5537,
-    0.5444,
-    0.4089,
-    0.7468,
-    0.7744,
-]
+# The tiny stand-in is exactly what make-tiny writes (real 48-channel statistics included).
+TINY_VAE = {k: v for k, v in TINY_VAE_CONFIG.items() if k not in ("latents_mean", "latents_std")}
 
 
 @torch.no_grad()
@@ -192,7 +94,11 @@ def build_video_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = Fa
 
     from worldserve.models.cosmos3.vae import VideoVAE
 
-    cfg = {**(TINY_VAE if tiny else WAN22_VAE), "latents_mean": WAN22_MEAN, "latents_std": WAN22_STD}
+    cfg = {
+        **(TINY_VAE if tiny else WAN22_VAE),
+        "latents_mean": WAN22_LATENTS_MEAN,
+        "latents_std": WAN22_LATENTS_STD,
+    }
     with torch.device(device):
         model = AutoencoderKLWan(**cfg)
     return VideoVAE(model.to(dtype=dtype).eval().requires_grad_(False))
