@@ -37,6 +37,8 @@ class ModelConfig:
     """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
     dtype: str | None = field(default=None, metadata={"choices": ("bfloat16", "float16", "float32")})
     """Weight and activation dtype; default: bfloat16 on GPU, float32 on CPU."""
+    quantization: str | None = field(default=None, metadata={"choices": ("fp8",)})
+    """fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy, halves those weights); default: none."""
     enforce_eager: bool = False
     """Run the transformer eagerly; by default the gen layers are torch.compile'd on GPU (first request per shape compiles, about 15 s)."""
     vae_tiling: bool = False

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--vae-tiling", action="store_true", help="decode the video in tiles (less memory)")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the gen layers on GPU")
+    p.add_argument(
+        "--quantization", default=None, choices=("fp8",),
+        help="fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy)",
+    )  # fmt: skip
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -122,9 +126,14 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    pipe = VideoPipeline.from_pretrained(
-        root, device=args.device, dtype=dtype, vae_tiling=args.vae_tiling, compile=not args.enforce_eager
-    )
+    try:
+        pipe = VideoPipeline.from_pretrained(
+            root, device=args.device, dtype=dtype, vae_tiling=args.vae_tiling,
+            compile=not args.enforce_eager, quantization=args.quantization,
+        )  # fmt: skip
+    except ValueError as e:  # e.g. --quantization fp8 on a device without fp8 GEMMs
+        print(f"worldserve generate: error: {e}", file=sys.stderr)
+        return 2
     load_s = time.perf_counter() - t0
     try:
         pipe.validate(params)

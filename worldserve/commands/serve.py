@@ -133,8 +133,9 @@ def _load_backend(cfg: ModelConfig) -> tuple[Any, Any]:
 
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     pipeline = VideoPipeline.from_pretrained(
-        path, device=cfg.device, dtype=dtype, vae_tiling=cfg.vae_tiling, compile=not cfg.enforce_eager
-    )
+        path, device=cfg.device, dtype=dtype, vae_tiling=cfg.vae_tiling, compile=not cfg.enforce_eager,
+        quantization=cfg.quantization,
+    )  # fmt: skip
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
         device = torch.device(cfg.device or "cuda")

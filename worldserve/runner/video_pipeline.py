@@ -8,6 +8,8 @@ denoise:  one step for a list of prepared requests: one transformer forward over
           CFG branches (GenBatch), CFG combine in float32, then each request's UniPC step.
 decode:   Wan2.2 VAE (video) and AVAE (audio, trimmed to the video length) -> host uint8 frames + float audio.
 The sampling state is float32 (diffusers' `sampling_dtype`); the transformer runs in its own dtype.
+`quantization="fp8"` (opt-in) runs the gen tower's GEMMs in row-wise scaled e4m3 on Hopper+ GPUs only;
+elsewhere it is refused before anything loads ("fp8-emulated" runs the same numerics in float32 anywhere).
 """
 
 from __future__ import annotations
@@ -66,8 +68,29 @@ class VideoRequestState:
         return self.step_index >= self.num_steps
 
 
+QUANTIZATIONS = ("fp8", "fp8-emulated")
+"""`from_pretrained(quantization=...)` values besides None; the CLI offers "fp8" only."""
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError (with the way out) when `quantization` cannot run on this device / dtype."""
+    if quantization is None or quantization == "fp8-emulated":
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    from worldserve.models.layers.fp8 import fp8_supported
+
+    if not fp8_supported(device):
+        raise ValueError(
+            f"--quantization fp8 needs an NVIDIA GPU of compute capability 9.0+ (H100/H200/B200); "
+            f"device {device} has none. Run without --quantization"
+        )
+    if dtype != torch.bfloat16:
+        raise ValueError(f"--quantization fp8 runs with --dtype bfloat16 only, got {dtype}")
 
 
 class VideoPipeline:
@@ -92,17 +115,25 @@ class VideoPipeline:
         vae_tiling: bool = False,
         progress: bool = True,
         compile: bool = True,
+        quantization: str | None = None,
     ) -> VideoPipeline:
         """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint.
 
         `compile`: torch.compile the gen layers on CUDA (1.13x a step on an H200, bench/results/); CPU
-        always runs eagerly."""
+        always runs eagerly.
+        `quantization`: None (the model dtype throughout), "fp8" (gen tower GEMMs in e4m3 with row-wise
+        scales, bf16 gen weights freed; needs bfloat16 on a CUDA sm90+ GPU, else ValueError before any
+        loading: an emulation would be slower than no quantization), or "fp8-emulated" (the same numerics
+        computed in float32 on any device; for checking quality, not for speed)."""
         root = Path(path)
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        _check_quantization(quantization, device, dtype)
         transformer = load_transformer(root, dtype=dtype, device=device, progress=progress)
+        if quantization is not None:
+            transformer.quantize_gen_fp8(emulate=quantization == "fp8-emulated")
         if compile and device.type == "cuda":
             transformer.compile_gen_layers()
         vae = VideoVAE.from_pretrained(root / "vae", dtype=dtype, device=device, tiling=vae_tiling)

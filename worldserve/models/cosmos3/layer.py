@@ -13,6 +13,10 @@ Regional compilation: the two halves are written as pure functions of (activatio
 (`qkv_math`, `finish_math`), so one `torch.compile`d copy of each serves all 36 layers (one graph per
 shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of a
 tensor-parallel o_proj / down_proj stays outside).
+FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
+`Fp8Linear`s (e4m3 weight + per-row scale, bf16 weight dropped); the same two pure functions then take the
+scales (`*_s`) and route those GEMMs through `fp8_linear`, so compiled or not, one graph serves all layers
+and the activation quantisation fuses with the norm / SwiGLU in front of each GEMM.
 """
 
 from __future__ import annotations
@@ -25,18 +29,31 @@ from torch import Tensor, nn
 
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.layers.attention import KVCache, attention
+from worldserve.models.layers.fp8 import Fp8Linear, fp8_linear
 from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worldserve.models.layers.norm import RMSNorm, rms_norm
 from worldserve.models.layers.rope import apply_rope
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 
 
+def _linear(
+    x: Tensor, w: Tensor, b: Tensor | None, s: Tensor | None, emulate: bool, fast_accum: bool
+) -> Tensor:
+    """F.linear, or the row-wise fp8 GEMM when the weight comes with its scale `s`."""
+    if s is None:
+        return F.linear(x, w, b)
+    return fp8_linear(x, w, s, b, emulate=emulate, fast_accum=fast_accum)
+
+
 def qkv_math(
     h: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, qkv_w: Tensor, qkv_b: Tensor | None,
     qn_w: Tensor, kn_w: Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
+    qkv_s: Tensor | None = None, emulate: bool = False, fast_accum: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Pre-norm, fused q|k|v, per-head q/k RMSNorm, RoPE: h [N, d] -> q [N, Hq, D], k, v [N, Hkv, D]."""
-    qkv = F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)  # [N, q + 2 kv]
+    """Pre-norm, fused q|k|v, per-head q/k RMSNorm, RoPE: h [N, d] -> q [N, Hq, D], k, v [N, Hkv, D].
+
+    With `qkv_s` the weight is e4m3 with per-row scales [out, 1] (fp8_linear; `emulate`, `fast_accum`)."""
+    qkv = _linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b, qkv_s, emulate, fast_accum)  # [N, q + 2 kv]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = rms_norm(q.unflatten(-1, (heads, head_dim)), qn_w, eps)  # [N, Hq, D]
     k = rms_norm(k.unflatten(-1, (kv_heads, head_dim)), kn_w, eps)  # [N, Hkv, D]
@@ -45,12 +62,23 @@ def qkv_math(
 
 def finish_math(
     h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, ln_w: Tensor, gu_w: Tensor, down_w: Tensor,
-    eps: float,
+    eps: float, o_s: Tensor | None = None, gu_s: Tensor | None = None, down_s: Tensor | None = None,
+    emulate: bool = False, fast_accum: bool = True,
 ) -> Tensor:  # fmt: skip
-    """Single-rank `finish`: h + o_proj(attn), then + down(silu(gate) * up) of the post-norm."""
-    h = h + F.linear(attn.flatten(1), o_w, o_b)  # [N, Hq*D] -> [N, d]
-    gate, up = F.linear(rms_norm(h, ln_w, eps), gu_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down_w)
+    """Single-rank `finish`: h + o_proj(attn), then + down(silu(gate) * up) of the post-norm.
+
+    With the scales `o_s`, `gu_s`, `down_s` those weights are e4m3 (fp8_linear), as in qkv_math."""
+    h = h + _linear(attn.flatten(1), o_w, o_b, o_s, emulate, fast_accum)  # [N, Hq*D] -> [N, d]
+    gate, up = _linear(rms_norm(h, ln_w, eps), gu_w, None, gu_s, emulate, fast_accum).chunk(2, dim=-1)
+    return h + _linear(F.silu(gate) * up, down_w, None, down_s, emulate, fast_accum)
+
+
+FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The TowerBlock linears `quantize_fp8` converts (norms stay in the model dtype)."""
+
+
+def _scale(linear: nn.Module) -> Tensor | None:
+    return linear.weight_scale if isinstance(linear, Fp8Linear) else None
 
 
 class TowerBlock(nn.Module):
@@ -84,13 +112,14 @@ class TowerBlock(nn.Module):
         self.tp_size = tp.size
         self.qkv_fn = qkv_math
         self.finish_fn = finish_math
+        self.fp8: dict[str, bool] = {}  # after quantize_fp8: the emulate / fast_accum flags of the math
 
     def project_qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]."""
         return self.qkv_fn(
             h, cos, sin, self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
             self.q_norm.weight, self.k_norm.weight, self.input_layernorm.eps,
-            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.num_heads, self.num_kv_heads, self.head_dim, _scale(self.qkv_proj), **self.fp8,
         )  # fmt: skip
 
     def finish(self, h: Tensor, attn: Tensor) -> Tensor:
@@ -99,10 +128,25 @@ class TowerBlock(nn.Module):
             return self.finish_fn(
                 h, attn, self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
                 self.gate_up_proj.weight, self.down_proj.weight, self.post_attention_layernorm.eps,
+                _scale(self.o_proj), _scale(self.gate_up_proj), _scale(self.down_proj), **self.fp8,
             )  # fmt: skip
         h = h + self.o_proj(attn.flatten(1))  # [N, Hq*D] -> [N, d]; all-reduce across TP ranks
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
+
+    def quantize_fp8(self, *, emulate: bool = False, fast_accum: bool = True) -> None:
+        """Replace the four GEMM weights by e4m3 + per-row scales (fp8.Fp8Linear), dropping the originals.
+
+        Call after loading (the checkpoint loader writes into the bf16 parameters). Single-rank only."""
+        if self.tp_size != 1:
+            raise ValueError("fp8 GEMMs support tensor_parallel_size 1 only")
+        if self.fp8:
+            raise ValueError("this block is already quantised to fp8")
+        for name in FP8_LINEARS:
+            setattr(
+                self, name, Fp8Linear.from_linear(getattr(self, name), emulate=emulate, fast_accum=fast_accum)
+            )
+        self.fp8 = {"emulate": emulate, "fast_accum": fast_accum}
 
 
 def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backend: str = "inductor") -> None:

@@ -11,6 +11,9 @@ with its own K/V caches and returns final-normed hidden states; compute_logits a
 Loading: build under `torch.device("meta")` with the target dtype, `to_empty(device=...)`, call
 `load_checkpoint_tensor(key, tensor)` for every checkpoint key (q/k/v and gate/up are fused here), then
 `post_load()`. time_embedder stays float32 whatever the model dtype; do not call `.to(dtype)` on the model.
+FP8 mode (opt-in, after loading): `quantize_gen_fp8()` turns the gen tower's four GEMMs per layer into
+row-wise scaled e4m3 GEMMs (models/layers/fp8.py) and frees their bf16 weights; the und tower, the norms
+and the heads stay in the model dtype (und runs once per request).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.cosmos3.layer import MoTLayer, compile_blocks, gen_layer_step, und_layer_step
 from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
 from worldserve.models.layers.attention import ContiguousKVCache, KVCache
+from worldserve.models.layers.fp8 import fp8_supported
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
 from worldserve.models.layers.norm import RMSNorm
 from worldserve.models.layers.rope import MRotaryEmbedding
@@ -113,6 +117,25 @@ class Cosmos3Transformer(nn.Module):
 
         The und tower stays eager: it runs once per request on prompts of every length."""
         compile_blocks([layer.gen for layer in self.layers], mode=mode, backend=backend)
+
+    def quantize_gen_fp8(self, *, emulate: bool = False, fast_accum: bool = True) -> None:
+        """Gen tower qkv/o/gate_up/down -> e4m3 weights with per-row scales; the bf16 copies are freed.
+
+        Native (default): needs a bfloat16 model on a CUDA sm90+ device (torch._scaled_mm rowwise).
+        `emulate=True`: the same quantised math in float32 on any device/dtype (tests, numerics checks;
+        slower than the unquantised model). Works before or after compile_gen_layers."""
+        if not emulate:
+            if not fp8_supported(self.device):
+                raise ValueError(
+                    f"fp8 GEMMs need an NVIDIA GPU of compute capability 9.0+ (Hopper/Blackwell); "
+                    f"this model is on {self.device}"
+                )
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"fp8 GEMMs need a bfloat16 model (row-wise _scaled_mm), got {self.dtype}")
+        for layer in self.layers:
+            layer.gen.quantize_fp8(emulate=emulate, fast_accum=fast_accum)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed bf16 gen weights (about 13.9 GB on Nano) back
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint key this model loads, with its on-disk shape."""
