@@ -136,8 +136,15 @@ def write_transformer(out: Path, config: Cosmos3Config, seed: int) -> dict[str, 
 def write_vae(out: Path, seed: int) -> None:
     from diffusers import AutoencoderKLWan
 
-    vae = _seeded_module(lambda: AutoencoderKLWan(**TINY_VAE_CONFIG), seed)
-    _save_quietly(vae, out)
+    def build():
+        m = AutoencoderKLWan(**TINY_VAE_CONFIG)
+        with torch.no_grad():  # RMS_norm scales start at 1; vary them so tests see a wrong gamma
+            for name, p in m.named_parameters():
+                if name.endswith("gamma"):
+                    p.copy_(1.0 + 0.3 * torch.randn(p.shape))
+        return m
+
+    _save_quietly(_seeded_module(build, seed), out)
 
 
 def write_sound_tokenizer(out: Path, seed: int) -> None:
