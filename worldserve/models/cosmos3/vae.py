@@ -1,5 +1,6 @@
-"""Video VAE (Wan2.2, 48 latent channels, 4x temporal / 16x spatial): diffusers' AutoencoderKLWan behind
-our interface, with the Cosmos3 latent normalisation (cosmos3-model.md §6).
+"""Video VAE (Wan2.2, 48 latent channels, 4x temporal / 16x spatial): diffusers' AutoencoderKLWan for encode,
+our chunked channels-last decoder (`wan_decoder.WanDecoder`, same weights and numbers) for decode, behind our
+interface, with the Cosmos3 latent normalisation (cosmos3-model.md §6).
 
 - `encode_condition(image, num_frames)`: the I2V conditioning latent. diffusers 0.42.1 (our oracle,
   `Cosmos3OmniPipeline.prepare_latents`) builds a `num_frames` video repeating the [-1, 1] image in every
@@ -9,12 +10,16 @@ our interface, with the Cosmos3 latent normalisation (cosmos3-model.md §6).
   one-frame encode, at a fraction of the cost (189x less pixel input at 720p).
 - `decode(latents)`: normalised latents [B, 48, T, h, w] -> uint8 frames (B, F, H, W, 3) on the host,
   F = 4(T-1)+1, the same ops as the pipeline's decode + `VideoProcessor.postprocess_video` +
-  `numpy_to_pil`: `z = z_n / inv_std + mean` in the VAE dtype, decode (diffusers clamps to [-1, 1]),
-  cast to float32, `(x*0.5+0.5).clamp(0,1)`, `(x*255).round()`; the uint8 conversion runs on the device.
+  `numpy_to_pil`: `z = z_n / inv_std + mean` in the VAE dtype, decode (clamped to [-1, 1]), cast to
+  float32, `(x*0.5+0.5).clamp(0,1)`, `(x*255).round()`; the uint8 conversion runs on the device.
+  The decode runs `WanDecoder` (a copy of the diffusers decoder's weights: float32-exact against
+  diffusers on the CPU, built to be faster on a GPU: bench/vae_decode.py measures it);
+  `use_reference_decoder=True` keeps diffusers' decode for A/B, and `tiling=True` uses diffusers' tiled
+  decode.
 
 Normalisation constants live as tensors in the VAE dtype (`1/std` is computed in that dtype, as diffusers
-and the reference do). diffusers keeps a per-call causal-conv cache on the module, so encode/decode are
-serialised with a lock: one VideoVAE must not run two calls at once.
+and the reference do). diffusers keeps a per-call causal-conv cache on the module, and a decode holds
+GBs of activations at 720p, so encode/decode are serialised with a lock: one call at a time.
 """
 
 from __future__ import annotations
@@ -26,11 +31,27 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLWan
 
+from worldserve.models.cosmos3.wan_decoder import DEFAULT_CHUNK_SIZE, WanDecoder
+
 
 class VideoVAE:
     """A loaded Wan2.2 VAE plus the Cosmos3 latent statistics."""
 
-    def __init__(self, model: AutoencoderKLWan, *, tiling: bool = False):
+    def __init__(
+        self,
+        model: AutoencoderKLWan,
+        *,
+        tiling: bool = False,
+        use_reference_decoder: bool = False,
+        decode_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        compile_decoder: bool = False,
+    ):
+        """`use_reference_decoder`: decode with diffusers (A/B) instead of our `WanDecoder`; `tiling`:
+        diffusers' tiled decode (also instead of ours); `decode_chunk_size`: latent frames per chunk of our
+        decoder (at 720p bf16 ~6 + 3.3 GB a chunk frame, see wan_decoder.py); `compile_decoder`:
+        torch.compile its hot blocks (meant for CUDA; the first decode of a shape then compiles)."""
+        if decode_chunk_size < 1:
+            raise ValueError(f"decode_chunk_size must be >= 1, got {decode_chunk_size}")
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         dtype, device = model.dtype, model.device
@@ -40,6 +61,12 @@ class VideoVAE:
         self.tiling = tiling
         if tiling:
             model.enable_tiling()
+        self.decode_chunk_size = decode_chunk_size
+        self.decoder: WanDecoder | None = None
+        if not (tiling or use_reference_decoder):
+            self.decoder = WanDecoder.from_diffusers(model)
+            if compile_decoder:
+                self.decoder.compile()
         self._lock = threading.Lock()
 
     @classmethod
@@ -50,10 +77,20 @@ class VideoVAE:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         tiling: bool = False,
+        use_reference_decoder: bool = False,
+        decode_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        compile_decoder: bool = False,
     ) -> VideoVAE:
-        """Load `AutoencoderKLWan` from a checkpoint's `vae/` folder (config.json + safetensors)."""
+        """Load `AutoencoderKLWan` from a checkpoint's `vae/` folder (config.json + safetensors); our decoder
+        copies its decoder weights (options as in `__init__`)."""
         model = AutoencoderKLWan.from_pretrained(str(folder), dtype=dtype)
-        return cls(model.to(device), tiling=tiling)
+        return cls(
+            model.to(device),
+            tiling=tiling,
+            use_reference_decoder=use_reference_decoder,
+            decode_chunk_size=decode_chunk_size,
+            compile_decoder=compile_decoder,
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,7 +165,10 @@ class VideoVAE:
             raise ValueError(f"latents must be [B, {self.z_dim}, T, h, w], got {tuple(latents.shape)}")
         z = self.denormalize(latents)
         with self._lock:
-            pixels = self.model.decode(z).sample
+            if self.decoder is None:
+                pixels = self.model.decode(z).sample
+            else:
+                pixels = self.decoder.decode(z, chunk_size=self.decode_chunk_size)
         return pixels.to(torch.float32)
 
     @staticmethod

@@ -1,0 +1,175 @@
+"""L1: our Wan2.2 VAE decoder (`WanDecoder`) against diffusers' `AutoencoderKLWan.decode` on the tiny checkpoint.
+
+The oracle is `VideoVAE(use_reference_decoder=True)` (diffusers' decode behind the same normalisation). The
+tiny VAE's norm scales are all ones, so each test model gets random ones first: a wrong `gamma` shape or
+order would otherwise go unseen. Float32 on the CPU: the decode matches to float rounding (in practice
+bit for bit) for every latent length, odd and even sizes, and every chunk size.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan
+from safetensors import safe_open
+
+from worldserve.models.cosmos3.vae import VideoVAE
+from worldserve.models.cosmos3.wan_decoder import (
+    CHECKPOINT_PREFIXES,
+    WanDecoder,
+    WanDecoderConfig,
+    chunk_bounds,
+)
+from worldserve.models.cosmos3.wan_decoder_blocks import CausalConvCache
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module")
+def diffusers_vae(tiny_ckpt):
+    vae = AutoencoderKLWan.from_pretrained(str(tiny_ckpt / "vae")).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+    return vae
+
+
+@pytest.fixture(scope="module")
+def reference(diffusers_vae):
+    return VideoVAE(diffusers_vae, use_reference_decoder=True)
+
+
+@pytest.fixture(scope="module")
+def ours(diffusers_vae):
+    return VideoVAE(diffusers_vae)
+
+
+@pytest.mark.parametrize(
+    ("frames", "h", "w"), [(1, 2, 3), (2, 3, 2), (3, 2, 3), (5, 3, 3), (6, 2, 5)]
+)  # fmt: skip
+def test_decode_matches_diffusers(reference, ours, frames, h, w):
+    latents = torch.randn(2, 48, frames, h, w, generator=torch.Generator().manual_seed(frames))
+    expected = reference.decode_pixels(latents)
+    assert expected.shape == (2, 3, 1 + 4 * (frames - 1), 16 * h, 16 * w)
+    chunked = {}
+    for chunk_size in (1, 2, 4):
+        ours.decode_chunk_size = chunk_size
+        chunked[chunk_size] = ours.decode_pixels(latents)
+        assert chunked[chunk_size].shape == expected.shape
+        assert _rel(chunked[chunk_size], expected) <= 1e-5, chunk_size
+    for chunk_size in (2, 4):  # chunking changes nothing beyond float rounding
+        assert _rel(chunked[chunk_size], chunked[1]) <= 1e-5
+    ours.decode_chunk_size = 4
+
+
+def test_videovae_flags(diffusers_vae, reference, ours):
+    assert isinstance(ours.decoder, WanDecoder) and reference.decoder is None
+    assert VideoVAE(diffusers_vae, tiling=True).decoder is None  # tiled decode stays diffusers'
+    assert ours.decoder.post_quant_conv.weight.data_ptr() != diffusers_vae.post_quant_conv.weight.data_ptr()
+    with pytest.raises(ValueError, match="decode_chunk_size"):
+        VideoVAE(diffusers_vae, decode_chunk_size=0)
+
+
+def test_loads_exactly_the_checkpoint_decoder_keys(tiny_ckpt, diffusers_vae):
+    folder = tiny_ckpt / "vae"
+    with safe_open(str(folder / "diffusion_pytorch_model.safetensors"), framework="pt") as f:
+        ckpt = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith(CHECKPOINT_PREFIXES)}
+    dec = WanDecoder.from_pretrained(folder)
+    state = dec.state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == ckpt  # no missing, no unexpected, same shapes
+    assert {k for k in diffusers_vae.state_dict() if k.startswith(CHECKPOINT_PREFIXES)} == set(ckpt)
+    assert dec.config == WanDecoderConfig.from_diffusers(json.loads((folder / "config.json").read_text()))
+    assert dec.config.temporal_upsample == (True, True, False) and dec.config.patch_size == 2
+    # the checkpoint's own weights (all-ones norm scales) decode like diffusers' from the same folder
+    vae = AutoencoderKLWan.from_pretrained(str(folder)).eval()
+    z = torch.randn(1, 48, 3, 2, 3, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = vae.decode(z).sample
+    assert _rel(dec.decode(z), expected) <= 1e-5
+    del state["decoder.norm_out.gamma"]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        WanDecoder._from_state(dec.config, state)
+
+
+def _convs_return_channels_last(dec: WanDecoder, not_cl: list) -> list:
+    """Forward hooks that make every conv return channels_last as cuDNN does (the CPU conv3d returns
+    contiguous), recording convs whose input was not channels_last; returns the hook handles."""
+
+    def as_cudnn(module, args, out):
+        fmt = torch.channels_last_3d if out.ndim == 5 else torch.channels_last
+        if not args[0].is_contiguous(memory_format=fmt):
+            not_cl.append(module)
+        return out.contiguous(memory_format=fmt)
+
+    convs = [m for m in dec.modules() if isinstance(m, torch.nn.Conv3d | torch.nn.Conv2d)]
+    return [m.register_forward_hook(as_cudnn) for m in convs]
+
+
+def test_channels_last_keeps_every_conv_input_channels_last(diffusers_vae):
+    """The CUDA layout on the CPU: every conv input of a decode is already channels_last (no layout copies
+    before cuDNN), and the numbers stay diffusers'."""
+    dec = WanDecoder.from_diffusers(diffusers_vae).set_memory_format(torch.channels_last_3d)
+    not_cl: list = []
+    _convs_return_channels_last(dec, not_cl)
+    z = torch.randn(2, 48, 4, 3, 5, generator=torch.Generator().manual_seed(2))
+    out = dec.decode(z, chunk_size=2)
+    assert not not_cl
+    with torch.no_grad():
+        expected = diffusers_vae.decode(z).sample
+    assert _rel(out, expected) <= 1e-5
+
+
+def test_compiled_blocks_trace_whole_and_never_recompile(diffusers_vae):
+    """`compile()` traces every hot block as one graph (fullgraph); a warm-up of 1 + chunk latent frames
+    compiles every graph a decode of any length needs (the short last chunk is padded to the static chunk
+    size; contexts keep the same strides every chunk), in the CUDA layout. aot_eager keeps this fast on
+    the CPU (inductor runs in bench/vae_decode.py on a GPU). The result equals eager."""
+    eager = WanDecoder.from_diffusers(diffusers_vae)
+    compiled = WanDecoder.from_diffusers(diffusers_vae).set_memory_format(torch.channels_last_3d)
+    _convs_return_channels_last(compiled, [])
+    compiled.compile(backend="aot_eager", fullgraph=True)
+    z = torch.randn(1, 48, 6, 2, 3, generator=torch.Generator().manual_seed(3))  # chunks 1, 2, 2, 1 + pad
+    compiled.decode(z[:, :, :3], chunk_size=2)  # warm-up: compiles
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = compiled.decode(z, chunk_size=2)
+    assert _rel(out, eager.decode(z, chunk_size=2)) <= 1e-5
+
+
+def test_bfloat16_matches_diffusers_bfloat16(diffusers_vae):
+    vae16 = AutoencoderKLWan.from_config(diffusers_vae.config).to(torch.bfloat16).eval()
+    vae16.load_state_dict(diffusers_vae.state_dict())
+    z = torch.randn(1, 48, 3, 2, 3, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = vae16.decode(z).sample
+    out = WanDecoder.from_diffusers(vae16).decode(z, chunk_size=2)
+    assert out.dtype == torch.bfloat16 and out.abs().max() <= 1.0
+    assert _rel(out, expected) <= 1e-3
+
+
+def test_causal_conv_cache_and_chunks():
+    conv = torch.nn.Conv3d(4, 8, (3, 1, 1))
+    cache = CausalConvCache(torch.contiguous_format)
+    x = torch.randn(2, 4, 3, 5, 6)
+    ctx = cache.context(conv, x)
+    assert ctx.shape == (2, 4, 2, 5, 6) and not ctx.any()  # zeros = the causal left padding
+    cache.update(conv, x[:, :, -2:])
+    assert torch.equal(cache.context(conv, x), x[:, :, -2:]) and len(cache) == 1
+    assert chunk_bounds(1, 4) == [(0, 1)]
+    assert chunk_bounds(6, 2) == [(0, 1), (1, 3), (3, 5), (5, 6)]
+    assert chunk_bounds(48, 4)[-1] == (45, 48) and len(chunk_bounds(48, 4)) == 13
+
+
+def test_rejects_bad_input(diffusers_vae):
+    dec = WanDecoder.from_diffusers(diffusers_vae)
+    with pytest.raises(ValueError, match="z must be"):
+        dec.decode(torch.zeros(1, 16, 2, 2, 2))
+    with pytest.raises(ValueError, match="chunk_size"):
+        dec.decode(torch.zeros(1, 48, 2, 2, 2), chunk_size=0)
+    with pytest.raises(ValueError, match="is_residual"):
+        WanDecoderConfig.from_diffusers({**diffusers_vae.config, "is_residual": False})
