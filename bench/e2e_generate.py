@@ -11,6 +11,7 @@ check the streams, and writes per-stage times as JSON. The output is noise by co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -41,6 +42,8 @@ def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False):
     if device.type == "cuda":
         transformer.compile_gen_layers()  # as VideoPipeline.from_pretrained does by default
     vae = build_video_vae(device, dtype, tiny=tiny)
+    if device.type == "cuda" and vae.decoder is not None:
+        vae.decoder.compile()  # as VideoPipeline.from_pretrained does by default
     audio = build_audio_vae(device, dtype, tiny=tiny)
     tok_dir = Path(tempfile.mkdtemp()) / "text_tokenizer"
     write_tiny_tokenizer(tok_dir)  # the real Qwen tokenizer is not available offline; ids are a subset
@@ -59,6 +62,11 @@ def main() -> None:
     ap.add_argument(
         "--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test of this script)"
     )
+    ap.add_argument(
+        "--warmup",
+        action="store_true",
+        help="first run a 1-step request of the same shape (compiles everything)",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -74,6 +82,11 @@ def main() -> None:
         num_inference_steps=args.steps,
         seed=123,
     )
+    warmup_s = None
+    if args.warmup:
+        t = time.perf_counter()
+        pipe.generate(dataclasses.replace(params, num_inference_steps=1, seed=1))
+        warmup_s = time.perf_counter() - t
     step_times: list[float] = []
     last = [time.perf_counter()]
 
@@ -122,10 +135,12 @@ def main() -> None:
         }
     report = {
         "command": "PYTHONPATH=. python bench/e2e_generate.py "
-        + " ".join([f"--steps {args.steps}", f"--size {args.size}", f"--frames {args.frames}"]),
+        + " ".join([f"--steps {args.steps}", f"--size {args.size}", f"--frames {args.frames}"])
+        + (" --warmup" if args.warmup else ""),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "build_random_model_s": build_s,
+        "warmup_request_s": warmup_s,
         "generate_s": t2 - t1,
         "stages_s": {**result.stage_seconds, "mux": mux_s},
         "step_s": step_times,

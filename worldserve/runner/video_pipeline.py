@@ -136,7 +136,10 @@ class VideoPipeline:
             transformer.quantize_gen_fp8(emulate=quantization == "fp8-emulated")
         if compile and device.type == "cuda":
             transformer.compile_gen_layers()
-        vae = VideoVAE.from_pretrained(root / "vae", dtype=dtype, device=device, tiling=vae_tiling)
+        vae = VideoVAE.from_pretrained(
+            root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
+            compile_decoder=compile and device.type == "cuda",
+        )  # fmt: skip
         audio_vae = None
         if layout.has_sound:
             audio_vae = AudioVAE.from_pretrained(root / "sound_tokenizer", dtype=dtype, device=device)
