@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from worldserve.models.cosmos3.checkpoint_keys import count_parameters, transformer_checkpoint_shapes
 from worldserve.models.cosmos3.config import Cosmos3Config
-from worldserve.models.cosmos3.reasoner_keys import reasoner_key
 from worldserve.weights.checkpoint import CheckpointError, read_layout, resolve_model
 from worldserve.weights.loader import check_checkpoint, read_header, stream_tensors
 from worldserve.weights.safetensors_shards import write_sharded
@@ -93,27 +92,10 @@ def test_key_table_matches_diffusers_at_nano_size():
 
 
 def test_reasoner_subset_loads_strictly_in_qwen3vl(tiny_ckpt):
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from reasoner_oracle import qwen3vl_oracle, reasoner_state
 
-    root = json.loads((tiny_ckpt / "config.json").read_text())
-    cfg = Qwen3VLConfig(
-        text_config=root["text_config"],
-        vision_config=root["vision_config"],
-        image_token_id=root["image_token_id"],
-        video_token_id=root["video_token_id"],
-        vision_start_token_id=root["vision_start_token_id"],
-        vision_end_token_id=root["vision_end_token_id"],
-        tie_word_embeddings=False,
-    )
-    model = Qwen3VLForConditionalGeneration(cfg)
-    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    state = {}
-    for file in sorted(set(index.values())):
-        for key, t in load_file(tiny_ckpt / file).items():
-            name = reasoner_key(key)
-            if name is not None:
-                state[name] = t.float()
-    result = model.load_state_dict(state, strict=True)
+    model, result = qwen3vl_oracle(tiny_ckpt)
+    state = reasoner_state(tiny_ckpt)
     assert not result.missing_keys and not result.unexpected_keys
     assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
 

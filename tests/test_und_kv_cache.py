@@ -11,14 +11,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from worldserve.models.cosmos3.batch import GenBatch, GenItem, UndBatch
-from worldserve.models.cosmos3.reasoner_keys import reasoner_key
 
 VOCAB = 256  # random ids stay below the byte-level base of any tiny vocabulary
 TOL = 1e-5
@@ -101,27 +97,9 @@ def test_packed_sequences_equal_separate_calls(model):
 
 def test_und_tower_is_the_qwen3vl_text_model(model, tiny_ckpt):
     """Prefill + decode logits equal transformers' Qwen3VLForConditionalGeneration on the same weights."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from reasoner_oracle import qwen3vl_oracle
 
-    root = json.loads((tiny_ckpt / "config.json").read_text())
-    cfg = Qwen3VLConfig(
-        text_config=root["text_config"],
-        vision_config=root["vision_config"],
-        image_token_id=root["image_token_id"],
-        video_token_id=root["video_token_id"],
-        vision_start_token_id=root["vision_start_token_id"],
-        vision_end_token_id=root["vision_end_token_id"],
-        tie_word_embeddings=False,
-    )
-    hf = Qwen3VLForConditionalGeneration(cfg).eval()
-    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    state = {}
-    for file in sorted(set(index.values())):
-        for key, t in load_file(tiny_ckpt / file).items():
-            name = reasoner_key(key)
-            if name is not None:
-                state[name] = t.float()
-    hf.load_state_dict(state, strict=True)
+    hf, _ = qwen3vl_oracle(tiny_ckpt)
 
     ids = _ids(6, 18)
     cache = model.new_und_cache(18)
