@@ -13,6 +13,7 @@ folded once at load (cosmos-framework calls `remove_weight_norm()` too): the sam
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,11 @@ class AudioVAE:
         fold: bool = True,
     ) -> AudioVAE:
         """Load from a checkpoint's `sound_tokenizer/` folder (decoder-only weights are fine)."""
-        model = Cosmos3AVAEAudioTokenizer.from_pretrained(str(folder), dtype=dtype)
+        with (
+            warnings.catch_warnings()
+        ):  # diffusers builds it with the deprecated weight_norm; we fold it anyway
+            warnings.simplefilter("ignore", FutureWarning)
+            model = Cosmos3AVAEAudioTokenizer.from_pretrained(str(folder), dtype=dtype)
         return cls(model.to(device), fold=fold)
 
     @property
