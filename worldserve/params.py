@@ -134,3 +134,58 @@ class VideoParams:
             if self.num_frames == 1:
                 raise ParamError("input_reference", "image-to-video needs num_frames > 1")
         return self
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatPart:
+    """One content part of a chat message: text, or a decoded image."""
+
+    type: str
+    """"text" or "image"."""
+    text: str = ""
+    """The text of a text part."""
+    image: np.ndarray | None = None
+    """uint8 RGB (H, W, 3) of an image part."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatMessage:
+    role: str
+    """"system", "user", "assistant" or "tool"."""
+    content: str | tuple[ChatPart, ...]
+    """A plain string or a sequence of parts."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatParams:
+    """One Reasoner chat completion (OpenAI /v1/chat/completions, n = 1), validated at the boundary."""
+
+    messages: tuple[ChatMessage, ...]
+    """The conversation; the reply is the next assistant turn."""
+    max_tokens: int | None = None
+    """Completion token budget; None: up to the context length."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """0 or -1: no top-k."""
+    seed: int | None = None
+    """Sampling seed (None: random)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the completion (not included in the output)."""
+
+    def validate(self) -> ChatParams:
+        if not self.messages:
+            raise ParamError("messages", "messages must contain at least one message")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ParamError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ParamError("stop", "stop strings must be non-empty")
+        return self

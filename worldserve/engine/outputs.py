@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from worldserve.params import VideoParams
+from worldserve.params import ChatParams, VideoParams
 
 
 @dataclass(slots=True, kw_only=True)
@@ -64,4 +64,30 @@ class VideoBackend(Protocol):
 
     def release(self, state: DenoiseState) -> None:
         """Free the state's device memory (called on cancel and after decode)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChatDelta:
+    """One Reasoner decode step's outcome (runner -> chat worker -> API)."""
+
+    text: str
+    """New completion text (may be empty: held back for an incomplete character or stop prefix)."""
+    finish_reason: str | None
+    """None while generating, then "stop" or "length"."""
+    completion_tokens: int
+    """Completion tokens so far (the stop token excluded)."""
+
+
+class ChatSession(Protocol):
+    """A prefilled chat completion; each step() samples one token (and runs one decode forward)."""
+
+    prompt_tokens: int
+
+    def step(self) -> ChatDelta: ...
+
+
+class ChatBackend(Protocol):
+    def start(self, params: ChatParams) -> ChatSession:
+        """Validate, tokenize, encode images, prefill; raises ParamError for a bad request."""
         ...

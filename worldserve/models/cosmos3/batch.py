@@ -58,6 +58,10 @@ class UndBatch:
     """New tokens per sequence (host metadata); sums to N."""
     inputs_embeds: Tensor | None = None
     """[N, hidden] optional override of embed_tokens(input_ids) (e.g. vision embeddings spliced in)."""
+    deepstack: tuple[Tensor, ...] = ()
+    """Qwen3-VL deepstack: deepstack[i] [M, hidden] is added to the rows `visual_rows` after und layer i."""
+    visual_rows: Tensor | None = None
+    """[M] long: rows of the visual tokens in this batch (required with `deepstack`)."""
 
     def __post_init__(self) -> None:
         if sum(self.seq_lens) != self.input_ids.shape[0] or any(n <= 0 for n in self.seq_lens):
@@ -68,6 +72,10 @@ class UndBatch:
             raise ValueError(
                 f"positions must be [3, {self.input_ids.shape[0]}], got {tuple(self.positions.shape)}"
             )
+        if self.deepstack and (
+            self.visual_rows is None or any(f.shape[0] != self.visual_rows.shape[0] for f in self.deepstack)
+        ):
+            raise ValueError("deepstack features need visual_rows with one row per feature row")
 
     @classmethod
     def text(cls, token_ids: Sequence[Tensor], starts: Sequence[int] | None = None) -> UndBatch:

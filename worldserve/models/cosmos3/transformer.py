@@ -7,7 +7,8 @@ Data flow of a video request (cosmos3-model.md §5.6):
                                layers attending to [cached und K/V ; gen K/V], norm_moe_gen, proj_out /
                                audio_proj_out, unpatchify. Several requests and both CFG branches share it.
 The und pathway also stands alone for the Reasoner: und_step(UndBatch, caches) prefills or decodes text
-with its own K/V caches and returns final-normed hidden states; compute_logits applies lm_head.
+with its own K/V caches and returns final-normed hidden states; compute_logits applies lm_head. An
+UndBatch may carry Qwen3-VL deepstack features, added at the visual rows after the first und layers.
 Loading: build under `torch.device("meta")` with the target dtype, `to_empty(device=...)`, call
 `load_checkpoint_tensor(key, tensor)` for every checkpoint key (q/k/v and gate/up are fused here), then
 `post_load()`. time_embedder stays float32 whatever the model dtype; do not call `.to(dtype)` on the model.
@@ -184,6 +185,8 @@ class Cosmos3Transformer(nn.Module):
             )
             if out is not None:
                 h = out
+                if i < len(batch.deepstack):  # Qwen3-VL deepstack: ViT features into the early layers
+                    h = h.index_add(0, batch.visual_rows, batch.deepstack[i].to(h.dtype))
         for cache, n in zip(caches, batch.seq_lens, strict=True):
             cache.advance(n)
         return None if kv_only else self.norm(h)

@@ -1,0 +1,180 @@
+"""The Reasoner equals transformers' Qwen3VLForConditionalGeneration on the tiny checkpoint (CPU, fp32).
+
+The oracle is built from the checkpoint's root config.json and the Reasoner key map (as in test_checkpoint),
+fed the same input_ids, pixel_values and image_grid_thw (our Qwen3-VL preprocessing) and mm_token_type_ids,
+so it computes its own get_rope_index positions and deepstack injection. Compared: every prefill logit and
+the logits of 5 greedy decode steps from our K/V cache, plus the greedy tokens a session emits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from worldserve.models.cosmos3.reasoner_keys import reasoner_key
+from worldserve.models.cosmos3.vision import chat_positions
+from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
+from worldserve.sampling.tokens import TokenSampler
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reasoner(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    return Reasoner.from_pretrained(tiny_ckpt, model, tok)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_ckpt):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    root = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg = Qwen3VLConfig(
+        text_config=root["text_config"], vision_config=root["vision_config"],
+        image_token_id=root["image_token_id"], video_token_id=root["video_token_id"],
+        vision_start_token_id=root["vision_start_token_id"], vision_end_token_id=root["vision_end_token_id"],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = Qwen3VLForConditionalGeneration(cfg).eval()
+    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    state = {}
+    for file in sorted(set(index.values())):
+        for key, t in load_file(tiny_ckpt / file).items():
+            name = reasoner_key(key)
+            if name is not None:
+                state[name] = t.float()
+    hf.load_state_dict(state, strict=True)
+    return hf
+
+
+def _image(seed, h=40, w=56):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _check_parity(reasoner, oracle, params, steps=5):
+    prompt = reasoner.build_prompt(params)
+    hidden, cache, pos = reasoner.prefill(prompt)
+    ours = [reasoner.transformer.compute_logits(hidden)]  # [N, V]
+    tokens = []
+    for _ in range(steps):
+        tok = int(ours[-1][-1].argmax())
+        tokens.append(tok)
+        ours.append(reasoner.decode(tok, cache, pos)[None])
+        pos += 1
+    seq = torch.tensor(prompt.input_ids + tokens)[None]
+    kwargs = {"mm_token_type_ids": (seq == reasoner.image_token_id).int()}
+    if prompt.vision is not None:
+        kwargs.update(pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.grid_thw)
+    with torch.no_grad():
+        ref = oracle(input_ids=seq, **kwargs).logits[0]  # [N + steps, V]
+    ours_all = torch.cat(ours)
+    assert rel(ours_all[: seq.shape[1]], ref) <= TOL
+    assert ref[len(prompt.input_ids) - 1 :].argmax(-1).tolist()[:steps] == tokens
+    return prompt, tokens
+
+
+def test_text_chat_matches_qwen3vl(reasoner, oracle):
+    params = ChatParams(
+        messages=(
+            ChatMessage(role="system", content="You are a helpful assistant."),
+            ChatMessage(role="user", content="Describe the weather on Mars."),
+        )
+    )
+    prompt, tokens = _check_parity(reasoner, oracle, params)
+    assert prompt.vision is None
+
+
+def test_image_chat_matches_qwen3vl(reasoner, oracle):
+    params = ChatParams(
+        messages=(
+            ChatMessage(
+                role="user",
+                content=(
+                    ChatPart(type="image", image=_image(0)),
+                    ChatPart(type="text", text="What is this?"),
+                ),
+            ),
+        ),
+        temperature=0.0,
+    )
+    prompt, tokens = _check_parity(reasoner, oracle, params)
+    n_img = int((torch.tensor(prompt.input_ids) == reasoner.image_token_id).sum())
+    assert n_img == prompt.vision.tokens_per_image(2)[0] > 1
+    assert prompt.vision.pixel_values.shape[1] == 3 * 2 * 16 * 16
+    h, w = (int(x) * 16 for x in prompt.vision.grid_thw[0, 1:])
+    assert h % 32 == 0 and w % 32 == 0 and h * w >= 65536
+    # the session streams the same greedy tokens (up to a stop token)
+    session = reasoner.start(ChatParams(messages=params.messages, temperature=0.0, max_tokens=len(tokens)))
+    deltas = []
+    while session.finish_reason is None:
+        deltas.append(session.step())
+    stop = next((i for i, t in enumerate(tokens) if t in reasoner.stop_token_ids), len(tokens))
+    assert session.token_ids == tokens[:stop]
+    assert "".join(d.text for d in deltas) == reasoner.tokenizer.decode(
+        tokens[:stop], skip_special_tokens=True
+    )
+    assert deltas[-1].finish_reason == ("length" if stop == len(tokens) else "stop")
+
+
+def test_two_images_positions_match_get_rope_index(reasoner, oracle):
+    params = ChatParams(messages=(ChatMessage(role="user", content=(
+        ChatPart(type="text", text="a"), ChatPart(type="image", image=_image(1, 33, 90)),
+        ChatPart(type="text", text="b"), ChatPart(type="image", image=_image(2, 70, 30)),
+    )),))  # fmt: skip
+    prompt = reasoner.build_prompt(params)
+    ids = torch.tensor(prompt.input_ids)[None]
+    ref, _ = oracle.model.get_rope_index(
+        ids, (ids == reasoner.image_token_id).int(), image_grid_thw=prompt.vision.grid_thw
+    )
+    ours, nxt = chat_positions(prompt.input_ids, reasoner.image_token_id, prompt.vision.grid_thw.tolist(), 2)
+    assert torch.equal(ours.long(), ref[:, 0]) and nxt == int(ref.max()) + 1
+
+
+def test_sampling_seeded_and_bounded():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    a = [TokenSampler(temperature=0.8, top_p=0.9, top_k=10, seed=7).sample(logits) for _ in range(3)]
+    s = TokenSampler(temperature=0.8, top_p=0.9, top_k=10, seed=7)
+    assert a[0] == s.sample(logits) and len(set(a)) == 1
+    top10 = set(torch.topk(logits, 10).indices.tolist())
+    s = TokenSampler(temperature=1.0, top_k=10, seed=1)
+    assert {s.sample(logits) for _ in range(50)} <= top10
+    s = TokenSampler(temperature=1.0, top_p=1e-6, seed=1)
+    assert s.sample(logits) == int(logits.argmax())
+    assert TokenSampler(temperature=0).sample(logits) == int(logits.argmax())
+
+
+def test_context_limit_and_stop_strings(reasoner):
+    msgs = (ChatMessage(role="user", content="hello"),)
+    with pytest.raises(ParamError) as err:
+        reasoner.start(ChatParams(messages=msgs, max_tokens=10**6))
+    assert err.value.param == "max_tokens" and "maximum context length" in err.value.message
+    with pytest.raises(ParamError):
+        reasoner.start(ChatParams(messages=()))
+    s = reasoner.start(ChatParams(messages=msgs, temperature=1.0, seed=3, max_tokens=40))
+    text = ""
+    while s.finish_reason is None:
+        text += s.step().text
+    full = reasoner.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+    assert text == full
+    if len(full) > 3:  # stop on a piece of what the same seed produces: the output ends before it
+        stop = full[2:4]
+        s2 = reasoner.start(ChatParams(messages=msgs, temperature=1.0, seed=3, max_tokens=40, stop=(stop,)))
+        out = ""
+        while s2.finish_reason is None:
+            out += s2.step().text
+        assert out == full[: full.find(stop)] and s2.finish_reason == "stop"

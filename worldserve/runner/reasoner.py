@@ -1,0 +1,242 @@
+"""Reasoner: Qwen3-VL chat completions on the und tower of the loaded Cosmos3 transformer (no second copy).
+
+start(ChatParams) -> ReasonerSession:
+  prompt:  the checkpoint's chat template (image parts render as <|vision_start|><|image_pad|><|vision_end|>);
+           each <|image_pad|> is expanded to the image's merged-patch count (t*h*w / merge**2), as Qwen3-VL's
+           processor does; images go through Qwen3-VL preprocessing and the ViT (models/cosmos3/vision.py).
+  prefill: one und_step over the whole prompt with embed_tokens rows replaced by the ViT embeddings at the
+           image-pad rows, Qwen3-VL get_rope_index positions, and deepstack features added after the first
+           len(deepstack) und layers; the K/V go into the session's own contiguous cache.
+session.step() -> ChatDelta: sample the next token (sampling/tokens.py) from the pending logits, detokenize
+  incrementally (a trailing incomplete UTF-8 character and a possible stop-string prefix are held back), and,
+  unless finished, run one und decode step at the next mRoPE position (max prompt position + 1 + k).
+Finish: "stop" on <|im_end|> / <|endoftext|> / the config eos or a `stop` string, "length" at max_tokens or
+the context limit. Callers serialize model access (the chat worker holds the model lock around start/step).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from worldserve.engine.outputs import ChatDelta
+from worldserve.models.cosmos3.batch import UndBatch
+from worldserve.models.cosmos3.vision import (
+    QWEN3VL_MAX_PIXELS,
+    QWEN3VL_MIN_PIXELS,
+    VisionEncoder,
+    VisionInputs,
+    chat_positions,
+)
+from worldserve.params import ChatParams, ParamError
+from worldserve.sampling.tokens import TokenSampler
+
+IMAGE_PAD = "<|image_pad|>"
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    input_ids: list[int]
+    """Token ids with every image placeholder expanded."""
+    vision: VisionInputs | None
+    """Preprocessed images in prompt order, or None for a text-only prompt."""
+
+
+class Reasoner:
+    """The Qwen3-VL view of a loaded Cosmos3Transformer + the ViT + the checkpoint tokenizer."""
+
+    def __init__(
+        self,
+        transformer: Any,
+        tokenizer: Any,
+        vision: VisionEncoder | None,
+        *,
+        image_token_id: int,
+        eos_token_ids: Sequence[int] = (),
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        min_pixels: int = QWEN3VL_MIN_PIXELS,
+        max_pixels: int = QWEN3VL_MAX_PIXELS,
+    ) -> None:
+        self.transformer = transformer
+        self.tokenizer = tokenizer
+        self.vision = vision
+        self.image_token_id = image_token_id
+        stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
+        self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
+        self.max_model_len = max_model_len
+        self.preprocess = (
+            vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls, root: str | Path, transformer: Any, tokenizer: Any, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        min_pixels: int = QWEN3VL_MIN_PIXELS, max_pixels: int = QWEN3VL_MAX_PIXELS,
+    ) -> Reasoner:  # fmt: skip
+        """Share `transformer` (already loaded); load the ViT from `<root>/vision_encoder` when present."""
+        root = Path(root)
+        cfg = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
+        vision = None
+        if (root / "vision_encoder").is_dir():
+            vision = VisionEncoder.from_pretrained(
+                root / "vision_encoder", dtype=transformer.dtype, device=transformer.device
+            )
+        eos = cfg.get("eos_token_id", [])
+        return cls(
+            transformer, tokenizer, vision,
+            image_token_id=cfg.get("image_token_id", tokenizer.convert_tokens_to_ids(IMAGE_PAD)),
+            eos_token_ids=eos if isinstance(eos, list) else [eos], max_model_len=max_model_len,
+            min_pixels=min_pixels, max_pixels=max_pixels,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ prompt (CPU)
+    def build_prompt(self, params: ChatParams) -> ChatPrompt:
+        """Chat template + image placeholder expansion + tokenization; raises ParamError."""
+        conversation, images = [], []
+        for msg in params.messages:
+            if isinstance(msg.content, str):
+                conversation.append({"role": msg.role, "content": msg.content})
+                continue
+            parts = []
+            for part in msg.content:
+                if part.type == "image":
+                    images.append(part.image)
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            conversation.append({"role": msg.role, "content": parts})
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        vision = None
+        if images:
+            if self.vision is None or self.preprocess is None:
+                raise ParamError(
+                    "messages", "this checkpoint has no vision_encoder/: image inputs are unsupported"
+                )
+            vision = self.preprocess(images)
+            counts = vision.tokens_per_image(self.vision.merge_size)
+            pieces = text.split(IMAGE_PAD)
+            if len(pieces) != len(counts) + 1:
+                raise ParamError(
+                    "messages", "the chat template did not render one image placeholder per image"
+                )
+            text = pieces[0] + "".join(
+                IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
+            )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ChatPrompt(input_ids=list(ids), vision=vision)
+
+    # ------------------------------------------------------------------ model
+    @torch.inference_mode()
+    def prefill(self, prompt: ChatPrompt, capacity: int | None = None) -> tuple[Tensor, Any, int]:
+        """-> (final-normed hidden [N, d] of every prompt token, the filled K/V cache, next position)."""
+        model = self.transformer
+        ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=model.device)
+        grids = [] if prompt.vision is None else prompt.vision.grid_thw.tolist()
+        merge = self.vision.merge_size if self.vision is not None else 2
+        positions, next_pos = chat_positions(prompt.input_ids, self.image_token_id, grids, merge)
+        embeds, deepstack, rows = None, (), None
+        if prompt.vision is not None:
+            assert self.vision is not None
+            vis, deepstack = self.vision.encode(prompt.vision)  # [M, d], deepstack: each [M, d]
+            rows = (ids == self.image_token_id).nonzero().squeeze(1)  # [M]
+            embeds = model.embed_tokens(ids).index_copy(0, rows, vis.to(model.dtype))
+        batch = UndBatch(
+            input_ids=ids, positions=positions.to(model.device), seq_lens=(ids.numel(),),
+            inputs_embeds=embeds, deepstack=tuple(deepstack), visual_rows=rows,
+        )  # fmt: skip
+        cache = model.new_und_cache(capacity or ids.numel())
+        hidden = model.und_step(batch, [cache])
+        return hidden, cache, next_pos
+
+    @torch.inference_mode()
+    def decode(self, token: int, cache: Any, position: int) -> Tensor:
+        """One decode step: token at `position` -> logits [vocab] of the next token."""
+        model = self.transformer
+        ids = torch.tensor([token], dtype=torch.long, device=model.device)
+        pos = torch.full((3, 1), float(position), device=model.device)
+        hidden = model.und_step(UndBatch(input_ids=ids, positions=pos, seq_lens=(1,)), [cache])
+        return model.compute_logits(hidden)[0]
+
+    def start(self, params: ChatParams) -> ReasonerSession:
+        """Validate, build the prompt, prefill; the session's step() yields the completion."""
+        params.validate()
+        prompt = self.build_prompt(params)
+        n = len(prompt.input_ids)
+        room = self.max_model_len - n
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            asked = n + (params.max_tokens or 1)
+            raise ParamError(
+                "max_tokens" if params.max_tokens is not None and room >= 1 else "messages",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{asked} tokens ({n} in the messages, {asked - n} in the completion). Please reduce the length "
+                "of the messages or completion.",
+            )
+        budget = params.max_tokens if params.max_tokens is not None else room
+        hidden, cache, next_pos = self.prefill(prompt, capacity=n + min(budget, 512))
+        logits = self.transformer.compute_logits(hidden[-1:])[0]
+        sampler = TokenSampler(
+            temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0), seed=params.seed
+        )
+        return ReasonerSession(self, sampler, cache, logits, next_pos, prompt_tokens=n, max_tokens=budget,
+                               stop=params.stop)  # fmt: skip
+
+
+class ReasonerSession:
+    """One chat completion in progress: pending logits, its K/V cache and the text emitted so far."""
+
+    def __init__(
+        self, reasoner: Reasoner, sampler: TokenSampler, cache: Any, logits: Tensor, position: int, *,
+        prompt_tokens: int, max_tokens: int, stop: Sequence[str],
+    ) -> None:  # fmt: skip
+        self._r, self._sampler, self._cache = reasoner, sampler, cache
+        self._logits: Tensor | None = logits
+        self._position = position
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.stop = tuple(stop)
+        self.token_ids: list[int] = []
+        self._emitted = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def step(self) -> ChatDelta:
+        """Sample one token, return the new text (possibly empty) and the finish reason once done."""
+        if self.finish_reason is not None or self._logits is None:
+            raise RuntimeError("the session is finished")
+        token = self._sampler.sample(self._logits)
+        finished = token in self._r.stop_token_ids
+        if not finished:
+            self.token_ids.append(token)
+        text = self._r.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if finished or cut >= 0:
+            self.finish_reason = "stop"
+            text = text if cut < 0 else text[:cut]
+        elif len(self.token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is None:
+            held = max((len(s) - 1 for s in self.stop), default=0)
+            end = len(text) - held
+            while end > self._emitted and text[end - 1] == "\ufffd":
+                end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
+            self._logits = self._r.decode(token, self._cache, self._position)
+            self._position += 1
+        else:
+            end = len(text)
+            self._logits, self._cache = None, None
+        delta = text[self._emitted : max(end, self._emitted)]
+        self._emitted = max(end, self._emitted)
+        return ChatDelta(
+            text=delta, finish_reason=self.finish_reason, completion_tokens=self.completion_tokens
+        )
