@@ -45,6 +45,8 @@ class ModelConfig:
     """Decode the video in spatial tiles (less memory, a little slower)."""
     init_timeout: float = 600.0
     """Seconds allowed for loading the model before startup fails (the recipe uses 1800)."""
+    max_model_len: int = 32768
+    """Context length of Reasoner chat completions (prompt + completion tokens)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     backend: str = field(default="auto", metadata={"hidden": True, "choices": ("auto", "fake")})
@@ -57,6 +59,8 @@ class ModelConfig:
             raise ValueError(f"--init-timeout must be > 0 seconds, got {self.init_timeout}")
         if self.fake_step_delay < 0:
             raise ValueError("--fake-step-delay must be >= 0")
+        if self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +126,8 @@ class ServerConfig:
     """Largest request body accepted on /v1/videos*, in MiB (413 above)."""
     job_ttl: float | None = None
     """Delete finished jobs and their files this many seconds after completion; default: keep forever."""
+    allowed_local_media_path: str | None = None
+    """Folder whose files chat requests may reference as file:// image URLs; default: no local files."""
     uvicorn_log_level: str = field(
         default="info", metadata={"choices": ("critical", "error", "warning", "info", "debug", "trace")}
     )

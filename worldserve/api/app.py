@@ -1,4 +1,5 @@
-"""build_app(client, ...) -> the FastAPI application: video routes, /v1/models, /health, /version, /metrics.
+"""build_app(client, ...) -> the FastAPI application: video routes, /v1/chat/completions (when the client has a
+chat backend), /v1/models, /health, /version, /metrics.
 
 The app only talks to an `EngineClient` (never to torch). Its lifespan starts the client (job recovery,
 engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, so tests enter
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from worldserve import __version__
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
+from worldserve.api.chat import router as chat_router
 from worldserve.api.errors import install_error_handlers
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
@@ -34,6 +36,7 @@ def build_app(
     max_upload_bytes: int = 100 * 2**20,
     shutdown_timeout_s: float = 30.0,
     model_root: str | None = None,
+    allowed_local_media_path: str | None = None,
 ) -> FastAPI:
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
@@ -56,11 +59,13 @@ def build_app(
     app.state.ws = AppState(
         client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
         sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
+        allowed_local_media_path=allowed_local_media_path,
     )  # fmt: skip
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(videos_router)
+    app.include_router(chat_router)
     created = int(time.time())
 
     @app.get("/v1/models", response_model=ModelList, tags=["models"])

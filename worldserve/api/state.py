@@ -20,6 +20,8 @@ class AppState:
     sync_timeout_s: float
     max_upload_bytes: int
     shutdown_timeout_s: float
+    allowed_local_media_path: str | None = None
+    """Folder whose files chat requests may reference as file:// URLs (None: no local files)."""
 
 
 def app_state(request: Request) -> AppState:

@@ -6,7 +6,8 @@ Flags come from the config dataclasses (config.py). Startup: resolve the config,
 engine + client + app, log the routes, then uvicorn ("Application startup complete." = ready).
 SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get --shutdown-timeout seconds
 to finish, anything unfinished stays queued in the store and is re-run at the next start.
-`--backend fake` (hidden) serves numpy colour frames with no model: for tests only.
+The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
+vision_encoder/. `--backend fake` (hidden) serves numpy colour frames with no model and no chat: tests only.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
     loaded = _load_backend_within(config.model)
     if loaded is None:
         return 1
-    backend, gpu_memory = loaded
-    return _serve(config, backend, gpu_memory)
+    backend, gpu_memory, *chat = loaded
+    return _serve(config, backend, gpu_memory, chat[0] if chat else None)
 
 
-def _serve(config: EngineConfig, backend: Any, gpu_memory: Any) -> int:
+def _serve(config: EngineConfig, backend: Any, gpu_memory: Any, chat_backend: Any = None) -> int:
     from worldserve.api.app import build_app, route_table
     from worldserve.api.metrics import Metrics
     from worldserve.engine.client import EngineClient
@@ -63,11 +64,11 @@ def _serve(config: EngineConfig, backend: Any, gpu_memory: Any) -> int:
     metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
     engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=server_cfg.job_ttl)
     client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
-                          job_ttl_s=server_cfg.job_ttl)  # fmt: skip
+                          job_ttl_s=server_cfg.job_ttl, chat_backend=chat_backend)  # fmt: skip
     app = build_app(
         client, metrics=metrics, api_key=server_cfg.api_key, sync_timeout_s=server_cfg.sync_timeout,
         max_upload_bytes=server_cfg.max_upload_bytes, shutdown_timeout_s=config.scheduler.shutdown_timeout,
-        model_root=config.model.model,
+        model_root=config.model.model, allowed_local_media_path=server_cfg.allowed_local_media_path,
     )  # fmt: skip
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
              config.scheduler.max_queued_requests, server_cfg.sync_timeout,
@@ -111,8 +112,8 @@ def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
     return outcome["value"]
 
 
-def _load_backend(cfg: ModelConfig) -> tuple[Any, Any]:
-    """(VideoBackend, GPU-memory reader or None)."""
+def _load_backend(cfg: ModelConfig) -> tuple[Any, ...]:
+    """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer])."""
     if cfg.backend == "fake":
         from worldserve.engine.fake_backend import FakeBackend
 
@@ -140,7 +141,14 @@ def _load_backend(cfg: ModelConfig) -> tuple[Any, Any]:
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
         device = torch.device(cfg.device or "cuda")
         gpu_memory = lambda: float(torch.cuda.memory_allocated(device))  # noqa: E731
-    return pipeline, gpu_memory
+    from worldserve.runner.reasoner import Reasoner
+
+    reasoner = Reasoner.from_pretrained(
+        path, pipeline.transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len
+    )
+    log.info("Reasoner chat completions on the shared und tower (vision encoder: %s)",
+             "yes" if reasoner.vision is not None else "none: text only")  # fmt: skip
+    return pipeline, gpu_memory, reasoner
 
 
 def _non_default_args(args: argparse.Namespace) -> str:

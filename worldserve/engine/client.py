@@ -10,6 +10,8 @@ or in progress; it re-runs from its persisted inputs, or fails with a reason if 
 gone), then starts the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
 (submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the engine
 and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
+Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat(params)` is an async
+iterator of its events (ChatStarted, ChatDelta..., or ChatFailed), bridged with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
+from worldserve.engine.chat_worker import ChatEvent, ChatFailed, ChatStarted, ChatWorker
 from worldserve.engine.engine import Engine, EngineObserver
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
+from worldserve.engine.outputs import ChatBackend, ChatDelta
 from worldserve.engine.request import EncodeOptions, Request
-from worldserve.params import VideoParams
+from worldserve.params import ChatParams, VideoParams
 
 __all__ = [
-    "EncodeOptions", "EngineClient", "Job", "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError",
+    "ChatEvent", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
+    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,10 @@ class QueueFullError(Exception):
 
 class ShuttingDownError(Exception):
     """The server is stopping and takes no new work (HTTP 503)."""
+
+
+class ChatUnavailableError(Exception):
+    """This server has no chat backend (e.g. the fake backend)."""
 
 
 def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
@@ -73,8 +83,10 @@ class EngineClient:
         model_name: str,
         max_queued_requests: int,
         job_ttl_s: float | None = None,
+        chat_backend: ChatBackend | None = None,
     ):
         self.engine = engine
+        self.chat_worker = None if chat_backend is None else ChatWorker(chat_backend, engine.model_lock)
         self.store = store
         self.model_name = model_name
         self.max_queued_requests = max_queued_requests
@@ -97,6 +109,8 @@ class EngineClient:
         if resumed:
             log.info("resuming %d unfinished job(s) from %s", resumed, self.store.root)
         self.engine.start()
+        if self.chat_worker is not None:
+            self.chat_worker.start()
         if self.job_ttl_s:
             self._sweeper = asyncio.create_task(self._sweep_forever())
         self.accepting = True
@@ -115,6 +129,8 @@ class EngineClient:
             return
         self.begin_shutdown(timeout_s)
         await asyncio.to_thread(self._stop_thread.join)
+        if self.chat_worker is not None:
+            await asyncio.to_thread(self.chat_worker.stop, timeout_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._wake_all(ShuttingDownError("the server is shutting down"))
@@ -229,6 +245,32 @@ class EngineClient:
 
     def video_path(self, job_id: str):
         return self.store.video_path(job_id)
+
+    async def chat(self, params: ChatParams) -> AsyncIterator[ChatEvent]:
+        """One chat's events (ChatStarted, ChatDelta..., or ChatFailed); closing early cancels the chat."""
+        worker = self.chat_worker
+        if worker is None:
+            raise ChatUnavailableError("chat completions are not available with this backend")
+        if not self.accepting:
+            raise ShuttingDownError("The server is shutting down and accepts no new requests.")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[ChatEvent] = asyncio.Queue()
+
+        def emit(event: ChatEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop closed: nobody is listening any more
+                pass
+
+        handle = worker.submit(params, emit)
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, ChatFailed) or (isinstance(event, ChatDelta) and event.finish_reason):
+                    return
+        finally:
+            handle.cancel()
 
     async def wait(self, job_id: str) -> Job | None:
         """Wait until the job is completed or failed; None if it was deleted meanwhile."""

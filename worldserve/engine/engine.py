@@ -9,7 +9,8 @@ Invariants: only this thread calls the backend and touches the scheduler; other 
 `add_request` / `abort` / `drain` / `stop` (a condition-guarded inbox). An abort takes effect at the next
 step boundary and always releases the request's state. An exception inside a request (prepare, its denoise
 batch, decode, encode) fails only the jobs involved (status `failed`, error {code, message}); the loop
-itself never dies of one. `on_done(job_id)` is called (from this thread or an encoder) whenever a job
+itself never dies of one. Backend calls run under `model_lock`, which the chat worker (chat_worker.py) also
+takes around each chat prefill / decode step, so chat and video share the model step by step. `on_done(job_id)` is called (from this thread or an encoder) whenever a job
 reaches completed/failed or is aborted, so the HTTP side can wake waiters.
 """
 
@@ -106,6 +107,8 @@ class Engine:
         self._pool = ThreadPoolExecutor(config.encode_workers, thread_name_prefix="worldserve-encode")
         self._thread = threading.Thread(target=self._run, name="worldserve-engine", daemon=True)
         self.crashed: BaseException | None = None
+        self.model_lock = threading.Lock()
+        """Held around every backend model call; the chat worker takes it too (shared und weights)."""
 
     # -- API for other threads --------------------------------------------------------------------------
     def start(self) -> None:
@@ -199,7 +202,8 @@ class Engine:
             return
         request.admitted_time = t0 = time.monotonic()
         try:
-            request.state = self.backend.prepare(request.job_id, request.params)
+            with self.model_lock:
+                request.state = self.backend.prepare(request.job_id, request.params)
         except Exception as exc:
             self._fail(request, exc)
             return
@@ -209,7 +213,8 @@ class Engine:
     def _step(self, batch: list[Request]) -> None:
         t0 = time.monotonic()
         try:
-            self.backend.denoise([r.state for r in batch])
+            with self.model_lock:
+                self.backend.denoise([r.state for r in batch])
         except Exception as exc:  # the batch's states are undefined now: fail every member
             for request in batch:
                 self._sched.finish(request)
@@ -229,7 +234,8 @@ class Engine:
     def _decode(self, request: Request) -> None:
         t0 = time.monotonic()
         try:
-            result = self.backend.decode(request.state)
+            with self.model_lock:
+                result = self.backend.decode(request.state)
         except Exception as exc:
             self._fail(request, exc)
             return

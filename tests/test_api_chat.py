@@ -1,0 +1,207 @@
+"""POST /v1/chat/completions end to end on a real uvicorn: the Reasoner (tiny checkpoint) behind the real
+`openai` client, streaming and not, image parts as data URLs and file:// paths, usage counts, and the 4xx
+envelopes of bad requests. Video jobs (FakeBackend) run through the same engine and model lock meanwhile.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from serving_helpers import wait_until
+
+from worldserve.params import ChatMessage, ChatParams, ChatPart
+
+MODEL = "test-model"
+
+
+def _png(seed: int = 0, h: int = 40, w: int = 56) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def reasoner(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    return Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=4096)
+
+
+@pytest.fixture(scope="module")
+def server(reasoner, tmp_path_factory):
+    import uvicorn
+
+    from worldserve.api.app import build_app
+    from worldserve.config import SchedulerConfig
+    from worldserve.engine.client import EngineClient
+    from worldserve.engine.engine import Engine
+    from worldserve.engine.fake_backend import FakeBackend
+    from worldserve.engine.jobs import JobStore
+
+    root = tmp_path_factory.mktemp("chat")
+    media = root / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(_png(3))
+    store = JobStore(root / "store")
+    engine = Engine(FakeBackend(step_delay=0.002), store, SchedulerConfig(max_batch_size=1),
+                    encoder=lambda *a, **k: b"FAKEMP4")  # fmt: skip
+    client = EngineClient(engine, store, model_name=MODEL, max_queued_requests=16, chat_backend=reasoner)
+    app = build_app(client, shutdown_timeout_s=1.0, allowed_local_media_path=str(media))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, name="test-chat-uvicorn", daemon=True)
+    thread.start()
+    wait_until(lambda: srv.started or not thread.is_alive())
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", media
+    finally:
+        srv.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _direct(reasoner, params: ChatParams) -> tuple[str, object]:
+    session = reasoner.start(params)
+    text = ""
+    while session.finish_reason is None:
+        text += session.step().text
+    return text, session
+
+
+def test_non_stream_text_matches_the_reasoner(oai, reasoner):
+    resp = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0
+    )
+    text, session = _direct(
+        reasoner,
+        ChatParams(messages=(ChatMessage(role="user", content="Hello there"),), max_tokens=6, temperature=0),
+    )
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-") and resp.model == MODEL
+    assert choice.message.role == "assistant" and choice.message.content == text
+    assert choice.finish_reason == session.finish_reason
+    u = resp.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (session.prompt_tokens, session.completion_tokens)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens and 0 < u.completion_tokens <= 6
+
+
+def test_stream_with_image_data_url(oai, reasoner):
+    png = _png(0)
+    parts = [
+        {"type": "image_url", "image_url": {"url": _data_url(png)}},
+        {"type": "text", "text": "What is it?"},
+    ]
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_completion_tokens=5, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    image = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    msgs = (ChatMessage(role="user", content=(ChatPart(type="image", image=image),
+                                               ChatPart(type="text", text="What is it?"))),)  # fmt: skip
+    text, session = _direct(reasoner, ChatParams(messages=msgs, max_tokens=5, temperature=0))
+    assert content == text
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == session.prompt_tokens > 60  # the image expanded to its merged patches
+    assert usage.completion_tokens == session.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_sse_wire_format_and_file_url(server):
+    url, media = server
+    body = {"model": MODEL, "stream": True, "max_tokens": 3, "temperature": 0.7, "seed": 1, "top_p": 0.9,
+            "top_k": 20, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"file://{media / 'cat.png'}"}},
+                {"type": "text", "text": "describe"}]}]}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    first, last = payloads[0], payloads[-1]
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {
+        "role": "assistant", "content": ""}  # fmt: skip
+    assert first["choices"][0]["finish_reason"] is None and "usage" not in first
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert len({p["id"] for p in payloads}) == 1
+    # same seed -> same text
+    again = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
+    streamed = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads)
+    assert again["choices"][0]["message"]["content"] == streamed
+    assert again["choices"][0]["message"]["tool_calls"] == [] and again["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    ("patch", "status", "param", "needle"),
+    [
+        ({"messages": []}, 400, "messages", "validation error"),
+        ({"n": 2}, 400, "n", "n must be 1"),
+        ({"model": "nope"}, 404, "model", "The model `nope` does not exist."),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
+         400, "messages", "base64"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+         400, "messages", "image"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}]}]},
+         400, "messages", "does not fetch remote media"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+         400, "messages", "must be a subpath"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "https://x.org/a.mp4"}]}]},
+         400, "messages", "video_url"),
+        ({"max_tokens": 100000}, 400, "max_tokens", "maximum context length"),
+        ({"temperature": -1}, 400, "temperature", "validation error"),
+    ],
+)  # fmt: skip
+def test_bad_requests(server, patch, status, param, needle):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **patch}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["param"] == param and needle in err["message"], err
+    if status == 404:
+        assert err["type"] == "NotFoundError"
+
+
+def test_chat_and_video_share_the_engine(server):
+    """A video job (20 fake denoise steps) and a chat run together through the one model lock."""
+    with httpx.Client(base_url=server[0], timeout=60) as http:
+        job = http.post("/v1/videos", json={"prompt": "a cat", "size": "32x32", "num_frames": 5,
+                                            "num_inference_steps": 20}).json()  # fmt: skip
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        done = wait_until(
+            lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] in ("completed", "failed")
+        )
+        assert done and http.get(f"/v1/videos/{job['id']}").json()["status"] == "completed"
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]

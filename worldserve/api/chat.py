@@ -1,0 +1,197 @@
+"""POST /v1/chat/completions: the Reasoner's OpenAI chat completions, non-streaming and SSE (serving-api.md §11).
+
+Request -> checks (served model name else 404 NotFoundError; n == 1; media loaded and decoded here, in the
+API process, with Pillow) -> `ChatParams` -> `EngineClient.chat` (the ChatWorker thread runs prefill and
+decode steps under the engine's model lock, so the event loop never waits on the model).
+Media: image_url parts accept base64 `data:` URLs and `file://` paths under --allowed-local-media-path.
+http(s) URLs are refused with a 400: this server does not fetch remote media (it may run with no network);
+send the bytes inline as a data URL. video_url parts are refused with a 400 (video input is not served yet).
+Streaming: the first chunk carries the role, then one chunk per text piece, a final chunk with `delta: {}`
+and the finish_reason, an optional usage chunk (`stream_options.include_usage`), then `data: [DONE]`.
+Errors before the first byte use the normal envelope; a failure mid-stream is sent as `data: {"error": ...}`
+followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import unquote, urlparse
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from worldserve.api.chat_protocol import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Choice,
+    ChunkChoice,
+    ContentPart,
+    Usage,
+)  # fmt: skip
+from worldserve.api.errors import APIError, error_body
+from worldserve.api.state import AppState, app_state
+from worldserve.engine.client import ChatFailed, ChatStarted, ChatUnavailableError, ShuttingDownError
+from worldserve.engine.outputs import ChatDelta
+from worldserve.media.image import decode_image
+from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
+
+router = APIRouter(tags=["chat"])
+State = Annotated[AppState, Depends(app_state)]
+REMOTE_REFUSED = (
+    "worldserve does not fetch remote media (http/https URLs): send the image inline as a base64 data URL "
+    "(data:image/png;base64,...) or as file:///path under --allowed-local-media-path."
+)
+
+
+def load_media_url(url: str, allowed_local_path: str | None) -> bytes:
+    """The bytes behind an image URL (data: or file://); raises ParamError("messages", ...)."""
+    scheme = urlparse(url).scheme.lower()
+    if scheme == "data":
+        header, sep, payload = url[5:].partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise ParamError("messages", "Only base64 data URLs are supported for now.")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ParamError("messages", "Invalid base64 data in the image data URL.") from None
+    if scheme == "file":
+        if not allowed_local_path:
+            raise ParamError("messages", "Cannot load local files without `--allowed-local-media-path`.")
+        path = Path(unquote(urlparse(url).path)).resolve()
+        root = Path(allowed_local_path).resolve()
+        if not path.is_relative_to(root):
+            raise ParamError(
+                "messages",
+                f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`.",
+            )
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise ParamError("messages", f"Cannot read {path}: {exc.strerror}") from None
+    if scheme in ("http", "https"):
+        raise ParamError("messages", REMOTE_REFUSED)
+    raise ParamError("messages", f"Unsupported image URL scheme {scheme!r}: use a base64 data URL")
+
+
+def _part(part: ContentPart, allowed_local_path: str | None) -> ChatPart:
+    if part.type == "text":
+        return ChatPart(type="text", text=part.text or "")
+    if part.type == "image_url":
+        ref = part.image_url
+        url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
+        if not url:
+            raise ParamError("messages", "an image_url part needs image_url.url")
+        image = decode_image(load_media_url(url, allowed_local_path), param="messages")
+        return ChatPart(type="image", image=image)
+    if part.type == "video_url":
+        raise ParamError(
+            "messages", "video_url parts are not supported by this server yet; send frames as images"
+        )
+    raise ParamError("messages", f"content parts of type {part.type!r} are not supported")
+
+
+def build_params(body: ChatCompletionRequest, allowed_local_path: str | None) -> ChatParams:
+    messages = []
+    for msg in body.messages:
+        role = "system" if msg.role == "developer" else msg.role
+        if msg.content is None or isinstance(msg.content, str):
+            messages.append(ChatMessage(role=role, content=msg.content or ""))
+        else:
+            parts = tuple(_part(p, allowed_local_path) for p in msg.content)
+            messages.append(ChatMessage(role=role, content=parts))
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return ChatParams(
+        messages=tuple(messages),
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=body.seed,
+        stop=stop,
+    ).validate()
+
+
+def _not_found(model: str) -> JSONResponse:
+    body = error_body(404, f"The model `{model}` does not exist.", "model")
+    body["error"]["type"] = "NotFoundError"
+    return JSONResponse(body, status_code=404)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, st: State):
+    if body.model is not None and body.model != st.served_model_name:
+        return _not_found(body.model)
+    if body.n != 1:
+        raise APIError(400, f"n must be 1 (got {body.n}): this server returns a single choice", param="n")
+    params = build_params(body, st.allowed_local_media_path)
+    try:
+        events = st.client.chat(params)
+        first = await anext(events)
+    except ChatUnavailableError as exc:
+        raise APIError(400, str(exc)) from None
+    except ShuttingDownError as exc:
+        raise APIError(503, str(exc)) from None
+    if isinstance(first, ChatFailed):
+        raise APIError(first.status, first.message, param=first.param)
+    assert isinstance(first, ChatStarted)
+    request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
+    if body.stream:
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        stream = _sse(events, request_id, created, model, first.prompt_tokens, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    text, last = [], None
+    async for event in events:
+        if isinstance(event, ChatFailed):
+            raise APIError(event.status, event.message, param=event.param)
+        text.append(event.text)
+        last = event
+    assert isinstance(last, ChatDelta)
+    usage = Usage(
+        prompt_tokens=first.prompt_tokens, completion_tokens=last.completion_tokens,
+        total_tokens=first.prompt_tokens + last.completion_tokens,
+    )  # fmt: skip
+    choice = Choice(message=AssistantMessage(content="".join(text)), finish_reason=last.finish_reason)
+    return ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage)
+
+
+async def _sse(
+    events: AsyncIterator, request_id: str, created: int, model: str, prompt_tokens: int, include_usage: bool
+) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, str], finish: str | None = None) -> str:
+        choice = ChunkChoice(delta=delta, finish_reason=finish)
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).sse()
+
+    completion = 0
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in events:
+            if isinstance(event, ChatFailed):
+                yield f"data: {json.dumps(error_body(event.status, event.message, event.param))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            completion = event.completion_tokens
+            if event.text:
+                yield chunk({"content": event.text})
+            if event.finish_reason is not None:
+                yield chunk({}, event.finish_reason)
+        if include_usage:
+            usage = Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=completion,
+                total_tokens=prompt_tokens + completion,
+            )  # fmt: skip
+            yield ChatCompletionChunk(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            ).sse()
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()

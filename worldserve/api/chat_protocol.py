@@ -1,0 +1,112 @@
+"""Wire shapes of POST /v1/chat/completions (pydantic v2), the subset of serving-api.md §11.2 we serve.
+
+Request: `model`, `messages` (string content or parts: text, image_url, video_url with `{"url": U}` or the
+bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
+`n` (1 only), `stop`, `stream`, `stream_options`. Other OpenAI / vLLM fields are accepted and ignored, as
+vLLM ignores unknown fields. Responses: the non-streaming `chat.completion` object and the
+`chat.completion.chunk` SSE events, field for field as vLLM writes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64 = 2**63
+
+
+class MediaURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "image_url", "video_url", "input_audio", "audio_url", "file"]
+    text: str | None = None
+    image_url: MediaURL | str | None = None
+    video_url: MediaURL | str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Must equal the served model name when given.")
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False, description="Default 1.0.")
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int
+    prompt_tokens_details: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    reasoning_content: None = None
+    tool_calls: list[Any] = Field(default_factory=list)
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    prompt_logprobs: None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]
+    """{"role": "assistant", "content": ""} first, then {"content": piece}, {} on the final chunk."""
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+    def sse(self) -> str:
+        """`data: <json>\\n\\n` (usage omitted unless set, as vLLM does)."""
+        exclude = {"usage"} if self.usage is None else None
+        return f"data: {self.model_dump_json(exclude=exclude)}\n\n"
