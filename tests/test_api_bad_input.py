@@ -185,7 +185,7 @@ def api_calls(draw, spec: dict) -> dict:
         ctype = draw(st.sampled_from(sorted(content)))
         props = content[ctype]["schema"]["properties"]
         chosen = draw(st.lists(st.sampled_from(sorted(props)), unique=True, max_size=len(props)))
-        if "prompt" not in chosen and draw(st.integers(0, 4)):
+        if "prompt" in props and "prompt" not in chosen and draw(st.integers(0, 4)):
             chosen.append("prompt")
         fields = {name: draw(maybe_garbage(props[name])) for name in chosen}
         if ctype == "application/json":

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import unquote, urlparse
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.chat_protocol import (
@@ -39,8 +39,13 @@ from worldserve.api.chat_protocol import (
 )  # fmt: skip
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
-from worldserve.engine.client import ChatFailed, ChatStarted, ChatUnavailableError, ShuttingDownError
-from worldserve.engine.outputs import ChatDelta
+from worldserve.engine.client import (
+    ChatDelta,
+    ChatFailed,
+    ChatStarted,
+    ChatUnavailableError,
+    ShuttingDownError,
+)
 from worldserve.media.image import decode_image
 from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
 
@@ -126,8 +131,41 @@ def _not_found(model: str) -> JSONResponse:
     return JSONResponse(body, status_code=404)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def create_chat_completion(body: ChatCompletionRequest, st: State):
+def _inline_refs(node, defs):
+    """A JSON schema with every local `$ref` replaced by its definition (OpenAPI gets no dangling refs)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+_SCHEMA = ChatCompletionRequest.model_json_schema()
+BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inline_refs(_SCHEMA, _SCHEMA.get("$defs", {}))},
+}}}  # fmt: skip
+
+
+async def _read_body(request: Request) -> ChatCompletionRequest:
+    """The JSON body, validated (400 envelope with `param` on any problem; other content types refused)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json")
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"Invalid JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object")
+    return ChatCompletionRequest.model_validate(data)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, openapi_extra=BODY)
+async def create_chat_completion(request: Request, st: State):
+    """OpenAI chat completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
+    body = await _read_body(request)
     if body.model is not None and body.model != st.served_model_name:
         return _not_found(body.model)
     if body.n != 1:

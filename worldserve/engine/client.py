@@ -34,7 +34,7 @@ from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import ChatParams, VideoParams
 
 __all__ = [
-    "ChatEvent", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
+    "ChatDelta", "ChatEvent", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
     "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError",
 ]  # fmt: skip
 
