@@ -180,6 +180,8 @@ def test_sse_wire_format_and_file_url(server):
          400, "messages", "video_url"),
         ({"max_tokens": 100000}, 400, "max_tokens", "maximum context length"),
         ({"temperature": -1}, 400, "temperature", "validation error"),
+        ({"presence_penalty": 1.5}, 400, "presence_penalty", "not supported"),
+        ({"logprobs": True}, 400, "logprobs", "not supported"),
     ],
 )  # fmt: skip
 def test_bad_requests(server, patch, status, param, needle):

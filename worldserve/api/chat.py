@@ -170,6 +170,8 @@ async def create_chat_completion(request: Request, st: State):
         return _not_found(body.model)
     if body.n != 1:
         raise APIError(400, f"n must be 1 (got {body.n}): this server returns a single choice", param="n")
+    if (field := body.unsupported()) is not None:
+        raise APIError(400, f"{field} is not supported by this server yet", param=field)
     params = build_params(body, st.allowed_local_media_path)
     try:
         events = st.client.chat(params)
@@ -188,11 +190,14 @@ async def create_chat_completion(request: Request, st: State):
         stream = _sse(events, request_id, created, model, first.prompt_tokens, include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     text, last = [], None
-    async for event in events:
-        if isinstance(event, ChatFailed):
-            raise APIError(event.status, event.message, param=event.param)
-        text.append(event.text)
-        last = event
+    try:
+        async for event in events:
+            if isinstance(event, ChatFailed):
+                raise APIError(event.status, event.message, param=event.param)
+            text.append(event.text)
+            last = event
+    finally:  # also on cancellation (client gone): stop the chat at its next step
+        await events.aclose()
     assert isinstance(last, ChatDelta)
     usage = Usage(
         prompt_tokens=first.prompt_tokens, completion_tokens=last.completion_tokens,

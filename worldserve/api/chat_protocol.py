@@ -2,8 +2,9 @@
 
 Request: `model`, `messages` (string content or parts: text, image_url, video_url with `{"url": U}` or the
 bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-`n` (1 only), `stop`, `stream`, `stream_options`. Other OpenAI / vLLM fields are accepted and ignored, as
-vLLM ignores unknown fields. Responses: the non-streaming `chat.completion` object and the
+`n` (1 only), `stop`, `stream`, `stream_options`. Penalties, logprobs, structured output and tools are
+refused with a 400 when set to anything but their neutral value (not implemented yet, never silently
+dropped); other unknown fields are ignored, as vLLM ignores them. Responses: the non-streaming `chat.completion` object and the
 `chat.completion.chunk` SSE events, field for field as vLLM writes them.
 """
 
@@ -56,6 +57,30 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server cannot honour yet (answered with a 400)."""
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                return name
+        if self.logprobs:
+            return "logprobs"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        if self.tools:
+            return "tools"
+        return None
 
 
 class Usage(BaseModel):

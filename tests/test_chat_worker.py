@@ -1,0 +1,91 @@
+"""ChatWorker with a scripted backend (no model): event order, the model lock held around every model call,
+cancellation at a step boundary, failures as ChatFailed (400 for ParamError, 500 otherwise), FIFO order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from worldserve.engine.chat_worker import ChatFailed, ChatStarted, ChatWorker
+from worldserve.engine.outputs import ChatDelta
+from worldserve.params import ChatMessage, ChatParams, ParamError
+
+PARAMS = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
+
+
+class ScriptedSession:
+    def __init__(self, lock, words, gate=None):
+        self.prompt_tokens, self.lock, self.words, self.gate, self.n = 7, lock, words, gate, 0
+
+    def step(self) -> ChatDelta:
+        assert self.lock.locked()  # every model call runs under the engine's model lock
+        if self.gate is not None:
+            self.gate.wait(5)
+        self.n += 1
+        done = "length" if self.n == len(self.words) else None
+        return ChatDelta(text=self.words[self.n - 1], finish_reason=done, completion_tokens=self.n)
+
+
+class ScriptedBackend:
+    def __init__(self, lock, words=("a", "b", "c"), gate=None, fail=None):
+        self.lock, self.words, self.gate, self.fail = lock, words, gate, fail
+
+    def start(self, params):
+        assert self.lock.locked()
+        if self.fail is not None:
+            raise self.fail
+        return ScriptedSession(self.lock, self.words, self.gate)
+
+
+def _collect(worker, params=PARAMS):
+    events: queue.Queue = queue.Queue()
+    handle = worker.submit(params, events.put)
+    return handle, events
+
+
+def _drain(events, until_done=True):
+    out = []
+    while True:
+        ev = events.get(timeout=5)
+        out.append(ev)
+        if isinstance(ev, ChatFailed) or (isinstance(ev, ChatDelta) and ev.finish_reason):
+            return out
+
+
+def test_events_in_order_under_the_lock():
+    lock = threading.Lock()
+    worker = ChatWorker(ScriptedBackend(lock), lock)
+    worker.start()
+    try:
+        _, ev1 = _collect(worker)
+        _, ev2 = _collect(worker)
+        first, second = _drain(ev1), _drain(ev2)
+        assert first[0] == ChatStarted(prompt_tokens=7)
+        assert [e.text for e in first[1:]] == ["a", "b", "c"] and first[-1].finish_reason == "length"
+        assert second == first
+    finally:
+        worker.stop()
+    assert not worker.alive
+
+
+def test_cancel_stops_at_the_next_step_and_failures_are_reported():
+    lock, gate = threading.Lock(), threading.Event()
+    worker = ChatWorker(ScriptedBackend(lock, words=tuple("abcdefgh"), gate=gate), lock)
+    worker.start()
+    try:
+        handle, events = _collect(worker)
+        assert isinstance(events.get(timeout=5), ChatStarted)
+        handle.cancel()
+        gate.set()
+        got = [events.get(timeout=5)]
+        worker.backend = ScriptedBackend(lock, fail=ParamError("messages", "bad image"))
+        _, bad = _collect(worker)
+        assert _drain(bad) == [ChatFailed(400, "bad image", "messages")]
+        assert len(got) + events.qsize() <= 1  # at most the step already running when cancelled
+        worker.backend = ScriptedBackend(lock, fail=RuntimeError("boom"))
+        _, err = _collect(worker)
+        (failed,) = _drain(err)
+        assert failed.status == 500 and "boom" in failed.message
+    finally:
+        worker.stop()
