@@ -178,3 +178,24 @@ def test_context_limit_and_stop_strings(reasoner):
         while s2.finish_reason is None:
             out += s2.step().text
         assert out == full[: full.find(stop)] and s2.finish_reason == "stop"
+
+
+def test_vision_encoder_loading_is_strict(tiny_ckpt, tmp_path, reasoner):
+    """Bare safetensors (keys prefixed `visual.`) + the root vision_config load the same ViT; a missing
+    weight is an error, never a silently random tower."""
+    from safetensors.torch import save_file
+
+    from worldserve.models.cosmos3.vision import VisionEncoder
+
+    root = json.loads((tiny_ckpt / "config.json").read_text())
+    state = load_file(tiny_ckpt / "vision_encoder" / "model.safetensors")
+    save_file({f"visual.{k}": v for k, v in state.items()}, tmp_path / "model.safetensors")
+    bare = VisionEncoder.from_pretrained(tmp_path, vision_config=root["vision_config"])
+    inputs = reasoner.preprocess([_image(5)])
+    a, da = bare.encode(inputs)
+    b, db = reasoner.vision.encode(inputs)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(da, db, strict=True))
+    state.pop(next(iter(state)))
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing"):
+        VisionEncoder.from_pretrained(tmp_path, vision_config=root["vision_config"])

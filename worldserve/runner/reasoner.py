@@ -87,8 +87,9 @@ class Reasoner:
         vision = None
         if (root / "vision_encoder").is_dir():
             vision = VisionEncoder.from_pretrained(
-                root / "vision_encoder", dtype=transformer.dtype, device=transformer.device
-            )
+                root / "vision_encoder", dtype=transformer.dtype, device=transformer.device,
+                vision_config=cfg.get("vision_config"),
+            )  # fmt: skip
         eos = cfg.get("eos_token_id", [])
         return cls(
             transformer, tokenizer, vision,

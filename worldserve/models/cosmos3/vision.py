@@ -86,12 +86,39 @@ class VisionEncoder:
 
     @classmethod
     def from_pretrained(
-        cls, folder: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-    ) -> VisionEncoder:
+        cls, folder: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        vision_config: dict | None = None,
+    ) -> VisionEncoder:  # fmt: skip
+        """Load `folder` (a save_pretrained ViT, or bare safetensors + `vision_config` from the root config).
+
+        Every weight must be present: a missing or unexpected key raises instead of leaving random weights."""
+        from safetensors.torch import load_file
+        from transformers import Qwen3VLVisionConfig
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-        model = Qwen3VLVisionModel.from_pretrained(str(folder), dtype=dtype)
-        return cls(model.to(device))
+        folder = Path(folder)
+        if (folder / "config.json").is_file():
+            config = Qwen3VLVisionConfig.from_pretrained(str(folder))
+        elif vision_config is not None:
+            config = Qwen3VLVisionConfig(**{k: v for k, v in vision_config.items() if k != "model_type"})
+        else:
+            raise ValueError(f"{folder} has no config.json and no vision_config was given")
+        state = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            for key, tensor in load_file(file).items():
+                state[key.removeprefix("model.").removeprefix("visual.")] = tensor
+        with torch.device("meta"):
+            model = Qwen3VLVisionModel._from_config(config, dtype=dtype)
+        result = model.load_state_dict(state, strict=False, assign=True)
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(
+                f"vision encoder weights in {folder} do not match Qwen3VLVisionModel: missing "
+                f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+            )
+        _reset_nonpersistent_buffers(model, "cpu")  # off meta, so that .to() can move it
+        model = model.to(device=device, dtype=dtype)
+        _reset_nonpersistent_buffers(model, device)  # float32 RoPE frequencies, as from_pretrained keeps them
+        return cls(model)
 
     @property
     def device(self) -> torch.device:
@@ -149,3 +176,12 @@ def chat_positions(
         raise ValueError(f"{len(grids)} images but {image} placeholder runs")
     pos = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
     return pos.float(), cursor
+
+
+def _reset_nonpersistent_buffers(model, device: torch.device | str) -> None:
+    """Buffers that are not in the state dict (RoPE inverse frequencies) were built on meta: rebuild them."""
+    for module in model.modules():
+        if type(module).__name__ == "Qwen3VLVisionRotaryEmbedding":
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
