@@ -80,3 +80,10 @@ def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):
     assert proc.returncode == 2, proc.stderr
     assert f"error: {field}:" in proc.stderr
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_missing_checkpoint_is_one_line(tmp_path):
+    proc = _generate("nvidia/Cosmos3-Nano-missing", "--prompt", "a cat", "-o", tmp_path / "x.mp4", check=False)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "error: nvidia/Cosmos3-Nano-missing (revision main) is not in the Hugging Face cache" in proc.stderr

@@ -33,7 +33,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
+    from worldserve.weights.checkpoint import CheckpointError
+
+    try:
+        return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
+    except (
+        CheckpointError
+    ) as e:  # a missing or broken checkpoint is the user's to fix: one line, no traceback
+        print(f"worldserve {args.verb}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ def _serve(config: EngineConfig, backend: Any, gpu_memory: Any, chat_backend: An
 
 def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
     """Load the backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
+    from worldserve.weights.checkpoint import CheckpointError
+
     outcome: dict[str, Any] = {}
 
     def target() -> None:
@@ -106,7 +108,10 @@ def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
         )
         return None
     if "error" in outcome:
-        log.error("could not load the model: %s", outcome["error"], exc_info=outcome["error"])
+        err = outcome["error"]
+        # A bad checkpoint or an unsupported option is the user's to fix: one line; anything else: traceback.
+        expected = isinstance(err, (CheckpointError, ValueError))
+        log.error("could not load the model: %s", err, exc_info=None if expected else err)
         return None
     log.info("model ready in %.1fs", time.monotonic() - started)
     return outcome["value"]
