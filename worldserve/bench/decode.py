@@ -1,10 +1,10 @@
 """The fixed tail of a request: Wan2.2 VAE decode, audio (AVAE) decode, uint8 conversion + copy to the
 host, and the MP4 mux (H.264 + AAC), each timed on its own.
 
-The VAE decode is timed as `VideoVAE.decode_pixels` (denormalise + diffusers' `AutoencoderKLWan.decode`,
-causal-conv cache over 48 latent frames, no tiling); the uint8 postprocess and the device-to-host copy
-separately; the audio decode as `AudioVAE.decode` (weight norm folded, trimmed to the video length). The
-mux uses `worldserve.media` `encode_mp4` when present (else PyAV directly, same settings: libx264
+The VAE decode is timed as `VideoVAE.decode_pixels` (denormalise + our `WanDecoder`, eager here;
+bench/vae_decode.py compares it with diffusers' `AutoencoderKLWan.decode` and the compiled decoder); the
+uint8 postprocess and the device-to-host copy separately; the audio decode as `AudioVAE.decode` (weight
+norm folded, trimmed to the video length). The mux is `worldserve.media.video.encode_mp4` (libx264
 ultrafast crf 18 + AAC). Random VAE weights decode to noise-like frames, which x264 compresses far worse
 than real video, so the mux is also timed on a smooth synthetic clip of the same size. Optional: a profile
 of one VAE decode and two VAE variants (cudnn.benchmark; channels_last_3d weights).
