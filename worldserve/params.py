@@ -80,6 +80,12 @@ class VideoParams:
     """Cap on prompt tokens (after templating); longer prompts are an error."""
     image: np.ndarray | None = None
     """Image-to-video conditioning frame, uint8 (H, W, 3), any size (resized and centre-cropped)."""
+    video: np.ndarray | None = None
+    """Video-to-video conditioning clip, uint8 (F, H, W, 3), any size (resized to width x height)."""
+    condition_frame_indexes: tuple[int, ...] = (0, 1)
+    """V2V: latent frames held clean (each < latent_frames); the clip's first max*4+1 frames are encoded."""
+    condition_video_keep: str = "first"
+    """V2V: take the conditioning frames from the "first" or the "last" end of `video`."""
 
     @property
     def latent_frames(self) -> int:
@@ -133,7 +139,41 @@ class VideoParams:
                 )
             if self.num_frames == 1:
                 raise ParamError("input_reference", "image-to-video needs num_frames > 1")
+        if self.video is not None:
+            self._validate_video()
         return self
+
+    def _validate_video(self) -> None:
+        if self.image is not None:
+            raise ParamError(
+                "input_reference",
+                "Cosmos3 non-action generation accepts either image or video input, not both.",
+            )
+        vid = self.video
+        if not (
+            isinstance(vid, np.ndarray) and vid.dtype == np.uint8 and vid.ndim == 4 and vid.shape[0] >= 1
+            and vid.shape[1] >= 1 and vid.shape[2] >= 1 and vid.shape[3] == 3
+        ):  # fmt: skip
+            raise ParamError(
+                "input_reference", "the conditioning video must be decoded to uint8 (F, H, W, 3)"
+            )
+        if self.num_frames == 1:
+            raise ParamError("input_reference", "video-to-video needs num_frames > 1")
+        idx = self.condition_frame_indexes
+        name = "extra_params.condition_frame_indexes_vision"
+        if not isinstance(idx, tuple) or not idx:
+            raise ParamError(name, "condition_frame_indexes_vision must contain at least one index")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in idx):
+            raise ParamError(name, f"condition_frame_indexes_vision must be non-negative ints, e.g. [0, 1]; got "
+                             f"{list(idx)}")  # fmt: skip
+        if max(idx) >= self.latent_frames:
+            raise ParamError(name, f"condition_frame_indexes_vision {list(idx)} contains an index outside the "
+                             f"latent timeline (latent_frames={self.latent_frames} for num_frames="
+                             f"{self.num_frames})")  # fmt: skip
+        if self.condition_video_keep not in ("first", "last"):
+            raise ParamError(
+                "extra_params.condition_video_keep", "condition_video_keep must be 'first' or 'last'"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,8 @@
 prepare:  VideoParams -> prompt token ids (cond, uncond) -> und K/V prefill of both CFG branches, once ->
           initial noise drawn exactly as diffusers' Cosmos3OmniPipeline draws it (CPU generator seeded with
           the request's seed: the video noise, then the sound noise) -> I2V: latent frame 0 replaced by the
-          VAE-encoded conditioning image (held clean) -> an immutable FlowSchedule + per-request SolverStates.
+          VAE-encoded conditioning image (held clean); V2V: the first max(idx)*4+1 frames of the clip encoded,
+          latent frames `condition_frame_indexes` replaced and held clean -> an immutable FlowSchedule + per-request SolverStates.
 denoise:  one step for a list of prepared requests: one transformer forward over every request and both
           CFG branches (GenBatch), CFG combine in float32, then each request's UniPC step.
 decode:   Wan2.2 VAE (video) and AVAE (audio, trimmed to the video length) -> host uint8 frames + float audio.
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -48,7 +50,7 @@ class VideoRequestState:
     und_caches: list
     """[cond] or [cond, uncond] prompt K/V caches."""
     clean_frames: tuple[int, ...]
-    """Latent frames held clean (I2V: (0,))."""
+    """Latent frames held clean (I2V: (0,); V2V: the condition frame indexes)."""
     video_solver: SolverState = field(default_factory=SolverState)
     sound_solver: SolverState = field(default_factory=SolverState)
     step_index: int = 0
@@ -187,6 +189,11 @@ class VideoPipeline:
         if params.image is not None:
             latents[:, 0] = self._encode_image(params)
             clean = (0,)
+        elif params.video is not None:
+            cond = self._encode_video(params)  # [48, max(idx)+1, h, w]
+            clean = tuple(sorted(set(params.condition_frame_indexes)))
+            for i in clean:
+                latents[:, i] = cond[:, i]
         state = VideoRequestState(
             request_id=request_id,
             params=params,
@@ -220,6 +227,22 @@ class VideoPipeline:
         # equals frame 0 of encoding the image repeated over the whole clip, at a fraction of the cost.
         cond = self.vae.encode_condition(image, params.num_frames, first_frame_only=True)  # [1, 48, 1, h, w]
         return cond[0, :, 0].to(self.device)
+
+    def _encode_video(self, params: VideoParams) -> Tensor:
+        """diffusers' V2V conditioning: the clip's first (or last) max(idx)*4+1 frames, resized, the last
+        frame repeated when the clip is shorter, VAE-encoded. diffusers encodes the whole `num_frames`
+        video (the tail repeat-padded); the VAE is causal, so the latent frames up to max(idx) are the
+        same from this prefix alone."""
+        from worldserve.media.video_input import condition_budget, resize_video
+
+        n = condition_budget(params.condition_frame_indexes, self.vae.scale_factor_temporal)
+        video = params.video
+        clip = video[:n] if params.condition_video_keep == "first" else video[-n:]
+        clip = resize_video(clip, params.width, params.height)
+        if clip.shape[0] < n:
+            pad = np.repeat(clip[-1:], n - clip.shape[0], axis=0)
+            clip = np.concatenate([clip, pad], axis=0)
+        return self.vae.encode_video(clip)[0].to(self.device)
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[VideoRequestState]) -> None:

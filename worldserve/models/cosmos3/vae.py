@@ -8,6 +8,7 @@ interface, with the Cosmos3 latent normalisation (cosmos3-model.md §6).
   (§5.3 step 2). Only latent frame 0 is used (mask [1, 0, ...]); because the VAE is causal and encodes
   pixel frame 0 alone as its first chunk, `first_frame_only=True` yields exactly that frame from a
   one-frame encode, at a fraction of the cost (189x less pixel input at 720p).
+- `encode_video(frames)`: the V2V conditioning latents of a clip (uint8, already resized), normalised.
 - `decode(latents)`: normalised latents [B, 48, T, h, w] -> uint8 frames (B, F, H, W, 3) on the host,
   F = 4(T-1)+1, the same ops as the pipeline's decode + `VideoProcessor.postprocess_video` +
   `numpy_to_pil`: `z = z_n / inv_std + mean` in the VAE dtype, decode (clamped to [-1, 1]), cast to
@@ -154,6 +155,22 @@ class VideoVAE:
         pixels = torch.from_numpy(np.ascontiguousarray(image)).to(self.device)
         pixels = pixels.permute(2, 0, 1).to(torch.float32) / 127.5 - 1.0  # [3, H, W] in [-1, 1]
         video = pixels[None, :, None].expand(1, 3, frames, height, width).to(self.dtype)  # [1, 3, F, H, W]
+        with self._lock:
+            raw = self.model.encode(video).latent_dist.mode()
+        return self.normalize(raw).to(torch.float32).contiguous()
+
+    @torch.inference_mode()
+    def encode_video(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 (F, H, W, 3), already resized (`media.video_input.resize_video`) -> float32 normalised
+        latents [1, 48, (F-1)//4 + 1, h, w]. Pixels map to [-1, 1] with diffusers' arithmetic
+        (`x/255` then `2x-1`), so the V2V latents equal `Cosmos3OmniPipeline._encode_video`'s."""
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+            raise ValueError(f"frames must be uint8 (F, H, W, 3), got {frames.dtype} {frames.shape}")
+        num_frames, height, width = frames.shape[:3]
+        self.latent_shape(num_frames, height, width)  # validates the size
+        pixels = torch.from_numpy(np.ascontiguousarray(frames)).to(self.device).to(torch.float32) / 255.0
+        pixels = 2.0 * pixels - 1.0
+        video = pixels.permute(3, 0, 1, 2)[None].to(self.dtype)  # [1, 3, F, H, W]
         with self._lock:
             raw = self.model.encode(video).latent_dist.mode()
         return self.normalize(raw).to(torch.float32).contiguous()

@@ -1,0 +1,181 @@
+"""Video-to-video: clip decoding (PyAV), diffusers' resize, validation, and end-to-end parity with diffusers'
+Cosmos3OmniPipeline(video=..., condition_frame_indexes_vision=..., condition_video_keep=...) on the tiny
+checkpoint (same settings as tests/test_pipeline_parity.py: templates off, same seed, native schedule)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from worldserve.media.image import INVALID_REFERENCE_MESSAGE, encode_png
+from worldserve.media.video import encode_mp4
+from worldserve.media.video_input import decode_reference, decode_video, resize_video
+from worldserve.models.cosmos3.prompt import format_prompts
+from worldserve.params import ParamError, VideoParams
+from worldserve.runner.video_pipeline import VideoPipeline
+
+
+def _clip(frames=12, h=40, w=56, seed=3) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (1, h, w, 3), dtype=np.uint8)
+    steps = np.arange(frames, dtype=np.int32)[:, None, None, None] * 9
+    return ((base.astype(np.int32) + steps) % 256).astype(np.uint8)
+
+
+def _gradient_mp4(frames: int = 9) -> tuple[bytes, np.ndarray]:
+    """A smooth clip (H.264 keeps it close) with a per-frame brightness ramp, and its source frames."""
+    y, x = np.mgrid[0:32, 0:48]
+    src = np.stack([np.stack([x * 5, y * 7, np.full_like(x, 20 * i)], -1) for i in range(frames)]).astype(
+        np.uint8
+    )
+    return encode_mp4(src, fps=24.0, audio=None, crf=0), src
+
+
+# ---------------------------------------------------------------- decoding and resizing
+def test_decode_video_first_and_last_frames():
+    data, src = _gradient_mp4(9)
+    first = decode_video(data, 5, "first")
+    last = decode_video(data, 5, "last")
+    assert first.shape == last.shape == (5, 32, 48, 3) and first.dtype == np.uint8
+    assert np.abs(first.astype(int) - src[:5]).mean() < 3
+    assert np.abs(last.astype(int) - src[-5:]).mean() < 3
+    assert decode_video(data, 100, "first").shape[0] == 9
+
+
+def test_decode_reference_sniffs_image_first_then_video_and_rejects_garbage():
+    png = encode_png(np.zeros((8, 8, 3), np.uint8))
+    image, video = decode_reference(png, max_frames=5)
+    assert image is not None and video is None
+    data, _ = _gradient_mp4(6)
+    image, video = decode_reference(data, max_frames=5)
+    assert image is None and video.shape == (5, 32, 48, 3)
+    for bad in (b"", b"not a video at all" * 10, data[:40]):
+        with pytest.raises(ParamError) as err:
+            decode_reference(bad, max_frames=5)
+        assert err.value.param == "input_reference" and err.value.message == INVALID_REFERENCE_MESSAGE
+
+
+@pytest.mark.parametrize("size", [(48, 64), (32, 48), (80, 48), (32, 64)])
+def test_resize_video_equals_diffusers_video_processor(size):
+    from diffusers.video_processor import VideoProcessor
+
+    height, width = size
+    clip = _clip(3, 37, 61)
+    ours = resize_video(clip, width, height)
+    proc = VideoProcessor(vae_scale_factor=16, resample="bilinear")
+    ref = proc.preprocess_video([Image.fromarray(f) for f in clip], height=height, width=width)  # [1,3,F,H,W]
+    mine = torch.from_numpy(ours).permute(3, 0, 1, 2)[None].float() / 255.0 * 2.0 - 1.0
+    torch.testing.assert_close(mine, ref, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- validation
+def _params(**kw) -> VideoParams:
+    base = dict(prompt="a fox", num_frames=9, height=48, width=64, video=_clip(6))
+    return VideoParams(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(condition_frame_indexes=(0, 3)), "extra_params.condition_frame_indexes_vision"),
+        (dict(condition_frame_indexes=()), "extra_params.condition_frame_indexes_vision"),
+        (dict(condition_frame_indexes=(-1,)), "extra_params.condition_frame_indexes_vision"),
+        (dict(condition_video_keep="middle"), "extra_params.condition_video_keep"),
+        (dict(image=np.zeros((8, 8, 3), np.uint8)), "input_reference"),
+        (dict(num_frames=1), "input_reference"),
+        (dict(video=np.zeros((2, 8, 8), np.uint8)), "input_reference"),
+        (dict(video=np.zeros((0, 8, 8, 3), np.uint8)), "input_reference"),
+    ],
+)
+def test_validation_errors(kw, param):
+    with pytest.raises(ParamError) as err:
+        _params(**kw).validate()
+    assert err.value.param == param
+
+
+def test_validation_accepts_last_latent_index():
+    _params(condition_frame_indexes=(2,)).validate()
+
+
+# ---------------------------------------------------------------- parity with diffusers
+@pytest.fixture(scope="module")
+def ours(tiny_ckpt):
+    return VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def theirs(tiny_ckpt):
+    from diffusers import Cosmos3OmniPipeline
+
+    return Cosmos3OmniPipeline.from_pretrained(tiny_ckpt, dtype=torch.float32)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _run_diffusers(pipe, params: VideoParams, output_type: str):
+    texts = format_prompts(params)
+    return pipe(
+        prompt=texts.cond,
+        negative_prompt=texts.uncond,
+        video=[Image.fromarray(f) for f in params.video],
+        condition_frame_indexes_vision=list(params.condition_frame_indexes),
+        condition_video_keep=params.condition_video_keep,
+        num_frames=params.num_frames,
+        height=params.height,
+        width=params.width,
+        fps=params.fps,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        enable_sound=False,
+        use_system_prompt=False,
+        add_duration_template=False,
+        add_resolution_template=False,
+        generator=torch.Generator().manual_seed(params.seed),
+        output_type=output_type,
+    )
+
+
+CASES = {
+    "first_default": dict(video=_clip(12), condition_frame_indexes=(0, 1)),
+    "last": dict(video=_clip(12, seed=5), condition_frame_indexes=(0, 1), condition_video_keep="last"),
+    "short_clip_gap": dict(video=_clip(3, 48, 64), condition_frame_indexes=(0, 2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_v2v_final_latents_and_frames_match_diffusers(ours, theirs, case):
+    params = VideoParams(
+        prompt="A red fox runs through a snowy forest at dawn.",
+        negative_prompt="blurry, distorted",
+        num_frames=9,
+        height=48,
+        width=64,
+        num_inference_steps=3,
+        flow_shift=10.0,
+        seed=1234,
+        generate_sound=False,
+        **CASES[case],
+    )
+    result, state = ours.generate(params)
+    assert state.clean_frames == tuple(sorted(params.condition_frame_indexes))
+    ref = _run_diffusers(theirs, params, "latent").video.reshape(state.latents.shape)
+    assert _rel(state.latents, ref) <= 1e-4
+    for i in state.clean_frames:  # the conditioning frames come out as they went in
+        assert _rel(state.latents[:, i], ref[:, i]) <= 1e-5
+    ref_frames = np.asarray(_run_diffusers(theirs, params, "np").video)
+    if ref_frames.ndim == 5:
+        ref_frames = ref_frames[0]
+    assert result.frames.shape == (9, 48, 64, 3)
+    assert np.abs(result.frames.astype(np.float64) / 255.0 - ref_frames).mean() <= 1 / 255
+
+
+def test_keep_last_differs_from_first(ours):
+    base = dict(prompt="a cat", num_frames=9, height=32, width=48, num_inference_steps=1, video=_clip(12))
+    a = ours.prepare("a", VideoParams(**base).validate())
+    b = ours.prepare("b", VideoParams(**base, condition_video_keep="last").validate())
+    assert not torch.equal(a.latents[:, 0], b.latents[:, 0])
+    assert torch.equal(a.latents[:, 2:], b.latents[:, 2:])  # the same noise on the generated frames

@@ -1,0 +1,96 @@
+"""Conditioning videos (video-to-video): decode an uploaded clip with PyAV, resize it as diffusers does.
+
+- `decode_video(data, max_frames, keep)`: any container/codec FFmpeg reads -> uint8 RGB (F, H, W, 3), the
+  first or the last `max_frames` frames (serving-api.md §4.3: the V2V decode budget is
+  `max(condition_frame_indexes_vision)*4 + 1` frames, from the `first` or `last` end). Anything that
+  yields no video frame raises ParamError with the OpenAI-shaped `input_reference` message.
+- `decode_reference(data, ...)`: an `input_reference` upload sniffed image first (Pillow), then video.
+- `resize_video(frames, width, height)`: what diffusers 0.42.1's Cosmos3 pipeline does to a V2V clip
+  (`VideoProcessor.preprocess_video` with `resample="bilinear"`, resize_mode "default"): each frame is
+  a PIL image resized to exactly width x height with PIL's bilinear filter, no aspect-preserving crop
+  (unlike the I2V image path). The result is uint8, so `x/255*2-1` of it equals the pipeline's tensor.
+Pillow and PyAV only: the API process can validate uploads without torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+
+import numpy as np
+from PIL import Image
+
+from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
+from worldserve.params import ParamError
+
+KEEP_CHOICES = ("first", "last")
+
+
+def decode_video(
+    data: bytes, max_frames: int, keep: str = "first", *, param: str = "input_reference"
+) -> np.ndarray:
+    """Video bytes -> uint8 RGB (F, H, W, 3) with 1 <= F <= max_frames, from the `keep` end of the clip."""
+    import av  # lazy: PyAV loads FFmpeg
+
+    if keep not in KEEP_CHOICES:
+        raise ParamError(
+            "extra_params.condition_video_keep", "condition_video_keep must be 'first' or 'last'"
+        )
+    if max_frames < 1:
+        raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+    frames: collections.deque[np.ndarray] = collections.deque(maxlen=max_frames if keep == "last" else None)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+            for frame in container.decode(container.streams.video[0]):
+                frames.append(frame.to_ndarray(format="rgb24"))
+                if keep == "first" and len(frames) >= max_frames:
+                    break
+    except ParamError:
+        raise
+    except (av.FFmpegError, ValueError, OSError, EOFError, IndexError) as exc:
+        if not frames:
+            raise ParamError(param, INVALID_REFERENCE_MESSAGE) from exc
+        # A clip truncated after some good frames: keep what decoded, as FFmpeg players do.
+    if not frames:
+        raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+    out = np.stack(list(frames)).astype(np.uint8, copy=False)
+    if out.ndim != 4 or out.shape[1] == 0 or out.shape[2] == 0 or out.shape[3] != 3:
+        raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+    return out
+
+
+def decode_reference(
+    data: bytes, *, max_frames: int, keep: str = "first", param: str = "input_reference"
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(image, None) when Pillow decodes `data`, else (None, video) when PyAV does, else ParamError."""
+    try:
+        return decode_image(data, param=param), None
+    except ParamError:
+        pass
+    return None, decode_video(data, max_frames, keep, param=param)
+
+
+def condition_budget(
+    condition_frame_indexes: tuple[int, ...] | list[int], temporal_compression: int = 4
+) -> int:
+    """Pixel frames a V2V request needs from its clip: max(index) * 4 + 1 (5 for the default (0, 1))."""
+    return max(condition_frame_indexes) * temporal_compression + 1
+
+
+def resize_video(frames: np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 (F, h, w, 3) -> uint8 (F, height, width, 3): PIL bilinear resize per frame (diffusers' V2V)."""
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+        raise ValueError(f"resize_video expects uint8 (F, H, W, 3), got {frames.dtype} {frames.shape}")
+    if width <= 0 or height <= 0:
+        raise ValueError(f"target size must be positive, got {width}x{height}")
+    if frames.shape[1:3] == (height, width):
+        return np.ascontiguousarray(frames)
+    out = np.empty((frames.shape[0], height, width, 3), dtype=np.uint8)
+    for i, frame in enumerate(frames):
+        img = Image.fromarray(np.ascontiguousarray(frame), mode="RGB")
+        out[i] = np.asarray(
+            img.resize((width, height), resample=Image.Resampling.BILINEAR, reducing_gap=None)
+        )
+    return out
