@@ -113,6 +113,16 @@ def png_bytes(width: int = 24, height: int = 16, colour=(200, 30, 60)) -> bytes:
     return buf.getvalue()
 
 
+def mp4_bytes(frames: int = 6, width: int = 32, height: int = 16) -> bytes:
+    """A small H.264 clip (a brightness ramp) for video-to-video references."""
+    import numpy as np
+
+    from worldserve.media.video import encode_mp4
+
+    ramp = (np.arange(frames) * 20 % 256).astype(np.uint8)[:, None, None, None]
+    return encode_mp4(np.broadcast_to(ramp, (frames, height, width, 3)).copy(), fps=8.0, audio=None)
+
+
 @contextlib.contextmanager
 def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s: float = 60.0, **client_kw):
     """A real uvicorn on a loopback port in a background thread (lifespan included); yields (url, client)."""

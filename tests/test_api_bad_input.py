@@ -3,17 +3,19 @@ run over every operation of /openapi.json (valid-ish and garbage values, every b
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_helpers import asgi_server, uvicorn_thread
+from serving_helpers import asgi_server, mp4_bytes, uvicorn_thread
 
 pytestmark = pytest.mark.anyio
 MISSING_PROMPT = "{'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', 'input': None}"
 NOT_AN_IMAGE = "Invalid input_reference: provided content is not a valid image or video."
+V2V_REF = json.dumps({"video_url": "data:video/mp4;base64," + base64.b64encode(mp4_bytes()).decode()})
 OK = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "1"}
 
 
@@ -53,8 +55,20 @@ CASES = [
     ("extra_params list", {**OK, "extra_params": "[]"}, 400, "extra_params", "expected dict, got list."),
     ("extra_params action", {**OK, "extra_params": '{"action_mode": "policy"}'}, 400, "extra_params.action_mode",
      "not supported"),
-    ("video_reference", {**OK, "video_reference": '{"video_url": "data:video/mp4;base64,AA=="}'}, 400,
-     "video_reference", "not supported"),
+    ("video_reference not a video", {**OK, "video_reference": '{"video_url": "data:video/mp4;base64,AA=="}'},
+     400, "video_reference", "Invalid video_reference: provided content is not a valid video."),
+    ("video_reference file_id", {**OK, "video_reference": '{"file_id": "f"}'}, 400, "video_reference",
+     "file_id is not supported"),
+    ("image and video references", {**OK, "image_reference": '{"image_url": "data:image/png;base64,AAAA"}',
+     "video_reference": '{"video_url": "data:video/mp4;base64,AA=="}'}, 400, "video_reference", "not both"),
+    ("condition index out of range", {**OK, "extra_params": '{"condition_frame_indexes_vision": [0, 9]}',
+     "video_reference": V2V_REF}, 400,
+     "extra_params.condition_frame_indexes_vision", "outside the latent timeline"),
+    ("condition index negative", {**OK, "extra_params": '{"condition_frame_indexes_vision": [-1]}',
+     "video_reference": V2V_REF}, 400,
+     "extra_params.condition_frame_indexes_vision", "non-negative"),
+    ("condition keep middle", {**OK, "extra_params": '{"condition_video_keep": "middle"}'}, 400,
+     "extra_params", "literal_error"),
     ("image url download", {**OK, "image_reference": '{"image_url": "https://example.com/a.png"}'}, 400,
      "image_reference", "does not download"),
     ("image url scheme", {**OK, "image_reference": '{"image_url": "ftp://x"}'}, 400, "image_reference",

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from serving_helpers import asgi_server, png_bytes, poll_job, wait_until
+from serving_helpers import asgi_server, mp4_bytes, png_bytes, poll_job, wait_until
 
 from worldserve.engine.fake_backend import FakeBackend
 
@@ -217,6 +217,65 @@ async def test_image_to_video_upload_and_data_url(tmp_path):
         )
         r = await http.post("/v1/videos", data={"prompt": "x", "image_reference": '{"file_id": "f"}'})
         assert r.json()["error"]["message"] == "Invalid image_reference: file_id is not supported yet."
+
+
+class RecordingBackend(FakeBackend):
+    def __init__(self):
+        super().__init__()
+        self.params = []
+
+    def prepare(self, request_id, params):
+        self.params.append(params)
+        return super().prepare(request_id, params)
+
+
+async def test_video_to_video_upload_extra_params_and_data_url(tmp_path):
+    clip = mp4_bytes(frames=12)
+    backend = RecordingBackend()
+    async with asgi_server(tmp_path, backend=backend) as http:
+        small = {**SMALL, "num_frames": "9"}
+        r = await http.post("/v1/videos", data={"prompt": "x", **small},
+                            files={"input_reference": ("ref.mp4", clip, "video/mp4")})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+        extra = {"condition_frame_indexes_vision": [0, 2], "condition_video_keep": "last"}
+        r = await http.post("/v1/videos", data={"prompt": "x", **small, "extra_params": json.dumps(extra)},
+                            files={"input_reference": ("ref.mp4", clip, "video/mp4")})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+        url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+        r = await http.post(
+            "/v1/videos", json={"prompt": "x", **small, "video_reference": {"video_url": url}}
+        )
+        assert r.status_code == 200, r.text
+        assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+        r = await http.post("/v1/videos", data={"prompt": "x", **small},
+                            files={"input_reference": ("ref.mp4", clip[:64], "video/mp4")})  # fmt: skip
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "input_reference"
+        assert err["message"] == "Invalid input_reference: provided content is not a valid image or video."
+    first, last, json_ref = backend.params
+    assert first.image is None and first.video.shape == (5, 16, 32, 3)
+    assert first.condition_frame_indexes == (0, 1) and first.condition_video_keep == "first"
+    assert last.video.shape == (9, 16, 32, 3) and last.condition_frame_indexes == (0, 2)
+    assert last.condition_video_keep == "last" and last.video[-1].mean() > first.video[-1].mean()
+    assert json_ref.video.shape == (5, 16, 32, 3)
+
+
+def test_video_reference_survives_a_restart_record():
+    import numpy as np
+
+    from worldserve.engine.client import EncodeOptions, inputs_from_record, inputs_record
+    from worldserve.media.video_input import decode_video
+    from worldserve.params import VideoParams
+
+    clip = mp4_bytes(frames=12)
+    params = VideoParams(prompt="x", num_frames=9, width=64, height=48, video=decode_video(clip, 9, "last"),
+                         condition_frame_indexes=(0, 2), condition_video_keep="last")  # fmt: skip
+    record = json.loads(json.dumps(inputs_record(params, EncodeOptions(crf=18))))
+    again, _ = inputs_from_record(record, clip)
+    assert again.condition_frame_indexes == (0, 2) and again.condition_video_keep == "last"
+    np.testing.assert_array_equal(again.video, params.video)
 
 
 async def test_auth_request_ids_and_open_routes(tmp_path):

@@ -50,6 +50,18 @@ def test_i2v_and_npz(tiny_ckpt, tmp_path):
     assert "audio" not in data and float(data["fps"]) == 24.0
 
 
+def test_v2v_npz(tiny_ckpt, tmp_path):
+    from worldserve.media.video import encode_mp4
+
+    clip = tmp_path / "in.mp4"
+    src = np.random.default_rng(0).integers(0, 255, (7, 32, 48, 3), dtype=np.uint8)
+    clip.write_bytes(encode_mp4(src, fps=8.0, audio=None))
+    out = tmp_path / "out.npz"
+    _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--video", clip, "--condition-video-keep", "last",
+              "--condition-frames", "0", "--no-sound", "-o", out)  # fmt: skip
+    assert np.load(out)["frames"].shape == (9, 48, 80, 3)
+
+
 def test_t2i_png(tiny_ckpt, tmp_path):
     out = tmp_path / "img.png"
     prompt = tmp_path / "p.json"
@@ -73,6 +85,9 @@ def test_t2i_png(tiny_ckpt, tmp_path):
         (["--image", "/nonexistent.png"], "image"),
         (["--image", __file__], "image"),
         (["--max-sequence-length", "5"], "prompt"),
+        (["--video", __file__], "video"),
+        (["--video", "/nonexistent.mp4"], "video"),
+        (["--condition-frames", "a,b"], "condition_frames"),
     ],
 )
 def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):
@@ -83,7 +98,11 @@ def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):
 
 
 def test_missing_checkpoint_is_one_line(tmp_path):
-    proc = _generate("nvidia/Cosmos3-Nano-missing", "--prompt", "a cat", "-o", tmp_path / "x.mp4", check=False)
+    proc = _generate(
+        "nvidia/Cosmos3-Nano-missing", "--prompt", "a cat", "-o", tmp_path / "x.mp4", check=False
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert "error: nvidia/Cosmos3-Nano-missing (revision main) is not in the Hugging Face cache" in proc.stderr
+    assert (
+        "error: nvidia/Cosmos3-Nano-missing (revision main) is not in the Hugging Face cache" in proc.stderr
+    )

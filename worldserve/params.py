@@ -164,11 +164,13 @@ class VideoParams:
         if not isinstance(idx, tuple) or not idx:
             raise ParamError(name, "condition_frame_indexes_vision must contain at least one index")
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in idx):
-            raise ParamError(name, f"condition_frame_indexes_vision must be non-negative ints, e.g. [0, 1]; got "
-                             f"{list(idx)}")  # fmt: skip
+            raise ParamError(
+                name,
+                f"condition_frame_indexes_vision must be non-negative ints, e.g. [0, 1]; got {list(idx)}",
+            )
         if max(idx) >= self.latent_frames:
-            raise ParamError(name, f"condition_frame_indexes_vision {list(idx)} contains an index outside the "
-                             f"latent timeline (latent_frames={self.latent_frames} for num_frames="
+            raise ParamError(name, f"condition_frame_indexes_vision {list(idx)} contains an index outside "
+                             f"the latent timeline (latent_frames={self.latent_frames} for num_frames="
                              f"{self.num_frames})")  # fmt: skip
         if self.condition_video_keep not in ("first", "last"):
             raise ParamError(

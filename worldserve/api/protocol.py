@@ -47,7 +47,9 @@ class VideoCreateRequest(BaseModel):
     image_reference: str | dict[str, Any] | None = Field(
         None, description='{"image_url": "data:image/...;base64,..."}'
     )
-    video_reference: str | dict[str, Any] | None = None
+    video_reference: str | dict[str, Any] | None = Field(
+        None, description='{"video_url": "data:video/...;base64,..."}'
+    )
     extra_params: str | dict[str, Any] | None = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
 
     @field_validator("seconds", "size", mode="before")
@@ -72,6 +74,12 @@ class ExtraParams(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     video_codec_options: dict[str, str | int | float] | None = None
+    condition_frame_indexes_vision: list[int] | None = Field(
+        None, description="V2V: latent frames kept clean (default [0, 1])."
+    )
+    condition_video_keep: Literal["first", "last"] | None = Field(
+        None, description="V2V: which end of the reference video conditions (default first)."
+    )
     guardrails: bool | None = Field(None, description="Accepted; this server loads no guardrail models.")
 
 

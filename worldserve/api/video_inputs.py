@@ -5,8 +5,11 @@ vLLM-Omni, application/json with the same field names (there `prompt` may also b
 as its compact serialisation). The body is read through a byte counter: above `--max-upload-mb` -> 413.
 Resolution order (vLLM-Omni's): top-level fields, then `extra_params` over them, `size` over width/height,
 fps default 24, and `num_frames` from `seconds` x fps only when absent, rounded to the nearest 4k+1 (the
-model's frame grid). Everything omitted takes the model defaults of `VideoParams`. Any problem raises an
-APIError / ParamError that becomes a 400 naming the field; nothing here touches the engine but `validate`.
+model's frame grid). References: an `input_reference` upload is sniffed image first (I2V), then video
+(PyAV, V2V: `max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); JSON
+`image_reference` / `video_reference` take base64 data URLs. Everything omitted takes the model defaults
+of `VideoParams`. Any problem raises an APIError / ParamError that becomes a 400 naming the field; nothing
+here touches the engine but `validate`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from worldserve.api.errors import APIError, validation_error
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest
 from worldserve.engine.client import EncodeOptions, JobSpec
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
+from worldserve.media.video_input import condition_budget, decode_reference, decode_video
 from worldserve.params import ParamError, VideoParams
 
 QUALITY_CRF = {"default": 18, "high": 10, "lossless": 0}
@@ -46,7 +50,7 @@ class VideoInputs:
     spec: JobSpec
     encode: EncodeOptions
     reference: bytes | None
-    """The raw reference image bytes, persisted so the job can be re-run after a restart."""
+    """The raw reference image or video bytes, persisted so the job can be re-run after a restart."""
 
 
 async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -116,15 +120,16 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{served_model}'.", param="model")  # fmt: skip
     extra = _extra_params(req.extra_params)
-    reference = await _reference_bytes(req, upload)
+    source, reference = await _reference_bytes(req, upload)
     if req.num_outputs_per_prompt != 1:
         raise ParamError("num_outputs_per_prompt", "worldserve makes one video per job; submit several jobs")
     quality = req.quality or "default"
     if quality not in QUALITY_CRF:
         raise ParamError("quality", f"quality must be one of {sorted(QUALITY_CRF)}")
-    source = "image_reference" if upload is None else "input_reference"
-    image = await asyncio.to_thread(decode_image, reference, param=source) if reference is not None else None
-    params = _video_params(req, extra, image)
+    image = video = None
+    if reference is not None:
+        image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
+    params = _video_params(req, extra, image, video)
     sound = params.generate_sound if params.generate_sound is not None else has_sound
     duration = req.sound_duration or extra.sound_duration or extra.audio_duration
     if sound and duration is not None and abs(duration - params.num_frames / params.fps) > 1 / params.fps:
@@ -164,58 +169,87 @@ def _extra_params(raw: str | dict | None) -> ExtraParams:
         raise validation_error(errors) from None
 
 
-async def _reference_bytes(req: VideoCreateRequest, upload: Any) -> bytes | None:
+async def _reference_bytes(req: VideoCreateRequest, upload: Any) -> tuple[str, bytes | None]:
+    """(source field, raw bytes) of the request's reference, or ("", None) without one."""
     if isinstance(upload, str) and upload == "":
         upload = None
     if upload is not None and (req.image_reference is not None or req.video_reference is not None):
         raise APIError(400, REFERENCE_CONFLICT, param="input_reference")
-    if req.video_reference is not None:
-        raise ParamError("video_reference", "video_reference (video-to-video) is not supported yet")
     if isinstance(upload, UploadFile):
         data = await upload.read()
         if not data:
             raise ParamError("input_reference", INVALID_REFERENCE_MESSAGE)
-        return data
+        return "input_reference", data
     if upload is not None:  # a plain text field named input_reference
         raise ParamError("input_reference", "input_reference must be a file upload (multipart/form-data)")
+    if req.image_reference is not None and req.video_reference is not None:
+        raise ParamError(
+            "video_reference", "Cosmos3 non-action generation accepts either image or video input, not both."
+        )
     if req.image_reference is not None:
-        return _image_reference_bytes(req.image_reference)
-    return None
+        return "image_reference", _data_url_bytes(req.image_reference, "image")
+    if req.video_reference is not None:
+        return "video_reference", _data_url_bytes(req.video_reference, "video")
+    return "", None
 
 
-def _image_reference_bytes(raw: str | dict) -> bytes:
+def _decode_reference(
+    source: str, data: bytes, extra: ExtraParams
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(image, video) of a reference: the image path for image_reference, the video path for
+    video_reference, image-then-video sniffing for an upload."""
+    if source == "image_reference":
+        return decode_image(data, param=source), None
+    indexes = extra.condition_frame_indexes_vision
+    if indexes is not None and (not indexes or min(indexes) < 0):
+        raise ParamError(
+            "extra_params.condition_frame_indexes_vision",
+            "condition_frame_indexes_vision must be a non-empty list of non-negative ints, e.g. [0, 1]",
+        )
+    budget = min(condition_budget(indexes or (0, 1)), MAX_CONDITION_FRAMES)
+    keep = extra.condition_video_keep or "first"
+    if source == "video_reference":
+        return None, decode_video(data, budget, keep, param=source)
+    return decode_reference(data, max_frames=budget, keep=keep, param=source)
+
+
+MAX_CONDITION_FRAMES = 401
+"""A decode cap above any tier's frame limit; larger index lists fail validation anyway."""
+
+
+def _data_url_bytes(raw: str | dict, kind: str) -> bytes:
+    """The bytes of `{"<kind>_url": "data:...;base64,..."}` (image_reference / video_reference)."""
+    field = f"{kind}_reference"
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError:
-            raise APIError(400, "Invalid JSON in form field.", param="image_reference") from None
+            raise APIError(400, "Invalid JSON in form field.", param=field) from None
     if not isinstance(raw, dict):
         raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
-                       param="image_reference")  # fmt: skip
+                       param=field)  # fmt: skip
     if "file_id" in raw:
-        raise ParamError("image_reference", "Invalid image_reference: file_id is not supported yet.")
-    url = raw.get("image_url")
+        raise ParamError(field, f"Invalid {field}: file_id is not supported yet.")
+    url = raw.get(f"{kind}_url")
     if isinstance(url, dict):  # OpenAI-style {"image_url": {"url": ...}}
         url = url.get("url")
     if not isinstance(url, str) or not url.startswith("data:"):
         if isinstance(url, str) and url.startswith(("http://", "https://")):
-            raise ParamError("image_reference", "Invalid image_reference.image_url: this server does not download "
+            raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download "
                              "URLs; send a data URL or an input_reference upload.")  # fmt: skip
-        raise ParamError(
-            "image_reference", "Invalid image_reference.image_url: must be an http(s) URL or data URL."
-        )
+        raise ParamError(field, f"Invalid {field}.{kind}_url: must be an http(s) URL or data URL.")
     header, _, payload = url.partition(",")
     if not header.endswith(";base64"):
-        raise ParamError("image_reference", "Only base64 data URLs are supported for now.")
+        raise ParamError(field, "Only base64 data URLs are supported for now.")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ParamError(
-            "image_reference", "Invalid image_reference.image_url: bad base64 payload."
-        ) from None
+        raise ParamError(field, f"Invalid {field}.{kind}_url: bad base64 payload.") from None
 
 
-def _video_params(req: VideoCreateRequest, extra: ExtraParams, image: np.ndarray | None) -> VideoParams:
+def _video_params(
+    req: VideoCreateRequest, extra: ExtraParams, image: np.ndarray | None, video: np.ndarray | None
+) -> VideoParams:
     kw: dict[str, Any] = {"prompt": req.prompt}
     top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
            "generate_sound", "fps", "num_frames")  # fmt: skip
@@ -240,4 +274,8 @@ def _video_params(req: VideoCreateRequest, extra: ExtraParams, image: np.ndarray
     if "num_frames" not in kw and req.seconds is not None:
         frames = int(req.seconds) * fps
         kw["num_frames"] = 4 * max(0, round((frames - 1) / 4)) + 1
-    return VideoParams(**kw, image=image).validate()
+    if extra.condition_frame_indexes_vision is not None:
+        kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
+    if extra.condition_video_keep is not None:
+        kw["condition_video_keep"] = extra.condition_video_keep
+    return VideoParams(**kw, image=image, video=video).validate()

@@ -3,6 +3,8 @@
 Bad input fails before the model loads, with the field named (exit code 2). Output by suffix: `.mp4`
 (H.264 + AAC 48 kHz stereo), `.png` (text-to-image, num_frames 1), `.npz` (lossless: uint8 frames, float32
 audio, fps, sample rate). `--save-latents F.safetensors` also writes the final video and audio latents.
+Conditioning: `--image F` (image-to-video) or `--video F` (video-to-video: `--condition-frames 0,1` latent
+frames held clean, taken from the `--condition-video-keep first|last` end of the clip).
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file (e.g. a JSON prompt)")
     p.add_argument("--negative-prompt", default=None, help="default: the shipped Cosmos3 negative prompt")
     p.add_argument("--image", type=Path, default=None, help="conditioning image for image-to-video")
+    p.add_argument("--video", type=Path, default=None, help="conditioning clip for video-to-video")
+    p.add_argument(
+        "--condition-frames", default="0,1",
+        help="V2V: latent frames held clean, comma-separated (default 0,1: the clip's first 5 frames)",
+    )  # fmt: skip
+    p.add_argument(
+        "--condition-video-keep", default="first", choices=("first", "last"),
+        help="V2V: take the conditioning frames from the first or the last end of the clip",
+    )  # fmt: skip
     p.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT, multiples of 16 (default 1280x720)")
     p.add_argument("--num-frames", type=int, default=189, help="1 (an image) or 4k+1 (default 189)")
     p.add_argument("--fps", type=float, default=24.0)
@@ -63,6 +74,17 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         from worldserve.media.image import decode_image
 
         image = decode_image(_read_bytes(args.image, "image"), param="image")
+    indexes = _parse_indexes(args.condition_frames)
+    video = None
+    if args.video is not None:
+        from worldserve.media.video_input import condition_budget, decode_video
+
+        if image is not None:
+            raise ParamError("video", "--image and --video are exclusive")
+        budget = min(condition_budget(indexes), args.num_frames) if args.num_frames >= 1 else 1
+        video = decode_video(
+            _read_bytes(args.video, "video"), budget, args.condition_video_keep, param="video"
+        )
     if args.output.suffix.lower() not in OUTPUT_SUFFIXES:
         raise ParamError("output", f"-o must end in one of {', '.join(OUTPUT_SUFFIXES)}")
     if args.output.suffix.lower() == ".png" and args.num_frames != 1:
@@ -81,7 +103,20 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         generate_sound=False if args.no_sound else None,
         max_sequence_length=args.max_sequence_length,
         image=image,
+        video=video,
+        condition_frame_indexes=indexes,
+        condition_video_keep=args.condition_video_keep,
     ).validate()
+
+
+def _parse_indexes(text: str) -> tuple[int, ...]:
+    try:
+        indexes = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ParamError("condition_frames", f"--condition-frames {text!r} must be ints like 0,1") from None
+    if not indexes or min(indexes) < 0:
+        raise ParamError("condition_frames", "--condition-frames must be non-negative ints like 0,1")
+    return indexes
 
 
 def _read_text(path: Path, param: str) -> str:

@@ -59,18 +59,30 @@ class ChatUnavailableError(Exception):
 
 
 def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
-    """What the store keeps to re-run a job: every VideoParams field but the image (kept as a file)."""
-    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(VideoParams) if f.name != "image"}
+    """What the store keeps to re-run a job: every VideoParams field but the image / video (a file)."""
+    fields = {
+        f.name: getattr(params, f.name)
+        for f in dataclasses.fields(VideoParams)
+        if f.name not in ("image", "video")
+    }
     return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options}
 
 
 def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple[VideoParams, EncodeOptions]:
-    image = None
-    if reference is not None:
-        from worldserve.media.image import decode_image
+    fields = dict(record["params"])
+    if "condition_frame_indexes" in fields:
+        fields["condition_frame_indexes"] = tuple(fields["condition_frame_indexes"])
+    image = video = None
+    if reference is not None:  # the upload or data URL as received: an image, else a V2V clip
+        from worldserve.media.video_input import condition_budget, decode_reference
 
-        image = decode_image(reference)
-    params = VideoParams(**record["params"], image=image)
+        probe = VideoParams(**fields)
+        image, video = decode_reference(
+            reference,
+            max_frames=condition_budget(probe.condition_frame_indexes),
+            keep=probe.condition_video_keep,
+        )
+    params = VideoParams(**fields, image=image, video=video)
     return params, EncodeOptions(crf=record["crf"], codec_options=record["codec_options"])
 
 

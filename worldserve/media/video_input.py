@@ -32,6 +32,7 @@ def decode_video(
     """Video bytes -> uint8 RGB (F, H, W, 3) with 1 <= F <= max_frames, from the `keep` end of the clip."""
     import av  # lazy: PyAV loads FFmpeg
 
+    bad = _invalid(param)
     if keep not in KEEP_CHOICES:
         raise ParamError(
             "extra_params.condition_video_keep", "condition_video_keep must be 'first' or 'last'"
@@ -42,7 +43,7 @@ def decode_video(
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
-                raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+                raise bad
             for frame in container.decode(container.streams.video[0]):
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if keep == "first" and len(frames) >= max_frames:
@@ -51,14 +52,20 @@ def decode_video(
         raise
     except (av.FFmpegError, ValueError, OSError, EOFError, IndexError) as exc:
         if not frames:
-            raise ParamError(param, INVALID_REFERENCE_MESSAGE) from exc
+            raise bad from exc
         # A clip truncated after some good frames: keep what decoded, as FFmpeg players do.
     if not frames:
-        raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+        raise bad
     out = np.stack(list(frames)).astype(np.uint8, copy=False)
     if out.ndim != 4 or out.shape[1] == 0 or out.shape[2] == 0 or out.shape[3] != 3:
-        raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+        raise bad
     return out
+
+
+def _invalid(param: str) -> ParamError:
+    if param == "input_reference":
+        return ParamError(param, INVALID_REFERENCE_MESSAGE)
+    return ParamError(param, f"Invalid {param}: provided content is not a valid video.")
 
 
 def decode_reference(
