@@ -38,3 +38,19 @@ def tiny_copy(tiny_ckpt, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def ours_pipeline(tiny_ckpt):
+    """Our VideoPipeline on the tiny checkpoint, float32 on the CPU (shared by the parity tests)."""
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    return VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def diffusers_pipeline(tiny_ckpt):
+    """diffusers' Cosmos3OmniPipeline on the same files, float32 (the oracle)."""
+    from diffusers import Cosmos3OmniPipeline
+
+    return Cosmos3OmniPipeline.from_pretrained(tiny_ckpt, dtype=torch.float32)

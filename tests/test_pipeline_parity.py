@@ -11,49 +11,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from diffusers_oracle import rel_l2, run_diffusers
 
-from worldserve.models.cosmos3.prompt import format_prompts
 from worldserve.params import VideoParams
-from worldserve.runner.video_pipeline import VideoPipeline
 
 
-@pytest.fixture(scope="module")
-def ours(tiny_ckpt):
-    return VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False)
+@pytest.fixture
+def ours(ours_pipeline):
+    return ours_pipeline
 
 
-@pytest.fixture(scope="module")
-def theirs(tiny_ckpt):
-    from diffusers import Cosmos3OmniPipeline
-
-    return Cosmos3OmniPipeline.from_pretrained(tiny_ckpt, dtype=torch.float32)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _run_diffusers(pipe, params: VideoParams, sound: bool, output_type: str):
-    texts = format_prompts(params)
-    image = None if params.image is None else params.image
-    out = pipe(
-        prompt=texts.cond,
-        negative_prompt=texts.uncond,
-        image=image,
-        num_frames=params.num_frames,
-        height=params.height,
-        width=params.width,
-        fps=params.fps,
-        num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale,
-        enable_sound=sound,
-        use_system_prompt=False,
-        add_duration_template=False,
-        add_resolution_template=False,
-        generator=torch.Generator().manual_seed(params.seed),
-        output_type=output_type,
-    )
-    return out
+@pytest.fixture
+def theirs(diffusers_pipeline):
+    return diffusers_pipeline
 
 
 def _image(h=40, w=56, seed=1):
@@ -84,14 +54,14 @@ def test_final_latents_and_frames_match_diffusers(ours, theirs, case):
         **kw,
     )
     result, state = ours.generate(params)
-    ref_latents = _run_diffusers(theirs, params, sound, "latent")
+    ref_latents = run_diffusers(theirs, params, "latent", sound=sound)
     ref = ref_latents.video.reshape(state.latents.shape)
-    assert _rel(state.latents, ref) <= 1e-4
+    assert rel_l2(state.latents, ref) <= 1e-4
     if sound:
         ref_audio = ref_latents.sound.float().numpy()[:, : result.audio.shape[1]]
         assert result.audio.shape == (2, int(params.num_frames / params.fps * 48000))
         np.testing.assert_allclose(result.audio, ref_audio, atol=1e-5)
-    ref_np = _run_diffusers(theirs, params, sound, "np").video  # float in [0, 1], (F, H, W, 3)
+    ref_np = run_diffusers(theirs, params, "np", sound=sound).video  # float in [0, 1], (F, H, W, 3)
     ref_frames = np.asarray(ref_np)
     if ref_frames.ndim == 5:
         ref_frames = ref_frames[0]

@@ -7,14 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from diffusers_oracle import rel_l2, run_diffusers
 from PIL import Image
 
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, encode_png
 from worldserve.media.video import encode_mp4
 from worldserve.media.video_input import decode_reference, decode_video, resize_video
-from worldserve.models.cosmos3.prompt import format_prompts
 from worldserve.params import ParamError, VideoParams
-from worldserve.runner.video_pipeline import VideoPipeline
 
 
 def _clip(frames=12, h=40, w=56, seed=3) -> np.ndarray:
@@ -100,43 +99,14 @@ def test_validation_accepts_last_latent_index():
 
 
 # ---------------------------------------------------------------- parity with diffusers
-@pytest.fixture(scope="module")
-def ours(tiny_ckpt):
-    return VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False)
+@pytest.fixture
+def ours(ours_pipeline):
+    return ours_pipeline
 
 
-@pytest.fixture(scope="module")
-def theirs(tiny_ckpt):
-    from diffusers import Cosmos3OmniPipeline
-
-    return Cosmos3OmniPipeline.from_pretrained(tiny_ckpt, dtype=torch.float32)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _run_diffusers(pipe, params: VideoParams, output_type: str):
-    texts = format_prompts(params)
-    return pipe(
-        prompt=texts.cond,
-        negative_prompt=texts.uncond,
-        video=[Image.fromarray(f) for f in params.video],
-        condition_frame_indexes_vision=list(params.condition_frame_indexes),
-        condition_video_keep=params.condition_video_keep,
-        num_frames=params.num_frames,
-        height=params.height,
-        width=params.width,
-        fps=params.fps,
-        num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale,
-        enable_sound=False,
-        use_system_prompt=False,
-        add_duration_template=False,
-        add_resolution_template=False,
-        generator=torch.Generator().manual_seed(params.seed),
-        output_type=output_type,
-    )
+@pytest.fixture
+def theirs(diffusers_pipeline):
+    return diffusers_pipeline
 
 
 CASES = {
@@ -162,11 +132,11 @@ def test_v2v_final_latents_and_frames_match_diffusers(ours, theirs, case):
     )
     result, state = ours.generate(params)
     assert state.clean_frames == tuple(sorted(params.condition_frame_indexes))
-    ref = _run_diffusers(theirs, params, "latent").video.reshape(state.latents.shape)
-    assert _rel(state.latents, ref) <= 1e-4
+    ref = run_diffusers(theirs, params, "latent").video.reshape(state.latents.shape)
+    assert rel_l2(state.latents, ref) <= 1e-4
     for i in state.clean_frames:  # the conditioning frames come out as they went in
-        assert _rel(state.latents[:, i], ref[:, i]) <= 1e-5
-    ref_frames = np.asarray(_run_diffusers(theirs, params, "np").video)
+        assert rel_l2(state.latents[:, i], ref[:, i]) <= 1e-5
+    ref_frames = np.asarray(run_diffusers(theirs, params, "np").video)
     if ref_frames.ndim == 5:
         ref_frames = ref_frames[0]
     assert result.frames.shape == (9, 48, 64, 3)
