@@ -55,7 +55,7 @@ def test_every_flag_maps_to_a_field():
 
 @pytest.mark.parametrize(
     "argv",
-    [["-tp", "2"], ["--ulysses-degree", "4"], ["--cfg-parallel-size", "2"], ["--enable-layerwise-offload"],
+    [["-tp", "2"], ["--ulysses-degree", "4"], ["--cfg-parallel-size", "3"], ["--enable-layerwise-offload"],
      ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):
@@ -133,8 +133,8 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     from worldserve.commands import serve
     from worldserve.config import ModelConfig
 
-    monkeypatch.setattr(serve, "_load_backend", lambda cfg: _time.sleep(5))
+    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel: _time.sleep(5))
     assert serve._load_backend_within(ModelConfig(init_timeout=0.05)) is None
     assert "did not become ready within 0.05s" in caplog.text
-    monkeypatch.setattr(serve, "_load_backend", lambda cfg: ("backend", None))
+    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel: ("backend", None))
     assert serve._load_backend_within(ModelConfig()) == ("backend", None)

@@ -70,7 +70,7 @@ class ParallelConfig:
     ulysses_degree: int = field(default=1, metadata={"aliases": ("--usp",)})
     """Ulysses sequence-parallel degree (only 1 is supported in this version)."""
     cfg_parallel_size: int = 1
-    """Run the CFG branches on this many GPUs (only 1 is supported in this version)."""
+    """Run the CFG branches on this many GPUs: 1, or 2 (cond on cuda:0, uncond on cuda:1, a full model on each)."""
     enable_layerwise_offload: bool = False
     """Stream transformer blocks between CPU and GPU to save memory (not supported in this version)."""
 
@@ -80,6 +80,10 @@ class ParallelConfig:
             flag = "--" + name.replace("_", "-")
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+            if name == "cfg_parallel_size" and value > 2:
+                raise ValueError(f"{flag} {value} is not supported: use 1 or 2 (the two CFG branches)")
+            if name == "cfg_parallel_size":
+                continue
             if value > 1:
                 raise ValueError(
                     f"{flag} {value} is not supported yet: this version runs on one GPU ({flag} 1)"

@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--vae-tiling", action="store_true", help="decode the video in tiles (less memory)")
+    p.add_argument(
+        "--cfg-parallel-size", type=int, default=1, choices=(1, 2),
+        help="2: the uncond CFG branch on a second GPU (cuda:1), the cond branch on cuda:0",
+    )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the gen layers on GPU")
     p.add_argument(
         "--quantization", default=None, choices=("fp8",),
@@ -151,9 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"worldserve generate: error: {e.param}: {e.message}", file=sys.stderr)
         return 2
     import torch
-    from tqdm.auto import tqdm
 
-    from worldserve.runner.video_pipeline import VideoPipeline
+    from worldserve.runner.video_pipeline import load_pipeline
     from worldserve.weights.checkpoint import resolve_model
 
     t0 = time.perf_counter()
@@ -162,14 +165,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
-        pipe = VideoPipeline.from_pretrained(
-            root, device=args.device, dtype=dtype, vae_tiling=args.vae_tiling,
-            compile=not args.enforce_eager, quantization=args.quantization,
+        pipe = load_pipeline(
+            root, cfg_parallel_size=args.cfg_parallel_size, device=args.device, dtype=dtype,
+            vae_tiling=args.vae_tiling, compile=not args.enforce_eager, quantization=args.quantization,
         )  # fmt: skip
-    except ValueError as e:  # e.g. --quantization fp8 on a device without fp8 GEMMs
+    except ValueError as e:  # e.g. --quantization fp8 without fp8 GEMMs, --cfg-parallel-size 2 on 1 GPU
         print(f"worldserve generate: error: {e}", file=sys.stderr)
         return 2
-    load_s = time.perf_counter() - t0
+    try:
+        return _generate(args, params, pipe, time.perf_counter() - t0)
+    finally:
+        pipe.close()
+
+
+def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float) -> int:
+    from tqdm.auto import tqdm
+
     try:
         pipe.validate(params)
     except ParamError as e:

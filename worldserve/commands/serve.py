@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 
 from worldserve import __version__
-from worldserve.config import CONFIG_CLASSES, EngineConfig, ModelConfig, add_config_arguments
+from worldserve.config import CONFIG_CLASSES, EngineConfig, ModelConfig, ParallelConfig, add_config_arguments
 
 log = logging.getLogger("worldserve.serve")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -42,11 +42,15 @@ def run(args: argparse.Namespace) -> int:
     log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
     if config.model.omni:
         log.info("--omni accepted: worldserve always serves the omni video API")
-    loaded = _load_backend_within(config.model)
+    loaded = _load_backend_within(config.model, config.parallel)
     if loaded is None:
         return 1
     backend, gpu_memory, *chat = loaded
-    return _serve(config, backend, gpu_memory, chat[0] if chat else None)
+    try:
+        return _serve(config, backend, gpu_memory, chat[0] if chat else None)
+    finally:
+        if hasattr(backend, "close"):  # CFG-parallel: stop the peer rank
+            backend.close()
 
 
 def _serve(config: EngineConfig, backend: Any, gpu_memory: Any, chat_backend: Any = None) -> int:
@@ -85,7 +89,9 @@ def _serve(config: EngineConfig, backend: Any, gpu_memory: Any, chat_backend: An
     return 0
 
 
-def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
+def _load_backend_within(
+    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig()
+) -> tuple[Any, Any] | None:
     """Load the backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
     from worldserve.weights.checkpoint import CheckpointError
 
@@ -93,7 +99,7 @@ def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
 
     def target() -> None:
         try:
-            outcome["value"] = _load_backend(cfg)
+            outcome["value"] = _load_backend(cfg, parallel)
         except BaseException as exc:
             outcome["error"] = exc
 
@@ -117,8 +123,9 @@ def _load_backend_within(cfg: ModelConfig) -> tuple[Any, Any] | None:
     return outcome["value"]
 
 
-def _load_backend(cfg: ModelConfig) -> tuple[Any, ...]:
-    """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer])."""
+def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]:
+    """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
+    `--cfg-parallel-size 2`: a CfgParallelPipeline (uncond branch on a spawned rank on cuda:1)."""
     if cfg.backend == "fake":
         from worldserve.engine.fake_backend import FakeBackend
 
@@ -135,12 +142,12 @@ def _load_backend(cfg: ModelConfig) -> tuple[Any, ...]:
         log.warning(bar)
     import torch
 
-    from worldserve.runner.video_pipeline import VideoPipeline
+    from worldserve.runner.video_pipeline import load_pipeline
 
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-    pipeline = VideoPipeline.from_pretrained(
-        path, device=cfg.device, dtype=dtype, vae_tiling=cfg.vae_tiling, compile=not cfg.enforce_eager,
-        quantization=cfg.quantization,
+    pipeline = load_pipeline(
+        path, cfg_parallel_size=parallel.cfg_parallel_size, device=cfg.device, dtype=dtype,
+        vae_tiling=cfg.vae_tiling, compile=not cfg.enforce_eager, quantization=cfg.quantization,
     )  # fmt: skip
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):

@@ -1,14 +1,31 @@
-"""Collectives used by the model layers; the only module that calls torch.distributed.
+"""Collectives and point-to-point messages; the only module that calls torch.distributed.
 
-Every function is the identity when the group has one rank, so single-device code pays nothing and
+Every collective is the identity when the group has one rank, so single-device code pays nothing and
 tests can fake a world by handing in a group whose `size` is 1.
+Point-to-point (`send_tensor` / `recv_tensor` / `send_object` / `recv_object`, used by CFG-parallel) raises
+`PeerError` rather than hanging when the peer dies: NCCL isend / irecv are polled with an `alive()` check;
+gloo's only complete inside wait(), which raises once a dead peer's socket closes. NCCL needs tensors on the
+rank's GPU (`device`); gloo takes CPU tensors.
 """
 
 from __future__ import annotations
 
+import pickle
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
 from torch import Tensor
 
 from worldserve.parallel.groups import ParallelGroup
+
+_POLL_S = 0.0005
+
+
+class PeerError(RuntimeError):
+    """The peer rank exited or its connection broke while we waited on it."""
 
 
 def all_reduce(x: Tensor, group: ParallelGroup) -> Tensor:
@@ -19,3 +36,86 @@ def all_reduce(x: Tensor, group: ParallelGroup) -> Tensor:
 
     dist.all_reduce(x, group=group.group)
     return x
+
+
+# ---------------------------------------------------------------------------------------------- world
+def init_world(backend: str, init_method: str, rank: int, world_size: int, timeout_s: float) -> ParallelGroup:
+    """torch.distributed.init_process_group (the default group) -> its ParallelGroup."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    return ParallelGroup(rank=rank, size=world_size, group=None)
+
+
+def destroy_world() -> None:
+    """Tear the default process group down (no-op when none)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------- p2p
+def _wait(work, alive: Callable[[], bool] | None, what: str) -> None:
+    """Poll `work` until done; PeerError if `alive()` turns False or the transport fails."""
+    import torch.distributed as dist
+
+    try:
+        if alive is None or dist.get_backend() != "nccl":
+            # gloo's p2p work only completes inside wait(); a dead peer's closed socket makes it raise
+            work.wait()
+            return
+        while not work.is_completed():
+            if not alive():
+                raise PeerError(f"peer exited while we waited to {what}")
+            time.sleep(_POLL_S)
+        work.wait()
+    except PeerError:
+        raise
+    except RuntimeError as exc:  # gloo: "Connection closed by peer", NCCL: aborted communicator
+        raise PeerError(f"could not {what}: {exc}") from exc
+
+
+def send_tensor(x: Tensor, dst: int, group: ParallelGroup, alive: Callable[[], bool] | None = None) -> None:
+    import torch.distributed as dist
+
+    if alive is not None and not alive():
+        raise PeerError(f"peer rank {dst} has exited")
+    _wait(dist.isend(x.contiguous(), dst, group=group.group), alive, f"send to rank {dst}")
+
+
+def recv_tensor(
+    out: Tensor, src: int, group: ParallelGroup, alive: Callable[[], bool] | None = None
+) -> Tensor:
+    """Receive into `out` (its shape, dtype and device must match the sender's tensor) and return it."""
+    import torch.distributed as dist
+
+    _wait(dist.irecv(out, src, group=group.group), alive, f"receive from rank {src}")
+    return out
+
+
+def send_object(
+    obj: Any, dst: int, group: ParallelGroup, device: torch.device,
+    alive: Callable[[], bool] | None = None,
+) -> None:  # fmt: skip
+    """Pickle `obj` and send it (length first, then bytes) to `dst`."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    send_tensor(torch.tensor([data.numel()], dtype=torch.int64, device=device), dst, group, alive)
+    send_tensor(data, dst, group, alive)
+
+
+def recv_object(
+    src: int, group: ParallelGroup, device: torch.device, alive: Callable[[], bool] | None = None
+) -> Any:
+    size = recv_tensor(torch.empty(1, dtype=torch.int64, device=device), src, group, alive)
+    data = recv_tensor(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src, group, alive)
+    return pickle.loads(data.cpu().numpy().tobytes())

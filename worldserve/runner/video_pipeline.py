@@ -26,7 +26,7 @@ from torch import Tensor
 
 from worldserve.engine.outputs import VideoResult
 from worldserve.models.cosmos3.audio_vae import AudioVAE
-from worldserve.models.cosmos3.batch import GenBatch, GenItem
+from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
 from worldserve.models.cosmos3.vae import VideoVAE
 from worldserve.params import ParamError, VideoParams
@@ -68,6 +68,20 @@ class VideoRequestState:
     @property
     def done(self) -> bool:
         return self.step_index >= self.num_steps
+
+
+def branch_items(s: VideoRequestState, caches: Sequence) -> list[GenItem]:
+    """The GenItems of one request's current step, one per und cache (CFG branch) in `caches`."""
+    timestep = s.schedule.timesteps[s.step_index]
+    return [gen_item(s.latents, timestep, c, s.params.fps, s.clean_frames, s.sound) for c in caches]
+
+
+def gen_item(latents: Tensor, timestep, cache, fps: float, clean_frames, sound: Tensor | None) -> GenItem:
+    """One branch of one request at one timestep (shared with the CFG-parallel peer)."""
+    return GenItem(
+        latents=latents, timestep=timestep, und_cache=cache, fps=float(fps),
+        clean_frames=tuple(clean_frames), sound=sound,
+    )  # fmt: skip
 
 
 QUANTIZATIONS = ("fp8", "fp8-emulated")
@@ -175,12 +189,15 @@ class VideoPipeline:
         return params
 
     @torch.inference_mode()
-    def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:
+    def prepare(
+        self, request_id: str, params: VideoParams, *, prefill_uncond: bool = True
+    ) -> VideoRequestState:
+        """`prefill_uncond=False`: the uncond branch lives elsewhere (CFG-parallel peer); cond cache only."""
         t0 = time.perf_counter()
         cfg = needs_uncond(params.guidance_scale)
         cond_ids, uncond_ids = self.encoder.encode_params(params, with_uncond=cfg)
         prompts = [torch.tensor(cond_ids, dtype=torch.long)]
-        if uncond_ids is not None:
+        if uncond_ids is not None and prefill_uncond:
             prompts.append(torch.tensor(uncond_ids, dtype=torch.long))
         caches = self.transformer.prefill_und(prompts)
         t1 = time.perf_counter()
@@ -248,39 +265,38 @@ class VideoPipeline:
     def denoise(self, states: Sequence[VideoRequestState]) -> None:
         """Advance every state by one step with a single batched transformer forward."""
         t0 = time.perf_counter()
-        items: list[GenItem] = []
-        for s in states:
-            timestep = s.schedule.timesteps[s.step_index]
-            for cache in s.und_caches:  # cond, then uncond when CFG is on
-                items.append(
-                    GenItem(
-                        latents=s.latents,
-                        timestep=timestep,
-                        und_cache=cache,
-                        fps=float(s.params.fps),
-                        clean_frames=s.clean_frames,
-                        sound=s.sound,
-                    )
-                )
-        out = self.transformer(GenBatch.pack(items, config=self.config, device=self.device))
+        items = [it for s in states for it in branch_items(s, s.und_caches)]  # cond, then uncond (CFG)
+        out = self.forward(items)
         row = 0
         for s in states:
             n = len(s.und_caches)
-            v_video = [v.float() for v in out.video[row : row + n]]
-            v_sound = [v.float() for v in out.sound[row : row + n]] if s.sound is not None else None
+            v_sound = list(out.sound[row : row + n]) if s.sound is not None else None
+            self.combine_and_step(s, list(out.video[row : row + n]), v_sound)
             row += n
-            self._step(s, v_video, v_sound)
+        self.finish_step(states, t0)
+
+    def forward(self, items: Sequence[GenItem]) -> GenOutput:
+        """One transformer forward over `items` (any mix of requests and branches)."""
+        return self.transformer(GenBatch.pack(items, config=self.config, device=self.device))
+
+    def finish_step(self, states: Sequence[VideoRequestState], t0: float) -> None:
+        """Synchronize the device and add the step's wall time to every state's "diffuse" stage."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         for s in states:
             s.stage_seconds["diffuse"] = s.stage_seconds.get("diffuse", 0.0) + elapsed
 
-    def _step(self, s: VideoRequestState, v_video: list[Tensor], v_sound: list[Tensor] | None) -> None:
+    def combine_and_step(
+        self, s: VideoRequestState, v_video: list[Tensor], v_sound: list[Tensor] | None
+    ) -> None:
+        """[cond] or [cond, uncond] velocities (model dtype) -> float32 CFG combine -> UniPC step."""
         g = s.params.guidance_scale
+        v_video = [v.float() for v in v_video]
         velocity = cfg_combine(v_video[0], v_video[1], g) if len(v_video) == 2 else v_video[0]
         s.latents, s.video_solver = unipc_step(s.schedule, s.video_solver, s.step_index, velocity, s.latents)
         if s.sound is not None:
+            v_sound = [v.float() for v in v_sound]
             vs = cfg_combine(v_sound[0], v_sound[1], g) if len(v_sound) == 2 else v_sound[0]
             s.sound, s.sound_solver = unipc_step(s.schedule, s.sound_solver, s.step_index, vs, s.sound)
         s.step_index += 1
@@ -316,6 +332,9 @@ class VideoPipeline:
         state.latents = state.latents.new_empty(0)
         state.sound = None
 
+    def close(self) -> None:
+        """Nothing to stop in one process (CfgParallelPipeline stops its peer)."""
+
     # ------------------------------------------------------------------ one-shot
     def generate(
         self,
@@ -332,3 +351,15 @@ class VideoPipeline:
                 on_step(state.step_index, state.num_steps)
         result = self.decode(state)
         return result, state
+
+
+def load_pipeline(path: str | Path, *, cfg_parallel_size: int = 1, **kwargs):
+    """`VideoPipeline.from_pretrained(path, **kwargs)`, or with `cfg_parallel_size == 2` a
+    `CfgParallelPipeline` (cond branch here, uncond branch on a spawned peer rank). Callers `close()` it."""
+    if cfg_parallel_size == 1:
+        return VideoPipeline.from_pretrained(path, **kwargs)
+    if cfg_parallel_size != 2:
+        raise ValueError(f"--cfg-parallel-size must be 1 or 2, got {cfg_parallel_size}")
+    from worldserve.runner.cfg_parallel import CfgParallelPipeline
+
+    return CfgParallelPipeline.from_pretrained(path, **kwargs)

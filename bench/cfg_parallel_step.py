@@ -1,0 +1,136 @@
+"""One CFG denoising step on one GPU (cond + uncond packed in one forward) against `--cfg-parallel-size 2`
+(cond on cuda:0, uncond on cuda:1, velocities sent back to rank 0), same checkpoint, params and seed.
+
+Loads VideoPipeline on cuda:0, prepares one request (default 1280x720 x 189 frames + audio, guidance 6),
+runs --warmup steps (torch.compile on the first), times --steps steps (s/step, median), keeps the latents;
+frees it, then does the same through CfgParallelPipeline. Prints both, the speedup, and the rel. L2 of the
+final video / sound latents (bf16 batched-vs-split rounding only; ~1e-3 expected). Writes JSON to --out.
+Needs a real-layout checkpoint on local disk (the GPU hosts have no network), or --tiny for a CPU smoke run.
+
+    PYTHONPATH=. python bench/cfg_parallel_step.py --model /path/to/Cosmos3-Nano --out $OUT/cfg_step.json
+    PYTHONPATH=. python bench/cfg_parallel_step.py --tiny --device cpu --size 80x48 --frames 9 --out /tmp/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (or a cached HF repo id)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="write and use the tiny random checkpoint (smoke test)"
+    )
+    ap.add_argument("--out", type=Path, required=True, help="JSON file")
+    ap.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT (default 1280x720)")
+    ap.add_argument("--frames", type=int, default=189, help="pixel frames, 4k+1 (default 189)")
+    ap.add_argument("--no-sound", action="store_true")
+    ap.add_argument("--guidance", type=float, default=6.0)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--device", default="cuda", help="cuda (cuda:0 + cuda:1) or cpu (gloo smoke test)")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"))
+    ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    return ap.parse_args(argv)
+
+
+def run_steps(pipe, params, warmup: int, steps: int) -> dict:
+    state = pipe.prepare("bench", params)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        pipe.denoise([state])  # synchronizes rank 0's device before returning
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    out = {
+        "s_per_step": statistics.median(times),
+        "step_times": times,
+        "latents": state.latents.float().cpu(),
+        "sound": None if state.sound is None else state.sound.float().cpu(),
+        "peak_mem_gib_rank0": torch.cuda.max_memory_allocated(0) / 2**30
+        if torch.cuda.is_available()
+        else 0.0,
+    }
+    pipe.release(state)
+    return out
+
+
+def rel(a, b) -> float | None:
+    if a is None or b is None:
+        return None
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from worldserve.params import VideoParams
+    from worldserve.runner.video_pipeline import load_pipeline
+    from worldserve.weights.checkpoint import resolve_model
+
+    args = parse_args(argv)
+    if args.tiny:
+        from worldserve.weights.tiny import make_tiny
+
+        root = make_tiny(Path(tempfile.mkdtemp()) / "Cosmos3-Tiny", seed=0)
+    elif args.model:
+        root = resolve_model(args.model, None)
+    else:
+        print("give --model PATH (a local Cosmos3 checkpoint) or --tiny", file=sys.stderr)
+        return 2
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    steps_total = args.warmup + args.steps
+    params = VideoParams(
+        prompt="A red fox runs through a snowy forest at dawn, cinematic lighting.",
+        width=width, height=height, num_frames=args.frames, num_inference_steps=max(steps_total, 2),
+        guidance_scale=args.guidance, seed=0, generate_sound=False if args.no_sound else None,
+    )  # fmt: skip
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    kw = dict(dtype=dtype, compile=not args.eager, progress=False)
+    device = "cpu" if args.device == "cpu" else "cuda"
+    results = {}
+    for name, size in (("single", 1), ("cfg_parallel", 2)):
+        dev = device if size == 2 else ("cpu" if device == "cpu" else "cuda:0")
+        t0 = time.perf_counter()
+        pipe = load_pipeline(root, cfg_parallel_size=size, device=dev, **kw)
+        load_s = time.perf_counter() - t0
+        pipe.validate(params)
+        try:
+            results[name] = run_steps(pipe, params, args.warmup, args.steps) | {"load_s": load_s}
+        finally:
+            pipe.close()
+        del pipe
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    one, two = results["single"], results["cfg_parallel"]
+    report = {
+        "model": str(root), "size": args.size, "frames": args.frames, "sound": not args.no_sound,
+        "guidance": args.guidance, "steps_timed": args.steps, "device": args.device,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "single_s_per_step": one["s_per_step"], "cfg_parallel_s_per_step": two["s_per_step"],
+        "speedup": one["s_per_step"] / two["s_per_step"],
+        "rel_l2_video_latents": rel(two["latents"], one["latents"]),
+        "rel_l2_sound_latents": rel(two["sound"], one["sound"]),
+        "single_step_times": one["step_times"], "cfg_parallel_step_times": two["step_times"],
+        "load_s": {"single": one["load_s"], "cfg_parallel": two["load_s"]},
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"single GPU    {one['s_per_step']:.3f} s/step")
+    print(f"cfg-parallel  {two['s_per_step']:.3f} s/step  ({report['speedup']:.2f}x)")
+    print(f"rel L2 after {steps_total} steps: video {report['rel_l2_video_latents']:.2e}, "
+          f"sound {report['rel_l2_sound_latents'] or 0:.2e}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
