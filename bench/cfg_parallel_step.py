@@ -5,8 +5,12 @@ Loads VideoPipeline on cuda:0, prepares one request (default 1280x720 x 189 fram
 runs --warmup steps (torch.compile on the first), times --steps steps (s/step, median), keeps the latents;
 frees it, then does the same through CfgParallelPipeline. Prints both, the speedup, and the rel. L2 of the
 final video / sound latents (bf16 batched-vs-split rounding only; ~1e-3 expected). Writes JSON to --out.
-Needs a real-layout checkpoint on local disk (the GPU hosts have no network), or --tiny for a CPU smoke run.
+Weights: --model (a real-layout checkpoint on local disk), --random-nano DIR (writes, once, a checkpoint with
+the Nano transformer config (15.2B params, ~30 GB bf16), the real-size Wan2.2 VAE and AVAE, random weights,
+the tiny byte tokenizer; the GPU hosts have no network), or --tiny for a CPU smoke run.
 
+    PYTHONPATH=. python bench/cfg_parallel_step.py --random-nano /tmp/nano-random --write-only --out x  # once (not timed yet)
+    PYTHONPATH=. python bench/cfg_parallel_step.py --random-nano /tmp/nano-random --out $OUT/cfg_step.json
     PYTHONPATH=. python bench/cfg_parallel_step.py --model /path/to/Cosmos3-Nano --out $OUT/cfg_step.json
     PYTHONPATH=. python bench/cfg_parallel_step.py --tiny --device cpu --size 80x48 --frames 9 --out /tmp/x.json
 """
@@ -31,6 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--tiny", action="store_true", help="write and use the tiny random checkpoint (smoke test)"
     )
+    ap.add_argument(
+        "--random-nano", type=Path, default=None, help="write (once) and use a random Nano checkpoint"
+    )
+    ap.add_argument(
+        "--write-only", action="store_true", help="with --random-nano: write the checkpoint, exit"
+    )
+    ap.add_argument("--random-config", default="nano", choices=("nano", "tiny"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, required=True, help="JSON file")
     ap.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT (default 1280x720)")
     ap.add_argument("--frames", type=int, default=189, help="pixel frames, 4k+1 (default 189)")
@@ -42,6 +53,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"))
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     return ap.parse_args(argv)
+
+
+def write_random_checkpoint(out: Path, config_name: str = "nano", seed: int = 0) -> Path:
+    """The tiny checkpoint's layout and tokenizer, with the transformer (Nano config), VAE (Wan2.2) and AVAE
+    (default config) replaced by full-size random ones. Reused when `out/.complete` exists."""
+    import shutil
+
+    from diffusers import AutoencoderKLWan, Cosmos3AVAEAudioTokenizer
+
+    from worldserve.bench.models import WAN22_VAE
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.weights.tiny import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, make_tiny, write_transformer
+
+    if (out / ".complete").exists():
+        return out
+    make_tiny(out, seed=seed, vision=False)
+    vocab = Cosmos3Config.from_json(out / "transformer" / "config.json").vocab_size  # the byte tokenizer's
+    shutil.rmtree(out / "transformer")
+    t0 = time.perf_counter()
+    config = Cosmos3Config.nano() if config_name == "nano" else Cosmos3Config.tiny(vocab_size=vocab)
+    assert config.vocab_size >= vocab
+    write_transformer(out / "transformer", config, seed)
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(**WAN22_VAE, latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD)
+    shutil.rmtree(out / "vae")
+    vae.save_pretrained(str(out / "vae"))
+    shutil.rmtree(out / "sound_tokenizer")
+    Cosmos3AVAEAudioTokenizer().save_pretrained(str(out / "sound_tokenizer"))
+    (out / ".complete").write_text("ok\n")
+    print(f"wrote random {config_name} checkpoint to {out} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
 
 
 def run_steps(pipe, params, warmup: int, steps: int) -> dict:
@@ -81,10 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         from worldserve.weights.tiny import make_tiny
 
         root = make_tiny(Path(tempfile.mkdtemp()) / "Cosmos3-Tiny", seed=0)
+    elif args.random_nano is not None:
+        root = write_random_checkpoint(args.random_nano, args.random_config)
+        if args.write_only:
+            return 0
     elif args.model:
         root = resolve_model(args.model, None)
     else:
-        print("give --model PATH (a local Cosmos3 checkpoint) or --tiny", file=sys.stderr)
+        print("give --model PATH, --random-nano DIR or --tiny", file=sys.stderr)
         return 2
     width, height = (int(v) for v in args.size.lower().split("x"))
     steps_total = args.warmup + args.steps
