@@ -16,16 +16,6 @@ from diffusers_oracle import rel_l2, run_diffusers
 from worldserve.params import VideoParams
 
 
-@pytest.fixture
-def ours(ours_pipeline):
-    return ours_pipeline
-
-
-@pytest.fixture
-def theirs(diffusers_pipeline):
-    return diffusers_pipeline
-
-
 def _image(h=40, w=56, seed=1):
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
@@ -41,7 +31,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_final_latents_and_frames_match_diffusers(ours, theirs, case):
+def test_final_latents_and_frames_match_diffusers(ours_pipeline, diffusers_pipeline, case):
     kw = dict(CASES[case])
     sound = kw.pop("generate_sound")
     params = VideoParams(
@@ -53,15 +43,17 @@ def test_final_latents_and_frames_match_diffusers(ours, theirs, case):
         generate_sound=sound,
         **kw,
     )
-    result, state = ours.generate(params)
-    ref_latents = run_diffusers(theirs, params, "latent", sound=sound)
+    result, state = ours_pipeline.generate(params)
+    ref_latents = run_diffusers(diffusers_pipeline, params, "latent", sound=sound)
     ref = ref_latents.video.reshape(state.latents.shape)
     assert rel_l2(state.latents, ref) <= 1e-4
     if sound:
         ref_audio = ref_latents.sound.float().numpy()[:, : result.audio.shape[1]]
         assert result.audio.shape == (2, int(params.num_frames / params.fps * 48000))
         np.testing.assert_allclose(result.audio, ref_audio, atol=1e-5)
-    ref_np = run_diffusers(theirs, params, "np", sound=sound).video  # float in [0, 1], (F, H, W, 3)
+    ref_np = run_diffusers(
+        diffusers_pipeline, params, "np", sound=sound
+    ).video  # float in [0, 1], (F, H, W, 3)
     ref_frames = np.asarray(ref_np)
     if ref_frames.ndim == 5:
         ref_frames = ref_frames[0]
@@ -69,15 +61,15 @@ def test_final_latents_and_frames_match_diffusers(ours, theirs, case):
     assert np.abs(result.frames.astype(np.float64) / 255.0 - ref_frames).mean() <= 1 / 255
 
 
-def test_same_seed_same_output_whatever_else_is_batched(ours):
+def test_same_seed_same_output_whatever_else_is_batched(ours_pipeline):
     base = dict(num_frames=5, height=32, width=48, num_inference_steps=2, negative_prompt="")
     a = VideoParams(prompt="a cat", seed=7, **base)
     b = VideoParams(prompt="a dog on a skateboard", seed=8, **base)
-    alone, _ = ours.generate(a)
-    sa, sb = ours.prepare("a", a), ours.prepare("b", b)
+    alone, _ = ours_pipeline.generate(a)
+    sa, sb = ours_pipeline.prepare("a", a), ours_pipeline.prepare("b", b)
     while not sa.done:
-        ours.denoise([sb, sa])
-    torch.testing.assert_close(ours.decode(sa).frames, alone.frames, atol=1, rtol=0)
-    again, state = ours.generate(a)
+        ours_pipeline.denoise([sb, sa])
+    torch.testing.assert_close(ours_pipeline.decode(sa).frames, alone.frames, atol=1, rtol=0)
+    again, state = ours_pipeline.generate(a)
     np.testing.assert_array_equal(again.frames, alone.frames)
-    assert not np.array_equal(ours.decode(sb).frames, alone.frames)
+    assert not np.array_equal(ours_pipeline.decode(sb).frames, alone.frames)

@@ -62,10 +62,10 @@ def test_resize_video_equals_diffusers_video_processor(size):
 
     height, width = size
     clip = _clip(3, 37, 61)
-    ours = resize_video(clip, width, height)
+    ours_pipeline = resize_video(clip, width, height)
     proc = VideoProcessor(vae_scale_factor=16, resample="bilinear")
     ref = proc.preprocess_video([Image.fromarray(f) for f in clip], height=height, width=width)  # [1,3,F,H,W]
-    mine = torch.from_numpy(ours).permute(3, 0, 1, 2)[None].float() / 255.0 * 2.0 - 1.0
+    mine = torch.from_numpy(ours_pipeline).permute(3, 0, 1, 2)[None].float() / 255.0 * 2.0 - 1.0
     torch.testing.assert_close(mine, ref, atol=0, rtol=0)
 
 
@@ -99,14 +99,6 @@ def test_validation_accepts_last_latent_index():
 
 
 # ---------------------------------------------------------------- parity with diffusers
-@pytest.fixture
-def ours(ours_pipeline):
-    return ours_pipeline
-
-
-@pytest.fixture
-def theirs(diffusers_pipeline):
-    return diffusers_pipeline
 
 
 CASES = {
@@ -117,7 +109,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_v2v_final_latents_and_frames_match_diffusers(ours, theirs, case):
+def test_v2v_final_latents_and_frames_match_diffusers(ours_pipeline, diffusers_pipeline, case):
     params = VideoParams(
         prompt="A red fox runs through a snowy forest at dawn.",
         negative_prompt="blurry, distorted",
@@ -130,22 +122,22 @@ def test_v2v_final_latents_and_frames_match_diffusers(ours, theirs, case):
         generate_sound=False,
         **CASES[case],
     )
-    result, state = ours.generate(params)
+    result, state = ours_pipeline.generate(params)
     assert state.clean_frames == tuple(sorted(params.condition_frame_indexes))
-    ref = run_diffusers(theirs, params, "latent").video.reshape(state.latents.shape)
+    ref = run_diffusers(diffusers_pipeline, params, "latent").video.reshape(state.latents.shape)
     assert rel_l2(state.latents, ref) <= 1e-4
     for i in state.clean_frames:  # the conditioning frames come out as they went in
         assert rel_l2(state.latents[:, i], ref[:, i]) <= 1e-5
-    ref_frames = np.asarray(run_diffusers(theirs, params, "np").video)
+    ref_frames = np.asarray(run_diffusers(diffusers_pipeline, params, "np").video)
     if ref_frames.ndim == 5:
         ref_frames = ref_frames[0]
     assert result.frames.shape == (9, 48, 64, 3)
     assert np.abs(result.frames.astype(np.float64) / 255.0 - ref_frames).mean() <= 1 / 255
 
 
-def test_keep_last_differs_from_first(ours):
+def test_keep_last_differs_from_first(ours_pipeline):
     base = dict(prompt="a cat", num_frames=9, height=32, width=48, num_inference_steps=1, video=_clip(12))
-    a = ours.prepare("a", VideoParams(**base).validate())
-    b = ours.prepare("b", VideoParams(**base, condition_video_keep="last").validate())
+    a = ours_pipeline.prepare("a", VideoParams(**base).validate())
+    b = ours_pipeline.prepare("b", VideoParams(**base, condition_video_keep="last").validate())
     assert not torch.equal(a.latents[:, 0], b.latents[:, 0])
     assert torch.equal(a.latents[:, 2:], b.latents[:, 2:])  # the same noise on the generated frames
