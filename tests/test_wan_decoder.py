@@ -8,6 +8,7 @@ bit for bit) for every latent length, odd and even sizes, and every chunk size.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -47,7 +48,7 @@ def reference(diffusers_vae):
 
 @pytest.fixture(scope="module")
 def ours(diffusers_vae):
-    return VideoVAE(diffusers_vae)
+    return VideoVAE(copy.deepcopy(diffusers_vae))  # it frees its copy of the diffusers decoder
 
 
 @pytest.mark.parametrize(

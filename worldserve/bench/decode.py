@@ -57,7 +57,7 @@ def bench_decode(
     g = torch.Generator(device="cpu").manual_seed(1)
     latents = torch.randn(w.latent_shape, generator=g).to(device)  # normalised, as the sampler leaves them
     vae = build_video_vae(device, dtype, tiny=tiny)
-    res["vae_params"] = param_count(vae.model)
+    res["vae_params"] = param_count(vae.model) + (param_count(vae.decoder) if vae.decoder is not None else 0)
     resident = allocated_gib(device)
     reset_peak(device)
     pixels_box: list[torch.Tensor] = []

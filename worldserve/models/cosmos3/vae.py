@@ -66,6 +66,10 @@ class VideoVAE:
         self.decoder: WanDecoder | None = None
         if not (tiling or use_reference_decoder):
             self.decoder = WanDecoder.from_diffusers(model)
+            # diffusers' own decoder is never called again (encode needs only encoder + quant_conv): free its
+            # weights (1.1 GB at full size) instead of holding two copies on the GPU.
+            model.decoder = None
+            model.post_quant_conv = None
             if compile_decoder:
                 self.decoder.compile()
         self._lock = threading.Lock()
