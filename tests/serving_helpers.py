@@ -124,23 +124,30 @@ def mp4_bytes(frames: int = 6, width: int = 32, height: int = 16) -> bytes:
 
 
 @contextlib.contextmanager
-def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s: float = 60.0, **client_kw):
-    """A real uvicorn on a loopback port in a background thread (lifespan included); yields (url, client)."""
+def serve_app(app, name: str = "test-uvicorn"):
+    """Run an ASGI app under a real uvicorn on a loopback port in a background thread; yields its URL."""
     import threading
 
     import uvicorn
 
-    from worldserve.api.app import build_app
-
-    client = make_client(storage, **client_kw)
-    app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive())
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}", client
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+@contextlib.contextmanager
+def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s: float = 60.0, **client_kw):
+    """A real uvicorn on a loopback port in a background thread (lifespan included); yields (url, client)."""
+    from worldserve.api.app import build_app
+
+    client = make_client(storage, **client_kw)
+    app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
+    with serve_app(app) as url:
+        yield url, client

@@ -8,14 +8,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 
 import httpx
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from serving_helpers import wait_until
+from serving_helpers import serve_app, wait_until
 
 from worldserve.params import ChatMessage, ChatParams, ChatPart
 
@@ -47,8 +46,6 @@ def reasoner(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def server(reasoner, tmp_path_factory):
-    import uvicorn
-
     from worldserve.api.app import build_app
     from worldserve.config import SchedulerConfig
     from worldserve.engine.client import EngineClient
@@ -65,16 +62,8 @@ def server(reasoner, tmp_path_factory):
                     encoder=lambda *a, **k: b"FAKEMP4")  # fmt: skip
     client = EngineClient(engine, store, model_name=MODEL, max_queued_requests=16, chat_backend=reasoner)
     app = build_app(client, shutdown_timeout_s=1.0, allowed_local_media_path=str(media))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, name="test-chat-uvicorn", daemon=True)
-    thread.start()
-    wait_until(lambda: srv.started or not thread.is_alive())
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", media
-    finally:
-        srv.should_exit = True
-        thread.join(15)
+    with serve_app(app, name="test-chat-uvicorn") as url:
+        yield url, media
 
 
 @pytest.fixture(scope="module")
