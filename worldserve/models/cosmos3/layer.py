@@ -94,8 +94,6 @@ class TowerBlock(nn.Module):
         self.num_heads = config.num_attention_heads // tp.size
         self.num_kv_heads = config.num_key_value_heads // tp.size
         self.head_dim = hd
-        self.q_size = self.num_heads * hd
-        self.kv_size = self.num_kv_heads * hd
         bias = config.attention_bias
         self.input_layernorm = RMSNorm(d, eps, dtype=dtype)
         self.qkv_proj = ColumnParallelLinear(
