@@ -7,7 +7,8 @@ uint8 postprocess and the device-to-host copy separately; the audio decode as `A
 norm folded, trimmed to the video length). The mux is `worldserve.media.video.encode_mp4` (libx264
 ultrafast crf 18 + AAC). Random VAE weights decode to noise-like frames, which x264 compresses far worse
 than real video, so the mux is also timed on a smooth synthetic clip of the same size. Optional: a profile
-of one VAE decode and two VAE variants (cudnn.benchmark; channels_last_3d weights).
+of one VAE decode. (The cudnn.benchmark / channels_last_3d variants of diffusers' decoder that
+bench/results/README.md reports were removed with that decoder; our WanDecoder is channels-last on CUDA.)
 """
 
 from __future__ import annotations
@@ -44,13 +45,12 @@ def bench_decode(
     tiny: bool,
     repeats: int,
     log: Callable[[str], None],
-    variants: bool = False,
     profile_file: Path | None = None,
 ) -> dict:
     """Time the VAE, audio decode, postprocess and mux for workload `w`; returns a JSON-able dict.
 
-    With `variants`, the VAE decode is also timed with `cudnn.benchmark` and then with channels_last_3d
-    weights (+ benchmark); with `profile_file`, one default decode runs under torch.profiler."""
+    With `profile_file`, one default decode runs under torch.profiler.
+    """
     from worldserve.bench.models import build_audio_vae, build_video_vae, param_count
 
     res: dict = {"workload": w.label}
@@ -81,7 +81,6 @@ def bench_decode(
     )
     res["postprocess_d2h_s"] = t_post.to_dict()
     frames = frames_box[0][0]
-    sample = pixels[..., ::8, ::8].clone()  # a strided sample of the output, to check the variants against
     pixels = None
     pixels_box.clear()
     if profile_file is not None:
@@ -89,8 +88,6 @@ def bench_decode(
 
         log("profiling one VAE decode")
         res["vae_profile"] = profile_step(lambda: vae.decode_pixels(latents), device, profile_file)
-    if variants:
-        res["vae_variants"] = _vae_variants(vae, latents, device, log, sample)
     vae = None  # drop the decoder before the audio phase
     free_memory(device)
 
@@ -120,51 +117,6 @@ def bench_decode(
         res[f"mux_{label}_s"] = time.perf_counter() - t0
         res[f"mux_{label}_bytes"] = len(data)
     return res
-
-
-def _vae_variants(
-    vae, latents: torch.Tensor, device: torch.device, log: Callable[[str], None], sample: torch.Tensor
-) -> dict:
-    """VAE decode with cudnn.benchmark, then with channels_last_3d weights too (one warm-up, one timed each);
-    each output's strided sample is compared with the default decode's (`max_abs_diff`)."""
-    out: dict = {}
-    prev = torch.backends.cudnn.benchmark
-    box: list[torch.Tensor] = []
-
-    def run(z: torch.Tensor) -> None:
-        box[:] = [vae.decode_pixels(z)[..., ::8, ::8]]
-
-    try:
-        torch.backends.cudnn.benchmark = True
-        log("VAE variant: cudnn.benchmark")
-        out["cudnn_benchmark"] = time_region(lambda: run(latents), device, warmup=1, repeats=1).to_dict()
-        out["cudnn_benchmark"]["max_abs_diff"] = float((box[0] - sample).abs().max())
-        log("VAE variant: channels_last_3d + cudnn.benchmark")
-        _set_memory_format(vae.model, channels_last=True)
-        cl = latents.contiguous(memory_format=torch.channels_last_3d)
-        out["channels_last_3d"] = time_region(lambda: run(cl), device, warmup=1, repeats=1).to_dict()
-        out["channels_last_3d"]["max_abs_diff"] = float((box[0] - sample).abs().max())
-    except RuntimeError as e:  # e.g. out of memory in a variant: keep the default numbers
-        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    finally:
-        torch.backends.cudnn.benchmark = prev
-        _set_memory_format(vae.model, channels_last=False)
-    return out
-
-
-@torch.no_grad()
-def _set_memory_format(model: torch.nn.Module, *, channels_last: bool) -> None:
-    """Conv3d weights to channels_last_3d and Conv2d weights to channels_last (or back); `Module.to(memory_format=)`
-    refuses models that also hold 1-D and 4-D parameters."""
-    for p in model.parameters():
-        if p.ndim == 5:
-            p.data = p.data.contiguous(
-                memory_format=torch.channels_last_3d if channels_last else torch.contiguous_format
-            )
-        elif p.ndim == 4:
-            p.data = p.data.contiguous(
-                memory_format=torch.channels_last if channels_last else torch.contiguous_format
-            )
 
 
 def decode_total(res: dict) -> float:

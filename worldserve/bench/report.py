@@ -29,8 +29,6 @@ PREDICTED = {
     # Added after run 1 showed diffusers' default SDPA choosing FA2 (flash_fwd_kernel, ~357 TF/s) on this box:
     "diffusers_cudnn": "diffusers ~6.6-6.8 s a step (attention 6.68 -> ~4.1 s), so ours eager ~0.98-1.02x of it",
     "attention_b2": "~+3 % attention throughput (performance.md §3.1: cuDNN B=1 595 vs CFG-batched B=2 616 TF/s)",
-    "vae_benchmark": "0-10 % (cuDNN picks better conv algorithms for the large 3-D convs)",
-    "vae_channels_last": "1.1-1.4x (SGLang #28021: 3.41 -> 2.98 s on GB300; more with fused norms, not tried)",
 }
 
 TARGETS = {"step_s": 5.2, "speedup_vs_diffusers": 1.3, "vae_decode_s": 4.0}
@@ -279,18 +277,6 @@ def variant_rows(results: dict, var: dict, point: dict, base: float, n_layers: i
                 f"= {point['speedup_vs_diffusers_cudnn']:.3f}x of it",
             }
         )
-    dec = results.get("decode", {})
-    vv, v0 = dec.get("vae_variants", {}), dec.get("vae_decode_s", {}).get("median")
-    for key, label in (
-        ("cudnn_benchmark", "VAE decode with torch.backends.cudnn.benchmark"),
-        ("channels_last_3d", "VAE decode with channels_last_3d weights (+ benchmark)"),
-    ):
-        if v0 and key in vv:
-            t = vv[key]["median"]
-            pred = PREDICTED["vae_benchmark" if key == "cudnn_benchmark" else "vae_channels_last"]
-            rows.append(
-                {"change": label, "predicted": pred, "measured": f"{v0 / t:.3f}x ({v0:.2f} -> {t:.2f} s)"}
-            )
     if ref:
         rows.append(
             {

@@ -217,7 +217,6 @@ class Bench:
             tiny=self.o.tiny,
             repeats=max(1, min(self.o.steps, 2)),
             log=self.log,
-            variants="variants" in self.o.phases and self.device.type == "cuda",
             profile_file=self.o.out_dir / f"profile_vae_{w.width}x{w.height}.txt"
             if "profile" in self.o.phases
             else None,
