@@ -115,6 +115,7 @@ def rel(a, b) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     from worldserve.params import VideoParams
+    from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import load_pipeline
     from worldserve.weights.checkpoint import resolve_model
 
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         guidance_scale=args.guidance, seed=0, generate_sound=False if args.no_sound else None,
     )  # fmt: skip
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    kw = dict(dtype=dtype, compile=not args.eager, progress=False)
+    kw = dict(dtype=dtype, kernels=KernelOptions(compile=not args.eager), progress=False)
     device = "cpu" if args.device == "cpu" else "cuda"
     results = {}
     for name, size in (("single", 1), ("cfg_parallel", 2)):

@@ -33,14 +33,14 @@ def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False):
     from worldserve.bench.models import build_audio_vae, build_our_transformer, build_video_vae
     from worldserve.models.cosmos3.config import Cosmos3Config
     from worldserve.models.cosmos3.prompt import PromptEncoder
+    from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import VideoPipeline
     from worldserve.weights.tokenizer_fixture import write_tiny_tokenizer
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = Cosmos3Config.tiny(vocab_size=2048) if tiny else Cosmos3Config.nano()
     transformer = build_our_transformer(config, device, dtype, None, seed)
-    if device.type == "cuda":
-        transformer.compile_gen_layers()  # as VideoPipeline.from_pretrained does by default
+    print("transformer kernels:", KernelOptions().apply(transformer))  # VideoPipeline.from_pretrained's default
     vae = build_video_vae(device, dtype, tiny=tiny)
     if device.type == "cuda" and vae.decoder is not None:
         vae.decoder.compile()  # as VideoPipeline.from_pretrained does by default

@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--extra-chunk-sizes", default="", help="comma list: also time ours eager at these sizes")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd variant")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode for ours (default: default)")
+    ap.add_argument(
+        "--profile", type=Path, default=None, help="torch.profiler kernel table of our last variant"
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny VAE, float32, on the CPU: a smoke test")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -174,6 +177,14 @@ def main() -> None:
             res["ours_compiled"]["compile_s"] = res["ours_compiled"]["warmup"][0]
             res["ours_compiled"].update(compare(compiled, ref))
             res["ours_compiled"]["vs_eager"] = compare(compiled, eager)
+            save()
+
+        if args.profile is not None:
+            from worldserve.bench.variants import profile_step
+
+            del ref, eager
+            log("profiling one decode of our last variant")
+            res["profile"] = profile_step(lambda: ours.decode(z, chunk_size=chunk), device, args.profile)
             save()
 
     res["wall_s"] = time.perf_counter() - t_start

@@ -145,22 +145,26 @@ def test_quantized_tiny_velocities_close_and_und_unchanged(tiny_pair):
 
 
 def test_native_fp8_refused_without_hopper(tiny_ckpt, tiny_pair):
+    from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import VideoPipeline
 
     with pytest.raises(ValueError, match="compute capability 9.0"):
         tiny_pair[0].quantize_gen_fp8()  # CPU model, native kernels asked for
     with pytest.raises(ValueError, match="compute capability 9.0"):
-        VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", quantization="fp8", progress=False)
+        VideoPipeline.from_pretrained(
+            tiny_ckpt, device="cpu", kernels=KernelOptions(quantization="fp8"), progress=False
+        )
     with pytest.raises(ValueError, match="quantization must be"):
-        VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", quantization="int4", progress=False)
+        KernelOptions(quantization="int4")
 
 
 def test_emulated_pipeline_denoises_close_to_float32(tiny_ckpt, tiny_pair):
     from worldserve.params import VideoParams
+    from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import VideoPipeline
 
     quant = VideoPipeline.from_pretrained(
-        tiny_ckpt, device="cpu", quantization="fp8-emulated", progress=False
+        tiny_ckpt, device="cpu", kernels=KernelOptions(quantization="fp8-emulated"), progress=False
     )
     assert isinstance(quant.transformer.layers[0].gen.down_proj, Fp8Linear)
     base = VideoPipeline(tiny_pair[0], quant.vae, quant.audio_vae, quant.encoder, "cpu")

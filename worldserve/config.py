@@ -39,6 +39,12 @@ class ModelConfig:
     """Weight and activation dtype; default: bfloat16 on GPU, float32 on CPU."""
     quantization: str | None = field(default=None, metadata={"choices": ("fp8",)})
     """fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy, halves those weights); default: none."""
+    fp8_attention: bool = False
+    """Run the gen tower's attention in e4m3 through FlashAttention-3 (H100/H200 with `worldserve[hopper]`; lossy, about 1.2x a step)."""
+    diffusion_attention_backend: str | None = field(
+        default=None, metadata={"choices": ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN", "auto")}
+    )
+    """Attention kernel: FLASH_ATTN (FlashAttention-3, from `pip install 'worldserve[hopper]'`), TORCH_SDPA / CUDNN_ATTN (PyTorch SDPA, cuDNN first); default: env DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs, else SDPA."""
     enforce_eager: bool = False
     """Run the transformer eagerly; by default the gen layers are torch.compile'd on GPU (first request per shape compiles, about 15 s)."""
     vae_tiling: bool = False
@@ -53,6 +59,15 @@ class ModelConfig:
     """Tests only: `fake` serves deterministic colour frames from a numpy backend instead of the model."""
     fake_step_delay: float = field(default=0.0, metadata={"hidden": True})
     """Tests only: seconds the fake backend sleeps per denoising step."""
+
+    def kernel_options(self):
+        """The runner's KernelOptions for these flags (compile unless --enforce-eager)."""
+        from worldserve.runner.kernel_options import KernelOptions
+
+        return KernelOptions.from_flags(
+            enforce_eager=self.enforce_eager, quantization=self.quantization,
+            diffusion_attention_backend=self.diffusion_attention_backend, fp8_attention=self.fp8_attention,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.init_timeout > 0:

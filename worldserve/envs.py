@@ -47,3 +47,8 @@ def storage_dir() -> Path:
     """Job store folder: `WORLDSERVE_STORAGE_DIR`, else `VLLM_OMNI_SERVER_STORAGE__PATH`, else the cache."""
     explicit = os.environ.get("WORLDSERVE_STORAGE_DIR") or os.environ.get("VLLM_OMNI_SERVER_STORAGE__PATH")
     return Path(explicit) if explicit else cache_dir() / "storage"
+
+
+def attention_backend() -> str | None:
+    """vLLM-Omni's `DIFFUSION_ATTENTION_BACKEND` (FLASH_ATTN, TORCH_SDPA, CUDNN_ATTN); None: auto."""
+    return os.environ.get("DIFFUSION_ATTENTION_BACKEND") or None

@@ -147,7 +147,7 @@ def markdown(results: dict) -> str:
         "",
         f"- GPU: {env.get('gpu', env['device'])}; torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']});"
         f" diffusers {env['diffusers']}; python {env['python']}",
-        f"- command: `{env['command']}`",
+        f"- command: `{env['command']}`; our attention: {results.get('models', {}).get('ours_attention', '-')}",
         f"- random bf16 weights (meta init, in-place N(0, 0.02)); CFG 2 forwards a step; "
         f"text tokens cond/uncond {results['args']['text_tokens']}/{results['args']['neg_text_tokens']}; "
         f"FLOP model performance.md §1; peak {PEAK_BF16_TFLOPS:.0f} TFLOP/s",

@@ -54,6 +54,8 @@ class BenchOptions:
     """Steps of the end-to-end estimate."""
     diffusers_cudnn: bool = True
     """Also time diffusers with our SDPA backend priority (cuDNN first)."""
+    attention_backend: str | None = None
+    """Our attention kernel (flash_attention.BACKENDS; None = auto, the product default: FA3 where it runs)."""
 
 
 class _CudnnFirst:
@@ -144,7 +146,10 @@ class Bench:
         before = allocated_gib(self.device)
         self.ours = build_our_transformer(cfg, self.device, dtype, self.ref, self.o.seed)
         self.ours_gib = allocated_gib(self.device) - before
+        attention = self.ours.set_attention_backend(self.o.attention_backend)
+        self.log(f"our attention backend: {attention}")
         self.results["models"] = {
+            "ours_attention": attention,
             "ours_params": param_count(self.ours),
             "ours_weights_gib": self.ours_gib,
             "diffusers_params": param_count(self.ref) if self.ref is not None else None,

@@ -2,7 +2,7 @@
 a torch.compile'd gen layer, and a torch.profiler kernel table.
 
 - `attention_micro`: SDPA at the joint gen shape (N_g queries over T + N_g keys, GQA 32/8, d 128) in our
-  token-major layout (strided [1, H, N, D] views, `layers.attention.attention`) vs contiguous [1, H, N, D]
+  token-major layout (strided [1, H, N, D] views, `layers.attention.sdpa_attention`) vs contiguous [1, H, N, D]
   with cuDNN forced, vs PyTorch's default choice, vs cuDNN on both CFG items at once (B=2).
 - `gemm_micro`: fused q|k|v and gate|up projections vs the separate GEMMs diffusers runs.
 - `compiled_layers`: the model's own regional compile (`Cosmos3Transformer.compile_gen_layers`: one
@@ -41,7 +41,7 @@ def attention_micro(
 ) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from worldserve.models.layers.attention import attention
+    from worldserve.models.layers.attention import sdpa_attention
 
     dt = torch.bfloat16
     q = torch.randn(n_gen, heads, head_dim, device=device, dtype=dt)  # token-major, as our layer has them
@@ -62,7 +62,7 @@ def attention_micro(
             F.scaled_dot_product_attention(q2, k2, v2, enable_gqa=True)
 
     cases: dict[str, Callable[[], object]] = {
-        "ours_token_major": lambda: attention(q, k, v),
+        "ours_token_major": lambda: sdpa_attention(q, k, v),
         "bhnd_cudnn_forced": native_cudnn,
         "bhnd_default": lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True),
         "bhnd_cudnn_b2_per_item": cudnn_b2,

@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the second diffusers timing with our SDPA backend priority (cuDNN first)",
     )
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN"),
+        help="our attention kernel (default: auto, FA3 where it runs, as serve / generate)",
+    )
     p.add_argument("--e2e-steps", type=int, default=35, help="steps of the end-to-end estimate")
     p.add_argument(
         "--time-budget",
@@ -89,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         time_budget_s=args.time_budget,
         e2e_steps=args.e2e_steps,
         diffusers_cudnn=not args.no_diffusers_cudnn,
+        attention_backend=args.attention_backend,
     )
 
     def log(msg: str) -> None:

@@ -61,6 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization", default=None, choices=("fp8",),
         help="fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy)",
     )  # fmt: skip
+    p.add_argument(
+        "--diffusion-attention-backend", default=None, choices=("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN", "auto"),
+        help="FLASH_ATTN (FlashAttention-3) or TORCH_SDPA / CUDNN_ATTN; default: env "
+        "DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs, else SDPA",
+    )  # fmt: skip
+    p.add_argument(
+        "--fp8-attention", action="store_true",
+        help="gen attention in e4m3 through FlashAttention-3 (H100/H200; lossy)",
+    )  # fmt: skip
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -156,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import load_pipeline
     from worldserve.weights.checkpoint import resolve_model
 
@@ -165,9 +175,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
+        kernels = KernelOptions.from_flags(
+            enforce_eager=args.enforce_eager, quantization=args.quantization, fp8_attention=args.fp8_attention,
+            diffusion_attention_backend=args.diffusion_attention_backend,
+        )  # fmt: skip
         pipe = load_pipeline(
             root, cfg_parallel_size=args.cfg_parallel_size, device=args.device, dtype=dtype,
-            vae_tiling=args.vae_tiling, compile=not args.enforce_eager, quantization=args.quantization,
+            vae_tiling=args.vae_tiling, kernels=kernels,
         )  # fmt: skip
     except ValueError as e:  # e.g. --quantization fp8 without fp8 GEMMs, --cfg-parallel-size 2 on 1 GPU
         print(f"worldserve generate: error: {e}", file=sys.stderr)

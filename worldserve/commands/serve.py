@@ -147,7 +147,7 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     pipeline = load_pipeline(
         path, cfg_parallel_size=parallel.cfg_parallel_size, device=cfg.device, dtype=dtype,
-        vae_tiling=cfg.vae_tiling, compile=not cfg.enforce_eager, quantization=cfg.quantization,
+        vae_tiling=cfg.vae_tiling, kernels=cfg.kernel_options(),
     )  # fmt: skip
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):

@@ -27,6 +27,7 @@ import torch
 
 from worldserve.parallel import comm
 from worldserve.params import VideoParams
+from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.video_pipeline import VideoPipeline, VideoRequestState, branch_items, default_device
 from worldserve.sampling.guidance import needs_uncond
 
@@ -75,8 +76,7 @@ class CfgParallelPipeline:
         path: str | Path,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
-        compile: bool = True,
-        quantization: str | None = None,
+        kernels: KernelOptions | None = None,
         **kwargs,
     ) -> CfgParallelPipeline:
         """Spawn the peer (it loads the transformer on the second device), load the full local pipeline on
@@ -97,13 +97,11 @@ class CfgParallelPipeline:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         proc = mp.get_context("spawn").Process(
             target=cfg_worker_main, name="worldserve-cfg-rank1", daemon=True,
-            args=(PEER, init_method, 2, str(path), str(dev1), dtype, compile, quantization),
+            args=(PEER, init_method, 2, str(path), str(dev1), dtype, kernels or KernelOptions()),
         )  # fmt: skip
         proc.start()
         try:
-            local = VideoPipeline.from_pretrained(
-                path, device=dev0, dtype=dtype, compile=compile, quantization=quantization, **kwargs
-            )
+            local = VideoPipeline.from_pretrained(path, device=dev0, dtype=dtype, kernels=kernels, **kwargs)
             if dev0.type == "cuda":
                 torch.cuda.set_device(dev0)
             if not proc.is_alive():

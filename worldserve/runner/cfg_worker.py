@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from worldserve.parallel import comm
+from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.video_pipeline import VideoPipeline, gen_item
 
 log = logging.getLogger("worldserve.cfg_worker")
@@ -41,20 +42,17 @@ class UncondBranch:
         self.caches[request_id] = self.transformer.prefill_und([torch.tensor(ids, dtype=torch.long)])[0]
 
 
-def _load(model_path: str, device: torch.device, dtype: torch.dtype, compile: bool, quantization: str | None):
+def _load(model_path: str, device: torch.device, dtype: torch.dtype, kernels: KernelOptions) -> UncondBranch:
     from worldserve.weights.loader import load_transformer
 
     transformer = load_transformer(Path(model_path), dtype=dtype, device=device, progress=False)
-    if quantization is not None:
-        transformer.quantize_gen_fp8(emulate=quantization == "fp8-emulated")
-    if compile and device.type == "cuda":
-        transformer.compile_gen_layers()
+    log.info("transformer kernels: %s", kernels.apply(transformer))
     return UncondBranch(transformer, device)
 
 
 def cfg_worker_main(
     rank: int, init_method: str, world_size: int, model_path: str, device: str,
-    dtype: torch.dtype, compile: bool, quantization: str | None = None,
+    dtype: torch.dtype, kernels: KernelOptions,
 ) -> None:  # fmt: skip
     """Entry point of the spawned rank; returns after ("stop",), exits with code 1 on any error."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [cfg rank {rank}] %(message)s")
@@ -70,7 +68,7 @@ def cfg_worker_main(
         group = comm.init_world(
             "nccl" if dev.type == "cuda" else "gloo", init_method, rank, world_size, 1800.0
         )
-        branch = _load(model_path, dev, dtype, compile, quantization)
+        branch = _load(model_path, dev, dtype, kernels)
         comm.send_object(("ready",), LEADER, group, dev, leader_alive)
         _serve(branch, group, dev, leader_alive)
     except comm.PeerError as exc:

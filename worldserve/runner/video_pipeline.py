@@ -9,12 +9,13 @@ denoise:  one step for a list of prepared requests: one transformer forward over
           CFG branches (GenBatch), CFG combine in float32, then each request's UniPC step.
 decode:   Wan2.2 VAE (video) and AVAE (audio, trimmed to the video length) -> host uint8 frames + float audio.
 The sampling state is float32 (diffusers' `sampling_dtype`); the transformer runs in its own dtype.
-`quantization="fp8"` (opt-in) runs the gen tower's GEMMs in row-wise scaled e4m3 on Hopper+ GPUs only;
-elsewhere it is refused before anything loads ("fp8-emulated" runs the same numerics in float32 anywhere).
+Kernels (runner/kernel_options.py): compiled gen layers on CUDA, FlashAttention-3 where it runs (else
+cuDNN-first SDPA); opt-in fp8 GEMMs / fp8 attention on Hopper only, refused elsewhere before anything loads.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,10 +31,13 @@ from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
 from worldserve.models.cosmos3.vae import VideoVAE
 from worldserve.params import ParamError, VideoParams
+from worldserve.runner.kernel_options import KernelOptions
 from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
 from worldserve.sampling.guidance import cfg_combine, needs_uncond
 from worldserve.weights.checkpoint import read_layout
 from worldserve.weights.loader import load_transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -84,29 +88,8 @@ def gen_item(latents: Tensor, timestep, cache, fps: float, clean_frames, sound: 
     )  # fmt: skip
 
 
-QUANTIZATIONS = ("fp8", "fp8-emulated")
-"""`from_pretrained(quantization=...)` values besides None; the CLI offers "fp8" only."""
-
-
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    """ValueError (with the way out) when `quantization` cannot run on this device / dtype."""
-    if quantization is None or quantization == "fp8-emulated":
-        return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
-    from worldserve.models.layers.fp8 import fp8_supported
-
-    if not fp8_supported(device):
-        raise ValueError(
-            f"--quantization fp8 needs an NVIDIA GPU of compute capability 9.0+ (H100/H200/B200); "
-            f"device {device} has none. Run without --quantization"
-        )
-    if dtype != torch.bfloat16:
-        raise ValueError(f"--quantization fp8 runs with --dtype bfloat16 only, got {dtype}")
 
 
 class VideoPipeline:
@@ -130,31 +113,25 @@ class VideoPipeline:
         dtype: torch.dtype | None = None,
         vae_tiling: bool = False,
         progress: bool = True,
-        compile: bool = True,
-        quantization: str | None = None,
+        kernels: KernelOptions | None = None,
     ) -> VideoPipeline:
         """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint.
 
-        `compile`: torch.compile the gen layers on CUDA (1.13x a step on an H200, bench/results/); CPU
-        always runs eagerly.
-        `quantization`: None (the model dtype throughout), "fp8" (gen tower GEMMs in e4m3 with row-wise
-        scales, bf16 gen weights freed; needs bfloat16 on a CUDA sm90+ GPU, else ValueError before any
-        loading: an emulation would be slower than no quantization), or "fp8-emulated" (the same numerics
-        computed in float32 on any device; for checking quality, not for speed)."""
+        `kernels` (default KernelOptions()): compile on CUDA, fp8 GEMMs / attention, attention backend; an
+        option that cannot run here (fp8 off Hopper, FLASH_ATTN without FA3) is a ValueError before any
+        loading. The compiled VAE decoder follows `kernels.compile`."""
         root = Path(path)
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        _check_quantization(quantization, device, dtype)
+        kernels = kernels or KernelOptions()
+        kernels.check(device, dtype)
         transformer = load_transformer(root, dtype=dtype, device=device, progress=progress)
-        if quantization is not None:
-            transformer.quantize_gen_fp8(emulate=quantization == "fp8-emulated")
-        if compile and device.type == "cuda":
-            transformer.compile_gen_layers()
+        log.info("transformer kernels: %s", kernels.apply(transformer))
         vae = VideoVAE.from_pretrained(
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
-            compile_decoder=compile and device.type == "cuda",
+            compile_decoder=kernels.compile and device.type == "cuda",
         )  # fmt: skip
         audio_vae = None
         if layout.has_sound:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worldserve.models.cosmos3.config import Cosmos3Config
-from worldserve.models.layers.attention import KVCache, attention
+from worldserve.models.layers.attention import KVCache, sdpa_attention
 from worldserve.models.layers.fp8 import Fp8Linear, fp8_linear
 from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worldserve.models.layers.norm import RMSNorm, rms_norm
@@ -111,6 +111,7 @@ class TowerBlock(nn.Module):
         self.qkv_fn = qkv_math
         self.finish_fn = finish_math
         self.fp8: dict[str, bool] = {}  # after quantize_fp8: the emulate / fast_accum flags of the math
+        self.attn_fn = sdpa_attention  # flash_attention.resolve_attention_backend may swap in FA3
 
     def project_qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]."""
@@ -194,7 +195,7 @@ def und_layer_step(
     for cache, n in zip(caches, seq_lens, strict=True):
         k_all, v_all = cache.write(layer, k[start : start + n], v[start : start + n])
         if not kv_only:
-            outs.append(attention(q[start : start + n], k_all, v_all, causal=True))
+            outs.append(block.attn_fn(q[start : start + n], k_all, v_all, causal=True))
         start += n
     if kv_only:
         return None
@@ -217,5 +218,5 @@ def gen_layer_step(
         k_und, v_und = cache.kv(layer)  # [L_text, Hkv, D]
         k_i = torch.cat([k_und, k[start : start + n]])  # [L_text + n, Hkv, D]
         v_i = torch.cat([v_und, v[start : start + n]])
-        outs.append(attention(q[start : start + n], k_i, v_i))
+        outs.append(block.attn_fn(q[start : start + n], k_i, v_i))
     return block.finish(g, _cat(outs))

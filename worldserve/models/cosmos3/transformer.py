@@ -15,6 +15,9 @@ Loading: build under `torch.device("meta")` with the target dtype, `to_empty(dev
 FP8 mode (opt-in, after loading): `quantize_gen_fp8()` turns the gen tower's four GEMMs per layer into
 row-wise scaled e4m3 GEMMs (models/layers/fp8.py) and frees their bf16 weights; the und tower, the norms
 and the heads stay in the model dtype (und runs once per request).
+Attention kernel: `set_attention_backend(name)` picks FlashAttention-3 or SDPA for every layer
+(models/layers/flash_attention.py; auto = FA3 where it can run); `fp8_attention=True` sends the gen
+tower's attention through FA3's e4m3 kernel (lossy, the fp8 mode).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.cosmos3.layer import MoTLayer, compile_blocks, gen_layer_step, und_layer_step
 from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
 from worldserve.models.layers.attention import ContiguousKVCache, KVCache
+from worldserve.models.layers.flash_attention import fa3_fp8_attention, resolve_attention_backend
 from worldserve.models.layers.fp8 import fp8_supported
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
 from worldserve.models.layers.norm import RMSNorm
@@ -137,6 +141,20 @@ class Cosmos3Transformer(nn.Module):
             layer.gen.quantize_fp8(emulate=emulate, fast_accum=fast_accum)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed bf16 gen weights (about 13.9 GB on Nano) back
+
+    def set_attention_backend(self, name: str | None = None, *, fp8_attention: bool = False) -> str:
+        """Route every layer's attention through `name` (flash_attention.BACKENDS; None = auto); the label.
+
+        `fp8_attention` (needs FA3) runs the gen tower's attention in e4m3; the und tower stays exact."""
+        label, fn = resolve_attention_backend(name, self.device, self.dtype, self.config.head_dim)
+        if fp8_attention and label != "fa3":
+            raise ValueError(
+                "fp8 attention needs the FlashAttention-3 backend (FLASH_ATTN), which cannot run here"
+            )
+        for layer in self.layers:
+            layer.und.attn_fn = fn
+            layer.gen.attn_fn = fa3_fp8_attention if fp8_attention else fn
+        return label + ("+fp8" if fp8_attention else "")
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint key this model loads, with its on-disk shape."""

@@ -1,9 +1,10 @@
 """The one attention entry point (scaled dot-product, GQA) and the contiguous per-sequence K/V cache.
 
-`attention(q, k, v, causal=...)` takes token-major tensors, q [Nq, Hq, D] and k/v [Nk, Hkv, D] with
+`sdpa_attention(q, k, v, causal=...)` takes token-major tensors, q [Nq, Hq, D] and k/v [Nk, Hkv, D] with
 Hq a multiple of Hkv, and returns [Nq, Hq, D]. It runs `F.scaled_dot_product_attention` with
 `enable_gqa` (no K/V repeat). On CUDA the backend priority is cuDNN, then flash, then mem-efficient,
-then math; on CPU the math kernel runs. A causal call with Nq < Nk (decode, chunked prefill) aligns the
+then math; on CPU the math kernel runs. (`flash_attention.py` holds the FlashAttention-3 alternative with the
+same signature and semantics, and the choice between them.) A causal call with Nq < Nk (decode, chunked prefill) aligns the
 mask to the bottom right: query i of the new chunk sees keys [0, Nk - Nq + i]. Nothing here reads device
 values on the host, so it stays capturable (CUDA graphs, fullgraph compile).
 
@@ -39,7 +40,9 @@ def _lower_right_causal_mask(nq: int, nk: int, device: torch.device) -> Tensor:
     return k_idx <= q_idx + (nk - nq)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None) -> Tensor:
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None
+) -> Tensor:
     """q [Nq, Hq, D], k/v [Nk, Hkv, D] -> [Nq, Hq, D]; unmasked, or causal aligned at the bottom right."""
     nq, nk = q.shape[0], k.shape[0]
     is_causal = False

@@ -1,0 +1,185 @@
+"""Attention backends on one GPU: cuDNN SDPA vs FlashAttention-3 bf16 vs FA3 fp8, kernel and whole step.
+
+1. Kernel, at the joint gen shape (N_g queries over T + N_g keys, GQA 32/8, head dim 128; 720p x 189 + audio:
+   44,357 gen tokens, T = 300 and 3,500 text tokens): ms, TFLOP/s (4 N_q N_k H d), and the rel. L2 error of
+   each backend against a float32 reference on a sample of query rows. fp8 is timed with its on-device
+   e4m3 quantisation of q/k/v included, as the model runs it.
+2. Step: the full-size Nano transformer with random bf16 weights (worldserve/bench/models.py), gen layers
+   torch.compile'd (the product default), one CFG step (cond + uncond packed, 300-token prompts) with
+   `set_attention_backend` = sdpa, FLASH_ATTN; then `quantize_gen_fp8` + fp8 attention (the full fp8 mode)
+   and fp8 GEMMs with bf16 FA3 attention. Seconds a step (median of --steps after a warm-up), TFLOP/s, and
+   the rel. L2 of the velocities against the sdpa bf16 step at the same inputs.
+Writes JSON to --out and prints a short table last.
+
+    PYTHONPATH=. python bench/attention_backends.py --out $OUT/attention_backends.json   # H200, ~4 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+T_REF = 500
+
+
+def rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
+    if a is None or b is None:
+        return None
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """float32 attention of the sampled query rows over all keys (math kernel, K/V heads repeated)."""
+    rep = q.shape[1] // k.shape[1]
+    qh = q[rows].float().transpose(0, 1).unsqueeze(0)  # [1, Hq, R, D]
+    kh = k.float().repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)  # [1, Hq, Nk, D]
+    vh = v.float().repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        out = F.scaled_dot_product_attention(qh, kh, vh)
+    return out.squeeze(0).transpose(0, 1)  # [R, Hq, D]
+
+
+def kernel_bench(n_gen: int, n_text: int, device: torch.device, repeats: int) -> dict:
+    from worldserve.bench.timing import time_region
+    from worldserve.models.layers.attention import sdpa_attention
+    from worldserve.models.layers.flash_attention import fa3_attention, fa3_fp8_attention, fa3_module
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(n_gen, 32, 128, device=device, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(n_text + n_gen, 8, 128, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(n_text + n_gen, 8, 128, device=device, dtype=torch.bfloat16, generator=g)
+    rows = torch.linspace(0, n_gen - 1, 512, device=device).long()
+    ref = reference_rows(q, k, v, rows)
+    flops = 4.0 * n_gen * (n_gen + n_text) * 32 * 128
+    res: dict = {
+        "n_gen": n_gen,
+        "n_text": n_text,
+        "flops": flops,
+        "fa3_module": getattr(fa3_module(), "__name__", None),
+    }
+    cases = {"sdpa": sdpa_attention}
+    if fa3_module() is not None:
+        cases |= {"fa3": fa3_attention, "fa3_fp8": fa3_fp8_attention}
+    for name, fn in cases.items():
+        out = fn(q, k, v)
+        t = time_region(lambda fn=fn: fn(q, k, v), device, warmup=1, repeats=repeats)
+        res[name] = {
+            "ms": t.median * 1e3,
+            "tflops": flops / t.median / 1e12,
+            "rel_l2_vs_fp32": rel(out[rows], ref),
+        }
+    return res
+
+
+def snapshot(step) -> dict:
+    video, sound = step(T_REF)
+    out = {"video": video, "sound": sound, **step.last}
+    return {k: None if v is None else v.detach().clone() for k, v in out.items()}
+
+
+def step_bench(args, device: torch.device, log) -> dict:
+    from worldserve.bench.denoise import OurStep, make_inputs
+    from worldserve.bench.flops import TowerShape, tflops
+    from worldserve.bench.models import build_our_transformer
+    from worldserve.bench.timing import time_region
+    from worldserve.bench.workload import Workload
+    from worldserve.models.cosmos3.config import Cosmos3Config
+
+    cfg = Cosmos3Config.nano()
+    w = Workload(width=1280, height=720, num_frames=189, sound=True, cond_text=300, uncond_text=300)
+    shape = TowerShape.from_config(cfg)
+    model = build_our_transformer(cfg, device, torch.bfloat16, None, 0)
+    model.compile_gen_layers()
+    step = OurStep(model, w, make_inputs(w, cfg.vocab_size, device, 0))
+    step.prefill()
+    res: dict = {"workload": w.label, "gen_tokens": w.gen_tokens, "step_flops": w.step_flops(shape)}
+    ref = None
+    variants = [("sdpa", "TORCH_SDPA", False, False), ("fa3", "FLASH_ATTN", False, False),
+                ("fp8_gemm+fa3_bf16", "FLASH_ATTN", True, False), ("fp8_gemm+fa3_fp8", "FLASH_ATTN", True, True)]  # fmt: skip
+    for name, backend, fp8_gemm, fp8_attn in variants:
+        if fp8_gemm and not model.layers[0].gen.fp8:
+            model.quantize_gen_fp8()
+        try:
+            label = model.set_attention_backend(backend, fp8_attention=fp8_attn)
+        except ValueError as e:
+            res[name] = {"skipped": str(e)}
+            continue
+        log(f"step {name} ({label}): warm-up + {args.steps}")
+        t = time_region(lambda: step(999), device, warmup=1, repeats=args.steps)
+        snap = snapshot(step)
+        if ref is None:
+            ref = snap
+        res[name] = {**t.to_dict(), "step_s": t.median, "tflops": tflops(res["step_flops"], t.median),
+                     "err_vs_sdpa": {k: rel(snap[k], ref[k]) for k in ref}}  # fmt: skip
+        log(f"  {t.median:.3f} s; video err {res[name]['err_vs_sdpa']['video']}")
+        if args.profile_dir is not None and name in ("fa3", "fp8_gemm+fa3_fp8"):
+            from worldserve.bench.variants import profile_step
+
+            tag = name.replace("+", "_")
+            res[name]["profile"] = profile_step(
+                lambda: step(999), device, args.profile_dir / f"profile_step_{tag}.txt"
+            )
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-step", action="store_true", help="kernel table only")
+    ap.add_argument("--profile-dir", type=Path, default=None, help="torch.profiler tables of the fa3 steps")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    device = torch.device("cuda")
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+    from worldserve.bench.report import environment
+
+    res: dict = {"environment": environment(device), "kernel": []}
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+
+    for n_text in (300, 3500):
+        res["kernel"].append(kernel_bench(44_357, n_text, device, args.repeats))
+        log(
+            f"kernel T={n_text}: "
+            + json.dumps({k: v for k, v in res["kernel"][-1].items() if isinstance(v, dict)})
+        )
+        save()
+    if not args.no_step:
+        res["step"] = step_bench(args, device, log)
+        save()
+    res["wall_s"] = time.perf_counter() - t0
+    save()
+    print(f"\n{'kernel (44,357 q)':<26}{'ms':>8}{'TF/s':>8}{'err vs fp32':>13}")
+    for kr in res["kernel"]:
+        for name in ("sdpa", "fa3", "fa3_fp8"):
+            if name in kr:
+                r = kr[name]
+                print(
+                    f"{name + ' T=' + str(kr['n_text']):<26}{r['ms']:>8.1f}{r['tflops']:>8.0f}{r['rel_l2_vs_fp32']:>13.2e}"
+                )
+    for name, r in res.get("step", {}).items():
+        if isinstance(r, dict) and "step_s" in r:
+            e = r["err_vs_sdpa"]
+            print(
+                f"step {name:<22}{r['step_s']:>7.3f} s {r['tflops']:>5.0f} TF/s  video err {e['video']:.3f} sound {e['sound']}"
+            )
+        elif isinstance(r, dict):
+            print(f"step {name}: {r}")
+    print(f"wall {res['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

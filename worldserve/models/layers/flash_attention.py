@@ -1,0 +1,131 @@
+"""FlashAttention-3 (Hopper) forward, bf16 and fp8, through an optional package; the attention backend choice.
+
+FA3 is the fastest exact attention kernel on H100/H200 at the tower's shapes (head dim 128, GQA 32/8,
+~44k tokens; performance.md §3: cuDNN SDPA reaches ~570-610 TF/s there, FA3 ~650+). PyTorch does not ship
+it, so it comes from an optional wheel: `fa3-fwd` (forward-only FA3 built on the torch stable ABI, module
+`fa3_fwd_interface`; `pip install 'worldserve[hopper]'`) or an upstream FlashAttention-3 build (module
+`flash_attn_interface`). Both take token-major [B, N, H, D] tensors, the layout our projections produce,
+do GQA natively and align a causal mask to the bottom right (query i of Nq sees keys <= Nk - Nq + i), as
+`attention.sdpa_attention` does, so the backends are interchangeable.
+
+`fa3_fp8_attention` is the lossy opt-in path (`--quantization fp8`): q, k, v are cast to e4m3 with one
+amax scale per tensor (computed on the device, no host sync) and FA3's fp8 kernel un-scales them
+(`*_descale`); the output stays bf16.
+
+Backends (`--diffusion-attention-backend`, env `DIFFUSION_ATTENTION_BACKEND`, vLLM-Omni's names):
+- None / "auto": FA3 where it can run (CUDA sm90, bf16, head dim <= 256, package importable), else SDPA.
+- "FLASH_ATTN": FA3, and an error naming the fix where it cannot run.
+- "TORCH_SDPA" / "CUDNN_ATTN": PyTorch SDPA with cuDNN first (`attention.sdpa_attention`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from functools import cache
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from worldserve.models.layers.attention import sdpa_attention
+
+AttentionFn = Callable[..., Tensor]
+"""(q [Nq, Hq, D], k [Nk, Hkv, D], v [Nk, Hkv, D], *, causal=False, scale=None) -> [Nq, Hq, D]."""
+
+BACKENDS = ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN")
+"""Accepted `--diffusion-attention-backend` values (None means auto)."""
+
+FA3_MODULES = ("fa3_fwd_interface", "flash_attn_interface")
+"""Importable FA3 front ends, in order of preference."""
+
+FA3_INSTALL_HINT = (
+    "pip install 'worldserve[hopper]' (the fa3-fwd wheel: FlashAttention-3 forward for torch/CUDA 13)"
+)
+
+E4M3_MAX = 448.0
+
+
+@cache
+def fa3_module() -> ModuleType | None:
+    """The first importable FA3 front end, or None (never raises: a broken install reads as absent)."""
+    for name in FA3_MODULES:
+        try:
+            return importlib.import_module(name)
+        except Exception:  # ImportError, or an OSError / RuntimeError from a mismatched binary
+            continue
+    return None
+
+
+def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA3 cannot run here (one line), or None when it can."""
+    if device.type != "cuda":
+        return f"FlashAttention-3 needs an NVIDIA Hopper GPU; the model is on {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"FlashAttention-3 runs on compute capability 9.0 (H100/H200); {device} is {major}.{minor}"
+    if dtype != torch.bfloat16:
+        return f"FlashAttention-3 (fa3-fwd) runs in bfloat16; the model is {dtype}"
+    if head_dim > 256 or head_dim % 8:
+        return f"FlashAttention-3 needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+    if fa3_module() is None:
+        return f"no FlashAttention-3 package is importable ({' / '.join(FA3_MODULES)}): {FA3_INSTALL_HINT}"
+    return None
+
+
+def _first(result) -> Tensor:
+    """FA3 front ends return out, or (out, lse) in some versions."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def fa3_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """q [Nq, Hq, D], k/v [Nk, Hkv, D] (bf16, CUDA sm90) -> [Nq, Hq, D] through FlashAttention-3."""
+    mod = fa3_module()
+    out = mod.flash_attn_func(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale, causal=causal
+    )
+    return _first(out).squeeze(0)  # [1, Nq, Hq, D] -> [Nq, Hq, D]
+
+
+def quantize_e4m3_per_tensor(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (any float) -> (x / s as e4m3, s [] fp32) with s = amax / 448, computed on the device."""
+    s = (x.abs().amax().float() / E4M3_MAX).clamp_min(1e-12)
+    return (x / s).to(torch.float8_e4m3fn), s
+
+
+def fa3_fp8_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """fa3_attention with q, k, v in e4m3 (one scale each); bf16 output. Lossy: the fp8 mode only."""
+    mod = fa3_module()
+    hkv = k.shape[1]
+    q8, sq = quantize_e4m3_per_tensor(q)
+    k8, sk = quantize_e4m3_per_tensor(k)
+    v8, sv = quantize_e4m3_per_tensor(v)
+    descale = [s.reshape(1, 1).expand(1, hkv) for s in (sq, sk, sv)]  # FA3 wants [B, Hkv] fp32
+    out = mod.flash_attn_func(
+        q8.unsqueeze(0), k8.unsqueeze(0), v8.unsqueeze(0), softmax_scale=scale, causal=causal,
+        q_descale=descale[0], k_descale=descale[1], v_descale=descale[2],
+    )  # fmt: skip
+    return _first(out).squeeze(0).to(q.dtype)
+
+
+def resolve_attention_backend(
+    name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> tuple[str, AttentionFn]:
+    """(label, attention function) for `--diffusion-attention-backend name` on this device and dtype.
+
+    ValueError when FLASH_ATTN is asked for and cannot run, or the name is unknown."""
+    key = (name or "auto").upper()
+    if key in ("TORCH_SDPA", "CUDNN_ATTN"):
+        return "sdpa", sdpa_attention
+    if key not in ("AUTO", "FLASH_ATTN"):
+        raise ValueError(f"--diffusion-attention-backend must be one of {BACKENDS} or auto, got {name!r}")
+    reason = fa3_unavailable_reason(device, dtype, head_dim)
+    if reason is None:
+        return "fa3", fa3_attention
+    if key == "FLASH_ATTN":
+        raise ValueError(f"--diffusion-attention-backend FLASH_ATTN: {reason}")
+    return "sdpa", sdpa_attention

@@ -1,0 +1,91 @@
+"""How the loaded transformer runs: torch.compile, fp8 GEMMs, the attention kernel, fp8 attention.
+
+One frozen `KernelOptions` travels from the CLI (`serve` / `generate` flags) to every rank that loads a
+transformer (the CFG-parallel peer gets the same object), and `apply` turns a freshly loaded model into
+the configured one in a fixed order: fp8 weights first (they replace the GEMM weights), then the
+attention backend, then compilation (the compiled graphs see the final weights). `check` raises the
+user-facing ValueError before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worldserve import envs
+from worldserve.models.layers.flash_attention import BACKENDS, fa3_unavailable_reason
+
+QUANTIZATIONS = ("fp8", "fp8-emulated")
+"""`quantization` values besides None; the CLI offers "fp8" only ("fp8-emulated": float32 numerics, tests)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KernelOptions:
+    compile: bool = True
+    """torch.compile the gen layers on CUDA (1.13x a step on an H200); CPU always runs eagerly."""
+    quantization: str | None = None
+    """None, "fp8" (gen tower GEMMs in e4m3, row-wise scales; bf16 gen weights freed) or "fp8-emulated"."""
+    attention_backend: str | None = None
+    """flash_attention.BACKENDS name; None: `DIFFUSION_ATTENTION_BACKEND`, else auto (FA3 where it runs)."""
+    fp8_attention: bool = False
+    """Gen tower attention in e4m3 through FlashAttention-3 (lossy; H100/H200 with the FA3 package)."""
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        name = self.backend_name
+        if name is not None and name.upper() not in (*BACKENDS, "AUTO"):
+            raise ValueError(f"--diffusion-attention-backend must be one of {BACKENDS} or auto, got {name!r}")
+
+    @classmethod
+    def from_flags(
+        cls, *, enforce_eager: bool, quantization: str | None, diffusion_attention_backend: str | None,
+        fp8_attention: bool,
+    ) -> KernelOptions:  # fmt: skip
+        """From the `serve` / `generate` flags of the same names ("auto" = None)."""
+        backend = diffusion_attention_backend
+        return cls(
+            compile=not enforce_eager, quantization=quantization, fp8_attention=fp8_attention,
+            attention_backend=None if backend is None or backend.lower() == "auto" else backend,
+        )  # fmt: skip
+
+    @property
+    def backend_name(self) -> str | None:
+        """The flag, else the environment variable, else None (auto)."""
+        return self.attention_backend or envs.attention_backend()
+
+    def check(self, device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> None:
+        """ValueError (with the way out) when these options cannot run on this device / dtype."""
+        if self.quantization == "fp8":
+            from worldserve.models.layers.fp8 import fp8_supported
+
+            if not fp8_supported(device):
+                raise ValueError(
+                    f"--quantization fp8 needs an NVIDIA GPU of compute capability 9.0+ (H100/H200/B200); "
+                    f"device {device} has none. Run without --quantization"
+                )
+            if dtype != torch.bfloat16:
+                raise ValueError(f"--quantization fp8 runs with --dtype bfloat16 only, got {dtype}")
+        wants_fa3 = (self.backend_name or "").upper() == "FLASH_ATTN"
+        if wants_fa3 or self.fp8_attention:
+            reason = fa3_unavailable_reason(device, dtype, head_dim)
+            if reason is not None:
+                flag = "--fp8-attention" if self.fp8_attention else "--diffusion-attention-backend FLASH_ATTN"
+                raise ValueError(f"{flag}: {reason}")
+        if self.fp8_attention and (self.backend_name or "auto").upper() in ("TORCH_SDPA", "CUDNN_ATTN"):
+            raise ValueError("--fp8-attention runs on FlashAttention-3: drop --diffusion-attention-backend")
+
+    def apply(self, transformer) -> str:
+        """Quantise, pick the attention kernel, compile; returns e.g. "fa3+compiled" for the logs."""
+        self.check(transformer.device, transformer.dtype, transformer.config.head_dim)
+        if self.quantization is not None:
+            transformer.quantize_gen_fp8(emulate=self.quantization == "fp8-emulated")
+        label = transformer.set_attention_backend(self.backend_name, fp8_attention=self.fp8_attention)
+        parts = [label] + ([self.quantization] if self.quantization else [])
+        if self.compile and transformer.device.type == "cuda":
+            transformer.compile_gen_layers()
+            parts.append("compiled")
+        return "+".join(parts)
