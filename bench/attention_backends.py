@@ -1,5 +1,7 @@
 """Attention backends on one GPU: cuDNN SDPA vs FlashAttention-3 bf16 vs FA3 fp8, kernel and whole step.
 
+0. PyTorch's default SDPA choice at the joint shape, fresh and after our sdpa_attention calls; FA3's
+   pack_gqa settings and a B=2 (both CFG items) call.
 1. Kernel, at the joint gen shape (N_g queries over T + N_g keys, GQA 32/8, head dim 128; 720p x 189 + audio:
    44,357 gen tokens, T = 300 and 3,500 text tokens): ms, TFLOP/s (4 N_q N_k H d), and the rel. L2 error of
    each backend against a float32 reference on a sample of query rows. fp8 is timed with its on-device
@@ -77,6 +79,52 @@ def kernel_bench(n_gen: int, n_text: int, device: torch.device, repeats: int) ->
     return res
 
 
+def sdpa_choice_probe(device: torch.device) -> dict:
+    """PyTorch's default SDPA choice at the joint shape, fresh and after our sdpa_attention calls (whose
+    `sdpa_kernel(..., set_priority=True)` context must leave the global order as it found it)."""
+    from worldserve.models.layers.attention import sdpa_attention
+
+    names = {1: "FLASH_ATTENTION", 2: "EFFICIENT_ATTENTION", 3: "CUDNN_ATTENTION"}
+    q = torch.randn(1, 32, 44_357, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 44_657, 128, device=device, dtype=torch.bfloat16)
+
+    def choice() -> str:
+        c = int(torch._fused_sdp_choice(q, k, k, enable_gqa=True))
+        return names.get(c, str(c))
+
+    out = {"fresh": choice()}
+    t = q[0, :, :64].transpose(0, 1)  # [64, 32, 128]
+    kv = k[0, :, :96].transpose(0, 1)
+    sdpa_attention(t, kv, kv)
+    out["after_sdpa_attention"] = choice()
+    sdpa_attention(t, kv, kv, causal=True)
+    out["after_causal_sdpa_attention"] = choice()
+    return out
+
+
+def fa3_knobs(n_gen: int, n_text: int, device: torch.device, repeats: int) -> dict:
+    """FA3 pack_gqa settings, and both CFG items in one B=2 call vs two calls."""
+    from worldserve.bench.timing import time_region
+    from worldserve.models.layers.flash_attention import fa3_module
+
+    mod = fa3_module()
+    q = torch.randn(1, n_gen, 32, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, n_text + n_gen, 8, 128, device=device, dtype=torch.bfloat16)
+    flops = 4.0 * n_gen * (n_gen + n_text) * 32 * 128
+    res = {}
+    for name, kw in (
+        ("pack_gqa_none", {}),
+        ("pack_gqa_true", {"pack_gqa": True}),
+        ("pack_gqa_false", {"pack_gqa": False}),
+    ):
+        t = time_region(lambda kw=kw: mod.flash_attn_func(q, k, k, **kw), device, warmup=1, repeats=repeats)
+        res[name] = {"ms": t.median * 1e3, "tflops": flops / t.median / 1e12}
+    q2, k2 = torch.cat([q, q]), torch.cat([k, k])
+    t = time_region(lambda: mod.flash_attn_func(q2, k2, k2), device, warmup=1, repeats=repeats)
+    res["b2_per_item"] = {"ms": t.median * 1e3 / 2, "tflops": 2 * flops / t.median / 1e12}
+    return res
+
+
 def snapshot(step) -> dict:
     video, sound = step(T_REF)
     out = {"video": video, "sound": sound, **step.last}
@@ -150,6 +198,14 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
 
+    res["sdpa_choice"] = sdpa_choice_probe(device)
+    log(f"SDPA default choice: {res['sdpa_choice']}")
+    from worldserve.models.layers.flash_attention import fa3_module
+
+    if fa3_module() is not None:
+        res["fa3_knobs"] = fa3_knobs(44_357, 300, device, args.repeats)
+        log(f"FA3 knobs: {res['fa3_knobs']}")
+    save()
     for n_text in (300, 3500):
         res["kernel"].append(kernel_bench(44_357, n_text, device, args.repeats))
         log(

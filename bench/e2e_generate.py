@@ -40,10 +40,10 @@ def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = Cosmos3Config.tiny(vocab_size=2048) if tiny else Cosmos3Config.nano()
     transformer = build_our_transformer(config, device, dtype, None, seed)
-    print("transformer kernels:", KernelOptions().apply(transformer))  # VideoPipeline.from_pretrained's default
-    vae = build_video_vae(device, dtype, tiny=tiny)
-    if device.type == "cuda" and vae.decoder is not None:
-        vae.decoder.compile()  # as VideoPipeline.from_pretrained does by default
+    print(
+        "transformer kernels:", KernelOptions().apply(transformer)
+    )  # VideoPipeline.from_pretrained's default
+    vae = build_video_vae(device, dtype, tiny=tiny, compile_decoder=device.type == "cuda")
     audio = build_audio_vae(device, dtype, tiny=tiny)
     tok_dir = Path(tempfile.mkdtemp()) / "text_tokenizer"
     write_tiny_tokenizer(tok_dir)  # the real Qwen tokenizer is not available offline; ids are a subset

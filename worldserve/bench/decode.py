@@ -1,8 +1,8 @@
 """The fixed tail of a request: Wan2.2 VAE decode, audio (AVAE) decode, uint8 conversion + copy to the
 host, and the MP4 mux (H.264 + AAC), each timed on its own.
 
-The VAE decode is timed as `VideoVAE.decode_pixels` (denormalise + our `WanDecoder`, eager here;
-bench/vae_decode.py compares it with diffusers' `AutoencoderKLWan.decode` and the compiled decoder); the
+The VAE decode is timed as `VideoVAE.decode_pixels` (denormalise + our `WanDecoder`, torch.compile'd on
+CUDA as the product runs it; the warm-up decode compiles; bench/vae_decode.py compares it with diffusers' `AutoencoderKLWan.decode` and the compiled decoder); the
 uint8 postprocess and the device-to-host copy separately; the audio decode as `AudioVAE.decode` (weight
 norm folded, trimmed to the video length). The mux is `worldserve.media.video.encode_mp4` (libx264
 ultrafast crf 18 + AAC). Random VAE weights decode to noise-like frames, which x264 compresses far worse
@@ -56,7 +56,7 @@ def bench_decode(
     res: dict = {"workload": w.label}
     g = torch.Generator(device="cpu").manual_seed(1)
     latents = torch.randn(w.latent_shape, generator=g).to(device)  # normalised, as the sampler leaves them
-    vae = build_video_vae(device, dtype, tiny=tiny)
+    vae = build_video_vae(device, dtype, tiny=tiny, compile_decoder=device.type == "cuda")  # product default
     res["vae_params"] = param_count(vae.model) + (param_count(vae.decoder) if vae.decoder is not None else 0)
     resident = allocated_gib(device)
     reset_peak(device)

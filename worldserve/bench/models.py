@@ -88,8 +88,11 @@ def build_our_transformer(
     return model
 
 
-def build_video_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False):
-    """Wan2.2 VAE (diffusers AutoencoderKLWan, Nano config) with random init, behind our VideoVAE."""
+def build_video_vae(
+    device: torch.device, dtype: torch.dtype, *, tiny: bool = False, compile_decoder: bool = False
+):
+    """Wan2.2 VAE (diffusers AutoencoderKLWan, Nano config) with random init, behind our VideoVAE
+    (`compile_decoder`: as VideoPipeline.from_pretrained does on CUDA)."""
     from diffusers import AutoencoderKLWan
 
     from worldserve.models.cosmos3.vae import VideoVAE
@@ -101,7 +104,7 @@ def build_video_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = Fa
     }
     with torch.device(device):
         model = AutoencoderKLWan(**cfg)
-    return VideoVAE(model.to(dtype=dtype).eval().requires_grad_(False))
+    return VideoVAE(model.to(dtype=dtype).eval().requires_grad_(False), compile_decoder=compile_decoder)
 
 
 def build_audio_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False):

@@ -111,6 +111,7 @@ def layer_numerics(
     import copy
 
     from worldserve.models.cosmos3.layer import gen_layer_step
+    from worldserve.models.layers.attention import sdpa_attention
 
     blk = model.layers[0].gen
     g = torch.Generator(device=device).manual_seed(seed)
@@ -122,6 +123,7 @@ def layer_numerics(
     cos, sin = model.rotary_emb.cos_sin(pos, torch.float32)
     spans = [(0, n_gen)]
     ref_blk = copy.deepcopy(blk).float()
+    ref_blk.attn_fn = sdpa_attention  # the float32 reference runs SDPA's math kernel (FA3 is bf16-only)
     ref = gen_layer_step(ref_blk, 0, x.float(), cos, sin, [_FixedKV(kt.float(), vt.float())], spans)
     del ref_blk
     args = (0, x, cos.to(torch.bfloat16), sin.to(torch.bfloat16), [_FixedKV(kt, vt)], spans)
