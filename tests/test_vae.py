@@ -58,7 +58,7 @@ def test_latent_statistics_match_pipeline(vae, pipe):
 def test_decode_matches_pipeline_call(vae, pipe):
     """One pipeline call with explicit initial latents: the step-end callback hands us the final latents
     (what the pipeline then decodes), output_type "np" its decoded frames. Our decode of those latents must
-    give exactly the pipeline's frames (as uint8)."""
+    give the pipeline's frames (as uint8; a value at a .5 rounding boundary may land one level away)."""
     init = torch.randn(1, 48, 3, 2, 3, generator=torch.Generator().manual_seed(1))
     seen = {}
 
@@ -74,7 +74,7 @@ def test_decode_matches_pipeline_call(vae, pipe):
     assert final.shape == init.shape and not torch.equal(final, init)
     ours = vae.decode(final)
     assert ours.shape == (1, 9, HEIGHT, WIDTH, 3) and ours.dtype == np.uint8
-    np.testing.assert_array_equal(ours[0], (expected * 255).round().astype(np.uint8))
+    _assert_frames_within_one_level(ours[0], (expected * 255).round().astype(np.uint8))
     # [48, T, h, w] input drops the batch axis
     np.testing.assert_array_equal(vae.decode(final[0]), ours[0])
 
@@ -88,11 +88,18 @@ def test_decode_pixels_matches_pipeline_ops(vae, pipe):
         expected = pipe.vae.decode(z_raw).sample.float()
     ours = vae.decode_pixels(latents)
     assert ours.shape == (2, 3, 5, HEIGHT, WIDTH)
-    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    # The sub-pixel upsample convs sum the 3x3 taps in another order: ~1e-7 relative in float32.
+    assert float((ours - expected).norm() / expected.norm()) < 1e-5
     frames = vae.decode(latents)
     assert frames.shape == (2, 5, HEIGHT, WIDTH, 3)
     post = pipe.video_processor.postprocess_video(expected, output_type="np")  # (B, F, H, W, 3) float
-    np.testing.assert_array_equal(frames, (post * 255).round().astype(np.uint8))
+    _assert_frames_within_one_level(frames, (post * 255).round().astype(np.uint8))
+
+
+def _assert_frames_within_one_level(ours: np.ndarray, expected: np.ndarray) -> None:
+    """uint8 frames equal up to a pixel value rounded the other way (float32 noise at a .5 boundary)."""
+    diff = np.abs(ours.astype(np.int16) - expected.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff.max(), (diff > 0).mean())
 
 
 def test_single_latent_frame_decodes_one_frame(vae):
