@@ -250,7 +250,8 @@ class CfgParallelPipeline:
     generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the peer ("stop", then join; killed after `timeout_s`) and destroy the process group."""
+        """Stop the peer ("stop"), destroy the process group (both ranks tear it down at once, so
+        neither waits on the other), then join the peer (killed after `timeout_s`)."""
         if self._closed:
             return
         with self._lock:
@@ -260,9 +261,9 @@ class CfgParallelPipeline:
             except comm.PeerError:
                 pass
             self._closed = True
+            comm.destroy_world()
             self.process.join(timeout_s)
             if self.process.is_alive():
                 log.warning("CFG-parallel peer did not stop within %gs; killing it", timeout_s)
                 self.process.kill()
                 self.process.join(5)
-            comm.destroy_world()

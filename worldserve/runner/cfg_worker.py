@@ -80,6 +80,12 @@ def cfg_worker_main(
         sys.exit(1)
     finally:
         comm.destroy_world()
+    # A clean stop: nothing left to flush but the logs. Skip the interpreter's teardown (torch.compile's
+    # worker pools, CUDA context) that kept a 2-GPU peer alive past the leader's 30 s join.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @torch.inference_mode()
