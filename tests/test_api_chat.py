@@ -125,6 +125,42 @@ def test_stream_with_image_data_url(oai, reasoner):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def _mp4(frames: int = 30, fps: float = 24.0) -> bytes:
+    from worldserve.media.video import encode_mp4
+
+    rng = np.random.default_rng(5)
+    clip = rng.integers(0, 256, (frames, 9, 12, 3), dtype=np.uint8).repeat(8, axis=1).repeat(8, axis=2)
+    return encode_mp4(clip, fps)  # frames x 72 x 96
+
+
+@pytest.mark.parametrize(("media_io", "frames"), [(None, 4), ({"video": {"num_frames": 6}}, 6)])
+def test_video_url_data_and_file(server, reasoner, media_io, frames):
+    """A video_url part (data: URL, then file://) answers what the Reasoner answers for the same decoded
+    frames; media_io_kwargs changes the sampling."""
+    from worldserve.media.video_input import decode_chat_video
+    from worldserve.params import VideoSampling
+
+    url, media = server
+    mp4 = _mp4()
+    (media / "clip.mp4").write_bytes(mp4)
+    sampling = VideoSampling() if media_io is None else VideoSampling(fps=None, num_frames=6)
+    video = decode_chat_video(mp4, sampling)
+    assert len(video.frames) == frames
+    msgs = (ChatMessage(role="user", content=(ChatPart(type="video", video=video),
+                                               ChatPart(type="text", text="What moves?"))),)  # fmt: skip
+    text, session = _direct(reasoner, ChatParams(messages=msgs, max_tokens=4, temperature=0))
+    for ref in ("data:video/mp4;base64," + base64.b64encode(mp4).decode(), f"file://{media / 'clip.mp4'}"):
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": ref}}, {"type": "text", "text": "What moves?"}]}]}  # fmt: skip
+        if media_io is not None:
+            body["media_io_kwargs"] = media_io
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["message"]["content"] == text
+        assert out["usage"]["prompt_tokens"] == session.prompt_tokens
+
+
 def test_sse_wire_format_and_file_url(server):
     url, media = server
     body = {"model": MODEL, "stream": True, "max_tokens": 3, "temperature": 0.7, "seed": 1, "top_p": 0.9,
@@ -166,7 +202,14 @@ def test_sse_wire_format_and_file_url(server):
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
          400, "messages", "must be a subpath"),
         ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "https://x.org/a.mp4"}]}]},
-         400, "messages", "video_url"),
+         400, "messages", "does not fetch remote media"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,aGVsbG8="}}]}]},
+         400, "messages", "not a valid video"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": ""}}]}]},
+         400, "messages", "video_url.url"),
+        ({"media_io_kwargs": {"video": {"fps": 2, "num_frames": 4}}}, 400, "media_io_kwargs", "mutually exclusive"),
+        ({"media_io_kwargs": {"video": {"fps": -1}}}, 400, "media_io_kwargs", "fps must be > 0"),
+        ({"media_io_kwargs": {"video": {"frames": 3}}}, 400, "media_io_kwargs", "takes"),
         ({"max_tokens": 100000}, 400, "max_tokens", "maximum context length"),
         ({"temperature": -1}, 400, "temperature", "validation error"),
         ({"presence_penalty": 1.5}, 400, "presence_penalty", "not supported"),

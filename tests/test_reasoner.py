@@ -77,9 +77,12 @@ def _check_parity(reasoner, oracle, params, steps=5):
         ours.append(reasoner.decode(tok, cache, pos)[None])
         pos += 1
     seq = torch.tensor(prompt.input_ids + tokens)[None]
-    kwargs = {"mm_token_type_ids": (seq == reasoner.image_token_id).int()}
+    kind = (seq == reasoner.image_token_id).int() + 2 * (seq == reasoner.video_token_id).int()
+    kwargs = {"mm_token_type_ids": kind}
     if prompt.vision is not None:
         kwargs.update(pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.grid_thw)
+    if prompt.video is not None:
+        kwargs.update(pixel_values_videos=prompt.video.pixel_values, video_grid_thw=prompt.video.grid_thw)
     with torch.no_grad():
         ref = oracle(input_ids=seq, **kwargs).logits[0]  # [N + steps, V]
     ours_all = torch.cat(ours)

@@ -179,15 +179,92 @@ class VideoParams:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class VideoSampling:
+    """Which frames of a chat video the Reasoner sees (Qwen3-VL's video processor defaults; per request:
+    `media_io_kwargs.video.fps` / `.num_frames`, mutually exclusive)."""
+
+    fps: float | None = 2.0
+    """Frames sampled per second of video (None when num_frames is given)."""
+    num_frames: int | None = None
+    """Exactly this many frames, evenly spread (a shorter clip repeats frames, as transformers does)."""
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 32 * 32
+    """Lower bound of sampled frames x height x width after resizing (Qwen3-VL `size.shortest_edge`)."""
+    max_pixels: int = 768 * 32 * 32
+    """Upper bound of the same product (`size.longest_edge`): more frames, smaller frames."""
+    factor: int = 32
+    """Frame sides become multiples of patch 16 x merge 2."""
+    temporal_patch: int = 2
+    """Frames per ViT temporal patch (the frame count is padded to a multiple of it)."""
+
+    def validate(self) -> VideoSampling:
+        if self.fps is not None and self.num_frames is not None:
+            raise ParamError("media_io_kwargs", "video fps and num_frames are mutually exclusive")
+        if self.fps is not None and not (math.isfinite(self.fps) and self.fps > 0):
+            raise ParamError("media_io_kwargs", f"video fps must be > 0, got {self.fps}")
+        if self.num_frames is not None and not 1 <= self.num_frames <= self.max_frames:
+            raise ParamError(
+                "media_io_kwargs",
+                f"video num_frames must be in [1, {self.max_frames}], got {self.num_frames}",
+            )
+        return self
+
+    def indices(self, total_frames: int, source_fps: float) -> list[int]:
+        """Qwen3-VL `sample_frames`: n = total / source_fps * fps, clamped to [min_frames, max_frames] and the
+        clip length (or exactly num_frames, repeating frames of a shorter clip), at round(linspace(0, total - 1, n))."""
+        if self.num_frames is not None:
+            n = self.num_frames
+        else:
+            n = int(total_frames / source_fps * (self.fps or 2.0))
+            n = min(max(n, self.min_frames), self.max_frames, total_frames)
+        return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
+
+    def frame_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """Qwen3-VL video `smart_resize`: (height, width) as multiples of `factor`, near the aspect ratio,
+        with round(num_frames / 2) * 2 * height * width within [min_pixels, max_pixels]."""
+        f, tf = self.factor, self.temporal_patch
+        if height < f or width < f:
+            scale = max(f / height, f / width)
+            height, width = int(height * scale), int(width * scale)
+        if max(height, width) / min(height, width) > 200:
+            raise ParamError("messages", "video aspect ratio must be smaller than 200")
+        h_bar, w_bar = round(height / f) * f, round(width / f) * f
+        t_bar = round(num_frames / tf) * tf
+        if t_bar * h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(num_frames * height * width / self.max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif t_bar * h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (num_frames * height * width))
+            h_bar, w_bar = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+        return h_bar, w_bar
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatVideo:
+    """A decoded chat video: the sampled frames and where they sit in the clip."""
+
+    frames: np.ndarray
+    """uint8 RGB (N, H, W, 3): the sampled frames in order, already resized to the ViT's input size."""
+    indices: tuple[int, ...]
+    """Their frame numbers in the source clip (timestamps = index / source_fps)."""
+    source_fps: float
+    """The clip's average frame rate."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ChatPart:
-    """One content part of a chat message: text, or a decoded image."""
+    """One content part of a chat message: text, a decoded image or a decoded video."""
 
     type: str
-    """"text" or "image"."""
+    """"text", "image" or "video"."""
     text: str = ""
     """The text of a text part."""
     image: np.ndarray | None = None
     """uint8 RGB (H, W, 3) of an image part."""
+    video: ChatVideo | None = None
+    """The sampled frames of a video part."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,9 +3,11 @@
 Request -> checks (served model name else 404 NotFoundError; n == 1; media loaded and decoded here, in the
 API process, with Pillow) -> `ChatParams` -> `EngineClient.chat` (the ChatWorker thread runs prefill and
 decode steps under the engine's model lock, so the event loop never waits on the model).
-Media: image_url parts accept base64 `data:` URLs and `file://` paths under --allowed-local-media-path.
-http(s) URLs are refused with a 400: this server does not fetch remote media (it may run with no network);
-send the bytes inline as a data URL. video_url parts are refused with a 400 (video input is not served yet).
+Media: image_url and video_url parts accept base64 `data:` URLs and `file://` paths under
+--allowed-local-media-path. http(s) URLs are refused with a 400: this server does not fetch remote media (it
+may run with no network); send the bytes inline as a data URL. Videos are decoded with PyAV and sampled as
+Qwen3-VL's processor samples them (2 fps by default; per request `media_io_kwargs: {"video": {"fps": F}}` or
+`{"num_frames": N}`), each kept frame resized as it is decoded. Media decoding runs in a worker thread.
 Streaming: the first chunk carries the role, then one chunk per text piece, a final chunk with `delta: {}`
 and the finish_reason, an optional usage chunk (`stream_options.include_usage`), then `data: [DONE]`.
 Errors before the first byte use the normal envelope; a failure mid-stream is sent as `data: {"error": ...}`
@@ -14,6 +16,7 @@ followed by `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -47,18 +50,19 @@ from worldserve.engine.client import (
     ShuttingDownError,
 )
 from worldserve.media.image import decode_image
-from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
+from worldserve.media.video_input import decode_chat_video
+from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError, VideoSampling
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
 REMOTE_REFUSED = (
-    "worldserve does not fetch remote media (http/https URLs): send the image inline as a base64 data URL "
-    "(data:image/png;base64,...) or as file:///path under --allowed-local-media-path."
+    "worldserve does not fetch remote media (http/https URLs): send it inline as a base64 data URL "
+    "(data:image/png;base64,... or data:video/mp4;base64,...) or as file:///path under --allowed-local-media-path."
 )
 
 
-def load_media_url(url: str, allowed_local_path: str | None) -> bytes:
-    """The bytes behind an image URL (data: or file://); raises ParamError("messages", ...)."""
+def load_media_url(url: str, allowed_local_path: str | None, kind: str = "image") -> bytes:
+    """The bytes behind an image / video URL (data: or file://); raises ParamError("messages", ...)."""
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
         header, sep, payload = url[5:].partition(",")
@@ -67,7 +71,7 @@ def load_media_url(url: str, allowed_local_path: str | None) -> bytes:
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise ParamError("messages", "Invalid base64 data in the image data URL.") from None
+            raise ParamError("messages", f"Invalid base64 data in the {kind} data URL.") from None
     if scheme == "file":
         if not allowed_local_path:
             raise ParamError("messages", "Cannot load local files without `--allowed-local-media-path`.")
@@ -84,34 +88,55 @@ def load_media_url(url: str, allowed_local_path: str | None) -> bytes:
             raise ParamError("messages", f"Cannot read {path}: {exc.strerror}") from None
     if scheme in ("http", "https"):
         raise ParamError("messages", REMOTE_REFUSED)
-    raise ParamError("messages", f"Unsupported image URL scheme {scheme!r}: use a base64 data URL")
+    raise ParamError("messages", f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
 
 
-def _part(part: ContentPart, allowed_local_path: str | None) -> ChatPart:
+def _url(ref, kind: str) -> str:
+    url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
+    if not url:
+        raise ParamError("messages", f"a {kind}_url part needs {kind}_url.url")
+    return url
+
+
+def video_sampling(media_io_kwargs: dict | None) -> VideoSampling:
+    """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) over Qwen3-VL's defaults (2 fps)."""
+    video = (media_io_kwargs or {}).get("video") or {}
+    if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
+        raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
+    fps, num = video.get("fps"), video.get("num_frames")
+    if num == -1:  # vLLM's "decode every frame, let the processor sample": the default here
+        num = None
+    if (fps is not None and not isinstance(fps, int | float)) or (num is not None and type(num) is not int):
+        raise ParamError(
+            "media_io_kwargs", "media_io_kwargs.video fps must be a number, num_frames an integer"
+        )
+    if num is not None:
+        return VideoSampling(fps=None if fps is None else float(fps), num_frames=num).validate()
+    return VideoSampling(fps=2.0 if fps is None else float(fps)).validate()
+
+
+def _part(part: ContentPart, allowed_local_path: str | None, sampling: VideoSampling) -> ChatPart:
     if part.type == "text":
         return ChatPart(type="text", text=part.text or "")
     if part.type == "image_url":
-        ref = part.image_url
-        url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
-        if not url:
-            raise ParamError("messages", "an image_url part needs image_url.url")
-        image = decode_image(load_media_url(url, allowed_local_path), param="messages")
-        return ChatPart(type="image", image=image)
+        data = load_media_url(_url(part.image_url, "image"), allowed_local_path)
+        return ChatPart(type="image", image=decode_image(data, param="messages"))
     if part.type == "video_url":
-        raise ParamError(
-            "messages", "video_url parts are not supported by this server yet; send frames as images"
-        )
+        data = load_media_url(_url(part.video_url, "video"), allowed_local_path, kind="video")
+        return ChatPart(type="video", video=decode_chat_video(data, sampling))
     raise ParamError("messages", f"content parts of type {part.type!r} are not supported")
 
 
 def build_params(body: ChatCompletionRequest, allowed_local_path: str | None) -> ChatParams:
+    """The request as ChatParams, media loaded and decoded (blocking: call it off the event loop)."""
+    sampling = video_sampling(body.media_io_kwargs)
     messages = []
     for msg in body.messages:
         role = "system" if msg.role == "developer" else msg.role
         if msg.content is None or isinstance(msg.content, str):
             messages.append(ChatMessage(role=role, content=msg.content or ""))
         else:
-            parts = tuple(_part(p, allowed_local_path) for p in msg.content)
+            parts = tuple(_part(p, allowed_local_path, sampling) for p in msg.content)
             messages.append(ChatMessage(role=role, content=parts))
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return ChatParams(
@@ -172,7 +197,7 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(400, f"n must be 1 (got {body.n}): this server returns a single choice", param="n")
     if (field := body.unsupported()) is not None:
         raise APIError(400, f"{field} is not supported by this server yet", param=field)
-    params = build_params(body, st.allowed_local_media_path)
+    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path)
     try:
         events = st.client.chat(params)
         first = await anext(events)

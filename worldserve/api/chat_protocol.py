@@ -63,6 +63,10 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='Per-request media loading, e.g. {"video": {"fps": 4.0}} or {"video": {"num_frames": 16}}.',
+    )
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot honour yet (answered with a 400)."""

@@ -9,6 +9,11 @@
   (`VideoProcessor.preprocess_video` with `resample="bilinear"`, resize_mode "default"): each frame is
   a PIL image resized to exactly width x height with PIL's bilinear filter, no aspect-preserving crop
   (unlike the I2V image path). The result is uint8, so `x/255*2-1` of it equals the pipeline's tensor.
+- `decode_chat_video(data, sampling)`: a Reasoner video -> `ChatVideo`: the frames Qwen3-VL's video processor
+  samples (`VideoSampling.indices`, 2 fps by default), each resized with PIL bicubic to the processor's
+  `smart_resize` size as it is decoded (a long clip never sits in memory at full size). transformers resizes
+  with torchvision's antialiased bicubic, so pixels can differ by rounding; the sampling, sizes and
+  timestamps are the same.
 Pillow and PyAV only: the API process can validate uploads without torch.
 """
 
@@ -21,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
-from worldserve.params import ParamError
+from worldserve.params import ChatVideo, ParamError, VideoSampling
 
 KEEP_CHOICES = ("first", "last")
 
@@ -60,6 +65,68 @@ def decode_video(
     if out.ndim != 4 or out.shape[1] == 0 or out.shape[2] == 0 or out.shape[3] != 3:
         raise bad
     return out
+
+
+DEFAULT_SOURCE_FPS = 24.0
+"""Frame rate assumed when a container states none (transformers' fallback too)."""
+
+
+def decode_chat_video(data: bytes, sampling: VideoSampling, *, param: str = "messages") -> ChatVideo:
+    """Video bytes -> the sampled, resized frames of a chat video part (ParamError when nothing decodes)."""
+    import av
+
+    bad = ParamError(param, "Invalid video_url: provided content is not a valid video.")
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise bad
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            fps = float(rate) if rate else DEFAULT_SOURCE_FPS
+            total = stream.frames
+        if total <= 0:  # the container does not say: count by decoding once
+            total = sum(1 for _ in _frames(data))
+        video = _sample(data, sampling, total, fps)
+        if video is None:  # fewer frames than the header said: sample the frames that exist
+            video = _sample(data, sampling, sum(1 for _ in _frames(data)), fps)
+    except ParamError:
+        raise
+    except (av.FFmpegError, ValueError, OSError, EOFError, IndexError) as exc:
+        raise bad from exc
+    if video is None or not len(video.frames):
+        raise bad
+    return video
+
+
+def _frames(data: bytes):
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        yield from container.decode(container.streams.video[0])
+
+
+def _sample(data: bytes, sampling: VideoSampling, total: int, fps: float) -> ChatVideo | None:
+    """Decode once, keeping and resizing the sampled frames; None when the clip has fewer than `total`."""
+    if total <= 0:
+        return None
+    wanted = sampling.indices(total, fps)
+    want = collections.Counter(wanted)  # an index can repeat when num_frames > total is capped
+    kept: list[np.ndarray] = []
+    size = None
+    for i, frame in enumerate(_frames(data)):
+        if i > wanted[-1]:
+            break
+        if i not in want:
+            continue
+        if size is None:
+            h, w = sampling.frame_size(len(wanted), frame.height, frame.width)
+        img = frame.to_image()  # PIL RGB
+        arr = np.asarray(img.resize((w, h), resample=Image.Resampling.BICUBIC), dtype=np.uint8)
+        size = (h, w)
+        kept.extend([arr] * want[i])
+    if len(kept) != len(wanted):
+        return None
+    return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=fps)
 
 
 def _invalid(param: str) -> ParamError:

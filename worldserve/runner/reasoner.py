@@ -4,9 +4,13 @@ start(ChatParams) -> ReasonerSession:
   prompt:  the checkpoint's chat template (image parts render as <|vision_start|><|image_pad|><|vision_end|>);
            each <|image_pad|> is expanded to the image's merged-patch count (t*h*w / merge**2), as Qwen3-VL's
            processor does; images go through Qwen3-VL preprocessing and the ViT (models/cosmos3/vision.py).
+           A video part (frames sampled and resized at decode, media/video_input.py) renders as
+           <|vision_start|><|video_pad|><|vision_end|>, replaced as Qwen3VLProcessor does by one
+           "<T seconds><|vision_start|><|video_pad|> x (h*w / merge**2)<|vision_end|>" per temporal patch.
   prefill: one und_step over the whole prompt with embed_tokens rows replaced by the ViT embeddings at the
-           image-pad rows, Qwen3-VL get_rope_index positions, and deepstack features added after the first
-           len(deepstack) und layers; the K/V go into the session's own contiguous cache.
+           image-pad and video-pad rows, Qwen3-VL get_rope_index positions, and deepstack features (image and
+           video rows in sequence order) added after the first len(deepstack) und layers; the K/V go into the
+           session's own contiguous cache.
 session.step() -> ChatDelta: sample the next token (sampling/tokens.py) from the pending logits, detokenize
   incrementally (a trailing incomplete UTF-8 character and a possible stop-string prefix are held back), and,
   unless finished, run one und decode step at the next mRoPE position (max prompt position + 1 + k).
@@ -33,11 +37,16 @@ from worldserve.models.cosmos3.vision import (
     VisionEncoder,
     VisionInputs,
     chat_positions,
+    video_inputs,
+    video_timestamps,
 )
 from worldserve.params import ChatParams, ParamError
 from worldserve.sampling.tokens import TokenSampler
 
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -47,7 +56,9 @@ class ChatPrompt:
     input_ids: list[int]
     """Token ids with every image placeholder expanded."""
     vision: VisionInputs | None
-    """Preprocessed images in prompt order, or None for a text-only prompt."""
+    """Preprocessed images in prompt order, or None when the prompt has none."""
+    video: VisionInputs | None = None
+    """Preprocessed videos in prompt order (one grid row per video), or None."""
 
 
 class Reasoner:
@@ -60,6 +71,7 @@ class Reasoner:
         vision: VisionEncoder | None,
         *,
         image_token_id: int,
+        video_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         min_pixels: int = QWEN3VL_MIN_PIXELS,
@@ -69,6 +81,9 @@ class Reasoner:
         self.tokenizer = tokenizer
         self.vision = vision
         self.image_token_id = image_token_id
+        self.video_token_id = (
+            video_token_id if video_token_id is not None else tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+        )
         stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
         self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
         self.max_model_len = max_model_len
@@ -94,14 +109,15 @@ class Reasoner:
         return cls(
             transformer, tokenizer, vision,
             image_token_id=cfg.get("image_token_id", tokenizer.convert_tokens_to_ids(IMAGE_PAD)),
+            video_token_id=cfg.get("video_token_id"),
             eos_token_ids=eos if isinstance(eos, list) else [eos], max_model_len=max_model_len,
             min_pixels=min_pixels, max_pixels=max_pixels,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prompt (CPU)
     def build_prompt(self, params: ChatParams) -> ChatPrompt:
-        """Chat template + image placeholder expansion + tokenization; raises ParamError."""
-        conversation, images = [], []
+        """Chat template + image / video placeholder expansion + tokenization; raises ParamError."""
+        conversation, images, videos = [], [], []
         for msg in params.messages:
             if isinstance(msg.content, str):
                 conversation.append({"role": msg.role, "content": msg.content})
@@ -111,16 +127,19 @@ class Reasoner:
                 if part.type == "image":
                     images.append(part.image)
                     parts.append({"type": "image"})
+                elif part.type == "video":
+                    videos.append(part.video)
+                    parts.append({"type": "video"})
                 else:
                     parts.append({"type": "text", "text": part.text})
             conversation.append({"role": msg.role, "content": parts})
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        vision = None
+        vision = video = None
+        if (images or videos) and (self.vision is None or self.preprocess is None):
+            raise ParamError(
+                "messages", "this checkpoint has no vision_encoder/: image and video inputs are unsupported"
+            )
         if images:
-            if self.vision is None or self.preprocess is None:
-                raise ParamError(
-                    "messages", "this checkpoint has no vision_encoder/: image inputs are unsupported"
-                )
             vision = self.preprocess(images)
             counts = vision.tokens_per_image(self.vision.merge_size)
             pieces = text.split(IMAGE_PAD)
@@ -131,8 +150,31 @@ class Reasoner:
             text = pieces[0] + "".join(
                 IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
             )
+        if videos:
+            text, video = self._expand_videos(text, videos)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ChatPrompt(input_ids=list(ids), vision=vision)
+        return ChatPrompt(input_ids=list(ids), vision=vision, video=video)
+
+    def _expand_videos(self, text: str, videos: list) -> tuple[str, VisionInputs]:
+        """Patchify each video and replace its placeholder by timestamped per-patch token runs."""
+        assert self.vision is not None
+        v = self.vision
+        inputs = [video_inputs(x.frames, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                               merge_size=v.merge_size) for x in videos]  # fmt: skip
+        pieces = text.split(VIDEO_PLACEHOLDER)
+        if len(pieces) != len(videos) + 1:
+            raise ParamError("messages", "the chat template did not render one video placeholder per video")
+        out = [pieces[0]]
+        for x, inp, rest in zip(videos, inputs, pieces[1:], strict=True):
+            per_patch = int(inp.grid_thw[0, 1:].prod()) // v.merge_size**2
+            stamps = video_timestamps(x.indices, x.source_fps, v.temporal_patch_size)
+            out += [f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * per_patch}{VISION_END}" for t in stamps]
+            out.append(rest)
+        merged = VisionInputs(
+            pixel_values=torch.cat([i.pixel_values for i in inputs]),
+            grid_thw=torch.cat([i.grid_thw for i in inputs]),
+        )
+        return "".join(out), merged
 
     # ------------------------------------------------------------------ model
     @torch.inference_mode()
@@ -141,14 +183,15 @@ class Reasoner:
         model = self.transformer
         ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=model.device)
         grids = [] if prompt.vision is None else prompt.vision.grid_thw.tolist()
+        video_grids = [] if prompt.video is None else prompt.video.grid_thw.tolist()
         merge = self.vision.merge_size if self.vision is not None else 2
-        positions, next_pos = chat_positions(prompt.input_ids, self.image_token_id, grids, merge)
+        positions, next_pos = chat_positions(
+            prompt.input_ids, self.image_token_id, grids, merge,
+            video_token_id=self.video_token_id, video_grids=video_grids,
+        )  # fmt: skip
         embeds, deepstack, rows = None, (), None
-        if prompt.vision is not None:
-            assert self.vision is not None
-            vis, deepstack = self.vision.encode(prompt.vision)  # [M, d], deepstack: each [M, d]
-            rows = (ids == self.image_token_id).nonzero().squeeze(1)  # [M]
-            embeds = model.embed_tokens(ids).index_copy(0, rows, vis.to(model.dtype))
+        if prompt.vision is not None or prompt.video is not None:
+            embeds, deepstack, rows = self._visual_embeddings(ids, prompt)
         batch = UndBatch(
             input_ids=ids, positions=positions.to(model.device), seq_lens=(ids.numel(),),
             inputs_embeds=embeds, deepstack=tuple(deepstack), visual_rows=rows,
@@ -156,6 +199,29 @@ class Reasoner:
         cache = model.new_und_cache(capacity or ids.numel())
         hidden = model.und_step(batch, [cache])
         return hidden, cache, next_pos
+
+    def _visual_embeddings(
+        self, ids: Tensor, prompt: ChatPrompt
+    ) -> tuple[Tensor, tuple[Tensor, ...], Tensor]:
+        """(token embeddings with the ViT rows in, deepstack features [M, d] each, visual rows [M]); image and
+        video rows in sequence order, as Qwen3-VL joins them."""
+        assert self.vision is not None
+        model = self.transformer
+        embeds = model.embed_tokens(ids)
+        is_img, is_vid = ids == self.image_token_id, ids == self.video_token_id
+        rows = (is_img | is_vid).nonzero().squeeze(1)  # [M]
+        deepstack: list[Tensor] = []
+        for inputs, mask in ((prompt.vision, is_img), (prompt.video, is_vid)):
+            if inputs is None:
+                continue
+            vis, ds = self.vision.encode(inputs)  # [m, d], each [m, d]
+            embeds = embeds.index_copy(0, mask.nonzero().squeeze(1), vis.to(model.dtype))
+            joint = mask[rows]  # [M] bool: which of the visual rows are this modality's
+            if not deepstack:
+                deepstack = [vis.new_zeros(rows.numel(), vis.shape[1]) for _ in ds]
+            for acc, feat in zip(deepstack, ds, strict=True):
+                acc[joint] = feat
+        return embeds, tuple(deepstack), rows
 
     @torch.inference_mode()
     def decode(self, token: int, cache: Any, position: int) -> Tensor:

@@ -7,9 +7,14 @@
 - `VisionEncoder`: transformers' `Qwen3VLVisionModel` loaded from the checkpoint's vision_encoder/ (the ViT
   is small next to the LM, so we use the reference module). `encode` -> merged embeddings [M, d_llm] (one
   row per <|image_pad|> token, M = P / merge**2) and the deepstack features, one [M, d_llm] per ViT index.
+- `video_inputs`: sampled, resized uint8 frames (media/video_input.py) -> VisionInputs, as Qwen3-VL's video
+  processor finishes them (rescale, normalise with mean = std = 0.5, pad the frame count to the temporal
+  patch with the last frame, patchify in merge-window order); `video_timestamps`: the seconds printed before
+  each temporal patch (mean of its two frames' times), as Qwen3VLProcessor computes them.
 - `chat_positions`: Qwen3-VL `get_rope_index` for one sequence: text token k at (c, c, c) with a running
   cursor c; an image of merged grid (t, h, w) at (c + t_i, c + h_i, c + w_i); text after it continues at
-  max + 1 (c += max(h, w)). Returned as float32 [3, N] plus the next free position (decode continues there).
+  max + 1 (c += max(h, w)). A video's temporal patches are separated by timestamp text, so each is placed
+  like an image with t = 1. Returned as float32 [3, N] plus the next free position (decode continues there).
 """
 
 from __future__ import annotations
@@ -38,6 +43,31 @@ class VisionInputs:
     def tokens_per_image(self, merge_size: int) -> list[int]:
         """<|image_pad|> tokens each image expands to: t * h * w / merge**2."""
         return (self.grid_thw.prod(-1) // merge_size**2).tolist()
+
+
+def video_inputs(
+    frames: np.ndarray, *, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2
+) -> VisionInputs:
+    """uint8 (N, H, W, 3) frames, H and W multiples of patch * merge -> pixel_values [P, 3*2*p*p], grid [1, 3]."""
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()  # [N, 3, H, W]
+    x = (x / 255.0 - 0.5) / 0.5
+    if pad := -x.shape[0] % temporal_patch_size:
+        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+    n, c, h, w = x.shape
+    gt, gh, gw, m, p = n // temporal_patch_size, h // patch_size, w // patch_size, merge_size, patch_size
+    x = x.view(gt, temporal_patch_size, c, gh // m, m, p, gw // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, tp, p, p]
+    pixels = x.reshape(gt * gh * gw, c * temporal_patch_size * p * p)
+    return VisionInputs(pixel_values=pixels, grid_thw=torch.tensor([[gt, gh, gw]]))
+
+
+def video_timestamps(indices: Sequence[int], source_fps: float, temporal_patch_size: int = 2) -> list[float]:
+    """Seconds of each temporal patch: the mean time of its first and last frame (last index repeated to
+    fill the final patch)."""
+    idx = list(indices)
+    idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
+    t = [i / source_fps for i in idx]
+    return [(t[i] + t[i + temporal_patch_size - 1]) / 2 for i in range(0, len(t), temporal_patch_size)]
 
 
 class ImagePreprocessor:
@@ -144,36 +174,52 @@ class VisionEncoder:
 
 
 def chat_positions(
-    input_ids: Sequence[int], image_token_id: int, grids: Sequence[Sequence[int]], merge_size: int
-) -> tuple[Tensor, int]:
+    input_ids: Sequence[int], image_token_id: int, grids: Sequence[Sequence[int]], merge_size: int,
+    *, video_token_id: int | None = None, video_grids: Sequence[Sequence[int]] = (),
+) -> tuple[Tensor, int]:  # fmt: skip
     """Qwen3-VL get_rope_index for one sequence -> (float32 [3, N], next position).
 
-    Each run of consecutive `image_token_id`s is one image; grids[i] is its (t, h, w) patch grid."""
+    Each run of consecutive `image_token_id`s is one image; grids[i] is its (t, h, w) patch grid. Each run
+    of `video_token_id`s is one temporal patch of a video: video_grids (t, h, w) give t runs of (1, h, w)."""
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)
-    is_img = (ids == image_token_id).tolist()
+    flat_video = [(1, h, w) for t, h, w in (tuple(int(x) for x in g) for g in video_grids) for _ in range(t)]
+    if flat_video:
+        kind = torch.where(ids == image_token_id, 1, torch.where(ids == video_token_id, 2, 0)).tolist()
+        return _positions(kind, {1: list(grids), 2: flat_video}, merge_size)
+    return _positions((ids == image_token_id).int().tolist(), {1: list(grids)}, merge_size)
+
+
+def _positions(kind: Sequence[int], grids: dict[int, list], merge_size: int) -> tuple[Tensor, int]:
+    """kind[k]: 0 for text, else the modality (1 image, 2 video patch) whose next grid a run of it takes."""
+    names = {1: "image", 2: "video frame group"}
+    used = dict.fromkeys(grids, 0)
     parts: list[Tensor] = []
-    cursor, k, n, image = 0, 0, len(is_img), 0
+    cursor, k, n = 0, 0, len(kind)
     while k < n:
         end = k
-        while end < n and is_img[end] == is_img[k]:
+        while end < n and kind[end] == kind[k]:
             end += 1
-        if not is_img[k]:
+        m = kind[k]
+        if not m:
             parts.append(torch.arange(cursor, cursor + end - k).expand(3, -1))  # [3, L] text
             cursor += end - k
         else:
-            if image >= len(grids):
-                raise ValueError("more image placeholder runs than images")
-            t, h, w = (int(x) for x in grids[image])
+            if used[m] >= len(grids[m]):
+                raise ValueError(f"more {names[m]} placeholder runs than {names[m]}s")
+            t, h, w = (int(x) for x in grids[m][used[m]])
             h, w = h // merge_size, w // merge_size
             if end - k != t * h * w:
-                raise ValueError(f"image {image}: {end - k} placeholders for a {t}x{h}x{w} merged grid")
+                raise ValueError(
+                    f"{names[m]} {used[m]}: {end - k} placeholders for a {t}x{h}x{w} merged grid"
+                )
             tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
             parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + cursor)  # [3, t*h*w]
             cursor += max(h, w)
-            image += 1
+            used[m] += 1
         k = end
-    if image != len(grids):
-        raise ValueError(f"{len(grids)} images but {image} placeholder runs")
+    for m, g in grids.items():
+        if used[m] != len(g):
+            raise ValueError(f"{len(g)} {names[m]}s but {used[m]} placeholder runs")
     pos = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
     return pos.float(), cursor
 
