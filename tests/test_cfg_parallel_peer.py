@@ -25,7 +25,7 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
         threading.Timer(0.5, pipe.process.kill).start()
         t0 = time.monotonic()
         with pytest.raises(PeerError, match="gone"):
-            pipe._recv_object()
+            pipe.peers.recv_object(1)
         assert time.monotonic() - t0 < 5
         pipe.process.join(10)
         t0 = time.monotonic()

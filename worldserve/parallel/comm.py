@@ -1,4 +1,4 @@
-"""Collectives and point-to-point messages; the only module that calls torch.distributed.
+"""Collectives and point-to-point messages; with parallel/ulysses.py the only modules that call torch.distributed.
 
 Every collective is the identity when the group has one rank, so single-device code pays nothing and
 tests can fake a world by handing in a group whose `size` is 1.

@@ -16,8 +16,6 @@ Every wait polls the peer process, so a dead peer raises `PeerError` (a RuntimeE
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -25,50 +23,35 @@ from pathlib import Path
 
 import torch
 
-from worldserve.parallel import comm
 from worldserve.params import VideoParams
 from worldserve.runner.kernel_options import KernelOptions
-from worldserve.runner.video_pipeline import VideoPipeline, VideoRequestState, branch_items, default_device
+from worldserve.runner.peers import PeerRanks, rank_devices, send_step
+from worldserve.runner.video_pipeline import VideoPipeline, VideoRequestState, branch_items
 from worldserve.sampling.guidance import needs_uncond
 
 log = logging.getLogger("worldserve.cfg_parallel")
 PEER = 1
-INIT_TIMEOUT_S = 1800.0
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-"""Set (setdefault) before the peer is spawned: no NVLink multicast on the lent H200 hosts."""
 
 
 def cfg_devices(device: str | torch.device | None) -> tuple[torch.device, torch.device]:
     """(rank 0, rank 1) devices: cuda:0 / cuda:1 by default; cpu / cpu only when asked explicitly."""
-    if device is not None and torch.device(device).type == "cpu":
-        return torch.device("cpu"), torch.device("cpu")
-    if device is not None and str(device) != "cuda":
-        raise ValueError(f"--cfg-parallel-size 2 runs on cuda:0 and cuda:1; use --device cuda, got {device}")
-    if default_device().type != "cuda" or torch.cuda.device_count() < 2:
-        raise ValueError(
-            "--cfg-parallel-size 2 needs 2 CUDA GPUs (cuda:0, cuda:1); "
-            f"{torch.cuda.device_count()} visible. Run with --cfg-parallel-size 1"
-        )
-    return torch.device("cuda", 0), torch.device("cuda", 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    dev0, dev1 = rank_devices(device, 2, "--cfg-parallel-size")
+    return dev0, dev1
 
 
 class CfgParallelPipeline:
     """VideoBackend on rank 0: local cond branch + one peer rank for the uncond branch."""
 
-    def __init__(self, local: VideoPipeline, process, group: comm.ParallelGroup):
+    def __init__(self, local: VideoPipeline, peers: PeerRanks):
         self.local = local
-        self.process = process
-        self.group = group
-        self.comm_device = local.device  # NCCL: rank 0's GPU; gloo: cpu
+        self.peers = peers
         self._remote: set[str] = set()  # request ids whose uncond branch lives on the peer
         self._lock = threading.Lock()  # one conversation with the peer at a time
-        self._closed = False
+
+    @property
+    def process(self):
+        """The peer process (rank 1)."""
+        return self.peers.processes[0]
 
     @classmethod
     def from_pretrained(
@@ -81,81 +64,21 @@ class CfgParallelPipeline:
     ) -> CfgParallelPipeline:
         """Spawn the peer (it loads the transformer on the second device), load the full local pipeline on
         the first, connect (NCCL on CUDA, gloo on CPU) and wait for the peer's "ready"."""
-        import torch.multiprocessing as mp
-
         from worldserve.runner.cfg_worker import cfg_worker_main
 
-        if comm.world_initialized():
-            raise RuntimeError(
-                "a torch.distributed world already exists in this process (one CfgParallelPipeline at a time)"
-            )
-        dev0, dev1 = cfg_devices(device)
+        devices = list(cfg_devices(device))
         if dtype is None:
-            dtype = torch.bfloat16 if dev0.type == "cuda" else torch.float32
-        for k, v in NCCL_ENV.items():
-            os.environ.setdefault(k, v)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        proc = mp.get_context("spawn").Process(
-            target=cfg_worker_main, name="worldserve-cfg-rank1", daemon=True,
-            args=(PEER, init_method, 2, str(path), str(dev1), dtype, kernels or KernelOptions()),
+            dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
+        kernels = kernels or KernelOptions()
+        peers, local = PeerRanks.start(
+            "CFG-parallel", cfg_worker_main,
+            lambda r, init: (r, init, 2, str(path), str(devices[r]), dtype, kernels), devices,
+            lambda: VideoPipeline.from_pretrained(path, device=devices[0], dtype=dtype, kernels=kernels, **kwargs),
         )  # fmt: skip
-        proc.start()
-        try:
-            local = VideoPipeline.from_pretrained(path, device=dev0, dtype=dtype, kernels=kernels, **kwargs)
-            if dev0.type == "cuda":
-                torch.cuda.set_device(dev0)
-            if not proc.is_alive():
-                raise comm.PeerError(f"CFG-parallel peer exited during start-up (exit code {proc.exitcode})")
-            group = comm.init_world(
-                "nccl" if dev0.type == "cuda" else "gloo", init_method, 0, 2, INIT_TIMEOUT_S
-            )
-            self = cls(local, proc, group)
-            ready = self._recv_object()
-            if ready != ("ready",):
-                raise comm.PeerError(f"unexpected first message from the CFG-parallel peer: {ready!r}")
-        except BaseException:
-            proc.kill()
-            proc.join(5)
-            comm.destroy_world()
-            raise
-        log.info("CFG-parallel: cond branch on %s, uncond branch on %s (pid %d)", dev0, dev1, proc.pid)
-        return self
-
-    # ------------------------------------------------------------------ peer messages
-    def _alive(self) -> bool:
-        return self.process.is_alive()
-
-    def _check_peer(self) -> None:
-        if self._closed:
-            raise RuntimeError("CfgParallelPipeline is closed")
-        if not self._alive():
-            raise comm.PeerError(
-                f"CFG-parallel peer (rank 1, pid {self.process.pid}) exited with code {self.process.exitcode}; "
-                "see its log above. Restart the server"
-            )
-
-    def _send(self, msg) -> None:
-        self._check_peer()
-        try:
-            comm.send_object(msg, PEER, self.group, self.comm_device, self._alive)
-        except comm.PeerError as exc:
-            raise comm.PeerError(f"CFG-parallel peer (rank 1) is gone: {exc}") from exc
-
-    def _recv_object(self):
-        try:
-            return comm.recv_object(PEER, self.group, self.comm_device, self._alive)
-        except comm.PeerError as exc:
-            raise comm.PeerError(
-                f"CFG-parallel peer (rank 1) is gone (exit code {self.process.exitcode}): {exc}"
-            ) from exc
-
-    def _recv_tensor(self, out: torch.Tensor) -> torch.Tensor:
-        try:
-            return comm.recv_tensor(out, PEER, self.group, self._alive)
-        except comm.PeerError as exc:
-            raise comm.PeerError(
-                f"CFG-parallel peer (rank 1) is gone (exit code {self.process.exitcode}): {exc}"
-            ) from exc
+        log.info(
+            "CFG-parallel: cond branch on %s, uncond branch on %s (pid %d)", *devices, peers.processes[0].pid
+        )
+        return cls(local, peers)
 
     # ------------------------------------------------------------------ VideoBackend
     @property
@@ -186,7 +109,7 @@ class CfgParallelPipeline:
             return self.local.prepare(request_id, params)
         _, uncond_ids = self.local.encoder.encode_params(params, with_uncond=True)
         with self._lock:
-            self._send(("prefill", request_id, list(uncond_ids)))
+            self.peers.send(("prefill", request_id, list(uncond_ids)))
             self._remote.add(request_id)
         return self.local.prepare(request_id, params, prefill_uncond=False)
 
@@ -197,24 +120,16 @@ class CfgParallelPipeline:
         remote = [s for s in states if s.request_id in self._remote]
         with self._lock:
             if remote:
-                plan = [
-                    (s.request_id, int(s.schedule.timesteps[s.step_index]), float(s.params.fps), s.clean_frames,
-                     tuple(s.latents.shape), None if s.sound is None else tuple(s.sound.shape))
-                    for s in remote
-                ]  # fmt: skip
-                self._send(("denoise", plan))
-                for s in remote:
-                    self._send_tensor(s.latents)
-                    if s.sound is not None:
-                        self._send_tensor(s.sound)
+                send_step(self.peers, remote)
             out = self.local.forward([it for s in states for it in branch_items(s, s.und_caches)])
             peer: dict[str, tuple] = {}
             for s in remote:  # the peer sends in plan order: video velocity, then sound velocity
                 dt = self.local.transformer.dtype
-                v = self._recv_tensor(torch.empty(s.latents.shape, dtype=dt, device=self.comm_device))
+                dev = self.peers.comm_device
+                v = self.peers.recv_tensor(torch.empty(s.latents.shape, dtype=dt, device=dev), PEER)
                 vs = None
                 if s.sound is not None:
-                    vs = self._recv_tensor(torch.empty(s.sound.shape, dtype=dt, device=self.comm_device))
+                    vs = self.peers.recv_tensor(torch.empty(s.sound.shape, dtype=dt, device=dev), PEER)
                 peer[s.request_id] = (v, vs)
         row = 0
         for s in states:
@@ -230,12 +145,6 @@ class CfgParallelPipeline:
             row += n
         self.local.finish_step(states, t0)
 
-    def _send_tensor(self, x: torch.Tensor) -> None:
-        try:
-            comm.send_tensor(x.to(self.comm_device), PEER, self.group, self._alive)
-        except comm.PeerError as exc:
-            raise comm.PeerError(f"CFG-parallel peer (rank 1) is gone: {exc}") from exc
-
     def decode(self, state: VideoRequestState):
         return self.local.decode(state)
 
@@ -244,26 +153,12 @@ class CfgParallelPipeline:
         with self._lock:
             if state.request_id in self._remote:
                 self._remote.discard(state.request_id)
-                if not self._closed and self._alive():
-                    self._send(("release", state.request_id))
+                if not self.peers.closed and self.peers.alive():
+                    self.peers.send(("release", state.request_id))
 
     generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the peer ("stop"), destroy the process group (both ranks tear it down at once, so
-        neither waits on the other), then join the peer (killed after `timeout_s`)."""
-        if self._closed:
-            return
+        """Stop the peer and tear the process group down (runner/peers.py)."""
         with self._lock:
-            try:
-                if self._alive():
-                    self._send(("stop",))
-            except comm.PeerError:
-                pass
-            self._closed = True
-            comm.destroy_world()
-            self.process.join(timeout_s)
-            if self.process.is_alive():
-                log.warning("CFG-parallel peer did not stop within %gs; killing it", timeout_s)
-                self.process.kill()
-                self.process.join(5)
+            self.peers.close(timeout_s)

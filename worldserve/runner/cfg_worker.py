@@ -6,25 +6,23 @@ messages (see runner/cfg_parallel.py) until ("stop",): "prefill" keeps one uncon
 "denoise" receives the latents (+ sound) of each planned request, runs one batched uncond forward with the
 same GenItem / forward code as VideoPipeline and sends the velocities back, "release" drops a cache.
 Any error is logged with its traceback and the process exits non-zero, which rank 0 sees as a dead peer.
-It also exits when rank 0 dies (its parent process changes).
+It also exits when rank 0 dies (its parent process changes). Start-up and shutdown: runner/peers.py.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import sys
-import traceback
 from pathlib import Path
 
 import torch
 
 from worldserve.parallel import comm
 from worldserve.runner.kernel_options import KernelOptions
+from worldserve.runner.peers import LEADER, recv_step, run_peer
 from worldserve.runner.video_pipeline import VideoPipeline, gen_item
 
 log = logging.getLogger("worldserve.cfg_worker")
-LEADER = 0
 
 
 class UncondBranch:
@@ -37,17 +35,23 @@ class UncondBranch:
         self.caches: dict[str, object] = {}
 
     forward = VideoPipeline.forward  # GenBatch.pack over self.config / self.device -> transformer
+    sp = VideoPipeline.sp  # no sequence parallelism here
 
     def prefill(self, request_id: str, ids: list[int]) -> None:
         self.caches[request_id] = self.transformer.prefill_und([torch.tensor(ids, dtype=torch.long)])[0]
 
 
-def _load(model_path: str, device: torch.device, dtype: torch.dtype, kernels: KernelOptions) -> UncondBranch:
+def load_transformer_for(model_path: str, dtype: torch.dtype, kernels: KernelOptions, device: torch.device):
+    """A peer's transformer: loaded on `device`, then `kernels` applied (as VideoPipeline.from_pretrained)."""
     from worldserve.weights.loader import load_transformer
 
     transformer = load_transformer(Path(model_path), dtype=dtype, device=device, progress=False)
     log.info("transformer kernels: %s", kernels.apply(transformer))
-    return UncondBranch(transformer, device)
+    return transformer
+
+
+def _load(model_path: str, dtype: torch.dtype, kernels: KernelOptions, device: torch.device) -> UncondBranch:
+    return UncondBranch(load_transformer_for(model_path, dtype, kernels, device), device)
 
 
 def cfg_worker_main(
@@ -55,37 +59,8 @@ def cfg_worker_main(
     dtype: torch.dtype, kernels: KernelOptions,
 ) -> None:  # fmt: skip
     """Entry point of the spawned rank; returns after ("stop",), exits with code 1 on any error."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [cfg rank {rank}] %(message)s")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    parent = os.getppid()
-
-    def leader_alive() -> bool:
-        return os.getppid() == parent
-
-    try:
-        group = comm.init_world(
-            "nccl" if dev.type == "cuda" else "gloo", init_method, rank, world_size, 1800.0
-        )
-        branch = _load(model_path, dev, dtype, kernels)
-        comm.send_object(("ready",), LEADER, group, dev, leader_alive)
-        _serve(branch, group, dev, leader_alive)
-    except comm.PeerError as exc:
-        log.error("rank 0 is gone (%s); exiting", exc)
-        sys.exit(1)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        sys.exit(1)
-    finally:
-        comm.destroy_world()
-    # A clean stop: nothing left to flush but the logs. Skip the interpreter's teardown (torch.compile's
-    # worker pools, CUDA context) that kept a 2-GPU peer alive past the leader's 30 s join.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    load = functools.partial(_load, model_path, dtype, kernels)
+    run_peer(rank, init_method, world_size, device, "cfg", load, _serve)
 
 
 @torch.inference_mode()
@@ -106,20 +81,12 @@ def _serve(branch: UncondBranch, group, dev: torch.device, leader_alive) -> None
 
 
 def _denoise(branch: UncondBranch, plan, group, dev: torch.device, leader_alive) -> None:
-    items = []
-    for request_id, timestep, fps, clean, latent_shape, sound_shape in plan:
-        latents = comm.recv_tensor(
-            torch.empty(latent_shape, dtype=torch.float32, device=dev), LEADER, group, leader_alive
-        )
-        sound = None
-        if sound_shape is not None:
-            sound = comm.recv_tensor(
-                torch.empty(sound_shape, dtype=torch.float32, device=dev), LEADER, group, leader_alive
-            )
-        ts = torch.tensor(timestep, dtype=torch.int64)
-        items.append(gen_item(latents, ts, branch.caches[request_id], fps, clean, sound))
+    inputs = recv_step(plan, group, dev, leader_alive)
+    items = [
+        gen_item(lat, ts, branch.caches[rid], fps, clean, snd) for rid, ts, fps, clean, lat, snd in inputs
+    ]
     out = branch.forward(items)
-    for i, (*_, sound_shape) in enumerate(plan):
+    for i, (*_, snd) in enumerate(inputs):
         comm.send_tensor(out.video[i], LEADER, group, leader_alive)
-        if sound_shape is not None:
+        if snd is not None:
             comm.send_tensor(out.sound[i], LEADER, group, leader_alive)

@@ -30,6 +30,7 @@ from worldserve.models.cosmos3.audio_vae import AudioVAE
 from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
 from worldserve.models.cosmos3.vae import VideoVAE
+from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
@@ -252,9 +253,12 @@ class VideoPipeline:
             row += n
         self.finish_step(states, t0)
 
+    sp: ParallelGroup = SINGLE
+    """Ulysses group of this rank's forwards (set by UlyssesPipeline; one process: no parallelism)."""
+
     def forward(self, items: Sequence[GenItem]) -> GenOutput:
         """One transformer forward over `items` (any mix of requests and branches)."""
-        return self.transformer(GenBatch.pack(items, config=self.config, device=self.device))
+        return self.transformer(GenBatch.pack(items, config=self.config, device=self.device), self.sp)
 
     def finish_step(self, states: Sequence[VideoRequestState], t0: float) -> None:
         """Synchronize the device and add the step's wall time to every state's "diffuse" stage."""

@@ -5,7 +5,8 @@ down_proj, two RMSNorms) and its two halves of the computation: `project_qkv` (p
 RoPE) and `finish` (o_proj + residual, SwiGLU MLP + residual). The two pathways built from them:
 - `und_layer_step`: causal self-attention of new text tokens over their sequence's cached K/V (the new K/V
   are written into the cache first); text never sees gen tokens.
-- `gen_layer_step`: gen queries attend, unmasked, to [und K/V of their item's prompt ; the item's gen K/V].
+- `gen_layer_step`: gen queries attend, unmasked, to [und K/V of their item's prompt ; the item's gen K/V];
+  optionally Ulysses-sharded (parallel/ulysses.py: tokens split across ranks, heads around attention).
 The linear layers run over all packed tokens at once; only attention loops over the items / sequences
 (per-item SDPA; packed varlen attention can replace the loop without touching the weights).
 
@@ -34,6 +35,7 @@ from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLin
 from worldserve.models.layers.norm import RMSNorm, rms_norm
 from worldserve.models.layers.rope import apply_rope
 from worldserve.parallel.groups import SINGLE, ParallelGroup
+from worldserve.parallel.ulysses import head_slice, heads_to_seq, seq_to_heads
 
 
 def _linear(
@@ -210,13 +212,21 @@ def gen_layer_step(
     sin: Tensor,
     caches: Sequence[KVCache],
     spans: Sequence[tuple[int, int]],
+    sp: ParallelGroup = SINGLE,
 ) -> Tensor:
-    """One gen layer over the packed gen stream g [N, d]; item i owns rows spans[i] = (start, count)."""
+    """One gen layer over the packed gen stream g [N, d]; item i owns rows spans[i] = (start, count).
+
+    With a Ulysses group `sp` of P ranks, g / cos / sin are this rank's block of the stream padded to a
+    multiple of P (parallel/ulysses.py): q/k/v go all-to-all to "all tokens, my heads" around attention,
+    whose text K/V are this rank's KV heads; spans index the full stream."""
     q, k, v = block.project_qkv(g, cos, sin)
+    q, k, v = seq_to_heads(q, sp), seq_to_heads(k, sp), seq_to_heads(v, sp)  # [N_pad, H/P, D] each
     outs = []
     for cache, (start, n) in zip(caches, spans, strict=True):
-        k_und, v_und = cache.kv(layer)  # [L_text, Hkv, D]
-        k_i = torch.cat([k_und, k[start : start + n]])  # [L_text + n, Hkv, D]
+        k_und, v_und = (head_slice(x, sp) for x in cache.kv(layer))  # [L_text, Hkv/P, D]
+        k_i = torch.cat([k_und, k[start : start + n]])  # [L_text + n, Hkv/P, D]
         v_i = torch.cat([v_und, v[start : start + n]])
         outs.append(block.attn_fn(q[start : start + n], k_i, v_i))
-    return block.finish(g, _cat(outs))
+    if sp.size > 1 and (pad := q.shape[0] - sum(n for _, n in spans)):
+        outs.append(q.new_zeros(pad, *q.shape[1:]))  # the padding rows (never read back)
+    return block.finish(g, heads_to_seq(_cat(outs), sp))

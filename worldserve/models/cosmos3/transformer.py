@@ -40,6 +40,7 @@ from worldserve.models.layers.fp8 import fp8_supported
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
 from worldserve.models.layers.norm import RMSNorm
 from worldserve.models.layers.rope import MRotaryEmbedding
+from worldserve.parallel import ulysses
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 
 TIMESTEP_FREQ_DIM = 256
@@ -222,15 +223,20 @@ class Cosmos3Transformer(nn.Module):
 
     # ------------------------------------------------------------------ gen pathway
     @torch.inference_mode()
-    def forward(self, batch: GenBatch) -> GenOutput:
-        """One denoising forward of every item in `batch` -> per-item velocities."""
+    def forward(self, batch: GenBatch, sp: ParallelGroup = SINGLE) -> GenOutput:
+        """One denoising forward of every item in `batch` -> per-item velocities.
+
+        `sp`: a Ulysses group (every rank calls forward with the same batch); each rank runs the layers on
+        its block of the stream and the blocks are gathered before the heads (parallel/ulysses.py)."""
         g = self._embed_gen(batch)  # [N, d]
-        cos, sin = self.rotary_emb.cos_sin(batch.positions, g.dtype)
+        n = g.shape[0]
+        cos, sin = self.rotary_emb.cos_sin(batch.positions, g.dtype)  # [N, D] each
+        g, cos, sin = ulysses.shard(g, sp), ulysses.shard(cos, sp), ulysses.shard(sin, sp)  # [N_pad/P, ...]
         caches = [item.und_cache for item in batch.items]
         spans = [(x.gen_offset, x.num_tokens) for x in batch.layout]
         for i, layer in enumerate(self.layers):
-            g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans)
-        return self._decode_gen(g, batch)
+            g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp)
+        return self._decode_gen(ulysses.gather(g, n, sp), batch)
 
     def _embed_gen(self, batch: GenBatch) -> Tensor:
         """Packed gen stream [N, d]: per item [proj_in(video patches) | audio_proj_in(sound) + embed] + temb."""

@@ -1,0 +1,244 @@
+"""Peer ranks of a multi-GPU pipeline: spawn, connect, message, watch and stop them (rank 0's side), and
+the peer process's own start-up / shutdown frame (`run_peer`).
+
+Used by CFG-parallel (one peer runs the uncond branch) and Ulysses (P - 1 peers run the same forward on
+their share of the tokens). Every rank holds a full transformer on its own device (cuda:r; cpu with gloo
+for tests). Messages are small pickled tuples plus tensors through parallel/comm.py; every wait polls the
+peer processes, so a dead peer raises `PeerError` (a RuntimeError) instead of hanging. A peer answers
+("ready",) once loaded, serves until ("stop",), then exits without the interpreter's slow teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+
+from worldserve.parallel import comm
+from worldserve.parallel.groups import ParallelGroup
+
+log = logging.getLogger("worldserve.peers")
+LEADER = 0
+INIT_TIMEOUT_S = 1800.0
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""Set (setdefault) before peers are spawned: no NVLink multicast on the lent H200 hosts."""
+
+
+def rank_devices(device: str | torch.device | None, world: int, flag: str) -> list[torch.device]:
+    """One device per rank: cuda:0..world-1 by default; all cpu only when asked explicitly."""
+    if device is not None and torch.device(device).type == "cpu":
+        return [torch.device("cpu")] * world
+    if device is not None and str(device) != "cuda":
+        raise ValueError(f"{flag} {world} runs on cuda:0..cuda:{world - 1}; use --device cuda, got {device}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < world:
+        raise ValueError(f"{flag} {world} needs {world} CUDA GPUs; {n} visible. Run with {flag} 1")
+    return [torch.device("cuda", r) for r in range(world)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PeerRanks:
+    """Rank 0's handle on peer ranks 1..P-1."""
+
+    def __init__(self, processes: Sequence, group: ParallelGroup, comm_device: torch.device, label: str):
+        self.processes = list(processes)
+        self.group = group
+        self.comm_device = comm_device  # NCCL: rank 0's GPU; gloo: cpu
+        self.label = label
+        self.closed = False
+
+    @classmethod
+    def start(
+        cls, label: str, target: Callable, peer_args: Callable[[int, str], tuple], devices: Sequence[torch.device],
+        load_local: Callable[[], object],
+    ) -> tuple[PeerRanks, object]:  # fmt: skip
+        """Spawn `target(*peer_args(rank, init_method))` for ranks 1..P-1, run `load_local()` here meanwhile,
+        join the world as rank 0 and wait for every peer's ("ready",). -> (peers, load_local's result)."""
+        import torch.multiprocessing as mp
+
+        if comm.world_initialized():
+            raise RuntimeError("a torch.distributed world already exists in this process (one at a time)")
+        for k, v in NCCL_ENV.items():
+            os.environ.setdefault(k, v)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=target, name=f"worldserve-{label}-rank{r}", daemon=True, args=peer_args(r, init_method))
+            for r in range(1, len(devices))
+        ]  # fmt: skip
+        for p in procs:
+            p.start()
+        try:
+            local = load_local()
+            if devices[0].type == "cuda":
+                torch.cuda.set_device(devices[0])
+            for r, p in enumerate(procs, 1):
+                if not p.is_alive():
+                    raise comm.PeerError(f"{label} rank {r} exited during start-up (exit code {p.exitcode})")
+            backend = "nccl" if devices[0].type == "cuda" else "gloo"
+            group = comm.init_world(backend, init_method, 0, len(devices), INIT_TIMEOUT_S)
+            self = cls(procs, group, devices[0], label)
+            for r in range(1, len(devices)):
+                if (ready := self.recv_object(r)) != ("ready",):
+                    raise comm.PeerError(f"unexpected first message from {label} rank {r}: {ready!r}")
+        except BaseException:
+            for p in procs:
+                p.kill()
+                p.join(5)
+            comm.destroy_world()
+            raise
+        return self, local
+
+    @property
+    def ranks(self) -> range:
+        return range(1, len(self.processes) + 1)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def check(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the {self.label} pipeline is closed")
+        for r, p in enumerate(self.processes, 1):
+            if not p.is_alive():
+                raise comm.PeerError(
+                    f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log "
+                    "above. Restart the server"
+                )
+
+    def _gone(self, r: int, exc: Exception) -> comm.PeerError:
+        code = self.processes[r - 1].exitcode
+        return comm.PeerError(f"{self.label} peer (rank {r}) is gone (exit code {code}): {exc}")
+
+    def send(self, msg, dst: int | None = None) -> None:
+        """Pickled `msg` to rank `dst`, or to every peer."""
+        self.check()
+        for r in self.ranks if dst is None else (dst,):
+            try:
+                comm.send_object(msg, r, self.group, self.comm_device, self.alive)
+            except comm.PeerError as exc:
+                raise self._gone(r, exc) from exc
+
+    def send_tensor(self, x: torch.Tensor, dst: int | None = None) -> None:
+        x = x.to(self.comm_device)
+        for r in self.ranks if dst is None else (dst,):
+            try:
+                comm.send_tensor(x, r, self.group, self.alive)
+            except comm.PeerError as exc:
+                raise self._gone(r, exc) from exc
+
+    def recv_object(self, src: int):
+        try:
+            return comm.recv_object(src, self.group, self.comm_device, self.alive)
+        except comm.PeerError as exc:
+            raise self._gone(src, exc) from exc
+
+    def recv_tensor(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        try:
+            return comm.recv_tensor(out, src, self.group, self.alive)
+        except comm.PeerError as exc:
+            raise self._gone(src, exc) from exc
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """("stop",) to the live peers, destroy the process group (every rank tears it down at once, so none
+        waits on another), then join them (killed after `timeout_s`)."""
+        if self.closed:
+            return
+        for r, p in enumerate(self.processes, 1):
+            if p.is_alive():
+                try:
+                    comm.send_object(("stop",), r, self.group, self.comm_device, self.alive)
+                except comm.PeerError:
+                    pass
+        self.closed = True
+        comm.destroy_world()
+        for r, p in enumerate(self.processes, 1):
+            p.join(timeout_s)
+            if p.is_alive():
+                log.warning("%s peer rank %d did not stop within %gs; killing it", self.label, r, timeout_s)
+                p.kill()
+                p.join(5)
+
+
+def run_peer(
+    rank: int, init_method: str, world_size: int, device: str, label: str,
+    load: Callable[[torch.device], object], serve: Callable[[object, ParallelGroup, torch.device, Callable], None],
+) -> None:  # fmt: skip
+    """A peer process: connect, `load(device)`, answer ("ready",), `serve(loaded, group, device, leader_alive)`
+    until it returns (after ("stop",)); exit code 1 on any error."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [{label} rank {rank}] %(message)s")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    parent = os.getppid()
+
+    def leader_alive() -> bool:
+        return os.getppid() == parent
+
+    try:
+        group = comm.init_world(
+            "nccl" if dev.type == "cuda" else "gloo", init_method, rank, world_size, INIT_TIMEOUT_S
+        )
+        loaded = load(dev)
+        comm.send_object(("ready",), LEADER, group, dev, leader_alive)
+        serve(loaded, group, dev, leader_alive)
+    except comm.PeerError as exc:
+        log.error("rank 0 is gone (%s); exiting", exc)
+        sys.exit(1)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+    finally:
+        comm.destroy_world()
+    # A clean stop: nothing left to flush but the logs. Skip the interpreter's teardown (torch.compile's
+    # worker pools, CUDA context) that kept a 2-GPU peer alive past the leader's 30 s join.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------- step inputs
+def step_plan(states: Sequence) -> list[tuple]:
+    """What a peer needs to rebuild these requests' GenItems this step (the tensors follow separately)."""
+    return [
+        (s.request_id, s.schedule.timesteps[s.step_index].cpu(), float(s.params.fps), tuple(s.clean_frames),
+         tuple(s.latents.shape), None if s.sound is None else tuple(s.sound.shape))
+        for s in states
+    ]  # fmt: skip
+
+
+def send_step(peers: PeerRanks, states: Sequence, dst: int | None = None) -> None:
+    """("denoise", plan), then each request's latents (+ sound) in plan order."""
+    peers.send(("denoise", step_plan(states)), dst)
+    for s in states:
+        peers.send_tensor(s.latents, dst)
+        if s.sound is not None:
+            peers.send_tensor(s.sound, dst)
+
+
+def recv_step(plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, leader_alive) -> list[tuple]:
+    """A peer's side of send_step: [(request_id, timestep, fps, clean, latents, sound)] in plan order."""
+    out = []
+    for request_id, timestep, fps, clean, latent_shape, sound_shape in plan:
+        lat = comm.recv_tensor(
+            torch.empty(latent_shape, dtype=torch.float32, device=dev), LEADER, group, leader_alive
+        )
+        snd = None
+        if sound_shape is not None:
+            snd = comm.recv_tensor(
+                torch.empty(sound_shape, dtype=torch.float32, device=dev), LEADER, group, leader_alive
+            )
+        out.append((request_id, timestep, fps, clean, lat, snd))
+    return out
