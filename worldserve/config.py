@@ -83,7 +83,7 @@ class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     """Tensor-parallel degree of the transformer (only 1 is supported in this version)."""
     ulysses_degree: int = field(default=1, metadata={"aliases": ("--usp",)})
-    """Ulysses sequence-parallel degree (only 1 is supported in this version)."""
+    """Ulysses sequence parallelism: split every denoising forward over this many GPUs (cuda:0..N-1; must divide the 32 query / 8 KV heads: 1, 2, 4, 8)."""
     cfg_parallel_size: int = 1
     """Run the CFG branches on this many GPUs: 1, or 2 (cond on cuda:0, uncond on cuda:1, a full model on each)."""
     enable_layerwise_offload: bool = False
@@ -97,12 +97,16 @@ class ParallelConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
             if name == "cfg_parallel_size" and value > 2:
                 raise ValueError(f"{flag} {value} is not supported: use 1 or 2 (the two CFG branches)")
-            if name == "cfg_parallel_size":
+            if name in ("cfg_parallel_size", "ulysses_degree"):
                 continue
             if value > 1:
                 raise ValueError(
                     f"{flag} {value} is not supported yet: this version runs on one GPU ({flag} 1)"
                 )
+        if self.cfg_parallel_size > 1 and self.ulysses_degree > 1:
+            raise ValueError(
+                "--cfg-parallel-size 2 with --ulysses-degree > 1 is not supported yet: choose one"
+            )
         if self.enable_layerwise_offload:
             raise ValueError("--enable-layerwise-offload is not supported yet; run without it")
 

@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cfg-parallel-size", type=int, default=1, choices=(1, 2),
         help="2: the uncond CFG branch on a second GPU (cuda:1), the cond branch on cuda:0",
     )  # fmt: skip
+    p.add_argument(
+        "--ulysses-degree", type=int, default=1, choices=(1, 2, 4, 8),
+        help="split every denoising forward over this many GPUs (cuda:0..N-1) by tokens / heads",
+    )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the gen layers on GPU")
     p.add_argument(
         "--quantization", default=None, choices=("fp8",),
@@ -180,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             diffusion_attention_backend=args.diffusion_attention_backend,
         )  # fmt: skip
         pipe = load_pipeline(
-            root, cfg_parallel_size=args.cfg_parallel_size, device=args.device, dtype=dtype,
+            root, cfg_parallel_size=args.cfg_parallel_size, ulysses_degree=args.ulysses_degree, device=args.device, dtype=dtype,
             vae_tiling=args.vae_tiling, kernels=kernels,
         )  # fmt: skip
     except ValueError as e:  # e.g. --quantization fp8 without fp8 GEMMs, --cfg-parallel-size 2 on 1 GPU

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _serve(config, backend, gpu_memory, chat[0] if chat else None)
     finally:
-        if hasattr(backend, "close"):  # CFG-parallel: stop the peer rank
+        if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
             backend.close()
 
 
@@ -125,7 +125,8 @@ def _load_backend_within(
 
 def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]:
     """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
-    `--cfg-parallel-size 2`: a CfgParallelPipeline (uncond branch on a spawned rank on cuda:1)."""
+    `--cfg-parallel-size 2`: a CfgParallelPipeline (uncond branch on a spawned rank on cuda:1);
+    `--ulysses-degree N`: a UlyssesPipeline (every forward split over cuda:0..N-1)."""
     if cfg.backend == "fake":
         from worldserve.engine.fake_backend import FakeBackend
 
@@ -146,7 +147,7 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
 
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     pipeline = load_pipeline(
-        path, cfg_parallel_size=parallel.cfg_parallel_size, device=cfg.device, dtype=dtype,
+        path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree, device=cfg.device, dtype=dtype,
         vae_tiling=cfg.vae_tiling, kernels=cfg.kernel_options(),
     )  # fmt: skip
     gpu_memory = None

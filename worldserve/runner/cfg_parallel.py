@@ -1,5 +1,5 @@
 """CFG-parallel (`--cfg-parallel-size 2`): the cond branch on rank 0 (this process), the uncond branch on
-rank 1 (a spawned peer, `cfg_worker.cfg_worker_main`), each holding the full model on its own device.
+rank 1 (a spawned peer, `cfg_worker.UncondBranch` behind `peers.peer_worker_main`), each holding the full model on its own device.
 
 `CfgParallelPipeline` is the engine's VideoBackend on rank 0. It wraps a local VideoPipeline (the cond
 branch, the VAEs, the tokenizer) and drives the peer with small pickled messages plus tensors, all
@@ -16,7 +16,6 @@ Every wait polls the peer process, so a dead peer raises `PeerError` (a RuntimeE
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,8 @@ import torch
 
 from worldserve.params import VideoParams
 from worldserve.runner.kernel_options import KernelOptions
-from worldserve.runner.peers import PeerRanks, rank_devices, send_step
+from worldserve.runner.peer_pipeline import PeerPipeline
+from worldserve.runner.peers import PeerRanks, peer_worker_main, rank_devices, send_step
 from worldserve.runner.video_pipeline import VideoPipeline, VideoRequestState, branch_items
 from worldserve.sampling.guidance import needs_uncond
 
@@ -39,19 +39,12 @@ def cfg_devices(device: str | torch.device | None) -> tuple[torch.device, torch.
     return dev0, dev1
 
 
-class CfgParallelPipeline:
+class CfgParallelPipeline(PeerPipeline):
     """VideoBackend on rank 0: local cond branch + one peer rank for the uncond branch."""
 
     def __init__(self, local: VideoPipeline, peers: PeerRanks):
-        self.local = local
-        self.peers = peers
+        super().__init__(local, peers)
         self._remote: set[str] = set()  # request ids whose uncond branch lives on the peer
-        self._lock = threading.Lock()  # one conversation with the peer at a time
-
-    @property
-    def process(self):
-        """The peer process (rank 1)."""
-        return self.peers.processes[0]
 
     @classmethod
     def from_pretrained(
@@ -64,15 +57,15 @@ class CfgParallelPipeline:
     ) -> CfgParallelPipeline:
         """Spawn the peer (it loads the transformer on the second device), load the full local pipeline on
         the first, connect (NCCL on CUDA, gloo on CPU) and wait for the peer's "ready"."""
-        from worldserve.runner.cfg_worker import cfg_worker_main
+        from worldserve.runner.cfg_worker import UncondBranch
 
         devices = list(cfg_devices(device))
         if dtype is None:
             dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
         kernels = kernels or KernelOptions()
         peers, local = PeerRanks.start(
-            "CFG-parallel", cfg_worker_main,
-            lambda r, init: (r, init, 2, str(path), str(devices[r]), dtype, kernels), devices,
+            "CFG-parallel", peer_worker_main,
+            lambda r, init: (r, init, 2, str(path), str(devices[r]), dtype, kernels, UncondBranch, "cfg"), devices,
             lambda: VideoPipeline.from_pretrained(path, device=devices[0], dtype=dtype, kernels=kernels, **kwargs),
         )  # fmt: skip
         log.info(
@@ -81,29 +74,6 @@ class CfgParallelPipeline:
         return cls(local, peers)
 
     # ------------------------------------------------------------------ VideoBackend
-    @property
-    def has_sound(self) -> bool:
-        return self.local.has_sound
-
-    @property
-    def transformer(self):
-        """Rank 0's transformer (the Reasoner shares its und tower)."""
-        return self.local.transformer
-
-    @property
-    def encoder(self):
-        return self.local.encoder
-
-    @property
-    def device(self) -> torch.device:
-        return self.local.device
-
-    def validate(self, params: VideoParams) -> VideoParams:
-        return self.local.validate(params)
-
-    def sound_enabled(self, params: VideoParams) -> bool:
-        return self.local.sound_enabled(params)
-
     def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:
         if not needs_uncond(params.guidance_scale):
             return self.local.prepare(request_id, params)
@@ -145,9 +115,6 @@ class CfgParallelPipeline:
             row += n
         self.local.finish_step(states, t0)
 
-    def decode(self, state: VideoRequestState):
-        return self.local.decode(state)
-
     def release(self, state: VideoRequestState) -> None:
         self.local.release(state)
         with self._lock:
@@ -155,10 +122,3 @@ class CfgParallelPipeline:
                 self._remote.discard(state.request_id)
                 if not self.peers.closed and self.peers.alive():
                     self.peers.send(("release", state.request_id))
-
-    generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the peer and tear the process group down (runner/peers.py)."""
-        with self._lock:
-            self.peers.close(timeout_s)

@@ -10,12 +10,14 @@ peer processes, so a dead peer raises `PeerError` (a RuntimeError) instead of ha
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -242,3 +244,45 @@ def recv_step(plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, le
             )
         out.append((request_id, timestep, fps, clean, lat, snd))
     return out
+
+
+def serve_messages(
+    group: ParallelGroup,
+    dev: torch.device,
+    leader_alive,
+    handlers: dict[str, Callable[..., None]],
+    label: str,
+) -> None:
+    """A peer's loop: receive rank 0's messages and call handlers[kind](*args) until ("stop",)."""
+    while True:
+        kind, *args = comm.recv_object(LEADER, group, dev, leader_alive)
+        if kind == "stop":
+            return
+        if kind not in handlers:
+            raise ValueError(f"unknown {label} message {kind!r}")
+        handlers[kind](*args)
+
+
+# ---------------------------------------------------------------------------------------------- peer processes
+def peer_worker_main(
+    rank: int, init_method: str, world_size: int, model_path: str, device: str, dtype: torch.dtype,
+    kernels, make_branch: Callable, label: str,
+) -> None:  # fmt: skip
+    """Entry point of a spawned rank (design.md anti-pattern 10: the process's whole life in one function):
+    load the transformer with `kernels` on `device`, wrap it as `make_branch(transformer, device)` (a class
+    with `handlers(group, device, leader_alive)`: message kind -> callable) and serve until ("stop",)."""
+    load = functools.partial(_load_branch, model_path, dtype, kernels, make_branch)
+    run_peer(rank, init_method, world_size, device, label, load, functools.partial(_serve_branch, label))
+
+
+def _load_branch(model_path: str, dtype: torch.dtype, kernels, make_branch: Callable, device: torch.device):
+    from worldserve.weights.loader import load_transformer
+
+    transformer = load_transformer(Path(model_path), dtype=dtype, device=device, progress=False)
+    log.info("transformer kernels: %s", kernels.apply(transformer))
+    return make_branch(transformer, device)
+
+
+@torch.inference_mode()
+def _serve_branch(label: str, branch, group: ParallelGroup, dev: torch.device, leader_alive) -> None:
+    serve_messages(group, dev, leader_alive, branch.handlers(group, dev, leader_alive), label)

@@ -334,13 +334,20 @@ class VideoPipeline:
         return result, state
 
 
-def load_pipeline(path: str | Path, *, cfg_parallel_size: int = 1, **kwargs):
-    """`VideoPipeline.from_pretrained(path, **kwargs)`, or with `cfg_parallel_size == 2` a
-    `CfgParallelPipeline` (cond branch here, uncond branch on a spawned peer rank). Callers `close()` it."""
+def load_pipeline(path: str | Path, *, cfg_parallel_size: int = 1, ulysses_degree: int = 1, **kwargs):
+    """`VideoPipeline.from_pretrained(path, **kwargs)`; with `cfg_parallel_size == 2` a CfgParallelPipeline
+    (cond branch here, uncond branch on a spawned peer rank); with `ulysses_degree > 1` a UlyssesPipeline
+    (every forward split over that many ranks). Callers `close()` it."""
+    if cfg_parallel_size not in (1, 2):
+        raise ValueError(f"--cfg-parallel-size must be 1 or 2, got {cfg_parallel_size}")
+    if cfg_parallel_size > 1 and ulysses_degree > 1:
+        raise ValueError("--cfg-parallel-size 2 with --ulysses-degree > 1 is not supported yet: choose one")
+    if ulysses_degree > 1:
+        from worldserve.runner.ulysses_parallel import UlyssesPipeline
+
+        return UlyssesPipeline.from_pretrained(path, ulysses_degree, **kwargs)
     if cfg_parallel_size == 1:
         return VideoPipeline.from_pretrained(path, **kwargs)
-    if cfg_parallel_size != 2:
-        raise ValueError(f"--cfg-parallel-size must be 1 or 2, got {cfg_parallel_size}")
     from worldserve.runner.cfg_parallel import CfgParallelPipeline
 
     return CfgParallelPipeline.from_pretrained(path, **kwargs)

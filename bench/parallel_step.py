@@ -1,5 +1,6 @@
-"""One CFG denoising step on one GPU (cond + uncond packed in one forward) against `--cfg-parallel-size 2`
-(cond on cuda:0, uncond on cuda:1, velocities sent back to rank 0), same checkpoint, params and seed.
+"""One CFG denoising step on one GPU (cond + uncond packed in one forward) against a multi-GPU mode, same
+checkpoint, params and seed: `--cfg-parallel-size 2` (cond on cuda:0, uncond on cuda:1; the default) or, with
+`--ulysses-degree N`, Ulysses sequence parallelism over cuda:0..N-1.
 
 Loads VideoPipeline on cuda:0, prepares one request (default 1280x720 x 189 frames + audio, guidance 6),
 runs --warmup steps (torch.compile on the first), times --steps steps (s/step, median), keeps the latents;
@@ -9,10 +10,11 @@ Weights: --model (a real-layout checkpoint on local disk), --random-nano DIR (wr
 the Nano transformer config (15.2B params, ~30 GB bf16), the real-size Wan2.2 VAE and AVAE, random weights,
 the tiny byte tokenizer; the GPU hosts have no network), or --tiny for a CPU smoke run.
 
-    PYTHONPATH=. python bench/cfg_parallel_step.py --random-nano /tmp/nano-random --write-only --out x  # once (not timed yet)
-    PYTHONPATH=. python bench/cfg_parallel_step.py --random-nano /tmp/nano-random --out $OUT/cfg_step.json
-    PYTHONPATH=. python bench/cfg_parallel_step.py --model /path/to/Cosmos3-Nano --out $OUT/cfg_step.json
-    PYTHONPATH=. python bench/cfg_parallel_step.py --tiny --device cpu --size 80x48 --frames 9 --out /tmp/x.json
+    PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --write-only --out x  # once (not timed yet)
+    PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --out $OUT/cfg_step.json
+    PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --ulysses-degree 2 --out $OUT/usp2.json
+    PYTHONPATH=. python bench/parallel_step.py --model /path/to/Cosmos3-Nano --out $OUT/cfg_step.json
+    PYTHONPATH=. python bench/parallel_step.py --tiny --device cpu --size 80x48 --frames 9 --out /tmp/x.json
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda (cuda:0 + cuda:1) or cpu (gloo smoke test)")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"))
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--ulysses-degree", type=int, default=1, help="> 1: time Ulysses instead of CFG-parallel")
     return ap.parse_args(argv)
 
 
@@ -144,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(dtype=dtype, kernels=KernelOptions(compile=not args.eager), progress=False)
     device = "cpu" if args.device == "cpu" else "cuda"
     results = {}
-    for name, size in (("single", 1), ("cfg_parallel", 2)):
-        dev = device if size == 2 else ("cpu" if device == "cpu" else "cuda:0")
+    mode = f"ulysses{args.ulysses_degree}" if args.ulysses_degree > 1 else "cfg_parallel"
+    runs = {"single": {}, mode: {"ulysses_degree": args.ulysses_degree} if args.ulysses_degree > 1 else
+            {"cfg_parallel_size": 2}}  # fmt: skip
+    for name, parallel in runs.items():
+        dev = device if parallel else ("cpu" if device == "cpu" else "cuda:0")
         t0 = time.perf_counter()
-        pipe = load_pipeline(root, cfg_parallel_size=size, device=dev, **kw)
+        pipe = load_pipeline(root, device=dev, **parallel, **kw)
         load_s = time.perf_counter() - t0
         pipe.validate(params)
         try:
@@ -158,22 +164,22 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    one, two = results["single"], results["cfg_parallel"]
+    one, two = results["single"], results[mode]
     report = {
         "model": str(root), "size": args.size, "frames": args.frames, "sound": not args.no_sound,
         "guidance": args.guidance, "steps_timed": args.steps, "device": args.device,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "single_s_per_step": one["s_per_step"], "cfg_parallel_s_per_step": two["s_per_step"],
+        "mode": mode, "single_s_per_step": one["s_per_step"], "parallel_s_per_step": two["s_per_step"],
         "speedup": one["s_per_step"] / two["s_per_step"],
         "rel_l2_video_latents": rel(two["latents"], one["latents"]),
         "rel_l2_sound_latents": rel(two["sound"], one["sound"]),
-        "single_step_times": one["step_times"], "cfg_parallel_step_times": two["step_times"],
-        "load_s": {"single": one["load_s"], "cfg_parallel": two["load_s"]},
+        "single_step_times": one["step_times"], "parallel_step_times": two["step_times"],
+        "load_s": {"single": one["load_s"], mode: two["load_s"]},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"single GPU    {one['s_per_step']:.3f} s/step")
-    print(f"cfg-parallel  {two['s_per_step']:.3f} s/step  ({report['speedup']:.2f}x)")
+    print(f"{mode:<13} {two['s_per_step']:.3f} s/step  ({report['speedup']:.2f}x)")
     print(f"rel L2 after {steps_total} steps: video {report['rel_l2_video_latents']:.2e}, "
           f"sound {report['rel_l2_sound_latents'] or 0:.2e}")  # fmt: skip
     return 0

@@ -1,0 +1,46 @@
+"""`--ulysses-degree 2` over 2 gloo CPU ranks: the same final latents, sound and frames as one process, for
+CFG and guidance-1 requests batched together; a bad degree is refused before anything is spawned.
+
+Rank 0 is this pytest process (one torch.distributed world per process, so the pipeline is module-scoped and
+closed at the end); rank 1 is the spawned peer (peers.peer_worker_main with ulysses_worker.UlyssesRank)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pipeline_helpers import rel, run_requests, two_rank_cpu_pipeline
+
+from worldserve.params import VideoParams
+
+BASE = dict(negative_prompt="blurry", num_inference_steps=3, num_frames=9, height=48, width=80)
+
+
+@pytest.fixture(scope="module")
+def usp(tiny_ckpt):
+    yield from two_rank_cpu_pipeline(tiny_ckpt, ulysses_degree=2)
+
+
+def test_matches_single_process(usp, ours_pipeline):
+    batch = [
+        VideoParams(
+            prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=True, **BASE
+        ),
+        VideoParams(prompt="A boat at dusk.", guidance_scale=1.0, seed=4, generate_sound=False, **BASE),
+    ]
+    assert usp.local.sp.size == 2 and usp.local.sp.rank == 0  # rank 0's forwards run sharded
+    ours = run_requests(usp, batch)
+    ref = run_requests(ours_pipeline, batch)
+    for (lat, snd, res), (lat1, snd1, res1) in zip(ours, ref, strict=True):
+        assert rel(lat, lat1) <= 1e-5
+        assert (snd is None) == (snd1 is None) and (snd is None or rel(snd, snd1) <= 1e-5)
+        np.testing.assert_allclose(res.frames.astype(int), res1.frames.astype(int), atol=1)
+
+
+def test_degree_must_divide_the_heads(tiny_ckpt):
+    from worldserve.runner.video_pipeline import load_pipeline
+
+    with pytest.raises(ValueError, match="--ulysses-degree 4 must divide"):
+        load_pipeline(tiny_ckpt, ulysses_degree=4, device="cpu", dtype=torch.float32, progress=False)
+    with pytest.raises(ValueError, match="not supported yet: choose one"):
+        load_pipeline(tiny_ckpt, ulysses_degree=2, cfg_parallel_size=2, device="cpu", progress=False)
