@@ -239,3 +239,27 @@ def test_chat_and_video_share_the_engine(server):
         )
         assert done and http.get(f"/v1/videos/{job['id']}").json()["status"] == "completed"
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+
+
+def test_concurrent_chats_each_get_their_own_answer(server, reasoner):
+    """Several chats in flight at once (batched decode steps on the server) answer what each answers alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Tell me about number {i}" for i in range(5)]
+
+    def ask(prompt):
+        body = {
+            "model": MODEL,
+            "max_tokens": 6,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}],
+        }
+        r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, prompts))
+    for prompt, answer in zip(prompts, answers, strict=True):
+        params = ChatParams(messages=(ChatMessage(role="user", content=prompt),), max_tokens=6, temperature=0)
+        assert answer == _direct(reasoner, params)[0]

@@ -37,6 +37,10 @@ class ScriptedBackend:
             raise self.fail
         return ScriptedSession(self.lock, self.words, self.gate)
 
+    def step_all(self, sessions):
+        self.batches = getattr(self, "batches", []) + [len(sessions)]
+        return [s.step() for s in sessions]
+
 
 def _collect(worker, params=PARAMS):
     events: queue.Queue = queue.Queue()
@@ -89,3 +93,19 @@ def test_cancel_stops_at_the_next_step_and_failures_are_reported():
         assert failed.status == 500 and "boom" in failed.message
     finally:
         worker.stop()
+
+
+def test_concurrent_chats_are_decoded_together_up_to_max_num_seqs():
+    lock = threading.Lock()
+    backend = ScriptedBackend(lock, words=("a", "b", "c", "d"))
+    worker = ChatWorker(backend, lock, max_num_seqs=2)
+    streams = [_collect(worker)[1] for _ in range(3)]  # queued before the worker starts: admitted together
+    worker.start()
+    try:
+        outs = [_drain(ev) for ev in streams]
+    finally:
+        worker.stop()
+    for out in outs:
+        assert out[0] == ChatStarted(prompt_tokens=7) and "".join(e.text for e in out[1:]) == "abcd"
+    # two chats share every step until they finish, then the third runs alone: 4 steps of 2, 4 of 1
+    assert backend.batches == [2, 2, 2, 2, 1, 1, 1, 1]

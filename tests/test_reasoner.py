@@ -148,6 +148,37 @@ def test_two_images_positions_match_get_rope_index(reasoner, oracle):
     assert torch.equal(ours.long(), ref[:, 0]) and nxt == int(ref.max()) + 1
 
 
+def test_batched_decode_of_concurrent_chats_equals_solo_runs(reasoner):
+    """step_all over several sessions (different prompts, an image, different lengths and finish times) emits
+    what each session emits alone: continuous batching changes the cost, not the tokens."""
+
+    def params(i):
+        parts = (
+            (ChatPart(type="image", image=_image(i)), ChatPart(type="text", text="what?"))
+            if i == 1
+            else f"hi {i}"
+        )
+        return ChatParams(
+            messages=(ChatMessage(role="user", content=parts),), temperature=0.0, max_tokens=3 + 2 * i
+        )
+
+    solo = []
+    for i in range(3):
+        s = reasoner.start(params(i))
+        texts = []
+        while s.finish_reason is None:
+            texts.append(s.step().text)
+        solo.append((s.token_ids, texts))
+    sessions = [reasoner.start(params(i)) for i in range(3)]
+    texts = [[] for _ in sessions]
+    while any(s.finish_reason is None for s in sessions):
+        live = [i for i, s in enumerate(sessions) if s.finish_reason is None]
+        for i, d in zip(live, reasoner.step_all([sessions[i] for i in live]), strict=True):
+            texts[i].append(d.text)
+    assert [(s.token_ids, t) for s, t in zip(sessions, texts, strict=True)] == solo
+    assert [len(t) for _, t in solo] == [3, 5, 7] or any(s.finish_reason == "stop" for s in sessions)
+
+
 def test_sampling_seeded_and_bounded():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     a = [TokenSampler(temperature=0.8, top_p=0.9, top_k=10, seed=7).sample(logits) for _ in range(3)]

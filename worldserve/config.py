@@ -117,6 +117,8 @@ class SchedulerConfig:
     """Jobs waiting for admission beyond this answer 429 with Retry-After."""
     max_batch_size: int = 1
     """Requests denoised together in one step (and held in memory at once); same-shape requests only."""
+    max_num_seqs: int = 32
+    """Reasoner chats decoded together (continuous batching); more wait for a free slot."""
     encode_workers: int = 2
     """Threads that encode finished videos to MP4 while the next request denoises."""
     shutdown_timeout: float = 30.0
@@ -127,6 +129,8 @@ class SchedulerConfig:
             raise ValueError("--max-queued-requests must be >= 1")
         if self.max_batch_size < 1:
             raise ValueError("--max-batch-size must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
         if self.encode_workers < 1:
             raise ValueError("--encode-workers must be >= 1")
         if self.shutdown_timeout < 0:

@@ -68,7 +68,8 @@ def _serve(config: EngineConfig, backend: Any, gpu_memory: Any, chat_backend: An
     metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
     engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=server_cfg.job_ttl)
     client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
-                          job_ttl_s=server_cfg.job_ttl, chat_backend=chat_backend)  # fmt: skip
+                          job_ttl_s=server_cfg.job_ttl, chat_backend=chat_backend,
+                          max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
     app = build_app(
         client, metrics=metrics, api_key=server_cfg.api_key, sync_timeout_s=server_cfg.sync_timeout,
         max_upload_bytes=server_cfg.max_upload_bytes, shutdown_timeout_s=config.scheduler.shutdown_timeout,

@@ -2,9 +2,11 @@
 
 Concurrency model: the und weights are shared with video generation, so every model call is serialized by
 the engine's `model_lock` (the video loop holds it around prepare / one denoise step / decode; this worker
-holds it around a chat's prefill and around each single decode step). Chat tokens and video denoising steps
+holds it around a chat's prefill and around each decode step). Chat tokens and video denoising steps
 therefore interleave step by step and a long video never starves a chat (nor the reverse) for more than one
-step. Chats run one at a time in FIFO order (no continuous batching of several chats yet).
+step. Continuous batching: up to `max_num_seqs` chats are active at once; each loop admits the waiting
+chats (FIFO, one prefill each), then runs ONE batched decode step for every active chat
+(`backend.step_all`), so N concurrent chats cost about one chat's decode forwards, not N.
 
 Events go to the caller's `emit` callback from this thread (EngineClient bridges them into asyncio):
 `ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token, the last one with
@@ -53,10 +55,18 @@ class ChatHandle:
         self.cancelled.set()
 
 
+DEFAULT_MAX_NUM_SEQS = 32
+
+
 class ChatWorker:
-    def __init__(self, backend: ChatBackend, model_lock: threading.Lock):
+    def __init__(
+        self, backend: ChatBackend, model_lock: threading.Lock, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.backend = backend
         self.model_lock = model_lock
+        self.max_num_seqs = max_num_seqs
         self._queue: queue.Queue[ChatHandle | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
@@ -80,13 +90,22 @@ class ChatWorker:
         return handle
 
     def _run(self) -> None:
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                break
-            if not handle.cancelled.is_set():
-                self._generate(handle)
-        while True:  # stopping: tell the callers still queued
+        active: list[tuple[ChatHandle, object]] = []
+        stopping = False
+        while not stopping or active:
+            while not stopping and len(active) < self.max_num_seqs:
+                try:  # wait for work only when nothing is running
+                    handle = self._queue.get(block=not active)
+                except queue.Empty:
+                    break
+                if handle is None:
+                    stopping = True
+                elif not handle.cancelled.is_set() and (session := self._start(handle)) is not None:
+                    active.append((handle, session))
+            active = [(h, s) for h, s in active if not h.cancelled.is_set()]
+            if active:
+                active = self._step(active)
+        while True:  # stopped: tell the callers still queued
             try:
                 handle = self._queue.get_nowait()
             except queue.Empty:
@@ -94,19 +113,34 @@ class ChatWorker:
             if handle is not None:
                 handle.emit(ChatFailed(503, "The server is shutting down."))
 
-    def _generate(self, handle: ChatHandle) -> None:
+    def _start(self, handle: ChatHandle):
+        """Prefill one chat; None (and a ChatFailed sent) when it fails."""
         try:
             with self.model_lock:
                 session = self.backend.start(handle.params)
-            handle.emit(ChatStarted(prompt_tokens=session.prompt_tokens))
-            while not handle.cancelled.is_set():
-                with self.model_lock:
-                    delta = session.step()
-                handle.emit(delta)
-                if delta.finish_reason is not None:
-                    return
-        except ParamError as exc:
-            handle.emit(ChatFailed(400, exc.message, exc.param))
         except Exception as exc:
-            log.exception("chat completion failed")
+            self._fail(handle, exc)
+            return None
+        handle.emit(ChatStarted(prompt_tokens=session.prompt_tokens))
+        return session
+
+    def _step(self, active: list[tuple[ChatHandle, object]]) -> list[tuple[ChatHandle, object]]:
+        """One batched step of every active chat; returns the ones still generating."""
+        try:
+            with self.model_lock:
+                deltas = self.backend.step_all([s for _, s in active])
+        except Exception as exc:
+            for handle, _ in active:
+                self._fail(handle, exc)
+            return []
+        for (handle, _), delta in zip(active, deltas, strict=True):
+            handle.emit(delta)
+        return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None]
+
+    @staticmethod
+    def _fail(handle: ChatHandle, exc: Exception) -> None:
+        if isinstance(exc, ParamError):
+            handle.emit(ChatFailed(400, exc.message, exc.param))
+        else:
+            log.exception("chat completion failed", exc_info=exc)
             handle.emit(ChatFailed(500, f"Chat completion failed: {type(exc).__name__}: {exc}"))

@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from worldserve.engine.chat_worker import ChatEvent, ChatFailed, ChatStarted, ChatWorker
+from worldserve.engine.chat_worker import DEFAULT_MAX_NUM_SEQS, ChatEvent, ChatFailed, ChatStarted, ChatWorker
 from worldserve.engine.engine import Engine, EngineObserver
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta
@@ -96,9 +96,12 @@ class EngineClient:
         max_queued_requests: int,
         job_ttl_s: float | None = None,
         chat_backend: ChatBackend | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     ):
         self.engine = engine
-        self.chat_worker = None if chat_backend is None else ChatWorker(chat_backend, engine.model_lock)
+        self.chat_worker = (
+            None if chat_backend is None else ChatWorker(chat_backend, engine.model_lock, max_num_seqs)
+        )
         self.store = store
         self.model_name = model_name
         self.max_queued_requests = max_queued_requests

@@ -91,3 +91,7 @@ class ChatBackend(Protocol):
     def start(self, params: ChatParams) -> ChatSession:
         """Validate, tokenize, encode images, prefill; raises ParamError for a bad request."""
         ...
+
+    def step_all(self, sessions: Sequence[ChatSession]) -> list[ChatDelta]:
+        """One step of each unfinished session, their decode forwards batched into one."""
+        ...

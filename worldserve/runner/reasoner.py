@@ -14,6 +14,8 @@ start(ChatParams) -> ReasonerSession:
 session.step() -> ChatDelta: sample the next token (sampling/tokens.py) from the pending logits, detokenize
   incrementally (a trailing incomplete UTF-8 character and a possible stop-string prefix are held back), and,
   unless finished, run one und decode step at the next mRoPE position (max prompt position + 1 + k).
+step_all(sessions) -> [ChatDelta]: the same for several sessions with ONE batched und decode forward (each
+  sequence its own cache and position): continuous batching of concurrent chats.
 Finish: "stop" on <|im_end|> / <|endoftext|> / the config eos or a `stop` string, "length" at max_tokens or
 the context limit. Callers serialize model access (the chat worker holds the model lock around start/step).
 """
@@ -226,11 +228,31 @@ class Reasoner:
     @torch.inference_mode()
     def decode(self, token: int, cache: Any, position: int) -> Tensor:
         """One decode step: token at `position` -> logits [vocab] of the next token."""
+        return self.decode_many([(token, cache, position)])[0]
+
+    @torch.inference_mode()
+    def decode_many(self, steps: Sequence[tuple[int, Any, int]]) -> Tensor:
+        """One batched decode step of several sequences: [(token, cache, position)] -> logits [B, vocab]."""
         model = self.transformer
-        ids = torch.tensor([token], dtype=torch.long, device=model.device)
-        pos = torch.full((3, 1), float(position), device=model.device)
-        hidden = model.und_step(UndBatch(input_ids=ids, positions=pos, seq_lens=(1,)), [cache])
-        return model.compute_logits(hidden)[0]
+        ids = torch.tensor([t for t, _, _ in steps], dtype=torch.long, device=model.device)  # [B]
+        pos = torch.tensor([float(p) for _, _, p in steps], device=model.device).expand(3, -1)  # [3, B]
+        batch = UndBatch(input_ids=ids, positions=pos, seq_lens=(1,) * len(steps))
+        hidden = model.und_step(batch, [c for _, c, _ in steps])  # [B, d]
+        return model.compute_logits(hidden)
+
+    def step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
+        """One step of every session (sampling each, then one batched decode of the unfinished ones)."""
+        deltas, pending = [], []
+        for s in sessions:
+            delta, token = s.advance()
+            deltas.append(delta)
+            if token is not None:
+                pending.append((s, token))
+        if pending:
+            logits = self.decode_many([(token, s._cache, s._position) for s, token in pending])
+            for (s, _), row in zip(pending, logits, strict=True):
+                s.receive(row)
+        return deltas
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""
@@ -279,6 +301,16 @@ class ReasonerSession:
 
     def step(self) -> ChatDelta:
         """Sample one token, return the new text (possibly empty) and the finish reason once done."""
+        return self._r.step_all([self])[0]
+
+    def receive(self, logits: Tensor) -> None:
+        """The next token's logits, after the decode of the token `advance` returned."""
+        self._logits = logits
+        self._position += 1
+
+    def advance(self) -> tuple[ChatDelta, int | None]:
+        """Sample a token from the pending logits and update the text: (delta, the token to decode next, or
+        None once finished). The caller decodes that token and hands its logits to `receive`."""
         if self.finish_reason is not None or self._logits is None:
             raise RuntimeError("the session is finished")
         token = self._sampler.sample(self._logits)
@@ -297,13 +329,15 @@ class ReasonerSession:
             end = len(text) - held
             while end > self._emitted and text[end - 1] == "\ufffd":
                 end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
-            self._logits = self._r.decode(token, self._cache, self._position)
-            self._position += 1
+            self._logits = None  # until receive()
+            next_token: int | None = token
         else:
             end = len(text)
             self._logits, self._cache = None, None
+            next_token = None
         delta = text[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
-        return ChatDelta(
+        out = ChatDelta(
             text=delta, finish_reason=self.finish_reason, completion_tokens=self.completion_tokens
         )
+        return out, next_token
