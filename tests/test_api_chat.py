@@ -212,7 +212,8 @@ def test_sse_wire_format_and_file_url(server):
         ({"media_io_kwargs": {"video": {"frames": 3}}}, 400, "media_io_kwargs", "takes"),
         ({"max_tokens": 100000}, 400, "max_tokens", "maximum context length"),
         ({"temperature": -1}, 400, "temperature", "validation error"),
-        ({"presence_penalty": 1.5}, 400, "presence_penalty", "not supported"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
+        ({"repetition_penalty": 0}, 400, "repetition_penalty", "must be in (0, 2]"),
         ({"logprobs": True}, 400, "logprobs", "not supported"),
     ],
 )  # fmt: skip

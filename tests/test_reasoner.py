@@ -233,3 +233,51 @@ def test_vision_encoder_loading_is_strict(tiny_ckpt, tmp_path, reasoner):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="missing"):
         VisionEncoder.from_pretrained(tmp_path, vision_config=root["vision_config"])
+
+
+def test_penalties_match_their_definitions():
+    """repetition_penalty equals transformers' RepetitionPenaltyLogitsProcessor over prompt + output;
+    presence / frequency penalties subtract per output token as OpenAI defines them."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, generator=g) * 3
+    prompt, output = (3, 5, 5, 9), (5, 7, 7, 7)
+    s = TokenSampler(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
+                     prompt_ids=prompt)  # fmt: skip
+    for t in output:
+        s.output_counts[t] = s.output_counts.get(t, 0) + 1
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[None].clone())[0]
+    ref[5] -= 0.25 * 1 + 0.5
+    ref[7] -= 0.25 * 3 + 0.5
+    torch.testing.assert_close(s.penalize(logits), ref)
+    # greedy picks from the penalized scores, and every pick counts for the next one
+    s2 = TokenSampler(temperature=0.0, frequency_penalty=2.0)
+    flat = torch.zeros(4)
+    flat[2] = 1.0
+    assert [s2.sample(flat) for _ in range(3)] == [2, 0, 1]
+
+
+def test_a_chat_samples_from_penalized_logits(reasoner):
+    """The session's sampler sees the prompt (repetition penalty) and its own output (presence penalty):
+    its greedy tokens equal a reference loop that applies TokenSampler.penalize to prefill/decode logits."""
+    params = ChatParams(messages=(ChatMessage(role="user", content="Say something."),), temperature=0.0,
+                        max_tokens=6, repetition_penalty=2.0, presence_penalty=2.0)  # fmt: skip
+    session = reasoner.start(params)
+    while session.finish_reason is None:
+        session.step()
+    prompt = reasoner.build_prompt(params)
+    hidden, cache, pos = reasoner.prefill(prompt)
+    logits = reasoner.transformer.compute_logits(hidden[-1:])[0]
+    ref = TokenSampler(
+        temperature=0.0, repetition_penalty=2.0, presence_penalty=2.0, prompt_ids=tuple(prompt.input_ids)
+    )
+    tokens = []
+    for _ in range(len(session.token_ids)):
+        tokens.append(ref.sample(logits))
+        logits = reasoner.decode(tokens[-1], cache, pos)
+        pos += 1
+    assert tokens == session.token_ids
+    plain = TokenSampler(temperature=0.0)
+    first = reasoner.transformer.compute_logits(reasoner.prefill(prompt)[0][-1:])[0]
+    assert tokens[0] != plain.sample(first) or tokens[0] not in prompt.input_ids  # the penalty was applied

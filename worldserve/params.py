@@ -293,6 +293,12 @@ class ChatParams:
     """Sampling seed (None: random)."""
     stop: tuple[str, ...] = ()
     """Strings that end the completion (not included in the output)."""
+    presence_penalty: float = 0.0
+    """OpenAI presence penalty in [-2, 2] over the output tokens."""
+    frequency_penalty: float = 0.0
+    """OpenAI frequency penalty in [-2, 2] over the output tokens."""
+    repetition_penalty: float = 1.0
+    """vLLM repetition penalty (> 0; 1 = off) over the prompt and output tokens."""
 
     def validate(self) -> ChatParams:
         if not self.messages:
@@ -307,4 +313,12 @@ class ChatParams:
             raise ParamError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ParamError("stop", "stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ParamError(name, f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ParamError(
+                "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
         return self

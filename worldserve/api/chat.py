@@ -147,6 +147,9 @@ def build_params(body: ChatCompletionRequest, allowed_local_path: str | None) ->
         top_k=0 if body.top_k is None else body.top_k,
         seed=body.seed,
         stop=stop,
+        presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
+        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
     ).validate()
 
 

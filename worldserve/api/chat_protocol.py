@@ -70,14 +70,6 @@ class ChatCompletionRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot honour yet (answered with a 400)."""
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                return name
         if self.logprobs:
             return "logprobs"
         if self.response_format and self.response_format.get("type", "text") != "text":

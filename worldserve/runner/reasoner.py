@@ -272,7 +272,14 @@ class Reasoner:
         hidden, cache, next_pos = self.prefill(prompt, capacity=n + min(budget, 512))
         logits = self.transformer.compute_logits(hidden[-1:])[0]
         sampler = TokenSampler(
-            temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0), seed=params.seed
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=max(params.top_k, 0),
+            seed=params.seed,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            prompt_ids=tuple(prompt.input_ids),
         )
         return ReasonerSession(self, sampler, cache, logits, next_pos, prompt_tokens=n, max_tokens=budget,
                                stop=params.stop)  # fmt: skip
