@@ -214,7 +214,9 @@ def test_sse_wire_format_and_file_url(server):
         ({"temperature": -1}, 400, "temperature", "validation error"),
         ({"presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
         ({"repetition_penalty": 0}, 400, "repetition_penalty", "must be in (0, 2]"),
-        ({"logprobs": True}, 400, "logprobs", "not supported"),
+        ({"top_logprobs": 3}, 400, "top_logprobs", "needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "validation error"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ],
 )  # fmt: skip
 def test_bad_requests(server, patch, status, param, needle):
@@ -264,3 +266,39 @@ def test_concurrent_chats_each_get_their_own_answer(server, reasoner):
     for prompt, answer in zip(prompts, answers, strict=True):
         params = ChatParams(messages=(ChatMessage(role="user", content=prompt),), max_tokens=6, temperature=0)
         assert answer == _direct(reasoner, params)[0]
+
+
+def test_logprobs_non_stream_and_stream(oai, reasoner):
+    """logprobs / top_logprobs through the openai client: each token's raw-logit log-probability, equal to a
+    direct computation from the Reasoner's logits; greedy picks the top alternative; the stream carries the
+    same entries chunk by chunk."""
+    msgs = [{"role": "user", "content": "Count to three."}]
+    resp = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=3)  # fmt: skip
+    content = resp.choices[0].logprobs.content
+    params = ChatParams(
+        messages=(ChatMessage(role="user", content="Count to three."),), max_tokens=4, temperature=0
+    )
+    prompt = reasoner.build_prompt(params)
+    hidden, cache, pos = reasoner.prefill(prompt)
+    logits = reasoner.transformer.compute_logits(hidden[-1:])[0]
+    _, session = _direct(reasoner, params)
+    assert len(content) == session.completion_tokens
+    for entry, token in zip(content, session.token_ids, strict=True):
+        lp = torch.log_softmax(logits.float(), -1)
+        assert entry.token == reasoner.tokenizer.decode([token]) and entry.bytes == list(entry.token.encode())
+        assert abs(entry.logprob - float(lp[token])) < 1e-4
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        logits = reasoner.decode(token, cache, pos)
+        pos += 1
+    stream = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                         top_logprobs=3, stream=True)  # fmt: skip
+    streamed = [
+        e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None

@@ -299,6 +299,10 @@ class ChatParams:
     """OpenAI frequency penalty in [-2, 2] over the output tokens."""
     repetition_penalty: float = 1.0
     """vLLM repetition penalty (> 0; 1 = off) over the prompt and output tokens."""
+    logprobs: bool = False
+    """Return each output token's log-probability."""
+    top_logprobs: int = 0
+    """With logprobs: also the this-many most likely tokens at each position (0-20)."""
 
     def validate(self) -> ChatParams:
         if not self.messages:
@@ -317,6 +321,10 @@ class ChatParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -2 <= value <= 2):
                 raise ParamError(name, f"{name} must be in [-2, 2], got {value}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ParamError("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
             raise ParamError(
                 "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"

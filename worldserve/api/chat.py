@@ -36,8 +36,11 @@ from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     ContentPart,
+    TokenLogprobOut,
+    TopLogprob,
     Usage,
 )  # fmt: skip
 from worldserve.api.errors import APIError, error_body
@@ -150,7 +153,20 @@ def build_params(body: ChatCompletionRequest, allowed_local_path: str | None) ->
         presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
         frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs or 0,
     ).validate()
+
+
+def _logprobs(entries) -> list[TokenLogprobOut]:
+    """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes)."""
+    return [
+        TokenLogprobOut(
+            token=e.token, logprob=e.logprob, bytes=list(e.token.encode()),
+            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top],
+        )
+        for e in entries
+    ]  # fmt: skip
 
 
 def _not_found(model: str) -> JSONResponse:
@@ -217,12 +233,13 @@ async def create_chat_completion(request: Request, st: State):
         include_usage = bool(opts and opts.include_usage)
         stream = _sse(events, request_id, created, model, first.prompt_tokens, include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
-    text, last = [], None
+    text, last, logprobs = [], None, []
     try:
         async for event in events:
             if isinstance(event, ChatFailed):
                 raise APIError(event.status, event.message, param=event.param)
             text.append(event.text)
+            logprobs += _logprobs(event.logprobs)
             last = event
     finally:  # also on cancellation (client gone): stop the chat at its next step
         await events.aclose()
@@ -231,15 +248,19 @@ async def create_chat_completion(request: Request, st: State):
         prompt_tokens=first.prompt_tokens, completion_tokens=last.completion_tokens,
         total_tokens=first.prompt_tokens + last.completion_tokens,
     )  # fmt: skip
-    choice = Choice(message=AssistantMessage(content="".join(text)), finish_reason=last.finish_reason)
+    choice = Choice(
+        message=AssistantMessage(content="".join(text)), finish_reason=last.finish_reason,
+        logprobs=ChoiceLogprobs(content=logprobs) if params.logprobs else None,
+    )  # fmt: skip
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage)
 
 
 async def _sse(
     events: AsyncIterator, request_id: str, created: int, model: str, prompt_tokens: int, include_usage: bool
 ) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, str], finish: str | None = None) -> str:
-        choice = ChunkChoice(delta=delta, finish_reason=finish)
+    def chunk(delta: dict[str, str], finish: str | None = None, logprobs=()) -> str:
+        lp = ChoiceLogprobs(content=_logprobs(logprobs)) if logprobs else None
+        choice = ChunkChoice(delta=delta, finish_reason=finish, logprobs=lp)
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).sse()
 
     completion = 0
@@ -251,8 +272,8 @@ async def _sse(
                 yield "data: [DONE]\n\n"
                 return
             completion = event.completion_tokens
-            if event.text:
-                yield chunk({"content": event.text})
+            if event.text or event.logprobs:
+                yield chunk({"content": event.text}, logprobs=event.logprobs)
             if event.finish_reason is not None:
                 yield chunk({}, event.finish_reason)
         if include_usage:

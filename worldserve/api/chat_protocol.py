@@ -2,9 +2,10 @@
 
 Request: `model`, `messages` (string content or parts: text, image_url, video_url with `{"url": U}` or the
 bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-`n` (1 only), `stop`, `stream`, `stream_options`. Penalties, logprobs, structured output and tools are
-refused with a 400 when set to anything but their neutral value (not implemented yet, never silently
-dropped); other unknown fields are ignored, as vLLM ignores them. Responses: the non-streaming `chat.completion` object and the
+`n` (1 only), `stop`, `stream`, `stream_options`, `presence_penalty` / `frequency_penalty` /
+`repetition_penalty`, `logprobs` / `top_logprobs` (raw-logit log-probabilities, as vLLM's default),
+`media_io_kwargs` (video sampling). Structured output and tools are refused with a 400 when set (not
+implemented yet, never silently dropped); other unknown fields are ignored, as vLLM ignores them. Responses: the non-streaming `chat.completion` object and the
 `chat.completion.chunk` SSE events, field for field as vLLM writes them.
 """
 
@@ -61,6 +62,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     media_io_kwargs: dict[str, Any] | None = Field(
@@ -70,8 +72,6 @@ class ChatCompletionRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot honour yet (answered with a 400)."""
-        if self.logprobs:
-            return "logprobs"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
         if self.tools:
@@ -93,10 +93,24 @@ class AssistantMessage(BaseModel):
     tool_calls: list[Any] = Field(default_factory=list)
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
     stop_reason: str | int | None = None
 
@@ -115,7 +129,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]
     """{"role": "assistant", "content": ""} first, then {"content": piece}, {} on the final chunk."""
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 

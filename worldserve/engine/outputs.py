@@ -68,6 +68,17 @@ class VideoBackend(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One sampled token's log-probability under the model (raw logits, before temperature / penalties)."""
+
+    token: str
+    """The token's text (decoded alone)."""
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+    """The `top_logprobs` most likely tokens at this position, most likely first."""
+
+
+@dataclass(frozen=True, slots=True)
 class ChatDelta:
     """One Reasoner decode step's outcome (runner -> chat worker -> API)."""
 
@@ -77,6 +88,8 @@ class ChatDelta:
     """None while generating, then "stop" or "length"."""
     completion_tokens: int
     """Completion tokens so far (the stop token excluded)."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With `logprobs` requested: the token sampled this step (none for the stop token)."""
 
 
 class ChatSession(Protocol):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worldserve.engine.outputs import ChatDelta
+from worldserve.engine.outputs import ChatDelta, TokenLogprob
 from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.cosmos3.vision import (
     QWEN3VL_MAX_PIXELS,
@@ -282,7 +282,8 @@ class Reasoner:
             prompt_ids=tuple(prompt.input_ids),
         )
         return ReasonerSession(self, sampler, cache, logits, next_pos, prompt_tokens=n, max_tokens=budget,
-                               stop=params.stop)  # fmt: skip
+                               stop=params.stop,
+                               top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
 
 
 class ReasonerSession:
@@ -290,7 +291,7 @@ class ReasonerSession:
 
     def __init__(
         self, reasoner: Reasoner, sampler: TokenSampler, cache: Any, logits: Tensor, position: int, *,
-        prompt_tokens: int, max_tokens: int, stop: Sequence[str],
+        prompt_tokens: int, max_tokens: int, stop: Sequence[str], top_logprobs: int | None = None,
     ) -> None:  # fmt: skip
         self._r, self._sampler, self._cache = reasoner, sampler, cache
         self._logits: Tensor | None = logits
@@ -298,6 +299,7 @@ class ReasonerSession:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
+        self.top_logprobs = top_logprobs  # None: no logprobs
         self.token_ids: list[int] = []
         self._emitted = 0
         self.finish_reason: str | None = None
@@ -322,6 +324,7 @@ class ReasonerSession:
             raise RuntimeError("the session is finished")
         token = self._sampler.sample(self._logits)
         finished = token in self._r.stop_token_ids
+        logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
         if not finished:
             self.token_ids.append(token)
         text = self._r.tokenizer.decode(self.token_ids, skip_special_tokens=True)
@@ -345,6 +348,19 @@ class ReasonerSession:
         delta = text[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
         out = ChatDelta(
-            text=delta, finish_reason=self.finish_reason, completion_tokens=self.completion_tokens
+            text=delta,
+            finish_reason=self.finish_reason,
+            completion_tokens=self.completion_tokens,
+            logprobs=logprobs,
         )
         return out, next_token
+
+    def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:
+        """The token's log-probability under the raw logits, and the top alternatives."""
+        lp = torch.log_softmax(logits.detach().float(), dim=-1)
+        tok = self._r.tokenizer
+        top = ()
+        if self.top_logprobs:
+            vals, ids = torch.topk(lp, self.top_logprobs)
+            top = tuple((tok.decode([int(i)]), float(v)) for v, i in zip(vals, ids, strict=True))
+        return TokenLogprob(token=tok.decode([token]), logprob=float(lp[token]), top=top)
