@@ -1,10 +1,10 @@
 """One CFG denoising step on one GPU (cond + uncond packed in one forward) against a multi-GPU mode, same
-checkpoint, params and seed: `--cfg-parallel-size 2` (cond on cuda:0, uncond on cuda:1; the default) or, with
-`--ulysses-degree N`, Ulysses sequence parallelism over cuda:0..N-1.
+checkpoint, params and seed: `--cfg-parallel-size 2` (cond on cuda:0, uncond on cuda:1; the default),
+`--cfg-parallel-size 1 --ulysses-degree N` (Ulysses over cuda:0..N-1) or both (2 x N GPUs).
 
 Loads VideoPipeline on cuda:0, prepares one request (default 1280x720 x 189 frames + audio, guidance 6),
 runs --warmup steps (torch.compile on the first), times --steps steps (s/step, median), keeps the latents;
-frees it, then does the same through CfgParallelPipeline. Prints both, the speedup, and the rel. L2 of the
+frees it, then does the same through ParallelPipeline. Prints both, the speedup, and the rel. L2 of the
 final video / sound latents (bf16 batched-vs-split rounding only; ~1e-3 expected). Writes JSON to --out.
 Weights: --model (a real-layout checkpoint on local disk), --random-nano DIR (writes, once, a checkpoint with
 the Nano transformer config (15.2B params, ~30 GB bf16), the real-size Wan2.2 VAE and AVAE, random weights,
@@ -12,7 +12,7 @@ the tiny byte tokenizer; the GPU hosts have no network), or --tiny for a CPU smo
 
     PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --write-only --out x  # once (not timed yet)
     PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --out $OUT/cfg_step.json
-    PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --ulysses-degree 2 --out $OUT/usp2.json
+    PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --cfg-parallel-size 1 --ulysses-degree 2 --out $OUT/usp2.json
     PYTHONPATH=. python bench/parallel_step.py --model /path/to/Cosmos3-Nano --out $OUT/cfg_step.json
     PYTHONPATH=. python bench/parallel_step.py --tiny --device cpu --size 80x48 --frames 9 --out /tmp/x.json
 """
@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda (cuda:0 + cuda:1) or cpu (gloo smoke test)")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"))
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
-    ap.add_argument("--ulysses-degree", type=int, default=1, help="> 1: time Ulysses instead of CFG-parallel")
+    ap.add_argument("--cfg-parallel-size", type=int, default=2, choices=(1, 2), help="CFG branch groups")
+    ap.add_argument("--ulysses-degree", type=int, default=1, help="ranks per branch group (Ulysses)")
     return ap.parse_args(argv)
 
 
@@ -147,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(dtype=dtype, kernels=KernelOptions(compile=not args.eager), progress=False)
     device = "cpu" if args.device == "cpu" else "cuda"
     results = {}
-    mode = f"ulysses{args.ulysses_degree}" if args.ulysses_degree > 1 else "cfg_parallel"
-    runs = {"single": {}, mode: {"ulysses_degree": args.ulysses_degree} if args.ulysses_degree > 1 else
-            {"cfg_parallel_size": 2}}  # fmt: skip
+    mode = f"cfg{args.cfg_parallel_size}_ulysses{args.ulysses_degree}"
+    if args.cfg_parallel_size * args.ulysses_degree < 2:
+        raise SystemExit("nothing to compare: give --cfg-parallel-size 2 and/or --ulysses-degree > 1")
+    parallel_kw = {"cfg_parallel_size": args.cfg_parallel_size, "ulysses_degree": args.ulysses_degree}
+    runs = {"single": {}, mode: parallel_kw}
     for name, parallel in runs.items():
         dev = device if parallel else ("cpu" if device == "cpu" else "cuda:0")
         t0 = time.perf_counter()

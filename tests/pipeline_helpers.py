@@ -26,7 +26,7 @@ def run_requests(pipe, params_list):
     return out
 
 
-def two_rank_cpu_pipeline(ckpt, **parallel):
+def two_rank_cpu_pipeline(ckpt, **parallel):  # also more ranks: cfg x ulysses
     """Generator for a module fixture: load_pipeline(ckpt, **parallel) on 2 gloo CPU ranks in float32, yielded,
     then closed; the peer must have exited cleanly."""
     from worldserve.runner.video_pipeline import load_pipeline

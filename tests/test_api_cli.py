@@ -55,8 +55,7 @@ def test_every_flag_maps_to_a_field():
 
 @pytest.mark.parametrize(
     "argv",
-    [["-tp", "2"], ["--ulysses-degree", "0"], ["--ulysses-degree", "2", "--cfg-parallel-size", "2"],
-     ["--cfg-parallel-size", "3"], ["--enable-layerwise-offload"],
+    [["-tp", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"], ["--enable-layerwise-offload"],
      ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):

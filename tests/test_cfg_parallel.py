@@ -1,7 +1,7 @@
 """CFG-parallel over 2 gloo CPU ranks: the same final latents, sound and frames as one process.
 
-Rank 0 is this pytest process (CfgParallelPipeline, one torch.distributed world per process, so the
-pipeline is module-scoped and closed at the end); rank 1 is the spawned peer (peers.peer_worker_main with cfg_worker.UncondBranch).
+Rank 0 is this pytest process (ParallelPipeline, one torch.distributed world per process, so the
+pipeline is module-scoped and closed at the end); rank 1 is the spawned uncond peer (parallel_worker.BranchRank).
 The dead-peer case lives in test_cfg_parallel_peer.py (it needs its own world).
 """
 
@@ -34,7 +34,7 @@ def test_matches_single_process(cfgp, ours_pipeline, guidance):
     assert rel(lat, lat1) <= 1e-5 and rel(snd, snd1) <= 1e-5
     np.testing.assert_allclose(res.frames.astype(int), res1.frames.astype(int), atol=1)
     assert np.abs(res.audio - res1.audio).max() <= 1e-4
-    assert "r0" not in cfgp._remote  # released on the peer too
+    assert "r0" not in cfgp._cfg_remote  # released on the peer too
 
 
 def test_two_requests_batched_mixed_guidance(cfgp, ours_pipeline):

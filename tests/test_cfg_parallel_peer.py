@@ -13,9 +13,9 @@ from worldserve.params import VideoParams
 
 def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
     from worldserve.parallel.comm import PeerError
-    from worldserve.runner.cfg_parallel import CfgParallelPipeline
+    from worldserve.runner.video_pipeline import load_pipeline
 
-    pipe = CfgParallelPipeline.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False)
+    pipe = load_pipeline(tiny_ckpt, cfg_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
     try:
         params = VideoParams(prompt="a fox", num_inference_steps=3, num_frames=5, height=32, width=32,
                              guidance_scale=6.0, generate_sound=False)  # fmt: skip

@@ -1,8 +1,9 @@
-"""`--ulysses-degree 2` over 2 gloo CPU ranks: the same final latents, sound and frames as one process, for
-CFG and guidance-1 requests batched together; a bad degree is refused before anything is spawned.
+"""`--ulysses-degree 2` over 2 gloo CPU ranks, and `--cfg-parallel-size 2 --ulysses-degree 2` over 4: the same
+final latents, sound and frames as one process, for CFG and guidance-1 requests batched together; a bad
+degree is refused before anything is spawned.
 
 Rank 0 is this pytest process (one torch.distributed world per process, so the pipeline is module-scoped and
-closed at the end); rank 1 is the spawned peer (peers.peer_worker_main with ulysses_worker.UlyssesRank)."""
+closed at the end); rank 1 is the spawned peer (parallel_worker.BranchRank)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,30 @@ def test_matches_single_process(usp, ours_pipeline):
         np.testing.assert_allclose(res.frames.astype(int), res1.frames.astype(int), atol=1)
 
 
+def test_cfg_times_ulysses_on_four_ranks(ours_pipeline, tiny_ckpt, usp):
+    """Runs after the 2-rank pipeline is closed (one world per process): cond on ranks 0-1, uncond on 2-3."""
+    usp.close()
+    batch = [
+        VideoParams(
+            prompt="A red fox runs through snow.", guidance_scale=6.0, seed=5, generate_sound=True, **BASE
+        ),
+        VideoParams(prompt="A boat at dusk.", guidance_scale=1.0, seed=6, generate_sound=False, **BASE),
+    ]
+    gen = two_rank_cpu_pipeline(tiny_ckpt, cfg_parallel_size=2, ulysses_degree=2)
+    pipe = next(gen)
+    try:
+        assert pipe.layout.world == 4 and len(pipe.peers.processes) == 3 and pipe.local.sp.size == 2
+        ours = run_requests(pipe, batch)
+    finally:
+        next(gen, None)  # closes and checks the peers exited cleanly
+    for (lat, snd, _), (lat1, snd1, _) in zip(ours, run_requests(ours_pipeline, batch), strict=True):
+        assert rel(lat, lat1) <= 1e-5 and (snd is None or rel(snd, snd1) <= 1e-5)
+
+
 def test_degree_must_divide_the_heads(tiny_ckpt):
     from worldserve.runner.video_pipeline import load_pipeline
 
     with pytest.raises(ValueError, match="--ulysses-degree 4 must divide"):
         load_pipeline(tiny_ckpt, ulysses_degree=4, device="cpu", dtype=torch.float32, progress=False)
-    with pytest.raises(ValueError, match="not supported yet: choose one"):
-        load_pipeline(tiny_ckpt, ulysses_degree=2, cfg_parallel_size=2, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="--cfg-parallel-size 2 --ulysses-degree 2 needs 4 CUDA GPUs"):
+        load_pipeline(tiny_ckpt, ulysses_degree=2, cfg_parallel_size=2, device="cuda", progress=False)

@@ -85,7 +85,7 @@ class ParallelConfig:
     ulysses_degree: int = field(default=1, metadata={"aliases": ("--usp",)})
     """Ulysses sequence parallelism: split every denoising forward over this many GPUs (cuda:0..N-1; must divide the 32 query / 8 KV heads: 1, 2, 4, 8)."""
     cfg_parallel_size: int = 1
-    """Run the CFG branches on this many GPUs: 1, or 2 (cond on cuda:0, uncond on cuda:1, a full model on each)."""
+    """Run the CFG branches on separate GPUs: 1, or 2 (cond on the first half of the GPUs, uncond on the second; a full model on each GPU; combines with --ulysses-degree, using cfg x ulysses GPUs)."""
     enable_layerwise_offload: bool = False
     """Stream transformer blocks between CPU and GPU to save memory (not supported in this version)."""
 
@@ -103,10 +103,6 @@ class ParallelConfig:
                 raise ValueError(
                     f"{flag} {value} is not supported yet: this version runs on one GPU ({flag} 1)"
                 )
-        if self.cfg_parallel_size > 1 and self.ulysses_degree > 1:
-            raise ValueError(
-                "--cfg-parallel-size 2 with --ulysses-degree > 1 is not supported yet: choose one"
-            )
         if self.enable_layerwise_offload:
             raise ValueError("--enable-layerwise-offload is not supported yet; run without it")
 

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vae-tiling", action="store_true", help="decode the video in tiles (less memory)")
     p.add_argument(
         "--cfg-parallel-size", type=int, default=1, choices=(1, 2),
-        help="2: the uncond CFG branch on a second GPU (cuda:1), the cond branch on cuda:0",
+        help="2: the uncond CFG branch on its own GPU(s), the cond branch on cuda:0 (x --ulysses-degree GPUs each)",
     )  # fmt: skip
     p.add_argument(
         "--ulysses-degree", type=int, default=1, choices=(1, 2, 4, 8),

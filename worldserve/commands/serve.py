@@ -126,8 +126,7 @@ def _load_backend_within(
 
 def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]:
     """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
-    `--cfg-parallel-size 2`: a CfgParallelPipeline (uncond branch on a spawned rank on cuda:1);
-    `--ulysses-degree N`: a UlyssesPipeline (every forward split over cuda:0..N-1)."""
+    `--cfg-parallel-size 2` and / or `--ulysses-degree N`: a ParallelPipeline over their product of GPUs."""
     if cfg.backend == "fake":
         from worldserve.engine.fake_backend import FakeBackend
 

@@ -31,15 +31,16 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 """Set (setdefault) before peers are spawned: no NVLink multicast on the lent H200 hosts."""
 
 
-def rank_devices(device: str | torch.device | None, world: int, flag: str) -> list[torch.device]:
-    """One device per rank: cuda:0..world-1 by default; all cpu only when asked explicitly."""
+def rank_devices(device: str | torch.device | None, world: int, flags: str) -> list[torch.device]:
+    """One device per rank: cuda:0..world-1 by default; all cpu only when asked explicitly. `flags`: the
+    command-line flags that asked for `world` ranks (for the error messages)."""
     if device is not None and torch.device(device).type == "cpu":
         return [torch.device("cpu")] * world
     if device is not None and str(device) != "cuda":
-        raise ValueError(f"{flag} {world} runs on cuda:0..cuda:{world - 1}; use --device cuda, got {device}")
+        raise ValueError(f"{flags} runs on cuda:0..cuda:{world - 1}; use --device cuda, got {device}")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < world:
-        raise ValueError(f"{flag} {world} needs {world} CUDA GPUs; {n} visible. Run with {flag} 1")
+        raise ValueError(f"{flags} needs {world} CUDA GPUs; {n} visible. Use fewer GPUs")
     return [torch.device("cuda", r) for r in range(world)]
 
 
@@ -122,18 +123,20 @@ class PeerRanks:
         code = self.processes[r - 1].exitcode
         return comm.PeerError(f"{self.label} peer (rank {r}) is gone (exit code {code}): {exc}")
 
-    def send(self, msg, dst: int | None = None) -> None:
-        """Pickled `msg` to rank `dst`, or to every peer."""
+    def send(self, msg, to: Sequence[int] | None = None) -> None:
+        """Pickled `msg` to the ranks `to`, or to every peer (nothing, and no liveness check, for `to=[]`)."""
+        if to is not None and not to:
+            return
         self.check()
-        for r in self.ranks if dst is None else (dst,):
+        for r in self.ranks if to is None else to:
             try:
                 comm.send_object(msg, r, self.group, self.comm_device, self.alive)
             except comm.PeerError as exc:
                 raise self._gone(r, exc) from exc
 
-    def send_tensor(self, x: torch.Tensor, dst: int | None = None) -> None:
+    def send_tensor(self, x: torch.Tensor, to: Sequence[int] | None = None) -> None:
         x = x.to(self.comm_device)
-        for r in self.ranks if dst is None else (dst,):
+        for r in self.ranks if to is None else to:
             try:
                 comm.send_tensor(x, r, self.group, self.alive)
             except comm.PeerError as exc:
@@ -221,13 +224,13 @@ def step_plan(states: Sequence) -> list[tuple]:
     ]  # fmt: skip
 
 
-def send_step(peers: PeerRanks, states: Sequence, dst: int | None = None) -> None:
-    """("denoise", plan), then each request's latents (+ sound) in plan order."""
-    peers.send(("denoise", step_plan(states)), dst)
+def send_step(peers: PeerRanks, states: Sequence, to: Sequence[int] | None = None) -> None:
+    """("denoise", plan), then each request's latents (+ sound) in plan order, to the ranks `to` (or all)."""
+    peers.send(("denoise", step_plan(states)), to)
     for s in states:
-        peers.send_tensor(s.latents, dst)
+        peers.send_tensor(s.latents, to)
         if s.sound is not None:
-            peers.send_tensor(s.sound, dst)
+            peers.send_tensor(s.sound, to)
 
 
 def recv_step(plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, leader_alive) -> list[tuple]:

@@ -254,7 +254,7 @@ class VideoPipeline:
         self.finish_step(states, t0)
 
     sp: ParallelGroup = SINGLE
-    """Ulysses group of this rank's forwards (set by UlyssesPipeline; one process: no parallelism)."""
+    """Ulysses group of this rank's forwards (set by ParallelPipeline; one process: no parallelism)."""
 
     def forward(self, items: Sequence[GenItem]) -> GenOutput:
         """One transformer forward over `items` (any mix of requests and branches)."""
@@ -314,7 +314,7 @@ class VideoPipeline:
         state.sound = None
 
     def close(self) -> None:
-        """Nothing to stop in one process (CfgParallelPipeline stops its peer)."""
+        """Nothing to stop in one process (ParallelPipeline stops its peers)."""
 
     # ------------------------------------------------------------------ one-shot
     def generate(
@@ -335,19 +335,14 @@ class VideoPipeline:
 
 
 def load_pipeline(path: str | Path, *, cfg_parallel_size: int = 1, ulysses_degree: int = 1, **kwargs):
-    """`VideoPipeline.from_pretrained(path, **kwargs)`; with `cfg_parallel_size == 2` a CfgParallelPipeline
-    (cond branch here, uncond branch on a spawned peer rank); with `ulysses_degree > 1` a UlyssesPipeline
-    (every forward split over that many ranks). Callers `close()` it."""
-    if cfg_parallel_size not in (1, 2):
-        raise ValueError(f"--cfg-parallel-size must be 1 or 2, got {cfg_parallel_size}")
-    if cfg_parallel_size > 1 and ulysses_degree > 1:
-        raise ValueError("--cfg-parallel-size 2 with --ulysses-degree > 1 is not supported yet: choose one")
-    if ulysses_degree > 1:
-        from worldserve.runner.ulysses_parallel import UlyssesPipeline
+    """`VideoPipeline.from_pretrained(path, **kwargs)` on one device; with `cfg_parallel_size == 2` and/or
+    `ulysses_degree > 1` a ParallelPipeline over cfg_parallel_size x ulysses_degree ranks (runner/
+    parallel_layout.py). Callers `close()` it."""
+    from worldserve.runner.parallel_layout import ParallelLayout
 
-        return UlyssesPipeline.from_pretrained(path, ulysses_degree, **kwargs)
-    if cfg_parallel_size == 1:
+    layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree)
+    if layout.world == 1:
         return VideoPipeline.from_pretrained(path, **kwargs)
-    from worldserve.runner.cfg_parallel import CfgParallelPipeline
+    from worldserve.runner.parallel_pipeline import ParallelPipeline
 
-    return CfgParallelPipeline.from_pretrained(path, **kwargs)
+    return ParallelPipeline.from_pretrained(path, layout, **kwargs)

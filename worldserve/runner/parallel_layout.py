@@ -1,0 +1,57 @@
+"""Which rank does what when several GPUs share one request: CFG branches x Ulysses shards.
+
+With `--cfg-parallel-size C` (1 or 2) and `--ulysses-degree U`, C x U ranks (one GPU each, cuda:r) form C
+branch groups of U consecutive ranks: ranks [0, U) run the cond branch (and guidance-1 requests), ranks
+[U, 2U) the uncond branch of CFG requests. Inside a branch group every forward is split by tokens (Ulysses,
+parallel/ulysses.py); across groups nothing is exchanged but the uncond velocities, which the first rank of
+the uncond group sends to rank 0. Rank 0 is the process that serves (runner/parallel_pipeline.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worldserve.parallel.groups import ParallelGroup
+
+COND, UNCOND = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    cfg: int = 1
+    """CFG branch groups: 1 (both branches batched in one forward) or 2 (one group a branch)."""
+    ulysses: int = 1
+    """Ranks per branch group (the Ulysses degree)."""
+
+    def __post_init__(self) -> None:
+        if self.cfg not in (1, 2):
+            raise ValueError(f"--cfg-parallel-size must be 1 or 2, got {self.cfg}")
+        if self.ulysses < 1:
+            raise ValueError(f"--ulysses-degree must be >= 1, got {self.ulysses}")
+
+    @property
+    def world(self) -> int:
+        return self.cfg * self.ulysses
+
+    def branch(self, rank: int) -> int:
+        """COND or UNCOND: the branch group of `rank`."""
+        return rank // self.ulysses
+
+    @property
+    def uncond_leader(self) -> int:
+        """The rank that sends the uncond velocities to rank 0 (cfg == 2 only)."""
+        return self.ulysses
+
+    def branch_group(self, rank: int, world_group: ParallelGroup) -> ParallelGroup:
+        """`rank`'s Ulysses group. Collective: every rank must call it, in rank order of nothing else."""
+        if self.ulysses == 1:
+            return ParallelGroup()
+        if self.cfg == 1:
+            return world_group
+        import torch.distributed as dist
+
+        groups = [
+            dist.new_group(ranks=list(range(b * self.ulysses, (b + 1) * self.ulysses)))
+            for b in range(self.cfg)
+        ]
+        return ParallelGroup(rank=rank % self.ulysses, size=self.ulysses, group=groups[self.branch(rank)])

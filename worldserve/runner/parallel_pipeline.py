@@ -1,0 +1,179 @@
+"""`ParallelPipeline`: rank 0's VideoBackend when several GPUs share each request (runner/parallel_layout.py):
+`--cfg-parallel-size 2` (the uncond branch on its own GPUs) and/or `--ulysses-degree U` (every forward split
+over U GPUs by tokens, parallel/ulysses.py). The peers are spawned processes (runner/parallel_worker.py),
+each holding the full model on cuda:r (gloo CPU ranks with --device cpu, for tests).
+
+Rank 0 wraps a local VideoPipeline that does everything one process does (prompts, noise, conditioning,
+CFG combine in float32, UniPC, decode; the Reasoner shares its und tower); its forwards run with the cond
+group's Ulysses group. Messages (small pickled tuples + tensors, runner/peers.py):
+- prepare: rank 0 prepares (a bad input fails before any peer hears of it), then ("prefill", request_id,
+  cond ids, uncond ids or None) to the cond group's peers, and to the uncond group for CFG requests; with
+  cfg == 2 rank 0 keeps only the cond cache;
+- denoise: ("denoise", plan) + the requests' latents (+ sound) to the cond group's peers (all requests) and
+  to the uncond group (CFG requests only), rank 0's own forward over the cond (and guidance-1) items, then
+  the uncond velocities from the uncond group's first rank, and the CFG combine / UniPC step with
+  VideoPipeline's code (the same numbers as one process);
+- release: ("release", request_id) to the ranks that hold it; close: ("stop",). A dead peer raises
+  PeerError, never a hang; with U == 1 guidance-1 requests never touch the uncond peer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.parallel.ulysses import check_degree
+from worldserve.params import VideoParams
+from worldserve.runner.kernel_options import KernelOptions
+from worldserve.runner.parallel_layout import ParallelLayout
+from worldserve.runner.parallel_worker import BranchRank
+from worldserve.runner.peers import PeerRanks, peer_worker_main, rank_devices, send_step
+from worldserve.runner.video_pipeline import VideoPipeline, VideoRequestState, branch_items
+from worldserve.sampling.guidance import needs_uncond
+
+log = logging.getLogger("worldserve.parallel")
+
+
+def layout_flag(layout: ParallelLayout) -> str:
+    """The flags that asked for this layout, for error messages."""
+    parts = [f"--cfg-parallel-size {layout.cfg}"] * (layout.cfg > 1) + [
+        f"--ulysses-degree {layout.ulysses}"
+    ] * (layout.ulysses > 1)
+    return " ".join(parts) or "--cfg-parallel-size 1"
+
+
+class ParallelPipeline:
+    """VideoBackend on rank 0 of C x U ranks."""
+
+    def __init__(self, local: VideoPipeline, peers: PeerRanks, layout: ParallelLayout):
+        self.local, self.peers, self.layout = local, peers, layout
+        local.sp = layout.branch_group(0, peers.group)  # collective with the peers' own calls
+        self._cfg_remote: set[str] = set()  # requests whose uncond branch runs on the uncond group
+        self._lock = threading.Lock()  # one conversation with the peers at a time
+        self._cond_peers = list(range(1, layout.ulysses))
+        self._uncond_peers = list(range(layout.ulysses, layout.world)) if layout.cfg == 2 else []
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, layout: ParallelLayout, device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None, kernels: KernelOptions | None = None, **kwargs,
+    ) -> ParallelPipeline:  # fmt: skip
+        """Check the layout against the checkpoint, spawn the peers (each loads the transformer on its GPU),
+        load the full pipeline here, connect and wait for every peer's "ready"."""
+        config = Cosmos3Config.from_json(Path(path) / "transformer" / "config.json")
+        check_degree(layout.ulysses, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads)
+        devices = rank_devices(device, layout.world, layout_flag(layout))
+        if dtype is None:
+            dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
+        kernels = kernels or KernelOptions()
+
+        def peer_args(r: int, init: str) -> tuple:
+            branch = functools.partial(BranchRank, layout=layout, rank=r)
+            return (r, init, layout.world, str(path), str(devices[r]), dtype, kernels, branch, "parallel")
+
+        peers, local = PeerRanks.start(
+            "parallel", peer_worker_main, peer_args, devices,
+            lambda: VideoPipeline.from_pretrained(path, device=devices[0], dtype=dtype, kernels=kernels, **kwargs),
+        )  # fmt: skip
+        log.info("%s on %s", layout_flag(layout), ", ".join(map(str, devices)))
+        return cls(local, peers, layout)
+
+    # ------------------------------------------------------------------ VideoBackend
+    @property
+    def process(self):
+        """The rank 1 process."""
+        return self.peers.processes[0]
+
+    @property
+    def has_sound(self) -> bool:
+        return self.local.has_sound
+
+    @property
+    def transformer(self):
+        """Rank 0's transformer (the Reasoner shares its und tower)."""
+        return self.local.transformer
+
+    @property
+    def encoder(self):
+        return self.local.encoder
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def validate(self, params: VideoParams) -> VideoParams:
+        return self.local.validate(params)
+
+    def sound_enabled(self, params: VideoParams) -> bool:
+        return self.local.sound_enabled(params)
+
+    def decode(self, state: VideoRequestState):
+        return self.local.decode(state)
+
+    generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
+
+    def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:
+        cfg = needs_uncond(params.guidance_scale)
+        cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
+        remote = cfg and self.layout.cfg == 2
+        with self._lock:
+            state = self.local.prepare(request_id, params, prefill_uncond=not remote)
+            msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond))
+            self.peers.send(msg, self._cond_peers + (self._uncond_peers if remote else []))
+            if remote:
+                self._cfg_remote.add(request_id)
+        return state
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[VideoRequestState]) -> None:
+        t0 = time.perf_counter()
+        remote = [s for s in states if s.request_id in self._cfg_remote]
+        with self._lock:
+            if self._cond_peers:
+                send_step(self.peers, states, self._cond_peers)
+            if remote:
+                send_step(self.peers, remote, self._uncond_peers)
+            out = self.local.forward([it for s in states for it in branch_items(s, s.und_caches)])
+            uncond = {s.request_id: self._recv_uncond(s) for s in remote}
+        row = 0
+        for s in states:
+            n = len(s.und_caches)
+            v_video = list(out.video[row : row + n])
+            v_sound = list(out.sound[row : row + n]) if s.sound is not None else None
+            if s.request_id in uncond:
+                v, vs = uncond[s.request_id]
+                v_video.append(v)
+                if v_sound is not None:
+                    v_sound.append(vs)
+            self.local.combine_and_step(s, v_video, v_sound)
+            row += n
+        self.local.finish_step(states, t0)
+
+    def _recv_uncond(self, s: VideoRequestState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The uncond group's velocities of one CFG request (video, then sound), in the model dtype."""
+        dt, dev, src = self.local.transformer.dtype, self.peers.comm_device, self.layout.uncond_leader
+        v = self.peers.recv_tensor(torch.empty(s.latents.shape, dtype=dt, device=dev), src)
+        vs = None
+        if s.sound is not None:
+            vs = self.peers.recv_tensor(torch.empty(s.sound.shape, dtype=dt, device=dev), src)
+        return v, vs
+
+    def release(self, state: VideoRequestState) -> None:
+        self.local.release(state)
+        with self._lock:
+            holders = self._cond_peers + (self._uncond_peers if state.request_id in self._cfg_remote else [])
+            self._cfg_remote.discard(state.request_id)
+            if holders and not self.peers.closed and self.peers.alive():
+                self.peers.send(("release", state.request_id), holders)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the peers and tear the process group down (runner/peers.py)."""
+        with self._lock:
+            self.peers.close(timeout_s)

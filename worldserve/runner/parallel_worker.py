@@ -1,0 +1,70 @@
+"""Ranks 1.. of a multi-GPU pipeline (runner/parallel_layout.py): one branch group's share of each forward.
+
+A `BranchRank` holds the full transformer on its GPU and mirrors the und caches its branch needs: the cond
+group keeps what rank 0 keeps (cond, plus uncond when both branches share the group), the uncond group keeps
+the uncond prompt of CFG requests. On "denoise" it receives the step inputs (runner/peers.py `send_step`),
+builds its branch's GenItems in rank 0's order and runs the forward with its Ulysses group; the first rank
+of the uncond group sends the uncond velocities (video, then sound, per CFG request in plan order) to rank
+0. "release" drops a request's caches. Started by runner/peers.py `peer_worker_main`, which handles errors
+and shutdown.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worldserve.parallel import comm
+from worldserve.parallel.groups import SINGLE, ParallelGroup
+from worldserve.runner.parallel_layout import COND, ParallelLayout
+from worldserve.runner.peers import LEADER, recv_step
+from worldserve.runner.video_pipeline import VideoPipeline, gen_item
+
+
+class BranchRank:
+    """A peer's model, branch, Ulysses group and per-request und caches."""
+
+    def __init__(self, transformer, device: torch.device, layout: ParallelLayout, rank: int):
+        self.transformer = transformer
+        self.device = device
+        self.config = transformer.config
+        self.layout, self.rank = layout, rank
+        self.branch = layout.branch(rank)
+        self.caches: dict[str, list] = {}
+        self.sp: ParallelGroup = SINGLE
+
+    forward = VideoPipeline.forward  # GenBatch.pack over self.config / self.device -> transformer(batch, sp)
+
+    def prefill(self, request_id: str, cond: list[int], uncond: list[int] | None) -> None:
+        if self.branch == COND:
+            prompts = [cond] + ([uncond] if uncond is not None and self.layout.cfg == 1 else [])
+        elif uncond is not None:
+            prompts = [uncond]
+        else:
+            return  # a guidance-1 request: nothing for the uncond group
+        self.caches[request_id] = self.transformer.prefill_und(
+            [torch.tensor(p, dtype=torch.long) for p in prompts]
+        )
+
+    def denoise(self, plan, group: ParallelGroup, dev: torch.device, leader_alive) -> None:
+        inputs = [x for x in recv_step(plan, group, dev, leader_alive) if x[0] in self.caches]
+        items = [
+            gen_item(lat, ts, cache, fps, clean, snd)
+            for rid, ts, fps, clean, lat, snd in inputs
+            for cache in self.caches[rid]
+        ]
+        if not items:
+            return
+        out = self.forward(items)
+        if self.branch != COND and self.rank == self.layout.uncond_leader:
+            for i, (*_, snd) in enumerate(inputs):  # one uncond item per CFG request
+                comm.send_tensor(out.video[i], LEADER, group, leader_alive)
+                if snd is not None:
+                    comm.send_tensor(out.sound[i], LEADER, group, leader_alive)
+
+    def handlers(self, group: ParallelGroup, dev: torch.device, leader_alive) -> dict:
+        self.sp = self.layout.branch_group(self.rank, group)
+        return {
+            "prefill": self.prefill,
+            "release": lambda request_id: self.caches.pop(request_id, None),
+            "denoise": lambda plan: self.denoise(plan, group, dev, leader_alive),
+        }
