@@ -10,10 +10,14 @@ the uncond group sends to rank 0. Rank 0 is the process that serves (runner/para
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from worldserve.parallel.groups import ParallelGroup
 
 COND, UNCOND = 0, 1
+COLLECTIVE_TIMEOUT_S = 300.0
+"""Timeout of the branch groups' all-to-alls: a forward that waits this long on a rank is a dead rank (the
+world group keeps the long start-up timeout that model loading needs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +46,16 @@ class ParallelLayout:
         """The rank that sends the uncond velocities to rank 0 (cfg == 2 only)."""
         return self.ulysses
 
-    def branch_group(self, rank: int, world_group: ParallelGroup) -> ParallelGroup:
-        """`rank`'s Ulysses group. Collective: every rank must call it, in rank order of nothing else."""
+    def branch_group(self, rank: int) -> ParallelGroup:
+        """`rank`'s Ulysses group (its own process group, COLLECTIVE_TIMEOUT_S). Collective: every rank of the
+        world calls it once, right after connecting, before any other collective."""
         if self.ulysses == 1:
             return ParallelGroup()
-        if self.cfg == 1:
-            return world_group
         import torch.distributed as dist
 
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         groups = [
-            dist.new_group(ranks=list(range(b * self.ulysses, (b + 1) * self.ulysses)))
+            dist.new_group(ranks=list(range(b * self.ulysses, (b + 1) * self.ulysses)), timeout=timeout)
             for b in range(self.cfg)
         ]
         return ParallelGroup(rank=rank % self.ulysses, size=self.ulysses, group=groups[self.branch(rank)])

@@ -54,7 +54,7 @@ class ParallelPipeline:
 
     def __init__(self, local: VideoPipeline, peers: PeerRanks, layout: ParallelLayout):
         self.local, self.peers, self.layout = local, peers, layout
-        local.sp = layout.branch_group(0, peers.group)  # collective with the peers' own calls
+        local.sp = layout.branch_group(0)  # collective with the peers' own calls
         self._cfg_remote: set[str] = set()  # requests whose uncond branch runs on the uncond group
         self._lock = threading.Lock()  # one conversation with the peers at a time
         self._cond_peers = list(range(1, layout.ulysses))

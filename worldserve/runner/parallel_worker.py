@@ -62,7 +62,7 @@ class BranchRank:
                     comm.send_tensor(out.sound[i], LEADER, group, leader_alive)
 
     def handlers(self, group: ParallelGroup, dev: torch.device, leader_alive) -> dict:
-        self.sp = self.layout.branch_group(self.rank, group)
+        self.sp = self.layout.branch_group(self.rank)
         return {
             "prefill": self.prefill,
             "release": lambda request_id: self.caches.pop(request_id, None),
