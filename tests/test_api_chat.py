@@ -302,3 +302,39 @@ def test_logprobs_non_stream_and_stream(oai, reasoner):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     plain = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    """The value of one Prometheus sample in /metrics text (0 when absent)."""
+    want = {"model_name": MODEL, **labels}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            got = dict(kv.split("=", 1) for kv in line[len(name) + 1 : line.index("}")].split(","))
+            if {k: v.strip('"') for k, v in got.items()} == want:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_chat_metrics(server, reasoner):
+    url = server[0]
+    before = httpx.get(url + "/metrics").text
+    body = {
+        "model": MODEL,
+        "max_tokens": 3,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "hey"}],
+    }
+    out = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        r.read()
+    after = httpx.get(url + "/metrics").text
+    usage, finish = out["usage"], out["choices"][0]["finish_reason"]
+
+    def delta(name, **labels):
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    assert delta("worldserve:chat_prompt_tokens_total") == 2 * usage["prompt_tokens"]
+    assert delta("worldserve:chat_generation_tokens_total") == 2 * usage["completion_tokens"]
+    assert delta("worldserve:chat_request_success_total", finish_reason=finish) == 2
+    assert delta("worldserve:chat_time_to_first_token_seconds_count") == 2
+    assert _metric(after, "worldserve:chat_requests_running") == 0

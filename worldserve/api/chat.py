@@ -218,7 +218,7 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(400, f"{field} is not supported by this server yet", param=field)
     params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path)
     try:
-        events = st.client.chat(params)
+        events = _metered(st.client.chat(params), st.metrics)
         first = await anext(events)
     except ChatUnavailableError as exc:
         raise APIError(400, str(exc)) from None
@@ -253,6 +253,26 @@ async def create_chat_completion(request: Request, st: State):
         logprobs=ChoiceLogprobs(content=logprobs) if params.logprobs else None,
     )  # fmt: skip
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage)
+
+
+async def _metered(events: AsyncIterator, metrics) -> AsyncIterator:
+    """Pass the chat's events through, counting tokens, time to first token and how the chat ended."""
+    t0, started, completion, finish, first_token = time.perf_counter(), False, 0, None, True
+    try:
+        async for event in events:
+            if isinstance(event, ChatStarted):
+                started = True
+                metrics.on_chat_started(event.prompt_tokens)
+            elif isinstance(event, ChatDelta):
+                if first_token:
+                    metrics.on_chat_first_token(time.perf_counter() - t0)
+                    first_token = False
+                completion, finish = event.completion_tokens, event.finish_reason
+            yield event
+    finally:
+        await events.aclose()
+        if started:
+            metrics.on_chat_ended(completion, finish)
 
 
 async def _sse(

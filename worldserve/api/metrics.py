@@ -28,6 +28,7 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
@@ -61,6 +62,16 @@ class Metrics:
                                 [*label, "reason"], registry=r)  # fmt: skip
         self.peak_memory = Gauge("worldserve:peak_memory_mb", "Peak accelerator memory of the last finished job.",
                                  label, registry=r)  # fmt: skip
+        self.chat_prompt_tokens = Counter("worldserve:chat_prompt_tokens", "Reasoner prompt tokens prefilled.",
+                                          label, registry=r)  # fmt: skip
+        self.chat_generation_tokens = Counter("worldserve:chat_generation_tokens", "Reasoner tokens generated.",
+                                              label, registry=r)  # fmt: skip
+        self.chat_finished = Counter("worldserve:chat_request_success", "Chats finished, by finish reason.",
+                                     [*label, "finish_reason"], registry=r)  # fmt: skip
+        self.chat_running = Gauge("worldserve:chat_requests_running", "Chats prefilled and generating.", label,
+                                  registry=r)  # fmt: skip
+        self.chat_ttft = Histogram("worldserve:chat_time_to_first_token_seconds", "Chat submit to first token.",
+                                   label, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
         if gpu_memory_bytes is not None:
             gpu = Gauge("worldserve:gpu_memory_used_bytes", "Accelerator memory in use.", label, registry=r)
             gpu.labels(**self._label).set_function(gpu_memory_bytes)
@@ -89,6 +100,20 @@ class Metrics:
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason, **self._label).inc()
+
+    # -- chats (api/chat.py) ------------------------------------------------------------------------------
+    def on_chat_started(self, prompt_tokens: int) -> None:
+        self.chat_prompt_tokens.labels(**self._label).inc(prompt_tokens)
+        self.chat_running.labels(**self._label).inc()
+
+    def on_chat_first_token(self, seconds: float) -> None:
+        self.chat_ttft.labels(**self._label).observe(seconds)
+
+    def on_chat_ended(self, completion_tokens: int, finish_reason: str | None) -> None:
+        """finish_reason None: failed or abandoned by the client."""
+        self.chat_generation_tokens.labels(**self._label).inc(completion_tokens)
+        self.chat_running.labels(**self._label).dec()
+        self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
