@@ -46,7 +46,15 @@ def test_cfg_times_ulysses_on_four_ranks(ours_pipeline, tiny_ckpt, usp):
             prompt="A red fox runs through snow.", guidance_scale=6.0, seed=5, generate_sound=True, **BASE
         ),
         VideoParams(prompt="A boat at dusk.", guidance_scale=1.0, seed=6, generate_sound=False, **BASE),
-    ]
+        VideoParams(
+            prompt="The scene moves.",
+            guidance_scale=4.0,
+            seed=7,
+            generate_sound=False,
+            image=np.random.default_rng(7).integers(0, 256, (48, 80, 3), dtype=np.uint8),
+            **BASE,
+        ),
+    ]  # an image-to-video request too (latent frame 0 held clean on every rank)
     gen = two_rank_cpu_pipeline(tiny_ckpt, cfg_parallel_size=2, ulysses_degree=2)
     pipe = next(gen)
     try:
