@@ -191,7 +191,8 @@ def test_sse_wire_format_and_file_url(server):
     ("patch", "status", "param", "needle"),
     [
         ({"messages": []}, 400, "messages", "validation error"),
-        ({"n": 2}, 400, "n", "n must be 1"),
+        ({"n": 17}, 400, "n", "n must be between 1 and 16"),
+        ({"n": 0}, 400, "n", "n must be between 1 and 16"),
         ({"model": "nope"}, 404, "model", "The model `nope` does not exist."),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
          400, "messages", "base64"),
@@ -338,3 +339,27 @@ def test_chat_metrics(server, reasoner):
     assert delta("worldserve:chat_request_success_total", finish_reason=finish) == 2
     assert delta("worldserve:chat_time_to_first_token_seconds_count") == 2
     assert _metric(after, "worldserve:chat_requests_running") == 0
+
+
+def test_n_choices_stream_and_not(oai, reasoner):
+    """n > 1: n choices (choice i samples with seed + i), decoded batched; the stream interleaves them by
+    index; usage counts the prompt once and every choice's tokens."""
+    msgs = [{"role": "user", "content": "Name a color."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=5, temperature=1.0, seed=11)
+    resp = oai.chat.completions.create(n=3, **kw)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for i, c in enumerate(resp.choices):
+        params = ChatParams(messages=(ChatMessage(role="user", content="Name a color."),), max_tokens=5,
+                            temperature=1.0, seed=11 + i)  # fmt: skip
+        text, session = _direct(reasoner, params)
+        assert c.message.content == text and c.finish_reason == session.finish_reason
+    assert resp.usage.prompt_tokens == session.prompt_tokens
+    assert resp.usage.completion_tokens == sum(_direct(reasoner, ChatParams(
+        messages=(ChatMessage(role="user", content="Name a color."),), max_tokens=5, temperature=1.0, seed=11 + i,
+    ))[1].completion_tokens for i in range(3))  # fmt: skip
+    chunks = list(oai.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)}  # fmt: skip
+    assert texts == {i: c.message.content for i, c in enumerate(resp.choices)}
+    finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finals == [0, 1, 2] and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens

@@ -1,17 +1,18 @@
 """POST /v1/chat/completions: the Reasoner's OpenAI chat completions, non-streaming and SSE (serving-api.md §11).
 
-Request -> checks (served model name else 404 NotFoundError; n == 1; media loaded and decoded here, in the
-API process, with Pillow) -> `ChatParams` -> `EngineClient.chat` (the ChatWorker thread runs prefill and
-decode steps under the engine's model lock, so the event loop never waits on the model).
+Request -> checks (served model name else 404 NotFoundError; 1 <= n <= 16; media loaded and decoded here, in
+the API process, off the event loop) -> `ChatParams` (choice i of n samples with seed + i) -> one
+`EngineClient.chat` per choice (the ChatWorker thread runs prefill and batched decode steps under the
+engine's model lock, so the event loop never waits on the model) -> api/chat_stream.py builds the answer.
 Media: image_url and video_url parts accept base64 `data:` URLs and `file://` paths under
 --allowed-local-media-path. http(s) URLs are refused with a 400: this server does not fetch remote media (it
 may run with no network); send the bytes inline as a data URL. Videos are decoded with PyAV and sampled as
 Qwen3-VL's processor samples them (2 fps by default; per request `media_io_kwargs: {"video": {"fps": F}}` or
 `{"num_frames": N}`), each kept frame resized as it is decoded. Media decoding runs in a worker thread.
-Streaming: the first chunk carries the role, then one chunk per text piece, a final chunk with `delta: {}`
-and the finish_reason, an optional usage chunk (`stream_options.include_usage`), then `data: [DONE]`.
-Errors before the first byte use the normal envelope; a failure mid-stream is sent as `data: {"error": ...}`
-followed by `data: [DONE]`.
+Streaming: per choice, the first chunk carries the role, then one chunk per text piece, a final chunk with
+`delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
+`data: [DONE]`. Errors before the first byte use the normal envelope; a failure mid-stream is sent as
+`data: {"error": ...}` followed by `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import unquote, urlparse
@@ -31,22 +32,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.chat_protocol import (
-    AssistantMessage,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
     ContentPart,
-    TokenLogprobOut,
-    TopLogprob,
-    Usage,
 )  # fmt: skip
+from worldserve.api.chat_stream import close_all, collect, metered, sse
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import (
-    ChatDelta,
     ChatFailed,
     ChatStarted,
     ChatUnavailableError,
@@ -158,17 +151,6 @@ def build_params(body: ChatCompletionRequest, allowed_local_path: str | None) ->
     ).validate()
 
 
-def _logprobs(entries) -> list[TokenLogprobOut]:
-    """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes)."""
-    return [
-        TokenLogprobOut(
-            token=e.token, logprob=e.logprob, bytes=list(e.token.encode()),
-            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top],
-        )
-        for e in entries
-    ]  # fmt: skip
-
-
 def _not_found(model: str) -> JSONResponse:
     body = error_body(404, f"The model `{model}` does not exist.", "model")
     body["error"]["type"] = "NotFoundError"
@@ -206,104 +188,47 @@ async def _read_body(request: Request) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(data)
 
 
+MAX_CHOICES = 16
+"""Largest `n` (choices per request); they decode batched together."""
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, openapi_extra=BODY)
 async def create_chat_completion(request: Request, st: State):
     """OpenAI chat completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = await _read_body(request)
     if body.model is not None and body.model != st.served_model_name:
         return _not_found(body.model)
-    if body.n != 1:
-        raise APIError(400, f"n must be 1 (got {body.n}): this server returns a single choice", param="n")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     if (field := body.unsupported()) is not None:
         raise APIError(400, f"{field} is not supported by this server yet", param=field)
     params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path)
+    # choice i samples with seed + i: different samples, the same ones on every run
+    choices = [params] + [
+        dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+        for i in range(1, body.n)
+    ]
+    streams: list = []
     try:
-        events = _metered(st.client.chat(params), st.metrics)
-        first = await anext(events)
+        for p in choices:
+            streams.append(metered(st.client.chat(p), st.metrics))
+            first = await anext(streams[-1])
+            if isinstance(first, ChatFailed):
+                raise APIError(first.status, first.message, param=first.param)
+            assert isinstance(first, ChatStarted)
     except ChatUnavailableError as exc:
+        await close_all(streams)
         raise APIError(400, str(exc)) from None
     except ShuttingDownError as exc:
+        await close_all(streams)
         raise APIError(503, str(exc)) from None
-    if isinstance(first, ChatFailed):
-        raise APIError(first.status, first.message, param=first.param)
-    assert isinstance(first, ChatStarted)
+    except BaseException:
+        await close_all(streams)
+        raise
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
     if body.stream:
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
-        stream = _sse(events, request_id, created, model, first.prompt_tokens, include_usage)
+        stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
-    text, last, logprobs = [], None, []
-    try:
-        async for event in events:
-            if isinstance(event, ChatFailed):
-                raise APIError(event.status, event.message, param=event.param)
-            text.append(event.text)
-            logprobs += _logprobs(event.logprobs)
-            last = event
-    finally:  # also on cancellation (client gone): stop the chat at its next step
-        await events.aclose()
-    assert isinstance(last, ChatDelta)
-    usage = Usage(
-        prompt_tokens=first.prompt_tokens, completion_tokens=last.completion_tokens,
-        total_tokens=first.prompt_tokens + last.completion_tokens,
-    )  # fmt: skip
-    choice = Choice(
-        message=AssistantMessage(content="".join(text)), finish_reason=last.finish_reason,
-        logprobs=ChoiceLogprobs(content=logprobs) if params.logprobs else None,
-    )  # fmt: skip
-    return ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage)
-
-
-async def _metered(events: AsyncIterator, metrics) -> AsyncIterator:
-    """Pass the chat's events through, counting tokens, time to first token and how the chat ended."""
-    t0, started, completion, finish, first_token = time.perf_counter(), False, 0, None, True
-    try:
-        async for event in events:
-            if isinstance(event, ChatStarted):
-                started = True
-                metrics.on_chat_started(event.prompt_tokens)
-            elif isinstance(event, ChatDelta):
-                if first_token:
-                    metrics.on_chat_first_token(time.perf_counter() - t0)
-                    first_token = False
-                completion, finish = event.completion_tokens, event.finish_reason
-            yield event
-    finally:
-        await events.aclose()
-        if started:
-            metrics.on_chat_ended(completion, finish)
-
-
-async def _sse(
-    events: AsyncIterator, request_id: str, created: int, model: str, prompt_tokens: int, include_usage: bool
-) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, str], finish: str | None = None, logprobs=()) -> str:
-        lp = ChoiceLogprobs(content=_logprobs(logprobs)) if logprobs else None
-        choice = ChunkChoice(delta=delta, finish_reason=finish, logprobs=lp)
-        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).sse()
-
-    completion = 0
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in events:
-            if isinstance(event, ChatFailed):
-                yield f"data: {json.dumps(error_body(event.status, event.message, event.param))}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            completion = event.completion_tokens
-            if event.text or event.logprobs:
-                yield chunk({"content": event.text}, logprobs=event.logprobs)
-            if event.finish_reason is not None:
-                yield chunk({}, event.finish_reason)
-        if include_usage:
-            usage = Usage(
-                prompt_tokens=prompt_tokens, completion_tokens=completion,
-                total_tokens=prompt_tokens + completion,
-            )  # fmt: skip
-            yield ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=[], usage=usage
-            ).sse()
-        yield "data: [DONE]\n\n"
-    finally:
-        await events.aclose()
+    return await collect(streams, request_id, created, model, first.prompt_tokens, params.logprobs)

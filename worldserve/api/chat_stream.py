@@ -1,0 +1,155 @@
+"""From Reasoner event streams to OpenAI chat responses: the non-streaming object and SSE chunks, for n choices.
+
+Each choice is one chat on the ChatWorker (they decode batched together). `metered` counts every chat into
+the metrics; `collect` builds the `chat.completion` object; `sse` merges the choices' events as they come
+(each chunk names its choice `index`), ends each choice with a `delta: {}` chunk carrying its finish_reason,
+adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-stream is sent as
+`data: {"error": ...}` then `data: [DONE]`. Closing any of these stops the chats at their next step.
+Usage counts the prompt once and the completion tokens of every choice (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from worldserve.api.chat_protocol import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    TokenLogprobOut,
+    TopLogprob,
+    Usage,
+)  # fmt: skip
+from worldserve.api.errors import APIError, error_body
+from worldserve.engine.client import ChatDelta, ChatFailed, ChatStarted
+
+
+async def metered(events: AsyncIterator, metrics) -> AsyncIterator:
+    """Pass a chat's events through, counting tokens, time to first token and how the chat ended."""
+    t0, started, completion, finish, first_token = time.perf_counter(), False, 0, None, True
+    try:
+        async for event in events:
+            if isinstance(event, ChatStarted):
+                started = True
+                metrics.on_chat_started(event.prompt_tokens)
+            elif isinstance(event, ChatDelta):
+                if first_token:
+                    metrics.on_chat_first_token(time.perf_counter() - t0)
+                    first_token = False
+                completion, finish = event.completion_tokens, event.finish_reason
+            yield event
+    finally:
+        await events.aclose()
+        if started:
+            metrics.on_chat_ended(completion, finish)
+
+
+def logprob_items(entries) -> list[TokenLogprobOut]:
+    """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes)."""
+    return [
+        TokenLogprobOut(
+            token=e.token, logprob=e.logprob, bytes=list(e.token.encode()),
+            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top],
+        )
+        for e in entries
+    ]  # fmt: skip
+
+
+def _usage(prompt_tokens: int, completion: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+    )
+
+
+async def close_all(streams: Sequence[AsyncIterator]) -> None:
+    for events in streams:
+        await events.aclose()
+
+
+async def collect(
+    streams: Sequence[AsyncIterator],
+    request_id: str,
+    created: int,
+    model: str,
+    prompt_tokens: int,
+    logprobs: bool,
+) -> ChatCompletionResponse:
+    """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails)."""
+    choices, completion = [], 0
+    try:
+        for index, events in enumerate(streams):
+            text, last, lps = [], None, []
+            async for event in events:
+                if isinstance(event, ChatFailed):
+                    raise APIError(event.status, event.message, param=event.param)
+                text.append(event.text)
+                lps += logprob_items(event.logprobs)
+                last = event
+            assert isinstance(last, ChatDelta)
+            completion += last.completion_tokens
+            choices.append(Choice(
+                index=index, message=AssistantMessage(content="".join(text)), finish_reason=last.finish_reason,
+                logprobs=ChoiceLogprobs(content=lps) if logprobs else None,
+            ))  # fmt: skip
+    finally:  # also on cancellation (client gone): stop the chats at their next step
+        await close_all(streams)
+    return ChatCompletionResponse(
+        id=request_id, created=created, model=model, choices=choices, usage=_usage(prompt_tokens, completion)
+    )
+
+
+async def sse(
+    streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:  # fmt: skip
+    """The choices' events merged into SSE chunks as they arrive."""
+
+    def chunk(index: int, delta: dict[str, str], finish: str | None = None, logprobs=()) -> str:
+        lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).sse()
+
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncIterator) -> None:
+        async for event in events:
+            await merged.put((index, event))
+        await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, ev)) for i, ev in enumerate(streams)]
+    completion = [0] * len(streams)
+    try:
+        for index in range(len(streams)):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        open_streams = len(streams)
+        while open_streams:
+            index, event = await merged.get()
+            if event is None:
+                open_streams -= 1
+            elif isinstance(event, ChatFailed):
+                yield f"data: {json.dumps(error_body(event.status, event.message, event.param))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                completion[index] = event.completion_tokens
+                if event.text or event.logprobs:
+                    yield chunk(index, {"content": event.text}, logprobs=event.logprobs)
+                if event.finish_reason is not None:
+                    yield chunk(index, {}, event.finish_reason)
+        if include_usage:
+            usage = _usage(prompt_tokens, sum(completion))
+            yield ChatCompletionChunk(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            ).sse()
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_all(streams)
