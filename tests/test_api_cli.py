@@ -55,11 +55,12 @@ def test_every_flag_maps_to_a_field():
 
 @pytest.mark.parametrize(
     "argv",
-    [["-tp", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"], ["--enable-layerwise-offload"],
+    [["-tp", "0"], ["-tp", "2", "--ulysses-degree", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"],
+     ["--enable-layerwise-offload"],
      ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):
-    with pytest.raises(ValueError, match="not supported|must be"):
+    with pytest.raises(ValueError, match="not supported|must be|runs alone"):
         parse(*argv)
 
 

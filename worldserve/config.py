@@ -81,7 +81,7 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
-    """Tensor-parallel degree of the transformer (only 1 is supported in this version)."""
+    """Tensor parallelism: every weight matrix split over this many GPUs (cuda:0..N-1; 1, 2, 4, 8; alone only). The Reasoner chat API is off with it."""
     ulysses_degree: int = field(default=1, metadata={"aliases": ("--usp",)})
     """Ulysses sequence parallelism: split every denoising forward over this many GPUs (cuda:0..N-1; must divide the 32 query / 8 KV heads: 1, 2, 4, 8)."""
     cfg_parallel_size: int = 1
@@ -90,19 +90,17 @@ class ParallelConfig:
     """Stream transformer blocks between CPU and GPU to save memory (not supported in this version)."""
 
     def __post_init__(self) -> None:
+        from worldserve.runner.parallel_layout import ParallelLayout
+
         for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
             value = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
             if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-            if name == "cfg_parallel_size" and value > 2:
-                raise ValueError(f"{flag} {value} is not supported: use 1 or 2 (the two CFG branches)")
-            if name in ("cfg_parallel_size", "ulysses_degree"):
-                continue
-            if value > 1:
-                raise ValueError(
-                    f"{flag} {value} is not supported yet: this version runs on one GPU ({flag} 1)"
-                )
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.cfg_parallel_size > 2:
+            raise ValueError(
+                f"--cfg-parallel-size {self.cfg_parallel_size} is not supported: use 1 or 2 (the two CFG branches)"
+            )
+        ParallelLayout(cfg=self.cfg_parallel_size, ulysses=self.ulysses_degree, tp=self.tensor_parallel_size)
         if self.enable_layerwise_offload:
             raise ValueError("--enable-layerwise-offload is not supported yet; run without it")
 

@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ulysses-degree", type=int, default=1, choices=(1, 2, 4, 8),
         help="split every denoising forward over this many GPUs (cuda:0..N-1) by tokens / heads",
     )  # fmt: skip
+    p.add_argument(
+        "-tp", "--tensor-parallel-size", type=int, default=1, choices=(1, 2, 4, 8),
+        help="split every weight matrix over this many GPUs (cuda:0..N-1); alone only",
+    )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the gen layers on GPU")
     p.add_argument(
         "--quantization", default=None, choices=("fp8",),
@@ -184,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
             diffusion_attention_backend=args.diffusion_attention_backend,
         )  # fmt: skip
         pipe = load_pipeline(
-            root, cfg_parallel_size=args.cfg_parallel_size, ulysses_degree=args.ulysses_degree, device=args.device, dtype=dtype,
+            root, cfg_parallel_size=args.cfg_parallel_size, ulysses_degree=args.ulysses_degree,
+            tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=dtype,
             vae_tiling=args.vae_tiling, kernels=kernels,
         )  # fmt: skip
     except ValueError as e:  # e.g. --quantization fp8 without fp8 GEMMs, --cfg-parallel-size 2 on 1 GPU

@@ -126,7 +126,8 @@ def _load_backend_within(
 
 def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]:
     """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
-    `--cfg-parallel-size 2` and / or `--ulysses-degree N`: a ParallelPipeline over their product of GPUs."""
+    `--cfg-parallel-size 2` and / or `--ulysses-degree N`, or `--tensor-parallel-size N` (no Reasoner then): a
+    ParallelPipeline over their product of GPUs."""
     if cfg.backend == "fake":
         from worldserve.engine.fake_backend import FakeBackend
 
@@ -147,13 +148,18 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
 
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     pipeline = load_pipeline(
-        path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree, device=cfg.device, dtype=dtype,
+        path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
+        tensor_parallel_size=parallel.tensor_parallel_size, device=cfg.device, dtype=dtype,
         vae_tiling=cfg.vae_tiling, kernels=cfg.kernel_options(),
     )  # fmt: skip
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
         device = torch.device(cfg.device or "cuda")
         gpu_memory = lambda: float(torch.cuda.memory_allocated(device))  # noqa: E731
+    if parallel.tensor_parallel_size > 1:
+        log.warning("--tensor-parallel-size %d: the Reasoner chat API is off (its und tower is sharded across "
+                    "the ranks); use --ulysses-degree to keep it", parallel.tensor_parallel_size)  # fmt: skip
+        return pipeline, gpu_memory
     from worldserve.runner.reasoner import Reasoner
 
     reasoner = Reasoner.from_pretrained(

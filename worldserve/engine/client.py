@@ -265,7 +265,10 @@ class EngineClient:
         """One chat's events (ChatStarted, ChatDelta..., or ChatFailed); closing early cancels the chat."""
         worker = self.chat_worker
         if worker is None:
-            raise ChatUnavailableError("chat completions are not available with this backend")
+            raise ChatUnavailableError(
+                "chat completions are not available on this server (no Reasoner: the fake backend, or "
+                "--tensor-parallel-size > 1)"
+            )
         if not self.accepting:
             raise ShuttingDownError("The server is shutting down and accepts no new requests.")
         loop = asyncio.get_running_loop()

@@ -84,10 +84,11 @@ def head_slice(x: Tensor, sp: ParallelGroup) -> Tensor:
     return x[:, sp.rank * per : (sp.rank + 1) * per]
 
 
-def check_degree(degree: int, *, heads: int, kv_heads: int) -> None:
-    """ValueError unless `degree` divides the query and KV head counts (each rank owns whole KV heads)."""
+def check_degree(degree: int, *, heads: int, kv_heads: int, flag: str = "--ulysses-degree") -> None:
+    """ValueError unless `degree` divides the query and KV head counts (each rank owns whole KV heads; the
+    same holds for tensor parallelism, `flag` names which)."""
     if degree < 1 or heads % degree or kv_heads % degree:
         raise ValueError(
-            f"--ulysses-degree {degree} must divide num_attention_heads={heads} and "
+            f"{flag} {degree} must divide num_attention_heads={heads} and "
             f"num_key_value_heads={kv_heads} (Cosmos3-Nano: 1, 2, 4 or 8)"
         )

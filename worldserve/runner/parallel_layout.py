@@ -1,5 +1,7 @@
 """Which rank does what when several GPUs share one request: CFG branches x Ulysses shards.
 
+With `--tensor-parallel-size T` alone, T ranks hold 1/T of every weight matrix (both towers; the und tower's
+collectives too, so the peers mirror every prefill) and run every transformer call together.
 With `--cfg-parallel-size C` (1 or 2) and `--ulysses-degree U`, C x U ranks (one GPU each, cuda:r) form C
 branch groups of U consecutive ranks: ranks [0, U) run the cond branch (and guidance-1 requests), ranks
 [U, 2U) the uncond branch of CFG requests. Inside a branch group every forward is split by tokens (Ulysses,
@@ -26,25 +28,42 @@ class ParallelLayout:
     """CFG branch groups: 1 (both branches batched in one forward) or 2 (one group a branch)."""
     ulysses: int = 1
     """Ranks per branch group (the Ulysses degree)."""
+    tp: int = 1
+    """Tensor-parallel degree: every weight matrix of both towers split over this many ranks (alone only)."""
 
     def __post_init__(self) -> None:
         if self.cfg not in (1, 2):
             raise ValueError(f"--cfg-parallel-size must be 1 or 2, got {self.cfg}")
-        if self.ulysses < 1:
-            raise ValueError(f"--ulysses-degree must be >= 1, got {self.ulysses}")
+        if self.ulysses < 1 or self.tp < 1:
+            raise ValueError(
+                f"--ulysses-degree and --tensor-parallel-size must be >= 1, got {self.ulysses}, {self.tp}"
+            )
+        if self.tp > 1 and self.cfg * self.ulysses > 1:
+            raise ValueError(
+                "--tensor-parallel-size > 1 runs alone in this version: drop --cfg-parallel-size / --ulysses-degree"
+            )
 
     @property
     def world(self) -> int:
-        return self.cfg * self.ulysses
+        return self.cfg * self.ulysses * self.tp
+
+    def tp_group(self, rank: int) -> ParallelGroup:
+        """`rank`'s tensor-parallel group: the whole world (tp runs alone), or none."""
+        return ParallelGroup(rank=rank, size=self.tp) if self.tp > 1 else ParallelGroup()
+
+    @property
+    def per_branch(self) -> int:
+        """Ranks of one branch group (Ulysses or tensor-parallel ranks)."""
+        return self.ulysses * self.tp
 
     def branch(self, rank: int) -> int:
         """COND or UNCOND: the branch group of `rank`."""
-        return rank // self.ulysses
+        return rank // self.per_branch
 
     @property
     def uncond_leader(self) -> int:
         """The rank that sends the uncond velocities to rank 0 (cfg == 2 only)."""
-        return self.ulysses
+        return self.per_branch
 
     def branch_group(self, rank: int) -> ParallelGroup:
         """`rank`'s Ulysses group (its own process group, COLLECTIVE_TIMEOUT_S). Collective: every rank of the

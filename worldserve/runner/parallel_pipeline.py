@@ -57,8 +57,8 @@ class ParallelPipeline:
         local.sp = layout.branch_group(0)  # collective with the peers' own calls
         self._cfg_remote: set[str] = set()  # requests whose uncond branch runs on the uncond group
         self._lock = threading.Lock()  # one conversation with the peers at a time
-        self._cond_peers = list(range(1, layout.ulysses))
-        self._uncond_peers = list(range(layout.ulysses, layout.world)) if layout.cfg == 2 else []
+        self._cond_peers = list(range(1, layout.per_branch))
+        self._uncond_peers = list(range(layout.per_branch, layout.world)) if layout.cfg == 2 else []
 
     @classmethod
     def from_pretrained(
@@ -68,7 +68,10 @@ class ParallelPipeline:
         """Check the layout against the checkpoint, spawn the peers (each loads the transformer on its GPU),
         load the full pipeline here, connect and wait for every peer's "ready"."""
         config = Cosmos3Config.from_json(Path(path) / "transformer" / "config.json")
-        check_degree(layout.ulysses, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads)
+        for degree, flag in ((layout.ulysses, "--ulysses-degree"), (layout.tp, "--tensor-parallel-size")):
+            check_degree(
+                degree, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, flag=flag
+            )
         devices = rank_devices(device, layout.world, layout_flag(layout))
         if dtype is None:
             dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
@@ -76,11 +79,24 @@ class ParallelPipeline:
 
         def peer_args(r: int, init: str) -> tuple:
             branch = functools.partial(BranchRank, layout=layout, rank=r)
-            return (r, init, layout.world, str(path), str(devices[r]), dtype, kernels, branch, "parallel")
+            return (
+                r,
+                init,
+                layout.world,
+                str(path),
+                str(devices[r]),
+                dtype,
+                kernels,
+                branch,
+                "parallel",
+                layout.tp_group(r) if layout.tp > 1 else None,
+            )
 
         peers, local = PeerRanks.start(
             "parallel", peer_worker_main, peer_args, devices,
-            lambda: VideoPipeline.from_pretrained(path, device=devices[0], dtype=dtype, kernels=kernels, **kwargs),
+            lambda: VideoPipeline.from_pretrained(
+                path, device=devices[0], dtype=dtype, kernels=kernels, tp=layout.tp_group(0), **kwargs
+            ),
         )  # fmt: skip
         log.info("%s on %s", layout_flag(layout), ", ".join(map(str, devices)))
         return cls(local, peers, layout)
@@ -123,10 +139,19 @@ class ParallelPipeline:
         cfg = needs_uncond(params.guidance_scale)
         cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
         remote = cfg and self.layout.cfg == 2
+        msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond))
+        to = self._cond_peers + (self._uncond_peers if remote else [])
         with self._lock:
-            state = self.local.prepare(request_id, params, prefill_uncond=not remote)
-            msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond))
-            self.peers.send(msg, self._cond_peers + (self._uncond_peers if remote else []))
+            if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
+                self.peers.send(msg, to)
+                try:
+                    state = self.local.prepare(request_id, params)
+                except BaseException:
+                    self.peers.send(("release", request_id), to)
+                    raise
+            else:  # rank 0 first: a bad input fails before any peer hears of it
+                state = self.local.prepare(request_id, params, prefill_uncond=not remote)
+                self.peers.send(msg, to)
             if remote:
                 self._cfg_remote.add(request_id)
         return state

@@ -269,19 +269,27 @@ def serve_messages(
 # ---------------------------------------------------------------------------------------------- peer processes
 def peer_worker_main(
     rank: int, init_method: str, world_size: int, model_path: str, device: str, dtype: torch.dtype,
-    kernels, make_branch: Callable, label: str,
+    kernels, make_branch: Callable, label: str, tp: ParallelGroup | None = None,
 ) -> None:  # fmt: skip
     """Entry point of a spawned rank (design.md anti-pattern 10: the process's whole life in one function):
-    load the transformer with `kernels` on `device`, wrap it as `make_branch(transformer, device)` (a class
-    with `handlers(group, device, leader_alive)`: message kind -> callable) and serve until ("stop",)."""
-    load = functools.partial(_load_branch, model_path, dtype, kernels, make_branch)
+    load the transformer (this rank's tensor-parallel slices with `tp`) with `kernels` on `device`, wrap it
+    as `make_branch(transformer, device)` (a class with `handlers(group, device, leader_alive)`: message
+    kind -> callable) and serve until ("stop",)."""
+    load = functools.partial(_load_branch, model_path, dtype, kernels, make_branch, tp)
     run_peer(rank, init_method, world_size, device, label, load, functools.partial(_serve_branch, label))
 
 
-def _load_branch(model_path: str, dtype: torch.dtype, kernels, make_branch: Callable, device: torch.device):
+def _load_branch(
+    model_path: str,
+    dtype: torch.dtype,
+    kernels,
+    make_branch: Callable,
+    tp: ParallelGroup | None,
+    device: torch.device,
+):
     from worldserve.weights.loader import load_transformer
 
-    transformer = load_transformer(Path(model_path), dtype=dtype, device=device, progress=False)
+    transformer = load_transformer(Path(model_path), dtype=dtype, device=device, progress=False, tp=tp)
     log.info("transformer kernels: %s", kernels.apply(transformer))
     return make_branch(transformer, device)
 

@@ -115,12 +115,14 @@ class VideoPipeline:
         vae_tiling: bool = False,
         progress: bool = True,
         kernels: KernelOptions | None = None,
+        tp: ParallelGroup = SINGLE,
     ) -> VideoPipeline:
         """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint.
 
         `kernels` (default KernelOptions()): compile on CUDA, fp8 GEMMs / attention, attention backend; an
         option that cannot run here (fp8 off Hopper, FLASH_ATTN without FA3) is a ValueError before any
-        loading. The compiled VAE decoder follows `kernels.compile`."""
+        loading. The compiled VAE decoder follows `kernels.compile`. `tp`: this rank's tensor-parallel group
+        (ParallelPipeline; every rank of it must then run the same transformer calls)."""
         root = Path(path)
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
@@ -128,7 +130,7 @@ class VideoPipeline:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         kernels = kernels or KernelOptions()
         kernels.check(device, dtype)
-        transformer = load_transformer(root, dtype=dtype, device=device, progress=progress)
+        transformer = load_transformer(root, dtype=dtype, device=device, progress=progress, tp=tp)
         log.info("transformer kernels: %s", kernels.apply(transformer))
         vae = VideoVAE.from_pretrained(
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
@@ -334,13 +336,20 @@ class VideoPipeline:
         return result, state
 
 
-def load_pipeline(path: str | Path, *, cfg_parallel_size: int = 1, ulysses_degree: int = 1, **kwargs):
-    """`VideoPipeline.from_pretrained(path, **kwargs)` on one device; with `cfg_parallel_size == 2` and/or
-    `ulysses_degree > 1` a ParallelPipeline over cfg_parallel_size x ulysses_degree ranks (runner/
-    parallel_layout.py). Callers `close()` it."""
+def load_pipeline(
+    path: str | Path,
+    *,
+    cfg_parallel_size: int = 1,
+    ulysses_degree: int = 1,
+    tensor_parallel_size: int = 1,
+    **kwargs,
+):
+    """`VideoPipeline.from_pretrained(path, **kwargs)` on one device; with `cfg_parallel_size == 2`,
+    `ulysses_degree > 1` or `tensor_parallel_size > 1` a ParallelPipeline over the product of them in ranks
+    (runner/parallel_layout.py). Callers `close()` it."""
     from worldserve.runner.parallel_layout import ParallelLayout
 
-    layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree)
+    layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size)
     if layout.world == 1:
         return VideoPipeline.from_pretrained(path, **kwargs)
     from worldserve.runner.parallel_pipeline import ParallelPipeline

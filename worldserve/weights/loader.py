@@ -145,9 +145,11 @@ def load_into(target: WeightTarget, header: CheckpointHeader, expected: dict, pr
 
 
 def load_transformer(
-    root: Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", progress: bool = True
-):
-    """Build the Cosmos3 transformer of checkpoint folder `root` and load its weights."""
+    root: Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", progress: bool = True,
+    tp=None,
+):  # fmt: skip
+    """Build the Cosmos3 transformer of checkpoint folder `root` and load its weights (with a tensor-parallel
+    ParallelGroup `tp`: this rank's slices of the sharded linears)."""
     from worldserve.models.cosmos3.config import Cosmos3Config
     from worldserve.models.cosmos3.transformer import Cosmos3Transformer
 
@@ -155,7 +157,7 @@ def load_transformer(
     config = Cosmos3Config.from_json(folder / "config.json")
     header = read_header(folder, "diffusion_pytorch_model")
     with torch.device("meta"):
-        model = Cosmos3Transformer(config, dtype=dtype)
+        model = Cosmos3Transformer(config, dtype=dtype, **({} if tp is None else {"tp": tp}))
     expected = model.checkpoint_shapes()
     check_checkpoint(header, expected, str(folder))
     model = model.to_empty(device=device)
