@@ -1,6 +1,7 @@
 """One CFG denoising step on one GPU (cond + uncond packed in one forward) against a multi-GPU mode, same
 checkpoint, params and seed: `--cfg-parallel-size 2` (cond on cuda:0, uncond on cuda:1; the default),
-`--cfg-parallel-size 1 --ulysses-degree N` (Ulysses over cuda:0..N-1) or both (2 x N GPUs).
+`--cfg-parallel-size 1 --ulysses-degree N` (Ulysses over cuda:0..N-1), both (2 x N GPUs), or
+`--cfg-parallel-size 1 --tensor-parallel-size N`.
 
 Loads VideoPipeline on cuda:0, prepares one request (default 1280x720 x 189 frames + audio, guidance 6),
 runs --warmup steps (torch.compile on the first), times --steps steps (s/step, median), keeps the latents;
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--cfg-parallel-size", type=int, default=2, choices=(1, 2), help="CFG branch groups")
     ap.add_argument("--ulysses-degree", type=int, default=1, help="ranks per branch group (Ulysses)")
+    ap.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks (with cfg 1 only)"
+    )
     return ap.parse_args(argv)
 
 
@@ -148,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(dtype=dtype, kernels=KernelOptions(compile=not args.eager), progress=False)
     device = "cpu" if args.device == "cpu" else "cuda"
     results = {}
-    mode = f"cfg{args.cfg_parallel_size}_ulysses{args.ulysses_degree}"
-    if args.cfg_parallel_size * args.ulysses_degree < 2:
-        raise SystemExit("nothing to compare: give --cfg-parallel-size 2 and/or --ulysses-degree > 1")
-    parallel_kw = {"cfg_parallel_size": args.cfg_parallel_size, "ulysses_degree": args.ulysses_degree}
+    mode = f"cfg{args.cfg_parallel_size}_ulysses{args.ulysses_degree}_tp{args.tensor_parallel_size}"
+    if args.cfg_parallel_size * args.ulysses_degree * args.tensor_parallel_size < 2:
+        raise SystemExit("nothing to compare: give --cfg-parallel-size 2, --ulysses-degree > 1 or -tp > 1")
+    parallel_kw = {"cfg_parallel_size": args.cfg_parallel_size, "ulysses_degree": args.ulysses_degree,
+                   "tensor_parallel_size": args.tensor_parallel_size}  # fmt: skip
     runs = {"single": {}, mode: parallel_kw}
     for name, parallel in runs.items():
         dev = device if parallel else ("cpu" if device == "cpu" else "cuda:0")
