@@ -3,7 +3,9 @@
 A `BranchRank` holds the full transformer on its GPU and mirrors the und caches its branch needs: the cond
 group keeps what rank 0 keeps (cond, plus uncond when both branches share the group), the uncond group keeps
 the uncond prompt of CFG requests. On "denoise" it receives the step inputs (runner/peers.py `send_step`),
-builds its branch's GenItems in rank 0's order and runs the forward with its Ulysses group; the first rank
+builds its branch's GenItems in rank 0's order and runs the forward with its Ulysses group (with tensor
+parallelism its transformer holds 1/T of every weight, and prefill and forward are collectives that rank 0
+runs at the same time); the first rank
 of the uncond group sends the uncond velocities (video, then sound, per CFG request in plan order) to rank
 0. "release" drops a request's caches. Started by runner/peers.py `peer_worker_main`, which handles errors
 and shutdown.
@@ -21,7 +23,7 @@ from worldserve.runner.video_pipeline import VideoPipeline, gen_item
 
 
 class BranchRank:
-    """A peer's model, branch, Ulysses group and per-request und caches."""
+    """A peer's model (whole, or its tensor-parallel slices), branch, Ulysses group and per-request und caches."""
 
     def __init__(self, transformer, device: torch.device, layout: ParallelLayout, rank: int):
         self.transformer = transformer
