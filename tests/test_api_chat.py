@@ -363,3 +363,19 @@ def test_n_choices_stream_and_not(oai, reasoner):
     assert texts == {i: c.message.content for i, c in enumerate(resp.choices)}
     finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
     assert finals == [0, 1, 2] and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_stop_string_is_reported_as_stop_reason(server):
+    url = server[0]
+    body = {"model": MODEL, "max_tokens": 30, "temperature": 1.0, "seed": 3,
+            "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+    full = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert full["stop_reason"] is None
+    text = full["message"]["content"]
+    assert len(text) > 4, text
+    stop = text[2:4]
+    cut = httpx.post(url + "/v1/chat/completions", json={**body, "stop": [stop]}, timeout=60).json()[
+        "choices"
+    ][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    assert cut["message"]["content"] == text[: text.find(stop)]

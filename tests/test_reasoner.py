@@ -211,7 +211,8 @@ def test_context_limit_and_stop_strings(reasoner):
         out = ""
         while s2.finish_reason is None:
             out += s2.step().text
-        assert out == full[: full.find(stop)] and s2.finish_reason == "stop"
+        assert out == full[: full.find(stop)] and s2.finish_reason == "stop" and s2.stop_reason == stop
+    assert s.stop_reason is None  # length, or an end-of-sequence token
 
 
 def test_vision_encoder_loading_is_strict(tiny_ckpt, tmp_path, reasoner):

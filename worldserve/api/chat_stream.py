@@ -95,7 +95,7 @@ async def collect(
             completion += last.completion_tokens
             choices.append(Choice(
                 index=index, message=AssistantMessage(content="".join(text)), finish_reason=last.finish_reason,
-                logprobs=ChoiceLogprobs(content=lps) if logprobs else None,
+                logprobs=ChoiceLogprobs(content=lps) if logprobs else None, stop_reason=last.stop_reason,
             ))  # fmt: skip
     finally:  # also on cancellation (client gone): stop the chats at their next step
         await close_all(streams)

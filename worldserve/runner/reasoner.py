@@ -303,6 +303,7 @@ class ReasonerSession:
         self.token_ids: list[int] = []
         self._emitted = 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -328,9 +329,13 @@ class ReasonerSession:
         if not finished:
             self.token_ids.append(token)
         text = self._r.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        found = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        cut, matched = min(found) if found else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
+            self.stop_reason = (
+                None if finished and cut < 0 else matched
+            )  # vLLM: the stop string, None for EOS
             text = text if cut < 0 else text[:cut]
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
@@ -352,6 +357,7 @@ class ReasonerSession:
             finish_reason=self.finish_reason,
             completion_tokens=self.completion_tokens,
             logprobs=logprobs,
+            stop_reason=self.stop_reason,
         )
         return out, next_token
 
