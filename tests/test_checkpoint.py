@@ -238,3 +238,4 @@ def test_info_cli_describes_the_checkpoint(tiny_ckpt):
     )
     assert info["generation_defaults"]["num_frames"] == 189
     assert info["generation_defaults"]["generate_sound"] is True
+    assert info["runtime"]["attention"].startswith(("FlashAttention-3", "PyTorch SDPA"))

@@ -69,6 +69,24 @@ def describe(root: Path) -> dict:
     }
 
 
+def runtime(head_dim: int) -> dict:
+    """What this machine would run the model with: torch, the default device, the attention kernel."""
+    import torch
+
+    from worldserve.models.layers.flash_attention import fa3_unavailable_reason
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    reason = fa3_unavailable_reason(device, dtype, head_dim)
+    return {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "attention": "FlashAttention-3" if reason is None else f"PyTorch SDPA (FA3 not used: {reason})",
+    }
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -79,6 +97,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def run(args: argparse.Namespace) -> int:
     root = resolve_model(args.model, args.revision)
     info = describe(root)
+    info["runtime"] = runtime(read_layout(root).transformer_config.head_dim)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -93,4 +112,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{name:16s} (configuration only)")
     print("defaults:   " + ", ".join(f"{k}={v}" for k, v in info["generation_defaults"].items()))
+    rt = info["runtime"]
+    print(
+        f"runtime:    torch {rt['torch']} on {rt['device']} ({rt['gpus']} GPU(s)); attention: {rt['attention']}"
+    )
     return 0
