@@ -1,6 +1,6 @@
 """The Reasoner equals transformers' Qwen3VLForConditionalGeneration on the tiny checkpoint (CPU, fp32).
 
-The oracle is built from the checkpoint's root config.json and the Reasoner key map (as in test_checkpoint),
+The oracle (tests/reasoner_oracle.py) is built from the root config.json and the Reasoner key map,
 fed the same input_ids, pixel_values and image_grid_thw (our Qwen3-VL preprocessing) and mm_token_type_ids,
 so it computes its own get_rope_index positions and deepstack injection. Compared: every prefill logit and
 the logits of 5 greedy decode steps from our K/V cache, plus the greedy tokens a session emits.
@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from worldserve.models.cosmos3.reasoner_keys import reasoner_key
 from worldserve.models.cosmos3.vision import chat_positions
 from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
 from worldserve.sampling.tokens import TokenSampler
@@ -37,25 +36,9 @@ def reasoner(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def oracle(tiny_ckpt):
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from reasoner_oracle import qwen3vl_oracle
 
-    root = json.loads((tiny_ckpt / "config.json").read_text())
-    cfg = Qwen3VLConfig(
-        text_config=root["text_config"], vision_config=root["vision_config"],
-        image_token_id=root["image_token_id"], video_token_id=root["video_token_id"],
-        vision_start_token_id=root["vision_start_token_id"], vision_end_token_id=root["vision_end_token_id"],
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    hf = Qwen3VLForConditionalGeneration(cfg).eval()
-    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    state = {}
-    for file in sorted(set(index.values())):
-        for key, t in load_file(tiny_ckpt / file).items():
-            name = reasoner_key(key)
-            if name is not None:
-                state[name] = t.float()
-    hf.load_state_dict(state, strict=True)
-    return hf
+    return qwen3vl_oracle(tiny_ckpt)[0]
 
 
 def _image(seed, h=40, w=56):
