@@ -26,14 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from worldserve.bench.denoise import rel_error, snapshot
+
 T_REF = 500
-
-
-def rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
-    if a is None or b is None:
-        return None
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -74,7 +69,7 @@ def kernel_bench(n_gen: int, n_text: int, device: torch.device, repeats: int) ->
         res[name] = {
             "ms": t.median * 1e3,
             "tflops": flops / t.median / 1e12,
-            "rel_l2_vs_fp32": rel(out[rows], ref),
+            "rel_l2_vs_fp32": rel_error(out[rows], ref),
         }
     return res
 
@@ -125,12 +120,6 @@ def fa3_knobs(n_gen: int, n_text: int, device: torch.device, repeats: int) -> di
     return res
 
 
-def snapshot(step) -> dict:
-    video, sound = step(T_REF)
-    out = {"video": video, "sound": sound, **step.last}
-    return {k: None if v is None else v.detach().clone() for k, v in out.items()}
-
-
 def step_bench(args, device: torch.device, log) -> dict:
     from worldserve.bench.denoise import OurStep, make_inputs
     from worldserve.bench.flops import TowerShape, tflops
@@ -160,11 +149,11 @@ def step_bench(args, device: torch.device, log) -> dict:
             continue
         log(f"step {name} ({label}): warm-up + {args.steps}")
         t = time_region(lambda: step(999), device, warmup=1, repeats=args.steps)
-        snap = snapshot(step)
+        snap = snapshot(step, T_REF)
         if ref is None:
             ref = snap
         res[name] = {**t.to_dict(), "step_s": t.median, "tflops": tflops(res["step_flops"], t.median),
-                     "err_vs_sdpa": {k: rel(snap[k], ref[k]) for k in ref}}  # fmt: skip
+                     "err_vs_sdpa": {k: rel_error(snap[k], ref[k]) for k in ref}}  # fmt: skip
         log(f"  {t.median:.3f} s; video err {res[name]['err_vs_sdpa']['video']}")
         if args.profile_dir is not None and name in ("fa3", "fp8_gemm+fa3_fp8"):
             from worldserve.bench.variants import profile_step

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from worldserve.bench.denoise import rel_error, snapshot
+
 GEMMS = ("qkv", "o", "gate_up", "down")
 T_REF = 500  # timestep of the compared velocities (any value costs the same work)
 
@@ -46,13 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="no torch.compile (compiled is the default on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test; fp8 emulated)")
     return ap.parse_args(argv)
-
-
-def rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
-    if a is None or b is None:
-        return None
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------------------------------------- GEMM errors
@@ -75,9 +70,9 @@ class GemmErrorProbe:
 
         ref = x.float() @ w.float().t()  # [rows, N] float32 reference on the same (bf16) inputs
         wq, ws = quantize_rowwise(w)
-        errs = {"bf16": rel(F.linear(x, w), ref)}
+        errs = {"bf16": rel_error(F.linear(x, w), ref)}
         for tag, fast in (("fp8_fast_accum", True), ("fp8_fp32_accum", False)):
-            errs[tag] = rel(fp8_linear(x, wq, ws, emulate=self.emulate, fast_accum=fast), ref)
+            errs[tag] = rel_error(fp8_linear(x, wq, ws, emulate=self.emulate, fast_accum=fast), ref)
         self.layers[i][name] = errs
 
     def install(self) -> None:
@@ -119,15 +114,8 @@ class GemmErrorProbe:
 
 
 # ---------------------------------------------------------------------------------------------- steps
-def snapshot(step, timestep: int) -> dict[str, torch.Tensor | None]:
-    """Velocities of one step at `timestep`: CFG-combined video / sound and the per-branch outputs."""
-    video, sound = step(timestep)
-    out = {"video": video, "sound": sound, **step.last}
-    return {k: None if v is None else v.detach().clone() for k, v in out.items()}
-
-
 def compare(a: dict, b: dict) -> dict[str, float | None]:
-    return {k: rel(a[k], b[k]) for k in b}
+    return {k: rel_error(a[k], b[k]) for k in b}
 
 
 def time_variant(name: str, step, w, device, args, log) -> dict:

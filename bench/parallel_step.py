@@ -115,13 +115,8 @@ def run_steps(pipe, params, warmup: int, steps: int) -> dict:
     return out
 
 
-def rel(a, b) -> float | None:
-    if a is None or b is None:
-        return None
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def main(argv: list[str] | None = None) -> int:
+    from worldserve.bench.denoise import rel_error
     from worldserve.params import VideoParams
     from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import load_pipeline
@@ -179,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "mode": mode, "single_s_per_step": one["s_per_step"], "parallel_s_per_step": two["s_per_step"],
         "speedup": one["s_per_step"] / two["s_per_step"],
-        "rel_l2_video_latents": rel(two["latents"], one["latents"]),
-        "rel_l2_sound_latents": rel(two["sound"], one["sound"]),
+        "rel_l2_video_latents": rel_error(two["latents"], one["latents"]),
+        "rel_l2_sound_latents": rel_error(two["sound"], one["sound"]),
         "single_step_times": one["step_times"], "parallel_step_times": two["step_times"],
         "load_s": {"single": one["load_s"], mode: two["load_s"]},
     }  # fmt: skip

@@ -186,3 +186,10 @@ def rel_error(a: Tensor | None, b: Tensor | None) -> float | None:
         return None
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def snapshot(step, timestep: int) -> dict[str, Tensor | None]:
+    """Velocities of one step at `timestep`: CFG-combined video / sound and the per-branch outputs (copies)."""
+    video, sound = step(timestep)
+    out = {"video": video, "sound": sound, **step.last}
+    return {k: None if v is None else v.detach().clone() for k, v in out.items()}

@@ -65,10 +65,11 @@ class _CudnnFirst:
         self.step = step
 
     def __call__(self, timestep: int):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
 
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-        with sdpa_kernel(order + [SDPBackend.MATH], set_priority=True):
+        from worldserve.models.layers.attention import CUDA_SDPA_PRIORITY
+
+        with sdpa_kernel(CUDA_SDPA_PRIORITY, set_priority=True):
             return self.step(timestep)
 
 

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # cuDNN first: it is the fastest Hopper SDPA kernel for the tower's shapes (performance.md §4) and
 # accepts unequal q/kv head counts; flash also does GQA; mem-efficient declines GQA; math always works.
-_CUDA_BACKENDS = [
+CUDA_SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -58,7 +58,7 @@ def sdpa_attention(
     vh = v.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cuda":
-        with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
+        with sdpa_kernel(CUDA_SDPA_PRIORITY, set_priority=True):
             out = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
             )
