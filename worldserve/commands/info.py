@@ -53,6 +53,7 @@ def describe(root: Path) -> dict:
         "transformer": {
             "layers": layout.transformer_config.num_hidden_layers,
             "hidden_size": layout.transformer_config.hidden_size,
+            "head_dim": layout.transformer_config.head_dim,
             "sound_gen": layout.transformer_config.sound_gen,
             "action_gen": layout.transformer_config.action_gen,
         },
@@ -97,7 +98,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def run(args: argparse.Namespace) -> int:
     root = resolve_model(args.model, args.revision)
     info = describe(root)
-    info["runtime"] = runtime(read_layout(root).transformer_config.head_dim)
+    info["runtime"] = runtime(info["transformer"]["head_dim"])
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
