@@ -145,12 +145,14 @@ class ParallelPipeline:
             if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
                 self.peers.send(msg, to)
                 try:
-                    state = self.local.prepare(request_id, params)
+                    state = self.local.prepare(request_id, params, prompt_ids=(cond, uncond))
                 except BaseException:
                     self.peers.send(("release", request_id), to)
                     raise
             else:  # rank 0 first: a bad input fails before any peer hears of it
-                state = self.local.prepare(request_id, params, prefill_uncond=not remote)
+                state = self.local.prepare(
+                    request_id, params, prefill_uncond=not remote, prompt_ids=(cond, uncond)
+                )
                 self.peers.send(msg, to)
             if remote:
                 self._cfg_remote.add(request_id)
@@ -167,19 +169,7 @@ class ParallelPipeline:
                 send_step(self.peers, remote, self._uncond_peers)
             out = self.local.forward([it for s in states for it in branch_items(s, s.und_caches)])
             uncond = {s.request_id: self._recv_uncond(s) for s in remote}
-        row = 0
-        for s in states:
-            n = len(s.und_caches)
-            v_video = list(out.video[row : row + n])
-            v_sound = list(out.sound[row : row + n]) if s.sound is not None else None
-            if s.request_id in uncond:
-                v, vs = uncond[s.request_id]
-                v_video.append(v)
-                if v_sound is not None:
-                    v_sound.append(vs)
-            self.local.combine_and_step(s, v_video, v_sound)
-            row += n
-        self.local.finish_step(states, t0)
+        self.local.apply_step(states, out, t0, uncond)
 
     def _recv_uncond(self, s: VideoRequestState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The uncond group's velocities of one CFG request (video, then sound), in the model dtype."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,12 +170,13 @@ class VideoPipeline:
 
     @torch.inference_mode()
     def prepare(
-        self, request_id: str, params: VideoParams, *, prefill_uncond: bool = True
+        self, request_id: str, params: VideoParams, *, prefill_uncond: bool = True, prompt_ids=None
     ) -> VideoRequestState:
-        """`prefill_uncond=False`: the uncond branch lives elsewhere (CFG-parallel peer); cond cache only."""
+        """`prefill_uncond=False`: the uncond branch lives elsewhere (CFG-parallel peer); cond cache only.
+        `prompt_ids`: (cond ids, uncond ids or None) when the caller has already tokenized the prompts."""
         t0 = time.perf_counter()
         cfg = needs_uncond(params.guidance_scale)
-        cond_ids, uncond_ids = self.encoder.encode_params(params, with_uncond=cfg)
+        cond_ids, uncond_ids = prompt_ids or self.encoder.encode_params(params, with_uncond=cfg)
         prompts = [torch.tensor(cond_ids, dtype=torch.long)]
         if uncond_ids is not None and prefill_uncond:
             prompts.append(torch.tensor(uncond_ids, dtype=torch.long))
@@ -246,12 +247,28 @@ class VideoPipeline:
         """Advance every state by one step with a single batched transformer forward."""
         t0 = time.perf_counter()
         items = [it for s in states for it in branch_items(s, s.und_caches)]  # cond, then uncond (CFG)
-        out = self.forward(items)
+        self.apply_step(states, self.forward(items), t0)
+
+    def apply_step(
+        self,
+        states: Sequence[VideoRequestState],
+        out: GenOutput,
+        t0: float,
+        remote: Mapping[str, tuple] | None = None,
+    ) -> None:
+        """CFG-combine and UniPC-step every state from `out` (one row per und cache, states in order); the
+        uncond velocities (video, sound or None) of requests in `remote` come from elsewhere and go last."""
         row = 0
         for s in states:
             n = len(s.und_caches)
+            v_video = list(out.video[row : row + n])
             v_sound = list(out.sound[row : row + n]) if s.sound is not None else None
-            self.combine_and_step(s, list(out.video[row : row + n]), v_sound)
+            if remote and s.request_id in remote:
+                v, vs = remote[s.request_id]
+                v_video.append(v)
+                if v_sound is not None:
+                    v_sound.append(vs)
+            self.combine_and_step(s, v_video, v_sound)
             row += n
         self.finish_step(states, t0)
 
