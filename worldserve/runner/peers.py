@@ -287,10 +287,9 @@ def _load_branch(
     tp: ParallelGroup | None,
     device: torch.device,
 ):
-    from worldserve.weights.loader import load_transformer
+    from worldserve.runner.video_pipeline import load_configured_transformer
 
-    transformer = load_transformer(Path(model_path), dtype=dtype, device=device, progress=False, tp=tp)
-    log.info("transformer kernels: %s", kernels.apply(transformer))
+    transformer = load_configured_transformer(Path(model_path), dtype, device, kernels, tp=tp, progress=False)
     return make_branch(transformer, device)
 
 

@@ -89,6 +89,22 @@ def gen_item(latents: Tensor, timestep, cache, fps: float, clean_frames, sound: 
     )  # fmt: skip
 
 
+def load_configured_transformer(
+    root: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: KernelOptions,
+    *,
+    tp=None,
+    progress: bool = True,
+):
+    """The checkpoint's transformer (this rank's tensor-parallel slices with `tp`) with `kernels` applied:
+    what every rank of a pipeline runs."""
+    transformer = load_transformer(root, dtype=dtype, device=device, progress=progress, tp=tp)
+    log.info("transformer kernels: %s", kernels.apply(transformer))
+    return transformer
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -130,8 +146,7 @@ class VideoPipeline:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         kernels = kernels or KernelOptions()
         kernels.check(device, dtype)
-        transformer = load_transformer(root, dtype=dtype, device=device, progress=progress, tp=tp)
-        log.info("transformer kernels: %s", kernels.apply(transformer))
+        transformer = load_configured_transformer(root, dtype, device, kernels, tp=tp, progress=progress)
         vae = VideoVAE.from_pretrained(
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
             compile_decoder=kernels.compile and device.type == "cuda",
