@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from worldserve.parallel.groups import ParallelGroup
+from worldserve.parallel.groups import SINGLE, ParallelGroup
 
 COND, UNCOND = 0, 1
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -49,7 +49,7 @@ class ParallelLayout:
 
     def tp_group(self, rank: int) -> ParallelGroup:
         """`rank`'s tensor-parallel group: the whole world (tp runs alone), or none."""
-        return ParallelGroup(rank=rank, size=self.tp) if self.tp > 1 else ParallelGroup()
+        return ParallelGroup(rank=rank, size=self.tp) if self.tp > 1 else SINGLE
 
     @property
     def per_branch(self) -> int:
@@ -69,7 +69,7 @@ class ParallelLayout:
         """`rank`'s Ulysses group (its own process group, COLLECTIVE_TIMEOUT_S). Collective: every rank of the
         world calls it once, right after connecting, before any other collective."""
         if self.ulysses == 1:
-            return ParallelGroup()
+            return SINGLE
         import torch.distributed as dist
 
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)

@@ -244,12 +244,12 @@ class Reasoner:
         """One step of every session (sampling each, then one batched decode of the unfinished ones)."""
         deltas, pending = [], []
         for s in sessions:
-            delta, token = s.advance()
+            delta, decode = s.advance()
             deltas.append(delta)
-            if token is not None:
-                pending.append((s, token))
+            if decode is not None:
+                pending.append((s, decode))
         if pending:
-            logits = self.decode_many([(token, s._cache, s._position) for s, token in pending])
+            logits = self.decode_many([decode for _, decode in pending])
             for (s, _), row in zip(pending, logits, strict=True):
                 s.receive(row)
         return deltas
@@ -318,9 +318,10 @@ class ReasonerSession:
         self._logits = logits
         self._position += 1
 
-    def advance(self) -> tuple[ChatDelta, int | None]:
-        """Sample a token from the pending logits and update the text: (delta, the token to decode next, or
-        None once finished). The caller decodes that token and hands its logits to `receive`."""
+    def advance(self) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
+        """Sample a token from the pending logits and update the text: (delta, the decode step to run next as
+        (token, cache, position) for Reasoner.decode_many, or None once finished). The caller runs it and
+        hands its logits to `receive`."""
         if self.finish_reason is not None or self._logits is None:
             raise RuntimeError("the session is finished")
         token = self._sampler.sample(self._logits)
@@ -333,9 +334,8 @@ class ReasonerSession:
         cut, matched = min(found) if found else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
-            self.stop_reason = (
-                None if finished and cut < 0 else matched
-            )  # vLLM: the stop string, None for EOS
+            # vLLM's stop_reason: the matched stop string, None for an end-of-sequence token
+            self.stop_reason = None if finished and cut < 0 else matched
             text = text if cut < 0 else text[:cut]
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
@@ -345,11 +345,11 @@ class ReasonerSession:
             while end > self._emitted and text[end - 1] == "\ufffd":
                 end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
             self._logits = None  # until receive()
-            next_token: int | None = token
+            decode = (token, self._cache, self._position)
         else:
             end = len(text)
             self._logits, self._cache = None, None
-            next_token = None
+            decode = None
         delta = text[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
         out = ChatDelta(
@@ -359,7 +359,7 @@ class ReasonerSession:
             logprobs=logprobs,
             stop_reason=self.stop_reason,
         )
-        return out, next_token
+        return out, decode
 
     def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:
         """The token's log-probability under the raw logits, and the top alternatives."""
