@@ -60,15 +60,10 @@ class KernelOptions:
     def check(self, device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> None:
         """ValueError (with the way out) when these options cannot run on this device / dtype."""
         if self.quantization == "fp8":
-            from worldserve.models.layers.fp8 import fp8_supported
+            from worldserve.models.layers.fp8 import fp8_unavailable_reason
 
-            if not fp8_supported(device):
-                raise ValueError(
-                    f"--quantization fp8 needs an NVIDIA GPU of compute capability 9.0+ (H100/H200/B200); "
-                    f"device {device} has none. Run without --quantization"
-                )
-            if dtype != torch.bfloat16:
-                raise ValueError(f"--quantization fp8 runs with --dtype bfloat16 only, got {dtype}")
+            if (reason := fp8_unavailable_reason(device, dtype)) is not None:
+                raise ValueError(f"--quantization fp8: {reason}. Run without --quantization")
         wants_fa3 = (self.backend_name or "").upper() == "FLASH_ATTN"
         if wants_fa3 or self.fp8_attention:
             reason = fa3_unavailable_reason(device, dtype, head_dim)

@@ -36,7 +36,7 @@ from worldserve.models.cosmos3.layer import MoTLayer, compile_blocks, gen_layer_
 from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
 from worldserve.models.layers.attention import ContiguousKVCache, KVCache
 from worldserve.models.layers.flash_attention import fa3_fp8_attention, resolve_attention_backend
-from worldserve.models.layers.fp8 import fp8_supported
+from worldserve.models.layers.fp8 import fp8_unavailable_reason
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
 from worldserve.models.layers.norm import RMSNorm
 from worldserve.models.layers.rope import MRotaryEmbedding
@@ -130,14 +130,8 @@ class Cosmos3Transformer(nn.Module):
         Native (default): needs a bfloat16 model on a CUDA sm90+ device (torch._scaled_mm rowwise).
         `emulate=True`: the same quantised math in float32 on any device/dtype (tests, numerics checks;
         slower than the unquantised model). Works before or after compile_gen_layers."""
-        if not emulate:
-            if not fp8_supported(self.device):
-                raise ValueError(
-                    f"fp8 GEMMs need an NVIDIA GPU of compute capability 9.0+ (Hopper/Blackwell); "
-                    f"this model is on {self.device}"
-                )
-            if self.dtype != torch.bfloat16:
-                raise ValueError(f"fp8 GEMMs need a bfloat16 model (row-wise _scaled_mm), got {self.dtype}")
+        if not emulate and (reason := fp8_unavailable_reason(self.device, self.dtype)) is not None:
+            raise ValueError(reason)
         for layer in self.layers:
             layer.gen.quantize_fp8(emulate=emulate, fast_accum=fast_accum)
         if self.device.type == "cuda":

@@ -30,6 +30,15 @@ def fp8_supported(device: str | torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def fp8_unavailable_reason(device: str | torch.device, dtype: torch.dtype) -> str | None:
+    """Why native fp8 GEMMs cannot run for a model on `device` in `dtype` (one line), or None when they can."""
+    if not fp8_supported(device):
+        return f"fp8 GEMMs need an NVIDIA GPU of compute capability 9.0+ (H100/H200/B200); {device} has none"
+    if dtype != torch.bfloat16:
+        return f"fp8 GEMMs need a bfloat16 model (row-wise _scaled_mm), got {dtype}"
+    return None
+
+
 def quantize_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., K] -> (x_fp8 [..., K] e4m3, scale [..., 1] float32) with x ~= x_fp8 * scale.
 
