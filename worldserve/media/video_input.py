@@ -110,19 +110,16 @@ def _sample(data: bytes, sampling: VideoSampling, total: int, fps: float) -> Cha
     if total <= 0:
         return None
     wanted = sampling.indices(total, fps)
-    want = collections.Counter(wanted)  # an index can repeat when num_frames > total is capped
+    want = collections.Counter(wanted)  # an index repeats when num_frames exceeds the clip's length
     kept: list[np.ndarray] = []
-    size = None
     for i, frame in enumerate(_frames(data)):
         if i > wanted[-1]:
             break
         if i not in want:
             continue
-        if size is None:
-            h, w = sampling.frame_size(len(wanted), frame.height, frame.width)
+        h, w = sampling.frame_size(len(wanted), frame.height, frame.width)
         img = frame.to_image()  # PIL RGB
         arr = np.asarray(img.resize((w, h), resample=Image.Resampling.BICUBIC), dtype=np.uint8)
-        size = (h, w)
         kept.extend([arr] * want[i])
     if len(kept) != len(wanted):
         return None
