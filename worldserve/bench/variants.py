@@ -110,6 +110,7 @@ def layer_numerics(
     """
     import copy
 
+    from worldserve.bench.denoise import rel_error
     from worldserve.models.cosmos3.layer import gen_layer_step
     from worldserve.models.layers.attention import sdpa_attention
 
@@ -130,15 +131,11 @@ def layer_numerics(
     eager = gen_layer_step(blk, *args)
     with compiled_layers(model):
         compiled = gen_layer_step(blk, *args)
-
-    def rel(a):
-        return float((a.double() - ref.double()).norm() / ref.double().norm())
-
     return {
         "tokens": n_gen,
-        "eager_vs_fp32": rel(eager),
-        "compiled_vs_fp32": rel(compiled),
-        "compiled_vs_eager": float((compiled.double() - eager.double()).norm() / eager.double().norm()),
+        "eager_vs_fp32": rel_error(eager, ref),
+        "compiled_vs_fp32": rel_error(compiled, ref),
+        "compiled_vs_eager": rel_error(compiled, eager),
     }
 
 
