@@ -20,7 +20,6 @@ Gaussian-like activations: real checkpoints have outlier channels, so treat the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -248,21 +247,9 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
-    out = args.out
-    if out.suffix != ".json":
-        out = out / f"fp8-step-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from worldserve.bench.report import run_script
 
-    def save(res: dict) -> None:
-        out.write_text(json.dumps(res, indent=1, default=str))
-
-    res = run(args, log=lambda m: print(m, file=sys.stderr, flush=True), save=save)
-    save(res)
-    print(table(res))
-    print(f"wrote {out}")
-    return 0
+    return run_script(parse_args(argv), run, table, "fp8-step")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ checkpoint, params and seed: `--cfg-parallel-size 2` (cond on cuda:0, uncond on 
 
 Loads VideoPipeline on cuda:0, prepares one request (default 1280x720 x 189 frames + audio, guidance 6),
 runs --warmup steps (torch.compile on the first), times --steps steps (s/step, median), keeps the latents;
-frees it, then does the same through ParallelPipeline. Prints both, the speedup, and the rel. L2 of the
-final video / sound latents (bf16 batched-vs-split rounding only; ~1e-3 expected). Writes JSON to --out.
+frees it, then does the same through ParallelPipeline (for each of --modes, against the one baseline).
+Prints both, the speedup, and the rel. L2 of the final video / sound latents (bf16 batched-vs-split rounding only; ~1e-3 expected). Writes JSON to --out.
 Weights: --model (a real-layout checkpoint on local disk), --random-nano DIR (writes, once, a checkpoint with
 the Nano transformer config (15.2B params, ~30 GB bf16), the real-size Wan2.2 VAE and AVAE, random weights,
 the tiny byte tokenizer; the GPU hosts have no network), or --tiny for a CPU smoke run.
@@ -14,6 +14,7 @@ the tiny byte tokenizer; the GPU hosts have no network), or --tiny for a CPU smo
     PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --write-only --out x  # once (not timed yet)
     PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --out $OUT/cfg_step.json
     PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --cfg-parallel-size 1 --ulysses-degree 2 --out $OUT/usp2.json
+    PYTHONPATH=. python bench/parallel_step.py --random-nano /tmp/nano-random --modes cfg2,usp2,tp2 --out $OUT/modes.json
     PYTHONPATH=. python bench/parallel_step.py --model /path/to/Cosmos3-Nano --out $OUT/cfg_step.json
     PYTHONPATH=. python bench/parallel_step.py --tiny --device cpu --size 80x48 --frames 9 --out /tmp/x.json
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -60,7 +62,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks (with cfg 1 only)"
     )
+    ap.add_argument(
+        "--modes", default=None,
+        help="several modes against one single-GPU baseline, e.g. cfg2,usp2,tp2,cfg2xusp2 (overrides the "
+        "three flags above)",
+    )  # fmt: skip
     return ap.parse_args(argv)
+
+
+def parse_mode(spec: str) -> dict[str, int]:
+    """'cfg2xusp2' -> {'cfg_parallel_size': 2, 'ulysses_degree': 2, 'tensor_parallel_size': 1}."""
+    names = {"cfg": "cfg_parallel_size", "usp": "ulysses_degree", "tp": "tensor_parallel_size"}
+    mode = dict.fromkeys(names.values(), 1)
+    for part in spec.lower().split("x"):
+        key = part.rstrip("0123456789")
+        if key not in names or key == part:
+            raise SystemExit(f"--modes entry {spec!r}: use cfgN, uspN, tpN joined by 'x'")
+        mode[names[key]] = int(part[len(key) :])
+    if mode["cfg_parallel_size"] * mode["ulysses_degree"] * mode["tensor_parallel_size"] < 2:
+        raise SystemExit(f"--modes entry {spec!r} runs on one GPU: nothing to compare")
+    return mode
+
+
+def mode_label(mode: dict[str, int]) -> str:
+    return f"cfg{mode['cfg_parallel_size']}_ulysses{mode['ulysses_degree']}_tp{mode['tensor_parallel_size']}"
 
 
 def write_random_checkpoint(out: Path, config_name: str = "nano", seed: int = 0) -> Path:
@@ -146,46 +171,63 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     kw = dict(dtype=dtype, kernels=KernelOptions(compile=not args.eager), progress=False)
     device = "cpu" if args.device == "cpu" else "cuda"
-    results = {}
-    mode = f"cfg{args.cfg_parallel_size}_ulysses{args.ulysses_degree}_tp{args.tensor_parallel_size}"
-    if args.cfg_parallel_size * args.ulysses_degree * args.tensor_parallel_size < 2:
-        raise SystemExit("nothing to compare: give --cfg-parallel-size 2, --ulysses-degree > 1 or -tp > 1")
-    parallel_kw = {"cfg_parallel_size": args.cfg_parallel_size, "ulysses_degree": args.ulysses_degree,
-                   "tensor_parallel_size": args.tensor_parallel_size}  # fmt: skip
-    runs = {"single": {}, mode: parallel_kw}
-    for name, parallel in runs.items():
-        dev = device if parallel else ("cpu" if device == "cpu" else "cuda:0")
-        t0 = time.perf_counter()
-        pipe = load_pipeline(root, device=dev, **parallel, **kw)
-        load_s = time.perf_counter() - t0
-        pipe.validate(params)
-        try:
-            results[name] = run_steps(pipe, params, args.warmup, args.steps) | {"load_s": load_s}
-        finally:
-            pipe.close()
-        del pipe
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    one, two = results["single"], results[mode]
+    if args.modes:
+        modes = [parse_mode(m) for m in args.modes.split(",")]
+    else:
+        modes = [{"cfg_parallel_size": args.cfg_parallel_size, "ulysses_degree": args.ulysses_degree,
+                  "tensor_parallel_size": args.tensor_parallel_size}]  # fmt: skip
+        if math.prod(modes[0].values()) < 2:
+            raise SystemExit(
+                "nothing to compare: give --cfg-parallel-size 2, --ulysses-degree > 1 or -tp > 1"
+            )
+    runs = {"single": {}} | {mode_label(m): m for m in modes}
     report = {
         "model": str(root), "size": args.size, "frames": args.frames, "sound": not args.no_sound,
         "guidance": args.guidance, "steps_timed": args.steps, "device": args.device,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "mode": mode, "single_s_per_step": one["s_per_step"], "parallel_s_per_step": two["s_per_step"],
-        "speedup": one["s_per_step"] / two["s_per_step"],
-        "rel_l2_video_latents": rel_error(two["latents"], one["latents"]),
-        "rel_l2_sound_latents": rel_error(two["sound"], one["sound"]),
-        "single_step_times": one["step_times"], "parallel_step_times": two["step_times"],
-        "load_s": {"single": one["load_s"], mode: two["load_s"]},
+        "torch": torch.__version__, "modes": {},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"single GPU    {one['s_per_step']:.3f} s/step")
-    print(f"{mode:<13} {two['s_per_step']:.3f} s/step  ({report['speedup']:.2f}x)")
-    print(f"rel L2 after {steps_total} steps: video {report['rel_l2_video_latents']:.2e}, "
-          f"sound {report['rel_l2_sound_latents'] or 0:.2e}")  # fmt: skip
-    return 0
+    one = None
+    for name, parallel in runs.items():
+        dev = device if parallel else ("cpu" if device == "cpu" else "cuda:0")
+        t0 = time.perf_counter()
+        pipe = result = None
+        try:
+            pipe = load_pipeline(root, device=dev, **parallel, **kw)
+            load_s = time.perf_counter() - t0
+            pipe.validate(params)
+            result = run_steps(pipe, params, args.warmup, args.steps) | {"load_s": load_s}
+        except Exception as e:  # one broken mode must not hide the others' numbers
+            report["modes"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+        finally:
+            if pipe is not None:
+                pipe.close()
+        del pipe
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if result is None:
+            continue
+        if one is None:
+            one = result
+            report["single"] = {"s_per_step": one["s_per_step"], "step_times": one["step_times"],
+                                "load_s": load_s, "peak_mem_gib_rank0": one["peak_mem_gib_rank0"]}  # fmt: skip
+            print(f"single GPU         {one['s_per_step']:.3f} s/step", flush=True)
+        else:
+            r = report["modes"][name] = {
+                "s_per_step": result["s_per_step"], "speedup": one["s_per_step"] / result["s_per_step"],
+                "rel_l2_video_latents": rel_error(result["latents"], one["latents"]),
+                "rel_l2_sound_latents": rel_error(result["sound"], one["sound"]),
+                "step_times": result["step_times"], "load_s": load_s,
+                "peak_mem_gib_rank0": result["peak_mem_gib_rank0"],
+            }  # fmt: skip
+            print(f"{name:<18} {r['s_per_step']:.3f} s/step  ({r['speedup']:.2f}x)  rel L2 after "
+                  f"{steps_total} steps: video {r['rel_l2_video_latents']:.2e}, "
+                  f"sound {r['rel_l2_sound_latents'] or 0:.2e}", flush=True)  # fmt: skip
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0 if one is not None and all("error" not in r for r in report["modes"].values()) else 1
 
 
 if __name__ == "__main__":

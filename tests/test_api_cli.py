@@ -56,7 +56,6 @@ def test_every_flag_maps_to_a_field():
 @pytest.mark.parametrize(
     "argv",
     [["-tp", "0"], ["-tp", "2", "--ulysses-degree", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"],
-     ["--enable-layerwise-offload"],
      ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):

@@ -62,6 +62,16 @@ def test_v2v_npz(tiny_ckpt, tmp_path):
     assert np.load(out)["frames"].shape == (9, 48, 80, 3)
 
 
+def test_layerwise_offload_gives_the_same_frames(tiny_ckpt, tmp_path):
+    outs = [tmp_path / "plain.npz", tmp_path / "offload.npz"]
+    for out, extra in zip(outs, ([], ["--enable-layerwise-offload"]), strict=True):
+        _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--device", "cpu", *extra, "-o", out)
+    plain, offload = (np.load(o) for o in outs)
+    assert np.array_equal(plain["frames"], offload["frames"]) and np.array_equal(
+        plain["audio"], offload["audio"]
+    )
+
+
 def test_t2i_png(tiny_ckpt, tmp_path):
     out = tmp_path / "img.png"
     prompt = tmp_path / "p.json"

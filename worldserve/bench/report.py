@@ -286,3 +286,22 @@ def variant_rows(results: dict, var: dict, point: dict, base: float, n_layers: i
             }
         )
     return rows
+
+
+def run_script(args, run, table, prefix: str) -> int:
+    """The `main` of a bench/ script: `args.out` is a .json file or a folder (then `<prefix>-<stamp>.json`);
+    `run(args, log=, save=)` logs to stderr and saves the partial results after each phase, so a run cut
+    short keeps what it measured; `table(results)` is printed last."""
+    out = Path(args.out)
+    if out.suffix != ".json":
+        out = out / f"{prefix}-{_dt.datetime.now(_dt.UTC).strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(res: dict) -> None:
+        out.write_text(json.dumps(res, indent=1, default=str))
+
+    res = run(args, log=lambda m: print(m, file=sys.stderr, flush=True), save=save)
+    save(res)
+    print(table(res))
+    print(f"wrote {out}")
+    return 0

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-tp", "--tensor-parallel-size", type=int, default=1, choices=(1, 2, 4, 8),
         help="split every weight matrix over this many GPUs (cuda:0..N-1); alone only",
     )  # fmt: skip
+    p.add_argument(
+        "--enable-layerwise-offload", action="store_true",
+        help="keep the transformer blocks in pinned host memory, streamed to the GPU as they run (less VRAM)",
+    )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the gen layers on GPU")
     p.add_argument(
         "--quantization", default=None, choices=("fp8",),
@@ -186,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         kernels = KernelOptions.from_flags(
             enforce_eager=args.enforce_eager, quantization=args.quantization, fp8_attention=args.fp8_attention,
             diffusion_attention_backend=args.diffusion_attention_backend,
+            enable_layerwise_offload=args.enable_layerwise_offload,
         )  # fmt: skip
         pipe = load_pipeline(
             root, cfg_parallel_size=args.cfg_parallel_size, ulysses_degree=args.ulysses_degree,

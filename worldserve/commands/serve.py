@@ -150,7 +150,8 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
     pipeline = load_pipeline(
         path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
         tensor_parallel_size=parallel.tensor_parallel_size, device=cfg.device, dtype=dtype,
-        vae_tiling=cfg.vae_tiling, kernels=cfg.kernel_options(),
+        vae_tiling=cfg.vae_tiling,
+        kernels=cfg.kernel_options(enable_layerwise_offload=parallel.enable_layerwise_offload),
     )  # fmt: skip
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):

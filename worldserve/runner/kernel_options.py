@@ -1,9 +1,11 @@
-"""How the loaded transformer runs: torch.compile, fp8 GEMMs, the attention kernel, fp8 attention.
+"""How the loaded transformer runs: torch.compile, fp8 GEMMs, the attention kernel, fp8 attention, and
+whether its layers stream from host memory (layerwise offload).
 
 One frozen `KernelOptions` travels from the CLI (`serve` / `generate` flags) to every rank that loads a
 transformer (the CFG-parallel peer gets the same object), and `apply` turns a freshly loaded model into
-the configured one in a fixed order: fp8 weights first (they replace the GEMM weights), then the
-attention backend, then compilation (the compiled graphs see the final weights). `check` raises the
+the configured one in a fixed order: fp8 weights first (they replace the GEMM weights), then layerwise
+offload (it packs the final weights into pinned host buffers; the model was loaded on the CPU for it, see
+`load_device`), then the attention backend, then compilation (the compiled graphs see the final weights). `check` raises the
 user-facing ValueError before anything is loaded.
 """
 
@@ -30,6 +32,8 @@ class KernelOptions:
     """flash_attention.BACKENDS name; None: `DIFFUSION_ATTENTION_BACKEND`, else auto (FA3 where it runs)."""
     fp8_attention: bool = False
     """Gen tower attention in e4m3 through FlashAttention-3 (lossy; H100/H200 with the FA3 package)."""
+    layerwise_offload: bool = False
+    """Keep the transformer layers in pinned host memory and stream them to the GPU as they run."""
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -43,13 +47,14 @@ class KernelOptions:
     @classmethod
     def from_flags(
         cls, *, enforce_eager: bool, quantization: str | None, diffusion_attention_backend: str | None,
-        fp8_attention: bool,
+        fp8_attention: bool, enable_layerwise_offload: bool = False,
     ) -> KernelOptions:  # fmt: skip
         """From the `serve` / `generate` flags of the same names ("auto" = None)."""
         backend = diffusion_attention_backend
         return cls(
             compile=not enforce_eager, quantization=quantization, fp8_attention=fp8_attention,
             attention_backend=None if backend is None or backend.lower() == "auto" else backend,
+            layerwise_offload=enable_layerwise_offload,
         )  # fmt: skip
 
     @property
@@ -73,13 +78,25 @@ class KernelOptions:
         if self.fp8_attention and (self.backend_name or "auto").upper() in ("TORCH_SDPA", "CUDNN_ATTN"):
             raise ValueError("--fp8-attention runs on FlashAttention-3: drop --diffusion-attention-backend")
 
-    def apply(self, transformer) -> str:
-        """Quantise, pick the attention kernel, compile; returns e.g. "fa3+compiled" for the logs."""
-        self.check(transformer.device, transformer.dtype, transformer.config.head_dim)
+    def load_device(self, device: torch.device) -> torch.device:
+        """Where to load the weights for a model that will run on `device` (the CPU under layerwise offload)."""
+        return torch.device("cpu") if self.layerwise_offload else device
+
+    def apply(self, transformer, device: torch.device | None = None) -> str:
+        """Quantise, offload, pick the attention kernel, compile; returns e.g. "fa3+compiled" for the logs.
+
+        `device`: where the model runs (default: where it is; give it when it was loaded at load_device)."""
+        device = transformer.device if device is None else torch.device(device)
+        self.check(device, transformer.dtype, transformer.config.head_dim)
         if self.quantization is not None:
-            transformer.quantize_gen_fp8(emulate=self.quantization == "fp8-emulated")
+            transformer.quantize_gen_fp8(emulate=self.quantization == "fp8-emulated", device=device)
+        if self.layerwise_offload:
+            transformer.enable_layerwise_offload(device)
+        elif transformer.device != device:
+            raise ValueError(f"the transformer is on {transformer.device}, not on {device}")
         label = transformer.set_attention_backend(self.backend_name, fp8_attention=self.fp8_attention)
         parts = [label] + ([self.quantization] if self.quantization else [])
+        parts += ["offload"] if self.layerwise_offload else []
         if self.compile and transformer.device.type == "cuda":
             transformer.compile_gen_layers()
             parts.append("compiled")

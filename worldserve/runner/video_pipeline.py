@@ -100,8 +100,9 @@ def load_configured_transformer(
 ):
     """The checkpoint's transformer (this rank's tensor-parallel slices with `tp`) with `kernels` applied:
     what every rank of a pipeline runs."""
-    transformer = load_transformer(root, dtype=dtype, device=device, progress=progress, tp=tp)
-    log.info("transformer kernels: %s", kernels.apply(transformer))
+    load_device = kernels.load_device(device)
+    transformer = load_transformer(root, dtype=dtype, device=load_device, progress=progress, tp=tp)
+    log.info("transformer kernels: %s", kernels.apply(transformer, device))
     return transformer
 
 

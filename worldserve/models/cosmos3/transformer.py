@@ -15,6 +15,9 @@ Loading: build under `torch.device("meta")` with the target dtype, `to_empty(dev
 FP8 mode (opt-in, after loading): `quantize_gen_fp8()` turns the gen tower's four GEMMs per layer into
 row-wise scaled e4m3 GEMMs (models/layers/fp8.py) and frees their bf16 weights; the und tower, the norms
 and the heads stay in the model dtype (und runs once per request).
+Layerwise offload (`enable_layerwise_offload(device)`, on a model loaded on the CPU): the 36 und and 36 gen
+blocks stay in pinned host memory and stream through two device slots per tower while they run
+(models/layers/offload.py); everything else moves to the device.
 Attention kernel: `set_attention_backend(name)` picks FlashAttention-3 or SDPA for every layer
 (models/layers/flash_attention.py; auto = FA3 where it can run); `fp8_attention=True` sends the gen
 tower's attention through FA3's e4m3 kernel (lossy, the fp8 mode).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,7 @@ from worldserve.models.layers.flash_attention import fa3_fp8_attention, resolve_
 from worldserve.models.layers.fp8 import fp8_unavailable_reason
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
 from worldserve.models.layers.norm import RMSNorm
+from worldserve.models.layers.offload import BlockStreamer
 from worldserve.models.layers.rope import MRotaryEmbedding
 from worldserve.parallel import ulysses
 from worldserve.parallel.groups import SINGLE, ParallelGroup
@@ -79,6 +84,11 @@ class DomainAwareLinear(nn.Module):
         return torch.bmm(x.unsqueeze(1), w).squeeze(1) + self.bias(domain)
 
 
+def _resident(blocks: BlockStreamer | None, i: int):
+    """Layer i's block on the device for the with-body (a no-op without layerwise offload)."""
+    return nullcontext() if blocks is None else blocks.use(i)
+
+
 class Cosmos3Transformer(nn.Module):
     """Both towers, embeddings, heads; parameter names are ours, checkpoint keys map via weights.py."""
 
@@ -102,6 +112,8 @@ class Cosmos3Transformer(nn.Module):
             self.audio_proj_in = ReplicatedLinear(c.sound_dim, d, bias=True, dtype=dtype)
             self.audio_proj_out = ReplicatedLinear(d, c.sound_dim, bias=True, dtype=dtype)
             self.audio_modality_embed = nn.Parameter(torch.empty(d, dtype=dtype), requires_grad=False)
+        self.und_blocks: BlockStreamer | None = None  # set by enable_layerwise_offload
+        self.gen_blocks: BlockStreamer | None = None
         if c.action_gen:
             n = c.num_embodiment_domains
             self.action_proj_in = DomainAwareLinear(c.action_dim, d, n, dtype=dtype)
@@ -124,18 +136,41 @@ class Cosmos3Transformer(nn.Module):
         The und tower stays eager: it runs once per request on prompts of every length."""
         compile_blocks([layer.gen for layer in self.layers], mode=mode, backend=backend)
 
-    def quantize_gen_fp8(self, *, emulate: bool = False, fast_accum: bool = True) -> None:
+    def quantize_gen_fp8(
+        self, *, emulate: bool = False, fast_accum: bool = True, device: torch.device | None = None
+    ) -> None:
         """Gen tower qkv/o/gate_up/down -> e4m3 weights with per-row scales; the bf16 copies are freed.
 
-        Native (default): needs a bfloat16 model on a CUDA sm90+ device (torch._scaled_mm rowwise).
+        Native (default): needs a bfloat16 model on a CUDA sm90+ device (torch._scaled_mm rowwise);
+        `device`: the one it will run on, when it still sits on the CPU before enable_layerwise_offload.
         `emulate=True`: the same quantised math in float32 on any device/dtype (tests, numerics checks;
-        slower than the unquantised model). Works before or after compile_gen_layers."""
-        if not emulate and (reason := fp8_unavailable_reason(self.device, self.dtype)) is not None:
+        slower than the unquantised model). Works before or after compile_gen_layers, not after offload."""
+        if self.gen_blocks is not None:
+            raise ValueError("quantize before enable_layerwise_offload (the offloaded blocks are packed)")
+        run_on = self.device if device is None else device
+        if not emulate and (reason := fp8_unavailable_reason(run_on, self.dtype)) is not None:
             raise ValueError(reason)
         for layer in self.layers:
             layer.gen.quantize_fp8(emulate=emulate, fast_accum=fast_accum)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed bf16 gen weights (about 13.9 GB on Nano) back
+
+    def enable_layerwise_offload(self, device: str | torch.device, *, slots: int = 2) -> None:
+        """Move everything but the layers to `device`; keep the layers' und and gen blocks in pinned host
+        memory and stream them through `slots` device buffers per tower as they run (offload.py).
+
+        Call on a fully loaded (and, if wanted, fp8-quantised) model whose layers are on the CPU."""
+        if self.gen_blocks is not None:
+            raise ValueError("layerwise offload is already on")
+        device = torch.device(device)
+        for name, child in self.named_children():
+            if name != "layers":
+                child.to(device)
+        for tensor in [*self.parameters(recurse=False), *self.buffers(recurse=False)]:
+            tensor.data = tensor.data.to(device)
+        self.und_blocks = BlockStreamer([layer.und for layer in self.layers], device, slots=slots)
+        self.gen_blocks = BlockStreamer([layer.gen for layer in self.layers], device, slots=slots)
+        self.post_load()  # RoPE tables on the device
 
     def set_attention_backend(self, name: str | None = None, *, fp8_attention: bool = False) -> str:
         """Route every layer's attention through `name` (flash_attention.BACKENDS; None = auto); the label.
@@ -193,9 +228,10 @@ class Cosmos3Transformer(nn.Module):
             cache.reserve(n)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            out = und_layer_step(
-                layer.und, i, h, cos, sin, caches, batch.seq_lens, kv_only=kv_only and i == last
-            )
+            with _resident(self.und_blocks, i):
+                out = und_layer_step(
+                    layer.und, i, h, cos, sin, caches, batch.seq_lens, kv_only=kv_only and i == last
+                )
             if out is not None:
                 h = out
                 if i < len(batch.deepstack):  # Qwen3-VL deepstack: ViT features into the early layers
@@ -229,7 +265,8 @@ class Cosmos3Transformer(nn.Module):
         caches = [item.und_cache for item in batch.items]
         spans = [(x.gen_offset, x.num_tokens) for x in batch.layout]
         for i, layer in enumerate(self.layers):
-            g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp)
+            with _resident(self.gen_blocks, i):
+                g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp)
         return self._decode_gen(ulysses.gather(g, n, sp), batch)
 
     def _embed_gen(self, batch: GenBatch) -> Tensor:

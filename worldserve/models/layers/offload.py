@@ -1,0 +1,144 @@
+"""Layerwise offload: same-layout blocks kept in (pinned) host memory, streamed into a few device slots.
+
+`BlockStreamer(blocks, device, slots=2)` packs every parameter and buffer of each block into one flat host
+buffer per block (pinned on CUDA) and re-points the block's tensors at views of device slot `i % slots`: so
+blocks i and i + slots share device memory and only `slots` blocks occupy the GPU at a time. Running block i
+inside `with streamer.use(i):` makes sure its bytes are in its slot, and issues the host->device copy of
+block i + 1 on a side stream, where it overlaps block i's compute; the copy into a slot waits for the last
+block that used the slot to finish (CUDA events, no host syncs). Block n - 1 prefetches block 0 (when
+they map to different slots), so the next forward of a denoising loop starts with its first block resident.
+
+The tensors keep their identity, shapes, strides and dtypes (only their storage moves), so code that holds
+them, torch.compile'd graphs included, runs unchanged. On a CPU device the same aliasing runs with plain
+synchronous copies (tests; it saves no memory there). Blocks must be fully loaded (and quantised, if at all)
+before they are packed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+ALIGN = 256
+"""Byte alignment of every tensor inside a packed block (cuBLAS / Triton / FA3 want >= 16)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+def _tensors(block: nn.Module) -> list[tuple[str, Tensor]]:
+    """Every parameter and buffer of `block` (None buffers skipped), in a stable order."""
+    named = list(block.named_parameters()) + [(n, b) for n, b in block.named_buffers() if b is not None]
+    return sorted(named, key=lambda item: item[0])
+
+
+def _layout(block: nn.Module) -> tuple[list[_Entry], int]:
+    entries, offset = [], 0
+    for name, t in _tensors(block):
+        if not t.is_contiguous():
+            raise ValueError(f"layerwise offload needs contiguous tensors; {name} is not")
+        nbytes = t.numel() * t.element_size()
+        entries.append(_Entry(name, tuple(t.shape), t.dtype, offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return entries, offset
+
+
+def _view(buffer: Tensor, e: _Entry) -> Tensor:
+    return buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+
+class BlockStreamer:
+    """Blocks of one layout in host memory, `slots` of them resident on `device` at a time (see module doc)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], device: torch.device, *, slots: int = 2) -> None:
+        if not blocks:
+            raise ValueError("no blocks to offload")
+        if slots < 2:
+            raise ValueError(
+                f"layerwise offload needs >= 2 device slots (one computing, one loading), got {slots}"
+            )
+        self.device = torch.device(device)
+        self.num_slots = min(slots, len(blocks))
+        self.entries, self.block_bytes = _layout(blocks[0])
+        cuda = self.device.type == "cuda"
+        self.slots = [
+            torch.empty(self.block_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(self.num_slots)
+        ]
+        self.host: list[Tensor] = []
+        for i, block in enumerate(blocks):
+            entries, _ = _layout(block)
+            if entries != self.entries:
+                raise ValueError(
+                    f"block {i} differs in layout from block 0; layerwise offload needs identical blocks"
+                )
+            host = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=cuda)
+            tensors = dict(_tensors(block))
+            with torch.no_grad():
+                for e in self.entries:
+                    _view(host, e).copy_(tensors[e.name])
+                    tensors[e.name].data = _view(
+                        self.slots[i % self.num_slots], e
+                    )  # the old storage is freed
+            self.host.append(host)
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._resident: list[int | None] = [
+            None
+        ] * self.num_slots  # block whose copy was issued into each slot
+        self._loaded: list[torch.cuda.Event | None] = [None] * self.num_slots  # that copy's completion
+        self._freed: list[torch.cuda.Event | None] = [None] * self.num_slots  # last compute reading the slot
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the streamed blocks occupy (all slots)."""
+        return self.num_slots * self.block_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return len(self.host) * self.block_bytes
+
+    @contextmanager
+    def use(self, i: int) -> Iterator[None]:
+        """Run block i inside: its bytes are on the device when the body's kernels run; block i + 1 loads meanwhile."""
+        slot = i % self.num_slots
+        self._load(i)
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded[slot])
+        following = (i + 1) % len(self.host)
+        if following % self.num_slots != slot:  # not the wrap-around of an odd count onto this very slot
+            self._load(following)
+        yield
+        if self._copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._freed[slot] = event
+
+    def _load(self, i: int) -> None:
+        """Issue block i's host->device copy into its slot unless it is already there."""
+        slot = i % self.num_slots
+        if self._resident[slot] == i:
+            return
+        self._resident[slot] = i
+        if self._copy_stream is None:
+            self.slots[slot].copy_(self.host[i])
+            return
+        with torch.cuda.stream(self._copy_stream):
+            if self._freed[slot] is not None:
+                self._copy_stream.wait_event(self._freed[slot])  # the slot's previous block has finished
+            self.slots[slot].copy_(self.host[i], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+            self._loaded[slot] = event
