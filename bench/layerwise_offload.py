@@ -30,7 +30,7 @@ T_REF = 500
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file (or folder for offload-<stamp>.json)")
-    ap.add_argument("--points", default="1280x720x189,854x480x121", help="WxHxFRAMES, comma separated")
+    ap.add_argument("--points", default="1280x720x189,832x480x121", help="WxHxFRAMES, comma separated")
     ap.add_argument("--text-tokens", type=int, default=300, help="tokens of each prompt (cond, uncond)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per point (after 1 warm-up)")
     ap.add_argument(
