@@ -68,6 +68,10 @@ class BlockStreamer:
                 f"layerwise offload needs >= 2 device slots (one computing, one loading), got {slots}"
             )
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device(
+                "cuda", torch.cuda.current_device()
+            )  # streams and events want an index
         self.num_slots = min(slots, len(blocks))
         self.entries, self.block_bytes = _layout(blocks[0])
         cuda = self.device.type == "cuda"
