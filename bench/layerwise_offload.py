@@ -104,6 +104,8 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     from worldserve.models.cosmos3.config import Cosmos3Config
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     cfg = Cosmos3Config.tiny() if args.tiny else Cosmos3Config.nano()
     args.shape = TowerShape.from_config(cfg)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

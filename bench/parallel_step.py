@@ -120,6 +120,8 @@ def write_random_checkpoint(out: Path, config_name: str = "nano", seed: int = 0)
 
 
 def run_steps(pipe, params, warmup: int, steps: int) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(0)  # this mode's peak, not the run's
     state = pipe.prepare("bench", params)
     times = []
     for i in range(warmup + steps):
