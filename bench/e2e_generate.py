@@ -6,6 +6,11 @@ through prepare / 35 denoise steps / decode, muxes the MP4 (H.264 + AAC 48 kHz s
 check the streams, and writes per-stage times as JSON. The output is noise by construction.
 
     PYTHONPATH=. python bench/e2e_generate.py --out $OUT [--steps 35] [--size 1280x720] [--frames 189]
+    PYTHONPATH=. python bench/e2e_generate.py --out $OUT --steps 3 --warmup --enable-layerwise-offload --memory-cap-gib 32
+
+`--enable-layerwise-offload` moves the transformer's layers to pinned host memory as the product flag does;
+`--memory-cap-gib G` then caps this process's GPU memory at G GiB (torch.cuda.set_per_process_memory_fraction),
+the way to check that a request fits a smaller card.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ EXAMPLE_PROMPT = json.dumps(
 )
 
 
-def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False):
+def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False, offload: bool = False):
     from worldserve.bench.models import build_audio_vae, build_our_transformer, build_video_vae
     from worldserve.models.cosmos3.config import Cosmos3Config
     from worldserve.models.cosmos3.prompt import PromptEncoder
@@ -40,9 +45,12 @@ def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = Cosmos3Config.tiny(vocab_size=2048) if tiny else Cosmos3Config.nano()
     transformer = build_our_transformer(config, device, dtype, None, seed)
-    print(
-        "transformer kernels:", KernelOptions().apply(transformer)
-    )  # VideoPipeline.from_pretrained's default
+    if offload:
+        for layer in transformer.layers:  # where KernelOptions.load_device puts them at load time
+            layer.to("cpu")
+        torch.cuda.empty_cache()
+    kernels = KernelOptions(layerwise_offload=offload)  # otherwise VideoPipeline.from_pretrained's default
+    print("transformer kernels:", kernels.apply(transformer, device))
     vae = build_video_vae(device, dtype, tiny=tiny, compile_decoder=device.type == "cuda")
     audio = build_audio_vae(device, dtype, tiny=tiny)
     tok_dir = Path(tempfile.mkdtemp()) / "text_tokenizer"
@@ -67,12 +75,20 @@ def main() -> None:
         action="store_true",
         help="first run a 1-step request of the same shape (compiles everything)",
     )
+    ap.add_argument(
+        "--enable-layerwise-offload", action="store_true", help="the transformer layers on the host"
+    )
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="cap this process's GPU memory (GiB)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cpu" if args.tiny else "cuda")
+    device = torch.device("cpu" if args.tiny else "cuda", None if args.tiny else torch.cuda.current_device())
     t0 = time.perf_counter()
-    pipe = build_pipeline(device, tiny=args.tiny)
+    pipe = build_pipeline(device, tiny=args.tiny, offload=args.enable_layerwise_offload)
     build_s = time.perf_counter() - t0
+    if args.memory_cap_gib and device.type == "cuda":
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total, device)
     w, h = (int(x) for x in args.size.split("x"))
     params = VideoParams(
         prompt=EXAMPLE_PROMPT,
@@ -136,7 +152,9 @@ def main() -> None:
     report = {
         "command": "PYTHONPATH=. python bench/e2e_generate.py "
         + " ".join([f"--steps {args.steps}", f"--size {args.size}", f"--frames {args.frames}"])
-        + (" --warmup" if args.warmup else ""),
+        + (" --warmup" if args.warmup else "")
+        + (" --enable-layerwise-offload" if args.enable_layerwise_offload else "")
+        + (f" --memory-cap-gib {args.memory_cap_gib:g}" if args.memory_cap_gib else ""),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "build_random_model_s": build_s,
@@ -146,6 +164,8 @@ def main() -> None:
         "step_s": step_times,
         "median_step_s": sorted(step_times)[len(step_times) // 2],
         "vae_tiling": tiling,
+        "layerwise_offload": args.enable_layerwise_offload,
+        "memory_cap_gib": args.memory_cap_gib,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "mp4": probe,
     }
