@@ -53,9 +53,16 @@ def test_every_flag_maps_to_a_field():
     assert cfg.parallel == ParallelConfig()
 
 
+def test_vllm_omni_memory_flags():
+    cfg = parse("--vae-use-tiling", "--enable-layerwise-offload", "--no-guardrails", "--omni")
+    assert cfg.model.vae_tiling and cfg.parallel.enable_layerwise_offload
+    with pytest.raises(ValueError, match="Use --enable-layerwise-offload instead"):
+        parse("--enable-cpu-offload")
+
+
 @pytest.mark.parametrize(
     "argv",
-    [["-tp", "0"], ["-tp", "2", "--ulysses-degree", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"],
+    [["-tp", "0"], ["-tp", "2", "--ulysses-degree", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"], ["--enable-cpu-offload"],
      ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):

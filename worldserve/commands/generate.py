@@ -51,7 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="HF revision of MODEL")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--vae-tiling", action="store_true", help="decode the video in tiles (less memory)")
+    p.add_argument(
+        "--vae-tiling",
+        "--vae-use-tiling",
+        action="store_true",
+        help="decode the video in tiles (less memory)",
+    )
     p.add_argument(
         "--cfg-parallel-size", type=int, default=1, choices=(1, 2),
         help="2: the uncond CFG branch on its own GPU(s), the cond branch on cuda:0 (x --ulysses-degree GPUs each)",
