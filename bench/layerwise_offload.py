@@ -62,26 +62,6 @@ def measure_points(model, points, inputs, device, args, log) -> list[dict]:
     return out
 
 
-def und_token_pass(model, device, repeats: int = 5) -> float:
-    """Seconds for one und decode step (one new token over a 300-token context, final norm and lm_head):
-    what a Reasoner chat at batch 1 pays per token."""
-    from worldserve.bench.timing import time_region
-    from worldserve.models.cosmos3.batch import UndBatch
-
-    cache = model.new_und_cache(300 + 2 + repeats)
-    model.und_step(
-        UndBatch.text([torch.arange(300, device=device) % model.config.vocab_size]), [cache], kv_only=True
-    )
-    position = [300]
-
-    def one() -> None:
-        batch = UndBatch.text([torch.tensor([7], device=device)], starts=position)
-        model.compute_logits(model.und_step(batch, [cache]))
-        position[0] += 1
-
-    return time_region(one, device, warmup=2, repeats=repeats).median
-
-
 def copy_bandwidth(model, device) -> float | None:
     """GB/s of one pinned gen block host->device copy (what the streamer issues per layer)."""
     blocks = model.gen_blocks
@@ -100,6 +80,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     from worldserve.bench.models import build_our_transformer
     from worldserve.bench.report import environment
     from worldserve.bench.timing import allocated_gib, free_memory
+    from worldserve.bench.und_decode import und_decode_seconds
     from worldserve.bench.workload import parse_point
     from worldserve.models.cosmos3.config import Cosmos3Config
 
@@ -121,7 +102,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         model.compile_gen_layers()
     res["resident"] = {"weights_gib": allocated_gib(device)}
     res["resident"]["points"] = measure_points(model, points, inputs, device, args, log)
-    res["resident"]["und_token_s"] = und_token_pass(model, device)
+    res["resident"]["und_token_s"] = und_decode_seconds(model, device)
     save(res)
 
     log("moving the layers to host memory and turning layerwise offload on")
@@ -136,7 +117,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                       "host_gib": (model.gen_blocks.host_bytes + model.und_blocks.host_bytes) / 2**30,
                       "copy_gb_s": copy_bandwidth(model, device)}  # fmt: skip
     res["offload"]["points"] = measure_points(model, points, inputs, device, args, log)
-    res["offload"]["und_token_s"] = und_token_pass(model, device)
+    res["offload"]["und_token_s"] = und_decode_seconds(model, device)
     for r, o in zip(res["resident"]["points"], res["offload"]["points"], strict=True):
         o["bitwise_equal"] = all(
             torch.equal(r["velocity"][k], o["velocity"][k])

@@ -265,3 +265,7 @@ def test_a_chat_samples_from_penalized_logits(reasoner):
     plain = TokenSampler(temperature=0.0)
     first = reasoner.transformer.compute_logits(reasoner.prefill(prompt)[0][-1:])[0]
     assert tokens[0] != plain.sample(first) or tokens[0] not in prompt.input_ids  # the penalty was applied
+
+
+def test_warm_up_runs_a_short_chat(reasoner):
+    reasoner.warm_up()  # what `serve` calls on CUDA before taking requests (compiles the und graphs there)

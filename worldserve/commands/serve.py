@@ -168,6 +168,10 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
     )
     log.info("Reasoner chat completions on the shared und tower (vision encoder: %s)",
              "yes" if reasoner.vision is not None else "none: text only")  # fmt: skip
+    if pipeline.transformer.device.type == "cuda" and not cfg.enforce_eager:
+        t0 = time.perf_counter()
+        reasoner.warm_up()  # builds the und tower's compiled graphs now, not in the first chat
+        log.info("Reasoner warm-up (und tower graphs compiled) in %.1f s", time.perf_counter() - t0)
     return pipeline, gpu_memory, reasoner
 
 

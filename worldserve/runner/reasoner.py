@@ -254,6 +254,18 @@ class Reasoner:
                 s.receive(row)
         return deltas
 
+    def warm_up(self) -> None:
+        """One short greedy chat (a prefill and a decode step) before serving: on CUDA the und tower's
+        compiled graphs (prompt-length and single-token) are built here, not in the first user's chat."""
+        from worldserve.params import ChatMessage
+
+        params = ChatParams(
+            messages=(ChatMessage(role="user", content="Hello"),), max_tokens=2, temperature=0.0
+        )
+        session = self.start(params)
+        while session.finish_reason is None:
+            session.step()
+
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""
         params.validate()

@@ -13,7 +13,9 @@ The linear layers run over all packed tokens at once; only attention loops over 
 Regional compilation: the two halves are written as pure functions of (activations, weights)
 (`qkv_math`, `finish_math`), so one `torch.compile`d copy of each serves all 36 layers (one graph per
 shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of a
-tensor-parallel o_proj / down_proj stays outside).
+tensor-parallel o_proj / down_proj stays outside). The gen tower compiles with static shapes (few, large);
+the und tower with a symbolic token count, since it sees prompts of any length and decode batches of 1-32
+tokens, where eager mode spends its time launching the ~60 small norm / RoPE / SiLU kernels of a layer.
 FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
 `Fp8Linear`s (e4m3 weight + per-row scale, bf16 weight dropped); the same two pure functions then take the
 scales (`*_s`) and route those GEMMs through `fp8_linear`, so compiled or not, one graph serves all layers
@@ -150,14 +152,32 @@ class TowerBlock(nn.Module):
         self.fp8 = {"emulate": emulate, "fast_accum": fast_accum}
 
 
-def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backend: str = "inductor") -> None:
-    """Route `blocks` through one shared torch.compile'd copy of qkv_math / finish_math (static shapes)."""
+def _und_qkv_math(*args, **kwargs):
+    """qkv_math under its own code object, so the und tower's dynamic-shape graphs get their own dynamo
+    cache entries and never serve (or displace) the gen tower's static ones."""
+    return qkv_math(*args, **kwargs)
+
+
+def _und_finish_math(*args, **kwargs):
+    """finish_math under its own code object (see _und_qkv_math)."""
+    return finish_math(*args, **kwargs)
+
+
+def compile_blocks(
+    blocks: Sequence[TowerBlock], *, mode: str = "default", backend: str = "inductor", dynamic: bool = False
+) -> None:
+    """Route `blocks` through one shared torch.compile'd copy of qkv_math / finish_math.
+
+    `dynamic=False` (the gen tower): one graph per shape, each specialised. `dynamic=True` (the und tower):
+    the token count is symbolic, so prompts of every length and decode batches of every size share two
+    graphs (dynamo still specialises a count of 1); its graphs sit under separate code objects."""
     import torch._dynamo
 
     # One graph per distinct shape (resolution / batch mix); allow many before dynamo falls back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
-    finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
+    qkv, finish = (_und_qkv_math, _und_finish_math) if dynamic else (qkv_math, finish_math)
+    qkv_c = torch.compile(qkv, mode=mode, backend=backend, dynamic=dynamic)
+    finish_c = torch.compile(finish, mode=mode, backend=backend, dynamic=dynamic)
     for block in blocks:
         block.qkv_fn = qkv_c
         if block.tp_size == 1:
