@@ -1,4 +1,4 @@
-"""Reasoner decode speed on one GPU: the und tower eager against compiled (dynamic token count), same weights.
+"""Reasoner decode speed on one GPU: the und tower eager against compiled (its single-token path), same weights.
 
 Builds the full-size Cosmos3-Nano transformer with random bf16 weights (worldserve/bench/models.py), picks the
 attention kernel as the product does, and times (worldserve/bench/und_decode.py) one batched decode step

@@ -256,7 +256,7 @@ class Reasoner:
 
     def warm_up(self) -> None:
         """One short greedy chat (a prefill and a decode step) before serving: on CUDA the und tower's
-        compiled graphs (prompt-length and single-token) are built here, not in the first user's chat."""
+        compiled single-token graphs are built here, not in the first user's chat."""
         from worldserve.params import ChatMessage
 
         params = ChatParams(

@@ -13,9 +13,10 @@ The linear layers run over all packed tokens at once; only attention loops over 
 Regional compilation: the two halves are written as pure functions of (activations, weights)
 (`qkv_math`, `finish_math`), so one `torch.compile`d copy of each serves all 36 layers (one graph per
 shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of a
-tensor-parallel o_proj / down_proj stays outside). The gen tower compiles with static shapes (few, large);
-the und tower with a symbolic token count, since it sees prompts of any length and decode batches of 1-32
-tokens, where eager mode spends its time launching the ~60 small norm / RoPE / SiLU kernels of a layer.
+tensor-parallel o_proj / down_proj stays outside). The gen tower compiles with static shapes (few, large).
+The und tower compiles for single-token calls only (a Reasoner decode step at batch 1, where eager mode
+spends its time launching the ~60 small norm / RoPE / SiLU kernels of a layer); prefills of any length and
+batched decode stay eager (SingleTokenCompiled).
 FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
 `Fp8Linear`s (e4m3 weight + per-row scale, bf16 weight dropped); the same two pure functions then take the
 scales (`*_s`) and route those GEMMs through `fp8_linear`, so compiled or not, one graph serves all layers
@@ -152,32 +153,43 @@ class TowerBlock(nn.Module):
         self.fp8 = {"emulate": emulate, "fast_accum": fast_accum}
 
 
-def _und_qkv_math(*args, **kwargs):
-    """qkv_math under its own code object, so the und tower's dynamic-shape graphs get their own dynamo
-    cache entries and never serve (or displace) the gen tower's static ones."""
-    return qkv_math(*args, **kwargs)
+class SingleTokenCompiled:
+    """`compiled` for calls on one token (a Reasoner decode step at batch 1), `eager` for everything else.
 
+    Measured on an H200 (bench/reasoner_decode.py): a batch-1 decode step 50.5 -> 26.2 ms with the und
+    layers compiled; with one dynamic-shape graph for every token count, batches of 8 and 32 chats gained
+    1.17x and lost 0.59x, so multi-token calls (prefills, batched decode) stay eager."""
 
-def _und_finish_math(*args, **kwargs):
-    """finish_math under its own code object (see _und_qkv_math)."""
-    return finish_math(*args, **kwargs)
+    def __init__(self, eager, compiled) -> None:
+        self.eager, self.compiled = eager, compiled
+
+    def __call__(self, h: Tensor, *args, **kwargs):
+        return (self.compiled if h.shape[0] == 1 else self.eager)(h, *args, **kwargs)
 
 
 def compile_blocks(
-    blocks: Sequence[TowerBlock], *, mode: str = "default", backend: str = "inductor", dynamic: bool = False
+    blocks: Sequence[TowerBlock],
+    *,
+    mode: str = "default",
+    backend: str = "inductor",
+    single_token: bool = False,
 ) -> None:
-    """Route `blocks` through one shared torch.compile'd copy of qkv_math / finish_math.
-
-    `dynamic=False` (the gen tower): one graph per shape, each specialised. `dynamic=True` (the und tower):
-    the token count is symbolic, so prompts of every length and decode batches of every size share two
-    graphs (dynamo still specialises a count of 1); its graphs sit under separate code objects."""
+    """Route `blocks` through one shared torch.compile'd copy of qkv_math / finish_math (static shapes: one
+    graph per shape). `single_token` (the und tower): only one-token calls take the compiled copies
+    (SingleTokenCompiled), whose graphs are built from their own wrappers so the gen tower's never serve them."""
     import torch._dynamo
 
     # One graph per distinct shape (resolution / batch mix); allow many before dynamo falls back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    qkv, finish = (_und_qkv_math, _und_finish_math) if dynamic else (qkv_math, finish_math)
-    qkv_c = torch.compile(qkv, mode=mode, backend=backend, dynamic=dynamic)
-    finish_c = torch.compile(finish, mode=mode, backend=backend, dynamic=dynamic)
+    if single_token:  # own code objects: dynamo caches graphs per code object
+        qkv = torch.compile(lambda *a, **k: qkv_math(*a, **k), mode=mode, backend=backend, dynamic=False)
+        finish = torch.compile(
+            lambda *a, **k: finish_math(*a, **k), mode=mode, backend=backend, dynamic=False
+        )
+        qkv_c, finish_c = SingleTokenCompiled(qkv_math, qkv), SingleTokenCompiled(finish_math, finish)
+    else:
+        qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
+        finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
     for block in blocks:
         block.qkv_fn = qkv_c
         if block.tp_size == 1:
