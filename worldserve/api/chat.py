@@ -18,8 +18,6 @@ Streaming: per choice, the first chunk carries the role, then one chunk per text
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import json
 import time
@@ -37,6 +35,7 @@ from worldserve.api.chat_protocol import (
     ContentPart,
 )  # fmt: skip
 from worldserve.api.chat_stream import close_all, collect, metered, sse
+from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import (
@@ -61,13 +60,9 @@ def load_media_url(url: str, allowed_local_path: str | None, kind: str = "image"
     """The bytes behind an image / video URL (data: or file://); raises ParamError("messages", ...)."""
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
-        header, sep, payload = url[5:].partition(",")
-        if not sep or not header.endswith(";base64"):
-            raise ParamError("messages", "Only base64 data URLs are supported for now.")
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise ParamError("messages", f"Invalid base64 data in the {kind} data URL.") from None
+        return data_url_bytes(
+            url, param="messages", bad_payload=f"Invalid base64 data in the {kind} data URL."
+        )
     if scheme == "file":
         if not allowed_local_path:
             raise ParamError("messages", "Cannot load local files without `--allowed-local-media-path`.")

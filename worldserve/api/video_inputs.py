@@ -15,8 +15,6 @@ here touches the engine but `validate`.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.requests import Request
 
+from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest
 from worldserve.engine.client import EncodeOptions, JobSpec
@@ -238,13 +237,7 @@ def _data_url_bytes(raw: str | dict, kind: str) -> bytes:
             raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download "
                              "URLs; send a data URL or an input_reference upload.")  # fmt: skip
         raise ParamError(field, f"Invalid {field}.{kind}_url: must be an http(s) URL or data URL.")
-    header, _, payload = url.partition(",")
-    if not header.endswith(";base64"):
-        raise ParamError(field, "Only base64 data URLs are supported for now.")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ParamError(field, f"Invalid {field}.{kind}_url: bad base64 payload.") from None
+    return data_url_bytes(url, param=field, bad_payload=f"Invalid {field}.{kind}_url: bad base64 payload.")
 
 
 def _video_params(

@@ -1,0 +1,23 @@
+"""Base64 `data:` URLs: the inline media transport of both the video API (image_reference /
+video_reference) and the chat API (image_url / video_url parts)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from worldserve.params import ParamError
+
+NOT_BASE64 = "Only base64 data URLs are supported for now."
+
+
+def data_url_bytes(url: str, *, param: str, bad_payload: str) -> bytes:
+    """The bytes of `data:<mime>;base64,<payload>`; ParamError(param, ...) when it is not base64 (or has no
+    comma) or `bad_payload` when the payload does not decode."""
+    header, sep, payload = url.removeprefix("data:").partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ParamError(param, NOT_BASE64)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ParamError(param, bad_payload) from None
