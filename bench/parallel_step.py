@@ -211,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if result is None:
+            if name == "single":
+                break  # no baseline: nothing to compare the modes with
             continue
-        if one is None:
+        if name == "single":
             one = result
             report["single"] = {"s_per_step": one["s_per_step"], "step_times": one["step_times"],
                                 "load_s": load_s, "peak_mem_gib_rank0": one["peak_mem_gib_rank0"]}  # fmt: skip

@@ -49,6 +49,28 @@ def test_streamed_blocks_alias_slots_and_compute_the_same():
             torch.testing.assert_close(blocks[i](x), expected[i], rtol=0, atol=0)
 
 
+def test_pinned_chunks_hold_every_block_in_powers_of_two():
+    from worldserve.models.layers.offload import pinned_chunks
+
+    block = 368 * 2**20  # a Nano gen block
+    chunks = pinned_chunks(36, block)
+    assert sum(k for _, k in chunks) == 36
+    assert all(size & (size - 1) == 0 and size - k * block < block for size, k in chunks)
+    assert sum(size for size, _ in chunks) < 1.05 * 36 * block  # 13.5 GiB, not 36 x 512 MiB = 18 GiB
+
+
+def test_a_failing_block_leaves_the_streamer_usable():
+    blocks = [_mlp(i) for i in range(3)]
+    x = torch.randn(2, 8)
+    expected = [b(x) for b in blocks]
+    streamer = BlockStreamer(blocks, torch.device("cpu"))
+    with pytest.raises(RuntimeError), streamer.use(0):
+        raise RuntimeError("out of memory in block 0")
+    for i in (1, 2, 0):
+        with streamer.use(i):
+            torch.testing.assert_close(blocks[i](x), expected[i], rtol=0, atol=0)
+
+
 def test_blocks_of_different_layouts_are_refused():
     with pytest.raises(ValueError, match="block 1 differs in layout"):
         BlockStreamer([_mlp(0), nn.Linear(8, 8)], torch.device("cpu"))
@@ -174,3 +196,13 @@ def test_gpu_offload_matches_resident_model_and_saves_memory(ours_pipeline):
     for a, b in zip(*outputs, strict=True):
         assert torch.equal(a, b)
     assert memory[1] < memory[0]
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_loads_on_a_bare_cuda_device(tiny_ckpt):
+    """`serve` / `generate` without --device pass torch.device("cuda") (no index): resident and offloaded."""
+    for offload in (False, True):
+        kernels = KernelOptions(layerwise_offload=offload, compile=False)
+        pipe = VideoPipeline.from_pretrained(tiny_ckpt, device="cuda", kernels=kernels, progress=False)
+        assert pipe.transformer.device.type == "cuda"
+        run_requests(pipe, PARAMS[:1])

@@ -267,5 +267,15 @@ def test_a_chat_samples_from_penalized_logits(reasoner):
     assert tokens[0] != plain.sample(first) or tokens[0] not in prompt.input_ids  # the penalty was applied
 
 
-def test_warm_up_runs_a_short_chat(reasoner):
-    reasoner.warm_up()  # what `serve` calls on CUDA before taking requests (compiles the und graphs there)
+def test_warm_up_runs_a_prefill_and_a_single_token_step(reasoner, monkeypatch):
+    """What `serve` calls on CUDA before taking requests: it must reach the single-token (compiled) path
+    whatever token the model would sample first."""
+    model = reasoner.transformer
+    sizes, und_step = [], model.und_step
+    monkeypatch.setattr(
+        model,
+        "und_step",
+        lambda batch, caches, **kw: sizes.append(batch.input_ids.numel()) or und_step(batch, caches, **kw),
+    )
+    reasoner.warm_up()
+    assert len(sizes) == 2 and sizes[0] > 1 and sizes[1] == 1

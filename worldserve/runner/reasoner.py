@@ -255,16 +255,16 @@ class Reasoner:
         return deltas
 
     def warm_up(self) -> None:
-        """One short greedy chat (a prefill and a decode step) before serving: on CUDA the und tower's
-        compiled single-token graphs are built here, not in the first user's chat."""
+        """A short prompt's prefill and one decode step before serving: on CUDA the und tower's compiled
+        single-token graphs are built here, not in the first user's chat."""
         from worldserve.params import ChatMessage
 
         params = ChatParams(
-            messages=(ChatMessage(role="user", content="Hello"),), max_tokens=2, temperature=0.0
+            messages=(ChatMessage(role="user", content="Hello"),), max_tokens=1, temperature=0.0
         )
-        session = self.start(params)
-        while session.finish_reason is None:
-            session.step()
+        prompt = self.build_prompt(params)
+        _, cache, position = self.prefill(prompt, capacity=len(prompt.input_ids) + 1)
+        self.decode(prompt.input_ids[-1], cache, position)  # whatever the model would sample
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""

@@ -156,9 +156,10 @@ class TowerBlock(nn.Module):
 class SingleTokenCompiled:
     """`compiled` for calls on one token (a Reasoner decode step at batch 1), `eager` for everything else.
 
-    Measured on an H200 (bench/reasoner_decode.py): a batch-1 decode step 50.5 -> 26.2 ms with the und
-    layers compiled; with one dynamic-shape graph for every token count, batches of 8 and 32 chats gained
-    1.17x and lost 0.59x, so multi-token calls (prefills, batched decode) stay eager."""
+    Measured on an H200 (bench/reasoner_decode.py, bench/results/README.md): the compiled batch-1 decode step
+    took 26-28 ms against 30-50 ms eager (host-bound, noisy); a dynamic-shape graph for every token count
+    timed batches of 8 and 32 chats at 1.17x and 0.59x, so multi-token calls (prefills, batched decode)
+    stay eager."""
 
     def __init__(self, eager, compiled) -> None:
         self.eager, self.compiled = eager, compiled

@@ -57,6 +57,34 @@ def _view(buffer: Tensor, e: _Entry) -> Tensor:
     return buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
+def pinned_chunks(count: int, nbytes: int) -> list[tuple[int, int]]:
+    """[(chunk bytes, blocks in it)] for `count` blocks of `nbytes`: PyTorch's pinned-memory allocator rounds
+    every allocation up to a power of two (368 MiB blocks would pin 512 MiB each), so blocks are packed
+    greedily into power-of-two chunks; the waste stays under one block per chunk."""
+    chunks = []
+    while count:
+        size = 1 << ((count * nbytes).bit_length() - 1)  # the largest power of two <= what is left
+        if size < nbytes:
+            size = 1 << (nbytes - 1).bit_length()  # the smallest that holds one block
+        k = min(count, size // nbytes)
+        chunks.append((size, k))
+        count -= k
+    return chunks
+
+
+def _host_buffers(count: int, nbytes: int, pin: bool) -> tuple[list[Tensor], int]:
+    """`count` uint8 host buffers of `nbytes` (views into pinned power-of-two chunks when `pin`), and the
+    bytes allocated for them."""
+    if not pin:
+        return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)], count * nbytes
+    views, total = [], 0
+    for size, k in pinned_chunks(count, nbytes):
+        chunk = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        views += [chunk[j * nbytes : (j + 1) * nbytes] for j in range(k)]
+        total += size
+    return views, total
+
+
 class BlockStreamer:
     """Blocks of one layout in host memory, `slots` of them resident on `device` at a time (see module doc)."""
 
@@ -68,25 +96,22 @@ class BlockStreamer:
                 f"layerwise offload needs >= 2 device slots (one computing, one loading), got {slots}"
             )
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device(
-                "cuda", torch.cuda.current_device()
-            )  # streams and events want an index
+        cuda = self.device.type == "cuda"
+        if cuda and self.device.index is None:  # streams and events want an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots = min(slots, len(blocks))
         self.entries, self.block_bytes = _layout(blocks[0])
-        cuda = self.device.type == "cuda"
         self.slots = [
             torch.empty(self.block_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(self.num_slots)
         ]
-        self.host: list[Tensor] = []
-        for i, block in enumerate(blocks):
+        self.host, self.pinned_bytes = _host_buffers(len(blocks), self.block_bytes, pin=cuda)
+        for i, (block, host) in enumerate(zip(blocks, self.host, strict=True)):
             entries, _ = _layout(block)
             if entries != self.entries:
                 raise ValueError(
                     f"block {i} differs in layout from block 0; layerwise offload needs identical blocks"
                 )
-            host = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=cuda)
             tensors = dict(_tensors(block))
             with torch.no_grad():
                 for e in self.entries:
@@ -94,8 +119,14 @@ class BlockStreamer:
                     tensors[e.name].data = _view(
                         self.slots[i % self.num_slots], e
                     )  # the old storage is freed
-            self.host.append(host)
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._copy_stream = None
+        if cuda:
+            self._copy_stream = torch.cuda.Stream(self.device)
+            # The slots' memory may have served tensors whose kernels are still queued on the compute stream,
+            # and the allocator must not hand it on while a copy still writes it (after the streamer is gone).
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            for slot in self.slots:
+                slot.record_stream(self._copy_stream)
         self._resident: list[int | None] = [
             None
         ] * self.num_slots  # block whose copy was issued into each slot
@@ -112,6 +143,7 @@ class BlockStreamer:
 
     @property
     def host_bytes(self) -> int:
+        """The blocks' bytes in host memory (`pinned_bytes`: what was allocated for them)."""
         return len(self.host) * self.block_bytes
 
     @contextmanager
@@ -124,11 +156,13 @@ class BlockStreamer:
         following = (i + 1) % len(self.host)
         if following % self.num_slots != slot:  # not the wrap-around of an odd count onto this very slot
             self._load(following)
-        yield
-        if self._copy_stream is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._freed[slot] = event
+        try:
+            yield
+        finally:  # also after an error: kernels of this block may still be queued
+            if self._copy_stream is not None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                self._freed[slot] = event
 
     def _load(self, i: int) -> None:
         """Issue block i's host->device copy into its slot unless it is already there."""
