@@ -78,8 +78,16 @@ def _host_buffers(count: int, nbytes: int, pin: bool) -> tuple[list[Tensor], int
     if not pin:
         return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)], count * nbytes
     views, total = [], 0
-    for size, k in pinned_chunks(count, nbytes):
-        chunk = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    chunks = pinned_chunks(count, nbytes)
+    for size, k in chunks:
+        try:
+            chunk = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:  # cudaHostAlloc failed: not enough free (lockable) host RAM
+            need = sum(c for c, _ in chunks) / 2**30
+            raise RuntimeError(
+                f"layerwise offload could not pin {size / 2**30:.1f} GiB of host memory ({need:.1f} GiB in all "
+                f"for these {count} blocks): free host RAM, or run without --enable-layerwise-offload ({e})"
+            ) from e
         views += [chunk[j * nbytes : (j + 1) * nbytes] for j in range(k)]
         total += size
     return views, total
