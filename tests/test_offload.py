@@ -36,6 +36,9 @@ def test_streamed_blocks_alias_slots_and_compute_the_same():
     expected = [b(x) for b in blocks]
     streamer = BlockStreamer(blocks, torch.device("cpu"), slots=2)
     assert len(streamer) == 5 and streamer.num_slots == 2
+    # host blocks are views into power-of-two chunks: 5 x 1280 B -> chunks of 4096 (3 blocks), 2048, 2048
+    assert streamer.block_bytes == 1280 and streamer.pinned_bytes == 4096 + 2048 + 2048
+    assert streamer.host[1].data_ptr() - streamer.host[0].data_ptr() == 1280
     # blocks 0, 2, 4 share slot 0's storage: only two blocks' worth of "device" memory
     assert blocks[0][0].weight.data_ptr() == blocks[2][0].weight.data_ptr() == blocks[4][0].weight.data_ptr()
     assert blocks[1][0].weight.data_ptr() != blocks[0][0].weight.data_ptr()

@@ -73,15 +73,13 @@ def pinned_chunks(count: int, nbytes: int) -> list[tuple[int, int]]:
 
 
 def _host_buffers(count: int, nbytes: int, pin: bool) -> tuple[list[Tensor], int]:
-    """`count` uint8 host buffers of `nbytes` (views into pinned power-of-two chunks when `pin`), and the
-    bytes allocated for them."""
-    if not pin:
-        return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)], count * nbytes
+    """`count` uint8 host buffers of `nbytes`, views into power-of-two chunks (pinned when `pin`; the same
+    layout unpinned on a CPU device, so that the tests run it), and the bytes allocated for them."""
     views, total = [], 0
     chunks = pinned_chunks(count, nbytes)
     for size, k in chunks:
         try:
-            chunk = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            chunk = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         except RuntimeError as e:  # cudaHostAlloc failed: not enough free (lockable) host RAM
             need = sum(c for c, _ in chunks) / 2**30
             raise RuntimeError(
