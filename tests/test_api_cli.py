@@ -53,6 +53,21 @@ def test_every_flag_maps_to_a_field():
     assert cfg.parallel == ParallelConfig()
 
 
+def test_warmup_shapes():
+    assert parse().model.warmup_shape_list(on_gpu=True) == [(1280, 720, 189)]
+    assert parse().model.warmup_shape_list(on_gpu=False) == []
+    cfg = parse("--warmup-shapes", "832x480x121, 1280x720x189").model
+    assert cfg.warmup_shape_list(on_gpu=False) == [(832, 480, 121), (1280, 720, 189)]
+    assert parse("--warmup-shapes", "none").model.warmup_shape_list(on_gpu=True) == []
+    for bad, why in (
+        ("1280x720", "WIDTHxHEIGHTxFRAMES"),
+        ("1281x720x189", "multiple"),
+        ("1280x720x10", "4k\\+1|num_frames"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse("--warmup-shapes", bad)
+
+
 def test_vllm_omni_memory_flags():
     cfg = parse("--vae-use-tiling", "--enable-layerwise-offload", "--no-guardrails", "--omni")
     assert cfg.model.vae_tiling and cfg.parallel.enable_layerwise_offload

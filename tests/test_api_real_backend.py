@@ -84,7 +84,8 @@ def test_serve_without_model_uses_the_tiny_checkpoint_loudly_with_layerwise_offl
     log = tmp_path / "serve.log"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--omni", "--init-timeout", "300", "--enable-layerwise-offload"]  # fmt: skip
+           "--device", "cpu", "--omni", "--init-timeout", "300", "--enable-layerwise-offload",
+           "--warmup-shapes", "32x32x5"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
 
@@ -106,7 +107,7 @@ def test_serve_without_model_uses_the_tiny_checkpoint_loudly_with_layerwise_offl
         r = httpx.post(f"{url}/v1/videos/sync", data={"prompt": "noise", **TINY}, timeout=120)
         assert r.status_code == 200 and r.headers["content-type"] == "video/mp4" and r.content[4:8] == b"ftyp"
         # the layers stream from host buffers (on a CPU this only exercises the path) for both APIs
-        assert "+offload" in log.read_text()
+        assert "+offload" in log.read_text() and "warm-up 32x32x5 (1 step + decode)" in log.read_text()
         chat = {
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 4,

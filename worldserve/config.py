@@ -51,6 +51,8 @@ class ModelConfig:
     """Decode the video in spatial tiles (less memory, a little slower)."""
     init_timeout: float = 600.0
     """Seconds allowed for loading the model before startup fails (the recipe uses 1800)."""
+    warmup_shapes: str = "auto"
+    """Output shapes generated once at startup (WIDTHxHEIGHTxFRAMES, comma separated; one denoising step each, CFG and audio as the defaults), so that the first request of each shape does not pay torch.compile and kernel selection; auto: the default 1280x720x189 on GPU, none on CPU; none: skip."""
     max_model_len: int = 32768
     """Context length of Reasoner chat completions (prompt + completion tokens)."""
     omni: bool = False
@@ -80,6 +82,29 @@ class ModelConfig:
             raise ValueError("--fake-step-delay must be >= 0")
         if self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        self.warmup_shape_list(on_gpu=True)  # raises on a malformed or unsupported shape
+
+    def warmup_shape_list(self, *, on_gpu: bool) -> list[tuple[int, int, int]]:
+        """--warmup-shapes as (width, height, num_frames) triples, "auto" resolved for this device kind."""
+        spec = self.warmup_shapes.strip().lower()
+        if spec == "none" or (spec == "auto" and not on_gpu):
+            return []
+        if spec == "auto":
+            spec = "1280x720x189"
+        from worldserve.params import ParamError, VideoParams
+
+        shapes = []
+        for item in spec.split(","):
+            try:
+                w, h, f = (int(x) for x in item.strip().split("x"))
+                VideoParams(prompt="warm-up", width=w, height=h, num_frames=f).validate()
+            except ValueError as e:  # a ParamError too
+                detail = f": {e}" if isinstance(e, ParamError) else ""
+                raise ValueError(
+                    f"--warmup-shapes {item.strip()!r} is not a valid WIDTHxHEIGHTxFRAMES{detail}"
+                ) from None
+            shapes.append((w, h, f))
+        return shapes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

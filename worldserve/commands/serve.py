@@ -157,6 +157,7 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
         device = torch.device(cfg.device or "cuda")
         gpu_memory = lambda: float(torch.cuda.memory_allocated(device))  # noqa: E731
+    _warm_up_shapes(pipeline, cfg.warmup_shape_list(on_gpu=pipeline.device.type == "cuda"))
     if parallel.tensor_parallel_size > 1:
         log.warning("--tensor-parallel-size %d: the Reasoner chat API is off (its und tower is sharded across "
                     "the ranks); use --ulysses-degree to keep it", parallel.tensor_parallel_size)  # fmt: skip
@@ -173,6 +174,29 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
         reasoner.warm_up()  # builds the und tower's compiled graphs now, not in the first chat
         log.info("Reasoner warm-up (und tower graphs compiled) in %.1f s", time.perf_counter() - t0)
     return pipeline, gpu_memory, reasoner
+
+
+def _warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
+    """One denoising step + decode per shape, so that compile and kernel selection happen before serving."""
+    import torch
+
+    from worldserve.params import VideoParams
+
+    for width, height, frames in shapes:
+        t0 = time.perf_counter()
+        params = VideoParams(prompt="warm-up", width=width, height=height, num_frames=frames,
+                             num_inference_steps=1, seed=0)  # fmt: skip
+        try:
+            _, state = pipeline.generate(params, request_id=f"warmup-{width}x{height}x{frames}")
+        except torch.OutOfMemoryError as e:  # the user's to fix: one line, not a traceback
+            raise ValueError(
+                f"the startup warm-up of {width}x{height}x{frames} ran out of memory ({e}); try "
+                "--enable-layerwise-offload or --vae-tiling, or --warmup-shapes none to skip it"
+            ) from None
+        pipeline.release(state)
+        log.info(
+            "warm-up %dx%dx%d (1 step + decode) in %.1f s", width, height, frames, time.perf_counter() - t0
+        )
 
 
 def _non_default_args(args: argparse.Namespace) -> str:
