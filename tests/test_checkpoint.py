@@ -239,3 +239,19 @@ def test_info_cli_describes_the_checkpoint(tiny_ckpt):
     assert info["generation_defaults"]["num_frames"] == 189
     assert info["generation_defaults"]["generate_sound"] is True
     assert info["runtime"]["attention"].startswith(("FlashAttention-3", "PyTorch SDPA"))
+    mem = info[
+        "transformer_memory"
+    ]  # bf16 bytes of the tiny model: 2 per checkpoint parameter (+ fp32 parts)
+    assert mem["resident_gib"] * 2**30 >= 2 * info["components"]["transformer"]["parameters"]
+    assert (
+        0 < mem["offload_gpu_gib"] <= mem["resident_gib"]
+    )  # 2 layers, 2 slots: every block stays on the GPU
+
+
+def test_memory_plan_of_nano_matches_the_h200_measurement():
+    """bench/results/offload-20261130-h200.json: 28.34 GiB resident, 4.05 GiB offloaded (allocator included)."""
+    from worldserve.commands.info import memory_plan
+
+    plan = memory_plan(Cosmos3Config.nano())
+    assert 28.0 < plan["resident_gib"] < 28.34 and 3.7 < plan["offload_gpu_gib"] < 4.05
+    assert 25.9 < plan["offload_host_pinned_gib"] < 27.5  # 25.9 GiB of blocks, in power-of-two chunks

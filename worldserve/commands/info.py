@@ -1,6 +1,8 @@
-"""`worldserve info [MODEL]`: the resolved checkpoint path, components, parameter counts, dtypes and defaults.
+"""`worldserve info [MODEL]`: the resolved checkpoint path, components, parameter counts, dtypes and defaults,
+and the transformer's memory in bf16, resident and with --enable-layerwise-offload.
 
-Reads only configs and safetensors headers (no tensor data), so it is instant even on the 33 GB checkpoint.
+Reads only configs and safetensors headers (no tensor data; the memory plan builds the model on the meta
+device), so it is instant even on the 33 GB checkpoint.
 """
 
 from __future__ import annotations
@@ -70,6 +72,29 @@ def describe(root: Path) -> dict:
     }
 
 
+def memory_plan(config) -> dict:
+    """GiB of the bf16 transformer: all on the GPU, and under layerwise offload (GPU: everything but the
+    layers plus two slots per tower; host: the und and gen blocks, pinned in power-of-two chunks)."""
+    import torch
+
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+    from worldserve.models.layers.offload import _layout, pinned_chunks
+
+    with torch.device("meta"):
+        model = Cosmos3Transformer(config, dtype=torch.bfloat16)
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    towers = [_layout(getattr(model.layers[0], tower))[1] for tower in ("und", "gen")]
+    n = len(model.layers)
+    layers = sum(n * b for b in towers)
+    pinned = sum(size for b in towers for size, _ in pinned_chunks(n, b))
+    gib = 2**30
+    return {
+        "resident_gib": total / gib,
+        "offload_gpu_gib": (total - layers + 2 * sum(towers)) / gib,
+        "offload_host_pinned_gib": pinned / gib,
+    }
+
+
 def runtime(head_dim: int) -> dict:
     """What this machine would run the model with: torch, the default device, the attention kernel."""
     import torch
@@ -99,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     root = resolve_model(args.model, args.revision)
     info = describe(root)
     info["runtime"] = runtime(info["transformer"]["head_dim"])
+    info["transformer_memory"] = memory_plan(read_layout(root).transformer_config)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -113,6 +139,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{name:16s} (configuration only)")
     print("defaults:   " + ", ".join(f"{k}={v}" for k, v in info["generation_defaults"].items()))
+    m = {
+        k: (f"{v:.2f} GiB" if v >= 0.1 else f"{v * 1024:.2f} MiB")
+        for k, v in info["transformer_memory"].items()
+    }
+    print(
+        f"memory:     transformer in bf16 {m['resident_gib']} on the GPU; with --enable-layerwise-offload "
+        f"{m['offload_gpu_gib']} on the GPU + {m['offload_host_pinned_gib']} pinned host RAM"
+    )
     rt = info["runtime"]
     print(
         f"runtime:    torch {rt['torch']} on {rt['device']} ({rt['gpus']} GPU(s)); attention: {rt['attention']}"
