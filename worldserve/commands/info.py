@@ -78,12 +78,12 @@ def memory_plan(config) -> dict:
     import torch
 
     from worldserve.models.cosmos3.transformer import Cosmos3Transformer
-    from worldserve.models.layers.offload import _layout, pinned_chunks
+    from worldserve.models.layers.offload import block_layout, pinned_chunks
 
     with torch.device("meta"):
         model = Cosmos3Transformer(config, dtype=torch.bfloat16)
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    towers = [_layout(getattr(model.layers[0], tower))[1] for tower in ("und", "gen")]
+    towers = [block_layout(getattr(model.layers[0], tower))[1] for tower in ("und", "gen")]
     n = len(model.layers)
     layers = sum(n * b for b in towers)
     pinned = sum(size for b in towers for size, _ in pinned_chunks(n, b))

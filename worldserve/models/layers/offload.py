@@ -42,7 +42,8 @@ def _tensors(block: nn.Module) -> list[tuple[str, Tensor]]:
     return sorted(named, key=lambda item: item[0])
 
 
-def _layout(block: nn.Module) -> tuple[list[_Entry], int]:
+def block_layout(block: nn.Module) -> tuple[list[_Entry], int]:
+    """Where each of `block`'s tensors sits in its packed buffer, and the buffer's bytes (ALIGN-padded)."""
     entries, offset = [], 0
     for name, t in _tensors(block):
         if not t.is_contiguous():
@@ -106,14 +107,14 @@ class BlockStreamer:
         if cuda and self.device.index is None:  # streams and events want an index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots = min(slots, len(blocks))
-        self.entries, self.block_bytes = _layout(blocks[0])
+        self.entries, self.block_bytes = block_layout(blocks[0])
         self.slots = [
             torch.empty(self.block_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(self.num_slots)
         ]
         self.host, self.pinned_bytes = _host_buffers(len(blocks), self.block_bytes, pin=cuda)
         for i, (block, host) in enumerate(zip(blocks, self.host, strict=True)):
-            entries, _ = _layout(block)
+            entries, _ = block_layout(block)
             if entries != self.entries:
                 raise ValueError(
                     f"block {i} differs in layout from block 0; layerwise offload needs identical blocks"
