@@ -364,3 +364,28 @@ async def test_shutdown_stops_intake_with_503(tmp_path):
         assert (await http.get(f"/v1/videos/{running['id']}")).json()["status"] == "queued", (
             "parked for restart"
         )
+
+
+async def test_prompt_template_extra_params_reach_the_request():
+    """vLLM-Omni's extra_params prompt switches: use_duration_template / use_resolution_template /
+    use_system_prompt / system_prompt become the request's VideoParams (formatting: test_prompt.py)."""
+    from worldserve.api.video_inputs import build_inputs
+
+    extra = {"use_duration_template": False, "use_resolution_template": False, "use_system_prompt": True,
+             "system_prompt": "You render documentaries."}  # fmt: skip
+    inputs = await build_inputs(
+        {"prompt": "x", "extra_params": json.dumps(extra)}, served_model="m", has_sound=True
+    )
+    p = inputs.params
+    assert (p.add_duration_template, p.add_resolution_template) == (False, False)
+    assert p.use_system_prompt and p.system_prompt == "You render documentaries."
+    defaults = (await build_inputs({"prompt": "x"}, served_model="m", has_sound=True)).params
+    assert (
+        defaults.add_duration_template and defaults.add_resolution_template and not defaults.use_system_prompt
+    )
+    from worldserve.api.errors import APIError
+
+    with pytest.raises(APIError) as bad:
+        await build_inputs({"prompt": "x", "extra_params": '{"use_system_prompt": "maybe"}'}, served_model="m",
+                           has_sound=True)  # fmt: skip
+    assert bad.value.status == 400 and "use_system_prompt" in (bad.value.param or "") + bad.value.message

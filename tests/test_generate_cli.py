@@ -44,7 +44,8 @@ def test_i2v_and_npz(tiny_ckpt, tmp_path):
     img = tmp_path / "in.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 50, 3), dtype=np.uint8)).save(img)
     out = tmp_path / "out.npz"
-    _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--image", img, "--no-sound", "-o", out)
+    _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--image", img, "--no-sound", "-o", out,
+              "--no-duration-template", "--system-prompt", "You render documentaries.")  # fmt: skip
     data = np.load(out)
     assert data["frames"].shape == (9, 48, 80, 3) and data["frames"].dtype == np.uint8
     assert "audio" not in data and float(data["fps"]) == 24.0

@@ -190,3 +190,41 @@ def test_too_long_prompts_are_param_errors(encoder):
         VideoParams(prompt="a cat", num_frames=9, height=48, width=80), with_uncond=False
     )
     assert uncond is None and len(cond) < 4096
+
+
+@pytest.mark.parametrize("duration,resolution", [(False, True), (True, False), (False, False)])
+def test_template_switches_match_diffusers(pipeline, encoder, duration, resolution):
+    """vLLM-Omni's extra_params use_duration_template / use_resolution_template: the prompt's sentences go
+    as diffusers' add_duration_template / add_resolution_template leave them out."""
+    from worldserve.params import VideoParams
+
+    params = VideoParams(prompt="A red fox runs through snow", negative_prompt="blurry",
+                         add_duration_template=duration, add_resolution_template=resolution)  # fmt: skip
+    cond, uncond = encoder.encode_params(params)
+    ref_cond, _ = pipeline.tokenize_prompt(
+        params.prompt, "", num_frames=params.num_frames, height=params.height, width=params.width,
+        fps=params.fps, use_system_prompt=False, add_duration_template=duration, add_resolution_template=resolution,
+    )  # fmt: skip
+    assert cond == list(ref_cond)
+    text = encoder.tokenizer.decode(uncond)
+    assert ("seconds long" in text) == duration and ("resolution" in text) == resolution
+
+
+def test_json_prompt_without_templates_keeps_its_own_keys():
+    from worldserve.models.cosmos3.prompt import format_prompt
+
+    shape = VideoShape(height=720, width=1280, num_frames=189, fps=24.0, duration=False, resolution=False)
+    out = json.loads(format_prompt('{"subjects": ["a fox"], "duration": "3s"}', shape))
+    assert out == {"subjects": ["a fox"], "duration": "3s"}
+
+
+def test_per_request_system_prompt(encoder, pipeline):
+    params = VideoParams(prompt="a cat", use_system_prompt=True, add_duration_template=False,
+                         add_resolution_template=False)  # fmt: skip
+    cond, _ = encoder.encode_params(params, with_uncond=False)
+    ref, _ = diffusers_ids(pipeline, "a cat", "", VIDEO_720, system=True)
+    assert cond == list(ref)
+    own = VideoParams(prompt="a cat", system_prompt="You render nature documentaries.").validate()
+    cond, uncond = encoder.encode_params(own)
+    assert "You render nature documentaries." in encoder.tokenizer.decode(cond)
+    assert "You render nature documentaries." in encoder.tokenizer.decode(uncond)

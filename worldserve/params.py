@@ -86,6 +86,15 @@ class VideoParams:
     """V2V: latent frames held clean (each < latent_frames); the clip's first max*4+1 frames are encoded."""
     condition_video_keep: str = "first"
     """V2V: take the conditioning frames from the "first" or the "last" end of `video`."""
+    add_duration_template: bool = True
+    """Video: state the duration and fps in the prompt and the negative prompt (plain text: a sentence; JSON
+    prompt: its `duration` / `fps` keys). Off for prompts that already say it (vLLM-Omni `use_duration_template`)."""
+    add_resolution_template: bool = True
+    """State the resolution (plain text: a sentence; JSON prompt: `resolution` / `aspect_ratio`)."""
+    use_system_prompt: bool = False
+    """Prepend the reference's system message (`system_prompt` replaces its text) to both branches."""
+    system_prompt: str | None = None
+    """A system message of your own (implies `use_system_prompt`)."""
 
     @property
     def latent_frames(self) -> int:
@@ -127,6 +136,8 @@ class VideoParams:
             raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in (0, 100]")
         if not 0 <= self.seed < 2**63:
             raise ParamError("seed", f"seed={self.seed} must be in [0, 2**63)")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ParamError("system_prompt", "system_prompt must be a string")
         if not 1 <= self.max_sequence_length <= 131072:
             raise ParamError("max_sequence_length", "max_sequence_length must be in [1, 131072]")
         if self.image is not None:

@@ -81,6 +81,16 @@ class ExtraParams(BaseModel):
         None, description="V2V: which end of the reference video conditions (default first)."
     )
     guardrails: bool | None = Field(None, description="Accepted; this server loads no guardrail models.")
+    use_duration_template: bool | None = Field(
+        None, description="State duration and fps in the prompts (default true, as NVIDIA's reference)."
+    )
+    use_resolution_template: bool | None = Field(
+        None, description="State the resolution in the prompts (default true, as NVIDIA's reference)."
+    )
+    use_system_prompt: bool | None = Field(
+        None, description="Prepend the reference system message (default false)."
+    )
+    system_prompt: str | None = Field(None, description="A system message of your own.")
 
 
 class VideoError(BaseModel):

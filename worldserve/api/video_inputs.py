@@ -271,4 +271,9 @@ def _video_params(
         kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
     if extra.condition_video_keep is not None:
         kw["condition_video_keep"] = extra.condition_video_keep
+    for key, name in (("use_duration_template", "add_duration_template"),
+                      ("use_resolution_template", "add_resolution_template"),
+                      ("use_system_prompt", "use_system_prompt"), ("system_prompt", "system_prompt")):  # fmt: skip
+        if getattr(extra, key) is not None:
+            kw[name] = getattr(extra, key)
     return VideoParams(**kw, image=image, video=video).validate()

@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-sound", action="store_true", help="no joint audio")
     p.add_argument("--max-sequence-length", type=int, default=4096)
+    p.add_argument("--no-duration-template", action="store_true",
+                   help="leave out the duration / fps sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
+    p.add_argument("--no-resolution-template", action="store_true",
+                   help="leave out the resolution sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
+    p.add_argument("--use-system-prompt", action="store_true", help="prepend the reference's system message")
+    p.add_argument("--system-prompt", default=None, help="a system message of your own")
     p.add_argument("-o", "--output", type=Path, required=True, help="out.mp4, out.png or out.npz")
     p.add_argument("--save-latents", type=Path, default=None, help="also write final latents (.safetensors)")
     p.add_argument("--revision", default=None, help="HF revision of MODEL")
@@ -136,6 +142,10 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         video=video,
         condition_frame_indexes=indexes,
         condition_video_keep=args.condition_video_keep,
+        add_duration_template=not args.no_duration_template,
+        add_resolution_template=not args.no_resolution_template,
+        use_system_prompt=args.use_system_prompt,
+        system_prompt=args.system_prompt,
     ).validate()
 
 

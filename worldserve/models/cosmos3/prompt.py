@@ -18,6 +18,9 @@ Formatting (cosmos-framework inference/inference.py `_get_prompt_sample_data`; c
   the size as given and label it with the nearest of its five ratios (1,1 4,3 3,4 16,9 9,16) in log space.
 - no system prompt by default (reference `use_system_prompt: false`); `use_system_prompt=True` prepends the
   diffusers/reference system prompt (typo "give" included).
+- per request (VideoParams; vLLM-Omni's `extra_params` keys): `add_duration_template` / `add_resolution_template`
+  False leave out the duration / resolution sentence (JSON prompts: those keys are not injected) on both
+  branches; `use_system_prompt` / `system_prompt` add a system message (the encoder's default otherwise).
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ class VideoShape:
     """1 for an image, else the video frame count."""
     fps: float
     """Frame rate (ignored for an image)."""
+    duration: bool = True
+    """State the duration / fps (video only)."""
+    resolution: bool = True
+    """State the resolution and aspect ratio."""
 
     @property
     def is_image(self) -> bool:
@@ -62,7 +69,10 @@ class VideoShape:
 
     @classmethod
     def of(cls, params: VideoParams) -> VideoShape:
-        return cls(height=params.height, width=params.width, num_frames=params.num_frames, fps=params.fps)
+        return cls(
+            height=params.height, width=params.width, num_frames=params.num_frames, fps=params.fps,
+            duration=params.add_duration_template, resolution=params.add_resolution_template,
+        )  # fmt: skip
 
 
 def aspect_ratio_label(width: int, height: int) -> str:
@@ -77,13 +87,16 @@ def _join(base: str, sentence: str) -> str:
 
 
 def _metadata_sentences(text: str, shape: VideoShape) -> str:
-    """Reference `_format_prompt_with_template`: strip, duration sentence (video only), resolution sentence."""
+    """Reference `_format_prompt_with_template`: strip, duration sentence (video only), resolution sentence
+    (each unless the shape turns it off)."""
     text = text.strip()
-    if not shape.is_image:
+    if shape.duration and not shape.is_image:
         text = _join(text, DURATION_TEMPLATE.format(duration=shape.num_frames / shape.fps, fps=shape.fps))
     text = text.strip()
-    template = IMAGE_RESOLUTION_TEMPLATE if shape.is_image else VIDEO_RESOLUTION_TEMPLATE
-    return _join(text, template.format(height=shape.height, width=shape.width))
+    if shape.resolution:
+        template = IMAGE_RESOLUTION_TEMPLATE if shape.is_image else VIDEO_RESOLUTION_TEMPLATE
+        text = _join(text, template.format(height=shape.height, width=shape.width))
+    return text
 
 
 def _parse_json_object(prompt: str) -> dict[str, Any] | None:
@@ -103,11 +116,12 @@ def format_prompt(prompt: str, shape: VideoShape) -> str:
         if shape.is_image:
             obj.pop("duration", None)
             obj.pop("fps", None)
-        else:
+        elif shape.duration:
             metadata["duration"] = f"{int(shape.num_frames / shape.fps)}s"
             metadata["fps"] = float(shape.fps)
-        metadata["resolution"] = {"H": int(shape.height), "W": int(shape.width)}
-        metadata["aspect_ratio"] = aspect_ratio_label(shape.width, shape.height)
+        if shape.resolution:
+            metadata["resolution"] = {"H": int(shape.height), "W": int(shape.width)}
+            metadata["aspect_ratio"] = aspect_ratio_label(shape.width, shape.height)
         obj.update(metadata)  # existing keys keep their place, new ones go last (reference dict.update)
         return json.dumps(obj)
     if not prompt.strip():
@@ -176,11 +190,23 @@ class PromptEncoder:
             folder = folder / "text_tokenizer"
         return cls(AutoTokenizer.from_pretrained(str(folder)), use_system_prompt=use_system_prompt)
 
-    def encode(self, text: str, *, is_image: bool = False) -> list[int]:
-        """chat_template([system?, user: text], add_generation_prompt=True) + [eos, <|vision_start|>]."""
+    def system_message(self, params: VideoParams) -> str | None:
+        """The request's system message: its own text, the reference's when asked for (or by default with
+        `use_system_prompt=True` here), else none."""
+        if params.system_prompt is not None:
+            return params.system_prompt
+        if params.use_system_prompt or self.use_system_prompt:
+            return SYSTEM_PROMPT_IMAGE if params.num_frames == 1 else SYSTEM_PROMPT_VIDEO
+        return None
+
+    def encode(self, text: str, *, is_image: bool = False, system: str | None = None) -> list[int]:
+        """chat_template([system?, user: text], add_generation_prompt=True) + [eos, <|vision_start|>].
+
+        `system`: the system message (system_message(params)); None falls back to the encoder's default."""
         conversation = []
-        if self.use_system_prompt:
+        if system is None and self.use_system_prompt:
             system = SYSTEM_PROMPT_IMAGE if is_image else SYSTEM_PROMPT_VIDEO
+        if system is not None:
             conversation.append({"role": "system", "content": system})
         conversation.append({"role": "user", "content": text})
         encoded = self.tokenizer.apply_chat_template(
@@ -200,7 +226,8 @@ class PromptEncoder:
         texts = format_prompts(params)
         is_image = params.num_frames == 1
         limit = params.max_sequence_length
-        cond = self.encode(texts.cond, is_image=is_image)
+        system = self.system_message(params)
+        cond = self.encode(texts.cond, is_image=is_image, system=system)
         if len(cond) > limit:
             raise ParamError(
                 "prompt",
@@ -209,7 +236,7 @@ class PromptEncoder:
             )
         if not with_uncond:
             return cond, None
-        uncond = list(self._encode_cached(texts.uncond, is_image=is_image))
+        uncond = list(self._encode_cached(texts.uncond, is_image=is_image, system=system))
         if len(uncond) > limit:
             user_given = params.negative_prompt is not None
             raise ParamError(
