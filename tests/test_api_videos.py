@@ -271,10 +271,14 @@ def test_video_reference_survives_a_restart_record():
 
     clip = mp4_bytes(frames=12)
     params = VideoParams(prompt="x", num_frames=9, width=64, height=48, video=decode_video(clip, 9, "last"),
-                         condition_frame_indexes=(0, 2), condition_video_keep="last")  # fmt: skip
+                         condition_frame_indexes=(0, 2), condition_video_keep="last",
+                         guidance_interval=(400.0, 1000.0), add_duration_template=False,
+                         system_prompt="You render documentaries.")  # fmt: skip
     record = json.loads(json.dumps(inputs_record(params, EncodeOptions(crf=18))))
     again, _ = inputs_from_record(record, clip)
     assert again.condition_frame_indexes == (0, 2) and again.condition_video_keep == "last"
+    assert again.guidance_interval == (400.0, 1000.0) and not again.add_duration_template
+    assert again.system_prompt == "You render documentaries."
     np.testing.assert_array_equal(again.video, params.video)
 
 
@@ -369,22 +373,28 @@ async def test_shutdown_stops_intake_with_503(tmp_path):
 async def test_prompt_template_extra_params_reach_the_request():
     """vLLM-Omni's extra_params prompt switches: use_duration_template / use_resolution_template /
     use_system_prompt / system_prompt become the request's VideoParams (formatting: test_prompt.py)."""
+    from worldserve.api.errors import APIError
     from worldserve.api.video_inputs import build_inputs
+    from worldserve.params import ParamError
 
     extra = {"use_duration_template": False, "use_resolution_template": False, "use_system_prompt": True,
-             "system_prompt": "You render documentaries."}  # fmt: skip
+             "system_prompt": "You render documentaries.", "guidance_interval": [400, 1000]}  # fmt: skip
     inputs = await build_inputs(
         {"prompt": "x", "extra_params": json.dumps(extra)}, served_model="m", has_sound=True
     )
     p = inputs.params
     assert (p.add_duration_template, p.add_resolution_template) == (False, False)
     assert p.use_system_prompt and p.system_prompt == "You render documentaries."
+    assert p.guidance_interval == (400.0, 1000.0)
+    for bad in ("[1000, 400]", "[0, 2000]", "[1, 2, 3]", '"soon"'):
+        with pytest.raises((APIError, ParamError)) as err:
+            await build_inputs({"prompt": "x", "extra_params": f'{{"guidance_interval": {bad}}}'}, served_model="m",
+                               has_sound=True)  # fmt: skip
+        assert "guidance_interval" in str(getattr(err.value, "param", "")) + str(err.value)
     defaults = (await build_inputs({"prompt": "x"}, served_model="m", has_sound=True)).params
     assert (
         defaults.add_duration_template and defaults.add_resolution_template and not defaults.use_system_prompt
     )
-    from worldserve.api.errors import APIError
-
     with pytest.raises(APIError) as bad:
         await build_inputs({"prompt": "x", "extra_params": '{"use_system_prompt": "maybe"}'}, served_model="m",
                            has_sound=True)  # fmt: skip

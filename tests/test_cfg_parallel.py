@@ -51,3 +51,13 @@ def test_config_accepts_1_and_2_only():
     assert ParallelConfig(cfg_parallel_size=2).cfg_parallel_size == 2
     with pytest.raises(ValueError, match="use 1 or 2"):
         ParallelConfig(cfg_parallel_size=4)
+
+
+def test_guidance_interval_matches_single_process(cfgp, ours_pipeline):
+    """CFG only in a timestep window (the 3 steps sit at 999, 856, 599: the last is outside): steps outside
+    run the cond branch alone, here and on the uncond peer (which then gets no work); equal to one process."""
+    params = VideoParams(prompt="a fox", seed=3, guidance_scale=6.0, guidance_interval=(700.0, 1000.0),
+                         generate_sound=True, **BASE)  # fmt: skip
+    [(lat, snd, _)] = run_requests(cfgp, [params])
+    [(lat1, snd1, _)] = run_requests(ours_pipeline, [params])
+    assert rel(lat, lat1) <= 1e-5 and rel(snd, snd1) <= 1e-5  # semantics: test_guidance_interval.py

@@ -20,7 +20,7 @@ from worldserve.sampling.flow import (
     unipc_step,
     unipc_step_batch,
 )
-from worldserve.sampling.guidance import CfgBatchLayout, cfg_combine, needs_uncond
+from worldserve.sampling.guidance import cfg_combine, guided_at, needs_uncond
 
 # cosmos3-model.md §5.4: the reference schedule for 35 steps at shift 10.
 DOC_TIMESTEPS_35_SHIFT_10 = [
@@ -198,15 +198,8 @@ def test_cfg_combine_and_rule():
         cfg_combine(cond, None, 6.0)
 
 
-def test_cfg_batch_layout_round_trip():
-    layout = CfgBatchLayout.build([6.0, 1.0, 4.0])
-    assert layout.num_rows == 5 and layout.uncond_rows == (3, None, 4)
-    assert layout.row_sources() == [(0, True), (1, True), (2, True), (0, False), (2, False)]
-    gen = torch.Generator().manual_seed(8)
-    outputs = torch.randn(5, 2, 3, generator=gen)
-    guided = layout.combine(outputs)
-    assert torch.equal(guided[0], cfg_combine(outputs[0], outputs[3], 6.0))
-    assert torch.equal(guided[1], outputs[1])
-    assert torch.equal(guided[2], cfg_combine(outputs[2], outputs[4], 4.0))
-    with pytest.raises(ValueError, match="expected 5"):
-        layout.combine(outputs[:4])
+def test_guidance_interval_rule():
+    assert guided_at(6.0, None, 999) and guided_at(6.0, None, 1)
+    assert not guided_at(1.0, None, 500) and not guided_at(1.0, (0, 1000), 500)
+    assert guided_at(6.0, (400, 1000), 400) and guided_at(6.0, (400, 1000), 1000)
+    assert not guided_at(6.0, (400, 1000), 399)

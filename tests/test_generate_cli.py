@@ -45,7 +45,8 @@ def test_i2v_and_npz(tiny_ckpt, tmp_path):
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 50, 3), dtype=np.uint8)).save(img)
     out = tmp_path / "out.npz"
     _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--image", img, "--no-sound", "-o", out,
-              "--no-duration-template", "--system-prompt", "You render documentaries.")  # fmt: skip
+              "--no-duration-template", "--system-prompt", "You render documentaries.",
+              "--guidance-interval", "400,1000")  # fmt: skip
     data = np.load(out)
     assert data["frames"].shape == (9, 48, 80, 3) and data["frames"].dtype == np.uint8
     assert "audio" not in data and float(data["fps"]) == 24.0
@@ -99,6 +100,8 @@ def test_t2i_png(tiny_ckpt, tmp_path):
         (["--video", __file__], "video"),
         (["--video", "/nonexistent.mp4"], "video"),
         (["--condition-frames", "a,b"], "condition_frames"),
+        (["--guidance-interval", "400"], "guidance_interval"),
+        (["--guidance-interval", "900,400"], "guidance_interval"),
     ],
 )
 def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):

@@ -28,6 +28,9 @@ def test_matches_single_process(usp, ours_pipeline):
             prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=True, **BASE
         ),
         VideoParams(prompt="A boat at dusk.", guidance_scale=1.0, seed=4, generate_sound=False, **BASE),
+        # CFG in a window: the peer must drop the uncond item at the same steps as rank 0 (else the
+        # collective shapes part ways)
+        VideoParams(prompt="A kite.", guidance_scale=5.0, guidance_interval=(700.0, 1000.0), seed=5, **BASE),
     ]
     assert usp.local.sp.size == 2 and usp.local.sp.rank == 0  # rank 0's forwards run sharded
     ours = run_requests(usp, batch)

@@ -86,6 +86,9 @@ class VideoParams:
     """V2V: latent frames held clean (each < latent_frames); the clip's first max*4+1 frames are encoded."""
     condition_video_keep: str = "first"
     """V2V: take the conditioning frames from the "first" or the "last" end of `video`."""
+    guidance_interval: tuple[float, float] | None = None
+    """CFG only at the steps whose timestep (0..1000) lies in [lo, hi] (vLLM-Omni's `guidance_interval`; its
+    T2I default is [400, 1000]); the other steps run the cond branch alone. None: every step."""
     add_duration_template: bool = True
     """Video: state the duration and fps in the prompt and the negative prompt (plain text: a sentence; JSON
     prompt: its `duration` / `fps` keys). Off for prompts that already say it (vLLM-Omni `use_duration_template`)."""
@@ -136,6 +139,12 @@ class VideoParams:
             raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in (0, 100]")
         if not 0 <= self.seed < 2**63:
             raise ParamError("seed", f"seed={self.seed} must be in [0, 2**63)")
+        if self.guidance_interval is not None:
+            lo, hi = self.guidance_interval
+            if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi <= 1000):
+                raise ParamError(
+                    "guidance_interval", "guidance_interval must be [lo, hi] with 0 <= lo <= hi <= 1000"
+                )
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ParamError("system_prompt", "system_prompt must be a string")
         if not 1 <= self.max_sequence_length <= 131072:

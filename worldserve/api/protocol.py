@@ -81,6 +81,10 @@ class ExtraParams(BaseModel):
         None, description="V2V: which end of the reference video conditions (default first)."
     )
     guardrails: bool | None = Field(None, description="Accepted; this server loads no guardrail models.")
+    guidance_interval: tuple[float, float] | None = Field(
+        None,
+        description="CFG only at timesteps (0..1000) in [lo, hi]; the other steps run the cond branch alone.",
+    )
     use_duration_template: bool | None = Field(
         None, description="State duration and fps in the prompts (default true, as NVIDIA's reference)."
     )

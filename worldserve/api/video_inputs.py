@@ -271,6 +271,8 @@ def _video_params(
         kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
     if extra.condition_video_keep is not None:
         kw["condition_video_keep"] = extra.condition_video_keep
+    if extra.guidance_interval is not None:
+        kw["guidance_interval"] = tuple(float(v) for v in extra.guidance_interval)
     for key, name in (("use_duration_template", "add_duration_template"),
                       ("use_resolution_template", "add_resolution_template"),
                       ("use_system_prompt", "use_system_prompt"), ("system_prompt", "system_prompt")):  # fmt: skip

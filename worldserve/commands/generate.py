@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=35, help="denoising steps")
     p.add_argument("--guidance", type=float, default=6.0, help="CFG scale; 1 runs one branch")
     p.add_argument("--flow-shift", type=float, default=None, help="default: 10 / 5 / 3 by resolution tier")
+    p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
+                   help="CFG only at timesteps (0..1000) in [LO, HI], e.g. 400,1000; default: every step")  # fmt: skip
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-sound", action="store_true", help="no joint audio")
     p.add_argument("--max-sequence-length", type=int, default=4096)
@@ -142,11 +144,24 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         video=video,
         condition_frame_indexes=indexes,
         condition_video_keep=args.condition_video_keep,
+        guidance_interval=_parse_interval(args.guidance_interval),
         add_duration_template=not args.no_duration_template,
         add_resolution_template=not args.no_resolution_template,
         use_system_prompt=args.use_system_prompt,
         system_prompt=args.system_prompt,
     ).validate()
+
+
+def _parse_interval(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ParamError(
+            "guidance_interval", f"--guidance-interval must be LO,HI (e.g. 400,1000), got {text!r}"
+        ) from None
+    return lo, hi
 
 
 def _parse_indexes(text: str) -> tuple[int, ...]:

@@ -70,8 +70,9 @@ def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
 
 def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple[VideoParams, EncodeOptions]:
     fields = dict(record["params"])
-    if "condition_frame_indexes" in fields:
-        fields["condition_frame_indexes"] = tuple(fields["condition_frame_indexes"])
+    for name in ("condition_frame_indexes", "guidance_interval"):  # JSON gave lists back
+        if fields.get(name) is not None:
+            fields[name] = tuple(fields[name])
     image = video = None
     if reference is not None:  # the upload or data URL as received: an image, else a V2V clip
         from worldserve.media.video_input import condition_budget, decode_reference

@@ -35,7 +35,13 @@ from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.parallel_layout import ParallelLayout
 from worldserve.runner.parallel_worker import BranchRank
 from worldserve.runner.peers import PeerRanks, peer_worker_main, rank_devices, send_step
-from worldserve.runner.video_pipeline import VideoPipeline, VideoRequestState, branch_items
+from worldserve.runner.video_pipeline import (
+    VideoPipeline,
+    VideoRequestState,
+    branch_items,
+    guided,
+    step_caches,
+)
 from worldserve.sampling.guidance import needs_uncond
 
 log = logging.getLogger("worldserve.parallel")
@@ -161,13 +167,13 @@ class ParallelPipeline:
     @torch.inference_mode()
     def denoise(self, states: Sequence[VideoRequestState]) -> None:
         t0 = time.perf_counter()
-        remote = [s for s in states if s.request_id in self._cfg_remote]
+        remote = [s for s in states if s.request_id in self._cfg_remote and guided(s)]
         with self._lock:
             if self._cond_peers:
                 send_step(self.peers, states, self._cond_peers)
             if remote:
                 send_step(self.peers, remote, self._uncond_peers)
-            out = self.local.forward([it for s in states for it in branch_items(s, s.und_caches)])
+            out = self.local.forward([it for s in states for it in branch_items(s, step_caches(s))])
             uncond = {s.request_id: self._recv_uncond(s) for s in remote}
         self.local.apply_step(states, out, t0, uncond)
 

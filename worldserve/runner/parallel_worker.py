@@ -51,14 +51,14 @@ class BranchRank:
         inputs = [x for x in recv_step(plan, group, dev, leader_alive) if x[0] in self.caches]
         items = [
             gen_item(lat, ts, cache, fps, clean, snd)
-            for rid, ts, fps, clean, lat, snd in inputs
-            for cache in self.caches[rid]
+            for rid, ts, fps, clean, lat, snd, is_guided in inputs
+            for cache in (self.caches[rid] if is_guided else self.caches[rid][:1])  # cond alone: no CFG now
         ]
         if not items:
             return
         out = self.forward(items)
         if self.branch != COND and self.rank == self.layout.uncond_leader:
-            for i, (*_, snd) in enumerate(inputs):  # one uncond item per CFG request
+            for i, (*_, snd, _guided) in enumerate(inputs):  # one uncond item per CFG request
                 comm.send_tensor(out.video[i], LEADER, group, leader_alive)
                 if snd is not None:
                     comm.send_tensor(out.sound[i], LEADER, group, leader_alive)

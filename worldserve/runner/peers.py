@@ -216,10 +216,13 @@ def run_peer(
 
 # ---------------------------------------------------------------------------------------------- step inputs
 def step_plan(states: Sequence) -> list[tuple]:
-    """What a peer needs to rebuild these requests' GenItems this step (the tensors follow separately)."""
+    """What a peer needs to rebuild these requests' GenItems this step (the tensors follow separately),
+    including whether each request runs its uncond branch this step (its guidance interval)."""
+    from worldserve.runner.video_pipeline import guided
+
     return [
         (s.request_id, s.schedule.timesteps[s.step_index].cpu(), float(s.params.fps), tuple(s.clean_frames),
-         tuple(s.latents.shape), None if s.sound is None else tuple(s.sound.shape))
+         tuple(s.latents.shape), None if s.sound is None else tuple(s.sound.shape), guided(s))
         for s in states
     ]  # fmt: skip
 
@@ -234,9 +237,9 @@ def send_step(peers: PeerRanks, states: Sequence, to: Sequence[int] | None = Non
 
 
 def recv_step(plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, leader_alive) -> list[tuple]:
-    """A peer's side of send_step: [(request_id, timestep, fps, clean, latents, sound)] in plan order."""
+    """A peer's side of send_step: [(request_id, timestep, fps, clean, latents, sound, guided)] in plan order."""
     out = []
-    for request_id, timestep, fps, clean, latent_shape, sound_shape in plan:
+    for request_id, timestep, fps, clean, latent_shape, sound_shape, is_guided in plan:
         lat = comm.recv_tensor(
             torch.empty(latent_shape, dtype=torch.float32, device=dev), LEADER, group, leader_alive
         )
@@ -245,7 +248,7 @@ def recv_step(plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, le
             snd = comm.recv_tensor(
                 torch.empty(sound_shape, dtype=torch.float32, device=dev), LEADER, group, leader_alive
             )
-        out.append((request_id, timestep, fps, clean, lat, snd))
+        out.append((request_id, timestep, fps, clean, lat, snd, is_guided))
     return out
 
 

@@ -34,7 +34,7 @@ from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
-from worldserve.sampling.guidance import cfg_combine, needs_uncond
+from worldserve.sampling.guidance import cfg_combine, guided_at, needs_uncond
 from worldserve.weights.checkpoint import read_layout
 from worldserve.weights.loader import load_transformer
 
@@ -73,6 +73,18 @@ class VideoRequestState:
     @property
     def done(self) -> bool:
         return self.step_index >= self.num_steps
+
+
+def guided(s: VideoRequestState) -> bool:
+    """Whether the current step of `s` runs its uncond branch (its guidance scale and interval)."""
+    p = s.params
+    return guided_at(p.guidance_scale, p.guidance_interval, s.schedule.timesteps[s.step_index])
+
+
+def step_caches(s: VideoRequestState) -> list:
+    """The und caches of the branches `s` runs here this step: all of them, or the cond one alone outside its
+    guidance interval."""
+    return list(s.und_caches) if guided(s) else list(s.und_caches[:1])
 
 
 def branch_items(s: VideoRequestState, caches: Sequence) -> list[GenItem]:
@@ -262,7 +274,7 @@ class VideoPipeline:
     def denoise(self, states: Sequence[VideoRequestState]) -> None:
         """Advance every state by one step with a single batched transformer forward."""
         t0 = time.perf_counter()
-        items = [it for s in states for it in branch_items(s, s.und_caches)]  # cond, then uncond (CFG)
+        items = [it for s in states for it in branch_items(s, step_caches(s))]  # cond, then uncond (CFG)
         self.apply_step(states, self.forward(items), t0)
 
     def apply_step(
@@ -276,7 +288,7 @@ class VideoPipeline:
         uncond velocities (video, sound or None) of requests in `remote` come from elsewhere and go last."""
         row = 0
         for s in states:
-            n = len(s.und_caches)
+            n = len(step_caches(s))
             v_video = list(out.video[row : row + n])
             v_sound = list(out.sound[row : row + n]) if s.sound is not None else None
             if remote and s.request_id in remote:
