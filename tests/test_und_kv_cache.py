@@ -167,3 +167,18 @@ def test_compiled_und_layers_match_eager_for_prefill_and_decode(tiny_ckpt):
     assert fn is model.layers[1].und.qkv_fn and fn.compiled is not fn.eager
     for got, want in zip(run(), eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_single_token_calls_take_the_compiled_path():
+    import torch
+
+    from worldserve.models.cosmos3.layer import SingleTokenCompiled
+
+    calls = []
+    fn = SingleTokenCompiled(
+        lambda h, *a: calls.append(("eager", h.shape[0])),
+        lambda h, *a: calls.append(("compiled", h.shape[0])),
+    )
+    for n in (1, 2, 300, 1):
+        fn(torch.zeros(n, 4), "w")
+    assert calls == [("compiled", 1), ("eager", 2), ("eager", 300), ("compiled", 1)]
