@@ -228,3 +228,17 @@ def test_per_request_system_prompt(encoder, pipeline):
     cond, uncond = encoder.encode_params(own)
     assert "You render nature documentaries." in encoder.tokenizer.decode(cond)
     assert "You render nature documentaries." in encoder.tokenizer.decode(uncond)
+
+
+def test_system_prompt_precedence_and_empty(encoder):
+    """A system_prompt of your own wins over use_system_prompt=False; "" means no system message at all."""
+    plain = encoder.encode_params(VideoParams(prompt="a cat"), with_uncond=False)[0]
+    own = encoder.encode_params(VideoParams(prompt="a cat", use_system_prompt=False, system_prompt="Be brief."),
+                                with_uncond=False)[0]  # fmt: skip
+    assert "Be brief." in encoder.tokenizer.decode(own)
+    empty = encoder.encode_params(VideoParams(prompt="a cat", use_system_prompt=True, system_prompt=""),
+                                  with_uncond=False)[0]  # fmt: skip
+    assert empty == plain
+    long_system = VideoParams(prompt="a cat", system_prompt=LONG_TEXT, max_sequence_length=64)
+    with pytest.raises(ParamError, match="system message included"):
+        encoder.encode_params(long_system)

@@ -197,6 +197,8 @@ def _warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
         log.info(
             "warm-up %dx%dx%d (1 step + decode) in %.1f s", width, height, frames, time.perf_counter() - t0
         )
+    if shapes and pipeline.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(pipeline.device)  # jobs report their peaks, not the warm-up's
 
 
 def _non_default_args(args: argparse.Namespace) -> str:

@@ -190,9 +190,10 @@ class PromptEncoder:
             folder = folder / "text_tokenizer"
         return cls(AutoTokenizer.from_pretrained(str(folder)), use_system_prompt=use_system_prompt)
 
-    def system_message(self, params: VideoParams) -> str | None:
-        """The request's system message: its own text, the reference's when asked for (or by default with
-        `use_system_prompt=True` here), else none."""
+    def system_message(self, params: VideoParams) -> str | None:  # "" (no system message) is not None
+        """The request's system message: its own `system_prompt` (which wins over `use_system_prompt`; ""
+        means none), the reference's when asked for (or by default with `use_system_prompt=True` here), else
+        none."""
         if params.system_prompt is not None:
             return params.system_prompt
         if params.use_system_prompt or self.use_system_prompt:
@@ -202,11 +203,12 @@ class PromptEncoder:
     def encode(self, text: str, *, is_image: bool = False, system: str | None = None) -> list[int]:
         """chat_template([system?, user: text], add_generation_prompt=True) + [eos, <|vision_start|>].
 
-        `system`: the system message (system_message(params)); None falls back to the encoder's default."""
+        `system`: the system message (system_message(params)); None falls back to the encoder's default,
+        "" means none."""
         conversation = []
         if system is None and self.use_system_prompt:
             system = SYSTEM_PROMPT_IMAGE if is_image else SYSTEM_PROMPT_VIDEO
-        if system is not None:
+        if system:
             conversation.append({"role": "system", "content": system})
         conversation.append({"role": "user", "content": text})
         encoded = self.tokenizer.apply_chat_template(
@@ -227,11 +229,12 @@ class PromptEncoder:
         is_image = params.num_frames == 1
         limit = params.max_sequence_length
         system = self.system_message(params)
+        with_system = " (system message included)" if system else ""
         cond = self.encode(texts.cond, is_image=is_image, system=system)
         if len(cond) > limit:
             raise ParamError(
                 "prompt",
-                f"prompt is {len(cond)} tokens after templating, above max_sequence_length={limit}; "
+                f"prompt is {len(cond)} tokens after templating{with_system}, above max_sequence_length={limit}; "
                 "shorten the prompt or raise max_sequence_length",
             )
         if not with_uncond:
@@ -242,7 +245,7 @@ class PromptEncoder:
             raise ParamError(
                 "negative_prompt" if user_given else "max_sequence_length",
                 f"{'negative_prompt' if user_given else 'the default negative prompt'} is {len(uncond)} tokens "
-                f"after templating, above max_sequence_length={limit}; pass a shorter negative_prompt "
+                f"after templating{with_system}, above max_sequence_length={limit}; pass a shorter negative_prompt "
                 "or raise max_sequence_length",
             )
         return cond, uncond
