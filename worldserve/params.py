@@ -24,6 +24,8 @@ RESOLUTION_TIERS: tuple[tuple[str, int, int, float], ...] = (
 )
 MAX_SIDE = 1280
 SIZE_MULTIPLE = 16
+IMAGE_MAX_AREA = 1024 * 1024
+"""Images (num_frames 1) may go up to 1024x1024, vLLM-Omni's Cosmos3 text-to-image default (above the 720p area)."""
 
 
 class ParamError(ValueError):
@@ -48,8 +50,9 @@ def resolution_tier(width: int, height: int) -> tuple[str, int, int, float]:
 
 
 def default_flow_shift(width: int, height: int) -> float:
-    """10 at 720p, 5 at 480p, 3 at 256p (the training shift table)."""
-    return resolution_tier(width, height)[3]
+    """10 at 720p, 5 at 480p, 3 at 256p (the training shift table); 10 for the images above the 720p area."""
+    area = width * height
+    return next((tier[3] for tier in RESOLUTION_TIERS if area <= tier[1]), RESOLUTION_TIERS[-1][3])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,7 +119,10 @@ class VideoParams:
                 raise ParamError(
                     "size", f"{name}={v} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]"
                 )
-        tier, _, max_frames, _ = resolution_tier(self.width, self.height)
+        if self.num_frames == 1 and self.width * self.height <= IMAGE_MAX_AREA:
+            tier, max_frames = "image", 1
+        else:
+            tier, _, max_frames, _ = resolution_tier(self.width, self.height)
         if self.num_frames < 1 or (self.num_frames - 1) % 4:
             raise ParamError(
                 "num_frames", f"num_frames={self.num_frames} must be 1 or 4k+1 (e.g. 93, 121, 189)"

@@ -20,6 +20,7 @@ from worldserve import __version__
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
 from worldserve.api.chat import router as chat_router
 from worldserve.api.errors import install_error_handlers
+from worldserve.api.images import router as images_router
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.state import AppState
@@ -66,6 +67,7 @@ def build_app(
     app.add_middleware(RequestIdMiddleware)
     app.include_router(videos_router)
     app.include_router(chat_router)
+    app.include_router(images_router)
     created = int(time.time())
 
     @app.get("/v1/models", response_model=ModelList, tags=["models"])

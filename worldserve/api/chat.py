@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +36,7 @@ from worldserve.api.chat_protocol import (
 from worldserve.api.chat_stream import close_all, collect, metered, sse
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, error_body
+from worldserve.api.json_body import read_json_object
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import (
     ChatFailed,
@@ -171,16 +171,7 @@ BODY = {"requestBody": {"required": True, "content": {
 
 async def _read_body(request: Request) -> ChatCompletionRequest:
     """The JSON body, validated (400 envelope with `param` on any problem; other content types refused)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json")
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"Invalid JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object")
-    return ChatCompletionRequest.model_validate(data)
+    return ChatCompletionRequest.model_validate(await read_json_object(request))
 
 
 MAX_CHOICES = 16

@@ -118,7 +118,7 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
     if req.model is not None and req.model != served_model:
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{served_model}'.", param="model")  # fmt: skip
-    extra = _extra_params(req.extra_params)
+    extra = parse_extra_params(req.extra_params)
     source, reference = await _reference_bytes(req, upload)
     if req.num_outputs_per_prompt != 1:
         raise ParamError("num_outputs_per_prompt", "worldserve makes one video per job; submit several jobs")
@@ -145,7 +145,7 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
     return VideoInputs(params, spec, EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec), reference)
 
 
-def _extra_params(raw: str | dict | None) -> ExtraParams:
+def parse_extra_params(raw: str | dict | None) -> ExtraParams:
     if raw is None:
         return ExtraParams()
     if isinstance(raw, str):

@@ -22,20 +22,21 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from worldserve.engine.chat_worker import DEFAULT_MAX_NUM_SEQS, ChatEvent, ChatFailed, ChatStarted, ChatWorker
-from worldserve.engine.engine import Engine, EngineObserver
+from worldserve.engine.engine import Engine, EngineObserver, error_for
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
-from worldserve.engine.outputs import ChatBackend, ChatDelta
+from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
 from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import ChatParams, VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
-    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError",
+    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "error_for",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,52 @@ class EngineClient:
             Request(job_id=job.id, params=params, encode=encode, arrival_time=time.monotonic())
         )
         return job
+
+    async def generate_ephemeral(
+        self, params_list: Sequence[VideoParams], *, prefix: str, timeout_s: float
+    ) -> list[VideoResult]:
+        """Run requests through the engine without jobs (POST /v1/images/generations): the decoded results in
+        order, or the first failure raised. Past `timeout_s` they are aborted and TimeoutError is raised."""
+        if not self.accepting:
+            raise ShuttingDownError("The server is shutting down and accepts no new requests.")
+        if not self.engine.alive:
+            raise ShuttingDownError(
+                "The engine has stopped (see the server log); no new requests are accepted."
+            )
+        if self.engine.num_waiting + len(params_list) > self.max_queued_requests:
+            raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
+        loop = asyncio.get_running_loop()
+        ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params_list]
+        futures = [loop.create_future() for _ in params_list]
+
+        def deliver(future: asyncio.Future, outcome) -> None:
+            if future.done():
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        def sink(future: asyncio.Future):
+            def on_result(outcome) -> None:  # engine thread
+                try:
+                    loop.call_soon_threadsafe(deliver, future, outcome)
+                except RuntimeError:  # the loop closed: nobody is waiting any more
+                    pass
+
+            return on_result
+
+        now = time.monotonic()
+        for request_id, params, future in zip(ids, params_list, futures, strict=True):
+            self.engine.add_request(
+                Request(job_id=request_id, params=params, arrival_time=now, on_result=sink(future))
+            )
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout_s))
+        except BaseException:
+            for request_id in ids:  # timed out, failed or the client left: stop the rest at a step boundary
+                self.engine.abort(request_id)
+            raise
 
     def get(self, job_id: str) -> Job | None:
         return self.store.get(job_id)

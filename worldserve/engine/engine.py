@@ -70,6 +70,13 @@ def default_encoder(*args, **kwargs) -> bytes:
     return encode_mp4(*args, **kwargs)
 
 
+class CancelledRequest(Exception):
+    """An ephemeral request was aborted or the engine stopped before it finished."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id} was cancelled before it finished")
+
+
 def error_for(exc: BaseException) -> tuple[int, str]:
     """(HTTP-like code, message) recorded on a failed job."""
     if isinstance(exc, ParamError):
@@ -197,7 +204,7 @@ class Engine:
         self._num_running = len(self._sched.running)
 
     def _prepare(self, request: Request) -> None:
-        if not self.store.mark_in_progress(request.job_id, time.time()):
+        if not request.ephemeral and not self.store.mark_in_progress(request.job_id, time.time()):
             self.on_done(request.job_id)  # deleted while it waited
             return
         request.admitted_time = t0 = time.monotonic()
@@ -225,7 +232,7 @@ class Engine:
         self.observer.on_step(seconds, len(batch))
         for request in batch:
             request.stage_seconds["diffuse"] = request.stage_seconds.get("diffuse", 0.0) + seconds
-        self.store.set_progress([(r.job_id, r.progress) for r in batch])
+        self.store.set_progress([(r.job_id, r.progress) for r in batch if not r.ephemeral])
         for request in batch:
             if request.denoised:
                 self._sched.finish(request)
@@ -242,6 +249,15 @@ class Engine:
         finally:
             self._release(request)
         request.stage_seconds["decode"] = time.monotonic() - t0
+        if request.ephemeral:  # the caller encodes (an image): hand the frames over
+            now = time.monotonic()
+            stages = {**request.stage_seconds, **result.stage_seconds}
+            self.observer.on_finished(
+                now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
+                float(result.peak_memory_mb),
+            )  # fmt: skip
+            request.on_result(result)
+            return
         self._pool.submit(self._encode_and_save, request, result)
 
     def _encode_and_save(self, request: Request, result: VideoResult) -> None:
@@ -280,6 +296,8 @@ class Engine:
                 self._num_waiting -= 1
         self._release(request)
         self._num_running = len(self._sched.running)
+        if request.ephemeral:
+            request.on_result(CancelledRequest(job_id))
         self.on_done(job_id)
 
     def _release(self, request: Request) -> None:
@@ -297,7 +315,10 @@ class Engine:
             log.error("job %s failed: %s", request.job_id, message, exc_info=exc)
         else:
             log.info("job %s rejected: %s", request.job_id, message)
-        if self.store.fail(request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s):
+        if request.ephemeral:
+            self.observer.on_failed(code)
+            request.on_result(exc)
+        elif self.store.fail(request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s):
             self.observer.on_failed(code)
         self.on_done(request.job_id)
 
@@ -307,6 +328,9 @@ class Engine:
         for request in parked:
             self._sched.finish(request)
             self._release(request)
+            if request.ephemeral:  # nothing to resume it from: its caller gets the stop
+                request.on_result(CancelledRequest(request.job_id))
+        parked = [r for r in parked if not r.ephemeral]
         if parked:
             self.store.requeue([r.job_id for r in parked])
             log.warning(

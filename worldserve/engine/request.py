@@ -8,9 +8,10 @@ engine iteration, then is decoded and handed to the encoder pool. Only the engin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worldserve.engine.outputs import DenoiseState
+from worldserve.engine.outputs import DenoiseState, VideoResult
 from worldserve.params import VideoParams
 
 
@@ -37,6 +38,13 @@ class Request:
     """Monotonic clock when the scheduler admitted it (prepare started)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Engine-measured stage wall times: prepare, diffuse (sum of its steps), decode, encode."""
+    on_result: Callable[[VideoResult | BaseException], None] | None = None
+    """Set for an ephemeral request (POST /v1/images/generations): no job in the store, no MP4; the decoded
+    result, or the exception that ended it, goes here (from the engine thread) instead."""
+
+    @property
+    def ephemeral(self) -> bool:
+        return self.on_result is not None
 
     @property
     def num_steps(self) -> int:

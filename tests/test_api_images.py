@@ -1,0 +1,108 @@
+"""POST /v1/images/generations: the official `openai` client against a real uvicorn and the tiny checkpoint's
+VideoPipeline (CPU), images decoded back and compared with the pipeline run directly; bad input as 400s
+naming the field; a timeout as 504 with the work aborted; no job left behind in /v1/videos."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from serving_helpers import asgi_server, uvicorn_thread, wait_until
+
+from worldserve.engine.fake_backend import FakeBackend
+from worldserve.params import VideoParams
+
+pytestmark = pytest.mark.anyio
+SMALL = {"num_inference_steps": 2}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_ckpt):
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    return VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False)
+
+
+def decode(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline):
+    openai = pytest.importorskip("openai")
+    with uvicorn_thread(tmp_path, backend=pipeline, max_batch_size=2) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        out = client.images.generate(model="test-model", prompt="a red fox", size="64x48", n=2,
+                                     extra_body={**SMALL, "seed": 5})  # fmt: skip
+        assert len(out.data) == 2 and out.data[0].revised_prompt is None
+        images = [decode(d.b64_json) for d in out.data]
+        assert all(im.format == "PNG" and im.size == (64, 48) for im in images)
+        first, second = (np.asarray(im.convert("RGB")) for im in images)
+        assert not np.array_equal(first, second), "n images: seeds 5 and 6"
+        # the image is exactly what the pipeline makes with the endpoint's defaults (guidance 7 inside
+        # [400, 1000], shift 3, empty negative prompt, no audio)
+        params = VideoParams(prompt="a red fox", width=64, height=48, num_frames=1, num_inference_steps=2,
+                             guidance_scale=7.0, guidance_interval=(400.0, 1000.0), flow_shift=3.0, seed=5,
+                             generate_sound=False)  # fmt: skip
+        direct, _ = pipeline.generate(params)
+        np.testing.assert_array_equal(first, direct.frames[0])
+        raw = httpx.post(f"{url}/v1/images/generations", json={"prompt": "a red fox", "size": "64x48", "seed": 5,
+                         "output_format": "webp", "return_stage_metrics": True, **SMALL}, timeout=60)  # fmt: skip
+        assert raw.status_code == 200 and raw.headers["x-request-id"].startswith("img_gen-")
+        body = raw.json()
+        assert body["output_format"] == "webp" and body["size"] == "64x48"
+        assert "diffuse" in body["metrics"]["stage_durations"]
+        lossless = decode(body["data"][0]["b64_json"])
+        assert lossless.format == "WEBP"
+        np.testing.assert_array_equal(np.asarray(lossless.convert("RGB")), first)  # same seed, lossless
+        jpeg = client.images.generate(
+            prompt="a red fox", size="64x48", extra_body={**SMALL, "output_format": "jpeg"}
+        )
+        assert decode(jpeg.data[0].b64_json).format == "JPEG"
+        assert httpx.get(f"{url}/v1/videos").json()["data"] == [], "image requests leave no jobs"
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "response_format": "url"}, "response_format"),
+        ({"prompt": "x", "size": "65x64"}, "size"),
+        ({"prompt": "x", "size": "big"}, "size"),
+        ({"prompt": "x", "n": 11}, "n"),
+        ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
+        ({"prompt": "x", "model": "other"}, "model"),
+        ({"prompt": "x", "lora": {"name": "a", "path": "/x"}}, "lora"),
+        ({"prompt": "x", "extra_params": {"guidance_interval": [900, 100]}}, "guidance_interval"),
+        ({"prompt": " "}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+async def test_bad_input_is_a_400_naming_the_field(tmp_path, body, param):
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/images/generations", json=body)
+        assert r.status_code == 400, r.text
+        assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+
+
+async def test_json_only(tmp_path):
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/images/generations", data={"prompt": "x"})
+        assert r.status_code == 400 and "application/json" in r.json()["error"]["message"]
+
+
+async def test_timeout_is_504_and_the_work_is_aborted(tmp_path):
+    backend = FakeBackend(step_delay=0.2)
+    async with asgi_server(tmp_path, backend=backend, sync_timeout_s=0.3) as http:
+        r = await http.post("/v1/images/generations", json={"prompt": "x", "size": "64x64", "n": 2})
+        assert r.status_code == 504 and "timed out after 0.3s" in r.json()["error"]["message"]
+        engine = http.engine_client.engine
+        wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0, timeout=10)

@@ -1,0 +1,152 @@
+"""POST /v1/images/generations: Cosmos3 text-to-image with vLLM-Omni's fields and defaults (serving-api.md §7.1).
+
+JSON only. Validate (400s with `param`) -> `n` one-frame requests through the engine's scheduler (seeds
+seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by step) with no job in the store
+-> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
+"output_format", "size"}` (+ `metrics` with `return_stage_metrics`). Defaults as vLLM-Omni's Cosmos3 T2I:
+1024x1024, 50 steps, guidance 7.0 inside the timestep window [400, 1000], flow shift 3.0, no audio, a random
+seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches).
+Past the sync timeout the requests are aborted and the answer is 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+import random
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from worldserve.api.errors import APIError
+from worldserve.api.json_body import read_json_object
+from worldserve.api.state import AppState, app_state
+from worldserve.api.video_inputs import parse_extra_params
+from worldserve.engine.client import QueueFullError, ShuttingDownError, error_for
+from worldserve.params import VideoParams
+
+router = APIRouter(tags=["images"])
+State = Annotated[AppState, Depends(app_state)]
+
+DEFAULT_SIZE = "1024x1024"
+DEFAULT_STEPS = 50
+DEFAULT_GUIDANCE = 7.0
+DEFAULT_SHIFT = 3.0
+DEFAULT_INTERVAL = (400.0, 1000.0)
+FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+
+
+class ImageGenerationRequest(BaseModel):
+    """vLLM-Omni's image generation fields; undeclared fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str
+    model: str | None = None
+    n: int = Field(1, ge=1, le=10)
+    size: str | None = Field(None, pattern=r"^\d+x\d+$", description="WIDTHxHEIGHT, default 1024x1024.")
+    response_format: Literal["b64_json", "url", "file"] | None = None
+    output_format: Literal["png", "jpeg", "jpg", "webp"] | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1, le=200)
+    guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
+    true_cfg_scale: float | None = Field(None, description="Accepted; Cosmos3 uses guidance_scale.")
+    flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
+    lora: Any = None
+    extra_params: dict[str, Any] | str | None = None
+    return_stage_metrics: bool | None = None
+
+
+def build_params(req: ImageGenerationRequest) -> list[VideoParams]:
+    """The `n` one-frame requests (seed, seed + 1, ...), validated."""
+    if req.response_format not in (None, "b64_json"):
+        raise APIError(400, "only response_format 'b64_json' is supported", param="response_format")
+    if req.lora is not None:
+        raise APIError(400, "LoRA adapters are not supported by this server yet", param="lora")
+    extra = parse_extra_params(req.extra_params)
+    width, height = (int(v) for v in (req.size or DEFAULT_SIZE).split("x"))
+    interval = extra.guidance_interval if extra.guidance_interval is not None else DEFAULT_INTERVAL
+    seed = (
+        req.seed
+        if req.seed is not None
+        else extra.seed
+        if extra.seed is not None
+        else random.randrange(2**32)
+    )
+    base = VideoParams(
+        prompt=req.prompt, negative_prompt=req.negative_prompt if req.negative_prompt is not None else extra.negative_prompt,
+        width=width, height=height, num_frames=1,
+        num_inference_steps=req.num_inference_steps or extra.num_inference_steps or DEFAULT_STEPS,
+        guidance_scale=next(g for g in (req.guidance_scale, extra.guidance_scale, DEFAULT_GUIDANCE) if g is not None),
+        flow_shift=req.flow_shift or extra.flow_shift or DEFAULT_SHIFT, seed=seed, generate_sound=False,
+        max_sequence_length=extra.max_sequence_length or 4096,
+        guidance_interval=tuple(float(v) for v in interval),
+        add_resolution_template=extra.use_resolution_template is not False,
+        use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
+    )  # fmt: skip
+    base.validate()
+    return [base] + [dataclasses.replace(base, seed=(seed + i) % 2**63) for i in range(1, req.n)]
+
+
+def encode_image(frame, fmt: str) -> bytes:
+    """uint8 (H, W, 3) -> PNG / JPEG (quality 95) / WebP (lossless) bytes."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    kind = FORMATS[fmt]
+    options = {"quality": 95} if kind == "JPEG" else {"lossless": True} if kind == "WEBP" else {}
+    Image.fromarray(frame).save(buf, format=kind, **options)
+    return buf.getvalue()
+
+
+@router.post("/v1/images/generations")
+async def create_images(request: Request, st: State) -> JSONResponse:
+    """Text-to-image (JSON body): `n` images as base64 in `data`, generated with the video model."""
+    request_id = f"img_gen-{uuid.uuid4().hex}"
+    req = ImageGenerationRequest.model_validate(await read_json_object(request))
+    if req.model is not None and req.model != st.served_model_name:
+        raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
+                       f"'{st.served_model_name}'.", param="model")  # fmt: skip
+    params = [st.client.validate(p) for p in build_params(req)]
+    headers = {"X-Request-Id": request_id}
+    try:
+        results = await st.client.generate_ephemeral(params, prefix=request_id, timeout_s=st.sync_timeout_s)
+    except TimeoutError:
+        raise APIError(
+            504, f"Image generation timed out after {st.sync_timeout_s:g}s.", headers=headers
+        ) from None
+    except QueueFullError as exc:
+        st.metrics.on_rejected("queue_full")
+        raise APIError(429, f"Too many queued requests ({st.client.max_queued_requests}); retry later.",
+                       headers={**headers, "Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
+    except ShuttingDownError as exc:
+        raise APIError(503, str(exc), headers=headers) from None
+    except Exception as exc:  # a failed request: its status and message, as a failed video job reports them
+        code, message = error_for(exc)
+        raise APIError(
+            code, message.replace("Video generation", "Image generation", 1), headers=headers
+        ) from None
+    fmt = req.output_format or "png"
+    images = await asyncio.gather(*(asyncio.to_thread(encode_image, r.frames[0], fmt) for r in results))
+    body: dict[str, Any] = {
+        "created": int(time.time()),
+        "data": [
+            {"b64_json": base64.b64encode(img).decode("ascii"), "revised_prompt": None} for img in images
+        ],
+        "output_format": "jpeg" if fmt == "jpg" else fmt,
+        "size": f"{params[0].width}x{params[0].height}",
+    }
+    if req.return_stage_metrics:
+        body["metrics"] = {
+            "stage_durations": {k: round(v, 4) for k, v in results[0].stage_seconds.items()},
+            "peak_memory_mb": round(max(r.peak_memory_mb for r in results), 3),
+        }
+    return JSONResponse(body, headers=headers)
