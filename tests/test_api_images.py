@@ -106,3 +106,17 @@ async def test_timeout_is_504_and_the_work_is_aborted(tmp_path):
         assert r.status_code == 504 and "timed out after 0.3s" in r.json()["error"]["message"]
         engine = http.engine_client.engine
         wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0, timeout=10)
+
+
+@pytest.mark.parametrize("stage", ["prepare", "denoise", "decode"])
+async def test_a_request_failing_in_the_engine_reaches_the_caller(tmp_path, stage):
+    """Failures inside the engine (FakeBackend's injected ones) answer 500 with their message, and the engine
+    serves the next request."""
+    async with asgi_server(tmp_path) as http:
+        r = await http.post(
+            "/v1/images/generations", json={"prompt": f"__fail__:{stage}", "size": "64x48", **SMALL}
+        )
+        assert r.status_code == 500 and f"injected failure at {stage}" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["message"].startswith("Image generation failed")
+        ok = await http.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x48", **SMALL})
+        assert ok.status_code == 200
