@@ -252,3 +252,38 @@ def test_waiters_are_woken_from_the_engine_thread(tmp_path):
 
     results, _ = run(main())
     assert all(r.status is JobStatus.COMPLETED for r in results)
+
+
+def test_ephemeral_requests_are_cancelled_at_shutdown_and_leave_the_queue_alone(tmp_path):
+    """Image requests (no job): at a shutdown the running one and the one still waiting are cancelled
+    (503 for their callers, they cannot resume); a queued video job stays queued for the next start."""
+    from worldserve.engine.engine import CancelledRequest
+
+    backend = FakeBackend(step_delay=0.05)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_batch_size=1)
+        await client.start()
+        images = asyncio.ensure_future(
+            client.generate_ephemeral(
+                [_params(steps=200), _params(steps=200, seed=2)], prefix="img", timeout_s=30
+            )
+        )
+        for _ in range(500):  # the loop must run for the requests to reach the engine
+            if client.engine.num_running == 1:
+                break
+            await asyncio.sleep(0.01)
+        queued_video = _submit(client, _params(steps=3))
+        await client.shutdown(0.1)
+        with pytest.raises(CancelledRequest) as cancelled:
+            await asyncio.wait_for(images, 5)
+        return client, queued_video, cancelled.value
+
+    from worldserve.engine.jobs import JobStore
+
+    _, job, exc = run(main())
+    assert exc.status_code == 503
+    assert not backend.live, "the running image request was released"
+    store = JobStore(tmp_path)  # as the next start sees it: the video job, queued; no trace of the images
+    assert [j.id for j in store.list(after=None, limit=None, order="asc")[0]] == [job.id]
+    assert store.get(job.id).status is JobStatus.QUEUED

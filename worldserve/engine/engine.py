@@ -71,7 +71,9 @@ def default_encoder(*args, **kwargs) -> bytes:
 
 
 class CancelledRequest(Exception):
-    """An ephemeral request was aborted or the engine stopped before it finished."""
+    """An ephemeral request was aborted or the engine stopped before it finished (503 for its caller)."""
+
+    status_code = 503
 
     def __init__(self, request_id: str):
         super().__init__(f"request {request_id} was cancelled before it finished")
@@ -323,13 +325,19 @@ class Engine:
         self.on_done(request.job_id)
 
     def _park_running(self) -> None:
-        """On a hard stop: release what is still running and give its jobs back to the queue."""
+        """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
+        requests, running or waiting, are cancelled (they cannot resume)."""
         parked = list(self._sched.running)
         for request in parked:
             self._sched.finish(request)
             self._release(request)
             if request.ephemeral:  # nothing to resume it from: its caller gets the stop
                 request.on_result(CancelledRequest(request.job_id))
+        for request in [r for r in self._sched.waiting if r.ephemeral]:  # never admitted: no one else will
+            self._sched.waiting.remove(request)
+            with self._cv:
+                self._num_waiting -= 1
+            request.on_result(CancelledRequest(request.job_id))
         parked = [r for r in parked if not r.ephemeral]
         if parked:
             self.store.requeue([r.job_id for r in parked])
