@@ -60,7 +60,7 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         assert raw.status_code == 200 and raw.headers["x-request-id"].startswith("img_gen-")
         body = raw.json()
         assert body["output_format"] == "webp" and body["size"] == "64x48"
-        assert "diffuse" in body["metrics"]["stage_durations"]
+        assert {"prepare", "diffuse", "decode", "vae.decode"} <= set(body["metrics"]["stage_durations"])
         lossless = decode(body["data"][0]["b64_json"])
         assert lossless.format == "WEBP"
         np.testing.assert_array_equal(np.asarray(lossless.convert("RGB")), first)  # same seed, lossless
@@ -77,6 +77,7 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         ({"prompt": "x", "response_format": "url"}, "response_format"),
         ({"prompt": "x", "size": "65x64"}, "size"),
         ({"prompt": "x", "size": "big"}, "size"),
+        ({"prompt": "x", "size": "9" * 5000 + "x64"}, "size"),
         ({"prompt": "x", "n": 11}, "n"),
         ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
         ({"prompt": "x", "model": "other"}, "model"),
@@ -120,3 +121,17 @@ async def test_a_request_failing_in_the_engine_reaches_the_caller(tmp_path, stag
         assert r.json()["error"]["message"].startswith("Image generation failed")
         ok = await http.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x48", **SMALL})
         assert ok.status_code == 200
+
+
+async def test_n_above_the_queue_is_a_400_and_extra_params_win(tmp_path):
+    async with asgi_server(tmp_path, max_queued_requests=2) as http:
+        r = await http.post("/v1/images/generations", json={"prompt": "x", "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    from worldserve.api.images import ImageGenerationRequest, build_params
+
+    req = ImageGenerationRequest(
+        prompt="x", num_inference_steps=7, seed=1, extra_params={"num_inference_steps": 9}
+    )
+    [p] = build_params(req)
+    assert p.num_inference_steps == 9 and p.seed == 1 and p.flow_shift == 3.0 and p.guidance_scale == 7.0
+    assert (p.width, p.height, p.guidance_interval, p.generate_sound) == (1024, 1024, (400.0, 1000.0), False)

@@ -287,3 +287,22 @@ def test_ephemeral_requests_are_cancelled_at_shutdown_and_leave_the_queue_alone(
     store = JobStore(tmp_path)  # as the next start sees it: the video job, queued; no trace of the images
     assert [j.id for j in store.list(after=None, limit=None, order="asc")[0]] == [job.id]
     assert store.get(job.id).status is JobStatus.QUEUED
+
+
+def test_an_ephemeral_request_after_the_loop_ended_is_cancelled_at_once(tmp_path):
+    import time as _time
+
+    from worldserve.engine.engine import CancelledRequest
+    from worldserve.engine.request import Request
+
+    async def main():
+        client = make_client(tmp_path)
+        await client.start()
+        await client.shutdown(0.1)
+        return client
+
+    client = run(main())
+    outcomes = []
+    client.engine.add_request(Request(job_id="img-late", params=_params(), arrival_time=_time.monotonic(),
+                                      on_result=outcomes.append))  # fmt: skip
+    assert len(outcomes) == 1 and isinstance(outcomes[0], CancelledRequest) and client.engine.num_waiting == 0

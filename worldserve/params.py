@@ -6,7 +6,9 @@ offending field (the API turns it into a 400 with `param` set). Defaults are the
 
 Resolution policy: width and height must be multiples of 16; the pixel area picks the model's tier
 (256p / 480p / 720p, the largest being 1280x720-sized) and each tier caps num_frames as cosmos-framework
-does (400 / 300 / 200). Any multiple-of-16 size inside the 720p area is accepted (diffusers accepts any).
+does (400 / 300 / 200). Any multiple-of-16 size inside the 720p area is accepted (diffusers accepts any);
+an image (num_frames 1) may go up to the 1024x1024 area (vLLM-Omni's text-to-image default), with the
+720p tier's default flow shift (the images route passes 3.0).
 """
 
 from __future__ import annotations

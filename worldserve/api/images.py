@@ -5,7 +5,9 @@ seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by st
 -> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
 "output_format", "size"}` (+ `metrics` with `return_stage_metrics`). Defaults as vLLM-Omni's Cosmos3 T2I:
 1024x1024, 50 steps, guidance 7.0 inside the timestep window [400, 1000], flow shift 3.0, no audio, a random
-seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches).
+seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches) and,
+as there, wins over a top-level field. Prompt templates and system message follow worldserve's defaults
+(NVIDIA's reference), not vLLM-Omni's (use `extra_params` to switch them).
 Past the sync timeout the requests are aborted and the answer is 504.
 """
 
@@ -50,7 +52,9 @@ class ImageGenerationRequest(BaseModel):
     prompt: str
     model: str | None = None
     n: int = Field(1, ge=1, le=10)
-    size: str | None = Field(None, pattern=r"^\d+x\d+$", description="WIDTHxHEIGHT, default 1024x1024.")
+    size: str | None = Field(
+        None, pattern=r"^\d{1,5}x\d{1,5}$", description="WIDTHxHEIGHT, default 1024x1024."
+    )
     response_format: Literal["b64_json", "url", "file"] | None = None
     output_format: Literal["png", "jpeg", "jpg", "webp"] | None = None
     negative_prompt: str | None = None
@@ -73,27 +77,27 @@ def build_params(req: ImageGenerationRequest) -> list[VideoParams]:
         raise APIError(400, "LoRA adapters are not supported by this server yet", param="lora")
     extra = parse_extra_params(req.extra_params)
     width, height = (int(v) for v in (req.size or DEFAULT_SIZE).split("x"))
-    interval = extra.guidance_interval if extra.guidance_interval is not None else DEFAULT_INTERVAL
-    seed = (
-        req.seed
-        if req.seed is not None
-        else extra.seed
-        if extra.seed is not None
-        else random.randrange(2**32)
-    )
+
+    def pick(name: str, default):
+        """`extra_params` over the top-level field over the default, as the video routes resolve them."""
+        for value in (getattr(extra, name, None), getattr(req, name, None)):
+            if value is not None:
+                return value
+        return default
+
+    seed = pick("seed", None)
     base = VideoParams(
-        prompt=req.prompt, negative_prompt=req.negative_prompt if req.negative_prompt is not None else extra.negative_prompt,
-        width=width, height=height, num_frames=1,
-        num_inference_steps=req.num_inference_steps or extra.num_inference_steps or DEFAULT_STEPS,
-        guidance_scale=next(g for g in (req.guidance_scale, extra.guidance_scale, DEFAULT_GUIDANCE) if g is not None),
-        flow_shift=req.flow_shift or extra.flow_shift or DEFAULT_SHIFT, seed=seed, generate_sound=False,
-        max_sequence_length=extra.max_sequence_length or 4096,
-        guidance_interval=tuple(float(v) for v in interval),
+        prompt=req.prompt, negative_prompt=pick("negative_prompt", None), width=width, height=height, num_frames=1,
+        num_inference_steps=pick("num_inference_steps", DEFAULT_STEPS),
+        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE), flow_shift=pick("flow_shift", DEFAULT_SHIFT),
+        seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
+        max_sequence_length=pick("max_sequence_length", 4096),
+        guidance_interval=tuple(float(v) for v in pick("guidance_interval", DEFAULT_INTERVAL)),
         add_resolution_template=extra.use_resolution_template is not False,
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
     )  # fmt: skip
     base.validate()
-    return [base] + [dataclasses.replace(base, seed=(seed + i) % 2**63) for i in range(1, req.n)]
+    return [base] + [dataclasses.replace(base, seed=(base.seed + i) % 2**63) for i in range(1, req.n)]
 
 
 def encode_image(frame, fmt: str) -> bytes:
@@ -115,6 +119,10 @@ async def create_images(request: Request, st: State) -> JSONResponse:
     if req.model is not None and req.model != st.served_model_name:
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip
+    if req.n > st.client.max_queued_requests:
+        raise APIError(
+            400, f"n={req.n} is above this server's queue ({st.client.max_queued_requests})", param="n"
+        )
     params = [st.client.validate(p) for p in build_params(req)]
     headers = {"X-Request-Id": request_id}
     try:

@@ -289,7 +289,7 @@ class EngineClient:
         try:
             return list(await asyncio.wait_for(asyncio.gather(*futures), timeout_s))
         except BaseException:
-            for request_id in ids:  # timed out, failed or the client left: stop the rest at a step boundary
+            for request_id in ids:  # timed out, failed or cancelled: stop the rest at a step boundary
                 self.engine.abort(request_id)
             raise
 

@@ -112,6 +112,7 @@ class Engine:
         self._num_running = 0
         self._draining = False
         self._hard_stop = False
+        self._stopped = False  # set when the loop has ended (ephemeral requests are refused from then on)
         self._service_ewma_s: float | None = None
         self._pool = ThreadPoolExecutor(config.encode_workers, thread_name_prefix="worldserve-encode")
         self._thread = threading.Thread(target=self._run, name="worldserve-engine", daemon=True)
@@ -125,6 +126,9 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         with self._cv:
+            if self._stopped and request.ephemeral:  # the loop is gone: nothing would ever run it
+                request.on_result(CancelledRequest(request.job_id))
+                return
             self._inbox.append(("add", request))
             self._num_waiting += 1
             self._cv.notify()
@@ -254,6 +258,7 @@ class Engine:
         if request.ephemeral:  # the caller encodes (an image): hand the frames over
             now = time.monotonic()
             stages = {**request.stage_seconds, **result.stage_seconds}
+            result.stage_seconds = stages
             self.observer.on_finished(
                 now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
                 float(result.peak_memory_mb),
@@ -333,8 +338,14 @@ class Engine:
             self._release(request)
             if request.ephemeral:  # nothing to resume it from: its caller gets the stop
                 request.on_result(CancelledRequest(request.job_id))
+        with self._cv:  # also what arrived after the loop's last look at its inbox
+            self._stopped = True
+            late = [r for kind, r in self._inbox if kind == "add" and r.ephemeral]
+            self._inbox = [(kind, r) for kind, r in self._inbox if not (kind == "add" and r.ephemeral)]
         for request in [r for r in self._sched.waiting if r.ephemeral]:  # never admitted: no one else will
             self._sched.waiting.remove(request)
+            late.append(request)
+        for request in late:
             with self._cv:
                 self._num_waiting -= 1
             request.on_result(CancelledRequest(request.job_id))
