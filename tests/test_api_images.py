@@ -135,3 +135,11 @@ async def test_n_above_the_queue_is_a_400_and_extra_params_win(tmp_path):
     [p] = build_params(req)
     assert p.num_inference_steps == 9 and p.seed == 1 and p.flow_shift == 3.0 and p.guidance_scale == 7.0
     assert (p.width, p.height, p.guidance_interval, p.generate_sound) == (1024, 1024, (400.0, 1000.0), False)
+
+
+async def test_json_routes_refuse_bodies_past_the_upload_limit(tmp_path):
+    async with asgi_server(tmp_path, max_upload_bytes=1024) as http:
+        for path, body in (("/v1/images/generations", {"prompt": "x" * 2000}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2000}]})):  # fmt: skip
+            r = await http.post(path, json=body)
+            assert r.status_code == 413 and "--max-upload-mb" in r.json()["error"]["message"], r.text

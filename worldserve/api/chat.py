@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlparse
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from worldserve.api.bodies import read_json_object
 from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -36,7 +37,6 @@ from worldserve.api.chat_protocol import (
 from worldserve.api.chat_stream import close_all, collect, metered, sse
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, error_body
-from worldserve.api.json_body import read_json_object
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import (
     ChatFailed,
@@ -171,7 +171,8 @@ BODY = {"requestBody": {"required": True, "content": {
 
 async def _read_body(request: Request) -> ChatCompletionRequest:
     """The JSON body, validated (400 envelope with `param` on any problem; other content types refused)."""
-    return ChatCompletionRequest.model_validate(await read_json_object(request))
+    max_bytes = app_state(request).max_upload_bytes
+    return ChatCompletionRequest.model_validate(await read_json_object(request, max_bytes))
 
 
 MAX_CHOICES = 16

@@ -26,8 +26,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from worldserve.api.bodies import read_json_object
 from worldserve.api.errors import APIError
-from worldserve.api.json_body import read_json_object
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, error_for
@@ -115,7 +115,7 @@ def encode_image(frame, fmt: str) -> bytes:
 async def create_images(request: Request, st: State) -> JSONResponse:
     """Text-to-image (JSON body): `n` images as base64 in `data`, generated with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
-    req = ImageGenerationRequest.model_validate(await read_json_object(request))
+    req = ImageGenerationRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
     if req.model is not None and req.model != st.served_model_name:
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip

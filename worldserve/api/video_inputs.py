@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.requests import Request
 
+from worldserve.api.bodies import bounded_stream
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest
@@ -54,11 +54,8 @@ class VideoInputs:
 
 async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request's fields as a dict (form values are str or UploadFile), whatever the content type."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise _too_large(max_bytes)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    stream = _bounded(request, max_bytes)
+    stream = bounded_stream(request, max_bytes)
     try:
         if ctype == "multipart/form-data":
             form = await MultiPartParser(
@@ -81,19 +78,6 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
         raise APIError(400, f"Invalid form body: {exc}") from None
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
     return {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)}
-
-
-async def _bounded(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
-    total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > max_bytes:
-            raise _too_large(max_bytes)
-        yield chunk
-
-
-def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"Request body exceeds the {max_bytes / 2**20:g} MiB limit (--max-upload-mb).")
 
 
 def _json_fields(body: bytes) -> dict[str, Any]:
