@@ -143,3 +143,14 @@ async def test_json_routes_refuse_bodies_past_the_upload_limit(tmp_path):
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2000}]})):  # fmt: skip
             r = await http.post(path, json=body)
             assert r.status_code == 413 and "--max-upload-mb" in r.json()["error"]["message"], r.text
+
+
+def test_a_client_that_leaves_aborts_its_images(tmp_path):
+    backend = FakeBackend(step_delay=0.05)
+    with uvicorn_thread(tmp_path, backend=backend) as (url, client):
+        with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
+            httpx.post(f"{url}/v1/images/generations", json={"prompt": "x", "size": "64x64", "num_inference_steps": 200},
+                       timeout=0.5)  # fmt: skip
+        # 200 steps take 10 s: gone within 3 s means it was aborted
+        wait_until(lambda: client.engine.num_running == 0 and client.engine.num_waiting == 0, timeout=3)
+        assert not backend.live, "its state was released"

@@ -8,7 +8,7 @@ seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by st
 seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches) and,
 as there, wins over a top-level field. Prompt templates and system message follow worldserve's defaults
 (NVIDIA's reference), not vLLM-Omni's (use `extra_params` to switch them).
-Past the sync timeout the requests are aborted and the answer is 504.
+Past the sync timeout the requests are aborted and the answer is 504; a client that disconnects aborts them too.
 """
 
 from __future__ import annotations
@@ -100,6 +100,26 @@ def build_params(req: ImageGenerationRequest) -> list[VideoParams]:
     return [base] + [dataclasses.replace(base, seed=(base.seed + i) % 2**63) for i in range(1, req.n)]
 
 
+DISCONNECT_POLL_S = 0.25
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`; if the client goes away first, cancel it (its requests are aborted at the next step
+    boundary: nobody could collect images that have no job) and raise CancelledError."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def encode_image(frame, fmt: str) -> bytes:
     """uint8 (H, W, 3) -> PNG / JPEG (quality 95) / WebP (lossless) bytes."""
     from PIL import Image
@@ -126,7 +146,9 @@ async def create_images(request: Request, st: State) -> JSONResponse:
     params = [st.client.validate(p) for p in build_params(req)]
     headers = {"X-Request-Id": request_id}
     try:
-        results = await st.client.generate_ephemeral(params, prefix=request_id, timeout_s=st.sync_timeout_s)
+        results = await _unless_disconnected(
+            request, st.client.generate_ephemeral(params, prefix=request_id, timeout_s=st.sync_timeout_s)
+        )
     except TimeoutError:
         raise APIError(
             504, f"Image generation timed out after {st.sync_timeout_s:g}s.", headers=headers
