@@ -153,17 +153,11 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         raise APIError(
             504, f"Image generation timed out after {st.sync_timeout_s:g}s.", headers=headers
         ) from None
-    except QueueFullError as exc:
-        st.metrics.on_rejected("queue_full")
-        raise APIError(429, f"Too many queued requests ({st.client.max_queued_requests}); retry later.",
-                       headers={**headers, "Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
-    except ShuttingDownError as exc:
-        raise APIError(503, str(exc), headers=headers) from None
+    except (QueueFullError, ShuttingDownError) as exc:
+        raise st.refusal(exc, headers) from None
     except Exception as exc:  # a failed request: its status and message, as a failed video job reports them
-        code, message = error_for(exc)
-        raise APIError(
-            code, message.replace("Video generation", "Image generation", 1), headers=headers
-        ) from None
+        code, message = error_for(exc, "Image generation")
+        raise APIError(code, message, headers=headers) from None
     fmt = req.output_format or "png"
     images = await asyncio.gather(*(asyncio.to_thread(encode_image, r.frames[0], fmt) for r in results))
     body: dict[str, Any] = {

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
+from worldserve.api.errors import APIError
 from worldserve.api.metrics import Metrics
-from worldserve.engine.client import EngineClient
+from worldserve.engine.client import EngineClient, QueueFullError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,6 +23,16 @@ class AppState:
     shutdown_timeout_s: float
     allowed_local_media_path: str | None = None
     """Folder whose files chat requests may reference as file:// URLs (None: no local files)."""
+
+    def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
+        """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the
+        ShuttingDownError: 503), counted in the metrics."""
+        if isinstance(exc, QueueFullError):
+            self.metrics.on_rejected("queue_full")
+            return APIError(429, f"Too many queued requests ({self.client.max_queued_requests}); retry later.",
+                            headers={**(headers or {}), "Retry-After": str(exc.retry_after_s)})  # fmt: skip
+        self.metrics.on_rejected("shutting_down")
+        return APIError(503, str(exc), headers=headers)
 
 
 def app_state(request: Request) -> AppState:

@@ -61,13 +61,8 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
     st.client.validate(inputs.params)
     try:
         job = st.client.submit(inputs.params, inputs.spec, inputs.encode, inputs.reference)
-    except QueueFullError as exc:
-        st.metrics.on_rejected("queue_full")
-        raise APIError(429, f"Too many queued requests ({st.client.max_queued_requests}); retry later.",
-                       headers={"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
-    except ShuttingDownError as exc:
-        st.metrics.on_rejected("shutting_down")
-        raise APIError(503, str(exc)) from None
+    except (QueueFullError, ShuttingDownError) as exc:
+        raise st.refusal(exc) from None
     return job, inputs
 
 

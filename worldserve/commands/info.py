@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def describe(root: Path) -> dict:
-    layout = read_layout(root)
+def describe(root: Path, layout=None) -> dict:
+    """The checkpoint at `root` (its `read_layout`, when the caller has it already)."""
+    layout = layout if layout is not None else read_layout(root)
     components = {}
     for name in layout.components:
         prefix = COMPONENT_WEIGHTS.get(name)
@@ -122,9 +123,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     root = resolve_model(args.model, args.revision)
-    info = describe(root)
+    layout = read_layout(root)
+    info = describe(root, layout)
     info["runtime"] = runtime(info["transformer"]["head_dim"])
-    info["transformer_memory"] = memory_plan(read_layout(root).transformer_config)
+    info["transformer_memory"] = memory_plan(layout.transformer_config)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

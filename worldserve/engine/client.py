@@ -231,15 +231,21 @@ class EngineClient:
     def has_sound(self) -> bool:
         return bool(self.engine.backend.has_sound)
 
+    def _check_admission(self, count: int, what: str) -> None:
+        """ShuttingDownError or QueueFullError unless `count` more `what` ("jobs", "requests") may queue."""
+        if not self.accepting:
+            raise ShuttingDownError(f"The server is shutting down and accepts no new {what}.")
+        if not self.engine.alive:
+            raise ShuttingDownError(
+                f"The engine has stopped (see the server log); no new {what} are accepted."
+            )
+        if self.engine.num_waiting + count > self.max_queued_requests:
+            raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
+
     def submit(
         self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
     ) -> Job:
-        if not self.accepting:
-            raise ShuttingDownError("The server is shutting down and accepts no new jobs.")
-        if not self.engine.alive:
-            raise ShuttingDownError("The engine has stopped (see the server log); no new jobs are accepted.")
-        if self.engine.num_waiting >= self.max_queued_requests:
-            raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
+        self._check_admission(1, "jobs")
         job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
         self.store.create(job, inputs_record(params, encode), reference)
         self.engine.add_request(
@@ -252,14 +258,7 @@ class EngineClient:
     ) -> list[VideoResult]:
         """Run requests through the engine without jobs (POST /v1/images/generations): the decoded results in
         order, or the first failure raised. Past `timeout_s` they are aborted and TimeoutError is raised."""
-        if not self.accepting:
-            raise ShuttingDownError("The server is shutting down and accepts no new requests.")
-        if not self.engine.alive:
-            raise ShuttingDownError(
-                "The engine has stopped (see the server log); no new requests are accepted."
-            )
-        if self.engine.num_waiting + len(params_list) > self.max_queued_requests:
-            raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
+        self._check_admission(len(params_list), "requests")
         loop = asyncio.get_running_loop()
         ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params_list]
         futures = [loop.create_future() for _ in params_list]

@@ -79,12 +79,12 @@ class CancelledRequest(Exception):
         super().__init__(f"request {request_id} was cancelled before it finished")
 
 
-def error_for(exc: BaseException) -> tuple[int, str]:
-    """(HTTP-like code, message) recorded on a failed job."""
+def error_for(exc: BaseException, what: str = "Video generation") -> tuple[int, str]:
+    """(HTTP-like code, message) recorded on a failed job (`what` failed: ...)."""
     if isinstance(exc, ParamError):
         return 400, exc.message
     code = getattr(exc, "status_code", 500)
-    return (code if isinstance(code, int) and 400 <= code < 600 else 500), f"Video generation failed: {exc}"
+    return (code if isinstance(code, int) and 400 <= code < 600 else 500), f"{what} failed: {exc}"
 
 
 class Engine:
@@ -345,9 +345,9 @@ class Engine:
         for request in [r for r in self._sched.waiting if r.ephemeral]:  # never admitted: no one else will
             self._sched.waiting.remove(request)
             late.append(request)
+        with self._cv:
+            self._num_waiting -= len(late)
         for request in late:
-            with self._cv:
-                self._num_waiting -= 1
             request.on_result(CancelledRequest(request.job_id))
         parked = [r for r in parked if not r.ephemeral]
         if parked:

@@ -144,6 +144,11 @@ def format_negative_prompt(negative_prompt: str | None, shape: VideoShape) -> st
     return _metadata_sentences(negative_prompt, shape).lstrip(".").strip()
 
 
+def reference_system_prompt(is_image: bool) -> str:
+    """The diffusers / reference system message (typo included) for an image or a video."""
+    return SYSTEM_PROMPT_IMAGE if is_image else SYSTEM_PROMPT_VIDEO
+
+
 @dataclass(frozen=True, slots=True)
 class PromptTexts:
     """The two formatted strings of one request, before tokenization."""
@@ -197,7 +202,7 @@ class PromptEncoder:
         if params.system_prompt is not None:
             return params.system_prompt
         if params.use_system_prompt or self.use_system_prompt:
-            return SYSTEM_PROMPT_IMAGE if params.num_frames == 1 else SYSTEM_PROMPT_VIDEO
+            return reference_system_prompt(params.num_frames == 1)
         return None
 
     def encode(self, text: str, *, is_image: bool = False, system: str | None = None) -> list[int]:
@@ -207,7 +212,7 @@ class PromptEncoder:
         "" means none."""
         conversation = []
         if system is None and self.use_system_prompt:
-            system = SYSTEM_PROMPT_IMAGE if is_image else SYSTEM_PROMPT_VIDEO
+            system = reference_system_prompt(is_image)
         if system:
             conversation.append({"role": "system", "content": system})
         conversation.append({"role": "user", "content": text})
