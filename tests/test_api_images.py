@@ -15,7 +15,7 @@ from PIL import Image
 from serving_helpers import asgi_server, uvicorn_thread, wait_until
 
 from worldserve.engine.fake_backend import FakeBackend
-from worldserve.params import VideoParams
+from worldserve.params import ParamError, VideoParams
 
 pytestmark = pytest.mark.anyio
 SMALL = {"num_inference_steps": 2}
@@ -154,3 +154,20 @@ def test_a_client_that_leaves_aborts_its_images(tmp_path):
         # 200 steps take 10 s: gone within 3 s means it was aborted
         wait_until(lambda: client.engine.num_running == 0 and client.engine.num_waiting == 0, timeout=3)
         assert not backend.live, "its state was released"
+
+
+@pytest.mark.parametrize(
+    "exc,param",
+    [(ParamError("seed", "seed out of this model's range"), "seed"), (ValueError("refused"), None)],
+)
+async def test_a_request_the_model_refuses_in_the_engine_is_a_400(tmp_path, monkeypatch, exc, param):
+    backend = FakeBackend()
+
+    def refuse(request_id, params):
+        raise exc
+
+    monkeypatch.setattr(backend, "prepare", refuse)
+    async with asgi_server(tmp_path, backend=backend) as http:
+        r = await http.post("/v1/images/generations", json={"prompt": "x", "size": "64x48", **SMALL})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert str(exc) in r.json()["error"]["message"]

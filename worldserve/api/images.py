@@ -155,6 +155,9 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         ) from None
     except (QueueFullError, ShuttingDownError) as exc:
         raise st.refusal(exc, headers) from None
+    # the model refused the request (a ParamError too): 400 with its field, as vLLM-Omni answers a ValueError
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=getattr(exc, "param", None), headers=headers) from None
     except Exception as exc:  # a failed request: its status and message, as a failed video job reports them
         code, message = error_for(exc, "Image generation")
         raise APIError(code, message, headers=headers) from None
