@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     from worldserve.bench.models import build_our_transformer
     from worldserve.bench.report import environment
     from worldserve.bench.timing import allocated_gib, free_memory
-    from worldserve.bench.und_decode import und_decode_seconds
+    from worldserve.bench.und_decode import make_decoder, und_decode_seconds
     from worldserve.bench.workload import parse_point
     from worldserve.models.cosmos3.config import Cosmos3Config
 
@@ -102,7 +102,9 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         model.compile_gen_layers()
     res["resident"] = {"weights_gib": allocated_gib(device)}
     res["resident"]["points"] = measure_points(model, points, inputs, device, args, log)
-    res["resident"]["und_token_s"] = und_decode_seconds(model, device)
+    res["resident"]["und_token_s"] = und_decode_seconds(
+        model, device, make_decoder(model, max_batch=1, tokens=0)
+    )
     save(res)
 
     log("moving the layers to host memory and turning layerwise offload on")
@@ -117,7 +119,9 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                       "host_gib": (model.gen_blocks.host_bytes + model.und_blocks.host_bytes) / 2**30,
                       "copy_gb_s": copy_bandwidth(model, device)}  # fmt: skip
     res["offload"]["points"] = measure_points(model, points, inputs, device, args, log)
-    res["offload"]["und_token_s"] = und_decode_seconds(model, device)
+    res["offload"]["und_token_s"] = und_decode_seconds(
+        model, device, make_decoder(model, max_batch=1, tokens=0)
+    )
     for r, o in zip(res["resident"]["points"], res["offload"]["points"], strict=True):
         o["bitwise_equal"] = all(
             torch.equal(r["velocity"][k], o["velocity"][k])

@@ -155,8 +155,8 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     from worldserve.commands import serve
     from worldserve.config import ModelConfig
 
-    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel: _time.sleep(5))
+    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel, seqs: _time.sleep(5))
     assert serve._load_backend_within(ModelConfig(init_timeout=0.05)) is None
     assert "did not become ready within 0.05s" in caplog.text
-    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel: ("backend", None))
+    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel, seqs: ("backend", None))
     assert serve._load_backend_within(ModelConfig()) == ("backend", None)

@@ -1,5 +1,6 @@
 """ChatWorker with a scripted backend (no model): event order, the model lock held around every model call,
-cancellation at a step boundary, failures as ChatFailed (400 for ParamError, 500 otherwise), FIFO order.
+cancellation at a step boundary (the session closed), failures as ChatFailed (400 for ParamError, 500
+otherwise), FIFO order, and a chat the backend has no room for (ChatBackpressure) waiting for a running one.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import queue
 import threading
 
 from worldserve.engine.chat_worker import ChatFailed, ChatStarted, ChatWorker
-from worldserve.engine.outputs import ChatDelta
+from worldserve.engine.outputs import ChatBackpressure, ChatDelta
 from worldserve.params import ChatMessage, ChatParams, ParamError
 
 PARAMS = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
@@ -17,6 +18,7 @@ PARAMS = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
 class ScriptedSession:
     def __init__(self, lock, words, gate=None):
         self.prompt_tokens, self.lock, self.words, self.gate, self.n = 7, lock, words, gate, 0
+        self.closed = False
 
     def step(self) -> ChatDelta:
         assert self.lock.locked()  # every model call runs under the engine's model lock
@@ -25,6 +27,10 @@ class ScriptedSession:
         self.n += 1
         done = "length" if self.n == len(self.words) else None
         return ChatDelta(text=self.words[self.n - 1], finish_reason=done, completion_tokens=self.n)
+
+    def close(self) -> None:
+        assert self.lock.locked()
+        self.closed = True
 
 
 class ScriptedBackend:
@@ -35,7 +41,8 @@ class ScriptedBackend:
         assert self.lock.locked()
         if self.fail is not None:
             raise self.fail
-        return ScriptedSession(self.lock, self.words, self.gate)
+        self.sessions = getattr(self, "sessions", []) + [ScriptedSession(self.lock, self.words, self.gate)]
+        return self.sessions[-1]
 
     def step_all(self, sessions):
         self.batches = getattr(self, "batches", []) + [len(sessions)]
@@ -83,6 +90,12 @@ def test_cancel_stops_at_the_next_step_and_failures_are_reported():
         handle.cancel()
         gate.set()
         got = [events.get(timeout=5)]
+        session = worker.backend.sessions[0]
+        for _ in range(50):
+            if session.closed:
+                break
+            threading.Event().wait(0.05)
+        assert session.closed  # a cancelled chat's session is closed (its K/V blocks freed)
         worker.backend = ScriptedBackend(lock, fail=ParamError("messages", "bad image"))
         _, bad = _collect(worker)
         assert _drain(bad) == [ChatFailed(400, "bad image", "messages")]
@@ -109,3 +122,28 @@ def test_concurrent_chats_are_decoded_together_up_to_max_num_seqs():
         assert out[0] == ChatStarted(prompt_tokens=7) and "".join(e.text for e in out[1:]) == "abcd"
     # two chats share every step until they finish, then the third runs alone: 4 steps of 2, 4 of 1
     assert backend.batches == [2, 2, 2, 2, 1, 1, 1, 1]
+
+
+class RoomForOneBackend(ScriptedBackend):
+    """Takes a second chat only once the first has finished (a K/V cache with room for one chat)."""
+
+    def start(self, params):
+        live = [s for s in getattr(self, "sessions", []) if s.n < len(s.words) and not s.closed]
+        if live:
+            self.refused = getattr(self, "refused", 0) + 1
+            raise ChatBackpressure("no free K/V blocks")
+        return super().start(params)
+
+
+def test_a_chat_without_room_waits_for_a_running_one_instead_of_failing():
+    lock = threading.Lock()
+    backend = RoomForOneBackend(lock, words=("a", "b", "c"))
+    worker = ChatWorker(backend, lock, max_num_seqs=4)
+    streams = [_collect(worker)[1] for _ in range(2)]
+    worker.start()
+    try:
+        first, second = (_drain(ev) for ev in streams)
+    finally:
+        worker.stop()
+    assert first == second and "".join(e.text for e in second[1:]) == "abc"
+    assert backend.refused >= 1 and backend.batches == [1, 1, 1, 1, 1, 1]  # one after the other

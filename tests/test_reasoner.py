@@ -267,15 +267,18 @@ def test_a_chat_samples_from_penalized_logits(reasoner):
     assert tokens[0] != plain.sample(first) or tokens[0] not in prompt.input_ids  # the penalty was applied
 
 
-def test_warm_up_runs_a_prefill_and_a_single_token_step(reasoner, monkeypatch):
-    """What `serve` calls on CUDA before taking requests: it must reach the single-token (compiled) path
-    whatever token the model would sample first."""
-    model = reasoner.transformer
-    sizes, und_step = [], model.und_step
+def test_warm_up_runs_a_prefill_and_a_decode_step_and_frees_its_blocks(reasoner, monkeypatch):
+    """What `serve` calls before taking requests (on CUDA it also compiles and captures the decode step): one
+    prompt prefill, one decode step of one sequence, and every K/V block back in the pool afterwards."""
+    model, decoder = reasoner.transformer, reasoner.decoder
+    sizes, steps, und_step, step = [], [], model.und_step, decoder.step
     monkeypatch.setattr(
         model,
         "und_step",
         lambda batch, caches, **kw: sizes.append(batch.input_ids.numel()) or und_step(batch, caches, **kw),
     )
+    monkeypatch.setattr(decoder, "step", lambda t, s, p: steps.append(len(s)) or step(t, s, p))
+    free = reasoner.pool.num_free
     reasoner.warm_up()
-    assert len(sizes) == 2 and sizes[0] > 1 and sizes[1] == 1
+    assert len(sizes) == 1 and sizes[0] > 1 and steps == [1]
+    assert reasoner.pool.num_free == free

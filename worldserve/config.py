@@ -55,6 +55,8 @@ class ModelConfig:
     """Output shapes generated once at startup (WIDTHxHEIGHTxFRAMES, comma separated; one denoising step each, CFG and audio as the defaults), so that the first request of each shape does not pay torch.compile and kernel selection; auto: the default 1280x720x189 on GPU, none on CPU; none: skip."""
     max_model_len: int = 32768
     """Context length of Reasoner chat completions (prompt + completion tokens)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 147 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     no_guardrails: bool = False
@@ -82,6 +84,8 @@ class ModelConfig:
             raise ValueError("--fake-step-delay must be >= 0")
         if self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"--kv-cache-memory-bytes must be > 0, got {self.kv_cache_memory_bytes}")
         self.warmup_shape_list(on_gpu=True)  # raises on a malformed or unsupported shape
 
     def warmup_shape_list(self, *, on_gpu: bool) -> list[tuple[int, int, int]]:

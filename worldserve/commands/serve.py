@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
     if config.model.omni:
         log.info("--omni accepted: worldserve always serves the omni video API")
-    loaded = _load_backend_within(config.model, config.parallel)
+    loaded = _load_backend_within(config.model, config.parallel, config.scheduler.max_num_seqs)
     if loaded is None:
         return 1
     backend, gpu_memory, *chat = loaded
@@ -91,7 +91,7 @@ def _serve(config: EngineConfig, backend: Any, gpu_memory: Any, chat_backend: An
 
 
 def _load_backend_within(
-    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig()
+    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), max_num_seqs: int = 32
 ) -> tuple[Any, Any] | None:
     """Load the backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
     from worldserve.weights.checkpoint import CheckpointError
@@ -100,7 +100,7 @@ def _load_backend_within(
 
     def target() -> None:
         try:
-            outcome["value"] = _load_backend(cfg, parallel)
+            outcome["value"] = _load_backend(cfg, parallel, max_num_seqs)
         except BaseException as exc:
             outcome["error"] = exc
 
@@ -124,7 +124,7 @@ def _load_backend_within(
     return outcome["value"]
 
 
-def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]:
+def _load_backend(cfg: ModelConfig, parallel: ParallelConfig, max_num_seqs: int = 32) -> tuple[Any, ...]:
     """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
     `--cfg-parallel-size 2` and / or `--ulysses-degree N`, or `--tensor-parallel-size N` (no Reasoner then): a
     ParallelPipeline over their product of GPUs."""
@@ -164,15 +164,23 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig) -> tuple[Any, ...]
         return pipeline, gpu_memory
     from worldserve.runner.reasoner import Reasoner
 
+    transformer = pipeline.transformer
+    on_gpu = transformer.device.type == "cuda"
+    kv_tokens = None
+    if cfg.kv_cache_memory_bytes is not None:
+        kv_tokens = cfg.kv_cache_memory_bytes // transformer.und_kv_bytes_per_token()
     reasoner = Reasoner.from_pretrained(
-        path, pipeline.transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len
-    )
-    log.info("Reasoner chat completions on the shared und tower (vision encoder: %s)",
-             "yes" if reasoner.vision is not None else "none: text only")  # fmt: skip
-    if pipeline.transformer.device.type == "cuda" and not cfg.enforce_eager:
+        path, transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len,
+        max_num_seqs=max_num_seqs, kv_cache_tokens=kv_tokens, enforce_eager=cfg.enforce_eager,
+    )  # fmt: skip
+    log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
+             "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",
+             reasoner.pool.capacity_tokens, reasoner.pool.nbytes / 2**30)  # fmt: skip
+    if on_gpu:
         t0 = time.perf_counter()
-        reasoner.warm_up()  # builds the und tower's compiled graphs now, not in the first chat
-        log.info("Reasoner warm-up (und tower graphs compiled) in %.1f s", time.perf_counter() - t0)
+        reasoner.warm_up()  # compiles and captures the decode step now, not in the first chats
+        log.info("Reasoner warm-up (decode step%s) in %.1f s",
+                 "" if cfg.enforce_eager else " compiled and CUDA-graphed", time.perf_counter() - t0)  # fmt: skip
     return pipeline, gpu_memory, reasoner
 
 

@@ -6,7 +6,9 @@ holds it around a chat's prefill and around each decode step). Chat tokens and v
 therefore interleave step by step and a long video never starves a chat (nor the reverse) for more than one
 step. Continuous batching: up to `max_num_seqs` chats are active at once; each loop admits the waiting
 chats (FIFO, one prefill each), then runs ONE batched decode step for every active chat
-(`backend.step_all`), so N concurrent chats cost about one chat's decode forwards, not N.
+(`backend.step_all`), so N concurrent chats cost about one chat's decode forwards, not N. A chat the backend
+cannot take yet (ChatBackpressure: its K/V cache is full) stays first in line and is tried again after the
+next step; cancelled and failed chats are closed, which hands their K/V blocks back at once.
 
 Events go to the caller's `emit` callback from this thread (EngineClient bridges them into asyncio):
 `ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token, the last one with
@@ -22,7 +24,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worldserve.engine.outputs import ChatBackend, ChatDelta
+from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta
 from worldserve.params import ChatParams, ParamError
 
 log = logging.getLogger(__name__)
@@ -91,20 +93,34 @@ class ChatWorker:
 
     def _run(self) -> None:
         active: list[tuple[ChatHandle, object]] = []
+        deferred: ChatHandle | None = None  # the backend had no room for it at the last try
         stopping = False
         while not stopping or active:
             while not stopping and len(active) < self.max_num_seqs:
-                try:  # wait for work only when nothing is running
-                    handle = self._queue.get(block=not active)
-                except queue.Empty:
-                    break
+                if deferred is not None:
+                    handle, deferred = deferred, None
+                else:
+                    try:  # wait for work only when nothing is running
+                        handle = self._queue.get(block=not active)
+                    except queue.Empty:
+                        break
                 if handle is None:
                     stopping = True
-                elif not handle.cancelled.is_set() and (session := self._start(handle)) is not None:
-                    active.append((handle, session))
+                elif not handle.cancelled.is_set():
+                    session = self._start(handle, can_wait=bool(active))
+                    if session is ChatBackpressure:
+                        deferred = handle
+                        break
+                    if session is not None:
+                        active.append((handle, session))
+            for handle, session in active:
+                if handle.cancelled.is_set():
+                    self._close(session)
             active = [(h, s) for h, s in active if not h.cancelled.is_set()]
             if active:
                 active = self._step(active)
+        for handle in [deferred] if deferred is not None else []:
+            handle.emit(ChatFailed(503, "The server is shutting down."))
         while True:  # stopped: tell the callers still queued
             try:
                 handle = self._queue.get_nowait()
@@ -113,16 +129,29 @@ class ChatWorker:
             if handle is not None:
                 handle.emit(ChatFailed(503, "The server is shutting down."))
 
-    def _start(self, handle: ChatHandle):
-        """Prefill one chat; None (and a ChatFailed sent) when it fails."""
+    def _start(self, handle: ChatHandle, *, can_wait: bool):
+        """Prefill one chat: its session; None (and a ChatFailed sent) when it fails; the ChatBackpressure
+        class when the backend has no room now and `can_wait` (other chats are running and will free some)."""
         try:
             with self.model_lock:
                 session = self.backend.start(handle.params)
+        except ChatBackpressure as exc:
+            if can_wait:
+                return ChatBackpressure
+            handle.emit(ChatFailed(503, f"The K/V cache has no room for this chat: {exc}"))
+            return None
         except Exception as exc:
             self._fail(handle, exc)
             return None
         handle.emit(ChatStarted(prompt_tokens=session.prompt_tokens))
         return session
+
+    def _close(self, session) -> None:
+        try:
+            with self.model_lock:
+                session.close()
+        except Exception:
+            log.exception("closing a chat session failed")
 
     def _step(self, active: list[tuple[ChatHandle, object]]) -> list[tuple[ChatHandle, object]]:
         """One batched step of every active chat; returns the ones still generating."""
@@ -130,7 +159,8 @@ class ChatWorker:
             with self.model_lock:
                 deltas = self.backend.step_all([s for _, s in active])
         except Exception as exc:
-            for handle, _ in active:
+            for handle, session in active:
+                self._close(session)
                 self._fail(handle, exc)
             return []
         for (handle, _), delta in zip(active, deltas, strict=True):

@@ -101,6 +101,15 @@ class ChatSession(Protocol):
 
     def step(self) -> ChatDelta: ...
 
+    def close(self) -> None:
+        """Give its resources (K/V cache blocks) back now: the chat was cancelled or failed. Idempotent."""
+        ...
+
+
+class ChatBackpressure(RuntimeError):
+    """ChatBackend.start cannot take this chat now (its K/V cache is full): keep it queued and try again
+    after the next step, when running chats may have finished."""
+
 
 class ChatBackend(Protocol):
     def start(self, params: ChatParams) -> ChatSession:

@@ -25,8 +25,8 @@ QUANTIZATIONS = ("fp8", "fp8-emulated")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelOptions:
     compile: bool = True
-    """torch.compile the gen layers (1.13x a step on an H200) and the und layers' single-token path (Reasoner
-    decode at batch 1) on CUDA; CPU always runs eagerly."""
+    """torch.compile the gen layers (1.13x a step on an H200) on CUDA, and tell the Reasoner to compile its
+    decode step (runner/und_decoder.py); CPU always runs eagerly."""
     quantization: str | None = None
     """None, "fp8" (gen tower GEMMs in e4m3, row-wise scales; bf16 gen weights freed) or "fp8-emulated"."""
     attention_backend: str | None = None
@@ -98,6 +98,5 @@ class KernelOptions:
         parts += ["offload"] if self.layerwise_offload else []
         if self.compile and transformer.device.type == "cuda":
             transformer.compile_gen_layers()
-            transformer.compile_und_layers()
             parts.append("compiled")
         return "+".join(parts)

@@ -10,12 +10,17 @@ start(ChatParams) -> ReasonerSession:
   prefill: one und_step over the whole prompt with embed_tokens rows replaced by the ViT embeddings at the
            image-pad and video-pad rows, Qwen3-VL get_rope_index positions, and deepstack features (image and
            video rows in sequence order) added after the first len(deepstack) und layers; the K/V go into the
-           session's own contiguous cache.
+           session's sequence of the shared paged K/V pool (models/layers/paged_kv.py).
 session.step() -> ChatDelta: sample the next token (sampling/tokens.py) from the pending logits, detokenize
   incrementally (a trailing incomplete UTF-8 character and a possible stop-string prefix are held back), and,
   unless finished, run one und decode step at the next mRoPE position (max prompt position + 1 + k).
-step_all(sessions) -> [ChatDelta]: the same for several sessions with ONE batched und decode forward (each
-  sequence its own cache and position): continuous batching of concurrent chats.
+step_all(sessions) -> [ChatDelta]: the same for several sessions with ONE batched decode step
+  (runner/und_decoder.py: paged attention, CUDA-graphed on a GPU): continuous batching of concurrent chats.
+K/V memory: the pool holds `kv_cache_tokens` tokens in 64-token blocks, at least max_model_len. A chat that
+  finds too few free blocks for its prompt is not started (ChatBackpressure: the chat worker keeps it queued).
+  When a running chat needs a block and none is free, the most recently started chat is preempted: its blocks
+  are freed and it waits, then resumes by prefilling its prompt plus the tokens it already produced (vLLM's
+  recompute preemption); its stream sees no gap in the text, only a pause. No new chat starts while one waits.
 Finish: "stop" on <|im_end|> / <|endoftext|> / the config eos or a `stop` string, "length" at max_tokens or
 the context limit. Callers serialize model access (the chat worker holds the model lock around start/step).
 """
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worldserve.engine.outputs import ChatDelta, TokenLogprob
+from worldserve.engine.outputs import ChatBackpressure, ChatDelta, TokenLogprob
 from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.cosmos3.vision import (
     QWEN3VL_MAX_PIXELS,
@@ -42,7 +47,9 @@ from worldserve.models.cosmos3.vision import (
     video_inputs,
     video_timestamps,
 )
+from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.params import ChatParams, ParamError
+from worldserve.runner.und_decoder import UndDecoder
 from worldserve.sampling.tokens import TokenSampler
 
 IMAGE_PAD = "<|image_pad|>"
@@ -51,6 +58,13 @@ VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
+DEFAULT_MAX_NUM_SEQS = 32
+
+
+def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = False) -> int:
+    """Two full-length chats (one under layerwise offload, whose GPUs are small): 9.7 / 4.8 GB on Nano at the
+    default max_model_len 32768 (147 KiB a token)."""
+    return max_model_len if layerwise_offload else 2 * max_model_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +92,10 @@ class Reasoner:
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         min_pixels: int = QWEN3VL_MIN_PIXELS,
         max_pixels: int = QWEN3VL_MAX_PIXELS,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        kv_cache_tokens: int | None = None,
+        kv_block_size: int = DEFAULT_BLOCK_SIZE,
+        enforce_eager: bool = False,
     ) -> None:
         self.transformer = transformer
         self.tokenizer = tokenizer
@@ -92,13 +110,28 @@ class Reasoner:
         self.preprocess = (
             vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None
         )
+        if kv_cache_tokens is None:
+            kv_cache_tokens = default_kv_cache_tokens(
+                max_model_len, layerwise_offload=transformer.und_blocks is not None
+            )
+        if kv_cache_tokens < max_model_len:
+            raise ValueError(
+                f"the Reasoner's K/V cache holds {kv_cache_tokens} tokens, fewer than --max-model-len "
+                f"{max_model_len}: raise --kv-cache-memory-bytes or lower --max-model-len"
+            )
+        self.pool = transformer.new_paged_pool(kv_cache_tokens, block_size=kv_block_size)
+        self.decoder = UndDecoder(
+            transformer, self.pool, max_batch=max_num_seqs, max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+        )  # fmt: skip
+        self._waiting: list[ReasonerSession] = []  # preempted sessions, oldest first
+        self._started = 0  # sessions started so far (their start order decides who is preempted)
+        self.preemptions = 0  # sessions preempted so far (their K/V recomputed later)
 
     @classmethod
-    def from_pretrained(
-        cls, root: str | Path, transformer: Any, tokenizer: Any, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-        min_pixels: int = QWEN3VL_MIN_PIXELS, max_pixels: int = QWEN3VL_MAX_PIXELS,
-    ) -> Reasoner:  # fmt: skip
-        """Share `transformer` (already loaded); load the ViT from `<root>/vision_encoder` when present."""
+    def from_pretrained(cls, root: str | Path, transformer: Any, tokenizer: Any, **options: Any) -> Reasoner:
+        """Share `transformer` (already loaded); load the ViT from `<root>/vision_encoder` when present.
+        `options`: the constructor's keyword options (max_model_len, max_num_seqs, kv_cache_tokens, ...)."""
         root = Path(root)
         cfg = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
         vision = None
@@ -112,8 +145,7 @@ class Reasoner:
             transformer, tokenizer, vision,
             image_token_id=cfg.get("image_token_id", tokenizer.convert_tokens_to_ids(IMAGE_PAD)),
             video_token_id=cfg.get("video_token_id"),
-            eos_token_ids=eos if isinstance(eos, list) else [eos], max_model_len=max_model_len,
-            min_pixels=min_pixels, max_pixels=max_pixels,
+            eos_token_ids=eos if isinstance(eos, list) else [eos], **options,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prompt (CPU)
@@ -180,8 +212,10 @@ class Reasoner:
 
     # ------------------------------------------------------------------ model
     @torch.inference_mode()
-    def prefill(self, prompt: ChatPrompt, capacity: int | None = None) -> tuple[Tensor, Any, int]:
-        """-> (final-normed hidden [N, d] of every prompt token, the filled K/V cache, next position)."""
+    def prefill(self, prompt: ChatPrompt) -> tuple[Tensor, PagedSequence, int]:
+        """-> (final-normed hidden [N, d] of every prompt token, its filled paged sequence, next position).
+
+        PoolExhausted (nothing kept) when the pool cannot hold the prompt and its first generated token."""
         model = self.transformer
         ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=model.device)
         grids = [] if prompt.vision is None else prompt.vision.grid_thw.tolist()
@@ -198,9 +232,14 @@ class Reasoner:
             input_ids=ids, positions=positions.to(model.device), seq_lens=(ids.numel(),),
             inputs_embeds=embeds, deepstack=tuple(deepstack), visual_rows=rows,
         )  # fmt: skip
-        cache = model.new_und_cache(capacity or ids.numel())
-        hidden = model.und_step(batch, [cache])
-        return hidden, cache, next_pos
+        seq = self.pool.sequence()
+        seq.reserve(ids.numel() + 1)
+        try:
+            hidden = model.und_step(batch, [seq])
+        except BaseException:
+            seq.release()
+            raise
+        return hidden, seq, next_pos
 
     def _visual_embeddings(
         self, ids: Tensor, prompt: ChatPrompt
@@ -225,46 +264,68 @@ class Reasoner:
                 acc[joint] = feat
         return embeds, tuple(deepstack), rows
 
-    @torch.inference_mode()
-    def decode(self, token: int, cache: Any, position: int) -> Tensor:
+    def decode(self, token: int, seq: PagedSequence, position: int) -> Tensor:
         """One decode step: token at `position` -> logits [vocab] of the next token."""
-        return self.decode_many([(token, cache, position)])[0]
+        return self.decode_many([(token, seq, position)])[0]
 
-    @torch.inference_mode()
-    def decode_many(self, steps: Sequence[tuple[int, Any, int]]) -> Tensor:
-        """One batched decode step of several sequences: [(token, cache, position)] -> logits [B, vocab]."""
-        model = self.transformer
-        ids = torch.tensor([t for t, _, _ in steps], dtype=torch.long, device=model.device)  # [B]
-        pos = torch.tensor([float(p) for _, _, p in steps], device=model.device).expand(3, -1)  # [3, B]
-        batch = UndBatch(input_ids=ids, positions=pos, seq_lens=(1,) * len(steps))
-        hidden = model.und_step(batch, [c for _, c, _ in steps])  # [B, d]
-        return model.compute_logits(hidden)
+    def decode_many(self, steps: Sequence[tuple[int, PagedSequence, int]]) -> Tensor:
+        """One batched decode step of several sequences: [(token, seq, position)] -> logits [B, vocab].
+        Every sequence needs a free slot (prefill reserves the first; step_all reserves the others)."""
+        for _, seq, _ in steps:
+            seq.reserve(1)
+        return self.decoder.step([t for t, _, _ in steps], [s for _, s, _ in steps], [p for _, _, p in steps])
 
     def step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
-        """One step of every session (sampling each, then one batched decode of the unfinished ones)."""
+        """One step of every session: sample each (a preempted one first tries to resume), then one batched
+        decode of the unfinished ones, preempting the newest when the pool runs out of blocks."""
+        for s in [s for s in self._waiting if s in sessions]:
+            if not s.resume():
+                break  # oldest first: a later one must not take the blocks the older one waits for
+            self._waiting.remove(s)
         deltas, pending = [], []
         for s in sessions:
+            if s.preempted:
+                deltas.append(s.idle_delta())
+                continue
             delta, decode = s.advance()
             deltas.append(delta)
             if decode is not None:
                 pending.append((s, decode))
+        pending = self._make_room(pending)
         if pending:
             logits = self.decode_many([decode for _, decode in pending])
             for (s, _), row in zip(pending, logits, strict=True):
                 s.receive(row)
         return deltas
 
+    def _make_room(self, pending: list) -> list:
+        """Reserve each pending decode's slot; while the pool is short, preempt the newest pending session."""
+        pending = sorted(pending, key=lambda p: p[0].started)  # oldest first keeps its blocks
+        while pending:
+            try:
+                for _, (_, seq, _) in pending:
+                    seq.reserve(1)
+                return pending
+            except PoolExhausted:
+                victim, _ = pending.pop()
+                victim.preempt()
+                self.preemptions += 1
+                self._waiting.append(victim)
+        return pending
+
     def warm_up(self) -> None:
-        """A short prompt's prefill and one decode step before serving: on CUDA the und tower's compiled
-        single-token graphs are built here, not in the first user's chat."""
+        """A short prompt's prefill and one decode step before serving, then the decode step's CUDA graph of
+        every batch bucket: on a GPU the compiles and captures happen here, not in the first users' chats."""
         from worldserve.params import ChatMessage
 
         params = ChatParams(
             messages=(ChatMessage(role="user", content="Hello"),), max_tokens=1, temperature=0.0
         )
         prompt = self.build_prompt(params)
-        _, cache, position = self.prefill(prompt, capacity=len(prompt.input_ids) + 1)
-        self.decode(prompt.input_ids[-1], cache, position)  # whatever the model would sample
+        _, seq, position = self.prefill(prompt)
+        self.decode(prompt.input_ids[-1], seq, position)  # whatever the model would sample
+        seq.release()
+        self.decoder.capture_all()
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""
@@ -281,7 +342,12 @@ class Reasoner:
                 "of the messages or completion.",
             )
         budget = params.max_tokens if params.max_tokens is not None else room
-        hidden, cache, next_pos = self.prefill(prompt, capacity=n + min(budget, 512))
+        if self._waiting:
+            raise ChatBackpressure("preempted chats wait for K/V blocks")
+        try:
+            hidden, seq, next_pos = self.prefill(prompt)
+        except PoolExhausted as exc:
+            raise ChatBackpressure(str(exc)) from exc
         logits = self.transformer.compute_logits(hidden[-1:])[0]
         sampler = TokenSampler(
             temperature=params.temperature,
@@ -293,22 +359,26 @@ class Reasoner:
             repetition_penalty=params.repetition_penalty,
             prompt_ids=tuple(prompt.input_ids),
         )
-        return ReasonerSession(self, sampler, cache, logits, next_pos, prompt_tokens=n, max_tokens=budget,
-                               stop=params.stop,
+        self._started += 1
+        return ReasonerSession(self, sampler, seq, logits, next_pos, prompt=prompt, started=self._started,
+                               max_tokens=budget, stop=params.stop,
                                top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
 
 
 class ReasonerSession:
-    """One chat completion in progress: pending logits, its K/V cache and the text emitted so far."""
+    """One chat completion in progress: pending logits, its paged K/V sequence and the text emitted so far."""
 
     def __init__(
-        self, reasoner: Reasoner, sampler: TokenSampler, cache: Any, logits: Tensor, position: int, *,
-        prompt_tokens: int, max_tokens: int, stop: Sequence[str], top_logprobs: int | None = None,
+        self, reasoner: Reasoner, sampler: TokenSampler, seq: PagedSequence | None, logits: Tensor,
+        position: int, *, prompt: ChatPrompt, started: int, max_tokens: int, stop: Sequence[str],
+        top_logprobs: int | None = None,
     ) -> None:  # fmt: skip
-        self._r, self._sampler, self._cache = reasoner, sampler, cache
+        self._r, self._sampler, self._seq = reasoner, sampler, seq
         self._logits: Tensor | None = logits
         self._position = position
-        self.prompt_tokens = prompt_tokens
+        self._prompt = prompt
+        self.started = started
+        self.prompt_tokens = len(prompt.input_ids)
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.top_logprobs = top_logprobs  # None: no logprobs
@@ -325,6 +395,45 @@ class ReasonerSession:
         """Sample one token, return the new text (possibly empty) and the finish reason once done."""
         return self._r.step_all([self])[0]
 
+    @property
+    def preempted(self) -> bool:
+        """Its K/V blocks were taken back; it waits to be resumed (Reasoner.step_all)."""
+        return self._seq is None and self.finish_reason is None
+
+    def preempt(self) -> None:
+        """Free its K/V blocks; the token `advance` just sampled stays in token_ids and is recomputed."""
+        self._seq.release()
+        self._seq, self._logits = None, None
+
+    def resume(self) -> bool:
+        """Prefill the prompt + the tokens produced so far again; False (nothing taken) while the pool is short.
+
+        The last produced token's logits come out of this prefill, as its decode step would have given them."""
+        prompt = ChatPrompt(
+            input_ids=self._prompt.input_ids + self.token_ids,
+            vision=self._prompt.vision,
+            video=self._prompt.video,
+        )
+        try:
+            hidden, seq, position = self._r.prefill(prompt)
+        except PoolExhausted:
+            return False
+        self._seq, self._position = seq, position
+        self._logits = self._r.transformer.compute_logits(hidden[-1:])[0]
+        return True
+
+    def idle_delta(self) -> ChatDelta:
+        """The step outcome of a preempted session: no text yet."""
+        return ChatDelta(text="", finish_reason=None, completion_tokens=self.completion_tokens)
+
+    def close(self) -> None:
+        """Give the K/V blocks back and leave the Reasoner's wait list (cancelled, failed or finished)."""
+        if self._seq is not None:
+            self._seq.release()
+            self._seq = None
+        if self in self._r._waiting:
+            self._r._waiting.remove(self)
+
     def receive(self, logits: Tensor) -> None:
         """The next token's logits, after the decode of the token `advance` returned."""
         self._logits = logits
@@ -332,7 +441,7 @@ class ReasonerSession:
 
     def advance(self) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
         """Sample a token from the pending logits and update the text: (delta, the decode step to run next as
-        (token, cache, position) for Reasoner.decode_many, or None once finished). The caller runs it and
+        (token, paged sequence, position) for Reasoner.decode_many, or None once finished). The caller runs it and
         hands its logits to `receive`."""
         if self.finish_reason is not None or self._logits is None:
             raise RuntimeError("the session is finished")
@@ -357,10 +466,11 @@ class ReasonerSession:
             while end > self._emitted and text[end - 1] == "\ufffd":
                 end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
             self._logits = None  # until receive()
-            decode = (token, self._cache, self._position)
+            decode = (token, self._seq, self._position)
         else:
             end = len(text)
-            self._logits, self._cache = None, None
+            self._logits = None
+            self.close()
             decode = None
         delta = text[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)

@@ -14,9 +14,8 @@ Regional compilation: the two halves are written as pure functions of (activatio
 (`qkv_math`, `finish_math`), so one `torch.compile`d copy of each serves all 36 layers (one graph per
 shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of a
 tensor-parallel o_proj / down_proj stays outside). The gen tower compiles with static shapes (few, large).
-The und tower compiles for single-token calls only (a Reasoner decode step at batch 1, where eager mode
-spends its time launching the ~60 small norm / RoPE / SiLU kernels of a layer); prefills of any length and
-batched decode stay eager (SingleTokenCompiled).
+The und tower's prefills run eagerly; its decode step (runner/und_decoder.py) takes its own compiled copies
+(`compiled_decode_math`) and is captured in CUDA graphs.
 FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
 `Fp8Linear`s (e4m3 weight + per-row scale, bf16 weight dropped); the same two pure functions then take the
 scales (`*_s`) and route those GEMMs through `fp8_linear`, so compiled or not, one graph serves all layers
@@ -153,48 +152,30 @@ class TowerBlock(nn.Module):
         self.fp8 = {"emulate": emulate, "fast_accum": fast_accum}
 
 
-class SingleTokenCompiled:
-    """`compiled` for calls on one token (a Reasoner decode step at batch 1), `eager` for everything else.
-
-    Measured on an H200 (bench/reasoner_decode.py, bench/results/README.md): the compiled batch-1 decode step
-    took 26-28 ms against 30-50 ms eager (host-bound, noisy); a dynamic-shape graph for every token count
-    timed batches of 8 and 32 chats at 1.17x and 0.59x, so multi-token calls (prefills, batched decode)
-    stay eager."""
-
-    def __init__(self, eager, compiled) -> None:
-        self.eager, self.compiled = eager, compiled
-
-    def __call__(self, h: Tensor, *args, **kwargs):
-        return (self.compiled if h.shape[0] == 1 else self.eager)(h, *args, **kwargs)
-
-
-def compile_blocks(
-    blocks: Sequence[TowerBlock],
-    *,
-    mode: str = "default",
-    backend: str = "inductor",
-    single_token: bool = False,
-) -> None:
+def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backend: str = "inductor") -> None:
     """Route `blocks` through one shared torch.compile'd copy of qkv_math / finish_math (static shapes: one
-    graph per shape). `single_token` (the und tower): only one-token calls take the compiled copies
-    (SingleTokenCompiled), whose graphs are built from their own wrappers so the gen tower's never serve them."""
+    graph per shape)."""
     import torch._dynamo
 
     # One graph per distinct shape (resolution / batch mix); allow many before dynamo falls back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    if single_token:  # own code objects: dynamo caches graphs per code object
-        qkv = torch.compile(lambda *a, **k: qkv_math(*a, **k), mode=mode, backend=backend, dynamic=False)
-        finish = torch.compile(
-            lambda *a, **k: finish_math(*a, **k), mode=mode, backend=backend, dynamic=False
-        )
-        qkv_c, finish_c = SingleTokenCompiled(qkv_math, qkv), SingleTokenCompiled(finish_math, finish)
-    else:
-        qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
-        finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
+    qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
+    finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
     for block in blocks:
         block.qkv_fn = qkv_c
         if block.tp_size == 1:
             block.finish_fn = finish_c
+
+
+def compiled_decode_math(*, mode: str = "default", backend: str = "inductor"):
+    """(qkv, finish): torch.compile'd copies of qkv_math / finish_math for the Reasoner's decode step.
+
+    They wrap the functions in their own code objects (dynamo caches graphs per code object, so the gen
+    tower's static graphs never serve a decode step) and keep dynamo's automatic dynamic shapes: one graph
+    for batch 1, one for every other batch size."""
+    qkv = torch.compile(lambda *a, **k: qkv_math(*a, **k), mode=mode, backend=backend)
+    finish = torch.compile(lambda *a, **k: finish_math(*a, **k), mode=mode, backend=backend)
+    return qkv, finish
 
 
 class MoTLayer(nn.Module):

@@ -7,7 +7,8 @@ Data flow of a video request (cosmos3-model.md §5.6):
                                layers attending to [cached und K/V ; gen K/V], norm_moe_gen, proj_out /
                                audio_proj_out, unpatchify. Several requests and both CFG branches share it.
 The und pathway also stands alone for the Reasoner: und_step(UndBatch, caches) prefills or decodes text
-with its own K/V caches and returns final-normed hidden states; compute_logits applies lm_head. An
+with its own K/V caches (contiguous ones, or sequences of a paged pool from `new_paged_pool`) and returns
+final-normed hidden states; compute_logits applies lm_head (runner/und_decoder.py has the graphed decode). An
 UndBatch may carry Qwen3-VL deepstack features, added at the visual rows after the first und layers.
 Loading: build under `torch.device("meta")` with the target dtype, `to_empty(device=...)`, call
 `load_checkpoint_tensor(key, tensor)` for every checkpoint key (q/k/v and gate/up are fused here), then
@@ -44,6 +45,7 @@ from worldserve.models.layers.fp8 import fp8_unavailable_reason
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
 from worldserve.models.layers.norm import RMSNorm
 from worldserve.models.layers.offload import BlockStreamer
+from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedKVPool
 from worldserve.models.layers.rope import MRotaryEmbedding
 from worldserve.parallel import ulysses
 from worldserve.parallel.groups import SINGLE, ParallelGroup
@@ -134,12 +136,6 @@ class Cosmos3Transformer(nn.Module):
         """torch.compile the gen tower's per-layer math (one shared graph per shape for all layers)."""
         compile_blocks([layer.gen for layer in self.layers], mode=mode, backend=backend)
 
-    def compile_und_layers(self, *, mode: str = "default", backend: str = "inductor") -> None:
-        """torch.compile the und tower's per-layer math for single-token calls (a Reasoner decode step at
-        batch 1 no longer pays ~60 kernel launches a layer for its norms, RoPE and SiLU: 26-28 ms against
-        30-50 ms eager on an H200); prefills and batched decode stay eager (layer.SingleTokenCompiled)."""
-        compile_blocks([layer.und for layer in self.layers], mode=mode, backend=backend, single_token=True)
-
     def quantize_gen_fp8(
         self, *, emulate: bool = False, fast_accum: bool = True, device: torch.device | None = None
     ) -> None:
@@ -204,6 +200,20 @@ class Cosmos3Transformer(nn.Module):
         self.rotary_emb.reset_buffers()
 
     # ------------------------------------------------------------------ und pathway
+    def und_kv_bytes_per_token(self) -> int:
+        """K + V bytes of one token over every und layer (rank-local heads)."""
+        blk = self.layers[0].und
+        return PagedKVPool.bytes_per_token(len(self.layers), blk.num_kv_heads, blk.head_dim, self.dtype)
+
+    def new_paged_pool(self, tokens: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> PagedKVPool:
+        """A paged K/V pool on this model's device holding `tokens` tokens (+ the scratch block) of every und
+        layer, rank-local heads (the Reasoner's chats share it: models/layers/paged_kv.py)."""
+        blk = self.layers[0].und
+        return PagedKVPool(
+            num_layers=len(self.layers), num_kv_heads=blk.num_kv_heads, head_dim=blk.head_dim,
+            num_blocks=1 + -(-tokens // block_size), block_size=block_size, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+
     def new_und_cache(self, capacity: int) -> ContiguousKVCache:
         """An empty contiguous K/V cache for one sequence on this model's device."""
         blk = self.layers[0].und

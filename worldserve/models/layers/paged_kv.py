@@ -1,0 +1,163 @@
+"""Paged K/V cache for the Reasoner's chats: one pool of fixed-size blocks shared by every sequence.
+
+Why paged: a CUDA-graphed decode step needs every sequence's K/V at addresses that do not move between steps,
+and many chats of unknown length must share a memory budget without fragmenting it (vLLM's PagedAttention).
+`PagedKVPool` holds K and V for all layers as [layers, num_blocks, block_size, Hkv, D] tensors and a free list
+of block ids; block 0 is never handed out (the scratch block that padded rows of a graphed decode batch write
+into and read from). A `PagedSequence` owns a list of block ids (its block table) and a host-side length;
+token t of the sequence lives in block `table[t // block_size]` at row `t % block_size`.
+
+`PagedSequence` also implements the und step's KVCache protocol (models/layers/attention.py), so a prompt
+prefill through `Cosmos3Transformer.und_step` writes straight into the pool; its attention then reads the
+chunk's own K/V (a fresh sequence) or the gathered pages. Decode steps go through runner/und_decoder.py,
+which writes the new token's K/V at `slot(t)` and attends with models/layers/paged_attention.py.
+
+Blocks go back to the pool on `release()` (finished, cancelled or preempted chats), or when the sequence is
+garbage-collected. `reserve()` raises `PoolExhausted` (and allocates nothing) when the free list is short.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+DEFAULT_BLOCK_SIZE = 64
+"""Tokens a block (64 x 8 heads x 128 x 2 bytes = 128 KiB of K and of V a layer on Cosmos3-Nano)."""
+
+
+class PoolExhausted(RuntimeError):
+    """The pool has fewer free blocks than a reserve() asked for."""
+
+
+class PagedKVPool:
+    """K/V blocks of every layer + the free list. Block 0 is the reserved scratch block."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a paged K/V pool needs at least 2 blocks (one is scratch), got {num_blocks}")
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K + V bytes one token takes over all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the usable blocks hold (the scratch block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(f"{n} K/V blocks wanted, {len(self._free)} free of {self.num_blocks - 1}")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer i's K and V pools, [num_blocks, block_size, Hkv, D] each."""
+        return self.k[i], self.v[i]
+
+    def sequence(self) -> PagedSequence:
+        return PagedSequence(self)
+
+
+class PagedSequence:
+    """One sequence's blocks in a PagedKVPool; the und step's KVCache for its prefill."""
+
+    def __init__(self, pool: PagedKVPool) -> None:
+        self.pool = pool
+        self.blocks: list[int] = []
+        self._length = 0
+        self._finalizer = weakref.finalize(self, pool.free, self.blocks)  # same list object: freed on GC
+
+    @property
+    def length(self) -> int:
+        """Tokens whose K/V are committed (host int)."""
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.block_size
+
+    def reserve(self, num_new: int) -> None:
+        """Blocks for `num_new` more tokens; PoolExhausted (nothing taken) when the pool is short."""
+        need = self.pool.blocks_for(self._length + num_new) - len(self.blocks)
+        if need > 0:
+            self.blocks.extend(self.pool.allocate(need))
+
+    def release(self) -> None:
+        """Hand every block back (the sequence is empty afterwards and may be refilled)."""
+        self.pool.free(self.blocks)
+        self.blocks.clear()
+        self._length = 0
+
+    def slot(self, t: int) -> int:
+        """Flat row of token t in a layer's pool viewed as [num_blocks * block_size, Hkv, D]."""
+        bs = self.pool.block_size
+        return self.blocks[t // bs] * bs + t % bs
+
+    def slots(self, start: int, end: int, device: torch.device) -> Tensor:
+        """[end - start] long: flat rows of tokens start..end-1."""
+        bs = self.pool.block_size
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        t = torch.arange(start, end)
+        return (table[t // bs] * bs + t % bs).to(device)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k/v [n, Hkv, D] after the committed tokens; return this layer's K/V [length + n, Hkv, D]."""
+        end = self._length + k.shape[0]
+        if end > self.capacity:
+            raise RuntimeError(f"paged sequence full: {end} > {self.capacity} tokens; call reserve() first")
+        kp, vp = (x.flatten(0, 1) for x in self.pool.layer(layer))  # [blocks * block_size, Hkv, D]
+        rows = self.slots(self._length, end, k.device)
+        kp.index_copy_(0, rows, k.to(kp.dtype))
+        vp.index_copy_(0, rows, v.to(vp.dtype))
+        if self._length == 0:
+            return k, v  # a fresh sequence attends to its own chunk: no gather
+        every = self.slots(0, end, k.device)
+        return kp.index_select(0, every), vp.index_select(0, every)
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Committed K/V of one layer, gathered: [length, Hkv, D] each."""
+        kp, vp = (x.flatten(0, 1) for x in self.pool.layer(layer))
+        every = self.slots(0, self._length, kp.device)
+        return kp.index_select(0, every), vp.index_select(0, every)
+
+    def advance(self, num_new: int) -> None:
+        """Commit the chunk written by the last `write` of every layer."""
+        if self._length + num_new > self.capacity:
+            raise RuntimeError("advance past the reserved blocks")
+        self._length += num_new
