@@ -130,8 +130,8 @@ class UndDecoder:
             raise RuntimeError("a sequence has no room for its next token: reserve(1) first")
         if self.use_graphs:
             b = next(x for x in self.buckets if x >= n)
+            graph, out = self._graph(b)  # a first capture runs on padding rows: before the fill
             self._fill(tokens, seqs, positions, b)
-            graph, out = self._graph(b)
             graph.replay()
             logits = out[:n].clone()
         else:
