@@ -339,6 +339,8 @@ def test_chat_metrics(server, reasoner):
     assert delta("worldserve:chat_request_success_total", finish_reason=finish) == 2
     assert delta("worldserve:chat_time_to_first_token_seconds_count") == 2
     assert _metric(after, "worldserve:chat_requests_running") == 0
+    for name in ("worldserve:kv_cache_usage_perc", "worldserve:num_preemptions"):
+        assert f'{name}{{model_name="{MODEL}"}} 0.0' in after  # present; finished chats hold no K/V blocks
 
 
 def test_n_choices_stream_and_not(oai, reasoner):

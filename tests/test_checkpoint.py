@@ -254,4 +254,6 @@ def test_memory_plan_of_nano_matches_the_h200_measurement():
 
     plan = memory_plan(Cosmos3Config.nano())
     assert 28.0 < plan["resident_gib"] < 28.34 and 3.7 < plan["offload_gpu_gib"] < 4.05
+    assert plan["kv_bytes_per_token"] == 36 * 2 * 8 * 128 * 2  # 144 KiB: 36 layers, K and V, 8 heads of 128
+    assert plan["kv_cache_gib"] == 2 * plan["kv_cache_offload_gib"] == 9.0  # 2 x 32768 tokens
     assert 25.9 < plan["offload_host_pinned_gib"] < 27.5  # 25.9 GiB of blocks, in power-of-two chunks

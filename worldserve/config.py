@@ -56,7 +56,7 @@ class ModelConfig:
     max_model_len: int = 32768
     """Context length of Reasoner chat completions (prompt + completion tokens)."""
     kv_cache_memory_bytes: int | None = None
-    """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 147 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
+    """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     no_guardrails: bool = False

@@ -41,6 +41,9 @@ def build_app(
 ) -> FastAPI:
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
+    if client.chat_worker is not None:
+        chat = client.chat_worker.backend
+        metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
     client.observe(metrics)
 
     @asynccontextmanager

@@ -76,6 +76,14 @@ class Metrics:
             gpu = Gauge("worldserve:gpu_memory_used_bytes", "Accelerator memory in use.", label, registry=r)
             gpu.labels(**self._label).set_function(gpu_memory_bytes)
 
+    def track_kv_cache(self, usage: Callable[[], float], preemptions: Callable[[], float]) -> None:
+        """The Reasoner's K/V cache: fraction of blocks in use, and chats preempted so far (a running total)."""
+        r, label = self.registry, ["model_name"]
+        Gauge("worldserve:kv_cache_usage_perc", "Fraction of the Reasoner's K/V cache blocks in use (0-1).",
+              label, registry=r).labels(**self._label).set_function(usage)  # fmt: skip
+        Gauge("worldserve:num_preemptions", "Chats preempted so far for lack of K/V blocks (cumulative).",
+              label, registry=r).labels(**self._label).set_function(preemptions)  # fmt: skip
+
     def track_queue(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
         self.waiting.labels(**self._label).set_function(waiting)
         self.running.labels(**self._label).set_function(running)

@@ -75,7 +75,8 @@ def describe(root: Path, layout=None) -> dict:
 
 def memory_plan(config) -> dict:
     """GiB of the bf16 transformer: all on the GPU, and under layerwise offload (GPU: everything but the
-    layers plus two slots per tower; host: the und and gen blocks, pinned in power-of-two chunks)."""
+    layers plus two slots per tower; host: the und and gen blocks, pinned in power-of-two chunks); and the
+    Reasoner's default K/V cache at the default --max-model-len (its bytes a token: kv_bytes_per_token)."""
     import torch
 
     from worldserve.models.cosmos3.transformer import Cosmos3Transformer
@@ -88,11 +89,19 @@ def memory_plan(config) -> dict:
     n = len(model.layers)
     layers = sum(n * b for b in towers)
     pinned = sum(size for b in towers for size, _ in pinned_chunks(n, b))
+    from worldserve.runner.reasoner import DEFAULT_MAX_MODEL_LEN, default_kv_cache_tokens
+
     gib = 2**30
+    per_token = model.und_kv_bytes_per_token()
     return {
         "resident_gib": total / gib,
         "offload_gpu_gib": (total - layers + 2 * sum(towers)) / gib,
         "offload_host_pinned_gib": pinned / gib,
+        "kv_cache_gib": default_kv_cache_tokens(DEFAULT_MAX_MODEL_LEN) * per_token / gib,
+        "kv_cache_offload_gib": default_kv_cache_tokens(DEFAULT_MAX_MODEL_LEN, layerwise_offload=True)
+        * per_token
+        / gib,
+        "kv_bytes_per_token": per_token,
     }
 
 
@@ -141,13 +150,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{name:16s} (configuration only)")
     print("defaults:   " + ", ".join(f"{k}={v}" for k, v in info["generation_defaults"].items()))
+    per_token = info["transformer_memory"]["kv_bytes_per_token"]
     m = {
         k: (f"{v:.2f} GiB" if v >= 0.1 else f"{v * 1024:.2f} MiB")
         for k, v in info["transformer_memory"].items()
+        if k != "kv_bytes_per_token"
     }
     print(
         f"memory:     transformer in bf16 {m['resident_gib']} on the GPU; with --enable-layerwise-offload "
         f"{m['offload_gpu_gib']} on the GPU + {m['offload_host_pinned_gib']} pinned host RAM"
+    )
+    print(
+        f"K/V cache:  {per_token / 1024:.1f} KiB a token; Reasoner default {m['kv_cache_gib']} "
+        f"({m['kv_cache_offload_gib']} under offload) at --max-model-len 32768 (--kv-cache-memory-bytes)"
     )
     rt = info["runtime"]
     print(

@@ -119,3 +119,12 @@ class ChatBackend(Protocol):
     def step_all(self, sessions: Sequence[ChatSession]) -> list[ChatDelta]:
         """One step of each unfinished session, their decode forwards batched into one."""
         ...
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of the K/V cache's blocks held by chats (0..1)."""
+        ...
+
+    @property
+    def preemptions(self) -> int:
+        """Chats preempted so far (their K/V freed and recomputed later)."""
+        ...

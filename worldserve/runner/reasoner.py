@@ -63,7 +63,7 @@ DEFAULT_MAX_NUM_SEQS = 32
 
 def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = False) -> int:
     """Two full-length chats (one under layerwise offload, whose GPUs are small): 9.7 / 4.8 GB on Nano at the
-    default max_model_len 32768 (147 KiB a token)."""
+    default max_model_len 32768 (144 KiB a token)."""
     return max_model_len if layerwise_offload else 2 * max_model_len
 
 
@@ -263,6 +263,11 @@ class Reasoner:
             for acc, feat in zip(deepstack, ds, strict=True):
                 acc[joint] = feat
         return embeds, tuple(deepstack), rows
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's usable blocks held by chats (vLLM's kv_cache_usage_perc)."""
+        usable = self.pool.num_blocks - 1
+        return (usable - self.pool.num_free) / usable
 
     def decode(self, token: int, seq: PagedSequence, position: int) -> Tensor:
         """One decode step: token at `position` -> logits [vocab] of the next token."""
