@@ -1,7 +1,8 @@
 """Attention backends on one GPU: cuDNN SDPA vs FlashAttention-3 bf16 vs FA3 fp8, kernel and whole step.
 
 0. PyTorch's default SDPA choice at the joint shape, fresh and after our sdpa_attention calls; FA3's
-   pack_gqa settings and a B=2 (both CFG items) call.
+   pack_gqa settings, a B=2 (both CFG items) call, and FA3 timed by CUDA events alone back to back vs right
+   after a gate|up-sized GEMM each (does the step's GEMM traffic slow attention down?), with NVML clocks.
 1. Kernel, at the joint gen shape (N_g queries over T + N_g keys, GQA 32/8, head dim 128; 720p x 189 + audio:
    44,357 gen tokens, T = 300 and 3,500 text tokens): ms, TFLOP/s (4 N_q N_k H d), and the rel. L2 error of
    each backend against a float32 reference on a sample of query rows. fp8 is timed with its on-device
@@ -114,10 +115,54 @@ def fa3_knobs(n_gen: int, n_text: int, device: torch.device, repeats: int) -> di
     ):
         t = time_region(lambda kw=kw: mod.flash_attn_func(q, k, k, **kw), device, warmup=1, repeats=repeats)
         res[name] = {"ms": t.median * 1e3, "tflops": flops / t.median / 1e12}
+    res["b2_per_item"] = _b2_per_item(mod, q, k, flops, device, repeats)
+    # In the compiled step FA3 runs at ~657 TF/s against ~675-681 here: is it the GEMMs between the calls
+    # (power / clocks)? Time FA3 alone back to back, then each call right after a gate|up-sized GEMM.
+    a = torch.randn(2 * n_gen, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(24576, 4096, device=device, dtype=torch.bfloat16)
+    for name, gemm in (("back_to_back", False), ("after_gemm", True)):
+        ms, clocks = _fa3_event_ms(
+            lambda: mod.flash_attn_func(q, k, k), lambda: F.linear(a, w), gemm, repeats
+        )
+        res[name] = {"ms": ms, "tflops": flops / ms / 1e9, **clocks}
+    return res
+
+
+def _b2_per_item(mod, q, k, flops: float, device: torch.device, repeats: int) -> dict:
+    """Both CFG items in one B=2 FA3 call: ms and TF/s per item."""
+    from worldserve.bench.timing import time_region
+
     q2, k2 = torch.cat([q, q]), torch.cat([k, k])
     t = time_region(lambda: mod.flash_attn_func(q2, k2, k2), device, warmup=1, repeats=repeats)
-    res["b2_per_item"] = {"ms": t.median * 1e3 / 2, "tflops": 2 * flops / t.median / 1e12}
-    return res
+    return {"ms": t.median * 1e3 / 2, "tflops": 2 * flops / t.median / 1e12}
+
+
+def _fa3_event_ms(attn, gemm, with_gemm: bool, repeats: int) -> tuple[float, dict]:
+    """Median ms of attn() alone (CUDA events around it only), each call preceded by gemm() if with_gemm;
+    and the SM clock (MHz) and power (W) read while the queue runs (NVML, when importable)."""
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeats + 2)
+    ]
+    for start, end in events:
+        if with_gemm:
+            gemm()
+        start.record()
+        attn()
+        end.record()
+    clocks: dict = {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        clocks = {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                  "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000}  # fmt: skip
+    except Exception as exc:  # no NVML here: timings only
+        clocks = {"nvml": str(exc)}
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events[2:])
+    return times[len(times) // 2], clocks
 
 
 def step_bench(args, device: torch.device, log) -> dict:
