@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     model = build_our_transformer(cfg, device, dtype, None, args.seed)
     res["attention"] = model.set_attention_backend(None)
     batches = [int(x) for x in args.batches.split(",")]
-    tokens = max(batches) * (args.context + 16)
+    tokens = max(batches) * 64 * -(-(args.context + 16) // 64)  # whole 64-token blocks per chat
     decoders = {
         "contiguous": None,
         "eager": make_decoder(model, max_batch=max(batches), tokens=tokens, enforce_eager=True),
