@@ -81,6 +81,18 @@ def measure(model, device, args, log, name: str, decoder, label: str) -> dict:
     return out
 
 
+def sampling_ms(device: torch.device, batch: int, vocab: int) -> float:
+    """ms of one batched sample_tokens call over [batch, vocab] bf16 logits with NVIDIA's suggested chat
+    settings (temperature 0.7, top_p 0.8, top_k 20, presence_penalty 1.5), each row its own seeded sampler."""
+    from worldserve.bench.timing import time_region
+    from worldserve.sampling.tokens import TokenSampler, sample_tokens
+
+    logits = torch.randn(batch, vocab, device=device).to(torch.bfloat16)
+    samplers = [TokenSampler(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5, seed=i)
+                for i in range(batch)]  # fmt: skip
+    return time_region(lambda: sample_tokens(samplers, logits), device, warmup=2, repeats=5).median * 1e3
+
+
 def fastest(rounds: list[dict]) -> dict:
     """Per batch size the fastest of the rounds."""
     decode = {}
@@ -130,6 +142,8 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     res["prefill_s"] = time_region(lambda: model.prefill_und([ids]), device, warmup=1, repeats=3).median
     logits = {name: decode_logits(model, device, decoders[name]) for name in VARIANTS}
     res["logits_rel_error"] = {n: rel_error(logits[n], logits["contiguous"]) for n in ("eager", "graphed")}
+    res["sampling_ms"] = {str(b): sampling_ms(device, b, cfg.vocab_size) for b in batches}
+    res["sampling_ms_host_row"] = sampling_ms(torch.device("cpu"), 1, cfg.vocab_size)  # the pre-batched way
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -140,18 +154,19 @@ def table(res: dict) -> str:
         f"Reasoner decode (und tower + lm_head), {env.get('gpu', env['device'])}, attention {res['attention']}, "
         f"context {res['args']['context']} tokens",
         f"{'batch':>5s} {'contiguous ms':>13s} {'eager ms':>9s} {'graphed ms':>10s} {'speed-up':>8s} "
-        f"{'tok/s':>8s} {'of roofline':>11s}",
+        f"{'tok/s':>8s} {'of roofline':>11s} {'sampling ms':>11s}",
     ]
     for b, c in res["contiguous"]["decode"].items():
         e, g = res["eager"]["decode"][b], res["graphed"]["decode"][b]
         lines.append(
             f"{b:>5s} {c['step_s'] * 1e3:13.2f} {e['step_s'] * 1e3:9.2f} {g['step_s'] * 1e3:10.2f} "
             f"{c['step_s'] / g['step_s']:7.2f}x {g['tok_s']:8.1f} "
-            f"{g['tok_s'] / ROOFLINE_TOK_S if b == '1' else float('nan'):11.2f}"
+            f"{g['tok_s'] / ROOFLINE_TOK_S if b == '1' else float('nan'):11.2f} {res['sampling_ms'][b]:11.2f}"
         )
     err = res["logits_rel_error"]
     lines += [
-        f"prefill {res['args']['prefill']} tokens: {res['prefill_s']:.4f} s; capture {res['capture_s']:.1f} s",
+        f"prefill {res['args']['prefill']} tokens: {res['prefill_s']:.4f} s; capture {res['capture_s']:.1f} s; "
+        f"one row sampled on the host (the pre-batched way): {res['sampling_ms_host_row']:.2f} ms",
         f"decode logits vs contiguous, rel. L2: eager {err['eager']:.2e}, graphed {err['graphed']:.2e}; "
         f"roofline {ROOFLINE_TOK_S:.0f} tok/s, vLLM {VLLM_TOK_S:.0f} tok/s at batch 1",
     ]

@@ -175,6 +175,30 @@ def test_sampling_seeded_and_bounded():
     assert TokenSampler(temperature=0).sample(logits) == int(logits.argmax())
 
 
+def test_batched_sampling_equals_each_row_alone_and_follows_the_distribution():
+    """sample_tokens over a mix of samplers (greedy, penalized, top-k, top-p, plain temperature) gives each
+    row the token its sampler draws alone, and plain temperature-1 draws follow softmax(logits)."""
+    from worldserve.sampling.tokens import sample_tokens
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 30, generator=g) * 2
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, presence_penalty=1.0, repetition_penalty=1.5),
+             dict(temperature=0.7, top_k=5), dict(temperature=0.9, top_p=0.5, presence_penalty=0.5),
+             dict(temperature=1.0)]  # fmt: skip
+
+    def make():
+        return [TokenSampler(**kw, seed=11 + i, prompt_ids=(1, 2, 3)) for i, kw in enumerate(kinds)]
+
+    batched, alone = make(), make()
+    for _ in range(6):
+        together = sample_tokens(batched, logits)
+        assert together == [s.sample(row) for s, row in zip(alone, logits, strict=True)]
+    s = TokenSampler(temperature=1.0, seed=0)
+    row = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    counts = torch.bincount(torch.tensor([s.sample(row) for _ in range(4000)]), minlength=4).float()
+    torch.testing.assert_close(counts / 4000, row.softmax(-1), atol=0.03, rtol=0)
+
+
 def test_context_limit_and_stop_strings(reasoner):
     msgs = (ChatMessage(role="user", content="hello"),)
     with pytest.raises(ParamError) as err:

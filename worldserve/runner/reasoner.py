@@ -50,7 +50,7 @@ from worldserve.models.cosmos3.vision import (
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.params import ChatParams, ParamError
 from worldserve.runner.und_decoder import UndDecoder
-from worldserve.sampling.tokens import TokenSampler
+from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -287,12 +287,14 @@ class Reasoner:
             if not s.resume():
                 break  # oldest first: a later one must not take the blocks the older one waits for
             self._waiting.remove(s)
+        ready = [s for s in sessions if not s.preempted]
+        tokens = iter(sample_tokens([s._sampler for s in ready], torch.stack([s._logits for s in ready])))
         deltas, pending = [], []
         for s in sessions:
             if s.preempted:
                 deltas.append(s.idle_delta())
                 continue
-            delta, decode = s.advance()
+            delta, decode = s.advance(next(tokens))
             deltas.append(delta)
             if decode is not None:
                 pending.append((s, decode))
@@ -444,13 +446,13 @@ class ReasonerSession:
         self._logits = logits
         self._position += 1
 
-    def advance(self) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
-        """Sample a token from the pending logits and update the text: (delta, the decode step to run next as
-        (token, paged sequence, position) for Reasoner.decode_many, or None once finished). The caller runs it and
-        hands its logits to `receive`."""
+    def advance(self, token: int) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
+        """Take `token`, sampled from the pending logits by this session's sampler (step_all samples every
+        session at once), and update the text: (delta, the decode step to run next as (token, paged sequence,
+        position) for Reasoner.decode_many, or None once finished). The caller runs it and hands its logits
+        to `receive`."""
         if self.finish_reason is not None or self._logits is None:
             raise RuntimeError("the session is finished")
-        token = self._sampler.sample(self._logits)
         finished = token in self._r.stop_token_ids
         logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
         if not finished:

@@ -1,18 +1,23 @@
-"""Autoregressive token sampling for the Reasoner: greedy, or temperature / top-k / top-p, seeded.
+"""Autoregressive token sampling for the Reasoner: greedy, or temperature / top-k / top-p, seeded; batched.
 
-Input: one row of logits [V] (any float dtype, any device) and a `TokenSampler` built once per request.
-Output: the next token id. Penalties come first, as vLLM applies them: repetition_penalty r over every
-token of the prompt and of the output so far (a positive logit divided by r, a negative one multiplied:
-transformers' RepetitionPenaltyLogitsProcessor), then the OpenAI penalties over the output so far
-(logit -= frequency_penalty * count + presence_penalty * [count > 0]). temperature == 0 is then greedy
-(argmax, first index on ties), as in vLLM. Otherwise logits / temperature, then top-k (keep the k largest),
-then top-p (keep the smallest prefix of the sorted probabilities whose mass reaches p; the top token always
-stays), then a draw from a CPU `torch.Generator` seeded with the request's seed, so a seeded request gives
-the same tokens on every run and device. Every sampled token counts as output for the next call.
+`sample_tokens(samplers, logits [B, V])` draws one token per row, row b with `samplers[b]` (one
+`TokenSampler` per request, built once), every row in one pass on the logits' device and one host sync
+(a step of 32 chats costs about what one costs). `TokenSampler.sample(logits [V])` is the same for one row.
+Per row, as vLLM orders it: penalties first: repetition_penalty r over every token of the prompt and of the
+output so far (a positive logit divided by r, a negative one multiplied: transformers'
+RepetitionPenaltyLogitsProcessor), then the OpenAI penalties over the output so far (logit -=
+frequency_penalty * count + presence_penalty * [count > 0]). temperature == 0 is then greedy (argmax, first
+index on ties), as in vLLM. Otherwise logits / temperature, then top-k (keep the k largest), then top-p
+(keep the smallest prefix of the sorted probabilities whose mass reaches p; the top token always stays),
+then inverse-CDF sampling with one uniform number drawn from the request's CPU `torch.Generator` (seeded
+with the request's seed): a seeded request gives the same tokens on every run, on any device. Every
+sampled token counts as output for the next call; its count also lives on the logits' device, so the
+penalties of a step cost no host work that grows with the text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +44,9 @@ class TokenSampler:
     """The prompt, for repetition_penalty."""
     generator: torch.Generator = field(init=False)
     output_counts: dict[int, int] = field(init=False, default_factory=dict)
+    _counts: Tensor | None = field(init=False, default=None, repr=False)
+    _unsynced: list[int] = field(init=False, default_factory=list, repr=False)
+    _prompt_mask: Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -61,39 +69,92 @@ class TokenSampler:
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    def record(self, token: int) -> None:
+        """Count `token` as output (for the penalties of later calls)."""
+        self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        self._unsynced.append(token)
+
+    def device_counts(self, vocab: int, device: torch.device) -> Tensor:
+        """[V] float32 on `device`: how often each token was output (kept in step with output_counts)."""
+        if self._counts is None or self._counts.device != device or self._counts.numel() != vocab:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            if self.output_counts:
+                ids = torch.tensor(list(self.output_counts), dtype=torch.long, device=device)
+                self._counts[ids] = torch.tensor(list(self.output_counts.values()), dtype=torch.float32,
+                                                 device=device)  # fmt: skip
+        elif self._unsynced:
+            ids = torch.tensor(self._unsynced, dtype=torch.long, device=device)
+            self._counts.index_add_(0, ids, torch.ones(ids.numel(), device=device))
+        self._unsynced.clear()
+        return self._counts
+
+    def seen_mask(self, vocab: int, device: torch.device) -> Tensor:
+        """[V] bool: tokens of the prompt or of the output so far (what repetition_penalty discounts)."""
+        if self._prompt_mask is None or self._prompt_mask.device != device:
+            self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if self.prompt_ids:
+                self._prompt_mask[torch.tensor(self.prompt_ids, dtype=torch.long, device=device)] = True
+        return self._prompt_mask | (self.device_counts(vocab, device) > 0)
+
     def penalize(self, logits: Tensor) -> Tensor:
-        """The penalties on a float32 CPU copy of logits [V] (the input is untouched)."""
-        scores = logits.detach().float().cpu().clone()
-        if self.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(self.prompt_ids) | set(self.output_counts)), dtype=torch.long)
-            if seen.numel():
-                vals = scores[seen]
-                r = self.repetition_penalty
-                scores[seen] = torch.where(vals > 0, vals / r, vals * r)
-        if self.output_counts and (self.presence_penalty or self.frequency_penalty):
-            ids = torch.tensor(list(self.output_counts), dtype=torch.long)
-            counts = torch.tensor(list(self.output_counts.values()), dtype=torch.float32)
-            scores[ids] -= self.frequency_penalty * counts + self.presence_penalty
-        return scores
+        """The penalties on a float32 copy of logits [V] (the input is untouched)."""
+        scores = logits.detach().float()[None].clone()  # [1, V]
+        _penalize([self], scores)
+        return scores[0]
 
     def sample(self, logits: Tensor) -> int:
         """logits [V] -> the next token id (recorded as output for the penalties of later calls)."""
-        token = self._choose(self.penalize(logits) if self.penalized else logits)
-        self.output_counts[token] = self.output_counts.get(token, 0) + 1
-        return token
+        return sample_tokens([self], logits[None])[0]
 
-    def _choose(self, logits: Tensor) -> int:
-        if self.greedy:
-            return int(logits.argmax())
-        scores = logits.detach().float().cpu() / self.temperature  # [V]
-        if 0 < self.top_k < scores.numel():
-            kth = torch.topk(scores, self.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if self.top_p < 1:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            probs = sorted_scores.softmax(-1)
-            before = probs.cumsum(-1) - probs  # mass strictly before each token
-            drop = before >= self.top_p
-            scores = scores.index_fill(0, order[drop], float("-inf"))
-        probs = scores.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
+    """Apply each row's penalties to scores [B, V] (float32) in place, the penalized rows at once."""
+    rows = [i for i, s in enumerate(samplers) if s.penalized]
+    if not rows:
+        return
+    vocab, device = scores.shape[1], scores.device
+    sub = [samplers[i] for i in rows]
+    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    x = scores.index_select(0, idx)  # [P, V]
+    r = torch.tensor([s.repetition_penalty for s in sub], device=device)[:, None]
+    if any(s.repetition_penalty != 1.0 for s in sub):
+        seen = torch.stack([s.seen_mask(vocab, device) for s in sub])  # [P, V]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    counts = torch.stack([s.device_counts(vocab, device) for s in sub])  # [P, V]
+    freq = torch.tensor([s.frequency_penalty for s in sub], device=device)[:, None]
+    pres = torch.tensor([s.presence_penalty for s in sub], device=device)[:, None]
+    x = x - freq * counts - pres * (counts > 0)
+    scores.index_copy_(0, idx, x)
+
+
+def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]:
+    """logits [B, V] (any float dtype, any device) -> one token id per row, row b drawn by samplers[b] and
+    recorded as its output. One pass over all rows on the logits' device, one host sync."""
+    if len(samplers) != logits.shape[0]:
+        raise ValueError(f"{len(samplers)} samplers for {logits.shape[0]} rows of logits")
+    scores = logits.detach().float().clone()  # [B, V]
+    _penalize(samplers, scores)
+    tokens = scores.argmax(-1)  # [B]: the greedy rows' answer (first index on ties)
+    rows = [i for i, s in enumerate(samplers) if not s.greedy]
+    if rows:
+        device = scores.device
+        sub = [samplers[i] for i in rows]
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        temp = torch.tensor([s.temperature for s in sub], device=device)[:, None]
+        x = scores.index_select(0, idx) / temp  # [S, V]
+        vals, order = x.sort(-1, descending=True)  # [S, V] each
+        keep = torch.ones_like(vals, dtype=torch.bool)
+        k = torch.tensor([s.top_k if 0 < s.top_k < x.shape[1] else x.shape[1] for s in sub], device=device)
+        keep &= vals >= vals.gather(1, (k - 1)[:, None])  # the k largest (ties with the k-th stay)
+        p = torch.tensor([s.top_p if s.top_p < 1 else float("inf") for s in sub], device=device)[:, None]
+        probs = vals.masked_fill(~keep, float("-inf")).softmax(-1)
+        keep &= probs.cumsum(-1) - probs < p  # drop a token once the mass before it reaches p
+        cdf = vals.masked_fill(~keep, float("-inf")).softmax(-1).cumsum(-1)  # [S, V]
+        u = torch.stack([torch.rand((), generator=s.generator) for s in sub]).to(device) * cdf[:, -1]
+        last = keep.sum(-1, keepdim=True) - 1  # the kept tokens are a prefix of the sorted order
+        pick = torch.minimum(torch.searchsorted(cdf, u[:, None], right=True), last)  # [S, 1]
+        tokens = tokens.index_copy(0, idx, order.gather(1, pick)[:, 0])
+    out = tokens.tolist()
+    for s, t in zip(samplers, out, strict=True):
+        s.record(t)
+    return out
