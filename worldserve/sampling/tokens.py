@@ -7,7 +7,7 @@ Per row, as vLLM orders it: penalties first: repetition_penalty r over every tok
 output so far (a positive logit divided by r, a negative one multiplied: transformers'
 RepetitionPenaltyLogitsProcessor), then the OpenAI penalties over the output so far (logit -=
 frequency_penalty * count + presence_penalty * [count > 0]). temperature == 0 is then greedy (argmax, first
-index on ties), as in vLLM. Otherwise logits / temperature, then top-k (keep the k largest), then top-p
+index on ties), as in vLLM. Otherwise logits / temperature, then top-k (keep the k largest; ties at the k-th broken by sort order), then top-p
 (keep the smallest prefix of the sorted probabilities whose mass reaches p; the top token always stays),
 then inverse-CDF sampling with one uniform number drawn from the request's CPU `torch.Generator` (seeded
 with the request's seed): a seeded request gives the same tokens on every run, on any device. Every
@@ -107,6 +107,20 @@ class TokenSampler:
         return sample_tokens([self], logits[None])[0]
 
 
+TOPK_FAST_PATH = 1024
+"""When every sampled row has 0 < top_k <= this, only the top max(k) candidates are sorted (torch.topk)."""
+
+
+def _rows(
+    samplers: Sequence[TokenSampler], wanted: list[int], scores: Tensor
+) -> tuple[Tensor | None, Tensor]:
+    """(index tensor of the wanted rows or None when they are all rows, those rows of scores)."""
+    if len(wanted) == scores.shape[0]:
+        return None, scores
+    idx = torch.tensor(wanted, dtype=torch.long, device=scores.device)
+    return idx, scores.index_select(0, idx)
+
+
 def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
     """Apply each row's penalties to scores [B, V] (float32) in place, the penalized rows at once."""
     rows = [i for i, s in enumerate(samplers) if s.penalized]
@@ -114,17 +128,18 @@ def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
         return
     vocab, device = scores.shape[1], scores.device
     sub = [samplers[i] for i in rows]
-    idx = torch.tensor(rows, dtype=torch.long, device=device)
-    x = scores.index_select(0, idx)  # [P, V]
-    r = torch.tensor([s.repetition_penalty for s in sub], device=device)[:, None]
+    idx, x = _rows(samplers, rows, scores)  # [P, V]
+    knobs = torch.tensor([[s.repetition_penalty, s.frequency_penalty, s.presence_penalty] for s in sub])
+    r, freq, pres = knobs.to(device).unbind(1)  # [P] each
     if any(s.repetition_penalty != 1.0 for s in sub):
         seen = torch.stack([s.seen_mask(vocab, device) for s in sub])  # [P, V]
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        x = torch.where(seen, torch.where(x > 0, x / r[:, None], x * r[:, None]), x)
     counts = torch.stack([s.device_counts(vocab, device) for s in sub])  # [P, V]
-    freq = torch.tensor([s.frequency_penalty for s in sub], device=device)[:, None]
-    pres = torch.tensor([s.presence_penalty for s in sub], device=device)[:, None]
-    x = x - freq * counts - pres * (counts > 0)
-    scores.index_copy_(0, idx, x)
+    x = x - freq[:, None] * counts - pres[:, None] * (counts > 0)
+    if idx is None:
+        scores.copy_(x)
+    else:
+        scores.index_copy_(0, idx, x)
 
 
 def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]:
@@ -137,23 +152,27 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
     tokens = scores.argmax(-1)  # [B]: the greedy rows' answer (first index on ties)
     rows = [i for i, s in enumerate(samplers) if not s.greedy]
     if rows:
-        device = scores.device
         sub = [samplers[i] for i in rows]
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
-        temp = torch.tensor([s.temperature for s in sub], device=device)[:, None]
-        x = scores.index_select(0, idx) / temp  # [S, V]
-        vals, order = x.sort(-1, descending=True)  # [S, V] each
-        keep = torch.ones_like(vals, dtype=torch.bool)
-        k = torch.tensor([s.top_k if 0 < s.top_k < x.shape[1] else x.shape[1] for s in sub], device=device)
-        keep &= vals >= vals.gather(1, (k - 1)[:, None])  # the k largest (ties with the k-th stay)
-        p = torch.tensor([s.top_p if s.top_p < 1 else float("inf") for s in sub], device=device)[:, None]
+        vocab = scores.shape[1]
+        ks = [s.top_k if 0 < s.top_k < vocab else vocab for s in sub]
+        # per row: temperature, top_k, top_p (inf: off), a uniform draw from the request's generator
+        knobs = torch.tensor([[s.temperature, k, s.top_p if s.top_p < 1 else float("inf"),
+                               float(torch.rand((), generator=s.generator))] for s, k in zip(sub, ks, strict=True)])  # fmt: skip
+        temp, k, p, u = knobs.to(scores.device).unbind(1)  # [S] each
+        idx, x = _rows(samplers, rows, scores)
+        x = x / temp[:, None]  # [S, V]
+        if max(ks) <= TOPK_FAST_PATH:
+            vals, order = x.topk(max(ks), dim=-1)  # [S, max k]: sorted, descending
+        else:
+            vals, order = x.sort(-1, descending=True)  # [S, V]
+        keep = torch.arange(vals.shape[1], device=x.device)[None, :] < k[:, None]  # the k largest
         probs = vals.masked_fill(~keep, float("-inf")).softmax(-1)
-        keep &= probs.cumsum(-1) - probs < p  # drop a token once the mass before it reaches p
-        cdf = vals.masked_fill(~keep, float("-inf")).softmax(-1).cumsum(-1)  # [S, V]
-        u = torch.stack([torch.rand((), generator=s.generator) for s in sub]).to(device) * cdf[:, -1]
+        keep &= probs.cumsum(-1) - probs < p[:, None]  # drop a token once the mass before it reaches p
+        cdf = vals.masked_fill(~keep, float("-inf")).softmax(-1).cumsum(-1)  # [S, n]
         last = keep.sum(-1, keepdim=True) - 1  # the kept tokens are a prefix of the sorted order
-        pick = torch.minimum(torch.searchsorted(cdf, u[:, None], right=True), last)  # [S, 1]
-        tokens = tokens.index_copy(0, idx, order.gather(1, pick)[:, 0])
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # [S, 1]
+        drawn = order.gather(1, torch.minimum(pick, last))[:, 0]
+        tokens = drawn if idx is None else tokens.index_copy(0, idx, drawn)
     out = tokens.tolist()
     for s, t in zip(samplers, out, strict=True):
         s.record(t)
