@@ -247,3 +247,28 @@ def test_graphed_reasoner_chats_equal_eager_on_cuda(tiny_ckpt):
         r.warm_up()
         runs.append(_greedy(r, prompts, 40))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_offloaded_reasoner_chats_equal_resident_on_cuda(tiny_ckpt):
+    """Under layerwise offload the decoder runs eagerly with the und blocks streamed per layer: the same
+    greedy tokens as the resident, graphed model."""
+    from transformers import AutoTokenizer
+
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    prompts = ["Hello there", "Describe a cat"]
+    runs = []
+    for offload in (False, True):
+        model = load_transformer(
+            tiny_ckpt, dtype=torch.float32, device="cpu" if offload else "cuda", progress=False
+        )
+        if offload:
+            model.enable_layerwise_offload("cuda")
+        r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=256, max_num_seqs=4)
+        assert r.decoder.use_graphs is not offload
+        r.warm_up()
+        runs.append(_greedy(r, prompts, 30))
+    assert runs[0] == runs[1]
