@@ -62,26 +62,37 @@ def test_paged_write_and_gather_round_trip():
 
 @pytest.mark.parametrize("group", [1, 4])
 def test_reference_paged_attention_equals_dense_sdpa(group):
+    """Sequences with 0, 3, 4, 12 cached tokens (blocks of 4) and a new token each: the new K/V land at their
+    slots and the output is dense SDPA over cached + new."""
     torch.manual_seed(0)
     hkv, d, bs = 2, 16, 4
     pool = _pool(blocks=12, block_size=bs, heads=hkv, dim=d, layers=1)
-    lens = [1, 4, 5, 13]
+    cached = [0, 3, 4, 12]
     seqs, dense = [], []
-    for n in lens:
+    for n in cached:
         s = pool.sequence()
-        s.reserve(n)
-        k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
-        s.write(0, k, v)
-        s.advance(n)
+        s.reserve(n + 1)
+        k, v = torch.randn(n + 1, hkv, d), torch.randn(n + 1, hkv, d)
+        if n:
+            s.write(0, k[:n], v[:n])
+            s.advance(n)
         seqs.append(s)
         dense.append((k, v))
-    table = torch.zeros(len(lens), 4, dtype=torch.int32)
+    table = torch.zeros(len(cached), 4, dtype=torch.int32)
     for r, s in enumerate(seqs):
         table[r, : len(s.blocks)] = torch.tensor(s.blocks)
-    q = torch.randn(len(lens), hkv * group, d)
-    got = paged_decode_attention_reference(q, *pool.layer(0), table, torch.tensor(lens, dtype=torch.int32))
+    q = torch.randn(len(cached), hkv * group, d)
+    k_new = torch.stack([k[-1] for k, _ in dense])
+    v_new = torch.stack([v[-1] for _, v in dense])
+    slots = torch.tensor([s.slot(s.length) for s in seqs])
+    got = paged_decode_attention_reference(
+        q, k_new, v_new, *pool.layer(0), table, torch.tensor(cached, dtype=torch.int32), slots
+    )
     for r, (k, v) in enumerate(dense):
         torch.testing.assert_close(got[r], sdpa_attention(q[r : r + 1], k, v)[0], rtol=1e-5, atol=1e-6)
+    for s, (k, v) in zip(seqs, dense, strict=True):
+        s.advance(1)
+        assert torch.equal(s.kv(0)[0], k) and torch.equal(s.kv(0)[1], v)  # the new token was stored
 
 
 @pytest.fixture(scope="module")
@@ -175,31 +186,43 @@ def test_preemption_recomputes_and_emits_the_same_tokens(tiny_ckpt, model_and_to
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lens", [[1, 64, 65, 1000], [3000], [40, 1100, 2049, 7, 300]])
-def test_triton_paged_attention_matches_the_reference(lens):
-    """The Triton split-K kernel at Nano's head layout (32 query / 8 KV heads, d 128, blocks of 64, bf16)
-    against the torch reference, with lengths on and across block and split edges."""
+@pytest.mark.parametrize("cached", [[0, 63, 64, 1000], [3000], [40, 1100, 2048, 7, 300]])
+def test_triton_paged_attention_matches_the_reference(cached):
+    """The Triton split + merge kernels at Nano's head layout (32 query / 8 KV heads, d 128, blocks of 64,
+    bf16) against the torch reference, with lengths on and across block and split edges: same output, same
+    new K/V stored."""
     from worldserve.models.layers.paged_attention import paged_decode_attention, triton_available
 
     if not triton_available():
         pytest.skip("needs Triton")
     g = torch.Generator(device="cuda").manual_seed(0)
-    pool = PagedKVPool(num_layers=1, num_kv_heads=8, head_dim=128, num_blocks=200, block_size=64,
-                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    pool.k.normal_(generator=g)
-    pool.v.normal_(generator=g)
+    pools = []
+    for _ in range(2):
+        pool = PagedKVPool(num_layers=1, num_kv_heads=8, head_dim=128, num_blocks=200, block_size=64,
+                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        pools.append(pool)
+    pools[0].k.normal_(generator=g)
+    pools[0].v.normal_(generator=g)
+    pools[1].k.copy_(pools[0].k)
+    pools[1].v.copy_(pools[0].v)
     perm = torch.randperm(199, generator=torch.Generator().manual_seed(1)) + 1  # scattered block ids
-    table = torch.zeros(len(lens), 64, dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(lens):
-        nb = -(-n // 64)
+    table = torch.zeros(len(cached), 64, dtype=torch.int32)
+    slots, used = [], 0
+    for r, n in enumerate(cached):
+        nb = n // 64 + 1  # the new token's block included
         table[r, :nb] = perm[used : used + nb].to(torch.int32)
+        slots.append(int(table[r, n // 64]) * 64 + n % 64)
         used += nb
-    table, seq_lens = table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    want = paged_decode_attention_reference(q, *pool.layer(0), table, seq_lens).float()
-    got = paged_decode_attention(q, *pool.layer(0), table, seq_lens).float()
+    table, lens = table.cuda(), torch.tensor(cached, dtype=torch.int32, device="cuda")
+    slots = torch.tensor(slots, device="cuda")
+    q = torch.randn(len(cached), 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k_new, v_new = (
+        torch.randn(len(cached), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv"
+    )
+    want = paged_decode_attention_reference(q, k_new, v_new, *pools[0].layer(0), table, lens, slots).float()
+    got = paged_decode_attention(q, k_new, v_new, *pools[1].layer(0), table, lens, slots).float()
     assert float((got - want).norm() / want.norm()) < 1e-2
+    assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """UndDecoder: the Reasoner's batched decode step (one new token for each of B chats), CUDA-graphed on a GPU.
 
 One step: embed the B tokens, mRoPE at their positions, then per und layer: the fused q|k|v projection with
-q/k-norm and RoPE, the new K/V written into the paged pool (models/layers/paged_kv.py) at each sequence's
-next slot, paged decode attention (models/layers/paged_attention.py), o_proj + SwiGLU; final norm, lm_head.
+q/k-norm and RoPE, paged decode attention (models/layers/paged_attention.py: over each sequence's cached
+K/V in the pool of models/layers/paged_kv.py and the new token, whose K/V it stores at the sequence's next
+slot), o_proj + SwiGLU; final norm, lm_head.
 Everything a step reads sits in static device buffers (token ids, positions, write slots, block tables,
 lengths), so the step has no host syncs and no shapes that depend on the contexts.
 
@@ -62,7 +63,7 @@ class UndDecoder:
         self.positions = torch.zeros(3, b, dtype=torch.float32, device=dev)
         self.slots = torch.zeros(b, dtype=torch.long, device=dev)  # flat pool row of each new token
         self.table = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev)
-        self.lens = torch.ones(b, dtype=torch.int32, device=dev)  # keys per row, the new token included
+        self.lens = torch.zeros(b, dtype=torch.int32, device=dev)  # tokens of each row already in the pool
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -79,9 +80,7 @@ class UndDecoder:
             )  # fmt: skip
         k_pool, v_pool = self.pool.layer(i)  # [blocks, block_size, Hkv, D]
         slots = self.slots[: h.shape[0]]
-        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k)
-        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v)
-        attn = paged_decode_attention(q, k_pool, v_pool, table, lens)  # [B, Hq, D]
+        attn = paged_decode_attention(q, k, v, k_pool, v_pool, table, lens, slots)  # [B, Hq, D]; k, v stored
         if self.finish_fn is None or blk.tp_size != 1:
             return blk.finish(h, attn)
         return self.finish_fn(
@@ -110,7 +109,7 @@ class UndDecoder:
         ids = torch.tensor([*tokens, *([0] * pad)], dtype=torch.long)
         pos = torch.tensor([*(float(p) for p in positions), *([0.0] * pad)], dtype=torch.float32)
         slots = torch.tensor([*(s.slot(s.length) for s in seqs), *([0] * pad)], dtype=torch.long)
-        lens = torch.tensor([*(s.length + 1 for s in seqs), *([1] * pad)], dtype=torch.int32)
+        lens = torch.tensor([*(s.length for s in seqs), *([0] * pad)], dtype=torch.int32)
         self.ids[:b].copy_(ids, non_blocking=True)
         self.positions[:, :b].copy_(pos.expand(3, -1), non_blocking=True)
         self.slots[:b].copy_(slots, non_blocking=True)
@@ -168,7 +167,7 @@ class UndDecoder:
         self.positions[:, :b].zero_()
         self.slots[:b].zero_()
         self.table[:b].zero_()
-        self.lens[:b].fill_(1)
+        self.lens[:b].zero_()
 
     @torch.inference_mode()
     def capture_all(self) -> None:
