@@ -147,3 +147,30 @@ def test_a_chat_without_room_waits_for_a_running_one_instead_of_failing():
         worker.stop()
     assert first == second and "".join(e.text for e in second[1:]) == "abc"
     assert backend.refused >= 1 and backend.batches == [1, 1, 1, 1, 1, 1]  # one after the other
+
+
+def test_stop_fails_a_deferred_chat_instead_of_serving_it():
+    """A chat deferred for lack of room when stop() comes is answered 503 (the running one finishes)."""
+    lock = threading.Lock()
+
+    class Slow:  # each step takes 10 ms: the first chat runs for about a second
+        @staticmethod
+        def wait(_timeout):
+            threading.Event().wait(0.01)
+
+    backend = RoomForOneBackend(lock, words=tuple("abcdefghijklmnopqrstuvwxyz" * 4), gate=Slow())
+    worker = ChatWorker(backend, lock, max_num_seqs=4)
+    worker.start()
+    try:
+        _, first = _collect(worker)
+        assert isinstance(first.get(timeout=5), ChatStarted)
+        _, second = _collect(worker)
+        for _ in range(100):
+            if getattr(backend, "refused", 0):
+                break
+            threading.Event().wait(0.01)
+        assert backend.refused >= 1
+    finally:
+        worker.stop()
+    assert _drain(second) == [ChatFailed(503, "The server is shutting down.")]
+    assert _drain(first)[-1].finish_reason == "length"

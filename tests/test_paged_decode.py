@@ -185,6 +185,71 @@ def test_preemption_recomputes_and_emits_the_same_tokens(tiny_ckpt, model_and_to
         Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=32)
 
 
+def test_preempted_session_steps_alone_and_resumes_with_its_own_positions(tiny_ckpt, model_and_tok):
+    """Review findings: a preempted session stepped on its own (session.step()) idles instead of crashing,
+    and its resume prefill gives the logits that decoding its tokens one by one gives, even when it generated
+    an image-placeholder token (re-deriving Qwen3-VL positions from prompt + output would take it for an
+    image and fail)."""
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_and_tok
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=64, kv_block_size=8)
+    params = ChatParams(messages=(ChatMessage(role="user", content="Hi"),), max_tokens=20, temperature=0.0)
+    s = r.start(params)
+    for _ in range(3):
+        s.step()
+    s.token_ids[-1] = r.image_token_id  # as if the model had produced <|image_pad|> as text
+    s.preempt()
+    r._waiting.append(s)
+    hog = r.pool.sequence()
+    hog.reserve(r.pool.num_free * r.pool.block_size)  # no room to resume into
+    assert s.step().text == "" and s.preempted
+    hog.release()
+    _, seq, pos = r.prefill(s._prompt)
+    for t in s.token_ids:
+        want = r.decode(t, seq, pos)
+        pos += 1
+    seq.release()
+    assert s.resume()
+    torch.testing.assert_close(s.pending_logits, want, rtol=1e-4, atol=1e-4)
+    r.forget(s)
+    assert s.step().completion_tokens == 4 and s.close() is None
+    assert r.pool.num_free == r.pool.num_blocks - 1
+
+
+def test_tiny_temperature_is_greedy_and_placeholder_text_is_a_400(tiny_ckpt, model_and_tok):
+    """A temperature of 1e-45 samples greedily (dividing by it gave inf/NaN and failed every chat of the
+    batch); "<|image_pad|>" typed into a message without an image is a ParamError naming messages."""
+    from worldserve.params import ParamError
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.sampling.tokens import TokenSampler, sample_tokens
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    samplers = [TokenSampler(temperature=1e-45, seed=0), TokenSampler(temperature=0.0)]
+    assert sample_tokens(samplers, logits) == logits.argmax(-1).tolist()
+    model, tok = model_and_tok
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64)
+    with pytest.raises(ParamError) as err:
+        r.start(ChatParams(messages=(ChatMessage(role="user", content="look <|image_pad|>"),)))
+    assert err.value.param == "messages"
+
+
+def test_streamed_text_is_the_decoded_completion(tiny_ckpt, model_and_tok):
+    """Incremental detokenization: the deltas of sampled chats (the tiny byte-level vocabulary splits UTF-8
+    characters across tokens) add up to the tokenizer's decode of the whole completion."""
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_and_tok
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=256)
+    for seed in range(4):
+        s = r.start(ChatParams(messages=(ChatMessage(role="user", content="Write ä poem"),), max_tokens=60,
+                               temperature=1.5, seed=seed))  # fmt: skip
+        text = ""
+        while s.finish_reason is None:
+            text += s.step().text
+        assert text == tok.decode(s.token_ids, skip_special_tokens=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cached", [[0, 63, 64, 1000], [3000], [40, 1100, 2048, 7, 300]])
 def test_triton_paged_attention_matches_the_reference(cached):
@@ -295,3 +360,28 @@ def test_offloaded_reasoner_chats_equal_resident_on_cuda(tiny_ckpt):
         r.warm_up()
         runs.append(_greedy(r, prompts, 30))
     assert runs[0] == runs[1]
+
+
+def test_a_chat_without_room_is_refused_before_any_work_and_not_rebuilt(
+    tiny_ckpt, model_and_tok, monkeypatch
+):
+    """With the pool full, start() raises ChatBackpressure before the prefill (no ViT, no K/V taken), and
+    the chat worker's retry with the same params reuses the prompt built the first time."""
+    from worldserve.engine.outputs import ChatBackpressure
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_and_tok
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=64, kv_block_size=8)
+    builds, build = [], r.build_prompt
+    monkeypatch.setattr(r, "build_prompt", lambda p: builds.append(p) or build(p))
+    params = ChatParams(messages=(ChatMessage(role="user", content="Hi"),), max_tokens=5, temperature=0.0)
+    hog = r.pool.sequence()
+    hog.reserve(r.pool.num_free * r.pool.block_size)
+    for _ in range(2):
+        with pytest.raises(ChatBackpressure):
+            r.start(params)
+    hog.release()
+    s = r.start(params)
+    assert len(builds) == 1 and s.prompt_tokens > 0
+    s.close()
+    assert r.pool.num_free == r.pool.num_blocks - 1

@@ -70,6 +70,7 @@ class ChatWorker:
         self.model_lock = model_lock
         self.max_num_seqs = max_num_seqs
         self._queue: queue.Queue[ChatHandle | None] = queue.Queue()
+        self._stopping = threading.Event()  # also seen while a deferred chat keeps the queue unread
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
     def start(self) -> None:
@@ -78,6 +79,7 @@ class ChatWorker:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Finish the current step, fail whatever is still queued, and join the thread."""
+        self._stopping.set()
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -96,6 +98,7 @@ class ChatWorker:
         deferred: ChatHandle | None = None  # the backend had no room for it at the last try
         stopping = False
         while not stopping or active:
+            stopping = stopping or self._stopping.is_set()
             while not stopping and len(active) < self.max_num_seqs:
                 if deferred is not None:
                     handle, deferred = deferred, None

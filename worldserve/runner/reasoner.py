@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worldserve.engine.outputs import ChatBackpressure, ChatDelta, TokenLogprob
+from worldserve.engine.outputs import ChatBackpressure, ChatDelta
 from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.cosmos3.vision import (
     QWEN3VL_MAX_PIXELS,
@@ -49,6 +49,7 @@ from worldserve.models.cosmos3.vision import (
 )
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.params import ChatParams, ParamError
+from worldserve.runner.reasoner_session import ReasonerSession
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
@@ -73,8 +74,12 @@ class ChatPrompt:
     """Token ids with every image placeholder expanded."""
     vision: VisionInputs | None
     """Preprocessed images in prompt order, or None when the prompt has none."""
-    video: VisionInputs | None = None
+    video: VisionInputs | None
     """Preprocessed videos in prompt order (one grid row per video), or None."""
+    positions: Tensor
+    """[3, N] float32 Qwen3-VL mRoPE positions of input_ids (get_rope_index)."""
+    next_position: int
+    """Position of the first generated token."""
 
 
 class Reasoner:
@@ -127,6 +132,7 @@ class Reasoner:
         self._waiting: list[ReasonerSession] = []  # preempted sessions, oldest first
         self._started = 0  # sessions started so far (their start order decides who is preempted)
         self.preemptions = 0  # sessions preempted so far (their K/V recomputed later)
+        self._deferred: tuple[ChatParams, ChatPrompt] | None = None  # the last chat refused for lack of room
 
     @classmethod
     def from_pretrained(cls, root: str | Path, transformer: Any, tokenizer: Any, **options: Any) -> Reasoner:
@@ -186,8 +192,24 @@ class Reasoner:
             )
         if videos:
             text, video = self._expand_videos(text, videos)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ChatPrompt(input_ids=list(ids), vision=vision, video=video)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        grids = [] if vision is None else vision.grid_thw.tolist()
+        merge = self.vision.merge_size if self.vision is not None else 2
+        try:
+            positions, next_pos = chat_positions(
+                ids, self.image_token_id, grids, merge, video_token_id=self.video_token_id,
+                video_grids=[] if video is None else video.grid_thw.tolist(),
+            )  # fmt: skip
+        except (
+            ValueError
+        ) as exc:  # e.g. "<|image_pad|>" typed into the text: more placeholder runs than images
+            raise ParamError(
+                "messages", f"the messages do not match their images / videos ({exc}); text must not contain "
+                f"{IMAGE_PAD} or {VIDEO_PAD}",
+            ) from exc  # fmt: skip
+        return ChatPrompt(
+            input_ids=ids, vision=vision, video=video, positions=positions, next_position=next_pos
+        )
 
     def _expand_videos(self, text: str, videos: list) -> tuple[str, VisionInputs]:
         """Patchify each video and replace its placeholder by timestamped per-patch token runs."""
@@ -212,34 +234,31 @@ class Reasoner:
 
     # ------------------------------------------------------------------ model
     @torch.inference_mode()
-    def prefill(self, prompt: ChatPrompt) -> tuple[Tensor, PagedSequence, int]:
-        """-> (final-normed hidden [N, d] of every prompt token, its filled paged sequence, next position).
+    def prefill(self, prompt: ChatPrompt, generated: Sequence[int] = ()) -> tuple[Tensor, PagedSequence, int]:
+        """-> (final-normed hidden [N, d] of every token, its filled paged sequence, next position).
 
-        PoolExhausted (nothing kept) when the pool cannot hold the prompt and its first generated token."""
+        `generated`: tokens the chat already produced (a preempted chat's resume), prefilled after the prompt
+        at the positions their decode steps had. PoolExhausted, before any work (the ViT included) and with
+        nothing kept, when the pool cannot hold them all and the next token."""
         model = self.transformer
-        ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=model.device)
-        grids = [] if prompt.vision is None else prompt.vision.grid_thw.tolist()
-        video_grids = [] if prompt.video is None else prompt.video.grid_thw.tolist()
-        merge = self.vision.merge_size if self.vision is not None else 2
-        positions, next_pos = chat_positions(
-            prompt.input_ids, self.image_token_id, grids, merge,
-            video_token_id=self.video_token_id, video_grids=video_grids,
-        )  # fmt: skip
-        embeds, deepstack, rows = None, (), None
-        if prompt.vision is not None or prompt.video is not None:
-            embeds, deepstack, rows = self._visual_embeddings(ids, prompt)
-        batch = UndBatch(
-            input_ids=ids, positions=positions.to(model.device), seq_lens=(ids.numel(),),
-            inputs_embeds=embeds, deepstack=tuple(deepstack), visual_rows=rows,
-        )  # fmt: skip
         seq = self.pool.sequence()
-        seq.reserve(ids.numel() + 1)
+        seq.reserve(len(prompt.input_ids) + len(generated) + 1)
         try:
+            ids = torch.tensor(prompt.input_ids + list(generated), dtype=torch.long, device=model.device)
+            after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
+            positions = torch.cat([prompt.positions, after.expand(3, -1)], dim=1)  # [3, N]
+            embeds, deepstack, rows = None, (), None
+            if prompt.vision is not None or prompt.video is not None:
+                embeds, deepstack, rows = self._visual_embeddings(ids, prompt)
+            batch = UndBatch(
+                input_ids=ids, positions=positions.to(model.device), seq_lens=(ids.numel(),),
+                inputs_embeds=embeds, deepstack=tuple(deepstack), visual_rows=rows,
+            )  # fmt: skip
             hidden = model.und_step(batch, [seq])
         except BaseException:
             seq.release()
             raise
-        return hidden, seq, next_pos
+        return hidden, seq, prompt.next_position + len(generated)
 
     def _visual_embeddings(
         self, ids: Tensor, prompt: ChatPrompt
@@ -249,7 +268,9 @@ class Reasoner:
         assert self.vision is not None
         model = self.transformer
         embeds = model.embed_tokens(ids)
-        is_img, is_vid = ids == self.image_token_id, ids == self.video_token_id
+        in_prompt = torch.arange(ids.numel(), device=ids.device) < len(prompt.input_ids)  # not generated ones
+        is_img = (ids == self.image_token_id) & in_prompt
+        is_vid = (ids == self.video_token_id) & in_prompt
         rows = (is_img | is_vid).nonzero().squeeze(1)  # [M]
         deepstack: list[Tensor] = []
         for inputs, mask in ((prompt.vision, is_img), (prompt.video, is_vid)):
@@ -283,18 +304,17 @@ class Reasoner:
     def step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
         """One step of every session: sample each (a preempted one first tries to resume), then one batched
         decode of the unfinished ones, preempting the newest when the pool runs out of blocks."""
-        for s in [s for s in self._waiting if s in sessions]:
-            if not s.resume():
-                break  # oldest first: a later one must not take the blocks the older one waits for
-            self._waiting.remove(s)
+        self._resume_waiting(sessions)
         ready = [s for s in sessions if not s.preempted]
-        tokens = iter(sample_tokens([s._sampler for s in ready], torch.stack([s._logits for s in ready])))
+        if ready:
+            drawn = sample_tokens([s.sampler for s in ready], torch.stack([s.pending_logits for s in ready]))
+            tokens = dict(zip(map(id, ready), drawn, strict=True))
         deltas, pending = [], []
         for s in sessions:
             if s.preempted:
                 deltas.append(s.idle_delta())
                 continue
-            delta, decode = s.advance(next(tokens))
+            delta, decode = s.advance(tokens[id(s)])
             deltas.append(delta)
             if decode is not None:
                 pending.append((s, decode))
@@ -304,6 +324,17 @@ class Reasoner:
             for (s, _), row in zip(pending, logits, strict=True):
                 s.receive(row)
         return deltas
+
+    def _resume_waiting(self, sessions: Sequence[ReasonerSession]) -> None:
+        """Resume preempted sessions, oldest first, while the pool has room for one plus a block for each
+        running session (so that a resumed session is not preempted again by this very step)."""
+        running = sum(not s.preempted for s in sessions)
+        for s in [s for s in self._waiting if s in sessions]:
+            need = self.pool.blocks_for(s.resume_tokens + 1) + running
+            if self.pool.num_free < need or not s.resume():
+                return  # a later one must not take the blocks the older one waits for
+            self._waiting.remove(s)
+            running += 1
 
     def _make_room(self, pending: list) -> list:
         """Reserve each pending decode's slot; while the pool is short, preempt the newest pending session."""
@@ -318,7 +349,13 @@ class Reasoner:
                 victim.preempt()
                 self.preemptions += 1
                 self._waiting.append(victim)
+                self._waiting.sort(key=lambda w: w.started)
         return pending
+
+    def forget(self, session: ReasonerSession) -> None:
+        """Drop a closed session from the wait list."""
+        if session in self._waiting:
+            self._waiting.remove(session)
 
     def warm_up(self) -> None:
         """A short prompt's prefill and one decode step before serving, then the decode step's CUDA graph of
@@ -337,7 +374,8 @@ class Reasoner:
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""
         params.validate()
-        prompt = self.build_prompt(params)
+        deferred, self._deferred = self._deferred, None
+        prompt = deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
         n = len(prompt.input_ids)
         room = self.max_model_len - n
         if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
@@ -350,11 +388,17 @@ class Reasoner:
             )
         budget = params.max_tokens if params.max_tokens is not None else room
         if self._waiting:
+            self._deferred = (params, prompt)
             raise ChatBackpressure("preempted chats wait for K/V blocks")
         try:
             hidden, seq, next_pos = self.prefill(prompt)
         except PoolExhausted as exc:
+            self._deferred = (
+                params,
+                prompt,
+            )  # the chat worker retries with the same params: no new preprocessing
             raise ChatBackpressure(str(exc)) from exc
+        self._deferred = None
         logits = self.transformer.compute_logits(hidden[-1:])[0]
         sampler = TokenSampler(
             temperature=params.temperature,
@@ -370,132 +414,3 @@ class Reasoner:
         return ReasonerSession(self, sampler, seq, logits, next_pos, prompt=prompt, started=self._started,
                                max_tokens=budget, stop=params.stop,
                                top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
-
-
-class ReasonerSession:
-    """One chat completion in progress: pending logits, its paged K/V sequence and the text emitted so far."""
-
-    def __init__(
-        self, reasoner: Reasoner, sampler: TokenSampler, seq: PagedSequence | None, logits: Tensor,
-        position: int, *, prompt: ChatPrompt, started: int, max_tokens: int, stop: Sequence[str],
-        top_logprobs: int | None = None,
-    ) -> None:  # fmt: skip
-        self._r, self._sampler, self._seq = reasoner, sampler, seq
-        self._logits: Tensor | None = logits
-        self._position = position
-        self._prompt = prompt
-        self.started = started
-        self.prompt_tokens = len(prompt.input_ids)
-        self.max_tokens = max_tokens
-        self.stop = tuple(stop)
-        self.top_logprobs = top_logprobs  # None: no logprobs
-        self.token_ids: list[int] = []
-        self._emitted = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | None = None
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def step(self) -> ChatDelta:
-        """Sample one token, return the new text (possibly empty) and the finish reason once done."""
-        return self._r.step_all([self])[0]
-
-    @property
-    def preempted(self) -> bool:
-        """Its K/V blocks were taken back; it waits to be resumed (Reasoner.step_all)."""
-        return self._seq is None and self.finish_reason is None
-
-    def preempt(self) -> None:
-        """Free its K/V blocks; the token `advance` just sampled stays in token_ids and is recomputed."""
-        self._seq.release()
-        self._seq, self._logits = None, None
-
-    def resume(self) -> bool:
-        """Prefill the prompt + the tokens produced so far again; False (nothing taken) while the pool is short.
-
-        The last produced token's logits come out of this prefill, as its decode step would have given them."""
-        prompt = ChatPrompt(
-            input_ids=self._prompt.input_ids + self.token_ids,
-            vision=self._prompt.vision,
-            video=self._prompt.video,
-        )
-        try:
-            hidden, seq, position = self._r.prefill(prompt)
-        except PoolExhausted:
-            return False
-        self._seq, self._position = seq, position
-        self._logits = self._r.transformer.compute_logits(hidden[-1:])[0]
-        return True
-
-    def idle_delta(self) -> ChatDelta:
-        """The step outcome of a preempted session: no text yet."""
-        return ChatDelta(text="", finish_reason=None, completion_tokens=self.completion_tokens)
-
-    def close(self) -> None:
-        """Give the K/V blocks back and leave the Reasoner's wait list (cancelled, failed or finished)."""
-        if self._seq is not None:
-            self._seq.release()
-            self._seq = None
-        if self in self._r._waiting:
-            self._r._waiting.remove(self)
-
-    def receive(self, logits: Tensor) -> None:
-        """The next token's logits, after the decode of the token `advance` returned."""
-        self._logits = logits
-        self._position += 1
-
-    def advance(self, token: int) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
-        """Take `token`, sampled from the pending logits by this session's sampler (step_all samples every
-        session at once), and update the text: (delta, the decode step to run next as (token, paged sequence,
-        position) for Reasoner.decode_many, or None once finished). The caller runs it and hands its logits
-        to `receive`."""
-        if self.finish_reason is not None or self._logits is None:
-            raise RuntimeError("the session is finished")
-        finished = token in self._r.stop_token_ids
-        logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
-        if not finished:
-            self.token_ids.append(token)
-        text = self._r.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        found = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
-        cut, matched = min(found) if found else (-1, None)
-        if finished or cut >= 0:
-            self.finish_reason = "stop"
-            # vLLM's stop_reason: the matched stop string, None for an end-of-sequence token
-            self.stop_reason = None if finished and cut < 0 else matched
-            text = text if cut < 0 else text[:cut]
-        elif len(self.token_ids) >= self.max_tokens:
-            self.finish_reason = "length"
-        if self.finish_reason is None:
-            held = max((len(s) - 1 for s in self.stop), default=0)
-            end = len(text) - held
-            while end > self._emitted and text[end - 1] == "\ufffd":
-                end -= 1  # an incomplete UTF-8 sequence: wait for its next byte
-            self._logits = None  # until receive()
-            decode = (token, self._seq, self._position)
-        else:
-            end = len(text)
-            self._logits = None
-            self.close()
-            decode = None
-        delta = text[self._emitted : max(end, self._emitted)]
-        self._emitted = max(end, self._emitted)
-        out = ChatDelta(
-            text=delta,
-            finish_reason=self.finish_reason,
-            completion_tokens=self.completion_tokens,
-            logprobs=logprobs,
-            stop_reason=self.stop_reason,
-        )
-        return out, decode
-
-    def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:
-        """The token's log-probability under the raw logits, and the top alternatives."""
-        lp = torch.log_softmax(logits.detach().float(), dim=-1)
-        tok = self._r.tokenizer
-        top = ()
-        if self.top_logprobs:
-            vals, ids = torch.topk(lp, self.top_logprobs)
-            top = tuple((tok.decode([int(i)]), float(v)) for v, i in zip(vals, ids, strict=True))
-        return TokenLogprob(token=tok.decode([token]), logprob=float(lp[token]), top=top)

@@ -12,7 +12,7 @@ eager PyTorch spends ~27 ms launching ~2,500 small kernels from Python (bench/re
 (single rank, layers resident) each batch-size bucket (1, 2, 4, 8, ... up to max_batch) is captured once as
 a CUDA graph: a step is then a few small host-to-device copies and one graph replay. Batches are padded up
 to their bucket with rows that write into and read from the pool's scratch block 0. Elsewhere (CPU, tensor
-parallel, layerwise offload) the same step runs eagerly, with the block tables cut to the longest sequence.
+parallel, layerwise offload) the same step runs eagerly (on the CPU with the block tables cut to the longest sequence).
 
 On CUDA the layers' q|k|v and o/MLP math also run through torch.compile'd copies (their own code objects,
 automatic dynamic shapes: one graph for batch 1 and one for the rest), which fuse the norms, RoPE and SiLU
@@ -135,7 +135,8 @@ class UndDecoder:
             logits = out[:n].clone()
         else:
             self._fill(tokens, seqs, positions, n)
-            width = max(len(s.blocks) for s in seqs)
+            # CPU: the torch reference gathers the table's width, so cut it; CUDA: one width, one kernel build
+            width = max(len(s.blocks) for s in seqs) if self.model.device.type != "cuda" else self.max_blocks
             logits = self._forward(n, width)
         for s in seqs:
             s.advance(1)

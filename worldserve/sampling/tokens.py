@@ -6,8 +6,9 @@
 Per row, as vLLM orders it: penalties first: repetition_penalty r over every token of the prompt and of the
 output so far (a positive logit divided by r, a negative one multiplied: transformers'
 RepetitionPenaltyLogitsProcessor), then the OpenAI penalties over the output so far (logit -=
-frequency_penalty * count + presence_penalty * [count > 0]). temperature == 0 is then greedy (argmax, first
-index on ties), as in vLLM. Otherwise logits / temperature, then top-k (keep the k largest; ties at the k-th broken by sort order), then top-p
+frequency_penalty * count + presence_penalty * [count > 0]). temperature 0 (below 1e-5) is then greedy (argmax,
+first index on ties), as in vLLM. Otherwise logits / temperature, then top-k (keep the k largest and the
+tokens tied with the k-th, as vLLM does; with every k <= 1024 only the top max(k) are sorted), then top-p
 (keep the smallest prefix of the sorted probabilities whose mass reaches p; the top token always stays),
 then inverse-CDF sampling with one uniform number drawn from the request's CPU `torch.Generator` (seeded
 with the request's seed): a seeded request gives the same tokens on every run, on any device. Every
@@ -63,7 +64,8 @@ class TokenSampler:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """temperature below GREEDY_BELOW samples greedily (vLLM's epsilon: x / 1e-45 would overflow)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -106,6 +108,9 @@ class TokenSampler:
         """logits [V] -> the next token id (recorded as output for the penalties of later calls)."""
         return sample_tokens([self], logits[None])[0]
 
+
+GREEDY_BELOW = 1e-5
+"""Temperatures under this are greedy, as in vLLM (dividing logits by a denormal gives inf and NaN)."""
 
 TOPK_FAST_PATH = 1024
 """When every sampled row has 0 < top_k <= this, only the top max(k) candidates are sorted (torch.topk)."""
@@ -165,11 +170,14 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
             vals, order = x.topk(max(ks), dim=-1)  # [S, max k]: sorted, descending
         else:
             vals, order = x.sort(-1, descending=True)  # [S, V]
-        keep = torch.arange(vals.shape[1], device=x.device)[None, :] < k[:, None]  # the k largest
+        kth = vals.gather(1, (k.long() - 1).clamp(max=vals.shape[1] - 1)[:, None])  # [S, 1]
+        keep = vals >= kth  # the k largest, and any tied with the k-th among the sorted candidates
         probs = vals.masked_fill(~keep, float("-inf")).softmax(-1)
         keep &= probs.cumsum(-1) - probs < p[:, None]  # drop a token once the mass before it reaches p
         cdf = vals.masked_fill(~keep, float("-inf")).softmax(-1).cumsum(-1)  # [S, n]
-        last = keep.sum(-1, keepdim=True) - 1  # the kept tokens are a prefix of the sorted order
+        last = (keep.sum(-1, keepdim=True) - 1).clamp_min(
+            0
+        )  # the kept tokens are a prefix of the sorted order
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # [S, 1]
         drawn = order.gather(1, torch.minimum(pick, last))[:, 0]
         tokens = drawn if idx is None else tokens.index_copy(0, idx, drawn)

@@ -10,8 +10,9 @@
 Query head h reads KV head h // (Hq / Hkv), as SDPA's enable_gqa does. The step is memory-bound (every
 sequence's K/V are read once), so the kernel's job is to read only the blocks a sequence uses and to spread
 long sequences over the SMs: it is split-K ("flash-decoding"). Program (b, kv head, split s) of the first
-kernel walks blocks [s * SPLIT_BLOCKS, (s + 1) * SPLIT_BLOCKS) of the cached tokens of sequence b for the
-Hq / Hkv query heads of that KV head with an online softmax, and writes a partial output and its
+kernel walks blocks [s * n, (s + 1) * n) of the cached tokens of sequence b (n = split_blocks(max_blocks):
+16, more past 64 splits) for the Hq / Hkv query heads of that KV head with an online softmax, and writes a
+partial output and its
 log-sum-exp (an empty split: lse = -inf). Program (b, query head) of the second merges the splits with the
 new token's own score and value, writes the output in the model dtype, and (once per KV head) stores the new
 K/V into the pool: two kernels a layer, no separate cache write. Shapes and the split count depend only on B
@@ -32,7 +33,16 @@ import torch
 from torch import Tensor
 
 SPLIT_BLOCKS = 16
-"""Blocks one program walks (1,024 tokens at the default block size 64)."""
+"""Blocks one program walks (1,024 tokens at the default block size 64), at least."""
+
+MAX_SPLITS = 64
+"""Splits per sequence at most (the merge holds them all in registers): past 64 x 1,024 tokens of table
+width (--max-model-len 65536) each program walks more blocks instead."""
+
+
+def split_blocks(max_blocks: int) -> int:
+    """Blocks a split program walks for a table `max_blocks` wide."""
+    return max(SPLIT_BLOCKS, -(-max_blocks // MAX_SPLITS))
 
 
 def paged_decode_attention_reference(
@@ -169,7 +179,8 @@ def paged_decode_attention(
             "paged attention: K and V pools contiguous and alike, blocks >= 16, power-of-2 head dim"
         )
     group = hq // hkv
-    splits = triton.cdiv(block_table.shape[1], SPLIT_BLOCKS)
+    per_split = split_blocks(block_table.shape[1])
+    splits = triton.cdiv(block_table.shape[1], per_split)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
     part = torch.empty((b, splits, hq, d), dtype=torch.float32, device=q.device)
@@ -178,7 +189,7 @@ def paged_decode_attention(
         q, k_pool, v_pool, block_table, cached_lens, part, lse, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs, SPLIT=SPLIT_BLOCKS,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs, SPLIT=per_split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 (tests) exact, not TF32
     )  # fmt: skip
     out = torch.empty_like(q)

@@ -1,0 +1,187 @@
+"""ReasonerSession: one chat completion in progress (runner/reasoner.py starts them and steps them together).
+
+A session holds the pending logits of its next token, its paged K/V sequence, its sampler and the text so
+far. `Reasoner.step_all` samples every session at once and hands each its token (`advance`), which updates
+the text and says which decode step to run next; the decode's logits come back through `receive`.
+
+Text: detokenized incrementally, as vLLM does: each step decodes only the tokens since the previous
+boundary (with one boundary of context before them), so a step costs the same at token 10 and at token
+10,000; a token that ends inside a UTF-8 character adds no text until the character completes. Stop strings
+are searched where the new text could complete one; a possible stop-string prefix is held back from the
+deltas until it is ruled out.
+
+Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
+the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
+back as the decode step would have; the text and the sampler state are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from worldserve.engine.outputs import ChatDelta, TokenLogprob
+from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
+from worldserve.sampling.tokens import TokenSampler
+
+if TYPE_CHECKING:
+    from worldserve.runner.reasoner import ChatPrompt, Reasoner
+
+
+class ReasonerSession:
+    """One chat completion in progress: pending logits, its paged K/V sequence and the text emitted so far."""
+
+    def __init__(
+        self, reasoner: Reasoner, sampler: TokenSampler, seq: PagedSequence | None, logits: Tensor,
+        position: int, *, prompt: ChatPrompt, started: int, max_tokens: int, stop: Sequence[str],
+        top_logprobs: int | None = None,
+    ) -> None:  # fmt: skip
+        self._r, self._sampler, self._seq = reasoner, sampler, seq
+        self._logits: Tensor | None = logits
+        self._position = position
+        self._prompt = prompt
+        self.started = started
+        self.prompt_tokens = len(prompt.input_ids)
+        self.max_tokens = max_tokens
+        self.stop = tuple(stop)
+        self.top_logprobs = top_logprobs  # None: no logprobs
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+        self._text = ""  # detokenized so far (complete characters only until the finish)
+        self._prefix_at = self._read_at = 0  # incremental detokenization boundaries (token indices)
+        self._emitted = 0  # characters of _text already sent
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def sampler(self) -> TokenSampler:
+        return self._sampler
+
+    @property
+    def pending_logits(self) -> Tensor | None:
+        """Logits of the next token, or None while its decode step is outstanding or the chat is over."""
+        return self._logits
+
+    def step(self) -> ChatDelta:
+        """Sample one token, return the new text (possibly empty) and the finish reason once done."""
+        return self._r.step_all([self])[0]
+
+    # ------------------------------------------------------------------ preemption
+    @property
+    def preempted(self) -> bool:
+        """Its K/V blocks were taken back; it waits to be resumed (Reasoner.step_all)."""
+        return self._seq is None and self.finish_reason is None
+
+    @property
+    def resume_tokens(self) -> int:
+        """Tokens a resume prefills (prompt + output so far)."""
+        return self.prompt_tokens + len(self.token_ids)
+
+    def preempt(self) -> None:
+        """Free its K/V blocks; the token `advance` just took stays in token_ids and is recomputed."""
+        self._seq.release()
+        self._seq, self._logits = None, None
+
+    def resume(self) -> bool:
+        """Prefill the prompt + the tokens produced so far again; False (nothing taken) while the pool is short.
+
+        The last produced token's logits come out of this prefill, as its decode step would have given them."""
+        try:
+            hidden, seq, position = self._r.prefill(self._prompt, self.token_ids)
+        except PoolExhausted:
+            return False
+        self._seq, self._position = seq, position
+        self._logits = self._r.transformer.compute_logits(hidden[-1:])[0]
+        return True
+
+    def idle_delta(self) -> ChatDelta:
+        """The step outcome of a preempted session: no text yet."""
+        return ChatDelta(text="", finish_reason=None, completion_tokens=self.completion_tokens)
+
+    def close(self) -> None:
+        """Give the K/V blocks back and leave the Reasoner's wait list (cancelled, failed or finished)."""
+        if self._seq is not None:
+            self._seq.release()
+            self._seq = None
+        self._r.forget(self)
+
+    # ------------------------------------------------------------------ one token
+    def receive(self, logits: Tensor) -> None:
+        """The next token's logits, after the decode of the token `advance` returned."""
+        self._logits = logits
+        self._position += 1
+
+    def advance(self, token: int) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
+        """Take `token`, sampled from the pending logits by this session's sampler (step_all samples every
+        session at once), and update the text: (delta, the decode step to run next as (token, paged sequence,
+        position) for Reasoner.decode_many, or None once finished). The caller runs it and hands its logits
+        to `receive`."""
+        if self.finish_reason is not None or self._logits is None:
+            raise RuntimeError("the session is finished")
+        finished = token in self._r.stop_token_ids
+        logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
+        before = len(self._text)
+        if not finished:
+            self.token_ids.append(token)
+            self._detokenize()
+        cut, matched = self._find_stop(before)
+        if finished or cut >= 0:
+            self.finish_reason = "stop"
+            # vLLM's stop_reason: the matched stop string, None for an end-of-sequence token
+            self.stop_reason = None if finished and cut < 0 else matched
+        elif len(self.token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is None:
+            end = len(self._text) - max((len(s) - 1 for s in self.stop), default=0)
+            self._logits = None  # until receive()
+            decode = (token, self._seq, self._position)
+        else:
+            if cut < 0:
+                self._detokenize(flush=True)  # an unfinished character at the very end is sent as U+FFFD
+            end = cut if cut >= 0 else len(self._text)
+            self._logits = None
+            self.close()
+            decode = None
+        delta = self._text[self._emitted : max(end, self._emitted)]
+        self._emitted = max(end, self._emitted)
+        out = ChatDelta(
+            text=delta,
+            finish_reason=self.finish_reason,
+            completion_tokens=self.completion_tokens,
+            logprobs=logprobs,
+            stop_reason=self.stop_reason,
+        )
+        return out, decode
+
+    def _detokenize(self, *, flush: bool = False) -> None:
+        """Append the text of the tokens since the last boundary (vLLM's incremental detokenization): decode
+        [prefix_at, end) and [prefix_at, read_at) and keep the difference, unless it ends inside a character."""
+        decode = self._r.tokenizer.decode
+        ids = self.token_ids
+        prefix = decode(ids[self._prefix_at : self._read_at], skip_special_tokens=True)
+        full = decode(ids[self._prefix_at :], skip_special_tokens=True)
+        if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
+            self._text += full[len(prefix) :]
+            self._prefix_at, self._read_at = self._read_at, len(ids)
+
+    def _find_stop(self, before: int) -> tuple[int, str | None]:
+        """(index, string) of the first stop string in the text (-1, None if none). Only one ending in the
+        text added since `before` characters can be new; earlier ones would have finished an earlier step."""
+        found = [(i, s) for s in self.stop if (i := self._text.find(s, max(0, before - len(s) + 1))) >= 0]
+        return min(found) if found else (-1, None)
+
+    def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:
+        """The token's log-probability under the raw logits, and the top alternatives."""
+        lp = torch.log_softmax(logits.detach().float(), dim=-1)
+        tok = self._r.tokenizer
+        top = ()
+        if self.top_logprobs:
+            vals, ids = torch.topk(lp, self.top_logprobs)
+            top = tuple((tok.decode([int(i)]), float(v)) for v, i in zip(vals, ids, strict=True))
+        return TokenLogprob(token=tok.decode([token]), logprob=float(lp[token]), top=top)
