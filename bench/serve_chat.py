@@ -1,0 +1,149 @@
+"""`worldserve serve` end to end on one GPU: chat completions over HTTP at several concurrencies, plus a video.
+
+Starts `python -m worldserve.cli serve MODEL` as a subprocess (log: <out dir>/serve.log), waits for /health,
+then, for each --concurrency c, sends c chat completions at once (non-streaming, --max-tokens each, NVIDIA's
+suggested sampling: temperature 0.7, top_p 0.8, top_k 20, presence_penalty 1.5) and reports the wall time,
+the completion tokens per second in all and per chat, next to the decode step's own rate
+(bench/reasoner_decode.py). A max_tokens=1 chat gives the time to first token (prefill + HTTP). A small
+video (/v1/videos/sync, 256x256, 9 frames, 2 steps) checks that video generation shares the process. Last,
+the K/V metrics from /metrics. Everything the server does is the product's code path: paged K/V pool,
+CUDA-graphed decode, batched sampling, incremental detokenization, SSE-free JSON responses.
+
+--random-nano DIR writes (once) a full-size random Nano checkpoint with the tiny byte tokenizer
+(bench/parallel_step.py): most sampled ids are outside that tokenizer, so texts are mostly empty while the
+token counts are real.
+
+    PYTHONPATH=. python bench/serve_chat.py --random-nano /tmp/nano-random --out $OUT/serve_chat.json
+    PYTHONPATH=. python bench/serve_chat.py --tiny --out /tmp/serve_chat.json      # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "presence_penalty": 1.5}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON file; serve.log goes next to it")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint folder")
+    src.add_argument("--random-nano", type=Path, help="write / reuse a random full-size Nano checkpoint here")
+    src.add_argument("--tiny", action="store_true", help="the embedded tiny checkpoint (no MODEL)")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra flag for serve (repeatable)")
+    return ap.parse_args(argv)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"serve not healthy after {timeout:.0f} s")
+
+
+def chat(url: str, model: str, max_tokens: int, i: int) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "seed": i, **SAMPLING,
+            "messages": [{"role": "user", "content": f"Describe scene {i} of a fox in the snow."}]}  # fmt: skip
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return {"s": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"]}
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def run(args: argparse.Namespace) -> dict:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if args.random_nano is not None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from parallel_step import write_random_checkpoint
+
+        model = str(write_random_checkpoint(args.random_nano))
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "worldserve.cli", "serve", *([model] if model else []), "--port", str(args.port),
+           "--warmup-shapes", "none", *args.serve_arg]  # fmt: skip
+    log = open(args.out.parent / "serve.log", "w")  # noqa: SIM115 (the server writes to it until killed)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    res: dict = {"command": " ".join(cmd), "max_tokens": args.max_tokens, "sampling": SAMPLING}
+    try:
+        res["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
+        served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        chat(url, served, 8, -1)  # a first request outside the timings
+        res["ttft_s"] = min(chat(url, served, 1, -2 - k)["s"] for k in range(3))
+        res["chats"] = {}
+        for c in (int(x) for x in args.concurrency.split(",")):
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                outs = list(pool.map(lambda i: chat(url, served, args.max_tokens, i), range(c)))
+            wall = time.perf_counter() - t0
+            tokens = sum(o["tokens"] for o in outs)
+            res["chats"][str(c)] = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+                                    "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs)}  # fmt: skip
+            print(f"{c} chats: {tokens} tokens in {wall:.2f} s", flush=True)
+        t0 = time.perf_counter()
+        body = {"prompt": "A fox in the snow.", "size": "256x256", "num_frames": 9, "num_inference_steps": 2}
+        r = httpx.post(url + "/v1/videos/sync", json=body, timeout=600)
+        res["video"] = {"status": r.status_code, "bytes": len(r.content), "content_type": r.headers.get("content-type"),
+                        "s": time.perf_counter() - t0}  # fmt: skip
+        text = httpx.get(url + "/metrics").text
+        res["metrics"] = {
+            n: metric(text, "worldserve:" + n) for n in ("kv_cache_usage_perc", "num_preemptions")
+        }
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return res
+
+
+def table(res: dict) -> str:
+    lines = [f"serve up in {res['startup_s']:.1f} s; time to first token {res['ttft_s'] * 1e3:.0f} ms; "
+             f"{res['max_tokens']} tokens a chat", f"{'chats':>5s} {'wall s':>8s} {'tok/s':>9s} {'per chat':>9s}"]  # fmt: skip
+    for c, r in res["chats"].items():
+        lines.append(f"{c:>5s} {r['wall_s']:8.2f} {r['tok_s']:9.1f} {r['per_chat_tok_s']:9.1f}")
+    v = res["video"]
+    lines.append(f"video: HTTP {v['status']}, {v['bytes']} bytes {v['content_type']}, {v['s']:.1f} s; "
+                 f"metrics {res['metrics']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    args.out.write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0 if res["video"]["status"] == 200 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
