@@ -44,6 +44,16 @@ class ScriptedBackend:
         self.sessions = getattr(self, "sessions", []) + [ScriptedSession(self.lock, self.words, self.gate)]
         return self.sessions[-1]
 
+    def start_many(self, batch):
+        self.starts = getattr(self, "starts", []) + [len(batch)]
+        out = []
+        for params in batch:
+            try:
+                out.append(self.start(params))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
     def step_all(self, sessions):
         self.batches = getattr(self, "batches", []) + [len(sessions)]
         return [s.step() for s in sessions]
@@ -122,6 +132,7 @@ def test_concurrent_chats_are_decoded_together_up_to_max_num_seqs():
         assert out[0] == ChatStarted(prompt_tokens=7) and "".join(e.text for e in out[1:]) == "abcd"
     # two chats share every step until they finish, then the third runs alone: 4 steps of 2, 4 of 1
     assert backend.batches == [2, 2, 2, 2, 1, 1, 1, 1]
+    assert backend.starts == [2, 1]  # the two first chats were prefilled in one backend call
 
 
 class RoomForOneBackend(ScriptedBackend):

@@ -385,3 +385,32 @@ def test_a_chat_without_room_is_refused_before_any_work_and_not_rebuilt(
     assert len(builds) == 1 and s.prompt_tokens > 0
     s.close()
     assert r.pool.num_free == r.pool.num_blocks - 1
+
+
+def test_start_many_prefills_together_what_start_prefills_alone(tiny_ckpt, model_and_tok):
+    """Three chats (one with an image: ViT embeddings and deepstack rows offset into the packed batch) and a
+    bad one, started in one call: the bad one gets its ParamError, the others the greedy tokens they get when
+    started one by one."""
+    import numpy as np
+
+    from worldserve.params import ChatPart, ParamError
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_and_tok
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=512)
+    image = np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    contents = ["Hello there", (ChatPart(type="image", image=image), ChatPart(type="text", text="What is it?")),
+                "Count to ten"]  # fmt: skip
+    params = [ChatParams(messages=(ChatMessage(role="user", content=c),), max_tokens=12, temperature=0.0)
+              for c in contents]  # fmt: skip
+    bad = ChatParams(messages=(ChatMessage(role="user", content="x"),), max_tokens=10_000)
+    together = r.start_many([params[0], bad, params[1], params[2]])
+    assert isinstance(together[1], ParamError)
+
+    def finish(s):
+        while s.finish_reason is None:
+            s.step()
+        return s.token_ids
+
+    want = [finish(r.start(p)) for p in params]
+    assert [finish(s) for s in (together[0], together[2], together[3])] == want

@@ -233,7 +233,7 @@ def test_vision_encoder_loading_is_strict(tiny_ckpt, tmp_path, reasoner):
     state = load_file(tiny_ckpt / "vision_encoder" / "model.safetensors")
     save_file({f"visual.{k}": v for k, v in state.items()}, tmp_path / "model.safetensors")
     bare = VisionEncoder.from_pretrained(tmp_path, vision_config=root["vision_config"])
-    inputs = reasoner.preprocess([_image(5)])
+    inputs = reasoner.prompts.preprocess([_image(5)])
     a, da = bare.encode(inputs)
     b, db = reasoner.vision.encode(inputs)
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(da, db, strict=True))

@@ -5,7 +5,7 @@ the engine's `model_lock` (the video loop holds it around prepare / one denoise 
 holds it around a chat's prefill and around each decode step). Chat tokens and video denoising steps
 therefore interleave step by step and a long video never starves a chat (nor the reverse) for more than one
 step. Continuous batching: up to `max_num_seqs` chats are active at once; each loop admits the waiting
-chats (FIFO, one prefill each), then runs ONE batched decode step for every active chat
+chats (FIFO, their prefills in one backend call), then runs ONE batched decode step for every active chat
 (`backend.step_all`), so N concurrent chats cost about one chat's decode forwards, not N. A chat the backend
 cannot take yet (ChatBackpressure: its K/V cache is full) stays first in line and is tried again after the
 next step; cancelled and failed chats are closed, which hands their K/V blocks back at once.
@@ -95,34 +95,37 @@ class ChatWorker:
 
     def _run(self) -> None:
         active: list[tuple[ChatHandle, object]] = []
-        deferred: ChatHandle | None = None  # the backend had no room for it at the last try
+        deferred: list[ChatHandle] = []  # the backend had no room for them at the last try, in order
         stopping = False
         while not stopping or active:
             stopping = stopping or self._stopping.is_set()
-            while not stopping and len(active) < self.max_num_seqs:
-                if deferred is not None:
-                    handle, deferred = deferred, None
+            batch: list[ChatHandle] = []
+            while not stopping and len(active) + len(batch) < self.max_num_seqs:
+                if deferred:
+                    handle = deferred.pop(0)
                 else:
-                    try:  # wait for work only when nothing is running
-                        handle = self._queue.get(block=not active)
+                    try:  # wait for work only when nothing is running or being started
+                        handle = self._queue.get(block=not active and not batch)
                     except queue.Empty:
                         break
                 if handle is None:
                     stopping = True
                 elif not handle.cancelled.is_set():
-                    session = self._start(handle, can_wait=bool(active))
-                    if session is ChatBackpressure:
-                        deferred = handle
-                        break
-                    if session is not None:
-                        active.append((handle, session))
+                    batch.append(handle)
+            if batch:
+                started, refused = self._start(batch)
+                active += started
+                if active:  # running chats will free room: retry after the next step
+                    deferred = refused + deferred
+                for handle in refused if not active else []:
+                    handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
             for handle, session in active:
                 if handle.cancelled.is_set():
                     self._close(session)
             active = [(h, s) for h, s in active if not h.cancelled.is_set()]
             if active:
                 active = self._step(active)
-        for handle in [deferred] if deferred is not None else []:
+        for handle in deferred:
             handle.emit(ChatFailed(503, "The server is shutting down."))
         while True:  # stopped: tell the callers still queued
             try:
@@ -132,22 +135,24 @@ class ChatWorker:
             if handle is not None:
                 handle.emit(ChatFailed(503, "The server is shutting down."))
 
-    def _start(self, handle: ChatHandle, *, can_wait: bool):
-        """Prefill one chat: its session; None (and a ChatFailed sent) when it fails; the ChatBackpressure
-        class when the backend has no room now and `can_wait` (other chats are running and will free some)."""
+    def _start(self, batch: list[ChatHandle]):
+        """Prefill several chats in one backend call: (the started (handle, session) pairs, the handles the
+        backend had no room for now). Failed chats get their ChatFailed."""
         try:
             with self.model_lock:
-                session = self.backend.start(handle.params)
-        except ChatBackpressure as exc:
-            if can_wait:
-                return ChatBackpressure
-            handle.emit(ChatFailed(503, f"The K/V cache has no room for this chat: {exc}"))
-            return None
+                results = self.backend.start_many([h.params for h in batch])
         except Exception as exc:
-            self._fail(handle, exc)
-            return None
-        handle.emit(ChatStarted(prompt_tokens=session.prompt_tokens))
-        return session
+            results = [exc] * len(batch)
+        started, refused = [], []
+        for handle, result in zip(batch, results, strict=True):
+            if isinstance(result, ChatBackpressure):
+                refused.append(handle)
+            elif isinstance(result, Exception):
+                self._fail(handle, result)
+            else:
+                handle.emit(ChatStarted(prompt_tokens=result.prompt_tokens))
+                started.append((handle, result))
+        return started, refused
 
     def _close(self, session) -> None:
         try:

@@ -116,6 +116,11 @@ class ChatBackend(Protocol):
         """Validate, tokenize, encode images, prefill; raises ParamError for a bad request."""
         ...
 
+    def start_many(self, batch: Sequence[ChatParams]) -> list[ChatSession | Exception]:
+        """start() of several chats at once (one prefill pass): per chat its session or its exception
+        (ParamError, ChatBackpressure for no room now: then every later one is refused too, in order)."""
+        ...
+
     def step_all(self, sessions: Sequence[ChatSession]) -> list[ChatDelta]:
         """One step of each unfinished session, their decode forwards batched into one."""
         ...

@@ -1,12 +1,7 @@
 """Reasoner: Qwen3-VL chat completions on the und tower of the loaded Cosmos3 transformer (no second copy).
 
-start(ChatParams) -> ReasonerSession:
-  prompt:  the checkpoint's chat template (image parts render as <|vision_start|><|image_pad|><|vision_end|>);
-           each <|image_pad|> is expanded to the image's merged-patch count (t*h*w / merge**2), as Qwen3-VL's
-           processor does; images go through Qwen3-VL preprocessing and the ViT (models/cosmos3/vision.py).
-           A video part (frames sampled and resized at decode, media/video_input.py) renders as
-           <|vision_start|><|video_pad|><|vision_end|>, replaced as Qwen3VLProcessor does by one
-           "<T seconds><|vision_start|><|video_pad|> x (h*w / merge**2)<|vision_end|>" per temporal patch.
+start(ChatParams) -> ReasonerSession (start_many: several at once, their prefills in one pass):
+  prompt:  runner/chat_prompt.py (chat template, Qwen3-VL image / video placeholders, positions).
   prefill: one und_step over the whole prompt with embed_tokens rows replaced by the ViT embeddings at the
            image-pad and video-pad rows, Qwen3-VL get_rope_index positions, and deepstack features (image and
            video rows in sequence order) added after the first len(deepstack) und layers; the K/V go into the
@@ -29,7 +24,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,25 +32,14 @@ from torch import Tensor
 
 from worldserve.engine.outputs import ChatBackpressure, ChatDelta
 from worldserve.models.cosmos3.batch import UndBatch
-from worldserve.models.cosmos3.vision import (
-    QWEN3VL_MAX_PIXELS,
-    QWEN3VL_MIN_PIXELS,
-    VisionEncoder,
-    VisionInputs,
-    chat_positions,
-    video_inputs,
-    video_timestamps,
-)
+from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.params import ChatParams, ParamError
+from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.reasoner_session import ReasonerSession
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
-VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
 DEFAULT_MAX_NUM_SEQS = 32
@@ -66,20 +49,6 @@ def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = Fal
     """Two full-length chats (one under layerwise offload, whose GPUs are small): 9.7 / 4.8 GB on Nano at the
     default max_model_len 32768 (144 KiB a token)."""
     return max_model_len if layerwise_offload else 2 * max_model_len
-
-
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    input_ids: list[int]
-    """Token ids with every image placeholder expanded."""
-    vision: VisionInputs | None
-    """Preprocessed images in prompt order, or None when the prompt has none."""
-    video: VisionInputs | None
-    """Preprocessed videos in prompt order (one grid row per video), or None."""
-    positions: Tensor
-    """[3, N] float32 Qwen3-VL mRoPE positions of input_ids (get_rope_index)."""
-    next_position: int
-    """Position of the first generated token."""
 
 
 class Reasoner:
@@ -112,9 +81,10 @@ class Reasoner:
         stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
         self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
         self.max_model_len = max_model_len
-        self.preprocess = (
-            vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None
-        )
+        self.prompts = ChatPromptBuilder(
+            tokenizer, vision, vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None,
+            image_token_id=image_token_id, video_token_id=self.video_token_id,
+        )  # fmt: skip
         if kv_cache_tokens is None:
             kv_cache_tokens = default_kv_cache_tokens(
                 max_model_len, layerwise_offload=transformer.und_blocks is not None
@@ -132,7 +102,7 @@ class Reasoner:
         self._waiting: list[ReasonerSession] = []  # preempted sessions, oldest first
         self._started = 0  # sessions started so far (their start order decides who is preempted)
         self.preemptions = 0  # sessions preempted so far (their K/V recomputed later)
-        self._deferred: tuple[ChatParams, ChatPrompt] | None = None  # the last chat refused for lack of room
+        self._deferred: dict[int, tuple[ChatParams, ChatPrompt]] = {}  # chats refused for lack of room, by id
 
     @classmethod
     def from_pretrained(cls, root: str | Path, transformer: Any, tokenizer: Any, **options: Any) -> Reasoner:
@@ -156,109 +126,61 @@ class Reasoner:
 
     # ------------------------------------------------------------------ prompt (CPU)
     def build_prompt(self, params: ChatParams) -> ChatPrompt:
-        """Chat template + image / video placeholder expansion + tokenization; raises ParamError."""
-        conversation, images, videos = [], [], []
-        for msg in params.messages:
-            if isinstance(msg.content, str):
-                conversation.append({"role": msg.role, "content": msg.content})
-                continue
-            parts = []
-            for part in msg.content:
-                if part.type == "image":
-                    images.append(part.image)
-                    parts.append({"type": "image"})
-                elif part.type == "video":
-                    videos.append(part.video)
-                    parts.append({"type": "video"})
-                else:
-                    parts.append({"type": "text", "text": part.text})
-            conversation.append({"role": msg.role, "content": parts})
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        vision = video = None
-        if (images or videos) and (self.vision is None or self.preprocess is None):
-            raise ParamError(
-                "messages", "this checkpoint has no vision_encoder/: image and video inputs are unsupported"
-            )
-        if images:
-            vision = self.preprocess(images)
-            counts = vision.tokens_per_image(self.vision.merge_size)
-            pieces = text.split(IMAGE_PAD)
-            if len(pieces) != len(counts) + 1:
-                raise ParamError(
-                    "messages", "the chat template did not render one image placeholder per image"
-                )
-            text = pieces[0] + "".join(
-                IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
-            )
-        if videos:
-            text, video = self._expand_videos(text, videos)
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        grids = [] if vision is None else vision.grid_thw.tolist()
-        merge = self.vision.merge_size if self.vision is not None else 2
-        try:
-            positions, next_pos = chat_positions(
-                ids, self.image_token_id, grids, merge, video_token_id=self.video_token_id,
-                video_grids=[] if video is None else video.grid_thw.tolist(),
-            )  # fmt: skip
-        except (
-            ValueError
-        ) as exc:  # e.g. "<|image_pad|>" typed into the text: more placeholder runs than images
-            raise ParamError(
-                "messages", f"the messages do not match their images / videos ({exc}); text must not contain "
-                f"{IMAGE_PAD} or {VIDEO_PAD}",
-            ) from exc  # fmt: skip
-        return ChatPrompt(
-            input_ids=ids, vision=vision, video=video, positions=positions, next_position=next_pos
-        )
-
-    def _expand_videos(self, text: str, videos: list) -> tuple[str, VisionInputs]:
-        """Patchify each video and replace its placeholder by timestamped per-patch token runs."""
-        assert self.vision is not None
-        v = self.vision
-        inputs = [video_inputs(x.frames, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                               merge_size=v.merge_size) for x in videos]  # fmt: skip
-        pieces = text.split(VIDEO_PLACEHOLDER)
-        if len(pieces) != len(videos) + 1:
-            raise ParamError("messages", "the chat template did not render one video placeholder per video")
-        out = [pieces[0]]
-        for x, inp, rest in zip(videos, inputs, pieces[1:], strict=True):
-            per_patch = int(inp.grid_thw[0, 1:].prod()) // v.merge_size**2
-            stamps = video_timestamps(x.indices, x.source_fps, v.temporal_patch_size)
-            out += [f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * per_patch}{VISION_END}" for t in stamps]
-            out.append(rest)
-        merged = VisionInputs(
-            pixel_values=torch.cat([i.pixel_values for i in inputs]),
-            grid_thw=torch.cat([i.grid_thw for i in inputs]),
-        )
-        return "".join(out), merged
+        """Chat template + image / video placeholder expansion + tokenization + positions; raises ParamError."""
+        return self.prompts.build(params)
 
     # ------------------------------------------------------------------ model
-    @torch.inference_mode()
     def prefill(self, prompt: ChatPrompt, generated: Sequence[int] = ()) -> tuple[Tensor, PagedSequence, int]:
         """-> (final-normed hidden [N, d] of every token, its filled paged sequence, next position).
 
         `generated`: tokens the chat already produced (a preempted chat's resume), prefilled after the prompt
         at the positions their decode steps had. PoolExhausted, before any work (the ViT included) and with
         nothing kept, when the pool cannot hold them all and the next token."""
+        return self.prefill_batch([(prompt, generated)])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]]
+    ) -> list[tuple[Tensor, PagedSequence, int]]:
+        """prefill() of several (prompt, generated) items in ONE und pass (a prefill of short prompts is
+        launch-bound: 32 of them cost about what one does). All or nothing: PoolExhausted takes no blocks."""
         model = self.transformer
-        seq = self.pool.sequence()
-        seq.reserve(len(prompt.input_ids) + len(generated) + 1)
+        seqs: list[PagedSequence] = []
         try:
-            ids = torch.tensor(prompt.input_ids + list(generated), dtype=torch.long, device=model.device)
-            after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
-            positions = torch.cat([prompt.positions, after.expand(3, -1)], dim=1)  # [3, N]
-            embeds, deepstack, rows = None, (), None
-            if prompt.vision is not None or prompt.video is not None:
-                embeds, deepstack, rows = self._visual_embeddings(ids, prompt)
+            for prompt, generated in items:
+                seqs.append(self.pool.sequence())
+                seqs[-1].reserve(len(prompt.input_ids) + len(generated) + 1)
+            ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
+            visual = any(p.vision is not None or p.video is not None for p, _ in items)
+            for prompt, generated in items:
+                ids.append(
+                    torch.tensor(prompt.input_ids + list(generated), dtype=torch.long, device=model.device)
+                )
+                after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
+                positions.append(torch.cat([prompt.positions, after.expand(3, -1)], dim=1))  # [3, N_i]
+                if prompt.vision is not None or prompt.video is not None:
+                    e, ds, r = self._visual_embeddings(ids[-1], prompt)
+                    embeds.append(e)
+                    deepstack.append(ds)
+                    rows.append(r + offset)
+                elif visual:
+                    embeds.append(model.embed_tokens(ids[-1]))
+                offset += ids[-1].numel()
             batch = UndBatch(
-                input_ids=ids, positions=positions.to(model.device), seq_lens=(ids.numel(),),
-                inputs_embeds=embeds, deepstack=tuple(deepstack), visual_rows=rows,
+                input_ids=torch.cat(ids), positions=torch.cat(positions, dim=1).to(model.device),
+                seq_lens=tuple(x.numel() for x in ids), inputs_embeds=torch.cat(embeds) if visual else None,
+                deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
+                visual_rows=torch.cat(rows) if rows else None,
             )  # fmt: skip
-            hidden = model.und_step(batch, [seq])
+            hidden = model.und_step(batch, seqs).split(list(batch.seq_lens))  # [N_i, d] each
         except BaseException:
-            seq.release()
+            for seq in seqs:
+                seq.release()
             raise
-        return hidden, seq, prompt.next_position + len(generated)
+        return [
+            (h, seq, prompt.next_position + len(generated))
+            for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
+        ]
 
     def _visual_embeddings(
         self, ids: Tensor, prompt: ChatPrompt
@@ -373,8 +295,48 @@ class Reasoner:
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""
+        (result,) = self.start_many([params])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
+        """start() of several chats, their prefills in one und pass. Per chat: its session, or the exception
+        it raised (ParamError for a bad request; ChatBackpressure when the pool has no room for it now, and
+        then for every later one too, which keeps the chats in order)."""
+        out: list[ReasonerSession | Exception | None] = []
+        ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
+        self._deferred = {k: v for k, v in self._deferred.items() if any(v[0] is p for p in batch)}
+        free = 0 if self._waiting else self.pool.num_free
+        for params in batch:
+            try:
+                prompt, budget = self._plan(params)
+            except Exception as exc:  # ParamError: a bad request; anything else fails this chat alone
+                out.append(exc)
+                continue
+            need = self.pool.blocks_for(len(prompt.input_ids) + 1)
+            if need > free:
+                free = 0  # the later chats wait too, in order
+                self._deferred[id(params)] = (params, prompt)  # the retry reuses it: no new preprocessing
+                out.append(ChatBackpressure(f"{need} K/V blocks wanted, {self.pool.num_free} free"))
+                continue
+            free -= need
+            ready.append((len(out), params, prompt, budget))
+            out.append(None)
+        if ready:
+            try:
+                prefilled = self.prefill_batch([(prompt, ()) for _, _, prompt, _ in ready])
+            except Exception as exc:
+                prefilled = [exc] * len(ready)
+            for (i, params, prompt, budget), done in zip(ready, prefilled, strict=True):
+                out[i] = done if isinstance(done, Exception) else self._session(params, prompt, budget, *done)
+        return out
+
+    def _plan(self, params: ChatParams) -> tuple[ChatPrompt, int]:
+        """Validate, build the prompt (or reuse the one of its last refused start), check the context:
+        (prompt, completion token budget). ParamError for a bad request."""
         params.validate()
-        deferred, self._deferred = self._deferred, None
+        deferred = self._deferred.pop(id(params), None)
         prompt = deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
         n = len(prompt.input_ids)
         room = self.max_model_len - n
@@ -386,19 +348,17 @@ class Reasoner:
                 f"{asked} tokens ({n} in the messages, {asked - n} in the completion). Please reduce the length "
                 "of the messages or completion.",
             )
-        budget = params.max_tokens if params.max_tokens is not None else room
-        if self._waiting:
-            self._deferred = (params, prompt)
-            raise ChatBackpressure("preempted chats wait for K/V blocks")
-        try:
-            hidden, seq, next_pos = self.prefill(prompt)
-        except PoolExhausted as exc:
-            self._deferred = (
-                params,
-                prompt,
-            )  # the chat worker retries with the same params: no new preprocessing
-            raise ChatBackpressure(str(exc)) from exc
-        self._deferred = None
+        return prompt, params.max_tokens if params.max_tokens is not None else room
+
+    def _session(
+        self,
+        params: ChatParams,
+        prompt: ChatPrompt,
+        budget: int,
+        hidden: Tensor,
+        seq: PagedSequence,
+        pos: int,
+    ) -> ReasonerSession:
         logits = self.transformer.compute_logits(hidden[-1:])[0]
         sampler = TokenSampler(
             temperature=params.temperature,
@@ -411,6 +371,6 @@ class Reasoner:
             prompt_ids=tuple(prompt.input_ids),
         )
         self._started += 1
-        return ReasonerSession(self, sampler, seq, logits, next_pos, prompt=prompt, started=self._started,
+        return ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started,
                                max_tokens=budget, stop=params.stop,
                                top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip

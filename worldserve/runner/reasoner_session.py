@@ -28,7 +28,8 @@ from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
 from worldserve.sampling.tokens import TokenSampler
 
 if TYPE_CHECKING:
-    from worldserve.runner.reasoner import ChatPrompt, Reasoner
+    from worldserve.runner.chat_prompt import ChatPrompt
+    from worldserve.runner.reasoner import Reasoner
 
 
 class ReasonerSession:

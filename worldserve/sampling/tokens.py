@@ -181,6 +181,8 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # [S, 1]
         drawn = order.gather(1, torch.minimum(pick, last))[:, 0]
         tokens = drawn if idx is None else tokens.index_copy(0, idx, drawn)
+    if tokens.is_cuda:  # wait with the GIL released (.tolist() would hold it): the HTTP thread runs meanwhile
+        torch.cuda.current_stream(tokens.device).synchronize()
     out = tokens.tolist()
     for s, t in zip(samplers, out, strict=True):
         s.record(t)

@@ -1,0 +1,134 @@
+"""Chat prompts of the Reasoner: the checkpoint's chat template, Qwen3-VL image / video placeholders, positions.
+
+`ChatPromptBuilder.build(ChatParams) -> ChatPrompt` renders the messages with the checkpoint's chat template
+(image parts as <|vision_start|><|image_pad|><|vision_end|>), expands each <|image_pad|> to the image's
+merged-patch count (t*h*w / merge**2) as Qwen3-VL's processor does (images preprocessed here, encoded by the
+ViT at prefill: models/cosmos3/vision.py), replaces each video part (frames sampled and resized at decode,
+media/video_input.py) by one "<T seconds><|vision_start|><|video_pad|> x (h*w / merge**2)<|vision_end|>"
+per temporal patch as Qwen3VLProcessor does, tokenizes, and computes the Qwen3-VL get_rope_index positions.
+Host work only; a mismatch of placeholders and media (e.g. "<|image_pad|>" typed as text) is a ParamError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from worldserve.models.cosmos3.vision import (
+    VisionEncoder,
+    VisionInputs,
+    chat_positions,
+    video_inputs,
+    video_timestamps,
+)
+from worldserve.params import ChatParams, ParamError
+
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    input_ids: list[int]
+    """Token ids with every image placeholder expanded."""
+    vision: VisionInputs | None
+    """Preprocessed images in prompt order, or None when the prompt has none."""
+    video: VisionInputs | None
+    """Preprocessed videos in prompt order (one grid row per video), or None."""
+    positions: Tensor
+    """[3, N] float32 Qwen3-VL mRoPE positions of input_ids (get_rope_index)."""
+    next_position: int
+    """Position of the first generated token."""
+
+
+class ChatPromptBuilder:
+    """The tokenizer, the vision preprocessing and the placeholder token ids a prompt needs."""
+
+    def __init__(
+        self, tokenizer: Any, vision: VisionEncoder | None, preprocess: Any, *, image_token_id: int,
+        video_token_id: int,
+    ) -> None:  # fmt: skip
+        self.tokenizer, self.vision, self.preprocess = tokenizer, vision, preprocess
+        self.image_token_id, self.video_token_id = image_token_id, video_token_id
+
+    def build(self, params: ChatParams) -> ChatPrompt:
+        """Chat template + image / video placeholder expansion + tokenization; raises ParamError."""
+        conversation, images, videos = [], [], []
+        for msg in params.messages:
+            if isinstance(msg.content, str):
+                conversation.append({"role": msg.role, "content": msg.content})
+                continue
+            parts = []
+            for part in msg.content:
+                if part.type == "image":
+                    images.append(part.image)
+                    parts.append({"type": "image"})
+                elif part.type == "video":
+                    videos.append(part.video)
+                    parts.append({"type": "video"})
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            conversation.append({"role": msg.role, "content": parts})
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        vision = video = None
+        if (images or videos) and (self.vision is None or self.preprocess is None):
+            raise ParamError(
+                "messages", "this checkpoint has no vision_encoder/: image and video inputs are unsupported"
+            )
+        if images:
+            vision = self.preprocess(images)
+            counts = vision.tokens_per_image(self.vision.merge_size)
+            pieces = text.split(IMAGE_PAD)
+            if len(pieces) != len(counts) + 1:
+                raise ParamError(
+                    "messages", "the chat template did not render one image placeholder per image"
+                )
+            text = pieces[0] + "".join(
+                IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
+            )
+        if videos:
+            text, video = self._expand_videos(text, videos)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        grids = [] if vision is None else vision.grid_thw.tolist()
+        merge = self.vision.merge_size if self.vision is not None else 2
+        try:
+            positions, next_pos = chat_positions(
+                ids, self.image_token_id, grids, merge, video_token_id=self.video_token_id,
+                video_grids=[] if video is None else video.grid_thw.tolist(),
+            )  # fmt: skip
+        except (
+            ValueError
+        ) as exc:  # e.g. "<|image_pad|>" typed into the text: more placeholder runs than images
+            raise ParamError(
+                "messages", f"the messages do not match their images / videos ({exc}); text must not contain "
+                f"{IMAGE_PAD} or {VIDEO_PAD}",
+            ) from exc  # fmt: skip
+        return ChatPrompt(
+            input_ids=ids, vision=vision, video=video, positions=positions, next_position=next_pos
+        )
+
+    def _expand_videos(self, text: str, videos: list) -> tuple[str, VisionInputs]:
+        """Patchify each video and replace its placeholder by timestamped per-patch token runs."""
+        assert self.vision is not None
+        v = self.vision
+        inputs = [video_inputs(x.frames, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                               merge_size=v.merge_size) for x in videos]  # fmt: skip
+        pieces = text.split(VIDEO_PLACEHOLDER)
+        if len(pieces) != len(videos) + 1:
+            raise ParamError("messages", "the chat template did not render one video placeholder per video")
+        out = [pieces[0]]
+        for x, inp, rest in zip(videos, inputs, pieces[1:], strict=True):
+            per_patch = int(inp.grid_thw[0, 1:].prod()) // v.merge_size**2
+            stamps = video_timestamps(x.indices, x.source_fps, v.temporal_patch_size)
+            out += [f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * per_patch}{VISION_END}" for t in stamps]
+            out.append(rest)
+        merged = VisionInputs(
+            pixel_values=torch.cat([i.pixel_values for i in inputs]),
+            grid_thw=torch.cat([i.grid_thw for i in inputs]),
+        )
+        return "".join(out), merged
