@@ -81,11 +81,10 @@ class TokenSampler:
         if self._counts is None or self._counts.device != device or self._counts.numel() != vocab:
             self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
             if self.output_counts:
-                ids = torch.tensor(list(self.output_counts), dtype=torch.long, device=device)
-                self._counts[ids] = torch.tensor(list(self.output_counts.values()), dtype=torch.float32,
-                                                 device=device)  # fmt: skip
+                ids = _host_to(list(self.output_counts), torch.long, device)
+                self._counts[ids] = _host_to(list(self.output_counts.values()), torch.float32, device)
         elif self._unsynced:
-            ids = torch.tensor(self._unsynced, dtype=torch.long, device=device)
+            ids = _host_to(self._unsynced, torch.long, device)
             self._counts.index_add_(0, ids, torch.ones(ids.numel(), device=device))
         self._unsynced.clear()
         return self._counts
@@ -95,7 +94,7 @@ class TokenSampler:
         if self._prompt_mask is None or self._prompt_mask.device != device:
             self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
             if self.prompt_ids:
-                self._prompt_mask[torch.tensor(self.prompt_ids, dtype=torch.long, device=device)] = True
+                self._prompt_mask[_host_to(list(self.prompt_ids), torch.long, device)] = True
         return self._prompt_mask | (self.device_counts(vocab, device) > 0)
 
     def penalize(self, logits: Tensor) -> Tensor:
@@ -116,13 +115,21 @@ TOPK_FAST_PATH = 1024
 """When every sampled row has 0 < top_k <= this, only the top max(k) candidates are sorted (torch.topk)."""
 
 
+def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy: a
+    plain torch.tensor(..., device="cuda") waits for all queued GPU work (the decode step's graph) while
+    holding the GIL, which stalls the HTTP server's thread for that long."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _rows(
     samplers: Sequence[TokenSampler], wanted: list[int], scores: Tensor
 ) -> tuple[Tensor | None, Tensor]:
     """(index tensor of the wanted rows or None when they are all rows, those rows of scores)."""
     if len(wanted) == scores.shape[0]:
         return None, scores
-    idx = torch.tensor(wanted, dtype=torch.long, device=scores.device)
+    idx = _host_to(wanted, torch.long, scores.device)
     return idx, scores.index_select(0, idx)
 
 
@@ -134,8 +141,8 @@ def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
     vocab, device = scores.shape[1], scores.device
     sub = [samplers[i] for i in rows]
     idx, x = _rows(samplers, rows, scores)  # [P, V]
-    knobs = torch.tensor([[s.repetition_penalty, s.frequency_penalty, s.presence_penalty] for s in sub])
-    r, freq, pres = knobs.to(device).unbind(1)  # [P] each
+    knobs = [[s.repetition_penalty, s.frequency_penalty, s.presence_penalty] for s in sub]
+    r, freq, pres = _host_to(knobs, torch.float32, device).unbind(1)  # [P] each
     if any(s.repetition_penalty != 1.0 for s in sub):
         seen = torch.stack([s.seen_mask(vocab, device) for s in sub])  # [P, V]
         x = torch.where(seen, torch.where(x > 0, x / r[:, None], x * r[:, None]), x)
@@ -161,9 +168,9 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
         vocab = scores.shape[1]
         ks = [s.top_k if 0 < s.top_k < vocab else vocab for s in sub]
         # per row: temperature, top_k, top_p (inf: off), a uniform draw from the request's generator
-        knobs = torch.tensor([[s.temperature, k, s.top_p if s.top_p < 1 else float("inf"),
-                               float(torch.rand((), generator=s.generator))] for s, k in zip(sub, ks, strict=True)])  # fmt: skip
-        temp, k, p, u = knobs.to(scores.device).unbind(1)  # [S] each
+        knobs = [[s.temperature, k, s.top_p if s.top_p < 1 else float("inf"),
+                  float(torch.rand((), generator=s.generator))] for s, k in zip(sub, ks, strict=True)]  # fmt: skip
+        temp, k, p, u = _host_to(knobs, torch.float32, scores.device).unbind(1)  # [S] each
         idx, x = _rows(samplers, rows, scores)
         x = x / temp[:, None]  # [S, V]
         if max(ks) <= TOPK_FAST_PATH:
