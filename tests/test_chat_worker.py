@@ -185,3 +185,25 @@ def test_stop_fails_a_deferred_chat_instead_of_serving_it():
         worker.stop()
     assert _drain(second) == [ChatFailed(503, "The server is shutting down.")]
     assert _drain(first)[-1].finish_reason == "length"
+
+
+def test_a_step_hands_all_its_deltas_over_in_one_hop():
+    """With call_in_consumer set (the server's event loop), the deltas of a step reach every chat's receive()
+    in one call, not one per chat; the ChatStarted events still go through emit."""
+    lock = threading.Lock()
+    backend = ScriptedBackend(lock, words=("a", "b", "c"))
+    worker = ChatWorker(backend, lock, max_num_seqs=4)
+    hops = []
+    worker.call_in_consumer = lambda fn: hops.append(fn) or fn()
+    streams = []
+    for _ in range(3):
+        events: queue.Queue = queue.Queue()
+        worker.submit(PARAMS, events.put, receive=events.put)
+        streams.append(events)
+    worker.start()
+    try:
+        outs = [_drain(ev) for ev in streams]
+    finally:
+        worker.stop()
+    assert all("".join(e.text for e in out[1:]) == "abc" for out in outs)
+    assert len(hops) == len(backend.batches) == 3  # three steps of three chats: three hops

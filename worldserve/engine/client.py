@@ -127,6 +127,7 @@ class EngineClient:
             log.info("resuming %d unfinished job(s) from %s", resumed, self.store.root)
         self.engine.start()
         if self.chat_worker is not None:
+            self.chat_worker.call_in_consumer = self._call_in_loop
             self.chat_worker.start()
         if self.job_ttl_s:
             self._sweeper = asyncio.create_task(self._sweep_forever())
@@ -308,6 +309,13 @@ class EngineClient:
     def video_path(self, job_id: str):
         return self.store.video_path(job_id)
 
+    def _call_in_loop(self, fn) -> None:
+        """Run fn on the server's event loop (from any thread); nothing once the loop has closed."""
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop closed: nobody is listening any more
+            pass
+
     async def chat(self, params: ChatParams) -> AsyncIterator[ChatEvent]:
         """One chat's events (ChatStarted, ChatDelta..., or ChatFailed); closing early cancels the chat."""
         worker = self.chat_worker
@@ -327,7 +335,7 @@ class EngineClient:
             except RuntimeError:  # the loop closed: nobody is listening any more
                 pass
 
-        handle = worker.submit(params, emit)
+        handle = worker.submit(params, emit, events.put_nowait)
         try:
             while True:
                 event = await events.get()
