@@ -52,7 +52,8 @@ class ReasonerSession:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
-        self._text = ""  # detokenized so far (complete characters only until the finish)
+        self._text = ""  # detokenized so far, up to the last token boundary outside a character
+        self._tail = ""  # complete characters decoded after it, held while a character is unfinished
         self._prefix_at = self._read_at = 0  # incremental detokenization boundaries (token indices)
         self._emitted = 0  # characters of _text already sent
 
@@ -127,11 +128,13 @@ class ReasonerSession:
             raise RuntimeError("the session is finished")
         finished = token in self._r.stop_token_ids
         logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
-        before = len(self._text)
+        before = len(self._text) + len(self._tail)
         if not finished:
             self.token_ids.append(token)
-            self._detokenize()
-        cut, matched = self._find_stop(before)
+        # the last step flushes an unfinished character (as U+FFFD), so a stop string before it still counts
+        self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens)
+        view = self._text + self._tail  # all complete characters so far
+        cut, matched = self._find_stop(view, before)
         if finished or cut >= 0:
             self.finish_reason = "stop"
             # vLLM's stop_reason: the matched stop string, None for an end-of-sequence token
@@ -139,17 +142,15 @@ class ReasonerSession:
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is None:
-            end = len(self._text) - max((len(s) - 1 for s in self.stop), default=0)
+            end = len(view) - max((len(s) - 1 for s in self.stop), default=0)
             self._logits = None  # until receive()
             decode = (token, self._seq, self._position)
         else:
-            if cut < 0:
-                self._detokenize(flush=True)  # an unfinished character at the very end is sent as U+FFFD
-            end = cut if cut >= 0 else len(self._text)
+            end = cut if cut >= 0 else len(view)
             self._logits = None
             self.close()
             decode = None
-        delta = self._text[self._emitted : max(end, self._emitted)]
+        delta = view[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
         out = ChatDelta(
             text=delta,
@@ -161,20 +162,25 @@ class ReasonerSession:
         return out, decode
 
     def _detokenize(self, *, flush: bool = False) -> None:
-        """Append the text of the tokens since the last boundary (vLLM's incremental detokenization): decode
-        [prefix_at, end) and [prefix_at, read_at) and keep the difference, unless it ends inside a character."""
+        """vLLM's incremental detokenization: decode [prefix_at, end) and [prefix_at, read_at), the difference
+        is the new text. It joins _text unless it ends inside a character (then its complete characters wait
+        in _tail); `flush` takes it as it is."""
         decode = self._r.tokenizer.decode
         ids = self.token_ids
         prefix = decode(ids[self._prefix_at : self._read_at], skip_special_tokens=True)
         full = decode(ids[self._prefix_at :], skip_special_tokens=True)
-        if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
-            self._text += full[len(prefix) :]
+        new = full[len(prefix) :] if len(full) > len(prefix) else ""
+        if new and (flush or not new.endswith("\ufffd")):
+            self._text += new
+            self._tail = ""
             self._prefix_at, self._read_at = self._read_at, len(ids)
+        else:
+            self._tail = new.rstrip("\ufffd")
 
-    def _find_stop(self, before: int) -> tuple[int, str | None]:
-        """(index, string) of the first stop string in the text (-1, None if none). Only one ending in the
-        text added since `before` characters can be new; earlier ones would have finished an earlier step."""
-        found = [(i, s) for s in self.stop if (i := self._text.find(s, max(0, before - len(s) + 1))) >= 0]
+    def _find_stop(self, view: str, before: int) -> tuple[int, str | None]:
+        """(index, string) of the first stop string in `view` (-1, None if none). Only one ending in the text
+        added since `before` characters can be new; earlier ones would have finished an earlier step."""
+        found = [(i, s) for s in self.stop if (i := view.find(s, max(0, before - len(s) + 1))) >= 0]
         return min(found) if found else (-1, None)
 
     def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:

@@ -1,0 +1,94 @@
+"""A chat's text: ReasonerSession's incremental detokenization and stop strings against the plain algorithm.
+
+The plain algorithm (the oracle here) decodes all tokens at every step, finishes at the first stop string
+(cut before it), holds back len(longest stop) - 1 characters and an unfinished UTF-8 character, and sends
+the rest. The session decodes only the tokens since its last boundary. A byte-level tokenizer (ids 0-255
+are bytes, 300 is the merged token b"P\\xe4": a stop string's last letter and the first byte of a
+character in one token, as byte-level BPE vocabularies have) drives both over random token streams.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from worldserve.runner.reasoner_session import ReasonerSession
+
+EOS = 301
+MERGED = {300: b"P\xe4"}
+STOPS = [(), ("STOP",), ("ab", "ba"), ("aba", "bab", "abab"), ("\u4e2d",), ("P\u4e2d", "OK")]
+
+
+class ByteTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        out = b"".join(MERGED.get(i, bytes([i]) if i < 256 else b"") for i in ids)
+        return out.decode("utf-8", "replace")
+
+
+class FakeReasoner:
+    tokenizer = ByteTokenizer()
+    stop_token_ids = frozenset({EOS})
+
+    def forget(self, session):
+        pass
+
+
+class FakeSeq:
+    def release(self):
+        pass
+
+
+class FakePrompt:
+    input_ids = [1]
+
+
+def run_session(tokens, stop, max_tokens):
+    s = ReasonerSession(FakeReasoner(), None, FakeSeq(), torch.zeros(1), 0, prompt=FakePrompt(), started=1,
+                        max_tokens=max_tokens, stop=stop)  # fmt: skip
+    out = []
+    for t in tokens:
+        delta, _ = s.advance(t)
+        out.append(delta.text)
+        if delta.finish_reason:
+            return "".join(out), delta.finish_reason, delta.stop_reason, delta.completion_tokens
+        s.receive(torch.zeros(1))
+    return "".join(out), None, None, s.completion_tokens
+
+
+def run_plain(tokens, stop, max_tokens):
+    tok, ids, emitted, out = ByteTokenizer(), [], 0, []
+    held = max((len(x) - 1 for x in stop), default=0)
+    for t in tokens:
+        finished = t == EOS
+        if not finished:
+            ids.append(t)
+        text = tok.decode(ids)
+        found = [(i, x) for x in stop if (i := text.find(x)) >= 0]
+        cut, matched = min(found) if found else (-1, None)
+        if finished or cut >= 0 or len(ids) >= max_tokens:
+            reason = "stop" if finished or cut >= 0 else "length"
+            end = cut if cut >= 0 else len(text)
+            out.append(text[emitted : max(end, emitted)])
+            return "".join(out), reason, (matched if cut >= 0 else None), len(ids)
+        end = len(text.rstrip("\ufffd")) - held
+        out.append(text[emitted : max(end, emitted)])
+        emitted = max(end, emitted)
+    return "".join(out), None, None, len(ids)
+
+
+def test_stop_string_completed_by_a_token_that_starts_a_character():
+    """ "OK STO" + b"P\\xe4": the stop string is complete although the character after it is not; the session
+    stops there (the character never arrives, or arrives later, or the chat ends at that token)."""
+    pre = list(b"OK STO") + [300]
+    for tokens, max_tokens in ((pre + [EOS], 99), (pre, len(pre)), (pre + [0xB8, 0xAD] + list(b" more"), 99)):
+        assert run_session(tokens, ("STOP",), max_tokens) == ("OK ", "stop", "STOP", 7)
+
+
+def test_incremental_text_equals_the_plain_algorithm_on_random_streams():
+    rng = random.Random(0)
+    alphabet = [*b"abOKSTP ", 0xE4, 0xB8, 0xAD, 0xC3, 0xA4, 300, EOS]
+    for _ in range(3000):
+        tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 14))]
+        stop, max_tokens = rng.choice(STOPS), rng.randint(1, 16)
+        assert run_session(tokens, stop, max_tokens) == run_plain(tokens, stop, max_tokens), (tokens, stop)
