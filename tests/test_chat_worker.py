@@ -207,3 +207,28 @@ def test_a_step_hands_all_its_deltas_over_in_one_hop():
         worker.stop()
     assert all("".join(e.text for e in out[1:]) == "abc" for out in outs)
     assert len(hops) == len(backend.batches) == 3  # three steps of three chats: three hops
+
+
+def test_a_chat_refused_behind_one_that_failed_is_retried_not_refused():
+    """A was given the room and failed; B, refused because A had it, is retried (and served) instead of
+    answered 503 as if the pool could never hold it."""
+    lock = threading.Lock()
+
+    class FailFirst(ScriptedBackend):
+        calls = 0
+
+        def start_many(self, batch):
+            FailFirst.calls += 1
+            if FailFirst.calls == 1 and len(batch) == 2:
+                return [RuntimeError("boom"), ChatBackpressure("A took the room")]
+            return super().start_many(batch)
+
+    worker = ChatWorker(FailFirst(lock, words=("a", "b")), lock, max_num_seqs=4)
+    streams = [_collect(worker)[1] for _ in range(2)]
+    worker.start()
+    try:
+        first, second = (_drain(ev) for ev in streams)
+    finally:
+        worker.stop()
+    assert first[0].status == 500 and "boom" in first[0].message
+    assert isinstance(second[0], ChatStarted) and second[-1].finish_reason == "length"

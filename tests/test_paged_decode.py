@@ -175,7 +175,7 @@ def test_preemption_recomputes_and_emits_the_same_tokens(tiny_ckpt, model_and_to
 
     model, tok = model_and_tok
     prompts = ["Hello there", "Describe a cat"]
-    roomy = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64)
+    roomy = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=4096)
     want = _greedy(roomy, prompts, 30)
     tight = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=64,
                                      kv_block_size=8)  # fmt: skip
@@ -414,3 +414,28 @@ def test_start_many_prefills_together_what_start_prefills_alone(tiny_ckpt, model
 
     want = [finish(r.start(p)) for p in params]
     assert [finish(s) for s in (together[0], together[2], together[3])] == want
+
+
+def test_a_failed_batched_prefill_retries_each_chat_alone(tiny_ckpt, model_and_tok, monkeypatch):
+    """One chat whose prefill fails (say, out of memory on its video) fails alone: the batch is retried one
+    chat at a time, and the others start."""
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_and_tok
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=256)
+    batch_prefill = r.prefill_batch
+
+    def flaky(items):
+        if any(len(p.input_ids) > 25 for p, _ in items):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return batch_prefill(items)
+
+    monkeypatch.setattr(r, "prefill_batch", flaky)
+    texts = ["Hi", "a much longer prompt that goes past twenty five tokens for sure", "Yo"]
+    out = r.start_many(
+        [ChatParams(messages=(ChatMessage(role="user", content=t),), max_tokens=3) for t in texts]
+    )
+    assert isinstance(out[1], RuntimeError) and all(s.prompt_tokens > 0 for s in (out[0], out[2]))
+    for s in (out[0], out[2]):
+        s.close()
+    assert r.pool.num_free == r.pool.num_blocks - 1

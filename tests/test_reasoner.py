@@ -193,6 +193,12 @@ def test_batched_sampling_equals_each_row_alone_and_follows_the_distribution():
     for _ in range(6):
         together = sample_tokens(batched, logits)
         assert together == [s.sample(row) for s, row in zip(alone, logits, strict=True)]
+    ties = torch.tensor([2.0, 1.0, 1.0, 1.0] + [0.0] * 26)  # top_k=2 keeps every token tied with the 2nd
+    alone = [TokenSampler(temperature=1.0, top_k=2, seed=5) for _ in range(2)]
+    other = TokenSampler(temperature=1.0, top_k=1, seed=6)
+    drawn = [alone[0].sample(ties) for _ in range(200)]
+    assert set(drawn) == {0, 1, 2, 3}
+    assert drawn == [sample_tokens([other, alone[1]], torch.stack([ties, ties]))[1] for _ in range(200)]
     s = TokenSampler(temperature=1.0, seed=0)
     row = torch.tensor([0.0, 1.0, 2.0, -1.0])
     counts = torch.bincount(torch.tensor([s.sample(row) for _ in range(4000)]), minlength=4).float()

@@ -132,10 +132,13 @@ class ChatWorker:
             if batch:
                 started, refused = self._start(batch)
                 active += started
-                if active:  # running chats will free room: retry after the next step
+                # retry after this step when running chats will free room, or when others of the batch took
+                # the room and failed since; refused alone with nothing running: the pool is too small
+                if active or len(refused) < len(batch):
                     deferred = refused + deferred
-                for handle in refused if not active else []:
-                    handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
+                else:
+                    for handle in refused:
+                        handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
             for handle, session in active:
                 if handle.cancelled.is_set():
                     self._close(session)

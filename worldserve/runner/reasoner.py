@@ -43,6 +43,10 @@ from worldserve.sampling.tokens import TokenSampler, sample_tokens
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
 DEFAULT_MAX_NUM_SEQS = 32
+PREFILL_TOKEN_BUDGET = 16384
+"""Prompt tokens one batched admission prefills at most (a longer single prompt still goes alone)."""
+DEFERRED_PROMPTS = 256
+"""Built prompts kept for chats refused for lack of room (their retry skips the preprocessing)."""
 
 
 def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = False) -> int:
@@ -103,6 +107,7 @@ class Reasoner:
         self._started = 0  # sessions started so far (their start order decides who is preempted)
         self.preemptions = 0  # sessions preempted so far (their K/V recomputed later)
         self._deferred: dict[int, tuple[ChatParams, ChatPrompt]] = {}  # chats refused for lack of room, by id
+        self._live = 0  # sessions started and not closed: each may need a block for its next token
 
     @classmethod
     def from_pretrained(cls, root: str | Path, transformer: Any, tokenizer: Any, **options: Any) -> Reasoner:
@@ -275,7 +280,8 @@ class Reasoner:
         return pending
 
     def forget(self, session: ReasonerSession) -> None:
-        """Drop a closed session from the wait list."""
+        """A session closed (once): drop it from the wait list and the live count."""
+        self._live -= 1
         if session in self._waiting:
             self._waiting.remove(session)
 
@@ -301,36 +307,51 @@ class Reasoner:
         return result
 
     def start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
-        """start() of several chats, their prefills in one und pass. Per chat: its session, or the exception
-        it raised (ParamError for a bad request; ChatBackpressure when the pool has no room for it now, and
-        then for every later one too, which keeps the chats in order)."""
+        """start() of several chats, their prefills in one und pass (up to PREFILL_TOKEN_BUDGET tokens). Per
+        chat: its session, or the exception it raised (ParamError for a bad request; ChatBackpressure when
+        the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
+        full: then every later one is refused too, which keeps the chats in order)."""
         out: list[ReasonerSession | Exception | None] = []
         ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
-        self._deferred = {k: v for k, v in self._deferred.items() if any(v[0] is p for p in batch)}
-        free = 0 if self._waiting else self.pool.num_free
+        free = 0 if self._waiting else self.pool.num_free - self._live
+        tokens = 0
         for params in batch:
             try:
                 prompt, budget = self._plan(params)
             except Exception as exc:  # ParamError: a bad request; anything else fails this chat alone
                 out.append(exc)
                 continue
-            need = self.pool.blocks_for(len(prompt.input_ids) + 1)
-            if need > free:
+            n = len(prompt.input_ids)
+            need = self.pool.blocks_for(n + 1)
+            if need > free or (ready and tokens + n > PREFILL_TOKEN_BUDGET):
                 free = 0  # the later chats wait too, in order
-                self._deferred[id(params)] = (params, prompt)  # the retry reuses it: no new preprocessing
+                self._remember(params, prompt)  # the retry reuses it: no new preprocessing
                 out.append(ChatBackpressure(f"{need} K/V blocks wanted, {self.pool.num_free} free"))
                 continue
             free -= need
+            tokens += n
             ready.append((len(out), params, prompt, budget))
             out.append(None)
-        if ready:
-            try:
-                prefilled = self.prefill_batch([(prompt, ()) for _, _, prompt, _ in ready])
-            except Exception as exc:
-                prefilled = [exc] * len(ready)
-            for (i, params, prompt, budget), done in zip(ready, prefilled, strict=True):
-                out[i] = done if isinstance(done, Exception) else self._session(params, prompt, budget, *done)
+        for i, params, prompt, budget, done in self._prefill_each(ready):
+            out[i] = done if isinstance(done, Exception) else self._session(params, prompt, budget, *done)
         return out
+
+    def _prefill_each(self, ready: list) -> list:
+        """prefill_batch over the ready chats; when the pass fails (e.g. out of memory), each chat once more
+        on its own, so that one chat's failure is not every chat's. [(*item, result or exception)]."""
+        items = [(prompt, ()) for _, _, prompt, _ in ready]
+        try:
+            return [(*r, done) for r, done in zip(ready, self.prefill_batch(items), strict=True)]
+        except Exception as exc:
+            if len(ready) == 1:
+                return [(*ready[0], exc)]
+        return [row for r in ready for row in self._prefill_each([r])]
+
+    def _remember(self, params: ChatParams, prompt: ChatPrompt) -> None:
+        """Keep the prompt of a chat refused for lack of room (the most recent DEFERRED_PROMPTS of them)."""
+        self._deferred[id(params)] = (params, prompt)
+        while len(self._deferred) > DEFERRED_PROMPTS:
+            self._deferred.pop(next(iter(self._deferred)))
 
     def _plan(self, params: ChatParams) -> tuple[ChatPrompt, int]:
         """Validate, build the prompt (or reuse the one of its last refused start), check the context:
@@ -371,6 +392,7 @@ class Reasoner:
             prompt_ids=tuple(prompt.input_ids),
         )
         self._started += 1
+        self._live += 1
         return ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started,
                                max_tokens=budget, stop=params.stop,
                                top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip

@@ -56,6 +56,7 @@ class ReasonerSession:
         self._tail = ""  # complete characters decoded after it, held while a character is unfinished
         self._prefix_at = self._read_at = 0  # incremental detokenization boundaries (token indices)
         self._emitted = 0  # characters of _text already sent
+        self._closed = False
 
     @property
     def completion_tokens(self) -> int:
@@ -107,11 +108,13 @@ class ReasonerSession:
         return ChatDelta(text="", finish_reason=None, completion_tokens=self.completion_tokens)
 
     def close(self) -> None:
-        """Give the K/V blocks back and leave the Reasoner's wait list (cancelled, failed or finished)."""
+        """Give the K/V blocks back and leave the Reasoner's books (cancelled, failed or finished); idempotent."""
         if self._seq is not None:
             self._seq.release()
             self._seq = None
-        self._r.forget(self)
+        if not self._closed:
+            self._closed = True
+            self._r.forget(self)
 
     # ------------------------------------------------------------------ one token
     def receive(self, logits: Tensor) -> None:

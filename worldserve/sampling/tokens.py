@@ -74,7 +74,8 @@ class TokenSampler:
     def record(self, token: int) -> None:
         """Count `token` as output (for the penalties of later calls)."""
         self.output_counts[token] = self.output_counts.get(token, 0) + 1
-        self._unsynced.append(token)
+        if self.penalized:  # only the penalties read the device-side counts
+            self._unsynced.append(token)
 
     def device_counts(self, vocab: int, device: torch.device) -> Tensor:
         """[V] float32 on `device`: how often each token was output (kept in step with output_counts)."""
@@ -154,6 +155,22 @@ def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
         scores.index_copy_(0, idx, x)
 
 
+def _sorted_candidates(x: Tensor, k: Tensor, k_max: int) -> tuple[Tensor, Tensor]:
+    """(values, indices) of each row of x [S, V] sorted descending, far enough to hold every row's k largest
+    and all tokens tied with its k-th (so a row's draw never depends on the other rows of the batch).
+
+    With k_max <= TOPK_FAST_PATH only the top candidates are sorted (topk); one host read checks for ties
+    past them, after a GIL-free wait for the GPU, and widens the cut when there are."""
+    if k_max > TOPK_FAST_PATH:
+        return x.sort(-1, descending=True)
+    vals, order = x.topk(k_max, dim=-1)
+    kth = vals.gather(1, (k.long() - 1).clamp(max=k_max - 1)[:, None])  # [S, 1]
+    if x.is_cuda:
+        torch.cuda.current_stream(x.device).synchronize()
+    tied = int((x >= kth).sum(-1).max())
+    return (vals, order) if tied <= k_max else x.topk(min(tied, x.shape[1]), dim=-1)
+
+
 def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]:
     """logits [B, V] (any float dtype, any device) -> one token id per row, row b drawn by samplers[b] and
     recorded as its output. One pass over all rows on the logits' device, one host sync."""
@@ -173,12 +190,9 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
         temp, k, p, u = _host_to(knobs, torch.float32, scores.device).unbind(1)  # [S] each
         idx, x = _rows(samplers, rows, scores)
         x = x / temp[:, None]  # [S, V]
-        if max(ks) <= TOPK_FAST_PATH:
-            vals, order = x.topk(max(ks), dim=-1)  # [S, max k]: sorted, descending
-        else:
-            vals, order = x.sort(-1, descending=True)  # [S, V]
+        vals, order = _sorted_candidates(x, k, max(ks))  # [S, n] each, descending
         kth = vals.gather(1, (k.long() - 1).clamp(max=vals.shape[1] - 1)[:, None])  # [S, 1]
-        keep = vals >= kth  # the k largest, and any tied with the k-th among the sorted candidates
+        keep = vals >= kth  # the k largest, and every token tied with the k-th
         probs = vals.masked_fill(~keep, float("-inf")).softmax(-1)
         keep &= probs.cumsum(-1) - probs < p[:, None]  # drop a token once the mass before it reaches p
         cdf = vals.masked_fill(~keep, float("-inf")).softmax(-1).cumsum(-1)  # [S, n]
