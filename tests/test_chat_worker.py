@@ -74,6 +74,16 @@ def _drain(events, until_done=True):
             return out
 
 
+def _two_chats(worker):
+    """Queue two chats before the worker starts, run them to the end: their event lists."""
+    streams = [_collect(worker)[1] for _ in range(2)]
+    worker.start()
+    try:
+        return [_drain(ev) for ev in streams]
+    finally:
+        worker.stop()
+
+
 def test_events_in_order_under_the_lock():
     lock = threading.Lock()
     worker = ChatWorker(ScriptedBackend(lock), lock)
@@ -149,13 +159,7 @@ class RoomForOneBackend(ScriptedBackend):
 def test_a_chat_without_room_waits_for_a_running_one_instead_of_failing():
     lock = threading.Lock()
     backend = RoomForOneBackend(lock, words=("a", "b", "c"))
-    worker = ChatWorker(backend, lock, max_num_seqs=4)
-    streams = [_collect(worker)[1] for _ in range(2)]
-    worker.start()
-    try:
-        first, second = (_drain(ev) for ev in streams)
-    finally:
-        worker.stop()
+    first, second = _two_chats(ChatWorker(backend, lock, max_num_seqs=4))
     assert first == second and "".join(e.text for e in second[1:]) == "abc"
     assert backend.refused >= 1 and backend.batches == [1, 1, 1, 1, 1, 1]  # one after the other
 
@@ -223,12 +227,6 @@ def test_a_chat_refused_behind_one_that_failed_is_retried_not_refused():
                 return [RuntimeError("boom"), ChatBackpressure("A took the room")]
             return super().start_many(batch)
 
-    worker = ChatWorker(FailFirst(lock, words=("a", "b")), lock, max_num_seqs=4)
-    streams = [_collect(worker)[1] for _ in range(2)]
-    worker.start()
-    try:
-        first, second = (_drain(ev) for ev in streams)
-    finally:
-        worker.stop()
+    first, second = _two_chats(ChatWorker(FailFirst(lock, words=("a", "b")), lock, max_num_seqs=4))
     assert first[0].status == 500 and "boom" in first[0].message
     assert isinstance(second[0], ChatStarted) and second[-1].finish_reason == "length"
