@@ -13,6 +13,10 @@ import sys
 VERBS: dict[str, tuple[str, str]] = {
     "serve": ("worldserve.commands.serve", "serve the video and chat APIs over HTTP"),
     "generate": ("worldserve.commands.generate", "generate one video (or image) offline"),
+    "chat": (
+        "worldserve.commands.chat",
+        "chat with the Reasoner in this process (one message, or stdin turns)",
+    ),
     "make-tiny": ("worldserve.commands.make_tiny", "write a tiny random checkpoint in the real layout"),
     "info": ("worldserve.commands.info", "describe a checkpoint: components, parameters, dtypes, defaults"),
     "bench": ("worldserve.commands.bench", "benchmark the denoising step and decode (GPU)"),

@@ -1,0 +1,70 @@
+"""`worldserve chat` as a user runs it (a subprocess, the tiny checkpoint, CPU): one message, a conversation
+on stdin, an image, and bad input named before the model loads."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+
+from worldserve.params import ChatMessage, ChatParams
+
+
+def _chat(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "worldserve.cli", "chat", *map(str, args)],
+        input=stdin, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_one_message_prints_the_reasoners_reply(tiny_ckpt):
+    """The streamed stdout is what the Reasoner answers in-process for the same greedy request."""
+    from transformers import AutoTokenizer
+
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    out = _chat(
+        tiny_ckpt, "--message", "Hello there", "--max-tokens", 12, "--temperature", 0, "--device", "cpu"
+    )
+    assert out.returncode == 0, out.stderr
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    s = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=32768).start(
+        ChatParams(
+            messages=(ChatMessage(role="user", content="Hello there"),), max_tokens=12, temperature=0.0
+        )
+    )
+    text = ""
+    while s.finish_reason is None:
+        text += s.step().text
+    assert out.stdout == text + "\n"
+    assert re.search(r"\[\d+ prompt \+ 12 completion tokens, length", out.stderr)
+
+
+def test_a_conversation_on_stdin_keeps_its_history(tiny_ckpt, tmp_path):
+    """Two turns (the first with an image) and an empty line: two replies; the second turn's prompt holds
+    the first turn and its reply."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(buf, "PNG")
+    (tmp_path / "cat.png").write_bytes(buf.getvalue())
+    out = _chat(tiny_ckpt, "--image", tmp_path / "cat.png", "--max-tokens", 5, "--device", "cpu", "--seed", 1,
+                stdin="What is this?\nAnd then?\n\nignored\n")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    usage = [tuple(map(int, m)) for m in re.findall(r"\[(\d+) prompt \+ (\d+) completion", out.stderr)]
+    assert len(usage) == 2 and usage[1][0] > usage[0][0] + usage[0][1]
+
+
+def test_bad_input_is_named_before_loading(tmp_path):
+    missing = _chat("--message", "x", "--image", tmp_path / "none.png")
+    assert missing.returncode == 2 and "--image" in missing.stderr
+    zero = _chat("--message", "x", "--max-tokens", 0)
+    assert zero.returncode == 2 and "max_tokens" in zero.stderr
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    junk = _chat("--message", "x", "--image", tmp_path / "junk.png")
+    assert junk.returncode == 2 and "--image" in junk.stderr and "Loading" not in junk.stderr

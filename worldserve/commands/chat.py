@@ -1,0 +1,154 @@
+"""`worldserve chat [MODEL] [--message TEXT]`: the Reasoner in this process, no server.
+
+With `--message` it answers once (streaming the reply to stdout) and exits; without, it reads one user turn
+per line from stdin and keeps the conversation (an empty line or end of input ends it). `--image F` /
+`--video F` (repeatable) attach media to the first user turn, as `image_url` / `video_url` parts would
+(videos sampled at 2 fps as Qwen3-VL's processor does). Sampling flags are the chat completion fields
+(defaults: NVIDIA's suggested temperature 0.7, top_p 0.8, top_k 20, presence_penalty 1.5; --temperature 0
+for greedy). Bad input fails with the field named, exit code 2. Token counts and speed go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError, VideoSampling
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)"
+    )
+    p.add_argument("--message", default=None, help="answer this one user message and exit")
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--image", type=Path, action="append", default=[], help="image for the first turn")
+    p.add_argument("--video", type=Path, action="append", default=[], help="video for the first turn")
+    p.add_argument("--max-tokens", type=int, default=512, help="completion tokens a turn")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--presence-penalty", type=float, default=1.5)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=32768, help="context length (prompt + completion)")
+    p.add_argument("--revision", default=None, help="HF revision of MODEL")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    p.add_argument("--enable-layerwise-offload", action="store_true",
+                   help="keep the transformer blocks in host memory, streamed per layer (small GPUs)")  # fmt: skip
+
+
+def media_parts(images: list[Path], videos: list[Path]) -> tuple[ChatPart, ...]:
+    """The decoded --image / --video files as chat parts; ParamError naming the flag when one is unreadable."""
+    from worldserve.media.image import decode_image
+    from worldserve.media.video_input import decode_chat_video
+
+    parts = []
+    for flag, paths in (("--image", images), ("--video", videos)):
+        for path in paths:
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise ParamError(flag, f"cannot read {path}: {e.strerror}") from e
+            if flag == "--image":
+                parts.append(ChatPart(type="image", image=decode_image(data, param=flag)))
+            else:
+                parts.append(
+                    ChatPart(type="video", video=decode_chat_video(data, VideoSampling(), param=flag))
+                )
+    return tuple(parts)
+
+
+def turn_params(args: argparse.Namespace, messages: list[ChatMessage]) -> ChatParams:
+    return ChatParams(
+        messages=tuple(messages), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, presence_penalty=args.presence_penalty, seed=args.seed,
+    ).validate()  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        media = media_parts(args.image, args.video)
+        messages = [] if args.system is None else [ChatMessage(role="system", content=args.system)]
+        if args.message is not None:
+            turn_params(
+                args, [*messages, ChatMessage(role="user", content=args.message)]
+            )  # fail before loading
+    except ParamError as e:
+        print(f"worldserve chat: error: {e.param}: {e.message}", file=sys.stderr)
+        return 2
+    reasoner = _load(args)
+    if reasoner is None:
+        return 2
+    turns = [args.message] if args.message is not None else _stdin_turns()
+    for text in turns:
+        content = (*media, ChatPart(type="text", text=text)) if media else text
+        media = ()
+        messages.append(ChatMessage(role="user", content=content))
+        try:
+            reply = _answer(reasoner, turn_params(args, messages))
+        except ParamError as e:
+            print(f"worldserve chat: error: {e.param}: {e.message}", file=sys.stderr)
+            return 2
+        messages.append(ChatMessage(role="assistant", content=reply))
+    return 0
+
+
+def _stdin_turns():
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        yield line.rstrip("\n")
+
+
+def _load(args: argparse.Namespace):
+    """The Reasoner on the checkpoint's transformer (None after printing why it cannot load)."""
+    import torch
+
+    from worldserve.runner.kernel_options import KernelOptions
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.runner.video_pipeline import load_pipeline
+    from worldserve.weights.checkpoint import resolve_model
+
+    root = resolve_model(args.model, args.revision)
+    if args.model is None:
+        print(f"using the embedded tiny random checkpoint {root}: its replies are noise", file=sys.stderr)
+    kernels = KernelOptions.from_flags(
+        enforce_eager=args.enforce_eager, quantization=None, fp8_attention=False,
+        diffusion_attention_backend=None, enable_layerwise_offload=args.enable_layerwise_offload,
+    )  # fmt: skip
+    try:
+        pipe = load_pipeline(root, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                             kernels=kernels)  # fmt: skip
+        reasoner = Reasoner.from_pretrained(root, pipe.transformer, pipe.encoder.tokenizer,
+                                            max_model_len=args.max_model_len, max_num_seqs=1,
+                                            enforce_eager=args.enforce_eager)  # fmt: skip
+    except ValueError as e:
+        print(f"worldserve chat: error: {e}", file=sys.stderr)
+        return None
+    if pipe.transformer.device.type == "cuda":
+        reasoner.warm_up()
+    return reasoner
+
+
+def _answer(reasoner, params: ChatParams) -> str:
+    """Stream one reply to stdout; its text."""
+    t0 = time.perf_counter()
+    session = reasoner.start(params)
+    t1, text = time.perf_counter(), []
+    while session.finish_reason is None:
+        delta = session.step()
+        text.append(delta.text)
+        print(delta.text, end="", flush=True)
+    print()
+    took = time.perf_counter() - t1
+    print(f"[{session.prompt_tokens} prompt + {session.completion_tokens} completion tokens, "
+          f"{session.finish_reason}; prefill {(t1 - t0) * 1e3:.0f} ms, "
+          f"{session.completion_tokens / max(took, 1e-9):.1f} tok/s]", file=sys.stderr)  # fmt: skip
+    return "".join(text)
