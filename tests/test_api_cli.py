@@ -160,3 +160,25 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     assert "did not become ready within 0.05s" in caplog.text
     monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel, seqs: ("backend", None))
     assert serve._load_backend_within(ModelConfig()) == ("backend", None)
+
+
+def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
+    """--kv-cache-memory-bytes: refused when 0, too small for --max-model-len names both flags, and otherwise
+    the Reasoner's pool holds that many bytes' worth of tokens."""
+    from worldserve.commands import serve
+    from worldserve.config import ModelConfig, ParallelConfig
+
+    with pytest.raises(ValueError, match="kv-cache-memory-bytes must be > 0"):
+        parse("--kv-cache-memory-bytes", "0")
+    small = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
+                        kv_cache_memory_bytes=1000)  # fmt: skip
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes or lower --max-model-len"):
+        serve._load_backend(small, ParallelConfig(), 4)
+    ok = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
+                     kv_cache_memory_bytes=50_000_000)  # fmt: skip
+    pipeline, _, reasoner = serve._load_backend(ok, ParallelConfig(), 4)
+    per_token = pipeline.transformer.und_kv_bytes_per_token()
+    assert reasoner.pool.capacity_tokens >= 50_000_000 // per_token > 4096
+    assert (
+        reasoner.pool.nbytes <= 50_000_000 + 2 * reasoner.pool.block_size * per_token
+    )  # + scratch, rounding
