@@ -55,6 +55,7 @@ class ReasonerSession:
         self._text = ""  # detokenized so far, up to the last token boundary outside a character
         self._tail = ""  # complete characters decoded after it, held while a character is unfinished
         self._prefix_at = self._read_at = 0  # incremental detokenization boundaries (token indices)
+        self._prefix: str | None = ""  # the decode of [prefix_at, read_at); None: not computed yet
         self._emitted = 0  # characters of _text already sent
         self._closed = False
 
@@ -170,13 +171,15 @@ class ReasonerSession:
         in _tail); `flush` takes it as it is."""
         decode = self._r.tokenizer.decode
         ids = self.token_ids
-        prefix = decode(ids[self._prefix_at : self._read_at], skip_special_tokens=True)
+        if self._prefix is None:  # decoded once per boundary, not once per token
+            self._prefix = decode(ids[self._prefix_at : self._read_at], skip_special_tokens=True)
+        prefix = self._prefix
         full = decode(ids[self._prefix_at :], skip_special_tokens=True)
         new = full[len(prefix) :] if len(full) > len(prefix) else ""
         if new and (flush or not new.endswith("\ufffd")):
             self._text += new
             self._tail = ""
-            self._prefix_at, self._read_at = self._read_at, len(ids)
+            self._prefix_at, self._read_at, self._prefix = self._read_at, len(ids), None
         else:
             self._tail = new.rstrip("\ufffd")
 
