@@ -439,3 +439,60 @@ def test_a_failed_batched_prefill_retries_each_chat_alone(tiny_ckpt, model_and_t
     for s in (out[0], out[2]):
         s.close()
     assert r.pool.num_free == r.pool.num_blocks - 1
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    pool = _pool(blocks=8, block_size=4)
+    a = pool.sequence()
+    k, v = torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+    a.reserve(7)
+    for layer in range(2):
+        a.write(layer, k[layer], v[layer])
+    a.advance(6)
+    b = a.fork()  # block 0 shared, block 1 (2 of 4 rows used) copied
+    assert b.blocks[0] == a.blocks[0] and b.blocks[1] != a.blocks[1] and b.length == 6
+    assert all(torch.equal(x, y) for x, y in zip(b.kv(1), a.kv(1), strict=True))
+    b.reserve(1)
+    b.write(0, torch.ones(1, 2, 8), torch.ones(1, 2, 8))  # b's 7th token lands in b's own copy
+    b.write(1, torch.ones(1, 2, 8), torch.ones(1, 2, 8))
+    b.advance(1)
+    assert torch.equal(a.kv(0)[0], k[0]) and pool.num_free == 7 - 3
+    a.release()
+    assert pool.num_free == 7 - 2  # block 0 is still b's
+    b.release()
+    assert pool.num_free == 7
+
+
+def test_the_choices_of_one_request_share_their_prompt(tiny_ckpt, model_and_tok):
+    """n = 3 choices (the same messages object, seeds s, s + 1, s + 2, as the API builds them) are prefilled
+    once and share the prompt's full blocks, and sample exactly what three separate chats sample."""
+    import dataclasses
+
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_and_tok
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=512, kv_block_size=16)
+    long = "Describe, in great detail, a red fox running through fresh snow at dawn " * 3
+    base = ChatParams(
+        messages=(ChatMessage(role="user", content=long),), max_tokens=8, temperature=1.0, seed=3
+    )
+    choices = [dataclasses.replace(base, seed=3 + i) for i in range(3)]
+    prefills, prefill_batch = [], r.prefill_batch
+    r.prefill_batch = lambda items: prefills.append(len(items)) or prefill_batch(items)
+    free = r.pool.num_free
+    shared = r.start_many(choices)
+    used_shared = free - r.pool.num_free
+    r.prefill_batch = prefill_batch
+    free = r.pool.num_free
+    apart = [
+        r.start(dataclasses.replace(c, messages=(ChatMessage(role="user", content=long),))) for c in choices
+    ]
+    assert prefills == [1] and used_shared < free - r.pool.num_free
+
+    def finish(s):
+        while s.finish_reason is None:
+            s.step()
+        return s.token_ids
+
+    assert [finish(s) for s in shared] == [finish(s) for s in apart]
+    assert r.pool.num_free == r.pool.num_blocks - 1

@@ -310,14 +310,17 @@ class Reasoner:
         """start() of several chats, their prefills in one und pass (up to PREFILL_TOKEN_BUDGET tokens). Per
         chat: its session, or the exception it raised (ParamError for a bad request; ChatBackpressure when
         the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
-        full: then every later one is refused too, which keeps the chats in order)."""
+        full: then every later one is refused too, which keeps the chats in order). Chats with the very same
+        messages (the n choices of one request) share one prompt, one prefill and its full K/V blocks."""
         out: list[ReasonerSession | Exception | None] = []
         ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
         free = 0 if self._waiting else self.pool.num_free - self._live
         tokens = 0
+        built: dict[int, ChatPrompt] = {}  # id(params.messages) -> its prompt (the batch holds the messages)
         for params in batch:
             try:
-                prompt, budget = self._plan(params)
+                prompt, budget = self._plan(params, built.get(id(params.messages)))
+                built[id(params.messages)] = prompt
             except Exception as exc:  # ParamError: a bad request; anything else fails this chat alone
                 out.append(exc)
                 continue
@@ -332,7 +335,17 @@ class Reasoner:
             tokens += n
             ready.append((len(out), params, prompt, budget))
             out.append(None)
-        for i, params, prompt, budget, done in self._prefill_each(ready):
+        leaders: dict[int, tuple] = {}  # id(prompt) -> the first ready chat with that prompt
+        for r in ready:
+            leaders.setdefault(id(r[2]), r)
+        prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()))}
+        for i, params, prompt, budget in ready:
+            done = prefilled[id(prompt)]
+            if not isinstance(done, Exception) and leaders[id(prompt)][0] != i:
+                try:  # a later choice of the same messages: the leader's K/V, forked
+                    done = (done[0], done[1].fork(), done[2])
+                except PoolExhausted as exc:
+                    done = ChatBackpressure(str(exc))
             out[i] = done if isinstance(done, Exception) else self._session(params, prompt, budget, *done)
         return out
 
@@ -353,12 +366,15 @@ class Reasoner:
         while len(self._deferred) > DEFERRED_PROMPTS:
             self._deferred.pop(next(iter(self._deferred)))
 
-    def _plan(self, params: ChatParams) -> tuple[ChatPrompt, int]:
-        """Validate, build the prompt (or reuse the one of its last refused start), check the context:
-        (prompt, completion token budget). ParamError for a bad request."""
+    def _plan(self, params: ChatParams, prompt: ChatPrompt | None = None) -> tuple[ChatPrompt, int]:
+        """Validate, build the prompt (or take `prompt`, built for the same messages, or the one of its last
+        refused start), check the context: (prompt, completion token budget). ParamError for a bad request."""
         params.validate()
         deferred = self._deferred.pop(id(params), None)
-        prompt = deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
+        if prompt is None:
+            prompt = (
+                deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
+            )
         n = len(prompt.input_ids)
         room = self.max_model_len - n
         if room < 1 or (params.max_tokens is not None and params.max_tokens > room):

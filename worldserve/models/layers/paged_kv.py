@@ -14,6 +14,8 @@ which writes the new token's K/V at `slot(t)` and attends with models/layers/pag
 
 Blocks go back to the pool on `release()` (finished, cancelled or preempted chats), or when the sequence is
 garbage-collected. `reserve()` raises `PoolExhausted` (and allocates nothing) when the free list is short.
+`fork()` gives a second sequence over the same K/V (full blocks shared and reference-counted, the last
+partial block copied): the choices of one `n > 1` chat completion prefill their prompt once.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class PagedKVPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_blocks  # sequences holding each block (forks share their full blocks)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -81,10 +84,22 @@ class PagedKVPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PoolExhausted(f"{n} K/V blocks wanted, {len(self._free)} free of {self.num_blocks - 1}")
-        return [self._free.pop() for _ in range(n)]
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """One more holder of `blocks` (a fork); they go back to the free list when the last one frees them."""
+        for b in blocks:
+            self._refs[b] += 1
+        return list(blocks)
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer i's K and V pools, [num_blocks, block_size, Hkv, D] each."""
@@ -117,6 +132,24 @@ class PagedSequence:
         need = self.pool.blocks_for(self._length + num_new) - len(self.blocks)
         if need > 0:
             self.blocks.extend(self.pool.allocate(need))
+
+    def fork(self) -> PagedSequence:
+        """A sequence with the same committed K/V: the full blocks shared, the partly filled last block copied
+        (both sequences only ever write past their length, so a shared block is never written again): the
+        n choices of one chat prefill their prompt once. PoolExhausted when no block is free for the copy."""
+        bs = self.pool.block_size
+        full, partial = divmod(self._length, bs)
+        twin = PagedSequence(self.pool)
+        if partial:
+            (copy,) = self.pool.allocate(1)
+            src = self.blocks[full]
+            self.pool.k[:, copy] = self.pool.k[:, src]  # every layer's K and V of that block
+            self.pool.v[:, copy] = self.pool.v[:, src]
+            twin.blocks.extend(self.pool.share(self.blocks[:full]) + [copy])
+        else:
+            twin.blocks.extend(self.pool.share(self.blocks[:full]))
+        twin._length = self._length
+        return twin
 
     def release(self) -> None:
         """Hand every block back (the sequence is empty afterwards and may be refilled)."""
