@@ -70,23 +70,11 @@ class UndDecoder:
     # ------------------------------------------------------------------ the step
     def _layer(self, i: int, h: Tensor, cos: Tensor, sin: Tensor, table: Tensor, lens: Tensor) -> Tensor:
         blk = self.model.layers[i].und
-        if self.qkv_fn is None:
-            q, k, v = blk.project_qkv(h, cos, sin)
-        else:
-            q, k, v = self.qkv_fn(
-                h, cos, sin, blk.input_layernorm.weight, blk.qkv_proj.weight, blk.qkv_proj.bias,
-                blk.q_norm.weight, blk.k_norm.weight, blk.input_layernorm.eps,
-                blk.num_heads, blk.num_kv_heads, blk.head_dim,
-            )  # fmt: skip
+        q, k, v = blk.project_qkv(h, cos, sin, self.qkv_fn)
         k_pool, v_pool = self.pool.layer(i)  # [blocks, block_size, Hkv, D]
         slots = self.slots[: h.shape[0]]
         attn = paged_decode_attention(q, k, v, k_pool, v_pool, table, lens, slots)  # [B, Hq, D]; k, v stored
-        if self.finish_fn is None or blk.tp_size != 1:
-            return blk.finish(h, attn)
-        return self.finish_fn(
-            h, attn, blk.o_proj.weight, blk.o_proj.bias, blk.post_attention_layernorm.weight,
-            blk.gate_up_proj.weight, blk.down_proj.weight, blk.post_attention_layernorm.eps,
-        )  # fmt: skip
+        return blk.finish(h, attn, self.finish_fn)
 
     def _forward(self, b: int, width: int) -> Tensor:
         """Logits [b, vocab] of the first b rows of the static buffers (tables cut to `width` blocks)."""

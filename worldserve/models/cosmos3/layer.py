@@ -117,18 +117,20 @@ class TowerBlock(nn.Module):
         self.fp8: dict[str, bool] = {}  # after quantize_fp8: the emulate / fast_accum flags of the math
         self.attn_fn = sdpa_attention  # flash_attention.resolve_attention_backend may swap in FA3
 
-    def project_qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]."""
-        return self.qkv_fn(
+    def project_qkv(self, h: Tensor, cos: Tensor, sin: Tensor, fn=None) -> tuple[Tensor, Tensor, Tensor]:
+        """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]; `fn`: another copy of
+        qkv_math to run (the Reasoner decoder's compiled one), default this block's."""
+        return (fn or self.qkv_fn)(
             h, cos, sin, self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
             self.q_norm.weight, self.k_norm.weight, self.input_layernorm.eps,
             self.num_heads, self.num_kv_heads, self.head_dim, _scale(self.qkv_proj), **self.fp8,
         )  # fmt: skip
 
-    def finish(self, h: Tensor, attn: Tensor) -> Tensor:
-        """Residual stream h [N, d] + o_proj(attn [N, Hq, D]), then + SwiGLU MLP."""
+    def finish(self, h: Tensor, attn: Tensor, fn=None) -> Tensor:
+        """Residual stream h [N, d] + o_proj(attn [N, Hq, D]), then + SwiGLU MLP; `fn`: another copy of
+        finish_math for a single rank (the Reasoner decoder's compiled one), default this block's."""
         if self.tp_size == 1:
-            return self.finish_fn(
+            return (fn or self.finish_fn)(
                 h, attn, self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
                 self.gate_up_proj.weight, self.down_proj.weight, self.post_attention_layernorm.eps,
                 _scale(self.o_proj), _scale(self.gate_up_proj), _scale(self.down_proj), **self.fp8,
