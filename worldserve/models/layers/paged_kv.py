@@ -116,6 +116,7 @@ class PagedSequence:
         self.pool = pool
         self.blocks: list[int] = []
         self._length = 0
+        self._rows: dict[tuple[int, int, str], Tensor] = {}  # slots() of the current chunk, by range
         self._finalizer = weakref.finalize(self, pool.free, self.blocks)  # same list object: freed on GC
 
     @property
@@ -155,6 +156,7 @@ class PagedSequence:
         """Hand every block back (the sequence is empty afterwards and may be refilled)."""
         self.pool.free(self.blocks)
         self.blocks.clear()
+        self._rows.clear()
         self._length = 0
 
     def slot(self, t: int) -> int:
@@ -163,11 +165,15 @@ class PagedSequence:
         return self.blocks[t // bs] * bs + t % bs
 
     def slots(self, start: int, end: int, device: torch.device) -> Tensor:
-        """[end - start] long: flat rows of tokens start..end-1."""
-        bs = self.pool.block_size
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        t = torch.arange(start, end)
-        return (table[t // bs] * bs + t % bs).to(device)
+        """[end - start] long: flat rows of tokens start..end-1 (built once per chunk, not once per layer:
+        the cache is dropped when the length or the blocks change)."""
+        key = (start, end, str(device))
+        if key not in self._rows:
+            bs = self.pool.block_size
+            table = torch.tensor(self.blocks, dtype=torch.long)
+            t = torch.arange(start, end)
+            self._rows[key] = (table[t // bs] * bs + t % bs).to(device)
+        return self._rows[key]
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k/v [n, Hkv, D] after the committed tokens; return this layer's K/V [length + n, Hkv, D]."""
@@ -194,3 +200,4 @@ class PagedSequence:
         if self._length + num_new > self.capacity:
             raise RuntimeError("advance past the reserved blocks")
         self._length += num_new
+        self._rows.clear()
