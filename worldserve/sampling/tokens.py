@@ -100,7 +100,7 @@ class TokenSampler:
 
     def penalize(self, logits: Tensor) -> Tensor:
         """The penalties on a float32 copy of logits [V] (the input is untouched)."""
-        scores = logits.detach().float()[None].clone()  # [1, V]
+        scores = logits.detach().to(torch.float32, copy=True)[None]  # [1, V]
         _penalize([self], scores)
         return scores[0]
 
@@ -176,7 +176,7 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
     recorded as its output. One pass over all rows on the logits' device, one host sync."""
     if len(samplers) != logits.shape[0]:
         raise ValueError(f"{len(samplers)} samplers for {logits.shape[0]} rows of logits")
-    scores = logits.detach().float().clone()  # [B, V]
+    scores = logits.detach().to(torch.float32, copy=True)  # [B, V]: one copy, whatever the dtype
     _penalize(samplers, scores)
     tokens = scores.argmax(-1)  # [B]: the greedy rows' answer (first index on ties)
     rows = [i for i, s in enumerate(samplers) if not s.greedy]
