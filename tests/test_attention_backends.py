@@ -7,6 +7,7 @@ kernel, so a layout, mask or scale mistake in flash_attention.py shows up as a m
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -21,10 +22,12 @@ from worldserve.runner.kernel_options import KernelOptions
 
 
 def _reference_fa3_module() -> types.ModuleType:
-    def flash_attn_func(
-        q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None
-    ):
+    def fwd(q, k, v, k_new, v_new, qv, out, *rest):
+        """FA3's compiled `fwd` op, its 34 positional arguments: (out, lse, ...)."""
         assert q.dim() == 4 and q.shape[0] == 1, "FA3 takes [B, N, H, D]"
+        assert len(rest) == 27 and (k_new, v_new, qv) == (None, None, None) and rest[:13] == (None,) * 13
+        q_descale, k_descale, v_descale, softmax_scale, causal = rest[13:18]
+        assert rest[18:] == (-1, -1, 0, 0.0, True, None, 1, None, 0), "plain attention, no extras"
         deq = [
             x.float() * (s[0, 0] if s is not None else 1.0)
             for x, s in ((q, q_descale), (k, k_descale), (v, v_descale))
@@ -34,10 +37,17 @@ def _reference_fa3_module() -> types.ModuleType:
         mask = None
         if causal:
             mask = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=softmax_scale, enable_gqa=True)
-        return out.transpose(1, 2).to(torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype), None
+        res = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=softmax_scale, enable_gqa=True)
+        res = res.transpose(1, 2).to(torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+        if out is not None:
+            assert out.dtype == res.dtype and out.is_contiguous(), "FA3 checks the out buffer"
+            res = out.copy_(res)
+        scores = qh @ kh.repeat_interleave(qh.shape[1] // kh.shape[1], 1).transpose(-1, -2) * softmax_scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return res, scores.logsumexp(-1)  # lse [B, Hq, Nq]
 
-    return types.SimpleNamespace(__name__="reference_fa3", flash_attn_func=flash_attn_func)
+    return types.SimpleNamespace(__name__="reference_fa3", fa3_fwd_cuda=types.SimpleNamespace(fwd=fwd))
 
 
 @pytest.fixture
@@ -60,6 +70,18 @@ def test_fa3_glue_matches_sdpa(reference_fa3, nq, nk, causal):
     ref = sdpa_attention(q, k, v, causal=causal)
     assert ours.shape == (nq, 4, 32)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fa3_glue_writes_into_the_given_output_rows(reference_fa3):
+    q, k, v = _qkv(6, 9)
+    buf = torch.full((10, 4, 32), float("nan"))
+    res = fa.fa3_attention(q, k, v, out=buf[3:9])
+    assert res.data_ptr() == buf[3:9].data_ptr()
+    torch.testing.assert_close(buf[3:9], sdpa_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    assert buf[:3].isnan().all() and buf[9:].isnan().all()
+    buf2 = torch.full((6, 4, 32), float("nan"))
+    assert sdpa_attention(q, k, v, out=buf2) is buf2
+    torch.testing.assert_close(buf2, buf[3:9])
 
 
 def test_fa3_fp8_glue_is_close_but_lossy(reference_fa3):
@@ -116,6 +138,41 @@ def test_transformer_routes_every_layer_through_the_chosen_backend(tiny_ckpt, mo
     assert all(layer.gen.attn_fn is fa.fa3_fp8_attention for layer in model.layers)
 
 
+def test_first_layer_shares_a_cfg_pairs_gen_attention_and_computes_the_same(tiny_ckpt, monkeypatch):
+    """A CFG pair (same latents, sound and timestep; prompts of different lengths, so every gen position
+    differs by a constant) computes its first layer's gen-gen attention once, merged by LSE with each
+    branch's prompt attention: the same velocities as two separate attentions (float32), and the twin
+    path really ran (one gen-gen call fewer)."""
+    from worldserve.models.cosmos3.batch import GenBatch, GenItem, twin_groups
+    from worldserve.weights.loader import load_transformer
+
+    monkeypatch.setattr(fa, "fa3_module", _reference_fa3_module)
+    monkeypatch.setattr(fa, "fa3_unavailable_reason", lambda *a: None)
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    cfg = model.config
+    assert model.set_attention_backend("FLASH_ATTN") == "fa3"
+    g = torch.Generator().manual_seed(5)
+    caches = model.prefill_und([torch.randint(0, 100, (n,), generator=g) for n in (9, 4)])
+    lat = torch.randn(cfg.latent_channel, 3, 4, 6, generator=g)
+    snd = torch.randn(cfg.sound_dim, 5, generator=g)
+    items = [GenItem(latents=lat, timestep=700.0, und_cache=c, sound=snd) for c in caches]
+    batch = GenBatch.pack(items, config=cfg, device="cpu")
+    assert batch.twins == ((0, 1),)
+    calls = []
+    first = model.layers[0].gen
+    first.attn_lse_fn = lambda *a, **k: calls.append(a[1].shape[0]) or fa.fa3_forward(*a, **k)
+    shared = model(batch)
+    assert calls == [batch.layout[0].num_tokens, 9, 4]  # gen-gen once, then each prompt's keys
+    separate = model(dataclasses.replace(batch, twins=()))
+    for a, b in zip(shared.video + shared.sound, separate.video + separate.sound, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # no twins unless the gen input is the very same: another latents tensor, another timestep
+    other = GenItem(latents=lat.clone(), timestep=700.0, und_cache=caches[1], sound=snd)
+    later = GenItem(latents=lat, timestep=600.0, und_cache=caches[1], sound=snd)
+    assert twin_groups([items[0], other]) == () and twin_groups([items[0], later]) == ()
+    assert twin_groups([items[0], other, items[1]]) == ((0, 2),)
+
+
 def test_generate_refuses_flash_attn_without_a_hopper_gpu(tiny_ckpt, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "worldserve.cli", "generate", str(tiny_ckpt), "--prompt", "a cat",
@@ -153,3 +210,11 @@ def test_real_fa3_matches_sdpa(nq, nk, causal):
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         err = float((out.float() - ref).norm() / ref.norm())
         assert err < tol, (fn.__name__, err)
+        buf = torch.full((nq + 5, 32, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+        assert fn(q, k, v, causal=causal, out=buf[2 : 2 + nq]).data_ptr() == buf[2].data_ptr()
+        torch.testing.assert_close(buf[2 : 2 + nq], out, atol=0, rtol=0)  # same kernel, written in place
+        assert buf[:2].isnan().all() and buf[2 + nq :].isnan().all()
+    if not causal:  # the softmax LSE FA3 returns: [Hq, Nq] float32, natural log
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(4, dim=1)) / 128**0.5
+        lse = fa.fa3_forward(q, k, v)[1]
+        torch.testing.assert_close(lse, scores.logsumexp(-1), atol=2e-2, rtol=1e-3)

@@ -144,6 +144,9 @@ class GenBatch:
     """[N_vout] long: their row in the item-after-item stack of all video tokens."""
     sound_rows: Tensor
     """[N_s] long: gen rows of sound tokens."""
+    twins: tuple[tuple[int, ...], ...] = ()
+    """Groups (2+ items, ascending) whose gen input is identical (`same_gen_input`: the CFG branches of
+    one request). Their first layer's gen-gen attention is the same function (transformer.py shares it)."""
 
     @property
     def num_tokens(self) -> int:
@@ -193,7 +196,37 @@ class GenBatch:
             video_rows=torch.cat(video_rows).to(device),
             video_slots=torch.cat(video_slots).to(device),
             sound_rows=torch.cat(sound_rows).to(device),
+            twins=twin_groups(items),
         )
+
+
+def same_gen_input(a: GenItem, b: GenItem) -> bool:
+    """Whether two items feed the gen tower the same tokens: the same latents and sound tensors (identity:
+    a request's branches share them), the same timestep, fps and clean frames. Only the prompts differ, and
+    with them the mRoPE origin, a constant shift of every gen position that attention among gen tokens
+    does not see (RoPE is relative)."""
+    ts_a, ts_b = a.timestep, b.timestep
+    same_ts = ts_a is ts_b or (not isinstance(ts_a, Tensor) and not isinstance(ts_b, Tensor) and ts_a == ts_b)
+    return (
+        a.latents is b.latents
+        and a.sound is b.sound
+        and same_ts
+        and a.fps == b.fps
+        and a.clean_frames == b.clean_frames
+    )
+
+
+def twin_groups(items: Sequence[GenItem]) -> tuple[tuple[int, ...], ...]:
+    """GenBatch.twins of `items`: each group's members in stream order, groups by their first member."""
+    groups: list[list[int]] = []
+    for i, item in enumerate(items):
+        for group in groups:
+            if same_gen_input(items[group[0]], item):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return tuple(tuple(g) for g in groups if len(g) > 1)
 
 
 def _check_item(item: GenItem, config: Cosmos3Config) -> tuple[int, int, int, int]:

@@ -53,15 +53,22 @@ def qkv_math(
     h: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, qkv_w: Tensor, qkv_b: Tensor | None,
     qn_w: Tensor, kn_w: Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
     qkv_s: Tensor | None = None, emulate: bool = False, fast_accum: bool = True,
+    kv_out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Pre-norm, fused q|k|v, per-head q/k RMSNorm, RoPE: h [N, d] -> q [N, Hq, D], k, v [N, Hkv, D].
 
-    With `qkv_s` the weight is e4m3 with per-row scales [out, 1] (fp8_linear; `emulate`, `fast_accum`)."""
+    With `qkv_s` the weight is e4m3 with per-row scales [out, 1] (fp8_linear; `emulate`, `fast_accum`).
+    With `kv_out` = (k_buf, v_buf [R, Hkv, D], rows [N] long), row i's k and v are stored at row rows[i]
+    of the buffers (compiled, by the kernel that computes them) and the buffers come back in their place."""
     qkv = _linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b, qkv_s, emulate, fast_accum)  # [N, q + 2 kv]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = rms_norm(q.unflatten(-1, (heads, head_dim)), qn_w, eps)  # [N, Hq, D]
     k = rms_norm(k.unflatten(-1, (kv_heads, head_dim)), kn_w, eps)  # [N, Hkv, D]
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.unflatten(-1, (kv_heads, head_dim))
+    q, k, v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.unflatten(-1, (kv_heads, head_dim))
+    if kv_out is None:
+        return q, k, v
+    k_buf, v_buf, rows = kv_out
+    return q, k_buf.index_copy_(0, rows, k), v_buf.index_copy_(0, rows, v)
 
 
 def finish_math(
@@ -75,6 +82,13 @@ def finish_math(
     h = h + _linear(attn.flatten(1), o_w, o_b, o_s, emulate, fast_accum)  # [N, Hq*D] -> [N, d]
     gate, up = _linear(rms_norm(h, ln_w, eps), gu_w, None, gu_s, emulate, fast_accum).chunk(2, dim=-1)
     return h + _linear(F.silu(gate) * up, down_w, None, down_s, emulate, fast_accum)
+
+
+def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor, out: Tensor) -> Tensor:
+    """Attention over the union of two key sets from the two parts' outputs o [n, H, D] and softmax LSEs
+    [H, n]: out = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2), mixed in float32, stored into `out`."""
+    w1 = torch.sigmoid(lse1.float() - lse2.float()).transpose(0, 1).unsqueeze(-1)  # [n, H, 1]
+    return out.copy_(torch.lerp(o2.float(), o1.float(), w1))
 
 
 FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -116,14 +130,25 @@ class TowerBlock(nn.Module):
         self.finish_fn = finish_math
         self.fp8: dict[str, bool] = {}  # after quantize_fp8: the emulate / fast_accum flags of the math
         self.attn_fn = sdpa_attention  # flash_attention.resolve_attention_backend may swap in FA3
+        self.attn_lse_fn = None  # (q, k, v) -> (out, LSE [H, n]) where the backend gives LSEs (FA3)
+        self.merge_fn = merge_attention
 
-    def project_qkv(self, h: Tensor, cos: Tensor, sin: Tensor, fn=None) -> tuple[Tensor, Tensor, Tensor]:
+    def project_qkv(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        fn=None,
+        kv_out: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]; `fn`: another copy of
-        qkv_math to run (the Reasoner decoder's compiled one), default this block's."""
+        qkv_math to run (the Reasoner decoder's compiled one), default this block's; `kv_out`: buffers the
+        k / v rows are stored into (qkv_math)."""
         return (fn or self.qkv_fn)(
             h, cos, sin, self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
             self.q_norm.weight, self.k_norm.weight, self.input_layernorm.eps,
             self.num_heads, self.num_kv_heads, self.head_dim, _scale(self.qkv_proj), **self.fp8,
+            kv_out=kv_out,
         )  # fmt: skip
 
     def finish(self, h: Tensor, attn: Tensor, fn=None) -> Tensor:
@@ -163,8 +188,10 @@ def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backe
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
     finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
+    merge_c = torch.compile(merge_attention, mode=mode, backend=backend, dynamic=False)
     for block in blocks:
         block.qkv_fn = qkv_c
+        block.merge_fn = merge_c
         if block.tp_size == 1:
             block.finish_fn = finish_c
 
@@ -220,6 +247,72 @@ def und_layer_step(
     return block.finish(h, _cat(outs))
 
 
+class GenAttentionBuffers:
+    """One forward's attention workspace for the gen layers (single rank, or tensor parallel).
+
+    Item i's keys are rows [base_i, base_i + L_i + n_i) of `k` / `v` [R, Hkv, D]: its prompt's und K/V
+    (L_i rows, copied in per layer by `load_text`) and then its gen K/V (n_i rows, stored by the compiled
+    qkv kernel through `rows` [N]: the buffer row of each packed gen row). Attention writes every item's
+    output straight into `out` [N, Hq, D], which o_proj reads. So a layer makes no per-item concatenation
+    of K / V (a read and write of all gen K/V) and none of the attention outputs (the same for all q).
+    Allocated once per forward and reused by all layers. `twins`: GenBatch.twins (groups of items with
+    identical gen input), whose first-layer gen-gen attention `gen_layer_step` computes once per group."""
+
+    def __init__(
+        self, caches: Sequence[KVCache], spans: Sequence[tuple[int, int]], block: TowerBlock, like: Tensor,
+        twins: Sequence[tuple[int, ...]] = (),
+    ) -> None:  # fmt: skip
+        self.text_lens = [c.length for c in caches]
+        self.spans = list(spans)
+        self.twins = tuple(twins)
+        self.bases: list[int] = []
+        rows, base = [], 0
+        if [start for start, _ in spans] != [sum(n for _, n in spans[:i]) for i in range(len(spans))]:
+            raise ValueError(f"gen spans must tile the stream in item order, got {list(spans)}")
+        for lt, (_, n) in zip(self.text_lens, spans, strict=True):
+            self.bases.append(base)
+            rows.append(torch.arange(base + lt, base + lt + n))
+            base += lt + n
+        kv_shape = (base, block.num_kv_heads, block.head_dim)
+        self.k = like.new_empty(kv_shape)  # [R, Hkv, D]
+        self.v = like.new_empty(kv_shape)
+        self.rows = torch.cat(rows).to(like.device)  # [N] long
+        self.out = like.new_empty((self.rows.numel(), block.num_heads, block.head_dim))  # [N, Hq, D]
+
+    def load_text(self, layer: int, caches: Sequence[KVCache]) -> None:
+        """Copy each item's und K/V of `layer` in front of its gen rows."""
+        for cache, base, lt in zip(caches, self.bases, self.text_lens, strict=True):
+            k_und, v_und = cache.kv(layer)  # [L_i, Hkv, D]
+            self.k[base : base + lt] = k_und
+            self.v[base : base + lt] = v_und
+
+    def keys(self, i: int, part: str = "all") -> tuple[Tensor, Tensor]:
+        """Item i's K and V views: "all" [L_i + n_i, Hkv, D], "text" [L_i, ...] or "gen" [n_i, ...]."""
+        base, mid = self.bases[i], self.bases[i] + self.text_lens[i]
+        start, stop = {
+            "all": (base, mid + self.spans[i][1]),
+            "text": (base, mid),
+            "gen": (mid, mid + self.spans[i][1]),
+        }[part]
+        return self.k[start:stop], self.v[start:stop]
+
+
+def _twin_attention(
+    block: TowerBlock, q: Tensor, buffers: GenAttentionBuffers, group: tuple[int, ...]
+) -> None:
+    """First layer, a group of items with identical gen input: their gen-gen attention is one function
+    (same tokens; the prompts shift every gen position by a constant, which relative RoPE cancels), so
+    it runs once, from the group's first item, and each item merges it (by LSE) with the attention of its
+    own queries over its own prompt's K/V. Saves one N_g x N_g attention per extra member (a CFG pair at
+    720p: one of the step's 72 FA3 calls) for two N_g x L_text ones and the merges."""
+    start0, n = buffers.spans[group[0]]
+    o_gen, lse_gen = block.attn_lse_fn(q[start0 : start0 + n], *buffers.keys(group[0], "gen"))
+    for i in group:
+        start = buffers.spans[i][0]
+        o_text, lse_text = block.attn_lse_fn(q[start : start + n], *buffers.keys(i, "text"))
+        block.merge_fn(o_gen, lse_gen, o_text, lse_text, buffers.out[start : start + n])
+
+
 def gen_layer_step(
     block: TowerBlock,
     layer: int,
@@ -229,12 +322,25 @@ def gen_layer_step(
     caches: Sequence[KVCache],
     spans: Sequence[tuple[int, int]],
     sp: ParallelGroup = SINGLE,
+    buffers: GenAttentionBuffers | None = None,
 ) -> Tensor:
     """One gen layer over the packed gen stream g [N, d]; item i owns rows spans[i] = (start, count).
 
-    With a Ulysses group `sp` of P ranks, g / cos / sin are this rank's block of the stream padded to a
-    multiple of P (parallel/ulysses.py): q/k/v go all-to-all to "all tokens, my heads" around attention,
-    whose text K/V are this rank's KV heads; spans index the full stream."""
+    With `buffers` (one rank of the sequence, sp.size == 1) the K/V and the attention output live in its
+    workspace. With a Ulysses group `sp` of P ranks, g / cos / sin are this rank's block of the stream
+    padded to a multiple of P (parallel/ulysses.py): q/k/v go all-to-all to "all tokens, my heads" around
+    attention, whose text K/V are this rank's KV heads; spans index the full stream."""
+    if buffers is not None:
+        buffers.load_text(layer, caches)
+        q, _, _ = block.project_qkv(g, cos, sin, kv_out=(buffers.k, buffers.v, buffers.rows))
+        twins = buffers.twins if layer == 0 and block.attn_lse_fn is not None else ()
+        for group in twins:
+            _twin_attention(block, q, buffers, group)
+        shared = {i for group in twins for i in group}
+        for i, (start, n) in enumerate(spans):
+            if i not in shared:
+                block.attn_fn(q[start : start + n], *buffers.keys(i), out=buffers.out[start : start + n])
+        return block.finish(g, buffers.out)
     q, k, v = block.project_qkv(g, cos, sin)
     q, k, v = seq_to_heads(q, sp), seq_to_heads(k, sp), seq_to_heads(v, sp)  # [N_pad, H/P, D] each
     outs = []

@@ -37,10 +37,20 @@ from torch import Tensor, nn
 from worldserve.models.cosmos3.batch import GenBatch, GenOutput, UndBatch, patchify, unpatchify
 from worldserve.models.cosmos3.checkpoint_keys import transformer_checkpoint_shapes
 from worldserve.models.cosmos3.config import Cosmos3Config
-from worldserve.models.cosmos3.layer import MoTLayer, compile_blocks, gen_layer_step, und_layer_step
+from worldserve.models.cosmos3.layer import (
+    GenAttentionBuffers,
+    MoTLayer,
+    compile_blocks,
+    gen_layer_step,
+    und_layer_step,
+)
 from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
 from worldserve.models.layers.attention import ContiguousKVCache, KVCache
-from worldserve.models.layers.flash_attention import fa3_fp8_attention, resolve_attention_backend
+from worldserve.models.layers.flash_attention import (
+    fa3_forward,
+    fa3_fp8_attention,
+    resolve_attention_backend,
+)
 from worldserve.models.layers.fp8 import fp8_unavailable_reason
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
 from worldserve.models.layers.norm import RMSNorm
@@ -184,6 +194,8 @@ class Cosmos3Transformer(nn.Module):
         for layer in self.layers:
             layer.und.attn_fn = fn
             layer.gen.attn_fn = fa3_fp8_attention if fp8_attention else fn
+            # LSEs let the first gen layer share a CFG pair's gen-gen attention (layer.GenAttentionBuffers)
+            layer.gen.attn_lse_fn = fa3_forward if label == "fa3" and not fp8_attention else None
         return label + ("+fp8" if fp8_attention else "")
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -278,9 +290,12 @@ class Cosmos3Transformer(nn.Module):
         g, cos, sin = ulysses.shard(g, sp), ulysses.shard(cos, sp), ulysses.shard(sin, sp)  # [N_pad/P, ...]
         caches = [item.und_cache for item in batch.items]
         spans = [(x.gen_offset, x.num_tokens) for x in batch.layout]
+        buffers = None
+        if sp.size == 1:
+            buffers = GenAttentionBuffers(caches, spans, self.layers[0].gen, g, batch.twins)
         for i, layer in enumerate(self.layers):
             with _resident(self.gen_blocks, i):
-                g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp)
+                g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp, buffers)
         return self._decode_gen(ulysses.gather(g, n, sp), batch)
 
     def _embed_gen(self, batch: GenBatch) -> Tensor:

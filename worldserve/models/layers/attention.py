@@ -41,9 +41,11 @@ def _lower_right_causal_mask(nq: int, nk: int, device: torch.device) -> Tensor:
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None
-) -> Tensor:
-    """q [Nq, Hq, D], k/v [Nk, Hkv, D] -> [Nq, Hq, D]; unmasked, or causal aligned at the bottom right."""
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+    out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """q [Nq, Hq, D], k/v [Nk, Hkv, D] -> [Nq, Hq, D]; unmasked, or causal aligned at the bottom right.
+    With `out` ([Nq, Hq, D]) the result is copied there and `out` returned (FA3 writes it directly)."""
     nq, nk = q.shape[0], k.shape[0]
     is_causal = False
     mask = None
@@ -59,14 +61,15 @@ def sdpa_attention(
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cuda":
         with sdpa_kernel(CUDA_SDPA_PRIORITY, set_priority=True):
-            out = F.scaled_dot_product_attention(
+            out_h = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
             )
     else:
-        out = F.scaled_dot_product_attention(
+        out_h = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )
-    return out.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
+    res = out_h.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
+    return res if out is None else out.copy_(res)
 
 
 class KVCache(Protocol):

@@ -37,7 +37,7 @@ BACKENDS = ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN")
 """Accepted `--diffusion-attention-backend` values (None means auto)."""
 
 FA3_MODULES = ("fa3_fwd_interface", "flash_attn_interface")
-"""Importable FA3 front ends, in order of preference."""
+"""Importable FA3 front ends, in order of preference (`fa3_forward` calls their compiled `fwd` op)."""
 
 FA3_INSTALL_HINT = (
     "pip install 'worldserve[hopper]' (the fa3-fwd wheel: FlashAttention-3 forward for torch/CUDA 13)"
@@ -73,20 +73,41 @@ def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     return None
 
 
-def _first(result) -> Tensor:
-    """FA3 front ends return out, or (out, lse) in some versions."""
-    return result[0] if isinstance(result, tuple) else result
+def fa3_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+    out: Tensor | None = None, descale: tuple[Tensor | None, ...] = (None, None, None),
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """One FA3 forward: q [Nq, Hq, D], k/v [Nk, Hkv, D] token-major, last dim contiguous -> (out [Nq, Hq, D],
+    softmax LSE [Hq, Nq] float32). With `out` ([Nq, Hq, D], contiguous, bf16) the kernel stores its result
+    there itself: no copy after it. `descale`: the fp8 inputs' (q, k, v) scales, [1, Hkv] float32 each.
+
+    Calls the front end's compiled op (`fwd`, what its Python wrappers call) directly: the wrappers either
+    take no output buffer (`flash_attn_func`) or are a torch custom op that refuses to return a tensor it
+    was given (`_flash_attn_forward`). The argument list is FA3's `fwd` schema as of fa3-fwd 0.0.3 (the
+    `worldserve[hopper]` pin) and the upstream FA3 it packages."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mod = fa3_module()
+    ops = getattr(mod, "fa3_fwd_cuda", None) or mod.flash_attn_3_cuda  # fa3-fwd's / upstream's op namespace
+    res = ops.fwd(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+        None, None, None,  # k_new, v_new, qv
+        None if out is None else out.unsqueeze(0),
+        *(None,) * 13,  # cu_seqlens_q / k / k_new, seqused_q / k, max_seqlen_q / k, page_table,
+        # kv_batch_idx, leftpad_k, rotary_cos / sin, seqlens_rotary
+        *descale, scale, causal,
+        -1, -1, 0, 0.0, True,  # window_size_left / right, attention_chunk, softcap, rotary_interleaved
+        None, 1, None, 0,  # scheduler_metadata, num_splits, pack_gqa (auto), sm_margin
+    )  # fmt: skip
+    return res[0].squeeze(0), res[1].squeeze(0)  # [1, Nq, Hq, D] -> [Nq, Hq, D]; [1, Hq, Nq] -> [Hq, Nq]
 
 
 def fa3_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None
-) -> Tensor:
-    """q [Nq, Hq, D], k/v [Nk, Hkv, D] (bf16, CUDA sm90) -> [Nq, Hq, D] through FlashAttention-3."""
-    mod = fa3_module()
-    out = mod.flash_attn_func(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale, causal=causal
-    )
-    return _first(out).squeeze(0)  # [1, Nq, Hq, D] -> [Nq, Hq, D]
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+    out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """q [Nq, Hq, D], k/v [Nk, Hkv, D] (bf16, CUDA sm90) -> [Nq, Hq, D] through FlashAttention-3, written
+    into `out` when given."""
+    return fa3_forward(q, k, v, causal=causal, scale=scale, out=out)[0]
 
 
 def quantize_e4m3_per_tensor(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,20 +117,19 @@ def quantize_e4m3_per_tensor(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def fa3_fp8_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None
-) -> Tensor:
-    """fa3_attention with q, k, v in e4m3 (one scale each); bf16 output. Lossy: the fp8 mode only."""
-    mod = fa3_module()
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+    out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """fa3_attention with q, k, v in e4m3 (one scale each); bf16 output (into `out` when given), returned
+    in q's dtype. Lossy: the fp8 mode only."""
     hkv = k.shape[1]
     q8, sq = quantize_e4m3_per_tensor(q)
     k8, sk = quantize_e4m3_per_tensor(k)
     v8, sv = quantize_e4m3_per_tensor(v)
-    descale = [s.reshape(1, 1).expand(1, hkv) for s in (sq, sk, sv)]  # FA3 wants [B, Hkv] fp32
-    out = mod.flash_attn_func(
-        q8.unsqueeze(0), k8.unsqueeze(0), v8.unsqueeze(0), softmax_scale=scale, causal=causal,
-        q_descale=descale[0], k_descale=descale[1], v_descale=descale[2],
-    )  # fmt: skip
-    return _first(out).squeeze(0).to(q.dtype)
+    descale = tuple(s.reshape(1, 1).expand(1, hkv) for s in (sq, sk, sv))  # FA3 wants [B, Hkv] fp32
+    if out is None:
+        out = q.new_empty(q.shape, dtype=torch.bfloat16)  # FA3's fp8 kernel writes bf16
+    return fa3_forward(q8, k8, v8, causal=causal, scale=scale, out=out, descale=descale)[0].to(q.dtype)
 
 
 def resolve_attention_backend(

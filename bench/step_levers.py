@@ -1,0 +1,171 @@
+"""The denoising step's lossless levers measured side by side in one process, with diffusers as reference.
+
+Builds diffusers' `Cosmos3OmniTransformer` (random bf16 weights, worldserve/bench/models.py) and ours from the
+same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper), and times one CFG step
+(cond + uncond packed, 300-token prompts; worldserve/bench/denoise.py) at 1280x720x189 + audio for:
+- `concat`: the per-item path: text and gen K/V concatenated per item and layer, per-item attention outputs
+  concatenated for o_proj (the code before `GenAttentionBuffers`; still the Ulysses path);
+- `buffers`: `GenAttentionBuffers`: the compiled qkv kernel stores K/V into one per-forward buffer behind
+  each item's prompt K/V, FA3 writes into one output buffer; the first layer's attention not shared;
+- `buffers+twins`: plus the CFG pair's first-layer gen-gen attention computed once and merged by LSE with
+  each branch's prompt attention (the product default);
+- `diffusers`: diffusers' transformer with its default SDPA.
+Variants alternate over --rounds (each round runs every variant --steps times; one warm-up each first), so
+drift of the machine's clocks spreads over all of them. Reported: median seconds a step, TFLOP/s
+(performance.md's FLOP model), the ratio to `concat`, the speed-up over diffusers, and the rel. L2 of each
+variant's velocities against `concat` at the same inputs (bf16 rounding order only).
+
+    PYTHONPATH=. python bench/step_levers.py --out $OUT/step_levers.json       # H200: ~4 min
+    PYTHONPATH=. python bench/step_levers.py --tiny --device cpu --out /tmp/x  # smoke test of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from worldserve.bench.denoise import rel_error, snapshot
+
+T_REF = 500  # timestep of the compared velocities
+VARIANTS = ("concat", "buffers", "buffers+twins", "diffusers")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--out", type=Path, required=True, help="JSON file (or folder for step-levers-<stamp>.json)"
+    )
+    ap.add_argument("--size", default=None, help="WIDTHxHEIGHT (default 1280x720; --tiny: 64x64)")
+    ap.add_argument("--frames", type=int, default=None, help="pixel frames, 4k+1 (default 189; --tiny: 9)")
+    ap.add_argument("--text-tokens", type=int, default=300, help="tokens of each prompt (cond, uncond)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per variant and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
+    args = ap.parse_args(argv)
+    args.size = args.size or ("64x64" if args.tiny else "1280x720")
+    args.frames = args.frames or (9 if args.tiny else 189)
+    return args
+
+
+@contextlib.contextmanager
+def variant(model, name: str):
+    """Switch our model to one of the step's code paths for the duration."""
+    first = model.layers[0].gen
+    lse_fn = first.attn_lse_fn
+    with contextlib.ExitStack() as stack:
+        if name == "concat":
+            no_buffers = lambda *a, **k: None  # noqa: E731  (forward then takes the per-item path)
+            stack.enter_context(
+                mock.patch("worldserve.models.cosmos3.transformer.GenAttentionBuffers", no_buffers)
+            )
+        if name in ("concat", "buffers"):
+            first.attn_lse_fn = None  # no LSEs: the first layer attends per item
+        try:
+            yield
+        finally:
+            first.attn_lse_fn = lse_fn
+
+
+def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
+    from worldserve.bench.denoise import DiffusersStep, OurStep, make_inputs
+    from worldserve.bench.flops import TowerShape, tflops
+    from worldserve.bench.models import build_diffusers_transformer, build_our_transformer
+    from worldserve.bench.report import environment
+    from worldserve.bench.timing import Timing, time_once
+    from worldserve.bench.workload import Workload
+    from worldserve.models.cosmos3.config import Cosmos3Config
+
+    device = torch.device(args.device)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    w = Workload(width=width, height=height, num_frames=args.frames, sound=True,
+                 cond_text=args.text_tokens, uncond_text=args.text_tokens)  # fmt: skip
+    cfg = Cosmos3Config.tiny() if args.tiny else Cosmos3Config.nano()
+    shape = TowerShape.from_config(cfg)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    res: dict = {"environment": environment(device), "workload": w.label, "gen_tokens": w.gen_tokens,
+                 "step_flops": w.step_flops(shape), "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+    t0 = time.perf_counter()
+    ref = build_diffusers_transformer(cfg, device, dtype, args.seed)
+    ours = build_our_transformer(cfg, device, dtype, ref, args.seed)
+    res["attention"] = ours.set_attention_backend(None)
+    if device.type == "cuda":
+        ours.compile_gen_layers()
+    inputs = make_inputs(w, cfg.vocab_size, device, args.seed)
+    our_step, ref_step = OurStep(ours, w, inputs), DiffusersStep(ref, w, inputs)
+    our_step.prefill()
+    log(f"built both transformers ({w.gen_tokens} gen tokens, attention {res['attention']}) in "
+        f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+
+    def path(name: str):
+        """(step, context) of a variant."""
+        if name == "diffusers":
+            return ref_step, contextlib.nullcontext()
+        return our_step, variant(ours, name)
+
+    snaps, timings = {}, {name: Timing() for name in VARIANTS}
+    for name in VARIANTS:  # warm-up (compiles each path's graphs) and the velocities at T_REF
+        step, ctx = path(name)
+        t = time.perf_counter()
+        with ctx:
+            snaps[name] = snapshot(step, T_REF)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timings[name].warmup.append(time.perf_counter() - t)
+        log(f"warm-up {name}: {timings[name].warmup[0]:.1f} s")
+    for r in range(args.rounds):
+        for name in VARIANTS:
+            step, ctx = path(name)
+            with ctx:
+                for _ in range(args.steps):
+                    timings[name].samples.append(time_once(lambda step=step: step(999), device))
+        log(f"round {r + 1}: " + ", ".join(f"{n} {timings[n].median:.3f} s" for n in VARIANTS))
+        res["variants"] = {n: timings[n].to_dict() for n in VARIANTS}
+        save(res)
+    base, diff = timings["concat"].median, timings["diffusers"].median
+    for name in VARIANTS:
+        s = timings[name].median
+        res["variants"][name] |= {
+            "step_s": s, "tflops": tflops(res["step_flops"], s), "vs_concat": base / s,
+            "speedup_vs_diffusers": diff / s,
+            "err_vs_concat": {k: rel_error(snaps[name][k], snaps["concat"][k]) for k in ("video", "sound")},
+        }  # fmt: skip
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def table(res: dict) -> str:
+    env = res["environment"]
+    lines = [
+        f"step levers, {res['workload']} ({res['gen_tokens']} gen tokens), {env.get('gpu', env.get('device'))}, "
+        f"attention {res['attention']}",
+        f"{'variant':15s} {'s/step':>8s} {'TF/s':>6s} {'vs concat':>9s} {'vs diffusers':>12s} "
+        f"{'video err':>9s} {'sound err':>9s}",
+    ]
+    for name, r in res.get("variants", {}).items():
+        if "step_s" not in r:
+            continue
+        e = r["err_vs_concat"]
+        fmt = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
+        lines.append(
+            f"{name:15s} {r['step_s']:8.3f} {r['tflops']:6.0f} {r['vs_concat']:8.3f}x "
+            f"{r['speedup_vs_diffusers']:11.3f}x {fmt(e['video']):>9s} {fmt(e['sound']):>9s}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from worldserve.bench.report import run_script
+
+    return run_script(parse_args(argv), run, table, "step-levers")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
