@@ -136,19 +136,39 @@ def test_channels_last_keeps_every_conv_input_channels_last(diffusers_vae):
 
 
 def test_compiled_blocks_trace_whole_and_never_recompile(diffusers_vae):
-    """`compile()` traces every hot block as one graph (fullgraph); a warm-up of 1 + chunk latent frames
-    compiles every graph a decode of any length needs (the short last chunk is padded to the static chunk
-    size; contexts keep the same strides every chunk), in the CUDA layout. aot_eager keeps this fast on
-    the CPU (inductor runs in bench/vae_decode.py on a GPU). The result equals eager."""
+    """`compile()` traces every hot block as one graph (fullgraph); a warm-up that meets both chunk lengths
+    of a decode (the full chunk and the shorter last one, which compiles its own graphs rather than being
+    padded) compiles every graph it needs (contexts keep the same strides every chunk), in the CUDA layout.
+    aot_eager keeps this fast on the CPU (inductor runs in bench/vae_decode.py on a GPU). The result
+    equals eager. (The chunks here are at least 2 frames long: with 1-frame chunks the CPU conv3d returns
+    contiguous tensors where its meta function predicts channels_last, and the hooks' layout fix-up then
+    misleads the traced graph; inductor on real layouts gets 1-frame chunks right, see the gpu test.)"""
     eager = WanDecoder.from_diffusers(diffusers_vae)
     compiled = WanDecoder.from_diffusers(diffusers_vae).set_memory_format(torch.channels_last_3d)
     _convs_return_channels_last(compiled, [])
     compiled.compile(backend="aot_eager", fullgraph=True)
-    z = torch.randn(1, 48, 6, 2, 3, generator=torch.Generator().manual_seed(3))  # chunks 1, 2, 2, 1 + pad
-    compiled.decode(z[:, :, :3], chunk_size=2)  # warm-up: compiles
+    z = torch.randn(1, 48, 9, 2, 3, generator=torch.Generator().manual_seed(3))  # chunks 1, 3, 3, 2
+    compiled.decode(z[:, :, :6], chunk_size=3)  # warm-up: chunks 1, 3, 2 compile both lengths
     with torch._dynamo.config.patch(error_on_recompile=True):
-        out = compiled.decode(z, chunk_size=2)
-    assert _rel(out, eager.decode(z, chunk_size=2)) <= 1e-5
+        out = compiled.decode(z, chunk_size=3)
+    assert _rel(out, eager.decode(z, chunk_size=3)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (inductor's GPU kernels, cuDNN layouts)"
+)
+def test_compiled_decode_on_cuda_equals_eager_with_short_last_chunks(diffusers_vae):
+    """inductor + cuDNN, channels_last_3d, chunk lengths 4 and a 1-frame last chunk (the unpadded short
+    chunk, the DupUp3D shortcut fused with the sub-pixel interleave): the same pixels as eager."""
+    vae = copy.deepcopy(diffusers_vae).to("cuda")
+    eager = WanDecoder.from_diffusers(vae)
+    compiled = WanDecoder.from_diffusers(vae).compile()
+    assert eager.memory_format == torch.channels_last_3d
+    z = torch.randn(1, 48, 6, 4, 6, generator=torch.Generator().manual_seed(4)).cuda()  # chunks 1, 4, 1
+    for frames in (6, 3):  # 1, 4, 1 and 1, 2
+        want = eager.decode(z[:, :, :frames], chunk_size=4)
+        assert _rel(compiled.decode(z[:, :, :frames], chunk_size=4), want) <= 5e-3
 
 
 def test_bfloat16_as_accurate_as_diffusers_bfloat16(diffusers_vae):

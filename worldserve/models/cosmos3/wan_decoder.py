@@ -17,8 +17,10 @@ Why it is faster on a GPU (diffusers: 9.46 s at 720p x 189 frames on an H200, be
   instead of 9 per output pixel, so 2.25x fewer FLOPs there (~240 TFLOP less at 720p x 189 frames), and
   no 4x nearest-upsampled tensor is written and read back;
 - `compile()` torch.compiles the hot blocks so the RMS-norm / SiLU / context concat / residual elementwise
-  work fuses; chunks then have one static shape (the last is zero-padded: the convs are causal, so the
-  padded frames reach only outputs that are dropped).
+  work fuses, and the DupUp3D shortcut add with the upsampler's phase interleave. Static shapes: a
+  shorter last chunk compiles its own graphs once (the first decode of that frame count; serve's warm-up
+  decodes its shapes in full), rather than being zero-padded (at 720p x 189 frames, 47 = 11 x 4 + 3
+  latent frames after the first: padding computed 1 latent frame in 48 for nothing, ~2 % of a decode).
 
 Memory at 720p x 189 frames, bf16 (45x80 latents; traced with fake tensors, eager, chunk of k latent
 frames): the widest tensors live in the last up block at 360x640 x 4k frames (512 ch: 0.94k GB, 256 ch:
@@ -49,7 +51,6 @@ from worldserve.models.cosmos3.wan_decoder_blocks import (
     ResidualBlock,
     RMSNorm,
     Upsample,
-    add_dup_up_,
     causal_input,
     last_frames,
 )
@@ -138,8 +139,7 @@ class UpBlock(nn.Module):
             x = resnet.run(x, cache, eager=first_chunk)
         if x_in is None:
             return x
-        x = self.upsampler.run(x, cache, first_chunk=first_chunk)
-        return add_dup_up_(x, x_in, self.factor_t, 2, first_chunk=first_chunk)
+        return self.upsampler.run(x, cache, first_chunk=first_chunk, shortcut=x_in, factor_t=self.factor_t)
 
 
 class Decoder3d(nn.Module):
@@ -295,13 +295,9 @@ class WanDecoder(nn.Module):
         frame = 0
         with limit:
             for start, stop in chunk_bounds(t, chunk_size):
-                chunk = x[:, :, start:stop]
-                if self.compiled and 0 < start and stop - start < chunk_size:  # one static shape per block
-                    pad = chunk.new_zeros((b, cfg.z_dim, chunk_size - (stop - start), h, w))
-                    chunk = torch.cat([chunk, pad.contiguous(memory_format=self.memory_format)], dim=2)
-                y = self.decoder(chunk, cache, first_chunk=start == 0)  # [B, c*p*p, T_pix, h*up, w*up]
-                n = 1 if start == 0 else cfg.temporal_factor * (stop - start)
-                _unpatchify_into(out[:, :, frame : frame + n], y[:, :, :n], p)
+                y = self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0)  # [B, c*p*p, F, ...]
+                n = y.shape[2]  # 1 for the first chunk, else temporal_factor * (stop - start)
+                _unpatchify_into(out[:, :, frame : frame + n], y, p)
                 frame += n
         return out
 

@@ -292,8 +292,14 @@ class Upsample(nn.Module):
         self.resample = SubpixelUp2xConv(dim, dim)
         self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1)) if temporal else None
 
-    def forward(self, x: Tensor, ctx: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """x [B, C, T, H, W] -> ([B, C, T', 2H, 2W], new context); T' = 2T with a time context, else T."""
+    def forward(
+        self, x: Tensor, ctx: Tensor | None, shortcut: Tensor | None = None, factor_t: int = 1,
+        first_chunk: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """x [B, C, T, H, W] -> ([B, C, T', 2H, 2W], new context); T' = 2T with a time context, else T.
+        `shortcut`: the up block's input, added as DupUp3D (`add_dup_up`, time factor `factor_t`) in the
+        same graph, so compiled it fuses with the phase-interleaving copy (no extra pass over the output);
+        `first_chunk`: the one-frame first chunk (see add_dup_up)."""
         new_ctx = None
         if ctx is not None:
             a = causal_input(ctx, x)  # [B, C, 2 + T, H, W]
@@ -301,22 +307,30 @@ class Upsample(nn.Module):
             new_ctx = last_frames(a)
         b, c, t = x.shape[:3]
         y = self.resample(frames_2d(x))  # [B*T', C, 2H, 2W]
-        return y.view(b, t, c, y.shape[2], y.shape[3]).transpose(1, 2), new_ctx
+        y = y.view(b, t, c, y.shape[2], y.shape[3]).transpose(1, 2)  # [B, C, T', 2H, 2W]
+        if shortcut is not None:
+            y = add_dup_up(y, shortcut, factor_t, 2, first_chunk=first_chunk)
+        return y, new_ctx
 
-    def run(self, x: Tensor, cache: CausalConvCache, *, first_chunk: bool) -> Tensor:
+    def run(
+        self, x: Tensor, cache: CausalConvCache, *, first_chunk: bool, shortcut: Tensor | None = None,
+        factor_t: int = 1,
+    ) -> Tensor:  # fmt: skip
         """`forward` with the time conv's context from `cache`. On the first chunk the time conv is skipped
         and its context stays zeros, so the time conv sees the frames after the first chunk as a sequence
         of its own, left-padded with zeros: exactly diffusers' "Rep" then `[0, x1]` cache handling."""
         if self.time_conv is None or first_chunk:
             fn = self.forward if first_chunk else self
-            return fn(x, None)[0]
-        y, ctx = self(x, cache.context(self.time_conv, x))
+            return fn(x, None, shortcut, factor_t, first_chunk)[0]
+        y, ctx = self(x, cache.context(self.time_conv, x), shortcut, factor_t)
         cache.update(self.time_conv, ctx)
         return y
 
 
-def add_dup_up_(out: Tensor, x: Tensor, factor_t: int, factor_s: int, *, first_chunk: bool) -> Tensor:
-    """out += DupUp3D(x) in place (diffusers' parameter-free shortcut of a residual up block).
+def add_dup_up(out: Tensor, x: Tensor, factor_t: int, factor_s: int, *, first_chunk: bool) -> Tensor:
+    """out + DupUp3D(x) (diffusers' parameter-free shortcut of a residual up block): in place in eager
+    mode, as a new tensor under torch.compile (inductor fuses the broadcast into the producer of `out`;
+    an in-place add through a view of a view is what compiled graphs handle least safely).
 
     DupUp3D repeats every channel of x [B, Cin, T, H, W] r = Cout*ft*fs*fs / Cin times and folds the copies
     into ft x fs x fs sub-positions: out[b, o, t*ft + i, h*fs + j, w*fs + k] gets channel
@@ -331,5 +345,7 @@ def add_dup_up_(out: Tensor, x: Tensor, factor_t: int, factor_s: int, *, first_c
     if first_chunk:
         assert t == 1, "the first chunk is one latent frame"
         s = s[:, :, :, factor_t - 1 :]
+    if torch.compiler.is_compiling():
+        return out + s.reshape(out.shape)  # [B, Cout, T*ft', H*fs, W*fs]: indexing, fused by inductor
     out.view(b, cout, t, s.shape[3], h, factor_s, w, factor_s).add_(s)
     return out
