@@ -5,7 +5,8 @@ then, for each --concurrency c, sends c chat completions at once (non-streaming,
 suggested sampling: temperature 0.7, top_p 0.8, top_k 20, presence_penalty 1.5) and reports the wall time,
 the completion tokens per second in all and per chat, next to the decode step's own rate
 (bench/reasoner_decode.py). A max_tokens=1 chat gives the time to first token (prefill + HTTP). A small
-video (/v1/videos/sync, 256x256, 9 frames, 2 steps) checks that video generation shares the process. Last,
+video (/v1/videos/sync, 256x256, 9 frames, 2 steps) checks that video generation shares the process; with
+--beside-video, chats are also timed while a video job denoises (runner/chat_share.py). Last,
 the K/V metrics from /metrics. Everything the server does is the product's code path: paged K/V pool,
 CUDA-graphed decode, batched sampling, incremental detokenization, SSE-free JSON responses.
 
@@ -45,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra flag for serve (repeatable)")
+    ap.add_argument(
+        "--beside-video", default=None, metavar="WxHxFRAMESxSTEPS",
+        help="also send --concurrency's last count of chats while a video job of this shape denoises "
+        "(e.g. 1280x720x189x4): their tokens/s beside the video step, and the job's own wall time",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -69,6 +75,37 @@ def chat(url: str, model: str, max_tokens: int, i: int) -> dict:
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     r.raise_for_status()
     return {"s": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"]}
+
+
+def chats_beside_video(url: str, served: str, args: argparse.Namespace) -> dict:
+    """A video job of --beside-video's shape; once its first step is done (compiled), the last --concurrency
+    count of chats at once. Their tokens/s, how many steps the job made meanwhile, the job's total time."""
+    w, h, frames, steps = (int(x) for x in args.beside_video.lower().split("x"))
+    body = {
+        "prompt": "A fox in the snow.",
+        "size": f"{w}x{h}",
+        "num_frames": frames,
+        "num_inference_steps": steps,
+    }
+    t0 = time.perf_counter()
+    job = httpx.post(url + "/v1/videos", json=body, timeout=60).json()
+    progress = lambda: httpx.get(f"{url}/v1/videos/{job['id']}", timeout=60).json()  # noqa: E731
+    while (p := progress())["status"] in ("queued", "in_progress") and p["progress"] == 0:
+        time.sleep(0.2)
+    c = int(args.concurrency.split(",")[-1])
+    before, t1 = p, time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        outs = list(pool.map(lambda i: chat(url, served, args.max_tokens, 1000 + i), range(c)))
+    wall, during = time.perf_counter() - t1, progress()
+    while (p := progress())["status"] in ("queued", "in_progress"):
+        time.sleep(0.5)
+    tokens = sum(o["tokens"] for o in outs)
+    out = {"video": body, "chats": c, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+           "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs), "progress_before": before["progress"],
+           "progress_after": during["progress"], "video_status": p["status"],
+           "video_total_s": time.perf_counter() - t0}  # fmt: skip
+    print(f"{c} chats beside a {args.beside_video} video: {tokens} tokens in {wall:.2f} s", flush=True)
+    return out
 
 
 def metric(text: str, name: str) -> float | None:
@@ -107,6 +144,8 @@ def run(args: argparse.Namespace) -> dict:
             res["chats"][str(c)] = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
                                     "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs)}  # fmt: skip
             print(f"{c} chats: {tokens} tokens in {wall:.2f} s", flush=True)
+        if args.beside_video:
+            res["beside_video"] = chats_beside_video(url, served, args)
         t0 = time.perf_counter()
         body = {"prompt": "A fox in the snow.", "size": "256x256", "num_frames": 9, "num_inference_steps": 2}
         r = httpx.post(url + "/v1/videos/sync", json=body, timeout=600)
@@ -131,6 +170,11 @@ def table(res: dict) -> str:
              f"{res['max_tokens']} tokens a chat", f"{'chats':>5s} {'wall s':>8s} {'tok/s':>9s} {'per chat':>9s}"]  # fmt: skip
     for c, r in res["chats"].items():
         lines.append(f"{c:>5s} {r['wall_s']:8.2f} {r['tok_s']:9.1f} {r['per_chat_tok_s']:9.1f}")
+    if b := res.get("beside_video"):
+        lines.append(f"{b['chats']} chats beside a {b['video']['size']} x {b['video']['num_frames']} video: "
+                     f"{b['wall_s']:.2f} s, {b['tok_s']:.1f} tok/s, {b['per_chat_tok_s']:.1f} per chat; video "
+                     f"progress {b['progress_before']} -> {b['progress_after']} %, {b['video_status']} after "
+                     f"{b['video_total_s']:.0f} s")  # fmt: skip
     v = res["video"]
     lines.append(f"video: HTTP {v['status']}, {v['bytes']} bytes {v['content_type']}, {v['s']:.1f} s; "
                  f"metrics {res['metrics']}")  # fmt: skip
@@ -142,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     args.out.write_text(json.dumps(res, indent=1))
     print(table(res))
-    return 0 if res["video"]["status"] == 200 else 1
+    beside_ok = res.get("beside_video", {}).get("video_status", "completed") == "completed"
+    return 0 if res["video"]["status"] == 200 and beside_ok else 1
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from worldserve.models.layers import flash_attention as fa
 from worldserve.models.layers.attention import sdpa_attention
 from worldserve.runner.kernel_options import KernelOptions
 
+SM_MARGINS: list[int] = []  # the sm_margin argument of every reference FA3 call
+
 
 def _reference_fa3_module() -> types.ModuleType:
     def fwd(q, k, v, k_new, v_new, qv, out, *rest):
@@ -27,7 +29,8 @@ def _reference_fa3_module() -> types.ModuleType:
         assert q.dim() == 4 and q.shape[0] == 1, "FA3 takes [B, N, H, D]"
         assert len(rest) == 27 and (k_new, v_new, qv) == (None, None, None) and rest[:13] == (None,) * 13
         q_descale, k_descale, v_descale, softmax_scale, causal = rest[13:18]
-        assert rest[18:] == (-1, -1, 0, 0.0, True, None, 1, None, 0), "plain attention, no extras"
+        assert rest[18:-1] == (-1, -1, 0, 0.0, True, None, 1, None), "plain attention, no extras"
+        SM_MARGINS.append(rest[-1])
         deq = [
             x.float() * (s[0, 0] if s is not None else 1.0)
             for x, s in ((q, q_descale), (k, k_descale), (v, v_descale))
@@ -82,6 +85,22 @@ def test_fa3_glue_writes_into_the_given_output_rows(reference_fa3):
     buf2 = torch.full((6, 4, 32), float("nan"))
     assert sdpa_attention(q, k, v, out=buf2) is buf2
     torch.testing.assert_close(buf2, buf[3:9])
+
+
+def test_sm_margin_reaches_fa3_and_cublas_while_set(reference_fa3):
+    """runner/chat_share.set_sm_margin: FA3's sm_margin argument and cuBLAS's SM carve-out, then back to 0."""
+    from worldserve.runner.chat_share import set_sm_margin
+
+    q, k, v = _qkv(4, 6)
+    SM_MARGINS.clear()
+    try:
+        set_sm_margin(16)
+        fa.fa3_attention(q, k, v)
+        assert torch._C._get_sm_carveout_experimental() == 16
+    finally:
+        set_sm_margin(0)
+    fa.fa3_attention(q, k, v)
+    assert SM_MARGINS == [16, 0] and torch._C._get_sm_carveout_experimental() in (None, 0)
 
 
 def test_fa3_fp8_glue_is_close_but_lossy(reference_fa3):

@@ -230,3 +230,38 @@ def test_a_chat_refused_behind_one_that_failed_is_retried_not_refused():
     first, second = _two_chats(ChatWorker(FailFirst(lock, words=("a", "b")), lock, max_num_seqs=4))
     assert first[0].status == 500 and "boom" in first[0].message
     assert isinstance(second[0], ChatStarted) and second[-1].finish_reason == "length"
+
+
+class _Unlocked:
+    """A stand-in for the model lock whose `locked()` is what ScriptedSession asserts: True while the real lock
+    is held by someone else, here never (the backend runs beside video steps)."""
+
+    def locked(self) -> bool:
+        return True
+
+
+def test_a_backend_that_runs_beside_video_steps_is_called_without_the_model_lock():
+    """concurrent_with_video (the Reasoner on one CUDA GPU, runner/chat_share.py): the chat decodes while the
+    video loop holds the model lock; without it the same chat waits for the lock."""
+    lock = threading.Lock()
+    backend = ScriptedBackend(_Unlocked())
+    backend.concurrent_with_video = True
+    worker = ChatWorker(backend, lock)
+    with lock:  # a video step in progress
+        handle, events = _collect(worker)
+        worker.start()
+        out = _drain(events)
+    assert [type(e).__name__ for e in out] == ["ChatStarted", "ChatDelta", "ChatDelta", "ChatDelta"]
+    worker.stop()
+    backend.concurrent_with_video = False
+    worker = ChatWorker(backend, lock)
+    with lock:
+        handle, events = _collect(worker)
+        worker.start()
+        try:
+            events.get(timeout=0.5)
+            raise AssertionError("a lock-sharing backend ran while the model lock was held")
+        except queue.Empty:
+            pass
+    assert [type(e).__name__ for e in _drain(events)][0] == "ChatStarted"
+    worker.stop()

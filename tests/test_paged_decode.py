@@ -15,6 +15,7 @@ import gc
 
 import pytest
 import torch
+from reasoner_helpers import greedy_chats
 
 from worldserve.models.layers.attention import sdpa_attention
 from worldserve.models.layers.paged_attention import paged_decode_attention_reference
@@ -155,19 +156,6 @@ def test_compiled_decode_math_equals_eager(model_and_tok):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _greedy(reasoner, prompts, max_tokens):
-    sessions = [
-        reasoner.start(ChatParams(messages=(ChatMessage(role="user", content=p),), max_tokens=max_tokens,
-                                  temperature=0.0))
-        for p in prompts
-    ]  # fmt: skip
-    live = list(sessions)
-    while live:
-        deltas = reasoner.step_all(live)
-        live = [s for s, d in zip(live, deltas, strict=True) if d.finish_reason is None]
-    return [s.token_ids for s in sessions]
-
-
 def test_preemption_recomputes_and_emits_the_same_tokens(tiny_ckpt, model_and_tok):
     """Two chats whose K/V outgrow a pool of 8 blocks of 8 tokens: the newer one is preempted, resumes by
     recomputing its prompt + tokens, and both emit what they emit with room to spare."""
@@ -176,10 +164,10 @@ def test_preemption_recomputes_and_emits_the_same_tokens(tiny_ckpt, model_and_to
     model, tok = model_and_tok
     prompts = ["Hello there", "Describe a cat"]
     roomy = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=4096)
-    want = _greedy(roomy, prompts, 30)
+    want = greedy_chats(roomy, prompts, 30)
     tight = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=64,
                                      kv_block_size=8)  # fmt: skip
-    assert _greedy(tight, prompts, 30) == want
+    assert greedy_chats(tight, prompts, 30) == want
     assert tight.preemptions >= 1 and tight.pool.num_free == tight.pool.num_blocks - 1
     with pytest.raises(ValueError, match="kv-cache-memory-bytes"):
         Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=32)
@@ -333,7 +321,7 @@ def test_graphed_reasoner_chats_equal_eager_on_cuda(tiny_ckpt):
             tiny_ckpt, model, tok, max_model_len=256, max_num_seqs=4, enforce_eager=eager
         )
         r.warm_up()
-        runs.append(_greedy(r, prompts, 40))
+        runs.append(greedy_chats(r, prompts, 40))
     assert runs[0] == runs[1]
 
 
@@ -358,7 +346,7 @@ def test_offloaded_reasoner_chats_equal_resident_on_cuda(tiny_ckpt):
         r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=256, max_num_seqs=4)
         assert r.decoder.use_graphs is not offload
         r.warm_up()
-        runs.append(_greedy(r, prompts, 30))
+        runs.append(greedy_chats(r, prompts, 30))
     assert runs[0] == runs[1]
 
 

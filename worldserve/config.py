@@ -57,6 +57,8 @@ class ModelConfig:
     """Context length of Reasoner chat completions (prompt + completion tokens)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
+    chat_sm_margin: int = 16
+    """SMs a video step leaves free while Reasoner chats are live, so that they keep decoding beside it on one CUDA GPU (runner/chat_share.py; 8 chats beside a 720p step on an H200: 0 gives ~4 tokens/s a chat at full video speed, 16 ~26 tokens/s with the video step 1.10x as long, 32 ~57 tokens/s at 1.24x)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     no_guardrails: bool = False
@@ -84,6 +86,8 @@ class ModelConfig:
             raise ValueError("--fake-step-delay must be >= 0")
         if self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if not 0 <= self.chat_sm_margin <= 64:
+            raise ValueError(f"--chat-sm-margin must be between 0 and 64 SMs, got {self.chat_sm_margin}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"--kv-cache-memory-bytes must be > 0, got {self.kv_cache_memory_bytes}")
         self.warmup_shape_list(on_gpu=True)  # raises on a malformed or unsupported shape

@@ -128,7 +128,8 @@ def _load(args: argparse.Namespace):
                              kernels=kernels)  # fmt: skip
         reasoner = Reasoner.from_pretrained(root, pipe.transformer, pipe.encoder.tokenizer,
                                             max_model_len=args.max_model_len, max_num_seqs=1,
-                                            enforce_eager=args.enforce_eager)  # fmt: skip
+                                            enforce_eager=args.enforce_eager,
+                                            chat_sm_margin=0)  # no video here to leave SMs to  # fmt: skip
     except ValueError as e:
         print(f"worldserve chat: error: {e}", file=sys.stderr)
         return None

@@ -172,6 +172,7 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig, max_num_seqs: int 
     reasoner = Reasoner.from_pretrained(
         path, transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len,
         max_num_seqs=max_num_seqs, kv_cache_tokens=kv_tokens, enforce_eager=cfg.enforce_eager,
+        chat_sm_margin=cfg.chat_sm_margin,
     )  # fmt: skip
     log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
              "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",
@@ -181,6 +182,9 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig, max_num_seqs: int 
         reasoner.warm_up()  # compiles and captures the decode step now, not in the first chats
         log.info("Reasoner warm-up (decode step%s) in %.1f s",
                  "" if cfg.enforce_eager else " compiled and CUDA-graphed", time.perf_counter() - t0)  # fmt: skip
+    share = reasoner.share
+    log.info("chats %s", f"decode beside video steps (video leaves {share.sm_margin} SMs free while chats run)"
+             if share.concurrent else f"take turns with video steps ({share.why_not or 'not warmed up'})")  # fmt: skip
     return pipeline, gpu_memory, reasoner
 
 

@@ -17,7 +17,8 @@ K/V memory: the pool holds `kv_cache_tokens` tokens in 64-token blocks, at least
   are freed and it waits, then resumes by prefilling its prompt plus the tokens it already produced (vLLM's
   recompute preemption); its stream sees no gap in the text, only a pause. No new chat starts while one waits.
 Finish: "stop" on <|im_end|> / <|endoftext|> / the config eos or a `stop` string, "length" at max_tokens or
-the context limit. Callers serialize model access (the chat worker holds the model lock around start/step).
+the context limit. Callers serialize model access (the chat worker holds the model lock around start/step),
+except where `concurrent_with_video` says the work may run beside video steps on the GPU (chat_share.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIX
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.params import ChatParams, ParamError
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
+from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
 from worldserve.runner.reasoner_session import ReasonerSession
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
@@ -74,8 +76,10 @@ class Reasoner:
         kv_cache_tokens: int | None = None,
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         enforce_eager: bool = False,
+        chat_sm_margin: int = DEFAULT_CHAT_SM_MARGIN,
     ) -> None:
         self.transformer = transformer
+        self.share = ChatGpuShare(transformer, sm_margin=chat_sm_margin)  # chats beside video (chat_share.py)
         self.tokenizer = tokenizer
         self.vision = vision
         self.image_token_id = image_token_id
@@ -212,6 +216,11 @@ class Reasoner:
                 acc[joint] = feat
         return embeds, tuple(deepstack), rows
 
+    @property
+    def concurrent_with_video(self) -> bool:
+        """Whether the chat worker may call start_many / step_all without the model lock (chat_share.py)."""
+        return self.share.concurrent
+
     def kv_cache_usage(self) -> float:
         """Fraction of the pool's usable blocks held by chats (vLLM's kv_cache_usage_perc)."""
         usable = self.pool.num_blocks - 1
@@ -231,6 +240,10 @@ class Reasoner:
     def step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
         """One step of every session: sample each (a preempted one first tries to resume), then one batched
         decode of the unfinished ones, preempting the newest when the pool runs out of blocks."""
+        with self.share.context():
+            return self._step_all(sessions)
+
+    def _step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
         self._resume_waiting(sessions)
         ready = [s for s in sessions if not s.preempted]
         if ready:
@@ -282,6 +295,7 @@ class Reasoner:
     def forget(self, session: ReasonerSession) -> None:
         """A session closed (once): drop it from the wait list and the live count."""
         self._live -= 1
+        self.share.chats_live(self._live)
         if session in self._waiting:
             self._waiting.remove(session)
 
@@ -298,6 +312,7 @@ class Reasoner:
         self.decode(prompt.input_ids[-1], seq, position)  # whatever the model would sample
         seq.release()
         self.decoder.capture_all()
+        self.share.mark_ready()
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""
@@ -312,6 +327,12 @@ class Reasoner:
         the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
         full: then every later one is refused too, which keeps the chats in order). Chats with the very same
         messages (the n choices of one request) share one prompt, one prefill and its full K/V blocks."""
+        with self.share.context():
+            out = self._start_many(batch)
+        self.share.chats_live(self._live)
+        return out
+
+    def _start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
         out: list[ReasonerSession | Exception | None] = []
         ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
         free = 0 if self._waiting else self.pool.num_free - self._live

@@ -73,6 +73,15 @@ def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     return None
 
 
+_sm_margin = 0  # SMs FA3 leaves free for other streams (runner/chat_share.py sets it while chats run)
+
+
+def set_fa3_sm_margin(margin: int) -> None:
+    """Leave `margin` SMs free in the following FA3 calls (its persistent kernels otherwise take them all)."""
+    global _sm_margin
+    _sm_margin = int(margin)
+
+
 def fa3_forward(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
     out: Tensor | None = None, descale: tuple[Tensor | None, ...] = (None, None, None),
@@ -96,7 +105,7 @@ def fa3_forward(
         # kv_batch_idx, leftpad_k, rotary_cos / sin, seqlens_rotary
         *descale, scale, causal,
         -1, -1, 0, 0.0, True,  # window_size_left / right, attention_chunk, softcap, rotary_interleaved
-        None, 1, None, 0,  # scheduler_metadata, num_splits, pack_gqa (auto), sm_margin
+        None, 1, None, _sm_margin,  # scheduler_metadata, num_splits, pack_gqa (auto), sm_margin
     )  # fmt: skip
     return res[0].squeeze(0), res[1].squeeze(0)  # [1, Nq, Hq, D] -> [Nq, Hq, D]; [1, Hq, Nq] -> [Hq, Nq]
 
