@@ -8,7 +8,9 @@ decode step, and measures, for each SM margin M in --margins:
 - the same step while a second thread decodes --chats chats in a loop on a high-priority stream (the graph
   replayed there, waiting on an event without the GIL): the video step's time, and the chat's steps and
   tokens/s during it.
-The graphed decode step alone is timed first (its speed with the whole GPU). Prints a table last; JSON to --out.
+The graphed decode step alone is timed first (its speed with the whole GPU), and the video step alone with
+the transformer's launch window off and at --launch-window (what a ready Reasoner sets; its cost, if any).
+Prints a table last; JSON to --out.
 
     PYTHONPATH=. python bench/chat_during_video.py --out $OUT/chat_during_video.json   # H200: ~4 min
 """
@@ -30,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chats", type=int, default=8, help="chats decoded together in the chat thread")
     ap.add_argument("--context", type=int, default=300, help="tokens in each chat's cache at the start")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--launch-window", type=int, default=2,
+                    help="the transformer's launch_window during the margin runs (what a ready Reasoner sets)")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -114,6 +118,13 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     time_once(lambda: video(999), device)
     res["chat_alone_ms"] = time_region(chat_step, device, warmup=2, repeats=20).median * 1e3
     log(f"chat alone: {res['chat_alone_ms']:.2f} ms a step ({args.chats} chats)")
+    res["launch_window_s"] = {}
+    for window in (0, args.launch_window, 0, args.launch_window):  # its cost to a video step alone
+        model.launch_window = window
+        torch.cuda.synchronize(device)
+        res["launch_window_s"].setdefault(str(window), []).append(video_step())
+    log(f"video step by launch window: {res['launch_window_s']}")
+    model.launch_window = args.launch_window
     margin = Margin()
     for m in (int(x) for x in args.margins.split(",")):
         margin.set(m)
@@ -146,8 +157,10 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
 
 
 def table(res: dict) -> str:
+    windows = ", ".join(f"{w}: {min(t):.3f} s" for w, t in res.get("launch_window_s", {}).items())
     lines = [
         f"chat during video, {res['args']['chats']} chats, decode alone {res['chat_alone_ms']:.2f} ms a step",
+        f"video step alone by launch window (layers queued ahead; 0 = all): {windows}",
         f"{'margin':>6s} {'video s':>8s} {'w/ chat s':>9s} {'chat steps':>10s} {'ms/step':>8s} {'tok/s/chat':>10s}",
     ]
     for r in res["runs"]:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from reasoner_helpers import greedy_chats
 
+from worldserve.params import ChatMessage, ChatParams
+
 
 def test_on_the_cpu_chats_take_turns_with_video(tiny_ckpt):
     from transformers import AutoTokenizer
@@ -56,8 +58,12 @@ def test_chats_beside_video_forwards_emit_their_tokens_alone(tiny_ckpt):
     lat = torch.randn(cfg.latent_channel, 3, 8, 8, generator=g).cuda()
     batch = GenBatch.pack([GenItem(latents=lat, timestep=500.0, und_cache=c) for c in caches], config=cfg,
                           device="cuda")  # fmt: skip
-    with torch.inference_mode():
-        model(batch)  # the first forward's one-time costs before the race
+    assert model.launch_window == 2  # set with the Reasoner's readiness: forwards queue <= 2 layers ahead
+    with torch.inference_mode():  # (also the first forward's one-time costs, before the race)
+        windowed = model(batch).video[0]
+        model.launch_window = 0
+        torch.testing.assert_close(model(batch).video[0], windowed, rtol=0, atol=0)
+        model.launch_window = 2
     torch.cuda.synchronize()
     stop, running, forwards, margins = threading.Event(), threading.Event(), [0], set()
 
@@ -82,3 +88,37 @@ def test_chats_beside_video_forwards_emit_their_tokens_alone(tiny_ckpt):
     assert beside == alone
     assert during > 1 and 8 in margins, (during, margins)  # video ran while the chats held the margin
     assert flash_attention._sm_margin == 0  # released with the last chat
+
+
+def test_a_chat_failing_after_its_prefill_alone_gives_its_blocks_back(tiny_ckpt, monkeypatch):
+    """start_many: a chat whose session cannot be made after the shared prefill (here: its logits raise, as
+    an out-of-memory would) fails alone, its K/V blocks back and the live count (which holds the SM margin
+    while chats run) untouched; a later choice of the same messages fails with it (nothing to fork)."""
+    from transformers import AutoTokenizer
+
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    r = Reasoner.from_pretrained(
+        tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=4096, kv_block_size=8
+    )
+    free = r.pool.num_free
+    calls, real = [0], model.compute_logits
+
+    def flaky(hidden):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", flaky)
+    shared = (ChatMessage(role="user", content="Same words"),)
+    batch = [ChatParams(messages=(ChatMessage(role="user", content="Hello"),), max_tokens=4),
+             ChatParams(messages=shared, max_tokens=4), ChatParams(messages=shared, max_tokens=4, seed=1)]  # fmt: skip
+    ok, failed, choice = r.start_many(batch)
+    assert isinstance(failed, RuntimeError) and choice is failed
+    assert r._live == 1 and r.pool.num_free == free - len(ok._seq.blocks)  # the failed chats hold none
+    ok.close()
+    assert r._live == 0 and r.pool.num_free == free

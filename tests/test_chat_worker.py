@@ -265,3 +265,26 @@ def test_a_backend_that_runs_beside_video_steps_is_called_without_the_model_lock
             pass
     assert [type(e).__name__ for e in _drain(events)][0] == "ChatStarted"
     worker.stop()
+
+
+def test_a_failing_loop_closes_its_chats_and_answers_the_queued_and_later_ones():
+    """A bug in the loop itself (here the delivery hop raising, as a closed event loop's does) closes the
+    running chats' sessions (their K/V back), fails them with a 500, and never leaves a chat waiting."""
+    lock = threading.Lock()
+    backend = ScriptedBackend(lock)
+    worker = ChatWorker(backend, lock)
+
+    def closed_loop(fn):
+        raise RuntimeError("Event loop is closed")
+
+    worker.call_in_consumer = closed_loop
+    events: queue.Queue = queue.Queue()
+    worker.submit(PARAMS, events.put, receive=events.put)
+    worker.start()
+    out = _drain(events)
+    assert out[0] == ChatStarted(prompt_tokens=7) and out[-1] == ChatFailed(500, "The chat worker stopped.")
+    assert backend.sessions[0].closed
+    worker._thread.join(5)
+    assert not worker.alive
+    _, later = _collect(worker)
+    assert later.get(timeout=1) == ChatFailed(503, "The server is shutting down.")

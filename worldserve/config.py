@@ -58,7 +58,7 @@ class ModelConfig:
     kv_cache_memory_bytes: int | None = None
     """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
     chat_sm_margin: int = 16
-    """SMs a video step leaves free while Reasoner chats are live, so that they keep decoding beside it on one CUDA GPU (runner/chat_share.py; 8 chats beside a 720p step on an H200: 0 gives ~4 tokens/s a chat at full video speed, 16 ~26 tokens/s with the video step 1.10x as long, 32 ~57 tokens/s at 1.24x)."""
+    """SMs a video step's FlashAttention-3 kernels leave free while Reasoner chats are live, so that they keep decoding beside it on one CUDA GPU (runner/chat_share.py; 8 chats beside a 720p step on an H200: 0 gives ~4 tokens/s a chat at full video speed, 16 ~26 tokens/s with the video step 1.10x as long, 32 ~57 tokens/s at 1.24x)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     no_guardrails: bool = False

@@ -110,12 +110,45 @@ class ChatWorker:
         receive: Callable[[ChatEvent], None] | None = None,
     ) -> ChatHandle:  # fmt: skip
         handle = ChatHandle(params=params, emit=emit, receive=receive)
-        self._queue.put(handle)
+        if self._stopping.is_set():  # stopped (or the loop failed): nobody would read the queue
+            self._tell(handle, ChatFailed(503, "The server is shutting down."))
+        else:
+            self._queue.put(handle)
         return handle
 
     def _run(self) -> None:
         active: list[tuple[ChatHandle, object]] = []
         deferred: list[ChatHandle] = []  # the backend had no room for them at the last try, in order
+        try:
+            self._loop(active, deferred)
+            message = "The server is shutting down."
+        except Exception:  # a bug of the loop (a delivery callback raising, ...): never leave sessions open
+            log.exception("the chat worker stopped")
+            self._stopping.set()
+            message = "The chat worker stopped."
+            for handle, session in active:
+                self._close(session)
+                self._tell(handle, ChatFailed(500, message))
+        for handle in deferred:
+            self._tell(handle, ChatFailed(503, message))
+        while True:  # stopped: tell the callers still queued
+            try:
+                handle = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if handle is not None:
+                self._tell(handle, ChatFailed(503, message))
+
+    @staticmethod
+    def _tell(handle: ChatHandle, event: ChatEvent) -> None:
+        try:
+            handle.emit(event)
+        except Exception:
+            log.exception("could not deliver a chat event")
+
+    def _loop(self, active: list[tuple[ChatHandle, object]], deferred: list[ChatHandle]) -> None:
+        """The worker's loop until stopped and drained; `active` (the running chats) and `deferred` are kept
+        up to date in place, for _run to close and tell if the loop fails."""
         stopping = False
         while not stopping or active:
             stopping = stopping or self._stopping.is_set()
@@ -138,25 +171,16 @@ class ChatWorker:
                 # retry after this step when running chats will free room, or when others of the batch took
                 # the room and failed since; refused alone with nothing running: the pool is too small
                 if active or len(refused) < len(batch):
-                    deferred = refused + deferred
+                    deferred[:0] = refused
                 else:
                     for handle in refused:
                         handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
             for handle, session in active:
                 if handle.cancelled.is_set():
                     self._close(session)
-            active = [(h, s) for h, s in active if not h.cancelled.is_set()]
+            active[:] = [(h, s) for h, s in active if not h.cancelled.is_set()]
             if active:
-                active = self._step(active)
-        for handle in deferred:
-            handle.emit(ChatFailed(503, "The server is shutting down."))
-        while True:  # stopped: tell the callers still queued
-            try:
-                handle = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if handle is not None:
-                handle.emit(ChatFailed(503, "The server is shutting down."))
+                active[:] = self._step(active)
 
     def _model(self):
         """The model lock, or nothing when the backend runs beside video steps (re-read every call: a

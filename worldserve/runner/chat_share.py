@@ -6,8 +6,9 @@ captured at start), the Reasoner's work runs on its own high-priority CUDA strea
 thread without the model lock (the und weights are read-only to both; the chats' paged K/V, the decode
 graphs' buffers and the sampler belong to the chat side, the video's und caches to the video side), and
 while chats are live the video's FA3 calls leave `sm_margin` SMs idle (FA3's persistent kernels otherwise
-hold every SM for ~50 ms) and cuBLAS is asked to do the same (`torch._C._set_sm_carveout_experimental`).
-Measured (bench/chat_during_video.py, one H200, full-size Nano, 8 chats of 300 tokens against a 720p x 189
+hold every SM for ~50 ms). cuBLAS is asked to do the same (`torch._C._set_sm_carveout_experimental`), which
+PyTorch applies to its cuBLASLt GEMMs only (with bias, fp8); the plain bf16 GEMMs (cublasGemmEx, 35 % of a
+step) still take every SM, and chat kernels get in between them. Measured (bench/chat_during_video.py, one H200, full-size Nano, 8 chats of 300 tokens against a 720p x 189
 + audio step, bench/results/chat-during-video-20261130-h200.json):
 
 | margin | video step alone | video step with chats | chat decode step | tokens/s per chat |
@@ -18,8 +19,11 @@ Measured (bench/chat_during_video.py, one H200, full-size Nano, 8 chats of 300 t
 
 (the lock gave one token per step: 0.19 tokens/s; the decode step alone takes 6.2 ms). The margin applies
 only while a chat is live; `--chat-sm-margin 0` keeps video at full speed and chats at ~4 tokens/s.
-The margin is process-wide state (FA3's argument, cuBLAS's carve-out), set from the chat thread and read
-by the video thread's next kernels: a change lands at a kernel boundary, which is all it needs.
+The margin is process-wide state (FA3's argument, cuBLAS's carve-out), raised before a chat's prefill and
+dropped with the last chat, read by the video thread when it launches a kernel; the video forward queues at
+most LAUNCH_WINDOW_LAYERS layers ahead of the GPU (transformer.LaunchWindow), so a change reaches the GPU
+within ~0.3 s at 720p instead of a queued 5 s step later. The chat's own prefill kernels see it too.
+Under CFG-parallel / Ulysses serving only rank 0 (where the Reasoner lives) applies the margin.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import torch
 from worldserve.models.layers import flash_attention
 
 DEFAULT_CHAT_SM_MARGIN = 16
+LAUNCH_WINDOW_LAYERS = 2
+"""Gen layers a video forward may queue ahead of the GPU while chats can run beside it (~0.3 s at 720p):
+a margin switched on or off reaches the video's kernels that soon, not a whole queued step later."""
 
 
 def set_sm_margin(margin: int) -> None:
@@ -48,6 +55,7 @@ class ChatGpuShare:
         if sm_margin < 0:
             raise ValueError(f"--chat-sm-margin must be >= 0, got {sm_margin}")
         device = transformer.device
+        self.transformer = transformer
         self.sm_margin = sm_margin
         self.why_not = self._why_not(transformer)
         self.stream = torch.cuda.Stream(device, priority=-1) if self.why_not is None else None
@@ -69,6 +77,7 @@ class ChatGpuShare:
         the work queued so far on the current one, e.g. the pool's and the graphs' buffers)."""
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self.transformer.launch_window = LAUNCH_WINDOW_LAYERS
             self.ready = True
 
     @property

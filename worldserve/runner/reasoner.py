@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from worldserve.engine.outputs import ChatBackpressure, ChatDelta
-from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.params import ChatParams, ParamError
@@ -40,6 +39,7 @@ from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, Chat
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
 from worldserve.runner.reasoner_session import ReasonerSession
 from worldserve.runner.und_decoder import UndDecoder
+from worldserve.runner.und_prefill import UndPrefill
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -103,6 +103,8 @@ class Reasoner:
                 f"{max_model_len}: raise --kv-cache-memory-bytes or lower --max-model-len"
             )
         self.pool = transformer.new_paged_pool(kv_cache_tokens, block_size=kv_block_size)
+        self._prefill = UndPrefill(transformer, self.pool, vision, image_token_id=image_token_id,
+                                   video_token_id=self.video_token_id)  # fmt: skip
         self.decoder = UndDecoder(
             transformer, self.pool, max_batch=max_num_seqs, max_model_len=max_model_len,
             enforce_eager=enforce_eager,
@@ -147,74 +149,11 @@ class Reasoner:
         nothing kept, when the pool cannot hold them all and the next token."""
         return self.prefill_batch([(prompt, generated)])[0]
 
-    @torch.inference_mode()
     def prefill_batch(
         self, items: Sequence[tuple[ChatPrompt, Sequence[int]]]
     ) -> list[tuple[Tensor, PagedSequence, int]]:
-        """prefill() of several (prompt, generated) items in ONE und pass (a prefill of short prompts is
-        launch-bound: 32 of them cost about what one does). All or nothing: PoolExhausted takes no blocks."""
-        model = self.transformer
-        seqs: list[PagedSequence] = []
-        try:
-            for prompt, generated in items:
-                seqs.append(self.pool.sequence())
-                seqs[-1].reserve(len(prompt.input_ids) + len(generated) + 1)
-            ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
-            visual = any(p.vision is not None or p.video is not None for p, _ in items)
-            for prompt, generated in items:
-                ids.append(
-                    torch.tensor(prompt.input_ids + list(generated), dtype=torch.long, device=model.device)
-                )
-                after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
-                positions.append(torch.cat([prompt.positions, after.expand(3, -1)], dim=1))  # [3, N_i]
-                if prompt.vision is not None or prompt.video is not None:
-                    e, ds, r = self._visual_embeddings(ids[-1], prompt)
-                    embeds.append(e)
-                    deepstack.append(ds)
-                    rows.append(r + offset)
-                elif visual:
-                    embeds.append(model.embed_tokens(ids[-1]))
-                offset += ids[-1].numel()
-            batch = UndBatch(
-                input_ids=torch.cat(ids), positions=torch.cat(positions, dim=1).to(model.device),
-                seq_lens=tuple(x.numel() for x in ids), inputs_embeds=torch.cat(embeds) if visual else None,
-                deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
-                visual_rows=torch.cat(rows) if rows else None,
-            )  # fmt: skip
-            hidden = model.und_step(batch, seqs).split(list(batch.seq_lens))  # [N_i, d] each
-        except BaseException:
-            for seq in seqs:
-                seq.release()
-            raise
-        return [
-            (h, seq, prompt.next_position + len(generated))
-            for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
-        ]
-
-    def _visual_embeddings(
-        self, ids: Tensor, prompt: ChatPrompt
-    ) -> tuple[Tensor, tuple[Tensor, ...], Tensor]:
-        """(token embeddings with the ViT rows in, deepstack features [M, d] each, visual rows [M]); image and
-        video rows in sequence order, as Qwen3-VL joins them."""
-        assert self.vision is not None
-        model = self.transformer
-        embeds = model.embed_tokens(ids)
-        in_prompt = torch.arange(ids.numel(), device=ids.device) < len(prompt.input_ids)  # not generated ones
-        is_img = (ids == self.image_token_id) & in_prompt
-        is_vid = (ids == self.video_token_id) & in_prompt
-        rows = (is_img | is_vid).nonzero().squeeze(1)  # [M]
-        deepstack: list[Tensor] = []
-        for inputs, mask in ((prompt.vision, is_img), (prompt.video, is_vid)):
-            if inputs is None:
-                continue
-            vis, ds = self.vision.encode(inputs)  # [m, d], each [m, d]
-            embeds = embeds.index_copy(0, mask.nonzero().squeeze(1), vis.to(model.dtype))
-            joint = mask[rows]  # [M] bool: which of the visual rows are this modality's
-            if not deepstack:
-                deepstack = [vis.new_zeros(rows.numel(), vis.shape[1]) for _ in ds]
-            for acc, feat in zip(deepstack, ds, strict=True):
-                acc[joint] = feat
-        return embeds, tuple(deepstack), rows
+        """prefill() of several (prompt, generated) items in ONE und pass (und_prefill.py)."""
+        return self._prefill(items)
 
     @property
     def concurrent_with_video(self) -> bool:
@@ -312,7 +251,8 @@ class Reasoner:
         self.decode(prompt.input_ids[-1], seq, position)  # whatever the model would sample
         seq.release()
         self.decoder.capture_all()
-        self.share.mark_ready()
+        if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
+            self.share.mark_ready()
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill; the session's step() yields the completion."""
@@ -327,10 +267,12 @@ class Reasoner:
         the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
         full: then every later one is refused too, which keeps the chats in order). Chats with the very same
         messages (the n choices of one request) share one prompt, one prefill and its full K/V blocks."""
-        with self.share.context():
-            out = self._start_many(batch)
-        self.share.chats_live(self._live)
-        return out
+        self.share.chats_live(self._live + len(batch))  # the margin up before the prefill, not after it
+        try:
+            with self.share.context():
+                return self._start_many(batch)
+        finally:
+            self.share.chats_live(self._live)
 
     def _start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
         out: list[ReasonerSession | Exception | None] = []
@@ -361,14 +303,29 @@ class Reasoner:
             leaders.setdefault(id(r[2]), r)
         prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()))}
         for i, params, prompt, budget in ready:
-            done = prefilled[id(prompt)]
-            if not isinstance(done, Exception) and leaders[id(prompt)][0] != i:
-                try:  # a later choice of the same messages: the leader's K/V, forked
-                    done = (done[0], done[1].fork(), done[2])
-                except PoolExhausted as exc:
-                    done = ChatBackpressure(str(exc))
-            out[i] = done if isinstance(done, Exception) else self._session(params, prompt, budget, *done)
+            out[i] = self._start_one(i, params, prompt, budget, prefilled, leaders[id(prompt)][0] == i)
         return out
+
+    def _start_one(self, i: int, params: ChatParams, prompt: ChatPrompt, budget: int, prefilled: dict,
+                   leader: bool) -> ReasonerSession | Exception:  # fmt: skip
+        """The session of ready chat i from its prompt's prefill (a later choice of the same messages forks
+        the leader's K/V), or the exception that fails this chat alone, its blocks given back."""
+        done = prefilled[id(prompt)]
+        if isinstance(done, Exception):
+            return done
+        try:
+            seq = done[1] if leader else done[1].fork()
+        except PoolExhausted as exc:
+            return ChatBackpressure(str(exc))
+        except Exception as exc:
+            return exc
+        try:
+            return self._session(params, prompt, budget, done[0], seq, done[2])
+        except Exception as exc:  # e.g. out of memory for its logits
+            seq.release()
+            if leader:
+                prefilled[id(prompt)] = exc  # its other choices have nothing to fork now
+            return exc
 
     def _prefill_each(self, ready: list) -> list:
         """prefill_batch over the ready chats; when the pass fails (e.g. out of memory), each chat once more
@@ -428,8 +385,9 @@ class Reasoner:
             repetition_penalty=params.repetition_penalty,
             prompt_ids=tuple(prompt.input_ids),
         )
+        session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
+                                  max_tokens=budget, stop=params.stop,
+                                  top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
         self._started += 1
-        self._live += 1
-        return ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started,
-                               max_tokens=budget, stop=params.stop,
-                               top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
+        self._live += 1  # counted once the session exists: its close() takes it back (forget)
+        return session

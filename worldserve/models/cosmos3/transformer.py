@@ -27,6 +27,7 @@ tower's attention through FA3's e4m3 kernel (lossy, the fp8 mode).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -101,6 +102,25 @@ def _resident(blocks: BlockStreamer | None, i: int):
     return nullcontext() if blocks is None else blocks.use(i)
 
 
+class LaunchWindow:
+    """Keeps the host at most `layers` gen layers of kernels ahead of the GPU (CUDA events; the wait
+    releases the GIL). A forward otherwise queues a whole 5 s denoising step at once, and a setting read at
+    kernel launch (runner/chat_share.py's SM margin for chats) would reach the GPU only a step later. The
+    window never starves the GPU: the host waits only while `layers` layers are still queued."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.events: deque[torch.cuda.Event] = deque()
+
+    def mark(self) -> None:
+        """A layer's kernels are queued."""
+        event = torch.cuda.Event()
+        event.record()
+        self.events.append(event)
+        if len(self.events) > self.layers:
+            self.events.popleft().synchronize()
+
+
 class Cosmos3Transformer(nn.Module):
     """Both towers, embeddings, heads; parameter names are ours, checkpoint keys map via weights.py."""
 
@@ -126,6 +146,7 @@ class Cosmos3Transformer(nn.Module):
             self.audio_modality_embed = nn.Parameter(torch.empty(d, dtype=dtype), requires_grad=False)
         self.und_blocks: BlockStreamer | None = None  # set by enable_layerwise_offload
         self.gen_blocks: BlockStreamer | None = None
+        self.launch_window = 0  # gen layers a forward may queue ahead of the GPU (0: all); see LaunchWindow
         if c.action_gen:
             n = c.num_embodiment_domains
             self.action_proj_in = DomainAwareLinear(c.action_dim, d, n, dtype=dtype)
@@ -293,9 +314,12 @@ class Cosmos3Transformer(nn.Module):
         buffers = None
         if sp.size == 1:
             buffers = GenAttentionBuffers(caches, spans, self.layers[0].gen, g, batch.twins)
+        window = LaunchWindow(self.launch_window) if self.launch_window and g.is_cuda else None
         for i, layer in enumerate(self.layers):
             with _resident(self.gen_blocks, i):
                 g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp, buffers)
+            if window is not None:
+                window.mark()
         return self._decode_gen(ulysses.gather(g, n, sp), batch)
 
     def _embed_gen(self, batch: GenBatch) -> Tensor:
