@@ -111,9 +111,10 @@ def _load(args: argparse.Namespace):
     """The Reasoner on the checkpoint's transformer (None after printing why it cannot load)."""
     import torch
 
+    from worldserve.models.cosmos3.prompt import PromptEncoder
     from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.reasoner import Reasoner
-    from worldserve.runner.video_pipeline import load_pipeline
+    from worldserve.runner.video_pipeline import default_device, load_configured_transformer
     from worldserve.weights.checkpoint import resolve_model
 
     root = resolve_model(args.model, args.revision)
@@ -123,17 +124,23 @@ def _load(args: argparse.Namespace):
         enforce_eager=args.enforce_eager, quantization=None, fp8_attention=False,
         diffusion_attention_backend=None, enable_layerwise_offload=args.enable_layerwise_offload,
     )  # fmt: skip
-    try:
-        pipe = load_pipeline(root, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                             kernels=kernels)  # fmt: skip
-        reasoner = Reasoner.from_pretrained(root, pipe.transformer, pipe.encoder.tokenizer,
+    device = torch.device(args.device) if args.device else default_device()
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+    try:  # the transformer and the tokenizer only: no VAEs, nothing of video generation
+        kernels.check(device, dtype)
+        transformer = load_configured_transformer(root, dtype, device, kernels)
+        reasoner = Reasoner.from_pretrained(root, transformer, PromptEncoder.from_pretrained(root).tokenizer,
                                             max_model_len=args.max_model_len, max_num_seqs=1,
                                             enforce_eager=args.enforce_eager,
                                             chat_sm_margin=0)  # no video here to leave SMs to  # fmt: skip
     except ValueError as e:
         print(f"worldserve chat: error: {e}", file=sys.stderr)
         return None
-    if pipe.transformer.device.type == "cuda":
+    if device.type == "cuda":
         reasoner.warm_up()
     return reasoner
 
