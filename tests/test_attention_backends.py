@@ -128,6 +128,27 @@ def test_auto_falls_back_to_sdpa_and_flash_attn_explains_why():
         fa.resolve_attention_backend("SAGE_ATTN", torch.device("cpu"), torch.bfloat16, 128)
 
 
+def test_fa3_is_used_only_with_the_fwd_op_it_calls(monkeypatch):
+    """fa3_forward calls the front end's compiled fwd op with its 34 arguments: a build whose op takes
+    another list (older upstream FA3) is reported unusable, not picked and failed at the first step."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+
+    def module(n_args):
+        schema = types.SimpleNamespace(arguments=[None] * n_args)
+        fwd = types.SimpleNamespace(default=types.SimpleNamespace(_schema=schema))
+        return types.SimpleNamespace(__name__="some_fa3", fa3_fwd_cuda=types.SimpleNamespace(fwd=fwd))
+
+    monkeypatch.setattr(fa, "fa3_module", lambda: module(fa.FA3_FWD_ARGS))
+    assert fa.fa3_unavailable_reason(cuda, torch.bfloat16, 128) is None
+    monkeypatch.setattr(fa, "fa3_module", lambda: module(30))
+    assert "compiled fwd op is not the 34-argument one" in fa.fa3_unavailable_reason(
+        cuda, torch.bfloat16, 128
+    )
+    monkeypatch.setattr(fa, "fa3_module", _reference_fa3_module)  # a plain function, no op schema
+    assert "compiled fwd op" in fa.fa3_unavailable_reason(cuda, torch.bfloat16, 128)
+
+
 def test_kernel_options_validate_names_and_read_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="must be one of"):
         KernelOptions(attention_backend="XFORMERS")
@@ -211,6 +232,16 @@ def _hopper_fa3() -> bool:
         torch.cuda.is_available()
         and fa.fa3_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128) is None
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or fa.fa3_module() is None,
+    reason="needs an H100/H200 with the FA3 package",
+)
+def test_the_installed_fa3_is_usable_on_hopper():
+    """Where the package imports on Hopper, FA3 is the backend (a schema mismatch would silently fall back)."""
+    assert fa.fa3_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128) is None
 
 
 @pytest.mark.gpu

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -139,3 +141,8 @@ def test_compiled_gen_layers_equal_eager(tiny_ckpt):
     compiled = model(batch)
     torch.testing.assert_close(compiled.video[0], eager.video[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(compiled.sound[0], eager.sound[0], rtol=1e-5, atol=1e-6)
+    # another prompt length, the same gen shape: no new graph (the K/V workspace rows are bucketed)
+    other = model.prefill_und([torch.arange(23) % 200])[0]
+    batch2 = GenBatch.pack([dataclasses.replace(item, und_cache=other)], config=model.config, device="cpu")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        model(batch2)

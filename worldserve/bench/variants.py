@@ -190,14 +190,14 @@ def gemm_micro(
 @contextlib.contextmanager
 def compiled_layers(model, *, mode: str = "default"):
     """The model's own regional compile (`compile_gen_layers`) for the duration of the block, then eager."""
-    from worldserve.models.cosmos3.layer import finish_math, qkv_math
+    from worldserve.models.cosmos3.layer import finish_math, merge_attention, qkv_math
 
     model.compile_gen_layers(mode=mode)
     try:
         yield
     finally:
         for layer in model.layers:
-            layer.gen.qkv_fn, layer.gen.finish_fn = qkv_math, finish_math
+            layer.gen.qkv_fn, layer.gen.finish_fn, layer.gen.merge_fn = qkv_math, finish_math, merge_attention
 
 
 def _kernel_category(name: str) -> str:

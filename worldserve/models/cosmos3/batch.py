@@ -204,7 +204,8 @@ def same_gen_input(a: GenItem, b: GenItem) -> bool:
     """Whether two items feed the gen tower the same tokens: the same latents and sound tensors (identity:
     a request's branches share them), the same timestep, fps and clean frames. Only the prompts differ, and
     with them the mRoPE origin, a constant shift of every gen position that attention among gen tokens
-    does not see (RoPE is relative)."""
+    does not see (RoPE is relative): the same function up to the float32 rounding of the shifted positions
+    (non-integer ones, sound or fps != 24, move by up to ~0.002 of a position at 15k-token origins)."""
     ts_a, ts_b = a.timestep, b.timestep
     same_ts = ts_a is ts_b or (not isinstance(ts_a, Tensor) and not isinstance(ts_b, Tensor) and ts_a == ts_b)
     return (

@@ -247,6 +247,12 @@ def und_layer_step(
     return block.finish(h, _cat(outs))
 
 
+KV_ROWS_BUCKET = 4096
+"""GenAttentionBuffers' K/V rows are allocated in multiples of this: the compiled qkv graph (static shapes)
+takes the buffers, and their exact size (prompt tokens + gen tokens) would compile it anew for every prompt
+length; rounded up, requests of one shape share a graph across ~4k tokens of prompt lengths (~16 MB more)."""
+
+
 class GenAttentionBuffers:
     """One forward's attention workspace for the gen layers (single rank, or tensor parallel).
 
@@ -273,8 +279,9 @@ class GenAttentionBuffers:
             self.bases.append(base)
             rows.append(torch.arange(base + lt, base + lt + n))
             base += lt + n
-        kv_shape = (base, block.num_kv_heads, block.head_dim)
-        self.k = like.new_empty(kv_shape)  # [R, Hkv, D]
+        rows_alloc = -(-base // KV_ROWS_BUCKET) * KV_ROWS_BUCKET  # a static shape for many prompt lengths
+        kv_shape = (rows_alloc, block.num_kv_heads, block.head_dim)
+        self.k = like.new_empty(kv_shape)  # [R, Hkv, D]; rows past the last item's never read
         self.v = like.new_empty(kv_shape)
         self.rows = torch.cat(rows).to(like.device)  # [N] long
         self.out = like.new_empty((self.rows.numel(), block.num_heads, block.head_dim))  # [N, Hq, D]
@@ -301,8 +308,8 @@ def _twin_attention(
     block: TowerBlock, q: Tensor, buffers: GenAttentionBuffers, group: tuple[int, ...]
 ) -> None:
     """First layer, a group of items with identical gen input: their gen-gen attention is one function
-    (same tokens; the prompts shift every gen position by a constant, which relative RoPE cancels), so
-    it runs once, from the group's first item, and each item merges it (by LSE) with the attention of its
+    (same tokens; the prompts shift every gen position by a constant, which relative RoPE cancels, up to
+    the float32 rounding of non-integer positions: batch.same_gen_input), so it runs once, from the group's first item, and each item merges it (by LSE) with the attention of its
     own queries over its own prompt's K/V. Saves one N_g x N_g attention per extra member (a CFG pair at
     720p: one of the step's 72 FA3 calls) for two N_g x L_text ones and the merges."""
     start0, n = buffers.spans[group[0]]

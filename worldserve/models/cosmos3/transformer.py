@@ -320,6 +320,7 @@ class Cosmos3Transformer(nn.Module):
                 g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp, buffers)
             if window is not None:
                 window.mark()
+        del buffers  # the K/V and output workspace (~1 GB at 720p with CFG) before the heads allocate
         return self._decode_gen(ulysses.gather(g, n, sp), batch)
 
     def _embed_gen(self, batch: GenBatch) -> Tensor:

@@ -31,7 +31,8 @@ from torch import Tensor
 from worldserve.models.layers.attention import sdpa_attention
 
 AttentionFn = Callable[..., Tensor]
-"""(q [Nq, Hq, D], k [Nk, Hkv, D], v [Nk, Hkv, D], *, causal=False, scale=None) -> [Nq, Hq, D]."""
+"""(q [Nq, Hq, D], k [Nk, Hkv, D], v [Nk, Hkv, D], *, causal=False, scale=None, out=None) -> [Nq, Hq, D];
+with `out` ([Nq, Hq, D]) the result lands there (the gen layers pass their workspace rows)."""
 
 BACKENDS = ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN")
 """Accepted `--diffusion-attention-backend` values (None means auto)."""
@@ -44,6 +45,8 @@ FA3_INSTALL_HINT = (
 )
 
 E4M3_MAX = 448.0
+FA3_FWD_ARGS = 34
+"""Arguments of FA3's compiled `fwd` op as fa3-fwd 0.0.3 (and the upstream FA3 it packages) declares it."""
 
 
 @cache
@@ -68,8 +71,13 @@ def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
         return f"FlashAttention-3 (fa3-fwd) runs in bfloat16; the model is {dtype}"
     if head_dim > 256 or head_dim % 8:
         return f"FlashAttention-3 needs head_dim <= 256 and a multiple of 8, got {head_dim}"
-    if fa3_module() is None:
+    mod = fa3_module()
+    if mod is None:
         return f"no FlashAttention-3 package is importable ({' / '.join(FA3_MODULES)}): {FA3_INSTALL_HINT}"
+    ops = getattr(mod, "fa3_fwd_cuda", None) or getattr(mod, "flash_attn_3_cuda", None)
+    schema = getattr(getattr(getattr(ops, "fwd", None), "default", None), "_schema", None)
+    if schema is None or len(schema.arguments) != FA3_FWD_ARGS:
+        return f"{mod.__name__}'s compiled fwd op is not the {FA3_FWD_ARGS}-argument one fa3_forward calls: {FA3_INSTALL_HINT}"
     return None
 
 
