@@ -206,6 +206,15 @@ def test_first_layer_shares_a_cfg_pairs_gen_attention_and_computes_the_same(tiny
     separate = model(dataclasses.replace(batch, twins=()))
     for a, b in zip(shared.video + shared.sound, separate.video + separate.sound, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # two requests batched, each a CFG pair of its own shape and prompts: two twin groups, the same numbers
+    lat_b = torch.randn(cfg.latent_channel, 2, 6, 4, generator=g)
+    caches_b = model.prefill_und([torch.randint(0, 100, (n,), generator=g) for n in (3, 7)])
+    items_b = [GenItem(latents=lat_b, timestep=300.0, und_cache=c, clean_frames=(0,)) for c in caches_b]
+    batch4 = GenBatch.pack(items + items_b, config=cfg, device="cpu")
+    assert batch4.twins == ((0, 1), (2, 3))
+    shared4, separate4 = model(batch4), model(dataclasses.replace(batch4, twins=()))
+    for a, b in zip(shared4.video, separate4.video, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # no twins unless the gen input is the very same: another latents tensor, another timestep
     other = GenItem(latents=lat.clone(), timestep=700.0, und_cache=caches[1], sound=snd)
     later = GenItem(latents=lat, timestep=600.0, und_cache=caches[1], sound=snd)
