@@ -288,3 +288,20 @@ def test_a_failing_loop_closes_its_chats_and_answers_the_queued_and_later_ones()
     assert not worker.alive
     _, later = _collect(worker)
     assert later.get(timeout=1) == ChatFailed(503, "The server is shutting down.")
+
+
+def test_a_coalescing_chat_gets_its_first_delta_and_then_the_rest_merged():
+    """Non-streaming callers (coalesce=True): the first token's delta at once (time to first token), the
+    others merged into one final delta: the same text, token count and finish as token by token."""
+    lock = threading.Lock()
+    worker = ChatWorker(ScriptedBackend(lock, words=("a", "b", "c", "d")), lock)
+    worker.start()
+    try:
+        events: queue.Queue = queue.Queue()
+        worker.submit(PARAMS, events.put, coalesce=True)
+        out = _drain(events)
+    finally:
+        worker.stop()
+    assert out[0] == ChatStarted(prompt_tokens=7)
+    assert out[1:] == [ChatDelta(text="a", finish_reason=None, completion_tokens=1),
+                       ChatDelta(text="bcd", finish_reason="length", completion_tokens=4)]  # fmt: skip

@@ -14,7 +14,7 @@ next step; cancelled and failed chats are closed, which hands their K/V blocks b
 
 Events go to the caller's `emit` callback from this thread (EngineClient bridges them into asyncio):
 `ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token, the last one with
-its finish_reason; or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the
+its finish_reason (a `coalesce` handle, a non-streaming caller's: the first delta, then the rest as one); or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the
 chat fails. `ChatHandle.cancel()` (client gone) stops a chat at the next step boundary.
 """
 
@@ -60,9 +60,32 @@ class ChatHandle:
     """The same delivery for the consumer's own thread (e.g. an asyncio queue's put_nowait), which lets the
     worker hand all deltas of a step over in one `call_in_consumer` hop instead of one hop per chat."""
     cancelled: threading.Event = field(default_factory=threading.Event)
+    coalesce: bool = False
+    """Deliver the first delta (time to first token) and then one merged delta at the end, not one a token:
+    a non-streaming caller needs nothing in between, and each delivery wakes the consumer's event loop."""
+    _held: ChatDelta | None = None  # coalesce: the deltas since the first one, merged
+    _first_sent: bool = False
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def outgoing(self, delta: ChatDelta) -> ChatDelta | None:
+        """What to deliver for this step's delta now (None: held, when coalescing)."""
+        if not self.coalesce or not self._first_sent:
+            self._first_sent = True
+            return delta
+        held = self._held
+        if held is not None:
+            delta = ChatDelta(
+                text=held.text + delta.text, finish_reason=delta.finish_reason,
+                completion_tokens=delta.completion_tokens, logprobs=held.logprobs + delta.logprobs,
+                stop_reason=delta.stop_reason,
+            )  # fmt: skip
+        if delta.finish_reason is None:
+            self._held = delta
+            return None
+        self._held = None
+        return delta
 
 
 DEFAULT_MAX_NUM_SEQS = 32
@@ -107,9 +130,9 @@ class ChatWorker:
 
     def submit(
         self, params: ChatParams, emit: Callable[[ChatEvent], None],
-        receive: Callable[[ChatEvent], None] | None = None,
+        receive: Callable[[ChatEvent], None] | None = None, *, coalesce: bool = False,
     ) -> ChatHandle:  # fmt: skip
-        handle = ChatHandle(params=params, emit=emit, receive=receive)
+        handle = ChatHandle(params=params, emit=emit, receive=receive, coalesce=coalesce)
         if self._stopping.is_set():  # stopped (or the loop failed): nobody would read the queue
             self._tell(handle, ChatFailed(503, "The server is shutting down."))
         else:
@@ -227,7 +250,11 @@ class ChatWorker:
                 self._close(session)
                 self._fail(handle, exc)
             return []
-        pairs = [(handle, delta) for (handle, _), delta in zip(active, deltas, strict=True)]
+        pairs = [
+            (handle, out)
+            for (handle, _), delta in zip(active, deltas, strict=True)
+            if (out := handle.outgoing(delta)) is not None
+        ]
         hop = self.call_in_consumer
         if hop is not None and (batched := [(h, d) for h, d in pairs if h.receive is not None]):
             hop(partial(_receive_all, batched))

@@ -316,8 +316,9 @@ class EngineClient:
         except RuntimeError:  # the loop closed: nobody is listening any more
             pass
 
-    async def chat(self, params: ChatParams) -> AsyncIterator[ChatEvent]:
-        """One chat's events (ChatStarted, ChatDelta..., or ChatFailed); closing early cancels the chat."""
+    async def chat(self, params: ChatParams, *, coalesce: bool = False) -> AsyncIterator[ChatEvent]:
+        """One chat's events (ChatStarted, ChatDelta..., or ChatFailed); closing early cancels the chat.
+        `coalesce`: the first delta, then the rest merged into one at the end (ChatHandle.coalesce)."""
         worker = self.chat_worker
         if worker is None:
             raise ChatUnavailableError(
@@ -335,7 +336,7 @@ class EngineClient:
             except RuntimeError:  # the loop closed: nobody is listening any more
                 pass
 
-        handle = worker.submit(params, emit, events.put_nowait)
+        handle = worker.submit(params, emit, events.put_nowait, coalesce=coalesce)
         try:
             while True:
                 event = await events.get()
