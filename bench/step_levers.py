@@ -9,6 +9,8 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   each item's prompt K/V, FA3 writes into one output buffer; the first layer's attention not shared;
 - `buffers+twins`: plus the CFG pair's first-layer gen-gen attention computed once and merged by LSE with
   each branch's prompt attention (the product default);
+- `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
+  path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
 - `diffusers`: diffusers' transformer with its default SDPA.
 Variants alternate over --rounds (each round runs every variant --steps times; one warm-up each first), so
 drift of the machine's clocks spreads over all of them. Reported: median seconds a step, TFLOP/s
@@ -33,7 +35,7 @@ import torch
 from worldserve.bench.denoise import rel_error, snapshot
 
 T_REF = 500  # timestep of the compared velocities
-VARIANTS = ("concat", "buffers", "buffers+twins", "diffusers")
+VARIANTS = ("concat", "buffers", "buffers+twins", "cublaslt", "diffusers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,10 +70,15 @@ def variant(model, name: str):
             )
         if name in ("concat", "buffers"):
             first.attn_lse_fn = None  # no LSEs: the first layer attends per item
+        blas = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
+        if name == "cublaslt" and blas is not None:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         try:
             yield
         finally:
             first.attn_lse_fn = lse_fn
+            if blas is not None:
+                torch.backends.cuda.preferred_blas_library(blas)
 
 
 def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
