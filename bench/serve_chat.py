@@ -6,7 +6,8 @@ suggested sampling: temperature 0.7, top_p 0.8, top_k 20, presence_penalty 1.5) 
 the completion tokens per second in all and per chat, next to the decode step's own rate
 (bench/reasoner_decode.py). A max_tokens=1 chat gives the time to first token (prefill + HTTP). A small
 video (/v1/videos/sync, 256x256, 9 frames, 2 steps) checks that video generation shares the process; with
---beside-video, chats are also timed while a video job denoises (runner/chat_share.py). Last,
+--beside-video, chats are also timed while a video job denoises (runner/chat_share.py); --stream sends every
+chat as server-sent events. Last,
 the K/V metrics from /metrics. Everything the server does is the product's code path: paged K/V pool,
 CUDA-graphed decode, batched sampling, incremental detokenization, SSE-free JSON responses.
 
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra flag for serve (repeatable)")
     ap.add_argument(
+        "--stream", action="store_true", help="chats as server-sent events (default: JSON answers)"
+    )
+    ap.add_argument(
         "--beside-video", default=None, metavar="WxHxFRAMESxSTEPS",
         help="also send --concurrency's last count of chats while a video job of this shape denoises "
         "(e.g. 1280x720x189x4): their tokens/s beside the video step, and the job's own wall time",
@@ -72,13 +76,26 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"serve not healthy after {timeout:.0f} s")
 
 
+STREAM = False
+"""--stream: every chat as server-sent events (usage from the last chunk), as most chat clients call it."""
+
+
 def chat(url: str, model: str, max_tokens: int, i: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "seed": i, **SAMPLING,
             "messages": [{"role": "user", "content": f"Describe scene {i} of a fox in the snow."}]}  # fmt: skip
     t0 = time.perf_counter()
-    r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
-    r.raise_for_status()
-    return {"s": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"]}
+    if not STREAM:
+        r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
+        r.raise_for_status()
+        return {"s": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"]}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with HTTP.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"usage":{' in line:
+                usage = json.loads(line[6:])["usage"]
+    return {"s": time.perf_counter() - t0, "tokens": usage["completion_tokens"]}
 
 
 def chats_beside_video(url: str, served: str, args: argparse.Namespace) -> dict:
@@ -120,6 +137,8 @@ def metric(text: str, name: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    global STREAM
+    STREAM = args.stream
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model = args.model
     if args.random_nano is not None:
@@ -132,7 +151,12 @@ def run(args: argparse.Namespace) -> dict:
            "--warmup-shapes", "none", *args.serve_arg]  # fmt: skip
     log = open(args.out.parent / "serve.log", "w")  # noqa: SIM115 (the server writes to it until killed)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    res: dict = {"command": " ".join(cmd), "max_tokens": args.max_tokens, "sampling": SAMPLING}
+    res: dict = {
+        "command": " ".join(cmd),
+        "max_tokens": args.max_tokens,
+        "sampling": SAMPLING,
+        "stream": args.stream,
+    }
     try:
         res["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
         served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
