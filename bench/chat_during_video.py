@@ -37,33 +37,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-class Margin:
-    """FA3's sm_margin (the last argument of its fwd op) and cuBLAS's SM carve-out, set together."""
-
-    def __init__(self) -> None:
-        from worldserve.models.layers import flash_attention as fa
-
-        self.ops = fa.fa3_module().fa3_fwd_cuda
-        self.fwd = self.ops.fwd
-        self.value = 0
-
-    def set(self, m: int) -> None:
-        self.value = m
-        if hasattr(torch._C, "_set_sm_carveout_experimental"):
-            torch._C._set_sm_carveout_experimental(m if m else None)
-        fwd, margin = self.fwd, self
-
-        class Ops:  # the fwd op with its last argument (sm_margin) replaced
-            @staticmethod
-            def fwd(*args):
-                return fwd(*args[:-1], margin.value)
-
-        from worldserve.models.layers import flash_attention as fa
-
-        mod = fa.fa3_module()
-        mod.fa3_fwd_cuda = Ops if m else self.ops
-
-
 def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     from worldserve.bench.denoise import OurStep, make_inputs
     from worldserve.bench.models import build_our_transformer
@@ -73,6 +46,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     from worldserve.bench.workload import Workload
     from worldserve.models.cosmos3.batch import UndBatch
     from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.runner.chat_share import set_sm_margin
 
     device = torch.device("cuda")
     cfg = Cosmos3Config.nano()
@@ -125,9 +99,8 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         res["launch_window_s"].setdefault(str(window), []).append(video_step())
     log(f"video step by launch window: {res['launch_window_s']}")
     model.launch_window = args.launch_window
-    margin = Margin()
     for m in (int(x) for x in args.margins.split(",")):
-        margin.set(m)
+        set_sm_margin(m)  # what a live chat makes the Reasoner set (runner/chat_share.py)
         torch.cuda.synchronize(device)
         alone = video_step()
         done = threading.Event()
@@ -151,7 +124,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         res["runs"].append(run_)
         log(str(run_))
         save(res)
-    margin.set(0)
+    set_sm_margin(0)
     res["wall_s"] = time.perf_counter() - t0
     return res
 

@@ -6,16 +6,16 @@ holds it around a chat's prefill and around each decode step): chat tokens and v
 interleave step by step. A backend whose `concurrent_with_video` is true (the Reasoner on one CUDA GPU:
 its own high-priority stream, SMs left free by the video's kernels, runner/chat_share.py) is called
 without the lock, so chats keep decoding while a video step runs (one token per 5.3 s step under the lock;
-26 tokens/s a chat beside a 720p step with the default margin, on an H200). Continuous batching: up to `max_num_seqs` chats are active at once; each loop admits the waiting
-chats (FIFO, their prefills in one backend call), then runs ONE batched decode step for every active chat
+26 tokens/s a chat beside a 720p step with the default margin, on an H200). Continuous batching: up to
+`max_num_seqs` chats are active at once; each loop admits the waiting chats (FIFO, their prefills in one backend call), then runs ONE batched decode step for every active chat
 (`backend.step_all`), so N concurrent chats cost about one chat's decode forwards, not N. A chat the backend
 cannot take yet (ChatBackpressure: its K/V cache is full) stays first in line and is tried again after the
 next step; cancelled and failed chats are closed, which hands their K/V blocks back at once.
 
 Events go to the caller's `emit` callback from this thread (EngineClient bridges them into asyncio):
 `ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token, the last one with
-its finish_reason (a `coalesce` handle, a non-streaming caller's: the first delta, then the rest as one); or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the
-chat fails. `ChatHandle.cancel()` (client gone) stops a chat at the next step boundary.
+its finish_reason (a `coalesce` handle, a non-streaming caller's: the first delta, then the rest as one);
+or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the chat fails. `ChatHandle.cancel()` (client gone) stops a chat at the next step boundary.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ step boundary and always releases the request's state. An exception inside a req
 batch, decode, encode) fails only the jobs involved (status `failed`, error {code, message}); the loop
 itself never dies of one. Backend calls run under `model_lock`, which the chat worker (chat_worker.py) also
 takes around each chat prefill / decode step, so chat and video share the model step by step, unless the
-chat backend runs beside video steps on its own CUDA stream (runner/chat_share.py: then it takes no lock). `on_done(job_id)` is called (from this thread or an encoder) whenever a job
-reaches completed/failed or is aborted, so the HTTP side can wake waiters.
+chat backend runs beside video steps on its own CUDA stream (runner/chat_share.py: then it takes no lock).
+`on_done(job_id)` is called (from this thread or an encoder) whenever a job reaches completed/failed or is
+aborted, so the HTTP side can wake waiters.
 """
 
 from __future__ import annotations

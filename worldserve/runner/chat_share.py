@@ -8,8 +8,9 @@ graphs' buffers and the sampler belong to the chat side, the video's und caches 
 while chats are live the video's FA3 calls leave `sm_margin` SMs idle (FA3's persistent kernels otherwise
 hold every SM for ~50 ms). cuBLAS is asked to do the same (`torch._C._set_sm_carveout_experimental`), which
 PyTorch applies to its cuBLASLt GEMMs only (with bias, fp8); the plain bf16 GEMMs (cublasGemmEx, 35 % of a
-step) still take every SM, and chat kernels get in between them. Measured (bench/chat_during_video.py, one H200, full-size Nano, 8 chats of 300 tokens against a 720p x 189
-+ audio step, bench/results/chat-during-video-20261130-h200.json):
+step) still take every SM, and chat kernels get in between them. Measured (bench/chat_during_video.py, one
+H200, full-size Nano, 8 chats of 300 tokens against a 720p x 189 + audio step,
+bench/results/chat-during-video-20261130-h200.json):
 
 | margin | video step alone | video step with chats | chat decode step | tokens/s per chat |
 |---|---|---|---|---|

@@ -309,8 +309,9 @@ def _twin_attention(
 ) -> None:
     """First layer, a group of items with identical gen input: their gen-gen attention is one function
     (same tokens; the prompts shift every gen position by a constant, which relative RoPE cancels, up to
-    the float32 rounding of non-integer positions: batch.same_gen_input), so it runs once, from the group's first item, and each item merges it (by LSE) with the attention of its
-    own queries over its own prompt's K/V. Saves one N_g x N_g attention per extra member (a CFG pair at
+    the float32 rounding of non-integer positions: batch.same_gen_input), so it runs once, from the group's
+    first item, and each item merges it (by LSE) with the attention of its own queries over its own
+    prompt's K/V. Saves one N_g x N_g attention per extra member (a CFG pair at
     720p: one of the step's 72 FA3 calls) for two N_g x L_text ones and the merges."""
     start0, n = buffers.spans[group[0]]
     o_gen, lse_gen = block.attn_lse_fn(q[start0 : start0 + n], *buffers.keys(group[0], "gen"))

@@ -74,11 +74,18 @@ def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     mod = fa3_module()
     if mod is None:
         return f"no FlashAttention-3 package is importable ({' / '.join(FA3_MODULES)}): {FA3_INSTALL_HINT}"
-    ops = getattr(mod, "fa3_fwd_cuda", None) or getattr(mod, "flash_attn_3_cuda", None)
-    schema = getattr(getattr(getattr(ops, "fwd", None), "default", None), "_schema", None)
+    schema = getattr(getattr(getattr(_fwd_ops(mod), "fwd", None), "default", None), "_schema", None)
     if schema is None or len(schema.arguments) != FA3_FWD_ARGS:
-        return f"{mod.__name__}'s compiled fwd op is not the {FA3_FWD_ARGS}-argument one fa3_forward calls: {FA3_INSTALL_HINT}"
+        return (
+            f"{mod.__name__}'s compiled fwd op is not the {FA3_FWD_ARGS}-argument one fa3_forward calls: "
+            f"{FA3_INSTALL_HINT}"
+        )
     return None
+
+
+def _fwd_ops(mod: ModuleType):
+    """The front end's namespace of compiled ops (fa3-fwd's `fa3_fwd_cuda`, upstream's `flash_attn_3_cuda`)."""
+    return getattr(mod, "fa3_fwd_cuda", None) or getattr(mod, "flash_attn_3_cuda", None)
 
 
 _sm_margin = 0  # SMs FA3 leaves free for other streams (runner/chat_share.py sets it while chats run)
@@ -103,9 +110,7 @@ def fa3_forward(
     was given (`_flash_attn_forward`). The argument list is FA3's `fwd` schema as of fa3-fwd 0.0.3 (the
     `worldserve[hopper]` pin) and the upstream FA3 it packages."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    mod = fa3_module()
-    ops = getattr(mod, "fa3_fwd_cuda", None) or mod.flash_attn_3_cuda  # fa3-fwd's / upstream's op namespace
-    res = ops.fwd(
+    res = _fwd_ops(fa3_module()).fwd(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
         None, None, None,  # k_new, v_new, qv
         None if out is None else out.unsqueeze(0),
