@@ -11,6 +11,8 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   each branch's prompt attention (the product default);
 - `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
   path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
+- `tunableop`: `buffers+twins` with PyTorch's TunableOp on (torch.cuda.tunable: each GEMM shape's fastest
+  of cuBLAS and cuBLASLt's top heuristic algorithms, timed in the warm-up step);
 - `diffusers`: diffusers' transformer with its default SDPA.
 Variants alternate over --rounds (each round runs every variant --steps times; one warm-up each first), so
 drift of the machine's clocks spreads over all of them. Reported: median seconds a step, TFLOP/s
@@ -19,6 +21,8 @@ variant's velocities against `concat` at the same inputs (bf16 rounding order on
 
     PYTHONPATH=. python bench/step_levers.py --out $OUT/step_levers.json       # H200: ~4 min
     PYTHONPATH=. python bench/step_levers.py --tiny --device cpu --out /tmp/x  # smoke test of the script
+With --profile-dir, one more step of each of our variants runs under torch.profiler (kernel tables there,
+time by kernel category in the JSON).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from worldserve.bench.denoise import rel_error, snapshot
 
 T_REF = 500  # timestep of the compared velocities
-VARIANTS = ("concat", "buffers", "buffers+twins", "cublaslt", "diffusers")
+VARIANTS = ("concat", "buffers", "buffers+twins", "cublaslt", "tunableop", "diffusers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
+    ap.add_argument(
+        "--profile-dir", type=Path, default=None,
+        help="after the rounds, one step of each of our variants under torch.profiler: kernel tables here",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     args.size = args.size or ("64x64" if args.tiny else "1280x720")
     args.frames = args.frames or (9 if args.tiny else 189)
@@ -73,6 +81,11 @@ def variant(model, name: str):
         blas = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
         if name == "cublaslt" and blas is not None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
+        if name == "tunableop" and blas is not None:
+            stack.callback(torch.cuda.tunable.enable, False)
+            stack.callback(torch.cuda.tunable.tuning_enable, False)
+            torch.cuda.tunable.enable(True)
+            torch.cuda.tunable.tuning_enable(True)  # tunes each new GEMM shape in the warm-up step
         try:
             yield
         finally:
@@ -136,6 +149,18 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         log(f"round {r + 1}: " + ", ".join(f"{n} {timings[n].median:.3f} s" for n in VARIANTS))
         res["variants"] = {n: timings[n].to_dict() for n in VARIANTS}
         save(res)
+    if args.profile_dir is not None:
+        from worldserve.bench.variants import profile_step
+
+        res["profile"] = {}
+        for name in VARIANTS[:-1]:
+            step, ctx = path(name)
+            with ctx:
+                res["profile"][name] = profile_step(
+                    lambda step=step: step(999), device, args.profile_dir / f"profile_step_{name}.txt"
+                )
+            cats = res["profile"][name]["by_category_ms"]
+            log(f"profile {name}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in cats.items()))
     base, diff = timings["concat"].median, timings["diffusers"].median
     for name in VARIANTS:
         s = timings[name].median
