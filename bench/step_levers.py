@@ -11,8 +11,6 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   each branch's prompt attention (the product default);
 - `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
   path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
-- `tunableop`: `buffers+twins` with PyTorch's TunableOp on (torch.cuda.tunable: each GEMM shape's fastest
-  of cuBLAS and cuBLASLt's top heuristic algorithms, timed in the warm-up step);
 - `diffusers`: diffusers' transformer with its default SDPA.
 Variants alternate over --rounds (each round runs every variant --steps times; one warm-up each first), so
 drift of the machine's clocks spreads over all of them. Reported: median seconds a step, TFLOP/s
@@ -22,7 +20,8 @@ variant's velocities against `concat` at the same inputs (bf16 rounding order on
     PYTHONPATH=. python bench/step_levers.py --out $OUT/step_levers.json       # H200: ~4 min
     PYTHONPATH=. python bench/step_levers.py --tiny --device cpu --out /tmp/x  # smoke test of the script
 With --profile-dir, one more step of each of our variants runs under torch.profiler (kernel tables there,
-time by kernel category in the JSON).
+time by kernel category in the JSON), and the attention kernel is timed alone at the step's shape (random
+q / K / V, CUDA events): its ms a call beside the profile's in-step ms a call.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import torch
 from worldserve.bench.denoise import rel_error, snapshot
 
 T_REF = 500  # timestep of the compared velocities
-VARIANTS = ("concat", "buffers", "buffers+twins", "cublaslt", "tunableop", "diffusers")
+VARIANTS = ("concat", "buffers", "buffers+twins", "cublaslt", "diffusers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,17 +80,35 @@ def variant(model, name: str):
         blas = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
         if name == "cublaslt" and blas is not None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
-        if name == "tunableop" and blas is not None:
-            stack.callback(torch.cuda.tunable.enable, False)
-            stack.callback(torch.cuda.tunable.tuning_enable, False)
-            torch.cuda.tunable.enable(True)
-            torch.cuda.tunable.tuning_enable(True)  # tunes each new GEMM shape in the warm-up step
         try:
             yield
         finally:
             first.attn_lse_fn = lse_fn
             if blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas)
+
+
+def attention_alone(model, w, device: torch.device, repeats: int = 10) -> dict:
+    """The gen layers' attention function alone on random q [N_g, Hq, D] over [T + N_g] keys (one item of
+    the step): median ms of `repeats` back-to-back calls, and TFLOP/s (4 N_q N_k Hq D)."""
+    import statistics
+
+    from worldserve.bench.timing import time_once
+
+    block = model.layers[0].gen
+    n, nk = w.gen_tokens, w.gen_tokens + w.cond_text
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = block.qkv_proj.weight.dtype
+    q = torch.randn(n, block.num_heads, block.head_dim, device=device, dtype=dtype, generator=g)
+    k, v = (
+        torch.randn(nk, block.num_kv_heads, block.head_dim, device=device, dtype=dtype, generator=g)
+        for _ in range(2)
+    )
+    out = torch.empty_like(q)
+    fn = lambda: block.attn_fn(q, k, v, out=out)  # noqa: E731
+    fn()
+    ms = statistics.median(time_once(fn, device) * 1e3 for _ in range(repeats))
+    return {"ms": ms, "tflops": 4 * n * nk * block.num_heads * block.head_dim / ms / 1e9}
 
 
 def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
@@ -161,6 +178,8 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                 )
             cats = res["profile"][name]["by_category_ms"]
             log(f"profile {name}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in cats.items()))
+        res["attention_alone"] = attention_alone(ours, w, device)
+        log(f"attention alone at the step's shape: {res['attention_alone']}")
     base, diff = timings["concat"].median, timings["diffusers"].median
     for name in VARIANTS:
         s = timings[name].median
