@@ -79,6 +79,11 @@ def main() -> None:
         "--enable-layerwise-offload", action="store_true", help="the transformer layers on the host"
     )
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="cap this process's GPU memory (GiB)")
+    ap.add_argument(
+        "--profile-step", type=int, default=None,
+        help="run denoising step K (0-based) under torch.profiler: kernel table, time by kernel category and "
+        "where the GPU waited for the host (its step time then includes the profiler's overhead)",
+    )  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.tiny else "cuda", None if args.tiny else torch.cuda.current_device())
@@ -117,8 +122,14 @@ def main() -> None:
     t1 = time.perf_counter()
     pipe.validate(params)
     state = pipe.prepare("e2e", params)
+    profile = None
     while not state.done:
-        pipe.denoise([state])
+        if state.step_index == args.profile_step:
+            from worldserve.bench.variants import profile_step
+
+            profile = profile_step(lambda: pipe.denoise([state]), device, args.out / "profile_e2e_step.txt")
+        else:
+            pipe.denoise([state])
         on_step(state.step_index, state.num_steps)
     tiling = False
     try:
@@ -154,7 +165,8 @@ def main() -> None:
         + " ".join([f"--steps {args.steps}", f"--size {args.size}", f"--frames {args.frames}"])
         + (" --warmup" if args.warmup else "")
         + (" --enable-layerwise-offload" if args.enable_layerwise_offload else "")
-        + (f" --memory-cap-gib {args.memory_cap_gib:g}" if args.memory_cap_gib else ""),
+        + (f" --memory-cap-gib {args.memory_cap_gib:g}" if args.memory_cap_gib else "")
+        + (f" --profile-step {args.profile_step}" if args.profile_step is not None else ""),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "build_random_model_s": build_s,
@@ -168,6 +180,7 @@ def main() -> None:
         "memory_cap_gib": args.memory_cap_gib,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "mp4": probe,
+        "profiled_step": None if profile is None else {"index": args.profile_step, **profile},
     }
     (args.out / "e2e_generate.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "step_s"}, indent=2))

@@ -174,10 +174,13 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
             step, ctx = path(name)
             with ctx:
                 res["profile"][name] = profile_step(
-                    lambda step=step: step(999), device, args.profile_dir / f"profile_step_{name}.txt"
+                    lambda step=step: step(999),
+                    device,
+                    args.profile_dir / f"profile_step_{name.replace('+', '_')}.txt",
                 )
             cats = res["profile"][name]["by_category_ms"]
             log(f"profile {name}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in cats.items()))
+            log(f"  GPU idle: {res['profile'][name]['gpu_idle']}")
         res["attention_alone"] = attention_alone(ours, w, device)
         log(f"attention alone at the step's shape: {res['attention_alone']}")
     base, diff = timings["concat"].median, timings["diffusers"].median

@@ -10,7 +10,8 @@ a torch.compile'd gen layer, and a torch.profiler kernel table.
 - `layer_numerics`: one gen layer eager and compiled (bf16) against a float32 copy, to tell a wrong compiled
   path from bf16 rounding amplified over 36 random layers.
 - `profile_step`: one call under torch.profiler; the kernel table goes to a text file and the kernel time
-  is summed by category (attention, GEMM, copies/cat/index, other elementwise).
+  is summed by category (attention, GEMM, copies/cat/index, other elementwise); `gpu_idle`: where the GPU
+  waited for the host during the call.
 """
 
 from __future__ import annotations
@@ -211,6 +212,34 @@ def _kernel_category(name: str) -> str:
     return "elementwise/other"
 
 
+def gpu_idle(events, top: int = 8) -> dict:
+    """Where the GPU waited during a profiled call: `lead_ms` from the call's first host op to its first
+    kernel, `gaps_ms` between kernels (the union of kernel / copy intervals against their span), the
+    `top` longest gaps with the kernels around them (a host sync or slow host code mid-call shows here)."""
+    from torch.autograd import DeviceType
+
+    dev = sorted(
+        ((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA),
+        key=lambda x: x[0],
+    )
+    host_start = min((e.time_range.start for e in events if e.device_type != DeviceType.CUDA), default=0)
+    if not dev:
+        return {"lead_ms": 0.0, "gaps_ms": 0.0, "longest": []}
+    gaps, busy_end, prev = [], dev[0][1], dev[0][2]
+    for start, end, name in dev[1:]:
+        if start > busy_end:
+            gaps.append(((start - busy_end) / 1e3, prev[:60], name[:60]))
+        if end > busy_end:
+            busy_end, prev = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return {
+        "lead_ms": max(dev[0][0] - host_start, 0) / 1e3,
+        "gaps_ms": sum(g[0] for g in gaps),
+        "gaps": len(gaps),
+        "longest": [{"ms": ms, "after": a, "before": b} for ms, a, b in gaps[:top]],
+    }
+
+
 def profile_step(
     fn: Callable[[], object], device: torch.device, out_file: Path, *, row_limit: int = 40
 ) -> dict:
@@ -236,6 +265,7 @@ def profile_step(
             us = getattr(e, "self_cuda_time_total", 0.0) if device.type == "cuda" else e.self_cpu_time_total
         kernels.append((e.key, us / 1e3, e.count))
     kernels.sort(key=lambda x: -x[1])
+    idle = gpu_idle(prof.events()) if device.type == "cuda" else None
     cats: dict[str, float] = {}
     for name, ms, _ in kernels:
         cats[_kernel_category(name)] = cats.get(_kernel_category(name), 0.0) + ms
@@ -243,6 +273,7 @@ def profile_step(
     return {
         "table_file": out_file.name,
         "kernel_ms_total": total,
+        "gpu_idle": idle,
         "by_category_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
         "top_kernels": [
             {"name": n[:160], "ms": ms, "calls": c, "category": _kernel_category(n)}
