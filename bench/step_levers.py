@@ -54,11 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
+    ap.add_argument(
+        "--stacks", action="store_true", help="with --profile-dir: the Python stacks of copies and host syncs"
+    )
     ap.add_argument(
         "--profile-dir", type=Path, default=None,
         help="after the rounds, one step of each of our variants under torch.profiler: kernel tables here",
     )  # fmt: skip
     args = ap.parse_args(argv)
+    args.variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
     args.size = args.size or ("64x64" if args.tiny else "1280x720")
     args.frames = args.frames or (9 if args.tiny else 189)
     return args
@@ -130,13 +135,15 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     res: dict = {"environment": environment(device), "workload": w.label, "gen_tokens": w.gen_tokens,
                  "step_flops": w.step_flops(shape), "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     t0 = time.perf_counter()
-    ref = build_diffusers_transformer(cfg, device, dtype, args.seed)
+    names = args.variants
+    ref = build_diffusers_transformer(cfg, device, dtype, args.seed) if "diffusers" in names else None
     ours = build_our_transformer(cfg, device, dtype, ref, args.seed)
     res["attention"] = ours.set_attention_backend(None)
     if device.type == "cuda":
         ours.compile_gen_layers()
     inputs = make_inputs(w, cfg.vocab_size, device, args.seed)
-    our_step, ref_step = OurStep(ours, w, inputs), DiffusersStep(ref, w, inputs)
+    our_step = OurStep(ours, w, inputs)
+    ref_step = DiffusersStep(ref, w, inputs) if ref is not None else None
     our_step.prefill()
     log(f"built both transformers ({w.gen_tokens} gen tokens, attention {res['attention']}) in "
         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
@@ -147,8 +154,8 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
             return ref_step, contextlib.nullcontext()
         return our_step, variant(ours, name)
 
-    snaps, timings = {}, {name: Timing() for name in VARIANTS}
-    for name in VARIANTS:  # warm-up (compiles each path's graphs) and the velocities at T_REF
+    snaps, timings = {}, {name: Timing() for name in names}
+    for name in names:  # warm-up (compiles each path's graphs) and the velocities at T_REF
         step, ctx = path(name)
         t = time.perf_counter()
         with ctx:
@@ -158,38 +165,41 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         timings[name].warmup.append(time.perf_counter() - t)
         log(f"warm-up {name}: {timings[name].warmup[0]:.1f} s")
     for r in range(args.rounds):
-        for name in VARIANTS:
+        for name in names:
             step, ctx = path(name)
             with ctx:
                 for _ in range(args.steps):
                     timings[name].samples.append(time_once(lambda step=step: step(999), device))
-        log(f"round {r + 1}: " + ", ".join(f"{n} {timings[n].median:.3f} s" for n in VARIANTS))
-        res["variants"] = {n: timings[n].to_dict() for n in VARIANTS}
+        log(f"round {r + 1}: " + ", ".join(f"{n} {timings[n].median:.3f} s" for n in names))
+        res["variants"] = {n: timings[n].to_dict() for n in names}
         save(res)
     if args.profile_dir is not None:
         from worldserve.bench.variants import profile_step
 
         res["profile"] = {}
-        for name in VARIANTS[:-1]:
+        for name in (n for n in names if n != "diffusers"):
             step, ctx = path(name)
             with ctx:
                 res["profile"][name] = profile_step(
                     lambda step=step: step(999),
                     device,
                     args.profile_dir / f"profile_step_{name.replace('+', '_')}.txt",
+                    stacks=args.stacks,
                 )
             cats = res["profile"][name]["by_category_ms"]
             log(f"profile {name}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in cats.items()))
             log(f"  GPU idle: {res['profile'][name]['gpu_idle']}")
         res["attention_alone"] = attention_alone(ours, w, device)
         log(f"attention alone at the step's shape: {res['attention_alone']}")
-    base, diff = timings["concat"].median, timings["diffusers"].median
-    for name in VARIANTS:
+    first = names[0]  # "concat" unless --variants leaves it out
+    base = timings[first].median
+    diff = timings["diffusers"].median if "diffusers" in names else None
+    for name in names:
         s = timings[name].median
         res["variants"][name] |= {
             "step_s": s, "tflops": tflops(res["step_flops"], s), "vs_concat": base / s,
-            "speedup_vs_diffusers": diff / s,
-            "err_vs_concat": {k: rel_error(snaps[name][k], snaps["concat"][k]) for k in ("video", "sound")},
+            "speedup_vs_diffusers": None if diff is None else diff / s,
+            "err_vs_concat": {k: rel_error(snaps[name][k], snaps[first][k]) for k in ("video", "sound")},
         }  # fmt: skip
     res["wall_s"] = time.perf_counter() - t0
     return res
@@ -208,9 +218,10 @@ def table(res: dict) -> str:
             continue
         e = r["err_vs_concat"]
         fmt = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
+        fmt2 = lambda x: "-" if x is None else f"{x:.3f}x"  # noqa: E731
         lines.append(
             f"{name:15s} {r['step_s']:8.3f} {r['tflops']:6.0f} {r['vs_concat']:8.3f}x "
-            f"{r['speedup_vs_diffusers']:11.3f}x {fmt(e['video']):>9s} {fmt(e['sound']):>9s}"
+            f"{fmt2(r['speedup_vs_diffusers']):>12s} {fmt(e['video']):>9s} {fmt(e['sound']):>9s}"
         )
     return "\n".join(lines)
 

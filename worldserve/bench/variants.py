@@ -240,22 +240,33 @@ def gpu_idle(events, top: int = 8) -> dict:
     }
 
 
+HOST_CALLS = ("cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+"""Runtime calls `profile_step(stacks=True)` traces back to Python: copies and host syncs."""
+
+
 def profile_step(
-    fn: Callable[[], object], device: torch.device, out_file: Path, *, row_limit: int = 40
-) -> dict:
-    """Run `fn` once under torch.profiler; write the kernel table to `out_file`; return category sums (ms)."""
+    fn: Callable[[], object], device: torch.device, out_file: Path, *, row_limit: int = 40,
+    stacks: bool = False,
+) -> dict:  # fmt: skip
+    """Run `fn` once under torch.profiler; write the kernel table to `out_file`; return category sums (ms).
+    `stacks`: also append to the file the Python stacks that issued each of HOST_CALLS (with counts)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=stacks) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     ka = prof.key_averages()
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(ka.table(sort_by=sort, row_limit=row_limit, max_name_column_width=90))
+    text = ka.table(sort_by=sort, row_limit=row_limit, max_name_column_width=90)
+    if stacks:
+        for e in prof.key_averages(group_by_stack_n=8):
+            if e.key in HOST_CALLS:
+                text += f"\n{e.key} x{e.count}:\n  " + "\n  ".join(e.stack or ["(no Python frame)"]) + "\n"
+    out_file.write_text(text)
     kernels = []
     for e in ka:
         if device.type == "cuda" and e.device_type != DeviceType.CUDA:
