@@ -7,8 +7,11 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   concatenated for o_proj (the code before `GenAttentionBuffers`; still the Ulysses path);
 - `buffers`: `GenAttentionBuffers`: the compiled qkv kernel stores K/V into one per-forward buffer behind
   each item's prompt K/V, FA3 writes into one output buffer; the first layer's attention not shared;
-- `buffers+twins`: plus the CFG pair's first-layer gen-gen attention computed once and merged by LSE with
-  each branch's prompt attention (the product default);
+- `addmm-copy`: plus the CFG pair's first-layer gen-gen attention computed once and merged by LSE with
+  each branch's prompt attention; the layer's end the compiled finish_math (inductor's addmm for each
+  residual add, which first copies the residual stream into its output);
+- `buffers+twins`: the product default: as `addmm-copy`, the residual adds done by the GEMMs in place
+  (`finish_residual_in_place`); `concat` and `buffers` also run the compiled finish_math;
 - `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
   path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
 - `diffusers`: diffusers' transformer with its default SDPA.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import time
 from pathlib import Path
@@ -38,7 +42,7 @@ import torch
 from worldserve.bench.denoise import rel_error, snapshot
 
 T_REF = 500  # timestep of the compared velocities
-VARIANTS = ("concat", "buffers", "buffers+twins", "cublaslt", "diffusers")
+VARIANTS = ("concat", "buffers", "addmm-copy", "buffers+twins", "cublaslt", "diffusers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@functools.cache
+def _compiled_finish_math(compiled: bool):
+    """finish_math as compile_blocks compiled it before finish_residual_in_place (eager off the GPU, where
+    the gen layers are not compiled)."""
+    from worldserve.models.cosmos3.layer import finish_math
+
+    return torch.compile(finish_math, dynamic=False) if compiled else finish_math
+
+
 @contextlib.contextmanager
 def variant(model, name: str):
     """Switch our model to one of the step's code paths for the duration."""
@@ -82,6 +95,11 @@ def variant(model, name: str):
             )
         if name in ("concat", "buffers"):
             first.attn_lse_fn = None  # no LSEs: the first layer attends per item
+        if name in ("concat", "buffers", "addmm-copy"):  # the compiled finish_math (its addmm copies h)
+            finish = _compiled_finish_math(model.layers[0].gen.qkv_proj.weight.is_cuda)
+            for block in (layer.gen for layer in model.layers):
+                stack.callback(setattr, block, "finish_fn", block.finish_fn)
+                block.finish_fn = finish
         blas = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
         if name == "cublaslt" and blas is not None:
             torch.backends.cuda.preferred_blas_library("cublaslt")

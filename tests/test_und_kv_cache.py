@@ -146,3 +146,37 @@ def test_compiled_gen_layers_equal_eager(tiny_ckpt):
     batch2 = GenBatch.pack([dataclasses.replace(item, und_cache=other)], config=model.config, device="cpu")
     with torch._dynamo.config.patch(error_on_recompile=True):
         model(batch2)
+
+
+def test_in_place_residual_finish_equals_finish_math_and_reuses_h():
+    """compile_blocks' finish: the residual adds inside the GEMMs (addmm_ into h) equal finish_math's
+    h + linear(...), the result lives in h's own storage (no [N, d] copy), and fp8 scales, an o_proj bias
+    or a strided h go through the fallback untouched."""
+    from worldserve.models.cosmos3.layer import finish_math, finish_residual_in_place
+
+    g = torch.Generator().manual_seed(0)
+    n, heads, hd, d, inter = 6, 4, 8, 32, 48
+    h = torch.randn(n, d, generator=g)
+    attn = torch.randn(n, heads, hd, generator=g)
+    o_w, ln_w = torch.randn(d, heads * hd, generator=g) / 8, 1 + torch.randn(d, generator=g) / 10
+    gu_w, down_w = torch.randn(2 * inter, d, generator=g) / 6, torch.randn(d, inter, generator=g) / 7
+    want = finish_math(h, attn, o_w, None, ln_w, gu_w, down_w, 1e-6)
+    h_in = h.clone()
+    got = finish_residual_in_place(h_in, attn, o_w, None, ln_w, gu_w, down_w, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.data_ptr() == h_in.data_ptr()
+
+    calls = []
+
+    def fallback(*args):
+        calls.append(args)
+        return finish_math(*args)
+
+    o_b = torch.randn(d, generator=g)
+    strided = torch.randn(d, n, generator=g).t()
+    for case_h, case_b in ((h.clone(), o_b), (strided, None)):
+        before = case_h.clone()
+        out = finish_residual_in_place(case_h, attn, o_w, case_b, ln_w, gu_w, down_w, 1e-6, fallback=fallback)
+        torch.testing.assert_close(out, finish_math(before, attn, o_w, case_b, ln_w, gu_w, down_w, 1e-6))
+        assert torch.equal(case_h, before)  # the fallback leaves h alone
+    assert len(calls) == 2

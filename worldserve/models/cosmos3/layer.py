@@ -13,7 +13,8 @@ The linear layers run over all packed tokens at once; only attention loops over 
 Regional compilation: the two halves are written as pure functions of (activations, weights)
 (`qkv_math`, `finish_math`), so one `torch.compile`d copy of each serves all 36 layers (one graph per
 shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of a
-tensor-parallel o_proj / down_proj stays outside). The gen tower compiles with static shapes (few, large).
+tensor-parallel o_proj / down_proj stays outside); there `finish` adds o_proj's and down_proj's outputs
+into the residual stream inside the GEMMs, in place (`finish_residual_in_place`). The gen tower compiles with static shapes (few, large).
 The und tower's prefills run eagerly; its decode step (runner/und_decoder.py) takes its own compiled copies
 (`compiled_decode_math`) and is captured in CUDA graphs.
 FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
@@ -25,6 +26,7 @@ and the activation quantisation fuses with the norm / SwiGLU in front of each GE
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,32 @@ def finish_math(
     h = h + _linear(attn.flatten(1), o_w, o_b, o_s, emulate, fast_accum)  # [N, Hq*D] -> [N, d]
     gate, up = _linear(rms_norm(h, ln_w, eps), gu_w, None, gu_s, emulate, fast_accum).chunk(2, dim=-1)
     return h + _linear(F.silu(gate) * up, down_w, None, down_s, emulate, fast_accum)
+
+
+def swiglu_math(h: Tensor, ln_w: Tensor, gu_w: Tensor, eps: float) -> Tensor:
+    """The MLP's hidden activations: silu(gate) * up of the post-norm residual stream h [N, d] -> [N, I]."""
+    gate, up = F.linear(rms_norm(h, ln_w, eps), gu_w).chunk(2, dim=-1)  # [N, 2I] -> 2 x [N, I]
+    return F.silu(gate) * up
+
+
+def finish_residual_in_place(
+    h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, ln_w: Tensor, gu_w: Tensor, down_w: Tensor,
+    eps: float, o_s: Tensor | None = None, gu_s: Tensor | None = None, down_s: Tensor | None = None,
+    emulate: bool = False, fast_accum: bool = True, *, swiglu_fn=swiglu_math, fallback=finish_math,
+) -> Tensor:  # fmt: skip
+    """finish_math whose two residual adds happen inside the GEMMs, in place: h += attn @ o_w^T and
+    h += swiglu @ down_w^T are cuBLAS GEMMs with beta = 1 reading and writing h itself. h [N, d] is
+    overwritten (the gen layers' residual stream, dead after the layer) and returned.
+
+    Compiled, finish_math's `h + linear(...)` becomes an addmm into a new buffer, which PyTorch fills
+    with a copy of h first: a [N, d] device copy per residual add (at 720p with CFG 0.33 ms, ~24 ms a
+    step). Same arithmetic as that addmm (fp32 accumulate, one rounding). `swiglu_fn`: the compiled
+    swiglu_math; fp8 weights, an o_proj bias or a non-contiguous h take `fallback` (the compiled
+    finish_math) instead."""
+    if o_s is not None or o_b is not None or not h.is_contiguous():
+        return fallback(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, o_s, gu_s, down_s, emulate, fast_accum)
+    h.addmm_(attn.flatten(1), o_w.t())  # [N, Hq*D] @ [Hq*D, d], added to h
+    return h.addmm_(swiglu_fn(h, ln_w, gu_w, eps), down_w.t())  # [N, I] @ [I, d], added to h
 
 
 def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor, out: Tensor) -> Tensor:
@@ -180,20 +208,24 @@ class TowerBlock(nn.Module):
 
 
 def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backend: str = "inductor") -> None:
-    """Route `blocks` through one shared torch.compile'd copy of qkv_math / finish_math (static shapes: one
-    graph per shape)."""
+    """Route `blocks` through one shared torch.compile'd copy of qkv_math / swiglu_math (static shapes: one
+    graph per shape), their residual adds done in place by the GEMMs (finish_residual_in_place: the
+    blocks' `finish` then overwrites its input h, so only blocks whose callers drop h may be compiled:
+    the gen layers)."""
     import torch._dynamo
 
     # One graph per distinct shape (resolution / batch mix); allow many before dynamo falls back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
     finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
+    swiglu_c = torch.compile(swiglu_math, mode=mode, backend=backend, dynamic=False)
     merge_c = torch.compile(merge_attention, mode=mode, backend=backend, dynamic=False)
+    finish = partial(finish_residual_in_place, swiglu_fn=swiglu_c, fallback=finish_c)
     for block in blocks:
         block.qkv_fn = qkv_c
         block.merge_fn = merge_c
         if block.tp_size == 1:
-            block.finish_fn = finish_c
+            block.finish_fn = finish
 
 
 def compiled_decode_math(*, mode: str = "default", backend: str = "inductor"):
