@@ -103,6 +103,23 @@ def test_mp4_non_integer_fps(fps, expected):
     assert abs(p.audio_duration - p.video_duration) <= 1e-3
 
 
+def test_threaded_yuv_conversion_keeps_order_and_bytes(monkeypatch):
+    """yuv_frames' worker threads give the serial conversion's planes in frame order (a window smaller than
+    the clip), and encode_mp4 writes the same bytes with them as without."""
+    from worldserve.media import video
+
+    rng = np.random.default_rng(3)
+    frames = rng.integers(0, 256, (11, 32, 48, 3), dtype=np.uint8)
+    serial = [f.to_ndarray() for f in video.yuv_frames(frames, workers=1)]
+    threaded = [f.to_ndarray() for f in video.yuv_frames(frames, workers=2)]
+    assert len(threaded) == len(frames)
+    for a, b in zip(serial, threaded, strict=True):
+        np.testing.assert_array_equal(a, b)
+    threaded_mp4 = encode_mp4(frames, 8.0)
+    monkeypatch.setattr(video, "conversion_workers", lambda: 1)
+    assert encode_mp4(frames, 8.0) == threaded_mp4
+
+
 def test_mp4_without_audio_and_single_frame():
     p = probe_mp4(encode_mp4(_frames(1, 16, 16), 24.0))
     assert (p.num_frames, p.width, p.height, p.audio_codec) == (1, 16, 16, None)
