@@ -162,7 +162,8 @@ def test_in_place_residual_finish_equals_finish_math_and_reuses_h():
     gu_w, down_w = torch.randn(2 * inter, d, generator=g) / 6, torch.randn(d, inter, generator=g) / 7
     want = finish_math(h, attn, o_w, None, ln_w, gu_w, down_w, 1e-6)
     h_in = h.clone()
-    got = finish_residual_in_place(h_in, attn, o_w, None, ln_w, gu_w, down_w, 1e-6)
+    with torch.inference_mode():
+        got = finish_residual_in_place(h_in, attn, o_w, None, ln_w, gu_w, down_w, 1e-6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert got.data_ptr() == h_in.data_ptr()
 
@@ -174,9 +175,12 @@ def test_in_place_residual_finish_equals_finish_math_and_reuses_h():
 
     o_b = torch.randn(d, generator=g)
     strided = torch.randn(d, n, generator=g).t()
-    for case_h, case_b in ((h.clone(), o_b), (strided, None)):
+    for case_h, case_b, grad in ((h.clone(), o_b, False), (strided, None, False), (h.clone(), None, True)):
         before = case_h.clone()
-        out = finish_residual_in_place(case_h, attn, o_w, case_b, ln_w, gu_w, down_w, 1e-6, fallback=fallback)
+        with torch.inference_mode(not grad):
+            out = finish_residual_in_place(
+                case_h, attn, o_w, case_b, ln_w, gu_w, down_w, 1e-6, fallback=fallback
+            )
         torch.testing.assert_close(out, finish_math(before, attn, o_w, case_b, ln_w, gu_w, down_w, 1e-6))
         assert torch.equal(case_h, before)  # the fallback leaves h alone
-    assert len(calls) == 2
+    assert len(calls) == 3

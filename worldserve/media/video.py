@@ -20,8 +20,9 @@ import math
 import os
 from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
+from functools import cache
 from pathlib import Path
 
 import av
@@ -129,33 +130,51 @@ def _check_frames(frames: np.ndarray) -> None:
         )
 
 
-def _to_yuv420p(rgb: np.ndarray) -> av.VideoFrame:
-    """One uint8 (H, W, 3) RGB frame -> a yuv420p VideoFrame (BT.709 matrix, limited range; swscale)."""
+def _to_yuv420p(rgb: np.ndarray, threads: int | None = None) -> av.VideoFrame:
+    """One uint8 (H, W, 3) RGB frame -> a yuv420p VideoFrame (BT.709 matrix, limited range; swscale, on
+    `threads` of its own where PyAV takes the argument)."""
     frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-    return frame.reformat(format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
+    kwargs = dict(format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
+    if threads is not None and _REFORMAT_TAKES_THREADS:
+        kwargs["threads"] = threads
+    return frame.reformat(**kwargs)
+
+
+_REFORMAT_TAKES_THREADS = "threads=" in (av.video.reformatter.VideoReformatter.reformat.__doc__ or "")
+"""PyAV >= 18 lets a reformat choose swscale's thread count (older ones take no `threads`)."""
 
 
 def conversion_workers() -> int:
-    """Threads converting frames to yuv420p for one encode: the host's cores, at most 8."""
-    return max(1, min(8, os.cpu_count() or 1))
+    """Threads converting frames to yuv420p, shared by all encodes: the CPUs this process may use, at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus))
+
+
+@cache
+def _conversion_pool(workers: int) -> ThreadPoolExecutor:
+    """One pool per size for the process (every concurrent encode shares it: at most `workers` threads)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="worldserve-yuv")
 
 
 def yuv_frames(frames: np.ndarray, workers: int | None = None) -> Iterator[av.VideoFrame]:
-    """`frames` (F, H, W, 3) as yuv420p VideoFrames, in order, converted by `workers` threads at most
-    2 x workers frames ahead of the consumer. swscale releases the GIL, so the conversion (single-threaded
-    ~5-8 ms a 720p frame, most of an ultrafast encode) runs beside the encoder; the frames are the same."""
+    """`frames` (F, H, W, 3) as yuv420p VideoFrames, in order, converted on a shared pool of `workers`
+    threads at most 2 x workers frames ahead of the consumer (each conversion single-threaded inside).
+    swscale releases the GIL, so the conversion (~4-8 ms a 720p frame on one core, most of an ultrafast
+    encode) runs beside the encoder; the frames are the same as converted one after another."""
     workers = conversion_workers() if workers is None else workers
     if workers <= 1:
         yield from map(_to_yuv420p, frames)
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="worldserve-yuv") as pool:
-        pending: deque[Future] = deque()
-        queued = 0
+    pool, pending, queued = _conversion_pool(workers), deque(), 0
+    try:
         for _ in range(len(frames)):
             while queued < len(frames) and len(pending) < 2 * workers:
-                pending.append(pool.submit(_to_yuv420p, frames[queued]))
+                pending.append(pool.submit(_to_yuv420p, frames[queued], 1))
                 queued += 1
             yield pending.popleft().result()
+    finally:  # the consumer stopped early or failed: drop what is still queued
+        for future in pending:
+            future.cancel()
 
 
 def encode_mp4(

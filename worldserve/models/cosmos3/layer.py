@@ -12,9 +12,9 @@ The linear layers run over all packed tokens at once; only attention loops over 
 
 Regional compilation: the two halves are written as pure functions of (activations, weights)
 (`qkv_math`, `finish_math`), so one `torch.compile`d copy of each serves all 36 layers (one graph per
-shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of a
-tensor-parallel o_proj / down_proj stays outside); there `finish` adds o_proj's and down_proj's outputs
-into the residual stream inside the GEMMs, in place (`finish_residual_in_place`). The gen tower compiles with static shapes (few, large).
+shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of
+a tensor-parallel o_proj / down_proj stays outside); there `finish` adds o_proj's and down_proj's
+outputs into the residual stream inside the GEMMs, in place (`finish_residual_in_place`). The gen tower compiles with static shapes (few, large).
 The und tower's prefills run eagerly; its decode step (runner/und_decoder.py) takes its own compiled copies
 (`compiled_decode_math`) and is captured in CUDA graphs.
 FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
@@ -104,9 +104,11 @@ def finish_residual_in_place(
     Compiled, finish_math's `h + linear(...)` becomes an addmm into a new buffer, which PyTorch fills
     with a copy of h first: a [N, d] device copy per residual add (at 720p with CFG 0.33 ms, ~24 ms a
     step). Same arithmetic as that addmm (fp32 accumulate, one rounding). `swiglu_fn`: the compiled
-    swiglu_math; fp8 weights, an o_proj bias or a non-contiguous h take `fallback` (the compiled
+    swiglu_math; fp8 weights (any of the scales), an o_proj bias, a non-contiguous h or autograd (the
+    second add would overwrite what swiglu_fn saved for backward) take `fallback` (the compiled
     finish_math) instead."""
-    if o_s is not None or o_b is not None or not h.is_contiguous():
+    scaled = o_s is not None or gu_s is not None or down_s is not None
+    if scaled or o_b is not None or not h.is_contiguous() or torch.is_grad_enabled():
         return fallback(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, o_s, gu_s, down_s, emulate, fast_accum)
     h.addmm_(attn.flatten(1), o_w.t())  # [N, Hq*D] @ [Hq*D, d], added to h
     return h.addmm_(swiglu_fn(h, ln_w, gu_w, eps), down_w.t())  # [N, I] @ [I, d], added to h
