@@ -31,9 +31,14 @@ def make_frames(content: str, frames: int, height: int, width: int, seed: int = 
 
 
 def run(args: argparse.Namespace) -> dict:
+    import av
+
     from worldserve.media import video
 
-    res: dict = {"cpus": os.cpu_count(), "conversion_workers": video.conversion_workers(), "cases": {}}
+    res: dict = {
+        "cpus": os.cpu_count(), "conversion_workers": video.conversion_workers(), "av": av.__version__,
+        "ffmpeg": {k: ".".join(map(str, v)) for k, v in av.library_versions.items()}, "cases": {},
+    }  # fmt: skip
     audio = np.random.default_rng(1).standard_normal((2, 48000 * args.frames // 24)).astype(np.float32) * 0.1
     default_workers = video.conversion_workers
     for content in args.content.split(","):

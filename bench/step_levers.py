@@ -15,10 +15,11 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
 - `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
   path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
 - `diffusers`: diffusers' transformer with its default SDPA.
-Variants alternate over --rounds (each round runs every variant --steps times; one warm-up each first), so
-drift of the machine's clocks spreads over all of them. Reported: median seconds a step, TFLOP/s
-(performance.md's FLOP model), the ratio to `concat`, the speed-up over diffusers, and the rel. L2 of each
-variant's velocities against `concat` at the same inputs (bf16 rounding order only).
+Variants alternate over --rounds (each round runs every variant --steps times, in the reverse order every
+other round; one warm-up each first), so drift of the machine's clocks spreads over all of them.
+`--variants` picks a subset. Reported: median seconds a step, TFLOP/s (performance.md's FLOP model), the
+ratio to the first variant run (`concat` by default), the speed-up over diffusers, and the rel. L2 of each
+variant's velocities against the first one's at the same inputs (bf16 rounding order only).
 
     PYTHONPATH=. python bench/step_levers.py --out $OUT/step_levers.json       # H200: ~4 min
     PYTHONPATH=. python bench/step_levers.py --tiny --device cpu --out /tmp/x  # smoke test of the script
@@ -67,7 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after the rounds, one step of each of our variants under torch.profiler: kernel tables here",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    args.variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    asked = [v for v in args.variants.split(",") if v]
+    if not asked or set(asked) - set(VARIANTS):
+        ap.error(f"--variants: a comma-separated subset of {', '.join(VARIANTS)}, got {args.variants!r}")
+    args.variants = tuple(v for v in VARIANTS if v in asked)
+    if args.rounds < 1 or args.steps < 1:
+        ap.error("--rounds and --steps must be >= 1")
     args.size = args.size or ("64x64" if args.tiny else "1280x720")
     args.frames = args.frames or (9 if args.tiny else 189)
     return args
@@ -183,7 +189,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         timings[name].warmup.append(time.perf_counter() - t)
         log(f"warm-up {name}: {timings[name].warmup[0]:.1f} s")
     for r in range(args.rounds):
-        for name in names:
+        for name in names if r % 2 == 0 else names[::-1]:  # alternate the order: no variant always last
             step, ctx = path(name)
             with ctx:
                 for _ in range(args.steps):
@@ -209,15 +215,15 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
             log(f"  GPU idle: {res['profile'][name]['gpu_idle']}")
         res["attention_alone"] = attention_alone(ours, w, device)
         log(f"attention alone at the step's shape: {res['attention_alone']}")
-    first = names[0]  # "concat" unless --variants leaves it out
+    first = res["first"] = names[0]  # the reference of vs_first / err_vs_first ("concat" by default)
     base = timings[first].median
     diff = timings["diffusers"].median if "diffusers" in names else None
     for name in names:
         s = timings[name].median
         res["variants"][name] |= {
-            "step_s": s, "tflops": tflops(res["step_flops"], s), "vs_concat": base / s,
+            "step_s": s, "tflops": tflops(res["step_flops"], s), "vs_first": base / s,
             "speedup_vs_diffusers": None if diff is None else diff / s,
-            "err_vs_concat": {k: rel_error(snaps[name][k], snaps[first][k]) for k in ("video", "sound")},
+            "err_vs_first": {k: rel_error(snaps[name][k], snaps[first][k]) for k in ("video", "sound")},
         }  # fmt: skip
     res["wall_s"] = time.perf_counter() - t0
     return res
@@ -228,17 +234,17 @@ def table(res: dict) -> str:
     lines = [
         f"step levers, {res['workload']} ({res['gen_tokens']} gen tokens), {env.get('gpu', env.get('device'))}, "
         f"attention {res['attention']}",
-        f"{'variant':15s} {'s/step':>8s} {'TF/s':>6s} {'vs concat':>9s} {'vs diffusers':>12s} "
+        f"{'variant':15s} {'s/step':>8s} {'TF/s':>6s} {'vs ' + res['first']:>9s} {'vs diffusers':>12s} "
         f"{'video err':>9s} {'sound err':>9s}",
     ]
     for name, r in res.get("variants", {}).items():
         if "step_s" not in r:
             continue
-        e = r["err_vs_concat"]
+        e = r["err_vs_first"]
         fmt = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
         fmt2 = lambda x: "-" if x is None else f"{x:.3f}x"  # noqa: E731
         lines.append(
-            f"{name:15s} {r['step_s']:8.3f} {r['tflops']:6.0f} {r['vs_concat']:8.3f}x "
+            f"{name:15s} {r['step_s']:8.3f} {r['tflops']:6.0f} {r['vs_first']:8.3f}x "
             f"{fmt2(r['speedup_vs_diffusers']):>12s} {fmt(e['video']):>9s} {fmt(e['sound']):>9s}"
         )
     return "\n".join(lines)

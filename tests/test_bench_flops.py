@@ -128,3 +128,20 @@ def test_bench_tiny_cpu_smoke(tmp_path):
     assert all(v < 0.05 for v in point["parity"].values())  # same weights, bf16
     assert data["decode"]["vae_decode_s"]["samples"] and data["decode"]["mux_synthetic_bytes"] > 0
     assert data["e2e_estimate"]["ours"]["steps"] == 35
+
+
+def test_profile_helpers_trace_copies_to_python_and_name_fused_kernels():
+    """host_call_stacks finds the Python line that issued an op under the profiler; inductor's fused
+    kernels (whose names list "copy", "cat", ...) count as fused elementwise, not as copies."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from worldserve.bench.variants import _kernel_category, host_call_stacks
+    from worldserve.models.layers.norm import rms_norm
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        rms_norm(torch.randn(8, 16, dtype=torch.float64), torch.ones(16, dtype=torch.float64), 1e-6)
+    assert "layers/norm.py" in host_call_stacks(prof.events(), names=("aten::copy_",))
+    assert _kernel_category("triton_red_fused__to_copy_add_cat_mean_mul") == "fused elementwise (triton)"
+    assert _kernel_category("Memcpy DtoD (Device -> Device)") == "copy/cat/index"
+    assert _kernel_category("nvjet_sm90_tst_256x160_64x4_1x2_h_badd_coopA_TNT") == "gemm"

@@ -203,6 +203,8 @@ def compiled_layers(model, *, mode: str = "default"):
 
 def _kernel_category(name: str) -> str:
     n = name.lower()
+    if n.startswith("triton_"):  # inductor's fused kernels (names list every op fused: "copy", "cat", ...)
+        return "fused elementwise (triton)"
     if any(s in n for s in ("fmha", "flash", "sdpa", "attention", "attn")):
         return "attention"
     if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")):
@@ -244,6 +246,32 @@ HOST_CALLS = ("cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cu
 """Runtime calls `profile_step(stacks=True)` traces back to Python: copies and host syncs."""
 
 
+def host_call_stacks(events, names: tuple[str, ...] = HOST_CALLS, depth: int = 8) -> str:
+    """Each of `names`' calls traced to the Python code that issued it, counted per (call, stack), most
+    frequent first. With `with_stack` the profiler records Python frames as events enclosing the ops
+    (older versions: a `stack` list on the op); runtime calls hang under their op, so this walks up the
+    parents and keeps the innermost `depth` frames."""
+    counts: dict[tuple[str, tuple[str, ...]], int] = {}
+    for e in events:
+        if e.name not in names:
+            continue
+        frames: list[str] = []
+        op = e.cpu_parent
+        while op is not None and len(frames) < depth:
+            if op.stack:
+                frames += list(op.stack[: depth - len(frames)])
+                break
+            if ".py(" in op.name:
+                frames.append(op.name)
+            op = op.cpu_parent
+        key = (e.name, tuple(frames) or ("(no Python frame)",))
+        counts[key] = counts.get(key, 0) + 1
+    lines = []
+    for (name, stack), n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"\n{name} x{n}:\n  " + "\n  ".join(stack))
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def profile_step(
     fn: Callable[[], object], device: torch.device, out_file: Path, *, row_limit: int = 40,
     stacks: bool = False,
@@ -263,9 +291,7 @@ def profile_step(
     out_file.parent.mkdir(parents=True, exist_ok=True)
     text = ka.table(sort_by=sort, row_limit=row_limit, max_name_column_width=90)
     if stacks:
-        for e in prof.key_averages(group_by_stack_n=8):
-            if e.key in HOST_CALLS:
-                text += f"\n{e.key} x{e.count}:\n  " + "\n  ".join(e.stack or ["(no Python frame)"]) + "\n"
+        text += host_call_stacks(prof.events())
     out_file.write_text(text)
     kernels = []
     for e in ka:
