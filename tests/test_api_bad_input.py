@@ -45,11 +45,18 @@ CASES = [
     ("guidance 25", {**OK, "guidance_scale": "25"}, 400, "guidance_scale", "less than or equal to 20"),
     ("guidance nan", {**OK, "guidance_scale": "nan"}, 400, "guidance_scale", "finite"),
     ("fps 0", {**OK, "fps": "0"}, 400, "fps", "greater than or equal to 1"),
-    ("seed -1", {**OK, "seed": "-1"}, 400, "seed", "seed=-1"),
+    ("seed -2**63-1", {**OK, "seed": str(-(2**63) - 1)}, 400, "seed", "greater than"),
     ("seed 2**64", {**OK, "seed": str(2**64)}, 400, "seed", "less than"),
     ("bool garbage", {**OK, "generate_sound": "maybe"}, 400, "generate_sound", "bool_parsing"),
     ("quality ultra", {**OK, "quality": "ultra"}, 400, "quality", "quality must be one of"),
-    ("n outputs", {**OK, "num_outputs_per_prompt": "2"}, 400, "num_outputs_per_prompt", "one video per job"),
+    ("n outputs 11", {**OK, "num_outputs_per_prompt": "11"}, 400, "num_outputs_per_prompt", "less than"),
+    ("lora not JSON", {**OK, "lora": "notjson"}, 400, "lora", "Invalid lora object"),
+    ("lora no path", {**OK, "lora": '{"name": "a"}'}, 400, "lora", "both name and path are required"),
+    ("lora valid", {**OK, "lora": '{"name": "a", "path": "/x"}'}, 400, "lora", "not supported"),
+    ("control_type alone", {**OK, "control_type": "edge"}, 400, "control_type", "requires a control_reference"),
+    ("interpolation 0", {**OK, "frame_interpolation_exp": "0"}, 400, "frame_interpolation_exp", "greater than"),
+    ("interpolation on", {**OK, "enable_frame_interpolation": "true"}, 400, "enable_frame_interpolation",
+     "not supported"),
     ("model mismatch", {**OK, "model": "nvidia/Cosmos3-Super"}, 400, "model", "Model mismatch: request specifies"),
     ("extra_params not JSON", {**OK, "extra_params": "{"}, 400, "extra_params", "Invalid JSON in form field."),
     ("extra_params list", {**OK, "extra_params": "[]"}, 400, "extra_params", "expected dict, got list."),
@@ -128,6 +135,45 @@ async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
             "Request Entity Too Large",
             "Content Too Large",
         )
+
+
+async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_path):
+    """JSON may escape a lone UTF-16 surrogate, which no tokenizer or UTF-8 response carries: a 400 naming
+    the field on every JSON route (it was a 500). int64 seeds (negative too) and num_outputs_per_prompt up
+    to 10 are accepted as vLLM-Omni accepts them; a control upload without its type is a 400."""
+    async with asgi_server(tmp_path) as http:
+        raw = '{"prompt": "fox \\ud800", "size": "64x48", "num_frames": 5, "num_inference_steps": 1}'
+        r = await http.post("/v1/videos", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        raw = '{"prompt": "fox", "model": "\\udfff"}'
+        r = await http.post("/v1/videos/sync", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        raw = '{"prompt": "a cat \\ud800", "size": "64x48"}'
+        r = await http.post(
+            "/v1/images/generations", content=raw, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        raw = '{"model": "m", "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+        r = await http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+        for fields in (
+            {**OK, "seed": "-1"},
+            {**OK, "seed": str(-(2**63))},
+            {**OK, "num_outputs_per_prompt": "3"},
+        ):
+            r = await http.post("/v1/videos/sync", data=fields)
+            assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", (fields, r.text)
+        r = await http.post("/v1/videos", data=OK, files={"control_reference": ("c.png", b"x", "image/png")})
+        assert (
+            r.status_code == 400
+            and r.json()["error"]["message"] == "control_reference requires control_type."
+        )
+        r = await http.post(
+            "/v1/videos",
+            data={**OK, "control_type": "foo"},
+            files={"control_reference": ("c.png", b"x", "image/png")},
+        )
+        assert r.status_code == 400 and "Supported control upload types: blur" in r.json()["error"]["message"]
 
 
 # -- hypothesis over /openapi.json -------------------------------------------------------------------------

@@ -242,3 +242,21 @@ def test_system_prompt_precedence_and_empty(encoder):
     long_system = VideoParams(prompt="a cat", system_prompt=LONG_TEXT, max_sequence_length=64)
     with pytest.raises(ParamError, match="system message included"):
         encoder.encode_params(long_system)
+
+
+def test_texts_longer_than_any_tokenization_are_refused_without_tokenizing(encoder, monkeypatch):
+    """A prompt with more bytes than max_sequence_length tokens can cover is refused up front (param named),
+    before the tokenizer spends seconds on megabytes of text; texts that may fit still get tokenized."""
+    calls = []
+    real = encoder.tokenizer.apply_chat_template
+    monkeypatch.setattr(
+        encoder.tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    huge = "fox " * 2_000_000
+    with pytest.raises(ParamError, match="bytes, more than max_sequence_length") as err:
+        encoder.encode_params(VideoParams(prompt=huge), with_uncond=False)
+    assert err.value.param == "prompt" and calls == []
+    with pytest.raises(ParamError) as err:
+        encoder.encode_params(VideoParams(prompt="a cat", negative_prompt=huge))
+    assert err.value.param == "negative_prompt" and len(calls) == 1  # the prompt itself was tokenized
+    assert encoder.max_bytes_per_token >= max(len(t.encode()) for t in encoder.tokenizer.get_vocab())

@@ -145,8 +145,8 @@ class VideoParams:
             math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100
         ):
             raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in (0, 100]")
-        if not 0 <= self.seed < 2**63:
-            raise ParamError("seed", f"seed={self.seed} must be in [0, 2**63)")
+        if not -(2**63) <= self.seed < 2**63:
+            raise ParamError("seed", f"seed={self.seed} must be in [-2**63, 2**63) (int64)")
         if self.guidance_interval is not None:
             lo, hi = self.guidance_interval
             if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi <= 1000):

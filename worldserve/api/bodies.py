@@ -29,6 +29,28 @@ async def bounded_stream(request: Request, max_bytes: int) -> AsyncIterator[byte
         yield chunk
 
 
+def check_unicode(value: Any, path: str = "") -> None:
+    """A 400 naming the field when a string in `value` (a parsed body) is not encodable text: JSON may
+    escape a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or UTF-8 response can carry."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = path or "body"
+            raise APIError(
+                400,
+                f"{where}: not valid Unicode text (a lone surrogate at character {exc.start})",
+                param=where,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path or "body")
+            check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
+
+
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     """The body as a JSON object; a 400 for another content type, bad JSON or a non-object, a 413 past
     `max_bytes`."""
@@ -42,4 +64,5 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         raise APIError(400, f"Invalid JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object")
+    check_unicode(data)
     return data

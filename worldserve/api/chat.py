@@ -11,8 +11,9 @@ Qwen3-VL's processor samples them (2 fps by default; per request `media_io_kwarg
 `{"num_frames": N}`), each kept frame resized as it is decoded. Media decoding runs in a worker thread.
 Streaming: per choice, the first chunk carries the role, then one chunk per text piece, a final chunk with
 `delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
-`data: [DONE]`. Errors before the first byte use the normal envelope; a failure mid-stream is sent as
-`data: {"error": ...}` followed by `data: [DONE]`.
+`data: [DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far. Errors before the
+first byte use the normal envelope; a failure mid-stream is sent as `data: {"error": ...}` followed by
+`data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -188,7 +189,10 @@ async def create_chat_completion(request: Request, st: State):
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     if (field := body.unsupported()) is not None:
-        raise APIError(400, f"{field} is not supported by this server yet", param=field)
+        what = "tool calling" if field == "tools" else "constrained decoding (structured outputs)"
+        raise APIError(
+            400, f"{field} is not supported by this server yet: {what} is not implemented", param=field
+        )
     params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path)
     # choice i samples with seed + i: different samples, the same ones on every run
     choices = [params] + [
@@ -216,8 +220,9 @@ async def create_chat_completion(request: Request, st: State):
         raise
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
     if body.stream:
-        opts = body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage)
+        include_usage, continuous_usage = body.stream_usage()
+        stream = sse(
+            streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage
+        )
         return StreamingResponse(stream, media_type="text/event-stream")
     return await collect(streams, request_id, created, model, first.prompt_tokens, params.logprobs)

@@ -2,11 +2,13 @@
 
 Request: `model`, `messages` (string content or parts: text, image_url, video_url with `{"url": U}` or the
 bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-`n` (1 only), `stop`, `stream`, `stream_options`, `presence_penalty` / `frequency_penalty` /
+`n` (1 to 16), `stop`, `stream`, `stream_options`, `presence_penalty` / `frequency_penalty` /
 `repetition_penalty`, `logprobs` / `top_logprobs` (raw-logit log-probabilities, as vLLM's default),
-`media_io_kwargs` (video sampling). Structured output and tools are refused with a 400 when set (not
-implemented yet, never silently dropped); other unknown fields are ignored, as vLLM ignores them. Responses: the non-streaming `chat.completion` object and the
-`chat.completion.chunk` SSE events, field for field as vLLM writes them.
+`media_io_kwargs` (video sampling). Constrained decoding (`response_format` json_object / json_schema,
+`structured_outputs` and vLLM's `guided_*` fields) and tools are refused with a 400 naming the field when
+set (not implemented yet, never silently dropped); other unknown fields are ignored, as vLLM ignores them.
+Responses: the non-streaming `chat.completion` object and the `chat.completion.chunk` SSE events, field for
+field as vLLM writes them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 INT64 = 2**63
+
+CONSTRAINED_DECODING_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structural_tag",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+"""vLLM's structured-output request fields: this server has no constrained decoding, so each is refused."""
+
+
+def _is_set(value: Any) -> bool:
+    """Whether a request field asks for something (null, "", [] and {} ask for nothing)."""
+    return value is not None and not (isinstance(value, str | list | dict) and not value)
 
 
 class MediaURL(BaseModel):
@@ -40,7 +59,9 @@ class ChatMessageIn(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    """Send one more chunk after the choices, with no choices and the request's usage."""
     continuous_usage_stats: bool = False
+    """With include_usage (else ignored, as vLLM does): every chunk carries the usage so far."""
 
 
 class ChatCompletionRequest(BaseModel):
@@ -65,18 +86,38 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    # constrained decoding (vLLM extensions), declared only to be refused; typed Any so that any value gets
+    # the 400 naming the field rather than a validation error
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
     media_io_kwargs: dict[str, Any] | None = Field(
         None,
         description='Per-request media loading, e.g. {"video": {"fps": 4.0}} or {"video": {"num_frames": 16}}.',
     )
 
     def unsupported(self) -> str | None:
-        """The first field set to something this server cannot honour yet (answered with a 400)."""
+        """The first field set to something this server cannot honour yet (answered with a 400): constrained
+        decoding is not implemented, and asking for it must not silently return unconstrained text."""
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
+        for field in CONSTRAINED_DECODING_FIELDS:
+            if _is_set(getattr(self, field)):
+                return field
         if self.tools:
             return "tools"
         return None
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats) as vLLM applies them: continuous needs include_usage."""
+        opts = self.stream_options
+        include = bool(opts and opts.include_usage)
+        return include, include and bool(opts and opts.continuous_usage_stats)
 
 
 class Usage(BaseModel):

@@ -5,7 +5,9 @@ the metrics; `collect` builds the `chat.completion` object; `sse` merges the cho
 (each chunk names its choice `index`), ends each choice with a `delta: {}` chunk carrying its finish_reason,
 adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-stream is sent as
 `data: {"error": ...}` then `data: [DONE]`. Closing any of these stops the chats at their next step.
-Usage counts the prompt once and the completion tokens of every choice (as vLLM does).
+Usage counts the prompt once and the completion tokens of every choice (as vLLM does). With
+`continuous_usage_stats` every choice chunk also carries usage so far, as vLLM's serving_chat.py reports it:
+the prompt and that chunk's choice's completion tokens (0 on the role chunk); only the final chunk sums them.
 """
 
 from __future__ import annotations
@@ -62,12 +64,14 @@ def logprob_items(entries) -> list[TokenLogprobOut]:
 
 
 def _usage(prompt_tokens: int, completion: int) -> Usage:
+    """The `usage` object: the prompt counted once plus `completion` tokens."""
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
     )
 
 
 async def close_all(streams: Sequence[AsyncIterator]) -> None:
+    """Close every chat's event stream (stops those still running at their next step)."""
     for events in streams:
         await events.aclose()
 
@@ -106,14 +110,18 @@ async def collect(
 
 async def sse(
     streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
-    include_usage: bool,
+    include_usage: bool, continuous_usage: bool = False,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """The choices' events merged into SSE chunks as they arrive."""
+    """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one)."""
+    completion = [0] * len(streams)
 
     def chunk(index: int, delta: dict[str, str], finish: str | None = None, logprobs=()) -> str:
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
         choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
-        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).sse()
+        usage = _usage(prompt_tokens, completion[index]) if continuous_usage else None
+        return ChatCompletionChunk(
+            id=request_id, created=created, model=model, choices=[choice], usage=usage
+        ).sse()
 
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -123,7 +131,6 @@ async def sse(
         await merged.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, ev)) for i, ev in enumerate(streams)]
-    completion = [0] * len(streams)
     try:
         for index in range(len(streams)):
             yield chunk(index, {"role": "assistant", "content": ""})

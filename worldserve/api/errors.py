@@ -46,8 +46,20 @@ def reason_phrase(status: int) -> str:
         return "Error"
 
 
+def _text(value: str | None) -> str | None:
+    """`value` as UTF-8-encodable text (a lone surrogate echoed from a request becomes "\\udxxx")."""
+    return None if value is None else value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": reason_phrase(status), "param": param, "code": status}}
+    return {
+        "error": {
+            "message": _text(message),
+            "type": reason_phrase(status),
+            "param": _text(param),
+            "code": status,
+        }
+    }
 
 
 def error_response(

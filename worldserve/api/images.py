@@ -62,7 +62,7 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
     true_cfg_scale: float | None = Field(None, description="Accepted; Cosmos3 uses guidance_scale.")
     flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
     lora: Any = None
     extra_params: dict[str, Any] | str | None = None
@@ -97,7 +97,8 @@ def build_params(req: ImageGenerationRequest) -> list[VideoParams]:
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
     )  # fmt: skip
     base.validate()
-    return [base] + [dataclasses.replace(base, seed=(base.seed + i) % 2**63) for i in range(1, req.n)]
+    wrap = lambda s: (s + 2**63) % 2**64 - 2**63  # noqa: E731  (seed + i stays an int64)
+    return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n)]
 
 
 DISCONNECT_POLL_S = 0.25
@@ -143,7 +144,9 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         raise APIError(
             400, f"n={req.n} is above this server's queue ({st.client.max_queued_requests})", param="n"
         )
-    params = [st.client.validate(p) for p in build_params(req)]
+    # tokenising the prompts (model-aware validation) runs off the event loop: a long prompt must not
+    # stall every other request
+    params = await asyncio.to_thread(lambda: [st.client.validate(p) for p in build_params(req)])
     headers = {"X-Request-Id": request_id}
     try:
         results = await _unless_disconnected(

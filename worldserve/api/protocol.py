@@ -51,6 +51,13 @@ class VideoCreateRequest(BaseModel):
         None, description='{"video_url": "data:video/...;base64,..."}'
     )
     extra_params: str | dict[str, Any] | None = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
+    lora: str | dict[str, Any] | None = Field(None, description="Not supported yet: a 400 when given.")
+    control_type: str | None = Field(None, description="Cosmos3 transfer controls: not supported yet.")
+    control_reference: Any = Field(None, description="Cosmos3 transfer control upload: not supported yet.")
+    enable_frame_interpolation: bool = Field(False, description="RIFE interpolation: not supported yet.")
+    frame_interpolation_exp: int = Field(1, ge=1)
+    frame_interpolation_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
+    frame_interpolation_model_path: str | None = None
 
     @field_validator("seconds", "size", mode="before")
     @classmethod

@@ -25,7 +25,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from worldserve.api.bodies import bounded_stream
+from worldserve.api.bodies import bounded_stream, check_unicode
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest
@@ -77,7 +77,9 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     except Exception as exc:  # python-multipart's own parse errors
         raise APIError(400, f"Invalid form body: {exc}") from None
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
-    return {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)}
+    fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)}
+    check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})
+    return fields
 
 
 def _json_fields(body: bytes) -> dict[str, Any]:
@@ -87,6 +89,7 @@ def _json_fields(body: bytes) -> dict[str, Any]:
         raise APIError(400, f"Invalid JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"The JSON body must be an object, got {type(data).__name__}.")
+    check_unicode(data)
     for key in TEXT_FIELDS:
         if isinstance(data.get(key), dict | list):  # a structured prompt sent as JSON: keep it compact
             data[key] = json.dumps(data[key], separators=(",", ":"), ensure_ascii=False)
@@ -104,8 +107,7 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
                        f"'{served_model}'.", param="model")  # fmt: skip
     extra = parse_extra_params(req.extra_params)
     source, reference = await _reference_bytes(req, upload)
-    if req.num_outputs_per_prompt != 1:
-        raise ParamError("num_outputs_per_prompt", "worldserve makes one video per job; submit several jobs")
+    refuse_unsupported(req)
     quality = req.quality or "default"
     if quality not in QUALITY_CRF:
         raise ParamError("quality", f"quality must be one of {sorted(QUALITY_CRF)}")
@@ -127,6 +129,47 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
 
         h264_options(codec, QUALITY_CRF[quality])  # a bad option is a 400 now, not a failed job later
     return VideoInputs(params, spec, EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec), reference)
+
+
+CONTROL_TYPES = ("blur", "depth", "edge", "seg", "wsm")
+"""Cosmos3 transfer control kinds vLLM-Omni names (serving-api.md §4.1, §12)."""
+
+
+def refuse_unsupported(req: VideoCreateRequest) -> None:
+    """400s, with vLLM-Omni's messages where it has them, for declared fields this server cannot honour
+    yet (LoRA, transfer controls, RIFE interpolation): never a plain text-to-video job in their place.
+    `num_outputs_per_prompt` 2..10 is accepted: vLLM-Omni's bytes paths return only the first video, and
+    a job here makes that one."""
+    if req.lora is not None:
+        lora = req.lora
+        if isinstance(lora, str):
+            try:
+                lora = json.loads(lora)
+            except json.JSONDecodeError:
+                raise ParamError("lora", "Invalid lora object: not valid JSON.") from None
+        if not isinstance(lora, dict):
+            raise ParamError("lora", "Invalid lora object: expected a JSON object.")
+        name = next((lora[k] for k in ("name", "lora_name", "adapter") if lora.get(k)), None)
+        path = next((lora[k] for k in ("path", "lora_path", "local_path") if lora.get(k)), None)
+        if not (name and path):
+            raise ParamError("lora", "Invalid lora object: both name and path are required.")
+        raise ParamError("lora", "LoRA adapters are not supported by this server yet")
+    has_upload = req.control_reference not in (None, "")
+    if has_upload and not req.control_type:
+        raise ParamError("control_reference", "control_reference requires control_type.")
+    if req.control_type and not has_upload:
+        raise ParamError("control_type", "control_type requires a control_reference upload.")
+    if req.control_type:
+        if req.control_type not in CONTROL_TYPES:
+            raise ParamError("control_type", f"Control upload type '{req.control_type}' is not supported by this "
+                             f"model. Supported control upload types: {', '.join(CONTROL_TYPES)}.")  # fmt: skip
+        raise ParamError(
+            "control_type", "Cosmos3 transfer (control uploads) is not supported by this server yet"
+        )
+    if req.enable_frame_interpolation:
+        raise ParamError(
+            "enable_frame_interpolation", "RIFE frame interpolation is not supported by this server yet"
+        )
 
 
 def parse_extra_params(raw: str | dict | None) -> ExtraParams:

@@ -81,7 +81,7 @@ class FakeBackend:
     def decode(self, state: FakeState) -> VideoResult:
         p = state.params
         _maybe_fail(p, "decode")
-        rng = np.random.default_rng(p.seed)
+        rng = np.random.default_rng(p.seed % 2**64)  # int64 seeds, as torch.Generator.manual_seed takes them
         colours = rng.integers(0, 256, size=(p.num_frames, 1, 1, 3), dtype=np.uint8)
         frames = np.broadcast_to(colours, (p.num_frames, p.height, p.width, 3))
         audio = None

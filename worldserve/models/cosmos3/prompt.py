@@ -184,6 +184,10 @@ class PromptEncoder:
         """Appended after the chat template: eos (<|im_end|>) then start-of-generation (<|vision_start|>)."""
         # Most requests share the ~15k-character default negative and a few shapes: tokenize those once.
         self._encode_cached = lru_cache(maxsize=32)(self.encode)
+        # No token stands for more input bytes than this (UTF-8 length of the longest vocabulary entry, which
+        # over-counts byte-level and SentencePiece pieces, x4 for normalisers that shorten text): texts
+        # longer than max_sequence_length tokens' worth are refused without tokenizing megabytes.
+        self.max_bytes_per_token = 4 * max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, use_system_prompt: bool = False) -> PromptEncoder:
@@ -221,6 +225,14 @@ class PromptEncoder:
         )
         return [*encoded["input_ids"], *self.suffix_ids]
 
+    def _check_bytes(self, text: str, limit: int, name: str, param: str) -> None:
+        """ParamError(param) when `text` has more bytes than `limit` tokens can cover (with a margin for the
+        template): it cannot fit, and tokenizing megabytes to find out would take seconds."""
+        size = len(text.encode("utf-8"))
+        if size > (limit + 64) * self.max_bytes_per_token:
+            raise ParamError(param, f"{name} is {size} bytes, more than max_sequence_length={limit} tokens "
+                             "can hold; shorten it or raise max_sequence_length")  # fmt: skip
+
     def encode_params(
         self, params: VideoParams, *, with_uncond: bool = True
     ) -> tuple[list[int], list[int] | None]:
@@ -235,6 +247,7 @@ class PromptEncoder:
         limit = params.max_sequence_length
         system = self.system_message(params)
         with_system = " (system message included)" if system else ""
+        self._check_bytes(texts.cond, limit, "prompt", "prompt")
         cond = self.encode(texts.cond, is_image=is_image, system=system)
         if len(cond) > limit:
             raise ParamError(
@@ -244,6 +257,10 @@ class PromptEncoder:
             )
         if not with_uncond:
             return cond, None
+        if params.negative_prompt is not None:
+            self._check_bytes(texts.uncond, limit, "negative_prompt", "negative_prompt")
+        else:
+            self._check_bytes(texts.uncond, limit, "the default negative prompt", "max_sequence_length")
         uncond = list(self._encode_cached(texts.uncond, is_image=is_image, system=system))
         if len(uncond) > limit:
             user_given = params.negative_prompt is not None
