@@ -140,7 +140,8 @@ async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
 async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_path):
     """JSON may escape a lone UTF-16 surrogate, which no tokenizer or UTF-8 response carries: a 400 naming
     the field on every JSON route (it was a 500). int64 seeds (negative too) and num_outputs_per_prompt up
-    to 10 are accepted as vLLM-Omni accepts them; a control upload without its type is a 400."""
+    to 10 are accepted as vLLM-Omni accepts them; a control upload without its type, a JSON boolean as a
+    number are 400s; media errors name their field; an empty `after` cursor means none."""
     async with asgi_server(tmp_path) as http:
         raw = '{"prompt": "fox \\ud800", "size": "64x48", "num_frames": 5, "num_inference_steps": 1}'
         r = await http.post("/v1/videos", content=raw, headers={"Content-Type": "application/json"})
@@ -163,6 +164,13 @@ async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_
         ):
             r = await http.post("/v1/videos/sync", data=fields)
             assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", (fields, r.text)
+        r = await http.post("/v1/videos", json={"prompt": "x", "num_frames": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "num_frames", r.text
+        r = await http.post(
+            "/v1/videos", json={**OK, "image_reference": {"image_url": "data:image/png;base64,AAAA"}}
+        )
+        assert r.json()["error"]["message"].startswith("Invalid image_reference: provided content"), r.text
+        assert (await http.get("/v1/videos?after=")).status_code == 200
         r = await http.post("/v1/videos", data=OK, files={"control_reference": ("c.png", b"x", "image/png")})
         assert (
             r.status_code == 400

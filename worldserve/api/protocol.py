@@ -59,6 +59,18 @@ class VideoCreateRequest(BaseModel):
     frame_interpolation_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
     frame_interpolation_model_path: str | None = None
 
+    @field_validator(
+        "width", "height", "num_frames", "fps", "num_inference_steps", "guidance_scale", "flow_shift", "seed",
+        "max_sequence_length", "sound_duration", "num_outputs_per_prompt", "frame_interpolation_exp",
+        "frame_interpolation_scale", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _no_bool_numbers(cls, value: Any) -> Any:
+        """A JSON true / false is no number (pydantic would take it as 1 / 0)."""
+        if isinstance(value, bool):
+            raise ValueError("expected a number, got a boolean")
+        return value
+
     @field_validator("seconds", "size", mode="before")
     @classmethod
     def _number_as_text(cls, value: Any) -> Any:

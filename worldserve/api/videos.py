@@ -137,7 +137,7 @@ async def list_videos(
     order: Annotated[Literal["asc", "desc"], Query()] = "desc",
 ) -> VideoList:
     """List jobs by creation time (newest first by default)."""
-    jobs, has_more = st.client.list(after=after, limit=limit, order=order)
+    jobs, has_more = st.client.list(after=after or None, limit=limit, order=order)  # after= means none
     data = [VideoObject.from_job(j) for j in jobs]
     return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
                      has_more=has_more)  # fmt: skip

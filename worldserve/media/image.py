@@ -27,6 +27,12 @@ from worldserve.params import ParamError
 INVALID_REFERENCE_MESSAGE = "Invalid input_reference: provided content is not a valid image or video."
 
 
+def invalid_reference(param: str) -> str:
+    """vLLM-Omni's message for undecodable reference media, naming the field it came in (input_reference,
+    image_reference, a chat's image_url, ...)."""
+    return INVALID_REFERENCE_MESSAGE.replace("input_reference", param, 1)
+
+
 def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
     """Decode image bytes (any Pillow format) to uint8 RGB (H, W, 3), applying the EXIF orientation.
 
@@ -42,9 +48,9 @@ def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
                 rgb = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError,
             Image.DecompressionBombWarning) as exc:  # fmt: skip
-        raise ParamError(param, INVALID_REFERENCE_MESSAGE) from exc
+        raise ParamError(param, invalid_reference(param)) from exc
     if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
-        raise ParamError(param, INVALID_REFERENCE_MESSAGE)
+        raise ParamError(param, invalid_reference(param))
     return rgb
 
 

@@ -25,7 +25,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
+from worldserve.media.image import decode_image, invalid_reference
 from worldserve.params import ChatVideo, ParamError, VideoSampling
 
 KEEP_CHOICES = ("first", "last")
@@ -128,7 +128,7 @@ def _sample(data: bytes, sampling: VideoSampling, total: int, fps: float) -> Cha
 
 def _invalid(param: str) -> ParamError:
     if param == "input_reference":
-        return ParamError(param, INVALID_REFERENCE_MESSAGE)
+        return ParamError(param, invalid_reference(param))
     return ParamError(param, f"Invalid {param}: provided content is not a valid video.")
 
 
