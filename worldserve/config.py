@@ -14,6 +14,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import math
 import textwrap
 import types
@@ -23,6 +24,38 @@ from dataclasses import dataclass, field, replace
 from worldserve import envs
 
 TINY_SERVED_NAME = "worldserve/tiny-cosmos3"
+
+
+class FlagValueError(argparse.ArgumentTypeError, ValueError):
+    """A malformed flag value: argparse reports it as `argument --flag: <message>` (exit 2); a ValueError
+    to Python callers."""
+
+
+class JsonStrList(tuple):
+    """A flag whose value is a JSON list of strings (vLLM's CORS flags: `--allowed-origins '["https://x.org"]'`).
+    Built from the flag's text or from an iterable of strings; a tuple, so the frozen configs stay hashable;
+    str() gives the JSON back (the --help default)."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str | typing.Iterable[str] = ()) -> JsonStrList:
+        """Parse `value` (JSON text, or already a list/tuple of strings); FlagValueError when it is not one."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise FlagValueError(
+                    f"not valid JSON ({e.msg}): {value!r}; expected a list such as '[\"*\"]'"
+                ) from None
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise FlagValueError(
+                f"expected a JSON list of strings such as '[\"*\"]', got {json.dumps(value)}"
+            )
+        return super().__new__(cls, value)
+
+    def __str__(self) -> str:
+        """The JSON text of the list."""
+        return json.dumps(list(self))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +228,18 @@ class ServerConfig:
         default="info", metadata={"choices": ("critical", "error", "warning", "info", "debug", "trace")}
     )
     """Log level of the HTTP server."""
+    allowed_origins: JsonStrList = JsonStrList(["*"])
+    """CORS (as vLLM): origins whose browser pages may call the API, a JSON list; ["*"]: any origin."""
+    allowed_methods: JsonStrList = JsonStrList(["*"])
+    """CORS: HTTP methods allowed in cross-origin requests, a JSON list."""
+    allowed_headers: JsonStrList = JsonStrList(["*"])
+    """CORS: request headers allowed in cross-origin requests, a JSON list."""
+    allow_credentials: bool = False
+    """CORS: allow cookies and Authorization headers on cross-origin requests (Access-Control-Allow-Credentials)."""
+    flow_shift: float | None = None
+    """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
+    enable_request_id_headers: bool = True
+    """Send X-Request-Id on every response: the request's own X-Request-Id, else a new uuid4 hex (vLLM's flag; on by default here, --no-enable-request-id-headers turns it off; /v1/videos/sync always sends its video_sync-<hex>)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -205,6 +250,10 @@ class ServerConfig:
             raise ValueError("--max-upload-mb must be > 0")
         if self.job_ttl is not None and not self.job_ttl > 0:
             raise ValueError("--job-ttl must be > 0 seconds")
+        if self.flow_shift is not None and not (
+            math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100
+        ):
+            raise ValueError(f"--flow-shift must be in (0, 100], got {self.flow_shift}")
 
     @property
     def max_upload_bytes(self) -> int:

@@ -3,17 +3,20 @@ chat backend), /v1/models, /health, /version, /metrics.
 
 The app only talks to an `EngineClient` (never to torch). Its lifespan starts the client (job recovery,
 engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, so tests enter
-`app.router.lifespan_context(app)` themselves (or run a real uvicorn). Middlewares, outermost first:
-request ids, then the /v1 API key. Exception handlers turn every error into the vLLM envelope (errors.py).
+`app.router.lifespan_context(app)` themselves (or run a real uvicorn). Middlewares, outermost first, in
+vLLM's order: request ids (`--enable-request-id-headers`, on by default here), the /v1 API key, then CORS
+(`--allowed-origins` ...: preflight OPTIONS answered, Access-Control-* headers added; as in vLLM, a 401 from
+the key check carries none). Exception handlers turn every error into the vLLM envelope (errors.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from worldserve import __version__
@@ -38,7 +41,16 @@ def build_app(
     shutdown_timeout_s: float = 30.0,
     model_root: str | None = None,
     allowed_local_media_path: str | None = None,
+    allowed_origins: Sequence[str] = ("*",),
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
+    allow_credentials: bool = False,
+    request_id_headers: bool = True,
+    default_flow_shift: float | None = None,
 ) -> FastAPI:
+    """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
+    lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
+    `--flow-shift`)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
@@ -63,11 +75,15 @@ def build_app(
     app.state.ws = AppState(
         client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
         sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
-        allowed_local_media_path=allowed_local_media_path,
+        allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
     )  # fmt: skip
     install_error_handlers(app)
+    # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
+                       allow_methods=list(allowed_methods), allow_headers=list(allowed_headers))  # fmt: skip
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(RequestIdMiddleware)
+    if request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     app.include_router(videos_router)
     app.include_router(chat_router)
     app.include_router(images_router)

@@ -69,8 +69,9 @@ class ImageGenerationRequest(BaseModel):
     return_stage_metrics: bool | None = None
 
 
-def build_params(req: ImageGenerationRequest) -> list[VideoParams]:
-    """The `n` one-frame requests (seed, seed + 1, ...), validated."""
+def build_params(req: ImageGenerationRequest, default_flow_shift: float | None = None) -> list[VideoParams]:
+    """The `n` one-frame requests (seed, seed + 1, ...), validated; `default_flow_shift` (--flow-shift)
+    replaces T2I's 3.0 for requests that send no flow_shift."""
     if req.response_format not in (None, "b64_json"):
         raise APIError(400, "only response_format 'b64_json' is supported", param="response_format")
     if req.lora is not None:
@@ -89,7 +90,7 @@ def build_params(req: ImageGenerationRequest) -> list[VideoParams]:
     base = VideoParams(
         prompt=req.prompt, negative_prompt=pick("negative_prompt", None), width=width, height=height, num_frames=1,
         num_inference_steps=pick("num_inference_steps", DEFAULT_STEPS),
-        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE), flow_shift=pick("flow_shift", DEFAULT_SHIFT),
+        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE), flow_shift=pick("flow_shift", default_flow_shift or DEFAULT_SHIFT),
         seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
         max_sequence_length=pick("max_sequence_length", 4096),
         guidance_interval=tuple(float(v) for v in pick("guidance_interval", DEFAULT_INTERVAL)),
@@ -146,7 +147,9 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         )
     # tokenising the prompts (model-aware validation) runs off the event loop: a long prompt must not
     # stall every other request
-    params = await asyncio.to_thread(lambda: [st.client.validate(p) for p in build_params(req)])
+    params = await asyncio.to_thread(
+        lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift)]
+    )
     headers = {"X-Request-Id": request_id}
     try:
         results = await _unless_disconnected(

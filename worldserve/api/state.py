@@ -23,6 +23,8 @@ class AppState:
     shutdown_timeout_s: float
     allowed_local_media_path: str | None = None
     """Folder whose files chat requests may reference as file:// URLs (None: no local files)."""
+    default_flow_shift: float | None = None
+    """`--flow-shift`: the flow shift of video / image requests that send none (None: Cosmos3's defaults)."""
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

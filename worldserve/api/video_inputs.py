@@ -15,6 +15,7 @@ here touches the engine but `validate`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,11 @@ def _json_fields(body: bytes) -> dict[str, Any]:
     return data
 
 
-async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: bool) -> VideoInputs:
+async def build_inputs(
+    fields: dict[str, Any], *, served_model: str, has_sound: bool, default_flow_shift: float | None = None
+) -> VideoInputs:
+    """The validated params, job spec, encoding and reference of a create request's fields;
+    `default_flow_shift` (--flow-shift) stands in for a flow_shift the request does not send."""
     upload = fields.pop("input_reference", None)
     try:
         req = VideoCreateRequest.model_validate(fields)
@@ -115,6 +120,8 @@ async def build_inputs(fields: dict[str, Any], *, served_model: str, has_sound: 
     if reference is not None:
         image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
     params = _video_params(req, extra, image, video)
+    if params.flow_shift is None and default_flow_shift is not None:
+        params = dataclasses.replace(params, flow_shift=default_flow_shift)
     sound = params.generate_sound if params.generate_sound is not None else has_sound
     duration = req.sound_duration or extra.sound_duration or extra.audio_duration
     if sound and duration is not None and abs(duration - params.num_frames / params.fps) > 1 / params.fps:

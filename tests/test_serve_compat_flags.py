@@ -1,0 +1,233 @@
+"""Pasted vLLM / vLLM-Omni `serve` command lines: the recipe lines parse, `--model` / `--stage-init-timeout`
+fold into worldserve's flags, the accepted-without-effect flags are validated (bad values: exit 2) and logged,
+and the CORS and request-id flags reach the app (preflight answered, headers sent), built as `serve` builds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from serving_helpers import make_client
+
+from worldserve.api.app import build_app
+from worldserve.cli import build_parser
+from worldserve.commands import serve
+from worldserve.config import EngineConfig
+
+pytestmark = pytest.mark.anyio
+GENERATOR = ["nvidia/Cosmos3-Nano", "--host", "0.0.0.0", "--port", "8000", "--init-timeout", "1800", "--omni"]
+GENERATOR_EXTRAS = [
+    "--stage-init-timeout", "300", "--model-class-name", "Cosmos3OmniDiffusersPipeline",
+    "--deploy-config", "vllm_omni/deploy/cosmos3.yaml", "--num-gpus", "1", "--diffusion-batch-size", "1",
+    "--vae-use-tiling", "--vae-use-slicing", "--flow-shift", "10", "--trust-remote-code", "--log-stats",
+    "--default-sampling-params", '{"0": {"num_inference_steps": 35}}', "--gpu-memory-utilization", "0.9",
+    "--enable-request-id-headers", "--allowed-origins", '["https://app.example"]', "--allow-credentials",
+]  # fmt: skip
+REASONER = [
+    "nvidia/Cosmos3-Nano", "--hf-overrides", '{"architectures": ["Cosmos3ReasonerForConditionalGeneration"]}',
+    "--tensor-parallel-size", "1", "--mm-encoder-tp-mode", "data", "--async-scheduling",
+    "--allowed-local-media-path", "/", "--media-io-kwargs", '{"video": {"num_frames": -1}}', "--port", "8000",
+    "--max-model-len", "16384", "--gpu-memory-utilization", "0.85", "--disable-log-stats",
+]  # fmt: skip
+
+
+@pytest.fixture
+def anyio_backend():
+    """The async tests run on asyncio."""
+    return "asyncio"
+
+
+def parse_args(*argv: str):
+    """`worldserve serve ARGV` parsed as the console script parses it."""
+    return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+
+def flag_of(record: logging.LogRecord) -> str:
+    """The flag a compatibility log line starts with."""
+    return re.match(r"--[a-z-]+", record.getMessage()).group(0)
+
+
+def config(*argv: str) -> EngineConfig:
+    """The EngineConfig `worldserve serve ARGV` would run with (before the environment is resolved)."""
+    return serve.engine_config(parse_args(*argv))
+
+
+def test_generator_recipe_line_with_vllm_omni_flags(caplog):
+    """The vLLM-Omni generator recipe line plus the other vLLM-Omni flags parses; each no-op flag logs one line."""
+    args = parse_args(*GENERATOR, *GENERATOR_EXTRAS)
+    cfg = serve.engine_config(args)
+    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.omni and cfg.model.vae_tiling
+    assert cfg.model.init_timeout == 1800, "a shorter per-stage timeout does not shorten --init-timeout"
+    assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
+    assert cfg.server.allowed_origins == ("https://app.example",) and cfg.server.allow_credentials
+    assert cfg.server.enable_request_id_headers
+    with caplog.at_level(logging.INFO, logger="worldserve.serve"):
+        serve._log_vllm_compat(args, cfg)
+    for flag in ("--model-class-name", "--deploy-config", "--num-gpus", "--diffusion-batch-size",
+                 "--vae-use-slicing", "--trust-remote-code", "--log-stats",
+                 "--default-sampling-params", "--gpu-memory-utilization"):  # fmt: skip
+        lines = [r.getMessage() for r in caplog.records if flag_of(r) == flag]
+        assert len(lines) == 1 and "accepted, no effect: " in lines[0], flag
+    assert cfg.server.flow_shift == 10.0 and not any(flag_of(r) == "--flow-shift" for r in caplog.records)
+    assert "(1 here)" in next(r.getMessage() for r in caplog.records if flag_of(r) == "--num-gpus")
+    assert not any(flag_of(r) in ("--hf-overrides", "--media-io-kwargs") for r in caplog.records)
+
+
+def test_reasoner_recipe_line(caplog):
+    """The vLLM Reasoner recipe line parses, its JSON flags parsed, and each no-op flag is logged."""
+    args = parse_args(*REASONER)
+    cfg = serve.engine_config(args)
+    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.max_model_len == 16384
+    assert cfg.parallel.tensor_parallel_size == 1 and cfg.server.allowed_local_media_path == "/"
+    assert args.hf_overrides == {"architectures": ["Cosmos3ReasonerForConditionalGeneration"]}
+    assert args.media_io_kwargs == {"video": {"num_frames": -1}} and args.mm_encoder_tp_mode == "data"
+    with caplog.at_level(logging.INFO, logger="worldserve.serve"):
+        serve._log_vllm_compat(args, cfg)
+    given = {flag_of(r) for r in caplog.records}
+    assert {"--hf-overrides", "--mm-encoder-tp-mode", "--async-scheduling", "--media-io-kwargs",
+            "--gpu-memory-utilization", "--disable-log-stats"} <= given  # fmt: skip
+
+
+def test_model_option_is_a_deprecated_alias(caplog, tmp_path, monkeypatch):
+    """`--model M` is MODEL (with a deprecation warning); two different models are refused (exit code 2)."""
+    assert config("--model", "some/model").model.model == "some/model"
+    assert config("some/model", "--model", "some/model").model.model == "some/model"
+    with pytest.raises(ValueError, match="given twice"):
+        config("some/model", "--model", "other/model")
+    args = parse_args("--model", "some/model")
+    with caplog.at_level(logging.WARNING, logger="worldserve.serve"):
+        serve._log_vllm_compat(args, serve.engine_config(args))
+    assert "--model is deprecated" in caplog.text
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert serve.run(parse_args("a/model", "--model", "b/model")) == 2, "refused before anything loads"
+
+
+def test_stage_init_timeout_sets_the_load_bound():
+    """`--stage-init-timeout` raises the load bound, never lowers --init-timeout."""
+    assert config("--stage-init-timeout", "1800").model.init_timeout == 1800
+    assert config("--init-timeout", "1800", "--stage-init-timeout", "300").model.init_timeout == 1800
+    assert config("--init-timeout", "900", "--stage-init-timeout", "1200").model.init_timeout == 1200
+    assert config().model.init_timeout == 600
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--allowed-origins", "*"), ("--allowed-origins", '"*"'), ("--allowed-methods", "[1]"),
+     ("--allowed-headers", "{bad"), ("--hf-overrides", "{bad"), ("--hf-overrides", '["x"]'),
+     ("--media-io-kwargs", "num_frames=-1"), ("--default-sampling-params", "3"), ("--gpu-memory-utilization", "0"),
+     ("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "most"), ("--num-gpus", "0"),
+     ("--diffusion-batch-size", "two"), ("--flow-shift", "fast"),
+     ("--stage-init-timeout", "-1"), ("--mm-encoder-tp-mode", "pipeline")],
+)  # fmt: skip
+def test_bad_values_are_argparse_errors_naming_the_flag(flag, value, capsys):
+    """Malformed JSON, out-of-range numbers and unknown choices: argparse errors (exit 2) naming the flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flag, value)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_bad_json_exits_2_from_the_console_script():
+    """The console script itself exits 2 on bad JSON, saying which flag."""
+    done = subprocess.run([sys.executable, "-m", "worldserve.cli", "serve", "--hf-overrides", "{architectures"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "argument --hf-overrides: not valid JSON" in done.stderr
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path, monkeypatch, *argv: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The app `worldserve serve ARGV` builds (its flags through engine_config and app_options) on the fake
+    backend, over httpx.ASGITransport with its lifespan entered."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in (
+        "WORLDSERVE_API_KEY",
+        "VLLM_API_KEY",
+        "WORLDSERVE_STORAGE_DIR",
+        "VLLM_OMNI_SERVER_STORAGE__PATH",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    cfg = config("--storage-dir", str(tmp_path / "store"), "--shutdown-timeout", "0.3", *argv).resolve()
+    app = build_app(make_client(tmp_path / "store"), **serve.app_options(cfg))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            yield http
+
+
+PREFLIGHT = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+
+
+async def test_cors_preflight_and_headers(tmp_path, monkeypatch):
+    """CORS flags: preflight answered (no API key needed), allowed origin echoed, others refused; vLLM defaults."""
+    origin = ["--allowed-origins", '["https://app.example"]', "--allow-credentials", "--api-key", "k"]
+    async with serving(tmp_path, monkeypatch, *origin) as http:
+        pre = await http.options("/v1/videos", headers=PREFLIGHT)  # no key: OPTIONS is never checked
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "https://app.example"
+        assert pre.headers["access-control-allow-credentials"] == "true"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        ok = await http.get(
+            "/v1/models", headers={"Origin": "https://app.example", "Authorization": "Bearer k"}
+        )
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = await http.options("/v1/videos", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    async with serving(tmp_path, monkeypatch) as http:  # vLLM's defaults: any origin, no credentials
+        r = await http.get("/health", headers={"Origin": "https://anywhere.example"})
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "access-control-allow-credentials" not in r.headers
+        assert (await http.options("/v1/chat/completions", headers=PREFLIGHT)).status_code == 200
+
+
+async def test_request_id_headers_flag(tmp_path, monkeypatch):
+    """X-Request-Id echoed or generated with the flag, absent without it; the sync route keeps its own id."""
+    small = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "1"}
+    async with serving(tmp_path, monkeypatch, "--enable-request-id-headers") as http:
+        assert (await http.get("/v1/models", headers={"X-Request-Id": "abc"})).headers[
+            "x-request-id"
+        ] == "abc"
+        assert re.fullmatch(r"[0-9a-f]{32}", (await http.get("/health")).headers["x-request-id"])
+        sync = await http.post("/v1/videos/sync", data=small, headers={"X-Request-Id": "mine"})
+        assert re.fullmatch(r"video_sync-[0-9a-f]{32}", sync.headers["x-request-id"]), (
+            "the route's own id wins"
+        )
+    async with serving(tmp_path, monkeypatch, "--no-enable-request-id-headers") as http:
+        assert "x-request-id" not in (await http.get("/v1/models", headers={"X-Request-Id": "abc"})).headers
+        sync = await http.post("/v1/videos/sync", data=small)
+        assert sync.status_code == 200 and sync.headers["x-request-id"].startswith("video_sync-")
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "101"])
+def test_flow_shift_out_of_range_is_refused(value):
+    """--flow-shift is a real server default: (0, 100] like a request's flow_shift."""
+    with pytest.raises(ValueError, match="--flow-shift"):
+        config("--flow-shift", value)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_flow_shift_is_the_default_of_requests_without_one(anyio_backend):
+    """Video and image requests that send no flow_shift get --flow-shift; their own value wins."""
+    from worldserve.api.images import ImageGenerationRequest, build_params
+    from worldserve.api.video_inputs import build_inputs
+
+    fields = {"prompt": "x", "size": "64x48", "num_frames": "5"}
+    got = await build_inputs(dict(fields), served_model="m", has_sound=False, default_flow_shift=7.0)
+    assert got.params.flow_shift == 7.0
+    own = await build_inputs(
+        {**fields, "flow_shift": "3"}, served_model="m", has_sound=False, default_flow_shift=7.0
+    )
+    assert own.params.flow_shift == 3.0
+    plain = await build_inputs(dict(fields), served_model="m", has_sound=False)
+    assert plain.params.flow_shift is None  # Cosmos3's per-resolution default applies later
+    image = ImageGenerationRequest.model_validate({"prompt": "x", "size": "64x64"})
+    assert build_params(image, 7.0)[0].flow_shift == 7.0 and build_params(image)[0].flow_shift == 3.0
