@@ -339,6 +339,13 @@ def test_chat_metrics(server, reasoner):
     assert delta("worldserve:chat_request_success_total", finish_reason=finish) == 2
     assert delta("worldserve:chat_time_to_first_token_seconds_count") == 2
     assert _metric(after, "worldserve:chat_requests_running") == 0
+    # vLLM's names for the same numbers
+    assert delta("vllm:prompt_tokens_total") == 2 * usage["prompt_tokens"]
+    assert delta("vllm:generation_tokens_total") == 2 * usage["completion_tokens"]
+    assert delta("vllm:request_success_total", finished_reason=finish) == 2
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert _metric(after, "vllm:num_requests_running") == 0
+    assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0' in after
     for name in ("worldserve:kv_cache_usage_perc", "worldserve:num_preemptions"):
         assert f'{name}{{model_name="{MODEL}"}} 0.0' in after  # present; finished chats hold no K/V blocks
 

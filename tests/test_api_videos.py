@@ -346,6 +346,15 @@ async def test_metrics_families(tmp_path):
                        "request_success_total", 'request_failure_total{model_name="test-model",status="500"} 1.0',
                        "peak_memory_mb"):  # fmt: skip
             assert f"worldserve:{family}" in text, family
+        # the same numbers under vLLM-Omni's names (dashboards built for vLLM-Omni), and process_*
+        for sample in ('vllm:omni_requests_success_total{finished_reason="stop",model_name="test-model"} 1.0',
+                       'vllm:omni_requests_success_total{finished_reason="abort",model_name="test-model"} 1.0',
+                       'vllm:omni_e2e_request_latency_seconds_count{model_name="test-model"} 1.0',
+                       'vllm:omni_request_queue_time_seconds_count{model_name="test-model"} 1.0',
+                       'vllm:omni_num_requests_running{model_name="test-model"} 0.0',
+                       'vllm:omni_num_requests_waiting{model_name="test-model"} 0.0'):  # fmt: skip
+            assert sample in text, sample
+        assert "process_cpu_seconds_total" in text
 
 
 async def test_shutdown_stops_intake_with_503(tmp_path):
