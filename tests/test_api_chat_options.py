@@ -164,3 +164,12 @@ def test_usage_chunks_without_continuous_stats(url, options, usage_chunks):
     assert len(with_usage) == usage_chunks
     if usage_chunks:
         assert with_usage[0] is payloads[-1] and payloads[-1]["choices"] == []
+
+
+def test_stream_options_without_stream_is_a_400(url):
+    """vLLM refuses stream_options on a non-streaming request; so does this server."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "Stream options can only be defined when `stream=True`." in r.json()["error"]["message"]

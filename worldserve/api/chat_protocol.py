@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64 = 2**63
 
@@ -100,6 +100,13 @@ class ChatCompletionRequest(BaseModel):
         None,
         description='Per-request media loading, e.g. {"video": {"fps": 4.0}} or {"video": {"num_frames": 16}}.',
     )
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> ChatCompletionRequest:
+        """vLLM's rule: stream_options only with stream=true (a 400 otherwise)."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot honour yet (answered with a 400): constrained
