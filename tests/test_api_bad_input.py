@@ -171,6 +171,25 @@ async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_
         )
         assert r.json()["error"]["message"].startswith("Invalid image_reference: provided content"), r.text
         assert (await http.get("/v1/videos?after=")).status_code == 200
+        # surrogates inside a JSON string field (extra_params as a form string), deep nesting, JSON nulls
+        r = await http.post("/v1/videos", data={**OK, "extra_params": '{"negative_prompt": "x\\ud800"}'})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.negative_prompt", r.text
+        raw = '{"prompt": "x", "size": "64x64", "extra_params": "{\\"system_prompt\\": \\"\\\\udfff\\"}"}'
+        r = await http.post(
+            "/v1/images/generations", content=raw, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.system_prompt", r.text
+        deep = '{"model": "m", "messages": ' + "[" * 5000 + "]" * 5000 + "}"
+        r = await http.post(
+            "/v1/chat/completions", content=deep, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+        nulls = {**OK, "enable_frame_interpolation": None, "frame_interpolation_exp": None, "lora": None}
+        assert (await http.post("/v1/videos/sync", json=nulls)).status_code == 200
+        r = await http.post("/v1/videos", json={**OK, "extra_params": {"max_sequence_length": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params", r.text
+        r = await http.post("/v1/images/generations", json={"prompt": "x", "n": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         r = await http.post("/v1/videos", data=OK, files={"control_reference": ("c.png", b"x", "image/png")})
         assert (
             r.status_code == 400

@@ -61,8 +61,6 @@ def _stream(url: str, **body) -> list[dict]:
         ("guided_choice", ["red", "blue"]),
         ("guided_grammar", 'root ::= "red" | "blue"'),
         ("structural_tag", '{"type": "structural_tag"}'),
-        ("guided_decoding_backend", "xgrammar"),
-        ("guided_whitespace_pattern", r"[\n ]*"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -92,10 +90,12 @@ def test_constrained_decoding_through_the_openai_client(url):
 @pytest.mark.parametrize(
     "unset",
     [{"guided_json": None}, {"guided_choice": []}, {"guided_regex": ""}, {"structured_outputs": {}},
-     {"structured_outputs": None, "guided_decoding_backend": None}],
+     {"structured_outputs": None, "guided_decoding_backend": None},
+     {"guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": "[ ]*"}],
 )  # fmt: skip
 def test_null_or_empty_constrained_fields_are_ignored(url, unset):
-    """Null or empty values ask for nothing: the request is answered as without them."""
+    """Null or empty values ask for nothing, nor do the guided-decoding options without a constraint (vLLM
+    ignores them then): the request is answered as without them."""
     body = {"model": MODEL, "messages": HI, "max_tokens": 2, **unset}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
@@ -173,3 +173,10 @@ def test_stream_options_without_stream_is_a_400(url):
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "Stream options can only be defined when `stream=True`." in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "stream_options"
+
+
+def test_empty_stream_options_without_stream_is_accepted(url):
+    """vLLM's rule tests stream_options for truthiness: an empty object on a non-streaming request is fine."""
+    body = {"model": MODEL, "messages": HI, "max_tokens": 1, "stream_options": {}}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200

@@ -350,6 +350,7 @@ async def test_metrics_families(tmp_path):
         for sample in ('vllm:omni_requests_success_total{finished_reason="stop",model_name="test-model"} 1.0',
                        'vllm:omni_requests_success_total{finished_reason="abort",model_name="test-model"} 1.0',
                        'vllm:omni_e2e_request_latency_seconds_count{model_name="test-model"} 1.0',
+                       'vllm:omni_e2e_request_latency_s_count{model_name="test-model"} 1.0',
                        'vllm:omni_request_queue_time_seconds_count{model_name="test-model"} 1.0',
                        'vllm:omni_num_requests_running{model_name="test-model"} 0.0',
                        'vllm:omni_num_requests_waiting{model_name="test-model"} 0.0'):  # fmt: skip

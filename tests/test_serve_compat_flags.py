@@ -231,3 +231,11 @@ async def test_flow_shift_is_the_default_of_requests_without_one(anyio_backend):
     assert plain.params.flow_shift is None  # Cosmos3's per-resolution default applies later
     image = ImageGenerationRequest.model_validate({"prompt": "x", "size": "64x64"})
     assert build_params(image, 7.0)[0].flow_shift == 7.0 and build_params(image)[0].flow_shift == 3.0
+
+
+def test_dtype_auto_is_the_default_dtype():
+    """vLLM's --dtype auto (its default, often pasted) means the device's default dtype here."""
+    assert (
+        config("--dtype", "auto").model.dtype is None
+        and config("--dtype", "float32").model.dtype == "float32"
+    )

@@ -68,8 +68,8 @@ class ModelConfig:
     """Name clients must send in `model` and that /v1/models lists; default: MODEL."""
     device: str | None = None
     """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
-    dtype: str | None = field(default=None, metadata={"choices": ("bfloat16", "float16", "float32")})
-    """Weight and activation dtype; default: bfloat16 on GPU, float32 on CPU."""
+    dtype: str | None = field(default=None, metadata={"choices": ("auto", "bfloat16", "float16", "float32")})
+    """Weight and activation dtype; default (or auto, as vLLM spells it): bfloat16 on GPU, float32 on CPU."""
     quantization: str | None = field(default=None, metadata={"choices": ("fp8",)})
     """fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy, halves those weights); default: none."""
     fp8_attention: bool = False
@@ -113,6 +113,8 @@ class ModelConfig:
         )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":  # vLLM's default spelling: the device's default dtype
+            object.__setattr__(self, "dtype", None)
         if not self.init_timeout > 0:
             raise ValueError(f"--init-timeout must be > 0 seconds, got {self.init_timeout}")
         if self.fake_step_delay < 0:

@@ -4,6 +4,7 @@ object of the JSON-only routes (chat completions, image generations; vLLM's `val
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,26 +30,54 @@ async def bounded_stream(request: Request, max_bytes: int) -> AsyncIterator[byte
         yield chunk
 
 
-def check_unicode(value: Any, path: str = "") -> None:
-    """A 400 naming the field when a string in `value` (a parsed body) is not encodable text: JSON may
-    escape a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or UTF-8 response can carry."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            where = path or "body"
-            raise APIError(
-                400,
-                f"{where}: not valid Unicode text (a lone surrogate at character {exc.start})",
-                param=where,
-            ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, path or "body")
-            check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_unicode(item, f"{path}[{i}]")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: the only way one reaches a parsed body (raw bytes fail to decode)."""
+
+
+def check_unicode(value: Any, raw: str | bytes | None = None) -> None:
+    """A 400 naming the field when a string in `value` (a parsed body, or `raw` JSON text's parse) is not
+    encodable text: JSON may escape a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or UTF-8
+    response can carry. Given `raw`, nothing is walked unless it holds a surrogate escape (fast on big
+    bodies); the walk is iterative (deep nesting cannot overflow the stack)."""
+    if raw is not None and not SURROGATE_ESCAPE.search(
+        raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    ):
+        return
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = _path_text(path) or "body"
+                raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate at character "
+                               f"{exc.start})", param=where) from None  # fmt: skip
+        elif isinstance(item, dict):
+            stack.extend((k, path) for k in item)
+            stack.extend((v, (*path, k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(item))
+
+
+def _path_text(path: tuple) -> str:
+    """("messages", 0, "content") -> "messages[0].content"."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_json(body: str | bytes) -> Any:
+    """json.loads with every failure a 400: bad JSON, bad UTF-8, nesting deeper than the parser's stack."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"Invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "Invalid JSON body: nested too deeply") from None
+    check_unicode(data, body)
+    return data
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -57,12 +86,7 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json")
-    body = b"".join([chunk async for chunk in bounded_stream(request, max_bytes)])
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"Invalid JSON body: {exc}") from None
+    data = parse_json(b"".join([chunk async for chunk in bounded_stream(request, max_bytes)]))
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object")
-    check_unicode(data)
     return data

@@ -188,6 +188,8 @@ async def create_chat_completion(request: Request, st: State):
         return _not_found(body.model)
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
+    if body.misplaced_stream_options():
+        raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     if (field := body.unsupported()) is not None:
         what = "tool calling" if field == "tools" else "constrained decoding (structured outputs)"
         raise APIError(

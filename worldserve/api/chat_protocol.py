@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 INT64 = 2**63
 
@@ -26,10 +26,10 @@ CONSTRAINED_DECODING_FIELDS = (
     "guided_choice",
     "guided_grammar",
     "structural_tag",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
 )
-"""vLLM's structured-output request fields: this server has no constrained decoding, so each is refused."""
+"""vLLM's structured-output constraints: this server has no constrained decoding, so each is refused. (Its
+options `guided_decoding_backend` / `guided_whitespace_pattern` constrain nothing alone: ignored, as vLLM
+ignores them without a constraint.)"""
 
 
 def _is_set(value: Any) -> bool:
@@ -94,19 +94,15 @@ class ChatCompletionRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structural_tag: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
     media_io_kwargs: dict[str, Any] | None = Field(
         None,
         description='Per-request media loading, e.g. {"video": {"fps": 4.0}} or {"video": {"num_frames": 16}}.',
     )
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> ChatCompletionRequest:
-        """vLLM's rule: stream_options only with stream=true (a 400 otherwise)."""
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("Stream options can only be defined when `stream=True`.")
-        return self
+    def misplaced_stream_options(self) -> bool:
+        """vLLM's rule: non-empty stream_options only with stream=true (the route answers a 400)."""
+        opts = self.stream_options
+        return not self.stream and opts is not None and bool(opts.model_fields_set)
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot honour yet (answered with a 400): constrained

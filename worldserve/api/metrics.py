@@ -13,7 +13,8 @@ peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges).
 So that dashboards built for vLLM / vLLM-Omni find their series, the same numbers are also exported under
 their names (serving-api.md §7.4; `VllmMirror`): vLLM-Omni's pipeline families for the video jobs
 (`vllm:omni_num_requests_running` / `_waiting`, `vllm:omni_requests_success_total{finished_reason}` with
-"stop" or "abort", `vllm:omni_e2e_request_latency_seconds`, `vllm:omni_request_queue_time_seconds`),
+"stop" or "abort", `vllm:omni_e2e_request_latency_seconds` and its newer name `..._latency_s`,
+`vllm:omni_request_queue_time_seconds`),
 vLLM's for the Reasoner (`vllm:num_requests_running`, `vllm:prompt_tokens_total`,
 `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
 `vllm:time_to_first_token_seconds`, `vllm:kv_cache_usage_perc`), and the Python process's `process_*`.
@@ -53,6 +54,9 @@ class VllmMirror:
                                      [*label, "finished_reason"], registry=r)  # fmt: skip
         self.video_e2e = Histogram("vllm:omni_e2e_request_latency_seconds", "Video job submit to saved video.",
                                    label, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        # newer vLLM-Omni versions name it with _s: both, so either generation of dashboard finds it
+        self.video_e2e_s = Histogram("vllm:omni_e2e_request_latency_s", "Video job submit to saved video.",
+                                     label, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
         self.video_queue = Histogram("vllm:omni_request_queue_time_seconds", "Video job submit to admission.",
                                      label, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
         self.chat_running = Gauge(
@@ -142,7 +146,7 @@ class Metrics:
         self.success.labels(**self._label).inc()
         self.vllm.video_success.labels(finished_reason="stop", **self._label).inc()
         for hist, seconds in ((self.e2e, e2e_s), (self.queue_time, queue_s), (self.vllm.video_e2e, e2e_s),
-                              (self.vllm.video_queue, queue_s)):  # fmt: skip
+                              (self.vllm.video_e2e_s, e2e_s), (self.vllm.video_queue, queue_s)):  # fmt: skip
             hist.labels(**self._label).observe(seconds)
         for stage, seconds in stages.items():
             self.stage.labels(stage=stage, **self._label).observe(seconds)

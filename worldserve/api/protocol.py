@@ -18,6 +18,13 @@ from worldserve.engine.client import Job
 INT64 = 2**63
 
 
+def no_bool_number(value: Any) -> Any:
+    """A before-validator for number fields: a JSON true / false is no number (pydantic would take 1 / 0)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
 class VideoCreateRequest(BaseModel):
     """Fields of POST /v1/videos and /v1/videos/sync (same names in every body type)."""
 
@@ -54,9 +61,11 @@ class VideoCreateRequest(BaseModel):
     lora: str | dict[str, Any] | None = Field(None, description="Not supported yet: a 400 when given.")
     control_type: str | None = Field(None, description="Cosmos3 transfer controls: not supported yet.")
     control_reference: Any = Field(None, description="Cosmos3 transfer control upload: not supported yet.")
-    enable_frame_interpolation: bool = Field(False, description="RIFE interpolation: not supported yet.")
-    frame_interpolation_exp: int = Field(1, ge=1)
-    frame_interpolation_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
+    enable_frame_interpolation: bool | None = Field(
+        None, description="RIFE interpolation: not supported yet."
+    )
+    frame_interpolation_exp: int | None = Field(None, ge=1)
+    frame_interpolation_scale: float | None = Field(None, gt=0, allow_inf_nan=False)
     frame_interpolation_model_path: str | None = None
 
     @field_validator(
@@ -66,10 +75,7 @@ class VideoCreateRequest(BaseModel):
     )  # fmt: skip
     @classmethod
     def _no_bool_numbers(cls, value: Any) -> Any:
-        """A JSON true / false is no number (pydantic would take it as 1 / 0)."""
-        if isinstance(value, bool):
-            raise ValueError("expected a number, got a boolean")
-        return value
+        return no_bool_number(value)
 
     @field_validator("seconds", "size", mode="before")
     @classmethod
@@ -114,6 +120,14 @@ class ExtraParams(BaseModel):
         None, description="Prepend the reference system message (default false)."
     )
     system_prompt: str | None = Field(None, description="A system message of your own.")
+
+    @field_validator(
+        "max_sequence_length", "flow_shift", "sound_duration", "audio_duration", "num_inference_steps",
+        "guidance_scale", "seed", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _no_bool_numbers(cls, value: Any) -> Any:
+        return no_bool_number(value)
 
 
 class VideoError(BaseModel):

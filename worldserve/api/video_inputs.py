@@ -26,7 +26,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from worldserve.api.bodies import bounded_stream, check_unicode
+from worldserve.api.bodies import bounded_stream, check_unicode, parse_json
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest
@@ -79,18 +79,14 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
         raise APIError(400, f"Invalid form body: {exc}") from None
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
     fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)}
-    check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})
+    check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})  # (form text is decoded UTF-8)
     return fields
 
 
 def _json_fields(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body) if body.strip() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"Invalid JSON body: {exc}") from None
+    data = parse_json(body) if body.strip() else {}
     if not isinstance(data, dict):
         raise APIError(400, f"The JSON body must be an object, got {type(data).__name__}.")
-    check_unicode(data)
     for key in TEXT_FIELDS:
         if isinstance(data.get(key), dict | list):  # a structured prompt sent as JSON: keep it compact
             data[key] = json.dumps(data[key], separators=(",", ":"), ensure_ascii=False)
@@ -152,7 +148,7 @@ def refuse_unsupported(req: VideoCreateRequest) -> None:
         if isinstance(lora, str):
             try:
                 lora = json.loads(lora)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise ParamError("lora", "Invalid lora object: not valid JSON.") from None
         if not isinstance(lora, dict):
             raise ParamError("lora", "Invalid lora object: expected a JSON object.")
@@ -185,8 +181,9 @@ def parse_extra_params(raw: str | dict | None) -> ExtraParams:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise APIError(400, "Invalid JSON in form field.", param="extra_params") from None
+        check_unicode({"extra_params": raw}, raw=None)
     if not isinstance(raw, dict):
         raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
                        param="extra_params")  # fmt: skip

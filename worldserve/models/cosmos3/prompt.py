@@ -228,7 +228,7 @@ class PromptEncoder:
     def _check_bytes(self, text: str, limit: int, name: str, param: str) -> None:
         """ParamError(param) when `text` has more bytes than `limit` tokens can cover (with a margin for the
         template): it cannot fit, and tokenizing megabytes to find out would take seconds."""
-        size = len(text.encode("utf-8"))
+        size = len(text.encode("utf-8", "surrogatepass"))
         if size > (limit + 64) * self.max_bytes_per_token:
             raise ParamError(param, f"{name} is {size} bytes, more than max_sequence_length={limit} tokens "
                              "can hold; shorten it or raise max_sequence_length")  # fmt: skip
@@ -247,6 +247,10 @@ class PromptEncoder:
         limit = params.max_sequence_length
         system = self.system_message(params)
         with_system = " (system message included)" if system else ""
+        system_bytes = len((system or "").encode("utf-8", "surrogatepass"))
+        if system_bytes > (limit + 64) * self.max_bytes_per_token:
+            raise ParamError("system_prompt", f"the system message is {system_bytes} bytes, more than "
+                             f"max_sequence_length={limit} tokens can hold")  # fmt: skip
         self._check_bytes(texts.cond, limit, "prompt", "prompt")
         cond = self.encode(texts.cond, is_image=is_image, system=system)
         if len(cond) > limit:
