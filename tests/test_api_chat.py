@@ -346,6 +346,8 @@ def test_chat_metrics(server, reasoner):
     assert delta("vllm:time_to_first_token_seconds_count") == 2
     assert _metric(after, "vllm:num_requests_running") == 0
     assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0' in after
+    for name in ("vllm:num_requests_waiting", "worldserve:chat_requests_waiting"):
+        assert f'{name}{{model_name="{MODEL}"}} 0.0' in after  # present; nothing queued now
     for name in ("worldserve:kv_cache_usage_perc", "worldserve:num_preemptions"):
         assert f'{name}{{model_name="{MODEL}"}} 0.0' in after  # present; finished chats hold no K/V blocks
 

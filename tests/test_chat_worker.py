@@ -305,3 +305,35 @@ def test_a_coalescing_chat_gets_its_first_delta_and_then_the_rest_merged():
     assert out[0] == ChatStarted(prompt_tokens=7)
     assert out[1:] == [ChatDelta(text="a", finish_reason=None, completion_tokens=1),
                        ChatDelta(text="bcd", finish_reason="length", completion_tokens=4)]  # fmt: skip
+
+
+def test_num_waiting_counts_queued_and_deferred_chats():
+    """num_waiting (the /metrics waiting gauge): chats queued before the worker runs, then a chat deferred for
+    lack of K/V room while another decodes, then none."""
+    lock = threading.Lock()
+
+    class Slow:
+        @staticmethod
+        def wait(_timeout):
+            threading.Event().wait(0.01)
+
+    backend = RoomForOneBackend(lock, words=tuple("abcdefghij" * 4), gate=Slow())
+    worker = ChatWorker(backend, lock, max_num_seqs=4)
+    streams = [_collect(worker)[1] for _ in range(2)]
+    assert worker.num_waiting == 2
+    worker.start()
+    try:
+        assert isinstance(streams[0].get(timeout=5), ChatStarted)
+        seen = set()
+        for _ in range(200):  # the first chat decodes for ~0.4 s; the second waits for its room meanwhile
+            if getattr(backend, "refused", 0):  # taken off the queue and refused: only deferral counts it now
+                seen.add(worker.num_waiting)
+                if 1 in seen:
+                    break
+            threading.Event().wait(0.005)
+        assert 1 in seen  # the second chat, deferred while the first decodes
+        for events in streams:
+            _drain(events)
+        assert worker.num_waiting == 0
+    finally:
+        worker.stop()

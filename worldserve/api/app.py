@@ -56,6 +56,7 @@ def build_app(
     if client.chat_worker is not None:
         chat = client.chat_worker.backend
         metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
+        metrics.track_chat_queue(lambda: client.chat_worker.num_waiting)
     client.observe(metrics)
 
     @asynccontextmanager

@@ -15,7 +15,7 @@ their names (serving-api.md §7.4; `VllmMirror`): vLLM-Omni's pipeline families 
 (`vllm:omni_num_requests_running` / `_waiting`, `vllm:omni_requests_success_total{finished_reason}` with
 "stop" or "abort", `vllm:omni_e2e_request_latency_seconds` and its newer name `..._latency_s`,
 `vllm:omni_request_queue_time_seconds`),
-vLLM's for the Reasoner (`vllm:num_requests_running`, `vllm:prompt_tokens_total`,
+vLLM's for the Reasoner (`vllm:num_requests_running` / `_waiting`, `vllm:prompt_tokens_total`,
 `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
 `vllm:time_to_first_token_seconds`, `vllm:kv_cache_usage_perc`), and the Python process's `process_*`.
 """
@@ -129,6 +129,13 @@ class Metrics:
               label, registry=r).labels(**self._label).set_function(preemptions)  # fmt: skip
         Gauge("vllm:kv_cache_usage_perc", "Fraction of the K/V cache blocks in use (vLLM's name).", label,
               registry=r).labels(**self._label).set_function(usage)  # fmt: skip
+
+    def track_chat_queue(self, waiting: Callable[[], float]) -> None:
+        """Chats submitted and not yet started, read at scrape time (also as vLLM's num_requests_waiting)."""
+        r, label = self.registry, ["model_name"]
+        for name, doc in (("worldserve:chat_requests_waiting", "Chats queued, not yet prefilled."),
+                          ("vllm:num_requests_waiting", "Chats waiting (vLLM's name).")):  # fmt: skip
+            Gauge(name, doc, label, registry=r).labels(**self._label).set_function(waiting)
 
     def track_queue(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
         for gauge, read in ((self.waiting, waiting), (self.running, running), (self.vllm.video_waiting, waiting),

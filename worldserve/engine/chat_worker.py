@@ -111,6 +111,7 @@ class ChatWorker:
         self.max_num_seqs = max_num_seqs
         self._queue: queue.Queue[ChatHandle | None] = queue.Queue()
         self._stopping = threading.Event()  # also seen while a deferred chat keeps the queue unread
+        self._num_deferred = 0  # chats the backend had no room for yet (read by num_waiting)
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
     def start(self) -> None:
@@ -127,6 +128,11 @@ class ChatWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Chats submitted and not yet started (queued, or waiting for K/V room): /metrics' waiting gauge."""
+        return self._queue.qsize() + self._num_deferred
 
     def submit(
         self, params: ChatParams, emit: Callable[[ChatEvent], None],
@@ -198,6 +204,7 @@ class ChatWorker:
                 else:
                     for handle in refused:
                         handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
+            self._num_deferred = len(deferred)
             for handle, session in active:
                 if handle.cancelled.is_set():
                     self._close(session)
