@@ -31,6 +31,14 @@ class FlagValueError(argparse.ArgumentTypeError, ValueError):
     to Python callers."""
 
 
+def json_flag(text: str, expected: str) -> typing.Any:
+    """A JSON flag value parsed; FlagValueError (naming what was `expected`) when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FlagValueError(f"not valid JSON ({e.msg}): {text!r}; expected {expected}") from None
+
+
 class JsonStrList(tuple):
     """A flag whose value is a JSON list of strings (vLLM's CORS flags: `--allowed-origins '["https://x.org"]'`).
     Built from the flag's text or from an iterable of strings; a tuple, so the frozen configs stay hashable;
@@ -41,12 +49,7 @@ class JsonStrList(tuple):
     def __new__(cls, value: str | typing.Iterable[str] = ()) -> JsonStrList:
         """Parse `value` (JSON text, or already a list/tuple of strings); FlagValueError when it is not one."""
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise FlagValueError(
-                    f"not valid JSON ({e.msg}): {value!r}; expected a list such as '[\"*\"]'"
-                ) from None
+            value = json_flag(value, "a list such as '[\"*\"]'")
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise FlagValueError(
                 f"expected a JSON list of strings such as '[\"*\"]', got {json.dumps(value)}"

@@ -24,11 +24,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
 from worldserve.api.bodies import read_json_object
 from worldserve.api.errors import APIError
-from worldserve.api.protocol import no_bool_number
+from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, error_for
@@ -45,7 +45,7 @@ DEFAULT_INTERVAL = (400.0, 1000.0)
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 
 
-class ImageGenerationRequest(BaseModel):
+class ImageGenerationRequest(NumbersNotBooleans):
     """vLLM-Omni's image generation fields; undeclared fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
@@ -69,12 +69,6 @@ class ImageGenerationRequest(BaseModel):
     extra_params: dict[str, Any] | str | None = None
     return_stage_metrics: bool | None = None
 
-    @field_validator("n", "num_inference_steps", "guidance_scale", "true_cfg_scale", "flow_shift", "seed",
-                     mode="before")  # fmt: skip
-    @classmethod
-    def _no_bool_numbers(cls, value: Any) -> Any:
-        return no_bool_number(value)
-
 
 def build_params(req: ImageGenerationRequest, default_flow_shift: float | None = None) -> list[VideoParams]:
     """The `n` one-frame requests (seed, seed + 1, ...), validated; `default_flow_shift` (--flow-shift)
@@ -94,10 +88,11 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         return default
 
     seed = pick("seed", None)
+    shift = DEFAULT_SHIFT if default_flow_shift is None else default_flow_shift
     base = VideoParams(
         prompt=req.prompt, negative_prompt=pick("negative_prompt", None), width=width, height=height, num_frames=1,
         num_inference_steps=pick("num_inference_steps", DEFAULT_STEPS),
-        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE), flow_shift=pick("flow_shift", DEFAULT_SHIFT if default_flow_shift is None else default_flow_shift),
+        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE), flow_shift=pick("flow_shift", shift),
         seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
         max_sequence_length=pick("max_sequence_length", 4096),
         guidance_interval=tuple(float(v) for v in pick("guidance_interval", DEFAULT_INTERVAL)),

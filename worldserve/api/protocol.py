@@ -9,23 +9,35 @@ vLLM-Omni. `VideoObject.from_job` is the one place a stored `Job` becomes the jo
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from worldserve.engine.client import Job
 
 INT64 = 2**63
 
 
-def no_bool_number(value: Any) -> Any:
-    """A before-validator for number fields: a JSON true / false is no number (pydantic would take 1 / 0)."""
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    return value
+def _is_number(annotation: Any) -> bool:
+    """Whether a field's type is int / float (or optional): `int | None` yes, `bool`, `str`, `tuple` no."""
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    return bool(kinds & {int, float})
 
 
-class VideoCreateRequest(BaseModel):
+class NumbersNotBooleans(BaseModel):
+    """A base for request models: a JSON true / false in any int / float field is refused (pydantic's lax
+    mode would take it as 1 / 0), with the field named."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number, got a boolean")
+        return value
+
+
+class VideoCreateRequest(NumbersNotBooleans):
     """Fields of POST /v1/videos and /v1/videos/sync (same names in every body type)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -68,22 +80,13 @@ class VideoCreateRequest(BaseModel):
     frame_interpolation_scale: float | None = Field(None, gt=0, allow_inf_nan=False)
     frame_interpolation_model_path: str | None = None
 
-    @field_validator(
-        "width", "height", "num_frames", "fps", "num_inference_steps", "guidance_scale", "flow_shift", "seed",
-        "max_sequence_length", "sound_duration", "num_outputs_per_prompt", "frame_interpolation_exp",
-        "frame_interpolation_scale", mode="before",
-    )  # fmt: skip
-    @classmethod
-    def _no_bool_numbers(cls, value: Any) -> Any:
-        return no_bool_number(value)
-
     @field_validator("seconds", "size", mode="before")
     @classmethod
     def _number_as_text(cls, value: Any) -> Any:
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-class ExtraParams(BaseModel):
+class ExtraParams(NumbersNotBooleans):
     """The `extra_params` keys worldserve honours; other keys are accepted and ignored (as vLLM-Omni)."""
 
     model_config = ConfigDict(extra="allow")
@@ -120,14 +123,6 @@ class ExtraParams(BaseModel):
         None, description="Prepend the reference system message (default false)."
     )
     system_prompt: str | None = Field(None, description="A system message of your own.")
-
-    @field_validator(
-        "max_sequence_length", "flow_shift", "sound_duration", "audio_duration", "num_inference_steps",
-        "guidance_scale", "seed", mode="before",
-    )  # fmt: skip
-    @classmethod
-    def _no_bool_numbers(cls, value: Any) -> Any:
-        return no_bool_number(value)
 
 
 class VideoError(BaseModel):

@@ -34,6 +34,7 @@ from worldserve.config import (
     ModelConfig,
     ParallelConfig,
     add_config_arguments,
+    json_flag,
 )
 
 log = logging.getLogger("worldserve.serve")
@@ -58,10 +59,7 @@ def _checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[
 
 def _json_object(text: str) -> dict[str, Any]:
     """An argparse type: a JSON object, as vLLM's `--hf-overrides '{"architectures": [...]}'`."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FlagValueError(f"not valid JSON ({e.msg}): {text!r}; expected a JSON object") from None
+    value = json_flag(text, "a JSON object")
     if not isinstance(value, dict):
         raise FlagValueError(f"expected a JSON object, got {text!r}")
     return value

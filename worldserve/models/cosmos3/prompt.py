@@ -247,10 +247,7 @@ class PromptEncoder:
         limit = params.max_sequence_length
         system = self.system_message(params)
         with_system = " (system message included)" if system else ""
-        system_bytes = len((system or "").encode("utf-8", "surrogatepass"))
-        if system_bytes > (limit + 64) * self.max_bytes_per_token:
-            raise ParamError("system_prompt", f"the system message is {system_bytes} bytes, more than "
-                             f"max_sequence_length={limit} tokens can hold")  # fmt: skip
+        self._check_bytes(system or "", limit, "the system message", "system_prompt")
         self._check_bytes(texts.cond, limit, "prompt", "prompt")
         cond = self.encode(texts.cond, is_image=is_image, system=system)
         if len(cond) > limit:
