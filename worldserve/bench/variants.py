@@ -226,7 +226,7 @@ def gpu_idle(events, top: int = 8) -> dict:
     )
     host_start = min((e.time_range.start for e in events if e.device_type != DeviceType.CUDA), default=0)
     if not dev:
-        return {"lead_ms": 0.0, "gaps_ms": 0.0, "longest": []}
+        return {"lead_ms": 0.0, "gaps_ms": 0.0, "gaps": 0, "longest": []}
     gaps, busy_end, prev = [], dev[0][1], dev[0][2]
     for start, end, name in dev[1:]:
         if start > busy_end:
