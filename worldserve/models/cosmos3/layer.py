@@ -15,8 +15,9 @@ Regional compilation: the two halves are written as pure functions of (activatio
 shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of
 a tensor-parallel o_proj / down_proj stays outside); there `finish` adds o_proj's and down_proj's
 outputs into the residual stream inside the GEMMs, in place (`finish_residual_in_place`). The gen tower
-compiles with static shapes (few, large). The und tower's prefills run eagerly; its decode step (runner/und_decoder.py) takes its own compiled copies
-(`compiled_decode_math`) and is captured in CUDA graphs.
+compiles with static shapes (few, large). The und tower's prefills run eagerly; its decode step
+(runner/und_decoder.py) takes its own compiled copies (`compiled_decode_math`) and is captured in CUDA
+graphs.
 FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
 `Fp8Linear`s (e4m3 weight + per-row scale, bf16 weight dropped); the same two pure functions then take the
 scales (`*_s`) and route those GEMMs through `fp8_linear`, so compiled or not, one graph serves all layers
