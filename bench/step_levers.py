@@ -14,6 +14,8 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   (`finish_residual_in_place`); `concat` and `buffers` also run the compiled finish_math;
 - `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
   path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
+- `fa4`: `buffers+twins` with every layer's attention through FlashAttention-4's CuTe-DSL kernel
+  (`worldserve/bench/fa4.py`) with the tile `--fa4` names (bench/attention_fa4.py searches them);
 - `diffusers`: diffusers' transformer with its default SDPA.
 Variants alternate over --rounds (each round runs every variant --steps times, in the reverse order every
 other round; one warm-up each first), so drift of the machine's clocks spreads over all of them.
@@ -43,7 +45,7 @@ import torch
 from worldserve.bench.denoise import rel_error, snapshot
 
 T_REF = 500  # timestep of the compared velocities
-VARIANTS = ("concat", "buffers", "addmm-copy", "buffers+twins", "cublaslt", "diffusers")
+VARIANTS = ("concat", "buffers", "addmm-copy", "buffers+twins", "cublaslt", "fa4", "diffusers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
+    ap.add_argument("--fa4", default="128x128-rs-ovl-gqaauto", help="the fa4 variant's Fa4Config spec")
     ap.add_argument(
         "--stacks", action="store_true", help="with --profile-dir: the Python stacks of copies and host syncs"
     )
@@ -89,7 +92,7 @@ def _compiled_finish_math(compiled: bool):
 
 
 @contextlib.contextmanager
-def variant(model, name: str):
+def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto"):
     """Switch our model to one of the step's code paths for the duration."""
     first = model.layers[0].gen
     lse_fn = first.attn_lse_fn
@@ -106,6 +109,15 @@ def variant(model, name: str):
             for block in (layer.gen for layer in model.layers):
                 stack.callback(setattr, block, "finish_fn", block.finish_fn)
                 block.finish_fn = finish
+        if name == "fa4":
+            from worldserve.bench import fa4
+
+            fa4.set_fa4_config(fa4.Fa4Config.parse(fa4_spec))
+            for layer in model.layers:
+                for block in (layer.und, layer.gen):
+                    stack.callback(setattr, block, "attn_fn", block.attn_fn)
+                    block.attn_fn = fa4.fa4_attention
+            first.attn_lse_fn = fa4.fa4_forward
         blas = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
         if name == "cublaslt" and blas is not None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -176,7 +188,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         """(step, context) of a variant."""
         if name == "diffusers":
             return ref_step, contextlib.nullcontext()
-        return our_step, variant(ours, name)
+        return our_step, variant(ours, name, args.fa4)
 
     snaps, timings = {}, {name: Timing() for name in names}
     for name in names:  # warm-up (compiles each path's graphs) and the velocities at T_REF

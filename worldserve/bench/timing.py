@@ -64,6 +64,22 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+def event_ms(fn: Callable[[], object], repeats: int, *, warmup: int = 0) -> float:
+    """Median ms of `repeats` calls of `fn` on the current CUDA stream, each between two CUDA events (kernel
+    time back to back, no host sync between the events), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
 def time_region(
     fn: Callable[[], object], device: torch.device, *, warmup: int = 1, repeats: int = 3
 ) -> Timing:

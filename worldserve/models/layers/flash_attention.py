@@ -60,17 +60,26 @@ def fa3_module() -> ModuleType | None:
     return None
 
 
-def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why FA3 cannot run here (one line), or None when it can."""
+def hopper_bf16_reason(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why a Hopper-only bf16 attention kernel (named `kernel` in the line) cannot run on this device, dtype
+    and head dim, or None when those allow it (whether its package imports is the caller's check)."""
     if device.type != "cuda":
-        return f"FlashAttention-3 needs an NVIDIA Hopper GPU; the model is on {device}"
+        return f"{kernel} needs an NVIDIA Hopper GPU; the model is on {device}"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
-        return f"FlashAttention-3 runs on compute capability 9.0 (H100/H200); {device} is {major}.{minor}"
+        return f"{kernel} runs on compute capability 9.0 (H100/H200); {device} is {major}.{minor}"
     if dtype != torch.bfloat16:
-        return f"FlashAttention-3 (fa3-fwd) runs in bfloat16; the model is {dtype}"
+        return f"{kernel} runs in bfloat16; the model is {dtype}"
     if head_dim > 256 or head_dim % 8:
-        return f"FlashAttention-3 needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+        return f"{kernel} needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+    return None
+
+
+def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA3 cannot run here (one line), or None when it can."""
+    reason = hopper_bf16_reason("FlashAttention-3", device, dtype, head_dim)
+    if reason is not None:
+        return reason
     mod = fa3_module()
     if mod is None:
         return f"no FlashAttention-3 package is importable ({' / '.join(FA3_MODULES)}): {FA3_INSTALL_HINT}"
