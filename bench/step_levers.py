@@ -12,6 +12,8 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   residual add, which first copies the residual stream into its output);
 - `buffers+twins`: the product default: as `addmm-copy`, the residual adds done by the GEMMs in place
   (`finish_residual_in_place`); `concat` and `buffers` also run the compiled finish_math;
+- `pack-each-step`: `buffers+twins` with GenBatch.pack's layout built anew and moved to the GPU by plain
+  (stream-synchronizing) copies every step, as before the layout cache (batch.py `_packed_layout`);
 - `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
   path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
 - `fa4`: `buffers+twins` with every layer's attention through FlashAttention-4's CuTe-DSL kernel
@@ -45,7 +47,16 @@ import torch
 from worldserve.bench.denoise import rel_error, snapshot
 
 T_REF = 500  # timestep of the compared velocities
-VARIANTS = ("concat", "buffers", "addmm-copy", "buffers+twins", "cublaslt", "fa4", "diffusers")
+VARIANTS = (
+    "concat",
+    "buffers",
+    "addmm-copy",
+    "pack-each-step",
+    "buffers+twins",
+    "cublaslt",
+    "fa4",
+    "diffusers",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +102,13 @@ def _compiled_finish_math(compiled: bool):
     return torch.compile(finish_math, dynamic=False) if compiled else finish_math
 
 
+class _NoLayoutCache(dict):
+    """A GenBatch layout cache that keeps nothing: every pack builds and copies its layout again."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto"):
     """Switch our model to one of the step's code paths for the duration."""
@@ -109,6 +127,10 @@ def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto"):
             for block in (layer.gen for layer in model.layers):
                 stack.callback(setattr, block, "finish_fn", block.finish_fn)
                 block.finish_fn = finish
+        if name == "pack-each-step":
+            from worldserve.models.cosmos3 import batch as batch_mod
+
+            stack.enter_context(mock.patch.object(batch_mod, "_LAYOUTS", _NoLayoutCache()))
         if name == "fa4":
             from worldserve.bench import fa4
 

@@ -154,50 +154,89 @@ class GenBatch:
 
     @classmethod
     def pack(cls, items: Sequence[GenItem], *, config: Cosmos3Config, device: torch.device | str) -> GenBatch:
-        """Lay out `items` into one gen stream (positions and index tensors are built on the CPU, moved once)."""
+        """Lay out `items` into one gen stream. The layout's positions and index tensors depend only on the
+        items' shapes, prompt lengths, fps and clean frames, which stay the same over a request's steps:
+        they are built on the CPU and moved to `device` once per layout (`_packed_layout`, cached), and
+        each step moves only its timesteps, without waiting for the GPU (a plain `.to(device)` of a CPU
+        tensor synchronizes the stream: the GPU would idle while the host packs and launches)."""
         if not items:
             raise ValueError("GenBatch needs at least one item")
-        p = config.latent_patch_size
-        layouts, positions = [], []
-        temb_rows, temb_items, video_rows, video_slots, sound_rows = [], [], [], [], []
-        offset = video_base = 0
-        for b, item in enumerate(items):
-            c, t, h, w = _check_item(item, config)
-            grid = (t, -(-h // p), -(-w // p))
-            num_sound = 0 if item.sound is None else item.sound.shape[1]
-            lay = ItemLayout(gen_offset=offset, grid=grid, latent_hw=(h, w), num_sound=num_sound)
-            origin = media_origin(item.und_cache.length, config)
-            positions.append(video_positions(grid, origin=origin, fps=float(item.fps), config=config))
-            per_frame = grid[1] * grid[2]
-            frame = torch.arange(lay.num_video) // per_frame  # [N_vid] latent frame of each token
-            noisy = ~torch.isin(frame, torch.tensor(item.clean_frames, dtype=torch.long))
-            rows = torch.arange(lay.num_video)[noisy]
-            video_rows.append(rows + offset)
-            video_slots.append(rows + video_base)
-            snd = torch.arange(num_sound) + offset + lay.num_video
-            if num_sound:
-                positions.append(sound_positions(num_sound, origin=origin, config=config))
-            sound_rows.append(snd)
-            temb_rows += [rows + offset, snd]
-            temb_items.append(torch.full((rows.numel() + num_sound,), b, dtype=torch.long))
-            layouts.append(lay)
-            offset += lay.num_tokens
-            video_base += lay.num_video
-        timesteps = torch.stack(
+        device = torch.device(device)
+        shapes = tuple(_check_item(item, config) for item in items)
+        key = tuple(
+            (shape, None if it.sound is None else it.sound.shape[1], it.und_cache.length, float(it.fps),
+             tuple(it.clean_frames))
+            for shape, it in zip(shapes, items, strict=True)
+        )  # fmt: skip
+        packed = _packed_layout(key, config, device)
+        return cls(
+            items=tuple(items), timesteps=_timesteps(items, device), twins=twin_groups(items), **packed
+        )
+
+
+_LAYOUTS: dict[tuple, tuple[Cosmos3Config, dict]] = {}
+_LAYOUTS_KEPT = 8
+"""Layouts kept on their devices (a few MB each at 720p): the running requests' shapes, in insertion order."""
+
+
+def _packed_layout(key: tuple, config: Cosmos3Config, device: torch.device) -> dict:
+    """GenBatch's layout fields for items described by `key` (per item: latent shape, sound tokens or None,
+    prompt length, fps, clean frames), built once per (key, config, device) and then shared: read only.
+    The config (unhashable) is keyed by identity; each entry holds it, so its id cannot be reused meanwhile."""
+    cache_key = (key, id(config), device)
+    if (hit := _LAYOUTS.get(cache_key)) is not None:
+        return hit[1]
+    p = config.latent_patch_size
+    layouts, positions = [], []
+    temb_rows, temb_items, video_rows, video_slots, sound_rows = [], [], [], [], []
+    offset = video_base = 0
+    for b, ((_, t, h, w), num_sound, prompt_len, fps, clean_frames) in enumerate(key):
+        num_sound = num_sound or 0
+        grid = (t, -(-h // p), -(-w // p))
+        lay = ItemLayout(gen_offset=offset, grid=grid, latent_hw=(h, w), num_sound=num_sound)
+        origin = media_origin(prompt_len, config)
+        positions.append(video_positions(grid, origin=origin, fps=fps, config=config))
+        per_frame = grid[1] * grid[2]
+        frame = torch.arange(lay.num_video) // per_frame  # [N_vid] latent frame of each token
+        noisy = ~torch.isin(frame, torch.tensor(clean_frames, dtype=torch.long))
+        rows = torch.arange(lay.num_video)[noisy]
+        video_rows.append(rows + offset)
+        video_slots.append(rows + video_base)
+        snd = torch.arange(num_sound) + offset + lay.num_video
+        if num_sound:
+            positions.append(sound_positions(num_sound, origin=origin, config=config))
+        sound_rows.append(snd)
+        temb_rows += [rows + offset, snd]
+        temb_items.append(torch.full((rows.numel() + num_sound,), b, dtype=torch.long))
+        layouts.append(lay)
+        offset += lay.num_tokens
+        video_base += lay.num_video
+    packed = {
+        "layout": tuple(layouts),
+        "positions": torch.cat(positions, dim=1).to(device),
+        "temb_rows": torch.cat(temb_rows).to(device),
+        "temb_items": torch.cat(temb_items).to(device),
+        "video_rows": torch.cat(video_rows).to(device),
+        "video_slots": torch.cat(video_slots).to(device),
+        "sound_rows": torch.cat(sound_rows).to(device),
+    }
+    if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+        del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest layout
+    _LAYOUTS[cache_key] = (config, packed)
+    return packed
+
+
+def _timesteps(items: Sequence[GenItem], device: torch.device) -> Tensor:
+    """[B] float32 timesteps on `device`. Host numbers (or CPU tensors) travel in one pinned, non-blocking
+    copy on CUDA, so the host does not wait for the GPU to drain its queue."""
+    if any(isinstance(it.timestep, Tensor) and it.timestep.device != torch.device("cpu") for it in items):
+        return torch.stack(
             [torch.as_tensor(it.timestep).to(device=device, dtype=torch.float32).reshape(()) for it in items]
         )
-        return cls(
-            items=tuple(items),
-            layout=tuple(layouts),
-            positions=torch.cat(positions, dim=1).to(device),
-            timesteps=timesteps,
-            temb_rows=torch.cat(temb_rows).to(device),
-            temb_items=torch.cat(temb_items).to(device),
-            video_rows=torch.cat(video_rows).to(device),
-            video_slots=torch.cat(video_slots).to(device),
-            sound_rows=torch.cat(sound_rows).to(device),
-            twins=twin_groups(items),
-        )
+    values = torch.tensor([float(it.timestep) for it in items], dtype=torch.float32)
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 def same_gen_input(a: GenItem, b: GenItem) -> bool:
