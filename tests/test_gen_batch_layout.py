@@ -65,12 +65,21 @@ def test_a_different_layout_gets_its_own_tensors(setup):
     assert torch.equal(again.positions, base.positions) and again.positions is not base.positions
 
 
-def test_the_cache_keeps_a_bounded_number_of_layouts(setup):
+def test_the_cache_keeps_a_bounded_number_of_layouts_and_drops_the_least_recently_used(setup):
     config, caches = setup
     batch_mod._LAYOUTS.clear()
-    for frames in range(1, batch_mod._LAYOUTS_KEPT + 3):
-        GenBatch.pack(_items(config, caches, 1.0, frames=frames), config=config, device="cpu")
+    running = GenBatch.pack(_items(config, caches, 1.0, frames=1), config=config, device="cpu")
+    built = {}
+    for frames in range(2, batch_mod._LAYOUTS_KEPT + 4):
+        built[frames] = GenBatch.pack(_items(config, caches, 1.0, frames=frames), config=config, device="cpu")
+        again = GenBatch.pack(_items(config, caches, 0.5, frames=1), config=config, device="cpu")
+        assert again.positions is running.positions  # used every step: never the one dropped
     assert len(batch_mod._LAYOUTS) == batch_mod._LAYOUTS_KEPT
+    newest = max(built)
+    kept = GenBatch.pack(_items(config, caches, 1.0, frames=newest), config=config, device="cpu")
+    rebuilt = GenBatch.pack(_items(config, caches, 1.0, frames=2), config=config, device="cpu")
+    assert kept.positions is built[newest].positions
+    assert rebuilt.positions is not built[2].positions and torch.equal(rebuilt.positions, built[2].positions)
 
 
 @pytest.mark.gpu

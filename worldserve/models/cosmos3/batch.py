@@ -176,7 +176,7 @@ class GenBatch:
 
 _LAYOUTS: dict[tuple, tuple[Cosmos3Config, dict]] = {}
 _LAYOUTS_KEPT = 8
-"""Layouts kept on their devices (a few MB each at 720p): the running requests' shapes, in insertion order."""
+"""Layouts kept on their devices (a few MB each at 720p), least recently used first."""
 
 
 def _packed_layout(key: tuple, config: Cosmos3Config, device: torch.device) -> dict:
@@ -184,7 +184,8 @@ def _packed_layout(key: tuple, config: Cosmos3Config, device: torch.device) -> d
     prompt length, fps, clean frames), built once per (key, config, device) and then shared: read only.
     The config (unhashable) is keyed by identity; each entry holds it, so its id cannot be reused meanwhile."""
     cache_key = (key, id(config), device)
-    if (hit := _LAYOUTS.get(cache_key)) is not None:
+    if (hit := _LAYOUTS.pop(cache_key, None)) is not None:
+        _LAYOUTS[cache_key] = hit  # most recently used last
         return hit[1]
     p = config.latent_patch_size
     layouts, positions = [], []
@@ -221,7 +222,7 @@ def _packed_layout(key: tuple, config: Cosmos3Config, device: torch.device) -> d
         "sound_rows": torch.cat(sound_rows).to(device),
     }
     if len(_LAYOUTS) >= _LAYOUTS_KEPT:
-        del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest layout
+        del _LAYOUTS[next(iter(_LAYOUTS))]  # the least recently used layout
     _LAYOUTS[cache_key] = (config, packed)
     return packed
 
