@@ -46,6 +46,8 @@ def make_client(
     job_ttl_s: float | None = None,
     model_name: str = "test-model",
     observer=None,
+    chat_backend=None,
+    max_num_seqs: int = 32,
 ) -> EngineClient:
     backend = backend or FakeBackend()
     store = JobStore(storage)
@@ -57,8 +59,9 @@ def make_client(
         job_ttl_s=job_ttl_s,
     )  # fmt: skip
     return EngineClient(
-        engine, store, model_name=model_name, max_queued_requests=max_queued_requests, job_ttl_s=job_ttl_s
-    )
+        engine, store, model_name=model_name, max_queued_requests=max_queued_requests, job_ttl_s=job_ttl_s,
+        chat_backend=chat_backend, max_num_seqs=max_num_seqs,
+    )  # fmt: skip
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.005):

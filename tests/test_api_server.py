@@ -140,3 +140,17 @@ def test_openai_client_videos_calls(tmp_path):
             client.videos.retrieve(video.id)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).videos.list()
+
+
+def test_a_sync_client_that_disconnects_takes_its_job_with_it(tmp_path):
+    """/v1/videos/sync: a client gone before the answer never learnt the job id; the job is deleted and its
+    GPU work aborted (serving-api.md §14), and the server keeps serving."""
+    backend = FakeBackend(step_delay=0.05)
+    with uvicorn_thread(tmp_path, backend=backend) as (url, client):
+        form = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "200"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/videos/sync", data=form, timeout=httpx.Timeout(5, read=0.5))
+        wait_until(lambda: httpx.get(url + "/v1/videos").json()["data"] == [], timeout=5)
+        wait_until(lambda: client.engine.num_running == 0, timeout=5)
+        quick = httpx.post(url + "/v1/videos/sync", data={**form, "num_inference_steps": "2"}, timeout=30)
+        assert quick.status_code == 200 and quick.content.startswith(b"FAKEMP4")

@@ -221,6 +221,7 @@ def test_restart_resumes_unfinished_jobs(tmp_path):
         lost = client.submit(p, _spec(p), EncodeOptions(), png)
         await asyncio.to_thread(wait_until, lambda: client.get(running.id).progress > 0)
         client.engine.stop(0)  # what a crash leaves: one row in_progress, one queued
+        client.store.close()  # the dead process's storage lock goes with it
         return running, lost
 
     running, lost = run(first_life())
@@ -306,3 +307,52 @@ def test_an_ephemeral_request_after_the_loop_ended_is_cancelled_at_once(tmp_path
     client.engine.add_request(Request(job_id="img-late", params=_params(), arrival_time=_time.monotonic(),
                                       on_result=outcomes.append))  # fmt: skip
     assert len(outcomes) == 1 and isinstance(outcomes[0], CancelledRequest) and client.engine.num_waiting == 0
+
+
+def test_deleted_queued_jobs_free_their_queue_slots_at_once(tmp_path):
+    """A queued job deleted while the engine is inside a long step no longer counts against the queue bound
+    (the loop itself only sees the abort at its next step boundary)."""
+    backend = FakeBackend(step_delay=1.0)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_queued_requests=2)
+        await client.start()
+        _submit(client, _params(steps=100))
+        await asyncio.to_thread(wait_until, lambda: client.engine.num_running == 1)
+        queued = [_submit(client, _params(seed=s)) for s in range(2)]
+        with pytest.raises(QueueFullError):
+            _submit(client, _params())
+        for job in queued:
+            assert client.delete(job.id) is not None
+        assert client.engine.num_waiting == 0
+        fresh = _submit(client, _params())  # no 429: the deleted jobs' slots are free
+        assert client.get(fresh.id).status is JobStatus.QUEUED
+        await client.shutdown(0.1)
+
+    run(main())
+
+
+def test_shutdown_answers_waiters_of_queued_jobs_at_once_and_the_rest_after_the_timeout(tmp_path):
+    """On shutdown a sync waiter whose job stays queued is answered right away; one whose job runs gets its
+    answer after the shutdown timeout even while the engine is still inside a long step."""
+    backend = FakeBackend(step_delay=3.0)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        running = _submit(client, _params(steps=100))
+        await asyncio.to_thread(wait_until, lambda: client.engine.num_running == 1)
+        queued = _submit(client, _params(seed=1))
+        waiters = [asyncio.create_task(client.wait(j.id)) for j in (running, queued)]
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        client.begin_shutdown(0.5)
+        with pytest.raises(ShuttingDownError):
+            await waiters[1]
+        assert time.monotonic() - t0 < 0.3
+        with pytest.raises(ShuttingDownError):
+            await waiters[0]
+        assert 0.4 < time.monotonic() - t0 < 2.0  # the timeout, not the 3 s step
+        await client.shutdown(0.5)
+
+    run(main())

@@ -127,3 +127,29 @@ def test_expiry_and_bad_ids(tmp_path):
         assert store.get(bad) is None and store.delete(bad) is None
     with pytest.raises(AssertionError):
         store.video_path("../x")
+
+
+def test_one_store_per_directory_and_the_lock_goes_with_close(tmp_path):
+    """A second server on the same storage directory would re-run the first one's running jobs and delete
+    their finished videos: the directory is locked while a store holds it."""
+    from worldserve.engine.jobs import StorageInUseError
+
+    store = JobStore(tmp_path)
+    with pytest.raises(StorageInUseError, match="--storage-dir"):
+        JobStore(tmp_path)
+    JobStore(tmp_path / "other").close()  # another directory is fine
+    store.close()
+    JobStore(tmp_path).close()  # free again once closed
+
+
+def test_a_finished_video_whose_row_was_requeued_keeps_its_file(tmp_path):
+    """complete() deletes the file it wrote only when the job's row is gone (deleted), not when the row is
+    in another state (parked for restart while its video was being encoded: the re-run overwrites it)."""
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, reference=None)
+    assert store.mark_in_progress(job.id, time.time())
+    store.requeue([job.id])
+    assert not _complete(store, job.id, b"late")
+    assert store.video_path(job.id).read_bytes() == b"late"
+    assert store.get(job.id).status is JobStatus.QUEUED

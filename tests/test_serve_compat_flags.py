@@ -239,3 +239,15 @@ def test_dtype_auto_is_the_default_dtype():
         config("--dtype", "auto").model.dtype is None
         and config("--dtype", "float32").model.dtype == "float32"
     )
+
+
+def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):
+    from worldserve.engine.jobs import JobStore
+
+    held = JobStore(tmp_path / "store")  # another server's store
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"))) == 1
+    assert "in use by another worldserve server" in caplog.text and not loads
+    held.close()

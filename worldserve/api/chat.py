@@ -1,9 +1,11 @@
 """POST /v1/chat/completions: the Reasoner's OpenAI chat completions, non-streaming and SSE (serving-api.md §11).
 
 Request -> checks (served model name else 404 NotFoundError; 1 <= n <= 16; media loaded and decoded here, in
-the API process, off the event loop) -> `ChatParams` (choice i of n samples with seed + i) -> one
-`EngineClient.chat` per choice (the ChatWorker thread runs prefill and batched decode steps under the
-engine's model lock, so the event loop never waits on the model) -> api/chat_stream.py builds the answer.
+the API process, off the event loop) -> `ChatParams` (choice i of n samples with seed + i) ->
+`EngineClient.chat_many` starts the choices together (the ChatWorker thread runs their one prefill and the
+batched decode steps, so the event loop never waits on the model) -> api/chat_stream.py builds the answer.
+A client that disconnects before its answer is complete stops its chats at their next step
+(api/disconnect.py; a started SSE stream is watched by Starlette itself).
 Media: image_url and video_url parts accept base64 `data:` URLs and `file://` paths under
 --allowed-local-media-path. http(s) URLs are refused with a 400: this server does not fetch remote media (it
 may run with no network); send the bytes inline as a data URL. Videos are decoded with PyAV and sampled as
@@ -37,6 +39,7 @@ from worldserve.api.chat_protocol import (
 )  # fmt: skip
 from worldserve.api.chat_stream import close_all, collect, metered, sse
 from worldserve.api.data_urls import data_url_bytes
+from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import (
@@ -201,24 +204,32 @@ async def create_chat_completion(request: Request, st: State):
         dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
         for i in range(1, body.n)
     ]
+    opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
+    return await unless_disconnected(request, _answer(st, body, choices, opened), lambda: close_all(opened))
+
+
+async def _answer(st: AppState, body: ChatCompletionRequest, choices: list, opened: list):
+    """Start the choices together (`opened` gets their event streams), wait for each one's first event,
+    then answer: SSE, or the whole completion."""
     streams: list = []
     try:
-        for p in choices:
-            # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
-            # merged at the end, which spares the event loop a wake-up per chat and token
-            streams.append(metered(st.client.chat(p, coalesce=not body.stream), st.metrics))
-            first = await anext(streams[-1])
+        opened += st.client.chat_many(choices, coalesce=not body.stream)
+        # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
+        # merged at the end, which spares the event loop a wake-up per chat and token
+        streams = [metered(events, st.metrics) for events in opened]
+        for events in streams:  # admitted and prefilled together: their prompt K/V is shared
+            first = await anext(events)
             if isinstance(first, ChatFailed):
                 raise APIError(first.status, first.message, param=first.param)
             assert isinstance(first, ChatStarted)
     except ChatUnavailableError as exc:
-        await close_all(streams)
+        await close_all([*streams, *opened])
         raise APIError(400, str(exc)) from None
     except ShuttingDownError as exc:
-        await close_all(streams)
+        await close_all([*streams, *opened])
         raise APIError(503, str(exc)) from None
     except BaseException:
-        await close_all(streams)
+        await close_all([*streams, *opened])
         raise
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
     if body.stream:
@@ -227,4 +238,4 @@ async def create_chat_completion(request: Request, st: State):
             streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage
         )
         return StreamingResponse(stream, media_type="text/event-stream")
-    return await collect(streams, request_id, created, model, first.prompt_tokens, params.logprobs)
+    return await collect(streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs)

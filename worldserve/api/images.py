@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field
 
 from worldserve.api.bodies import read_json_object
+from worldserve.api.disconnect import ClientGone, unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
@@ -104,26 +105,6 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
     return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n)]
 
 
-DISCONNECT_POLL_S = 0.25
-
-
-async def _unless_disconnected(request: Request, work):
-    """Await `work`; if the client goes away first, cancel it (its requests are aborted at the next step
-    boundary: nobody could collect images that have no job) and raise CancelledError."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise asyncio.CancelledError("the client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
 def encode_image(frame, fmt: str) -> bytes:
     """uint8 (H, W, 3) -> PNG / JPEG (quality 95) / WebP (lossless) bytes."""
     from PIL import Image
@@ -154,9 +135,11 @@ async def create_images(request: Request, st: State) -> JSONResponse:
     )
     headers = {"X-Request-Id": request_id}
     try:
-        results = await _unless_disconnected(
+        results = await unless_disconnected(
             request, st.client.generate_ephemeral(params, prefix=request_id, timeout_s=st.sync_timeout_s)
         )
+    except ClientGone:
+        raise
     except TimeoutError:
         raise APIError(
             504, f"Image generation timed out after {st.sync_timeout_s:g}s.", headers=headers

@@ -116,6 +116,8 @@ class Metrics:
         self.chat_ttft = Histogram("worldserve:chat_time_to_first_token_seconds", "Chat submit to first token.",
                                    label, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
         self.vllm = VllmMirror(r, label)
+        for gauge in (self.chat_running, self.vllm.chat_running):  # exported as 0 from the start, as vLLM's
+            gauge.labels(**self._label)
         if gpu_memory_bytes is not None:
             gpu = Gauge("worldserve:gpu_memory_used_bytes", "Accelerator memory in use.", label, registry=r)
             gpu.labels(**self._label).set_function(gpu_memory_bytes)

@@ -3,7 +3,9 @@ GET /v1/videos/{id}/content (serving-api.md §5, §6).
 
 Create = validate (400s before any GPU work) -> persist a queued job -> hand it to the engine -> 200 with the
 job object. Sync = the same job, awaited up to the sync timeout: 200 video/mp4 with the timing headers, or
-504 "Video generation timed out after <N>s." while the job goes on (GET /v1/videos/<X-Video-Id> finds it).
+504 "Video generation timed out after <N>s." while the job goes on (GET /v1/videos/<X-Video-Id> finds it);
+a client that disconnects first never got the job id, so its job is deleted and its GPU work aborted
+(serving-api.md §14; vLLM-Omni keeps running it).
 DELETE removes the job and its files and aborts its GPU work at the next step boundary. A failed job's GET
 answers with the failure's status code (vLLM-Omni quirk). Content supports HTTP Range (Starlette).
 """
@@ -12,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.protocol import ErrorResponse, VideoCreateRequest, VideoDeleted, VideoList, VideoObject
 from worldserve.api.state import AppState, app_state
@@ -101,8 +105,14 @@ async def create_video_sync(request: Request, st: State) -> Response:
     request_id = f"video_sync-{uuid.uuid4().hex}"
     job, _ = await _submit(request, st)
     ids = {"X-Request-Id": request_id, "X-Video-Id": job.id}
+
+    async def forget() -> None:  # the client left without the job id: nobody could fetch the video
+        st.client.delete(job.id)
+
     try:
-        done = await asyncio.wait_for(st.client.wait(job.id), st.sync_timeout_s)
+        done = await unless_disconnected(
+            request, asyncio.wait_for(st.client.wait(job.id), st.sync_timeout_s), forget
+        )
     except TimeoutError:
         raise APIError(
             504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids
@@ -179,7 +189,25 @@ async def download_video(video_id: str, st: State) -> FileResponse:
         raise APIError(422, "Video generation failed. Check job status for error details.")
     if job.status is not JobStatus.COMPLETED:
         raise APIError(404, "Generation is still in-progress")
-    path = st.client.video_path(video_id)
-    if not path.is_file():
-        raise APIError(404, "Generated video file not found on disk")
-    return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+    try:  # opened here: a DELETE (or the TTL sweep) that unlinks it meanwhile cannot cut the download
+        fd = os.open(st.client.video_path(video_id), os.O_RDONLY)
+    except FileNotFoundError:
+        raise APIError(404, "Generated video file not found on disk") from None
+    return OpenFileResponse(fd, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+class OpenFileResponse(FileResponse):
+    """Starlette's FileResponse (HTTP Range included) over a file this process has open: it reads the file
+    through its descriptor's /proc (or /dev) path, which stays valid after the file is unlinked, and closes
+    the descriptor when the response is done (sent, failed or cancelled)."""
+
+    def __init__(self, fd: int, **kwargs: Any):
+        fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+        super().__init__(f"{fd_dir}/{fd}", stat_result=os.fstat(fd), **kwargs)
+        self._fd = fd
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            os.close(self._fd)

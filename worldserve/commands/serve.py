@@ -162,26 +162,32 @@ def run(args: argparse.Namespace) -> int:
     _log_vllm_compat(args, config)
     if config.model.omni:
         log.info("--omni accepted: worldserve always serves the omni video API")
+    from worldserve.engine.jobs import JobStore, StorageInUseError
+
+    try:  # before the (minutes-long) model load: a storage directory in use fails the start at once
+        store = JobStore(config.server.storage_dir)
+    except StorageInUseError as exc:
+        log.error("%s", exc)
+        return 1
     loaded = _load_backend_within(config.model, config.parallel, config.scheduler.max_num_seqs)
     if loaded is None:
+        store.close()
         return 1
     backend, gpu_memory, *chat = loaded
     try:
-        return _serve(config, backend, gpu_memory, chat[0] if chat else None)
+        return _serve(config, store, backend, gpu_memory, chat[0] if chat else None)
     finally:
         if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
             backend.close()
 
 
-def _serve(config: EngineConfig, backend: Any, gpu_memory: Any, chat_backend: Any = None) -> int:
+def _serve(config: EngineConfig, store: Any, backend: Any, gpu_memory: Any, chat_backend: Any = None) -> int:
     from worldserve.api.app import build_app, route_table
     from worldserve.api.metrics import Metrics
     from worldserve.engine.client import EngineClient
     from worldserve.engine.engine import Engine
-    from worldserve.engine.jobs import JobStore
 
     server_cfg, served = config.server, config.model.served_model_name
-    store = JobStore(server_cfg.storage_dir)
     log.info(
         "job store: %s (ttl: %s)", store.root, f"{server_cfg.job_ttl:g}s" if server_cfg.job_ttl else "none"
     )

@@ -16,6 +16,10 @@ Events go to the caller's `emit` callback from this thread (EngineClient bridges
 `ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token, the last one with
 its finish_reason (a `coalesce` handle, a non-streaming caller's: the first delta, then the rest as one);
 or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the chat fails. `ChatHandle.cancel()` (client gone) stops a chat at the next step boundary.
+`submit_many` queues the `n` choices of one request as one entry, so they are admitted (and prefilled, their
+prompt K/V shared by the backend) together. `stop(timeout_s)` (server shutdown) takes no new chats, lets the
+running ones finish within the timeout and then fails those still running with a 503, so their callers
+answer with an error instead of being cut off when the HTTP server closes their connections.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class ChatHandle:
 
 
 DEFAULT_MAX_NUM_SEQS = 32
+ABORT_JOIN_S = 10.0
+"""How long stop() waits, after failing the running chats, for the worker's current step to end."""
 
 
 def _receive_all(pairs: list[tuple[ChatHandle, ChatEvent]]) -> None:
@@ -109,9 +115,12 @@ class ChatWorker:
         self.backend = backend
         self.model_lock = model_lock
         self.max_num_seqs = max_num_seqs
-        self._queue: queue.Queue[ChatHandle | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[ChatHandle, ...] | None] = queue.Queue()  # one entry a request
         self._stopping = threading.Event()  # also seen while a deferred chat keeps the queue unread
-        self._num_deferred = 0  # chats the backend had no room for yet (read by num_waiting)
+        self._abort = threading.Event()  # the shutdown timeout passed: fail the running chats
+        self._num_queued = 0  # handles in the queue (an entry holds a request's choices)
+        self._count_lock = threading.Lock()
+        self._num_deferred = 0  # chats taken from the queue but not started yet (read by num_waiting)
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
     def start(self) -> None:
@@ -119,11 +128,15 @@ class ChatWorker:
             self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Finish the current step, fail whatever is still queued, and join the thread."""
+        """Take no new chats (queued ones get a 503), let the running ones finish within `timeout_s`, then
+        fail those still running with a 503 after the current step, and join the thread."""
         self._stopping.set()
         self._queue.put(None)
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(max(timeout_s, 0.0))
+        if self._thread.is_alive():
+            self._abort.set()
+            self._thread.join(ABORT_JOIN_S)
 
     @property
     def alive(self) -> bool:
@@ -132,18 +145,37 @@ class ChatWorker:
     @property
     def num_waiting(self) -> int:
         """Chats submitted and not yet started (queued, or waiting for K/V room): /metrics' waiting gauge."""
-        return self._queue.qsize() + self._num_deferred
+        return self._num_queued + self._num_deferred
 
     def submit(
         self, params: ChatParams, emit: Callable[[ChatEvent], None],
         receive: Callable[[ChatEvent], None] | None = None, *, coalesce: bool = False,
     ) -> ChatHandle:  # fmt: skip
-        handle = ChatHandle(params=params, emit=emit, receive=receive, coalesce=coalesce)
+        return self.submit_many([(params, emit, receive)], coalesce=coalesce)[0]
+
+    def submit_many(self, chats: list[tuple], *, coalesce: bool = False) -> list[ChatHandle]:
+        """Queue several chats as one entry, (params, emit, receive or None) each: they are admitted in one
+        batch when the worker has room for them all (a request's `n` choices: one prefill, shared K/V)."""
+        handles = tuple(
+            ChatHandle(params=params, emit=emit, receive=receive, coalesce=coalesce)
+            for params, emit, receive in chats
+        )
         if self._stopping.is_set():  # stopped (or the loop failed): nobody would read the queue
-            self._tell(handle, ChatFailed(503, "The server is shutting down."))
+            for handle in handles:
+                self._tell(handle, ChatFailed(503, "The server is shutting down."))
         else:
-            self._queue.put(handle)
-        return handle
+            with self._count_lock:
+                self._num_queued += len(handles)
+            self._queue.put(handles)
+        return list(handles)
+
+    def _take(self, block: bool) -> tuple[ChatHandle, ...] | None:
+        """The next queue entry (None: the stop marker); queue.Empty when none and not blocking."""
+        entry = self._queue.get(block=block)
+        if entry is not None:
+            with self._count_lock:
+                self._num_queued -= len(entry)
+        return entry
 
     def _run(self) -> None:
         active: list[tuple[ChatHandle, object]] = []
@@ -162,10 +194,10 @@ class ChatWorker:
             self._tell(handle, ChatFailed(503, message))
         while True:  # stopped: tell the callers still queued
             try:
-                handle = self._queue.get_nowait()
+                entry = self._take(block=False)
             except queue.Empty:
                 return
-            if handle is not None:
+            for handle in entry or ():
                 self._tell(handle, ChatFailed(503, message))
 
     @staticmethod
@@ -181,18 +213,27 @@ class ChatWorker:
         stopping = False
         while not stopping or active:
             stopping = stopping or self._stopping.is_set()
+            if self._abort.is_set():  # shutting down and out of time: the running chats end with a 503
+                for handle, session in active:
+                    self._close(session)
+                    self._tell(handle, ChatFailed(503, "The server is shutting down."))
+                active.clear()
+                return
             batch: list[ChatHandle] = []
             while not stopping and len(active) + len(batch) < self.max_num_seqs:
-                if deferred:
-                    handle = deferred.pop(0)
-                else:
+                if not deferred:
                     try:  # wait for work only when nothing is running or being started
-                        handle = self._queue.get(block=not active and not batch)
+                        entry = self._take(block=not active and not batch)
                     except queue.Empty:
                         break
-                if handle is None:
-                    stopping = True
-                elif not handle.cancelled.is_set():
+                    if entry is None:
+                        stopping = True
+                        break
+                    deferred += entry  # a request's choices, in order (admitted as room allows)
+                    self._num_deferred = len(deferred)
+                handle = deferred.pop(0)
+                self._num_deferred = len(deferred)
+                if not handle.cancelled.is_set():
                     batch.append(handle)
             if batch:
                 started, refused = self._start(batch)

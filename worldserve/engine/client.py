@@ -10,8 +10,10 @@ or in progress; it re-runs from its persisted inputs, or fails with a reason if 
 gone), then starts the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
 (submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the engine
 and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
-Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat(params)` is an async
-iterator of its events (ChatStarted, ChatDelta..., or ChatFailed), bridged with call_soon_threadsafe.
+Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat_many(choices)` starts a
+request's choices together and gives a `ChatEvents` async iterator for each (ChatStarted, ChatDelta..., or
+ChatFailed), bridged with call_soon_threadsafe. Shutdown gives running chats the same timeout as jobs, then
+fails them with a 503.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from worldserve.engine.chat_worker import DEFAULT_MAX_NUM_SEQS, ChatEvent, ChatFailed, ChatStarted, ChatWorker
+from worldserve.engine.chat_worker import (
+    DEFAULT_MAX_NUM_SEQS,
+    ChatEvent,
+    ChatFailed,
+    ChatHandle,
+    ChatStarted,
+    ChatWorker,
+)
 from worldserve.engine.engine import Engine, EngineObserver, error_for
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
@@ -35,7 +44,7 @@ from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import ChatParams, VideoParams
 
 __all__ = [
-    "ChatDelta", "ChatEvent", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
+    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
     "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "error_for",
 ]  # fmt: skip
 
@@ -88,6 +97,29 @@ def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple
     return params, EncodeOptions(crf=record["crf"], codec_options=record["codec_options"])
 
 
+class ChatEvents:
+    """One chat's events as an async iterator: ChatStarted, ChatDelta... (the last with its finish_reason), or
+    ChatFailed. `aclose()` (also on one never iterated) cancels the chat at its next step; idempotent."""
+
+    def __init__(self, events: asyncio.Queue, handle: ChatHandle):
+        self._events, self._handle, self._done = events, handle, False
+
+    def __aiter__(self) -> ChatEvents:
+        return self
+
+    async def __anext__(self) -> ChatEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if isinstance(event, ChatFailed) or (isinstance(event, ChatDelta) and event.finish_reason):
+            self._done = True
+        return event
+
+    async def aclose(self) -> None:
+        self._done = True
+        self._handle.cancel()
+
+
 class EngineClient:
     def __init__(
         self,
@@ -134,13 +166,28 @@ class EngineClient:
         self.accepting = True
 
     def begin_shutdown(self, timeout_s: float) -> None:
-        """Stop intake now and stop the engine in the background (safe from a signal handler)."""
+        """Stop intake now and stop the engine in the background (safe from a signal handler). Sync waiters
+        are answered (ShuttingDownError -> 503) at once when their job stays queued, the others after
+        `timeout_s` even if the engine is still inside a step it cannot interrupt (a long decode)."""
         self.accepting = False
         if self._stop_thread is None and self._started:
+            self.engine.drain()  # queued jobs stay queued from now on
             self._stop_thread = threading.Thread(
                 target=self._stop_engine, args=(timeout_s,), name="worldserve-stop", daemon=True
             )
             self._stop_thread.start()
+            self._call_in_loop(lambda: self._answer_waiters_at_shutdown(timeout_s))
+
+    def _answer_waiters_at_shutdown(self, timeout_s: float) -> None:
+        """On the loop: fail the waiters of jobs that stay queued now, the rest when `timeout_s` has passed."""
+        err = ShuttingDownError("the server is shutting down")
+        for job_id, futures in list(self._waiters.items()):
+            job = self.store.get(job_id)
+            if job is not None and job.status is JobStatus.QUEUED:
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(err)
+        self._loop.call_later(timeout_s, self._wake_all, err)
 
     async def shutdown(self, timeout_s: float) -> None:
         if not self._started:
@@ -156,7 +203,12 @@ class EngineClient:
         self._started = False
 
     def _stop_engine(self, timeout_s: float) -> None:
+        """Give running video jobs and chats `timeout_s` in all to finish; then the engine stops and the chats
+        still running end with a 503 (their callers answer before the HTTP server closes connections)."""
+        deadline = time.monotonic() + timeout_s
         self.engine.stop(timeout_s)
+        if self.chat_worker is not None:
+            self.chat_worker.stop(deadline - time.monotonic())
         if self._loop is not None and not self._loop.is_closed():
             err = ShuttingDownError("the server is shutting down")
             try:
@@ -316,8 +368,9 @@ class EngineClient:
         except RuntimeError:  # the loop closed: nobody is listening any more
             pass
 
-    async def chat(self, params: ChatParams, *, coalesce: bool = False) -> AsyncIterator[ChatEvent]:
-        """One chat's events (ChatStarted, ChatDelta..., or ChatFailed); closing early cancels the chat.
+    def chat_many(self, choices: Sequence[ChatParams], *, coalesce: bool = False) -> list[ChatEvents]:
+        """Start the chats of one request (its `n` choices), queued as one entry so the worker admits and
+        prefills them together: one `ChatEvents` each. Call on the event loop's thread.
         `coalesce`: the first delta, then the rest merged into one at the end (ChatHandle.coalesce)."""
         worker = self.chat_worker
         if worker is None:
@@ -328,23 +381,21 @@ class EngineClient:
         if not self.accepting:
             raise ShuttingDownError("The server is shutting down and accepts no new requests.")
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[ChatEvent] = asyncio.Queue()
+        queues = [asyncio.Queue() for _ in choices]
 
-        def emit(event: ChatEvent) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the loop closed: nobody is listening any more
-                pass
+        def emitter(events: asyncio.Queue):
+            def emit(event: ChatEvent) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+                except RuntimeError:  # the loop closed: nobody is listening any more
+                    pass
 
-        handle = worker.submit(params, emit, events.put_nowait, coalesce=coalesce)
-        try:
-            while True:
-                event = await events.get()
-                yield event
-                if isinstance(event, ChatFailed) or (isinstance(event, ChatDelta) and event.finish_reason):
-                    return
-        finally:
-            handle.cancel()
+            return emit
+
+        handles = worker.submit_many(
+            [(p, emitter(q), q.put_nowait) for p, q in zip(choices, queues, strict=True)], coalesce=coalesce
+        )
+        return [ChatEvents(q, h) for q, h in zip(queues, handles, strict=True)]
 
     async def wait(self, job_id: str) -> Job | None:
         """Wait until the job is completed or failed; None if it was deleted meanwhile."""

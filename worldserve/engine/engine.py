@@ -110,7 +110,7 @@ class Engine:
         self._sched = Scheduler(config.max_batch_size)
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
-        self._num_waiting = 0  # queued, not yet admitted (inbox + scheduler), guarded by _cv
+        self._waiting_ids: set[str] = set()  # queued, not yet admitted nor aborted (inbox + scheduler); _cv
         self._num_running = 0
         self._draining = False
         self._hard_stop = False
@@ -132,11 +132,14 @@ class Engine:
                 request.on_result(CancelledRequest(request.job_id))
                 return
             self._inbox.append(("add", request))
-            self._num_waiting += 1
+            self._waiting_ids.add(request.job_id)
             self._cv.notify()
 
     def abort(self, job_id: str) -> None:
+        """Abort at the next step boundary; a request still waiting stops counting as queued right away
+        (admission control reads num_waiting, and the loop may be busy for a while)."""
         with self._cv:
+            self._waiting_ids.discard(job_id)
             self._inbox.append(("abort", job_id))
             self._cv.notify()
 
@@ -164,7 +167,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._waiting_ids)
 
     @property
     def num_running(self) -> int:
@@ -204,7 +207,7 @@ class Engine:
     def _iterate(self) -> None:
         for request in self._sched.admit():
             with self._cv:
-                self._num_waiting -= 1
+                self._waiting_ids.discard(request.job_id)
             self._prepare(request)
         batch = self._sched.next_batch()
         if batch:
@@ -300,9 +303,6 @@ class Engine:
         request = self._sched.remove(job_id)
         if request is None:
             return  # unknown, already finished, or being encoded (the store drops its output)
-        if request.state is None:
-            with self._cv:
-                self._num_waiting -= 1
         self._release(request)
         self._num_running = len(self._sched.running)
         if request.ephemeral:
@@ -348,7 +348,7 @@ class Engine:
             self._sched.waiting.remove(request)
             late.append(request)
         with self._cv:
-            self._num_waiting -= len(late)
+            self._waiting_ids.difference_update(r.job_id for r in late)
         for request in late:
             request.on_result(CancelledRequest(request.job_id))
         parked = [r for r in parked if not r.ephemeral]

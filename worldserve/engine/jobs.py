@@ -15,6 +15,7 @@ Thread-safe: one connection behind a lock, shared by the event loop, the engine 
 from __future__ import annotations
 
 import enum
+import fcntl
 import json
 import os
 import re
@@ -116,6 +117,24 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+class StorageInUseError(RuntimeError):
+    """Another process holds the storage directory (two servers would re-run and delete each other's jobs)."""
+
+
+def _lock_storage(root: Path):
+    """An exclusive lock on `root`/.lock for this process (the open file holds it; closing releases it)."""
+    owner = open(root / ".lock", "a+")  # noqa: SIM115 (held for the store's lifetime)
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner.close()
+        raise StorageInUseError(
+            f"the storage directory {root} is in use by another worldserve server; give each server its own "
+            "--storage-dir"
+        ) from None
+    return owner
+
+
 class JobStore:
     """SQLite rows + files; every method is one short transaction under `_lock`."""
 
@@ -125,6 +144,7 @@ class JobStore:
         self.inputs_dir = self.root / "inputs"
         for d in (self.root, self.videos_dir, self.inputs_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._owner = _lock_storage(self.root)  # held until close(): one server per storage directory
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.root / "jobs.sqlite3", check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -140,6 +160,7 @@ class JobStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._owner.close()  # releases the directory's lock
 
     # -- paths ----------------------------------------------------------------------------------------
     def video_path(self, job_id: str) -> Path:
@@ -200,7 +221,8 @@ class JobStore:
              job_id),
         )  # fmt: skip
         if not done:
-            path.unlink(missing_ok=True)
+            if self.get(job_id) is None:  # deleted meanwhile; a row in another state keeps its file
+                path.unlink(missing_ok=True)
         else:
             self.reference_path(job_id).unlink(missing_ok=True)
         return done

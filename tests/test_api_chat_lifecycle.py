@@ -1,0 +1,157 @@
+"""A chat request's lifecycle over real HTTP (uvicorn on loopback) with a scripted chat backend that decodes a
+token every few ms and never ends on its own: a client that disconnects stops its chat (non-streamed too,
+and before it was admitted), the `n` choices of a request are admitted in one batch (one prefill, shared
+prompt K/V in the Reasoner), and a server shutdown ends running chats with a 503 (the SSE error event and
+`[DONE]`, or the JSON envelope) instead of cutting their connections."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from serving_helpers import make_client, serve_app, wait_until
+
+from worldserve.engine.outputs import ChatDelta
+
+MODEL = "test-model"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 100_000}
+
+
+class EndlessSession:
+    prompt_tokens = 4
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens, self.n, self.closed = max_tokens, 0, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class EndlessBackend:
+    """Sessions that emit one token every `delay` seconds until closed or at max_tokens (100k in BODY)."""
+
+    concurrent_with_video = True
+
+    def __init__(self, delay: float = 0.005):
+        self.delay, self.sessions, self.batches, self.preemptions = delay, [], [], 0
+        self.lock = threading.Lock()
+
+    def start_many(self, batch):
+        with self.lock:
+            self.batches.append(len(batch))
+            new = [EndlessSession(params.max_tokens) for params in batch]
+            self.sessions += new
+        return new
+
+    def step_all(self, sessions):
+        time.sleep(self.delay)
+        out = []
+        for s in sessions:
+            s.n += 1
+            done = "length" if s.n == s.max_tokens else None
+            out.append(ChatDelta(text="x", finish_reason=done, completion_tokens=s.n))
+        return out
+
+    def kv_cache_usage(self) -> float:
+        return sum(not s.closed for s in self.sessions) / 100
+
+
+@pytest.fixture
+def server(tmp_path):
+    from worldserve.api.app import build_app
+
+    backend = EndlessBackend()
+    client = make_client(tmp_path, model_name=MODEL, chat_backend=backend, max_num_seqs=1)  # a 2nd chat waits
+    app = build_app(client, shutdown_timeout_s=1.0)
+    with serve_app(app, name="test-chat-lifecycle") as url:
+        yield url, client, backend
+
+
+def _running(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("worldserve:chat_requests_running{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _aborted(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("worldserve:chat_request_success_total{") and 'finish_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_non_streamed_chat_stops_when_its_client_disconnects(server):
+    url, _, backend = server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=BODY, timeout=httpx.Timeout(5, read=0.5))
+    wait_until(lambda: backend.sessions and backend.sessions[0].closed, timeout=5)
+    wait_until(lambda: _running(url) == 0 and _aborted(url) == 1, timeout=5)
+    assert backend.sessions[0].n < 5_000  # stopped, not decoded to max_tokens
+
+
+def test_a_waiting_chat_whose_client_left_is_never_started(server):
+    url, client, backend = server
+    first = threading.Thread(
+        target=lambda: httpx.post(
+            url + "/v1/chat/completions", json=BODY, timeout=httpx.Timeout(5, read=1.5)
+        ),
+        daemon=True,
+    )
+    first.start()
+    wait_until(lambda: len(backend.sessions) == 1)
+    with pytest.raises(httpx.ReadTimeout):  # queued behind the first (max_num_seqs 1), then gone
+        httpx.post(url + "/v1/chat/completions", json=BODY, timeout=httpx.Timeout(5, read=0.3))
+    first.join(10)  # the first client leaves too: its chat closes, the slot frees
+    wait_until(lambda: backend.sessions[0].closed, timeout=5)
+    time.sleep(0.3)  # the worker admits the queue now: the abandoned chat must be skipped
+    assert len(backend.sessions) == 1
+    assert client.chat_worker.num_waiting == 0
+
+
+def test_the_n_choices_of_a_request_are_admitted_in_one_batch(server):
+    url, client, backend = server
+    client.chat_worker.max_num_seqs = 4
+    body = {**BODY, "n": 3, "max_tokens": 5}
+    out = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).json()
+    assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 3
+    assert backend.batches == [3]
+    assert out["usage"]["completion_tokens"] == 15
+
+
+def test_shutdown_ends_running_chats_with_a_503(server):
+    url, client, backend = server
+    client.chat_worker.max_num_seqs = 4
+    events: list[str] = []
+
+    def stream():
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={**BODY, "stream": True}, timeout=20
+        ) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    answers: list[httpx.Response] = []
+    threads = [
+        threading.Thread(target=stream, daemon=True),
+        threading.Thread(
+            target=lambda: answers.append(httpx.post(url + "/v1/chat/completions", json=BODY, timeout=20)),
+            daemon=True,
+        ),
+    ]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(backend.sessions) == 2)
+    t0 = time.monotonic()
+    client.begin_shutdown(0.3)  # what `worldserve serve` does on SIGTERM
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 5
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])
+    assert error["error"]["code"] == 503 and "shutting down" in error["error"]["message"]
+    (answer,) = answers
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+    assert all(s.closed for s in backend.sessions)
