@@ -153,3 +153,44 @@ def test_a_finished_video_whose_row_was_requeued_keeps_its_file(tmp_path):
     assert not _complete(store, job.id, b"late")
     assert store.video_path(job.id).read_bytes() == b"late"
     assert store.get(job.id).status is JobStatus.QUEUED
+
+
+def test_a_job_the_process_keeps_dying_on_is_failed_not_rerun_forever(tmp_path):
+    from worldserve.engine.jobs import MAX_INTERRUPTIONS
+
+    store = JobStore(tmp_path)
+    job, parked = _job(), _job()
+    store.create(job, {"params": {}}, b"ref")
+    store.create(parked, {"params": {}}, None)
+    for start in range(1, MAX_INTERRUPTIONS + 1):
+        assert store.mark_in_progress(job.id, time.time())  # ... and the process dies running it
+        if start == 1:  # a graceful stop parks a job: no crash counted
+            assert store.mark_in_progress(parked.id, time.time())
+            store.requeue([parked.id])
+        store.close()
+        store = JobStore(tmp_path)
+        resumed = store.recover(ttl_s=60.0)
+        if start < MAX_INTERRUPTIONS:
+            assert resumed == [job.id, parked.id]
+    got = store.get(job.id)
+    assert resumed == [parked.id] and got.status is JobStatus.FAILED and got.error_code == 500
+    assert f"stopped {MAX_INTERRUPTIONS} times" in got.error_message and got.expires_at is not None
+    assert not store.reference_path(job.id).exists()
+
+
+def test_a_v1_database_gains_the_interruption_count(tmp_path):
+    import sqlite3
+
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {"params": {}}, None)
+    store.close()
+    db = sqlite3.connect(tmp_path / "jobs.sqlite3")  # as worldserve's v1 left it: no `interrupted` column
+    db.execute("ALTER TABLE jobs DROP COLUMN interrupted")
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    db.close()
+    store = JobStore(tmp_path)
+    assert store.mark_in_progress(job.id, time.time())
+    assert store.recover() == [job.id]
+    assert store.get(job.id).status is JobStatus.QUEUED

@@ -230,7 +230,7 @@ class EngineClient:
 
     def _recover(self) -> int:
         resumed = 0
-        for job_id in self.store.recover():
+        for job_id in self.store.recover(ttl_s=self.job_ttl_s):
             try:
                 record, reference = self.store.load_inputs(job_id)
                 params, encode = inputs_from_record(record, reference)

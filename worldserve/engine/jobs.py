@@ -7,7 +7,10 @@ never leaves a completed job without its video.
 
 Lifecycle: `queued -> in_progress -> completed | failed`. DELETE removes the row and its files (as vLLM-Omni
 does), so there is no `cancelled` status. After a crash or a shutdown, `recover()` turns every `in_progress`
-row back into `queued` (progress 0): the server re-runs it from its persisted inputs. Updates are guarded by
+row back into `queued` (progress 0): the server re-runs it from its persisted inputs, unless the process
+has died MAX_INTERRUPTIONS times while running it (a job that crashes the server, e.g. out of host memory,
+would otherwise take it down on every start): then it fails with a message saying so. One process per
+storage folder (an exclusive lock on `<root>/.lock`). Updates are guarded by
 the current status, so a job deleted while its video was being encoded is never resurrected.
 Thread-safe: one connection behind a lock, shared by the event loop, the engine thread and the encoders.
 """
@@ -21,6 +24,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # v2: `interrupted` (v1 databases gain it when opened)
+MAX_INTERRUPTIONS = 3
+"""Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
 
 
 class JobStatus(enum.StrEnum):
@@ -91,7 +97,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     has_reference INTEGER NOT NULL,
     started_at REAL, completed_at REAL, expires_at REAL,
     error_code INTEGER, error_message TEXT,
-    file_name TEXT, inference_time_s REAL, stage_durations TEXT, peak_memory_mb REAL
+    file_name TEXT, inference_time_s REAL, stage_durations TEXT, peak_memory_mb REAL,
+    interrupted INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_time ON jobs (created_at, seq);
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
@@ -153,8 +160,12 @@ class JobStore:
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
-            raise RuntimeError(f"{self.root}/jobs.sqlite3 has schema v{version}; this worldserve reads v1")
+        if version not in (0, 1, SCHEMA_VERSION):
+            raise RuntimeError(
+                f"{self.root}/jobs.sqlite3 has schema v{version}; this worldserve reads v1 and v{SCHEMA_VERSION}"
+            )
+        if version == 1:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def close(self) -> None:
@@ -251,22 +262,36 @@ class JobStore:
         self.reference_path(job_id).unlink(missing_ok=True)
         return _job_from_row(row)
 
-    def recover(self) -> list[str]:
-        """After a restart: in_progress -> queued (progress 0), stray temp/orphan files removed.
+    def recover(self, *, now: float | None = None, ttl_s: float | None = None) -> list[str]:
+        """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
+        the job MAX_INTERRUPTIONS times; stray temp/orphan files removed.
 
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
         """
+        now = time.time() if now is None else now
+        message = (
+            f"The server stopped {MAX_INTERRUPTIONS} times while running this job (it may be what crashes it, "
+            "e.g. out of host memory); it is not run again."
+        )
         with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute("UPDATE jobs SET interrupted = interrupted + 1 WHERE status='in_progress'")
+            self._db.execute(
+                "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"
+                " WHERE status='in_progress' AND interrupted >= ?",
+                (message, now, now + ttl_s if ttl_s else None, MAX_INTERRUPTIONS),
+            )
             self._db.execute(
                 "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'"
             )
+            self._db.execute("COMMIT")
             rows = self._db.execute("SELECT id, status FROM jobs").fetchall()
             unfinished = self._db.execute(
                 "SELECT id FROM jobs WHERE status='queued' ORDER BY created_at, seq"
             ).fetchall()
         completed = {r["id"] for r in rows if r["status"] == "completed"}
-        known = {r["id"] for r in rows}
-        for folder, keep in ((self.videos_dir, completed), (self.inputs_dir, known)):
+        queued = {r["id"] for r in rows if r["status"] == "queued"}  # the only ones whose inputs are read again
+        for folder, keep in ((self.videos_dir, completed), (self.inputs_dir, queued)):
             for path in folder.iterdir():
                 if path.name.startswith(".") or path.name.split(".")[0] not in keep:
                     path.unlink(missing_ok=True)
