@@ -155,3 +155,32 @@ def test_shutdown_ends_running_chats_with_a_503(server):
     (answer,) = answers
     assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
     assert all(s.closed for s in backend.sessions)
+
+
+def test_chats_get_their_shutdown_503_at_the_timeout_even_inside_a_long_video_step(tmp_path):
+    """The chat worker's shutdown deadline does not wait for the engine: a video step (or decode) that
+    outlasts the timeout must not hold the chats' 503 back until the HTTP server closes the connections."""
+    from worldserve.api.app import build_app
+    from worldserve.engine.fake_backend import FakeBackend
+
+    backend = EndlessBackend()
+    client = make_client(
+        tmp_path, backend=FakeBackend(step_delay=4.0), model_name=MODEL, chat_backend=backend
+    )
+    app = build_app(client, shutdown_timeout_s=1.0)
+    with serve_app(app, name="test-chat-shutdown-long-step") as url:
+        form = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "3"}
+        assert httpx.post(url + "/v1/videos", data=form, timeout=10).status_code == 200
+        wait_until(lambda: client.engine.num_running == 1)
+        answers: list[httpx.Response] = []
+        chat = threading.Thread(
+            target=lambda: answers.append(httpx.post(url + "/v1/chat/completions", json=BODY, timeout=20)),
+            daemon=True,
+        )
+        chat.start()
+        wait_until(lambda: len(backend.sessions) == 1)
+        t0 = time.monotonic()
+        client.begin_shutdown(0.3)
+        chat.join(10)
+        assert time.monotonic() - t0 < 2.5  # the timeout and a step of the chat, not the 4 s video step
+        assert answers[0].status_code == 503

@@ -59,6 +59,14 @@ class ScriptedBackend:
         return [s.step() for s in sessions]
 
 
+class SlowGate:
+    """A session gate that makes each step take 10 ms."""
+
+    @staticmethod
+    def wait(_timeout):
+        threading.Event().wait(0.01)
+
+
 def _collect(worker, params=PARAMS):
     events: queue.Queue = queue.Queue()
     handle = worker.submit(params, events.put)
@@ -168,12 +176,7 @@ def test_stop_fails_a_deferred_chat_instead_of_serving_it():
     """A chat deferred for lack of room when stop() comes is answered 503 (the running one finishes)."""
     lock = threading.Lock()
 
-    class Slow:  # each step takes 10 ms: the first chat runs for about a second
-        @staticmethod
-        def wait(_timeout):
-            threading.Event().wait(0.01)
-
-    backend = RoomForOneBackend(lock, words=tuple("abcdefghijklmnopqrstuvwxyz" * 4), gate=Slow())
+    backend = RoomForOneBackend(lock, words=tuple("abcdefghijklmnopqrstuvwxyz" * 4), gate=SlowGate())
     worker = ChatWorker(backend, lock, max_num_seqs=4)
     worker.start()
     try:
@@ -312,12 +315,7 @@ def test_num_waiting_counts_queued_and_deferred_chats():
     lack of K/V room while another decodes, then none."""
     lock = threading.Lock()
 
-    class Slow:
-        @staticmethod
-        def wait(_timeout):
-            threading.Event().wait(0.01)
-
-    backend = RoomForOneBackend(lock, words=tuple("abcdefghij" * 4), gate=Slow())
+    backend = RoomForOneBackend(lock, words=tuple("abcdefghij" * 4), gate=SlowGate())
     worker = ChatWorker(backend, lock, max_num_seqs=4)
     streams = [_collect(worker)[1] for _ in range(2)]
     assert worker.num_waiting == 2
@@ -334,6 +332,29 @@ def test_num_waiting_counts_queued_and_deferred_chats():
         assert 1 in seen  # the second chat, deferred while the first decodes
         for events in streams:
             _drain(events)
+        assert worker.num_waiting == 0
+    finally:
+        worker.stop()
+
+
+def test_chats_whose_clients_left_stop_counting_as_waiting_at_once():
+    """A queued chat cancelled while every slot is busy leaves the waiting gauge at once, not when a slot
+    frees (the worker drops it only then); a request's choices count one each."""
+    lock = threading.Lock()
+
+    backend = ScriptedBackend(lock, words=tuple("abcdefghij" * 10), gate=SlowGate())
+    worker = ChatWorker(backend, lock, max_num_seqs=1)
+    worker.start()
+    try:
+        running, events = _collect(worker)
+        assert isinstance(events.get(timeout=5), ChatStarted)
+        queued = worker.submit_many([(PARAMS, lambda e: None, None)] * 3)
+        assert worker.num_waiting == 3
+        for handle in queued[:2]:
+            handle.cancel()
+        assert worker.num_waiting == 1
+        running.cancel()
+        queued[2].cancel()
         assert worker.num_waiting == 0
     finally:
         worker.stop()

@@ -194,3 +194,37 @@ def test_a_v1_database_gains_the_interruption_count(tmp_path):
     assert store.mark_in_progress(job.id, time.time())
     assert store.recover() == [job.id]
     assert store.get(job.id).status is JobStatus.QUEUED
+
+
+def test_a_failed_write_rolls_back_and_later_writes_still_land(tmp_path):
+    """A statement failing inside set_progress's transaction (disk full, I/O error: a trigger here) must not
+    leave the connection inside it, which would make every later write fail or vanish."""
+    import sqlite3
+
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, reference=None)
+    assert store.mark_in_progress(job.id, time.time())
+    store._db.execute(
+        "CREATE TRIGGER boom BEFORE UPDATE OF progress ON jobs WHEN NEW.progress = 13 BEGIN SELECT RAISE(ABORT, 'io'); END"
+    )
+    with pytest.raises(sqlite3.DatabaseError):
+        store.set_progress([(job.id, 13)])
+    assert not store._db.in_transaction
+    store.set_progress([(job.id, 40)])
+    store.close()
+    assert JobStore(tmp_path).get(job.id).progress == 40
+
+
+def test_a_migration_cut_between_its_two_statements_opens_again(tmp_path):
+    """The `interrupted` column present but user_version still 1 (the process died mid-migration before it
+    was one transaction): the store opens and finishes the migration."""
+    import sqlite3
+
+    JobStore(tmp_path).close()
+    db = sqlite3.connect(tmp_path / "jobs.sqlite3")
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    db.close()
+    store = JobStore(tmp_path)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 2

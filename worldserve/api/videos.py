@@ -118,7 +118,8 @@ async def create_video_sync(request: Request, st: State) -> Response:
             504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids
         ) from None
     except ShuttingDownError:
-        raise APIError(503, f"The server is shutting down; job {job.id} stays queued and resumes after a restart.",
+        raise APIError(503, f"The server is shutting down before job {job.id} finished; it is kept: it resumes after "
+                       f"a restart unless it completes first (GET /v1/videos/{job.id}).",
                        headers=ids) from None  # fmt: skip
     if done is None:
         raise APIError(404, f"{NOT_FOUND}: the job was deleted before it completed.", headers=ids)
@@ -207,7 +208,8 @@ class OpenFileResponse(FileResponse):
         self._fd = fd
 
     async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
+        extensions = {k: v for k, v in scope.get("extensions", {}).items() if k != "http.response.pathsend"}
+        try:  # no pathsend: a server would open the path after we closed the descriptor
+            await super().__call__({**scope, "extensions": extensions}, receive, send)
         finally:
             os.close(self._fd)

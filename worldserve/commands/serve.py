@@ -162,11 +162,11 @@ def run(args: argparse.Namespace) -> int:
     _log_vllm_compat(args, config)
     if config.model.omni:
         log.info("--omni accepted: worldserve always serves the omni video API")
-    from worldserve.engine.jobs import JobStore, StorageInUseError
+    from worldserve.engine.jobs import JobStore, StorageError
 
     try:  # before the (minutes-long) model load: a storage directory in use fails the start at once
         store = JobStore(config.server.storage_dir)
-    except StorageInUseError as exc:
+    except StorageError as exc:
         log.error("%s", exc)
         return 1
     loaded = _load_backend_within(config.model, config.parallel, config.scheduler.max_num_seqs)

@@ -118,9 +118,8 @@ class ChatWorker:
         self._queue: queue.Queue[tuple[ChatHandle, ...] | None] = queue.Queue()  # one entry a request
         self._stopping = threading.Event()  # also seen while a deferred chat keeps the queue unread
         self._abort = threading.Event()  # the shutdown timeout passed: fail the running chats
-        self._num_queued = 0  # handles in the queue (an entry holds a request's choices)
-        self._count_lock = threading.Lock()
-        self._num_deferred = 0  # chats taken from the queue but not started yet (read by num_waiting)
+        self._waiting: set[ChatHandle] = set()  # submitted, not started, failed or dropped yet
+        self._waiting_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
     def start(self) -> None:
@@ -145,7 +144,8 @@ class ChatWorker:
     @property
     def num_waiting(self) -> int:
         """Chats submitted and not yet started (queued, or waiting for K/V room): /metrics' waiting gauge."""
-        return self._num_queued + self._num_deferred
+        with self._waiting_lock:
+            return sum(not h.cancelled.is_set() for h in self._waiting)  # a client gone counts no more
 
     def submit(
         self, params: ChatParams, emit: Callable[[ChatEvent], None],
@@ -164,18 +164,14 @@ class ChatWorker:
             for handle in handles:
                 self._tell(handle, ChatFailed(503, "The server is shutting down."))
         else:
-            with self._count_lock:
-                self._num_queued += len(handles)
+            with self._waiting_lock:
+                self._waiting.update(handles)
             self._queue.put(handles)
         return list(handles)
 
-    def _take(self, block: bool) -> tuple[ChatHandle, ...] | None:
-        """The next queue entry (None: the stop marker); queue.Empty when none and not blocking."""
-        entry = self._queue.get(block=block)
-        if entry is not None:
-            with self._count_lock:
-                self._num_queued -= len(entry)
-        return entry
+    def _not_waiting(self, *handles: ChatHandle) -> None:
+        with self._waiting_lock:
+            self._waiting.difference_update(handles)
 
     def _run(self) -> None:
         active: list[tuple[ChatHandle, object]] = []
@@ -194,8 +190,10 @@ class ChatWorker:
             self._tell(handle, ChatFailed(503, message))
         while True:  # stopped: tell the callers still queued
             try:
-                entry = self._take(block=False)
+                entry = self._queue.get_nowait()
             except queue.Empty:
+                with self._waiting_lock:
+                    self._waiting.clear()
                 return
             for handle in entry or ():
                 self._tell(handle, ChatFailed(503, message))
@@ -223,17 +221,17 @@ class ChatWorker:
             while not stopping and len(active) + len(batch) < self.max_num_seqs:
                 if not deferred:
                     try:  # wait for work only when nothing is running or being started
-                        entry = self._take(block=not active and not batch)
+                        entry = self._queue.get(block=not active and not batch)
                     except queue.Empty:
                         break
                     if entry is None:
                         stopping = True
                         break
                     deferred += entry  # a request's choices, in order (admitted as room allows)
-                    self._num_deferred = len(deferred)
                 handle = deferred.pop(0)
-                self._num_deferred = len(deferred)
-                if not handle.cancelled.is_set():
+                if handle.cancelled.is_set():
+                    self._not_waiting(handle)
+                else:
                     batch.append(handle)
             if batch:
                 started, refused = self._start(batch)
@@ -243,9 +241,9 @@ class ChatWorker:
                 if active or len(refused) < len(batch):
                     deferred[:0] = refused
                 else:
+                    self._not_waiting(*refused)
                     for handle in refused:
                         handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
-            self._num_deferred = len(deferred)
             for handle, session in active:
                 if handle.cancelled.is_set():
                     self._close(session)
@@ -271,6 +269,9 @@ class ChatWorker:
         except Exception as exc:
             results = [exc] * len(batch)
         started, refused = [], []
+        self._not_waiting(
+            *(h for h, r in zip(batch, results, strict=True) if not isinstance(r, ChatBackpressure))
+        )
         for handle, result in zip(batch, results, strict=True):
             if isinstance(result, ChatBackpressure):
                 refused.append(handle)

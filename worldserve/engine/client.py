@@ -13,7 +13,7 @@ and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued
 Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat_many(choices)` starts a
 request's choices together and gives a `ChatEvents` async iterator for each (ChatStarted, ChatDelta..., or
 ChatFailed), bridged with call_soon_threadsafe. Shutdown gives running chats the same timeout as jobs, then
-fails them with a 503.
+fails them with a 503 (on a deadline of their own: the engine may be inside a decode it cannot interrupt).
 """
 
 from __future__ import annotations
@@ -176,6 +176,10 @@ class EngineClient:
                 target=self._stop_engine, args=(timeout_s,), name="worldserve-stop", daemon=True
             )
             self._stop_thread.start()
+            if self.chat_worker is not None:  # its own deadline: an engine step it waits for may outlast it
+                threading.Thread(
+                    target=self.chat_worker.stop, args=(timeout_s,), name="worldserve-stop-chats", daemon=True
+                ).start()
             self._call_in_loop(lambda: self._answer_waiters_at_shutdown(timeout_s))
 
     def _answer_waiters_at_shutdown(self, timeout_s: float) -> None:
@@ -203,12 +207,7 @@ class EngineClient:
         self._started = False
 
     def _stop_engine(self, timeout_s: float) -> None:
-        """Give running video jobs and chats `timeout_s` in all to finish; then the engine stops and the chats
-        still running end with a 503 (their callers answer before the HTTP server closes connections)."""
-        deadline = time.monotonic() + timeout_s
         self.engine.stop(timeout_s)
-        if self.chat_worker is not None:
-            self.chat_worker.stop(deadline - time.monotonic())
         if self._loop is not None and not self._loop.is_closed():
             err = ShuttingDownError("the server is shutting down")
             try:

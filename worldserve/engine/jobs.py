@@ -17,9 +17,11 @@ Thread-safe: one connection behind a lock, shared by the event loop, the engine 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
+log = logging.getLogger(__name__)
 SCHEMA_VERSION = 2  # v2: `interrupted` (v1 databases gain it when opened)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
@@ -124,13 +127,21 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-class StorageInUseError(RuntimeError):
+class StorageError(RuntimeError):
+    """The storage directory cannot be used (not writable, or locked by another process)."""
+
+
+class StorageInUseError(StorageError):
     """Another process holds the storage directory (two servers would re-run and delete each other's jobs)."""
 
 
 def _lock_storage(root: Path):
-    """An exclusive lock on `root`/.lock for this process (the open file holds it; closing releases it)."""
-    owner = open(root / ".lock", "a+")  # noqa: SIM115 (held for the store's lifetime)
+    """An exclusive lock on `root`/.lock for this process (the open file holds it; closing releases it).
+    Where the filesystem has no locks (some NFS / FUSE mounts) the store runs unlocked, with a warning."""
+    try:
+        owner = open(root / ".lock", "a+")  # noqa: SIM115 (held for the store's lifetime)
+    except OSError as exc:
+        raise StorageError(f"cannot write to the storage directory {root}: {exc}") from None
     try:
         fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -139,6 +150,8 @@ def _lock_storage(root: Path):
             f"the storage directory {root} is in use by another worldserve server; give each server its own "
             "--storage-dir"
         ) from None
+    except OSError as exc:  # ENOLCK / EOPNOTSUPP: no locks on this filesystem
+        log.warning("cannot lock the storage directory %s (%s): make sure no other server uses it", root, exc)
     return owner
 
 
@@ -164,9 +177,22 @@ class JobStore:
             raise RuntimeError(
                 f"{self.root}/jobs.sqlite3 has schema v{version}; this worldserve reads v1 and v{SCHEMA_VERSION}"
             )
-        if version == 1:
-            self._db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
-        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        with self._transaction():  # the column and the version together (DDL is transactional in SQLite)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            if "interrupted" not in columns:  # a v1 database
+                self._db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """BEGIN ... COMMIT, rolled back on any error (an open transaction would swallow later writes)."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -203,12 +229,10 @@ class JobStore:
         )
 
     def set_progress(self, updates: Sequence[tuple[str, int]]) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
+        with self._lock, self._transaction():
             self._db.executemany(
                 "UPDATE jobs SET progress=? WHERE id=? AND status='in_progress'", [(p, i) for i, p in updates]
             )
-            self._db.execute("COMMIT")
 
     def complete(
         self,
@@ -273,8 +297,7 @@ class JobStore:
             f"The server stopped {MAX_INTERRUPTIONS} times while running this job (it may be what crashes it, "
             "e.g. out of host memory); it is not run again."
         )
-        with self._lock:
-            self._db.execute("BEGIN")
+        with self._lock, self._transaction():
             self._db.execute("UPDATE jobs SET interrupted = interrupted + 1 WHERE status='in_progress'")
             self._db.execute(
                 "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"
@@ -284,13 +307,14 @@ class JobStore:
             self._db.execute(
                 "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'"
             )
-            self._db.execute("COMMIT")
             rows = self._db.execute("SELECT id, status FROM jobs").fetchall()
             unfinished = self._db.execute(
                 "SELECT id FROM jobs WHERE status='queued' ORDER BY created_at, seq"
             ).fetchall()
         completed = {r["id"] for r in rows if r["status"] == "completed"}
-        queued = {r["id"] for r in rows if r["status"] == "queued"}  # the only ones whose inputs are read again
+        queued = {
+            r["id"] for r in rows if r["status"] == "queued"
+        }  # the only ones whose inputs are read again
         for folder, keep in ((self.videos_dir, completed), (self.inputs_dir, queued)):
             for path in folder.iterdir():
                 if path.name.startswith(".") or path.name.split(".")[0] not in keep:
