@@ -222,14 +222,12 @@ async def _answer(st: AppState, body: ChatCompletionRequest, choices: list, open
             if isinstance(first, ChatFailed):
                 raise APIError(first.status, first.message, param=first.param)
             assert isinstance(first, ChatStarted)
-    except ChatUnavailableError as exc:
+    except BaseException as exc:  # stop whatever started: a failed choice, a refusal, a cancellation
         await close_all([*streams, *opened])
-        raise APIError(400, str(exc)) from None
-    except ShuttingDownError as exc:
-        await close_all([*streams, *opened])
-        raise APIError(503, str(exc)) from None
-    except BaseException:
-        await close_all([*streams, *opened])
+        if isinstance(exc, ChatUnavailableError):
+            raise APIError(400, str(exc)) from None
+        if isinstance(exc, ShuttingDownError):
+            raise APIError(503, str(exc)) from None
         raise
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
     if body.stream:

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from worldserve.engine.chat_worker import (
@@ -185,12 +186,12 @@ class EngineClient:
     def _answer_waiters_at_shutdown(self, timeout_s: float) -> None:
         """On the loop: fail the waiters of jobs that stay queued now, the rest when `timeout_s` has passed."""
         err = ShuttingDownError("the server is shutting down")
-        for job_id, futures in list(self._waiters.items()):
-            job = self.store.get(job_id)
-            if job is not None and job.status is JobStatus.QUEUED:
-                for future in futures:
-                    if not future.done():
-                        future.set_exception(err)
+        queued = [
+            i
+            for i in self._waiters
+            if (job := self.store.get(i)) is not None and job.status is JobStatus.QUEUED
+        ]
+        self._wake_all(err, queued)
         self._loop.call_later(timeout_s, self._wake_all, err)
 
     async def shutdown(self, timeout_s: float) -> None:
@@ -379,17 +380,10 @@ class EngineClient:
             )
         if not self.accepting:
             raise ShuttingDownError("The server is shutting down and accepts no new requests.")
-        loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in choices]
 
-        def emitter(events: asyncio.Queue):
-            def emit(event: ChatEvent) -> None:
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, event)
-                except RuntimeError:  # the loop closed: nobody is listening any more
-                    pass
-
-            return emit
+        def emitter(events: asyncio.Queue):  # from the worker thread onto the loop, nothing once it closed
+            return lambda event: self._call_in_loop(partial(events.put_nowait, event))
 
         handles = worker.submit_many(
             [(p, emitter(q), q.put_nowait) for p, q in zip(choices, queues, strict=True)], coalesce=coalesce
@@ -427,8 +421,9 @@ class EngineClient:
             if not future.done():
                 future.set_result(None)
 
-    def _wake_all(self, exc: BaseException) -> None:
-        for futures in self._waiters.values():
-            for future in futures:
+    def _wake_all(self, exc: BaseException, job_ids: Sequence[str] | None = None) -> None:
+        """Fail the waiters of `job_ids` (all when None) with `exc`."""
+        for job_id in list(self._waiters) if job_ids is None else job_ids:
+            for future in self._waiters.get(job_id, ()):
                 if not future.done():
                     future.set_exception(exc)
