@@ -11,12 +11,16 @@ power and clock-event reasons read beside it (worldserve/bench/clocks.py):
   N(0, 0.02) as the random-weight model's);
 - `attention`: the gen tower's attention (44,357 queries over 44,657 keys, GQA 32 / 8, d 128) through the
   product's attention function (FA3 where it runs);
-- `step` (--step): the product's compiled CFG step at 1280x720x189 + audio (random weights).
+- `--extra` phases: `packgqa` / `nopackgqa`: the same attention with FA3's GQA packing forced on / off
+  (packed, a K/V tile is loaded once for the 4 query heads that share it: less traffic, less power);
+  `step`: the product's compiled CFG step at 1280x720x189 + audio (random weights); `diffusers`:
+  diffusers' transformer's CFG step on the same inputs (its own random weights); `vae`: the product's
+  compiled VAE decode of 48 x 45 x 80 latents (189 x 720 x 1280 pixels; FLOPs counted on the meta device).
 Reported per phase: TFLOP/s over the second half of the phase (steady) and over its first batch, median
 SM clock, median / max power, max temperature, the clock-event reasons seen; and performance.md's
 per-step limit recomputed at the sustained `gemm` rate.
 
-    PYTHONPATH=. python bench/sustained_rate.py --step --out $OUT/sustained_rate.json     # H200: ~4 min
+    PYTHONPATH=. python bench/sustained_rate.py --extra step --out $OUT/sustained_rate.json    # H200: ~2 min
     PYTHONPATH=. python bench/sustained_rate.py --tiny --device cpu --seconds 0.2 --out /tmp/s.json  # smoke
 """
 
@@ -26,9 +30,13 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+EXTRA = ("packgqa", "nopackgqa", "step", "diffusers", "vae")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,11 +45,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=8.0, help="length of each sustained phase")
     ap.add_argument("--gemm", type=int, default=8192, help="M = K = N of the square product")
     ap.add_argument("--rows", type=int, default=2 * 44_357, help="M of gate_up: a CFG step's gen tokens")
-    ap.add_argument("--step", action="store_true", help="also the product's full-size CFG step")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps of the step phase")
+    ap.add_argument("--extra", default="", help=f"comma list of more phases: {', '.join(EXTRA)}")
+    ap.add_argument("--steps", type=int, default=3, help="timed calls of the step / diffusers / vae phases")
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
+    args.extra = tuple(x for x in args.extra.split(",") if x)
+    if set(args.extra) - set(EXTRA):
+        ap.error(f"--extra: a comma list of {', '.join(EXTRA)}, got {','.join(args.extra)!r}")
     if args.tiny:
         args.gemm, args.rows = 64, 128
     return args
@@ -123,12 +134,20 @@ def burst(fn: Callable[[], object], flops: float, device: torch.device) -> dict:
     return {"calls": 10, "tflops": flops / s / 1e12, "ms_per_call": s * 1e3}
 
 
-def _attention_case(device: torch.device, dtype: torch.dtype, tiny: bool):
-    """(fn, flops, label) of the gen tower's attention at the 720p step's shape (one CFG branch)."""
-    from worldserve.models.layers.flash_attention import resolve_attention_backend
+def _attention_case(device: torch.device, dtype: torch.dtype, tiny: bool, pack_gqa: bool | None = None):
+    """(fn, flops, label) of the gen tower's attention at the 720p step's shape (one CFG branch); with
+    `pack_gqa` set, FA3 with its GQA packing forced on / off (None: the product's attention function)."""
+    from worldserve.models.layers.flash_attention import fa3_forward, resolve_attention_backend
 
     nq, nk, hq, hkv, d = (96, 112, 4, 2, 32) if tiny else (44_357, 44_657, 32, 8, 128)
     label, attn = resolve_attention_backend(None, device, dtype, d)
+    if pack_gqa is not None:
+        if label != "fa3":
+            return None, 0.0, f"{label}: no FA3 here"
+
+        def attn(q, k, v, out):
+            return fa3_forward(q, k, v, out=out, pack_gqa=pack_gqa)[0]
+
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(nq, hq, d, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(nk, hkv, d, device=device, dtype=dtype, generator=g) for _ in range(2))
@@ -136,25 +155,40 @@ def _attention_case(device: torch.device, dtype: torch.dtype, tiny: bool):
     return (lambda: attn(q, k, v, out=out)), 4.0 * nq * nk * hq * d, label
 
 
-def _step_case(device: torch.device, log) -> tuple[Callable[[], object], float, dict]:
-    """(fn, flops, info) of the product's compiled 720p CFG step (built, compiled and warmed up here)."""
-    from worldserve.bench.denoise import OurStep, make_inputs
+def _model_case(name: str, device: torch.device, log) -> tuple[Callable[[], object], float]:
+    """(fn, flops) of a full-size phase, built, compiled and warmed up here: `step` (ours, compiled, the
+    product's attention), `diffusers` (its transformer, default SDPA) or `vae` (our compiled decoder)."""
+    from worldserve.bench.denoise import DiffusersStep, OurStep, make_inputs
     from worldserve.bench.flops import TowerShape
-    from worldserve.bench.models import build_our_transformer
+    from worldserve.bench.models import build_diffusers_transformer, build_our_transformer, build_video_vae
     from worldserve.bench.workload import Workload
     from worldserve.models.cosmos3.config import Cosmos3Config
 
     t0 = time.perf_counter()
     cfg, w = Cosmos3Config.nano(), Workload()
-    model = build_our_transformer(cfg, device, torch.bfloat16, None, seed=0)
-    attention = model.set_attention_backend(None)
-    model.compile_gen_layers()
-    step = OurStep(model, w, make_inputs(w, cfg.vocab_size, device, seed=0))
-    step.prefill()
-    step(999)
+    if name == "vae":
+        with FlopCounterMode(display=False) as counter:  # exact conv / matmul FLOPs, on the meta device
+            build_video_vae(torch.device("meta"), torch.bfloat16).decode_pixels(
+                torch.empty(w.latent_shape, device="meta")
+            )
+        vae = build_video_vae(device, torch.bfloat16, compile_decoder=True)
+        latents = torch.randn(w.latent_shape, device=device)
+        fn, flops = (lambda: vae.decode_pixels(latents)), float(counter.get_total_flops())
+    else:
+        inputs = make_inputs(w, cfg.vocab_size, device, seed=0)
+        if name == "step":
+            model = build_our_transformer(cfg, device, torch.bfloat16, None, seed=0)
+            model.set_attention_backend(None)
+            model.compile_gen_layers()
+            step = OurStep(model, w, inputs)
+            step.prefill()
+        else:
+            step = DiffusersStep(build_diffusers_transformer(cfg, device, torch.bfloat16, 0), w, inputs)
+        fn, flops = (lambda: step(999)), w.step_flops(TowerShape.from_config(cfg))
+    fn()
     torch.cuda.synchronize(device)
-    log(f"step: built, compiled and warmed up in {time.perf_counter() - t0:.0f} s ({attention})")
-    return (lambda: step(999)), w.step_flops(TowerShape.from_config(cfg)), {"attention": attention}
+    log(f"{name}: built, compiled and warmed up in {time.perf_counter() - t0:.0f} s")
+    return fn, flops
 
 
 def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
@@ -169,9 +203,9 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     clocks = ClockLog().start()
     res["clock_readings"] = clocks.available
 
-    def phase(name: str, measure: Callable[[], dict]) -> None:
+    def phase(name: str, measure: Callable[..., dict], *measure_args) -> None:
         with clocks.phase(name):
-            r = measure()
+            r = measure(*measure_args)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         res["phases"][name] = r
@@ -179,36 +213,39 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         save(res)
 
     try:
-        n = args.gemm
+        n, secs = args.gemm, args.seconds
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
         zeros = torch.zeros_like(a)
-        sq = 2.0 * n**3
-        phase("gemm-burst", lambda: burst(lambda: a @ b, sq, device))
-        phase("gemm", lambda: sustained(lambda: a @ b, sq, args.seconds, device))
-        phase("gemm-zeros", lambda: sustained(lambda: zeros @ zeros, sq, args.seconds, device))
+        phase("gemm-burst", burst, partial(torch.matmul, a, b), 2.0 * n**3, device)
+        phase("gemm", sustained, partial(torch.matmul, a, b), 2.0 * n**3, secs, device)
+        phase("gemm-zeros", sustained, partial(torch.matmul, zeros, zeros), 2.0 * n**3, secs, device)
         del a, b, zeros
-        m, d, inter = args.rows, 4096, 12_288
-        if args.tiny:
-            d, inter = 64, 96
+        m, d, inter = (args.rows, 64, 96) if args.tiny else (args.rows, 4096, 12_288)
         x = torch.randn(m, d, device=device, dtype=dtype)
-        w = torch.randn(2 * inter, d, device=device, dtype=dtype) * 0.02
-        phase("gate_up", lambda: sustained(lambda: x @ w.t(), 2.0 * m * d * 2 * inter, args.seconds, device))
-        del x, w
-        fn, flops, res["attention_backend"] = _attention_case(device, dtype, args.tiny)
-        phase("attention", lambda: sustained(fn, flops, args.seconds, device))
-        del fn
-        if args.step and device.type == "cuda":
-            torch.cuda.empty_cache()
-            step_fn, step_flops, info = _step_case(device, log)
-            res["step_info"] = info
-            phase("step", lambda: _steps(step_fn, step_flops, args.steps, device))
-            res["step_flops"] = step_flops
+        w_t = (torch.randn(2 * inter, d, device=device, dtype=dtype) * 0.02).t()  # [d, 2I]
+        phase("gate_up", sustained, partial(torch.matmul, x, w_t), 2.0 * m * d * 2 * inter, secs, device)
+        del x, w_t
+        for name, pack in (("attention", None), ("packgqa", True), ("nopackgqa", False)):
+            if name == "attention" or name in args.extra:
+                fn, flops, label = _attention_case(device, dtype, args.tiny, pack)
+                res.setdefault("attention_backend", label)
+                if fn is None:
+                    log(f"{name}: skipped ({label})")
+                    continue
+                phase(name, sustained, fn, flops, secs, device)
+                del fn
+        for name in ("step", "diffusers", "vae"):
+            if name in args.extra and device.type == "cuda":
+                torch.cuda.empty_cache()
+                fn, res[f"{name}_flops"] = _model_case(name, device, log)
+                phase(name, _steps, fn, res[f"{name}_flops"], args.steps, device)
+                del fn
     finally:
         clocks.stop()
     for name, summary in clocks.summary().items():
         res["phases"].setdefault(name, {})["clocks"] = summary
     gemm = res["phases"].get("gemm", {}).get("tflops")
-    if gemm and "step_flops" in res:
+    if gemm and "step" in res["phases"]:
         res["step_limit_s_at_sustained_gemm"] = res["step_flops"] / gemm / 1e12
         res["step_limit_s_at_peak"] = res["step_flops"] / PEAK_BF16_TFLOPS / 1e12
     return res
@@ -237,11 +274,15 @@ def table(res: dict) -> str:
     ]
     for name, r in res["phases"].items():
         c = r.get("clocks") or {}
-        f = lambda key, fmt="6.0f": format(c[key], fmt) if key in c else "     -"  # noqa: E731
+        cells = [
+            format(c[key], fmt) if key in c else "-".rjust(int(fmt[0]))
+            for key, fmt in (("sm_mhz", "7.0f"), ("sm_mhz_min", "6.0f"), ("power_w", "6.0f"),
+                             ("power_w_max", "6.0f"), ("temp_c_max", "4.0f"))
+        ]  # fmt: skip
         lines.append(
             f"{name:11s} {r.get('tflops', float('nan')):6.0f} {r.get('tflops_first', float('nan')):6.0f} "
-            f"{f('sm_mhz', '7.0f')} {f('sm_mhz_min')} {f('power_w')} {f('power_w_max')} {f('temp_c_max', '4.0f')}"
-            f"  {','.join(c.get('reasons', [])) or '-'}"
+            + " ".join(cells)
+            + f"  {','.join(c.get('reasons', [])) or '-'}"
         )
     if "step_limit_s_at_sustained_gemm" in res:
         lines.append(

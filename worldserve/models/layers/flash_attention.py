@@ -109,10 +109,13 @@ def set_fa3_sm_margin(margin: int) -> None:
 def fa3_forward(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
     out: Tensor | None = None, descale: tuple[Tensor | None, ...] = (None, None, None),
+    pack_gqa: bool | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """One FA3 forward: q [Nq, Hq, D], k/v [Nk, Hkv, D] token-major, last dim contiguous -> (out [Nq, Hq, D],
     softmax LSE [Hq, Nq] float32). With `out` ([Nq, Hq, D], contiguous, bf16) the kernel stores its result
     there itself: no copy after it. `descale`: the fp8 inputs' (q, k, v) scales, [1, Hkv] float32 each.
+    `pack_gqa`: whether a query tile packs the Hq / Hkv query heads that share a KV head (each K/V tile
+    then loaded once for all of them); None lets FA3 choose (what the product runs).
 
     Calls the front end's compiled op (`fwd`, what its Python wrappers call) directly: the wrappers either
     take no output buffer (`flash_attn_func`) or are a torch custom op that refuses to return a tensor it
@@ -127,7 +130,7 @@ def fa3_forward(
         # kv_batch_idx, leftpad_k, rotary_cos / sin, seqlens_rotary
         *descale, scale, causal,
         -1, -1, 0, 0.0, True,  # window_size_left / right, attention_chunk, softcap, rotary_interleaved
-        None, 1, None, _sm_margin,  # scheduler_metadata, num_splits, pack_gqa (auto), sm_margin
+        None, 1, pack_gqa, _sm_margin,  # scheduler_metadata, num_splits, pack_gqa, sm_margin
     )  # fmt: skip
     return res[0].squeeze(0), res[1].squeeze(0)  # [1, Nq, Hq, D] -> [Nq, Hq, D]; [1, Hq, Nq] -> [Hq, Nq]
 
