@@ -51,6 +51,19 @@ def resolution_tier(width: int, height: int) -> tuple[str, int, int, float]:
     )
 
 
+def aspect_size(src_width: int, src_height: int) -> tuple[int, int]:
+    """(width, height) for an I2V request that gives no size (serving-api.md §4.3): the image's aspect
+    ratio at the 720p pixel area, each side rounded down to a multiple of 16; for an image wider (taller)
+    than 16:9 (9:16) the long side is capped at MAX_SIDE and the short one follows the ratio."""
+    ratio = src_width / src_height
+    area = RESOLUTION_TIERS[-1][1]
+    width, height = math.sqrt(area * ratio), math.sqrt(area / ratio)
+    shrink = min(1.0, MAX_SIDE / width, MAX_SIDE / height)
+    return tuple(
+        max(SIZE_MULTIPLE, int(v * shrink) // SIZE_MULTIPLE * SIZE_MULTIPLE) for v in (width, height)
+    )
+
+
 def default_flow_shift(width: int, height: int) -> float:
     """10 at 720p, 5 at 480p, 3 at 256p (the training shift table); 10 for the images above the 720p area."""
     area = width * height

@@ -93,7 +93,8 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
     base = VideoParams(
         prompt=req.prompt, negative_prompt=pick("negative_prompt", None), width=width, height=height, num_frames=1,
         num_inference_steps=pick("num_inference_steps", DEFAULT_STEPS),
-        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE), flow_shift=pick("flow_shift", shift),
+        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE) or DEFAULT_GUIDANCE,  # 0: the default
+        flow_shift=pick("flow_shift", shift),
         seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
         max_sequence_length=pick("max_sequence_length", 4096),
         guidance_interval=tuple(float(v) for v in pick("guidance_interval", DEFAULT_INTERVAL)),

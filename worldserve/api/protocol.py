@@ -1,5 +1,6 @@
 """Wire shapes of the video API (pydantic v2): the create request, the OpenAI/vLLM-Omni job object, list,
-delete, model list and error envelope (serving-api.md §3.2, §4.1, §6, §7.2).
+delete, model list (vLLM's `ModelList`, `owned_by` "vllm") and error envelope (serving-api.md §3.2, §4.1,
+§6, §7.2).
 
 `VideoCreateRequest` validates field types, ranges and regexes the same way for multipart, urlencoded and
 JSON bodies (form strings are coerced: "24" -> 24, "yes" -> True); cross-field rules and model limits are
@@ -48,7 +49,7 @@ class VideoCreateRequest(NumbersNotBooleans):
     seconds: str | None = Field(None, pattern=r"^[1-9]\d*$", description="Without num_frames: seconds x fps.")
     size: str | None = Field(None, pattern=r"^\d+x\d+$", description="WIDTHxHEIGHT; overrides width/height.")
     user: str | None = None
-    quality: str | None = Field(None, description="default | high | lossless (x264 crf 18 / 10 / 0).")
+    quality: str | None = Field(None, description="high | lossless (x264 crf 10 / 0); omitted: crf 18.")
     width: int | None = Field(None, ge=1)
     height: int | None = Field(None, ge=1)
     num_frames: int | None = Field(None, ge=1, description="1 or 4k+1; default 189.")
@@ -63,11 +64,14 @@ class VideoCreateRequest(NumbersNotBooleans):
     )
     sound_duration: float | None = Field(None, gt=0, allow_inf_nan=False)
     num_outputs_per_prompt: int = Field(1, ge=1, le=10)
-    image_reference: str | dict[str, Any] | None = Field(
-        None, description='{"image_url": "data:image/...;base64,..."}'
+    image_reference: str | dict[str, Any] | list[Any] | None = Field(
+        None, description='{"image_url": "data:image/...;base64,..."} (or a list of one)'
     )
     video_reference: str | dict[str, Any] | None = Field(
         None, description='{"video_url": "data:video/...;base64,..."}'
+    )
+    video_params: str | dict[str, Any] | None = Field(
+        None, description="{width, height, fps, num_frames}: fills the top-level fields not given."
     )
     extra_params: str | dict[str, Any] | None = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
     lora: str | dict[str, Any] | None = Field(None, description="Not supported yet: a 400 when given.")
@@ -84,6 +88,17 @@ class VideoCreateRequest(NumbersNotBooleans):
     @classmethod
     def _number_as_text(cls, value: Any) -> Any:
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class VideoParamsObject(NumbersNotBooleans):
+    """vLLM-Omni's `video_params` object (JSON API): fills the top-level size / fps / frames not given."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    fps: float | None = Field(None, ge=1, allow_inf_nan=False)
+    num_frames: int | None = Field(None, ge=1)
 
 
 class ExtraParams(NumbersNotBooleans):
@@ -206,7 +221,7 @@ class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
-    owned_by: str = "worldserve"
+    owned_by: str = "vllm"
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None

@@ -3,9 +3,10 @@
 Bodies: multipart/form-data (the recipe's `curl -F`, the OpenAI SDK), x-www-form-urlencoded, and, beyond
 vLLM-Omni, application/json with the same field names (there `prompt` may also be a JSON object: it is sent
 as its compact serialisation). The body is read through a byte counter: above `--max-upload-mb` -> 413.
-Resolution order (vLLM-Omni's): top-level fields, then `extra_params` over them, `size` over width/height,
-fps default 24, and `num_frames` from `seconds` x fps only when absent, rounded to the nearest 4k+1 (the
-model's frame grid). References: an `input_reference` upload is sniffed image first (I2V), then video
+Resolution order (vLLM-Omni's): top-level fields, a JSON `video_params` object filling the gaps, then
+`extra_params` over them, `size` over width/height, fps default 24, and `num_frames` from `seconds` x fps
+only when absent, rounded to the nearest 4k+1 (the model's frame grid); guidance_scale 0 is the default
+6.0 and an I2V request without a size takes the image's aspect ratio at the 720p area (§4.3). References: an `input_reference` upload is sniffed image first (I2V), then video
 (PyAV, V2V: `max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); JSON
 `image_reference` / `video_reference` take base64 data URLs. Everything omitted takes the model defaults
 of `VideoParams`. Any problem raises an APIError / ParamError that becomes a 400 naming the field; nothing
@@ -29,13 +30,14 @@ from starlette.requests import Request
 from worldserve.api.bodies import bounded_stream, check_unicode, parse_json
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
-from worldserve.api.protocol import ExtraParams, VideoCreateRequest
+from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
 from worldserve.engine.client import EncodeOptions, JobSpec
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
 from worldserve.media.video_input import condition_budget, decode_reference, decode_video
-from worldserve.params import ParamError, VideoParams
+from worldserve.params import ParamError, VideoParams, aspect_size
 
 QUALITY_CRF = {"default": 18, "high": 10, "lossless": 0}
+"""x264 crf per job quality; a request names "high" or "lossless" (vLLM-Omni's levels), else "default"."""
 REFERENCE_CONFLICT = (
     "Provide only one of input_reference, image_reference, or video_reference when using input_reference; "
     "image_reference and video_reference may be combined."
@@ -110,12 +112,12 @@ async def build_inputs(
     source, reference = await _reference_bytes(req, upload)
     refuse_unsupported(req)
     quality = req.quality or "default"
-    if quality not in QUALITY_CRF:
-        raise ParamError("quality", f"quality must be one of {sorted(QUALITY_CRF)}")
+    if req.quality is not None and req.quality not in ("high", "lossless"):
+        raise ParamError("quality", "quality must be 'high' or 'lossless' (omit it for the default, crf 18)")
     image = video = None
     if reference is not None:
         image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
-    params = _video_params(req, extra, image, video)
+    params = _video_params(req, parse_video_params(req.video_params), extra, image, video)
     if params.flow_shift is None and default_flow_shift is not None:
         params = dataclasses.replace(params, flow_shift=default_flow_shift)
     sound = params.generate_sound if params.generate_sound is not None else has_sound
@@ -173,6 +175,22 @@ def refuse_unsupported(req: VideoCreateRequest) -> None:
         raise ParamError(
             "enable_frame_interpolation", "RIFE frame interpolation is not supported by this server yet"
         )
+
+
+def parse_video_params(raw: str | dict | None) -> VideoParamsObject:
+    """The `video_params` object (a JSON body's object, or its serialisation in a form field)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except (json.JSONDecodeError, RecursionError):
+            raise APIError(400, "Invalid JSON in form field.", param="video_params") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
+                       param="video_params")  # fmt: skip
+    try:
+        return VideoParamsObject.model_validate(raw or {})
+    except ValidationError as exc:
+        raise validation_error([{**e, "loc": ("video_params", *e["loc"])} for e in exc.errors()]) from None
 
 
 def parse_extra_params(raw: str | dict | None) -> ExtraParams:
@@ -247,14 +265,21 @@ MAX_CONDITION_FRAMES = 401
 """A decode cap above any tier's frame limit; larger index lists fail validation anyway."""
 
 
-def _data_url_bytes(raw: str | dict, kind: str) -> bytes:
-    """The bytes of `{"<kind>_url": "data:...;base64,..."}` (image_reference / video_reference)."""
+def _data_url_bytes(raw: str | dict | list, kind: str) -> bytes:
+    """The bytes of `{"<kind>_url": "data:...;base64,..."}` (image_reference / video_reference; an image
+    reference may also be a list of one such object)."""
     field = f"{kind}_reference"
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError:
             raise APIError(400, "Invalid JSON in form field.", param=field) from None
+    if isinstance(raw, list) and kind == "image":  # newer vLLM-Omni builds take a list of references
+        if len(raw) != 1:
+            raise ParamError(
+                field, f"Cosmos3 image-to-video takes one image_reference; got a list of {len(raw)}."
+            )
+        raw = raw[0]
     if not isinstance(raw, dict):
         raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
                        param=field)  # fmt: skip
@@ -272,28 +297,43 @@ def _data_url_bytes(raw: str | dict, kind: str) -> bytes:
 
 
 def _video_params(
-    req: VideoCreateRequest, extra: ExtraParams, image: np.ndarray | None, video: np.ndarray | None
+    req: VideoCreateRequest,
+    vp: VideoParamsObject,
+    extra: ExtraParams,
+    image: np.ndarray | None,
+    video: np.ndarray | None,
 ) -> VideoParams:
+    """vLLM-Omni's resolution (serving-api.md §4.1): top-level fields, `video_params` filling the gaps,
+    `size` over width / height, fps 24, num_frames from `seconds` only if still unset; `extra_params`
+    keys win over the top level. Beyond it: guidance_scale 0 means the default (the pipeline tests
+    truthiness), and an I2V request without a size takes the image's aspect ratio (§4.3)."""
     kw: dict[str, Any] = {"prompt": req.prompt}
     top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
            "generate_sound", "fps", "num_frames")  # fmt: skip
     for name in top:
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
+    for name in ("fps", "num_frames"):
+        if name not in kw and getattr(vp, name) is not None:
+            kw[name] = getattr(vp, name)
     for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed",
                  "max_sequence_length", "generate_sound"):  # fmt: skip
         if getattr(extra, name) is not None:
             kw[name] = getattr(extra, name)
+    if kw.get("guidance_scale") == 0:
+        del kw["guidance_scale"]  # Cosmos3 takes a scale of 0 as "not given": 6.0
     if extra.sound_gen is not None and extra.generate_sound is None:
         kw["generate_sound"] = extra.sound_gen
+    width = req.width if req.width is not None else vp.width
+    height = req.height if req.height is not None else vp.height
     if req.size is not None:
         kw["width"], kw["height"] = (int(v) for v in req.size.split("x"))
-    elif (req.width is None) != (req.height is None):
-        raise ParamError(
-            "height" if req.height is None else "width", "width and height must be given together"
-        )
-    elif req.width is not None:
-        kw["width"], kw["height"] = req.width, req.height
+    elif (width is None) != (height is None):
+        raise ParamError("height" if height is None else "width", "width and height must be given together")
+    elif width is not None:
+        kw["width"], kw["height"] = width, height
+    elif image is not None:
+        kw["width"], kw["height"] = aspect_size(image.shape[1], image.shape[0])
     fps = kw.setdefault("fps", VideoParams.__dataclass_fields__["fps"].default)
     if "num_frames" not in kw and req.seconds is not None:
         frames = int(req.seconds) * fps

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 
 import numpy as np
@@ -33,21 +34,46 @@ def invalid_reference(param: str) -> str:
     return INVALID_REFERENCE_MESSAGE.replace("input_reference", param, 1)
 
 
+class ImageTooLarge(ParamError):
+    """An image Pillow recognises but refuses to decode: more pixels than `max_pixels()` (a decompression
+    bomb guard). Not "some other format": callers that sniff image-then-video must not retry it as video."""
+
+
+def max_pixels() -> int:
+    """Pixels an image (or a video frame) may have: Pillow's decompression-bomb limit (~89.5 M)."""
+    return int(Image.MAX_IMAGE_PIXELS or 2**31)
+
+
+def too_large(param: str, pixels: int | None, what: str = "the image") -> ImageTooLarge:
+    size = "" if pixels is None else f" ({pixels:,} pixels)"
+    return ImageTooLarge(
+        param, f"{param}: {what}{size} is above this server's limit of {max_pixels():,} pixels"
+    )
+
+
 def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
     """Decode image bytes (any Pillow format) to uint8 RGB (H, W, 3), applying the EXIF orientation.
 
     Alpha is dropped as `Image.convert("RGB")` does (the diffusers pipeline converts the same way).
-    Raises ParamError(param, ...) for anything Pillow cannot decode, truncated files and decompression bombs.
+    Raises ImageTooLarge(param, ...) for an image above `max_pixels()` (checked from its header, before
+    decoding), ParamError(param, ...) for anything Pillow cannot decode and for truncated files.
     """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as img:
+                if img.width * img.height > max_pixels():
+                    raise too_large(param, img.width * img.height, f"the image of {img.width}x{img.height}")
                 img.load()
                 img = ImageOps.exif_transpose(img)
                 rgb = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError,
             Image.DecompressionBombWarning) as exc:  # fmt: skip
+        if isinstance(exc, ImageTooLarge):
+            raise
+        if isinstance(exc, Image.DecompressionBombError | Image.DecompressionBombWarning):
+            found = re.search(r"\((\d+) pixels\)", str(exc))  # Pillow's "Image size (N pixels) exceeds ..."
+            raise too_large(param, int(found.group(1)) if found else None) from exc
         raise ParamError(param, invalid_reference(param)) from exc
     if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
         raise ParamError(param, invalid_reference(param))

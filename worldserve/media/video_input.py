@@ -25,10 +25,12 @@ import io
 import numpy as np
 from PIL import Image
 
-from worldserve.media.image import decode_image, invalid_reference
+from worldserve.media.image import ImageTooLarge, decode_image, invalid_reference, max_pixels, too_large
 from worldserve.params import ChatVideo, ParamError, VideoSampling
 
 KEEP_CHOICES = ("first", "last")
+MAX_DECODED_BYTES = 4 * 2**30
+"""A conditioning clip's decoded frames may take this much host memory (4 GiB: 189 frames at 4K)."""
 
 
 def decode_video(
@@ -49,7 +51,10 @@ def decode_video(
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise bad
-            for frame in container.decode(container.streams.video[0]):
+            stream = container.streams.video[0]
+            _check_frame_size(stream.codec_context.width, stream.codec_context.height, 1, param)
+            for frame in container.decode(stream):
+                _check_frame_size(frame.width, frame.height, min(len(frames) + 1, max_frames), param)
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if keep == "first" and len(frames) >= max_frames:
                     break
@@ -65,6 +70,18 @@ def decode_video(
     if out.ndim != 4 or out.shape[1] == 0 or out.shape[2] == 0 or out.shape[3] != 3:
         raise bad
     return out
+
+
+def _check_frame_size(width: int, height: int, kept: int, param: str) -> None:
+    """ParamError before decoding a frame above the image pixel limit, or one that would make the `kept`
+    frames held at once take more than MAX_DECODED_BYTES (a small file can decode to a huge clip)."""
+    if width * height > max_pixels():
+        raise too_large(param, width * height, f"a video frame of {width}x{height}")
+    if kept * width * height * 3 > MAX_DECODED_BYTES:
+        fit = max(1, MAX_DECODED_BYTES // max(1, width * height * 3))
+        raise ParamError(param, f"{param}: the conditioning frames of {width}x{height} need more than "
+                         f"{MAX_DECODED_BYTES >> 30} GiB decoded; at this size at most {fit} frames fit: "
+                         "send a smaller video or fewer condition frames")  # fmt: skip
 
 
 DEFAULT_SOURCE_FPS = 24.0
@@ -135,9 +152,12 @@ def _invalid(param: str) -> ParamError:
 def decode_reference(
     data: bytes, *, max_frames: int, keep: str = "first", param: str = "input_reference"
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(image, None) when Pillow decodes `data`, else (None, video) when PyAV does, else ParamError."""
+    """(image, None) when Pillow decodes `data`, else (None, video) when PyAV does, else ParamError. An image
+    Pillow recognises but refuses (too many pixels) is a ParamError, not retried as a one-frame video."""
     try:
         return decode_image(data, param=param), None
+    except ImageTooLarge:
+        raise
     except ParamError:
         pass
     return None, decode_video(data, max_frames, keep, param=param)
