@@ -1,10 +1,13 @@
 """Pasted vLLM / vLLM-Omni `serve` command lines: the recipe lines parse, `--model` / `--stage-init-timeout`
-fold into worldserve's flags, the accepted-without-effect flags are validated (bad values: exit 2) and logged,
-and the CORS and request-id flags reach the app (preflight answered, headers sent), built as `serve` builds it.
+fold into worldserve's flags, every flag of serving-api.md §9 / §11.1 (and common vLLM flags) parses, the
+accepted-without-effect ones are logged, values worldserve cannot honour are refused before the model loads
+(naming the flag, exit 2), `--log-file` writes the log, and the CORS and request-id flags reach the app
+(preflight answered, headers sent), built as `serve` builds it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import re
@@ -18,7 +21,7 @@ from serving_helpers import make_client
 
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
-from worldserve.commands import serve
+from worldserve.commands import serve, serve_compat
 from worldserve.config import EngineConfig
 
 pytestmark = pytest.mark.anyio
@@ -69,7 +72,7 @@ def test_generator_recipe_line_with_vllm_omni_flags(caplog):
     assert cfg.server.allowed_origins == ("https://app.example",) and cfg.server.allow_credentials
     assert cfg.server.enable_request_id_headers
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
-        serve._log_vllm_compat(args, cfg)
+        serve_compat.log_compat(args, cfg)
     for flag in ("--model-class-name", "--deploy-config", "--num-gpus", "--diffusion-batch-size",
                  "--vae-use-slicing", "--trust-remote-code", "--log-stats",
                  "--default-sampling-params", "--gpu-memory-utilization"):  # fmt: skip
@@ -89,7 +92,7 @@ def test_reasoner_recipe_line(caplog):
     assert args.hf_overrides == {"architectures": ["Cosmos3ReasonerForConditionalGeneration"]}
     assert args.media_io_kwargs == {"video": {"num_frames": -1}} and args.mm_encoder_tp_mode == "data"
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
-        serve._log_vllm_compat(args, cfg)
+        serve_compat.log_compat(args, cfg)
     given = {flag_of(r) for r in caplog.records}
     assert {"--hf-overrides", "--mm-encoder-tp-mode", "--async-scheduling", "--media-io-kwargs",
             "--gpu-memory-utilization", "--disable-log-stats"} <= given  # fmt: skip
@@ -103,7 +106,7 @@ def test_model_option_is_a_deprecated_alias(caplog, tmp_path, monkeypatch):
         config("some/model", "--model", "other/model")
     args = parse_args("--model", "some/model")
     with caplog.at_level(logging.WARNING, logger="worldserve.serve"):
-        serve._log_vllm_compat(args, serve.engine_config(args))
+        serve_compat.log_compat(args, serve.engine_config(args))
     assert "--model is deprecated" in caplog.text
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert serve.run(parse_args("a/model", "--model", "b/model")) == 2, "refused before anything loads"
@@ -124,7 +127,10 @@ def test_stage_init_timeout_sets_the_load_bound():
      ("--media-io-kwargs", "num_frames=-1"), ("--default-sampling-params", "3"), ("--gpu-memory-utilization", "0"),
      ("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "most"), ("--num-gpus", "0"),
      ("--diffusion-batch-size", "two"), ("--flow-shift", "fast"),
-     ("--stage-init-timeout", "-1"), ("--mm-encoder-tp-mode", "pipeline")],
+     ("--stage-init-timeout", "-1"), ("--mm-encoder-tp-mode", "pipeline"), ("--ulysses-mode", "loose"),
+     ("--ring", "two"), ("--ring-degree", "0"), ("--worker-backend", "k8s"), ("--cache-config", "[1]"),
+     ("--diffusion-attention-config", "{bad"), ("--hsdp-shard-size", "all"), ("--api-server-count", "0"),
+     ("--limit-mm-per-prompt", "image=2"), ("--seed", "x"), ("--boundary-ratio", "inf")],
 )  # fmt: skip
 def test_bad_values_are_argparse_errors_naming_the_flag(flag, value, capsys):
     """Malformed JSON, out-of-range numbers and unknown choices: argparse errors (exit 2) naming the flag."""
@@ -251,3 +257,130 @@ def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_p
         assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"))) == 1
     assert "in use by another worldserve server" in caplog.text and not loads
     held.close()
+
+
+# Every flag of serving-api.md §9 / §11.1 and the common vLLM flags not already real worldserve flags, at values
+# worldserve accepts (defaults, no-op values, or values it cannot be asked to honour).
+ACCEPTED = [
+    "--stage-configs-path", "legacy.yaml", "--stage-overrides", '{"0": {"model_config": {"guardrails": false}}}',
+    "--ulysses-mode", "strict", "--ring", "1", "--vae-patch-parallel-size", "1", "--vae-parallel-mode", "tile",
+    "--hsdp-shard-size", "-1", "--hsdp-replicate-size", "1", "--layerwise-num-gpu-layers", "1",
+    "--dlo-resident-layers", "12", "--no-dlo-use-allgather", "--cache-backend", "none", "--cache-config", "{}",
+    "--enable-cache-dit-summary", "-dac", "{}", "--quantization-config", "{}", "--diffusion-kv-cache-dtype", "auto",
+    "--step-execution", "--num-weight-load-threads", "8", "--disable-multithread-weight-load",
+    "--lora-scale", "1.0", "--enable-diffusion-pipeline-profiler", "--worker-backend", "multi_process",
+    "--api-server-count", "1", "--allowed-media-domains", "example.com", "cdn.example.com",
+    "--disable-log-requests", "--seed", "0", "--generation-config", "vllm", "--max-num-batched-tokens", "8192",
+    "--no-enable-prefix-caching", "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto",
+]  # fmt: skip
+REAL_FLAGS = [  # §9 flags that are worldserve's own (config.py): honoured, never logged as compat lines
+    "--served-model-name", "cosmos", "--api-key", "k", "--no-guardrails", "-tp", "1", "--usp", "1",
+    "--cfg-parallel-size", "1", "--enable-layerwise-offload", "--diffusion-attention-backend", "TORCH_SDPA",
+    "--quantization", "fp8", "--enforce-eager", "--allowed-local-media-path", "/data",
+]  # fmt: skip
+
+
+def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
+    """The whole §9 / §11.1 flag set on one line: it parses, passes the check, and each compat flag given logs
+    exactly one 'accepted, no effect' line; the real flags take effect."""
+    args = parse_args(*GENERATOR, *GENERATOR_EXTRAS, *REASONER[1:], *ACCEPTED, *REAL_FLAGS)
+    cfg = serve.engine_config(args)
+    assert (
+        cfg.model.served_model_name == "cosmos"
+        and cfg.model.quantization == "fp8"
+        and cfg.model.enforce_eager
+    )
+    assert cfg.parallel.enable_layerwise_offload and cfg.server.allowed_local_media_path == "/data"
+    assert args.ring_degree == 1 and args.diffusion_attention_config == {} and args.dlo_use_allgather is False
+    assert args.allowed_media_domains == ["example.com", "cdn.example.com"]
+    with caplog.at_level(logging.INFO, logger="worldserve.serve"):
+        serve_compat.log_compat(args, cfg)
+    logged = [flag_of(r) for r in caplog.records]
+    given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
+    assert sorted(logged) == sorted(given) and len(given) >= 45
+    assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
+    assert (
+        "--ring-degree 1: accepted, no effect" in caplog.text
+        and "--worker-backend multi_process:" in caplog.text
+    )
+
+
+def test_help_lists_the_compat_flags_in_their_group():
+    """`serve --help` lists every compat flag (aliases too) under "vLLM / vLLM-Omni compatibility"."""
+    (sub,) = [a for a in build_parser(["serve"])._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    text = sub.choices["serve"].format_help()
+    group = text[text.index("vLLM / vLLM-Omni compatibility:") :]
+    for c in serve_compat.COMPAT_FLAGS:
+        for name in (c.flag, *c.aliases):
+            assert re.search(rf"(^|[ ,\[]){re.escape(name)}\b", group, re.M), name
+    assert "--log-file PATH" in group and "Refused: worldserve has no Ray worker backend" in group
+
+
+REFUSED = [
+    (["--stage-overrides", '{"0": {"model_config": {"num_gpus": 2}}}'], "--stage-overrides", "no stages"),
+    (["--stage-overrides", '{"0": {"model_config": {"guardrails": true}}}'], "--stage-overrides", "guardrail"),
+    (["--ring", "2"], "--ring-degree 2", "no ring attention"),
+    (["--vae-patch-parallel-size", "2"], "--vae-patch-parallel-size 2", "one GPU"),
+    (["--use-hsdp"], "--use-hsdp", "HSDP"),
+    (["--hsdp-shard-size", "4"], "--hsdp-shard-size 4", "HSDP"),
+    (["--hsdp-replicate-size", "2"], "--hsdp-replicate-size 2", "HSDP"),
+    (["--layerwise-num-gpu-layers", "4"], "--layerwise-num-gpu-layers 4", "two blocks"),
+    (["--enable-distributed-layerwise-offload"], "--enable-distributed-layerwise-offload", "--enable-layerwise"),
+    (["--cache-backend", "cache_dit"], "--cache-backend cache_dit", "no lossy step caching"),
+    (["--cache-config", '{"rel_l1_thresh": 0.2}'], "--cache-config", "no step cache"),
+    (["-dac", '{"self": "SAGE_ATTN"}'], "--diffusion-attention-config", "--diffusion-attention-backend"),
+    (["--quantization-config", '{"activation_scheme": "static"}'], "--quantization-config", "no options"),
+    (["--force-cutlass-fp8"], "--force-cutlass-fp8", "one kernel"),
+    (["--diffusion-kv-cache-dtype", "fp8"], "--diffusion-kv-cache-dtype fp8", "--fp8-attention"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3", "model's dtype"),
+    (["--boundary-ratio", "0.875"], "--boundary-ratio 0.875", "Wan2.2"),
+    (["--lora-path", "lora.safetensors"], "--lora-path lora.safetensors", "LoRA"),
+    (["--max-generated-image-size", "1048576"], "--max-generated-image-size", "cap"),
+    (["--worker-backend", "ray"], "--worker-backend ray", "no Ray"),
+    (["--ray-address", "auto"], "--ray-address auto", "no Ray"),
+    (["--api-server-count", "4"], "--api-server-count 4", "one API server"),
+    (["--omni-lb-policy", "cost-aware"], "--omni-lb-policy cost-aware", "load balancer"),
+    (["--reasoning-parser", "qwen3"], "--reasoning-parser qwen3", "content"),
+    (["--seed", "1234"], "--seed 1234", "per request"),
+    (["--generation-config", "/models/gen"], "--generation-config /models/gen", "per request"),
+    (["--limit-mm-per-prompt", '{"image": 2}'], "--limit-mm-per-prompt", "media-count"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "named", "why"), REFUSED, ids=[r[1].split()[0] + "-" + str(i) for i, r in
+                                                                  enumerate(REFUSED)])  # fmt: skip
+def test_values_worldserve_cannot_honour_are_refused_naming_the_flag(argv, named, why):
+    """A vLLM flag at a value worldserve cannot honour: one-line ValueError starting with the flag (and value)."""
+    with pytest.raises(ValueError) as error:
+        config(*GENERATOR, *argv)
+    message = str(error.value)
+    assert message.startswith(f"{named}") and why in message and "\n" not in message
+
+
+def test_a_refused_flag_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):
+    """`serve` exits 2 at once (no store opened, no load), logging the one-line reason."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args("--cache-backend", "tea_cache")) == 2
+    assert "--cache-backend tea_cache: worldserve has no lossy step caching" in caplog.text and not loads
+    assert not (tmp_path / "worldserve").exists(), "the job store was not opened"
+
+
+def test_log_file_receives_the_log(tmp_path, monkeypatch):
+    """--log-file is honoured: the startup lines (here: a refusal) are appended to the file; an unwritable path
+    is an error naming the flag (exit 2)."""
+    path = tmp_path / "serve.log"
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        assert serve.run(parse_args("--log-file", str(path), "--worker-backend", "ray")) == 2
+    finally:
+        for handler in set(root.handlers) - set(before):
+            root.removeHandler(handler)
+            handler.close()
+    assert "--worker-backend ray: worldserve spawns its own worker processes" in path.read_text()
+    with pytest.raises(ValueError, match="--log-file .*: cannot open it"):
+        serve_compat.log_to_file(str(tmp_path / "missing" / "serve.log"), serve.LOG_FORMAT)
+    assert serve.run(parse_args("--log-file", str(tmp_path / "missing" / "x.log"))) == 2

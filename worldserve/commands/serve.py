@@ -8,122 +8,42 @@ SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get 
 to finish, anything unfinished stays queued in the store and is re-run at the next start.
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
 vision_encoder/. `--backend fake` (hidden) serves numpy colour frames with no model and no chat: tests only.
-Pasted vLLM / vLLM-Omni command lines run too: `--model` and `--stage-init-timeout` fold into MODEL and
---init-timeout (`engine_config`); the flags in COMPAT_FLAGS are validated, then accepted with no effect and
-one log line each saying why.
+Pasted vLLM / vLLM-Omni command lines run too (serve_compat.py): `--model` and `--stage-init-timeout` fold
+into MODEL and --init-timeout (`engine_config`), `--log-file` is honoured; the other vLLM flags are accepted
+with no effect (one log line each saying why) or, at values worldserve cannot honour, refused before the
+model loads (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from worldserve import __version__
-from worldserve.config import (
-    CONFIG_CLASSES,
-    EngineConfig,
-    FlagValueError,
-    ModelConfig,
-    ParallelConfig,
-    add_config_arguments,
-    json_flag,
-)
+from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
+from worldserve.config import CONFIG_CLASSES, EngineConfig, ModelConfig, ParallelConfig, add_config_arguments
 
 log = logging.getLogger("worldserve.serve")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 
 
-def _checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
-    """An argparse type: `kind(text)` when `ok` accepts it, else FlagValueError (argparse: exit 2, naming the flag)."""
-
-    def parse(text: str) -> Any:
-        """`kind(text)`, checked."""
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise FlagValueError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """An argparse type: a JSON object, as vLLM's `--hf-overrides '{"architectures": [...]}'`."""
-    value = json_flag(text, "a JSON object")
-    if not isinstance(value, dict):
-        raise FlagValueError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-_POSITIVE_INT = _checked(int, lambda v: v >= 1, "an integer >= 1")
-COMPAT_FLAGS: tuple[tuple[str, dict[str, Any], int, str], ...] = (
-    ("--trust-remote-code", {"action": "store_true"}, logging.INFO,
-     "worldserve runs its own Cosmos3 code, never code shipped with a checkpoint"),
-    ("--async-scheduling", {"action": argparse.BooleanOptionalAction}, logging.INFO,
-     "worldserve has one scheduling mode (the video engine and the chat worker each schedule in their own thread)"),
-    ("--log-stats", {"action": "store_true"}, logging.INFO, "the statistics are always served on /metrics"),
-    ("--disable-log-stats", {"action": "store_true"}, logging.INFO, "the statistics are always served on /metrics"),
-    ("--gpu-memory-utilization", {"type": _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")},
-     logging.INFO, "the Reasoner's K/V cache is sized by --kv-cache-memory-bytes (default: 2 x --max-model-len "
-     "tokens), not by a fraction of GPU memory"),
-    ("--model-class-name", {"metavar": "NAME"}, logging.INFO,
-     "worldserve has one Cosmos3 pipeline, its own, for every task"),
-    ("--deploy-config", {"metavar": "PATH"}, logging.INFO,
-     "worldserve reads no stage YAML: one process serves every stage, set up by flags (no guardrail models)"),
-    ("--num-gpus", {"type": _POSITIVE_INT}, logging.INFO, "the GPUs used follow from --cfg-parallel-size x "
-     "--ulysses-degree x --tensor-parallel-size{gpus}"),
-    ("--diffusion-batch-size", {"type": _POSITIVE_INT}, logging.INFO,
-     "same-shape requests denoise together up to --max-batch-size{max_batch_size}"),
-    ("--vae-use-slicing", {"action": "store_true"}, logging.INFO,
-     "worldserve's VAE memory lever is --vae-use-tiling (--vae-tiling)"),
-    ("--hf-overrides", {"type": _json_object, "metavar": "JSON"}, logging.INFO,
-     "the checkpoint's own config is used, and the Reasoner chat API is served from the same checkpoint "
-     "without an architecture override"),
-    ("--mm-encoder-tp-mode", {"choices": ("weights", "data")}, logging.INFO,
-     "the Reasoner's vision encoder is never sharded (tensor parallelism turns the chat API off)"),
-    ("--media-io-kwargs", {"type": _json_object, "metavar": "JSON"}, logging.INFO,
-     "there are no server-wide media defaults: chat videos are sampled as Qwen3-VL's processor does (2 fps; "
-     "the recipe's video num_frames -1 asks for exactly that), and a request's own media_io_kwargs apply"),
-    ("--default-sampling-params", {"type": _json_object, "metavar": "JSON"}, logging.WARNING,
-     "there are no server-side sampling defaults: fields a request omits take the Cosmos3 defaults; send "
-     "them per request"),
-)  # fmt: skip
-"""(flag, argparse keywords, log level, why it has no effect): vLLM / vLLM-Omni flags accepted for pasted
-command lines. Values are validated (a bad one is an argparse error naming the flag). The one that changes
-outputs under vLLM-Omni logs a warning, the others an info line (--flow-shift is a real ServerConfig flag)."""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The config dataclasses' flags, then vLLM's aliases and the accepted-without-effect flags."""
+    """The config dataclasses' flags, then the vLLM / vLLM-Omni compatibility group (serve_compat.py)."""
     for cls in CONFIG_CLASSES:
         add_config_arguments(parser, cls)
-    group = parser.add_argument_group(
-        "vLLM / vLLM-Omni compatibility", "Flags of pasted vLLM / vLLM-Omni command lines."
-    )
-    group.add_argument("--model", dest="model_option", metavar="MODEL",
-                       help="Deprecated (as in vLLM): the model; pass it as the positional MODEL.")  # fmt: skip
-    group.add_argument("--stage-init-timeout", metavar="SECONDS",
-                       type=_checked(float, lambda v: math.isfinite(v) and v > 0, "a number of seconds > 0"),
-                       help="vLLM-Omni's per-stage init timeout; worldserve loads one stage, so the model load "
-                       "is bounded by the larger of it and --init-timeout.")  # fmt: skip
-    for flag, kwargs, _, why in COMPAT_FLAGS:
-        why = why.format(gpus="", max_batch_size="").replace("%", "%%")
-        group.add_argument(flag, default=None, help=f"Accepted, no effect: {why}.", **kwargs)
+    add_compat_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed `serve` flags, vLLM's aliases folded in: `--model M` is MODEL (both given and
-    different: ValueError) and `--stage-init-timeout S` raises --init-timeout to S when larger."""
+    different: ValueError) and `--stage-init-timeout S` raises --init-timeout to S when larger. A vLLM flag at a
+    value worldserve cannot honour is a ValueError naming it (serve_compat.check_compat_flags)."""
+    check_compat_flags(args)
     values = vars(args).copy()
     option = values.pop("model_option", None)
     if option is not None:
@@ -137,29 +57,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_args(argparse.Namespace(**values))
 
 
-def _log_vllm_compat(args: argparse.Namespace, config: EngineConfig) -> None:
-    """The deprecation of `--model`, and one line per accepted-without-effect flag given, saying why."""
-    if getattr(args, "model_option", None) is not None:
-        log.warning("--model is deprecated (as in vLLM): pass the model as the positional MODEL")
-    par = config.parallel
-    context = {"gpus": f" ({par.cfg_parallel_size * par.ulysses_degree * par.tensor_parallel_size} here)",
-               "max_batch_size": f" ({config.scheduler.max_batch_size} here)"}  # fmt: skip
-    for flag, _, level, why in COMPAT_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            shown = "" if value is True else f" {json.dumps(value) if isinstance(value, dict) else value}"
-            log.log(level, "%s%s: accepted, no effect: %s", flag, shown, why.format(**context))
-
-
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
+    log_file = None
     try:
+        if getattr(args, "log_file", None):
+            log_file = log_to_file(args.log_file, LOG_FORMAT)
         config = engine_config(args).resolve()
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
-    _log_vllm_compat(args, config)
+    log_compat(args, config)
     if config.model.omni:
         log.info("--omni accepted: worldserve always serves the omni video API")
     from worldserve.engine.jobs import JobStore, StorageError
@@ -175,13 +84,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     backend, gpu_memory, *chat = loaded
     try:
-        return _serve(config, store, backend, gpu_memory, chat[0] if chat else None)
+        return _serve(config, store, backend, gpu_memory, chat[0] if chat else None, log_file=log_file)
     finally:
         if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
             backend.close()
 
 
-def _serve(config: EngineConfig, store: Any, backend: Any, gpu_memory: Any, chat_backend: Any = None) -> int:
+def _serve(
+    config: EngineConfig,
+    store: Any,
+    backend: Any,
+    gpu_memory: Any,
+    chat_backend: Any = None,
+    *,
+    log_file: logging.Handler | None = None,
+) -> int:
     from worldserve.api.app import build_app, route_table
     from worldserve.api.metrics import Metrics
     from worldserve.engine.client import EngineClient
@@ -208,6 +125,9 @@ def _serve(config: EngineConfig, store: Any, backend: Any, gpu_memory: Any, chat
         app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
         timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
     )  # fmt: skip
+    if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
+        for name in ("uvicorn", "uvicorn.access"):
+            logging.getLogger(name).addHandler(log_file)
     GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run()
     return 0
 

@@ -1,0 +1,294 @@
+"""The vLLM / vLLM-Omni flags of `worldserve serve` (serving-api.md §9 and §11.1, and common vLLM flags), so that
+pasted `vllm serve ... [--omni]` command lines run, each flag honoured, accepted or refused, never ignored.
+
+COMPAT_FLAGS is the one table: a flag whose values all leave worldserve's behaviour as the operator asked is
+accepted with one startup log line saying why it has no effect; a flag with an `ok` test is accepted only at
+its default / no-op values, and `check_compat_flags` (called by `serve.engine_config`, so before the model
+loads) refuses any other value with one line naming the flag and why (exit 2, like argparse's errors).
+Malformed values are argparse errors. Honoured outside the table: `--model`, `--stage-init-timeout` (folded
+into MODEL / --init-timeout by serve.engine_config) and `--log-file` (log_to_file). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worldserve.config import EngineConfig, FlagValueError, json_flag
+
+log = logging.getLogger("worldserve.serve")
+
+
+def checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` when `ok` accepts it, else FlagValueError (argparse: exit 2, naming the flag)."""
+
+    def parse(text: str) -> Any:
+        """`kind(text)`, checked."""
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise FlagValueError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object, as vLLM's `--hf-overrides '{"architectures": [...]}'`."""
+    value = json_flag(text, "a JSON object")
+    if not isinstance(value, dict):
+        raise FlagValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+POSITIVE_INT = checked(int, lambda v: v >= 1, "an integer >= 1")
+FLOAT = checked(float, math.isfinite, "a number")
+JSON = {"type": json_object, "metavar": "JSON"}
+ON = {"action": "store_true"}
+NEVER: Callable[[Any], bool] = lambda v: False  # noqa: E731  (a flag that is refused whenever it is given)
+EMPTY: Callable[[Any], bool] = lambda v: v == {}  # noqa: E731
+GUARDRAIL_KEYS = {"guardrails", "offload_guardrail_models"}
+
+
+def _guardrails_off_only(overrides: dict[str, Any]) -> bool:
+    """--stage-overrides that only turn the guardrails off (`{"0": {"model_config": {"guardrails": false}}}`)."""
+    for stage in overrides.values():
+        model_config = stage.get("model_config", {}) if isinstance(stage, dict) else None
+        if (
+            not isinstance(model_config, dict)
+            or set(stage) - {"model_config"}
+            or set(model_config) - GUARDRAIL_KEYS
+        ):
+            return False
+        if model_config.get("guardrails", False) is not False:
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class CompatFlag:
+    """One vLLM / vLLM-Omni flag that worldserve accepts (possibly only at some values) without an effect."""
+
+    flag: str
+    """Its vLLM spelling; the dest is its name in snake case."""
+    why: str
+    """Why an accepted value has no effect here ({gpus} / {max_batch_size}: filled in at startup)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """argparse keywords (type, action, choices, metavar, nargs)."""
+    ok: Callable[[Any], bool] | None = None
+    """Which given values are accepted; None: all (that parse). The others are refused at startup."""
+    accepts: str = ""
+    """The accepted values, for --help (e.g. "only at none")."""
+    refusal: str = ""
+    """Why other values are refused, with what to do instead: the startup error after `--flag value: `."""
+    level: int = logging.INFO
+    """The log level of the accepted line (a warning where vLLM's meaning changes outputs)."""
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+C = CompatFlag
+DEPLOY = (
+    "worldserve reads no stage YAML: one process serves every stage, set up by flags (no guardrail models)"
+)
+NO_DLO = "it applies only with --enable-distributed-layerwise-offload, which worldserve refuses"
+WEIGHT_LOAD = "worldserve streams the tensors one at a time from memory-mapped safetensors shards"
+HSDP = ("worldserve has no HSDP weight sharding: --tensor-parallel-size splits the weights, "
+        "--enable-layerwise-offload keeps them in host memory")  # fmt: skip
+COMPAT_FLAGS: tuple[CompatFlag, ...] = (
+    # vLLM-Omni basics
+    C("--trust-remote-code", "worldserve runs its own Cosmos3 code, never code shipped with a checkpoint", ON),
+    C("--model-class-name", "worldserve has one Cosmos3 pipeline, its own, for every task", {"metavar": "NAME"}),
+    C("--deploy-config", DEPLOY, {"metavar": "PATH"}),
+    C("--stage-configs-path", DEPLOY + "; vLLM-Omni deprecates this flag", {"metavar": "PATH"}),
+    C("--stage-overrides", "worldserve loads no guardrail models", JSON, _guardrails_off_only,
+      "as {} or turning guardrails off", "worldserve has no stages to override: use the matching worldserve "
+      "flags (--help); only guardrail overrides turning them off are accepted"),
+    # parallelism and memory
+    C("--num-gpus", "the GPUs used follow from --cfg-parallel-size x --ulysses-degree x --tensor-parallel-size{gpus}",
+      {"type": POSITIVE_INT}),
+    C("--ulysses-mode", "worldserve's Ulysses split pads uneven sequence lengths in every mode; --ulysses-degree "
+      "must still divide the heads (1, 2, 4, 8)", {"choices": ("strict", "advanced_uaa")}),
+    C("--ring-degree", "1 is no ring attention", {"type": POSITIVE_INT}, lambda v: v == 1, "only at 1",
+      "worldserve has no ring attention: use --ulysses-degree (and --cfg-parallel-size) for more GPUs",
+      aliases=("--ring",)),
+    C("--vae-patch-parallel-size", "worldserve decodes the VAE on one GPU", {"type": POSITIVE_INT},
+      lambda v: v == 1, "only at 1", "worldserve decodes the VAE on one GPU; --vae-tiling lowers its memory"),
+    C("--vae-parallel-mode", "it applies only with --vae-patch-parallel-size > 1, which worldserve refuses",
+      {"metavar": "MODE"}),
+    C("--use-hsdp", "", ON, NEVER, "never", HSDP),
+    C("--hsdp-shard-size", "-1 (vLLM-Omni's default) shards nothing without --use-hsdp", {"type": int},
+      lambda v: v == -1, "only at -1", HSDP),
+    C("--hsdp-replicate-size", "1 replicates nothing", {"type": POSITIVE_INT}, lambda v: v == 1, "only at 1", HSDP),
+    C("--layerwise-num-gpu-layers", "--enable-layerwise-offload streams each block into one of two GPU slots per "
+      "tower", {"type": POSITIVE_INT}, lambda v: v == 1, "only at 1", "worldserve's --enable-layerwise-offload "
+      "keeps a fixed two blocks per tower on the GPU (double buffered)"),
+    C("--enable-distributed-layerwise-offload", "", ON, NEVER, "never",
+      "worldserve has no distributed (sharded) layerwise offload: use --enable-layerwise-offload"),
+    C("--dlo-resident-layers", NO_DLO, {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),
+    C("--dlo-use-allgather", NO_DLO, {"action": argparse.BooleanOptionalAction}),
+    C("--vae-use-slicing", "worldserve's VAE memory lever is --vae-use-tiling (--vae-tiling)", ON),
+    # kernels, caching and quantisation
+    C("--cache-backend", "none is no step caching", {"metavar": "NAME"}, lambda v: v.lower() == "none", "only at "
+      "none", "worldserve has no lossy step caching (cache-dit, TeaCache...): every step runs the full model"),
+    C("--cache-config", "there is no step cache to configure", JSON, EMPTY, "only as {}",
+      "worldserve has no step cache to configure (see --cache-backend)"),
+    C("--enable-cache-dit-summary", "there is no step cache, so no cache statistics", ON),
+    C("--diffusion-attention-config", "an empty object is the default", JSON, EMPTY, "only as {}", "worldserve uses one attention "
+      "backend for every role: pick it with --diffusion-attention-backend (--fp8-attention for e4m3)",
+      aliases=("-dac",)),
+    C("--quantization-config", "an empty object is the default", JSON, EMPTY, "only as {}",
+      "worldserve's --quantization fp8 has no options (row-wise e4m3 scales on the gen tower's GEMMs)"),
+    C("--force-cutlass-fp8", "", ON, NEVER, "never",
+      "worldserve's fp8 GEMMs have one kernel (torch._scaled_mm with row-wise scales)"),
+    C("--diffusion-kv-cache-dtype", "auto is the model's dtype", {"metavar": "DTYPE"}, lambda v: v == "auto",
+      "only at auto", "worldserve has no separate diffusion K/V dtype: --fp8-attention runs the gen attention in e4m3"),
+    C("--kv-cache-dtype", "auto is the model's dtype", {"metavar": "DTYPE"}, lambda v: v == "auto", "only at auto",
+      "the Reasoner's K/V cache is in the model's dtype (--dtype); size it with --kv-cache-memory-bytes"),
+    # sampling, execution and observability
+    C("--default-sampling-params", "there are no server-side sampling defaults: fields a request omits take the "
+      "Cosmos3 defaults; send them per request", JSON, level=logging.WARNING),
+    C("--diffusion-batch-size", "same-shape requests denoise together up to --max-batch-size{max_batch_size}",
+      {"type": POSITIVE_INT}),
+    C("--boundary-ratio", "", {"type": FLOAT}, NEVER, "never",
+      "it is Wan2.2's switch between two expert transformers; Cosmos3 has one"),
+    C("--step-execution", "worldserve always runs one scheduled denoising step at a time; an abort takes effect at "
+      "the next step", ON),
+    C("--num-weight-load-threads", WEIGHT_LOAD, {"type": POSITIVE_INT}),
+    C("--disable-multithread-weight-load", WEIGHT_LOAD, ON),
+    C("--lora-path", "", {"metavar": "PATH"}, NEVER, "never",
+      "worldserve loads no LoRA adapters (merge one into the checkpoint's weights instead)"),
+    C("--lora-scale", "no LoRA is loaded (--lora-path is refused)", {"type": FLOAT}),
+    C("--max-generated-image-size", "", {"type": POSITIVE_INT}, NEVER, "never",
+      "worldserve has no server-wide cap on the generated image size"),
+    C("--log-stats", "the statistics are always served on /metrics", ON),
+    C("--disable-log-stats", "the statistics are always served on /metrics", ON),
+    C("--enable-diffusion-pipeline-profiler", "per-stage wall times are always on /metrics "
+      "(worldserve:stage_duration_seconds)", ON),
+    C("--worker-backend", "worldserve spawns its own worker processes", {"choices": ("multi_process", "ray")},
+      lambda v: v == "multi_process", "only at multi_process",
+      "worldserve spawns its own worker processes (torch.distributed); it has no Ray worker backend"),
+    C("--ray-address", "", {"metavar": "ADDRESS"}, NEVER, "never", "worldserve has no Ray worker backend"),
+    C("--api-server-count", "one API server process is worldserve's only mode", {"type": POSITIVE_INT},
+      lambda v: v == 1, "only at 1", "worldserve runs one API server process beside its engine"),
+    C("--omni-lb-policy", "", {"metavar": "POLICY"}, NEVER, "never", "worldserve is one replica with no "
+      "built-in load balancer: route between replicas (each with its own --storage-dir) with an external one"),
+    # the Reasoner (vLLM)
+    C("--hf-overrides", "the checkpoint's own config is used, and the Reasoner chat API is served from the same "
+      "checkpoint without an architecture override", JSON),
+    C("--mm-encoder-tp-mode", "the Reasoner's vision encoder is never sharded (tensor parallelism turns the chat "
+      "API off)", {"choices": ("weights", "data")}),
+    C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
+      "schedule in their own thread)", {"action": argparse.BooleanOptionalAction}),
+    C("--media-io-kwargs", "there are no server-wide media defaults: chat videos are sampled as Qwen3-VL's "
+      "processor does (2 fps; the recipe's video num_frames -1 asks for exactly that), and a request's own "
+      "media_io_kwargs apply", JSON),
+    C("--allowed-media-domains", "worldserve fetches no http(s) media: chats send it inline (data: URLs) or as "
+      "file:// under --allowed-local-media-path", {"nargs": "+", "metavar": "DOMAIN"}),
+    C("--reasoning-parser", "", {"metavar": "NAME"}, NEVER, "never",
+      "worldserve returns the model's whole text in content (reasoning_content is always null)"),
+    C("--gpu-memory-utilization", "the Reasoner's K/V cache is sized by --kv-cache-memory-bytes (default: 2 x "
+      "--max-model-len tokens), not by a fraction of GPU memory",
+      {"type": checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")}),
+    # common vLLM flags
+    C("--disable-log-requests", "worldserve never logs request contents", ON),
+    C("--seed", "0 is vLLM's default; a video without a seed uses 42, a chat without one samples at random",
+      {"type": int}, lambda v: v == 0, "only at 0", "worldserve has no server-wide seed (a video without one "
+      "uses 42, a chat samples at random): send seed per request"),
+    C("--generation-config", "worldserve reads no generation_config.json: chat fields a request omits take "
+      "vLLM's built-in defaults (temperature 1.0, top_p 1.0, top_k off), as `--generation-config vllm` does",
+      {"metavar": "auto|vllm"}, lambda v: v in ("auto", "vllm"), "only at auto or vllm",
+      "worldserve reads no generation config folder: send the sampling fields per request",
+      level=logging.WARNING),
+    C("--max-num-batched-tokens", "the Reasoner batches up to --max-num-seqs chats and prefills each prompt whole",
+      {"type": POSITIVE_INT}),
+    C("--enable-prefix-caching", "the Reasoner keeps no prefix cache: each chat prefills its whole prompt",
+      {"action": argparse.BooleanOptionalAction}),
+    C("--limit-mm-per-prompt", "an empty object sets no limit", JSON, EMPTY, "only as {}", "worldserve has no per-prompt "
+      "media-count limit (a chat's media are bounded by --max-model-len and the request body size)"),
+)  # fmt: skip
+"""vLLM / vLLM-Omni flags of pasted command lines, in serving-api.md §9 / §11.1 order. (--flow-shift, --dtype,
+--vae-use-tiling, -tp, --usp, the CORS flags... are real worldserve flags, in config.py.)"""
+
+
+def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    """The "vLLM / vLLM-Omni compatibility" group of `serve --help`: the honoured aliases, then COMPAT_FLAGS."""
+    group = parser.add_argument_group(
+        "vLLM / vLLM-Omni compatibility",
+        "Flags of pasted vLLM / vLLM-Omni command lines. Those accepted with no effect log one line saying why; "
+        "values worldserve cannot honour stop the start with an error naming the flag.",
+    )
+    group.add_argument("--model", dest="model_option", metavar="MODEL",
+                       help="Deprecated (as in vLLM): the model; pass it as the positional MODEL.")  # fmt: skip
+    group.add_argument("--stage-init-timeout", metavar="SECONDS",
+                       type=checked(float, lambda v: math.isfinite(v) and v > 0, "a number of seconds > 0"),
+                       help="vLLM-Omni's per-stage init timeout; worldserve loads one stage, so the model load "
+                       "is bounded by the larger of it and --init-timeout.")  # fmt: skip
+    group.add_argument("--log-file", metavar="PATH",
+                       help="Also append worldserve's and uvicorn's log lines to PATH.")  # fmt: skip
+    for c in COMPAT_FLAGS:
+        kwargs = c.kwargs if "metavar" in c.kwargs or "type" not in c.kwargs else {**c.kwargs, "metavar": "N"}
+        why = c.why.format(gpus="", max_batch_size="")
+        if c.ok is None:
+            text = f"Accepted, no effect: {why}."
+        elif c.ok is NEVER:
+            text = f"Refused: {c.refusal}."
+        else:
+            text = f"Accepted {c.accepts} (no effect); refused otherwise: {c.refusal}."
+        group.add_argument(
+            c.flag, *c.aliases, dest=c.dest, default=None, help=text.replace("%", "%%"), **kwargs
+        )
+
+
+def _shown(value: Any) -> str:
+    """The value as the log / error line shows it after the flag ("" for a plain switch)."""
+    if value is True:
+        return ""
+    return " " + (json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+
+
+def check_compat_flags(args: argparse.Namespace) -> None:
+    """FlagValueError (a ValueError) naming the first flag given at a value worldserve cannot honour, and why."""
+    for c in COMPAT_FLAGS:
+        value = getattr(args, c.dest, None)
+        if value is not None and c.ok is not None and not c.ok(value):
+            raise FlagValueError(f"{c.flag}{_shown(value)}: {c.refusal}")
+
+
+def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
+    """The deprecation of `--model`, and one line per accepted-without-effect flag given, saying why."""
+    if getattr(args, "model_option", None) is not None:
+        log.warning("--model is deprecated (as in vLLM): pass the model as the positional MODEL")
+    par = config.parallel
+    context = {"gpus": f" ({par.cfg_parallel_size * par.ulysses_degree * par.tensor_parallel_size} here)",
+               "max_batch_size": f" ({config.scheduler.max_batch_size} here)"}  # fmt: skip
+    for c in COMPAT_FLAGS:
+        value = getattr(args, c.dest, None)
+        if value is not None:
+            log.log(c.level, "%s%s: accepted, no effect: %s", c.flag, _shown(value), c.why.format(**context))
+
+
+LOG_FILE_LOGGERS = ("", "uvicorn", "uvicorn.access")
+"""The loggers --log-file listens to: the root (worldserve's lines) and uvicorn's, which do not propagate."""
+
+
+def log_to_file(path: str, log_format: str, *, loggers: tuple[str, ...] = ("",)) -> logging.Handler:
+    """--log-file: a handler appending to `path`, added to `loggers`; FlagValueError when it cannot be opened."""
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError as exc:
+        raise FlagValueError(f"--log-file {path}: cannot open it ({exc.strerror or exc})") from None
+    handler.setFormatter(logging.Formatter(log_format, datefmt="%m-%d %H:%M:%S"))
+    for name in loggers:
+        logging.getLogger(name).addHandler(handler)
+    return handler
