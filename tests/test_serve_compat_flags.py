@@ -292,7 +292,11 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
     )
     assert cfg.parallel.enable_layerwise_offload and cfg.server.allowed_local_media_path == "/data"
     assert args.ring_degree == 1 and args.diffusion_attention_config == {} and args.dlo_use_allgather is False
-    assert args.allowed_media_domains == ["example.com", "cdn.example.com"]
+    assert cfg.server.allowed_media_domains == [
+        "example.com",
+        "cdn.example.com",
+    ]  # honoured: api/media_urls.py
+    assert serve.app_options(cfg)["allowed_media_domains"] == ("example.com", "cdn.example.com")
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]

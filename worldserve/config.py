@@ -229,6 +229,8 @@ class ServerConfig:
     """Delete finished jobs and their files this many seconds after completion; default: keep forever."""
     allowed_local_media_path: str | None = None
     """Folder whose files chat requests may reference as file:// image URLs; default: no local files."""
+    allowed_media_domains: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
+    """Hosts http(s) media URLs (video references, chat images and videos) may be downloaded from (a host or its subdomains; space- or comma-separated); default: any host (as vLLM: set it when clients are untrusted)."""
     uvicorn_log_level: str = field(
         default="info", metadata={"choices": ("critical", "error", "warning", "info", "debug", "trace")}
     )
@@ -328,7 +330,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         meta = f.metadata
-        kind = _scalar_type(hints[f.name])
+        kind = str if "nargs" in meta else _scalar_type(hints[f.name])  # nargs: a list of strings
         text = docs.get(f.name, "")
         if f.default not in (None, False, ""):
             text += f" (default: {f.default})"
@@ -339,6 +341,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["type"] = kind
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
+        if "nargs" in meta:
+            kwargs["nargs"] = meta["nargs"]
         if meta.get("positional"):
             group.add_argument(f.name, nargs="?", default=f.default, metavar=f.name.upper(), **kwargs)
         else:

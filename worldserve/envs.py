@@ -32,6 +32,24 @@ def sync_timeout_s() -> float:
     return DEFAULT_SYNC_TIMEOUT_S
 
 
+def media_url_allow_redirects() -> bool:
+    """`VLLM_MEDIA_URL_ALLOW_REDIRECTS` (default 1): whether downloads of http(s) media URLs follow redirects."""
+    return os.environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+def media_fetch_timeout_s(kind: str) -> float:
+    """Seconds a chat's http(s) media download may take: vLLM's `VLLM_IMAGE_FETCH_TIMEOUT` (default 5) for
+    images, `VLLM_VIDEO_FETCH_TIMEOUT` (default 30) for videos."""
+    if kind == "image":
+        return _env_float("VLLM_IMAGE_FETCH_TIMEOUT") or 5.0
+    return _env_float("VLLM_VIDEO_FETCH_TIMEOUT") or 30.0
+
+
 def api_key() -> str | None:
     """`WORLDSERVE_API_KEY`, else vLLM's `VLLM_API_KEY`; None (no auth) when neither is set."""
     return os.environ.get("WORLDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None

@@ -19,11 +19,12 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from worldserve import __version__
+from worldserve import __version__, envs
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
 from worldserve.api.chat import router as chat_router
 from worldserve.api.errors import install_error_handlers
 from worldserve.api.images import router as images_router
+from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.state import AppState
@@ -47,10 +48,11 @@ def build_app(
     allow_credentials: bool = False,
     request_id_headers: bool = True,
     default_flow_shift: float | None = None,
+    allowed_media_domains: Sequence[str] = (),
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
-    `--flow-shift`)."""
+    `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
@@ -77,6 +79,7 @@ def build_app(
         client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
         sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
         allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
+        media=MediaFetcher(max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects()),
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)

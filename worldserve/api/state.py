@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from worldserve.api.errors import APIError
+from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.engine.client import EngineClient, QueueFullError
 
@@ -25,6 +26,8 @@ class AppState:
     """Folder whose files chat requests may reference as file:// URLs (None: no local files)."""
     default_flow_shift: float | None = None
     """`--flow-shift`: the flow shift of video / image requests that send none (None: Cosmos3's defaults)."""
+    media: MediaFetcher | None = None
+    """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

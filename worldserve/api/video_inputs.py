@@ -8,7 +8,7 @@ Resolution order (vLLM-Omni's): top-level fields, a JSON `video_params` object f
 only when absent, rounded to the nearest 4k+1 (the model's frame grid); guidance_scale 0 is the default
 6.0 and an I2V request without a size takes the image's aspect ratio at the 720p area (§4.3). References: an `input_reference` upload is sniffed image first (I2V), then video
 (PyAV, V2V: `max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); JSON
-`image_reference` / `video_reference` take base64 data URLs. Everything omitted takes the model defaults
+`image_reference` / `video_reference` take base64 data URLs or http(s) URLs (downloaded: api/media_urls.py). Everything omitted takes the model defaults
 of `VideoParams`. Any problem raises an APIError / ParamError that becomes a 400 naming the field; nothing
 here touches the engine but `validate`.
 """
@@ -30,6 +30,7 @@ from starlette.requests import Request
 from worldserve.api.bodies import bounded_stream, check_unicode, parse_json
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
+from worldserve.api.media_urls import MediaFetcher, is_http_url
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
 from worldserve.engine.client import EncodeOptions, JobSpec
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
@@ -96,10 +97,12 @@ def _json_fields(body: bytes) -> dict[str, Any]:
 
 
 async def build_inputs(
-    fields: dict[str, Any], *, served_model: str, has_sound: bool, default_flow_shift: float | None = None
-) -> VideoInputs:
+    fields: dict[str, Any], *, served_model: str, has_sound: bool, default_flow_shift: float | None = None,
+    fetcher: MediaFetcher | None = None,
+) -> VideoInputs:  # fmt: skip
     """The validated params, job spec, encoding and reference of a create request's fields;
-    `default_flow_shift` (--flow-shift) stands in for a flow_shift the request does not send."""
+    `default_flow_shift` (--flow-shift) stands in for a flow_shift the request does not send; `fetcher`
+    downloads http(s) reference URLs (None: they are refused)."""
     upload = fields.pop("input_reference", None)
     try:
         req = VideoCreateRequest.model_validate(fields)
@@ -109,7 +112,7 @@ async def build_inputs(
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{served_model}'.", param="model")  # fmt: skip
     extra = parse_extra_params(req.extra_params)
-    source, reference = await _reference_bytes(req, upload)
+    source, reference = await _reference_bytes(req, upload, fetcher)
     refuse_unsupported(req)
     quality = req.quality or "default"
     if req.quality is not None and req.quality not in ("high", "lossless"):
@@ -217,7 +220,9 @@ def parse_extra_params(raw: str | dict | None) -> ExtraParams:
         raise validation_error(errors) from None
 
 
-async def _reference_bytes(req: VideoCreateRequest, upload: Any) -> tuple[str, bytes | None]:
+async def _reference_bytes(
+    req: VideoCreateRequest, upload: Any, fetcher: MediaFetcher | None
+) -> tuple[str, bytes | None]:
     """(source field, raw bytes) of the request's reference, or ("", None) without one."""
     if isinstance(upload, str) and upload == "":
         upload = None
@@ -234,10 +239,20 @@ async def _reference_bytes(req: VideoCreateRequest, upload: Any) -> tuple[str, b
         raise ParamError(
             "video_reference", "Cosmos3 non-action generation accepts either image or video input, not both."
         )
-    if req.image_reference is not None:
-        return "image_reference", _data_url_bytes(req.image_reference, "image")
-    if req.video_reference is not None:
-        return "video_reference", _data_url_bytes(req.video_reference, "video")
+    for raw, kind in ((req.image_reference, "image"), (req.video_reference, "video")):
+        if raw is None:
+            continue
+        field, url = f"{kind}_reference", _reference_url(raw, kind)
+        if url.startswith("data:"):
+            return field, data_url_bytes(
+                url, param=field, bad_payload=f"Invalid {field}.{kind}_url: bad base64 payload."
+            )
+        if fetcher is None:
+            raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download URLs; send a "
+                             "data URL or an input_reference upload.")  # fmt: skip
+        return field, await fetcher.fetch(
+            url, what=f"{field}.{kind}_url", kind=kind, timeout_s=REFERENCE_FETCH_TIMEOUT_S
+        )
     return "", None
 
 
@@ -265,8 +280,12 @@ MAX_CONDITION_FRAMES = 401
 """A decode cap above any tier's frame limit; larger index lists fail validation anyway."""
 
 
-def _data_url_bytes(raw: str | dict | list, kind: str) -> bytes:
-    """The bytes of `{"<kind>_url": "data:...;base64,..."}` (image_reference / video_reference; an image
+REFERENCE_FETCH_TIMEOUT_S = 60.0
+"""vLLM-Omni's download timeout for http(s) reference URLs."""
+
+
+def _reference_url(raw: str | dict | list, kind: str) -> str:
+    """The URL of `{"<kind>_url": "data:..." | "http(s)://..."}` (image_reference / video_reference; an image
     reference may also be a list of one such object)."""
     field = f"{kind}_reference"
     if isinstance(raw, str):
@@ -288,12 +307,9 @@ def _data_url_bytes(raw: str | dict | list, kind: str) -> bytes:
     url = raw.get(f"{kind}_url")
     if isinstance(url, dict):  # OpenAI-style {"image_url": {"url": ...}}
         url = url.get("url")
-    if not isinstance(url, str) or not url.startswith("data:"):
-        if isinstance(url, str) and url.startswith(("http://", "https://")):
-            raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download "
-                             "URLs; send a data URL or an input_reference upload.")  # fmt: skip
+    if not isinstance(url, str) or not (url.startswith("data:") or is_http_url(url)):
         raise ParamError(field, f"Invalid {field}.{kind}_url: must be an http(s) URL or data URL.")
-    return data_url_bytes(url, param=field, bad_payload=f"Invalid {field}.{kind}_url: bad base64 payload.")
+    return url
 
 
 def _video_params(

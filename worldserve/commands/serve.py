@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from worldserve import __version__
+from worldserve.api.media_urls import allowed_domains
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import CONFIG_CLASSES, EngineConfig, ModelConfig, ParallelConfig, add_config_arguments
 
@@ -139,6 +140,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         api_key=server.api_key, sync_timeout_s=server.sync_timeout, max_upload_bytes=server.max_upload_bytes,
         shutdown_timeout_s=config.scheduler.shutdown_timeout, model_root=config.model.model,
         allowed_local_media_path=server.allowed_local_media_path, allowed_origins=server.allowed_origins,
+        allowed_media_domains=allowed_domains(server.allowed_media_domains),
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
         default_flow_shift=server.flow_shift,

@@ -193,8 +193,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--media-io-kwargs", "there are no server-wide media defaults: chat videos are sampled as Qwen3-VL's "
       "processor does (2 fps; the recipe's video num_frames -1 asks for exactly that), and a request's own "
       "media_io_kwargs apply", JSON),
-    C("--allowed-media-domains", "worldserve fetches no http(s) media: chats send it inline (data: URLs) or as "
-      "file:// under --allowed-local-media-path", {"nargs": "+", "metavar": "DOMAIN"}),
     C("--reasoning-parser", "", {"metavar": "NAME"}, NEVER, "never",
       "worldserve returns the model's whole text in content (reasoning_content is always null)"),
     C("--gpu-memory-utilization", "the Reasoner's K/V cache is sized by --kv-cache-memory-bytes (default: 2 x "

@@ -1,0 +1,113 @@
+"""http(s) media URLs downloaded by the server (api/media_urls.py), against a real HTTP server on localhost:
+bodies, HTTP errors, redirects (followed, refused, leaving the allowlist), the size limit, dead hosts, and
+a video request whose image_reference is a URL."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+
+import pytest
+from serving_helpers import png_bytes
+
+from worldserve.api.media_urls import MediaFetcher, allowed_domains
+from worldserve.api.video_inputs import build_inputs
+from worldserve.params import ParamError
+
+pytestmark = pytest.mark.anyio
+PNG = png_bytes(64, 48)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        if self.path == "/ref.png":
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(PNG)))
+            self.end_headers()
+            self.wfile.write(PNG)
+        elif self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/ref.png")
+            self.end_headers()
+        elif self.path == "/elsewhere":
+            self.send_response(302)
+            self.send_header("Location", "http://media.example.org/ref.png")
+            self.end_headers()
+        elif self.path == "/chunked":  # no Content-Length: the limit is enforced while reading
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"x" * 5000)
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+async def _fetch(fetcher: MediaFetcher, url: str) -> bytes:
+    return await fetcher.fetch(url, what="image_reference.image_url", kind="image", timeout_s=5)
+
+
+async def test_downloads_and_follows_redirects(base_url):
+    fetcher = MediaFetcher(max_bytes=1 << 20)
+    assert await _fetch(fetcher, f"{base_url}/ref.png") == PNG
+    assert await _fetch(fetcher, f"{base_url}/moved") == PNG
+
+
+@pytest.mark.parametrize(
+    ("path", "fetcher", "message"),
+    [("/missing", MediaFetcher(1 << 20), "server returned HTTP 404."),
+     ("/moved", MediaFetcher(1 << 20, allow_redirects=False), "redirect response was rejected"),
+     ("/elsewhere", MediaFetcher(1 << 20, allowed_domains=("127.0.0.1",)), "'media.example.org' is not in"),
+     ("/ref.png", MediaFetcher(100), "larger than this server's 0 MB upload limit"),
+     ("/chunked", MediaFetcher(4096), "larger than"),
+     ("/ref.png", MediaFetcher(1 << 20, allowed_domains=("example.com",)), "'127.0.0.1' is not in")],
+)  # fmt: skip
+async def test_failures_are_400s_naming_the_field(base_url, path, fetcher, message):
+    with pytest.raises(ParamError) as err:
+        await _fetch(fetcher, base_url + path)
+    assert err.value.param == "image_reference" and message in err.value.message
+    assert err.value.message.startswith("Invalid image_reference.image_url: ")
+
+
+async def test_an_unreachable_host_is_a_400():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ParamError, match="failed to download image"):
+        await _fetch(MediaFetcher(1 << 20), f"http://127.0.0.1:{port}/ref.png")
+
+
+def test_allowed_domains_parse_commas_and_spaces():
+    assert allowed_domains(["Example.com,cdn.example.org", " .media.net "]) == (
+        "example.com", "cdn.example.org", "media.net",
+    )  # fmt: skip
+    assert allowed_domains(None) == ()
+    fetcher = MediaFetcher(1, allowed_domains=("example.com",))
+    fetcher.check("https://img.example.com/a.png", "x")  # a subdomain is allowed
+    with pytest.raises(ParamError):
+        fetcher.check("https://badexample.com/a.png", "x")
+
+
+async def test_a_video_request_with_an_image_url(base_url):
+    fields = {"prompt": "x", "num_frames": 5, "image_reference": {"image_url": f"{base_url}/ref.png"}}
+    inputs = await build_inputs(fields, served_model="m", has_sound=False, fetcher=MediaFetcher(1 << 20))
+    assert inputs.reference == PNG and inputs.params.image.shape == (48, 64, 3)
+    with pytest.raises(ParamError, match="does not download URLs"):
+        await build_inputs(dict(fields), served_model="m", has_sound=False)  # no fetcher: refused
