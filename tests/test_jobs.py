@@ -47,6 +47,13 @@ def test_create_progress_complete_roundtrip(tmp_path):
     assert reopened.get(job.id) == got
 
 
+def test_commits_are_durable_before_they_return(tmp_path):
+    store = JobStore(tmp_path)
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL (NORMAL, 1, can lose commits)
+    assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.close()
+
+
 def test_complete_after_delete_leaves_nothing(tmp_path):
     store = JobStore(tmp_path)
     job = _job()
