@@ -1,38 +1,58 @@
 """POST /v1/chat/completions request options on a real uvicorn (tiny Reasoner): constrained decoding fields
-are refused with a 400 naming the field (never silently unconstrained output), and
-`stream_options.continuous_usage_stats` puts the running usage on every streamed chunk, as vLLM does.
+and tool choices that need tools are refused with a 400 naming the field (never silently dropped),
+`stream_options.continuous_usage_stats` puts the running usage on every streamed chunk, as vLLM does;
+`mm_processor_kwargs` change the vision token counts, `chat_template_kwargs` reach the chat template (the
+tiny tokenizer's template gets Qwen3's `enable_thinking` branch here), and images / videos that Qwen3-VL's
+`smart_resize` cannot take are a 400 naming their part, before any model work.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import httpx
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from serving_helpers import serve_app
+
+from worldserve.weights.tokenizer_fixture import CHAT_TEMPLATE
 
 MODEL = "test-model"
 HI = [{"role": "user", "content": "Name a color."}]
+THINKING_TEMPLATE = CHAT_TEMPLATE + (
+    "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+)
+"""The tiny template plus Qwen3's non-thinking branch (an empty think block after the generation prompt)."""
 
 
 @pytest.fixture(scope="module")
-def url(tiny_ckpt, tmp_path_factory):
-    """A uvicorn serving the tiny Reasoner (chat) over a FakeBackend engine; yields its base URL."""
+def reasoner(tiny_ckpt):
     from transformers import AutoTokenizer
 
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    tok.chat_template = THINKING_TEMPLATE
+    return Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=4096)
+
+
+@pytest.fixture(scope="module")
+def url(reasoner, tmp_path_factory):
+    """A uvicorn serving the tiny Reasoner (chat) over a FakeBackend engine; yields its base URL."""
     from worldserve.api.app import build_app
     from worldserve.config import SchedulerConfig
     from worldserve.engine.client import EngineClient
     from worldserve.engine.engine import Engine
     from worldserve.engine.fake_backend import FakeBackend
     from worldserve.engine.jobs import JobStore
-    from worldserve.runner.reasoner import Reasoner
-    from worldserve.weights.loader import load_transformer
 
-    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
-    reasoner = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=4096)
     store = JobStore(tmp_path_factory.mktemp("chat-options") / "store")
     engine = Engine(FakeBackend(), store, SchedulerConfig(max_batch_size=1), encoder=lambda *a, **k: b"")
     client = EngineClient(engine, store, model_name=MODEL, max_queued_requests=16, chat_backend=reasoner)
@@ -180,3 +200,170 @@ def test_empty_stream_options_without_stream_is_accepted(url):
     """vLLM's rule tests stream_options for truthiness: an empty object on a non-streaming request is fine."""
     body = {"model": MODEL, "messages": HI, "max_tokens": 1, "stream_options": {}}
     assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+# ---------------------------------------------------------------- media shapes, mm_processor_kwargs, templates
+def _chat(url: str, content, **body) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": content}],
+            **body}  # fmt: skip
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _image_part(h: int, w: int, seed: int = 0) -> dict:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
+
+
+def _video_part(h: int, w: int, frames: int = 8) -> dict:
+    from worldserve.media.video import encode_mp4
+
+    clip = np.random.default_rng(1).integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
+    data = base64.b64encode(encode_mp4(clip, 24.0)).decode()
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + data}}
+
+
+def _prompt_tokens(r: httpx.Response) -> int:
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(("h", "w"), [(10, 8000), (8000, 10), (1, 201), (3, 700)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_images_smart_resize_cannot_take_are_a_400_naming_the_part(url, h, w, stream):
+    """An aspect ratio over 200 (transformers' smart_resize raises on it) is a 400 naming the part and the
+    limit, streaming or not (it was a 500 from the chat worker); the chat still works afterwards."""
+    content = [{"type": "text", "text": "What is it?"}, _image_part(h, w)]
+    r = _chat(url, content, stream=stream)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[1].image_url" and err["type"] == "Bad Request", err
+    assert "aspect ratio" in err["message"] and "200" in err["message"] and f"{w}x{h}" in err["message"], err
+    assert _prompt_tokens(_chat(url, [_image_part(40, 56)])) > 0
+
+
+def test_tiny_and_extreme_but_allowed_images_work(url, reasoner):
+    """1x1, 3x1 and ratios of exactly 200 are scaled up to the processor's minimum and answered; 1x201 is not."""
+    for h, w in [(1, 1), (3, 1), (1, 200), (200, 1), (2, 400)]:
+        assert _prompt_tokens(_chat(url, [_image_part(h, w)])) > 60, (h, w)
+    assert _chat(url, [_image_part(1, 201)]).status_code == 400
+    # the Reasoner itself (a caller that skips the API's check) answers a ParamError, not a ValueError
+    from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
+
+    image = np.zeros((1, 300, 3), np.uint8)
+    with pytest.raises(ParamError, match="aspect ratio") as info:
+        reasoner.start(
+            ChatParams(messages=(ChatMessage(role="user", content=(ChatPart(type="image", image=image),)),))
+        )
+    assert info.value.param == "messages"
+
+
+def test_videos_smart_resize_cannot_take_are_a_400_naming_the_part(url):
+    """A 4x1000 clip (ratio 250) is a 400 naming its part; a 2x2 clip is scaled up and answered."""
+    r = _chat(url, [{"type": "text", "text": "hi"}, _video_part(4, 1000)])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[1].video_url" and "aspect ratio" in err["message"], err
+    assert _prompt_tokens(_chat(url, [_video_part(2, 2)])) > 0
+
+
+def test_mm_processor_kwargs_set_the_pixel_budgets(url):
+    """size / min_pixels / max_pixels (and images_kwargs) change the image's token count as Qwen3-VL's
+    processor would; `size` reaches videos too, `fps` samples the video; the default is unchanged."""
+    image = [_image_part(40, 56), {"type": "text", "text": "hi"}]
+    default = _prompt_tokens(_chat(url, image))
+    small = {"size": {"shortest_edge": 1024, "longest_edge": 4096}}
+    tokens = _prompt_tokens(_chat(url, image, mm_processor_kwargs=small))
+    # 40x56 -> 32x64 (2048 pixels, inside the budget): 1 x 2 x 4 patches -> 2 merged tokens, not 14 * 20 / 4
+    assert tokens == default - 14 * 20 // 4 + 2, (default, tokens)
+    for same in ({"min_pixels": 1024, "max_pixels": 4096}, {"images_kwargs": small},
+                 {"size": {"longest_edge": 4096}, "min_pixels": 1024}):  # fmt: skip
+        assert _prompt_tokens(_chat(url, image, mm_processor_kwargs=same)) == tokens, same
+    assert _prompt_tokens(_chat(url, image, mm_processor_kwargs={"max_pixels": 1})) == default - 70 + 1
+    video = [_video_part(64, 96, frames=24), {"type": "text", "text": "hi"}]
+    plain = _prompt_tokens(_chat(url, video))
+    assert _prompt_tokens(_chat(url, video, mm_processor_kwargs=small)) < plain
+    assert _prompt_tokens(_chat(url, video, mm_processor_kwargs={"videos_kwargs": small})) < plain
+    assert _prompt_tokens(_chat(url, video, mm_processor_kwargs={"fps": 8})) > plain
+    assert _prompt_tokens(_chat(url, video, mm_processor_kwargs={"min_pixels": 1024})) == plain  # images only
+
+
+@pytest.mark.parametrize(
+    ("mm", "param", "needle"),
+    [
+        ({"do_resize": False}, "mm_processor_kwargs.do_resize", "not supported"),
+        ({"images_kwargs": {"fps": 2}}, "mm_processor_kwargs.images_kwargs.fps", "not supported"),
+        ({"videos_kwargs": 3}, "mm_processor_kwargs.videos_kwargs", "must be an object"),
+        ({"size": {"height": 64, "width": 64}}, "mm_processor_kwargs.size", "shortest_edge"),
+        ({"max_pixels": 0}, "mm_processor_kwargs", "[1, 16777216]"),
+        ({"max_pixels": 2**25}, "mm_processor_kwargs", "[1, 16777216]"),
+        ({"min_pixels": "big"}, "mm_processor_kwargs", "integers"),
+        (
+            {"min_pixels": 8192, "max_pixels": 4096},
+            "mm_processor_kwargs",
+            "min pixels 8192 > max pixels 4096",
+        ),
+        ({"fps": -1}, "mm_processor_kwargs", "fps must be > 0"),
+        ({"num_frames": 4, "fps": 2}, "mm_processor_kwargs", "mutually exclusive"),
+    ],
+)
+def test_bad_mm_processor_kwargs_are_a_400_naming_the_key(url, mm, param, needle):
+    r = _chat(url, "hi", mm_processor_kwargs=mm)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    both = _chat(url, "hi", mm_processor_kwargs={"fps": 2}, media_io_kwargs={"video": {"fps": 4}})
+    assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_reach_the_template(url):
+    """enable_thinking=false renders Qwen3's empty think block (more prompt tokens, through the openai
+    client's extra_body too); a key the template does not use changes nothing; apply_chat_template's own
+    arguments are a 400 naming the key."""
+    import openai
+
+    plain = _prompt_tokens(_chat(url, "hi"))
+    off = _prompt_tokens(_chat(url, "hi", chat_template_kwargs={"enable_thinking": False}))
+    assert off > plain
+    assert _prompt_tokens(_chat(url, "hi", chat_template_kwargs={"enable_thinking": True, "x": 1})) == plain
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    resp = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert resp.usage.prompt_tokens == off
+    for key in ("tokenize", "add_generation_prompt", "chat_template", "messages"):
+        r = _chat(url, "hi", chat_template_kwargs={key: False})
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
+
+
+def test_tool_choice_without_tools(url):
+    """ "none" / "auto" need no tool and are answered; anything that would call a tool (and the legacy
+    `functions`) is a 400 naming the field, as `tools` is (it was silently ignored)."""
+    cases = [
+        ("tool_choice", "none", 200),
+        ("tool_choice", "auto", 200),
+        ("tool_choice", "required", 400),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}, 400),
+        ("function_call", "auto", 200),
+        ("function_call", {"name": "f"}, 400),
+        ("functions", [{"name": "f", "parameters": {}}], 400),
+    ]
+    for field, value, status in cases:
+        r = _chat(url, "hi", **{field: value})
+        assert r.status_code == status, (field, value, r.text)
+        if status == 400:
+            err = r.json()["error"]
+            assert err["param"] == field and "not supported" in err["message"], err
+
+
+def test_tool_choice_required_through_the_openai_client(url):
+    import openai
+
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice"

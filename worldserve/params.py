@@ -14,7 +14,9 @@ an image (num_frames 1) may go up to the 1024x1024 area (vLLM-Omni's text-to-ima
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -344,6 +346,12 @@ class ChatParams:
     """Return each output token's log-probability."""
     top_logprobs: int = 0
     """With logprobs: also the this-many most likely tokens at each position (0-20)."""
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra chat template variables (`chat_template_kwargs`, e.g. enable_thinking)."""
+    image_min_pixels: int | None = None
+    """Qwen3-VL image processor `size.shortest_edge` (pixel budget floor) for this request (None: the server's)."""
+    image_max_pixels: int | None = None
+    """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
 
     def validate(self) -> ChatParams:
         if not self.messages:

@@ -6,11 +6,19 @@ the API process, off the event loop) -> `ChatParams` (choice i of n samples with
 batched decode steps, so the event loop never waits on the model) -> api/chat_stream.py builds the answer.
 A client that disconnects before its answer is complete stops its chats at their next step
 (api/disconnect.py; a started SSE stream is watched by Starlette itself).
-Media: image_url and video_url parts accept base64 `data:` URLs and `file://` paths under
---allowed-local-media-path. http(s) URLs are refused with a 400: this server does not fetch remote media (it
-may run with no network); send the bytes inline as a data URL. Videos are decoded with PyAV and sampled as
+Media: image_url and video_url parts accept base64 `data:` URLs, `file://` paths under
+--allowed-local-media-path and http(s) URLs, downloaded within vLLM's fetch timeouts and the upload limit
+(api/media_urls.py; hosts limited by --allowed-media-domains when given). Videos are decoded with PyAV and sampled as
 Qwen3-VL's processor samples them (2 fps by default; per request `media_io_kwargs: {"video": {"fps": F}}` or
 `{"num_frames": N}`), each kept frame resized as it is decoded. Media decoding runs in a worker thread.
+Every image is checked against Qwen3-VL's `smart_resize` precondition (aspect ratio at most 200; any size
+down to 1x1 is scaled up to the processor's minimum) and a video's frame size likewise, so a bad one is a
+400 naming its part (`messages[i].content[j].image_url`), before any model work. `mm_processor_kwargs` are
+routed as transformers' processor routes them (a flat key to every modality that takes it): `size`
+{shortest_edge, longest_edge} (pixel budgets, images and videos), `min_pixels` / `max_pixels` (images),
+`fps` / `num_frames` (videos); any other key is a 400 naming it. `chat_template_kwargs` go to the chat
+template (a key it does not use changes nothing, as in vLLM); keys that are apply_chat_template's own
+arguments are a 400. Both reach the Reasoner on `ChatParams`.
 Streaming: per choice, the first chunk carries the role, then one chunk per text piece, a final chunk with
 `delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
 `data: [DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far. Errors before the
@@ -31,16 +39,21 @@ from urllib.parse import unquote, urlparse
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from worldserve import envs
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ContentPart,
+    pixel_budget,
+    processor_kwargs,
+    template_kwargs,
 )  # fmt: skip
 from worldserve.api.chat_stream import close_all, collect, metered, sse
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
+from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import (
     ChatFailed,
@@ -54,84 +67,139 @@ from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError, Vid
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
-REMOTE_REFUSED = (
-    "worldserve does not fetch remote media (http/https URLs): send it inline as a base64 data URL "
-    "(data:image/png;base64,... or data:video/mp4;base64,...) or as file:///path under --allowed-local-media-path."
-)
 
 
-def load_media_url(url: str, allowed_local_path: str | None, kind: str = "image") -> bytes:
-    """The bytes behind an image / video URL (data: or file://); raises ParamError("messages", ...)."""
+def load_media_url(
+    url: str, allowed_local_path: str | None, kind: str = "image", *, param: str = "messages",
+    fetcher: MediaFetcher | None = None,
+) -> bytes:  # fmt: skip
+    """The bytes behind an image / video URL (data:, file:// under `allowed_local_path`, or http(s) through
+    `fetcher` within vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VLLM_VIDEO_FETCH_TIMEOUT); raises ParamError(param)."""
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
-        return data_url_bytes(
-            url, param="messages", bad_payload=f"Invalid base64 data in the {kind} data URL."
-        )
+        return data_url_bytes(url, param=param, bad_payload=f"Invalid base64 data in the {kind} data URL.")
     if scheme == "file":
         if not allowed_local_path:
-            raise ParamError("messages", "Cannot load local files without `--allowed-local-media-path`.")
+            raise ParamError(param, "Cannot load local files without `--allowed-local-media-path`.")
         path = Path(unquote(urlparse(url).path)).resolve()
         root = Path(allowed_local_path).resolve()
         if not path.is_relative_to(root):
             raise ParamError(
-                "messages",
-                f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`.",
+                param, f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`."
             )
         try:
             return path.read_bytes()
         except OSError as exc:
-            raise ParamError("messages", f"Cannot read {path}: {exc.strerror}") from None
+            raise ParamError(param, f"Cannot read {path}: {exc.strerror}") from None
+    if scheme in ("http", "https") and fetcher is not None:
+        return fetcher.fetch_blocking(url, param=param, kind=kind, timeout_s=envs.media_fetch_timeout_s(kind))
     if scheme in ("http", "https"):
-        raise ParamError("messages", REMOTE_REFUSED)
-    raise ParamError("messages", f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
+        raise ParamError(param, "this server does not download http(s) media; send a base64 data URL")
+    raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
 
 
-def _url(ref, kind: str) -> str:
+def _url(ref, kind: str, path: str) -> str:
     url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
     if not url:
-        raise ParamError("messages", f"a {kind}_url part needs {kind}_url.url")
+        raise ParamError(path, f"a {kind}_url part needs {kind}_url.url")
     return url
 
 
-def video_sampling(media_io_kwargs: dict | None) -> VideoSampling:
-    """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) over Qwen3-VL's defaults (2 fps)."""
+MAX_ASPECT_RATIO = 200
+"""Qwen2-VL / Qwen3-VL `smart_resize` refuses a longer side over 200 times the shorter one."""
+
+
+def check_image(image, path: str) -> None:
+    """A decoded image the Qwen3-VL processor can resize (any side >= 1 pixel); ParamError(path) otherwise."""
+    h, w = image.shape[:2]
+    if max(h, w) > MAX_ASPECT_RATIO * min(h, w):
+        raise ParamError(
+            path, f"image is {w}x{h} pixels: its aspect ratio (longer side / shorter side) must be at most "
+            f"{MAX_ASPECT_RATIO}, got {max(h, w) / min(h, w):g}",
+        )  # fmt: skip
+
+
+def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
+    """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) or the same from `mm_processor_kwargs`, and
+    its pixel budget, over Qwen3-VL's defaults (2 fps)."""
     video = (media_io_kwargs or {}).get("video") or {}
     if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
         raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
+    if video.get("num_frames") == -1:  # vLLM's "decode every frame, let the processor sample": the default
+        video = {k: v for k, v in video.items() if k != "num_frames"}
+    mm_video = mm_video or {}
+    asked = {k: mm_video[k] for k in ("fps", "num_frames") if k in mm_video}
+    if asked and video:
+        raise ParamError("mm_processor_kwargs", "video sampling is set in media_io_kwargs.video: give fps / "
+                         "num_frames there or in mm_processor_kwargs, not both")  # fmt: skip
+    video = video or asked
+    lo, hi = pixel_budget(mm_video, "videos")
+    pixels = {k: v for k, v in (("min_pixels", lo), ("max_pixels", hi)) if v is not None}
+    param = "mm_processor_kwargs" if asked else "media_io_kwargs"
     fps, num = video.get("fps"), video.get("num_frames")
-    if num == -1:  # vLLM's "decode every frame, let the processor sample": the default here
+    if num == -1:
         num = None
     if (fps is not None and not isinstance(fps, int | float)) or (num is not None and type(num) is not int):
-        raise ParamError(
-            "media_io_kwargs", "media_io_kwargs.video fps must be a number, num_frames an integer"
-        )
-    if num is not None:
-        return VideoSampling(fps=None if fps is None else float(fps), num_frames=num).validate()
-    return VideoSampling(fps=2.0 if fps is None else float(fps)).validate()
+        raise ParamError(param, f"{param} video fps must be a number, num_frames an integer")
+    try:
+        if num is not None:
+            return VideoSampling(fps=None if fps is None else float(fps), num_frames=num, **pixels).validate()
+        return VideoSampling(fps=2.0 if fps is None else float(fps), **pixels).validate()
+    except ParamError as exc:
+        raise ParamError(param, exc.message) from None
 
 
-def _part(part: ContentPart, allowed_local_path: str | None, sampling: VideoSampling) -> ChatPart:
+def _part(
+    part: ContentPart,
+    path: str,
+    allowed_local_path: str | None,
+    sampling: VideoSampling,
+    fetcher: MediaFetcher | None,
+) -> ChatPart:
+    """One content part, its media loaded and decoded; errors name `path` (messages[i].content[j])."""
     if part.type == "text":
         return ChatPart(type="text", text=part.text or "")
     if part.type == "image_url":
-        data = load_media_url(_url(part.image_url, "image"), allowed_local_path)
-        return ChatPart(type="image", image=decode_image(data, param="messages"))
+        path += ".image_url"
+        data = load_media_url(
+            _url(part.image_url, "image", path), allowed_local_path, param=path, fetcher=fetcher
+        )
+        image = decode_image(data, param=path)
+        check_image(image, path)
+        return ChatPart(type="image", image=image)
     if part.type == "video_url":
-        data = load_media_url(_url(part.video_url, "video"), allowed_local_path, kind="video")
-        return ChatPart(type="video", video=decode_chat_video(data, sampling))
-    raise ParamError("messages", f"content parts of type {part.type!r} are not supported")
+        path += ".video_url"
+        data = load_media_url(
+            _url(part.video_url, "video", path), allowed_local_path, "video", param=path, fetcher=fetcher
+        )
+        try:
+            return ChatPart(type="video", video=decode_chat_video(data, sampling, param=path))
+        except ParamError as exc:
+            if exc.param == path:
+                raise
+            raise ParamError(path, exc.message) from None  # the frame-size check names no part
+    raise ParamError(f"{path}.type", f"content parts of type {part.type!r} are not supported")
 
 
-def build_params(body: ChatCompletionRequest, allowed_local_path: str | None) -> ChatParams:
-    """The request as ChatParams, media loaded and decoded (blocking: call it off the event loop)."""
-    sampling = video_sampling(body.media_io_kwargs)
+def build_params(
+    body: ChatCompletionRequest, allowed_local_path: str | None, fetcher: MediaFetcher | None = None
+) -> ChatParams:
+    """The request as ChatParams, media loaded (http(s) URLs through `fetcher`) and decoded (blocking: call
+    it off the event loop)."""
+    image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
+    image_min, image_max = pixel_budget(image_opts, "images")
+    sampling = video_sampling(body.media_io_kwargs, video_opts)
+    chat_template_kwargs = template_kwargs(body.chat_template_kwargs)
     messages = []
-    for msg in body.messages:
+    for i, msg in enumerate(body.messages):
         role = "system" if msg.role == "developer" else msg.role
         if msg.content is None or isinstance(msg.content, str):
             messages.append(ChatMessage(role=role, content=msg.content or ""))
         else:
-            parts = tuple(_part(p, allowed_local_path, sampling) for p in msg.content)
+            parts = tuple(
+                _part(p, f"messages[{i}].content[{j}]", allowed_local_path, sampling, fetcher)
+                for j, p in enumerate(msg.content)
+            )
             messages.append(ChatMessage(role=role, content=parts))
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return ChatParams(
@@ -147,6 +215,9 @@ def build_params(body: ChatCompletionRequest, allowed_local_path: str | None) ->
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
+        chat_template_kwargs=chat_template_kwargs,
+        image_min_pixels=image_min,
+        image_max_pixels=image_max,
     ).validate()
 
 
@@ -194,11 +265,16 @@ async def create_chat_completion(request: Request, st: State):
     if body.misplaced_stream_options():
         raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     if (field := body.unsupported()) is not None:
-        what = "tool calling" if field == "tools" else "constrained decoding (structured outputs)"
+        if field in ("tool_choice", "function_call"):
+            raise APIError(400, f"{field} {getattr(body, field)!r} is not supported by this server yet: tool "
+                           'calling is not implemented (only "none" or "auto", with no tools)', param=field)  # fmt: skip
+        what = (
+            "tool calling" if field in ("tools", "functions") else "constrained decoding (structured outputs)"
+        )
         raise APIError(
             400, f"{field} is not supported by this server yet: {what} is not implemented", param=field
         )
-    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path)
+    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path, st.media)
     # choice i samples with seed + i: different samples, the same ones on every run
     choices = [params] + [
         dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)

@@ -4,18 +4,25 @@ Request: `model`, `messages` (string content or parts: text, image_url, video_ur
 bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
 `n` (1 to 16), `stop`, `stream`, `stream_options`, `presence_penalty` / `frequency_penalty` /
 `repetition_penalty`, `logprobs` / `top_logprobs` (raw-logit log-probabilities, as vLLM's default),
-`media_io_kwargs` (video sampling). Constrained decoding (`response_format` json_object / json_schema,
-`structured_outputs` and vLLM's `guided_*` fields) and tools are refused with a 400 naming the field when
-set (not implemented yet, never silently dropped); other unknown fields are ignored, as vLLM ignores them.
+`media_io_kwargs` (video sampling), `mm_processor_kwargs` (Qwen3-VL processor pixel budgets and video
+sampling: `processor_kwargs` / `pixel_budget` below check them), `chat_template_kwargs` (extra chat template
+variables, e.g. `enable_thinking`; `template_kwargs` refuses apply_chat_template's own arguments). Constrained
+decoding (`response_format` json_object / json_schema, `structured_outputs` and vLLM's `guided_*` fields),
+tools (`tools`, legacy `functions`) and a `tool_choice` / `function_call` other than "none" / "auto" are
+refused with a 400 naming the field (not implemented yet, never silently dropped); other unknown fields are
+ignored, as vLLM ignores them.
 Responses: the non-streaming `chat.completion` object and the `chat.completion.chunk` SSE events, field for
 field as vLLM writes them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from worldserve.params import ParamError
 
 INT64 = 2**63
 
@@ -30,6 +37,10 @@ CONSTRAINED_DECODING_FIELDS = (
 """vLLM's structured-output constraints: this server has no constrained decoding, so each is refused. (Its
 options `guided_decoding_backend` / `guided_whitespace_pattern` constrain nothing alone: ignored, as vLLM
 ignores them without a constraint.)"""
+
+
+TOOLLESS_CHOICES = (None, "none", "auto")
+"""`tool_choice` / `function_call` values that need no tool: with no tools, "auto" calls none."""
 
 
 def _is_set(value: Any) -> bool:
@@ -86,6 +97,11 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    """The legacy form of `tools`: refused as tools are."""
+    # typed Any: any value other than "none" / "auto" (no tools) gets the 400 naming the field
+    tool_choice: Any = None
+    function_call: Any = None
     # constrained decoding (vLLM extensions), declared only to be refused; typed Any so that any value gets
     # the 400 naming the field rather than a validation error
     structured_outputs: Any = None
@@ -97,6 +113,17 @@ class ChatCompletionRequest(BaseModel):
     media_io_kwargs: dict[str, Any] | None = Field(
         None,
         description='Per-request media loading, e.g. {"video": {"fps": 4.0}} or {"video": {"num_frames": 16}}.',
+    )
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='Qwen3-VL processor options: {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": '
+        'MAX_PIXELS}} (images and videos), "min_pixels" / "max_pixels" (images), "fps" / "num_frames" '
+        '(videos), or the same per modality under "images_kwargs" / "videos_kwargs".',
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='Extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3-style '
+        "templates (a key the template does not use changes nothing).",
     )
 
     def misplaced_stream_options(self) -> bool:
@@ -112,8 +139,12 @@ class ChatCompletionRequest(BaseModel):
         for field in CONSTRAINED_DECODING_FIELDS:
             if _is_set(getattr(self, field)):
                 return field
-        if self.tools:
-            return "tools"
+        for field in ("tools", "functions"):
+            if getattr(self, field):
+                return field
+        for field in ("tool_choice", "function_call"):
+            if getattr(self, field) not in TOOLLESS_CHOICES:
+                return field
         return None
 
     def stream_usage(self) -> tuple[bool, bool]:
@@ -121,6 +152,79 @@ class ChatCompletionRequest(BaseModel):
         opts = self.stream_options
         include = bool(opts and opts.include_usage)
         return include, include and bool(opts and opts.continuous_usage_stats)
+
+
+MAX_PIXELS = 16777216
+"""Largest pixel budget a request may ask for (Qwen3-VL's image `size.longest_edge`): 16384 vision tokens."""
+TEMPLATE_ARGUMENTS = frozenset(
+    ("conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+)  # fmt: skip
+"""apply_chat_template's own arguments (and the template's `messages`): this server sets them."""
+IMAGE_KEYS, VIDEO_KEYS = ("size", "min_pixels", "max_pixels"), ("size", "fps", "num_frames")
+MM_HELP = (
+    "this server's Qwen3-VL preprocessing takes size, min_pixels, max_pixels (images), size, fps, num_frames "
+    "(videos), and images_kwargs / videos_kwargs holding those"
+)
+
+
+def processor_kwargs(mm: Mapping[str, Any] | None) -> tuple[dict, dict]:
+    """`mm_processor_kwargs` -> (image options, video options), routed as transformers' processor routes
+    them: a flat key to every modality that takes it, `images_kwargs` / `videos_kwargs` to one."""
+    images: dict = {}
+    videos: dict = {}
+    for key, value in (mm or {}).items():
+        name = f"mm_processor_kwargs.{key}"
+        if key in ("images_kwargs", "videos_kwargs"):
+            keys, target = (IMAGE_KEYS, images) if key == "images_kwargs" else (VIDEO_KEYS, videos)
+            if not isinstance(value, dict):
+                raise ParamError(name, f"{name} must be an object")
+            for sub, v in value.items():
+                if sub not in keys:
+                    raise ParamError(f"{name}.{sub}", f"{name}.{sub} is not supported: {MM_HELP}")
+                target[sub] = v
+        elif key in IMAGE_KEYS or key in VIDEO_KEYS:
+            for keys, target in ((IMAGE_KEYS, images), (VIDEO_KEYS, videos)):
+                if key in keys:
+                    target[key] = value
+        else:
+            raise ParamError(name, f"{name} is not supported: {MM_HELP}")
+    return images, videos
+
+
+def pixel_budget(opts: dict, modality: str) -> tuple[int | None, int | None]:
+    """(min_pixels, max_pixels) that `opts` ask for (None: the default), each in [1, MAX_PIXELS]."""
+    where = f"mm_processor_kwargs ({modality})"
+    size = opts.get("size")
+    if size is not None and (
+        not isinstance(size, dict) or not size or set(size) - {"shortest_edge", "longest_edge"}
+    ):
+        raise ParamError(
+            "mm_processor_kwargs.size", 'size takes {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS} '
+            "(pixel counts, as Qwen3-VL's processor)",
+        )  # fmt: skip
+    size = size or {}
+    lo, hi = (
+        opts.get("min_pixels", size.get("shortest_edge")),
+        opts.get("max_pixels", size.get("longest_edge")),
+    )
+    for value in (lo, hi):
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_PIXELS):
+            raise ParamError("mm_processor_kwargs", f"{where}: pixel counts must be integers in [1, {MAX_PIXELS}], "
+                             f"got {value!r}")  # fmt: skip
+    if lo is not None and hi is not None and lo > hi:
+        raise ParamError("mm_processor_kwargs", f"{where}: min pixels {lo} > max pixels {hi}")
+    return lo, hi
+
+
+def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict:
+    """`chat_template_kwargs` checked: the template's variables, none of apply_chat_template's own arguments."""
+    for key in kwargs or {}:
+        if key in TEMPLATE_ARGUMENTS:
+            raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key} is not supported: "
+                             "this server sets it (chat_template_kwargs carry the template's own variables)")  # fmt: skip
+    return dict(kwargs or {})
 
 
 class Usage(BaseModel):

@@ -7,6 +7,9 @@ ViT at prefill: models/cosmos3/vision.py), replaces each video part (frames samp
 media/video_input.py) by one "<T seconds><|vision_start|><|video_pad|> x (h*w / merge**2)<|vision_end|>"
 per temporal patch as Qwen3VLProcessor does, tokenizes, and computes the Qwen3-VL get_rope_index positions.
 Host work only; a mismatch of placeholders and media (e.g. "<|image_pad|>" typed as text) is a ParamError.
+Per-request options of ChatParams: `chat_template_kwargs` (extra template variables; a template failing on
+them is a ParamError naming the field) and `image_min_pixels` / `image_max_pixels` (the image processor's
+pixel budget; None: the server's).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 from torch import Tensor
 
 from worldserve.models.cosmos3.vision import (
@@ -74,14 +78,14 @@ class ChatPromptBuilder:
                 else:
                     parts.append({"type": "text", "text": part.text})
             conversation.append({"role": msg.role, "content": parts})
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = self._render(conversation, dict(params.chat_template_kwargs))
         vision = video = None
         if (images or videos) and (self.vision is None or self.preprocess is None):
             raise ParamError(
                 "messages", "this checkpoint has no vision_encoder/: image and video inputs are unsupported"
             )
         if images:
-            vision = self.preprocess(images)
+            vision = self._preprocess(images, params)
             counts = vision.tokens_per_image(self.vision.merge_size)
             pieces = text.split(IMAGE_PAD)
             if len(pieces) != len(counts) + 1:
@@ -111,6 +115,33 @@ class ChatPromptBuilder:
         return ChatPrompt(
             input_ids=ids, vision=vision, video=video, positions=positions, next_position=next_pos
         )
+
+    def _render(self, conversation: list, options: dict) -> str:
+        """The chat template's text of the conversation, with the request's extra template variables."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, **options
+            )
+        except (TemplateError, TypeError, ValueError) as exc:
+            if not options:
+                raise
+            # e.g. a template's raise_exception() or a type error on a variable's value
+            raise ParamError(
+                "chat_template_kwargs", f"the chat template failed with chat_template_kwargs {options}: {exc}"
+            ) from exc
+
+    def _preprocess(self, images: list, params: ChatParams) -> VisionInputs:
+        """Qwen3-VL image preprocessing with the request's pixel budget; an image it cannot resize (the API
+        refuses those up front: this guards other callers) is a ParamError, not a server error."""
+        try:
+            return self.preprocess(
+                images, min_pixels=params.image_min_pixels, max_pixels=params.image_max_pixels,
+            )  # fmt: skip
+        except (
+            ValueError
+        ) as exc:  # transformers' smart_resize: "absolute aspect ratio must be smaller than 200"
+            shapes = ", ".join(f"{i.shape[1]}x{i.shape[0]}" for i in images)
+            raise ParamError("messages", f"an image cannot be preprocessed ({shapes}): {exc}") from exc
 
     def _expand_videos(self, text: str, videos: list) -> tuple[str, VisionInputs]:
         """Patchify each video and replace its placeholder by timestamped per-patch token runs."""

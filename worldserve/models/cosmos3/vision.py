@@ -94,12 +94,19 @@ class ImagePreprocessor:
             size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
         )
 
-    def __call__(self, images: Sequence[np.ndarray]) -> VisionInputs:
-        """uint8 RGB (H, W, 3) arrays -> VisionInputs."""
+    def __call__(
+        self, images: Sequence[np.ndarray], *, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> VisionInputs:
+        """uint8 RGB (H, W, 3) arrays -> VisionInputs; `min_pixels` / `max_pixels` override the pixel budget
+        (`size.shortest_edge` / `.longest_edge`) for this call, as a request's mm_processor_kwargs do."""
         from PIL import Image
 
         pil = [Image.fromarray(np.ascontiguousarray(img)) for img in images]
-        out = self._processor(images=pil, return_tensors="pt")
+        size = {
+            "shortest_edge": min_pixels or self._processor.size["shortest_edge"],
+            "longest_edge": max_pixels or self._processor.size["longest_edge"],
+        }
+        out = self._processor(images=pil, size=size, return_tensors="pt")
         return VisionInputs(pixel_values=out["pixel_values"].float(), grid_thw=out["image_grid_thw"].long())
 
 
