@@ -353,11 +353,13 @@ async def test_metrics_families(tmp_path):
                        'vllm:omni_e2e_request_latency_s_count{model_name="test-model"} 1.0',
                        'vllm:omni_request_queue_time_seconds_count{model_name="test-model"} 1.0',
                        'vllm:omni_num_requests_running{model_name="test-model"} 0.0',
-                       'vllm:omni_num_requests_waiting{model_name="test-model"} 0.0'):  # fmt: skip
+                       'vllm:omni_num_requests_waiting{model_name="test-model"} 0.0',
+                       'vllm:omni_requests_failed_total{model_name="test-model",reason="error"} 1.0'):  # fmt: skip
             assert sample in text, sample
         assert "process_cpu_seconds_total" in text
-        for gauge in ("worldserve:chat_requests_running", "vllm:num_requests_running"):  # before any chat
-            assert f'{gauge}{{model_name="test-model"}} 0.0' in text, gauge
+        for sample in ('worldserve:chat_requests_running{model_name="test-model"} 0.0',  # before any chat
+                       'vllm:num_requests_running{engine="0",model_name="test-model"} 0.0'):  # fmt: skip
+            assert sample in text, sample
 
 
 async def test_shutdown_stops_intake_with_503(tmp_path):

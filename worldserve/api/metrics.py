@@ -8,21 +8,21 @@ the GPU-memory gauge exists only when the server passes a reader (commands/serve
 Families: num_requests_waiting, num_requests_running (gauges); step_time_seconds, step_batch_size,
 e2e_request_latency_seconds, request_queue_time_seconds, stage_duration_seconds{stage} (histograms);
 request_success_total, request_failure_total{status}, request_rejected_total{reason} (counters);
-peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges).
+peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reasoner's chats: chat_prompt_tokens,
+chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting,
+kv_cache_usage_perc, num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
+chat_e2e_request_latency_seconds, chat_request_queue_time_seconds, chat_iteration_tokens (histograms). The API
+layer reports a chat's tokens, time to first token and end (api/chat_stream.py); the chat worker its timings
+(the ChatObserver calls, engine/chat_observer.py: tokens per step, inter-token gaps, end-to-end and queue time).
 
 So that dashboards built for vLLM / vLLM-Omni find their series, the same numbers are also exported under
-their names (serving-api.md §7.4; `VllmMirror`): vLLM-Omni's pipeline families for the video jobs
-(`vllm:omni_num_requests_running` / `_waiting`, `vllm:omni_requests_success_total{finished_reason}` with
-"stop" or "abort", `vllm:omni_e2e_request_latency_seconds` and its newer name `..._latency_s`,
-`vllm:omni_request_queue_time_seconds`),
-vLLM's for the Reasoner (`vllm:num_requests_running` / `_waiting`, `vllm:prompt_tokens_total`,
-`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
-`vllm:time_to_first_token_seconds`, `vllm:kv_cache_usage_perc`), and the Python process's `process_*`.
+their names (serving-api.md §7.4, §11.3; `VllmMirror` in metrics_vllm.py: vLLM-Omni's `vllm:omni_*` for the
+video and image requests, vLLM's `vllm:*` with its `engine` label for the Reasoner), and the process's `process_*`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -30,48 +30,16 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    ProcessCollector,
     generate_latest,
 )
+
+from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, VllmMirror
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class VllmMirror:
-    """The vLLM / vLLM-Omni-named families that repeat Metrics' numbers (see the module docstring)."""
-
-    def __init__(self, registry: CollectorRegistry, label: list[str]):
-        r = registry
-        self.video_running = Gauge("vllm:omni_num_requests_running", "Video jobs running (vLLM-Omni's name).",
-                                   label, registry=r)  # fmt: skip
-        self.video_waiting = Gauge("vllm:omni_num_requests_waiting", "Video jobs waiting (vLLM-Omni's name).",
-                                   label, registry=r)  # fmt: skip
-        self.video_success = Counter("vllm:omni_requests_success", "Video jobs by finish (stop: done, abort: failed).",
-                                     [*label, "finished_reason"], registry=r)  # fmt: skip
-        self.video_e2e = Histogram("vllm:omni_e2e_request_latency_seconds", "Video job submit to saved video.",
-                                   label, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
-        # newer vLLM-Omni versions name it with _s: both, so either generation of dashboard finds it
-        self.video_e2e_s = Histogram("vllm:omni_e2e_request_latency_s", "Video job submit to saved video.",
-                                     label, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
-        self.video_queue = Histogram("vllm:omni_request_queue_time_seconds", "Video job submit to admission.",
-                                     label, buckets=E2E_BUCKETS, registry=r)  # fmt: skip
-        self.chat_running = Gauge(
-            "vllm:num_requests_running", "Chats running (vLLM's name).", label, registry=r
-        )
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Chat prompt tokens (vLLM's name).", label, registry=r
-        )
-        self.generation_tokens = Counter("vllm:generation_tokens", "Chat tokens generated (vLLM's name).",
-                                         label, registry=r)  # fmt: skip
-        self.chat_success = Counter("vllm:request_success", "Chats finished, by reason (vLLM's name).",
-                                    [*label, "finished_reason"], registry=r)  # fmt: skip
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Chat time to first token (vLLM's name).",
-                              label, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        ProcessCollector(registry=r)  # process_* (CPU seconds, resident memory, open files) on Linux
 
 
 class Metrics:
@@ -115,9 +83,18 @@ class Metrics:
                                   registry=r)  # fmt: skip
         self.chat_ttft = Histogram("worldserve:chat_time_to_first_token_seconds", "Chat submit to first token.",
                                    label, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.vllm = VllmMirror(r, label)
-        for gauge in (self.chat_running, self.vllm.chat_running):  # exported as 0 from the start, as vLLM's
-            gauge.labels(**self._label)
+        self.chat_e2e = Histogram("worldserve:chat_e2e_request_latency_seconds", "Chat submit to its end.", label,
+                                  buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.chat_queue_time = Histogram("worldserve:chat_request_queue_time_seconds",
+                                         "Chat submit to the start of its prefill.", label, buckets=E2E_BUCKETS,
+                                         registry=r)  # fmt: skip
+        self.chat_itl = Histogram("worldserve:chat_inter_token_latency_seconds", "Chat time between two tokens.",
+                                  label, buckets=STEP_BUCKETS, registry=r)  # fmt: skip
+        self.chat_iteration_tokens = Histogram("worldserve:chat_iteration_tokens",
+                                               "Prompt + generated tokens per chat worker step.", label,
+                                               buckets=ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.vllm = VllmMirror(r, model_name)
+        self.chat_running.labels(**self._label)  # exported as 0 from the start, as vLLM's
         if gpu_memory_bytes is not None:
             gpu = Gauge("worldserve:gpu_memory_used_bytes", "Accelerator memory in use.", label, registry=r)
             gpu.labels(**self._label).set_function(gpu_memory_bytes)
@@ -129,15 +106,16 @@ class Metrics:
               label, registry=r).labels(**self._label).set_function(usage)  # fmt: skip
         Gauge("worldserve:num_preemptions", "Chats preempted so far for lack of K/V blocks (cumulative).",
               label, registry=r).labels(**self._label).set_function(preemptions)  # fmt: skip
-        Gauge("vllm:kv_cache_usage_perc", "Fraction of the K/V cache blocks in use (vLLM's name).", label,
-              registry=r).labels(**self._label).set_function(usage)  # fmt: skip
+        self.vllm.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage, r)
 
     def track_chat_queue(self, waiting: Callable[[], float]) -> None:
         """Chats submitted and not yet started, read at scrape time (also as vLLM's num_requests_waiting)."""
         r, label = self.registry, ["model_name"]
-        for name, doc in (("worldserve:chat_requests_waiting", "Chats queued, not yet prefilled."),
-                          ("vllm:num_requests_waiting", "Chats waiting (vLLM's name).")):  # fmt: skip
-            Gauge(name, doc, label, registry=r).labels(**self._label).set_function(waiting)
+        Gauge("worldserve:chat_requests_waiting", "Chats queued, not yet prefilled.", label,
+              registry=r).labels(**self._label).set_function(waiting)  # fmt: skip
+        self.vllm.gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting, r
+        )
 
     def track_queue(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
         for gauge, read in ((self.waiting, waiting), (self.running, running), (self.vllm.video_waiting, waiting),
@@ -153,40 +131,54 @@ class Metrics:
         self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
     ) -> None:
         self.success.labels(**self._label).inc()
-        self.vllm.video_success.labels(finished_reason="stop", **self._label).inc()
-        for hist, seconds in ((self.e2e, e2e_s), (self.queue_time, queue_s), (self.vllm.video_e2e, e2e_s),
-                              (self.vllm.video_e2e_s, e2e_s), (self.vllm.video_queue, queue_s)):  # fmt: skip
-            hist.labels(**self._label).observe(seconds)
+        self.e2e.labels(**self._label).observe(e2e_s)
+        self.queue_time.labels(**self._label).observe(queue_s)
+        self.vllm.video_finished(e2e_s, queue_s)
         for stage, seconds in stages.items():
             self.stage.labels(stage=stage, **self._label).observe(seconds)
         self.peak_memory.labels(**self._label).set(peak_memory_mb)
 
     def on_failed(self, code: int) -> None:
         self.failure.labels(status=str(code), **self._label).inc()
-        self.vllm.video_success.labels(finished_reason="abort", **self._label).inc()
+        self.vllm.video_failed_with(code)
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason, **self._label).inc()
 
     # -- chats (api/chat.py) ------------------------------------------------------------------------------
     def on_chat_started(self, prompt_tokens: int) -> None:
-        for counter in (self.chat_prompt_tokens, self.vllm.prompt_tokens):
-            counter.labels(**self._label).inc(prompt_tokens)
-        for gauge in (self.chat_running, self.vllm.chat_running):
-            gauge.labels(**self._label).inc()
+        self.chat_prompt_tokens.labels(**self._label).inc(prompt_tokens)
+        self.chat_running.labels(**self._label).inc()
+        self.vllm.prompt_tokens.inc(prompt_tokens)
+        self.vllm.chat_running.inc()
 
     def on_chat_first_token(self, seconds: float) -> None:
-        for hist in (self.chat_ttft, self.vllm.ttft):
-            hist.labels(**self._label).observe(seconds)
+        self.chat_ttft.labels(**self._label).observe(seconds)
+        self.vllm.ttft.observe(seconds)
 
     def on_chat_ended(self, completion_tokens: int, finish_reason: str | None) -> None:
         """finish_reason None: failed or abandoned by the client."""
-        for counter in (self.chat_generation_tokens, self.vllm.generation_tokens):
-            counter.labels(**self._label).inc(completion_tokens)
-        for gauge in (self.chat_running, self.vllm.chat_running):
-            gauge.labels(**self._label).dec()
+        self.chat_generation_tokens.labels(**self._label).inc(completion_tokens)
+        self.chat_running.labels(**self._label).dec()
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
-        self.vllm.chat_success.labels(finished_reason=finish_reason or "abort", **self._label).inc()
+        self.vllm.chat_ended(completion_tokens, finish_reason or "abort")
+
+    # -- ChatObserver (engine/chat_worker.py, the worker's thread) ----------------------------------------
+    def on_chat_iteration(self, tokens: int) -> None:
+        self.chat_iteration_tokens.labels(**self._label).observe(tokens)
+        self.vllm.iteration_tokens.observe(tokens)
+
+    def on_chat_token_gaps(self, seconds: Sequence[float]) -> None:
+        hist = self.chat_itl.labels(**self._label)
+        for value in seconds:
+            hist.observe(value)
+        self.vllm.token_gaps(seconds)
+
+    def on_chat_finished(self, e2e_s: float, queue_s: float) -> None:
+        self.chat_e2e.labels(**self._label).observe(e2e_s)
+        self.chat_queue_time.labels(**self._label).observe(queue_s)
+        self.vllm.e2e.observe(e2e_s)
+        self.vllm.queue.observe(queue_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

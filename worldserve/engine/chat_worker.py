@@ -20,6 +20,8 @@ or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if
 prompt K/V shared by the backend) together. `stop(timeout_s)` (server shutdown) takes no new chats, lets the
 running ones finish within the timeout and then fails those still running with a 503, so their callers
 answer with an error instead of being cut off when the HTTP server closes their connections.
+Timings go to `observer` (chat_observer.py: tokens per loop iteration, inter-token gaps, and each started chat's
+end-to-end and queue time), measured on this thread with time.monotonic().
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
 from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta
 from worldserve.params import ChatParams, ParamError
 
@@ -69,6 +73,11 @@ class ChatHandle:
     a non-streaming caller needs nothing in between, and each delivery wakes the consumer's event loop."""
     _held: ChatDelta | None = None  # coalesce: the deltas since the first one, merged
     _first_sent: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    queued_s: float | None = None  # submit to the start of its admitting prefill; None: not started (yet)
+    _last_token_at: float | None = None  # when its latest token was sampled (worker thread)
+    _tokens_seen: int = 0  # completion_tokens of its latest delta
+    _ended: bool = False  # its end was reported to the observer
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -106,6 +115,8 @@ class ChatWorker:
     call_in_consumer: Callable[[Callable[[], None]], None] | None = None
     """Runs a callable on the consumers' thread (EngineClient sets loop.call_soon_threadsafe): then the deltas
     of one step reach every handle with a `receive` in one hop (32 chats: 1 wake-up of the event loop, not 32)."""
+    observer: ChatObserver = NullChatObserver()
+    """Where the timings go (EngineClient.observe sets the metrics)."""
 
     def __init__(
         self, backend: ChatBackend, model_lock: threading.Lock, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -185,6 +196,7 @@ class ChatWorker:
             message = "The chat worker stopped."
             for handle, session in active:
                 self._close(session)
+                self._ended(handle)
                 self._tell(handle, ChatFailed(500, message))
         for handle in deferred:
             self._tell(handle, ChatFailed(503, message))
@@ -214,6 +226,7 @@ class ChatWorker:
             if self._abort.is_set():  # shutting down and out of time: the running chats end with a 503
                 for handle, session in active:
                     self._close(session)
+                    self._ended(handle)
                     self._tell(handle, ChatFailed(503, "The server is shutting down."))
                 active.clear()
                 return
@@ -233,9 +246,11 @@ class ChatWorker:
                     self._not_waiting(handle)
                 else:
                     batch.append(handle)
+            tokens = 0  # prompt tokens prefilled + tokens sampled by this iteration (vLLM's per engine step)
             if batch:
                 started, refused = self._start(batch)
                 active += started
+                tokens += sum(session.prompt_tokens for _, session in started)
                 # retry after this step when running chats will free room, or when others of the batch took
                 # the room and failed since; refused alone with nothing running: the pool is too small
                 if active or len(refused) < len(batch):
@@ -247,9 +262,13 @@ class ChatWorker:
             for handle, session in active:
                 if handle.cancelled.is_set():
                     self._close(session)
+                    self._ended(handle)
             active[:] = [(h, s) for h, s in active if not h.cancelled.is_set()]
             if active:
-                active[:] = self._step(active)
+                active[:], sampled = self._step(active)
+                tokens += sampled
+            if tokens:
+                self.observer.on_chat_iteration(tokens)
 
     def _model(self):
         """The model lock, or nothing when the backend runs beside video steps (re-read every call: a
@@ -263,6 +282,7 @@ class ChatWorker:
     def _start(self, batch: list[ChatHandle]):
         """Prefill several chats in one backend call: (the started (handle, session) pairs, the handles the
         backend had no room for now). Failed chats get their ChatFailed."""
+        admitted_at = time.monotonic()
         try:
             with self._model():
                 results = self.backend.start_many([h.params for h in batch])
@@ -278,6 +298,7 @@ class ChatWorker:
             elif isinstance(result, Exception):
                 self._fail(handle, result)
             else:
+                handle.queued_s = admitted_at - handle.submitted_at
                 handle.emit(ChatStarted(prompt_tokens=result.prompt_tokens))
                 started.append((handle, result))
         return started, refused
@@ -289,16 +310,18 @@ class ChatWorker:
         except Exception:
             log.exception("closing a chat session failed")
 
-    def _step(self, active: list[tuple[ChatHandle, object]]) -> list[tuple[ChatHandle, object]]:
-        """One batched step of every active chat; returns the ones still generating."""
+    def _step(self, active: list[tuple[ChatHandle, object]]) -> tuple[list[tuple[ChatHandle, object]], int]:
+        """One batched step of every active chat: (the ones still generating, the tokens it sampled)."""
         try:
             with self._model():
                 deltas = self.backend.step_all([s for _, s in active])
         except Exception as exc:
             for handle, session in active:
                 self._close(session)
+                self._ended(handle)
                 self._fail(handle, exc)
-            return []
+            return [], 0
+        sampled = self._timed(active, deltas)
         pairs = [
             (handle, out)
             for (handle, _), delta in zip(active, deltas, strict=True)
@@ -310,7 +333,32 @@ class ChatWorker:
         for handle, delta in pairs:
             if hop is None or handle.receive is None:
                 handle.emit(delta)
-        return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None]
+        return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None], sampled
+
+    def _timed(self, active: list[tuple[ChatHandle, object]], deltas: list[ChatDelta]) -> int:
+        """Report one step's inter-token gaps and the ends of the chats it finished; the tokens it sampled. A
+        delta carries a new token when its count grew or it finished (a stop token is sampled though not in
+        completion_tokens); a preempted chat's idle delta carries none."""
+        now, gaps, sampled = time.monotonic(), [], 0
+        for (handle, _), delta in zip(active, deltas, strict=True):
+            if delta.completion_tokens > handle._tokens_seen or delta.finish_reason is not None:
+                sampled += 1
+                if handle._last_token_at is not None:
+                    gaps.append(now - handle._last_token_at)
+                handle._last_token_at, handle._tokens_seen = now, delta.completion_tokens
+            if delta.finish_reason is not None:
+                self._ended(handle, now)
+        if gaps:
+            self.observer.on_chat_token_gaps(gaps)
+        return sampled
+
+    def _ended(self, handle: ChatHandle, now: float | None = None) -> None:
+        """Report a started chat's end-to-end and queue time, once."""
+        if handle.queued_s is None or handle._ended:
+            return
+        handle._ended = True
+        now = time.monotonic() if now is None else now
+        self.observer.on_chat_finished(now - handle.submitted_at, handle.queued_s)
 
     @staticmethod
     def _fail(handle: ChatHandle, exc: Exception) -> None:

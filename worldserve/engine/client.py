@@ -269,8 +269,10 @@ class EngineClient:
         return self.engine.backend.validate(params)
 
     def observe(self, observer: EngineObserver) -> None:
-        """Route the engine's step / finish / failure reports to `observer` (the metrics)."""
+        """Route the engine's and the chat worker's timings (ChatObserver) to `observer` (the metrics)."""
         self.engine.observer = observer
+        if self.chat_worker is not None:
+            self.chat_worker.observer = observer
 
     @property
     def num_waiting(self) -> int:

@@ -1,0 +1,291 @@
+"""GET /metrics on a real uvicorn (the tiny Reasoner for chats, FakeBackend video jobs): worldserve's chat
+families and their vLLM twins (vllm/v1/metrics/loggers.py's names, buckets and `engine` label) after real
+chats, vLLM-Omni's `vllm:omni_*` families after a video job and a failed one; and the chat worker's timing
+reports (ChatObserver) on a scripted backend: idle steps of a preempted chat carry no token, the stop token does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+
+import httpx
+import pytest
+import torch
+from serving_helpers import make_client, serve_app, wait_until
+
+from worldserve.api.metrics_vllm import (
+    ITERATION_TOKEN_BUCKETS,
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+)
+from worldserve.engine.chat_worker import ChatWorker
+from worldserve.engine.fake_backend import FakeBackend
+from worldserve.engine.outputs import ChatDelta
+from worldserve.params import ChatMessage, ChatParams
+
+MODEL = "test-model"
+LLM = {"engine": "0"}  # the label vLLM adds to its vllm:* families (not to vllm:omni_*)
+VLLM_BUCKETS = {
+    "vllm:time_to_first_token_seconds": TTFT_BUCKETS, "vllm:inter_token_latency_seconds": ITL_BUCKETS,
+    "vllm:time_per_output_token_seconds": ITL_BUCKETS, "vllm:e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_queue_time_seconds": REQUEST_LATENCY_BUCKETS, "vllm:iteration_tokens_total": ITERATION_TOKEN_BUCKETS,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from worldserve.api.app import build_app
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    reasoner = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=1024)
+    client = make_client(tmp_path_factory.mktemp("metrics"), model_name=MODEL, chat_backend=reasoner,
+                         backend=FakeBackend(step_delay=0.002))  # fmt: skip
+    with serve_app(build_app(client, shutdown_timeout_s=1.0), name="test-metrics-uvicorn") as url:
+        yield url
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of /metrics: (name, its labels) -> value."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            pairs = (kv.split("=", 1) for kv in labels.rstrip("}").split(",") if kv)
+            out[name, frozenset((k, v.strip('"')) for k, v in pairs)] = float(value)
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """One sample labelled model_name=MODEL plus `labels` exactly (0 when absent)."""
+    return samples.get((name, frozenset({"model_name": MODEL, **labels}.items())), 0.0)
+
+
+def buckets(samples: dict, name: str, **labels) -> list[tuple[float, float]]:
+    """A histogram's (le, cumulative count) pairs, in bucket order (+Inf last)."""
+    want = {"model_name": MODEL, **labels}
+    rows = [
+        (float(dict(key)["le"]), v)
+        for (n, key), v in samples.items()
+        if n == name + "_bucket" and {k: x for k, x in key if k != "le"} == want
+    ]
+    return sorted(rows)
+
+
+def check_histogram(samples: dict, name: str, **labels) -> None:
+    """Cumulative bucket counts never decrease and end at _count (at +Inf)."""
+    rows = buckets(samples, name, **labels)
+    counts = [c for _, c in rows]
+    assert rows and counts == sorted(counts), (name, rows)
+    assert rows[-1][0] == math.inf and counts[-1] == value(samples, name + "_count", **labels), name
+
+
+def _chat(url: str, stream: bool) -> tuple[int, int, str]:
+    """One chat: (prompt tokens, completion tokens, finish_reason)."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "hey"}],
+    }
+    if not stream:
+        out = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+        return (
+            out["usage"]["prompt_tokens"],
+            out["usage"]["completion_tokens"],
+            out["choices"][0]["finish_reason"],
+        )
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    finish, usage = None, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                finish = next((c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]), finish)
+                usage = chunk.get("usage") or usage
+    return usage["prompt_tokens"], usage["completion_tokens"], finish
+
+
+def test_chat_metrics(server):
+    before = scrape(server)
+    chats = [_chat(server, stream=False), _chat(server, stream=True)]
+    after = scrape(server)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    prompt = sum(p for p, _, _ in chats)
+    completion = sum(c for _, c, _ in chats)
+    sampled = [c + (f == "stop") for _, c, f in chats]  # a stop token is sampled, not counted in usage
+    for finish in {f for _, _, f in chats}:
+        n = sum(f == finish for _, _, f in chats)
+        assert delta("worldserve:chat_request_success_total", finish_reason=finish) == n
+        assert delta("vllm:request_success_total", finished_reason=finish, **LLM) == n
+    for reason in ("stop", "length", "abort"):  # every finished_reason exported from the start, as vLLM does
+        assert (
+            "vllm:request_success_total",
+            frozenset({"model_name": MODEL, "finished_reason": reason, **LLM}.items()),
+        ) in after
+    for prefix, labels in (("worldserve:chat_", {}), ("vllm:", LLM)):
+        assert delta(f"{prefix}prompt_tokens_total", **labels) == prompt
+        assert delta(f"{prefix}generation_tokens_total", **labels) == completion
+        assert delta(f"{prefix}time_to_first_token_seconds_count", **labels) == 2
+        assert delta(f"{prefix}e2e_request_latency_seconds_count", **labels) == 2
+        assert delta(f"{prefix}e2e_request_latency_seconds_sum", **labels) > 0
+        assert delta(f"{prefix}request_queue_time_seconds_count", **labels) == 2
+        assert (
+            0
+            <= delta(f"{prefix}request_queue_time_seconds_sum", **labels)
+            < delta(f"{prefix}e2e_request_latency_seconds_sum", **labels)
+        )
+        assert delta(f"{prefix}inter_token_latency_seconds_count", **labels) == sum(n - 1 for n in sampled)
+        assert delta(f"{prefix}inter_token_latency_seconds_sum", **labels) > 0
+    # one observation per chat worker iteration: the prefill's prompt tokens plus the tokens sampled
+    assert delta("vllm:iteration_tokens_total_sum", **LLM) == prompt + sum(sampled)
+    assert delta("vllm:iteration_tokens_total_count", **LLM) >= 2
+    assert delta("worldserve:chat_iteration_tokens_sum") == prompt + sum(sampled)
+    assert delta("vllm:time_per_output_token_seconds_count", **LLM) == sum(
+        n - 1 for n in sampled
+    )  # vLLM 0.11's old name
+    for name, bounds in VLLM_BUCKETS.items():  # vLLM's buckets exactly
+        assert [le for le, _ in buckets(after, name, **LLM)] == [float(b) for b in bounds] + [math.inf], name
+        check_histogram(after, name, **LLM)
+    for name in (
+        "worldserve:chat_e2e_request_latency_seconds",
+        "worldserve:chat_inter_token_latency_seconds",
+    ):
+        check_histogram(after, name)
+    assert (
+        value(after, "vllm:num_requests_running", **LLM)
+        == 0
+        == value(after, "worldserve:chat_requests_running")
+    )
+    for name in (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_waiting",
+    ):  # present; nothing held nor queued now
+        assert ((name, frozenset({"model_name": MODEL, **LLM}.items())) in after) and value(
+            after, name, **LLM
+        ) == 0
+    for name in (
+        "worldserve:chat_requests_waiting",
+        "worldserve:kv_cache_usage_perc",
+        "worldserve:num_preemptions",
+    ):
+        assert (name, frozenset({"model_name": MODEL}.items())) in after and value(after, name) == 0
+
+
+def test_video_metrics_and_failures(server):
+    before = scrape(server)
+    with httpx.Client(base_url=server, timeout=60) as http:
+        small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+        ok = http.post("/v1/videos", json={"prompt": "a cat", **small}).json()
+        bad = http.post("/v1/videos", json={"prompt": "__fail__:prepare", **small}).json()
+        for job in (ok, bad):
+            wait_until(
+                lambda job=job: (
+                    http.get(f"/v1/videos/{job['id']}").json()["status"] in ("completed", "failed")
+                )
+            )
+
+    # the observer runs just after the store records the outcome: wait for both reports
+    def reported():
+        now = scrape(server)
+        done = value(now, "vllm:omni_e2e_request_latency_s_count") > value(
+            before, "vllm:omni_e2e_request_latency_s_count"
+        )
+        return done and value(now, "vllm:omni_requests_failed_total", reason="error") > value(
+            before, "vllm:omni_requests_failed_total", reason="error"
+        )
+
+    wait_until(reported)
+    after = scrape(server)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("vllm:omni_requests_success_total", finished_reason="stop") == 1
+    assert (
+        delta("vllm:omni_requests_success_total", finished_reason="abort") == 1
+    )  # vLLM-Omni's request_failed()
+    assert (
+        delta("vllm:omni_requests_failed_total", reason="error") == 1
+    )  # FakeBackend's prepare failure: a 500
+    assert delta("worldserve:request_failure_total", status="500") == 1
+    for name in ("vllm:omni_e2e_request_latency_seconds", "vllm:omni_e2e_request_latency_s",
+                 "vllm:omni_request_queue_time_seconds", "worldserve:e2e_request_latency_seconds"):  # fmt: skip
+        assert delta(name + "_count") == 1, name
+        check_histogram(after, name)
+    assert delta("vllm:omni_e2e_request_latency_seconds_sum") > 0
+    # vLLM's families carry model_name and engine; vLLM-Omni's pipeline families model_name only
+    for (name, labels), _ in after.items():
+        keys = {k for k, _ in labels}
+        if name.startswith("vllm:omni_"):
+            assert "engine" not in keys and ("model_name", MODEL) in labels, name
+        elif name.startswith("vllm:"):
+            assert ("engine", "0") in labels and ("model_name", MODEL) in labels, name
+    assert not any(name.startswith("vllm:prefix_cache") for name, _ in after)  # no prefix cache: not reported
+
+
+class _Session:
+    """Scripted deltas: a token, an idle step (preempted: no token), a token, then the stop token."""
+
+    prompt_tokens = 5
+
+    def __init__(self):
+        self.script = [(1, None), (1, None), (2, None), (2, "stop")]
+
+    def close(self) -> None:
+        pass
+
+
+class _Backend:
+    def start_many(self, batch):
+        return [_Session() for _ in batch]
+
+    def step_all(self, sessions):
+        return [
+            ChatDelta(text="x", finish_reason=f, completion_tokens=n)
+            for n, f in (s.script.pop(0) for s in sessions)
+        ]
+
+
+class _Recorder:
+    def __init__(self):
+        self.iterations, self.gaps, self.finished = [], [], []
+
+    def on_chat_iteration(self, tokens):
+        self.iterations.append(tokens)
+
+    def on_chat_token_gaps(self, seconds):
+        self.gaps += seconds
+
+    def on_chat_finished(self, e2e_s, queue_s):
+        self.finished.append((e2e_s, queue_s))
+
+
+def test_chat_worker_reports_timings():
+    worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()
+    worker.observer = recorder
+    worker.start()
+    try:
+        worker.submit(ChatParams(messages=(ChatMessage(role="user", content="hi"),)), events.put)
+        while not (getattr(event := events.get(timeout=5), "finish_reason", None)):
+            pass
+        assert event.finish_reason == "stop"
+        wait_until(lambda: recorder.finished)
+    finally:
+        worker.stop(1.0)
+    assert recorder.iterations == [5 + 1, 1, 1]  # prefill + first token; the idle step reports nothing
+    assert len(recorder.gaps) == 2 and all(g >= 0 for g in recorder.gaps)
+    ((e2e, queued),) = recorder.finished
+    assert 0 <= queued <= e2e

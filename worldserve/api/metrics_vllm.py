@@ -1,0 +1,122 @@
+"""The vLLM- and vLLM-Omni-named Prometheus families that repeat worldserve's numbers (serving-api.md §7.4, §11.3),
+so that dashboards built for those servers find their series here (api/metrics.py feeds them).
+
+vLLM's (the Reasoner's chats) follow vllm/v1/metrics/loggers.py `PrometheusStatLogger` of vLLM 0.11: the same
+names, types, help texts and histogram buckets, labelled `model_name` and `engine` ("0": worldserve runs one
+engine core): num_requests_running / _waiting, kv_cache_usage_perc (gauges); prompt_tokens_total,
+generation_tokens_total, request_success_total{finished_reason} (counters, every finished_reason exported from
+the start as vLLM does); time_to_first_token_seconds, inter_token_latency_seconds and its deprecated twin
+time_per_output_token_seconds (the same observations, as vLLM 0.11 still exports both),
+e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total (histograms).
+Not exported: vllm:prefix_cache_queries / _hits (worldserve has no prefix cache: the n choices of one request
+share their prompt's K/V by a fork, no cache lookup), and vLLM's other per-request histograms.
+
+vLLM-Omni's pipeline families (vllm_omni/metrics/prometheus.py), labelled `model_name` only, count the video
+and image requests: omni_num_requests_running / _waiting, omni_requests_success_total{finished_reason}
+("stop", or "abort" for a failure, as its request_failed() does), omni_e2e_request_latency_seconds and the newer
+name omni_e2e_request_latency_s, omni_request_queue_time_seconds; and omni_requests_failed_total{reason}, a
+failure counter by reason that vLLM-Omni itself does not define (worldserve's: "invalid_request" for a 4xx,
+"unavailable" for a 503, "timeout" for a 408 / 504, "error" for any other 5xx).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+ENGINE = "0"
+FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+OMNI_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+
+
+def failure_reason(code: int) -> str:
+    """omni_requests_failed_total's reason for a failed request's HTTP-like status."""
+    if code in (408, 504):
+        return "timeout"
+    if code == 503:
+        return "unavailable"
+    return "invalid_request" if code < 500 else "error"
+
+
+class VllmMirror:
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        r, omni, llm = registry, ["model_name"], ["model_name", "engine"]
+        self.omni = {"model_name": model_name}
+        self.llm = {"model_name": model_name, "engine": ENGINE}
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, llm, buckets=buckets, registry=r).labels(**self.llm)
+
+        # vLLM-Omni (video and image requests)
+        self.video_running = Gauge("vllm:omni_num_requests_running", "Video jobs running (vLLM-Omni's name).",
+                                   omni, registry=r)  # fmt: skip
+        self.video_waiting = Gauge("vllm:omni_num_requests_waiting", "Video jobs waiting (vLLM-Omni's name).",
+                                   omni, registry=r)  # fmt: skip
+        self.video_success = Counter("vllm:omni_requests_success", "Video jobs by finish (stop: done, abort: failed).",
+                                     [*omni, "finished_reason"], registry=r)  # fmt: skip
+        self.video_failed = Counter("vllm:omni_requests_failed", "Video and image requests failed, by reason.",
+                                    [*omni, "reason"], registry=r)  # fmt: skip
+        e2e = [Histogram(name, "Video job submit to saved video.", omni, buckets=OMNI_E2E_BUCKETS, registry=r)
+               for name in ("vllm:omni_e2e_request_latency_seconds", "vllm:omni_e2e_request_latency_s")]  # fmt: skip
+        self.video_e2e = [h.labels(**self.omni) for h in e2e]  # the newer name too: either dashboard finds it
+        self.video_queue = Histogram("vllm:omni_request_queue_time_seconds", "Video job submit to admission.",
+                                     omni, buckets=OMNI_E2E_BUCKETS, registry=r).labels(**self.omni)  # fmt: skip
+        # vLLM (the Reasoner's chats)
+        self.chat_running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                  llm, registry=r).labels(**self.llm)  # fmt: skip
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", llm,
+                                     registry=r).labels(**self.llm)  # fmt: skip
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", llm,
+                                         registry=r).labels(**self.llm)  # fmt: skip
+        self.chat_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                    [*llm, "finished_reason"], registry=r)  # fmt: skip
+        for reason in FINISHED_REASONS:  # exported as 0 from the start, as vLLM does
+            self.chat_success.labels(finished_reason=reason, **self.llm)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)  # fmt: skip
+        self.itl = [
+            hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+            hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
+                 "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", ITL_BUCKETS),
+        ]  # fmt: skip
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     ITERATION_TOKEN_BUCKETS)  # fmt: skip
+        ProcessCollector(registry=r)  # process_* (CPU seconds, resident memory, open files) on Linux
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float], registry: CollectorRegistry) -> None:
+        """A vLLM gauge read at scrape time (num_requests_waiting, kv_cache_usage_perc)."""
+        Gauge(name, doc, ["model_name", "engine"], registry=registry).labels(**self.llm).set_function(read)
+
+    # -- video / image requests ------------------------------------------------------------------------
+    def video_finished(self, e2e_s: float, queue_s: float) -> None:
+        self.video_success.labels(finished_reason="stop", **self.omni).inc()
+        for hist in self.video_e2e:
+            hist.observe(e2e_s)
+        self.video_queue.observe(queue_s)
+
+    def video_failed_with(self, code: int) -> None:
+        self.video_success.labels(finished_reason="abort", **self.omni).inc()  # vLLM-Omni's request_failed()
+        self.video_failed.labels(reason=failure_reason(code), **self.omni).inc()
+
+    # -- chats -------------------------------------------------------------------------------------------
+    def chat_ended(self, completion_tokens: int, finished_reason: str) -> None:
+        self.generation_tokens.inc(completion_tokens)
+        self.chat_running.dec()
+        self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()
+
+    def token_gaps(self, seconds: Sequence[float]) -> None:
+        for value in seconds:
+            for hist in self.itl:
+                hist.observe(value)
