@@ -187,6 +187,36 @@ def test_sse_wire_format_and_file_url(server):
     assert again["choices"][0]["message"]["tool_calls"] == [] and again["prompt_logprobs"] is None
 
 
+def test_http_image_url_is_downloaded(server):
+    """An http(s) image_url is fetched by the server (api/media_urls.py) and answers as the same file does."""
+    import functools
+    import http.server
+    import threading
+
+    url, media = server
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media))
+    handler.log_message = lambda *a: None
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    try:
+        answers = []
+        for ref in (f"http://127.0.0.1:{files.server_address[1]}/cat.png", f"file://{media / 'cat.png'}"):
+            body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": ref}}, {"type": "text", "text": "describe"}]}]}  # fmt: skip
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append((r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]))
+        assert answers[0] == answers[1] and answers[0][1] > 60
+        body["messages"][0]["content"][0]["image_url"]["url"] = (
+            f"http://127.0.0.1:{files.server_address[1]}/no.png"
+        )
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_url"
+        assert "server returned HTTP 404" in r.json()["error"]["message"]
+    finally:
+        files.shutdown()
+
+
 @pytest.mark.parametrize(
     ("patch", "status", "param", "needle"),
     [
@@ -195,19 +225,19 @@ def test_sse_wire_format_and_file_url(server):
         ({"n": 0}, 400, "n", "n must be between 1 and 16"),
         ({"model": "nope"}, 404, "model", "The model `nope` does not exist."),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
-         400, "messages", "base64"),
+         400, "messages[0].content[0].image_url", "base64"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
-         400, "messages", "image"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}]}]},
-         400, "messages", "does not fetch remote media"),
+         400, "messages[0].content[0].image_url", "image"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}]}]},
+         400, "messages[0].content[0].image_url", "failed to download image"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
-         400, "messages", "must be a subpath"),
-        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "https://x.org/a.mp4"}]}]},
-         400, "messages", "does not fetch remote media"),
+         400, "messages[0].content[0].image_url", "must be a subpath"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "http://127.0.0.1:9/a.mp4"}]}]},
+         400, "messages[0].content[0].video_url", "failed to download video"),
         ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,aGVsbG8="}}]}]},
-         400, "messages", "not a valid video"),
+         400, "messages[0].content[0].video_url", "not a valid video"),
         ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": ""}}]}]},
-         400, "messages", "video_url.url"),
+         400, "messages[0].content[0].video_url", "video_url.url"),
         ({"media_io_kwargs": {"video": {"fps": 2, "num_frames": 4}}}, 400, "media_io_kwargs", "mutually exclusive"),
         ({"media_io_kwargs": {"video": {"fps": -1}}}, 400, "media_io_kwargs", "fps must be > 0"),
         ({"media_io_kwargs": {"video": {"frames": 3}}}, 400, "media_io_kwargs", "takes"),
@@ -303,53 +333,6 @@ def test_logprobs_non_stream_and_stream(oai, reasoner):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     plain = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
-
-
-def _metric(text: str, name: str, **labels) -> float:
-    """The value of one Prometheus sample in /metrics text (0 when absent)."""
-    want = {"model_name": MODEL, **labels}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            got = dict(kv.split("=", 1) for kv in line[len(name) + 1 : line.index("}")].split(","))
-            if {k: v.strip('"') for k, v in got.items()} == want:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def test_chat_metrics(server, reasoner):
-    url = server[0]
-    before = httpx.get(url + "/metrics").text
-    body = {
-        "model": MODEL,
-        "max_tokens": 3,
-        "temperature": 0,
-        "messages": [{"role": "user", "content": "hey"}],
-    }
-    out = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
-        r.read()
-    after = httpx.get(url + "/metrics").text
-    usage, finish = out["usage"], out["choices"][0]["finish_reason"]
-
-    def delta(name, **labels):
-        return _metric(after, name, **labels) - _metric(before, name, **labels)
-
-    assert delta("worldserve:chat_prompt_tokens_total") == 2 * usage["prompt_tokens"]
-    assert delta("worldserve:chat_generation_tokens_total") == 2 * usage["completion_tokens"]
-    assert delta("worldserve:chat_request_success_total", finish_reason=finish) == 2
-    assert delta("worldserve:chat_time_to_first_token_seconds_count") == 2
-    assert _metric(after, "worldserve:chat_requests_running") == 0
-    # vLLM's names for the same numbers
-    assert delta("vllm:prompt_tokens_total") == 2 * usage["prompt_tokens"]
-    assert delta("vllm:generation_tokens_total") == 2 * usage["completion_tokens"]
-    assert delta("vllm:request_success_total", finished_reason=finish) == 2
-    assert delta("vllm:time_to_first_token_seconds_count") == 2
-    assert _metric(after, "vllm:num_requests_running") == 0
-    assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0' in after
-    for name in ("vllm:num_requests_waiting", "worldserve:chat_requests_waiting"):
-        assert f'{name}{{model_name="{MODEL}"}} 0.0' in after  # present; nothing queued now
-    for name in ("worldserve:kv_cache_usage_perc", "worldserve:num_preemptions"):
-        assert f'{name}{{model_name="{MODEL}"}} 0.0' in after  # present; finished chats hold no K/V blocks
 
 
 def test_n_choices_stream_and_not(oai, reasoner):

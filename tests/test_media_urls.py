@@ -61,7 +61,9 @@ def base_url():
 
 
 async def _fetch(fetcher: MediaFetcher, url: str) -> bytes:
-    return await fetcher.fetch(url, what="image_reference.image_url", kind="image", timeout_s=5)
+    return await fetcher.fetch(
+        url, param="image_reference", what="image_reference.image_url", kind="image", timeout_s=5
+    )
 
 
 async def test_downloads_and_follows_redirects(base_url):

@@ -1,7 +1,8 @@
 """http(s) media URLs in requests, downloaded by the server (serving-api.md §4.3 for video references,
 §11.2 for chat parts), as vLLM-Omni and vLLM do.
 
-`MediaFetcher.fetch(url, ...)` downloads in a worker thread with the standard library (no new dependency),
+`MediaFetcher.fetch(url, ...)` downloads in a worker thread with the standard library (no new dependency;
+`fetch_blocking` on a thread that may block),
 within a total deadline (`timeout_s`: vLLM-Omni's 60 s for references; vLLM's `VLLM_IMAGE_FETCH_TIMEOUT` /
 `VLLM_VIDEO_FETCH_TIMEOUT` for chat media) and the upload limit (`--max-upload-mb`), following redirects
 unless `VLLM_MEDIA_URL_ALLOW_REDIRECTS=0`. Every failure is a ParamError (400) naming the field, with
@@ -45,28 +46,37 @@ class MediaFetcher:
     """Hosts media may come from (a host or any subdomain of it); empty: any host."""
     allow_redirects: bool = True
 
-    def check(self, url: str, what: str) -> None:
-        """ParamError unless `url` is http(s) with a host the allowlist admits."""
+    def check(self, url: str, param: str, what: str | None = None) -> None:
+        """ParamError(param) unless `url` is http(s) with a host the allowlist admits."""
+        what = what or param
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ParamError(what.split(".")[0], f"Invalid {what}: must be an http(s) URL or data URL.")
+            raise ParamError(param, f"Invalid {what}: must be an http(s) URL or data URL.")
         host = parts.hostname.lower()
         if self.allowed_domains and not any(
             host == d or host.endswith("." + d) for d in self.allowed_domains
         ):
             raise ParamError(
-                what.split(".")[0],
-                f"Invalid {what}: host {host!r} is not in the server's --allowed-media-domains.",
+                param, f"Invalid {what}: host {host!r} is not in the server's --allowed-media-domains."
             )
 
-    async def fetch(self, url: str, *, what: str, kind: str, timeout_s: float) -> bytes:
-        """The body at `url`; `what` names the field in messages (e.g. "image_reference.image_url"), `kind`
-        the media ("image", "video"). ParamError (400, param = the field's first part) on any failure."""
-        self.check(url, what)
-        return await asyncio.to_thread(self._fetch, url, what, kind, timeout_s)
+    async def fetch(
+        self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None
+    ) -> bytes:
+        """The body at `url`, downloaded off the event loop; `kind` is the media ("image", "video"), `what`
+        names the URL in messages (default `param`; e.g. "image_reference.image_url" for the field
+        "image_reference"). ParamError(param) (a 400) on any failure."""
+        self.check(url, param, what)
+        return await asyncio.to_thread(
+            self.fetch_blocking, url, param=param, kind=kind, timeout_s=timeout_s, what=what
+        )
 
-    def _fetch(self, url: str, what: str, kind: str, timeout_s: float) -> bytes:
-        param = what.split(".")[0]
+    def fetch_blocking(
+        self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None
+    ) -> bytes:
+        """`fetch` on the calling thread."""
+        what = what or param
+        self.check(url, param, what)
         fetcher = self
 
         class Redirects(urllib.request.HTTPRedirectHandler):
@@ -75,7 +85,7 @@ class MediaFetcher:
                     raise _Refused(
                         f"Invalid {what}: redirect response was rejected (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)."
                     )
-                fetcher.check(newurl, what)
+                fetcher.check(newurl, param, what)
                 return super().redirect_request(req, fp, code, msg, headers, newurl)
 
         opener = urllib.request.build_opener(Redirects)

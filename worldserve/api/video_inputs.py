@@ -251,7 +251,7 @@ async def _reference_bytes(
             raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download URLs; send a "
                              "data URL or an input_reference upload.")  # fmt: skip
         return field, await fetcher.fetch(
-            url, what=f"{field}.{kind}_url", kind=kind, timeout_s=REFERENCE_FETCH_TIMEOUT_S
+            url, param=field, what=f"{field}.{kind}_url", kind=kind, timeout_s=REFERENCE_FETCH_TIMEOUT_S
         )
     return "", None
 
