@@ -81,14 +81,16 @@ async def asgi_server(
     api_key: str | None = None,
     sync_timeout_s: float = 30.0,
     max_upload_bytes: int = 8 * 2**20,
+    app_kw: dict | None = None,
     **client_kw,
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """The app over httpx.ASGITransport (no socket), its lifespan entered by hand."""
+    """The app over httpx.ASGITransport (no socket), its lifespan entered by hand; `app_kw`: more build_app
+    options."""
     from worldserve.api.app import build_app
 
     client = make_client(storage, **client_kw)
     app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
-                    shutdown_timeout_s=0.3)  # fmt: skip
+                    shutdown_timeout_s=0.3, **(app_kw or {}))  # fmt: skip
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:

@@ -298,6 +298,31 @@ async def test_auth_request_ids_and_open_routes(tmp_path):
         assert (await http.get("/health")).json() == {"status": "healthy"}
 
 
+@pytest.mark.parametrize("tracking", [True, False])
+async def test_ping_and_server_load(tmp_path, tracking):
+    """vLLM's /ping (the /health answer, GET and POST) and /load: requests using the model in flight, counted
+    with --enable-server-load-tracking until their response is sent (0 without it)."""
+    backend = FakeBackend(step_delay=0.05)
+    async with asgi_server(tmp_path, backend=backend, app_kw={"server_load_tracking": tracking}) as http:
+        for method in ("GET", "POST"):
+            r = await http.request(method, "/ping")
+            assert r.status_code == 200 and r.json() == {"status": "healthy"}
+        assert (await http.get("/load")).json() == {"server_load": 0}
+        sync = asyncio.create_task(
+            http.post("/v1/videos/sync", data={"prompt": "x", **SMALL, "num_inference_steps": "8"})
+        )
+        for _ in range(1000):  # until the engine thread prepared the job (the event loop must keep running)
+            if backend.live:
+                break
+            await asyncio.sleep(0.01)
+        assert (await http.get("/load")).json() == {"server_load": int(tracking)}
+        assert (await http.get("/v1/videos")).status_code == 200  # the job API's reads do not count
+        assert (await http.get("/load")).json() == {"server_load": int(tracking)}
+        assert (await sync).status_code == 200
+        assert (await http.post("/v1/videos", data={"prompt": ""})).status_code == 400
+        assert (await http.get("/load")).json() == {"server_load": 0}
+
+
 async def test_unknown_route_and_method_use_the_envelope(tmp_path):
     async with asgi_server(tmp_path) as http:
         r = await http.get("/v2/nothing")

@@ -245,6 +245,8 @@ class ServerConfig:
     """CORS: allow cookies and Authorization headers on cross-origin requests (Access-Control-Allow-Credentials)."""
     flow_shift: float | None = None
     """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
+    enable_server_load_tracking: bool = False
+    """Count the requests using the model in flight (chat and text completions, video and image generation) and report them at GET /load as {"server_load": N} (vLLM's flag; off: always 0)."""
     enable_request_id_headers: bool = True
     """Send X-Request-Id on every response: the request's own X-Request-Id, else a new uuid4 hex (vLLM's flag; on by default here, --no-enable-request-id-headers turns it off; /v1/videos/sync always sends its video_sync-<hex>)."""
 

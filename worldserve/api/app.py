@@ -27,6 +27,7 @@ from worldserve.api.images import router as images_router
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
+from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
 from worldserve.api.state import AppState
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
@@ -49,10 +50,12 @@ def build_app(
     request_id_headers: bool = True,
     default_flow_shift: float | None = None,
     allowed_media_domains: Sequence[str] = (),
+    server_load_tracking: bool = False,
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
-    `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host)."""
+    `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
+    `server_load_tracking` = `--enable-server-load-tracking`)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
@@ -86,6 +89,9 @@ def build_app(
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
                        allow_methods=list(allowed_methods), allow_headers=list(allowed_headers))  # fmt: skip
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    load = ServerLoad()
+    if server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=load)
     if request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     app.include_router(videos_router)
@@ -107,6 +113,16 @@ def build_app(
         if ok:
             return JSONResponse({"status": "healthy"})
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+    @app.api_route("/ping", methods=["GET", "POST"], tags=["server"])
+    async def ping() -> JSONResponse:
+        """vLLM's /ping (for SageMaker-style probes): the /health answer."""
+        return await health()
+
+    @app.get("/load", tags=["server"])
+    async def server_load() -> dict[str, int]:
+        """vLLM's /load: requests using the model in flight (0 unless --enable-server-load-tracking)."""
+        return {"server_load": load.value}
 
     @app.get("/version", tags=["server"])
     async def version() -> dict[str, str]:
