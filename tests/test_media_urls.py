@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import socket
 import threading
+import time
 
 import pytest
 from serving_helpers import png_bytes
@@ -113,3 +114,77 @@ async def test_a_video_request_with_an_image_url(base_url):
     assert inputs.reference == PNG and inputs.params.image.shape == (48, 64, 3)
     with pytest.raises(ParamError, match="does not download URLs"):
         await build_inputs(dict(fields), served_model="m", has_sound=False)  # no fetcher: refused
+
+
+class RawServer:
+    """A TCP server answering every connection with `reply(conn)` (bytes it trickles, or garbage)."""
+
+    def __init__(self, reply):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/x.png"
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        with conn:
+            try:
+                conn.recv(65536)
+                self.reply(conn)
+            except OSError:
+                pass
+
+    def close(self):
+        self.sock.close()
+
+
+def _trickle(data: bytes, gap: float):
+    def reply(conn):
+        for i in range(len(data)):
+            conn.sendall(data[i : i + 1])
+            time.sleep(gap)
+
+    return reply
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [(_trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000, 0.01), "failed to download"),
+     (_trickle(b"HTTP/1.1 200 OK\r\nX-Slow: " + b"y" * 400, 0.01), "failed to download"),
+     (lambda conn: conn.sendall(b"FOO BAR\r\n\r\n"), "failed to download"),
+     (lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nab"), "failed to download")],
+)  # fmt: skip
+def test_slow_or_broken_servers_are_400s_within_the_deadline(reply, message):
+    server = RawServer(reply)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ParamError, match=message):
+            MediaFetcher(1 << 20).fetch_blocking(server.url, param="p", kind="image", timeout_s=1.0)
+        assert time.monotonic() - t0 < 2.5  # the deadline holds however the bytes trickle
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("http://[::1/x.png", "not a valid URL"), ("http://a:b@127.0.0.1/x.png", "user info"),
+     ("http://127.0.0.1:99999/x.png", "not a valid URL"), ("ftp://127.0.0.1/x.png", "must be an http")],
+)  # fmt: skip
+def test_malformed_urls_are_400s(url, message):
+    with pytest.raises(ParamError, match=message):
+        MediaFetcher(1 << 20).fetch_blocking(url, param="p", kind="image", timeout_s=1.0)
+
+
+def test_hosts_compare_without_case_or_trailing_dot(base_url):
+    fetcher = MediaFetcher(1 << 20, allowed_domains=allowed_domains(["127.0.0.1."]))
+    assert fetcher.fetch_blocking(base_url.replace("http", "HTTP") + "/ref.png", param="p", kind="image",
+                                  timeout_s=5) == PNG  # fmt: skip

@@ -120,4 +120,5 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")
+        # the exception's text stays in the log: it may quote internals (paths, a remote server's bytes)
+        return error_response(500, f"Internal server error ({type(exc).__name__}); see the server log.")

@@ -1,13 +1,16 @@
 """http(s) media URLs in requests, downloaded by the server (serving-api.md §4.3 for video references,
 §11.2 for chat parts), as vLLM-Omni and vLLM do.
 
-`MediaFetcher.fetch(url, ...)` downloads in a worker thread with the standard library (no new dependency;
-`fetch_blocking` on a thread that may block),
-within a total deadline (`timeout_s`: vLLM-Omni's 60 s for references; vLLM's `VLLM_IMAGE_FETCH_TIMEOUT` /
-`VLLM_VIDEO_FETCH_TIMEOUT` for chat media) and the upload limit (`--max-upload-mb`), following redirects
-unless `VLLM_MEDIA_URL_ALLOW_REDIRECTS=0`. Every failure is a ParamError (400) naming the field, with
-vLLM-Omni's wording: `Invalid image_reference.image_url: failed to download image.`, `... server returned
-HTTP 404.`, `... redirect response was rejected ...`.
+`MediaFetcher.fetch(url, ...)` downloads off the event loop, on its own small thread pool (slow remote
+servers cannot starve the threads the rest of the API uses); `fetch_blocking` does the same on the calling
+thread. The standard library's http.client does the HTTP (no new dependency; environment proxies are not
+used). A download has a total deadline, `timeout_s` (vLLM-Omni's 60 s for references; vLLM's
+`VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across connecting, every
+redirect hop, the headers and the body: a timer shuts the socket down when it passes, so a server that
+trickles bytes is cut off too. Bodies are limited to `max_bytes` (the upload limit), redirects followed
+(at most 10, each target checked again) unless `VLLM_MEDIA_URL_ALLOW_REDIRECTS=0`. Every failure is a
+ParamError (a 400) naming the field, in vLLM-Omni's words: `Invalid image_reference.image_url: failed to
+download image.`, `... server returned HTTP 404.`, `... redirect response was rejected ...`.
 
 Security: like vLLM, any host is fetched unless `--allowed-media-domains` names the allowed ones (then any
 other host, redirects included, is a 400). A server that fetches URLs reaches whatever its network reaches
@@ -17,25 +20,31 @@ other host, redirects included, is a 400). A server that fetches URLs reaches wh
 from __future__ import annotations
 
 import asyncio
+import http.client
+import socket
+import ssl
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from worldserve import __version__
 from worldserve.params import ParamError
 
-CHUNK = 1 << 20
+CHUNK = 1 << 16
+MAX_REDIRECTS = 10
+FETCH_THREADS = 8
+"""Downloads in flight at once (more wait for a thread)."""
 
 
 def is_http_url(url: str) -> bool:
-    return url.startswith(("http://", "https://"))
+    return url[:8].lower().startswith(("http://", "https://"))
 
 
-class _Refused(Exception):
-    """A redirect the policy does not follow (its message is the client-facing reason)."""
+class _Failed(Exception):
+    """A download failure; its message is the client-facing reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,20 +54,31 @@ class MediaFetcher:
     allowed_domains: tuple[str, ...] = ()
     """Hosts media may come from (a host or any subdomain of it); empty: any host."""
     allow_redirects: bool = True
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="media-fetch"),
+        compare=False,
+    )
 
-    def check(self, url: str, param: str, what: str | None = None) -> None:
-        """ParamError(param) unless `url` is http(s) with a host the allowlist admits."""
+    def check(self, url: str, param: str, what: str | None = None) -> urllib.parse.SplitResult:
+        """The parts of `url`; ParamError(param) unless it is http(s) with a host the allowlist admits."""
         what = what or param
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            host = (parts.hostname or "").rstrip(".").lower()
+            parts.port  # noqa: B018  (a bad port raises here)
+        except ValueError:
+            raise ParamError(param, f"Invalid {what}: not a valid URL.") from None
+        if parts.scheme.lower() not in ("http", "https") or not host:
             raise ParamError(param, f"Invalid {what}: must be an http(s) URL or data URL.")
-        host = parts.hostname.lower()
+        if parts.username is not None or parts.password is not None:
+            raise ParamError(param, f"Invalid {what}: URLs with user info (user@host) are not fetched.")
         if self.allowed_domains and not any(
             host == d or host.endswith("." + d) for d in self.allowed_domains
         ):
             raise ParamError(
                 param, f"Invalid {what}: host {host!r} is not in the server's --allowed-media-domains."
             )
+        return parts
 
     async def fetch(
         self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None
@@ -67,8 +87,10 @@ class MediaFetcher:
         names the URL in messages (default `param`; e.g. "image_reference.image_url" for the field
         "image_reference"). ParamError(param) (a 400) on any failure."""
         self.check(url, param, what)
-        return await asyncio.to_thread(
-            self.fetch_blocking, url, param=param, kind=kind, timeout_s=timeout_s, what=what
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.pool,
+            lambda: self.fetch_blocking(url, param=param, kind=kind, timeout_s=timeout_s, what=what),
         )
 
     def fetch_blocking(
@@ -76,43 +98,66 @@ class MediaFetcher:
     ) -> bytes:
         """`fetch` on the calling thread."""
         what = what or param
-        self.check(url, param, what)
-        fetcher = self
-
-        class Redirects(urllib.request.HTTPRedirectHandler):
-            def redirect_request(self, req, fp, code, msg, headers, newurl):
-                if not fetcher.allow_redirects:
-                    raise _Refused(
-                        f"Invalid {what}: redirect response was rejected (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)."
-                    )
-                fetcher.check(newurl, param, what)
-                return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-        opener = urllib.request.build_opener(Redirects)
-        request = urllib.request.Request(url, headers={"User-Agent": f"worldserve/{__version__}"})
         deadline = time.monotonic() + timeout_s
         try:
-            with opener.open(request, timeout=timeout_s) as resp:
-                declared = resp.headers.get("Content-Length")
-                if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-                    raise ParamError(param, self._too_large(what, kind))
-                chunks, size = [], 0
-                while chunk := resp.read(CHUNK):
-                    size += len(chunk)
-                    if size > self.max_bytes:
-                        raise ParamError(param, self._too_large(what, kind))
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    chunks.append(chunk)
+            for _ in range(MAX_REDIRECTS + 1):
+                parts = self.check(url, param, what)
+                status, location, body = self._get(parts, deadline, what, kind)
+                if location is None:
+                    if status >= 400:
+                        raise _Failed(f"Invalid {what}: server returned HTTP {status}.")
+                    return body
+                if not self.allow_redirects:
+                    raise _Failed(
+                        f"Invalid {what}: redirect response was rejected (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)."
+                    )
+                url = urllib.parse.urljoin(url, location)
+            raise _Failed(f"Invalid {what}: more than {MAX_REDIRECTS} redirects.")
         except ParamError:
             raise
-        except _Refused as exc:
+        except _Failed as exc:
             raise ParamError(param, str(exc)) from None
-        except urllib.error.HTTPError as exc:
-            raise ParamError(param, f"Invalid {what}: server returned HTTP {exc.code}.") from None
-        except (urllib.error.URLError, OSError, ValueError, TimeoutError):
+        except (OSError, ValueError, http.client.HTTPException):
             raise ParamError(param, f"Invalid {what}: failed to download {kind}.") from None
-        return b"".join(chunks)
+
+    def _get(self, parts: urllib.parse.SplitResult, deadline: float, what: str, kind: str):
+        """One GET: (status, redirect location or None, body). The connection is shut down at `deadline`."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        host = parts.hostname.rstrip(".")
+        if parts.scheme.lower() == "https":
+            conn = http.client.HTTPSConnection(
+                host, parts.port, timeout=remaining, context=ssl.create_default_context()
+            )
+        else:
+            conn = http.client.HTTPConnection(host, parts.port, timeout=remaining)
+        timer = threading.Timer(remaining, _shut, (conn,))
+        timer.daemon = True
+        timer.start()
+        try:
+            path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+            conn.request("GET", path, headers={"User-Agent": f"worldserve/{__version__}", "Accept": "*/*"})
+            resp = conn.getresponse()
+            if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
+                return resp.status, resp.getheader("Location"), b""
+            if resp.status >= 400:
+                return resp.status, None, b""
+            declared = resp.getheader("Content-Length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+                raise _Failed(self._too_large(what, kind))
+            chunks, size = [], 0
+            while chunk := resp.read1(CHUNK):
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise _Failed(self._too_large(what, kind))
+                chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            return resp.status, None, b"".join(chunks)
+        finally:
+            timer.cancel()
+            conn.close()
 
     def _too_large(self, what: str, kind: str) -> str:
         return (
@@ -120,7 +165,17 @@ class MediaFetcher:
         )
 
 
+def _shut(conn: http.client.HTTPConnection) -> None:
+    """Break a blocked connect / read at the deadline (the reading thread then fails with an OSError)."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 def allowed_domains(values: Sequence[str] | None) -> tuple[str, ...]:
     """`--allowed-media-domains` values (space- or comma-separated) as lower-case hosts."""
-    hosts = [h.strip().lower().lstrip(".") for v in values or () for h in v.split(",")]
+    hosts = [h.strip().lower().strip(".") for v in values or () for h in v.split(",")]
     return tuple(h for h in hosts if h)
