@@ -132,3 +132,41 @@ def test_video_frames_above_the_limits_are_refused_before_decoding(monkeypatch):
     assert video_input.decode_video(clip, 3).shape[0] == 3
     with pytest.raises(ParamError, match="at most 3 frames fit"):
         video_input.decode_video(clip, 5)
+
+
+def _ts_segment(width: int, height: int, frames: int = 6) -> bytes:
+    """An MPEG-TS clip of `frames` flat frames (TS segments concatenate into one stream)."""
+    import io
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mpegts") as container:
+        stream = container.add_stream("mpeg2video", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 40 * i % 256, np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():  # flush
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def test_a_clip_that_changes_size_mid_stream_is_a_400():
+    assert video_input.decode_video(_ts_segment(64, 64), 5).shape[1:] == (64, 64, 3)
+    with pytest.raises(ParamError, match="changes size mid-stream"):
+        video_input.decode_video(_ts_segment(64, 64) + _ts_segment(32, 48), 12, param="video_reference")
+
+
+async def test_cheap_checks_come_before_a_reference_download():
+    class NoFetch:
+        async def fetch(self, *a, **k):
+            raise AssertionError("downloaded a reference for a request refused anyway")
+
+    url = {"image_url": "http://127.0.0.1:9/a.png"}
+    for bad in ({"quality": "ultra"}, {"num_frames": 6}, {"lora": '{"name": "a", "path": "b"}'}):
+        with pytest.raises((APIError, ParamError)):
+            await build_inputs({"prompt": "x", "image_reference": url, **bad}, served_model="m", has_sound=False,
+                               fetcher=NoFetch())  # fmt: skip

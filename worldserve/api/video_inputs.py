@@ -112,15 +112,20 @@ async def build_inputs(
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{served_model}'.", param="model")  # fmt: skip
     extra = parse_extra_params(req.extra_params)
-    source, reference = await _reference_bytes(req, upload, fetcher)
+    video_params = parse_video_params(req.video_params)
     refuse_unsupported(req)
     quality = req.quality or "default"
     if req.quality is not None and req.quality not in ("high", "lossless"):
         raise ParamError("quality", "quality must be 'high' or 'lossless' (omit it for the default, crf 18)")
+    # everything that needs no reference is checked before a reference URL is downloaded
+    # (a placeholder image stands in for I2V's: the size it implies is checked again with the real one)
+    placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None or upload else None
+    _video_params(req, video_params, extra, placeholder, None)
+    source, reference = await _reference_bytes(req, upload, fetcher)
     image = video = None
     if reference is not None:
         image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
-    params = _video_params(req, parse_video_params(req.video_params), extra, image, video)
+    params = _video_params(req, video_params, extra, image, video)
     if params.flow_shift is None and default_flow_shift is not None:
         params = dataclasses.replace(params, flow_shift=default_flow_shift)
     sound = params.generate_sound if params.generate_sound is not None else has_sound

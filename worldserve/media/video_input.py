@@ -55,6 +55,10 @@ def decode_video(
             _check_frame_size(stream.codec_context.width, stream.codec_context.height, 1, param)
             for frame in container.decode(stream):
                 _check_frame_size(frame.width, frame.height, min(len(frames) + 1, max_frames), param)
+                if frames and frames[0].shape[:2] != (frame.height, frame.width):
+                    first = frames[0].shape
+                    raise ParamError(param, f"{param}: the video changes size mid-stream ({first[1]}x{first[0]} "
+                                     f"-> {frame.width}x{frame.height}); send a clip of one frame size")  # fmt: skip
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if keep == "first" and len(frames) >= max_frames:
                     break
@@ -66,8 +70,10 @@ def decode_video(
         # A clip truncated after some good frames: keep what decoded, as FFmpeg players do.
     if not frames:
         raise bad
-    out = np.stack(list(frames)).astype(np.uint8, copy=False)
-    if out.ndim != 4 or out.shape[1] == 0 or out.shape[2] == 0 or out.shape[3] != 3:
+    out = np.empty((len(frames), *frames[0].shape), np.uint8)  # [F, H, W, 3]
+    for i in range(len(out)):  # frame by frame, each freed once copied: the peak stays ~1x the clip
+        out[i] = frames.popleft()
+    if out.shape[1] == 0 or out.shape[2] == 0 or out.shape[3] != 3:
         raise bad
     return out
 
