@@ -1,4 +1,5 @@
-"""Test helper: run greedy Reasoner chats to the end, the way the chat worker steps them (all in one batch)."""
+"""Test helpers: the tiny Reasoner, and chats run to their end (greedy ones stepped together, as the chat worker
+steps them, or one alone)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,25 @@ def greedy_chats(reasoner, prompts, max_tokens: int, *, close: bool = False) -> 
         for s in sessions:
             s.close()
     return [s.token_ids for s in sessions]
+
+
+def tiny_reasoner(ckpt, *, max_model_len: int = 4096):
+    """The Reasoner of the tiny checkpoint `ckpt`, float32 on the CPU."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(ckpt / "text_tokenizer"))
+    return Reasoner.from_pretrained(ckpt, model, tok, max_model_len=max_model_len)
+
+
+def run_to_end(reasoner, params):
+    """(text, session) of one chat (or raw-prompt completion) started and stepped alone to its end."""
+    session = reasoner.start(params)
+    text = ""
+    while session.finish_reason is None:
+        text += session.step().text
+    return text, session

@@ -308,6 +308,8 @@ def test_mm_processor_kwargs_set_the_pixel_budgets(url):
         ),
         ({"fps": -1}, "mm_processor_kwargs", "fps must be > 0"),
         ({"num_frames": 4, "fps": 2}, "mm_processor_kwargs", "mutually exclusive"),
+        ({"videos_kwargs": {"fps": 4}, "fps": 2}, "mm_processor_kwargs.fps", "twice"),
+        ({"fps": True}, "mm_processor_kwargs.fps", "not a boolean"),
     ],
 )
 def test_bad_mm_processor_kwargs_are_a_400_naming_the_key(url, mm, param, needle):

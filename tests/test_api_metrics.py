@@ -6,6 +6,7 @@ reports (ChatObserver) on a scripted backend: idle steps of a preempted chat car
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import queue
@@ -289,3 +290,17 @@ def test_chat_worker_reports_timings():
     assert len(recorder.gaps) == 2 and all(g >= 0 for g in recorder.gaps)
     ((e2e, queued),) = recorder.finished
     assert 0 <= queued <= e2e
+
+
+def test_n_choices_count_their_shared_prompt_once():
+    """A request's n choices are prefilled once (shared prompt K/V): tokens per iteration count it once."""
+    worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()
+    worker.observer = recorder
+    worker.start()
+    try:
+        params = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
+        worker.submit_many([(dataclasses.replace(params, seed=i), events.put, None) for i in range(3)])
+        wait_until(lambda: len(recorder.finished) == 3)
+    finally:
+        worker.stop(1.0)
+    assert recorder.iterations == [5 + 3, 3, 3]  # one prompt of 5, then a token per choice

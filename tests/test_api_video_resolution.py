@@ -146,7 +146,9 @@ def _ts_segment(width: int, height: int, frames: int = 6) -> bytes:
         stream = container.add_stream("mpeg2video", rate=24)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 40 * i % 256, np.uint8), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(
+                np.full((height, width, 3), 40 * i % 256, np.uint8), format="rgb24"
+            )
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():  # flush

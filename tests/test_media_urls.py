@@ -78,7 +78,7 @@ async def test_downloads_and_follows_redirects(base_url):
     [("/missing", MediaFetcher(1 << 20), "server returned HTTP 404."),
      ("/moved", MediaFetcher(1 << 20, allow_redirects=False), "redirect response was rejected"),
      ("/elsewhere", MediaFetcher(1 << 20, allowed_domains=("127.0.0.1",)), "'media.example.org' is not in"),
-     ("/ref.png", MediaFetcher(100), "larger than this server's 0 MB upload limit"),
+     ("/ref.png", MediaFetcher(100), "larger than what is left of this server's 0 MB upload limit"),
      ("/chunked", MediaFetcher(4096), "larger than"),
      ("/ref.png", MediaFetcher(1 << 20, allowed_domains=("example.com",)), "'127.0.0.1' is not in")],
 )  # fmt: skip
@@ -188,3 +188,50 @@ def test_hosts_compare_without_case_or_trailing_dot(base_url):
     fetcher = MediaFetcher(1 << 20, allowed_domains=allowed_domains(["127.0.0.1."]))
     assert fetcher.fetch_blocking(base_url.replace("http", "HTTP") + "/ref.png", param="p", kind="image",
                                   timeout_s=5) == PNG  # fmt: skip
+
+
+def _chat(*urls: str):
+    from worldserve.api.chat_protocol import ChatCompletionRequest
+
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": "hi"}]
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+
+
+def test_a_chat_request_shares_one_download_budget(base_url):
+    from worldserve.api.chat import build_params
+
+    url = f"{base_url}/ref.png"
+    fetcher = MediaFetcher(max_bytes=len(PNG) * 2 + 10)  # room for two downloads of the PNG, not three
+    params = build_params(_chat(url, url), None, fetcher)
+    assert [p.image.shape for p in params.messages[0].content[:2]] == [(48, 64, 3)] * 2
+    with pytest.raises(ParamError) as err:
+        build_params(_chat(url, url, url), None, fetcher)
+    assert err.value.param == "messages[0].content[2].image_url" and "what is left" in err.value.message
+
+
+def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
+    from worldserve.api.chat import build_params
+    from worldserve.config import FlagValueError, MediaLimits
+
+    limits = MediaLimits('{"image": 1, "video": 0}')
+    assert dict(limits) == {"image": 1, "video": 0} and str(limits) == '{"image": 1, "video": 0}'
+    for bad in ('{"audio": 1}', '{"image": -1}', '{"image": 1.5}', "[1]"):
+        with pytest.raises(FlagValueError):
+            MediaLimits(bad)
+    url = "http://127.0.0.1:9/never-fetched.png"  # refused before any download
+    with pytest.raises(ParamError, match=r"At most 1 image\(s\) may be provided in one request"):
+        build_params(_chat(url, url), None, MediaFetcher(1 << 20), dict(limits))
+    assert build_params(_chat(f"{base_url}/ref.png"), None, MediaFetcher(1 << 20), dict(limits)).messages
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3"])
+def test_bad_fetch_timeouts_stop_the_start_not_each_request(monkeypatch, tmp_path, value):
+    from serving_helpers import make_client
+
+    from worldserve.api.app import build_app
+
+    monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", value)
+    with pytest.raises(ValueError, match="VLLM_IMAGE_FETCH_TIMEOUT"):
+        build_app(make_client(tmp_path))
+    monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "2.5")
+    assert build_app(make_client(tmp_path / "b")).state.ws.media.chat_timeout_s("image") == 2.5

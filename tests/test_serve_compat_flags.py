@@ -301,7 +301,8 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
-    assert sorted(logged) == sorted(given) and len(given) >= 45
+    assert sorted(logged) == sorted(given) and len(given) >= 44
+    assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (
         "--ring-degree 1: accepted, no effect" in caplog.text
@@ -347,7 +348,10 @@ REFUSED = [
     (["--reasoning-parser", "qwen3"], "--reasoning-parser qwen3", "content"),
     (["--seed", "1234"], "--seed 1234", "per request"),
     (["--generation-config", "/models/gen"], "--generation-config /models/gen", "per request"),
-    (["--limit-mm-per-prompt", '{"image": 2}'], "--limit-mm-per-prompt", "media-count"),
+    (["--media-io-kwargs", '{"video": {"fps": 4}}'], "--media-io-kwargs", "per request"),
+    (["--hf-overrides", '{"rope_scaling": {"factor": 2}}'], "--hf-overrides", "own config"),
+    (["--default-sampling-params", '{"0": {"num_inference_steps": 50}}'], "--default-sampling-params",
+     "per request"),
 ]  # fmt: skip
 
 

@@ -61,6 +61,33 @@ class JsonStrList(tuple):
         return json.dumps(list(self))
 
 
+class MediaLimits(tuple):
+    """vLLM's `--limit-mm-per-prompt '{"image": 4, "video": 1}'`: the most images / videos one chat request may
+    carry. A tuple of sorted (modality, count) pairs, so the frozen configs stay hashable; str() is the JSON."""
+
+    __slots__ = ()
+    MODALITIES = ("image", "video")
+
+    def __new__(cls, value: str | typing.Mapping[str, int] = ()) -> MediaLimits:
+        if isinstance(value, str):
+            value = json_flag(value, 'an object such as \'{"image": 4, "video": 1}\'')
+        if not isinstance(value, typing.Mapping | tuple):
+            raise FlagValueError(f'expected {{"image": N, "video": M}}, got {json.dumps(value)}')
+        pairs = dict(value)
+        if set(pairs) - set(cls.MODALITIES) or not all(type(v) is int and v >= 0 for v in pairs.values()):
+            raise FlagValueError(
+                f'expected {{"image": N, "video": M}} with counts >= 0, got {json.dumps(pairs)}'
+            )
+        return super().__new__(cls, sorted(pairs.items()))
+
+    def get(self, modality: str) -> int | None:
+        """The limit for `modality`, or None (no limit)."""
+        return dict(self).get(modality)
+
+    def __str__(self) -> str:
+        return json.dumps(dict(self))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     model: str | None = field(default=None, metadata={"positional": True})
@@ -229,6 +256,8 @@ class ServerConfig:
     """Delete finished jobs and their files this many seconds after completion; default: keep forever."""
     allowed_local_media_path: str | None = None
     """Folder whose files chat requests may reference as file:// image URLs; default: no local files."""
+    limit_mm_per_prompt: MediaLimits | None = None
+    """The most images / videos one chat request may carry, a JSON object such as '{"image": 4, "video": 1}' (vLLM's flag); default: no count limit (the request body and --max-model-len bound them)."""
     allowed_media_domains: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
     """Hosts http(s) media URLs (video references, chat images and videos) may be downloaded from (a host or its subdomains; space- or comma-separated); default: any host (as vLLM: set it when clients are untrusted)."""
     uvicorn_log_level: str = field(

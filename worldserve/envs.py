@@ -45,9 +45,13 @@ def media_url_allow_redirects() -> bool:
 def media_fetch_timeout_s(kind: str) -> float:
     """Seconds a chat's http(s) media download may take: vLLM's `VLLM_IMAGE_FETCH_TIMEOUT` (default 5) for
     images, `VLLM_VIDEO_FETCH_TIMEOUT` (default 30) for videos."""
-    if kind == "image":
-        return _env_float("VLLM_IMAGE_FETCH_TIMEOUT") or 5.0
-    return _env_float("VLLM_VIDEO_FETCH_TIMEOUT") or 30.0
+    name, default = (
+        ("VLLM_IMAGE_FETCH_TIMEOUT", 5.0) if kind == "image" else ("VLLM_VIDEO_FETCH_TIMEOUT", 30.0)
+    )
+    value = _env_float(name)
+    if value is not None and not value > 0:
+        raise ValueError(f"environment variable {name}={value} must be a positive number of seconds")
+    return default if value is None else value
 
 
 def api_key() -> str | None:

@@ -320,10 +320,13 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChatParams:
-    """One Reasoner chat completion (OpenAI /v1/chat/completions, n = 1), validated at the boundary."""
+    """One Reasoner chat completion (OpenAI /v1/chat/completions, n = 1), or a raw text completion
+    (/v1/completions: `prompt_ids`, no messages, no chat template), validated at the boundary."""
 
-    messages: tuple[ChatMessage, ...]
-    """The conversation; the reply is the next assistant turn."""
+    messages: tuple[ChatMessage, ...] = ()
+    """The conversation; the reply is the next assistant turn. Empty with `prompt_ids`."""
+    prompt_ids: tuple[int, ...] | None = None
+    """A raw prompt's token ids, continued as they are (positions (k, k, k)); None: render `messages`."""
     max_tokens: int | None = None
     """Completion token budget; None: up to the context length."""
     temperature: float = 1.0
@@ -354,7 +357,12 @@ class ChatParams:
     """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
 
     def validate(self) -> ChatParams:
-        if not self.messages:
+        if self.prompt_ids is not None:
+            if not self.prompt_ids:
+                raise ParamError("prompt", "the prompt must contain at least one token")
+            if self.messages:
+                raise ParamError("messages", "a raw prompt (prompt_ids) takes no messages")
+        elif not self.messages:
             raise ParamError("messages", "messages must contain at least one message")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")

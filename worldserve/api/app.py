@@ -1,5 +1,5 @@
-"""build_app(client, ...) -> the FastAPI application: video routes, /v1/chat/completions (when the client has a
-chat backend), /v1/models, /health, /version, /metrics.
+"""build_app(client, ...) -> the FastAPI application: video routes, /v1/chat/completions, /v1/completions,
+/tokenize and /detokenize (when the client has a chat backend), /v1/models, /health, /version, /metrics.
 
 The app only talks to an `EngineClient` (never to torch). Its lifespan starts the client (job recovery,
 engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, so tests enter
@@ -12,7 +12,7 @@ the key check carries none). Exception handlers turn every error into the vLLM e
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from worldserve import __version__, envs
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
 from worldserve.api.chat import router as chat_router
+from worldserve.api.completions import router as completions_router
 from worldserve.api.errors import install_error_handlers
 from worldserve.api.images import router as images_router
 from worldserve.api.media_urls import MediaFetcher
@@ -29,6 +30,7 @@ from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
 from worldserve.api.state import AppState
+from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
 
@@ -51,11 +53,12 @@ def build_app(
     default_flow_shift: float | None = None,
     allowed_media_domains: Sequence[str] = (),
     server_load_tracking: bool = False,
+    mm_limits: Mapping[str, int] | None = None,
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
     `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
-    `server_load_tracking` = `--enable-server-load-tracking`)."""
+    `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
@@ -82,7 +85,11 @@ def build_app(
         client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
         sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
         allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
-        media=MediaFetcher(max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects()),
+        media=MediaFetcher(
+            max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects(),
+            (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
+        ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
+        mm_limits=dict(mm_limits or {}),
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)
@@ -96,6 +103,8 @@ def build_app(
         app.add_middleware(RequestIdMiddleware)
     app.include_router(videos_router)
     app.include_router(chat_router)
+    app.include_router(completions_router)
+    app.include_router(tokenize_router)
     app.include_router(images_router)
     created = int(time.time())
 

@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import unquote, urlparse
@@ -39,7 +40,6 @@ from urllib.parse import unquote, urlparse
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from worldserve import envs
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
@@ -71,10 +71,11 @@ State = Annotated[AppState, Depends(app_state)]
 
 def load_media_url(
     url: str, allowed_local_path: str | None, kind: str = "image", *, param: str = "messages",
-    fetcher: MediaFetcher | None = None,
+    fetcher: MediaFetcher | None = None, budget: list[int] | None = None,
 ) -> bytes:  # fmt: skip
     """The bytes behind an image / video URL (data:, file:// under `allowed_local_path`, or http(s) through
-    `fetcher` within vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VLLM_VIDEO_FETCH_TIMEOUT); raises ParamError(param)."""
+    `fetcher` within vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VLLM_VIDEO_FETCH_TIMEOUT and what is left of the
+    request's download `budget`, [bytes], reduced by each download); raises ParamError(param)."""
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
         return data_url_bytes(url, param=param, bad_payload=f"Invalid base64 data in the {kind} data URL.")
@@ -92,7 +93,11 @@ def load_media_url(
         except OSError as exc:
             raise ParamError(param, f"Cannot read {path}: {exc.strerror}") from None
     if scheme in ("http", "https") and fetcher is not None:
-        return fetcher.fetch_blocking(url, param=param, kind=kind, timeout_s=envs.media_fetch_timeout_s(kind))
+        data = fetcher.fetch_blocking(url, param=param, kind=kind, timeout_s=fetcher.chat_timeout_s(kind),
+                                      max_bytes=None if budget is None else budget[0])  # fmt: skip
+        if budget is not None:
+            budget[0] -= len(data)
+        return data
     if scheme in ("http", "https"):
         raise ParamError(param, "this server does not download http(s) media; send a base64 data URL")
     raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
@@ -103,6 +108,19 @@ def _url(ref, kind: str, path: str) -> str:
     if not url:
         raise ParamError(path, f"a {kind}_url part needs {kind}_url.url")
     return url
+
+
+def check_media_counts(body: ChatCompletionRequest, limits: Mapping[str, int]) -> None:
+    """ParamError("messages") when the request carries more images / videos than `limits` allow."""
+    for kind in ("image", "video"):
+        count = sum(
+            1 for m in body.messages if not isinstance(m.content, str | None) for p in m.content
+            if p.type == f"{kind}_url"
+        )  # fmt: skip
+        limit = limits.get(kind)
+        if limit is not None and count > limit:
+            raise ParamError("messages", f"At most {limit} {kind}(s) may be provided in one request "
+                             f"(--limit-mm-per-prompt); this one has {count}.")  # fmt: skip
 
 
 MAX_ASPECT_RATIO = 200
@@ -155,6 +173,7 @@ def _part(
     allowed_local_path: str | None,
     sampling: VideoSampling,
     fetcher: MediaFetcher | None,
+    budget: list[int] | None = None,
 ) -> ChatPart:
     """One content part, its media loaded and decoded; errors name `path` (messages[i].content[j])."""
     if part.type == "text":
@@ -162,7 +181,11 @@ def _part(
     if part.type == "image_url":
         path += ".image_url"
         data = load_media_url(
-            _url(part.image_url, "image", path), allowed_local_path, param=path, fetcher=fetcher
+            _url(part.image_url, "image", path),
+            allowed_local_path,
+            param=path,
+            fetcher=fetcher,
+            budget=budget,
         )
         image = decode_image(data, param=path)
         check_image(image, path)
@@ -170,7 +193,12 @@ def _part(
     if part.type == "video_url":
         path += ".video_url"
         data = load_media_url(
-            _url(part.video_url, "video", path), allowed_local_path, "video", param=path, fetcher=fetcher
+            _url(part.video_url, "video", path),
+            allowed_local_path,
+            "video",
+            param=path,
+            fetcher=fetcher,
+            budget=budget,
         )
         try:
             return ChatPart(type="video", video=decode_chat_video(data, sampling, param=path))
@@ -182,10 +210,14 @@ def _part(
 
 
 def build_params(
-    body: ChatCompletionRequest, allowed_local_path: str | None, fetcher: MediaFetcher | None = None
-) -> ChatParams:
-    """The request as ChatParams, media loaded (http(s) URLs through `fetcher`) and decoded (blocking: call
-    it off the event loop)."""
+    body: ChatCompletionRequest, allowed_local_path: str | None, fetcher: MediaFetcher | None = None,
+    limits: Mapping[str, int] | None = None,
+) -> ChatParams:  # fmt: skip
+    """The request as ChatParams, media loaded (http(s) URLs through `fetcher`, all of a request's downloads
+    within one upload limit) and decoded (blocking: call it off the event loop); `limits`: the most images /
+    videos a request may carry (--limit-mm-per-prompt), checked before any media is loaded."""
+    check_media_counts(body, limits or {})
+    budget = [fetcher.max_bytes] if fetcher is not None else None
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
     image_min, image_max = pixel_budget(image_opts, "images")
     sampling = video_sampling(body.media_io_kwargs, video_opts)
@@ -197,7 +229,7 @@ def build_params(
             messages.append(ChatMessage(role=role, content=msg.content or ""))
         else:
             parts = tuple(
-                _part(p, f"messages[{i}].content[{j}]", allowed_local_path, sampling, fetcher)
+                _part(p, f"messages[{i}].content[{j}]", allowed_local_path, sampling, fetcher, budget)
                 for j, p in enumerate(msg.content)
             )
             messages.append(ChatMessage(role=role, content=parts))
@@ -221,26 +253,26 @@ def build_params(
     ).validate()
 
 
-def _not_found(model: str) -> JSONResponse:
+def model_not_found(model: str) -> JSONResponse:
     body = error_body(404, f"The model `{model}` does not exist.", "model")
     body["error"]["type"] = "NotFoundError"
     return JSONResponse(body, status_code=404)
 
 
-def _inline_refs(node, defs):
+def inline_refs(node, defs):
     """A JSON schema with every local `$ref` replaced by its definition (OpenAPI gets no dangling refs)."""
     if isinstance(node, dict):
         if "$ref" in node:
-            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
-        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+            return inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
     if isinstance(node, list):
-        return [_inline_refs(v, defs) for v in node]
+        return [inline_refs(v, defs) for v in node]
     return node
 
 
 _SCHEMA = ChatCompletionRequest.model_json_schema()
 BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": _inline_refs(_SCHEMA, _SCHEMA.get("$defs", {}))},
+    "application/json": {"schema": inline_refs(_SCHEMA, _SCHEMA.get("$defs", {}))},
 }}}  # fmt: skip
 
 
@@ -259,7 +291,7 @@ async def create_chat_completion(request: Request, st: State):
     """OpenAI chat completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = await _read_body(request)
     if body.model is not None and body.model != st.served_model_name:
-        return _not_found(body.model)
+        return model_not_found(body.model)
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     if body.misplaced_stream_options():
@@ -274,7 +306,7 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(
             400, f"{field} is not supported by this server yet: {what} is not implemented", param=field
         )
-    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path, st.media)
+    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path, st.media, st.mm_limits)
     # choice i samples with seed + i: different samples, the same ones on every run
     choices = [params] + [
         dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)

@@ -43,7 +43,7 @@ TOOLLESS_CHOICES = (None, "none", "auto")
 """`tool_choice` / `function_call` values that need no tool: with no tools, "auto" calls none."""
 
 
-def _is_set(value: Any) -> bool:
+def is_set(value: Any) -> bool:
     """Whether a request field asks for something (null, "", [] and {} ask for nothing)."""
     return value is not None and not (isinstance(value, str | list | dict) and not value)
 
@@ -75,13 +75,13 @@ class StreamOptions(BaseModel):
     """With include_usage (else ignored, as vLLM does): every chunk carries the usage so far."""
 
 
-class ChatCompletionRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """The request fields chat and text completions (api/completions_protocol.py) share: the model, sampling,
+    streaming, and constrained decoding (declared only to be refused)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="Must equal the served model name when given.")
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False, description="Default 1.0.")
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
@@ -93,15 +93,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    """The legacy form of `tools`: refused as tools are."""
-    # typed Any: any value other than "none" / "auto" (no tools) gets the 400 naming the field
-    tool_choice: Any = None
-    function_call: Any = None
     # constrained decoding (vLLM extensions), declared only to be refused; typed Any so that any value gets
     # the 400 naming the field rather than a validation error
     structured_outputs: Any = None
@@ -110,6 +102,38 @@ class ChatCompletionRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structural_tag: Any = None
+
+    def misplaced_stream_options(self) -> bool:
+        """vLLM's rule: non-empty stream_options only with stream=true (the route answers a 400)."""
+        opts = self.stream_options
+        return not self.stream and opts is not None and bool(opts.model_fields_set)
+
+    def constrained(self) -> str | None:
+        """The first constrained-decoding field set (not implemented: asking for it must not silently return
+        unconstrained text), else None."""
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return next((f for f in CONSTRAINED_DECODING_FIELDS if is_set(getattr(self, f))), None)
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats) as vLLM applies them: continuous needs include_usage."""
+        opts = self.stream_options
+        include = bool(opts and opts.include_usage)
+        return include, include and bool(opts and opts.continuous_usage_stats)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    """The legacy form of `tools`: refused as tools are."""
+    # typed Any: any value other than "none" / "auto" (no tools) gets the 400 naming the field
+    tool_choice: Any = None
+    function_call: Any = None
     media_io_kwargs: dict[str, Any] | None = Field(
         None,
         description='Per-request media loading, e.g. {"video": {"fps": 4.0}} or {"video": {"num_frames": 16}}.',
@@ -126,19 +150,11 @@ class ChatCompletionRequest(BaseModel):
         "templates (a key the template does not use changes nothing).",
     )
 
-    def misplaced_stream_options(self) -> bool:
-        """vLLM's rule: non-empty stream_options only with stream=true (the route answers a 400)."""
-        opts = self.stream_options
-        return not self.stream and opts is not None and bool(opts.model_fields_set)
-
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot honour yet (answered with a 400): constrained
-        decoding is not implemented, and asking for it must not silently return unconstrained text."""
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        for field in CONSTRAINED_DECODING_FIELDS:
-            if _is_set(getattr(self, field)):
-                return field
+        decoding and tools are not implemented."""
+        if (field := self.constrained()) is not None:
+            return field
         for field in ("tools", "functions"):
             if getattr(self, field):
                 return field
@@ -146,12 +162,6 @@ class ChatCompletionRequest(BaseModel):
             if getattr(self, field) not in TOOLLESS_CHOICES:
                 return field
         return None
-
-    def stream_usage(self) -> tuple[bool, bool]:
-        """(include_usage, continuous_usage_stats) as vLLM applies them: continuous needs include_usage."""
-        opts = self.stream_options
-        include = bool(opts and opts.include_usage)
-        return include, include and bool(opts and opts.continuous_usage_stats)
 
 
 MAX_PIXELS = 16777216
@@ -183,14 +193,24 @@ def processor_kwargs(mm: Mapping[str, Any] | None) -> tuple[dict, dict]:
             for sub, v in value.items():
                 if sub not in keys:
                     raise ParamError(f"{name}.{sub}", f"{name}.{sub} is not supported: {MM_HELP}")
-                target[sub] = v
+                _set(target, sub, v, name)
         elif key in IMAGE_KEYS or key in VIDEO_KEYS:
             for keys, target in ((IMAGE_KEYS, images), (VIDEO_KEYS, videos)):
                 if key in keys:
-                    target[key] = value
+                    _set(target, key, value, name)
         else:
             raise ParamError(name, f"{name} is not supported: {MM_HELP}")
     return images, videos
+
+
+def _set(target: dict, key: str, value: Any, name: str) -> None:
+    """One routed processor option; a key given both flat and per modality is a 400 (transformers: "passed
+    two times"), and no option takes a boolean."""
+    if isinstance(value, bool):
+        raise ParamError(name, f"{name}: {key} takes a number or an object, not a boolean")
+    if key in target:
+        raise ParamError(name, f"mm_processor_kwargs sets {key} twice (flat and per modality): give it once")
+    target[key] = value
 
 
 def pixel_budget(opts: dict, modality: str) -> tuple[int | None, int | None]:
@@ -281,15 +301,19 @@ class ChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class SSEChunk:
+    """Mixin of the streamed chunks (chat and text completions): `sse()` sends `usage` only when set."""
+
+    def sse(self) -> str:
+        """`data: <json>\\n\\n` (usage omitted unless set, as vLLM does)."""
+        exclude = {"usage"} if self.usage is None else None
+        return f"data: {self.model_dump_json(exclude=exclude)}\n\n"
+
+
+class ChatCompletionChunk(SSEChunk, BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
-
-    def sse(self) -> str:
-        """`data: <json>\\n\\n` (usage omitted unless set, as vLLM does)."""
-        exclude = {"usage"} if self.usage is None else None
-        return f"data: {self.model_dump_json(exclude=exclude)}\n\n"

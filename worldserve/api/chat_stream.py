@@ -8,14 +8,16 @@ adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-st
 Usage counts the prompt once and the completion tokens of every choice (as vLLM does). With
 `continuous_usage_stats` every choice chunk also carries usage so far, as vLLM's serving_chat.py reports it:
 the prompt and that chunk's choice's completion tokens (0 on the role chunk); only the final chunk sums them.
+`run_all`, `sse_events` and `make_usage` serve the text completions too (api/completions_stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 from worldserve.api.chat_protocol import (
     AssistantMessage,
@@ -63,7 +65,7 @@ def logprob_items(entries) -> list[TokenLogprobOut]:
     ]  # fmt: skip
 
 
-def _usage(prompt_tokens: int, completion: int) -> Usage:
+def make_usage(prompt_tokens: int, completion: int) -> Usage:
     """The `usage` object: the prompt counted once plus `completion` tokens."""
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
@@ -76,6 +78,77 @@ async def close_all(streams: Sequence[AsyncIterator]) -> None:
         await events.aclose()
 
 
+async def run_to_end(events: AsyncIterator) -> tuple[str, list, ChatDelta]:
+    """One chat's remaining events -> (its text, its TokenLogprob entries, its last delta); APIError if it
+    fails."""
+    text, entries, last = [], [], None
+    async for event in events:
+        if isinstance(event, ChatFailed):
+            raise APIError(event.status, event.message, param=event.param)
+        text.append(event.text)
+        entries += event.logprobs
+        last = event
+    assert isinstance(last, ChatDelta)
+    return "".join(text), entries, last
+
+
+async def run_all(streams: Sequence[AsyncIterator]) -> list[tuple[str, list, ChatDelta]]:
+    """run_to_end of every chat in order; all are closed at the end, also on a failure or a cancellation
+    (client gone: the chats stop at their next step)."""
+    try:
+        return [await run_to_end(events) for events in streams]
+    finally:
+        await close_all(streams)
+
+
+async def sse_events(
+    streams: Sequence[AsyncIterator], render: Callable[[int, ChatDelta], Iterable[str]],
+    tail: Callable[[], Iterable[str]], head: Iterable[str] = (),
+) -> AsyncIterator[str]:  # fmt: skip
+    """The SSE text of n choices: `head`, then `render(index, delta)` of each delta as it comes, `tail()` and
+    `data: [DONE]`; a failure mid-stream is `data: {"error": ...}` then `data: [DONE]`. Closes the streams."""
+    try:
+        for text in head:
+            yield text
+        async with contextlib.aclosing(merged(streams)) as events:
+            async for index, event in events:
+                if isinstance(event, ChatFailed):
+                    yield f"data: {json.dumps(error_body(event.status, event.message, event.param))}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                for text in render(index, event):
+                    yield text
+        for text in tail():
+            yield text
+        yield "data: [DONE]\n\n"
+    finally:
+        await close_all(streams)
+
+
+async def merged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, event) of every stream as its events come, until all have ended; closing it stops the pumps."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncIterator) -> None:
+        async for event in events:
+            await queue.put((index, event))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, ev)) for i, ev in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, event = await queue.get()
+            if event is None:
+                open_streams -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def collect(
     streams: Sequence[AsyncIterator],
     request_id: str,
@@ -86,25 +159,19 @@ async def collect(
 ) -> ChatCompletionResponse:
     """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails)."""
     choices, completion = [], 0
-    try:
-        for index, events in enumerate(streams):
-            text, last, lps = [], None, []
-            async for event in events:
-                if isinstance(event, ChatFailed):
-                    raise APIError(event.status, event.message, param=event.param)
-                text.append(event.text)
-                lps += logprob_items(event.logprobs)
-                last = event
-            assert isinstance(last, ChatDelta)
-            completion += last.completion_tokens
-            choices.append(Choice(
-                index=index, message=AssistantMessage(content="".join(text)), finish_reason=last.finish_reason,
-                logprobs=ChoiceLogprobs(content=lps) if logprobs else None, stop_reason=last.stop_reason,
-            ))  # fmt: skip
-    finally:  # also on cancellation (client gone): stop the chats at their next step
-        await close_all(streams)
+    for index, (text, entries, last) in enumerate(await run_all(streams)):
+        completion += last.completion_tokens
+        choices.append(Choice(
+            index=index, message=AssistantMessage(content=text), finish_reason=last.finish_reason,
+            logprobs=ChoiceLogprobs(content=logprob_items(entries)) if logprobs else None,
+            stop_reason=last.stop_reason,
+        ))  # fmt: skip
     return ChatCompletionResponse(
-        id=request_id, created=created, model=model, choices=choices, usage=_usage(prompt_tokens, completion)
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=make_usage(prompt_tokens, completion),
     )
 
 
@@ -118,45 +185,25 @@ async def sse(
     def chunk(index: int, delta: dict[str, str], finish: str | None = None, logprobs=()) -> str:
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
         choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
-        usage = _usage(prompt_tokens, completion[index]) if continuous_usage else None
+        usage = make_usage(prompt_tokens, completion[index]) if continuous_usage else None
         return ChatCompletionChunk(
             id=request_id, created=created, model=model, choices=[choice], usage=usage
         ).sse()
 
-    merged: asyncio.Queue = asyncio.Queue()
+    def render(index: int, event: ChatDelta) -> Iterator[str]:
+        completion[index] = event.completion_tokens
+        if event.text or event.logprobs:
+            yield chunk(index, {"content": event.text}, logprobs=event.logprobs)
+        if event.finish_reason is not None:
+            yield chunk(index, {}, event.finish_reason)
 
-    async def pump(index: int, events: AsyncIterator) -> None:
-        async for event in events:
-            await merged.put((index, event))
-        await merged.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, ev)) for i, ev in enumerate(streams)]
-    try:
-        for index in range(len(streams)):
-            yield chunk(index, {"role": "assistant", "content": ""})
-        open_streams = len(streams)
-        while open_streams:
-            index, event = await merged.get()
-            if event is None:
-                open_streams -= 1
-            elif isinstance(event, ChatFailed):
-                yield f"data: {json.dumps(error_body(event.status, event.message, event.param))}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            else:
-                completion[index] = event.completion_tokens
-                if event.text or event.logprobs:
-                    yield chunk(index, {"content": event.text}, logprobs=event.logprobs)
-                if event.finish_reason is not None:
-                    yield chunk(index, {}, event.finish_reason)
+    def tail() -> Iterator[str]:
         if include_usage:
-            usage = _usage(prompt_tokens, sum(completion))
+            usage = make_usage(prompt_tokens, sum(completion))
             yield ChatCompletionChunk(
                 id=request_id, created=created, model=model, choices=[], usage=usage
             ).sse()
-        yield "data: [DONE]\n\n"
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await close_all(streams)
+
+    roles = [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(streams))]
+    async for text in sse_events(streams, render, tail, head=roles):
+        yield text

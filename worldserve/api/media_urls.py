@@ -54,10 +54,15 @@ class MediaFetcher:
     allowed_domains: tuple[str, ...] = ()
     """Hosts media may come from (a host or any subdomain of it); empty: any host."""
     allow_redirects: bool = True
+    chat_timeouts_s: tuple[float, float] = (5.0, 30.0)
+    """Deadlines of a chat's image and video downloads (vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VIDEO_FETCH)."""
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="media-fetch"),
         compare=False,
     )
+
+    def chat_timeout_s(self, kind: str) -> float:
+        return self.chat_timeouts_s[0] if kind == "image" else self.chat_timeouts_s[1]
 
     def check(self, url: str, param: str, what: str | None = None) -> urllib.parse.SplitResult:
         """The parts of `url`; ParamError(param) unless it is http(s) with a host the allowlist admits."""
@@ -94,15 +99,18 @@ class MediaFetcher:
         )
 
     def fetch_blocking(
-        self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None
-    ) -> bytes:
-        """`fetch` on the calling thread."""
+        self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None,
+        max_bytes: int | None = None,
+    ) -> bytes:  # fmt: skip
+        """`fetch` on the calling thread; `max_bytes`: a lower limit than the fetcher's (what is left of a
+        request's budget)."""
         what = what or param
+        limit = self.max_bytes if max_bytes is None else min(max_bytes, self.max_bytes)
         deadline = time.monotonic() + timeout_s
         try:
             for _ in range(MAX_REDIRECTS + 1):
                 parts = self.check(url, param, what)
-                status, location, body = self._get(parts, deadline, what, kind)
+                status, location, body = self._get(parts, deadline, what, kind, limit)
                 if location is None:
                     if status >= 400:
                         raise _Failed(f"Invalid {what}: server returned HTTP {status}.")
@@ -120,7 +128,7 @@ class MediaFetcher:
         except (OSError, ValueError, http.client.HTTPException):
             raise ParamError(param, f"Invalid {what}: failed to download {kind}.") from None
 
-    def _get(self, parts: urllib.parse.SplitResult, deadline: float, what: str, kind: str):
+    def _get(self, parts: urllib.parse.SplitResult, deadline: float, what: str, kind: str, limit: int):
         """One GET: (status, redirect location or None, body). The connection is shut down at `deadline`."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -144,12 +152,12 @@ class MediaFetcher:
             if resp.status >= 400:
                 return resp.status, None, b""
             declared = resp.getheader("Content-Length")
-            if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
                 raise _Failed(self._too_large(what, kind))
             chunks, size = [], 0
             while chunk := resp.read1(CHUNK):
                 size += len(chunk)
-                if size > self.max_bytes:
+                if size > limit:
                     raise _Failed(self._too_large(what, kind))
                 chunks.append(chunk)
             if time.monotonic() > deadline:
@@ -160,9 +168,8 @@ class MediaFetcher:
             conn.close()
 
     def _too_large(self, what: str, kind: str) -> str:
-        return (
-            f"Invalid {what}: the {kind} is larger than this server's {self.max_bytes >> 20} MB upload limit."
-        )
+        return (f"Invalid {what}: the {kind} is larger than what is left of this server's {self.max_bytes >> 20} "
+                "MB upload limit (one request's downloads share it).")  # fmt: skip
 
 
 def _shut(conn: http.client.HTTPConnection) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
@@ -28,6 +29,8 @@ class AppState:
     """`--flow-shift`: the flow shift of video / image requests that send none (None: Cosmos3's defaults)."""
     media: MediaFetcher | None = None
     """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
+    mm_limits: Mapping[str, int] = field(default_factory=dict)
+    """`--limit-mm-per-prompt`: the most images / videos one chat request may carry (absent: no limit)."""
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

@@ -72,6 +72,17 @@ def _guardrails_off_only(overrides: dict[str, Any]) -> bool:
     return True
 
 
+def _model_defaults_only(stages: dict[str, Any]) -> bool:
+    """--default-sampling-params whose every stage entry only restates VideoParams' defaults."""
+    from worldserve.params import VideoParams
+
+    defaults = {f: getattr(VideoParams(prompt="x"), f) for f in VideoParams.__dataclass_fields__}
+    return all(
+        isinstance(entry, dict) and all(k in defaults and defaults[k] == v for k, v in entry.items())
+        for entry in stages.values() if entry is not None
+    )  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class CompatFlag:
     """One vLLM / vLLM-Omni flag that worldserve accepts (possibly only at some values) without an effect."""
@@ -156,8 +167,10 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--kv-cache-dtype", "auto is the model's dtype", {"metavar": "DTYPE"}, lambda v: v == "auto", "only at auto",
       "the Reasoner's K/V cache is in the model's dtype (--dtype); size it with --kv-cache-memory-bytes"),
     # sampling, execution and observability
-    C("--default-sampling-params", "there are no server-side sampling defaults: fields a request omits take the "
-      "Cosmos3 defaults; send them per request", JSON, level=logging.WARNING),
+    C("--default-sampling-params", "the values given are worldserve's own defaults", JSON, _model_defaults_only,
+      "only with values equal to the Cosmos3 defaults (e.g. {\"0\": {\"num_inference_steps\": 35}})",
+      "worldserve has no server-side sampling defaults: fields a request omits take the Cosmos3 defaults (1280x720, "
+      "189 frames, 24 fps, 35 steps, guidance 6.0, seed 42); send other values per request"),
     C("--diffusion-batch-size", "same-shape requests denoise together up to --max-batch-size{max_batch_size}",
       {"type": POSITIVE_INT}),
     C("--boundary-ratio", "", {"type": FLOAT}, NEVER, "never",
@@ -184,15 +197,19 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--omni-lb-policy", "", {"metavar": "POLICY"}, NEVER, "never", "worldserve is one replica with no "
       "built-in load balancer: route between replicas (each with its own --storage-dir) with an external one"),
     # the Reasoner (vLLM)
-    C("--hf-overrides", "the checkpoint's own config is used, and the Reasoner chat API is served from the same "
-      "checkpoint without an architecture override", JSON),
+    C("--hf-overrides", "the Reasoner chat API is served from the same checkpoint without an architecture "
+      "override", JSON, lambda v: set(v) <= {"architectures"}, "only with the architectures key (the Reasoner "
+      "recipe's)", "worldserve uses the checkpoint's own config: overrides other than architectures would be "
+      "ignored"),
     C("--mm-encoder-tp-mode", "the Reasoner's vision encoder is never sharded (tensor parallelism turns the chat "
       "API off)", {"choices": ("weights", "data")}),
     C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
       "schedule in their own thread)", {"action": argparse.BooleanOptionalAction}),
-    C("--media-io-kwargs", "there are no server-wide media defaults: chat videos are sampled as Qwen3-VL's "
-      "processor does (2 fps; the recipe's video num_frames -1 asks for exactly that), and a request's own "
-      "media_io_kwargs apply", JSON),
+    C("--media-io-kwargs", "chat videos are sampled as Qwen3-VL's processor does (2 fps), which the recipe's "
+      "video num_frames -1 asks for; a request's own media_io_kwargs apply", JSON,
+      lambda v: v in ({}, {"video": {}}, {"video": {"num_frames": -1}}), 'only as {} or the recipe\'s '
+      '{"video": {"num_frames": -1}}', "worldserve has no server-wide media defaults: send media_io_kwargs per "
+      "request"),
     C("--reasoning-parser", "", {"metavar": "NAME"}, NEVER, "never",
       "worldserve returns the model's whole text in content (reasoning_content is always null)"),
     C("--gpu-memory-utilization", "the Reasoner's K/V cache is sized by --kv-cache-memory-bytes (default: 2 x "
@@ -212,8 +229,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       {"type": POSITIVE_INT}),
     C("--enable-prefix-caching", "the Reasoner keeps no prefix cache: each chat prefills its whole prompt",
       {"action": argparse.BooleanOptionalAction}),
-    C("--limit-mm-per-prompt", "an empty object sets no limit", JSON, EMPTY, "only as {}", "worldserve has no per-prompt "
-      "media-count limit (a chat's media are bounded by --max-model-len and the request body size)"),
 )  # fmt: skip
 """vLLM / vLLM-Omni flags of pasted command lines, in serving-api.md §9 / §11.1 order. (--flow-shift, --dtype,
 --vae-use-tiling, -tp, --usp, the CORS flags... are real worldserve flags, in config.py.)"""

@@ -9,7 +9,9 @@ per temporal patch as Qwen3VLProcessor does, tokenizes, and computes the Qwen3-V
 Host work only; a mismatch of placeholders and media (e.g. "<|image_pad|>" typed as text) is a ParamError.
 Per-request options of ChatParams: `chat_template_kwargs` (extra template variables; a template failing on
 them is a ParamError naming the field) and `image_min_pixels` / `image_max_pixels` (the image processor's
-pixel budget; None: the server's).
+pixel budget; None: the server's). A raw prompt (`ChatParams.prompt_ids`, /v1/completions) skips the template:
+its ids are checked against the vocabulary (no vision placeholders: there is no media) and get text positions
+(k, k, k). `encode` / `decode` / `check_ids` are the tokenizer as /tokenize, /detokenize and /v1/completions use it.
 """
 
 from __future__ import annotations
@@ -60,8 +62,40 @@ class ChatPromptBuilder:
         self.tokenizer, self.vision, self.preprocess = tokenizer, vision, preprocess
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
 
-    def build(self, params: ChatParams) -> ChatPrompt:
-        """Chat template + image / video placeholder expansion + tokenization; raises ParamError."""
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows (added special tokens included): valid ids are [0, vocab_size)."""
+        return len(self.tokenizer)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """A raw text's token ids (`add_special_tokens`: the tokenizer's BOS / EOS rules, as vLLM's default)."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: list[int], *, param: str = "tokens") -> str:
+        """The text of token ids (special tokens kept, as vLLM's /detokenize); ParamError(param) for a bad id."""
+        self.check_ids(ids, param)
+        return self.tokenizer.decode(ids)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary string (byte-level pieces, e.g. "Ġworld"), as vLLM's `return_token_strs`."""
+        return list(self.tokenizer.convert_ids_to_tokens(ids))
+
+    def check_ids(self, ids, param: str) -> None:
+        """ParamError(param) unless every id is in the vocabulary."""
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ParamError(
+                param, f"Token id {bad} is out of vocabulary (valid ids: 0 to {self.vocab_size - 1})"
+            )
+
+    def build(
+        self, params: ChatParams, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> ChatPrompt:  # fmt: skip
+        """Chat template + image / video placeholder expansion + tokenization, or a raw prompt's ids as they
+        are; raises ParamError. The keyword options are vLLM's /tokenize ones (a chat completion's defaults)."""
+        if params.prompt_ids is not None:
+            return self._raw(list(params.prompt_ids))
         conversation, images, videos = [], [], []
         for msg in params.messages:
             if isinstance(msg.content, str):
@@ -78,7 +112,9 @@ class ChatPromptBuilder:
                 else:
                     parts.append({"type": "text", "text": part.text})
             conversation.append({"role": msg.role, "content": parts})
-        text = self._render(conversation, dict(params.chat_template_kwargs))
+        text = self._render(
+            conversation, dict(params.chat_template_kwargs), add_generation_prompt, continue_final_message
+        )
         vision = video = None
         if (images or videos) and (self.vision is None or self.preprocess is None):
             raise ParamError(
@@ -97,7 +133,7 @@ class ChatPromptBuilder:
             )
         if videos:
             text, video = self._expand_videos(text, videos)
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
         grids = [] if vision is None else vision.grid_thw.tolist()
         merge = self.vision.merge_size if self.vision is not None else 2
         try:
@@ -116,13 +152,32 @@ class ChatPromptBuilder:
             input_ids=ids, vision=vision, video=video, positions=positions, next_position=next_pos
         )
 
-    def _render(self, conversation: list, options: dict) -> str:
-        """The chat template's text of the conversation, with the request's extra template variables."""
+    def _raw(self, ids: list[int]) -> ChatPrompt:
+        """A raw prompt: ids checked (in the vocabulary, no vision placeholder), text positions (k, k, k)."""
+        self.check_ids(ids, "prompt")
+        if self.image_token_id in ids or self.video_token_id in ids:
+            raise ParamError(
+                "prompt", f"the prompt holds {IMAGE_PAD} / {VIDEO_PAD} tokens: a raw prompt cannot carry images "
+                "or videos (send them to /v1/chat/completions)",
+            )  # fmt: skip
+        positions, next_pos = chat_positions(ids, self.image_token_id, [], 2)  # text only: arange, x3
+        return ChatPrompt(input_ids=ids, vision=None, video=None, positions=positions, next_position=next_pos)
+
+    def _render(
+        self, conversation: list, options: dict, add_generation_prompt: bool, continue_final_message: bool
+    ) -> str:
+        """The chat template's text of the conversation, with the request's extra template variables
+        (`continue_final_message`: the last message left open, vLLM's /tokenize option)."""
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True, **options
-            )
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **options,
+            )  # fmt: skip
         except (TemplateError, TypeError, ValueError) as exc:
+            if continue_final_message:  # e.g. no final message content to continue
+                raise ParamError(
+                    "continue_final_message", f"cannot continue the final message: {exc}"
+                ) from exc
             if not options:
                 raise
             # e.g. a template's raise_exception() or a type error on a variable's value

@@ -1,7 +1,8 @@
 """Reasoner: Qwen3-VL chat completions on the und tower of the loaded Cosmos3 transformer (no second copy).
 
 start(ChatParams) -> ReasonerSession (start_many: several at once, their prefills in one pass):
-  prompt:  runner/chat_prompt.py (chat template, Qwen3-VL image / video placeholders, positions).
+  prompt:  runner/chat_prompt.py (chat template, Qwen3-VL image / video placeholders, positions; or a raw
+           prompt's token ids, ChatParams.prompt_ids: /v1/completions).
   prefill: one und_step over the whole prompt with embed_tokens rows replaced by the ViT embeddings at the
            image-pad and video-pad rows, Qwen3-VL get_rope_index positions, and deepstack features (image and
            video rows in sequence order) added after the first len(deepstack) und layers; the K/V go into the
@@ -279,11 +280,12 @@ class Reasoner:
         ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
         free = 0 if self._waiting else self.pool.num_free - self._live
         tokens = 0
-        built: dict[int, ChatPrompt] = {}  # id(params.messages) -> its prompt (the batch holds the messages)
+        built: dict[int, ChatPrompt] = {}  # id(messages or prompt ids) -> its prompt (the batch holds them)
         for params in batch:
+            key = id(params.messages if params.prompt_ids is None else params.prompt_ids)  # () is one object
             try:
-                prompt, budget = self._plan(params, built.get(id(params.messages)))
-                built[id(params.messages)] = prompt
+                prompt, budget = self._plan(params, built.get(key))
+                built[key] = prompt
             except Exception as exc:  # ParamError: a bad request; anything else fails this chat alone
                 out.append(exc)
                 continue
@@ -356,12 +358,12 @@ class Reasoner:
         n = len(prompt.input_ids)
         room = self.max_model_len - n
         if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-            asked = n + (params.max_tokens or 1)
+            asked, where = n + (params.max_tokens or 1), "messages" if params.prompt_ids is None else "prompt"
             raise ParamError(
-                "max_tokens" if params.max_tokens is not None and room >= 1 else "messages",
+                "max_tokens" if params.max_tokens is not None and room >= 1 else where,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{asked} tokens ({n} in the messages, {asked - n} in the completion). Please reduce the length "
-                "of the messages or completion.",
+                f"{asked} tokens ({n} in the {where}, {asked - n} in the completion). Please reduce the length "
+                f"of the {where} or completion.",
             )
         return prompt, params.max_tokens if params.max_tokens is not None else room
 

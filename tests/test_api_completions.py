@@ -1,0 +1,277 @@
+"""POST /v1/completions, /tokenize and /detokenize end to end on a real uvicorn (the tiny Reasoner) behind the
+real `openai` client: raw prompts (text, token ids, lists of either) answer what the Reasoner answers for the
+same ids, n choices per prompt, streaming, legacy logprobs, stop strings, echo; /tokenize counts a chat's
+prompt (an image included) as a chat completion does; /detokenize round-trips; bad requests are 4xx envelopes
+naming their field; a server without the Reasoner, or shutting down, answers as chat does.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+import torch
+from reasoner_helpers import run_to_end, tiny_reasoner
+from serving_helpers import asgi_server, make_client, png_bytes, serve_app, wait_until
+
+from worldserve.params import ChatParams
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def reasoner(tiny_ckpt):
+    return tiny_reasoner(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def url(reasoner, tmp_path_factory):
+    from worldserve.api.app import build_app
+
+    client = make_client(tmp_path_factory.mktemp("completions"), model_name=MODEL, chat_backend=reasoner)
+    with serve_app(build_app(client, shutdown_timeout_s=1.0), name="test-completions-uvicorn") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _ids(reasoner, text: str) -> tuple[int, ...]:
+    return tuple(reasoner.tokenizer(text)["input_ids"])
+
+
+def _direct(reasoner, ids, **kw):
+    """(text, session) of the Reasoner continuing `ids` alone."""
+    return run_to_end(reasoner, ChatParams(prompt_ids=tuple(ids), **kw))
+
+
+def test_greedy_text_matches_the_reasoner_for_text_and_token_ids(oai, reasoner):
+    resp = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    ids = _ids(reasoner, "Once upon a time")
+    text, session = _direct(reasoner, ids, max_tokens=6, temperature=0)
+    choice = resp.choices[0]
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-") and resp.model == MODEL
+    assert choice.text == text and choice.index == 0 and choice.finish_reason == session.finish_reason
+    assert choice.logprobs is None and session.completion_tokens > 0
+    u = resp.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (len(ids), session.completion_tokens)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    by_ids = oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
+    default = oai.completions.create(model=MODEL, prompt=list(ids), temperature=0)  # vLLM's max_tokens 16
+    text, session = _direct(reasoner, ids, max_tokens=16, temperature=0)
+    assert default.choices[0].text == text and default.usage.completion_tokens == session.completion_tokens
+
+
+def test_a_list_of_prompts_gets_n_choices_each(oai, reasoner):
+    """Choice i * n + j is sample j (seed + j) of prompt i; usage sums every prompt and every choice."""
+    prompts = ["The sky is", "A cat"]
+    resp = oai.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=1.0, seed=7)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    expected, completion = [], 0
+    for p in (_ids(reasoner, prompts[0]), _ids(reasoner, prompts[1])):
+        for j in range(2):
+            text, session = _direct(reasoner, p, max_tokens=5, temperature=1.0, seed=7 + j)
+            expected.append(text)
+            completion += session.completion_tokens
+    assert [c.text for c in resp.choices] == expected and len(set(expected)) > 1
+    assert resp.usage.prompt_tokens == sum(len(_ids(reasoner, p)) for p in prompts)
+    assert resp.usage.completion_tokens == completion
+    ids_lists = oai.completions.create(
+        model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=3, temperature=0
+    )
+    assert [c.text for c in ids_lists.choices] == [
+        _direct(reasoner, p, max_tokens=3, temperature=0)[0] for p in ([5, 6, 7, 8], [9, 10])
+    ]
+
+
+def test_stream_through_the_openai_client_and_on_the_wire(oai, url):
+    kw = dict(model=MODEL, prompt=["Hello", "World"], n=2, max_tokens=6, temperature=0.8, seed=3)
+    whole = oai.completions.create(**kw)
+    chunks = list(oai.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(4)
+    }
+    assert texts == {c.index: c.text for c in whole.choices}
+    finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finals == [0, 1, 2, 3] and all(c.object == "text_completion" for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = r.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all("usage" not in p and p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length" and len({p["id"] for p in payloads}) == 1
+
+
+def test_legacy_logprobs_stream_and_not(oai, reasoner):
+    """logprobs=k: each token's text, raw-logit log-probability (the first one checked against the prefill's
+    logits), the sampled token plus the top k, and text_offset the running sum of the token texts."""
+    ids = _ids(reasoner, "Count: one, two,")
+    resp = oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    _, session = _direct(reasoner, ids, max_tokens=5, temperature=0)
+    decoded = [reasoner.tokenizer.decode([t]) for t in session.token_ids]
+    assert lp.tokens == decoded and len(lp.token_logprobs) == len(decoded) == len(lp.top_logprobs)
+    offsets = [0]
+    for token in decoded[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets
+    hidden, seq, _ = reasoner.prefill(reasoner.build_prompt(ChatParams(prompt_ids=ids)))
+    seq.release()
+    first = torch.log_softmax(reasoner.transformer.compute_logits(hidden[-1:])[0].float(), -1)
+    assert lp.token_logprobs[0] == pytest.approx(float(first[session.token_ids[0]]), abs=1e-4)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == pytest.approx(logprob) and 3 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(logprob)  # greedy took the most likely token
+    streamed = list(oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3,
+                                           stream=True))  # fmt: skip
+    parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs is not None]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset][0] == 0
+    assert [x for p in parts for x in p.token_logprobs] == pytest.approx(lp.token_logprobs)
+
+
+def test_stop_string_and_echo(oai, reasoner):
+    kw = dict(model=MODEL, prompt="hello", max_tokens=30, temperature=1.0, seed=3)
+    text = oai.completions.create(**kw).choices[0].text
+    assert len(text) > 4, text
+    stop = text[2:4]
+    cut = oai.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop
+    assert cut.text == text[: text.find(stop)]
+    echoed = oai.completions.create(echo=True, **{**kw, "max_tokens": 4})
+    assert echoed.choices[0].text == "hello" + text[: len(echoed.choices[0].text) - 5]
+    chunks = list(oai.completions.create(echo=True, stream=True, **{**kw, "max_tokens": 4}))
+    assert chunks[0].choices[0].text.startswith("hello")
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    by_ids = oai.completions.create(echo=True, **{**kw, "prompt": [5, 6], "max_tokens": 1})
+    assert by_ids.choices[0].text.startswith(reasoner.tokenizer.decode([5, 6]))
+
+
+def test_tokenize_prompt_form_and_detokenize_round_trip(url, reasoner):
+    text = "Hello world, how are you?"
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens"] == list(_ids(reasoner, text)) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 4096
+    assert out["token_strs"] == reasoner.tokenizer.convert_ids_to_tokens(out["tokens"])
+    assert httpx.post(url + "/tokenize", json={"prompt": text}).json()["token_strs"] is None
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    special = httpx.post(
+        url + "/detokenize", json={"tokens": [reasoner.tokenizer.convert_tokens_to_ids("<|im_end|>")]}
+    )
+    assert special.json() == {"prompt": "<|im_end|>"}  # kept, as vLLM's /detokenize
+
+
+def test_tokenize_chat_form_counts_like_a_chat_completion(url, reasoner):
+    """The chat form's count, an image included, is a chat completion's prompt_tokens for the same messages."""
+    image = "data:image/png;base64," + base64.b64encode(png_bytes(56, 40)).decode()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]}]  # fmt: skip
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert r.status_code == 200, r.text
+    count = r.json()["count"]
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1},
+                      timeout=60).json()  # fmt: skip
+    assert count == chat["usage"]["prompt_tokens"] > 60 and r.json()["max_model_len"] == 4096
+    bare = httpx.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == r.json()["tokens"][: bare["count"]] and bare["count"] < count
+    tail = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    cont = httpx.post(url + "/tokenize", json={"messages": tail, "add_generation_prompt": False,
+                                               "continue_final_message": True}).json()  # fmt: skip
+    assert reasoner.tokenizer.decode(cont["tokens"]).endswith("Hello the")
+
+
+DROP = object()
+"""A patch value that removes the field from the request body."""
+
+
+@pytest.mark.parametrize(
+    ("route", "patch", "status", "param", "needle"),
+    [
+        ("/v1/completions", {"suffix": "!"}, 400, "suffix", "not supported"),
+        ("/v1/completions", {"best_of": 2}, 400, "best_of", "must equal n"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, 400, "echo", "echo with logprobs"),
+        ("/v1/completions", {"logprobs": 21}, 400, "logprobs", "validation error"),
+        ("/v1/completions", {"prompt": [99999]}, 400, "prompt", "out of vocabulary"),
+        ("/v1/completions", {"prompt": [[1, 2], [-3]]}, 400, "prompt", "out of vocabulary"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt", "at least one token"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt", "must not be empty"),
+        ("/v1/completions", {"prompt": None}, 400, "prompt", "validation error"),
+        ("/v1/completions", {"prompt": [5] * 4096}, 400, "prompt", "maximum context length is 4096"),
+        ("/v1/completions", {"max_tokens": 5000}, 400, "max_tokens", "maximum context length"),
+        ("/v1/completions", {"prompt": "<|image_pad|> hi"}, 400, "prompt", "cannot carry images"),
+        ("/v1/completions", {"n": 17}, 400, "n", "n must be between 1 and 16"),
+        ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream=True"),
+        ("/v1/completions", {"temperature": -1}, 400, "temperature", "validation error"),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+        ("/v1/completions", {"model": "nope"}, 404, "model", "The model `nope` does not exist."),
+        ("/tokenize", {"model": "nope"}, 404, "model", "does not exist"),
+        ("/tokenize", {"prompt": 3}, 400, "prompt", "validation error"),
+        ("/tokenize", {"prompt": DROP, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+         400, "continue_final_message", "Cannot set both"),
+        ("/tokenize", {"prompt": DROP, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+         400, "messages[0].content[0].image_url", "image"),
+        ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "Token id 99999 is out of vocabulary"),
+        ("/detokenize", {"tokens": "12"}, 400, "tokens", "validation error"),
+        ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model", "does not exist"),
+    ],
+)  # fmt: skip
+def test_bad_requests(url, route, patch, status, param, needle):
+    body = (
+        {"model": MODEL, "prompt": "hi", "max_tokens": 2} if route == "/v1/completions" else {"prompt": "hi"}
+    )
+    body = {k: v for k, v in {**body, **patch}.items() if v is not DROP}
+    r = httpx.post(url + route, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["param"] == param and needle in err["message"], err
+    if status == 404:
+        assert err["type"] == "NotFoundError"
+
+
+def test_a_client_that_disconnects_stops_its_completion(url):
+    """A non-streamed completion whose client leaves is aborted (the chat metrics count it), not decoded on."""
+
+    def aborted() -> float:
+        lines = httpx.get(url + "/metrics").text.splitlines()
+        hits = [
+            ln for ln in lines if ln.startswith("worldserve:chat_request_success_total{") and "abort" in ln
+        ]
+        return float(hits[0].rsplit(" ", 1)[1]) if hits else 0.0
+
+    before = aborted()
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 4000, "temperature": 1.0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    wait_until(lambda: aborted() == before + 1, timeout=10)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_no_reasoner_and_shutting_down_answer_as_chat(tmp_path, reasoner, anyio_backend):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    async with asgi_server(tmp_path / "plain", model_name=MODEL) as http:  # no chat backend
+        expected = (await http.post("/v1/chat/completions", json=chat)).json()["error"]
+        assert expected["code"] == 400
+        for route, body in (("/v1/completions", {"prompt": "hi"}), ("/tokenize", {"prompt": "hi"}),
+                            ("/detokenize", {"tokens": [1]})):  # fmt: skip
+            r = await http.post(route, json=body)
+            assert r.status_code == 400 and r.json()["error"]["message"] == expected["message"], r.text
+    async with asgi_server(tmp_path / "stopping", model_name=MODEL, chat_backend=reasoner) as http:
+        http.engine_client.begin_shutdown(0.3)
+        r = await http.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text

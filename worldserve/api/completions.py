@@ -1,0 +1,130 @@
+"""POST /v1/completions: OpenAI's legacy text completions on the Reasoner, as vLLM serves them (serving-api.md §11.3).
+
+Request -> checks (served model name else 404; 1 <= n <= 16; `suffix`, a `best_of` other than n, `echo` with
+`logprobs` and constrained decoding are 400s naming the field) -> each prompt as token ids: a text is
+tokenized raw, no chat template (`add_special_tokens`, default true, as vLLM), ids are taken as they are ->
+`ChatParams(prompt_ids=...)` (choice j of a prompt samples with seed + j) -> `EngineClient.chat_many` starts
+every choice of every prompt together, the chat's own path: the ChatWorker's continuous batching, the chat
+metrics (api/chat_stream.py `metered`), a client gone stops them (api/disconnect.py), 503 while shutting
+down. The Reasoner checks the ids (outside the vocabulary, or vision placeholders: a 400 naming `prompt`)
+and the context (a prompt that leaves no room is a 400 naming `prompt`; a max_tokens past the room names
+`max_tokens`). api/completions_stream.py builds the answer: the `text_completion` object or SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from worldserve.api.bodies import read_json_object
+from worldserve.api.chat import model_not_found
+from worldserve.api.chat_stream import close_all, metered
+from worldserve.api.completions_protocol import CompletionRequest, CompletionResponse
+from worldserve.api.completions_stream import Completion, collect, sse
+from worldserve.api.disconnect import unless_disconnected
+from worldserve.api.errors import APIError
+from worldserve.api.state import AppState, app_state
+from worldserve.api.tokenize import openapi_body, reasoner_prompts
+from worldserve.engine.client import ChatFailed, ChatStarted, ShuttingDownError
+from worldserve.params import ChatParams, ParamError
+
+router = APIRouter(tags=["completions"])
+State = Annotated[AppState, Depends(app_state)]
+
+
+def tokenize_prompts(prompts, body: CompletionRequest) -> list[tuple[tuple[int, ...], str | None]]:
+    """Each prompt as (token ids, its text when `echo`) (blocking: tokenizes); ParamError("prompt")."""
+    given = body.prompt
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        given = [given]  # one prompt: a text or one list of ids
+    if not given:
+        raise ParamError("prompt", "prompt must not be empty")
+    out = []
+    for prompt in given:
+        if isinstance(prompt, str):
+            ids = prompts.encode(prompt, add_special_tokens=body.add_special_tokens)
+            text = prompt
+        else:
+            ids = list(prompt)
+            prompts.check_ids(ids, "prompt")
+            text = prompts.decode(ids, param="prompt") if body.echo else None
+        if not ids:
+            raise ParamError("prompt", "the prompt must contain at least one token")
+        out.append((tuple(ids), text if body.echo else None))
+    return out
+
+
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}  # fmt: skip
+"""What a request that leaves a sampling field out gets (the chat's defaults)."""
+
+
+def chat_params(body: CompletionRequest, ids: tuple[int, ...]) -> ChatParams:
+    """One prompt's ChatParams: its ids and the request's sampling options."""
+    sampling = {k: d if getattr(body, k) is None else getattr(body, k) for k, d in SAMPLING_DEFAULTS.items()}
+    return ChatParams(
+        prompt_ids=ids, max_tokens=body.max_tokens, seed=body.seed, **sampling,
+        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+    ).validate()  # fmt: skip
+
+
+@router.post(
+    "/v1/completions", response_model=CompletionResponse, openapi_extra=openapi_body(CompletionRequest)
+)
+async def create_completion(request: Request, st: State):
+    """OpenAI text completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
+    body = CompletionRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
+    if body.model is not None and body.model != st.served_model_name:
+        return model_not_found(body.model)
+    if (refused := body.refused()) is not None:
+        raise APIError(400, refused[1], param=refused[0])
+    prompts, _ = reasoner_prompts(st)
+    tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body)
+    choices = []
+    for ids, _ in tokenized:
+        params = chat_params(body, ids)
+        choices += [params] + [
+            dataclasses.replace(params, seed=None if params.seed is None else params.seed + j)
+            for j in range(1, body.n)
+        ]
+    opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
+    work = _answer(st, body, choices, [text for _, text in tokenized], opened)
+    return await unless_disconnected(request, work, lambda: close_all(opened))
+
+
+async def _answer(st: AppState, body: CompletionRequest, choices: list, echoes: list, opened: list):
+    """Start every choice together, wait for each one's first event (a refusal or a bad prompt answers the
+    request), then answer: SSE, or the whole object."""
+    streams: list = []
+    prompt_tokens: list[int] = []
+    try:
+        opened += st.client.chat_many(choices, coalesce=not body.stream)
+        streams = [metered(events, st.metrics) for events in opened]
+        for index, events in enumerate(streams):
+            first = await anext(events)
+            if isinstance(first, ChatFailed):
+                raise APIError(first.status, first.message, param=first.param)
+            assert isinstance(first, ChatStarted)
+            if index % body.n == 0:
+                prompt_tokens.append(first.prompt_tokens)
+    except BaseException as exc:  # stop whatever started: a failed choice, a refusal, a cancellation
+        await close_all([*streams, *opened])
+        if isinstance(exc, ShuttingDownError):
+            raise APIError(503, str(exc)) from None
+        raise
+    c = Completion(
+        f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
+        prompt_tokens=prompt_tokens, logprobs=body.logprobs is not None,
+    )  # fmt: skip
+    if body.stream:
+        return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")
+    return await collect(streams, c)

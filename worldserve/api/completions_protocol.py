@@ -1,0 +1,152 @@
+"""Wire shapes of POST /v1/completions, POST /tokenize and POST /detokenize (pydantic v2), as vLLM writes them.
+
+Completions request: `prompt` (a string, a list of strings, a list of token ids or a list of lists of ids:
+one set of `n` choices per prompt), `max_tokens` (vLLM's default 16; null: up to the context), the chat's
+sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties), `logprobs` (an int:
+that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
+`add_special_tokens` (default true). `suffix`, a `best_of` other than `n`, `echo` with `logprobs`,
+`prompt_logprobs` and constrained decoding are refused with a 400 naming the field (`refused`); other unknown
+fields are ignored, as vLLM ignores them.
+Responses: `text_completion` objects (`choices[i].text`, legacy `logprobs` {tokens, token_logprobs,
+top_logprobs, text_offset}), the same object per SSE chunk, and the /tokenize {count, max_model_len, tokens,
+token_strs} and /detokenize {prompt} answers. The /tokenize chat form takes a chat's messages, media and
+template options (handed to the chat's own checks as a chat completion request: `as_chat`) plus vLLM's
+template switches (`add_generation_prompt`, `continue_final_message`, `add_special_tokens`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worldserve.api.chat import MAX_CHOICES
+from worldserve.api.chat_protocol import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    SamplingRequest,
+    SSEChunk,
+    Usage,
+    is_set,
+)  # fmt: skip
+
+MAX_LOGPROBS = 20
+"""vLLM's default --max-logprobs."""
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text used as it is (no chat template), token ids, or a list of either (a choice set each)."
+    )
+    max_tokens: int | None = Field(16, ge=1, description="vLLM's default 16; null: up to the context length.")
+    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = Field(True, description="The tokenizer's special tokens (e.g. BOS) on text.")
+    prompt_logprobs: Any = None
+    """Declared only to be refused (typed Any: any value gets the 400 naming the field)."""
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) of the first option this server cannot honour, else None."""
+        if not 1 <= self.n <= MAX_CHOICES:
+            return "n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}"
+        if self.misplaced_stream_options():
+            return "stream_options", "Stream options can only be defined when `stream=True`."
+        if self.suffix is not None:
+            return "suffix", "suffix is not supported by this server (no fill-in-the-middle)"
+        if self.best_of is not None and self.best_of != self.n:
+            return (
+                "best_of",
+                f"best_of must equal n ({self.n}) or be omitted: this server returns every sample",
+            )
+        if self.echo and self.logprobs is not None:
+            return "echo", "echo with logprobs is not supported by this server (no prompt logprobs)"
+        if is_set(self.prompt_logprobs):
+            return "prompt_logprobs", "prompt_logprobs is not supported by this server"
+        if (field := self.constrained()) is not None:
+            return (
+                field,
+                f"{field} is not supported by this server yet: constrained decoding is not implemented",
+            )
+        return None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy per-token log-probabilities."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_logprobs: None = None
+
+
+class CompletionResponse(SSEChunk, BaseModel):
+    """The whole answer, and each SSE chunk (`sse()`: usage only when set)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TokenizePromptRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """The chat form: a chat's messages and prompt options (checked as chat checks them: `as_chat`), and
+    vLLM's template switches."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    """Refused: tool definitions would change the rendered prompt, and this server has no tool calling."""
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion request of the same messages and options (for the chat's build_params)."""
+        fields = ("model", "messages", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs")
+        return ChatCompletionRequest.model_construct(**{f: getattr(self, f) for f in fields})
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,103 @@
+"""From Reasoner event streams to `text_completion` answers: the whole object, or SSE chunks (POST /v1/completions).
+
+Choices are numbered prompt-major, as vLLM numbers them: choice `i * n + j` is sample j of prompt i. Each
+choice is one chat on the ChatWorker (all started together, decoded batched). `collect` runs every choice to
+its end; `sse` sends each delta as a chunk `{"choices": [{"index", "text", "logprobs", "finish_reason"}]}` as
+it comes (the finish_reason rides on the choice's last chunk), then the usage chunk when asked and
+`data: [DONE]`; a failure mid-stream is `data: {"error": ...}` then `data: [DONE]`. With `echo`, a choice's
+text starts with its prompt's text. Usage sums every prompt's tokens and every choice's completion tokens;
+with `continuous_usage_stats` a chunk carries its prompt's and its choice's counts so far.
+Legacy logprobs (`legacy_logprobs`): per token its text (decoded alone), its log-probability, a dict of the
+sampled token and the top alternatives, and `text_offset`, the running sum of the token texts' lengths from
+the choice's text so far (vLLM's arithmetic); log-probabilities are floored at -9999 (JSON has no -inf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+from worldserve.api.chat_stream import make_usage, run_all, sse_events
+from worldserve.api.completions_protocol import CompletionChoice, CompletionLogprobs, CompletionResponse
+
+LOGPROB_FLOOR = -9999.0
+
+
+def legacy_logprobs(entries: Sequence, offset: int = 0) -> CompletionLogprobs:
+    """engine TokenLogprobs -> OpenAI's legacy logprobs, the first token's text at character `offset`."""
+    out = CompletionLogprobs()
+    for e in entries:
+        out.text_offset.append(offset)
+        offset += len(e.token)
+        out.tokens.append(e.token)
+        out.token_logprobs.append(max(e.logprob, LOGPROB_FLOOR))
+        top = {e.token: e.logprob, **dict(e.top)}  # the sampled token first, as vLLM lists it
+        out.top_logprobs.append({t: max(lp, LOGPROB_FLOOR) for t, lp in top.items()})
+    return out
+
+
+class Completion:
+    """What every choice of one completions request shares: ids, echo texts, prompt sizes, options."""
+
+    def __init__(
+        self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
+        prompt_tokens: Sequence[int], logprobs: bool,
+    ) -> None:  # fmt: skip
+        self.request_id, self.created, self.model = request_id, created, model
+        self.echoes, self.n, self.logprobs = echoes, n, logprobs
+        self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
+
+    def usage(self, completion: int, prompt: int | None = None):
+        """Usage of `completion` tokens: over every prompt, or prompt `prompt` alone."""
+        tokens = sum(self.prompt_tokens) if prompt is None else self.prompt_tokens[prompt]
+        return make_usage(tokens, completion)
+
+    def response(self, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+
+async def collect(streams: Sequence[AsyncIterator], c: Completion) -> CompletionResponse:
+    """Run every choice to its end -> the `text_completion` object (APIError if a choice fails)."""
+    finished = await run_all(streams)
+    choices = [
+        CompletionChoice(
+            index=index, text=(c.echoes[index // c.n] or "") + text, finish_reason=last.finish_reason,
+            logprobs=legacy_logprobs(entries) if c.logprobs else None, stop_reason=last.stop_reason,
+        )
+        for index, (text, entries, last) in enumerate(finished)
+    ]  # fmt: skip
+    completion = sum(last.completion_tokens for _, _, last in finished)
+    return c.response(choices, c.usage(completion))
+
+
+def sse(
+    streams: Sequence[AsyncIterator], c: Completion, include_usage: bool, continuous_usage: bool = False
+) -> AsyncIterator[str]:
+    """The choices' deltas as SSE chunks as they arrive, then the usage chunk (when asked) and [DONE]."""
+    completion = [0] * len(streams)
+    sent = [0] * len(streams)  # characters of each choice's text sent so far (its next text_offset)
+
+    def render(index: int, event) -> Iterator[str]:
+        completion[index] = event.completion_tokens
+        echo = c.echoes[index // c.n] if not sent[index] else None
+        text = (echo or "") + event.text
+        if not (text or event.logprobs or event.finish_reason):
+            return
+        lps = legacy_logprobs(event.logprobs, sent[index]) if c.logprobs else None
+        sent[index] += len(text)
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=lps,
+            finish_reason=event.finish_reason,
+            stop_reason=event.stop_reason,
+        )
+        usage = c.usage(completion[index], index // c.n) if continuous_usage else None
+        yield c.response([choice], usage).sse()
+
+    def tail() -> Iterator[str]:
+        if include_usage:
+            yield c.response([], c.usage(sum(completion))).sse()
+
+    return sse_events(streams, render, tail)

@@ -1,0 +1,112 @@
+"""POST /tokenize and POST /detokenize: vLLM's tokenizer routes, on the Reasoner's tokenizer (serving-api.md §11.3).
+
+/tokenize takes vLLM's two forms. The prompt form `{"prompt", "add_special_tokens": true, "return_token_strs"}`
+tokenizes the text as /v1/completions does. The chat form `{"messages", "add_generation_prompt": true,
+"continue_final_message": false, "add_special_tokens": false, "chat_template_kwargs", "mm_processor_kwargs",
+...}` goes through the chat's own `build_params` (media loaded and checked as a chat completion loads them)
+and the Reasoner's ChatPromptBuilder, so its `count` is the `prompt_tokens` a chat completion of the same
+messages reports, image and video placeholders expanded. Answer: `{"count", "max_model_len", "tokens",
+"token_strs"}`. /detokenize `{"tokens": [...]}` answers `{"prompt": text}` (special tokens kept); an id
+outside the vocabulary is a 400 naming `tokens`. A `model` other than the served name is a 404 as in chat; a
+server without the Reasoner answers these routes as chat answers then (400). Tokenizer and media work runs in
+a worker thread, off the event loop. `reasoner_prompts` is the Reasoner access /v1/completions shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+
+from worldserve.api.bodies import read_json_object
+from worldserve.api.chat import build_params, inline_refs, model_not_found
+from worldserve.api.completions_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
+    TokenizeResponse,
+)  # fmt: skip
+from worldserve.api.errors import APIError
+from worldserve.api.state import AppState, app_state
+from worldserve.params import ParamError
+
+router = APIRouter(tags=["tokenize"])
+State = Annotated[AppState, Depends(app_state)]
+NO_REASONER = (
+    "chat completions are not available on this server (no Reasoner: the fake backend, or "
+    "--tensor-parallel-size > 1)"
+)
+
+
+def reasoner_prompts(st: AppState) -> tuple[Any, int]:
+    """(the Reasoner's ChatPromptBuilder, its max_model_len); a 400, as chat answers, when there is none."""
+    worker = st.client.chat_worker
+    prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
+    if prompts is None:
+        raise APIError(400, NO_REASONER)
+    return prompts, worker.backend.max_model_len
+
+
+def openapi_body(*models) -> dict:
+    """The OpenAPI requestBody of a route that reads its JSON itself: the fields of `models` (several: the
+    route's forms, told apart by their fields) in one object schema."""
+    schemas = [
+        inline_refs(schema, schema.get("$defs", {})) for schema in (m.model_json_schema() for m in models)
+    ]
+    schema = schemas[0]
+    if len(schemas) > 1:
+        properties = {k: v for s in reversed(schemas) for k, v in s["properties"].items()}
+        forms = " or ".join(" + ".join(s.get("required", [])) for s in schemas)
+        schema = {"type": "object", "description": f"Forms: {forms}.", "properties": properties}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _tokenize_chat(st: AppState, prompts, body: TokenizeChatRequest) -> list[int]:
+    """The chat form's ids: the chat's params (media loaded, blocking) through the Reasoner's builder."""
+    if body.add_generation_prompt and body.continue_final_message:
+        raise ParamError(
+            "continue_final_message",
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        )
+    if body.tools:
+        raise ParamError(
+            "tools", "tools are not supported by this server yet: tool calling is not implemented"
+        )
+    params = build_params(body.as_chat(), st.allowed_local_media_path, st.media, st.mm_limits)
+    prompt = prompts.build(
+        params, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
+    )  # fmt: skip
+    return prompt.input_ids
+
+
+@router.post(
+    "/tokenize", response_model=TokenizeResponse,
+    openapi_extra=openapi_body(TokenizePromptRequest, TokenizeChatRequest),
+)  # fmt: skip
+async def tokenize(request: Request, st: State):
+    """vLLM's /tokenize: a prompt's (or a chat's rendered prompt's) token ids."""
+    data = await read_json_object(request, st.max_upload_bytes)
+    chat = "messages" in data and "prompt" not in data
+    body = (TokenizeChatRequest if chat else TokenizePromptRequest).model_validate(data)
+    if body.model is not None and body.model != st.served_model_name:
+        return model_not_found(body.model)
+    prompts, max_model_len = reasoner_prompts(st)
+    if chat:
+        ids = await asyncio.to_thread(_tokenize_chat, st, prompts, body)
+    else:
+        ids = await asyncio.to_thread(prompts.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+    strs = prompts.token_strs(ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
+async def detokenize(request: Request, st: State):
+    """vLLM's /detokenize: the text of token ids."""
+    body = DetokenizeRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
+    if body.model is not None and body.model != st.served_model_name:
+        return model_not_found(body.model)
+    prompts, _ = reasoner_prompts(st)
+    return DetokenizeResponse(prompt=await asyncio.to_thread(prompts.decode, body.tokens, param="tokens"))
