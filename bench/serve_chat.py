@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stream", action="store_true", help="chats as server-sent events (default: JSON answers)"
     )
     ap.add_argument(
+        "--api-checks", action="store_true",
+        help="also the Reasoner's other routes on this server: /v1/completions (n=2 token-id prompt, logprobs, "
+        "streamed; 8 at once), /tokenize (prompt and chat with an image), /detokenize, a chat whose image is an "
+        "http URL (served by this script), /ping, /load",
+    )  # fmt: skip
+    ap.add_argument(
         "--beside-video", default=None, metavar="WxHxFRAMESxSTEPS",
         help="also send --concurrency's last count of chats while a video job of this shape denoises "
         "(e.g. 1280x720x189x4): their tokens/s beside the video step, and the job's own wall time",
@@ -129,6 +135,88 @@ def chats_beside_video(url: str, served: str, args: argparse.Namespace) -> dict:
     return out
 
 
+def api_checks(url: str, served: str, max_tokens: int) -> dict:
+    """The Reasoner's routes besides chat on this server (full size when --random-nano): status codes, token
+    counts, and the completions rate at 8 at once (the chat worker's path with raw token-id prompts)."""
+    import base64
+    import functools
+    import http.server
+    import io
+    import tempfile
+    import threading
+
+    import numpy as np
+    from PIL import Image
+
+    out: dict = {}
+    ids = list(range(100, 400))  # a 300-token raw prompt
+    body = {
+        "model": served,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "n": 2,
+        "logprobs": 2,
+        "seed": 1,
+        **SAMPLING,
+    }
+    r = HTTP.post(url + "/v1/completions", json=body, timeout=600)
+    comp = r.json()
+    out["completions"] = {"status": r.status_code, "choices": len(comp.get("choices", [])),
+                          "usage": comp.get("usage"), "logprob_positions": len((comp.get("choices") or [{}])[0]
+                                                                               .get("logprobs", {}).get("tokens", []))}  # fmt: skip
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        rs = list(pool.map(lambda i: HTTP.post(url + "/v1/completions", json={**body, "n": 1, "logprobs": None,
+                                                                             "seed": i}, timeout=600), range(8)))  # fmt: skip
+    wall = time.perf_counter() - t0
+    tokens = sum(x.json()["usage"]["completion_tokens"] for x in rs if x.status_code == 200)
+    out["completions_8"] = {
+        "statuses": sorted({x.status_code for x in rs}),
+        "tokens": tokens,
+        "tok_s": tokens / wall,
+    }
+    with HTTP.stream(
+        "POST", url + "/v1/completions", json={**body, "n": 1, "stream": True}, timeout=600
+    ) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    out["completions_stream"] = {
+        "status": s.status_code,
+        "events": len(lines),
+        "done": lines[-1] == "data: [DONE]",
+    }
+    tok = HTTP.post(url + "/tokenize", json={"model": served, "prompt": "A fox in the snow."}).json()
+    detok = HTTP.post(url + "/detokenize", json={"model": served, "tokens": tok.get("tokens", [])}).json()
+    out["tokenize"] = {"count": tok.get("count"), "max_model_len": tok.get("max_model_len"),
+                       "round_trip": detok.get("prompt") == "A fox in the snow."}  # fmt: skip
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (360, 640, 3), np.uint8)).save(buf, "PNG")
+    folder = Path(tempfile.mkdtemp())
+    (folder / "frame.png").write_bytes(buf.getvalue())
+    files = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    )
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    try:
+        counts = {}
+        for name, ref in (("http", f"http://127.0.0.1:{files.server_address[1]}/frame.png"),
+                          ("data", "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())):  # fmt: skip
+            messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ref}},
+                                                     {"type": "text", "text": "What is in the image?"}]}]  # fmt: skip
+            r = HTTP.post(url + "/v1/chat/completions", json={"model": served, "messages": messages, "max_tokens": 8,
+                                                             "temperature": 0}, timeout=600)  # fmt: skip
+            counts[name] = (r.status_code, r.json().get("usage", {}).get("prompt_tokens"))
+            if name == "http":
+                t = HTTP.post(url + "/tokenize", json={"model": served, "messages": messages}).json()
+                out["tokenize_chat_count"] = t.get("count")
+        out["image_chats"] = counts
+    finally:
+        files.shutdown()
+    out["ping"] = HTTP.get(url + "/ping").status_code
+    out["load"] = HTTP.get(url + "/load").json()
+    print(f"api checks: {out}", flush=True)
+    return out
+
+
 def metric(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + "{"):
@@ -172,6 +260,8 @@ def run(args: argparse.Namespace) -> dict:
             res["chats"][str(c)] = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
                                     "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs)}  # fmt: skip
             print(f"{c} chats: {tokens} tokens in {wall:.2f} s", flush=True)
+        if args.api_checks:
+            res["api_checks"] = api_checks(url, served, args.max_tokens)
         if args.beside_video:
             res["beside_video"] = chats_beside_video(url, served, args)
         t0 = time.perf_counter()
