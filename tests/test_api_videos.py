@@ -364,7 +364,12 @@ async def test_metrics_families(tmp_path):
         await poll_job(http, job["id"])
         failed = (await http.post("/v1/videos", data={"prompt": "__fail__:prepare", **SMALL})).json()
         await poll_job(http, failed["id"])
-        text = (await http.get("/metrics")).text
+        # the engine thread counts a job right after storing its status: wait for the counts to land
+        for _ in range(500):
+            text = (await http.get("/metrics")).text
+            if 'request_failure_total{model_name="test-model",status="500"} 1.0' in text:
+                break
+            await asyncio.sleep(0.01)
         for family in ("num_requests_waiting", "num_requests_running", "step_time_seconds_bucket",
                        "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
                        'stage_duration_seconds_count{model_name="test-model",stage="encode"}',
