@@ -212,6 +212,7 @@ DROP = object()
         ("/v1/completions", {"prompt": None}, 400, "prompt", "validation error"),
         ("/v1/completions", {"prompt": [5] * 4096}, 400, "prompt", "maximum context length is 4096"),
         ("/v1/completions", {"max_tokens": 5000}, 400, "max_tokens", "maximum context length"),
+        ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt", "more than the context of 4096 tokens"),
         ("/v1/completions", {"prompt": "<|image_pad|> hi"}, 400, "prompt", "cannot carry images"),
         ("/v1/completions", {"n": 17}, 400, "n", "n must be between 1 and 16"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream=True"),
@@ -244,7 +245,8 @@ def test_bad_requests(url, route, patch, status, param, needle):
 
 
 def test_a_client_that_disconnects_stops_its_completion(url):
-    """A non-streamed completion whose client leaves is aborted (the chat metrics count it), not decoded on."""
+    """A completion whose client leaves is aborted (the chat metrics count it), not decoded on. The seed is
+    one whose completion runs 50+ tokens before its end of sequence, so the client leaves mid-way."""
 
     def aborted() -> float:
         lines = httpx.get(url + "/metrics").text.splitlines()
@@ -253,10 +255,18 @@ def test_a_client_that_disconnects_stops_its_completion(url):
         ]
         return float(hits[0].rsplit(" ", 1)[1]) if hits else 0.0
 
-    before = aborted()
     body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 4000, "temperature": 1.0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    seed = next(
+        s for s in range(50)
+        if httpx.post(url + "/v1/completions", json={**body, "seed": s}, timeout=60).json()["usage"][
+            "completion_tokens"] >= 50
+    )  # fmt: skip
+    before = aborted()
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "seed": seed, "stream": True}, timeout=60
+    ) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert '"text_completion"' in first
     wait_until(lambda: aborted() == before + 1, timeout=10)
 
 

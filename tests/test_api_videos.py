@@ -306,7 +306,7 @@ async def test_ping_and_server_load(tmp_path, tracking):
     async with asgi_server(tmp_path, backend=backend, app_kw={"server_load_tracking": tracking}) as http:
         for method in ("GET", "POST"):
             r = await http.request(method, "/ping")
-            assert r.status_code == 200 and r.json() == {"status": "healthy"}
+            assert r.status_code == 200 and r.content == b""  # vLLM's: an empty 200
         assert (await http.get("/load")).json() == {"server_load": 0}
         sync = asyncio.create_task(
             http.post("/v1/videos/sync", data={"prompt": "x", **SMALL, "num_inference_steps": "8"})

@@ -197,20 +197,44 @@ def _chat(*urls: str):
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
 
 
-def test_a_chat_request_shares_one_download_budget(base_url):
+async def test_a_chat_request_shares_one_download_budget(base_url):
     from worldserve.api.chat import build_params
+    from worldserve.api.chat_media import prefetch_media
 
     url = f"{base_url}/ref.png"
     fetcher = MediaFetcher(max_bytes=len(PNG) * 2 + 10)  # room for two downloads of the PNG, not three
-    params = build_params(_chat(url, url), None, fetcher)
+    fetched = await prefetch_media(_chat(url, url), fetcher)
+    params = build_params(_chat(url, url), None, fetched)
     assert [p.image.shape for p in params.messages[0].content[:2]] == [(48, 64, 3)] * 2
-    with pytest.raises(ParamError) as err:
-        build_params(_chat(url, url, url), None, fetcher)
-    assert err.value.param == "messages[0].content[2].image_url" and "what is left" in err.value.message
+    with pytest.raises(ParamError) as err:  # the three downloads run at once: one of them runs out
+        await prefetch_media(_chat(url, url, url), fetcher)
+    assert err.value.param.startswith("messages[0].content[") and "what is left" in err.value.message
+    with pytest.raises(ParamError, match="does not download"):
+        build_params(_chat(url), None)  # not prefetched: refused, never fetched here
 
 
-def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
+async def test_chat_downloads_run_at_once_on_the_fetch_pool():
+    """Three image URLs that each take ~0.6 s arrive in ~0.6 s, not 1.8 s: prefetch_media fetches them at
+    once, on the fetcher's own threads (not the default pool the rest of the API uses)."""
+
+    from worldserve.api.chat_media import prefetch_media
+
+    def slow_png(conn):
+        time.sleep(0.6)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(PNG) + PNG)
+
+    server = RawServer(slow_png)
+    try:
+        t0 = time.monotonic()
+        fetched = await prefetch_media(_chat(server.url, server.url, server.url), MediaFetcher(1 << 20))
+        assert list(fetched.values()) == [PNG] * 3 and time.monotonic() - t0 < 1.5
+    finally:
+        server.close()
+
+
+async def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
     from worldserve.api.chat import build_params
+    from worldserve.api.chat_media import prefetch_media
     from worldserve.config import FlagValueError, MediaLimits
 
     limits = MediaLimits('{"image": 1, "video": 0}')
@@ -220,11 +244,14 @@ def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
             MediaLimits(bad)
     url = "http://127.0.0.1:9/never-fetched.png"  # refused before any download
     with pytest.raises(ParamError, match=r"At most 1 image\(s\) may be provided in one request"):
-        build_params(_chat(url, url), None, MediaFetcher(1 << 20), dict(limits))
-    assert build_params(_chat(f"{base_url}/ref.png"), None, MediaFetcher(1 << 20), dict(limits)).messages
+        await prefetch_media(_chat(url, url), MediaFetcher(1 << 20), dict(limits))
+    one = _chat(f"{base_url}/ref.png")
+    assert build_params(
+        one, None, await prefetch_media(one, MediaFetcher(1 << 20), dict(limits)), dict(limits)
+    )
 
 
-@pytest.mark.parametrize("value", ["soon", "0", "-3"])
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "inf", "1e12"])
 def test_bad_fetch_timeouts_stop_the_start_not_each_request(monkeypatch, tmp_path, value):
     from serving_helpers import make_client
 

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
+MAX_FETCH_TIMEOUT_S = 86400.0
 
 
 def _env_float(name: str) -> float | None:
@@ -49,8 +50,8 @@ def media_fetch_timeout_s(kind: str) -> float:
         ("VLLM_IMAGE_FETCH_TIMEOUT", 5.0) if kind == "image" else ("VLLM_VIDEO_FETCH_TIMEOUT", 30.0)
     )
     value = _env_float(name)
-    if value is not None and not value > 0:
-        raise ValueError(f"environment variable {name}={value} must be a positive number of seconds")
+    if value is not None and not 0 < value <= MAX_FETCH_TIMEOUT_S:
+        raise ValueError(f"environment variable {name}={value} must be a number of seconds in (0, 86400]")
     return default if value is None else value
 
 

@@ -123,10 +123,13 @@ def build_app(
             return JSONResponse({"status": "healthy"})
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
-    @app.api_route("/ping", methods=["GET", "POST"], tags=["server"])
-    async def ping() -> JSONResponse:
-        """vLLM's /ping (for SageMaker-style probes): the /health answer."""
-        return await health()
+    async def ping() -> Response:
+        """vLLM's /ping (SageMaker-style probes): an empty 200 while healthy, else /health's 503."""
+        ok, reason = client.health()
+        return Response(status_code=200) if ok else await health()
+
+    app.add_api_route("/ping", ping, methods=["GET"], tags=["server"], operation_id="ping_get")
+    app.add_api_route("/ping", ping, methods=["POST"], tags=["server"], operation_id="ping_post")
 
     @app.get("/load", tags=["server"])
     async def server_load() -> dict[str, int]:

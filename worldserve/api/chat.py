@@ -6,14 +6,11 @@ the API process, off the event loop) -> `ChatParams` (choice i of n samples with
 batched decode steps, so the event loop never waits on the model) -> api/chat_stream.py builds the answer.
 A client that disconnects before its answer is complete stops its chats at their next step
 (api/disconnect.py; a started SSE stream is watched by Starlette itself).
-Media: image_url and video_url parts accept base64 `data:` URLs, `file://` paths under
---allowed-local-media-path and http(s) URLs, downloaded within vLLM's fetch timeouts and the upload limit
-(api/media_urls.py; hosts limited by --allowed-media-domains when given). Videos are decoded with PyAV and sampled as
-Qwen3-VL's processor samples them (2 fps by default; per request `media_io_kwargs: {"video": {"fps": F}}` or
-`{"num_frames": N}`), each kept frame resized as it is decoded. Media decoding runs in a worker thread.
-Every image is checked against Qwen3-VL's `smart_resize` precondition (aspect ratio at most 200; any size
-down to 1x1 is scaled up to the processor's minimum) and a video's frame size likewise, so a bad one is a
-400 naming its part (`messages[i].content[j].image_url`), before any model work. `mm_processor_kwargs` are
+Media (api/chat_media.py): image_url and video_url parts accept base64 `data:` URLs, `file://` paths under
+--allowed-local-media-path and http(s) URLs, downloaded at once on the media fetcher's own threads before
+the rest is decoded in a worker thread; videos are sampled as Qwen3-VL's processor samples them (2 fps by
+default; per request `media_io_kwargs: {"video": {"fps": F}}` or `{"num_frames": N}`); a bad part is a 400
+naming it (`messages[i].content[j].image_url`), before any model work. `mm_processor_kwargs` are
 routed as transformers' processor routes them (a flat key to every modality that takes it): `size`
 {shortest_edge, longest_edge} (pixel budgets, images and videos), `min_pixels` / `max_pixels` (images),
 `fps` / `num_frames` (videos); any other key is a 400 naming it. `chat_template_kwargs` go to the chat
@@ -33,27 +30,23 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated
-from urllib.parse import unquote, urlparse
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import read_json_object
+from worldserve.api.chat_media import check_media_counts, part, prefetch_media, video_sampling
 from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ContentPart,
     pixel_budget,
     processor_kwargs,
     template_kwargs,
 )  # fmt: skip
 from worldserve.api.chat_stream import close_all, collect, metered, sse
-from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
-from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import (
     ChatFailed,
@@ -61,163 +54,20 @@ from worldserve.engine.client import (
     ChatUnavailableError,
     ShuttingDownError,
 )
-from worldserve.media.image import decode_image
-from worldserve.media.video_input import decode_chat_video
-from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError, VideoSampling
+from worldserve.params import ChatMessage, ChatParams
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
 
 
-def load_media_url(
-    url: str, allowed_local_path: str | None, kind: str = "image", *, param: str = "messages",
-    fetcher: MediaFetcher | None = None, budget: list[int] | None = None,
-) -> bytes:  # fmt: skip
-    """The bytes behind an image / video URL (data:, file:// under `allowed_local_path`, or http(s) through
-    `fetcher` within vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VLLM_VIDEO_FETCH_TIMEOUT and what is left of the
-    request's download `budget`, [bytes], reduced by each download); raises ParamError(param)."""
-    scheme = urlparse(url).scheme.lower()
-    if scheme == "data":
-        return data_url_bytes(url, param=param, bad_payload=f"Invalid base64 data in the {kind} data URL.")
-    if scheme == "file":
-        if not allowed_local_path:
-            raise ParamError(param, "Cannot load local files without `--allowed-local-media-path`.")
-        path = Path(unquote(urlparse(url).path)).resolve()
-        root = Path(allowed_local_path).resolve()
-        if not path.is_relative_to(root):
-            raise ParamError(
-                param, f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`."
-            )
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise ParamError(param, f"Cannot read {path}: {exc.strerror}") from None
-    if scheme in ("http", "https") and fetcher is not None:
-        data = fetcher.fetch_blocking(url, param=param, kind=kind, timeout_s=fetcher.chat_timeout_s(kind),
-                                      max_bytes=None if budget is None else budget[0])  # fmt: skip
-        if budget is not None:
-            budget[0] -= len(data)
-        return data
-    if scheme in ("http", "https"):
-        raise ParamError(param, "this server does not download http(s) media; send a base64 data URL")
-    raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
-
-
-def _url(ref, kind: str, path: str) -> str:
-    url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
-    if not url:
-        raise ParamError(path, f"a {kind}_url part needs {kind}_url.url")
-    return url
-
-
-def check_media_counts(body: ChatCompletionRequest, limits: Mapping[str, int]) -> None:
-    """ParamError("messages") when the request carries more images / videos than `limits` allow."""
-    for kind in ("image", "video"):
-        count = sum(
-            1 for m in body.messages if not isinstance(m.content, str | None) for p in m.content
-            if p.type == f"{kind}_url"
-        )  # fmt: skip
-        limit = limits.get(kind)
-        if limit is not None and count > limit:
-            raise ParamError("messages", f"At most {limit} {kind}(s) may be provided in one request "
-                             f"(--limit-mm-per-prompt); this one has {count}.")  # fmt: skip
-
-
-MAX_ASPECT_RATIO = 200
-"""Qwen2-VL / Qwen3-VL `smart_resize` refuses a longer side over 200 times the shorter one."""
-
-
-def check_image(image, path: str) -> None:
-    """A decoded image the Qwen3-VL processor can resize (any side >= 1 pixel); ParamError(path) otherwise."""
-    h, w = image.shape[:2]
-    if max(h, w) > MAX_ASPECT_RATIO * min(h, w):
-        raise ParamError(
-            path, f"image is {w}x{h} pixels: its aspect ratio (longer side / shorter side) must be at most "
-            f"{MAX_ASPECT_RATIO}, got {max(h, w) / min(h, w):g}",
-        )  # fmt: skip
-
-
-def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
-    """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) or the same from `mm_processor_kwargs`, and
-    its pixel budget, over Qwen3-VL's defaults (2 fps)."""
-    video = (media_io_kwargs or {}).get("video") or {}
-    if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
-        raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
-    if video.get("num_frames") == -1:  # vLLM's "decode every frame, let the processor sample": the default
-        video = {k: v for k, v in video.items() if k != "num_frames"}
-    mm_video = mm_video or {}
-    asked = {k: mm_video[k] for k in ("fps", "num_frames") if k in mm_video}
-    if asked and video:
-        raise ParamError("mm_processor_kwargs", "video sampling is set in media_io_kwargs.video: give fps / "
-                         "num_frames there or in mm_processor_kwargs, not both")  # fmt: skip
-    video = video or asked
-    lo, hi = pixel_budget(mm_video, "videos")
-    pixels = {k: v for k, v in (("min_pixels", lo), ("max_pixels", hi)) if v is not None}
-    param = "mm_processor_kwargs" if asked else "media_io_kwargs"
-    fps, num = video.get("fps"), video.get("num_frames")
-    if num == -1:
-        num = None
-    if (fps is not None and not isinstance(fps, int | float)) or (num is not None and type(num) is not int):
-        raise ParamError(param, f"{param} video fps must be a number, num_frames an integer")
-    try:
-        if num is not None:
-            return VideoSampling(fps=None if fps is None else float(fps), num_frames=num, **pixels).validate()
-        return VideoSampling(fps=2.0 if fps is None else float(fps), **pixels).validate()
-    except ParamError as exc:
-        raise ParamError(param, exc.message) from None
-
-
-def _part(
-    part: ContentPart,
-    path: str,
-    allowed_local_path: str | None,
-    sampling: VideoSampling,
-    fetcher: MediaFetcher | None,
-    budget: list[int] | None = None,
-) -> ChatPart:
-    """One content part, its media loaded and decoded; errors name `path` (messages[i].content[j])."""
-    if part.type == "text":
-        return ChatPart(type="text", text=part.text or "")
-    if part.type == "image_url":
-        path += ".image_url"
-        data = load_media_url(
-            _url(part.image_url, "image", path),
-            allowed_local_path,
-            param=path,
-            fetcher=fetcher,
-            budget=budget,
-        )
-        image = decode_image(data, param=path)
-        check_image(image, path)
-        return ChatPart(type="image", image=image)
-    if part.type == "video_url":
-        path += ".video_url"
-        data = load_media_url(
-            _url(part.video_url, "video", path),
-            allowed_local_path,
-            "video",
-            param=path,
-            fetcher=fetcher,
-            budget=budget,
-        )
-        try:
-            return ChatPart(type="video", video=decode_chat_video(data, sampling, param=path))
-        except ParamError as exc:
-            if exc.param == path:
-                raise
-            raise ParamError(path, exc.message) from None  # the frame-size check names no part
-    raise ParamError(f"{path}.type", f"content parts of type {part.type!r} are not supported")
-
-
 def build_params(
-    body: ChatCompletionRequest, allowed_local_path: str | None, fetcher: MediaFetcher | None = None,
+    body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
     limits: Mapping[str, int] | None = None,
 ) -> ChatParams:  # fmt: skip
-    """The request as ChatParams, media loaded (http(s) URLs through `fetcher`, all of a request's downloads
-    within one upload limit) and decoded (blocking: call it off the event loop); `limits`: the most images /
-    videos a request may carry (--limit-mm-per-prompt), checked before any media is loaded."""
+    """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media) and decoded
+    (blocking: call it off the event loop); `limits`: the most images / videos a request may carry
+    (--limit-mm-per-prompt), checked before any media is loaded."""
     check_media_counts(body, limits or {})
-    budget = [fetcher.max_bytes] if fetcher is not None else None
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
     image_min, image_max = pixel_budget(image_opts, "images")
     sampling = video_sampling(body.media_io_kwargs, video_opts)
@@ -229,7 +79,7 @@ def build_params(
             messages.append(ChatMessage(role=role, content=msg.content or ""))
         else:
             parts = tuple(
-                _part(p, f"messages[{i}].content[{j}]", allowed_local_path, sampling, fetcher, budget)
+                part(p, f"messages[{i}].content[{j}]", allowed_local_path, sampling, fetched)
                 for j, p in enumerate(msg.content)
             )
             messages.append(ChatMessage(role=role, content=parts))
@@ -306,7 +156,8 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(
             400, f"{field} is not supported by this server yet: {what} is not implemented", param=field
         )
-    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path, st.media, st.mm_limits)
+    fetched = await prefetch_media(body, st.media, st.mm_limits)
+    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path, fetched, st.mm_limits)
     # choice i samples with seed + i: different samples, the same ones on every run
     choices = [params] + [
         dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)

@@ -38,8 +38,11 @@ router = APIRouter(tags=["completions"])
 State = Annotated[AppState, Depends(app_state)]
 
 
-def tokenize_prompts(prompts, body: CompletionRequest) -> list[tuple[tuple[int, ...], str | None]]:
-    """Each prompt as (token ids, its text when `echo`) (blocking: tokenizes); ParamError("prompt")."""
+def tokenize_prompts(
+    prompts, body: CompletionRequest, max_model_len: int | None = None
+) -> list[tuple[tuple[int, ...], str | None]]:
+    """Each prompt as (token ids, its text when `echo`) (blocking: tokenizes; a text longer than
+    `max_model_len` tokens can hold is refused before); ParamError("prompt")."""
     given = body.prompt
     if isinstance(given, str) or (given and isinstance(given[0], int)):
         given = [given]  # one prompt: a text or one list of ids
@@ -48,7 +51,7 @@ def tokenize_prompts(prompts, body: CompletionRequest) -> list[tuple[tuple[int, 
     out = []
     for prompt in given:
         if isinstance(prompt, str):
-            ids = prompts.encode(prompt, add_special_tokens=body.add_special_tokens)
+            ids = prompts.encode(prompt, add_special_tokens=body.add_special_tokens, max_tokens=max_model_len)
             text = prompt
         else:
             ids = list(prompt)
@@ -87,8 +90,8 @@ async def create_completion(request: Request, st: State):
         return model_not_found(body.model)
     if (refused := body.refused()) is not None:
         raise APIError(400, refused[1], param=refused[0])
-    prompts, _ = reasoner_prompts(st)
-    tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body)
+    prompts, max_model_len = reasoner_prompts(st)
+    tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, max_model_len)
     choices = []
     for ids, _ in tokenized:
         params = chat_params(body, ids)

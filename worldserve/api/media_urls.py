@@ -86,31 +86,35 @@ class MediaFetcher:
         return parts
 
     async def fetch(
-        self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None
-    ) -> bytes:
-        """The body at `url`, downloaded off the event loop; `kind` is the media ("image", "video"), `what`
-        names the URL in messages (default `param`; e.g. "image_reference.image_url" for the field
-        "image_reference"). ParamError(param) (a 400) on any failure."""
+        self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None,
+        budget: DownloadBudget | None = None,
+    ) -> bytes:  # fmt: skip
+        """The body at `url`, downloaded on the fetcher's own threads; `kind` is the media ("image",
+        "video"), `what` names the URL in messages (default `param`; e.g. "image_reference.image_url" for the
+        field "image_reference"), `budget` the bytes it shares with its request's other downloads.
+        ParamError(param) (a 400) on any failure."""
         self.check(url, param, what)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self.pool,
-            lambda: self.fetch_blocking(url, param=param, kind=kind, timeout_s=timeout_s, what=what),
+            lambda: self.fetch_blocking(
+                url, param=param, kind=kind, timeout_s=timeout_s, what=what, budget=budget
+            ),
         )
 
     def fetch_blocking(
         self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None,
-        max_bytes: int | None = None,
+        budget: DownloadBudget | None = None,
     ) -> bytes:  # fmt: skip
-        """`fetch` on the calling thread; `max_bytes`: a lower limit than the fetcher's (what is left of a
-        request's budget)."""
+        """`fetch` on the calling thread; `budget`: bytes shared with the request's other downloads (default:
+        this download alone may take the fetcher's `max_bytes`)."""
         what = what or param
-        limit = self.max_bytes if max_bytes is None else min(max_bytes, self.max_bytes)
+        budget = budget if budget is not None else DownloadBudget(self.max_bytes)
         deadline = time.monotonic() + timeout_s
         try:
             for _ in range(MAX_REDIRECTS + 1):
                 parts = self.check(url, param, what)
-                status, location, body = self._get(parts, deadline, what, kind, limit)
+                status, location, body = self._get(parts, deadline, what, kind, budget)
                 if location is None:
                     if status >= 400:
                         raise _Failed(f"Invalid {what}: server returned HTTP {status}.")
@@ -125,11 +129,15 @@ class MediaFetcher:
             raise
         except _Failed as exc:
             raise ParamError(param, str(exc)) from None
-        except (OSError, ValueError, http.client.HTTPException):
+        except (OSError, ValueError, OverflowError, http.client.HTTPException):
             raise ParamError(param, f"Invalid {what}: failed to download {kind}.") from None
 
-    def _get(self, parts: urllib.parse.SplitResult, deadline: float, what: str, kind: str, limit: int):
-        """One GET: (status, redirect location or None, body). The connection is shut down at `deadline`."""
+    def _get(
+        self, parts: urllib.parse.SplitResult, deadline: float, what: str, kind: str, budget: DownloadBudget
+    ):
+        """One GET: (status, redirect location or None, body). Past `deadline` it fails: checked after
+        connecting (a slow DNS answer or connect cannot be cut), and a timer shuts the socket down under any
+        blocked read, which also gets at most the time left."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
@@ -140,10 +148,16 @@ class MediaFetcher:
             )
         else:
             conn = http.client.HTTPConnection(host, parts.port, timeout=remaining)
-        timer = threading.Timer(remaining, _shut, (conn,))
+        expired, held = threading.Event(), []  # held: the socket, once connected (the response may own it)
+        timer = threading.Timer(remaining, _expire, (held, expired))
         timer.daemon = True
         timer.start()
+        taken = 0
         try:
+            conn.connect()
+            held.append(sock := conn.sock)
+            if expired.is_set() or time.monotonic() > deadline:  # the timer fired before there was a socket
+                raise TimeoutError
             path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
             conn.request("GET", path, headers={"User-Agent": f"worldserve/{__version__}", "Accept": "*/*"})
             resp = conn.getresponse()
@@ -152,18 +166,27 @@ class MediaFetcher:
             if resp.status >= 400:
                 return resp.status, None, b""
             declared = resp.getheader("Content-Length")
-            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            if declared is not None and declared.strip().isdigit() and int(declared) > budget.left:
                 raise _Failed(self._too_large(what, kind))
-            chunks, size = [], 0
-            while chunk := resp.read1(CHUNK):
-                size += len(chunk)
-                if size > limit:
+            chunks = []
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or expired.is_set():
+                    raise TimeoutError
+                sock.settimeout(left)
+                chunk = resp.read1(CHUNK)
+                if not chunk:  # the end, or the timer's shutdown, or the server hung up early
+                    if expired.is_set() or resp.length:  # resp.length: bytes Content-Length still promised
+                        raise TimeoutError
+                    break
+                if not budget.take(len(chunk)):
                     raise _Failed(self._too_large(what, kind))
+                taken += len(chunk)
                 chunks.append(chunk)
-            if time.monotonic() > deadline:
-                raise TimeoutError
+            taken = 0  # kept: the bytes stay counted against the request
             return resp.status, None, b"".join(chunks)
         finally:
+            budget.give_back(taken)  # a failed download frees what it had taken
             timer.cancel()
             conn.close()
 
@@ -172,10 +195,29 @@ class MediaFetcher:
                 "MB upload limit (one request's downloads share it).")  # fmt: skip
 
 
-def _shut(conn: http.client.HTTPConnection) -> None:
-    """Break a blocked connect / read at the deadline (the reading thread then fails with an OSError)."""
-    sock = conn.sock
-    if sock is not None:
+class DownloadBudget:
+    """Bytes the downloads of one request may take together (thread-safe: they run concurrently)."""
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if n > self.left:
+                return False
+            self.left -= n
+            return True
+
+    def give_back(self, n: int) -> None:
+        with self._lock:
+            self.left += n
+
+
+def _expire(held: list[socket.socket], expired: threading.Event) -> None:
+    """The deadline: mark it, and break a blocked read (the reading thread then fails with an OSError)."""
+    expired.set()
+    for sock in held:
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Request
 
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat import build_params, inline_refs, model_not_found
+from worldserve.api.chat_media import prefetch_media
 from worldserve.api.completions_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -63,8 +64,9 @@ def openapi_body(*models) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def _tokenize_chat(st: AppState, prompts, body: TokenizeChatRequest) -> list[int]:
-    """The chat form's ids: the chat's params (media loaded, blocking) through the Reasoner's builder."""
+def _tokenize_chat(st: AppState, prompts, body: TokenizeChatRequest, fetched: dict[str, bytes]) -> list[int]:
+    """The chat form's ids: the chat's params (media loaded, blocking; http(s) ones already `fetched`)
+    through the Reasoner's builder."""
     if body.add_generation_prompt and body.continue_final_message:
         raise ParamError(
             "continue_final_message",
@@ -74,7 +76,7 @@ def _tokenize_chat(st: AppState, prompts, body: TokenizeChatRequest) -> list[int
         raise ParamError(
             "tools", "tools are not supported by this server yet: tool calling is not implemented"
         )
-    params = build_params(body.as_chat(), st.allowed_local_media_path, st.media, st.mm_limits)
+    params = build_params(body.as_chat(), st.allowed_local_media_path, fetched, st.mm_limits)
     prompt = prompts.build(
         params, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
@@ -94,11 +96,16 @@ async def tokenize(request: Request, st: State):
     if body.model is not None and body.model != st.served_model_name:
         return model_not_found(body.model)
     prompts, max_model_len = reasoner_prompts(st)
-    if chat:
-        ids = await asyncio.to_thread(_tokenize_chat, st, prompts, body)
-    else:
-        ids = await asyncio.to_thread(prompts.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-    strs = prompts.token_strs(ids) if body.return_token_strs else None
+
+    def encode() -> tuple[list[int], list[str] | None]:  # in a worker thread: long prompts take seconds
+        if chat:
+            ids = _tokenize_chat(st, prompts, body, fetched)
+        else:
+            ids = prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return ids, prompts.token_strs(ids) if body.return_token_strs else None
+
+    fetched = await prefetch_media(body.as_chat(), st.media, st.mm_limits) if chat else {}
+    ids, strs = await asyncio.to_thread(encode)
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 

@@ -72,11 +72,16 @@ def _guardrails_off_only(overrides: dict[str, Any]) -> bool:
     return True
 
 
+SAMPLING_DEFAULTS = ("width", "height", "num_frames", "fps", "num_inference_steps", "guidance_scale",
+                     "flow_shift", "seed", "max_sequence_length")  # fmt: skip
+"""The VideoParams fields --default-sampling-params may restate."""
+
+
 def _model_defaults_only(stages: dict[str, Any]) -> bool:
     """--default-sampling-params whose every stage entry only restates VideoParams' defaults."""
     from worldserve.params import VideoParams
 
-    defaults = {f: getattr(VideoParams(prompt="x"), f) for f in VideoParams.__dataclass_fields__}
+    defaults = {f: getattr(VideoParams(prompt="x"), f) for f in SAMPLING_DEFAULTS}
     return all(
         isinstance(entry, dict) and all(k in defaults and defaults[k] == v for k, v in entry.items())
         for entry in stages.values() if entry is not None

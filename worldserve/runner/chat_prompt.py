@@ -16,6 +16,7 @@ its ids are checked against the vocabulary (no vision placeholders: there is no 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +68,24 @@ class ChatPromptBuilder:
         """Token ids the tokenizer knows (added special tokens included): valid ids are [0, vocab_size)."""
         return len(self.tokenizer)
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """A raw text's token ids (`add_special_tokens`: the tokenizer's BOS / EOS rules, as vLLM's default)."""
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        """A raw text's token ids (`add_special_tokens`: the tokenizer's BOS / EOS rules, as vLLM's default).
+        With `max_tokens`, a text with more bytes than that many tokens can hold is a ParamError("prompt")
+        before tokenizing (megabytes take seconds to tokenize, only to be refused for the context)."""
+        if max_tokens is not None:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > (max_tokens + 64) * self.max_bytes_per_token:
+                raise ParamError("prompt", f"the prompt is {size} bytes, more than the context of {max_tokens} "
+                                 "tokens can hold")  # fmt: skip
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int:
+        """No token stands for more input bytes than this (the longest vocabulary entry's UTF-8 length, x4
+        for normalisers that shorten text): a bound, not an estimate."""
+        return 4 * max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1)
 
     def decode(self, ids: list[int], *, param: str = "tokens") -> str:
         """The text of token ids (special tokens kept, as vLLM's /detokenize); ParamError(param) for a bad id."""

@@ -1,0 +1,192 @@
+"""The media parts of a chat request (image_url / video_url): fetched, loaded, checked and decoded.
+
+`prefetch_media(body, fetcher, limits)` (async, on the event loop) first checks the request's media counts
+(`--limit-mm-per-prompt`) and then downloads every http(s) URL part at once on the fetcher's own thread
+pool (api/media_urls.py: vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VLLM_VIDEO_FETCH_TIMEOUT, one upload limit
+shared by the request's downloads), so slow remote servers hold neither the event loop nor the threads the
+rest of the API works on. `part(...)` (blocking, in a worker thread) turns one content part into a
+`ChatPart`: its bytes from the prefetched downloads, a base64 `data:` URL or a `file://` path under
+--allowed-local-media-path; images decoded and checked against Qwen3-VL's `smart_resize` precondition
+(aspect ratio at most 200; any size down to 1x1 is scaled up to the processor's minimum), videos decoded
+with PyAV and sampled as Qwen3-VL's processor samples them, each kept frame resized as it is decoded.
+Errors name the part (`messages[i].content[j].image_url`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart, pixel_budget
+from worldserve.api.data_urls import data_url_bytes
+from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
+from worldserve.media.image import decode_image
+from worldserve.media.video_input import decode_chat_video
+from worldserve.params import ChatPart, ParamError, VideoSampling
+
+
+def media_parts(body: ChatCompletionRequest):
+    """(path, kind, url) of every image_url / video_url part, path as `messages[i].content[j].<type>`."""
+    for i, msg in enumerate(body.messages):
+        if msg.content is None or isinstance(msg.content, str):
+            continue
+        for j, p in enumerate(msg.content):
+            if p.type in ("image_url", "video_url"):
+                path = f"messages[{i}].content[{j}].{p.type}"
+                kind = p.type.removesuffix("_url")
+                yield path, kind, _url(getattr(p, p.type), kind, path)
+
+
+async def prefetch_media(
+    body: ChatCompletionRequest, fetcher: MediaFetcher | None, limits: Mapping[str, int] | None = None
+) -> dict[str, bytes]:
+    """The request's http(s) media, path -> bytes, downloaded concurrently within one budget (no fetcher:
+    none; `part` then refuses such URLs); the media counts are checked first, before any download."""
+    check_media_counts(body, limits or {})
+    wanted = [(path, kind, url) for path, kind, url in media_parts(body) if is_http_url(url)]
+    if fetcher is None or not wanted:
+        return {}
+    budget = DownloadBudget(fetcher.max_bytes)
+    results = await asyncio.gather(
+        *(fetcher.fetch(url, param=path, kind=kind, timeout_s=fetcher.chat_timeout_s(kind), budget=budget)
+          for path, kind, url in wanted),
+        return_exceptions=True,
+    )  # fmt: skip
+    for result in results:  # the first failure in the request's order
+        if isinstance(result, BaseException):
+            raise result
+    return {path: data for (path, _, _), data in zip(wanted, results, strict=True)}
+
+
+def load_media_url(
+    url: str, allowed_local_path: str | None, kind: str = "image", *, param: str = "messages",
+    fetched: Mapping[str, bytes] | None = None,
+) -> bytes:  # fmt: skip
+    """The bytes behind an image / video URL (data:, file:// under `allowed_local_path`, or an http(s) URL's
+    download in `fetched`, keyed by `param`: prefetch_media); raises ParamError(param)."""
+    scheme = urlparse(url).scheme.lower()
+    if scheme == "data":
+        return data_url_bytes(url, param=param, bad_payload=f"Invalid base64 data in the {kind} data URL.")
+    if scheme == "file":
+        if not allowed_local_path:
+            raise ParamError(param, "Cannot load local files without `--allowed-local-media-path`.")
+        path = Path(unquote(urlparse(url).path)).resolve()
+        root = Path(allowed_local_path).resolve()
+        if not path.is_relative_to(root):
+            raise ParamError(
+                param, f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`."
+            )
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise ParamError(param, f"Cannot read {path}: {exc.strerror}") from None
+    if scheme in ("http", "https") and fetched is not None and param in fetched:
+        return fetched[param]
+    if scheme in ("http", "https"):
+        raise ParamError(param, "this server does not download http(s) media; send a base64 data URL")
+    raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
+
+
+def _url(ref, kind: str, path: str) -> str:
+    url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
+    if not url:
+        raise ParamError(path, f"a {kind}_url part needs {kind}_url.url")
+    return url
+
+
+def check_media_counts(body: ChatCompletionRequest, limits: Mapping[str, int]) -> None:
+    """ParamError("messages") when the request carries more images / videos than `limits` allow."""
+    for kind in ("image", "video"):
+        count = sum(
+            1 for m in body.messages if not isinstance(m.content, str | None) for p in m.content
+            if p.type == f"{kind}_url"
+        )  # fmt: skip
+        limit = limits.get(kind)
+        if limit is not None and count > limit:
+            raise ParamError("messages", f"At most {limit} {kind}(s) may be provided in one request "
+                             f"(--limit-mm-per-prompt); this one has {count}.")  # fmt: skip
+
+
+MAX_ASPECT_RATIO = 200
+"""Qwen2-VL / Qwen3-VL `smart_resize` refuses a longer side over 200 times the shorter one."""
+
+
+def check_image(image, path: str) -> None:
+    """A decoded image the Qwen3-VL processor can resize (any side >= 1 pixel); ParamError(path) otherwise."""
+    h, w = image.shape[:2]
+    if max(h, w) > MAX_ASPECT_RATIO * min(h, w):
+        raise ParamError(
+            path, f"image is {w}x{h} pixels: its aspect ratio (longer side / shorter side) must be at most "
+            f"{MAX_ASPECT_RATIO}, got {max(h, w) / min(h, w):g}",
+        )  # fmt: skip
+
+
+def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
+    """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) or the same from `mm_processor_kwargs`, and
+    its pixel budget, over Qwen3-VL's defaults (2 fps)."""
+    video = (media_io_kwargs or {}).get("video") or {}
+    if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
+        raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
+    if video.get("num_frames") == -1:  # vLLM's "decode every frame, let the processor sample": the default
+        video = {k: v for k, v in video.items() if k != "num_frames"}
+    mm_video = mm_video or {}
+    asked = {k: mm_video[k] for k in ("fps", "num_frames") if k in mm_video}
+    if asked and video:
+        raise ParamError("mm_processor_kwargs", "video sampling is set in media_io_kwargs.video: give fps / "
+                         "num_frames there or in mm_processor_kwargs, not both")  # fmt: skip
+    video = video or asked
+    lo, hi = pixel_budget(mm_video, "videos")
+    pixels = {k: v for k, v in (("min_pixels", lo), ("max_pixels", hi)) if v is not None}
+    param = "mm_processor_kwargs" if asked else "media_io_kwargs"
+    fps, num = video.get("fps"), video.get("num_frames")
+    if num == -1:
+        num = None
+    if (fps is not None and not isinstance(fps, int | float)) or (num is not None and type(num) is not int):
+        raise ParamError(param, f"{param} video fps must be a number, num_frames an integer")
+    try:
+        if num is not None:
+            return VideoSampling(fps=None if fps is None else float(fps), num_frames=num, **pixels).validate()
+        return VideoSampling(fps=2.0 if fps is None else float(fps), **pixels).validate()
+    except ParamError as exc:
+        raise ParamError(param, exc.message) from None
+
+
+def part(
+    part: ContentPart,
+    path: str,
+    allowed_local_path: str | None,
+    sampling: VideoSampling,
+    fetched: Mapping[str, bytes] | None = None,
+) -> ChatPart:
+    """One content part, its media loaded and decoded; errors name `path` (messages[i].content[j])."""
+    if part.type == "text":
+        return ChatPart(type="text", text=part.text or "")
+    if part.type == "image_url":
+        path += ".image_url"
+        data = load_media_url(
+            _url(part.image_url, "image", path),
+            allowed_local_path,
+            param=path,
+            fetched=fetched,
+        )
+        image = decode_image(data, param=path)
+        check_image(image, path)
+        return ChatPart(type="image", image=image)
+    if part.type == "video_url":
+        path += ".video_url"
+        data = load_media_url(
+            _url(part.video_url, "video", path),
+            allowed_local_path,
+            "video",
+            param=path,
+            fetched=fetched,
+        )
+        try:
+            return ChatPart(type="video", video=decode_chat_video(data, sampling, param=path))
+        except ParamError as exc:
+            if exc.param == path:
+                raise
+            raise ParamError(path, exc.message) from None  # the frame-size check names no part
+    raise ParamError(f"{path}.type", f"content parts of type {part.type!r} are not supported")
