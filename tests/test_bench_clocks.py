@@ -79,3 +79,20 @@ def test_sustained_times_at_least_two_batches(seconds):
     r = mod.sustained(lambda: calls.append(1), 1e6, seconds, torch.device("cpu"))
     assert r["calls"] == len(calls) - 2  # the warm-up and the probe are not counted
     assert r["calls"] >= 2 * r["batch"]
+
+
+def test_the_bench_report_states_the_clocks():
+    import torch
+
+    from worldserve.bench import report
+
+    results = {
+        "environment": report.environment(torch.device("cpu")), "args": {"text_tokens": 300, "neg_text_tokens": 300},
+        "clocks": {"board": None, "phases": {"decode": None, "transformer 1280x720x189+audio": {
+            "readings": 50, "sm_mhz": 1530.0, "sm_mhz_min": 1425.0, "power_w": 690.0, "power_w_max": 701.0,
+            "temp_c_max": 59.0, "reasons": ["sw_power_cap"]}}},
+    }  # fmt: skip
+    text = report.markdown(results)
+    assert (
+        "Clocks (nvidia-smi, median): transformer 1280x720x189+audio 1530 MHz, 690 W (power-capped)" in text
+    )

@@ -181,6 +181,11 @@ def markdown(results: dict) -> str:
             f"One gen layer ({num['tokens']} tokens) vs a float32 copy, rel. L2 of the output: eager "
             f"{num['eager_vs_fp32']:.2e}, compiled {num['compiled_vs_fp32']:.2e}"
         )
+    clocks = [(name, c) for name, c in results.get("clocks", {}).get("phases", {}).items() if c]
+    if clocks:
+        lines.append("Clocks (nvidia-smi, median): " + "; ".join(
+            f"{name} {c['sm_mhz']:.0f} MHz, {c['power_w']:.0f} W{' (power-capped)' if 'sw_power_cap' in c['reasons'] else ''}"
+            for name, c in clocks))  # fmt: skip
     var = results.get("variants", {}).get("table")
     if var:
         lines += ["", "| change | predicted gain | measured gain |", "|---|---|---|"]

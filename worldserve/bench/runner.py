@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from worldserve.bench import report
+from worldserve.bench.clocks import ClockLog, board_limits
 from worldserve.bench.decode import bench_decode, decode_total
 from worldserve.bench.denoise import DiffusersStep, OurStep, make_inputs, rel_error
 from worldserve.bench.flops import PEAK_BF16_TFLOPS, roofline_seconds
@@ -310,20 +311,34 @@ class Bench:
 
     # ------------------------------------------------------------------ driver
     def run(self) -> str:
+        """All phases, with the GPU's clock and power read beside them (bench/clocks.py: the board's power
+        cap sets the sustained rate, so a run on a slower machine shows why in its results)."""
+        clocks = ClockLog().start() if self.device.type == "cuda" else ClockLog()
+        try:
+            return self._run(clocks)
+        finally:
+            clocks.stop()
+            self.results["clocks"] = {"board": board_limits(), "phases": clocks.summary()}
+            self.save()
+
+    def _run(self, clocks: ClockLog) -> str:
         ph = self.o.phases
         if "transformer" in ph:  # variants need the transformer points too
             self.build()
         if "transformer" in ph:
             for i, w in enumerate(self.o.points):
-                self.results["points"].append(self.transformer_point(w, first=i == 0))
+                with clocks.phase(f"transformer {w.label}"):
+                    self.results["points"].append(self.transformer_point(w, first=i == 0))
                 self.save()
         self.ref = None
         free_memory(self.device)
         if "decode" in ph:
-            self.decode()
+            with clocks.phase("decode"):
+                self.decode()
             self.save()
         if "variants" in ph and self.results["points"]:
-            self.variants()
+            with clocks.phase("variants"):
+                self.variants()
             self.save()
         if self.results["points"]:
             self.e2e()
