@@ -198,6 +198,33 @@ DROP = object()
 """A patch value that removes the field from the request body."""
 
 
+def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
+    """ignore_eos runs past the end of sequence to max_tokens; min_tokens holds the end back; a request's
+    stop_token_ids end it, with the id as stop_reason (here: every id, so the first token ends it)."""
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 300, "temperature": 1.0}
+
+    def run(**extra) -> dict:
+        r = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0] | {"tokens": r.json()["usage"]["completion_tokens"]}
+
+    seed, natural = next(
+        (s, c["tokens"]) for s in range(50) if (c := run(seed=s))["finish_reason"] == "stop" and c["tokens"] < 250
+    )  # fmt: skip
+    forced = run(seed=seed, ignore_eos=True)
+    assert (forced["finish_reason"], forced["tokens"]) == ("length", 300)
+    held = run(seed=seed, min_tokens=natural + 20)
+    assert held["tokens"] >= natural + 20
+    every = list(range(reasoner.prompts.vocab_size))
+    first = run(seed=seed, stop_token_ids=every)
+    assert first["finish_reason"] == "stop" and first["tokens"] == 0 and isinstance(first["stop_reason"], int)
+    assert first["text"] == ""
+    r = httpx.post(url + "/v1/completions", json={**body, "stop_token_ids": [10**9]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    r = httpx.post(url + "/v1/completions", json={**body, "min_tokens": 301}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
 @pytest.mark.parametrize(
     ("route", "patch", "status", "param", "needle"),
     [

@@ -349,6 +349,12 @@ class ChatParams:
     """Return each output token's log-probability."""
     top_logprobs: int = 0
     """With logprobs: also the this-many most likely tokens at each position (0-20)."""
+    ignore_eos: bool = False
+    """vLLM's: keep generating past the end-of-sequence tokens (up to max_tokens)."""
+    min_tokens: int = 0
+    """vLLM's: no end of sequence (and no stop string or stop token id) before this many tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """vLLM's: more token ids that end the completion (its stop_reason is then the id)."""
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra chat template variables (`chat_template_kwargs`, e.g. enable_thinking)."""
     image_min_pixels: int | None = None
@@ -372,6 +378,8 @@ class ChatParams:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ParamError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ParamError("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ParamError("stop", "stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):

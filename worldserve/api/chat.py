@@ -83,18 +83,10 @@ def build_params(
                 for j, p in enumerate(msg.content)
             )
             messages.append(ChatMessage(role=role, content=parts))
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return ChatParams(
         messages=tuple(messages),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        seed=body.seed,
-        stop=stop,
-        presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
-        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        **body.sampling_options(),
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
         chat_template_kwargs=chat_template_kwargs,

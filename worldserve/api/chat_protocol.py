@@ -94,6 +94,9 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     response_format: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
     # constrained decoding (vLLM extensions), declared only to be refused; typed Any so that any value gets
     # the 400 naming the field rather than a validation error
     structured_outputs: Any = None
@@ -102,6 +105,18 @@ class SamplingRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structural_tag: Any = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The ChatParams sampling fields of this request, vLLM's defaults for those it leaves out."""
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        return {
+            "temperature": pick(self.temperature, 1.0), "top_p": pick(self.top_p, 1.0), "top_k": pick(self.top_k, 0),
+            "seed": self.seed, "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            "presence_penalty": pick(self.presence_penalty, 0.0),
+            "frequency_penalty": pick(self.frequency_penalty, 0.0),
+            "repetition_penalty": pick(self.repetition_penalty, 1.0), "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
+        }  # fmt: skip
 
     def misplaced_stream_options(self) -> bool:
         """vLLM's rule: non-empty stream_options only with stream=true (the route answers a 400)."""

@@ -63,19 +63,10 @@ def tokenize_prompts(
     return out
 
 
-SAMPLING_DEFAULTS = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}  # fmt: skip
-"""What a request that leaves a sampling field out gets (the chat's defaults)."""
-
-
 def chat_params(body: CompletionRequest, ids: tuple[int, ...]) -> ChatParams:
     """One prompt's ChatParams: its ids and the request's sampling options."""
-    sampling = {k: d if getattr(body, k) is None else getattr(body, k) for k, d in SAMPLING_DEFAULTS.items()}
     return ChatParams(
-        prompt_ids=ids, max_tokens=body.max_tokens, seed=body.seed, **sampling,
-        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+        prompt_ids=ids, max_tokens=body.max_tokens, **body.sampling_options(),
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
     ).validate()  # fmt: skip
 

@@ -90,8 +90,9 @@ class ChatDelta:
     """Completion tokens so far (the stop token excluded)."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """With `logprobs` requested: the token sampled this step (none for the stop token)."""
-    stop_reason: str | None = None
-    """With finish_reason "stop": the `stop` string that matched (None for an end-of-sequence token)."""
+    stop_reason: str | int | None = None
+    """With finish_reason "stop": the `stop` string that matched, the id of a request's `stop_token_ids` that
+    ended it, or None for an end-of-sequence token."""
 
 
 class ChatSession(Protocol):

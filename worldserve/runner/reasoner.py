@@ -350,6 +350,7 @@ class Reasoner:
         """Validate, build the prompt (or take `prompt`, built for the same messages, or the one of its last
         refused start), check the context: (prompt, completion token budget). ParamError for a bad request."""
         params.validate()
+        self.prompts.check_ids(list(params.stop_token_ids), "stop_token_ids")
         deferred = self._deferred.pop(id(params), None)
         if prompt is None:
             prompt = (
@@ -388,7 +389,8 @@ class Reasoner:
             prompt_ids=tuple(prompt.input_ids),
         )
         session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
-                                  max_tokens=budget, stop=params.stop,
+                                  max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
+                                  params.stop_token_ids),
                                   top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
         self._started += 1
         self._live += 1  # counted once the session exists: its close() takes it back (forget)

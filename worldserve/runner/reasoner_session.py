@@ -9,6 +9,9 @@ boundary (with one boundary of context before them), so a step costs the same at
 10,000; a token that ends inside a UTF-8 character adds no text until the character completes. Stop strings
 are searched where the new text could complete one; a possible stop-string prefix is held back from the
 deltas until it is ruled out.
+vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
+the id), and before `min_tokens` tokens no end applies: the ending ids' logits are -inf and stop strings
+are not searched.
 
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
@@ -38,8 +41,9 @@ class ReasonerSession:
     def __init__(
         self, reasoner: Reasoner, sampler: TokenSampler, seq: PagedSequence | None, logits: Tensor,
         position: int, *, prompt: ChatPrompt, started: int, max_tokens: int, stop: Sequence[str],
-        top_logprobs: int | None = None,
+        top_logprobs: int | None = None, ends: tuple[bool, int, tuple[int, ...]] = (False, 0, ()),
     ) -> None:  # fmt: skip
+        """`ends`: vLLM's (ignore_eos, min_tokens, stop_token_ids) of the request."""
         self._r, self._sampler, self._seq = reasoner, sampler, seq
         self._logits: Tensor | None = logits
         self._position = position
@@ -49,9 +53,12 @@ class ReasonerSession:
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.top_logprobs = top_logprobs  # None: no logprobs
+        self.ignore_eos, self.min_tokens, extra = ends
+        self.stop_token_ids = frozenset(extra)  # the request's own, besides the model's end-of-sequence ids
+        self._ends: Tensor | None = None  # every id that ends it, to mask before min_tokens
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.stop_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self._text = ""  # detokenized so far, up to the last token boundary outside a character
         self._tail = ""  # complete characters decoded after it, held while a character is unfinished
         self._prefix_at = self._read_at = 0  # incremental detokenization boundaries (token indices)
@@ -69,8 +76,14 @@ class ReasonerSession:
 
     @property
     def pending_logits(self) -> Tensor | None:
-        """Logits of the next token, or None while its decode step is outstanding or the chat is over."""
-        return self._logits
+        """Logits of the next token, or None while its decode step is outstanding or the chat is over; before
+        `min_tokens` tokens, those of every token that would end it are -inf (vLLM's min_tokens)."""
+        if self._logits is None or self.completion_tokens >= self.min_tokens:
+            return self._logits
+        if self._ends is None:
+            ids = sorted((set() if self.ignore_eos else set(self._r.stop_token_ids)) | self.stop_token_ids)
+            self._ends = torch.tensor(ids, dtype=torch.long, device=self._logits.device)
+        return self._logits.index_fill(0, self._ends, float("-inf"))
 
     def step(self) -> ChatDelta:
         """Sample one token, return the new text (possibly empty) and the finish reason once done."""
@@ -130,7 +143,7 @@ class ReasonerSession:
         to `receive`."""
         if self.finish_reason is not None or self._logits is None:
             raise RuntimeError("the session is finished")
-        finished = token in self._r.stop_token_ids
+        finished = (token in self._r.stop_token_ids and not self.ignore_eos) or token in self.stop_token_ids
         logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
         before = len(self._text) + len(self._tail)
         if not finished:
@@ -138,11 +151,12 @@ class ReasonerSession:
         # the last step flushes an unfinished character (as U+FFFD), so a stop string before it still counts
         self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens)
         view = self._text + self._tail  # all complete characters so far
-        cut, matched = self._find_stop(view, before)
+        cut, matched = self._find_stop(view, before) if len(self.token_ids) >= self.min_tokens else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
-            # vLLM's stop_reason: the matched stop string, None for an end-of-sequence token
-            self.stop_reason = None if finished and cut < 0 else matched
+            # vLLM's stop_reason: the matched stop string, the id of a request's stop token, None for an
+            # end-of-sequence token
+            self.stop_reason = matched if cut >= 0 else token if token in self.stop_token_ids else None
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is None:
