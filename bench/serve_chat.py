@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--api-checks", action="store_true",
         help="also the Reasoner's other routes on this server: /v1/completions (n=2 token-id prompt, logprobs, "
-        "streamed; 8 at once), /tokenize (prompt and chat with an image), /detokenize, a chat whose image is an "
+        "streamed; 8 at once; ignore_eos + min_tokens), /tokenize (prompt and chat with an image), /detokenize, a chat whose image is an "
         "http URL (served by this script), /ping, /load",
     )  # fmt: skip
     ap.add_argument(
@@ -184,6 +184,10 @@ def api_checks(url: str, served: str, max_tokens: int) -> dict:
         "events": len(lines),
         "done": lines[-1] == "data: [DONE]",
     }
+    ends = {**body, "n": 1, "logprobs": None, "max_tokens": 32, "ignore_eos": True, "min_tokens": 16}
+    r = HTTP.post(url + "/v1/completions", json=ends, timeout=600).json()
+    out["ignore_eos_min_tokens"] = {"finish": r["choices"][0]["finish_reason"],
+                                    "tokens": r["usage"]["completion_tokens"]}  # fmt: skip
     tok = HTTP.post(url + "/tokenize", json={"model": served, "prompt": "A fox in the snow."}).json()
     detok = HTTP.post(url + "/detokenize", json={"model": served, "tokens": tok.get("tokens", [])}).json()
     out["tokenize"] = {"count": tok.get("count"), "max_model_len": tok.get("max_model_len"),
