@@ -98,6 +98,27 @@ def test_non_stream_text_matches_the_reasoner(oai, reasoner):
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens and 0 < u.completion_tokens <= 6
 
 
+def test_prompts_are_built_off_the_chat_worker_thread(oai, reasoner, monkeypatch):
+    """The chat template, tokenization and media preprocessing of a chat run in the API's worker thread:
+    on the chat worker's thread, which every running chat shares, a megabytes-long prompt held them all up
+    while it tokenized (seconds at 5 MB)."""
+    import threading
+
+    threads = []
+    build = reasoner.prompts.build
+
+    def recording_build(params, **kw):
+        threads.append(threading.current_thread().name)
+        return build(params, **kw)
+
+    monkeypatch.setattr(reasoner.prompts, "build", recording_build)
+    resp = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=2, temperature=0, n=2
+    )
+    assert len(resp.choices) == 2 and threads and "worldserve-chat" not in threads
+    assert len(threads) == 1  # once for the request: its n choices share the prompt
+
+
 def test_stream_with_image_data_url(oai, reasoner):
     png = _png(0)
     parts = [

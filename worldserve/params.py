@@ -355,6 +355,10 @@ class ChatParams:
     """vLLM's: no end of sequence (and no stop string or stop token id) before this many tokens."""
     stop_token_ids: tuple[int, ...] = ()
     """vLLM's: more token ids that end the completion (its stop_reason is then the id)."""
+    prebuilt: Any = field(default=None, compare=False, repr=False)
+    """The prompt built from these params (runner/chat_prompt.py's ChatPrompt: template, tokens, media),
+    when the API built it in its own worker thread; None: the Reasoner builds it (on the chat worker's
+    thread, where a megabytes-long prompt would hold up every running chat while it tokenizes)."""
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra chat template variables (`chat_template_kwargs`, e.g. enable_thinking)."""
     image_min_pixels: int | None = None

@@ -95,6 +95,15 @@ def build_params(
     ).validate()
 
 
+def prepared_params(st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes]) -> ChatParams:
+    """build_params, then the Reasoner's prompt built from them (template, tokens, media) here, in the API's
+    worker thread, not on the chat worker's, which every running chat shares (blocking)."""
+    params = build_params(body, st.allowed_local_media_path, fetched, st.mm_limits)
+    worker = st.client.chat_worker
+    prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
+    return params if prompts is None else dataclasses.replace(params, prebuilt=prompts.build(params))
+
+
 def model_not_found(model: str) -> JSONResponse:
     body = error_body(404, f"The model `{model}` does not exist.", "model")
     body["error"]["type"] = "NotFoundError"
@@ -149,7 +158,7 @@ async def create_chat_completion(request: Request, st: State):
             400, f"{field} is not supported by this server yet: {what} is not implemented", param=field
         )
     fetched = await prefetch_media(body, st.media, st.mm_limits)
-    params = await asyncio.to_thread(build_params, body, st.allowed_local_media_path, fetched, st.mm_limits)
+    params = await asyncio.to_thread(prepared_params, st, body, fetched)
     # choice i samples with seed + i: different samples, the same ones on every run
     choices = [params] + [
         dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)

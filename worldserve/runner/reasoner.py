@@ -352,6 +352,8 @@ class Reasoner:
         params.validate()
         self.prompts.check_ids(list(params.stop_token_ids), "stop_token_ids")
         deferred = self._deferred.pop(id(params), None)
+        if prompt is None and params.prebuilt is not None:
+            prompt = params.prebuilt
         if prompt is None:
             prompt = (
                 deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
