@@ -149,6 +149,10 @@ def test_stop_string_and_echo(oai, reasoner):
     cut = oai.completions.create(stop=[stop], **kw).choices[0]
     assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop
     assert cut.text == text[: text.find(stop)]
+    kept = oai.completions.create(stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw).choices[
+        0
+    ]
+    assert kept.text == text[: text.find(stop) + len(stop)] and kept.finish_reason == "stop"
     echoed = oai.completions.create(echo=True, **{**kw, "max_tokens": 4})
     assert echoed.choices[0].text == "hello" + text[: len(echoed.choices[0].text) - 5]
     chunks = list(oai.completions.create(echo=True, stream=True, **{**kw, "max_tokens": 4}))

@@ -355,6 +355,8 @@ class ChatParams:
     """vLLM's: no end of sequence (and no stop string or stop token id) before this many tokens."""
     stop_token_ids: tuple[int, ...] = ()
     """vLLM's: more token ids that end the completion (its stop_reason is then the id)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: a matched stop string stays at the end of the text."""
     prebuilt: Any = field(default=None, compare=False, repr=False)
     """The prompt built from these params (runner/chat_prompt.py's ChatPrompt: template, tokens, media),
     when the API built it in its own worker thread; None: the Reasoner builds it (on the chat worker's

@@ -97,6 +97,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     # constrained decoding (vLLM extensions), declared only to be refused; typed Any so that any value gets
     # the 400 naming the field rather than a validation error
     structured_outputs: Any = None
@@ -116,6 +117,7 @@ class SamplingRequest(BaseModel):
             "frequency_penalty": pick(self.frequency_penalty, 0.0),
             "repetition_penalty": pick(self.repetition_penalty, 1.0), "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }  # fmt: skip
 
     def misplaced_stream_options(self) -> bool:

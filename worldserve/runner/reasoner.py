@@ -392,7 +392,7 @@ class Reasoner:
         )
         session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
-                                  params.stop_token_ids),
+                                  params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
         self._started += 1
         self._live += 1  # counted once the session exists: its close() takes it back (forget)

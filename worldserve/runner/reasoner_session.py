@@ -11,7 +11,7 @@ are searched where the new text could complete one; a possible stop-string prefi
 deltas until it is ruled out.
 vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
 the id), and before `min_tokens` tokens no end applies: the ending ids' logits are -inf and stop strings
-are not searched.
+are not searched; `include_stop_str_in_output` keeps a matched stop string in the text.
 
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
@@ -41,9 +41,10 @@ class ReasonerSession:
     def __init__(
         self, reasoner: Reasoner, sampler: TokenSampler, seq: PagedSequence | None, logits: Tensor,
         position: int, *, prompt: ChatPrompt, started: int, max_tokens: int, stop: Sequence[str],
-        top_logprobs: int | None = None, ends: tuple[bool, int, tuple[int, ...]] = (False, 0, ()),
+        top_logprobs: int | None = None,
+        ends: tuple[bool, int, tuple[int, ...], bool] = (False, 0, (), False),
     ) -> None:  # fmt: skip
-        """`ends`: vLLM's (ignore_eos, min_tokens, stop_token_ids) of the request."""
+        """`ends`: vLLM's (ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output) of the request."""
         self._r, self._sampler, self._seq = reasoner, sampler, seq
         self._logits: Tensor | None = logits
         self._position = position
@@ -53,7 +54,7 @@ class ReasonerSession:
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.top_logprobs = top_logprobs  # None: no logprobs
-        self.ignore_eos, self.min_tokens, extra = ends
+        self.ignore_eos, self.min_tokens, extra, self.keep_stop = ends
         self.stop_token_ids = frozenset(extra)  # the request's own, besides the model's end-of-sequence ids
         self._ends: Tensor | None = None  # every id that ends it, to mask before min_tokens
         self.token_ids: list[int] = []
@@ -164,7 +165,7 @@ class ReasonerSession:
             self._logits = None  # until receive()
             decode = (token, self._seq, self._position)
         else:
-            end = cut if cut >= 0 else len(view)
+            end = (cut + len(matched) if self.keep_stop else cut) if cut >= 0 else len(view)
             self._logits = None
             self.close()
             decode = None
