@@ -246,9 +246,7 @@ async def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
     with pytest.raises(ParamError, match=r"At most 1 image\(s\) may be provided in one request"):
         await prefetch_media(_chat(url, url), MediaFetcher(1 << 20), dict(limits))
     one = _chat(f"{base_url}/ref.png")
-    assert build_params(
-        one, None, await prefetch_media(one, MediaFetcher(1 << 20), dict(limits)), dict(limits)
-    )
+    assert build_params(one, None, await prefetch_media(one, MediaFetcher(1 << 20), dict(limits)))
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-3", "inf", "1e12"])

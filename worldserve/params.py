@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -367,6 +367,13 @@ class ChatParams:
     """Qwen3-VL image processor `size.shortest_edge` (pixel budget floor) for this request (None: the server's)."""
     image_max_pixels: int | None = None
     """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
+
+    def choices(self, n: int) -> list[ChatParams]:
+        """These params as the n choices of one request: choice i samples with seed + i (different
+        samples, the same ones on every run)."""
+        return [self] + [
+            replace(self, seed=None if self.seed is None else self.seed + i) for i in range(1, n)
+        ]
 
     def validate(self) -> ChatParams:
         if self.prompt_ids is not None:

@@ -36,7 +36,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import read_json_object
-from worldserve.api.chat_media import check_media_counts, part, prefetch_media, video_sampling
+from worldserve.api.chat_media import part, prefetch_media, video_sampling
 from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -44,16 +44,10 @@ from worldserve.api.chat_protocol import (
     processor_kwargs,
     template_kwargs,
 )  # fmt: skip
-from worldserve.api.chat_stream import close_all, collect, metered, sse
+from worldserve.api.chat_stream import close_all, collect, sse, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
-from worldserve.engine.client import (
-    ChatFailed,
-    ChatStarted,
-    ChatUnavailableError,
-    ShuttingDownError,
-)
 from worldserve.params import ChatMessage, ChatParams
 
 router = APIRouter(tags=["chat"])
@@ -61,13 +55,10 @@ State = Annotated[AppState, Depends(app_state)]
 
 
 def build_params(
-    body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
-    limits: Mapping[str, int] | None = None,
-) -> ChatParams:  # fmt: skip
-    """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media) and decoded
-    (blocking: call it off the event loop); `limits`: the most images / videos a request may carry
-    (--limit-mm-per-prompt), checked before any media is loaded."""
-    check_media_counts(body, limits or {})
+    body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None
+) -> ChatParams:
+    """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
+    checks the media counts) and decoded (blocking: call it off the event loop)."""
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
     image_min, image_max = pixel_budget(image_opts, "images")
     sampling = video_sampling(body.media_io_kwargs, video_opts)
@@ -98,7 +89,7 @@ def build_params(
 def prepared_params(st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes]) -> ChatParams:
     """build_params, then the Reasoner's prompt built from them (template, tokens, media) here, in the API's
     worker thread, not on the chat worker's, which every running chat shares (blocking)."""
-    params = build_params(body, st.allowed_local_media_path, fetched, st.mm_limits)
+    params = build_params(body, st.allowed_local_media_path, fetched)
     worker = st.client.chat_worker
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     return params if prompts is None else dataclasses.replace(params, prebuilt=prompts.build(params))
@@ -159,11 +150,7 @@ async def create_chat_completion(request: Request, st: State):
         )
     fetched = await prefetch_media(body, st.media, st.mm_limits)
     params = await asyncio.to_thread(prepared_params, st, body, fetched)
-    # choice i samples with seed + i: different samples, the same ones on every run
-    choices = [params] + [
-        dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
-        for i in range(1, body.n)
-    ]
+    choices = params.choices(body.n)
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
     return await unless_disconnected(request, _answer(st, body, choices, opened), lambda: close_all(opened))
 
@@ -171,24 +158,10 @@ async def create_chat_completion(request: Request, st: State):
 async def _answer(st: AppState, body: ChatCompletionRequest, choices: list, opened: list):
     """Start the choices together (`opened` gets their event streams), wait for each one's first event,
     then answer: SSE, or the whole completion."""
-    streams: list = []
-    try:
-        opened += st.client.chat_many(choices, coalesce=not body.stream)
-        # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
-        # merged at the end, which spares the event loop a wake-up per chat and token
-        streams = [metered(events, st.metrics) for events in opened]
-        for events in streams:  # admitted and prefilled together: their prompt K/V is shared
-            first = await anext(events)
-            if isinstance(first, ChatFailed):
-                raise APIError(first.status, first.message, param=first.param)
-            assert isinstance(first, ChatStarted)
-    except BaseException as exc:  # stop whatever started: a failed choice, a refusal, a cancellation
-        await close_all([*streams, *opened])
-        if isinstance(exc, ChatUnavailableError):
-            raise APIError(400, str(exc)) from None
-        if isinstance(exc, ShuttingDownError):
-            raise APIError(503, str(exc)) from None
-        raise
+    # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
+    # merged at the end, which spares the event loop a wake-up per chat and token
+    streams, firsts = await start_all(st.client, choices, st.metrics, coalesce=not body.stream, opened=opened)
+    first = firsts[-1]
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
     if body.stream:
         include_usage, continuous_usage = body.stream_usage()

@@ -8,7 +8,8 @@ adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-st
 Usage counts the prompt once and the completion tokens of every choice (as vLLM does). With
 `continuous_usage_stats` every choice chunk also carries usage so far, as vLLM's serving_chat.py reports it:
 the prompt and that chunk's choice's completion tokens (0 on the role chunk); only the final chunk sums them.
-`run_all`, `sse_events` and `make_usage` serve the text completions too (api/completions_stream.py).
+`start_all` (start a request's choices together, each up to its first event), `run_all`, `sse_events` and
+`make_usage` serve the text completions too (api/completions.py, api/completions_stream.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from worldserve.api.chat_protocol import (
     Usage,
 )  # fmt: skip
 from worldserve.api.errors import APIError, error_body
-from worldserve.engine.client import ChatDelta, ChatFailed, ChatStarted
+from worldserve.engine.client import (
+    ChatDelta,
+    ChatFailed,
+    ChatStarted,
+    ChatUnavailableError,
+    ShuttingDownError,
+)
 
 
 async def metered(events: AsyncIterator, metrics) -> AsyncIterator:
@@ -70,6 +77,32 @@ def make_usage(prompt_tokens: int, completion: int) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
     )
+
+
+async def start_all(client, choices: Sequence, metrics, *, coalesce: bool, opened: list) -> tuple[list, list]:
+    """Start `choices` (ChatParams) together on the chat worker (`opened` gets their event streams, so a
+    caller watching for a disconnect can close them) and wait for each one's first event: (the metered
+    streams, their ChatStarted events). A failed choice (its status), no Reasoner (400) or a shutdown (503)
+    answers the request, after every choice started is stopped."""
+    streams: list = []
+    try:
+        opened += client.chat_many(choices, coalesce=coalesce)
+        streams = [metered(events, metrics) for events in opened]
+        firsts = []
+        for events in streams:  # admitted and prefilled together: a request's prompt K/V is shared
+            first = await anext(events)
+            if isinstance(first, ChatFailed):
+                raise APIError(first.status, first.message, param=first.param)
+            assert isinstance(first, ChatStarted)
+            firsts.append(first)
+    except BaseException as exc:  # stop whatever started: a failed choice, a refusal, a cancellation
+        await close_all([*streams, *opened])
+        if isinstance(exc, ChatUnavailableError):
+            raise APIError(400, str(exc)) from None
+        if isinstance(exc, ShuttingDownError):
+            raise APIError(503, str(exc)) from None
+        raise
+    return streams, firsts
 
 
 async def close_all(streams: Sequence[AsyncIterator]) -> None:

@@ -14,7 +14,6 @@ and the context (a prompt that leaves no room is a 400 naming `prompt`; a max_to
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from typing import Annotated
@@ -24,14 +23,13 @@ from fastapi.responses import StreamingResponse
 
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat import model_not_found
-from worldserve.api.chat_stream import close_all, metered
+from worldserve.api.chat_stream import close_all, start_all
 from worldserve.api.completions_protocol import CompletionRequest, CompletionResponse
 from worldserve.api.completions_stream import Completion, collect, sse
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
-from worldserve.engine.client import ChatFailed, ChatStarted, ShuttingDownError
 from worldserve.params import ChatParams, ParamError
 
 router = APIRouter(tags=["completions"])
@@ -83,13 +81,7 @@ async def create_completion(request: Request, st: State):
         raise APIError(400, refused[1], param=refused[0])
     prompts, max_model_len = reasoner_prompts(st)
     tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, max_model_len)
-    choices = []
-    for ids, _ in tokenized:
-        params = chat_params(body, ids)
-        choices += [params] + [
-            dataclasses.replace(params, seed=None if params.seed is None else params.seed + j)
-            for j in range(1, body.n)
-        ]
+    choices = [choice for ids, _ in tokenized for choice in chat_params(body, ids).choices(body.n)]
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
     work = _answer(st, body, choices, [text for _, text in tokenized], opened)
     return await unless_disconnected(request, work, lambda: close_all(opened))
@@ -98,23 +90,8 @@ async def create_completion(request: Request, st: State):
 async def _answer(st: AppState, body: CompletionRequest, choices: list, echoes: list, opened: list):
     """Start every choice together, wait for each one's first event (a refusal or a bad prompt answers the
     request), then answer: SSE, or the whole object."""
-    streams: list = []
-    prompt_tokens: list[int] = []
-    try:
-        opened += st.client.chat_many(choices, coalesce=not body.stream)
-        streams = [metered(events, st.metrics) for events in opened]
-        for index, events in enumerate(streams):
-            first = await anext(events)
-            if isinstance(first, ChatFailed):
-                raise APIError(first.status, first.message, param=first.param)
-            assert isinstance(first, ChatStarted)
-            if index % body.n == 0:
-                prompt_tokens.append(first.prompt_tokens)
-    except BaseException as exc:  # stop whatever started: a failed choice, a refusal, a cancellation
-        await close_all([*streams, *opened])
-        if isinstance(exc, ShuttingDownError):
-            raise APIError(503, str(exc)) from None
-        raise
+    streams, firsts = await start_all(st.client, choices, st.metrics, coalesce=not body.stream, opened=opened)
+    prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
     c = Completion(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs is not None,

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat import build_params, inline_refs, model_not_found
 from worldserve.api.chat_media import prefetch_media
+from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.completions_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -64,9 +65,8 @@ def openapi_body(*models) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def _tokenize_chat(st: AppState, prompts, body: TokenizeChatRequest, fetched: dict[str, bytes]) -> list[int]:
-    """The chat form's ids: the chat's params (media loaded, blocking; http(s) ones already `fetched`)
-    through the Reasoner's builder."""
+def _check_chat_form(body: TokenizeChatRequest) -> None:
+    """The chat form's own refusals (before any of its media is downloaded)."""
     if body.add_generation_prompt and body.continue_final_message:
         raise ParamError(
             "continue_final_message",
@@ -76,7 +76,14 @@ def _tokenize_chat(st: AppState, prompts, body: TokenizeChatRequest, fetched: di
         raise ParamError(
             "tools", "tools are not supported by this server yet: tool calling is not implemented"
         )
-    params = build_params(body.as_chat(), st.allowed_local_media_path, fetched, st.mm_limits)
+
+
+def _tokenize_chat(
+    st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes]
+) -> list[int]:
+    """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
+    `fetched`) through the Reasoner's builder."""
+    params = build_params(chat, st.allowed_local_media_path, fetched)
     prompt = prompts.build(
         params, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
@@ -99,12 +106,16 @@ async def tokenize(request: Request, st: State):
 
     def encode() -> tuple[list[int], list[str] | None]:  # in a worker thread: long prompts take seconds
         if chat:
-            ids = _tokenize_chat(st, prompts, body, fetched)
+            ids = _tokenize_chat(st, prompts, body, as_chat, fetched)
         else:
             ids = prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return ids, prompts.token_strs(ids) if body.return_token_strs else None
 
-    fetched = await prefetch_media(body.as_chat(), st.media, st.mm_limits) if chat else {}
+    fetched: dict[str, bytes] = {}
+    if chat:
+        _check_chat_form(body)
+        as_chat = body.as_chat()
+        fetched = await prefetch_media(as_chat, st.media, st.mm_limits)
     ids, strs = await asyncio.to_thread(encode)
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
