@@ -172,3 +172,10 @@ async def test_cheap_checks_come_before_a_reference_download():
         with pytest.raises((APIError, ParamError)):
             await build_inputs({"prompt": "x", "image_reference": url, **bad}, served_model="m", has_sound=False,
                                fetcher=NoFetch())  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["image_reference", "video_reference", "video_params", "extra_params"])
+async def test_json_fields_nested_too_deep_are_a_400(field):
+    with pytest.raises(APIError) as err:
+        await _params({"prompt": "x", field: "[" * 100_000})
+    assert err.value.status == 400 and err.value.param == field and "Invalid JSON" in err.value.message

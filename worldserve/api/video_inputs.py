@@ -185,44 +185,51 @@ def refuse_unsupported(req: VideoCreateRequest) -> None:
         )
 
 
-def parse_video_params(raw: str | dict | None) -> VideoParamsObject:
-    """The `video_params` object (a JSON body's object, or its serialisation in a form field)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError):
-            raise APIError(400, "Invalid JSON in form field.", param="video_params") from None
+def json_field(raw: Any, field: str) -> Any:
+    """A field that holds JSON: a JSON body's value as it is, a form field's text parsed (a 400 with
+    vLLM-Omni's message when it is not JSON, or nested too deep to parse)."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        raise APIError(400, "Invalid JSON in form field.", param=field) from None
+
+
+def json_object_field(raw: str | dict | None, field: str) -> dict | None:
+    """A field that holds a JSON object (json_field); a non-object is a 400 with vLLM-Omni's message."""
+    raw = json_field(raw, field)
     if raw is not None and not isinstance(raw, dict):
         raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
-                       param="video_params")  # fmt: skip
+                       param=field)  # fmt: skip
+    return raw
+
+
+def _validated(model, raw: dict, field: str):
+    """`model` validated from `raw`, pydantic's errors as a 400 located under `field`."""
     try:
-        return VideoParamsObject.model_validate(raw or {})
+        return model.model_validate(raw)
     except ValidationError as exc:
-        raise validation_error([{**e, "loc": ("video_params", *e["loc"])} for e in exc.errors()]) from None
+        raise validation_error([{**e, "loc": (field, *e["loc"])} for e in exc.errors()]) from None
+
+
+def parse_video_params(raw: str | dict | None) -> VideoParamsObject:
+    """The `video_params` object (its width / height / fps / num_frames fill the top-level gaps)."""
+    return _validated(VideoParamsObject, json_object_field(raw, "video_params") or {}, "video_params")
 
 
 def parse_extra_params(raw: str | dict | None) -> ExtraParams:
-    if raw is None:
-        return ExtraParams()
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError):
-            raise APIError(400, "Invalid JSON in form field.", param="extra_params") from None
+    """The `extra_params` object (Cosmos3's keys, a serialised one's text checked for lone surrogates;
+    transfer / action modes refused)."""
+    was_text, raw = isinstance(raw, str), json_object_field(raw, "extra_params") or {}
+    if was_text:
         check_unicode({"extra_params": raw}, raw=None)
-    if not isinstance(raw, dict):
-        raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
-                       param="extra_params")  # fmt: skip
     for key in UNSUPPORTED_EXTRA:
         if raw.get(key) not in (None, False):
             raise ParamError(
                 f"extra_params.{key}", f"extra_params.{key}: transfer/action modes are not supported yet"
             )
-    try:
-        return ExtraParams.model_validate(raw)
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("extra_params", *e["loc"])} for e in exc.errors()]
-        raise validation_error(errors) from None
+    return _validated(ExtraParams, raw, "extra_params")
 
 
 async def _reference_bytes(
@@ -293,11 +300,7 @@ def _reference_url(raw: str | dict | list, kind: str) -> str:
     """The URL of `{"<kind>_url": "data:..." | "http(s)://..."}` (image_reference / video_reference; an image
     reference may also be a list of one such object)."""
     field = f"{kind}_reference"
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError:
-            raise APIError(400, "Invalid JSON in form field.", param=field) from None
+    raw = json_field(raw, field)
     if isinstance(raw, list) and kind == "image":  # newer vLLM-Omni builds take a list of references
         if len(raw) != 1:
             raise ParamError(
