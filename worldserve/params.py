@@ -368,6 +368,13 @@ class ChatParams:
     image_max_pixels: int | None = None
     """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
 
+    @property
+    def prompt_key(self) -> int:
+        """What the choices of one request share, and no other live request does: the identity of their
+        messages, or of their raw prompt ids (the empty messages tuple of a raw prompt is one shared object).
+        The Reasoner prefills chats with one key once; the chat worker counts that prompt once."""
+        return id(self.messages if self.prompt_ids is None else self.prompt_ids)
+
     def choices(self, n: int) -> list[ChatParams]:
         """These params as the n choices of one request: choice i samples with seed + i (different
         samples, the same ones on every run)."""

@@ -251,8 +251,7 @@ class ChatWorker:
                 started, refused = self._start(batch)
                 active += started
                 # a request's n choices share one prompt and its prefill (the backend keys them the same way)
-                prompts = {(id(h.params.messages), id(getattr(h.params, "prompt_ids", None))): s.prompt_tokens
-                           for h, s in started}  # fmt: skip
+                prompts = {h.params.prompt_key: s.prompt_tokens for h, s in started}
                 tokens += sum(prompts.values())
                 # retry after this step when running chats will free room, or when others of the batch took
                 # the room and failed since; refused alone with nothing running: the pool is too small

@@ -280,9 +280,9 @@ class Reasoner:
         ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
         free = 0 if self._waiting else self.pool.num_free - self._live
         tokens = 0
-        built: dict[int, ChatPrompt] = {}  # id(messages or prompt ids) -> its prompt (the batch holds them)
+        built: dict[int, ChatPrompt] = {}  # prompt_key -> its prompt (the batch holds the params alive)
         for params in batch:
-            key = id(params.messages if params.prompt_ids is None else params.prompt_ids)  # () is one object
+            key = params.prompt_key
             try:
                 prompt, budget = self._plan(params, built.get(key))
                 built[key] = prompt
