@@ -259,7 +259,7 @@ def test_texts_longer_than_any_tokenization_are_refused_without_tokenizing(encod
     with pytest.raises(ParamError) as err:
         encoder.encode_params(VideoParams(prompt="a cat", negative_prompt=huge))
     assert err.value.param == "negative_prompt" and len(calls) == 1  # the prompt itself was tokenized
-    assert encoder.max_bytes_per_token >= max(len(t.encode()) for t in encoder.tokenizer.get_vocab())
+    assert encoder.text_bound.bytes_per_token >= max(len(t.encode()) for t in encoder.tokenizer.get_vocab())
     with pytest.raises(ParamError) as err:
         encoder.encode_params(VideoParams(prompt="a cat", system_prompt=huge), with_uncond=False)
     assert err.value.param == "system_prompt" and len(calls) == 1

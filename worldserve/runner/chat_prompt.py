@@ -24,6 +24,7 @@ import torch
 from jinja2 import TemplateError
 from torch import Tensor
 
+from worldserve.models.cosmos3.prompt import TextSizeBound
 from worldserve.models.cosmos3.vision import (
     VisionEncoder,
     VisionInputs,
@@ -74,18 +75,15 @@ class ChatPromptBuilder:
         """A raw text's token ids (`add_special_tokens`: the tokenizer's BOS / EOS rules, as vLLM's default).
         With `max_tokens`, a text with more bytes than that many tokens can hold is a ParamError("prompt")
         before tokenizing (megabytes take seconds to tokenize, only to be refused for the context)."""
-        if max_tokens is not None:
-            size = len(text.encode("utf-8", "surrogatepass"))
-            if size > (max_tokens + 64) * self.max_bytes_per_token:
-                raise ParamError("prompt", f"the prompt is {size} bytes, more than the context of {max_tokens} "
-                                 "tokens can hold")  # fmt: skip
+        if max_tokens is not None and (size := self.text_bound.size_over(text, max_tokens)) is not None:
+            raise ParamError("prompt", f"the prompt is {size} bytes, more than the context of {max_tokens} "
+                             "tokens can hold")  # fmt: skip
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     @functools.cached_property
-    def max_bytes_per_token(self) -> int:
-        """No token stands for more input bytes than this (the longest vocabulary entry's UTF-8 length, x4
-        for normalisers that shorten text): a bound, not an estimate."""
-        return 4 * max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1)
+    def text_bound(self) -> TextSizeBound:
+        """Refuses a text too long for the context before it is tokenized (models/cosmos3/prompt.py)."""
+        return TextSizeBound(self.tokenizer)
 
     def decode(self, ids: list[int], *, param: str = "tokens") -> str:
         """The text of token ids (special tokens kept, as vLLM's /detokenize); ParamError(param) for a bad id."""

@@ -144,6 +144,21 @@ def format_negative_prompt(negative_prompt: str | None, shape: VideoShape) -> st
     return _metadata_sentences(negative_prompt, shape).lstrip(".").strip()
 
 
+class TextSizeBound:
+    """Refuses, without tokenizing, a text that cannot fit in N tokens: no token stands for more input bytes
+    than `bytes_per_token` (the UTF-8 length of the tokenizer's longest vocabulary entry, which over-counts
+    byte-level and SentencePiece pieces, x4 for normalisers that shorten text), so a text longer than
+    (N + 64) of them (a margin for a template) cannot fit, and tokenizing megabytes to find out takes seconds."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.bytes_per_token = 4 * max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+
+    def size_over(self, text: str, max_tokens: int) -> int | None:
+        """The text's UTF-8 size when it cannot fit in `max_tokens` tokens, else None."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        return size if size > (max_tokens + 64) * self.bytes_per_token else None
+
+
 def reference_system_prompt(is_image: bool) -> str:
     """The diffusers / reference system message (typo included) for an image or a video."""
     return SYSTEM_PROMPT_IMAGE if is_image else SYSTEM_PROMPT_VIDEO
@@ -184,10 +199,7 @@ class PromptEncoder:
         """Appended after the chat template: eos (<|im_end|>) then start-of-generation (<|vision_start|>)."""
         # Most requests share the ~15k-character default negative and a few shapes: tokenize those once.
         self._encode_cached = lru_cache(maxsize=32)(self.encode)
-        # No token stands for more input bytes than this (UTF-8 length of the longest vocabulary entry, which
-        # over-counts byte-level and SentencePiece pieces, x4 for normalisers that shorten text): texts
-        # longer than max_sequence_length tokens' worth are refused without tokenizing megabytes.
-        self.max_bytes_per_token = 4 * max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+        self.text_bound = TextSizeBound(tokenizer)  # texts past max_sequence_length refused untokenized
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, use_system_prompt: bool = False) -> PromptEncoder:
@@ -228,8 +240,7 @@ class PromptEncoder:
     def _check_bytes(self, text: str, limit: int, name: str, param: str) -> None:
         """ParamError(param) when `text` has more bytes than `limit` tokens can cover (with a margin for the
         template): it cannot fit, and tokenizing megabytes to find out would take seconds."""
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > (limit + 64) * self.max_bytes_per_token:
+        if (size := self.text_bound.size_over(text, limit)) is not None:
             raise ParamError(param, f"{name} is {size} bytes, more than max_sequence_length={limit} tokens "
                              "can hold; shorten it or raise max_sequence_length")  # fmt: skip
 
