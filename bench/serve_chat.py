@@ -243,7 +243,12 @@ def run(args: argparse.Namespace) -> dict:
            "--warmup-shapes", "none", *args.serve_arg]  # fmt: skip
     log = open(args.out.parent / "serve.log", "w")  # noqa: SIM115 (the server writes to it until killed)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    import torch
+
+    from worldserve.bench.report import environment
+
     res: dict = {
+        "environment": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "command": " ".join(cmd),
         "max_tokens": args.max_tokens,
         "sampling": SAMPLING,
