@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from worldserve.bench.timing import time_once
+
 EXTRA = ("packgqa", "nopackgqa", "step", "diffusers", "vae")
 
 
@@ -59,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class _Timer:
-    """Elapsed seconds between two marks: CUDA events on a GPU (no host sync), the host clock elsewhere."""
+    """Elapsed seconds between two marks: CUDA events on a GPU (no host sync, unlike timing.time_once: the
+    sustained loop keeps queueing while a batch runs), the host clock elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -93,11 +96,7 @@ def sustained(fn: Callable[[], object], flops: float, seconds: float, device: to
     Calls go in batches of ~50 ms (by one timed call after a warm-up); the host waits for batch i-2 before
     queueing batch i, so host time tracks GPU time."""
     fn()
-    probe = _Timer(device)
-    probe.begin()
-    fn()
-    probe.finish()
-    per_call = max(probe.seconds(), 1e-6)
+    per_call = max(time_once(fn, device), 1e-6)
     batch = max(1, round(0.05 / per_call))
     timers: list[_Timer] = []
     t_end = time.perf_counter() + seconds
@@ -125,12 +124,7 @@ def burst(fn: Callable[[], object], flops: float, device: torch.device) -> dict:
     """KINDS.md's measurement: 3 warm-up calls, then the mean of 10 timed ones."""
     for _ in range(3):
         fn()
-    timer = _Timer(device)
-    timer.begin()
-    for _ in range(10):
-        fn()
-    timer.finish()
-    s = timer.seconds() / 10
+    s = time_once(lambda: [fn() for _ in range(10)], device) / 10
     return {"calls": 10, "tflops": flops / s / 1e12, "ms_per_call": s * 1e3}
 
 
@@ -253,13 +247,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
 
 def _steps(fn: Callable[[], object], flops: float, steps: int, device: torch.device) -> dict:
     """`steps` steps back to back, each timed (a step is long enough to be its own batch)."""
-    times = []
-    for _ in range(steps):
-        timer = _Timer(device)
-        timer.begin()
-        fn()
-        timer.finish()
-        times.append(timer.seconds())
+    times = [time_once(fn, device) for _ in range(steps)]
     return {"calls": steps, "step_s": times, "tflops": flops * steps / sum(times) / 1e12,
             "tflops_first": flops / times[0] / 1e12, "ms_per_call": sum(times) / steps * 1e3}  # fmt: skip
 
