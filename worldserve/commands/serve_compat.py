@@ -296,17 +296,14 @@ def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
             log.log(c.level, "%s%s: accepted, no effect: %s", c.flag, _shown(value), c.why.format(**context))
 
 
-LOG_FILE_LOGGERS = ("", "uvicorn", "uvicorn.access")
-"""The loggers --log-file listens to: the root (worldserve's lines) and uvicorn's, which do not propagate."""
-
-
-def log_to_file(path: str, log_format: str, *, loggers: tuple[str, ...] = ("",)) -> logging.Handler:
-    """--log-file: a handler appending to `path`, added to `loggers`; FlagValueError when it cannot be opened."""
+def log_to_file(path: str, log_format: str) -> logging.Handler:
+    """--log-file: a handler appending to `path`, added to the root logger (worldserve's lines; serve adds it
+    to uvicorn's loggers, which do not propagate, once uvicorn has set them up); FlagValueError when it cannot
+    be opened."""
     try:
         handler = logging.FileHandler(path, encoding="utf-8")
     except OSError as exc:
         raise FlagValueError(f"--log-file {path}: cannot open it ({exc.strerror or exc})") from None
     handler.setFormatter(logging.Formatter(log_format, datefmt="%m-%d %H:%M:%S"))
-    for name in loggers:
-        logging.getLogger(name).addHandler(handler)
+    logging.getLogger().addHandler(handler)
     return handler
