@@ -89,31 +89,14 @@ def mode_label(mode: dict[str, int]) -> str:
 
 
 def write_random_checkpoint(out: Path, config_name: str = "nano", seed: int = 0) -> Path:
-    """The tiny checkpoint's layout and tokenizer, with the transformer (Nano config), VAE (Wan2.2) and AVAE
-    (default config) replaced by full-size random ones. Reused when `out/.complete` exists."""
-    import shutil
-
-    from diffusers import AutoencoderKLWan, Cosmos3AVAEAudioTokenizer
-
-    from worldserve.bench.models import WAN22_VAE
-    from worldserve.models.cosmos3.config import Cosmos3Config
-    from worldserve.weights.tiny import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, make_tiny, write_transformer
+    """`make_tiny(out, shapes=config_name)`: the checkpoint layout at full size ("nano", ViT included) with
+    random weights and the tiny byte tokenizer. Reused when `out/.complete` exists."""
+    from worldserve.weights.tiny import make_tiny
 
     if (out / ".complete").exists():
         return out
-    make_tiny(out, seed=seed, vision=False)
-    vocab = Cosmos3Config.from_json(out / "transformer" / "config.json").vocab_size  # the byte tokenizer's
-    shutil.rmtree(out / "transformer")
     t0 = time.perf_counter()
-    config = Cosmos3Config.nano() if config_name == "nano" else Cosmos3Config.tiny(vocab_size=vocab)
-    assert config.vocab_size >= vocab
-    write_transformer(out / "transformer", config, seed)
-    torch.manual_seed(seed)
-    vae = AutoencoderKLWan(**WAN22_VAE, latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD)
-    shutil.rmtree(out / "vae")
-    vae.save_pretrained(str(out / "vae"))
-    shutil.rmtree(out / "sound_tokenizer")
-    Cosmos3AVAEAudioTokenizer().save_pretrained(str(out / "sound_tokenizer"))
+    make_tiny(out, seed=seed, shapes=config_name)
     (out / ".complete").write_text("ok\n")
     print(f"wrote random {config_name} checkpoint to {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out

@@ -215,9 +215,54 @@ def api_checks(url: str, served: str, max_tokens: int) -> dict:
         out["image_chats"] = counts
     finally:
         files.shutdown()
+    out["media_chats"] = media_chats(url, served)
     out["ping"] = HTTP.get(url + "/ping").status_code
     out["load"] = HTTP.get(url + "/load").json()
     print(f"api checks: {out}", flush=True)
+    return out
+
+
+def media_chats(url: str, served: str) -> dict:
+    """A 720p image chat's time to first token (max_tokens 1, after one untimed), 4 of them at once, and a
+    video chat (a 4 s 640x360 24 fps MP4 as a data: URL: decoded, sampled at 2 fps, the ViT, prefill)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from worldserve.media.video import encode_mp4
+
+    rng = np.random.default_rng(1)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (720, 1280, 3), np.uint8)).save(buf, "JPEG", quality=90)
+    image = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    ramp = np.linspace(0, 255, 640, dtype=np.float32)[None, None, :, None]  # [1, 1, W, 1] moving stripes
+    frames = (ramp + 8 * np.arange(96, dtype=np.float32)[:, None, None, None]) % 256  # [96, 1, W, 1]
+    frames = np.broadcast_to(frames, (96, 360, 640, 3)).astype(np.uint8)
+    clip = encode_mp4(frames, 24)
+    video = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+
+    def ask(kind: str, ref: str, max_tokens: int) -> tuple[int, float, dict]:
+        part = {"type": kind, kind: {"url": ref}}
+        body = {"model": served, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}]}  # fmt: skip
+        t0 = time.perf_counter()
+        r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
+        return r.status_code, time.perf_counter() - t0, r.json().get("usage", {})
+
+    out: dict = {}
+    ask("image_url", image, 1)
+    status, wall, usage = ask("image_url", image, 1)
+    out["image_720p_ttft"] = {"status": status, "s": wall, "prompt_tokens": usage.get("prompt_tokens")}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        rs = list(pool.map(lambda _: ask("image_url", image, 32), range(4)))
+    out["image_720p_x4"] = {"statuses": sorted({r[0] for r in rs}), "wall_s": time.perf_counter() - t0,
+                            "completion_tokens": sum(r[2].get("completion_tokens", 0) for r in rs)}  # fmt: skip
+    status, wall, usage = ask("video_url", video, 32)
+    out["video_4s"] = {"status": status, "s": wall, "mp4_bytes": len(clip), **usage}
+    print(f"media chats: {out}", flush=True)
     return out
 
 

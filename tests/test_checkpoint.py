@@ -67,6 +67,28 @@ def test_no_sound_variant(tmp_path):
     assert not any("audio" in k for k in read_header(root / "transformer", PREFIX).shapes)
 
 
+def test_nano_shapes_are_cosmos3_nano(tmp_path):
+    """`make-tiny --shapes nano` (~32 GB, not written here) sizes every component as the real Nano: the
+    transformer config, the Wan2.2 VAE's widths, a 0.58B Qwen3-VL-8B ViT projecting into d_model 4096, 5 GB
+    transformer shards (bench/reasoner_parity.py writes and runs it on the GPU)."""
+    from diffusers import AutoencoderKLWan
+    from transformers import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.weights.tiny import SHAPES
+
+    nano = SHAPES["nano"]
+    assert nano.transformer(300, True) == Cosmos3Config.nano()
+    assert not nano.transformer(300, False).sound_gen
+    assert nano.shard_bytes == 5 * 2**30
+    with torch.device("meta"):
+        vit = Qwen3VLVisionModel._from_config(Qwen3VLVisionConfig(**nano.vision, out_hidden_size=4096))
+        vae = AutoencoderKLWan(**nano.vae)
+    assert 0.57e9 < sum(p.numel() for p in vit.parameters()) < 0.59e9
+    assert vae.config.base_dim == 160 and vae.config.decoder_base_dim == 256 and vae.config.z_dim == 48
+
+
 def test_diffusers_loads_tiny_with_every_key(tiny_ckpt):
     from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer
 
@@ -92,7 +114,7 @@ def test_key_table_matches_diffusers_at_nano_size():
 
 
 def test_reasoner_subset_loads_strictly_in_qwen3vl(tiny_ckpt):
-    from reasoner_oracle import qwen3vl_oracle, reasoner_state
+    from worldserve.bench.reasoner_oracle import qwen3vl_oracle, reasoner_state
 
     model, result = qwen3vl_oracle(tiny_ckpt)
     state = reasoner_state(tiny_ckpt)

@@ -1,6 +1,6 @@
 """The Reasoner equals transformers' Qwen3VLForConditionalGeneration on the tiny checkpoint (CPU, fp32).
 
-The oracle (tests/reasoner_oracle.py) is built from the root config.json and the Reasoner key map,
+The oracle (worldserve/bench/reasoner_oracle.py) is built from the root config.json and the Reasoner key map,
 fed the same input_ids, pixel_values and image_grid_thw (our Qwen3-VL preprocessing) and mm_token_type_ids,
 so it computes its own get_rope_index positions and deepstack injection. Compared: every prefill logit and
 the logits of 5 greedy decode steps from our K/V cache, plus the greedy tokens a session emits.
@@ -36,7 +36,7 @@ def reasoner(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def oracle(tiny_ckpt):
-    from reasoner_oracle import qwen3vl_oracle
+    from worldserve.bench.reasoner_oracle import qwen3vl_oracle
 
     return qwen3vl_oracle(tiny_ckpt)[0]
 

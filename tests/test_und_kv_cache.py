@@ -99,7 +99,7 @@ def test_packed_sequences_equal_separate_calls(model):
 
 def test_und_tower_is_the_qwen3vl_text_model(model, tiny_ckpt):
     """Prefill + decode logits equal transformers' Qwen3VLForConditionalGeneration on the same weights."""
-    from reasoner_oracle import qwen3vl_oracle
+    from worldserve.bench.reasoner_oracle import qwen3vl_oracle
 
     hf, _ = qwen3vl_oracle(tiny_ckpt)
 

@@ -14,26 +14,11 @@ import torch
 from torch import nn
 
 from worldserve.models.cosmos3.config import Cosmos3Config
-from worldserve.weights.tiny import TINY_VAE_CONFIG, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
+from worldserve.weights.tiny import NANO_VAE_CONFIG, TINY_VAE_CONFIG, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
 
-# The real Nano Wan2.2 VAE (cosmos3-model.md §6.1) and a tiny stand-in with the same compression.
-WAN22_VAE = dict(
-    base_dim=160,
-    decoder_base_dim=256,
-    z_dim=48,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    attn_scales=[],
-    temperal_downsample=[False, True, True],
-    dropout=0.0,
-    in_channels=12,
-    out_channels=12,
-    patch_size=2,
-    is_residual=True,
-    scale_factor_temporal=4,
-    scale_factor_spatial=16,
-)
-# The tiny stand-in is exactly what make-tiny writes (real 48-channel statistics included).
+# The real Nano Wan2.2 VAE (cosmos3-model.md §6.1) and a tiny stand-in with the same compression, both
+# exactly what make-tiny writes (real 48-channel statistics passed separately).
+WAN22_VAE = {k: v for k, v in NANO_VAE_CONFIG.items() if k not in ("latents_mean", "latents_std")}
 TINY_VAE = {k: v for k, v in TINY_VAE_CONFIG.items() if k not in ("latents_mean", "latents_std")}
 
 

@@ -10,11 +10,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every random tensor (same seed, same bytes)")
     p.add_argument("--no-sound", action="store_true", help="leave out the sound tokenizer and audio heads")
     p.add_argument("--no-vision", action="store_true", help="leave out the Reasoner's vision encoder")
+    p.add_argument(
+        "--shapes", choices=("tiny", "nano"), default="tiny",
+        help="nano: Cosmos3-Nano's real sizes (~32 GB of random weights, for GPU benchmarks)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     from worldserve.weights.tiny import make_tiny
 
-    out = make_tiny(args.dir, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision)
-    print(f"wrote a tiny random Cosmos3 checkpoint to {out} (its outputs are noise)")
+    out = make_tiny(
+        args.dir, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
+    )
+    print(f"wrote a {args.shapes} random Cosmos3 checkpoint to {out} (its outputs are noise)")
     return 0

@@ -8,12 +8,19 @@ Layout written (same file names and key names as the released repo):
   scheduler/scheduler_config.json
 Every tensor comes from one seeded generator, so the same seed writes the same bytes. The folder loads
 in diffusers' `Cosmos3OmniPipeline` and in our loader; its Reasoner subset in transformers' Qwen3-VL.
+
+`shapes="nano"` writes the same layout at Cosmos3-Nano's real sizes (the 15.2B transformer in ~5 GB shards,
+the Wan2.2 VAE, the default AVAE, Qwen3-VL-8B's ViT; ~32 GB, about two minutes): random weights for GPU
+benchmarks and full-size runs of every path, with the tiny byte tokenizer (sampled ids past its vocabulary
+decode to nothing, so texts are mostly empty while token counts are real).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +63,14 @@ TINY_VAE_CONFIG = {
     "latents_std": WAN22_LATENTS_STD,
 }
 TINY_SOUND_CONFIG = {"dec_dim": 4, "vocoder_input_dim": 64, "encoder_enabled": False}
+NANO_VAE_CONFIG = {  # Wan2.2 TI2V-5B's VAE, as Cosmos3-Nano ships it
+    **TINY_VAE_CONFIG,
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "num_res_blocks": 2,
+}
+NANO_SOUND_CONFIG: dict = {}
+"""diffusers' Cosmos3AVAEAudioTokenizer defaults."""
 # The reference (native) flow schedule config; the shipped Karras config is not what the model was run with.
 SCHEDULER_CONFIG = {
     "_class_name": "UniPCMultistepScheduler",
@@ -82,7 +97,53 @@ TINY_VISION_CONFIG = {
     "deepstack_visual_indexes": [0, 1],
     "hidden_act": "gelu_pytorch_tanh",
 }
-TRANSFORMER_SHARD_BYTES = 256 * 1024
+NANO_VISION_CONFIG = {  # Qwen3-VL-8B's ViT (cosmos3-model.md §1.5): ~0.58B parameters
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh",
+}
+
+
+def _nano_config(vocab: int, sound: bool) -> Cosmos3Config:
+    config = Cosmos3Config.nano()
+    assert config.vocab_size >= vocab, "the tokenizer must fit the embedding"
+    return config if sound else replace(config, sound_gen=False, sound_dim=None)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointShapes:
+    """The sizes of every component a random checkpoint gets."""
+
+    transformer: Callable[[int, bool], Cosmos3Config]
+    """(tokenizer vocab, sound) -> the transformer's config."""
+    vae: dict
+    """AutoencoderKLWan keyword arguments."""
+    sound: dict
+    """Cosmos3AVAEAudioTokenizer keyword arguments."""
+    vision: dict
+    """Qwen3VLVisionConfig keyword arguments (out_hidden_size comes from the transformer)."""
+    shard_bytes: int
+    """The transformer's safetensors shard size."""
+
+
+SHAPES = {
+    "tiny": CheckpointShapes(
+        lambda vocab, sound: Cosmos3Config.tiny(vocab_size=vocab, sound=sound),
+        TINY_VAE_CONFIG, TINY_SOUND_CONFIG, TINY_VISION_CONFIG, 256 * 1024,
+    ),
+    "nano": CheckpointShapes(
+        _nano_config,
+        NANO_VAE_CONFIG, NANO_SOUND_CONFIG, NANO_VISION_CONFIG, 5 * 2**30,
+    ),
+}  # fmt: skip
 
 
 def _random_tensor(key: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -121,7 +182,9 @@ def _save_quietly(module, out: Path) -> None:
             dlogging.enable_progress_bar()
 
 
-def write_transformer(out: Path, config: Cosmos3Config, seed: int) -> dict[str, str]:
+def write_transformer(
+    out: Path, config: Cosmos3Config, seed: int, shard_bytes: int = SHAPES["tiny"].shard_bytes
+) -> dict[str, str]:
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for key, shape in transformer_checkpoint_shapes(config).items():
@@ -130,14 +193,14 @@ def write_transformer(out: Path, config: Cosmos3Config, seed: int) -> dict[str, 
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"_class_name": "Cosmos3OmniTransformer", "_diffusers_version": "0.42.1", **config.to_dict()}
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return write_sharded(out, "diffusion_pytorch_model", tensors, TRANSFORMER_SHARD_BYTES)
+    return write_sharded(out, "diffusion_pytorch_model", tensors, shard_bytes)
 
 
-def write_vae(out: Path, seed: int) -> None:
+def write_vae(out: Path, seed: int, config: dict = TINY_VAE_CONFIG) -> None:
     from diffusers import AutoencoderKLWan
 
     def build():
-        m = AutoencoderKLWan(**TINY_VAE_CONFIG)
+        m = AutoencoderKLWan(**config)
         with torch.no_grad():  # RMS_norm scales start at 1; vary them so tests see a wrong gamma
             for name, p in m.named_parameters():
                 if name.endswith("gamma"):
@@ -147,11 +210,11 @@ def write_vae(out: Path, seed: int) -> None:
     _save_quietly(_seeded_module(build, seed), out)
 
 
-def write_sound_tokenizer(out: Path, seed: int) -> None:
+def write_sound_tokenizer(out: Path, seed: int, config: dict = TINY_SOUND_CONFIG) -> None:
     from diffusers import Cosmos3AVAEAudioTokenizer
 
     def build():
-        m = Cosmos3AVAEAudioTokenizer(**TINY_SOUND_CONFIG)
+        m = Cosmos3AVAEAudioTokenizer(**config)
         with torch.no_grad():  # Snake alpha/beta start at 0; give them values so the test sees them
             for name, p in m.named_parameters():
                 if name.endswith(("alpha", "beta")):
@@ -161,11 +224,13 @@ def write_sound_tokenizer(out: Path, seed: int) -> None:
     _save_quietly(_seeded_module(build, seed), out)
 
 
-def write_vision_encoder(out: Path, seed: int, out_hidden_size: int) -> dict[str, str]:
+def write_vision_encoder(
+    out: Path, seed: int, out_hidden_size: int, config: dict = TINY_VISION_CONFIG
+) -> dict[str, str]:
     from transformers import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    cfg = Qwen3VLVisionConfig(**TINY_VISION_CONFIG, out_hidden_size=out_hidden_size)
+    cfg = Qwen3VLVisionConfig(**config, out_hidden_size=out_hidden_size)
     from transformers.utils import logging as tlogging
 
     model = _seeded_module(lambda: Qwen3VLVisionModel._from_config(cfg), seed)
@@ -177,7 +242,7 @@ def write_vision_encoder(out: Path, seed: int, out_hidden_size: int) -> dict[str
     return {k: "vision_encoder/model.safetensors" for k in model.state_dict()}
 
 
-def _root_config(config: Cosmos3Config, token_ids: dict[str, int], with_vision: bool) -> dict:
+def _root_config(config: Cosmos3Config, token_ids: dict[str, int], vision: dict | None) -> dict:
     text_config = {
         "model_type": "qwen3_vl_text",
         "vocab_size": config.vocab_size,
@@ -211,29 +276,34 @@ def _root_config(config: Cosmos3Config, token_ids: dict[str, int], with_vision: 
         "tie_word_embeddings": False,
         "model": {"joint_attn_implementation": "two_way", "use_system_prompt": False, "resolution": "720"},
     }
-    if with_vision:
+    if vision is not None:
         root["vision_config"] = {
             "model_type": "qwen3_vl_vision",
-            **TINY_VISION_CONFIG,
+            **vision,
             "out_hidden_size": config.hidden_size,
         }
     return root
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, sound: bool = True, vision: bool = True) -> Path:
-    """Write the tiny checkpoint into `out_dir` (created; existing files overwritten) and return it."""
+def make_tiny(
+    out_dir: str | Path, seed: int = 0, sound: bool = True, vision: bool = True, shapes: str = "tiny"
+) -> Path:
+    """Write the random checkpoint (`shapes`: "tiny" or "nano", see the module docstring) into `out_dir`
+    (created; existing files overwritten) and return it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    sizes = SHAPES[shapes]
     vocab = write_tiny_tokenizer(out / "text_tokenizer")
-    config = Cosmos3Config.tiny(vocab_size=vocab, sound=sound)
-    weight_map = {
-        k: f"transformer/{f}" for k, f in write_transformer(out / "transformer", config, seed).items()
-    }
-    write_vae(out / "vae", seed + 1)
+    config = sizes.transformer(vocab, sound)
+    written = write_transformer(out / "transformer", config, seed, sizes.shard_bytes)
+    weight_map = {k: f"transformer/{f}" for k, f in written.items()}
+    write_vae(out / "vae", seed + 1, sizes.vae)
     if sound:
-        write_sound_tokenizer(out / "sound_tokenizer", seed + 2)
+        write_sound_tokenizer(out / "sound_tokenizer", seed + 2, sizes.sound)
     if vision:
-        weight_map.update(write_vision_encoder(out / "vision_encoder", seed + 3, config.hidden_size))
+        weight_map.update(
+            write_vision_encoder(out / "vision_encoder", seed + 3, config.hidden_size, sizes.vision)
+        )
     sched = out / "scheduler"
     sched.mkdir(exist_ok=True)
     (sched / "scheduler_config.json").write_text(
@@ -254,7 +324,9 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sound: bool = True, vision: bo
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     token_ids = special_token_ids(out / "text_tokenizer")
-    (out / "config.json").write_text(json.dumps(_root_config(config, token_ids, vision), indent=2) + "\n")
+    (out / "config.json").write_text(
+        json.dumps(_root_config(config, token_ids, sizes.vision if vision else None), indent=2) + "\n"
+    )
     root_index = {"metadata": {"format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(root_index, indent=2) + "\n")
     return out
