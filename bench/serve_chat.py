@@ -208,7 +208,8 @@ def api_checks(url: str, served: str, max_tokens: int) -> dict:
                                                      {"type": "text", "text": "What is in the image?"}]}]  # fmt: skip
             r = HTTP.post(url + "/v1/chat/completions", json={"model": served, "messages": messages, "max_tokens": 8,
                                                              "temperature": 0}, timeout=600)  # fmt: skip
-            counts[name] = (r.status_code, r.json().get("usage", {}).get("prompt_tokens"))
+            body = r.json()
+            counts[name] = (r.status_code, body.get("usage", {}).get("prompt_tokens"), body.get("error"))
             if name == "http":
                 t = HTTP.post(url + "/tokenize", json={"model": served, "messages": messages}).json()
                 out["tokenize_chat_count"] = t.get("count")
@@ -249,7 +250,8 @@ def media_chats(url: str, served: str) -> dict:
                 "messages": [{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}]}  # fmt: skip
         t0 = time.perf_counter()
         r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
-        return r.status_code, time.perf_counter() - t0, r.json().get("usage", {})
+        answer = r.json()
+        return r.status_code, time.perf_counter() - t0, answer.get("usage") or {"error": answer.get("error")}
 
     out: dict = {}
     ask("image_url", image, 1)

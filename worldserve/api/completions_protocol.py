@@ -38,7 +38,11 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="Text used as it is (no chat template), token ids, or a list of either (a choice set each)."
     )
-    max_tokens: int | None = Field(16, ge=1, description="vLLM's default 16; null: up to the context length.")
+    max_tokens: int | None = Field(
+        16,
+        ge=0,
+        description="vLLM's default 16; null: up to the context length; 0 with `echo`: the prompt alone.",
+    )
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -60,6 +64,8 @@ class CompletionRequest(SamplingRequest):
                 "best_of",
                 f"best_of must equal n ({self.n}) or be omitted: this server returns every sample",
             )
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens must be at least 1, got 0 (0 only echoes the prompt: set echo)"
         if self.echo and self.logprobs is not None:
             return "echo", "echo with logprobs is not supported by this server (no prompt logprobs)"
         if is_set(self.prompt_logprobs):

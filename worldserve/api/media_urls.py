@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import logging
 import socket
 import ssl
 import threading
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 
 from worldserve import __version__
 from worldserve.params import ParamError
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 16
 MAX_REDIRECTS = 10
@@ -129,7 +132,9 @@ class MediaFetcher:
             raise
         except _Failed as exc:
             raise ParamError(param, str(exc)) from None
-        except (OSError, ValueError, OverflowError, http.client.HTTPException):
+        except (OSError, ValueError, OverflowError, http.client.HTTPException) as exc:
+            # the client hears only that it failed; the log keeps why (the host, not the URL's path or query)
+            log.warning("%s: GET from %s failed: %r", what, urllib.parse.urlsplit(url).hostname, exc)
             raise ParamError(param, f"Invalid {what}: failed to download {kind}.") from None
 
     def _get(
