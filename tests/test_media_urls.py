@@ -174,6 +174,24 @@ def test_slow_or_broken_servers_are_400s_within_the_deadline(reply, message):
         server.close()
 
 
+def test_a_name_lookup_that_hangs_is_cut_at_the_deadline(monkeypatch):
+    """getaddrinfo takes no timeout: the lookup is waited for only until the download's deadline."""
+    real = socket.getaddrinfo
+
+    def lookup(host, *args, **kwargs):
+        if host == "slow-dns.example":
+            time.sleep(3)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    t0 = time.monotonic()
+    with pytest.raises(ParamError, match="failed to download image"):
+        MediaFetcher(1 << 20).fetch_blocking(
+            "http://slow-dns.example/x.png", param="p", kind="image", timeout_s=0.5
+        )
+    assert time.monotonic() - t0 < 1.5
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [("http://[::1/x.png", "not a valid URL"), ("http://a:b@127.0.0.1/x.png", "user info"),

@@ -5,7 +5,7 @@
 servers cannot starve the threads the rest of the API uses); `fetch_blocking` does the same on the calling
 thread. The standard library's http.client does the HTTP (no new dependency; environment proxies are not
 used). A download has a total deadline, `timeout_s` (vLLM-Omni's 60 s for references; vLLM's
-`VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across connecting, every
+`VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across the name lookup, connecting, every
 redirect hop, the headers and the body: a timer shuts the socket down when it passes, so a server that
 trickles bytes is cut off too. Bodies are limited to `max_bytes` (the upload limit), redirects followed
 (at most 10, each target checked again) unless `VLLM_MEDIA_URL_ALLOW_REDIRECTS=0`. Every failure is a
@@ -29,6 +29,7 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from worldserve import __version__
@@ -40,6 +41,8 @@ CHUNK = 1 << 16
 MAX_REDIRECTS = 10
 FETCH_THREADS = 8
 """Downloads in flight at once (more wait for a thread)."""
+RESOLVER = ThreadPoolExecutor(4, thread_name_prefix="media-dns")
+"""Name lookups (each waited for only until its download's deadline)."""
 
 
 def is_http_url(url: str) -> bool:
@@ -140,26 +143,23 @@ class MediaFetcher:
     def _get(
         self, parts: urllib.parse.SplitResult, deadline: float, what: str, kind: str, budget: DownloadBudget
     ):
-        """One GET: (status, redirect location or None, body). Past `deadline` it fails: checked after
-        connecting (a slow DNS answer or connect cannot be cut), and a timer shuts the socket down under any
-        blocked read, which also gets at most the time left."""
+        """One GET: (status, redirect location or None, body). Past `deadline` it fails: the name lookup,
+        each connect attempt and the TLS handshake get the time left, and a timer shuts the socket down under
+        any blocked read, which also gets at most the time left."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
         host = parts.hostname.rstrip(".")
-        if parts.scheme.lower() == "https":
-            conn = http.client.HTTPSConnection(
-                host, parts.port, timeout=remaining, context=ssl.create_default_context()
-            )
-        else:
-            conn = http.client.HTTPConnection(host, parts.port, timeout=remaining)
+        https = parts.scheme.lower() == "https"
+        port = parts.port or (443 if https else 80)
+        conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(host, port)
         expired, held = threading.Event(), []  # held: the socket, once connected (the response may own it)
         timer = threading.Timer(remaining, _expire, (held, expired))
         timer.daemon = True
         timer.start()
         taken = 0
         try:
-            conn.connect()
+            conn.sock = _connect(host, port, https, deadline)  # http.client sends on it, connecting no more
             held.append(sock := conn.sock)
             if expired.is_set() or time.monotonic() > deadline:  # the timer fired before there was a socket
                 raise TimeoutError
@@ -217,6 +217,34 @@ class DownloadBudget:
     def give_back(self, n: int) -> None:
         with self._lock:
             self.left += n
+
+
+def _connect(host: str, port: int, https: bool, deadline: float) -> socket.socket:
+    """A socket connected to `host` (TLS-wrapped, certificate and name checked, for https) before `deadline`.
+
+    getaddrinfo takes no timeout, so the lookup runs on a resolver thread and is waited for with the time
+    left (a lookup that hangs keeps its thread until the system resolver gives up, not the request)."""
+    lookup = RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    try:
+        addresses = lookup.result(timeout=max(deadline - time.monotonic(), 0.0))
+    except FutureTimeout:
+        raise TimeoutError from None
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, address in addresses:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+            if https:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error
 
 
 def _expire(held: list[socket.socket], expired: threading.Event) -> None:
