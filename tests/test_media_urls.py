@@ -174,6 +174,26 @@ def test_slow_or_broken_servers_are_400s_within_the_deadline(reply, message):
         server.close()
 
 
+def test_a_response_that_closes_itself_at_its_end(base_url, monkeypatch):
+    """From Python 3.12 http.client closes a response (and its socket's file) as soon as its Content-Length
+    is read; the download must not touch the socket after that. Python 3.12's read1, reproduced on any."""
+    import http.client
+
+    read1 = http.client.HTTPResponse.read1
+
+    def read1_312(self, n=-1):
+        data = read1(self, n)
+        if self.length == 0:
+            self._close_conn()
+        return data
+
+    monkeypatch.setattr(http.client.HTTPResponse, "read1", read1_312)
+    assert (
+        MediaFetcher(1 << 20).fetch_blocking(base_url + "/ref.png", param="p", kind="image", timeout_s=5)
+        == PNG
+    )
+
+
 def test_a_name_lookup_that_hangs_is_cut_at_the_deadline(monkeypatch):
     """getaddrinfo takes no timeout: the lookup is waited for only until the download's deadline."""
     real = socket.getaddrinfo

@@ -174,7 +174,9 @@ class MediaFetcher:
             if declared is not None and declared.strip().isdigit() and int(declared) > budget.left:
                 raise _Failed(self._too_large(what, kind))
             chunks = []
-            while True:
+            # From Python 3.12 the response closes itself, and the socket's file, once its Content-Length is
+            # read: a settimeout after that is EBADF (every download failed on 3.12 before this check).
+            while not resp.isclosed():
                 left = deadline - time.monotonic()
                 if left <= 0 or expired.is_set():
                     raise TimeoutError
