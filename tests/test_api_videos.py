@@ -265,7 +265,8 @@ async def test_video_to_video_upload_extra_params_and_data_url(tmp_path):
 def test_video_reference_survives_a_restart_record():
     import numpy as np
 
-    from worldserve.engine.client import EncodeOptions, inputs_from_record, inputs_record
+    from worldserve.engine.client import EncodeOptions
+    from worldserve.engine.job_files import inputs_from_record, inputs_record
     from worldserve.media.video_input import decode_video
     from worldserve.params import VideoParams
 

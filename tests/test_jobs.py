@@ -139,7 +139,7 @@ def test_expiry_and_bad_ids(tmp_path):
 def test_one_store_per_directory_and_the_lock_goes_with_close(tmp_path):
     """A second server on the same storage directory would re-run the first one's running jobs and delete
     their finished videos: the directory is locked while a store holds it."""
-    from worldserve.engine.jobs import StorageInUseError
+    from worldserve.engine.job_files import StorageInUseError
 
     store = JobStore(tmp_path)
     with pytest.raises(StorageInUseError, match="--storage-dir"):

@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     log_compat(args, config)
     if config.model.omni:
         log.info("--omni accepted: worldserve always serves the omni video API")
-    from worldserve.engine.jobs import JobStore, StorageError
+    from worldserve.engine.job_files import StorageError
+    from worldserve.engine.jobs import JobStore
 
     try:  # before the (minutes-long) model load: a storage directory in use fails the start at once
         store = JobStore(config.server.storage_dir)

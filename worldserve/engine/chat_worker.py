@@ -26,6 +26,7 @@ end-to-end and queue time), measured on this thread with time.monotonic().
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import queue
@@ -369,3 +370,26 @@ class ChatWorker:
         else:
             log.exception("chat completion failed", exc_info=exc)
             handle.emit(ChatFailed(500, f"Chat completion failed: {type(exc).__name__}: {exc}"))
+
+
+class ChatEvents:
+    """One chat's events as an async iterator: ChatStarted, ChatDelta... (the last with its finish_reason), or
+    ChatFailed. `aclose()` (also on one never iterated) cancels the chat at its next step; idempotent."""
+
+    def __init__(self, events: asyncio.Queue, handle: ChatHandle):
+        self._events, self._handle, self._done = events, handle, False
+
+    def __aiter__(self) -> ChatEvents:
+        return self
+
+    async def __anext__(self) -> ChatEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if isinstance(event, ChatFailed) or (isinstance(event, ChatDelta) and event.finish_reason):
+            self._done = True
+        return event
+
+    async def aclose(self) -> None:
+        self._done = True
+        self._handle.cancel()

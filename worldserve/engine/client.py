@@ -19,7 +19,6 @@ fails them with a 503 (on a deadline of their own: the engine may be inside a de
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import threading
@@ -28,17 +27,17 @@ import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 from worldserve.engine.chat_worker import (
     DEFAULT_MAX_NUM_SEQS,
     ChatEvent,
+    ChatEvents,
     ChatFailed,
-    ChatHandle,
     ChatStarted,
     ChatWorker,
 )
 from worldserve.engine.engine import Engine, EngineObserver, error_for
+from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
 from worldserve.engine.request import EncodeOptions, Request
@@ -67,58 +66,6 @@ class ShuttingDownError(Exception):
 
 class ChatUnavailableError(Exception):
     """This server has no chat backend (e.g. the fake backend)."""
-
-
-def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
-    """What the store keeps to re-run a job: every VideoParams field but the image / video (a file)."""
-    fields = {
-        f.name: getattr(params, f.name)
-        for f in dataclasses.fields(VideoParams)
-        if f.name not in ("image", "video")
-    }
-    return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options}
-
-
-def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple[VideoParams, EncodeOptions]:
-    fields = dict(record["params"])
-    for name in ("condition_frame_indexes", "guidance_interval"):  # JSON gave lists back
-        if fields.get(name) is not None:
-            fields[name] = tuple(fields[name])
-    image = video = None
-    if reference is not None:  # the upload or data URL as received: an image, else a V2V clip
-        from worldserve.media.video_input import condition_budget, decode_reference
-
-        probe = VideoParams(**fields)
-        image, video = decode_reference(
-            reference,
-            max_frames=condition_budget(probe.condition_frame_indexes),
-            keep=probe.condition_video_keep,
-        )
-    params = VideoParams(**fields, image=image, video=video)
-    return params, EncodeOptions(crf=record["crf"], codec_options=record["codec_options"])
-
-
-class ChatEvents:
-    """One chat's events as an async iterator: ChatStarted, ChatDelta... (the last with its finish_reason), or
-    ChatFailed. `aclose()` (also on one never iterated) cancels the chat at its next step; idempotent."""
-
-    def __init__(self, events: asyncio.Queue, handle: ChatHandle):
-        self._events, self._handle, self._done = events, handle, False
-
-    def __aiter__(self) -> ChatEvents:
-        return self
-
-    async def __anext__(self) -> ChatEvent:
-        if self._done:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if isinstance(event, ChatFailed) or (isinstance(event, ChatDelta) and event.finish_reason):
-            self._done = True
-        return event
-
-    async def aclose(self) -> None:
-        self._done = True
-        self._handle.cancel()
 
 
 class EngineClient:

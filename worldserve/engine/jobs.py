@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import fcntl
 import json
 import logging
-import os
 import re
 import sqlite3
 import threading
@@ -32,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from worldserve.engine.job_files import lock_storage, write_atomic
 
 JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
 log = logging.getLogger(__name__)
@@ -109,52 +109,6 @@ CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
 _UNFINISHED = ("queued", "in_progress")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write, fsync, rename over `path`, fsync the folder: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class StorageError(RuntimeError):
-    """The storage directory cannot be used (not writable, or locked by another process)."""
-
-
-class StorageInUseError(StorageError):
-    """Another process holds the storage directory (two servers would re-run and delete each other's jobs)."""
-
-
-def _lock_storage(root: Path):
-    """An exclusive lock on `root`/.lock for this process (the open file holds it; closing releases it).
-    Where the filesystem has no locks (some NFS / FUSE mounts) the store runs unlocked, with a warning."""
-    try:
-        owner = open(root / ".lock", "a+")  # noqa: SIM115 (held for the store's lifetime)
-    except OSError as exc:
-        raise StorageError(f"cannot write to the storage directory {root}: {exc}") from None
-    try:
-        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner.close()
-        raise StorageInUseError(
-            f"the storage directory {root} is in use by another worldserve server; give each server its own "
-            "--storage-dir"
-        ) from None
-    except OSError as exc:  # ENOLCK / EOPNOTSUPP: no locks on this filesystem
-        log.warning("cannot lock the storage directory %s (%s): make sure no other server uses it", root, exc)
-    return owner
-
-
 class JobStore:
     """SQLite rows + files; every method is one short transaction under `_lock`."""
 
@@ -164,7 +118,7 @@ class JobStore:
         self.inputs_dir = self.root / "inputs"
         for d in (self.root, self.videos_dir, self.inputs_dir):
             d.mkdir(parents=True, exist_ok=True)
-        self._owner = _lock_storage(self.root)  # held until close(): one server per storage directory
+        self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.root / "jobs.sqlite3", check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row

@@ -1,0 +1,98 @@
+"""What a video job keeps on disk besides its row: its inputs as a JSON record (every VideoParams field but
+the reference, which is a file of its own), files written atomically, and the storage folder's lock.
+
+`inputs_record` / `inputs_from_record` are the one definition of that record: the store persists it at
+submit and the client re-runs an interrupted job from it (the reference bytes decoded again). `write_atomic`
+writes a file so that readers see the old one or the whole new one, across a crash. `lock_storage` holds
+the folder for one process (two servers would re-run and delete each other's jobs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from worldserve.engine.request import EncodeOptions
+from worldserve.params import VideoParams
+
+log = logging.getLogger(__name__)
+
+
+def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
+    """What the store keeps to re-run a job: every VideoParams field but the image / video (a file)."""
+    fields = {
+        f.name: getattr(params, f.name)
+        for f in dataclasses.fields(VideoParams)
+        if f.name not in ("image", "video")
+    }
+    return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options}
+
+
+def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple[VideoParams, EncodeOptions]:
+    fields = dict(record["params"])
+    for name in ("condition_frame_indexes", "guidance_interval"):  # JSON gave lists back
+        if fields.get(name) is not None:
+            fields[name] = tuple(fields[name])
+    image = video = None
+    if reference is not None:  # the upload or data URL as received: an image, else a V2V clip
+        from worldserve.media.video_input import condition_budget, decode_reference
+
+        probe = VideoParams(**fields)
+        image, video = decode_reference(
+            reference,
+            max_frames=condition_budget(probe.condition_frame_indexes),
+            keep=probe.condition_video_keep,
+        )
+    params = VideoParams(**fields, image=image, video=video)
+    return params, EncodeOptions(crf=record["crf"], codec_options=record["codec_options"])
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write, fsync, rename over `path`, fsync the folder: readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StorageError(RuntimeError):
+    """The storage directory cannot be used (not writable, or locked by another process)."""
+
+
+class StorageInUseError(StorageError):
+    """Another process holds the storage directory (two servers would re-run and delete each other's jobs)."""
+
+
+def lock_storage(root: Path):
+    """An exclusive lock on `root`/.lock for this process (the open file holds it; closing releases it).
+    Where the filesystem has no locks (some NFS / FUSE mounts) the store runs unlocked, with a warning."""
+    try:
+        owner = open(root / ".lock", "a+")  # noqa: SIM115 (held for the store's lifetime)
+    except OSError as exc:
+        raise StorageError(f"cannot write to the storage directory {root}: {exc}") from None
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner.close()
+        raise StorageInUseError(
+            f"the storage directory {root} is in use by another worldserve server; give each server its own "
+            "--storage-dir"
+        ) from None
+    except OSError as exc:  # ENOLCK / EOPNOTSUPP: no locks on this filesystem
+        log.warning("cannot lock the storage directory %s (%s): make sure no other server uses it", root, exc)
+    return owner
