@@ -31,7 +31,7 @@ from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
-from worldserve.engine.outputs import ChatDelta
+from worldserve.engine.client import ChatDelta
 from worldserve.params import ChatParams, ParamError
 
 router = APIRouter(tags=["completions"])
