@@ -160,17 +160,16 @@ def test_stop_string_and_echo(oai, reasoner):
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
     by_ids = oai.completions.create(echo=True, **{**kw, "prompt": [5, 6], "max_tokens": 1})
     assert by_ids.choices[0].text.startswith(reasoner.tokenizer.decode([5, 6]))
-    # echo with max_tokens 0: the prompts alone (vLLM's prompt scoring), n choices each, streamed or not
+    # echo with max_tokens 0: the prompts' text alone, n choices each, streamed or not; as vLLM, one token is
+    # generated (and counted in usage) but left out of the text
     only = oai.completions.create(echo=True, n=2, **{**kw, "prompt": ["hello", "a fox"], "max_tokens": 0})
     assert [c.text for c in only.choices] == ["hello", "hello", "a fox", "a fox"]
-    assert {c.finish_reason for c in only.choices} == {"length"}
-    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(
-        _ids(reasoner, "hello")
-    ) + len(_ids(reasoner, "a fox"))
+    prompt_tokens = len(_ids(reasoner, "hello")) + len(_ids(reasoner, "a fox"))
+    assert only.usage.completion_tokens <= 4 and only.usage.prompt_tokens == prompt_tokens
     chunks = list(oai.completions.create(echo=True, stream=True, stream_options={"include_usage": True},
                                          **{**kw, "max_tokens": 0}))  # fmt: skip
-    assert [c.choices[0].text for c in chunks if c.choices] == ["hello"]
-    assert chunks[-1].usage.completion_tokens == 0
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "hello"
+    assert chunks[-1].usage.completion_tokens <= 1
 
 
 def test_tokenize_prompt_form_and_detokenize_round_trip(url, reasoner):
@@ -247,8 +246,11 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
         ("/v1/completions", {"best_of": 2}, 400, "best_of", "must equal n"),
         ("/v1/completions", {"echo": True, "logprobs": 1}, 400, "echo", "echo with logprobs"),
         ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens", "at least 1"),
-        ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": [5] * 4097}, 400, "prompt",
+        ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": [5] * 4096}, 400, "prompt",
          "maximum context length is 4096"),
+        ("/v1/completions", {"echo": True, "max_tokens": 0, "min_tokens": 3}, 400, "min_tokens", "max_tokens"),
+        ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": "<|image_pad|> hi"}, 400, "prompt",
+         "cannot carry images"),
         ("/v1/completions", {"logprobs": 21}, 400, "logprobs", "validation error"),
         ("/v1/completions", {"prompt": [99999]}, 400, "prompt", "out of vocabulary"),
         ("/v1/completions", {"prompt": [[1, 2], [-3]]}, 400, "prompt", "out of vocabulary"),

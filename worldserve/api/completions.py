@@ -9,7 +9,8 @@ metrics (api/chat_stream.py `metered`), a client gone stops them (api/disconnect
 down. The Reasoner checks the ids (outside the vocabulary, or vision placeholders: a 400 naming `prompt`)
 and the context (a prompt that leaves no room is a 400 naming `prompt`; a max_tokens past the room names
 `max_tokens`). api/completions_stream.py builds the answer: the `text_completion` object or SSE chunks.
-`echo` with `max_tokens: 0` answers each prompt's text alone without generating (vLLM's way to score one).
+`echo` with `max_tokens: 0` answers each prompt's text alone, as vLLM does: one token is generated (so every
+check of a generating request applies, and usage counts it, as vLLM's does) and left out of the text.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
-from worldserve.engine.client import ChatDelta
 from worldserve.params import ChatParams, ParamError
 
 router = APIRouter(tags=["completions"])
@@ -83,45 +83,25 @@ async def create_completion(request: Request, st: State):
         raise APIError(400, refused[1], param=refused[0])
     prompts, max_model_len = reasoner_prompts(st)
     tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, max_model_len)
-    if body.max_tokens == 0:  # echo alone (refused() made sure of echo): nothing to generate
-        return await _echo_only(st, body, tokenized, max_model_len)
+    echo_only = body.max_tokens == 0  # with echo (refused() made sure): the prompt alone, as vLLM answers it
+    if echo_only:  # vLLM's way: one token generated (every check of a generating request applies) and dropped
+        body = body.model_copy(update={"max_tokens": 1})
     choices = [choice for ids, _ in tokenized for choice in chat_params(body, ids).choices(body.n)]
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
-    work = _answer(st, body, choices, [text for _, text in tokenized], opened)
+    work = _answer(st, body, choices, [text for _, text in tokenized], opened, echo_only)
     return await unless_disconnected(request, work, lambda: close_all(opened))
 
 
-async def _echo_only(st: AppState, body: CompletionRequest, tokenized: list, max_model_len: int):
-    """`echo` with `max_tokens: 0`, as vLLM answers it (scoring a prompt): each choice is its prompt's text,
-    finish_reason "length", no completion tokens. A prompt over the context is still a 400."""
-    for ids, _ in tokenized:
-        if len(ids) > max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                           f"requested {len(ids)} tokens in the prompt. Please reduce the length of the prompt.",
-                           param="prompt")  # fmt: skip
-    c = Completion(
-        f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=[t for _, t in tokenized],
-        n=body.n, prompt_tokens=[len(ids) for ids, _ in tokenized], logprobs=False,
-    )  # fmt: skip
-    streams = [_nothing_generated() for _ in range(len(tokenized) * body.n)]
-    if body.stream:
-        return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")
-    return await collect(streams, c)
-
-
-async def _nothing_generated():
-    """A choice's events when nothing is generated: one final delta with no text."""
-    yield ChatDelta(text="", finish_reason="length", completion_tokens=0)
-
-
-async def _answer(st: AppState, body: CompletionRequest, choices: list, echoes: list, opened: list):
+async def _answer(
+    st: AppState, body: CompletionRequest, choices: list, echoes: list, opened: list, echo_only: bool
+):
     """Start every choice together, wait for each one's first event (a refusal or a bad prompt answers the
     request), then answer: SSE, or the whole object."""
     streams, firsts = await start_all(st.client, choices, st.metrics, coalesce=not body.stream, opened=opened)
     prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
     c = Completion(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
-        prompt_tokens=prompt_tokens, logprobs=body.logprobs is not None,
+        prompt_tokens=prompt_tokens, logprobs=body.logprobs is not None, echo_only=echo_only,
     )  # fmt: skip
     if body.stream:
         return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")

@@ -41,7 +41,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(
         16,
         ge=0,
-        description="vLLM's default 16; null: up to the context length; 0 with `echo`: the prompt alone.",
+        description="vLLM's default 16; null: up to the context length; 0 with `echo`: the prompt's text alone.",
     )
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

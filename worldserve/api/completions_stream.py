@@ -40,10 +40,11 @@ class Completion:
 
     def __init__(
         self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
-        prompt_tokens: Sequence[int], logprobs: bool,
+        prompt_tokens: Sequence[int], logprobs: bool, echo_only: bool = False,
     ) -> None:  # fmt: skip
         self.request_id, self.created, self.model = request_id, created, model
         self.echoes, self.n, self.logprobs = echoes, n, logprobs
+        self.echo_only = echo_only  # `echo` with max_tokens 0: the generated text is left out
         self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
 
     def usage(self, completion: int, prompt: int | None = None):
@@ -62,7 +63,8 @@ async def collect(streams: Sequence[AsyncIterator], c: Completion) -> Completion
     finished = await run_all(streams)
     choices = [
         CompletionChoice(
-            index=index, text=(c.echoes[index // c.n] or "") + text, finish_reason=last.finish_reason,
+            index=index, text=(c.echoes[index // c.n] or "") + ("" if c.echo_only else text),
+            finish_reason=last.finish_reason,
             logprobs=legacy_logprobs(entries) if c.logprobs else None, stop_reason=last.stop_reason,
         )
         for index, (text, entries, last) in enumerate(finished)
@@ -81,7 +83,7 @@ def sse(
     def render(index: int, event) -> Iterator[str]:
         completion[index] = event.completion_tokens
         echo = c.echoes[index // c.n] if not sent[index] else None
-        text = (echo or "") + event.text
+        text = (echo or "") + ("" if c.echo_only else event.text)
         if not (text or event.logprobs or event.finish_reason):
             return
         lps = legacy_logprobs(event.logprobs, sent[index]) if c.logprobs else None
