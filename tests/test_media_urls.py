@@ -212,6 +212,96 @@ def test_a_name_lookup_that_hangs_is_cut_at_the_deadline(monkeypatch):
     assert time.monotonic() - t0 < 1.5
 
 
+def test_hung_lookups_do_not_hold_up_other_hosts(base_url, monkeypatch):
+    """More hanging lookups than fetch threads: each fails at its deadline, and a good host still answers at
+    once (lookups run on threads of their own, not on a pool the hung ones would fill)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    real = socket.getaddrinfo
+
+    def lookup(host, *args, **kwargs):
+        if host == "slow-dns.example":
+            time.sleep(2)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    fetcher = MediaFetcher(1 << 20)
+
+    def slow(_):
+        with pytest.raises(ParamError):
+            fetcher.fetch_blocking("http://slow-dns.example/x.png", param="p", kind="image", timeout_s=0.3)
+
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(slow, range(10)))
+    t0 = time.monotonic()
+    assert fetcher.fetch_blocking(base_url + "/ref.png", param="p", kind="image", timeout_s=5) == PNG
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_each_address_is_tried_in_turn(base_url, monkeypatch, caplog):
+    """A name with several addresses: a refused one is skipped; when all fail, the log says why (the host,
+    not the path or query, which may carry a signed URL's token)."""
+    port = int(base_url.rsplit(":", 1)[1])
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]  # nothing listens there once closed
+    real = socket.getaddrinfo
+
+    def lookup(host, p, *args, **kwargs):
+        if host == "two.example":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", dead)),
+                    (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]  # fmt: skip
+        if host == "dead.example":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", dead))]
+        return real(host, p, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    fetcher = MediaFetcher(1 << 20)
+    assert (
+        fetcher.fetch_blocking(f"http://two.example:{port}/ref.png", param="p", kind="image", timeout_s=5)
+        == PNG
+    )
+    with pytest.raises(ParamError, match="failed to download"):
+        fetcher.fetch_blocking("http://dead.example/x.png?sig=SECRET", param="p", kind="image", timeout_s=5)
+    assert "dead.example" in caplog.text and "ConnectionRefusedError" in caplog.text
+    assert "SECRET" not in caplog.text
+
+
+@pytest.fixture(scope="module")
+def https_url(tmp_path_factory):
+    """An HTTPS server on localhost with a self-signed certificate: (base URL, the certificate's path)."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem"), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True)  # fmt: skip
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(d / "cert.pem", d / "key.pem")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://localhost:{server.server_address[1]}", d / "cert.pem"
+    server.shutdown()
+
+
+def test_https_checks_the_certificate(https_url, monkeypatch):
+    import ssl
+
+    from worldserve.api import media_urls
+
+    url, cert = https_url
+    with pytest.raises(ParamError, match="failed to download"):  # self-signed: not trusted by default
+        MediaFetcher(1 << 20).fetch_blocking(url + "/ref.png", param="p", kind="image", timeout_s=5)
+    trusting = ssl.create_default_context(cafile=str(cert))
+    monkeypatch.setattr(media_urls, "_tls_context", lambda: trusting)
+    assert MediaFetcher(1 << 20).fetch_blocking(url + "/moved", param="p", kind="image", timeout_s=5) == PNG
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [("http://[::1/x.png", "not a valid URL"), ("http://a:b@127.0.0.1/x.png", "user info"),

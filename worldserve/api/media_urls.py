@@ -5,8 +5,9 @@
 servers cannot starve the threads the rest of the API uses); `fetch_blocking` does the same on the calling
 thread. The standard library's http.client does the HTTP (no new dependency; environment proxies are not
 used). A download has a total deadline, `timeout_s` (vLLM-Omni's 60 s for references; vLLM's
-`VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across the name lookup, connecting, every
-redirect hop, the headers and the body: a timer shuts the socket down when it passes, so a server that
+`VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across the name lookup
+(on a thread of its own: getaddrinfo takes no timeout), each address's connect, the TLS handshake, every
+redirect hop, the headers and the body: a timer shuts the sockets down when it passes, so a server that
 trickles bytes is cut off too. Bodies are limited to `max_bytes` (the upload limit), redirects followed
 (at most 10, each target checked again) unless `VLLM_MEDIA_URL_ALLOW_REDIRECTS=0`. Every failure is a
 ParamError (a 400) naming the field, in vLLM-Omni's words: `Invalid image_reference.image_url: failed to
@@ -20,6 +21,7 @@ other host, redirects included, is a 400). A server that fetches URLs reaches wh
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import logging
 import socket
@@ -29,7 +31,6 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from worldserve import __version__
@@ -41,8 +42,11 @@ CHUNK = 1 << 16
 MAX_REDIRECTS = 10
 FETCH_THREADS = 8
 """Downloads in flight at once (more wait for a thread)."""
-RESOLVER = ThreadPoolExecutor(4, thread_name_prefix="media-dns")
-"""Name lookups (each waited for only until its download's deadline)."""
+MAX_LOOKUPS = 64
+"""Name lookups in flight at once. A lookup is waited for only until its download's deadline, but its thread
+runs until the system resolver answers; past this bound a download fails at once instead of queueing behind
+hung lookups (so hosts whose DNS hangs cannot hold up the downloads of other hosts)."""
+_lookups = threading.BoundedSemaphore(MAX_LOOKUPS)
 
 
 def is_http_url(url: str) -> bool:
@@ -137,7 +141,12 @@ class MediaFetcher:
             raise ParamError(param, str(exc)) from None
         except (OSError, ValueError, OverflowError, http.client.HTTPException) as exc:
             # the client hears only that it failed; the log keeps why (the host, not the URL's path or query)
-            log.warning("%s: GET from %s failed: %r", what, urllib.parse.urlsplit(url).hostname, exc)
+            why = (
+                f"{type(exc).__name__}: {exc.strerror}"
+                if getattr(exc, "strerror", None)
+                else type(exc).__name__
+            )
+            log.warning("%s: GET from %s failed (%s)", what, urllib.parse.urlsplit(url).hostname, why)
             raise ParamError(param, f"Invalid {what}: failed to download {kind}.") from None
 
     def _get(
@@ -152,15 +161,17 @@ class MediaFetcher:
         host = parts.hostname.rstrip(".")
         https = parts.scheme.lower() == "https"
         port = parts.port or (443 if https else 80)
-        conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(host, port)
-        expired, held = threading.Event(), []  # held: the socket, once connected (the response may own it)
+        if https:  # (given the context: its own default one would load the CA store again, unused)
+            conn = http.client.HTTPSConnection(host, port, context=_tls_context())
+        else:
+            conn = http.client.HTTPConnection(host, port)
+        expired, held = threading.Event(), []  # held: the sockets made (the response may own the last one)
         timer = threading.Timer(remaining, _expire, (held, expired))
         timer.daemon = True
         timer.start()
         taken = 0
         try:
-            conn.sock = _connect(host, port, https, deadline)  # http.client sends on it, connecting no more
-            held.append(sock := conn.sock)
+            conn.sock = sock = _connect(host, port, https, deadline, held)  # http.client connects no more
             if expired.is_set() or time.monotonic() > deadline:  # the timer fired before there was a socket
                 raise TimeoutError
             path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
@@ -221,32 +232,75 @@ class DownloadBudget:
             self.left += n
 
 
-def _connect(host: str, port: int, https: bool, deadline: float) -> socket.socket:
-    """A socket connected to `host` (TLS-wrapped, certificate and name checked, for https) before `deadline`.
+def _connect(host: str, port: int, https: bool, deadline: float, held: list[socket.socket]) -> socket.socket:
+    """A socket connected to `host` (TLS-wrapped, certificate and name checked, for https) before `deadline`;
+    every socket made goes into `held` at once, so the deadline's timer can break a connect or a handshake.
 
-    getaddrinfo takes no timeout, so the lookup runs on a resolver thread and is waited for with the time
-    left (a lookup that hangs keeps its thread until the system resolver gives up, not the request)."""
-    lookup = RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
-    try:
-        addresses = lookup.result(timeout=max(deadline - time.monotonic(), 0.0))
-    except FutureTimeout:
-        raise TimeoutError from None
+    Each address of the name is tried in turn (IPv6 ones where this host has no IPv6 too), each attempt and
+    the handshake with the time left; a certificate that fails its check ends the download."""
     error: OSError = OSError(f"no address for {host}")
-    for family, kind, proto, _, address in addresses:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock = socket.socket(family, kind, proto)
+    for family, kind, proto, _, address in _resolve(host, port, deadline):
+        sock = None
         try:
-            sock.settimeout(left)
+            sock = socket.socket(family, kind, proto)
+            held.append(sock)
+            sock.settimeout(_time_left(deadline))
             sock.connect(address)
             if https:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+                sock = _tls_context().wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+                held.append(sock)
+                sock.settimeout(_time_left(deadline))
+                sock.do_handshake()
             return sock
-        except OSError as exc:
+        except ssl.SSLCertVerificationError:
             sock.close()
+            raise
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, TimeoutError):
+                raise
             error = exc
     raise error
+
+
+def _resolve(host: str, port: int, deadline: float) -> list:
+    """getaddrinfo(host, port), waited for until `deadline` (getaddrinfo takes no timeout of its own, so it
+    runs on a thread of its own, bounded by MAX_LOOKUPS)."""
+    if not _lookups.acquire(blocking=False):
+        raise OSError(f"more than {MAX_LOOKUPS} name lookups in flight")
+    answer: list = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except Exception as exc:  # handed to the waiting download (gaierror, UnicodeError of a bad name...)
+            answer.append(exc)
+        finally:
+            _lookups.release()
+            done.set()
+
+    threading.Thread(target=lookup, name="media-dns", daemon=True).start()
+    if not done.wait(_time_left(deadline)):
+        raise TimeoutError
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
+
+
+def _time_left(deadline: float) -> float:
+    """Seconds to `deadline`; TimeoutError when it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The system's default verifying context, built once (loading the CA store takes ~20 ms)."""
+    return ssl.create_default_context()
 
 
 def _expire(held: list[socket.socket], expired: threading.Event) -> None:
