@@ -46,7 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--write-only", action="store_true", help="with --random-nano: write the checkpoint, exit"
     )
-    ap.add_argument("--random-config", default="nano", choices=("nano", "tiny"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, required=True, help="JSON file")
     ap.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT (default 1280x720)")
     ap.add_argument("--frames", type=int, default=189, help="pixel frames, 4k+1 (default 189)")
@@ -88,17 +87,22 @@ def mode_label(mode: dict[str, int]) -> str:
     return f"cfg{mode['cfg_parallel_size']}_ulysses{mode['ulysses_degree']}_tp{mode['tensor_parallel_size']}"
 
 
-def write_random_checkpoint(out: Path, config_name: str = "nano", seed: int = 0) -> Path:
-    """`make_tiny(out, shapes=config_name)`: the checkpoint layout at full size ("nano", ViT included) with
-    random weights and the tiny byte tokenizer. Reused when `out/.complete` exists."""
+def write_random_checkpoint(out: Path, shapes: str = "nano", seed: int = 0) -> Path:
+    """`make_tiny(out, shapes=shapes)`: the checkpoint layout at full size ("nano", ViT included) with random
+    weights and the tiny byte tokenizer. Reused when `out/.complete` names the same shapes and seed (a folder
+    written otherwise, or before the ViT was part of it, is removed and written again)."""
+    import shutil
+
     from worldserve.weights.tiny import make_tiny
 
-    if (out / ".complete").exists():
+    marker = f"{shapes} seed {seed} with vision_encoder\n"
+    if (out / ".complete").is_file() and (out / ".complete").read_text() == marker:
         return out
+    shutil.rmtree(out, ignore_errors=True)  # no stale shards of another size beside the new index
     t0 = time.perf_counter()
-    make_tiny(out, seed=seed, shapes=config_name)
-    (out / ".complete").write_text("ok\n")
-    print(f"wrote random {config_name} checkpoint to {out} in {time.perf_counter() - t0:.0f} s", flush=True)
+    make_tiny(out, seed=seed, shapes=shapes)
+    (out / ".complete").write_text(marker)
+    print(f"wrote random {shapes} checkpoint to {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
 
 
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
         root = make_tiny(Path(tempfile.mkdtemp()) / "Cosmos3-Tiny", seed=0)
     elif args.random_nano is not None:
-        root = write_random_checkpoint(args.random_nano, args.random_config)
+        root = write_random_checkpoint(args.random_nano)
         if args.write_only:
             return 0
     elif args.model:

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.tiny:
         from worldserve.weights.tiny import make_tiny
 
-        root = make_tiny(Path(tempfile.mkdtemp()) / "Cosmos3-Tiny", seed=0)
+        scratch = tempfile.TemporaryDirectory()  # removed when run() returns
+        root = make_tiny(Path(scratch.name) / "Cosmos3-Tiny", seed=0)
     else:
         sys.path.insert(0, str(Path(__file__).parent))
         from parallel_step import write_random_checkpoint
@@ -136,15 +137,14 @@ def run(args: argparse.Namespace) -> dict:
     reasoner.warm_up()
     pad_ids = (reasoner.image_token_id, reasoner.video_token_id)
     params = chats(args.tiny)
-    for (
-        p
-    ) in params.values():  # first-call costs (cuBLAS, the ViT's kernels at each shape) outside the timings
+    for p in params.values():  # first calls (cuBLAS, the ViT's kernels at each shape) outside the timings
         ours(reasoner, p, sync)
     runs = {name: ours(reasoner, p, sync) for name, p in params.items()}
     del model, reasoner
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
 
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a float32 reference
     refs: dict[str, dict] = {name: {} for name in runs}
     state = reasoner_state(root)  # float32 on the host, read once for both oracles
     for odtype in dict.fromkeys((torch.float32, dtype)):  # once on the CPU (float32 both)

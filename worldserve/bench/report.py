@@ -45,6 +45,7 @@ def environment(device: torch.device) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": str(device),
+        "commit": _commit(),
     }
     try:
         import diffusers
@@ -56,6 +57,25 @@ def environment(device: torch.device) -> dict:
         p = torch.cuda.get_device_properties(device)
         env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
     return env
+
+
+def _commit() -> str | None:
+    """The code's git commit: $WORLDSERVE_COMMIT (set it where the tree travels without .git, as to the GPU
+    machine), else `git rev-parse` with "+dirty" for uncommitted changes, else None."""
+    import os
+    import subprocess
+
+    if commit := os.environ.get("WORLDSERVE_COMMIT"):
+        return commit
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _f(x, fmt: str = ".3f") -> str:

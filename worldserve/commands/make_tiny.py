@@ -12,7 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vision", action="store_true", help="leave out the Reasoner's vision encoder")
     p.add_argument(
         "--shapes", choices=("tiny", "nano"), default="tiny",
-        help="nano: Cosmos3-Nano's real sizes (~32 GB of random weights, for GPU benchmarks)",
+        help="nano: Cosmos3-Nano's real sizes (~32 GB of random weights for GPU benchmarks; needs ~40 GB of "
+        "host memory while writing)",
     )  # fmt: skip
 
 

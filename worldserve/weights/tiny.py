@@ -114,7 +114,8 @@ NANO_VISION_CONFIG = {  # Qwen3-VL-8B's ViT (cosmos3-model.md §1.5): ~0.58B par
 
 def _nano_config(vocab: int, sound: bool) -> Cosmos3Config:
     config = Cosmos3Config.nano()
-    assert config.vocab_size >= vocab, "the tokenizer must fit the embedding"
+    if config.vocab_size < vocab:
+        raise ValueError(f"a tokenizer of {vocab} ids does not fit Nano's {config.vocab_size}-row embedding")
     return config if sound else replace(config, sound_gen=False, sound_dim=None)
 
 
