@@ -62,6 +62,16 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
         assert _meta(content.content)["frames"] == [5, 48, 64, 3]
         part = await http.get(f"/v1/videos/{job['id']}/content", headers={"Range": "bytes=0-6"})
         assert part.status_code == 206 and part.content == b"FAKEMP4"
+        size = len(content.content)  # a Range Starlette refuses: the error envelope, not its plain text
+        for header, status in (
+            ("bytes=abc", 400),
+            ("bytes=10-5", 400),
+            ("lines=1-2", 400),
+            (f"bytes={size}-", 416),
+        ):
+            bad = await http.get(f"/v1/videos/{job['id']}/content", headers={"Range": header})
+            assert bad.status_code == status and bad.json()["error"]["param"] == "Range", (header, bad.text)
+        assert bad.headers["content-range"] == f"bytes */{size}"
 
 
 async def test_omitted_fields_take_model_defaults(tmp_path):
@@ -482,3 +492,40 @@ async def test_a_download_survives_the_file_being_deleted_after_it_was_opened(tm
     assert (status, body) == ((206, b"2345") if range_header else (200, b"0123456789"))
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
+
+
+async def test_json_numbers_past_the_int_limit_and_clients_gone_mid_body(tmp_path, caplog):
+    """A JSON number of more digits than Python converts (4300) is a 400, not a 500; a client that leaves
+    while its body is read is a quiet 499 (no traceback, no 'unhandled error')."""
+    from serving_helpers import make_client
+
+    from worldserve.api.app import build_app
+
+    async with asgi_server(tmp_path) as http:
+        raw = '{"prompt": "x", "n": %s}' % ("9" * 5000)
+        r = await http.post(
+            "/v1/images/generations", content=raw, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400 and "4300 digits" in r.json()["error"]["message"], r.text
+    app = build_app(
+        make_client(tmp_path / "gone"), sync_timeout_s=5, max_upload_bytes=2**20, shutdown_timeout_s=0.3
+    )
+    sent: list[dict] = []
+    chunks = iter(
+        [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}, {"type": "http.disconnect"}]
+    )
+
+    async def receive():
+        return next(chunks)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/images/generations", "raw_path": b"/v1/images/generations",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("test", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}  # fmt: skip
+    async with app.router.lifespan_context(app):
+        await app(scope, receive, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert "unhandled error" not in caplog.text

@@ -7,6 +7,7 @@ import io
 import subprocess
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -239,6 +240,16 @@ def test_decode_image_rejects_non_images(data):
         decode_image(data)
     assert err.value.param == "input_reference"
     assert str(err.value) == INVALID_REFERENCE_MESSAGE
+
+
+@pytest.mark.parametrize("name", ["dds", "spider", "tiff"])
+def test_decode_image_rejects_files_that_break_pillow(name):
+    """Mutated files (found by fuzzing the API) on which Pillow's decoders raise NotImplementedError,
+    AttributeError or TypeError rather than an OSError: a 400 naming the part, like any bad image."""
+    data = (Path(__file__).parent / "data" / "bad_images" / f"{name}.bin").read_bytes()
+    with pytest.raises(ParamError) as err:
+        decode_image(data, param="messages[0].content[0].image_url")
+    assert err.value.param == "messages[0].content[0].image_url"
 
 
 def test_decode_image_rejects_truncated_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -69,11 +70,16 @@ def _path_text(path: tuple) -> str:
 
 
 def parse_json(body: str | bytes) -> Any:
-    """json.loads with every failure a 400: bad JSON, bad UTF-8, nesting deeper than the parser's stack."""
+    """json.loads with every failure a 400: bad JSON, bad UTF-8, a number too long to convert, nesting deeper
+    than the parser's stack."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"Invalid JSON body: {exc}") from None
+    except ValueError:  # Python's int-from-text limit (sys.get_int_max_str_digits)
+        raise APIError(
+            400, f"Invalid JSON body: a number longer than {sys.get_int_max_str_digits()} digits"
+        ) from None
     except RecursionError:
         raise APIError(400, "Invalid JSON body: nested too deeply") from None
     check_unicode(data, body)

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from worldserve.api.disconnect import CLIENT_CLOSED_REQUEST, ClientGone
 from worldserve.params import ParamError
@@ -114,7 +115,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(ClientGone)
-    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    @app.exception_handler(ClientDisconnect)  # gone while its body was being read: nothing failed here
+    async def _client_gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
@@ -181,7 +182,7 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
         **ERRORS,
     },
 )
-async def download_video(video_id: str, st: State) -> FileResponse:
+async def download_video(video_id: str, request: Request, st: State) -> FileResponse:
     """Download the MP4 (HTTP Range supported); `variant` other than video is not offered."""
     job = st.client.get(video_id)
     if job is None:
@@ -194,7 +195,28 @@ async def download_video(video_id: str, st: State) -> FileResponse:
         fd = os.open(st.client.video_path(video_id), os.O_RDONLY)
     except FileNotFoundError:
         raise APIError(404, "Generated video file not found on disk") from None
+    try:
+        _check_range(request.headers.get("range"), os.fstat(fd).st_size)
+    except APIError:
+        os.close(fd)
+        raise
     return OpenFileResponse(fd, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+def _check_range(header: str | None, size: int) -> None:
+    """A `Range` header FileResponse would refuse, refused first as an error envelope (Starlette answers
+    plain text): a malformed one is a 400 naming it, one past the end a 416 with `Content-Range: bytes */size`.
+    The parsing is FileResponse's own, so what passes here is what it serves."""
+    if header is None:
+        return
+    try:
+        FileResponse._parse_range_header(header, size)
+    except MalformedRangeHeader as exc:
+        raise APIError(400, f"Invalid Range header {header[:100]!r}: {exc.content or 'malformed'}",
+                       param="Range") from None  # fmt: skip
+    except RangeNotSatisfiable:
+        raise APIError(416, f"Range {header[:100]!r} is past the end of the {size}-byte video", param="Range",
+                       headers={"Content-Range": f"bytes */{size}"}) from None  # fmt: skip
 
 
 class OpenFileResponse(FileResponse):

@@ -287,11 +287,14 @@ class EngineClient:
             self.engine.add_request(
                 Request(job_id=request_id, params=params, arrival_time=now, on_result=sink(future))
             )
+        gathered = asyncio.gather(*futures)
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout_s))
+            return list(await asyncio.wait_for(gathered, timeout_s))
         except BaseException:
             for request_id in ids:  # timed out, failed or cancelled: stop the rest at a step boundary
                 self.engine.abort(request_id)
+            for future in (gathered, *futures):  # nobody reads their outcomes now: asyncio must not log them
+                future.add_done_callback(_outcome_read)
             raise
 
     def get(self, job_id: str) -> Job | None:
@@ -376,3 +379,9 @@ class EngineClient:
             for future in self._waiters.get(job_id, ()):
                 if not future.done():
                     future.set_exception(exc)
+
+
+def _outcome_read(future: asyncio.Future) -> None:
+    """Mark a settled future's exception as read (asyncio logs 'exception was never retrieved' otherwise)."""
+    if not future.cancelled():
+        future.exception()

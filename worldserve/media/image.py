@@ -21,7 +21,7 @@ import re
 import warnings
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from worldserve.params import ParamError
 
@@ -67,8 +67,11 @@ def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
                 img.load()
                 img = ImageOps.exif_transpose(img)
                 rgb = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as exc:  # fmt: skip
+    except MemoryError:
+        raise
+    except Exception as exc:  # Pillow's decoders read untrusted bytes: whatever they raise (UnidentifiedImage,
+        # OSError, SyntaxError, and from odd formats NotImplementedError, TypeError, AttributeError...) means
+        # the bytes are no image this server can read
         if isinstance(exc, ImageTooLarge):
             raise
         if isinstance(exc, Image.DecompressionBombError | Image.DecompressionBombWarning):
