@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def chats(tiny: bool) -> dict:
     """name -> ChatParams: a 720p image (a 64x96 one on tiny), a 16-frame video, a text chat."""
-    from worldserve.params import ChatMessage, ChatParams, ChatPart, ChatVideo
+    from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, ChatVideo
 
     rng = np.random.default_rng(0)
     h, w = (64, 96) if tiny else (720, 1280)

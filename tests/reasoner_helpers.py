@@ -3,7 +3,7 @@ steps them, or one alone)."""
 
 from __future__ import annotations
 
-from worldserve.params import ChatMessage, ChatParams
+from worldserve.chat_params import ChatMessage, ChatParams
 
 
 def greedy_chats(reasoner, prompts, max_tokens: int, *, close: bool = False) -> list[list[int]]:

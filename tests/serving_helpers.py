@@ -156,3 +156,14 @@ def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s:
     app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
     with serve_app(app) as url:
         yield url, client
+
+
+@contextlib.contextmanager
+def serve_reasoner(reasoner, folder: Path, *, model: str, name: str):
+    """A real uvicorn serving a fake video backend and `reasoner` for chats (make_client + build_app);
+    yields its URL."""
+    from worldserve.api.app import build_app
+
+    client = make_client(folder, model_name=model, chat_backend=reasoner)
+    with serve_app(build_app(client, shutdown_timeout_s=1.0), name=name) as url:
+        yield url

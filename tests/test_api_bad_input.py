@@ -10,13 +10,15 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_helpers import asgi_server, mp4_bytes, uvicorn_thread
+from serving_helpers import asgi_server, mp4_bytes, png_bytes, uvicorn_thread
 
 pytestmark = pytest.mark.anyio
 MISSING_PROMPT = "{'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', 'input': None}"
 NOT_AN_IMAGE = "Invalid input_reference: provided content is not a valid image or video."
 V2V_REF = json.dumps({"video_url": "data:video/mp4;base64," + base64.b64encode(mp4_bytes()).decode()})
+I2V_REF = json.dumps({"image_url": "data:image/png;base64," + base64.b64encode(png_bytes()).decode()})
 OK = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "1"}
+BY_SECONDS = {**OK, "num_frames": ""}  # (an empty form value is "not given")
 
 
 @pytest.fixture
@@ -60,6 +62,10 @@ CASES = [
      "not supported"),
     ("model mismatch", {**OK, "model": "nvidia/Cosmos3-Super"}, 400, "model", "Model mismatch: request specifies"),
     ("extra_params not JSON", {**OK, "extra_params": "{"}, 400, "extra_params", "Invalid JSON in form field."),
+    ("extra_params 5000-digit number", {**OK, "extra_params": "9" * 5000}, 400, "extra_params",
+     "Invalid JSON in form field."),
+    ("video_params 5000-digit number", {**OK, "video_params": '{"fps": %s}' % ("9" * 5000)}, 400, "video_params",
+     "Invalid JSON in form field."),
     ("extra_params list", {**OK, "extra_params": "[]"}, 400, "extra_params", "expected dict, got list."),
     ("extra_params action", {**OK, "extra_params": '{"action_mode": "policy"}'}, 400, "extra_params.action_mode",
      "not supported"),
@@ -86,6 +92,34 @@ CASES = [
     ("data url not an image", {**OK, "image_reference": '{"image_url": "data:image/png;base64,AAAA"}'}, 400,
      "image_reference", "not a valid image"),
     ("input_reference as text", {**OK, "input_reference": "hello"}, 400, "input_reference", "file upload"),
+    # numbers bounded before int() / float() can overflow, each error naming the field the value came in
+    ("fps 1e308 with seconds", {**BY_SECONDS, "seconds": "2", "fps": "1e308"}, 400, "fps", "in [1, 120]"),
+    ("seconds 400 digits", {**BY_SECONDS, "seconds": "9" * 400}, 400, "seconds", "400-digit number is above 400"),
+    ("seconds 5000 digits", {**BY_SECONDS, "seconds": "9" * 5000}, 400, "seconds", "5000-digit number"),
+    ("seconds past the tier", {**BY_SECONDS, "seconds": "20"}, 400, "seconds", "exceeds the 256p limit"),
+    ("size 5000 digits", {**OK, "size": "1" + "0" * 5000 + "x16"}, 400, "size", "must be at most 1280"),
+    ("video_params fps 1e300", {**BY_SECONDS, "seconds": "2", "video_params": '{"fps": 1e300}'}, 400,
+     "video_params", "fps=1e+300 must be a number in [1, 120]"),
+    ("video_params height 17", {**OK, "size": "", "video_params": '{"width": 32, "height": 17}'}, 400,
+     "video_params", "height=17 must be a multiple of 16"),
+    ("width 2**70", {**OK, "size": "", "width": str(2**70), "height": "16"}, 400, "width", "22-digit number"),
+    ("height 8", {**OK, "size": "", "width": "16", "height": "8"}, 400, "height", "height=8 must be"),
+    ("image_reference one frame", {**OK, "num_frames": "1", "image_reference": I2V_REF}, 400, "image_reference",
+     "image-to-video needs num_frames > 1"),
+    ("video_reference one frame", {**OK, "num_frames": "1", "video_reference": V2V_REF}, 400, "video_reference",
+     "video-to-video needs num_frames > 1"),
+    ("extra guidance_interval", {**OK, "extra_params": '{"guidance_interval": [5, 1]}'}, 400,
+     "extra_params.guidance_interval", "0 <= lo <= hi <= 1000"),
+    ("extra flow_shift", {**OK, "extra_params": '{"flow_shift": 1000}'}, 400, "extra_params.flow_shift",
+     "must be in (0, 100]"),
+    ("extra max_sequence_length", {**OK, "extra_params": '{"max_sequence_length": 200000}'}, 400,
+     "extra_params.max_sequence_length", "[1, 131072]"),
+    ("condition index negative, T2V", {**OK, "extra_params": '{"condition_frame_indexes_vision": [-1]}'}, 400,
+     "extra_params.condition_frame_indexes_vision", "non-negative ints, e.g. [0, 1]; got -1"),
+    ("condition index 2**70, T2V", {**OK, "extra_params": '{"condition_frame_indexes_vision": [1180591620717411303424]}'},
+     400, "extra_params.condition_frame_indexes_vision", "outside the latent timeline"),
+    ("condition index past num_frames, T2V", {**OK, "extra_params": '{"condition_frame_indexes_vision": [2]}'}, 400,
+     "extra_params.condition_frame_indexes_vision", "outside the latent timeline (latent_frames=2"),
 ]  # fmt: skip
 
 
@@ -100,6 +134,43 @@ async def test_bad_form_fields(tmp_path, name, fields, status, param, message):
             assert message in err["message"], err["message"]
         jobs = (await http.get("/v1/videos")).json()["data"]
         assert jobs == [], "a rejected request leaves no job behind"
+
+
+JSON_CASES = [
+    ("fps 1e308", "/v1/videos", '{"prompt": "x", "size": "32x32", "seconds": "2", "fps": 1e308}', "fps"),
+    ("seconds 400 digits", "/v1/videos/sync", '{"prompt": "x", "size": "32x32", "seconds": "' + "9" * 400 + '"}',
+     "seconds"),
+    ("seconds 5000 digits", "/v1/videos", '{"prompt": "x", "size": "32x32", "seconds": "' + "9" * 5000 + '"}',
+     "seconds"),
+    ("size 5000 digits", "/v1/videos/sync", '{"prompt": "x", "num_frames": 5, "size": "1' + "0" * 5000 + 'x16"}',
+     "size"),
+    ("video_params fps 1e300", "/v1/videos",
+     '{"prompt": "x", "size": "32x32", "seconds": 2, "video_params": {"fps": 1e300}}', "video_params"),
+    ("width 2**70", "/v1/videos", '{"prompt": "x", "width": 1180591620717411303424, "height": 16}', "width"),
+    ("true_cfg_scale NaN", "/v1/images/generations", '{"prompt": "x", "size": "32x32", "true_cfg_scale": NaN}',
+     "true_cfg_scale"),
+    ("true_cfg_scale -Infinity", "/v1/images/generations",
+     '{"prompt": "x", "size": "32x32", "true_cfg_scale": -Infinity}', "true_cfg_scale"),
+    ("image extra flow_shift", "/v1/images/generations",
+     '{"prompt": "x", "size": "32x32", "extra_params": {"flow_shift": 1000}}', "extra_params.flow_shift"),
+    ("image extra guidance_interval", "/v1/images/generations",
+     '{"prompt": "x", "size": "32x32", "extra_params": {"guidance_interval": [5, 1]}}',
+     "extra_params.guidance_interval"),
+    ("image extra max_sequence_length", "/v1/images/generations",
+     '{"prompt": "x", "size": "32x32", "extra_params": "{\\"max_sequence_length\\": 200000}"}',
+     "extra_params.max_sequence_length"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "route", "body", "param"), JSON_CASES, ids=[c[0] for c in JSON_CASES])
+async def test_bad_json_numbers_are_short_400s_naming_the_field(tmp_path, name, route, body, param):
+    """The fuzzer's bodies: huge or non-finite numbers were 500s (OverflowError, int()'s digit limit), went
+    through, or named another field; each is a 400 naming the field it came in, with a short message."""
+    async with asgi_server(tmp_path) as http:
+        r = await http.post(route, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["param"] == param and len(err["message"]) < 400, err
 
 
 async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from serving_helpers import serve_app, wait_until
 
-from worldserve.params import ChatMessage, ChatParams, ChatPart
+from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
 
 MODEL = "test-model"
 
@@ -158,8 +158,8 @@ def _mp4(frames: int = 30, fps: float = 24.0) -> bytes:
 def test_video_url_data_and_file(server, reasoner, media_io, frames):
     """A video_url part (data: URL, then file://) answers what the Reasoner answers for the same decoded
     frames; media_io_kwargs changes the sampling."""
+    from worldserve.chat_params import VideoSampling
     from worldserve.media.video_input import decode_chat_video
-    from worldserve.params import VideoSampling
 
     url, media = server
     mp4 = _mp4()
@@ -262,7 +262,12 @@ def test_http_image_url_is_downloaded(server):
         ({"media_io_kwargs": {"video": {"fps": 2, "num_frames": 4}}}, 400, "media_io_kwargs", "mutually exclusive"),
         ({"media_io_kwargs": {"video": {"fps": -1}}}, 400, "media_io_kwargs", "fps must be > 0"),
         ({"media_io_kwargs": {"video": {"frames": 3}}}, 400, "media_io_kwargs", "takes"),
+        ({"media_io_kwargs": {"video": {"fps": 2**1100}}}, 400, "media_io_kwargs", "at most 1000"),
+        ({"mm_processor_kwargs": {"fps": 2**1100}}, 400, "mm_processor_kwargs", "at most 1000"),
         ({"max_tokens": 100000}, 400, "max_tokens", "maximum context length"),
+        ({"max_completion_tokens": 40000}, 400, "max_completion_tokens", "maximum context length"),
+        ({"max_tokens": 2, "max_completion_tokens": 40000}, 400, "max_completion_tokens", "maximum context length"),
+        ({"max_tokens": 40000, "max_completion_tokens": 2, "stream": True}, 200, None, None),
         ({"temperature": -1}, 400, "temperature", "validation error"),
         ({"presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
         ({"repetition_penalty": 0}, 400, "repetition_penalty", "must be in (0, 2]"),
@@ -275,6 +280,8 @@ def test_bad_requests(server, patch, status, param, needle):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **patch}
     r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
+    if status == 200:  # max_completion_tokens wins over max_tokens (vLLM's rule)
+        return
     err = r.json()["error"]
     assert err["code"] == status and err["param"] == param and needle in err["message"], err
     if status == 404:

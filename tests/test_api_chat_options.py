@@ -251,7 +251,8 @@ def test_tiny_and_extreme_but_allowed_images_work(url, reasoner):
         assert _prompt_tokens(_chat(url, [_image_part(h, w)])) > 60, (h, w)
     assert _chat(url, [_image_part(1, 201)]).status_code == 400
     # the Reasoner itself (a caller that skips the API's check) answers a ParamError, not a ValueError
-    from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
+    from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
+    from worldserve.params import ParamError
 
     image = np.zeros((1, 300, 3), np.uint8)
     with pytest.raises(ParamError, match="aspect ratio") as info:

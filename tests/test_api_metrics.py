@@ -23,10 +23,10 @@ from worldserve.api.metrics_vllm import (
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
 )
+from worldserve.chat_params import ChatMessage, ChatParams
 from worldserve.engine.chat_worker import ChatWorker
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.outputs import ChatDelta
-from worldserve.params import ChatMessage, ChatParams
 
 MODEL = "test-model"
 LLM = {"engine": "0"}  # the label vLLM adds to its vllm:* families (not to vllm:omni_*)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from worldserve.params import ChatMessage, ChatParams
+from worldserve.chat_params import ChatMessage, ChatParams
 
 
 def _chat(*args, stdin: str | None = None) -> subprocess.CompletedProcess:

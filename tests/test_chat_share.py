@@ -11,7 +11,7 @@ import pytest
 import torch
 from reasoner_helpers import greedy_chats
 
-from worldserve.params import ChatMessage, ChatParams
+from worldserve.chat_params import ChatMessage, ChatParams
 
 
 def test_on_the_cpu_chats_take_turns_with_video(tiny_ckpt):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import queue
 import threading
 
+from worldserve.chat_params import ChatMessage, ChatParams
 from worldserve.engine.chat_worker import ChatFailed, ChatStarted, ChatWorker
 from worldserve.engine.outputs import ChatBackpressure, ChatDelta
-from worldserve.params import ChatMessage, ChatParams, ParamError
+from worldserve.params import ParamError
 
 PARAMS = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
 

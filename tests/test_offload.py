@@ -139,7 +139,7 @@ def test_offloaded_pipeline_loads_through_kernel_options(ours_pipeline, offloade
 
 
 def test_offloaded_reasoner_answers_the_same(tiny_ckpt, ours_pipeline, offloaded):
-    from worldserve.params import ChatMessage, ChatParams
+    from worldserve.chat_params import ChatMessage, ChatParams
     from worldserve.runner.reasoner import Reasoner
 
     params = ChatParams(

@@ -17,10 +17,10 @@ import pytest
 import torch
 from reasoner_helpers import greedy_chats
 
+from worldserve.chat_params import ChatMessage, ChatParams
 from worldserve.models.layers.attention import sdpa_attention
 from worldserve.models.layers.paged_attention import paged_decode_attention_reference
 from worldserve.models.layers.paged_kv import PagedKVPool, PoolExhausted
-from worldserve.params import ChatMessage, ChatParams
 
 
 def _pool(blocks=6, block_size=4, heads=2, dim=8, layers=2):
@@ -381,7 +381,8 @@ def test_start_many_prefills_together_what_start_prefills_alone(tiny_ckpt, model
     started one by one."""
     import numpy as np
 
-    from worldserve.params import ChatPart, ParamError
+    from worldserve.chat_params import ChatPart
+    from worldserve.params import ParamError
     from worldserve.runner.reasoner import Reasoner
 
     model, tok = model_and_tok

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
 from worldserve.models.cosmos3.vision import chat_positions
-from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError
+from worldserve.params import ParamError
 from worldserve.sampling.tokens import TokenSampler
 
 TOL = 1e-4

@@ -15,10 +15,11 @@ import pytest
 import torch
 from test_reasoner import _check_parity, _image, oracle, reasoner  # noqa: F401  (fixtures)
 
+from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, ChatVideo, VideoSampling
 from worldserve.media.video import encode_mp4
 from worldserve.media.video_input import decode_chat_video
 from worldserve.models.cosmos3.vision import chat_positions, video_inputs, video_timestamps
-from worldserve.params import ChatMessage, ChatParams, ChatPart, ChatVideo, ParamError, VideoSampling
+from worldserve.params import ParamError
 
 
 def _video(seed: int, n: int = 5, h: int = 64, w: int = 96, fps: float = 2.0) -> ChatVideo:

@@ -1,7 +1,10 @@
 """POST /v1/chat/completions: the Reasoner's OpenAI chat completions, non-streaming and SSE (serving-api.md §11).
 
-Request -> checks (served model name else 404 NotFoundError; 1 <= n <= 16; media loaded and decoded here, in
-the API process, off the event loop) -> `ChatParams` (choice i of n samples with seed + i) ->
+Request -> checks (served model name else 404 NotFoundError; 1 <= n <= 16; the media / template options
+as the request is read: `request_options`, before any download; media loaded and decoded here, in the API
+process, off the event loop) -> `ChatParams` (choice i of n samples with seed + i) -> the prompt built in the
+same worker thread (a rendered text with more bytes than the context can hold is a 400 naming `messages`,
+before it is tokenized: runner/chat_prompt.py) ->
 `EngineClient.chat_many` starts the choices together (the ChatWorker thread runs their one prefill and the
 batched decode steps, so the event loop never waits on the model) -> api/chat_stream.py builds the answer.
 A client that disconnects before its answer is complete stops its chats at their next step
@@ -9,13 +12,15 @@ A client that disconnects before its answer is complete stops its chats at their
 Media (api/chat_media.py): image_url and video_url parts accept base64 `data:` URLs, `file://` paths under
 --allowed-local-media-path and http(s) URLs, downloaded at once on the media fetcher's own threads before
 the rest is decoded in a worker thread; videos are sampled as Qwen3-VL's processor samples them (2 fps by
-default; per request `media_io_kwargs: {"video": {"fps": F}}` or `{"num_frames": N}`); a bad part is a 400
-naming it (`messages[i].content[j].image_url`), before any model work. `mm_processor_kwargs` are
+default; per request `media_io_kwargs: {"video": {"fps": F}}`, 0 < F <= 1000, or `{"num_frames": N}`,
+1 <= N <= 768); a bad part is a 400 naming it (`messages[i].content[j].image_url`), before any model work.
+`mm_processor_kwargs` are
 routed as transformers' processor routes them (a flat key to every modality that takes it): `size`
 {shortest_edge, longest_edge} (pixel budgets, images and videos), `min_pixels` / `max_pixels` (images),
 `fps` / `num_frames` (videos); any other key is a 400 naming it. `chat_template_kwargs` go to the chat
 template (a key it does not use changes nothing, as in vLLM); keys that are apply_chat_template's own
-arguments are a 400. Both reach the Reasoner on `ChatParams`.
+arguments are a 400. Both reach the Reasoner on `ChatParams`. A completion budget past the context names the
+field the client sent (`max_completion_tokens` wins over `max_tokens`, as in vLLM).
 Streaming: per choice, the first chunk carries the role, then one chunk per text piece, a final chunk with
 `delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
 `data: [DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far. Errors before the
@@ -48,21 +53,41 @@ from worldserve.api.chat_stream import close_all, collect, sse, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
-from worldserve.params import ChatMessage, ChatParams
+from worldserve.chat_params import ChatMessage, ChatParams, VideoSampling
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
 
 
-def build_params(
-    body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None
-) -> ChatParams:
-    """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
-    checks the media counts) and decoded (blocking: call it off the event loop)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """A request's media and template options, checked (`request_options`) before any media is fetched."""
+
+    image_pixels: tuple[int | None, int | None]
+    """(min, max) image pixel budget; None: the server's."""
+    video: VideoSampling
+    chat_template_kwargs: dict
+
+
+def request_options(body: ChatCompletionRequest) -> RequestOptions:
+    """`mm_processor_kwargs`, `media_io_kwargs` and `chat_template_kwargs` checked (cheap, no media work):
+    ParamError naming the field, as soon as the request is read."""
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
-    image_min, image_max = pixel_budget(image_opts, "images")
-    sampling = video_sampling(body.media_io_kwargs, video_opts)
-    chat_template_kwargs = template_kwargs(body.chat_template_kwargs)
+    return RequestOptions(
+        image_pixels=pixel_budget(image_opts, "images"),
+        video=video_sampling(body.media_io_kwargs, video_opts),
+        chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
+    )
+
+
+def build_params(
+    body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
+    options: RequestOptions | None = None,
+) -> ChatParams:  # fmt: skip
+    """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
+    checks the media counts) and decoded (blocking: call it off the event loop); `options`: its
+    request_options, when already checked."""
+    options = options or request_options(body)
     messages = []
     for i, msg in enumerate(body.messages):
         role = "system" if msg.role == "developer" else msg.role
@@ -70,7 +95,7 @@ def build_params(
             messages.append(ChatMessage(role=role, content=msg.content or ""))
         else:
             parts = tuple(
-                part(p, f"messages[{i}].content[{j}]", allowed_local_path, sampling, fetched)
+                part(p, f"messages[{i}].content[{j}]", allowed_local_path, options.video, fetched)
                 for j, p in enumerate(msg.content)
             )
             messages.append(ChatMessage(role=role, content=parts))
@@ -80,19 +105,32 @@ def build_params(
         **body.sampling_options(),
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
-        chat_template_kwargs=chat_template_kwargs,
-        image_min_pixels=image_min,
-        image_max_pixels=image_max,
+        chat_template_kwargs=options.chat_template_kwargs,
+        image_min_pixels=options.image_pixels[0],
+        image_max_pixels=options.image_pixels[1],
     ).validate()
 
 
-def prepared_params(st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes]) -> ChatParams:
+def prepared_params(
+    st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes], options: RequestOptions
+) -> ChatParams:
     """build_params, then the Reasoner's prompt built from them (template, tokens, media) here, in the API's
-    worker thread, not on the chat worker's, which every running chat shares (blocking)."""
-    params = build_params(body, st.allowed_local_media_path, fetched)
+    worker thread, not on the chat worker's, which every running chat shares (blocking). A text too long
+    for the context by its byte count alone is refused before it is tokenized (ParamError("messages"))."""
+    params = build_params(body, st.allowed_local_media_path, fetched, options)
     worker = st.client.chat_worker
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
-    return params if prompts is None else dataclasses.replace(params, prebuilt=prompts.build(params))
+    if prompts is None:
+        return params
+    prebuilt = prompts.build(params, max_tokens=worker.backend.max_model_len)
+    return dataclasses.replace(params, prebuilt=prebuilt)
+
+
+def name_sent_field(body: ChatCompletionRequest, exc: APIError) -> None:
+    """Make `exc` name the field the client sent: the Reasoner names the completion budget `max_tokens`,
+    which a request may have given as `max_completion_tokens` (that one wins when both are given)."""
+    if exc.param == "max_tokens" and body.max_completion_tokens is not None:
+        exc.param = "max_completion_tokens"
 
 
 def model_not_found(model: str) -> JSONResponse:
@@ -148,8 +186,9 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(
             400, f"{field} is not supported by this server yet: {what} is not implemented", param=field
         )
+    options = request_options(body)
     fetched = await prefetch_media(body, st.media, st.mm_limits)
-    params = await asyncio.to_thread(prepared_params, st, body, fetched)
+    params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
     choices = params.choices(body.n)
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
     return await unless_disconnected(request, _answer(st, body, choices, opened), lambda: close_all(opened))
@@ -160,7 +199,13 @@ async def _answer(st: AppState, body: ChatCompletionRequest, choices: list, open
     then answer: SSE, or the whole completion."""
     # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
     # merged at the end, which spares the event loop a wake-up per chat and token
-    streams, firsts = await start_all(st.client, choices, st.metrics, coalesce=not body.stream, opened=opened)
+    try:
+        streams, firsts = await start_all(
+            st.client, choices, st.metrics, coalesce=not body.stream, opened=opened
+        )
+    except APIError as exc:
+        name_sent_field(body, exc)
+        raise
     first = firsts[-1]
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
     if body.stream:

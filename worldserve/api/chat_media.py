@@ -22,9 +22,10 @@ from urllib.parse import unquote, urlparse
 from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart, pixel_budget
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
+from worldserve.chat_params import ChatPart, VideoSampling
 from worldserve.media.image import decode_image
 from worldserve.media.video_input import decode_chat_video
-from worldserve.params import ChatPart, ParamError, VideoSampling
+from worldserve.params import ParamError
 
 
 def media_parts(body: ChatCompletionRequest):
@@ -125,7 +126,8 @@ def check_image(image, path: str) -> None:
 
 def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
     """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) or the same from `mm_processor_kwargs`, and
-    its pixel budget, over Qwen3-VL's defaults (2 fps)."""
+    its pixel budget, over Qwen3-VL's defaults (2 fps); ParamError naming the field the values came from when
+    fps is not a number in (0, MAX_VIDEO_FPS] or num_frames not an integer in [1, max_frames] (or -1)."""
     video = (media_io_kwargs or {}).get("video") or {}
     if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
         raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
@@ -143,14 +145,16 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
     fps, num = video.get("fps"), video.get("num_frames")
     if num == -1:
         num = None
-    if (fps is not None and not isinstance(fps, int | float)) or (num is not None and type(num) is not int):
+    if (fps is not None and type(fps) not in (int, float)) or (num is not None and type(num) is not int):
         raise ParamError(param, f"{param} video fps must be a number, num_frames an integer")
     try:
+        # checked before float(): an integer fps past 1e308 overflows it
+        VideoSampling(fps=fps, num_frames=num).validate()
         if num is not None:
             return VideoSampling(fps=None if fps is None else float(fps), num_frames=num, **pixels).validate()
         return VideoSampling(fps=2.0 if fps is None else float(fps), **pixels).validate()
     except ParamError as exc:
-        raise ParamError(param, exc.message) from None
+        raise ParamError(param, f"{param}: {exc.message}") from None
 
 
 def part(

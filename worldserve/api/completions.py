@@ -32,7 +32,8 @@ from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
-from worldserve.params import ChatParams, ParamError
+from worldserve.chat_params import ChatParams
+from worldserve.params import ParamError
 
 router = APIRouter(tags=["completions"])
 State = Annotated[AppState, Depends(app_state)]

@@ -62,7 +62,9 @@ class ImageGenerationRequest(NumbersNotBooleans):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1, le=200)
     guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
-    true_cfg_scale: float | None = Field(None, description="Accepted; Cosmos3 uses guidance_scale.")
+    true_cfg_scale: float | None = Field(
+        None, allow_inf_nan=False, description="Accepted; Cosmos3 uses guidance_scale."
+    )
     flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
@@ -72,21 +74,23 @@ class ImageGenerationRequest(NumbersNotBooleans):
 
 
 def build_params(req: ImageGenerationRequest, default_flow_shift: float | None = None) -> list[VideoParams]:
-    """The `n` one-frame requests (seed, seed + 1, ...), validated; `default_flow_shift` (--flow-shift)
-    replaces T2I's 3.0 for requests that send no flow_shift."""
+    """The `n` one-frame requests (seed, seed + 1, ...), validated (an error names `extra_params.<key>` for a
+    value from there); `default_flow_shift` (--flow-shift) replaces T2I's 3.0 for requests that send no
+    flow_shift."""
     if req.response_format not in (None, "b64_json"):
         raise APIError(400, "only response_format 'b64_json' is supported", param="response_format")
     if req.lora is not None:
         raise APIError(400, "LoRA adapters are not supported by this server yet", param="lora")
     extra = parse_extra_params(req.extra_params)
     width, height = (int(v) for v in (req.size or DEFAULT_SIZE).split("x"))
+    origin: dict[str, str] = {"system_prompt": "extra_params.system_prompt"}
 
     def pick(name: str, default):
         """`extra_params` over the top-level field over the default, as the video routes resolve them."""
-        for value in (getattr(extra, name, None), getattr(req, name, None)):
-            if value is not None:
-                return value
-        return default
+        if getattr(extra, name, None) is not None:
+            origin[name] = f"extra_params.{name}"
+            return getattr(extra, name)
+        return default if getattr(req, name, None) is None else getattr(req, name)
 
     seed = pick("seed", None)
     shift = DEFAULT_SHIFT if default_flow_shift is None else default_flow_shift
@@ -101,7 +105,7 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         add_resolution_template=extra.use_resolution_template is not False,
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
     )  # fmt: skip
-    base.validate()
+    base.validate_as(origin)
     wrap = lambda s: (s + 2**63) % 2**64 - 2**63  # noqa: E731  (seed + i stays an int64)
     return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n)]
 

@@ -6,7 +6,10 @@ tokenizes the text as /v1/completions does. The chat form `{"messages", "add_gen
 ...}` goes through the chat's own `build_params` (media loaded and checked as a chat completion loads them)
 and the Reasoner's ChatPromptBuilder, so its `count` is the `prompt_tokens` a chat completion of the same
 messages reports, image and video placeholders expanded. Answer: `{"count", "max_model_len", "tokens",
-"token_strs"}`. /detokenize `{"tokens": [...]}` answers `{"prompt": text}` (special tokens kept); an id
+"token_strs"}`. Neither form checks the context (as vLLM's /tokenize), except that a text with more bytes
+than max_model_len tokens can hold (TextSizeBound: no tokenization of it fits) is a 400 naming `prompt` /
+`messages` before it is tokenized, as /v1/completions and chat refuse it (megabytes take seconds to tokenize).
+/detokenize `{"tokens": [...]}` answers `{"prompt": text}` (special tokens kept); an id
 outside the vocabulary is a 400 naming `tokens`. A `model` other than the served name is a 404 as in chat; a
 server without the Reasoner answers these routes as chat answers then (400). Tokenizer and media work runs in
 a worker thread, off the event loop. `reasoner_prompts` is the Reasoner access /v1/completions shares.
@@ -20,7 +23,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from worldserve.api.bodies import read_json_object
-from worldserve.api.chat import build_params, inline_refs, model_not_found
+from worldserve.api.chat import RequestOptions, build_params, inline_refs, model_not_found, request_options
 from worldserve.api.chat_media import prefetch_media
 from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.completions_protocol import (
@@ -79,14 +82,17 @@ def _check_chat_form(body: TokenizeChatRequest) -> None:
 
 
 def _tokenize_chat(
-    st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes]
-) -> list[int]:
+    st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes],
+    options: RequestOptions, max_model_len: int,
+) -> list[int]:  # fmt: skip
     """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
-    `fetched`) through the Reasoner's builder."""
-    params = build_params(chat, st.allowed_local_media_path, fetched)
+    `fetched`; its `options` checked) through the Reasoner's builder, a text too long for the context by
+    its byte count refused untokenized."""
+    params = build_params(chat, st.allowed_local_media_path, fetched, options)
     prompt = prompts.build(
         params, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
+        max_tokens=max_model_len,
     )  # fmt: skip
     return prompt.input_ids
 
@@ -106,15 +112,18 @@ async def tokenize(request: Request, st: State):
 
     def encode() -> tuple[list[int], list[str] | None]:  # in a worker thread: long prompts take seconds
         if chat:
-            ids = _tokenize_chat(st, prompts, body, as_chat, fetched)
+            ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options, max_model_len)
         else:
-            ids = prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = prompts.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens, max_tokens=max_model_len
+            )
         return ids, prompts.token_strs(ids) if body.return_token_strs else None
 
     fetched: dict[str, bytes] = {}
     if chat:
         _check_chat_form(body)
         as_chat = body.as_chat()
+        options = request_options(as_chat)
         fetched = await prefetch_media(as_chat, st.media, st.mm_limits)
     ids, strs = await asyncio.to_thread(encode)
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)

@@ -3,14 +3,13 @@
 Bodies: multipart/form-data (the recipe's `curl -F`, the OpenAI SDK), x-www-form-urlencoded, and, beyond
 vLLM-Omni, application/json with the same field names (there `prompt` may also be a JSON object: it is sent
 as its compact serialisation). The body is read through a byte counter: above `--max-upload-mb` -> 413.
-Resolution order (vLLM-Omni's): top-level fields, a JSON `video_params` object filling the gaps, then
-`extra_params` over them, `size` over width/height, fps default 24, and `num_frames` from `seconds` x fps
-only when absent, rounded to the nearest 4k+1 (the model's frame grid); guidance_scale 0 is the default
-6.0 and an I2V request without a size takes the image's aspect ratio at the 720p area (§4.3). References: an `input_reference` upload is sniffed image first (I2V), then video
-(PyAV, V2V: `max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); JSON
-`image_reference` / `video_reference` take base64 data URLs or http(s) URLs (downloaded: api/media_urls.py). Everything omitted takes the model defaults
-of `VideoParams`. Any problem raises an APIError / ParamError that becomes a 400 naming the field; nothing
-here touches the engine but `validate`.
+References: an `input_reference` upload is sniffed image first (I2V), then video (PyAV, V2V:
+`max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); JSON
+`image_reference` / `video_reference` take base64 data URLs or http(s) URLs (downloaded:
+api/media_urls.py). The fields then resolve into VideoParams as vLLM-Omni resolves them
+(api/video_fields.py); everything omitted takes the model defaults of `VideoParams`. Any problem raises an
+APIError / ParamError that becomes a 400 naming the field the value came in. Nothing here touches the
+engine but `validate`.
 """
 
 from __future__ import annotations
@@ -32,10 +31,14 @@ from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.media_urls import MediaFetcher, is_http_url
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
+from worldserve.api.video_fields import resolve_video_params
 from worldserve.engine.client import EncodeOptions, JobSpec
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
 from worldserve.media.video_input import condition_budget, decode_reference, decode_video
-from worldserve.params import ParamError, VideoParams, aspect_size
+from worldserve.params import (
+    ParamError,
+    VideoParams,
+)
 
 QUALITY_CRF = {"default": 18, "high": 10, "lossless": 0}
 """x264 crf per job quality; a request names "high" or "lossless" (vLLM-Omni's levels), else "default"."""
@@ -120,12 +123,13 @@ async def build_inputs(
     # everything that needs no reference is checked before a reference URL is downloaded
     # (a placeholder image stands in for I2V's: the size it implies is checked again with the real one)
     placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None or upload else None
-    _video_params(req, video_params, extra, placeholder, None)
+    ref_field = "image_reference" if req.image_reference is not None else "input_reference"
+    resolve_video_params(req, video_params, extra, placeholder, None, ref_field)
     source, reference = await _reference_bytes(req, upload, fetcher)
     image = video = None
     if reference is not None:
         image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
-    params = _video_params(req, video_params, extra, image, video)
+    params = resolve_video_params(req, video_params, extra, image, video, source)
     if params.flow_shift is None and default_flow_shift is not None:
         params = dataclasses.replace(params, flow_shift=default_flow_shift)
     sound = params.generate_sound if params.generate_sound is not None else has_sound
@@ -158,7 +162,7 @@ def refuse_unsupported(req: VideoCreateRequest) -> None:
         if isinstance(lora, str):
             try:
                 lora = json.loads(lora)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 raise ParamError("lora", "Invalid lora object: not valid JSON.") from None
         if not isinstance(lora, dict):
             raise ParamError("lora", "Invalid lora object: expected a JSON object.")
@@ -192,7 +196,7 @@ def json_field(raw: Any, field: str) -> Any:
         return raw
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # bad JSON, or a number past Python's int-from-text digit limit
         raise APIError(400, "Invalid JSON in form field.", param=field) from None
 
 
@@ -318,59 +322,3 @@ def _reference_url(raw: str | dict | list, kind: str) -> str:
     if not isinstance(url, str) or not (url.startswith("data:") or is_http_url(url)):
         raise ParamError(field, f"Invalid {field}.{kind}_url: must be an http(s) URL or data URL.")
     return url
-
-
-def _video_params(
-    req: VideoCreateRequest,
-    vp: VideoParamsObject,
-    extra: ExtraParams,
-    image: np.ndarray | None,
-    video: np.ndarray | None,
-) -> VideoParams:
-    """vLLM-Omni's resolution (serving-api.md §4.1): top-level fields, `video_params` filling the gaps,
-    `size` over width / height, fps 24, num_frames from `seconds` only if still unset; `extra_params`
-    keys win over the top level. Beyond it: guidance_scale 0 means the default (the pipeline tests
-    truthiness), and an I2V request without a size takes the image's aspect ratio (§4.3)."""
-    kw: dict[str, Any] = {"prompt": req.prompt}
-    top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
-           "generate_sound", "fps", "num_frames")  # fmt: skip
-    for name in top:
-        if getattr(req, name) is not None:
-            kw[name] = getattr(req, name)
-    for name in ("fps", "num_frames"):
-        if name not in kw and getattr(vp, name) is not None:
-            kw[name] = getattr(vp, name)
-    for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed",
-                 "max_sequence_length", "generate_sound"):  # fmt: skip
-        if getattr(extra, name) is not None:
-            kw[name] = getattr(extra, name)
-    if kw.get("guidance_scale") == 0:
-        del kw["guidance_scale"]  # Cosmos3 takes a scale of 0 as "not given": 6.0
-    if extra.sound_gen is not None and extra.generate_sound is None:
-        kw["generate_sound"] = extra.sound_gen
-    width = req.width if req.width is not None else vp.width
-    height = req.height if req.height is not None else vp.height
-    if req.size is not None:
-        kw["width"], kw["height"] = (int(v) for v in req.size.split("x"))
-    elif (width is None) != (height is None):
-        raise ParamError("height" if height is None else "width", "width and height must be given together")
-    elif width is not None:
-        kw["width"], kw["height"] = width, height
-    elif image is not None:
-        kw["width"], kw["height"] = aspect_size(image.shape[1], image.shape[0])
-    fps = kw.setdefault("fps", VideoParams.__dataclass_fields__["fps"].default)
-    if "num_frames" not in kw and req.seconds is not None:
-        frames = int(req.seconds) * fps
-        kw["num_frames"] = 4 * max(0, round((frames - 1) / 4)) + 1
-    if extra.condition_frame_indexes_vision is not None:
-        kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
-    if extra.condition_video_keep is not None:
-        kw["condition_video_keep"] = extra.condition_video_keep
-    if extra.guidance_interval is not None:
-        kw["guidance_interval"] = tuple(float(v) for v in extra.guidance_interval)
-    for key, name in (("use_duration_template", "add_duration_template"),
-                      ("use_resolution_template", "add_resolution_template"),
-                      ("use_system_prompt", "use_system_prompt"), ("system_prompt", "system_prompt")):  # fmt: skip
-        if getattr(extra, key) is not None:
-            kw[name] = getattr(extra, key)
-    return VideoParams(**kw, image=image, video=video).validate()

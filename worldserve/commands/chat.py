@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from worldserve.params import ChatMessage, ChatParams, ChatPart, ParamError, VideoSampling
+from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
+from worldserve.params import ParamError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -36,9 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from worldserve.chat_params import ChatParams
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
 from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta
-from worldserve.params import ChatParams, ParamError
+from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
 
+from worldserve.chat_params import ChatParams
 from worldserve.engine.chat_worker import (
     DEFAULT_MAX_NUM_SEQS,
     ChatEvent,
@@ -41,7 +42,7 @@ from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
 from worldserve.engine.request import EncodeOptions, Request
-from worldserve.params import ChatParams, VideoParams
+from worldserve.params import VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",

@@ -14,7 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
-from worldserve.params import ChatParams, VideoParams
+from worldserve.chat_params import ChatParams
+from worldserve.params import VideoParams
 
 
 @dataclass(slots=True, kw_only=True)

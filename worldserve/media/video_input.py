@@ -25,8 +25,9 @@ import io
 import numpy as np
 from PIL import Image
 
+from worldserve.chat_params import ChatVideo, VideoSampling
 from worldserve.media.image import ImageTooLarge, decode_image, invalid_reference, max_pixels, too_large
-from worldserve.params import ChatVideo, ParamError, VideoSampling
+from worldserve.params import ParamError
 
 KEEP_CHOICES = ("first", "last")
 MAX_DECODED_BYTES = 4 * 2**30

@@ -12,6 +12,9 @@ them is a ParamError naming the field) and `image_min_pixels` / `image_max_pixel
 pixel budget; None: the server's). A raw prompt (`ChatParams.prompt_ids`, /v1/completions) skips the template:
 its ids are checked against the vocabulary (no vision placeholders: there is no media) and get text positions
 (k, k, k). `encode` / `decode` / `check_ids` are the tokenizer as /tokenize, /detokenize and /v1/completions use it.
+Given `max_tokens` (the context), `build` and `encode` refuse a text whose byte count alone is more than that
+many tokens can hold (models/cosmos3/prompt.py's TextSizeBound), in vLLM's context-length words, before
+tokenizing it (megabytes take tens of seconds).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from jinja2 import TemplateError
 from torch import Tensor
 
+from worldserve.chat_params import ChatParams
 from worldserve.models.cosmos3.prompt import TextSizeBound
 from worldserve.models.cosmos3.vision import (
     VisionEncoder,
@@ -32,7 +36,7 @@ from worldserve.models.cosmos3.vision import (
     video_inputs,
     video_timestamps,
 )
-from worldserve.params import ChatParams, ParamError
+from worldserve.params import ParamError
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -75,10 +79,18 @@ class ChatPromptBuilder:
         """A raw text's token ids (`add_special_tokens`: the tokenizer's BOS / EOS rules, as vLLM's default).
         With `max_tokens`, a text with more bytes than that many tokens can hold is a ParamError("prompt")
         before tokenizing (megabytes take seconds to tokenize, only to be refused for the context)."""
-        if max_tokens is not None and (size := self.text_bound.size_over(text, max_tokens)) is not None:
-            raise ParamError("prompt", f"the prompt is {size} bytes, more than the context of {max_tokens} "
-                             "tokens can hold")  # fmt: skip
+        if max_tokens is not None:
+            self.check_size(text, max_tokens, "prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_size(self, text: str, max_tokens: int, where: str) -> None:
+        """ParamError(where) when `text` has more UTF-8 bytes than `max_tokens` tokens can hold (TextSizeBound),
+        in vLLM's context-length wording."""
+        if (size := self.text_bound.size_over(text, max_tokens)) is not None:
+            raise ParamError(where, f"This model's maximum context length is {max_tokens} tokens. However, you "
+                             f"sent {size} bytes in the {where}, more than the context of {max_tokens} tokens "
+                             f"can hold (a token stands for at most {self.text_bound.bytes_per_token} bytes "
+                             f"here). Please reduce the length of the {where}.")  # fmt: skip
 
     @functools.cached_property
     def text_bound(self) -> TextSizeBound:
@@ -104,10 +116,14 @@ class ChatPromptBuilder:
 
     def build(
         self, params: ChatParams, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-        add_special_tokens: bool = False,
+        add_special_tokens: bool = False, max_tokens: int | None = None,
     ) -> ChatPrompt:  # fmt: skip
         """Chat template + image / video placeholder expansion + tokenization, or a raw prompt's ids as they
-        are; raises ParamError. The keyword options are vLLM's /tokenize ones (a chat completion's defaults)."""
+        are; raises ParamError. The keyword options are vLLM's /tokenize ones (a chat completion's defaults).
+        With `max_tokens`, a rendered text with more bytes than that many tokens can hold is refused before
+        any media preprocessing or tokenizing (ParamError("messages")): the template renders megabytes in
+        milliseconds (and may drop text, e.g. earlier turns' reasoning, so the raw messages would not do),
+        placeholders only ever expand, and tokenizing megabytes takes seconds to tens of seconds."""
         if params.prompt_ids is not None:
             return self._raw(list(params.prompt_ids))
         conversation, images, videos = [], [], []
@@ -129,6 +145,8 @@ class ChatPromptBuilder:
         text = self._render(
             conversation, dict(params.chat_template_kwargs), add_generation_prompt, continue_final_message
         )
+        if max_tokens is not None:
+            self.check_size(text, max_tokens, "messages")
         vision = video = None
         if (images or videos) and (self.vision is None or self.preprocess is None):
             raise ParamError(

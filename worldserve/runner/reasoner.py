@@ -32,10 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from worldserve.chat_params import ChatParams
 from worldserve.engine.outputs import ChatBackpressure, ChatDelta
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
-from worldserve.params import ChatParams, ParamError
+from worldserve.params import ParamError
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
 from worldserve.runner.reasoner_session import ReasonerSession
@@ -242,7 +243,7 @@ class Reasoner:
     def warm_up(self) -> None:
         """A short prompt's prefill and one decode step before serving, then the decode step's CUDA graph of
         every batch bucket: on a GPU the compiles and captures happen here, not in the first users' chats."""
-        from worldserve.params import ChatMessage
+        from worldserve.chat_params import ChatMessage
 
         params = ChatParams(
             messages=(ChatMessage(role="user", content="Hello"),), max_tokens=1, temperature=0.0

@@ -21,6 +21,8 @@ Formatting (cosmos-framework inference/inference.py `_get_prompt_sample_data`; c
 - per request (VideoParams; vLLM-Omni's `extra_params` keys): `add_duration_template` / `add_resolution_template`
   False leave out the duration / resolution sentence (JSON prompts: those keys are not injected) on both
   branches; `use_system_prompt` / `system_prompt` add a system message (the encoder's default otherwise).
+`TextSizeBound` refuses a text by its byte count alone when no tokenization of it can fit N tokens (used here
+for max_sequence_length, and by the Reasoner's prompts for the context: runner/chat_prompt.py).
 """
 
 from __future__ import annotations
@@ -147,16 +149,69 @@ def format_negative_prompt(negative_prompt: str | None, shape: VideoShape) -> st
 class TextSizeBound:
     """Refuses, without tokenizing, a text that cannot fit in N tokens: no token stands for more input bytes
     than `bytes_per_token` (the UTF-8 length of the tokenizer's longest vocabulary entry, which over-counts
-    byte-level and SentencePiece pieces, x4 for normalisers that shorten text), so a text longer than
-    (N + 64) of them (a margin for a template) cannot fit, and tokenizing megabytes to find out takes seconds."""
+    byte-level and SentencePiece pieces, x4 for normalisers that shorten text: NFC / NFKC compose at most
+    ~3x, e.g. decomposed Hangul, 9 bytes -> 3), so a text longer than (N + 64) of them (a margin for a
+    template) cannot fit, and tokenizing megabytes to find out takes seconds. The argument needs a tokenizer
+    that keeps every input byte in some token: `text_dropper` finds the parts that may not (then
+    `bytes_per_token` is None and nothing is refused: slow, never wrong)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.bytes_per_token = 4 * max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+        longest = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+        self.bytes_per_token = None if text_dropper(tokenizer) else 4 * longest
 
     def size_over(self, text: str, max_tokens: int) -> int | None:
         """The text's UTF-8 size when it cannot fit in `max_tokens` tokens, else None."""
+        if self.bytes_per_token is None:
+            return None
         size = len(text.encode("utf-8", "surrogatepass"))
         return size if size > (max_tokens + 64) * self.bytes_per_token else None
+
+
+SAFE_NORMALIZERS = frozenset(("NFC", "NFD", "NFKC", "NFKD", "Prepend", "Sequence"))
+"""Normalisers that shrink a text at most ~3x (a Replace may be safe too: checked on its own)."""
+SAFE_PRE_TOKENIZERS = frozenset(
+    ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Sequence")
+)
+"""Pre-tokenisers that split without dropping characters (a Split too, unless its behaviour removes them)."""
+
+
+def text_dropper(tokenizer: Any) -> str | None:
+    """What in `tokenizer` may turn unboundedly many input bytes into one token (or none), else None: an
+    added token that strips the whitespace around it, a normaliser or pre-tokeniser that removes or shrinks
+    text past the x4 margin, unknown text fused into one unk token; a tokenizer without a `tokenizers`
+    backend cannot be inspected."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return "no tokenizers backend"
+    spec = json.loads(backend.to_str())
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()):
+        return "an added token strips whitespace"
+    for node in _nodes(spec.get("normalizer"), "normalizers"):
+        pattern = (node.get("pattern") or {}).get("String")
+        literal = node["type"] == "Replace" and pattern is not None
+        if node["type"] not in SAFE_NORMALIZERS and not (
+            literal and len(node["content"].encode()) >= len(pattern.encode())
+        ):
+            return f"the {node['type']} normalizer"
+    for node in _nodes(spec.get("pre_tokenizer"), "pretokenizers"):
+        split = node["type"] == "Split" and node.get("behavior") != "Removed"
+        if node["type"] not in SAFE_PRE_TOKENIZERS and not split:
+            return f"the {node['type']} pre-tokenizer"
+    model = spec.get("model") or {}
+    kind, fallback = model.get("type"), model.get("byte_fallback")
+    fused = (kind == "BPE" and model.get("unk_token") and model.get("fuse_unk")) or (
+        kind == "Unigram" and model.get("unk_id") is not None  # Unigram fuses unknown runs
+    )
+    if kind not in ("BPE", "Unigram") or (fused and not fallback):
+        return f"the {kind} model's unknown-text handling (a run of unknown text may be one token)"
+    return None
+
+
+def _nodes(node: dict | None, children: str) -> list[dict]:
+    """A normaliser / pre-tokeniser spec and every one inside its Sequences."""
+    if not node:
+        return []
+    return [node, *(n for child in node.get(children) or () for n in _nodes(child, children))]
 
 
 def reference_system_prompt(is_image: bool) -> str:

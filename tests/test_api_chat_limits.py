@@ -1,0 +1,116 @@
+"""Limits of chat requests on a real uvicorn (the tiny Reasoner): video sampling options out of range are a 400
+naming `media_io_kwargs` / `mm_processor_kwargs` as the request is read (before any download; never a 500 from
+a float overflow or an infinite frame count), a fps above the clip's own rate takes every frame, and a text
+with more bytes than the context can hold is refused by its byte count, untokenized (tens of seconds before).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import pytest
+from reasoner_helpers import tiny_reasoner
+from serving_helpers import mp4_bytes, serve_reasoner
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def reasoner(tiny_ckpt):
+    return tiny_reasoner(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def url(reasoner, tmp_path_factory):
+    with serve_reasoner(
+        reasoner, tmp_path_factory.mktemp("chat-limits"), model=MODEL, name="test-chat-limits-uvicorn"
+    ) as base:
+        yield base
+
+
+HUGE = 2**1100
+"""An integer past float's range: float(HUGE) raises OverflowError."""
+
+
+@pytest.mark.parametrize(
+    ("options", "param", "needle"),
+    [
+        ({"media_io_kwargs": {"video": {"fps": HUGE}}}, "media_io_kwargs", "fps must be > 0 and at most 1000"),
+        ({"media_io_kwargs": {"video": {"fps": 1e308}}}, "media_io_kwargs", "at most 1000, got 1e+308"),
+        ({"media_io_kwargs": {"video": {"fps": 0}}}, "media_io_kwargs", "fps must be > 0"),
+        ({"media_io_kwargs": {"video": {"fps": True}}}, "media_io_kwargs", "fps must be a number"),
+        ({"media_io_kwargs": {"video": {"num_frames": HUGE}}}, "media_io_kwargs", "num_frames must be in [1, 768]"),
+        ({"media_io_kwargs": {"video": {"num_frames": 0}}}, "media_io_kwargs", "num_frames must be in [1, 768]"),
+        ({"mm_processor_kwargs": {"fps": HUGE}}, "mm_processor_kwargs", "at most 1000"),
+        ({"mm_processor_kwargs": {"videos_kwargs": {"fps": 1e308}}}, "mm_processor_kwargs", "at most 1000"),
+        ({"mm_processor_kwargs": {"num_frames": -HUGE}}, "mm_processor_kwargs", "num_frames must be in [1, 768]"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_video_sampling_out_of_range_is_a_400_as_the_request_is_read(url, options, param, needle, route):
+    """fps must be a finite number in (0, 1000] and num_frames an integer in [1, 768] (-1: the default), on
+    chat and on /tokenize's chat form; checked before any media is fetched (the video's URL here would fail
+    to download), never a 500 (float() overflowed on 2**1100; 1e308 fps made an infinite frame count)."""
+    video = {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/a.mp4"}}
+    messages = [{"role": "user", "content": [video, {"type": "text", "text": "hi"}]}]
+    body = {"model": MODEL, "messages": messages, **options} | (
+        {"max_tokens": 2} if route != "/tokenize" else {}
+    )
+    r = httpx.post(url + route, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert len(err["message"]) < 300  # a 332-digit number is not echoed whole
+
+
+def test_video_fps_above_the_source_rate_takes_every_frame(url):
+    """The largest fps allowed on a 2 s clip at 8 fps: capped by the clip's frame count (the same prompt as
+    asking for every frame), where a near-infinite fps once crashed the frame count."""
+    mp4 = "data:video/mp4;base64," + base64.b64encode(mp4_bytes(frames=16, width=32, height=32)).decode()
+    counts = []
+    for video in ({"fps": 1000}, {"fps": 8}):
+        body = {"model": MODEL, "max_tokens": 1, "media_io_kwargs": {"video": video}, "messages": [
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4}}]}]}  # fmt: skip
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        counts.append(r.json()["usage"]["prompt_tokens"])
+    assert counts[0] == counts[1]
+
+
+def test_video_sampling_indices_stay_finite():
+    """VideoSampling.indices with the largest fps on a clip whose stated rate is tiny: the product is huge
+    but the count is capped, never int(inf); validate() refuses a NaN, an infinite or a non-positive fps."""
+    from worldserve.chat_params import VideoSampling
+    from worldserve.params import ParamError
+
+    assert VideoSampling(fps=1000.0).validate().indices(48, 1e-306) == list(range(48))  # 4.8e310: inf
+    assert len(VideoSampling(fps=1000.0).indices(10_000, 1e-9)) == 768
+    for fps in (float("nan"), float("inf"), 0.0, -1.0, 1000.5):
+        with pytest.raises(ParamError):
+            VideoSampling(fps=fps).validate()
+
+
+def test_a_text_longer_than_the_context_can_hold_is_refused_untokenized(url, reasoner, monkeypatch):
+    """A chat text with more bytes than max_model_len tokens can hold is refused by its byte count (a 400
+    naming `messages` in vLLM's words), not tokenized first (28.6 MiB took 35 s); a text that may fit still
+    gets tokenized, and the refusal is the context's, as for a long prompt."""
+    calls = []
+    encode = reasoner.prompts.encode
+    monkeypatch.setattr(reasoner.prompts, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    for content in (
+        "hello " * 1_000_000,
+        [{"type": "text", "text": "hi "}, {"type": "text", "text": "x" * 2_000_000}],
+    ):
+        body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and "maximum context length is 4096 tokens" in err["message"], err
+        assert "bytes in the messages" in err["message"] and calls == []
+    fits = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hello " * 5000}]}
+    r = httpx.post(
+        url + "/v1/chat/completions", json=fits, timeout=60
+    )  # under the bound: tokenized, too long
+    assert r.status_code == 400 and calls == [1] and r.json()["error"]["param"] == "messages", r.text
+    assert "in the messages, 1 in the completion" in r.json()["error"]["message"]

@@ -1,0 +1,114 @@
+"""vLLM-Omni's resolution of a video request's fields into VideoParams (serving-api.md §4.1), after the body is
+read and the references decoded (api/video_inputs.py): top-level fields, a JSON `video_params` object filling
+the gaps, `extra_params` keys over them, `size` over width / height, fps 24, and `num_frames` from `seconds` x
+fps only when still unset, rounded to the nearest 4k+1. Beyond it: guidance_scale 0 means the default, an I2V
+request without a size takes the image's aspect ratio at the 720p area (§4.3), and numbers are bounded
+before any arithmetic on them (a size's digits, seconds x fps). Errors name the field the value came in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
+from worldserve.params import (
+    MAX_FPS,
+    MAX_SECONDS,
+    MAX_SIDE,
+    ParamError,
+    VideoParams,
+    aspect_size,
+    check_side,
+    shown,
+)
+
+
+def resolve_video_params(
+    req: VideoCreateRequest,
+    vp: VideoParamsObject,
+    extra: ExtraParams,
+    image: np.ndarray | None,
+    video: np.ndarray | None,
+    source: str,
+) -> VideoParams:
+    """vLLM-Omni's resolution (serving-api.md §4.1): top-level fields, `video_params` filling the gaps,
+    `size` over width / height, fps 24, num_frames from `seconds` only if still unset; `extra_params`
+    keys win over the top level. Beyond it: guidance_scale 0 means the default (the pipeline tests
+    truthiness), and an I2V request without a size takes the image's aspect ratio (§4.3). An error names
+    the field the value came in (`extra_params.<key>`, `video_params`, `seconds`, the reference's `source`)."""
+    kw: dict[str, Any] = {"prompt": req.prompt}
+    origin = {"input_reference": source} if source else {}
+    top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
+           "generate_sound", "fps", "num_frames")  # fmt: skip
+    for name in top:
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    for name in ("fps", "num_frames"):
+        if name not in kw and getattr(vp, name) is not None:
+            kw[name], origin[name] = getattr(vp, name), "video_params"
+    for key, name in (("negative_prompt", "negative_prompt"), ("num_inference_steps", "num_inference_steps"),
+                      ("guidance_scale", "guidance_scale"), ("flow_shift", "flow_shift"), ("seed", "seed"),
+                      ("max_sequence_length", "max_sequence_length"), ("generate_sound", "generate_sound"),
+                      ("guidance_interval", "guidance_interval"), ("use_duration_template", "add_duration_template"),
+                      ("use_resolution_template", "add_resolution_template"),
+                      ("use_system_prompt", "use_system_prompt"), ("system_prompt", "system_prompt")):  # fmt: skip
+        if getattr(extra, key) is not None:
+            kw[name], origin[name] = getattr(extra, key), f"extra_params.{key}"
+    if kw.get("guidance_scale") == 0:
+        del kw["guidance_scale"]  # Cosmos3 takes a scale of 0 as "not given": 6.0
+    if extra.sound_gen is not None and extra.generate_sound is None:
+        kw["generate_sound"] = extra.sound_gen
+    if "guidance_interval" in kw:
+        kw["guidance_interval"] = tuple(float(v) for v in kw["guidance_interval"])
+    size = _frame_size(req, vp, image)
+    if size is not None:
+        kw["width"], kw["height"] = size
+    fps = kw.setdefault("fps", VideoParams.__dataclass_fields__["fps"].default)
+    if fps > MAX_FPS:  # (bounded before seconds x fps: 1e308 would overflow)
+        raise ParamError(origin.get("fps", "fps"), f"fps={fps:g} must be a number in [1, {MAX_FPS}]")
+    if "num_frames" not in kw and req.seconds is not None:
+        kw["num_frames"], origin["num_frames"] = _frames_from_seconds(req.seconds, fps), "seconds"
+    if extra.condition_frame_indexes_vision is not None:
+        kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
+    if extra.condition_video_keep is not None:
+        kw["condition_video_keep"] = extra.condition_video_keep
+    return VideoParams(**kw, image=image, video=video).validate_as(origin)
+
+
+def _frame_size(
+    req: VideoCreateRequest, vp: VideoParamsObject, image: np.ndarray | None
+) -> tuple[int, int] | None:
+    """(width, height): `size`, else width / height (the top level's, then video_params'; a side out of range
+    names its field), else an I2V image's aspect ratio at the 720p area; None: the model default."""
+    if req.size is not None:
+        return _parse_size(req.size)
+    width = req.width if req.width is not None else vp.width
+    height = req.height if req.height is not None else vp.height
+    if (width is None) != (height is None):
+        raise ParamError("height" if height is None else "width", "width and height must be given together")
+    if width is not None:
+        for name, value, given in (("width", width, req.width), ("height", height, req.height)):
+            check_side(name, value, param=name if given is not None else "video_params")
+        return width, height
+    return None if image is None else aspect_size(image.shape[1], image.shape[0])
+
+
+def _parse_size(size: str) -> tuple[int, int]:
+    """WIDTHxHEIGHT (digits: the request model checked) as ints; a side longer than MAX_SIDE's digits is a
+    400 before int() (which refuses past 4300 digits)."""
+    sides = [text.lstrip("0") or "0" for text in size.split("x")]
+    for name, text in zip(("width", "height"), sides, strict=True):
+        if len(text) > len(str(MAX_SIDE)):
+            raise ParamError("size", f"{name}={shown(text)} must be at most {MAX_SIDE}")
+    return int(sides[0]), int(sides[1])
+
+
+def _frames_from_seconds(seconds: str, fps: float) -> int:
+    """num_frames for `seconds` (digits, no leading zero: the request model checked) at `fps` (at most
+    MAX_FPS), rounded to the nearest 4k+1; past MAX_SECONDS a 400 before any conversion."""
+    if len(seconds) > len(str(MAX_SECONDS)) or int(seconds) > MAX_SECONDS:
+        raise ParamError("seconds", f"seconds={shown(seconds)} is above {MAX_SECONDS}, the longest video "
+                         f"({MAX_SECONDS} frames at 1 fps)")  # fmt: skip
+    return 4 * max(0, round((int(seconds) * fps - 1) / 4)) + 1

@@ -1,0 +1,219 @@
+"""The Reasoner's per-request parameters: ChatParams (a chat completion, or a raw-prompt completion) with its
+messages and their parts, and how a chat video is sampled (VideoSampling, ChatVideo). Validated at the API
+boundary; a bad value raises ParamError naming the request field (params.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from worldserve.params import ParamError, shown
+
+MAX_VIDEO_FPS = 1000.0
+"""Largest chat-video sampling rate: above any camera's recording rate, and a rate at or above the clip's own
+takes every frame (up to VideoSampling.max_frames) anyway; the bound keeps every frame count finite."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoSampling:
+    """Which frames of a chat video the Reasoner sees (Qwen3-VL's video processor defaults; per request:
+    `media_io_kwargs.video.fps` / `.num_frames`, mutually exclusive)."""
+
+    fps: float | None = 2.0
+    """Frames sampled per second of video (None when num_frames is given)."""
+    num_frames: int | None = None
+    """Exactly this many frames, evenly spread (a shorter clip repeats frames, as transformers does)."""
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 32 * 32
+    """Lower bound of sampled frames x height x width after resizing (Qwen3-VL `size.shortest_edge`)."""
+    max_pixels: int = 768 * 32 * 32
+    """Upper bound of the same product (`size.longest_edge`): more frames, smaller frames."""
+    factor: int = 32
+    """Frame sides become multiples of patch 16 x merge 2."""
+    temporal_patch: int = 2
+    """Frames per ViT temporal patch (the frame count is padded to a multiple of it)."""
+
+    def validate(self) -> VideoSampling:
+        if self.fps is not None and self.num_frames is not None:
+            raise ParamError("media_io_kwargs", "video fps and num_frames are mutually exclusive")
+        if self.fps is not None and not 0 < self.fps <= MAX_VIDEO_FPS:  # NaN fails too
+            raise ParamError(
+                "media_io_kwargs",
+                f"video fps must be > 0 and at most {MAX_VIDEO_FPS:g}, got {shown(self.fps)}",
+            )
+        if self.num_frames is not None and not 1 <= self.num_frames <= self.max_frames:
+            raise ParamError(
+                "media_io_kwargs",
+                f"video num_frames must be in [1, {self.max_frames}], got {shown(self.num_frames)}",
+            )
+        return self
+
+    def indices(self, total_frames: int, source_fps: float) -> list[int]:
+        """Qwen3-VL `sample_frames`: n = total / source_fps * fps, clamped to [min_frames, max_frames] and the
+        clip length (or exactly num_frames, repeating frames of a shorter clip), at round(linspace(0, total - 1, n))."""
+        if self.num_frames is not None:
+            n = self.num_frames
+        else:
+            wanted = total_frames / source_fps * (self.fps or 2.0)
+            n = int(wanted) if wanted < self.max_frames else self.max_frames  # inf / NaN: int() would raise
+            n = min(max(n, self.min_frames), self.max_frames, total_frames)
+        return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
+
+    def frame_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """Qwen3-VL video `smart_resize`: (height, width) as multiples of `factor`, near the aspect ratio,
+        with round(num_frames / 2) * 2 * height * width within [min_pixels, max_pixels]."""
+        f, tf = self.factor, self.temporal_patch
+        if height < f or width < f:
+            scale = max(f / height, f / width)
+            height, width = int(height * scale), int(width * scale)
+        if max(height, width) / min(height, width) > 200:
+            raise ParamError("messages", "video aspect ratio must be smaller than 200")
+        h_bar, w_bar = round(height / f) * f, round(width / f) * f
+        t_bar = round(num_frames / tf) * tf
+        if t_bar * h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(num_frames * height * width / self.max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif t_bar * h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (num_frames * height * width))
+            h_bar, w_bar = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+        return h_bar, w_bar
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatVideo:
+    """A decoded chat video: the sampled frames and where they sit in the clip."""
+
+    frames: np.ndarray
+    """uint8 RGB (N, H, W, 3): the sampled frames in order, already resized to the ViT's input size."""
+    indices: tuple[int, ...]
+    """Their frame numbers in the source clip (timestamps = index / source_fps)."""
+    source_fps: float
+    """The clip's average frame rate."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatPart:
+    """One content part of a chat message: text, a decoded image or a decoded video."""
+
+    type: str
+    """"text", "image" or "video"."""
+    text: str = ""
+    """The text of a text part."""
+    image: np.ndarray | None = None
+    """uint8 RGB (H, W, 3) of an image part."""
+    video: ChatVideo | None = None
+    """The sampled frames of a video part."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatMessage:
+    role: str
+    """"system", "user", "assistant" or "tool"."""
+    content: str | tuple[ChatPart, ...]
+    """A plain string or a sequence of parts."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatParams:
+    """One Reasoner chat completion (OpenAI /v1/chat/completions, n = 1), or a raw text completion
+    (/v1/completions: `prompt_ids`, no messages, no chat template), validated at the boundary."""
+
+    messages: tuple[ChatMessage, ...] = ()
+    """The conversation; the reply is the next assistant turn. Empty with `prompt_ids`."""
+    prompt_ids: tuple[int, ...] | None = None
+    """A raw prompt's token ids, continued as they are (positions (k, k, k)); None: render `messages`."""
+    max_tokens: int | None = None
+    """Completion token budget; None: up to the context length."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """0 or -1: no top-k."""
+    seed: int | None = None
+    """Sampling seed (None: random)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the completion (not included in the output)."""
+    presence_penalty: float = 0.0
+    """OpenAI presence penalty in [-2, 2] over the output tokens."""
+    frequency_penalty: float = 0.0
+    """OpenAI frequency penalty in [-2, 2] over the output tokens."""
+    repetition_penalty: float = 1.0
+    """vLLM repetition penalty (> 0; 1 = off) over the prompt and output tokens."""
+    logprobs: bool = False
+    """Return each output token's log-probability."""
+    top_logprobs: int = 0
+    """With logprobs: also the this-many most likely tokens at each position (0-20)."""
+    ignore_eos: bool = False
+    """vLLM's: keep generating past the end-of-sequence tokens (up to max_tokens)."""
+    min_tokens: int = 0
+    """vLLM's: no end of sequence (and no stop string or stop token id) before this many tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """vLLM's: more token ids that end the completion (its stop_reason is then the id)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: a matched stop string stays at the end of the text."""
+    prebuilt: Any = field(default=None, compare=False, repr=False)
+    """The prompt built from these params (runner/chat_prompt.py's ChatPrompt: template, tokens, media),
+    when the API built it in its own worker thread; None: the Reasoner builds it (on the chat worker's
+    thread, where a megabytes-long prompt would hold up every running chat while it tokenizes)."""
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra chat template variables (`chat_template_kwargs`, e.g. enable_thinking)."""
+    image_min_pixels: int | None = None
+    """Qwen3-VL image processor `size.shortest_edge` (pixel budget floor) for this request (None: the server's)."""
+    image_max_pixels: int | None = None
+    """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
+
+    @property
+    def prompt_key(self) -> int:
+        """What the choices of one request share, and no other live request does: the identity of their
+        messages, or of their raw prompt ids (the empty messages tuple of a raw prompt is one shared object).
+        The Reasoner prefills chats with one key once; the chat worker counts that prompt once."""
+        return id(self.messages if self.prompt_ids is None else self.prompt_ids)
+
+    def choices(self, n: int) -> list[ChatParams]:
+        """These params as the n choices of one request: choice i samples with seed + i (different
+        samples, the same ones on every run)."""
+        return [self] + [
+            replace(self, seed=None if self.seed is None else self.seed + i) for i in range(1, n)
+        ]
+
+    def validate(self) -> ChatParams:
+        if self.prompt_ids is not None:
+            if not self.prompt_ids:
+                raise ParamError("prompt", "the prompt must contain at least one token")
+            if self.messages:
+                raise ParamError("messages", "a raw prompt (prompt_ids) takes no messages")
+        elif not self.messages:
+            raise ParamError("messages", "messages must contain at least one message")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ParamError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ParamError("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            raise ParamError("stop", "stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ParamError(name, f"{name} must be in [-2, 2], got {value}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ParamError("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ParamError(
+                "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        return self
