@@ -211,22 +211,13 @@ DROP = object()
 """A patch value that removes the field from the request body."""
 
 
-def test_tokenize_counts_past_the_context_but_not_what_cannot_fit(url, reasoner, monkeypatch):
-    """Both /tokenize forms count a text longer than the context, as vLLM's /tokenize does, but a text whose
-    byte count alone is more than max_model_len tokens can hold is a 400 before it is tokenized (86 MiB
-    took minutes), as /v1/completions and chat refuse it."""
-    text = "hello " * 5000  # ~10k tokens: past the context, under the byte bound
+def test_tokenize_counts_past_the_context(url):
+    """Both /tokenize forms count a text longer than the context, as vLLM's /tokenize does (a chat or a
+    completion of it is refused; counting is what /tokenize is for)."""
+    text = "hello " * 5000  # ~10k tokens: past the 4096-token context
     for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
         r = httpx.post(url + "/tokenize", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["count"] > r.json()["max_model_len"] == 4096, r.text
-    calls, tokenizer = [], type(reasoner.prompts.tokenizer)
-    real = tokenizer.__call__
-    monkeypatch.setattr(tokenizer, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for body, param in (({"prompt": "hi " * 1_000_000}, "prompt"),
-                        ({"messages": [{"role": "user", "content": "hi " * 1_000_000}]}, "messages")):  # fmt: skip
-        r = httpx.post(url + "/tokenize", json=body, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert calls == []
 
 
 def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
@@ -285,9 +276,6 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
         ("/v1/completions", {"model": "nope"}, 404, "model", "The model `nope` does not exist."),
         ("/tokenize", {"model": "nope"}, 404, "model", "does not exist"),
         ("/tokenize", {"prompt": 3}, 400, "prompt", "validation error"),
-        ("/tokenize", {"prompt": "x" * 3_000_000}, 400, "prompt", "more than the context of 4096 tokens"),
-        ("/tokenize", {"prompt": DROP, "messages": [{"role": "user", "content": "hello " * 1_000_000}]}, 400,
-         "messages", "maximum context length is 4096 tokens. However, you sent 6000"),
         ("/tokenize", {"prompt": DROP, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
          400, "continue_final_message", "Cannot set both"),
         ("/tokenize", {"prompt": DROP, "messages": [{"role": "user", "content": [

@@ -72,6 +72,12 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
             bad = await http.get(f"/v1/videos/{job['id']}/content", headers={"Range": header})
             assert bad.status_code == status and bad.json()["error"]["param"] == "Range", (header, bad.text)
         assert bad.headers["content-range"] == f"bytes */{size}"
+        stale = (
+            await http.get(  # a stale If-Range: the Range is ignored and the whole file served, as HTTP says
+                f"/v1/videos/{job['id']}/content", headers={"Range": f"bytes={size}-", "If-Range": '"stale"'}
+            )
+        )
+        assert stale.status_code == 200 and stale.content == content.content
 
 
 async def test_omitted_fields_take_model_defaults(tmp_path):

@@ -71,6 +71,8 @@ def _bpe(**kw) -> models.BPE:
     [
         (lambda: _fast(_bpe(), added=[AddedToken("<s>", lstrip=True)]), "strips whitespace"),
         (lambda: _fast(_bpe(), pre_tokenizer=pre_tokenizers.WhitespaceSplit()), "WhitespaceSplit"),
+        (lambda: _fast(_bpe(), pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Punctuation("removed"),
+                                                                      pre_tokenizers.ByteLevel()])), "removes text"),
         (lambda: _fast(_bpe(), normalizer=normalizers.BertNormalizer()), "BertNormalizer"),
         (lambda: _fast(_bpe(), normalizer=normalizers.Replace("aaaa", "a")), "Replace"),
         (lambda: _fast(_bpe(), normalizer=normalizers.Sequence([normalizers.NFC(), normalizers.Strip()])), "Strip"),

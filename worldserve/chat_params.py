@@ -15,8 +15,9 @@ import numpy as np
 from worldserve.params import ParamError, shown
 
 MAX_VIDEO_FPS = 1000.0
-"""Largest chat-video sampling rate: above any camera's recording rate, and a rate at or above the clip's own
-takes every frame (up to VideoSampling.max_frames) anyway; the bound keeps every frame count finite."""
+"""Largest chat-video sampling rate kept: above any camera's recording rate, and a rate at or above the clip's
+own takes every frame (up to VideoSampling.max_frames) anyway, so a request's larger fps is taken as this
+(as vLLM samples it: every frame); the bound keeps every frame count finite."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,6 +1,6 @@
 """Per-request immutable parameters: VideoParams (generation) with validation that runs before any GPU work.
 
-The API layer and the `generate` CLI build a VideoParams; `validate(limits)` raises `ParamError` naming the
+The API layer and the `generate` CLI build a VideoParams; `validate()` raises `ParamError` naming the
 offending field (the API turns it into a 400 with `param` set). Defaults are the Cosmos3 model defaults
 (1280x720, 189 frames, 24 fps, 35 steps, CFG 6, seed 42), never generic ones.
 
@@ -68,7 +68,8 @@ def shown(value: object) -> str:
     """A number as error messages quote it: as it is, or its digit count past 20 characters (a request may
     send thousands of digits)."""
     text = str(value)
-    return text if len(text) <= 20 else f"a {len(text.lstrip('-'))}-digit number"
+    sign = "a negative " if text.startswith("-") else "a "
+    return text if len(text) <= 20 else f"{sign}{len(text.lstrip('-'))}-digit number"
 
 
 def aspect_size(src_width: int, src_height: int) -> tuple[int, int]:

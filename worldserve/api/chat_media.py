@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart, pixel_budget
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
-from worldserve.chat_params import ChatPart, VideoSampling
+from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
 from worldserve.media.image import decode_image
 from worldserve.media.video_input import decode_chat_video
 from worldserve.params import ParamError
@@ -127,7 +127,8 @@ def check_image(image, path: str) -> None:
 def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
     """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) or the same from `mm_processor_kwargs`, and
     its pixel budget, over Qwen3-VL's defaults (2 fps); ParamError naming the field the values came from when
-    fps is not a number in (0, MAX_VIDEO_FPS] or num_frames not an integer in [1, max_frames] (or -1)."""
+    fps is not a number > 0 (above MAX_VIDEO_FPS it is taken as that) or num_frames not an integer in
+    [1, max_frames] (or -1)."""
     video = (media_io_kwargs or {}).get("video") or {}
     if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
         raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
@@ -147,6 +148,8 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
         num = None
     if (fps is not None and type(fps) not in (int, float)) or (num is not None and type(num) is not int):
         raise ParamError(param, f"{param} video fps must be a number, num_frames an integer")
+    if fps is not None and fps > MAX_VIDEO_FPS:  # (compared before float(): an int past 1e308 overflows it)
+        fps = MAX_VIDEO_FPS  # a rate at or above the clip's own takes every frame anyway, as vLLM samples
     try:
         # checked before float(): an integer fps past 1e308 overflows it
         VideoSampling(fps=fps, num_frames=num).validate()

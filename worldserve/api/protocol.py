@@ -4,7 +4,7 @@ delete, model list (vLLM's `ModelList`, `owned_by` "vllm") and error envelope (s
 
 `VideoCreateRequest` validates field types, ranges and regexes the same way for multipart, urlencoded and
 JSON bodies (form strings are coerced: "24" -> 24, "yes" -> True); cross-field rules and model limits are
-applied later by `video_inputs.py` and `VideoParams.validate`. Undeclared fields are ignored, as in
+applied later by `video_inputs.py` / `video_fields.py` and `VideoParams.validate`. Undeclared fields are ignored, as in
 vLLM-Omni. `VideoObject.from_job` is the one place a stored `Job` becomes the job JSON.
 """
 

@@ -6,10 +6,8 @@ tokenizes the text as /v1/completions does. The chat form `{"messages", "add_gen
 ...}` goes through the chat's own `build_params` (media loaded and checked as a chat completion loads them)
 and the Reasoner's ChatPromptBuilder, so its `count` is the `prompt_tokens` a chat completion of the same
 messages reports, image and video placeholders expanded. Answer: `{"count", "max_model_len", "tokens",
-"token_strs"}`. Neither form checks the context (as vLLM's /tokenize), except that a text with more bytes
-than max_model_len tokens can hold (TextSizeBound: no tokenization of it fits) is a 400 naming `prompt` /
-`messages` before it is tokenized, as /v1/completions and chat refuse it (megabytes take seconds to tokenize).
-/detokenize `{"tokens": [...]}` answers `{"prompt": text}` (special tokens kept); an id
+"token_strs"}`. Neither form checks the context: a text past max_model_len is counted, as vLLM's /tokenize
+counts it (the upload limit bounds the work). /detokenize `{"tokens": [...]}` answers `{"prompt": text}` (special tokens kept); an id
 outside the vocabulary is a 400 naming `tokens`. A `model` other than the served name is a 404 as in chat; a
 server without the Reasoner answers these routes as chat answers then (400). Tokenizer and media work runs in
 a worker thread, off the event loop. `reasoner_prompts` is the Reasoner access /v1/completions shares.
@@ -83,16 +81,14 @@ def _check_chat_form(body: TokenizeChatRequest) -> None:
 
 def _tokenize_chat(
     st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes],
-    options: RequestOptions, max_model_len: int,
+    options: RequestOptions,
 ) -> list[int]:  # fmt: skip
     """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
-    `fetched`; its `options` checked) through the Reasoner's builder, a text too long for the context by
-    its byte count refused untokenized."""
+    `fetched`; its `options` checked) through the Reasoner's builder."""
     params = build_params(chat, st.allowed_local_media_path, fetched, options)
     prompt = prompts.build(
         params, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
-        max_tokens=max_model_len,
     )  # fmt: skip
     return prompt.input_ids
 
@@ -112,11 +108,9 @@ async def tokenize(request: Request, st: State):
 
     def encode() -> tuple[list[int], list[str] | None]:  # in a worker thread: long prompts take seconds
         if chat:
-            ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options, max_model_len)
+            ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options)
         else:
-            ids = prompts.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens, max_tokens=max_model_len
-            )
+            ids = prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return ids, prompts.token_strs(ids) if body.return_token_strs else None
 
     fetched: dict[str, bytes] = {}

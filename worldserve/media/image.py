@@ -69,11 +69,9 @@ def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
                 rgb = np.array(img.convert("RGB"), dtype=np.uint8, copy=True)
     except MemoryError:
         raise
-    except (
-        Exception
-    ) as exc:  # Pillow's decoders read untrusted bytes: whatever they raise (UnidentifiedImage,
-        # OSError, SyntaxError, and from odd formats NotImplementedError, TypeError, AttributeError...) means
-        # the bytes are no image this server can read
+    except Exception as exc:
+        # Pillow's decoders read untrusted bytes: whatever they raise (UnidentifiedImage, OSError, SyntaxError,
+        # and from odd formats NotImplementedError, TypeError, AttributeError...) means no readable image
         if isinstance(exc, ImageTooLarge):
             raise
         if isinstance(exc, Image.DecompressionBombError | Image.DecompressionBombWarning):

@@ -194,8 +194,9 @@ def text_dropper(tokenizer: Any) -> str | None:
         ):
             return f"the {node['type']} normalizer"
     for node in _nodes(spec.get("pre_tokenizer"), "pretokenizers"):
-        split = node["type"] == "Split" and node.get("behavior") != "Removed"
-        if node["type"] not in SAFE_PRE_TOKENIZERS and not split:
+        if node.get("behavior") == "Removed":  # (Split, Punctuation...: the matched text is dropped)
+            return f"the {node['type']} pre-tokenizer removes text"
+        if node["type"] not in SAFE_PRE_TOKENIZERS and node["type"] != "Split":
             return f"the {node['type']} pre-tokenizer"
     model = spec.get("model") or {}
     kind, fallback = model.get("type"), model.get("byte_fallback")
