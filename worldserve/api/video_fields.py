@@ -109,6 +109,6 @@ def _frames_from_seconds(seconds: str, fps: float) -> int:
     """num_frames for `seconds` (digits, no leading zero: the request model checked) at `fps` (at most
     MAX_FPS), rounded to the nearest 4k+1; past MAX_SECONDS a 400 before any conversion."""
     if len(seconds) > len(str(MAX_SECONDS)) or int(seconds) > MAX_SECONDS:
-        raise ParamError("seconds", f"seconds={shown(seconds)} is above {MAX_SECONDS}, the longest video "
-                         f"({MAX_SECONDS} frames at 1 fps)")  # fmt: skip
+        raise ParamError("seconds", f"seconds={shown(seconds)} is above {MAX_SECONDS}: no resolution allows "
+                         "a longer video, even at 1 fps")  # fmt: skip
     return 4 * max(0, round((int(seconds) * fps - 1) / 4)) + 1
