@@ -211,6 +211,34 @@ DROP = object()
 """A patch value that removes the field from the request body."""
 
 
+def test_echo_with_logprobs_scores_the_prompt(oai, reasoner):
+    """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs): every prompt token's log-probability
+    under the tokens before it (the first: None), equal to the Reasoner's own prefill logits; with tokens
+    generated, the prompt's entries come first, streamed the same."""
+    ids = list(_ids(reasoner, "The quick brown fox jumps"))
+    r = oai.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [reasoner.tokenizer.decode([i]) for i in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    hidden, seq, _ = reasoner.prefill(reasoner.build_prompt(ChatParams(prompt_ids=tuple(ids))))
+    seq.release()
+    ref = torch.log_softmax(reasoner.transformer.compute_logits(hidden).float(), dim=-1)  # [N, V]
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [float(ref[k, ids[k + 1]]) for k in range(len(ids) - 1)], abs=1e-4
+    )
+    assert all(len(top) >= 2 and max(top.values()) == pytest.approx(float(ref[k].max()), abs=1e-4)
+               for k, top in enumerate(lp.top_logprobs[1:]))  # fmt: skip
+    kw = dict(model=MODEL, prompt=ids, echo=True, max_tokens=3, logprobs=1, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    full = oai.completions.create(**kw).choices[0].logprobs
+    assert len(full.tokens) == len(ids) + 3 and full.token_logprobs[: len(ids)] == lp.token_logprobs
+    chunks = list(oai.completions.create(stream=True, **kw))
+    streamed = [
+        x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(full.token_logprobs[1:], abs=1e-5)
+
+
 def test_tokenize_counts_past_the_context(url):
     """Both /tokenize forms count a text longer than the context, as vLLM's /tokenize does (a chat or a
     completion of it is refused; counting is what /tokenize is for)."""
@@ -252,7 +280,6 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
     [
         ("/v1/completions", {"suffix": "!"}, 400, "suffix", "not supported"),
         ("/v1/completions", {"best_of": 2}, 400, "best_of", "must equal n"),
-        ("/v1/completions", {"echo": True, "logprobs": 1}, 400, "echo", "echo with logprobs"),
         ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens", "at least 1"),
         ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": [5] * 4096}, 400, "prompt",
          "maximum context length is 4096"),

@@ -152,6 +152,9 @@ class ChatParams:
     """Return each output token's log-probability."""
     top_logprobs: int = 0
     """With logprobs: also the this-many most likely tokens at each position (0-20)."""
+    prompt_logprobs: int | None = None
+    """The prompt tokens' log-probabilities too (each under the tokens before it; the first has none), with
+    this many most likely alternatives (0-20); None: not computed (the legacy completions' echo + logprobs)."""
     ignore_eos: bool = False
     """vLLM's: keep generating past the end-of-sequence tokens (up to max_tokens)."""
     min_tokens: int = 0
@@ -213,6 +216,10 @@ class ChatParams:
             raise ParamError("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ParamError(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            )
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
             raise ParamError(
                 "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"

@@ -1,7 +1,7 @@
 """POST /v1/completions: OpenAI's legacy text completions on the Reasoner, as vLLM serves them (serving-api.md §11.3).
 
-Request -> checks (served model name else 404; 1 <= n <= 16; `suffix`, a `best_of` other than n, `echo` with
-`logprobs` and constrained decoding are 400s naming the field) -> each prompt as token ids: a text is
+Request -> checks (served model name else 404; 1 <= n <= 16; `suffix`, a `best_of` other than n and
+constrained decoding are 400s naming the field) -> each prompt as token ids: a text is
 tokenized raw, no chat template (`add_special_tokens`, default true, as vLLM), ids are taken as they are ->
 `ChatParams(prompt_ids=...)` (choice j of a prompt samples with seed + j) -> `EngineClient.chat_many` starts
 every choice of every prompt together, the chat's own path: the ChatWorker's continuous batching, the chat
@@ -11,6 +11,9 @@ and the context (a prompt that leaves no room is a 400 naming `prompt`; a max_to
 `max_tokens`). api/completions_stream.py builds the answer: the `text_completion` object or SSE chunks.
 `echo` with `max_tokens: 0` answers each prompt's text alone, as vLLM does: one token is generated (so every
 check of a generating request applies, and usage counts it, as vLLM's does) and left out of the text.
+`echo` with `logprobs` (lm-eval's loglikelihood requests) also scores the prompt: each prompt token's
+log-probability under the tokens before it (the first one's null), from the prefill's own logits, before the
+generated tokens' entries.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ def tokenize_prompts(
 
 def chat_params(body: CompletionRequest, ids: tuple[int, ...]) -> ChatParams:
     """One prompt's ChatParams: its ids and the request's sampling options."""
+    echo_logprobs = body.logprobs if body.echo else None  # the prompt's too, as vLLM answers echo + logprobs
     return ChatParams(
         prompt_ids=ids, max_tokens=body.max_tokens, **body.sampling_options(),
-        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, prompt_logprobs=echo_logprobs,
     ).validate()  # fmt: skip
 
 
@@ -103,6 +107,7 @@ async def _answer(
     c = Completion(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs is not None, echo_only=echo_only,
+        echo_logprobs=[first.prompt_logprobs for first in firsts[:: body.n]],
     )  # fmt: skip
     if body.stream:
         return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")

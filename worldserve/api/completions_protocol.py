@@ -4,8 +4,8 @@ Completions request: `prompt` (a string, a list of strings, a list of token ids 
 one set of `n` choices per prompt), `max_tokens` (vLLM's default 16; null: up to the context), the chat's
 sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties), `logprobs` (an int:
 that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
-`add_special_tokens` (default true). `suffix`, a `best_of` other than `n`, `echo` with `logprobs`,
-`prompt_logprobs` and constrained decoding are refused with a 400 naming the field (`refused`); other unknown
+`add_special_tokens` (default true); `echo` with `logprobs` scores the prompt too. `suffix`, a `best_of`
+other than `n`, vLLM's `prompt_logprobs` field and constrained decoding are refused with a 400 naming the field (`refused`); other unknown
 fields are ignored, as vLLM ignores them.
 Responses: `text_completion` objects (`choices[i].text`, legacy `logprobs` {tokens, token_logprobs,
 top_logprobs, text_offset}), the same object per SSE chunk, and the /tokenize {count, max_model_len, tokens,
@@ -66,8 +66,6 @@ class CompletionRequest(SamplingRequest):
             )
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens must be at least 1, got 0 (0 only echoes the prompt: set echo)"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs is not supported by this server (no prompt logprobs)"
         if is_set(self.prompt_logprobs):
             return "prompt_logprobs", "prompt_logprobs is not supported by this server"
         if (field := self.constrained()) is not None:

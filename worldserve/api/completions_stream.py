@@ -23,12 +23,17 @@ LOGPROB_FLOOR = -9999.0
 
 
 def legacy_logprobs(entries: Sequence, offset: int = 0) -> CompletionLogprobs:
-    """engine TokenLogprobs -> OpenAI's legacy logprobs, the first token's text at character `offset`."""
+    """engine TokenLogprobs -> OpenAI's legacy logprobs, the first token's text at character `offset`. A
+    prompt's first token (echo) has no log-probability: None and no alternatives, as vLLM gives it."""
     out = CompletionLogprobs()
     for e in entries:
         out.text_offset.append(offset)
         offset += len(e.token)
         out.tokens.append(e.token)
+        if e.logprob is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
         out.token_logprobs.append(max(e.logprob, LOGPROB_FLOOR))
         top = {e.token: e.logprob, **dict(e.top)}  # the sampled token first, as vLLM lists it
         out.top_logprobs.append({t: max(lp, LOGPROB_FLOOR) for t, lp in top.items()})
@@ -41,11 +46,23 @@ class Completion:
     def __init__(
         self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
         prompt_tokens: Sequence[int], logprobs: bool, echo_only: bool = False,
+        echo_logprobs: Sequence[tuple | None] = (),
     ) -> None:  # fmt: skip
         self.request_id, self.created, self.model = request_id, created, model
         self.echoes, self.n, self.logprobs = echoes, n, logprobs
         self.echo_only = echo_only  # `echo` with max_tokens 0: the generated text is left out
+        self.echo_logprobs = echo_logprobs  # per prompt, with echo + logprobs: its tokens' entries
         self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
+
+    def logprobs_of(self, index: int, entries: Sequence, offset: int) -> CompletionLogprobs | None:
+        """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`."""
+        if not self.logprobs:
+            return None
+        prompt = index // self.n
+        echoed = self.echo_logprobs[prompt] if offset == 0 and prompt < len(self.echo_logprobs) else None
+        if echoed is None:
+            return legacy_logprobs(entries, offset)
+        return legacy_logprobs((*echoed, *(() if self.echo_only else entries)))
 
     def usage(self, completion: int, prompt: int | None = None):
         """Usage of `completion` tokens: over every prompt, or prompt `prompt` alone."""
@@ -65,7 +82,7 @@ async def collect(streams: Sequence[AsyncIterator], c: Completion) -> Completion
         CompletionChoice(
             index=index, text=(c.echoes[index // c.n] or "") + ("" if c.echo_only else text),
             finish_reason=last.finish_reason,
-            logprobs=legacy_logprobs(entries) if c.logprobs else None, stop_reason=last.stop_reason,
+            logprobs=c.logprobs_of(index, entries, 0), stop_reason=last.stop_reason,
         )
         for index, (text, entries, last) in enumerate(finished)
     ]  # fmt: skip
@@ -86,7 +103,7 @@ def sse(
         text = (echo or "") + ("" if c.echo_only else event.text)
         if not (text or event.logprobs or event.finish_reason):
             return
-        lps = legacy_logprobs(event.logprobs, sent[index]) if c.logprobs else None
+        lps = c.logprobs_of(index, () if c.echo_only else event.logprobs, sent[index])
         sent[index] += len(text)
         choice = CompletionChoice(
             index=index,

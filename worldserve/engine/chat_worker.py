@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 class ChatStarted:
     prompt_tokens: int
     """Tokens of the rendered prompt (image placeholders expanded)."""
+    prompt_logprobs: tuple | None = None
+    """With ChatParams.prompt_logprobs: each prompt token's TokenLogprob (the first one's logprob None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +305,7 @@ class ChatWorker:
                 self._fail(handle, result)
             else:
                 handle.queued_s = admitted_at - handle.submitted_at
-                handle.emit(ChatStarted(prompt_tokens=result.prompt_tokens))
+                handle.emit(ChatStarted(result.prompt_tokens, getattr(result, "prompt_logprobs", None)))
                 started.append((handle, result))
         return started, refused
 

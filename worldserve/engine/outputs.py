@@ -74,7 +74,8 @@ class TokenLogprob:
 
     token: str
     """The token's text (decoded alone)."""
-    logprob: float
+    logprob: float | None
+    """None only for a prompt's first token (prompt logprobs): nothing comes before it."""
     top: tuple[tuple[str, float], ...] = ()
     """The `top_logprobs` most likely tokens at this position, most likely first."""
 

@@ -39,7 +39,7 @@ from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence,
 from worldserve.params import ParamError
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
-from worldserve.runner.reasoner_session import ReasonerSession
+from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
@@ -395,6 +395,10 @@ class Reasoner:
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
                                   params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
+        if params.prompt_logprobs is not None:
+            session.prompt_logprobs = prompt_logprobs(
+                self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs
+            )
         self._started += 1
         self._live += 1  # counted once the session exists: its close() takes it back (forget)
         return session

@@ -51,6 +51,7 @@ class ReasonerSession:
         self._prompt = prompt
         self.started = started
         self.prompt_tokens = len(prompt.input_ids)
+        self.prompt_logprobs: tuple | None = None  # with params.prompt_logprobs: set by the Reasoner
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.top_logprobs = top_logprobs  # None: no logprobs
@@ -207,9 +208,37 @@ class ReasonerSession:
     def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:
         """The token's log-probability under the raw logits, and the top alternatives."""
         lp = torch.log_softmax(logits.detach().float(), dim=-1)
-        tok = self._r.tokenizer
-        top = ()
-        if self.top_logprobs:
-            vals, ids = torch.topk(lp, self.top_logprobs)
-            top = tuple((tok.decode([int(i)]), float(v)) for v, i in zip(vals, ids, strict=True))
-        return TokenLogprob(token=tok.decode([token]), logprob=float(lp[token]), top=top)
+        return token_logprob(self._r.tokenizer, lp, token, self.top_logprobs or 0)
+
+
+def token_logprob(tokenizer: Any, lp: Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s entry in the log-probabilities `lp` [V], with the `top` most likely tokens."""
+    alternatives = ()
+    if top:
+        vals, ids = torch.topk(lp, top)
+        alternatives = tuple((tokenizer.decode([int(i)]), float(v)) for v, i in zip(vals, ids, strict=True))
+    return TokenLogprob(token=tokenizer.decode([token]), logprob=float(lp[token]), top=alternatives)
+
+
+PROMPT_LOGPROB_ROWS = 256
+"""Prompt positions whose logits are computed at once for prompt logprobs (~150 MB of float32 on Nano)."""
+
+
+def prompt_logprobs(transformer: Any, tokenizer: Any, ids: Sequence[int], hidden: Tensor, top: int) -> tuple:
+    """Each prompt token's TokenLogprob under the tokens before it, with `top` alternatives (the first
+    token's logprob None): the prefill's final-normed hidden rows [N, d] through the LM head,
+    PROMPT_LOGPROB_ROWS at a time (a row of logits is the vocabulary wide); only the chosen and top values
+    leave the device."""
+    out = [TokenLogprob(token=tokenizer.decode([ids[0]]), logprob=None)]
+    for start in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
+        end = min(start + PROMPT_LOGPROB_ROWS, len(ids) - 1)
+        lp = torch.log_softmax(transformer.compute_logits(hidden[start:end]).float(), dim=-1)  # [r, V]
+        nxt = torch.tensor(ids[start + 1 : end + 1], device=lp.device)  # [r]: the token each row predicts
+        chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        vals, alts = torch.topk(lp, top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())  # [r, top]
+        for tok, value, row_vals, row_alts in zip(
+            nxt.tolist(), chosen, vals.tolist(), alts.tolist(), strict=True
+        ):
+            alternatives = tuple((tokenizer.decode([a]), v) for v, a in zip(row_vals, row_alts, strict=True))
+            out.append(TokenLogprob(token=tokenizer.decode([tok]), logprob=value, top=alternatives))
+    return tuple(out)
