@@ -239,6 +239,37 @@ def test_echo_with_logprobs_scores_the_prompt(oai, reasoner):
     assert streamed[0] is None and streamed[1:] == pytest.approx(full.token_logprobs[1:], abs=1e-5)
 
 
+def test_vllm_prompt_logprobs_field(url, reasoner):
+    """vLLM's `prompt_logprobs: k`: choices[i].prompt_logprobs lists, per prompt token after the first, its
+    own log-probability and rank and the k most likely tokens, keyed by id (as vLLM's Logprob objects);
+    streamed in the first chunk; out of [0, 20] a 400 naming it."""
+    ids = list(_ids(reasoner, "The quick brown fox jumps"))
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 2}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    hidden, seq, _ = reasoner.prefill(reasoner.build_prompt(ChatParams(prompt_ids=tuple(ids))))
+    seq.release()
+    ref = torch.log_softmax(reasoner.transformer.compute_logits(hidden).float(), dim=-1)  # [N, V]
+    for k, row in enumerate(plp[1:]):
+        own = row[str(ids[k + 1])]
+        assert own["logprob"] == pytest.approx(float(ref[k, ids[k + 1]]), abs=1e-4)
+        assert own["rank"] == int((ref[k] > ref[k, ids[k + 1]]).sum()) + 1
+        assert own["decoded_token"] == reasoner.tokenizer.decode([ids[k + 1]])
+        best = row[str(int(ref[k].argmax()))]
+        assert best["rank"] == 1 and len(row) in (
+            2,
+            3,
+        )  # the top 2, and the prompt's own token if not in them
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["prompt_logprobs"] == plp
+    assert all(e["choices"][0].get("prompt_logprobs") is None for e in events[1:] if e["choices"])
+    r = httpx.post(url + "/v1/completions", json={**body, "prompt_logprobs": 21}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
 def test_tokenize_counts_past_the_context(url):
     """Both /tokenize forms count a text longer than the context, as vLLM's /tokenize does (a chat or a
     completion of it is refused; counting is what /tokenize is for)."""

@@ -13,7 +13,7 @@ and the context (a prompt that leaves no room is a 400 naming `prompt`; a max_to
 check of a generating request applies, and usage counts it, as vLLM's does) and left out of the text.
 `echo` with `logprobs` (lm-eval's loglikelihood requests) also scores the prompt: each prompt token's
 log-probability under the tokens before it (the first one's null), from the prefill's own logits, before the
-generated tokens' entries.
+generated tokens' entries; vLLM's `prompt_logprobs: k` gives the same as `choices[i].prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ def tokenize_prompts(
 
 def chat_params(body: CompletionRequest, ids: tuple[int, ...]) -> ChatParams:
     """One prompt's ChatParams: its ids and the request's sampling options."""
-    echo_logprobs = body.logprobs if body.echo else None  # the prompt's too, as vLLM answers echo + logprobs
-    return ChatParams(
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    return ChatParams(  # the prompt's logprobs for echo + logprobs (as vLLM answers it) and prompt_logprobs
         prompt_ids=ids, max_tokens=body.max_tokens, **body.sampling_options(),
-        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, prompt_logprobs=echo_logprobs,
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+        prompt_logprobs=max(wanted) if wanted else None,
     ).validate()  # fmt: skip
 
 
@@ -106,8 +107,9 @@ async def _answer(
     prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
     c = Completion(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
-        prompt_tokens=prompt_tokens, logprobs=body.logprobs is not None, echo_only=echo_only,
-        echo_logprobs=[first.prompt_logprobs for first in firsts[:: body.n]],
+        prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only,
+        prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], echo=body.echo,
+        prompt_logprobs=body.prompt_logprobs,
     )  # fmt: skip
     if body.stream:
         return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")

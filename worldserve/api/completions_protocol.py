@@ -4,8 +4,8 @@ Completions request: `prompt` (a string, a list of strings, a list of token ids 
 one set of `n` choices per prompt), `max_tokens` (vLLM's default 16; null: up to the context), the chat's
 sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties), `logprobs` (an int:
 that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
-`add_special_tokens` (default true); `echo` with `logprobs` scores the prompt too. `suffix`, a `best_of`
-other than `n`, vLLM's `prompt_logprobs` field and constrained decoding are refused with a 400 naming the field (`refused`); other unknown
+`add_special_tokens` (default true); `echo` with `logprobs`, and vLLM's `prompt_logprobs`, score the prompt
+too. `suffix`, a `best_of` other than `n` and constrained decoding are refused with a 400 naming the field (`refused`); other unknown
 fields are ignored, as vLLM ignores them.
 Responses: `text_completion` objects (`choices[i].text`, legacy `logprobs` {tokens, token_logprobs,
 top_logprobs, text_offset}), the same object per SSE chunk, and the /tokenize {count, max_model_len, tokens,
@@ -27,7 +27,6 @@ from worldserve.api.chat_protocol import (
     SamplingRequest,
     SSEChunk,
     Usage,
-    is_set,
 )  # fmt: skip
 
 MAX_LOGPROBS = 20
@@ -48,8 +47,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = Field(True, description="The tokenizer's special tokens (e.g. BOS) on text.")
-    prompt_logprobs: Any = None
-    """Declared only to be refused (typed Any: any value gets the 400 naming the field)."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: each prompt token's log-probability with this many alternatives (`choices[i].prompt_logprobs`)."""
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) of the first option this server cannot honour, else None."""
@@ -66,8 +65,6 @@ class CompletionRequest(SamplingRequest):
             )
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens must be at least 1, got 0 (0 only echoes the prompt: set echo)"
-        if is_set(self.prompt_logprobs):
-            return "prompt_logprobs", "prompt_logprobs is not supported by this server"
         if (field := self.constrained()) is not None:
             return (
                 field,
@@ -85,13 +82,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's log-probability at a prompt position, its rank there and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's, with `prompt_logprobs`: per prompt token (the first None) its entry and the top ones, by id."""
 
 
 class CompletionResponse(SSEChunk, BaseModel):

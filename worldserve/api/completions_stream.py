@@ -15,9 +15,15 @@ the choice's text so far (vLLM's arithmetic); log-probabilities are floored at -
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import replace
 
 from worldserve.api.chat_stream import make_usage, run_all, sse_events
-from worldserve.api.completions_protocol import CompletionChoice, CompletionLogprobs, CompletionResponse
+from worldserve.api.completions_protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptLogprob,
+)
 
 LOGPROB_FLOOR = -9999.0
 
@@ -45,24 +51,48 @@ class Completion:
 
     def __init__(
         self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
-        prompt_tokens: Sequence[int], logprobs: bool, echo_only: bool = False,
-        echo_logprobs: Sequence[tuple | None] = (),
+        prompt_tokens: Sequence[int], logprobs: int | None, echo_only: bool = False,
+        prompt_entries: Sequence[tuple | None] = (), echo: bool = False, prompt_logprobs: int | None = None,
     ) -> None:  # fmt: skip
         self.request_id, self.created, self.model = request_id, created, model
-        self.echoes, self.n, self.logprobs = echoes, n, logprobs
+        self.echoes, self.n, self.logprobs = echoes, n, logprobs  # logprobs: the request's (None: none)
         self.echo_only = echo_only  # `echo` with max_tokens 0: the generated text is left out
-        self.echo_logprobs = echo_logprobs  # per prompt, with echo + logprobs: its tokens' entries
+        self.prompt_entries = prompt_entries  # per prompt, when asked for: its tokens' TokenLogprobs
+        self.echo, self.prompt_logprobs = echo, prompt_logprobs
         self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
 
     def logprobs_of(self, index: int, entries: Sequence, offset: int) -> CompletionLogprobs | None:
         """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`."""
-        if not self.logprobs:
+        if self.logprobs is None:
             return None
         prompt = index // self.n
-        echoed = self.echo_logprobs[prompt] if offset == 0 and prompt < len(self.echo_logprobs) else None
-        if echoed is None:
+        if not (
+            self.echo and offset == 0 and prompt < len(self.prompt_entries) and self.prompt_entries[prompt]
+        ):
             return legacy_logprobs(entries, offset)
+        echoed = [replace(e, top=e.top[: self.logprobs]) for e in self.prompt_entries[prompt]]
         return legacy_logprobs((*echoed, *(() if self.echo_only else entries)))
+
+    def vllm_prompt_logprobs(self, index: int) -> list | None:
+        """vLLM's `prompt_logprobs` of choice `index` (with the request's field): per prompt token after the
+        first, its own entry and the top ones, keyed by token id."""
+        prompt = index // self.n
+        if (
+            self.prompt_logprobs is None
+            or prompt >= len(self.prompt_entries)
+            or not self.prompt_entries[prompt]
+        ):
+            return None
+        out: list = [None]
+        k = self.prompt_logprobs
+        for e in self.prompt_entries[prompt][1:]:
+            ranked = zip(e.top_ids[:k], e.top[:k], range(1, k + 1), strict=False)
+            row = {str(i): PromptLogprob(logprob=max(v, LOGPROB_FLOOR), rank=r, decoded_token=t)
+                   for i, (t, v), r in ranked}  # fmt: skip
+            row[str(e.token_id)] = PromptLogprob(logprob=max(e.logprob, LOGPROB_FLOOR), rank=e.rank,
+                                                 decoded_token=e.token)  # fmt: skip
+            out.append(row)
+        return out
 
     def usage(self, completion: int, prompt: int | None = None):
         """Usage of `completion` tokens: over every prompt, or prompt `prompt` alone."""
@@ -83,6 +113,7 @@ async def collect(streams: Sequence[AsyncIterator], c: Completion) -> Completion
             index=index, text=(c.echoes[index // c.n] or "") + ("" if c.echo_only else text),
             finish_reason=last.finish_reason,
             logprobs=c.logprobs_of(index, entries, 0), stop_reason=last.stop_reason,
+            prompt_logprobs=c.vllm_prompt_logprobs(index),
         )
         for index, (text, entries, last) in enumerate(finished)
     ]  # fmt: skip
@@ -104,6 +135,7 @@ def sse(
         if not (text or event.logprobs or event.finish_reason):
             return
         lps = c.logprobs_of(index, () if c.echo_only else event.logprobs, sent[index])
+        sent_before = sent[index]
         sent[index] += len(text)
         choice = CompletionChoice(
             index=index,
@@ -111,6 +143,7 @@ def sse(
             logprobs=lps,
             finish_reason=event.finish_reason,
             stop_reason=event.stop_reason,
+            prompt_logprobs=None if sent_before else c.vllm_prompt_logprobs(index),  # in the first chunk
         )
         usage = c.usage(completion[index], index // c.n) if continuous_usage else None
         yield c.response([choice], usage).sse()

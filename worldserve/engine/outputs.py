@@ -78,6 +78,11 @@ class TokenLogprob:
     """None only for a prompt's first token (prompt logprobs): nothing comes before it."""
     top: tuple[tuple[str, float], ...] = ()
     """The `top_logprobs` most likely tokens at this position, most likely first."""
+    token_id: int | None = None
+    """Prompt logprobs only: the token's id, its rank at this position (1: the most likely) and the ids of
+    `top` (vLLM's prompt_logprobs are keyed by id)."""
+    rank: int | None = None
+    top_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,16 +229,17 @@ def prompt_logprobs(transformer: Any, tokenizer: Any, ids: Sequence[int], hidden
     token's logprob None): the prefill's final-normed hidden rows [N, d] through the LM head,
     PROMPT_LOGPROB_ROWS at a time (a row of logits is the vocabulary wide); only the chosen and top values
     leave the device."""
-    out = [TokenLogprob(token=tokenizer.decode([ids[0]]), logprob=None)]
+    out = [TokenLogprob(token=tokenizer.decode([ids[0]]), logprob=None, token_id=ids[0])]
     for start in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
         end = min(start + PROMPT_LOGPROB_ROWS, len(ids) - 1)
         lp = torch.log_softmax(transformer.compute_logits(hidden[start:end]).float(), dim=-1)  # [r, V]
         nxt = torch.tensor(ids[start + 1 : end + 1], device=lp.device)  # [r]: the token each row predicts
-        chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        chosen = lp.gather(1, nxt[:, None])  # [r, 1]
+        ranks = ((lp > chosen).sum(-1) + 1).tolist()  # [r]: 1 = the most likely
         vals, alts = torch.topk(lp, top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())  # [r, top]
-        for tok, value, row_vals, row_alts in zip(
-            nxt.tolist(), chosen, vals.tolist(), alts.tolist(), strict=True
-        ):
+        rows = zip(nxt.tolist(), chosen[:, 0].tolist(), ranks, vals.tolist(), alts.tolist(), strict=True)
+        for tok, value, rank, row_vals, row_alts in rows:
             alternatives = tuple((tokenizer.decode([a]), v) for v, a in zip(row_vals, row_alts, strict=True))
-            out.append(TokenLogprob(token=tokenizer.decode([tok]), logprob=value, top=alternatives))
+            out.append(TokenLogprob(token=tokenizer.decode([tok]), logprob=value, top=alternatives, token_id=tok,
+                                    rank=rank, top_ids=tuple(row_alts)))  # fmt: skip
     return tuple(out)
