@@ -242,7 +242,8 @@ def test_echo_with_logprobs_scores_the_prompt(oai, reasoner):
 def test_vllm_prompt_logprobs_field(url, reasoner):
     """vLLM's `prompt_logprobs: k`: choices[i].prompt_logprobs lists, per prompt token after the first, its
     own log-probability and rank and the k most likely tokens, keyed by id (as vLLM's Logprob objects);
-    streamed in the first chunk; out of [0, 20] a 400 naming it."""
+    streamed in the first chunk; out of [0, 20] a 400 naming it. Chat completions take the field too (the
+    answer's top-level prompt_logprobs; not with stream, a 400)."""
     ids = list(_ids(reasoner, "The quick brown fox jumps"))
     body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 2}
     r = httpx.post(url + "/v1/completions", json=body, timeout=60)
@@ -267,6 +268,20 @@ def test_vllm_prompt_logprobs_field(url, reasoner):
     assert events[0]["choices"][0]["prompt_logprobs"] == plp
     assert all(e["choices"][0].get("prompt_logprobs") is None for e in events[1:] if e["choices"])
     r = httpx.post(url + "/v1/completions", json={**body, "prompt_logprobs": 21}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    # a chat completion: the same field, the rendered chat prompt's tokens, at the top of the answer
+    chat = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "prompt_logprobs": 1,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    rows = r.json()["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == r.json()["usage"]["prompt_tokens"]
+    assert all(any(e["rank"] == 1 for e in row.values()) for row in rows[1:])
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 

@@ -49,7 +49,7 @@ from worldserve.api.chat_protocol import (
     processor_kwargs,
     template_kwargs,
 )  # fmt: skip
-from worldserve.api.chat_stream import close_all, collect, sse, start_all
+from worldserve.api.chat_stream import close_all, collect, prompt_logprob_rows, sse, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
@@ -105,6 +105,7 @@ def build_params(
         **body.sampling_options(),
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
+        prompt_logprobs=body.prompt_logprobs,
         chat_template_kwargs=options.chat_template_kwargs,
         image_min_pixels=options.image_pixels[0],
         image_max_pixels=options.image_pixels[1],
@@ -176,6 +177,8 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     if body.misplaced_stream_options():
         raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
     if (field := body.unsupported()) is not None:
         if field in ("tool_choice", "function_call"):
             raise APIError(400, f"{field} {getattr(body, field)!r} is not supported by this server yet: tool "
@@ -214,4 +217,6 @@ async def _answer(st: AppState, body: ChatCompletionRequest, choices: list, open
             streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage
         )
         return StreamingResponse(stream, media_type="text/event-stream")
-    return await collect(streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs)
+    answer = await collect(streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs)
+    answer.prompt_logprobs = prompt_logprob_rows(first.prompt_logprobs, body.prompt_logprobs)
+    return answer

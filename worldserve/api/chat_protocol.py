@@ -145,6 +145,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    """vLLM's: each prompt token's log-probability with this many alternatives (not with `stream`)."""
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     """The legacy form of `tools`: refused as tools are."""
@@ -300,6 +302,14 @@ class Choice(BaseModel):
     stop_reason: str | int | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's log-probability at a prompt position, its rank there and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -307,7 +317,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's, with `prompt_logprobs`: per prompt token (the first None) its entry and the top ones, by id."""
 
 
 class ChunkChoice(BaseModel):

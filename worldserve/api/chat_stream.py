@@ -27,6 +27,7 @@ from worldserve.api.chat_protocol import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    PromptLogprob,
     TokenLogprobOut,
     TopLogprob,
     Usage,
@@ -39,6 +40,9 @@ from worldserve.engine.client import (
     ChatUnavailableError,
     ShuttingDownError,
 )
+
+LOGPROB_FLOOR = -9999.0
+"""Log-probabilities are floored here in JSON answers (JSON has no -inf)."""
 
 
 async def metered(events: AsyncIterator, metrics) -> AsyncIterator:
@@ -240,3 +244,19 @@ async def sse(
     roles = [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(streams))]
     async for text in sse_events(streams, render, tail, head=roles):
         yield text
+
+
+def prompt_logprob_rows(entries: Sequence | None, k: int | None) -> list | None:
+    """vLLM's `prompt_logprobs` from a prompt's TokenLogprobs (ChatStarted.prompt_logprobs): per prompt token
+    after the first (None), its own entry and the `k` most likely tokens, keyed by token id."""
+    if k is None or not entries:
+        return None
+    out: list = [None]
+    for e in entries[1:]:
+        ranked = zip(e.top_ids[:k], e.top[:k], range(1, k + 1), strict=False)
+        row = {str(i): PromptLogprob(logprob=max(v, LOGPROB_FLOOR), rank=r, decoded_token=t)
+               for i, (t, v), r in ranked}  # fmt: skip
+        row[str(e.token_id)] = PromptLogprob(logprob=max(e.logprob, LOGPROB_FLOOR), rank=e.rank,
+                                             decoded_token=e.token)  # fmt: skip
+        out.append(row)
+    return out

@@ -24,6 +24,7 @@ from worldserve.api.chat import MAX_CHOICES
 from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
     ChatMessageIn,
+    PromptLogprob,
     SamplingRequest,
     SSEChunk,
     Usage,
@@ -80,14 +81,6 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's Logprob: one token's log-probability at a prompt position, its rank there and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):

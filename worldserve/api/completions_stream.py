@@ -17,15 +17,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 
-from worldserve.api.chat_stream import make_usage, run_all, sse_events
+from worldserve.api.chat_stream import LOGPROB_FLOOR, make_usage, prompt_logprob_rows, run_all, sse_events
 from worldserve.api.completions_protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    PromptLogprob,
 )
-
-LOGPROB_FLOOR = -9999.0
 
 
 def legacy_logprobs(entries: Sequence, offset: int = 0) -> CompletionLogprobs:
@@ -74,25 +71,10 @@ class Completion:
         return legacy_logprobs((*echoed, *(() if self.echo_only else entries)))
 
     def vllm_prompt_logprobs(self, index: int) -> list | None:
-        """vLLM's `prompt_logprobs` of choice `index` (with the request's field): per prompt token after the
-        first, its own entry and the top ones, keyed by token id."""
+        """vLLM's `prompt_logprobs` of choice `index` (with the request's field)."""
         prompt = index // self.n
-        if (
-            self.prompt_logprobs is None
-            or prompt >= len(self.prompt_entries)
-            or not self.prompt_entries[prompt]
-        ):
-            return None
-        out: list = [None]
-        k = self.prompt_logprobs
-        for e in self.prompt_entries[prompt][1:]:
-            ranked = zip(e.top_ids[:k], e.top[:k], range(1, k + 1), strict=False)
-            row = {str(i): PromptLogprob(logprob=max(v, LOGPROB_FLOOR), rank=r, decoded_token=t)
-                   for i, (t, v), r in ranked}  # fmt: skip
-            row[str(e.token_id)] = PromptLogprob(logprob=max(e.logprob, LOGPROB_FLOOR), rank=e.rank,
-                                                 decoded_token=e.token)  # fmt: skip
-            out.append(row)
-        return out
+        return prompt_logprob_rows(self.prompt_entries[prompt] if prompt < len(self.prompt_entries) else None,
+                                   self.prompt_logprobs)  # fmt: skip
 
     def usage(self, completion: int, prompt: int | None = None):
         """Usage of `completion` tokens: over every prompt, or prompt `prompt` alone."""
