@@ -194,16 +194,24 @@ def test_a_response_that_closes_itself_at_its_end(base_url, monkeypatch):
     )
 
 
-def test_a_name_lookup_that_hangs_is_cut_at_the_deadline(monkeypatch):
-    """getaddrinfo takes no timeout: the lookup is waited for only until the download's deadline."""
+def _fake_dns(monkeypatch, *, slow_s: float = 0.0, ports: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Patch getaddrinfo: "slow-dns.example" answers after `slow_s` seconds; a host in `ports` resolves to
+    127.0.0.1 at those ports, in that order; any other name as the system resolves it."""
     real = socket.getaddrinfo
 
     def lookup(host, *args, **kwargs):
         if host == "slow-dns.example":
-            time.sleep(3)
+            time.sleep(slow_s)
+        if ports and host in ports:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", p)) for p in ports[host]]
         return real(host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", lookup)
+
+
+def test_a_name_lookup_that_hangs_is_cut_at_the_deadline(monkeypatch):
+    """getaddrinfo takes no timeout: the lookup is waited for only until the download's deadline."""
+    _fake_dns(monkeypatch, slow_s=3)
     t0 = time.monotonic()
     with pytest.raises(ParamError, match="failed to download image"):
         MediaFetcher(1 << 20).fetch_blocking(
@@ -217,14 +225,7 @@ def test_hung_lookups_do_not_hold_up_other_hosts(base_url, monkeypatch):
     once (lookups run on threads of their own, not on a pool the hung ones would fill)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    real = socket.getaddrinfo
-
-    def lookup(host, *args, **kwargs):
-        if host == "slow-dns.example":
-            time.sleep(2)
-        return real(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    _fake_dns(monkeypatch, slow_s=2)
     fetcher = MediaFetcher(1 << 20)
 
     def slow(_):
@@ -245,17 +246,7 @@ def test_each_address_is_tried_in_turn(base_url, monkeypatch, caplog):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         dead = closed.getsockname()[1]  # nothing listens there once closed
-    real = socket.getaddrinfo
-
-    def lookup(host, p, *args, **kwargs):
-        if host == "two.example":
-            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", dead)),
-                    (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]  # fmt: skip
-        if host == "dead.example":
-            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", dead))]
-        return real(host, p, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    _fake_dns(monkeypatch, ports={"two.example": (dead, port), "dead.example": (dead,)})
     fetcher = MediaFetcher(1 << 20)
     assert (
         fetcher.fetch_blocking(f"http://two.example:{port}/ref.png", param="p", kind="image", timeout_s=5)

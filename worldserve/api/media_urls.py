@@ -155,9 +155,7 @@ class MediaFetcher:
         """One GET: (status, redirect location or None, body). Past `deadline` it fails: the name lookup,
         each connect attempt and the TLS handshake get the time left, and a timer shuts the socket down under
         any blocked read, which also gets at most the time left."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
+        remaining = _time_left(deadline)
         host = parts.hostname.rstrip(".")
         https = parts.scheme.lower() == "https"
         port = parts.port or (443 if https else 80)
@@ -188,10 +186,9 @@ class MediaFetcher:
             # From Python 3.12 the response closes itself, and the socket's file, once its Content-Length is
             # read: a settimeout after that is EBADF (every download failed on 3.12 before this check).
             while not resp.isclosed():
-                left = deadline - time.monotonic()
-                if left <= 0 or expired.is_set():
+                if expired.is_set():
                     raise TimeoutError
-                sock.settimeout(left)
+                sock.settimeout(_time_left(deadline))
                 chunk = resp.read1(CHUNK)
                 if not chunk:  # the end, or the timer's shutdown, or the server hung up early
                     if expired.is_set() or resp.length:  # resp.length: bytes Content-Length still promised
