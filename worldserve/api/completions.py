@@ -108,8 +108,7 @@ async def _answer(
     c = Completion(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only,
-        prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], echo=body.echo,
-        prompt_logprobs=body.prompt_logprobs,
+        prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
     )  # fmt: skip
     if body.stream:
         return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")

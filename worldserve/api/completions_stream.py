@@ -48,33 +48,32 @@ class Completion:
 
     def __init__(
         self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
-        prompt_tokens: Sequence[int], logprobs: int | None, echo_only: bool = False,
-        prompt_entries: Sequence[tuple | None] = (), echo: bool = False, prompt_logprobs: int | None = None,
+        prompt_tokens: Sequence[int], logprobs: int | None, echo_only: bool,
+        prompt_entries: Sequence[tuple | None], prompt_logprobs: int | None,
     ) -> None:  # fmt: skip
         self.request_id, self.created, self.model = request_id, created, model
         self.echoes, self.n, self.logprobs = echoes, n, logprobs  # logprobs: the request's (None: none)
         self.echo_only = echo_only  # `echo` with max_tokens 0: the generated text is left out
-        self.prompt_entries = prompt_entries  # per prompt, when asked for: its tokens' TokenLogprobs
-        self.echo, self.prompt_logprobs = echo, prompt_logprobs
+        self.prompt_entries = (
+            prompt_entries  # per prompt: its tokens' TokenLogprobs, when they were asked for
+        )
+        self.prompt_logprobs = prompt_logprobs  # the request's vLLM field
         self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
 
     def logprobs_of(self, index: int, entries: Sequence, offset: int) -> CompletionLogprobs | None:
-        """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`."""
+        """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`
+        (none with echo_only: the generated token is left out)."""
         if self.logprobs is None:
             return None
-        prompt = index // self.n
-        if not (
-            self.echo and offset == 0 and prompt < len(self.prompt_entries) and self.prompt_entries[prompt]
-        ):
+        prompt, entries = index // self.n, () if self.echo_only else entries
+        if offset or self.echoes[prompt] is None or not self.prompt_entries[prompt]:
             return legacy_logprobs(entries, offset)
         echoed = [replace(e, top=e.top[: self.logprobs]) for e in self.prompt_entries[prompt]]
-        return legacy_logprobs((*echoed, *(() if self.echo_only else entries)))
+        return legacy_logprobs((*echoed, *entries))
 
     def vllm_prompt_logprobs(self, index: int) -> list | None:
         """vLLM's `prompt_logprobs` of choice `index` (with the request's field)."""
-        prompt = index // self.n
-        return prompt_logprob_rows(self.prompt_entries[prompt] if prompt < len(self.prompt_entries) else None,
-                                   self.prompt_logprobs)  # fmt: skip
+        return prompt_logprob_rows(self.prompt_entries[index // self.n], self.prompt_logprobs)
 
     def usage(self, completion: int, prompt: int | None = None):
         """Usage of `completion` tokens: over every prompt, or prompt `prompt` alone."""
@@ -116,7 +115,7 @@ def sse(
         text = (echo or "") + ("" if c.echo_only else event.text)
         if not (text or event.logprobs or event.finish_reason):
             return
-        lps = c.logprobs_of(index, () if c.echo_only else event.logprobs, sent[index])
+        lps = c.logprobs_of(index, event.logprobs, sent[index])
         sent_before = sent[index]
         sent[index] += len(text)
         choice = CompletionChoice(
