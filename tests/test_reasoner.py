@@ -313,3 +313,25 @@ def test_warm_up_runs_a_prefill_and_a_decode_step_and_frees_its_blocks(reasoner,
     reasoner.warm_up()
     assert len(sizes) == 1 and sizes[0] > 1 and steps == [1]
     assert reasoner.pool.num_free == free
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_cuda_equal_the_cpu(tiny_ckpt, reasoner):
+    """A prompt's log-probabilities (ChatParams.prompt_logprobs, computed PROMPT_LOGPROB_ROWS rows at a time
+    on the device) on CUDA equal the CPU's, over a prompt long enough for several chunks."""
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.runner.reasoner_session import PROMPT_LOGPROB_ROWS
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, device="cuda", progress=False)
+    gpu = Reasoner.from_pretrained(tiny_ckpt, model, reasoner.tokenizer)
+    ids = tuple(reasoner.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]) * 40
+    assert len(ids) > 3 * PROMPT_LOGPROB_ROWS
+    sessions = [r.start(ChatParams(prompt_ids=ids, max_tokens=1, prompt_logprobs=3)) for r in (reasoner, gpu)]
+    cpu_lp, gpu_lp = (s.prompt_logprobs for s in sessions)
+    for s in sessions:
+        s.close()
+    assert [e.token_id for e in cpu_lp] == [e.token_id for e in gpu_lp] == list(ids)
+    assert cpu_lp[0].logprob is None is gpu_lp[0].logprob
+    assert [e.logprob for e in gpu_lp[1:]] == pytest.approx([e.logprob for e in cpu_lp[1:]], abs=1e-4)
+    assert [e.top_ids[0] for e in gpu_lp[1:]] == [e.top_ids[0] for e in cpu_lp[1:]]
