@@ -273,7 +273,7 @@ def test_http_image_url_is_downloaded(server):
         ({"repetition_penalty": 0}, 400, "repetition_penalty", "must be in (0, 2]"),
         ({"top_logprobs": 3}, 400, "top_logprobs", "needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "validation error"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+        ({"response_format": {"type": "yaml"}}, 400, "response_format", "must be text, json_object"),
     ],
 )  # fmt: skip
 def test_bad_requests(server, patch, status, param, needle):

@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions request options on a real uvicorn (tiny Reasoner): constrained decoding fields
-and tool choices that need tools are refused with a 400 naming the field (never silently dropped),
+"""POST /v1/chat/completions request options on a real uvicorn (tiny Reasoner): empty structured-output fields
+ask for nothing (tests/test_api_structured_outputs.py has the constraints), tool choices that need tools
+are refused with a 400 naming the field (never silently dropped),
 `stream_options.continuous_usage_stats` puts the running usage on every streamed chunk, as vLLM does;
 `mm_processor_kwargs` change the vision token counts, `chat_template_kwargs` reach the chat template (the
 tiny tokenizer's template gets Qwen3's `enable_thinking` branch here), and images / videos that Qwen3-VL's
@@ -68,43 +69,6 @@ def _stream(url: str, **body) -> list[dict]:
         events = r.read().decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("structured_outputs", {"json": {"type": "object"}}),
-        ("structured_outputs", {"regex": "[a-z]+"}),
-        ("guided_json", {"type": "object", "properties": {"color": {"type": "string"}}}),
-        ("guided_json", '{"type": "object"}'),
-        ("guided_regex", "[a-z]+"),
-        ("guided_choice", ["red", "blue"]),
-        ("guided_grammar", 'root ::= "red" | "blue"'),
-        ("structural_tag", '{"type": "structural_tag"}'),
-    ],
-)
-@pytest.mark.parametrize("stream", [False, True])
-def test_constrained_decoding_fields_are_refused(url, field, value, stream):
-    """Each vLLM guided-decoding field, when set, is a 400 envelope naming it, streaming or not."""
-    body = {"model": MODEL, "messages": HI, "max_tokens": 2, "stream": stream, field: value}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
-    assert r.status_code == 400, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert err["code"] == 400 and err["type"] == "Bad Request" and err["param"] == field, err
-    assert field in err["message"] and "not supported" in err["message"], err
-
-
-def test_constrained_decoding_through_the_openai_client(url):
-    """The openai client's `extra_body` route (how users send vLLM extensions) gets the same 400."""
-    import openai
-
-    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(
-            model=MODEL, messages=HI, max_tokens=2, extra_body={"structured_outputs": {"choice": ["a", "b"]}}
-        )
-    assert info.value.status_code == 400 and info.value.body["param"] == "structured_outputs"
 
 
 @pytest.mark.parametrize(

@@ -345,7 +345,7 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
         ("/v1/completions", {"n": 17}, 400, "n", "n must be between 1 and 16"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream=True"),
         ("/v1/completions", {"temperature": -1}, 400, "temperature", "validation error"),
-        ("/v1/completions", {"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+        ("/v1/completions", {"response_format": {"type": "yaml"}}, 400, "response_format", "must be text, json_object"),
         ("/v1/completions", {"model": "nope"}, 404, "model", "The model `nope` does not exist."),
         ("/tokenize", {"model": "nope"}, 404, "model", "does not exist"),
         ("/tokenize", {"prompt": 3}, 400, "prompt", "validation error"),

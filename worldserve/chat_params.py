@@ -121,6 +121,28 @@ class ChatMessage:
     """A plain string or a sequence of parts."""
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StructuredOutput:
+    """A constraint on the completion's text (vLLM's structured outputs; sampling/grammar.py compiles it)."""
+
+    kind: str
+    """One of STRUCTURED_KINDS: a JSON schema, any JSON object, a regex, one of a list of strings, a Lark /
+    GBNF grammar, or vLLM's structural tags."""
+    spec: str = ""
+    """The schema / choice list / structural tag as JSON text, the regex or the grammar ("" for json_object)."""
+    field: str = "structured_outputs"
+    """The request field it came from (what an error names)."""
+    any_whitespace: bool = True
+    """JSON may hold any whitespace between tokens (vLLM's disable_any_whitespace turns it off)."""
+    additional_properties: bool = True
+    """False: objects without `additionalProperties` take none (vLLM's disable_additional_properties)."""
+    whitespace_pattern: str | None = None
+    """A regex for the whitespace JSON may hold (vLLM's whitespace_pattern)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChatParams:
     """One Reasoner chat completion (OpenAI /v1/chat/completions, n = 1), or a raw text completion
@@ -173,6 +195,8 @@ class ChatParams:
     """Qwen3-VL image processor `size.shortest_edge` (pixel budget floor) for this request (None: the server's)."""
     image_max_pixels: int | None = None
     """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
+    structured: StructuredOutput | None = None
+    """Constrain the completion to a grammar (structured outputs); None: free text."""
 
     @property
     def prompt_key(self) -> int:

@@ -53,7 +53,8 @@ from worldserve.api.chat_stream import close_all, collect, prompt_logprob_rows, 
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
-from worldserve.chat_params import ChatMessage, ChatParams, VideoSampling
+from worldserve.api.structured_fields import structured_output
+from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput, VideoSampling
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
@@ -67,16 +68,19 @@ class RequestOptions:
     """(min, max) image pixel budget; None: the server's."""
     video: VideoSampling
     chat_template_kwargs: dict
+    structured: StructuredOutput | None
+    """The structured output constraint, its grammar compiled once (api/structured_fields.py)."""
 
 
 def request_options(body: ChatCompletionRequest) -> RequestOptions:
-    """`mm_processor_kwargs`, `media_io_kwargs` and `chat_template_kwargs` checked (cheap, no media work):
-    ParamError naming the field, as soon as the request is read."""
+    """`mm_processor_kwargs`, `media_io_kwargs`, `chat_template_kwargs` and the structured output fields
+    checked (no media work; a grammar compiles): ParamError naming the field, as soon as the request is read."""
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
     return RequestOptions(
         image_pixels=pixel_budget(image_opts, "images"),
         video=video_sampling(body.media_io_kwargs, video_opts),
         chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
+        structured=structured_output(body),
     )
 
 
@@ -109,6 +113,7 @@ def build_params(
         chat_template_kwargs=options.chat_template_kwargs,
         image_min_pixels=options.image_pixels[0],
         image_max_pixels=options.image_pixels[1],
+        structured=options.structured,
     ).validate()
 
 
@@ -183,13 +188,10 @@ async def create_chat_completion(request: Request, st: State):
         if field in ("tool_choice", "function_call"):
             raise APIError(400, f"{field} {getattr(body, field)!r} is not supported by this server yet: tool "
                            'calling is not implemented (only "none" or "auto", with no tools)', param=field)  # fmt: skip
-        what = (
-            "tool calling" if field in ("tools", "functions") else "constrained decoding (structured outputs)"
-        )
         raise APIError(
-            400, f"{field} is not supported by this server yet: {what} is not implemented", param=field
+            400, f"{field} is not supported by this server yet: tool calling is not implemented", param=field
         )
-    options = request_options(body)
+    options = await asyncio.to_thread(request_options, body)  # a grammar compiles there: off the event loop
     fetched = await prefetch_media(body, st.media, st.mm_limits)
     params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
     choices = params.choices(body.n)

@@ -6,11 +6,11 @@ bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `
 `repetition_penalty`, `logprobs` / `top_logprobs` (raw-logit log-probabilities, as vLLM's default),
 `media_io_kwargs` (video sampling), `mm_processor_kwargs` (Qwen3-VL processor pixel budgets and video
 sampling: `processor_kwargs` / `pixel_budget` below check them), `chat_template_kwargs` (extra chat template
-variables, e.g. `enable_thinking`; `template_kwargs` refuses apply_chat_template's own arguments). Constrained
-decoding (`response_format` json_object / json_schema, `structured_outputs` and vLLM's `guided_*` fields),
-tools (`tools`, legacy `functions`) and a `tool_choice` / `function_call` other than "none" / "auto" are
-refused with a 400 naming the field (not implemented yet, never silently dropped); other unknown fields are
-ignored, as vLLM ignores them.
+variables, e.g. `enable_thinking`; `template_kwargs` refuses apply_chat_template's own arguments), structured
+outputs (`response_format` json_object / json_schema / structural_tag, `structured_outputs` and vLLM's older
+`guided_*` fields: api/structured_fields.py reads them). Tools (`tools`, legacy `functions`) and a
+`tool_choice` / `function_call` other than "none" / "auto" are refused with a 400 naming the field (not
+implemented yet, never silently dropped); other unknown fields are ignored, as vLLM ignores them.
 Responses: the non-streaming `chat.completion` object and the `chat.completion.chunk` SSE events, field for
 field as vLLM writes them.
 """
@@ -26,26 +26,8 @@ from worldserve.params import ParamError
 
 INT64 = 2**63
 
-CONSTRAINED_DECODING_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structural_tag",
-)
-"""vLLM's structured-output constraints: this server has no constrained decoding, so each is refused. (Its
-options `guided_decoding_backend` / `guided_whitespace_pattern` constrain nothing alone: ignored, as vLLM
-ignores them without a constraint.)"""
-
-
 TOOLLESS_CHOICES = (None, "none", "auto")
 """`tool_choice` / `function_call` values that need no tool: with no tools, "auto" calls none."""
-
-
-def is_set(value: Any) -> bool:
-    """Whether a request field asks for something (null, "", [] and {} ask for nothing)."""
-    return value is not None and not (isinstance(value, str | list | dict) and not value)
 
 
 class MediaURL(BaseModel):
@@ -77,7 +59,7 @@ class StreamOptions(BaseModel):
 
 class SamplingRequest(BaseModel):
     """The request fields chat and text completions (api/completions_protocol.py) share: the model, sampling,
-    streaming, and constrained decoding (declared only to be refused)."""
+    streaming, and structured outputs (api/structured_fields.py reads them)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -98,14 +80,15 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    # constrained decoding (vLLM extensions), declared only to be refused; typed Any so that any value gets
-    # the 400 naming the field rather than a validation error
+    # structured outputs (vLLM extensions); typed Any so that a wrong value gets the 400 naming the field
+    # (api/structured_fields.py) rather than pydantic's validation error
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
 
     def sampling_options(self) -> dict[str, Any]:
         """The ChatParams sampling fields of this request, vLLM's defaults for those it leaves out."""
@@ -124,13 +107,6 @@ class SamplingRequest(BaseModel):
         """vLLM's rule: non-empty stream_options only with stream=true (the route answers a 400)."""
         opts = self.stream_options
         return not self.stream and opts is not None and bool(opts.model_fields_set)
-
-    def constrained(self) -> str | None:
-        """The first constrained-decoding field set (not implemented: asking for it must not silently return
-        unconstrained text), else None."""
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return next((f for f in CONSTRAINED_DECODING_FIELDS if is_set(getattr(self, f))), None)
 
     def stream_usage(self) -> tuple[bool, bool]:
         """(include_usage, continuous_usage_stats) as vLLM applies them: continuous needs include_usage."""
@@ -170,10 +146,8 @@ class ChatCompletionRequest(SamplingRequest):
     )
 
     def unsupported(self) -> str | None:
-        """The first field set to something this server cannot honour yet (answered with a 400): constrained
-        decoding and tools are not implemented."""
-        if (field := self.constrained()) is not None:
-            return field
+        """The first field set to something this server cannot honour yet (answered with a 400): tools are
+        not implemented."""
         for field in ("tools", "functions"):
             if getattr(self, field):
                 return field

@@ -66,11 +66,13 @@ async def metered(events: AsyncIterator, metrics) -> AsyncIterator:
 
 
 def logprob_items(entries) -> list[TokenLogprobOut]:
-    """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes)."""
+    """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes); a token a
+    structured output's grammar forbids (-inf) is listed at LOGPROB_FLOOR, as vLLM lists it."""
     return [
         TokenLogprobOut(
-            token=e.token, logprob=e.logprob, bytes=list(e.token.encode()),
-            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top],
+            token=e.token, logprob=max(e.logprob, LOGPROB_FLOOR), bytes=list(e.token.encode()),
+            top_logprobs=[TopLogprob(token=t, logprob=max(lp, LOGPROB_FLOOR), bytes=list(t.encode()))
+                          for t, lp in e.top],
         )
         for e in entries
     ]  # fmt: skip

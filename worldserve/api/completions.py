@@ -1,7 +1,7 @@
 """POST /v1/completions: OpenAI's legacy text completions on the Reasoner, as vLLM serves them (serving-api.md §11.3).
 
-Request -> checks (served model name else 404; 1 <= n <= 16; `suffix`, a `best_of` other than n and
-constrained decoding are 400s naming the field) -> each prompt as token ids: a text is
+Request -> checks (served model name else 404; 1 <= n <= 16; `suffix` and a `best_of` other than n are
+400s naming the field; structured outputs as the chat's: api/structured_fields.py) -> each prompt as token ids: a text is
 tokenized raw, no chat template (`add_special_tokens`, default true, as vLLM), ids are taken as they are ->
 `ChatParams(prompt_ids=...)` (choice j of a prompt samples with seed + j) -> `EngineClient.chat_many` starts
 every choice of every prompt together, the chat's own path: the ChatWorker's continuous batching, the chat
@@ -34,8 +34,9 @@ from worldserve.api.completions_stream import Completion, collect, sse
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
+from worldserve.api.structured_fields import structured_output
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
-from worldserve.chat_params import ChatParams
+from worldserve.chat_params import ChatParams, StructuredOutput
 from worldserve.params import ParamError
 
 router = APIRouter(tags=["completions"])
@@ -67,13 +68,15 @@ def tokenize_prompts(
     return out
 
 
-def chat_params(body: CompletionRequest, ids: tuple[int, ...]) -> ChatParams:
-    """One prompt's ChatParams: its ids and the request's sampling options."""
+def chat_params(
+    body: CompletionRequest, ids: tuple[int, ...], structured: StructuredOutput | None = None
+) -> ChatParams:
+    """One prompt's ChatParams: its ids, the request's sampling options and structured output constraint."""
     wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
     return ChatParams(  # the prompt's logprobs for echo + logprobs (as vLLM answers it) and prompt_logprobs
         prompt_ids=ids, max_tokens=body.max_tokens, **body.sampling_options(),
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
-        prompt_logprobs=max(wanted) if wanted else None,
+        prompt_logprobs=max(wanted) if wanted else None, structured=structured,
     ).validate()  # fmt: skip
 
 
@@ -87,12 +90,15 @@ async def create_completion(request: Request, st: State):
         return model_not_found(body.model)
     if (refused := body.refused()) is not None:
         raise APIError(400, refused[1], param=refused[0])
+    structured = await asyncio.to_thread(structured_output, body)  # its grammar compiles: off the event loop
     prompts, max_model_len = reasoner_prompts(st)
     tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, max_model_len)
     echo_only = body.max_tokens == 0  # with echo (refused() made sure): the prompt alone, as vLLM answers it
     if echo_only:  # vLLM's way: one token generated (every check of a generating request applies) and dropped
         body = body.model_copy(update={"max_tokens": 1})
-    choices = [choice for ids, _ in tokenized for choice in chat_params(body, ids).choices(body.n)]
+    choices = [
+        choice for ids, _ in tokenized for choice in chat_params(body, ids, structured).choices(body.n)
+    ]
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
     work = _answer(st, body, choices, [text for _, text in tokenized], opened, echo_only)
     return await unless_disconnected(request, work, lambda: close_all(opened))

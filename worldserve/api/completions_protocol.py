@@ -5,8 +5,9 @@ one set of `n` choices per prompt), `max_tokens` (vLLM's default 16; null: up to
 sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties), `logprobs` (an int:
 that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
 `add_special_tokens` (default true); `echo` with `logprobs`, and vLLM's `prompt_logprobs`, score the prompt
-too. `suffix`, a `best_of` other than `n` and constrained decoding are refused with a 400 naming the field (`refused`); other unknown
-fields are ignored, as vLLM ignores them.
+too; structured outputs as the chat's (`response_format`, `structured_outputs`, `guided_*`). `suffix` and
+a `best_of` other than `n` are refused with a 400 naming the field (`refused`); other unknown fields are
+ignored, as vLLM ignores them.
 Responses: `text_completion` objects (`choices[i].text`, legacy `logprobs` {tokens, token_logprobs,
 top_logprobs, text_offset}), the same object per SSE chunk, and the /tokenize {count, max_model_len, tokens,
 token_strs} and /detokenize {prompt} answers. The /tokenize chat form takes a chat's messages, media and
@@ -66,11 +67,6 @@ class CompletionRequest(SamplingRequest):
             )
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens must be at least 1, got 0 (0 only echoes the prompt: set echo)"
-        if (field := self.constrained()) is not None:
-            return (
-                field,
-                f"{field} is not supported by this server yet: constrained decoding is not implemented",
-            )
         return None
 
 

@@ -42,6 +42,7 @@ from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
 from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
+from worldserve.sampling.token_grammar import GrammarCompiler
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -91,6 +92,7 @@ class Reasoner:
         stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
         self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
         self.max_model_len = max_model_len
+        self.grammars = GrammarCompiler(tokenizer, transformer.config.vocab_size, self.stop_token_ids)
         self.prompts = ChatPromptBuilder(
             tokenizer, vision, vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None,
             image_token_id=image_token_id, video_token_id=self.video_token_id,
@@ -253,6 +255,7 @@ class Reasoner:
         self.decode(prompt.input_ids[-1], seq, position)  # whatever the model would sample
         seq.release()
         self.decoder.capture_all()
+        _ = self.grammars.tokenizer  # structured outputs' view of the vocabulary (about a second on Qwen's)
         if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
             self.share.mark_ready()
 
@@ -391,10 +394,12 @@ class Reasoner:
             repetition_penalty=params.repetition_penalty,
             prompt_ids=tuple(prompt.input_ids),
         )
+        grammar = None if params.structured is None else self.grammars.grammar(params.structured)
         session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
                                   params.stop_token_ids, params.include_stop_str_in_output),
-                                  top_logprobs=params.top_logprobs if params.logprobs else None)  # fmt: skip
+                                  top_logprobs=params.top_logprobs if params.logprobs else None,
+                                  grammar=grammar)  # fmt: skip
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(
                 self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs

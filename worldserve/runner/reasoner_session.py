@@ -9,6 +9,8 @@ boundary (with one boundary of context before them), so a step costs the same at
 10,000; a token that ends inside a UTF-8 character adds no text until the character completes. Stop strings
 are searched where the new text could complete one; a possible stop-string prefix is held back from the
 deltas until it is ruled out.
+Structured outputs: a session with a grammar (sampling/token_grammar.py) masks each step's logits to the tokens
+the grammar allows next and advances the grammar with each token taken.
 vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
 the id), and before `min_tokens` tokens no end applies: the ending ids' logits are -inf and stop strings
 are not searched; `include_stop_str_in_output` keeps a matched stop string in the text.
@@ -33,6 +35,7 @@ from worldserve.sampling.tokens import TokenSampler
 if TYPE_CHECKING:
     from worldserve.runner.chat_prompt import ChatPrompt
     from worldserve.runner.reasoner import Reasoner
+    from worldserve.sampling.token_grammar import TokenGrammar
 
 
 class ReasonerSession:
@@ -43,10 +46,13 @@ class ReasonerSession:
         position: int, *, prompt: ChatPrompt, started: int, max_tokens: int, stop: Sequence[str],
         top_logprobs: int | None = None,
         ends: tuple[bool, int, tuple[int, ...], bool] = (False, 0, (), False),
+        grammar: TokenGrammar | None = None,
     ) -> None:  # fmt: skip
-        """`ends`: vLLM's (ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output) of the request."""
+        """`ends`: vLLM's (ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output) of the request;
+        `grammar`: the structured output constraint the tokens must follow."""
         self._r, self._sampler, self._seq = reasoner, sampler, seq
-        self._logits: Tensor | None = logits
+        self.grammar = grammar
+        self._logits: Tensor | None = self._constrained(logits)
         self._position = position
         self._prompt = prompt
         self.started = started
@@ -78,9 +84,12 @@ class ReasonerSession:
 
     @property
     def pending_logits(self) -> Tensor | None:
-        """Logits of the next token, or None while its decode step is outstanding or the chat is over; before
-        `min_tokens` tokens, those of every token that would end it are -inf (vLLM's min_tokens)."""
+        """Logits of the next token (those the grammar forbids at -inf), or None while its decode step is
+        outstanding or the chat is over; before `min_tokens` tokens, those of every token that would end it
+        are -inf too (vLLM's min_tokens), unless a complete grammar allows nothing else."""
         if self._logits is None or self.completion_tokens >= self.min_tokens:
+            return self._logits
+        if self.grammar is not None and self.grammar.complete:
             return self._logits
         if self._ends is None:
             ids = sorted((set() if self.ignore_eos else set(self._r.stop_token_ids)) | self.stop_token_ids)
@@ -116,7 +125,7 @@ class ReasonerSession:
         except PoolExhausted:
             return False
         self._seq, self._position = seq, position
-        self._logits = self._r.transformer.compute_logits(hidden[-1:])[0]
+        self._logits = self._constrained(self._r.transformer.compute_logits(hidden[-1:])[0])
         return True
 
     def idle_delta(self) -> ChatDelta:
@@ -135,8 +144,13 @@ class ReasonerSession:
     # ------------------------------------------------------------------ one token
     def receive(self, logits: Tensor) -> None:
         """The next token's logits, after the decode of the token `advance` returned."""
-        self._logits = logits
+        self._logits = self._constrained(logits)
         self._position += 1
+
+    def _constrained(self, logits: Tensor) -> Tensor:
+        """The logits with the grammar's forbidden tokens at -inf (log-probabilities are reported under these,
+        as vLLM applies the grammar's mask before it computes them)."""
+        return logits if self.grammar is None else self.grammar.constrain(logits)
 
     def advance(self, token: int) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
         """Take `token`, sampled from the pending logits by this session's sampler (step_all samples every
@@ -150,6 +164,8 @@ class ReasonerSession:
         before = len(self._text) + len(self._tail)
         if not finished:
             self.token_ids.append(token)
+            if self.grammar is not None:
+                self.grammar.accept(token)
         # the last step flushes an unfinished character (as U+FFFD), so a stop string before it still counts
         self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens)
         view = self._text + self._tail  # all complete characters so far

@@ -1,0 +1,153 @@
+"""Structured outputs over real HTTP (uvicorn, the tiny Reasoner, the openai client): `response_format`
+json_schema / json_object, vLLM's `structured_outputs` (json, regex, choice, grammar) and its older
+`guided_*` fields on chat and text completions, streamed or not, and the openai client's own
+`chat.completions.parse` with a pydantic model; each malformed constraint is a 400 naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import httpx
+import pytest
+from pydantic import BaseModel, Field
+from reasoner_helpers import tiny_reasoner
+from serving_helpers import serve_reasoner
+from test_structured_outputs import SCHEMA, conforms
+
+MODEL = "test-model"
+HI = [{"role": "user", "content": "Describe a thing."}]
+
+
+@pytest.fixture(scope="module")
+def url(tiny_ckpt, tmp_path_factory):
+    with serve_reasoner(tiny_reasoner(tiny_ckpt), tmp_path_factory.mktemp("structured"), model=MODEL,
+                        name="test-structured-uvicorn") as base:  # fmt: skip
+        yield base
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+COMPACT = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
+
+
+def test_response_format_json_schema_streamed_and_not(oai):
+    for seed in range(3):
+        kw = {"model": MODEL, "messages": HI, "max_tokens": 400, "seed": seed}
+        whole = oai.chat.completions.create(response_format=JSON_SCHEMA, **kw)
+        assert whole.choices[0].finish_reason == "stop"
+        assert conforms(json.loads(whole.choices[0].message.content)), whole
+        parts = oai.chat.completions.create(response_format=JSON_SCHEMA, stream=True, **kw)
+        streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+        assert streamed == whole.choices[0].message.content
+
+
+class Thing(BaseModel):
+    color: Literal["red", "green", "blue"]
+    count: int = Field(ge=0, le=99)
+
+
+def test_the_openai_clients_parse_with_a_pydantic_model(oai):
+    """openai's own structured-output helper: a strict json_schema from the model class, parsed back."""
+    answer = oai.chat.completions.parse(
+        model=MODEL, messages=HI, response_format=Thing, max_tokens=300, seed=1
+    )
+    thing = answer.choices[0].message.parsed
+    assert isinstance(thing, Thing) and 0 <= thing.count <= 99
+
+
+@pytest.mark.parametrize(
+    ("extra", "accepts"),
+    [
+        ({"response_format": {"type": "json_object"}, **{"structured_outputs": None}},
+         lambda t: isinstance(json.loads(t), dict)),
+        (COMPACT, lambda t: conforms(json.loads(t)) and not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', "", t))),
+        ({"structured_outputs": {"regex": "[a-c]{2,4}-[0-9]{1,3}"}}, lambda t: re.fullmatch("[a-c]{2,4}-[0-9]{1,3}", t)),
+        ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, lambda t: t in ("red", "green", "blue")),
+        ({"structured_outputs": {"grammar": 'root ::= "A" ("b" | "c")* "."'}}, lambda t: re.fullmatch(r"A[bc]*\.", t)),
+        ({"guided_json": SCHEMA, "guided_whitespace_pattern": ""}, lambda t: conforms(json.loads(t))),
+        ({"guided_regex": "(yes|no)!"}, lambda t: t in ("yes!", "no!")),
+        ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_each_constraint_on_both_routes(url, extra, accepts, route):
+    """Every choice that ends on its own follows the constraint (a JSON object of random tokens may run to
+    max_tokens: cut, not checked), and one at least does end."""
+    if route == "chat":
+        body = {"model": MODEL, "messages": HI, "max_tokens": 200, "seed": 4, "n": 3, **extra}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        ends = [(c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]]
+    else:
+        body = {
+            "model": MODEL,
+            "prompt": ["A thing:", "Another:"],
+            "max_tokens": 200,
+            "seed": 4,
+            "n": 2,
+            **extra,
+        }
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        ends = [(c["text"], c["finish_reason"]) for c in r.json()["choices"]]
+    assert len(ends) in (3, 4)
+    stopped = [text for text, finish in ends if finish == "stop"]
+    assert stopped, ends
+    for text in stopped:
+        assert accepts(text), text
+
+
+def test_top_logprobs_past_the_allowed_tokens_are_floored(oai):
+    """A token the grammar forbids has probability 0: listed at -9999.0, as vLLM lists it (JSON has no -inf)."""
+    answer = oai.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=5, seed=2, logprobs=True, top_logprobs=20,
+        extra_body={"structured_outputs": {"choice": ["x", "y"]}},
+    )  # fmt: skip
+    first = answer.choices[0].logprobs.content[0]
+    assert first.token in ("x", "y") and first.logprob > -9999.0
+    values = [t.logprob for t in first.top_logprobs]
+    assert values.count(-9999.0) == 18 and sorted(values, reverse=True) == values
+
+
+BAD = [
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs.regex", "only one structured output constraint"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "2 are (regex, choice)"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "none is given"),
+    ({"structured_outputs": "json"}, "structured_outputs", "must be an object"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "unclosed character class"),
+    ({"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}}, "structured_outputs.json",
+     "invalid json constraint"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
+    ({"structured_outputs": {"choice": ["a", 3]}}, "structured_outputs.choice", "list of strings"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar", "nowhere"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace", "boolean"),
+    ({"response_format": {"type": "xml"}}, "response_format", "'xml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema", "JSON object"),
+    ({"guided_choice": "red"}, "guided_choice", "list of strings"),
+    ({"guided_grammar": 7}, "guided_grammar", "must be a string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "param", "needle"), BAD)
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_malformed_constraints_are_400s_naming_the_field(url, route, extra, param, needle):
+    body = {"model": MODEL, "max_tokens": 2, "stream": route == "/v1/completions", **extra}
+    body.update({"messages": HI} if route == "/v1/chat/completions" else {"prompt": "hi"})
+    r = httpx.post(url + route, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err

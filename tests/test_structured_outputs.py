@@ -1,0 +1,239 @@
+"""Structured outputs below the HTTP layer: grammars from each kind of constraint (sampling/grammar.py), the
+token masks that keep a walk through the tiny tokenizer's vocabulary inside the grammar
+(sampling/token_grammar.py), and the tiny Reasoner's chats under each constraint: what they produce parses,
+their logprobs are those of the masked logits (as vLLM reports them), and min_tokens does not fight a
+grammar that is already complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from reasoner_helpers import run_to_end, tiny_reasoner
+
+from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput
+from worldserve.params import ParamError
+from worldserve.sampling.grammar import check, closed_objects, grammar_text
+from worldserve.sampling.token_grammar import GrammarCompiler
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["color", "count", "tags"],
+    "additionalProperties": False,
+}
+
+
+def conforms(doc) -> bool:
+    """`doc` satisfies SCHEMA (checked by hand: no jsonschema dependency)."""
+    return (
+        isinstance(doc, dict) and set(doc) == {"color", "count", "tags"} and doc["color"] in ("red", "green", "blue")
+        and isinstance(doc["count"], int) and 0 <= doc["count"] <= 99 and isinstance(doc["tags"], list)
+        and len(doc["tags"]) <= 3 and all(isinstance(t, str) and len(t) <= 6 for t in doc["tags"])
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reasoner(tiny_ckpt):
+    return tiny_reasoner(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def compiler(reasoner):
+    """The tiny Reasoner's grammar compiler (its LM head is wider than the tokenizer, as Qwen's is)."""
+    return reasoner.grammars
+
+
+def walk(
+    compiler: GrammarCompiler, so: StructuredOutput, seed: int, max_tokens: int = 80
+) -> tuple[str, bool]:
+    """Draw uniformly among the tokens the grammar allows, as a model with flat logits would: (text, whether
+    it ended on an end id)."""
+    grammar = compiler.grammar(so)
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[int] = []
+    for _ in range(max_tokens):
+        allowed = grammar.allowed(torch.device("cpu"))
+        assert allowed.shape == (compiler.vocab_size,) and allowed.any()
+        token = int(torch.multinomial(allowed.float(), 1, generator=gen))
+        if token in compiler._end_ids:
+            return compiler._hf.decode(ids), True
+        grammar.accept(token)
+        ids.append(token)
+    return compiler._hf.decode(ids), False
+
+
+def test_masks_keep_a_random_walk_inside_a_json_schema(compiler):
+    for seed in range(12):
+        text, ended = walk(compiler, StructuredOutput(kind="json", spec=json.dumps(SCHEMA), any_whitespace=False),
+                           seed, max_tokens=400)  # fmt: skip
+        assert ended, text
+        assert conforms(json.loads(text)), text
+
+
+@pytest.mark.parametrize(
+    ("so", "accepts"),
+    [
+        (StructuredOutput(kind="regex", spec=r"[a-c]{2,4}-[0-9]{1,3}"),
+         lambda t: re.fullmatch(r"[a-c]{2,4}-[0-9]{1,3}", t)),
+        (StructuredOutput(kind="choice", spec=json.dumps(["yes", "no", "été", 'say "hi"'])),
+         lambda t: t in ("yes", "no", "été", 'say "hi"')),
+        (StructuredOutput(kind="grammar", spec='root ::= "A" ("b" | "c")* "."'),
+         lambda t: re.fullmatch(r"A[bc]*\.", t)),
+        (StructuredOutput(kind="grammar", spec='start: "x" NUM\nNUM: /[0-9]+/'),
+         lambda t: re.fullmatch(r"x[0-9]+", t)),
+    ],
+)  # fmt: skip
+def test_masks_keep_a_random_walk_inside_each_kind_of_constraint(compiler, so, accepts):
+    finished = 0
+    for seed in range(10):
+        text, ended = walk(compiler, so, seed)
+        finished += ended
+        if ended:
+            assert accepts(text), text
+    assert finished >= 5  # most walks reach an end (the regex and grammar are short)
+
+
+def test_json_object_allows_an_object_and_nothing_else(compiler):
+    """Any JSON object (a flat random walk rarely closes one, so a known document is fed instead): every first
+    token opens an object, each token of a nested object is allowed in turn, then only the end."""
+    grammar = compiler.grammar(StructuredOutput(kind="json_object", any_whitespace=False))
+    firsts = grammar.allowed(torch.device("cpu")).nonzero()[:, 0].tolist()
+    assert firsts and all(compiler._hf.decode([t]).startswith("{") for t in firsts)
+    for token in compiler._hf('{"a":[1,{"b":null}],"c":"x"}', add_special_tokens=False)["input_ids"]:
+        assert grammar.allowed(torch.device("cpu"))[token]
+        grammar.accept(token)
+    assert set(grammar.allowed(torch.device("cpu")).nonzero()[:, 0].tolist()) == set(compiler._end_ids)
+
+
+def test_the_end_ids_are_allowed_only_once_the_grammar_accepts(compiler):
+    grammar = compiler.grammar(StructuredOutput(kind="choice", spec='["ab"]'))
+    ends = torch.tensor(compiler._end_ids)
+    assert not grammar.allowed(torch.device("cpu"))[ends].any()
+    for token in compiler._hf("ab", add_special_tokens=False)["input_ids"]:
+        assert not grammar.complete
+        grammar.accept(token)
+    allowed = grammar.allowed(torch.device("cpu"))
+    assert grammar.complete and allowed[ends].all() and int(allowed.sum()) == len(compiler._end_ids)
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(compiler):
+    """An LM head wider than the tokenizer (Qwen's 151,936 rows for 151,669 ids): its padding rows stay out."""
+    tok = compiler._hf
+    wide = GrammarCompiler(tok, len(tok) + 64, compiler._end_ids)
+    for so in (StructuredOutput(kind="regex", spec="(.|\n)*"), StructuredOutput(kind="json_object")):
+        allowed = wide.grammar(so).allowed(torch.device("cpu"))
+        assert (
+            allowed.shape == (len(tok) + 64,) and allowed[: len(tok)].any() and not allowed[len(tok) :].any()
+        )
+
+
+def test_a_token_outside_the_mask_leaves_only_the_end(compiler):
+    grammar = compiler.grammar(StructuredOutput(kind="regex", spec="[0-9]+"))
+    letter = compiler._hf("z", add_special_tokens=False)["input_ids"][0]
+    grammar.accept(letter)  # logged as an error: the grammar is in its error state
+    allowed = grammar.allowed(torch.device("cpu"))
+    assert grammar.complete and set(allowed.nonzero()[:, 0].tolist()) <= set(compiler._end_ids)
+
+
+@pytest.mark.parametrize(
+    ("so", "needle"),
+    [
+        (StructuredOutput(kind="regex", spec="[a-", field="structured_outputs.regex"), "regex"),
+        (StructuredOutput(kind="json", spec='{"type": "nonsense"}', field="guided_json"), "nonsense"),
+        (StructuredOutput(kind="json", spec="[1, 2]", field="guided_json"), "JSON object"),
+        (StructuredOutput(kind="grammar", spec="root ::= undefined_rule", field="structured_outputs.grammar"),
+         "undefined_rule"),
+        (StructuredOutput(kind="structural_tag", spec='{"structures": []}', field="response_format"), "structures"),
+        (StructuredOutput(kind="structural_tag", field="response_format",
+                          spec='{"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<b"]}'),
+         "triggers"),
+    ],
+)  # fmt: skip
+def test_invalid_constraints_name_their_field(so, needle):
+    with pytest.raises(ParamError) as info:
+        check(so)
+    assert info.value.param == so.field and needle in str(info.value), str(info.value)
+
+
+def test_closed_objects_and_valid_structural_tags():
+    schema = {"type": "object", "properties": {"a": {"type": "object"}, "b": {"items": {"properties": {}}}}}
+    closed = closed_objects(schema)
+    assert (
+        closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    )
+    assert closed["properties"]["b"]["items"]["additionalProperties"] is False
+    assert closed_objects({"type": "object", "additionalProperties": True})["additionalProperties"] is True
+    tag = {
+        "structures": [{"begin": "<f=x>", "schema": {"type": "object"}, "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    check(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
+    assert "%llguidance" in grammar_text(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
+
+
+def _chat(so: StructuredOutput, **kw) -> ChatParams:
+    return ChatParams(messages=(ChatMessage(role="user", content="Describe it."),), structured=so, **kw)
+
+
+def test_chats_follow_a_json_schema(reasoner):
+    so = StructuredOutput(kind="json", spec=json.dumps(SCHEMA), any_whitespace=False)
+    for seed in range(4):
+        text, session = run_to_end(reasoner, _chat(so, max_tokens=300, seed=seed))
+        assert session.finish_reason == "stop" and conforms(json.loads(text)), text
+
+
+def test_logprobs_are_those_of_the_masked_logits(reasoner):
+    """With a two-way choice, the tokens that start either word carry all the probability; the top
+    alternatives past them are -inf (the API lists them at -9999)."""
+    so = StructuredOutput(kind="choice", spec='["alpha", "beta"]')
+    text, session = run_to_end(reasoner, _chat(so, max_tokens=20, seed=3, logprobs=True, top_logprobs=5))
+    assert text in ("alpha", "beta")
+    tok = reasoner.tokenizer
+    starts = {
+        t
+        for t in range(len(tok))
+        if (w := tok.decode([t])) and ("alpha".startswith(w) or "beta".startswith(w))
+    }
+    first = session_logprobs(reasoner, _chat(so, max_tokens=1, seed=3, logprobs=True, top_logprobs=20))
+    finite = [(t, lp) for t, lp in first.top if math.isfinite(lp)]
+    assert {t for t, _ in finite} == {tok.decode([t]) for t in starts}
+    assert math.isclose(sum(math.exp(lp) for _, lp in finite), 1.0, rel_tol=1e-5)
+    assert all(lp == float("-inf") for _, lp in first.top[len(finite) :])
+
+
+def session_logprobs(reasoner, params):
+    session = reasoner.start(params)
+    delta = session.step()
+    session.close()
+    return delta.logprobs[0]
+
+
+def test_min_tokens_gives_way_to_a_complete_grammar(reasoner):
+    """min_tokens masks the end ids; once the grammar allows nothing else the end wins (no NaN draw)."""
+    so = StructuredOutput(kind="choice", spec='["ok"]')
+    text, session = run_to_end(reasoner, _chat(so, max_tokens=10, min_tokens=8, seed=0))
+    assert text == "ok" and session.finish_reason == "stop"
+
+
+def test_every_choice_follows_the_grammar_and_an_invalid_one_fails_the_start(reasoner):
+    so = StructuredOutput(kind="regex", spec="(yes|no|maybe)!")
+    params = _chat(so, max_tokens=10, seed=11)
+    sessions = reasoner.start_many(params.choices(4))
+    live = list(sessions)
+    while live:
+        deltas = reasoner.step_all(live)
+        live = [s for s, d in zip(live, deltas, strict=True) if d.finish_reason is None]
+    for s in sessions:
+        assert re.fullmatch("(yes|no|maybe)!", reasoner.tokenizer.decode(s.token_ids)), s.token_ids
+    with pytest.raises(ParamError) as info:
+        reasoner.start(_chat(StructuredOutput(kind="regex", spec="(", field="guided_regex"), max_tokens=4))
+    assert info.value.param == "guided_regex"

@@ -1,0 +1,127 @@
+"""The structured-output fields of chat and text completions, read into one StructuredOutput (vLLM's names).
+
+- `response_format`: {"type": "text"} (free text), {"type": "json_object"} (any JSON object),
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (OpenAI's; "schema" is required
+  here, as vLLM needs it), {"type": "structural_tag", "structures": [...], "triggers": [...]} (vLLM's).
+- `structured_outputs` (vLLM >= 0.10): exactly one of json (a schema, object or JSON text), regex, choice
+  (a list of strings), grammar (Lark or GBNF / EBNF), json_object (true), structural_tag (JSON text); with
+  the options disable_any_whitespace, disable_additional_properties, whitespace_pattern (disable_fallback
+  and backend choose among vLLM's backends: ignored, there is one).
+- vLLM's older top-level guided_json / guided_regex / guided_choice / guided_grammar / structural_tag, with
+  guided_whitespace_pattern (guided_decoding_backend is ignored, as above).
+
+At most one of these may constrain a request (a 400 naming the second, as vLLM refuses several); each
+malformed value or grammar that does not compile is a 400 naming its field (sampling/grammar.py compiles it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from worldserve.chat_params import StructuredOutput
+from worldserve.params import ParamError
+from worldserve.sampling.grammar import check
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The constraint keys of `structured_outputs` (vLLM's StructuredOutputsParams)."""
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar", "structural_tag": "structural_tag"}  # fmt: skip
+"""vLLM's older top-level fields and the constraint each one is."""
+
+
+def is_set(value: Any) -> bool:
+    """Whether a request field asks for something (null, "", [], {} and false ask for nothing)."""
+    return (
+        value is not None and value is not False and not (isinstance(value, str | list | dict) and not value)
+    )
+
+
+def structured_output(body: Any) -> StructuredOutput | None:
+    """The request's one structured-output constraint, checked (its grammar compiles), or None for free text.
+    `body`: a chat or text completion request (api/chat_protocol.py SamplingRequest). Raises ParamError."""
+    found = [so for so in (_response_format(body.response_format), _structured_outputs(body.structured_outputs))
+             if so is not None]  # fmt: skip
+    pattern = body.guided_whitespace_pattern if isinstance(body.guided_whitespace_pattern, str) else None
+    for name, kind in GUIDED_FIELDS.items():
+        if is_set(value := getattr(body, name)):
+            found.append(_constraint(kind, value, name, whitespace_pattern=pattern))
+    if len(found) > 1:
+        raise ParamError(
+            found[1].field,
+            f"only one structured output constraint may be given, got {found[0].field} and {found[1].field}",
+        )
+    if not found:
+        return None
+    check(found[0])
+    return found[0]
+
+
+def _response_format(rf: dict[str, Any] | None) -> StructuredOutput | None:
+    if rf is None:
+        return None
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object", field="response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+        if schema is None:
+            raise ParamError(
+                "response_format", 'response_format json_schema needs "json_schema": {"schema": ...}'
+            )
+        return _constraint("json", schema, "response_format.json_schema.schema")
+    if kind == "structural_tag":
+        return _constraint("structural_tag", {k: v for k, v in rf.items() if k != "type"}, "response_format")
+    raise ParamError(
+        "response_format",
+        f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}",
+    )
+
+
+def _structured_outputs(so: Any) -> StructuredOutput | None:
+    if not is_set(so):
+        return None
+    if not isinstance(so, dict):
+        raise ParamError("structured_outputs", "structured_outputs must be an object")
+    given = [k for k in CONSTRAINTS if is_set(so.get(k))]
+    if len(given) != 1:
+        what = "none is" if not given else f"{len(given)} are ({', '.join(given)})"
+        raise ParamError("structured_outputs", f"structured_outputs takes exactly one constraint of "
+                         f"{', '.join(CONSTRAINTS)}; {what} given")  # fmt: skip
+    options = {}
+    for key, flag, invert in (("disable_any_whitespace", "any_whitespace", True),
+                              ("disable_additional_properties", "additional_properties", True)):  # fmt: skip
+        if so.get(key) is not None:
+            if not isinstance(so[key], bool):
+                raise ParamError(f"structured_outputs.{key}", f"{key} must be a boolean")
+            options[flag] = not so[key] if invert else so[key]
+    if (pattern := so.get("whitespace_pattern")) is not None:
+        if not isinstance(pattern, str):
+            raise ParamError("structured_outputs.whitespace_pattern", "whitespace_pattern must be a string")
+        options["whitespace_pattern"] = pattern
+    return _constraint(given[0], so[given[0]], f"structured_outputs.{given[0]}", **options)
+
+
+def _constraint(kind: str, value: Any, field: str, **options: Any) -> StructuredOutput:
+    """One constraint's StructuredOutput, its value's type checked (ParamError naming `field`)."""
+    if kind == "json_object":
+        return StructuredOutput(kind=kind, field=field, **options)
+    if kind in ("json", "structural_tag"):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ParamError(field, f"{field} is not valid JSON: {exc}") from None
+        if not isinstance(value, dict | bool) or (kind == "structural_tag" and not isinstance(value, dict)):
+            raise ParamError(field, f"{field} must be a JSON object")
+        return StructuredOutput(kind=kind, spec=json.dumps(value), field=field, **options)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ParamError(field, f"{field} must be a non-empty list of strings")
+        return StructuredOutput(kind=kind, spec=json.dumps(value), field=field, **options)
+    if not isinstance(value, str):
+        raise ParamError(field, f"{field} must be a string")
+    return StructuredOutput(kind=kind, spec=value, field=field, **options)

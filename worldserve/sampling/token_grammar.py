@@ -1,0 +1,97 @@
+"""A structured output's grammar applied to the Reasoner's logits, token by token (llguidance's matcher).
+
+`GrammarCompiler` (one per Reasoner: the tokenizer's byte-level vocabulary, built once) makes a
+`TokenGrammar` per chat: `constrain(logits [V])` sets every token the grammar forbids next to -inf (the end
+ids only once the grammar is complete), `accept(token)` advances it. The mask is computed on the host (a
+bit per token, ~19 KB on Qwen's 151,936-id vocabulary) and unpacked on the logits' device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import torch
+from torch import Tensor
+
+from worldserve.chat_params import StructuredOutput
+from worldserve.params import ParamError
+from worldserve.sampling.grammar import grammar_text
+
+log = logging.getLogger(__name__)
+
+COMPILED_GRAMMARS = 64
+"""Compiled grammars kept per Reasoner (the same schema in request after request compiles once)."""
+
+
+class GrammarCompiler:
+    """A Reasoner's grammars: its tokenizer as llguidance sees it (built on first use: about a second for
+    Qwen's vocabulary) and the most recently compiled grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) -> None:
+        """`vocab_size`: the logits' width (the LM head may have more rows than the tokenizer has ids: those
+        are never allowed); `end_ids`: the ids that end a completion, allowed once a grammar is complete."""
+        self._hf, self.vocab_size, self._end_ids = tokenizer, vocab_size, sorted(end_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(
+                self._hf.backend_tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._end_ids
+            )
+        return self._tokenizer
+
+    def grammar(self, so: StructuredOutput) -> TokenGrammar:
+        """A fresh TokenGrammar for one chat (ParamError naming the field when the grammar is invalid)."""
+        text = grammar_text(so)
+        template = self._compiled.pop(text, None)
+        if template is None:
+            template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            if template.is_error():
+                raise ParamError(so.field, f"invalid {so.kind} constraint: {template.get_error().strip()}")
+        self._compiled[text] = template
+        while len(self._compiled) > COMPILED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return TokenGrammar(template.deep_copy(), self.vocab_size)
+
+
+class TokenGrammar:
+    """One chat's grammar state: which tokens may come next, advanced by each sampled token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher, self._vocab = matcher, vocab_size
+        self._shifts: Tensor | None = None  # [32] int32 bit positions, on the logits' device
+
+    @property
+    def complete(self) -> bool:
+        """Nothing but an end id may come next (the grammar is satisfied and can take no more)."""
+        return self._matcher.is_stopped()
+
+    def allowed(self, device: torch.device) -> Tensor:
+        """[V] bool on `device`: the tokens the grammar allows next."""
+        words = torch.frombuffer(
+            bytearray(self._matcher.compute_bitmask()), dtype=torch.int32
+        )  # [ceil(V/32)]
+        if device.type == "cuda":
+            words = words.pin_memory().to(device, non_blocking=True)
+        if self._shifts is None or self._shifts.device != device:
+            self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits = (words[:, None] >> self._shifts) & 1  # [W, 32]: bit j of word w is token 32 w + j
+        return bits.reshape(-1)[: self._vocab].bool()
+
+    def constrain(self, logits: Tensor) -> Tensor:
+        """logits [V] with every token the grammar forbids next at -inf (a new tensor)."""
+        return logits.masked_fill(~self.allowed(logits.device), float("-inf"))
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled `token`. A token the mask did not allow (it cannot be sampled) leaves the
+        grammar in its error state, whose mask allows only the end ids: the completion then stops."""
+        if not self._matcher.consume_token(token):
+            log.error(
+                "structured output: token %d refused by the grammar: %s", token, self._matcher.get_error()
+            )
