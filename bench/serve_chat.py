@@ -7,7 +7,7 @@ the completion tokens per second in all and per chat, next to the decode step's 
 (bench/reasoner_decode.py). A max_tokens=1 chat gives the time to first token (prefill + HTTP). A small
 video (/v1/videos/sync, 256x256, 9 frames, 2 steps) checks that video generation shares the process; with
 --beside-video, chats are also timed while a video job denoises (runner/chat_share.py); --stream sends every
-chat as server-sent events. Last,
+chat as server-sent events; --structured times the chats again under a JSON schema (structured outputs). Last,
 the K/V metrics from /metrics. Everything the server does is the product's code path: paged K/V pool,
 CUDA-graphed decode, batched sampling, incremental detokenization, SSE-free JSON responses.
 
@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "http URL (served by this script), /ping, /load",
     )  # fmt: skip
     ap.add_argument(
+        "--structured",
+        action="store_true",
+        help="also the chats of each --concurrency under a JSON schema (response_format): tokens/s vs free",
+    )
+    ap.add_argument(
         "--beside-video", default=None, metavar="WxHxFRAMESxSTEPS",
         help="also send --concurrency's last count of chats while a video job of this shape denoises "
         "(e.g. 1280x720x189x4): their tokens/s beside the video step, and the job's own wall time",
@@ -86,8 +91,8 @@ STREAM = False
 """--stream: every chat as server-sent events (usage from the last chunk), as most chat clients call it."""
 
 
-def chat(url: str, model: str, max_tokens: int, i: int) -> dict:
-    body = {"model": model, "max_tokens": max_tokens, "seed": i, **SAMPLING,
+def chat(url: str, model: str, max_tokens: int, i: int, extra: dict | None = None) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "seed": i, **SAMPLING, **(extra or {}),
             "messages": [{"role": "user", "content": f"Describe scene {i} of a fox in the snow."}]}  # fmt: skip
     t0 = time.perf_counter()
     if not STREAM:
@@ -268,6 +273,38 @@ def media_chats(url: str, served: str) -> dict:
     return out
 
 
+SCENE_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {"name": "scene", "schema": {
+        "type": "object", "required": ["objects"],
+        "properties": {"objects": {"type": "array", "minItems": 64, "items": {
+            "type": "object", "required": ["name", "x", "y"],
+            "properties": {"name": {"type": "string", "maxLength": 24}, "x": {"type": "number"},
+                           "y": {"type": "number"}}}}}}},
+}  # fmt: skip
+"""--structured: a schema whose documents cannot close before 64 objects, so that every chat runs to
+max_tokens under the grammar, as the free chats do."""
+
+
+def structured_chats(url: str, served: str, args: argparse.Namespace) -> dict:
+    """The same chats free and under SCENE_SCHEMA (response_format json_schema), at each --concurrency:
+    tokens/s both ways. The grammar costs llguidance's host-side mask every step and its unpacking on the
+    GPU, besides the same decode step."""
+    out: dict = {}
+    for c in (int(x) for x in args.concurrency.split(",")):
+        for label, extra in (("free", None), ("json_schema", {"response_format": SCENE_SCHEMA})):
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                outs = list(pool.map(lambda i, e=extra: chat(url, served, args.max_tokens, i, e), range(c)))
+            wall = time.perf_counter() - t0
+            tokens = sum(o["tokens"] for o in outs)
+            out[f"{c}_{label}"] = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+                                   "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs)}  # fmt: skip
+        out[f"{c}_ratio"] = out[f"{c}_json_schema"]["tok_s"] / out[f"{c}_free"]["tok_s"]
+        print(f"{c} chats: json_schema / free tokens/s = {out[f'{c}_ratio']:.3f}", flush=True)
+    return out
+
+
 def metric(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + "{"):
@@ -318,6 +355,8 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{c} chats: {tokens} tokens in {wall:.2f} s", flush=True)
         if args.api_checks:
             res["api_checks"] = api_checks(url, served, args.max_tokens)
+        if args.structured:
+            res["structured"] = structured_chats(url, served, args)
         if args.beside_video:
             res["beside_video"] = chats_beside_video(url, served, args)
         t0 = time.perf_counter()
@@ -349,6 +388,9 @@ def table(res: dict) -> str:
                      f"{b['wall_s']:.2f} s, {b['tok_s']:.1f} tok/s, {b['per_chat_tok_s']:.1f} per chat; video "
                      f"progress {b['progress_before']} -> {b['progress_after']} %, {b['video_status']} after "
                      f"{b['video_total_s']:.0f} s")  # fmt: skip
+    for key, r in res.get("structured", {}).items():
+        if not key.endswith("_ratio"):
+            lines.append(f"{key:>14s} {r['wall_s']:8.2f} {r['tok_s']:9.1f} {r['per_chat_tok_s']:9.1f}")
     v = res["video"]
     lines.append(f"video: HTTP {v['status']}, {v['bytes']} bytes {v['content_type']}, {v['s']:.1f} s; "
                  f"metrics {res['metrics']}")  # fmt: skip

@@ -18,7 +18,7 @@ from reasoner_helpers import run_to_end, tiny_reasoner
 from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput
 from worldserve.params import ParamError
 from worldserve.sampling.grammar import check, closed_objects, grammar_text
-from worldserve.sampling.token_grammar import GrammarCompiler
+from worldserve.sampling.token_grammar import GrammarCompiler, prepare_masks
 
 SCHEMA = {
     "type": "object",
@@ -136,6 +136,22 @@ def test_ids_past_the_tokenizer_are_never_allowed(compiler):
         )
 
 
+def test_masks_prepared_together_equal_each_computed_alone(compiler):
+    """prepare_masks (llguidance's threads, several grammars at once) gives each grammar its own mask; a
+    grammar that already has one keeps it, and taking a token clears it."""
+    kinds = [StructuredOutput(kind="json", spec=json.dumps(SCHEMA)), StructuredOutput(kind="regex", spec="[0-9]+x"),
+             StructuredOutput(kind="choice", spec='["up", "down"]')]  # fmt: skip
+    together, alone = [compiler.grammar(so) for so in kinds], [compiler.grammar(so) for so in kinds]
+    for _ in range(3):
+        prepare_masks(together)
+        for a, b in zip(together, alone, strict=True):
+            assert torch.equal(a.allowed(torch.device("cpu")), b.allowed(torch.device("cpu")))
+            token = int(a.allowed(torch.device("cpu")).nonzero()[0, 0])
+            a.accept(token)
+            b.accept(token)
+            assert a._words is None
+
+
 def test_a_token_outside_the_mask_leaves_only_the_end(compiler):
     grammar = compiler.grammar(StructuredOutput(kind="regex", spec="[0-9]+"))
     letter = compiler._hf("z", add_special_tokens=False)["input_ids"][0]
@@ -237,3 +253,27 @@ def test_every_choice_follows_the_grammar_and_an_invalid_one_fails_the_start(rea
     with pytest.raises(ParamError) as info:
         reasoner.start(_chat(StructuredOutput(kind="regex", spec="(", field="guided_regex"), max_tokens=4))
     assert info.value.param == "guided_regex"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_constrained_chats_on_cuda_equal_the_cpu(tiny_ckpt, reasoner):
+    """The mask unpacked on the GPU (a pinned copy of the host's bits) gives the CPU's tokens: seeded chats
+    under a JSON schema, four at once, the same on both devices."""
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, device="cuda", progress=False)
+    gpu = Reasoner.from_pretrained(tiny_ckpt, model, reasoner.tokenizer)
+    so = StructuredOutput(kind="json", spec=json.dumps(SCHEMA), any_whitespace=False)
+    outs = []
+    for r in (reasoner, gpu):
+        sessions = r.start_many(_chat(so, max_tokens=200, seed=7).choices(4))
+        live = list(sessions)
+        while live:
+            deltas = r.step_all(live)
+            live = [s for s, d in zip(live, deltas, strict=True) if d.finish_reason is None]
+        outs.append([s.token_ids for s in sessions])
+    assert outs[0] == outs[1]
+    for ids in outs[1]:
+        assert conforms(json.loads(reasoner.tokenizer.decode(ids)))

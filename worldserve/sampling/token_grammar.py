@@ -4,6 +4,9 @@
 `TokenGrammar` per chat: `constrain(logits [V])` sets every token the grammar forbids next to -inf (the end
 ids only once the grammar is complete), `accept(token)` advances it. The mask is computed on the host (a
 bit per token, ~19 KB on Qwen's 151,936-id vocabulary) and unpacked on the logits' device.
+`prepare_masks(grammars)` computes the next masks of several chats at once on llguidance's threads; the
+Reasoner calls it right after it launches a decode step, so that the host's share of the work runs while the
+GPU decodes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
+import llguidance.torch
 import torch
 from torch import Tensor
 
@@ -65,7 +69,16 @@ class TokenGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher, self._vocab = matcher, vocab_size
+        self._words: Tensor | None = None  # [W] int32 host bits of the next token's mask, once computed
         self._shifts: Tensor | None = None  # [32] int32 bit positions, on the logits' device
+
+    @property
+    def words(self) -> Tensor:
+        """[ceil(V / 32)] int32 on the host: bit j of word w allows token 32 w + j next (computed once per
+        step, here or by prepare_masks)."""
+        if self._words is None:
+            self._words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
+        return self._words
 
     @property
     def complete(self) -> bool:
@@ -74,9 +87,7 @@ class TokenGrammar:
 
     def allowed(self, device: torch.device) -> Tensor:
         """[V] bool on `device`: the tokens the grammar allows next."""
-        words = torch.frombuffer(
-            bytearray(self._matcher.compute_bitmask()), dtype=torch.int32
-        )  # [ceil(V/32)]
+        words = self.words
         if device.type == "cuda":
             words = words.pin_memory().to(device, non_blocking=True)
         if self._shifts is None or self._shifts.device != device:
@@ -91,7 +102,29 @@ class TokenGrammar:
     def accept(self, token: int) -> None:
         """Advance past the sampled `token`. A token the mask did not allow (it cannot be sampled) leaves the
         grammar in its error state, whose mask allows only the end ids: the completion then stops."""
+        self._words = None
         if not self._matcher.consume_token(token):
             log.error(
                 "structured output: token %d refused by the grammar: %s", token, self._matcher.get_error()
             )
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def prepare_masks(grammars: Sequence[TokenGrammar]) -> None:
+    """Compute the next-token masks of `grammars` that lack one, several at once on llguidance's own threads
+    (the GIL released): host work the Reasoner overlaps with the GPU's decode step."""
+    global _EXECUTOR
+    todo = [g for g in grammars if g._words is None]
+    if len(todo) < 2:
+        for g in todo:
+            _ = g.words
+        return
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    words = torch.empty((len(todo), (todo[0]._vocab + 31) // 32), dtype=torch.int32)  # [B, W]
+    pairs = [(g._matcher, i) for i, g in enumerate(todo)]
+    llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, pairs, words)
+    for g, row in zip(todo, words, strict=True):
+        g._words = row
