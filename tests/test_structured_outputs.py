@@ -18,7 +18,7 @@ from reasoner_helpers import run_to_end, tiny_reasoner
 from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput
 from worldserve.params import ParamError
 from worldserve.sampling.grammar import check, closed_objects, grammar_text
-from worldserve.sampling.token_grammar import GrammarCompiler, prepare_masks
+from worldserve.sampling.token_grammar import GrammarCompiler, constrain_rows, prepare_masks
 
 SCHEMA = {
     "type": "object",
@@ -150,6 +150,21 @@ def test_masks_prepared_together_equal_each_computed_alone(compiler):
             a.accept(token)
             b.accept(token)
             assert a._words is None
+
+
+def test_a_batch_is_masked_row_by_row_in_one_pass(compiler):
+    """constrain_rows: each constrained row as its grammar masks it alone, the free rows untouched."""
+    grammars = [compiler.grammar(StructuredOutput(kind="regex", spec="[0-9]+")), None,
+                compiler.grammar(StructuredOutput(kind="choice", spec='["up", "down"]'))]  # fmt: skip
+    logits = torch.randn(3, compiler.vocab_size, generator=torch.Generator().manual_seed(0))
+    masked = constrain_rows(logits, grammars)
+    assert torch.equal(masked[1], logits[1])
+    for i in (0, 2):
+        assert torch.equal(masked[i], grammars[i].constrain(logits[i]))
+        assert torch.isinf(masked[i]).sum() == compiler.vocab_size - int(
+            grammars[i].allowed(torch.device("cpu")).sum()
+        )
+    assert constrain_rows(logits, [None, None, None]) is logits
 
 
 def test_a_token_outside_the_mask_leaves_only_the_end(compiler):

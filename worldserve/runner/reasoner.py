@@ -42,7 +42,7 @@ from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
 from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
-from worldserve.sampling.token_grammar import GrammarCompiler, prepare_masks
+from worldserve.sampling.token_grammar import GrammarCompiler, constrain_rows
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -204,7 +204,8 @@ class Reasoner:
         pending = self._make_room(pending)
         if pending:
             logits = self.decode_many([decode for _, decode in pending])
-            prepare_masks([s.grammar for s, _ in pending if s.grammar is not None])  # while the GPU decodes
+            # the grammars' masks, computed on the host while the GPU decodes, applied to the batch at once
+            logits = constrain_rows(logits, [s.grammar for s, _ in pending])
             for (s, _), row in zip(pending, logits, strict=True):
                 s.receive(row)
         return deltas

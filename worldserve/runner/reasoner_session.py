@@ -143,8 +143,9 @@ class ReasonerSession:
 
     # ------------------------------------------------------------------ one token
     def receive(self, logits: Tensor) -> None:
-        """The next token's logits, after the decode of the token `advance` returned."""
-        self._logits = self._constrained(logits)
+        """The next token's logits, after the decode of the token `advance` returned, already masked by the
+        grammar (Reasoner.step_all masks the batch's rows at once: token_grammar.constrain_rows)."""
+        self._logits = logits
         self._position += 1
 
     def _constrained(self, logits: Tensor) -> Tensor:

@@ -4,9 +4,9 @@
 `TokenGrammar` per chat: `constrain(logits [V])` sets every token the grammar forbids next to -inf (the end
 ids only once the grammar is complete), `accept(token)` advances it. The mask is computed on the host (a
 bit per token, ~19 KB on Qwen's 151,936-id vocabulary) and unpacked on the logits' device.
-`prepare_masks(grammars)` computes the next masks of several chats at once on llguidance's threads; the
-Reasoner calls it right after it launches a decode step, so that the host's share of the work runs while the
-GPU decodes.
+`constrain_rows(logits [B, V], grammars)` masks a batch at once: the masks computed together on
+llguidance's threads (`prepare_masks`), one copy to the device; the Reasoner calls it right after it launches
+a decode step, so that the host's share of the work runs while the GPU decodes.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ class TokenGrammar:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher, self._vocab = matcher, vocab_size
         self._words: Tensor | None = None  # [W] int32 host bits of the next token's mask, once computed
-        self._shifts: Tensor | None = None  # [32] int32 bit positions, on the logits' device
 
     @property
     def words(self) -> Tensor:
@@ -87,17 +86,11 @@ class TokenGrammar:
 
     def allowed(self, device: torch.device) -> Tensor:
         """[V] bool on `device`: the tokens the grammar allows next."""
-        words = self.words
-        if device.type == "cuda":
-            words = words.pin_memory().to(device, non_blocking=True)
-        if self._shifts is None or self._shifts.device != device:
-            self._shifts = torch.arange(32, dtype=torch.int32, device=device)
-        bits = (words[:, None] >> self._shifts) & 1  # [W, 32]: bit j of word w is token 32 w + j
-        return bits.reshape(-1)[: self._vocab].bool()
+        return _unpack(self.words[None], self._vocab, device)[0]
 
     def constrain(self, logits: Tensor) -> Tensor:
         """logits [V] with every token the grammar forbids next at -inf (a new tensor)."""
-        return logits.masked_fill(~self.allowed(logits.device), float("-inf"))
+        return constrain_rows(logits[None], [self])[0]
 
     def accept(self, token: int) -> None:
         """Advance past the sampled `token`. A token the mask did not allow (it cannot be sampled) leaves the
@@ -128,3 +121,26 @@ def prepare_masks(grammars: Sequence[TokenGrammar]) -> None:
     llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, pairs, words)
     for g, row in zip(todo, words, strict=True):
         g._words = row
+
+
+def constrain_rows(logits: Tensor, grammars: Sequence[TokenGrammar | None]) -> Tensor:
+    """logits [B, V] with row b's forbidden tokens at -inf by grammars[b] (None: the row as it is), a new
+    tensor: the masks computed together (prepare_masks), one host-to-device copy and one pass for the batch
+    (a copy and a pass per chat cost ~0.1 ms of launches each: 4 ms a step at 32 chats)."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return logits
+    constrained = [grammars[i] for i in rows]
+    prepare_masks(constrained)
+    words = torch.full((logits.shape[0], constrained[0].words.numel()), -1, dtype=torch.int32)  # [B, W]: all
+    words[rows] = torch.stack([g.words for g in constrained])
+    return logits.masked_fill(~_unpack(words, logits.shape[1], logits.device), float("-inf"))
+
+
+def _unpack(words: Tensor, vocab: int, device: torch.device) -> Tensor:
+    """Host bits [R, W] int32 -> [R, vocab] bool on `device` (bit j of word w: token 32 w + j)."""
+    if device.type == "cuda":
+        words = words.pin_memory().to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words[:, :, None] >> shifts) & 1  # [R, W, 32]
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
