@@ -33,6 +33,27 @@ def tiny_ckpt(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tiny") / "Cosmos3-Tiny", seed=0)
 
 
+@pytest.fixture(scope="module")
+def reasoner_url(tiny_ckpt, tmp_path_factory):
+    """A uvicorn serving a tiny Reasoner of its own for one test module (model name "test-model"); its URL."""
+    from reasoner_helpers import tiny_reasoner
+    from serving_helpers import serve_reasoner
+
+    folder = tmp_path_factory.mktemp("reasoner-server")
+    with serve_reasoner(
+        tiny_reasoner(tiny_ckpt), folder, model="test-model", name="test-reasoner-uvicorn"
+    ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reasoner_oai(reasoner_url):
+    """The openai client of `reasoner_url`."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=reasoner_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 @pytest.fixture
 def tiny_copy(tiny_ckpt, tmp_path):
     dst = tmp_path / "ckpt"

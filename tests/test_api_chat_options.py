@@ -1,6 +1,6 @@
 """POST /v1/chat/completions request options on a real uvicorn (tiny Reasoner): empty structured-output fields
-ask for nothing (tests/test_api_structured_outputs.py has the constraints), tool choices that need tools
-are refused with a 400 naming the field (never silently dropped),
+ask for nothing (tests/test_api_structured_outputs.py has the constraints, tests/test_api_tool_calls.py the
+tools),
 `stream_options.continuous_usage_stats` puts the running usage on every streamed chunk, as vLLM does;
 `mm_processor_kwargs` change the vision token counts, `chat_template_kwargs` reach the chat template (the
 tiny tokenizer's template gets Qwen3's `enable_thinking` branch here), and images / videos that Qwen3-VL's
@@ -305,32 +305,3 @@ def test_chat_template_kwargs_reach_the_template(url):
     for key in ("tokenize", "add_generation_prompt", "chat_template", "messages"):
         r = _chat(url, "hi", chat_template_kwargs={key: False})
         assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
-
-
-def test_tool_choice_without_tools(url):
-    """ "none" / "auto" need no tool and are answered; anything that would call a tool (and the legacy
-    `functions`) is a 400 naming the field, as `tools` is (it was silently ignored)."""
-    cases = [
-        ("tool_choice", "none", 200),
-        ("tool_choice", "auto", 200),
-        ("tool_choice", "required", 400),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}, 400),
-        ("function_call", "auto", 200),
-        ("function_call", {"name": "f"}, 400),
-        ("functions", [{"name": "f", "parameters": {}}], 400),
-    ]
-    for field, value, status in cases:
-        r = _chat(url, "hi", **{field: value})
-        assert r.status_code == status, (field, value, r.text)
-        if status == 400:
-            err = r.json()["error"]
-            assert err["param"] == field and "not supported" in err["message"], err
-
-
-def test_tool_choice_required_through_the_openai_client(url):
-    import openai
-
-    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, tool_choice="required")
-    assert info.value.body["param"] == "tool_choice"

@@ -13,39 +13,23 @@ from typing import Literal
 import httpx
 import pytest
 from pydantic import BaseModel, Field
-from reasoner_helpers import tiny_reasoner
-from serving_helpers import serve_reasoner
 from test_structured_outputs import SCHEMA, conforms
 
 MODEL = "test-model"
 HI = [{"role": "user", "content": "Describe a thing."}]
 
 
-@pytest.fixture(scope="module")
-def url(tiny_ckpt, tmp_path_factory):
-    with serve_reasoner(tiny_reasoner(tiny_ckpt), tmp_path_factory.mktemp("structured"), model=MODEL,
-                        name="test-structured-uvicorn") as base:  # fmt: skip
-        yield base
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    from openai import OpenAI
-
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
 COMPACT = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
 
 
-def test_response_format_json_schema_streamed_and_not(oai):
+def test_response_format_json_schema_streamed_and_not(reasoner_oai):
     for seed in range(3):
         kw = {"model": MODEL, "messages": HI, "max_tokens": 400, "seed": seed}
-        whole = oai.chat.completions.create(response_format=JSON_SCHEMA, **kw)
+        whole = reasoner_oai.chat.completions.create(response_format=JSON_SCHEMA, **kw)
         assert whole.choices[0].finish_reason == "stop"
         assert conforms(json.loads(whole.choices[0].message.content)), whole
-        parts = oai.chat.completions.create(response_format=JSON_SCHEMA, stream=True, **kw)
+        parts = reasoner_oai.chat.completions.create(response_format=JSON_SCHEMA, stream=True, **kw)
         streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
         assert streamed == whole.choices[0].message.content
 
@@ -55,9 +39,9 @@ class Thing(BaseModel):
     count: int = Field(ge=0, le=99)
 
 
-def test_the_openai_clients_parse_with_a_pydantic_model(oai):
+def test_the_openai_clients_parse_with_a_pydantic_model(reasoner_oai):
     """openai's own structured-output helper: a strict json_schema from the model class, parsed back."""
-    answer = oai.chat.completions.parse(
+    answer = reasoner_oai.chat.completions.parse(
         model=MODEL, messages=HI, response_format=Thing, max_tokens=300, seed=1
     )
     thing = answer.choices[0].message.parsed
@@ -79,12 +63,12 @@ def test_the_openai_clients_parse_with_a_pydantic_model(oai):
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("route", ["chat", "completions"])
-def test_each_constraint_on_both_routes(url, extra, accepts, route):
+def test_each_constraint_on_both_routes(reasoner_url, extra, accepts, route):
     """Every choice that ends on its own follows the constraint (a JSON object of random tokens may run to
     max_tokens: cut, not checked), and one at least does end."""
     if route == "chat":
         body = {"model": MODEL, "messages": HI, "max_tokens": 200, "seed": 4, "n": 3, **extra}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         ends = [(c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]]
     else:
@@ -96,7 +80,7 @@ def test_each_constraint_on_both_routes(url, extra, accepts, route):
             "n": 2,
             **extra,
         }
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        r = httpx.post(reasoner_url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         ends = [(c["text"], c["finish_reason"]) for c in r.json()["choices"]]
     assert len(ends) in (3, 4)
@@ -106,9 +90,9 @@ def test_each_constraint_on_both_routes(url, extra, accepts, route):
         assert accepts(text), text
 
 
-def test_top_logprobs_past_the_allowed_tokens_are_floored(oai):
+def test_top_logprobs_past_the_allowed_tokens_are_floored(reasoner_oai):
     """A token the grammar forbids has probability 0: listed at -9999.0, as vLLM lists it (JSON has no -inf)."""
-    answer = oai.chat.completions.create(
+    answer = reasoner_oai.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=5, seed=2, logprobs=True, top_logprobs=20,
         extra_body={"structured_outputs": {"choice": ["x", "y"]}},
     )  # fmt: skip
@@ -144,10 +128,10 @@ BAD = [
 
 @pytest.mark.parametrize(("extra", "param", "needle"), BAD)
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
-def test_malformed_constraints_are_400s_naming_the_field(url, route, extra, param, needle):
+def test_malformed_constraints_are_400s_naming_the_field(reasoner_url, route, extra, param, needle):
     body = {"model": MODEL, "max_tokens": 2, "stream": route == "/v1/completions", **extra}
     body.update({"messages": HI} if route == "/v1/chat/completions" else {"prompt": "hi"})
-    r = httpx.post(url + route, json=body, timeout=30)
+    r = httpx.post(reasoner_url + route, json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err

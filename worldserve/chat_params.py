@@ -119,6 +119,11 @@ class ChatMessage:
     """"system", "user", "assistant" or "tool"."""
     content: str | tuple[ChatPart, ...]
     """A plain string or a sequence of parts."""
+    tool_calls: tuple[dict, ...] = ()
+    """An assistant turn's tool calls, as the chat template takes them ({"id", "type", "function": {"name",
+    "arguments"}})."""
+    tool_call_id: str | None = None
+    """A tool turn's: the call it answers."""
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -197,6 +202,8 @@ class ChatParams:
     """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
     structured: StructuredOutput | None = None
     """Constrain the completion to a grammar (structured outputs); None: free text."""
+    tools: tuple[dict, ...] = ()
+    """Function tools the chat template shows the model ({"type": "function", "function": {...}})."""
 
     @property
     def prompt_key(self) -> int:

@@ -54,6 +54,7 @@ from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
 from worldserve.api.structured_fields import structured_output
+from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
 from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput, VideoSampling
 
 router = APIRouter(tags=["chat"])
@@ -68,19 +69,24 @@ class RequestOptions:
     """(min, max) image pixel budget; None: the server's."""
     video: VideoSampling
     chat_template_kwargs: dict
+    tools: ToolMode | None
+    """The request's tools and tool choice (api/tool_calls.py); None: no tools."""
     structured: StructuredOutput | None
-    """The structured output constraint, its grammar compiled once (api/structured_fields.py)."""
+    """The output constraint (a structured output's or a required / named tool choice's), its grammar
+    compiled once (api/structured_fields.py)."""
 
 
 def request_options(body: ChatCompletionRequest) -> RequestOptions:
     """`mm_processor_kwargs`, `media_io_kwargs`, `chat_template_kwargs` and the structured output fields
     checked (no media work; a grammar compiles): ParamError naming the field, as soon as the request is read."""
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
+    tools = tool_mode(body.tools, body.tool_choice)
     return RequestOptions(
         image_pixels=pixel_budget(image_opts, "images"),
         video=video_sampling(body.media_io_kwargs, video_opts),
         chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
-        structured=structured_output(body),
+        tools=tools,
+        structured=structured_output(body, tool_constraint(tools)),
     )
 
 
@@ -95,14 +101,15 @@ def build_params(
     messages = []
     for i, msg in enumerate(body.messages):
         role = "system" if msg.role == "developer" else msg.role
+        calls = {"tool_calls": message_calls(msg.tool_calls), "tool_call_id": msg.tool_call_id}
         if msg.content is None or isinstance(msg.content, str):
-            messages.append(ChatMessage(role=role, content=msg.content or ""))
+            messages.append(ChatMessage(role=role, content=msg.content or "", **calls))
         else:
             parts = tuple(
                 part(p, f"messages[{i}].content[{j}]", allowed_local_path, options.video, fetched)
                 for j, p in enumerate(msg.content)
             )
-            messages.append(ChatMessage(role=role, content=parts))
+            messages.append(ChatMessage(role=role, content=parts, **calls))
     return ChatParams(
         messages=tuple(messages),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
@@ -114,6 +121,7 @@ def build_params(
         image_min_pixels=options.image_pixels[0],
         image_max_pixels=options.image_pixels[1],
         structured=options.structured,
+        tools=options.tools.tools if options.tools is not None else (),
     ).validate()
 
 
@@ -185,21 +193,20 @@ async def create_chat_completion(request: Request, st: State):
     if body.stream and body.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
     if (field := body.unsupported()) is not None:
-        if field in ("tool_choice", "function_call"):
-            raise APIError(400, f"{field} {getattr(body, field)!r} is not supported by this server yet: tool "
-                           'calling is not implemented (only "none" or "auto", with no tools)', param=field)  # fmt: skip
-        raise APIError(
-            400, f"{field} is not supported by this server yet: tool calling is not implemented", param=field
-        )
+        raise APIError(400, f"{field} is not supported (the legacy form of tool calling): send tools and "
+                       "tool_choice", param=field)  # fmt: skip
     options = await asyncio.to_thread(request_options, body)  # a grammar compiles there: off the event loop
     fetched = await prefetch_media(body, st.media, st.mm_limits)
     params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
     choices = params.choices(body.n)
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
-    return await unless_disconnected(request, _answer(st, body, choices, opened), lambda: close_all(opened))
+    work = _answer(st, body, choices, opened, options.tools)
+    return await unless_disconnected(request, work, lambda: close_all(opened))
 
 
-async def _answer(st: AppState, body: ChatCompletionRequest, choices: list, opened: list):
+async def _answer(
+    st: AppState, body: ChatCompletionRequest, choices: list, opened: list, tools: ToolMode | None
+):
     """Start the choices together (`opened` gets their event streams), wait for each one's first event,
     then answer: SSE, or the whole completion."""
     # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
@@ -216,9 +223,11 @@ async def _answer(st: AppState, body: ChatCompletionRequest, choices: list, open
     if body.stream:
         include_usage, continuous_usage = body.stream_usage()
         stream = sse(
-            streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage
+            streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage, tools
         )
         return StreamingResponse(stream, media_type="text/event-stream")
-    answer = await collect(streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs)
+    answer = await collect(
+        streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, tools
+    )
     answer.prompt_logprobs = prompt_logprob_rows(first.prompt_logprobs, body.prompt_logprobs)
     return answer

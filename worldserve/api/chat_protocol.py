@@ -8,9 +8,10 @@ bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `
 sampling: `processor_kwargs` / `pixel_budget` below check them), `chat_template_kwargs` (extra chat template
 variables, e.g. `enable_thinking`; `template_kwargs` refuses apply_chat_template's own arguments), structured
 outputs (`response_format` json_object / json_schema / structural_tag, `structured_outputs` and vLLM's older
-`guided_*` fields: api/structured_fields.py reads them). Tools (`tools`, legacy `functions`) and a
-`tool_choice` / `function_call` other than "none" / "auto" are refused with a 400 naming the field (not
-implemented yet, never silently dropped); other unknown fields are ignored, as vLLM ignores them.
+`guided_*` fields: api/structured_fields.py reads them), `tools` / `tool_choice` and messages' `tool_calls` /
+`tool_call_id` (api/tool_calls.py). The legacy `functions` / `function_call` are refused with a 400 naming
+the field (vLLM has them no more; never silently dropped); other unknown fields are ignored, as vLLM ignores
+them.
 Responses: the non-streaming `chat.completion` object and the `chat.completion.chunk` SSE events, field for
 field as vLLM writes them.
 """
@@ -22,12 +23,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from worldserve.api.tool_calls import ToolCallIn, ToolCallOut, ToolIn
 from worldserve.params import ParamError
 
 INT64 = 2**63
 
 TOOLLESS_CHOICES = (None, "none", "auto")
-"""`tool_choice` / `function_call` values that need no tool: with no tools, "auto" calls none."""
+"""Legacy `function_call` values that call nothing (any other is refused: the request should send tools)."""
 
 
 class MediaURL(BaseModel):
@@ -47,6 +49,10 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    """An assistant turn's calls (the chat template renders them)."""
+    tool_call_id: str | None = None
+    """A tool turn's answer to this call."""
 
 
 class StreamOptions(BaseModel):
@@ -123,11 +129,13 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     """vLLM's: each prompt token's log-probability with this many alternatives (not with `stream`)."""
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    """The legacy form of `tools`: refused as tools are."""
-    # typed Any: any value other than "none" / "auto" (no tools) gets the 400 naming the field
+    tools: list[ToolIn] | None = None
+    # typed Any: a wrong value gets the 400 naming the field (api/tool_calls.py tool_mode)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    """Accepted as vLLM accepts it: the model may answer several calls either way."""
+    functions: list[Any] | None = None
+    """The legacy form of `tools`: refused (vLLM no longer takes it)."""
     function_call: Any = None
     media_io_kwargs: dict[str, Any] | None = Field(
         None,
@@ -146,15 +154,10 @@ class ChatCompletionRequest(SamplingRequest):
     )
 
     def unsupported(self) -> str | None:
-        """The first field set to something this server cannot honour yet (answered with a 400): tools are
-        not implemented."""
-        for field in ("tools", "functions"):
-            if getattr(self, field):
-                return field
-        for field in ("tool_choice", "function_call"):
-            if getattr(self, field) not in TOOLLESS_CHOICES:
-                return field
-        return None
+        """The legacy function-calling field set, if any (answered with a 400: send `tools`)."""
+        if self.functions:
+            return "functions"
+        return "function_call" if self.function_call not in TOOLLESS_CHOICES else None
 
 
 MAX_PIXELS = 16777216
@@ -249,9 +252,9 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     reasoning_content: None = None
-    tool_calls: list[Any] = Field(default_factory=list)
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -297,8 +300,9 @@ class ChatCompletionResponse(BaseModel):
 
 class ChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]
-    """{"role": "assistant", "content": ""} first, then {"content": piece}, {} on the final chunk."""
+    delta: dict[str, Any]
+    """{"role": "assistant", "content": ""} first, then {"content": piece} or {"tool_calls": [...]}, {} on
+    the final chunk."""
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 

@@ -19,6 +19,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from worldserve.api.chat_protocol import (
     AssistantMessage,
@@ -33,6 +34,7 @@ from worldserve.api.chat_protocol import (
     Usage,
 )  # fmt: skip
 from worldserve.api.errors import APIError, error_body
+from worldserve.api.tool_calls import ToolMode, ToolStream, final_message
 from worldserve.engine.client import (
     ChatDelta,
     ChatFailed,
@@ -195,13 +197,16 @@ async def collect(
     model: str,
     prompt_tokens: int,
     logprobs: bool,
+    tools: ToolMode | None = None,
 ) -> ChatCompletionResponse:
-    """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails)."""
+    """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails); with `tools`,
+    each text's tool calls parsed out (api/tool_calls.py)."""
     choices, completion = [], 0
     for index, (text, entries, last) in enumerate(await run_all(streams)):
         completion += last.completion_tokens
+        content, calls, finish = final_message(text, tools, last.finish_reason)
         choices.append(Choice(
-            index=index, message=AssistantMessage(content=text), finish_reason=last.finish_reason,
+            index=index, message=AssistantMessage(content=content, tool_calls=calls), finish_reason=finish,
             logprobs=ChoiceLogprobs(content=logprob_items(entries)) if logprobs else None,
             stop_reason=last.stop_reason,
         ))  # fmt: skip
@@ -216,12 +221,14 @@ async def collect(
 
 async def sse(
     streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
-    include_usage: bool, continuous_usage: bool = False,
+    include_usage: bool, continuous_usage: bool = False, tools: ToolMode | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one)."""
+    """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
+    with `tools`, each choice's text goes through a ToolStream (content and tool-call deltas)."""
     completion = [0] * len(streams)
+    parsers = [ToolStream(tools) for _ in streams] if tools is not None and tools.parsed else None
 
-    def chunk(index: int, delta: dict[str, str], finish: str | None = None, logprobs=()) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=()) -> str:
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
         choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
         usage = make_usage(prompt_tokens, completion[index]) if continuous_usage else None
@@ -231,10 +238,18 @@ async def sse(
 
     def render(index: int, event: ChatDelta) -> Iterator[str]:
         completion[index] = event.completion_tokens
-        if event.text or event.logprobs:
-            yield chunk(index, {"content": event.text}, logprobs=event.logprobs)
-        if event.finish_reason is not None:
-            yield chunk(index, {}, event.finish_reason)
+        finish = event.finish_reason
+        if parsers is None:
+            deltas = [{"content": event.text}] if event.text else []
+        else:
+            deltas = parsers[index].feed(event.text, finish is not None)
+            finish = finish if finish is None else parsers[index].finish_reason(finish)
+        if event.logprobs and not deltas:
+            deltas = [{"content": ""}]
+        for i, delta in enumerate(deltas):
+            yield chunk(index, delta, logprobs=event.logprobs if i == 0 else ())
+        if finish is not None:
+            yield chunk(index, {}, finish)
 
     def tail() -> Iterator[str]:
         if include_usage:

@@ -30,6 +30,7 @@ from worldserve.api.chat_protocol import (
     SSEChunk,
     Usage,
 )  # fmt: skip
+from worldserve.api.tool_calls import ToolIn
 
 MAX_LOGPROBS = 20
 """vLLM's default --max-logprobs."""
@@ -124,12 +125,19 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    """Refused: tool definitions would change the rendered prompt, and this server has no tool calling."""
+    tools: list[ToolIn] | None = None
+    """Function tools, rendered into the prompt as a chat with them would have them."""
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion request of the same messages and options (for the chat's build_params)."""
-        fields = ("model", "messages", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs")
+        fields = (
+            "model",
+            "messages",
+            "chat_template_kwargs",
+            "mm_processor_kwargs",
+            "media_io_kwargs",
+            "tools",
+        )
         return ChatCompletionRequest.model_construct(**{f: getattr(self, f) for f in fields})
 
 

@@ -37,10 +37,11 @@ def is_set(value: Any) -> bool:
     )
 
 
-def structured_output(body: Any) -> StructuredOutput | None:
+def structured_output(body: Any, tools: StructuredOutput | None = None) -> StructuredOutput | None:
     """The request's one structured-output constraint, checked (its grammar compiles), or None for free text.
-    `body`: a chat or text completion request (api/chat_protocol.py SamplingRequest). Raises ParamError."""
-    found = [so for so in (_response_format(body.response_format), _structured_outputs(body.structured_outputs))
+    `body`: a chat or text completion request (api/chat_protocol.py SamplingRequest); `tools`: a required or
+    named tool choice's constraint (api/tool_calls.py), which counts as one. Raises ParamError."""
+    found = [so for so in (tools, _response_format(body.response_format), _structured_outputs(body.structured_outputs))
              if so is not None]  # fmt: skip
     pattern = body.guided_whitespace_pattern if isinstance(body.guided_whitespace_pattern, str) else None
     for name, kind in GUIDED_FIELDS.items():

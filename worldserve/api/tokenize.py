@@ -73,10 +73,6 @@ def _check_chat_form(body: TokenizeChatRequest) -> None:
             "continue_final_message",
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
         )
-    if body.tools:
-        raise ParamError(
-            "tools", "tools are not supported by this server yet: tool calling is not implemented"
-        )
 
 
 def _tokenize_chat(

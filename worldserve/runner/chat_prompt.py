@@ -128,8 +128,13 @@ class ChatPromptBuilder:
             return self._raw(list(params.prompt_ids))
         conversation, images, videos = [], [], []
         for msg in params.messages:
+            extra = {
+                k: v
+                for k, v in (("tool_calls", list(msg.tool_calls)), ("tool_call_id", msg.tool_call_id))
+                if v
+            }
             if isinstance(msg.content, str):
-                conversation.append({"role": msg.role, "content": msg.content})
+                conversation.append({"role": msg.role, "content": msg.content, **extra})
                 continue
             parts = []
             for part in msg.content:
@@ -141,10 +146,9 @@ class ChatPromptBuilder:
                     parts.append({"type": "video"})
                 else:
                     parts.append({"type": "text", "text": part.text})
-            conversation.append({"role": msg.role, "content": parts})
-        text = self._render(
-            conversation, dict(params.chat_template_kwargs), add_generation_prompt, continue_final_message
-        )
+            conversation.append({"role": msg.role, "content": parts, **extra})
+        options = dict(params.chat_template_kwargs) | ({"tools": list(params.tools)} if params.tools else {})
+        text = self._render(conversation, options, add_generation_prompt, continue_final_message)
         if max_tokens is not None:
             self.check_size(text, max_tokens, "messages")
         vision = video = None
@@ -210,12 +214,17 @@ class ChatPromptBuilder:
                 raise ParamError(
                     "continue_final_message", f"cannot continue the final message: {exc}"
                 ) from exc
-            if not options:
-                raise
-            # e.g. a template's raise_exception() or a type error on a variable's value
-            raise ParamError(
-                "chat_template_kwargs", f"the chat template failed with chat_template_kwargs {options}: {exc}"
-            ) from exc
+            kwargs = {k: v for k, v in options.items() if k != "tools"}
+            if kwargs:  # e.g. a template's raise_exception() or a type error on a variable's value
+                raise ParamError(
+                    "chat_template_kwargs",
+                    f"the chat template failed with chat_template_kwargs {kwargs}: {exc}",
+                ) from exc
+            if "tools" in options:
+                raise ParamError("tools", f"the chat template failed with these tools: {exc}") from exc
+            if isinstance(exc, TemplateError):  # the template's raise_exception(): it refuses these messages
+                raise ParamError("messages", f"the chat template refused the messages: {exc}") from exc
+            raise
 
     def _preprocess(self, images: list, params: ChatParams) -> VisionInputs:
         """Qwen3-VL image preprocessing with the request's pixel budget; an image it cannot resize (the API

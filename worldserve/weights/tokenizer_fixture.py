@@ -21,19 +21,47 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|video_pad|>",
 )
 
-# Qwen3-VL-Instruct's template shape: string or part-list content, media placeholders, generation prompt.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+# Qwen3-VL-Instruct's template shape: string or part-list content, media placeholders, generation prompt, and
+# Qwen3's tool calling: the tools listed in a system turn, an assistant's calls as <tool_call> JSON blocks, tool
+# answers as <tool_response> blocks in a user turn (a conversation without tools renders as before).
+_CONTENT = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- elif message['content'] -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'video' or part['type'] == 'video_url' -%}"
     "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+)
+CHAT_TEMPLATE = (
+    "{%- if tools -%}{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{%- set message = messages[0] -%}"
+    + _CONTENT
+    + "{{- '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' -}}" + _CONTENT + "{{- '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    + _CONTENT
+    + "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}{%- set fn = call['function'] -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+    "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -1,0 +1,153 @@
+"""Tool calling over real HTTP (uvicorn, the tiny Reasoner whose chat template has Qwen3's tool format, the
+openai client): tools reach the prompt, a named or required choice answers calls constrained to the tools'
+schemas, "auto" parses the model's <tool_call> blocks (here forced by a regex, as a random model writes
+none of its own), streamed or not, multi-turn conversations with calls and tool answers render, /tokenize
+counts tools as the chat does, and each bad tool or choice is a 400 naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+MODEL = "test-model"
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                          "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}  # fmt: skip
+TOOLS = [WEATHER, TIME]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _weather_ok(args: dict) -> bool:
+    return set(args) == {"city", "days"} and args["city"] in ("Oslo", "Rome") and 1 <= args["days"] <= 7
+
+
+def test_tools_reach_the_prompt_and_tokenize_counts_them(reasoner_url, reasoner_oai):
+    plain = reasoner_oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage.prompt_tokens
+    with_tools = reasoner_oai.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=1, tools=TOOLS, tool_choice="none"
+    )
+    assert with_tools.usage.prompt_tokens > plain + 50
+    assert with_tools.choices[0].message.tool_calls is None or with_tools.choices[0].message.tool_calls == []
+    r = httpx.post(
+        reasoner_url + "/tokenize", json={"model": MODEL, "messages": ASK, "tools": TOOLS}, timeout=30
+    )
+    assert r.status_code == 200 and r.json()["count"] == with_tools.usage.prompt_tokens, r.text
+
+
+def test_a_named_choice_calls_that_function_streamed_or_not(reasoner_oai):
+    for seed in range(3):
+        kw = {
+            "model": MODEL,
+            "messages": ASK,
+            "max_tokens": 200,
+            "seed": seed,
+            "tools": TOOLS,
+            "tool_choice": NAMED,
+        }
+        answer = reasoner_oai.chat.completions.create(**kw)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content == ""
+        (call,) = choice.message.tool_calls
+        assert (
+            call.type == "function"
+            and call.function.name == "get_weather"
+            and call.id.startswith("chatcmpl-tool-")
+        )
+        assert _weather_ok(json.loads(call.function.arguments)), call
+        args, names, finish = "", set(), None
+        for chunk in reasoner_oai.chat.completions.create(stream=True, **kw):
+            for delta_call in chunk.choices[0].delta.tool_calls or []:
+                names.add(delta_call.function.name)
+                args += delta_call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert args == call.function.arguments and names - {None} == {"get_weather"} and finish == "stop"
+
+
+def test_a_required_choice_answers_one_call_or_more(reasoner_oai):
+    """Every choice that ends is a list of calls of the given tools; one cut by max_tokens (the random model
+    may go on listing calls) is answered as its text, without calls."""
+    answer = reasoner_oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=400, seed=1, tools=TOOLS,
+                                         tool_choice="required", n=4)  # fmt: skip
+    ended = [c for c in answer.choices if c.finish_reason == "stop"]
+    assert ended, answer
+    for choice in ended:
+        assert choice.message.content == "" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert _weather_ok(args) if call.function.name == "get_weather" else args["tz"] in ("UTC", "CET")
+    for choice in answer.choices:
+        if choice.finish_reason == "length":
+            assert choice.message.content.startswith("[") and not choice.message.tool_calls
+
+
+FORCED = '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "(Oslo|Rome)", "days": [1-7]\\}\\}\\n</tool_call>'
+"""A regex that makes the random model write one hermes call (auto parsing is what is tested)."""
+
+
+def test_auto_parses_the_models_tool_call_blocks(reasoner_oai):
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 200, "seed": 3, "tools": TOOLS,
+          "extra_body": {"structured_outputs": {"regex": "I will check\\.\\n" + FORCED}}}  # fmt: skip
+    answer = reasoner_oai.chat.completions.create(**kw)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will check.\n"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and _weather_ok(json.loads(call.function.arguments))
+    content, calls, finish = "", [], None
+    for chunk in reasoner_oai.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "I will check.\n" and finish == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", call.function.arguments)
+    ]
+    plain = reasoner_oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, seed=3, tools=TOOLS)
+    assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
+
+
+def test_a_conversation_with_calls_and_tool_answers(reasoner_oai):
+    first = reasoner_oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, seed=0, tools=TOOLS,
+                                        tool_choice=NAMED).choices[0].message  # fmt: skip
+    call = first.tool_calls[0]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."}]  # fmt: skip
+    answer = reasoner_oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, seed=0, tools=TOOLS
+    )
+    short = reasoner_oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, seed=0, tools=TOOLS)
+    assert answer.usage.prompt_tokens > short.usage.prompt_tokens + len(call.function.arguments) // 4
+
+
+BAD = [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "must be"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "'name'"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "'type'"),
+    ({"functions": [{"name": "f"}]}, "functions", "send tools"),
+    ({"function_call": {"name": "f"}}, "function_call", "send tools"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format",
+     "only one structured output constraint"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "nonsense"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "param", "needle"), BAD)
+def test_bad_tools_and_choices_are_400s_naming_the_field(reasoner_url, extra, param, needle):
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2, **extra},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err

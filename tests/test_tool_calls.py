@@ -1,0 +1,164 @@
+"""Tool calling without a server (api/tool_calls.py): the tool choice's validation, the hermes parse of a
+finished text, the constraint of a required or named choice, and the streamed deltas, which add up to the
+finished answer however the text is cut into pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from worldserve.api.tool_calls import (
+    ToolIn,
+    ToolStream,
+    final_message,
+    hermes_calls,
+    message_calls,
+    tool_constraint,
+    tool_mode,
+)
+from worldserve.params import ParamError
+from worldserve.sampling.grammar import check
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TOOLS = [ToolIn.model_validate(t) for t in (WEATHER, TIME)]
+
+
+def test_tool_choice_defaults_and_refusals():
+    assert (
+        tool_mode(None, None) is None and tool_mode(None, "none") is None and tool_mode(None, "auto") is None
+    )
+    auto = tool_mode(TOOLS, None)
+    assert auto.choice == "auto" and auto.parsed and auto.tools[0] == WEATHER
+    assert not tool_mode(TOOLS, "none").parsed and tool_mode(TOOLS, "none").tools  # still shown to the model
+    named = tool_mode(TOOLS, {"type": "function", "function": {"name": "get_time"}})
+    assert named.choice == "named" and named.name == "get_time"
+    for tools, choice, needle in [
+        (None, "required", "`tools` must be set"),
+        (None, {"type": "function", "function": {"name": "f"}}, "`tools` must be set"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "Tool 'nope' has not been passed"),
+        (TOOLS, "sometimes", "must be"),
+        (TOOLS, {"type": "function"}, "named tool_choice"),
+    ]:
+        with pytest.raises(ParamError) as info:
+            tool_mode(tools, choice)
+        assert info.value.param == "tool_choice" and needle in str(info.value), str(info.value)
+
+
+def test_required_and_named_constraints_compile_and_describe_the_calls():
+    named = tool_constraint(tool_mode(TOOLS, {"type": "function", "function": {"name": "get_weather"}}))
+    assert json.loads(named.spec) == WEATHER["function"]["parameters"] and named.field == "tools"
+    required = json.loads(tool_constraint(tool_mode(TOOLS, "required")).spec)
+    assert required["type"] == "array" and required["minItems"] == 1
+    names = [alt["properties"]["name"]["enum"] for alt in required["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert json.loads(tool_constraint(tool_mode(TOOLS, {"type": "function", "function": {"name": "get_time"}})).spec) == {
+        "type": "object"}  # a tool without parameters takes any object  # fmt: skip
+    for mode in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        check(tool_constraint(tool_mode(TOOLS, mode)))
+    assert tool_constraint(tool_mode(TOOLS, "auto")) is None
+
+
+def test_hermes_parse_of_a_finished_text():
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'  # fmt: skip
+    content, calls = hermes_calls(text)
+    assert content == "Let me look.\n" and [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Oslo"} and calls[0].id.startswith(
+        "chatcmpl-tool-"
+    )
+    assert calls[0].id != calls[1].id
+    assert (
+        hermes_calls('<tool_call>{"name": "get_time", "arguments": {}}')[0] is None
+    )  # unterminated, no text
+    assert hermes_calls("no calls here") is None
+    assert hermes_calls("<tool_call>{not json</tool_call>") is None  # then it is all content
+    mode = tool_mode(TOOLS, "auto")
+    assert final_message(text, mode, "stop")[2] == "tool_calls"
+    assert final_message("plain", mode, "length") == ("plain", [], "length")
+    named = tool_mode(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    content, calls, finish = final_message('{"city": "Rome"}', named, "stop")
+    assert content == "" and calls[0].function.arguments == '{"city": "Rome"}' and finish == "stop"
+    content, calls, finish = final_message(
+        '[{"name": "get_time", "parameters": {"tz": "é"}}]', tool_mode(TOOLS, "required"), "stop"
+    )
+    assert (
+        content == ""
+        and calls[0].function.name == "get_time"
+        and calls[0].function.arguments == '{"tz": "é"}'
+    )
+    assert final_message('[{"name": "get_ti', tool_mode(TOOLS, "required"), "length")[:2] == (
+        '[{"name": "get_ti',
+        [],
+    )
+
+
+def test_message_calls_hand_json_arguments_to_the_template_as_objects():
+    from worldserve.api.tool_calls import ToolCallIn
+
+    calls = [ToolCallIn.model_validate({"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}),
+             ToolCallIn.model_validate({"function": {"name": "get_time", "arguments": "not json"}})]  # fmt: skip
+    out = message_calls(calls)
+    assert out[0] == {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+    }
+    assert out[1]["function"]["arguments"] == "not json"
+
+
+def _streamed(mode, pieces: list[str]) -> tuple[str, list[dict], bool]:
+    """(content, merged tool calls by index, whether a call was sent) of a ToolStream fed `pieces`."""
+    stream, content, calls = ToolStream(mode), "", {}
+    for i, piece in enumerate(pieces):
+        for delta in stream.feed(piece, i == len(pieces) - 1):
+            content += delta.get("content", "")
+            for call in delta.get("tool_calls", []):
+                merged = calls.setdefault(call["index"], {"name": "", "arguments": "", "id": None})
+                merged["id"] = call.get("id") or merged["id"]
+                merged["name"] += call.get("function", {}).get("name", "")
+                merged["arguments"] += call.get("function", {}).get("arguments", "")
+    return content, [calls[i] for i in sorted(calls)], stream.called
+
+
+def _cuts(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
+        "A plain answer with < and <tool in it, but no call.",
+        '<tool_call>{"name": "get_time", "arguments": {}}',  # unterminated: parsed at the end
+    ],
+)
+def test_auto_stream_adds_up_to_the_finished_answer(text):
+    mode = tool_mode(TOOLS, "auto")
+    content, calls, _ = final_message(text, mode, "stop")
+    rng = random.Random(text)
+    for _ in range(20):
+        s_content, s_calls, called = _streamed(mode, _cuts(text, rng))
+        assert s_content == (content or "") and called == bool(calls)
+        assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in calls]  # fmt: skip
+        assert all(c["id"].startswith("chatcmpl-tool-") for c in s_calls)
+
+
+def test_named_and_required_streams():
+    named = tool_mode(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    content, calls, _ = _streamed(named, ['{"ci', 'ty": "Os', 'lo"}'])
+    assert content == "" and calls[0]["name"] == "get_weather" and calls[0]["arguments"] == '{"city": "Oslo"}'
+    required = tool_mode(TOOLS, "required")
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    content, calls, called = _streamed(required, _cuts(text, random.Random(0)))
+    assert called and [c["name"] for c in calls] == ["get_weather", "get_time"] and content == ""
+    content, calls, called = _streamed(required, ['[{"name": "get_w'])  # cut by max_tokens: the text itself
+    assert content == '[{"name": "get_w' and not calls and not called

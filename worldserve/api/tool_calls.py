@@ -1,0 +1,294 @@
+"""Tool calling on chat completions, as vLLM serves Qwen models (`--enable-auto-tool-choice --tool-call-parser
+hermes`: Qwen3-VL's chat template tells the model to answer a call as <tool_call>{"name", "arguments"}
+</tool_call>).
+
+Request: `tools` (function tools: name, description, parameters schema) are rendered into the prompt by the
+chat template; `tool_choice`: "auto" (the default with tools: the model decides; its <tool_call> blocks
+become `tool_calls`, finish_reason "tool_calls"), "none" (plain text), "required" (the output is constrained
+to a JSON list of {"name", "parameters"} of the given tools, one call at least) or {"type": "function",
+"function": {"name": N}} (the output is constrained to N's parameters schema: one call of N). As vLLM answers
+them, a required or named call's message has content "" and the chat's own finish_reason ("stop").
+Messages: an assistant turn's `tool_calls` (their JSON `arguments` handed to the template as objects, as
+vLLM does) and a tool turn's `tool_call_id` reach the template. Each bad tool, choice or call is a 400 naming
+its field. Call ids are vLLM's `chatcmpl-tool-<hex>`.
+
+`ToolStream` turns a choice's text deltas into the streamed deltas: content outside calls (a possible
+"<tool_call>" prefix held back), each call in one delta once complete (auto, required), a named call's
+arguments as they come.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worldserve.chat_params import StructuredOutput
+from worldserve.params import ParamError
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+"""A complete call, or the unterminated last one (a length cut or a missing end tag), as vLLM's hermes parser."""
+
+
+class FunctionIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionIn
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """An earlier assistant turn's call, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+@dataclass(frozen=True, slots=True)
+class ToolMode:
+    """A request's tools and how it lets the model call them."""
+
+    choice: Literal["none", "auto", "required", "named"]
+    tools: tuple[dict, ...]
+    """The tools as the chat template takes them ({"type": "function", "function": {...}})."""
+    name: str | None = None
+    """The named choice's function."""
+
+    @property
+    def parsed(self) -> bool:
+        """Whether the output turns into tool calls."""
+        return self.choice != "none"
+
+
+def tool_mode(tools: list[ToolIn] | None, choice: Any) -> ToolMode | None:
+    """The request's ToolMode (None: no tools, nothing to parse); ParamError naming the field."""
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if (
+            choice.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise ParamError(
+                "tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}'
+            )
+        named = fn["name"]
+        choice = "named"
+    elif choice not in ("none", "auto", "required"):
+        raise ParamError("tool_choice", f'tool_choice must be "none", "auto", "required" or a named function, '
+                         f"got {choice!r}")  # fmt: skip
+    else:
+        named = None
+    if not tools:
+        if choice in ("required", "named"):
+            raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
+        return None
+    names = [t.function.name for t in tools]
+    if named is not None and named not in names:
+        raise ParamError("tool_choice", f"Tool '{named}' has not been passed in `tools`.")
+    return ToolMode(choice=choice, tools=tuple(t.model_dump(exclude_none=True) for t in tools), name=named)
+
+
+def parameters(tool: dict) -> dict:
+    """A tool's parameters schema (any JSON object when it gives none)."""
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
+    """The output constraint of a required or named choice (vLLM's): one call of the named function's
+    parameters, or a non-empty JSON list of {"name", "parameters"} of the tools."""
+    if mode is None or mode.choice in ("none", "auto"):
+        return None
+    if mode.choice == "named":
+        tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
+        schema = parameters(tool)
+    else:
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": parameters(t)},
+             "required": ["name", "parameters"]} for t in mode.tools]}}  # fmt: skip
+    return StructuredOutput(kind="json", spec=json.dumps(schema), field="tools")
+
+
+def message_calls(calls: list[ToolCallIn] | None) -> tuple[dict, ...]:
+    """An assistant turn's calls as the chat template takes them: JSON arguments as objects (vLLM's way;
+    Qwen's template prints them back as JSON)."""
+    out = []
+    for call in calls or ():
+        args = call.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # not JSON: handed over as the text it is
+        out.append(
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+        )
+    return tuple(out)
+
+
+def hermes_calls(text: str) -> tuple[str | None, list[ToolCallOut]] | None:
+    """(content before the first call or None, the calls) of a text holding <tool_call> blocks, each JSON
+    {"name", "arguments"}; None when it holds none, or one that does not parse (then it is all content)."""
+    if CALL_START not in text:
+        return None
+    calls = []
+    for match in CALL_RE.finditer(text):
+        call = _call(match.group(1) if match.group(1) is not None else match.group(2))
+        if call is None:
+            return None
+        calls.append(call)
+    content = text[: text.index(CALL_START)]
+    return (content or None), calls
+
+
+def _call(body: str) -> ToolCallOut | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCallOut(
+        function=FunctionCallOut(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+    )
+
+
+def required_calls(text: str) -> list[ToolCallOut] | None:
+    """A required choice's JSON list of {"name", "parameters"} as calls (None when it does not parse: a
+    length cut)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not all(
+        isinstance(i, dict) and isinstance(i.get("name"), str) for i in items
+    ):
+        return None
+    return [ToolCallOut(function=FunctionCallOut(name=i["name"], arguments=json.dumps(i.get("parameters", {}),
+            ensure_ascii=False))) for i in items]  # fmt: skip
+
+
+def final_message(
+    text: str, mode: ToolMode | None, finish_reason: str | None
+) -> tuple[str | None, list, str | None]:
+    """A finished choice's (content, tool_calls, finish_reason) under `mode`."""
+    if mode is None or not mode.parsed:
+        return text, [], finish_reason
+    if mode.choice == "named":
+        return "", [ToolCallOut(function=FunctionCallOut(name=mode.name, arguments=text))], finish_reason
+    if mode.choice == "required":
+        calls = required_calls(text)
+        return ("", calls, finish_reason) if calls is not None else (text, [], finish_reason)
+    found = hermes_calls(text)
+    if found is None:
+        return text, [], finish_reason
+    return found[0], found[1], "tool_calls"
+
+
+class ToolStream:
+    """One streamed choice's text deltas -> its chunk deltas under a parsed ToolMode."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self.text = ""  # every text delta so far
+        self._sent = 0  # characters of text settled (sent as content, or inside a call)
+        self._calls = 0  # calls sent
+
+    def feed(self, piece: str, finished: bool) -> list[dict[str, Any]]:
+        """The deltas to send for this text `piece` (the last one when `finished`)."""
+        self.text += piece
+        if self.mode.choice == "named":
+            out = [] if self._calls else [self._call_delta(ToolCallOut(function=FunctionCallOut(
+                name=self.mode.name, arguments="")))]  # fmt: skip
+            self._calls = 1
+            if piece:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+            return out
+        if self.mode.choice == "required":
+            if not finished:
+                return []
+            calls = required_calls(self.text)
+            return [{"content": self.text}] if calls is None else [self._call_delta(c) for c in calls]
+        return self._auto(finished)
+
+    @property
+    def called(self) -> bool:
+        return self._calls > 0
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """auto: "tool_calls" once a call was sent; otherwise the chat's own."""
+        return "tool_calls" if self.mode.choice == "auto" and self.called else reason
+
+    def _auto(self, finished: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while True:
+            rest = self.text[self._sent :]
+            start = rest.find(CALL_START)
+            if start < 0:  # content, holding back what could still become "<tool_call>"
+                keep = 0 if finished else _partial_suffix(rest, CALL_START)
+                self._content(out, rest[: len(rest) - keep])
+                return out
+            if start:
+                self._content(out, rest[:start])
+                continue
+            end = rest.find(CALL_END)
+            if end < 0 and not finished:
+                return out  # inside a call: wait for its end
+            body = rest[len(CALL_START) : end if end >= 0 else len(rest)]
+            call = _call(body)
+            if call is None:  # not a call after all: its text is content
+                self._content(out, rest[: end + len(CALL_END) if end >= 0 else len(rest)])
+                continue
+            out.append(self._call_delta(call))
+            self._sent += end + len(CALL_END) if end >= 0 else len(rest)
+
+    def _content(self, out: list, text: str) -> None:
+        """Settle `text` as content: sent before the first call, dropped after it (the whole answer's content
+        is the text before its first call, as vLLM's hermes parser gives it)."""
+        if text and not self.called:
+            out.append({"content": text})
+        self._sent += len(text)
+
+    def _call_delta(self, call: ToolCallOut) -> dict[str, Any]:
+        delta = {"tool_calls": [{"index": self._calls, **call.model_dump()}]}
+        self._calls += 1
+        return delta
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
