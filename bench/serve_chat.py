@@ -302,6 +302,40 @@ def structured_chats(url: str, served: str, args: argparse.Namespace) -> dict:
                                    "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs)}  # fmt: skip
         out[f"{c}_ratio"] = out[f"{c}_json_schema"]["tok_s"] / out[f"{c}_free"]["tok_s"]
         print(f"{c} chats: json_schema / free tokens/s = {out[f'{c}_ratio']:.3f}", flush=True)
+    out["tool_calls"] = tool_chats(url, served)
+    return out
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]}}}}}  # fmt: skip
+
+
+def tool_chats(url: str, served: str) -> dict:
+    """A named tool choice (output constrained to the tool's schema) and an auto one whose <tool_call> block a
+    regex forces (a random model writes none): their wall time and whether each came back as a valid call."""
+    forced = (
+        '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "(Oslo|Rome)"\\}\\}\\n</tool_call>'
+    )
+    out = {}
+    for label, extra in (("named", {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+                         ("auto", {"structured_outputs": {"regex": forced}})):  # fmt: skip
+        body = {"model": served, "max_tokens": 256, "seed": 0, "tools": [WEATHER_TOOL],
+                "messages": [{"role": "user", "content": "Weather in Oslo?"}], **extra}  # fmt: skip
+        t0 = time.perf_counter()
+        r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
+        choice = r.json()["choices"][0] if r.status_code == 200 else {}
+        calls = (choice.get("message") or {}).get("tool_calls") or []
+        try:
+            ok = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]).get("city") in (
+                "Oslo",
+                "Rome",
+            )
+        except ValueError:  # cut by max_tokens
+            ok = False
+        out[label] = {"status": r.status_code, "s": time.perf_counter() - t0, "valid_call": ok,
+                      "finish_reason": choice.get("finish_reason")}  # fmt: skip
+    print(f"tool calls: {out}", flush=True)
     return out
 
 
@@ -389,7 +423,9 @@ def table(res: dict) -> str:
                      f"progress {b['progress_before']} -> {b['progress_after']} %, {b['video_status']} after "
                      f"{b['video_total_s']:.0f} s")  # fmt: skip
     for key, r in res.get("structured", {}).items():
-        if not key.endswith("_ratio"):
+        if key == "tool_calls":
+            lines.append(f"tool calls: {r}")
+        elif not key.endswith("_ratio"):
             lines.append(f"{key:>14s} {r['wall_s']:8.2f} {r['tok_s']:9.1f} {r['per_chat_tok_s']:9.1f}")
     v = res["video"]
     lines.append(f"video: HTTP {v['status']}, {v['bytes']} bytes {v['content_type']}, {v['s']:.1f} s; "

@@ -190,6 +190,21 @@ class ChatParams:
     """vLLM's: more token ids that end the completion (its stop_reason is then the id)."""
     include_stop_str_in_output: bool = False
     """vLLM's: a matched stop string stays at the end of the text."""
+    min_p: float = 0.0
+    """vLLM's: drop tokens less likely than min_p times the most likely one (0: off)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's: (token id, bias added to its logit) pairs."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """vLLM's: only these tokens may be sampled (None: any)."""
+    bad_words: tuple[str, ...] = ()
+    """vLLM's: words never generated (their last token is banned wherever the tokens before it were just
+    generated)."""
+    skip_special_tokens: bool = True
+    """Special tokens are left out of the text (vLLM's default)."""
+    add_generation_prompt: bool = True
+    """The chat template opens the assistant's turn after the messages."""
+    continue_final_message: bool = False
+    """vLLM's: the last message (an assistant's prefix) is left open and continued."""
     prebuilt: Any = field(default=None, compare=False, repr=False)
     """The prompt built from these params (runner/chat_prompt.py's ChatPrompt: template, tokens, media),
     when the API built it in its own worker thread; None: the Reasoner builds it (on the chat worker's
@@ -251,6 +266,13 @@ class ChatParams:
             raise ParamError(
                 "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
             )
+        if not 0 <= self.min_p <= 1:
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ParamError("continue_final_message",
+                             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")  # fmt: skip
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
             raise ParamError(
                 "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"

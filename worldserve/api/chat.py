@@ -122,6 +122,8 @@ def build_params(
         image_max_pixels=options.image_pixels[1],
         structured=options.structured,
         tools=options.tools.tools if options.tools is not None else (),
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
     ).validate()
 
 
@@ -192,6 +194,8 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     if body.stream and body.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+    if body.use_beam_search:
+        raise APIError(400, "use_beam_search is not supported: this server samples", param="use_beam_search")
     if (field := body.unsupported()) is not None:
         raise APIError(400, f"{field} is not supported (the legacy form of tool calling): send tools and "
                        "tool_choice", param=field)  # fmt: skip

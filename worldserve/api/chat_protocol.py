@@ -3,7 +3,10 @@
 Request: `model`, `messages` (string content or parts: text, image_url, video_url with `{"url": U}` or the
 bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
 `n` (1 to 16), `stop`, `stream`, `stream_options`, `presence_penalty` / `frequency_penalty` /
-`repetition_penalty`, `logprobs` / `top_logprobs` (raw-logit log-probabilities, as vLLM's default),
+`repetition_penalty`, vLLM's `min_p`, `logit_bias`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`,
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output` (`use_beam_search` refused),
+`continue_final_message` / `add_generation_prompt` (chat), `logprobs` / `top_logprobs` (raw-logit
+log-probabilities, as vLLM's default),
 `media_io_kwargs` (video sampling), `mm_processor_kwargs` (Qwen3-VL processor pixel budgets and video
 sampling: `processor_kwargs` / `pixel_budget` below check them), `chat_template_kwargs` (extra chat template
 variables, e.g. `enable_thinking`; `template_kwargs` refuses apply_chat_template's own arguments), structured
@@ -18,6 +21,7 @@ field as vLLM writes them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -63,6 +67,21 @@ class StreamOptions(BaseModel):
     """With include_usage (else ignored, as vLLM does): every chunk carries the usage so far."""
 
 
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias as (token id, bias) pairs, each bias clamped to [-100, 100] (vLLM's rule);
+    ParamError("logit_bias") for a key that is not a token id or a bias that is not finite."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ParamError("logit_bias", f"logit_bias keys are token ids, got {key!r}") from None
+        if not math.isfinite(value):
+            raise ParamError("logit_bias", f"logit_bias values must be finite numbers, got {value} for {key}")
+        out.append((token, min(100.0, max(-100.0, value))))
+    return tuple(out)
+
+
 class SamplingRequest(BaseModel):
     """The request fields chat and text completions (api/completions_protocol.py) share: the model, sampling,
     streaming, and structured outputs (api/structured_fields.py reads them)."""
@@ -86,6 +105,14 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (as a string) -> a bias added to its logit, clamped to [-100, 100] as vLLM does."""
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    """vLLM's beam search: refused (this server samples)."""
     # structured outputs (vLLM extensions); typed Any so that a wrong value gets the 400 naming the field
     # (api/structured_fields.py) rather than pydantic's validation error
     structured_outputs: Any = None
@@ -106,7 +133,10 @@ class SamplingRequest(BaseModel):
             "frequency_penalty": pick(self.frequency_penalty, 0.0),
             "repetition_penalty": pick(self.repetition_penalty, 1.0), "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
-            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "include_stop_str_in_output": self.include_stop_str_in_output, "min_p": pick(self.min_p, 0.0),
+            "logit_bias": logit_bias(self.logit_bias), "bad_words": tuple(self.bad_words or ()),
+            "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            "skip_special_tokens": self.skip_special_tokens,
         }  # fmt: skip
 
     def misplaced_stream_options(self) -> bool:
@@ -152,6 +182,8 @@ class ChatCompletionRequest(SamplingRequest):
         description='Extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3-style '
         "templates (a key the template does not use changes nothing).",
     )
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="vLLM's: continue the last (assistant) message.")
 
     def unsupported(self) -> str | None:
         """The legacy function-calling field set, if any (answered with a 400: send `tools`)."""

@@ -2,7 +2,8 @@
 
 Completions request: `prompt` (a string, a list of strings, a list of token ids or a list of lists of ids:
 one set of `n` choices per prompt), `max_tokens` (vLLM's default 16; null: up to the context), the chat's
-sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties), `logprobs` (an int:
+sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties and vLLM's token rules: see
+api/chat_protocol.py SamplingRequest), `logprobs` (an int:
 that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
 `add_special_tokens` (default true); `echo` with `logprobs`, and vLLM's `prompt_logprobs`, score the prompt
 too; structured outputs as the chat's (`response_format`, `structured_outputs`, `guided_*`). `suffix` and
@@ -66,6 +67,8 @@ class CompletionRequest(SamplingRequest):
                 "best_of",
                 f"best_of must equal n ({self.n}) or be omitted: this server returns every sample",
             )
+        if self.use_beam_search:
+            return "use_beam_search", "use_beam_search is not supported: this server samples"
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens must be at least 1, got 0 (0 only echoes the prompt: set echo)"
         return None

@@ -102,6 +102,20 @@ class ChatPromptBuilder:
         self.check_ids(ids, param)
         return self.tokenizer.decode(ids)
 
+    def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as it starts a text and, when that tokenizes to a
+        different first token but as many tokens, after a space (mid-text)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+            spaced = tuple(self.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+            if not alone:
+                continue
+            out.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return tuple(out)
+
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's vocabulary string (byte-level pieces, e.g. "Ġworld"), as vLLM's `return_token_strs`."""
         return list(self.tokenizer.convert_ids_to_tokens(ids))
@@ -115,17 +129,22 @@ class ChatPromptBuilder:
             )
 
     def build(
-        self, params: ChatParams, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-        add_special_tokens: bool = False, max_tokens: int | None = None,
+        self, params: ChatParams, *, add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None, add_special_tokens: bool = False, max_tokens: int | None = None,
     ) -> ChatPrompt:  # fmt: skip
         """Chat template + image / video placeholder expansion + tokenization, or a raw prompt's ids as they
-        are; raises ParamError. The keyword options are vLLM's /tokenize ones (a chat completion's defaults).
+        are; raises ParamError. The keyword options are vLLM's /tokenize ones (None: the params' own, a chat's).
         With `max_tokens`, a rendered text with more bytes than that many tokens can hold is refused before
         any media preprocessing or tokenizing (ParamError("messages")): the template renders megabytes in
         milliseconds (and may drop text, e.g. earlier turns' reasoning, so the raw messages would not do),
         placeholders only ever expand, and tokenizing megabytes takes seconds to tens of seconds."""
         if params.prompt_ids is not None:
             return self._raw(list(params.prompt_ids))
+        if add_generation_prompt is None:  # the request's own (a chat completion's), unless /tokenize says
+            add_generation_prompt, continue_final_message = (
+                params.add_generation_prompt,
+                params.continue_final_message,
+            )
         conversation, images, videos = [], [], []
         for msg in params.messages:
             extra = {

@@ -357,6 +357,8 @@ class Reasoner:
         refused start), check the context: (prompt, completion token budget). ParamError for a bad request."""
         params.validate()
         self.prompts.check_ids(list(params.stop_token_ids), "stop_token_ids")
+        self.prompts.check_ids(list(params.allowed_token_ids or ()), "allowed_token_ids")
+        self.prompts.check_ids([token for token, _ in params.logit_bias], "logit_bias")
         deferred = self._deferred.pop(id(params), None)
         if prompt is None and params.prebuilt is not None:
             prompt = params.prebuilt
@@ -386,22 +388,13 @@ class Reasoner:
         pos: int,
     ) -> ReasonerSession:
         logits = self.transformer.compute_logits(hidden[-1:])[0]
-        sampler = TokenSampler(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=max(params.top_k, 0),
-            seed=params.seed,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            prompt_ids=tuple(prompt.input_ids),
-        )
+        sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
         grammar = None if params.structured is None else self.grammars.grammar(params.structured)
         session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
                                   params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None,
-                                  grammar=grammar)  # fmt: skip
+                                  grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(
                 self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs

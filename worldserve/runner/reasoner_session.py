@@ -46,12 +46,13 @@ class ReasonerSession:
         position: int, *, prompt: ChatPrompt, started: int, max_tokens: int, stop: Sequence[str],
         top_logprobs: int | None = None,
         ends: tuple[bool, int, tuple[int, ...], bool] = (False, 0, (), False),
-        grammar: TokenGrammar | None = None,
+        grammar: TokenGrammar | None = None, skip_special_tokens: bool = True,
     ) -> None:  # fmt: skip
         """`ends`: vLLM's (ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output) of the request;
         `grammar`: the structured output constraint the tokens must follow."""
         self._r, self._sampler, self._seq = reasoner, sampler, seq
         self.grammar = grammar
+        self.skip_special_tokens = skip_special_tokens
         self._logits: Tensor | None = self._constrained(logits)
         self._position = position
         self._prompt = prompt
@@ -204,10 +205,11 @@ class ReasonerSession:
         in _tail); `flush` takes it as it is."""
         decode = self._r.tokenizer.decode
         ids = self.token_ids
+        skip = self.skip_special_tokens
         if self._prefix is None:  # decoded once per boundary, not once per token
-            self._prefix = decode(ids[self._prefix_at : self._read_at], skip_special_tokens=True)
+            self._prefix = decode(ids[self._prefix_at : self._read_at], skip_special_tokens=skip)
         prefix = self._prefix
-        full = decode(ids[self._prefix_at :], skip_special_tokens=True)
+        full = decode(ids[self._prefix_at :], skip_special_tokens=skip)
         new = full[len(prefix) :] if len(full) > len(prefix) else ""
         if new and (flush or not new.endswith("\ufffd")):
             self._text += new

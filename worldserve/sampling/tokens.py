@@ -3,11 +3,14 @@
 `sample_tokens(samplers, logits [B, V])` draws one token per row, row b with `samplers[b]` (one
 `TokenSampler` per request, built once), every row in one pass on the logits' device and one host sync
 (a step of 32 chats costs about what one costs). `TokenSampler.sample(logits [V])` is the same for one row.
-Per row, as vLLM orders it: penalties first: repetition_penalty r over every token of the prompt and of the
+Per row, as vLLM orders it: the token restrictions first (`allowed_token_ids`: every other token -inf;
+`bad_words`: a word's last token -inf where the output ends with the tokens before it, a one-token word
+always; `logit_bias` added), then the penalties: repetition_penalty r over every token of the prompt and of the
 output so far (a positive logit divided by r, a negative one multiplied: transformers'
 RepetitionPenaltyLogitsProcessor), then the OpenAI penalties over the output so far (logit -=
 frequency_penalty * count + presence_penalty * [count > 0]). temperature 0 (below 1e-5) is then greedy (argmax,
-first index on ties), as in vLLM. Otherwise logits / temperature, then top-k (keep the k largest and the
+first index on ties), as in vLLM. Otherwise logits / temperature, then min_p (keep the tokens at least min_p times as likely as the most likely
+one), then top-k (keep the k largest and the
 tokens tied with the k-th, as vLLM does; with every k <= 1024 only the top max(k) are sorted), then top-p
 (keep the smallest prefix of the sorted probabilities whose mass reaches p; the top token always stays),
 then inverse-CDF sampling with one uniform number drawn from the request's CPU `torch.Generator` (seeded
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from worldserve.chat_params import ChatParams
 
 
 @dataclass(slots=True, kw_only=True)
@@ -43,11 +48,34 @@ class TokenSampler:
     """> 1 discourages tokens of the prompt and the output (multiplicative)."""
     prompt_ids: tuple[int, ...] = ()
     """The prompt, for repetition_penalty."""
+    min_p: float = 0.0
+    """Keep tokens at least this fraction as likely as the most likely one (0: all)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these may be sampled (None: any)."""
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never generated: the last token is banned where the output ends with the others."""
+    output: list[int] = field(init=False, default_factory=list)
+    """The tokens sampled so far, in order (kept for bad_words)."""
     generator: torch.Generator = field(init=False)
     output_counts: dict[int, int] = field(init=False, default_factory=dict)
     _counts: Tensor | None = field(init=False, default=None, repr=False)
     _unsynced: list[int] = field(init=False, default_factory=list, repr=False)
     _prompt_mask: Tensor | None = field(init=False, default=None, repr=False)
+    _fixed: tuple[Tensor, ...] | None = field(init=False, default=None, repr=False)  # device rule tensors
+
+    @classmethod
+    def of(
+        cls, params: ChatParams, prompt_ids: Sequence[int], bad_words: tuple[tuple[int, ...], ...] = ()
+    ) -> TokenSampler:
+        """The sampler of a chat's params (its prompt for repetition_penalty; its bad words as token ids)."""
+        return cls(
+            temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0), seed=params.seed,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, prompt_ids=tuple(prompt_ids), min_p=params.min_p,
+            logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids, bad_words=bad_words,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -68,12 +96,37 @@ class TokenSampler:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def restricted(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
+
+    def restrict(self, scores: Tensor) -> None:
+        """Apply allowed_token_ids, bad_words and logit_bias to one row of scores [V] (float32) in place."""
+        vocab, device = scores.shape[0], scores.device
+        if self._fixed is None or self._fixed[0].device != device:
+            allowed = torch.ones(vocab, dtype=torch.bool)
+            if self.allowed_token_ids is not None:
+                allowed.zero_()[list(self.allowed_token_ids)] = True
+            bias = torch.zeros(vocab, dtype=torch.float32)
+            for token, value in self.logit_bias:
+                bias[token] += value
+            self._fixed = (allowed.to(device), bias.to(device))
+        allowed, bias = self._fixed
+        scores.add_(bias).masked_fill_(~allowed, float("-inf"))
+        banned = [
+            w[-1] for w in self.bad_words if len(w) == 1 or tuple(self.output[-(len(w) - 1) :]) == w[:-1]
+        ]
+        if banned:
+            scores[_host_to(banned, torch.long, device)] = float("-inf")
+
+    @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def record(self, token: int) -> None:
         """Count `token` as output (for the penalties of later calls)."""
         self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        if self.bad_words:
+            self.output.append(token)
         if self.penalized:  # only the penalties read the device-side counts
             self._unsynced.append(token)
 
@@ -177,6 +230,9 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
     if len(samplers) != logits.shape[0]:
         raise ValueError(f"{len(samplers)} samplers for {logits.shape[0]} rows of logits")
     scores = logits.detach().to(torch.float32, copy=True)  # [B, V]: one copy, whatever the dtype
+    for row, s in enumerate(samplers):
+        if s.restricted:
+            s.restrict(scores[row])
     _penalize(samplers, scores)
     tokens = scores.argmax(-1)  # [B]: the greedy rows' answer (first index on ties)
     rows = [i for i, s in enumerate(samplers) if not s.greedy]
@@ -184,15 +240,16 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
         sub = [samplers[i] for i in rows]
         vocab = scores.shape[1]
         ks = [s.top_k if 0 < s.top_k < vocab else vocab for s in sub]
-        # per row: temperature, top_k, top_p (inf: off), a uniform draw from the request's generator
+        # per row: temperature, top_k, top_p (inf: off), a uniform draw from the request's generator, min_p
         knobs = [[s.temperature, k, s.top_p if s.top_p < 1 else float("inf"),
-                  float(torch.rand((), generator=s.generator))] for s, k in zip(sub, ks, strict=True)]  # fmt: skip
-        temp, k, p, u = _host_to(knobs, torch.float32, scores.device).unbind(1)  # [S] each
+                  float(torch.rand((), generator=s.generator)), s.min_p] for s, k in zip(sub, ks, strict=True)]  # fmt: skip
+        temp, k, p, u, min_p = _host_to(knobs, torch.float32, scores.device).unbind(1)  # [S] each
         idx, x = _rows(samplers, rows, scores)
         x = x / temp[:, None]  # [S, V]
         vals, order = _sorted_candidates(x, k, max(ks))  # [S, n] each, descending
         kth = vals.gather(1, (k.long() - 1).clamp(max=vals.shape[1] - 1)[:, None])  # [S, 1]
         keep = vals >= kth  # the k largest, and every token tied with the k-th
+        keep &= vals >= vals[:, :1] + min_p.log()[:, None]  # min_p (log 0 = -inf keeps all): p >= min_p p_max
         probs = vals.masked_fill(~keep, float("-inf")).softmax(-1)
         keep &= probs.cumsum(-1) - probs < p[:, None]  # drop a token once the mass before it reaches p
         cdf = vals.masked_fill(~keep, float("-inf")).softmax(-1).cumsum(-1)  # [S, n]

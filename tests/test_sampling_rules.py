@@ -1,0 +1,165 @@
+"""vLLM's token rules in the Reasoner's sampler (sampling/tokens.py): min_p, logit_bias, allowed_token_ids and
+bad_words on random logits, one row at a time and batched beside rows without them; then the same options,
+with skip_special_tokens, continue_final_message and use_beam_search, over real HTTP on the tiny Reasoner.
+"""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+
+from worldserve.sampling.tokens import TokenSampler, sample_tokens
+
+V = 64
+
+
+def _logits(seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    logits = _logits(scale=1.0)
+    probs = logits.softmax(-1)
+    kept = {i for i in range(V) if probs[i] >= 0.2 * probs.max()}
+    drawn = {TokenSampler(temperature=1.0, min_p=0.2, seed=s).sample(logits) for s in range(300)}
+    assert drawn <= kept and len(drawn) == len(kept) > 1
+    # min_p on the temperature-scaled distribution: a higher temperature keeps more
+    hot = {TokenSampler(temperature=2.0, min_p=0.2, seed=s).sample(logits) for s in range(300)}
+    assert hot >= drawn and len(hot) > len(drawn)
+    assert {TokenSampler(temperature=1.0, min_p=1.0, seed=s).sample(logits) for s in range(20)} == {
+        int(logits.argmax())
+    }
+
+
+def test_logit_bias_and_allowed_token_ids():
+    logits = _logits(1)
+    low = int(logits.argmin())
+    assert TokenSampler(temperature=0, logit_bias=((low, 100.0),)).sample(logits) == low
+    top = int(logits.argmax())
+    assert TokenSampler(temperature=0, logit_bias=((top, -100.0),)).sample(logits) != top
+    allowed = (3, 17, 40)
+    draws = {
+        TokenSampler(temperature=1.5, allowed_token_ids=allowed, seed=s).sample(logits) for s in range(200)
+    }
+    assert draws == set(allowed)
+    assert TokenSampler(temperature=0, allowed_token_ids=allowed).sample(logits) == max(
+        allowed, key=lambda t: logits[t]
+    )
+
+
+def test_bad_words_ban_the_last_token_after_the_others():
+    logits = torch.zeros(V)
+    logits[5] = 10.0  # greedy would say 5, 5, 5, ...
+    logits[6] = 9.0
+    s = TokenSampler(temperature=0, bad_words=((7, 5), (6,)))  # "7 5" and "6" are banned
+    assert s.sample(logits) == 5  # no 7 before it: 5 is fine
+    forced = logits.clone()
+    forced[7] = 20.0
+    assert s.sample(forced) == 7  # now the output ends with 7 ...
+    assert s.sample(logits) not in (5, 6)  # ... so 5 may not follow, and 6 never may
+    assert s.sample(logits) == 5  # the output ends with something else again
+
+
+def test_rules_batched_beside_plain_rows_equal_each_row_alone():
+    kinds = [dict(temperature=0.9, min_p=0.1), dict(temperature=0), dict(temperature=1.0, logit_bias=((2, 5.0),)),
+             dict(temperature=1.0, allowed_token_ids=(1, 2, 3, 60)), dict(temperature=0.7, top_k=5),
+             dict(temperature=1.0, bad_words=((9,), (4, 4)))]  # fmt: skip
+    logits = torch.stack([_logits(10 + i) for i in range(len(kinds))])
+    alone = [TokenSampler(**kw, seed=3 + i) for i, kw in enumerate(kinds)]
+    batched = [TokenSampler(**kw, seed=3 + i) for i, kw in enumerate(kinds)]
+    for _ in range(8):
+        together = sample_tokens(batched, logits)
+        assert together == [s.sample(logits[i]) for i, s in enumerate(alone)]
+
+
+MODEL = "test-model"
+HI = [{"role": "user", "content": "Name a color."}]
+
+
+def _post(url: str, route: str = "/v1/chat/completions", **body) -> httpx.Response:
+    base = {
+        "model": MODEL,
+        "max_tokens": 8,
+        **({"messages": HI} if route.endswith("chat/completions") else {}),
+    }
+    return httpx.post(url + route, json={**base, **body}, timeout=60)
+
+
+def _token_ids(url: str, text: str) -> list[int]:
+    return httpx.post(
+        url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30
+    ).json()["tokens"]
+
+
+def test_options_over_http(reasoner_url):
+    url = reasoner_url
+    allowed = _token_ids(url, "red green blue")
+    words = {
+        httpx.post(url + "/detokenize", json={"tokens": [t]}, timeout=30).json()["prompt"] for t in allowed
+    }
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        chat = route.endswith("chat/completions")
+        extra = {"logprobs": True} if chat else {"prompt": "A color:", "logprobs": 0}
+        r = _post(url, route, allowed_token_ids=allowed, temperature=1.0, seed=1, ignore_eos=True, **extra)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        tokens = [e["token"] for e in lp["content"]] if chat else lp["tokens"]
+        assert len(tokens) == 8 and set(tokens) <= words, tokens
+    # logit_bias: +100 on one token makes a greedy chat repeat it
+    token = _token_ids(url, " blue")[-1]
+    r = _post(url, temperature=0, logit_bias={str(token): 100}, ignore_eos=True, max_tokens=4)
+    assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["message"]["content"] == (
+        httpx.post(url + "/detokenize", json={"tokens": [token] * 4}, timeout=30).json()["prompt"])  # fmt: skip
+    # bad_words: that token's word never comes back, even pushed by a bias
+    r = _post(url, temperature=0, logit_bias={str(token): 100}, bad_words=["blue"], max_tokens=6)
+    assert "blue" not in r.json()["choices"][0]["message"]["content"]
+    greedy = _post(url, temperature=0, max_tokens=6).json()["choices"][0]["message"]["content"]
+    assert (
+        _post(url, temperature=0, max_tokens=6, min_p=0.5).json()["choices"][0]["message"]["content"]
+        == greedy
+    )
+
+
+def test_special_tokens_and_continuing_a_message(reasoner_url):
+    url = reasoner_url
+    end = _token_ids(url, "<|im_end|>")
+    assert len(end) == 1
+    kw = {"temperature": 0, "logit_bias": {str(end[0]): 100}, "ignore_eos": True, "max_tokens": 2}
+    assert _post(url, **kw).json()["choices"][0]["message"]["content"] == ""
+    shown = _post(url, skip_special_tokens=False, **kw).json()["choices"][0]["message"]["content"]
+    assert shown == "<|im_end|><|im_end|>"
+    prefix = [*HI, {"role": "assistant", "content": "The color is"}]
+    cont = _post(url, messages=prefix, continue_final_message=True, add_generation_prompt=False, max_tokens=1)
+    fresh = _post(url, messages=prefix, max_tokens=1)
+    assert cont.status_code == fresh.status_code == 200, cont.text
+    assert (
+        cont.json()["usage"]["prompt_tokens"] < fresh.json()["usage"]["prompt_tokens"]
+    )  # left open: no new turn
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"min_p": 1.5}, "min_p", "less than or equal"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", "out of vocabulary"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
+        ({"allowed_token_ids": [1, 99999]}, "allowed_token_ids", "out of vocabulary"),
+        ({"use_beam_search": True}, "use_beam_search", "not supported"),
+        ({"continue_final_message": True}, "continue_final_message", "Cannot set both"),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_bad_options_are_400s_naming_the_field(reasoner_url, route, body, param, needle):
+    if route == "/v1/completions":
+        if param == "continue_final_message":
+            return  # a chat option
+        body = {**body, "prompt": "hi"}
+    r = _post(reasoner_url, route, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert not math.isnan(err["code"])
