@@ -5,11 +5,14 @@ with skip_special_tokens, continue_final_message and use_beam_search, over real 
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 
 import httpx
 import pytest
 import torch
+from serving_helpers import png_bytes
 
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
@@ -140,6 +143,46 @@ def test_special_tokens_and_continuing_a_message(reasoner_url):
     )  # left open: no new turn
 
 
+def test_prompt_truncation_and_chat_echo(reasoner_url):
+    url = reasoner_url
+    long = "A red fox runs through a snowy forest at dawn. " * 20
+    ids = _token_ids(url, long)
+    whole = _post(url, "/v1/completions", prompt=long, max_tokens=1, temperature=0).json()
+    cut = _post(
+        url, "/v1/completions", prompt=long, max_tokens=1, temperature=0, truncate_prompt_tokens=10
+    ).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids) and cut["usage"]["prompt_tokens"] == 10
+    tail = _post(url, "/v1/completions", prompt=ids[-10:], max_tokens=1, temperature=0).json()
+    assert cut["choices"][0]["text"] == tail["choices"][0]["text"]  # the last 10 tokens are what is kept
+    chat = _post(url, messages=[{"role": "user", "content": long}], max_tokens=1, truncate_prompt_tokens=12)
+    assert chat.json()["usage"]["prompt_tokens"] == 12
+    image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    pic = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "?"}],
+        }
+    ]
+    refused = _post(url, messages=pic, truncate_prompt_tokens=3)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens", (
+        refused.text
+    )
+    prefix = [*HI, {"role": "assistant", "content": "The color is"}]
+    kw = {
+        "messages": prefix,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "temperature": 0,
+    }
+    plain = _post(url, **kw).json()["choices"][0]["message"]["content"]
+    echoed = _post(url, echo=True, **kw).json()["choices"][0]["message"]["content"]
+    assert echoed == "The color is" + plain
+    with httpx.stream("POST", url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 8, "stream": True,
+                                                                  "echo": True, **kw}, timeout=60) as r:  # fmt: skip
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == echoed
+
+
 @pytest.mark.parametrize(
     ("body", "param", "needle"),
     [
@@ -150,6 +193,9 @@ def test_special_tokens_and_continuing_a_message(reasoner_url):
         ({"allowed_token_ids": [1, 99999]}, "allowed_token_ids", "out of vocabulary"),
         ({"use_beam_search": True}, "use_beam_search", "not supported"),
         ({"continue_final_message": True}, "continue_final_message", "Cannot set both"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
+        ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "greater than max_model_len"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal"),
     ],
 )
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])

@@ -205,6 +205,8 @@ class ChatParams:
     """The chat template opens the assistant's turn after the messages."""
     continue_final_message: bool = False
     """vLLM's: the last message (an assistant's prefix) is left open and continued."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: only the prompt's last this-many tokens are kept (-1: max_model_len; text prompts only)."""
     prebuilt: Any = field(default=None, compare=False, repr=False)
     """The prompt built from these params (runner/chat_prompt.py's ChatPrompt: template, tokens, media),
     when the API built it in its own worker thread; None: the Reasoner builds it (on the chat worker's

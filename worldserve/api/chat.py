@@ -138,7 +138,8 @@ def prepared_params(
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     if prompts is None:
         return params
-    prebuilt = prompts.build(params, max_tokens=worker.backend.max_model_len)
+    bound = worker.backend.max_model_len if body.truncate_prompt_tokens is None else None  # truncated later
+    prebuilt = prompts.build(params, max_tokens=bound)
     return dataclasses.replace(params, prebuilt=prebuilt)
 
 
@@ -226,12 +227,14 @@ async def _answer(
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
     if body.stream:
         include_usage, continuous_usage = body.stream_usage()
-        stream = sse(
-            streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage, tools
-        )
+        stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage,
+                     tools, body.echo_text())  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")
     answer = await collect(
         streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, tools
     )
     answer.prompt_logprobs = prompt_logprob_rows(first.prompt_logprobs, body.prompt_logprobs)
+    if echo := body.echo_text():  # vLLM's chat echo: the continued message, then its continuation
+        for choice in answer.choices:
+            choice.message.content = echo + (choice.message.content or "")
     return answer

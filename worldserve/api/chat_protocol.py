@@ -113,6 +113,8 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     """vLLM's beam search: refused (this server samples)."""
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """vLLM's: keep only the prompt's last this-many tokens (-1: max_model_len); text prompts only."""
     # structured outputs (vLLM extensions); typed Any so that a wrong value gets the 400 naming the field
     # (api/structured_fields.py) rather than pydantic's validation error
     structured_outputs: Any = None
@@ -136,7 +138,7 @@ class SamplingRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output, "min_p": pick(self.min_p, 0.0),
             "logit_bias": logit_bias(self.logit_bias), "bad_words": tuple(self.bad_words or ()),
             "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            "skip_special_tokens": self.skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens, "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }  # fmt: skip
 
     def misplaced_stream_options(self) -> bool:
@@ -184,6 +186,18 @@ class ChatCompletionRequest(SamplingRequest):
     )
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description="vLLM's: continue the last (assistant) message.")
+    echo: bool = Field(
+        False, description="vLLM's: the answer starts with the last message when it is the assistant's."
+    )
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's text when it is an assistant's (else "")."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(p.text or "" for p in last.content if p.type == "text")
 
     def unsupported(self) -> str | None:
         """The legacy function-calling field set, if any (answered with a 400: send `tools`)."""

@@ -221,7 +221,7 @@ async def collect(
 
 async def sse(
     streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
-    include_usage: bool, continuous_usage: bool = False, tools: ToolMode | None = None,
+    include_usage: bool, continuous_usage: bool = False, tools: ToolMode | None = None, echo: str = "",
 ) -> AsyncIterator[str]:  # fmt: skip
     """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
     with `tools`, each choice's text goes through a ToolStream (content and tool-call deltas)."""
@@ -259,6 +259,7 @@ async def sse(
             ).sse()
 
     roles = [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(streams))]
+    roles += [chunk(index, {"content": echo}) for index in range(len(streams)) if echo]  # vLLM's chat echo
     async for text in sse_events(streams, render, tail, head=roles):
         yield text
 

@@ -92,7 +92,8 @@ async def create_completion(request: Request, st: State):
         raise APIError(400, refused[1], param=refused[0])
     structured = await asyncio.to_thread(structured_output, body)  # its grammar compiles: off the event loop
     prompts, max_model_len = reasoner_prompts(st)
-    tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, max_model_len)
+    bound = max_model_len if body.truncate_prompt_tokens is None else None  # a truncated prompt may be longer
+    tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, bound)
     echo_only = body.max_tokens == 0  # with echo (refused() made sure): the prompt alone, as vLLM answers it
     if echo_only:  # vLLM's way: one token generated (every check of a generating request applies) and dropped
         body = body.model_copy(update={"max_tokens": 1})

@@ -207,6 +207,23 @@ class ChatPromptBuilder:
             input_ids=ids, vision=vision, video=video, positions=positions, next_position=next_pos
         )
 
+    def truncated(self, prompt: ChatPrompt, keep: int, max_model_len: int) -> ChatPrompt:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len), as a text prompt;
+        ParamError for a prompt with images or videos (their tokens cannot be cut) or a size past the context."""
+        keep = max_model_len if keep == -1 else keep
+        if keep == 0:
+            raise ParamError(
+                "truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1, got 0"
+            )
+        if keep > max_model_len:
+            raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
+                             f"max_model_len ({max_model_len}). Please, select a smaller truncation size.")  # fmt: skip
+        if len(prompt.input_ids) <= keep:
+            return prompt
+        if prompt.vision is not None or prompt.video is not None:
+            raise ParamError("truncate_prompt_tokens", "a prompt with images or videos cannot be truncated")
+        return self._raw(list(prompt.input_ids[len(prompt.input_ids) - keep :]))
+
     def _raw(self, ids: list[int]) -> ChatPrompt:
         """A raw prompt: ids checked (in the vocabulary, no vision placeholder), text positions (k, k, k)."""
         self.check_ids(ids, "prompt")

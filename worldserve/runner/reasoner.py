@@ -366,6 +366,8 @@ class Reasoner:
             prompt = (
                 deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
             )
+        if params.truncate_prompt_tokens is not None:
+            prompt = self.prompts.truncated(prompt, params.truncate_prompt_tokens, self.max_model_len)
         n = len(prompt.input_ids)
         room = self.max_model_len - n
         if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
