@@ -72,18 +72,23 @@ def _stream(url: str, **body) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "unset",
-    [{"guided_json": None}, {"guided_choice": []}, {"guided_regex": ""}, {"structured_outputs": {}},
-     {"structured_outputs": None, "guided_decoding_backend": None},
-     {"guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": "[ ]*"}],
+    ("fields", "status", "param"),
+    [({"guided_json": None}, 200, None), ({"structured_outputs": None, "guided_decoding_backend": None}, 200, None),
+     ({"guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": "[ ]*"}, 200, None),
+     ({"guided_regex": ""}, 200, None), ({"guided_choice": []}, 400, "guided_choice"),
+     ({"structured_outputs": {}}, 400, "structured_outputs")],
 )  # fmt: skip
-def test_null_or_empty_constrained_fields_are_ignored(url, unset):
-    """Null or empty values ask for nothing, nor do the guided-decoding options without a constraint (vLLM
-    ignores them then): the request is answered as without them."""
-    body = {"model": MODEL, "messages": HI, "max_tokens": 2, **unset}
+def test_null_constraint_fields_ask_for_nothing_and_empty_ones_count(url, fields, status, param):
+    """As vLLM counts them: null asks for nothing, nor do the guided-decoding options without a constraint;
+    an empty value is a constraint (an empty regex: the empty text; an empty choice list or an empty
+    structured_outputs: a 400)."""
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2, **fields}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
-    assert r.status_code == 200, r.text
-    assert r.json()["object"] == "chat.completion"
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == param
+    elif fields.get("guided_regex") == "":
+        assert r.json()["choices"][0]["message"]["content"] == ""
 
 
 def test_continuous_usage_stats_on_every_chunk(url):

@@ -281,3 +281,60 @@ def test_constrained_chats_on_cuda_equal_the_cpu(tiny_ckpt, reasoner):
     assert outs[0] == outs[1]
     for ids in outs[1]:
         assert conforms(json.loads(reasoner.tokenizer.decode(ids)))
+
+
+def test_grammars_deep_enough_to_overflow_a_thread_stack_compile_or_are_refused():
+    """llguidance recurses once per rule of a chain: 5,000 chained Lark rules (or a 2,000-deep $ref chain)
+    killed the process on an 8 MiB stack; they compile on the big-stack thread, and a spec past
+    MAX_SPEC_BYTES is a 400 before any compile."""
+    from worldserve.sampling.grammar import MAX_SPEC_BYTES
+
+    chain = "start: r0\n" + "".join(f'r{i}: r{i + 1} | "x"\n' for i in range(5000)) + 'r5000: "y"\n'
+    check(StructuredOutput(kind="grammar", spec=chain))
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "null"}]} for i in range(2000)}
+    defs["d2000"] = {"type": "integer"}
+    check(StructuredOutput(kind="json", spec=json.dumps({"$ref": "#/$defs/d0", "$defs": defs})))
+    with pytest.raises(ParamError, match="longer than"):
+        check(StructuredOutput(kind="regex", spec="a" * (MAX_SPEC_BYTES + 1), field="guided_regex"))
+
+
+def test_closed_objects_keeps_literals_and_survives_deep_nesting():
+    schema = {
+        "type": "object",
+        "properties": {"k": {"const": {"type": "object"}, "enum": [{"properties": {}}]}},
+    }
+    closed = closed_objects(schema)
+    assert closed["properties"]["k"]["const"] == {"type": "object"} and closed["properties"]["k"]["enum"] == [
+        {"properties": {}}]  # fmt: skip
+    deep = '{"type": "object", "properties": {"a": ' * 700 + '{"type": "string"}' + "}}" * 700
+    try:  # compiled, or refused by Python's recursion limit or llguidance's depth limit: never a RecursionError
+        check(
+            StructuredOutput(
+                kind="json", spec=deep, additional_properties=False, field="structured_outputs.json"
+            )
+        )
+    except ParamError as exc:
+        assert exc.param == "structured_outputs.json"
+
+
+def test_thousands_of_choices_and_grammars_failing_at_their_first_token(reasoner, compiler):
+    choices = [f"option {i}" for i in range(3000)]  # past the Earley row limit as one rule per choice
+    text, session = run_to_end(reasoner, _chat(StructuredOutput(kind="choice", spec=json.dumps(choices)),
+                                               max_tokens=20, seed=1))  # fmt: skip
+    assert text in choices and session.finish_reason == "stop"
+    loop = json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})
+    for kind, spec in (("grammar", "start: start"), ("json", loop)):  # no text matches them: a 400 at their
+        with pytest.raises(ParamError) as info:  # first token, not an empty answer with finish_reason "stop"
+            compiler.compile(StructuredOutput(kind=kind, spec=spec, field="guided_x"))
+        assert info.value.param == "guided_x"
+
+
+def test_an_end_only_grammar_with_min_tokens_and_ignore_eos_after_the_grammar(reasoner):
+    """min_tokens cannot mask the only tokens a grammar allows (an empty choice: the end at once); with
+    ignore_eos, a finished grammar constrains nothing more (vLLM's): free text follows its end."""
+    text, session = run_to_end(reasoner, _chat(StructuredOutput(kind="choice", spec='[""]'), max_tokens=5,
+                                               min_tokens=3, seed=0))  # fmt: skip
+    assert text == "" and session.finish_reason == "stop"
+    text, session = run_to_end(reasoner, _chat(StructuredOutput(kind="choice", spec='["yes"]'), max_tokens=8,
+                                               ignore_eos=True, seed=0))  # fmt: skip
+    assert text.startswith("yes") and session.completion_tokens == 8 and session.grammar.ended

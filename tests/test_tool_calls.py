@@ -97,12 +97,35 @@ def test_hermes_parse_of_a_finished_text():
     )
 
 
+def test_required_lifts_the_tools_defs_and_refuses_conflicting_ones():
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "$defs": {"Item": item}}}}  # fmt: skip
+    so = tool_constraint(tool_mode([ToolIn.model_validate(tool), TOOLS[1]], "required"))
+    schema = json.loads(so.spec)
+    assert (
+        schema["$defs"] == {"Item": item}
+        and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    )
+    check(so)
+    other = json.loads(json.dumps(tool))
+    other["function"]["name"] = "sub"
+    other["function"]["parameters"]["$defs"]["Item"] = {"type": "string"}
+    with pytest.raises(ParamError) as info:
+        tool_constraint(tool_mode([ToolIn.model_validate(tool), ToolIn.model_validate(other)], "required"))
+    assert info.value.param == "tools" and "Item" in str(info.value)
+
+
 def test_message_calls_hand_json_arguments_to_the_template_as_objects():
     from worldserve.api.tool_calls import ToolCallIn
 
     calls = [ToolCallIn.model_validate({"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}),
              ToolCallIn.model_validate({"function": {"name": "get_time", "arguments": "not json"}})]  # fmt: skip
     out = message_calls(calls)
+    surrogate = ToolCallIn.model_validate({"function": {"name": "f", "arguments": '{"x": "\\ud800"}'}})
+    with pytest.raises(ParamError) as info:
+        message_calls([calls[0], surrogate], "messages[3]")
+    assert info.value.param == "messages[3].tool_calls[1].function.arguments"
     assert out[0] == {
         "id": "c1",
         "type": "function",
@@ -138,6 +161,8 @@ def _cuts(text: str, rng: random.Random) -> list[str]:
         '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
         "A plain answer with < and <tool in it, but no call.",
         '<tool_call>{"name": "get_time", "arguments": {}}',  # unterminated: parsed at the end
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>not json</tool_call>',
+        'Hm <tool_call>not json</tool_call> then <tool_call>{"name": "get_time", "arguments": {}}</tool_call> x',
     ],
 )
 def test_auto_stream_adds_up_to_the_finished_answer(text):

@@ -53,7 +53,7 @@ from worldserve.api.chat_stream import close_all, collect, prompt_logprob_rows, 
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
-from worldserve.api.structured_fields import structured_output
+from worldserve.api.structured_fields import precompile, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
 from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput, VideoSampling
 
@@ -98,10 +98,16 @@ def build_params(
     checks the media counts) and decoded (blocking: call it off the event loop); `options`: its
     request_options, when already checked."""
     options = options or request_options(body)
+    sampling = body.sampling_options()
+    if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
+        sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
     messages = []
     for i, msg in enumerate(body.messages):
         role = "system" if msg.role == "developer" else msg.role
-        calls = {"tool_calls": message_calls(msg.tool_calls), "tool_call_id": msg.tool_call_id}
+        calls = {
+            "tool_calls": message_calls(msg.tool_calls, f"messages[{i}]"),
+            "tool_call_id": msg.tool_call_id,
+        }
         if msg.content is None or isinstance(msg.content, str):
             messages.append(ChatMessage(role=role, content=msg.content or "", **calls))
         else:
@@ -113,7 +119,7 @@ def build_params(
     return ChatParams(
         messages=tuple(messages),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        **body.sampling_options(),
+        **sampling,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
         prompt_logprobs=body.prompt_logprobs,
@@ -135,6 +141,7 @@ def prepared_params(
     for the context by its byte count alone is refused before it is tokenized (ParamError("messages"))."""
     params = build_params(body, st.allowed_local_media_path, fetched, options)
     worker = st.client.chat_worker
+    precompile(worker.backend if worker is not None else None, params.structured)
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     if prompts is None:
         return params

@@ -31,10 +31,9 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 
 def is_set(value: Any) -> bool:
-    """Whether a request field asks for something (null, "", [], {} and false ask for nothing)."""
-    return (
-        value is not None and value is not False and not (isinstance(value, str | list | dict) and not value)
-    )
+    """Whether a request field asks for something, as vLLM counts them: anything but null (an empty schema
+    is any JSON, an empty regex the empty text) and, for json_object, false."""
+    return value is not None and value is not False
 
 
 def structured_output(body: Any, tools: StructuredOutput | None = None) -> StructuredOutput | None:
@@ -56,6 +55,15 @@ def structured_output(body: Any, tools: StructuredOutput | None = None) -> Struc
         return None
     check(found[0])
     return found[0]
+
+
+def precompile(backend: Any, so: StructuredOutput | None) -> None:
+    """Compile `so` with the Reasoner's tokenizer and try its first token (its grammar compiler keeps it for
+    the chat): blocking, on the request's own thread; ParamError when the grammar fails there. Backends
+    without grammars (test fakes) skip it."""
+    compiler = getattr(backend, "grammars", None)
+    if so is not None and compiler is not None:
+        compiler.compile(so)
 
 
 def _response_format(rf: dict[str, Any] | None) -> StructuredOutput | None:

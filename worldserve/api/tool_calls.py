@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from worldserve.api.bodies import check_unicode
+from worldserve.api.errors import APIError
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 
@@ -135,24 +137,41 @@ def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
     if mode.choice == "named":
         tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
         schema = parameters(tool)
-    else:
-        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-            {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": parameters(t)},
-             "required": ["name", "parameters"]} for t in mode.tools]}}  # fmt: skip
+    else:  # the tools' own $defs lifted to the list's top level, where their "#/$defs/..." refs now point
+        defs: dict[str, Any] = {}
+        alternatives = []
+        for t in mode.tools:
+            params = dict(parameters(t))
+            for name, definition in params.pop("$defs", {}).items():
+                if defs.setdefault(name, definition) != definition:
+                    raise ParamError("tools", f"Tool definitions have conflicting $defs {name!r}: with "
+                                     'tool_choice "required" all tools share one set of $defs')  # fmt: skip
+            alternatives.append({"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                 "parameters": params}, "required": ["name", "parameters"]})  # fmt: skip
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+        if defs:
+            schema["$defs"] = defs
     return StructuredOutput(kind="json", spec=json.dumps(schema), field="tools")
 
 
-def message_calls(calls: list[ToolCallIn] | None) -> tuple[dict, ...]:
+def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tuple[dict, ...]:
     """An assistant turn's calls as the chat template takes them: JSON arguments as objects (vLLM's way;
-    Qwen's template prints them back as JSON)."""
+    Qwen's template prints them back as JSON). `where`: the message's field, for a ParamError naming the
+    arguments when their JSON escapes a lone surrogate (no text a tokenizer takes)."""
     out = []
-    for call in calls or ():
+    for j, call in enumerate(calls or ()):
         args = call.function.arguments
         if isinstance(args, str):
             try:
                 args = json.loads(args)
             except ValueError:
                 pass  # not JSON: handed over as the text it is
+            else:
+                try:
+                    check_unicode(args, call.function.arguments)
+                except APIError:
+                    field = f"{where}.tool_calls[{j}].function.arguments"
+                    raise ParamError(field, f"{field}: not valid Unicode text (a lone surrogate)") from None
         out.append(
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
         )
@@ -160,18 +179,18 @@ def message_calls(calls: list[ToolCallIn] | None) -> tuple[dict, ...]:
 
 
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCallOut]] | None:
-    """(content before the first call or None, the calls) of a text holding <tool_call> blocks, each JSON
-    {"name", "arguments"}; None when it holds none, or one that does not parse (then it is all content)."""
-    if CALL_START not in text:
-        return None
-    calls = []
+    """(content or None, the calls) of a text holding <tool_call> blocks, each JSON {"name", "arguments"}:
+    the content is the text before the first block that parses (a block that does not parse is text), the
+    rest after it is dropped; None when no block parses (then it is all content). ToolStream sends the same."""
+    content, calls = None, []
     for match in CALL_RE.finditer(text):
         call = _call(match.group(1) if match.group(1) is not None else match.group(2))
         if call is None:
-            return None
+            continue
+        if not calls:
+            content = text[: match.start()]
         calls.append(call)
-    content = text[: text.index(CALL_START)]
-    return (content or None), calls
+    return ((content or None), calls) if calls else None
 
 
 def _call(body: str) -> ToolCallOut | None:

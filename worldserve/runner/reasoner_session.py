@@ -87,15 +87,16 @@ class ReasonerSession:
     def pending_logits(self) -> Tensor | None:
         """Logits of the next token (those the grammar forbids at -inf), or None while its decode step is
         outstanding or the chat is over; before `min_tokens` tokens, those of every token that would end it
-        are -inf too (vLLM's min_tokens), unless a complete grammar allows nothing else."""
+        are -inf too (vLLM's min_tokens), unless the grammar allows nothing else."""
         if self._logits is None or self.completion_tokens >= self.min_tokens:
-            return self._logits
-        if self.grammar is not None and self.grammar.complete:
             return self._logits
         if self._ends is None:
             ids = sorted((set() if self.ignore_eos else set(self._r.stop_token_ids)) | self.stop_token_ids)
             self._ends = torch.tensor(ids, dtype=torch.long, device=self._logits.device)
-        return self._logits.index_fill(0, self._ends, float("-inf"))
+        masked = self._logits.index_fill(0, self._ends, float("-inf"))
+        if self.grammar is not None and not bool(torch.isfinite(masked).any()):  # a host read: grammars only
+            return self._logits
+        return masked
 
     def step(self) -> ChatDelta:
         """Sample one token, return the new text (possibly empty) and the finish reason once done."""

@@ -6,21 +6,63 @@ with no per-grammar precompilation over the vocabulary).
 Here, without torch (the API uses it): `grammar_text(StructuredOutput)` is the llguidance grammar of a
 request; `check(StructuredOutput)` raises ParamError naming the request field when it does not compile (the
 API calls it before accepting a request). sampling/token_grammar.py applies a grammar to the logits.
+llguidance's compiler recurses once per rule of a chain (a 2,000-deep $ref chain overflows an 8 MiB thread
+stack and kills the process), so every compile runs `on_big_stack` and a spec is at most MAX_SPEC_BYTES.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import llguidance
 
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 
+MAX_SPEC_BYTES = 1 << 20
+"""Largest constraint (schema, regex, grammar, choice list) taken, in UTF-8 bytes: far above any schema a
+prompt would carry, and within what COMPILE_STACK_BYTES compiles (a 50,000-rule chain needs ~500 MiB)."""
+COMPILE_STACK_BYTES = 1 << 30
+"""The compile thread's stack (virtual memory: only the pages a deep grammar touches are ever committed)."""
+SCHEMA_KEYWORDS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+"""Keywords whose value maps names to schemas (the rest of a schema's object values are schemas themselves
+or literals: `closed_objects` walks only schemas)."""
+LITERAL_KEYWORDS = frozenset(("const", "enum", "default", "examples", "required", "x-guidance"))
+
+T = TypeVar("T")
+_STACK_LOCK = threading.Lock()
+
+
+def on_big_stack(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a thread of its own with COMPILE_STACK_BYTES of stack (the caller waits)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller
+            result["error"] = exc
+
+    with _STACK_LOCK:  # threading.stack_size is process-wide: set, start, restore
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
 
 def grammar_text(so: StructuredOutput) -> str:
     """The llguidance grammar of `so`; ParamError(so.field) when its spec is not even well-formed."""
+    if len(so.spec.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise ParamError(so.field, f"the {so.kind} constraint is longer than {MAX_SPEC_BYTES} bytes")
     options: dict[str, Any] = {"whitespace_flexible": so.any_whitespace}
     if so.whitespace_pattern is not None:
         options["whitespace_pattern"] = so.whitespace_pattern
@@ -36,35 +78,44 @@ def grammar_text(so: StructuredOutput) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
         if so.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(so.spec)
-        if so.kind == "choice":
+        if so.kind == "choice":  # one terminal (a single lexeme): Earley rules per choice stop at ~2,000
             choices = json.loads(so.spec)
             return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+                "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
             )
         if so.kind == "grammar":
             return llguidance.grammar_from("grammar", so.spec)  # Lark, or GBNF / EBNF converted to Lark
         if so.kind == "structural_tag":
             return structural_tag_grammar(json.loads(so.spec), so.field)
-    except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+    except (ValueError, TypeError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
         raise ParamError(so.field, f"invalid {so.kind} constraint: {exc}") from None
     raise ParamError(so.field, f"unknown structured output kind {so.kind!r}")
 
 
 def check(so: StructuredOutput) -> None:
     """Compile `so`'s grammar once (no tokenizer needed): ParamError naming its field when it is invalid."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(so))
+    text = grammar_text(so)
+    is_error, messages = on_big_stack(llguidance.LLMatcher.validate_grammar_with_warnings, text)
     if is_error:
         raise ParamError(so.field, f"invalid {so.kind} constraint: {messages[0].strip()}")
 
 
 def closed_objects(schema: Any) -> Any:
     """vLLM's disable_additional_properties: every object schema without `additionalProperties` gets
-    `additionalProperties: false` (only the listed properties may appear)."""
+    `additionalProperties: false` (only the listed properties may appear). Literals (const, enum, default,
+    examples) are left as they are. RecursionError past Python's depth (the caller answers a 400)."""
     if isinstance(schema, list):
         return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed_objects(v) for k, v in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        if key in LITERAL_KEYWORDS:
+            out[key] = value
+        elif key in SCHEMA_KEYWORDS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = closed_objects(value)
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -12,6 +12,7 @@ Reasoner calls it right after it launches a decode step, so that the host's shar
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
-from worldserve.sampling.grammar import grammar_text
+from worldserve.sampling.grammar import grammar_text, on_big_stack
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +42,65 @@ class GrammarCompiler:
         self._hf, self.vocab_size, self._end_ids = tokenizer, vocab_size, sorted(end_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the API's threads compile ahead (`compile`), the chat worker reads
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(
-                self._hf.backend_tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._end_ids
-            )
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._hf.backend_tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._end_ids
+                )
+            return self._tokenizer
+
+    def compile(self, so: StructuredOutput) -> llguidance.LLMatcher:
+        """`so`'s compiled grammar (kept for later chats), with its first mask computed once: the API calls
+        this before it queues a chat, so that a costly or broken grammar costs the request's own thread, not
+        the chat worker's (which every running chat shares). ParamError naming the field when the grammar is
+        invalid or fails on its first token."""
+        text = grammar_text(so)
+        with self._lock:
+            template = self._compiled.get(text)
+        if template is None:
+            template = on_big_stack(_compiled_and_tried, self.tokenizer, text)
+            if template.is_error():
+                raise ParamError(so.field, f"invalid {so.kind} constraint: {_short(template.get_error())}")
+        with self._lock:
+            self._compiled[text] = template
+            self._compiled.move_to_end(text)
+            while len(self._compiled) > COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return template
 
     def grammar(self, so: StructuredOutput) -> TokenGrammar:
         """A fresh TokenGrammar for one chat (ParamError naming the field when the grammar is invalid)."""
-        text = grammar_text(so)
-        template = self._compiled.pop(text, None)
-        if template is None:
-            template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ParamError(so.field, f"invalid {so.kind} constraint: {template.get_error().strip()}")
-        self._compiled[text] = template
-        while len(self._compiled) > COMPILED_GRAMMARS:
-            self._compiled.popitem(last=False)
-        return TokenGrammar(template.deep_copy(), self.vocab_size)
+        return TokenGrammar(self.compile(so).deep_copy(), self.vocab_size, self._end_ids)
+
+
+def _compiled_and_tried(tokenizer: llguidance.LLTokenizer, text: str) -> llguidance.LLMatcher:
+    """The grammar compiled, and its first mask computed on a copy (lexer errors show there)."""
+    template = llguidance.LLMatcher(tokenizer, text, log_level=0)
+    if not template.is_error():
+        trial = template.deep_copy()
+        trial.compute_bitmask()
+        if trial.is_error():
+            return trial
+    return template
+
+
+def _short(error: str, limit: int = 2000) -> str:
+    """An llguidance error, cut (some quote the whole grammar)."""
+    error = error.strip()
+    return error if len(error) <= limit else error[:limit] + " ..."
 
 
 class TokenGrammar:
-    """One chat's grammar state: which tokens may come next, advanced by each sampled token."""
+    """One chat's grammar state: which tokens may come next, advanced by each sampled token. Once an end id
+    was taken (only with ignore_eos does the chat go on), nothing is constrained any more, as in vLLM."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self._matcher, self._vocab = matcher, vocab_size
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, end_ids: Sequence[int] = ()) -> None:
+        self._matcher, self._vocab, self._end_ids = matcher, vocab_size, frozenset(end_ids)
+        self.ended = False
         self._words: np.ndarray | None = None  # [W] int32 host bits of the next token's mask, once computed
 
     @property
@@ -96,10 +128,14 @@ class TokenGrammar:
         """Advance past the sampled `token`. A token the mask did not allow (it cannot be sampled) leaves the
         grammar in its error state, whose mask allows only the end ids: the completion then stops."""
         self._words = None
+        if self.ended:
+            return
+        if token in self._end_ids:
+            self.ended = True
+            return
         if not self._matcher.consume_token(token):
-            log.error(
-                "structured output: token %d refused by the grammar: %s", token, self._matcher.get_error()
-            )
+            log.error("structured output: token %d refused by the grammar: %s", token,
+                      _short(self._matcher.get_error(), 300))  # fmt: skip
 
 
 def constrain_rows(logits: Tensor, grammars: Sequence[TokenGrammar | None]) -> Tensor:
@@ -107,7 +143,7 @@ def constrain_rows(logits: Tensor, grammars: Sequence[TokenGrammar | None]) -> T
     tensor: the rows' host bits gathered in one numpy array (no torch CPU ops: their thread pool costs more
     than the work), one host-to-device copy and one pass for the batch (a copy and a pass per chat cost
     ~0.1 ms of launches each: 4 ms a step at 32 chats)."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
+    rows = [i for i, g in enumerate(grammars) if g is not None and not g.ended]
     if not rows:
         return logits
     width = max(len(grammars[rows[0]].words), (logits.shape[1] + 31) // 32)  # llguidance may add a word
