@@ -273,72 +273,6 @@ def media_chats(url: str, served: str) -> dict:
     return out
 
 
-SCENE_SCHEMA = {
-    "type": "json_schema",
-    "json_schema": {"name": "scene", "schema": {
-        "type": "object", "required": ["objects"],
-        "properties": {"objects": {"type": "array", "minItems": 64, "items": {
-            "type": "object", "required": ["name", "x", "y"],
-            "properties": {"name": {"type": "string", "maxLength": 24}, "x": {"type": "number"},
-                           "y": {"type": "number"}}}}}}},
-}  # fmt: skip
-"""--structured: a schema whose documents cannot close before 64 objects, so that every chat runs to
-max_tokens under the grammar, as the free chats do."""
-
-
-def structured_chats(url: str, served: str, args: argparse.Namespace) -> dict:
-    """The same chats free and under SCENE_SCHEMA (response_format json_schema), at each --concurrency:
-    tokens/s both ways. The grammar costs llguidance's host-side mask every step and its unpacking on the
-    GPU, besides the same decode step."""
-    out: dict = {}
-    for c in (int(x) for x in args.concurrency.split(",")):
-        for label, extra in (("free", None), ("json_schema", {"response_format": SCENE_SCHEMA})):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(c) as pool:
-                outs = list(pool.map(lambda i, e=extra: chat(url, served, args.max_tokens, i, e), range(c)))
-            wall = time.perf_counter() - t0
-            tokens = sum(o["tokens"] for o in outs)
-            out[f"{c}_{label}"] = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-                                   "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs)}  # fmt: skip
-        out[f"{c}_ratio"] = out[f"{c}_json_schema"]["tok_s"] / out[f"{c}_free"]["tok_s"]
-        print(f"{c} chats: json_schema / free tokens/s = {out[f'{c}_ratio']:.3f}", flush=True)
-    out["tool_calls"] = tool_chats(url, served)
-    return out
-
-
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "required": ["city"], "additionalProperties": False,
-    "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]}}}}}  # fmt: skip
-
-
-def tool_chats(url: str, served: str) -> dict:
-    """A named tool choice (output constrained to the tool's schema) and an auto one whose <tool_call> block a
-    regex forces (a random model writes none): their wall time and whether each came back as a valid call."""
-    forced = (
-        '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "(Oslo|Rome)"\\}\\}\\n</tool_call>'
-    )
-    out = {}
-    for label, extra in (("named", {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-                         ("auto", {"structured_outputs": {"regex": forced}})):  # fmt: skip
-        body = {"model": served, "max_tokens": 256, "seed": 0, "tools": [WEATHER_TOOL],
-                "messages": [{"role": "user", "content": "Weather in Oslo?"}], **extra}  # fmt: skip
-        t0 = time.perf_counter()
-        r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
-        choice = r.json()["choices"][0] if r.status_code == 200 else {}
-        calls = (choice.get("message") or {}).get("tool_calls") or []
-        try:
-            ok = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]).get("city") in (
-                "Oslo",
-                "Rome",
-            )
-        except ValueError:  # cut by max_tokens
-            ok = False
-        out[label] = {"status": r.status_code, "s": time.perf_counter() - t0, "valid_call": ok,
-                      "finish_reason": choice.get("finish_reason")}  # fmt: skip
-    print(f"tool calls: {out}", flush=True)
-    return out
-
-
 def metric(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + "{"):
@@ -390,7 +324,9 @@ def run(args: argparse.Namespace) -> dict:
         if args.api_checks:
             res["api_checks"] = api_checks(url, served, args.max_tokens)
         if args.structured:
-            res["structured"] = structured_chats(url, served, args)
+            from structured_chats import structured_chats
+
+            res["structured"] = structured_chats(url, served, args, chat, HTTP)
         if args.beside_video:
             res["beside_video"] = chats_beside_video(url, served, args)
         t0 = time.perf_counter()

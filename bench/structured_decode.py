@@ -5,7 +5,7 @@ makes llguidance's masks costlier: see the README of bench/results).
 
 Per batch size: seconds a step (Reasoner.step_all: sampling, detokenizing, the batched decode step) for the
 free chats and the constrained ones, their ratio, and where the constrained step's extra host time goes:
-`constrain_rows` (the grammars' masks computed on llguidance's threads, copied and applied) and the sampler.
+`constrain_rows` (the grammars' masks computed, copied to the GPU and applied) and the sampler.
 Every chat runs --steps tokens (ignore_eos; the schema's documents cannot close before 64 objects).
 
     PYTHONPATH=. python3 bench/structured_decode.py --out $OUT/structured_decode.json     # H200: ~1 min

@@ -1,5 +1,6 @@
 """The Reasoner's per-request parameters: ChatParams (a chat completion, or a raw-prompt completion) with its
-messages and their parts, and how a chat video is sampled (VideoSampling, ChatVideo). Validated at the API
+messages and their parts, how a chat video is sampled (VideoSampling, ChatVideo), and a structured output's
+constraint (StructuredOutput: sampling/grammar.py and token_grammar.py apply it). Validated at the API
 boundary; a bad value raises ParamError naming the request field (params.py).
 """
 
@@ -146,6 +147,10 @@ class StructuredOutput:
     """False: objects without `additionalProperties` take none (vLLM's disable_additional_properties)."""
     whitespace_pattern: str | None = None
     """A regex for the whitespace JSON may hold (vLLM's whitespace_pattern)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

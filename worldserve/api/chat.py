@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the Reasoner's OpenAI chat completions, non-streaming and SSE (serving-api.md §11).
 
-Request -> checks (served model name else 404 NotFoundError; 1 <= n <= 16; the media / template options
-as the request is read: `request_options`, before any download; media loaded and decoded here, in the API
+Request -> checks (served model name else 404 NotFoundError; 1 <= n <= 16; the media / template options,
+the tools (api/tool_calls.py) and the structured output constraint (api/structured_fields.py: its grammar
+compiled with the Reasoner's tokenizer) as the request is read: `request_options`, before any download; media loaded and decoded here, in the API
 process, off the event loop) -> `ChatParams` (choice i of n samples with seed + i) -> the prompt built in the
 same worker thread (a rendered text with more bytes than the context can hold is a 400 naming `messages`,
 before it is tokenized: runner/chat_prompt.py) ->
@@ -21,8 +22,9 @@ routed as transformers' processor routes them (a flat key to every modality that
 template (a key it does not use changes nothing, as in vLLM); keys that are apply_chat_template's own
 arguments are a 400. Both reach the Reasoner on `ChatParams`. A completion budget past the context names the
 field the client sent (`max_completion_tokens` wins over `max_tokens`, as in vLLM).
-Streaming: per choice, the first chunk carries the role, then one chunk per text piece, a final chunk with
-`delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
+Streaming: per choice, the first chunk carries the role (then, with vLLM's `echo`, the continued message),
+then one chunk per text piece (with tools: content and `tool_calls` deltas, api/tool_calls.py ToolStream),
+a final chunk with `delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
 `data: [DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far. Errors before the
 first byte use the normal envelope; a failure mid-stream is sent as `data: {"error": ...}` followed by
 `data: [DONE]`.
@@ -35,7 +37,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -53,7 +55,7 @@ from worldserve.api.chat_stream import close_all, collect, prompt_logprob_rows, 
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
-from worldserve.api.structured_fields import precompile, structured_output
+from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
 from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput, VideoSampling
 
@@ -76,9 +78,10 @@ class RequestOptions:
     compiled once (api/structured_fields.py)."""
 
 
-def request_options(body: ChatCompletionRequest) -> RequestOptions:
-    """`mm_processor_kwargs`, `media_io_kwargs`, `chat_template_kwargs` and the structured output fields
-    checked (no media work; a grammar compiles): ParamError naming the field, as soon as the request is read."""
+def request_options(body: ChatCompletionRequest, compiler: Any = None) -> RequestOptions:
+    """`mm_processor_kwargs`, `media_io_kwargs`, `chat_template_kwargs`, the tools and the structured output
+    fields checked (no media work; a grammar compiles, with the Reasoner's `compiler` when given):
+    ParamError naming the field, as soon as the request is read."""
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
     tools = tool_mode(body.tools, body.tool_choice)
     return RequestOptions(
@@ -86,7 +89,7 @@ def request_options(body: ChatCompletionRequest) -> RequestOptions:
         video=video_sampling(body.media_io_kwargs, video_opts),
         chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
         tools=tools,
-        structured=structured_output(body, tool_constraint(tools)),
+        structured=structured_output(body, tool_constraint(tools), compiler),
     )
 
 
@@ -141,12 +144,10 @@ def prepared_params(
     for the context by its byte count alone is refused before it is tokenized (ParamError("messages"))."""
     params = build_params(body, st.allowed_local_media_path, fetched, options)
     worker = st.client.chat_worker
-    precompile(worker.backend if worker is not None else None, params.structured)
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     if prompts is None:
         return params
-    bound = worker.backend.max_model_len if body.truncate_prompt_tokens is None else None  # truncated later
-    prebuilt = prompts.build(params, max_tokens=bound)
+    prebuilt = prompts.build(params, max_tokens=body.text_bound(worker.backend.max_model_len))
     return dataclasses.replace(params, prebuilt=prebuilt)
 
 
@@ -202,12 +203,15 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     if body.stream and body.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
-    if body.use_beam_search:
-        raise APIError(400, "use_beam_search is not supported: this server samples", param="use_beam_search")
+    if (refused := body.refused_sampling()) is not None:
+        raise APIError(400, refused[1], param=refused[0])
     if (field := body.unsupported()) is not None:
         raise APIError(400, f"{field} is not supported (the legacy form of tool calling): send tools and "
                        "tool_choice", param=field)  # fmt: skip
-    options = await asyncio.to_thread(request_options, body)  # a grammar compiles there: off the event loop
+    compiler = grammar_compiler(st.client.chat_worker)
+    options = await asyncio.to_thread(
+        request_options, body, compiler
+    )  # a grammar compiles: off the event loop
     fetched = await prefetch_media(body, st.media, st.mm_limits)
     params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
     choices = params.choices(body.n)

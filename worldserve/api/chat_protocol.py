@@ -141,6 +141,17 @@ class SamplingRequest(BaseModel):
             "skip_special_tokens": self.skip_special_tokens, "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }  # fmt: skip
 
+    def refused_sampling(self) -> tuple[str, str] | None:
+        """(field, why) of a sampling option this server refuses: vLLM's beam search (it samples)."""
+        if self.use_beam_search:
+            return "use_beam_search", "use_beam_search is not supported: this server samples"
+        return None
+
+    def text_bound(self, max_model_len: int) -> int | None:
+        """The token count a prompt's byte size is checked against before tokenizing: max_model_len, or
+        None with truncate_prompt_tokens (the prompt may be longer: only its end is kept)."""
+        return max_model_len if self.truncate_prompt_tokens is None else None
+
     def misplaced_stream_options(self) -> bool:
         """vLLM's rule: non-empty stream_options only with stream=true (the route answers a 400)."""
         opts = self.stream_options

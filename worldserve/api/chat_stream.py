@@ -1,7 +1,9 @@
 """From Reasoner event streams to OpenAI chat responses: the non-streaming object and SSE chunks, for n choices.
 
 Each choice is one chat on the ChatWorker (they decode batched together). `metered` counts every chat into
-the metrics; `collect` builds the `chat.completion` object; `sse` merges the choices' events as they come
+the metrics; `collect` builds the `chat.completion` object (with tools, each text's calls parsed out:
+api/tool_calls.py final_message); `sse` merges the choices' events as they come (with tools, each through a
+ToolStream into content / tool_calls deltas; with vLLM's chat `echo`, the continued message after the role)
 (each chunk names its choice `index`), ends each choice with a `delta: {}` chunk carrying its finish_reason,
 adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-stream is sent as
 `data: {"error": ...}` then `data: [DONE]`. Closing any of these stops the chats at their next step.

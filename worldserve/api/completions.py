@@ -34,7 +34,7 @@ from worldserve.api.completions_stream import Completion, collect, sse
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
-from worldserve.api.structured_fields import precompile, structured_output
+from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
 from worldserve.chat_params import ChatParams, StructuredOutput
 from worldserve.params import ParamError
@@ -90,11 +90,10 @@ async def create_completion(request: Request, st: State):
         return model_not_found(body.model)
     if (refused := body.refused()) is not None:
         raise APIError(400, refused[1], param=refused[0])
-    structured = await asyncio.to_thread(structured_output, body)  # its grammar compiles: off the event loop
     prompts, max_model_len = reasoner_prompts(st)
-    await asyncio.to_thread(precompile, st.client.chat_worker.backend, structured)
-    bound = max_model_len if body.truncate_prompt_tokens is None else None  # a truncated prompt may be longer
-    tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, bound)
+    compiler = grammar_compiler(st.client.chat_worker)
+    structured = await asyncio.to_thread(structured_output, body, None, compiler)  # a grammar compiles
+    tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, body.text_bound(max_model_len))
     echo_only = body.max_tokens == 0  # with echo (refused() made sure): the prompt alone, as vLLM answers it
     if echo_only:  # vLLM's way: one token generated (every check of a generating request applies) and dropped
         body = body.model_copy(update={"max_tokens": 1})

@@ -67,8 +67,8 @@ class CompletionRequest(SamplingRequest):
                 "best_of",
                 f"best_of must equal n ({self.n}) or be omitted: this server returns every sample",
             )
-        if self.use_beam_search:
-            return "use_beam_search", "use_beam_search is not supported: this server samples"
+        if (refused := self.refused_sampling()) is not None:
+            return refused
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens must be at least 1, got 0 (0 only echoes the prompt: set echo)"
         return None
@@ -133,14 +133,8 @@ class TokenizeChatRequest(BaseModel):
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion request of the same messages and options (for the chat's build_params)."""
-        fields = (
-            "model",
-            "messages",
-            "chat_template_kwargs",
-            "mm_processor_kwargs",
-            "media_io_kwargs",
-            "tools",
-        )
+        fields = ("model", "messages", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs", "tools",
+                  "add_generation_prompt", "continue_final_message")  # fmt: skip
         return ChatCompletionRequest.model_construct(**{f: getattr(self, f) for f in fields})
 
 

@@ -11,7 +11,8 @@
   guided_whitespace_pattern (guided_decoding_backend is ignored, as above).
 
 At most one of these may constrain a request (a 400 naming the second, as vLLM refuses several); each
-malformed value or grammar that does not compile is a 400 naming its field (sampling/grammar.py compiles it).
+malformed value, or grammar that does not compile or fails at its first token, is a 400 naming its field
+(sampling/grammar.py builds the grammar, sampling/token_grammar.py compiles it with the tokenizer).
 """
 
 from __future__ import annotations
@@ -31,18 +32,25 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 
 def is_set(value: Any) -> bool:
-    """Whether a request field asks for something, as vLLM counts them: anything but null (an empty schema
-    is any JSON, an empty regex the empty text) and, for json_object, false."""
+    """Whether a request field asks for something, as vLLM counts them: anything but null and false (an
+    empty schema is any JSON, an empty regex the empty text; json_object: false asks for nothing)."""
     return value is not None and value is not False
 
 
-def structured_output(body: Any, tools: StructuredOutput | None = None) -> StructuredOutput | None:
-    """The request's one structured-output constraint, checked (its grammar compiles), or None for free text.
-    `body`: a chat or text completion request (api/chat_protocol.py SamplingRequest); `tools`: a required or
-    named tool choice's constraint (api/tool_calls.py), which counts as one. Raises ParamError."""
+def structured_output(
+    body: Any, tools: StructuredOutput | None = None, compiler: Any = None
+) -> StructuredOutput | None:
+    """The request's one structured-output constraint, checked, or None for free text. `body`: a chat or text
+    completion request (api/chat_protocol.py SamplingRequest); `tools`: a required or named tool choice's
+    constraint (api/tool_calls.py), which counts as one; `compiler`: the Reasoner's GrammarCompiler
+    (`grammar_compiler`), which compiles the grammar with its tokenizer, tries its first token and keeps it
+    for the chat (blocking: call this off the event loop); without one (no Reasoner, test fakes) the grammar
+    is compiled alone. Raises ParamError."""
     found = [so for so in (tools, _response_format(body.response_format), _structured_outputs(body.structured_outputs))
              if so is not None]  # fmt: skip
-    pattern = body.guided_whitespace_pattern if isinstance(body.guided_whitespace_pattern, str) else None
+    pattern = body.guided_whitespace_pattern
+    if pattern is not None and not isinstance(pattern, str):
+        raise ParamError("guided_whitespace_pattern", "guided_whitespace_pattern must be a string")
     for name, kind in GUIDED_FIELDS.items():
         if is_set(value := getattr(body, name)):
             found.append(_constraint(kind, value, name, whitespace_pattern=pattern))
@@ -53,17 +61,16 @@ def structured_output(body: Any, tools: StructuredOutput | None = None) -> Struc
         )
     if not found:
         return None
-    check(found[0])
+    if compiler is not None:
+        compiler.compile(found[0])
+    else:
+        check(found[0])
     return found[0]
 
 
-def precompile(backend: Any, so: StructuredOutput | None) -> None:
-    """Compile `so` with the Reasoner's tokenizer and try its first token (its grammar compiler keeps it for
-    the chat): blocking, on the request's own thread; ParamError when the grammar fails there. Backends
-    without grammars (test fakes) skip it."""
-    compiler = getattr(backend, "grammars", None)
-    if so is not None and compiler is not None:
-        compiler.compile(so)
+def grammar_compiler(worker: Any) -> Any:
+    """The chat worker's Reasoner's GrammarCompiler, or None (no Reasoner, or a backend without grammars)."""
+    return getattr(getattr(worker, "backend", None), "grammars", None)
 
 
 def _response_format(rf: dict[str, Any] | None) -> StructuredOutput | None:
@@ -101,12 +108,12 @@ def _structured_outputs(so: Any) -> StructuredOutput | None:
         raise ParamError("structured_outputs", f"structured_outputs takes exactly one constraint of "
                          f"{', '.join(CONSTRAINTS)}; {what} given")  # fmt: skip
     options = {}
-    for key, flag, invert in (("disable_any_whitespace", "any_whitespace", True),
-                              ("disable_additional_properties", "additional_properties", True)):  # fmt: skip
+    for key, flag in (("disable_any_whitespace", "any_whitespace"),
+                      ("disable_additional_properties", "additional_properties")):  # fmt: skip
         if so.get(key) is not None:
             if not isinstance(so[key], bool):
                 raise ParamError(f"structured_outputs.{key}", f"{key} must be a boolean")
-            options[flag] = not so[key] if invert else so[key]
+            options[flag] = not so[key]
     if (pattern := so.get("whitespace_pattern")) is not None:
         if not isinstance(pattern, str):
             raise ParamError("structured_outputs.whitespace_pattern", "whitespace_pattern must be a string")

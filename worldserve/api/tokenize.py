@@ -33,7 +33,6 @@ from worldserve.api.completions_protocol import (
 )  # fmt: skip
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
-from worldserve.params import ParamError
 
 router = APIRouter(tags=["tokenize"])
 State = Annotated[AppState, Depends(app_state)]
@@ -66,15 +65,6 @@ def openapi_body(*models) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def _check_chat_form(body: TokenizeChatRequest) -> None:
-    """The chat form's own refusals (before any of its media is downloaded)."""
-    if body.add_generation_prompt and body.continue_final_message:
-        raise ParamError(
-            "continue_final_message",
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-        )
-
-
 def _tokenize_chat(
     st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes],
     options: RequestOptions,
@@ -82,10 +72,7 @@ def _tokenize_chat(
     """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
     `fetched`; its `options` checked) through the Reasoner's builder."""
     params = build_params(chat, st.allowed_local_media_path, fetched, options)
-    prompt = prompts.build(
-        params, add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
-    )  # fmt: skip
+    prompt = prompts.build(params, add_special_tokens=body.add_special_tokens)
     return prompt.input_ids
 
 
@@ -111,7 +98,6 @@ async def tokenize(request: Request, st: State):
 
     fetched: dict[str, bytes] = {}
     if chat:
-        _check_chat_form(body)
         as_chat = body.as_chat()
         options = request_options(as_chat)
         fetched = await prefetch_media(as_chat, st.media, st.mm_limits)

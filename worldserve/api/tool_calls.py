@@ -193,7 +193,15 @@ def hermes_calls(text: str) -> tuple[str | None, list[ToolCallOut]] | None:
     return ((content or None), calls) if calls else None
 
 
+def call_out(name: str, arguments: Any, *, text: bool = False) -> ToolCallOut:
+    """A call of `name` with a fresh id: `arguments` serialized as vLLM does (JSON, non-ASCII kept), or
+    taken as the text it is (`text`: a named choice's generated arguments)."""
+    args = arguments if text else json.dumps(arguments, ensure_ascii=False)
+    return ToolCallOut(function=FunctionCallOut(name=name, arguments=args))
+
+
 def _call(body: str) -> ToolCallOut | None:
+    """A hermes block's {"name", "arguments"} as a call, or None when it is not one."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -201,9 +209,7 @@ def _call(body: str) -> ToolCallOut | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCallOut(
-        function=FunctionCallOut(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
-    )
+    return call_out(obj["name"], args)
 
 
 def required_calls(text: str) -> list[ToolCallOut] | None:
@@ -217,8 +223,7 @@ def required_calls(text: str) -> list[ToolCallOut] | None:
         isinstance(i, dict) and isinstance(i.get("name"), str) for i in items
     ):
         return None
-    return [ToolCallOut(function=FunctionCallOut(name=i["name"], arguments=json.dumps(i.get("parameters", {}),
-            ensure_ascii=False))) for i in items]  # fmt: skip
+    return [call_out(i["name"], i.get("parameters", {})) for i in items]
 
 
 def final_message(
@@ -228,7 +233,7 @@ def final_message(
     if mode is None or not mode.parsed:
         return text, [], finish_reason
     if mode.choice == "named":
-        return "", [ToolCallOut(function=FunctionCallOut(name=mode.name, arguments=text))], finish_reason
+        return "", [call_out(mode.name, text, text=True)], finish_reason
     if mode.choice == "required":
         calls = required_calls(text)
         return ("", calls, finish_reason) if calls is not None else (text, [], finish_reason)
@@ -251,8 +256,7 @@ class ToolStream:
         """The deltas to send for this text `piece` (the last one when `finished`)."""
         self.text += piece
         if self.mode.choice == "named":
-            out = [] if self._calls else [self._call_delta(ToolCallOut(function=FunctionCallOut(
-                name=self.mode.name, arguments="")))]  # fmt: skip
+            out = [] if self._calls else [self._call_delta(call_out(self.mode.name, "", text=True))]
             self._calls = 1
             if piece:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})

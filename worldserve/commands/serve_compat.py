@@ -215,8 +215,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       lambda v: v in ({}, {"video": {}}, {"video": {"num_frames": -1}}), 'only as {} or the recipe\'s '
       '{"video": {"num_frames": -1}}', "worldserve has no server-wide media defaults: send media_io_kwargs per "
       "request"),
-    C("--enable-auto-tool-choice", "chats with tools always have tool_choice auto (the default with tools), "
-      "parsed as the hermes parser parses Qwen's <tool_call> blocks", ON),
+    C("--enable-auto-tool-choice", "tool_choice auto (the default with tools) is always available: the "
+      "model's <tool_call> blocks are parsed as vLLM's hermes parser parses them", ON),
     C("--tool-call-parser", "tool calls are parsed in Qwen's hermes format (<tool_call> JSON blocks), the one "
       "this checkpoint's chat template asks for", {"metavar": "NAME"}, lambda v: v == "hermes", "only as hermes",
       "worldserve parses the hermes format, the one Qwen3-VL's chat template writes"),

@@ -8,8 +8,10 @@ media/video_input.py) by one "<T seconds><|vision_start|><|video_pad|> x (h*w / 
 per temporal patch as Qwen3VLProcessor does, tokenizes, and computes the Qwen3-VL get_rope_index positions.
 Host work only; a mismatch of placeholders and media (e.g. "<|image_pad|>" typed as text) is a ParamError.
 Per-request options of ChatParams: `chat_template_kwargs` (extra template variables; a template failing on
-them is a ParamError naming the field) and `image_min_pixels` / `image_max_pixels` (the image processor's
-pixel budget; None: the server's). A raw prompt (`ChatParams.prompt_ids`, /v1/completions) skips the template:
+them is a ParamError naming the field), `tools` (the template's tools variable) and messages' `tool_calls` /
+`tool_call_id`, `add_generation_prompt` / `continue_final_message`, and `image_min_pixels` /
+`image_max_pixels` (the image processor's pixel budget; None: the server's). `truncated` applies vLLM's
+truncate_prompt_tokens; `bad_word_ids` tokenizes vLLM's bad_words. A raw prompt (`ChatParams.prompt_ids`, /v1/completions) skips the template:
 its ids are checked against the vocabulary (no vision placeholders: there is no media) and get text positions
 (k, k, k). `encode` / `decode` / `check_ids` are the tokenizer as /tokenize, /detokenize and /v1/completions use it.
 Given `max_tokens` (the context), `build` and `encode` refuse a text whose byte count alone is more than that
@@ -129,22 +131,16 @@ class ChatPromptBuilder:
             )
 
     def build(
-        self, params: ChatParams, *, add_generation_prompt: bool | None = None,
-        continue_final_message: bool | None = None, add_special_tokens: bool = False, max_tokens: int | None = None,
-    ) -> ChatPrompt:  # fmt: skip
+        self, params: ChatParams, *, add_special_tokens: bool = False, max_tokens: int | None = None
+    ) -> ChatPrompt:
         """Chat template + image / video placeholder expansion + tokenization, or a raw prompt's ids as they
-        are; raises ParamError. The keyword options are vLLM's /tokenize ones (None: the params' own, a chat's).
+        are; raises ParamError. `add_special_tokens`: the tokenizer's own (vLLM's /tokenize option).
         With `max_tokens`, a rendered text with more bytes than that many tokens can hold is refused before
         any media preprocessing or tokenizing (ParamError("messages")): the template renders megabytes in
         milliseconds (and may drop text, e.g. earlier turns' reasoning, so the raw messages would not do),
         placeholders only ever expand, and tokenizing megabytes takes seconds to tens of seconds."""
         if params.prompt_ids is not None:
             return self._raw(list(params.prompt_ids))
-        if add_generation_prompt is None:  # the request's own (a chat completion's), unless /tokenize says
-            add_generation_prompt, continue_final_message = (
-                params.add_generation_prompt,
-                params.continue_final_message,
-            )
         conversation, images, videos = [], [], []
         for msg in params.messages:
             extra = {
@@ -167,7 +163,9 @@ class ChatPromptBuilder:
                     parts.append({"type": "text", "text": part.text})
             conversation.append({"role": msg.role, "content": parts, **extra})
         options = dict(params.chat_template_kwargs) | ({"tools": list(params.tools)} if params.tools else {})
-        text = self._render(conversation, options, add_generation_prompt, continue_final_message)
+        text = self._render(
+            conversation, options, params.add_generation_prompt, params.continue_final_message
+        )
         if max_tokens is not None:
             self.check_size(text, max_tokens, "messages")
         vision = video = None
@@ -209,7 +207,8 @@ class ChatPromptBuilder:
 
     def truncated(self, prompt: ChatPrompt, keep: int, max_model_len: int) -> ChatPrompt:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len), as a text prompt;
-        ParamError for a prompt with images or videos (their tokens cannot be cut) or a size past the context."""
+        a prompt no longer than `keep` is left whole (media included). ParamError for a longer one with images
+        or videos (their tokens cannot be cut), for 0, and for a size past the context."""
         keep = max_model_len if keep == -1 else keep
         if keep == 0:
             raise ParamError(

@@ -49,7 +49,8 @@ class ReasonerSession:
         grammar: TokenGrammar | None = None, skip_special_tokens: bool = True,
     ) -> None:  # fmt: skip
         """`ends`: vLLM's (ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output) of the request;
-        `grammar`: the structured output constraint the tokens must follow."""
+        `grammar`: the structured output constraint the tokens must follow; `skip_special_tokens`: special
+        tokens are left out of the text (vLLM's default)."""
         self._r, self._sampler, self._seq = reasoner, sampler, seq
         self.grammar = grammar
         self.skip_special_tokens = skip_special_tokens

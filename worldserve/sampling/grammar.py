@@ -28,9 +28,10 @@ prompt would carry, and within what COMPILE_STACK_BYTES compiles (a 50,000-rule 
 COMPILE_STACK_BYTES = 1 << 30
 """The compile thread's stack (virtual memory: only the pages a deep grammar touches are ever committed)."""
 SCHEMA_KEYWORDS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
-"""Keywords whose value maps names to schemas (the rest of a schema's object values are schemas themselves
-or literals: `closed_objects` walks only schemas)."""
+"""Keywords whose value maps names to schemas (`closed_objects` walks each of those schemas)."""
 LITERAL_KEYWORDS = frozenset(("const", "enum", "default", "examples", "required", "x-guidance"))
+"""Keywords whose value is data, not a schema (`closed_objects` leaves them as they are; it walks every other
+value, which is a schema, a list of schemas, or an extension's data it cannot tell from one)."""
 
 T = TypeVar("T")
 _STACK_LOCK = threading.Lock()

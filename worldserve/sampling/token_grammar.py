@@ -39,9 +39,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) -> None:
         """`vocab_size`: the logits' width (the LM head may have more rows than the tokenizer has ids: those
         are never allowed); `end_ids`: the ids that end a completion, allowed once a grammar is complete."""
-        self._hf, self.vocab_size, self._end_ids = tokenizer, vocab_size, sorted(end_ids)
+        self.hf_tokenizer, self.vocab_size, self.end_ids = tokenizer, vocab_size, sorted(end_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the API's threads compile ahead (`compile`), the chat worker reads
 
     @property
@@ -49,32 +49,35 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
-                    self._hf.backend_tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._end_ids
+                    self.hf_tokenizer.backend_tokenizer.to_str(),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.end_ids,
                 )
             return self._tokenizer
 
     def compile(self, so: StructuredOutput) -> llguidance.LLMatcher:
-        """`so`'s compiled grammar (kept for later chats), with its first mask computed once: the API calls
-        this before it queues a chat, so that a costly or broken grammar costs the request's own thread, not
-        the chat worker's (which every running chat shares). ParamError naming the field when the grammar is
-        invalid or fails on its first token."""
-        text = grammar_text(so)
+        """`so`'s compiled grammar (kept, by its StructuredOutput, for the chats that use it), its first mask
+        computed once on a copy. The API calls this (api/structured_fields.py) while it reads the request, on
+        the request's thread, which waits for the compile on a big-stack thread (grammar.on_big_stack): a
+        costly or broken grammar costs that request, not the chat worker, which every running chat shares
+        and which then finds it here (unless COMPILED_GRAMMARS others came in between). ParamError naming the
+        field when the grammar is invalid or fails at its first token."""
         with self._lock:
-            template = self._compiled.get(text)
+            template = self._compiled.get(so)
         if template is None:
-            template = on_big_stack(_compiled_and_tried, self.tokenizer, text)
+            template = on_big_stack(_compiled_and_tried, self.tokenizer, grammar_text(so))
             if template.is_error():
                 raise ParamError(so.field, f"invalid {so.kind} constraint: {_short(template.get_error())}")
         with self._lock:
-            self._compiled[text] = template
-            self._compiled.move_to_end(text)
+            self._compiled[so] = template
+            self._compiled.move_to_end(so)
             while len(self._compiled) > COMPILED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return template
 
     def grammar(self, so: StructuredOutput) -> TokenGrammar:
         """A fresh TokenGrammar for one chat (ParamError naming the field when the grammar is invalid)."""
-        return TokenGrammar(self.compile(so).deep_copy(), self.vocab_size, self._end_ids)
+        return TokenGrammar(self.compile(so).deep_copy(), self.vocab_size, self.end_ids)
 
 
 def _compiled_and_tried(tokenizer: llguidance.LLTokenizer, text: str) -> llguidance.LLMatcher:
@@ -99,7 +102,7 @@ class TokenGrammar:
     was taken (only with ignore_eos does the chat go on), nothing is constrained any more, as in vLLM."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, end_ids: Sequence[int] = ()) -> None:
-        self._matcher, self._vocab, self._end_ids = matcher, vocab_size, frozenset(end_ids)
+        self._matcher, self._vocab, self.end_ids = matcher, vocab_size, frozenset(end_ids)
         self.ended = False
         self._words: np.ndarray | None = None  # [W] int32 host bits of the next token's mask, once computed
 
@@ -111,15 +114,6 @@ class TokenGrammar:
             self._words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
         return self._words
 
-    @property
-    def complete(self) -> bool:
-        """Nothing but an end id may come next (the grammar is satisfied and can take no more)."""
-        return self._matcher.is_stopped()
-
-    def allowed(self, device: torch.device) -> Tensor:
-        """[V] bool on `device`: the tokens the grammar allows next."""
-        return _unpack(self.words[None].copy(), self._vocab, device)[0]
-
     def constrain(self, logits: Tensor) -> Tensor:
         """logits [V] with every token the grammar forbids next at -inf (a new tensor)."""
         return constrain_rows(logits[None], [self])[0]
@@ -130,7 +124,7 @@ class TokenGrammar:
         self._words = None
         if self.ended:
             return
-        if token in self._end_ids:
+        if token in self.end_ids:
             self.ended = True
             return
         if not self._matcher.consume_token(token):

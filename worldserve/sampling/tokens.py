@@ -21,6 +21,7 @@ penalties of a step cost no host work that grows with the text.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ import torch
 from torch import Tensor
 
 from worldserve.chat_params import ChatParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -97,10 +100,14 @@ class TokenSampler:
 
     @property
     def restricted(self) -> bool:
+        """Whether the request set allowed_token_ids, bad_words or logit_bias."""
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     def restrict(self, scores: Tensor) -> None:
-        """Apply allowed_token_ids, bad_words and logit_bias to one row of scores [V] (float32) in place."""
+        """Apply allowed_token_ids, bad_words and logit_bias to one row of scores [V] (float32) in place. When
+        they leave no token the row already allowed (e.g. allowed ids outside a structured output's grammar),
+        they are not applied for this token (a warning says so): the grammar and the ends stay in force."""
+        before = scores.clone()
         vocab, device = scores.shape[0], scores.device
         if self._fixed is None or self._fixed[0].device != device:
             allowed = torch.ones(vocab, dtype=torch.bool)
@@ -117,9 +124,13 @@ class TokenSampler:
         ]
         if banned:
             scores[_host_to(banned, torch.long, device)] = float("-inf")
+        if not bool(torch.isfinite(scores).any()):  # a host read, for these requests only
+            log.warning("allowed_token_ids / bad_words / logit_bias leave no token allowed: not applied")
+            scores.copy_(before)
 
     @property
     def penalized(self) -> bool:
+        """Whether any of the three penalties is on."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def record(self, token: int) -> None:

@@ -23,7 +23,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 
 # Qwen3-VL-Instruct's template shape: string or part-list content, media placeholders, generation prompt, and
 # Qwen3's tool calling: the tools listed in a system turn, an assistant's calls as <tool_call> JSON blocks, tool
-# answers as <tool_response> blocks in a user turn (a conversation without tools renders as before).
+# answers as <tool_response> blocks in a user turn (a conversation without tools, tool calls or tool turns
+# renders as before).
 _CONTENT = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- elif message['content'] -%}{%- for part in message['content'] -%}"
