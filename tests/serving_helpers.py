@@ -159,11 +159,11 @@ def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s:
 
 
 @contextlib.contextmanager
-def serve_reasoner(reasoner, folder: Path, *, model: str, name: str):
-    """A real uvicorn serving a fake video backend and `reasoner` for chats (make_client + build_app);
-    yields its URL."""
+def serve_reasoner(reasoner, folder: Path, *, model: str, name: str, **app_options):
+    """A real uvicorn serving a fake video backend and `reasoner` for chats (make_client + build_app, with
+    `app_options`: build_app's server flags); yields its URL."""
     from worldserve.api.app import build_app
 
     client = make_client(folder, model_name=model, chat_backend=reasoner)
-    with serve_app(build_app(client, shutdown_timeout_s=1.0), name=name) as url:
+    with serve_app(build_app(client, shutdown_timeout_s=1.0, **app_options), name=name) as url:
         yield url

@@ -345,7 +345,6 @@ REFUSED = [
     (["--ray-address", "auto"], "--ray-address auto", "no Ray"),
     (["--api-server-count", "4"], "--api-server-count 4", "one API server"),
     (["--omni-lb-policy", "cost-aware"], "--omni-lb-policy cost-aware", "load balancer"),
-    (["--reasoning-parser", "qwen3"], "--reasoning-parser qwen3", "content"),
     (["--seed", "1234"], "--seed 1234", "per request"),
     (["--generation-config", "/models/gen"], "--generation-config /models/gen", "per request"),
     (["--media-io-kwargs", '{"video": {"fps": 4}}'], "--media-io-kwargs", "per request"),

@@ -274,6 +274,8 @@ class ServerConfig:
     """CORS: allow cookies and Authorization headers on cross-origin requests (Access-Control-Allow-Credentials)."""
     flow_shift: float | None = None
     """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
+    reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
+    """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
     enable_server_load_tracking: bool = False
     """Count the requests using the model in flight (chat and text completions, video and image generation) and report them at GET /load as {"server_load": N} (vLLM's flag; off: always 0)."""
     enable_request_id_headers: bool = True

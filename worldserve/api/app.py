@@ -54,11 +54,13 @@ def build_app(
     allowed_media_domains: Sequence[str] = (),
     server_load_tracking: bool = False,
     mm_limits: Mapping[str, int] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
     `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
-    `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`)."""
+    `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
+    `reasoning_parser` = `--reasoning-parser`)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
@@ -89,7 +91,7 @@ def build_app(
             max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects(),
             (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
-        mm_limits=dict(mm_limits or {}),
+        mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser,
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)

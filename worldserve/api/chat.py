@@ -51,7 +51,7 @@ from worldserve.api.chat_protocol import (
     processor_kwargs,
     template_kwargs,
 )  # fmt: skip
-from worldserve.api.chat_stream import close_all, collect, prompt_logprob_rows, sse, start_all
+from worldserve.api.chat_stream import TextParsing, close_all, collect, prompt_logprob_rows, sse, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
@@ -225,6 +225,8 @@ async def _answer(
 ):
     """Start the choices together (`opened` gets their event streams), wait for each one's first event,
     then answer: SSE, or the whole completion."""
+    parsing = TextParsing(tools=tools, reasoning=st.reasoning_parser is not None,
+                          include_reasoning=body.include_reasoning, echo=body.echo_text())  # fmt: skip
     # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
     # merged at the end, which spares the event loop a wake-up per chat and token
     try:
@@ -239,13 +241,10 @@ async def _answer(
     if body.stream:
         include_usage, continuous_usage = body.stream_usage()
         stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage,
-                     tools, body.echo_text())  # fmt: skip
+                     parsing)  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")
     answer = await collect(
-        streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, tools
+        streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, parsing
     )
     answer.prompt_logprobs = prompt_logprob_rows(first.prompt_logprobs, body.prompt_logprobs)
-    if echo := body.echo_text():  # vLLM's chat echo: the continued message, then its continuation
-        for choice in answer.choices:
-            choice.message.content = echo + (choice.message.content or "")
     return answer

@@ -200,6 +200,9 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = Field(
         False, description="vLLM's: the answer starts with the last message when it is the assistant's."
     )
+    include_reasoning: bool = Field(
+        True, description="vLLM's: with --reasoning-parser, false leaves reasoning_content out."
+    )
 
     def echo_text(self) -> str:
         """vLLM's chat echo: the last message's text when it is an assistant's (else "")."""
@@ -310,7 +313,7 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    reasoning_content: None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 

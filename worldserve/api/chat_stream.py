@@ -21,6 +21,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from worldserve.api.chat_protocol import (
@@ -36,6 +37,7 @@ from worldserve.api.chat_protocol import (
     Usage,
 )  # fmt: skip
 from worldserve.api.errors import APIError, error_body
+from worldserve.api.reasoning import ReasoningStream, split_reasoning
 from worldserve.api.tool_calls import ToolMode, ToolStream, final_message
 from worldserve.engine.client import (
     ChatDelta,
@@ -192,6 +194,20 @@ async def merged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, o
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@dataclass(frozen=True, slots=True)
+class TextParsing:
+    """How a chat's text becomes its answer message."""
+
+    tools: ToolMode | None = None
+    """The request's tools: their calls parsed out of the content (api/tool_calls.py); None: no tools."""
+    reasoning: bool = False
+    """--reasoning-parser qwen3: a <think> answer split into reasoning_content and content (api/reasoning.py)."""
+    include_reasoning: bool = True
+    """vLLM's request field: false drops the reasoning from the answer."""
+    echo: str = ""
+    """vLLM's chat echo: the continued assistant message, put before the content."""
+
+
 async def collect(
     streams: Sequence[AsyncIterator],
     request_id: str,
@@ -199,16 +215,21 @@ async def collect(
     model: str,
     prompt_tokens: int,
     logprobs: bool,
-    tools: ToolMode | None = None,
+    parsing: TextParsing = TextParsing(),
 ) -> ChatCompletionResponse:
-    """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails); with `tools`,
-    each text's tool calls parsed out (api/tool_calls.py)."""
+    """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails); each text
+    split and parsed as `parsing` says."""
     choices, completion = [], 0
     for index, (text, entries, last) in enumerate(await run_all(streams)):
         completion += last.completion_tokens
-        content, calls, finish = final_message(text, tools, last.finish_reason)
+        reasoning, content = split_reasoning(text) if parsing.reasoning else (None, text)
+        content, calls, finish = final_message(content, parsing.tools, last.finish_reason)
+        if parsing.echo:
+            content = parsing.echo + (content or "")
+        message = AssistantMessage(content=content, tool_calls=calls,
+                                   reasoning_content=reasoning if parsing.include_reasoning else None)  # fmt: skip
         choices.append(Choice(
-            index=index, message=AssistantMessage(content=content, tool_calls=calls), finish_reason=finish,
+            index=index, message=message, finish_reason=finish,
             logprobs=ChoiceLogprobs(content=logprob_items(entries)) if logprobs else None,
             stop_reason=last.stop_reason,
         ))  # fmt: skip
@@ -223,12 +244,15 @@ async def collect(
 
 async def sse(
     streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
-    include_usage: bool, continuous_usage: bool = False, tools: ToolMode | None = None, echo: str = "",
+    include_usage: bool, continuous_usage: bool = False, parsing: TextParsing = TextParsing(),
 ) -> AsyncIterator[str]:  # fmt: skip
     """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
-    with `tools`, each choice's text goes through a ToolStream (content and tool-call deltas)."""
+    each choice's text split and parsed as `parsing` says: a ReasoningStream (reasoning_content / content
+    deltas), then a ToolStream over the content (content / tool_calls deltas)."""
     completion = [0] * len(streams)
+    tools = parsing.tools
     parsers = [ToolStream(tools) for _ in streams] if tools is not None and tools.parsed else None
+    reasoners = [ReasoningStream() for _ in streams] if parsing.reasoning else None
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=()) -> str:
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
@@ -241,11 +265,19 @@ async def sse(
     def render(index: int, event: ChatDelta) -> Iterator[str]:
         completion[index] = event.completion_tokens
         finish = event.finish_reason
-        if parsers is None:
-            deltas = [{"content": event.text}] if event.text else []
+        if reasoners is not None:
+            pieces = reasoners[index].feed(event.text, finish is not None)
         else:
-            deltas = parsers[index].feed(event.text, finish is not None)
-            finish = finish if finish is None else parsers[index].finish_reason(finish)
+            pieces = [{"content": event.text}] if event.text else []
+        deltas: list[dict[str, Any]] = []
+        for piece in pieces:
+            if "content" not in piece:  # reasoning_content
+                deltas += [piece] if parsing.include_reasoning else []
+            else:
+                deltas += parsers[index].feed(piece["content"], False) if parsers is not None else [piece]
+        if parsers is not None and finish is not None:
+            deltas += parsers[index].feed("", True)
+            finish = parsers[index].finish_reason(finish)
         if event.logprobs and not deltas:
             deltas = [{"content": ""}]
         for i, delta in enumerate(deltas):
@@ -261,7 +293,9 @@ async def sse(
             ).sse()
 
     roles = [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(streams))]
-    roles += [chunk(index, {"content": echo}) for index in range(len(streams)) if echo]  # vLLM's chat echo
+    roles += [
+        chunk(index, {"content": parsing.echo}) for index in range(len(streams)) if parsing.echo
+    ]  # echo
     async for text in sse_events(streams, render, tail, head=roles):
         yield text
 

@@ -31,6 +31,8 @@ class AppState:
     """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
     mm_limits: Mapping[str, int] = field(default_factory=dict)
     """`--limit-mm-per-prompt`: the most images / videos one chat request may carry (absent: no limit)."""
+    reasoning_parser: str | None = None
+    """`--reasoning-parser`: "qwen3" splits <think> answers into reasoning_content (api/reasoning.py)."""
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

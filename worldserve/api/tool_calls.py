@@ -229,8 +229,8 @@ def required_calls(text: str) -> list[ToolCallOut] | None:
 def final_message(
     text: str, mode: ToolMode | None, finish_reason: str | None
 ) -> tuple[str | None, list, str | None]:
-    """A finished choice's (content, tool_calls, finish_reason) under `mode`."""
-    if mode is None or not mode.parsed:
+    """A finished choice's (content, tool_calls, finish_reason) under `mode` (`text` None: no content)."""
+    if text is None or mode is None or not mode.parsed:
         return text, [], finish_reason
     if mode.choice == "named":
         return "", [call_out(mode.name, text, text=True)], finish_reason
@@ -282,7 +282,7 @@ class ToolStream:
             rest = self.text[self._sent :]
             start = rest.find(CALL_START)
             if start < 0:  # content, holding back what could still become "<tool_call>"
-                keep = 0 if finished else _partial_suffix(rest, CALL_START)
+                keep = 0 if finished else partial_suffix(rest, CALL_START)
                 self._content(out, rest[: len(rest) - keep])
                 return out
             if start:
@@ -312,6 +312,6 @@ class ToolStream:
         return delta
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag`."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)

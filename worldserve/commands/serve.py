@@ -146,7 +146,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         mm_limits=dict(server.limit_mm_per_prompt or ()),
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
-        default_flow_shift=server.flow_shift,
+        default_flow_shift=server.flow_shift, reasoning_parser=server.reasoning_parser,
     )  # fmt: skip
 
 

@@ -220,8 +220,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--tool-call-parser", "tool calls are parsed in Qwen's hermes format (<tool_call> JSON blocks), the one "
       "this checkpoint's chat template asks for", {"metavar": "NAME"}, lambda v: v == "hermes", "only as hermes",
       "worldserve parses the hermes format, the one Qwen3-VL's chat template writes"),
-    C("--reasoning-parser", "", {"metavar": "NAME"}, NEVER, "never",
-      "worldserve returns the model's whole text in content (reasoning_content is always null)"),
     C("--gpu-memory-utilization", "the Reasoner's K/V cache is sized by --kv-cache-memory-bytes (default: 2 x "
       "--max-model-len tokens), not by a fraction of GPU memory",
       {"type": checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")}),

@@ -1,0 +1,119 @@
+"""--reasoning-parser qwen3 (api/reasoning.py): a <think> answer split into reasoning_content and content, a
+plain answer left as content (the pain point of parsers that route it all to reasoning_content); streamed
+deltas add up to the finished split however the text is cut; over real HTTP (the tiny Reasoner, answers
+forced by a regex as a random model writes no <think> of its own) with include_reasoning and tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+from reasoner_helpers import tiny_reasoner
+from serving_helpers import serve_reasoner
+
+from worldserve.api.reasoning import ReasoningStream, split_reasoning
+
+TEXTS = [
+    "<think>\nThe sky scatters blue light.\n</think>\n\nBlue.",
+    "  <think>short</think>answer",
+    "<think>cut by max_tokens, never closed",
+    "<think></think>",
+    "A plain answer, no thoughts: </think> and <think> later are text.",
+    "<thin is not <think>",
+    "",
+]
+
+
+def test_split_of_finished_answers():
+    assert split_reasoning(TEXTS[0]) == ("\nThe sky scatters blue light.\n", "\n\nBlue.")
+    assert split_reasoning(TEXTS[1]) == ("short", "answer")
+    assert split_reasoning(TEXTS[2]) == ("cut by max_tokens, never closed", None)
+    assert split_reasoning(TEXTS[3]) == (None, None)
+    assert split_reasoning(TEXTS[4]) == (None, TEXTS[4])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_adds_up_to_the_split(text):
+    reasoning, content = split_reasoning(text)
+    rng = random.Random(text)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, max(len(text), 2)), min(max(len(text) - 1, 0), rng.randint(0, 10))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        stream, got = ReasoningStream(), {"reasoning_content": "", "content": ""}
+        for i, piece in enumerate(pieces):
+            for delta in stream.feed(piece, i == len(pieces) - 1):
+                (key,) = delta
+                got[key] += delta[key]
+        assert (got["reasoning_content"] or None, got["content"] or None) == (reasoning, content or None)
+
+
+MODEL = "test-model"
+ASK = [{"role": "user", "content": "Why is the sky blue?"}]
+THOUGHT = "<think>\\nBecause of Rayleigh scattering\\.\\n</think>\\n\\n(Blue|Azure)\\."
+
+
+@pytest.fixture(scope="module")
+def url(tiny_ckpt, tmp_path_factory):
+    with serve_reasoner(tiny_reasoner(tiny_ckpt), tmp_path_factory.mktemp("reasoning"), model=MODEL,
+                        name="test-reasoning-uvicorn", reasoning_parser="qwen3") as base:  # fmt: skip
+        yield base
+
+
+def _chat(url: str, **body) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 60, **body},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _streamed(url: str, **body) -> tuple[str, str]:
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": ASK, "max_tokens": 60, "stream": True, **body}) as r:  # fmt: skip
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    return "".join(d.get("reasoning_content") or "" for d in deltas), "".join(
+        d.get("content") or "" for d in deltas
+    )
+
+
+def test_thoughts_and_answer_over_http(url):
+    forced = {"structured_outputs": {"regex": THOUGHT}}
+    message = _chat(url, **forced)["message"]
+    assert message["reasoning_content"] == "\nBecause of Rayleigh scattering.\n"
+    assert message["content"] in ("\n\nBlue.", "\n\nAzure.")
+    assert _streamed(url, **forced) == (message["reasoning_content"], message["content"])
+    assert _chat(url, include_reasoning=False, **forced)["message"]["reasoning_content"] is None
+    assert _streamed(url, include_reasoning=False, **forced)[0] == ""
+    plain = _chat(url, structured_outputs={"regex": "(Blue|Azure)\\."})["message"]  # no <think>: all content
+    assert plain["reasoning_content"] is None and plain["content"] in ("Blue.", "Azure.")
+
+
+def test_tool_calls_come_from_the_content_after_the_thoughts(url):
+    tool = {"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}
+    regex = '<think>\\nI should look\\.\\n</think>\\n\\n<tool_call>\\n\\{"name": "look", "arguments": \\{\\}\\}\\n</tool_call>'
+    choice = _chat(url, tools=[tool], structured_outputs={"regex": regex})
+    assert (
+        choice["finish_reason"] == "tool_calls"
+        and choice["message"]["reasoning_content"] == "\nI should look.\n"
+    )
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["look"]
+    assert choice["message"]["content"] == "\n\n"
+
+
+def test_the_flag_reaches_the_app():
+    """`--reasoning-parser qwen3` is a server flag (build_app's reasoning_parser); other parsers are refused."""
+    from worldserve.cli import build_parser
+    from worldserve.commands import serve
+
+    def options(*argv):
+        return serve.app_options(
+            serve.engine_config(build_parser(["serve", *argv]).parse_args(["serve", *argv]))
+        )
+
+    assert options("--reasoning-parser", "qwen3")["reasoning_parser"] == "qwen3"
+    assert options()["reasoning_parser"] is None
+    with pytest.raises(SystemExit):
+        options("--reasoning-parser", "deepseek_r1")
