@@ -80,7 +80,7 @@ def _streamed(url: str, **body) -> tuple[str, str]:
 
 
 def test_thoughts_and_answer_over_http(url):
-    forced = {"structured_outputs": {"regex": THOUGHT}}
+    forced = {"structured_outputs": {"regex": THOUGHT}, "seed": 3}
     message = _chat(url, **forced)["message"]
     assert message["reasoning_content"] == "\nBecause of Rayleigh scattering.\n"
     assert message["content"] in ("\n\nBlue.", "\n\nAzure.")

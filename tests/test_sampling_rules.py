@@ -216,3 +216,13 @@ def test_rules_that_leave_no_token_the_row_allowed_are_not_applied():
     for temperature in (0, 1.0):
         token = TokenSampler(temperature=temperature, allowed_token_ids=(3, 5), seed=0).sample(logits)
         assert token >= 32
+
+
+def test_a_streamed_chat_tells_the_stop_string_it_hit(reasoner_url):
+    """vLLM's stop_reason on the final streamed chunk, as the non-streamed answer has it."""
+    body = {"model": MODEL, "messages": HI, "max_tokens": 30, "stream": True, "guided_choice": ['ab"cd'],
+            "stop": ['"']}  # fmt: skip
+    with httpx.stream("POST", reasoner_url + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = [e["choices"][0] for e in events if e["choices"]][-1]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == '"', last

@@ -365,6 +365,8 @@ class ChunkChoice(BaseModel):
     the final chunk."""
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """vLLM's, on the final chunk: the matched stop string or stop token id."""
 
 
 class SSEChunk:

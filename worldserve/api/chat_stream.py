@@ -254,9 +254,9 @@ async def sse(
     parsers = [ToolStream(tools) for _ in streams] if tools is not None and tools.parsed else None
     reasoners = [ReasoningStream() for _ in streams] if parsing.reasoning else None
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=()) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=(), stop=None) -> str:
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp, stop_reason=stop)
         usage = make_usage(prompt_tokens, completion[index]) if continuous_usage else None
         return ChatCompletionChunk(
             id=request_id, created=created, model=model, choices=[choice], usage=usage
@@ -283,7 +283,7 @@ async def sse(
         for i, delta in enumerate(deltas):
             yield chunk(index, delta, logprobs=event.logprobs if i == 0 else ())
         if finish is not None:
-            yield chunk(index, {}, finish)
+            yield chunk(index, {}, finish, stop=event.stop_reason)
 
     def tail() -> Iterator[str]:
         if include_usage:

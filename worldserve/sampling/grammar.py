@@ -72,12 +72,21 @@ def grammar_text(so: StructuredOutput) -> str:
             schema = json.loads(so.spec)
             if not isinstance(schema, dict | bool):
                 raise ParamError(so.field, "the JSON schema must be a JSON object")
+            if schema is False:
+                raise ParamError(so.field, "the JSON schema false matches no document")
+            schema = {} if schema is True else schema  # true: any JSON document, as {}
             if not so.additional_properties:
                 schema = closed_objects(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if so.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
         if so.kind == "regex":
+            if (
+                len(so.spec) - len(so.spec.rstrip("\\"))
+            ) % 2:  # llguidance takes a dangling escape as a literal
+                raise ParamError(
+                    so.field, "invalid regex constraint: the pattern ends with an unfinished escape (\\)"
+                )
             return llguidance.LLMatcher.grammar_from_regex(so.spec)
         if so.kind == "choice":  # one terminal (a single lexeme): Earley rules per choice stop at ~2,000
             choices = json.loads(so.spec)
@@ -88,6 +97,8 @@ def grammar_text(so: StructuredOutput) -> str:
             return llguidance.grammar_from("grammar", so.spec)  # Lark, or GBNF / EBNF converted to Lark
         if so.kind == "structural_tag":
             return structural_tag_grammar(json.loads(so.spec), so.field)
+    except ParamError:
+        raise
     except (ValueError, TypeError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
         raise ParamError(so.field, f"invalid {so.kind} constraint: {exc}") from None
     raise ParamError(so.field, f"unknown structured output kind {so.kind!r}")

@@ -43,6 +43,9 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the API's threads compile ahead (`compile`), the chat worker reads
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        self.special_texts = tuple(t.content for t in decoder.values() if getattr(t, "special", False))
+        """The special tokens' texts (<|im_end|>, <|image_pad|>, ...): a constraint spelling one is refused."""
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -65,6 +68,9 @@ class GrammarCompiler:
         with self._lock:
             template = self._compiled.get(so)
         if template is None:
+            if special := next((t for t in self.special_texts if t in so.spec), None):
+                raise ParamError(so.field, f"the {so.kind} constraint contains the special token {special}, "
+                                 "which the model writes as one token a grammar cannot take")  # fmt: skip
             template = on_big_stack(_compiled_and_tried, self.tokenizer, grammar_text(so))
             if template.is_error():
                 raise ParamError(so.field, f"invalid {so.kind} constraint: {_short(template.get_error())}")
@@ -81,11 +87,27 @@ class GrammarCompiler:
 
 
 def _compiled_and_tried(tokenizer: llguidance.LLTokenizer, text: str) -> llguidance.LLMatcher:
-    """The grammar compiled, and its first mask computed (lexer errors show there; the lexer states it builds
-    are shared with the chats' copies: a regex whose first mask takes 0.75 s costs each copy 0.14 s)."""
+    """The grammar compiled, its first mask computed (lexer errors show there; the lexer states it builds are
+    shared with the chats' copies: a regex whose first mask takes 0.75 s costs each copy 0.14 s), and, on a
+    copy, one allowed token taken and the next mask computed: a grammar past llguidance's limits (e.g.
+    "a{99999999}") fails there, at its second token, which a 400 now reports instead of a cut answer. The
+    returned matcher is in its error state when either step failed."""
     template = llguidance.LLMatcher(tokenizer, text, log_level=0)
-    if not template.is_error():
-        template.compute_bitmask()
+    if template.is_error():
+        return template
+    words = np.frombuffer(template.compute_bitmask(), dtype=np.int32)
+    if template.is_error():
+        return template
+    ends = set(tokenizer.eos_tokens)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")  # [W * 32]: bit t allows token t
+    first = next((int(t) for t in np.flatnonzero(bits) if int(t) not in ends), None)
+    if first is not None:
+        trial = template.deep_copy()
+        if not trial.consume_token(first):
+            return trial
+        trial.compute_bitmask()
+        if trial.is_error():
+            return trial
     return template
 
 
