@@ -361,3 +361,29 @@ def test_grammars_that_fail_past_their_first_token_or_spell_special_tokens_are_r
         assert info.value.param == "f", so
     for so in (StructuredOutput(kind="regex", spec="ab\\\\"), StructuredOutput(kind="json", spec="true")):
         compiler.compile(so)
+
+
+def test_at_most_a_few_compile_threads_at_once():
+    """Each compile thread reserves a 1 GiB stack: concurrent requests' compiles queue beyond COMPILE_THREADS."""
+    import threading
+    import time
+
+    from worldserve.sampling import grammar
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def slow() -> int:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return 1
+
+    threads = [threading.Thread(target=grammar.on_big_stack, args=(slow,)) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == grammar.COMPILE_THREADS

@@ -35,10 +35,15 @@ value, which is a schema, a list of schemas, or an extension's data it cannot te
 
 T = TypeVar("T")
 _STACK_LOCK = threading.Lock()
+COMPILE_THREADS = 4
+"""Grammar compiles running at once (each thread reserves COMPILE_STACK_BYTES of address space); the rest
+wait their turn."""
+_COMPILES = threading.BoundedSemaphore(COMPILE_THREADS)
 
 
 def on_big_stack(fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on a thread of its own with COMPILE_STACK_BYTES of stack (the caller waits)."""
+    """fn(*args) on a thread of its own with COMPILE_STACK_BYTES of stack (the caller waits; at most
+    COMPILE_THREADS such threads at a time)."""
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -47,14 +52,15 @@ def on_big_stack(fn: Callable[..., T], *args: Any) -> T:
         except BaseException as exc:  # handed to the caller
             result["error"] = exc
 
-    with _STACK_LOCK:  # threading.stack_size is process-wide: set, start, restore
-        previous = threading.stack_size(COMPILE_STACK_BYTES)
-        try:
-            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
-            thread.start()
-        finally:
-            threading.stack_size(previous)
-    thread.join()
+    with _COMPILES:
+        with _STACK_LOCK:  # threading.stack_size is process-wide: set, start, restore
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+                thread.start()
+            finally:
+                threading.stack_size(previous)
+        thread.join()
     if "error" in result:
         raise result["error"]
     return result["value"]
