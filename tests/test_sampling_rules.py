@@ -226,3 +226,12 @@ def test_a_streamed_chat_tells_the_stop_string_it_hit(reasoner_url):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     last = [e["choices"][0] for e in events if e["choices"]][-1]
     assert last["finish_reason"] == "stop" and last["stop_reason"] == '"', last
+
+
+def test_a_requests_own_chat_template_is_refused_as_vllm_refuses_it(reasoner_url):
+    """vLLM refuses `chat_template` without --trust-request-chat-template (which worldserve refuses at startup):
+    a 400 naming it on chat completions and /tokenize, never silently ignored."""
+    r = _post(reasoner_url, chat_template="{{ raise_exception('boom') }}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    r = httpx.post(reasoner_url + "/tokenize", json={"messages": HI, "chat_template": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text

@@ -346,6 +346,7 @@ REFUSED = [
     (["--api-server-count", "4"], "--api-server-count 4", "one API server"),
     (["--omni-lb-policy", "cost-aware"], "--omni-lb-policy cost-aware", "load balancer"),
     (["--seed", "1234"], "--seed 1234", "per request"),
+    (["--trust-request-chat-template"], "--trust-request-chat-template", "chat_template is a 400"),
     (["--generation-config", "/models/gen"], "--generation-config /models/gen", "per request"),
     (["--media-io-kwargs", '{"video": {"fps": 4}}'], "--media-io-kwargs", "per request"),
     (["--hf-overrides", '{"rope_scaling": {"factor": 2}}'], "--hf-overrides", "own config"),

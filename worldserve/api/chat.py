@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat_media import part, prefetch_media, video_sampling
 from worldserve.api.chat_protocol import (
+    UNTRUSTED_TEMPLATE,
     ChatCompletionRequest,
     ChatCompletionResponse,
     pixel_budget,
@@ -205,6 +206,8 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
     if (refused := body.refused_sampling()) is not None:
         raise APIError(400, refused[1], param=refused[0])
+    if body.chat_template is not None:
+        raise APIError(400, UNTRUSTED_TEMPLATE, param="chat_template")
     if (field := body.unsupported()) is not None:
         raise APIError(400, f"{field} is not supported (the legacy form of tool calling): send tools and "
                        "tool_choice", param=field)  # fmt: skip

@@ -200,6 +200,7 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = Field(
         False, description="vLLM's: the answer starts with the last message when it is the assistant's."
     )
+    chat_template: str | None = Field(None, description="Refused (a 400), as vLLM refuses it by default.")
     include_reasoning: bool = Field(
         True, description="vLLM's: with --reasoning-parser, false leaves reasoning_content out."
     )
@@ -218,6 +219,13 @@ class ChatCompletionRequest(SamplingRequest):
         if self.functions:
             return "functions"
         return "function_call" if self.function_call not in TOOLLESS_CHOICES else None
+
+
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. Refused request with "
+    "untrusted chat template."
+)
+"""vLLM's refusal of a request's own `chat_template` (this server renders the checkpoint's template only)."""
 
 
 MAX_PIXELS = 16777216

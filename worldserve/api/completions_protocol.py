@@ -126,6 +126,8 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    """Refused (a 400), as vLLM refuses a request's own template by default."""
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
     tools: list[ToolIn] | None = None

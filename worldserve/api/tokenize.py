@@ -23,7 +23,7 @@ from fastapi import APIRouter, Depends, Request
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat import RequestOptions, build_params, inline_refs, model_not_found, request_options
 from worldserve.api.chat_media import prefetch_media
-from worldserve.api.chat_protocol import ChatCompletionRequest
+from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest
 from worldserve.api.completions_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -33,6 +33,7 @@ from worldserve.api.completions_protocol import (
 )  # fmt: skip
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
+from worldserve.params import ParamError
 
 router = APIRouter(tags=["tokenize"])
 State = Annotated[AppState, Depends(app_state)]
@@ -98,6 +99,8 @@ async def tokenize(request: Request, st: State):
 
     fetched: dict[str, bytes] = {}
     if chat:
+        if body.chat_template is not None:
+            raise ParamError("chat_template", UNTRUSTED_TEMPLATE)
         as_chat = body.as_chat()
         options = request_options(as_chat)
         fetched = await prefetch_media(as_chat, st.media, st.mm_limits)

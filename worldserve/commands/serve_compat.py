@@ -217,6 +217,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "request"),
     C("--enable-auto-tool-choice", "tool_choice auto (the default with tools) is always available: the "
       "model's <tool_call> blocks are parsed as vLLM's hermes parser parses them", ON),
+    C("--trust-request-chat-template", "", ON, NEVER, "never", "worldserve renders only the checkpoint's chat "
+      "template: a request's chat_template is a 400"),
     C("--tool-call-parser", "tool calls are parsed in Qwen's hermes format (<tool_call> JSON blocks), the one "
       "this checkpoint's chat template asks for", {"metavar": "NAME"}, lambda v: v == "hermes", "only as hermes",
       "worldserve parses the hermes format, the one Qwen3-VL's chat template writes"),
