@@ -34,15 +34,20 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reasoner_url(tiny_ckpt, tmp_path_factory):
-    """A uvicorn serving a tiny Reasoner of its own for one test module (model name "test-model"); its URL."""
+def reasoner(tiny_ckpt):
+    """The tiny checkpoint's Reasoner, float32 on the CPU, one per test module (a module may define its own)."""
     from reasoner_helpers import tiny_reasoner
+
+    return tiny_reasoner(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def reasoner_url(reasoner, tmp_path_factory):
+    """A uvicorn serving the module's `reasoner` (model name "test-model"); its URL."""
     from serving_helpers import serve_reasoner
 
     folder = tmp_path_factory.mktemp("reasoner-server")
-    with serve_reasoner(
-        tiny_reasoner(tiny_ckpt), folder, model="test-model", name="test-reasoner-uvicorn"
-    ) as url:
+    with serve_reasoner(reasoner, folder, model="test-model", name="test-reasoner-uvicorn") as url:
         yield url
 
 

@@ -10,23 +10,9 @@ import base64
 
 import httpx
 import pytest
-from reasoner_helpers import tiny_reasoner
-from serving_helpers import mp4_bytes, serve_reasoner
+from serving_helpers import mp4_bytes
 
 MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def reasoner(tiny_ckpt):
-    return tiny_reasoner(tiny_ckpt)
-
-
-@pytest.fixture(scope="module")
-def url(reasoner, tmp_path_factory):
-    with serve_reasoner(
-        reasoner, tmp_path_factory.mktemp("chat-limits"), model=MODEL, name="test-chat-limits-uvicorn"
-    ) as base:
-        yield base
 
 
 HUGE = 2**1100
@@ -46,7 +32,9 @@ HUGE = 2**1100
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
-def test_video_sampling_out_of_range_is_a_400_as_the_request_is_read(url, options, param, needle, route):
+def test_video_sampling_out_of_range_is_a_400_as_the_request_is_read(
+    reasoner_url, options, param, needle, route
+):
     """fps must be a number > 0 and num_frames an integer in [1, 768] (-1: the default), on chat and on
     /tokenize's chat form; checked before any media is fetched (the video's URL here would fail to
     download), never a 500 (float() overflowed on -2**1100)."""
@@ -55,14 +43,14 @@ def test_video_sampling_out_of_range_is_a_400_as_the_request_is_read(url, option
     body = {"model": MODEL, "messages": messages, **options} | (
         {"max_tokens": 2} if route != "/tokenize" else {}
     )
-    r = httpx.post(url + route, json=body, timeout=30)
+    r = httpx.post(reasoner_url + route, json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
     assert len(err["message"]) < 300  # a 332-digit number is not echoed whole
 
 
-def test_video_fps_above_the_source_rate_takes_every_frame(url):
+def test_video_fps_above_the_source_rate_takes_every_frame(reasoner_url):
     """Any fps at or above a 2 s clip's own 8 fps takes every frame (the same prompt as asking for 8 fps),
     2**1100 and 1e308 too (taken as MAX_VIDEO_FPS: float() overflowed on the one, the other made an
     infinite frame count: 500s once)."""
@@ -71,7 +59,7 @@ def test_video_fps_above_the_source_rate_takes_every_frame(url):
     for video in ({"fps": 1000}, {"fps": HUGE}, {"fps": 1e308}, {"fps": 8}):
         body = {"model": MODEL, "max_tokens": 1, "media_io_kwargs": {"video": video}, "messages": [
             {"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4}}]}]}  # fmt: skip
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         counts.append(r.json()["usage"]["prompt_tokens"])
     assert len(set(counts)) == 1, counts
@@ -90,7 +78,7 @@ def test_video_sampling_indices_stay_finite():
             VideoSampling(fps=fps).validate()
 
 
-def test_a_text_longer_than_the_context_can_hold_is_refused_untokenized(url, reasoner, monkeypatch):
+def test_a_text_longer_than_the_context_can_hold_is_refused_untokenized(reasoner_url, reasoner, monkeypatch):
     """A chat text with more bytes than max_model_len tokens can hold is refused by its byte count (a 400
     naming `messages` in vLLM's words), not tokenized first (28.6 MiB took 35 s); a text that may fit still
     gets tokenized, and the refusal is the context's, as for a long prompt."""
@@ -102,14 +90,14 @@ def test_a_text_longer_than_the_context_can_hold_is_refused_untokenized(url, rea
         [{"type": "text", "text": "hi "}, {"type": "text", "text": "x" * 2_000_000}],
     ):
         body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "messages" and "maximum context length is 4096 tokens" in err["message"], err
         assert "bytes in the messages" in err["message"] and calls == []
     fits = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hello " * 5000}]}
     r = httpx.post(
-        url + "/v1/chat/completions", json=fits, timeout=60
+        reasoner_url + "/v1/chat/completions", json=fits, timeout=60
     )  # under the bound: tokenized, too long
     assert r.status_code == 400 and calls == [1] and r.json()["error"]["param"] == "messages", r.text
     assert "in the messages, 1 in the completion" in r.json()["error"]["message"]

@@ -13,32 +13,12 @@ import json
 import httpx
 import pytest
 import torch
-from reasoner_helpers import run_to_end, tiny_reasoner
-from serving_helpers import asgi_server, png_bytes, serve_reasoner, wait_until
+from reasoner_helpers import run_to_end
+from serving_helpers import asgi_server, png_bytes, wait_until
 
 from worldserve.chat_params import ChatParams
 
 MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def reasoner(tiny_ckpt):
-    return tiny_reasoner(tiny_ckpt)
-
-
-@pytest.fixture(scope="module")
-def url(reasoner, tmp_path_factory):
-    with serve_reasoner(
-        reasoner, tmp_path_factory.mktemp("completions"), model=MODEL, name="test-completions-uvicorn"
-    ) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    from openai import OpenAI
-
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _ids(reasoner, text: str) -> tuple[int, ...]:
@@ -50,8 +30,10 @@ def _direct(reasoner, ids, **kw):
     return run_to_end(reasoner, ChatParams(prompt_ids=tuple(ids), **kw))
 
 
-def test_greedy_text_matches_the_reasoner_for_text_and_token_ids(oai, reasoner):
-    resp = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+def test_greedy_text_matches_the_reasoner_for_text_and_token_ids(reasoner_oai, reasoner):
+    resp = reasoner_oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0
+    )
     ids = _ids(reasoner, "Once upon a time")
     text, session = _direct(reasoner, ids, max_tokens=6, temperature=0)
     choice = resp.choices[0]
@@ -61,17 +43,21 @@ def test_greedy_text_matches_the_reasoner_for_text_and_token_ids(oai, reasoner):
     u = resp.usage
     assert (u.prompt_tokens, u.completion_tokens) == (len(ids), session.completion_tokens)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-    by_ids = oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=6, temperature=0)
+    by_ids = reasoner_oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
-    default = oai.completions.create(model=MODEL, prompt=list(ids), temperature=0)  # vLLM's max_tokens 16
+    default = reasoner_oai.completions.create(
+        model=MODEL, prompt=list(ids), temperature=0
+    )  # vLLM's max_tokens 16
     text, session = _direct(reasoner, ids, max_tokens=16, temperature=0)
     assert default.choices[0].text == text and default.usage.completion_tokens == session.completion_tokens
 
 
-def test_a_list_of_prompts_gets_n_choices_each(oai, reasoner):
+def test_a_list_of_prompts_gets_n_choices_each(reasoner_oai, reasoner):
     """Choice i * n + j is sample j (seed + j) of prompt i; usage sums every prompt and every choice."""
     prompts = ["The sky is", "A cat"]
-    resp = oai.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=1.0, seed=7)
+    resp = reasoner_oai.completions.create(
+        model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=1.0, seed=7
+    )
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     expected, completion = [], 0
     for p in (_ids(reasoner, prompts[0]), _ids(reasoner, prompts[1])):
@@ -82,7 +68,7 @@ def test_a_list_of_prompts_gets_n_choices_each(oai, reasoner):
     assert [c.text for c in resp.choices] == expected and len(set(expected)) > 1
     assert resp.usage.prompt_tokens == sum(len(_ids(reasoner, p)) for p in prompts)
     assert resp.usage.completion_tokens == completion
-    ids_lists = oai.completions.create(
+    ids_lists = reasoner_oai.completions.create(
         model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=3, temperature=0
     )
     assert [c.text for c in ids_lists.choices] == [
@@ -90,10 +76,10 @@ def test_a_list_of_prompts_gets_n_choices_each(oai, reasoner):
     ]
 
 
-def test_stream_through_the_openai_client_and_on_the_wire(oai, url):
+def test_stream_through_the_openai_client_and_on_the_wire(reasoner_oai, reasoner_url):
     kw = dict(model=MODEL, prompt=["Hello", "World"], n=2, max_tokens=6, temperature=0.8, seed=3)
-    whole = oai.completions.create(**kw)
-    chunks = list(oai.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    whole = reasoner_oai.completions.create(**kw)
+    chunks = list(reasoner_oai.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     texts = {
         i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
         for i in range(4)
@@ -103,7 +89,7 @@ def test_stream_through_the_openai_client_and_on_the_wire(oai, url):
     assert finals == [0, 1, 2, 3] and all(c.object == "text_completion" for c in chunks)
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", reasoner_url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = r.read().decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
@@ -112,11 +98,13 @@ def test_stream_through_the_openai_client_and_on_the_wire(oai, url):
     assert payloads[-1]["choices"][0]["finish_reason"] == "length" and len({p["id"] for p in payloads}) == 1
 
 
-def test_legacy_logprobs_stream_and_not(oai, reasoner):
+def test_legacy_logprobs_stream_and_not(reasoner_oai, reasoner):
     """logprobs=k: each token's text, raw-logit log-probability (the first one checked against the prefill's
     logits), the sampled token plus the top k, and text_offset the running sum of the token texts."""
     ids = _ids(reasoner, "Count: one, two,")
-    resp = oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3)
+    resp = reasoner_oai.completions.create(
+        model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3
+    )
     lp = resp.choices[0].logprobs
     _, session = _direct(reasoner, ids, max_tokens=5, temperature=0)
     decoded = [reasoner.tokenizer.decode([t]) for t in session.token_ids]
@@ -132,7 +120,7 @@ def test_legacy_logprobs_stream_and_not(oai, reasoner):
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert top[token] == pytest.approx(logprob) and 3 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(logprob)  # greedy took the most likely token
-    streamed = list(oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3,
+    streamed = list(reasoner_oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3,
                                            stream=True))  # fmt: skip
     parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs is not None]
     assert [t for p in parts for t in p.tokens] == lp.tokens
@@ -140,69 +128,76 @@ def test_legacy_logprobs_stream_and_not(oai, reasoner):
     assert [x for p in parts for x in p.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
-def test_stop_string_and_echo(oai, reasoner):
+def test_stop_string_and_echo(reasoner_oai, reasoner):
     kw = dict(model=MODEL, prompt="hello", max_tokens=30, temperature=1.0, seed=3)
-    text = oai.completions.create(**kw).choices[0].text
+    text = reasoner_oai.completions.create(**kw).choices[0].text
     assert len(text) > 4, text
     stop = text[2:4]
-    cut = oai.completions.create(stop=[stop], **kw).choices[0]
+    cut = reasoner_oai.completions.create(stop=[stop], **kw).choices[0]
     assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop
     assert cut.text == text[: text.find(stop)]
-    kept = oai.completions.create(stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw).choices[
-        0
-    ]
+    kept = reasoner_oai.completions.create(
+        stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw
+    ).choices[0]
     assert kept.text == text[: text.find(stop) + len(stop)] and kept.finish_reason == "stop"
-    echoed = oai.completions.create(echo=True, **{**kw, "max_tokens": 4})
+    echoed = reasoner_oai.completions.create(echo=True, **{**kw, "max_tokens": 4})
     assert echoed.choices[0].text == "hello" + text[: len(echoed.choices[0].text) - 5]
-    chunks = list(oai.completions.create(echo=True, stream=True, **{**kw, "max_tokens": 4}))
+    chunks = list(reasoner_oai.completions.create(echo=True, stream=True, **{**kw, "max_tokens": 4}))
     assert chunks[0].choices[0].text.startswith("hello")
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
-    by_ids = oai.completions.create(echo=True, **{**kw, "prompt": [5, 6], "max_tokens": 1})
+    by_ids = reasoner_oai.completions.create(echo=True, **{**kw, "prompt": [5, 6], "max_tokens": 1})
     assert by_ids.choices[0].text.startswith(reasoner.tokenizer.decode([5, 6]))
     # echo with max_tokens 0: the prompts' text alone, n choices each, streamed or not; as vLLM, one token is
     # generated (and counted in usage) but left out of the text
-    only = oai.completions.create(echo=True, n=2, **{**kw, "prompt": ["hello", "a fox"], "max_tokens": 0})
+    only = reasoner_oai.completions.create(
+        echo=True, n=2, **{**kw, "prompt": ["hello", "a fox"], "max_tokens": 0}
+    )
     assert [c.text for c in only.choices] == ["hello", "hello", "a fox", "a fox"]
     prompt_tokens = len(_ids(reasoner, "hello")) + len(_ids(reasoner, "a fox"))
     assert only.usage.completion_tokens <= 4 and only.usage.prompt_tokens == prompt_tokens
-    chunks = list(oai.completions.create(echo=True, stream=True, stream_options={"include_usage": True},
+    chunks = list(reasoner_oai.completions.create(echo=True, stream=True, stream_options={"include_usage": True},
                                          **{**kw, "max_tokens": 0}))  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "hello"
     assert chunks[-1].usage.completion_tokens <= 1
 
 
-def test_tokenize_prompt_form_and_detokenize_round_trip(url, reasoner):
+def test_tokenize_prompt_form_and_detokenize_round_trip(reasoner_url, reasoner):
     text = "Hello world, how are you?"
-    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+    r = httpx.post(
+        reasoner_url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["tokens"] == list(_ids(reasoner, text)) and out["count"] == len(out["tokens"])
     assert out["max_model_len"] == 4096
     assert out["token_strs"] == reasoner.tokenizer.convert_ids_to_tokens(out["tokens"])
-    assert httpx.post(url + "/tokenize", json={"prompt": text}).json()["token_strs"] is None
-    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
+    assert httpx.post(reasoner_url + "/tokenize", json={"prompt": text}).json()["token_strs"] is None
+    back = httpx.post(reasoner_url + "/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": text}
     special = httpx.post(
-        url + "/detokenize", json={"tokens": [reasoner.tokenizer.convert_tokens_to_ids("<|im_end|>")]}
+        reasoner_url + "/detokenize",
+        json={"tokens": [reasoner.tokenizer.convert_tokens_to_ids("<|im_end|>")]},
     )
     assert special.json() == {"prompt": "<|im_end|>"}  # kept, as vLLM's /detokenize
 
 
-def test_tokenize_chat_form_counts_like_a_chat_completion(url, reasoner):
+def test_tokenize_chat_form_counts_like_a_chat_completion(reasoner_url, reasoner):
     """The chat form's count, an image included, is a chat completion's prompt_tokens for the same messages."""
     image = "data:image/png;base64," + base64.b64encode(png_bytes(56, 40)).decode()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]}]  # fmt: skip
-    r = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
+    r = httpx.post(reasoner_url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
     assert r.status_code == 200, r.text
     count = r.json()["count"]
-    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1},
+    chat = httpx.post(reasoner_url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1},
                       timeout=60).json()  # fmt: skip
     assert count == chat["usage"]["prompt_tokens"] > 60 and r.json()["max_model_len"] == 4096
-    bare = httpx.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    bare = httpx.post(
+        reasoner_url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}
+    ).json()
     assert bare["tokens"] == r.json()["tokens"][: bare["count"]] and bare["count"] < count
     tail = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
-    cont = httpx.post(url + "/tokenize", json={"messages": tail, "add_generation_prompt": False,
+    cont = httpx.post(reasoner_url + "/tokenize", json={"messages": tail, "add_generation_prompt": False,
                                                "continue_final_message": True}).json()  # fmt: skip
     assert reasoner.tokenizer.decode(cont["tokens"]).endswith("Hello the")
 
@@ -211,12 +206,12 @@ DROP = object()
 """A patch value that removes the field from the request body."""
 
 
-def test_echo_with_logprobs_scores_the_prompt(oai, reasoner):
+def test_echo_with_logprobs_scores_the_prompt(reasoner_oai, reasoner):
     """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs): every prompt token's log-probability
     under the tokens before it (the first: None), equal to the Reasoner's own prefill logits; with tokens
     generated, the prompt's entries come first, streamed the same."""
     ids = list(_ids(reasoner, "The quick brown fox jumps"))
-    r = oai.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=2)
+    r = reasoner_oai.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert lp.tokens == [reasoner.tokenizer.decode([i]) for i in ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -230,23 +225,23 @@ def test_echo_with_logprobs_scores_the_prompt(oai, reasoner):
                for k, top in enumerate(lp.top_logprobs[1:]))  # fmt: skip
     kw = dict(model=MODEL, prompt=ids, echo=True, max_tokens=3, logprobs=1, temperature=0,
               extra_body={"ignore_eos": True})  # fmt: skip
-    full = oai.completions.create(**kw).choices[0].logprobs
+    full = reasoner_oai.completions.create(**kw).choices[0].logprobs
     assert len(full.tokens) == len(ids) + 3 and full.token_logprobs[: len(ids)] == lp.token_logprobs
-    chunks = list(oai.completions.create(stream=True, **kw))
+    chunks = list(reasoner_oai.completions.create(stream=True, **kw))
     streamed = [
         x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs
     ]
     assert streamed[0] is None and streamed[1:] == pytest.approx(full.token_logprobs[1:], abs=1e-5)
 
 
-def test_vllm_prompt_logprobs_field(url, reasoner):
+def test_vllm_prompt_logprobs_field(reasoner_url, reasoner):
     """vLLM's `prompt_logprobs: k`: choices[i].prompt_logprobs lists, per prompt token after the first, its
     own log-probability and rank and the k most likely tokens, keyed by id (as vLLM's Logprob objects);
     streamed in the first chunk; out of [0, 20] a 400 naming it. Chat completions take the field too (the
     answer's top-level prompt_logprobs; not with stream, a 400)."""
     ids = list(_ids(reasoner, "The quick brown fox jumps"))
     body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 2}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    r = httpx.post(reasoner_url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     plp = r.json()["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
@@ -263,11 +258,13 @@ def test_vllm_prompt_logprobs_field(url, reasoner):
             2,
             3,
         )  # the top 2, and the prompt's own token if not in them
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+    with httpx.stream(
+        "POST", reasoner_url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["prompt_logprobs"] == plp
     assert all(e["choices"][0].get("prompt_logprobs") is None for e in events[1:] if e["choices"])
-    r = httpx.post(url + "/v1/completions", json={**body, "prompt_logprobs": 21}, timeout=60)
+    r = httpx.post(reasoner_url + "/v1/completions", json={**body, "prompt_logprobs": 21}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
     # a chat completion: the same field, the rendered chat prompt's tokens, at the top of the answer
     chat = {
@@ -276,31 +273,31 @@ def test_vllm_prompt_logprobs_field(url, reasoner):
         "prompt_logprobs": 1,
         "messages": [{"role": "user", "content": "hi"}],
     }
-    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 200, r.text
     rows = r.json()["prompt_logprobs"]
     assert rows[0] is None and len(rows) == r.json()["usage"]["prompt_tokens"]
     assert all(any(e["rank"] == 1 for e in row.values()) for row in rows[1:])
-    r = httpx.post(url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 
-def test_tokenize_counts_past_the_context(url):
+def test_tokenize_counts_past_the_context(reasoner_url):
     """Both /tokenize forms count a text longer than the context, as vLLM's /tokenize does (a chat or a
     completion of it is refused; counting is what /tokenize is for)."""
     text = "hello " * 5000  # ~10k tokens: past the 4096-token context
     for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
-        r = httpx.post(url + "/tokenize", json=body, timeout=60)
+        r = httpx.post(reasoner_url + "/tokenize", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["count"] > r.json()["max_model_len"] == 4096, r.text
 
 
-def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
+def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, reasoner):
     """ignore_eos runs past the end of sequence to max_tokens; min_tokens holds the end back; a request's
     stop_token_ids end it, with the id as stop_reason (here: every id, so the first token ends it)."""
     body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 300, "temperature": 1.0}
 
     def run(**extra) -> dict:
-        r = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
+        r = httpx.post(reasoner_url + "/v1/completions", json={**body, **extra}, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0] | {"tokens": r.json()["usage"]["completion_tokens"]}
 
@@ -315,9 +312,9 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
     first = run(seed=seed, stop_token_ids=every)
     assert first["finish_reason"] == "stop" and first["tokens"] == 0 and isinstance(first["stop_reason"], int)
     assert first["text"] == ""
-    r = httpx.post(url + "/v1/completions", json={**body, "stop_token_ids": [10**9]}, timeout=60)
+    r = httpx.post(reasoner_url + "/v1/completions", json={**body, "stop_token_ids": [10**9]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
-    r = httpx.post(url + "/v1/completions", json={**body, "min_tokens": 301}, timeout=60)
+    r = httpx.post(reasoner_url + "/v1/completions", json={**body, "min_tokens": 301}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
 
 
@@ -359,12 +356,12 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(url, reasoner):
         ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model", "does not exist"),
     ],
 )  # fmt: skip
-def test_bad_requests(url, route, patch, status, param, needle):
+def test_bad_requests(reasoner_url, route, patch, status, param, needle):
     body = (
         {"model": MODEL, "prompt": "hi", "max_tokens": 2} if route == "/v1/completions" else {"prompt": "hi"}
     )
     body = {k: v for k, v in {**body, **patch}.items() if v is not DROP}
-    r = httpx.post(url + route, json=body, timeout=30)
+    r = httpx.post(reasoner_url + route, json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == status and err["param"] == param and needle in err["message"], err
@@ -372,12 +369,12 @@ def test_bad_requests(url, route, patch, status, param, needle):
         assert err["type"] == "NotFoundError"
 
 
-def test_a_client_that_disconnects_stops_its_completion(url):
+def test_a_client_that_disconnects_stops_its_completion(reasoner_url):
     """A completion whose client leaves is aborted (the chat metrics count it), not decoded on. The seed is
     one whose completion runs 50+ tokens before its end of sequence, so the client leaves mid-way."""
 
     def aborted() -> float:
-        lines = httpx.get(url + "/metrics").text.splitlines()
+        lines = httpx.get(reasoner_url + "/metrics").text.splitlines()
         hits = [
             ln for ln in lines if ln.startswith("worldserve:chat_request_success_total{") and "abort" in ln
         ]
@@ -386,12 +383,12 @@ def test_a_client_that_disconnects_stops_its_completion(url):
     body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 4000, "temperature": 1.0}
     seed = next(
         s for s in range(50)
-        if httpx.post(url + "/v1/completions", json={**body, "seed": s}, timeout=60).json()["usage"][
+        if httpx.post(reasoner_url + "/v1/completions", json={**body, "seed": s}, timeout=60).json()["usage"][
             "completion_tokens"] >= 50
     )  # fmt: skip
     before = aborted()
     with httpx.stream(
-        "POST", url + "/v1/completions", json={**body, "seed": seed, "stream": True}, timeout=60
+        "POST", reasoner_url + "/v1/completions", json={**body, "seed": seed, "stream": True}, timeout=60
     ) as r:
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
     assert '"text_completion"' in first

@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from reasoner_helpers import run_to_end, tiny_reasoner
+from reasoner_helpers import run_to_end
 
 from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput
 from worldserve.params import ParamError
@@ -39,11 +39,6 @@ def conforms(doc) -> bool:
         and isinstance(doc["count"], int) and 0 <= doc["count"] <= 99 and isinstance(doc["tags"], list)
         and len(doc["tags"]) <= 3 and all(isinstance(t, str) and len(t) <= 6 for t in doc["tags"])
     )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reasoner(tiny_ckpt):
-    return tiny_reasoner(tiny_ckpt)
 
 
 @pytest.fixture(scope="module")
