@@ -212,9 +212,8 @@ async def create_chat_completion(request: Request, st: State):
         raise APIError(400, f"{field} is not supported (the legacy form of tool calling): send tools and "
                        "tool_choice", param=field)  # fmt: skip
     compiler = grammar_compiler(st.client.chat_worker)
-    options = await asyncio.to_thread(
-        request_options, body, compiler
-    )  # a grammar compiles: off the event loop
+    # a grammar compiles there: off the event loop
+    options = await asyncio.to_thread(request_options, body, compiler)
     fetched = await prefetch_media(body, st.media, st.mm_limits)
     params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
     choices = params.choices(body.n)

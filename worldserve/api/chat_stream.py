@@ -293,9 +293,8 @@ async def sse(
             ).sse()
 
     roles = [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(streams))]
-    roles += [
-        chunk(index, {"content": parsing.echo}) for index in range(len(streams)) if parsing.echo
-    ]  # echo
+    if parsing.echo:  # vLLM's chat echo: the continued message right after the role
+        roles += [chunk(index, {"content": parsing.echo}) for index in range(len(streams))]
     async for text in sse_events(streams, render, tail, head=roles):
         yield text
 

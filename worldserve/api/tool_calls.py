@@ -227,7 +227,7 @@ def required_calls(text: str) -> list[ToolCallOut] | None:
 
 
 def final_message(
-    text: str, mode: ToolMode | None, finish_reason: str | None
+    text: str | None, mode: ToolMode | None, finish_reason: str | None
 ) -> tuple[str | None, list, str | None]:
     """A finished choice's (content, tool_calls, finish_reason) under `mode` (`text` None: no content)."""
     if text is None or mode is None or not mode.parsed:
@@ -291,13 +291,13 @@ class ToolStream:
             end = rest.find(CALL_END)
             if end < 0 and not finished:
                 return out  # inside a call: wait for its end
-            body = rest[len(CALL_START) : end if end >= 0 else len(rest)]
-            call = _call(body)
+            block_end = end + len(CALL_END) if end >= 0 else len(rest)  # an unterminated block: to the end
+            call = _call(rest[len(CALL_START) : end if end >= 0 else len(rest)])
             if call is None:  # not a call after all: its text is content
-                self._content(out, rest[: end + len(CALL_END) if end >= 0 else len(rest)])
+                self._content(out, rest[:block_end])
                 continue
             out.append(self._call_delta(call))
-            self._sent += end + len(CALL_END) if end >= 0 else len(rest)
+            self._sent += block_end
 
     def _content(self, out: list, text: str) -> None:
         """Settle `text` as content: sent before the first call, dropped after it (the whole answer's content

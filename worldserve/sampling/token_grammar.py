@@ -95,7 +95,7 @@ def _compiled_and_tried(tokenizer: llguidance.LLTokenizer, text: str) -> llguida
     template = llguidance.LLMatcher(tokenizer, text, log_level=0)
     if template.is_error():
         return template
-    words = np.frombuffer(template.compute_bitmask(), dtype=np.int32)
+    words = _mask_words(template)
     if template.is_error():
         return template
     ends = set(tokenizer.eos_tokens)
@@ -109,6 +109,11 @@ def _compiled_and_tried(tokenizer: llguidance.LLTokenizer, text: str) -> llguida
         if trial.is_error():
             return trial
     return template
+
+
+def _mask_words(matcher: llguidance.LLMatcher) -> np.ndarray:
+    """The matcher's next-token mask as int32 words [ceil(V / 32)]: bit j of word w allows token 32 w + j."""
+    return np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
 
 
 def _short(error: str, limit: int = 2000) -> str:
@@ -131,7 +136,7 @@ class TokenGrammar:
         """[ceil(V / 32)] int32 on the host: bit j of word w allows token 32 w + j next (computed once per
         step; ~15 us with Qwen's vocabulary, llguidance releasing the GIL)."""
         if self._words is None:
-            self._words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
+            self._words = _mask_words(self._matcher)
         return self._words
 
     def constrain(self, logits: Tensor) -> Tensor:
