@@ -11,8 +11,9 @@
   guided_whitespace_pattern (guided_decoding_backend is ignored, as above).
 
 At most one of these may constrain a request (a 400 naming the second, as vLLM refuses several); each
-malformed value, or grammar that does not compile or fails at its first token, is a 400 naming its field
-(sampling/grammar.py builds the grammar, sampling/token_grammar.py compiles it with the tokenizer).
+malformed value, or grammar that does not compile, fails at its first two tokens or spells a special token,
+is a 400 naming its field (sampling/grammar.py builds the grammar, sampling/token_grammar.py compiles it
+with the tokenizer).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def structured_output(
     """The request's one structured-output constraint, checked, or None for free text. `body`: a chat or text
     completion request (api/chat_protocol.py SamplingRequest); `tools`: a required or named tool choice's
     constraint (api/tool_calls.py), which counts as one; `compiler`: the Reasoner's GrammarCompiler
-    (`grammar_compiler`), which compiles the grammar with its tokenizer, tries its first token and keeps it
-    for the chat (blocking: call this off the event loop); without one (no Reasoner, test fakes) the grammar
+    (`grammar_compiler`), which compiles the grammar with its tokenizer, tries its first two tokens and keeps
+    it for the chat (blocking: call this off the event loop); without one (no Reasoner, test fakes) the grammar
     is compiled alone. Raises ParamError."""
     found = [so for so in (tools, _response_format(body.response_format), _structured_outputs(body.structured_outputs))
              if so is not None]  # fmt: skip

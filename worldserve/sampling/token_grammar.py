@@ -64,7 +64,7 @@ class GrammarCompiler:
         the request's thread, which waits for the compile on a big-stack thread (grammar.on_big_stack): a
         costly or broken grammar costs that request, not the chat worker, which every running chat shares
         and which then finds it here (unless COMPILED_GRAMMARS others came in between). ParamError naming the
-        field when the grammar is invalid or fails at its first token."""
+        field when the grammar is invalid or fails at its first two tokens, or spells a special token."""
         with self._lock:
             template = self._compiled.get(so)
         if template is None:
