@@ -118,7 +118,9 @@ def test_legacy_logprobs_stream_and_not(reasoner_oai, reasoner):
     first = torch.log_softmax(reasoner.transformer.compute_logits(hidden[-1:])[0].float(), -1)
     assert lp.token_logprobs[0] == pytest.approx(float(first[session.token_ids[0]]), abs=1e-4)
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert top[token] == pytest.approx(logprob) and 3 <= len(top) <= 4
+        # the top 3 and the sampled token, keyed by text: tokens decoding alike ("\ufffd" for partial
+        # characters) share a key, as in vLLM's legacy format
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(logprob)  # greedy took the most likely token
     streamed = list(reasoner_oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3,
                                            stream=True))  # fmt: skip
@@ -221,8 +223,9 @@ def test_echo_with_logprobs_scores_the_prompt(reasoner_oai, reasoner):
     assert lp.token_logprobs[1:] == pytest.approx(
         [float(ref[k, ids[k + 1]]) for k in range(len(ids) - 1)], abs=1e-4
     )
-    assert all(len(top) >= 2 and max(top.values()) == pytest.approx(float(ref[k].max()), abs=1e-4)
-               for k, top in enumerate(lp.top_logprobs[1:]))  # fmt: skip
+    for k, top in enumerate(lp.top_logprobs[1:]):  # keyed by text: two tokens decoding alike share one key
+        if len({reasoner.tokenizer.decode([int(i)]) for i in ref[k].topk(2).indices}) == 2:
+            assert len(top) >= 2 and max(top.values()) == pytest.approx(float(ref[k].max()), abs=1e-4)
     kw = dict(model=MODEL, prompt=ids, echo=True, max_tokens=3, logprobs=1, temperature=0,
               extra_body={"ignore_eos": True})  # fmt: skip
     full = reasoner_oai.completions.create(**kw).choices[0].logprobs

@@ -11,10 +11,12 @@ import random
 
 import httpx
 import pytest
+import torch
 from reasoner_helpers import tiny_reasoner
 from serving_helpers import serve_reasoner
 
 from worldserve.api.reasoning import ReasoningStream, split_reasoning
+from worldserve.chat_params import StructuredOutput
 
 TEXTS = [
     "<think>\nThe sky scatters blue light.\n</think>\n\nBlue.",
@@ -117,3 +119,63 @@ def test_the_flag_reaches_the_app():
     assert options()["reasoning_parser"] is None
     with pytest.raises(SystemExit):
         options("--reasoning-parser", "deepseek_r1")
+
+
+def _ids(reasoner, text: str) -> list[int]:
+    return reasoner.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_grammar_starts_after_the_thoughts(reasoner):
+    """Under --reasoning-parser the answer may open with <think> (besides the grammar's own first tokens);
+    its thoughts are free and the grammar starts after </think>. An answer that opens otherwise follows
+    the grammar from its first token, and <think> is then never allowed."""
+    compiler = reasoner.grammars
+    start, end = compiler.think_ids
+    choice = StructuredOutput(kind="choice", spec='["Blue.", "Azure."]')
+    free = torch.zeros(compiler.vocab_size)
+    first = torch.isfinite(compiler.grammar(choice).constrain(free))  # the grammar's own first tokens
+    thinking = compiler.grammar(choice, think=True)
+    opening = torch.isfinite(thinking.constrain(free))
+    assert opening[start] and not first[start] and not opening[end]
+    assert torch.equal(opening.clone().index_fill_(0, torch.tensor([start]), False), first)
+    thinking.accept(start)
+    for token in _ids(reasoner, "Any thoughts at all, <|im_start|> and <think> too"):
+        assert torch.equal(thinking.constrain(free), free)  # free while thinking
+        thinking.accept(token)
+    thinking.accept(end)
+    assert torch.equal(torch.isfinite(thinking.constrain(free)), first)  # the grammar starts now
+    for token in _ids(reasoner, "Azure."):
+        thinking.accept(token)
+    assert set(torch.isfinite(thinking.constrain(free)).nonzero()[:, 0].tolist()) == set(compiler.end_ids)
+    plain = compiler.grammar(choice, think=True)
+    plain.accept(_ids(reasoner, "Blue.")[0])
+    assert not torch.isfinite(plain.constrain(free))[start]
+
+
+def test_a_grammar_that_writes_the_thoughts_governs_them(reasoner):
+    """A grammar that may open with <think> itself keeps governing the thoughts (the regex tests above rely
+    on it); <think> and </think> are one token each, as in Qwen's vocabulary."""
+    compiler = reasoner.grammars
+    grammar = compiler.grammar(StructuredOutput(kind="regex", spec="<think>ok</think>done"), think=True)
+    ids = _ids(reasoner, "<think>ok</think>done")
+    assert ids[0] == compiler.think_ids[0] and compiler.think_ids[1] in ids
+    free = torch.zeros(compiler.vocab_size)
+    for token in ids:
+        mask = torch.isfinite(grammar.constrain(free))
+        assert mask[token] and int(mask.sum()) < compiler.vocab_size
+        grammar.accept(token)
+    assert set(torch.isfinite(grammar.constrain(free)).nonzero()[:, 0].tolist()) == set(compiler.end_ids)
+
+
+def test_a_constrained_answer_thinks_first_over_http(url, reasoner):
+    """Biased to open with <think> and close at once, the answer thinks (empty thoughts), then follows the
+    choice: reasoning_content None, content one of the choices; the tokens show the thought tags."""
+    start, end = reasoner.grammars.think_ids
+    choice = _chat(url, structured_outputs={"choice": ["Blue.", "Azure."]}, logprobs=True,
+                   logit_bias={str(start): 90, str(end): 100})  # fmt: skip
+    tokens = [t["token"] for t in choice["logprobs"]["content"]]
+    assert tokens[:2] == ["<think>", "</think>"] and "".join(tokens[2:]) == choice["message"]["content"]
+    assert (
+        choice["message"]["content"] in ("Blue.", "Azure.") and choice["message"]["reasoning_content"] is None
+    )
+    assert choice["finish_reason"] == "stop"

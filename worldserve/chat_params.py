@@ -224,6 +224,9 @@ class ChatParams:
     """`size.longest_edge` (pixel budget ceiling; None: the server's)."""
     structured: StructuredOutput | None = None
     """Constrain the completion to a grammar (structured outputs); None: free text."""
+    think_first: bool = False
+    """The answer may think (<think> ... </think>, as --reasoning-parser reads it) before `structured`'s
+    grammar starts."""
     tools: tuple[dict, ...] = ()
     """Function tools the chat template shows the model ({"type": "function", "function": {...}})."""
 

@@ -391,7 +391,11 @@ class Reasoner:
     ) -> ReasonerSession:
         logits = self.transformer.compute_logits(hidden[-1:])[0]
         sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
-        grammar = None if params.structured is None else self.grammars.grammar(params.structured)
+        grammar = (
+            None
+            if params.structured is None
+            else self.grammars.grammar(params.structured, params.think_first)
+        )
         session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
                                   params.stop_token_ids, params.include_stop_str_in_output),

@@ -20,11 +20,13 @@ from typing import Any
 import llguidance
 import numpy as np
 import torch
+from llguidance import TokenizerWrapper
 from torch import Tensor
 
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 from worldserve.sampling.grammar import grammar_text, on_big_stack
+from worldserve.sampling.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +48,17 @@ class GrammarCompiler:
         decoder = getattr(tokenizer, "added_tokens_decoder", {})
         self.special_texts = tuple(t.content for t in decoder.values() if getattr(t, "special", False))
         """The special tokens' texts (<|im_end|>, <|image_pad|>, ...): a constraint spelling one is refused."""
+        vocab = tokenizer.get_vocab()
+        self.think_ids = (
+            (vocab["<think>"], vocab["</think>"]) if "<think>" in vocab and "</think>" in vocab else None
+        )
+        """(<think>, </think>) ids, each one token in Qwen3's vocabulary (None where they are not)."""
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    self.hf_tokenizer.backend_tokenizer.to_str(),
-                    n_vocab=self.vocab_size,
-                    eos_token=self.end_ids,
-                )
+                self._tokenizer = _ll_tokenizer(self.hf_tokenizer, self.vocab_size, self.end_ids)
             return self._tokenizer
 
     def compile(self, so: StructuredOutput) -> llguidance.LLMatcher:
@@ -81,9 +84,37 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         return template
 
-    def grammar(self, so: StructuredOutput) -> TokenGrammar:
-        """A fresh TokenGrammar for one chat (ParamError naming the field when the grammar is invalid)."""
-        return TokenGrammar(self.compile(so).deep_copy(), self.vocab_size, self.end_ids)
+    def grammar(self, so: StructuredOutput, think: bool = False) -> TokenGrammar:
+        """A fresh TokenGrammar for one chat (ParamError naming the field when the grammar is invalid); with
+        `think` the answer may think (<think> ... </think>) before the grammar starts, where the vocabulary
+        has those two tokens."""
+        return TokenGrammar(self.compile(so).deep_copy(), self.vocab_size, self.end_ids,
+                            self.think_ids if think else None)  # fmt: skip
+
+
+def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary: each id's bytes with only the truly special ids special
+    (sampling/token_bytes.py: from the tokenizer's JSON alone, llguidance would take <tool_call> or <think> for
+    special tokens a grammar cannot spell)."""
+    try:
+        tokens, special = token_bytes(hf_tokenizer, vocab_size)
+    except ValueError:  # not byte-level BPE: llguidance reads the tokenizer's JSON itself
+        return llguidance.LLTokenizer(
+            hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=end_ids
+        )
+
+    class _Vocabulary:  # what llguidance's TokenizerWrapper reads
+        eos_token_id, bos_token_id = end_ids[0], None
+
+        def __init__(self) -> None:
+            self.tokens, self.special_token_ids = tokens, special
+
+        def __call__(self, text: str) -> list[int]:
+            return hf_tokenizer.encode(text, add_special_tokens=False)
+
+    return llguidance.LLTokenizer(
+        TokenizerWrapper(_Vocabulary()), n_vocab=vocab_size, eos_token=list(end_ids)
+    )
 
 
 def _compiled_and_tried(tokenizer: llguidance.LLTokenizer, text: str) -> llguidance.LLMatcher:
@@ -124,12 +155,28 @@ def _short(error: str, limit: int = 2000) -> str:
 
 class TokenGrammar:
     """One chat's grammar state: which tokens may come next, advanced by each sampled token. Once an end id
-    was taken (only with ignore_eos does the chat go on), nothing is constrained any more, as in vLLM."""
+    was taken (only with ignore_eos does the chat go on), nothing is constrained any more, as in vLLM.
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, end_ids: Sequence[int] = ()) -> None:
+    With `think` = (<think> id, </think> id) (a chat under --reasoning-parser), the answer may think first, as
+    vLLM lets it: the first token may also be <think>, and then nothing is constrained until </think>, after
+    which the grammar starts. An answer that opens otherwise follows the grammar from its first token (vLLM
+    waits for a </think> there too, which an answer that does not think never writes: its grammar never
+    starts). A grammar that may itself open with <think> governs the thoughts as well."""
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, end_ids: Sequence[int] = (),
+        think: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         self._matcher, self._vocab, self.end_ids = matcher, vocab_size, frozenset(end_ids)
         self.ended = False
+        self._think = think
+        self._phase = "open" if think is not None else "answer"  # "open" -> "thinking" -> "answer"
         self._words: np.ndarray | None = None  # [W] int32 host bits of the next token's mask, once computed
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is constrained next (the grammar ended, or the answer is thinking)."""
+        return self.ended or self._phase == "thinking"
 
     @property
     def words(self) -> np.ndarray:
@@ -137,6 +184,14 @@ class TokenGrammar:
         step; ~15 us with Qwen's vocabulary, llguidance releasing the GIL)."""
         if self._words is None:
             self._words = _mask_words(self._matcher)
+            if self._phase == "open":  # <think> may open the answer too
+                start, bits = self._think[0], self._words.copy().view(np.uint32)
+                bit = np.uint32(1 << (start % 32))
+                if bits[start // 32] & bit:  # the grammar writes <think> itself: it governs the thoughts too
+                    self._phase = "answer"
+                else:
+                    bits[start // 32] |= bit
+                    self._words = bits.view(np.int32)
         return self._words
 
     def constrain(self, logits: Tensor) -> Tensor:
@@ -152,6 +207,15 @@ class TokenGrammar:
         if token in self.end_ids:
             self.ended = True
             return
+        if self._phase != "answer":
+            if self._phase == "open" and token == self._think[0]:
+                self._phase = "thinking"
+                return
+            if self._phase == "thinking":
+                if token == self._think[1]:
+                    self._phase = "answer"
+                return
+            self._phase = "answer"
         if not self._matcher.consume_token(token):
             log.error("structured output: token %d refused by the grammar: %s", token,
                       _short(self._matcher.get_error(), 300))  # fmt: skip
@@ -162,7 +226,7 @@ def constrain_rows(logits: Tensor, grammars: Sequence[TokenGrammar | None]) -> T
     tensor: the rows' host bits gathered in one numpy array (no torch CPU ops: their thread pool costs more
     than the work), one host-to-device copy and one pass for the batch (a copy and a pass per chat cost
     ~0.1 ms of launches each: 4 ms a step at 32 chats)."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and not g.ended]
+    rows = [i for i, g in enumerate(grammars) if g is not None and not g.idle]
     if not rows:
         return logits
     width = max(len(grammars[rows[0]].words), (logits.shape[1] + 31) // 32)  # llguidance may add a word

@@ -3,13 +3,16 @@
 Byte-level BPE like Qwen's: the 256 byte symbols (ids 0..255, in byte order), then merges learnt
 deterministically from the shipped default negative prompt plus a little English (so prompts compress about
 3x, as with the real tokenizer, and the default negative stays under `max_sequence_length`), then
-`<|endoftext|>` and the six special tokens Cosmos3 relies on. Saved as a transformers `Qwen2Tokenizer`, so
+`<|endoftext|>` and the six special tokens Cosmos3 relies on, then Qwen's text tokens <tool_call>, </tool_call>,
+<think> and </think>. Saved as a transformers `Qwen2Tokenizer`, so
 the same folder loads in `AutoTokenizer` (ours and diffusers').
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from worldserve.sampling.token_bytes import bytes_to_unicode
 
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -20,6 +23,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+TEXT_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+"""Qwen3-VL's added tokens that are text, not special (kept by skip_special_tokens): each one id, as in the real
+vocabulary, so tool calls and thoughts are written and recognised token by token here too."""
 
 # Qwen3-VL-Instruct's template shape: string or part-list content, media placeholders, generation prompt, and
 # Qwen3's tool calling: the tools listed in a system turn, an assistant's calls as <tool_call> JSON blocks, tool
@@ -68,20 +74,6 @@ CHAT_TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable-unicode map used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, (chr(c) for c in chars), strict=True))
-
-
 MERGE_VOCAB_SIZE = 1280
 TRAINING_TEXT = (
     "A red fox runs through a snowy forest at dawn. The camera slowly pans to the right as the light changes. "
@@ -115,7 +107,7 @@ def write_tiny_tokenizer(out_dir: Path) -> int:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import Qwen2TokenizerFast
 
-    byte_map = _bytes_to_unicode()
+    byte_map = bytes_to_unicode()
     vocab = {byte_map[b]: b for b in range(256)}
     merges = _learn_merges()
     for left, right in merges:
@@ -124,6 +116,7 @@ def write_tiny_tokenizer(out_dir: Path) -> int:
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
     tok = Qwen2TokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",
