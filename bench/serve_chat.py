@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also send --concurrency's last count of chats while a video job of this shape denoises "
         "(e.g. 1280x720x189x4): their tokens/s beside the video step, and the job's own wall time",
     )  # fmt: skip
+    ap.add_argument(
+        "--upsample", action="store_true",
+        help="also a T2V and an I2V job with extra_params.upsample_prompt (bench/upsampled_videos.py)",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -329,6 +333,10 @@ def run(args: argparse.Namespace) -> dict:
             res["structured"] = structured_chats(url, served, args, chat, HTTP)
         if args.beside_video:
             res["beside_video"] = chats_beside_video(url, served, args)
+        if args.upsample:
+            from upsampled_videos import upsampled_videos
+
+            res["upsampled"] = upsampled_videos(url)
         t0 = time.perf_counter()
         body = {"prompt": "A fox in the snow.", "size": "256x256", "num_frames": 9, "num_inference_steps": 2}
         r = httpx.post(url + "/v1/videos/sync", json=body, timeout=600)

@@ -48,6 +48,7 @@ def make_client(
     observer=None,
     chat_backend=None,
     max_num_seqs: int = 32,
+    upsampler=None,
 ) -> EngineClient:
     backend = backend or FakeBackend()
     store = JobStore(storage)
@@ -60,7 +61,7 @@ def make_client(
     )  # fmt: skip
     return EngineClient(
         engine, store, model_name=model_name, max_queued_requests=max_queued_requests, job_ttl_s=job_ttl_s,
-        chat_backend=chat_backend, max_num_seqs=max_num_seqs,
+        chat_backend=chat_backend, max_num_seqs=max_num_seqs, upsampler=upsampler,
     )  # fmt: skip
 
 

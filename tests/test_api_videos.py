@@ -18,7 +18,7 @@ SMALL = {"size": "64x48", "num_frames": "5", "num_inference_steps": "2", "fps": 
 JOB_FIELDS = {
     "id", "object", "model", "prompt", "status", "progress", "size", "seconds", "quality", "fps", "num_frames",
     "duration_s", "created_at", "completed_at", "expires_at", "remixed_from_video_id", "error", "media_type",
-    "file_name", "inference_time_s", "stage_durations", "peak_memory_mb", "action",
+    "file_name", "inference_time_s", "stage_durations", "peak_memory_mb", "action", "upsampled_prompt",
 }  # fmt: skip
 
 

@@ -133,6 +133,8 @@ class VideoParams:
     prompt: its `duration` / `fps` keys). Off for prompts that already say it (vLLM-Omni `use_duration_template`)."""
     add_resolution_template: bool = True
     """State the resolution (plain text: a sentence; JSON prompt: `resolution` / `aspect_ratio`)."""
+    upsample_prompt: bool = False
+    """Have the Reasoner rewrite `prompt` into Cosmos3's JSON prompt first (engine/prompt_upsampling.py)."""
     use_system_prompt: bool = False
     """Prepend the reference's system message (`system_prompt` replaces its text) to both branches."""
     system_prompt: str | None = None

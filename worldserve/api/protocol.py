@@ -138,6 +138,10 @@ class ExtraParams(NumbersNotBooleans):
         None, description="Prepend the reference system message (default false)."
     )
     system_prompt: str | None = Field(None, description="A system message of your own.")
+    upsample_prompt: bool | None = Field(
+        None,
+        description="Have the Reasoner rewrite the prompt into Cosmos3's JSON prompt first (default false).",
+    )
 
 
 class VideoError(BaseModel):
@@ -171,6 +175,10 @@ class VideoObject(BaseModel):
     stage_durations: dict[str, float] = Field(default_factory=dict)
     peak_memory_mb: float | None = None
     action: dict[str, Any] | None = None
+    upsampled_prompt: str | None = Field(
+        None,
+        description="The prompt the Reasoner wrote for the video (extra_params.upsample_prompt), once written.",
+    )
 
     @classmethod
     def from_job(cls, job: Job) -> VideoObject:
@@ -184,7 +192,7 @@ class VideoObject(BaseModel):
             duration_s=round(spec.num_frames / spec.fps, 4), created_at=int(job.created_at),
             completed_at=_int_or_none(job.completed_at), expires_at=_int_or_none(job.expires_at), error=error,
             file_name=job.file_name, inference_time_s=job.inference_time_s, stage_durations=job.stage_durations,
-            peak_memory_mb=job.peak_memory_mb,
+            peak_memory_mb=job.peak_memory_mb, upsampled_prompt=spec.upsampled_prompt,
         )  # fmt: skip
 
 

@@ -53,7 +53,8 @@ def resolve_video_params(
                       ("max_sequence_length", "max_sequence_length"), ("generate_sound", "generate_sound"),
                       ("guidance_interval", "guidance_interval"), ("use_duration_template", "add_duration_template"),
                       ("use_resolution_template", "add_resolution_template"),
-                      ("use_system_prompt", "use_system_prompt"), ("system_prompt", "system_prompt")):  # fmt: skip
+                      ("use_system_prompt", "use_system_prompt"), ("system_prompt", "system_prompt"),
+                      ("upsample_prompt", "upsample_prompt")):  # fmt: skip
         if getattr(extra, key) is not None:
             kw[name], origin[name] = getattr(extra, key), f"extra_params.{key}"
     if kw.get("guidance_scale") == 0:

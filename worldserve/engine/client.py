@@ -19,6 +19,7 @@ fails them with a 503 (on a deadline of their own: the engine may be inside a de
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -41,8 +42,9 @@ from worldserve.engine.engine import Engine, EngineObserver, error_for
 from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
+from worldserve.engine.prompt_upsampling import UpsamplerConfig, UpsamplingInterrupted, upsample
 from worldserve.engine.request import EncodeOptions, Request
-from worldserve.params import VideoParams
+from worldserve.params import ParamError, VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
@@ -80,6 +82,7 @@ class EngineClient:
         job_ttl_s: float | None = None,
         chat_backend: ChatBackend | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        upsampler: UpsamplerConfig | None = None,
     ):
         self.engine = engine
         self.chat_worker = (
@@ -95,6 +98,8 @@ class EngineClient:
         self._sweeper: asyncio.Task | None = None
         self._stop_thread: threading.Thread | None = None
         self._started = False
+        self.upsampler = upsampler or UpsamplerConfig()
+        self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,9 +196,7 @@ class EngineClient:
                     job_id, f"The job was interrupted by a restart and could not be restored: {exc}"
                 )
                 continue
-            self.engine.add_request(
-                Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic())
-            )
+            self._queue(job_id, params, encode)
             resumed += 1
         return resumed
 
@@ -213,7 +216,11 @@ class EngineClient:
 
     # -- jobs -----------------------------------------------------------------------------------------
     def validate(self, params: VideoParams) -> VideoParams:
-        """Model-aware checks (prompt length, sound availability); raises ParamError."""
+        """Model-aware checks (prompt length, sound availability, a Reasoner to upsample the prompt); raises
+        ParamError."""
+        if params.upsample_prompt and self.chat_worker is None:
+            raise ParamError("extra_params.upsample_prompt", "prompt upsampling needs the Reasoner, which this "
+                             "server does not run (the fake backend, or --tensor-parallel-size > 1)")  # fmt: skip
         return self.engine.backend.validate(params)
 
     def observe(self, observer: EngineObserver) -> None:
@@ -242,7 +249,7 @@ class EngineClient:
             raise ShuttingDownError(
                 f"The engine has stopped (see the server log); no new {what} are accepted."
             )
-        if self.engine.num_waiting + count > self.max_queued_requests:
+        if self.engine.num_waiting + len(self._upsampling) + count > self.max_queued_requests:
             raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
 
     def submit(
@@ -251,10 +258,44 @@ class EngineClient:
         self._check_admission(1, "jobs")
         job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
         self.store.create(job, inputs_record(params, encode), reference)
-        self.engine.add_request(
-            Request(job_id=job.id, params=params, encode=encode, arrival_time=time.monotonic())
-        )
+        self._queue(job.id, params, encode)
         return job
+
+    def _queue(self, job_id: str, params: VideoParams, encode: EncodeOptions) -> None:
+        """Hand a stored queued job to the engine; one whose prompt is to be upsampled goes to the Reasoner
+        first (a task on the loop: the job stays queued meanwhile)."""
+        if params.upsample_prompt:
+            task = self._loop.create_task(self._upsample_then_queue(job_id, params, encode))
+            self._upsampling[job_id] = task
+            task.add_done_callback(lambda _: self._upsampling.pop(job_id, None))
+            return
+        self.engine.add_request(
+            Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic())
+        )
+
+    async def _upsample_then_queue(self, job_id: str, params: VideoParams, encode: EncodeOptions) -> None:
+        """The Reasoner writes the job's prompt (engine/prompt_upsampling.py), the store records it (a restart
+        then goes on with it), the engine gets the job. A failed upsampling fails the job (500, the reason);
+        one stopped by the shutdown leaves it queued, to upsample at the next start."""
+        try:
+            prompt = await upsample(self.chat_many, params, self.upsampler)
+            params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
+            await asyncio.to_thread(self.engine.backend.validate, params)  # e.g. its length in tokens
+        except (UpsamplingInterrupted, ShuttingDownError):
+            return
+        except Exception as exc:
+            if self.store.fail(job_id, 500, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
+                               ttl_s=self.job_ttl_s):  # fmt: skip
+                self._wake(job_id)
+            return
+        job = self.store.get(job_id)
+        if job is None or not self.store.set_upsampled(
+            job_id, dataclasses.replace(job.spec, upsampled_prompt=prompt), inputs_record(params, encode)
+        ):
+            return  # deleted (or failed) meanwhile
+        self.engine.add_request(
+            Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic())
+        )
 
     async def generate_ephemeral(
         self, params_list: Sequence[VideoParams], *, prefix: str, timeout_s: float
@@ -307,6 +348,8 @@ class EngineClient:
     def delete(self, job_id: str) -> Job | None:
         """Remove the job and its files; a queued or running one is aborted at the next step boundary."""
         job = self.store.delete(job_id)
+        if (upsampling := self._upsampling.pop(job_id, None)) is not None:
+            upsampling.cancel()  # its chat stops at the next step
         if job is not None and not job.status.terminal:
             self.engine.abort(job_id)
         return job

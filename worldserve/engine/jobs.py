@@ -67,6 +67,8 @@ class JobSpec:
     fps: float
     num_frames: int
     user: str | None = None
+    upsampled_prompt: str | None = None
+    """The prompt the Reasoner wrote for the video (extra_params.upsample_prompt), once written."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,6 +179,14 @@ class JobStore:
                 (job.id, job.status.value, job.progress, job.created_at, spec, json.dumps(inputs),
                  int(reference is not None)),
             )  # fmt: skip
+
+    def set_upsampled(self, job_id: str, spec: JobSpec, inputs: dict[str, Any]) -> bool:
+        """Record a queued job's upsampled prompt: the spec that shows it and the inputs that now run with it
+        (a restart does not upsample again). False when the job is gone or no longer queued."""
+        return self._update(
+            "UPDATE jobs SET spec=?, inputs=? WHERE id=? AND status='queued'",
+            (json.dumps(_spec_record(spec)), json.dumps(inputs), job_id),
+        )
 
     def mark_in_progress(self, job_id: str, started_at: float) -> bool:
         return self._update(

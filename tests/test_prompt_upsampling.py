@@ -1,0 +1,170 @@
+"""Prompt upsampling (engine/prompt_upsampling.py, `extra_params.upsample_prompt`): the Reasoner writes the
+video's JSON prompt under a bounded schema before the job is queued. Unit checks of the chat and the answer's
+parsing; a uniform random walk through the schema's grammar closes within the budget; over HTTP on the tiny
+checkpoint (real pipeline, real Reasoner, CPU): the job shows the prompt it ran with and its MP4 equals a job
+sent that prompt directly; a delete while upsampling, a server without a Reasoner, and a restart in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+from reasoner_helpers import tiny_reasoner
+from serving_helpers import asgi_server, png_bytes, poll_job
+
+from worldserve.chat_params import StructuredOutput
+from worldserve.engine.prompt_upsampling import UpsamplerConfig, upsampled_prompt, upsampling_chat
+from worldserve.params import VideoParams
+
+SMALL = UpsamplerConfig(max_chars=12, max_subjects=1, max_actions=1)
+"""Short texts: a random tiny model fills every field to its bound, and CPU tests stay quick."""
+TINY = {"size": "32x32", "num_frames": "5", "num_inference_steps": "2", "fps": "8", "seed": "7"}
+KEYS = {"subjects", "background_setting", "lighting", "aesthetics", "cinematography", "style_medium", "actions",
+        "temporal_caption", "audio_description"}  # fmt: skip
+
+
+def test_the_chat_asks_for_the_schema_with_nvidias_sampling_and_the_image():
+    t2v = upsampling_chat(VideoParams(prompt="a fox in the snow", seed=5))
+    assert t2v.temperature == 0.7 and t2v.top_p == 0.8 and t2v.top_k == 20 and t2v.seed == 5
+    assert t2v.structured.kind == "json" and set(json.loads(t2v.structured.spec)["required"]) == KEYS
+    (turn,) = t2v.messages
+    assert [p.type for p in turn.content] == ["text"] and "a fox in the snow" in turn.content[0].text
+    assert "7.9 seconds" in turn.content[0].text
+    image = np.zeros((16, 24, 3), np.uint8)
+    i2v = upsampling_chat(VideoParams(prompt="it moves", image=image))
+    assert [p.type for p in i2v.messages[0].content] == ["image", "text"]
+    assert i2v.messages[0].content[0].image is image and "attached image" in i2v.messages[0].content[1].text
+
+
+def test_the_answer_becomes_a_compact_json_prompt():
+    assert upsampled_prompt('{ "subjects" : [ {"description": "fox"} ],\n "caf\u00e9": 1 }') == (
+        '{"subjects": [{"description": "fox"}], "caf\\u00e9": 1}'
+    )
+    for cut in ('{"subjects": [', "[1, 2]", ""):
+        with pytest.raises(ValueError, match="prompt upsampler"):
+            upsampled_prompt(cut)
+
+
+def test_a_random_walk_through_the_schema_closes_within_its_bounds(reasoner):
+    """A model with flat logits (uniform among allowed tokens) still writes a complete document: every text
+    and list is bounded."""
+    compiler = reasoner.grammars
+    so = StructuredOutput(kind="json", spec=json.dumps(SMALL.schema()))
+    for seed in range(3):
+        grammar, gen, ids = compiler.grammar(so), torch.Generator().manual_seed(seed), []
+        while True:
+            mask = torch.isfinite(grammar.constrain(torch.zeros(compiler.vocab_size)))
+            token = int(torch.multinomial(mask.float(), 1, generator=gen))
+            if token in compiler.end_ids:
+                break
+            grammar.accept(token)
+            ids.append(token)
+            assert len(ids) < 2000
+        doc = json.loads(upsampled_prompt(compiler.hf_tokenizer.decode(ids)))
+        assert set(doc) == KEYS and all(len(s["description"]) <= 12 for s in doc["subjects"])
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_ckpt):
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    return VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def chat_backend(tiny_ckpt):
+    return tiny_reasoner(tiny_ckpt)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_upsampled_job_runs_the_prompt_it_shows(tmp_path, pipeline, chat_backend, anyio_backend):
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=SMALL) as http:  # fmt: skip
+        upsample = {"prompt": "a fox", **TINY, "extra_params": json.dumps({"upsample_prompt": True})}
+        sync = await http.post("/v1/videos/sync", data=upsample)
+        assert sync.status_code == 200, sync.text
+        job = (await http.get(f"/v1/videos/{sync.headers['x-video-id']}")).json()
+        assert job["prompt"] == "a fox" and set(json.loads(job["upsampled_prompt"])) == KEYS
+        direct = await http.post("/v1/videos/sync", data={**TINY, "prompt": job["upsampled_prompt"]})
+        assert direct.status_code == 200 and direct.content == sync.content  # the same video: that prompt ran
+        again = await http.post("/v1/videos", data=upsample)  # async, seeded: the same prompt again
+        done = await poll_job(http, again.json()["id"], timeout=120)
+        assert done["status"] == "completed" and done["upsampled_prompt"] == job["upsampled_prompt"]
+        i2v = await http.post("/v1/videos", data=upsample, files={"input_reference": ("r.png", png_bytes(40, 24),
+                              "image/png")})  # fmt: skip
+        done = await poll_job(http, i2v.json()["id"], timeout=120)
+        assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_delete_while_upsampling_stops_the_chat(tmp_path, pipeline, chat_backend, anyio_backend):
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4)  # still writing when deleted
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=slow) as http:  # fmt: skip
+        client = http.engine_client
+        created = await http.post("/v1/videos", data={"prompt": "a fox", **TINY,
+                                                      "extra_params": '{"upsample_prompt": true}'})  # fmt: skip
+        job_id = created.json()["id"]
+        assert created.json()["status"] == "queued" and job_id in client._upsampling
+        await asyncio.sleep(0.3)
+        assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 200
+        for _ in range(200):  # the chat leaves the worker at its next step
+            if not client._upsampling and chat_backend._live == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert not client._upsampling and chat_backend._live == 0
+        assert (await http.get(f"/v1/videos/{job_id}")).status_code == 404
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_without_a_reasoner_upsampling_is_a_400(tmp_path, anyio_backend):
+    async with asgi_server(tmp_path) as http:
+        r = await http.post(
+            "/v1/videos", data={"prompt": "a fox", "extra_params": '{"upsample_prompt": true}'}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.upsample_prompt"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_restart_upsamples_an_interrupted_job(tmp_path, pipeline, chat_backend, anyio_backend):
+    """A job accepted but not yet upsampled when the server stopped is upsampled and run at the next start."""
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True) as http:
+        store = http.engine_client.store  # a job stored as submit stores it, its upsampling never started
+        from worldserve.engine.job_files import inputs_record
+        from worldserve.engine.jobs import Job, JobSpec, JobStatus, new_job_id
+        from worldserve.engine.request import EncodeOptions
+
+        params = VideoParams(prompt="a fox", width=32, height=32, num_frames=5, num_inference_steps=2, fps=8,
+                             seed=7, upsample_prompt=True)  # fmt: skip
+        spec = JobSpec(model="m", prompt="a fox", size="32x32", seconds="0.6", quality="standard", fps=8,
+                       num_frames=5)  # fmt: skip
+        stored = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=0.0, spec=spec)
+        store.create(stored, inputs_record(params, EncodeOptions()), None)
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=SMALL) as http:  # fmt: skip
+        done = await poll_job(http, stored.id, timeout=120)
+        assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_written_prompt_past_max_sequence_length_fails_the_job(
+    tmp_path, pipeline, chat_backend, anyio_backend
+):
+    """The written prompt is checked as a client's would be (here: too many tokens): the job fails with the
+    reason, the sync request answers it."""
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=SMALL) as http:  # fmt: skip
+        extra = json.dumps({"upsample_prompt": True, "max_sequence_length": 150, "negative_prompt": "blur"})
+        r = await http.post("/v1/videos/sync", data={"prompt": "a fox", **TINY, "extra_params": extra})
+        assert r.status_code == 500, r.text
+        assert "Prompt upsampling failed" in r.json()["error"]["message"]
+        assert "max_sequence_length" in r.json()["error"]["message"]

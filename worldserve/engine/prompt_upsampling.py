@@ -1,0 +1,142 @@
+"""Prompt upsampling: the checkpoint's own Reasoner rewrites a video request's prompt into Cosmos3's structured
+JSON prompt (serving-api.md §8.1) before the video is queued (`extra_params.upsample_prompt`).
+
+Cosmos3 is trained on dense JSON captions, so a short prompt gives a poor video (serving-api.md §13.13);
+NVIDIA's framework has the Reasoner upsample it (cosmos3-model.md §5.2: temperature 0.7, top_p 0.8, top_k 20),
+its serving recipe an external LLM. Here it is one more chat on the same weights, in the same process:
+`upsampling_chat` asks for the JSON (the I2V image attached, through the ViT, as NVIDIA's image2video
+upsampler sees it), constrained by `PROMPT_SCHEMA` (structured outputs: the answer always parses; every string
+and list is bounded, so the document closes within the token budget even on a model that writes noise) and
+seeded from the request (the same request gives the same prompt); its budget is the context's room (the schema's
+bounds close the document well before: ~10k tokens at most, a real answer ~1k). `upsampled_prompt` turns the answer into
+the prompt text: the object serialised compactly, as the reference sends its JSON prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput
+from worldserve.engine.chat_worker import ChatEvents, ChatFailed
+from worldserve.engine.outputs import ChatDelta
+from worldserve.params import VideoParams
+
+
+@dataclass(frozen=True, slots=True)
+class UpsamplerConfig:
+    """How an upsampling chat samples and how long its JSON may grow."""
+
+    max_chars: int = 240
+    """Longest text of one field (characters)."""
+    max_subjects: int = 3
+    """Most subjects described."""
+    max_actions: int = 4
+    """Most timed actions."""
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    """NVIDIA's upsampler sampling (cosmos3-model.md §5.2)."""
+
+    def schema(self) -> dict:
+        """Cosmos3's prompt keys (serving-api.md §8.1), each text bounded."""
+        text = {"type": "string", "maxLength": self.max_chars}
+
+        def obj(*required: str, optional: tuple[str, ...] = ()) -> dict:
+            props = {k: text for k in (*required, *optional)}
+            return {
+                "type": "object",
+                "properties": props,
+                "required": list(required),
+                "additionalProperties": False,
+            }
+
+        subject = obj("description", "appearance_details", "action", "location",
+                      optional=("relative_size", "orientation"))  # fmt: skip
+        action = obj("time", "description")
+        props = {
+            "subjects": {"type": "array", "items": subject, "minItems": 1, "maxItems": self.max_subjects},
+            "background_setting": text,
+            "lighting": obj("conditions", "direction", "shadows"),
+            "aesthetics": obj("composition", "color_scheme", "mood_atmosphere"),
+            "cinematography": obj("camera_motion", "framing", "camera_angle", "depth_of_field"),
+            "style_medium": text,
+            "actions": {"type": "array", "items": action, "maxItems": self.max_actions},
+            "temporal_caption": text,
+            "audio_description": text,
+        }
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+INSTRUCTION = (
+    "You write prompts for a model that generates {what}s. Expand the request below into a detailed description of "
+    "the {what}, as one JSON object. Describe only what a camera would see and a microphone would hear: "
+    "the subjects (what each looks like, where it is in the frame, what it does), the background, the "
+    "lighting, the composition and colours, the camera (motion, framing, angle, depth of field), the visual "
+    "style, {timing}. Keep every detail the request gives and invent only what fits it. Do not mention the "
+    "request, the model or the prompt.{image_note}\n\nRequest: {prompt}"
+)
+VIDEO_TIMING = (
+    "the actions in time order with their time ranges within {seconds} seconds, one paragraph that tells the "
+    "whole video from start to end, and its sound"
+)
+IMAGE_TIMING = "what is happening, one paragraph that sums up the image, and the sound of the scene"
+IMAGE_NOTE = " The video starts from the attached image: describe its content faithfully and how it moves on."
+
+
+def upsampling_chat(params: VideoParams, config: UpsamplerConfig = UpsamplerConfig()) -> ChatParams:
+    """The chat that upsamples `params.prompt` (with its I2V image, when given)."""
+    video = params.num_frames > 1
+    timing = VIDEO_TIMING.format(seconds=f"{params.num_frames / params.fps:.1f}") if video else IMAGE_TIMING
+    text = INSTRUCTION.format(what="video" if video else "image", timing=timing, prompt=params.prompt,
+                              image_note=IMAGE_NOTE if params.image is not None else "")  # fmt: skip
+    parts = (ChatPart(type="image", image=params.image),) if params.image is not None else ()
+    return ChatParams(
+        messages=(ChatMessage(role="user", content=(*parts, ChatPart(type="text", text=text))),),
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        seed=params.seed,
+        structured=StructuredOutput(
+            kind="json", spec=json.dumps(config.schema()), field="extra_params.upsample_prompt"
+        ),
+    ).validate()
+
+
+def upsampled_prompt(answer: str) -> str:
+    """The upsampling chat's answer as the video's prompt: its JSON object, compactly serialised (ValueError
+    when the answer is not one, e.g. cut short)."""
+    try:
+        doc = json.loads(answer)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"the prompt upsampler's answer is not complete JSON ({exc.msg} at {exc.pos})"
+        ) from None
+    if not isinstance(doc, dict):
+        raise ValueError("the prompt upsampler's answer is not a JSON object")
+    return json.dumps(doc)
+
+
+class UpsamplingInterrupted(Exception):
+    """The upsampling chat was stopped by the server's shutdown: the job stays queued for the next start."""
+
+
+async def upsample(chat_many: Callable[..., list[ChatEvents]], params: VideoParams,
+                   config: UpsamplerConfig = UpsamplerConfig()) -> str:  # fmt: skip
+    """Run the upsampling chat through `chat_many` (EngineClient.chat_many) and return the new prompt.
+    ValueError with the reason when the Reasoner fails or its answer is not a complete JSON object;
+    UpsamplingInterrupted at shutdown."""
+    (events,) = chat_many([upsampling_chat(params, config)], coalesce=True)
+    pieces: list[str] = []
+    try:
+        async for event in events:
+            if isinstance(event, ChatFailed):
+                if event.status == 503:
+                    raise UpsamplingInterrupted(event.message)
+                raise ValueError(f"the prompt upsampler failed: {event.message}")
+            if isinstance(event, ChatDelta):
+                pieces.append(event.text)
+    finally:
+        await events.aclose()  # cancels the chat when this task is cancelled (the job deleted)
+    return upsampled_prompt("".join(pieces))
