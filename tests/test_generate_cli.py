@@ -52,6 +52,19 @@ def test_i2v_and_npz(tiny_ckpt, tmp_path):
     assert "audio" not in data and float(data["fps"]) == 24.0
 
 
+def test_upsampled_prompt_is_the_one_generated_from(tiny_ckpt, tmp_path):
+    """--upsample-prompt: the Reasoner writes a JSON prompt (printed), and the frames equal a run given it."""
+    import json
+
+    up, direct = tmp_path / "up.npz", tmp_path / "direct.npz"
+    proc = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--upsample-prompt", "--no-sound", "-o", up)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("upsampled prompt ("))
+    prompt = line.split("): ", 1)[1]
+    assert "subjects" in json.loads(prompt)
+    _generate(tiny_ckpt, "--prompt", prompt, *SMALL, "--no-sound", "-o", direct)
+    assert np.array_equal(np.load(up)["frames"], np.load(direct)["frames"])
+
+
 def test_v2v_npz(tiny_ckpt, tmp_path):
     from worldserve.media.video import encode_mp4
 

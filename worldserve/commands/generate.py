@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave out the resolution sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
     p.add_argument("--use-system-prompt", action="store_true", help="prepend the reference's system message")
     p.add_argument("--system-prompt", default=None, help="a system message of your own")
+    p.add_argument("--upsample-prompt", action="store_true",
+                   help="have the checkpoint's Reasoner rewrite the prompt into Cosmos3's JSON prompt first")  # fmt: skip
     p.add_argument("-o", "--output", type=Path, required=True, help="out.mp4, out.png or out.npz")
     p.add_argument("--save-latents", type=Path, default=None, help="also write final latents (.safetensors)")
     p.add_argument("--revision", default=None, help="HF revision of MODEL")
@@ -149,6 +151,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         add_resolution_template=not args.no_resolution_template,
         use_system_prompt=args.use_system_prompt,
         system_prompt=args.system_prompt,
+        upsample_prompt=args.upsample_prompt,
     ).validate()
 
 
@@ -183,6 +186,34 @@ def _read_bytes(path: Path, param: str) -> bytes:
         return path.read_bytes()
     except OSError as e:
         raise ParamError(param, f"cannot read {path}: {e.strerror}") from e
+
+
+def _upsampled(args: argparse.Namespace, params: VideoParams, pipe, root: Path) -> VideoParams:
+    """`params` with the prompt the Reasoner wrote (engine/prompt_upsampling.py), on the pipeline's own
+    transformer (its K/V pool freed afterwards); printed to stderr. ValueError when it cannot."""
+    import dataclasses
+    import gc
+
+    import torch
+
+    from worldserve.engine.prompt_upsampling import upsample_with
+    from worldserve.runner.reasoner import Reasoner
+
+    if args.tensor_parallel_size > 1:
+        raise ValueError("--upsample-prompt needs the whole und tower in this process (not with -tp > 1)")
+    t0 = time.perf_counter()
+    reasoner = Reasoner.from_pretrained(root, pipe.transformer, pipe.encoder.tokenizer, max_model_len=16384,
+                                        max_num_seqs=1, kv_cache_tokens=16384, enforce_eager=args.enforce_eager,
+                                        chat_sm_margin=0)  # fmt: skip
+    try:
+        prompt = upsample_with(reasoner, params)
+    finally:
+        del reasoner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"upsampled prompt ({time.perf_counter() - t0:.1f} s): {prompt}", file=sys.stderr)
+    return dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
 
 
 def write_output(path: Path, result) -> None:
@@ -231,18 +262,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"worldserve generate: error: {e}", file=sys.stderr)
         return 2
     try:
-        return _generate(args, params, pipe, time.perf_counter() - t0)
+        return _generate(args, params, pipe, time.perf_counter() - t0, root)
     finally:
         pipe.close()
 
 
-def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float) -> int:
+def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float, root: Path) -> int:
     from tqdm.auto import tqdm
 
     try:
         pipe.validate(params)
-    except ParamError as e:
-        print(f"worldserve generate: error: {e.param}: {e.message}", file=sys.stderr)
+        if params.upsample_prompt:
+            params = _upsampled(args, params, pipe, root)
+            pipe.validate(params)
+    except (ParamError, ValueError) as e:
+        where = f"{e.param}: {e.message}" if isinstance(e, ParamError) else str(e)
+        print(f"worldserve generate: error: {where}", file=sys.stderr)
         return 2
     with tqdm(total=params.num_inference_steps, desc="Denoising", unit="step") as bar:
         result, state = pipe.generate(params, on_step=lambda done, total: bar.update(1))

@@ -118,6 +118,18 @@ def upsampled_prompt(answer: str) -> str:
     return json.dumps(doc)
 
 
+def upsample_with(reasoner, params: VideoParams, config: UpsamplerConfig = UpsamplerConfig()) -> str:
+    """The new prompt from a Reasoner in this thread (the generate CLI: no server, no chat worker)."""
+    session = reasoner.start(upsampling_chat(params, config))
+    pieces = []
+    try:
+        while session.finish_reason is None:
+            pieces.append(session.step().text)
+    finally:
+        session.close()
+    return upsampled_prompt("".join(pieces))
+
+
 class UpsamplingInterrupted(Exception):
     """The upsampling chat was stopped by the server's shutdown: the job stays queued for the next start."""
 

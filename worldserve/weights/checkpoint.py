@@ -30,6 +30,9 @@ ALLOW_PATTERNS = [
     "scheduler/*",
 ]
 TINY_SEED = 0
+TINY_LAYOUT = 2
+"""Bumped whenever make-tiny writes something else (2: the tokenizer's Qwen text tokens), so that the cached
+embedded default is written again instead of reused."""
 
 
 class CheckpointError(RuntimeError):
@@ -45,7 +48,7 @@ def default_tiny_checkpoint() -> Path:
     """The embedded default model: a tiny random checkpoint, written once (atomically) and reused."""
     from worldserve.weights.tiny import make_tiny
 
-    target = user_cache_dir() / f"tiny-cosmos3-seed{TINY_SEED}"
+    target = user_cache_dir() / f"tiny-cosmos3-v{TINY_LAYOUT}-seed{TINY_SEED}"
     if (target / "model_index.json").is_file():
         return target
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
