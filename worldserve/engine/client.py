@@ -24,7 +24,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
@@ -39,6 +38,7 @@ from worldserve.engine.chat_worker import (
     ChatWorker,
 )
 from worldserve.engine.engine import Engine, EngineObserver, error_for
+from worldserve.engine.ephemeral import run_without_jobs
 from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
@@ -303,41 +303,7 @@ class EngineClient:
         """Run requests through the engine without jobs (POST /v1/images/generations): the decoded results in
         order, or the first failure raised. Past `timeout_s` they are aborted and TimeoutError is raised."""
         self._check_admission(len(params_list), "requests")
-        loop = asyncio.get_running_loop()
-        ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params_list]
-        futures = [loop.create_future() for _ in params_list]
-
-        def deliver(future: asyncio.Future, outcome) -> None:
-            if future.done():
-                return
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-
-        def sink(future: asyncio.Future):
-            def on_result(outcome) -> None:  # engine thread
-                try:
-                    loop.call_soon_threadsafe(deliver, future, outcome)
-                except RuntimeError:  # the loop closed: nobody is waiting any more
-                    pass
-
-            return on_result
-
-        now = time.monotonic()
-        for request_id, params, future in zip(ids, params_list, futures, strict=True):
-            self.engine.add_request(
-                Request(job_id=request_id, params=params, arrival_time=now, on_result=sink(future))
-            )
-        gathered = asyncio.gather(*futures)
-        try:
-            return list(await asyncio.wait_for(gathered, timeout_s))
-        except BaseException:
-            for request_id in ids:  # timed out, failed or cancelled: stop the rest at a step boundary
-                self.engine.abort(request_id)
-            for future in (gathered, *futures):  # nobody reads their outcomes now: asyncio must not log them
-                future.add_done_callback(_outcome_read)
-            raise
+        return await run_without_jobs(self.engine, params_list, prefix, timeout_s)
 
     def get(self, job_id: str) -> Job | None:
         return self.store.get(job_id)
@@ -423,9 +389,3 @@ class EngineClient:
             for future in self._waiters.get(job_id, ()):
                 if not future.done():
                     future.set_exception(exc)
-
-
-def _outcome_read(future: asyncio.Future) -> None:
-    """Mark a settled future's exception as read (asyncio logs 'exception was never retrieved' otherwise)."""
-    if not future.cancelled():
-        future.exception()

@@ -1,0 +1,62 @@
+"""Requests that run through the engine without a job (POST /v1/images/generations): no store row, no files;
+the results come back to the caller's event loop, or the first failure is raised."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+
+from worldserve.engine.engine import Engine
+from worldserve.engine.outputs import VideoResult
+from worldserve.engine.request import Request
+from worldserve.params import VideoParams
+
+
+async def run_without_jobs(
+    engine: Engine, params_list: Sequence[VideoParams], prefix: str, timeout_s: float
+) -> list[VideoResult]:
+    """The decoded results in order, or the first failure raised. On a failure, past `timeout_s` (TimeoutError)
+    or when the caller is cancelled, the requests still running are aborted at their next step boundary."""
+    loop = asyncio.get_running_loop()
+    ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params_list]
+    futures = [loop.create_future() for _ in params_list]
+
+    def deliver(future: asyncio.Future, outcome) -> None:
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def sink(future: asyncio.Future):
+        def on_result(outcome) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(deliver, future, outcome)
+            except RuntimeError:  # the loop closed: nobody is waiting any more
+                pass
+
+        return on_result
+
+    now = time.monotonic()
+    for request_id, params, future in zip(ids, params_list, futures, strict=True):
+        engine.add_request(
+            Request(job_id=request_id, params=params, arrival_time=now, on_result=sink(future))
+        )
+    gathered = asyncio.gather(*futures)
+    try:
+        return list(await asyncio.wait_for(gathered, timeout_s))
+    except BaseException:
+        for request_id in ids:  # timed out, failed or cancelled: stop the rest at a step boundary
+            engine.abort(request_id)
+        for future in (gathered, *futures):  # nobody reads their outcomes now: asyncio must not log them
+            future.add_done_callback(_outcome_read)
+        raise
+
+
+def _outcome_read(future: asyncio.Future) -> None:
+    """Mark a settled future's exception as read (asyncio logs 'exception was never retrieved' otherwise)."""
+    if not future.cancelled():
+        future.exception()
