@@ -20,7 +20,6 @@ arguments as they come.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,8 +32,8 @@ from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-"""A complete call, or the unterminated last one (a length cut or a missing end tag), as vLLM's hermes parser."""
+"""A hermes call block's tags (an unterminated last block, a length cut or a missing end tag, runs to the end
+of the text, as vLLM's hermes parser takes it)."""
 
 
 class FunctionIn(BaseModel):
@@ -179,18 +178,13 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
 
 
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCallOut]] | None:
-    """(content or None, the calls) of a text holding <tool_call> blocks, each JSON {"name", "arguments"}:
-    the content is the text before the first block that parses (a block that does not parse is text), the
-    rest after it is dropped; None when no block parses (then it is all content). ToolStream sends the same."""
-    content, calls = None, []
-    for match in CALL_RE.finditer(text):
-        call = _call(match.group(1) if match.group(1) is not None else match.group(2))
-        if call is None:
-            continue
-        if not calls:
-            content = text[: match.start()]
-        calls.append(call)
-    return ((content or None), calls) if calls else None
+    """(content or None, the calls) of a finished text holding <tool_call> blocks, each JSON {"name",
+    "arguments"}: the content is the text before the first block that parses (a block that does not parse,
+    or is cut unterminated, is text), the rest after it is dropped; None when no block parses (then it is all
+    content). The same parser as a streamed answer's (ToolStream), fed the whole text at once."""
+    stream = ToolStream(ToolMode(choice="auto", tools=()))
+    stream.feed(text, finished=True)
+    return (stream.content or None, stream.calls) if stream.calls else None
 
 
 def call_out(name: str, arguments: Any, *, text: bool = False) -> ToolCallOut:
@@ -251,6 +245,8 @@ class ToolStream:
         self.text = ""  # every text delta so far
         self._sent = 0  # characters of text settled (sent as content, or inside a call)
         self._calls = 0  # calls sent
+        self.content = ""  # (auto) the content sent: the text before the first call
+        self.calls: list[ToolCallOut] = []  # (auto, required) the calls sent
 
     def feed(self, piece: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas to send for this text `piece` (the last one when `finished`)."""
@@ -304,11 +300,13 @@ class ToolStream:
         is the text before its first call, as vLLM's hermes parser gives it)."""
         if text and not self.called:
             out.append({"content": text})
+            self.content += text
         self._sent += len(text)
 
     def _call_delta(self, call: ToolCallOut) -> dict[str, Any]:
         delta = {"tool_calls": [{"index": self._calls, **call.model_dump()}]}
         self._calls += 1
+        self.calls.append(call)
         return delta
 
 
