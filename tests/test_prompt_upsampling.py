@@ -168,3 +168,28 @@ async def test_a_written_prompt_past_max_sequence_length_fails_the_job(
         assert r.status_code == 500, r.text
         assert "Prompt upsampling failed" in r.json()["error"]["message"]
         assert "max_sequence_length" in r.json()["error"]["message"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_images_answer_the_written_prompt_as_revised_prompt(
+    tmp_path, pipeline, chat_backend, anyio_backend
+):
+    """/v1/images/generations: one prompt written for the n images, answered as OpenAI's `revised_prompt`;
+    the image equals one asked with that prompt."""
+    async with asgi_server(tmp_path, backend=pipeline, chat_backend=chat_backend, upsampler=SMALL) as http:
+        body = {"prompt": "a fox", "size": "32x32", "n": 2, "seed": 5, "num_inference_steps": 2}
+        r = await http.post(
+            "/v1/images/generations", json={**body, "extra_params": {"upsample_prompt": True}}
+        )
+        assert r.status_code == 200, r.text
+        revised = [d["revised_prompt"] for d in r.json()["data"]]
+        assert revised[0] == revised[1] and set(json.loads(revised[0])) == KEYS
+        direct = await http.post("/v1/images/generations", json={**body, "prompt": revised[0]})
+        assert [d["b64_json"] for d in direct.json()["data"]] == [d["b64_json"] for d in r.json()["data"]]
+        assert direct.json()["data"][0]["revised_prompt"] is None
+    async with asgi_server(tmp_path / "none") as http:
+        r = await http.post(
+            "/v1/images/generations", json={**body, "extra_params": {"upsample_prompt": True}}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.upsample_prompt"

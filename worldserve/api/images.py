@@ -5,8 +5,9 @@ seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by st
 -> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
 "output_format", "size"}` (+ `metrics` with `return_stage_metrics`). Defaults as vLLM-Omni's Cosmos3 T2I:
 1024x1024, 50 steps, guidance 7.0 inside the timestep window [400, 1000], flow shift 3.0, no audio, a random
-seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches) and,
-as there, wins over a top-level field. Prompt templates and system message follow worldserve's defaults
+seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches,
+upsample_prompt: the prompt the Reasoner writes comes back as each image's `revised_prompt`) and, as there, wins
+over a top-level field. Prompt templates and system message follow worldserve's defaults
 (NVIDIA's reference), not vLLM-Omni's (use `extra_params` to switch them).
 Past the sync timeout the requests are aborted and the answer is 504; a client that disconnects aborts them too.
 """
@@ -33,6 +34,7 @@ from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, error_for
+from worldserve.engine.prompt_upsampling import UpsamplingInterrupted, upsample
 from worldserve.params import VideoParams
 
 router = APIRouter(tags=["images"])
@@ -104,10 +106,30 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         guidance_interval=tuple(float(v) for v in pick("guidance_interval", DEFAULT_INTERVAL)),
         add_resolution_template=extra.use_resolution_template is not False,
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
+        upsample_prompt=bool(extra.upsample_prompt),
     )  # fmt: skip
     base.validate_as(origin)
     wrap = lambda s: (s + 2**63) % 2**64 - 2**63  # noqa: E731  (seed + i stays an int64)
     return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n)]
+
+
+async def _upsampled(request: Request, st: AppState, params: VideoParams, headers: dict) -> str:
+    """`extra_params.upsample_prompt`: the prompt the Reasoner writes (engine/prompt_upsampling.py), checked as a
+    client's prompt is; answered as `revised_prompt`. 500 with the reason when it fails, 503 at shutdown."""
+    try:
+        prompt = await unless_disconnected(
+            request, upsample(st.client.chat_many, params, st.client.upsampler)
+        )
+        await asyncio.to_thread(
+            st.client.validate, dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
+        )
+    except ClientGone:
+        raise
+    except (UpsamplingInterrupted, ShuttingDownError):
+        raise st.refusal(ShuttingDownError("the server is shutting down"), headers) from None
+    except ValueError as exc:
+        raise APIError(500, f"Prompt upsampling failed: {exc}", headers=headers) from None
+    return prompt
 
 
 def encode_image(frame, fmt: str) -> bytes:
@@ -139,6 +161,10 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift)]
     )
     headers = {"X-Request-Id": request_id}
+    revised = None
+    if params[0].upsample_prompt:  # one prompt written for the n images (the first one's seed)
+        revised = await _upsampled(request, st, params[0], headers)
+        params = [dataclasses.replace(p, prompt=revised, upsample_prompt=False) for p in params]
     try:
         results = await unless_disconnected(
             request, st.client.generate_ephemeral(params, prefix=request_id, timeout_s=st.sync_timeout_s)
@@ -162,7 +188,7 @@ async def create_images(request: Request, st: State) -> JSONResponse:
     body: dict[str, Any] = {
         "created": int(time.time()),
         "data": [
-            {"b64_json": base64.b64encode(img).decode("ascii"), "revised_prompt": None} for img in images
+            {"b64_json": base64.b64encode(img).decode("ascii"), "revised_prompt": revised} for img in images
         ],
         "output_format": "jpeg" if fmt == "jpg" else fmt,
         "size": f"{params[0].width}x{params[0].height}",
