@@ -156,6 +156,8 @@ class EngineClient:
             await asyncio.to_thread(self.chat_worker.stop, timeout_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for upsampling in list(self._upsampling.values()):  # their jobs stay queued, upsampled at the next start
+            upsampling.cancel()
         self._wake_all(ShuttingDownError("the server is shutting down"))
         self.store.close()
         self._started = False
