@@ -193,3 +193,21 @@ async def test_images_answer_the_written_prompt_as_revised_prompt(
             "/v1/images/generations", json={**body, "extra_params": {"upsample_prompt": True}}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.upsample_prompt"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_shutdown_while_upsampling_keeps_the_job_for_the_next_start(tmp_path, pipeline, chat_backend,
+                                                                           anyio_backend):  # fmt: skip
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4)
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=slow) as http:  # fmt: skip
+        created = await http.post("/v1/videos", data={"prompt": "a fox", **TINY,
+                                                      "extra_params": '{"upsample_prompt": true}'})  # fmt: skip
+        job_id = created.json()["id"]
+        await asyncio.sleep(0.3)  # the chat is writing when the server stops
+    assert chat_backend._live == 0
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=SMALL) as http:  # fmt: skip
+        done = await poll_job(http, job_id, timeout=120)
+        assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
