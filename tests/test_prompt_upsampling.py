@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import numpy as np
 import pytest
@@ -20,8 +21,9 @@ from worldserve.chat_params import StructuredOutput
 from worldserve.engine.prompt_upsampling import UpsamplerConfig, upsampled_prompt, upsampling_chat
 from worldserve.params import VideoParams
 
-SMALL = UpsamplerConfig(max_chars=12, max_subjects=1, max_actions=1)
-"""Short texts: a random tiny model fills every field to its bound, and CPU tests stay quick."""
+SMALL = UpsamplerConfig(max_chars=12, max_subjects=1, max_actions=1, min_room=1024)
+"""Short texts: a random tiny model fills every field to its bound, and CPU tests stay quick (the tiny
+Reasoner's context is 4,096 tokens)."""
 TINY = {"size": "32x32", "num_frames": "5", "num_inference_steps": "2", "fps": "8", "seed": "7"}
 KEYS = {"subjects", "background_setting", "lighting", "aesthetics", "cinematography", "style_medium", "actions",
         "temporal_caption", "audio_description"}  # fmt: skip
@@ -38,6 +40,9 @@ def test_the_chat_asks_for_the_schema_with_nvidias_sampling_and_the_image():
     i2v = upsampling_chat(VideoParams(prompt="it moves", image=image))
     assert [p.type for p in i2v.messages[0].content] == ["image", "text"]
     assert i2v.messages[0].content[0].image is image and "attached image" in i2v.messages[0].content[1].text
+    clip = np.arange(5 * 16 * 24 * 3, dtype=np.uint8).reshape(5, 16, 24, 3)
+    v2v = upsampling_chat(VideoParams(prompt="it goes on", video=clip)).messages[0].content
+    assert np.array_equal(v2v[0].image, clip[0]) and "first frame is attached" in v2v[1].text
 
 
 def test_the_answer_becomes_a_compact_json_prompt():
@@ -104,7 +109,9 @@ async def test_an_upsampled_job_runs_the_prompt_it_shows(tmp_path, pipeline, cha
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_delete_while_upsampling_stops_the_chat(tmp_path, pipeline, chat_backend, anyio_backend):
-    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4)  # still writing when deleted
+    slow = UpsamplerConfig(
+        max_chars=4000, max_subjects=3, max_actions=4, min_room=1024
+    )  # still writing when deleted
     async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
                            upsampler=slow) as http:  # fmt: skip
         client = http.engine_client
@@ -199,7 +206,7 @@ async def test_images_answer_the_written_prompt_as_revised_prompt(
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_shutdown_while_upsampling_keeps_the_job_for_the_next_start(tmp_path, pipeline, chat_backend,
                                                                            anyio_backend):  # fmt: skip
-    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4)
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4, min_room=1024)
     async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
                            upsampler=slow) as http:  # fmt: skip
         created = await http.post("/v1/videos", data={"prompt": "a fox", **TINY,
@@ -211,3 +218,52 @@ async def test_a_shutdown_while_upsampling_keeps_the_job_for_the_next_start(tmp_
                            upsampler=SMALL) as http:  # fmt: skip
         done = await poll_job(http, job_id, timeout=120)
         assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_prompt_leaving_the_answer_too_little_context_is_a_400(
+    tmp_path, pipeline, chat_backend, anyio_backend
+):
+    async with asgi_server(tmp_path, backend=pipeline, chat_backend=chat_backend, upsampler=SMALL) as http:
+        long = " ".join(f"fox{i}" for i in range(1500))
+        r = await http.post(
+            "/v1/videos", data={"prompt": long, **TINY, "extra_params": '{"upsample_prompt": true}'}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "too long to upsample" in r.json()["error"]["message"]
+        assert (await http.get("/v1/videos")).json()["data"] == []  # nothing was queued
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_stopped_chat_worker_fails_the_job_and_a_delete_answers_the_sync_wait(
+    tmp_path, pipeline, chat_backend, anyio_backend
+):
+    """A chat failure outside the shutdown (here: the worker stopped) fails the job with its status, counted in
+    the metrics; a DELETE during upsampling answers a sync request waiting on the job at once (404)."""
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4, min_room=1024)
+    async with asgi_server(tmp_path, backend=pipeline, chat_backend=chat_backend, upsampler=slow,
+                           sync_timeout_s=60) as http:  # fmt: skip
+        data = {"prompt": "a fox", **TINY, "extra_params": '{"upsample_prompt": true}'}
+        sync = asyncio.create_task(http.post("/v1/videos/sync", data=data))
+        client = http.engine_client
+        for _ in range(200):
+            if client._upsampling:
+                break
+            await asyncio.sleep(0.01)
+        metrics = (await http.get("/metrics")).text
+        assert re.search(r"worldserve:num_requests_waiting\{[^}]*\} 1\.0", metrics)
+        (job_id,) = client._upsampling
+        assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 200
+        answer = await asyncio.wait_for(sync, 10)
+        assert answer.status_code == 404, answer.text
+        await asyncio.to_thread(client.chat_worker.stop, 1.0)
+        created = await http.post("/v1/videos", data=data)
+        done = await poll_job(http, created.json()["id"], timeout=30)
+        assert done["status"] == "failed" and done["error"]["code"] == 503
+        assert "Prompt upsampling failed" in done["error"]["message"]
+        assert re.search(
+            r'worldserve:request_failure_total\{[^}]*status="503"[^}]*\} 1\.0',
+            (await http.get("/metrics")).text,
+        )

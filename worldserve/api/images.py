@@ -34,7 +34,7 @@ from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, error_for
-from worldserve.engine.prompt_upsampling import UpsamplingInterrupted, upsample
+from worldserve.engine.prompt_upsampling import UpsamplingFailed, upsample
 from worldserve.params import VideoParams
 
 router = APIRouter(tags=["images"])
@@ -115,7 +115,8 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
 
 async def _upsampled(request: Request, st: AppState, params: VideoParams, headers: dict) -> str:
     """`extra_params.upsample_prompt`: the prompt the Reasoner writes (engine/prompt_upsampling.py), checked as a
-    client's prompt is; answered as `revised_prompt`. 500 with the reason when it fails, 503 at shutdown."""
+    client's prompt is; answered as `revised_prompt`. A failure answers the chat's status (500 when the answer
+    does not parse) with the reason."""
     try:
         prompt = await unless_disconnected(
             request, upsample(st.client.chat_many, params, st.client.upsampler)
@@ -125,10 +126,11 @@ async def _upsampled(request: Request, st: AppState, params: VideoParams, header
         )
     except ClientGone:
         raise
-    except (UpsamplingInterrupted, ShuttingDownError):
-        raise st.refusal(ShuttingDownError("the server is shutting down"), headers) from None
-    except ValueError as exc:
-        raise APIError(500, f"Prompt upsampling failed: {exc}", headers=headers) from None
+    except ShuttingDownError as exc:
+        raise st.refusal(exc, headers) from None
+    except (UpsamplingFailed, ValueError) as exc:
+        code = exc.status if isinstance(exc, UpsamplingFailed) else 500
+        raise APIError(code, f"Prompt upsampling failed: {exc}", headers=headers) from None
     return prompt
 
 

@@ -42,7 +42,7 @@ from worldserve.engine.ephemeral import run_without_jobs
 from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
-from worldserve.engine.prompt_upsampling import UpsamplerConfig, UpsamplingInterrupted, upsample
+from worldserve.engine.prompt_upsampling import UpsamplerConfig, UpsamplingFailed, upsample, upsampling_chat
 from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import ParamError, VideoParams
 
@@ -156,7 +156,9 @@ class EngineClient:
             await asyncio.to_thread(self.chat_worker.stop, timeout_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for upsampling in list(self._upsampling.values()):  # their jobs stay queued, upsampled at the next start
+        for upsampling in list(
+            self._upsampling.values()
+        ):  # their jobs stay queued, upsampled at the next start
             upsampling.cancel()
         self._wake_all(ShuttingDownError("the server is shutting down"))
         self.store.close()
@@ -220,10 +222,24 @@ class EngineClient:
     def validate(self, params: VideoParams) -> VideoParams:
         """Model-aware checks (prompt length, sound availability, a Reasoner to upsample the prompt); raises
         ParamError."""
-        if params.upsample_prompt and self.chat_worker is None:
+        if params.upsample_prompt:
+            self._check_upsampling(params)
+        return self.engine.backend.validate(params)
+
+    def _check_upsampling(self, params: VideoParams) -> None:
+        """ParamError unless the Reasoner can upsample `params`' prompt: it runs here, and the chat's prompt
+        leaves UpsamplerConfig.min_room tokens of context for the answer (blocking: builds that prompt)."""
+        if self.chat_worker is None:
             raise ParamError("extra_params.upsample_prompt", "prompt upsampling needs the Reasoner, which this "
                              "server does not run (the fake backend, or --tensor-parallel-size > 1)")  # fmt: skip
-        return self.engine.backend.validate(params)
+        reasoner = self.chat_worker.backend
+        if (build := getattr(reasoner, "build_prompt", None)) is None:
+            return
+        tokens = len(build(upsampling_chat(params, self.upsampler)).input_ids)
+        if tokens + self.upsampler.min_room > reasoner.max_model_len:
+            raise ParamError("prompt", f"the prompt is too long to upsample: its upsampling chat is {tokens} tokens, "
+                             f"and the answer needs {self.upsampler.min_room} more within the Reasoner's "
+                             f"{reasoner.max_model_len}-token context")  # fmt: skip
 
     def observe(self, observer: EngineObserver) -> None:
         """Route the engine's and the chat worker's timings (ChatObserver) to `observer` (the metrics)."""
@@ -233,7 +249,8 @@ class EngineClient:
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.num_waiting
+        """Jobs waiting: in the engine's queue or having their prompt upsampled."""
+        return self.engine.num_waiting + len(self._upsampling)
 
     @property
     def num_running(self) -> int:
@@ -251,7 +268,7 @@ class EngineClient:
             raise ShuttingDownError(
                 f"The engine has stopped (see the server log); no new {what} are accepted."
             )
-        if self.engine.num_waiting + len(self._upsampling) + count > self.max_queued_requests:
+        if self.num_waiting + count > self.max_queued_requests:
             raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
 
     def submit(
@@ -265,29 +282,39 @@ class EngineClient:
 
     def _queue(self, job_id: str, params: VideoParams, encode: EncodeOptions) -> None:
         """Hand a stored queued job to the engine; one whose prompt is to be upsampled goes to the Reasoner
-        first (a task on the loop: the job stays queued meanwhile)."""
+        first (a task on the loop: the job stays queued meanwhile, counted as waiting)."""
+        arrival = time.monotonic()
         if params.upsample_prompt:
-            task = self._loop.create_task(self._upsample_then_queue(job_id, params, encode))
+            task = self._loop.create_task(self._upsample_then_queue(job_id, params, encode, arrival))
             self._upsampling[job_id] = task
             task.add_done_callback(lambda _: self._upsampling.pop(job_id, None))
             return
-        self.engine.add_request(
-            Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic())
-        )
+        self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
 
-    async def _upsample_then_queue(self, job_id: str, params: VideoParams, encode: EncodeOptions) -> None:
+    async def _upsample_then_queue(
+        self, job_id: str, params: VideoParams, encode: EncodeOptions, arrival: float
+    ) -> None:
         """The Reasoner writes the job's prompt (engine/prompt_upsampling.py), the store records it (a restart
-        then goes on with it), the engine gets the job. A failed upsampling fails the job (500, the reason);
-        one stopped by the shutdown leaves it queued, to upsample at the next start."""
+        then goes on with it), the engine gets the job (its queue time counted from `arrival`). A failed
+        upsampling fails the job (the chat's status, or 500, and the reason); one stopped by the shutdown
+        leaves it queued, to upsample at the next start."""
         try:
             prompt = await upsample(self.chat_many, params, self.upsampler)
             params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
             await asyncio.to_thread(self.engine.backend.validate, params)  # e.g. its length in tokens
-        except (UpsamplingInterrupted, ShuttingDownError):
-            return
-        except Exception as exc:
-            if self.store.fail(job_id, 500, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
+        except (UpsamplingFailed, ShuttingDownError, ValueError) as exc:
+            if not self.accepting:
+                return  # the shutdown stopped it
+            code = (
+                exc.status
+                if isinstance(exc, UpsamplingFailed)
+                else 503
+                if isinstance(exc, ShuttingDownError)
+                else 500
+            )
+            if self.store.fail(job_id, code, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
                                ttl_s=self.job_ttl_s):  # fmt: skip
+                self.engine.observer.on_failed(code)
                 self._wake(job_id)
             return
         job = self.store.get(job_id)
@@ -295,9 +322,7 @@ class EngineClient:
             job_id, dataclasses.replace(job.spec, upsampled_prompt=prompt), inputs_record(params, encode)
         ):
             return  # deleted (or failed) meanwhile
-        self.engine.add_request(
-            Request(job_id=job_id, params=params, encode=encode, arrival_time=time.monotonic())
-        )
+        self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
 
     async def generate_ephemeral(
         self, params_list: Sequence[VideoParams], *, prefix: str, timeout_s: float
@@ -318,6 +343,7 @@ class EngineClient:
         job = self.store.delete(job_id)
         if (upsampling := self._upsampling.pop(job_id, None)) is not None:
             upsampling.cancel()  # its chat stops at the next step
+            self._wake(job_id)  # a sync request waiting on it answers now (the engine never held it)
         if job is not None and not job.status.terminal:
             self.engine.abort(job_id)
         return job

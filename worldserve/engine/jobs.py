@@ -361,7 +361,7 @@ def _job_from_row(row: sqlite3.Row) -> Job:
         status=JobStatus(row["status"]),
         progress=row["progress"],
         created_at=row["created_at"],
-        spec=JobSpec(**json.loads(row["spec"])),
+        spec=JobSpec(**{k: v for k, v in json.loads(row["spec"]).items() if k in JobSpec.__slots__}),
         started_at=row["started_at"],
         completed_at=row["completed_at"],
         expires_at=row["expires_at"],

@@ -4,12 +4,13 @@ JSON prompt (serving-api.md §8.1) before the video is queued (`extra_params.ups
 Cosmos3 is trained on dense JSON captions, so a short prompt gives a poor video (serving-api.md §13.13);
 NVIDIA's framework has the Reasoner upsample it (cosmos3-model.md §5.2: temperature 0.7, top_p 0.8, top_k 20),
 its serving recipe an external LLM. Here it is one more chat on the same weights, in the same process:
-`upsampling_chat` asks for the JSON (the I2V image attached, through the ViT, as NVIDIA's image2video
-upsampler sees it), constrained by `PROMPT_SCHEMA` (structured outputs: the answer always parses; every string
-and list is bounded, so the document closes within the token budget even on a model that writes noise) and
-seeded from the request (the same request gives the same prompt); its budget is the context's room (the schema's
-bounds close the document well before: ~10k tokens at most, a real answer ~1k). `upsampled_prompt` turns the answer into
-the prompt text: the object serialised compactly, as the reference sends its JSON prompts.
+`upsampling_chat` asks for the JSON (the I2V image, or a V2V clip's first frame, attached through the ViT, as
+NVIDIA's image2video upsampler sees it), constrained by `UpsamplerConfig.schema()` (structured outputs: the
+answer always parses; every string and list is bounded, so the document closes within ~10k characters even on
+a model that writes noise; a real answer is ~1k tokens) and seeded from the request (the same request gives
+the same prompt); its budget is the context's room, at least `min_room` tokens (EngineClient checks it when the
+request comes in). `upsampled_prompt` turns the answer into the prompt text: the object serialised compactly,
+as the reference sends its JSON prompts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class UpsamplerConfig:
     top_p: float = 0.8
     top_k: int = 20
     """NVIDIA's upsampler sampling (cosmos3-model.md §5.2)."""
+    min_room: int = 4096
+    """Context tokens the answer must have left after the upsampling chat's prompt (a request whose prompt
+    leaves less is refused: the JSON could be cut short). A real answer is ~1k tokens; noise at every
+    bound ~10k characters."""
 
     def schema(self) -> dict:
         """Cosmos3's prompt keys (serving-api.md §8.1), each text bounded."""
@@ -83,15 +88,19 @@ VIDEO_TIMING = (
 )
 IMAGE_TIMING = "what is happening, one paragraph that sums up the image, and the sound of the scene"
 IMAGE_NOTE = " The video starts from the attached image: describe its content faithfully and how it moves on."
+CLIP_NOTE = " The video continues a clip whose first frame is attached: describe its content faithfully."
 
 
 def upsampling_chat(params: VideoParams, config: UpsamplerConfig = UpsamplerConfig()) -> ChatParams:
-    """The chat that upsamples `params.prompt` (with its I2V image, when given)."""
+    """The chat that upsamples `params.prompt` (with its I2V image, or its V2V clip's first frame)."""
     video = params.num_frames > 1
     timing = VIDEO_TIMING.format(seconds=f"{params.num_frames / params.fps:.1f}") if video else IMAGE_TIMING
+    image, note = (params.image, IMAGE_NOTE) if params.image is not None else (None, "")
+    if params.video is not None:
+        image, note = params.video[0], CLIP_NOTE
     text = INSTRUCTION.format(what="video" if video else "image", timing=timing, prompt=params.prompt,
-                              image_note=IMAGE_NOTE if params.image is not None else "")  # fmt: skip
-    parts = (ChatPart(type="image", image=params.image),) if params.image is not None else ()
+                              image_note=note)  # fmt: skip
+    parts = (ChatPart(type="image", image=image),) if image is not None else ()
     return ChatParams(
         messages=(ChatMessage(role="user", content=(*parts, ChatPart(type="text", text=text))),),
         temperature=config.temperature,
@@ -130,25 +139,30 @@ def upsample_with(reasoner, params: VideoParams, config: UpsamplerConfig = Upsam
     return upsampled_prompt("".join(pieces))
 
 
-class UpsamplingInterrupted(Exception):
-    """The upsampling chat was stopped by the server's shutdown: the job stays queued for the next start."""
+class UpsamplingFailed(Exception):
+    """The upsampling chat failed (`status`: the chat's own, e.g. 503 when the chat worker stopped, 400 for a
+    prompt past the context) or its answer is not a complete JSON object (500)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 async def upsample(chat_many: Callable[..., list[ChatEvents]], params: VideoParams,
                    config: UpsamplerConfig = UpsamplerConfig()) -> str:  # fmt: skip
-    """Run the upsampling chat through `chat_many` (EngineClient.chat_many) and return the new prompt.
-    ValueError with the reason when the Reasoner fails or its answer is not a complete JSON object;
-    UpsamplingInterrupted at shutdown."""
+    """Run the upsampling chat through `chat_many` (EngineClient.chat_many) and return the new prompt;
+    UpsamplingFailed otherwise (ShuttingDownError from chat_many passes through)."""
     (events,) = chat_many([upsampling_chat(params, config)], coalesce=True)
     pieces: list[str] = []
     try:
         async for event in events:
             if isinstance(event, ChatFailed):
-                if event.status == 503:
-                    raise UpsamplingInterrupted(event.message)
-                raise ValueError(f"the prompt upsampler failed: {event.message}")
+                raise UpsamplingFailed(event.status, f"the Reasoner failed: {event.message}")
             if isinstance(event, ChatDelta):
                 pieces.append(event.text)
     finally:
         await events.aclose()  # cancels the chat when this task is cancelled (the job deleted)
-    return upsampled_prompt("".join(pieces))
+    try:
+        return upsampled_prompt("".join(pieces))
+    except ValueError as exc:
+        raise UpsamplingFailed(500, str(exc)) from None

@@ -204,18 +204,17 @@ class TokenGrammar:
         self._words = None
         if self.ended:
             return
+        if self._phase == "thinking":  # only </think> counts (an end id here goes on, with ignore_eos)
+            if token == self._think[1]:
+                self._phase = "answer"
+            return
         if token in self.end_ids:
             self.ended = True
             return
-        if self._phase != "answer":
-            if self._phase == "open" and token == self._think[0]:
-                self._phase = "thinking"
-                return
+        if self._phase == "open":
+            self._phase = "thinking" if token == self._think[0] else "answer"
             if self._phase == "thinking":
-                if token == self._think[1]:
-                    self._phase = "answer"
                 return
-            self._phase = "answer"
         if not self._matcher.consume_token(token):
             log.error("structured output: token %d refused by the grammar: %s", token,
                       _short(self._matcher.get_error(), 300))  # fmt: skip
