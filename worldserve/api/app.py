@@ -28,6 +28,7 @@ from worldserve.api.images import router as images_router
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
+from worldserve.api.responses import router as responses_router
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
 from worldserve.api.state import AppState
 from worldserve.api.tokenize import router as tokenize_router
@@ -106,6 +107,7 @@ def build_app(
     app.include_router(videos_router)
     app.include_router(chat_router)
     app.include_router(completions_router)
+    app.include_router(responses_router)
     app.include_router(tokenize_router)
     app.include_router(images_router)
     created = int(time.time())

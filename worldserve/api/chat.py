@@ -200,6 +200,16 @@ async def create_chat_completion(request: Request, st: State):
     body = await _read_body(request)
     if body.model is not None and body.model != st.served_model_name:
         return model_not_found(body.model)
+    choices, options = await chat_choices(st, body)
+    opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
+    work = _answer(st, body, choices, opened, options.tools)
+    return await unless_disconnected(request, work, lambda: close_all(opened))
+
+
+async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[ChatParams], RequestOptions]:
+    """The request's checks, its grammar compiled, its media fetched and decoded, its prompt built: the
+    ChatParams of its `n` choices and its options (APIError / ParamError naming the field). The Responses
+    API (api/responses.py) answers through the same."""
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     if body.misplaced_stream_options():
@@ -218,10 +228,7 @@ async def create_chat_completion(request: Request, st: State):
     options = await asyncio.to_thread(request_options, body, compiler)
     fetched = await prefetch_media(body, st.media, st.mm_limits)
     params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
-    choices = params.choices(body.n)
-    opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
-    work = _answer(st, body, choices, opened, options.tools)
-    return await unless_disconnected(request, work, lambda: close_all(opened))
+    return params.choices(body.n), options
 
 
 async def _answer(

@@ -33,8 +33,7 @@ from worldserve.api.errors import APIError
 from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
-from worldserve.engine.client import QueueFullError, ShuttingDownError, error_for
-from worldserve.engine.prompt_upsampling import UpsamplingFailed, upsample
+from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
 from worldserve.params import VideoParams
 
 router = APIRouter(tags=["images"])
@@ -118,9 +117,7 @@ async def _upsampled(request: Request, st: AppState, params: VideoParams, header
     client's prompt is; answered as `revised_prompt`. A failure answers the chat's status (500 when the answer
     does not parse) with the reason."""
     try:
-        prompt = await unless_disconnected(
-            request, upsample(st.client.chat_many, params, st.client.upsampler)
-        )
+        prompt = await unless_disconnected(request, st.client.upsampled_prompt(params))
         await asyncio.to_thread(
             st.client.validate, dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         )

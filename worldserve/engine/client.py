@@ -48,7 +48,7 @@ from worldserve.params import ParamError, VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
-    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "error_for",
+    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "UpsamplingFailed", "error_for",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -290,6 +290,11 @@ class EngineClient:
             task.add_done_callback(lambda _: self._upsampling.pop(job_id, None))
             return
         self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
+
+    async def upsampled_prompt(self, params: VideoParams) -> str:
+        """The prompt the Reasoner writes for `params` (a request without a job: the images route);
+        UpsamplingFailed / ShuttingDownError when it cannot."""
+        return await upsample(self.chat_many, params, self.upsampler)
 
     async def _upsample_then_queue(
         self, job_id: str, params: VideoParams, encode: EncodeOptions, arrival: float

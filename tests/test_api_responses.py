@@ -1,0 +1,185 @@
+"""POST /v1/responses (api/responses.py) over real HTTP on the tiny Reasoner, with the official `openai` client:
+the answer equals the chat completion of the same conversation (greedy), every streamed event and the final
+object validate as the SDK's own types, the events add up to the object; instructions, message items with
+images, function_call / function_call_output items, function tools (auto, named, required), text.format
+json_schema, logprobs, max_output_tokens (incomplete), --reasoning-parser (a reasoning item); errors name the
+Responses field.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import get_args
+
+import httpx
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from PIL import Image
+from reasoner_helpers import tiny_reasoner
+from serving_helpers import serve_reasoner
+
+MODEL = "test-model"
+EVENTS = {
+    get_args(c.model_fields["type"].annotation)[0]: c for c in get_args(get_args(ResponseStreamEvent)[0])
+}
+"""Each stream event's SDK type by its `type`."""
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}}  # fmt: skip
+
+
+def _png() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 200, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _stream(oai, **kw) -> tuple[list, Response]:
+    """Every event (validated as the SDK's types) and the final response they announce."""
+    events = [
+        EVENTS[e.type].model_validate(e.model_dump(by_alias=True))
+        for e in oai.responses.create(model=MODEL, stream=True, **kw)
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    return events, events[-1].response
+
+
+def test_a_text_answer_equals_the_chat_completion(reasoner_oai):
+    kw = {"temperature": 0, "max_output_tokens": 12}
+    r = reasoner_oai.responses.create(model=MODEL, input="Describe a fox.", instructions="Be brief.", **kw)
+    Response.model_validate(r.model_dump(by_alias=True))
+    chat = reasoner_oai.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe a fox."}])  # fmt: skip
+    assert r.output_text == chat.choices[0].message.content and r.id.startswith("resp_")
+    assert (
+        r.usage.input_tokens == chat.usage.prompt_tokens
+        and r.usage.output_tokens == chat.usage.completion_tokens
+    )
+    finished = chat.choices[0].finish_reason
+    assert r.status == ("incomplete" if finished == "length" else "completed")
+    assert (r.incomplete_details is not None) == (finished == "length") and r.store is False
+    events, final = _stream(reasoner_oai, input="Describe a fox.", instructions="Be brief.", **kw)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == r.output_text
+    kinds = [e.type for e in events]
+    assert kinds[2:5] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+
+
+def test_items_images_and_a_tool_turn_render_as_the_chat(reasoner_oai):
+    image = _png()
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                     {"type": "input_image", "image_url": image}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+    ]  # fmt: skip
+    r = reasoner_oai.responses.create(
+        model=MODEL, input=items, tools=[WEATHER], temperature=0, max_output_tokens=6
+    )
+    chat = reasoner_oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=6, tools=[
+        {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                     {"type": "image_url", "image_url": {"url": image}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                               "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}])  # fmt: skip
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == (chat.choices[0].message.content or "")
+
+
+def test_named_and_required_tool_calls(reasoner_oai):
+    named = reasoner_oai.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], extra_body={"seed": 1},
+                                          tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    (call,) = named.output
+    assert (
+        call.type == "function_call"
+        and call.name == "get_weather"
+        and call.call_id.startswith("chatcmpl-tool-")
+    )
+    assert set(json.loads(call.arguments)) == {"city"}
+    events, final = _stream(reasoner_oai, input="Weather in Oslo?", tools=[WEATHER], extra_body={"seed": 1},
+                            tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == final.output[0].arguments == call.arguments
+    required = reasoner_oai.responses.create(model=MODEL, input="Weather?", tools=[WEATHER], extra_body={"seed": 2},
+                                             tool_choice="required")  # fmt: skip
+    assert required.output and all(
+        o.type == "function_call" and o.name == "get_weather" for o in required.output
+    )
+
+
+def test_json_schema_format_and_logprobs(reasoner_oai):
+    fmt = {"type": "json_schema", "name": "city", "schema": WEATHER["parameters"], "strict": True}
+    r = reasoner_oai.responses.create(model=MODEL, input="A city?", text={"format": fmt}, extra_body={"seed": 3},
+                                      include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+    assert set(json.loads(r.output_text)) == {"city"} and r.text.format.type == "json_schema"
+    (part,) = r.output[0].content
+    assert "".join(lp.token for lp in part.logprobs) == r.output_text
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events, final = _stream(reasoner_oai, input="A city?", text={"format": fmt}, extra_body={"seed": 3},
+                            include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [
+        lp.token for lp in part.logprobs
+    ] and final.output_text == r.output_text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}, "input[0].content[0]"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
+        ({"input": "hi", "include": ["file_search_call.results"]}, "include"),
+        ({"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "input[1].content[0].image_url"),
+        ({"input": "hi", "instructions": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
+        ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+    ],
+)  # fmt: skip
+def test_bad_requests_name_the_responses_field(reasoner_url, body, param):
+    r = httpx.post(reasoner_url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.fixture(scope="module")
+def thinking_url(tiny_ckpt, tmp_path_factory):
+    with serve_reasoner(tiny_reasoner(tiny_ckpt), tmp_path_factory.mktemp("responses-think"), model=MODEL,
+                        name="test-responses-think", reasoning_parser="qwen3") as base:  # fmt: skip
+        yield base
+
+
+def test_thoughts_become_a_reasoning_item(thinking_url):
+    from openai import OpenAI
+
+    oai = OpenAI(base_url=thinking_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    regex = "<think>\\nLook at it\\.\\n</think>\\n\\nA fox\\."
+    kw = {"input": "What is it?", "extra_body": {"structured_outputs": {"regex": regex}}}
+    r = oai.responses.create(model=MODEL, **kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "\nLook at it.\n" and r.output_text == "\n\nA fox."
+    events, final = _stream(oai, **kw)
+    thoughts = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thoughts == r.output[0].content[0].text and final.output_text == r.output_text
+    hidden = oai.responses.create(
+        model=MODEL, **{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}}
+    )
+    assert [o.type for o in hidden.output] == ["message"]

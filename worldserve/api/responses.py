@@ -1,0 +1,269 @@
+"""POST /v1/responses: the OpenAI Responses API on the Reasoner, as vLLM serves it for chat models.
+
+The request becomes a chat completion request (api/responses_protocol.py) and goes through the chat route's
+checks, media, grammar and prompt (api/chat.py `chat_choices`); its one chat's text deltas become the
+Responses output items (`ResponseBuilder`): with `--reasoning-parser` a `reasoning` item (its thoughts as
+`reasoning_text`), a `message` item (`output_text`, with logprobs when `include` asks for them), and a
+`function_call` item per tool call (the chat's hermes / required / named tool parsing). Non-streaming: the
+`response` object; `stream: true`: the semantic events (response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta, ..., response.completed,
+or response.incomplete when `max_output_tokens` cut it, response.failed when the chat failed), each with its
+`sequence_number`. Errors name the Responses field the client sent. Nothing is stored (`store` is answered false).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from worldserve.api.bodies import read_json_object
+from worldserve.api.chat import chat_choices, model_not_found
+from worldserve.api.chat_stream import TextParsing, close_all, logprob_items, start_all
+from worldserve.api.disconnect import unless_disconnected
+from worldserve.api.errors import APIError
+from worldserve.api.reasoning import ReasoningStream
+from worldserve.api.responses_protocol import ResponsesRequest, to_chat
+from worldserve.api.state import AppState, app_state
+from worldserve.api.tool_calls import ToolMode, ToolStream
+from worldserve.engine.client import ChatDelta, ChatFailed
+from worldserve.params import ParamError
+
+router = APIRouter(tags=["responses"])
+State = Annotated[AppState, Depends(app_state)]
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request, st: State):
+    """An OpenAI Responses API answer from the Reasoner (JSON body; `stream: true` answers semantic events)."""
+    req = ResponsesRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
+    if req.model is not None and req.model != st.served_model_name:
+        return model_not_found(req.model)
+    chat, paths = to_chat(req)
+    try:
+        choices, options = await chat_choices(st, chat)
+    except (APIError, ParamError) as exc:
+        raise paths.rename(exc) from None
+    opened: list = []  # the chat's events, to cancel if the client goes away at any point
+    parsing = TextParsing(tools=options.tools, reasoning=st.reasoning_parser is not None,
+                          include_reasoning=req.include_reasoning)  # fmt: skip
+
+    async def answer():
+        # per-token deliveries only where they matter: streamed, logprobs to place, thought tokens to count
+        coalesce = not (req.stream or req.logprobs or parsing.reasoning)
+        try:
+            streams, firsts = await start_all(
+                st.client, choices, st.metrics, opened=opened, coalesce=coalesce
+            )
+        except APIError as exc:
+            raise paths.rename(exc) from None
+        builder = ResponseBuilder(_skeleton(req, st.served_model_name), parsing, req.logprobs,
+                                  firsts[0].prompt_tokens)  # fmt: skip
+        if req.stream:
+            return StreamingResponse(_events(streams[0], builder), media_type="text/event-stream")
+        try:
+            async for event in streams[0]:
+                if isinstance(event, ChatFailed):
+                    raise APIError(event.status, event.message, param=paths.field(event.param))
+                builder.feed(event)
+        finally:
+            await close_all(streams)
+        return JSONResponse(builder.response())
+
+    return await unless_disconnected(request, answer(), lambda: close_all(opened))
+
+
+async def _events(events: AsyncIterator, builder: ResponseBuilder) -> AsyncIterator[str]:
+    """The streamed answer's SSE text; closes the chat's events."""
+    try:
+        for text in builder.head():
+            yield text
+        async for event in events:
+            if isinstance(event, ChatFailed):
+                yield builder.failed(event.status, event.message)
+                return
+            for text in builder.feed(event):
+                yield text
+        yield builder.done()
+    finally:
+        await events.aclose()
+
+
+def _skeleton(req: ResponsesRequest, model: str) -> dict[str, Any]:
+    """The response object's fields fixed at the start (the request's settings echoed, as OpenAI does)."""
+    tools = [{"type": "function", "name": t["name"], "description": t.get("description"),
+              "parameters": t.get("parameters"), "strict": t.get("strict")} for t in req.tools or ()]  # fmt: skip
+    fmt = req.text.format if req.text is not None and req.text.format is not None else None
+    text_format: dict[str, Any] = (
+        {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
+    )
+    return {
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
+        "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+        "reasoning": req.reasoning, "store": False, "background": False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": text_format},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none"),
+        "tools": tools, "truncation": req.truncation or "disabled", "user": req.user, "usage": None,
+    }  # fmt: skip
+
+
+class ResponseBuilder:
+    """One chat's deltas -> the Responses output items, and the stream's events (SSE text) as they open, grow
+    and close. Text goes through the same parsers as a chat answer's: reasoning, then tool calls."""
+
+    def __init__(self, skeleton: dict[str, Any], parsing: TextParsing, logprobs: bool, prompt_tokens: int):
+        self.body, self.logprobs, self.prompt_tokens = skeleton, logprobs, prompt_tokens
+        self.thoughts = ReasoningStream() if parsing.reasoning else None
+        self.keep_thoughts = parsing.include_reasoning
+        mode: ToolMode | None = parsing.tools
+        self.calls = ToolStream(mode) if mode is not None and mode.parsed else None
+        self.seq = 0
+        self.item: dict[str, Any] | None = None  # the open output item
+        self.completion_tokens, self.finish_reason, self.reasoning_tokens = 0, None, 0
+
+    # ---------------------------------------------------------------- events
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def head(self) -> list[str]:
+        return [
+            self._event("response.created", response=self.body),
+            self._event("response.in_progress", response=self.body),
+        ]
+
+    def feed(self, delta: ChatDelta) -> list[str]:
+        """The events of one delta (its text through the reasoning and tool parsers)."""
+        finished = delta.finish_reason is not None
+        new_tokens = delta.completion_tokens - self.completion_tokens
+        self.completion_tokens, self.finish_reason = delta.completion_tokens, delta.finish_reason
+        entries = list(delta.logprobs)
+        out: list[str] = []
+        pieces = self.thoughts.feed(delta.text, finished) if self.thoughts else [{"content": delta.text}]
+        if pieces and all(
+            "reasoning_content" in p for p in pieces
+        ):  # (deltas of one token: see create_response)
+            self.reasoning_tokens += new_tokens
+        content_fed = False
+        for piece in pieces:
+            if "reasoning_content" in piece:
+                if self.keep_thoughts:
+                    out += self._reasoning(piece["reasoning_content"])
+                continue
+            content_fed = True
+            for d in self.calls.feed(piece["content"], finished) if self.calls else [piece]:
+                if "content" in d:
+                    out += self._text(d["content"], entries)
+                    entries = []
+                else:
+                    out += self._call(d["tool_calls"][0])
+        if finished and self.calls is not None and not content_fed:  # flush what the tool parser holds back
+            for d in self.calls.feed("", True):
+                out += self._text(d["content"], []) if "content" in d else self._call(d["tool_calls"][0])
+        if finished:
+            out += self._close()
+        return out
+
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        out = self._close()
+        self.item = item
+        self.body["output"].append(item)
+        return out + [self._event("response.output_item.added", output_index=len(self.body["output"]) - 1,
+                                  item=item)]  # fmt: skip
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.item["id"], "output_index": len(self.body["output"]) - 1}
+
+    def _reasoning(self, text: str) -> list[str]:
+        out = [] if self.item is not None and self.item["type"] == "reasoning" else self._open(
+            {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+             "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})  # fmt: skip
+        self.item["content"][0]["text"] += text
+        return out + [
+            self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
+        ]
+
+    def _text(self, text: str, entries: list) -> list[str]:
+        if not text:
+            return []
+        out: list[str] = []
+        if self.item is None or self.item["type"] != "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self._open({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
+                               "status": "in_progress", "content": [part]})  # fmt: skip
+            out.append(self._event("response.content_part.added", **self._where(), content_index=0,
+                                   part=dict(part)))  # fmt: skip
+        lp = [e.model_dump() for e in logprob_items(entries)] if self.logprobs else []
+        part = self.item["content"][0]
+        part["text"] += text
+        part["logprobs"] += lp
+        return out + [self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
+                                  logprobs=lp)]  # fmt: skip
+
+    def _call(self, call: dict[str, Any]) -> list[str]:
+        """A tool-call delta from ToolStream: a new call (id, name, arguments so far) or more arguments."""
+        out: list[str] = []
+        if "id" in call:
+            out += self._open({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                               "name": call["function"]["name"], "arguments": "", "status": "in_progress"})  # fmt: skip
+        args = call["function"].get("arguments") or ""
+        if args:
+            self.item["arguments"] += args
+            out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=args))
+        return out
+
+    def _close(self) -> list[str]:
+        """Close the open item: its done events."""
+        item, self.item = self.item, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": self.body["output"].index(item)}
+        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += [self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                logprobs=part["logprobs"]),
+                    self._event("response.content_part.done", **where, content_index=0, part=part)]  # fmt: skip
+        elif item["type"] == "reasoning":
+            out.append(self._event("response.reasoning_text.done", **where, content_index=0,
+                                   text=item["content"][0]["text"]))  # fmt: skip
+        else:
+            out.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
+                                   arguments=item["arguments"]))  # fmt: skip
+        return out + [self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    # ---------------------------------------------------------------- the end
+    def response(self) -> dict[str, Any]:
+        """The finished response object."""
+        self._close()
+        cut = self.finish_reason == "length"
+        self.body.update(
+            status="incomplete" if cut else "completed",
+            incomplete_details={"reason": "max_output_tokens"} if cut else None,
+            usage={"input_tokens": self.prompt_tokens,
+                   "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # no prefix cache
+                   "output_tokens": self.completion_tokens,
+                   "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                   "total_tokens": self.prompt_tokens + self.completion_tokens},
+        )  # fmt: skip
+        return self.body
+
+    def done(self) -> str:
+        body = self.response()
+        return self._event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
+                           response=body)  # fmt: skip
+
+    def failed(self, status: int, message: str) -> str:
+        self.body.update(status="failed", error={"code": "server_error" if status >= 500 else "invalid_request",
+                                                 "message": message})  # fmt: skip
+        return self._event("response.failed", response=self.body)

@@ -1,0 +1,247 @@
+"""The OpenAI Responses API request (`POST /v1/responses`, as vLLM serves it) and its translation into the chat
+completion request the Reasoner already answers (api/chat.py), so both routes share every check, media path,
+grammar and sampler.
+
+`input` is a string (one user message) or a list of items: messages (`role` + `content`, a string or parts:
+`input_text` / `output_text` / `refusal` text, `input_image` with an `image_url` (a data: or http(s) URL, as a
+chat image_url), `input_video` with a `video_url` (vLLM's)), `function_call` items (an assistant's call,
+consecutive ones one assistant turn), `function_call_output` items (a tool turn) and `reasoning` items (dropped,
+as Qwen's template drops earlier thoughts). `instructions` is a system message first. Function `tools` (flat:
+name, description, parameters) and `tool_choice` ("auto", "none", "required", {"type": "function", "name"})
+become the chat's; `text.format` (json_schema / json_object / text) its response_format; `max_output_tokens`
+its max_tokens; `include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs. This server stores
+no responses: `previous_response_id` and `background` are 400s, `store` is answered false. `ChatPaths` turns
+an error naming a chat field back into the Responses field the client sent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worldserve.api.chat_protocol import ChatCompletionRequest, SamplingRequest
+from worldserve.api.errors import APIError
+
+LOGPROBS = "message.output_text.logprobs"
+INCLUDES = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url")
+"""`include` values accepted (only the logprobs change the answer)."""
+
+
+class InputPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal[
+        "input_text", "output_text", "refusal", "input_image", "input_video", "input_file", "input_audio"
+    ]
+    text: str | None = None
+    refusal: str | None = None
+    image_url: str | None = None
+    video_url: str | None = None
+    file_id: str | None = None
+
+
+class InputItem(BaseModel):
+    """A message, function_call, function_call_output or reasoning item (their fields together)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(SamplingRequest):
+    """The Responses API fields (and vLLM's sampling extensions, shared with chat completions)."""
+
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
+
+
+@dataclass
+class ChatPaths:
+    """Where each chat message came from in the Responses request, to name the field an error is about."""
+
+    messages: list[str] = field(default_factory=list)
+    """messages[i] -> "instructions", "input" or "input[j]"."""
+
+    def field(self, param: str | None) -> str | None:
+        if param is None:
+            return None
+        if (m := re.match(r"messages\[(\d+)\]", param)) and int(m.group(1)) < len(self.messages):
+            return self.messages[int(m.group(1))] + param[m.end() :]
+        renamed = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                   "response_format": "text.format", "logprobs": "include", "top_logprobs": "top_logprobs"}  # fmt: skip
+        head, _, rest = param.partition(".")
+        return renamed.get(head, head) + ("." + rest if rest else "")
+
+    def rename(self, exc: Exception) -> Exception:
+        """`exc` (APIError or ParamError) naming the Responses field, its message too."""
+        old = getattr(exc, "param", None)
+        new = self.field(old)
+        if old and new != old:
+            exc.param = new
+            if isinstance(getattr(exc, "message", None), str):
+                exc.message = exc.message.replace(old, new)
+                if isinstance(exc, APIError):
+                    exc.args = (exc.message,)
+        return exc
+
+
+def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, ChatPaths]:
+    """The chat completion request that answers `req`, and where its messages came from; APIError naming
+    the Responses field for what this server does not take."""
+    if req.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the "
+                       "conversation in input", param="previous_response_id")  # fmt: skip
+    if req.background:
+        raise APIError(
+            400, "background responses are not supported (they need stored responses)", param="background"
+        )
+    for value in req.include or ():
+        if value not in INCLUDES:
+            raise APIError(400, f"include value {value!r} is not supported (supported: {', '.join(INCLUDES)})",
+                           param="include")  # fmt: skip
+    paths = ChatPaths()
+    messages: list[dict[str, Any]] = []
+    if req.instructions is not None:
+        messages.append({"role": "system", "content": req.instructions})
+        paths.messages.append("instructions")
+    items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    calls: list | None = None  # the tool_calls of the assistant turn consecutive function_call items make
+    for i, item in enumerate(items):
+        where = "input" if isinstance(req.input, str) else f"input[{i}]"
+        if item.type == "reasoning":
+            continue
+        if item.type == "function_call":
+            if item.call_id is None or item.name is None:
+                raise APIError(400, "a function_call item needs call_id and name", param=where)
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}  # fmt: skip
+            if calls is None:
+                calls = []
+                messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+                paths.messages.append(where)
+            calls.append(call)
+            continue
+        calls = None
+        if item.type == "function_call_output":
+            if item.call_id is None or item.output is None:
+                raise APIError(400, "a function_call_output item needs call_id and output", param=where)
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output, where)}
+            )
+        else:
+            if item.role is None:
+                raise APIError(400, "a message item needs a role", param=where)
+            messages.append({"role": item.role, "content": _content(item.content, where)})
+        paths.messages.append(where)
+    chat = req.model_dump(exclude={"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
+                                   "include", "top_logprobs", "store", "background", "previous_response_id",
+                                   "reasoning", "metadata", "user", "truncation", "n", "stream_options",
+                                   "response_format"})  # fmt: skip
+    chat.update(messages=messages, max_tokens=req.max_output_tokens, logprobs=req.logprobs,
+                top_logprobs=req.top_logprobs if req.logprobs else None, tools=_tools(req.tools),
+                tool_choice=_tool_choice(req.tool_choice), response_format=_format(req.text))  # fmt: skip
+    if req.truncation == "auto" and req.truncate_prompt_tokens is None:
+        chat["truncate_prompt_tokens"] = -1
+    return ChatCompletionRequest.model_validate(chat), paths
+
+
+def _content(content: str | list[InputPart] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content (parts in the same order: content[j] names the same part)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, p in enumerate(content):
+        if p.type in ("input_text", "output_text", "refusal"):
+            parts.append({"type": "text", "text": (p.refusal if p.type == "refusal" else p.text) or ""})
+        elif p.type == "input_image" and p.image_url is not None:
+            parts.append({"type": "image_url", "image_url": {"url": p.image_url}})
+        elif p.type == "input_video" and p.video_url is not None:
+            parts.append({"type": "video_url", "video_url": {"url": p.video_url}})
+        else:
+            what = (
+                "file ids"
+                if p.file_id is not None
+                else f"{p.type} parts"
+                if p.type in ("input_file", "input_audio")
+                else "a part without its URL"
+            )
+            raise APIError(400, f"{what} are not supported: send images as image_url (a data: or http(s) URL)",
+                           param=f"{where}.content[{j}]")  # fmt: skip
+    return parts
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools as chat tools (other tool types are a 400)."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise APIError(400, "only function tools ({\"type\": \"function\", \"name\": ...}) are supported",
+                           param=f"tools[{i}]")  # fmt: skip
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    """Responses' {"type": "function", "name": N} as the chat's {"type": "function", "function": {"name": N}}."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _format(text: TextConfig | None) -> dict[str, Any] | None:
+    """`text.format` as the chat's response_format."""
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.schema_ is None:
+        raise APIError(400, "a json_schema format needs its schema", param="text.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                   "strict": fmt.strict}}  # fmt: skip
