@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--upsample", action="store_true",
         help="also a T2V and an I2V job with extra_params.upsample_prompt (bench/upsampled_videos.py)",
     )  # fmt: skip
+    ap.add_argument("--responses", action="store_true", help="also /v1/responses (bench/responses_checks.py)")
     return ap.parse_args(argv)
 
 
@@ -337,6 +338,10 @@ def run(args: argparse.Namespace) -> dict:
             from upsampled_videos import upsampled_videos
 
             res["upsampled"] = upsampled_videos(url)
+        if args.responses:
+            from responses_checks import responses_checks
+
+            res["responses"] = responses_checks(url, served, args.max_tokens)
         t0 = time.perf_counter()
         body = {"prompt": "A fox in the snow.", "size": "256x256", "num_frames": 9, "num_inference_steps": 2}
         r = httpx.post(url + "/v1/videos/sync", json=body, timeout=600)
