@@ -183,3 +183,23 @@ def test_thoughts_become_a_reasoning_item(thinking_url):
         model=MODEL, **{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}}
     )
     assert [o.type for o in hidden.output] == ["message"]
+
+
+def test_an_answer_without_text_still_has_its_message():
+    """A chat whose tokens decode to nothing (e.g. ids past the tokenizer) answers an empty message item,
+    opened and closed in the stream, not an empty output."""
+    from worldserve.api.chat_stream import TextParsing
+    from worldserve.api.responses import ResponseBuilder
+    from worldserve.api.responses_protocol import ResponsesRequest
+    from worldserve.engine.client import ChatDelta
+
+    builder = ResponseBuilder({"output": []}, TextParsing(), logprobs=False, prompt_tokens=5)
+    assert builder.feed(ChatDelta(text="", finish_reason=None, completion_tokens=1)) == []
+    events = [json.loads(e.split("data: ", 1)[1]) for e in builder.feed(
+        ChatDelta(text="", finish_reason="length", completion_tokens=2))]  # fmt: skip
+    assert [e["type"] for e in events] == ["response.output_item.added", "response.content_part.added",
+                                           "response.output_text.done", "response.content_part.done",
+                                           "response.output_item.done"]  # fmt: skip
+    body = builder.response()
+    assert body["status"] == "incomplete" and body["output"][0]["content"][0]["text"] == ""
+    assert body["usage"]["output_tokens"] == 2 and ResponsesRequest(input="x").logprobs is False

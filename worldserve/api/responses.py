@@ -169,6 +169,8 @@ class ResponseBuilder:
         if finished and self.calls is not None and not content_fed:  # flush what the tool parser holds back
             for d in self.calls.feed("", True):
                 out += self._text(d["content"], []) if "content" in d else self._call(d["tool_calls"][0])
+        if finished and not self.body["output"]:  # an answer with no text still has its (empty) message
+            out += self._text("", [], empty=True)
         if finished:
             out += self._close()
         return out
@@ -192,8 +194,8 @@ class ResponseBuilder:
             self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
         ]
 
-    def _text(self, text: str, entries: list) -> list[str]:
-        if not text:
+    def _text(self, text: str, entries: list, empty: bool = False) -> list[str]:
+        if not text and not empty:
             return []
         out: list[str] = []
         if self.item is None or self.item["type"] != "message":
@@ -206,6 +208,8 @@ class ResponseBuilder:
         part = self.item["content"][0]
         part["text"] += text
         part["logprobs"] += lp
+        if not text:
+            return out
         return out + [self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
                                   logprobs=lp)]  # fmt: skip
 
