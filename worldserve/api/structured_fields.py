@@ -11,8 +11,7 @@
   guided_whitespace_pattern (guided_decoding_backend is ignored, as above).
 
 At most one of these may constrain a request (a 400 naming the second, as vLLM refuses several); each
-malformed value, or grammar that does not compile, fails at its first two tokens or spells a special token,
-is a 400 naming its field (sampling/grammar.py builds the grammar, sampling/token_grammar.py compiles it
+malformed value, or grammar that does not compile or fails at its first two tokens, is a 400 naming its field (sampling/grammar.py builds the grammar, sampling/token_grammar.py compiles it
 with the tokenizer).
 """
 

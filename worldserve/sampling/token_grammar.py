@@ -45,9 +45,6 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the API's threads compile ahead (`compile`), the chat worker reads
-        decoder = getattr(tokenizer, "added_tokens_decoder", {})
-        self.special_texts = tuple(t.content for t in decoder.values() if getattr(t, "special", False))
-        """The special tokens' texts (<|im_end|>, <|image_pad|>, ...): a constraint spelling one is refused."""
         vocab = tokenizer.get_vocab()
         self.think_ids = (
             (vocab["<think>"], vocab["</think>"]) if "<think>" in vocab and "</think>" in vocab else None
@@ -67,13 +64,10 @@ class GrammarCompiler:
         the request's thread, which waits for the compile on a big-stack thread (grammar.on_big_stack): a
         costly or broken grammar costs that request, not the chat worker, which every running chat shares
         and which then finds it here (unless COMPILED_GRAMMARS others came in between). ParamError naming the
-        field when the grammar is invalid or fails at its first two tokens, or spells a special token."""
+        field when the grammar is invalid or fails at its first two tokens."""
         with self._lock:
             template = self._compiled.get(so)
         if template is None:
-            if special := next((t for t in self.special_texts if t in so.spec), None):
-                raise ParamError(so.field, f"the {so.kind} constraint contains the special token {special}, "
-                                 "which the model writes as one token a grammar cannot take")  # fmt: skip
             template = on_big_stack(_compiled_and_tried, self.tokenizer, grammar_text(so))
             if template.is_error():
                 raise ParamError(so.field, f"invalid {so.kind} constraint: {_short(template.get_error())}")
@@ -110,7 +104,8 @@ def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) ->
             self.tokens, self.special_token_ids = tokens, special
 
         def __call__(self, text: str) -> list[int]:
-            return hf_tokenizer.encode(text, add_special_tokens=False)
+            # a special token's text (a grammar writing "<|im_end|>") as plain text: bytes the grammar can take
+            return hf_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     return llguidance.LLTokenizer(
         TokenizerWrapper(_Vocabulary()), n_vocab=vocab_size, eos_token=list(end_ids)
