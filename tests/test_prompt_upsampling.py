@@ -19,6 +19,8 @@ from serving_helpers import asgi_server, png_bytes, poll_job
 
 from worldserve.chat_params import StructuredOutput
 from worldserve.engine.prompt_upsampling import UpsamplerConfig, upsampled_prompt, upsampling_chat
+from worldserve.media.image import resize_center_crop
+from worldserve.media.video_input import resize_video
 from worldserve.params import VideoParams
 
 SMALL = UpsamplerConfig(max_chars=12, max_subjects=1, max_actions=1, min_room=1024)
@@ -36,13 +38,19 @@ def test_the_chat_asks_for_the_schema_with_nvidias_sampling_and_the_image():
     (turn,) = t2v.messages
     assert [p.type for p in turn.content] == ["text"] and "a fox in the snow" in turn.content[0].text
     assert "7.9 seconds" in turn.content[0].text
-    image = np.zeros((16, 24, 3), np.uint8)
-    i2v = upsampling_chat(VideoParams(prompt="it moves", image=image))
+    # the frame the video starts from, as the pipeline makes it (any aspect ratio: a 1 x 400 image too)
+    image = np.random.default_rng(0).integers(0, 255, (1, 400, 3), dtype=np.uint8)
+    i2v = upsampling_chat(VideoParams(prompt="it moves", image=image, width=320, height=192))
     assert [p.type for p in i2v.messages[0].content] == ["image", "text"]
-    assert i2v.messages[0].content[0].image is image and "attached image" in i2v.messages[0].content[1].text
-    clip = np.arange(5 * 16 * 24 * 3, dtype=np.uint8).reshape(5, 16, 24, 3)
-    v2v = upsampling_chat(VideoParams(prompt="it goes on", video=clip)).messages[0].content
-    assert np.array_equal(v2v[0].image, clip[0]) and "first frame is attached" in v2v[1].text
+    assert np.array_equal(i2v.messages[0].content[0].image, resize_center_crop(image, 320, 192))
+    assert "attached image" in i2v.messages[0].content[1].text
+    clip = np.arange(9 * 16 * 24 * 3, dtype=np.uint8).reshape(9, 16, 24, 3)
+    last = VideoParams(prompt="it goes on", video=clip, width=64, height=48, condition_video_keep="last")
+    v2v = upsampling_chat(last).messages[0].content  # the conditioning clip: the last 5 frames
+    assert (
+        np.array_equal(v2v[0].image, resize_video(clip[4:5], 64, 48)[0])
+        and "first frame is attached" in v2v[1].text
+    )
 
 
 def test_the_answer_becomes_a_compact_json_prompt():
@@ -166,15 +174,26 @@ async def test_a_restart_upsamples_an_interrupted_job(tmp_path, pipeline, chat_b
 async def test_a_written_prompt_past_max_sequence_length_fails_the_job(
     tmp_path, pipeline, chat_backend, anyio_backend
 ):
-    """The written prompt is checked as a client's would be (here: too many tokens): the job fails with the
-    reason, the sync request answers it."""
+    """The written prompt is checked as a client's would be (here: more tokens than the request's
+    max_sequence_length): the job fails with a 400 that says so, the sync request answers it; the images
+    route answers the same, naming the field (its top-level max_sequence_length is honoured too)."""
     async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
                            upsampler=SMALL) as http:  # fmt: skip
         extra = json.dumps({"upsample_prompt": True, "max_sequence_length": 150, "negative_prompt": "blur"})
         r = await http.post("/v1/videos/sync", data={"prompt": "a fox", **TINY, "extra_params": extra})
-        assert r.status_code == 500, r.text
-        assert "Prompt upsampling failed" in r.json()["error"]["message"]
-        assert "max_sequence_length" in r.json()["error"]["message"]
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "Prompt upsampling failed" in message and "raise max_sequence_length" in message
+        body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 2, "negative_prompt": "",
+                "max_sequence_length": 150}  # fmt: skip
+        image = await http.post(
+            "/v1/images/generations", json={**body, "extra_params": {"upsample_prompt": True}}
+        )
+        assert image.status_code == 400 and image.json()["error"]["param"] == "max_sequence_length", (
+            image.text
+        )
+        long = await http.post("/v1/images/generations", json={**body, "prompt": "a fox " * 200})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "prompt", long.text
 
 
 @pytest.mark.anyio

@@ -67,6 +67,9 @@ class ImageGenerationRequest(NumbersNotBooleans):
         None, allow_inf_nan=False, description="Accepted; Cosmos3 uses guidance_scale."
     )
     flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_sequence_length: int | None = Field(
+        None, ge=1, description="Cap on prompt tokens (as on the video routes)."
+    )
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
     lora: Any = None
@@ -117,18 +120,15 @@ async def _upsampled(request: Request, st: AppState, params: VideoParams, header
     client's prompt is; answered as `revised_prompt`. A failure answers the chat's status (500 when the answer
     does not parse) with the reason."""
     try:
-        prompt = await unless_disconnected(request, st.client.upsampled_prompt(params))
-        await asyncio.to_thread(
-            st.client.validate, dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-        )
+        return await unless_disconnected(request, st.client.upsampled_prompt(params))
     except ClientGone:
         raise
     except ShuttingDownError as exc:
         raise st.refusal(exc, headers) from None
-    except (UpsamplingFailed, ValueError) as exc:
-        code = exc.status if isinstance(exc, UpsamplingFailed) else 500
-        raise APIError(code, f"Prompt upsampling failed: {exc}", headers=headers) from None
-    return prompt
+    except UpsamplingFailed as exc:
+        raise APIError(
+            exc.status, f"Prompt upsampling failed: {exc}", param=exc.param, headers=headers
+        ) from None
 
 
 def encode_image(frame, fmt: str) -> bytes:

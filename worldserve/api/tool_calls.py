@@ -251,7 +251,9 @@ class ToolStream:
     def feed(self, piece: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas to send for this text `piece` (the last one when `finished`)."""
         self.text += piece
-        if self.mode.choice == "named":  # the call opens with its first argument text (none: no call, as unstreamed)
+        if (
+            self.mode.choice == "named"
+        ):  # the call opens with its first argument text (none: no call, as unstreamed)
             if not piece:
                 return []
             out = [] if self._calls else [self._call_delta(call_out(self.mode.name, "", text=True))]

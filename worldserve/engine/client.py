@@ -42,7 +42,13 @@ from worldserve.engine.ephemeral import run_without_jobs
 from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
-from worldserve.engine.prompt_upsampling import UpsamplerConfig, UpsamplingFailed, upsample, upsampling_chat
+from worldserve.engine.prompt_upsampling import (
+    UpsamplerConfig,
+    UpsamplingFailed,
+    checked,
+    upsample,
+    upsampling_chat,
+)
 from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import ParamError, VideoParams
 
@@ -292,9 +298,12 @@ class EngineClient:
         self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
 
     async def upsampled_prompt(self, params: VideoParams) -> str:
-        """The prompt the Reasoner writes for `params` (a request without a job: the images route);
-        UpsamplingFailed / ShuttingDownError when it cannot."""
-        return await upsample(self.chat_many, params, self.upsampler)
+        """The prompt the Reasoner writes for `params` (a request without a job: the images route), checked
+        as a client's; UpsamplingFailed / ShuttingDownError when it cannot."""
+        prompt = await upsample(self.chat_many, params, self.upsampler)
+        upsampled = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
+        await asyncio.to_thread(checked, self.validate, upsampled)
+        return prompt
 
     async def _upsample_then_queue(
         self, job_id: str, params: VideoParams, encode: EncodeOptions, arrival: float
@@ -306,7 +315,9 @@ class EngineClient:
         try:
             prompt = await upsample(self.chat_many, params, self.upsampler)
             params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-            await asyncio.to_thread(self.engine.backend.validate, params)  # e.g. its length in tokens
+            await asyncio.to_thread(
+                checked, self.engine.backend.validate, params
+            )  # e.g. its length in tokens
         except (UpsamplingFailed, ShuttingDownError, ValueError) as exc:
             if not self.accepting:
                 return  # the shutdown stopped it

@@ -4,8 +4,8 @@ JSON prompt (serving-api.md §8.1) before the video is queued (`extra_params.ups
 Cosmos3 is trained on dense JSON captions, so a short prompt gives a poor video (serving-api.md §13.13);
 NVIDIA's framework has the Reasoner upsample it (cosmos3-model.md §5.2: temperature 0.7, top_p 0.8, top_k 20),
 its serving recipe an external LLM. Here it is one more chat on the same weights, in the same process:
-`upsampling_chat` asks for the JSON (the I2V image, or a V2V clip's first frame, attached through the ViT, as
-NVIDIA's image2video upsampler sees it), constrained by `UpsamplerConfig.schema()` (structured outputs: the
+`upsampling_chat` asks for the JSON (the frame the video starts from attached through the ViT: the I2V image
+cropped as the pipeline crops it, or a V2V conditioning clip's first frame), constrained by `UpsamplerConfig.schema()` (structured outputs: the
 answer always parses; every string and list is bounded, so the document closes within ~10k characters even on
 a model that writes noise; a real answer is ~1k tokens) and seeded from the request (the same request gives
 the same prompt); its budget is the context's room, at least `min_room` tokens (EngineClient checks it when the
@@ -19,10 +19,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput
 from worldserve.engine.chat_worker import ChatEvents, ChatFailed
 from worldserve.engine.outputs import ChatDelta
-from worldserve.params import VideoParams
+from worldserve.params import ParamError, VideoParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +97,7 @@ def upsampling_chat(params: VideoParams, config: UpsamplerConfig = UpsamplerConf
     """The chat that upsamples `params.prompt` (with its I2V image, or its V2V clip's first frame)."""
     video = params.num_frames > 1
     timing = VIDEO_TIMING.format(seconds=f"{params.num_frames / params.fps:.1f}") if video else IMAGE_TIMING
-    image, note = (params.image, IMAGE_NOTE) if params.image is not None else (None, "")
-    if params.video is not None:
-        image, note = params.video[0], CLIP_NOTE
+    image, note = _shown_frame(params)
     text = INSTRUCTION.format(what="video" if video else "image", timing=timing, prompt=params.prompt,
                               image_note=note)  # fmt: skip
     parts = (ChatPart(type="image", image=image),) if image is not None else ()
@@ -111,6 +111,22 @@ def upsampling_chat(params: VideoParams, config: UpsamplerConfig = UpsamplerConf
             kind="json", spec=json.dumps(config.schema()), field="extra_params.upsample_prompt"
         ),
     ).validate()
+
+
+def _shown_frame(params: VideoParams) -> tuple[np.ndarray | None, str]:
+    """The frame the video starts from, as the pipeline gives it to the VAE (the I2V image cover-resized and
+    centre-cropped to the video's size; a V2V conditioning clip's first frame resized), and its note: what
+    the Reasoner is shown (any aspect ratio the video route accepts is one the ViT takes)."""
+    from worldserve.media.image import resize_center_crop
+    from worldserve.media.video_input import condition_budget, resize_video
+
+    if params.image is not None:
+        return resize_center_crop(params.image, params.width, params.height), IMAGE_NOTE
+    if params.video is not None:
+        n = condition_budget(params.condition_frame_indexes)
+        first = params.video[0] if params.condition_video_keep == "first" else params.video[-n:][0]
+        return resize_video(first[None], params.width, params.height)[0], CLIP_NOTE
+    return None, ""
 
 
 def upsampled_prompt(answer: str) -> str:
@@ -141,11 +157,23 @@ def upsample_with(reasoner, params: VideoParams, config: UpsamplerConfig = Upsam
 
 class UpsamplingFailed(Exception):
     """The upsampling chat failed (`status`: the chat's own, e.g. 503 when the chat worker stopped, 400 for a
-    prompt past the context) or its answer is not a complete JSON object (500)."""
+    prompt past the context), its answer is not a complete JSON object (500), or the prompt it wrote does not
+    fit the request (400, `param` the field)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
+
+
+def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams) -> VideoParams:
+    """`params` with the written prompt, checked as a client's (`validate`: the backend's); a prompt past the
+    request's max_sequence_length is UpsamplingFailed(400) naming that field (blocking: tokenizes)."""
+    try:
+        return validate(params)
+    except ParamError as exc:
+        raise UpsamplingFailed(400, f"the prompt the Reasoner wrote does not fit this request: {exc.message} "
+                               "(raise max_sequence_length, or leave upsample_prompt off)",
+                               "max_sequence_length" if exc.param == "prompt" else exc.param) from None  # fmt: skip
 
 
 async def upsample(chat_many: Callable[..., list[ChatEvents]], params: VideoParams,
