@@ -15,6 +15,7 @@ from typing import get_args
 
 import httpx
 import pytest
+from openai import NotFoundError
 from openai.types.responses import Response, ResponseStreamEvent
 from PIL import Image
 from reasoner_helpers import tiny_reasoner
@@ -61,7 +62,7 @@ def test_a_text_answer_equals_the_chat_completion(reasoner_oai):
     )
     finished = chat.choices[0].finish_reason
     assert r.status == ("incomplete" if finished == "length" else "completed")
-    assert (r.incomplete_details is not None) == (finished == "length") and r.store is False
+    assert (r.incomplete_details is not None) == (finished == "length") and r.store is True
     events, final = _stream(reasoner_oai, input="Describe a fox.", instructions="Be brief.", **kw)
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == final.output_text == r.output_text
@@ -143,7 +144,6 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
     ("body", "param"),
     [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}, "input[0].content[0]"),
-        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
         ({"input": "hi", "include": ["file_search_call.results"]}, "include"),
@@ -203,3 +203,49 @@ def test_an_answer_without_text_still_has_its_message():
     body = builder.response()
     assert body["status"] == "incomplete" and body["output"][0]["content"][0]["text"] == ""
     assert body["usage"]["output_tokens"] == 2 and ResponsesRequest(input="x").logprobs is False
+
+
+def test_stored_responses_continue_a_conversation(reasoner_oai, reasoner_url):
+    """store (the default) keeps a response: previous_response_id continues its conversation (instructions not
+    carried over, as OpenAI's), which answers as the chat of the whole conversation; GET finds it, DELETE
+    removes it; store=false keeps nothing; an unknown id is a 404 naming the field."""
+    first = reasoner_oai.responses.create(model=MODEL, input="Name a fox.", instructions="Be brief.",
+                                          temperature=0, max_output_tokens=8)  # fmt: skip
+    assert first.store is True
+    second = reasoner_oai.responses.create(model=MODEL, input="And a bird?", previous_response_id=first.id,
+                                           temperature=0, max_output_tokens=8)  # fmt: skip
+    chat = reasoner_oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "Name a fox."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And a bird?"}])  # fmt: skip
+    assert second.previous_response_id == first.id and second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert reasoner_oai.responses.retrieve(first.id).output_text == first.output_text
+    reasoner_oai.responses.delete(first.id)
+    for call in (lambda: reasoner_oai.responses.retrieve(first.id),
+                 lambda: reasoner_oai.responses.create(model=MODEL, input="x", previous_response_id=first.id)):  # fmt: skip
+        with pytest.raises(NotFoundError):
+            call()
+    unstored = reasoner_oai.responses.create(model=MODEL, input="x", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(NotFoundError):
+        reasoner_oai.responses.retrieve(unstored.id)
+    r = httpx.post(reasoner_url + "/v1/responses", json={"input": "x", "previous_response_id": "resp_gone"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_the_store_keeps_the_most_recent_within_its_budget():
+    from worldserve.api.responses_store import ResponseStore
+
+    def response(i: int) -> dict:
+        return {
+            "id": f"resp_{i}",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "x" * 100}]}],
+        }
+
+    store = ResponseStore(max_bytes=1000)
+    for i in range(8):
+        store.put(response(i), [{"role": "user", "content": "hi"}])
+        store.get("resp_0")  # used: kept
+    assert store.get("resp_0") is not None and store.get("resp_7") is not None and store.get("resp_1") is None
+    history, body = store.get("resp_7")
+    assert history == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 100}]

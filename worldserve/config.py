@@ -276,6 +276,8 @@ class ServerConfig:
     """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
     """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
+    responses_store_mb: float = 256.0
+    """Memory for stored Responses API responses (`store`, for previous_response_id and GET /v1/responses/{id}), in MiB; the least recently used go first past it; 0: none stored."""
     enable_server_load_tracking: bool = False
     """Count the requests using the model in flight (chat and text completions, video and image generation) and report them at GET /load as {"server_load": N} (vLLM's flag; off: always 0)."""
     enable_request_id_headers: bool = True
@@ -288,6 +290,8 @@ class ServerConfig:
             raise ValueError("--sync-timeout must be a positive number of seconds")
         if not self.max_upload_mb > 0:
             raise ValueError("--max-upload-mb must be > 0")
+        if not (math.isfinite(self.responses_store_mb) and self.responses_store_mb >= 0):
+            raise ValueError("--responses-store-mb must be >= 0")
         if self.job_ttl is not None and not self.job_ttl > 0:
             raise ValueError("--job-ttl must be > 0 seconds")
         if self.flow_shift is not None and not (

@@ -29,6 +29,7 @@ from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.responses import router as responses_router
+from worldserve.api.responses_store import ResponseStore
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
 from worldserve.api.state import AppState
 from worldserve.api.tokenize import router as tokenize_router
@@ -56,12 +57,13 @@ def build_app(
     server_load_tracking: bool = False,
     mm_limits: Mapping[str, int] | None = None,
     reasoning_parser: str | None = None,
+    responses_store_bytes: int = 256 * 2**20,
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
     `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
-    `reasoning_parser` = `--reasoning-parser`)."""
+    `reasoning_parser` = `--reasoning-parser`, `responses_store_bytes` = `--responses-store-mb`)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
@@ -93,6 +95,7 @@ def build_app(
             (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
         mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser,
+        responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)

@@ -8,7 +8,9 @@ Responses output items (`ResponseBuilder`): with `--reasoning-parser` a `reasoni
 `response` object; `stream: true`: the semantic events (response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta, ..., response.completed,
 or response.incomplete when `max_output_tokens` cut it, response.failed when the chat failed), each with its
-`sequence_number`. Errors name the Responses field the client sent. Nothing is stored (`store` is answered false).
+`sequence_number`. Errors name the Responses field the client sent. A response is stored (`store`, OpenAI's
+default; in memory, api/responses_store.py) for `previous_response_id` to continue and GET / DELETE
+/v1/responses/{id} to find.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -44,7 +46,16 @@ async def create_response(request: Request, st: State):
     req = ResponsesRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
     if req.model is not None and req.model != st.served_model_name:
         return model_not_found(req.model)
-    chat, paths = to_chat(req)
+    history: list = []
+    if req.previous_response_id is not None:
+        found = st.responses.get(req.previous_response_id) if st.responses is not None else None
+        if found is None:
+            raise APIError(404, f"Response with id '{req.previous_response_id}' not found (stored responses live "
+                           "in the server's memory: a restart, --responses-store-mb or store=false leave none)",
+                           param="previous_response_id")  # fmt: skip
+        history = found[0]
+    chat, paths, conversation = to_chat(req, history)
+    store = st.responses if req.store is not False else None
     try:
         choices, options = await chat_choices(st, chat)
     except (APIError, ParamError) as exc:
@@ -62,10 +73,11 @@ async def create_response(request: Request, st: State):
             )
         except APIError as exc:
             raise paths.rename(exc) from None
-        builder = ResponseBuilder(_skeleton(req, st.served_model_name), parsing, req.logprobs,
+        builder = ResponseBuilder(_skeleton(req, st.served_model_name, store is not None), parsing, req.logprobs,
                                   firsts[0].prompt_tokens)  # fmt: skip
+        keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)
         if req.stream:
-            return StreamingResponse(_events(streams[0], builder), media_type="text/event-stream")
+            return StreamingResponse(_events(streams[0], builder, keep), media_type="text/event-stream")
         try:
             async for event in streams[0]:
                 if isinstance(event, ChatFailed):
@@ -73,13 +85,31 @@ async def create_response(request: Request, st: State):
                 builder.feed(event)
         finally:
             await close_all(streams)
-        return JSONResponse(builder.response())
+        body = builder.response()
+        keep(body)
+        return JSONResponse(body)
 
     return await unless_disconnected(request, answer(), lambda: close_all(opened))
 
 
-async def _events(events: AsyncIterator, builder: ResponseBuilder) -> AsyncIterator[str]:
-    """The streamed answer's SSE text; closes the chat's events."""
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, st: State):
+    """A stored response (`store`, kept in memory: api/responses_store.py)."""
+    found = st.responses.get(response_id) if st.responses is not None else None
+    if found is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return JSONResponse(found[1])
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, st: State):
+    if st.responses is None or not st.responses.delete(response_id):
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def _events(events: AsyncIterator, builder: ResponseBuilder, keep: Callable) -> AsyncIterator[str]:
+    """The streamed answer's SSE text (the finished response handed to `keep`); closes the chat's events."""
     try:
         for text in builder.head():
             yield text
@@ -90,11 +120,12 @@ async def _events(events: AsyncIterator, builder: ResponseBuilder) -> AsyncItera
             for text in builder.feed(event):
                 yield text
         yield builder.done()
+        keep(builder.body)
     finally:
         await events.aclose()
 
 
-def _skeleton(req: ResponsesRequest, model: str) -> dict[str, Any]:
+def _skeleton(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]:
     """The response object's fields fixed at the start (the request's settings echoed, as OpenAI does)."""
     tools = [{"type": "function", "name": t["name"], "description": t.get("description"),
               "parameters": t.get("parameters"), "strict": t.get("strict")} for t in req.tools or ()]  # fmt: skip
@@ -106,8 +137,8 @@ def _skeleton(req: ResponsesRequest, model: str) -> dict[str, Any]:
         "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
         "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
-        "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
-        "reasoning": req.reasoning, "store": False, "background": False,
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
+        "reasoning": req.reasoning, "store": stored, "background": False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": text_format},
         "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none"),

@@ -9,9 +9,10 @@ consecutive ones one assistant turn), `function_call_output` items (a tool turn)
 as Qwen's template drops earlier thoughts). `instructions` is a system message first. Function `tools` (flat:
 name, description, parameters) and `tool_choice` ("auto", "none", "required", {"type": "function", "name"})
 become the chat's; `text.format` (json_schema / json_object / text) its response_format; `max_output_tokens`
-its max_tokens; `include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs. This server stores
-no responses: `previous_response_id` and `background` are 400s, `store` is answered false. `ChatPaths` turns
-an error naming a chat field back into the Responses field the client sent.
+its max_tokens; `include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs;
+`previous_response_id`'s stored conversation (api/responses_store.py) comes before the input, after the
+instructions. `background` is a 400. `ChatPaths` turns an error naming a chat field back into the Responses
+field the client sent.
 """
 
 from __future__ import annotations
@@ -128,12 +129,13 @@ class ChatPaths:
         return exc
 
 
-def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, ChatPaths]:
-    """The chat completion request that answers `req`, and where its messages came from; APIError naming
+def to_chat(
+    req: ResponsesRequest, history: list[dict[str, Any]] = ()
+) -> tuple[ChatCompletionRequest, ChatPaths, list[dict[str, Any]]]:
+    """The chat completion request that answers `req` after `history` (the stored conversation of its
+    previous_response_id, as chat messages), where its messages came from, and the conversation it
+    continues (history + input, without the instructions: what a stored response keeps); APIError naming
     the Responses field for what this server does not take."""
-    if req.previous_response_id is not None:
-        raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the "
-                       "conversation in input", param="previous_response_id")  # fmt: skip
     if req.background:
         raise APIError(
             400, "background responses are not supported (they need stored responses)", param="background"
@@ -147,6 +149,8 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, ChatPaths]:
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
         paths.messages.append("instructions")
+    messages += history
+    paths.messages += ["previous_response_id"] * len(history)
     items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     calls: list | None = None  # the tool_calls of the assistant turn consecutive function_call items make
     for i, item in enumerate(items):
@@ -185,7 +189,8 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, ChatPaths]:
                 tool_choice=_tool_choice(req.tool_choice), response_format=_format(req.text))  # fmt: skip
     if req.truncation == "auto" and req.truncate_prompt_tokens is None:
         chat["truncate_prompt_tokens"] = -1
-    return ChatCompletionRequest.model_validate(chat), paths
+    conversation = messages[1:] if req.instructions is not None else list(messages)
+    return ChatCompletionRequest.model_validate(chat), paths, conversation
 
 
 def _content(content: str | list[InputPart] | None, where: str) -> str | list[dict[str, Any]]:

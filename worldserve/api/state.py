@@ -10,6 +10,7 @@ from starlette.requests import Request
 from worldserve.api.errors import APIError
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
+from worldserve.api.responses_store import ResponseStore
 from worldserve.engine.client import EngineClient, QueueFullError
 
 
@@ -33,6 +34,8 @@ class AppState:
     """`--limit-mm-per-prompt`: the most images / videos one chat request may carry (absent: no limit)."""
     reasoning_parser: str | None = None
     """`--reasoning-parser`: "qwen3" splits <think> answers into reasoning_content (api/reasoning.py)."""
+    responses: ResponseStore | None = None
+    """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

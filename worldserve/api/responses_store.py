@@ -1,0 +1,64 @@
+"""Stored responses of the Responses API (`store`, OpenAI's default): kept in this process's memory, most
+recently used first, within a byte budget, so that `previous_response_id` can continue a conversation and
+`GET` / `DELETE /v1/responses/{id}` find a response. vLLM keeps them in memory too (behind a flag, unbounded);
+here the oldest are dropped past `--responses-store-mb` (default 256 MiB). A restart forgets them.
+
+Each entry holds the conversation as the chat messages the response answered (its instructions left out, as
+OpenAI does not carry them over) plus its output as assistant turns, and the response object itself.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        """Keep `response` and the conversation it ends (`messages`: its input as chat messages, without its
+        instructions), its output appended; the least recently used entries go past the budget."""
+        history = [*messages, *output_messages(response["output"])]
+        size = len(json.dumps(history)) + len(json.dumps(response))
+        with self._lock:
+            if (old := self._entries.pop(response["id"], None)) is not None:
+                self._bytes -= old[2]
+            self._entries[response["id"]] = (history, response, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes and self._entries:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
+
+    def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """(the conversation as chat messages, the response object), or None."""
+        with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is None:
+                return None
+            self._entries.move_to_end(response_id)
+            return entry[0], entry[1]
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            entry = self._entries.pop(response_id, None)
+            if entry is not None:
+                self._bytes -= entry[2]
+            return entry is not None
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat's assistant turns: its message text, its function calls as
+    tool_calls (reasoning items dropped, as the chat template drops earlier thoughts)."""
+    text = "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"])
+    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
+             for o in output if o["type"] == "function_call"]  # fmt: skip
+    if not text and not calls:
+        return []
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
