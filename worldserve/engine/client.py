@@ -162,10 +162,8 @@ class EngineClient:
             await asyncio.to_thread(self.chat_worker.stop, timeout_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for upsampling in list(
-            self._upsampling.values()
-        ):  # their jobs stay queued, upsampled at the next start
-            upsampling.cancel()
+        for upsampling in list(self._upsampling.values()):
+            upsampling.cancel()  # its job stays queued, upsampled at the next start
         self._wake_all(ShuttingDownError("the server is shutting down"))
         self.store.close()
         self._started = False
@@ -315,19 +313,15 @@ class EngineClient:
         try:
             prompt = await upsample(self.chat_many, params, self.upsampler)
             params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-            await asyncio.to_thread(
-                checked, self.engine.backend.validate, params
-            )  # e.g. its length in tokens
+            await asyncio.to_thread(checked, self.engine.backend.validate, params)  # e.g. its tokens
         except (UpsamplingFailed, ShuttingDownError, ValueError) as exc:
             if not self.accepting:
                 return  # the shutdown stopped it
-            code = (
-                exc.status
-                if isinstance(exc, UpsamplingFailed)
-                else 503
-                if isinstance(exc, ShuttingDownError)
-                else 500
-            )
+            code = 500
+            if isinstance(exc, UpsamplingFailed):
+                code = exc.status
+            elif isinstance(exc, ShuttingDownError):
+                code = 503  # the chat worker is gone while the server runs
             if self.store.fail(job_id, code, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
                                ttl_s=self.job_ttl_s):  # fmt: skip
                 self.engine.observer.on_failed(code)

@@ -5,12 +5,13 @@ Cosmos3 is trained on dense JSON captions, so a short prompt gives a poor video 
 NVIDIA's framework has the Reasoner upsample it (cosmos3-model.md §5.2: temperature 0.7, top_p 0.8, top_k 20),
 its serving recipe an external LLM. Here it is one more chat on the same weights, in the same process:
 `upsampling_chat` asks for the JSON (the frame the video starts from attached through the ViT: the I2V image
-cropped as the pipeline crops it, or a V2V conditioning clip's first frame), constrained by `UpsamplerConfig.schema()` (structured outputs: the
-answer always parses; every string and list is bounded, so the document closes within ~10k characters even on
-a model that writes noise; a real answer is ~1k tokens) and seeded from the request (the same request gives
-the same prompt); its budget is the context's room, at least `min_room` tokens (EngineClient checks it when the
-request comes in). `upsampled_prompt` turns the answer into the prompt text: the object serialised compactly,
-as the reference sends its JSON prompts.
+cropped as the pipeline crops it, or a V2V conditioning clip's first frame), constrained by
+`UpsamplerConfig.schema()` (structured outputs: the answer always parses; every string and list is bounded, so
+the document closes within ~10k characters even on a model that writes noise; a real answer is ~1k tokens)
+and seeded from the request (the same request gives the same prompt); its budget is the context's room, at
+least `min_room` tokens (EngineClient checks it when the request comes in). `upsampled_prompt` turns the
+answer into the prompt text: the object serialised compactly, as the reference sends its JSON prompts;
+`checked` holds it to the request's own limits.
 """
 
 from __future__ import annotations
@@ -77,12 +78,12 @@ class UpsamplerConfig:
 
 
 INSTRUCTION = (
-    "You write prompts for a model that generates {what}s. Expand the request below into a detailed description of "
-    "the {what}, as one JSON object. Describe only what a camera would see and a microphone would hear: "
-    "the subjects (what each looks like, where it is in the frame, what it does), the background, the "
-    "lighting, the composition and colours, the camera (motion, framing, angle, depth of field), the visual "
-    "style, {timing}. Keep every detail the request gives and invent only what fits it. Do not mention the "
-    "request, the model or the prompt.{image_note}\n\nRequest: {prompt}"
+    "You write prompts for a model that generates {what}s. Expand the request below into a detailed "
+    "description of the {what}, as one JSON object. Describe only what a camera would see and a microphone "
+    "would hear: the subjects (what each looks like, where it is in the frame, what it does), the background, "
+    "the lighting, the composition and colours, the camera (motion, framing, angle, depth of field), the "
+    "visual style, {timing}. Keep every detail the request gives and invent only what fits it. Do not mention "
+    "the request, the model or the prompt.{image_note}\n\nRequest: {prompt}"
 )
 VIDEO_TIMING = (
     "the actions in time order with their time ranges within {seconds} seconds, one paragraph that tells the "
