@@ -152,6 +152,12 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
         ({"input": "hi", "instructions": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "s"}]}, "tools[0].parameters"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
+         "text.format.schema"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+        ({"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_responses_field(reasoner_url, body, param):
@@ -249,3 +255,31 @@ def test_the_store_keeps_the_most_recent_within_its_budget():
     assert store.get("resp_0") is not None and store.get("resp_7") is not None and store.get("resp_1") is None
     history, body = store.get("resp_7")
     assert history == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 100}]
+
+
+def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, reasoner_url):
+    """Found by fuzzing: tokens whose text comes out with a later token (a partial character) kept no logprob;
+    a message's added event carried its part, which the SDK's stream accumulator then added twice; the
+    server's own reasoning items, sent back as input, were refused; truncation "auto" left no room."""
+    for seed in range(3):
+        r = reasoner_oai.responses.create(model=MODEL, input="hi", max_output_tokens=30, extra_body={"seed": seed},
+                                          include=["message.output_text.logprobs"])  # fmt: skip
+        assert (
+            r.status == "incomplete" and len(r.output[0].content[0].logprobs) == r.usage.output_tokens == 30
+        )
+    fmt = {"type": "json_schema", "name": "x", "schema": {"type": "string", "enum": ["fox"]}}
+    with reasoner_oai.responses.stream(model=MODEL, input="hi", text={"format": fmt}) as stream:
+        final = stream.get_final_response()
+    assert [len(o.content) for o in final.output] == [1] and final.output_text == '"fox"'
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "t"}],
+    }
+    again = reasoner_oai.responses.create(model=MODEL, input=[thought, {"role": "user", "content": "hi"}],
+                                          max_output_tokens=2)  # fmt: skip
+    assert again.status in ("completed", "incomplete")
+    long = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
+        "input": "hello " * 6000, "truncation": "auto", "max_output_tokens": 4})  # fmt: skip
+    assert long.status_code == 200 and long.json()["usage"]["input_tokens"] <= 4096 - 4, long.text

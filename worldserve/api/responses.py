@@ -55,6 +55,11 @@ async def create_response(request: Request, st: State):
                            param="previous_response_id")  # fmt: skip
         history = found[0]
     chat, paths, conversation = to_chat(req, history)
+    context = getattr(st.client.chat_worker.backend, "max_model_len", None) if st.client.chat_worker else None
+    if req.truncation == "auto" and chat.truncate_prompt_tokens is None and context is not None:
+        # drop the conversation's start to fit: the input keeps what the answer's budget leaves (vLLM's way)
+        budget = req.max_output_tokens or min(4096, context // 8)
+        chat.truncate_prompt_tokens = max(1, context - budget)
     store = st.responses if req.store is not False else None
     try:
         choices, options = await chat_choices(st, chat)
@@ -138,7 +143,8 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]
         "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
-        "reasoning": req.reasoning, "store": stored, "background": False,
+        "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None, "store": stored,
+        "background": False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": text_format},
         "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none"),
@@ -159,6 +165,7 @@ class ResponseBuilder:
         self.seq = 0
         self.item: dict[str, Any] | None = None  # the open output item
         self.completion_tokens, self.finish_reason, self.reasoning_tokens = 0, None, 0
+        self.pending: list = []  # logprob entries of tokens whose text is not out yet (a partial character)
 
     # ---------------------------------------------------------------- events
     def _event(self, kind: str, **fields: Any) -> str:
@@ -177,7 +184,7 @@ class ResponseBuilder:
         finished = delta.finish_reason is not None
         new_tokens = delta.completion_tokens - self.completion_tokens
         self.completion_tokens, self.finish_reason = delta.completion_tokens, delta.finish_reason
-        entries = list(delta.logprobs)
+        self.pending += delta.logprobs
         out: list[str] = []
         pieces = self.thoughts.feed(delta.text, finished) if self.thoughts else [{"content": delta.text}]
         if pieces and all(
@@ -192,26 +199,28 @@ class ResponseBuilder:
                 continue
             content_fed = True
             for d in self.calls.feed(piece["content"], finished) if self.calls else [piece]:
-                if "content" in d:
-                    out += self._text(d["content"], entries)
-                    entries = []
-                else:
-                    out += self._call(d["tool_calls"][0])
+                out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
         if finished and self.calls is not None and not content_fed:  # flush what the tool parser holds back
             for d in self.calls.feed("", True):
-                out += self._text(d["content"], []) if "content" in d else self._call(d["tool_calls"][0])
+                out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
         if finished and not self.body["output"]:  # an answer with no text still has its (empty) message
-            out += self._text("", [], empty=True)
+            out += self._text("", empty=True)
         if finished:
+            if (
+                self.item is not None and self.item["type"] == "message" and self.logprobs
+            ):  # tokens with no text
+                self.item["content"][0]["logprobs"] += [e.model_dump() for e in logprob_items(self.pending)]
             out += self._close()
         return out
 
-    def _open(self, item: dict[str, Any]) -> list[str]:
+    def _open(self, item: dict[str, Any], announced: dict[str, Any] | None = None) -> list[str]:
+        """Open `item` (closing the open one); `announced`: fields shown otherwise in its added event (a
+        message's parts come in their own content_part.added events)."""
         out = self._close()
         self.item = item
         self.body["output"].append(item)
         return out + [self._event("response.output_item.added", output_index=len(self.body["output"]) - 1,
-                                  item=item)]  # fmt: skip
+                                  item={**item, **(announced or {})})]  # fmt: skip
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.item["id"], "output_index": len(self.body["output"]) - 1}
@@ -221,21 +230,25 @@ class ResponseBuilder:
             {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
              "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})  # fmt: skip
         self.item["content"][0]["text"] += text
+        self.pending = []  # thought tokens: no output_text logprobs
         return out + [
             self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
         ]
 
-    def _text(self, text: str, entries: list, empty: bool = False) -> list[str]:
+    def _text(self, text: str, empty: bool = False) -> list[str]:
+        """Output text: the message item (opened on the first), with the logprobs of the tokens that wrote it."""
         if not text and not empty:
             return []
         out: list[str] = []
         if self.item is None or self.item["type"] != "message":
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out += self._open({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
-                               "status": "in_progress", "content": [part]})  # fmt: skip
+                               "status": "in_progress", "content": [part]}, announced={"content": []})  # fmt: skip
             out.append(self._event("response.content_part.added", **self._where(), content_index=0,
                                    part=dict(part)))  # fmt: skip
-        lp = [e.model_dump() for e in logprob_items(entries)] if self.logprobs else []
+        lp = [e.model_dump() for e in logprob_items(self.pending)] if self.logprobs and text else []
+        if text:
+            self.pending = []
         part = self.item["content"][0]
         part["text"] += text
         part["logprobs"] += lp
@@ -246,6 +259,7 @@ class ResponseBuilder:
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         """A tool-call delta from ToolStream: a new call (id, name, arguments so far) or more arguments."""
+        self.pending = []  # call tokens: no output_text logprobs
         out: list[str] = []
         if "id" in call:
             out += self._open({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
@@ -299,6 +313,6 @@ class ResponseBuilder:
                            response=body)  # fmt: skip
 
     def failed(self, status: int, message: str) -> str:
-        self.body.update(status="failed", error={"code": "server_error" if status >= 500 else "invalid_request",
+        self.body.update(status="failed", error={"code": "server_error" if status >= 500 else "invalid_prompt",
                                                  "message": message})  # fmt: skip
         return self._event("response.failed", response=self.body)

@@ -21,10 +21,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worldserve.api.chat_protocol import ChatCompletionRequest, SamplingRequest
-from worldserve.api.errors import APIError
+from worldserve.api.errors import APIError, validation_error
 
 LOGPROBS = "message.output_text.logprobs"
 INCLUDES = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url")
@@ -33,9 +33,8 @@ INCLUDES = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_
 
 class InputPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal[
-        "input_text", "output_text", "refusal", "input_image", "input_video", "input_file", "input_audio"
-    ]
+    type: Literal["input_text", "output_text", "refusal", "input_image", "input_video", "input_file", "input_audio",
+                  "reasoning_text", "summary_text"]  # fmt: skip
     text: str | None = None
     refusal: str | None = None
     image_url: str | None = None
@@ -70,6 +69,15 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(BaseModel):
+    """`reasoning`: accepted and echoed (the Reasoner thinks when asked to in the prompt, whatever the effort)."""
+
+    model_config = ConfigDict(extra="ignore")
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(SamplingRequest):
     """The Responses API fields (and vLLM's sampling extensions, shared with chat completions)."""
 
@@ -85,7 +93,7 @@ class ResponsesRequest(SamplingRequest):
     store: bool | None = None
     background: bool | None = None
     previous_response_id: str | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -113,6 +121,7 @@ class ChatPaths:
             return self.messages[int(m.group(1))] + param[m.end() :]
         renamed = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text.format", "logprobs": "include", "top_logprobs": "top_logprobs"}  # fmt: skip
+        param = param.replace("response_format.json_schema", "response_format")
         head, _, rest = param.partition(".")
         return renamed.get(head, head) + ("." + rest if rest else "")
 
@@ -123,7 +132,7 @@ class ChatPaths:
         if old and new != old:
             exc.param = new
             if isinstance(getattr(exc, "message", None), str):
-                exc.message = exc.message.replace(old, new)
+                exc.message = exc.message.replace(old, new).replace("in the messages", "in the input")
                 if isinstance(exc, APIError):
                     exc.args = (exc.message,)
         return exc
@@ -151,6 +160,8 @@ def to_chat(
         paths.messages.append("instructions")
     messages += history
     paths.messages += ["previous_response_id"] * len(history)
+    if not req.input:
+        raise APIError(400, "input must not be empty", param="input")
     items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     calls: list | None = None  # the tool_calls of the assistant turn consecutive function_call items make
     for i, item in enumerate(items):
@@ -187,10 +198,11 @@ def to_chat(
     chat.update(messages=messages, max_tokens=req.max_output_tokens, logprobs=req.logprobs,
                 top_logprobs=req.top_logprobs if req.logprobs else None, tools=_tools(req.tools),
                 tool_choice=_tool_choice(req.tool_choice), response_format=_format(req.text))  # fmt: skip
-    if req.truncation == "auto" and req.truncate_prompt_tokens is None:
-        chat["truncate_prompt_tokens"] = -1
     conversation = messages[1:] if req.instructions is not None else list(messages)
-    return ChatCompletionRequest.model_validate(chat), paths, conversation
+    try:
+        return ChatCompletionRequest.model_validate(chat), paths, conversation
+    except ValidationError as exc:
+        raise paths.rename(validation_error(exc.errors(), loc_prefix=())) from None
 
 
 def _content(content: str | list[InputPart] | None, where: str) -> str | list[dict[str, Any]]:
@@ -227,6 +239,10 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
             raise APIError(400, "only function tools ({\"type\": \"function\", \"name\": ...}) are supported",
                            param=f"tools[{i}]")  # fmt: skip
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise APIError(
+                400, "a tool's parameters are a JSON schema object", param=f"tools[{i}].parameters"
+            )
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
@@ -246,7 +262,10 @@ def _format(text: TextConfig | None) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    if fmt.schema_ is None:
-        raise APIError(400, "a json_schema format needs its schema", param="text.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
-                                                   "strict": fmt.strict}}  # fmt: skip
+    for name, value in (("name", fmt.name), ("schema", fmt.schema_)):
+        if value is None:
+            raise APIError(400, f"a json_schema format needs its {name}", param=f"text.format.{name}")
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict},
+    }
