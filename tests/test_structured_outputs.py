@@ -385,3 +385,21 @@ def test_at_most_a_few_compile_threads_at_once():
     for t in threads:
         t.join()
     assert peak[0] == grammar.COMPILE_THREADS
+
+
+def test_grammars_tokenize_forced_text_without_the_shared_tokenizer(compiler, monkeypatch):
+    """Found in review: llguidance tokenized a grammar's forced text through the Reasoner's own tokenizer with
+    split_special_tokens, a mode transformers sets on the shared tokenizer, changing how prompts tokenized on
+    other threads meanwhile; it has a copy of its own now."""
+    fresh = GrammarCompiler(compiler.hf_tokenizer, compiler.vocab_size, compiler.end_ids)
+    _ = fresh.tokenizer
+
+    def shared(*args, **kwargs):
+        raise AssertionError("the shared tokenizer was used by a grammar")
+
+    monkeypatch.setattr(compiler.hf_tokenizer, "encode", shared)
+    for so in (
+        StructuredOutput(kind="regex", spec="x<\\|im_end\\|>y"),
+        StructuredOutput(kind="choice", spec='["<think>ok"]'),
+    ):
+        assert fresh.compile(so) is not None

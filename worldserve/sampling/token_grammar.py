@@ -19,6 +19,7 @@ from typing import Any
 
 import llguidance
 import numpy as np
+import tokenizers
 import torch
 from llguidance import TokenizerWrapper
 from torch import Tensor
@@ -97,6 +98,12 @@ def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) ->
             hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=end_ids
         )
 
+    # a special token's text (a grammar writing "<|im_end|>") tokenized as plain text, bytes the grammar can
+    # take; on a copy of the tokenizer: transformers' split_special_tokens sets that mode on the shared one,
+    # which would change how prompts tokenize on other threads meanwhile
+    plain = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+    plain.encode_special_tokens = True
+
     class _Vocabulary:  # what llguidance's TokenizerWrapper reads
         eos_token_id, bos_token_id = end_ids[0], None
 
@@ -104,8 +111,7 @@ def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) ->
             self.tokens, self.special_token_ids = tokens, special
 
         def __call__(self, text: str) -> list[int]:
-            # a special token's text (a grammar writing "<|im_end|>") as plain text: bytes the grammar can take
-            return hf_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+            return plain.encode(text, add_special_tokens=False).ids
 
     return llguidance.LLTokenizer(
         TokenizerWrapper(_Vocabulary()), n_vocab=vocab_size, eos_token=list(end_ids)
