@@ -38,12 +38,14 @@ def upsampled_videos(url: str, size: str = "256x256", frames: int = 9, steps: in
     for name, files in (("t2v", None), ("i2v", {"input_reference": ("ref.jpg", _jpeg(), "image/jpeg")})):
         t0 = time.perf_counter()
         job = httpx.post(url + "/v1/videos", data=fields, files=files, timeout=120).json()
-        started = None
+        started, deadline = None, t0 + 600
         while (p := httpx.get(f"{url}/v1/videos/{job['id']}", timeout=60).json())["status"] in (
             "queued", "in_progress"
         ):  # fmt: skip
             if started is None and p["status"] == "in_progress":
                 started = time.perf_counter() - t0
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"job {job['id']} still {p['status']} after 600 s")
             time.sleep(0.05)
         prompt = p.get("upsampled_prompt") or ""
         try:

@@ -117,10 +117,15 @@ def test_legacy_logprobs_stream_and_not(reasoner_oai, reasoner):
     seq.release()
     first = torch.log_softmax(reasoner.transformer.compute_logits(hidden[-1:])[0].float(), -1)
     assert lp.token_logprobs[0] == pytest.approx(float(first[session.token_ids[0]]), abs=1e-4)
+    session = reasoner.start(ChatParams(prompt_ids=tuple(ids), max_tokens=5, temperature=0, logprobs=True,
+                                        top_logprobs=3))  # fmt: skip
+    expected_keys = []  # each position's distinct texts among the top 3 and the sampled token
+    while session.finish_reason is None:
+        expected_keys += [{e.token, *(t for t, _ in e.top)} for e in session.step().logprobs]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         # the top 3 and the sampled token, keyed by text: tokens decoding alike ("\ufffd" for partial
         # characters) share a key, as in vLLM's legacy format
-        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 4
+        assert top[token] == pytest.approx(logprob) and len(top) == len(expected_keys.pop(0))
         assert max(top.values()) == pytest.approx(logprob)  # greedy took the most likely token
     streamed = list(reasoner_oai.completions.create(model=MODEL, prompt=list(ids), max_tokens=5, temperature=0, logprobs=3,
                                            stream=True))  # fmt: skip

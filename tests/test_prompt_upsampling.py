@@ -18,7 +18,7 @@ from reasoner_helpers import tiny_reasoner
 from serving_helpers import asgi_server, png_bytes, poll_job
 
 from worldserve.chat_params import StructuredOutput
-from worldserve.engine.prompt_upsampling import UpsamplerConfig, upsampled_prompt, upsampling_chat
+from worldserve.engine.prompt_upsampling import UpsamplerConfig, prompt_from_answer, upsampling_chat
 from worldserve.media.image import resize_center_crop
 from worldserve.media.video_input import resize_video
 from worldserve.params import VideoParams
@@ -54,12 +54,12 @@ def test_the_chat_asks_for_the_schema_with_nvidias_sampling_and_the_image():
 
 
 def test_the_answer_becomes_a_compact_json_prompt():
-    assert upsampled_prompt('{ "subjects" : [ {"description": "fox"} ],\n "caf\u00e9": 1 }') == (
+    assert prompt_from_answer('{ "subjects" : [ {"description": "fox"} ],\n "caf\u00e9": 1 }') == (
         '{"subjects": [{"description": "fox"}], "caf\\u00e9": 1}'
     )
     for cut in ('{"subjects": [', "[1, 2]", ""):
         with pytest.raises(ValueError, match="prompt upsampler"):
-            upsampled_prompt(cut)
+            prompt_from_answer(cut)
 
 
 def test_a_random_walk_through_the_schema_closes_within_its_bounds(reasoner):
@@ -77,7 +77,7 @@ def test_a_random_walk_through_the_schema_closes_within_its_bounds(reasoner):
             grammar.accept(token)
             ids.append(token)
             assert len(ids) < 2000
-        doc = json.loads(upsampled_prompt(compiler.hf_tokenizer.decode(ids)))
+        doc = json.loads(prompt_from_answer(compiler.hf_tokenizer.decode(ids)))
         assert set(doc) == KEYS and all(len(s["description"]) <= 12 for s in doc["subjects"])
 
 
@@ -130,10 +130,10 @@ async def test_a_delete_while_upsampling_stops_the_chat(tmp_path, pipeline, chat
         await asyncio.sleep(0.3)
         assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 200
         for _ in range(200):  # the chat leaves the worker at its next step
-            if not client._upsampling and chat_backend._live == 0:
+            if chat_backend._live == 0:
                 break
             await asyncio.sleep(0.02)
-        assert not client._upsampling and chat_backend._live == 0
+        assert chat_backend._live == 0  # the chat left the Reasoner
         assert (await http.get(f"/v1/videos/{job_id}")).status_code == 404
 
 
@@ -147,25 +147,36 @@ async def test_without_a_reasoner_upsampling_is_a_400(tmp_path, anyio_backend):
         assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.upsample_prompt"
 
 
+def _store_unupsampled_job(store) -> str:
+    """A job stored as submit stores it, its upsampling never started (a server stopped right after); its id."""
+    from worldserve.engine.job_files import inputs_record
+    from worldserve.engine.jobs import Job, JobSpec, JobStatus, new_job_id
+    from worldserve.engine.request import EncodeOptions
+
+    params = VideoParams(prompt="a fox", width=32, height=32, num_frames=5, num_inference_steps=2, fps=8,
+                         seed=7, upsample_prompt=True)  # fmt: skip
+    spec = JobSpec(model="m", prompt="a fox", size="32x32", seconds="0.6", quality="standard", fps=8,
+                   num_frames=5)  # fmt: skip
+    stored = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=0.0, spec=spec)
+    store.create(stored, inputs_record(params, EncodeOptions()), None)
+    return stored.id
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_restart_upsamples_an_interrupted_job(tmp_path, pipeline, chat_backend, anyio_backend):
-    """A job accepted but not yet upsampled when the server stopped is upsampled and run at the next start."""
+    """A job accepted but not yet upsampled when the server stopped is upsampled and run at the next start;
+    one restarted on a server without a Reasoner fails with the reason (it stayed queued forever before)."""
     async with asgi_server(tmp_path, backend=pipeline, real_encoder=True) as http:
-        store = http.engine_client.store  # a job stored as submit stores it, its upsampling never started
-        from worldserve.engine.job_files import inputs_record
-        from worldserve.engine.jobs import Job, JobSpec, JobStatus, new_job_id
-        from worldserve.engine.request import EncodeOptions
-
-        params = VideoParams(prompt="a fox", width=32, height=32, num_frames=5, num_inference_steps=2, fps=8,
-                             seed=7, upsample_prompt=True)  # fmt: skip
-        spec = JobSpec(model="m", prompt="a fox", size="32x32", seconds="0.6", quality="standard", fps=8,
-                       num_frames=5)  # fmt: skip
-        stored = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=0.0, spec=spec)
-        store.create(stored, inputs_record(params, EncodeOptions()), None)
+        job_id = _store_unupsampled_job(http.engine_client.store)
+    async with asgi_server(tmp_path / "other", backend=pipeline, real_encoder=True) as http:
+        orphan = _store_unupsampled_job(http.engine_client.store)
+    async with asgi_server(tmp_path / "other", backend=pipeline, real_encoder=True) as http:  # no Reasoner
+        failed = await poll_job(http, orphan, timeout=30)
+        assert failed["status"] == "failed" and "Prompt upsampling failed" in failed["error"]["message"]
     async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
                            upsampler=SMALL) as http:  # fmt: skip
-        done = await poll_job(http, stored.id, timeout=120)
+        done = await poll_job(http, job_id, timeout=120)
         assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
 
 
@@ -286,3 +297,20 @@ async def test_a_stopped_chat_worker_fails_the_job_and_a_delete_answers_the_sync
             r'worldserve:request_failure_total\{[^}]*status="503"[^}]*\} 1\.0',
             (await http.get("/metrics")).text,
         )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_image_whose_prompt_outlasts_the_sync_timeout_is_a_504(
+    tmp_path, chat_backend, anyio_backend
+):
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4, min_room=1024)
+    async with asgi_server(tmp_path, chat_backend=chat_backend, upsampler=slow, sync_timeout_s=0.5) as http:
+        r = await http.post("/v1/images/generations", json={"prompt": "a fox", "size": "32x32",
+                                                            "extra_params": {"upsample_prompt": True}})  # fmt: skip
+        assert r.status_code == 504 and "while its prompt was being written" in r.json()["error"]["message"]
+        for _ in range(200):
+            if chat_backend._live == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert chat_backend._live == 0  # the chat was stopped

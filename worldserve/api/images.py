@@ -118,11 +118,15 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
 async def _upsampled(request: Request, st: AppState, params: VideoParams, headers: dict) -> str:
     """`extra_params.upsample_prompt`: the prompt the Reasoner writes (engine/prompt_upsampling.py), checked as a
     client's prompt is; answered as `revised_prompt`. A failure answers the chat's status (500 when the answer
-    does not parse) with the reason."""
+    does not parse) with the reason; past the sync timeout a 504, the chat stopped."""
     try:
-        return await unless_disconnected(request, st.client.upsampled_prompt(params))
+        work = asyncio.wait_for(st.client.upsampled_prompt(params), st.sync_timeout_s)
+        return await unless_disconnected(request, work)
     except ClientGone:
         raise
+    except TimeoutError:
+        raise APIError(504, f"Image generation timed out after {st.sync_timeout_s:g}s (while its prompt was "
+                       "being written).", headers=headers) from None  # fmt: skip
     except ShuttingDownError as exc:
         raise st.refusal(exc, headers) from None
     except UpsamplingFailed as exc:
@@ -160,13 +164,14 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift)]
     )
     headers = {"X-Request-Id": request_id}
-    revised = None
+    revised, deadline = None, time.monotonic() + st.sync_timeout_s  # one timeout for the whole request
     if params[0].upsample_prompt:  # one prompt written for the n images (the first one's seed)
         revised = await _upsampled(request, st, params[0], headers)
         params = [dataclasses.replace(p, prompt=revised, upsample_prompt=False) for p in params]
     try:
+        left = max(deadline - time.monotonic(), 0.001)
         results = await unless_disconnected(
-            request, st.client.generate_ephemeral(params, prefix=request_id, timeout_s=st.sync_timeout_s)
+            request, st.client.generate_ephemeral(params, prefix=request_id, timeout_s=left)
         )
     except ClientGone:
         raise

@@ -146,9 +146,7 @@ def to_chat(
     continues (history + input, without the instructions: what a stored response keeps); APIError naming
     the Responses field for what this server does not take."""
     if req.background:
-        raise APIError(
-            400, "background responses are not supported (they need stored responses)", param="background"
-        )
+        raise APIError(400, "background responses are not supported", param="background")
     for value in req.include or ():
         if value not in INCLUDES:
             raise APIError(400, f"include value {value!r} is not supported (supported: {', '.join(INCLUDES)})",

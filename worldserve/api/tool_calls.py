@@ -180,8 +180,9 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCallOut]] | None:
     """(content or None, the calls) of a finished text holding <tool_call> blocks, each JSON {"name",
     "arguments"}: the content is the text before the first block that parses (a block that does not parse,
-    or is cut unterminated, is text), the rest after it is dropped; None when no block parses (then it is all
-    content). The same parser as a streamed answer's (ToolStream), fed the whole text at once."""
+    e.g. cut mid-JSON, is text; an unterminated one that parses is a call), the rest after it is dropped;
+    None when no block parses (then it is all content). The same parser as a streamed answer's (ToolStream),
+    fed the whole text at once."""
     stream = ToolStream(ToolMode(choice="auto", tools=()))
     stream.feed(text, finished=True)
     return (stream.content or None, stream.calls) if stream.calls else None

@@ -45,12 +45,12 @@ from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
 from worldserve.engine.prompt_upsampling import (
     UpsamplerConfig,
     UpsamplingFailed,
+    check_upsampling,
     checked,
     upsample,
-    upsampling_chat,
 )
 from worldserve.engine.request import EncodeOptions, Request
-from worldserve.params import ParamError, VideoParams
+from worldserve.params import VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
@@ -227,23 +227,8 @@ class EngineClient:
         """Model-aware checks (prompt length, sound availability, a Reasoner to upsample the prompt); raises
         ParamError."""
         if params.upsample_prompt:
-            self._check_upsampling(params)
+            check_upsampling(self.chat_worker.backend if self.chat_worker else None, params, self.upsampler)
         return self.engine.backend.validate(params)
-
-    def _check_upsampling(self, params: VideoParams) -> None:
-        """ParamError unless the Reasoner can upsample `params`' prompt: it runs here, and the chat's prompt
-        leaves UpsamplerConfig.min_room tokens of context for the answer (blocking: builds that prompt)."""
-        if self.chat_worker is None:
-            raise ParamError("extra_params.upsample_prompt", "prompt upsampling needs the Reasoner, which this "
-                             "server does not run (the fake backend, or --tensor-parallel-size > 1)")  # fmt: skip
-        reasoner = self.chat_worker.backend
-        if (build := getattr(reasoner, "build_prompt", None)) is None:
-            return
-        tokens = len(build(upsampling_chat(params, self.upsampler)).input_ids)
-        if tokens + self.upsampler.min_room > reasoner.max_model_len:
-            raise ParamError("prompt", f"the prompt is too long to upsample: its upsampling chat is {tokens} tokens, "
-                             f"and the answer needs {self.upsampler.min_room} more within the Reasoner's "
-                             f"{reasoner.max_model_len}-token context")  # fmt: skip
 
     def observe(self, observer: EngineObserver) -> None:
         """Route the engine's and the chat worker's timings (ChatObserver) to `observer` (the metrics)."""
@@ -296,37 +281,32 @@ class EngineClient:
         self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
 
     async def upsampled_prompt(self, params: VideoParams) -> str:
-        """The prompt the Reasoner writes for `params` (a request without a job: the images route), checked
-        as a client's; UpsamplingFailed / ShuttingDownError when it cannot."""
+        """The prompt the Reasoner writes for `params`, checked as a client's (engine/prompt_upsampling.py);
+        UpsamplingFailed (ShuttingDownError at shutdown) when it cannot."""
         prompt = await upsample(self.chat_many, params, self.upsampler)
-        upsampled = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-        await asyncio.to_thread(checked, self.validate, upsampled)
+        written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
+        await asyncio.to_thread(checked, self.engine.backend.validate, written)  # e.g. its length in tokens
         return prompt
 
     async def _upsample_then_queue(
         self, job_id: str, params: VideoParams, encode: EncodeOptions, arrival: float
     ) -> None:
-        """The Reasoner writes the job's prompt (engine/prompt_upsampling.py), the store records it (a restart
-        then goes on with it), the engine gets the job (its queue time counted from `arrival`). A failed
-        upsampling fails the job (the chat's status, or 500, and the reason); one stopped by the shutdown
-        leaves it queued, to upsample at the next start."""
+        """The Reasoner writes the job's prompt, the store records it (a restart then goes on with it), the
+        engine gets the job (its queue time counted from `arrival`). A failed upsampling fails the job (the
+        chat's status, else 500, and the reason; so too on a server restarted without a Reasoner); one stopped
+        by the shutdown leaves it queued, to upsample at the next start."""
         try:
-            prompt = await upsample(self.chat_many, params, self.upsampler)
-            params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-            await asyncio.to_thread(checked, self.engine.backend.validate, params)  # e.g. its tokens
-        except (UpsamplingFailed, ShuttingDownError, ValueError) as exc:
+            prompt = await self.upsampled_prompt(params)
+        except Exception as exc:
             if not self.accepting:
                 return  # the shutdown stopped it
-            code = 500
-            if isinstance(exc, UpsamplingFailed):
-                code = exc.status
-            elif isinstance(exc, ShuttingDownError):
-                code = 503  # the chat worker is gone while the server runs
+            code = exc.status if isinstance(exc, UpsamplingFailed) else 500
             if self.store.fail(job_id, code, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
                                ttl_s=self.job_ttl_s):  # fmt: skip
                 self.engine.observer.on_failed(code)
                 self._wake(job_id)
             return
+        params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         job = self.store.get(job_id)
         if job is None or not self.store.set_upsampled(
             job_id, dataclasses.replace(job.spec, upsampled_prompt=prompt), inputs_record(params, encode)

@@ -9,7 +9,7 @@ cropped as the pipeline crops it, or a V2V conditioning clip's first frame), con
 `UpsamplerConfig.schema()` (structured outputs: the answer always parses; every string and list is bounded, so
 the document closes within ~10k characters even on a model that writes noise; a real answer is ~1k tokens)
 and seeded from the request (the same request gives the same prompt); its budget is the context's room, at
-least `min_room` tokens (EngineClient checks it when the request comes in). `upsampled_prompt` turns the
+least `min_room` tokens (EngineClient checks it when the request comes in). `prompt_from_answer` turns the
 answer into the prompt text: the object serialised compactly, as the reference sends its JSON prompts;
 `checked` holds it to the request's own limits.
 """
@@ -130,7 +130,7 @@ def _shown_frame(params: VideoParams) -> tuple[np.ndarray | None, str]:
     return None, ""
 
 
-def upsampled_prompt(answer: str) -> str:
+def prompt_from_answer(answer: str) -> str:
     """The upsampling chat's answer as the video's prompt: its JSON object, compactly serialised (ValueError
     when the answer is not one, e.g. cut short)."""
     try:
@@ -153,7 +153,23 @@ def upsample_with(reasoner, params: VideoParams, config: UpsamplerConfig = Upsam
             pieces.append(session.step().text)
     finally:
         session.close()
-    return upsampled_prompt("".join(pieces))
+    return prompt_from_answer("".join(pieces))
+
+
+def check_upsampling(reasoner, params: VideoParams, config: UpsamplerConfig) -> None:
+    """ParamError unless `reasoner` (the chat worker's Reasoner; None: this server runs none) can upsample
+    `params`' prompt: the chat's prompt must leave `config.min_room` tokens of context for the answer
+    (blocking: builds that prompt, the image through the ViT's preprocessing)."""
+    if reasoner is None:
+        raise ParamError("extra_params.upsample_prompt", "prompt upsampling needs the Reasoner, which this server "
+                         "does not run (the fake backend, or --tensor-parallel-size > 1)")  # fmt: skip
+    if (build := getattr(reasoner, "build_prompt", None)) is None:
+        return
+    tokens = len(build(upsampling_chat(params, config)).input_ids)
+    if tokens + config.min_room > reasoner.max_model_len:
+        raise ParamError("prompt", f"the prompt is too long to upsample: its upsampling chat is {tokens} tokens, "
+                         f"and the answer needs {config.min_room} more within the Reasoner's "
+                         f"{reasoner.max_model_len}-token context")  # fmt: skip
 
 
 class UpsamplingFailed(Exception):
@@ -192,6 +208,6 @@ async def upsample(chat_many: Callable[..., list[ChatEvents]], params: VideoPara
     finally:
         await events.aclose()  # cancels the chat when this task is cancelled (the job deleted)
     try:
-        return upsampled_prompt("".join(pieces))
+        return prompt_from_answer("".join(pieces))
     except ValueError as exc:
         raise UpsamplingFailed(500, str(exc)) from None
