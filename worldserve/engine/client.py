@@ -49,6 +49,7 @@ from worldserve.engine.prompt_upsampling import (
     checked,
     upsample,
 )
+from worldserve.engine.refusals import ChatUnavailableError, QueueFullError, ShuttingDownError
 from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import VideoParams
 
@@ -59,22 +60,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 SWEEP_PERIOD_MAX_S = 60.0
-
-
-class QueueFullError(Exception):
-    """More than `max_queued_requests` jobs wait for admission (HTTP 429)."""
-
-    def __init__(self, retry_after_s: int):
-        super().__init__(f"the request queue is full; retry in about {retry_after_s}s")
-        self.retry_after_s = retry_after_s
-
-
-class ShuttingDownError(Exception):
-    """The server is stopping and takes no new work (HTTP 503)."""
-
-
-class ChatUnavailableError(Exception):
-    """This server has no chat backend (e.g. the fake backend)."""
 
 
 class EngineClient:
