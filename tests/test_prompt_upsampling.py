@@ -103,6 +103,10 @@ async def test_an_upsampled_job_runs_the_prompt_it_shows(tmp_path, pipeline, cha
         assert sync.status_code == 200, sync.text
         job = (await http.get(f"/v1/videos/{sync.headers['x-video-id']}")).json()
         assert job["prompt"] == "a fox" and set(json.loads(job["upsampled_prompt"])) == KEYS
+        metrics = (await http.get("/metrics")).text  # the upsampling chat counted as a chat
+        assert re.search(
+            r'worldserve:chat_request_success_total\{[^}]*finish_reason="stop"[^}]*\} 1\.0', metrics
+        )
         direct = await http.post("/v1/videos/sync", data={**TINY, "prompt": job["upsampled_prompt"]})
         assert direct.status_code == 200 and direct.content == sync.content  # the same video: that prompt ran
         again = await http.post("/v1/videos", data=upsample)  # async, seeded: the same prompt again

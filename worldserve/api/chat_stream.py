@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,30 +44,11 @@ from worldserve.engine.client import (
     ChatStarted,
     ChatUnavailableError,
     ShuttingDownError,
+    metered,
 )
 
 LOGPROB_FLOOR = -9999.0
 """Log-probabilities are floored here in JSON answers (JSON has no -inf)."""
-
-
-async def metered(events: AsyncIterator, metrics) -> AsyncIterator:
-    """Pass a chat's events through, counting tokens, time to first token and how the chat ended."""
-    t0, started, completion, finish, first_token = time.perf_counter(), False, 0, None, True
-    try:
-        async for event in events:
-            if isinstance(event, ChatStarted):
-                started = True
-                metrics.on_chat_started(event.prompt_tokens)
-            elif isinstance(event, ChatDelta):
-                if first_token:
-                    metrics.on_chat_first_token(time.perf_counter() - t0)
-                    first_token = False
-                completion, finish = event.completion_tokens, event.finish_reason
-            yield event
-    finally:
-        await events.aclose()
-        if started:
-            metrics.on_chat_ended(completion, finish)
 
 
 def logprob_items(entries) -> list[TokenLogprobOut]:

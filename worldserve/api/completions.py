@@ -5,7 +5,7 @@ Request -> checks (served model name else 404; 1 <= n <= 16; `suffix` and a `bes
 tokenized raw, no chat template (`add_special_tokens`, default true, as vLLM), ids are taken as they are ->
 `ChatParams(prompt_ids=...)` (choice j of a prompt samples with seed + j) -> `EngineClient.chat_many` starts
 every choice of every prompt together, the chat's own path: the ChatWorker's continuous batching, the chat
-metrics (api/chat_stream.py `metered`), a client gone stops them (api/disconnect.py), 503 while shutting
+metrics (engine/chat_metering.py `metered`), a client gone stops them (api/disconnect.py), 503 while shutting
 down. The Reasoner checks the ids (outside the vocabulary, or vision placeholders: a 400 naming `prompt`)
 and the context (a prompt that leaves no room is a 400 naming `prompt`; a max_tokens past the room names
 `max_tokens`). api/completions_stream.py builds the answer: the `text_completion` object or SSE chunks.

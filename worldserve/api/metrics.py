@@ -12,7 +12,8 @@ peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reas
 chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting,
 kv_cache_usage_perc, num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
 chat_e2e_request_latency_seconds, chat_request_queue_time_seconds, chat_iteration_tokens (histograms). The API
-layer reports a chat's tokens, time to first token and end (api/chat_stream.py); the chat worker its timings
+layer reports a chat's tokens, time to first token and end (engine/chat_metering.py, as the prompt upsampling
+does for its chats); the chat worker its timings
 (the ChatObserver calls, engine/chat_observer.py: tokens per step, inter-token gaps, end-to-end and queue time).
 
 So that dashboards built for vLLM / vLLM-Omni find their series, the same numbers are also exported under

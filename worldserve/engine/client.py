@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from worldserve.chat_params import ChatParams
+from worldserve.engine.chat_metering import ChatMeter, metered
 from worldserve.engine.chat_worker import (
     DEFAULT_MAX_NUM_SEQS,
     ChatEvent,
@@ -55,7 +56,7 @@ from worldserve.params import VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
-    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "UpsamplingFailed", "error_for",
+    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "UpsamplingFailed", "error_for", "metered",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class EngineClient:
         self._started = False
         self.upsampler = upsampler or UpsamplerConfig()
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
+        self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -220,6 +222,8 @@ class EngineClient:
         self.engine.observer = observer
         if self.chat_worker is not None:
             self.chat_worker.observer = observer
+        if all(hasattr(observer, f"on_chat_{x}") for x in ("started", "first_token", "ended")):
+            self._meter = observer  # the upsampling chats are counted as the API's are
 
     @property
     def num_waiting(self) -> int:
@@ -268,7 +272,7 @@ class EngineClient:
     async def upsampled_prompt(self, params: VideoParams) -> str:
         """The prompt the Reasoner writes for `params`, checked as a client's (engine/prompt_upsampling.py);
         UpsamplingFailed (ShuttingDownError at shutdown) when it cannot."""
-        prompt = await upsample(self.chat_many, params, self.upsampler)
+        prompt = await upsample(self.chat_many, params, self.upsampler, self._meter)
         written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         await asyncio.to_thread(checked, self.engine.backend.validate, written)  # e.g. its length in tokens
         return prompt

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput
+from worldserve.engine.chat_metering import ChatMeter, metered
 from worldserve.engine.chat_worker import ChatEvents, ChatFailed
 from worldserve.engine.outputs import ChatDelta
 from worldserve.params import ParamError, VideoParams
@@ -194,10 +195,13 @@ def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams)
 
 
 async def upsample(chat_many: Callable[..., list[ChatEvents]], params: VideoParams,
-                   config: UpsamplerConfig = UpsamplerConfig()) -> str:  # fmt: skip
-    """Run the upsampling chat through `chat_many` (EngineClient.chat_many) and return the new prompt;
-    UpsamplingFailed otherwise (ShuttingDownError from chat_many passes through)."""
+                   config: UpsamplerConfig = UpsamplerConfig(), meter: ChatMeter | None = None) -> str:  # fmt: skip
+    """Run the upsampling chat through `chat_many` (EngineClient.chat_many; counted into `meter`, the chat
+    metrics) and return the new prompt; UpsamplingFailed otherwise (ShuttingDownError from chat_many passes
+    through)."""
     (events,) = chat_many([upsampling_chat(params, config)], coalesce=True)
+    if meter is not None:
+        events = metered(events, meter)
     pieces: list[str] = []
     try:
         async for event in events:
