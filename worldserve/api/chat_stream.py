@@ -187,6 +187,44 @@ class TextParsing:
     echo: str = ""
     """vLLM's chat echo: the continued assistant message, put before the content."""
 
+    def stream(self) -> AnswerStream:
+        """A parser of one streamed answer's text as this says."""
+        return AnswerStream(self)
+
+
+class AnswerStream:
+    """One streamed answer's text deltas -> its parsed deltas: {"reasoning_content": ...} (the thoughts, under
+    --reasoning-parser), {"content": ...} and {"tool_calls": [...]} (the content through the tools' parser),
+    adding up to what a finished answer's split_reasoning + final_message give. The chat chunks and the
+    Responses API's events (api/responses.py) are both made from these."""
+
+    def __init__(self, parsing: TextParsing) -> None:
+        tools = parsing.tools
+        self.thoughts = ReasoningStream() if parsing.reasoning else None
+        self.calls = ToolStream(tools) if tools is not None and tools.parsed else None
+        self.thinking_only = False
+        """Whether the last piece of text was all thoughts (the Responses API counts those tokens)."""
+
+    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        """The deltas of this text piece (the last one when `finished`)."""
+        pieces = (
+            self.thoughts.feed(text, finished) if self.thoughts else ([{"content": text}] if text else [])
+        )
+        self.thinking_only = bool(pieces) and all("content" not in p for p in pieces)
+        deltas: list[dict[str, Any]] = []
+        for piece in pieces:
+            if "content" in piece and self.calls is not None:
+                deltas += self.calls.feed(piece["content"], False)
+            else:
+                deltas.append(piece)
+        if self.calls is not None and finished:
+            deltas += self.calls.feed("", True)
+        return deltas
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The answer's finish_reason: "tool_calls" once an auto call was parsed out."""
+        return self.calls.finish_reason(reason) if self.calls is not None else reason
+
 
 async def collect(
     streams: Sequence[AsyncIterator],
@@ -227,12 +265,10 @@ async def sse(
     include_usage: bool, continuous_usage: bool = False, parsing: TextParsing = TextParsing(),
 ) -> AsyncIterator[str]:  # fmt: skip
     """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
-    each choice's text split and parsed as `parsing` says: a ReasoningStream (reasoning_content / content
-    deltas), then a ToolStream over the content (content / tool_calls deltas)."""
+    each choice's text split and parsed as `parsing` says (AnswerStream: reasoning_content, content and
+    tool_calls deltas)."""
     completion = [0] * len(streams)
-    tools = parsing.tools
-    parsers = [ToolStream(tools) for _ in streams] if tools is not None and tools.parsed else None
-    reasoners = [ReasoningStream() for _ in streams] if parsing.reasoning else None
+    parsers = [parsing.stream() for _ in streams]
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=(), stop=None) -> str:
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
@@ -245,18 +281,9 @@ async def sse(
     def render(index: int, event: ChatDelta) -> Iterator[str]:
         completion[index] = event.completion_tokens
         finish = event.finish_reason
-        if reasoners is not None:
-            pieces = reasoners[index].feed(event.text, finish is not None)
-        else:
-            pieces = [{"content": event.text}] if event.text else []
-        deltas: list[dict[str, Any]] = []
-        for piece in pieces:
-            if "content" not in piece:  # reasoning_content
-                deltas += [piece] if parsing.include_reasoning else []
-            else:
-                deltas += parsers[index].feed(piece["content"], False) if parsers is not None else [piece]
-        if parsers is not None and finish is not None:
-            deltas += parsers[index].feed("", True)
+        deltas = [d for d in parsers[index].feed(event.text, finish is not None)
+                  if parsing.include_reasoning or "reasoning_content" not in d]  # fmt: skip
+        if finish is not None:
             finish = parsers[index].finish_reason(finish)
         if event.logprobs and not deltas:
             deltas = [{"content": ""}]

@@ -29,10 +29,8 @@ from worldserve.api.chat import chat_choices, model_not_found
 from worldserve.api.chat_stream import TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
-from worldserve.api.reasoning import ReasoningStream
 from worldserve.api.responses_protocol import ResponsesRequest, to_chat
 from worldserve.api.state import AppState, app_state
-from worldserve.api.tool_calls import ToolMode, ToolStream
 from worldserve.engine.client import ChatDelta, ChatFailed
 from worldserve.params import ParamError
 
@@ -158,10 +156,7 @@ class ResponseBuilder:
 
     def __init__(self, skeleton: dict[str, Any], parsing: TextParsing, logprobs: bool, prompt_tokens: int):
         self.body, self.logprobs, self.prompt_tokens = skeleton, logprobs, prompt_tokens
-        self.thoughts = ReasoningStream() if parsing.reasoning else None
-        self.keep_thoughts = parsing.include_reasoning
-        mode: ToolMode | None = parsing.tools
-        self.calls = ToolStream(mode) if mode is not None and mode.parsed else None
+        self.answer, self.keep_thoughts = parsing.stream(), parsing.include_reasoning
         self.seq = 0
         self.item: dict[str, Any] | None = None  # the open output item
         self.completion_tokens, self.finish_reason, self.reasoning_tokens = 0, None, 0
@@ -186,23 +181,13 @@ class ResponseBuilder:
         self.completion_tokens, self.finish_reason = delta.completion_tokens, delta.finish_reason
         self.pending += delta.logprobs
         out: list[str] = []
-        pieces = self.thoughts.feed(delta.text, finished) if self.thoughts else [{"content": delta.text}]
-        if pieces and all(
-            "reasoning_content" in p for p in pieces
-        ):  # (deltas of one token: see create_response)
+        for d in self.answer.feed(delta.text, finished):
+            if "reasoning_content" in d:
+                out += self._reasoning(d["reasoning_content"]) if self.keep_thoughts else []
+            else:
+                out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
+        if self.answer.thinking_only:  # (deltas of one token: see create_response)
             self.reasoning_tokens += new_tokens
-        content_fed = False
-        for piece in pieces:
-            if "reasoning_content" in piece:
-                if self.keep_thoughts:
-                    out += self._reasoning(piece["reasoning_content"])
-                continue
-            content_fed = True
-            for d in self.calls.feed(piece["content"], finished) if self.calls else [piece]:
-                out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
-        if finished and self.calls is not None and not content_fed:  # flush what the tool parser holds back
-            for d in self.calls.feed("", True):
-                out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
         if finished and not self.body["output"]:  # an answer with no text still has its (empty) message
             out += self._text("", empty=True)
         if finished:
