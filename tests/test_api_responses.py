@@ -191,6 +191,12 @@ def test_thoughts_become_a_reasoning_item(thinking_url):
         model=MODEL, **{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}}
     )
     assert [o.type for o in hidden.output] == ["message"]
+    hidden = oai.responses.create(model=MODEL, include=["message.output_text.logprobs"],
+                                  **{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}})  # fmt: skip
+    tokens = "".join(
+        lp.token for lp in hidden.output[0].content[0].logprobs
+    )  # the thoughts' tokens are not text
+    assert tokens.endswith(hidden.output_text) and "Look" not in tokens
 
 
 def test_an_answer_without_text_still_has_its_message():

@@ -183,6 +183,7 @@ class ResponseBuilder:
         out: list[str] = []
         for d in self.answer.feed(delta.text, finished):
             if "reasoning_content" in d:
+                self.pending = []  # thought tokens: no output_text logprobs (kept or dropped)
                 out += self._reasoning(d["reasoning_content"]) if self.keep_thoughts else []
             else:
                 out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
@@ -215,7 +216,6 @@ class ResponseBuilder:
             {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
              "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})  # fmt: skip
         self.item["content"][0]["text"] += text
-        self.pending = []  # thought tokens: no output_text logprobs
         return out + [
             self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
         ]
