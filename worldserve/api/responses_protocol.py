@@ -120,7 +120,7 @@ class ChatPaths:
         if (m := re.match(r"messages\[(\d+)\]", param)) and int(m.group(1)) < len(self.messages):
             return self.messages[int(m.group(1))] + param[m.end() :]
         renamed = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-                   "response_format": "text.format", "logprobs": "include", "top_logprobs": "top_logprobs"}  # fmt: skip
+                   "response_format": "text.format", "logprobs": "include"}  # fmt: skip
         param = param.replace("response_format.json_schema", "response_format")
         head, _, rest = param.partition(".")
         return renamed.get(head, head) + ("." + rest if rest else "")
@@ -169,8 +169,7 @@ def to_chat(
         if item.type == "function_call":
             if item.call_id is None or item.name is None:
                 raise APIError(400, "a function_call item needs call_id and name", param=where)
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}  # fmt: skip
+            call = chat_tool_call(item.call_id, item.name, item.arguments or "{}")
             if calls is None:
                 calls = []
                 messages.append({"role": "assistant", "content": None, "tool_calls": calls})
@@ -201,6 +200,11 @@ def to_chat(
         return ChatCompletionRequest.model_validate(chat), paths, conversation
     except ValidationError as exc:
         raise paths.rename(validation_error(exc.errors(), loc_prefix=())) from None
+
+
+def chat_tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A function call (a function_call item, or one the answer made) as a chat assistant turn's tool call."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _content(content: str | list[InputPart] | None, where: str) -> str | list[dict[str, Any]]:

@@ -14,6 +14,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from worldserve.api.responses_protocol import chat_tool_call
+
 
 class ResponseStore:
     def __init__(self, max_bytes: int = 256 * 2**20) -> None:
@@ -57,8 +59,11 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat's assistant turns: its message text, its function calls as
     tool_calls (reasoning items dropped, as the chat template drops earlier thoughts)."""
     text = "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"])
-    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
-             for o in output if o["type"] == "function_call"]  # fmt: skip
+    calls = [
+        chat_tool_call(o["call_id"], o["name"], o["arguments"])
+        for o in output
+        if o["type"] == "function_call"
+    ]
     if not text and not calls:
         return []
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
