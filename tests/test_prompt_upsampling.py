@@ -133,11 +133,7 @@ async def test_a_delete_while_upsampling_stops_the_chat(tmp_path, pipeline, chat
         assert created.json()["status"] == "queued" and job_id in client._upsampling
         await asyncio.sleep(0.3)
         assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 200
-        for _ in range(200):  # the chat leaves the worker at its next step
-            if chat_backend._live == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert chat_backend._live == 0  # the chat left the Reasoner
+        assert await _chat_stopped(chat_backend)  # the chat left the Reasoner
         assert (await http.get(f"/v1/videos/{job_id}")).status_code == 404
 
 
@@ -149,6 +145,23 @@ async def test_without_a_reasoner_upsampling_is_a_400(tmp_path, anyio_backend):
             "/v1/videos", data={"prompt": "a fox", "extra_params": '{"upsample_prompt": true}'}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.upsample_prompt"
+
+
+async def _chat_stopped(reasoner) -> bool:
+    """Whether the Reasoner has no chat left within ~4 s (a stopped chat leaves at its next step)."""
+    for _ in range(200):
+        if reasoner._live == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def _completes_on_restart(storage, pipeline, chat_backend, job_id: str) -> None:
+    """A server started again on `storage` with a Reasoner upsamples and completes the job."""
+    async with asgi_server(storage, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=SMALL) as http:  # fmt: skip
+        done = await poll_job(http, job_id, timeout=120)
+        assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
 
 
 def _store_unupsampled_job(store) -> str:
@@ -178,10 +191,7 @@ async def test_a_restart_upsamples_an_interrupted_job(tmp_path, pipeline, chat_b
     async with asgi_server(tmp_path / "other", backend=pipeline, real_encoder=True) as http:  # no Reasoner
         failed = await poll_job(http, orphan, timeout=30)
         assert failed["status"] == "failed" and "Prompt upsampling failed" in failed["error"]["message"]
-    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
-                           upsampler=SMALL) as http:  # fmt: skip
-        done = await poll_job(http, job_id, timeout=120)
-        assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
+    await _completes_on_restart(tmp_path, pipeline, chat_backend, job_id)
 
 
 @pytest.mark.anyio
@@ -248,10 +258,7 @@ async def test_a_shutdown_while_upsampling_keeps_the_job_for_the_next_start(tmp_
         job_id = created.json()["id"]
         await asyncio.sleep(0.3)  # the chat is writing when the server stops
     assert chat_backend._live == 0
-    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
-                           upsampler=SMALL) as http:  # fmt: skip
-        done = await poll_job(http, job_id, timeout=120)
-        assert done["status"] == "completed" and set(json.loads(done["upsampled_prompt"])) == KEYS
+    await _completes_on_restart(tmp_path, pipeline, chat_backend, job_id)
 
 
 @pytest.mark.anyio
@@ -313,8 +320,4 @@ async def test_an_image_whose_prompt_outlasts_the_sync_timeout_is_a_504(
         r = await http.post("/v1/images/generations", json={"prompt": "a fox", "size": "32x32",
                                                             "extra_params": {"upsample_prompt": True}})  # fmt: skip
         assert r.status_code == 504 and "while its prompt was being written" in r.json()["error"]["message"]
-        for _ in range(200):
-            if chat_backend._live == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert chat_backend._live == 0  # the chat was stopped
+        assert await _chat_stopped(chat_backend)
