@@ -291,3 +291,28 @@ def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, re
     long = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
         "input": "hello " * 6000, "truncation": "auto", "max_output_tokens": 4})  # fmt: skip
     assert long.status_code == 200 and long.json()["usage"]["input_tokens"] <= 4096 - 4, long.text
+
+
+def test_a_server_that_stores_nothing(reasoner, tmp_path):
+    """--responses-store-mb 0: answers say store false and nothing can be found or continued; a negative
+    budget is refused at startup."""
+    from worldserve.cli import build_parser
+    from worldserve.commands import serve
+
+    argv = ["serve", "--responses-store-mb", "0"]
+    assert (
+        serve.app_options(serve.engine_config(build_parser(argv).parse_args(argv)))["responses_store_bytes"]
+        == 0
+    )
+    with pytest.raises(ValueError, match="--responses-store-mb must be >= 0"):  # serve logs it and exits 2
+        bad = ["serve", "--responses-store-mb", "-1"]
+        serve.engine_config(build_parser(bad).parse_args(bad))
+    with serve_reasoner(reasoner, tmp_path, model=MODEL, name="test-responses-nostore",
+                        responses_store_bytes=0) as url:  # fmt: skip
+        r = httpx.post(url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2}, timeout=60).json()
+        assert r["store"] is False
+        assert httpx.get(f"{url}/v1/responses/{r['id']}", timeout=60).status_code == 404
+        again = httpx.post(
+            url + "/v1/responses", json={"input": "hi", "previous_response_id": r["id"]}, timeout=60
+        )
+        assert again.status_code == 404 and again.json()["error"]["param"] == "previous_response_id"
