@@ -115,6 +115,7 @@ def test_t2i_png(tiny_ckpt, tmp_path):
         (["--condition-frames", "a,b"], "condition_frames"),
         (["--guidance-interval", "400"], "guidance_interval"),
         (["--guidance-interval", "900,400"], "guidance_interval"),
+        (["--upsample-prompt", "--tensor-parallel-size", "2"], "upsample_prompt"),
     ],
 )
 def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):

@@ -125,6 +125,9 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         video = decode_video(
             _read_bytes(args.video, "video"), budget, args.condition_video_keep, param="video"
         )
+    if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
+        raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
+                         "(not with --tensor-parallel-size > 1)")  # fmt: skip
     if args.output.suffix.lower() not in OUTPUT_SUFFIXES:
         raise ParamError("output", f"-o must end in one of {', '.join(OUTPUT_SUFFIXES)}")
     if args.output.suffix.lower() == ".png" and args.num_frames != 1:
@@ -190,7 +193,7 @@ def _read_bytes(path: Path, param: str) -> bytes:
 
 def _upsampled(args: argparse.Namespace, params: VideoParams, pipe, root: Path) -> VideoParams:
     """`params` with the prompt the Reasoner wrote (engine/prompt_upsampling.py), on the pipeline's own
-    transformer (its K/V pool freed afterwards); printed to stderr. ValueError when it cannot."""
+    transformer (its K/V pool freed afterwards); printed to stderr."""
     import dataclasses
     import gc
 
@@ -199,8 +202,6 @@ def _upsampled(args: argparse.Namespace, params: VideoParams, pipe, root: Path) 
     from worldserve.engine.prompt_upsampling import upsample_with
     from worldserve.runner.reasoner import Reasoner
 
-    if args.tensor_parallel_size > 1:
-        raise ValueError("--upsample-prompt needs the whole und tower in this process (not with -tp > 1)")
     t0 = time.perf_counter()
     reasoner = Reasoner.from_pretrained(root, pipe.transformer, pipe.encoder.tokenizer, max_model_len=16384,
                                         max_num_seqs=1, kv_cache_tokens=16384, enforce_eager=args.enforce_eager,
