@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -55,12 +56,39 @@ def compare(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     """Relative L2 and max |diff| in float32, a few frames at a time (the full tensors are ~1 GB each)."""
     num = den = 0.0
     max_abs = 0.0
+    count = ref.numel()
     for i in range(0, ref.shape[2], 16):
         a, b = ours[:, :, i : i + 16].float(), ref[:, :, i : i + 16].float()
         num += float((a - b).double().square().sum())
         den += float(b.double().square().sum())
         max_abs = max(max_abs, float((a - b).abs().max()))
-    return {"rel_l2": (num / den) ** 0.5 if den else float("nan"), "max_abs": max_abs}
+    psnr = 20 * math.log10(2.0 / (num / count) ** 0.5) if num else float("inf")  # pixels span [-1, 1]
+    return {"rel_l2": (num / den) ** 0.5 if den else float("nan"), "max_abs": max_abs, "psnr_db": psnr}
+
+
+def accuracy(vae, z: torch.Tensor, compiled: dict, chunk: int, log) -> dict:
+    """Each bf16 decode of the short clip `z` (diffusers', ours eager direct / Winograd, the compiled
+    variants) against ours in float32 from the same weights (TF32 off): how much each loses to rounding."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        truth = (
+            WanDecoder.from_diffusers(vae)
+            .float()
+            .set_time_winograd(False)
+            .decode(z.float(), chunk_size=chunk)
+        )
+        log(f"float32 decode of {z.shape[2]} latent frames done")
+    eager = WanDecoder.from_diffusers(vae)
+    outs = {
+        "diffusers": lambda: vae.decode(z).sample,
+        "ours_eager_direct": lambda: eager.set_time_winograd(False).decode(z, chunk_size=chunk),
+        "ours_eager_winograd": lambda: eager.set_time_winograd(True).decode(z, chunk_size=chunk),
+        **{key: lambda d=dec: d.decode(z, chunk_size=chunk) for key, dec in compiled.items()},
+    }
+    res = {"latent_frames": z.shape[2], "vs_float32": {}}
+    for key, fn in outs.items():
+        res["vs_float32"][key] = compare(fn(), truth)
+        log(f"{key} vs float32: {res['vs_float32'][key]}")
+    return res
 
 
 def timed(name: str, fn, warm, device: torch.device, repeats: int, log) -> tuple[dict, torch.Tensor]:
@@ -96,6 +124,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--extra-chunk-sizes", default="", help="comma list: also time ours eager at these sizes")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd variant")
+    ap.add_argument("--no-eager", action="store_true", help="skip our eager variant")
+    ap.add_argument(
+        "--time-winograd", choices=("on", "off", "both"), default="both",
+        help="ours with the residual convs as Winograd F(2, 3) in time (the default), as plain Conv3d, or both",
+    )  # fmt: skip
+    ap.add_argument(
+        "--accuracy-frames", type=int, default=13,
+        help="latent frames of the float32 accuracy check (0: none): each bf16 decode vs ours in float32",
+    )  # fmt: skip
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode for ours (default: default)")
     ap.add_argument(
         "--profile", type=Path, default=None, help="torch.profiler kernel table of our last variant"
@@ -148,13 +185,20 @@ def main() -> None:
         res["pixels_std"] = float(ref.float()[:, :, ::8].std())
         save()
 
-        res["ours_eager"], eager = timed(
-            "ours eager", lambda: ours.decode(z, chunk_size=chunk), lambda: ours.decode(warm_ours, chunk_size=chunk),
-            device, args.repeats, log,
-        )  # fmt: skip
-        res["ours_eager"].update(compare(eager, ref))
-        log(f"ours eager vs diffusers: {res['ours_eager']['rel_l2']:.2e} rel L2")
-        save()
+        winograd = {"on": [True], "off": [False], "both": [False, True]}[args.time_winograd]
+        name = {False: "direct", True: "winograd"}  # the residual convs as Conv3d / Winograd F(2, 3) in time
+        if not args.no_eager:
+            for wino in winograd:
+                ours.set_time_winograd(wino)
+                key = f"ours_eager_{name[wino]}"
+                res[key], out = timed(
+                    key, lambda: ours.decode(z, chunk_size=chunk), lambda: ours.decode(warm_ours, chunk_size=chunk),
+                    device, args.repeats, log,
+                )  # fmt: skip
+                res[key].update(compare(out, ref))
+                log(f"{key} vs diffusers: {res[key]['rel_l2']:.2e} rel L2")
+                del out
+                save()
 
         for extra in [int(s) for s in args.extra_chunk_sizes.split(",") if s]:
             stats, out = timed(
@@ -165,23 +209,34 @@ def main() -> None:
             del out
             save()
 
+        compiled: dict[str, WanDecoder] = {}
         if not args.no_compile:
-            ours.compile(**({"mode": args.compile_mode} if args.compile_mode else {}))
-            res["ours_compiled"], compiled = timed(  # the warm-up compiles every chunk shape of the decode
-                "ours compiled", lambda: ours.decode(z, chunk_size=chunk),
-                lambda: ours.decode(warm_ours, chunk_size=chunk), device, args.repeats, log,
-            )  # fmt: skip
-            res["ours_compiled"]["compile_s"] = res["ours_compiled"]["warmup"][0]
-            res["ours_compiled"].update(compare(compiled, ref))
-            res["ours_compiled"]["vs_eager"] = compare(compiled, eager)
+            del ours  # each compiled variant is a decoder of its own (1.1 GB of weights)
+            for wino in winograd:
+                key = f"ours_compiled_{name[wino]}"
+                dec = WanDecoder.from_diffusers(vae).set_time_winograd(wino)
+                dec.compile(**({"mode": args.compile_mode} if args.compile_mode else {}))
+                res[key], out = timed(  # the warm-up compiles every chunk shape of the decode
+                    key, lambda d=dec: d.decode(z, chunk_size=chunk),
+                    lambda d=dec: d.decode(warm_ours, chunk_size=chunk), device, args.repeats, log,
+                )  # fmt: skip
+                res[key]["compile_s"] = res[key]["warmup"][0]
+                res[key].update(compare(out, ref))
+                compiled[key] = dec
+                del out
+                save()
+
+        if args.accuracy_frames:
+            res["accuracy"] = accuracy(vae, z[:, :, : args.accuracy_frames], compiled, chunk, log)
             save()
 
-        if args.profile is not None:
+        if args.profile is not None and compiled:
             from worldserve.bench.variants import profile_step
 
-            del ref, eager
+            del ref
+            dec = list(compiled.values())[-1]
             log("profiling one decode of our last variant")
-            res["profile"] = profile_step(lambda: ours.decode(z, chunk_size=chunk), device, args.profile)
+            res["profile"] = profile_step(lambda: dec.decode(z, chunk_size=chunk), device, args.profile)
             save()
 
     res["wall_s"] = time.perf_counter() - t_start
@@ -199,10 +254,16 @@ def main() -> None:
             f"{key:<22}{r['median']:>10.3f}{base / r['median']:>9.2f}x{r['peak_gib']:>10.1f}"
             f"{r['peak_above_resident_gib']:>8.1f}{rel:>10}{mx:>9}"
         )
-    if "ours_compiled" in res:
+    for key in [k for k in res if k.startswith("ours_compiled")]:
         print(
-            f"compile (first call, {warm_ours.shape[2]} latent frames): {res['ours_compiled']['compile_s']:.1f} s"
+            f"{key} compile (first call, {warm_ours.shape[2]} latent frames): {res[key]['compile_s']:.1f} s"
         )
+    if "accuracy" in res:
+        acc = res["accuracy"]
+        print(f"\naccuracy on {acc['latent_frames']} latent frames, each vs ours in float32 (TF32 off):")
+        print(f"{'variant':<26}{'rel L2':>10}{'PSNR dB':>9}{'max abs':>9}")
+        for key, r in acc["vs_float32"].items():
+            print(f"{key:<26}{r['rel_l2']:>10.2e}{r['psnr_db']:>9.2f}{r['max_abs']:>9.4f}")
     print(f"wall {res['wall_s']:.0f} s; JSON: {args.out}")
 
 

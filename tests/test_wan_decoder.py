@@ -4,8 +4,9 @@ The oracle is `VideoVAE(use_reference_decoder=True)` (diffusers' decode behind t
 tiny VAE's norm scales are all ones, so each test model gets random ones first: a wrong `gamma` shape or
 order would otherwise go unseen. Float32 on the CPU: the decode matches to float rounding for every latent
 length, odd and even sizes, and every chunk size. Not bit for bit since the spatial upsamplers run
-sub-pixel (`SubpixelUp2xConv`: 2x2 phase kernels whose taps are sums of the 3x3 ones, so the products
-sum in another order): ~1e-7 relative, hence rel. L2 <= 1e-5 throughout.
+sub-pixel (`SubpixelUp2xConv`: 2x2 phase kernels whose taps are sums of the 3x3 ones) and the residual
+convs as Winograd F(2, 3) in time (`TimeWinogradConv3d`), so the products sum in another order: ~1e-7
+relative, hence rel. L2 <= 1e-5 throughout.
 """
 
 from __future__ import annotations
@@ -26,12 +27,8 @@ from worldserve.models.cosmos3.wan_decoder import (
     WanDecoderConfig,
     chunk_bounds,
 )
-from worldserve.models.cosmos3.wan_decoder_blocks import (
-    CausalConvCache,
-    SubpixelUp2xConv,
-    Upsample,
-    interleave_time,
-)
+from worldserve.models.cosmos3.wan_decoder_blocks import CausalConvCache, Upsample, interleave_time
+from worldserve.models.cosmos3.wan_decoder_convs import SubpixelUp2xConv, TimeWinogradConv3d
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -293,3 +290,49 @@ def test_rejects_bad_input(diffusers_vae):
         dec.decode(torch.zeros(1, 48, 2, 2, 2), chunk_size=0)
     with pytest.raises(ValueError, match="is_residual"):
         WanDecoderConfig.from_diffusers({**diffusers_vae.config, "is_residual": False})
+
+
+@pytest.mark.parametrize("frames", [2, 4, 6, 3, 1])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_time_winograd_conv_equals_conv3d(frames, channels_last):
+    """Winograd F(2, 3) along time (4 spatial convs per 2 output frames instead of 6) is the causal 3x3x3
+    conv: to float rounding in float32, ~1e-15 in float64 (an exact identity), bias included, in either
+    memory format (channels_last in, channels_last out); odd frame counts run the plain Conv3d; the
+    switch off runs the plain Conv3d too. The kernels follow in-place weight changes."""
+    torch.manual_seed(frames)
+    conv = TimeWinogradConv3d(6, 10).eval().requires_grad_(False)
+    a = torch.randn(2, 6, 2 + frames, 5, 7)  # 2 context frames, then the chunk's frames
+    if channels_last:
+        conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
+        a = a.contiguous(memory_format=torch.channels_last_3d)
+    want = F.conv3d(a, conv.weight, conv.bias, padding=(0, 1, 1))
+    out = conv(a)
+    assert out.shape == want.shape == (2, 10, frames, 5, 7)
+    assert _rel(out, want) <= 1e-6
+    if channels_last and frames > 1:
+        assert out.is_contiguous(memory_format=torch.channels_last_3d)
+    conv64 = copy.deepcopy(conv).double()
+    assert (
+        _rel(conv64(a.double()), F.conv3d(a.double(), conv64.weight, conv64.bias, padding=(0, 1, 1))) <= 1e-13
+    )
+    conv.time_winograd = False
+    assert torch.equal(conv(a), want)
+    conv.time_winograd = True
+    conv.weight.mul_(-0.5)  # in place: the cached F(2, 3) kernels are derived again
+    assert _rel(conv(a), F.conv3d(a, conv.weight, conv.bias, padding=(0, 1, 1))) <= 1e-6
+
+
+def test_decode_with_and_without_time_winograd(diffusers_vae):
+    """`set_time_winograd(False)` decodes with plain Conv3d calls: the same pixels (float32) as the default
+    Winograd convs and as diffusers."""
+    dec = WanDecoder.from_diffusers(diffusers_vae)
+    convs = [m for m in dec.modules() if isinstance(m, TimeWinogradConv3d)]
+    assert len(convs) == 2 * sum(1 for _ in dec.decoder.modules() if type(_).__name__ == "ResidualBlock")
+    assert all(c.time_winograd for c in convs)  # on by default
+    z = torch.randn(1, 48, 5, 2, 3, generator=torch.Generator().manual_seed(5))
+    fast = dec.decode(z, chunk_size=2)
+    plain = dec.set_time_winograd(False).decode(z, chunk_size=2)
+    assert not any(c.time_winograd for c in convs)
+    with torch.no_grad():
+        expected = diffusers_vae.decode(z).sample
+    assert _rel(fast, plain) <= 1e-5 and _rel(plain, expected) <= 1e-5 and _rel(fast, expected) <= 1e-5

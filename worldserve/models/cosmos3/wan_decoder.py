@@ -3,7 +3,8 @@
 Input: raw (denormalised) latents [B, z_dim, T, h, w]; output: pixels [B, 3, 1 + 4(T-1), 16h, 16w] in [-1, 1],
 in the weights' dtype. It loads the `decoder.*` and `post_quant_conv.*` tensors of a diffusers `vae/` folder
 unchanged and computes diffusers' decode: same math and causal semantics; float32 on the CPU it matches to
-~1e-7 relative (not bit for bit: the spatial upsamplers sum their products in another order, see below).
+~1e-7 relative (not bit for bit: the Winograd convs and the spatial upsamplers sum their products in another
+order, see below).
 
 Why it is faster on a GPU (diffusers: 9.46 s at 720p x 189 frames on an H200, bench/results/README.md):
 - latent frames go in chunks: frame 0 alone (it decodes to one pixel frame), then `chunk_size` frames at
@@ -11,6 +12,12 @@ Why it is faster on a GPU (diffusers: 9.46 s at 720p x 189 frames on an H200, be
   an explicit `CausalConvCache` (per causal conv, the last 2 frames of its input), not by clone/cat/pad of
   a `feat_idx` list;
 - activations stay channels_last_3d on CUDA (no cuDNN NCHW<->NHWC transposes);
+- the residual blocks' causal 3x3x3 convs (~90 % of the FLOPs) run as Winograd F(2, 3) along time
+  (`TimeWinogradConv3d`, wan_decoder_convs.py): 4 spatial 3x3 convs per pair of output frames instead of 6,
+  plus elementwise transforms that fuse, compiled, into the norm / SiLU / residual kernels. Compiled decode
+  at 720p x 189 frames on an H200: 4.68 -> 3.79 s; its error against a float32 decode stays at diffusers'
+  bf16 level (PSNR 52.9 vs 52.3 dB; the plain convs 54.2 dB; bench/results/README.md, twelfth session).
+  `set_time_winograd(False)` restores the plain Conv3d calls;
 - the 3 spatial upsamplers (nearest-exact 2x + Conv2d 3x3, 13.6% of the 3.21 PFLOP decode) run sub-pixel
   (`SubpixelUp2xConv`): one 2x2 conv with 4x the output channels on the low-res frame padded by 1 (its
   2x2 taps are sums of the 3x3 ones, one kernel per output phase) and one interleaving copy; 4 taps
@@ -29,7 +36,9 @@ frames): the widest tensors live in the last up block at 360x640 x 4k frames (51
 ~0.5 GB else: ~6.0 + 3.3k GB, so k = 4 (the default) ~19 GB, 6 ~26 GB, 8 ~33 GB, 10 ~39 GB (k = 1, diffusers'
 schedule: ~9 GB; diffusers itself measured +13.1 GiB). Compiled, norm/SiLU/concat fuse into one buffer
 (~1k GB less). cuDNN workspaces and allocator slack come on top. `chunk_size` is a parameter; every chunk
-size gives the same numbers up to float rounding (float32 on the CPU: diffusers' to ~1e-7 in tests).
+size gives the same numbers up to float rounding (float32 on the CPU: diffusers' to ~1e-7 in tests). The
+Winograd convs add their transformed inputs (2 frames of C channels per output frame) and partial outputs:
+measured peak 27.4 GiB allocated at k = 4 (21.0 GiB with plain convs).
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from worldserve.models.cosmos3.wan_decoder_blocks import (
     causal_input,
     last_frames,
 )
+from worldserve.models.cosmos3.wan_decoder_convs import TimeWinogradConv3d
 
 DEFAULT_CHUNK_SIZE = 4  # latent frames per chunk after the first; see the memory note above
 CHECKPOINT_PREFIXES = ("decoder.", "post_quant_conv.")
@@ -254,6 +264,14 @@ class WanDecoder(nn.Module):
                 fmt = (torch.channels_last if p.ndim == 4 else torch.channels_last_3d) if cl else None
                 p.data = p.data.contiguous(memory_format=fmt or torch.contiguous_format)
         self.memory_format = memory_format
+        return self
+
+    def set_time_winograd(self, on: bool) -> WanDecoder:
+        """The residual blocks' 3x3x3 convs as Winograd F(2, 3) along time (the default: 1.5x fewer FLOPs,
+        `wan_decoder_convs.TimeWinogradConv3d`) or as plain Conv3d calls. Same parameters either way."""
+        for m in self.modules():
+            if isinstance(m, TimeWinogradConv3d):
+                m.time_winograd = on
         return self
 
     def compile(self, **kwargs) -> WanDecoder:

@@ -10,13 +10,9 @@ Parameter names and shapes equal diffusers' `AutoencoderKLWan` decoder (`norm1.g
 one memory format end to end (channels_last_3d on CUDA: cuDNN runs NDHWC convs with no NCHW<->NHWC
 transposes, and every per-frame [B*T, C, H, W] view of them is channels_last for free).
 
-The spatial upsampler (diffusers: nearest-exact 2x, then Conv2d 3x3) runs sub-pixel (`SubpixelUp2xConv`):
-each of the 4 output phases (row, column parity) of the 3x3 conv on the nearest-2x image is a 2x2 conv on
-the low-res image whose taps are sums of the 3x3 taps landing on the same low-res pixel. All 4 phases come
-from ONE 2x2 conv with 4C outputs over the input padded by 1 ([N, 4C, H+1, W+1]), then one strided copy
-interleaves them into [N, C, 2H, 2W]. 4 taps instead of 9 per output pixel: 2.25x fewer FLOPs in these
-convs (~240 of the decode's 3.21 PFLOP at 720p x 189 frames), and no 4x upsampled input is materialised.
-Exact in real arithmetic; in float32 ~1e-7 relative from diffusers' order of summation.
+The convolutions live in `wan_decoder_convs.py`: the residual blocks' 3x3x3 convs run as Winograd F(2, 3)
+along time (`TimeWinogradConv3d`, 1.5x fewer FLOPs) and the spatial upsampler sub-pixel (`SubpixelUp2xConv`,
+2.25x fewer), both exact in real arithmetic.
 """
 
 from __future__ import annotations
@@ -25,14 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from worldserve.models.cosmos3.wan_decoder_convs import (
+    CausalConv3d,
+    SubpixelUp2xConv,
+    TimeWinogradConv3d,
+    frames_2d,
+    memory_format_of,
+)
+
 CONTEXT_FRAMES = 2  # time kernel 3 - 1: what each causal conv sees of the previous chunk (diffusers CACHE_T)
-
-
-def memory_format_of(x: Tensor) -> torch.memory_format:
-    """channels_last_3d (5-D x) / channels_last (4-D x) if x is laid out so (and not also plain contiguous),
-    else contiguous_format."""
-    cl = torch.channels_last_3d if x.ndim == 5 else torch.channels_last
-    return cl if x.is_contiguous(memory_format=cl) and not x.is_contiguous() else torch.contiguous_format
 
 
 def causal_input(ctx: Tensor, x: Tensor) -> Tensor:
@@ -80,14 +77,6 @@ class CausalConvCache:
         return sum(t.numel() * t.element_size() for t in self._frames.values())
 
 
-class CausalConv3d(nn.Conv3d):
-    """Conv3d, causal in time: the caller prepends kt - 1 context frames (the previous chunk's, or zeros at
-    the start); H and W are zero-padded by the conv itself (same numbers as diffusers' explicit F.pad)."""
-
-    def __init__(self, in_dim: int, out_dim: int, kernel: tuple[int, int, int]) -> None:
-        super().__init__(in_dim, out_dim, kernel, padding=(0, kernel[1] // 2, kernel[2] // 2))
-
-
 class RMSNorm(nn.Module):
     """Wan's "RMS_norm" (diffusers `WanRMS_norm`, bias-free as every decoder norm is): L2-normalise over the
     channels (dim 1) in float32, round to the activation dtype, then `* sqrt(C) * gamma`. `gamma` keeps
@@ -114,9 +103,9 @@ class ResidualBlock(nn.Module):
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()
         self.norm1 = RMSNorm(in_dim)
-        self.conv1 = CausalConv3d(in_dim, out_dim, (3, 3, 3))
+        self.conv1 = TimeWinogradConv3d(in_dim, out_dim)
         self.norm2 = RMSNorm(out_dim)
-        self.conv2 = CausalConv3d(out_dim, out_dim, (3, 3, 3))
+        self.conv2 = TimeWinogradConv3d(out_dim, out_dim)
         self.conv_shortcut = CausalConv3d(in_dim, out_dim, (1, 1, 1)) if in_dim != out_dim else None
 
     def forward(self, x: Tensor, ctx1: Tensor, ctx2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -163,12 +152,6 @@ class AttentionBlock(nn.Module):
         return o.view(b, t, c, h, w).permute(0, 2, 1, 3, 4) + x
 
 
-def frames_2d(x: Tensor) -> Tensor:
-    """[B, C, T, H, W] -> [B*T, C, H, W] (free for channels_last_3d: the result is channels_last)."""
-    b, c, t, h, w = x.shape
-    return x.transpose(1, 2).reshape(b * t, c, h, w)
-
-
 def interleave_time(y: Tensor) -> Tensor:
     """The upsample3d time conv output [B, 2C, T, H, W] -> [B, C, 2T, H, W]: channel half s of step t
     becomes frame 2t + s (diffusers' reshape + stack), written in y's memory format."""
@@ -180,106 +163,6 @@ def interleave_time(y: Tensor) -> Tensor:
     # [B, 2, C, T, H, W] -> [B, C, T, 2, H, W] into the matching split view of the output
     out.view(b, c2 // 2, t, 2, h, w).copy_(y.unflatten(1, (2, c2 // 2)).permute(0, 2, 3, 1, 4, 5))
     return out
-
-
-class NearestUp2x(nn.Module):
-    """2x nearest-exact spatial upsampling of [N, C, H, W], in the input dtype (diffusers upcasts to
-    float32 and back: the same values, since nearest only copies). For the exact factor 2, nearest-exact's
-    source index floor((i + 0.5) / 2) is i // 2: plain repetition, which the sub-pixel form relies on.
-    Only `SubpixelUp2xConv.reference` (the diffusers formulation, for tests) calls it."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.interpolate(x, scale_factor=2.0, mode="nearest-exact")
-
-
-def _fold_taps(w: Tensor, dim: int) -> Tensor:
-    """3 taps along `dim` -> [2 phases, ...] with 2 taps along `dim`: phase 0 [w0, w1 + w2], 1 [w0 + w1, w2]."""
-    w0, w1, w2 = w.unbind(dim)
-    return torch.stack([torch.stack([w0, w1 + w2], dim), torch.stack([w0 + w1, w2], dim)])
-
-
-def subpixel_kernels(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """A 3x3 kernel [O, I, 3, 3] (padding 1) on the nearest-2x image as one 2x2 kernel [4*O, I, 2, 2] on the
-    low-res image padded by 1, and the bias [4*O]; output channel (2a + b)*O + o is phase (a, b) of channel
-    o, i.e. output pixel (2i + a, 2j + b), found at row i + a, column j + b of the 2x2 conv's output.
-
-    Per axis, output 2i + a reads low-res pixel (2i + a - 1 + k) // 2 with tap k: phase 0 reads i - 1 (tap
-    0) and i (taps 1, 2), phase 1 reads i (taps 0, 1) and i + 1 (tap 2). Taps are summed in float32 (at
-    least) and rounded once to the weight's dtype; the kernel keeps the weight's memory format."""
-    wide = weight.to(torch.promote_types(weight.dtype, torch.float32))
-    k = _fold_taps(_fold_taps(wide, 3), 3)  # columns -> [b, O, I, 3, 2]; rows -> [a, b, O, I, 2, 2]
-    k = k.reshape(4 * weight.shape[0], weight.shape[1], 2, 2)
-    k = k.to(dtype=weight.dtype, memory_format=memory_format_of(weight))
-    return k, None if bias is None else bias.repeat(4)
-
-
-def _version_key(t: Tensor | None) -> tuple:
-    """What changes when a parameter's values may have: its storage, in-place version, dtype, device, layout
-    (inference tensors keep no version counter)."""
-    if t is None:
-        return ()
-    return (t.data_ptr(), -1 if t.is_inference() else t._version, t.dtype, t.device, t.stride())
-
-
-class SubpixelUp2xConv(nn.Sequential):
-    """diffusers' `resample` (nearest-exact 2x, then Conv2d 3x3 with padding 1) of [N, C, H, W] ->
-    [N, O, 2H, 2W], computed sub-pixel: ONE 2x2 conv with 4*O outputs over the low-res input padded by 1
-    (`subpixel_kernels`: one cuDNN call gives all 4 output phases), then one strided copy interleaves the
-    phases. 4 taps per output pixel instead of 9 (2.25x fewer FLOPs, times (H+1)(W+1)/(HW)), no 4x
-    upsampled input in memory. Exact in real arithmetic; in floats the taps sum in another order than the
-    3x3 conv's (float32: ~1e-7 relative).
-
-    The children stay diffusers' (`0`: NearestUp2x, `1`: the Conv2d), so the checkpoint's keys
-    (`resample.1.weight`, `resample.1.bias`) load unchanged and the Conv2d keeps holding the parameters.
-    The 2x2 kernels are derived from them lazily and cached (not a buffer: nothing new in the state dict,
-    nothing to load on a meta-built model); the cache is rebuilt whenever the parameters' storage, in-place
-    version, dtype, device or layout changed (`.to()`, `load_state_dict`, `set_memory_format`, in-place
-    edits) and dropped on `_apply` / state dict loads. Under torch.compile the kernels are derived inside
-    the graph instead (dynamo cannot read data pointers or version counters without a graph break): one
-    small fused pointwise kernel per call (16*O*I elements, ~10 us for O = I = 1024), never stale; so are
-    they when autograd needs them (weight requiring grad, grad mode on). The eager cache holds 16/9 of
-    the conv weight (~75 MB bf16 for Wan2.2's three upsamplers)."""
-
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__(NearestUp2x(), nn.Conv2d(in_dim, out_dim, 3, padding=1))
-        self._kernels: tuple[tuple, Tensor, Tensor | None] | None = None  # (version key, weight, bias)
-
-    def kernels(self) -> tuple[Tensor, Tensor | None]:
-        """The 2x2 phase kernels [4*O, I, 2, 2] and bias [4*O] of the current 3x3 weight and bias."""
-        conv = self[1]
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and conv.weight.requires_grad):
-            return subpixel_kernels(conv.weight, conv.bias)  # traced / differentiable: never cached
-        key = (_version_key(conv.weight), _version_key(conv.bias))
-        if self._kernels is None or self._kernels[0] != key:
-            with torch.no_grad():
-                self._kernels = (key, *subpixel_kernels(conv.weight, conv.bias))
-        return self._kernels[1], self._kernels[2]
-
-    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half() / to_empty(): rebuild lazily
-        self._kernels = None
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self._kernels = None
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        n, _, h, w = x.shape
-        weight, bias = self.kernels()
-        o = weight.shape[0] // 4
-        y = F.conv2d(x, weight, bias, padding=1)  # [N, 4*O, H + 1, W + 1]
-        sn, sc, sh, sw = y.stride()
-        # [N, O, H, 2, W, 2] view of y: element (n, c, i, a, j, b) is y[n, (2a + b)*O + c, i + a, j + b]
-        phases = y.as_strided((n, o, h, 2, w, 2), (sn, sc, sh, 2 * o * sc + sh, sw, o * sc + sw))
-        out = torch.empty(
-            (n, o, 2 * h, 2 * w), dtype=y.dtype, device=y.device, memory_format=memory_format_of(x)
-        )
-        out.view(n, o, h, 2, w, 2).copy_(phases)
-        return out
-
-    def reference(self, x: Tensor) -> Tensor:
-        """diffusers' formulation: nearest-exact 2x, then the 3x3 conv (the same numbers up to rounding)."""
-        return self[1](self[0](x))
 
 
 class Upsample(nn.Module):
