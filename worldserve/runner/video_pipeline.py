@@ -150,7 +150,8 @@ class VideoPipeline:
 
         `kernels` (default KernelOptions()): compile on CUDA, fp8 GEMMs / attention, attention backend; an
         option that cannot run here (fp8 off Hopper, FLASH_ATTN without FA3) is a ValueError before any
-        loading. The compiled VAE decoder follows `kernels.compile`. `tp`: this rank's tensor-parallel group
+        loading. The compiled VAE decoder follows `kernels.compile`; under layerwise offload it decodes with plain
+        Conv3d calls (Winograd's transformed frames would add ~6.4 GiB to a 720p decode's peak). `tp`: this rank's tensor-parallel group
         (ParallelPipeline; every rank of it must then run the same transformer calls)."""
         root = Path(path)
         layout = read_layout(root)
@@ -160,9 +161,9 @@ class VideoPipeline:
         kernels = kernels or KernelOptions()
         kernels.check(device, dtype)
         transformer = load_configured_transformer(root, dtype, device, kernels, tp=tp, progress=progress)
-        vae = VideoVAE.from_pretrained(
+        vae = VideoVAE.from_pretrained(  # layerwise offload means memory is short: the leaner plain convs
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
-            compile_decoder=kernels.compile and device.type == "cuda",
+            compile_decoder=kernels.compile and device.type == "cuda", time_winograd=not kernels.layerwise_offload,
         )  # fmt: skip
         audio_vae = None
         if layout.has_sound:
