@@ -172,9 +172,47 @@ def test_auto_stream_adds_up_to_the_finished_answer(text):
     for _ in range(20):
         s_content, s_calls, called = _streamed(mode, _cuts(text, rng))
         assert s_content == (content or "") and called == bool(calls)
-        assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == [
-            (c.function.name, json.loads(c.function.arguments)) for c in calls]  # fmt: skip
+        assert [(c["name"], c["arguments"]) for c in s_calls] == [
+            (c.function.name, c.function.arguments) for c in calls]  # fmt: skip
         assert all(c["id"].startswith("chatcmpl-tool-") for c in s_calls)
+
+
+def test_auto_calls_stream_their_arguments_as_they_are_written():
+    """One character at a time: the call is announced (id, name, arguments "") as soon as its name string
+    closes, long before its block ends; then its arguments come in many deltas, each the canonical JSON
+    text settled so far (a number only once it ends), adding up to the finished answer's."""
+    text = (
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 12}}\n</tool_call>'
+    )
+    stream = ToolStream(tool_mode(TOOLS, "auto"))
+    deltas = []
+    for i, ch in enumerate(text):
+        deltas += [(i, d) for d in stream.feed(ch, i == len(text) - 1)]
+    calls = [(i, d["tool_calls"][0]) for i, d in deltas if "tool_calls" in d]
+    (at, head), args = calls[0], [c["function"]["arguments"] for _, c in calls[1:]]
+    assert head["function"] == {"name": "get_weather", "arguments": ""} and head["id"].startswith(
+        "chatcmpl-tool-"
+    )
+    assert at == text.index('", "arguments"')  # announced when the name's closing quote arrived
+    assert len(args) > 10 and "".join(args) == '{"city": "Oslo", "days": 12}'
+    assert "12}" in args and "1" not in args  # the number whole, once "}" ended it
+    assert stream.calls[0].function.arguments == '{"city": "Oslo", "days": 12}' and stream.called
+    assert "".join(d.get("content", "") for _, d in deltas) == "Sure."
+
+
+def test_an_announced_call_stands_when_its_block_is_cut():
+    """max_tokens cuts a call mid-arguments: streamed, it was announced and keeps the arguments sent (as
+    vLLM's streaming does); unstreamed, the block does not parse and is the answer's text."""
+    text = '<tool_call>{"name": "get_time", "arguments": {"tz": "Europe/Os'
+    content, calls, called = _streamed(tool_mode(TOOLS, "auto"), list(text))
+    assert called and content == "" and calls[0]["name"] == "get_time"
+    assert calls[0]["arguments"] == '{"tz": "Europe/Os'
+    assert final_message(text, tool_mode(TOOLS, "auto"), "length") == (text, [], "length")
+    # a call without arguments gets "{}" when its block ends, as unstreamed
+    content, calls, _ = _streamed(
+        tool_mode(TOOLS, "auto"), list('<tool_call>{"name": "get_time"}</tool_call>')
+    )
+    assert calls[0]["arguments"] == "{}"
 
 
 def test_named_and_required_streams():

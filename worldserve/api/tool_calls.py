@@ -13,8 +13,9 @@ vLLM does) and a tool turn's `tool_call_id` reach the template. Each bad tool, c
 its field. Call ids are vLLM's `chatcmpl-tool-<hex>`.
 
 `ToolStream` turns a choice's text deltas into the streamed deltas: content outside calls (a possible
-"<tool_call>" prefix held back), each call in one delta once complete (auto, required), a named call's
-arguments as they come.
+"<tool_call>" prefix held back); an auto call announced (id, name) once its name is written, then its
+arguments' canonical JSON text as it settles (`_OpenCall`, as vLLM's hermes parser streams them); a
+required answer's calls in one delta each at the end; a named call's arguments as they come.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from worldserve.api.bodies import check_unicode
 from worldserve.api.errors import APIError
+from worldserve.api.json_stream import JsonStream
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 
@@ -248,6 +250,7 @@ class ToolStream:
         self._calls = 0  # calls sent
         self.content = ""  # (auto) the content sent: the text before the first call
         self.calls: list[ToolCallOut] = []  # (auto, required) the calls sent
+        self._open: _OpenCall | None = None  # (auto) the <tool_call> block being written
 
     def feed(self, piece: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas to send for this text `piece` (the last one when `finished`)."""
@@ -288,14 +291,21 @@ class ToolStream:
                 self._content(out, rest[:start])
                 continue
             end = rest.find(CALL_END)
-            if end < 0 and not finished:
-                return out  # inside a call: wait for its end
+            body = rest[len(CALL_START) : end if end >= 0 else len(rest)]
+            if self._open is None:
+                self._open = _OpenCall()
+            if end < 0 and not finished:  # inside a call: its name, then its arguments as they settle
+                out += self._open.read(self, body[: len(body) - partial_suffix(body, CALL_END)])
+                return out
             block_end = end + len(CALL_END) if end >= 0 else len(rest)  # an unterminated block: to the end
-            call = _call(rest[len(CALL_START) : end if end >= 0 else len(rest)])
-            if call is None:  # not a call after all: its text is content
+            opened, self._open = self._open, None
+            if opened.call is not None:  # announced while streaming: the call stands
+                out += opened.finish(body)
+            elif (call := _call(body)) is not None:
+                out.append(self._call_delta(call))
+            else:  # not a call after all: its text is content
                 self._content(out, rest[:block_end])
                 continue
-            out.append(self._call_delta(call))
             self._sent += block_end
 
     def _content(self, out: list, text: str) -> None:
@@ -311,6 +321,62 @@ class ToolStream:
         self._calls += 1
         self.calls.append(call)
         return delta
+
+
+class _OpenCall:
+    """An auto answer's <tool_call> block while the model writes it: the call is announced (id, name,
+    arguments "") once its "name" string is complete, then its arguments follow as their canonical text
+    settles (`JsonStream`), so they add up to the finished answer's `json.dumps` of them. Once announced a
+    call stands: should its block stop being JSON (or be cut by max_tokens), its arguments are what was
+    sent, where the unstreamed answer (vLLM's too) would count the block as text. A block naming both
+    "arguments" and "parameters" streams the first it meets."""
+
+    def __init__(self) -> None:
+        self.json = JsonStream()
+        self.fed = 0  # characters of the body fed
+        self.call: ToolCallOut | None = None
+        self.index = 0
+        self.member = ""  # "arguments" or "parameters", once met
+        self.sent = ""  # the arguments text sent
+
+    def read(self, stream: ToolStream, body: str) -> list[dict[str, Any]]:
+        """The deltas of the block's new text (`body`: all of it so far, without a partial end tag)."""
+        self.json.feed(body[self.fed :])
+        self.fed = len(body)
+        if self.call is None:
+            name = self.json.strings.get(("name",))
+            if name is None or self.json.failed:
+                return []
+            self.index = stream._calls
+            self.call = call_out(name, "", text=True)
+            return [stream._call_delta(self.call), *self._more_arguments()]
+        return self._more_arguments()
+
+    def finish(self, body: str) -> list[dict[str, Any]]:
+        """The last deltas of an announced call, its block complete (or cut): the rest of the finished
+        arguments when what was sent begins them (e.g. none: "{}"), else nothing more."""
+        self.json.feed(body[self.fed :])
+        self.json.close()
+        out = self._more_arguments()
+        final = _call(body)
+        args = self.sent if final is None else final.function.arguments
+        self.call.function.arguments = args if args.startswith(self.sent) else self.sent
+        rest = self.call.function.arguments[len(self.sent) :]
+        return out + ([self._arguments_delta(rest)] if rest else [])
+
+    def _more_arguments(self) -> list[dict[str, Any]]:
+        if not self.member:
+            self.member = next(
+                (p[0] for p, _ in self.json.pieces if p[:1] in (("arguments",), ("parameters",))), ""
+            )
+        text = self.json.text((self.member,)) if self.member else ""
+        if len(text) <= len(self.sent):
+            return []
+        delta, self.sent = text[len(self.sent) :], text
+        return [self._arguments_delta(delta)]
+
+    def _arguments_delta(self, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": self.index, "function": {"arguments": text}}]}
 
 
 def partial_suffix(text: str, tag: str) -> int:
