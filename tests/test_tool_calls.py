@@ -10,15 +10,8 @@ import random
 
 import pytest
 
-from worldserve.api.tool_calls import (
-    ToolIn,
-    ToolStream,
-    final_message,
-    hermes_calls,
-    message_calls,
-    tool_constraint,
-    tool_mode,
-)
+from worldserve.api.tool_calls import ToolIn, message_calls, tool_constraint, tool_mode
+from worldserve.api.tool_stream import ToolStream, final_message, hermes_calls
 from worldserve.params import ParamError
 from worldserve.sampling.grammar import check
 
@@ -227,3 +220,25 @@ def test_named_and_required_streams():
     assert called and [c["name"] for c in calls] == ["get_weather", "get_time"] and content == ""
     content, calls, called = _streamed(required, ['[{"name": "get_w'])  # cut by max_tokens: the text itself
     assert content == '[{"name": "get_w' and not calls and not called
+
+
+def test_required_calls_stream_item_by_item():
+    """The required answer's JSON list: each call announced once its name is written, its parameters
+    streamed as they settle, in order; a list cut after a name keeps the calls announced."""
+    required = tool_mode(TOOLS, "required")
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    stream = ToolStream(required)
+    deltas = [
+        (i, d["tool_calls"][0]) for i, ch in enumerate(text) for d in stream.feed(ch, i == len(text) - 1)
+    ]
+    heads = [(i, d["function"]["name"], d["index"]) for i, d in deltas if "id" in d]
+    assert heads == [(text.index('", "parameters"'), "get_weather", 0),
+                     (text.rindex('", "parameters"'), "get_time", 1)]  # fmt: skip
+    args = [
+        "".join(d["function"]["arguments"] for _, d in deltas if d["index"] == k and "id" not in d)
+        for k in (0, 1)
+    ]
+    assert args == ['{"city": "Oslo"}', "{}"] and len([d for _, d in deltas if d["index"] == 0]) > 5
+    assert [c.function.arguments for c in stream.calls] == args
+    _, calls, called = _streamed(required, list('[{"name": "get_weather", "parameters": {"ci'))  # cut
+    assert called and calls[0]["name"] == "get_weather" and calls[0]["arguments"] == "{"

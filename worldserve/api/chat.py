@@ -23,7 +23,7 @@ template (a key it does not use changes nothing, as in vLLM); keys that are appl
 arguments are a 400. Both reach the Reasoner on `ChatParams`. A completion budget past the context names the
 field the client sent (`max_completion_tokens` wins over `max_tokens`, as in vLLM).
 Streaming: per choice, the first chunk carries the role (then, with vLLM's `echo`, the continued message),
-then one chunk per text piece (with tools: content and `tool_calls` deltas, api/tool_calls.py ToolStream),
+then one chunk per text piece (with tools: content and `tool_calls` deltas, api/tool_stream.py ToolStream),
 a final chunk with `delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
 `data: [DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far. Errors before the
 first byte use the normal envelope; a failure mid-stream is sent as `data: {"error": ...}` followed by

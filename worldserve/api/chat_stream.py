@@ -2,7 +2,7 @@
 
 Each choice is one chat on the ChatWorker (they decode batched together). `metered` counts every chat into
 the metrics; `collect` builds the `chat.completion` object (with tools, each text's calls parsed out:
-api/tool_calls.py final_message); `sse` merges the choices' events as they come (with tools, each through a
+api/tool_stream.py final_message); `sse` merges the choices' events as they come (with tools, each through a
 ToolStream into content / tool_calls deltas; with vLLM's chat `echo`, the continued message after the role)
 (each chunk names its choice `index`), ends each choice with a `delta: {}` chunk carrying its finish_reason,
 adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-stream is sent as
@@ -37,7 +37,8 @@ from worldserve.api.chat_protocol import (
 )  # fmt: skip
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.reasoning import ReasoningStream, split_reasoning
-from worldserve.api.tool_calls import ToolMode, ToolStream, final_message
+from worldserve.api.tool_calls import ToolMode
+from worldserve.api.tool_stream import ToolStream, final_message
 from worldserve.engine.client import (
     ChatDelta,
     ChatFailed,
@@ -179,7 +180,7 @@ class TextParsing:
     """How a chat's text becomes its answer message."""
 
     tools: ToolMode | None = None
-    """The request's tools: their calls parsed out of the content (api/tool_calls.py); None: no tools."""
+    """The request's tools: their calls parsed out of the content (api/tool_stream.py); None: no tools."""
     reasoning: bool = False
     """--reasoning-parser qwen3: a <think> answer split into reasoning_content and content (api/reasoning.py)."""
     include_reasoning: bool = True

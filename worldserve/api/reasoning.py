@@ -7,7 +7,7 @@ reasoning_content: the pain point the docs record.)
 `split_reasoning(text)` splits a finished answer; `ReasoningStream` splits a streamed one into
 `reasoning_content` / `content` deltas that add up to the same (a possible "<think>" or "</think>" still
 being written is held back). An unfinished thought (cut by max_tokens) is reasoning, streamed or not. The
-content then goes through tool-call parsing (api/tool_calls.py), as vLLM extracts tool calls from the content
+content then goes through tool-call parsing (api/tool_stream.py), as vLLM extracts tool calls from the content
 only. `include_reasoning: false` (vLLM's request field) drops the thoughts from the answer.
 """
 

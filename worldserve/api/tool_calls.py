@@ -12,10 +12,7 @@ Messages: an assistant turn's `tool_calls` (their JSON `arguments` handed to the
 vLLM does) and a tool turn's `tool_call_id` reach the template. Each bad tool, choice or call is a 400 naming
 its field. Call ids are vLLM's `chatcmpl-tool-<hex>`.
 
-`ToolStream` turns a choice's text deltas into the streamed deltas: content outside calls (a possible
-"<tool_call>" prefix held back); an auto call announced (id, name) once its name is written, then its
-arguments' canonical JSON text as it settles (`_OpenCall`, as vLLM's hermes parser streams them); a
-required answer's calls in one delta each at the end; a named call's arguments as they come.
+Reading the calls out of an answer, finished or streamed: api/tool_stream.py.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from worldserve.api.bodies import check_unicode
 from worldserve.api.errors import APIError
-from worldserve.api.json_stream import JsonStream
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 
@@ -179,17 +175,6 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
     return tuple(out)
 
 
-def hermes_calls(text: str) -> tuple[str | None, list[ToolCallOut]] | None:
-    """(content or None, the calls) of a finished text holding <tool_call> blocks, each JSON {"name",
-    "arguments"}: the content is the text before the first block that parses (a block that does not parse,
-    e.g. cut mid-JSON, is text; an unterminated one that parses is a call), the rest after it is dropped;
-    None when no block parses (then it is all content). The same parser as a streamed answer's (ToolStream),
-    fed the whole text at once."""
-    stream = ToolStream(ToolMode(choice="auto", tools=()))
-    stream.feed(text, finished=True)
-    return (stream.content or None, stream.calls) if stream.calls else None
-
-
 def call_out(name: str, arguments: Any, *, text: bool = False) -> ToolCallOut:
     """A call of `name` with a fresh id: `arguments` serialized as vLLM does (JSON, non-ASCII kept), or
     taken as the text it is (`text`: a named choice's generated arguments)."""
@@ -197,7 +182,7 @@ def call_out(name: str, arguments: Any, *, text: bool = False) -> ToolCallOut:
     return ToolCallOut(function=FunctionCallOut(name=name, arguments=args))
 
 
-def _call(body: str) -> ToolCallOut | None:
+def hermes_call(body: str) -> ToolCallOut | None:
     """A hermes block's {"name", "arguments"} as a call, or None when it is not one."""
     try:
         obj = json.loads(body)
@@ -221,162 +206,6 @@ def required_calls(text: str) -> list[ToolCallOut] | None:
     ):
         return None
     return [call_out(i["name"], i.get("parameters", {})) for i in items]
-
-
-def final_message(
-    text: str | None, mode: ToolMode | None, finish_reason: str | None
-) -> tuple[str | None, list, str | None]:
-    """A finished choice's (content, tool_calls, finish_reason) under `mode` (`text` None: no content)."""
-    if text is None or mode is None or not mode.parsed:
-        return text, [], finish_reason
-    if mode.choice == "named":
-        return "", [call_out(mode.name, text, text=True)], finish_reason
-    if mode.choice == "required":
-        calls = required_calls(text)
-        return ("", calls, finish_reason) if calls is not None else (text, [], finish_reason)
-    found = hermes_calls(text)
-    if found is None:
-        return text, [], finish_reason
-    return found[0], found[1], "tool_calls"
-
-
-class ToolStream:
-    """One streamed choice's text deltas -> its chunk deltas under a parsed ToolMode."""
-
-    def __init__(self, mode: ToolMode) -> None:
-        self.mode = mode
-        self.text = ""  # every text delta so far
-        self._sent = 0  # characters of text settled (sent as content, or inside a call)
-        self._calls = 0  # calls sent
-        self.content = ""  # (auto) the content sent: the text before the first call
-        self.calls: list[ToolCallOut] = []  # (auto, required) the calls sent
-        self._open: _OpenCall | None = None  # (auto) the <tool_call> block being written
-
-    def feed(self, piece: str, finished: bool) -> list[dict[str, Any]]:
-        """The deltas to send for this text `piece` (the last one when `finished`)."""
-        self.text += piece
-        if (
-            self.mode.choice == "named"
-        ):  # the call opens with its first argument text (none: no call, as unstreamed)
-            if not piece:
-                return []
-            out = [] if self._calls else [self._call_delta(call_out(self.mode.name, "", text=True))]
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
-            return out
-        if self.mode.choice == "required":
-            if not finished:
-                return []
-            calls = required_calls(self.text)
-            return [{"content": self.text}] if calls is None else [self._call_delta(c) for c in calls]
-        return self._auto(finished)
-
-    @property
-    def called(self) -> bool:
-        return self._calls > 0
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        """auto: "tool_calls" once a call was sent; otherwise the chat's own."""
-        return "tool_calls" if self.mode.choice == "auto" and self.called else reason
-
-    def _auto(self, finished: bool) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        while True:
-            rest = self.text[self._sent :]
-            start = rest.find(CALL_START)
-            if start < 0:  # content, holding back what could still become "<tool_call>"
-                keep = 0 if finished else partial_suffix(rest, CALL_START)
-                self._content(out, rest[: len(rest) - keep])
-                return out
-            if start:
-                self._content(out, rest[:start])
-                continue
-            end = rest.find(CALL_END)
-            body = rest[len(CALL_START) : end if end >= 0 else len(rest)]
-            if self._open is None:
-                self._open = _OpenCall()
-            if end < 0 and not finished:  # inside a call: its name, then its arguments as they settle
-                out += self._open.read(self, body[: len(body) - partial_suffix(body, CALL_END)])
-                return out
-            block_end = end + len(CALL_END) if end >= 0 else len(rest)  # an unterminated block: to the end
-            opened, self._open = self._open, None
-            if opened.call is not None:  # announced while streaming: the call stands
-                out += opened.finish(body)
-            elif (call := _call(body)) is not None:
-                out.append(self._call_delta(call))
-            else:  # not a call after all: its text is content
-                self._content(out, rest[:block_end])
-                continue
-            self._sent += block_end
-
-    def _content(self, out: list, text: str) -> None:
-        """Settle `text` as content: sent before the first call, dropped after it (the whole answer's content
-        is the text before its first call, as vLLM's hermes parser gives it)."""
-        if text and not self.called:
-            out.append({"content": text})
-            self.content += text
-        self._sent += len(text)
-
-    def _call_delta(self, call: ToolCallOut) -> dict[str, Any]:
-        delta = {"tool_calls": [{"index": self._calls, **call.model_dump()}]}
-        self._calls += 1
-        self.calls.append(call)
-        return delta
-
-
-class _OpenCall:
-    """An auto answer's <tool_call> block while the model writes it: the call is announced (id, name,
-    arguments "") once its "name" string is complete, then its arguments follow as their canonical text
-    settles (`JsonStream`), so they add up to the finished answer's `json.dumps` of them. Once announced a
-    call stands: should its block stop being JSON (or be cut by max_tokens), its arguments are what was
-    sent, where the unstreamed answer (vLLM's too) would count the block as text. A block naming both
-    "arguments" and "parameters" streams the first it meets."""
-
-    def __init__(self) -> None:
-        self.json = JsonStream()
-        self.fed = 0  # characters of the body fed
-        self.call: ToolCallOut | None = None
-        self.index = 0
-        self.member = ""  # "arguments" or "parameters", once met
-        self.sent = ""  # the arguments text sent
-
-    def read(self, stream: ToolStream, body: str) -> list[dict[str, Any]]:
-        """The deltas of the block's new text (`body`: all of it so far, without a partial end tag)."""
-        self.json.feed(body[self.fed :])
-        self.fed = len(body)
-        if self.call is None:
-            name = self.json.strings.get(("name",))
-            if name is None or self.json.failed:
-                return []
-            self.index = stream._calls
-            self.call = call_out(name, "", text=True)
-            return [stream._call_delta(self.call), *self._more_arguments()]
-        return self._more_arguments()
-
-    def finish(self, body: str) -> list[dict[str, Any]]:
-        """The last deltas of an announced call, its block complete (or cut): the rest of the finished
-        arguments when what was sent begins them (e.g. none: "{}"), else nothing more."""
-        self.json.feed(body[self.fed :])
-        self.json.close()
-        out = self._more_arguments()
-        final = _call(body)
-        args = self.sent if final is None else final.function.arguments
-        self.call.function.arguments = args if args.startswith(self.sent) else self.sent
-        rest = self.call.function.arguments[len(self.sent) :]
-        return out + ([self._arguments_delta(rest)] if rest else [])
-
-    def _more_arguments(self) -> list[dict[str, Any]]:
-        if not self.member:
-            self.member = next(
-                (p[0] for p, _ in self.json.pieces if p[:1] in (("arguments",), ("parameters",))), ""
-            )
-        text = self.json.text((self.member,)) if self.member else ""
-        if len(text) <= len(self.sent):
-            return []
-        delta, self.sent = text[len(self.sent) :], text
-        return [self._arguments_delta(delta)]
-
-    def _arguments_delta(self, text: str) -> dict[str, Any]:
-        return {"tool_calls": [{"index": self.index, "function": {"arguments": text}}]}
 
 
 def partial_suffix(text: str, tag: str) -> int:
