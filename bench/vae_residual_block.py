@@ -43,10 +43,17 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile-dir", type=Path, default=None)
+    ap.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="let cuDNN time its algorithms per shape (default: heuristics)",
+    )
     args = ap.parse_args()
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     device, dtype, cl = torch.device("cuda"), torch.bfloat16, torch.channels_last_3d
     res: dict = {"torch": torch.__version__, "python": platform.python_version(),
-                 "device": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(), "levels": {}}  # fmt: skip
+                 "device": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
+                 "cudnn_benchmark": args.cudnn_benchmark, "levels": {}}  # fmt: skip
     for level in args.levels.split(","):
         cin, cout, t, h, w = LEVELS[level]
         torch.manual_seed(0)
