@@ -247,13 +247,44 @@ def test_stored_responses_continue_a_conversation(reasoner_oai, reasoner_url):
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_item_references_name_stored_output_items(reasoner_oai, reasoner_url):
+    """A client replaying a conversation may name an earlier output item by id (an item_reference, as Codex
+    does for its function calls): the same answer as the item sent in full; a reference to no stored item
+    (never made, or its response deleted) is a 404 naming it, one without an id a 400."""
+    first = reasoner_oai.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], extra_body={"seed": 1},
+                                          tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    (call,) = first.output
+    turn = [{"role": "user", "content": "Weather in Oslo?"}, None,
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}]  # fmt: skip
+    kw = {"model": MODEL, "tools": [WEATHER], "temperature": 0, "max_output_tokens": 6}
+    full = reasoner_oai.responses.create(input=[turn[0], call.model_dump(), turn[2]], **kw)
+    named = reasoner_oai.responses.create(
+        input=[turn[0], {"type": "item_reference", "id": call.id}, turn[2]], **kw
+    )
+    assert named.output_text == full.output_text and named.usage.input_tokens == full.usage.input_tokens
+    for item, status in (
+        ({"type": "item_reference", "id": "fc_none"}, 404),
+        ({"type": "item_reference"}, 400),
+    ):
+        r = httpx.post(
+            reasoner_url + "/v1/responses", json={"model": MODEL, "input": [turn[0], item, turn[2]]}
+        )
+        assert r.status_code == status and r.json()["error"]["param"] == "input[1].id", r.text
+    reasoner_oai.responses.delete(first.id)
+    r = httpx.post(reasoner_url + "/v1/responses",
+                   json={"model": MODEL, "input": [{"type": "item_reference", "id": call.id}]})  # fmt: skip
+    assert r.status_code == 404 and r.json()["error"]["param"] == "input[0].id"
+
+
 def test_the_store_keeps_the_most_recent_within_its_budget():
     from worldserve.api.responses_store import ResponseStore
 
     def response(i: int) -> dict:
         return {
             "id": f"resp_{i}",
-            "output": [{"type": "message", "content": [{"type": "output_text", "text": "x" * 100}]}],
+            "output": [
+                {"type": "message", "id": f"msg_{i}", "content": [{"type": "output_text", "text": "x" * 100}]}
+            ],
         }
 
     store = ResponseStore(max_bytes=1000)
@@ -263,6 +294,10 @@ def test_the_store_keeps_the_most_recent_within_its_budget():
     assert store.get("resp_0") is not None and store.get("resp_7") is not None and store.get("resp_1") is None
     history, body = store.get("resp_7")
     assert history == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 100}]
+    assert (
+        store.item("msg_7")["id"] == "msg_7" and store.item("msg_1") is None
+    )  # items go with their response
+    assert store.delete("resp_7") and store.item("msg_7") is None and store.item("msg_0") is not None
 
 
 def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, reasoner_url):

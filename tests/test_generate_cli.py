@@ -78,13 +78,21 @@ def test_v2v_npz(tiny_ckpt, tmp_path):
 
 
 def test_layerwise_offload_gives_the_same_frames(tiny_ckpt, tmp_path):
+    """The offloaded transformer gives bitwise the same latents and audio; the frames agree to float
+    rounding (under offload the VAE decodes with plain Conv3d calls, not the Winograd convs: ~1e-7 apart,
+    at most one uint8 step after rounding)."""
+    from safetensors.numpy import load_file
+
     outs = [tmp_path / "plain.npz", tmp_path / "offload.npz"]
     for out, extra in zip(outs, ([], ["--enable-layerwise-offload"]), strict=True):
-        _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--device", "cpu", *extra, "-o", out)
+        _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--device", "cpu", *extra, "-o", out,
+                  "--save-latents", out.with_suffix(".safetensors"))  # fmt: skip
     plain, offload = (np.load(o) for o in outs)
-    assert np.array_equal(plain["frames"], offload["frames"]) and np.array_equal(
-        plain["audio"], offload["audio"]
-    )
+    latents = [load_file(o.with_suffix(".safetensors")) for o in outs]
+    assert latents[0].keys() == latents[1].keys()
+    assert all(np.array_equal(latents[0][k], latents[1][k]) for k in latents[0])
+    assert np.array_equal(plain["audio"], offload["audio"])
+    assert np.abs(plain["frames"].astype(int) - offload["frames"].astype(int)).max() <= 1
 
 
 def test_t2i_png(tiny_ckpt, tmp_path):

@@ -29,13 +29,27 @@ from worldserve.api.chat import chat_choices, model_not_found
 from worldserve.api.chat_stream import TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
-from worldserve.api.responses_protocol import ResponsesRequest, to_chat
+from worldserve.api.responses_protocol import InputItem, ResponsesRequest, to_chat
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import ChatDelta, ChatFailed
 from worldserve.params import ParamError
 
 router = APIRouter(tags=["responses"])
 State = Annotated[AppState, Depends(app_state)]
+
+
+def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
+    """An input item, an item_reference replaced by the stored output item it names."""
+    if item.type != "item_reference":
+        return item
+    if item.id is None:
+        raise APIError(400, "an item_reference item needs the id of the item it names", param=f"{where}.id")
+    found = st.responses.item(item.id) if st.responses is not None else None
+    if found is None:
+        raise APIError(404, f"Item with id '{item.id}' not found (items of stored responses live in the "
+                       "server's memory: a restart, --responses-store-mb or store=false leave none)",
+                       param=f"{where}.id")  # fmt: skip
+    return InputItem.model_validate(found)
 
 
 @router.post("/v1/responses")
@@ -52,6 +66,8 @@ async def create_response(request: Request, st: State):
                            "in the server's memory: a restart, --responses-store-mb or store=false leave none)",
                            param="previous_response_id")  # fmt: skip
         history = found[0]
+    if not isinstance(req.input, str):
+        req.input = [_resolved(st, item, f"input[{i}]") for i, item in enumerate(req.input or ())]
     chat, paths, conversation = to_chat(req, history)
     context = getattr(st.client.chat_worker.backend, "max_model_len", None) if st.client.chat_worker else None
     if req.truncation == "auto" and chat.truncate_prompt_tokens is None and context is not None:

@@ -43,10 +43,14 @@ class InputPart(BaseModel):
 
 
 class InputItem(BaseModel):
-    """A message, function_call, function_call_output or reasoning item (their fields together)."""
+    """A message, function_call, function_call_output, reasoning or item_reference item (their fields
+    together; a reference is replaced by the stored item it names before `to_chat`)."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning", "item_reference"] = (
+        "message"
+    )
+    id: str | None = None
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None

@@ -4,7 +4,9 @@ recently used first, within a byte budget, so that `previous_response_id` can co
 here the oldest are dropped past `--responses-store-mb` (default 256 MiB). A restart forgets them.
 
 Each entry holds the conversation as the chat messages the response answered (its instructions left out, as
-OpenAI does not carry them over) plus its output as assistant turns, and the response object itself.
+OpenAI does not carry them over) plus its output as assistant turns, and the response object itself. Its
+output items are found by their ids too (`item`): clients that replay a conversation each turn may name an
+earlier output (a function_call, a message) by an `item_reference` instead of sending it again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ResponseStore:
     def __init__(self, max_bytes: int = 256 * 2**20) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any], int]] = OrderedDict()
+        self._items: dict[str, dict[str, Any]] = {}  # output item id -> the item, for the stored responses
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -30,13 +33,12 @@ class ResponseStore:
         history = [*messages, *output_messages(response["output"])]
         size = len(json.dumps(history)) + len(json.dumps(response))
         with self._lock:
-            if (old := self._entries.pop(response["id"], None)) is not None:
-                self._bytes -= old[2]
+            self._drop(self._entries.pop(response["id"], None))
             self._entries[response["id"]] = (history, response, size)
+            self._items.update((o["id"], o) for o in response["output"] if "id" in o)
             self._bytes += size
             while self._bytes > self.max_bytes and self._entries:
-                _, (_, _, dropped) = self._entries.popitem(last=False)
-                self._bytes -= dropped
+                self._drop(self._entries.popitem(last=False)[1])
 
     def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """(the conversation as chat messages, the response object), or None."""
@@ -47,12 +49,23 @@ class ResponseStore:
             self._entries.move_to_end(response_id)
             return entry[0], entry[1]
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """A stored response's output item by its id, or None."""
+        with self._lock:
+            return self._items.get(item_id)
+
     def delete(self, response_id: str) -> bool:
         with self._lock:
             entry = self._entries.pop(response_id, None)
-            if entry is not None:
-                self._bytes -= entry[2]
+            self._drop(entry)
             return entry is not None
+
+    def _drop(self, entry: tuple | None) -> None:
+        """Forget a removed entry's bytes and items (under the lock)."""
+        if entry is not None:
+            self._bytes -= entry[2]
+            for o in entry[1]["output"]:
+                self._items.pop(o.get("id"), None)
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
