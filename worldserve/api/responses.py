@@ -9,8 +9,8 @@ Responses output items (`ResponseBuilder`): with `--reasoning-parser` a `reasoni
 response.output_item.added, response.content_part.added, response.output_text.delta, ..., response.completed,
 or response.incomplete when `max_output_tokens` cut it, response.failed when the chat failed), each with its
 `sequence_number`. Errors name the Responses field the client sent. A response is stored (`store`, OpenAI's
-default; in memory, api/responses_store.py) for `previous_response_id` to continue and GET / DELETE
-/v1/responses/{id} to find.
+default; in memory, api/responses_store.py) for `previous_response_id` to continue, `item_reference` input
+items to name its output items by id, and GET / DELETE /v1/responses/{id} to find.
 """
 
 from __future__ import annotations
