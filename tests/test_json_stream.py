@@ -67,7 +67,9 @@ def test_a_members_value_streams_on_its_own():
 @pytest.mark.parametrize(
     ("text", "sent"),
     [('{"a" 1}', '{"a"'), ('{"a": tru}', '{"a": '), ("[1,,2]", "[1, "), ('{"a": "\\x"}', '{"a": "'),
-     ('{"a": 1}}', '{"a": 1}'), ("x", ""), ('{"a": "b\n"}', '{"a": "b'), ("[1 2]", "[1"), ("{,}", "{")],
+     ('{"a": 1}}', '{"a": 1}'), ("x", ""), ('{"a": "b\n"}', '{"a": "b'), ("[1 2]", "[1"), ("{,}", "{"),
+     ('"\\u+041"', '"'), ('"\\u0x41"', '"'), ('"\\u 041"', '"'), ('"\\u００４１"', '"'),  # int() would take these
+     ("[1, 2", "[1, 2"), ('"abc', '"abc'), ("{", "{"), ("tru", "")],  # cut: fails at close()
 )  # fmt: skip
 def test_text_that_is_not_json_stops_the_stream(text, sent):
     js = _streamed(text, [])

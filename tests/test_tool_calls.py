@@ -242,3 +242,28 @@ def test_required_calls_stream_item_by_item():
     assert [c.function.arguments for c in stream.calls] == args
     _, calls, called = _streamed(required, list('[{"name": "get_weather", "parameters": {"ci'))  # cut
     assert called and calls[0]["name"] == "get_weather" and calls[0]["arguments"] == "{"
+
+
+def test_streams_found_by_fuzzing():
+    """A fuzzing review's finds: a required list that breaks as its first name closes is the text (it
+    raised); "parameters" before "arguments" streams what the finished answer takes (the first); a required
+    item without parameters completes ("{}") before the next call's deltas; nesting past the JSON decoder's
+    recursion limit is text, not an exception; a named answer with no text makes no call either way."""
+    required, auto = tool_mode(TOOLS, "required"), tool_mode(TOOLS, "auto")
+    for pieces in (['[{"name":"a"]'], ['[{"name":"a"]', ""]):
+        stream = ToolStream(required)
+        deltas = [d for i, p in enumerate(pieces) for d in stream.feed(p, i == len(pieces) - 1)]
+        assert deltas == [{"content": '[{"name":"a"]'}] and not stream.called
+    text = '<tool_call>{"name": "f", "parameters": {"p": 1}, "arguments": {"a": 2}}</tool_call>'
+    _, calls, _ = _streamed(auto, list(text))
+    assert calls[0]["arguments"] == final_message(text, auto, "stop")[1][0].function.arguments == '{"p": 1}'
+    text = '[{"name": "a"}, {"name": "b", "parameters": {"y": 2}}]'
+    stream = ToolStream(required)
+    indices = [c["index"] for i, ch in enumerate(text) for d in stream.feed(ch, i == len(text) - 1)
+               for c in d["tool_calls"]]  # fmt: skip
+    assert indices == sorted(indices) and [c.function.arguments for c in stream.calls] == ["{}", '{"y": 2}']
+    deep = '<tool_call>{"name": "f", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>"
+    assert final_message(deep, auto, "stop") == (deep, [], "stop")
+    assert final_message("[" * 1000 + "]" * 1000, required, "stop")[1] == []
+    named = tool_mode(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    assert final_message("", named, "stop") == ("", [], "stop")

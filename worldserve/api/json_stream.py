@@ -11,7 +11,8 @@ one member's value out of a larger object (a hermes call's "arguments") while it
 
 The pieces add up to the canonical text of any JSON value `json.loads` accepts, except an object with a
 repeated key (json.loads keeps the last value; the stream has sent both). Text that is not JSON sets
-`failed`; nothing after the first bad character is emitted.
+`failed` at its first bad character (nothing after it is emitted), text that ends before its value does
+at `close()`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 
 _WS = " \t\n\r"
+_HEX = "0123456789abcdefABCDEF"
 _DELIMITERS = _WS + ',:[]{}"'
 _CLOSERS = {"}": "{", "]": "["}
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -74,9 +76,11 @@ class JsonStream:
                     self._structural(ch)
 
     def close(self) -> None:
-        """The end of the text: a top-level number or literal ends here."""
+        """The end of the text: a top-level number or literal ends here; a value still open fails."""
         if self._scalar and not self.failed:
             self._end_scalar()
+        if not self.done:
+            self._fail()
 
     # ------------------------------------------------------------------ scanning
     def _emit(self, text: str) -> None:
@@ -146,12 +150,11 @@ class JsonStream:
             self._escape += ch
             esc = self._escape
             if esc[1] == "u":
+                if len(esc) > 2 and ch not in _HEX:
+                    return self._fail()
                 if len(esc) < 6:
                     return
-                try:
-                    decoded = chr(int(esc[2:], 16))
-                except ValueError:
-                    return self._fail()
+                decoded = chr(int(esc[2:], 16))
             elif esc[1] in _ESCAPES:
                 decoded = _ESCAPES[esc[1]]
             else:

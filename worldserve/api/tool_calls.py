@@ -183,14 +183,15 @@ def call_out(name: str, arguments: Any, *, text: bool = False) -> ToolCallOut:
 
 
 def hermes_call(body: str) -> ToolCallOut | None:
-    """A hermes block's {"name", "arguments"} as a call, or None when it is not one."""
+    """A hermes block's {"name", "arguments"} as a call, or None when it is not one ("parameters" is taken
+    for "arguments" too; with both, the first in the text, as a streamed call sends it)."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting deeper than the decoder's recursion limit)
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = next((v for k, v in obj.items() if k in ("arguments", "parameters")), {})
     return call_out(obj["name"], args)
 
 
@@ -199,7 +200,7 @@ def required_calls(text: str) -> list[ToolCallOut] | None:
     length cut)."""
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(items, list) or not all(
         isinstance(i, dict) and isinstance(i.get("name"), str) for i in items

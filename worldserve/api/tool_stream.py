@@ -4,10 +4,12 @@
 choice's text deltas into the streamed deltas: content outside calls (a possible "<tool_call>" prefix held
 back); each call announced (id, name, arguments "") as soon as its name is written, then its arguments'
 canonical JSON text as it settles (`JsonStream`), as vLLM's hermes parser streams them: an auto answer's
-<tool_call> blocks, a required answer's JSON list; a named call's arguments as they come. The streamed
-arguments add up to the finished answer's, except that a call once announced stands: should its text stop
-being JSON or be cut by max_tokens, its arguments are what was sent, where the unstreamed answer (vLLM's
-too) has the text as content.
+<tool_call> blocks, a required answer's JSON list (in order: a call without arguments gets "{}" when the next
+begins); a named call's arguments as they come. A call whose name and end come in one text piece is sent
+whole, in one delta. The streamed calls add up to the finished answer's, except that a call once announced
+stands: should its text stop being JSON, be cut by max_tokens, or (required) the list turn out not to be a
+list of calls, its arguments are what was sent, where the unstreamed answer (vLLM's too) has the text as
+content; and a repeated key in a call's JSON streams as written (the finished parse keeps the last value).
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def final_message(
     """A finished choice's (content, tool_calls, finish_reason) under `mode` (`text` None: no content)."""
     if text is None or mode is None or not mode.parsed:
         return text, [], finish_reason
-    if mode.choice == "named":
-        return "", [call_out(mode.name, text, text=True)], finish_reason
+    if mode.choice == "named":  # (no text, e.g. the answer only thought: no call)
+        return (
+            ("", [call_out(mode.name, text, text=True)], finish_reason) if text else (text, [], finish_reason)
+        )
     if mode.choice == "required":
         calls = required_calls(text)
         return ("", calls, finish_reason) if calls is not None else (text, [], finish_reason)
@@ -79,6 +83,7 @@ class ToolStream:
             if not piece:
                 return []
             out = [] if self._calls else [self._call_delta(call_out(self.mode.name, "", text=True))]
+            self.calls[0].function.arguments += piece
             out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
             return out
         if self.mode.choice == "required":
@@ -95,20 +100,29 @@ class ToolStream:
 
     def _required(self, piece: str, finished: bool) -> list[dict[str, Any]]:
         """The JSON list of {"name", "parameters"}: item i's call once its name is written, then its
-        parameters; at the end, the text itself when no call was announced and it does not parse (a cut)."""
+        parameters (an item without them gets "{}" once the next begins, so calls complete in order); at the
+        end, the text itself when no call was announced and it is not a list of calls (a cut)."""
         self._json.feed(piece)
         if finished:
             self._json.close()
-        while (len(self._items), "name") in self._json.strings:
-            self._items.append(_CallReader(self._json, (len(self._items),), ("parameters",)))
-        out = [d for item in self._items for d in item.read(self)]
+        out: list[dict[str, Any]] = []
+        while (i := len(self._items), "name") in self._json.strings:
+            if self._items:
+                out += self._items[-1].read(self) + self._items[-1].without_arguments()
+            start = self._items[-1].start if self._items else 0  # item i's reader looks at its pieces on
+            while self._json.pieces[start][0][:1] != (i,):
+                start += 1
+            self._items.append(_CallReader(self._json, (i,), ("parameters",), start))
+        if self._items:
+            out += self._items[-1].read(self)  # (the earlier items are complete)
         if not finished:
             return out
+        announced = [item for item in self._items if item.call is not None]
         calls = required_calls(self.text)
-        if calls is None and not self._items:
+        if calls is None and not announced:
             return [{"content": self.text}]
-        for i, item in enumerate(self._items):
-            out += item.finish(None if calls is None else calls[i].function.arguments)
+        for item in announced:
+            out += item.finish(None if calls is None else calls[item.prefix[0]].function.arguments)
         return out
 
     def _auto(self, finished: bool) -> list[dict[str, Any]]:
@@ -168,12 +182,12 @@ class _CallReader:
     arguments follow as the canonical text under `prefix` + (member,) settles (the first of `members` met:
     a hermes block naming both "arguments" and "parameters" streams the first)."""
 
-    def __init__(self, json: JsonStream, prefix: tuple, members: tuple[str, ...]) -> None:
+    def __init__(self, json: JsonStream, prefix: tuple, members: tuple[str, ...], start: int = 0) -> None:
         self.json, self.prefix, self.members = json, prefix, members
         self.call: ToolCallOut | None = None
         self.index = 0
         self.member: tuple = ()  # the arguments' path, once met
-        self.seen = 0  # pieces of the JSON text looked at
+        self.start = self.seen = start  # pieces of the JSON text looked at (before `start`: not this call's)
         self.sent = ""  # the arguments text sent
 
     def read(self, stream: ToolStream) -> list[dict[str, Any]]:
@@ -186,6 +200,13 @@ class _CallReader:
             self.call = call_out(name, "", text=True)
             return [stream._call_delta(self.call), *self._more_arguments()]
         return self._more_arguments()
+
+    def without_arguments(self) -> list[dict[str, Any]]:
+        """A call whose text ended without arguments: "{}" (what the finished answer gives it)."""
+        if self.call is None or self.member or self.sent:
+            return []
+        self.sent = "{}"
+        return [self._arguments_delta("{}")]
 
     def finish(self, final: str | None) -> list[dict[str, Any]]:
         """The last delta of an announced call whose text ended: the rest of the finished arguments `final`
