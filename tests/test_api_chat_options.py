@@ -209,7 +209,7 @@ def test_images_smart_resize_cannot_take_are_a_400_naming_the_part(url, h, w, st
     r = _chat(url, content, stream=stream)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "messages[0].content[1].image_url" and err["type"] == "Bad Request", err
+    assert err["param"] == "messages[0].content[1].image_url" and err["type"] == "BadRequestError", err
     assert "aspect ratio" in err["message"] and "200" in err["message"] and f"{w}x{h}" in err["message"], err
     assert _prompt_tokens(_chat(url, [_image_part(40, 56)])) > 0
 

@@ -166,6 +166,7 @@ def test_bad_requests_name_the_responses_field(reasoner_url, body, param):
     r = httpx.post(reasoner_url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["type"] == "BadRequestError"  # vLLM's typed name on its own routes
 
 
 @pytest.fixture(scope="module")

@@ -162,9 +162,9 @@ def name_sent_field(body: ChatCompletionRequest, exc: APIError) -> None:
 
 
 def model_not_found(model: str) -> JSONResponse:
-    body = error_body(404, f"The model `{model}` does not exist.", "model")
-    body["error"]["type"] = "NotFoundError"
-    return JSONResponse(body, status_code=404)
+    return JSONResponse(
+        error_body(404, f"The model `{model}` does not exist.", "model", vllm=True), status_code=404
+    )
 
 
 def inline_refs(node, defs):

@@ -139,7 +139,7 @@ async def sse_events(
         async with contextlib.aclosing(merged(streams)) as events:
             async for index, event in events:
                 if isinstance(event, ChatFailed):
-                    yield f"data: {json.dumps(error_body(event.status, event.message, event.param))}\n\n"
+                    yield f"data: {json.dumps(error_body(event.status, event.message, event.param, vllm=True))}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 for text in render(index, event):

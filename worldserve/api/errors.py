@@ -41,6 +41,15 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
 
+VLLM_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize")
+"""Routes vLLM's own handlers serve: their errors are typed as vLLM types them."""
+VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+def is_vllm_route(path: str) -> bool:
+    return path.startswith(VLLM_ROUTES)
+
+
 def reason_phrase(status: int) -> str:
     try:
         return http.HTTPStatus(status).phrase
@@ -53,11 +62,13 @@ def _text(value: str | None) -> str | None:
     return None if value is None else value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None, *, vllm: bool = False) -> dict[str, Any]:
+    """The envelope; `vllm`: an error of one of vLLM's own routes (its typed names)."""
+    kind = VLLM_TYPES.get(status) if vllm else None
     return {
         "error": {
             "message": _text(message),
-            "type": reason_phrase(status),
+            "type": kind or reason_phrase(status),
             "param": _text(param),
             "code": status,
         }
@@ -65,9 +76,11 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
-) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=dict(headers or {}))
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None,
+    *, vllm: bool = False,
+) -> JSONResponse:  # fmt: skip
+    body = error_body(status, message, param, vllm=vllm)
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
 def validation_error(
@@ -94,21 +107,23 @@ def validation_error(
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+        return error_response(
+            exc.status, exc.message, exc.param, exc.headers, vllm=is_vllm_route(request.url.path)
+        )
 
     @app.exception_handler(ParamError)
     async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
-        return error_response(400, exc.message, exc.param)
+        return error_response(400, exc.message, exc.param, vllm=is_vllm_route(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(exc.errors(), loc_prefix=())
-        return error_response(400, err.message, err.param)
+        return error_response(400, err.message, err.param, vllm=is_vllm_route(request.url.path))
 
     @app.exception_handler(ValidationError)
     async def _pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
         err = validation_error(exc.errors())
-        return error_response(400, err.message, err.param)
+        return error_response(400, err.message, err.param, vllm=is_vllm_route(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -123,4 +138,5 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         # the exception's text stays in the log: it may quote internals (paths, a remote server's bytes)
-        return error_response(500, f"Internal server error ({type(exc).__name__}); see the server log.")
+        return error_response(500, f"Internal server error ({type(exc).__name__}); see the server log.",
+                              vllm=is_vllm_route(request.url.path))  # fmt: skip
