@@ -64,17 +64,16 @@ class VideoCreateRequest(NumbersNotBooleans):
     )
     sound_duration: float | None = Field(None, gt=0, allow_inf_nan=False)
     num_outputs_per_prompt: int = Field(1, ge=1, le=10)
-    image_reference: str | dict[str, Any] | list[Any] | None = Field(
+    image_reference: Any = Field(
         None, description='{"image_url": "data:image/...;base64,..."} (or a list of one)'
     )
-    video_reference: str | dict[str, Any] | None = Field(
-        None, description='{"video_url": "data:video/...;base64,..."}'
-    )
-    video_params: str | dict[str, Any] | None = Field(
+    video_reference: Any = Field(None, description='{"video_url": "data:video/...;base64,..."}')
+    video_params: Any = Field(
         None, description="{width, height, fps, num_frames}: fills the top-level fields not given."
     )
-    extra_params: str | dict[str, Any] | None = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
-    lora: str | dict[str, Any] | None = Field(None, description="Not supported yet: a 400 when given.")
+    # (typed Any: a JSON body's list or number gets vLLM-Omni's "expected dict" 400, not pydantic's)
+    extra_params: Any = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
+    lora: Any = Field(None, description="Not supported yet: a 400 when given.")
     control_type: str | None = Field(None, description="Cosmos3 transfer controls: not supported yet.")
     control_reference: Any = Field(None, description="Cosmos3 transfer control upload: not supported yet.")
     enable_frame_interpolation: bool | None = Field(
@@ -124,6 +123,9 @@ class ExtraParams(NumbersNotBooleans):
         None, description="V2V: which end of the reference video conditions (default first)."
     )
     guardrails: bool | None = Field(None, description="Accepted; this server loads no guardrail models.")
+    negative_metadata_mode: Literal["same", "inverse", "none"] | None = Field(
+        None, description="Transfer only (not supported yet); checked, then unused."
+    )
     guidance_interval: tuple[float, float] | None = Field(
         None,
         description="CFG only at timesteps (0..1000) in [lo, hi]; the other steps run the cond branch alone.",

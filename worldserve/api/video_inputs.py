@@ -119,7 +119,9 @@ async def build_inputs(
     refuse_unsupported(req)
     quality = req.quality or "default"
     if req.quality is not None and req.quality not in ("high", "lossless"):
-        raise ParamError("quality", "quality must be 'high' or 'lossless' (omit it for the default, crf 18)")
+        raise ParamError(
+            "quality", "quality must be one of ['lossless', 'high'] (omit it for the default, crf 18)"
+        )
     # everything that needs no reference is checked before a reference URL is downloaded
     # (a placeholder image stands in for I2V's: the size it implies is checked again with the real one)
     placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None or upload else None
@@ -133,9 +135,15 @@ async def build_inputs(
     if params.flow_shift is None and default_flow_shift is not None:
         params = dataclasses.replace(params, flow_shift=default_flow_shift)
     sound = params.generate_sound if params.generate_sound is not None else has_sound
-    duration = req.sound_duration or extra.sound_duration or extra.audio_duration
+    field, duration = next(
+        ((f, d) for f, d in (("sound_duration", req.sound_duration), ("extra_params.sound_duration",
+         extra.sound_duration), ("extra_params.audio_duration", extra.audio_duration)) if d),
+        (None, None),
+    )  # fmt: skip
     if sound and duration is not None and abs(duration - params.num_frames / params.fps) > 1 / params.fps:
-        raise ParamError("sound_duration", "sound_duration must equal num_frames / fps in this version")
+        # Cosmos3 generates the audio jointly with the video: its latent length is the clip's (num_frames / fps)
+        raise ParamError(field, f"{field} must equal num_frames / fps ({params.num_frames / params.fps:.3f} s): "
+                         "Cosmos3 generates the sound jointly with the video, as long as the clip")  # fmt: skip
     seconds = req.seconds or str(max(1, round(params.num_frames / params.fps)))
     spec = JobSpec(model=served_model, prompt=params.prompt, size=f"{params.width}x{params.height}",
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,
