@@ -304,3 +304,34 @@ def test_n_choices_count_their_shared_prompt_once():
     finally:
         worker.stop(1.0)
     assert recorder.iterations == [5 + 3, 3, 3]  # one prompt of 5, then a token per choice
+
+
+def test_http_families_as_vllms_instrumentator_exports_them(server):
+    """vLLM's http_* families: each request counted under its route template, method and status class, with
+    its latency (coarse by handler, fine overall) and sizes; /metrics itself and vLLM's other excluded routes
+    are not counted; a path no route matches is handler "none"."""
+
+    def http(samples: dict, name: str, **labels) -> float:
+        return samples.get((name, frozenset(labels.items())), 0.0)
+
+    before = scrape(server)
+    with httpx.Client(base_url=server, timeout=60) as client:
+        assert client.get("/v1/models").status_code == 200
+        assert client.get("/v1/videos/video_gen_nope").status_code == 404
+        assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code == 400
+        assert client.get("/nowhere").status_code == 404
+        assert client.get("/health").status_code == 200
+    after = scrape(server)
+    for handler, method, status in (("/v1/models", "GET", "2xx"), ("/v1/videos/{video_id}", "GET", "4xx"),
+                                    ("/v1/chat/completions", "POST", "4xx"), ("none", "GET", "4xx")):  # fmt: skip
+        labels = {"handler": handler, "method": method, "status": status}
+        assert (
+            http(after, "http_requests_total", **labels) - http(before, "http_requests_total", **labels) == 1
+        )
+    assert not any(dict(k).get("handler") in ("/metrics", "/health") for (_, k) in after)
+    count = http(after, "http_request_duration_seconds_count", handler="/v1/models", method="GET")
+    assert count >= 1 and http(after, "http_request_duration_seconds_bucket", handler="/v1/models",
+                               method="GET", le="+Inf") == count  # fmt: skip
+    assert http(after, "http_request_duration_highr_seconds_count") >= 4
+    assert http(after, "http_response_size_bytes_sum", handler="/v1/models") > 0
+    assert http(after, "http_request_size_bytes_count", handler="/v1/chat/completions") >= 1

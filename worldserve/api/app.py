@@ -24,6 +24,7 @@ from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
 from worldserve.api.chat import router as chat_router
 from worldserve.api.completions import router as completions_router
 from worldserve.api.errors import install_error_handlers
+from worldserve.api.http_metrics import HTTPMetricsMiddleware
 from worldserve.api.images import router as images_router
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
@@ -107,6 +108,7 @@ def build_app(
         app.add_middleware(ServerLoadMiddleware, load=load)
     if request_id_headers:
         app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # outermost: every answer, 401s too
     app.include_router(videos_router)
     app.include_router(chat_router)
     app.include_router(completions_router)

@@ -18,7 +18,8 @@ does for its chats); the chat worker its timings
 
 So that dashboards built for vLLM / vLLM-Omni find their series, the same numbers are also exported under
 their names (serving-api.md §7.4, §11.3; `VllmMirror` in metrics_vllm.py: vLLM-Omni's `vllm:omni_*` for the
-video and image requests, vLLM's `vllm:*` with its `engine` label for the Reasoner), and the process's `process_*`.
+video and image requests, vLLM's `vllm:*` with its `engine` label for the Reasoner), the process's `process_*`,
+and the HTTP layer's `http_*` (api/http_metrics.py, as vLLM's instrumentator exports them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from worldserve.api.http_metrics import HTTPMetrics
 from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, VllmMirror
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -48,6 +50,7 @@ class Metrics:
 
     def __init__(self, model_name: str, *, gpu_memory_bytes: Callable[[], float] | None = None):
         self.registry = CollectorRegistry()
+        self.http = HTTPMetrics(self.registry)  # vLLM's http_* families (api/http_metrics.py)
         r, label = self.registry, ["model_name"]
         self._label = {"model_name": model_name}
         self.waiting = Gauge(
