@@ -53,6 +53,25 @@ def test_the_chat_asks_for_the_schema_with_nvidias_sampling_and_the_image():
     )
 
 
+def test_the_chat_is_built_off_the_chat_workers_thread(reasoner):
+    """The Reasoner's prompt for the upsampling chat (the frame through the ViT's preprocessing, template,
+    tokens) is built before the chat is queued, so the chat worker (every running chat's thread) does not;
+    a prompt that cannot be built is UpsamplingFailed(400)."""
+    from worldserve.engine.prompt_upsampling import UpsamplingFailed, built_upsampling_chat
+
+    params = VideoParams(prompt="a fox in the snow", seed=5)
+    chat = asyncio.run(built_upsampling_chat(reasoner, params, SMALL))
+    assert chat.prebuilt is not None
+    assert chat.prebuilt.input_ids == reasoner.build_prompt(upsampling_chat(params, SMALL)).input_ids
+    assert (
+        asyncio.run(built_upsampling_chat(None, params, SMALL)).prebuilt is None
+    )  # (no prompts: the worker's)
+    sliver = VideoParams(prompt="it moves", image=np.zeros((64, 64, 3), np.uint8), width=16, height=3600)
+    with pytest.raises(UpsamplingFailed, match="aspect ratio") as info:  # a frame the ViT cannot resize
+        asyncio.run(built_upsampling_chat(reasoner, sliver, SMALL))
+    assert info.value.status == 400
+
+
 def test_the_answer_becomes_a_compact_json_prompt():
     assert prompt_from_answer('{ "subjects" : [ {"description": "fox"} ],\n "caf\u00e9": 1 }') == (
         '{"subjects": [{"description": "fox"}], "caf\\u00e9": 1}'

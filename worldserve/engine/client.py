@@ -46,6 +46,7 @@ from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
 from worldserve.engine.prompt_upsampling import (
     UpsamplerConfig,
     UpsamplingFailed,
+    built_upsampling_chat,
     check_upsampling,
     checked,
     upsample,
@@ -272,7 +273,9 @@ class EngineClient:
     async def upsampled_prompt(self, params: VideoParams) -> str:
         """The prompt the Reasoner writes for `params`, checked as a client's (engine/prompt_upsampling.py);
         UpsamplingFailed (ShuttingDownError at shutdown) when it cannot."""
-        prompt = await upsample(self.chat_many, params, self.upsampler, self._meter)
+        backend = self.chat_worker.backend if self.chat_worker is not None else None
+        chat = await built_upsampling_chat(backend, params, self.upsampler)  # off the chat worker's thread
+        prompt = await upsample(self.chat_many, chat, self._meter)
         written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         await asyncio.to_thread(checked, self.engine.backend.validate, written)  # e.g. its length in tokens
         return prompt

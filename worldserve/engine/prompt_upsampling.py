@@ -16,6 +16,8 @@ answer into the prompt text: the object serialised compactly, as the reference s
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,12 +196,28 @@ def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams)
                                "max_sequence_length" if exc.param == "prompt" else exc.param) from None  # fmt: skip
 
 
-async def upsample(chat_many: Callable[..., list[ChatEvents]], params: VideoParams,
-                   config: UpsamplerConfig = UpsamplerConfig(), meter: ChatMeter | None = None) -> str:  # fmt: skip
-    """Run the upsampling chat through `chat_many` (EngineClient.chat_many; counted into `meter`, the chat
-    metrics) and return the new prompt; UpsamplingFailed otherwise (ShuttingDownError from chat_many passes
-    through)."""
-    (events,) = chat_many([upsampling_chat(params, config)], coalesce=True)
+async def built_upsampling_chat(backend, params: VideoParams, config: UpsamplerConfig) -> ChatParams:
+    """`upsampling_chat` with its prompt built here, in a worker thread (the frame through the ViT's
+    preprocessing, the template, the tokens), not on the chat worker's thread, which every running chat
+    shares (`backend`: the chat worker's Reasoner; one without `prompts` builds its own); UpsamplingFailed(400)
+    when it cannot be."""
+    chat = upsampling_chat(params, config)
+    prompts = getattr(backend, "prompts", None)
+    if prompts is None:
+        return chat
+    try:
+        return dataclasses.replace(chat, prebuilt=await asyncio.to_thread(prompts.build, chat))
+    except ParamError as exc:
+        raise UpsamplingFailed(400, f"the Reasoner failed: {exc.message}") from None
+
+
+async def upsample(
+    chat_many: Callable[..., list[ChatEvents]], chat: ChatParams, meter: ChatMeter | None = None
+) -> str:
+    """Run the upsampling chat (`upsampling_chat`) through `chat_many` (EngineClient.chat_many; counted into
+    `meter`, the chat metrics) and return the new prompt; UpsamplingFailed otherwise (ShuttingDownError from
+    chat_many passes through)."""
+    (events,) = chat_many([chat], coalesce=True)
     if meter is not None:
         events = metered(events, meter)
     pieces: list[str] = []
