@@ -267,3 +267,14 @@ def test_streams_found_by_fuzzing():
     assert final_message("[" * 1000 + "]" * 1000, required, "stop")[1] == []
     named = tool_mode(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
     assert final_message("", named, "stop") == ("", [], "stop")
+
+
+def test_a_call_written_whole_in_one_piece_is_announced_then_its_arguments():
+    """Every call's first delta carries its id and name with arguments "", as when it streams."""
+    stream = ToolStream(tool_mode(TOOLS, "auto"))
+    deltas = stream.feed('<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>', True)
+    assert [d["tool_calls"][0]["function"] for d in deltas] == [
+        {"name": "get_time", "arguments": ""},
+        {"arguments": '{"tz": "UTC"}'},
+    ]
+    assert stream.calls[0].function.arguments == '{"tz": "UTC"}' and "id" in deltas[0]["tool_calls"][0]

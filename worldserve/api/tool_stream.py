@@ -5,8 +5,8 @@ choice's text deltas into the streamed deltas: content outside calls (a possible
 back); each call announced (id, name, arguments "") as soon as its name is written, then its arguments'
 canonical JSON text as it settles (`JsonStream`), as vLLM's hermes parser streams them: an auto answer's
 <tool_call> blocks, a required answer's JSON list (in order: a call without arguments gets "{}" when the next
-begins); a named call's arguments as they come. A call whose name and end come in one text piece is sent
-whole, in one delta. The streamed calls add up to the finished answer's, except that a call once announced
+begins); a named call's arguments as they come (a call written whole in one text piece: its announcement,
+then its arguments). The streamed calls add up to the finished answer's, except that a call once announced
 stands: should its text stop being JSON, be cut by max_tokens, or (required) the list turn out not to be a
 list of calls, its arguments are what was sent, where the unstreamed answer (vLLM's too) has the text as
 content; and a repeated key in a call's JSON streams as written (the finished parse keeps the last value).
@@ -154,8 +154,13 @@ class ToolStream:
                 block.json.close()
                 final = hermes_call(body)
                 out += block.read(self) + block.finish(None if final is None else final.function.arguments)
-            elif (call := hermes_call(body)) is not None:
+            elif (
+                call := hermes_call(body)
+            ) is not None:  # whole in this piece: announced, then its arguments
+                args, call.function.arguments = call.function.arguments, ""
                 out.append(self._call_delta(call))
+                call.function.arguments = args
+                out.append({"tool_calls": [{"index": self._calls - 1, "function": {"arguments": args}}]})
             else:  # not a call after all: its text is content
                 self._content(out, rest[:block_end])
                 continue
