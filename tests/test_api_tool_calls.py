@@ -114,6 +114,25 @@ def test_auto_parses_the_models_tool_call_blocks(reasoner_oai):
     assert "".join(d.function.arguments for d in more) == call.function.arguments
 
 
+def test_parallel_tool_calls_false_answers_one_call(reasoner_oai):
+    """The model writes two calls (forced by a regex); with parallel_tool_calls false the answer holds the
+    first, streamed or not (vLLM's rule), with it both."""
+    two = FORCED + "\\n" + FORCED
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 200, "seed": 3, "tools": TOOLS,
+          "extra_body": {"structured_outputs": {"regex": two}}}  # fmt: skip
+    both = reasoner_oai.chat.completions.create(**kw).choices[0].message.tool_calls
+    one = reasoner_oai.chat.completions.create(parallel_tool_calls=False, **kw).choices[0].message.tool_calls
+    assert len(both) == 2 and len(one) == 1
+    assert (one[0].function.name, one[0].function.arguments) == (
+        both[0].function.name,
+        both[0].function.arguments,
+    )
+    deltas = [d for chunk in reasoner_oai.chat.completions.create(stream=True, parallel_tool_calls=False, **kw)
+              for d in chunk.choices[0].delta.tool_calls or []]  # fmt: skip
+    assert {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments or "" for d in deltas) == one[0].function.arguments
+
+
 def test_a_conversation_with_calls_and_tool_answers(reasoner_oai):
     first = reasoner_oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, seed=0, tools=TOOLS,
                                         tool_choice=NAMED).choices[0].message  # fmt: skip

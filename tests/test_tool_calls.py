@@ -278,3 +278,26 @@ def test_a_call_written_whole_in_one_piece_is_announced_then_its_arguments():
         {"arguments": '{"tz": "UTC"}'},
     ]
     assert stream.calls[0].function.arguments == '{"tz": "UTC"}' and "id" in deltas[0]["tool_calls"][0]
+
+
+def test_parallel_tool_calls_false_answers_the_first_call_only():
+    """vLLM's rule: parallel_tool_calls false keeps the first call, streamed or not (later ones' deltas are
+    dropped); a required choice's grammar then allows one call at most."""
+    two = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')  # fmt: skip
+    one = tool_mode(TOOLS, "auto", parallel=False)
+    assert [c.function.name for c in final_message(two, one, "stop")[1]] == ["get_time"]
+    assert len(final_message(two, tool_mode(TOOLS, "auto"), "stop")[1]) == 2
+    for pieces in (list(two), [two]):
+        _, calls, called = _streamed(one, pieces)
+        assert called and [(c["name"], c["arguments"]) for c in calls] == [("get_time", "{}")]
+    required = (
+        '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    )
+    one_required = tool_mode(TOOLS, "required", parallel=False)
+    assert [c.function.name for c in final_message(required, one_required, "stop")[1]] == ["get_time"]
+    assert [c["name"] for c in _streamed(one_required, list(required))[1]] == ["get_time"]
+    schema = json.loads(tool_constraint(one_required).spec)
+    assert schema["maxItems"] == 1 and "maxItems" not in json.loads(
+        tool_constraint(tool_mode(TOOLS, "required")).spec
+    )

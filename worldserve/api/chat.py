@@ -84,7 +84,7 @@ def request_options(body: ChatCompletionRequest, compiler: Any = None) -> Reques
     fields checked (no media work; a grammar compiles, with the Reasoner's `compiler` when given):
     ParamError naming the field, as soon as the request is read."""
     image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
-    tools = tool_mode(body.tools, body.tool_choice)
+    tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
     return RequestOptions(
         image_pixels=pixel_budget(image_opts, "images"),
         video=video_sampling(body.media_io_kwargs, video_opts),

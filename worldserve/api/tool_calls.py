@@ -83,6 +83,9 @@ class ToolMode:
     """The tools as the chat template takes them ({"type": "function", "function": {...}})."""
     name: str | None = None
     """The named choice's function."""
+    parallel: bool = True
+    """`parallel_tool_calls`: False answers the first call only (vLLM's rule; a required choice's grammar
+    then allows one call)."""
 
     @property
     def parsed(self) -> bool:
@@ -90,8 +93,9 @@ class ToolMode:
         return self.choice != "none"
 
 
-def tool_mode(tools: list[ToolIn] | None, choice: Any) -> ToolMode | None:
-    """The request's ToolMode (None: no tools, nothing to parse); ParamError naming the field."""
+def tool_mode(tools: list[ToolIn] | None, choice: Any, parallel: bool | None = None) -> ToolMode | None:
+    """The request's ToolMode (None: no tools, nothing to parse; `parallel`: parallel_tool_calls, default
+    true); ParamError naming the field."""
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, dict):
@@ -118,7 +122,8 @@ def tool_mode(tools: list[ToolIn] | None, choice: Any) -> ToolMode | None:
     names = [t.function.name for t in tools]
     if named is not None and named not in names:
         raise ParamError("tool_choice", f"Tool '{named}' has not been passed in `tools`.")
-    return ToolMode(choice=choice, tools=tuple(t.model_dump(exclude_none=True) for t in tools), name=named)
+    return ToolMode(choice=choice, tools=tuple(t.model_dump(exclude_none=True) for t in tools), name=named,
+                    parallel=parallel is not False)  # fmt: skip
 
 
 def parameters(tool: dict) -> dict:
@@ -146,6 +151,8 @@ def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
             alternatives.append({"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                  "parameters": params}, "required": ["name", "parameters"]})  # fmt: skip
         schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+        if not mode.parallel:
+            schema["maxItems"] = 1
         if defs:
             schema["$defs"] = defs
     return StructuredOutput(kind="json", spec=json.dumps(schema), field="tools")

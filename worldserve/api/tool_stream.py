@@ -52,11 +52,13 @@ def final_message(
         )
     if mode.choice == "required":
         calls = required_calls(text)
-        return ("", calls, finish_reason) if calls is not None else (text, [], finish_reason)
+        if calls is None:
+            return text, [], finish_reason
+        return "", calls if mode.parallel else calls[:1], finish_reason
     found = hermes_calls(text)
     if found is None:
         return text, [], finish_reason
-    return found[0], found[1], "tool_calls"
+    return found[0], found[1] if mode.parallel else found[1][:1], "tool_calls"
 
 
 class ToolStream:
@@ -86,9 +88,10 @@ class ToolStream:
             self.calls[0].function.arguments += piece
             out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
             return out
-        if self.mode.choice == "required":
-            return self._required(piece, finished)
-        return self._auto(finished)
+        deltas = self._required(piece, finished) if self.mode.choice == "required" else self._auto(finished)
+        if not self.mode.parallel:  # parallel_tool_calls false: the first call only (vLLM's rule)
+            deltas = [d for d in deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
+        return deltas
 
     @property
     def called(self) -> bool:
