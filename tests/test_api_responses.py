@@ -126,6 +126,18 @@ def test_named_and_required_tool_calls(reasoner_oai):
     )
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(reasoner_oai):
+    forced = (
+        '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "(Oslo|Rome)"\\}\\}\\n</tool_call>'
+    )
+    kw = {"model": MODEL, "input": "Weather?", "tools": [WEATHER], "max_output_tokens": 200,
+          "extra_body": {"seed": 3, "structured_outputs": {"regex": forced + "\\n" + forced}}}  # fmt: skip
+    assert [o.type for o in reasoner_oai.responses.create(**kw).output] == ["function_call"] * 2
+    assert [o.type for o in reasoner_oai.responses.create(parallel_tool_calls=False, **kw).output] == [
+        "function_call"
+    ]
+
+
 def test_json_schema_format_and_logprobs(reasoner_oai):
     fmt = {"type": "json_schema", "name": "city", "schema": WEATHER["parameters"], "strict": True}
     r = reasoner_oai.responses.create(model=MODEL, input="A city?", text={"format": fmt}, extra_body={"seed": 3},
