@@ -104,30 +104,39 @@ def validation_error(
     return APIError(400, message, param=fields[0] if fields else None)
 
 
+def _answer(
+    request: Request,
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """The envelope for an error of `request` (typed as vLLM types them on its own routes)."""
+    return error_response(status, message, param, headers, vllm=is_vllm_route(request.url.path))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(
-            exc.status, exc.message, exc.param, exc.headers, vllm=is_vllm_route(request.url.path)
-        )
+        return _answer(request, exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(ParamError)
     async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
-        return error_response(400, exc.message, exc.param, vllm=is_vllm_route(request.url.path))
+        return _answer(request, 400, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(exc.errors(), loc_prefix=())
-        return error_response(400, err.message, err.param, vllm=is_vllm_route(request.url.path))
+        return _answer(request, 400, err.message, err.param)
 
     @app.exception_handler(ValidationError)
     async def _pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
         err = validation_error(exc.errors())
-        return error_response(400, err.message, err.param, vllm=is_vllm_route(request.url.path))
+        return _answer(request, 400, err.message, err.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        return _answer(request, exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(ClientGone)
     @app.exception_handler(ClientDisconnect)  # gone while its body was being read: nothing failed here
@@ -138,5 +147,4 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         # the exception's text stays in the log: it may quote internals (paths, a remote server's bytes)
-        return error_response(500, f"Internal server error ({type(exc).__name__}); see the server log.",
-                              vllm=is_vllm_route(request.url.path))  # fmt: skip
+        return _answer(request, 500, f"Internal server error ({type(exc).__name__}); see the server log.")
