@@ -138,6 +138,23 @@ def test_parallel_tool_calls_false_keeps_the_first_call(reasoner_oai):
     ]
 
 
+def test_an_auto_call_streams_its_arguments_as_events(reasoner_oai):
+    """An auto-mode call the model writes (forced by a regex): the function_call item opens once its name is
+    written, its arguments come in several function_call_arguments.delta events (validated as the SDK's
+    types) that add up to the done event's and the final item's, equal to the unstreamed answer's."""
+    forced = 'I will check\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "(Oslo|Rome)"\\}\\}\\n</tool_call>'
+    kw = {"input": "Weather?", "tools": [WEATHER], "max_output_tokens": 200,
+          "extra_body": {"seed": 3, "structured_outputs": {"regex": forced}}}  # fmt: skip
+    whole = reasoner_oai.responses.create(model=MODEL, **kw)
+    events, final = _stream(reasoner_oai, **kw)
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    call = final.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and len(deltas) > 3
+    assert "".join(deltas) == done.arguments == call.arguments == whole.output[-1].arguments
+    assert final.output[0].type == "message" and final.output_text == whole.output_text == "I will check.\n"
+
+
 def test_json_schema_format_and_logprobs(reasoner_oai):
     fmt = {"type": "json_schema", "name": "city", "schema": WEATHER["parameters"], "strict": True}
     r = reasoner_oai.responses.create(model=MODEL, input="A city?", text={"format": fmt}, extra_body={"seed": 3},
