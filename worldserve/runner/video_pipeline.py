@@ -150,9 +150,10 @@ class VideoPipeline:
 
         `kernels` (default KernelOptions()): compile on CUDA, fp8 GEMMs / attention, attention backend; an
         option that cannot run here (fp8 off Hopper, FLASH_ATTN without FA3) is a ValueError before any
-        loading. The compiled VAE decoder follows `kernels.compile`; under layerwise offload it decodes with plain
-        Conv3d calls (Winograd's transformed frames would add ~6.4 GiB to a 720p decode's peak). `tp`: this rank's tensor-parallel group
-        (ParallelPipeline; every rank of it must then run the same transformer calls)."""
+        loading. The compiled VAE decoder follows `kernels.compile`; under layerwise offload (memory is short)
+        it decodes with plain Conv3d calls (the Winograd convs' transformed frames add ~6.4 GiB to a 720p
+        decode's peak). `tp`: this rank's tensor-parallel group (ParallelPipeline; every rank of it must then
+        run the same transformer calls)."""
         root = Path(path)
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
@@ -161,7 +162,7 @@ class VideoPipeline:
         kernels = kernels or KernelOptions()
         kernels.check(device, dtype)
         transformer = load_configured_transformer(root, dtype, device, kernels, tp=tp, progress=progress)
-        vae = VideoVAE.from_pretrained(  # layerwise offload means memory is short: the leaner plain convs
+        vae = VideoVAE.from_pretrained(
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
             compile_decoder=kernels.compile and device.type == "cuda", time_winograd=not kernels.layerwise_offload,
         )  # fmt: skip
