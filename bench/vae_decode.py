@@ -1,17 +1,20 @@
-"""Wan2.2 VAE decode on one GPU: diffusers' AutoencoderKLWan vs our WanDecoder, eager and torch.compiled.
+"""Wan2.2 VAE decode on one GPU: diffusers' AutoencoderKLWan vs our WanDecoder (its residual convs plain or
+as Winograd F(2, 3) in time), eager and torch.compiled, and how far each bf16 decode is from float32.
 
 One diffusers `AutoencoderKLWan` with the real Nano config (`worldserve.bench.models.WAN22_VAE`) is built on
 the device with its default random init (norm scales then set to 1 + 0.1 N(0, 1), so they matter) and cast
-to bf16; our decoder loads the very same tensors from its state dict (`WanDecoder.from_diffusers`). Raw
+to bf16; our decoders load the very same tensors from its state dict (`WanDecoder.from_diffusers`). Raw
 latents [1, 48, 48, 45, 80] (-> 189 x 720 x 1280 pixels) are decoded by (a) diffusers, (b) ours eager,
-(c) ours with `compile()`: seconds as the median of 3 after a warm-up (CUDA events), peak memory
-(`max_memory_allocated`, absolute and above what was resident before the call), and the relative L2 and
-max-abs difference of each of ours vs diffusers on the pixels. The warm-ups are short (diffusers decodes
-frame by frame; ours sees the first-chunk, full-chunk and last-chunk shapes), except the compiled one,
-which compiles (reported as compile_s). Results go to --out (JSON, rewritten after every phase); a table
-is printed last. About 2-2.5 min on an H200.
+(c) ours with `compile()`, (b) and (c) with the plain and / or the Winograd convs (`--time-winograd`):
+seconds as the median of --repeats after a warm-up (CUDA events), peak memory (`max_memory_allocated`,
+absolute and above what was resident before the call), and the relative L2 and max-abs difference of each
+of ours vs diffusers on the pixels. The warm-ups are short (diffusers decodes frame by frame; ours sees the
+first-chunk, full-chunk and last-chunk shapes), except the compiled ones, which compile (compile_s). Then
+(`--accuracy-frames`, default 13 latent frames) every bf16 decode of the clip's start is compared with ours
+in float32 (TF32 off): relative L2, PSNR (pixels span [-1, 1]) and max |diff|. Results go to --out (JSON,
+rewritten after every phase); tables are printed last. About 3-4 min on an H200.
 
-    PYTHONPATH=. python bench/vae_decode.py --out $OUT/vae_decode.json
+    PYTHONPATH=. python bench/vae_decode.py --no-eager --out $OUT/vae_decode.json
     PYTHONPATH=. python bench/vae_decode.py --tiny --out /tmp/vae_decode.json   # CPU smoke test of this script
 """
 
