@@ -397,3 +397,19 @@ def test_fuzz_openapi_operations_never_5xx(tmp_path):
                     assert err["code"] == r.status_code and isinstance(err["message"], str) and err["type"]
 
             check()
+
+
+async def test_unknown_paths_and_401s_stay_out_of_vllms_names(tmp_path):
+    """A path that only starts like one of vLLM's routes is an unknown route (the reason phrase, not vLLM's
+    NotFoundError); a 401 answered before routing is not counted in http_* (vLLM's middleware order)."""
+    async with asgi_server(tmp_path, api_key="k") as http:
+        auth = {"Authorization": "Bearer k"}
+        for path in ("/v1/completionsX", "/tokenize/extra", "/v1/chat/completions/more"):
+            r = await http.post(path, json={}, headers=auth)
+            assert r.status_code == 404 and r.json()["error"]["type"] == "Not Found", (path, r.text)
+        r = await http.post("/v1/chat/completions", json={"messages": []}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        assert (await http.get("/v1/videos/nope")).status_code == 401
+        metrics = (await http.get("/metrics", headers=auth)).text
+        counted = [line for line in metrics.splitlines() if line.startswith("http_requests_total")]
+        assert counted and not any('method="GET"' in line for line in counted), counted  # the 401 GET

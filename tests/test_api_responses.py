@@ -300,6 +300,13 @@ def test_item_references_name_stored_output_items(reasoner_oai, reasoner_url):
             reasoner_url + "/v1/responses", json={"model": MODEL, "input": [turn[0], item, turn[2]]}
         )
         assert r.status_code == status and r.json()["error"]["param"] == "input[1].id", r.text
+    for bare in ({"id": call.id}, {"type": None, "id": call.id}):  # the SDK's ItemReference: type optional
+        same = reasoner_oai.responses.create(input=[turn[0], bare, turn[2]], **kw)
+        assert same.output_text == full.output_text and same.usage.input_tokens == full.usage.input_tokens
+    r = httpx.post(
+        reasoner_url + "/v1/responses", json={"model": MODEL, "input": [{"type": "reasoning", "summary": []}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text  # nothing left to answer
     reasoner_oai.responses.delete(first.id)
     r = httpx.post(reasoner_url + "/v1/responses",
                    json={"model": MODEL, "input": [{"type": "item_reference", "id": call.id}]})  # fmt: skip

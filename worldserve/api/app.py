@@ -102,13 +102,13 @@ def build_app(
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
                        allow_methods=list(allowed_methods), allow_headers=list(allowed_headers))  # fmt: skip
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # inside auth: 401s not counted (vLLM's)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     load = ServerLoad()
     if server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=load)
     if request_id_headers:
         app.add_middleware(RequestIdMiddleware)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # outermost: every answer, 401s too
     app.include_router(videos_router)
     app.include_router(chat_router)
     app.include_router(completions_router)

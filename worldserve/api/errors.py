@@ -46,8 +46,11 @@ VLLM_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tok
 VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
 
-def is_vllm_route(path: str) -> bool:
-    return path.startswith(VLLM_ROUTES)
+def is_vllm_route(request: Request) -> bool:
+    """Whether one of vLLM's routes answered `request` (matched: an unknown path that merely starts like one,
+    "/v1/completionsX", is not)."""
+    route = request.scope.get("route")
+    return route is not None and getattr(route, "path", "").startswith(VLLM_ROUTES)
 
 
 def reason_phrase(status: int) -> str:
@@ -112,7 +115,7 @@ def _answer(
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     """The envelope for an error of `request` (typed as vLLM types them on its own routes)."""
-    return error_response(status, message, param, headers, vllm=is_vllm_route(request.url.path))
+    return error_response(status, message, param, headers, vllm=is_vllm_route(request))
 
 
 def install_error_handlers(app: FastAPI) -> None:

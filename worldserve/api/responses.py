@@ -40,7 +40,10 @@ State = Annotated[AppState, Depends(app_state)]
 
 def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
     """An input item, an item_reference replaced by the stored output item it names."""
-    if item.type != "item_reference":
+    bare = (
+        item.type in (None, "message") and item.role is None and item.content is None and item.id is not None
+    )
+    if item.type != "item_reference" and not bare:  # (the SDK's ItemReference may leave its type out)
         return item
     if item.id is None:
         raise APIError(400, "an item_reference item needs the id of the item it names", param=f"{where}.id")

@@ -47,9 +47,9 @@ class InputItem(BaseModel):
     together; a reference is replaced by the stored item it names before `to_chat`)."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["message", "function_call", "function_call_output", "reasoning", "item_reference"] = (
-        "message"
-    )
+    type: (
+        Literal["message", "function_call", "function_call_output", "reasoning", "item_reference"] | None
+    ) = "message"  # (None: the SDK's ItemReference may leave it out or null it)
     id: str | None = None
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
@@ -192,6 +192,9 @@ def to_chat(
                 raise APIError(400, "a message item needs a role", param=where)
             messages.append({"role": item.role, "content": _content(item.content, where)})
         paths.messages.append(where)
+    if not any(m["role"] != "system" for m in messages):  # e.g. reasoning items only: nothing to answer
+        raise APIError(400, "input has no message, function call or function call output to answer (reasoning "
+                       "items are dropped)", param="input")  # fmt: skip
     chat = req.model_dump(exclude={"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
                                    "include", "top_logprobs", "store", "background", "previous_response_id",
                                    "reasoning", "metadata", "user", "truncation", "n", "stream_options",
