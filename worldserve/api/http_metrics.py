@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 EXCLUDED = ("/metrics", "/health", "/load", "/ping", "/version")
@@ -77,10 +78,6 @@ class HTTPMetricsMiddleware:
 
 
 def _content_length(scope: Scope) -> int:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return 0
-    return 0
+    """The request's Content-Length header (0 when absent or not a number)."""
+    value = Headers(scope=scope).get("content-length", "")
+    return int(value) if value.isdigit() else 0

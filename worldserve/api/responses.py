@@ -36,6 +36,8 @@ from worldserve.params import ParamError
 
 router = APIRouter(tags=["responses"])
 State = Annotated[AppState, Depends(app_state)]
+NOT_KEPT = "(stored responses live in the server's memory: a restart, --responses-store-mb or store=false leave none)"
+"""Why a stored response or item may be gone: the tail of their 404s."""
 
 
 def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
@@ -49,8 +51,7 @@ def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
         raise APIError(400, "an item_reference item needs the id of the item it names", param=f"{where}.id")
     found = st.responses.item(item.id) if st.responses is not None else None
     if found is None:
-        raise APIError(404, f"Item with id '{item.id}' not found (items of stored responses live in the "
-                       "server's memory: a restart, --responses-store-mb or store=false leave none)",
+        raise APIError(404, f"Item with id '{item.id}' not found {NOT_KEPT}",
                        param=f"{where}.id")  # fmt: skip
     return InputItem.model_validate(found)
 
@@ -65,8 +66,7 @@ async def create_response(request: Request, st: State):
     if req.previous_response_id is not None:
         found = st.responses.get(req.previous_response_id) if st.responses is not None else None
         if found is None:
-            raise APIError(404, f"Response with id '{req.previous_response_id}' not found (stored responses live "
-                           "in the server's memory: a restart, --responses-store-mb or store=false leave none)",
+            raise APIError(404, f"Response with id '{req.previous_response_id}' not found {NOT_KEPT}",
                            param="previous_response_id")  # fmt: skip
         history = found[0]
     if not isinstance(req.input, str):
