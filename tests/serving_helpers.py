@@ -22,10 +22,14 @@ from worldserve.engine.client import EngineClient
 from worldserve.engine.engine import Engine, default_encoder
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.jobs import JobStore
+from worldserve.media.frame_stream import FrameStream
 
 
 def stub_encoder(frames, fps, audio, sample_rate=48000, crf=18, codec_options=None) -> bytes:
-    """A stand-in for encode_mp4 that records what it was given (JSON), in microseconds."""
+    """A stand-in for encode_mp4 that records what it was given (JSON), in microseconds (a FrameStream is
+    read to its end, as encode_mp4 reads it)."""
+    if isinstance(frames, FrameStream):
+        frames = frames.to_array()
     meta = {
         "frames": list(frames.shape), "fps": fps, "first_pixel": frames[0, 0, 0].tolist(),
         "audio": None if audio is None else list(audio.shape), "sample_rate": sample_rate, "crf": crf,

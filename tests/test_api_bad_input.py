@@ -106,6 +106,8 @@ CASES = [
     ("size 5000 digits", {**OK, "size": "1" + "0" * 5000 + "x16"}, 400, "size", "must be at most 1280"),
     ("video_params fps 1e300", {**BY_SECONDS, "seconds": "2", "video_params": '{"fps": 1e300}'}, 400,
      "video_params", "fps=1e+300 must be a number in [1, 120]"),
+    ("video_params width alone", {**OK, "size": "", "video_params": '{"width": 32}'}, 400, "video_params",
+     "width and height must be given together (height is missing)"),
     ("video_params height 17", {**OK, "size": "", "video_params": '{"width": 32, "height": 17}'}, 400,
      "video_params", "height=17 must be a multiple of 16"),
     ("width 2**70", {**OK, "size": "", "width": str(2**70), "height": "16"}, 400, "width", "22-digit number"),

@@ -47,7 +47,7 @@ async def test_video_params_fill_the_gaps_the_top_level_leaves():
 @pytest.mark.parametrize(
     ("video_params", "param"),
     [([1], "video_params"), ("{nope", "video_params"), ({"width": -1, "height": 32}, "video_params"),
-     ({"width": 320}, "height"), ({"fps": True}, "video_params")],
+     ({"width": 320}, "video_params"), ({"fps": True}, "video_params")],
 )  # fmt: skip
 async def test_bad_video_params_name_the_field(video_params, param):
     with pytest.raises((APIError, ParamError)) as err:

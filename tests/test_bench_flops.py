@@ -127,6 +127,7 @@ def test_bench_tiny_cpu_smoke(tmp_path):
     assert point["ours"]["step_s"]["samples"] and point["diffusers"]["step_s"]["samples"]
     assert all(v < 0.05 for v in point["parity"].values())  # same weights, bf16
     assert data["decode"]["vae_decode_s"]["samples"] and data["decode"]["mux_synthetic_bytes"] > 0
+    assert data["decode"]["decode_mux_same_bytes"] and data["decode"]["decode_mux_overlapped_s"] > 0
     assert data["e2e_estimate"]["ours"]["steps"] == 35
     # the phases' clock readings: none on the CPU (no nvidia-smi is read), but the phases are named
     assert data["clocks"]["phases"] == {"transformer 64x32x5+audio": None, "decode": None}

@@ -12,7 +12,7 @@ import pytest
 from serving_helpers import make_client, stub_encoder, wait_until
 
 from worldserve.engine.client import EncodeOptions, JobSpec, JobStatus, QueueFullError, ShuttingDownError
-from worldserve.engine.fake_backend import FakeBackend
+from worldserve.engine.fake_backend import FakeBackend, FakeState
 from worldserve.params import VideoParams
 
 
@@ -122,8 +122,10 @@ def test_cancel_mid_job_releases_and_next_runs(tmp_path):
     assert not (tmp_path / "videos" / f"{victim.id}.mp4").exists()
 
 
-@pytest.mark.parametrize("stage", ["prepare", "denoise", "decode", "encode"])
+@pytest.mark.parametrize("stage", ["prepare", "denoise", "decode", "decode_stream", "encode"])
 def test_a_failing_request_fails_alone(tmp_path, stage):
+    """decode_stream: the decode fails after its first chunk reached the encoder (the encode stops, the job
+    fails once); encode: the mux fails while the decode still streams (its later chunks are dropped)."""
     backend = FakeBackend()
 
     def encoder(frames, fps, audio, **kw):
@@ -146,6 +148,48 @@ def test_a_failing_request_fails_alone(tmp_path, stage):
     assert failed.error_message.startswith("Video generation failed:")
     assert ok.status is JobStatus.COMPLETED and health == (True, None)
     assert not backend.live
+
+
+def test_a_job_mp4_is_muxed_while_its_frames_decode(tmp_path):
+    """The encoder reads a job's first chunks before the decode has made the last, and the MP4 is byte for
+    byte the one muxed from the whole frames."""
+    from worldserve.media.video import encode_mp4
+
+    made = []
+
+    class SlowChunks(FakeBackend):
+        def decode(self, state, *, stream=False):
+            result = super().decode(state, stream=stream)
+            if stream:
+                chunks = result.frames.chunks
+                result.frames.chunks = (
+                    made.append(time.monotonic()) or time.sleep(0.05) or c for c in chunks
+                )
+            return result
+
+    read = []
+
+    def encoder(frames, *args, **kw):
+        chunks = frames.chunks
+        frames.chunks = (read.append(time.monotonic()) or c for c in chunks)
+        return encode_mp4(frames, *args, **kw)
+
+    async def main():
+        client = make_client(tmp_path, backend=SlowChunks(), encoder=encoder)
+        await client.start()
+        job = _submit(client, _params(frames=41, seed=3))
+        done = await asyncio.wait_for(client.wait(job.id), 20)
+        await client.shutdown(5)
+        return job, done
+
+    job, done = run(main())
+    assert done.status is JobStatus.COMPLETED
+    assert len(made) == len(read) == 4, "frame 0, then 16 + 16 + 8 frames"
+    assert read[0] < made[-1], "the mux started before the decode made its last chunk"
+    p = _params(frames=41, seed=3)
+    whole = FakeBackend().decode(FakeState("x", 0, 1, p))
+    mp4 = (tmp_path / "videos" / f"{job.id}.mp4").read_bytes()
+    assert mp4 == encode_mp4(whole.frames, whole.fps, whole.audio, sample_rate=whole.sample_rate)
 
 
 def test_encoding_overlaps_the_next_denoise(tmp_path):

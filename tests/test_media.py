@@ -106,13 +106,13 @@ def test_mp4_non_integer_fps(fps, expected):
 
 def test_threaded_yuv_conversion_keeps_order_and_bytes(monkeypatch):
     """yuv_frames' worker threads give the serial conversion's planes in frame order (a window smaller than
-    the clip), and encode_mp4 writes the same bytes with them as without."""
+    the clip, chunks of several sizes), and encode_mp4 writes the same bytes with them as without."""
     from worldserve.media import video
 
     rng = np.random.default_rng(3)
     frames = rng.integers(0, 256, (11, 32, 48, 3), dtype=np.uint8)
-    serial = [f.to_ndarray() for f in video.yuv_frames(frames, workers=1)]
-    threaded = [f.to_ndarray() for f in video.yuv_frames(frames, workers=2)]
+    serial = [f.to_ndarray() for f in video.yuv_frames([frames], workers=1)]
+    threaded = [f.to_ndarray() for f in video.yuv_frames([frames[:1], frames[1:6], frames[6:]], workers=2)]
     assert len(threaded) == len(frames)
     for a, b in zip(serial, threaded, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -107,6 +107,39 @@ def test_single_latent_frame_decodes_one_frame(vae):
     assert vae.decode(latents).shape == (1, HEIGHT, WIDTH, 3)
 
 
+def test_decode_frames_streams_the_decode_chunk_by_chunk(vae, tiny_ckpt):
+    """decode_frames: frame 0, then 4 x decode_chunk_size frames a chunk (the last shorter), the same uint8
+    frames as decode; diffusers' (tiled) decode comes as one chunk; a wrong shape is refused on first read."""
+    latents = torch.randn(48, 4, 2, 3, generator=torch.Generator().manual_seed(7))  # 13 frames
+    vae.decode_chunk_size = 2
+    try:
+        whole = vae.decode(latents)
+        chunks = [np.asarray(c) for c in vae.decode_frames(latents)]
+    finally:
+        vae.decode_chunk_size = 4
+    assert [c.shape[0] for c in chunks] == [1, 8, 4]
+    np.testing.assert_array_equal(np.concatenate(chunks), whole)
+    tiled = VideoVAE.from_pretrained(tiny_ckpt / "vae", tiling=True)
+    (one,) = [np.asarray(c) for c in tiled.decode_frames(latents)]
+    np.testing.assert_array_equal(one, tiled.decode(latents))
+    with pytest.raises(ValueError, match=r"latents must be \[48, T, h, w\]"):
+        next(vae.decode_frames(latents[None]))
+    assert vae._lock.acquire(blocking=False), "a finished or failed stream holds no lock"
+    vae._lock.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned copies and their events)")
+def test_decode_frames_on_cuda_copies_each_chunk_without_waiting(tiny_ckpt):
+    """On CUDA each chunk's host copy is started without waiting (pinned memory and an event); reading the
+    chunks gives decode()'s frames, while the device already decodes the next chunk."""
+    vae = VideoVAE.from_pretrained(tiny_ckpt / "vae", device="cuda")
+    latents = torch.randn(48, 6, 2, 3, generator=torch.Generator().manual_seed(8)).cuda()
+    chunks = list(vae.decode_frames(latents))  # all launched and copying before any is read
+    assert all(c._host.is_pinned() and c._copied is not None for c in chunks)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(c) for c in chunks]), vae.decode(latents))
+
+
 def test_encode_condition_matches_pipeline(vae, pipe):
     """I2V: our resize + encode of the repeated-frame video equals the pipeline's helpers exactly; the
     one-frame fast path equals its latent frame 0 (the only frame I2V keeps) up to float rounding (the

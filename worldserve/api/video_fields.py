@@ -88,7 +88,10 @@ def _frame_size(
     width = req.width if req.width is not None else vp.width
     height = req.height if req.height is not None else vp.height
     if (width is None) != (height is None):
-        raise ParamError("height" if height is None else "width", "width and height must be given together")
+        missing = "height" if height is None else "width"
+        from_top = (req.width if height is None else req.height) is not None  # the side that was given
+        raise ParamError(missing if from_top else "video_params",
+                         f"width and height must be given together ({missing} is missing)")  # fmt: skip
     if width is not None:
         for name, value, given in (("width", width, req.width), ("height", height, req.height)):
             check_side(name, value, param=name if given is not None else "video_params")

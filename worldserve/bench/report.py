@@ -153,6 +153,15 @@ def summary_rows(results: dict) -> list[tuple[str, str, str, str]]:
                 "",
             )
         )
+        if "decode_mux_overlapped_s" in dec:
+            rows.append(
+                (
+                    "decode + mux, one after the other / overlapped (s)",
+                    f"{dec['decode_mux_sequential_s']:.2f} / {dec['decode_mux_overlapped_s']:.2f}",
+                    "",
+                    "",
+                )
+            )
     for name, e2e in results.get("e2e_estimate", {}).items():
         rows.append(
             (f"E2E estimate, {name} (s)", f"{e2e['total_s']:.1f}", f"{e2e['steps']} steps + fixed", "")

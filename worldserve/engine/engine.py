@@ -2,8 +2,9 @@
 
 Each iteration: apply the inbox (new requests, aborts) -> admit (`backend.prepare`, job `in_progress`) ->
 step the scheduler's batch once (`backend.denoise`) and write every member's progress to the job store ->
-decode the requests that finished their steps (`backend.decode`, then `backend.release`) and hand the frames
-to a CPU pool that muxes the MP4 and saves the job, so encoding overlaps the next request's denoising.
+decode the requests that finished their steps (`backend.decode`, then `backend.release`), handing a job's
+frames chunk by chunk, as the VAE makes them, to a CPU pool that muxes the MP4 meanwhile and saves the job
+(media/frame_stream.py), so encoding overlaps the decode and the next request's denoising.
 
 Invariants: only this thread calls the backend and touches the scheduler; other threads talk to it through
 `add_request` / `abort` / `drain` / `stop` (a condition-guarded inbox). An abort takes effect at the next
@@ -23,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +34,7 @@ from worldserve.engine.jobs import JobStore
 from worldserve.engine.outputs import VideoBackend, VideoResult
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
+from worldserve.media.frame_stream import FramesLost, FrameStream, read_beside
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -250,16 +253,29 @@ class Engine:
                 self._decode(request)
 
     def _decode(self, request: Request) -> None:
+        """Decode a finished request. A job's frames stream to its MP4 encode (in the pool) chunk by chunk
+        while the decode runs; an ephemeral request (an image) gets the whole result."""
         t0 = time.monotonic()
+
+        def decoded() -> None:
+            request.stage_seconds["decode"] = time.monotonic() - t0
+
+        streamed = False
         try:
             with self.model_lock:
-                result = self.backend.decode(request.state)
-        except Exception as exc:
+                result = self.backend.decode(request.state, stream=not request.ephemeral)
+                if isinstance(result.frames, FrameStream):  # the decode runs here, chunk after chunk
+                    read_beside(result.frames, partial(self._encode_streamed, request, result), self._pool,
+                                before_end=decoded)  # fmt: skip
+                    streamed = True
+        except Exception as exc:  # (a streamed encode stops with FramesLost: the job fails here, once)
             self._fail(request, exc)
             return
         finally:
             self._release(request)
-        request.stage_seconds["decode"] = time.monotonic() - t0
+        if streamed:
+            return
+        decoded()
         if request.ephemeral:  # the caller encodes (an image): hand the frames over
             now = time.monotonic()
             stages = {**request.stage_seconds, **result.stage_seconds}
@@ -272,11 +288,18 @@ class Engine:
             return
         self._pool.submit(self._encode_and_save, request, result)
 
+    def _encode_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
+        result.frames = frames
+        self._encode_and_save(request, result)
+
     def _encode_and_save(self, request: Request, result: VideoResult) -> None:
+        """Mux the MP4 (reading a FrameStream's chunks as they come) and complete the job. The "encode"
+        stage is the mux's wall time, which overlaps the decode when the frames stream."""
         try:
             t0 = time.monotonic()
+            frames = result.frames if isinstance(result.frames, FrameStream) else np.asarray(result.frames)
             video = self._encoder(
-                np.asarray(result.frames), result.fps, result.audio, sample_rate=result.sample_rate,
+                frames, result.fps, result.audio, sample_rate=result.sample_rate,
                 crf=request.encode.crf, codec_options=request.encode.codec_options,
             )  # fmt: skip
             now = time.monotonic()
@@ -294,10 +317,14 @@ class Engine:
                     now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
                     float(result.peak_memory_mb),
                 )  # fmt: skip
+        except FramesLost:
+            return  # the decode failed: the engine thread failed the job
         except Exception as exc:
             self._fail(request, exc)
         finally:
-            self.on_done(request.job_id)
+            if isinstance(result.frames, FrameStream):
+                result.frames.close()  # an encode that stopped early: the decode's later chunks are dropped
+        self.on_done(request.job_id)
 
     def _abort(self, job_id: str) -> None:
         request = self._sched.remove(job_id)

@@ -4,7 +4,9 @@ Frames are deterministic in the seed: frame i is one flat colour drawn from `def
 a broadcast view (no memory even at 720p x 189 frames). Audio, when on, is a seed-dependent stereo sine at
 48 kHz covering num_frames / fps seconds. Each `denoise` call sleeps `step_delay` seconds (a stand-in for
 GPU time) and records its batch size, so engine-policy tests can assert on batching. A prompt containing
-`__fail__:prepare`, `__fail__:denoise` or `__fail__:decode` raises at that stage (failure-isolation tests).
+`__fail__:prepare`, `__fail__:denoise` or `__fail__:decode` raises at that stage, `__fail__:decode_stream`
+after a streamed decode's first chunk (failure-isolation tests). `decode(stream=True)` streams frame 0 and
+then 16 frames a chunk.
 It never changes the outputs of one request because of another one in its batch.
 """
 
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from worldserve.engine.outputs import VideoResult
+from worldserve.media.frame_stream import FrameStream
 from worldserve.params import ParamError, VideoParams
 
 FAIL_MARKER = "__fail__:"
@@ -78,7 +81,7 @@ class FakeBackend:
             state.step_index += 1
         self.batch_sizes.append(len(states))
 
-    def decode(self, state: FakeState) -> VideoResult:
+    def decode(self, state: FakeState, *, stream: bool = False) -> VideoResult:
         p = state.params
         _maybe_fail(p, "decode")
         rng = np.random.default_rng(p.seed % 2**64)  # int64 seeds, as torch.Generator.manual_seed takes them
@@ -92,12 +95,23 @@ class FakeBackend:
             freq = 220.0 + float(rng.integers(0, 440))
             tone = 0.2 * np.sin(2 * np.pi * freq * t, dtype=np.float32)
             audio = np.stack([tone, tone * 0.5]).astype(np.float32)
+        if stream:
+            frames = FrameStream(p.num_frames, p.height, p.width, _chunks(frames, p))
         return VideoResult(frames=frames, fps=p.fps, audio=audio, sample_rate=SAMPLE_RATE)
 
     def release(self, state: FakeState) -> None:
         with self._lock:
             self.live.discard(state.request_id)
             self.released.append(state.request_id)
+
+
+def _chunks(frames: np.ndarray, params: VideoParams) -> Iterator[np.ndarray]:
+    """Frame 0, then 16 frames a chunk (the real decoder's pace); FAIL_MARKER + "decode_stream" fails the
+    stream after its first chunk."""
+    yield frames[:1]
+    for start in range(1, len(frames), 16):
+        _maybe_fail(params, "decode_stream")
+        yield frames[start : start + 16]
 
 
 def _maybe_fail(params: VideoParams, stage: str) -> None:

@@ -3,7 +3,8 @@
 The engine never touches tensors: it asks a `VideoBackend` to `prepare` a request (prompt encoding, und
 prefill of both CFG branches, initial noise, I2V encode), to advance a list of prepared requests by one
 denoising step (`denoise`, batched when their `batch_key`s match), and to `decode` a finished one into a
-`VideoResult` (uint8 frames + float audio on the host). Muxing to MP4 then runs in a CPU pool.
+`VideoResult` (uint8 frames + float audio on the host; for a job, a stream of frame chunks that the MP4
+mux in a CPU pool reads while the decode still runs).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from typing import Protocol
 import numpy as np
 
 from worldserve.chat_params import ChatParams
+from worldserve.media.frame_stream import FrameStream
 from worldserve.params import VideoParams
 
 
 @dataclass(slots=True, kw_only=True)
 class VideoResult:
-    frames: np.ndarray
-    """uint8 (F, H, W, 3); F == 1 for an image."""
+    frames: np.ndarray | FrameStream
+    """uint8 (F, H, W, 3); F == 1 for an image. A FrameStream only from `decode(stream=True)`."""
     fps: float
     """Frame rate of the frames."""
     audio: np.ndarray | None = None
@@ -61,7 +63,10 @@ class VideoBackend(Protocol):
         """Advance every state by exactly one step."""
         ...
 
-    def decode(self, state: DenoiseState) -> VideoResult: ...
+    def decode(self, state: DenoiseState, *, stream: bool = False) -> VideoResult:
+        """The finished state's frames and audio. `stream`: the frames may be a FrameStream that makes its
+        chunks as it is read (read at once, on the calling thread, before `release`)."""
+        ...
 
     def release(self, state: DenoiseState) -> None:
         """Free the state's device memory (called on cancel and after decode)."""

@@ -19,7 +19,7 @@ import io
 import math
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import cache
@@ -30,6 +30,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
 from worldserve.media.audio import AacTrack, audio_num_samples, fit_audio
+from worldserve.media.frame_stream import FrameStream
 from worldserve.params import ParamError
 
 DEFAULT_CODEC_OPTIONS: dict[str, str] = {"preset": "ultrafast", "threads": "0"}
@@ -120,10 +121,8 @@ def frame_rate(fps: float | Fraction) -> Fraction:
     return rate
 
 
-def _check_frames(frames: np.ndarray) -> None:
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3 or frames.shape[0] < 1:
-        raise ValueError(f"frames must be uint8 (F>=1, H, W, 3), got {frames.dtype} {frames.shape}")
-    height, width = frames.shape[1:3]
+def _check_size(frames: FrameStream) -> None:
+    height, width = frames.height, frames.width
     if height % 2 or width % 2:
         raise ValueError(
             f"H.264 yuv420p needs even frame sizes, got {width}x{height} (Cosmos3 sizes are multiples of 16)"
@@ -156,21 +155,34 @@ def _conversion_pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="worldserve-yuv")
 
 
-def yuv_frames(frames: np.ndarray, workers: int | None = None) -> Iterator[av.VideoFrame]:
-    """`frames` (F, H, W, 3) as yuv420p VideoFrames, in order, converted on a shared pool of `workers`
-    threads at most 2 x workers frames ahead of the consumer (each conversion single-threaded inside).
-    swscale releases the GIL, so the conversion (~4-8 ms a 720p frame on one core, most of an ultrafast
-    encode) runs beside the encoder; the frames are the same as converted one after another."""
+def yuv_frames(chunks: Iterable[np.ndarray], workers: int | None = None) -> Iterator[av.VideoFrame]:
+    """The frames of `chunks` ((n_i, H, W, 3) each, in order) as yuv420p VideoFrames, converted on a shared
+    pool of `workers` threads at most 2 x workers frames ahead of the consumer (each conversion
+    single-threaded inside). swscale releases the GIL, so the conversion (~4-8 ms a 720p frame on one core,
+    most of an ultrafast encode) runs beside the encoder; the frames are the same as converted one after
+    another. A next chunk is asked for only when no converted frame waits (a `FrameStream` fed by a decode
+    may block until the decoder has made it)."""
     workers = conversion_workers() if workers is None else workers
     if workers <= 1:
-        yield from map(_to_yuv420p, frames)
+        for chunk in chunks:
+            yield from map(_to_yuv420p, chunk)
         return
-    pool, pending, queued = _conversion_pool(workers), deque(), 0
+    pool, pending, ready = _conversion_pool(workers), deque(), deque()
+    source = iter(chunks)
     try:
-        for _ in range(len(frames)):
-            while queued < len(frames) and len(pending) < 2 * workers:
-                pending.append(pool.submit(_to_yuv420p, frames[queued], 1))
-                queued += 1
+        while True:
+            while len(pending) < 2 * workers:
+                if not ready:
+                    if pending:
+                        break  # encode what is converted before waiting for the next chunk
+                    chunk = next(source, None)
+                    if chunk is None:
+                        break
+                    ready.extend(chunk)
+                    continue
+                pending.append(pool.submit(_to_yuv420p, ready.popleft(), 1))
+            if not pending:
+                return
             yield pending.popleft().result()
     finally:  # the consumer stopped early or failed: drop what is still queued
         for future in pending:
@@ -178,7 +190,7 @@ def yuv_frames(frames: np.ndarray, workers: int | None = None) -> Iterator[av.Vi
 
 
 def encode_mp4(
-    frames: np.ndarray,
+    frames: np.ndarray | FrameStream,
     fps: float | Fraction,
     audio: np.ndarray | None = None,
     sample_rate: int = 48000,
@@ -187,13 +199,15 @@ def encode_mp4(
 ) -> bytes:
     """Encode uint8 (F, H, W, 3) frames, and optionally float32 (C, N) audio, into MP4 bytes.
 
-    The audio is trimmed or zero-padded to `int(F / fps * sample_rate)` samples (the video duration).
-    Raises ParamError for bad `codec_options`, ValueError for malformed frames or audio.
+    `frames` may be a `FrameStream` whose chunks arrive while this runs (the same bytes as its frames in
+    one array). The audio is trimmed or zero-padded to `int(F / fps * sample_rate)` samples (the video
+    duration). Raises ParamError for bad `codec_options`, ValueError for malformed frames or audio.
     """
-    _check_frames(frames)
+    stream = frames if isinstance(frames, FrameStream) else FrameStream.of(frames)
+    _check_size(stream)
     options = h264_options(codec_options, crf)
     rate = frame_rate(fps)
-    num_frames, height, width = frames.shape[:3]
+    num_frames, height, width = stream.num_frames, stream.height, stream.width
     if audio is not None:
         audio = fit_audio(audio, audio_num_samples(num_frames, float(fps), sample_rate))
 
@@ -206,7 +220,7 @@ def encode_mp4(
         ctx.color_range = _LIMITED_RANGE
         track = AacTrack.add(container, audio, sample_rate) if audio is not None else None
         frame_duration = 1 / rate
-        for i, yuv in enumerate(yuv_frames(frames)):
+        for i, yuv in enumerate(yuv_frames(stream)):
             yuv.pts, yuv.time_base = i, frame_duration
             container.mux(video.encode(yuv))
             if track is not None:  # interleave: audio up to the end of this frame

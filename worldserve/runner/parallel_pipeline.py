@@ -136,8 +136,8 @@ class ParallelPipeline:
     def sound_enabled(self, params: VideoParams) -> bool:
         return self.local.sound_enabled(params)
 
-    def decode(self, state: VideoRequestState):
-        return self.local.decode(state)
+    def decode(self, state: VideoRequestState, *, stream: bool = False):
+        return self.local.decode(state, stream=stream)
 
     generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
 

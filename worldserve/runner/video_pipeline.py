@@ -33,6 +33,7 @@ from worldserve.models.cosmos3.vae import VideoVAE
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.kernel_options import KernelOptions
+from worldserve.runner.video_decode import decode_video
 from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
 from worldserve.sampling.guidance import cfg_combine, guided_at, needs_uncond
 from worldserve.weights.checkpoint import read_layout
@@ -331,31 +332,10 @@ class VideoPipeline:
             s.sound, s.sound_solver = unipc_step(s.schedule, s.sound_solver, s.step_index, vs, s.sound)
         s.step_index += 1
 
-    @torch.inference_mode()
-    def decode(self, state: VideoRequestState) -> VideoResult:
-        t0 = time.perf_counter()
-        frames = self.vae.decode(state.latents[None])[0]  # (F, H, W, 3) uint8
-        t1 = time.perf_counter()
-        audio = None
-        if state.sound is not None:
-            p = state.params
-            audio = self.audio_vae.decode(state.sound, self.audio_vae.num_samples(p.num_frames, p.fps))
-        t2 = time.perf_counter()
-        stages = dict(state.stage_seconds)
-        stages["vae.decode"] = t1 - t0
-        if audio is not None:
-            stages["audio.decode"] = t2 - t1
-        peak = 0.0
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-        return VideoResult(
-            frames=frames,
-            fps=float(state.params.fps),
-            audio=audio,
-            sample_rate=self.audio_vae.sample_rate if self.audio_vae else 48000,
-            stage_seconds=stages,
-            peak_memory_mb=peak,
-        )
+    def decode(self, state: VideoRequestState, *, stream: bool = False) -> VideoResult:
+        """The finished latents -> host frames + audio (runner/video_decode.py); `stream`: the frames as a
+        FrameStream decoding as it is read (on this thread, under the caller's model lock, before `release`)."""
+        return decode_video(self.vae, self.audio_vae, state, stream=stream)
 
     def release(self, state: VideoRequestState) -> None:
         state.und_caches = []

@@ -13,6 +13,8 @@ interface, with the Cosmos3 latent normalisation (cosmos3-model.md §6).
   F = 4(T-1)+1, the same ops as the pipeline's decode + `VideoProcessor.postprocess_video` +
   `numpy_to_pil`: `z = z_n / inv_std + mean` in the VAE dtype, decode (clamped to [-1, 1]), cast to
   float32, `(x*0.5+0.5).clamp(0,1)`, `(x*255).round()`; the uint8 conversion runs on the device.
+  `decode_frames(latents)` gives the same frames chunk by chunk as the decoder makes them (`HostFrames`:
+  each copied to pinned host memory without waiting), for an MP4 mux that runs while the decode goes on.
   The decode runs `WanDecoder` (a copy of the diffusers decoder's weights: ~1e-7 relative to
   diffusers in float32 on the CPU, built to be faster on a GPU: bench/vae_decode.py measures it);
   `use_reference_decoder=True` keeps diffusers' decode for A/B, and `tiling=True` uses diffusers' tiled
@@ -26,6 +28,7 @@ GBs of activations at 720p, so encode/decode are serialised with a lock: one cal
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +207,23 @@ class VideoVAE:
         x = (pixels.to(torch.float32) * 0.5 + 0.5).clamp(0, 1)
         return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()
 
+    @torch.inference_mode()
+    def decode_frames(self, latents: torch.Tensor) -> Iterator[HostFrames]:
+        """Normalised latents [48, T, h, w] -> `decode`'s uint8 frames chunk by chunk, (n_i, H, W, 3) each,
+        copied to the host without waiting as soon as the decoder has made them (the frame-0 chunk, then 4 x
+        decode_chunk_size frames a chunk; diffusers' decode: one chunk). Holds the VAE lock until the last
+        chunk, or until the generator is closed."""
+        if latents.ndim != 4 or latents.shape[0] != self.z_dim:
+            raise ValueError(f"latents must be [{self.z_dim}, T, h, w], got {tuple(latents.shape)}")
+        z = self.denormalize(latents[None])
+        with self._lock:
+            if self.decoder is None:
+                chunks = iter([self.model.decode(z).sample])
+            else:
+                chunks = self.decoder.decode_chunks(z, chunk_size=self.decode_chunk_size)
+            for pixels in chunks:
+                yield HostFrames(self.pixels_to_uint8(pixels)[0])
+
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents [B, 48, T, h, w] (or [48, T, h, w]) -> host uint8 (B, F, H, W, 3)
         (or (F, H, W, 3))."""
@@ -211,3 +231,24 @@ class VideoVAE:
         frames = self.pixels_to_uint8(self.decode_pixels(latents[None] if squeeze else latents))
         out = frames.cpu().numpy()
         return out[0] if squeeze else out
+
+
+class HostFrames:
+    """uint8 frames on their way to the host: on CUDA a copy into pinned memory started without waiting, and
+    the event after it; `np.asarray(frames)` waits for that copy only, so the device decodes on meanwhile."""
+
+    def __init__(self, frames: torch.Tensor) -> None:
+        self._copied: torch.cuda.Event | None = None
+        if frames.device.type == "cuda":
+            self._host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+            self._host.copy_(frames, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(frames.device))
+        else:
+            self._host = frames.contiguous()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._copied is not None:
+            self._copied.synchronize()
+        array = self._host.numpy()
+        return array if dtype is None else array.astype(dtype)

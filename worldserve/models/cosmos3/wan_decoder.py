@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -293,31 +293,49 @@ class WanDecoder(nn.Module):
     def decode(self, z: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
         """Raw latents [B, z_dim, T, h, w] -> pixels [B, C, 1 + 4(T-1), H, W] in [-1, 1] (weights' dtype).
         `chunk_size` latent frames go through the decoder at once after the first (which goes alone)."""
-        cfg = self.config
-        if z.ndim != 5 or z.shape[1] != cfg.z_dim or z.shape[2] < 1:
-            raise ValueError(f"z must be [B, {cfg.z_dim}, T >= 1, h, w], got {tuple(z.shape)}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        z = z.to(device=self.device, dtype=self.dtype).contiguous(memory_format=self.memory_format)
-        x = self.post_quant_conv(z)  # [B, z, T, h, w]
-        b, _, t, h, w = x.shape
-        p, up = cfg.patch_size, 2 ** (len(cfg.dim_mult) - 1)
-        c = cfg.out_channels // (p * p)
+        self._check(z, chunk_size)
+        b, _, t, h, w = z.shape
+        p, up = self.config.patch_size, 2 ** (len(self.config.dim_mult) - 1)
+        c = self.config.out_channels // (p * p)
         out = torch.empty(
             (b, c, self.num_frames(t), h * up * p, w * up * p), dtype=self.dtype, device=self.device
         )
+        frame = 0
+        for y in self._decoded(z, chunk_size):
+            n = y.shape[2]
+            _unpatchify_into(out[:, :, frame : frame + n], y, p)
+            frame += n
+        return out
+
+    @torch.no_grad()
+    def decode_chunks(self, z: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[Tensor]:
+        """`decode`'s pixels chunk by chunk, each as soon as the decoder has made it: [B, C, n_i, H, W] of
+        consecutive frames (n_0 = 1, then 4 x chunk_size, the last maybe fewer); the same numbers."""
+        p = self.config.patch_size
+        for y in self._decoded(z, chunk_size):
+            b, cpp, n, h, w = y.shape  # [B, C*p*p, n, h', w']
+            out = y.new_empty((b, cpp // (p * p), n, h * p, w * p))
+            _unpatchify_into(out, y, p)
+            yield out
+
+    def _check(self, z: Tensor, chunk_size: int) -> None:
+        if z.ndim != 5 or z.shape[1] != self.config.z_dim or z.shape[2] < 1:
+            raise ValueError(f"z must be [B, {self.config.z_dim}, T >= 1, h, w], got {tuple(z.shape)}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+    def _decoded(self, z: Tensor, chunk_size: int) -> Iterator[Tensor]:
+        """The decoder's raw output [B, C*p*p, n_i, h', w'] chunk after chunk (causal contexts carried)."""
+        self._check(z, chunk_size)
+        z = z.to(device=self.device, dtype=self.dtype).contiguous(memory_format=self.memory_format)
+        x = self.post_quant_conv(z)  # [B, z, T, h, w]
         cache = CausalConvCache(self.memory_format)
         # Compiled: ResidualBlock.forward alone specialises on 6 (level, width) shapes; allow more than
         # dynamo's default 8 graphs per function (stride variants) rather than fall back to eager.
         limit = _recompile_limit(64) if self.compiled else contextlib.nullcontext()
-        frame = 0
         with limit:
-            for start, stop in chunk_bounds(t, chunk_size):
-                y = self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0)  # [B, c*p*p, F, ...]
-                n = y.shape[2]  # 1 for the first chunk, else temporal_factor * (stop - start)
-                _unpatchify_into(out[:, :, frame : frame + n], y, p)
-                frame += n
-        return out
+            for start, stop in chunk_bounds(x.shape[2], chunk_size):
+                yield self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0)
 
 
 def _recompile_limit(n: int):

@@ -1,0 +1,99 @@
+"""L0: frames in chunks (media/frame_stream.py): an MP4 muxed while its frames still arrive from another thread
+is byte for byte the MP4 of the whole array; malformed, short or long streams fail the encode; a failed
+producer reaches the reader as FramesLost; an abandoned pipe drops what comes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from media_probe import probe_mp4
+
+from worldserve.media.frame_stream import FramePipe, FramesLost, FrameStream
+from worldserve.media.video import encode_mp4
+
+SR = 48000
+
+
+def _clip(num_frames: int = 21, height: int = 32, width: int = 48, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
+
+
+def _feed(
+    pipe: FramePipe, chunks: list, delay: float = 0.0, error: Exception | None = None
+) -> threading.Thread:
+    """Put `chunks` from another thread, `delay` s apart (a decoder's pace), then close (or fail)."""
+
+    def run():
+        for chunk in chunks:
+            time.sleep(delay)
+            pipe.put(chunk)
+        pipe.fail(error) if error is not None else pipe.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_streamed_mp4_equals_the_whole_array_mp4():
+    frames = _clip()
+    audio = np.random.default_rng(1).uniform(-0.5, 0.5, (2, int(21 / 8 * SR))).astype(np.float32)
+    whole = encode_mp4(frames, 8.0, audio, sample_rate=SR)
+    pipe = FramePipe(*frames.shape[:3])
+    thread = _feed(pipe, [frames[:1], frames[1:9], frames[9:17], frames[17:]], delay=0.01)
+    streamed = encode_mp4(pipe.reader(), 8.0, audio, sample_rate=SR)
+    thread.join()
+    assert streamed == whole
+    p = probe_mp4(streamed)
+    assert (p.num_frames, p.width, p.height) == (21, 48, 32)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "message"),
+    [
+        ([_clip(5), _clip(4)], "ended after 9 of the stream's 10 frames"),
+        ([_clip(6), _clip(6)], "more than the stream's 10 frames"),
+        ([_clip(5), _clip(5, width=32)], "must be uint8 (n, 32, 48, 3)"),
+        ([_clip(5), _clip(5).astype(np.int16)], "int16"),
+    ],
+)
+def test_a_malformed_stream_fails_the_encode(chunks, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        encode_mp4(FrameStream(10, 32, 48, chunks), 8.0)
+
+
+def test_a_failed_producer_reaches_the_reader_after_its_chunks():
+    pipe = FramePipe(9, 32, 48)
+    thread = _feed(pipe, [_clip(4)], error=RuntimeError("CUDA out of memory"))
+    got = []
+    with pytest.raises(FramesLost, match="CUDA out of memory") as info:
+        for chunk in pipe.reader():
+            got.append(chunk)
+    thread.join()
+    assert [c.shape[0] for c in got] == [4]
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(FramesLost):  # and the encoder fails with it, muxing nothing
+        pipe2 = FramePipe(9, 32, 48)
+        _feed(pipe2, [_clip(4)], error=RuntimeError("boom")).join()
+        encode_mp4(pipe2.reader(), 8.0)
+
+
+def test_an_abandoned_pipe_drops_what_comes():
+    pipe = FramePipe(9, 32, 48)
+    pipe.put(_clip(4))
+    reader = pipe.reader()
+    reader.close()
+    pipe.put(_clip(5))
+    pipe.close()
+    assert not pipe._queue  # nothing held for a reader that left
+
+
+def test_stream_sizes_are_checked_up_front():
+    with pytest.raises(ValueError, match="F, H, W >= 1"):
+        FrameStream(0, 32, 48, [])
+    with pytest.raises(ValueError, match="even frame sizes"):
+        encode_mp4(FrameStream(1, 31, 48, [_clip(1, 31, 48)]), 8.0)
+    with pytest.raises(ValueError, match=r"frames must be uint8 \(F>=1, H, W, 3\)"):
+        encode_mp4(np.zeros((0, 32, 48, 3), np.uint8), 8.0)

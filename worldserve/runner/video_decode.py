@@ -1,0 +1,62 @@
+"""The decode stage of a video request: its finished latents -> host uint8 frames + float audio.
+
+The audio goes first (the AVAE decode is short: ~0.04 s at 720p x 189 frames on an H200), so a streaming
+consumer knows the whole audio track before the first frame. The frames come from the Wan2.2 decoder chunk
+by chunk (`VideoVAE.decode_frames`: frame 0, then 16 frames per 4 latent frames, each copied to the host
+without waiting) as a `FrameStream`: the engine hands it to the MP4 encoder, which muxes the first chunks
+while the GPU decodes the next (media/frame_stream.py); other callers read it whole (`stream=False`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from worldserve.engine.outputs import VideoResult
+from worldserve.media.frame_stream import FrameStream
+from worldserve.models.cosmos3.audio_vae import AudioVAE
+from worldserve.models.cosmos3.vae import HostFrames, VideoVAE
+
+if TYPE_CHECKING:
+    from worldserve.runner.video_pipeline import VideoRequestState
+
+
+@torch.inference_mode()
+def decode_video(
+    vae: VideoVAE, audio_vae: AudioVAE | None, state: VideoRequestState, *, stream: bool = False
+) -> VideoResult:
+    """`state`'s latents and sound -> a VideoResult. `stream`: its frames are a FrameStream that decodes as
+    it is read, to be read at once on this thread while `state` lives (the caller holds its model lock);
+    the "vae.decode" stage and the peak device memory are filled in when its last chunk has been made.
+    Otherwise the frames are one (F, H, W, 3) array, decoded here."""
+    t0 = time.perf_counter()
+    p, latents = state.params, state.latents  # latents [48, T, h, w]
+    stages = dict(state.stage_seconds)
+    audio = None
+    if state.sound is not None:
+        audio = audio_vae.decode(state.sound, audio_vae.num_samples(p.num_frames, p.fps))
+        stages["audio.decode"] = time.perf_counter() - t0
+    s = vae.scale_factor_spatial
+    frames = FrameStream(
+        vae.num_decoded_frames(latents.shape[1]), latents.shape[2] * s, latents.shape[3] * s, ()
+    )
+    result = VideoResult(
+        frames=frames, fps=float(p.fps), audio=audio, stage_seconds=stages,
+        sample_rate=audio_vae.sample_rate if audio_vae is not None else 48000,
+    )  # fmt: skip
+    frames.chunks = _timed_chunks(vae, latents, result)
+    if not stream:
+        result.frames = frames.to_array()
+    return result
+
+
+@torch.inference_mode()
+def _timed_chunks(vae: VideoVAE, latents: torch.Tensor, result: VideoResult) -> Iterator[HostFrames]:
+    t0 = time.perf_counter()
+    yield from vae.decode_frames(latents)
+    result.stage_seconds["vae.decode"] = time.perf_counter() - t0
+    if vae.device.type == "cuda":
+        result.peak_memory_mb = torch.cuda.max_memory_allocated(vae.device) / 2**20
