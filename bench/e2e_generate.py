@@ -40,11 +40,11 @@ def decode_and_mux(pipe, state):
     chunk in another thread (media/frame_stream.py) -> (VideoResult, MP4 bytes)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from worldserve.media.frame_stream import read_beside
+    from worldserve.media.frame_stream import lower_thread_priority, read_beside
     from worldserve.media.video import encode_mp4
 
     result = pipe.decode(state, stream=True)
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1, initializer=lower_thread_priority) as pool:  # as the engine's
         mux = read_beside(
             result.frames,
             lambda frames: encode_mp4(frames, result.fps, result.audio, result.sample_rate),

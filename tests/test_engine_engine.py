@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -170,6 +171,7 @@ def test_a_job_mp4_is_muxed_while_its_frames_decode(tmp_path):
     read = []
 
     def encoder(frames, *args, **kw):
+        read.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))  # the encode pool's nice
         chunks = frames.chunks
         frames.chunks = (read.append(time.monotonic()) or c for c in chunks)
         return encode_mp4(frames, *args, **kw)
@@ -184,6 +186,8 @@ def test_a_job_mp4_is_muxed_while_its_frames_decode(tmp_path):
 
     job, done = run(main())
     assert done.status is JobStatus.COMPLETED
+    nice, read = read[0], read[1:]
+    assert nice >= 10, "the mux yields the CPUs to the engine thread"
     assert len(made) == len(read) == 4, "frame 0, then 16 + 16 + 8 frames"
     assert read[0] < made[-1], "the mux started before the decode made its last chunk"
     p = _params(frames=41, seed=3)

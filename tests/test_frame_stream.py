@@ -4,14 +4,23 @@ producer reaches the reader as FramesLost; an abandoned pipe drops what comes.""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from media_probe import probe_mp4
 
-from worldserve.media.frame_stream import FramePipe, FramesLost, FrameStream
+from worldserve.media.frame_stream import (
+    ENCODER_NICENESS,
+    FramePipe,
+    FramesLost,
+    FrameStream,
+    lower_thread_priority,
+)
 from worldserve.media.video import encode_mp4
 
 SR = 48000
@@ -97,3 +106,25 @@ def test_stream_sizes_are_checked_up_front():
         encode_mp4(FrameStream(1, 31, 48, [_clip(1, 31, 48)]), 8.0)
     with pytest.raises(ValueError, match=r"frames must be uint8 \(F>=1, H, W, 3\)"):
         encode_mp4(np.zeros((0, 32, 48, 3), np.uint8), 8.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have their own nice value on Linux")
+def test_muxing_threads_run_at_a_lower_cpu_priority():
+    """The engine's encode pool (and the frame conversion pool) start at nice 10, and threads they start
+    inherit it (as x264's do); the calling thread keeps its own."""
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def child():
+        seen["child"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def job():
+        seen["pool"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        t = threading.Thread(target=child)
+        t.start()
+        t.join()
+
+    with ThreadPoolExecutor(1, initializer=lower_thread_priority) as pool:
+        pool.submit(job).result()
+    assert seen == {"pool": max(own, ENCODER_NICENESS), "child": max(own, ENCODER_NICENESS)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own

@@ -129,7 +129,7 @@ def overlap_decode_and_mux(vae, latents: torch.Tensor, w: Workload, log: Callabl
     ~0.04 s, so it is not part of either)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from worldserve.media.frame_stream import FrameStream, read_beside
+    from worldserve.media.frame_stream import FrameStream, lower_thread_priority, read_beside
     from worldserve.media.video import encode_mp4
 
     audio = None
@@ -141,7 +141,7 @@ def overlap_decode_and_mux(vae, latents: torch.Tensor, w: Workload, log: Callabl
 
     def overlapped() -> bytes:
         stream = FrameStream(w.num_frames, w.height, w.width, vae.decode_frames(latents))
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1, initializer=lower_thread_priority) as pool:  # as the engine's
             return read_beside(stream, lambda frames: encode_mp4(frames, w.fps, audio), pool).result()
 
     times: dict[str, list[float]] = {"sequential": [], "overlapped": []}

@@ -34,7 +34,7 @@ from worldserve.engine.jobs import JobStore
 from worldserve.engine.outputs import VideoBackend, VideoResult
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
-from worldserve.media.frame_stream import FramesLost, FrameStream, read_beside
+from worldserve.media.frame_stream import FramesLost, FrameStream, lower_thread_priority, read_beside
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,9 @@ class Engine:
         self._hard_stop = False
         self._stopped = False  # set when the loop has ended (ephemeral requests are refused from then on)
         self._service_ewma_s: float | None = None
-        self._pool = ThreadPoolExecutor(config.encode_workers, thread_name_prefix="worldserve-encode")
+        self._pool = ThreadPoolExecutor(
+            config.encode_workers, thread_name_prefix="worldserve-encode", initializer=lower_thread_priority
+        )  # the muxes yield the CPUs to this engine's thread, which feeds the GPU
         self._thread = threading.Thread(target=self._run, name="worldserve-engine", daemon=True)
         self.crashed: BaseException | None = None
         self.model_lock = threading.Lock()

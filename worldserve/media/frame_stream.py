@@ -13,10 +13,15 @@ latent frames), so the first frames are final long before the last: at 720p x 18
   thread never waits for the encoder (at most the whole video is held, as when it was handed over in one
   piece); a reader that stops early abandons the pipe and later chunks are dropped; a decode that fails
   `fail`s it and the reader gets `FramesLost`.
+- `lower_thread_priority`: the muxing threads (the engine's encode pool, media.video's conversion pool) run
+  at nice 10, so the thread feeding the GPU wins the CPUs when they are all busy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +29,21 @@ from concurrent.futures import Executor, Future
 from typing import TypeVar
 
 import numpy as np
+
+ENCODER_NICENESS = 10
+"""The CPU priority (nice value) of the threads that mux MP4s beside the GPU work (`lower_thread_priority`)."""
+
+
+def lower_thread_priority() -> None:
+    """Give the calling thread (and the threads it starts, as x264's: Linux inherits a thread's nice value)
+    nice ENCODER_NICENESS, unless already lower. MP4 muxes run beside the engine thread that launches the
+    GPU's kernels (a job's mux overlaps its own VAE decode and the next request's steps); when every CPU is
+    busy, the launches should win. An idle machine runs the same. A no-op where threads have no own nice."""
+    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), ENCODER_NICENESS))
 
 
 class FramesLost(Exception):

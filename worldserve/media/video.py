@@ -30,7 +30,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
 from worldserve.media.audio import AacTrack, audio_num_samples, fit_audio
-from worldserve.media.frame_stream import FrameStream
+from worldserve.media.frame_stream import FrameStream, lower_thread_priority
 from worldserve.params import ParamError
 
 DEFAULT_CODEC_OPTIONS: dict[str, str] = {"preset": "ultrafast", "threads": "0"}
@@ -152,7 +152,7 @@ def conversion_workers() -> int:
 @cache
 def _conversion_pool(workers: int) -> ThreadPoolExecutor:
     """One pool per size for the process (every concurrent encode shares it: at most `workers` threads)."""
-    return ThreadPoolExecutor(workers, thread_name_prefix="worldserve-yuv")
+    return ThreadPoolExecutor(workers, thread_name_prefix="worldserve-yuv", initializer=lower_thread_priority)
 
 
 def yuv_frames(chunks: Iterable[np.ndarray], workers: int | None = None) -> Iterator[av.VideoFrame]:
