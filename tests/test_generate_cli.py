@@ -30,6 +30,7 @@ def test_t2v_with_sound_to_mp4_and_latents(tiny_ckpt, tmp_path):
     out, lat = tmp_path / "out.mp4", tmp_path / "lat.safetensors"
     proc = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--fps", "24", "-o", out, "--save-latents", lat)
     assert f"wrote {out}" in proc.stdout and "diffuse" in proc.stdout and "vae.decode" in proc.stdout
+    assert "decode + encode" in proc.stdout, "an MP4 is muxed while the VAE decodes"
     info = probe_mp4(out.read_bytes())
     assert info.video_codec == "h264" and info.pix_fmt == "yuv420p"
     assert info.num_frames == 9 and abs(info.fps - 24) < 1e-6

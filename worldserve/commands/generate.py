@@ -217,18 +217,37 @@ def _upsampled(args: argparse.Namespace, params: VideoParams, pipe, root: Path) 
     return dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
 
 
+def streams_to(path: Path) -> bool:
+    """Whether an output at `path` is muxed while the VAE decodes (an MP4; npz and PNG take whole frames)."""
+    return path.suffix.lower() not in (".npz", ".png")
+
+
 def write_output(path: Path, result) -> None:
+    """`result` as `path` (.npz raw, .png the first frame, else MP4). A FrameStream's frames are muxed in
+    another thread while this one decodes them, as the server does (media/frame_stream.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worldserve.media.frame_stream import FrameStream, read_beside
     from worldserve.media.image import encode_png
     from worldserve.media.video import encode_mp4, write_npz
 
     path.parent.mkdir(parents=True, exist_ok=True)
     suffix = path.suffix.lower()
+    frames = result.frames
+    if isinstance(frames, FrameStream) and not streams_to(path):
+        frames = frames.to_array()
     if suffix == ".npz":
-        write_npz(path, result.frames, result.audio, result.fps, result.sample_rate)
+        write_npz(path, frames, result.audio, result.fps, result.sample_rate)
     elif suffix == ".png":
-        path.write_bytes(encode_png(result.frames[0]))
+        path.write_bytes(encode_png(frames[0]))
+    elif isinstance(frames, FrameStream):
+        with ThreadPoolExecutor(1) as pool:
+            mux = read_beside(
+                frames, lambda f: encode_mp4(f, result.fps, result.audio, result.sample_rate), pool
+            )
+            path.write_bytes(mux.result())
     else:
-        path.write_bytes(encode_mp4(result.frames, result.fps, result.audio, result.sample_rate))
+        path.write_bytes(encode_mp4(frames, result.fps, result.audio, result.sample_rate))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -280,11 +299,13 @@ def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float
         where = f"{e.param}: {e.message}" if isinstance(e, ParamError) else str(e)
         print(f"worldserve generate: error: {where}", file=sys.stderr)
         return 2
+    stream = streams_to(args.output)  # the VAE decode then runs in write_output, beside the mux
     with tqdm(total=params.num_inference_steps, desc="Denoising", unit="step") as bar:
-        result, state = pipe.generate(params, on_step=lambda done, total: bar.update(1))
+        result, state = pipe.generate(params, on_step=lambda done, total: bar.update(1), stream=stream)
     t1 = time.perf_counter()
     write_output(args.output, result)
-    stages = {"load": load_s, **result.stage_seconds, "encode": time.perf_counter() - t1}
+    encoded = time.perf_counter() - t1
+    stages = {"load": load_s, **result.stage_seconds, "decode + encode" if stream else "encode": encoded}
     if args.save_latents is not None:
         from safetensors.torch import save_file
 

@@ -351,15 +351,18 @@ class VideoPipeline:
         params: VideoParams,
         request_id: str = "generate",
         on_step: Callable[[int, int], None] | None = None,
+        *,
+        stream: bool = False,
     ) -> tuple[VideoResult, VideoRequestState]:
-        """Validate, prepare, run every step, decode. `on_step(done, total)` after each step."""
+        """Validate, prepare, run every step, decode (`stream`: as `decode`'s; read the frames before the
+        next call). `on_step(done, total)` after each step."""
         self.validate(params)
         state = self.prepare(request_id, params)
         while not state.done:
             self.denoise([state])
             if on_step is not None:
                 on_step(state.step_index, state.num_steps)
-        result = self.decode(state)
+        result = self.decode(state, stream=stream)
         return result, state
 
 
