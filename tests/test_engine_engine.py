@@ -9,11 +9,13 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 from serving_helpers import make_client, stub_encoder, wait_until
 
 from worldserve.engine.client import EncodeOptions, JobSpec, JobStatus, QueueFullError, ShuttingDownError
 from worldserve.engine.fake_backend import FakeBackend, FakeState
+from worldserve.media.frame_stream import FrameStream
 from worldserve.params import VideoParams
 
 
@@ -404,3 +406,60 @@ def test_shutdown_answers_waiters_of_queued_jobs_at_once_and_the_rest_after_the_
         await client.shutdown(0.5)
 
     run(main())
+
+
+def test_a_bad_decode_chunk_fails_the_job_and_releases_the_decoders_lock_at_once(tmp_path):
+    """A decode stream that goes wrong (here one frame too many, as a count bug would) fails its job and
+    closes its source right away, so the decoder's lock (VideoVAE.decode_frames holds one across chunks)
+    is free even while the encode pool is busy with other work."""
+    decoder_lock, pool_busy = threading.Lock(), threading.Event()
+
+    class BadCount(FakeBackend):
+        def decode(self, state, *, stream=False):
+            result = super().decode(state, stream=stream)
+            n = state.params.num_frames
+
+            def chunks():
+                with decoder_lock:
+                    yield np.zeros((1, 64, 64, 3), np.uint8)
+                    yield np.zeros((n, 64, 64, 3), np.uint8)
+
+            result.frames = FrameStream(n, 64, 64, chunks())
+            return result
+
+    def encoder(frames, *args, **kw):
+        pool_busy.wait(10)
+        return b"x"
+
+    async def main():
+        client = make_client(tmp_path, backend=BadCount(), encoder=encoder, encode_workers=1)
+        await client.start()
+        done = await asyncio.wait_for(client.wait(_submit(client, _params()).id), 10)
+        held = decoder_lock.locked()
+        pool_busy.set()
+        await client.shutdown(5)
+        return done, held
+
+    done, held = run(main())
+    assert done.status is JobStatus.FAILED and "more than the stream's 5 frames" in done.error_message
+    assert not held
+
+
+class _Stop(BaseException):
+    """Not an Exception (as SystemExit is)."""
+
+
+def test_an_encoder_base_exception_still_ends_the_job(tmp_path):
+    def encoder(frames, *args, **kw):
+        next(iter(frames))
+        raise _Stop("not an Exception")
+
+    async def main():
+        client = make_client(tmp_path, encoder=encoder)
+        await client.start()
+        done = await asyncio.wait_for(client.wait(_submit(client, _params()).id), 10)
+        await client.shutdown(5)
+        return done
+
+    done = run(main())
+    assert done.status is JobStatus.FAILED and "not an Exception" in done.error_message

@@ -20,6 +20,7 @@ from worldserve.media.frame_stream import (
     FramesLost,
     FrameStream,
     lower_thread_priority,
+    read_beside,
 )
 from worldserve.media.video import encode_mp4
 
@@ -128,3 +129,41 @@ def test_muxing_threads_run_at_a_lower_cpu_priority():
         pool.submit(job).result()
     assert seen == {"pool": max(own, ENCODER_NICENESS), "child": max(own, ENCODER_NICENESS)}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
+def test_abandoning_wakes_a_waiting_reader_and_stops_read_beside():
+    """A reader closed from another thread returns at once; read_beside stops making chunks (and closes
+    their source) once its reader has left."""
+    pipe = FramePipe(5, 32, 48)
+    reader = pipe.reader()
+    got = []
+    thread = threading.Thread(target=lambda: got.append(list(reader.chunks)))
+    thread.start()
+    time.sleep(0.05)
+    reader.close()
+    thread.join(2)
+    assert not thread.is_alive() and got == [[]]
+
+    made, closed = [], []
+
+    def chunks():
+        try:
+            for i in range(9):
+                made.append(i)
+                yield _clip(1)
+        finally:
+            closed.append(True)
+
+    def leaves_early(frames):
+        next(iter(frames))
+        frames.close()
+        time.sleep(0.05)  # the maker notices on its next chunk
+
+    def slow():
+        for chunk in chunks():
+            time.sleep(0.02)
+            yield chunk
+
+    with ThreadPoolExecutor(1) as pool:
+        read_beside(FrameStream(9, 32, 48, slow()), leaves_early, pool).result()
+    assert len(made) < 9 and closed == [True]

@@ -323,6 +323,9 @@ class Engine:
             return  # the decode failed: the engine thread failed the job
         except Exception as exc:
             self._fail(request, exc)
+        except BaseException as exc:  # (SystemExit, KeyboardInterrupt in this pool thread) the job still ends
+            self._fail(request, exc)
+            raise
         finally:
             if isinstance(result.frames, FrameStream):
                 result.frames.close()  # an encode that stopped early: the decode's later chunks are dropped

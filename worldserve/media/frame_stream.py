@@ -5,14 +5,14 @@ latent frames), so the first frames are final long before the last: at 720p x 18
 ~3.9 s on an H200 and the H.264 + AAC mux ~1.3 s, which used to start only when the decode had ended.
 
 - `FrameStream`: uint8 frames (F, H, W, 3) whose size is known up front and whose pixels come as chunks
-  (n_i, H, W, 3), each anything `np.asarray` takes (a chunk may still be on its way from the device:
-  `np.asarray` waits for it). Iterating checks every chunk and the total count, so a consumer (media.video
-  `encode_mp4`) never muxes a short or malformed video.
+  (n_i, H, W, 3), each anything `np.asarray` takes. Iterating checks every chunk and the total count, so a
+  consumer (media.video `encode_mp4`) never muxes a short or malformed video, and closes the chunks' source
+  when it stops early (a decode generator then leaves its locks at once).
 - `FramePipe` / `read_beside`: hand a stream's chunks from the thread that makes them (the engine, decoding
   under the model lock) to one that reads them (an encoder in the engine's CPU pool). Unbounded, so the decoding
   thread never waits for the encoder (at most the whole video is held, as when it was handed over in one
-  piece); a reader that stops early abandons the pipe and later chunks are dropped; a decode that fails
-  `fail`s it and the reader gets `FramesLost`.
+  piece); a reader that stops early abandons the pipe, later chunks are dropped and `read_beside` stops
+  making them; a decode that fails `fail`s it and the reader gets `FramesLost`.
 - `lower_thread_priority`: the muxing threads (the engine's encode pool, media.video's conversion pool) run
   at nice 10, so the thread feeding the GPU wins the CPUs when they are all busy.
 """
@@ -83,8 +83,17 @@ class FrameStream:
         return (self.num_frames, self.height, self.width, 3)
 
     def __iter__(self) -> Iterator[np.ndarray]:
+        source = iter(self.chunks)
+        try:
+            yield from self._checked(source)
+        finally:  # stopped early (a bad chunk, a reader that left): the producer's `with` blocks exit now
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    def _checked(self, source: Iterator) -> Iterator[np.ndarray]:
         seen = 0
-        for chunk in self.chunks:
+        for chunk in source:
             array = np.asarray(chunk)
             if array.dtype != np.uint8 or array.ndim != 4 or array.shape[1:] != self.shape[1:]:
                 raise ValueError(f"a chunk of {self.shape} frames must be uint8 (n, {self.height}, "
@@ -139,10 +148,15 @@ class FramePipe:
         self.put(lost)
 
     def abandon(self) -> None:
-        """The reader stopped: drop what is queued and whatever comes."""
+        """The reader stopped: drop what is queued and whatever comes (a reader still waiting returns)."""
         with self._cv:
             self._abandoned = True
             self._queue.clear()
+            self._cv.notify_all()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
 
     def reader(self) -> FrameStream:
         """The reading side, a FrameStream (its `close()` abandons the pipe)."""
@@ -151,8 +165,10 @@ class FramePipe:
     def _chunks(self) -> Iterator:
         while True:
             with self._cv:
-                while not self._queue:
+                while not self._queue and not self._abandoned:
                     self._cv.wait()
+                if self._abandoned:
+                    return
                 item = self._queue.popleft()
             if item is _END:
                 return
@@ -170,16 +186,22 @@ def read_beside(
     """Run `reader` in `pool` on a copy of `stream` whose chunks arrive as this thread makes them (iterating
     `stream` here: for a decode, on the thread and under the lock the decode needs). Returns the reader's
     future after the last chunk; `before_end` runs just before the reader sees the end. When making a chunk
-    fails, the reader gets FramesLost and the error is raised here."""
+    fails, the reader gets FramesLost and the error is raised here; when the reader stops early, so does
+    the making (the stream's source is closed)."""
     pipe = FramePipe.like(stream)
     future = pool.submit(reader, pipe.reader())
+    chunks = iter(stream)
     try:
-        for chunk in stream:
+        for chunk in chunks:
+            if pipe.abandoned:
+                break  # nobody reads any more: stop making chunks
             pipe.put(chunk)
         if before_end is not None:
             before_end()
     except BaseException as exc:
         pipe.fail(exc)
         raise
+    finally:
+        chunks.close()  # (closes the stream's source too, when it stopped early)
     pipe.close()
     return future

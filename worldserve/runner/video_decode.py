@@ -3,7 +3,7 @@
 The audio goes first (the AVAE decode is short: ~0.04 s at 720p x 189 frames on an H200), so a streaming
 consumer knows the whole audio track before the first frame. The frames come from the Wan2.2 decoder chunk
 by chunk (`VideoVAE.decode_frames`: frame 0, then 16 frames per 4 latent frames, each copied to the host
-without waiting) as a `FrameStream`: the engine hands it to the MP4 encoder, which muxes the first chunks
+while the GPU decodes the next) as a `FrameStream`: the engine hands it to the MP4 encoder, which muxes the first chunks
 while the GPU decodes the next (media/frame_stream.py); other callers read it whole (`stream=False`).
 """
 
@@ -13,12 +13,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from worldserve.engine.outputs import VideoResult
 from worldserve.media.frame_stream import FrameStream
 from worldserve.models.cosmos3.audio_vae import AudioVAE
-from worldserve.models.cosmos3.vae import HostFrames, VideoVAE
+from worldserve.models.cosmos3.vae import VideoVAE
 
 if TYPE_CHECKING:
     from worldserve.runner.video_pipeline import VideoRequestState
@@ -54,7 +55,7 @@ def decode_video(
 
 
 @torch.inference_mode()
-def _timed_chunks(vae: VideoVAE, latents: torch.Tensor, result: VideoResult) -> Iterator[HostFrames]:
+def _timed_chunks(vae: VideoVAE, latents: torch.Tensor, result: VideoResult) -> Iterator[np.ndarray]:
     t0 = time.perf_counter()
     yield from vae.decode_frames(latents)
     result.stage_seconds["vae.decode"] = time.perf_counter() - t0

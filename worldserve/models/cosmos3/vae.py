@@ -13,8 +13,8 @@ interface, with the Cosmos3 latent normalisation (cosmos3-model.md §6).
   F = 4(T-1)+1, the same ops as the pipeline's decode + `VideoProcessor.postprocess_video` +
   `numpy_to_pil`: `z = z_n / inv_std + mean` in the VAE dtype, decode (clamped to [-1, 1]), cast to
   float32, `(x*0.5+0.5).clamp(0,1)`, `(x*255).round()`; the uint8 conversion runs on the device.
-  `decode_frames(latents)` gives the same frames chunk by chunk as the decoder makes them (`HostFrames`:
-  each copied to pinned host memory without waiting), for an MP4 mux that runs while the decode goes on.
+  `decode_frames(latents)` gives the same frames chunk by chunk as the decoder makes them (each copied to
+  the host while the device decodes the next), for an MP4 mux that runs while the decode goes on.
   The decode runs `WanDecoder` (a copy of the diffusers decoder's weights: ~1e-7 relative to
   diffusers in float32 on the CPU, built to be faster on a GPU: bench/vae_decode.py measures it);
   `use_reference_decoder=True` keeps diffusers' decode for A/B, and `tiling=True` uses diffusers' tiled
@@ -208,21 +208,32 @@ class VideoVAE:
         return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()
 
     @torch.inference_mode()
-    def decode_frames(self, latents: torch.Tensor) -> Iterator[HostFrames]:
-        """Normalised latents [48, T, h, w] -> `decode`'s uint8 frames chunk by chunk, (n_i, H, W, 3) each,
-        copied to the host without waiting as soon as the decoder has made them (the frame-0 chunk, then 4 x
-        decode_chunk_size frames a chunk; diffusers' decode: one chunk). Holds the VAE lock until the last
-        chunk, or until the generator is closed."""
+    def decode_frames(self, latents: torch.Tensor) -> Iterator[np.ndarray]:
+        """Normalised latents [48, T, h, w] -> `decode`'s uint8 frames chunk by chunk, (n_i, H, W, 3) host
+        arrays (the frame-0 chunk, then 4 x decode_chunk_size frames a chunk; diffusers' decode: one chunk).
+        On CUDA a chunk is copied to the host once the next chunk's decode is queued behind it, on a side
+        stream that waits for its own chunk only: the GPU decodes on while the host copies, and no pinned
+        memory is held. Holds the VAE lock until the last chunk, or until the generator is closed."""
         if latents.ndim != 4 or latents.shape[0] != self.z_dim:
             raise ValueError(f"latents must be [{self.z_dim}, T, h, w], got {tuple(latents.shape)}")
         z = self.denormalize(latents[None])
+        cuda = z.device.type == "cuda"
+        copies = torch.cuda.Stream(z.device) if cuda else None
         with self._lock:
             if self.decoder is None:
                 chunks = iter([self.model.decode(z).sample])
             else:
                 chunks = self.decoder.decode_chunks(z, chunk_size=self.decode_chunk_size)
-            for pixels in chunks:
-                yield HostFrames(self.pixels_to_uint8(pixels)[0])
+            pending: tuple | None = None  # (uint8 frames on the device, the event after them)
+            for pixels in chunks:  # queues this chunk's decode on the device
+                frames = self.pixels_to_uint8(pixels)[0]  # [n, H, W, 3]
+                if pending is not None:
+                    yield _to_host(*pending, copies)
+                pending = (frames, torch.cuda.Event() if cuda else None)
+                if cuda:
+                    pending[1].record(torch.cuda.current_stream(z.device))
+            if pending is not None:
+                yield _to_host(*pending, copies)
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents [B, 48, T, h, w] (or [48, T, h, w]) -> host uint8 (B, F, H, W, 3)
@@ -233,22 +244,13 @@ class VideoVAE:
         return out[0] if squeeze else out
 
 
-class HostFrames:
-    """uint8 frames on their way to the host: on CUDA a copy into pinned memory started without waiting, and
-    the event after it; `np.asarray(frames)` waits for that copy only, so the device decodes on meanwhile."""
-
-    def __init__(self, frames: torch.Tensor) -> None:
-        self._copied: torch.cuda.Event | None = None
-        if frames.device.type == "cuda":
-            self._host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
-            self._host.copy_(frames, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(frames.device))
-        else:
-            self._host = frames.contiguous()
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        if self._copied is not None:
-            self._copied.synchronize()
-        array = self._host.numpy()
-        return array if dtype is None else array.astype(dtype)
+def _to_host(
+    frames: torch.Tensor, ready: torch.cuda.Event | None, stream: torch.cuda.Stream | None
+) -> np.ndarray:
+    """Device frames -> a host array, copied on `stream` once `ready` (recorded after them) has passed; the
+    calling thread waits for this copy only (a copy to pageable memory returns when done)."""
+    if ready is None:
+        return frames.numpy()
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        return frames.to("cpu").numpy()
