@@ -125,6 +125,84 @@ def test_cancel_mid_job_releases_and_next_runs(tmp_path):
     assert not (tmp_path / "videos" / f"{victim.id}.mp4").exists()
 
 
+class _SlowDecode(FakeBackend):
+    """Each streamed chunk takes 0.1 s to make (`made`: their sizes per request; `decoding`: set at the first
+    chunk)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.made, self.decodes, self.decoding = {}, [], threading.Event()
+
+    def decode(self, state, *, stream=False):
+        self.decodes.append(state.request_id)
+        result = super().decode(state, stream=stream)
+        if stream:
+            chunks = result.frames.chunks
+            made = self.made.setdefault(state.request_id, [])
+            result.frames.chunks = (
+                self.decoding.set() or made.append(len(c)) or time.sleep(0.1) or c for c in chunks
+            )
+        return result
+
+
+def test_delete_during_the_decode_stops_it_at_the_next_chunk(tmp_path, caplog):
+    """DELETE (or a sync client leaving) while the VAE decodes: the decode stops after the chunk in hand, the
+    mux stops, no MP4 is saved, nothing is logged as failed, and the next job runs."""
+    backend, read = _SlowDecode(), []
+
+    def encoder(frames, *args, **kw):
+        for chunk in frames:
+            read.append(len(chunk))
+        return b"never saved"
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, encoder=encoder)
+        await client.start()
+        victim = _submit(client, _params(frames=97))  # frame 0 + 6 chunks of 16: 0.7 s of decode
+        await asyncio.to_thread(backend.decoding.wait, 5)
+        assert client.delete(victim.id).status is JobStatus.IN_PROGRESS
+        gone = await asyncio.wait_for(client.wait(victim.id), 5)
+        after = await asyncio.wait_for(client.wait(_submit(client, _params(seed=2)).id), 10)
+        await client.shutdown(5)
+        return victim, gone, after
+
+    victim, gone, after = run(main())
+    assert gone is None and after.status is JobStatus.COMPLETED
+    assert len(backend.made[victim.id]) <= 2, "stopped after the chunk in hand (of 7)"
+    assert sum(read) < 97 and victim.id in backend.released and not backend.live
+    assert not (tmp_path / "videos" / f"{victim.id}.mp4").exists()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_an_abort_during_the_last_step_skips_the_decode(tmp_path):
+    """An abort that reaches the inbox while a request's last step runs is seen before its decode (which
+    would take seconds at full size): the decode never starts, the state is released, an ephemeral
+    caller gets CancelledRequest."""
+    from worldserve.engine.engine import CancelledRequest
+    from worldserve.engine.request import Request
+
+    backend, engine_ref, outcome = _SlowDecode(step_delay=0.3), [], []
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        engine_ref.append(client.engine)
+        await client.start()
+        job = _submit(client, _params(steps=1))
+        image = Request(job_id="img-1", params=_params(steps=1, frames=1), arrival_time=time.monotonic(),
+                        on_result=outcome.append)  # fmt: skip
+        client.engine.add_request(image)
+        await asyncio.to_thread(wait_until, lambda: backend.batch_sizes or backend.live)
+        await asyncio.sleep(0.1)  # inside the 0.3 s step
+        client.delete(job.id)
+        client.engine.abort("img-1")
+        await asyncio.to_thread(wait_until, lambda: outcome and not backend.live)
+        await client.shutdown(5)
+
+    run(main())
+    assert backend.decodes == [] and not backend.live
+    assert len(outcome) == 1 and isinstance(outcome[0], CancelledRequest)
+
+
 @pytest.mark.parametrize("stage", ["prepare", "denoise", "decode", "decode_stream", "encode"])
 def test_a_failing_request_fails_alone(tmp_path, stage):
     """decode_stream: the decode fails after its first chunk reached the encoder (the encode stops, the job
@@ -149,6 +227,8 @@ def test_a_failing_request_fails_alone(tmp_path, stage):
     (failed, ok), health = run(main())
     assert failed.status is JobStatus.FAILED and failed.error_code == 500
     assert failed.error_message.startswith("Video generation failed:")
+    injected = "mux exploded" if stage == "encode" else f"injected failure at {stage}"
+    assert failed.error_message.endswith(injected)
     assert ok.status is JobStatus.COMPLETED and health == (True, None)
     assert not backend.live
 

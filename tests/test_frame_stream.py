@@ -1,6 +1,7 @@
 """L0: frames in chunks (media/frame_stream.py): an MP4 muxed while its frames still arrive from another thread
 is byte for byte the MP4 of the whole array; malformed, short or long streams fail the encode; a failed
-producer reaches the reader as FramesLost; an abandoned pipe drops what comes."""
+producer reaches the reader as FramesLost; an abandoned pipe drops what comes; a stop set from another thread
+(an abort) ends the making at the next chunk."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from media_probe import probe_mp4
 from worldserve.media.frame_stream import (
     ENCODER_NICENESS,
     FramePipe,
+    FramesCancelled,
     FramesLost,
     FrameStream,
     lower_thread_priority,
@@ -167,3 +169,32 @@ def test_abandoning_wakes_a_waiting_reader_and_stops_read_beside():
     with ThreadPoolExecutor(1) as pool:
         read_beside(FrameStream(9, 32, 48, slow()), leaves_early, pool).result()
     assert len(made) < 9 and closed == [True]
+
+
+def test_a_stop_from_another_thread_ends_the_making_and_the_reader_learns_why():
+    """read_beside's `stop` (set by an abort, from another thread): no chunk is made after the one in hand,
+    their source is closed, nothing is raised on the making thread, and the reader gets FramesLost caused by
+    FramesCancelled after the chunks it was given."""
+    stop, made, closed, read = threading.Event(), [], [], []
+
+    def chunks():
+        try:
+            for i in range(9):
+                made.append(i)
+                if i == 2:
+                    stop.set()  # the abort lands while chunk 2 is being made
+                yield _clip(1)
+        finally:
+            closed.append(True)
+
+    def reader(frames):
+        try:
+            for chunk in frames:
+                read.append(len(chunk))
+        except FramesLost as exc:
+            return exc
+
+    with ThreadPoolExecutor(1) as pool:
+        lost = read_beside(FrameStream(9, 32, 48, chunks()), reader, pool, stop=stop).result(5)
+    assert made == [0, 1, 2] and closed == [True] and read == [1, 1]
+    assert isinstance(lost, FramesLost) and isinstance(lost.__cause__, FramesCancelled)

@@ -4,6 +4,7 @@ and bad input rejected before any model work with the field named."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -143,3 +144,20 @@ def test_missing_checkpoint_is_one_line(tmp_path):
     assert (
         "error: nvidia/Cosmos3-Nano-missing (revision main) is not in the Hugging Face cache" in proc.stderr
     )
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file", "read-only"])
+def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, where):
+    """-o is checked with the other input (exit 2, `error: output:`), not after minutes of generating."""
+    from worldserve.cli import main
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    output = {"a folder": folder, "under a file": tmp_path / "f.txt" / "x.mp4", "read-only": folder / "x.mp4"}
+    (tmp_path / "f.txt").write_text("not a folder")
+    if where == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes anywhere")
+        folder.chmod(0o500)
+    assert main(["generate", "--prompt", "a cat", "-o", str(output[where]), "--device", "cpu"]) == 2
+    assert "error: output:" in capsys.readouterr().err

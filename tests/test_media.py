@@ -185,6 +185,19 @@ def test_codec_options_reject_anything_else(options):
     assert err.value.param == "video_codec_options"
 
 
+@pytest.mark.parametrize("profile", ["baseline", "main", "high"])
+def test_a_lossless_encode_with_a_profile_is_refused_up_front(profile):
+    """x264 cannot open crf 0 (quality 'lossless') in these profiles; the request learns it at submit,
+    naming video_codec_options, not as a failed job after the GPU work. crf >= 1 with the profile encodes,
+    as does crf 0 without one (x264 then picks High 4:4:4 Predictive)."""
+    for crf, options in ((0, {"profile": profile}), (18, {"profile": profile, "crf": 0})):
+        with pytest.raises(ParamError, match="losslessly") as err:
+            h264_options(options, crf)
+        assert err.value.param == "video_codec_options"
+    assert probe_mp4(encode_mp4(_frames(3), 24.0, crf=1, codec_options={"profile": profile})).num_frames == 3
+    assert probe_mp4(encode_mp4(_frames(3), 24.0, crf=0)).num_frames == 3
+
+
 def test_png_round_trip():
     frame = _frames(1, 48, 80)
     for inp in (frame, frame[0]):

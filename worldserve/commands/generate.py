@@ -10,6 +10,7 @@ frames held clean, taken from the `--condition-video-keep first|last` end of the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -128,10 +129,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
         raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
                          "(not with --tensor-parallel-size > 1)")  # fmt: skip
-    if args.output.suffix.lower() not in OUTPUT_SUFFIXES:
-        raise ParamError("output", f"-o must end in one of {', '.join(OUTPUT_SUFFIXES)}")
-    if args.output.suffix.lower() == ".png" and args.num_frames != 1:
-        raise ParamError("output", "a .png output needs --num-frames 1")
+    _check_output(args.output, args.num_frames)
     return VideoParams(
         prompt=prompt,
         negative_prompt=args.negative_prompt,
@@ -156,6 +154,23 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         system_prompt=args.system_prompt,
         upsample_prompt=args.upsample_prompt,
     ).validate()
+
+
+def _check_output(path: Path, num_frames: int) -> None:
+    """An output this run can write, checked before the model loads (not after minutes of generation)."""
+    if path.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise ParamError("output", f"-o must end in one of {', '.join(OUTPUT_SUFFIXES)}")
+    if path.suffix.lower() == ".png" and num_frames != 1:
+        raise ParamError("output", "a .png output needs --num-frames 1")
+    if path.is_dir():
+        raise ParamError("output", f"-o {path} is a directory; name the file to write")
+    ancestor = path.parent  # the nearest folder that exists: write_output creates the rest
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ParamError("output", f"-o {path}: {ancestor} is not a directory")
+    if not os.access(path if path.exists() else ancestor, os.W_OK):
+        raise ParamError("output", f"-o {path} is not writable")
 
 
 def _parse_interval(text: str | None) -> tuple[float, float] | None:

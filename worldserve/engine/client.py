@@ -38,10 +38,11 @@ from worldserve.engine.chat_worker import (
     ChatStarted,
     ChatWorker,
 )
-from worldserve.engine.engine import Engine, EngineObserver, error_for
+from worldserve.engine.engine import Engine, error_for
 from worldserve.engine.ephemeral import run_without_jobs
 from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
+from worldserve.engine.observer import EngineObserver
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
 from worldserve.engine.prompt_upsampling import (
     UpsamplerConfig,

@@ -8,13 +8,13 @@ frames chunk by chunk, as the VAE makes them, to a CPU pool that muxes the MP4 m
 
 Invariants: only this thread calls the backend and touches the scheduler; other threads talk to it through
 `add_request` / `abort` / `drain` / `stop` (a condition-guarded inbox). An abort takes effect at the next
-step boundary and always releases the request's state. An exception inside a request (prepare, its denoise
-batch, decode, encode) fails only the jobs involved (status `failed`, error {code, message}); the loop
-itself never dies of one. Backend calls run under `model_lock`, which the chat worker (chat_worker.py) also
-takes around each chat prefill / decode step, so chat and video share the model step by step, unless the
-chat backend runs beside video steps on its own CUDA stream (runner/chat_share.py: then it takes no lock).
-`on_done(job_id)` is called (from this thread or an encoder) whenever a job reaches completed/failed or is
-aborted, so the HTTP side can wake waiters.
+step boundary (during a decode: at its next chunk of frames) and always releases the request's state. An
+exception inside a request (prepare, its denoise batch, decode, encode) fails only the jobs involved
+(status `failed`, error {code, message}); the loop itself never dies of one. Backend calls run under
+`model_lock`, which the chat worker (chat_worker.py) also takes around each chat prefill / decode step, so
+chat and video share the model step by step, unless the chat backend runs beside video steps on its own
+CUDA stream (runner/chat_share.py: then it takes no lock). `on_done(job_id)` is called (from this thread or
+an encoder) whenever a job reaches completed/failed or is aborted, so the HTTP side can wake waiters.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Protocol
 
 import numpy as np
 
 from worldserve.config import SchedulerConfig
 from worldserve.engine.jobs import JobStore
+from worldserve.engine.observer import EngineObserver, NullObserver
 from worldserve.engine.outputs import VideoBackend, VideoResult
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
@@ -41,31 +41,6 @@ log = logging.getLogger(__name__)
 
 Encoder = Callable[..., bytes]
 """`encode_mp4(frames, fps, audio, sample_rate=..., crf=..., codec_options=...) -> bytes`."""
-
-
-class EngineObserver(Protocol):
-    """Where the engine reports timings (the Prometheus metrics implement it)."""
-
-    def on_step(self, seconds: float, batch_size: int) -> None: ...
-
-    def on_finished(
-        self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
-    ) -> None: ...
-
-    def on_failed(self, code: int) -> None: ...
-
-
-class NullObserver:
-    def on_step(self, seconds: float, batch_size: int) -> None:
-        pass
-
-    def on_finished(
-        self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
-    ) -> None:
-        pass
-
-    def on_failed(self, code: int) -> None:
-        pass
 
 
 def default_encoder(*args, **kwargs) -> bytes:
@@ -114,6 +89,7 @@ class Engine:
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._waiting_ids: set[str] = set()  # queued, not yet admitted nor aborted (inbox + scheduler); _cv
+        self._decode_stops: dict[str, threading.Event] = {}  # the decode in progress, set by abort(); _cv
         self._num_running = 0
         self._draining = False
         self._hard_stop = False
@@ -141,11 +117,14 @@ class Engine:
             self._cv.notify()
 
     def abort(self, job_id: str) -> None:
-        """Abort at the next step boundary; a request still waiting stops counting as queued right away
-        (admission control reads num_waiting, and the loop may be busy for a while)."""
+        """Abort at the next step boundary, or during its decode at the next chunk of frames; a request still
+        waiting stops counting as queued right away (admission control reads num_waiting, and the loop may
+        be busy for a while)."""
         with self._cv:
             self._waiting_ids.discard(job_id)
             self._inbox.append(("abort", job_id))
+            if (stop := self._decode_stops.get(job_id)) is not None:
+                stop.set()
             self._cv.notify()
 
     def drain(self) -> None:
@@ -256,26 +235,38 @@ class Engine:
 
     def _decode(self, request: Request) -> None:
         """Decode a finished request. A job's frames stream to its MP4 encode (in the pool) chunk by chunk
-        while the decode runs; an ephemeral request (an image) gets the whole result."""
+        while the decode runs; an ephemeral request (an image) gets the whole result. An abort that came
+        during its last step skips the decode; one that comes during it stops it at the next chunk."""
         t0 = time.monotonic()
 
         def decoded() -> None:
             request.stage_seconds["decode"] = time.monotonic() - t0
 
-        streamed = False
+        stop = threading.Event()
+        with self._cv:
+            self._decode_stops[request.job_id] = stop
+            if any(kind == "abort" and payload == request.job_id for kind, payload in self._inbox):
+                stop.set()
+        streamed, failure = False, None
         try:
-            with self.model_lock:
-                result = self.backend.decode(request.state, stream=not request.ephemeral)
-                if isinstance(result.frames, FrameStream):  # the decode runs here, chunk after chunk
-                    read_beside(result.frames, partial(self._encode_streamed, request, result), self._pool,
-                                before_end=decoded)  # fmt: skip
-                    streamed = True
+            if not stop.is_set():
+                with self.model_lock:
+                    result = self.backend.decode(request.state, stream=not request.ephemeral)
+                    if isinstance(result.frames, FrameStream):  # the decode runs here, chunk after chunk
+                        read_beside(result.frames, partial(self._encode_streamed, request, result),
+                                    self._pool, before_end=decoded, stop=stop)  # fmt: skip
+                        streamed = True
         except Exception as exc:  # (a streamed encode stops with FramesLost: the job fails here, once)
-            self._fail(request, exc)
-            return
+            failure = exc
         finally:
+            with self._cv:  # (abort() sets the event under _cv: after this, the outcome is settled)
+                cancelled = self._decode_stops.pop(request.job_id).is_set()
             self._release(request)
-        if streamed:
+        if cancelled:
+            self._cancelled(request)
+        elif failure is not None:
+            self._fail(request, failure)
+        if cancelled or failure is not None or streamed:
             return
         decoded()
         if request.ephemeral:  # the caller encodes (an image): hand the frames over
@@ -334,12 +325,15 @@ class Engine:
     def _abort(self, job_id: str) -> None:
         request = self._sched.remove(job_id)
         if request is None:
-            return  # unknown, already finished, or being encoded (the store drops its output)
+            return  # unknown, already finished (its decode stopped), or being encoded (the store drops it)
         self._release(request)
         self._num_running = len(self._sched.running)
+        self._cancelled(request)
+
+    def _cancelled(self, request: Request) -> None:
         if request.ephemeral:
-            request.on_result(CancelledRequest(job_id))
-        self.on_done(job_id)
+            request.on_result(CancelledRequest(request.job_id))
+        self.on_done(request.job_id)
 
     def _release(self, request: Request) -> None:
         if request.state is None:

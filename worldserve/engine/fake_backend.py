@@ -3,7 +3,7 @@
 Frames are deterministic in the seed: frame i is one flat colour drawn from `default_rng(seed)`, returned as
 a broadcast view (no memory even at 720p x 189 frames). Audio, when on, is a seed-dependent stereo sine at
 48 kHz covering num_frames / fps seconds. Each `denoise` call sleeps `step_delay` seconds (a stand-in for
-GPU time) and records its batch size, so engine-policy tests can assert on batching. A prompt containing
+GPU time) and records its batch size, so engine-policy tests can assert on batching. A prompt holding the word
 `__fail__:prepare`, `__fail__:denoise` or `__fail__:decode` raises at that stage, `__fail__:decode_stream`
 after a streamed decode's first chunk (failure-isolation tests). `decode(stream=True)` streams frame 0 and
 then 16 frames a chunk.
@@ -115,5 +115,7 @@ def _chunks(frames: np.ndarray, params: VideoParams) -> Iterator[np.ndarray]:
 
 
 def _maybe_fail(params: VideoParams, stage: str) -> None:
-    if FAIL_MARKER + stage in params.prompt:
+    """Raise at `stage` when the prompt holds the word FAIL_MARKER + stage (exactly: `decode` is not
+    `decode_stream`)."""
+    if FAIL_MARKER + stage in params.prompt.split():
         raise FakeBackendError(f"injected failure at {stage}")

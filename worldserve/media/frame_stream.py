@@ -12,7 +12,8 @@ latent frames), so the first frames are final long before the last: at 720p x 18
   under the model lock) to one that reads them (an encoder in the engine's CPU pool). Unbounded, so the decoding
   thread never waits for the encoder (at most the whole video is held, as when it was handed over in one
   piece); a reader that stops early abandons the pipe, later chunks are dropped and `read_beside` stops
-  making them; a decode that fails `fail`s it and the reader gets `FramesLost`.
+  making them; a decode that fails `fail`s it and the reader gets `FramesLost`, as it does when another
+  thread sets `read_beside`'s `stop` (an abort: the decode stops at its next chunk).
 - `lower_thread_priority`: the muxing threads (the engine's encode pool, media.video's conversion pool) run
   at nice 10, so the thread feeding the GPU wins the CPUs when they are all busy.
 """
@@ -177,17 +178,23 @@ class FramePipe:
             yield item
 
 
+class FramesCancelled(Exception):
+    """The frames were no longer wanted (the request was aborted) before the last chunk was made."""
+
+
 def read_beside(
     stream: FrameStream,
     reader: Callable[[FrameStream], T],
     pool: Executor,
     before_end: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> Future[T]:
     """Run `reader` in `pool` on a copy of `stream` whose chunks arrive as this thread makes them (iterating
     `stream` here: for a decode, on the thread and under the lock the decode needs). Returns the reader's
     future after the last chunk; `before_end` runs just before the reader sees the end. When making a chunk
     fails, the reader gets FramesLost and the error is raised here; when the reader stops early, so does
-    the making (the stream's source is closed)."""
+    the making (the stream's source is closed). Another thread setting `stop` ends the making after the
+    chunk in hand; the reader then gets FramesLost caused by FramesCancelled, and nothing is raised here."""
     pipe = FramePipe.like(stream)
     future = pool.submit(reader, pipe.reader())
     chunks = iter(stream)
@@ -195,6 +202,9 @@ def read_beside(
         for chunk in chunks:
             if pipe.abandoned:
                 break  # nobody reads any more: stop making chunks
+            if stop is not None and stop.is_set():
+                pipe.fail(FramesCancelled("the request was aborted while its frames were decoded"))
+                break
             pipe.put(chunk)
         if before_end is not None:
             before_end()

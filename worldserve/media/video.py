@@ -87,6 +87,14 @@ def h264_options(codec_options: Mapping[str, object] | None, crf: int = 18) -> d
                 "video_codec_options",
                 f"Unsupported video_codec_options key {key!r}; allowed keys: {allowed}.",
             )
+    if (
+        "profile" in options and options["crf"] == "0"
+    ):  # x264 refuses to open (a failed job, after the GPU work)
+        raise ParamError(
+            "video_codec_options",
+            f"video_codec_options.profile {options['profile']!r} cannot encode losslessly (crf 0, as quality "
+            "'lossless' sets); x264 picks the High 4:4:4 Predictive profile it needs when profile is omitted.",
+        )
     return options
 
 
