@@ -184,3 +184,35 @@ def test_chats_get_their_shutdown_503_at_the_timeout_even_inside_a_long_video_st
         chat.join(10)
         assert time.monotonic() - t0 < 2.5  # the timeout and a step of the chat, not the 4 s video step
         assert answers[0].status_code == 503
+
+
+def test_a_chunk_that_fails_to_render_ends_the_stream_with_the_error_event(caplog):
+    """A bug while rendering a chunk (here a chunk that cannot be serialized) still ends the SSE stream the
+    way a failed chat does: the error event (500) and `[DONE]`, the chats closed, the traceback logged."""
+    import asyncio
+
+    from worldserve.api.chat_stream import sse_events
+
+    closed = []
+
+    async def events():
+        try:
+            yield ChatDelta(text="a", finish_reason=None, completion_tokens=1)
+            yield ChatDelta(text="\ud800", finish_reason=None, completion_tokens=2)
+            await asyncio.sleep(10)
+        finally:
+            closed.append(True)
+
+    def render(index, delta):
+        yield (
+            "data: " + json.dumps({"text": delta.text}, ensure_ascii=False).encode("utf-8").decode() + "\n\n"
+        )
+
+    async def collect():
+        return [e async for e in sse_events([events()], render, tail=lambda: ())]
+
+    out = asyncio.run(collect())
+    assert out[0] == 'data: {"text": "a"}\n\n' and len(out) == 2
+    error, done = out[1].split("\n\n")[:2]
+    assert json.loads(error[6:])["error"]["code"] == 500 and done == "data: [DONE]"
+    assert closed == [True] and "failed while rendering" in caplog.text

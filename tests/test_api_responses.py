@@ -363,6 +363,16 @@ def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, re
     long = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
         "input": "hello " * 6000, "truncation": "auto", "max_output_tokens": 4})  # fmt: skip
     assert long.status_code == 200 and long.json()["usage"]["input_tokens"] <= 4096 - 4, long.text
+    pictured = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello " * 6000},
+                                               {"type": "input_image", "image_url": _png()}]}],
+        "truncation": "auto", "max_output_tokens": 4})  # fmt: skip
+    err = pictured.json()["error"]
+    assert (
+        pictured.status_code == 400
+        and err["param"] == "truncation"
+        and "cannot be truncated" in err["message"]
+    )
 
 
 def test_a_server_that_stores_nothing(reasoner, tmp_path):

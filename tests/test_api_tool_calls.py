@@ -146,6 +146,19 @@ def test_a_conversation_with_calls_and_tool_answers(reasoner_oai):
     assert answer.usage.prompt_tokens > short.usage.prompt_tokens + len(call.function.arguments) // 4
 
 
+def _nested(depth: int) -> dict:
+    """{"a": {"a": ... {}}} `depth` objects deep."""
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+def _nested_text(depth: int) -> str:
+    """_nested(depth) as JSON text (deeper than json.dumps can write)."""
+    return '{"a": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
 BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
@@ -158,6 +171,24 @@ BAD = [
      "only one structured output constraint"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools", "nonsense"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": [1]}}}],
+      "tool_choice": "required"}, "tools", "$defs must be an object"),
+    # nesting the chat template (recursive) or json.loads would overflow on: a 400 before either runs
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(200)}}]}, "tools",
+     "nested deeper than 128"),
+    ({"chat_template_kwargs": {"x": _nested(500)}}, "chat_template_kwargs", "nested deeper than 128"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "f", "arguments": _nested_text(990)}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
+     "messages[1].tool_calls[0].function.arguments", "nested"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "f", "arguments": json.dumps(_nested(200))}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
+     "messages[1].tool_calls[0].function.arguments", "nested deeper than 128"),
+    ({"structured_outputs": {"json": _nested_text(990)}}, "structured_outputs.json", "nested too deeply"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _nested(200)}}},
+     "response_format", "nested deeper than 128"),
+    # vLLM checks min_tokens against the max_tokens it defaults to the context's room
+    ({"max_tokens": None, "min_tokens": 100_000}, "min_tokens", "min_tokens must be at most max_tokens"),
+    ({"messages": [{"role": "user", "content": "look <|video_pad|>"}]}, "messages", "<|video_pad|>"),
 ]  # fmt: skip
 
 
@@ -168,3 +199,25 @@ def test_bad_tools_and_choices_are_400s_naming_the_field(reasoner_url, extra, pa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_surrogate_the_model_escapes_in_arguments_stays_escaped(reasoner_url, stream):
+    """The model's hermes block escapes a lone surrogate ("\\ud800"): no UTF-8 answer can carry the character
+    itself, so the call's arguments keep the escape (a 500, or a stream cut mid-body, before)."""
+    forced = '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "stream": stream,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "structured_outputs": {"choice": [forced]}}  # fmt: skip
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        calls = [c for e in events[:-1] for ch in json.loads(e)["choices"]
+                 for c in ch["delta"].get("tool_calls") or ()]  # fmt: skip
+        arguments = "".join(c["function"].get("arguments") or "" for c in calls)
+    else:
+        [call] = r.json()["choices"][0]["message"]["tool_calls"]
+        arguments = call["function"]["arguments"]
+    assert json.loads(arguments) == {"a": "\ud800"}

@@ -61,6 +61,28 @@ def check_unicode(value: Any, raw: str | bytes | None = None) -> None:
             stack.extend((v, (*path, i)) for i, v in enumerate(item))
 
 
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of objects / lists a request may send. What reads a value recursively (the chat template,
+pydantic, a grammar compiler) must never meet a depth near Python's recursion limit (1000 frames; the
+template's helpers spend ~2 a level): a 400 here instead of a RecursionError (500) there."""
+
+
+def check_depth(value: Any, where: str = "body") -> None:
+    """A 400 naming the field when `value` (parsed JSON) nests deeper than MAX_JSON_DEPTH; iterative."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if not isinstance(item, dict | list):
+            continue
+        if len(path) >= MAX_JSON_DEPTH:
+            inside = _path_text(path[:4])
+            param = where if where != "body" or not isinstance(path[0], str) else path[0]
+            raise APIError(400, f"{param}: JSON nested deeper than {MAX_JSON_DEPTH} levels (at "
+                           f"{inside or where}...)", param=param)  # fmt: skip
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        stack.extend((v, (*path, k)) for k, v in children)
+
+
 def _path_text(path: tuple) -> str:
     """("messages", 0, "content") -> "messages[0].content"."""
     out = ""
@@ -71,7 +93,7 @@ def _path_text(path: tuple) -> str:
 
 def parse_json(body: str | bytes) -> Any:
     """json.loads with every failure a 400: bad JSON, bad UTF-8, a number too long to convert, nesting deeper
-    than the parser's stack."""
+    than MAX_JSON_DEPTH (or the parser's stack), a lone surrogate."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -82,6 +104,7 @@ def parse_json(body: str | bytes) -> Any:
         ) from None
     except RecursionError:
         raise APIError(400, "Invalid JSON body: nested too deeply") from None
+    check_depth(data)
     check_unicode(data, body)
     return data
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,8 @@ from worldserve.engine.client import (
 
 LOGPROB_FLOOR = -9999.0
 """Log-probabilities are floored here in JSON answers (JSON has no -inf)."""
+
+log = logging.getLogger(__name__)
 
 
 def logprob_items(entries) -> list[TokenLogprobOut]:
@@ -139,16 +142,23 @@ async def sse_events(
         async with contextlib.aclosing(merged(streams)) as events:
             async for index, event in events:
                 if isinstance(event, ChatFailed):
-                    yield f"data: {json.dumps(error_body(event.status, event.message, event.param, vllm=True))}\n\n"
-                    yield "data: [DONE]\n\n"
+                    yield _error_event(event.status, event.message, event.param)
                     return
                 for text in render(index, event):
                     yield text
         for text in tail():
             yield text
         yield "data: [DONE]\n\n"
+    except Exception:  # a bug rendering a chunk: the client still gets an error event and the end marker
+        log.exception("a chat stream failed while rendering its chunks")
+        yield _error_event(500, "Internal server error while streaming the response")
     finally:
         await close_all(streams)
+
+
+def _error_event(status: int, message: str, param: str | None = None) -> str:
+    """vLLM's mid-stream failure: the error envelope as an event, then the end marker."""
+    return f"data: {json.dumps(error_body(status, message, param, vllm=True))}\n\ndata: [DONE]\n\n"
 
 
 async def merged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

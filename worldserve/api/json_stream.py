@@ -1,7 +1,7 @@
 """JSON text arriving in pieces -> its canonical text, emitted as soon as later text cannot change it.
 
 Streamed tool calls send their arguments while the model writes them (vLLM's hermes parser does), and the
-pieces must add up to what the finished answer says: `json.dumps(json.loads(text), ensure_ascii=False)`
+pieces must add up to what the finished answer says: `canonical_json(json.loads(text))`
 (", " and ": " separators, strings re-escaped, numbers re-printed: 1.50 -> 1.5, 1e2 -> 100.0). `JsonStream`
 scans one value character by character and emits that canonical text piece by piece: brackets, separators
 and keys at once, a string's characters as they are decoded (an escape once complete), a number or literal
@@ -18,6 +18,7 @@ at `close()`.
 from __future__ import annotations
 
 import json
+import re
 
 _WS = " \t\n\r"
 _HEX = "0123456789abcdefABCDEF"
@@ -28,9 +29,18 @@ _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r"
 Path = tuple[str | int, ...]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def canonical_json(value: object) -> str:
+    """`json.dumps(value, ensure_ascii=False)`, except that a lone surrogate (which JSON text may escape, as
+    "\\ud800") stays escaped: no UTF-8 answer can carry the character itself."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
+
+
 def _canonical_char(ch: str) -> str:
-    """One decoded string character as json.dumps(ensure_ascii=False) writes it inside quotes."""
-    return json.dumps(ch, ensure_ascii=False)[1:-1]
+    """One decoded string character as canonical_json writes it inside quotes."""
+    return canonical_json(ch)[1:-1]
 
 
 class JsonStream:
@@ -168,7 +178,7 @@ class JsonStream:
             text, self._string = "".join(self._string), None
             if self._is_key:
                 self._key = text
-                self._emit(json.dumps(text, ensure_ascii=False))
+                self._emit(canonical_json(text))
                 self._expect = "colon"
             else:
                 self._emit('"')

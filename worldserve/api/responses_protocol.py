@@ -124,7 +124,8 @@ class ChatPaths:
         if (m := re.match(r"messages\[(\d+)\]", param)) and int(m.group(1)) < len(self.messages):
             return self.messages[int(m.group(1))] + param[m.end() :]
         renamed = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-                   "response_format": "text.format", "logprobs": "include"}  # fmt: skip
+                   "response_format": "text.format", "logprobs": "include",
+                   "truncate_prompt_tokens": "truncation"}  # fmt: skip
         param = param.replace("response_format.json_schema", "response_format")
         head, _, rest = param.partition(".")
         return renamed.get(head, head) + ("." + rest if rest else "")

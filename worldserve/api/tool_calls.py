@@ -24,8 +24,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worldserve.api.bodies import check_unicode
+from worldserve.api.bodies import check_depth, check_unicode
 from worldserve.api.errors import APIError
+from worldserve.api.json_stream import canonical_json
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 
@@ -144,7 +145,12 @@ def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
         alternatives = []
         for t in mode.tools:
             params = dict(parameters(t))
-            for name, definition in params.pop("$defs", {}).items():
+            tool_defs = params.pop("$defs", {})
+            if not isinstance(tool_defs, dict):
+                raise ParamError(
+                    "tools", f"Tool {t['function']['name']!r}: parameters.$defs must be an object"
+                )
+            for name, definition in tool_defs.items():
                 if defs.setdefault(name, definition) != definition:
                     raise ParamError("tools", f"Tool definitions have conflicting $defs {name!r}: with "
                                      'tool_choice "required" all tools share one set of $defs')  # fmt: skip
@@ -166,15 +172,18 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
     for j, call in enumerate(calls or ()):
         args = call.function.arguments
         if isinstance(args, str):
+            field = f"{where}.tool_calls[{j}].function.arguments"
             try:
                 args = json.loads(args)
             except ValueError:
                 pass  # not JSON: handed over as the text it is
+            except RecursionError:
+                raise ParamError(field, f"{field}: JSON nested too deeply") from None
             else:
+                check_depth(args, field)  # (the template renders them recursively)
                 try:
                     check_unicode(args, call.function.arguments)
                 except APIError:
-                    field = f"{where}.tool_calls[{j}].function.arguments"
                     raise ParamError(field, f"{field}: not valid Unicode text (a lone surrogate)") from None
         out.append(
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
@@ -183,9 +192,10 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
 
 
 def call_out(name: str, arguments: Any, *, text: bool = False) -> ToolCallOut:
-    """A call of `name` with a fresh id: `arguments` serialized as vLLM does (JSON, non-ASCII kept), or
-    taken as the text it is (`text`: a named choice's generated arguments)."""
-    args = arguments if text else json.dumps(arguments, ensure_ascii=False)
+    """A call of `name` with a fresh id: `arguments` serialized as vLLM does (JSON, non-ASCII kept; a lone
+    surrogate stays escaped: `canonical_json`), or taken as the text it is (`text`: a named choice's
+    generated arguments)."""
+    args = arguments if text else canonical_json(arguments)
     return ToolCallOut(function=FunctionCallOut(name=name, arguments=args))
 
 

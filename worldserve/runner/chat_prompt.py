@@ -244,6 +244,8 @@ class ChatPromptBuilder:
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **options,
             )  # fmt: skip
+        except RecursionError:  # (bodies nest at most api.bodies.MAX_JSON_DEPTH levels: not expected)
+            raise ParamError("messages", "the chat template cannot render input nested this deeply") from None
         except (TemplateError, TypeError, ValueError) as exc:
             if continue_final_message:  # e.g. no final message content to continue
                 raise ParamError(

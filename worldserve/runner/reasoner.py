@@ -378,7 +378,11 @@ class Reasoner:
                 f"{asked} tokens ({n} in the {where}, {asked - n} in the completion). Please reduce the length "
                 f"of the {where} or completion.",
             )
-        return prompt, params.max_tokens if params.max_tokens is not None else room
+        budget = params.max_tokens if params.max_tokens is not None else room
+        if params.min_tokens > budget:  # (vLLM checks it against the max_tokens it defaulted to the room)
+            raise ParamError("min_tokens", f"min_tokens must be at most max_tokens ({budget}, the room the "
+                             f"{n}-token prompt leaves in the context), got {params.min_tokens}")  # fmt: skip
+        return prompt, budget
 
     def _session(
         self,

@@ -190,7 +190,7 @@ def chat_positions(
     of `video_token_id`s is one temporal patch of a video: video_grids (t, h, w) give t runs of (1, h, w)."""
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)
     flat_video = [(1, h, w) for t, h, w in (tuple(int(x) for x in g) for g in video_grids) for _ in range(t)]
-    if flat_video:
+    if video_token_id is not None:  # (with no video, a typed video placeholder is a run too many: an error)
         kind = torch.where(ids == image_token_id, 1, torch.where(ids == video_token_id, 2, 0)).tolist()
         return _positions(kind, {1: list(grids), 2: flat_video}, merge_size)
     return _positions((ids == image_token_id).int().tolist(), {1: list(grids)}, merge_size)
