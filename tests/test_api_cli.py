@@ -78,11 +78,26 @@ def test_vllm_omni_memory_flags():
 @pytest.mark.parametrize(
     "argv",
     [["-tp", "0"], ["-tp", "2", "--ulysses-degree", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"], ["--enable-cpu-offload"],
-     ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"]],
+     ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"],
+     # durations past what a wait can take failed mid-run (a join at SIGTERM, a timestamp, int(inf))
+     ["--job-ttl", "inf"], ["--init-timeout", "1e400"], ["--shutdown-timeout", "1e20"], ["--shutdown-timeout", "nan"],
+     ["--sync-timeout", "inf"], ["--max-upload-mb", "inf"], ["--max-upload-mb", "1e-9"],
+     ["--device", "banana"], ["--revision", "v1"]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):
-    with pytest.raises(ValueError, match="not supported|must be|runs alone"):
+    with pytest.raises(ValueError, match="not supported|must be|runs alone|needs a MODEL"):
         parse(*argv)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "inf"), ("VLLM_IMAGE_FETCH_TIMEOUT", "abc"), ("VLLM_VIDEO_FETCH_TIMEOUT", "0")],
+)  # fmt: skip
+def test_malformed_timeouts_in_the_environment_stop_the_start_naming_the_variable(monkeypatch, name, value):
+    """Read when the config resolves (before the model loads), not when the app is built after it."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        parse().resolve()
 
 
 def test_resolve_env_fallbacks(monkeypatch, tmp_path):

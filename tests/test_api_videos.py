@@ -78,6 +78,10 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
             )
         )
         assert stale.status_code == 200 and stale.content == content.content
+        same = await http.get(f"/v1/videos/{job['id']}/content", params={"variant": "video"})
+        assert same.content == content.content
+        thumb = await http.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+        assert thumb.status_code == 400 and thumb.json()["error"]["param"] == "variant", "not the MP4 instead"
 
 
 async def test_omitted_fields_take_model_defaults(tmp_path):

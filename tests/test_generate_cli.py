@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from media_probe import probe_mp4
 from PIL import Image
 from safetensors.torch import load_file
@@ -161,3 +162,18 @@ def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, whe
         folder.chmod(0o500)
     assert main(["generate", "--prompt", "a cat", "-o", str(output[where]), "--device", "cpu"]) == 2
     assert "error: output:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [(["--device", "cuda:3"], "--device cuda:3 needs CUDA GPU 3; 0 visible"),
+     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs 2 CUDA GPUs; 0 visible")],
+)  # fmt: skip
+def test_gpus_this_machine_lacks_are_one_line_before_anything_loads(tmp_path, capsys, argv, needle):
+    """A CUDA device on a machine without one (was an AssertionError traceback after the checkpoint loaded),
+    and tensor parallel naming its own flag (it named --cfg-parallel-size 1)."""
+    from worldserve.cli import main
+
+    assert main(["generate", "--prompt", "a cat", "-o", str(tmp_path / "x.mp4"), *argv]) == 2
+    assert needle in capsys.readouterr().err

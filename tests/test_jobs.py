@@ -136,6 +136,24 @@ def test_expiry_and_bad_ids(tmp_path):
         store.video_path("../x")
 
 
+def test_a_ttl_set_at_restart_reaches_jobs_finished_before(tmp_path):
+    """--job-ttl at the next start counts from the completion of jobs finished without one (they were kept
+    forever); a job that already has an expiry keeps it."""
+    store = JobStore(tmp_path)
+    old, dated = _job(), _job()
+    for job, ttl in ((old, None), (dated, 1000.0)):
+        store.create(job, {}, None)
+        store.mark_in_progress(job.id, time.time())
+        _complete(store, job.id, ttl=ttl)
+    kept = store.get(dated.id).expires_at
+    store.close()
+    store = JobStore(tmp_path)
+    store.recover(ttl_s=5.0)
+    got = store.get(old.id)
+    assert got.expires_at == pytest.approx(got.completed_at + 5.0) and store.get(dated.id).expires_at == kept
+    assert store.expired(time.time() + 6) == [old.id]
+
+
 def test_one_store_per_directory_and_the_lock_goes_with_close(tmp_path):
     """A second server on the same storage directory would re-run the first one's running jobs and delete
     their finished videos: the directory is locked while a store holds it."""
@@ -235,3 +253,15 @@ def test_a_migration_cut_between_its_two_statements_opens_again(tmp_path):
     db.close()
     store = JobStore(tmp_path)
     assert store._db.execute("PRAGMA user_version").fetchone()[0] == 2
+
+
+def test_a_non_finite_expiry_an_old_store_holds_reads_as_none(tmp_path):
+    """--job-ttl inf was once accepted and stored expires_at = inf; listing such a job was a 500."""
+    from worldserve.api.protocol import VideoObject
+
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, None)
+    store.mark_in_progress(job.id, time.time())
+    _complete(store, job.id, ttl=float("inf"))
+    assert VideoObject.from_job(store.get(job.id)).expires_at is None

@@ -247,6 +247,49 @@ def test_dtype_auto_is_the_default_dtype():
     )
 
 
+@pytest.mark.parametrize(
+    "where", ["a file", "under a file", "a database that is not one", "a folder as database"]
+)
+def test_an_unusable_storage_directory_is_one_line_before_the_model_loads(
+    tmp_path, caplog, monkeypatch, where
+):
+    """Not a folder, or a jobs.sqlite3 that cannot be one: a one-line error naming the path (exit 1), no
+    traceback, no model load."""
+    (tmp_path / "afile").write_text("x")
+    store = {"a file": tmp_path / "afile", "under a file": tmp_path / "afile" / "sub"}.get(
+        where, tmp_path / "s"
+    )
+    if where == "a database that is not one":
+        store.mkdir()
+        (store / "jobs.sqlite3").write_bytes(b"not a database, not at all" * 40)
+    elif where == "a folder as database":
+        (store / "jobs.sqlite3").mkdir(parents=True)
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args("--storage-dir", str(store), "--port", "0")) == 1
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.exc_info is None and str(tmp_path) in record.getMessage() and not loads
+
+
+def test_a_busy_port_or_a_bad_host_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):
+    import socket
+
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, needle in ((["--host", "127.0.0.1", "--port", str(port)], "--port"),
+                             (["--host", "999.1.1.1", "--port", "0"], "--host")):  # fmt: skip
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+                assert serve.run(parse_args(*argv, "--storage-dir", str(tmp_path / "s"))) == 2
+            assert needle in caplog.text, caplog.text
+    assert not loads and not (tmp_path / "s").exists(), "nothing opened before the address was checked"
+
+
 def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):
     from worldserve.engine.jobs import JobStore
 
@@ -254,7 +297,7 @@ def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_p
     loads = []
     monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
-        assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"))) == 1
+        assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"), "--port", "0")) == 1
     assert "in use by another worldserve server" in caplog.text and not loads
     held.close()
 

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ) as e:  # a missing or broken checkpoint is the user's to fix: one line, no traceback
         print(f"worldserve {args.verb}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C (uvicorn re-raises it after its graceful shutdown): no traceback
+        print(f"worldserve {args.verb}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

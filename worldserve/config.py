@@ -16,7 +16,9 @@ import dataclasses
 import inspect
 import json
 import math
+import re
 import textwrap
+import threading
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -88,6 +90,19 @@ class MediaLimits(tuple):
         return json.dumps(dict(self))
 
 
+MIN_UPLOAD_MB = 0.01
+"""The smallest --max-upload-mb (10 KiB): below it even a short chat body is refused."""
+
+
+def check_seconds(flag: str, value: float, *, zero: bool) -> None:
+    """A duration flag: finite, > 0 (>= 0 with `zero`) and at most what Python's waits take
+    (threading.TIMEOUT_MAX, ~292 years): `inf` or 1e20 would fail a join or a timestamp later, mid-run."""
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0) and value <= threading.TIMEOUT_MAX):
+        bound = ">= 0" if zero else "> 0"
+        raise ValueError(f"{flag} must be a finite number of seconds {bound} (at most "
+                         f"{threading.TIMEOUT_MAX:.3g}), got {value}")  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     model: str | None = field(default=None, metadata={"positional": True})
@@ -145,8 +160,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype == "auto":  # vLLM's default spelling: the device's default dtype
             object.__setattr__(self, "dtype", None)
-        if not self.init_timeout > 0:
-            raise ValueError(f"--init-timeout must be > 0 seconds, got {self.init_timeout}")
+        check_seconds("--init-timeout", self.init_timeout, zero=False)
+        if self.revision is not None and self.model is None:
+            raise ValueError("--revision needs a MODEL (the embedded tiny checkpoint has no revisions)")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.fake_step_delay < 0:
             raise ValueError("--fake-step-delay must be >= 0")
         if self.max_model_len < 2:
@@ -234,8 +252,7 @@ class SchedulerConfig:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.encode_workers < 1:
             raise ValueError("--encode-workers must be >= 1")
-        if self.shutdown_timeout < 0:
-            raise ValueError("--shutdown-timeout must be >= 0")
+        check_seconds("--shutdown-timeout", self.shutdown_timeout, zero=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -286,14 +303,16 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.sync_timeout is not None and not (math.isfinite(self.sync_timeout) and self.sync_timeout > 0):
-            raise ValueError("--sync-timeout must be a positive number of seconds")
-        if not self.max_upload_mb > 0:
-            raise ValueError("--max-upload-mb must be > 0")
+        if self.sync_timeout is not None:
+            check_seconds("--sync-timeout", self.sync_timeout, zero=False)
+        if not (math.isfinite(self.max_upload_mb) and self.max_upload_mb >= MIN_UPLOAD_MB):
+            raise ValueError(
+                f"--max-upload-mb must be a number >= {MIN_UPLOAD_MB} (MiB), got {self.max_upload_mb}"
+            )
         if not (math.isfinite(self.responses_store_mb) and self.responses_store_mb >= 0):
             raise ValueError("--responses-store-mb must be >= 0")
-        if self.job_ttl is not None and not self.job_ttl > 0:
-            raise ValueError("--job-ttl must be > 0 seconds")
+        if self.job_ttl is not None:
+            check_seconds("--job-ttl", self.job_ttl, zero=False)
         if self.flow_shift is not None and not (
             math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100
         ):
@@ -323,6 +342,11 @@ class EngineConfig:
     def resolve(self) -> EngineConfig:
         """Fill environment-dependent defaults; the result has no None left in those fields."""
         served = self.model.served_model_name or self.model.model or TINY_SERVED_NAME
+        for kind in (
+            "image",
+            "video",
+        ):  # a malformed media fetch timeout stops the start now, not after the load
+            envs.media_fetch_timeout_s(kind)
         server = replace(
             self.server,
             api_key=self.server.api_key or envs.api_key(),

@@ -7,7 +7,9 @@ honoured so that existing deployments keep working.
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 from pathlib import Path
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
@@ -29,6 +31,10 @@ def sync_timeout_s() -> float:
     for name in ("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "VLLM_VIDEO_SYNC_TIMEOUT"):
         value = _env_float(name)
         if value is not None:
+            if not (math.isfinite(value) and 0 < value <= threading.TIMEOUT_MAX):
+                raise ValueError(
+                    f"environment variable {name}={value} must be a finite number of seconds > 0"
+                )
             return value
     return DEFAULT_SYNC_TIMEOUT_S
 

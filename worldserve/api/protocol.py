@@ -10,6 +10,7 @@ vLLM-Omni. `VideoObject.from_job` is the one place a stored `Job` becomes the jo
 
 from __future__ import annotations
 
+import math
 import typing
 from typing import Any, Literal
 
@@ -255,4 +256,5 @@ class ErrorResponse(BaseModel):
 
 
 def _int_or_none(value: float | None) -> int | None:
-    return None if value is None else int(value)
+    """Seconds as the API's integer timestamps (None, also for a non-finite value an old store may hold)."""
+    return None if value is None or not math.isfinite(value) else int(value)

@@ -183,7 +183,11 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
     },
 )
 async def download_video(video_id: str, request: Request, st: State) -> FileResponse:
-    """Download the MP4 (HTTP Range supported); `variant` other than video is not offered."""
+    """Download the MP4 (HTTP Range supported); OpenAI's `variant` other than video (thumbnail, spritesheet) is
+    not offered: a 400 rather than the MP4 in their place."""
+    variant = request.query_params.get("variant", "video")
+    if variant != "video":
+        raise APIError(400, f"variant {variant!r} is not offered; only 'video' (the MP4)", param="variant")
     job = st.client.get(video_id)
     if job is None:
         raise APIError(404, NOT_FOUND, param="video_id")

@@ -1,9 +1,10 @@
 """`worldserve serve [MODEL] --host H --port P [--omni] [--init-timeout S] ...`: the HTTP server.
 
 Same command line as the recipe's `vllm serve nvidia/Cosmos3-Nano --omni --port 8000 --init-timeout 1800`.
-Flags come from the config dataclasses (config.py). Startup: resolve the config, load the model within
---init-timeout (no MODEL: the embedded tiny random checkpoint, loudly), open the job store, wire
-engine + client + app, log the routes, then uvicorn ("Application startup complete." = ready).
+Flags come from the config dataclasses (config.py). Startup: resolve the config, bind --host / --port and
+open the job store (either failing stops the start before the model loads), load the model within
+--init-timeout (no MODEL: the embedded tiny random checkpoint, loudly), wire engine + client + app, log the
+routes, then uvicorn listens on the bound socket ("Application startup complete." = ready).
 SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get --shutdown-timeout seconds
 to finish, anything unfinished stays queued in the store and is re-run at the next start.
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -75,21 +77,52 @@ def run(args: argparse.Namespace) -> int:
     from worldserve.engine.job_files import StorageError
     from worldserve.engine.jobs import JobStore
 
-    try:  # before the (minutes-long) model load: a storage directory in use fails the start at once
-        store = JobStore(config.server.storage_dir)
-    except StorageError as exc:
-        log.error("%s", exc)
-        return 1
-    loaded = _load_backend_within(config.model, config.parallel, config.scheduler.max_num_seqs)
-    if loaded is None:
-        store.close()
-        return 1
-    backend, gpu_memory, *chat = loaded
+    # before the (minutes-long) model load: a bad --host, a busy --port or an unusable storage directory
+    # fails the start at once
     try:
-        return _serve(config, store, backend, gpu_memory, chat[0] if chat else None, log_file=log_file)
-    finally:
-        if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
-            backend.close()
+        listener = bind_listener(config.server.host, config.server.port)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    with listener:
+        try:
+            store = JobStore(config.server.storage_dir)
+        except StorageError as exc:
+            log.error("%s", exc)
+            return 1
+        loaded = _load_backend_within(config.model, config.parallel, config.scheduler.max_num_seqs)
+        if loaded is None:
+            store.close()
+            return 1
+        backend, gpu_memory, *chat = loaded
+        try:
+            return _serve(
+                config, store, backend, gpu_memory, chat[0] if chat else None, listener, log_file=log_file
+            )
+        finally:
+            if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
+                backend.close()
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (uvicorn listens on it once the app is ready;
+    until then connections are refused); ValueError naming --host / --port when that cannot be."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host!r} is not an address of this machine: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(
+        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+    )  # (as uvicorn: restarts reuse the port at once)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _serve(
@@ -97,7 +130,8 @@ def _serve(
     store: Any,
     backend: Any,
     gpu_memory: Any,
-    chat_backend: Any = None,
+    chat_backend: Any,
+    listener: socket.socket,
     *,
     log_file: logging.Handler | None = None,
 ) -> int:
@@ -119,7 +153,7 @@ def _serve(
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
              config.scheduler.max_queued_requests, server_cfg.sync_timeout,
              ", API key required on /v1" if server_cfg.api_key else "")  # fmt: skip
-    log.info("Starting worldserve API server on http://%s:%d", server_cfg.host, server_cfg.port)
+    log.info("Starting worldserve API server on http://%s:%d", server_cfg.host, listener.getsockname()[1])
     log.info("Available routes are:")
     for path, methods in route_table(app):
         log.info("Route: %s, Methods: %s", path, ", ".join(methods))
@@ -130,7 +164,7 @@ def _serve(
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):
             logging.getLogger(name).addHandler(log_file)
-    GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run()
+    GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run(sockets=[listener])
     return 0
 
 

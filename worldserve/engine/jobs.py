@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worldserve.engine.job_files import lock_storage, write_atomic
+from worldserve.engine.job_files import StorageError, lock_storage, write_atomic
 
 JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
 log = logging.getLogger(__name__)
@@ -115,31 +115,52 @@ class JobStore:
     """SQLite rows + files; every method is one short transaction under `_lock`."""
 
     def __init__(self, root: str | Path):
+        """Open (or create) the store in `root`; StorageError, naming the folder or file, when it cannot be
+        used (not a folder, not writable, a database that is not one, another server holding it)."""
         self.root = Path(root)
         self.videos_dir = self.root / "videos"
         self.inputs_dir = self.root / "inputs"
-        for d in (self.root, self.videos_dir, self.inputs_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        try:
+            for d in (self.root, self.videos_dir, self.inputs_dir):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot use {self.root} as the storage directory: {exc}") from None
         self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "jobs.sqlite3", check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
+        try:
+            self._db = self._open_database(self.root / "jobs.sqlite3")
+        except (sqlite3.Error, StorageError) as exc:
+            self._owner.close()
+            raise StorageError(f"cannot use the job database {self.root / 'jobs.sqlite3'}: {exc}") from None
+
+    def _open_database(self, path: Path) -> sqlite3.Connection:
+        """The job table at `path`, created or migrated to SCHEMA_VERSION (closed again on any failure)."""
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            return self._prepared(db)
+        except BaseException:
+            db.close()
+            raise
+
+    @staticmethod
+    def _prepared(db: sqlite3.Connection) -> sqlite3.Connection:
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit is on disk before it returns, so an acknowledged create survives a power loss too
         # (NORMAL in WAL mode may lose the last commits then); one fsync per write, against ~5 s a step.
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(_SCHEMA)
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=5000")
+        db.executescript(_SCHEMA)
+        version = db.execute("PRAGMA user_version").fetchone()[0]
         if version not in (0, 1, SCHEMA_VERSION):
-            raise RuntimeError(
-                f"{self.root}/jobs.sqlite3 has schema v{version}; this worldserve reads v1 and v{SCHEMA_VERSION}"
-            )
-        with self._transaction():  # the column and the version together (DDL is transactional in SQLite)
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-            if "interrupted" not in columns:  # a v1 database
-                self._db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            raise StorageError(f"schema v{version}; this worldserve reads v1 and v{SCHEMA_VERSION}")
+        db.execute("BEGIN")  # the column and the version together (DDL is transactional in SQLite)
+        columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+        if "interrupted" not in columns:  # a v1 database
+            db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        db.execute("COMMIT")
+        return db
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -254,7 +275,8 @@ class JobStore:
 
     def recover(self, *, now: float | None = None, ttl_s: float | None = None) -> list[str]:
         """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
-        the job MAX_INTERRUPTIONS times; stray temp/orphan files removed.
+        the job MAX_INTERRUPTIONS times; finished jobs without an expiry get one from `ttl_s`; stray
+        temp/orphan files removed.
 
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
         """
@@ -264,6 +286,12 @@ class JobStore:
             "e.g. out of host memory); it is not run again."
         )
         with self._lock, self._transaction():
+            if ttl_s:  # jobs finished under no (or another) TTL: this one counts from their completion
+                self._db.execute(
+                    "UPDATE jobs SET expires_at = completed_at + ? WHERE expires_at IS NULL AND completed_at IS"
+                    " NOT NULL AND status IN ('completed', 'failed')",
+                    (ttl_s,),
+                )
             self._db.execute("UPDATE jobs SET interrupted = interrupted + 1 WHERE status='in_progress'")
             self._db.execute(
                 "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"

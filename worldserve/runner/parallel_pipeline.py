@@ -49,10 +49,9 @@ log = logging.getLogger("worldserve.parallel")
 
 def layout_flag(layout: ParallelLayout) -> str:
     """The flags that asked for this layout, for error messages."""
-    parts = [f"--cfg-parallel-size {layout.cfg}"] * (layout.cfg > 1) + [
-        f"--ulysses-degree {layout.ulysses}"
-    ] * (layout.ulysses > 1)
-    return " ".join(parts) or "--cfg-parallel-size 1"
+    asked = (("--cfg-parallel-size", layout.cfg), ("--ulysses-degree", layout.ulysses),
+             ("--tensor-parallel-size", layout.tp))  # fmt: skip
+    return " ".join(f"{flag} {n}" for flag, n in asked if n > 1) or "--cfg-parallel-size 1"
 
 
 class ParallelPipeline:

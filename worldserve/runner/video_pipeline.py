@@ -123,6 +123,23 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_device(device: str | torch.device | None) -> None:
+    """ValueError (one line for the user) for a --device this machine does not have: a CUDA device without
+    CUDA, or past the visible GPUs; before anything loads."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= n:
+            raise ValueError(f"--device {device} needs CUDA GPU {dev.index or 0}; {n} visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
+
+
 class VideoPipeline:
     """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
 
@@ -381,6 +398,7 @@ def load_pipeline(
 
     layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size)
     if layout.world == 1:
+        check_device(kwargs.get("device"))  # a parallel layout names the GPUs it needs itself
         return VideoPipeline.from_pretrained(path, **kwargs)
     from worldserve.runner.parallel_pipeline import ParallelPipeline
 
