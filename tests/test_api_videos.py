@@ -60,6 +60,9 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
         assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
         assert content.headers["content-disposition"] == f'attachment; filename="{job["id"]}.mp4"'
         assert _meta(content.content)["frames"] == [5, 48, 64, 3]
+        head = await http.head(f"/v1/videos/{job['id']}/content")
+        assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "video/mp4"
+        assert int(head.headers["content-length"]) == len(content.content)
         part = await http.get(f"/v1/videos/{job['id']}/content", headers={"Range": "bytes=0-6"})
         assert part.status_code == 206 and part.content == b"FAKEMP4"
         size = len(content.content)  # a Range Starlette refuses: the error envelope, not its plain text

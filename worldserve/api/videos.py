@@ -173,8 +173,9 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
     return VideoDeleted(id=video_id)
 
 
-@router.get(
+@router.api_route(
     "/v1/videos/{video_id}/content",
+    methods=["GET", "HEAD"],  # HEAD: the size and type without the bytes (download managers ask first)
     response_class=FileResponse,
     responses={
         200: {"content": {"video/mp4": {}}, "description": "The MP4 (Range supported)"},
@@ -183,8 +184,8 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
     },
 )
 async def download_video(video_id: str, request: Request, st: State) -> FileResponse:
-    """Download the MP4 (HTTP Range supported); OpenAI's `variant` other than video (thumbnail, spritesheet) is
-    not offered: a 400 rather than the MP4 in their place."""
+    """Download the MP4 (HTTP Range supported; HEAD answers the headers alone); OpenAI's `variant` other than
+    video (thumbnail, spritesheet) is not offered: a 400 rather than the MP4 in their place."""
     variant = request.query_params.get("variant", "video")
     if variant != "video":
         raise APIError(400, f"variant {variant!r} is not offered; only 'video' (the MP4)", param="variant")
