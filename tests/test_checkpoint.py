@@ -58,6 +58,17 @@ def test_make_tiny_is_deterministic(tmp_path):
     assert not (a / "vision_encoder").exists()
 
 
+def test_make_tiny_where_no_folder_can_be_is_one_line(tmp_path, capsys):
+    from worldserve.cli import main
+
+    (tmp_path / "file").write_text("x")
+    for target in (tmp_path / "file", tmp_path / "file" / "under"):
+        assert main(["make-tiny", str(target), "--no-vision"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"worldserve make-tiny: error: cannot write {target}: ")
+        assert err.count("\n") == 1
+
+
 def test_no_sound_variant(tmp_path):
     from worldserve.weights.tiny import make_tiny
 

@@ -41,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
-    except (
-        CheckpointError
-    ) as e:  # a missing or broken checkpoint is the user's to fix: one line, no traceback
+    except CheckpointError as e:  # a missing or broken checkpoint is the user's: one line, no traceback
         print(f"worldserve {args.verb}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C (uvicorn re-raises it after its graceful shutdown): no traceback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,8 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from worldserve.weights.tiny import make_tiny
 
-    out = make_tiny(
-        args.dir, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
-    )
+    try:
+        out = make_tiny(
+            args.dir, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
+        )
+    except OSError as exc:  # a path that cannot be a folder (a file, a missing parent under /proc, no rights)
+        print(f"worldserve make-tiny: error: cannot write {args.dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"wrote a {args.shapes} random Cosmos3 checkpoint to {out} (its outputs are noise)")
     return 0
