@@ -70,7 +70,9 @@ def build_pipeline(device: torch.device, seed: int = 0, tiny: bool = False, offl
         torch.cuda.empty_cache()
     kernels = KernelOptions(layerwise_offload=offload)  # otherwise VideoPipeline.from_pretrained's default
     print("transformer kernels:", kernels.apply(transformer, device))
-    vae = build_video_vae(device, dtype, tiny=tiny, compile_decoder=device.type == "cuda")
+    vae = build_video_vae(  # plain convs under offload, as the product (VideoPipeline.from_pretrained)
+        device, dtype, tiny=tiny, compile_decoder=device.type == "cuda", time_winograd=not offload
+    )
     audio = build_audio_vae(device, dtype, tiny=tiny)
     tok_dir = Path(tempfile.mkdtemp()) / "text_tokenizer"
     write_tiny_tokenizer(tok_dir)  # the real Qwen tokenizer is not available offline; ids are a subset

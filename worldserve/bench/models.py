@@ -74,10 +74,16 @@ def build_our_transformer(
 
 
 def build_video_vae(
-    device: torch.device, dtype: torch.dtype, *, tiny: bool = False, compile_decoder: bool = False
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    tiny: bool = False,
+    compile_decoder: bool = False,
+    time_winograd: bool = True,
 ):
     """Wan2.2 VAE (diffusers AutoencoderKLWan, Nano config) with random init, behind our VideoVAE
-    (`compile_decoder`: as VideoPipeline.from_pretrained does on CUDA)."""
+    (`compile_decoder`, `time_winograd`: as VideoPipeline.from_pretrained sets them, the latter off under
+    layerwise offload)."""
     from diffusers import AutoencoderKLWan
 
     from worldserve.models.cosmos3.vae import VideoVAE
@@ -89,7 +95,11 @@ def build_video_vae(
     }
     with torch.device(device):
         model = AutoencoderKLWan(**cfg)
-    return VideoVAE(model.to(dtype=dtype).eval().requires_grad_(False), compile_decoder=compile_decoder)
+    return VideoVAE(
+        model.to(dtype=dtype).eval().requires_grad_(False),
+        compile_decoder=compile_decoder,
+        time_winograd=time_winograd,
+    )
 
 
 def build_audio_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False):
