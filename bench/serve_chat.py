@@ -39,13 +39,18 @@ costs the benchmark's own process ~10-20 ms of setup under its GIL, which spread
 over half a second and showed up as server time."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_server_source(ap: argparse.ArgumentParser) -> None:
+    """--out and which checkpoint the started server loads (also bench/serve_video.py's)."""
     ap.add_argument("--out", type=Path, required=True, help="JSON file; serve.log goes next to it")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint folder")
     src.add_argument("--random-nano", type=Path, help="write / reuse a random full-size Nano checkpoint here")
     src.add_argument("--tiny", action="store_true", help="the embedded tiny checkpoint (no MODEL)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_server_source(ap)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=8765)

@@ -173,9 +173,11 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
     return VideoDeleted(id=video_id)
 
 
-@router.api_route(
+@router.head(  # the size and type without the bytes (download managers ask first); one operation in the schema
+    "/v1/videos/{video_id}/content", response_class=FileResponse, include_in_schema=False
+)
+@router.get(
     "/v1/videos/{video_id}/content",
-    methods=["GET", "HEAD"],  # HEAD: the size and type without the bytes (download managers ask first)
     response_class=FileResponse,
     responses={
         200: {"content": {"video/mp4": {}}, "description": "The MP4 (Range supported)"},

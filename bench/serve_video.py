@@ -1,0 +1,130 @@
+"""The recipe's video requests over HTTP against `worldserve serve` at full size: T2V and I2V on /v1/videos/sync.
+
+Starts `python -m worldserve.cli serve MODEL --host 127.0.0.1 --port P --init-timeout 1800 --omni` (startup
+warm-up at its default, `--warmup-shapes auto`), waits for /health, then sends the product recipe's
+multipart form (serving-api.md §1: JSON prompt, the default negative prompt file, size, num_frames, fps 24,
+guidance 6.0, max_sequence_length 4096, flow shift 10, seed) as a text-to-video request and again with an
+`input_reference` JPEG (image-to-video), `--steps` steps each. Every MP4 is decoded back (codecs, frames,
+fps, audio rate and channels); the JSON records each request's wall time and the server's own stage times
+(/metrics: worldserve:stage_duration_seconds sums).
+
+    PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 8 --out $OUT/serve_video.json
+    PYTHONPATH=. python bench/serve_video.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/sv.json  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_chat import add_server_source, wait_healthy  # noqa: E402
+from upsampled_videos import _jpeg  # noqa: E402
+
+PROMPT = {"caption": "A red fox trots through fresh snow at dawn, its breath visible.", "camera": "static"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_server_source(ap)
+    ap.add_argument("--size", default="1280x720")
+    ap.add_argument("--frames", type=int, default=189)
+    ap.add_argument("--steps", type=int, default=35)
+    ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    return ap.parse_args(argv)
+
+
+def recipe_form(args: argparse.Namespace) -> dict[str, str]:
+    from importlib.resources import files
+
+    negative = (files("worldserve.assets") / "negative_prompt.json").read_text()
+    return {"prompt": json.dumps(PROMPT), "negative_prompt": negative, "size": args.size,
+            "num_frames": str(args.frames), "fps": "24", "num_inference_steps": str(args.steps),
+            "guidance_scale": "6.0", "max_sequence_length": "4096", "flow_shift": "10.0", "seed": "123"}  # fmt: skip
+
+
+def probe_mp4(data: bytes) -> dict:
+    """What a player sees: codecs, frame count and rate, audio rate and channels (decoded, not read off
+    the container's headers)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        video, audio = c.streams.video[0], c.streams.audio[0]
+        frames = sum(1 for _ in c.decode(video=0))
+        return {"video_codec": video.codec_context.name, "size": f"{video.width}x{video.height}",
+                "frames": frames, "fps": float(video.average_rate), "audio_codec": audio.codec_context.name,
+                "sample_rate": audio.sample_rate, "channels": audio.channels, "bytes": len(data)}  # fmt: skip
+
+
+def stage_seconds(url: str) -> dict[str, float]:
+    """The server's per-stage time sums so far (worldserve:stage_duration_seconds_sum by stage)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("worldserve:stage_duration_seconds_sum{"):
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            out[stage] = out.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.random_nano is not None:
+        from parallel_step import write_random_checkpoint
+
+        model = [str(write_random_checkpoint(args.random_nano))]
+    else:
+        model = [] if args.tiny else [args.model]
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "worldserve.cli", "serve", *model, "--host", "127.0.0.1",
+           "--port", str(args.port), "--init-timeout", "1800", "--omni",
+           "--storage-dir", str(args.out.parent / "storage")]  # fmt: skip
+    log = open(args.out.with_name("serve.log"), "w")  # noqa: SIM115 (open for the server's lifetime)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    import torch
+
+    from worldserve.bench.report import environment
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result: dict = {"environment": environment(device), "command": " ".join(cmd[1:]), "requests": {}}
+    try:
+        result["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
+        form = recipe_form(args)
+        for name, files in (("t2v", None), ("i2v", {"input_reference": ("ref.jpg", _jpeg(), "image/jpeg")})):
+            before = stage_seconds(url)
+            t0 = time.perf_counter()
+            r = httpx.post(url + "/v1/videos/sync", data=form, files=files, headers={"Accept": "video/mp4"},
+                           timeout=3600)  # fmt: skip
+            wall = time.perf_counter() - t0
+            entry = {"status": r.status_code, "wall_s": wall, "content_type": r.headers.get("content-type")}
+            if r.status_code == 200:
+                entry["mp4"] = probe_mp4(r.content)
+                after = stage_seconds(url)
+                entry["server_stages_s"] = {k: after[k] - before.get(k, 0.0) for k in after}
+            else:
+                entry["error"] = r.text[:500]
+            result["requests"][name] = entry
+            print(name, json.dumps(entry), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        log.close()
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"serve up in {result['startup_s']:.1f} s (model load + warm-up)")
+    print("request  status  wall s  frames  size       audio")
+    for name, e in result["requests"].items():
+        m = e.get("mp4", {})
+        print(f"{name:8} {e['status']:6}  {e['wall_s']:6.1f}  {m.get('frames', '-'):>6}  {m.get('size', '-'):9}  "
+              f"{m.get('audio_codec', '-')} {m.get('sample_rate', '')} x{m.get('channels', '')}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
