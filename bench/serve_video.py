@@ -19,6 +19,7 @@ import io
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,9 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model = [] if args.tiny else [args.model]
     url = f"http://127.0.0.1:{args.port}"
+    # a fresh store: no job of an earlier, interrupted run re-queued beside the timed requests, and no 84 MB
+    # MP4s left in the out folder
+    store = tempfile.mkdtemp(prefix="serve_video-")
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", *model, "--host", "127.0.0.1",
-           "--port", str(args.port), "--init-timeout", "1800", "--omni",
-           "--storage-dir", str(args.out.parent / "storage")]  # fmt: skip
+           "--port", str(args.port), "--init-timeout", "1800", "--omni", "--storage-dir", store]  # fmt: skip
     log = open(args.out.with_name("serve.log"), "w")  # noqa: SIM115 (open for the server's lifetime)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     import torch
@@ -115,7 +118,11 @@ def main(argv: list[str] | None = None) -> None:
             print(name, json.dumps(entry), flush=True)
     finally:
         proc.terminate()
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # it would hold the port and the GPU
+            proc.kill()
+            proc.wait()
         log.close()
     args.out.write_text(json.dumps(result, indent=2))
     print(f"serve up in {result['startup_s']:.1f} s (model load + warm-up)")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -68,3 +69,16 @@ def test_bad_input_is_named_before_loading(tmp_path):
     (tmp_path / "junk.png").write_bytes(b"not an image")
     junk = _chat("--message", "x", "--image", tmp_path / "junk.png")
     assert junk.returncode == 2 and "--image" in junk.stderr and "Loading" not in junk.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    ("device", "needle"), [("cuda:3", "needs CUDA GPU 3; 0 visible"), ("foo", "not a device")]
+)
+def test_a_device_this_machine_lacks_is_one_line_before_loading(capsys, device, needle):
+    """(was a 'Torch not compiled with CUDA' / device-string traceback after the checkpoint loaded)"""
+    from worldserve.cli import main
+
+    assert main(["chat", "--device", device, "--message", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("worldserve chat: error: --device") and needle in err and "Traceback" not in err

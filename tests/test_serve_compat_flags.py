@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+import torch
 from serving_helpers import make_client
 
 from worldserve.api.app import build_app
@@ -288,6 +289,57 @@ def test_a_busy_port_or_a_bad_host_fails_the_start_before_the_model_loads(tmp_pa
                 assert serve.run(parse_args(*argv, "--storage-dir", str(tmp_path / "s"))) == 2
             assert needle in caplog.text, caplog.text
     assert not loads and not (tmp_path / "s").exists(), "nothing opened before the address was checked"
+
+
+def test_the_socket_binds_as_vllm_binds_it():
+    """An empty --host is every interface, a name is bound through IPv4 (localhost: 127.0.0.1, as vLLM), an
+    IPv6 literal gets an IPv6 socket; nothing listens until the app is ready."""
+    import socket
+
+    with serve.bind_listener("", 0) as every, serve.bind_listener("localhost", 0) as local:
+        assert every.family == local.family == socket.AF_INET
+        assert every.getsockname()[0] == "0.0.0.0" and local.getsockname()[0] == "127.0.0.1"
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", local.getsockname()[1])) != 0, "refused until listening"
+    try:
+        six = serve.bind_listener("::1", 0)
+    except ValueError:
+        pytest.skip("no IPv6 loopback here")
+    with six:
+        assert six.family == socket.AF_INET6
+
+
+def test_a_port_another_server_took_during_the_load_is_one_line(tmp_path, caplog, monkeypatch):
+    """Two sockets with SO_REUSEADDR can both bind a port while neither listens: a second server started on
+    the same --port passes the early bind, and the one that listens last gets a one-line error (exit 2),
+    not uvicorn's traceback."""
+    from worldserve.engine.fake_backend import FakeBackend
+
+    other = serve.bind_listener("127.0.0.1", 0)  # another server, still loading its model
+    port = other.getsockname()[1]
+
+    def load(*_a, **_k):
+        other.listen()  # ... which becomes ready while this one loads
+        return FakeBackend(), None
+
+    monkeypatch.setattr(serve, "_load_backend_within", load)
+    with other, caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        argv = ("--host", "127.0.0.1", "--port", str(port), "--storage-dir", str(tmp_path / "s"))
+        assert serve.run(parse_args(*argv)) == 2
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (
+        record.exc_info is None and f"cannot listen on --host 127.0.0.1 --port {port}" in record.getMessage()
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gpu_this_machine_lacks_fails_before_anything_binds_or_loads(tmp_path, caplog, monkeypatch):
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args("--device", "cuda:3", "--storage-dir", str(tmp_path / "s"))) == 2
+    assert "--device cuda:3 needs CUDA GPU 3; 0 visible" in caplog.text
+    assert not loads and not (tmp_path / "s").exists()
 
 
 def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):

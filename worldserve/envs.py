@@ -32,9 +32,8 @@ def sync_timeout_s() -> float:
         value = _env_float(name)
         if value is not None:
             if not (math.isfinite(value) and 0 < value <= threading.TIMEOUT_MAX):
-                raise ValueError(
-                    f"environment variable {name}={value} must be a finite number of seconds > 0"
-                )
+                raise ValueError(f"environment variable {name}={value} must be a finite number of seconds > 0 "
+                                 f"(at most {threading.TIMEOUT_MAX:.3g})")  # fmt: skip
             return value
     return DEFAULT_SYNC_TIMEOUT_S
 

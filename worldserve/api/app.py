@@ -12,6 +12,7 @@ the key check carries none). Exception handlers turn every error into the vLLM e
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
@@ -158,9 +159,10 @@ def build_app(
 
 def route_table(app: FastAPI) -> list[tuple[str, list[str]]]:
     """(path, methods) of every HTTP route, for the startup log (included routers are expanded via OpenAPI)."""
-    table = {
-        r.path: sorted(r.methods) for r in app.routes if getattr(r, "methods", None) and hasattr(r, "path")
-    }
+    table: dict[str, set[str]] = defaultdict(set)  # a path served by several routes (GET + HEAD) lists all
+    for r in app.routes:
+        if getattr(r, "methods", None) and hasattr(r, "path"):
+            table[r.path] |= r.methods
     for path, operations in app.openapi()["paths"].items():
-        table.setdefault(path, sorted(m.upper() for m in operations))
-    return sorted(table.items())
+        table[path] |= {m.upper() for m in operations}
+    return sorted((path, sorted(methods)) for path, methods in table.items())

@@ -115,9 +115,14 @@ def _load(args: argparse.Namespace):
     from worldserve.models.cosmos3.prompt import PromptEncoder
     from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.reasoner import Reasoner
-    from worldserve.runner.video_pipeline import default_device, load_configured_transformer
+    from worldserve.runner.video_pipeline import check_device, default_device, load_configured_transformer
     from worldserve.weights.checkpoint import resolve_model
 
+    try:  # before the checkpoint is resolved (an HF id may download it)
+        check_device(args.device)
+    except ValueError as e:
+        print(f"worldserve chat: error: {e}", file=sys.stderr)
+        return None
     root = resolve_model(args.model, args.revision)
     if args.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its replies are noise", file=sys.stderr)

@@ -274,10 +274,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from worldserve.runner.kernel_options import KernelOptions
-    from worldserve.runner.video_pipeline import load_pipeline
+    from worldserve.runner.video_pipeline import check_layout_device, load_pipeline
     from worldserve.weights.checkpoint import resolve_model
 
     t0 = time.perf_counter()
+    try:  # before the checkpoint is resolved (an HF id may download it)
+        check_layout_device(
+            args.device,
+            cfg_parallel_size=args.cfg_parallel_size,
+            ulysses_degree=args.ulysses_degree,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except ValueError as e:
+        print(f"worldserve generate: error: {e}", file=sys.stderr)
+        return 2
     root = resolve_model(args.model, args.revision)
     if args.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)

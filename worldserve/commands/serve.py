@@ -18,6 +18,7 @@ model loads (exit 2).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import socket
 import threading
@@ -67,6 +68,16 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "log_file", None):
             log_file = log_to_file(args.log_file, LOG_FORMAT)
         config = engine_config(args).resolve()
+        if config.model.backend != "fake":  # --device before anything binds, loads or downloads
+            from worldserve.runner.video_pipeline import check_layout_device
+
+            par = config.parallel
+            check_layout_device(
+                config.model.device,
+                cfg_parallel_size=par.cfg_parallel_size,
+                ulysses_degree=par.ulysses_degree,
+                tensor_parallel_size=par.tensor_parallel_size,
+            )
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -104,25 +115,37 @@ def run(args: argparse.Namespace) -> int:
                 backend.close()
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before the model loads (uvicorn listens on it once the app is ready;
-    until then connections are refused); ValueError naming --host / --port when that cannot be."""
+def bind_listener(host: str | None, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads and listening only once the app is ready (until
+    then connections are refused, so readiness probes wait); ValueError naming --host / --port when it cannot
+    be bound. Bound as vLLM binds its API socket: an IPv6 literal gets an IPv6 socket (`::` is dual-stack),
+    anything else (an IPv4 address, a name such as localhost, empty for every interface) an IPv4 one."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
+        ipv6 = ipaddress.ip_address(host or "").version == 6
+    except ValueError:
+        ipv6 = False
+    sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_STREAM)
+    # as uvicorn: a restart reuses the port at once (its old connections may still be in TIME_WAIT)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host or "", port))
     except (socket.gaierror, UnicodeError) as exc:
+        sock.close()
         raise ValueError(f"--host {host!r} is not an address of this machine: {exc}") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(
-        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-    )  # (as uvicorn: restarts reuse the port at once)
-    try:
-        sock.bind(address)
     except OSError as exc:
         sock.close()
         raise ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from None
     return sock
+
+
+def start_listening(sock: socket.socket, host: str | None) -> None:
+    """listen() on the bound socket (uvicorn's backlog); ValueError when another process bound the same port
+    meanwhile (two sockets with SO_REUSEADDR can both bind it while neither listens)."""
+    try:
+        sock.listen(2048)
+    except OSError as exc:
+        port = sock.getsockname()[1]
+        raise ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from None
 
 
 def _serve(
@@ -164,6 +187,11 @@ def _serve(
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):
             logging.getLogger(name).addHandler(log_file)
+    try:
+        start_listening(listener, server_cfg.host)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run(sockets=[listener])
     return 0
 

@@ -286,7 +286,7 @@ class JobStore:
             "e.g. out of host memory); it is not run again."
         )
         with self._lock, self._transaction():
-            if ttl_s:  # jobs finished under no (or another) TTL: this one counts from their completion
+            if ttl_s:  # jobs finished with no TTL: this one counts from their completion (set ones stay)
                 self._db.execute(
                     "UPDATE jobs SET expires_at = completed_at + ? WHERE expires_at IS NULL AND completed_at IS"
                     " NOT NULL AND status IN ('completed', 'failed')",

@@ -140,6 +140,19 @@ def check_device(device: str | torch.device | None) -> None:
         raise ValueError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
 
 
+def check_layout_device(
+    device: str | torch.device | None,
+    *,
+    cfg_parallel_size: int = 1,
+    ulysses_degree: int = 1,
+    tensor_parallel_size: int = 1,
+) -> None:
+    """check_device for a one-GPU layout, for the commands to call before a checkpoint is resolved (which
+    may download it); a parallel layout names the GPUs it needs itself when it starts."""
+    if cfg_parallel_size * ulysses_degree * tensor_parallel_size == 1:
+        check_device(device)
+
+
 class VideoPipeline:
     """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
 
@@ -398,7 +411,7 @@ def load_pipeline(
 
     layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size)
     if layout.world == 1:
-        check_device(kwargs.get("device"))  # a parallel layout names the GPUs it needs itself
+        check_device(kwargs.get("device"))  # (a parallel layout names the GPUs it needs itself)
         return VideoPipeline.from_pretrained(path, **kwargs)
     from worldserve.runner.parallel_pipeline import ParallelPipeline
 
