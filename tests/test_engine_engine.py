@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -523,6 +524,60 @@ def test_a_bad_decode_chunk_fails_the_job_and_releases_the_decoders_lock_at_once
     done, held = run(main())
     assert done.status is JobStatus.FAILED and "more than the stream's 5 frames" in done.error_message
     assert not held
+
+
+def test_a_decode_that_fails_mid_stream_frees_what_it_held_without_the_cycle_collector(tmp_path, monkeypatch):
+    """A streamed decode raising mid-way (CUDA out of memory): once the job has failed, what the decode's
+    generator held (on a GPU: the decoder's cache, the pending chunk, the latents) is freed by reference
+    counting. The exception's traceback holds the frames that caught it, so a frame keeping the exception
+    made a cycle that kept them until the cycle collector ran; the next job could then run out of memory."""
+    import gc
+    import weakref
+
+    held = []
+
+    class Held:  # stands for the GPU tensors the decode generator's frame holds
+        pass
+
+    class FailsMidStream(FakeBackend):
+        def decode(self, state, *, stream=False):
+            result = super().decode(state, stream=stream)
+            n = state.params.num_frames
+
+            def chunks():
+                cache = Held()
+                held.append(weakref.ref(cache))
+                yield np.zeros((1, 64, 64, 3), np.uint8)
+                time.sleep(0.05)  # the reader is waiting for the next chunk
+                raise RuntimeError("CUDA out of memory (simulated)")
+
+            result.frames = FrameStream(n, 64, 64, chunks())
+            return result
+
+    def encoder(frames, *args, **kw):
+        for _ in frames:
+            pass
+        return b"x"
+
+    async def main():
+        client = make_client(tmp_path, backend=FailsMidStream(), encoder=encoder)
+        await client.start()
+        done = await asyncio.wait_for(client.wait(_submit(client, _params(frames=17)).id), 10)
+        await asyncio.to_thread(wait_until, lambda: held and held[0]() is None, 2.0)
+        alive = held[0]() is not None
+        await client.shutdown(5)
+        return done, alive
+
+    # pytest's log capture would keep the failure's record, and with it the traceback (a log handler that
+    # writes the record and drops it, as the server's, does not)
+    monkeypatch.setattr(logging.getLogger("worldserve.engine.engine"), "propagate", False)
+    gc.disable()
+    try:
+        done, alive = run(main())
+    finally:
+        gc.enable()
+    assert done.status is JobStatus.FAILED and "CUDA out of memory" in done.error_message
+    assert not alive, "the failed decode's objects outlived the job (a reference cycle)"
 
 
 class _Stop(BaseException):

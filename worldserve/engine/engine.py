@@ -266,7 +266,9 @@ class Engine:
             self._cancelled(request)
         elif failure is not None:
             self._fail(request, failure)
-        if cancelled or failure is not None or streamed:
+            failure = None  # (its traceback holds this frame: a cycle that would keep the decode's tensors)
+            return
+        if cancelled or streamed:
             return
         decoded()
         if request.ephemeral:  # the caller encodes (an image): hand the frames over

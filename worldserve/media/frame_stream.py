@@ -12,8 +12,9 @@ latent frames), so the first frames are final long before the last: at 720p x 18
   under the model lock) to one that reads them (an encoder in the engine's CPU pool). Unbounded, so the decoding
   thread never waits for the encoder (at most the whole video is held, as when it was handed over in one
   piece); a reader that stops early abandons the pipe, later chunks are dropped and `read_beside` stops
-  making them; a decode that fails `fail`s it and the reader gets `FramesLost`, as it does when another
-  thread sets `read_beside`'s `stop` (an abort: the decode stops at its next chunk).
+  making them; a decode that fails `fail`s it and the reader gets `FramesLost` next (chunks it has not taken
+  are dropped), as it does when another thread sets `read_beside`'s `stop` (an abort: the decode stops at its
+  next chunk).
 - `lower_thread_priority`: the muxing threads (the engine's encode pool, media.video's conversion pool) run
   at nice 10, so the thread feeding the GPU wins the CPUs when they are all busy.
 """
@@ -143,10 +144,15 @@ class FramePipe:
         self.put(_END)
 
     def fail(self, exc: BaseException) -> None:
-        """The producer failed: the reader gets FramesLost (caused by `exc`) after the chunks before it."""
+        """The producer failed (or was stopped): the reader gets FramesLost (caused by `exc`) next; chunks it
+        has not taken yet are dropped (the video is lost: muxing them would only cost CPU and memory)."""
         lost = FramesLost(f"the video's frames were lost: {exc}")
         lost.__cause__ = exc
-        self.put(lost)
+        with self._cv:
+            if not self._abandoned:
+                self._queue.clear()
+                self._queue.append(lost)
+                self._cv.notify()
 
     def abandon(self) -> None:
         """The reader stopped: drop what is queued and whatever comes (a reader still waiting returns)."""
@@ -174,8 +180,20 @@ class FramePipe:
             if item is _END:
                 return
             if isinstance(item, FramesLost):
-                raise item
+                try:
+                    raise item
+                finally:  # (the traceback holds this frame: without the del, a cycle keeps the producer's
+                    del item  # frames, e.g. a failed decode's GPU tensors, until the cycle collector runs)
             yield item
+
+
+def _read_then_close(reader: Callable[[FrameStream], T], stream: FrameStream) -> T:
+    """`reader(stream)`, then `stream.close()` whatever happened: a reader that failed or returned early
+    stops the making at once (its own generator may be kept open by the exception's traceback)."""
+    try:
+        return reader(stream)
+    finally:
+        stream.close()
 
 
 class FramesCancelled(Exception):
@@ -196,7 +214,7 @@ def read_beside(
     the making (the stream's source is closed). Another thread setting `stop` ends the making after the
     chunk in hand; the reader then gets FramesLost caused by FramesCancelled, and nothing is raised here."""
     pipe = FramePipe.like(stream)
-    future = pool.submit(reader, pipe.reader())
+    future = pool.submit(_read_then_close, reader, pipe.reader())
     chunks = iter(stream)
     try:
         for chunk in chunks:
