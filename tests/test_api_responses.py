@@ -373,6 +373,9 @@ def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, re
         and err["param"] == "truncation"
         and "cannot be truncated" in err["message"]
     )
+    own = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={  # the client's own field keeps its name
+        "input": "hi", "truncate_prompt_tokens": 0, "max_output_tokens": 4})  # fmt: skip
+    assert own.status_code == 400 and own.json()["error"]["param"] == "truncate_prompt_tokens", own.text
 
 
 def test_a_server_that_stores_nothing(reasoner, tmp_path):

@@ -221,3 +221,9 @@ def test_a_lone_surrogate_the_model_escapes_in_arguments_stays_escaped(reasoner_
         [call] = r.json()["choices"][0]["message"]["tool_calls"]
         arguments = call["function"]["arguments"]
     assert json.loads(arguments) == {"a": "\ud800"}
+    replay = {"model": MODEL, "max_tokens": 2, "tools": body["tools"], "messages": [  # the next turn sends it back
+        *ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                   "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]}  # fmt: skip
+    again = httpx.post(reasoner_url + "/v1/chat/completions", json=replay, timeout=60)
+    assert again.status_code == 200, again.text

@@ -115,10 +115,9 @@ def test_message_calls_hand_json_arguments_to_the_template_as_objects():
     calls = [ToolCallIn.model_validate({"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}),
              ToolCallIn.model_validate({"function": {"name": "get_time", "arguments": "not json"}})]  # fmt: skip
     out = message_calls(calls)
+    # JSON escaping a lone surrogate (as this server writes such answers, so clients send them back): the text
     surrogate = ToolCallIn.model_validate({"function": {"name": "f", "arguments": '{"x": "\\ud800"}'}})
-    with pytest.raises(ParamError) as info:
-        message_calls([calls[0], surrogate], "messages[3]")
-    assert info.value.param == "messages[3].tool_calls[1].function.arguments"
+    assert message_calls([surrogate])[0]["function"]["arguments"] == '{"x": "\\ud800"}'
     assert out[0] == {
         "id": "c1",
         "type": "function",

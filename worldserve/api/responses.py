@@ -77,6 +77,7 @@ async def create_response(request: Request, st: State):
         # drop the conversation's start to fit: the input keeps what the answer's budget leaves (vLLM's way)
         budget = req.max_output_tokens or min(4096, context // 8)
         chat.truncate_prompt_tokens = max(1, context - budget)
+        paths.truncation = True
     store = st.responses if req.store is not False else None
     try:
         choices, options = await chat_choices(st, chat)

@@ -117,6 +117,8 @@ class ChatPaths:
 
     messages: list[str] = field(default_factory=list)
     """messages[i] -> "instructions", "input" or "input[j]"."""
+    truncation: bool = False
+    """truncate_prompt_tokens came from `truncation: auto` (else the client sent it: its own name stays)."""
 
     def field(self, param: str | None) -> str | None:
         if param is None:
@@ -124,8 +126,9 @@ class ChatPaths:
         if (m := re.match(r"messages\[(\d+)\]", param)) and int(m.group(1)) < len(self.messages):
             return self.messages[int(m.group(1))] + param[m.end() :]
         renamed = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-                   "response_format": "text.format", "logprobs": "include",
-                   "truncate_prompt_tokens": "truncation"}  # fmt: skip
+                   "response_format": "text.format", "logprobs": "include"}  # fmt: skip
+        if self.truncation:
+            renamed["truncate_prompt_tokens"] = "truncation"
         param = param.replace("response_format.json_schema", "response_format")
         head, _, rest = param.partition(".")
         return renamed.get(head, head) + ("." + rest if rest else "")

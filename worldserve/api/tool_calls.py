@@ -166,8 +166,8 @@ def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
 
 def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tuple[dict, ...]:
     """An assistant turn's calls as the chat template takes them: JSON arguments as objects (vLLM's way;
-    Qwen's template prints them back as JSON). `where`: the message's field, for a ParamError naming the
-    arguments when their JSON escapes a lone surrogate (no text a tokenizer takes)."""
+    Qwen's template prints them back as JSON); JSON that escapes a lone surrogate (no text a tokenizer takes
+    once parsed) stays the text it is. `where`: the message's field, for a ParamError naming the arguments."""
     out = []
     for j, call in enumerate(calls or ()):
         args = call.function.arguments
@@ -183,8 +183,8 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
                 check_depth(args, field)  # (the template renders them recursively)
                 try:
                     check_unicode(args, call.function.arguments)
-                except APIError:
-                    raise ParamError(field, f"{field}: not valid Unicode text (a lone surrogate)") from None
+                except APIError:  # JSON escaping a lone surrogate (as canonical_json writes this server's own
+                    args = call.function.arguments  # answers): its text, which is plain, goes to the template
         out.append(
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
         )
