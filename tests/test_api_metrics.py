@@ -173,7 +173,8 @@ def test_chat_metrics(server):
     for name in (
         "vllm:kv_cache_usage_perc",
         "vllm:num_requests_waiting",
-    ):  # present; nothing held nor queued now
+        "vllm:num_preemptions_total",
+    ):  # present; nothing held nor queued (nor preempted) now
         assert ((name, frozenset({"model_name": MODEL, **LLM}.items())) in after) and value(
             after, name, **LLM
         ) == 0

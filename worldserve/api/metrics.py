@@ -111,6 +111,9 @@ class Metrics:
         Gauge("worldserve:num_preemptions", "Chats preempted so far for lack of K/V blocks (cumulative).",
               label, registry=r).labels(**self._label).set_function(preemptions)  # fmt: skip
         self.vllm.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage, r)
+        self.vllm.counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", preemptions, r
+        )
 
     def track_chat_queue(self, waiting: Callable[[], float]) -> None:
         """Chats submitted and not yet started, read at scrape time (also as vLLM's num_requests_waiting)."""

@@ -4,8 +4,8 @@ so that dashboards built for those servers find their series here (api/metrics.p
 vLLM's (the Reasoner's chats) follow vllm/v1/metrics/loggers.py `PrometheusStatLogger` of vLLM 0.11: the same
 names, types, help texts and histogram buckets, labelled `model_name` and `engine` ("0": worldserve runs one
 engine core): num_requests_running / _waiting, kv_cache_usage_perc (gauges); prompt_tokens_total,
-generation_tokens_total, request_success_total{finished_reason} (counters, every finished_reason exported from
-the start as vLLM does); time_to_first_token_seconds, inter_token_latency_seconds and its deprecated twin
+generation_tokens_total, num_preemptions_total, request_success_total{finished_reason} (counters, every
+finished_reason exported from the start as vLLM does); time_to_first_token_seconds, inter_token_latency_seconds and its deprecated twin
 time_per_output_token_seconds (the same observations, as vLLM 0.11 still exports both),
 e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total (histograms).
 Not exported: vllm:prefix_cache_queries / _hits (worldserve has no prefix cache: the n choices of one request
@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 ENGINE = "0"
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
@@ -99,6 +101,11 @@ class VllmMirror:
         """A vLLM gauge read at scrape time (num_requests_waiting, kv_cache_usage_perc)."""
         Gauge(name, doc, ["model_name", "engine"], registry=registry).labels(**self.llm).set_function(read)
 
+    def counter(self, name: str, doc: str, read: Callable[[], float], registry: CollectorRegistry) -> None:
+        """A vLLM counter whose running total is kept elsewhere (num_preemptions), read at scrape time and
+        exposed as `<name>_total`."""
+        registry.register(_ReadCounter(name, doc, self.llm, read))
+
     # -- video / image requests ------------------------------------------------------------------------
     def video_finished(self, e2e_s: float, queue_s: float) -> None:
         self.video_success.labels(finished_reason="stop", **self.omni).inc()
@@ -120,3 +127,19 @@ class VllmMirror:
         for value in seconds:
             for hist in self.itl:
                 hist.observe(value)
+
+
+class _ReadCounter(Collector):
+    """A counter family with one series whose value a callable gives (prometheus_client's Counter can only
+    be incremented)."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str], read: Callable[[], float]) -> None:
+        self._name, self._doc, self._labels, self._read = name, doc, labels, read
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, self._doc, labels=list(self._labels))]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), self._read())
+        return [family]
