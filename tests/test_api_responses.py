@@ -189,6 +189,12 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
          "text.format.schema"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
         ({"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning"),
+        # a function_call item's own field, the second of two calls that make one assistant turn
+        ({"input": [{"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "[" * 200 + "]" * 200},
+                    {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "y"}]}, "input[2].arguments"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_responses_field(reasoner_url, body, param):

@@ -119,10 +119,16 @@ class ChatPaths:
     """messages[i] -> "instructions", "input" or "input[j]"."""
     truncation: bool = False
     """truncate_prompt_tokens came from `truncation: auto` (else the client sent it: its own name stays)."""
+    calls: dict[int, list[str]] = field(default_factory=dict)
+    """messages[i] made of consecutive function_call items: the item each of its tool_calls came from."""
 
     def field(self, param: str | None) -> str | None:
         if param is None:
             return None
+        if (m := re.match(r"messages\[(\d+)\]\.tool_calls\[(\d+)\]", param)) and int(m.group(2)) < len(
+            items := self.calls.get(int(m.group(1)), ())
+        ):  # a function_call item's own field: input[j].arguments, not ...tool_calls[k].function.arguments
+            return items[int(m.group(2))] + param[m.end() :].replace(".function.", ".", 1)
         if (m := re.match(r"messages\[(\d+)\]", param)) and int(m.group(1)) < len(self.messages):
             return self.messages[int(m.group(1))] + param[m.end() :]
         renamed = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
@@ -182,7 +188,9 @@ def to_chat(
                 calls = []
                 messages.append({"role": "assistant", "content": None, "tool_calls": calls})
                 paths.messages.append(where)
+                paths.calls[len(messages) - 1] = []
             calls.append(call)
+            paths.calls[len(messages) - 1].append(where)
             continue
         calls = None
         if item.type == "function_call_output":
