@@ -1,10 +1,11 @@
 """`worldserve serve [MODEL] --host H --port P [--omni] [--init-timeout S] ...`: the HTTP server.
 
 Same command line as the recipe's `vllm serve nvidia/Cosmos3-Nano --omni --port 8000 --init-timeout 1800`.
-Flags come from the config dataclasses (config.py). Startup: resolve the config, bind --host / --port and
-open the job store (either failing stops the start before the model loads), load the model within
---init-timeout (no MODEL: the embedded tiny random checkpoint, loudly), wire engine + client + app, log the
-routes, then uvicorn listens on the bound socket ("Application startup complete." = ready).
+Flags come from the config dataclasses (config.py). Startup: resolve the config and check --device, bind
+--host / --port and open the job store (any of them failing stops the start before the model loads), load
+the model within --init-timeout (no MODEL: the embedded tiny random checkpoint, loudly), wire engine + client
++ app, log the routes, then listen on the bound socket and run uvicorn ("Application startup complete." =
+ready).
 SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get --shutdown-timeout seconds
 to finish, anything unfinished stays queued in the store and is re-run at the next start.
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
