@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import re
+import threading
 
 import pytest
 from serving_helpers import asgi_server, mp4_bytes, png_bytes, poll_job, wait_until
@@ -417,6 +418,52 @@ async def test_metrics_families(tmp_path):
         for sample in ('worldserve:chat_requests_running{model_name="test-model"} 0.0',  # before any chat
                        'vllm:num_requests_running{engine="0",model_name="test-model"} 0.0'):  # fmt: skip
             assert sample in text, sample
+
+
+async def test_an_engine_crash_answers_waiting_sync_requests_at_once(tmp_path):
+    """A bug that kills the engine loop (here the store failing as progress is saved): health says so, every
+    waiting sync request is answered 503 at once (it waited out the sync timeout, 600 s, before), and the
+    jobs stay queued for the next start."""
+    async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.05), sync_timeout_s=30) as http:
+        store = http.engine_client.store
+        sync = asyncio.create_task(
+            http.post("/v1/videos/sync", data={"prompt": "x", **SMALL, "num_inference_steps": "20"})
+        )
+        await asyncio.sleep(0.2)
+
+        def broken(*_a, **_k):
+            raise RuntimeError("disk I/O error")
+
+        store.set_progress = broken
+        answer = await asyncio.wait_for(sync, 10)
+        assert answer.status_code == 503, answer.text
+        message = answer.json()["error"]["message"]
+        assert "engine has stopped (disk I/O error)" in message and "resumes after a restart" in message
+        assert (await http.get("/health")).status_code == 503
+        job = (await http.get(f"/v1/videos/{answer.headers['x-video-id']}")).json()
+        assert job["status"] == "queued"
+
+
+async def test_a_delete_answers_a_sync_request_waiting_on_the_mp4_encode(tmp_path):
+    """DELETE while the job's MP4 is being encoded: the waiting sync request gets its 404 at once, not when
+    the encode ends."""
+    encoding, release = threading.Event(), threading.Event()
+
+    def held_encoder(frames, *args, **kw):
+        encoding.set()
+        release.wait(30)  # the encode ends only once the sync request has its answer
+        return b"FAKEMP4"
+
+    async with asgi_server(tmp_path, encoder=held_encoder) as http:
+        sync = asyncio.create_task(http.post("/v1/videos/sync", data={"prompt": "x", **SMALL}))
+        await asyncio.to_thread(encoding.wait, 10)
+        [job] = (await http.get("/v1/videos")).json()["data"]
+        assert (await http.delete(f"/v1/videos/{job['id']}")).status_code == 200
+        try:
+            answer = await asyncio.wait_for(sync, 10)
+        finally:
+            release.set()
+        assert answer.status_code == 404, answer.text
 
 
 async def test_shutdown_stops_intake_with_503(tmp_path):

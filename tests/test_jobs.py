@@ -98,6 +98,12 @@ def test_list_order_cursor_and_has_more(tmp_path):
     assert [j.id for j in page] == [ids[1], ids[0]]
     assert store.list(limit=0) == ([], True)
     assert store.list(limit=0, after=ids[0], order="desc") == ([], False)
+    # the cursor job deleted (or expired) between two pages: paging goes on where it was
+    first, more = store.list(order="asc", limit=2)
+    store.delete(first[-1].id)
+    page, more = store.list(order="asc", limit=2, after=first[-1].id)
+    assert [j.id for j in page] == ids[2:4] and more
+    assert store.list(after="video_gen_" + "0" * 32) == ([], False)  # never a job here
     assert store.list(after="video_gen_" + "0" * 32) == ([], False)
 
 

@@ -118,9 +118,9 @@ async def create_video_sync(request: Request, st: State) -> Response:
         raise APIError(
             504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids
         ) from None
-    except ShuttingDownError:
-        raise APIError(503, f"The server is shutting down before job {job.id} finished; it is kept: it resumes after "
-                       f"a restart unless it completes first (GET /v1/videos/{job.id}).",
+    except ShuttingDownError as exc:  # the server is shutting down, or its engine has stopped
+        raise APIError(503, f"Job {job.id} cannot finish now: {exc}; it is kept: it resumes after a "
+                       f"restart unless it completes first (GET /v1/videos/{job.id}).",
                        headers=ids) from None  # fmt: skip
     if done is None:
         raise APIError(404, f"{NOT_FOUND}: the job was deleted before it completed.", headers=ids)

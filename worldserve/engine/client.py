@@ -103,6 +103,7 @@ class EngineClient:
         self._started = True
         self._loop = asyncio.get_running_loop()
         self.engine.on_done = self._on_done_threadsafe
+        self.engine.on_crash = self._on_crash_threadsafe
         resumed = self._recover()
         if resumed:
             log.info("resuming %d unfinished job(s) from %s", resumed, self.store.root)
@@ -130,6 +131,12 @@ class EngineClient:
                     target=self.chat_worker.stop, args=(timeout_s,), name="worldserve-stop-chats", daemon=True
                 ).start()
             self._call_in_loop(lambda: self._answer_waiters_at_shutdown(timeout_s))
+
+    def _on_crash_threadsafe(self, exc: BaseException) -> None:
+        """The engine loop crashed (health reports it): nothing will finish a job in this process, so every
+        waiting sync request is answered now (503; the jobs stay queued and resume after a restart)."""
+        err = ShuttingDownError(f"the engine has stopped ({exc})")
+        self._call_in_loop(lambda: self._wake_all(err))
 
     def _answer_waiters_at_shutdown(self, timeout_s: float) -> None:
         """On the loop: fail the waiters of jobs that stay queued now, the rest when `timeout_s` has passed."""
@@ -326,9 +333,9 @@ class EngineClient:
         job = self.store.delete(job_id)
         if (upsampling := self._upsampling.pop(job_id, None)) is not None:
             upsampling.cancel()  # its chat stops at the next step
-            self._wake(job_id)  # a sync request waiting on it answers now (the engine never held it)
         if job is not None and not job.status.terminal:
             self.engine.abort(job_id)
+        self._wake(job_id)  # a sync request waiting on it answers now (404), also while its MP4 is encoded
         return job
 
     def video_path(self, job_id: str):

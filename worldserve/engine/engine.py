@@ -83,6 +83,8 @@ class Engine:
         self.config = config
         self.observer: EngineObserver = observer or NullObserver()
         self.on_done: Callable[[str], None] = lambda job_id: None
+        self.on_crash: Callable[[BaseException], None] = lambda exc: None
+        """Called on the engine thread once its loop has crashed (the jobs it held are queued again)."""
         self._encoder = encoder
         self._ttl_s = job_ttl_s
         self._sched = Scheduler(config.max_batch_size)
@@ -184,6 +186,8 @@ class Engine:
             log.exception("engine loop crashed")
         finally:
             self._park_running()
+        if self.crashed is not None:
+            self.on_crash(self.crashed)  # (after the running jobs are queued again)
 
     def _should_exit(self) -> bool:
         return self._hard_stop or (self._draining and not self._sched.running)

@@ -26,6 +26,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 2  # v2: `interrupted` (v1 databases gain it when opened)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
+GONE_CURSORS = 10_000
+"""Deleted jobs whose place in the list order is remembered, so that a client paging with one as `after`
+(deleted, or expired, between two pages) goes on where it was instead of getting an empty last page."""
 
 
 class JobStatus(enum.StrEnum):
@@ -127,6 +131,8 @@ class JobStore:
             raise StorageError(f"cannot use {self.root} as the storage directory: {exc}") from None
         self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
         self._lock = threading.Lock()
+        self._gone: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         try:
             self._db = self._open_database(self.root / "jobs.sqlite3")
         except (sqlite3.Error, StorageError) as exc:
@@ -269,6 +275,9 @@ class JobStore:
             if row is None:
                 return None
             self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+            self._gone[job_id] = (row["created_at"], row["seq"])
+            if len(self._gone) > GONE_CURSORS:
+                self._gone.popitem(last=False)
         self.video_path(job_id).unlink(missing_ok=True)
         self.reference_path(job_id).unlink(missing_ok=True)
         return _job_from_row(row)
@@ -350,16 +359,18 @@ class JobStore:
     def list(
         self, *, after: str | None = None, limit: int | None = None, order: str = "desc"
     ) -> tuple[list[Job], bool]:
-        """One page in `created_at` order, starting after the job `after`; returns (jobs, has_more)."""
+        """One page in `created_at` order, starting after the job `after` (also one deleted since the previous
+        page was read, while this process remembers it); returns (jobs, has_more)."""
         assert order in ("asc", "desc")
         where, args = "", []
         with self._lock:
             if after is not None:
-                anchor = self._db.execute("SELECT created_at, seq FROM jobs WHERE id=?", (after,)).fetchone()
+                row = self._db.execute("SELECT created_at, seq FROM jobs WHERE id=?", (after,)).fetchone()
+                anchor = (row["created_at"], row["seq"]) if row is not None else self._gone.get(after)
                 if anchor is None:
                     return [], False
                 where = f"WHERE (created_at, seq) {'>' if order == 'asc' else '<'} (?, ?)"
-                args = [anchor["created_at"], anchor["seq"]]
+                args = list(anchor)
             sql = f"SELECT * FROM jobs {where} ORDER BY created_at {order}, seq {order}"
             if limit is not None:
                 sql += " LIMIT ?"
