@@ -342,10 +342,8 @@ class EngineConfig:
     def resolve(self) -> EngineConfig:
         """Fill environment-dependent defaults; the result has no None left in those fields."""
         served = self.model.served_model_name or self.model.model or TINY_SERVED_NAME
-        for kind in (
-            "image",
-            "video",
-        ):  # a malformed media fetch timeout stops the start now, not after the load
+        # a malformed media fetch timeout stops the start now, not after the load
+        for kind in ("image", "video"):
             envs.media_fetch_timeout_s(kind)
         server = replace(
             self.server,

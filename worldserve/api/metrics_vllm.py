@@ -5,8 +5,9 @@ vLLM's (the Reasoner's chats) follow vllm/v1/metrics/loggers.py `PrometheusStatL
 names, types, help texts and histogram buckets, labelled `model_name` and `engine` ("0": worldserve runs one
 engine core): num_requests_running / _waiting, kv_cache_usage_perc (gauges); prompt_tokens_total,
 generation_tokens_total, num_preemptions_total, request_success_total{finished_reason} (counters, every
-finished_reason exported from the start as vLLM does); time_to_first_token_seconds, inter_token_latency_seconds and its deprecated twin
-time_per_output_token_seconds (the same observations, as vLLM 0.11 still exports both),
+finished_reason exported from the start as vLLM does); time_to_first_token_seconds,
+inter_token_latency_seconds and its deprecated twin time_per_output_token_seconds (the same observations, as
+vLLM 0.11 still exports both),
 e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total (histograms).
 Not exported: vllm:prefix_cache_queries / _hits (worldserve has no prefix cache: the n choices of one request
 share their prompt's K/V by a fork, no cache lookup), and vLLM's other per-request histograms.

@@ -135,7 +135,7 @@ def bind_listener(host: str | None, port: int) -> socket.socket:
         raise ValueError(f"--host {host!r} is not an address of this machine: {exc}") from None
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from None
+        raise _cannot_listen(host, port, exc) from None
     return sock
 
 
@@ -145,8 +145,11 @@ def start_listening(sock: socket.socket, host: str | None) -> None:
     try:
         sock.listen(2048)
     except OSError as exc:
-        port = sock.getsockname()[1]
-        raise ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from None
+        raise _cannot_listen(host, sock.getsockname()[1], exc) from None
+
+
+def _cannot_listen(host: str | None, port: int, exc: OSError) -> ValueError:
+    return ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}")
 
 
 def _serve(

@@ -323,9 +323,6 @@ class Engine:
         except BaseException as exc:  # (SystemExit, KeyboardInterrupt in this pool thread) the job still ends
             self._fail(request, exc)
             raise
-        finally:
-            if isinstance(result.frames, FrameStream):
-                result.frames.close()  # an encode that stopped early: the decode's later chunks are dropped
         self.on_done(request.job_id)
 
     def _abort(self, job_id: str) -> None:

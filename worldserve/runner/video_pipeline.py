@@ -149,7 +149,9 @@ def check_layout_device(
 ) -> None:
     """check_device for a one-GPU layout, for the commands to call before a checkpoint is resolved (which
     may download it); a parallel layout names the GPUs it needs itself when it starts."""
-    if cfg_parallel_size * ulysses_degree * tensor_parallel_size == 1:
+    from worldserve.runner.parallel_layout import ParallelLayout
+
+    if ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size).world == 1:
         check_device(device)
 
 
