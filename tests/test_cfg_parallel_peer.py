@@ -1,4 +1,6 @@
-"""CFG-parallel: a dead peer rank gives a clear error, quickly, instead of a hang; close() still works."""
+"""Peer ranks dying or idling: a dead peer gives a clear error, quickly, instead of a hang; in the server's
+engine it stops the loop with its jobs queued again (not failed one by one while /health says healthy); an
+idle peer outlives the world's timeout (keep-alive pings); close() still works."""
 
 from __future__ import annotations
 
@@ -7,8 +9,13 @@ import time
 
 import pytest
 import torch
+from serving_helpers import make_client, wait_until
 
+from worldserve.engine.client import EncodeOptions, JobSpec, JobStatus, ShuttingDownError
+from worldserve.engine.outputs import BackendLost
 from worldserve.params import VideoParams
+
+SMALL = dict(num_frames=5, height=32, width=32, generate_sound=False)
 
 
 def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
@@ -17,8 +24,7 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
 
     pipe = load_pipeline(tiny_ckpt, cfg_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
     try:
-        params = VideoParams(prompt="a fox", num_inference_steps=3, num_frames=5, height=32, width=32,
-                             guidance_scale=6.0, generate_sound=False)  # fmt: skip
+        params = VideoParams(prompt="a fox", num_inference_steps=3, guidance_scale=6.0, **SMALL)
         state = pipe.prepare("r0", params)
         pipe.denoise([state])
         # the peer dies while rank 0 blocks on it (here: waiting for a message that never comes)
@@ -29,14 +35,87 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
         assert time.monotonic() - t0 < 5
         pipe.process.join(10)
         t0 = time.monotonic()
-        with pytest.raises(PeerError, match="peer .*(exited|gone)"):
+        with pytest.raises(BackendLost, match="--cfg-parallel-size 2: .*peer .*(exited|gone)"):
             pipe.denoise([state])
         assert time.monotonic() - t0 < 5
         # guidance-1 requests never touch the peer: they still run
-        solo = pipe.prepare("r1", VideoParams(prompt="a fox", num_inference_steps=2, num_frames=5, height=32,
-                                              width=32, guidance_scale=1.0, generate_sound=False))  # fmt: skip
+        solo = pipe.prepare(
+            "r1", VideoParams(prompt="a fox", num_inference_steps=2, guidance_scale=1.0, **SMALL)
+        )
         pipe.denoise([solo])
         assert solo.step_index == 1
     finally:
         pipe.close()
     assert not pipe.process.is_alive()
+
+
+def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp_path):
+    """The server's engine: the running job goes back to the queue (it resumes at restart) and so does the
+    next one; /health turns unhealthy and new jobs are refused with a reason (was: both jobs failed with a
+    500 and /health stayed healthy, failing every later CFG job the same way)."""
+    import asyncio
+
+    from worldserve.runner.video_pipeline import load_pipeline
+
+    pipe = load_pipeline(tiny_ckpt, cfg_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
+    params = VideoParams(prompt="a fox", num_inference_steps=50, guidance_scale=6.0, **SMALL)
+    spec = JobSpec(model="test-model", prompt="a fox", size="32x32", seconds="1", quality="default", fps=24.0,
+                   num_frames=5)  # fmt: skip
+
+    async def main():
+        client = make_client(tmp_path, backend=pipe)
+        await client.start()
+        try:
+            running = client.submit(params, spec, EncodeOptions(), None)
+            queued = client.submit(params, spec, EncodeOptions(), None)
+            await asyncio.to_thread(wait_until, lambda: client.store.get(running.id).progress >= 4, 60)
+            pipe.process.kill()
+            await asyncio.to_thread(wait_until, lambda: not client.engine.alive, 10)
+            ok, reason = client.health()
+            with pytest.raises(ShuttingDownError, match="engine has stopped"):
+                client.submit(params, spec, EncodeOptions(), None)
+            return ok, reason, client.store.get(running.id), client.store.get(queued.id)
+        finally:
+            await client.shutdown(5)
+
+    try:
+        ok, reason, running, queued = asyncio.run(main())
+    finally:
+        pipe.close()
+    assert not ok and "peer" in reason
+    assert running.status is JobStatus.QUEUED
+    assert queued.status is JobStatus.QUEUED
+
+
+def _echo_peer(rank: int, init_method: str, world: int, timeout_s: float) -> None:
+    """A peer that answers ("echo", x) to ("echo", x)."""
+    from worldserve.parallel import comm
+    from worldserve.runner.peers import LEADER, run_peer, serve_messages
+
+    def serve(_loaded, group, dev, leader_alive):
+        def echo(x):
+            comm.send_object(("echo", x), LEADER, group, dev, leader_alive)
+
+        serve_messages(group, dev, leader_alive, {"echo": echo}, "test")
+
+    run_peer(rank, init_method, world, "cpu", "test", lambda dev: None, serve, timeout_s)
+
+
+def test_an_idle_peer_outlives_the_world_timeout():
+    """A peer waiting for its next message longer than the world's timeout (here 4 s; 1800 s in the server)
+    is kept alive by pings (was: its receive timed out and it exited, so the next job after an idle half hour
+    found the peer gone)."""
+    from worldserve.runner.peers import PeerRanks
+
+    cpu = torch.device("cpu")
+    peers, _ = PeerRanks.start(
+        "test", _echo_peer, lambda r, init: (r, init, 2, 4.0), [cpu, cpu], lambda: None, timeout_s=4.0
+    )
+    try:
+        time.sleep(9)
+        with peers.lock:
+            peers.send(("echo", 7))
+            assert peers.recv_object(1) == ("echo", 7)
+    finally:
+        peers.close()
+    assert peers.processes[0].exitcode == 0

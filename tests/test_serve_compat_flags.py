@@ -333,12 +333,23 @@ def test_a_port_another_server_took_during_the_load_is_one_line(tmp_path, caplog
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_a_gpu_this_machine_lacks_fails_before_anything_binds_or_loads(tmp_path, caplog, monkeypatch):
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--device", "cuda:3"), "--device cuda:3 needs CUDA GPU 3; 0 visible"),
+        (("--cfg-parallel-size", "2"), "--cfg-parallel-size 2 needs 2 CUDA GPUs"),
+    ],
+)
+def test_gpus_this_machine_lacks_fail_before_anything_binds_or_loads(
+    tmp_path, caplog, monkeypatch, flags, message
+):
+    """A device, or a parallel layout's one GPU per rank, that is not there: one line naming the flags, exit 2,
+    before the checkpoint is resolved (a parallel layout was: exit 1 after binding and opening the store)."""
     loads = []
     monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
-        assert serve.run(parse_args("--device", "cuda:3", "--storage-dir", str(tmp_path / "s"))) == 2
-    assert "--device cuda:3 needs CUDA GPU 3; 0 visible" in caplog.text
+        assert serve.run(parse_args(*flags, "--storage-dir", str(tmp_path / "s"))) == 2
+    assert message in caplog.text
     assert not loads and not (tmp_path / "s").exists()
 
 

@@ -9,12 +9,13 @@ frames chunk by chunk, as the VAE makes them, to a CPU pool that muxes the MP4 m
 Invariants: only this thread calls the backend and touches the scheduler; other threads talk to it through
 `add_request` / `abort` / `drain` / `stop` (a condition-guarded inbox). An abort takes effect at the next
 step boundary (during a decode: at its next chunk of frames) and always releases the request's state. An
-exception inside a request (prepare, its denoise batch, decode, encode) fails only the jobs involved
-(status `failed`, error {code, message}); the loop itself never dies of one. Backend calls run under
-`model_lock`, which the chat worker (chat_worker.py) also takes around each chat prefill / decode step, so
-chat and video share the model step by step, unless the chat backend runs beside video steps on its own
-CUDA stream (runner/chat_share.py: then it takes no lock). `on_done(job_id)` is called (from this thread or
-an encoder) whenever a job reaches completed/failed or is aborted, so the HTTP side can wake waiters.
+exception inside a request (prepare, its denoise batch, decode, encode) fails only the jobs involved (status
+`failed`, error {code, message}); the loop itself never dies of one, except `BackendLost` (a multi-GPU
+pipeline lost a peer rank): then it stops as on a crash and its jobs wait in the store. Backend calls run
+under `model_lock`, which the chat worker (chat_worker.py) also takes around each chat prefill / decode step,
+so chat and video share the model step by step, unless the chat backend runs beside video steps on its own
+CUDA stream (runner/chat_share.py: then it takes no lock). `on_done(job_id)` is called (from this thread or an
+encoder) whenever a job reaches completed/failed or is aborted, so the HTTP side can wake waiters.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from worldserve.config import SchedulerConfig
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
-from worldserve.engine.outputs import VideoBackend, VideoResult
+from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
 from worldserve.media.frame_stream import FramesLost, FrameStream, lower_thread_priority, read_beside
@@ -183,7 +184,10 @@ class Engine:
                 self._iterate()
         except BaseException as exc:  # a bug in the loop itself: report unhealthy rather than hang
             self.crashed = exc
-            log.exception("engine loop crashed")
+            if isinstance(exc, BackendLost):  # not a bug: one line, the traceback is the backend's log
+                log.error("the engine has stopped: %s", exc)
+            else:
+                log.exception("engine loop crashed")
         finally:
             self._park_running()
         if self.crashed is not None:
@@ -193,10 +197,15 @@ class Engine:
         return self._hard_stop or (self._draining and not self._sched.running)
 
     def _iterate(self) -> None:
-        for request in self._sched.admit():
+        admitted = self._sched.admit()
+        for i, request in enumerate(admitted):
             with self._cv:
                 self._waiting_ids.discard(request.job_id)
-            self._prepare(request)
+            try:
+                self._prepare(request)
+            except BackendLost:  # the loop stops: the ones not yet prepared wait again (_park_running)
+                self._sched.waiting.extendleft(reversed(admitted[i + 1 :]))
+                raise
         batch = self._sched.next_batch()
         if batch:
             self._step(batch)
@@ -210,6 +219,9 @@ class Engine:
         try:
             with self.model_lock:
                 request.state = self.backend.prepare(request.job_id, request.params)
+        except BackendLost:  # nothing can run any more: a crash of the loop, this job queued again
+            self._sched.start(request)
+            raise
         except Exception as exc:
             self._fail(request, exc)
             return
@@ -221,6 +233,8 @@ class Engine:
         try:
             with self.model_lock:
                 self.backend.denoise([r.state for r in batch])
+        except BackendLost:  # not the batch's fault: the loop crashes and its jobs are queued again
+            raise
         except Exception as exc:  # the batch's states are undefined now: fail every member
             for request in batch:
                 self._sched.finish(request)

@@ -49,6 +49,12 @@ class DenoiseState(Protocol):
         ...
 
 
+class BackendLost(RuntimeError):
+    """The backend can run nothing more in this process (a peer rank of a multi-GPU pipeline died, or was
+    stopped after a failure in the middle of an exchange with it): the engine stops as on a crash (health
+    503) and its running jobs are queued again for the next start, instead of failing them one by one."""
+
+
 class VideoBackend(Protocol):
     has_sound: bool
     """Whether the checkpoint ships a sound tokenizer (audio on by default)."""

@@ -13,24 +13,27 @@ group's Ulysses group. Messages (small pickled tuples + tensors, runner/peers.py
   to the uncond group (CFG requests only), rank 0's own forward over the cond (and guidance-1) items, then
   the uncond velocities from the uncond group's first rank, and the CFG combine / UniPC step with
   VideoPipeline's code (the same numbers as one process);
-- release: ("release", request_id) to the ranks that hold it; close: ("stop",). A dead peer raises
-  PeerError, never a hang; with U == 1 guidance-1 requests never touch the uncond peer.
+- release: ("release", request_id) to the ranks that hold it; close: ("stop",).
+A dead peer raises, never a hang. Any failure in the middle of an exchange (a dead peer, or rank 0's own
+forward failing while the peers wait in theirs or on a send to it) leaves ranks out of step: the peers are
+killed and `BackendLost` raised, which stops the engine with its jobs queued for a restart.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from worldserve.engine.outputs import BackendLost
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.parallel.ulysses import check_degree
-from worldserve.params import VideoParams
+from worldserve.params import ParamError, VideoParams
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.parallel_layout import ParallelLayout
 from worldserve.runner.parallel_worker import BranchRank
@@ -61,7 +64,7 @@ class ParallelPipeline:
         self.local, self.peers, self.layout = local, peers, layout
         local.sp = layout.branch_group(0)  # collective with the peers' own calls
         self._cfg_remote: set[str] = set()  # requests whose uncond branch runs on the uncond group
-        self._lock = threading.Lock()  # one conversation with the peers at a time
+        self._lock = peers.lock  # one conversation with the peers at a time
         self._cond_peers = list(range(1, layout.per_branch))
         self._uncond_peers = list(range(layout.per_branch, layout.world)) if layout.cfg == 2 else []
 
@@ -140,34 +143,50 @@ class ParallelPipeline:
 
     generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
 
+    @contextmanager
+    def _exchange(self) -> Iterator[None]:
+        """The lock over one exchange with the peers. A failure inside it leaves them out of step with rank 0
+        (or dead): they are killed and BackendLost raised, rather than the next exchange hanging on them."""
+        with self._lock:
+            try:
+                yield
+            except ParamError:  # a bad input, answered with the peers still in step (prepare)
+                raise
+            except Exception as exc:
+                self.peers.kill()
+                raise BackendLost(
+                    f"{layout_flag(self.layout)}: the peer ranks are stopped after an error: {exc}. Restart the server"
+                ) from exc
+
     def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:
         cfg = needs_uncond(params.guidance_scale)
         cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
         remote = cfg and self.layout.cfg == 2
         msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond))
         to = self._cond_peers + (self._uncond_peers if remote else [])
-        with self._lock:
-            if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
+        if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
+            with self._exchange():
                 self.peers.send(msg, to)
                 try:
                     state = self.local.prepare(request_id, params, prompt_ids=(cond, uncond))
-                except BaseException:
+                except ParamError:  # a bad input (after the collective prefill): the request alone fails
                     self.peers.send(("release", request_id), to)
                     raise
-            else:  # rank 0 first: a bad input fails before any peer hears of it
-                state = self.local.prepare(
-                    request_id, params, prefill_uncond=not remote, prompt_ids=(cond, uncond)
-                )
+        else:  # rank 0 first: a bad input fails before any peer hears of it
+            state = self.local.prepare(
+                request_id, params, prefill_uncond=not remote, prompt_ids=(cond, uncond)
+            )
+            with self._exchange():
                 self.peers.send(msg, to)
-            if remote:
-                self._cfg_remote.add(request_id)
+        if remote:
+            self._cfg_remote.add(request_id)
         return state
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[VideoRequestState]) -> None:
         t0 = time.perf_counter()
         remote = [s for s in states if s.request_id in self._cfg_remote and guided(s)]
-        with self._lock:
+        with self._exchange():
             if self._cond_peers:
                 send_step(self.peers, states, self._cond_peers)
             if remote:

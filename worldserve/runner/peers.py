@@ -5,7 +5,9 @@ Used by CFG-parallel (one peer runs the uncond branch) and Ulysses (P - 1 peers 
 their share of the tokens). Every rank holds a full transformer on its own device (cuda:r; cpu with gloo
 for tests). Messages are small pickled tuples plus tensors through parallel/comm.py; every wait polls the
 peer processes, so a dead peer raises `PeerError` (a RuntimeError) instead of hanging. A peer answers
-("ready",) once loaded, serves until ("stop",), then exits without the interpreter's slow teardown.
+("ready",) once loaded, serves until ("stop",), then exits without the interpreter's slow teardown. A peer
+left without a message for a while gets ("ping",): its pending receive would otherwise time out after the
+world's timeout (gloo's wait, NCCL's watchdog) and end it, while the server sat idle.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +31,8 @@ from worldserve.parallel.groups import ParallelGroup
 log = logging.getLogger("worldserve.peers")
 LEADER = 0
 INIT_TIMEOUT_S = 1800.0
+KEEPALIVE_S = 60.0
+"""A peer that has had no message for this long (at most a quarter of the world timeout) gets ("ping",)."""
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set (setdefault) before peers are spawned: no NVLink multicast on the lent H200 hosts."""
 
@@ -59,14 +65,35 @@ class PeerRanks:
         self.comm_device = comm_device  # NCCL: rank 0's GPU; gloo: cpu
         self.label = label
         self.closed = False
+        self.lock = threading.Lock()
+        """Held over every exchange with the peers (one at a time; the keep-alive pings take it too)."""
+        self._sent = dict.fromkeys(self.ranks, time.monotonic())  # rank -> when it last got a message
+        self._stop = threading.Event()
+
+    def keep_alive(self, period_s: float) -> None:
+        """Ping, every `period_s`, the peers that got no message meanwhile (a daemon thread)."""
+
+        def loop() -> None:
+            while not self._stop.wait(period_s / 4):
+                with self.lock:
+                    idle = [r for r, t in self._sent.items() if time.monotonic() - t >= period_s]
+                    if self.closed or not idle:
+                        continue
+                    try:
+                        self.send(("ping",), idle)
+                    except (comm.PeerError, RuntimeError):
+                        return  # a dead peer: the next exchange reports it
+
+        threading.Thread(target=loop, name=f"worldserve-{self.label}-keepalive", daemon=True).start()
 
     @classmethod
     def start(
         cls, label: str, target: Callable, peer_args: Callable[[int, str], tuple], devices: Sequence[torch.device],
-        load_local: Callable[[], object],
+        load_local: Callable[[], object], timeout_s: float = INIT_TIMEOUT_S,
     ) -> tuple[PeerRanks, object]:  # fmt: skip
         """Spawn `target(*peer_args(rank, init_method))` for ranks 1..P-1, run `load_local()` here meanwhile,
-        join the world as rank 0 and wait for every peer's ("ready",). -> (peers, load_local's result)."""
+        join the world (`timeout_s`: the peers' run_peer must use the same) as rank 0, wait for every peer's
+        ("ready",) and start the keep-alive pings. -> (peers, load_local's result)."""
         import torch.multiprocessing as mp
 
         if comm.world_initialized():
@@ -89,7 +116,7 @@ class PeerRanks:
                 if not p.is_alive():
                     raise comm.PeerError(f"{label} rank {r} exited during start-up (exit code {p.exitcode})")
             backend = "nccl" if devices[0].type == "cuda" else "gloo"
-            group = comm.init_world(backend, init_method, 0, len(devices), INIT_TIMEOUT_S)
+            group = comm.init_world(backend, init_method, 0, len(devices), timeout_s)
             self = cls(procs, group, devices[0], label)
             for r in range(1, len(devices)):
                 if (ready := self.recv_object(r)) != ("ready",):
@@ -100,6 +127,7 @@ class PeerRanks:
                 p.join(5)
             comm.destroy_world()
             raise
+        self.keep_alive(min(KEEPALIVE_S, timeout_s / 4))
         return self, local
 
     @property
@@ -129,6 +157,7 @@ class PeerRanks:
             return
         self.check()
         for r in self.ranks if to is None else to:
+            self._sent[r] = time.monotonic()
             try:
                 comm.send_object(msg, r, self.group, self.comm_device, self.alive)
             except comm.PeerError as exc:
@@ -154,9 +183,21 @@ class PeerRanks:
         except comm.PeerError as exc:
             raise self._gone(src, exc) from exc
 
+    def kill(self) -> None:
+        """Stop the peers at once, without a word (they may be in the middle of an exchange), and tear the
+        process group down: after a failure inside an exchange, when what they wait for is unknown."""
+        self.closed = True
+        self._stop.set()
+        for p in self.processes:
+            p.kill()
+        for p in self.processes:
+            p.join(5)
+        comm.destroy_world()
+
     def close(self, timeout_s: float = 30.0) -> None:
         """("stop",) to the live peers, destroy the process group (every rank tears it down at once, so none
         waits on another), then join them (killed after `timeout_s`)."""
+        self._stop.set()
         if self.closed:
             return
         for r, p in enumerate(self.processes, 1):
@@ -178,6 +219,7 @@ class PeerRanks:
 def run_peer(
     rank: int, init_method: str, world_size: int, device: str, label: str,
     load: Callable[[torch.device], object], serve: Callable[[object, ParallelGroup, torch.device, Callable], None],
+    timeout_s: float = INIT_TIMEOUT_S,
 ) -> None:  # fmt: skip
     """A peer process: connect, `load(device)`, answer ("ready",), `serve(loaded, group, device, leader_alive)`
     until it returns (after ("stop",)); exit code 1 on any error."""
@@ -192,7 +234,7 @@ def run_peer(
 
     try:
         group = comm.init_world(
-            "nccl" if dev.type == "cuda" else "gloo", init_method, rank, world_size, INIT_TIMEOUT_S
+            "nccl" if dev.type == "cuda" else "gloo", init_method, rank, world_size, timeout_s
         )
         loaded = load(dev)
         comm.send_object(("ready",), LEADER, group, dev, leader_alive)
@@ -259,11 +301,14 @@ def serve_messages(
     handlers: dict[str, Callable[..., None]],
     label: str,
 ) -> None:
-    """A peer's loop: receive rank 0's messages and call handlers[kind](*args) until ("stop",)."""
+    """A peer's loop: receive rank 0's messages and call handlers[kind](*args) until ("stop",); ("ping",) is
+    only there to end an idle wait before it times out."""
     while True:
         kind, *args = comm.recv_object(LEADER, group, dev, leader_alive)
         if kind == "stop":
             return
+        if kind == "ping":
+            continue
         if kind not in handlers:
             raise ValueError(f"unknown {label} message {kind!r}")
         handlers[kind](*args)

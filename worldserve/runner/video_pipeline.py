@@ -147,12 +147,18 @@ def check_layout_device(
     ulysses_degree: int = 1,
     tensor_parallel_size: int = 1,
 ) -> None:
-    """check_device for a one-GPU layout, for the commands to call before a checkpoint is resolved (which
-    may download it); a parallel layout names the GPUs it needs itself when it starts."""
+    """check_device for a one-GPU layout, or the GPUs a parallel layout needs (one per rank), for the commands
+    to call before a checkpoint is resolved (which may download it); ValueError naming the flags."""
     from worldserve.runner.parallel_layout import ParallelLayout
 
-    if ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size).world == 1:
+    layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size)
+    if layout.world == 1:
         check_device(device)
+        return
+    from worldserve.runner.parallel_pipeline import layout_flag
+    from worldserve.runner.peers import rank_devices
+
+    rank_devices(device, layout.world, layout_flag(layout))
 
 
 class VideoPipeline:
