@@ -177,3 +177,28 @@ def test_gpus_this_machine_lacks_are_one_line_before_anything_loads(tmp_path, ca
 
     assert main(["generate", "--prompt", "a cat", "-o", str(tmp_path / "x.mp4"), *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_peer_dying_mid_run_is_one_line(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """--cfg-parallel-size 2 on CPU, the uncond rank killed before the second step: exit 1 with one line
+    naming the layout (was the exception's traceback), no output file."""
+    from worldserve.cli import main
+    from worldserve.runner.parallel_pipeline import ParallelPipeline
+
+    denoise, calls = ParallelPipeline.denoise, []
+
+    def kill_before_the_second(self, states):
+        calls.append(1)
+        if len(calls) == 2:
+            self.process.kill()
+            self.process.join(10)
+        return denoise(self, states)
+
+    monkeypatch.setattr(ParallelPipeline, "denoise", kill_before_the_second)
+    out = tmp_path / "x.mp4"
+    argv = ["generate", str(tiny_ckpt), "--prompt", "a cat", "--size", "80x48", "--num-frames", "9", "--steps", "3",
+            "--negative-prompt", "blurry", "--cfg-parallel-size", "2", "--device", "cpu", "-o", str(out)]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: --cfg-parallel-size 2: the peer ranks are stopped after an error" in err
+    assert "Traceback" not in err and not out.exists() and len(calls) == 2

@@ -4,6 +4,9 @@ sound, a guidance-1 request and an image-to-video request batched together. Bad 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from pipeline_helpers import rel, run_requests, two_rank_cpu_pipeline
@@ -34,7 +37,7 @@ def test_matches_single_process(tpp, ours_pipeline):
         np.testing.assert_allclose(res.frames.astype(int), res1.frames.astype(int), atol=1)
 
 
-def test_layouts_that_cannot_run_are_refused(tiny_ckpt):
+def test_layouts_that_cannot_run_are_refused(tiny_ckpt, tmp_path):
     from worldserve.config import ParallelConfig
     from worldserve.runner.video_pipeline import load_pipeline
 
@@ -42,3 +45,9 @@ def test_layouts_that_cannot_run_are_refused(tiny_ckpt):
         load_pipeline(tiny_ckpt, tensor_parallel_size=4, device="cpu", progress=False)
     with pytest.raises(ValueError, match="runs alone"):
         ParallelConfig(tensor_parallel_size=2, ulysses_degree=2)
+    odd = tmp_path / "odd-mlp"  # the config is checked before anything loads: it is all the folder needs
+    (odd / "transformer").mkdir(parents=True)
+    config = json.loads((Path(tiny_ckpt) / "transformer" / "config.json").read_text())
+    (odd / "transformer" / "config.json").write_text(json.dumps({**config, "intermediate_size": 63}))
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 must divide intermediate_size=63"):
+        load_pipeline(odd, tensor_parallel_size=2, device="cpu", progress=False)

@@ -325,8 +325,14 @@ def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float
         print(f"worldserve generate: error: {where}", file=sys.stderr)
         return 2
     stream = streams_to(args.output)  # the VAE decode then runs in write_output, beside the mux
-    with tqdm(total=params.num_inference_steps, desc="Denoising", unit="step") as bar:
-        result, state = pipe.generate(params, on_step=lambda done, total: bar.update(1), stream=stream)
+    from worldserve.engine.outputs import BackendLost
+
+    try:
+        with tqdm(total=params.num_inference_steps, desc="Denoising", unit="step") as bar:
+            result, state = pipe.generate(params, on_step=lambda done, total: bar.update(1), stream=stream)
+    except BackendLost as e:  # a peer rank of a multi-GPU layout died: its own log holds the traceback
+        print(f"worldserve generate: error: {e}", file=sys.stderr)
+        return 1
     t1 = time.perf_counter()
     write_output(args.output, result)
     encoded = time.perf_counter() - t1

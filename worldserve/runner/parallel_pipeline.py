@@ -80,6 +80,9 @@ class ParallelPipeline:
             check_degree(
                 degree, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, flag=flag
             )
+        if config.intermediate_size % layout.tp:  # each rank owns 1 / tp of every MLP's hidden units
+            raise ValueError(f"--tensor-parallel-size {layout.tp} must divide intermediate_size="
+                             f"{config.intermediate_size}")  # fmt: skip
         devices = rank_devices(device, layout.world, layout_flag(layout))
         if dtype is None:
             dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
