@@ -113,9 +113,10 @@ def _load(args: argparse.Namespace):
     import torch
 
     from worldserve.models.cosmos3.prompt import PromptEncoder
+    from worldserve.runner.devices import check_device, default_device
     from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.reasoner import Reasoner
-    from worldserve.runner.video_pipeline import check_device, default_device, load_configured_transformer
+    from worldserve.runner.video_pipeline import load_configured_transformer
     from worldserve.weights.checkpoint import resolve_model
 
     try:  # before the checkpoint is resolved (an HF id may download it)

@@ -273,8 +273,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from worldserve.runner.devices import check_layout_device
     from worldserve.runner.kernel_options import KernelOptions
-    from worldserve.runner.video_pipeline import check_layout_device, load_pipeline
+    from worldserve.runner.video_pipeline import load_pipeline
     from worldserve.weights.checkpoint import resolve_model
 
     t0 = time.perf_counter()

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             log_file = log_to_file(args.log_file, LOG_FORMAT)
         config = engine_config(args).resolve()
         if config.model.backend != "fake":  # --device before anything binds, loads or downloads
-            from worldserve.runner.video_pipeline import check_layout_device
+            from worldserve.runner.devices import check_layout_device
 
             par = config.parallel
             check_layout_device(

@@ -47,6 +47,13 @@ class ParallelLayout:
     def world(self) -> int:
         return self.cfg * self.ulysses * self.tp
 
+    @property
+    def flags(self) -> str:
+        """The command-line flags that asked for this layout, for error messages."""
+        asked = (("--cfg-parallel-size", self.cfg), ("--ulysses-degree", self.ulysses),
+                 ("--tensor-parallel-size", self.tp))  # fmt: skip
+        return " ".join(f"{flag} {n}" for flag, n in asked if n > 1) or "--cfg-parallel-size 1"
+
     def tp_group(self, rank: int) -> ParallelGroup:
         """`rank`'s tensor-parallel group: the whole world (tp runs alone), or none."""
         return ParallelGroup(rank=rank, size=self.tp) if self.tp > 1 else SINGLE

@@ -34,10 +34,11 @@ from worldserve.engine.outputs import BackendLost
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.parallel.ulysses import check_degree
 from worldserve.params import ParamError, VideoParams
+from worldserve.runner.devices import rank_devices
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.parallel_layout import ParallelLayout
 from worldserve.runner.parallel_worker import BranchRank
-from worldserve.runner.peers import PeerRanks, peer_worker_main, rank_devices, send_step
+from worldserve.runner.peers import PeerRanks, peer_worker_main, send_step
 from worldserve.runner.video_pipeline import (
     VideoPipeline,
     VideoRequestState,
@@ -48,13 +49,6 @@ from worldserve.runner.video_pipeline import (
 from worldserve.sampling.guidance import needs_uncond
 
 log = logging.getLogger("worldserve.parallel")
-
-
-def layout_flag(layout: ParallelLayout) -> str:
-    """The flags that asked for this layout, for error messages."""
-    asked = (("--cfg-parallel-size", layout.cfg), ("--ulysses-degree", layout.ulysses),
-             ("--tensor-parallel-size", layout.tp))  # fmt: skip
-    return " ".join(f"{flag} {n}" for flag, n in asked if n > 1) or "--cfg-parallel-size 1"
 
 
 class ParallelPipeline:
@@ -83,7 +77,7 @@ class ParallelPipeline:
         if config.intermediate_size % layout.tp:  # each rank owns 1 / tp of every MLP's hidden units
             raise ValueError(f"--tensor-parallel-size {layout.tp} must divide intermediate_size="
                              f"{config.intermediate_size}")  # fmt: skip
-        devices = rank_devices(device, layout.world, layout_flag(layout))
+        devices = rank_devices(device, layout.world, layout.flags)
         if dtype is None:
             dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
         kernels = kernels or KernelOptions()
@@ -109,7 +103,7 @@ class ParallelPipeline:
                 path, device=devices[0], dtype=dtype, kernels=kernels, tp=layout.tp_group(0), **kwargs
             ),
         )  # fmt: skip
-        log.info("%s on %s", layout_flag(layout), ", ".join(map(str, devices)))
+        log.info("%s on %s", layout.flags, ", ".join(map(str, devices)))
         return cls(local, peers, layout)
 
     # ------------------------------------------------------------------ VideoBackend
@@ -158,7 +152,7 @@ class ParallelPipeline:
             except Exception as exc:
                 self.peers.kill()
                 raise BackendLost(
-                    f"{layout_flag(self.layout)}: the peer ranks are stopped after an error: {exc}. Restart the server"
+                    f"{self.layout.flags}: the peer ranks are stopped after an error: {exc}. Restart the server"
                 ) from exc
 
     def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:

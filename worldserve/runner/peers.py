@@ -37,19 +37,6 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 """Set (setdefault) before peers are spawned: no NVLink multicast on the lent H200 hosts."""
 
 
-def rank_devices(device: str | torch.device | None, world: int, flags: str) -> list[torch.device]:
-    """One device per rank: cuda:0..world-1 by default; all cpu only when asked explicitly. `flags`: the
-    command-line flags that asked for `world` ranks (for the error messages)."""
-    if device is not None and torch.device(device).type == "cpu":
-        return [torch.device("cpu")] * world
-    if device is not None and str(device) != "cuda":
-        raise ValueError(f"{flags} runs on cuda:0..cuda:{world - 1}; use --device cuda, got {device}")
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < world:
-        raise ValueError(f"{flags} needs {world} CUDA GPUs; {n} visible. Use fewer GPUs")
-    return [torch.device("cuda", r) for r in range(world)]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

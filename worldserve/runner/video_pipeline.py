@@ -32,6 +32,7 @@ from worldserve.models.cosmos3.prompt import PromptEncoder
 from worldserve.models.cosmos3.vae import VideoVAE
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
+from worldserve.runner.devices import check_device, default_device
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.video_decode import decode_video
 from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
@@ -117,48 +118,6 @@ def load_configured_transformer(
     transformer = load_transformer(root, dtype=dtype, device=load_device, progress=progress, tp=tp)
     log.info("transformer kernels: %s", kernels.apply(transformer, device))
     return transformer
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def check_device(device: str | torch.device | None) -> None:
-    """ValueError (one line for the user) for a --device this machine does not have: a CUDA device without
-    CUDA, or past the visible GPUs; before anything loads."""
-    if device is None:
-        return
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (dev.index or 0) >= n:
-            raise ValueError(f"--device {device} needs CUDA GPU {dev.index or 0}; {n} visible")
-    elif dev.type != "cpu":
-        raise ValueError(f"--device {device!r} is not supported: use cpu, cuda or cuda:N")
-
-
-def check_layout_device(
-    device: str | torch.device | None,
-    *,
-    cfg_parallel_size: int = 1,
-    ulysses_degree: int = 1,
-    tensor_parallel_size: int = 1,
-) -> None:
-    """check_device for a one-GPU layout, or the GPUs a parallel layout needs (one per rank), for the commands
-    to call before a checkpoint is resolved (which may download it); ValueError naming the flags."""
-    from worldserve.runner.parallel_layout import ParallelLayout
-
-    layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size)
-    if layout.world == 1:
-        check_device(device)
-        return
-    from worldserve.runner.parallel_pipeline import layout_flag
-    from worldserve.runner.peers import rank_devices
-
-    rank_devices(device, layout.world, layout_flag(layout))
 
 
 class VideoPipeline:
