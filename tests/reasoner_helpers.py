@@ -44,3 +44,20 @@ def run_to_end(reasoner, params):
     while session.finish_reason is None:
         text += session.step().text
     return text, session
+
+
+def oracle_logits(reasoner, oracle, prompt, tokens):
+    """transformers' Qwen3-VL logits [N + len(tokens), V] over the prompt (its media too) followed by
+    `tokens`, in one forward with its own positions (get_rope_index)."""
+    import torch
+
+    seq = torch.tensor([prompt.input_ids + list(tokens)])
+    kind = (seq == reasoner.image_token_id).int() + 2 * (seq == reasoner.video_token_id).int()
+    kind[:, len(prompt.input_ids) :] = 0
+    kw = {"mm_token_type_ids": kind}
+    if prompt.vision is not None:
+        kw.update(pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.grid_thw)
+    if prompt.video is not None:
+        kw.update(pixel_values_videos=prompt.video.pixel_values, video_grid_thw=prompt.video.grid_thw)
+    with torch.no_grad():
+        return oracle(input_ids=seq, **kw).logits[0]

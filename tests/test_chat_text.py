@@ -70,7 +70,7 @@ def run_plain(tokens, stop, max_tokens):
             reason = "stop" if finished or cut >= 0 else "length"
             end = cut if cut >= 0 else len(text)
             out.append(text[emitted : max(end, emitted)])
-            return "".join(out), reason, (matched if cut >= 0 else None), len(ids)
+            return "".join(out), reason, (matched if cut >= 0 else None), len(ids) + finished  # EOS counts
         end = len(text.rstrip("\ufffd")) - held
         out.append(text[emitted : max(end, emitted)])
         emitted = max(end, emitted)

@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from reasoner_helpers import oracle_logits
 from safetensors.torch import load_file
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
@@ -60,17 +61,9 @@ def _check_parity(reasoner, oracle, params, steps=5):
         tokens.append(tok)
         ours.append(reasoner.decode(tok, cache, pos)[None])
         pos += 1
-    seq = torch.tensor(prompt.input_ids + tokens)[None]
-    kind = (seq == reasoner.image_token_id).int() + 2 * (seq == reasoner.video_token_id).int()
-    kwargs = {"mm_token_type_ids": kind}
-    if prompt.vision is not None:
-        kwargs.update(pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.grid_thw)
-    if prompt.video is not None:
-        kwargs.update(pixel_values_videos=prompt.video.pixel_values, video_grid_thw=prompt.video.grid_thw)
-    with torch.no_grad():
-        ref = oracle(input_ids=seq, **kwargs).logits[0]  # [N + steps, V]
+    ref = oracle_logits(reasoner, oracle, prompt, tokens)  # [N + steps, V]
     ours_all = torch.cat(ours)
-    assert rel(ours_all[: seq.shape[1]], ref) <= TOL
+    assert rel(ours_all[: ref.shape[0]], ref) <= TOL
     assert ref[len(prompt.input_ids) - 1 :].argmax(-1).tolist()[:steps] == tokens
     return prompt, tokens
 

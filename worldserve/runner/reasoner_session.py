@@ -12,8 +12,10 @@ deltas until it is ruled out.
 Structured outputs: a session with a grammar (sampling/token_grammar.py) masks each step's logits to the tokens
 the grammar allows next and advances the grammar with each token taken.
 vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
-the id), and before `min_tokens` tokens no end applies: the ending ids' logits are -inf and stop strings
-are not searched; `include_stop_str_in_output` keeps a matched stop string in the text.
+the id), and before `min_tokens` tokens no end applies: the ending ids' logits are -inf, and a stop string
+counts only once it ends in a later token; `include_stop_str_in_output` keeps a matched stop string in the
+text. The token that ends a chat (end-of-sequence or stop id) adds no text, has no logprobs entry and is
+not in `token_ids`, but it counts in `completion_tokens`, as vLLM counts it (usage.completion_tokens).
 
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
@@ -66,7 +68,8 @@ class ReasonerSession:
         self.ignore_eos, self.min_tokens, extra, self.keep_stop = ends
         self.stop_token_ids = frozenset(extra)  # the request's own, besides the model's end-of-sequence ids
         self._ends: Tensor | None = None  # every id that ends it, to mask before min_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # without the token that ended it (end-of-sequence or stop token id)
+        self._ended_by_token = False  # that token came: it counts as output (vLLM's completion tokens)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self._text = ""  # detokenized so far, up to the last token boundary outside a character
@@ -78,7 +81,8 @@ class ReasonerSession:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens generated, an ending end-of-sequence / stop token id included (vLLM counts it as output)."""
+        return len(self.token_ids) + self._ended_by_token
 
     @property
     def sampler(self) -> TokenSampler:
@@ -166,14 +170,18 @@ class ReasonerSession:
         finished = (token in self._r.stop_token_ids and not self.ignore_eos) or token in self.stop_token_ids
         logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
         before = len(self._text) + len(self._tail)
-        if not finished:
+        if finished:
+            self._ended_by_token = True
+        else:
             self.token_ids.append(token)
             if self.grammar is not None:
                 self.grammar.accept(token)
         # the last step flushes an unfinished character (as U+FFFD), so a stop string before it still counts
         self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens)
         view = self._text + self._tail  # all complete characters so far
-        cut, matched = self._find_stop(view, before) if len(self.token_ids) >= self.min_tokens else (-1, None)
+        # vLLM searches stop strings only once more than min_tokens tokens are out
+        past_min = self.completion_tokens > self.min_tokens
+        cut, matched = self._find_stop(view, before) if past_min else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
             # vLLM's stop_reason: the matched stop string, the id of a request's stop token, None for an
