@@ -312,6 +312,7 @@ class EngineClient:
             job_id, dataclasses.replace(job.spec, upsampled_prompt=prompt), inputs_record(params, encode)
         ):
             return  # deleted (or failed) meanwhile
+        self._upsampling.pop(job_id, None)  # counted as waiting by the engine from now on, not twice
         self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
 
     async def generate_ephemeral(

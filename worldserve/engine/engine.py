@@ -203,8 +203,10 @@ class Engine:
                 self._waiting_ids.discard(request.job_id)
             try:
                 self._prepare(request)
-            except BackendLost:  # the loop stops: the ones not yet prepared wait again (_park_running)
-                self._sched.waiting.extendleft(reversed(admitted[i + 1 :]))
+            except BackendLost:  # the loop stops: this one and the ones not yet prepared wait again
+                with self._cv:
+                    self._waiting_ids.add(request.job_id)
+                self._sched.waiting.extendleft(reversed(admitted[i:]))
                 raise
         batch = self._sched.next_batch()
         if batch:
@@ -219,8 +221,9 @@ class Engine:
         try:
             with self.model_lock:
                 request.state = self.backend.prepare(request.job_id, request.params)
-        except BackendLost:  # nothing can run any more: a crash of the loop, this job queued again
-            self._sched.start(request)
+        except BackendLost:  # nothing can run any more: a crash of the loop, this job queued again (_iterate)
+            if not request.ephemeral:
+                self.store.requeue([request.job_id])
             raise
         except Exception as exc:
             self._fail(request, exc)

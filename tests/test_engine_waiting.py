@@ -1,0 +1,77 @@
+"""Where the engine's jobs wait when something goes wrong or moves them: the queue bound's count
+(EngineClient.num_waiting) is exact at every moment, and a backend that loses a peer rank (BackendLost,
+multi-GPU layouts) while preparing a request stops the engine as a crash with every job it held queued in the
+store (none stays `in_progress` in a process that will never run it), still counted as waiting."""
+
+from __future__ import annotations
+
+import asyncio
+
+from serving_helpers import make_client, wait_until
+
+from worldserve.engine.client import EncodeOptions, JobSpec, JobStatus
+from worldserve.engine.fake_backend import FakeBackend
+from worldserve.engine.outputs import BackendLost
+from worldserve.params import VideoParams
+
+
+class LosesPeerAtPrepare(FakeBackend):
+    def prepare(self, request_id, params):
+        if "lost" in params.prompt.split():
+            raise BackendLost("the peer ranks are gone")
+        return super().prepare(request_id, params)
+
+
+def _submit(client, prompt: str, *, upsample: bool = False):
+    p = VideoParams(prompt=prompt, width=64, height=64, num_frames=5, num_inference_steps=50, seed=1, fps=8.0,
+                    upsample_prompt=upsample)  # fmt: skip
+    spec = JobSpec(model="test-model", prompt=prompt, size="64x64", seconds="1", quality="default", fps=8.0,
+                   num_frames=5)  # fmt: skip
+    return client.submit(p, spec, EncodeOptions(), None)
+
+
+def test_an_upsampled_job_entering_the_engine_queue_counts_once(tmp_path):
+    async def main():
+        client = make_client(tmp_path, backend=FakeBackend(step_delay=0.2), max_batch_size=1)
+        await client.start()
+        _submit(client, "busy")  # holds the only batch slot: the upsampled job stays queued
+        await asyncio.to_thread(wait_until, lambda: client.engine.num_running == 1)
+
+        async def written(params):  # the Reasoner's answer, at once
+            return "a written prompt"
+
+        client.upsampled_prompt = written
+        counts, add = [], client.engine.add_request
+        loop = asyncio.get_running_loop()
+
+        def add_and_look(request):  # what a create handled next on the loop would count
+            add(request)
+            loop.call_soon(lambda: counts.append(client.num_waiting))
+
+        client.engine.add_request = add_and_look
+        _submit(client, "a fox", upsample=True)
+        await asyncio.to_thread(wait_until, lambda: counts)
+        await client.shutdown(0.1)
+        return counts
+
+    assert asyncio.run(main()) == [1]
+
+
+def test_a_peer_lost_during_prepare_queues_its_job_again(tmp_path):
+    async def main():
+        client = make_client(tmp_path, backend=LosesPeerAtPrepare(step_delay=0.01), max_batch_size=3)
+        await client.start()
+        running = _submit(client, "a")
+        await asyncio.to_thread(wait_until, lambda: client.engine.num_running == 1)
+        lost, behind = _submit(client, "lost"), _submit(client, "b")  # admitted together at the next step
+        await asyncio.to_thread(wait_until, lambda: not client.engine.alive)
+        statuses = [client.get(j.id).status for j in (running, lost, behind)]
+        health, waiting = client.health(), client.num_waiting
+        await client.shutdown(1)
+        return client.engine.crashed, statuses, health, waiting
+
+    crashed, statuses, health, waiting = asyncio.run(main())
+    assert isinstance(crashed, BackendLost), repr(crashed)
+    assert health == (False, "engine crashed: the peer ranks are gone")
+    assert statuses == [JobStatus.QUEUED] * 3  # they resume at the next start
+    assert waiting == 2  # the two never prepared are back in the engine's queue
