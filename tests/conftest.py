@@ -1,6 +1,7 @@
 """Shared fixtures: offline Hugging Face, a session-wide tiny random checkpoint in the real layout.
 
-`HF_HUB_OFFLINE=1` is forced before anything imports huggingface_hub, so no test can download.
+`HF_HUB_OFFLINE=1` is forced before anything imports huggingface_hub, so no test can download;
+`WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES=1` lets media downloads reach the tests' servers on loopback.
 `tiny_ckpt` is written once per session with `make_tiny` (seed 0); tests that break or rewrite a
 checkpoint copy it first (`tiny_copy`).
 """
@@ -12,6 +13,9 @@ import shutil
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the tests' media servers listen on loopback, which media downloads refuse by default; the tests of that
+# refusal (test_media_urls.py) turn it back on
+os.environ["WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

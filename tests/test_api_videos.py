@@ -312,9 +312,12 @@ def test_video_reference_survives_a_restart_record():
 
 async def test_auth_request_ids_and_open_routes(tmp_path):
     async with asgi_server(tmp_path, api_key="sekret") as http:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
-            r = await http.get("/v1/videos", headers=headers)
-            assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        wrong = ("", "Bearer wrong", "sekret", "Bearer sekre", "Bearer  sekret", "Basic sekret", "Bearer")
+        for auth in wrong:
+            r = await http.get("/v1/videos", headers={"Authorization": auth} if auth else {})
+            assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, auth
+        for auth in ("bearer sekret", "BEARER sekret"):  # the scheme in any case, as vLLM takes it
+            assert (await http.get("/v1/videos", headers={"Authorization": auth})).status_code == 200, auth
         ok = await http.get("/v1/models", headers={"Authorization": "Bearer sekret", "X-Request-Id": "abc"})
         assert ok.status_code == 200 and ok.headers["x-request-id"] == "abc"
         card = ok.json()["data"][0]

@@ -1,6 +1,7 @@
 """http(s) media URLs downloaded by the server (api/media_urls.py), against a real HTTP server on localhost:
-bodies, HTTP errors, redirects (followed, refused, leaving the allowlist), the size limit, dead hosts, and
-a video request whose image_reference is a URL."""
+bodies, HTTP errors, redirects (followed, refused, leaving the allowlist), the size limit, dead hosts,
+hosts on private / loopback / link-local addresses (refused at every hop), and a video request whose
+image_reference is a URL."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 import pytest
 from serving_helpers import png_bytes
 
-from worldserve.api.media_urls import MediaFetcher, allowed_domains
+from worldserve.api import media_urls
+from worldserve.api.media_urls import MediaFetcher, allowed_domains, blocked_address
 from worldserve.api.video_inputs import build_inputs
 from worldserve.params import ParamError
 
@@ -379,3 +381,45 @@ def test_bad_fetch_timeouts_stop_the_start_not_each_request(monkeypatch, tmp_pat
         build_app(make_client(tmp_path))
     monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "2.5")
     assert build_app(make_client(tmp_path / "b")).state.ws.media.chat_timeout_s("image") == 2.5
+
+
+@pytest.mark.parametrize(
+    ("ip", "blocked"),
+    [("127.0.0.1", True), ("10.1.2.3", True), ("192.168.0.1", True), ("169.254.169.254", True), ("0.0.0.0", True),
+     ("224.0.0.1", True), ("100.64.0.1", True), ("::1", True), ("fe80::1%eth0", True), ("fd00::1", True),
+     ("::ffff:169.254.169.254", True), ("2002:7f00:1::", True), ("64:ff9b::7f00:1", True),
+     ("8.8.8.8", False), ("2606:4700:4700::1111", False), ("::ffff:8.8.8.8", False)],
+)  # fmt: skip
+def test_blocked_addresses(ip, blocked):
+    assert blocked_address(ip) is blocked
+
+
+def test_private_addresses_are_blocked_by_default(monkeypatch):
+    monkeypatch.delenv("WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES")
+    assert MediaFetcher(1).block_private
+    monkeypatch.setenv("WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES", "1")
+    assert not MediaFetcher(1).block_private
+
+
+async def test_a_private_host_the_allowlist_names_is_downloaded(base_url):
+    """An operator's internal media server, named in --allowed-media-domains, is trusted by that name."""
+    fetcher = MediaFetcher(1 << 20, block_private=True, allowed_domains=("localhost",))
+    assert await _fetch(fetcher, base_url.replace("127.0.0.1", "localhost") + "/ref.png") == PNG
+    with pytest.raises(ParamError, match="not in the server's --allowed-media-domains"):
+        await _fetch(fetcher, f"{base_url}/ref.png")  # 127.0.0.1 is not named
+
+
+async def test_a_host_resolving_to_a_private_address_is_refused_at_every_hop(base_url, monkeypatch):
+    fetcher = MediaFetcher(1 << 20, block_private=True)
+    hits = []
+    monkeypatch.setattr(Handler, "log_message", lambda self, *args: hits.append(self.path))
+    for url in (f"{base_url}/ref.png", base_url.replace("127.0.0.1", "localhost") + "/ref.png"):
+        with pytest.raises(ParamError, match="resolves to a private, loopback or link-local address") as err:
+            await _fetch(fetcher, url)
+        assert err.value.param == "image_reference" and "127.0.0.1" not in err.value.message
+    assert hits == []  # refused before connecting
+    checked = []  # the first hop passes, the redirect's target (127.0.0.1 too) is checked again and refused
+    monkeypatch.setattr(media_urls, "blocked_address", lambda ip: checked.append(ip) or len(checked) > 1)
+    with pytest.raises(ParamError, match="resolves to a private"):
+        await _fetch(fetcher, f"{base_url}/moved")
+    assert checked == ["127.0.0.1", "127.0.0.1"] and hits == ["/moved"]

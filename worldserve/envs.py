@@ -48,6 +48,14 @@ def media_url_allow_redirects() -> bool:
     )
 
 
+def media_allow_private_addresses() -> bool:
+    """`WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES` (default 0): whether downloads of http(s) media URLs may reach
+    hosts that resolve to private, loopback, link-local (cloud metadata), multicast or reserved addresses
+    beyond those named in --allowed-media-domains (api/media_urls.py)."""
+    value = os.environ.get("WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES", "0")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def media_fetch_timeout_s(kind: str) -> float:
     """Seconds a chat's http(s) media download may take: vLLM's `VLLM_IMAGE_FETCH_TIMEOUT` (default 5) for
     images, `VLLM_VIDEO_FETCH_TIMEOUT` (default 30) for videos."""

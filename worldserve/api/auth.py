@@ -1,14 +1,16 @@
 """Bearer-key check for /v1/* and the X-Request-Id header, as two small pure-ASGI middlewares.
 
 Auth follows vLLM: with an API key configured, any request whose path starts with /v1 must carry
-`Authorization: Bearer KEY`, else 401 with the bare body {"error": "Unauthorized"} (not the envelope).
-OPTIONS, /health, /metrics, /version, /docs and /openapi.json stay open. Keys are compared in constant time.
+`Authorization: Bearer KEY` (the scheme in any case, as vLLM's), else 401 with the bare body
+{"error": "Unauthorized"} (not the envelope). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
+stay open. Keys are compared in constant time, as SHA-256 digests (the time tells nothing of the key's length).
 Request ids: the incoming X-Request-Id is echoed, otherwise a uuid4 hex is generated; a route that sets its
 own (the sync route's `video_sync-<hex>`) keeps it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import uuid
 
@@ -22,7 +24,7 @@ PROTECTED_PREFIX = "/v1"
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._expected = _digest(api_key) if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -31,11 +33,15 @@ class APIKeyMiddleware:
             and scope.get("method") != "OPTIONS"
             and scope["path"].startswith(PROTECTED_PREFIX)
         ):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self._expected):
+            scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(_digest(key), self._expected):
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
 
 class RequestIdMiddleware:

@@ -6,15 +6,18 @@ pool (api/media_urls.py: vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VLLM_VIDEO_FETCH_TIME
 shared by the request's downloads), so slow remote servers hold neither the event loop nor the threads the
 rest of the API works on. `part(...)` (blocking, in a worker thread) turns one content part into a
 `ChatPart`: its bytes from the prefetched downloads, a base64 `data:` URL or a `file://` path under
---allowed-local-media-path; images decoded and checked against Qwen3-VL's `smart_resize` precondition
-(aspect ratio at most 200; any size down to 1x1 is scaled up to the processor's minimum), videos decoded
-with PyAV and sampled as Qwen3-VL's processor samples them, each kept frame resized as it is decoded.
+--allowed-local-media-path (a regular file of at most 1 GiB: never a FIFO or a device); images decoded and
+checked against Qwen3-VL's `smart_resize` precondition (aspect ratio at most 200; any size down to 1x1 is
+scaled up to the processor's minimum), videos decoded with PyAV and sampled as Qwen3-VL's processor samples
+them, each kept frame resized as it is decoded.
 Errors name the part (`messages[i].content[j].image_url`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -73,21 +76,48 @@ def load_media_url(
     if scheme == "file":
         if not allowed_local_path:
             raise ParamError(param, "Cannot load local files without `--allowed-local-media-path`.")
-        path = Path(unquote(urlparse(url).path)).resolve()
+        given = unquote(urlparse(url).path)  # messages name it, never what its symlinks resolve to
+        if "\0" in given:
+            raise ParamError(param, "The file path contains a NUL character.")
+        path = Path(given).resolve()
         root = Path(allowed_local_path).resolve()
         if not path.is_relative_to(root):
             raise ParamError(
-                param, f"The file path {path} must be a subpath of `--allowed-local-media-path {root}`."
+                param, f"The file path {given} must be a subpath of `--allowed-local-media-path {root}`."
             )
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise ParamError(param, f"Cannot read {path}: {exc.strerror}") from None
+        return _read_local_file(path, given, param)
     if scheme in ("http", "https") and fetched is not None and param in fetched:
         return fetched[param]
     if scheme in ("http", "https"):
         raise ParamError(param, "this server does not download http(s) media; send a base64 data URL")
     raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
+
+
+MAX_LOCAL_FILE_BYTES = 1 << 30
+"""The largest file:// media read (1 GiB): it is read whole into memory to be decoded."""
+
+
+def _read_local_file(path: Path, given: str, param: str) -> bytes:
+    """The bytes of the regular file at `path` (resolved; `given`: as the request named it); ParamError(param)
+    for anything else, which could block its thread for ever (a FIFO) or never end (/dev/zero), and for a file
+    over MAX_LOCAL_FILE_BYTES. Opened without blocking and without following a symlink swapped in since."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ParamError(param, f"Cannot read {given}: {exc.strerror}") from None
+    with open(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ParamError(param, f"Cannot read {given}: not a regular file.")
+        if info.st_size > MAX_LOCAL_FILE_BYTES:
+            raise ParamError(param, f"Cannot read {given}: larger than {MAX_LOCAL_FILE_BYTES >> 20} MiB.")
+        try:
+            data = file.read(MAX_LOCAL_FILE_BYTES + 1)  # (a file may grow meanwhile, or not know its size)
+        except OSError as exc:
+            raise ParamError(param, f"Cannot read {given}: {exc.strerror}") from None
+    if len(data) > MAX_LOCAL_FILE_BYTES:
+        raise ParamError(param, f"Cannot read {given}: larger than {MAX_LOCAL_FILE_BYTES >> 20} MiB.")
+    return data
 
 
 def _url(ref, kind: str, path: str) -> str:

@@ -13,9 +13,13 @@ trickles bytes is cut off too. Bodies are limited to `max_bytes` (the upload lim
 ParamError (a 400) naming the field, in vLLM-Omni's words: `Invalid image_reference.image_url: failed to
 download image.`, `... server returned HTTP 404.`, `... redirect response was rejected ...`.
 
-Security: like vLLM, any host is fetched unless `--allowed-media-domains` names the allowed ones (then any
-other host, redirects included, is a 400). A server that fetches URLs reaches whatever its network reaches
-(SSRF): deployments that take requests from untrusted clients should set the allowlist.
+Security: like vLLM, `--allowed-media-domains` names the hosts allowed (any other host, redirects included,
+is a 400). Stricter than vLLM (which fetches any address by default: vllm-project/vllm#57157), a host that
+resolves to a private, loopback, link-local (cloud metadata), multicast or reserved address is refused at
+every hop unless the allowlist names it (an operator's internal object store) or the operator sets
+WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES=1; the addresses checked are the ones connected to (no second
+lookup a DNS rebinding could change). Deployments that take requests from untrusted clients should still set
+the allowlist: public hosts are fetched too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import http.client
+import ipaddress
 import logging
 import socket
 import ssl
@@ -33,7 +38,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from worldserve import __version__
+from worldserve import __version__, envs
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,8 @@ class MediaFetcher:
     allow_redirects: bool = True
     chat_timeouts_s: tuple[float, float] = (5.0, 30.0)
     """Deadlines of a chat's image and video downloads (vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VIDEO_FETCH)."""
+    block_private: bool = field(default_factory=lambda: not envs.media_allow_private_addresses())
+    """Refuse hosts outside `allowed_domains` that resolve to a non-public address (blocked_address)."""
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="media-fetch"),
         compare=False,
@@ -87,13 +94,15 @@ class MediaFetcher:
             raise ParamError(param, f"Invalid {what}: must be an http(s) URL or data URL.")
         if parts.username is not None or parts.password is not None:
             raise ParamError(param, f"Invalid {what}: URLs with user info (user@host) are not fetched.")
-        if self.allowed_domains and not any(
-            host == d or host.endswith("." + d) for d in self.allowed_domains
-        ):
+        if self.allowed_domains and not self._named(host):
             raise ParamError(
                 param, f"Invalid {what}: host {host!r} is not in the server's --allowed-media-domains."
             )
         return parts
+
+    def _named(self, host: str) -> bool:
+        """Whether --allowed-media-domains names `host` (itself or a domain above it)."""
+        return any(host == d or host.endswith("." + d) for d in self.allowed_domains)
 
     async def fetch(
         self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None,
@@ -169,7 +178,16 @@ class MediaFetcher:
         timer.start()
         taken = 0
         try:
-            conn.sock = sock = _connect(host, port, https, deadline, held)  # http.client connects no more
+            addresses = _resolve(host, port, deadline)
+            private = self.block_private and not self._named(host)
+            if private and (blocked := [a[4][0] for a in addresses if blocked_address(a[4][0])]):
+                log.warning("%s: %s resolves to %s: not downloaded (a private, loopback or link-local address; "
+                            "name the host in --allowed-media-domains, or set "
+                            "WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES=1)", what, host, blocked[0])  # fmt: skip
+                raise _Failed(f"Invalid {what}: its host resolves to a private, loopback or link-local address, "
+                              "which this server does not download from.")  # fmt: skip
+            # (connected here, to the addresses checked: http.client connects no more)
+            conn.sock = sock = _connect(host, addresses, https, deadline, held)
             if expired.is_set() or time.monotonic() > deadline:  # the timer fired before there was a socket
                 raise TimeoutError
             path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
@@ -229,14 +247,17 @@ class DownloadBudget:
             self.left += n
 
 
-def _connect(host: str, port: int, https: bool, deadline: float, held: list[socket.socket]) -> socket.socket:
-    """A socket connected to `host` (TLS-wrapped, certificate and name checked, for https) before `deadline`;
-    every socket made goes into `held` at once, so the deadline's timer can break a connect or a handshake.
+def _connect(
+    host: str, addresses: list, https: bool, deadline: float, held: list[socket.socket]
+) -> socket.socket:
+    """A socket connected to `host` at one of its `addresses` (_resolve's; TLS-wrapped, certificate and name
+    checked, for https) before `deadline`; every socket made goes into `held` at once, so the deadline's timer
+    can break a connect or a handshake.
 
     Each address of the name is tried in turn (IPv6 ones where this host has no IPv6 too), each attempt and
     the handshake with the time left; a certificate that fails its check ends the download."""
     error: OSError = OSError(f"no address for {host}")
-    for family, kind, proto, _, address in _resolve(host, port, deadline):
+    for family, kind, proto, _, address in addresses:
         sock = None
         try:
             sock = socket.socket(family, kind, proto)
@@ -259,6 +280,26 @@ def _connect(host: str, port: int, https: bool, deadline: float, held: list[sock
                 raise
             error = exc
     raise error
+
+
+BLOCKED_EXTRA_NETWORKS = tuple(
+    ipaddress.ip_network(n) for n in ("100.64.0.0/10", "2002::/16", "64:ff9b::/96")
+)
+"""Refused beyond what `ipaddress` calls private: carrier-grade NAT, and IPv6 6to4 / NAT64 (they embed an
+IPv4 destination)."""
+
+
+def blocked_address(ip: str) -> bool:
+    """Whether a media download must not connect to `ip` (unless its host is allowed by name): loopback,
+    private (RFC 1918, fc00::/7), link-local (169.254.169.254, the cloud metadata service), reserved,
+    multicast, unspecified, BLOCKED_EXTRA_NETWORKS; an IPv4-mapped IPv6 address judged as its IPv4 one."""
+    addr = ipaddress.ip_address(ip.partition("%")[0])  # (an IPv6 address may carry a %scope)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return (
+        addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_reserved or addr.is_multicast
+        or addr.is_unspecified or any(addr in net for net in BLOCKED_EXTRA_NETWORKS)
+    )  # fmt: skip
 
 
 def _resolve(host: str, port: int, deadline: float) -> list:

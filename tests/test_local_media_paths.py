@@ -1,0 +1,68 @@
+"""file:// media of chat requests (api/chat_media.load_media_url) under --allowed-local-media-path: only
+regular files inside the folder are read (a FIFO, /dev/zero or a symlink leading out is refused at once,
+never read), files over the size cap are refused, and messages name the path as the request gave it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from worldserve.api import chat_media
+from worldserve.api.chat_media import load_media_url
+from worldserve.params import ParamError
+
+
+def _load(url: str, root: str | Path) -> bytes:
+    """load_media_url on a thread of its own, given 5 s (a read that blocks would hang the test otherwise)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(_call(url, str(root))), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert result, f"reading {url} blocked"
+    if isinstance(result[0], ParamError):
+        raise result[0]
+    return result[0]
+
+
+def _call(url: str, root: str):
+    try:
+        return load_media_url(url, root, param="p")
+    except ParamError as exc:
+        return exc
+
+
+def test_regular_files_inside_the_folder_are_read(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"png")
+    assert _load(f"file://{tmp_path}/a.png", tmp_path) == b"png"
+    assert _load(f"file://{tmp_path}/sub/%2e%2e/a.png", tmp_path) == b"png"
+
+
+def test_fifos_and_devices_are_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(ParamError, match="not a regular file"):
+        _load(f"file://{tmp_path}/pipe.png", tmp_path)
+    with pytest.raises(ParamError, match="not a regular file"):  # would never end (and fill the memory)
+        _load("file:///dev/zero", "/dev")
+
+
+def test_files_over_the_cap_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(chat_media, "MAX_LOCAL_FILE_BYTES", 1000)
+    (tmp_path / "big.mp4").write_bytes(b"\0" * 1001)
+    with pytest.raises(ParamError, match="larger than"):
+        _load(f"file://{tmp_path}/big.mp4", tmp_path)
+
+
+def test_messages_name_the_given_path_not_a_symlinks_target(tmp_path):
+    root, outside = tmp_path / "media", tmp_path / "private-dir"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_text("x")
+    (root / "link.png").symlink_to(outside / "secret")
+    with pytest.raises(ParamError, match="must be a subpath") as err:
+        _load(f"file://{root}/link.png", root)
+    assert "private-dir" not in err.value.message and f"{root}/link.png" in err.value.message
+    with pytest.raises(ParamError, match="NUL"):  # (a ValueError deep in os: a 500 before)
+        _load(f"file://{root}/a.png%00.txt", root)
