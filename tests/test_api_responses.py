@@ -161,7 +161,9 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
                                       include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
     assert set(json.loads(r.output_text)) == {"city"} and r.text.format.type == "json_schema"
     (part,) = r.output[0].content
-    assert "".join(lp.token for lp in part.logprobs) == r.output_text
+    *text, end = part.logprobs  # the grammar's end: an end-of-sequence token, its entry last (as vLLM's)
+    assert "".join(lp.token for lp in text) == r.output_text and end.token in ("<|im_end|>", "<|endoftext|>")
+    assert len(part.logprobs) == r.usage.output_tokens
     assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
     events, final = _stream(reasoner_oai, input="A city?", text={"format": fmt}, extra_body={"seed": 3},
                             include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
@@ -169,6 +171,9 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
     assert [lp.token for lp in streamed] == [
         lp.token for lp in part.logprobs
     ] and final.output_text == r.output_text
+    last = [e for e in events if e.type == "response.output_text.delta"][-1]  # the ending token's: no text
+    assert (last.delta, [lp.token for lp in last.logprobs]) == ("", [end.token])
+    assert final.output[0].content[0].logprobs == part.logprobs
 
 
 @pytest.mark.parametrize(
@@ -229,10 +234,10 @@ def test_thoughts_become_a_reasoning_item(thinking_url):
     assert [o.type for o in hidden.output] == ["message"]
     hidden = oai.responses.create(model=MODEL, include=["message.output_text.logprobs"],
                                   **{**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}})  # fmt: skip
-    tokens = "".join(
-        lp.token for lp in hidden.output[0].content[0].logprobs
-    )  # the thoughts' tokens are not text
+    *text, end = hidden.output[0].content[0].logprobs  # the ending token's entry last
+    tokens = "".join(lp.token for lp in text)  # the thoughts' tokens are not text
     assert tokens.endswith(hidden.output_text) and "Look" not in tokens
+    assert end.token in ("<|im_end|>", "<|endoftext|>")
 
 
 def test_an_answer_without_text_still_has_its_message():

@@ -92,3 +92,23 @@ def test_incremental_text_equals_the_plain_algorithm_on_random_streams():
         tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 14))]
         stop, max_tokens = rng.choice(STOPS), rng.randint(1, 16)
         assert run_session(tokens, stop, max_tokens) == run_plain(tokens, stop, max_tokens), (tokens, stop)
+
+
+def test_a_stop_token_id_is_output_as_vllm_outputs_it():
+    """A request's stop token id (here the byte "X", not a special token) ends the chat: its text joins the
+    output only with include_stop_str_in_output, where a stop string it completes is not looked for (vLLM
+    checks none in the step a stop token ends: stop_reason stays the id); every token, the ending one too,
+    has its logprobs entry; token_ids leave it out and completion_tokens count it."""
+    tokens = [*b"abc", ord("X")]
+    for keep, text in ((False, "abc"), (True, "abcX")):
+        s = ReasonerSession(FakeReasoner(), None, FakeSeq(), torch.zeros(302), 0, prompt=FakePrompt(), started=1,
+                            max_tokens=9, stop=("cX",), top_logprobs=0, ends=(False, 0, (ord("X"),), keep))  # fmt: skip
+        deltas = []
+        for t in tokens:
+            deltas.append(s.advance(t)[0])
+            if s.finish_reason is None:
+                s.receive(torch.zeros(302))
+        assert "".join(d.text for d in deltas) == text
+        assert (s.finish_reason, s.stop_reason, s.completion_tokens) == ("stop", ord("X"), 4)
+        assert s.token_ids == [*b"abc"]
+        assert [e.token for d in deltas for e in d.logprobs] == ["a", "b", "c", "X"]

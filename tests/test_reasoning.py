@@ -174,12 +174,14 @@ def test_a_grammar_that_writes_the_thoughts_governs_them(reasoner):
 
 def test_a_constrained_answer_thinks_first_over_http(url, reasoner):
     """Biased to open with <think> and close at once, the answer thinks (empty thoughts), then follows the
-    choice: reasoning_content None, content one of the choices; the tokens show the thought tags."""
+    choice: reasoning_content None, content one of the choices; the tokens show the thought tags (and, last,
+    the end-of-sequence token that ended it)."""
     start, end = reasoner.grammars.think_ids
     choice = _chat(url, structured_outputs={"choice": ["Blue.", "Azure."]}, logprobs=True,
                    logit_bias={str(start): 90, str(end): 100})  # fmt: skip
     tokens = [t["token"] for t in choice["logprobs"]["content"]]
-    assert tokens[:2] == ["<think>", "</think>"] and "".join(tokens[2:]) == choice["message"]["content"]
+    assert tokens[:2] == ["<think>", "</think>"] and "".join(tokens[2:-1]) == choice["message"]["content"]
+    assert tokens[-1] in ("<|im_end|>", "<|endoftext|>")
     assert (
         choice["message"]["content"] in ("Blue.", "Azure.") and choice["message"]["reasoning_content"] is None
     )

@@ -212,12 +212,21 @@ class ResponseBuilder:
         if finished and not self.body["output"]:  # an answer with no text still has its (empty) message
             out += self._text("", empty=True)
         if finished:
-            if (
-                self.item is not None and self.item["type"] == "message" and self.logprobs
-            ):  # tokens with no text
-                self.item["content"][0]["logprobs"] += [e.model_dump() for e in logprob_items(self.pending)]
+            if self.item is not None and self.item["type"] == "message" and self.logprobs and self.pending:
+                out += self._textless()
             out += self._close()
         return out
+
+    def _textless(self) -> list[str]:
+        """The logprobs of the message's last tokens, which wrote no text (the token that ended the chat, those
+        of a stop string cut from it): an output_text.delta with an empty delta carries them, as vLLM's last
+        delta (its text "") carries the ending token's."""
+        lp = [e.model_dump() for e in logprob_items(self.pending)]
+        self.pending = []
+        self.item["content"][0]["logprobs"] += lp
+        return [
+            self._event("response.output_text.delta", **self._where(), content_index=0, delta="", logprobs=lp)
+        ]
 
     def _open(self, item: dict[str, Any], announced: dict[str, Any] | None = None) -> list[str]:
         """Open `item` (closing the open one); `announced`: fields shown otherwise in its added event (a

@@ -105,9 +105,9 @@ class ChatDelta:
     finish_reason: str | None
     """None while generating, then "stop" or "length"."""
     completion_tokens: int
-    """Completion tokens so far (the stop token excluded)."""
+    """Completion tokens so far (the token that ended the chat included, as vLLM counts it)."""
     logprobs: tuple[TokenLogprob, ...] = ()
-    """With `logprobs` requested: the token sampled this step (none for the stop token)."""
+    """With `logprobs` requested: the token sampled this step (the one that ended the chat too)."""
     stop_reason: str | int | None = None
     """With finish_reason "stop": the `stop` string that matched, the id of a request's `stop_token_ids` that
     ended it, or None for an end-of-sequence token."""

@@ -14,8 +14,11 @@ the grammar allows next and advances the grammar with each token taken.
 vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
 the id), and before `min_tokens` tokens no end applies: the ending ids' logits are -inf, and a stop string
 counts only once it ends in a later token; `include_stop_str_in_output` keeps a matched stop string in the
-text. The token that ends a chat (end-of-sequence or stop id) adds no text, has no logprobs entry and is
-not in `token_ids`, but it counts in `completion_tokens`, as vLLM counts it (usage.completion_tokens).
+text. The token that ends a chat (end-of-sequence or stop id) is not in `token_ids`, but it is output as vLLM
+outputs it (vllm/v1/engine/detokenizer.py update, the logprobs processor): it counts in `completion_tokens`,
+has its logprobs entry (the last one) and adds no text, unless `include_stop_str_in_output`: then its text
+joins the output as any token's would (a special token's subject to `skip_special_tokens`); a chat it ends
+is not searched for stop strings in that step.
 
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
@@ -168,7 +171,8 @@ class ReasonerSession:
         if self.finish_reason is not None or self._logits is None:
             raise RuntimeError("the session is finished")
         finished = (token in self._r.stop_token_ids and not self.ignore_eos) or token in self.stop_token_ids
-        logprobs = () if finished or self.top_logprobs is None else (self._logprob(self._logits, token),)
+        # every sampled token has its entry, the ending one too (vLLM's logprobs parallel its token ids)
+        logprobs = () if self.top_logprobs is None else (self._logprob(self._logits, token),)
         before = len(self._text) + len(self._tail)
         if finished:
             self._ended_by_token = True
@@ -176,12 +180,15 @@ class ReasonerSession:
             self.token_ids.append(token)
             if self.grammar is not None:
                 self.grammar.accept(token)
-        # the last step flushes an unfinished character (as U+FFFD), so a stop string before it still counts
-        self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens)
+        # the last step flushes an unfinished character (as U+FFFD), so a stop string before it still counts;
+        # the ending token is detokenized only with include_stop_str_in_output (vLLM's skipped_stop_token_id)
+        ending = (token,) if finished and self.keep_stop else ()
+        self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens, ending=ending)
         view = self._text + self._tail  # all complete characters so far
-        # vLLM searches stop strings only once more than min_tokens tokens are out
+        # vLLM searches stop strings only once more than min_tokens tokens are out, and not in the step a
+        # stop token ended
         past_min = self.completion_tokens > self.min_tokens
-        cut, matched = self._find_stop(view, before) if past_min else (-1, None)
+        cut, matched = self._find_stop(view, before) if past_min and not finished else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
             # vLLM's stop_reason: the matched stop string, the id of a request's stop token, None for an
@@ -209,12 +216,13 @@ class ReasonerSession:
         )
         return out, decode
 
-    def _detokenize(self, *, flush: bool = False) -> None:
+    def _detokenize(self, *, flush: bool = False, ending: Sequence[int] = ()) -> None:
         """vLLM's incremental detokenization: decode [prefix_at, end) and [prefix_at, read_at), the difference
         is the new text. It joins _text unless it ends inside a character (then its complete characters wait
-        in _tail); `flush` takes it as it is."""
+        in _tail); `flush` takes it as it is. `ending`: the token that ended the chat, decoded after
+        token_ids (include_stop_str_in_output), though not one of them."""
         decode = self._r.tokenizer.decode
-        ids = self.token_ids
+        ids = [*self.token_ids, *ending] if ending else self.token_ids
         skip = self.skip_special_tokens
         if self._prefix is None:  # decoded once per boundary, not once per token
             self._prefix = decode(ids[self._prefix_at : self._read_at], skip_special_tokens=skip)
