@@ -18,11 +18,12 @@ from pathlib import Path
 import httpx
 
 from worldserve.config import SchedulerConfig
-from worldserve.engine.client import EngineClient
+from worldserve.engine.client import EncodeOptions, EngineClient, JobSpec
 from worldserve.engine.engine import Engine, default_encoder
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.jobs import JobStore
 from worldserve.media.frame_stream import FrameStream
+from worldserve.params import VideoParams
 
 
 def stub_encoder(frames, fps, audio, sample_rate=48000, crf=18, codec_options=None) -> bytes:
@@ -172,3 +173,21 @@ def serve_reasoner(reasoner, folder: Path, *, model: str, name: str, **app_optio
     client = make_client(folder, model_name=model, chat_backend=reasoner)
     with serve_app(build_app(client, shutdown_timeout_s=1.0, **app_options), name=name) as url:
         yield url
+
+
+def job_params(
+    prompt: str = "a cat", *, steps: int = 4, width: int = 64, frames: int = 5, seed: int = 1, **kw
+) -> VideoParams:
+    """A small video request for the engine's tests (64 px high, 8 fps)."""
+    return VideoParams(prompt=prompt, width=width, height=64, num_frames=frames, num_inference_steps=steps,
+                       seed=seed, fps=8.0, **kw)  # fmt: skip
+
+
+def job_spec(p: VideoParams) -> JobSpec:
+    """The job record a create route would write for `p`."""
+    return JobSpec(model="test-model", prompt=p.prompt, size=f"{p.width}x{p.height}", seconds="1",
+                   quality="default", fps=p.fps, num_frames=p.num_frames)  # fmt: skip
+
+
+def submit_job(client: EngineClient, p: VideoParams, encode: EncodeOptions | None = None):
+    return client.submit(p, job_spec(p), encode or EncodeOptions(), None)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from serving_helpers import make_client, wait_until
+from serving_helpers import job_params, make_client, submit_job, wait_until
 
-from worldserve.engine.client import EncodeOptions, JobSpec, JobStatus
+from worldserve.engine.client import JobStatus
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.outputs import BackendLost
-from worldserve.params import VideoParams
 
 
 class LosesPeerAtPrepare(FakeBackend):
@@ -23,11 +22,7 @@ class LosesPeerAtPrepare(FakeBackend):
 
 
 def _submit(client, prompt: str, *, upsample: bool = False):
-    p = VideoParams(prompt=prompt, width=64, height=64, num_frames=5, num_inference_steps=50, seed=1, fps=8.0,
-                    upsample_prompt=upsample)  # fmt: skip
-    spec = JobSpec(model="test-model", prompt=prompt, size="64x64", seconds="1", quality="default", fps=8.0,
-                   num_frames=5)  # fmt: skip
-    return client.submit(p, spec, EncodeOptions(), None)
+    return submit_job(client, job_params(prompt, steps=50, upsample_prompt=upsample))
 
 
 def test_an_upsampled_job_entering_the_engine_queue_counts_once(tmp_path):
