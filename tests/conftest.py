@@ -84,3 +84,9 @@ def diffusers_pipeline(tiny_ckpt):
     from diffusers import Cosmos3OmniPipeline
 
     return Cosmos3OmniPipeline.from_pretrained(tiny_ckpt, dtype=torch.float32)
+
+
+@pytest.fixture
+def anyio_backend():
+    """The event loop of every `pytest.mark.anyio` test: asyncio (the server's)."""
+    return "asyncio"

@@ -191,3 +191,19 @@ def job_spec(p: VideoParams) -> JobSpec:
 
 def submit_job(client: EngineClient, p: VideoParams, encode: EncodeOptions | None = None):
     return client.submit(p, job_spec(p), encode or EncodeOptions(), None)
+
+
+SMALL_FORM = {"size": "64x48", "num_frames": "5", "num_inference_steps": "2", "fps": "8"}
+"""Form fields of a small, quick video request."""
+JOB_FIELDS = {
+    "id", "object", "model", "prompt", "status", "progress", "size", "seconds", "quality", "fps", "num_frames",
+    "duration_s", "created_at", "completed_at", "expires_at", "remixed_from_video_id", "error", "media_type",
+    "file_name", "inference_time_s", "stage_durations", "peak_memory_mb", "action", "upsampled_prompt",
+}  # fmt: skip
+"""Every field of a video job's JSON."""
+
+
+def stub_meta(content: bytes) -> dict:
+    """What stub_encoder recorded in an "MP4" it made."""
+    assert content.startswith(b"FAKEMP4")
+    return json.loads(content[7:])

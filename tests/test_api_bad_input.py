@@ -21,11 +21,6 @@ OK = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": 
 BY_SECONDS = {**OK, "num_frames": ""}  # (an empty form value is "not given")
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 # (form fields or a callable building the request kwargs, status, param, message substring)
 CASES = [
     ("missing prompt", {"size": "64x48"}, 400, "prompt", MISSING_PROMPT),

@@ -21,11 +21,6 @@ pytestmark = pytest.mark.anyio
 SMALL = {"num_inference_steps": 2}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def pipeline(tiny_ckpt):
     from worldserve.runner.video_pipeline import VideoPipeline

@@ -17,11 +17,6 @@ pytestmark = pytest.mark.anyio
 TINY = {"size": "32x32", "num_frames": "5", "num_inference_steps": "2", "fps": "8"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def pipeline(tiny_ckpt):
     from worldserve.runner.video_pipeline import VideoPipeline

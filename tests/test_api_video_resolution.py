@@ -21,11 +21,6 @@ from worldserve.params import ParamError, aspect_size
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def _params(fields: dict, **files):
     return (await build_inputs({**fields, **files}, served_model="m", has_sound=False)).params
 

@@ -22,11 +22,6 @@ pytestmark = pytest.mark.anyio
 PNG = png_bytes(64, 48)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         if self.path == "/ref.png":

@@ -42,12 +42,6 @@ REASONER = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def anyio_backend():
-    """The async tests run on asyncio."""
-    return "asyncio"
-
-
 def parse_args(*argv: str):
     """`worldserve serve ARGV` parsed as the console script parses it."""
     return build_parser(["serve", *argv]).parse_args(["serve", *argv])
