@@ -96,11 +96,12 @@ def test_incremental_text_equals_the_plain_algorithm_on_random_streams():
 
 def test_a_stop_token_id_is_output_as_vllm_outputs_it():
     """A request's stop token id (here the byte "X", not a special token) ends the chat: its text joins the
-    output only with include_stop_str_in_output, where a stop string it completes is not looked for (vLLM
-    checks none in the step a stop token ends: stop_reason stays the id); every token, the ending one too,
-    has its logprobs entry; token_ids leave it out and completion_tokens count it."""
+    output only with include_stop_str_in_output, and then a stop string it completes is the stop_reason (vLLM's
+    detokenizer searches the text that token adds: vllm/v1/engine/detokenizer.py update, then the output
+    processor's stop_reason = the string); every token, the ending one too, has its logprobs entry; token_ids
+    leave it out and completion_tokens count it."""
     tokens = [*b"abc", ord("X")]
-    for keep, text in ((False, "abc"), (True, "abcX")):
+    for keep, text, reason in ((False, "abc", ord("X")), (True, "abcX", "cX")):
         s = ReasonerSession(FakeReasoner(), None, FakeSeq(), torch.zeros(302), 0, prompt=FakePrompt(), started=1,
                             max_tokens=9, stop=("cX",), top_logprobs=0, ends=(False, 0, (ord("X"),), keep))  # fmt: skip
         deltas = []
@@ -109,6 +110,6 @@ def test_a_stop_token_id_is_output_as_vllm_outputs_it():
             if s.finish_reason is None:
                 s.receive(torch.zeros(302))
         assert "".join(d.text for d in deltas) == text
-        assert (s.finish_reason, s.stop_reason, s.completion_tokens) == ("stop", ord("X"), 4)
+        assert (s.finish_reason, s.stop_reason, s.completion_tokens) == ("stop", reason, 4)
         assert s.token_ids == [*b"abc"]
         assert [e.token for d in deltas for e in d.logprobs] == ["a", "b", "c", "X"]

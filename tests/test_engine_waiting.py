@@ -9,7 +9,7 @@ import asyncio
 
 from serving_helpers import job_params, make_client, submit_job, wait_until
 
-from worldserve.engine.client import JobStatus
+from worldserve.engine.client import JobStatus, ShuttingDownError
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.outputs import BackendLost
 
@@ -70,3 +70,31 @@ def test_a_peer_lost_during_prepare_queues_its_job_again(tmp_path):
     assert health == (False, "engine crashed: the peer ranks are gone")
     assert statuses == [JobStatus.QUEUED] * 3  # they resume at the next start
     assert waiting == 2  # the two never prepared are back in the engine's queue
+
+
+def test_clients_hear_of_a_lost_peer_without_its_cause(tmp_path):
+    """/health (open without the API key) and a waiting sync request get the lost backend's public message; its
+    cause (a transport error naming internal addresses, source paths, pids) stays in the log and in `str(exc)`
+    (was: both answered the cause word for word)."""
+    cause = "parallel peer (rank 1, pid 4242) is gone: [/pytorch/gloo/pair.cc:534] Connection closed by 10.0.0.7:29500"
+
+    class Lost(FakeBackend):
+        def denoise(self, states):
+            raise BackendLost(f"--cfg-parallel-size 2: lost: {cause}", "--cfg-parallel-size 2: lost")
+
+    async def main():
+        client = make_client(tmp_path, backend=Lost(step_delay=0.01))
+        await client.start()
+        job = _submit(client, "a")
+        try:
+            await client.wait(job.id)
+        except ShuttingDownError as exc:
+            answer = str(exc)
+        health = client.health()
+        await client.shutdown(1)
+        return answer, health, str(client.engine.crashed)
+
+    answer, health, logged = asyncio.run(main())
+    assert health == (False, "engine crashed: --cfg-parallel-size 2: lost")
+    assert answer == "the engine has stopped (--cfg-parallel-size 2: lost)"
+    assert cause in logged

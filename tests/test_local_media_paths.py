@@ -66,3 +66,14 @@ def test_messages_name_the_given_path_not_a_symlinks_target(tmp_path):
     assert "private-dir" not in err.value.message and f"{root}/link.png" in err.value.message
     with pytest.raises(ParamError, match="NUL"):  # (a ValueError deep in os: a 500 before)
         _load(f"file://{root}/a.png%00.txt", root)
+
+
+def test_a_directory_is_refused_and_leaves_no_descriptor_open(tmp_path):
+    """(was an IsADirectoryError, a 500, and one file descriptor leaked per request: a client could use up the
+    server's descriptors)"""
+    (tmp_path / "sub").mkdir()
+    fds = len(os.listdir("/proc/self/fd"))
+    for url in (f"file://{tmp_path}/sub", f"file://{tmp_path}/") * 10:
+        with pytest.raises(ParamError, match="not a regular file"):
+            _load(url, tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == fds

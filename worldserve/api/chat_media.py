@@ -99,22 +99,25 @@ MAX_LOCAL_FILE_BYTES = 1 << 30
 
 def _read_local_file(path: Path, given: str, param: str) -> bytes:
     """The bytes of the regular file at `path` (resolved; `given`: as the request named it); ParamError(param)
-    for anything else, which could block its thread for ever (a FIFO) or never end (/dev/zero), and for a file
-    over MAX_LOCAL_FILE_BYTES. Opened without blocking and without following a symlink swapped in since."""
+    for anything else (a directory; a FIFO, which could block its thread for ever; /dev/zero, which never
+    ends) and for a file over MAX_LOCAL_FILE_BYTES. Opened without blocking, and without following its last
+    component if a symlink was swapped in for it since it was resolved."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
         raise ParamError(param, f"Cannot read {given}: {exc.strerror}") from None
-    with open(fd, "rb") as file:
+    try:  # (the descriptor is closed on every way out: a directory's once leaked it, and was a 500)
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ParamError(param, f"Cannot read {given}: not a regular file.")
         if info.st_size > MAX_LOCAL_FILE_BYTES:
             raise ParamError(param, f"Cannot read {given}: larger than {MAX_LOCAL_FILE_BYTES >> 20} MiB.")
-        try:
+        with open(fd, "rb", closefd=False) as file:
             data = file.read(MAX_LOCAL_FILE_BYTES + 1)  # (a file may grow meanwhile, or not know its size)
-        except OSError as exc:
-            raise ParamError(param, f"Cannot read {given}: {exc.strerror}") from None
+    except OSError as exc:
+        raise ParamError(param, f"Cannot read {given}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if len(data) > MAX_LOCAL_FILE_BYTES:
         raise ParamError(param, f"Cannot read {given}: larger than {MAX_LOCAL_FILE_BYTES >> 20} MiB.")
     return data

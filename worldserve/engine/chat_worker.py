@@ -343,8 +343,8 @@ class ChatWorker:
 
     def _timed(self, active: list[tuple[ChatHandle, object]], deltas: list[ChatDelta]) -> int:
         """Report one step's inter-token gaps and the ends of the chats it finished; the tokens it sampled. A
-        delta carries a new token when its count grew or it finished (a stop token is sampled though not in
-        completion_tokens); a preempted chat's idle delta carries none."""
+        delta carries a new token when its count grew or it finished; a preempted chat's idle delta carries
+        none."""
         now, gaps, sampled = time.monotonic(), [], 0
         for (handle, _), delta in zip(active, deltas, strict=True):
             if delta.completion_tokens > handle._tokens_seen or delta.finish_reason is not None:

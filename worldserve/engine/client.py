@@ -43,7 +43,7 @@ from worldserve.engine.ephemeral import run_without_jobs
 from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.observer import EngineObserver
-from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult
+from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult, crash_reason
 from worldserve.engine.prompt_upsampling import (
     UpsamplerConfig,
     UpsamplingFailed,
@@ -135,7 +135,7 @@ class EngineClient:
     def _on_crash_threadsafe(self, exc: BaseException) -> None:
         """The engine loop crashed (health reports it): nothing will finish a job in this process, so every
         waiting sync request is answered now (503; the jobs stay queued and resume after a restart)."""
-        err = ShuttingDownError(f"the engine has stopped ({exc})")
+        err = ShuttingDownError(f"the engine has stopped ({crash_reason(exc)})")
         self._call_in_loop(lambda: self._wake_all(err))
 
     def _answer_waiters_at_shutdown(self, timeout_s: float) -> None:
@@ -177,10 +177,8 @@ class EngineClient:
         if not self._started:
             return False, "No engine initialized"
         if not self.engine.alive:
-            return (
-                False,
-                "engine stopped" if self.engine.crashed is None else f"engine crashed: {self.engine.crashed}",
-            )
+            crashed = self.engine.crashed
+            return False, "engine stopped" if crashed is None else f"engine crashed: {crash_reason(crashed)}"
         if not self.accepting:
             return False, "shutting down"
         return True, None

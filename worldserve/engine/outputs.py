@@ -52,7 +52,18 @@ class DenoiseState(Protocol):
 class BackendLost(RuntimeError):
     """The backend can run nothing more in this process (a peer rank of a multi-GPU pipeline died, or was
     stopped after a failure in the middle of an exchange with it): the engine stops as on a crash (health
-    503) and its running jobs are queued again for the next start, instead of failing them one by one."""
+    503) and its running jobs are queued again for the next start, instead of failing them one by one.
+    Its message (the log's, generate's) names the cause; `public`, what HTTP clients are told, does not (a
+    cause can name internal addresses, paths and pids)."""
+
+    def __init__(self, message: str, public: str | None = None):
+        super().__init__(message)
+        self.public = message if public is None else public
+
+
+def crash_reason(exc: BaseException) -> str:
+    """An engine crash as HTTP clients hear of it (/health, the waiting sync requests)."""
+    return exc.public if isinstance(exc, BackendLost) else str(exc)
 
 
 class VideoBackend(Protocol):

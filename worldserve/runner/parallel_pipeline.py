@@ -151,8 +151,10 @@ class ParallelPipeline:
                 raise
             except Exception as exc:
                 self.peers.kill()
+                lost = f"{self.layout.flags}: the peer ranks are stopped after an error"
                 raise BackendLost(
-                    f"{self.layout.flags}: the peer ranks are stopped after an error: {exc}. Restart the server"
+                    f"{lost}: {exc}. Restart the server",
+                    f"{lost} (the server log says which). Restart the server",
                 ) from exc
 
     def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:

@@ -68,8 +68,9 @@ class PeerRanks:
                         continue
                     try:
                         self.send(("ping",), idle)
-                    except (comm.PeerError, RuntimeError):
-                        return  # a dead peer: the next exchange reports it
+                    except (comm.PeerError, RuntimeError) as exc:  # a dead peer: the next exchange reports it
+                        log.warning("%s: keep-alive pings stopped: %s", self.label, exc)
+                        return
 
         threading.Thread(target=loop, name=f"worldserve-{self.label}-keepalive", daemon=True).start()
 
@@ -130,8 +131,7 @@ class PeerRanks:
         for r, p in enumerate(self.processes, 1):
             if not p.is_alive():
                 raise comm.PeerError(
-                    f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log "
-                    "above. Restart the server"
+                    f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log above"
                 )
 
     def _gone(self, r: int, exc: Exception) -> comm.PeerError:

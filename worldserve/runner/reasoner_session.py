@@ -17,8 +17,9 @@ counts only once it ends in a later token; `include_stop_str_in_output` keeps a 
 text. The token that ends a chat (end-of-sequence or stop id) is not in `token_ids`, but it is output as vLLM
 outputs it (vllm/v1/engine/detokenizer.py update, the logprobs processor): it counts in `completion_tokens`,
 has its logprobs entry (the last one) and adds no text, unless `include_stop_str_in_output`: then its text
-joins the output as any token's would (a special token's subject to `skip_special_tokens`); a chat it ends
-is not searched for stop strings in that step.
+joins the output as any token's would (a special token's subject to `skip_special_tokens`), and a stop string
+that text completes is the stop_reason (vLLM's detokenizer searches the text it adds; without the option it
+adds none).
 
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
@@ -185,10 +186,10 @@ class ReasonerSession:
         ending = (token,) if finished and self.keep_stop else ()
         self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens, ending=ending)
         view = self._text + self._tail  # all complete characters so far
-        # vLLM searches stop strings only once more than min_tokens tokens are out, and not in the step a
-        # stop token ended
-        past_min = self.completion_tokens > self.min_tokens
-        cut, matched = self._find_stop(view, before) if past_min and not finished else (-1, None)
+        # vLLM searches stop strings only once more than min_tokens tokens are out, and in the step a stop
+        # token ended only the text include_stop_str_in_output adds (none without it)
+        searched = self.completion_tokens > self.min_tokens and (self.keep_stop or not finished)
+        cut, matched = self._find_stop(view, before) if searched else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
             # vLLM's stop_reason: the matched stop string, the id of a request's stop token, None for an

@@ -147,7 +147,9 @@ class UndDecoder:
                 self._forward(b, self.max_blocks)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: CUDA calls of other threads do not break the capture (nor fail themselves), e.g. the
+        # keep-alive pings of a multi-GPU pipeline's peers (runner/peers.py), sent from a thread of their own
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             out = self._forward(b, self.max_blocks)
         self._graphs[b] = (graph, out)
 
