@@ -304,7 +304,10 @@ def run(args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", *([model] if model else []), "--port", str(args.port),
            "--warmup-shapes", "none", *args.serve_arg]  # fmt: skip
     log = open(args.out.parent / "serve.log", "w")  # noqa: SIM115 (the server writes to it until killed)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    # the image chat by URL downloads from this script's own file server on loopback, which serve refuses
+    # unless told (api/media_urls.py)
+    env = {**os.environ, "WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     import torch
 
     from worldserve.bench.report import environment
