@@ -382,7 +382,7 @@ def test_bad_fetch_timeouts_stop_the_start_not_each_request(monkeypatch, tmp_pat
     ("ip", "blocked"),
     [("127.0.0.1", True), ("10.1.2.3", True), ("192.168.0.1", True), ("169.254.169.254", True), ("0.0.0.0", True),
      ("224.0.0.1", True), ("100.64.0.1", True), ("::1", True), ("fe80::1%eth0", True), ("fd00::1", True),
-     ("::ffff:169.254.169.254", True), ("2002:7f00:1::", True), ("64:ff9b::7f00:1", True),
+     ("::ffff:169.254.169.254", True), ("2002:7f00:1::", True), ("64:ff9b::7f00:1", True), ("fec0::1", True),
      ("8.8.8.8", False), ("2606:4700:4700::1111", False), ("::ffff:8.8.8.8", False)],
 )  # fmt: skip
 def test_blocked_addresses(ip, blocked):

@@ -292,13 +292,15 @@ IPv4 destination)."""
 def blocked_address(ip: str) -> bool:
     """Whether a media download must not connect to `ip` (unless its host is allowed by name): loopback,
     private (RFC 1918, fc00::/7), link-local (169.254.169.254, the cloud metadata service), reserved,
-    multicast, unspecified, BLOCKED_EXTRA_NETWORKS; an IPv4-mapped IPv6 address judged as its IPv4 one."""
+    multicast, unspecified, IPv6 site-local (fec0::/10), BLOCKED_EXTRA_NETWORKS; an IPv4-mapped IPv6 address
+    judged as its IPv4 one."""
     addr = ipaddress.ip_address(ip.partition("%")[0])  # (an IPv6 address may carry a %scope)
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return (
         addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_reserved or addr.is_multicast
-        or addr.is_unspecified or any(addr in net for net in BLOCKED_EXTRA_NETWORKS)
+        or addr.is_unspecified or getattr(addr, "is_site_local", False)
+        or any(addr in net for net in BLOCKED_EXTRA_NETWORKS)
     )  # fmt: skip
 
 

@@ -150,6 +150,9 @@ class ParallelPipeline:
             except ParamError:  # a bad input, answered with the peers still in step (prepare)
                 raise
             except Exception as exc:
+                log.error(
+                    "%s: failed inside an exchange with the peer ranks", self.layout.flags, exc_info=exc
+                )
                 self.peers.kill()
                 lost = f"{self.layout.flags}: the peer ranks are stopped after an error"
                 raise BackendLost(
