@@ -1,0 +1,148 @@
+"""`worldserve serve`'s start-up order, checked before the minutes-long model load: the device (one GPU per
+rank of a parallel layout), flags worldserve refuses, the socket (bound as vLLM binds its API socket; a busy
+port or bad host is one line, exit 2; a port taken during the load too) and the storage directory (unusable
+or in use by another server: one line); the load itself is replaced by a recorder.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from worldserve.cli import build_parser
+from worldserve.commands import serve
+
+
+def parse_args(*argv: str):
+    """`worldserve serve ARGV` parsed as the console script parses it."""
+    return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize(
+    "where", ["a file", "under a file", "a database that is not one", "a folder as database"]
+)
+def test_an_unusable_storage_directory_is_one_line_before_the_model_loads(
+    tmp_path, caplog, monkeypatch, where
+):
+    """Not a folder, or a jobs.sqlite3 that cannot be one: a one-line error naming the path (exit 1), no
+    traceback, no model load."""
+    (tmp_path / "afile").write_text("x")
+    store = {"a file": tmp_path / "afile", "under a file": tmp_path / "afile" / "sub"}.get(
+        where, tmp_path / "s"
+    )
+    if where == "a database that is not one":
+        store.mkdir()
+        (store / "jobs.sqlite3").write_bytes(b"not a database, not at all" * 40)
+    elif where == "a folder as database":
+        (store / "jobs.sqlite3").mkdir(parents=True)
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args("--storage-dir", str(store), "--port", "0")) == 1
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.exc_info is None and str(tmp_path) in record.getMessage() and not loads
+
+
+def test_a_busy_port_or_a_bad_host_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):
+    import socket
+
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, needle in ((["--host", "127.0.0.1", "--port", str(port)], "--port"),
+                             (["--host", "999.1.1.1", "--port", "0"], "--host")):  # fmt: skip
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+                assert serve.run(parse_args(*argv, "--storage-dir", str(tmp_path / "s"))) == 2
+            assert needle in caplog.text, caplog.text
+    assert not loads and not (tmp_path / "s").exists(), "nothing opened before the address was checked"
+
+
+def test_the_socket_binds_as_vllm_binds_it():
+    """An empty --host is every interface, a name is bound through IPv4 (localhost: 127.0.0.1, as vLLM), an
+    IPv6 literal gets an IPv6 socket; nothing listens until the app is ready."""
+    import socket
+
+    with serve.bind_listener("", 0) as every, serve.bind_listener("localhost", 0) as local:
+        assert every.family == local.family == socket.AF_INET
+        assert every.getsockname()[0] == "0.0.0.0" and local.getsockname()[0] == "127.0.0.1"
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", local.getsockname()[1])) != 0, "refused until listening"
+    try:
+        six = serve.bind_listener("::1", 0)
+    except ValueError:
+        pytest.skip("no IPv6 loopback here")
+    with six:
+        assert six.family == socket.AF_INET6
+
+
+def test_a_port_another_server_took_during_the_load_is_one_line(tmp_path, caplog, monkeypatch):
+    """Two sockets with SO_REUSEADDR can both bind a port while neither listens: a second server started on
+    the same --port passes the early bind, and the one that listens last gets a one-line error (exit 2),
+    not uvicorn's traceback."""
+    from worldserve.engine.fake_backend import FakeBackend
+
+    other = serve.bind_listener("127.0.0.1", 0)  # another server, still loading its model
+    port = other.getsockname()[1]
+
+    def load(*_a, **_k):
+        other.listen()  # ... which becomes ready while this one loads
+        return FakeBackend(), None
+
+    monkeypatch.setattr(serve, "_load_backend_within", load)
+    with other, caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        argv = ("--host", "127.0.0.1", "--port", str(port), "--storage-dir", str(tmp_path / "s"))
+        assert serve.run(parse_args(*argv)) == 2
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (
+        record.exc_info is None and f"cannot listen on --host 127.0.0.1 --port {port}" in record.getMessage()
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--device", "cuda:3"), "--device cuda:3 needs CUDA GPU 3; 0 visible"),
+        (("--cfg-parallel-size", "2"), "--cfg-parallel-size 2 needs 2 CUDA GPUs"),
+    ],
+)
+def test_gpus_this_machine_lacks_fail_before_anything_binds_or_loads(
+    tmp_path, caplog, monkeypatch, flags, message
+):
+    """A device, or a parallel layout's one GPU per rank, that is not there: one line naming the flags, exit 2,
+    before the checkpoint is resolved (a parallel layout was: exit 1 after binding and opening the store)."""
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args(*flags, "--storage-dir", str(tmp_path / "s"))) == 2
+    assert message in caplog.text
+    assert not loads and not (tmp_path / "s").exists()
+
+
+def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):
+    from worldserve.engine.jobs import JobStore
+
+    held = JobStore(tmp_path / "store")  # another server's store
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"), "--port", "0")) == 1
+    assert "in use by another worldserve server" in caplog.text and not loads
+    held.close()
+
+
+def test_a_refused_flag_fails_the_start_before_the_model_loads(tmp_path, caplog, monkeypatch):
+    """`serve` exits 2 at once (no store opened, no load), logging the one-line reason."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args("--cache-backend", "tea_cache")) == 2
+    assert "--cache-backend tea_cache: worldserve has no lossy step caching" in caplog.text and not loads
+    assert not (tmp_path / "worldserve").exists(), "the job store was not opened"
