@@ -142,6 +142,21 @@ def test_expiry_and_bad_ids(tmp_path):
         store.video_path("../x")
 
 
+def test_the_sweep_deletes_expired_jobs_in_batches(tmp_path):
+    """delete_expired takes every expired job (rows and files), a few per transaction, and leaves the rest;
+    a client paging with a swept job as `after` goes on."""
+    store = JobStore(tmp_path)
+    jobs = [_job() for _ in range(5)]
+    for i, job in enumerate(jobs):
+        store.create(job, {}, None)
+        store.mark_in_progress(job.id, time.time())
+        _complete(store, job.id, ttl=0.01 if i < 4 else 1000.0)
+    assert store.delete_expired(time.time() + 1, batch=3) == [j.id for j in jobs[:4]]
+    assert [p.name for p in store.videos_dir.iterdir()] == [f"{jobs[4].id}.mp4"]
+    assert [j.id for j in store.list(after=jobs[0].id, order="asc")[0]] == [jobs[4].id]
+    assert store.delete_expired(time.time() + 1) == []
+
+
 def test_a_ttl_set_at_restart_reaches_jobs_finished_before(tmp_path):
     """--job-ttl at the next start counts from the completion of jobs finished without one (they were kept
     forever); a job that already has an expiry keeps it."""

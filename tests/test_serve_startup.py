@@ -81,6 +81,34 @@ def test_the_socket_binds_as_vllm_binds_it():
         assert six.family == socket.AF_INET6
 
 
+def test_accepted_connections_have_nagle_off():
+    """asyncio turns TCP_NODELAY on only for sockets whose proto is IPPROTO_TCP: on the listener's accepted
+    connections it must be on, or every small keep-alive response (its body written after its headers) waits
+    ~40 ms for the client's delayed ACK (/health, job polls, each SSE chunk)."""
+    import asyncio
+    import socket
+
+    async def main() -> int:
+        nodelay = asyncio.get_running_loop().create_future()
+
+        def accepted(reader, writer):
+            nodelay.set_result(
+                writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            )
+            writer.close()
+
+        with serve.bind_listener("127.0.0.1", 0) as sock:
+            sock.listen()
+            server = await asyncio.start_server(accepted, sock=sock)
+            async with server:
+                _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+                value = await asyncio.wait_for(nodelay, 5)
+                writer.close()
+        return value
+
+    assert asyncio.run(main()) != 0
+
+
 def test_a_port_another_server_took_during_the_load_is_one_line(tmp_path, caplog, monkeypatch):
     """Two sockets with SO_REUSEADDR can both bind a port while neither listens: a second server started on
     the same --port passes the early bind, and the one that listens last gets a one-line error (exit 2),

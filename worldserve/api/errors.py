@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from worldserve.api.disconnect import CLIENT_CLOSED_REQUEST, ClientGone
+from worldserve.engine.client import StorageError
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _answer(request, exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(StorageError)  # the disk refused a write (full: 507); what failed, no paths
+    async def _storage_error(request: Request, exc: StorageError) -> JSONResponse:
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+        return _answer(request, exc.status_code, f"{str(exc)[0].upper()}{str(exc)[1:]}.")
 
     @app.exception_handler(ClientGone)
     @app.exception_handler(ClientDisconnect)  # gone while its body was being read: nothing failed here

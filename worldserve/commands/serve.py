@@ -125,7 +125,9 @@ def bind_listener(host: str | None, port: int) -> socket.socket:
         ipv6 = ipaddress.ip_address(host or "").version == 6
     except ValueError:
         ipv6 = False
-    sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (proto 0 left Nagle on,
+    # and a response's body, written after its headers, waited ~40 ms for the client's delayed ACK)
+    sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # as uvicorn: a restart reuses the port at once (its old connections may still be in TIME_WAIT)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -215,7 +215,7 @@ class Engine:
 
     def _prepare(self, request: Request) -> None:
         if not request.ephemeral and not self.store.mark_in_progress(request.job_id, time.time()):
-            self.on_done(request.job_id)  # deleted while it waited
+            self.on_done(request.job_id)  # deleted while it waited (or failed: the disk refused the write)
             return
         request.admitted_time = t0 = time.monotonic()
         try:

@@ -73,6 +73,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 class StorageError(RuntimeError):
     """The storage directory cannot be used (not writable, or locked by another process)."""
 
+    status_code = 503  # met while serving: the answer of the request, or the code of the job, that met it
+
 
 class StorageInUseError(StorageError):
     """Another process holds the storage directory (two servers would re-run and delete each other's jobs)."""

@@ -11,14 +11,15 @@ row back into `queued` (progress 0): the server re-runs it from its persisted in
 has died MAX_INTERRUPTIONS times while running it (a job that crashes the server, e.g. out of host memory,
 would otherwise take it down on every start): then it fails with a message saying so. One process per
 storage folder (an exclusive lock on `<root>/.lock`). Updates are guarded by
-the current status, so a job deleted while its video was being encoded is never resurrected.
+the current status, so a job deleted while its video was being encoded is never resurrected. A disk that
+refuses a write while serving (full, an I/O error) raises StorageError naming what was not saved
+(job_faults.py), never a half-written file; progress is then skipped and a failure kept until it can be written.
 Thread-safe: one connection behind a lock, shared by the event loop, the engine thread and the encoders.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import re
@@ -28,91 +29,36 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worldserve.engine.job_faults import UnsavedFailures, storage_failure
 from worldserve.engine.job_files import StorageError, lock_storage, write_atomic
+from worldserve.engine.job_schema import (
+    SCHEMA_VERSION,
+    Job,
+    JobSpec,
+    JobStatus,
+    job_from_row,
+    prepared,
+    spec_record,
+)
+
+__all__ = ["SCHEMA_VERSION", "Job", "JobSpec", "JobStatus", "JobStore", "StorageError", "new_job_id"]
 
 JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 2  # v2: `interrupted` (v1 databases gain it when opened)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
 GONE_CURSORS = 10_000
 """Deleted jobs whose place in the list order is remembered, so that a client paging with one as `after`
 (deleted, or expired, between two pages) goes on where it was instead of getting an empty last page."""
-
-
-class JobStatus(enum.StrEnum):
-    QUEUED = "queued"
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    FAILED = "failed"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobStatus.COMPLETED, JobStatus.FAILED)
+EXPIRY_BATCH = 500
+"""Expired jobs deleted per transaction by the TTL sweep."""
 
 
 def new_job_id() -> str:
     return f"video_gen_{uuid.uuid4().hex}"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JobSpec:
-    """What the job object echoes from the request (fixed at creation)."""
-
-    model: str
-    prompt: str
-    size: str | None
-    seconds: str
-    quality: str
-    fps: float
-    num_frames: int
-    user: str | None = None
-    upsampled_prompt: str | None = None
-    """The prompt the Reasoner wrote for the video (extra_params.upsample_prompt), once written."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Job:
-    id: str
-    status: JobStatus
-    progress: int
-    """0..100: denoising steps done / total (99 at most until the file is saved)."""
-    created_at: float
-    spec: JobSpec
-    started_at: float | None = None
-    completed_at: float | None = None
-    expires_at: float | None = None
-    error_code: int | None = None
-    error_message: str | None = None
-    file_name: str | None = None
-    inference_time_s: float | None = None
-    stage_durations: dict[str, float] = field(default_factory=dict)
-    peak_memory_mb: float | None = None
-
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    spec TEXT NOT NULL,
-    inputs TEXT NOT NULL,
-    has_reference INTEGER NOT NULL,
-    started_at REAL, completed_at REAL, expires_at REAL,
-    error_code INTEGER, error_message TEXT,
-    file_name TEXT, inference_time_s REAL, stage_durations TEXT, peak_memory_mb REAL,
-    interrupted INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_by_time ON jobs (created_at, seq);
-CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
-"""
-_UNFINISHED = ("queued", "in_progress")
 
 
 class JobStore:
@@ -132,6 +78,7 @@ class JobStore:
         self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
         self._lock = threading.Lock()
         self._gone: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._unsaved = UnsavedFailures()  # failures the database refused (a full disk), shown by the reads
         """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         try:
             self._db = self._open_database(self.root / "jobs.sqlite3")
@@ -143,30 +90,10 @@ class JobStore:
         """The job table at `path`, created or migrated to SCHEMA_VERSION (closed again on any failure)."""
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
-            return self._prepared(db)
+            return prepared(db)
         except BaseException:
             db.close()
             raise
-
-    @staticmethod
-    def _prepared(db: sqlite3.Connection) -> sqlite3.Connection:
-        db.row_factory = sqlite3.Row
-        db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a commit is on disk before it returns, so an acknowledged create survives a power loss too
-        # (NORMAL in WAL mode may lose the last commits then); one fsync per write, against ~5 s a step.
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute("PRAGMA busy_timeout=5000")
-        db.executescript(_SCHEMA)
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, SCHEMA_VERSION):
-            raise StorageError(f"schema v{version}; this worldserve reads v1 and v{SCHEMA_VERSION}")
-        db.execute("BEGIN")  # the column and the version together (DDL is transactional in SQLite)
-        columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
-        if "interrupted" not in columns:  # a v1 database
-            db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
-        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        db.execute("COMMIT")
-        return db
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -174,10 +101,25 @@ class JobStore:
         self._db.execute("BEGIN")
         try:
             yield
+            self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:  # (a COMMIT the disk refused may or may not have rolled back)
+                self._db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _writing(self, what: str):
+        """Under `_lock`, after writing the failures still unsaved: a write the disk refuses (full, an I/O
+        error) raises StorageError saying what was not saved."""
+        with self._lock:
+            try:
+                if self._unsaved:
+                    with contextlib.suppress(sqlite3.OperationalError), self._transaction():
+                        self._unsaved.write(self._db)
+                        self._unsaved.clear()  # (rolled back and kept if the commit fails)
+                yield
+            except (OSError, sqlite3.OperationalError) as exc:
+                raise storage_failure(exc, what) from exc
 
     def close(self) -> None:
         with self._lock:
@@ -196,36 +138,59 @@ class JobStore:
     # -- writes ---------------------------------------------------------------------------------------
     def create(self, job: Job, inputs: dict[str, Any], reference: bytes | None) -> None:
         """Persist a new queued job: its reference file first, then the row (the row is the commit)."""
-        if reference is not None:
-            write_atomic(self.reference_path(job.id), reference)
-        spec = json.dumps(_spec_record(job.spec))
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO jobs (id, status, progress, created_at, spec, inputs, has_reference)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job.id, job.status.value, job.progress, job.created_at, spec, json.dumps(inputs),
-                 int(reference is not None)),
-            )  # fmt: skip
+        spec = json.dumps(spec_record(job.spec))
+        try:
+            if reference is not None:
+                try:
+                    write_atomic(self.reference_path(job.id), reference)
+                except OSError as exc:
+                    raise storage_failure(exc, "the job's reference file") from exc
+            with self._writing("the job"):
+                self._db.execute(
+                    "INSERT INTO jobs (id, status, progress, created_at, spec, inputs, has_reference)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (job.id, job.status.value, job.progress, job.created_at, spec, json.dumps(inputs),
+                     int(reference is not None)),
+                )  # fmt: skip
+        except StorageError:
+            self.reference_path(job.id).unlink(missing_ok=True)
+            raise
 
     def set_upsampled(self, job_id: str, spec: JobSpec, inputs: dict[str, Any]) -> bool:
         """Record a queued job's upsampled prompt: the spec that shows it and the inputs that now run with it
         (a restart does not upsample again). False when the job is gone or no longer queued."""
         return self._update(
             "UPDATE jobs SET spec=?, inputs=? WHERE id=? AND status='queued'",
-            (json.dumps(_spec_record(spec)), json.dumps(inputs), job_id),
+            (json.dumps(spec_record(spec)), json.dumps(inputs), job_id),
         )
 
     def mark_in_progress(self, job_id: str, started_at: float) -> bool:
-        return self._update(
-            "UPDATE jobs SET status='in_progress', started_at=?, progress=0 WHERE id=? AND status='queued'",
-            (started_at, job_id),
-        )
+        """False when the job is gone or no longer queued, or when the disk refuses the write: then it fails."""
+        try:
+            return self._update(
+                "UPDATE jobs SET status='in_progress', started_at=?, progress=0 WHERE id=? AND status='queued'",
+                (started_at, job_id),
+            )
+        except StorageError as exc:
+            self.fail(
+                job_id,
+                exc.status_code,
+                f"Video generation failed: {exc}",
+                completed_at=time.time(),
+                ttl_s=None,
+            )
+            return False
 
     def set_progress(self, updates: Sequence[tuple[str, int]]) -> None:
-        with self._lock, self._transaction():
-            self._db.executemany(
-                "UPDATE jobs SET progress=? WHERE id=? AND status='in_progress'", [(p, i) for i, p in updates]
-            )
+        """Best effort: a write the disk refuses is logged and skipped (the next step's overwrites it)."""
+        try:
+            with self._writing("the progress"), self._transaction():
+                self._db.executemany(
+                    "UPDATE jobs SET progress=? WHERE id=? AND status='in_progress'",
+                    [(p, i) for i, p in updates],
+                )
+        except StorageError as exc:
+            log.warning("%s", exc)
 
     def complete(
         self,
@@ -240,14 +205,21 @@ class JobStore:
     ) -> bool:
         """Save the video, then flip the row; False (and no file) if the job was deleted meanwhile."""
         path = self.video_path(job_id)
-        write_atomic(path, video)
+        try:
+            write_atomic(path, video)  # (its temp file is removed when it fails)
+        except OSError as exc:
+            raise storage_failure(exc, "the video") from exc
         expires = completed_at + ttl_s if ttl_s else None
-        done = self._update(
-            "UPDATE jobs SET status='completed', progress=100, completed_at=?, expires_at=?, file_name=?,"
-            " inference_time_s=?, stage_durations=?, peak_memory_mb=? WHERE id=? AND status='in_progress'",
-            (completed_at, expires, path.name, inference_time_s, json.dumps(stage_durations), peak_memory_mb,
-             job_id),
-        )  # fmt: skip
+        try:
+            done = self._update(
+                "UPDATE jobs SET status='completed', progress=100, completed_at=?, expires_at=?, file_name=?,"
+                " inference_time_s=?, stage_durations=?, peak_memory_mb=? WHERE id=? AND status='in_progress'",
+                (completed_at, expires, path.name, inference_time_s, json.dumps(stage_durations), peak_memory_mb,
+                 job_id),
+            )  # fmt: skip
+        except StorageError:  # the row stays unfinished: no file that no completed row names
+            path.unlink(missing_ok=True)
+            raise
         if not done:
             if self.get(job_id) is None:  # deleted meanwhile; a row in another state keeps its file
                 path.unlink(missing_ok=True)
@@ -257,11 +229,17 @@ class JobStore:
 
     def fail(self, job_id: str, code: int, message: str, *, completed_at: float, ttl_s: float | None) -> bool:
         expires = completed_at + ttl_s if ttl_s else None
-        done = self._update(
-            "UPDATE jobs SET status='failed', error_code=?, error_message=?, completed_at=?, expires_at=?"
-            " WHERE id=? AND status IN ('queued', 'in_progress')",
-            (code, message, completed_at, expires, job_id),
-        )
+        try:
+            done = self._update(
+                "UPDATE jobs SET status='failed', error_code=?, error_message=?, completed_at=?, expires_at=?"
+                " WHERE id=? AND status IN ('queued', 'in_progress')",
+                (code, message, completed_at, expires, job_id),
+            )
+        except StorageError as exc:  # shown failed now, written once the disk takes it (job_faults.py)
+            log.warning("job %s: %s; its failure is kept in memory until it can be written", job_id, exc)
+            done = (job := self.get(job_id)) is not None and not job.status.terminal
+            if done:
+                self._unsaved.add(job_id, code, message, completed_at, expires)
         if done:
             self.reference_path(job_id).unlink(missing_ok=True)
         return done
@@ -270,17 +248,15 @@ class JobStore:
         """Remove the row and every file of the job; None if there was no such job."""
         if not JOB_ID_PATTERN.match(job_id):
             return None
-        with self._lock:
+        with self._writing("the deletion"):
             row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
                 return None
             self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
-            self._gone[job_id] = (row["created_at"], row["seq"])
-            if len(self._gone) > GONE_CURSORS:
-                self._gone.popitem(last=False)
+            self._forget(job_id, row["created_at"], row["seq"])
         self.video_path(job_id).unlink(missing_ok=True)
         self.reference_path(job_id).unlink(missing_ok=True)
-        return _job_from_row(row)
+        return job_from_row(row)
 
     def recover(self, *, now: float | None = None, ttl_s: float | None = None) -> list[str]:
         """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
@@ -326,11 +302,42 @@ class JobStore:
 
     def requeue(self, job_ids: Sequence[str]) -> None:
         """Give in_progress jobs back to the queue (progress 0), e.g. when the engine stops mid-run."""
-        with self._lock:
-            self._db.executemany(
-                "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE id=? AND status='in_progress'",
-                [(i,) for i in job_ids],
-            )
+        try:
+            with self._writing("the requeued jobs"):
+                self._db.executemany(
+                    "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE id=? AND status='in_progress'",
+                    [(i,) for i in job_ids],
+                )
+        except StorageError as exc:  # they stay in_progress in the database: recover() queues them at start
+            log.warning("%s", exc)
+
+    def delete_expired(self, now: float, batch: int = EXPIRY_BATCH) -> list[str]:
+        """Delete the jobs expired at `now` (rows and files), `batch` rows a transaction with the lock free
+        between them (the event loop's reads wait for one batch, not for the whole sweep); their ids."""
+        deleted: list[str] = []
+        while True:
+            with self._writing("the expired jobs' deletion"), self._transaction():
+                rows = self._db.execute(
+                    "SELECT id, created_at, seq FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?"
+                    " LIMIT ?",
+                    (now, batch),
+                ).fetchall()
+                self._db.executemany("DELETE FROM jobs WHERE id=?", [(r["id"],) for r in rows])
+                for r in rows:
+                    self._forget(r["id"], r["created_at"], r["seq"])
+            for r in rows:
+                self.video_path(r["id"]).unlink(missing_ok=True)
+                self.reference_path(r["id"]).unlink(missing_ok=True)
+            deleted += [r["id"] for r in rows]
+            if len(rows) < batch:
+                return deleted
+
+    def _forget(self, job_id: str, created_at: float, seq: int) -> None:
+        """A deleted job (under `_lock`): its place in the list order is remembered for `after` cursors."""
+        self._unsaved.discard(job_id)
+        self._gone[job_id] = (created_at, seq)
+        if len(self._gone) > GONE_CURSORS:
+            self._gone.popitem(last=False)
 
     def expired(self, now: float) -> list[str]:
         with self._lock:
@@ -345,7 +352,7 @@ class JobStore:
             return None
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
-        return _job_from_row(row) if row is not None else None
+        return self._unsaved.shown(job_from_row(row)) if row is not None else None
 
     def load_inputs(self, job_id: str) -> tuple[dict[str, Any], bytes | None]:
         """The persisted request inputs; raises FileNotFoundError if the reference file is gone."""
@@ -376,7 +383,7 @@ class JobStore:
                 sql += " LIMIT ?"
                 args.append(limit + 1)
             rows = self._db.execute(sql, args).fetchall()
-        jobs = [_job_from_row(r) for r in rows]
+        jobs = [self._unsaved.shown(job_from_row(r)) for r in rows]
         if limit is None:
             return jobs, False
         return jobs[:limit], len(jobs) > limit
@@ -386,28 +393,5 @@ class JobStore:
             return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status=?", (status.value,)).fetchone()[0]
 
     def _update(self, sql: str, args: tuple) -> bool:
-        with self._lock:
+        with self._writing("the job's state"):
             return self._db.execute(sql, args).rowcount > 0
-
-
-def _spec_record(spec: JobSpec) -> dict[str, Any]:
-    return {name: getattr(spec, name) for name in JobSpec.__slots__}
-
-
-def _job_from_row(row: sqlite3.Row) -> Job:
-    return Job(
-        id=row["id"],
-        status=JobStatus(row["status"]),
-        progress=row["progress"],
-        created_at=row["created_at"],
-        spec=JobSpec(**{k: v for k, v in json.loads(row["spec"]).items() if k in JobSpec.__slots__}),
-        started_at=row["started_at"],
-        completed_at=row["completed_at"],
-        expires_at=row["expires_at"],
-        error_code=row["error_code"],
-        error_message=row["error_message"],
-        file_name=row["file_name"],
-        inference_time_s=row["inference_time_s"],
-        stage_durations=json.loads(row["stage_durations"]) if row["stage_durations"] else {},
-        peak_memory_mb=row["peak_memory_mb"],
-    )

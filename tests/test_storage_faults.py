@@ -1,0 +1,119 @@
+"""A storage folder whose disk refuses writes while the server runs (full): the jobs that meet it fail with
+a reason naming storage (507), creates are refused (507), the engine and /health go on, nothing half-written
+is left or served, and once space is back the server works again and writes the failures it kept.
+
+The fault is injected where the disk answers: SQLite's writes raise what SQLite raises on a full disk
+(OperationalError SQLITE_FULL, also at COMMIT, where it may leave the transaction open) and file writes fail
+at their fsync with ENOSPC (measured on a full tmpfs: the same errors, the same places)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import time
+
+import pytest
+from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, poll_job, wait_until
+
+from worldserve.engine import job_files
+from worldserve.engine.client import Job, JobStatus, StorageError
+from worldserve.engine.fake_backend import FakeBackend
+from worldserve.engine.jobs import JobStore, new_job_id
+
+pytestmark = pytest.mark.anyio
+
+
+class FullDisk:
+    """Stands between the store and its disk: while `db_full`, SQLite writes fail as on a full disk; while
+    `files_full`, file writes fail at their fsync (ENOSPC)."""
+
+    WRITES = ("INSERT", "UPDATE", "DELETE", "COMMIT")
+
+    def __init__(self, store: JobStore, monkeypatch):
+        self.db_full = self.files_full = False
+        self._db, store._db = store._db, self
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            if self.files_full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real_fsync(fd)
+
+        monkeypatch.setattr(job_files.os, "fsync", fsync)
+
+    @property
+    def full(self) -> bool:
+        return self.db_full and self.files_full
+
+    @full.setter
+    def full(self, value: bool) -> None:
+        self.db_full = self.files_full = value
+
+    def _check(self, sql: str) -> None:
+        if self.db_full and sql.split()[0].upper() in self.WRITES:
+            exc = sqlite3.OperationalError("database or disk is full")
+            exc.sqlite_errorcode, exc.sqlite_errorname = sqlite3.SQLITE_FULL, "SQLITE_FULL"
+            raise exc
+
+    def execute(self, sql, *args):
+        self._check(sql)
+        return self._db.execute(sql, *args)
+
+    def executemany(self, sql, *args):
+        self._check(sql)
+        return self._db.executemany(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+def test_a_refused_create_leaves_no_reference_file(tmp_path, monkeypatch):
+    store = JobStore(tmp_path)
+    disk = FullDisk(store, monkeypatch)
+    p = job_params()
+    job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=job_spec(p))
+    disk.db_full = True  # the reference file is written, the row is refused
+    with pytest.raises(StorageError, match="could not save the job: database or disk is full") as info:
+        store.create(job, {"params": {}}, b"reference bytes")
+    assert info.value.status_code == 507
+    assert not list(store.inputs_dir.iterdir()), "no reference file without its row"
+    disk.full = False
+    store.create(job, {"params": {}}, b"reference bytes")  # the transaction was not left open
+    assert store.get(job.id).status is JobStatus.QUEUED and store.reference_path(job.id).exists()
+    store.close()
+
+
+async def test_a_full_disk_fails_the_jobs_and_the_server_goes_on(tmp_path, monkeypatch):
+    """A job running when the disk fills and one queued behind it fail with a reason (their failures kept
+    in memory: SQLite cannot record them), the engine stays alive, creates get a 507; with space back a
+    job completes and the kept failures are in the database."""
+    async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.02)) as http:
+        store = http.engine_client.store
+        disk = FullDisk(store, monkeypatch)
+        form = {"prompt": "x", **SMALL_FORM, "num_inference_steps": "20"}
+        running = (await http.post("/v1/videos", data=form)).json()["id"]
+        queued = (await http.post("/v1/videos", data=form)).json()["id"]
+        wait_until(lambda: store.get(running).progress > 0)
+        disk.full = True
+        for job_id in (running, queued):
+            done = await poll_job(http, job_id)
+            assert done["status"] == "failed" and done["error"]["code"] == 507, done
+            assert "storage could not save" in done["error"]["message"], done
+        assert not list(store.videos_dir.iterdir()), "nothing half-written"
+        assert (await http.get("/health")).status_code == 200
+        r = await http.post("/v1/videos", data=form)
+        assert r.status_code == 507, r.text
+        assert (
+            r.json()["error"]["message"]
+            == "The server's storage could not save the job: database or disk is full."
+        )
+        disk.full = False
+        r = await http.post("/v1/videos/sync", data={"prompt": "x", **SMALL_FORM})
+        assert r.status_code == 200, r.text
+        raw = sqlite3.connect(tmp_path / "jobs.sqlite3")
+        rows = dict(
+            raw.execute("SELECT id, status FROM jobs WHERE id IN (?, ?)", (running, queued)).fetchall()
+        )
+        raw.close()
+        assert rows == {running: "failed", queued: "failed"}, "the kept failures were written"

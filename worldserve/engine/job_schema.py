@@ -1,0 +1,126 @@
+"""What a video job is (JobStatus, JobSpec, Job) and how the job table stores it: the schema, its migration
+(v1 databases gain `interrupted`) and the row <-> Job conversion. The store itself is jobs.py.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+from worldserve.engine.job_files import StorageError
+
+SCHEMA_VERSION = 2  # v2: `interrupted` (v1 databases gain it when opened)
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    """What the job object echoes from the request (fixed at creation)."""
+
+    model: str
+    prompt: str
+    size: str | None
+    seconds: str
+    quality: str
+    fps: float
+    num_frames: int
+    user: str | None = None
+    upsampled_prompt: str | None = None
+    """The prompt the Reasoner wrote for the video (extra_params.upsample_prompt), once written."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    id: str
+    status: JobStatus
+    progress: int
+    """0..100: denoising steps done / total (99 at most until the file is saved)."""
+    created_at: float
+    spec: JobSpec
+    started_at: float | None = None
+    completed_at: float | None = None
+    expires_at: float | None = None
+    error_code: int | None = None
+    error_message: str | None = None
+    file_name: str | None = None
+    inference_time_s: float | None = None
+    stage_durations: dict[str, float] = field(default_factory=dict)
+    peak_memory_mb: float | None = None
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    status TEXT NOT NULL,
+    progress INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    spec TEXT NOT NULL,
+    inputs TEXT NOT NULL,
+    has_reference INTEGER NOT NULL,
+    started_at REAL, completed_at REAL, expires_at REAL,
+    error_code INTEGER, error_message TEXT,
+    file_name TEXT, inference_time_s REAL, stage_durations TEXT, peak_memory_mb REAL,
+    interrupted INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_by_time ON jobs (created_at, seq);
+CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
+CREATE INDEX IF NOT EXISTS jobs_by_expiry ON jobs (expires_at) WHERE expires_at IS NOT NULL;
+"""
+
+
+def prepared(db: sqlite3.Connection) -> sqlite3.Connection:
+    """`db` with its pragmas set and the job table created or migrated to SCHEMA_VERSION."""
+    db.row_factory = sqlite3.Row
+    db.execute("PRAGMA journal_mode=WAL")
+    # FULL: a commit is on disk before it returns, so an acknowledged create survives a power loss too
+    # (NORMAL in WAL mode may lose the last commits then); one fsync per write, against ~5 s a step.
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("PRAGMA busy_timeout=5000")
+    db.executescript(SCHEMA)
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version not in (0, 1, SCHEMA_VERSION):
+        raise StorageError(f"schema v{version}; this worldserve reads v1 and v{SCHEMA_VERSION}")
+    db.execute("BEGIN")  # the column and the version together (DDL is transactional in SQLite)
+    columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+    if "interrupted" not in columns:  # a v1 database
+        db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    db.execute("COMMIT")
+    return db
+
+
+def spec_record(spec: JobSpec) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in JobSpec.__slots__}
+
+
+def job_from_row(row: sqlite3.Row) -> Job:
+    return Job(
+        id=row["id"],
+        status=JobStatus(row["status"]),
+        progress=row["progress"],
+        created_at=row["created_at"],
+        spec=JobSpec(**{k: v for k, v in json.loads(row["spec"]).items() if k in JobSpec.__slots__}),
+        started_at=row["started_at"],
+        completed_at=row["completed_at"],
+        expires_at=row["expires_at"],
+        error_code=row["error_code"],
+        error_message=row["error_message"],
+        file_name=row["file_name"],
+        inference_time_s=row["inference_time_s"],
+        stage_durations=json.loads(row["stage_durations"]) if row["stage_durations"] else {},
+        peak_memory_mb=row["peak_memory_mb"],
+    )
