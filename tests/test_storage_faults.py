@@ -51,10 +51,13 @@ class FullDisk:
         self.db_full = self.files_full = value
 
     def _check(self, sql: str) -> None:
-        if self.db_full and sql.split()[0].upper() in self.WRITES:
+        if self.db_full and self._refused(sql.split()[0].upper()):
             exc = sqlite3.OperationalError("database or disk is full")
             exc.sqlite_errorcode, exc.sqlite_errorname = sqlite3.SQLITE_FULL, "SQLITE_FULL"
             raise exc
+
+    def _refused(self, verb: str) -> bool:
+        return verb in self.WRITES
 
     def execute(self, sql, *args):
         self._check(sql)
@@ -66,6 +69,59 @@ class FullDisk:
 
     def __getattr__(self, name):
         return getattr(self._db, name)
+
+
+class FullAtCommit(FullDisk):
+    """As SQLite meets a full disk when its page cache holds a transaction's changes: a statement in a
+    transaction goes through, its COMMIT fails (a statement outside one fails, being its own commit)."""
+
+    def _refused(self, verb: str) -> bool:
+        return verb == "COMMIT" or (verb in self.WRITES and not self._db.in_transaction)
+
+
+def _running_job(store: JobStore) -> Job:
+    job = Job(
+        id=new_job_id(),
+        status=JobStatus.QUEUED,
+        progress=0,
+        created_at=time.time(),
+        spec=job_spec(job_params()),
+    )
+    store.create(job, {"params": {}}, None)
+    assert store.mark_in_progress(job.id, time.time())
+    return job
+
+
+def test_a_kept_failure_outlives_a_refused_commit(tmp_path, monkeypatch):
+    """A write whose COMMIT the full disk refuses rolls the kept failures back with it: they stay kept (the
+    job stays failed, not back to in_progress for good) and are written once space is back."""
+    store = JobStore(tmp_path)
+    disk = FullAtCommit(store, monkeypatch)
+    job = _running_job(store)
+    disk.db_full = True
+    assert store.fail(job.id, 507, "Video generation failed: disk full", completed_at=time.time(), ttl_s=None)
+    store.set_progress([(job.id, 5)])  # refused at its COMMIT, with the kept failure in its transaction
+    assert store.get(job.id).status is JobStatus.FAILED
+    disk.db_full = False
+    store.set_progress([(job.id, 6)])
+    assert store._db.execute("SELECT status FROM jobs WHERE id=?", (job.id,)).fetchone()[0] == "failed"
+    store.close()
+
+
+def test_a_kept_failure_is_written_at_close(tmp_path, monkeypatch):
+    """Space back but no write since: close() writes the kept failures, so the restart does not run again a
+    job whose client was told it failed."""
+    store = JobStore(tmp_path)
+    disk = FullDisk(store, monkeypatch)
+    job = _running_job(store)
+    disk.db_full = True
+    assert store.fail(job.id, 507, "Video generation failed: disk full", completed_at=time.time(), ttl_s=None)
+    disk.db_full = False
+    store.close()
+    store = JobStore(tmp_path)
+    assert store.recover() == []
+    assert store.get(job.id).status is JobStatus.FAILED and store.get(job.id).error_code == 507
+    store.close()
 
 
 def test_a_refused_create_leaves_no_reference_file(tmp_path, monkeypatch):

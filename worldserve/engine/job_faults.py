@@ -47,6 +47,9 @@ class UnsavedFailures:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._pending
+
     def add(self, job_id: str, code: int, message: str, completed_at: float, expires: float | None) -> None:
         self._pending[job_id] = (code, message, completed_at, expires)
 

@@ -53,6 +53,7 @@ MAX_INTERRUPTIONS = 3
 GONE_CURSORS = 10_000
 """Deleted jobs whose place in the list order is remembered, so that a client paging with one as `after`
 (deleted, or expired, between two pages) goes on where it was instead of getting an empty last page."""
+_UNFINISHED = ("queued", "in_progress")
 EXPIRY_BATCH = 500
 """Expired jobs deleted per transaction by the TTL sweep."""
 
@@ -113,16 +114,22 @@ class JobStore:
         error) raises StorageError saying what was not saved."""
         with self._lock:
             try:
-                if self._unsaved:
-                    with contextlib.suppress(sqlite3.OperationalError), self._transaction():
-                        self._unsaved.write(self._db)
-                        self._unsaved.clear()  # (rolled back and kept if the commit fails)
+                self._write_unsaved()
                 yield
             except (OSError, sqlite3.OperationalError) as exc:
                 raise storage_failure(exc, what) from exc
 
+    def _write_unsaved(self) -> None:
+        """Under `_lock`: the failures still unsaved, written if the disk takes them now (else kept)."""
+        if self._unsaved:
+            with contextlib.suppress(sqlite3.OperationalError):
+                with self._transaction():
+                    self._unsaved.write(self._db)
+                self._unsaved.clear()  # once committed (a COMMIT the disk refuses is rolled back: kept)
+
     def close(self) -> None:
         with self._lock:
+            self._write_unsaved()  # (space back since: a restart must not run those jobs again)
             self._db.close()
             self._owner.close()  # releases the directory's lock
 
@@ -237,9 +244,11 @@ class JobStore:
             )
         except StorageError as exc:  # shown failed now, written once the disk takes it (job_faults.py)
             log.warning("job %s: %s; its failure is kept in memory until it can be written", job_id, exc)
-            done = (job := self.get(job_id)) is not None and not job.status.terminal
-            if done:
-                self._unsaved.add(job_id, code, message, completed_at, expires)
+            with self._lock:  # (the check and the add as one: a concurrent write may be writing them)
+                row = self._db.execute("SELECT status FROM jobs WHERE id=?", (job_id,)).fetchone()
+                done = row is not None and row["status"] in _UNFINISHED and job_id not in self._unsaved
+                if done:
+                    self._unsaved.add(job_id, code, message, completed_at, expires)
         if done:
             self.reference_path(job_id).unlink(missing_ok=True)
         return done
