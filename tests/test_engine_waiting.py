@@ -1,11 +1,13 @@
 """Where the engine's jobs wait when something goes wrong or moves them: the queue bound's count
 (EngineClient.num_waiting) is exact at every moment, and a backend that loses a peer rank (BackendLost,
-multi-GPU layouts) while preparing a request stops the engine as a crash with every job it held queued in the
-store (none stays `in_progress` in a process that will never run it), still counted as waiting."""
+multi-GPU layouts) while preparing a request or mid-step stops the engine as a crash with every job it held
+queued in the store before the crash is reported (none stays `in_progress` in a process that will never run
+it), still counted as waiting."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from serving_helpers import job_params, make_client, submit_job, wait_until
 
@@ -98,3 +100,40 @@ def test_clients_hear_of_a_lost_peer_without_its_cause(tmp_path):
     assert health == (False, "engine crashed: --cfg-parallel-size 2: lost")
     assert answer == "the engine has stopped (--cfg-parallel-size 2: lost)"
     assert cause in logged
+
+
+class LosesPeerMidStep(FakeBackend):
+    """BackendLost from a denoise step once `lose` is set; releasing a request takes 0.3 s (a peer exchange)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.lose = False
+
+    def denoise(self, states):
+        if self.lose:
+            raise BackendLost("the peer ranks are gone")
+        super().denoise(states)
+
+    def release(self, state):
+        if self.lose:
+            time.sleep(0.3)
+        super().release(state)
+
+
+def test_a_crash_is_reported_once_the_running_jobs_are_queued_again(tmp_path):
+    """Whoever sees the engine stopped (health, alive) finds its running job queued already (was: reported
+    before the job was parked, which a loaded machine showed as a job still in_progress)."""
+
+    async def main():
+        backend = LosesPeerMidStep(step_delay=0.01)
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        job = _submit(client, "a")
+        await asyncio.to_thread(wait_until, lambda: client.store.get(job.id).progress >= 2)
+        backend.lose = True
+        await asyncio.to_thread(wait_until, lambda: not client.engine.alive)
+        status = client.store.get(job.id).status
+        await client.shutdown(1)
+        return status
+
+    assert asyncio.run(main()) is JobStatus.QUEUED

@@ -167,6 +167,7 @@ class Engine:
 
     # -- the loop (engine thread) -----------------------------------------------------------------------
     def _run(self) -> None:
+        crashed: BaseException | None = None
         try:
             while True:
                 with self._cv:
@@ -183,15 +184,18 @@ class Engine:
                     break
                 self._iterate()
         except BaseException as exc:  # a bug in the loop itself: report unhealthy rather than hang
-            self.crashed = exc
+            crashed = exc
             if isinstance(exc, BackendLost):  # not a bug: one line, the traceback is the backend's log
                 log.error("the engine has stopped: %s", exc)
             else:
                 log.exception("engine loop crashed")
         finally:
-            self._park_running()
-        if self.crashed is not None:
-            self.on_crash(self.crashed)  # (after the running jobs are queued again)
+            try:
+                self._park_running()
+            finally:  # reported once the running jobs are queued again (health, alive, on_crash)
+                self.crashed = crashed
+        if crashed is not None:
+            self.on_crash(crashed)
 
     def _should_exit(self) -> bool:
         return self._hard_stop or (self._draining and not self._sched.running)
