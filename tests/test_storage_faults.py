@@ -158,6 +158,8 @@ async def test_a_full_disk_fails_the_jobs_and_the_server_goes_on(tmp_path, monke
             assert "storage could not save" in done["error"]["message"], done
         assert not list(store.videos_dir.iterdir()), "nothing half-written"
         assert (await http.get("/health")).status_code == 200
+        metrics = (await http.get("/metrics")).text  # both counted, the one failed at its admission too
+        assert 'worldserve:request_failure_total{model_name="test-model",status="507"} 2.0' in metrics
         r = await http.post("/v1/videos", data=form)
         assert r.status_code == 507, r.text
         assert (

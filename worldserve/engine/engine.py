@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 
 from worldserve.config import SchedulerConfig
-from worldserve.engine.jobs import JobStore
+from worldserve.engine.jobs import JobStatus, JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
 from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
 from worldserve.engine.request import Request
@@ -219,7 +219,10 @@ class Engine:
 
     def _prepare(self, request: Request) -> None:
         if not request.ephemeral and not self.store.mark_in_progress(request.job_id, time.time()):
-            self.on_done(request.job_id)  # deleted while it waited (or failed: the disk refused the write)
+            job = self.store.get(request.job_id)  # deleted while it waited, or failed: the disk refused it
+            if job is not None and job.status is JobStatus.FAILED:
+                self.observer.on_failed(job.error_code or 503)
+            self.on_done(request.job_id)
             return
         request.admitted_time = t0 = time.monotonic()
         try:
