@@ -9,6 +9,7 @@ at their fsync with ENOSPC (measured on a full tmpfs: the same errors, the same 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sqlite3
 import time
@@ -121,6 +122,22 @@ def test_a_kept_failure_is_written_at_close(tmp_path, monkeypatch):
     store = JobStore(tmp_path)
     assert store.recover() == []
     assert store.get(job.id).status is JobStatus.FAILED and store.get(job.id).error_code == 507
+    store.close()
+
+
+def test_refused_progress_writes_are_logged_once(tmp_path, monkeypatch, caplog):
+    """Progress is written every step: a full disk logs it once (and once more when writes go through)."""
+    store = JobStore(tmp_path)
+    disk = FullDisk(store, monkeypatch)
+    job = _running_job(store)
+    disk.db_full = True
+    with caplog.at_level(logging.INFO, logger="worldserve.engine.jobs"):
+        for step in range(5):
+            store.set_progress([(job.id, step)])
+        disk.db_full = False
+        store.set_progress([(job.id, 6)])
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    assert store.get(job.id).progress == 6
     store.close()
 
 

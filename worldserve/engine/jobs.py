@@ -80,6 +80,7 @@ class JobStore:
         self._lock = threading.Lock()
         self._gone: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._unsaved = UnsavedFailures()  # failures the database refused (a full disk), shown by the reads
+        self._progress_refused = False  # logged once until a progress write goes through again
         """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         try:
             self._db = self._open_database(self.root / "jobs.sqlite3")
@@ -189,7 +190,7 @@ class JobStore:
             return False
 
     def set_progress(self, updates: Sequence[tuple[str, int]]) -> None:
-        """Best effort: a write the disk refuses is logged and skipped (the next step's overwrites it)."""
+        """Best effort: a write the disk refuses is skipped (the next step's overwrites it), logged once."""
         try:
             with self._writing("the progress"), self._transaction():
                 self._db.executemany(
@@ -197,7 +198,13 @@ class JobStore:
                     [(p, i) for i, p in updates],
                 )
         except StorageError as exc:
-            log.warning("%s", exc)
+            if not self._progress_refused:
+                log.warning("%s (skipped until the disk takes writes again)", exc)
+            self._progress_refused = True
+            return
+        if self._progress_refused:
+            log.info("job progress is saved again")
+            self._progress_refused = False
 
     def complete(
         self,
