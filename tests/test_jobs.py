@@ -135,7 +135,7 @@ def test_expiry_and_bad_ids(tmp_path):
     store.mark_in_progress(job.id, time.time())
     _complete(store, job.id, ttl=0.01)
     assert store.get(job.id).expires_at is not None
-    assert store.expired(time.time() + 1) == [job.id]
+    assert store.delete_expired(time.time() + 1) == [job.id]
     for bad in ("../../etc/passwd", "video_gen_XYZ", ""):
         assert store.get(bad) is None and store.delete(bad) is None
     with pytest.raises(AssertionError):
@@ -172,7 +172,7 @@ def test_a_ttl_set_at_restart_reaches_jobs_finished_before(tmp_path):
     store.recover(ttl_s=5.0)
     got = store.get(old.id)
     assert got.expires_at == pytest.approx(got.completed_at + 5.0) and store.get(dated.id).expires_at == kept
-    assert store.expired(time.time() + 6) == [old.id]
+    assert store.delete_expired(time.time() + 6) == [old.id]
 
 
 def test_one_store_per_directory_and_the_lock_goes_with_close(tmp_path):

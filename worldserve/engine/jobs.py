@@ -355,13 +355,6 @@ class JobStore:
         if len(self._gone) > GONE_CURSORS:
             self._gone.popitem(last=False)
 
-    def expired(self, now: float) -> list[str]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
-            )
-            return [r["id"] for r in rows.fetchall()]
-
     # -- reads ----------------------------------------------------------------------------------------
     def get(self, job_id: str) -> Job | None:
         if not JOB_ID_PATTERN.match(job_id):
