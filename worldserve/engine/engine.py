@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 
 from worldserve.config import SchedulerConfig
-from worldserve.engine.jobs import JobStatus, JobStore
+from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
 from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
 from worldserve.engine.request import Request
@@ -208,6 +208,8 @@ class Engine:
             try:
                 self._prepare(request)
             except BackendLost:  # the loop stops: this one and the ones not yet prepared wait again
+                if not request.ephemeral:
+                    self.store.requeue([request.job_id])
                 with self._cv:
                     self._waiting_ids.add(request.job_id)
                 self._sched.waiting.extendleft(reversed(admitted[i:]))
@@ -218,21 +220,16 @@ class Engine:
         self._num_running = len(self._sched.running)
 
     def _prepare(self, request: Request) -> None:
-        if not request.ephemeral and not self.store.mark_in_progress(request.job_id, time.time()):
-            job = self.store.get(request.job_id)  # deleted while it waited, or failed: the disk refused it
-            if job is not None and job.status is JobStatus.FAILED:
-                self.observer.on_failed(job.error_code or 503)
-            self.on_done(request.job_id)
-            return
-        request.admitted_time = t0 = time.monotonic()
         try:
+            if not request.ephemeral and not self.store.mark_in_progress(request.job_id, time.time()):
+                self.on_done(request.job_id)  # deleted while it waited
+                return
+            request.admitted_time = t0 = time.monotonic()
             with self.model_lock:
                 request.state = self.backend.prepare(request.job_id, request.params)
-        except BackendLost:  # nothing can run any more: a crash of the loop, this job queued again (_iterate)
-            if not request.ephemeral:
-                self.store.requeue([request.job_id])
+        except BackendLost:  # nothing can run any more: a crash of the loop (_iterate queues it again)
             raise
-        except Exception as exc:
+        except Exception as exc:  # a bad input, or the disk refused the admission write (a StorageError)
             self._fail(request, exc)
             return
         request.stage_seconds["prepare"] = time.monotonic() - t0

@@ -173,21 +173,12 @@ class JobStore:
         )
 
     def mark_in_progress(self, job_id: str, started_at: float) -> bool:
-        """False when the job is gone or no longer queued, or when the disk refuses the write: then it fails."""
-        try:
-            return self._update(
-                "UPDATE jobs SET status='in_progress', started_at=?, progress=0 WHERE id=? AND status='queued'",
-                (started_at, job_id),
-            )
-        except StorageError as exc:
-            self.fail(
-                job_id,
-                exc.status_code,
-                f"Video generation failed: {exc}",
-                completed_at=time.time(),
-                ttl_s=None,
-            )
-            return False
+        """False when the job is gone or no longer queued; StorageError when the disk refuses the write (the
+        engine then fails the job as any other failure of its admission)."""
+        return self._update(
+            "UPDATE jobs SET status='in_progress', started_at=?, progress=0 WHERE id=? AND status='queued'",
+            (started_at, job_id),
+        )
 
     def set_progress(self, updates: Sequence[tuple[str, int]]) -> None:
         """Best effort: a write the disk refuses is skipped (the next step's overwrites it), logged once."""
