@@ -38,22 +38,25 @@ def sync_timeout_s() -> float:
     return DEFAULT_SYNC_TIMEOUT_S
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """A yes / no variable: 1 / true / yes / on, 0 / false / no / off (any case); unset or anything else:
+    `default`."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return False if value in ("0", "false", "no", "off") else default
+
+
 def media_url_allow_redirects() -> bool:
     """`VLLM_MEDIA_URL_ALLOW_REDIRECTS` (default 1): whether downloads of http(s) media URLs follow redirects."""
-    return os.environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    return _env_flag("VLLM_MEDIA_URL_ALLOW_REDIRECTS", True)
 
 
 def media_allow_private_addresses() -> bool:
     """`WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES` (default 0): whether downloads of http(s) media URLs may reach
     hosts that resolve to private, loopback, link-local (cloud metadata), multicast or reserved addresses
     beyond those named in --allowed-media-domains (api/media_urls.py)."""
-    value = os.environ.get("WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES", "0")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return _env_flag("WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES", False)
 
 
 def media_fetch_timeout_s(kind: str) -> float:
