@@ -71,12 +71,19 @@ def test_a_named_choice_calls_that_function_streamed_or_not(reasoner_oai):
 
 
 def test_a_required_choice_answers_one_call_or_more(reasoner_oai):
-    """Every choice that ends is a list of calls of the given tools; one cut by max_tokens (the random model
-    may go on listing calls) is answered as its text, without calls."""
-    answer = reasoner_oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=400, seed=1, tools=TOOLS,
-                                         tool_choice="required", n=4)  # fmt: skip
-    ended = [c for c in answer.choices if c.finish_reason == "stop"]
+    """Every choice that ends is a list of calls of the given tools, finish_reason "tool_calls" (vLLM's, streamed
+    or not); one cut by max_tokens (the random model may go on listing calls) is answered as its text, without
+    calls."""
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 400, "seed": 1, "tools": TOOLS, "tool_choice": "required"}
+    answer = reasoner_oai.chat.completions.create(n=4, **kw)
+    assert {c.finish_reason for c in answer.choices} <= {"tool_calls", "length"}
+    ended = [c for c in answer.choices if c.finish_reason == "tool_calls"]
     assert ended, answer
+    finishes = {}
+    for chunk in reasoner_oai.chat.completions.create(stream=True, n=4, **kw):
+        for c in chunk.choices:
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+    assert finishes == {c.index: c.finish_reason for c in answer.choices}
     for choice in ended:
         assert choice.message.content == "" and choice.message.tool_calls
         for call in choice.message.tool_calls:

@@ -94,6 +94,40 @@ def test_thoughts_and_answer_over_http(url, reasoner):
     assert plain["reasoning_content"] is None and plain["content"] in ("Blue.", "Azure.")
 
 
+def _events(url: str, **body) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": ASK, "max_tokens": 60, "stream": True, **body}) as r:  # fmt: skip
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_thoughts_come_under_both_names(url):
+    """vLLM renamed reasoning_content to reasoning (v0.11.1) and then dropped the old name: the thoughts come
+    under both, in the message and in every streamed delta, so the clients of either find them."""
+    forced = {"structured_outputs": {"regex": THOUGHT}, "seed": 3}
+    message = _chat(url, **forced)["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "\nBecause of Rayleigh scattering.\n"
+    deltas = [e["choices"][0]["delta"] for e in _events(url, **forced) if e["choices"]]
+    thoughts = [d for d in deltas if "reasoning" in d or "reasoning_content" in d]
+    assert thoughts and all(d["reasoning"] == d["reasoning_content"] for d in thoughts)
+    assert "".join(d["reasoning"] for d in thoughts) == message["reasoning"]
+    plain = _chat(url, **forced, include_reasoning=False)["message"]
+    assert plain["reasoning"] is None and plain["reasoning_content"] is None
+
+
+def test_dropped_thoughts_take_the_logprobs_with_them(url):
+    """include_reasoning false: no logprobs, streamed or not (vLLM's rule; their tokens would show the
+    thoughts, streamed in chunks of their own), the answer's text unchanged."""
+    forced = {"structured_outputs": {"regex": THOUGHT}, "seed": 3, "logprobs": True, "top_logprobs": 2}
+    shown = _chat(url, **forced)
+    assert shown["logprobs"]["content"][0]["token"] == "<think>"
+    hidden = _chat(url, **forced, include_reasoning=False)
+    assert hidden["logprobs"] is None and hidden["message"]["content"] == shown["message"]["content"]
+    events = _events(url, **forced, include_reasoning=False)
+    assert all(e["choices"][0]["logprobs"] is None for e in events if e["choices"])
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert content == shown["message"]["content"]
+
+
 def test_tool_calls_come_from_the_content_after_the_thoughts(url):
     tool = {"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}
     regex = '<think>\\nI should look\\.\\n</think>\\n\\n<tool_call>\\n\\{"name": "look", "arguments": \\{\\}\\}\\n</tool_call>'

@@ -84,9 +84,11 @@ def test_hermes_parse_of_a_finished_text():
         and calls[0].function.name == "get_time"
         and calls[0].function.arguments == '{"tz": "é"}'
     )
-    assert final_message('[{"name": "get_ti', tool_mode(TOOLS, "required"), "length")[:2] == (
+    assert finish == "tool_calls"  # vLLM's (OpenAI's rule): "tool_calls" for required calls, "stop" for named
+    assert final_message('[{"name": "get_ti', tool_mode(TOOLS, "required"), "length") == (
         '[{"name": "get_ti',
         [],
+        "length",
     )
 
 
@@ -217,6 +219,12 @@ def test_named_and_required_streams():
     text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
     content, calls, called = _streamed(required, _cuts(text, random.Random(0)))
     assert called and [c["name"] for c in calls] == ["get_weather", "get_time"] and content == ""
+    stream = ToolStream(required)
+    stream.feed(text, True)
+    assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
+    stream = ToolStream(named)
+    stream.feed('{"city": "Oslo"}', True)
+    assert stream.finish_reason("stop") == "stop"  # a named call keeps the chat's own, as vLLM's
     content, calls, called = _streamed(required, ['[{"name": "get_w'])  # cut by max_tokens: the text itself
     assert content == '[{"name": "get_w' and not calls and not called
 

@@ -202,7 +202,9 @@ class ChatCompletionRequest(SamplingRequest):
     )
     chat_template: str | None = Field(None, description="Refused (a 400), as vLLM refuses it by default.")
     include_reasoning: bool = Field(
-        True, description="vLLM's: with --reasoning-parser, false leaves reasoning_content out."
+        True,
+        description="vLLM's: with --reasoning-parser, false leaves the reasoning out (and, as vLLM does, the "
+        "logprobs, which would show its tokens).",
     )
 
     def echo_text(self) -> str:
@@ -321,7 +323,10 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None
+    """The thoughts (--reasoning-parser): vLLM's name since v0.11.1 (the only one since early 2026) ..."""
     reasoning_content: str | None = None
+    """... and the same text under its older name (vLLM up to v0.11, DeepSeek's), for the clients of either."""
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -369,8 +374,9 @@ class ChatCompletionResponse(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, Any]
-    """{"role": "assistant", "content": ""} first, then {"content": piece} or {"tool_calls": [...]}, {} on
-    the final chunk."""
+    """{"role": "assistant", "content": ""} first, then {"content": piece}, {"tool_calls": [...]} or the
+    thoughts as {"reasoning": piece, "reasoning_content": piece} (both names, as AssistantMessage), {} on the
+    final chunk."""
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None

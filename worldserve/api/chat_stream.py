@@ -198,6 +198,12 @@ class TextParsing:
     echo: str = ""
     """vLLM's chat echo: the continued assistant message, put before the content."""
 
+    @property
+    def hides_tokens(self) -> bool:
+        """Whether the answer's logprobs are left out: thoughts dropped by `include_reasoning: false` (vLLM's
+        rule: their tokens would show in the logprobs, so none are sent, streamed or not)."""
+        return self.reasoning and not self.include_reasoning
+
     def stream(self) -> AnswerStream:
         """A parser of one streamed answer's text as this says."""
         return AnswerStream(self)
@@ -255,11 +261,13 @@ async def collect(
         content, calls, finish = final_message(content, parsing.tools, last.finish_reason)
         if parsing.echo:
             content = parsing.echo + (content or "")
-        message = AssistantMessage(content=content, tool_calls=calls,
-                                   reasoning_content=reasoning if parsing.include_reasoning else None)  # fmt: skip
+        reasoning = reasoning if parsing.include_reasoning else None
+        message = AssistantMessage(content=content, tool_calls=calls, reasoning=reasoning,
+                                   reasoning_content=reasoning)  # fmt: skip
+        shown = logprobs and not parsing.hides_tokens
         choices.append(Choice(
             index=index, message=message, finish_reason=finish,
-            logprobs=ChoiceLogprobs(content=logprob_items(entries)) if logprobs else None,
+            logprobs=ChoiceLogprobs(content=logprob_items(entries)) if shown else None,
             stop_reason=last.stop_reason,
         ))  # fmt: skip
     return ChatCompletionResponse(
@@ -283,6 +291,8 @@ async def sse(
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=(), stop=None) -> str:
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
+        if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)
+            delta = {"reasoning": delta["reasoning_content"], **delta}
         choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp, stop_reason=stop)
         usage = make_usage(prompt_tokens, completion[index]) if continuous_usage else None
         return ChatCompletionChunk(
@@ -296,10 +306,11 @@ async def sse(
                   if parsing.include_reasoning or "reasoning_content" not in d]  # fmt: skip
         if finish is not None:
             finish = parsers[index].finish_reason(finish)
-        if event.logprobs and not deltas:
+        logprobs = () if parsing.hides_tokens else event.logprobs
+        if logprobs and not deltas:
             deltas = [{"content": ""}]
         for i, delta in enumerate(deltas):
-            yield chunk(index, delta, logprobs=event.logprobs if i == 0 else ())
+            yield chunk(index, delta, logprobs=logprobs if i == 0 else ())
         if finish is not None:
             yield chunk(index, {}, finish, stop=event.stop_reason)
 

@@ -8,7 +8,8 @@ reasoning_content: the pain point the docs record.)
 `reasoning_content` / `content` deltas that add up to the same (a possible "<think>" or "</think>" still
 being written is held back). An unfinished thought (cut by max_tokens) is reasoning, streamed or not. The
 content then goes through tool-call parsing (api/tool_stream.py), as vLLM extracts tool calls from the content
-only. `include_reasoning: false` (vLLM's request field) drops the thoughts from the answer.
+only. `include_reasoning: false` (vLLM's request field) drops the thoughts from the answer. The chat answer
+sends the thoughts under both of vLLM's names, `reasoning` and `reasoning_content` (api/chat_stream.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ chat template; `tool_choice`: "auto" (the default with tools: the model decides;
 become `tool_calls`, finish_reason "tool_calls"), "none" (plain text), "required" (the output is constrained
 to a JSON list of {"name", "parameters"} of the given tools, one call at least) or {"type": "function",
 "function": {"name": N}} (the output is constrained to N's parameters schema: one call of N). As vLLM answers
-them, a required or named call's message has content "" and the chat's own finish_reason ("stop").
+them, a required or named call's message has content ""; finish_reason "tool_calls" for required calls that
+ended, the chat's own ("stop") for a named one (OpenAI's rule, vLLM's serving_chat; a cut stays "length").
 Messages: an assistant turn's `tool_calls` (their JSON `arguments` handed to the template as objects, as
 vLLM does) and a tool turn's `tool_call_id` reach the template. Each bad tool, choice or call is a 400 naming
 its field. Call ids are vLLM's `chatcmpl-tool-<hex>`.

@@ -54,11 +54,17 @@ def final_message(
         calls = required_calls(text)
         if calls is None:
             return text, [], finish_reason
-        return "", calls if mode.parallel else calls[:1], finish_reason
+        return "", calls if mode.parallel else calls[:1], required_finish(finish_reason)
     found = hermes_calls(text)
     if found is None:
         return text, [], finish_reason
     return found[0], found[1] if mode.parallel else found[1][:1], "tool_calls"
+
+
+def required_finish(reason: str | None) -> str | None:
+    """A required choice's calls that ended ("stop") finish with "tool_calls", as vLLM's (OpenAI's rule:
+    "tool_calls" for auto and required calls, "stop" for a named one); a cut keeps its "length"."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class ToolStream:
@@ -98,8 +104,11 @@ class ToolStream:
         return self._calls > 0
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """auto: "tool_calls" once a call was sent; otherwise the chat's own."""
-        return "tool_calls" if self.mode.choice == "auto" and self.called else reason
+        """auto: "tool_calls" once a call was sent; required: "tool_calls" for calls that ended ("stop");
+        otherwise (a named call, a cut) the chat's own."""
+        if self.mode.choice == "auto" and self.called:
+            return "tool_calls"
+        return required_finish(reason) if self.mode.choice == "required" and self.called else reason
 
     def _required(self, piece: str, finished: bool) -> list[dict[str, Any]]:
         """The JSON list of {"name", "parameters"}: item i's call once its name is written, then its
