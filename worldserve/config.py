@@ -14,7 +14,6 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import json
 import math
 import re
 import textwrap
@@ -24,70 +23,15 @@ import typing
 from dataclasses import dataclass, field, replace
 
 from worldserve import envs
+from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag: re-exported)
+    FlagValueError,
+    JsonStrList,
+    MediaLimits,
+    TokenCount,
+    json_flag,
+)
 
 TINY_SERVED_NAME = "worldserve/tiny-cosmos3"
-
-
-class FlagValueError(argparse.ArgumentTypeError, ValueError):
-    """A malformed flag value: argparse reports it as `argument --flag: <message>` (exit 2); a ValueError
-    to Python callers."""
-
-
-def json_flag(text: str, expected: str) -> typing.Any:
-    """A JSON flag value parsed; FlagValueError (naming what was `expected`) when it is not JSON."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FlagValueError(f"not valid JSON ({e.msg}): {text!r}; expected {expected}") from None
-
-
-class JsonStrList(tuple):
-    """A flag whose value is a JSON list of strings (vLLM's CORS flags: `--allowed-origins '["https://x.org"]'`).
-    Built from the flag's text or from an iterable of strings; a tuple, so the frozen configs stay hashable;
-    str() gives the JSON back (the --help default)."""
-
-    __slots__ = ()
-
-    def __new__(cls, value: str | typing.Iterable[str] = ()) -> JsonStrList:
-        """Parse `value` (JSON text, or already a list/tuple of strings); FlagValueError when it is not one."""
-        if isinstance(value, str):
-            value = json_flag(value, "a list such as '[\"*\"]'")
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise FlagValueError(
-                f"expected a JSON list of strings such as '[\"*\"]', got {json.dumps(value)}"
-            )
-        return super().__new__(cls, value)
-
-    def __str__(self) -> str:
-        """The JSON text of the list."""
-        return json.dumps(list(self))
-
-
-class MediaLimits(tuple):
-    """vLLM's `--limit-mm-per-prompt '{"image": 4, "video": 1}'`: the most images / videos one chat request may
-    carry. A tuple of sorted (modality, count) pairs, so the frozen configs stay hashable; str() is the JSON."""
-
-    __slots__ = ()
-    MODALITIES = ("image", "video")
-
-    def __new__(cls, value: str | typing.Mapping[str, int] = ()) -> MediaLimits:
-        if isinstance(value, str):
-            value = json_flag(value, 'an object such as \'{"image": 4, "video": 1}\'')
-        if not isinstance(value, typing.Mapping | tuple):
-            raise FlagValueError(f'expected {{"image": N, "video": M}}, got {json.dumps(value)}')
-        pairs = dict(value)
-        if set(pairs) - set(cls.MODALITIES) or not all(type(v) is int and v >= 0 for v in pairs.values()):
-            raise FlagValueError(
-                f'expected {{"image": N, "video": M}} with counts >= 0, got {json.dumps(pairs)}'
-            )
-        return super().__new__(cls, sorted(pairs.items()))
-
-    def get(self, modality: str) -> int | None:
-        """The limit for `modality`, or None (no limit)."""
-        return dict(self).get(modality)
-
-    def __str__(self) -> str:
-        return json.dumps(dict(self))
 
 
 MIN_UPLOAD_MB = 0.01
@@ -109,12 +53,12 @@ class ModelConfig:
     """Checkpoint folder or Hugging Face repo id (e.g. nvidia/Cosmos3-Nano); omitted: the embedded tiny random checkpoint, whose output is noise."""
     revision: str | None = None
     """Hugging Face revision (branch, tag or commit) of MODEL."""
-    served_model_name: str | None = None
-    """Name clients must send in `model` and that /v1/models lists; default: MODEL."""
+    served_model_name: str | None = field(default=None, metadata={"nargs": "+"})
+    """Name clients must send in `model` and that /v1/models lists; default: MODEL (several names: the first is served, as vLLM's first name is the one its answers and metrics carry; the others are not accepted)."""
     device: str | None = None
     """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
-    dtype: str | None = field(default=None, metadata={"choices": ("auto", "bfloat16", "float16", "float32")})
-    """Weight and activation dtype; default (or auto, as vLLM spells it): bfloat16 on GPU, float32 on CPU."""
+    dtype: str | None = field(default=None, metadata={"choices": ("auto", "bfloat16", "float16", "half", "float32", "float")})
+    """Weight and activation dtype (half: float16, float: float32, as vLLM); default (or auto): bfloat16 on GPU, float32 on CPU."""
     quantization: str | None = field(default=None, metadata={"choices": ("fp8",)})
     """fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy, halves those weights); default: none."""
     fp8_attention: bool = False
@@ -131,8 +75,8 @@ class ModelConfig:
     """Seconds allowed for loading the model before startup fails (the recipe uses 1800)."""
     warmup_shapes: str = "auto"
     """Output shapes generated once at startup (WIDTHxHEIGHTxFRAMES, comma separated; one denoising step each, CFG and audio as the defaults), so that the first request of each shape does not pay torch.compile and kernel selection; auto: the default 1280x720x189 on GPU, none on CPU; none: skip."""
-    max_model_len: int = 32768
-    """Context length of Reasoner chat completions (prompt + completion tokens)."""
+    max_model_len: TokenCount = 32768
+    """Context length of Reasoner chat completions (prompt + completion tokens; vLLM's 32k = 32000, 32K = 32768; auto or -1: 32768)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
     chat_sm_margin: int = 16
@@ -158,8 +102,10 @@ class ModelConfig:
         )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.dtype == "auto":  # vLLM's default spelling: the device's default dtype
-            object.__setattr__(self, "dtype", None)
+        if isinstance(self.served_model_name, list):  # --served-model-name A B: A (serve_compat warns of B)
+            object.__setattr__(self, "served_model_name", self.served_model_name[0])
+        # vLLM's spellings: auto is the device's default dtype
+        object.__setattr__(self, "dtype", {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype))
         check_seconds("--init-timeout", self.init_timeout, zero=False)
         if self.revision is not None and self.model is None:
             raise ValueError("--revision needs a MODEL (the embedded tiny checkpoint has no revisions)")

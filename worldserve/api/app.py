@@ -60,12 +60,14 @@ def build_app(
     mm_limits: Mapping[str, int] | None = None,
     reasoning_parser: str | None = None,
     responses_store_bytes: int = 256 * 2**20,
+    docs: bool = True,
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
     `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
-    `reasoning_parser` = `--reasoning-parser`, `responses_store_bytes` = `--responses-store-mb`)."""
+    `reasoning_parser` = `--reasoning-parser`, `responses_store_bytes` = `--responses-store-mb`; `docs` False:
+    vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
@@ -87,6 +89,7 @@ def build_app(
         version=__version__,
         description="vLLM-Omni / OpenAI-Videos-compatible video generation for Cosmos3 models.",
         lifespan=lifespan,
+        **({} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
     )
     app.state.ws = AppState(
         client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
@@ -122,9 +125,10 @@ def build_app(
     async def list_models() -> ModelList:
         name = client.model_name
         permission = ModelPermission(id=f"modelperm-{name}", created=created)
-        return ModelList(
-            data=[ModelCard(id=name, created=created, root=model_root or name, permission=[permission])]
-        )
+        # vLLM's card carries the context length; None where no chat is served (vLLM-Omni's diffusion cards)
+        max_len = None if client.chat_worker is None else getattr(client.chat_worker.backend, "max_model_len", None)
+        return ModelList(data=[ModelCard(id=name, created=created, root=model_root or name, max_model_len=max_len,
+                                         permission=[permission])])  # fmt: skip
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:

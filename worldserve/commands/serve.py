@@ -30,6 +30,7 @@ import uvicorn
 
 from worldserve import __version__
 from worldserve.api.media_urls import allowed_domains
+from worldserve.commands import serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import CONFIG_CLASSES, EngineConfig, ModelConfig, ParallelConfig, add_config_arguments
 
@@ -38,16 +39,26 @@ LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The config dataclasses' flags, then the vLLM / vLLM-Omni compatibility group (serve_compat.py)."""
+    """The config dataclasses' flags, vLLM's HTTP-server flags (serve_http.py), then the vLLM / vLLM-Omni
+    compatibility group (serve_compat.py)."""
     for cls in CONFIG_CLASSES:
         add_config_arguments(parser, cls)
+    serve_http.add_http_arguments(parser)
     add_compat_arguments(parser)
+
+
+def _fresh_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="worldserve serve")
+    add_arguments(parser)
+    return parser
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed `serve` flags, vLLM's aliases folded in: `--model M` is MODEL (both given and
     different: ValueError) and `--stage-init-timeout S` raises --init-timeout to S when larger. A vLLM flag at a
-    value worldserve cannot honour is a ValueError naming it (serve_compat.check_compat_flags)."""
+    value worldserve cannot honour is a ValueError naming it (serve_compat.check_compat_flags). `--config FILE`
+    fills the flags the command line left at their defaults first."""
+    serve_http.apply_config_file(args, _fresh_parser)
     check_compat_flags(args)
     values = vars(args).copy()
     option = values.pop("model_option", None)
@@ -69,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "log_file", None):
             log_file = log_to_file(args.log_file, LOG_FORMAT)
         config = engine_config(args).resolve()
+        middlewares = serve_http.check_http_arguments(args)  # certificates load, middlewares import
         if config.model.backend != "fake":  # --device before anything binds, loads or downloads
             from worldserve.runner.devices import check_layout_device
 
@@ -109,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         backend, gpu_memory, *chat = loaded
         try:
             return _serve(
-                config, store, backend, gpu_memory, chat[0] if chat else None, listener, log_file=log_file
+                config, store, backend, gpu_memory, chat[0] if chat else None, listener, log_file=log_file,
+                http=(args, middlewares),
             )
         finally:
             if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
@@ -163,6 +176,7 @@ def _serve(
     listener: socket.socket,
     *,
     log_file: logging.Handler | None = None,
+    http: tuple[argparse.Namespace, list] | None = None,
 ) -> int:
     from worldserve.api.app import build_app, route_table
     from worldserve.api.metrics import Metrics
@@ -178,17 +192,21 @@ def _serve(
     client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
                           job_ttl_s=server_cfg.job_ttl, chat_backend=chat_backend,
                           max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
-    app = build_app(client, metrics=metrics, **app_options(config))
+    http_args, middlewares = http or (argparse.Namespace(), [])
+    app = build_app(client, metrics=metrics, **app_options(config),
+                    docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
+    serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
              config.scheduler.max_queued_requests, server_cfg.sync_timeout,
              ", API key required on /v1" if server_cfg.api_key else "")  # fmt: skip
-    log.info("Starting worldserve API server on http://%s:%d", server_cfg.host, listener.getsockname()[1])
+    scheme = "https" if getattr(http_args, "ssl_certfile", None) else "http"
+    log.info("Starting worldserve API server on %s://%s:%d", scheme, server_cfg.host, listener.getsockname()[1])
     log.info("Available routes are:")
     for path, methods in route_table(app):
         log.info("Route: %s, Methods: %s", path, ", ".join(methods))
     uv_config = uvicorn.Config(
         app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
-        timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
+        timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10, **serve_http.uvicorn_options(http_args),
     )  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):

@@ -239,6 +239,49 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       {"type": POSITIVE_INT}),
     C("--enable-prefix-caching", "the Reasoner keeps no prefix cache: each chat prefills its whole prompt",
       {"action": argparse.BooleanOptionalAction}),
+    C("--enable-log-requests", "worldserve logs no request contents (uvicorn's access log has a line a request)",
+      {"action": argparse.BooleanOptionalAction}),
+    C("--max-log-len", "worldserve logs no prompts", {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),
+    C("--chat-template", "", {"metavar": "PATH"}, NEVER, "never", "worldserve renders the checkpoint's own chat "
+      "template (text_tokenizer/); another template would change every chat's prompt"),
+    C("--chat-template-content-format", "the chat template is handed each message as it expects",
+      {"choices": ("auto", "string", "openai")}, lambda v: v == "auto", "only at auto",
+      "worldserve renders message content the way the checkpoint's chat template expects it"),
+    C("--response-role", "assistant is the role of every answer", {"metavar": "ROLE"},
+      lambda v: v == "assistant", "only as assistant", "answers always carry the assistant role"),
+    C("--return-tokens-as-token-ids", "", ON, NEVER, "never",
+      "logprobs name their tokens by text (vLLM's default); token:<id> strings are not supported"),
+    C("--enable-prompt-tokens-details", "", ON, NEVER, "never", "there is no prefix cache, so no cached-token "
+      "count to report: usage.prompt_tokens_details stays null"),
+    C("--enable-force-include-usage", "", ON, NEVER, "never", "streamed answers carry usage only when the "
+      "request's stream_options.include_usage asks for it"),
+    C("--mm-processor-kwargs", "an empty object is the default", JSON, EMPTY, "only as {}", "worldserve has no "
+      "server-wide processor settings: send mm_processor_kwargs per request (size, min_pixels, max_pixels, fps, "
+      "num_frames)"),
+    C("--compilation-config", "worldserve compiles its own layers on GPU (--enforce-eager turns it off)",
+      {"metavar": "LEVEL|JSON"}, aliases=("-O",)),
+    C("--tokenizer", "", {"metavar": "NAME"}, NEVER, "never", "worldserve uses the checkpoint's text_tokenizer/"),
+    C("--tokenizer-mode", "auto is the checkpoint's tokenizer", {"metavar": "MODE"}, lambda v: v == "auto",
+      "only at auto", "worldserve uses the checkpoint's own (fast) tokenizer"),
+    C("--enable-chunked-prefill", "the Reasoner prefills each prompt whole", {"action": argparse.BooleanOptionalAction}),
+    C("--block-size", "the Reasoner's K/V pool has 64-token blocks", {"type": POSITIVE_INT}),
+    C("--swap-space", "preempted chats are recomputed, not swapped", {"type": FLOAT}),
+    C("--max-seq-len-to-capture", "the decode step is captured for every context length", {"type": POSITIVE_INT}),
+    C("--disable-custom-all-reduce", "worldserve's collectives are torch.distributed's", ON),
+    C("--data-parallel-size", "1 is one replica", {"type": POSITIVE_INT}, lambda v: v == 1, "only at 1",
+      "worldserve is one replica: run several servers (each with its own --storage-dir) behind a load balancer",
+      aliases=("-dp",)),
+    C("--pipeline-parallel-size", "1 is no pipeline parallelism", {"type": POSITIVE_INT}, lambda v: v == 1,
+      "only at 1", "worldserve has no pipeline parallelism: use --ulysses-degree / --tensor-parallel-size",
+      aliases=("-pp",)),
+    C("--load-format", "auto reads the checkpoint's safetensors", {"metavar": "FORMAT"},
+      lambda v: v in ("auto", "safetensors"), "only at auto or safetensors",
+      "worldserve loads the checkpoint's safetensors only"),
+    C("--download-dir", "", {"metavar": "PATH"}, NEVER, "never", "worldserve downloads into the Hugging Face "
+      "cache: set HF_HOME (or HF_HUB_CACHE) instead"),
+    C("--lora-modules", "", {"metavar": "SPEC", "nargs": "+"}, NEVER, "never",
+      "worldserve serves no LoRA adapters (merge one into the checkpoint's weights instead)"),
+    C("--enable-sleep-mode", "", ON, NEVER, "never", "worldserve has no sleep mode (no /sleep, /wake_up routes)"),
 )  # fmt: skip
 """vLLM / vLLM-Omni flags of pasted command lines, in serving-api.md §9 / §11.1 order. (--flow-shift, --dtype,
 --vae-use-tiling, -tp, --usp, the CORS flags... are real worldserve flags, in config.py.)"""
@@ -292,6 +335,13 @@ def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
     """The deprecation of `--model`, and one line per accepted-without-effect flag given, saying why."""
     if getattr(args, "model_option", None) is not None:
         log.warning("--model is deprecated (as in vLLM): pass the model as the positional MODEL")
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, list) and len(names) > 1:
+        log.warning("--served-model-name %s: only %r is served (answers and metrics carry it, as vLLM's first "
+                    "name); requests naming %s are refused", " ".join(names), names[0],
+                    " or ".join(repr(n) for n in names[1:]))  # fmt: skip
+    if getattr(getattr(args, "max_model_len", None), "auto", False):
+        log.info("--max-model-len auto: %d tokens, worldserve's default", config.model.max_model_len)
     par = config.parallel
     context = {"gpus": f" ({par.cfg_parallel_size * par.ulysses_degree * par.tensor_parallel_size} here)",
                "max_batch_size": f" ({config.scheduler.max_batch_size} here)"}  # fmt: skip

@@ -1,0 +1,160 @@
+"""vLLM's `serve` flags beyond the recipe's, as a pasted `vllm serve` line uses them: the HTTP-server ones
+honoured on a real `worldserve serve` (HTTPS, --root-path with the API key still checked, --middleware,
+--disable-fastapi-docs, --config YAML with the command line winning), vLLM's value spellings (--max-model-len
+32k / 32K / auto, --dtype half / float, several --served-model-name), the others accepted with one log line or
+refused before the model loads (exit 2, naming the flag); /v1/models carries the chat context length.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from serving_helpers import make_client
+
+from worldserve.api.app import build_app
+from worldserve.cli import build_parser
+from worldserve.commands import serve, serve_compat
+
+TESTS = Path(__file__).parent
+
+
+def parse_args(*argv: str):
+    return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("text, tokens", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),
+                                          ("1m", 1_000_000), ("auto", 32768), ("-1", 32768)])  # fmt: skip
+def test_max_model_len_takes_vllms_human_readable_numbers(text, tokens):
+    assert serve.engine_config(parse_args("--max-model-len", text)).model.max_model_len == tokens
+
+
+@pytest.mark.parametrize("text", ["1.5K", "32kb", "x", "-2"])
+def test_a_malformed_max_model_len_is_an_argparse_error(text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args("--max-model-len", text)
+    assert exit_.value.code == 2 and "--max-model-len" in capsys.readouterr().err
+
+
+def test_vllm_dtype_spellings_and_several_served_names(caplog):
+    assert serve.engine_config(parse_args("--dtype", "half")).model.dtype == "float16"
+    assert serve.engine_config(parse_args("--dtype", "float")).model.dtype == "float32"
+    args = parse_args("nvidia/Cosmos3-Nano", "--served-model-name", "cosmos", "c3")
+    cfg = serve.engine_config(args)
+    assert (cfg.model.model, cfg.model.served_model_name) == ("nvidia/Cosmos3-Nano", "cosmos")
+    with caplog.at_level(logging.INFO, logger="worldserve.serve"):
+        serve_compat.log_compat(args, cfg)
+    assert "only 'cosmos' is served" in caplog.text and "'c3'" in caplog.text
+
+
+@pytest.mark.parametrize("argv", [
+    ["--enable-log-requests"], ["--max-log-len", "100"], ["-O", "3"], ["-O3"], ["--compilation-config", '{"level": 3}'],
+    ["--response-role", "assistant"], ["--mm-processor-kwargs", "{}"], ["--enable-chunked-prefill"],
+    ["--block-size", "16"], ["--swap-space", "4"], ["-pp", "1"], ["--data-parallel-size", "1"],
+    ["--load-format", "safetensors"], ["--tokenizer-mode", "auto"], ["--chat-template-content-format", "auto"],
+])  # fmt: skip
+def test_accepted_flags_log_why_they_change_nothing(argv, caplog):
+    args = parse_args(*argv)
+    with caplog.at_level(logging.INFO, logger="worldserve.serve"):
+        serve_compat.log_compat(args, serve.engine_config(args))
+    assert "accepted, no effect: " in caplog.text
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--chat-template", "t.jinja"], "--chat-template"), (["--response-role", "bot"], "--response-role"),
+    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids"),
+    (["--enable-prompt-tokens-details"], "--enable-prompt-tokens-details"),
+    (["--enable-force-include-usage"], "--enable-force-include-usage"),
+    (["--mm-processor-kwargs", '{"fps": 1}'], "--mm-processor-kwargs"), (["--tokenizer", "x"], "--tokenizer"),
+    (["-dp", "2"], "--data-parallel-size"), (["--download-dir", "/tmp"], "--download-dir"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode"), (["--middleware", "no_such_module.thing"], "--middleware"),
+    (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile"),
+    (["--ssl-certfile", "c.pem"], "--ssl-keyfile"), (["--config", "/nonexistent.yaml"], "--config"),
+])  # fmt: skip
+def test_values_worldserve_cannot_honour_stop_the_start_before_the_load(argv, named, tmp_path, caplog, monkeypatch):
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args(*argv, "--storage-dir", str(tmp_path / "s"), "--port", "0")) == 2
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert named in record.getMessage() and record.exc_info is None and not loads
+
+
+def test_config_file_fills_what_the_command_line_left(tmp_path):
+    (tmp_path / "c.yaml").write_text("model: some/model\nmax_model_len: 16k\nmax-num-seqs: 8\nenforce-eager: true\n"
+                                     "allowed-origins: '[\"https://a.example\"]'\nport: 9000\n")  # fmt: skip
+    cfg = serve.engine_config(parse_args("--config", str(tmp_path / "c.yaml"), "--port", "8001"))
+    assert (cfg.model.model, cfg.model.max_model_len, cfg.scheduler.max_num_seqs) == ("some/model", 16000, 8)
+    assert cfg.model.enforce_eager and cfg.server.allowed_origins == ("https://a.example",)
+    assert cfg.server.port == 8001, "the command line wins"
+    (tmp_path / "bad.yaml").write_text("max-num-seqs: lots\n")
+    with pytest.raises(ValueError, match="--config .*bad.yaml.*--max-num-seqs"):
+        serve.engine_config(parse_args("--config", str(tmp_path / "bad.yaml")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_real_server_with_vllms_http_flags(tmp_path):
+    """HTTPS, --root-path (the API key still checked under the prefix), --middleware, no docs, flags from
+    --config: on a real `worldserve serve` (fake backend)."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out",
+                    "cert.pem", "-days", "1", "-subj", "/CN=localhost"], cwd=tmp_path, check=True,
+                   capture_output=True)  # fmt: skip
+    (tmp_path / "c.yaml").write_text("api-key: sk-test\nserved-model-name: [cosmos, c3]\n")
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--backend", "fake", "--host", "127.0.0.1", "--port",
+           str(port), "--storage-dir", str(tmp_path / "s"), "--config", str(tmp_path / "c.yaml"), "--root-path",
+           "/api", "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem"),
+           "--middleware", "serve_middleware.stamp", "--disable-fastapi-docs", "--disable-uvicorn-access-log"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=False, timeout=10) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+                    time.sleep(0.2)
+            key = {"Authorization": "Bearer sk-test"}
+            for path in ("/api/v1/models", "/v1/models"):
+                assert http.get(path).status_code == 401, path  # the prefix does not bypass the key
+                models = http.get(path, headers=key)
+                assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["cosmos"]
+                assert models.headers["x-stamped"] == "/v1/models"
+            assert http.get("/api/health").status_code == 200
+            for path in ("/docs", "/openapi.json", "/redoc", "/api/docs"):
+                assert http.get(path).status_code == 404, path
+            metrics = http.get("/api/metrics").text
+            assert 'handler="/v1/models"' in metrics and 'model_name="cosmos"' in metrics
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert "https://" in out and "only 'cosmos' is served" in out
+    assert '"GET /v1/models HTTP/1.1"' not in out, "--disable-uvicorn-access-log"
+
+
+@pytest.mark.anyio
+async def test_models_card_carries_the_chat_context_length(tmp_path, anyio_backend):
+    """As vLLM's card: max_model_len is the Reasoner's context length (null without chats)."""
+    chat = SimpleNamespace(max_model_len=4096, kv_cache_usage=lambda: 0.0, preemptions=0)
+    for backend, expected in ((chat, 4096), (None, None)):
+        client = make_client(tmp_path / str(expected), chat_backend=backend)
+        app = build_app(client)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            (card,) = (await http.get("/v1/models")).json()["data"]
+        assert card["max_model_len"] == expected

@@ -1,0 +1,143 @@
+"""The HTTP-server flags of `vllm serve` that worldserve honours as vLLM does: `--root-path` (served behind a
+proxy under a path prefix), `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs` / `--ssl-cert-reqs` (HTTPS,
+checked before the model loads), `--disable-uvicorn-access-log`, `--disable-fastapi-docs` (no /docs, /redoc,
+/openapi.json), `--middleware` (a class or `async def (request, call_next)` imported by its dotted name, added
+outermost, as vLLM adds it) and `--config FILE` (a YAML file of flags, keys spelled as the flags without `--`;
+a flag also given on the command line keeps the command line's value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from worldserve.config import FlagValueError
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP server (vLLM's flags)")
+    group.add_argument("--config", metavar="FILE", help="A YAML file of flags (`max-model-len: 16384`, as "
+                       "vLLM reads it); flags on the command line win.")  # fmt: skip
+    group.add_argument("--root-path", metavar="PATH", help="The path prefix a proxy serves this server under "
+                       "(requests may come with or without it; /docs links carry it).")  # fmt: skip
+    group.add_argument("--ssl-keyfile", metavar="PATH", help="Serve HTTPS with this private key.")
+    group.add_argument("--ssl-certfile", metavar="PATH", help="Serve HTTPS with this certificate.")
+    group.add_argument("--ssl-ca-certs", metavar="PATH", help="CA certificates to verify client certificates.")
+    group.add_argument("--ssl-cert-reqs", metavar="N", type=int, default=0,
+                       help="Client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*).")  # fmt: skip
+    group.add_argument("--disable-uvicorn-access-log", action="store_true", help="No access log line a request.")
+    group.add_argument("--disable-fastapi-docs", action="store_true", help="Serve no /docs, /redoc, /openapi.json.")
+    group.add_argument("--middleware", metavar="DOTTED.NAME", action="append", default=[],
+                       help="Add an ASGI middleware class or an `async def (request, call_next)` function, "
+                       "imported by its dotted name (repeatable).")  # fmt: skip
+
+
+def check_http_arguments(args: argparse.Namespace) -> list[Callable | type]:
+    """Before the model loads: the --ssl-* files load (FlagValueError otherwise) and every --middleware
+    imports; the middlewares, in order."""
+    if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
+        raise FlagValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS")
+    if getattr(args, "ssl_certfile", None):
+        from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
+
+        try:  # as uvicorn will load them (its default protocol and ciphers)
+            create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None, SSL_PROTOCOL_VERSION, args.ssl_cert_reqs,
+                               args.ssl_ca_certs, "TLSv1")  # fmt: skip
+        except (OSError, ValueError) as exc:
+            raise FlagValueError(f"--ssl-certfile / --ssl-keyfile: cannot load them ({exc})") from None
+    return [_import_middleware(name) for name in getattr(args, "middleware", None) or ()]
+
+
+def _import_middleware(name: str) -> Callable | type:
+    module, _, attr = name.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), attr) if module else None
+    except (ImportError, AttributeError) as exc:
+        raise FlagValueError(f"--middleware {name}: cannot import it ({exc})") from None
+    if not (inspect.isclass(found) or inspect.iscoroutinefunction(found)):
+        raise FlagValueError(f"--middleware {name}: expected a middleware class or an async function")
+    return found
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config keywords of these flags (the root path is the app's, as vLLM sets it: see install)."""
+    return dict(
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
+        ssl_keyfile=getattr(args, "ssl_keyfile", None), ssl_certfile=getattr(args, "ssl_certfile", None),
+        ssl_ca_certs=getattr(args, "ssl_ca_certs", None), ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
+    )  # fmt: skip
+
+
+def install(app: Any, *, root_path: str | None, middlewares: list[Callable | type]) -> None:
+    """Add the --middleware ones (outermost, in order), then the root path's prefix handling around all."""
+    for middleware in middlewares:
+        if inspect.isclass(middleware):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
+    root = (root_path or "").rstrip("/")
+    if root:
+        app.root_path = root  # FastAPI: /docs points at {root}/openapi.json, the schema names {root} its server
+        app.add_middleware(RootPathMiddleware, root=root)
+
+
+class RootPathMiddleware:
+    """`--root-path /prefix`: a request for /prefix/v1/... is served (and checked for its API key, counted in
+    the metrics...) as /v1/..., one without the prefix as it is."""
+
+    def __init__(self, app: ASGIApp, root: str) -> None:
+        self.app, self.root = app, root
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and (path == self.root or path.startswith(self.root + "/")):
+            scope = {**scope, "path": path[len(self.root):] or "/", "root_path": self.root}
+            if "raw_path" in scope and scope["raw_path"] is not None:
+                scope["raw_path"] = scope["raw_path"][len(self.root.encode()):] or b"/"
+        await self.app(scope, receive, send)
+
+
+def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argparse.ArgumentParser]) -> None:
+    """--config FILE: its flags fill `args` where the command line left the default (vLLM: the command line
+    wins). FlagValueError naming the file for a file that cannot be read or a flag that does not parse."""
+    path = getattr(args, "config", None)
+    if not path:
+        return
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise FlagValueError(f"--config {path}: cannot read it ({exc})") from None
+    if not isinstance(data, dict):
+        raise FlagValueError(f"--config {path}: expected a mapping of flags to values")
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--model" and getattr(args, "model", None) is None:
+            argv.insert(0, str(value))  # the positional MODEL
+        elif flag in ("--model", "--config"):
+            continue  # the command line's MODEL wins; no nested config files
+        elif value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *(json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value)]
+        elif value not in (False, None):
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    parser = parser_for()
+
+    def refuse(message: str) -> None:
+        raise FlagValueError(f"--config {path}: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]  (argparse would exit naming the wrong command)
+    defaults, given = vars(parser.parse_args([])), vars(parser.parse_args(argv))
+    for dest, value in given.items():
+        if value != defaults.get(dest) and getattr(args, dest, None) == defaults.get(dest):
+            setattr(args, dest, value)

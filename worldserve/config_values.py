@@ -1,0 +1,104 @@
+"""The value types of config flags, parsed from their command-line text (config.py's dataclasses use them as
+field types, so argparse converts a flag's text with them): vLLM's JSON lists (`--allowed-origins`), media
+limits (`--limit-mm-per-prompt`), token counts with vLLM's human-readable suffixes (`--max-model-len 32k`),
+and the error they raise (`FlagValueError`: argparse shows it as `argument --flag: <message>`, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import typing
+
+class FlagValueError(argparse.ArgumentTypeError, ValueError):
+    """A malformed flag value: argparse reports it as `argument --flag: <message>` (exit 2); a ValueError
+    to Python callers."""
+
+
+def json_flag(text: str, expected: str) -> typing.Any:
+    """A JSON flag value parsed; FlagValueError (naming what was `expected`) when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FlagValueError(f"not valid JSON ({e.msg}): {text!r}; expected {expected}") from None
+
+
+class JsonStrList(tuple):
+    """A flag whose value is a JSON list of strings (vLLM's CORS flags: `--allowed-origins '["https://x.org"]'`).
+    Built from the flag's text or from an iterable of strings; a tuple, so the frozen configs stay hashable;
+    str() gives the JSON back (the --help default)."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str | typing.Iterable[str] = ()) -> JsonStrList:
+        """Parse `value` (JSON text, or already a list/tuple of strings); FlagValueError when it is not one."""
+        if isinstance(value, str):
+            value = json_flag(value, "a list such as '[\"*\"]'")
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise FlagValueError(
+                f"expected a JSON list of strings such as '[\"*\"]', got {json.dumps(value)}"
+            )
+        return super().__new__(cls, value)
+
+    def __str__(self) -> str:
+        """The JSON text of the list."""
+        return json.dumps(list(self))
+
+
+class MediaLimits(tuple):
+    """vLLM's `--limit-mm-per-prompt '{"image": 4, "video": 1}'`: the most images / videos one chat request may
+    carry. A tuple of sorted (modality, count) pairs, so the frozen configs stay hashable; str() is the JSON."""
+
+    __slots__ = ()
+    MODALITIES = ("image", "video")
+
+    def __new__(cls, value: str | typing.Mapping[str, int] = ()) -> MediaLimits:
+        if isinstance(value, str):
+            value = json_flag(value, 'an object such as \'{"image": 4, "video": 1}\'')
+        if not isinstance(value, typing.Mapping | tuple):
+            raise FlagValueError(f'expected {{"image": N, "video": M}}, got {json.dumps(value)}')
+        pairs = dict(value)
+        if set(pairs) - set(cls.MODALITIES) or not all(type(v) is int and v >= 0 for v in pairs.values()):
+            raise FlagValueError(
+                f'expected {{"image": N, "video": M}} with counts >= 0, got {json.dumps(pairs)}'
+            )
+        return super().__new__(cls, sorted(pairs.items()))
+
+    def get(self, modality: str) -> int | None:
+        """The limit for `modality`, or None (no limit)."""
+        return dict(self).get(modality)
+
+    def __str__(self) -> str:
+        return json.dumps(dict(self))
+
+
+DEFAULT_MAX_MODEL_LEN = 32768
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+class TokenCount(int):
+    """vLLM's human-readable integers (`--max-model-len 32k`): a lowercase suffix is decimal (k = 1000, decimals
+    allowed: 25.6k), an uppercase one binary (K = 1024, whole numbers only); `auto` or -1 (vLLM: fit the model)
+    is worldserve's default, 32768 tokens (`TokenCount.auto` tells it was asked for)."""
+
+    __slots__ = ()
+    auto: bool = False
+
+    def __new__(cls, value: str | int = DEFAULT_MAX_MODEL_LEN) -> TokenCount:
+        text = str(value).strip()
+        if text in ("auto", "-1"):
+            return AutoTokenCount(DEFAULT_MAX_MODEL_LEN)
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text)
+        if match is None or ("." in match[1] and not match[2].islower()):
+            raise FlagValueError(f"expected a whole number of tokens such as 32768, 32k (32000) or 32K (32768), "
+                                 f"or auto, got {text!r}")  # fmt: skip
+        number, suffix = match.groups()
+        return super().__new__(cls, int(float(number) * _SUFFIXES[suffix]) if suffix else int(number))
+
+
+class AutoTokenCount(TokenCount):
+    """`auto` / -1: worldserve's default length (vLLM would derive one from the model or the free memory)."""
+
+    __slots__ = ()
+    auto = True
