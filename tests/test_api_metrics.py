@@ -186,6 +186,29 @@ def test_chat_metrics(server):
         assert (name, frozenset({"model_name": MODEL}.items())) in after and value(after, name) == 0
 
 
+def test_per_chat_histograms_of_vllms_dashboard(server):
+    """vLLM's Grafana dashboard's per-request panels: prompt and generation lengths (1-2-5 buckets up to the
+    context length, 1024 here), decode time (first to last token) and inference time (admitted to the end)."""
+    before = scrape(server)
+    chats = [_chat(server, stream=False), _chat(server, stream=True)]
+    after = scrape(server)
+
+    def delta(name):
+        return value(after, name, **LLM) - value(before, name, **LLM)
+
+    assert delta("vllm:request_prompt_tokens_sum") == sum(p for p, _, _ in chats)
+    assert delta("vllm:request_generation_tokens_sum") == sum(c for _, c, _ in chats)
+    for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert delta(name + "_count") == 2
+        assert [le for le, _ in buckets(after, name, **LLM)] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, math.inf]
+        check_histogram(after, name, **LLM)
+    for name in ("vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
+        assert delta(name + "_count") == 2 and delta(name + "_sum") > 0, name
+        assert [le for le, _ in buckets(after, name, **LLM)] == [float(b) for b in REQUEST_LATENCY_BUCKETS] + [math.inf]
+    assert delta("vllm:request_decode_time_seconds_sum") < delta("vllm:request_inference_time_seconds_sum")
+    assert delta("vllm:request_inference_time_seconds_sum") <= delta("vllm:e2e_request_latency_seconds_sum")
+
+
 def test_video_metrics_and_failures(server):
     before = scrape(server)
     with httpx.Client(base_url=server, timeout=60) as http:

@@ -74,6 +74,8 @@ def build_app(
         chat = client.chat_worker.backend
         metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
         metrics.track_chat_queue(lambda: client.chat_worker.num_waiting)
+        if isinstance(getattr(chat, "max_model_len", None), int):
+            metrics.track_chat_lengths(chat.max_model_len)
     client.observe(metrics)
 
     @asynccontextmanager

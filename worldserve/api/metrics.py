@@ -12,7 +12,7 @@ peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reas
 chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting,
 kv_cache_usage_perc, num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
 chat_e2e_request_latency_seconds, chat_request_queue_time_seconds, chat_iteration_tokens (histograms). The API
-layer reports a chat's tokens, time to first token and end (engine/chat_metering.py, as the prompt upsampling
+layer reports a chat's tokens, time to first token, decode time and end (engine/chat_metering.py, as the prompt upsampling
 does for its chats); the chat worker its timings
 (the ChatObserver calls, engine/chat_observer.py: tokens per step, inter-token gaps, end-to-end and queue time).
 
@@ -115,6 +115,10 @@ class Metrics:
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", preemptions, r
         )
 
+    def track_chat_lengths(self, max_model_len: int) -> None:
+        """The per-chat token histograms, bucketed up to the Reasoner's context length (vLLM's)."""
+        self.vllm.track_lengths(max_model_len, self.registry)
+
     def track_chat_queue(self, waiting: Callable[[], float]) -> None:
         """Chats submitted and not yet started, read at scrape time (also as vLLM's num_requests_waiting)."""
         r, label = self.registry, ["model_name"]
@@ -163,12 +167,14 @@ class Metrics:
         self.chat_ttft.labels(**self._label).observe(seconds)
         self.vllm.ttft.observe(seconds)
 
-    def on_chat_ended(self, completion_tokens: int, finish_reason: str | None) -> None:
+    def on_chat_ended(
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0, decode_s: float = 0.0
+    ) -> None:
         """finish_reason None: failed or abandoned by the client."""
         self.chat_generation_tokens.labels(**self._label).inc(completion_tokens)
         self.chat_running.labels(**self._label).dec()
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
-        self.vllm.chat_ended(completion_tokens, finish_reason or "abort")
+        self.vllm.chat_ended(completion_tokens, finish_reason or "abort", prompt_tokens, decode_s)
 
     # -- ChatObserver (engine/chat_worker.py, the worker's thread) ----------------------------------------
     def on_chat_iteration(self, tokens: int) -> None:
@@ -186,6 +192,7 @@ class Metrics:
         self.chat_queue_time.labels(**self._label).observe(queue_s)
         self.vllm.e2e.observe(e2e_s)
         self.vllm.queue.observe(queue_s)
+        self.vllm.inference.observe(max(e2e_s - queue_s, 0.0))  # vLLM's RUNNING phase: admitted to last token
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,9 +8,14 @@ generation_tokens_total, num_preemptions_total, request_success_total{finished_r
 finished_reason exported from the start as vLLM does); time_to_first_token_seconds,
 inter_token_latency_seconds and its deprecated twin time_per_output_token_seconds (the same observations, as
 vLLM 0.11 still exports both),
-e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total (histograms).
-Not exported: vllm:prefix_cache_queries / _hits (worldserve has no prefix cache: the n choices of one request
-share their prompt's K/V by a fork, no cache lookup), and vLLM's other per-request histograms.
+e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total (histograms); and the per-chat
+histograms vLLM's Grafana dashboard reads: request_prompt_tokens / request_generation_tokens (vLLM's 1-2-5 buckets up
+to --max-model-len, with a chat worker), request_decode_time_seconds (first token to last, as the API receives them)
+and request_inference_time_seconds (admitted to last token), each choice of an n > 1 request a chat as vLLM's child
+requests are. Not exported: vllm:prefix_cache_queries / _hits (worldserve has no prefix cache: the n choices of one
+request share their prompt's K/V by a fork, no cache lookup), request_prefill_time_seconds (the admission time is
+the chat worker's, the first token's the API's: time to first token minus queue time is the same number),
+request_params_n / _max_tokens, request_max_num_generation_tokens and cache_config_info.
 
 vLLM-Omni's pipeline families (vllm_omni/metrics/prometheus.py), labelled `model_name` only, count the video
 and image requests: omni_num_requests_running / _waiting, omni_requests_success_total{finished_reason}
@@ -38,6 +43,17 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 OMNI_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+
+
+def one_two_five(limit: int) -> list[int]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 def failure_reason(code: int) -> str:
@@ -96,6 +112,11 @@ class VllmMirror:
                           REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      ITERATION_TOKEN_BUCKETS)  # fmt: skip
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                           REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.request_tokens: tuple[Histogram, Histogram] | None = None  # (prompt, generation): track_lengths
         ProcessCollector(registry=r)  # process_* (CPU seconds, resident memory, open files) on Linux
 
     def gauge(self, name: str, doc: str, read: Callable[[], float], registry: CollectorRegistry) -> None:
@@ -118,11 +139,25 @@ class VllmMirror:
         self.video_success.labels(finished_reason="abort", **self.omni).inc()  # vLLM-Omni's request_failed()
         self.video_failed.labels(reason=failure_reason(code), **self.omni).inc()
 
+    def track_lengths(self, max_model_len: int, registry: CollectorRegistry) -> None:
+        """vllm:request_prompt_tokens and _generation_tokens, bucketed 1, 2, 5, 10, ... up to `max_model_len`."""
+        buckets = one_two_five(max_model_len)
+        self.request_tokens = tuple(
+            Histogram(name, "Number of prefill tokens processed." if "prompt" in name else
+                      "Number of generation tokens processed.", ["model_name", "engine"], buckets=buckets,
+                      registry=registry).labels(**self.llm)
+            for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens")
+        )  # fmt: skip
+
     # -- chats -------------------------------------------------------------------------------------------
-    def chat_ended(self, completion_tokens: int, finished_reason: str) -> None:
+    def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int, decode_s: float) -> None:
         self.generation_tokens.inc(completion_tokens)
         self.chat_running.dec()
         self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()
+        self.decode.observe(decode_s)
+        if self.request_tokens is not None:
+            self.request_tokens[0].observe(prompt_tokens)
+            self.request_tokens[1].observe(completion_tokens)
 
     def token_gaps(self, seconds: Sequence[float]) -> None:
         for value in seconds:

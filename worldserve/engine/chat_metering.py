@@ -1,6 +1,7 @@
 """Counting a chat's events where they are consumed (the API's chats and completions, the prompt upsampling's)
 into a `ChatMeter` (the Prometheus metrics implement it; api/metrics.py): started (its prompt tokens), time to
-first token, ended (its completion tokens and finish reason). The chat worker's own timings (tokens per
+first token, ended (its prompt and completion tokens, finish reason, and its decode time: first token to last,
+as vLLM's request_decode_time_seconds). The chat worker's own timings (tokens per
 iteration, inter-token gaps, queue time) go through chat_observer.py.
 """
 
@@ -19,24 +20,29 @@ class ChatMeter(Protocol):
 
     def on_chat_first_token(self, seconds: float) -> None: ...
 
-    def on_chat_ended(self, completion_tokens: int, finish_reason: str | None) -> None: ...
+    def on_chat_ended(
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0, decode_s: float = 0.0
+    ) -> None: ...
 
 
 async def metered(events: AsyncIterator, meter: ChatMeter) -> AsyncIterator:
     """Pass a chat's events through, counting tokens, time to first token and how the chat ended."""
-    t0, started, completion, finish, first_token = time.perf_counter(), False, 0, None, True
+    t0, prompt, completion, finish = time.perf_counter(), None, 0, None
+    first = last = None  # when its first and latest deltas arrived
     try:
         async for event in events:
             if isinstance(event, ChatStarted):
-                started = True
-                meter.on_chat_started(event.prompt_tokens)
+                prompt = event.prompt_tokens
+                meter.on_chat_started(prompt)
             elif isinstance(event, ChatDelta):
-                if first_token:
-                    meter.on_chat_first_token(time.perf_counter() - t0)
-                    first_token = False
+                last = time.perf_counter()
+                if first is None:
+                    first = last
+                    meter.on_chat_first_token(first - t0)
                 completion, finish = event.completion_tokens, event.finish_reason
             yield event
     finally:
         await events.aclose()
-        if started:
-            meter.on_chat_ended(completion, finish)
+        if prompt is not None:
+            decode = 0.0 if first is None else last - first
+            meter.on_chat_ended(completion, finish, prompt_tokens=prompt, decode_s=decode)
