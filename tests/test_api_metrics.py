@@ -359,3 +359,40 @@ def test_http_families_as_vllms_instrumentator_exports_them(server):
     assert http(after, "http_request_duration_highr_seconds_count") >= 4
     assert http(after, "http_response_size_bytes_sum", handler="/v1/models") > 0
     assert http(after, "http_request_size_bytes_count", handler="/v1/chat/completions") >= 1
+
+
+def test_time_to_first_token_of_each_choice_counts_from_the_request():
+    """The n choices of a request are wrapped together and read one after another: the second one's time to
+    first token counts from when they were wrapped, not from when the first one was read."""
+    import asyncio
+
+    from worldserve.engine.chat_metering import metered
+    from worldserve.engine.chat_worker import ChatStarted
+
+    class Meter:
+        ttft: list = []
+
+        def on_chat_started(self, prompt_tokens):
+            pass
+
+        def on_chat_first_token(self, seconds):
+            self.ttft.append(seconds)
+
+        def on_chat_ended(self, completion_tokens, finish_reason, *, prompt_tokens=0, decode_s=0.0):
+            pass
+
+    async def chat(delay):
+        await asyncio.sleep(delay)
+        yield ChatStarted(3)
+        yield ChatDelta(text="x", finish_reason="stop", completion_tokens=1)
+
+    async def main():
+        meter = Meter()
+        streams = [metered(chat(0.2), meter), metered(chat(0.0), meter)]
+        for events in streams:
+            async for _ in events:
+                pass
+        return meter.ttft
+
+    first, second = asyncio.run(main())
+    assert first >= 0.2 and second >= 0.2

@@ -25,9 +25,14 @@ class ChatMeter(Protocol):
     ) -> None: ...
 
 
-async def metered(events: AsyncIterator, meter: ChatMeter) -> AsyncIterator:
-    """Pass a chat's events through, counting tokens, time to first token and how the chat ended."""
-    t0, prompt, completion, finish = time.perf_counter(), None, 0, None
+def metered(events: AsyncIterator, meter: ChatMeter) -> AsyncIterator:
+    """Pass a chat's events through, counting tokens, time to first token (from now: the n choices of one
+    request are wrapped together and read one after another) and how the chat ended."""
+    return _metered(events, meter, time.perf_counter())
+
+
+async def _metered(events: AsyncIterator, meter: ChatMeter, t0: float) -> AsyncIterator:
+    prompt, completion, finish = None, 0, None
     first = last = None  # when its first and latest deltas arrived
     try:
         async for event in events:
