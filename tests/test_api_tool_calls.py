@@ -74,7 +74,8 @@ def test_a_required_choice_answers_one_call_or_more(reasoner_oai):
     """Every choice that ends is a list of calls of the given tools, finish_reason "tool_calls" (vLLM's, streamed
     or not); one cut by max_tokens (the random model may go on listing calls) is answered as its text, without
     calls."""
-    kw = {"model": MODEL, "messages": ASK, "max_tokens": 400, "seed": 1, "tools": TOOLS, "tool_choice": "required"}
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 400, "seed": 1, "tools": TOOLS,
+          "tool_choice": "required"}  # fmt: skip
     answer = reasoner_oai.chat.completions.create(n=4, **kw)
     assert {c.finish_reason for c in answer.choices} <= {"tool_calls", "length"}
     ended = [c for c in answer.choices if c.finish_reason == "tool_calls"]

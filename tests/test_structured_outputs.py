@@ -196,6 +196,26 @@ def test_closed_objects_and_valid_structural_tags():
     assert "%llguidance" in grammar_text(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
 
 
+@pytest.mark.parametrize("trigger", ["<tool_call>", "<a>"])
+def test_structural_tag_triggers_of_the_form_of_a_token_are_text(compiler, trigger):
+    """A trigger spelled like a special token's name (Qwen's hermes "<tool_call>", any "<a>") is the text it
+    spells, as vLLM's default xgrammar backend takes it (llguidance's default looked it up among the special
+    tokens: a 400 naming response_format); once the model writes it, the body follows the schema."""
+    end = "</" + trigger[1:]
+    tag = {"structures": [{"begin": trigger, "schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                        "required": ["n"], "additionalProperties": False},
+                           "end": end}], "triggers": [trigger]}  # fmt: skip
+    so = StructuredOutput(kind="structural_tag", spec=json.dumps(tag), field="response_format")
+    grammar = compiler.grammar(so)
+    tok = compiler.hf_tokenizer
+    assert allowed(grammar)[tok.encode("x")].all()  # free text before the trigger
+    for token in tok.encode(f"Sure. {trigger}"):
+        assert allowed(grammar)[token], token
+        grammar.accept(token)
+    after = allowed(grammar)
+    assert after[tok.encode("{")[0]] and not after[tok.encode("x")].any()  # the schema's body now
+
+
 def _chat(so: StructuredOutput, **kw) -> ChatParams:
     return ChatParams(messages=(ChatMessage(role="user", content="Describe it."),), structured=so, **kw)
 

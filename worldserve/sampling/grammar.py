@@ -162,4 +162,6 @@ def structural_tag_grammar(tag: Any, field: str) -> str:
         if not isinstance(schema, dict | bool):
             raise ParamError(field, f"structures[{i}].schema must be a JSON schema object")
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
-    return llguidance.StructTag.to_grammar(tags)
+    # a trigger such as "<tool_call>" or "<a>" is text: llguidance would take one of the form <...> for a special
+    # token's name, which Qwen's <tool_call> is not here (only the truly special ids are), and refuse the grammar
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
