@@ -13,8 +13,8 @@ trickles bytes is cut off too. Bodies are limited to `max_bytes` (the upload lim
 ParamError (a 400) naming the field, in vLLM-Omni's words: `Invalid image_reference.image_url: failed to
 download image.`, `... server returned HTTP 404.`, `... redirect response was rejected ...`.
 
-Security: like vLLM, `--allowed-media-domains` names the hosts allowed (any other host, redirects included,
-is a 400). Stricter than vLLM (which fetches any address by default: vllm-project/vllm#57157), a host that
+Security: like vLLM, `--allowed-media-domains` names the hosts allowed, exactly (any other host, a subdomain
+of a named one and redirects included, is a 400). Stricter than vLLM (which fetches any address by default: vllm-project/vllm#57157), a host that
 resolves to a private, loopback, link-local (cloud metadata), multicast or reserved address is refused at
 every hop unless the allowlist names it (an operator's internal object store) or the operator sets
 WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES=1; the addresses checked are the ones connected to (no second
@@ -67,7 +67,7 @@ class MediaFetcher:
     max_bytes: int
     """The largest download accepted (the server's upload limit)."""
     allowed_domains: tuple[str, ...] = ()
-    """Hosts media may come from (a host or any subdomain of it); empty: any host."""
+    """Hosts media may come from (exact names, as vLLM matches them); empty: any host."""
     allow_redirects: bool = True
     chat_timeouts_s: tuple[float, float] = (5.0, 30.0)
     """Deadlines of a chat's image and video downloads (vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VIDEO_FETCH)."""
@@ -101,8 +101,8 @@ class MediaFetcher:
         return parts
 
     def _named(self, host: str) -> bool:
-        """Whether --allowed-media-domains names `host` (itself or a domain above it)."""
-        return any(host == d or host.endswith("." + d) for d in self.allowed_domains)
+        """Whether --allowed-media-domains names `host` (vLLM's exact match: a subdomain is not named)."""
+        return host in self.allowed_domains
 
     async def fetch(
         self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None,

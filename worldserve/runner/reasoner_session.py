@@ -6,9 +6,11 @@ the text and says which decode step to run next; the decode's logits come back t
 
 Text: detokenized incrementally, as vLLM does: each step decodes only the tokens since the previous
 boundary (with one boundary of context before them), so a step costs the same at token 10 and at token
-10,000; a token that ends inside a UTF-8 character adds no text until the character completes. Stop strings
-are searched where the new text could complete one; a possible stop-string prefix is held back from the
-deltas until it is ruled out.
+10,000; a token that ends inside a UTF-8 character adds no text until the character completes, and a chat
+that ends inside one leaves its bytes out (vLLM's DecodeStream never completes them). Stop strings are
+searched where the new text could complete one; of several completed by one token, the one ending first
+wins (ties: the request's order), as vLLM's check_stop_strings. Unless `include_stop_str_in_output`, a
+possible stop-string prefix is held back from the deltas until it is ruled out (vLLM's stop_buffer_length).
 Structured outputs: a session with a grammar (sampling/token_grammar.py) masks each step's logits to the tokens
 the grammar allows next and advances the grammar with each token taken.
 vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
@@ -181,10 +183,8 @@ class ReasonerSession:
             self.token_ids.append(token)
             if self.grammar is not None:
                 self.grammar.accept(token)
-        # the last step flushes an unfinished character (as U+FFFD), so a stop string before it still counts;
         # the ending token is detokenized only with include_stop_str_in_output (vLLM's skipped_stop_token_id)
-        ending = (token,) if finished and self.keep_stop else ()
-        self._detokenize(flush=finished or len(self.token_ids) >= self.max_tokens, ending=ending)
+        self._detokenize(ending=(token,) if finished and self.keep_stop else ())
         view = self._text + self._tail  # all complete characters so far
         # vLLM searches stop strings only once more than min_tokens tokens are out, and in the step a stop
         # token ended only the text include_stop_str_in_output adds (none without it)
@@ -198,7 +198,7 @@ class ReasonerSession:
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is None:
-            end = len(view) - max((len(s) - 1 for s in self.stop), default=0)
+            end = len(view) - (0 if self.keep_stop else max((len(s) - 1 for s in self.stop), default=0))
             self._logits = None  # until receive()
             decode = (token, self._seq, self._position)
         else:
@@ -217,11 +217,11 @@ class ReasonerSession:
         )
         return out, decode
 
-    def _detokenize(self, *, flush: bool = False, ending: Sequence[int] = ()) -> None:
+    def _detokenize(self, *, ending: Sequence[int] = ()) -> None:
         """vLLM's incremental detokenization: decode [prefix_at, end) and [prefix_at, read_at), the difference
         is the new text. It joins _text unless it ends inside a character (then its complete characters wait
-        in _tail); `flush` takes it as it is. `ending`: the token that ended the chat, decoded after
-        token_ids (include_stop_str_in_output), though not one of them."""
+        in _tail, and an unfinished character at the chat's end stays out). `ending`: the token that ended
+        the chat, decoded after token_ids (include_stop_str_in_output), though not one of them."""
         decode = self._r.tokenizer.decode
         ids = [*self.token_ids, *ending] if ending else self.token_ids
         skip = self.skip_special_tokens
@@ -230,7 +230,7 @@ class ReasonerSession:
         prefix = self._prefix
         full = decode(ids[self._prefix_at :], skip_special_tokens=skip)
         new = full[len(prefix) :] if len(full) > len(prefix) else ""
-        if new and (flush or not new.endswith("\ufffd")):
+        if new and not new.endswith("\ufffd"):
             self._text += new
             self._tail = ""
             self._prefix_at, self._read_at, self._prefix = self._read_at, len(ids), None
@@ -238,10 +238,12 @@ class ReasonerSession:
             self._tail = new.rstrip("\ufffd")
 
     def _find_stop(self, view: str, before: int) -> tuple[int, str | None]:
-        """(index, string) of the first stop string in `view` (-1, None if none). Only one ending in the text
-        added since `before` characters can be new; earlier ones would have finished an earlier step."""
-        found = [(i, s) for s in self.stop if (i := view.find(s, max(0, before - len(s) + 1))) >= 0]
-        return min(found) if found else (-1, None)
+        """(index, string) of the stop string in `view` that ends first (ties: the request's order; -1, None if
+        none). Only one ending in the text added since `before` characters can be new; earlier ones would have
+        finished an earlier step."""
+        starts = ((n, s, view.find(s, max(0, before - len(s) + 1))) for n, s in enumerate(self.stop))
+        found = [(i + len(s), n, i, s) for n, s, i in starts if i >= 0]
+        return min(found)[2:] if found else (-1, None)
 
     def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:
         """The token's log-probability under the raw logits, and the top alternatives."""
