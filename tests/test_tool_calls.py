@@ -120,6 +120,10 @@ def test_message_calls_hand_json_arguments_to_the_template_as_objects():
     # JSON escaping a lone surrogate (as this server writes such answers, so clients send them back): the text
     surrogate = ToolCallIn.model_validate({"function": {"name": "f", "arguments": '{"x": "\\ud800"}'}})
     assert message_calls([surrogate])[0]["function"]["arguments"] == '{"x": "\\ud800"}'
+    # a call sent back without arguments (missing, null, "" or blank) renders {} (vLLM's rule), not nothing
+    for empty in ({}, {"arguments": None}, {"arguments": ""}, {"arguments": " "}):
+        bare = ToolCallIn.model_validate({"function": {"name": "get_time", **empty}})
+        assert message_calls([bare])[0]["function"]["arguments"] == {}
     assert out[0] == {
         "id": "c1",
         "type": "function",

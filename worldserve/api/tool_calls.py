@@ -53,7 +53,8 @@ class ToolIn(BaseModel):
 class FunctionCallIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | dict[str, Any] | None = None
+    """JSON text (or an object); none, null or "": no arguments, {} (as vLLM takes them)."""
 
 
 class ToolCallIn(BaseModel):
@@ -171,7 +172,9 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
     once parsed) stays the text it is. `where`: the message's field, for a ParamError naming the arguments."""
     out = []
     for j, call in enumerate(calls or ()):
-        args = call.function.arguments
+        args = call.function.arguments if call.function.arguments is not None else {}
+        if isinstance(args, str) and not args.strip():  # a call without arguments: {} (vLLM's rule; the
+            args = {}  # template would print nothing where its JSON goes)
         if isinstance(args, str):
             field = f"{where}.tool_calls[{j}].function.arguments"
             try:
