@@ -84,7 +84,7 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.005):
 async def asgi_server(
     storage: Path,
     *,
-    api_key: str | None = None,
+    api_key: str | tuple[str, ...] | None = None,
     sync_timeout_s: float = 30.0,
     max_upload_bytes: int = 8 * 2**20,
     app_kw: dict | None = None,
@@ -95,7 +95,7 @@ async def asgi_server(
     from worldserve.api.app import build_app
 
     client = make_client(storage, **client_kw)
-    app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
+    app = build_app(client, api_keys=_keys(api_key), sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
                     shutdown_timeout_s=0.3, **(app_kw or {}))  # fmt: skip
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -159,7 +159,7 @@ def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s:
     from worldserve.api.app import build_app
 
     client = make_client(storage, **client_kw)
-    app = build_app(client, api_key=api_key, sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
+    app = build_app(client, api_keys=_keys(api_key), sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
     with serve_app(app) as url:
         yield url, client
 
@@ -207,3 +207,8 @@ def stub_meta(content: bytes) -> dict:
     """What stub_encoder recorded in an "MP4" it made."""
     assert content.startswith(b"FAKEMP4")
     return json.loads(content[7:])
+
+
+def _keys(api_key: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """build_app's api_keys from a test's one key, several or none."""
+    return (api_key,) if isinstance(api_key, str) else tuple(api_key or ())

@@ -44,7 +44,7 @@ def test_every_flag_maps_to_a_field():
     assert cfg.scheduler.encode_workers == 3 and cfg.scheduler.shutdown_timeout == 5
     s = cfg.server
     assert (s.api_key, s.storage_dir, s.sync_timeout, s.max_upload_bytes, s.job_ttl) == (
-        "k",
+        ("k",),
         "/s",
         12.5,
         2 * 2**20,
@@ -108,10 +108,11 @@ def test_resolve_env_fallbacks(monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_OMNI_SERVER_STORAGE__PATH", raising=False)
     monkeypatch.delenv("WORLDSERVE_API_KEY", raising=False)
     cfg = parse().resolve()
-    assert cfg.server.sync_timeout == 1800 and cfg.server.api_key == "from-env"
+    assert cfg.server.sync_timeout == 1800 and cfg.server.api_key == ("from-env",)
     assert cfg.server.storage_dir == str(tmp_path / "worldserve" / "storage")
     assert cfg.model.served_model_name == TINY_SERVED_NAME
     assert parse("m", "--sync-timeout", "5").resolve().server.sync_timeout == 5, "the flag wins"
+    assert parse("--api-key", "k1", "k2").resolve().server.api_key == ("k1", "k2"), "vLLM takes several keys"
     assert parse("some/model").resolve().model.served_model_name == "some/model"
     monkeypatch.setenv("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="VLLM_OMNI_VIDEO_SYNC_TIMEOUT"):

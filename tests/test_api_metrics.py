@@ -200,11 +200,25 @@ def test_per_chat_histograms_of_vllms_dashboard(server):
     assert delta("vllm:request_generation_tokens_sum") == sum(c for _, c, _ in chats)
     for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
         assert delta(name + "_count") == 2
-        assert [le for le, _ in buckets(after, name, **LLM)] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, math.inf]
+        assert [le for le, _ in buckets(after, name, **LLM)] == [
+            1,
+            2,
+            5,
+            10,
+            20,
+            50,
+            100,
+            200,
+            500,
+            1000,
+            math.inf,
+        ]
         check_histogram(after, name, **LLM)
     for name in ("vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
         assert delta(name + "_count") == 2 and delta(name + "_sum") > 0, name
-        assert [le for le, _ in buckets(after, name, **LLM)] == [float(b) for b in REQUEST_LATENCY_BUCKETS] + [math.inf]
+        assert [le for le, _ in buckets(after, name, **LLM)] == [
+            float(b) for b in REQUEST_LATENCY_BUCKETS
+        ] + [math.inf]
     assert delta("vllm:request_decode_time_seconds_sum") < delta("vllm:request_inference_time_seconds_sum")
     assert delta("vllm:request_inference_time_seconds_sum") <= delta("vllm:e2e_request_latency_seconds_sum")
 

@@ -61,6 +61,14 @@ async def test_auth_request_ids_and_open_routes(tmp_path):
             assert r.status_code == 200, path
             assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
         assert (await http.get("/health")).json() == {"status": "healthy"}
+    async with asgi_server(tmp_path / "two", api_key=("k1", "k2")) as http:  # vLLM's --api-key K1 K2
+        for auth, status in (
+            ("Bearer k1", 200),
+            ("Bearer k2", 200),
+            ("Bearer k3", 401),
+            ("Bearer k1 k2", 401),
+        ):
+            assert (await http.get("/v1/videos", headers={"Authorization": auth})).status_code == status, auth
 
 
 @pytest.mark.parametrize("tracking", [True, False])

@@ -79,7 +79,9 @@ def test_accepted_flags_log_why_they_change_nothing(argv, caplog):
     (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile"),
     (["--ssl-certfile", "c.pem"], "--ssl-keyfile"), (["--config", "/nonexistent.yaml"], "--config"),
 ])  # fmt: skip
-def test_values_worldserve_cannot_honour_stop_the_start_before_the_load(argv, named, tmp_path, caplog, monkeypatch):
+def test_values_worldserve_cannot_honour_stop_the_start_before_the_load(
+    argv, named, tmp_path, caplog, monkeypatch
+):
     loads = []
     monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):

@@ -57,7 +57,9 @@ class ModelConfig:
     """Name clients must send in `model` and that /v1/models lists; default: MODEL (several names: the first is served, as vLLM's first name is the one its answers and metrics carry; the others are not accepted)."""
     device: str | None = None
     """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
-    dtype: str | None = field(default=None, metadata={"choices": ("auto", "bfloat16", "float16", "half", "float32", "float")})
+    dtype: str | None = field(
+        default=None, metadata={"choices": ("auto", "bfloat16", "float16", "half", "float32", "float")}
+    )
     """Weight and activation dtype (half: float16, float: float32, as vLLM); default (or auto): bfloat16 on GPU, float32 on CPU."""
     quantization: str | None = field(default=None, metadata={"choices": ("fp8",)})
     """fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy, halves those weights); default: none."""
@@ -105,7 +107,9 @@ class ModelConfig:
         if isinstance(self.served_model_name, list):  # --served-model-name A B: A (serve_compat warns of B)
             object.__setattr__(self, "served_model_name", self.served_model_name[0])
         # vLLM's spellings: auto is the device's default dtype
-        object.__setattr__(self, "dtype", {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype))
+        object.__setattr__(
+            self, "dtype", {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
+        )
         check_seconds("--init-timeout", self.init_timeout, zero=False)
         if self.revision is not None and self.model is None:
             raise ValueError("--revision needs a MODEL (the embedded tiny checkpoint has no revisions)")
@@ -207,8 +211,8 @@ class ServerConfig:
     """Address to bind."""
     port: int = 8000
     """Port to bind."""
-    api_key: str | None = None
-    """Require `Authorization: Bearer KEY` on /v1/*; default: $WORLDSERVE_API_KEY or $VLLM_API_KEY, else open."""
+    api_key: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
+    """Require `Authorization: Bearer KEY` on /v1/*, KEY one of these (vLLM's flag: several keys may be given); default: $WORLDSERVE_API_KEY or $VLLM_API_KEY, else open."""
     storage_dir: str | None = None
     """Folder of the job database and the videos; default: $XDG_CACHE_HOME/worldserve/storage."""
     sync_timeout: float | None = None
@@ -222,7 +226,7 @@ class ServerConfig:
     limit_mm_per_prompt: MediaLimits | None = None
     """The most images / videos one chat request may carry, a JSON object such as '{"image": 4, "video": 1}' (vLLM's flag); default: no count limit (the request body and --max-model-len bound them)."""
     allowed_media_domains: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
-    """Hosts http(s) media URLs (video references, chat images and videos) may be downloaded from (a host or its subdomains; space- or comma-separated); default: any host (as vLLM: set it when clients are untrusted)."""
+    """Hosts http(s) media URLs (video references, chat images and videos) may be downloaded from (exact host names, as vLLM; space- or comma-separated); default: any host (as vLLM: set it when clients are untrusted)."""
     uvicorn_log_level: str = field(
         default="info", metadata={"choices": ("critical", "error", "warning", "info", "debug", "trace")}
     )
@@ -247,6 +251,9 @@ class ServerConfig:
     """Send X-Request-Id on every response: the request's own X-Request-Id, else a new uuid4 hex (vLLM's flag; on by default here, --no-enable-request-id-headers turns it off; /v1/videos/sync always sends its video_sync-<hex>)."""
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:  # one key (a --config YAML string) or several; empty ones mean none
+            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+            object.__setattr__(self, "api_key", tuple(k for k in keys if k) or None)
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.sync_timeout is not None:
@@ -293,7 +300,7 @@ class EngineConfig:
             envs.media_fetch_timeout_s(kind)
         server = replace(
             self.server,
-            api_key=self.server.api_key or envs.api_key(),
+            api_key=self.server.api_key or ((key,) if (key := envs.api_key()) else None),
             storage_dir=self.server.storage_dir or str(envs.storage_dir()),
             sync_timeout=self.server.sync_timeout or envs.sync_timeout_s(),
         )

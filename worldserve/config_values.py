@@ -11,6 +11,7 @@ import json
 import re
 import typing
 
+
 class FlagValueError(argparse.ArgumentTypeError, ValueError):
     """A malformed flag value: argparse reports it as `argument --flag: <message>` (exit 2); a ValueError
     to Python callers."""

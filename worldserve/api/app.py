@@ -43,7 +43,7 @@ def build_app(
     client: EngineClient,
     *,
     metrics: Metrics | None = None,
-    api_key: str | None = None,
+    api_keys: Sequence[str] = (),
     sync_timeout_s: float = 600.0,
     max_upload_bytes: int = 100 * 2**20,
     shutdown_timeout_s: float = 30.0,
@@ -109,7 +109,7 @@ def build_app(
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
                        allow_methods=list(allowed_methods), allow_headers=list(allowed_headers))  # fmt: skip
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # inside auth: 401s not counted (vLLM's)
-    app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     load = ServerLoad()
     if server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=load)
@@ -128,7 +128,9 @@ def build_app(
         name = client.model_name
         permission = ModelPermission(id=f"modelperm-{name}", created=created)
         # vLLM's card carries the context length; None where no chat is served (vLLM-Omni's diffusion cards)
-        max_len = None if client.chat_worker is None else getattr(client.chat_worker.backend, "max_model_len", None)
+        max_len = (
+            None if client.chat_worker is None else getattr(client.chat_worker.backend, "max_model_len", None)
+        )
         return ModelList(data=[ModelCard(id=name, created=created, root=model_root or name, max_model_len=max_len,
                                          permission=[permission])])  # fmt: skip
 

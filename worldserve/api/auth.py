@@ -1,7 +1,7 @@
 """Bearer-key check for /v1/* and the X-Request-Id header, as two small pure-ASGI middlewares.
 
-Auth follows vLLM: with an API key configured, any request whose path starts with /v1 must carry
-`Authorization: Bearer KEY` (the scheme in any case, as vLLM's), else 401 with the bare body
+Auth follows vLLM: with API keys configured, any request whose path starts with /v1 must carry
+`Authorization: Bearer KEY`, KEY one of them (the scheme in any case, as vLLM's), else 401 with the bare body
 {"error": "Unauthorized"} (not the envelope). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
 stay open. Keys are compared in constant time, as SHA-256 digests (the time tells nothing of the key's length).
 Request ids: the incoming X-Request-Id is echoed, otherwise a uuid4 hex is generated; a route that sets its
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from collections.abc import Sequence
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
@@ -22,19 +23,22 @@ PROTECTED_PREFIX = "/v1"
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None):
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str] = ()):
         self.app = app
-        self._expected = _digest(api_key) if api_key else None
+        self._expected = tuple(_digest(k) for k in api_keys if k)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            self._expected is not None
+            self._expected
             and scope["type"] in ("http", "websocket")
             and scope.get("method") != "OPTIONS"
             and scope["path"].startswith(PROTECTED_PREFIX)
         ):
             scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(_digest(key), self._expected):
+            given = _digest(key)
+            # every key compared (the time tells not which one matched)
+            matched = [secrets.compare_digest(given, expected) for expected in self._expected]
+            if scheme.lower() != "bearer" or not any(matched):
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

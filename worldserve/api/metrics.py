@@ -168,7 +168,12 @@ class Metrics:
         self.vllm.ttft.observe(seconds)
 
     def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0, decode_s: float = 0.0
+        self,
+        completion_tokens: int,
+        finish_reason: str | None,
+        *,
+        prompt_tokens: int = 0,
+        decode_s: float = 0.0,
     ) -> None:
         """finish_reason None: failed or abandoned by the client."""
         self.chat_generation_tokens.labels(**self._label).inc(completion_tokens)

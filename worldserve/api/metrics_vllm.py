@@ -112,8 +112,11 @@ class VllmMirror:
                           REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      ITERATION_TOKEN_BUCKETS)  # fmt: skip
-        self.inference = hist("vllm:request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
                            REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.request_tokens: tuple[Histogram, Histogram] | None = None  # (prompt, generation): track_lengths
@@ -150,7 +153,9 @@ class VllmMirror:
         )  # fmt: skip
 
     # -- chats -------------------------------------------------------------------------------------------
-    def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int, decode_s: float) -> None:
+    def chat_ended(
+        self, completion_tokens: int, finished_reason: str, prompt_tokens: int, decode_s: float
+    ) -> None:
         self.generation_tokens.inc(completion_tokens)
         self.chat_running.dec()
         self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()

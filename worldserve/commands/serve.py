@@ -121,7 +121,13 @@ def run(args: argparse.Namespace) -> int:
         backend, gpu_memory, *chat = loaded
         try:
             return _serve(
-                config, store, backend, gpu_memory, chat[0] if chat else None, listener, log_file=log_file,
+                config,
+                store,
+                backend,
+                gpu_memory,
+                chat[0] if chat else None,
+                listener,
+                log_file=log_file,
                 http=(args, middlewares),
             )
         finally:
@@ -200,7 +206,9 @@ def _serve(
              config.scheduler.max_queued_requests, server_cfg.sync_timeout,
              ", API key required on /v1" if server_cfg.api_key else "")  # fmt: skip
     scheme = "https" if getattr(http_args, "ssl_certfile", None) else "http"
-    log.info("Starting worldserve API server on %s://%s:%d", scheme, server_cfg.host, listener.getsockname()[1])
+    log.info(
+        "Starting worldserve API server on %s://%s:%d", scheme, server_cfg.host, listener.getsockname()[1]
+    )
     log.info("Available routes are:")
     for path, methods in route_table(app):
         log.info("Route: %s, Methods: %s", path, ", ".join(methods))
@@ -224,7 +232,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
     """build_app's keyword arguments from a resolved config (everything but the client and the metrics)."""
     server = config.server
     return dict(
-        api_key=server.api_key, sync_timeout_s=server.sync_timeout, max_upload_bytes=server.max_upload_bytes,
+        api_keys=server.api_key or (), sync_timeout_s=server.sync_timeout, max_upload_bytes=server.max_upload_bytes,
         shutdown_timeout_s=config.scheduler.shutdown_timeout, model_root=config.model.model,
         allowed_local_media_path=server.allowed_local_media_path, allowed_origins=server.allowed_origins,
         allowed_media_domains=allowed_domains(server.allowed_media_domains),

@@ -28,11 +28,17 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        "(requests may come with or without it; /docs links carry it).")  # fmt: skip
     group.add_argument("--ssl-keyfile", metavar="PATH", help="Serve HTTPS with this private key.")
     group.add_argument("--ssl-certfile", metavar="PATH", help="Serve HTTPS with this certificate.")
-    group.add_argument("--ssl-ca-certs", metavar="PATH", help="CA certificates to verify client certificates.")
+    group.add_argument(
+        "--ssl-ca-certs", metavar="PATH", help="CA certificates to verify client certificates."
+    )
     group.add_argument("--ssl-cert-reqs", metavar="N", type=int, default=0,
                        help="Client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*).")  # fmt: skip
-    group.add_argument("--disable-uvicorn-access-log", action="store_true", help="No access log line a request.")
-    group.add_argument("--disable-fastapi-docs", action="store_true", help="Serve no /docs, /redoc, /openapi.json.")
+    group.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="No access log line a request."
+    )
+    group.add_argument(
+        "--disable-fastapi-docs", action="store_true", help="Serve no /docs, /redoc, /openapi.json."
+    )
     group.add_argument("--middleware", metavar="DOTTED.NAME", action="append", default=[],
                        help="Add an ASGI middleware class or an `async def (request, call_next)` function, "
                        "imported by its dotted name (repeatable).")  # fmt: skip
@@ -83,7 +89,9 @@ def install(app: Any, *, root_path: str | None, middlewares: list[Callable | typ
             app.middleware("http")(middleware)
     root = (root_path or "").rstrip("/")
     if root:
-        app.root_path = root  # FastAPI: /docs points at {root}/openapi.json, the schema names {root} its server
+        app.root_path = (
+            root  # FastAPI: /docs points at {root}/openapi.json, the schema names {root} its server
+        )
         app.add_middleware(RootPathMiddleware, root=root)
 
 
@@ -97,9 +105,9 @@ class RootPathMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] in ("http", "websocket") and (path == self.root or path.startswith(self.root + "/")):
-            scope = {**scope, "path": path[len(self.root):] or "/", "root_path": self.root}
+            scope = {**scope, "path": path[len(self.root) :] or "/", "root_path": self.root}
             if "raw_path" in scope and scope["raw_path"] is not None:
-                scope["raw_path"] = scope["raw_path"][len(self.root.encode()):] or b"/"
+                scope["raw_path"] = scope["raw_path"][len(self.root.encode()) :] or b"/"
         await self.app(scope, receive, send)
 
 

@@ -21,7 +21,12 @@ class ChatMeter(Protocol):
     def on_chat_first_token(self, seconds: float) -> None: ...
 
     def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0, decode_s: float = 0.0
+        self,
+        completion_tokens: int,
+        finish_reason: str | None,
+        *,
+        prompt_tokens: int = 0,
+        decode_s: float = 0.0,
     ) -> None: ...
 
 
