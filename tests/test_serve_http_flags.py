@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from serving_helpers import make_client
+from serving_helpers import SMALL_FORM, asgi_server, make_client
 
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
@@ -50,9 +50,26 @@ def test_vllm_dtype_spellings_and_several_served_names(caplog):
     args = parse_args("nvidia/Cosmos3-Nano", "--served-model-name", "cosmos", "c3")
     cfg = serve.engine_config(args)
     assert (cfg.model.model, cfg.model.served_model_name) == ("nvidia/Cosmos3-Nano", "cosmos")
+    assert cfg.model.served_model_aliases == ("c3",) and cfg.resolve().model.served_model_aliases == ("c3",)
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, cfg)
-    assert "only 'cosmos' is served" in caplog.text and "'c3'" in caplog.text
+    assert "requests may name 'cosmos' or 'c3'" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_every_served_name_is_accepted(tmp_path, anyio_backend):
+    """vLLM's several --served-model-name: /v1/models lists each, a request may name any, the job carries the
+    first; another name is still refused."""
+    async with asgi_server(tmp_path, app_kw={"model_aliases": ("c3",)}) as http:
+        models = (await http.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in models] == ["test-model", "c3"]
+        for name, status in (("c3", 200), ("test-model", 200), ("c4", 400)):
+            r = await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "a cat", "model": name})
+            assert r.status_code == status, (name, r.text)
+            if status == 200:
+                assert r.json()["model"] == "test-model"
+            else:
+                assert r.json()["error"]["param"] == "model"
 
 
 @pytest.mark.parametrize("argv", [
@@ -136,7 +153,8 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
             for path in ("/api/v1/models", "/v1/models"):
                 assert http.get(path).status_code == 401, path  # the prefix does not bypass the key
                 models = http.get(path, headers=key)
-                assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["cosmos"]
+                assert models.status_code == 200
+                assert [m["id"] for m in models.json()["data"]] == ["cosmos", "c3"]
                 assert models.headers["x-stamped"] == "/v1/models"
             assert http.get("/api/health").status_code == 200
             for path in ("/docs", "/openapi.json", "/redoc", "/api/docs"):
@@ -146,7 +164,7 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
     finally:
         proc.terminate()
         out = proc.communicate(timeout=30)[0]
-    assert "https://" in out and "only 'cosmos' is served" in out
+    assert "https://" in out and "requests may name 'cosmos' or 'c3'" in out
     assert '"GET /v1/models HTTP/1.1"' not in out, "--disable-uvicorn-access-log"
 
 

@@ -54,7 +54,9 @@ class ModelConfig:
     revision: str | None = None
     """Hugging Face revision (branch, tag or commit) of MODEL."""
     served_model_name: str | None = field(default=None, metadata={"nargs": "+"})
-    """Name clients must send in `model` and that /v1/models lists; default: MODEL (several names: the first is served, as vLLM's first name is the one its answers and metrics carry; the others are not accepted)."""
+    """Name clients must send in `model` and that /v1/models lists; default: MODEL. Several names (vLLM's): requests may send any of them, answers and metrics carry the first."""
+    served_model_aliases: tuple[str, ...] = field(default=(), metadata={"no_flag": True})
+    """The names after the first of `--served-model-name A B ...` (set from that flag)."""
     device: str | None = None
     """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
     dtype: str | None = field(
@@ -104,8 +106,10 @@ class ModelConfig:
         )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if isinstance(self.served_model_name, list):  # --served-model-name A B: A (serve_compat warns of B)
-            object.__setattr__(self, "served_model_name", self.served_model_name[0])
+        if isinstance(self.served_model_name, list):  # --served-model-name A B: A, and B an alias
+            names = list(dict.fromkeys(self.served_model_name))
+            object.__setattr__(self, "served_model_name", names[0])
+            object.__setattr__(self, "served_model_aliases", tuple(names[1:]))
         # vLLM's spellings: auto is the device's default dtype
         object.__setattr__(
             self, "dtype", {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
@@ -336,12 +340,15 @@ def _scalar_type(hint: object) -> type:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field; metadata may mark it positional, hidden, or give choices/aliases."""
+    """One flag per dataclass field (none for metadata no_flag); metadata may mark it positional, hidden, or give
+    choices/aliases."""
     hints = typing.get_type_hints(cls)
     docs = attribute_docs(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         meta = f.metadata
+        if meta.get("no_flag"):
+            continue
         kind = str if "nargs" in meta else _scalar_type(hints[f.name])  # nargs: a list of strings
         text = docs.get(f.name, "")
         if f.default not in (None, False, ""):

@@ -48,6 +48,7 @@ def build_app(
     max_upload_bytes: int = 100 * 2**20,
     shutdown_timeout_s: float = 30.0,
     model_root: str | None = None,
+    model_aliases: Sequence[str] = (),
     allowed_local_media_path: str | None = None,
     allowed_origins: Sequence[str] = ("*",),
     allowed_methods: Sequence[str] = ("*",),
@@ -95,6 +96,7 @@ def build_app(
     )
     app.state.ws = AppState(
         client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
+        model_aliases=tuple(model_aliases),
         sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
         allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
         media=MediaFetcher(
@@ -131,8 +133,9 @@ def build_app(
         max_len = (
             None if client.chat_worker is None else getattr(client.chat_worker.backend, "max_model_len", None)
         )
-        return ModelList(data=[ModelCard(id=name, created=created, root=model_root or name, max_model_len=max_len,
-                                         permission=[permission])])  # fmt: skip
+        # one card per --served-model-name, as vLLM lists them
+        return ModelList(data=[ModelCard(id=n, created=created, root=model_root or name, max_model_len=max_len,
+                                         permission=[permission]) for n in (name, *model_aliases)])  # fmt: skip
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:

@@ -198,7 +198,7 @@ MAX_CHOICES = 16
 async def create_chat_completion(request: Request, st: State):
     """OpenAI chat completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = await _read_body(request)
-    if body.model is not None and body.model != st.served_model_name:
+    if not st.serves(body.model):
         return model_not_found(body.model)
     choices, options = await chat_choices(st, body)
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point

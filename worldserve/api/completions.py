@@ -86,7 +86,7 @@ def chat_params(
 async def create_completion(request: Request, st: State):
     """OpenAI text completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = CompletionRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
-    if body.model is not None and body.model != st.served_model_name:
+    if not st.serves(body.model):
         return model_not_found(body.model)
     if (refused := body.refused()) is not None:
         raise APIError(400, refused[1], param=refused[0])

@@ -151,7 +151,7 @@ async def create_images(request: Request, st: State) -> JSONResponse:
     """Text-to-image (JSON body): `n` images as base64 in `data`, generated with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
     req = ImageGenerationRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
-    if req.model is not None and req.model != st.served_model_name:
+    if not st.serves(req.model):
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip
     if req.n > st.client.max_queued_requests:

@@ -60,7 +60,7 @@ def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
 async def create_response(request: Request, st: State):
     """An OpenAI Responses API answer from the Reasoner (JSON body; `stream: true` answers semantic events)."""
     req = ResponsesRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
-    if req.model is not None and req.model != st.served_model_name:
+    if not st.serves(req.model):
         return model_not_found(req.model)
     history: list = []
     if req.previous_response_id is not None:

@@ -19,6 +19,9 @@ class AppState:
     client: EngineClient
     metrics: Metrics
     served_model_name: str
+    """The name answers carry (`--served-model-name`'s first)."""
+    model_aliases: tuple[str, ...] = ()
+    """`--served-model-name`'s other names: requests may send them too."""
     model_root: str | None
     """The model argument as given (shown as `root` in /v1/models)."""
     sync_timeout_s: float
@@ -36,6 +39,10 @@ class AppState:
     """`--reasoning-parser`: "qwen3" splits <think> answers into reasoning_content (api/reasoning.py)."""
     responses: ResponseStore | None = None
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request's `model` names this server's model (None: not given, as vLLM takes it)."""
+        return model is None or model == self.served_model_name or model in self.model_aliases
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

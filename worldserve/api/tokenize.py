@@ -86,7 +86,7 @@ async def tokenize(request: Request, st: State):
     data = await read_json_object(request, st.max_upload_bytes)
     chat = "messages" in data and "prompt" not in data
     body = (TokenizeChatRequest if chat else TokenizePromptRequest).model_validate(data)
-    if body.model is not None and body.model != st.served_model_name:
+    if not st.serves(body.model):
         return model_not_found(body.model)
     prompts, max_model_len = reasoner_prompts(st)
 
@@ -112,7 +112,7 @@ async def tokenize(request: Request, st: State):
 async def detokenize(request: Request, st: State):
     """vLLM's /detokenize: the text of token ids."""
     body = DetokenizeRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
-    if body.model is not None and body.model != st.served_model_name:
+    if not st.serves(body.model):
         return model_not_found(body.model)
     prompts, _ = reasoner_prompts(st)
     return DetokenizeResponse(prompt=await asyncio.to_thread(prompts.decode, body.tokens, param="tokens"))

@@ -101,9 +101,10 @@ def _json_fields(body: bytes) -> dict[str, Any]:
 
 async def build_inputs(
     fields: dict[str, Any], *, served_model: str, has_sound: bool, default_flow_shift: float | None = None,
-    fetcher: MediaFetcher | None = None,
+    fetcher: MediaFetcher | None = None, model_aliases: tuple[str, ...] = (),
 ) -> VideoInputs:  # fmt: skip
-    """The validated params, job spec, encoding and reference of a create request's fields;
+    """The validated params, job spec, encoding and reference of a create request's fields (`model` may name
+    the served model or one of its `model_aliases`; the job carries the served name);
     `default_flow_shift` (--flow-shift) stands in for a flow_shift the request does not send; `fetcher`
     downloads http(s) reference URLs (None: they are refused)."""
     upload = fields.pop("input_reference", None)
@@ -111,7 +112,7 @@ async def build_inputs(
         req = VideoCreateRequest.model_validate(fields)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-    if req.model is not None and req.model != served_model:
+    if req.model is not None and req.model != served_model and req.model not in model_aliases:
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{served_model}'.", param="model")  # fmt: skip
     extra = parse_extra_params(req.extra_params)

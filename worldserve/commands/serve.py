@@ -234,6 +234,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
     return dict(
         api_keys=server.api_key or (), sync_timeout_s=server.sync_timeout, max_upload_bytes=server.max_upload_bytes,
         shutdown_timeout_s=config.scheduler.shutdown_timeout, model_root=config.model.model,
+        model_aliases=config.model.served_model_aliases,
         allowed_local_media_path=server.allowed_local_media_path, allowed_origins=server.allowed_origins,
         allowed_media_domains=allowed_domains(server.allowed_media_domains),
         server_load_tracking=server.enable_server_load_tracking,

@@ -335,11 +335,10 @@ def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
     """The deprecation of `--model`, and one line per accepted-without-effect flag given, saying why."""
     if getattr(args, "model_option", None) is not None:
         log.warning("--model is deprecated (as in vLLM): pass the model as the positional MODEL")
-    names = getattr(args, "served_model_name", None)
-    if isinstance(names, list) and len(names) > 1:
-        log.warning("--served-model-name %s: only %r is served (answers and metrics carry it, as vLLM's first "
-                    "name); requests naming %s are refused", " ".join(names), names[0],
-                    " or ".join(repr(n) for n in names[1:]))  # fmt: skip
+    if config.model.served_model_aliases:
+        log.info("--served-model-name: requests may name %s; answers and metrics carry %r (vLLM's first name)",
+                 " or ".join(repr(n) for n in (config.model.served_model_name, *config.model.served_model_aliases)),
+                 config.model.served_model_name)  # fmt: skip
     if getattr(getattr(args, "max_model_len", None), "auto", False):
         log.info("--max-model-len auto: %d tokens, worldserve's default", config.model.max_model_len)
     par = config.parallel
