@@ -388,10 +388,6 @@ class JobStore:
             return jobs, False
         return jobs[:limit], len(jobs) > limit
 
-    def count(self, status: JobStatus) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status=?", (status.value,)).fetchone()[0]
-
     def _update(self, sql: str, args: tuple) -> bool:
         with self._writing("the job's state"):
             return self._db.execute(sql, args).rowcount > 0
