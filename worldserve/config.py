@@ -17,7 +17,6 @@ import inspect
 import math
 import re
 import textwrap
-import threading
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag
     JsonStrList,
     MediaLimits,
     TokenCount,
+    check_seconds,
     json_flag,
 )
 
@@ -36,15 +36,6 @@ TINY_SERVED_NAME = "worldserve/tiny-cosmos3"
 
 MIN_UPLOAD_MB = 0.01
 """The smallest --max-upload-mb (10 KiB): below it even a short chat body is refused."""
-
-
-def check_seconds(flag: str, value: float, *, zero: bool) -> None:
-    """A duration flag: finite, > 0 (>= 0 with `zero`) and at most what Python's waits take
-    (threading.TIMEOUT_MAX, ~292 years): `inf` or 1e20 would fail a join or a timestamp later, mid-run."""
-    if not (math.isfinite(value) and (value >= 0 if zero else value > 0) and value <= threading.TIMEOUT_MAX):
-        bound = ">= 0" if zero else "> 0"
-        raise ValueError(f"{flag} must be a finite number of seconds {bound} (at most "
-                         f"{threading.TIMEOUT_MAX:.3g}), got {value}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

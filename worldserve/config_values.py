@@ -1,14 +1,17 @@
 """The value types of config flags, parsed from their command-line text (config.py's dataclasses use them as
 field types, so argparse converts a flag's text with them): vLLM's JSON lists (`--allowed-origins`), media
 limits (`--limit-mm-per-prompt`), token counts with vLLM's human-readable suffixes (`--max-model-len 32k`),
-and the error they raise (`FlagValueError`: argparse shows it as `argument --flag: <message>`, exit 2).
+and the error they raise (`FlagValueError`: argparse shows it as `argument --flag: <message>`, exit 2); the
+bounds of a duration (`check_seconds`: flags and environment variables alike).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import threading
 import typing
 
 
@@ -103,3 +106,12 @@ class AutoTokenCount(TokenCount):
 
     __slots__ = ()
     auto = True
+
+
+def check_seconds(flag: str, value: float, *, zero: bool) -> None:
+    """A duration flag: finite, > 0 (>= 0 with `zero`) and at most what Python's waits take
+    (threading.TIMEOUT_MAX, ~292 years): `inf` or 1e20 would fail a join or a timestamp later, mid-run."""
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0) and value <= threading.TIMEOUT_MAX):
+        bound = ">= 0" if zero else "> 0"
+        raise ValueError(f"{flag} must be a finite number of seconds {bound} (at most "
+                         f"{threading.TIMEOUT_MAX:.3g}), got {value}")  # fmt: skip

@@ -7,10 +7,10 @@ honoured so that existing deployments keep working.
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 from pathlib import Path
+
+from worldserve.config_values import check_seconds
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
 MAX_FETCH_TIMEOUT_S = 86400.0
@@ -31,9 +31,7 @@ def sync_timeout_s() -> float:
     for name in ("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "VLLM_VIDEO_SYNC_TIMEOUT"):
         value = _env_float(name)
         if value is not None:
-            if not (math.isfinite(value) and 0 < value <= threading.TIMEOUT_MAX):
-                raise ValueError(f"environment variable {name}={value} must be a finite number of seconds > 0 "
-                                 f"(at most {threading.TIMEOUT_MAX:.3g})")  # fmt: skip
+            check_seconds(f"environment variable {name}", value, zero=False)
             return value
     return DEFAULT_SYNC_TIMEOUT_S
 
