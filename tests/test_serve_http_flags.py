@@ -119,6 +119,21 @@ def test_config_file_fills_what_the_command_line_left(tmp_path):
         serve.engine_config(parse_args("--config", str(tmp_path / "bad.yaml")))
 
 
+@pytest.mark.anyio
+async def test_a_doubled_root_path_does_not_skip_the_api_key(tmp_path, anyio_backend):
+    """--root-path /api: /api/api/v1/models reached /v1/models (the prefix middleware strips one /api, the
+    router the other) while the key check saw /api/v1/models and let it through."""
+    from worldserve.commands.serve_http import install
+
+    app = build_app(make_client(tmp_path), api_keys=["sk-test"])
+    install(app, root_path="/api", middlewares=[])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        for path in ("/v1/models", "/api/v1/models", "/api/api/v1/models", "/api/api/api/v1/models"):
+            assert (await http.get(path)).status_code in (401, 404), path
+        keyed = await http.get("/api/v1/models", headers={"Authorization": "Bearer sk-test"})
+        assert keyed.status_code == 200
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,6 +165,7 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
                     assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
                     time.sleep(0.2)
             key = {"Authorization": "Bearer sk-test"}
+            assert http.get("/api/api/v1/models").status_code == 401, "a doubled prefix bypassed the key"
             for path in ("/api/v1/models", "/v1/models"):
                 assert http.get(path).status_code == 401, path  # the prefix does not bypass the key
                 models = http.get(path, headers=key)

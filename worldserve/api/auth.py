@@ -1,6 +1,7 @@
 """Bearer-key check for /v1/* and the X-Request-Id header, as two small pure-ASGI middlewares.
 
-Auth follows vLLM: with API keys configured, any request whose path starts with /v1 must carry
+Auth follows vLLM: with API keys configured, any request whose route path (less the root path, as the router
+matches it) starts with /v1 must carry
 `Authorization: Bearer KEY`, KEY one of them (the scheme in any case, as vLLM's), else 401 with the bare body
 {"error": "Unauthorized"} (not the envelope). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
 stay open. Keys are compared in constant time, as SHA-256 digests (the time tells nothing of the key's length).
@@ -32,7 +33,7 @@ class APIKeyMiddleware:
             self._expected
             and scope["type"] in ("http", "websocket")
             and scope.get("method") != "OPTIONS"
-            and scope["path"].startswith(PROTECTED_PREFIX)
+            and route_path(scope).startswith(PROTECTED_PREFIX)
         ):
             scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
             given = _digest(key)
@@ -42,6 +43,17 @@ class APIKeyMiddleware:
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: Starlette strips the scope's root_path (FastAPI's, `--root-path`) once
+    when the path starts with it, so the key is checked on the same path (vLLM checks the URL path less the
+    root path). Checking scope["path"] alone let `/api/api/v1/...` through unchecked under `--root-path /api`
+    (serve_http.RootPathMiddleware strips one prefix, the router the second)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
+        return path[len(root) :]
+    return path
 
 
 def _digest(key: str) -> bytes:
