@@ -119,6 +119,21 @@ def test_config_file_fills_what_the_command_line_left(tmp_path):
         serve.engine_config(parse_args("--config", str(tmp_path / "bad.yaml")))
 
 
+def test_config_file_values_as_vllm_spells_them(tmp_path):
+    """vLLM's --config rules: a flag on the command line wins even at its default value, false is the flag's
+    --no- form, a list for a repeatable flag repeats it (it spilled into MODEL: `middleware: [a.b, c.d]` made
+    c.d the model); a list for a one-value flag is an error naming it."""
+    (tmp_path / "c.yaml").write_text("port: 9000\nenable-request-id-headers: false\nmiddleware: [a.b, c.d]\n")
+    args = parse_args("--config", str(tmp_path / "c.yaml"), "--port", "8000")
+    cfg = serve.engine_config(args)
+    assert cfg.server.port == 8000, "the command line wins, even at the default value"
+    assert cfg.server.enable_request_id_headers is False
+    assert (cfg.model.model, args.middleware) == (None, ["a.b", "c.d"])
+    (tmp_path / "bad.yaml").write_text("port: [8001, 8002]\n")
+    with pytest.raises(ValueError, match="--config .*bad.yaml.*--port takes one value"):
+        serve.engine_config(parse_args("--config", str(tmp_path / "bad.yaml")))
+
+
 @pytest.mark.anyio
 async def test_a_doubled_root_path_does_not_skip_the_api_key(tmp_path, anyio_backend):
     """--root-path /api: /api/api/v1/models reached /v1/models (the prefix middleware strips one /api, the

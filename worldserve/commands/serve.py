@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_config_arguments(parser, cls)
     serve_http.add_http_arguments(parser)
     add_compat_arguments(parser)
+    serve_http.record_given(parser)  # --config fills only the flags the command line did not give
 
 
 def _fresh_parser() -> argparse.ArgumentParser:

@@ -111,9 +111,63 @@ class RootPathMiddleware:
         await self.app(scope, receive, send)
 
 
+GIVEN = "_given_on_command_line"
+"""The namespace attribute record_given fills: the dests of the flags the command line gave."""
+_RECORDING: dict[type, type] = {}
+
+
+def record_given(parser: argparse.ArgumentParser) -> None:
+    """Make every flag of `parser` note its dest in the namespace's GIVEN set when the command line gives it,
+    so that --config fills only the others (a flag given at its default value still wins, as in vLLM, where
+    the command line's flags come after the file's)."""
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            cls = type(action)
+            if cls not in _RECORDING:
+                _RECORDING[cls] = type(cls.__name__, (cls,), {"__call__": _recorded})
+            action.__class__ = _RECORDING[cls]
+
+
+def _recorded(
+    self: argparse.Action, parser: Any, namespace: Any, values: Any, option_string: Any = None
+) -> None:
+    super(type(self), self).__call__(parser, namespace, values, option_string)
+    setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), self.dest})
+
+
+def _config_argv(path: str, data: dict, parser: argparse.ArgumentParser, model_given: bool) -> list[str]:
+    """The flags of a --config mapping as command-line words, as vLLM spells them: true is the switch, false
+    the --no- form where the flag has one, a list the flag's values (repeated flag for a repeatable one)."""
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = parser._option_string_actions.get(flag)
+        if flag == "--model" and not model_given:
+            argv.insert(0, str(value))  # the positional MODEL
+        elif flag in ("--model", "--config"):
+            continue  # the command line's MODEL wins; no nested config files
+        elif value is True:
+            argv.append(flag)
+        elif value is False:
+            if "--no-" + flag[2:] in parser._option_string_actions:
+                argv.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            words = [json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value]
+            if action is not None and action.nargs is None:  # one value a flag: each item its own flag
+                if len(words) > 1 and not isinstance(action, argparse._AppendAction):
+                    raise FlagValueError(f"--config {path}: {flag} takes one value, got the list {value}")
+                argv += [w for word in words for w in (flag, word)]
+            else:
+                argv += [flag, *words]
+        elif value is not None:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
+
+
 def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argparse.ArgumentParser]) -> None:
-    """--config FILE: its flags fill `args` where the command line left the default (vLLM: the command line
-    wins). FlagValueError naming the file for a file that cannot be read or a flag that does not parse."""
+    """--config FILE: its flags fill `args` where the command line gave none (vLLM: the command line wins;
+    a namespace from a parser without record_given: where the value is the default). FlagValueError naming
+    the file for a file that cannot be read or a flag that does not parse."""
     path = getattr(args, "config", None)
     if not path:
         return
@@ -126,26 +180,22 @@ def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argpars
         raise FlagValueError(f"--config {path}: cannot read it ({exc})") from None
     if not isinstance(data, dict):
         raise FlagValueError(f"--config {path}: expected a mapping of flags to values")
-    argv: list[str] = []
-    for key, value in data.items():
-        flag = "--" + str(key).replace("_", "-")
-        if flag == "--model" and getattr(args, "model", None) is None:
-            argv.insert(0, str(value))  # the positional MODEL
-        elif flag in ("--model", "--config"):
-            continue  # the command line's MODEL wins; no nested config files
-        elif value is True:
-            argv.append(flag)
-        elif isinstance(value, list):
-            argv += [flag, *(json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value)]
-        elif value not in (False, None):
-            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     parser = parser_for()
+    argv = _config_argv(path, data, parser, getattr(args, "model", None) is not None)
 
     def refuse(message: str) -> None:
         raise FlagValueError(f"--config {path}: {message}")
 
     parser.error = refuse  # type: ignore[method-assign]  (argparse would exit naming the wrong command)
     defaults, given = vars(parser.parse_args([])), vars(parser.parse_args(argv))
+    on_command_line = getattr(args, GIVEN, None)
     for dest, value in given.items():
-        if value != defaults.get(dest) and getattr(args, dest, None) == defaults.get(dest):
-            setattr(args, dest, value)
+        if dest == GIVEN or value == defaults.get(dest):
+            continue
+        if dest == "model" and getattr(args, "model", None) is not None:
+            continue  # the command line's MODEL
+        if dest in (on_command_line or ()) or (
+            on_command_line is None and getattr(args, dest, None) != defaults.get(dest)
+        ):
+            continue
+        setattr(args, dest, value)
