@@ -134,6 +134,20 @@ def test_config_file_values_as_vllm_spells_them(tmp_path):
         serve.engine_config(parse_args("--config", str(tmp_path / "bad.yaml")))
 
 
+def test_config_file_log_file_gets_the_log(tmp_path):
+    """`log-file:` in the --config file is honoured (it was read before the file was applied: no log)."""
+    (tmp_path / "c.yaml").write_text(f"log-file: {tmp_path / 'serve.log'}\nworker-backend: ray\n")
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        assert serve.run(parse_args("--config", str(tmp_path / "c.yaml"))) == 2
+    finally:
+        for handler in set(root.handlers) - set(before):
+            root.removeHandler(handler)
+            handler.close()
+    assert "--worker-backend ray: worldserve spawns" in (tmp_path / "serve.log").read_text()
+
+
 @pytest.mark.anyio
 async def test_a_doubled_root_path_does_not_skip_the_api_key(tmp_path, anyio_backend):
     """--root-path /api: /api/api/v1/models reached /v1/models (the prefix middleware strips one /api, the

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
     log_file = None
     try:
+        serve_http.apply_config_file(args, _fresh_parser)  # first: the file may name the --log-file
         if getattr(args, "log_file", None):
             log_file = log_to_file(args.log_file, LOG_FORMAT)
         config = engine_config(args).resolve()
