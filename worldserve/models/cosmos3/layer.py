@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.layers.attention import KVCache, sdpa_attention
+from worldserve.models.layers.compile_limits import raise_recompile_limits
 from worldserve.models.layers.fp8 import Fp8Linear, fp8_linear
 from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worldserve.models.layers.norm import RMSNorm, rms_norm
@@ -215,10 +216,7 @@ def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backe
     graph per shape), their residual adds done in place by the GEMMs (finish_residual_in_place: the
     blocks' `finish` then overwrites its input h, so only blocks whose callers drop h may be compiled:
     the gen layers)."""
-    import torch._dynamo
-
-    # One graph per distinct shape (resolution / batch mix); allow many before dynamo falls back to eager.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    raise_recompile_limits()  # one graph per packed-token count: a server meets many (compile_limits.py)
     qkv_c = torch.compile(qkv_math, mode=mode, backend=backend, dynamic=False)
     finish_c = torch.compile(finish_math, mode=mode, backend=backend, dynamic=False)
     swiglu_c = torch.compile(swiglu_math, mode=mode, backend=backend, dynamic=False)

@@ -64,6 +64,7 @@ from worldserve.models.cosmos3.wan_decoder_blocks import (
     last_frames,
 )
 from worldserve.models.cosmos3.wan_decoder_convs import TimeWinogradConv3d
+from worldserve.models.layers.compile_limits import recompile_limits
 
 DEFAULT_CHUNK_SIZE = 4  # latent frames per chunk after the first; see the memory note above
 CHECKPOINT_PREFIXES = ("decoder.", "post_quant_conv.")
@@ -330,18 +331,12 @@ class WanDecoder(nn.Module):
         z = z.to(device=self.device, dtype=self.dtype).contiguous(memory_format=self.memory_format)
         x = self.post_quant_conv(z)  # [B, z, T, h, w]
         cache = CausalConvCache(self.memory_format)
-        # Compiled: ResidualBlock.forward alone specialises on 6 (level, width) shapes; allow more than
-        # dynamo's default 8 graphs per function (stride variants) rather than fall back to eager.
-        limit = _recompile_limit(64) if self.compiled else contextlib.nullcontext()
+        # Compiled: ResidualBlock.forward specialises on every (level, width, chunk length) of every output
+        # size (8-24 graphs a size): dynamo may keep thousands (compile_limits.py), not fall back to eager.
+        limit = recompile_limits() if self.compiled else contextlib.nullcontext()
         with limit:
             for start, stop in chunk_bounds(x.shape[2], chunk_size):
                 yield self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0)
-
-
-def _recompile_limit(n: int):
-    """Scoped dynamo recompile limit (named cache_size_limit before torch 2.7)."""
-    cfg = torch._dynamo.config
-    return cfg.patch(**{"recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit": n})
 
 
 def _unpatchify_into(dst: Tensor, y: Tensor, p: int) -> None:

@@ -1,0 +1,32 @@
+"""Dynamo's graph limits for the compiled parts of the model (the gen layers' math, the VAE decoder's blocks).
+
+They compile with static shapes: one graph per shape. Dynamo keeps at most `recompile_limit` graphs per guard
+set (default 8) and `accumulated_recompile_limit` per function (256); past either, that function runs eagerly
+for the rest of the process without a word (the gen layers 1.13x slower). A video server meets many shapes
+(resolutions, frame counts, CFG on or off, batch mixes; the VAE 8-24 graphs a size), so both are raised to
+`COMPILED_SHAPES_LIMIT`; a new shape's compile is paid once either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+
+COMPILED_SHAPES_LIMIT = 4096
+"""Graphs a compiled function may keep before dynamo falls back to eager."""
+
+
+def raise_recompile_limits(n: int = COMPILED_SHAPES_LIMIT) -> None:
+    """Raise both limits to at least `n`, process-wide (the gen layers compile once, at load)."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, n)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, n)
+
+
+def recompile_limits(n: int = COMPILED_SHAPES_LIMIT):
+    """Both limits at least `n` inside a `with` block (the VAE decode), as they were outside it."""
+    cfg = torch._dynamo.config
+    return cfg.patch(
+        recompile_limit=max(n, cfg.recompile_limit),
+        accumulated_recompile_limit=max(n, cfg.accumulated_recompile_limit),
+    )
