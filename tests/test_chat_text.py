@@ -28,9 +28,15 @@ class ByteTokenizer:
         return out.decode("utf-8", "replace")
 
 
+class NoPrefixCache:
+    def register(self, prompt, generated, seq):
+        pass
+
+
 class FakeReasoner:
     tokenizer = ByteTokenizer()
     stop_token_ids = frozenset({EOS})
+    prefiller = NoPrefixCache()
 
     def forget(self, session):
         pass

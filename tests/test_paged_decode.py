@@ -224,7 +224,8 @@ def test_tiny_temperature_is_greedy_and_placeholder_text_is_a_400(tiny_ckpt, mod
 
 def test_streamed_text_is_the_decoded_completion(tiny_ckpt, model_and_tok):
     """Incremental detokenization: the deltas of sampled chats (the tiny byte-level vocabulary splits UTF-8
-    characters across tokens) add up to the tokenizer's decode of the whole completion."""
+    characters across tokens) add up to the tokenizer's decode of the whole completion, less a character
+    left unfinished at the end (vLLM's DecodeStream never completes it: no U+FFFD)."""
     from worldserve.runner.reasoner import Reasoner
 
     model, tok = model_and_tok
@@ -235,7 +236,7 @@ def test_streamed_text_is_the_decoded_completion(tiny_ckpt, model_and_tok):
         text = ""
         while s.finish_reason is None:
             text += s.step().text
-        assert text == tok.decode(s.token_ids, skip_special_tokens=True)
+        assert text == tok.decode(s.token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 def test_a_chat_without_room_is_refused_before_any_work_and_not_rebuilt(
@@ -302,10 +303,10 @@ def test_a_failed_batched_prefill_retries_each_chat_alone(tiny_ckpt, model_and_t
     r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=256)
     batch_prefill = r.prefill_batch
 
-    def flaky(items):
+    def flaky(items, whole=()):
         if any(len(p.input_ids) > 25 for p, _ in items):
             raise RuntimeError("CUDA out of memory (simulated)")
-        return batch_prefill(items)
+        return batch_prefill(items, whole)
 
     monkeypatch.setattr(r, "prefill_batch", flaky)
     texts = ["Hi", "a much longer prompt that goes past twenty five tokens for sure", "Yo"]
@@ -348,14 +349,16 @@ def test_the_choices_of_one_request_share_their_prompt(tiny_ckpt, model_and_tok)
     from worldserve.runner.reasoner import Reasoner
 
     model, tok = model_and_tok
-    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=512, kv_block_size=16)
+    # (no prefix cache: the three separate chats below would share the prompt's blocks through it too)
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=512, kv_block_size=16,
+                                 enable_prefix_caching=False)  # fmt: skip
     long = "Describe, in great detail, a red fox running through fresh snow at dawn " * 3
     base = ChatParams(
         messages=(ChatMessage(role="user", content=long),), max_tokens=8, temperature=1.0, seed=3
     )
     choices = [dataclasses.replace(base, seed=3 + i) for i in range(3)]
     prefills, prefill_batch = [], r.prefill_batch
-    r.prefill_batch = lambda items: prefills.append(len(items)) or prefill_batch(items)
+    r.prefill_batch = lambda items, *rest: prefills.append(len(items)) or prefill_batch(items, *rest)
     free = r.pool.num_free
     shared = r.start_many(choices)
     used_shared = free - r.pool.num_free

@@ -74,6 +74,8 @@ class ModelConfig:
     """Context length of Reasoner chat completions (prompt + completion tokens; vLLM's 32k = 32000, 32K = 32768; auto or -1: 32768)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
+    enable_prefix_caching: bool = True
+    """Reuse the K/V of prompt prefixes seen before (vLLM's automatic prefix caching, on by default as there): a chat whose first 64-token blocks match an earlier chat's (same tokens, images and videos) prefills only the rest; --no-enable-prefix-caching turns it off."""
     chat_sm_margin: int = 16
     """SMs a video step's FlashAttention-3 kernels leave free while Reasoner chats are live, so that they keep decoding beside it on one CUDA GPU (runner/chat_share.py; 8 chats beside a 720p step on an H200: 0 gives ~4 tokens/s a chat at full video speed, 16 ~26 tokens/s with the video step 1.10x as long, 32 ~57 tokens/s at 1.24x)."""
     omni: bool = False

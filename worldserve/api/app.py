@@ -74,6 +74,8 @@ def build_app(
     if client.chat_worker is not None:
         chat = client.chat_worker.backend
         metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
+        if hasattr(chat, "prefix_cache_counts"):  # (the Reasoner; test backends may keep no prefix cache)
+            metrics.track_prefix_cache(lambda: chat.prefix_cache_counts)
         metrics.track_chat_queue(lambda: client.chat_worker.num_waiting)
         if isinstance(getattr(chat, "max_model_len", None), int):
             metrics.track_chat_lengths(chat.max_model_len)

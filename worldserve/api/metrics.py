@@ -115,6 +115,14 @@ class Metrics:
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", preemptions, r
         )
 
+    def track_prefix_cache(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """The Reasoner's prefix cache: prompt tokens looked up so far, and of them the tokens found (vLLM's
+        counters, in tokens)."""
+        self.vllm.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                          "tokens.", lambda: counts()[0], self.registry)  # fmt: skip
+        self.vllm.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                          lambda: counts()[1], self.registry)  # fmt: skip
+
     def track_chat_lengths(self, max_model_len: int) -> None:
         """The per-chat token histograms, bucketed up to the Reasoner's context length (vLLM's)."""
         self.vllm.track_lengths(max_model_len, self.registry)

@@ -12,8 +12,8 @@ e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total 
 histograms vLLM's Grafana dashboard reads: request_prompt_tokens / request_generation_tokens (vLLM's 1-2-5 buckets up
 to --max-model-len, with a chat worker), request_decode_time_seconds (first token to last, as the API receives them)
 and request_inference_time_seconds (admitted to last token), each choice of an n > 1 request a chat as vLLM's child
-requests are. Not exported: vllm:prefix_cache_queries / _hits (worldserve has no prefix cache: the n choices of one
-request share their prompt's K/V by a fork, no cache lookup), request_prefill_time_seconds (the admission time is
+requests are; prefix_cache_queries / _hits (prompt tokens looked up in the Reasoner's prefix cache, and found; a
+chat asking for prompt logprobs computes its whole prompt, no lookup). Not exported: request_prefill_time_seconds (the admission time is
 the chat worker's, the first token's the API's: time to first token minus queue time is the same number),
 request_params_n / _max_tokens, request_max_num_generation_tokens and cache_config_info.
 

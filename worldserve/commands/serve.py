@@ -330,7 +330,7 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig, max_num_seqs: int 
     reasoner = Reasoner.from_pretrained(
         path, transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len,
         max_num_seqs=max_num_seqs, kv_cache_tokens=kv_tokens, enforce_eager=cfg.enforce_eager,
-        chat_sm_margin=cfg.chat_sm_margin,
+        chat_sm_margin=cfg.chat_sm_margin, enable_prefix_caching=cfg.enable_prefix_caching,
     )  # fmt: skip
     log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
              "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",

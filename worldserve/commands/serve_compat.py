@@ -237,8 +237,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       level=logging.WARNING),
     C("--max-num-batched-tokens", "the Reasoner batches up to --max-num-seqs chats and prefills each prompt whole",
       {"type": POSITIVE_INT}),
-    C("--enable-prefix-caching", "the Reasoner keeps no prefix cache: each chat prefills its whole prompt",
-      {"action": argparse.BooleanOptionalAction}),
     C("--enable-log-requests", "worldserve logs no request contents (uvicorn's access log has a line a request)",
       {"action": argparse.BooleanOptionalAction}),
     C("--max-log-len", "worldserve logs no prompts", {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),

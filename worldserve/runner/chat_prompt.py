@@ -39,6 +39,7 @@ from worldserve.models.cosmos3.vision import (
     video_timestamps,
 )
 from worldserve.params import ParamError
+from worldserve.runner.prefix_hashes import media_digests
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -58,6 +59,9 @@ class ChatPrompt:
     """[3, N] float32 Qwen3-VL mRoPE positions of input_ids (get_rope_index)."""
     next_position: int
     """Position of the first generated token."""
+    media: tuple[tuple[int, bytes], ...] = ()
+    """(first placeholder row, content digest) of each image and video: their part of the prefix-cache keys
+    (runner/prefix_hashes.py)."""
 
 
 class ChatPromptBuilder:
@@ -201,8 +205,17 @@ class ChatPromptBuilder:
                 "messages", f"the messages do not match their images / videos ({exc}); text must not contain "
                 f"{IMAGE_PAD} or {VIDEO_PAD}",
             ) from exc  # fmt: skip
+        media = media_digests(
+            ids, vision, video, image_token_id=self.image_token_id, video_token_id=self.video_token_id,
+            merge_size=merge,
+        )  # fmt: skip
         return ChatPrompt(
-            input_ids=ids, vision=vision, video=video, positions=positions, next_position=next_pos
+            input_ids=ids,
+            vision=vision,
+            video=video,
+            positions=positions,
+            next_position=next_pos,
+            media=media,
         )
 
     def truncated(self, prompt: ChatPrompt, keep: int, max_model_len: int) -> ChatPrompt:
@@ -296,3 +309,22 @@ class ChatPromptBuilder:
             grid_thw=torch.cat([i.grid_thw for i in inputs]),
         )
         return "".join(out), merged
+
+
+def completion_budget(params: ChatParams, n: int, max_model_len: int) -> int:
+    """The completion tokens a chat may produce after its `n`-token prompt (its max_tokens, else the room the
+    context leaves); ParamError, in vLLM's words, when the prompt or max_tokens (or min_tokens) do not fit."""
+    room = max_model_len - n
+    if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+        asked, where = n + (params.max_tokens or 1), "messages" if params.prompt_ids is None else "prompt"
+        raise ParamError(
+            "max_tokens" if params.max_tokens is not None and room >= 1 else where,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{asked} tokens ({n} in the {where}, {asked - n} in the completion). Please reduce the length "
+            f"of the {where} or completion.",
+        )
+    budget = params.max_tokens if params.max_tokens is not None else room
+    if params.min_tokens > budget:  # (vLLM checks it against the max_tokens it defaulted to the room)
+        raise ParamError("min_tokens", f"min_tokens must be at most max_tokens ({budget}, the room the "
+                         f"{n}-token prompt leaves in the context), got {params.min_tokens}")  # fmt: skip
+    return budget

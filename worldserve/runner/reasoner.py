@@ -6,7 +6,8 @@ start(ChatParams) -> ReasonerSession (start_many: several at once, their prefill
   prefill: one und_step over the whole prompt with embed_tokens rows replaced by the ViT embeddings at the
            image-pad and video-pad rows, Qwen3-VL get_rope_index positions, and deepstack features (image and
            video rows in sequence order) added after the first len(deepstack) und layers; the K/V go into the
-           session's sequence of the shared paged K/V pool (models/layers/paged_kv.py).
+           session's sequence of the shared paged K/V pool (models/layers/paged_kv.py); with prefix caching,
+           only past the longest cached prefix (und_prefill.py, prefix_hashes.py).
 session.step() -> ChatDelta: sample the next token (sampling/tokens.py) from the pending logits, detokenize
   incrementally (a trailing incomplete UTF-8 character and a possible stop-string prefix are held back), and,
   unless finished, run one und decode step at the next mRoPE position (max prompt position + 1 + k).
@@ -36,8 +37,13 @@ from worldserve.chat_params import ChatParams
 from worldserve.engine.outputs import ChatBackpressure, ChatDelta
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
-from worldserve.params import ParamError
-from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
+from worldserve.runner.chat_prompt import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    ChatPrompt,
+    ChatPromptBuilder,
+    completion_budget,
+)
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
 from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
 from worldserve.runner.und_decoder import UndDecoder
@@ -80,6 +86,7 @@ class Reasoner:
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         enforce_eager: bool = False,
         chat_sm_margin: int = DEFAULT_CHAT_SM_MARGIN,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.transformer = transformer
         self.share = ChatGpuShare(transformer, sm_margin=chat_sm_margin)  # chats beside video (chat_share.py)
@@ -107,8 +114,8 @@ class Reasoner:
                 f"{max_model_len}: raise --kv-cache-memory-bytes or lower --max-model-len"
             )
         self.pool = transformer.new_paged_pool(kv_cache_tokens, block_size=kv_block_size)
-        self._prefill = UndPrefill(transformer, self.pool, vision, image_token_id=image_token_id,
-                                   video_token_id=self.video_token_id)  # fmt: skip
+        self.prefiller = UndPrefill(transformer, self.pool, vision, image_token_id=image_token_id,
+                                    video_token_id=self.video_token_id, caching=enable_prefix_caching)  # fmt: skip
         self.decoder = UndDecoder(
             transformer, self.pool, max_batch=max_num_seqs, max_model_len=max_model_len,
             enforce_eager=enforce_eager,
@@ -145,19 +152,23 @@ class Reasoner:
         return self.prompts.build(params)
 
     # ------------------------------------------------------------------ model
-    def prefill(self, prompt: ChatPrompt, generated: Sequence[int] = ()) -> tuple[Tensor, PagedSequence, int]:
-        """-> (final-normed hidden [N, d] of every token, its filled paged sequence, next position).
+    def prefill(
+        self, prompt: ChatPrompt, generated: Sequence[int] = (), *, whole: bool = True
+    ) -> tuple[Tensor, PagedSequence, int]:
+        """-> (final-normed hidden [N, d] of every token, its filled paged sequence, next position); with
+        `whole` False, of the tokens past its prefix-cache hit only.
 
         `generated`: tokens the chat already produced (a preempted chat's resume), prefilled after the prompt
         at the positions their decode steps had. PoolExhausted, before any work (the ViT included) and with
         nothing kept, when the pool cannot hold them all and the next token."""
-        return self.prefill_batch([(prompt, generated)])[0]
+        return self.prefill_batch([(prompt, generated)], [whole])[0]
 
     def prefill_batch(
-        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]]
+        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = ()
     ) -> list[tuple[Tensor, PagedSequence, int]]:
-        """prefill() of several (prompt, generated) items in ONE und pass (und_prefill.py)."""
-        return self._prefill(items)
+        """prefill() of several (prompt, generated) items in ONE und pass (und_prefill.py; the hidden states of
+        the tokens computed: past a prefix-cache hit, unless `whole[i]`)."""
+        return self.prefiller(items, whole)
 
     @property
     def concurrent_with_video(self) -> bool:
@@ -168,6 +179,11 @@ class Reasoner:
         """Fraction of the pool's usable blocks held by chats (vLLM's kv_cache_usage_perc)."""
         usable = self.pool.num_blocks - 1
         return (usable - self.pool.num_free) / usable
+
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache so far, and of them the tokens found (vLLM's metrics)."""
+        return self.pool.prefix_queries, self.pool.prefix_hits
 
     def decode(self, token: int, seq: PagedSequence, position: int) -> Tensor:
         """One decode step: token at `position` -> logits [vocab] of the next token."""
@@ -339,8 +355,9 @@ class Reasoner:
         """prefill_batch over the ready chats; when the pass fails (e.g. out of memory), each chat once more
         on its own, so that one chat's failure is not every chat's. [(*item, result or exception)]."""
         items = [(prompt, ()) for _, _, prompt, _ in ready]
+        whole = [params.prompt_logprobs is not None for _, params, _, _ in ready]  # every prompt row's logits
         try:
-            return [(*r, done) for r, done in zip(ready, self.prefill_batch(items), strict=True)]
+            return [(*r, done) for r, done in zip(ready, self.prefill_batch(items, whole), strict=True)]
         except Exception as exc:
             if len(ready) == 1:
                 return [(*ready[0], exc)]
@@ -368,21 +385,7 @@ class Reasoner:
             )
         if params.truncate_prompt_tokens is not None:
             prompt = self.prompts.truncated(prompt, params.truncate_prompt_tokens, self.max_model_len)
-        n = len(prompt.input_ids)
-        room = self.max_model_len - n
-        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-            asked, where = n + (params.max_tokens or 1), "messages" if params.prompt_ids is None else "prompt"
-            raise ParamError(
-                "max_tokens" if params.max_tokens is not None and room >= 1 else where,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{asked} tokens ({n} in the {where}, {asked - n} in the completion). Please reduce the length "
-                f"of the {where} or completion.",
-            )
-        budget = params.max_tokens if params.max_tokens is not None else room
-        if params.min_tokens > budget:  # (vLLM checks it against the max_tokens it defaulted to the room)
-            raise ParamError("min_tokens", f"min_tokens must be at most max_tokens ({budget}, the room the "
-                             f"{n}-token prompt leaves in the context), got {params.min_tokens}")  # fmt: skip
-        return prompt, budget
+        return prompt, completion_budget(params, len(prompt.input_ids), self.max_model_len)
 
     def _session(
         self,

@@ -125,7 +125,9 @@ class ReasonerSession:
         return self.prompt_tokens + len(self.token_ids)
 
     def preempt(self) -> None:
-        """Free its K/V blocks; the token `advance` just took stays in token_ids and is recomputed."""
+        """Free its K/V blocks (the full ones offered to the prefix cache: the resume may find them); the token
+        `advance` just took stays in token_ids and is recomputed."""
+        self._r.prefiller.register(self._prompt, self.token_ids, self._seq)
         self._seq.release()
         self._seq, self._logits = None, None
 
@@ -134,7 +136,7 @@ class ReasonerSession:
 
         The last produced token's logits come out of this prefill, as its decode step would have given them."""
         try:
-            hidden, seq, position = self._r.prefill(self._prompt, self.token_ids)
+            hidden, seq, position = self._r.prefill(self._prompt, self.token_ids, whole=False)
         except PoolExhausted:
             return False
         self._seq, self._position = seq, position
@@ -148,6 +150,7 @@ class ReasonerSession:
     def close(self) -> None:
         """Give the K/V blocks back and leave the Reasoner's books (cancelled, failed or finished); idempotent."""
         if self._seq is not None:
+            self._r.prefiller.register(self._prompt, self.token_ids, self._seq)  # for a later turn's prompt
             self._seq.release()
             self._seq = None
         if not self._closed:

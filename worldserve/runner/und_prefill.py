@@ -3,8 +3,15 @@
 `UndPrefill(items)` runs several (prompt, generated tokens) items through the und tower in one pass: the
 tokens of each item go into a new sequence of the shared paged pool (its K/V), image and video placeholder
 rows take the vision encoder's embeddings and Qwen3-VL's deepstack features, and the final-normed hidden
-state of every token comes back (the last row gives the next token's logits). A preempted chat's resume
-passes the tokens it had generated, prefilled after its prompt at the positions their decode steps had.
+state of every token computed comes back (the last row gives the next token's logits). A preempted chat's
+resume passes the tokens it had generated, prefilled after its prompt at the positions their decode steps had.
+
+Prefix caching (`caching`, vLLM's automatic prefix caching): an item starts on the pool's cached blocks of
+its longest cached prefix (runner/prefix_hashes.py keys; at least its last token is computed, for the
+logits), and only the rest goes through the tower, attending to the cached K/V; the ViT runs only for items
+with image / video rows left to compute. After the pass, its full blocks are registered for later chats
+(`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
+`whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.cosmos3.vision import VisionEncoder
 from worldserve.models.layers.paged_kv import PagedKVPool, PagedSequence
 from worldserve.runner.chat_prompt import ChatPrompt
+from worldserve.runner.prefix_hashes import block_hashes
 
 
 class UndPrefill:
@@ -26,39 +34,52 @@ class UndPrefill:
 
     def __init__(
         self, transformer: Any, pool: PagedKVPool, vision: VisionEncoder | None, *, image_token_id: int,
-        video_token_id: int,
+        video_token_id: int, caching: bool = True,
     ) -> None:  # fmt: skip
         self.transformer = transformer
         self.pool = pool
         self.vision = vision
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
+        self.caching = caching
 
     @torch.inference_mode()
     def __call__(
-        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]]
+        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = ()
     ) -> list[tuple[Tensor, PagedSequence, int]]:
         """prefill() of several (prompt, generated) items in ONE und pass (a prefill of short prompts is
-        launch-bound: 32 of them cost about what one does). All or nothing: PoolExhausted takes no blocks."""
+        launch-bound: 32 of them cost about what one does): per item (final-normed hidden [n_i, d] of its
+        computed tokens, the last ones, its sequence, next position). All or nothing: PoolExhausted takes no
+        blocks. `whole[i]`: item i skips the prefix cache (all its tokens computed)."""
         model = self.transformer
         seqs: list[PagedSequence] = []
         try:
-            for prompt, generated in items:
+            for i, (prompt, generated) in enumerate(items):  # every lookup before any allocation evicts
                 seqs.append(self.pool.sequence())
-                seqs[-1].reserve(len(prompt.input_ids) + len(generated) + 1)
+                if self.caching and not (i < len(whole) and whole[i]):
+                    total = len(prompt.input_ids) + len(generated)  # (its last token is always computed)
+                    hashes = block_hashes(prompt, generated, self.pool.block_size, total - 1)
+                    seqs[-1].adopt(self.pool.lookup(hashes, total))
+            for seq, (prompt, generated) in zip(seqs, items, strict=True):
+                seq.reserve(len(prompt.input_ids) + len(generated) + 1 - seq.length)
             ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
-            visual = any(p.vision is not None or p.video is not None for p, _ in items)
-            for prompt, generated in items:
-                ids.append(
-                    torch.tensor(prompt.input_ids + list(generated), dtype=torch.long, device=model.device)
+            visual = any(self._vit_rows_left(p, s.length) for (p, _), s in zip(items, seqs, strict=True))
+            for seq, (prompt, generated) in zip(seqs, items, strict=True):
+                cached = seq.length
+                every = torch.tensor(
+                    prompt.input_ids + list(generated), dtype=torch.long, device=model.device
                 )
+                ids.append(every[cached:])
                 after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
-                positions.append(torch.cat([prompt.positions, after.expand(3, -1)], dim=1))  # [3, N_i]
-                if prompt.vision is not None or prompt.video is not None:
-                    e, ds, r = self._visual_embeddings(ids[-1], prompt)
-                    embeds.append(e)
-                    deepstack.append(ds)
-                    rows.append(r + offset)
+                positions.append(
+                    torch.cat([prompt.positions, after.expand(3, -1)], dim=1)[:, cached:]
+                )  # [3, n_i]
+                if self._vit_rows_left(prompt, cached):
+                    e, ds, r = self._visual_embeddings(every, prompt)
+                    left = r >= cached  # [M] the visual rows still to compute
+                    embeds.append(e[cached:])
+                    deepstack.append(tuple(x[left] for x in ds))
+                    rows.append(r[left] - cached + offset)
                 elif visual:
                     embeds.append(model.embed_tokens(ids[-1]))
                 offset += ids[-1].numel()
@@ -68,15 +89,30 @@ class UndPrefill:
                 deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
                 visual_rows=torch.cat(rows) if rows else None,
             )  # fmt: skip
-            hidden = model.und_step(batch, seqs).split(list(batch.seq_lens))  # [N_i, d] each
+            hidden = model.und_step(batch, seqs).split(list(batch.seq_lens))  # [n_i, d] each
         except BaseException:
             for seq in seqs:
                 seq.release()
             raise
+        for seq, (prompt, generated) in zip(seqs, items, strict=True):
+            self.register(prompt, generated, seq)
         return [
             (h, seq, prompt.next_position + len(generated))
             for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
         ]
+
+    def register(self, prompt: ChatPrompt, generated: Sequence[int], seq: PagedSequence) -> None:
+        """Offer `seq`'s full blocks (the K/V of prompt + generated, as far as committed) to the prefix cache."""
+        if self.caching and seq.length >= self.pool.block_size:
+            hashes = block_hashes(prompt, generated, self.pool.block_size, seq.length)
+            self.pool.register(seq.blocks[: len(hashes)], hashes)
+
+    def _vit_rows_left(self, prompt: ChatPrompt, cached: int) -> bool:
+        """Whether the prompt has image / video rows at or past `cached` (the ViT must run for this item)."""
+        if prompt.vision is None and prompt.video is None:
+            return False
+        left = torch.as_tensor(prompt.input_ids[cached:])
+        return bool(((left == self.image_token_id) | (left == self.video_token_id)).any())
 
     def _visual_embeddings(
         self, ids: Tensor, prompt: ChatPrompt

@@ -16,11 +16,21 @@ Blocks go back to the pool on `release()` (finished, cancelled or preempted chat
 garbage-collected. `reserve()` raises `PoolExhausted` (and allocates nothing) when the free list is short.
 `fork()` gives a second sequence over the same K/V (full blocks shared and reference-counted, the last
 partial block copied): the choices of one `n > 1` chat completion prefill their prompt once.
+
+Prefix caching (vLLM's automatic prefix caching): a full block whose K/V are committed can be registered
+under a hash of its contents and everything before it (runner/prefix_hashes.py). When its last holder frees
+it, it keeps its K/V and waits on an LRU list (`num_free` counts it: any allocation may take it back, the
+least recently freed first, and then it leaves the cache); `lookup(hashes)` takes the longest run of cached
+blocks that starts a new sequence's hashes, so a prompt sharing a prefix with an earlier one prefills only
+the rest. A block's K/V are never written after it is full (sequences write past their length only), so a
+cached block is as valid as when it was registered.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -55,6 +65,11 @@ class PagedKVPool:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
         self._refs = [0] * num_blocks  # sequences holding each block (forks share their full blocks)
+        self._cached: dict[bytes, int] = {}  # prefix hash -> the block holding those K/V
+        self._hash_of: dict[int, bytes] = {}  # block -> its prefix hash (registered blocks only)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0  # of them, tokens found (vLLM's prefix_cache_hits)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -71,7 +86,13 @@ class PagedKVPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache (held or not)."""
+        return len(self._hash_of)
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,12 +103,45 @@ class PagedKVPool:
         return -(-tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhausted(f"{n} K/V blocks wanted, {len(self._free)} free of {self.num_blocks - 1}")
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
+        """n blocks for new K/V: free ones first, then cached ones nobody holds (least recently freed first;
+        they leave the prefix cache)."""
+        if n > self.num_free:
+            raise PoolExhausted(f"{n} K/V blocks wanted, {self.num_free} free of {self.num_blocks - 1}")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                del self._cached[self._hash_of.pop(b)]
             self._refs[b] = 1
+            blocks.append(b)
         return blocks
+
+    def lookup(self, hashes: Sequence[bytes], tokens: int) -> list[int]:
+        """The cached blocks of the longest run of `hashes` from the first, each now held once more by the
+        caller (a block nobody held leaves the LRU list); the sequence's `tokens` count in prefix_queries, the
+        tokens found in prefix_hits (vLLM's counters)."""
+        blocks = []
+        for h in hashes:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+            blocks.append(b)
+        self.prefix_queries += tokens
+        self.prefix_hits += len(blocks) * self.block_size
+        return blocks
+
+    def register(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Cache full, committed blocks under their prefix hashes (pairwise). A block already cached, or a hash
+        another block already caches (the same K/V computed twice), is left as it is."""
+        for b, h in zip(blocks, hashes, strict=False):
+            if b not in self._hash_of and h not in self._cached:
+                self._cached[h] = b
+                self._hash_of[b] = h
 
     def share(self, blocks: list[int]) -> list[int]:
         """One more holder of `blocks` (a fork); they go back to the free list when the last one frees them."""
@@ -96,10 +150,15 @@ class PagedKVPool:
         return list(blocks)
 
     def free(self, blocks: list[int]) -> None:
+        """One holder fewer of each block; a block nobody holds goes back: to the free list, or, when cached,
+        to the end of the LRU list (a sequence's last blocks first, so its first ones are evicted last)."""
         for b in reversed(blocks):
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer i's K and V pools, [num_blocks, block_size, Hkv, D] each."""
@@ -133,6 +192,15 @@ class PagedSequence:
         need = self.pool.blocks_for(self._length + num_new) - len(self.blocks)
         if need > 0:
             self.blocks.extend(self.pool.allocate(need))
+
+    def adopt(self, blocks: list[int]) -> None:
+        """Start an empty sequence on full blocks already holding its first tokens' K/V (a prefix-cache hit,
+        PagedKVPool.lookup: the caller holds them; this sequence frees them)."""
+        if self.blocks or self._length:
+            raise RuntimeError("adopt() needs an empty sequence")
+        self.blocks.extend(blocks)
+        self._length = len(blocks) * self.pool.block_size
+        self._rows.clear()
 
     def fork(self) -> PagedSequence:
         """A sequence with the same committed K/V: the full blocks shared, the partly filled last block copied
