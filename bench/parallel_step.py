@@ -87,6 +87,36 @@ def mode_label(mode: dict[str, int]) -> str:
     return f"cfg{mode['cfg_parallel_size']}_ulysses{mode['ulysses_degree']}_tp{mode['tensor_parallel_size']}"
 
 
+def reasoner_bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The Reasoner benches' common flags: --out, and --random-nano DIR or --tiny (reasoner_setup)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON file")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--random-nano", type=Path, help="write / reuse a random full-size Nano checkpoint here")
+    src.add_argument("--tiny", action="store_true", help="the tiny checkpoint, float32 on the CPU")
+    return ap
+
+
+def reasoner_setup(tiny: bool, random_nano: Path | None) -> tuple:
+    """(checkpoint folder, device, dtype, sync, what keeps the folder alive) of the Reasoner benches: the tiny
+    checkpoint in a temporary folder (removed when the last item is dropped), float32 on the CPU, or the random
+    full-size Nano written to `random_nano`, bf16 on the GPU."""
+    import torch
+
+    scratch = None
+    if tiny:
+        from worldserve.weights.tiny import make_tiny
+
+        scratch = tempfile.TemporaryDirectory()
+        root = make_tiny(Path(scratch.name) / "Cosmos3-Tiny", seed=0)
+    else:
+        root = write_random_checkpoint(random_nano)
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return root, device, dtype, sync, scratch
+
+
 def write_random_checkpoint(out: Path, shapes: str = "nano", seed: int = 0) -> Path:
     """`make_tiny(out, shapes=shapes)`: the checkpoint layout at full size ("nano", ViT included) with random
     weights and the tiny byte tokenizer. Reused when `out/.complete` names the same shapes and seed (a folder

@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,11 +31,10 @@ STEPS = 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSON file")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--random-nano", type=Path, help="write / reuse a random full-size Nano checkpoint here")
-    src.add_argument("--tiny", action="store_true", help="the tiny checkpoint, float32 on the CPU")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parallel_step import reasoner_bench_parser
+
+    ap = reasoner_bench_parser(__doc__)
     return ap.parse_args(argv)
 
 
@@ -111,19 +109,12 @@ def run(args: argparse.Namespace) -> dict:
     from worldserve.runner.reasoner import Reasoner
     from worldserve.weights.loader import load_transformer
 
-    if args.tiny:
-        from worldserve.weights.tiny import make_tiny
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parallel_step import reasoner_setup
 
-        scratch = tempfile.TemporaryDirectory()  # removed when run() returns
-        root = make_tiny(Path(scratch.name) / "Cosmos3-Tiny", seed=0)
-    else:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from parallel_step import write_random_checkpoint
-
-        root = write_random_checkpoint(args.random_nano)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    root, device, dtype, sync, _scratch = reasoner_setup(
+        args.tiny, args.random_nano
+    )  # (_scratch: tiny's folder)
     res: dict = {
         "environment": environment(device),
         "checkpoint": str(root),

@@ -76,7 +76,9 @@ def test_a_cuda_oom_fails_its_job_frees_its_memory_and_the_next_job_runs(tiny_ck
     base = torch.cuda.memory_allocated(CUDA)
     total = torch.cuda.get_device_properties(CUDA).total_memory
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (base + 128 * 2**20) / total), CUDA)
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, (base + 128 * 2**20) / total), torch.cuda.current_device()
+    )
     try:
         big = _params("a big one", width=1280, height=720, frames=189, fps=24.0)
         (failed,) = _run_jobs(make_client(tmp_path / "oom", backend=pipe), [big])  # (engine shut down)
@@ -85,7 +87,7 @@ def test_a_cuda_oom_fails_its_job_frees_its_memory_and_the_next_job_runs(tiny_ck
         gc.collect()
         held = torch.cuda.memory_allocated(CUDA) - base
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     assert failed.status is JobStatus.FAILED, failed
     assert "out of memory" in failed.error_message.lower(), failed.error_message
     assert held < 16 * 2**20, (

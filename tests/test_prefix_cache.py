@@ -2,7 +2,8 @@
 (registration, lookup, LRU eviction), the block keys (tokens, positions, pixels), and chats that start on
 cached blocks: their logits equal a whole prefill's (fp32 CPU, the tiny checkpoint), with text, images
 cached whole or cut by the cache boundary, a later request that extends an answer, preemption, eviction
-under a small pool, prompt logprobs, and vLLM's prefix-cache counters on /metrics."""
+under a small pool, prompt logprobs, and vLLM's prefix-cache counters on /metrics; the encoder cache (the
+ViT's outputs of recent images, by digest): equal outputs, one encode per image, LRU eviction."""
 
 from __future__ import annotations
 
@@ -90,7 +91,9 @@ def test_block_keys_follow_tokens_positions_and_pixels(tiny_ckpt, model_tok):
     assert keys[0] == keys[1] and len(keys[0]) == len(base.input_ids) // BS
     first_image_row = base.input_ids.index(r.image_token_id)
     cut = first_image_row // BS  # the block where the image starts: its key takes the pixels in
-    assert keys[0][:cut] == keys[2][:cut] and all(a != b for a, b in zip(keys[0][cut:], keys[2][cut:], strict=True))
+    assert keys[0][:cut] == keys[2][:cut] and all(
+        a != b for a, b in zip(keys[0][cut:], keys[2][cut:], strict=True)
+    )
     longer = r.build_prompt(chat(LONG + "More words here.", image(1), "What is in it?"))
     assert block_hashes(longer, (), BS, BS)[0] == keys[0][0]  # one prefix, one key
     gen = [5, 6, 7]  # generated tokens: keys of the prompt + them, at positions after the prompt's
@@ -117,11 +120,34 @@ def test_a_chat_on_cached_blocks_has_the_logits_of_a_whole_prefill(tiny_ckpt, mo
     rows = [i for i, t in enumerate(prompt.input_ids) if t == cached.image_token_id]
     if kind == "image cached whole":
         assert rows[-1] < found
-    elif kind == "image cut by the cache":
-        assert rows[0] < found <= rows[-1]
+    elif kind == "image cut by the cache":  # the ViT's outputs come from the encoder cache
+        assert rows[0] < found <= rows[-1] and cached.prefiller.encoder.hits == 1
     assert rel(got_logits, want_logits) < 1e-5
     assert got_tokens == want_tokens
     assert plain.prefix_cache_counts == (0, 0) and plain.pool.num_cached == 0
+
+
+def test_encoder_cache_encodes_each_image_once_and_evicts_the_least_recently_used(tiny_ckpt, model_tok):
+    from worldserve.runner.encoder_cache import EncoderCache
+
+    r = make_reasoner(tiny_ckpt, model_tok)
+    pre = r.prompts.preprocess
+    a, b, c = (pre([image(i)]) for i in (11, 12, 13))
+
+    def both(*items):  # one VisionInputs of several images, as a prompt carries them
+        return type(a)(torch.cat([x.pixel_values for x in items]), torch.cat([x.grid_thw for x in items]))
+
+    cache = EncoderCache(r.vision)
+    cache.encode(both(a, b), [b"a", b"b"])
+    got = cache.encode(both(b, c), [b"b", b"c"])
+    want = r.vision.encode(both(b, c))
+    assert (cache.hits, cache.misses, len(cache)) == (1, 3, 3)
+    assert rel(got[0], want[0]) < 1e-5 and all(rel(x, y) < 1e-5 for x, y in zip(got[1], want[1], strict=True))
+    one = a.tokens_per_image(r.vision.merge_size)[0]
+    small = EncoderCache(r.vision, max_tokens=one)  # room for one image: the newest stays
+    small.encode(both(a, b), [b"a", b"b"])
+    small.encode(both(a), [b"a"])
+    assert (small.hits, small.misses, len(small)) == (0, 3, 1)
 
 
 def test_a_request_extending_an_answer_starts_on_the_answer_s_blocks(tiny_ckpt, model_tok):

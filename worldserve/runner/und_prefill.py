@@ -9,7 +9,8 @@ resume passes the tokens it had generated, prefilled after its prompt at the pos
 Prefix caching (`caching`, vLLM's automatic prefix caching): an item starts on the pool's cached blocks of
 its longest cached prefix (runner/prefix_hashes.py keys; at least its last token is computed, for the
 logits), and only the rest goes through the tower, attending to the cached K/V; the ViT runs only for items
-with image / video rows left to compute. After the pass, its full blocks are registered for later chats
+with image / video rows left to compute, and takes the ViT outputs of images and videos seen recently from
+the encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
 (`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
 `whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
 """
@@ -26,6 +27,7 @@ from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.cosmos3.vision import VisionEncoder
 from worldserve.models.layers.paged_kv import PagedKVPool, PagedSequence
 from worldserve.runner.chat_prompt import ChatPrompt
+from worldserve.runner.encoder_cache import EncoderCache
 from worldserve.runner.prefix_hashes import block_hashes
 
 
@@ -39,6 +41,7 @@ class UndPrefill:
         self.transformer = transformer
         self.pool = pool
         self.vision = vision
+        self.encoder = EncoderCache(vision) if vision is not None else None  # ViT outputs of recent images
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.caching = caching
@@ -127,10 +130,14 @@ class UndPrefill:
         is_vid = (ids == self.video_token_id) & in_prompt
         rows = (is_img | is_vid).nonzero().squeeze(1)  # [M]
         deepstack: list[Tensor] = []
-        for inputs, mask in ((prompt.vision, is_img), (prompt.video, is_vid)):
+        for inputs, mask, token in ((prompt.vision, is_img, self.image_token_id),
+                                    (prompt.video, is_vid, self.video_token_id)):  # fmt: skip
             if inputs is None:
                 continue
-            vis, ds = self.vision.encode(inputs)  # [m, d], each [m, d]
+            digests = [
+                d for row, d in prompt.media if prompt.input_ids[row] == token
+            ]  # this kind's, in order
+            vis, ds = self.encoder.encode(inputs, digests)  # [m, d], each [m, d]
             embeds = embeds.index_copy(0, mask.nonzero().squeeze(1), vis.to(model.dtype))
             joint = mask[rows]  # [M] bool: which of the visual rows are this modality's
             if not deepstack:
