@@ -82,3 +82,32 @@ def test_a_device_this_machine_lacks_is_one_line_before_loading(capsys, device, 
     assert main(["chat", "--device", device, "--message", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("worldserve chat: error: --device") and needle in err and "Traceback" not in err
+
+
+def test_a_max_model_len_under_two_is_named_before_loading(capsys):
+    """(was the K/V pool's 'needs at least 2 blocks' after the checkpoint loaded, naming no flag)"""
+    from worldserve.cli import main
+
+    assert main(["chat", "--message", "hi", "--max-model-len", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == "worldserve chat: error: --max-model-len: must be >= 2, got 0\n"
+
+
+def test_text_that_is_not_utf8_is_one_line(tiny_ckpt, capsys):
+    """argv and stdin bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer refused
+    with a TypeError traceback after the model loaded: now argparse's error, and one line for a stdin turn
+    (after the turns before it were answered)."""
+    from worldserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--message", "a \udcff fox", "--device", "cpu"])
+    assert exit_.value.code == 2
+    assert "error: argument --message: not valid UTF-8 text" in capsys.readouterr().err
+    out = subprocess.run(
+        [sys.executable, "-m", "worldserve.cli", "chat", str(tiny_ckpt), "--max-tokens", "2", "--device", "cpu"],
+        input=b"hi\na \xff fox\n", capture_output=True, timeout=300,
+    )  # fmt: skip
+    err = out.stderr.decode()
+    assert out.returncode == 2 and "Traceback" not in err, err
+    assert err.count("completion tokens") == 1
+    assert err.endswith("worldserve chat: error: message: a stdin line is not valid UTF-8 text\n")

@@ -59,13 +59,15 @@ def test_make_tiny_is_deterministic(tmp_path):
 
 
 def test_make_tiny_where_no_folder_can_be_is_one_line(tmp_path, capsys):
+    """A DIR that is a file or under one is a bad argument: one line and argparse's exit code 2 (was 1),
+    before anything is written."""
     from worldserve.cli import main
 
     (tmp_path / "file").write_text("x")
     for target in (tmp_path / "file", tmp_path / "file" / "under"):
-        assert main(["make-tiny", str(target), "--no-vision"]) == 1
+        assert main(["make-tiny", str(target), "--no-vision"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"worldserve make-tiny: error: cannot write {target}: ")
+        assert err.startswith(f"worldserve make-tiny: error: DIR {target}") and "is not a directory" in err
         assert err.count("\n") == 1
 
 

@@ -164,6 +164,38 @@ def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, whe
     assert "error: output:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_an_unwritable_latents_path_fails_before_the_model_loads(tmp_path, capsys, where):
+    """--save-latents is checked with -o (it was written last, after the MP4: a traceback after the whole run)."""
+    from worldserve.cli import main
+
+    (tmp_path / "f.txt").write_text("not a folder")
+    latents = {"a folder": tmp_path, "under a file": tmp_path / "f.txt" / "l.safetensors"}[where]
+    out = tmp_path / "x.mp4"
+    argv = ["generate", "--prompt", "a cat", "-o", str(out), "--save-latents", str(latents), "--device", "cpu",
+            "--size", "80x48", "--num-frames", "9", "--steps", "1"]  # fmt: skip
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("worldserve generate: error: save_latents: --save-latents ")
+    assert not out.exists()
+
+
+def test_text_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    """A prompt file that is not UTF-8 (was a UnicodeDecodeError traceback) and argv bytes that are not (lone
+    surrogates: the tokenizer's TypeError traceback after the model loaded) fail before anything loads."""
+    from worldserve.cli import main
+
+    (tmp_path / "p.txt").write_bytes(b"\xff\xfe a fox")
+    out = str(tmp_path / "x.mp4")
+    assert main(["generate", "--prompt-file", str(tmp_path / "p.txt"), "-o", out]) == 2
+    assert "error: prompt_file: " in capsys.readouterr().err
+    for argv in (["--prompt", "a \udcff fox"], ["--prompt", "a fox", "--negative-prompt", "\udcff"],
+                 ["--prompt", "a fox", "--system-prompt", "\udcff"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", *argv, "-o", out])
+        assert exit_.value.code == 2
+        assert f"error: argument {argv[-2]}: not valid UTF-8 text" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize(
     ("argv", "needle"),

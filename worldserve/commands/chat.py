@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
+from worldserve.commands.generate import text_arg
 from worldserve.params import ParamError
 
 
@@ -23,16 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)"
     )
-    p.add_argument("--message", default=None, help="answer this one user message and exit")
-    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--message", type=text_arg, default=None, help="answer this one user message and exit")
+    p.add_argument("--system", type=text_arg, default=None, help="a system message")
     p.add_argument("--image", type=Path, action="append", default=[], help="image for the first turn")
     p.add_argument("--video", type=Path, action="append", default=[], help="video for the first turn")
     p.add_argument("--max-tokens", type=int, default=512, help="completion tokens a turn")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--presence-penalty", type=float, default=1.5)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.8, help="default 0.8")
+    p.add_argument("--top-k", type=int, default=20, help="-1 or 0: off (default 20)")
+    p.add_argument("--presence-penalty", type=float, default=1.5, help="default 1.5")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--max-model-len", type=int, default=32768, help="context length (prompt + completion)")
     p.add_argument("--revision", default=None, help="HF revision of MODEL")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
@@ -72,6 +73,8 @@ def turn_params(args: argparse.Namespace, messages: list[ChatMessage]) -> ChatPa
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.max_model_len < 2:  # checked before loading (the K/V pool refused it, naming no flag)
+            raise ParamError("--max-model-len", f"must be >= 2, got {args.max_model_len}")
         media = media_parts(args.image, args.video)
         messages = [] if args.system is None else [ChatMessage(role="system", content=args.system)]
         if args.message is not None:
@@ -85,16 +88,16 @@ def run(args: argparse.Namespace) -> int:
     if reasoner is None:
         return 2
     turns = [args.message] if args.message is not None else _stdin_turns()
-    for text in turns:
-        content = (*media, ChatPart(type="text", text=text)) if media else text
-        media = ()
-        messages.append(ChatMessage(role="user", content=content))
-        try:
+    try:
+        for text in turns:
+            content = (*media, ChatPart(type="text", text=text)) if media else text
+            media = ()
+            messages.append(ChatMessage(role="user", content=content))
             reply = _answer(reasoner, turn_params(args, messages))
-        except ParamError as e:
-            print(f"worldserve chat: error: {e.param}: {e.message}", file=sys.stderr)
-            return 2
-        messages.append(ChatMessage(role="assistant", content=reply))
+            messages.append(ChatMessage(role="assistant", content=reply))
+    except ParamError as e:
+        print(f"worldserve chat: error: {e.param}: {e.message}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -102,7 +105,11 @@ def _stdin_turns():
     while True:
         if sys.stdin.isatty():
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        try:  # bytes that are not UTF-8: a decode error, or lone surrogates (the tokenizer's traceback before)
+            line = sys.stdin.readline()
+            line.encode("utf-8")
+        except (UnicodeDecodeError, UnicodeEncodeError):
+            raise ParamError("message", "a stdin line is not valid UTF-8 text") from None
         if not line.strip():
             return
         yield line.rstrip("\n")

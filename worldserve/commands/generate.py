@@ -25,9 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)"
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="plain text or a JSON document")
+    src.add_argument("--prompt", type=text_arg, help="plain text or a JSON document")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file (e.g. a JSON prompt)")
-    p.add_argument("--negative-prompt", default=None, help="default: the shipped Cosmos3 negative prompt")
+    p.add_argument(
+        "--negative-prompt", type=text_arg, default=None, help="default: the shipped Cosmos3 negative prompt"
+    )
     p.add_argument("--image", type=Path, default=None, help="conditioning image for image-to-video")
     p.add_argument("--video", type=Path, default=None, help="conditioning clip for video-to-video")
     p.add_argument(
@@ -40,21 +42,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT, multiples of 16 (default 1280x720)")
     p.add_argument("--num-frames", type=int, default=189, help="1 (an image) or 4k+1 (default 189)")
-    p.add_argument("--fps", type=float, default=24.0)
-    p.add_argument("--steps", type=int, default=35, help="denoising steps")
-    p.add_argument("--guidance", type=float, default=6.0, help="CFG scale; 1 runs one branch")
+    p.add_argument("--fps", type=float, default=24.0, help="frames a second (default 24)")
+    p.add_argument("--steps", type=int, default=35, help="denoising steps (default 35)")
+    p.add_argument("--guidance", type=float, default=6.0, help="CFG scale; 1 runs one branch (default 6)")
     p.add_argument("--flow-shift", type=float, default=None, help="default: 10 / 5 / 3 by resolution tier")
     p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
                    help="CFG only at timesteps (0..1000) in [LO, HI], e.g. 400,1000; default: every step")  # fmt: skip
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="initial noise seed (default 42)")
     p.add_argument("--no-sound", action="store_true", help="no joint audio")
-    p.add_argument("--max-sequence-length", type=int, default=4096)
+    p.add_argument("--max-sequence-length", type=int, default=4096,
+                   help="prompt tokens after templating; a longer prompt is an error (default 4096)")  # fmt: skip
     p.add_argument("--no-duration-template", action="store_true",
                    help="leave out the duration / fps sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
     p.add_argument("--no-resolution-template", action="store_true",
                    help="leave out the resolution sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
     p.add_argument("--use-system-prompt", action="store_true", help="prepend the reference's system message")
-    p.add_argument("--system-prompt", default=None, help="a system message of your own")
+    p.add_argument("--system-prompt", type=text_arg, default=None, help="a system message of your own")
     p.add_argument("--upsample-prompt", action="store_true",
                    help="have the checkpoint's Reasoner rewrite the prompt into Cosmos3's JSON prompt first")  # fmt: skip
     p.add_argument("-o", "--output", type=Path, required=True, help="out.mp4, out.png or out.npz")
@@ -130,6 +133,8 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
                          "(not with --tensor-parallel-size > 1)")  # fmt: skip
     _check_output(args.output, args.num_frames)
+    if args.save_latents is not None:
+        check_writable(args.save_latents, "save_latents", "--save-latents")
     return VideoParams(
         prompt=prompt,
         negative_prompt=args.negative_prompt,
@@ -162,15 +167,34 @@ def _check_output(path: Path, num_frames: int) -> None:
         raise ParamError("output", f"-o must end in one of {', '.join(OUTPUT_SUFFIXES)}")
     if path.suffix.lower() == ".png" and num_frames != 1:
         raise ParamError("output", "a .png output needs --num-frames 1")
-    if path.is_dir():
-        raise ParamError("output", f"-o {path} is a directory; name the file to write")
-    ancestor = path.parent  # the nearest folder that exists: write_output creates the rest
+    check_writable(path, "output", "-o")
+
+
+def check_writable(path: Path, param: str, flag: str, *, folder: bool = False) -> None:
+    """ParamError naming `param` unless this run can write the file (or, `folder`, fill the folder) at `path`,
+    creating its missing parents: checked before any model work, not after minutes of it."""
+    if path.exists() and path.is_dir() != folder:
+        raise ParamError(
+            param,
+            f"{flag} {path} is " + ("not a directory" if folder else "a directory; name the file to write"),
+        )
+    ancestor = path.parent  # the nearest folder that exists: the writer creates the rest
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise ParamError("output", f"-o {path}: {ancestor} is not a directory")
+        raise ParamError(param, f"{flag} {path}: {ancestor} is not a directory")
     if not os.access(path if path.exists() else ancestor, os.W_OK):
-        raise ParamError("output", f"-o {path} is not writable")
+        raise ParamError(param, f"{flag} {path} is not writable")
+
+
+def text_arg(value: str) -> str:
+    """argparse type of a text flag: text UTF-8 can encode (argv bytes that are not UTF-8 reach Python as lone
+    surrogates, which the tokenizer refused with a traceback after the model had loaded)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return value
 
 
 def _parse_interval(text: str | None) -> tuple[float, float] | None:
@@ -196,7 +220,10 @@ def _parse_indexes(text: str) -> tuple[int, ...]:
 
 
 def _read_text(path: Path, param: str) -> str:
-    return _read_bytes(path, param).decode("utf-8")
+    try:
+        return _read_bytes(path, param).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ParamError(param, f"{path} is not UTF-8 text (byte {e.start})") from None
 
 
 def _read_bytes(path: Path, param: str) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,13 +20,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from worldserve.commands.generate import check_writable
+    from worldserve.params import ParamError
     from worldserve.weights.tiny import make_tiny
 
+    try:  # a DIR that is a file, or under one, or read-only: the argument's fault, argparse's exit code
+        check_writable(Path(args.dir), "dir", "DIR", folder=True)
+    except ParamError as e:
+        print(f"worldserve make-tiny: error: {e.message}", file=sys.stderr)
+        return 2
     try:
         out = make_tiny(
             args.dir, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
         )
-    except OSError as exc:  # a path that cannot be a folder (a file, a missing parent under /proc, no rights)
+    except OSError as exc:  # what the check could not foresee (a missing parent under /proc, a full disk)
         print(f"worldserve make-tiny: error: cannot write {args.dir}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     print(f"wrote a {args.shapes} random Cosmos3 checkpoint to {out} (its outputs are noise)")
