@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from worldserve.bench.flops import (
     NANO,
@@ -148,3 +149,56 @@ def test_profile_helpers_trace_copies_to_python_and_name_fused_kernels():
     assert _kernel_category("triton_red_fused__to_copy_add_cat_mean_mul") == "fused elementwise (triton)"
     assert _kernel_category("Memcpy DtoD (Device -> Device)") == "copy/cat/index"
     assert _kernel_category("nvjet_sm90_tst_256x160_64x4_1x2_h_badd_coopA_TNT") == "gemm"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--points", "1280x720"], "--points: '1280x720' is not WIDTHxHEIGHTxFRAMES"),
+        (
+            ["--points", "1281x720x189"],
+            "--points: 1281x720: width and height must be positive multiples of 16",
+        ),
+        (["--points", "0x0x5"], "positive multiples of 16"),
+        (["--points", ","], "--points names no WIDTHxHEIGHTxFRAMES point"),
+        (["--phases", "foo"], "--phases: unknown ['foo']"),
+        (["--phases", ","], "--phases names no phase"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--e2e-steps", "0"], "--e2e-steps must be >= 1"),
+        (["--text-tokens", "0"], "--text-tokens must be >= 1"),
+        (["--fps", "0"], "--fps must be in (0, 120]"),
+        (["--time-budget", "-1"], "--time-budget must be > 0"),
+        (["--device", "foo"], "--device 'foo' is not a device"),
+        (["--attention-backend", "FLASH_ATTN"], "--attention-backend FLASH_ATTN: FlashAttention-3 needs"),
+        (["--out-dir", "{file}"], "is not a directory"),
+        (["--out-dir", "{file}/under"], "is not a directory"),
+    ],
+)
+def test_bench_bad_arguments_are_one_line_before_any_work(tmp_path, capsys, argv, needle):
+    """Each was a traceback (a bad point, an unknown device, FLASH_ATTN off Hopper, an --out-dir under a file:
+    after the timing had run), a report of NaNs (--steps 0) or an empty report (--phases ,); and the
+    argument errors left with exit 1, not argparse's 2."""
+    from worldserve.cli import main
+
+    (tmp_path / "file").write_text("x")
+    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
+    assert main(["bench", "--tiny", "--device", "cpu", "--out-dir", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("worldserve bench: error: ") and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([], "--device cuda: worldserve bench needs a CUDA GPU"),
+        (["--device", "cpu"], "use --tiny with --device cpu"),
+    ],
+)
+def test_bench_without_a_gpu_is_exit_2(tmp_path, capsys, argv, needle):
+    from worldserve.cli import main
+
+    assert main(["bench", "--out-dir", str(tmp_path), *argv]) == 2
+    assert needle in capsys.readouterr().err

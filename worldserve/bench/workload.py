@@ -39,8 +39,12 @@ class Workload:
     """Text tokens of the negative prompt (CFG branch)."""
 
     def __post_init__(self) -> None:
-        if self.width % VAE_SPATIAL or self.height % VAE_SPATIAL:
-            raise ValueError(f"{self.width}x{self.height}: width and height must be multiples of 16")
+        if (
+            min(self.width, self.height) < VAE_SPATIAL
+            or self.width % VAE_SPATIAL
+            or self.height % VAE_SPATIAL
+        ):
+            raise ValueError(f"{self.width}x{self.height}: width and height must be positive multiples of 16")
         if self.num_frames < 1 or (self.num_frames - 1) % VAE_TEMPORAL:
             raise ValueError(f"num_frames={self.num_frames} must be 4k+1")
         if self.cond_text < 1 or self.uncond_text < 1:
@@ -96,5 +100,5 @@ def parse_point(spec: str, **kw) -> Workload:
     try:
         w, h, f = (int(x) for x in spec.lower().split("x"))
     except ValueError as e:
-        raise ValueError(f"--points entry {spec!r} is not WIDTHxHEIGHTxFRAMES") from e
+        raise ValueError(f"{spec!r} is not WIDTHxHEIGHTxFRAMES") from e
     return Workload(width=w, height=h, num_frames=f, **kw)

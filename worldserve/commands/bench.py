@@ -52,37 +52,84 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=540.0,
         help="seconds; the torch.compile variant is skipped when it would not fit",
     )
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="results folder")
+    p.add_argument(
+        "--out-dir", type=Path, default=Path("bench/results"),
+        help="results folder (default bench/results, under the current folder)",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda", help="torch device (cuda for real numbers)")
     p.add_argument("--tiny", action="store_true", help="tiny model/VAE configs: a smoke run of the harness")
     p.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
+    from worldserve.bench.runner import Bench
+    from worldserve.params import ParamError
+
+    try:
+        opts = options(args)
+    except ParamError as e:  # argparse's style: one line, exit 2, before any model is built
+        print(f"worldserve bench: error: {e.message}", file=sys.stderr)
+        return 2
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    text = Bench(opts, log=log).run()
+    print(text, flush=True)
+    return 0
+
+
+def options(args: argparse.Namespace):
+    """The BenchOptions of `args`; ParamError (its message naming the flag) for any value the run would trip on
+    later (each was a traceback, some after minutes of timing, or a report of NaNs)."""
     import torch
 
-    from worldserve.bench.runner import PHASES, Bench, BenchOptions
+    from worldserve.bench.runner import PHASES, BenchOptions
     from worldserve.bench.workload import parse_point
+    from worldserve.commands.generate import check_writable
+    from worldserve.params import ParamError
+    from worldserve.runner.devices import check_device
 
     phases = frozenset(x.strip() for x in args.phases.split(",") if x.strip())
     if bad := phases - set(PHASES):
-        raise SystemExit(f"--phases: unknown {sorted(bad)}; choose from {','.join(PHASES)}")
+        raise ParamError("phases", f"--phases: unknown {sorted(bad)}; choose from {','.join(PHASES)}")
+    if not phases:
+        raise ParamError("phases", f"--phases names no phase; choose from {','.join(PHASES)}")
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                               ("--e2e-steps", args.e2e_steps, 1), ("--text-tokens", args.text_tokens, 1),
+                               ("--neg-text-tokens", args.neg_text_tokens, 1)):  # fmt: skip
+        if value < least:
+            raise ParamError(flag, f"{flag} must be >= {least}, got {value}")
+    if not 0 < args.fps <= 120:  # the audio length divides by it
+        raise ParamError("fps", f"--fps must be in (0, 120], got {args.fps}")
+    if not args.time_budget > 0:
+        raise ParamError("time_budget", f"--time-budget must be > 0 seconds, got {args.time_budget}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("worldserve bench needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
-    if not args.tiny and not args.device.startswith("cuda"):
-        raise SystemExit("full-size models on the CPU would take hours; use --tiny with --device cpu")
-    points = tuple(
-        parse_point(
-            s,
-            fps=args.fps,
-            sound=not args.no_sound,
-            cond_text=args.text_tokens,
-            uncond_text=args.neg_text_tokens,
-        )
-        for s in args.points.split(",")
-        if s.strip()
-    )
-    opts = BenchOptions(
+        raise ParamError("device", f"--device {args.device}: worldserve bench needs a CUDA GPU (or --device "
+                         "cpu --tiny for a smoke run)")  # fmt: skip
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        raise ParamError("device", str(e)) from None
+    device = torch.device(args.device)
+    if not args.tiny and device.type != "cuda":
+        raise ParamError("device", f"--device {args.device}: full-size models on the CPU would take hours; "
+                         "use --tiny with --device cpu")  # fmt: skip
+    if args.attention_backend == "FLASH_ATTN":
+        _check_fa3(device, args.tiny)
+    try:
+        points = tuple(
+            parse_point(s, fps=args.fps, sound=not args.no_sound, cond_text=args.text_tokens,
+                        uncond_text=args.neg_text_tokens)
+            for s in args.points.split(",")
+            if s.strip()
+        )  # fmt: skip
+    except ValueError as e:
+        raise ParamError("points", f"--points: {e}") from None
+    if not points:
+        raise ParamError("points", "--points names no WIDTHxHEIGHTxFRAMES point")
+    check_writable(args.out_dir, "out_dir", "--out-dir", folder=True)
+    return BenchOptions(
         points=points,
         steps=args.steps,
         warmup=args.warmup,
@@ -98,9 +145,15 @@ def run(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
     )
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
-    text = Bench(opts, log=log).run()
-    print(text, flush=True)
-    return 0
+def _check_fa3(device, tiny: bool) -> None:
+    """--attention-backend FLASH_ATTN where FlashAttention-3 cannot run: why, before the models are built."""
+    import torch
+
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.models.layers.flash_attention import fa3_unavailable_reason
+    from worldserve.params import ParamError
+
+    config = Cosmos3Config.tiny() if tiny else Cosmos3Config.nano()
+    if reason := fa3_unavailable_reason(device, torch.bfloat16, config.head_dim):
+        raise ParamError("attention_backend", f"--attention-backend FLASH_ATTN: {reason}")
