@@ -29,7 +29,7 @@ def _generate(*args, check=True):
 
 
 def test_t2v_with_sound_to_mp4_and_latents(tiny_ckpt, tmp_path):
-    out, lat = tmp_path / "out.mp4", tmp_path / "lat.safetensors"
+    out, lat = tmp_path / "out.mp4", tmp_path / "new" / "lat.safetensors"  # its folder made, as -o's are
     proc = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--fps", "24", "-o", out, "--save-latents", lat)
     assert f"wrote {out}" in proc.stdout and "diffuse" in proc.stdout and "vae.decode" in proc.stdout
     assert "decode + encode" in proc.stdout, "an MP4 is muxed while the VAE decodes"

@@ -371,6 +371,7 @@ def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float
         tensors = {"video_latents": state.latents.cpu().contiguous()}
         if state.sound is not None:
             tensors["sound_latents"] = state.sound.cpu().contiguous()
+        args.save_latents.parent.mkdir(parents=True, exist_ok=True)  # as -o's; save_file creates none
         save_file(tensors, str(args.save_latents))
     print(f"wrote {args.output}")
     for name, seconds in stages.items():
