@@ -91,6 +91,10 @@ def test_a_max_model_len_under_two_is_named_before_loading(capsys):
     assert main(["chat", "--message", "hi", "--max-model-len", "0", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err == "worldserve chat: error: --max-model-len: must be >= 2, got 0\n"
+    from worldserve.cli import build_parser
+
+    for text, tokens in (("32k", 32000), ("2K", 2048), ("auto", 32768)):  # serve's spellings
+        assert build_parser(["chat"]).parse_args(["chat", "--max-model-len", text]).max_model_len == tokens
 
 
 def test_text_that_is_not_utf8_is_one_line(tiny_ckpt, capsys):

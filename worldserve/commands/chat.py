@@ -17,6 +17,7 @@ from pathlib import Path
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
 from worldserve.commands.generate import text_arg
+from worldserve.config_values import TokenCount
 from worldserve.params import ParamError
 
 
@@ -34,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=20, help="-1 or 0: off (default 20)")
     p.add_argument("--presence-penalty", type=float, default=1.5, help="default 1.5")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    p.add_argument("--max-model-len", type=int, default=32768, help="context length (prompt + completion)")
+    p.add_argument("--max-model-len", type=TokenCount, default=TokenCount(), metavar="N",
+                   help="context length (prompt + completion), as serve's: 32768, 32k (32000), 32K, auto "
+                   "(default: 32768)")  # fmt: skip
     p.add_argument("--revision", default=None, help="HF revision of MODEL")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
