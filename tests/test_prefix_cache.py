@@ -150,6 +150,42 @@ def test_encoder_cache_encodes_each_image_once_and_evicts_the_least_recently_use
     assert (small.hits, small.misses, len(small)) == (0, 3, 1)
 
 
+def test_encoder_cache_keeps_only_its_items_rows(tiny_ckpt, model_tok):
+    """A cached item is a copy of its own rows: a view into the pass's outputs would keep the rows of every
+    item encoded with it (evicted or too large to cache) alive, past the cache's token count."""
+    from worldserve.runner.encoder_cache import EncoderCache
+
+    r = make_reasoner(tiny_ckpt, model_tok)
+    a, b = (r.prompts.preprocess([image(i)]) for i in (21, 22))
+    pair = type(a)(torch.cat([a.pixel_values, b.pixel_values]), torch.cat([a.grid_thw, b.grid_thw]))
+    cache = EncoderCache(r.vision, max_tokens=b.tokens_per_image(r.vision.merge_size)[0])  # room for one
+    cache.encode(pair, [b"a", b"b"])
+    ((embeds, deepstack),) = cache._items.values()
+    assert all(x.untyped_storage().nbytes() == x.nbytes for x in (embeds, *deepstack))
+
+
+def test_images_inside_the_cached_prefix_skip_the_vit(tiny_ckpt, model_tok):
+    """A next turn that adds an image encodes that image only: one whose rows are all in cached blocks is not
+    encoded again, even when the encoder cache no longer holds it (evicted, or too large for it)."""
+    from worldserve.runner.encoder_cache import EncoderCache
+
+    first = chat(image(7), LONG, "Question one?")
+    second = chat(image(7), LONG, image(8), "Question two?")
+    cached = make_reasoner(tiny_ckpt, model_tok)
+    first_logits_and_tokens(cached, first)
+    # image 7 leaves the encoder cache; its K/V blocks stay in the prefix cache
+    cached.prefiller.encoder = EncoderCache(cached.vision)
+    hits = cached.prefix_cache_counts[1]
+    got_logits, got_tokens = first_logits_and_tokens(cached, second)
+    prompt = cached.build_prompt(second)
+    rows = [i for i, t in enumerate(prompt.input_ids) if t == cached.image_token_id]
+    assert rows[len(rows) // 2 - 1] < cached.prefix_cache_counts[1] - hits <= rows[len(rows) // 2]
+    assert cached.prefiller.encoder.misses == 1  # image 8 alone
+    plain = make_reasoner(tiny_ckpt, model_tok, caching=False)
+    want_logits, want_tokens = first_logits_and_tokens(plain, second)
+    assert rel(got_logits, want_logits) < 1e-5 and got_tokens == want_tokens
+
+
 def test_a_request_extending_an_answer_starts_on_the_answer_s_blocks(tiny_ckpt, model_tok):
     """A finished chat's full blocks (prompt and the tokens it generated) stay cached: a raw prompt made of
     that prompt, that answer and more (a client's next turn) prefills only what follows them."""

@@ -5,7 +5,8 @@ its ViT embeddings again for the rows the prefix cache does not cover (runner/un
 placeholder rows are cut by the last cached block, or any image once its blocks were evicted. `EncoderCache`
 keeps each item's (embeddings [m, d], deepstack features, one [m, d] each) under the digest
 runner/prefix_hashes.py computes when the prompt is built (grid + pixels), on the device, least recently used
-first out past `max_tokens` visual tokens; `encode` runs the ViT once for all of a prompt's items not in it.
+first out past `max_tokens` visual tokens (each kept as a copy of its own rows, so the count bounds the
+memory); `encode` runs the ViT once for all of the given items not in it.
 The ViT attends within each item only (Qwen3-VL's cu_seqlens), so an item's outputs do not depend on the
 items encoded with it.
 """
@@ -48,12 +49,7 @@ class EncoderCache:
         self.misses += len(missing)
         encoded = {}
         if missing:
-            patches = inputs.grid_thw.prod(-1).tolist()  # [n] patches of each item in pixel_values
-            starts = [sum(patches[:i]) for i in range(len(patches))]
-            sub = VisionInputs(
-                pixel_values=torch.cat([inputs.pixel_values[starts[i] : starts[i] + patches[i]] for i in missing]),
-                grid_thw=inputs.grid_thw[missing],
-            )  # fmt: skip
+            sub = select_items(inputs, missing)
             vis, ds = self.vision.encode(sub)  # [m, d], each [m, d]
             counts = sub.tokens_per_image(self.vision.merge_size)
             for i, v, *d in zip(missing, vis.split(counts), *(x.split(counts) for x in ds), strict=True):
@@ -72,8 +68,20 @@ class EncoderCache:
         tokens = item[0].shape[0]
         if digest in self._items or tokens > self.max_tokens:
             return
-        self._items[digest] = item
+        # copies: a split view would keep the whole pass's outputs alive (every item encoded with it, even
+        # one too large to cache), unseen by the token count
+        self._items[digest] = (item[0].clone(), tuple(x.clone() for x in item[1]))
         self._tokens += tokens
         while self._tokens > self.max_tokens:
             _, (old, _) = self._items.popitem(last=False)
             self._tokens -= old.shape[0]
+
+
+def select_items(inputs: VisionInputs, items: Sequence[int]) -> VisionInputs:
+    """The images / videos `items` (indices, in that order) of `inputs`: their patches and grid rows."""
+    patches = inputs.grid_thw.prod(-1).tolist()  # [n] patches of each item in pixel_values
+    starts = [sum(patches[:i]) for i in range(len(patches))]
+    return VisionInputs(
+        pixel_values=torch.cat([inputs.pixel_values[starts[i] : starts[i] + patches[i]] for i in items]),
+        grid_thw=inputs.grid_thw[list(items)],
+    )

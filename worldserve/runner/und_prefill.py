@@ -8,9 +8,9 @@ resume passes the tokens it had generated, prefilled after its prompt at the pos
 
 Prefix caching (`caching`, vLLM's automatic prefix caching): an item starts on the pool's cached blocks of
 its longest cached prefix (runner/prefix_hashes.py keys; at least its last token is computed, for the
-logits), and only the rest goes through the tower, attending to the cached K/V; the ViT runs only for items
-with image / video rows left to compute, and takes the ViT outputs of images and videos seen recently from
-the encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
+logits), and only the rest goes through the tower, attending to the cached K/V; the ViT runs only for the
+images and videos with rows left to compute, and takes the ViT outputs of those seen recently from the
+encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
 (`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
 `whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
 """
@@ -27,7 +27,7 @@ from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.cosmos3.vision import VisionEncoder
 from worldserve.models.layers.paged_kv import PagedKVPool, PagedSequence
 from worldserve.runner.chat_prompt import ChatPrompt
-from worldserve.runner.encoder_cache import EncoderCache
+from worldserve.runner.encoder_cache import EncoderCache, select_items
 from worldserve.runner.prefix_hashes import block_hashes
 
 
@@ -78,7 +78,7 @@ class UndPrefill:
                     torch.cat([prompt.positions, after.expand(3, -1)], dim=1)[:, cached:]
                 )  # [3, n_i]
                 if self._vit_rows_left(prompt, cached):
-                    e, ds, r = self._visual_embeddings(every, prompt)
+                    e, ds, r = self._visual_embeddings(every, prompt, cached)
                     left = r >= cached  # [M] the visual rows still to compute
                     embeds.append(e[cached:])
                     deepstack.append(tuple(x[left] for x in ds))
@@ -118,10 +118,13 @@ class UndPrefill:
         return bool(((left == self.image_token_id) | (left == self.video_token_id)).any())
 
     def _visual_embeddings(
-        self, ids: Tensor, prompt: ChatPrompt
+        self, ids: Tensor, prompt: ChatPrompt, cached: int
     ) -> tuple[Tensor, tuple[Tensor, ...], Tensor]:
         """(token embeddings with the ViT rows in, deepstack features [M, d] each, visual rows [M]); image and
-        video rows in sequence order, as Qwen3-VL joins them."""
+        video rows in sequence order, as Qwen3-VL joins them. Only the images / videos with rows at or past
+        `cached` go through the encoder: rows before it (and their deepstack features, left zero) are in
+        cached blocks, and re-encoding an item the prefix cache holds whole (e.g. a long video, too large
+        for the encoder cache, before a new turn's image) would be wasted."""
         assert self.vision is not None
         model = self.transformer
         embeds = model.embed_tokens(ids)
@@ -137,11 +140,18 @@ class UndPrefill:
             digests = [
                 d for row, d in prompt.media if prompt.input_ids[row] == token
             ]  # this kind's, in order
-            vis, ds = self.encoder.encode(inputs, digests)  # [m, d], each [m, d]
-            embeds = embeds.index_copy(0, mask.nonzero().squeeze(1), vis.to(model.dtype))
-            joint = mask[rows]  # [M] bool: which of the visual rows are this modality's
+            at = mask.nonzero().squeeze(1)  # [m] this kind's rows, item after item
+            spans = torch.tensor([0, *inputs.tokens_per_image(self.vision.merge_size)]).cumsum(0).tolist()
+            items = [i for i in range(len(spans) - 1) if at[spans[i + 1] - 1] >= cached]
+            if not items:
+                continue
+            digests = [digests[i] for i in items] if len(digests) == len(spans) - 1 else []  # []: uncached
+            vis, ds = self.encoder.encode(select_items(inputs, items), digests)  # [m', d], each [m', d]
+            take = torch.cat([at[spans[i] : spans[i + 1]] for i in items])  # [m'] their rows
+            embeds = embeds.index_copy(0, take, vis.to(model.dtype))
+            where = torch.searchsorted(rows, take)  # [m'] their places among the visual rows
             if not deepstack:
                 deepstack = [vis.new_zeros(rows.numel(), vis.shape[1]) for _ in ds]
             for acc, feat in zip(deepstack, ds, strict=True):
-                acc[joint] = feat
+                acc[where] = feat
         return embeds, tuple(deepstack), rows
