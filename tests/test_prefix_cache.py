@@ -228,8 +228,28 @@ def test_a_small_pool_evicts_and_every_answer_stays_right(tiny_ckpt, model_tok):
     for round_ in range(2):  # the second round finds some blocks cached, others evicted
         assert greedy_chats(small, prompts[:3], 40, close=True) == want, round_
         greedy_chats(small, prompts[3:], 8, close=True)
-    assert small.preemptions > 0 and small.prefix_cache_counts[1] > 0
+    assert small.preemptions > 0 and small.pool.preempted_hits > 0  # resumes found their own blocks
     assert small.pool.num_free == small.pool.num_blocks - 1  # nothing held once every chat closed
+
+
+def test_prefix_cache_counters_count_as_vllm_s(tiny_ckpt, model_tok):
+    """vLLM's prefix_cache_queries / _hits: each choice of an n > 1 chat is a request whose lookup counts (the
+    later ones find the first one's full prompt blocks, as vLLM's child requests scheduled after it do); a
+    preempted chat's resume is left out (vLLM counts it apart, in stats it does not export)."""
+    r = make_reasoner(tiny_ckpt, model_tok)
+    params = chat(LONG, "Question?", max_tokens=30, ignore_eos=True)
+    n = len(r.build_prompt(params).input_ids)
+    first, second = r.start_many(params.choices(2))
+    assert r.prefix_cache_counts == (2 * n, (n - 1) // BS * BS)
+    for _ in range(20):
+        r.step_all([first, second])
+    first.preempt()  # (as Reasoner.step_all does when the pool runs out of blocks)
+    assert first.resume() and r.prefix_cache_counts == (2 * n, (n - 1) // BS * BS)
+    assert r.pool.preempted_queries == n + 20 and r.pool.preempted_hits == (n + 19) // BS * BS
+    while first.finish_reason is None:
+        r.step_all([first, second])
+    _, alone = first_logits_and_tokens(make_reasoner(tiny_ckpt, model_tok, caching=False), params)
+    assert first.token_ids == second.token_ids == alone
 
 
 def test_prefix_cache_counters_on_metrics(reasoner_url):

@@ -13,7 +13,8 @@ histograms vLLM's Grafana dashboard reads: request_prompt_tokens / request_gener
 to --max-model-len, with a chat worker), request_decode_time_seconds (first token to last, as the API receives them)
 and request_inference_time_seconds (admitted to last token), each choice of an n > 1 request a chat as vLLM's child
 requests are; prefix_cache_queries / _hits (prompt tokens looked up in the Reasoner's prefix cache, and found; a
-chat asking for prompt logprobs computes its whole prompt, no lookup). Not exported: request_prefill_time_seconds (the admission time is
+chat asking for prompt logprobs computes its whole prompt, no lookup; as in vLLM, each choice of an n > 1 request
+counts and a preempted chat's resume does not). Not exported: request_prefill_time_seconds (the admission time is
 the chat worker's, the first token's the API's: time to first token minus queue time is the same number),
 request_params_n / _max_tokens, request_max_num_generation_tokens and cache_config_info.
 

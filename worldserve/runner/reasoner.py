@@ -338,7 +338,7 @@ class Reasoner:
         if isinstance(done, Exception):
             return done
         try:
-            seq = done[1] if leader else done[1].fork()
+            seq = done[1] if leader else self.prefiller.fork(done[1], prompt, params)
         except PoolExhausted as exc:
             return ChatBackpressure(str(exc))
         except Exception as exc:

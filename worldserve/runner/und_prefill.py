@@ -13,12 +13,14 @@ images and videos with rows left to compute, and takes the ViT outputs of those 
 encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
 (`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
 `whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
+vLLM's prefix-cache counters: a new chat's lookup counts, a preempted chat's resume apart, and each
+later choice of an n > 1 chat (a fork of the first one's K/V: `fork`) counts as vLLM's child request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -29,6 +31,9 @@ from worldserve.models.layers.paged_kv import PagedKVPool, PagedSequence
 from worldserve.runner.chat_prompt import ChatPrompt
 from worldserve.runner.encoder_cache import EncoderCache, select_items
 from worldserve.runner.prefix_hashes import block_hashes
+
+if TYPE_CHECKING:
+    from worldserve.chat_params import ChatParams
 
 
 class UndPrefill:
@@ -62,7 +67,8 @@ class UndPrefill:
                 if self.caching and not (i < len(whole) and whole[i]):
                     total = len(prompt.input_ids) + len(generated)  # (its last token is always computed)
                     hashes = block_hashes(prompt, generated, self.pool.block_size, total - 1)
-                    seqs[-1].adopt(self.pool.lookup(hashes, total))
+                    # (a resume, which has generated tokens, is counted apart, as vLLM counts it)
+                    seqs[-1].adopt(self.pool.lookup(hashes, total, preempted=bool(generated)))
             for seq, (prompt, generated) in zip(seqs, items, strict=True):
                 seq.reserve(len(prompt.input_ids) + len(generated) + 1 - seq.length)
             ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
@@ -103,6 +109,16 @@ class UndPrefill:
             (h, seq, prompt.next_position + len(generated))
             for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
         ]
+
+    def fork(self, seq: PagedSequence, prompt: ChatPrompt, params: ChatParams) -> PagedSequence:
+        """seq.fork() for another choice (`params`) of the same prompt, counted as vLLM counts the lookup of a
+        later child request of an n > 1 one, which finds the full blocks of the first one's prompt (all but its
+        last token) cached; not with prompt logprobs (no lookup)."""
+        twin = seq.fork()
+        if self.caching and params.prompt_logprobs is None:
+            n = len(prompt.input_ids)
+            self.pool.count_lookup(n, (n - 1) // self.pool.block_size * self.pool.block_size)
+        return twin
 
     def register(self, prompt: ChatPrompt, generated: Sequence[int], seq: PagedSequence) -> None:
         """Offer `seq`'s full blocks (the K/V of prompt + generated, as far as committed) to the prefix cache."""

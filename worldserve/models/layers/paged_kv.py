@@ -70,6 +70,7 @@ class PagedKVPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
         self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.prefix_hits = 0  # of them, tokens found (vLLM's prefix_cache_hits)
+        self.preempted_queries = self.preempted_hits = 0  # the same of resuming chats (vLLM: not exported)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -118,10 +119,11 @@ class PagedKVPool:
             blocks.append(b)
         return blocks
 
-    def lookup(self, hashes: Sequence[bytes], tokens: int) -> list[int]:
+    def lookup(self, hashes: Sequence[bytes], tokens: int, *, preempted: bool = False) -> list[int]:
         """The cached blocks of the longest run of `hashes` from the first, each now held once more by the
         caller (a block nobody held leaves the LRU list); the sequence's `tokens` count in prefix_queries, the
-        tokens found in prefix_hits (vLLM's counters)."""
+        tokens found in prefix_hits (vLLM's counters), or, for a `preempted` sequence resuming, in
+        preempted_queries / _hits (vLLM keeps those apart)."""
         blocks = []
         for h in hashes:
             b = self._cached.get(h)
@@ -131,9 +133,17 @@ class PagedKVPool:
                 del self._evictable[b]
             self._refs[b] += 1
             blocks.append(b)
-        self.prefix_queries += tokens
-        self.prefix_hits += len(blocks) * self.block_size
+        self.count_lookup(tokens, len(blocks) * self.block_size, preempted=preempted)
         return blocks
+
+    def count_lookup(self, tokens: int, hits: int, *, preempted: bool = False) -> None:
+        """A sequence of `tokens` tokens looked up, `hits` of them found cached (vLLM's PrefixCacheStats.record)."""
+        if preempted:
+            self.preempted_queries += tokens
+            self.preempted_hits += hits
+        else:
+            self.prefix_queries += tokens
+            self.prefix_hits += hits
 
     def register(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
         """Cache full, committed blocks under their prefix hashes (pairwise). A block already cached, or a hash
