@@ -88,7 +88,6 @@ def test_accepted_flags_log_why_they_change_nothing(argv, caplog):
 @pytest.mark.parametrize("argv, named", [
     (["--chat-template", "t.jinja"], "--chat-template"), (["--response-role", "bot"], "--response-role"),
     (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids"),
-    (["--enable-prompt-tokens-details"], "--enable-prompt-tokens-details"),
     (["--enable-force-include-usage"], "--enable-force-include-usage"),
     (["--mm-processor-kwargs", '{"fps": 1}'], "--mm-processor-kwargs"), (["--tokenizer", "x"], "--tokenizer"),
     (["-dp", "2"], "--data-parallel-size"), (["--download-dir", "/tmp"], "--download-dir"),

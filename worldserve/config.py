@@ -238,6 +238,8 @@ class ServerConfig:
     """CORS: allow cookies and Authorization headers on cross-origin requests (Access-Control-Allow-Credentials)."""
     flow_shift: float | None = None
     """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
+    enable_prompt_tokens_details: bool = False
+    """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
     """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
     responses_store_mb: float = 256.0

@@ -60,6 +60,7 @@ def build_app(
     server_load_tracking: bool = False,
     mm_limits: Mapping[str, int] | None = None,
     reasoning_parser: str | None = None,
+    prompt_tokens_details: bool = False,
     responses_store_bytes: int = 256 * 2**20,
     docs: bool = True,
 ) -> FastAPI:
@@ -67,7 +68,8 @@ def build_app(
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
     `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
-    `reasoning_parser` = `--reasoning-parser`, `responses_store_bytes` = `--responses-store-mb`; `docs` False:
+    `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
+    `responses_store_bytes` = `--responses-store-mb`; `docs` False:
     vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
@@ -106,6 +108,7 @@ def build_app(
             (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
         mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser,
+        prompt_tokens_details=prompt_tokens_details,
         responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
     )  # fmt: skip
     install_error_handlers(app)

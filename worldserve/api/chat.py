@@ -249,13 +249,16 @@ async def _answer(
         raise
     first = firsts[-1]
     request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
+    cached = (
+        firsts[0].cached_tokens if st.prompt_tokens_details else None
+    )  # (the choices' leader looked it up)
     if body.stream:
         include_usage, continuous_usage = body.stream_usage()
         stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage,
-                     parsing)  # fmt: skip
+                     parsing, cached)  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")
     answer = await collect(
-        streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, parsing
+        streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, parsing, cached
     )
     answer.prompt_logprobs = prompt_logprob_rows(first.prompt_logprobs, body.prompt_logprobs)
     return answer

@@ -313,11 +313,17 @@ def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict:
     return dict(kwargs or {})
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens whose K/V came from the prefix cache."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     total_tokens: int
     completion_tokens: int
-    prompt_tokens_details: None = None
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """With --enable-prompt-tokens-details (vLLM's flag), else null."""
 
 
 class AssistantMessage(BaseModel):

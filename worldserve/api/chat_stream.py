@@ -32,6 +32,7 @@ from worldserve.api.chat_protocol import (
     ChoiceLogprobs,
     ChunkChoice,
     PromptLogprob,
+    PromptTokensDetails,
     TokenLogprobOut,
     TopLogprob,
     Usage,
@@ -68,11 +69,12 @@ def logprob_items(entries) -> list[TokenLogprobOut]:
     ]  # fmt: skip
 
 
-def make_usage(prompt_tokens: int, completion: int) -> Usage:
-    """The `usage` object: the prompt counted once plus `completion` tokens."""
-    return Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
-    )
+def make_usage(prompt_tokens: int, completion: int, cached: int | None = None) -> Usage:
+    """The `usage` object: the prompt counted once plus `completion` tokens; with `cached` (the prompt's
+    tokens found in the prefix cache, --enable-prompt-tokens-details), its prompt_tokens_details."""
+    details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                 total_tokens=prompt_tokens + completion, prompt_tokens_details=details)  # fmt: skip
 
 
 async def start_all(client, choices: Sequence, metrics, *, coalesce: bool, opened: list) -> tuple[list, list]:
@@ -251,6 +253,7 @@ async def collect(
     prompt_tokens: int,
     logprobs: bool,
     parsing: TextParsing = TextParsing(),
+    cached: int | None = None,
 ) -> ChatCompletionResponse:
     """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails); each text
     split and parsed as `parsing` says."""
@@ -275,13 +278,14 @@ async def collect(
         created=created,
         model=model,
         choices=choices,
-        usage=make_usage(prompt_tokens, completion),
+        usage=make_usage(prompt_tokens, completion, cached),
     )
 
 
 async def sse(
     streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
     include_usage: bool, continuous_usage: bool = False, parsing: TextParsing = TextParsing(),
+    cached: int | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
     """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
     each choice's text split and parsed as `parsing` says (AnswerStream: reasoning_content, content and
@@ -294,7 +298,7 @@ async def sse(
         if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)
             delta = {"reasoning": delta["reasoning_content"], **delta}
         choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp, stop_reason=stop)
-        usage = make_usage(prompt_tokens, completion[index]) if continuous_usage else None
+        usage = make_usage(prompt_tokens, completion[index], cached) if continuous_usage else None
         return ChatCompletionChunk(
             id=request_id, created=created, model=model, choices=[choice], usage=usage
         ).sse()
@@ -316,7 +320,7 @@ async def sse(
 
     def tail() -> Iterator[str]:
         if include_usage:
-            usage = make_usage(prompt_tokens, sum(completion))
+            usage = make_usage(prompt_tokens, sum(completion), cached)
             yield ChatCompletionChunk(
                 id=request_id, created=created, model=model, choices=[], usage=usage
             ).sse()

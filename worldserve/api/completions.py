@@ -112,9 +112,10 @@ async def _answer(
     request), then answer: SSE, or the whole object."""
     streams, firsts = await start_all(st.client, choices, st.metrics, coalesce=not body.stream, opened=opened)
     prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
+    cached = [first.cached_tokens for first in firsts[:: body.n]] if st.prompt_tokens_details else None
     c = Completion(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
-        prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only,
+        prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only, cached=cached,
         prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
     )  # fmt: skip
     if body.stream:

@@ -49,7 +49,7 @@ class Completion:
     def __init__(
         self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
         prompt_tokens: Sequence[int], logprobs: int | None, echo_only: bool,
-        prompt_entries: Sequence[tuple | None], prompt_logprobs: int | None,
+        prompt_entries: Sequence[tuple | None], prompt_logprobs: int | None, cached: Sequence[int] | None = None,
     ) -> None:  # fmt: skip
         self.request_id, self.created, self.model = request_id, created, model
         self.echoes, self.n, self.logprobs = echoes, n, logprobs  # logprobs: the request's (None: none)
@@ -59,6 +59,9 @@ class Completion:
         )
         self.prompt_logprobs = prompt_logprobs  # the request's vLLM field
         self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
+        self.cached = (
+            cached  # per prompt, its tokens found in the prefix cache (--enable-prompt-tokens-details)
+        )
 
     def logprobs_of(self, index: int, entries: Sequence, offset: int) -> CompletionLogprobs | None:
         """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`
@@ -78,7 +81,8 @@ class Completion:
     def usage(self, completion: int, prompt: int | None = None):
         """Usage of `completion` tokens: over every prompt, or prompt `prompt` alone."""
         tokens = sum(self.prompt_tokens) if prompt is None else self.prompt_tokens[prompt]
-        return make_usage(tokens, completion)
+        cached = None if self.cached is None else sum(self.cached) if prompt is None else self.cached[prompt]
+        return make_usage(tokens, completion, cached)
 
     def response(self, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
         return CompletionResponse(

@@ -97,7 +97,7 @@ async def create_response(request: Request, st: State):
         except APIError as exc:
             raise paths.rename(exc) from None
         builder = ResponseBuilder(_skeleton(req, st.served_model_name, store is not None), parsing, req.logprobs,
-                                  firsts[0].prompt_tokens)  # fmt: skip
+                                  firsts[0].prompt_tokens, firsts[0].cached_tokens)  # fmt: skip
         keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)
         if req.stream:
             return StreamingResponse(_events(streams[0], builder, keep), media_type="text/event-stream")
@@ -174,8 +174,16 @@ class ResponseBuilder:
     """One chat's deltas -> the Responses output items, and the stream's events (SSE text) as they open, grow
     and close. Text goes through the same parsers as a chat answer's: reasoning, then tool calls."""
 
-    def __init__(self, skeleton: dict[str, Any], parsing: TextParsing, logprobs: bool, prompt_tokens: int):
+    def __init__(
+        self,
+        skeleton: dict[str, Any],
+        parsing: TextParsing,
+        logprobs: bool,
+        prompt_tokens: int,
+        cached: int = 0,
+    ):
         self.body, self.logprobs, self.prompt_tokens = skeleton, logprobs, prompt_tokens
+        self.cached_tokens = cached  # prompt tokens found in the prefix cache
         self.answer, self.keep_thoughts = parsing.stream(), parsing.include_reasoning
         self.seq = 0
         self.item: dict[str, Any] | None = None  # the open output item
@@ -314,7 +322,7 @@ class ResponseBuilder:
             status="incomplete" if cut else "completed",
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
             usage={"input_tokens": self.prompt_tokens,
-                   "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},  # no prefix cache
+                   "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
                    "output_tokens": self.completion_tokens,
                    "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                    "total_tokens": self.prompt_tokens + self.completion_tokens},

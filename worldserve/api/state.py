@@ -35,6 +35,8 @@ class AppState:
     """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
     mm_limits: Mapping[str, int] = field(default_factory=dict)
     """`--limit-mm-per-prompt`: the most images / videos one chat request may carry (absent: no limit)."""
+    prompt_tokens_details: bool = False
+    """`--enable-prompt-tokens-details`: chat and text completions' usage carries prompt_tokens_details."""
     reasoning_parser: str | None = None
     """`--reasoning-parser`: "qwen3" splits <think> answers into reasoning_content (api/reasoning.py)."""
     responses: ResponseStore | None = None

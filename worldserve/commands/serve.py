@@ -244,6 +244,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
         default_flow_shift=server.flow_shift, reasoning_parser=server.reasoning_parser,
+        prompt_tokens_details=server.enable_prompt_tokens_details,
         responses_store_bytes=int(server.responses_store_mb * 2**20),
     )  # fmt: skip
 

@@ -249,8 +249,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       lambda v: v == "assistant", "only as assistant", "answers always carry the assistant role"),
     C("--return-tokens-as-token-ids", "", ON, NEVER, "never",
       "logprobs name their tokens by text (vLLM's default); token:<id> strings are not supported"),
-    C("--enable-prompt-tokens-details", "", ON, NEVER, "never", "there is no prefix cache, so no cached-token "
-      "count to report: usage.prompt_tokens_details stays null"),
     C("--enable-force-include-usage", "", ON, NEVER, "never", "streamed answers carry usage only when the "
       "request's stream_options.include_usage asks for it"),
     C("--mm-processor-kwargs", "an empty object is the default", JSON, EMPTY, "only as {}", "worldserve has no "

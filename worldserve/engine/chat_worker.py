@@ -50,6 +50,8 @@ class ChatStarted:
     """Tokens of the rendered prompt (image placeholders expanded)."""
     prompt_logprobs: tuple | None = None
     """With ChatParams.prompt_logprobs: each prompt token's TokenLogprob (the first one's logprob None)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +307,8 @@ class ChatWorker:
                 self._fail(handle, result)
             else:
                 handle.queued_s = admitted_at - handle.submitted_at
-                handle.emit(ChatStarted(result.prompt_tokens, getattr(result, "prompt_logprobs", None)))
+                handle.emit(ChatStarted(result.prompt_tokens, getattr(result, "prompt_logprobs", None),
+                                        getattr(result, "cached_tokens", 0)))  # fmt: skip
                 started.append((handle, result))
         return started, refused
 

@@ -408,6 +408,7 @@ class Reasoner:
                                   params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None,
                                   grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
+        session.cached_tokens = len(prompt.input_ids) - hidden.shape[0]  # (hidden: the rows computed)
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(
                 self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs

@@ -68,6 +68,9 @@ class ReasonerSession:
         self.started = started
         self.prompt_tokens = len(prompt.input_ids)
         self.prompt_logprobs: tuple | None = None  # with params.prompt_logprobs: set by the Reasoner
+        self.cached_tokens = (
+            0  # prompt tokens found in the prefix cache (usage's cached_tokens): the Reasoner
+        )
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.top_logprobs = top_logprobs  # None: no logprobs
