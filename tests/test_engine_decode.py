@@ -75,7 +75,7 @@ def test_an_abort_during_the_last_step_skips_the_decode(tmp_path):
     """An abort that reaches the inbox while a request's last step runs is seen before its decode (which
     would take seconds at full size): the decode never starts, the state is released, an ephemeral
     caller gets CancelledRequest."""
-    from worldserve.engine.engine import CancelledRequest
+    from worldserve.engine.refusals import CancelledRequest
     from worldserve.engine.request import Request
 
     backend, engine_ref, outcome = _SlowDecode(step_delay=0.3), [], []

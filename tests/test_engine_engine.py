@@ -221,7 +221,7 @@ def test_waiters_are_woken_from_the_engine_thread(tmp_path):
 def test_ephemeral_requests_are_cancelled_at_shutdown_and_leave_the_queue_alone(tmp_path):
     """Image requests (no job): at a shutdown the running one and the one still waiting are cancelled
     (503 for their callers, they cannot resume); a queued video job stays queued for the next start."""
-    from worldserve.engine.engine import CancelledRequest
+    from worldserve.engine.refusals import CancelledRequest
 
     backend = FakeBackend(step_delay=0.05)
 
@@ -256,7 +256,7 @@ def test_ephemeral_requests_are_cancelled_at_shutdown_and_leave_the_queue_alone(
 def test_an_ephemeral_request_after_the_loop_ended_is_cancelled_at_once(tmp_path):
     import time as _time
 
-    from worldserve.engine.engine import CancelledRequest
+    from worldserve.engine.refusals import CancelledRequest
     from worldserve.engine.request import Request
 
     async def main():

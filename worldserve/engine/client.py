@@ -38,7 +38,7 @@ from worldserve.engine.chat_worker import (
     ChatStarted,
     ChatWorker,
 )
-from worldserve.engine.engine import Engine, error_for
+from worldserve.engine.engine import Engine
 from worldserve.engine.ephemeral import run_without_jobs
 from worldserve.engine.job_files import StorageError, inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
@@ -52,7 +52,7 @@ from worldserve.engine.prompt_upsampling import (
     checked,
     upsample,
 )
-from worldserve.engine.refusals import ChatUnavailableError, QueueFullError, ShuttingDownError
+from worldserve.engine.refusals import ChatUnavailableError, QueueFullError, ShuttingDownError, error_for
 from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import VideoParams
 

@@ -33,10 +33,10 @@ from worldserve.config import SchedulerConfig
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
 from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
+from worldserve.engine.refusals import CancelledRequest, error_for
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
 from worldserve.media.frame_stream import FramesLost, FrameStream, lower_thread_priority, read_beside
-from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +49,6 @@ def default_encoder(*args, **kwargs) -> bytes:
     from worldserve.media.video import encode_mp4
 
     return encode_mp4(*args, **kwargs)
-
-
-class CancelledRequest(Exception):
-    """An ephemeral request was aborted or the engine stopped before it finished (503 for its caller)."""
-
-    status_code = 503
-
-    def __init__(self, request_id: str):
-        super().__init__(f"request {request_id} was cancelled before it finished")
-
-
-def error_for(exc: BaseException, what: str = "Video generation") -> tuple[int, str]:
-    """(HTTP-like code, message) recorded on a failed job (`what` failed: ...)."""
-    if isinstance(exc, ParamError):
-        return 400, exc.message
-    code = getattr(exc, "status_code", 500)
-    return (code if isinstance(code, int) and 400 <= code < 600 else 500), f"{what} failed: {exc}"
 
 
 class Engine:

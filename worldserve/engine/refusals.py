@@ -1,6 +1,9 @@
-"""Why the engine client takes no more work: the exceptions the API answers with 429, 503 or 400."""
+"""Why the engine client takes no more work or a request ends early: the exceptions the API answers with 429,
+503 or 400, and the (code, message) a failed job records (`error_for`)."""
 
 from __future__ import annotations
+
+from worldserve.params import ParamError
 
 
 class QueueFullError(Exception):
@@ -17,3 +20,20 @@ class ShuttingDownError(Exception):
 
 class ChatUnavailableError(Exception):
     """This server has no chat backend (e.g. the fake backend)."""
+
+
+class CancelledRequest(Exception):
+    """An ephemeral request was aborted or the engine stopped before it finished (503 for its caller)."""
+
+    status_code = 503
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id} was cancelled before it finished")
+
+
+def error_for(exc: BaseException, what: str = "Video generation") -> tuple[int, str]:
+    """(HTTP-like code, message) recorded on a failed job (`what` failed: ...)."""
+    if isinstance(exc, ParamError):
+        return 400, exc.message
+    code = getattr(exc, "status_code", 500)
+    return (code if isinstance(code, int) and 400 <= code < 600 else 500), f"{what} failed: {exc}"
