@@ -122,3 +122,32 @@ def test_a_stop_token_id_is_output_as_vllm_outputs_it():
         assert (s.finish_reason, s.stop_reason, s.completion_tokens) == ("stop", reason, 4)
         assert s.token_ids == [*b"abc"]
         assert [e.token for d in deltas for e in d.logprobs] == ["a", "b", "c", "X"]
+
+
+def test_stop_strings_end_the_answer_not_its_thoughts():
+    """With stops_after_thoughts (a --reasoning-parser server, as vLLM defers stop strings while a request
+    reasons): in an answer opening with <think>, a stop string matches only after </think> (also one that
+    would straddle it); an answer without thoughts stops as before; without the option, the first match wins."""
+
+    def run(text, defer, stop=("STOP",)):
+        s = ReasonerSession(FakeReasoner(), None, FakeSeq(), torch.zeros(1), 0, prompt=FakePrompt(), started=1,
+                            max_tokens=len(text), stop=stop)  # fmt: skip
+        s.defer_stops_past_thoughts(defer)
+        out = []
+        for t in text.encode():
+            delta, _ = s.advance(t)
+            out.append(delta.text)
+            if delta.finish_reason:
+                return "".join(out), delta.stop_reason
+            s.receive(torch.zeros(1))
+        return "".join(out), None
+
+    thinking = "<think>a STOP b</think> c STOP d"
+    assert run(thinking, True) == ("<think>a STOP b</think> c ", "STOP")
+    assert run(thinking, False) == ("<think>a ", "STOP")
+    assert run(" x STOP y", True) == (" x ", "STOP")  # no thoughts: nothing deferred
+    assert run("<think>a STOP", True) == ("<think>a STOP", None)  # thinking to the end (max_tokens): no stop
+    assert run("<think>a</think>b", True, stop=("k>b", "b")) == (
+        "<think>a</think>",
+        "b",
+    )  # not across </think>

@@ -227,6 +227,9 @@ class ChatParams:
     think_first: bool = False
     """The answer may think (<think> ... </think>, as --reasoning-parser reads it) before `structured`'s
     grammar starts."""
+    stops_after_thoughts: bool = False
+    """Stop strings end the answer, not its thoughts (vLLM with a reasoning parser): in an answer that opens
+    with <think>, they match only after </think>."""
     tools: tuple[dict, ...] = ()
     """Function tools the chat template shows the model ({"type": "function", "function": {...}})."""
 

@@ -144,8 +144,10 @@ def prepared_params(
     worker thread, not on the chat worker's, which every running chat shares (blocking). A text too long
     for the context by its byte count alone is refused before it is tokenized (ParamError("messages"))."""
     params = build_params(body, st.allowed_local_media_path, fetched, options)
-    if st.reasoning_parser is not None and params.structured is not None:  # the grammar starts after thoughts
-        params = dataclasses.replace(params, think_first=True)
+    if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
+        params = dataclasses.replace(
+            params, stops_after_thoughts=True, think_first=params.structured is not None
+        )
     worker = st.client.chat_worker
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     if prompts is None:

@@ -409,6 +409,7 @@ class Reasoner:
                                   top_logprobs=params.top_logprobs if params.logprobs else None,
                                   grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
         session.cached_tokens = len(prompt.input_ids) - hidden.shape[0]  # (hidden: the rows computed)
+        session.defer_stops_past_thoughts(params.stops_after_thoughts)
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(
                 self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs

@@ -11,6 +11,9 @@ that ends inside one leaves its bytes out (vLLM's DecodeStream never completes t
 searched where the new text could complete one; of several completed by one token, the one ending first
 wins (ties: the request's order), as vLLM's check_stop_strings. Unless `include_stop_str_in_output`, a
 possible stop-string prefix is held back from the deltas until it is ruled out (vLLM's stop_buffer_length).
+With `defer_stops_past_thoughts` (a --reasoning-parser server), stop strings end the answer, not its thoughts, as
+vLLM's detokenizer defers them while a request reasons: in an answer that opens with <think>, a match must
+start after </think>.
 Structured outputs: a session with a grammar (sampling/token_grammar.py) masks each step's logits to the tokens
 the grammar allows next and advances the grammar with each token taken.
 vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
@@ -44,6 +47,10 @@ if TYPE_CHECKING:
     from worldserve.runner.chat_prompt import ChatPrompt
     from worldserve.runner.reasoner import Reasoner
     from worldserve.sampling.token_grammar import TokenGrammar
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+"""The thoughts' tags, as --reasoning-parser qwen3 reads them (api/reasoning.py)."""
 
 
 class ReasonerSession:
@@ -87,6 +94,7 @@ class ReasonerSession:
         self._prefix: str | None = ""  # the decode of [prefix_at, read_at); None: not computed yet
         self._emitted = 0  # characters of _text already sent
         self._closed = False
+        self._stops_from: int | None = 0  # stop strings start at or after this character; None: thinking
 
     @property
     def completion_tokens(self) -> int:
@@ -195,6 +203,7 @@ class ReasonerSession:
         # vLLM searches stop strings only once more than min_tokens tokens are out, and in the step a stop
         # token ended only the text include_stop_str_in_output adds (none without it)
         searched = self.completion_tokens > self.min_tokens and (self.keep_stop or not finished)
+        searched = searched and self._stop_search_start(view) is not None
         cut, matched = self._find_stop(view, before) if searched else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
@@ -243,11 +252,28 @@ class ReasonerSession:
         else:
             self._tail = new.rstrip("\ufffd")
 
+    def defer_stops_past_thoughts(self, defer: bool = True) -> None:
+        """ChatParams.stops_after_thoughts: before the first token, let stop strings match only past the
+        thoughts of an answer that opens with <think> (undecided until its first characters)."""
+        self._stops_from = None if defer else 0
+
+    def _stop_search_start(self, view: str) -> int | None:
+        """Where stop strings may start in `view`: 0, or with stops_after_thoughts in an answer that opens with
+        <think>, just past its </think> (None until it comes: the answer is still thinking)."""
+        if self._stops_from is None:
+            body = view.lstrip()
+            if body and not (body.startswith(THINK_START) or THINK_START.startswith(body)):
+                self._stops_from = 0  # not a thinking answer
+            elif (end := view.find(THINK_END)) >= 0:
+                self._stops_from = end + len(THINK_END)
+        return self._stops_from
+
     def _find_stop(self, view: str, before: int) -> tuple[int, str | None]:
         """(index, string) of the stop string in `view` that ends first (ties: the request's order; -1, None if
-        none). Only one ending in the text added since `before` characters can be new; earlier ones would have
-        finished an earlier step."""
-        starts = ((n, s, view.find(s, max(0, before - len(s) + 1))) for n, s in enumerate(self.stop))
+        none), starting at or after `_stops_from`. Only one ending in the text added since `before` characters
+        can be new; earlier ones would have finished an earlier step."""
+        low = self._stops_from or 0
+        starts = ((n, s, view.find(s, max(0, low, before - len(s) + 1))) for n, s in enumerate(self.stop))
         found = [(i + len(s), n, i, s) for n, s, i in starts if i >= 0]
         return min(found)[2:] if found else (-1, None)
 
