@@ -91,7 +91,8 @@ def test_unsupported_or_bad_values_are_refused(argv):
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "inf"), ("VLLM_IMAGE_FETCH_TIMEOUT", "abc"), ("VLLM_VIDEO_FETCH_TIMEOUT", "0")],
+    [("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "inf"), ("VLLM_IMAGE_FETCH_TIMEOUT", "abc"), ("VLLM_VIDEO_FETCH_TIMEOUT", "0"),
+     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "-1")],
 )  # fmt: skip
 def test_malformed_timeouts_in_the_environment_stop_the_start_naming_the_variable(monkeypatch, name, value):
     """Read when the config resolves (before the model loads), not when the app is built after it."""
@@ -198,3 +199,13 @@ def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
     assert (
         reasoner.pool.nbytes <= 50_000_000 + 2 * reasoner.pool.block_size * per_token
     )  # + scratch, rounding
+
+
+def test_http_keep_alive_timeout_from_vllm_s_variable(monkeypatch):
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE, vLLM's (default 5 s), becomes uvicorn's timeout_keep_alive."""
+    from worldserve import envs
+
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    assert envs.http_timeout_keep_alive_s() == 5.0
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "75")
+    assert envs.http_timeout_keep_alive_s() == 75.0

@@ -168,15 +168,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _idle_connection_closes_after(port: int, keep_alive_s: float) -> None:
+    """A TLS keep-alive connection idle past `keep_alive_s` is closed by the server (uvicorn's default, 5 s,
+    would keep it open: the read then times out)."""
+    import ssl
+
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port)) as raw, ctx.wrap_socket(raw) as tls:
+        tls.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b"healthy" not in answer:  # (headers and body may come in two records)
+            answer += tls.recv(65536)
+        assert b" 200 " in answer
+        time.sleep(keep_alive_s + 1.5)
+        tls.settimeout(2.0)
+        try:
+            assert tls.recv(65536) == b""  # the server closed it
+        except (ssl.SSLEOFError, ConnectionResetError):
+            pass
+
+
 def test_a_real_server_with_vllms_http_flags(tmp_path):
     """HTTPS, --root-path (the API key still checked under the prefix), --middleware, no docs, flags from
-    --config: on a real `worldserve serve` (fake backend)."""
+    --config, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE: on a real `worldserve serve` (fake backend)."""
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out",
                     "cert.pem", "-days", "1", "-subj", "/CN=localhost"], cwd=tmp_path, check=True,
                    capture_output=True)  # fmt: skip
     (tmp_path / "c.yaml").write_text("api-key: sk-test\nserved-model-name: [cosmos, c3]\n")
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--backend", "fake", "--host", "127.0.0.1", "--port",
            str(port), "--storage-dir", str(tmp_path / "s"), "--config", str(tmp_path / "c.yaml"), "--root-path",
            "/api", "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem"),
@@ -192,6 +214,7 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
                 except httpx.TransportError:
                     assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
                     time.sleep(0.2)
+            _idle_connection_closes_after(port, 1.0)
             key = {"Authorization": "Bearer sk-test"}
             assert http.get("/api/api/v1/models").status_code == 401, "a doubled prefix bypassed the key"
             for path in ("/api/v1/models", "/v1/models"):

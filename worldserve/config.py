@@ -297,6 +297,7 @@ class EngineConfig:
         # a malformed media fetch timeout stops the start now, not after the load
         for kind in ("image", "video"):
             envs.media_fetch_timeout_s(kind)
+        envs.http_timeout_keep_alive_s()
         server = replace(
             self.server,
             api_key=self.server.api_key or ((key,) if (key := envs.api_key()) else None),

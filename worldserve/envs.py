@@ -36,6 +36,17 @@ def sync_timeout_s() -> float:
     return DEFAULT_SYNC_TIMEOUT_S
 
 
+def http_timeout_keep_alive_s() -> float:
+    """`VLLM_HTTP_TIMEOUT_KEEP_ALIVE` (vLLM's, default 5 s): how long an idle keep-alive connection stays open
+    (uvicorn's timeout_keep_alive). A client pool that reuses connections idle about that long can meet the
+    server closing them (a read error); raise it above the client's own idle timeout to avoid that."""
+    value = _env_float("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+    if value is None:
+        return 5.0
+    check_seconds("environment variable VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value, zero=False)
+    return value
+
+
 def _env_flag(name: str, default: bool) -> bool:
     """A yes / no variable: 1 / true / yes / on, 0 / false / no / off (any case); unset or anything else:
     `default`."""

@@ -28,7 +28,7 @@ from typing import Any
 
 import uvicorn
 
-from worldserve import __version__
+from worldserve import __version__, envs
 from worldserve.api.media_urls import allowed_domains
 from worldserve.commands import serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
@@ -216,7 +216,8 @@ def _serve(
         log.info("Route: %s, Methods: %s", path, ", ".join(methods))
     uv_config = uvicorn.Config(
         app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
-        timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10, **serve_http.uvicorn_options(http_args),
+        timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
+        timeout_keep_alive=envs.http_timeout_keep_alive_s(), **serve_http.uvicorn_options(http_args),
     )  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):
