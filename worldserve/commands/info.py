@@ -161,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
         f"{m['offload_gpu_gib']} on the GPU + {m['offload_host_pinned_gib']} pinned host RAM"
     )
     print(
-        f"K/V cache:  {per_token / 1024:.1f} KiB a token; Reasoner default {m['kv_cache_gib']} "
-        f"({m['kv_cache_offload_gib']} under offload) at --max-model-len 32768 (--kv-cache-memory-bytes)"
+        f"K/V cache:  {per_token / 1024:.1f} KiB a token in bf16 (twice that in float32, the CPU's dtype); "
+        f"Reasoner default {m['kv_cache_gib']} ({m['kv_cache_offload_gib']} under offload) at --max-model-len "
+        "32768 (--kv-cache-memory-bytes)"
     )
     rt = info["runtime"]
     print(
