@@ -4,6 +4,7 @@ and the job TTL sweep."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +195,11 @@ def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
     ok = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
                      kv_cache_memory_bytes=50_000_000)  # fmt: skip
     pipeline, _, reasoner = serve._load_backend(ok, ParallelConfig(), 4)
+    assert reasoner.prefiller.caching  # vLLM's default: prefix caching on
+    off = dataclasses.replace(
+        ok, enable_prefix_caching=False
+    )  # --no-enable-prefix-caching reaches the Reasoner
+    assert not serve._load_backend(off, ParallelConfig(), 4)[2].prefiller.caching
     per_token = pipeline.transformer.und_kv_bytes_per_token()
     assert reasoner.pool.capacity_tokens >= 50_000_000 // per_token > 4096
     assert (
