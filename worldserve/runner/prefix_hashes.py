@@ -55,16 +55,17 @@ def block_hashes(prompt: ChatPrompt, generated: Sequence[int], block_size: int, 
     if len(generated) and positions.shape[1] < full * block_size:
         after = prompt.next_position + np.arange(len(generated), dtype=np.float32)
         positions = np.concatenate([positions, np.broadcast_to(after, (3, len(generated)))], axis=1)
-    media = dict(prompt.media)
+    digests: dict[int, list[bytes]] = {}  # block -> the media starting in it, in row order
+    for row, digest in prompt.media:
+        digests.setdefault(row // block_size, []).append(digest)
     out, parent = [], b""
     for j in range(full):
         start, end = j * block_size, (j + 1) * block_size
         h = hashlib.sha256(parent)
         h.update(ids[start:end].tobytes())
         h.update(np.ascontiguousarray(positions[:, start:end]).tobytes())
-        for row in range(start, end):
-            if row in media:
-                h.update(media[row])
+        for digest in digests.get(j, ()):
+            h.update(digest)
         parent = h.digest()
         out.append(parent)
     return out

@@ -59,21 +59,29 @@ class UndPrefill:
         launch-bound: 32 of them cost about what one does): per item (final-normed hidden [n_i, d] of its
         computed tokens, the last ones, its sequence, next position). All or nothing: PoolExhausted takes no
         blocks. `whole[i]`: item i skips the prefix cache (all its tokens computed)."""
-        model = self.transformer
+        model, bs = self.transformer, self.pool.block_size
+        totals = [len(prompt.input_ids) + len(generated) for prompt, generated in items]
+        # each item's block keys, once: its lookup's (all but its last token, always computed) and, after the
+        # pass, its registration's
+        keys = [
+            block_hashes(p, g, bs, n) if self.caching else [] for (p, g), n in zip(items, totals, strict=True)
+        ]
         seqs: list[PagedSequence] = []
         try:
-            for i, (prompt, generated) in enumerate(items):  # every lookup before any allocation evicts
+            for i, (_, generated) in enumerate(items):  # every lookup before any allocation evicts
                 seqs.append(self.pool.sequence())
                 if self.caching and not (i < len(whole) and whole[i]):
-                    total = len(prompt.input_ids) + len(generated)  # (its last token is always computed)
-                    hashes = block_hashes(prompt, generated, self.pool.block_size, total - 1)
                     # (a resume, which has generated tokens, is counted apart, as vLLM counts it)
-                    seqs[-1].adopt(self.pool.lookup(hashes, total, preempted=bool(generated)))
-            for seq, (prompt, generated) in zip(seqs, items, strict=True):
-                seq.reserve(len(prompt.input_ids) + len(generated) + 1 - seq.length)
+                    hits = self.pool.lookup(
+                        keys[i][: (totals[i] - 1) // bs], totals[i], preempted=bool(generated)
+                    )
+                    seqs[-1].adopt(hits)
+            for seq, total in zip(seqs, totals, strict=True):
+                seq.reserve(total + 1 - seq.length)
             ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
-            visual = any(self._vit_rows_left(p, s.length) for (p, _), s in zip(items, seqs, strict=True))
-            for seq, (prompt, generated) in zip(seqs, items, strict=True):
+            vit = [self._vit_rows_left(p, s.length) for (p, _), s in zip(items, seqs, strict=True)]
+            visual = any(vit)
+            for seq, (prompt, generated), vit_left in zip(seqs, items, vit, strict=True):
                 cached = seq.length
                 every = torch.tensor(
                     prompt.input_ids + list(generated), dtype=torch.long, device=model.device
@@ -83,7 +91,7 @@ class UndPrefill:
                 positions.append(
                     torch.cat([prompt.positions, after.expand(3, -1)], dim=1)[:, cached:]
                 )  # [3, n_i]
-                if self._vit_rows_left(prompt, cached):
+                if vit_left:
                     e, ds, r = self._visual_embeddings(every, prompt, cached)
                     left = r >= cached  # [M] the visual rows still to compute
                     embeds.append(e[cached:])
@@ -103,8 +111,8 @@ class UndPrefill:
             for seq in seqs:
                 seq.release()
             raise
-        for seq, (prompt, generated) in zip(seqs, items, strict=True):
-            self.register(prompt, generated, seq)
+        for seq, k in zip(seqs, keys, strict=True):  # every token committed: all its full blocks
+            self.pool.register(seq.blocks[: len(k)], k)
         return [
             (h, seq, prompt.next_position + len(generated))
             for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
