@@ -15,6 +15,10 @@ import numpy as np
 
 from worldserve.params import ParamError, shown
 
+THINK_START, THINK_END = "<think>", "</think>"
+"""The tags of a Qwen3 answer's thoughts (as --reasoning-parser qwen3 reads them: api/reasoning.py; the
+Reasoner's stop strings and grammars start after them)."""
+
 MAX_VIDEO_FPS = 1000.0
 """Largest chat-video sampling rate kept: above any camera's recording rate, and a rate at or above the clip's
 own takes every frame (up to VideoSampling.max_frames) anyway, so a request's larger fps is taken as this

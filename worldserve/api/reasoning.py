@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from worldserve.api.tool_calls import partial_suffix
+from worldserve.chat_params import THINK_END, THINK_START
 
-THINK_START, THINK_END = "<think>", "</think>"
 PARSERS = ("qwen3",)
 """The --reasoning-parser names served."""
 

@@ -11,9 +11,9 @@ that ends inside one leaves its bytes out (vLLM's DecodeStream never completes t
 searched where the new text could complete one; of several completed by one token, the one ending first
 wins (ties: the request's order), as vLLM's check_stop_strings. Unless `include_stop_str_in_output`, a
 possible stop-string prefix is held back from the deltas until it is ruled out (vLLM's stop_buffer_length).
-With `defer_stops_past_thoughts` (a --reasoning-parser server), stop strings end the answer, not its thoughts, as
-vLLM's detokenizer defers them while a request reasons: in an answer that opens with <think>, a match must
-start after </think>.
+With `defer_stops_past_thoughts` (a --reasoning-parser server), stop strings end the answer, not its
+thoughts, as vLLM's detokenizer defers them while a request reasons: in an answer that opens with <think>, a
+match must start after </think>.
 Structured outputs: a session with a grammar (sampling/token_grammar.py) masks each step's logits to the tokens
 the grammar allows next and advances the grammar with each token taken.
 vLLM's ends: `ignore_eos` generates past the end-of-sequence ids, `stop_token_ids` end it too (stop_reason:
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from worldserve.chat_params import THINK_END, THINK_START
 from worldserve.engine.outputs import ChatDelta, TokenLogprob
 from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
 from worldserve.sampling.tokens import TokenSampler
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
     from worldserve.runner.chat_prompt import ChatPrompt
     from worldserve.runner.reasoner import Reasoner
     from worldserve.sampling.token_grammar import TokenGrammar
-
-
-THINK_START, THINK_END = "<think>", "</think>"
-"""The thoughts' tags, as --reasoning-parser qwen3 reads them (api/reasoning.py)."""
 
 
 class ReasonerSession:
@@ -75,9 +72,8 @@ class ReasonerSession:
         self.started = started
         self.prompt_tokens = len(prompt.input_ids)
         self.prompt_logprobs: tuple | None = None  # with params.prompt_logprobs: set by the Reasoner
-        self.cached_tokens = (
-            0  # prompt tokens found in the prefix cache (usage's cached_tokens): the Reasoner
-        )
+        # prompt tokens found in the prefix cache (usage's cached_tokens): set by the Reasoner
+        self.cached_tokens = 0
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.top_logprobs = top_logprobs  # None: no logprobs

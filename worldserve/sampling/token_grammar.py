@@ -24,7 +24,7 @@ import torch
 from llguidance import TokenizerWrapper
 from torch import Tensor
 
-from worldserve.chat_params import StructuredOutput
+from worldserve.chat_params import THINK_END, THINK_START, StructuredOutput
 from worldserve.params import ParamError
 from worldserve.sampling.grammar import grammar_text, on_big_stack
 from worldserve.sampling.token_bytes import token_bytes
@@ -48,7 +48,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the API's threads compile ahead (`compile`), the chat worker reads
         vocab = tokenizer.get_vocab()
         self.think_ids = (
-            (vocab["<think>"], vocab["</think>"]) if "<think>" in vocab and "</think>" in vocab else None
+            (vocab[THINK_START], vocab[THINK_END]) if THINK_START in vocab and THINK_END in vocab else None
         )
         """(<think>, </think>) ids, each one token in Qwen3's vocabulary (None where they are not)."""
 
