@@ -54,14 +54,11 @@ class Completion:
         self.request_id, self.created, self.model = request_id, created, model
         self.echoes, self.n, self.logprobs = echoes, n, logprobs  # logprobs: the request's (None: none)
         self.echo_only = echo_only  # `echo` with max_tokens 0: the generated text is left out
-        self.prompt_entries = (
-            prompt_entries  # per prompt: its tokens' TokenLogprobs, when they were asked for
-        )
+        self.prompt_entries = prompt_entries  # per prompt: its tokens' TokenLogprobs, when asked for
         self.prompt_logprobs = prompt_logprobs  # the request's vLLM field
         self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
-        self.cached = (
-            cached  # per prompt, its tokens found in the prefix cache (--enable-prompt-tokens-details)
-        )
+        # per prompt, its tokens found in the prefix cache (with --enable-prompt-tokens-details, else None)
+        self.cached = cached
 
     def logprobs_of(self, index: int, entries: Sequence, offset: int) -> CompletionLogprobs | None:
         """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`
