@@ -188,3 +188,47 @@ def test_offloaded_reasoner_chats_equal_resident_on_cuda(tiny_ckpt):
         r.warm_up()
         runs.append(greedy_chats(r, prompts, 30))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_compiled_prefill_equals_eager_and_compiles_once_for_every_prompt_length(tiny_ckpt):
+    """On CUDA the prefill runs the decode step's compiled layer math (dynamic shapes): after the warm-up no
+    prompt length compiles a new graph, and each first token's logits (text of several lengths, an image
+    prompt, a next turn starting on cached blocks) equal the --enforce-eager prefill's."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoTokenizer
+
+    from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, device="cuda", progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    image = torch.randint(0, 256, (64, 96, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    first = ChatParams(prompt_ids=tuple(range(3, 140)), max_tokens=1, temperature=0.0)
+    chats = [
+        ChatParams(prompt_ids=tuple(range(3, 3 + n)), max_tokens=1, temperature=0.0) for n in (5, 37, 300)
+    ] + [
+        ChatParams(messages=(ChatMessage(role="user", content=(
+            ChatPart(type="image", image=image.numpy()), ChatPart(type="text", text="What is this?"))),),
+            max_tokens=1, temperature=0.0),
+        ChatParams(prompt_ids=first.prompt_ids + (7, 8, 9), max_tokens=1, temperature=0.0),  # first's cached
+    ]  # fmt: skip
+    logits = {}
+    for eager in (True, False):
+        r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=512, max_num_seqs=4, enforce_eager=eager)
+        assert (r.prefiller.math is None) is eager
+        r.warm_up()
+        r.start(first).close()  # its blocks cached for the last chat
+        graphs = counters["stats"]["unique_graphs"]
+        out = []
+        for params in chats:
+            s = r.start(params)
+            out.append(s.pending_logits.float().cpu())
+            s.close()
+        if not eager:
+            assert counters["stats"]["unique_graphs"] == graphs, "a prompt length compiled a new graph"
+            assert r.prefix_cache_counts[1] > 0  # the next turn found first's blocks
+        logits[eager] = out
+    for got, want in zip(logits[False], logits[True], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

@@ -114,11 +114,13 @@ class Reasoner:
                 f"{max_model_len}: raise --kv-cache-memory-bytes or lower --max-model-len"
             )
         self.pool = transformer.new_paged_pool(kv_cache_tokens, block_size=kv_block_size)
-        self.prefiller = UndPrefill(transformer, self.pool, vision, image_token_id=image_token_id,
-                                    video_token_id=self.video_token_id, caching=enable_prefix_caching)  # fmt: skip
         self.decoder = UndDecoder(
             transformer, self.pool, max_batch=max_num_seqs, max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+        )  # fmt: skip
+        self.prefiller = UndPrefill(
+            transformer, self.pool, vision, image_token_id=image_token_id, video_token_id=self.video_token_id,
+            caching=enable_prefix_caching, math=self.decoder.math,
         )  # fmt: skip
         self._waiting: list[ReasonerSession] = []  # preempted sessions, oldest first
         self._started = 0  # sessions started so far (their start order decides who is preempted)

@@ -67,6 +67,11 @@ class UndDecoder:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
+    @property
+    def math(self) -> tuple | None:
+        """(qkv, finish): the compiled layer math the step runs (the prefill runs it too), None when eager."""
+        return None if self.qkv_fn is None else (self.qkv_fn, self.finish_fn)
+
     # ------------------------------------------------------------------ the step
     def _layer(self, i: int, h: Tensor, cos: Tensor, sin: Tensor, table: Tensor, lens: Tensor) -> Tensor:
         blk = self.model.layers[i].und

@@ -13,6 +13,9 @@ images and videos with rows left to compute, and takes the ViT outputs of those 
 encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
 (`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
 `whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
+On a GPU the layers' q|k|v and o/MLP math run through the decode step's compiled copies (`math`, dynamic
+shapes: one graph for every prompt length): eagerly a layer dispatches ~100 small ops, so a short prompt's
+prefill was host-bound at ~35 ms on Nano's 36 layers whatever its length (bench/prefill_floor.py).
 vLLM's prefix-cache counters: a new chat's lookup counts, a preempted chat's resume apart, and each
 later choice of an n > 1 chat (a fork of the first one's K/V: `fork`) counts as vLLM's child request.
 """
@@ -41,9 +44,10 @@ class UndPrefill:
 
     def __init__(
         self, transformer: Any, pool: PagedKVPool, vision: VisionEncoder | None, *, image_token_id: int,
-        video_token_id: int, caching: bool = True,
+        video_token_id: int, caching: bool = True, math: tuple | None = None,
     ) -> None:  # fmt: skip
         self.transformer = transformer
+        self.math = math  # (qkv, finish): the decode step's compiled layer math (dynamic shapes), or eager
         self.pool = pool
         self.vision = vision
         self.encoder = EncoderCache(vision) if vision is not None else None  # ViT outputs of recent images
@@ -106,7 +110,7 @@ class UndPrefill:
                 deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
                 visual_rows=torch.cat(rows) if rows else None,
             )  # fmt: skip
-            hidden = model.und_step(batch, seqs).split(list(batch.seq_lens))  # [n_i, d] each
+            hidden = model.und_step(batch, seqs, math=self.math).split(list(batch.seq_lens))  # [n_i, d] each
         except BaseException:
             for seq in seqs:
                 seq.release()

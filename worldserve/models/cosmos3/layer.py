@@ -15,9 +15,10 @@ Regional compilation: the two halves are written as pure functions of (activatio
 shape, not 36); `compile_blocks` switches a set of blocks to them (single-rank only: the all-reduce of
 a tensor-parallel o_proj / down_proj stays outside); there `finish` adds o_proj's and down_proj's
 outputs into the residual stream inside the GEMMs, in place (`finish_residual_in_place`). The gen tower
-compiles with static shapes (few, large). The und tower's prefills run eagerly; its decode step
-(runner/und_decoder.py) takes its own compiled copies (`compiled_decode_math`) and is captured in CUDA
-graphs.
+compiles with static shapes (few, large). The und tower takes its own compiled copies
+(`compiled_decode_math`, dynamic shapes) on a GPU: the Reasoner's decode step (runner/und_decoder.py,
+captured in CUDA graphs) and its prefills (runner/und_prefill.py, through `und_layer_step(math=...)`); the
+video pipeline's prompt K/V prefill runs eagerly.
 FP8 (`TowerBlock.quantize_fp8`, gen tower only): qkv_proj, o_proj, gate_up_proj, down_proj become
 `Fp8Linear`s (e4m3 weight + per-row scale, bf16 weight dropped); the same two pure functions then take the
 scales (`*_s`) and route those GEMMs through `fp8_linear`, so compiled or not, one graph serves all layers
@@ -263,12 +264,15 @@ def und_layer_step(
     seq_lens: Sequence[int],
     *,
     kv_only: bool = False,
+    math: tuple | None = None,
 ) -> Tensor | None:
     """One und layer over the new tokens h [N, d] of len(caches) sequences; writes their K/V.
 
-    Returns the updated residual stream, or None with `kv_only` (only the K/V were wanted).
+    Returns the updated residual stream, or None with `kv_only` (only the K/V were wanted). `math`: the
+    (qkv, finish) functions to run instead of the block's (compiled_decode_math's, on a GPU).
     """
-    q, k, v = block.project_qkv(h, cos, sin)
+    qkv_fn, finish_fn = math or (None, None)
+    q, k, v = block.project_qkv(h, cos, sin, qkv_fn)
     outs, start = [], 0
     for cache, n in zip(caches, seq_lens, strict=True):
         k_all, v_all = cache.write(layer, k[start : start + n], v[start : start + n])
@@ -277,7 +281,7 @@ def und_layer_step(
         start += n
     if kv_only:
         return None
-    return block.finish(h, _cat(outs))
+    return block.finish(h, _cat(outs), finish_fn)
 
 
 KV_ROWS_BUCKET = 4096

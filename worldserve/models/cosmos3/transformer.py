@@ -260,11 +260,14 @@ class Cosmos3Transformer(nn.Module):
         )
 
     @torch.inference_mode()
-    def und_step(self, batch: UndBatch, caches: Sequence[KVCache], *, kv_only: bool = False) -> Tensor | None:
+    def und_step(
+        self, batch: UndBatch, caches: Sequence[KVCache], *, kv_only: bool = False, math: tuple | None = None
+    ) -> Tensor | None:
         """Run the und tower on the new tokens of len(caches) sequences, appending their K/V.
 
         Returns the final-normed hidden states [N, d] (feed rows to compute_logits), or None with kv_only,
-        which skips everything after the last layer's K/V.
+        which skips everything after the last layer's K/V. `math`: (qkv, finish) functions for every layer
+        in place of the blocks' eager ones (layer.compiled_decode_math's).
         """
         if len(caches) != len(batch.seq_lens):
             raise ValueError(f"{len(caches)} caches for {len(batch.seq_lens)} sequences")
@@ -277,8 +280,9 @@ class Cosmos3Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             with _resident(self.und_blocks, i):
                 out = und_layer_step(
-                    layer.und, i, h, cos, sin, caches, batch.seq_lens, kv_only=kv_only and i == last
-                )
+                    layer.und, i, h, cos, sin, caches, batch.seq_lens, kv_only=kv_only and i == last,
+                    math=math,
+                )  # fmt: skip
             if out is not None:
                 h = out
                 if i < len(batch.deepstack):  # Qwen3-VL deepstack: ViT features into the early layers
