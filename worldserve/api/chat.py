@@ -44,14 +44,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat_media import part, prefetch_media, video_sampling
-from worldserve.api.chat_protocol import (
-    UNTRUSTED_TEMPLATE,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    pixel_budget,
-    processor_kwargs,
-    template_kwargs,
-)  # fmt: skip
+from worldserve.api.chat_options import pixel_budget, processor_kwargs, template_kwargs
+from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
 from worldserve.api.chat_stream import TextParsing, close_all, collect, prompt_logprob_rows, sse, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body

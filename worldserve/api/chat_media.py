@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart, pixel_budget
+from worldserve.api.chat_options import pixel_budget
+from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
 from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling

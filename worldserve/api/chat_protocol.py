@@ -8,8 +8,8 @@ bare-string shorthand), `max_tokens` / `max_completion_tokens`, `temperature`, `
 `continue_final_message` / `add_generation_prompt` (chat), `logprobs` / `top_logprobs` (raw-logit
 log-probabilities, as vLLM's default),
 `media_io_kwargs` (video sampling), `mm_processor_kwargs` (Qwen3-VL processor pixel budgets and video
-sampling: `processor_kwargs` / `pixel_budget` below check them), `chat_template_kwargs` (extra chat template
-variables, e.g. `enable_thinking`; `template_kwargs` refuses apply_chat_template's own arguments), structured
+sampling: api/chat_options.py checks them), `chat_template_kwargs` (extra chat template variables, e.g.
+`enable_thinking`; api/chat_options.py refuses apply_chat_template's own arguments), structured
 outputs (`response_format` json_object / json_schema / structural_tag, `structured_outputs` and vLLM's older
 `guided_*` fields: api/structured_fields.py reads them), `tools` / `tool_choice` and messages' `tool_calls` /
 `tool_call_id` (api/tool_calls.py). The legacy `functions` / `function_call` are refused with a 400 naming
@@ -22,7 +22,6 @@ field as vLLM writes them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -228,89 +227,6 @@ UNTRUSTED_TEMPLATE = (
     "untrusted chat template."
 )
 """vLLM's refusal of a request's own `chat_template` (this server renders the checkpoint's template only)."""
-
-
-MAX_PIXELS = 16777216
-"""Largest pixel budget a request may ask for (Qwen3-VL's image `size.longest_edge`): 16384 vision tokens."""
-TEMPLATE_ARGUMENTS = frozenset(
-    ("conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
-)  # fmt: skip
-"""apply_chat_template's own arguments (and the template's `messages`): this server sets them."""
-IMAGE_KEYS, VIDEO_KEYS = ("size", "min_pixels", "max_pixels"), ("size", "fps", "num_frames")
-MM_HELP = (
-    "this server's Qwen3-VL preprocessing takes size, min_pixels, max_pixels (images), size, fps, num_frames "
-    "(videos), and images_kwargs / videos_kwargs holding those"
-)
-
-
-def processor_kwargs(mm: Mapping[str, Any] | None) -> tuple[dict, dict]:
-    """`mm_processor_kwargs` -> (image options, video options), routed as transformers' processor routes
-    them: a flat key to every modality that takes it, `images_kwargs` / `videos_kwargs` to one."""
-    images: dict = {}
-    videos: dict = {}
-    for key, value in (mm or {}).items():
-        name = f"mm_processor_kwargs.{key}"
-        if key in ("images_kwargs", "videos_kwargs"):
-            keys, target = (IMAGE_KEYS, images) if key == "images_kwargs" else (VIDEO_KEYS, videos)
-            if not isinstance(value, dict):
-                raise ParamError(name, f"{name} must be an object")
-            for sub, v in value.items():
-                if sub not in keys:
-                    raise ParamError(f"{name}.{sub}", f"{name}.{sub} is not supported: {MM_HELP}")
-                _set(target, sub, v, name)
-        elif key in IMAGE_KEYS or key in VIDEO_KEYS:
-            for keys, target in ((IMAGE_KEYS, images), (VIDEO_KEYS, videos)):
-                if key in keys:
-                    _set(target, key, value, name)
-        else:
-            raise ParamError(name, f"{name} is not supported: {MM_HELP}")
-    return images, videos
-
-
-def _set(target: dict, key: str, value: Any, name: str) -> None:
-    """One routed processor option; a key given both flat and per modality is a 400 (transformers: "passed
-    two times"), and no option takes a boolean."""
-    if isinstance(value, bool):
-        raise ParamError(name, f"{name}: {key} takes a number or an object, not a boolean")
-    if key in target:
-        raise ParamError(name, f"mm_processor_kwargs sets {key} twice (flat and per modality): give it once")
-    target[key] = value
-
-
-def pixel_budget(opts: dict, modality: str) -> tuple[int | None, int | None]:
-    """(min_pixels, max_pixels) that `opts` ask for (None: the default), each in [1, MAX_PIXELS]."""
-    where = f"mm_processor_kwargs ({modality})"
-    size = opts.get("size")
-    if size is not None and (
-        not isinstance(size, dict) or not size or set(size) - {"shortest_edge", "longest_edge"}
-    ):
-        raise ParamError(
-            "mm_processor_kwargs.size", 'size takes {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS} '
-            "(pixel counts, as Qwen3-VL's processor)",
-        )  # fmt: skip
-    size = size or {}
-    lo, hi = (
-        opts.get("min_pixels", size.get("shortest_edge")),
-        opts.get("max_pixels", size.get("longest_edge")),
-    )
-    for value in (lo, hi):
-        if value is not None and (type(value) is not int or not 1 <= value <= MAX_PIXELS):
-            raise ParamError("mm_processor_kwargs", f"{where}: pixel counts must be integers in [1, {MAX_PIXELS}], "
-                             f"got {value!r}")  # fmt: skip
-    if lo is not None and hi is not None and lo > hi:
-        raise ParamError("mm_processor_kwargs", f"{where}: min pixels {lo} > max pixels {hi}")
-    return lo, hi
-
-
-def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict:
-    """`chat_template_kwargs` checked: the template's variables, none of apply_chat_template's own arguments."""
-    for key in kwargs or {}:
-        if key in TEMPLATE_ARGUMENTS:
-            raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key} is not supported: "
-                             "this server sets it (chat_template_kwargs carry the template's own variables)")  # fmt: skip
-    return dict(kwargs or {})
 
 
 class PromptTokensDetails(BaseModel):
