@@ -3,7 +3,8 @@ ask for nothing (tests/test_api_structured_outputs.py has the constraints, tests
 tools),
 `stream_options.continuous_usage_stats` puts the running usage on every streamed chunk, as vLLM does;
 `mm_processor_kwargs` change the vision token counts, `chat_template_kwargs` reach the chat template (the
-tiny tokenizer's template gets Qwen3's `enable_thinking` branch here), and images / videos that Qwen3-VL's
+tiny tokenizer's template gets Qwen3's `enable_thinking` branch here), an assistant turn's `reasoning` reaches
+the template (which renders it as Qwen3's does, in a think block), and images / videos that Qwen3-VL's
 `smart_resize` cannot take are a 400 naming their part, before any model work.
 """
 
@@ -24,11 +25,18 @@ from worldserve.weights.tokenizer_fixture import CHAT_TEMPLATE
 
 MODEL = "test-model"
 HI = [{"role": "user", "content": "Name a color."}]
-THINKING_TEMPLATE = CHAT_TEMPLATE + (
+TURN_OPEN = "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+EARLIER_THOUGHTS = (
+    "{%- if message['role'] == 'assistant' and message['reasoning_content'] is string -%}"
+    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' -}}{%- endif -%}"
+)
+"""Qwen3's rendering of an assistant turn's earlier thoughts: a think block before its content."""
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(TURN_OPEN, TURN_OPEN + EARLIER_THOUGHTS) + (
     "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false -%}"
     "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
 )
-"""The tiny template plus Qwen3's non-thinking branch (an empty think block after the generation prompt)."""
+"""The tiny template plus Qwen3's earlier thoughts (EARLIER_THOUGHTS) and its non-thinking branch (an empty
+think block after the generation prompt)."""
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +318,66 @@ def test_chat_template_kwargs_reach_the_template(url):
     for key in ("tokenize", "add_generation_prompt", "chat_template", "messages"):
         r = _chat(url, "hi", chat_template_kwargs={key: False})
         assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
+
+
+EARLIER = [
+    {"role": "user", "content": "Why is the sky blue?"},
+    {
+        "role": "assistant",
+        "content": "Blue light scatters most.",
+        "reasoning": "Rayleigh: short waves scatter.",
+    },
+    {"role": "user", "content": "And at sunset?"},
+]
+
+
+def _rendered(url: str, messages: list[dict]) -> tuple[str, int]:
+    """(the prompt text, its token count) of `messages`, through /tokenize and /detokenize."""
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": tokens}, timeout=30)
+    return back.json()["prompt"], len(tokens)
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template(url):
+    """vLLM's interleaved thinking: an assistant message's `reasoning` goes to the chat template (as
+    `reasoning` and `reasoning_content`), here rendered in Qwen3's think block before that turn's answer; the
+    chat completion's prompt is that prompt (the openai client). As in vLLM, `reasoning_content` on input is
+    not read, nor is a user message's `reasoning`."""
+    import openai
+
+    text, count = _rendered(url, EARLIER)
+    turn = "<|im_start|>assistant\n<think>\nRayleigh: short waves scatter.\n</think>\n\nBlue light scatters most."
+    assert turn + "<|im_end|>\n<|im_start|>user\nAnd at sunset?" in text, text
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    resp = oai.chat.completions.create(model=MODEL, messages=EARLIER, max_tokens=1)
+    assert resp.usage.prompt_tokens == count
+    without = [EARLIER[0], {"role": "assistant", "content": EARLIER[1]["content"]}, EARLIER[2]]
+    plain, fewer = _rendered(url, without)
+    assert "<think>" not in plain and fewer < count
+    old_name = [EARLIER[0], {**without[1], "reasoning_content": EARLIER[1]["reasoning"]}, EARLIER[2]]
+    assert _rendered(url, old_name) == (plain, fewer)
+    user = [{**EARLIER[0], "reasoning": "not a turn's thoughts"}, without[1], EARLIER[2]]
+    assert _rendered(url, user) == (plain, fewer)
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_the_template_gets_the_thoughts_under_both_names(tiny_ckpt, key):
+    """Templates read either name (Qwen3's `reasoning_content`, newer ones `reasoning`): vLLM sets both."""
+    from transformers import AutoTokenizer
+
+    from worldserve.chat_params import ChatMessage, ChatParams
+    from worldserve.runner.chat_prompt import ChatPromptBuilder
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    tok.chat_template = CHAT_TEMPLATE.replace(
+        TURN_OPEN, TURN_OPEN + EARLIER_THOUGHTS.replace("reasoning_content", key)
+    )
+    builder = ChatPromptBuilder(tok, None, None, image_token_id=-1, video_token_id=-2)
+    messages = (
+        ChatMessage(role="user", content="Q?"),
+        ChatMessage(role="assistant", content="A.", reasoning="T."),
+    )
+    ids = builder.build(ChatParams(messages=messages)).input_ids
+    assert "<|im_start|>assistant\n<think>\nT.\n</think>\n\nA.<|im_end|>" in tok.decode(ids)

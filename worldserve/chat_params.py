@@ -129,6 +129,9 @@ class ChatMessage:
     "arguments"}})."""
     tool_call_id: str | None = None
     """A tool turn's: the call it answers."""
+    reasoning: str | None = None
+    """An assistant turn's earlier thoughts (the request's `reasoning` field), which the chat template gets as
+    both `reasoning` and `reasoning_content` (vLLM's interleaved thinking); None: the turn has none."""
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")

@@ -105,6 +105,8 @@ def build_params(
         calls = {
             "tool_calls": message_calls(msg.tool_calls, f"messages[{i}]"),
             "tool_call_id": msg.tool_call_id,
+            # vLLM passes earlier thoughts on for assistant turns only
+            "reasoning": msg.reasoning if role == "assistant" else None,
         }
         if msg.content is None or isinstance(msg.content, str):
             messages.append(ChatMessage(role=role, content=msg.content or "", **calls))

@@ -12,7 +12,8 @@ sampling: api/chat_options.py checks them), `chat_template_kwargs` (extra chat t
 `enable_thinking`; api/chat_options.py refuses apply_chat_template's own arguments), structured
 outputs (`response_format` json_object / json_schema / structural_tag, `structured_outputs` and vLLM's older
 `guided_*` fields: api/structured_fields.py reads them), `tools` / `tool_choice` and messages' `tool_calls` /
-`tool_call_id` (api/tool_calls.py). The legacy `functions` / `function_call` are refused with a 400 naming
+`tool_call_id` (api/tool_calls.py), an assistant message's `reasoning` (its earlier thoughts, passed to the
+chat template). The legacy `functions` / `function_call` are refused with a 400 naming
 the field (vLLM has them no more; never silently dropped); other unknown fields are ignored, as vLLM ignores
 them.
 Responses: the non-streaming `chat.completion` object and the `chat.completion.chunk` SSE events, field for
@@ -56,6 +57,9 @@ class ChatMessageIn(BaseModel):
     """An assistant turn's calls (the chat template renders them)."""
     tool_call_id: str | None = None
     """A tool turn's answer to this call."""
+    reasoning: str | None = None
+    """An assistant turn's earlier thoughts, for templates that render them (vLLM's interleaved thinking:
+    read from `reasoning` only; a `reasoning_content` sent on input is ignored, as vLLM ignores it)."""
 
 
 class StreamOptions(BaseModel):

@@ -9,7 +9,8 @@ per temporal patch as Qwen3VLProcessor does, tokenizes, and computes the Qwen3-V
 Host work only; a mismatch of placeholders and media (e.g. "<|image_pad|>" typed as text) is a ParamError.
 Per-request options of ChatParams: `chat_template_kwargs` (extra template variables; a template failing on
 them is a ParamError naming the field), `tools` (the template's tools variable) and messages' `tool_calls` /
-`tool_call_id`, `add_generation_prompt` / `continue_final_message`, and `image_min_pixels` /
+`tool_call_id`, an assistant message's `reasoning` (under both `reasoning` and `reasoning_content`, as vLLM
+passes it), `add_generation_prompt` / `continue_final_message`, and `image_min_pixels` /
 `image_max_pixels` (the image processor's pixel budget; None: the server's). `truncated` applies vLLM's
 truncate_prompt_tokens; `bad_word_ids` tokenizes vLLM's bad_words. A raw prompt (`ChatParams.prompt_ids`, /v1/completions) skips the template:
 its ids are checked against the vocabulary (no vision placeholders: there is no media) and get text positions
@@ -152,6 +153,8 @@ class ChatPromptBuilder:
                 for k, v in (("tool_calls", list(msg.tool_calls)), ("tool_call_id", msg.tool_call_id))
                 if v
             }
+            if msg.reasoning is not None:  # vLLM's keys for earlier thoughts: the new name and the old one
+                extra |= {"reasoning": msg.reasoning, "reasoning_content": msg.reasoning}
             if isinstance(msg.content, str):
                 conversation.append({"role": msg.role, "content": msg.content, **extra})
                 continue
