@@ -15,7 +15,8 @@ next step; cancelled and failed chats are closed, which hands their K/V blocks b
 Events go to the caller's `emit` callback from this thread (EngineClient bridges them into asyncio):
 `ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token, the last one with
 its finish_reason (a `coalesce` handle, a non-streaming caller's: the first delta, then the rest as one);
-or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the chat fails. `ChatHandle.cancel()` (client gone) stops a chat at the next step boundary.
+or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the chat fails. `ChatHandle.cancel()` (client gone;
+each chat's handle: chat_handle.py) stops a chat at the next step boundary.
 `submit_many` queues the `n` choices of one request as one entry, so they are admitted (and prefilled, their
 prompt K/V shared by the backend) together. `stop(timeout_s)` (server shutdown) takes no new chats, lets the
 running ones finish within the timeout and then fails those still running with a 503, so their callers
@@ -33,10 +34,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from worldserve.chat_params import ChatParams
+from worldserve.engine.chat_handle import ChatHandle
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
 from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta
 from worldserve.params import ParamError
@@ -63,48 +65,6 @@ class ChatFailed:
 
 
 ChatEvent = ChatStarted | ChatDelta | ChatFailed
-
-
-@dataclass(slots=True, eq=False)
-class ChatHandle:
-    params: ChatParams
-    emit: Callable[[ChatEvent], None]
-    """Thread-safe: called from the worker thread."""
-    receive: Callable[[ChatEvent], None] | None = None
-    """The same delivery for the consumer's own thread (e.g. an asyncio queue's put_nowait), which lets the
-    worker hand all deltas of a step over in one `call_in_consumer` hop instead of one hop per chat."""
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    coalesce: bool = False
-    """Deliver the first delta (time to first token) and then one merged delta at the end, not one a token:
-    a non-streaming caller needs nothing in between, and each delivery wakes the consumer's event loop."""
-    _held: ChatDelta | None = None  # coalesce: the deltas since the first one, merged
-    _first_sent: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
-    queued_s: float | None = None  # submit to the start of its admitting prefill; None: not started (yet)
-    _last_token_at: float | None = None  # when its latest token was sampled (worker thread)
-    _tokens_seen: int = 0  # completion_tokens of its latest delta
-    _ended: bool = False  # its end was reported to the observer
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def outgoing(self, delta: ChatDelta) -> ChatDelta | None:
-        """What to deliver for this step's delta now (None: held, when coalescing)."""
-        if not self.coalesce or not self._first_sent:
-            self._first_sent = True
-            return delta
-        held = self._held
-        if held is not None:
-            delta = ChatDelta(
-                text=held.text + delta.text, finish_reason=delta.finish_reason,
-                completion_tokens=delta.completion_tokens, logprobs=held.logprobs + delta.logprobs,
-                stop_reason=delta.stop_reason,
-            )  # fmt: skip
-        if delta.finish_reason is None:
-            self._held = delta
-            return None
-        self._held = None
-        return delta
 
 
 DEFAULT_MAX_NUM_SEQS = 32

@@ -1,0 +1,63 @@
+"""ChatHandle: one chat on the chat worker (engine/chat_worker.py): its params, where its events go, its
+cancellation, the coalescing of a non-streaming caller's deltas, and the worker's timings of it.
+
+Created by `ChatWorker.submit_many` on the caller's thread; from then on read and written on the worker's
+thread only, except `cancel()` (any thread: a threading.Event) and the deliveries, which `emit` / `receive`
+hand to the consumer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from worldserve.chat_params import ChatParams
+from worldserve.engine.outputs import ChatDelta
+
+if TYPE_CHECKING:
+    from worldserve.engine.chat_worker import ChatEvent
+
+
+@dataclass(slots=True, eq=False)
+class ChatHandle:
+    params: ChatParams
+    emit: Callable[[ChatEvent], None]
+    """Thread-safe: called from the worker thread."""
+    receive: Callable[[ChatEvent], None] | None = None
+    """The same delivery for the consumer's own thread (e.g. an asyncio queue's put_nowait), which lets the
+    worker hand all deltas of a step over in one `call_in_consumer` hop instead of one hop per chat."""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    coalesce: bool = False
+    """Deliver the first delta (time to first token) and then one merged delta at the end, not one a token:
+    a non-streaming caller needs nothing in between, and each delivery wakes the consumer's event loop."""
+    _held: ChatDelta | None = None  # coalesce: the deltas since the first one, merged
+    _first_sent: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    queued_s: float | None = None  # submit to the start of its admitting prefill; None: not started (yet)
+    _last_token_at: float | None = None  # when its latest token was sampled (worker thread)
+    _tokens_seen: int = 0  # completion_tokens of its latest delta
+    _ended: bool = False  # its end was reported to the observer
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def outgoing(self, delta: ChatDelta) -> ChatDelta | None:
+        """What to deliver for this step's delta now (None: held, when coalescing)."""
+        if not self.coalesce or not self._first_sent:
+            self._first_sent = True
+            return delta
+        held = self._held
+        if held is not None:
+            delta = ChatDelta(
+                text=held.text + delta.text, finish_reason=delta.finish_reason,
+                completion_tokens=delta.completion_tokens, logprobs=held.logprobs + delta.logprobs,
+                stop_reason=delta.stop_reason,
+            )  # fmt: skip
+        if delta.finish_reason is None:
+            self._held = delta
+            return None
+        self._held = None
+        return delta
