@@ -238,12 +238,20 @@ class PromptTokensDetails(BaseModel):
     """Prompt tokens whose K/V came from the prefix cache."""
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+    """Completion tokens of the thoughts (--reasoning-parser), summed over the choices."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     total_tokens: int
     completion_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     """With --enable-prompt-tokens-details (vLLM's flag), else null."""
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """A chat's, with --reasoning-parser (as vLLM reports it): null otherwise, and left out of streamed chunks
+    then (vLLM's final usage chunk drops null fields; its per-chunk usage never carries it)."""
 
 
 class AssistantMessage(BaseModel):
@@ -313,8 +321,11 @@ class SSEChunk:
     """Mixin of the streamed chunks (chat and text completions): `sse()` sends `usage` only when set."""
 
     def sse(self) -> str:
-        """`data: <json>\\n\\n` (usage omitted unless set, as vLLM does)."""
-        exclude = {"usage"} if self.usage is None else None
+        """`data: <json>\\n\\n` (usage omitted unless set, and its completion_tokens_details unless set, as vLLM
+        does)."""
+        exclude: Any = {"usage"} if self.usage is None else None
+        if self.usage is not None and self.usage.completion_tokens_details is None:
+            exclude = {"usage": {"completion_tokens_details"}}
         return f"data: {self.model_dump_json(exclude=exclude)}\n\n"
 
 

@@ -7,7 +7,9 @@ ToolStream into content / tool_calls deltas; with vLLM's chat `echo`, the contin
 (each chunk names its choice `index`), ends each choice with a `delta: {}` chunk carrying its finish_reason,
 adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-stream is sent as
 `data: {"error": ...}` then `data: [DONE]`. Closing any of these stops the chats at their next step.
-Usage counts the prompt once and the completion tokens of every choice (as vLLM does). With
+Usage counts the prompt once and the completion tokens of every choice (as vLLM does), and with a reasoning
+parser their thought tokens (completion_tokens_details.reasoning_tokens; in a stream, on the final usage
+chunk only, as vLLM's). With
 `continuous_usage_stats` every choice chunk also carries usage so far, as vLLM's serving_chat.py reports it:
 the prompt and that chunk's choice's completion tokens (0 on the role chunk); only the final chunk sums them.
 `start_all` (start a request's choices together, each up to its first event), `run_all`, `sse_events` and
@@ -31,6 +33,7 @@ from worldserve.api.chat_protocol import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    CompletionTokensDetails,
     PromptLogprob,
     PromptTokensDetails,
     TokenLogprobOut,
@@ -69,12 +72,16 @@ def logprob_items(entries) -> list[TokenLogprobOut]:
     ]  # fmt: skip
 
 
-def make_usage(prompt_tokens: int, completion: int, cached: int | None = None) -> Usage:
+def make_usage(
+    prompt_tokens: int, completion: int, cached: int | None = None, reasoning: int | None = None
+) -> Usage:
     """The `usage` object: the prompt counted once plus `completion` tokens; with `cached` (the prompt's
-    tokens found in the prefix cache, --enable-prompt-tokens-details), its prompt_tokens_details."""
+    tokens found in the prefix cache, --enable-prompt-tokens-details), its prompt_tokens_details; with
+    `reasoning` (the thought tokens, --reasoning-parser), its completion_tokens_details."""
     details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                 total_tokens=prompt_tokens + completion, prompt_tokens_details=details)  # fmt: skip
+    thoughts = None if reasoning is None else CompletionTokensDetails(reasoning_tokens=reasoning)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=details, completion_tokens_details=thoughts)  # fmt: skip
 
 
 async def start_all(client, choices: Sequence, metrics, *, coalesce: bool, opened: list) -> tuple[list, list]:
@@ -206,6 +213,11 @@ class TextParsing:
         rule: their tokens would show in the logprobs, so none are sent, streamed or not)."""
         return self.reasoning and not self.include_reasoning
 
+    def reasoning_tokens(self, count: int) -> int | None:
+        """usage's completion_tokens_details.reasoning_tokens: `count` with --reasoning-parser (dropped thoughts
+        too, as vLLM counts them), else None (no details, as vLLM without a parser)."""
+        return count if self.reasoning else None
+
     def stream(self) -> AnswerStream:
         """A parser of one streamed answer's text as this says."""
         return AnswerStream(self)
@@ -221,15 +233,12 @@ class AnswerStream:
         tools = parsing.tools
         self.thoughts = ReasoningStream() if parsing.reasoning else None
         self.calls = ToolStream(tools) if tools is not None and tools.parsed else None
-        self.thinking_only = False
-        """Whether the last piece of text was all thoughts (the Responses API counts those tokens)."""
 
     def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas of this text piece (the last one when `finished`)."""
         pieces = (
             self.thoughts.feed(text, finished) if self.thoughts else ([{"content": text}] if text else [])
         )
-        self.thinking_only = bool(pieces) and all("content" not in p for p in pieces)
         deltas: list[dict[str, Any]] = []
         for piece in pieces:
             if "content" in piece and self.calls is not None:
@@ -257,9 +266,10 @@ async def collect(
 ) -> ChatCompletionResponse:
     """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails); each text
     split and parsed as `parsing` says."""
-    choices, completion = [], 0
+    choices, completion, thoughts = [], 0, 0
     for index, (text, entries, last) in enumerate(await run_all(streams)):
         completion += last.completion_tokens
+        thoughts += last.reasoning_tokens
         reasoning, content = split_reasoning(text) if parsing.reasoning else (None, text)
         content, calls, finish = final_message(content, parsing.tools, last.finish_reason)
         if parsing.echo:
@@ -278,7 +288,7 @@ async def collect(
         created=created,
         model=model,
         choices=choices,
-        usage=make_usage(prompt_tokens, completion, cached),
+        usage=make_usage(prompt_tokens, completion, cached, parsing.reasoning_tokens(thoughts)),
     )
 
 
@@ -290,7 +300,7 @@ async def sse(
     """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
     each choice's text split and parsed as `parsing` says (AnswerStream: reasoning_content, content and
     tool_calls deltas)."""
-    completion = [0] * len(streams)
+    completion, thoughts = [0] * len(streams), [0] * len(streams)
     parsers = [parsing.stream() for _ in streams]
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=(), stop=None) -> str:
@@ -304,7 +314,7 @@ async def sse(
         ).sse()
 
     def render(index: int, event: ChatDelta) -> Iterator[str]:
-        completion[index] = event.completion_tokens
+        completion[index], thoughts[index] = event.completion_tokens, event.reasoning_tokens
         finish = event.finish_reason
         deltas = [d for d in parsers[index].feed(event.text, finish is not None)
                   if parsing.include_reasoning or "reasoning_content" not in d]  # fmt: skip
@@ -320,7 +330,9 @@ async def sse(
 
     def tail() -> Iterator[str]:
         if include_usage:
-            usage = make_usage(prompt_tokens, sum(completion), cached)
+            usage = make_usage(
+                prompt_tokens, sum(completion), cached, parsing.reasoning_tokens(sum(thoughts))
+            )
             yield ChatCompletionChunk(
                 id=request_id, created=created, model=model, choices=[], usage=usage
             ).sse()

@@ -8,7 +8,8 @@ Responses output items (`ResponseBuilder`): with `--reasoning-parser` a `reasoni
 `response` object; `stream: true`: the semantic events (response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta, ..., response.completed,
 or response.incomplete when `max_output_tokens` cut it, response.failed when the chat failed), each with its
-`sequence_number`. Errors name the Responses field the client sent. A response is stored (`store`, OpenAI's
+`sequence_number`; usage's `output_tokens_details.reasoning_tokens` is the thought tokens' count the chat's
+last delta carries (with --reasoning-parser; 0 without). Errors name the Responses field the client sent. A response is stored (`store`, OpenAI's
 default; in memory, api/responses_store.py) for `previous_response_id` to continue, `item_reference` input
 items to name its output items by id, and GET / DELETE /v1/responses/{id} to find.
 """
@@ -88,8 +89,8 @@ async def create_response(request: Request, st: State):
                           include_reasoning=req.include_reasoning)  # fmt: skip
 
     async def answer():
-        # per-token deliveries only where they matter: streamed, logprobs to place, thought tokens to count
-        coalesce = not (req.stream or req.logprobs or parsing.reasoning)
+        # per-token deliveries only where they matter: streamed, logprobs to place
+        coalesce = not (req.stream or req.logprobs)
         try:
             streams, firsts = await start_all(
                 st.client, choices, st.metrics, opened=opened, coalesce=coalesce
@@ -184,7 +185,7 @@ class ResponseBuilder:
     ):
         self.body, self.logprobs, self.prompt_tokens = skeleton, logprobs, prompt_tokens
         self.cached_tokens = cached  # prompt tokens found in the prefix cache
-        self.answer, self.keep_thoughts = parsing.stream(), parsing.include_reasoning
+        self.answer, self.keep_thoughts, self.parsing = parsing.stream(), parsing.include_reasoning, parsing
         self.seq = 0
         self.item: dict[str, Any] | None = None  # the open output item
         self.completion_tokens, self.finish_reason, self.reasoning_tokens = 0, None, 0
@@ -205,8 +206,9 @@ class ResponseBuilder:
     def feed(self, delta: ChatDelta) -> list[str]:
         """The events of one delta (its text through the reasoning and tool parsers)."""
         finished = delta.finish_reason is not None
-        new_tokens = delta.completion_tokens - self.completion_tokens
         self.completion_tokens, self.finish_reason = delta.completion_tokens, delta.finish_reason
+        # the thought tokens come on the last delta (0 without --reasoning-parser, as vLLM reports them then)
+        self.reasoning_tokens = self.parsing.reasoning_tokens(delta.reasoning_tokens) or 0
         self.pending += delta.logprobs
         out: list[str] = []
         for d in self.answer.feed(delta.text, finished):
@@ -215,8 +217,6 @@ class ResponseBuilder:
                 out += self._reasoning(d["reasoning_content"]) if self.keep_thoughts else []
             else:
                 out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
-        if self.answer.thinking_only:  # (deltas of one token: see create_response)
-            self.reasoning_tokens += new_tokens
         if finished and not self.body["output"]:  # an answer with no text still has its (empty) message
             out += self._text("", empty=True)
         if finished:

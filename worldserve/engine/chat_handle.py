@@ -54,7 +54,7 @@ class ChatHandle:
             delta = ChatDelta(
                 text=held.text + delta.text, finish_reason=delta.finish_reason,
                 completion_tokens=delta.completion_tokens, logprobs=held.logprobs + delta.logprobs,
-                stop_reason=delta.stop_reason,
+                stop_reason=delta.stop_reason, reasoning_tokens=delta.reasoning_tokens,
             )  # fmt: skip
         if delta.finish_reason is None:
             self._held = delta

@@ -122,6 +122,9 @@ class ChatDelta:
     stop_reason: str | int | None = None
     """With finish_reason "stop": the `stop` string that matched, the id of a request's `stop_token_ids` that
     ended it, or None for an end-of-sequence token."""
+    reasoning_tokens: int = 0
+    """On the last delta: the tokens of the answer's thoughts, as --reasoning-parser qwen3 splits them (between
+    an opening <think> and its </think>, the tags not counted; runner/reasoner_session.py thought_tokens)."""
 
 
 class ChatSession(Protocol):

@@ -24,7 +24,7 @@ outputs it (vllm/v1/engine/detokenizer.py update, the logprobs processor): it co
 has its logprobs entry (the last one) and adds no text, unless `include_stop_str_in_output`: then its text
 joins the output as any token's would (a special token's subject to `skip_special_tokens`), and a stop string
 that text completes is the stop_reason (vLLM's detokenizer searches the text it adds; without the option it
-adds none).
+adds none). The last delta counts the answer's thought tokens (`thought_tokens`: usage's reasoning_tokens).
 
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
@@ -219,12 +219,15 @@ class ReasonerSession:
             decode = None
         delta = view[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
+        tokenizer, skip = self._r.tokenizer, self.skip_special_tokens
+        thoughts = 0 if decode is not None else thought_tokens(self.token_ids, tokenizer, skip)
         out = ChatDelta(
             text=delta,
             finish_reason=self.finish_reason,
             completion_tokens=self.completion_tokens,
             logprobs=logprobs,
             stop_reason=self.stop_reason,
+            reasoning_tokens=thoughts,
         )
         return out, decode
 
@@ -277,6 +280,23 @@ class ReasonerSession:
         """The token's log-probability under the raw logits, and the top alternatives."""
         lp = torch.log_softmax(logits.detach().float(), dim=-1)
         return token_logprob(self._r.tokenizer, lp, token, self.top_logprobs or 0)
+
+
+def thought_tokens(ids: Sequence[int], tokenizer: Any, skip_special_tokens: bool = True) -> int:
+    """The tokens of an answer's thoughts, as --reasoning-parser qwen3 splits the answer (api/reasoning.py) and
+    vLLM counts them (its usage's reasoning_tokens: the thought's own tokens, not its tags): in an answer whose
+    first token that is not all whitespace is <think>, the tokens after it up to its </think> (to the end when
+    it never comes); 0 for an answer that does not open with <think>. `ids`: the generated tokens, without the
+    one that ended the chat; `skip_special_tokens`: as the answer's text was decoded (a skipped token is no
+    text before the <think>)."""
+    start, end = tokenizer.convert_tokens_to_ids(THINK_START), tokenizer.convert_tokens_to_ids(THINK_END)
+    for i, token in enumerate(ids):
+        if token == start:
+            rest = ids[i + 1 :]
+            return rest.index(end) if end in rest else len(rest)
+        if tokenizer.decode([token], skip_special_tokens=skip_special_tokens).strip():
+            return 0
+    return 0
 
 
 def token_logprob(tokenizer: Any, lp: Tensor, token: int, top: int) -> TokenLogprob:
