@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = reasoner_bench_parser(__doc__)
     ap.add_argument("--lengths", default="16,75,256,843,2048,8192", help="prompt token counts")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=0, help="also profile one start() of this many tokens per "
+                    "variant: torch profiler tables (CPU and CUDA time by op) next to --out")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -91,7 +93,9 @@ def run(args: argparse.Namespace) -> dict:
     def image_prompt(r: int) -> ChatParams:
         image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         content = (ChatPart(type="image", image=image), ChatPart(type="text", text=f"({r}) What is this?"))
-        return ChatParams(messages=(ChatMessage(role="user", content=content),), max_tokens=1, temperature=0.0)
+        return ChatParams(
+            messages=(ChatMessage(role="user", content=content),), max_tokens=1, temperature=0.0
+        )
 
     cases = {f"text_{n}": (lambda r, n=n: prompt(n, r)) for n in lengths}
     cases["image_720p" if not args.tiny else "image_64x96"] = image_prompt
@@ -117,7 +121,47 @@ def run(args: argparse.Namespace) -> dict:
             "logits_rel_l2": ((lc - le).norm() / le.norm()).item(),
             "all_ms": {v: [1000 * t for t in ts] for v, ts in times.items()},
         }  # fmt: skip
+    if args.profile:
+        res["profile"] = profile(variants, prompt(args.profile, 0), sync, args.out)
     return res
+
+
+def profile(variants: dict, params, sync, out: Path) -> dict:
+    """Per variant: one start() of `params` under the torch profiler (its op tables written next to `out`),
+    and the split of its wall time between the und pass (und_step, synchronised) and the rest."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    found = {}
+    for label, reasoner in variants.items():
+        model = reasoner.prefiller.transformer
+        und_step, spent = model.und_step, []
+
+        def timed(*a, und_step=und_step, spent=spent, **k):
+            sync()
+            t0 = time.perf_counter()
+            y = und_step(*a, **k)
+            sync()
+            spent.append(time.perf_counter() - t0)
+            return y
+
+        model.und_step = timed
+        try:
+            wall, _ = timed_first_token(reasoner, params, sync)
+        finally:
+            del model.und_step
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with torch_profile(activities=acts) as prof:
+            timed_first_token(reasoner, params, sync)
+        avg = prof.key_averages()
+        text = avg.table(sort_by="cpu_time_total", row_limit=60) + "\n\n" + avg.table(
+            sort_by="self_cpu_time_total", row_limit=40)  # fmt: skip
+        out.with_name(f"{out.stem}-profile-{label}.txt").write_text(text)
+        found[label] = {"wall_ms": 1000 * wall, "und_step_ms": 1000 * sum(spent),
+                        "ops": sum(e.count for e in avg if e.key.startswith("aten::"))}  # fmt: skip
+        print(label, found[label])
+    return found
 
 
 def table(res: dict) -> str:
@@ -132,8 +176,8 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    res = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    res = run(args)
     args.out.write_text(json.dumps(res, indent=2))
     print(table(res))
     return 0

@@ -192,9 +192,10 @@ def test_offloaded_reasoner_chats_equal_resident_on_cuda(tiny_ckpt):
 
 @pytest.mark.gpu
 def test_compiled_prefill_equals_eager_and_compiles_once_for_every_prompt_length(tiny_ckpt):
-    """On CUDA the prefill runs the decode step's compiled layer math (dynamic shapes): after the warm-up no
-    prompt length compiles a new graph, and each first token's logits (text of several lengths, an image
-    prompt, a next turn starting on cached blocks) equal the --enforce-eager prefill's."""
+    """On CUDA the prefill runs the decode step's compiled layer math (dynamic shapes) as piecewise CUDA graphs
+    per token bucket, captured at the warm-up: after it no prompt length compiles a new graph, and each first
+    token's logits (text of several lengths, an image prompt, a next turn starting on cached blocks, two
+    chats in one pass) equal the --enforce-eager prefill's."""
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
 
@@ -216,18 +217,22 @@ def test_compiled_prefill_equals_eager_and_compiles_once_for_every_prompt_length
     ]  # fmt: skip
     logits = {}
     for eager in (True, False):
-        r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=512, max_num_seqs=4, enforce_eager=eager)
+        r = Reasoner.from_pretrained(
+            tiny_ckpt, model, tok, max_model_len=512, max_num_seqs=4, enforce_eager=eager
+        )
         assert (r.prefiller.math is None) is eager
         r.warm_up()
         r.start(first).close()  # its blocks cached for the last chat
         graphs = counters["stats"]["unique_graphs"]
+        passes = None if eager else r.prefiller.graphs.replays
         out = []
-        for params in chats:
-            s = r.start(params)
-            out.append(s.pending_logits.float().cpu())
-            s.close()
+        for batch in [[params] for params in chats] + [chats[1:3]]:
+            for s in r.start_many(batch):
+                out.append(s.pending_logits.float().cpu())
+                s.close()
         if not eager:
             assert counters["stats"]["unique_graphs"] == graphs, "a prompt length compiled a new graph"
+            assert r.prefiller.graphs.replays == passes + len(chats) + 1  # every pass ran the graphs
             assert r.prefix_cache_counts[1] > 0  # the next turn found first's blocks
         logits[eager] = out
     for got, want in zip(logits[False], logits[True], strict=True):

@@ -120,7 +120,7 @@ class Reasoner:
         )  # fmt: skip
         self.prefiller = UndPrefill(
             transformer, self.pool, vision, image_token_id=image_token_id, video_token_id=self.video_token_id,
-            caching=enable_prefix_caching, math=self.decoder.math,
+            caching=enable_prefix_caching, math=self.decoder.math, graphed=self.decoder.use_graphs,
         )  # fmt: skip
         self._waiting: list[ReasonerSession] = []  # preempted sessions, oldest first
         self._started = 0  # sessions started so far (their start order decides who is preempted)
@@ -264,7 +264,8 @@ class Reasoner:
 
     def warm_up(self) -> None:
         """A short prompt's prefill and one decode step before serving, then the decode step's CUDA graph of
-        every batch bucket: on a GPU the compiles and captures happen here, not in the first users' chats."""
+        every batch bucket and the prefill's of every token bucket: on a GPU the compiles and captures happen
+        here, not in the first users' chats."""
         from worldserve.chat_params import ChatMessage
 
         params = ChatParams(
@@ -275,6 +276,7 @@ class Reasoner:
         self.decode(prompt.input_ids[-1], seq, position)  # whatever the model would sample
         seq.release()
         self.decoder.capture_all()
+        self.prefiller.capture_all()
         _ = self.grammars.tokenizer  # structured outputs' view of the vocabulary (about a second on Qwen's)
         if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
             self.share.mark_ready()

@@ -14,8 +14,9 @@ encoder cache (encoder_cache.py). After the pass, its full blocks are registered
 (`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
 `whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
 On a GPU the layers' q|k|v and o/MLP math run through the decode step's compiled copies (`math`, dynamic
-shapes: one graph for every prompt length): eagerly a layer dispatches ~100 small ops, so a short prompt's
-prefill was host-bound at ~35 ms on Nano's 36 layers whatever its length (bench/prefill_floor.py).
+shapes: one graph for every prompt length), and passes of up to 2,048 tokens replay them as piecewise CUDA
+graphs (`graphs`, runner/prefill_graphs.py): eagerly a layer dispatches ~100 small ops, so a short prompt's
+prefill was host-bound at ~35-50 ms on Nano's 36 layers whatever its length (bench/prefill_floor.py).
 vLLM's prefix-cache counters: a new chat's lookup counts, a preempted chat's resume apart, and each
 later choice of an n > 1 chat (a fork of the first one's K/V: `fork`) counts as vLLM's child request.
 """
@@ -33,6 +34,7 @@ from worldserve.models.cosmos3.vision import VisionEncoder
 from worldserve.models.layers.paged_kv import PagedKVPool, PagedSequence
 from worldserve.runner.chat_prompt import ChatPrompt
 from worldserve.runner.encoder_cache import EncoderCache, select_items
+from worldserve.runner.prefill_graphs import PrefillGraphs
 from worldserve.runner.prefix_hashes import block_hashes
 
 if TYPE_CHECKING:
@@ -44,10 +46,15 @@ class UndPrefill:
 
     def __init__(
         self, transformer: Any, pool: PagedKVPool, vision: VisionEncoder | None, *, image_token_id: int,
-        video_token_id: int, caching: bool = True, math: tuple | None = None,
+        video_token_id: int, caching: bool = True, math: tuple | None = None, graphed: bool = False,
     ) -> None:  # fmt: skip
         self.transformer = transformer
         self.math = math  # (qkv, finish): the decode step's compiled layer math (dynamic shapes), or eager
+        self.graphs = None  # the pass as piecewise CUDA graphs (`graphed`: CUDA, one rank, layers resident)
+        if graphed and math is not None:
+            self.graphs = PrefillGraphs(
+                transformer, math, num_deepstack=vision.num_deepstack if vision else 0
+            )
         self.pool = pool
         self.vision = vision
         self.encoder = EncoderCache(vision) if vision is not None else None  # ViT outputs of recent images
@@ -110,7 +117,11 @@ class UndPrefill:
                 deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
                 visual_rows=torch.cat(rows) if rows else None,
             )  # fmt: skip
-            hidden = model.und_step(batch, seqs, math=self.math).split(list(batch.seq_lens))  # [n_i, d] each
+            if self.graphs is not None and self.graphs.fits(batch):
+                hidden = self.graphs(batch, seqs)
+            else:
+                hidden = model.und_step(batch, seqs, math=self.math)
+            hidden = hidden.split(list(batch.seq_lens))  # [n_i, d] each
         except BaseException:
             for seq in seqs:
                 seq.release()
@@ -121,6 +132,11 @@ class UndPrefill:
             (h, seq, prompt.next_position + len(generated))
             for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
         ]
+
+    def capture_all(self) -> None:
+        """Capture the prefill's graphs of every token bucket (server start); a no-op without graphs."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     def fork(self, seq: PagedSequence, prompt: ChatPrompt, params: ChatParams) -> PagedSequence:
         """seq.fork() for another choice (`params`) of the same prompt, counted as vLLM counts the lookup of a
