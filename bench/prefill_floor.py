@@ -1,15 +1,18 @@
-"""The Reasoner's prefill at full size: time to the first token's logits over prompt lengths, compiled vs eager.
+"""The Reasoner's prefill at full size: time to the first token's logits over prompt lengths, three ways.
 
 Loads a random full-size Cosmos3-Nano (bench/parallel_step.py writes it once, with its Qwen3-VL ViT and the
-tiny byte tokenizer) into two Reasoners over the same transformer, prefix caching off in both: the serve
-default (on a GPU the prefill's layer math runs through the decode step's compiled copies) and
-`--enforce-eager` (every layer's ~100 small ops dispatched one by one, the prefill before this change).
+tiny byte tokenizer) into three Reasoners over the same transformer, prefix caching off in all:
+- `graphed`: the serve default on a GPU: passes of up to 2,048 tokens replay piecewise CUDA graphs
+  (runner/prefill_graphs.py), larger ones run the compiled layer math;
+- `compiled`: the compiled layer math (the decode step's dynamic-shape copies) without the graphs;
+- `eager`: `--enforce-eager` (every layer's ~100 small ops dispatched one by one: the prefill before both).
 For each --lengths entry, `start()` of a raw prompt of that many token ids, built beforehand as the API
-builds it, is timed (best of --rounds, the two variants alternating): the in-process time to the first
-token (prefill, final norm, lm_head, the first token's pick). Also a 720p image prompt (a new image each
-round: the ViT runs; the encoder cache never hits), and the first-token logits of the two variants against
-each other (relative L2, bf16). Each length's floor on an H200 is the larger of streaming the und tower's
-weights once (15.1 GB at 4.3 TB/s = 3.5 ms, performance.md §1) and its GEMM FLOPs at 790 TFLOP/s.
+builds it, is timed (best of --rounds, the variants alternating): the in-process time to the first token
+(prefill, final norm, lm_head, the first token's pick). Also a 720p image prompt (a new image each round:
+the ViT runs; the encoder cache never hits), and the first-token logits of graphed against eager (relative
+L2, bf16). Each length's floor on an H200 is the larger of streaming the und tower's weights once (15.1 GB at
+4.3 TB/s = 3.5 ms, performance.md §1) and its GEMM FLOPs at 790 TFLOP/s. --profile N also writes torch
+profiler tables of one N-token start() per variant.
 
     PYTHONPATH=. python bench/prefill_floor.py --random-nano /tmp/nano-random --out $OUT/prefill_floor.json
     PYTHONPATH=. python bench/prefill_floor.py --tiny --out /tmp/prefill_floor.json    # CPU smoke test
@@ -78,9 +81,11 @@ def run(args: argparse.Namespace) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     opts = {"kv_cache_tokens": 65536, "max_model_len": 32768, "enable_prefix_caching": False}
     variants = {
+        "graphed": Reasoner.from_pretrained(root, model, tok, **opts),
         "compiled": Reasoner.from_pretrained(root, model, tok, **opts),
         "eager": Reasoner.from_pretrained(root, model, tok, enforce_eager=True, **opts),
     }
+    variants["compiled"].prefiller.graphs = None  # (on the CPU all three run eagerly)
     for r in variants.values():
         r.warm_up()
     rng = np.random.default_rng(0)
@@ -111,14 +116,14 @@ def run(args: argparse.Namespace) -> dict:
                 if r >= 0:
                     times[label].append(t)
                     logits[label] = lg
-        n = len(variants["compiled"].build_prompt(make(0)).input_ids)
+        n = len(variants["graphed"].build_prompt(make(0)).input_ids)
         best = {v: 1000 * min(ts) for v, ts in times.items()}
-        lc, le = logits["compiled"], logits["eager"]
+        lg, le = logits["graphed"], logits["eager"]
         res["cases"][name] = {
-            "prompt_tokens": n, "first_token_ms_compiled": best["compiled"], "first_token_ms_eager": best["eager"],
-            "speedup": best["eager"] / best["compiled"], "floor_ms": floor_ms(model, n),
-            "compiled_over_floor": best["compiled"] / floor_ms(model, n),
-            "logits_rel_l2": ((lc - le).norm() / le.norm()).item(),
+            "prompt_tokens": n, **{f"first_token_ms_{v}": ms for v, ms in best.items()},
+            "speedup_over_eager": best["eager"] / best["graphed"], "floor_ms": floor_ms(model, n),
+            "graphed_over_floor": best["graphed"] / floor_ms(model, n),
+            "logits_rel_l2": ((lg - le).norm() / le.norm()).item(),
             "all_ms": {v: [1000 * t for t in ts] for v, ts in times.items()},
         }  # fmt: skip
     if args.profile:
@@ -128,29 +133,28 @@ def run(args: argparse.Namespace) -> dict:
 
 def profile(variants: dict, params, sync, out: Path) -> dict:
     """Per variant: one start() of `params` under the torch profiler (its op tables written next to `out`),
-    and the split of its wall time between the und pass (und_step, synchronised) and the rest."""
+    and the split of its wall time between the prefill pass (prefill_batch, synchronised) and the rest."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     found = {}
     for label, reasoner in variants.items():
-        model = reasoner.prefiller.transformer
-        und_step, spent = model.und_step, []
+        prefill, spent = reasoner.prefill_batch, []
 
-        def timed(*a, und_step=und_step, spent=spent, **k):
+        def timed(*a, prefill=prefill, spent=spent, **k):
             sync()
             t0 = time.perf_counter()
-            y = und_step(*a, **k)
+            y = prefill(*a, **k)
             sync()
             spent.append(time.perf_counter() - t0)
             return y
 
-        model.und_step = timed
+        reasoner.prefill_batch = timed
         try:
             wall, _ = timed_first_token(reasoner, params, sync)
         finally:
-            del model.und_step
+            del reasoner.prefill_batch
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with torch_profile(activities=acts) as prof:
             timed_first_token(reasoner, params, sync)
@@ -158,19 +162,20 @@ def profile(variants: dict, params, sync, out: Path) -> dict:
         text = avg.table(sort_by="cpu_time_total", row_limit=60) + "\n\n" + avg.table(
             sort_by="self_cpu_time_total", row_limit=40)  # fmt: skip
         out.with_name(f"{out.stem}-profile-{label}.txt").write_text(text)
-        found[label] = {"wall_ms": 1000 * wall, "und_step_ms": 1000 * sum(spent),
+        found[label] = {"wall_ms": 1000 * wall, "prefill_ms": 1000 * sum(spent),
                         "ops": sum(e.count for e in avg if e.key.startswith("aten::"))}  # fmt: skip
         print(label, found[label])
     return found
 
 
 def table(res: dict) -> str:
-    rows = ["| case | prompt tokens | compiled ms | eager ms | speed-up | floor ms | compiled / floor "
-            "| logits rel L2 |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| case | prompt tokens | graphed ms | compiled ms | eager ms | eager / graphed | floor ms "
+            "| graphed / floor | logits rel L2 |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, c in res["cases"].items():
-        rows.append(f"| {name} | {c['prompt_tokens']} | {c['first_token_ms_compiled']:.1f} | "
-                    f"{c['first_token_ms_eager']:.1f} | {c['speedup']:.2f}x | {c['floor_ms']:.1f} | "
-                    f"{c['compiled_over_floor']:.2f}x | {c['logits_rel_l2']:.2e} |")  # fmt: skip
+        rows.append(f"| {name} | {c['prompt_tokens']} | {c['first_token_ms_graphed']:.1f} | "
+                    f"{c['first_token_ms_compiled']:.1f} | {c['first_token_ms_eager']:.1f} | "
+                    f"{c['speedup_over_eager']:.2f}x | {c['floor_ms']:.1f} | {c['graphed_over_floor']:.2f}x | "
+                    f"{c['logits_rel_l2']:.2e} |")  # fmt: skip
     return "\n".join(rows)
 
 
