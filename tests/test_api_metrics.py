@@ -1,16 +1,14 @@
 """GET /metrics on a real uvicorn (the tiny Reasoner for chats, FakeBackend video jobs): worldserve's chat
 families and their vLLM twins (vllm/v1/metrics/loggers.py's names, buckets and `engine` label) after real
-chats, vLLM-Omni's `vllm:omni_*` families after a video job and a failed one; and the chat worker's timing
-reports (ChatObserver) on a scripted backend: idle steps of a preempted chat carry no token, the stop token does.
+chats (the chat phases of vLLM's stats.py among them: queue, prefill, decode and inference time), vLLM-Omni's
+`vllm:omni_*` families after a video job and a failed one, and vLLM's http_* families (tests/test_chat_timings.py
+has the chat worker's timing reports on a scripted backend).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import queue
-import threading
 
 import httpx
 import pytest
@@ -23,10 +21,7 @@ from worldserve.api.metrics_vllm import (
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
 )
-from worldserve.chat_params import ChatMessage, ChatParams
-from worldserve.engine.chat_worker import ChatWorker
 from worldserve.engine.fake_backend import FakeBackend
-from worldserve.engine.outputs import ChatDelta
 
 MODEL = "test-model"
 LLM = {"engine": "0"}  # the label vLLM adds to its vllm:* families (not to vllm:omni_*)
@@ -34,6 +29,9 @@ VLLM_BUCKETS = {
     "vllm:time_to_first_token_seconds": TTFT_BUCKETS, "vllm:inter_token_latency_seconds": ITL_BUCKETS,
     "vllm:time_per_output_token_seconds": ITL_BUCKETS, "vllm:e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
     "vllm:request_queue_time_seconds": REQUEST_LATENCY_BUCKETS, "vllm:iteration_tokens_total": ITERATION_TOKEN_BUCKETS,
+    "vllm:request_prefill_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_decode_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_inference_time_seconds": REQUEST_LATENCY_BUCKETS,
 }  # fmt: skip
 
 
@@ -188,7 +186,9 @@ def test_chat_metrics(server):
 
 def test_per_chat_histograms_of_vllms_dashboard(server):
     """vLLM's Grafana dashboard's per-request panels: prompt and generation lengths (1-2-5 buckets up to the
-    context length, 1024 here), decode time (first to last token) and inference time (admitted to the end)."""
+    context length, 1024 here), and the phases of vLLM's stats.py, each chat once: queue (submitted to
+    admitted), prefill (admitted to the first token), decode (first token to last) and inference (admitted
+    to the last token: prefill + decode, within the end-to-end time less the queue)."""
     before = scrape(server)
     chats = [_chat(server, stream=False), _chat(server, stream=True)]
     after = scrape(server)
@@ -214,13 +214,16 @@ def test_per_chat_histograms_of_vllms_dashboard(server):
             math.inf,
         ]
         check_histogram(after, name, **LLM)
-    for name in ("vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
+    phases = ("prefill", "decode", "inference", "queue")
+    for name in (f"vllm:request_{phase}_time_seconds" for phase in phases):
         assert delta(name + "_count") == 2 and delta(name + "_sum") > 0, name
         assert [le for le, _ in buckets(after, name, **LLM)] == [
             float(b) for b in REQUEST_LATENCY_BUCKETS
         ] + [math.inf]
-    assert delta("vllm:request_decode_time_seconds_sum") < delta("vllm:request_inference_time_seconds_sum")
-    assert delta("vllm:request_inference_time_seconds_sum") <= delta("vllm:e2e_request_latency_seconds_sum")
+        check_histogram(after, name, **LLM)
+    prefill, decode, inference, queue = (delta(f"vllm:request_{phase}_time_seconds_sum") for phase in phases)
+    assert inference == pytest.approx(prefill + decode, abs=1e-9)
+    assert queue + inference <= delta("vllm:e2e_request_latency_seconds_sum")
 
 
 def test_video_metrics_and_failures(server):
@@ -275,75 +278,6 @@ def test_video_metrics_and_failures(server):
     assert {"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"} <= {name for name, _ in after}
 
 
-class _Session:
-    """Scripted deltas: a token, an idle step (preempted: no token), a token, then the stop token."""
-
-    prompt_tokens = 5
-
-    def __init__(self):
-        self.script = [(1, None), (1, None), (2, None), (2, "stop")]
-
-    def close(self) -> None:
-        pass
-
-
-class _Backend:
-    def start_many(self, batch):
-        return [_Session() for _ in batch]
-
-    def step_all(self, sessions):
-        return [
-            ChatDelta(text="x", finish_reason=f, completion_tokens=n)
-            for n, f in (s.script.pop(0) for s in sessions)
-        ]
-
-
-class _Recorder:
-    def __init__(self):
-        self.iterations, self.gaps, self.finished = [], [], []
-
-    def on_chat_iteration(self, tokens):
-        self.iterations.append(tokens)
-
-    def on_chat_token_gaps(self, seconds):
-        self.gaps += seconds
-
-    def on_chat_finished(self, e2e_s, queue_s):
-        self.finished.append((e2e_s, queue_s))
-
-
-def test_chat_worker_reports_timings():
-    worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()
-    worker.observer = recorder
-    worker.start()
-    try:
-        worker.submit(ChatParams(messages=(ChatMessage(role="user", content="hi"),)), events.put)
-        while not (getattr(event := events.get(timeout=5), "finish_reason", None)):
-            pass
-        assert event.finish_reason == "stop"
-        wait_until(lambda: recorder.finished)
-    finally:
-        worker.stop(1.0)
-    assert recorder.iterations == [5 + 1, 1, 1]  # prefill + first token; the idle step reports nothing
-    assert len(recorder.gaps) == 2 and all(g >= 0 for g in recorder.gaps)
-    ((e2e, queued),) = recorder.finished
-    assert 0 <= queued <= e2e
-
-
-def test_n_choices_count_their_shared_prompt_once():
-    """A request's n choices are prefilled once (shared prompt K/V): tokens per iteration count it once."""
-    worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()
-    worker.observer = recorder
-    worker.start()
-    try:
-        params = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
-        worker.submit_many([(dataclasses.replace(params, seed=i), events.put, None) for i in range(3)])
-        wait_until(lambda: len(recorder.finished) == 3)
-    finally:
-        worker.stop(1.0)
-    assert recorder.iterations == [5 + 3, 3, 3]  # one prompt of 5, then a token per choice
-
-
 def test_http_families_as_vllms_instrumentator_exports_them(server):
     """vLLM's http_* families: each request counted under its route template, method and status class, with
     its latency (coarse by handler, fine overall) and sizes; /metrics itself and vLLM's other excluded routes
@@ -373,40 +307,3 @@ def test_http_families_as_vllms_instrumentator_exports_them(server):
     assert http(after, "http_request_duration_highr_seconds_count") >= 4
     assert http(after, "http_response_size_bytes_sum", handler="/v1/models") > 0
     assert http(after, "http_request_size_bytes_count", handler="/v1/chat/completions") >= 1
-
-
-def test_time_to_first_token_of_each_choice_counts_from_the_request():
-    """The n choices of a request are wrapped together and read one after another: the second one's time to
-    first token counts from when they were wrapped, not from when the first one was read."""
-    import asyncio
-
-    from worldserve.engine.chat_metering import metered
-    from worldserve.engine.chat_worker import ChatStarted
-
-    class Meter:
-        ttft: list = []
-
-        def on_chat_started(self, prompt_tokens):
-            pass
-
-        def on_chat_first_token(self, seconds):
-            self.ttft.append(seconds)
-
-        def on_chat_ended(self, completion_tokens, finish_reason, *, prompt_tokens=0, decode_s=0.0):
-            pass
-
-    async def chat(delay):
-        await asyncio.sleep(delay)
-        yield ChatStarted(3)
-        yield ChatDelta(text="x", finish_reason="stop", completion_tokens=1)
-
-    async def main():
-        meter = Meter()
-        streams = [metered(chat(0.2), meter), metered(chat(0.0), meter)]
-        for events in streams:
-            async for _ in events:
-                pass
-        return meter.ttft
-
-    first, second = asyncio.run(main())
-    assert first >= 0.2 and second >= 0.2

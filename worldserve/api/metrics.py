@@ -12,9 +12,9 @@ peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reas
 chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting,
 kv_cache_usage_perc, num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
 chat_e2e_request_latency_seconds, chat_request_queue_time_seconds, chat_iteration_tokens (histograms). The API
-layer reports a chat's tokens, time to first token, decode time and end (engine/chat_metering.py, as the prompt upsampling
-does for its chats); the chat worker its timings
-(the ChatObserver calls, engine/chat_observer.py: tokens per step, inter-token gaps, end-to-end and queue time).
+layer reports a chat's tokens, time to first token and end (engine/chat_metering.py, as the prompt upsampling
+does for its chats); the chat worker its timings (the ChatObserver calls, engine/chat_observer.py: tokens per
+step, inter-token gaps, and each chat's ChatTimes: end-to-end, queue, prefill, decode and inference time).
 
 So that dashboards built for vLLM / vLLM-Omni find their series, the same numbers are also exported under
 their names (serving-api.md §7.4, §11.3; `VllmMirror` in metrics_vllm.py: vLLM-Omni's `vllm:omni_*` for the
@@ -25,6 +25,7 @@ and the HTTP layer's `http_*` (api/http_metrics.py, as vLLM's instrumentator exp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -37,6 +38,9 @@ from prometheus_client import (
 
 from worldserve.api.http_metrics import HTTPMetrics
 from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, VllmMirror
+
+if TYPE_CHECKING:
+    from worldserve.engine.client import ChatTimes
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -176,18 +180,13 @@ class Metrics:
         self.vllm.ttft.observe(seconds)
 
     def on_chat_ended(
-        self,
-        completion_tokens: int,
-        finish_reason: str | None,
-        *,
-        prompt_tokens: int = 0,
-        decode_s: float = 0.0,
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
     ) -> None:
         """finish_reason None: failed or abandoned by the client."""
         self.chat_generation_tokens.labels(**self._label).inc(completion_tokens)
         self.chat_running.labels(**self._label).dec()
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
-        self.vllm.chat_ended(completion_tokens, finish_reason or "abort", prompt_tokens, decode_s)
+        self.vllm.chat_ended(completion_tokens, finish_reason or "abort", prompt_tokens)
 
     # -- ChatObserver (engine/chat_worker.py, the worker's thread) ----------------------------------------
     def on_chat_iteration(self, tokens: int) -> None:
@@ -200,12 +199,10 @@ class Metrics:
             hist.observe(value)
         self.vllm.token_gaps(seconds)
 
-    def on_chat_finished(self, e2e_s: float, queue_s: float) -> None:
-        self.chat_e2e.labels(**self._label).observe(e2e_s)
-        self.chat_queue_time.labels(**self._label).observe(queue_s)
-        self.vllm.e2e.observe(e2e_s)
-        self.vllm.queue.observe(queue_s)
-        self.vllm.inference.observe(max(e2e_s - queue_s, 0.0))  # vLLM's RUNNING phase: admitted to last token
+    def on_chat_finished(self, times: ChatTimes) -> None:
+        self.chat_e2e.labels(**self._label).observe(times.e2e_s)
+        self.chat_queue_time.labels(**self._label).observe(times.queue_s)
+        self.vllm.chat_timed(times)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

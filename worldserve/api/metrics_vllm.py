@@ -8,15 +8,17 @@ generation_tokens_total, num_preemptions_total, request_success_total{finished_r
 finished_reason exported from the start as vLLM does); time_to_first_token_seconds,
 inter_token_latency_seconds and its deprecated twin time_per_output_token_seconds (the same observations, as
 vLLM 0.11 still exports both),
-e2e_request_latency_seconds, request_queue_time_seconds, iteration_tokens_total (histograms); and the per-chat
-histograms vLLM's Grafana dashboard reads: request_prompt_tokens / request_generation_tokens (vLLM's 1-2-5 buckets up
-to --max-model-len, with a chat worker), request_decode_time_seconds (first token to last, as the API receives them)
-and request_inference_time_seconds (admitted to last token), each choice of an n > 1 request a chat as vLLM's child
-requests are; prefix_cache_queries / _hits (prompt tokens looked up in the Reasoner's prefix cache, and found; a
-chat asking for prompt logprobs computes its whole prompt, no lookup; as in vLLM, each choice of an n > 1 request
-counts and a preempted chat's resume does not). Not exported: request_prefill_time_seconds (the admission time is
-the chat worker's, the first token's the API's: time to first token minus queue time is the same number),
-request_params_n / _max_tokens, request_max_num_generation_tokens and cache_config_info.
+e2e_request_latency_seconds, iteration_tokens_total (histograms); and the per-chat histograms vLLM's Grafana
+dashboard reads: request_prompt_tokens / request_generation_tokens (vLLM's 1-2-5 buckets up to --max-model-len,
+with a chat worker) and the phases of vLLM's stats.py update_from_finished_request, on the chat worker's clock
+(engine/chat_observer.py ChatTimes): request_queue_time_seconds (submitted to the start of the prefill that
+admitted it: vLLM's QUEUED to first SCHEDULED), request_prefill_time_seconds (admitted to the first token),
+request_decode_time_seconds (first token to last) and request_inference_time_seconds (admitted to the last token:
+prefill + decode), each choice of an n > 1 request a chat as vLLM's child requests are;
+prefix_cache_queries / _hits (prompt tokens looked up in the Reasoner's prefix cache, and found; a chat asking for
+prompt logprobs computes its whole prompt, no lookup; as in vLLM, each choice of an n > 1 request counts and a
+preempted chat's resume does not). Not exported: request_params_n / _max_tokens,
+request_max_num_generation_tokens and cache_config_info.
 
 vLLM-Omni's pipeline families (vllm_omni/metrics/prometheus.py), labelled `model_name` only, count the video
 and image requests: omni_num_requests_running / _waiting, omni_requests_success_total{finished_reason}
@@ -29,10 +31,14 @@ failure counter by reason that vLLM-Omni itself does not define (worldserve's: "
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from worldserve.engine.client import ChatTimes
 
 ENGINE = "0"
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
@@ -118,6 +124,8 @@ class VllmMirror:
             "Histogram of time spent in RUNNING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
+                            "request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
                            REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.request_tokens: tuple[Histogram, Histogram] | None = None  # (prompt, generation): track_lengths
@@ -154,16 +162,20 @@ class VllmMirror:
         )  # fmt: skip
 
     # -- chats -------------------------------------------------------------------------------------------
-    def chat_ended(
-        self, completion_tokens: int, finished_reason: str, prompt_tokens: int, decode_s: float
-    ) -> None:
+    def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int) -> None:
         self.generation_tokens.inc(completion_tokens)
         self.chat_running.dec()
         self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()
-        self.decode.observe(decode_s)
         if self.request_tokens is not None:
             self.request_tokens[0].observe(prompt_tokens)
             self.request_tokens[1].observe(completion_tokens)
+
+    def chat_timed(self, times: ChatTimes) -> None:
+        """A started chat's phases (the chat worker's ChatTimes), as vLLM observes a finished request's."""
+        self.e2e.observe(times.e2e_s)
+        for hist, seconds in ((self.queue, times.queue_s), (self.prefill, times.prefill_s),
+                              (self.decode, times.decode_s), (self.inference, times.inference_s)):  # fmt: skip
+            hist.observe(seconds)
 
     def token_gaps(self, seconds: Sequence[float]) -> None:
         for value in seconds:

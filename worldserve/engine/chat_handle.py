@@ -1,5 +1,6 @@
 """ChatHandle: one chat on the chat worker (engine/chat_worker.py): its params, where its events go, its
-cancellation, the coalescing of a non-streaming caller's deltas, and the worker's timings of it.
+cancellation, the coalescing of a non-streaming caller's deltas, and the worker's timings of it (admitted,
+first and last token: `times` gives its ChatTimes, vLLM's intervals).
 
 Created by `ChatWorker.submit_many` on the caller's thread; from then on read and written on the worker's
 thread only, except `cancel()` (any thread: a threading.Event) and the deliveries, which `emit` / `receive`
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from worldserve.chat_params import ChatParams
+from worldserve.engine.chat_observer import ChatTimes
 from worldserve.engine.outputs import ChatDelta
 
 if TYPE_CHECKING:
@@ -36,13 +38,27 @@ class ChatHandle:
     _held: ChatDelta | None = None  # coalesce: the deltas since the first one, merged
     _first_sent: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
-    queued_s: float | None = None  # submit to the start of its admitting prefill; None: not started (yet)
-    _last_token_at: float | None = None  # when its latest token was sampled (worker thread)
+    admitted_at: float | None = None
+    """When the prefill that admitted it started (worker thread); None: not started (yet)."""
+    first_token_at: float | None = None
+    """When its first token was sampled (worker thread); None: none yet."""
+    last_token_at: float | None = None
+    """When its latest token was sampled (worker thread)."""
     _tokens_seen: int = 0  # completion_tokens of its latest delta
     _ended: bool = False  # its end was reported to the observer
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def times(self, now: float) -> ChatTimes:
+        """Its intervals as vLLM defines them (ChatTimes), the chat having been admitted and ended at `now`: a
+        chat with tokens runs to its last one, one without spent its time up to `now` before a first token."""
+        assert self.admitted_at is not None
+        last = now if self.last_token_at is None else self.last_token_at
+        first = last if self.first_token_at is None else self.first_token_at
+        return ChatTimes(e2e_s=now - self.submitted_at, queue_s=self.admitted_at - self.submitted_at,
+                         prefill_s=first - self.admitted_at, decode_s=last - first,
+                         inference_s=last - self.admitted_at)  # fmt: skip
 
     def outgoing(self, delta: ChatDelta) -> ChatDelta | None:
         """What to deliver for this step's delta now (None: held, when coalescing)."""

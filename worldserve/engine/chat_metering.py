@@ -1,8 +1,8 @@
 """Counting a chat's events where they are consumed (the API's chats and completions, the prompt upsampling's)
 into a `ChatMeter` (the Prometheus metrics implement it; api/metrics.py): started (its prompt tokens), time to
-first token, ended (its prompt and completion tokens, finish reason, and its decode time: first token to last,
-as vLLM's request_decode_time_seconds). The chat worker's own timings (tokens per
-iteration, inter-token gaps, queue time) go through chat_observer.py.
+first token, ended (its prompt and completion tokens and finish reason). The chat worker's own timings (tokens
+per iteration, inter-token gaps, and each chat's queue, prefill, decode and inference time) go through
+chat_observer.py.
 """
 
 from __future__ import annotations
@@ -21,12 +21,7 @@ class ChatMeter(Protocol):
     def on_chat_first_token(self, seconds: float) -> None: ...
 
     def on_chat_ended(
-        self,
-        completion_tokens: int,
-        finish_reason: str | None,
-        *,
-        prompt_tokens: int = 0,
-        decode_s: float = 0.0,
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
     ) -> None: ...
 
 
@@ -37,22 +32,19 @@ def metered(events: AsyncIterator, meter: ChatMeter) -> AsyncIterator:
 
 
 async def _metered(events: AsyncIterator, meter: ChatMeter, t0: float) -> AsyncIterator:
-    prompt, completion, finish = None, 0, None
-    first = last = None  # when its first and latest deltas arrived
+    prompt, completion, finish, first = None, 0, None, True
     try:
         async for event in events:
             if isinstance(event, ChatStarted):
                 prompt = event.prompt_tokens
                 meter.on_chat_started(prompt)
             elif isinstance(event, ChatDelta):
-                last = time.perf_counter()
-                if first is None:
-                    first = last
-                    meter.on_chat_first_token(first - t0)
+                if first:
+                    first = False
+                    meter.on_chat_first_token(time.perf_counter() - t0)
                 completion, finish = event.completion_tokens, event.finish_reason
             yield event
     finally:
         await events.aclose()
         if prompt is not None:
-            decode = 0.0 if first is None else last - first
-            meter.on_chat_ended(completion, finish, prompt_tokens=prompt, decode_s=decode)
+            meter.on_chat_ended(completion, finish, prompt_tokens=prompt)

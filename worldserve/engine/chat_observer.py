@@ -6,15 +6,36 @@ All calls come from the chat worker's thread, measured with time.monotonic() the
 - `on_chat_token_gaps(seconds)`: for each token sampled in one batched step by a chat that had sampled one
   before, the time since that chat's previous token (vLLM's inter-token latency; the first token's delay is
   the time to first token, measured by the API).
-- `on_chat_finished(e2e_s, queue_s)`: once per started chat when it ends (stop, length, cancelled by its
-  client, failed or stopped at shutdown): submit to end, and submit to the start of the prefill that
-  admitted it (the time it waited in the queue, including waits for K/V room).
+- `on_chat_finished(times)`: once per started chat when it ends (stop, length, cancelled by its client,
+  failed or stopped at shutdown): its ChatTimes, the intervals vLLM's metrics define.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTimes:
+    """One started chat's intervals on the chat worker's clock, as vLLM defines them for a finished request
+    (vllm/v1/metrics/stats.py update_from_finished_request: QUEUED, first SCHEDULED, first and last NEW_TOKEN;
+    a preemption changes none of those points). Here a chat is scheduled when the prefill that admits it
+    starts, and a token's time is when the worker step that sampled it returns (as the API's time to first
+    token sees it: after the decode forward that consumes it, the Reasoner sampling a token before that
+    forward); a chat that ended before its first token spent all its running time in prefill (decode 0)."""
+
+    e2e_s: float
+    """Submitted to its end."""
+    queue_s: float
+    """Submitted to the start of the prefill that admitted it (waits for K/V room included)."""
+    prefill_s: float
+    """Admitted to its first token."""
+    decode_s: float
+    """Its first token to its last."""
+    inference_s: float
+    """Admitted to its last token (prefill + decode: vLLM's RUNNING phase)."""
 
 
 class ChatObserver(Protocol):
@@ -22,7 +43,7 @@ class ChatObserver(Protocol):
 
     def on_chat_token_gaps(self, seconds: Sequence[float]) -> None: ...
 
-    def on_chat_finished(self, e2e_s: float, queue_s: float) -> None: ...
+    def on_chat_finished(self, times: ChatTimes) -> None: ...
 
 
 class NullChatObserver:
@@ -32,5 +53,5 @@ class NullChatObserver:
     def on_chat_token_gaps(self, seconds: Sequence[float]) -> None:
         pass
 
-    def on_chat_finished(self, e2e_s: float, queue_s: float) -> None:
+    def on_chat_finished(self, times: ChatTimes) -> None:
         pass

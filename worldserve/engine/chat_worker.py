@@ -22,7 +22,8 @@ prompt K/V shared by the backend) together. `stop(timeout_s)` (server shutdown) 
 running ones finish within the timeout and then fails those still running with a 503, so their callers
 answer with an error instead of being cut off when the HTTP server closes their connections.
 Timings go to `observer` (chat_observer.py: tokens per loop iteration, inter-token gaps, and each started chat's
-end-to-end and queue time), measured on this thread with time.monotonic().
+ChatTimes: end-to-end, queue, prefill, decode and inference time), measured on this thread with
+time.monotonic().
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ class ChatWorker:
             elif isinstance(result, Exception):
                 self._fail(handle, result)
             else:
-                handle.queued_s = admitted_at - handle.submitted_at
+                handle.admitted_at = admitted_at
                 handle.emit(ChatStarted(result.prompt_tokens, getattr(result, "prompt_logprobs", None),
                                         getattr(result, "cached_tokens", 0)))  # fmt: skip
                 started.append((handle, result))
@@ -312,9 +313,11 @@ class ChatWorker:
         for (handle, _), delta in zip(active, deltas, strict=True):
             if delta.completion_tokens > handle._tokens_seen or delta.finish_reason is not None:
                 sampled += 1
-                if handle._last_token_at is not None:
-                    gaps.append(now - handle._last_token_at)
-                handle._last_token_at, handle._tokens_seen = now, delta.completion_tokens
+                if handle.last_token_at is None:
+                    handle.first_token_at = now
+                else:
+                    gaps.append(now - handle.last_token_at)
+                handle.last_token_at, handle._tokens_seen = now, delta.completion_tokens
             if delta.finish_reason is not None:
                 self._ended(handle, now)
         if gaps:
@@ -322,12 +325,11 @@ class ChatWorker:
         return sampled
 
     def _ended(self, handle: ChatHandle, now: float | None = None) -> None:
-        """Report a started chat's end-to-end and queue time, once."""
-        if handle.queued_s is None or handle._ended:
+        """Report a started chat's timings (ChatTimes: end-to-end, queue, prefill, decode, inference), once."""
+        if handle.admitted_at is None or handle._ended:
             return
         handle._ended = True
-        now = time.monotonic() if now is None else now
-        self.observer.on_chat_finished(now - handle.submitted_at, handle.queued_s)
+        self.observer.on_chat_finished(handle.times(time.monotonic() if now is None else now))
 
     @staticmethod
     def _fail(handle: ChatHandle, exc: Exception) -> None:

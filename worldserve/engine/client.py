@@ -30,6 +30,7 @@ from functools import partial
 
 from worldserve.chat_params import ChatParams
 from worldserve.engine.chat_metering import ChatMeter, metered
+from worldserve.engine.chat_observer import ChatTimes
 from worldserve.engine.chat_worker import (
     DEFAULT_MAX_NUM_SEQS,
     ChatEvent,
@@ -57,7 +58,7 @@ from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import VideoParams
 
 __all__ = [
-    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
+    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
     "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "StorageError", "UpsamplingFailed", "error_for", "metered",
 ]  # fmt: skip
 

@@ -1,0 +1,157 @@
+"""The Reasoner chats' timings as the metrics get them, without a server: the chat worker's reports
+(ChatObserver, engine/chat_observer.py) on a scripted backend (tokens per iteration, inter-token gaps, and each
+chat's ChatTimes: vLLM's queue, prefill, decode and inference intervals; idle steps of a preempted chat carry no
+token, the stop token does), and the API's metering of a request's choices (engine/chat_metering.py).
+tests/test_api_metrics.py scrapes the same numbers from /metrics after real chats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+
+import pytest
+from serving_helpers import wait_until
+
+from worldserve.chat_params import ChatMessage, ChatParams
+from worldserve.engine.chat_worker import ChatWorker
+from worldserve.engine.outputs import ChatDelta
+
+
+class _Session:
+    """Scripted deltas: a token, an idle step (preempted: no token), a token, then the stop token."""
+
+    prompt_tokens = 5
+
+    def __init__(self):
+        self.script = [(1, None), (1, None), (2, None), (2, "stop")]
+
+    def close(self) -> None:
+        pass
+
+
+class _Backend:
+    def start_many(self, batch):
+        return [_Session() for _ in batch]
+
+    def step_all(self, sessions):
+        return [
+            ChatDelta(text="x", finish_reason=f, completion_tokens=n)
+            for n, f in (s.script.pop(0) for s in sessions)
+        ]
+
+
+class _Recorder:
+    def __init__(self):
+        self.iterations, self.gaps, self.finished = [], [], []
+
+    def on_chat_iteration(self, tokens):
+        self.iterations.append(tokens)
+
+    def on_chat_token_gaps(self, seconds):
+        self.gaps += seconds
+
+    def on_chat_finished(self, times):
+        self.finished.append(times)
+
+
+def test_chat_worker_reports_timings():
+    worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()
+    worker.observer = recorder
+    worker.start()
+    try:
+        worker.submit(ChatParams(messages=(ChatMessage(role="user", content="hi"),)), events.put)
+        while not (getattr(event := events.get(timeout=5), "finish_reason", None)):
+            pass
+        assert event.finish_reason == "stop"
+        wait_until(lambda: recorder.finished)
+    finally:
+        worker.stop(1.0)
+    assert recorder.iterations == [5 + 1, 1, 1]  # prefill + first token; the idle step reports nothing
+    assert len(recorder.gaps) == 2 and all(g >= 0 for g in recorder.gaps)
+    (times,) = recorder.finished
+    assert 0 <= times.queue_s <= times.e2e_s
+
+
+class _SlowBackend(_Backend):
+    """A prefill of 50 ms and steps of 20 ms (the second one idle: no token)."""
+
+    def start_many(self, batch):
+        time.sleep(0.05)
+        return super().start_many(batch)
+
+    def step_all(self, sessions):
+        time.sleep(0.02)
+        return super().step_all(sessions)
+
+
+def test_chat_worker_times_the_phases_as_vllm_defines_them():
+    """vLLM's stats.py intervals on the worker's clock: prefill from the start of the admitting prefill to the
+    first token (the prefill and the step that sampled it), decode from the first token to the last (an idle
+    step between them counts: vLLM counts a preemption in the phase it interrupts), inference their sum;
+    queue from submission to admission, all within the end-to-end time."""
+    worker, recorder = ChatWorker(_SlowBackend(), threading.Lock()), _Recorder()
+    worker.observer = recorder
+    worker.start()
+    try:
+        worker.submit(ChatParams(messages=(ChatMessage(role="user", content="hi"),)), lambda event: None)
+        wait_until(lambda: recorder.finished)
+    finally:
+        worker.stop(1.0)
+    (times,) = recorder.finished
+    assert times.prefill_s >= 0.07 and times.decode_s >= 0.06, times
+    assert times.inference_s == pytest.approx(times.prefill_s + times.decode_s)
+    assert 0 <= times.queue_s and times.queue_s + times.inference_s <= times.e2e_s + 1e-9
+
+
+def test_n_choices_count_their_shared_prompt_once():
+    """A request's n choices are prefilled once (shared prompt K/V): tokens per iteration count it once."""
+    worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()
+    worker.observer = recorder
+    worker.start()
+    try:
+        params = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
+        worker.submit_many([(dataclasses.replace(params, seed=i), events.put, None) for i in range(3)])
+        wait_until(lambda: len(recorder.finished) == 3)
+    finally:
+        worker.stop(1.0)
+    assert recorder.iterations == [5 + 3, 3, 3]  # one prompt of 5, then a token per choice
+
+
+def test_time_to_first_token_of_each_choice_counts_from_the_request():
+    """The n choices of a request are wrapped together and read one after another: the second one's time to
+    first token counts from when they were wrapped, not from when the first one was read."""
+    import asyncio
+
+    from worldserve.engine.chat_metering import metered
+    from worldserve.engine.chat_worker import ChatStarted
+
+    class Meter:
+        ttft: list = []
+
+        def on_chat_started(self, prompt_tokens):
+            pass
+
+        def on_chat_first_token(self, seconds):
+            self.ttft.append(seconds)
+
+        def on_chat_ended(self, completion_tokens, finish_reason, *, prompt_tokens=0):
+            pass
+
+    async def chat(delay):
+        await asyncio.sleep(delay)
+        yield ChatStarted(3)
+        yield ChatDelta(text="x", finish_reason="stop", completion_tokens=1)
+
+    async def main():
+        meter = Meter()
+        streams = [metered(chat(0.2), meter), metered(chat(0.0), meter)]
+        for events in streams:
+            async for _ in events:
+                pass
+        return meter.ttft
+
+    first, second = asyncio.run(main())
+    assert first >= 0.2 and second >= 0.2
