@@ -27,6 +27,10 @@ class ByteTokenizer:
         out = b"".join(MERGED.get(i, bytes([i]) if i < 256 else b"") for i in ids)
         return out.decode("utf-8", "replace")
 
+    def convert_tokens_to_ids(self, token):
+        """No added tokens (<think> is its bytes here): None, as transformers answers without an unk token."""
+        return None
+
 
 class NoPrefixCache:
     def register(self, prompt, generated, seq):

@@ -219,8 +219,9 @@ class ReasonerSession:
             decode = None
         delta = view[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
-        tokenizer, skip = self._r.tokenizer, self.skip_special_tokens
-        thoughts = 0 if decode is not None else thought_tokens(self.token_ids, tokenizer, skip)
+        thoughts = 0  # counted once, at the end, for an answer that thinks (its text opens with <think>)
+        if decode is None and view.lstrip().startswith(THINK_START):
+            thoughts = thought_tokens(self.token_ids, self._r.tokenizer, self.skip_special_tokens)
         out = ChatDelta(
             text=delta,
             finish_reason=self.finish_reason,
