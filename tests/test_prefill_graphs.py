@@ -68,9 +68,10 @@ def _same(pair, batch: list[ChatParams], *, replayed: bool = True) -> None:
         assert tg == tw
 
 
-def test_buckets_are_powers_of_two_up_to_the_largest():
-    assert prefill_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
+def test_buckets_pad_short_passes_to_powers_of_two_and_longer_ones_by_at_most_128_tokens():
+    assert prefill_buckets(2048) == (16, 32, 64, *range(128, 2049, 128))
     assert prefill_buckets(300) == (16, 32, 64, 128, 256, 300)
+    assert prefill_buckets(40) == (16, 32, 40)
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 37, 255])

@@ -5,7 +5,7 @@ Why: compiled (runner/und_prefill.py's `math`), a prefill pass still dispatches 
 ~600 us, cuDNN attention ~115 us) for 5.4 ms of GPU work (bench/prefill_floor.py --profile). Short prompts
 waited on the host, whatever their length.
 
-What: everything between two attentions is one graph per bucket of tokens (16, 32, ..., max_tokens, padded):
+What: everything between two attentions is one graph per bucket of tokens (`prefill_buckets`, padded):
 piece 0 is layer 0's pre-norm, q|k|v, q/k-norm and RoPE; piece i (1..L-1) is layer i-1's o_proj and
 SwiGLU MLP with their residual adds, Qwen3-VL's deepstack add after the first layers, then layer i's q|k|v
 math; piece L is the last layer's o_proj + MLP and the final norm. Attention runs eagerly between the pieces,
@@ -15,6 +15,10 @@ sequences in one pass and any context length need no graph of their own; only th
 the bucket. The pieces read and write static buffers (residual stream, cos/sin, q / k / v, attention output,
 dense deepstack rows, final hidden), so a replay is one host call. Padding rows compute values no real row
 ever reads (every op in a piece is row-wise) and are never written to the pool.
+
+Measured (H200, random Nano, bench/prefill_floor.py): a 75-token prompt's first token 7.6 ms (compiled
+without graphs 22 ms, eager 29 ms; the weight-streaming floor 3.5 ms); what is left on the host is mostly the
+per-layer attention call and K/V writes.
 
 The pieces run the decode step's compiled layer math (layer.compiled_decode_math, dynamic shapes), so a
 capture compiles nothing new. All graphs share one memory pool: their intermediates die inside each replay and
@@ -37,11 +41,9 @@ MAX_PREFILL_GRAPH_TOKENS = 2048
 
 
 def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two from 16 up to max_tokens (itself last when it is not one)."""
-    sizes, b = [], 16
-    while b < max_tokens:
-        sizes.append(b)
-        b *= 2
+    """16, 32, 64, then every 128 tokens, up to max_tokens (itself last): past ~512 tokens a pass is GEMM-bound,
+    so a bucket pads it by at most 128 tokens (powers of two cost 843 tokens 21 % more work in 1,024)."""
+    sizes = [b for b in (16, 32, 64) if b < max_tokens] + list(range(128, max_tokens, 128))
     return (*sizes, max_tokens)
 
 
