@@ -96,3 +96,11 @@ def test_a_next_turn_on_cached_blocks_and_several_chats_in_one_pass(pair):
 def test_a_pass_past_the_largest_bucket_runs_the_plain_und_pass(pair):
     # (first tokens no earlier test used: no cached prefix shrinks the pass to fit)
     _same(pair, [_params(ids=[1, 1, *range(3, 200)]), _params(ids=[2, 2, *range(9, 120)])], replayed=False)
+
+
+def test_chats_sharing_a_prefix_in_one_pass_read_the_blocks_the_first_writes(pair):
+    """The second chat starts on the blocks the first computes in the same pass: between the pieces the
+    first's K/V are written before the second's attention reads them."""
+    hits = pair[1].prefix_cache_counts[1]
+    _same(pair, [_params(ids=[4, 4, *range(100, 240)]), _params(ids=[4, 4, *range(100, 230), 9])])
+    assert pair[1].prefix_cache_counts[1] - hits == 2 * pair[1].pool.block_size

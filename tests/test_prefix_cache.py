@@ -186,6 +186,44 @@ def test_images_inside_the_cached_prefix_skip_the_vit(tiny_ckpt, model_tok):
     assert rel(got_logits, want_logits) < 1e-5 and got_tokens == want_tokens
 
 
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_chats_arriving_together_compute_their_common_prefix_once(tiny_ckpt, model_tok, monkeypatch, kind):
+    """Chats prefilled in one pass that share a prefix (a system prompt, an image) compute it once: the later
+    ones start on the blocks the first computes in the same pass (counted as hits, as vLLM counts blocks
+    computed in the same step); each chat's first logits and greedy tokens equal its uncached prefill's."""
+    parts = (LONG,) if kind == "text" else (image(9), LONG)
+    chats = [chat(*parts, q, max_tokens=8) for q in ("Question one?", "Another question, two?", "Three?")]
+    cached, plain = make_reasoner(tiny_ckpt, model_tok), make_reasoner(tiny_ckpt, model_tok, caching=False)
+    prompts = [cached.build_prompt(c) for c in chats]
+    keys = [block_hashes(p, (), BS, len(p.input_ids)) for p in prompts]
+    shared = [0] + [  # each later chat's leading blocks equal to the first's, all but its last token's
+        next((m for m in range(min(len(k), (len(p.input_ids) - 1) // BS)) if k[m] != keys[0][m]),
+             min(len(k), (len(p.input_ids) - 1) // BS))
+        for p, k in zip(prompts[1:], keys[1:], strict=True)
+    ]  # fmt: skip
+    assert all(m >= 2 for m in shared[1:])
+    computed, und_step = [], cached.transformer.und_step
+    monkeypatch.setattr(
+        cached.transformer,
+        "und_step",
+        lambda b, c, **kw: computed.append(b.input_ids.numel()) or und_step(b, c, **kw),
+    )
+    sessions = cached.start_many(chats)
+    assert computed == [sum(len(p.input_ids) for p in prompts) - BS * sum(shared)]  # one pass
+    assert cached.prefix_cache_counts[1] == BS * sum(shared)
+    if kind == "image":  # the image's rows are in the first chat's blocks: encoded once
+        assert cached.prefiller.encoder.misses == 1
+    monkeypatch.undo()
+    for c, s in zip(chats, sessions, strict=True):
+        got_logits = s.pending_logits.clone()
+        while s.finish_reason is None:
+            s.step()
+        want_logits, want_tokens = first_logits_and_tokens(plain, c)
+        assert rel(got_logits, want_logits) < 1e-5 and s.token_ids == want_tokens
+        s.close()
+    assert cached.pool.num_free == cached.pool.num_blocks - 1  # every shared block given back
+
+
 def test_a_request_extending_an_answer_starts_on_the_answer_s_blocks(tiny_ckpt, model_tok):
     """A finished chat's full blocks (prompt and the tokens it generated) stay cached: a raw prompt made of
     that prompt, that answer and more (a client's next turn) prefills only what follows them."""

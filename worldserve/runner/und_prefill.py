@@ -8,7 +8,8 @@ resume passes the tokens it had generated, prefilled after its prompt at the pos
 
 Prefix caching (`caching`, vLLM's automatic prefix caching): an item starts on the pool's cached blocks of
 its longest cached prefix (runner/prefix_hashes.py keys; at least its last token is computed, for the
-logits), and only the rest goes through the tower, attending to the cached K/V; the ViT runs only for the
+logits), and only the rest goes through the tower, attending to the cached K/V (also to blocks an earlier item of
+the same pass computes: chats with a common prefix arriving together compute it once, as vLLM's step does); the ViT runs only for the
 images and videos with rows left to compute, and takes the ViT outputs of those seen recently from the
 encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
 (`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
@@ -87,7 +88,11 @@ class UndPrefill:
                         keys[i][: (totals[i] - 1) // bs], totals[i], preempted=bool(generated)
                     )
                     seqs[-1].adopt(hits)
-            for seq, total in zip(seqs, totals, strict=True):
+            for i, (seq, total) in enumerate(zip(seqs, totals, strict=True)):  # in pass order
+                if self.caching and not (i < len(whole) and whole[i]):
+                    if extra := self._computed_earlier(i, keys[i][: (total - 1) // bs], seqs, keys):
+                        seq.adopt(self.pool.share(extra))
+                        self.pool.count_lookup(0, len(extra) * bs, preempted=bool(items[i][1]))
                 seq.reserve(total + 1 - seq.length)
             ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
             vit = [self._vit_rows_left(p, s.length) for (p, _), s in zip(items, seqs, strict=True)]
@@ -132,6 +137,23 @@ class UndPrefill:
             (h, seq, prompt.next_position + len(generated))
             for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
         ]
+
+    def _computed_earlier(
+        self, i: int, want: Sequence[bytes], seqs: Sequence[PagedSequence], keys: Sequence[Sequence[bytes]]
+    ) -> list[int]:
+        """The blocks past item i's cache hit, along its lookup keys `want`, that an earlier item of this pass
+        computes: the longest such run (block keys chain, so equal keys mean equal prefixes). vLLM counts
+        blocks computed in the same step as hits, as here: in every layer an item's K/V are written before
+        a later item's attention reads them."""
+        have = seqs[i].length // self.pool.block_size
+        best, src = have, None
+        for j in range(i):
+            m = have
+            while m < min(len(want), len(keys[j])) and want[m] == keys[j][m]:
+                m += 1
+            if m > best:
+                best, src = m, j
+        return [] if src is None else seqs[src].blocks[have:best]
 
     def capture_all(self) -> None:
         """Capture the prefill's graphs of every token bucket (server start); a no-op without graphs."""

@@ -204,12 +204,13 @@ class PagedSequence:
             self.blocks.extend(self.pool.allocate(need))
 
     def adopt(self, blocks: list[int]) -> None:
-        """Start an empty sequence on full blocks already holding its first tokens' K/V (a prefix-cache hit,
-        PagedKVPool.lookup: the caller holds them; this sequence frees them)."""
-        if self.blocks or self._length:
-            raise RuntimeError("adopt() needs an empty sequence")
+        """Extend a sequence of full blocks only (empty, or adopted ones) by full blocks holding its next
+        tokens' K/V (a prefix-cache hit, PagedKVPool.lookup, or another sequence's, PagedKVPool.share: the
+        caller holds them; this sequence frees them)."""
+        if self._length != len(self.blocks) * self.pool.block_size:
+            raise RuntimeError("adopt() needs a sequence of full blocks")
         self.blocks.extend(blocks)
-        self._length = len(blocks) * self.pool.block_size
+        self._length = len(self.blocks) * self.pool.block_size
         self._rows.clear()
 
     def fork(self) -> PagedSequence:
