@@ -303,10 +303,10 @@ def test_a_failed_batched_prefill_retries_each_chat_alone(tiny_ckpt, model_and_t
     r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=256)
     batch_prefill = r.prefill_batch
 
-    def flaky(items, whole=()):
+    def flaky(items, whole=(), budget=None):
         if any(len(p.input_ids) > 25 for p, _ in items):
             raise RuntimeError("CUDA out of memory (simulated)")
-        return batch_prefill(items, whole)
+        return batch_prefill(items, whole, budget)
 
     monkeypatch.setattr(r, "prefill_batch", flaky)
     texts = ["Hi", "a much longer prompt that goes past twenty five tokens for sure", "Yo"]

@@ -252,13 +252,14 @@ ACCEPTED = [
     "--step-execution", "--num-weight-load-threads", "8", "--disable-multithread-weight-load",
     "--lora-scale", "1.0", "--enable-diffusion-pipeline-profiler", "--worker-backend", "multi_process",
     "--api-server-count", "1", "--allowed-media-domains", "example.com", "cdn.example.com",
-    "--disable-log-requests", "--seed", "0", "--generation-config", "vllm", "--max-num-batched-tokens", "8192",
+    "--disable-log-requests", "--seed", "0", "--generation-config", "vllm",
     "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto",
 ]  # fmt: skip
 REAL_FLAGS = [  # §9 flags that are worldserve's own (config.py): honoured, never logged as compat lines
     "--served-model-name", "cosmos", "--api-key", "k", "--no-guardrails", "-tp", "1", "--usp", "1",
     "--cfg-parallel-size", "1", "--enable-layerwise-offload", "--diffusion-attention-backend", "TORCH_SDPA",
     "--quantization", "fp8", "--enforce-eager", "--allowed-local-media-path", "/data", "--no-enable-prefix-caching",
+    "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill",
 ]  # fmt: skip
 
 
@@ -272,6 +273,8 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         and cfg.model.quantization == "fp8"
         and cfg.model.enforce_eager
         and not cfg.model.enable_prefix_caching
+        and cfg.scheduler.max_num_batched_tokens == 4096
+        and not cfg.scheduler.enable_chunked_prefill
     )
     assert cfg.parallel.enable_layerwise_offload and cfg.server.allowed_local_media_path == "/data"
     assert args.ring_degree == 1 and args.diffusion_attention_config == {} and args.dlo_use_allgather is False
@@ -284,7 +287,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
-    assert sorted(logged) == sorted(given) and len(given) >= 43
+    assert sorted(logged) == sorted(given) and len(given) >= 42
     assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (

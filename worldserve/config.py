@@ -185,6 +185,10 @@ class SchedulerConfig:
     """Requests denoised together in one step (and held in memory at once); same-shape requests only."""
     max_num_seqs: int = 32
     """Reasoner chats decoded together (continuous batching); more wait for a free slot."""
+    max_num_batched_tokens: int = 8192
+    """Reasoner tokens one step computes at most (vLLM's): chats arriving together are prefilled in one pass up to it, and with chunked prefill a longer prompt is prefilled in chunks of it, one a step, while running chats keep decoding."""
+    enable_chunked_prefill: bool = True
+    """Prefill Reasoner prompts longer than --max-num-batched-tokens in chunks, a step each, interleaved with the running chats' decode steps (vLLM's default); --no-enable-chunked-prefill prefills every prompt whole."""
     encode_workers: int = 2
     """Threads that encode finished videos to MP4 while the next request denoises."""
     shutdown_timeout: float = 30.0
@@ -197,6 +201,11 @@ class SchedulerConfig:
             raise ValueError("--max-batch-size must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
+                f"({self.max_num_seqs}): a step decodes a token for each running chat"
+            )
         if self.encode_workers < 1:
             raise ValueError("--encode-workers must be >= 1")
         check_seconds("--shutdown-timeout", self.shutdown_timeout, zero=True)

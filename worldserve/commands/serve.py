@@ -32,7 +32,14 @@ from worldserve import __version__, envs
 from worldserve.api.media_urls import allowed_domains
 from worldserve.commands import serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
-from worldserve.config import CONFIG_CLASSES, EngineConfig, ModelConfig, ParallelConfig, add_config_arguments
+from worldserve.config import (
+    CONFIG_CLASSES,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    add_config_arguments,
+)
 
 log = logging.getLogger("worldserve.serve")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -116,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         except StorageError as exc:
             log.error("%s", exc)
             return 1
-        loaded = _load_backend_within(config.model, config.parallel, config.scheduler.max_num_seqs)
+        loaded = _load_backend_within(config.model, config.parallel, config.scheduler)
         if loaded is None:
             store.close()
             return 1
@@ -251,7 +258,9 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
 
 
 def _load_backend_within(
-    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), max_num_seqs: int = 32
+    cfg: ModelConfig,
+    parallel: ParallelConfig = ParallelConfig(),
+    scheduler: SchedulerConfig = SchedulerConfig(),
 ) -> tuple[Any, Any] | None:
     """Load the backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
     from worldserve.weights.checkpoint import CheckpointError
@@ -260,7 +269,7 @@ def _load_backend_within(
 
     def target() -> None:
         try:
-            outcome["value"] = _load_backend(cfg, parallel, max_num_seqs)
+            outcome["value"] = _load_backend(cfg, parallel, scheduler)
         except BaseException as exc:
             outcome["error"] = exc
 
@@ -284,7 +293,9 @@ def _load_backend_within(
     return outcome["value"]
 
 
-def _load_backend(cfg: ModelConfig, parallel: ParallelConfig, max_num_seqs: int = 32) -> tuple[Any, ...]:
+def _load_backend(
+    cfg: ModelConfig, parallel: ParallelConfig, scheduler: SchedulerConfig = SchedulerConfig()
+) -> tuple[Any, ...]:
     """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
     `--cfg-parallel-size 2` and / or `--ulysses-degree N`, or `--tensor-parallel-size N` (no Reasoner then): a
     ParallelPipeline over their product of GPUs."""
@@ -331,8 +342,10 @@ def _load_backend(cfg: ModelConfig, parallel: ParallelConfig, max_num_seqs: int 
         kv_tokens = cfg.kv_cache_memory_bytes // transformer.und_kv_bytes_per_token()
     reasoner = Reasoner.from_pretrained(
         path, transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len,
-        max_num_seqs=max_num_seqs, kv_cache_tokens=kv_tokens, enforce_eager=cfg.enforce_eager,
+        max_num_seqs=scheduler.max_num_seqs, kv_cache_tokens=kv_tokens, enforce_eager=cfg.enforce_eager,
         chat_sm_margin=cfg.chat_sm_margin, enable_prefix_caching=cfg.enable_prefix_caching,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        enable_chunked_prefill=scheduler.enable_chunked_prefill,
     )  # fmt: skip
     log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
              "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",

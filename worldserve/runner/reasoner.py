@@ -54,8 +54,10 @@ from worldserve.sampling.tokens import TokenSampler, sample_tokens
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
 DEFAULT_MAX_NUM_SEQS = 32
-PREFILL_TOKEN_BUDGET = 16384
-"""Prompt tokens one batched admission prefills at most (a longer single prompt still goes alone)."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""vLLM's --max-num-batched-tokens (its default for online serving on large GPUs): the tokens one step
+computes at most. An admission prefills whole prompts up to it (a longer one goes alone); with chunked prefill
+a longer prompt is computed in chunks of it, one a step, less a token for each decoding chat."""
 DEFERRED_PROMPTS = 256
 """Built prompts kept for chats refused for lack of room (their retry skips the preprocessing)."""
 
@@ -87,6 +89,8 @@ class Reasoner:
         enforce_eager: bool = False,
         chat_sm_margin: int = DEFAULT_CHAT_SM_MARGIN,
         enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         self.transformer = transformer
         self.share = ChatGpuShare(transformer, sm_margin=chat_sm_margin)  # chats beside video (chat_share.py)
@@ -99,6 +103,8 @@ class Reasoner:
         stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
         self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = enable_chunked_prefill  # long prompts prefill chunk by chunk (step_all)
         self.grammars = GrammarCompiler(tokenizer, transformer.config.vocab_size, self.stop_token_ids)
         self.prompts = ChatPromptBuilder(
             tokenizer, vision, vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None,
@@ -166,11 +172,12 @@ class Reasoner:
         return self.prefill_batch([(prompt, generated)], [whole])[0]
 
     def prefill_batch(
-        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = ()
-    ) -> list[tuple[Tensor, PagedSequence, int]]:
+        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = (),
+        budget: int | None = None,
+    ) -> list[tuple[Tensor, PagedSequence, int]]:  # fmt: skip
         """prefill() of several (prompt, generated) items in ONE und pass (und_prefill.py; the hidden states of
-        the tokens computed: past a prefix-cache hit, unless `whole[i]`)."""
-        return self.prefiller(items, whole)
+        the tokens computed: past a prefix-cache hit, unless `whole[i]`; at most `budget` tokens)."""
+        return self.prefiller(items, whole, budget)
 
     @property
     def concurrent_with_video(self) -> bool:
@@ -206,13 +213,16 @@ class Reasoner:
 
     def _step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
         self._resume_waiting(sessions)
-        ready = [s for s in sessions if not s.preempted]
+        if filling := [s for s in sessions if s.prefilling]:  # chunked prefill: the oldest one's next chunk
+            decoding = sum(not (s.preempted or s.prefilling) for s in sessions)
+            min(filling, key=lambda s: s.started).prefill_next(max(1, self.max_num_batched_tokens - decoding))
+        ready = [s for s in sessions if not (s.preempted or s.prefilling)]
         if ready:
             drawn = sample_tokens([s.sampler for s in ready], torch.stack([s.pending_logits for s in ready]))
             tokens = dict(zip(map(id, ready), drawn, strict=True))
         deltas, pending = [], []
         for s in sessions:
-            if s.preempted:
+            if s.preempted or s.prefilling:
                 deltas.append(s.idle_delta())
                 continue
             delta, decode = s.advance(tokens[id(s)])
@@ -282,14 +292,18 @@ class Reasoner:
             self.share.mark_ready()
 
     def start(self, params: ChatParams) -> ReasonerSession:
-        """Validate, build the prompt, prefill; the session's step() yields the completion."""
+        """Validate, build the prompt, prefill (all of it: a chunked one to its end); the session's step()
+        yields the completion."""
         (result,) = self.start_many([params])
         if isinstance(result, Exception):
             raise result
+        while result.prefilling:
+            result.prefill_next(self.max_num_batched_tokens)
         return result
 
     def start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
-        """start() of several chats, their prefills in one und pass (up to PREFILL_TOKEN_BUDGET tokens). Per
+        """start() of several chats, their prefills in one und pass (up to max_num_batched_tokens tokens; with
+        chunked prefill a longer prompt's first chunk, its session `prefilling` until step_all ends it). Per
         chat: its session, or the exception it raised (ParamError for a bad request; ChatBackpressure when
         the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
         full: then every later one is refused too, which keeps the chats in order). Chats with the very same
@@ -317,7 +331,7 @@ class Reasoner:
                 continue
             n = len(prompt.input_ids)
             need = self.pool.blocks_for(n + 1)
-            if need > free or (ready and tokens + n > PREFILL_TOKEN_BUDGET):
+            if need > free or (ready and tokens + n > self.max_num_batched_tokens):
                 free = 0  # the later chats wait too, in order
                 self._remember(params, prompt)  # the retry reuses it: no new preprocessing
                 out.append(ChatBackpressure(f"{need} K/V blocks wanted, {self.pool.num_free} free"))
@@ -360,8 +374,10 @@ class Reasoner:
         on its own, so that one chat's failure is not every chat's. [(*item, result or exception)]."""
         items = [(prompt, ()) for _, _, prompt, _ in ready]
         whole = [params.prompt_logprobs is not None for _, params, _, _ in ready]  # every prompt row's logits
+        budget = self.max_num_batched_tokens if self.chunked_prefill and not any(whole) else None
         try:
-            return [(*r, done) for r, done in zip(ready, self.prefill_batch(items, whole), strict=True)]
+            done = self.prefill_batch(items, whole, budget)
+            return [(*r, d) for r, d in zip(ready, done, strict=True)]
         except Exception as exc:
             if len(ready) == 1:
                 return [(*ready[0], exc)]
@@ -400,7 +416,8 @@ class Reasoner:
         seq: PagedSequence,
         pos: int,
     ) -> ReasonerSession:
-        logits = self.transformer.compute_logits(hidden[-1:])[0]
+        complete = seq.length == len(prompt.input_ids)  # else chunked: step_all computes the rest
+        logits = self.transformer.compute_logits(hidden[-1:])[0] if complete else None
         sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
         grammar = (
             None
@@ -412,7 +429,8 @@ class Reasoner:
                                   params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None,
                                   grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
-        session.cached_tokens = len(prompt.input_ids) - hidden.shape[0]  # (hidden: the rows computed)
+        session.cached_tokens = seq.length - hidden.shape[0]  # (hidden: the rows computed)
+        session.prefill_left = len(prompt.input_ids) - seq.length
         session.defer_stops_past_thoughts(params.stops_after_thoughts)
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(

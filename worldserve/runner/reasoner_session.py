@@ -66,7 +66,7 @@ class ReasonerSession:
         self._r, self._sampler, self._seq = reasoner, sampler, seq
         self.grammar = grammar
         self.skip_special_tokens = skip_special_tokens
-        self._logits: Tensor | None = self._constrained(logits)
+        self._logits: Tensor | None = None if logits is None else self._constrained(logits)
         self._position = position
         self._prompt = prompt
         self.started = started
@@ -74,6 +74,7 @@ class ReasonerSession:
         self.prompt_logprobs: tuple | None = None  # with params.prompt_logprobs: set by the Reasoner
         # prompt tokens found in the prefix cache (usage's cached_tokens): set by the Reasoner
         self.cached_tokens = 0
+        self.prefill_left = 0  # prompt tokens a chunked prefill has still to compute (prefill_next)
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.top_logprobs = top_logprobs  # None: no logprobs
@@ -120,6 +121,19 @@ class ReasonerSession:
         """Sample one token, return the new text (possibly empty) and the finish reason once done."""
         return self._r.step_all([self])[0]
 
+    # ------------------------------------------------------------------ chunked prefill
+    @property
+    def prefilling(self) -> bool:
+        """A chunked prefill is under way: prefill_next computes its next chunk (Reasoner.step_all)."""
+        return self.prefill_left > 0 and self._seq is not None and self.finish_reason is None
+
+    def prefill_next(self, budget: int) -> None:
+        """The prompt's next chunk of up to `budget` tokens; after the last one the first token's logits."""
+        hidden = self._r.prefiller.extend(self._prompt, self.token_ids, self._seq, budget)
+        self.prefill_left = self.resume_tokens - self._seq.length
+        if not self.prefill_left:
+            self._logits = self._constrained(self._r.transformer.compute_logits(hidden[-1:])[0])
+
     # ------------------------------------------------------------------ preemption
     @property
     def preempted(self) -> bool:
@@ -151,7 +165,7 @@ class ReasonerSession:
         return True
 
     def idle_delta(self) -> ChatDelta:
-        """The step outcome of a preempted session: no text yet."""
+        """The step outcome of a preempted or still prefilling session: no text yet."""
         return ChatDelta(text="", finish_reason=None, completion_tokens=self.completion_tokens)
 
     def close(self) -> None:

@@ -65,13 +65,17 @@ class UndPrefill:
 
     @torch.inference_mode()
     def __call__(
-        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = ()
-    ) -> list[tuple[Tensor, PagedSequence, int]]:
+        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = (),
+        budget: int | None = None,
+    ) -> list[tuple[Tensor, PagedSequence, int]]:  # fmt: skip
         """prefill() of several (prompt, generated) items in ONE und pass (a prefill of short prompts is
         launch-bound: 32 of them cost about what one does): per item (final-normed hidden [n_i, d] of its
         computed tokens, the last ones, its sequence, next position). All or nothing: PoolExhausted takes no
-        blocks. `whole[i]`: item i skips the prefix cache (all its tokens computed)."""
-        model, bs = self.transformer, self.pool.block_size
+        blocks. `whole[i]`: item i skips the prefix cache (all its tokens computed). `budget` (chunked
+        prefill): the pass computes at most that many tokens (each item at least one), in item order; an item
+        left short (its sequence's length below its tokens) holds the blocks of all its tokens, and `extend`
+        computes the rest."""
+        bs = self.pool.block_size
         totals = [len(prompt.input_ids) + len(generated) for prompt, generated in items]
         # each item's block keys, once: its lookup's (all but its last token, always computed) and, after the
         # pass, its registration's
@@ -88,55 +92,77 @@ class UndPrefill:
                         keys[i][: (totals[i] - 1) // bs], totals[i], preempted=bool(generated)
                     )
                     seqs[-1].adopt(hits)
+            ends, left = [], budget
             for i, (seq, total) in enumerate(zip(seqs, totals, strict=True)):  # in pass order
                 if self.caching and not (i < len(whole) and whole[i]):
                     if extra := self._computed_earlier(i, keys[i][: (total - 1) // bs], seqs, keys):
                         seq.adopt(self.pool.share(extra))
                         self.pool.count_lookup(0, len(extra) * bs, preempted=bool(items[i][1]))
                 seq.reserve(total + 1 - seq.length)
-            ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
-            vit = [self._vit_rows_left(p, s.length) for (p, _), s in zip(items, seqs, strict=True)]
-            visual = any(vit)
-            for seq, (prompt, generated), vit_left in zip(seqs, items, vit, strict=True):
-                cached = seq.length
-                every = torch.tensor(
-                    prompt.input_ids + list(generated), dtype=torch.long, device=model.device
-                )
-                ids.append(every[cached:])
-                after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
-                positions.append(
-                    torch.cat([prompt.positions, after.expand(3, -1)], dim=1)[:, cached:]
-                )  # [3, n_i]
-                if vit_left:
-                    e, ds, r = self._visual_embeddings(every, prompt, cached)
-                    left = r >= cached  # [M] the visual rows still to compute
-                    embeds.append(e[cached:])
-                    deepstack.append(tuple(x[left] for x in ds))
-                    rows.append(r[left] - cached + offset)
-                elif visual:
-                    embeds.append(model.embed_tokens(ids[-1]))
-                offset += ids[-1].numel()
-            batch = UndBatch(
-                input_ids=torch.cat(ids), positions=torch.cat(positions, dim=1).to(model.device),
-                seq_lens=tuple(x.numel() for x in ids), inputs_embeds=torch.cat(embeds) if visual else None,
-                deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
-                visual_rows=torch.cat(rows) if rows else None,
-            )  # fmt: skip
-            if self.graphs is not None and self.graphs.fits(batch):
-                hidden = self.graphs(batch, seqs)
-            else:
-                hidden = model.und_step(batch, seqs, math=self.math)
-            hidden = hidden.split(list(batch.seq_lens))  # [n_i, d] each
+                todo = total - seq.length if left is None else max(1, min(total - seq.length, left))
+                ends.append(seq.length + todo)
+                left = None if left is None else left - todo
+            hidden = self._pass(items, seqs, ends, keys)
         except BaseException:
             for seq in seqs:
                 seq.release()
             raise
-        for seq, k in zip(seqs, keys, strict=True):  # every token committed: all its full blocks
-            self.pool.register(seq.blocks[: len(k)], k)
         return [
             (h, seq, prompt.next_position + len(generated))
             for h, seq, (prompt, generated) in zip(hidden, seqs, items, strict=True)
         ]
+
+    @torch.inference_mode()
+    def extend(self, prompt: ChatPrompt, generated: Sequence[int], seq: PagedSequence, budget: int) -> Tensor:
+        """The next chunk of a sequence an earlier pass left short (chunked prefill): up to `budget` more of
+        its tokens computed; the final-normed hidden [n, d] of those (the last row gives the next token's
+        logits once the sequence holds every token). Its blocks were reserved when it started."""
+        total = len(prompt.input_ids) + len(generated)
+        keys = [block_hashes(prompt, generated, self.pool.block_size, total)] if self.caching else [[]]
+        return self._pass([(prompt, generated)], [seq], [min(total, seq.length + budget)], keys)[0]
+
+    def _pass(
+        self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], seqs: Sequence[PagedSequence],
+        ends: Sequence[int], keys: Sequence[Sequence[bytes]],
+    ) -> list[Tensor]:  # fmt: skip
+        """One und pass computing tokens [seq.length, end) of each item into its sequence, its images' /
+        videos' rows there through the ViT; then its full blocks registered. Hidden [n_i, d] per item."""
+        model = self.transformer
+        ids, positions, embeds, deepstack, rows, offset = [], [], [], [], [], 0
+        vit = [self._vit_rows_left(p, s.length, e) for (p, _), s, e in zip(items, seqs, ends, strict=True)]
+        visual = any(vit)
+        for seq, (prompt, generated), end, vit_left in zip(seqs, items, ends, vit, strict=True):
+            start = seq.length
+            every = torch.tensor(prompt.input_ids + list(generated), dtype=torch.long, device=model.device)
+            ids.append(every[start:end])
+            after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
+            positions.append(
+                torch.cat([prompt.positions, after.expand(3, -1)], dim=1)[:, start:end]
+            )  # [3, n_i]
+            if vit_left:
+                e, ds, r = self._visual_embeddings(every, prompt, start, end)
+                here = (r >= start) & (r < end)  # [M] the visual rows this pass computes
+                embeds.append(e[start:end])
+                deepstack.append(tuple(x[here] for x in ds))
+                rows.append(r[here] - start + offset)
+            elif visual:
+                embeds.append(model.embed_tokens(ids[-1]))
+            offset += ids[-1].numel()
+        batch = UndBatch(
+            input_ids=torch.cat(ids), positions=torch.cat(positions, dim=1).to(model.device),
+            seq_lens=tuple(x.numel() for x in ids), inputs_embeds=torch.cat(embeds) if visual else None,
+            deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
+            visual_rows=torch.cat(rows) if rows else None,
+        )  # fmt: skip
+        if self.graphs is not None and self.graphs.fits(batch):
+            hidden = self.graphs(batch, seqs)
+        else:
+            hidden = model.und_step(batch, seqs, math=self.math)
+        bs = self.pool.block_size
+        for seq, k in zip(seqs, keys, strict=True):  # its committed full blocks
+            n = min(len(k), seq.length // bs)
+            self.pool.register(seq.blocks[:n], k[:n])
+        return list(hidden.split(list(batch.seq_lens)))  # [n_i, d] each
 
     def _computed_earlier(
         self, i: int, want: Sequence[bytes], seqs: Sequence[PagedSequence], keys: Sequence[Sequence[bytes]]
@@ -176,21 +202,22 @@ class UndPrefill:
             hashes = block_hashes(prompt, generated, self.pool.block_size, seq.length)
             self.pool.register(seq.blocks[: len(hashes)], hashes)
 
-    def _vit_rows_left(self, prompt: ChatPrompt, cached: int) -> bool:
-        """Whether the prompt has image / video rows at or past `cached` (the ViT must run for this item)."""
+    def _vit_rows_left(self, prompt: ChatPrompt, start: int, end: int) -> bool:
+        """Whether the prompt has image / video rows in [start, end) (the ViT must run for this item)."""
         if prompt.vision is None and prompt.video is None:
             return False
-        left = torch.as_tensor(prompt.input_ids[cached:])
+        left = torch.as_tensor(prompt.input_ids[start:end])
         return bool(((left == self.image_token_id) | (left == self.video_token_id)).any())
 
     def _visual_embeddings(
-        self, ids: Tensor, prompt: ChatPrompt, cached: int
+        self, ids: Tensor, prompt: ChatPrompt, cached: int, end: int
     ) -> tuple[Tensor, tuple[Tensor, ...], Tensor]:
         """(token embeddings with the ViT rows in, deepstack features [M, d] each, visual rows [M]); image and
-        video rows in sequence order, as Qwen3-VL joins them. Only the images / videos with rows at or past
-        `cached` go through the encoder: rows before it (and their deepstack features, left zero) are in
+        video rows in sequence order, as Qwen3-VL joins them. Only the images / videos with rows in
+        [cached, end) go through the encoder: rows before it (and their deepstack features, left zero) are in
         cached blocks, and re-encoding an item the prefix cache holds whole (e.g. a long video, too large
-        for the encoder cache, before a new turn's image) would be wasted."""
+        for the encoder cache, before a new turn's image) would be wasted; rows past `end` come in a later
+        chunk (one cut by the chunk's end is encoded for both, the second time from the encoder cache)."""
         assert self.vision is not None
         model = self.transformer
         embeds = model.embed_tokens(ids)
@@ -208,7 +235,9 @@ class UndPrefill:
             ]  # this kind's, in order
             at = mask.nonzero().squeeze(1)  # [m] this kind's rows, item after item
             spans = torch.tensor([0, *inputs.tokens_per_image(self.vision.merge_size)]).cumsum(0).tolist()
-            items = [i for i in range(len(spans) - 1) if at[spans[i + 1] - 1] >= cached]
+            items = [
+                i for i in range(len(spans) - 1) if at[spans[i + 1] - 1] >= cached and at[spans[i]] < end
+            ]
             if not items:
                 continue
             digests = [digests[i] for i in items] if len(digests) == len(spans) - 1 else []  # []: uncached

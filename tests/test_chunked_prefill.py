@@ -1,0 +1,165 @@
+"""Chunked prefill (vLLM's, on by default): a prompt longer than --max-num-batched-tokens is prefilled in chunks,
+one a step, while the running chats keep decoding. On the tiny checkpoint (float32, CPU): the chunked chat's
+first logits and greedy tokens equal a whole prefill's (text, an image cut by a chunk's end, with and without
+prefix caching); running chats get a token every step meanwhile; each chunk's budget leaves a token for every
+decoding chat; a chat closed mid-prefill gives its blocks back and leaves its committed ones cached; start()
+prefills to the end; the flags reach the Reasoner and a chunked chat answers over HTTP as a whole one does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
+
+BS = 16
+BUDGET = 48  # tokens a step computes: three blocks
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    return model, AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+
+
+def make(tiny_ckpt, model_tok, *, chunked=True, caching=True, budget=BUDGET):
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_tok
+    return Reasoner.from_pretrained(
+        tiny_ckpt, model, tok, max_model_len=1024, kv_block_size=BS, enable_prefix_caching=caching,
+        max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+    )  # fmt: skip
+
+
+def ids_chat(n: int, first: int = 3, max_tokens: int = 6) -> ChatParams:
+    ids = tuple(first + (i * 7) % 200 for i in range(n))
+    return ChatParams(prompt_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def image_chat(max_tokens: int = 6) -> ChatParams:
+    image = np.random.default_rng(5).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    content = (ChatPart(type="text", text="Look at this picture, please: " * 2), ChatPart(type="image", image=image),
+               ChatPart(type="text", text="What is in it? Answer in detail."))  # fmt: skip
+    return ChatParams(
+        messages=(ChatMessage(role="user", content=content),),
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+
+
+def run(reasoner, session) -> tuple[torch.Tensor, list[int], int]:
+    """(first token's logits, greedy tokens, chunks after the first) of a session run alone: its chunks as
+    step_all runs them (which then samples the first token in the same step), its steps to the end."""
+    waited = 0
+    while session.prefilling:
+        session.prefill_next(reasoner.max_num_batched_tokens)
+        waited += 1
+    first = session.pending_logits.clone()
+    while session.finish_reason is None:
+        session.step()
+    session.close()
+    return first, session.token_ids, waited
+
+
+def whole(tiny_ckpt, model_tok, params) -> tuple[torch.Tensor, list[int]]:
+    r = make(tiny_ckpt, model_tok, chunked=False, caching=False)
+    first, tokens, waited = run(r, r.start_many([params])[0])
+    assert waited == 0
+    return first, tokens
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_a_chunked_prefill_gives_the_logits_and_tokens_of_a_whole_one(tiny_ckpt, model_tok, kind, caching):
+    params = ids_chat(170) if kind == "text" else image_chat()
+    r = make(tiny_ckpt, model_tok, caching=caching)
+    n = len(r.build_prompt(params).input_ids)
+    if kind == "image":  # an image cut by a chunk's end: its rows in two chunks, one encode
+        rows = [i for i, t in enumerate(r.build_prompt(params).input_ids) if t == r.image_token_id]
+        assert rows[0] // BUDGET < rows[-1] // BUDGET
+    (session,) = r.start_many([params])
+    assert session.prefilling and session.pending_logits is None
+    first, tokens, waited = run(r, session)
+    assert waited == -(-n // BUDGET) - 1  # one chunk at the start, one a step after it
+    want_first, want_tokens = whole(tiny_ckpt, model_tok, params)
+    assert ((first - want_first).norm() / want_first.norm()).item() < 1e-5
+    assert tokens == want_tokens
+    if kind == "image" and caching:
+        assert r.prefiller.encoder.misses == 1
+    assert r.pool.num_free == r.pool.num_blocks - 1
+
+
+def test_running_chats_decode_every_step_while_a_long_prompt_prefills(tiny_ckpt, model_tok):
+    r = make(tiny_ckpt, model_tok, caching=False)
+    short = [r.start(ids_chat(10, first=i, max_tokens=40)) for i in (5, 9)]
+    extends = []
+    extend = r.prefiller.extend
+    r.prefiller.extend = lambda p, g, seq, budget: (
+        extends.append((seq.length, budget)) or extend(p, g, seq, budget)
+    )
+    params = ids_chat(200, max_tokens=4)
+    (long,) = r.start_many([params])
+    n = len(long._prompt.input_ids)
+    steps = 0
+    while long.completion_tokens == 0:
+        deltas = r.step_all([*short, long])
+        steps += 1
+        assert [d.completion_tokens for d in deltas[:2]] == [steps] * 2
+    # its chunks, one a step, a token of each step's budget left for each decoding chat; its first token
+    # sampled in the step of its last chunk
+    assert extends == [(BUDGET + i * (BUDGET - 2), BUDGET - 2) for i in range(steps)]
+    assert extends[-1][0] < n <= extends[-1][0] + BUDGET - 2
+    r.prefiller.extend = extend
+    while long.finish_reason is None:
+        r.step_all([*short, long])
+    assert long.token_ids == whole(tiny_ckpt, model_tok, params)[1]
+    for s in (*short, long):
+        s.close()
+
+
+def test_a_chat_closed_mid_prefill_frees_its_blocks_and_keeps_its_committed_ones_cached(tiny_ckpt, model_tok):
+    r = make(tiny_ckpt, model_tok)
+    params = ids_chat(170)
+    (session,) = r.start_many([params])
+    r.step_all([session])  # a second chunk
+    assert session.prefilling
+    committed = 2 * BUDGET
+    session.close()
+    assert r.pool.num_free == r.pool.num_blocks - 1 and r.pool.num_cached == committed // BS
+    hits = r.prefix_cache_counts[1]
+    first, tokens, _ = run(r, r.start_many([params])[0])
+    assert r.prefix_cache_counts[1] - hits == committed
+    want_first, want_tokens = whole(tiny_ckpt, model_tok, params)
+    assert ((first - want_first).norm() / want_first.norm()).item() < 1e-5 and tokens == want_tokens
+
+
+def test_start_prefills_to_the_end_and_no_chunking_prefills_whole(tiny_ckpt, model_tok):
+    r = make(tiny_ckpt, model_tok)
+    s = r.start(ids_chat(170))
+    assert not s.prefilling and s.pending_logits is not None
+    s.close()
+    off = make(tiny_ckpt, model_tok, chunked=False)
+    (s,) = off.start_many([ids_chat(170)])
+    assert not s.prefilling and s.pending_logits is not None
+    s.close()
+
+
+def test_the_flags_reach_the_reasoner_and_are_checked(tiny_ckpt):
+    from worldserve.commands import serve
+    from worldserve.config import ModelConfig, ParallelConfig, SchedulerConfig
+
+    cfg = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096)
+    sched = SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False)
+    reasoner = serve._load_backend(cfg, ParallelConfig(), sched)[2]
+    assert (reasoner.max_num_batched_tokens, reasoner.chunked_prefill) == (512, False)
+    reasoner = serve._load_backend(cfg, ParallelConfig())[2]
+    assert (reasoner.max_num_batched_tokens, reasoner.chunked_prefill) == (8192, True)  # vLLM's defaults
+    with pytest.raises(ValueError, match="--max-num-batched-tokens"):
+        SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=32)
