@@ -163,3 +163,22 @@ def test_the_flags_reach_the_reasoner_and_are_checked(tiny_ckpt):
     assert (reasoner.max_num_batched_tokens, reasoner.chunked_prefill) == (8192, True)  # vLLM's defaults
     with pytest.raises(ValueError, match="--max-num-batched-tokens"):
         SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def reasoner(tiny_ckpt, model_tok):
+    """The module's served Reasoner (conftest's reasoner_url / reasoner_oai): chunks of BUDGET tokens."""
+    return make(tiny_ckpt, model_tok)
+
+
+def test_a_chunked_chat_answers_over_http_as_a_whole_one(reasoner_oai, tiny_ckpt, model_tok):
+    """Streamed and not, through the chat worker: the text of the whole prefill, and no empty chunks while
+    the prompt prefills (vLLM streams nothing before the first token)."""
+    params = ids_chat(170)
+    want = model_tok[1].decode(whole(tiny_ckpt, model_tok, params)[1])
+    kw = {"model": "test-model", "prompt": list(params.prompt_ids), "max_tokens": 6, "temperature": 0.0,
+          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    assert reasoner_oai.completions.create(**kw).choices[0].text == want
+    chunks = list(reasoner_oai.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks if c.choices)
