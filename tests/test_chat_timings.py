@@ -106,6 +106,24 @@ def test_chat_worker_times_the_phases_as_vllm_defines_them():
     assert 0 <= times.queue_s and times.queue_s + times.inference_s <= times.e2e_s + 1e-9
 
 
+def test_a_wait_for_the_model_lock_is_queue_time_not_prefill():
+    """Chats that take turns with video steps (the model lock) are admitted when their prefill gets the model:
+    the time a video step held it counts as queue time (vLLM's QUEUED: not scheduled yet), not as prefill."""
+    lock = threading.Lock()
+    worker, recorder = ChatWorker(_Backend(), lock), _Recorder()
+    worker.observer = recorder
+    worker.start()
+    try:
+        with lock:  # a video step runs
+            worker.submit(ChatParams(messages=(ChatMessage(role="user", content="hi"),)), lambda event: None)
+            time.sleep(0.2)
+        wait_until(lambda: recorder.finished)
+    finally:
+        worker.stop(1.0)
+    (times,) = recorder.finished
+    assert times.queue_s >= 0.2 and times.prefill_s < 0.1, times
+
+
 def test_n_choices_count_their_shared_prompt_once():
     """A request's n choices are prefilled once (shared prompt K/V): tokens per iteration count it once."""
     worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()

@@ -251,9 +251,10 @@ class ChatWorker:
     def _start(self, batch: list[ChatHandle]):
         """Prefill several chats in one backend call: (the started (handle, session) pairs, the handles the
         backend had no room for now). Failed chats get their ChatFailed."""
-        admitted_at = time.monotonic()
+        admitted_at = None  # when the model is ours (vLLM's SCHEDULED): a wait on a video step is queue time
         try:
             with self._model():
+                admitted_at = time.monotonic()
                 results = self.backend.start_many([h.params for h in batch])
         except Exception as exc:
             results = [exc] * len(batch)
