@@ -1,6 +1,7 @@
 """Reasoner: Qwen3-VL chat completions on the und tower of the loaded Cosmos3 transformer (no second copy).
 
-start(ChatParams) -> ReasonerSession (start_many: several at once, their prefills in one pass):
+start(ChatParams) -> ReasonerSession (start_many: several at once, their prefills in one pass; admission,
+budgets and sessions in chat_admission.py):
   prompt:  runner/chat_prompt.py (chat template, Qwen3-VL image / video placeholders, positions; or a raw
            prompt's token ids, ChatParams.prompt_ids: /v1/completions).
   prefill: one und_step over the whole prompt with embed_tokens rows replaced by the ViT embeddings at the
@@ -34,22 +35,17 @@ import torch
 from torch import Tensor
 
 from worldserve.chat_params import ChatParams
-from worldserve.engine.outputs import ChatBackpressure, ChatDelta
+from worldserve.engine.outputs import ChatDelta
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
-from worldserve.runner.chat_prompt import (
-    IMAGE_PAD,
-    VIDEO_PAD,
-    ChatPrompt,
-    ChatPromptBuilder,
-    completion_budget,
-)
+from worldserve.runner.chat_admission import ChatAdmission
+from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
-from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
+from worldserve.runner.reasoner_session import ReasonerSession
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
 from worldserve.sampling.token_grammar import GrammarCompiler, constrain_rows
-from worldserve.sampling.tokens import TokenSampler, sample_tokens
+from worldserve.sampling.tokens import sample_tokens
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -58,8 +54,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """vLLM's --max-num-batched-tokens (its default for online serving on large GPUs): the tokens one step
 computes at most. An admission prefills whole prompts up to it (a longer one goes alone); with chunked prefill
 a longer prompt is computed in chunks of it, one a step, less a token for each decoding chat."""
-DEFERRED_PROMPTS = 256
-"""Built prompts kept for chats refused for lack of room (their retry skips the preprocessing)."""
 
 
 def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = False) -> int:
@@ -68,7 +62,7 @@ def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = Fal
     return max_model_len if layerwise_offload else 2 * max_model_len
 
 
-class Reasoner:
+class Reasoner(ChatAdmission):
     """The Qwen3-VL view of a loaded Cosmos3Transformer + the ViT + the checkpoint tokenizer."""
 
     def __init__(
@@ -290,152 +284,3 @@ class Reasoner:
         _ = self.grammars.tokenizer  # structured outputs' view of the vocabulary (about a second on Qwen's)
         if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
             self.share.mark_ready()
-
-    def start(self, params: ChatParams) -> ReasonerSession:
-        """Validate, build the prompt, prefill (all of it: a chunked one to its end); the session's step()
-        yields the completion."""
-        (result,) = self.start_many([params])
-        if isinstance(result, Exception):
-            raise result
-        while result.prefilling:
-            result.prefill_next(self.max_num_batched_tokens)
-        return result
-
-    def start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
-        """start() of several chats, their prefills in one und pass (up to max_num_batched_tokens tokens; with
-        chunked prefill a longer prompt's first chunk, its session `prefilling` until step_all ends it). Per
-        chat: its session, or the exception it raised (ParamError for a bad request; ChatBackpressure when
-        the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
-        full: then every later one is refused too, which keeps the chats in order). Chats with the very same
-        messages (the n choices of one request) share one prompt, one prefill and its full K/V blocks."""
-        self.share.chats_live(self._live + len(batch))  # the margin up before the prefill, not after it
-        try:
-            with self.share.context():
-                return self._start_many(batch)
-        finally:
-            self.share.chats_live(self._live)
-
-    def _start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
-        out: list[ReasonerSession | Exception | None] = []
-        ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
-        free = 0 if self._waiting else self.pool.num_free - self._live
-        tokens = 0
-        built: dict[int, ChatPrompt] = {}  # prompt_key -> its prompt (the batch holds the params alive)
-        for params in batch:
-            key = params.prompt_key
-            try:
-                prompt, budget = self._plan(params, built.get(key))
-                built[key] = prompt
-            except Exception as exc:  # ParamError: a bad request; anything else fails this chat alone
-                out.append(exc)
-                continue
-            n = len(prompt.input_ids)
-            need = self.pool.blocks_for(n + 1)
-            if need > free or (ready and tokens + n > self.max_num_batched_tokens):
-                free = 0  # the later chats wait too, in order
-                self._remember(params, prompt)  # the retry reuses it: no new preprocessing
-                out.append(ChatBackpressure(f"{need} K/V blocks wanted, {self.pool.num_free} free"))
-                continue
-            free -= need
-            tokens += n
-            ready.append((len(out), params, prompt, budget))
-            out.append(None)
-        leaders: dict[int, tuple] = {}  # id(prompt) -> the first ready chat with that prompt
-        for r in ready:
-            leaders.setdefault(id(r[2]), r)
-        prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()))}
-        for i, params, prompt, budget in ready:
-            out[i] = self._start_one(i, params, prompt, budget, prefilled, leaders[id(prompt)][0] == i)
-        return out
-
-    def _start_one(self, i: int, params: ChatParams, prompt: ChatPrompt, budget: int, prefilled: dict,
-                   leader: bool) -> ReasonerSession | Exception:  # fmt: skip
-        """The session of ready chat i from its prompt's prefill (a later choice of the same messages forks
-        the leader's K/V), or the exception that fails this chat alone, its blocks given back."""
-        done = prefilled[id(prompt)]
-        if isinstance(done, Exception):
-            return done
-        try:
-            seq = done[1] if leader else self.prefiller.fork(done[1], prompt, params)
-        except PoolExhausted as exc:
-            return ChatBackpressure(str(exc))
-        except Exception as exc:
-            return exc
-        try:
-            return self._session(params, prompt, budget, done[0], seq, done[2])
-        except Exception as exc:  # e.g. out of memory for its logits
-            seq.release()
-            if leader:
-                prefilled[id(prompt)] = exc  # its other choices have nothing to fork now
-            return exc
-
-    def _prefill_each(self, ready: list) -> list:
-        """prefill_batch over the ready chats; when the pass fails (e.g. out of memory), each chat once more
-        on its own, so that one chat's failure is not every chat's. [(*item, result or exception)]."""
-        items = [(prompt, ()) for _, _, prompt, _ in ready]
-        whole = [params.prompt_logprobs is not None for _, params, _, _ in ready]  # every prompt row's logits
-        budget = self.max_num_batched_tokens if self.chunked_prefill and not any(whole) else None
-        try:
-            done = self.prefill_batch(items, whole, budget)
-            return [(*r, d) for r, d in zip(ready, done, strict=True)]
-        except Exception as exc:
-            if len(ready) == 1:
-                return [(*ready[0], exc)]
-        return [row for r in ready for row in self._prefill_each([r])]
-
-    def _remember(self, params: ChatParams, prompt: ChatPrompt) -> None:
-        """Keep the prompt of a chat refused for lack of room (the most recent DEFERRED_PROMPTS of them)."""
-        self._deferred[id(params)] = (params, prompt)
-        while len(self._deferred) > DEFERRED_PROMPTS:
-            self._deferred.pop(next(iter(self._deferred)))
-
-    def _plan(self, params: ChatParams, prompt: ChatPrompt | None = None) -> tuple[ChatPrompt, int]:
-        """Validate, build the prompt (or take `prompt`, built for the same messages, or the one of its last
-        refused start), check the context: (prompt, completion token budget). ParamError for a bad request."""
-        params.validate()
-        self.prompts.check_ids(list(params.stop_token_ids), "stop_token_ids")
-        self.prompts.check_ids(list(params.allowed_token_ids or ()), "allowed_token_ids")
-        self.prompts.check_ids([token for token, _ in params.logit_bias], "logit_bias")
-        deferred = self._deferred.pop(id(params), None)
-        if prompt is None and params.prebuilt is not None:
-            prompt = params.prebuilt
-        if prompt is None:
-            prompt = (
-                deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
-            )
-        if params.truncate_prompt_tokens is not None:
-            prompt = self.prompts.truncated(prompt, params.truncate_prompt_tokens, self.max_model_len)
-        return prompt, completion_budget(params, len(prompt.input_ids), self.max_model_len)
-
-    def _session(
-        self,
-        params: ChatParams,
-        prompt: ChatPrompt,
-        budget: int,
-        hidden: Tensor,
-        seq: PagedSequence,
-        pos: int,
-    ) -> ReasonerSession:
-        complete = seq.length == len(prompt.input_ids)  # else chunked: step_all computes the rest
-        logits = self.transformer.compute_logits(hidden[-1:])[0] if complete else None
-        sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
-        grammar = (
-            None
-            if params.structured is None
-            else self.grammars.grammar(params.structured, params.think_first)
-        )
-        session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
-                                  max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
-                                  params.stop_token_ids, params.include_stop_str_in_output),
-                                  top_logprobs=params.top_logprobs if params.logprobs else None,
-                                  grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
-        session.cached_tokens = seq.length - hidden.shape[0]  # (hidden: the rows computed)
-        session.prefill_left = len(prompt.input_ids) - seq.length
-        session.defer_stops_past_thoughts(params.stops_after_thoughts)
-        if params.prompt_logprobs is not None:
-            session.prompt_logprobs = prompt_logprobs(
-                self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs
-            )
-        self._started += 1
-        self._live += 1  # counted once the session exists: its close() takes it back (forget)
-        return session

@@ -1,0 +1,206 @@
+"""The Reasoner's admission of new chats (ChatAdmission, a base of runner/reasoner.py's Reasoner).
+
+`start_many(batch)`: per chat, validate and build the prompt (or reuse the one built for the same messages,
+or for its last refused start), check the context, and admit it while the pool keeps a block free for each
+running chat's next token and the pass stays within max_num_batched_tokens prompt tokens (a longer prompt
+goes alone; later chats are refused with ChatBackpressure, in order, and retried by the chat worker). The
+admitted chats' prompts are prefilled in ONE und pass (chats with the very same messages, the n choices of
+one request, share one prompt, one prefill and its full K/V blocks: a fork each), with chunked prefill only
+the first chunk of a prompt longer than the budget (its session `prefilling` until Reasoner.step_all computes
+the rest); a pass that fails is retried chat by chat, so that one chat's failure is not every chat's. Then
+each chat's ReasonerSession: sampler, grammar, first logits, cached tokens, prompt logprobs.
+
+The Reasoner provides the state it reads: pool, prefiller, prompts, grammars, transformer, tokenizer,
+share, max_model_len, max_num_batched_tokens, chunked_prefill, _waiting, _live, _started, _deferred.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from worldserve.chat_params import ChatParams
+from worldserve.engine.outputs import ChatBackpressure
+from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
+from worldserve.runner.chat_prompt import ChatPrompt, completion_budget
+from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
+from worldserve.sampling.tokens import TokenSampler
+
+if TYPE_CHECKING:
+    from typing import Any
+
+DEFERRED_PROMPTS = 256
+"""Built prompts kept for chats refused for lack of room (their retry skips the preprocessing)."""
+
+
+class ChatAdmission:
+    """start() / start_many() of the Reasoner (module docstring)."""
+
+    if TYPE_CHECKING:  # the Reasoner's state this reads (runner/reasoner.py)
+        pool: Any
+        prefiller: Any
+        prompts: Any
+        grammars: Any
+        transformer: Any
+        tokenizer: Any
+        share: Any
+        max_model_len: int
+        max_num_batched_tokens: int
+        chunked_prefill: bool
+        _waiting: list
+        _live: int
+        _started: int
+        _deferred: dict
+
+        def prefill_batch(self, items, whole=(), budget=None) -> list: ...
+
+    def start(self, params: ChatParams) -> ReasonerSession:
+        """Validate, build the prompt, prefill (all of it: a chunked one to its end); the session's step()
+        yields the completion."""
+        (result,) = self.start_many([params])
+        if isinstance(result, Exception):
+            raise result
+        while result.prefilling:
+            result.prefill_next(self.max_num_batched_tokens)
+        return result
+
+    def start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
+        """start() of several chats, their prefills in one und pass (up to max_num_batched_tokens tokens; with
+        chunked prefill a longer prompt's first chunk, its session `prefilling` until step_all ends it). Per
+        chat: its session, or the exception it raised (ParamError for a bad request; ChatBackpressure when
+        the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
+        full: then every later one is refused too, which keeps the chats in order). Chats with the very same
+        messages (the n choices of one request) share one prompt, one prefill and its full K/V blocks."""
+        self.share.chats_live(self._live + len(batch))  # the margin up before the prefill, not after it
+        try:
+            with self.share.context():
+                return self._start_many(batch)
+        finally:
+            self.share.chats_live(self._live)
+
+    def _start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
+        out: list[ReasonerSession | Exception | None] = []
+        ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
+        free = 0 if self._waiting else self.pool.num_free - self._live
+        tokens = 0
+        built: dict[int, ChatPrompt] = {}  # prompt_key -> its prompt (the batch holds the params alive)
+        for params in batch:
+            key = params.prompt_key
+            try:
+                prompt, budget = self._plan(params, built.get(key))
+                built[key] = prompt
+            except Exception as exc:  # ParamError: a bad request; anything else fails this chat alone
+                out.append(exc)
+                continue
+            n = len(prompt.input_ids)
+            need = self.pool.blocks_for(n + 1)
+            if need > free or (ready and tokens + n > self.max_num_batched_tokens):
+                free = 0  # the later chats wait too, in order
+                self._remember(params, prompt)  # the retry reuses it: no new preprocessing
+                out.append(ChatBackpressure(f"{need} K/V blocks wanted, {self.pool.num_free} free"))
+                continue
+            free -= need
+            tokens += n
+            ready.append((len(out), params, prompt, budget))
+            out.append(None)
+        leaders: dict[int, tuple] = {}  # id(prompt) -> the first ready chat with that prompt
+        for r in ready:
+            leaders.setdefault(id(r[2]), r)
+        prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()))}
+        for i, params, prompt, budget in ready:
+            out[i] = self._start_one(i, params, prompt, budget, prefilled, leaders[id(prompt)][0] == i)
+        return out
+
+    def _start_one(self, i: int, params: ChatParams, prompt: ChatPrompt, budget: int, prefilled: dict,
+                   leader: bool) -> ReasonerSession | Exception:  # fmt: skip
+        """The session of ready chat i from its prompt's prefill (a later choice of the same messages forks
+        the leader's K/V), or the exception that fails this chat alone, its blocks given back."""
+        done = prefilled[id(prompt)]
+        if isinstance(done, Exception):
+            return done
+        try:
+            seq = done[1] if leader else self.prefiller.fork(done[1], prompt, params)
+        except PoolExhausted as exc:
+            return ChatBackpressure(str(exc))
+        except Exception as exc:
+            return exc
+        try:
+            return self._session(params, prompt, budget, done[0], seq, done[2])
+        except Exception as exc:  # e.g. out of memory for its logits
+            seq.release()
+            if leader:
+                prefilled[id(prompt)] = exc  # its other choices have nothing to fork now
+            return exc
+
+    def _prefill_each(self, ready: list) -> list:
+        """prefill_batch over the ready chats; when the pass fails (e.g. out of memory), each chat once more
+        on its own, so that one chat's failure is not every chat's. [(*item, result or exception)]."""
+        items = [(prompt, ()) for _, _, prompt, _ in ready]
+        whole = [params.prompt_logprobs is not None for _, params, _, _ in ready]  # every prompt row's logits
+        budget = self.max_num_batched_tokens if self.chunked_prefill and not any(whole) else None
+        try:
+            done = self.prefill_batch(items, whole, budget)
+            return [(*r, d) for r, d in zip(ready, done, strict=True)]
+        except Exception as exc:
+            if len(ready) == 1:
+                return [(*ready[0], exc)]
+        return [row for r in ready for row in self._prefill_each([r])]
+
+    def _remember(self, params: ChatParams, prompt: ChatPrompt) -> None:
+        """Keep the prompt of a chat refused for lack of room (the most recent DEFERRED_PROMPTS of them)."""
+        self._deferred[id(params)] = (params, prompt)
+        while len(self._deferred) > DEFERRED_PROMPTS:
+            self._deferred.pop(next(iter(self._deferred)))
+
+    def _plan(self, params: ChatParams, prompt: ChatPrompt | None = None) -> tuple[ChatPrompt, int]:
+        """Validate, build the prompt (or take `prompt`, built for the same messages, or the one of its last
+        refused start), check the context: (prompt, completion token budget). ParamError for a bad request."""
+        params.validate()
+        self.prompts.check_ids(list(params.stop_token_ids), "stop_token_ids")
+        self.prompts.check_ids(list(params.allowed_token_ids or ()), "allowed_token_ids")
+        self.prompts.check_ids([token for token, _ in params.logit_bias], "logit_bias")
+        deferred = self._deferred.pop(id(params), None)
+        if prompt is None and params.prebuilt is not None:
+            prompt = params.prebuilt
+        if prompt is None:
+            prompt = (
+                deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
+            )
+        if params.truncate_prompt_tokens is not None:
+            prompt = self.prompts.truncated(prompt, params.truncate_prompt_tokens, self.max_model_len)
+        return prompt, completion_budget(params, len(prompt.input_ids), self.max_model_len)
+
+    def _session(
+        self,
+        params: ChatParams,
+        prompt: ChatPrompt,
+        budget: int,
+        hidden: Tensor,
+        seq: PagedSequence,
+        pos: int,
+    ) -> ReasonerSession:
+        complete = seq.length == len(prompt.input_ids)  # else chunked: step_all computes the rest
+        logits = self.transformer.compute_logits(hidden[-1:])[0] if complete else None
+        sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
+        grammar = (
+            None
+            if params.structured is None
+            else self.grammars.grammar(params.structured, params.think_first)
+        )
+        session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
+                                  max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
+                                  params.stop_token_ids, params.include_stop_str_in_output),
+                                  top_logprobs=params.top_logprobs if params.logprobs else None,
+                                  grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
+        session.cached_tokens = seq.length - hidden.shape[0]  # (hidden: the rows computed)
+        session.prefill_left = len(prompt.input_ids) - seq.length
+        session.defer_stops_past_thoughts(params.stops_after_thoughts)
+        if params.prompt_logprobs is not None:
+            session.prompt_logprobs = prompt_logprobs(
+                self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs
+            )
+        self._started += 1
+        self._live += 1  # counted once the session exists: its close() takes it back (forget)
+        return session
