@@ -2,7 +2,8 @@
 (capture=False) over the padded static buffers, attention eager between them, must give what the whole
 und pass gives: the first token's logits and the K/V later steps read, for prompts padded up to their
 bucket, an image prompt (deepstack rows), a next turn starting on cached blocks, several chats in one pass,
-and a pass too large for the buckets (it takes the plain und pass). The CUDA capture itself: the gpu test
+prompt logprobs, n choices, a preempted chat's resume, and a pass too large for the buckets (it takes the
+plain und pass). The CUDA capture itself: the gpu test
 in test_und_decoder_cuda.py."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reasoner_helpers import tiny_reasoner
+from reasoner_helpers import greedy_chats, tiny_reasoner
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
 from worldserve.models.cosmos3.layer import finish_math, qkv_math
@@ -104,3 +105,30 @@ def test_chats_sharing_a_prefix_in_one_pass_read_the_blocks_the_first_writes(pai
     hits = pair[1].prefix_cache_counts[1]
     _same(pair, [_params(ids=[4, 4, *range(100, 240)]), _params(ids=[4, 4, *range(100, 230), 9])])
     assert pair[1].prefix_cache_counts[1] - hits == 2 * pair[1].pool.block_size
+
+
+def test_prompt_logprobs_n_choices_and_a_preempted_chats_resume_through_the_pieces(pair, tiny_ckpt):
+    """Every prompt row's hidden state (prompt logprobs: the whole prompt computed), the n choices of one
+    prompt (one pass, the others fork its K/V), and a preempted chat's resume (its prompt and the tokens it
+    generated, prefilled after it) give through the pieces what the plain und pass gives."""
+    from worldserve.runner.reasoner import Reasoner
+
+    plain, pieces = pair
+    ids = tuple(range(5, 70))
+    logprobs = ChatParams(prompt_ids=ids, max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    want, got = (r.start(logprobs) for r in pair)
+    assert got.prompt_logprobs == want.prompt_logprobs
+    for s in (want, got):
+        s.close()
+    choices = [ChatParams(prompt_ids=ids, max_tokens=6, temperature=1.0, seed=i) for i in range(3)]
+    _same(pair, choices)
+    model, tok = pieces.prefiller.transformer, pieces.tokenizer
+    tight = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=64,
+                                     kv_block_size=8)  # fmt: skip
+    tight.prefiller.graphs = PrefillGraphs(
+        model, (qkv_math, finish_math), num_deepstack=tight.vision.num_deepstack, max_tokens=64, capture=False
+    )
+    roomy = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=64, kv_cache_tokens=4096)
+    prompts = ["Hello there", "Describe a cat"]
+    assert greedy_chats(tight, prompts, 30, close=True) == greedy_chats(roomy, prompts, 30, close=True)
+    assert tight.preemptions >= 1 and tight.prefiller.graphs.replays > len(prompts)  # the resumes' passes too

@@ -20,9 +20,13 @@ Measured (H200, random Nano, bench/prefill_floor.py): a 75-token prompt's first 
 without graphs 22 ms, eager 29 ms; the weight-streaming floor 3.5 ms); what is left on the host is mostly the
 per-layer attention call and K/V writes.
 
-The pieces run the decode step's compiled layer math (layer.compiled_decode_math, dynamic shapes), so a
-capture compiles nothing new. All graphs share one memory pool: their intermediates die inside each replay and
-replays never overlap, and every result they keep lands in the static buffers.
+The pieces run the decode step's compiled layer math (layer.compiled_decode_math, dynamic shapes), but not its
+graphs: the static buffers are normal tensors where the decode step's activations are inference tensors, and
+dynamo guards on that (the dispatch keys), so each function compiles twice more at the warm-up (the first
+bucket static, then one dynamic graph for the rest: 4 graphs a function with the decode step's, within
+dynamo's default limit of 8). Those compiles run in a capture's warm-up passes, never inside a capture, and
+after the warm-up no bucket compiles. All graphs share one memory pool: their intermediates die inside each
+replay and replays never overlap, and every result they keep lands in the static buffers.
 """
 
 from __future__ import annotations
