@@ -182,3 +182,32 @@ def test_a_chunked_chat_answers_over_http_as_a_whole_one(reasoner_oai, tiny_ckpt
     chunks = list(reasoner_oai.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preempted_chats_resume_chunk_by_chunk_and_answer_as_with_room(tiny_ckpt, model_tok, caching):
+    """A pool too small for three long chats preempts them; each resume recomputes its prompt and answer in
+    chunks (a step each) and every chat's tokens equal those of the same chats in a roomy pool."""
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_tok
+    small = Reasoner.from_pretrained(
+        tiny_ckpt, model, tok, max_model_len=20 * BS, kv_block_size=BS, kv_cache_tokens=20 * BS,
+        max_num_batched_tokens=BUDGET, enable_prefix_caching=caching,
+    )  # fmt: skip
+    chats = [ids_chat(70, first=f, max_tokens=100) for f in (3, 11, 20)]
+    resumes = []
+    resume = small.prefill
+    small.prefill = lambda p, g=(), **kw: resumes.append((len(g), kw.get("budget"))) or resume(p, g, **kw)
+    sessions = [small.start(c) for c in chats]  # each alone: the pool holds one chat's prompt + answer
+    live = list(sessions)
+    while live:
+        deltas = small.step_all(live)
+        live = [s for s, d in zip(live, deltas, strict=True) if d.finish_reason is None]
+    assert small.preemptions > 0 and any(g and b == BUDGET for g, b in resumes)
+    roomy = make(tiny_ckpt, model_tok, chunked=False, caching=False)
+    want = [run(roomy, roomy.start_many([c])[0])[1] for c in chats]
+    assert [s.token_ids for s in sessions] == want
+    for s in sessions:
+        s.close()
+    assert small.pool.num_free == small.pool.num_blocks - 1

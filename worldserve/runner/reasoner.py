@@ -155,7 +155,12 @@ class Reasoner(ChatAdmission):
 
     # ------------------------------------------------------------------ model
     def prefill(
-        self, prompt: ChatPrompt, generated: Sequence[int] = (), *, whole: bool = True
+        self,
+        prompt: ChatPrompt,
+        generated: Sequence[int] = (),
+        *,
+        whole: bool = True,
+        budget: int | None = None,
     ) -> tuple[Tensor, PagedSequence, int]:
         """-> (final-normed hidden [N, d] of every token, its filled paged sequence, next position); with
         `whole` False, of the tokens past its prefix-cache hit only.
@@ -163,7 +168,7 @@ class Reasoner(ChatAdmission):
         `generated`: tokens the chat already produced (a preempted chat's resume), prefilled after the prompt
         at the positions their decode steps had. PoolExhausted, before any work (the ViT included) and with
         nothing kept, when the pool cannot hold them all and the next token."""
-        return self.prefill_batch([(prompt, generated)], [whole])[0]
+        return self.prefill_batch([(prompt, generated)], [whole], budget)[0]
 
     def prefill_batch(
         self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = (),
@@ -206,8 +211,9 @@ class Reasoner(ChatAdmission):
             return self._step_all(sessions)
 
     def _step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
-        self._resume_waiting(sessions)
-        if filling := [s for s in sessions if s.prefilling]:  # chunked prefill: the oldest one's next chunk
+        resumed = self._resume_waiting(sessions)
+        # chunked prefill: the oldest one's next chunk (not one that computed its first in this step's resume)
+        if filling := [s for s in sessions if s.prefilling and s not in resumed]:
             decoding = sum(not (s.preempted or s.prefilling) for s in sessions)
             min(filling, key=lambda s: s.started).prefill_next(max(1, self.max_num_batched_tokens - decoding))
         ready = [s for s in sessions if not (s.preempted or s.prefilling)]
@@ -232,16 +238,21 @@ class Reasoner(ChatAdmission):
                 s.receive(row)
         return deltas
 
-    def _resume_waiting(self, sessions: Sequence[ReasonerSession]) -> None:
+    def _resume_waiting(self, sessions: Sequence[ReasonerSession]) -> list[ReasonerSession]:
         """Resume preempted sessions, oldest first, while the pool has room for one plus a block for each
-        running session (so that a resumed session is not preempted again by this very step)."""
+        running session (so that a resumed session is not preempted again by this very step); with chunked
+        prefill a long one recomputes its first chunk now and the rest a step at a time. The resumed ones."""
         running = sum(not s.preempted for s in sessions)
+        budget = self.max_num_batched_tokens if self.chunked_prefill else None
+        resumed = []
         for s in [s for s in self._waiting if s in sessions]:
             need = self.pool.blocks_for(s.resume_tokens + 1) + running
-            if self.pool.num_free < need or not s.resume():
-                return  # a later one must not take the blocks the older one waits for
+            if self.pool.num_free < need or not s.resume(budget):
+                break  # a later one must not take the blocks the older one waits for
             self._waiting.remove(s)
+            resumed.append(s)
             running += 1
+        return resumed
 
     def _make_room(self, pending: list) -> list:
         """Reserve each pending decode's slot; while the pool is short, preempt the newest pending session."""

@@ -29,6 +29,9 @@ adds none). The last delta counts the answer's thought tokens (`thought_tokens`:
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
 back as the decode step would have; the text and the sampler state are untouched.
+Chunked prefill (vLLM's): a session whose prompt (or resume) is longer than the step's token budget starts
+`prefilling`; `prefill_next` computes its next chunk (Reasoner.step_all, one a step), the last one gives
+the pending logits.
 """
 
 from __future__ import annotations
@@ -152,16 +155,19 @@ class ReasonerSession:
         self._seq.release()
         self._seq, self._logits = None, None
 
-    def resume(self) -> bool:
-        """Prefill the prompt + the tokens produced so far again; False (nothing taken) while the pool is short.
+    def resume(self, budget: int | None = None) -> bool:
+        """Prefill the prompt + the tokens produced so far again (at most `budget` tokens now: chunked, the
+        rest through prefill_next); False (nothing taken) while the pool is short.
 
         The last produced token's logits come out of this prefill, as its decode step would have given them."""
         try:
-            hidden, seq, position = self._r.prefill(self._prompt, self.token_ids, whole=False)
+            hidden, seq, position = self._r.prefill(self._prompt, self.token_ids, whole=False, budget=budget)
         except PoolExhausted:
             return False
         self._seq, self._position = seq, position
-        self._logits = self._constrained(self._r.transformer.compute_logits(hidden[-1:])[0])
+        self.prefill_left = self.resume_tokens - seq.length
+        if not self.prefill_left:
+            self._logits = self._constrained(self._r.transformer.compute_logits(hidden[-1:])[0])
         return True
 
     def idle_delta(self) -> ChatDelta:
