@@ -211,3 +211,23 @@ def test_preempted_chats_resume_chunk_by_chunk_and_answer_as_with_room(tiny_ckpt
     for s in sessions:
         s.close()
     assert small.pool.num_free == small.pool.num_blocks - 1
+
+
+def test_a_burst_sharing_a_long_prefix_is_admitted_in_one_pass(tiny_ckpt, model_tok):
+    """The pass budget counts the tokens computed, not those found cached or computed by an earlier chat of
+    the pass (vLLM's step budget): eight chats on a 200-token common prefix fit one pass of 320 tokens, and
+    the same burst again (the prefix now cached) too."""
+    r = make(tiny_ckpt, model_tok, budget=320)
+    prefix = ids_chat(200).prompt_ids
+    burst = [ChatParams(prompt_ids=prefix + (i, i + 1), max_tokens=2, temperature=0.0) for i in range(8)]
+    for _ in range(2):
+        sessions = r.start_many(burst)
+        assert all(not isinstance(s, Exception) for s in sessions), sessions
+        for s in sessions:
+            s.close()
+    plain = make(tiny_ckpt, model_tok, budget=320, caching=False)  # without the cache: whole prompts count
+    out = plain.start_many(burst)
+    assert sum(not isinstance(s, Exception) for s in out) == 1
+    for s in out:
+        if not isinstance(s, Exception):
+            s.close()

@@ -25,6 +25,7 @@ from worldserve.chat_params import ChatParams
 from worldserve.engine.outputs import ChatBackpressure
 from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
 from worldserve.runner.chat_prompt import ChatPrompt, completion_budget
+from worldserve.runner.prefix_hashes import block_hashes
 from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
 from worldserve.sampling.tokens import TokenSampler
 
@@ -86,6 +87,7 @@ class ChatAdmission:
         free = 0 if self._waiting else self.pool.num_free - self._live
         tokens = 0
         built: dict[int, ChatPrompt] = {}  # prompt_key -> its prompt (the batch holds the params alive)
+        computed: list[list[bytes]] = []  # block keys of the chats admitted so far (computed in the pass)
         for params in batch:
             key = params.prompt_key
             try:
@@ -96,13 +98,14 @@ class ChatAdmission:
                 continue
             n = len(prompt.input_ids)
             need = self.pool.blocks_for(n + 1)
-            if need > free or (ready and tokens + n > self.max_num_batched_tokens):
+            new = self._uncached(params, prompt, computed)
+            if need > free or (ready and tokens + new > self.max_num_batched_tokens):
                 free = 0  # the later chats wait too, in order
                 self._remember(params, prompt)  # the retry reuses it: no new preprocessing
                 out.append(ChatBackpressure(f"{need} K/V blocks wanted, {self.pool.num_free} free"))
                 continue
             free -= need
-            tokens += n
+            tokens += new
             ready.append((len(out), params, prompt, budget))
             out.append(None)
         leaders: dict[int, tuple] = {}  # id(prompt) -> the first ready chat with that prompt
@@ -147,6 +150,25 @@ class ChatAdmission:
             if len(ready) == 1:
                 return [(*ready[0], exc)]
         return [row for r in ready for row in self._prefill_each([r])]
+
+    def _uncached(self, params: ChatParams, prompt: ChatPrompt, computed: list[list[bytes]]) -> int:
+        """Prompt tokens the pass will compute for this chat, as UndPrefill will find its prefix: past the
+        longest run of its blocks cached or computed by a chat admitted before it (whose keys are in
+        `computed`; this chat's are added), so a burst of chats with a common prefix fits in one pass as in
+        vLLM, whose step budget counts the tokens scheduled, not those found cached."""
+        n = len(prompt.input_ids)
+        if not self.prefiller.caching or params.prompt_logprobs is not None:
+            return n
+        bs = self.pool.block_size
+        keys = block_hashes(prompt, (), bs, n)[: (n - 1) // bs]  # (the last token is always computed)
+        hit = self.pool.cached_prefix(keys)
+        for other in computed:
+            m = hit
+            while m < min(len(keys), len(other)) and keys[m] == other[m]:
+                m += 1
+            hit = m
+        computed.append(keys)
+        return n - hit * bs
 
     def _remember(self, params: ChatParams, prompt: ChatPrompt) -> None:
         """Keep the prompt of a chat refused for lack of room (the most recent DEFERRED_PROMPTS of them)."""

@@ -136,6 +136,13 @@ class PagedKVPool:
         self.count_lookup(tokens, len(blocks) * self.block_size, preempted=preempted)
         return blocks
 
+    def cached_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, are cached now (a peek: nothing held, nothing counted)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._cached:
+            n += 1
+        return n
+
     def count_lookup(self, tokens: int, hits: int, *, preempted: bool = False) -> None:
         """A sequence of `tokens` tokens looked up, `hits` of them found cached (vLLM's PrefixCacheStats.record)."""
         if preempted:
