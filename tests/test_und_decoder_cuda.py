@@ -246,3 +246,26 @@ def test_compiled_prefill_equals_eager_and_compiles_once_for_every_prompt_length
     assert chunked.prefiller.graphs.replays == passes + 5
     torch.testing.assert_close(s.pending_logits.float().cpu(), logits[True][2], rtol=1e-3, atol=1e-3)
     s.close()
+
+
+@pytest.mark.gpu
+def test_a_pass_past_the_prefill_graphs_compiles_nothing_after_the_warm_up(tiny_ckpt):
+    """With --max-num-seqs 1 the decode step never compiles its dynamic graph; the warm-up's pass past the
+    largest bucket does, so a long prompt's first pass compiles nothing while serving."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoTokenizer
+
+    from worldserve.chat_params import ChatParams
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.bfloat16, device="cuda", progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    r = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=4096, max_num_seqs=1)
+    r.warm_up()
+    graphs, replays = counters["stats"]["unique_graphs"], r.prefiller.graphs.replays
+    s = r.start(ChatParams(prompt_ids=tuple(range(3, 3003)), max_tokens=2, temperature=0.0))
+    assert r.prefiller.graphs.replays == replays  # past the buckets: the compiled math
+    assert counters["stats"]["unique_graphs"] == graphs
+    s.step()
+    s.close()

@@ -77,6 +77,7 @@ class PrefillGraphs:
         self._deepstack_set = False
         self._graphs: dict[int, list] = {}  # bucket -> its pieces' replay functions
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
+        self._side: torch.cuda.Stream | None = None  # the captures' warm-up stream (_side_stream)
         self.replays = 0  # passes run through the graphs (tests, metrics)
 
     def fits(self, batch: UndBatch) -> bool:
@@ -115,10 +116,12 @@ class PrefillGraphs:
     def _set_deepstack(self, batch: UndBatch, b: int) -> None:
         """The deepstack features into their dense rows (zero elsewhere); zeroed again after a visual pass."""
         if batch.deepstack:
+            self._deepstack_set = (
+                True  # (first: a failure among the writes leaves them to the next pass to zero)
+            )
             self.deepstack[:, :b].zero_()
             for j, feat in enumerate(batch.deepstack):
                 self.deepstack[j].index_add_(0, batch.visual_rows, feat.to(self.deepstack.dtype))
-            self._deepstack_set = True
         elif self._deepstack_set:
             self.deepstack.zero_()
             self._deepstack_set = False
@@ -151,7 +154,7 @@ class PrefillGraphs:
     def _capture(self, b: int) -> None:
         """Run bucket b's pieces twice on a side stream (compiles, cuBLAS workspaces), then capture each."""
         pieces = range(len(self.model.layers) + 1)
-        side = torch.cuda.Stream(self.model.device)
+        side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -166,6 +169,13 @@ class PrefillGraphs:
                 self._piece(i, b)
             graphs.append(graph.replay)
         self._graphs[b] = graphs
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The one stream every bucket's warm-up runs on: memory the caching allocator keeps for a stream serves
+        that stream only, so a stream per bucket would strand each bucket's warm-up activations (GBs on Nano)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.model.device)
+        return self._side
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -292,6 +292,11 @@ class Reasoner(ChatAdmission):
         seq.release()
         self.decoder.capture_all()
         self.prefiller.capture_all()
+        if (graphs := self.prefiller.graphs) is not None and graphs.buckets[-1] < self.max_model_len - 1:
+            # a pass past the largest bucket runs the compiled math without graphs: its (dynamic) graph now, which
+            # the decode step compiled only with a batch bucket past 1 (--max-num-seqs > 1)
+            long = self.build_prompt(ChatParams(prompt_ids=(prompt.input_ids[0],) * (graphs.buckets[-1] + 1)))
+            self.prefill(long)[1].release()
         _ = self.grammars.tokenizer  # structured outputs' view of the vocabulary (about a second on Qwen's)
         if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
             self.share.mark_ready()

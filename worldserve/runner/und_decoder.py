@@ -66,6 +66,7 @@ class UndDecoder:
         self.lens = torch.zeros(b, dtype=torch.int32, device=dev)  # tokens of each row already in the pool
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._side: torch.cuda.Stream | None = None
 
     @property
     def math(self) -> tuple | None:
@@ -145,7 +146,11 @@ class UndDecoder:
         """Warm the step up on a side stream (compiles, cuBLAS workspaces), then capture it for bucket b.
         Run with the rows pointing at the scratch block (the warm-up writes there)."""
         self._pad_rows(b)
-        side = torch.cuda.Stream(self.model.device)
+        if (
+            self._side is None
+        ):  # one warm-up stream for every bucket (prefill_graphs.PrefillGraphs._side_stream)
+            self._side = torch.cuda.Stream(self.model.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
