@@ -231,3 +231,26 @@ def test_a_burst_sharing_a_long_prefix_is_admitted_in_one_pass(tiny_ckpt, model_
     for s in out:
         if not isinstance(s, Exception):
             s.close()
+
+
+def test_the_n_choices_of_a_prompt_past_the_budget_start_one_a_pass(tiny_ckpt, model_tok):
+    """A later choice of a prompt longer than the step's budget waits for the next pass (ChatBackpressure: the
+    chat worker retries it after the step) instead of forking a half-prefilled sequence; it finds the first
+    choice's committed blocks cached, and both answer what a whole prefill answers."""
+    from worldserve.engine.outputs import ChatBackpressure
+
+    r = make(tiny_ckpt, model_tok)
+    params = ids_chat(170, max_tokens=6)
+    first, refused = r.start_many(params.choices(2))
+    assert first.prefilling and isinstance(refused, ChatBackpressure)
+    r.step_all([first])
+    hits = r.prefix_cache_counts[1]
+    (second,) = r.start_many(params.choices(2)[1:])
+    assert r.prefix_cache_counts[1] - hits == 2 * BUDGET  # the first's two chunks, cached
+    want = whole(tiny_ckpt, model_tok, params)[1]
+    for s in (first, second):
+        while s.finish_reason is None:
+            s.step()
+        assert s.token_ids == want
+        s.close()
+    assert r.pool.num_free == r.pool.num_blocks - 1

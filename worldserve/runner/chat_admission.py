@@ -111,7 +111,9 @@ class ChatAdmission:
         leaders: dict[int, tuple] = {}  # id(prompt) -> the first ready chat with that prompt
         for r in ready:
             leaders.setdefault(id(r[2]), r)
-        prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()))}
+        # a prompt whose later choices fork its K/V is prefilled whole (a fork needs all of it)
+        chunk = len(leaders) == len(ready)
+        prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()), chunk)}
         for i, params, prompt, budget in ready:
             out[i] = self._start_one(i, params, prompt, budget, prefilled, leaders[id(prompt)][0] == i)
         return out
@@ -137,19 +139,21 @@ class ChatAdmission:
                 prefilled[id(prompt)] = exc  # its other choices have nothing to fork now
             return exc
 
-    def _prefill_each(self, ready: list) -> list:
-        """prefill_batch over the ready chats; when the pass fails (e.g. out of memory), each chat once more
-        on its own, so that one chat's failure is not every chat's. [(*item, result or exception)]."""
+    def _prefill_each(self, ready: list, chunk: bool = True) -> list:
+        """prefill_batch over the ready chats (with chunked prefill and `chunk`, within the step's budget);
+        when the pass fails (e.g. out of memory), each chat once more on its own, so that one chat's failure
+        is not every chat's. [(*item, result or exception)]."""
         items = [(prompt, ()) for _, _, prompt, _ in ready]
         whole = [params.prompt_logprobs is not None for _, params, _, _ in ready]  # every prompt row's logits
-        budget = self.max_num_batched_tokens if self.chunked_prefill and not any(whole) else None
+        chunk = chunk and self.chunked_prefill and not any(whole)
+        budget = self.max_num_batched_tokens if chunk else None
         try:
             done = self.prefill_batch(items, whole, budget)
             return [(*r, d) for r, d in zip(ready, done, strict=True)]
         except Exception as exc:
             if len(ready) == 1:
                 return [(*ready[0], exc)]
-        return [row for r in ready for row in self._prefill_each([r])]
+        return [row for r in ready for row in self._prefill_each([r], chunk)]
 
     def _uncached(self, params: ChatParams, prompt: ChatPrompt, computed: list[list[bytes]]) -> int:
         """Prompt tokens the pass will compute for this chat, as UndPrefill will find its prefix: past the
