@@ -190,6 +190,7 @@ def test_prompt_truncation_and_chat_echo(reasoner_url):
         ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
         ({"allowed_token_ids": [1, 99999]}, "allowed_token_ids", "out of vocabulary"),
         ({"use_beam_search": True}, "use_beam_search", "not supported"),
+        ({"priority": 3}, "priority", "Priority scheduling is not enabled"),
         ({"continue_final_message": True}, "continue_final_message", "Cannot set both"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
         ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "greater than max_model_len"),

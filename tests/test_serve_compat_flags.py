@@ -253,7 +253,9 @@ ACCEPTED = [
     "--lora-scale", "1.0", "--enable-diffusion-pipeline-profiler", "--worker-backend", "multi_process",
     "--api-server-count", "1", "--allowed-media-domains", "example.com", "cdn.example.com",
     "--disable-log-requests", "--seed", "0", "--generation-config", "vllm",
-    "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto",
+    "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto", "--max-num-partial-prefills", "1",
+    "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "0", "--scheduling-policy", "fcfs",
+    "--cuda-graph-sizes", "1", "2", "--disable-chunked-mm-input",
 ]  # fmt: skip
 REAL_FLAGS = [  # §9 flags that are worldserve's own (config.py): honoured, never logged as compat lines
     "--served-model-name", "cosmos", "--api-key", "k", "--no-guardrails", "-tp", "1", "--usp", "1",
@@ -287,7 +289,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
-    assert sorted(logged) == sorted(given) and len(given) >= 42
+    assert sorted(logged) == sorted(given) and len(given) >= 48
     assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (

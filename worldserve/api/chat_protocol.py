@@ -116,6 +116,8 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     """vLLM's beam search: refused (this server samples)."""
+    priority: int = 0
+    """vLLM's request priority: only 0, as vLLM's default first-come-first-served scheduler takes."""
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     """vLLM's: keep only the prompt's last this-many tokens (-1: max_model_len); text prompts only."""
     # structured outputs (vLLM extensions); typed Any so that a wrong value gets the 400 naming the field
@@ -145,9 +147,12 @@ class SamplingRequest(BaseModel):
         }  # fmt: skip
 
     def refused_sampling(self) -> tuple[str, str] | None:
-        """(field, why) of a sampling option this server refuses: vLLM's beam search (it samples)."""
+        """(field, why) of a sampling option this server refuses: vLLM's beam search (it samples), a priority
+        other than 0 (chats are admitted first come, first served)."""
         if self.use_beam_search:
             return "use_beam_search", "use_beam_search is not supported: this server samples"
+        if self.priority != 0:  # vLLM's words (its processor), under its default --scheduling-policy fcfs
+            return "priority", f"Got priority {self.priority} but Priority scheduling is not enabled."
         return None
 
     def text_bound(self, max_model_len: int) -> int | None:

@@ -208,6 +208,18 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "ignored"),
     C("--mm-encoder-tp-mode", "the Reasoner's vision encoder is never sharded (tensor parallelism turns the chat "
       "API off)", {"choices": ("weights", "data")}),
+    C("--max-num-partial-prefills", "one chunked prompt prefills at a time; new chats are admitted in their "
+      "own pass every step, so short prompts never wait behind a long one", {"type": POSITIVE_INT}),
+    C("--max-long-partial-prefills", "one chunked prompt prefills at a time (--max-num-partial-prefills)",
+      {"type": POSITIVE_INT}),
+    C("--long-prefill-token-threshold", "prompts longer than --max-num-batched-tokens are the ones chunked",
+      {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),
+    C("--scheduling-policy", "chats are admitted first come, first served", {"choices": ("fcfs", "priority")},
+      lambda v: v == "fcfs", "only as fcfs", "worldserve admits chats in arrival order (no request priorities)"),
+    C("--cuda-graph-sizes", "the Reasoner captures its own buckets (decode: 1, 2, 4, ... up to --max-num-seqs; "
+      "prefill: 16 to 2,048 tokens)", {"nargs": "+", "type": POSITIVE_INT}),
+    C("--disable-chunked-mm-input", "an image cut by a chunk's end is encoded once (the encoder cache serves "
+      "its second part)", {"action": argparse.BooleanOptionalAction}),
     C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
       "schedule in their own thread)", {"action": argparse.BooleanOptionalAction}),
     C("--media-io-kwargs", "chat videos are sampled as Qwen3-VL's processor does (2 fps), which the recipe's "
