@@ -1,9 +1,24 @@
-"""Test helpers: the tiny Reasoner, and chats run to their end (greedy ones stepped together, as the chat worker
-steps them, or one alone)."""
+"""Test helpers: the tiny Reasoner (with its own chat template, or THINKING_TEMPLATE, which renders an assistant
+turn's earlier thoughts as Qwen3's does), and chats run to their end (greedy ones stepped together, as the chat
+worker steps them, or one alone)."""
 
 from __future__ import annotations
 
 from worldserve.chat_params import ChatMessage, ChatParams
+from worldserve.weights.tokenizer_fixture import CHAT_TEMPLATE
+
+TURN_OPEN = "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+EARLIER_THOUGHTS = (
+    "{%- if message['role'] == 'assistant' and message['reasoning_content'] is string -%}"
+    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' -}}{%- endif -%}"
+)
+"""Qwen3's rendering of an assistant turn's earlier thoughts: a think block before its content."""
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(TURN_OPEN, TURN_OPEN + EARLIER_THOUGHTS) + (
+    "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+)
+"""The tiny template plus Qwen3's earlier thoughts (EARLIER_THOUGHTS) and its non-thinking branch (an empty
+think block after the generation prompt)."""
 
 
 def greedy_chats(reasoner, prompts, max_tokens: int, *, close: bool = False) -> list[list[int]]:
@@ -24,8 +39,8 @@ def greedy_chats(reasoner, prompts, max_tokens: int, *, close: bool = False) -> 
     return [s.token_ids for s in sessions]
 
 
-def tiny_reasoner(ckpt, *, max_model_len: int = 4096):
-    """The Reasoner of the tiny checkpoint `ckpt`, float32 on the CPU."""
+def tiny_reasoner(ckpt, *, max_model_len: int = 4096, chat_template: str | None = None):
+    """The Reasoner of the tiny checkpoint `ckpt`, float32 on the CPU (`chat_template`: instead of its own)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -34,6 +49,8 @@ def tiny_reasoner(ckpt, *, max_model_len: int = 4096):
 
     model = load_transformer(ckpt, dtype=torch.float32, progress=False)
     tok = AutoTokenizer.from_pretrained(str(ckpt / "text_tokenizer"))
+    if chat_template is not None:
+        tok.chat_template = chat_template
     return Reasoner.from_pretrained(ckpt, model, tok, max_model_len=max_model_len)
 
 

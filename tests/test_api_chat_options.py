@@ -19,24 +19,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from reasoner_helpers import EARLIER_THOUGHTS, THINKING_TEMPLATE, TURN_OPEN
 from serving_helpers import serve_app
 
 from worldserve.weights.tokenizer_fixture import CHAT_TEMPLATE
 
 MODEL = "test-model"
 HI = [{"role": "user", "content": "Name a color."}]
-TURN_OPEN = "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-EARLIER_THOUGHTS = (
-    "{%- if message['role'] == 'assistant' and message['reasoning_content'] is string -%}"
-    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' -}}{%- endif -%}"
-)
-"""Qwen3's rendering of an assistant turn's earlier thoughts: a think block before its content."""
-THINKING_TEMPLATE = CHAT_TEMPLATE.replace(TURN_OPEN, TURN_OPEN + EARLIER_THOUGHTS) + (
-    "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-)
-"""The tiny template plus Qwen3's earlier thoughts (EARLIER_THOUGHTS) and its non-thinking branch (an empty
-think block after the generation prompt)."""
 
 
 @pytest.fixture(scope="module")

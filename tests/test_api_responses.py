@@ -86,9 +86,9 @@ def test_items_images_and_a_tool_turn_render_as_the_chat(reasoner_oai):
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                      {"type": "input_image", "image_url": image}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # the call's turn's thoughts ("": this template shows none)
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
-        {"type": "reasoning", "id": "rs_1", "summary": []},
     ]  # fmt: skip
     r = reasoner_oai.responses.create(
         model=MODEL, input=items, tools=[WEATHER], temperature=0, max_output_tokens=6
@@ -315,9 +315,10 @@ def test_item_references_name_stored_output_items(reasoner_oai, reasoner_url):
         same = reasoner_oai.responses.create(input=[turn[0], bare, turn[2]], **kw)
         assert same.output_text == full.output_text and same.usage.input_tokens == full.usage.input_tokens
     r = httpx.post(
-        reasoner_url + "/v1/responses", json={"model": MODEL, "input": [{"type": "reasoning", "summary": []}]}
+        reasoner_url + "/v1/responses",
+        json={"model": MODEL, "input": [{"role": "system", "content": "Be brief."}]},
     )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text  # nothing left to answer
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text  # nothing to answer
     reasoner_oai.responses.delete(first.id)
     r = httpx.post(reasoner_url + "/v1/responses",
                    json={"model": MODEL, "input": [{"type": "item_reference", "id": call.id}]})  # fmt: skip

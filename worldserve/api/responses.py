@@ -30,7 +30,8 @@ from worldserve.api.chat import chat_choices, model_not_found
 from worldserve.api.chat_stream import TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
-from worldserve.api.responses_protocol import InputItem, ResponsesRequest, to_chat
+from worldserve.api.responses_input import InputItem
+from worldserve.api.responses_protocol import ResponsesRequest, to_chat
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import ChatDelta, ChatFailed
 from worldserve.params import ParamError

@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from worldserve.api.responses_protocol import chat_tool_call
+from worldserve.api.responses_input import chat_tool_call
 
 
 class ResponseStore:
@@ -70,7 +70,8 @@ class ResponseStore:
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat's assistant turns: its message text, its function calls as
-    tool_calls (reasoning items dropped, as the chat template drops earlier thoughts)."""
+    tool_calls (its reasoning items dropped, as vLLM skips a previous response's reasoning output; reasoning
+    items sent in the input are kept, api/responses_input.py)."""
     text = "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"])
     calls = [
         chat_tool_call(o["call_id"], o["name"], o["arguments"])
