@@ -1,6 +1,6 @@
 """The thought tokens in usage, as vLLM reports them with a reasoning parser: chat completions'
 `usage.completion_tokens_details.reasoning_tokens` (summed over the choices; streamed, on the final usage chunk
-only; null without --reasoning-parser, and then absent from streamed chunks) and the Responses API's
+only; null without --reasoning-parser, and then absent from the final usage chunk) and the Responses API's
 `usage.output_tokens_details.reasoning_tokens`. Over real HTTP with the `openai` client on the tiny Reasoner
 (answers forced by a regex, as a random model writes no <think> of its own); the expected counts are read off
 the answers' own tokens (their logprobs entries): those between <think> and </think>, the tags not counted.
@@ -75,7 +75,8 @@ def test_chat_usage_counts_the_thought_tokens(urls, reasoner):
 
 def test_streamed_usage_counts_them_on_the_final_chunk(urls):
     """Streamed: the final usage chunk has the count (the unstreamed answer's); the per-chunk usage of
-    continuous_usage_stats never carries it, as vLLM's."""
+    continuous_usage_stats leaves it out (vLLM's has the thoughts so far: here they are counted at the answer's
+    end)."""
     on, _ = urls
     expected = _thoughts(_chat(on, temperature=0).choices[0])
     body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, "stream": True, **FORCED,

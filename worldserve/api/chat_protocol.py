@@ -255,8 +255,8 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
     """With --enable-prompt-tokens-details (vLLM's flag), else null."""
     completion_tokens_details: CompletionTokensDetails | None = None
-    """A chat's, with --reasoning-parser (as vLLM reports it): null otherwise, and left out of streamed chunks
-    then (vLLM's final usage chunk drops null fields; its per-chunk usage never carries it)."""
+    """A chat's, with --reasoning-parser (as vLLM reports it): null otherwise. In a stream, what is null is
+    left out of the final usage chunk (SSEChunk)."""
 
 
 class AssistantMessage(BaseModel):
@@ -319,19 +319,38 @@ class ChunkChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    """vLLM's, on the final chunk: the matched stop string or stop token id."""
+    """vLLM's, on the final chunk only (set there, left out of the others): the matched stop string or stop
+    token id."""
 
 
 class SSEChunk:
-    """Mixin of the streamed chunks (chat and text completions): `sse()` sends `usage` only when set."""
+    """Mixin of the streamed chunks (chat and text completions): `sse()` writes the fields vLLM's chunks carry.
+    vLLM dumps a chunk with exclude_unset (a field it did not set is left out, one it set to None is null) and
+    its final usage chunk with exclude_none too. So a chunk's choices and usage leave out the fields their
+    makers did not set (api/chat_stream.py and api/completions_stream.py set those vLLM sets), `usage` is
+    left out unless set, and the final usage chunk (no choices) has no null field. Their other values are
+    written whole (vLLM builds them whole)."""
 
     def sse(self) -> str:
-        """`data: <json>\\n\\n` (usage omitted unless set, and its completion_tokens_details unless set, as vLLM
-        does)."""
-        exclude: Any = {"usage"} if self.usage is None else None
-        if self.usage is not None and self.usage.completion_tokens_details is None:
-            exclude = {"usage": {"completion_tokens_details"}}
-        return f"data: {self.model_dump_json(exclude=exclude)}\n\n"
+        """`data: <json>\\n\\n`."""
+        exclude: dict[Any, Any] = {}
+        if self.usage is None:
+            exclude["usage"] = True
+        elif gone := unset_fields(self.usage) | (set() if self.choices else null_fields(self.usage)):
+            exclude["usage"] = gone
+        if choices := {i: gone for i, c in enumerate(self.choices) if (gone := unset_fields(c))}:
+            exclude["choices"] = choices
+        return f"data: {self.model_dump_json(exclude=exclude or None)}\n\n"
+
+
+def unset_fields(model: BaseModel) -> set[str]:
+    """The fields of `model` its maker did not set (pydantic's exclude_unset)."""
+    return set(type(model).model_fields) - model.model_fields_set
+
+
+def null_fields(model: BaseModel) -> set[str]:
+    """The fields of `model` that are None (pydantic's exclude_none, one level)."""
+    return {name for name in type(model).model_fields if getattr(model, name) is None}
 
 
 class ChatCompletionChunk(SSEChunk, BaseModel):

@@ -9,11 +9,14 @@ adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-st
 `data: {"error": ...}` then `data: [DONE]`. Closing any of these stops the chats at their next step.
 Usage counts the prompt once and the completion tokens of every choice (as vLLM does), and with a reasoning
 parser their thought tokens (completion_tokens_details.reasoning_tokens; in a stream, on the final usage
-chunk only, as vLLM's). With
+chunk). With
 `continuous_usage_stats` every choice chunk also carries usage so far, as vLLM's serving_chat.py reports it:
-the prompt and that chunk's choice's completion tokens (0 on the role chunk); only the final chunk sums them.
-`start_all` (start a request's choices together, each up to its first event), `run_all`, `sse_events` and
-`make_usage` serve the text completions too (api/completions.py, api/completions_stream.py).
+the prompt and that chunk's choice's completion tokens (0 on the role chunk), completion_tokens_details null
+without a reasoning parser (with one vLLM counts the thoughts so far; those come at the answer's end here, so
+the field is left out), no prompt_tokens_details; only the final chunk sums them. Chunks carry the fields
+vLLM's do (chat_protocol.SSEChunk: what vLLM does not set is left out, e.g. stop_reason before the final chunk).
+`start_all` (start a request's choices together, each up to its first event), `run_all`, `sse_events`,
+`make_usage` and `chunk_usage` serve the text completions too (api/completions.py, api/completions_stream.py).
 """
 
 from __future__ import annotations
@@ -82,6 +85,14 @@ def make_usage(
     thoughts = None if reasoning is None else CompletionTokensDetails(reasoning_tokens=reasoning)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
                  prompt_tokens_details=details, completion_tokens_details=thoughts)  # fmt: skip
+
+
+def chunk_usage(prompt_tokens: int, completion: int, **details: Any) -> Usage:
+    """The usage a streamed chunk carries with continuous_usage_stats, set as vLLM sets it: the counts, and
+    `details` (a chat's completion_tokens_details); never the prompt's details, which vLLM sets on the final
+    usage only (SSEChunk leaves out what is not set)."""
+    total = prompt_tokens + completion
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=total, **details)
 
 
 async def start_all(client, choices: Sequence, metrics, *, coalesce: bool, opened: list) -> tuple[list, list]:
@@ -307,8 +318,12 @@ async def sse(
         lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
         if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)
             delta = {"reasoning": delta["reasoning_content"], **delta}
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp, stop_reason=stop)
-        usage = make_usage(prompt_tokens, completion[index], cached) if continuous_usage else None
+        stop_reason = {} if finish is None else {"stop_reason": stop}  # set on the final chunk only, as vLLM
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp, **stop_reason)
+        # vLLM sets completion_tokens_details on a chunk's usage: null without --reasoning-parser, the thought
+        # tokens so far with one (not known here before the answer's end: left out then)
+        thoughts = {} if parsing.reasoning else {"completion_tokens_details": None}
+        usage = chunk_usage(prompt_tokens, completion[index], **thoughts) if continuous_usage else None
         return ChatCompletionChunk(
             id=request_id, created=created, model=model, choices=[choice], usage=usage
         ).sse()

@@ -6,7 +6,8 @@ its end; `sse` sends each delta as a chunk `{"choices": [{"index", "text", "logp
 it comes (the finish_reason rides on the choice's last chunk), then the usage chunk when asked and
 `data: [DONE]`; a failure mid-stream is `data: {"error": ...}` then `data: [DONE]`. With `echo`, a choice's
 text starts with its prompt's text. Usage sums every prompt's tokens and every choice's completion tokens;
-with `continuous_usage_stats` a chunk carries its prompt's and its choice's counts so far.
+with `continuous_usage_stats` a chunk carries its prompt's and its choice's counts so far (no details, as
+vLLM's). Chunks carry the fields vLLM's do (chat_protocol.SSEChunk: the final usage chunk has no null field).
 Legacy logprobs (`legacy_logprobs`): per token its text (decoded alone), its log-probability, a dict of the
 sampled token and the top alternatives, and `text_offset`, the running sum of the token texts' lengths from
 the choice's text so far (vLLM's arithmetic); log-probabilities are floored at -9999 (JSON has no -inf).
@@ -17,7 +18,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 
-from worldserve.api.chat_stream import LOGPROB_FLOOR, make_usage, prompt_logprob_rows, run_all, sse_events
+from worldserve.api.chat_stream import (
+    LOGPROB_FLOOR,
+    chunk_usage,
+    make_usage,
+    prompt_logprob_rows,
+    run_all,
+    sse_events,
+)
 from worldserve.api.completions_protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -75,11 +83,11 @@ class Completion:
         """vLLM's `prompt_logprobs` of choice `index` (with the request's field)."""
         return prompt_logprob_rows(self.prompt_entries[index // self.n], self.prompt_logprobs)
 
-    def usage(self, completion: int, prompt: int | None = None):
-        """Usage of `completion` tokens: over every prompt, or prompt `prompt` alone."""
-        tokens = sum(self.prompt_tokens) if prompt is None else self.prompt_tokens[prompt]
-        cached = None if self.cached is None else sum(self.cached) if prompt is None else self.cached[prompt]
-        return make_usage(tokens, completion, cached)
+    def usage(self, completion: int):
+        """Usage of `completion` tokens over every prompt (the prompts' cached tokens in its details)."""
+        return make_usage(
+            sum(self.prompt_tokens), completion, None if self.cached is None else sum(self.cached)
+        )
 
     def response(self, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
         return CompletionResponse(
@@ -117,7 +125,9 @@ def sse(
         if not (text or event.logprobs or event.finish_reason):
             return
         lps = c.logprobs_of(index, event.logprobs, sent[index])
-        sent_before = sent[index]
+        # vLLM's chunks have no prompt_logprobs (it refuses them with stream): ours, in the first chunk, only
+        # when asked for (a field left unset is left out: chat_protocol.SSEChunk)
+        rows = None if sent[index] else c.vllm_prompt_logprobs(index)
         sent[index] += len(text)
         choice = CompletionChoice(
             index=index,
@@ -125,9 +135,10 @@ def sse(
             logprobs=lps,
             finish_reason=event.finish_reason,
             stop_reason=event.stop_reason,
-            prompt_logprobs=None if sent_before else c.vllm_prompt_logprobs(index),  # in the first chunk
+            **({} if rows is None else {"prompt_logprobs": rows}),
         )
-        usage = c.usage(completion[index], index // c.n) if continuous_usage else None
+        # vLLM's chunk usage: the chunk's prompt and choice's counts, no details
+        usage = chunk_usage(c.prompt_tokens[index // c.n], completion[index]) if continuous_usage else None
         yield c.response([choice], usage).sse()
 
     def tail() -> Iterator[str]:
