@@ -352,8 +352,8 @@ def _load_backend(
              reasoner.pool.capacity_tokens, reasoner.pool.nbytes / 2**30)  # fmt: skip
     if on_gpu:
         t0 = time.perf_counter()
-        reasoner.warm_up()  # compiles and captures the decode step now, not in the first chats
-        log.info("Reasoner warm-up (decode step%s) in %.1f s",
+        reasoner.warm_up()  # compiles and captures the decode step and the prefill now, not in the first chats
+        log.info("Reasoner warm-up (decode step and prefill%s) in %.1f s",
                  "" if cfg.enforce_eager else " compiled and CUDA-graphed", time.perf_counter() - t0)  # fmt: skip
     share = reasoner.share
     log.info("chats %s", f"decode beside video steps (video leaves {share.sm_margin} SMs free while chats run)"
