@@ -8,12 +8,14 @@ resume passes the tokens it had generated, prefilled after its prompt at the pos
 
 Prefix caching (`caching`, vLLM's automatic prefix caching): an item starts on the pool's cached blocks of
 its longest cached prefix (runner/prefix_hashes.py keys; at least its last token is computed, for the
-logits), and only the rest goes through the tower, attending to the cached K/V (also to blocks an earlier item of
-the same pass computes: chats with a common prefix arriving together compute it once, as vLLM's step does); the ViT runs only for the
-images and videos with rows left to compute, and takes the ViT outputs of those seen recently from the
-encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
+logits), and only the rest goes through the tower, attending to the cached K/V (also to blocks an earlier
+item of the same pass computes: chats with a common prefix arriving together compute it once, as vLLM's step
+does); the ViT runs only for the images and videos with rows left to compute, and takes the ViT outputs of
+those seen recently from the encoder cache (encoder_cache.py). After the pass, its full blocks are registered for later chats
 (`register`: also when a chat finishes or is preempted, with the tokens it generated). An item marked
 `whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
+Chunked prefill (`budget`, vLLM's): a pass computes at most that many tokens; an item left short keeps the
+blocks of all its tokens, and `extend` computes its next chunk in a later step (runner/reasoner.py).
 On a GPU the layers' q|k|v and o/MLP math run through the decode step's compiled copies (`math`, dynamic
 shapes: one graph for every prompt length), and passes of up to 2,048 tokens replay them as piecewise CUDA
 graphs (`graphs`, runner/prefill_graphs.py): eagerly a layer dispatches ~100 small ops, so a short prompt's
