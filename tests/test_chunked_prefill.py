@@ -254,3 +254,34 @@ def test_the_n_choices_of_a_prompt_past_the_budget_start_one_a_pass(tiny_ckpt, m
         assert s.token_ids == want
         s.close()
     assert r.pool.num_free == r.pool.num_blocks - 1
+
+
+def test_a_newer_chat_mid_prefill_is_preempted_before_an_older_decoding_one(tiny_ckpt, model_tok):
+    """vLLM preempts the newest running request, one still prefilling too: when an older chat's next block
+    finds the pool empty, the newer chat in the middle of its chunks gives its blocks back (not the older
+    one), resumes once there is room, and both answer what they answer in a roomy pool."""
+    from worldserve.runner.reasoner import Reasoner
+
+    model, tok = model_tok
+    r = Reasoner.from_pretrained(
+        tiny_ckpt, model, tok, max_model_len=20 * BS, kv_block_size=BS, kv_cache_tokens=20 * BS,
+        max_num_batched_tokens=3,
+    )  # fmt: skip
+    older_params, newer_params = ids_chat(20, first=5, max_tokens=200), ids_chat(150, first=9, max_tokens=5)
+    older = r.start(older_params)
+    for _ in range(100):  # 120 tokens: 8 blocks of the pool's 20
+        r.step_all([older])
+    (newer,) = r.start_many([newer_params])  # 10 blocks, reserved; chunks of 2 tokens a step
+    assert newer.prefilling
+    seen = {"older": False, "newer": False}
+    while older.finish_reason is None or newer.finish_reason is None:
+        live = [s for s in (older, newer) if s.finish_reason is None]
+        r.step_all(live)
+        seen["older"] |= older.preempted
+        seen["newer"] |= newer.preempted
+    assert seen == {"older": False, "newer": True}
+    roomy = make(tiny_ckpt, model_tok, chunked=False, caching=False)
+    for s, params in ((older, older_params), (newer, newer_params)):
+        assert s.token_ids == run(roomy, roomy.start_many([params])[0])[1]
+        s.close()
+    assert r.pool.num_free == r.pool.num_blocks - 1

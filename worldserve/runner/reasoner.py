@@ -229,7 +229,7 @@ class Reasoner(ChatAdmission):
             deltas.append(delta)
             if decode is not None:
                 pending.append((s, decode))
-        pending = self._make_room(pending)
+        pending = self._make_room(pending, [s for s in sessions if s.prefilling])
         if pending:
             logits = self.decode_many([decode for _, decode in pending])
             # the grammars' masks, computed on the host while the GPU decodes, applied to the batch at once
@@ -254,16 +254,22 @@ class Reasoner(ChatAdmission):
             running += 1
         return resumed
 
-    def _make_room(self, pending: list) -> list:
-        """Reserve each pending decode's slot; while the pool is short, preempt the newest pending session."""
+    def _make_room(self, pending: list, filling: list[ReasonerSession]) -> list:
+        """Reserve each pending decode's slot; while the pool is short, preempt the newest running session, as
+        vLLM does: a pending one, or one still prefilling (its blocks are all reserved; its committed ones stay
+        cached for its resume)."""
         pending = sorted(pending, key=lambda p: p[0].started)  # oldest first keeps its blocks
+        filling = sorted(filling, key=lambda s: s.started)
         while pending:
             try:
                 for _, (_, seq, _) in pending:
                     seq.reserve(1)
                 return pending
             except PoolExhausted:
-                victim, _ = pending.pop()
+                if filling and filling[-1].started > pending[-1][0].started:
+                    victim = filling.pop()
+                else:
+                    victim, _ = pending.pop()
                 victim.preempt()
                 self.preemptions += 1
                 self._waiting.append(victim)
