@@ -170,20 +170,20 @@ async def test_job_ttl_removes_finished_jobs_and_files(tmp_path, anyio_backend):
 def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     import time as _time
 
-    from worldserve.commands import serve
+    from worldserve.commands import serve, serve_backend
     from worldserve.config import ModelConfig
 
-    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel, sched: _time.sleep(5))
+    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched: _time.sleep(5))
     assert serve._load_backend_within(ModelConfig(init_timeout=0.05)) is None
     assert "did not become ready within 0.05s" in caplog.text
-    monkeypatch.setattr(serve, "_load_backend", lambda cfg, parallel, sched: ("backend", None))
+    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched: ("backend", None))
     assert serve._load_backend_within(ModelConfig()) == ("backend", None)
 
 
 def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
     """--kv-cache-memory-bytes: refused when 0, too small for --max-model-len names both flags, and otherwise
     the Reasoner's pool holds that many bytes' worth of tokens."""
-    from worldserve.commands import serve
+    from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig, ParallelConfig
 
     with pytest.raises(ValueError, match="kv-cache-memory-bytes must be > 0"):
@@ -191,15 +191,15 @@ def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
     small = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
                         kv_cache_memory_bytes=1000)  # fmt: skip
     with pytest.raises(ValueError, match="--kv-cache-memory-bytes or lower --max-model-len"):
-        serve._load_backend(small, ParallelConfig())
+        serve_backend.load_backend(small, ParallelConfig())
     ok = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
                      kv_cache_memory_bytes=50_000_000)  # fmt: skip
-    pipeline, _, reasoner = serve._load_backend(ok, ParallelConfig())
+    pipeline, _, reasoner = serve_backend.load_backend(ok, ParallelConfig())
     assert reasoner.prefiller.caching  # vLLM's default: prefix caching on
     off = dataclasses.replace(
         ok, enable_prefix_caching=False
     )  # --no-enable-prefix-caching reaches the Reasoner
-    assert not serve._load_backend(off, ParallelConfig())[2].prefiller.caching
+    assert not serve_backend.load_backend(off, ParallelConfig())[2].prefiller.caching
     per_token = pipeline.transformer.und_kv_bytes_per_token()
     assert reasoner.pool.capacity_tokens >= 50_000_000 // per_token > 4096
     assert (

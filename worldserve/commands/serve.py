@@ -30,7 +30,7 @@ import uvicorn
 
 from worldserve import __version__, envs
 from worldserve.api.media_urls import allowed_domains
-from worldserve.commands import serve_http
+from worldserve.commands import serve_backend, serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import (
     CONFIG_CLASSES,
@@ -258,18 +258,16 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
 
 
 def _load_backend_within(
-    cfg: ModelConfig,
-    parallel: ParallelConfig = ParallelConfig(),
-    scheduler: SchedulerConfig = SchedulerConfig(),
+    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), scheduler: SchedulerConfig | None = None
 ) -> tuple[Any, Any] | None:
-    """Load the backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
+    """serve_backend.load_backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
     from worldserve.weights.checkpoint import CheckpointError
 
     outcome: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            outcome["value"] = _load_backend(cfg, parallel, scheduler)
+            outcome["value"] = serve_backend.load_backend(cfg, parallel, scheduler or SchedulerConfig())
         except BaseException as exc:
             outcome["error"] = exc
 
@@ -291,99 +289,6 @@ def _load_backend_within(
         return None
     log.info("model ready in %.1fs", time.monotonic() - started)
     return outcome["value"]
-
-
-def _load_backend(
-    cfg: ModelConfig, parallel: ParallelConfig, scheduler: SchedulerConfig = SchedulerConfig()
-) -> tuple[Any, ...]:
-    """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
-    `--cfg-parallel-size 2` and / or `--ulysses-degree N`, or `--tensor-parallel-size N` (no Reasoner then): a
-    ParallelPipeline over their product of GPUs."""
-    if cfg.backend == "fake":
-        from worldserve.engine.fake_backend import FakeBackend
-
-        log.warning("--backend fake: serving numpy colour frames, no model (tests only)")
-        return FakeBackend(step_delay=cfg.fake_step_delay), None
-    from worldserve.weights.checkpoint import resolve_model
-
-    path = resolve_model(cfg.model, cfg.revision)
-    if cfg.model is None:
-        bar = "=" * 88
-        log.warning(bar)
-        log.warning("No MODEL given: serving the embedded TINY RANDOM Cosmos3 checkpoint at %s", path)
-        log.warning("Its videos and audio are NOISE. For real output: worldserve serve nvidia/Cosmos3-Nano")
-        log.warning(bar)
-    import torch
-
-    from worldserve.runner.video_pipeline import load_pipeline
-
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-    pipeline = load_pipeline(
-        path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
-        tensor_parallel_size=parallel.tensor_parallel_size, device=cfg.device, dtype=dtype,
-        vae_tiling=cfg.vae_tiling,
-        kernels=cfg.kernel_options(enable_layerwise_offload=parallel.enable_layerwise_offload),
-    )  # fmt: skip
-    gpu_memory = None
-    if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
-        device = torch.device(cfg.device or "cuda")
-        gpu_memory = lambda: float(torch.cuda.memory_allocated(device))  # noqa: E731
-    _warm_up_shapes(pipeline, cfg.warmup_shape_list(on_gpu=pipeline.device.type == "cuda"))
-    if parallel.tensor_parallel_size > 1:
-        log.warning("--tensor-parallel-size %d: the Reasoner chat API is off (its und tower is sharded across "
-                    "the ranks); use --ulysses-degree to keep it", parallel.tensor_parallel_size)  # fmt: skip
-        return pipeline, gpu_memory
-    from worldserve.runner.reasoner import Reasoner
-
-    transformer = pipeline.transformer
-    on_gpu = transformer.device.type == "cuda"
-    kv_tokens = None
-    if cfg.kv_cache_memory_bytes is not None:
-        kv_tokens = cfg.kv_cache_memory_bytes // transformer.und_kv_bytes_per_token()
-    reasoner = Reasoner.from_pretrained(
-        path, transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len,
-        max_num_seqs=scheduler.max_num_seqs, kv_cache_tokens=kv_tokens, enforce_eager=cfg.enforce_eager,
-        chat_sm_margin=cfg.chat_sm_margin, enable_prefix_caching=cfg.enable_prefix_caching,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        enable_chunked_prefill=scheduler.enable_chunked_prefill,
-    )  # fmt: skip
-    log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
-             "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",
-             reasoner.pool.capacity_tokens, reasoner.pool.nbytes / 2**30)  # fmt: skip
-    if on_gpu:
-        t0 = time.perf_counter()
-        reasoner.warm_up()  # compiles and captures the decode step and the prefill now, not in the first chats
-        log.info("Reasoner warm-up (decode step and prefill%s) in %.1f s",
-                 "" if cfg.enforce_eager else " compiled and CUDA-graphed", time.perf_counter() - t0)  # fmt: skip
-    share = reasoner.share
-    log.info("chats %s", f"decode beside video steps (video leaves {share.sm_margin} SMs free while chats run)"
-             if share.concurrent else f"take turns with video steps ({share.why_not or 'not warmed up'})")  # fmt: skip
-    return pipeline, gpu_memory, reasoner
-
-
-def _warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
-    """One denoising step + decode per shape, so that compile and kernel selection happen before serving."""
-    import torch
-
-    from worldserve.params import VideoParams
-
-    for width, height, frames in shapes:
-        t0 = time.perf_counter()
-        params = VideoParams(prompt="warm-up", width=width, height=height, num_frames=frames,
-                             num_inference_steps=1, seed=0)  # fmt: skip
-        try:
-            _, state = pipeline.generate(params, request_id=f"warmup-{width}x{height}x{frames}")
-        except torch.OutOfMemoryError as e:  # the user's to fix: one line, not a traceback
-            raise ValueError(
-                f"the startup warm-up of {width}x{height}x{frames} ran out of memory ({e}); try "
-                "--enable-layerwise-offload or --vae-tiling, or --warmup-shapes none to skip it"
-            ) from None
-        pipeline.release(state)
-        log.info(
-            "warm-up %dx%dx%d (1 step + decode) in %.1f s", width, height, frames, time.perf_counter() - t0
-        )
-    if shapes and pipeline.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(pipeline.device)  # jobs report their peaks, not the warm-up's
 
 
 def _non_default_args(args: argparse.Namespace) -> str:
