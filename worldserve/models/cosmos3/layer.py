@@ -233,12 +233,10 @@ def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backe
 def compiled_decode_math(*, mode: str = "default", backend: str = "inductor"):
     """(qkv, finish): torch.compile'd copies of qkv_math / finish_math for the Reasoner's decode step.
 
-    They wrap the functions in their own code objects (dynamo caches graphs per code object, so the gen
-    tower's static graphs never serve a decode step) and keep dynamo's automatic dynamic shapes: one graph
-    for batch 1, one for every other batch size (and the prefill graphs' pieces their own: static buffers
-    are not inference tensors). The lambdas' code objects are the same for every call, so every Reasoner of
-    the process (models, dtypes, test runs) adds its graphs to one cache: the recompile limits are raised as
-    for the gen layers, or past dynamo's default 8 they would run eagerly without a word."""
+    Their own code objects (dynamo caches graphs per code object: the gen tower's static graphs never serve a
+    decode step), automatic dynamic shapes: a graph for batch 1, one for the rest (the prefill graphs' pieces
+    their own). Every Reasoner of the process shares the lambdas' code objects, so the recompile limits are
+    raised, or past dynamo's default 8 graphs they would run eagerly without a word."""
     raise_recompile_limits()
     qkv = torch.compile(lambda *a, **k: qkv_math(*a, **k), mode=mode, backend=backend)
     finish = torch.compile(lambda *a, **k: finish_math(*a, **k), mode=mode, backend=backend)
