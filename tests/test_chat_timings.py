@@ -173,3 +173,40 @@ def test_time_to_first_token_of_each_choice_counts_from_the_request():
 
     first, second = asyncio.run(main())
     assert first >= 0.2 and second >= 0.2
+
+
+class _ChunkedBackend(_Backend):
+    """A chat whose prompt prefills in chunks: two idle steps (no token, no text) before its first token."""
+
+    def start_many(self, batch):
+        sessions = super().start_many(batch)
+        for s in sessions:
+            s.script = [(0, None), (0, None), (1, None), (2, "stop")]
+        return sessions
+
+    def step_all(self, sessions):
+        return [
+            ChatDelta(text="x" * n if n > 0 else "", finish_reason=f, completion_tokens=n)
+            for n, f in (s.script.pop(0) for s in sessions)
+        ]
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_a_chat_still_prefilling_delivers_nothing_before_its_first_token(coalesce):
+    """The idle steps of a chat whose prompt is still prefilling (chunked) or which waits preempted carry no
+    token: they are not delivered, so the first delta a caller (and the API's time to first token, which
+    chat_metering.py takes at the first delta) sees is the first token's, streamed or coalesced."""
+    worker, events = ChatWorker(_ChunkedBackend(), threading.Lock()), queue.Queue()
+    worker.start()
+    try:
+        params = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
+        worker.submit(params, events.put, coalesce=coalesce)
+        got = []
+        while not getattr(got[-1] if got else None, "finish_reason", None):
+            got.append(events.get(timeout=5))
+    finally:
+        worker.stop(1.0)
+    deltas = [e for e in got if isinstance(e, ChatDelta)]
+    assert deltas[0].completion_tokens == 1 and deltas[0].text == "x"
+    assert "".join(d.text for d in deltas) == "x" + "xx"
+    assert len(deltas) == 2

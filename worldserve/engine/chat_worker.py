@@ -292,11 +292,15 @@ class ChatWorker:
                 self._ended(handle)
                 self._fail(handle, exc)
             return [], 0
+        # a chat still prefilling (chunked) or preempted idles: no token, nothing to deliver (the API's time to
+        # first token is its first delta's)
+        idle = [not (d.text or d.logprobs or d.finish_reason) and d.completion_tokens == h._tokens_seen
+                for (h, _), d in zip(active, deltas, strict=True)]  # fmt: skip
         sampled = self._timed(active, deltas)
         pairs = [
             (handle, out)
-            for (handle, _), delta in zip(active, deltas, strict=True)
-            if (out := handle.outgoing(delta)) is not None
+            for (handle, _), delta, quiet in zip(active, deltas, idle, strict=True)
+            if not quiet and (out := handle.outgoing(delta)) is not None
         ]
         hop = self.call_in_consumer
         if hop is not None and (batched := [(h, d) for h, d in pairs if h.receive is not None]):
