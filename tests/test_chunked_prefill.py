@@ -285,3 +285,23 @@ def test_a_newer_chat_mid_prefill_is_preempted_before_an_older_decoding_one(tiny
         assert s.token_ids == run(roomy, roomy.start_many([params])[0])[1]
         s.close()
     assert r.pool.num_free == r.pool.num_blocks - 1
+
+
+def test_a_chat_preempted_mid_prefill_resumes_counted_as_a_resume(tiny_ckpt, model_tok):
+    """A chat preempted before its first token (mid-chunks) has generated nothing, yet its resume's lookup is
+    a preempted request's (vLLM: num_preemptions > 0), kept apart from the new chats' prefix-cache counters:
+    its prompt is counted once there, at its admission."""
+    r = make(tiny_ckpt, model_tok)
+    params = ids_chat(170)
+    (session,) = r.start_many([params])
+    r.step_all([session])  # a second chunk
+    queries = r.prefix_cache_counts
+    session.preempt()  # as _make_room does when an older chat needs its blocks
+    r._waiting.append(session)
+    r.step_all([session])  # resumed: its committed chunks found cached
+    assert not session.preempted
+    assert r.prefix_cache_counts == queries
+    assert (r.pool.preempted_queries, r.pool.preempted_hits) == (170, 2 * BUDGET)
+    first, tokens, _ = run(r, session)
+    assert tokens == whole(tiny_ckpt, model_tok, params)[1]
+    assert r.pool.num_free == r.pool.num_blocks - 1

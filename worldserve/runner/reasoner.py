@@ -161,22 +161,24 @@ class Reasoner(ChatAdmission):
         *,
         whole: bool = True,
         budget: int | None = None,
+        resumed: bool = False,
     ) -> tuple[Tensor, PagedSequence, int]:
         """-> (final-normed hidden [N, d] of every token, its filled paged sequence, next position); with
         `whole` False, of the tokens past its prefix-cache hit only.
 
         `generated`: tokens the chat already produced (a preempted chat's resume), prefilled after the prompt
-        at the positions their decode steps had. PoolExhausted, before any work (the ViT included) and with
-        nothing kept, when the pool cannot hold them all and the next token."""
-        return self.prefill_batch([(prompt, generated)], [whole], budget)[0]
+        at the positions their decode steps had (`resumed`: a preempted chat's resume, also one with none yet).
+        PoolExhausted, before any work (the ViT included) and with nothing kept, when the pool cannot hold them
+        all and the next token."""
+        return self.prefill_batch([(prompt, generated)], [whole], budget, [resumed])[0]
 
     def prefill_batch(
         self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = (),
-        budget: int | None = None,
+        budget: int | None = None, resumed: Sequence[bool] = (),
     ) -> list[tuple[Tensor, PagedSequence, int]]:  # fmt: skip
         """prefill() of several (prompt, generated) items in ONE und pass (und_prefill.py; the hidden states of
         the tokens computed: past a prefix-cache hit, unless `whole[i]`; at most `budget` tokens)."""
-        return self.prefiller(items, whole, budget)
+        return self.prefiller(items, whole, budget, resumed)
 
     @property
     def concurrent_with_video(self) -> bool:

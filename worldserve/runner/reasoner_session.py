@@ -161,7 +161,9 @@ class ReasonerSession:
 
         The last produced token's logits come out of this prefill, as its decode step would have given them."""
         try:
-            hidden, seq, position = self._r.prefill(self._prompt, self.token_ids, whole=False, budget=budget)
+            hidden, seq, position = self._r.prefill(
+                self._prompt, self.token_ids, whole=False, budget=budget, resumed=True
+            )
         except PoolExhausted:
             return False
         self._seq, self._position = seq, position

@@ -68,7 +68,7 @@ class UndPrefill:
     @torch.inference_mode()
     def __call__(
         self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = (),
-        budget: int | None = None,
+        budget: int | None = None, resumed: Sequence[bool] = (),
     ) -> list[tuple[Tensor, PagedSequence, int]]:  # fmt: skip
         """prefill() of several (prompt, generated) items in ONE und pass (a prefill of short prompts is
         launch-bound: 32 of them cost about what one does): per item (final-normed hidden [n_i, d] of its
@@ -76,7 +76,9 @@ class UndPrefill:
         blocks. `whole[i]`: item i skips the prefix cache (all its tokens computed). `budget` (chunked
         prefill): the pass computes at most that many tokens (each item at least one), in item order; an item
         left short (its sequence's length below its tokens) holds the blocks of all its tokens, and `extend`
-        computes the rest."""
+        computes the rest. `resumed[i]`: item i is a preempted chat's resume (its lookups counted apart, as
+        vLLM's, also when it had generated nothing yet: preempted mid-prefill); an item with generated tokens
+        is one."""
         bs = self.pool.block_size
         totals = [len(prompt.input_ids) + len(generated) for prompt, generated in items]
         # each item's block keys, once: its lookup's (all but its last token, always computed) and, after the
@@ -85,21 +87,20 @@ class UndPrefill:
             block_hashes(p, g, bs, n) if self.caching else [] for (p, g), n in zip(items, totals, strict=True)
         ]
         seqs: list[PagedSequence] = []
+        resumes = [bool(g) or (i < len(resumed) and resumed[i]) for i, (_, g) in enumerate(items)]
         try:
-            for i, (_, generated) in enumerate(items):  # every lookup before any allocation evicts
+            for i in range(len(items)):  # every lookup before any allocation evicts
                 seqs.append(self.pool.sequence())
                 if self.caching and not (i < len(whole) and whole[i]):
-                    # (a resume, which has generated tokens, is counted apart, as vLLM counts it)
-                    hits = self.pool.lookup(
-                        keys[i][: (totals[i] - 1) // bs], totals[i], preempted=bool(generated)
-                    )
+                    # (a resume is counted apart, as vLLM counts it)
+                    hits = self.pool.lookup(keys[i][: (totals[i] - 1) // bs], totals[i], preempted=resumes[i])
                     seqs[-1].adopt(hits)
             ends, left = [], budget
             for i, (seq, total) in enumerate(zip(seqs, totals, strict=True)):  # in pass order
                 if self.caching and not (i < len(whole) and whole[i]):
                     if extra := self._computed_earlier(i, keys[i][: (total - 1) // bs], seqs, keys):
                         seq.adopt(self.pool.share(extra))
-                        self.pool.count_lookup(0, len(extra) * bs, preempted=bool(items[i][1]))
+                        self.pool.count_lookup(0, len(extra) * bs, preempted=resumes[i])
                 seq.reserve(total + 1 - seq.length)
                 todo = total - seq.length if left is None else max(1, min(total - seq.length, left))
                 ends.append(seq.length + todo)
