@@ -305,3 +305,22 @@ def test_a_chat_preempted_mid_prefill_resumes_counted_as_a_resume(tiny_ckpt, mod
     first, tokens, _ = run(r, session)
     assert tokens == whole(tiny_ckpt, model_tok, params)[1]
     assert r.pool.num_free == r.pool.num_blocks - 1
+
+
+def test_a_pass_cut_by_its_budget_shares_only_the_blocks_it_computes(tiny_ckpt, model_tok):
+    """UndPrefill with several items and a budget that cuts the first: a later item sharing its prefix starts
+    only on the blocks the pass computes (not on the first's blocks past the cut, which hold nothing yet);
+    continued to its end, it has a whole prefill's logits."""
+    r = make(tiny_ckpt, model_tok, caching=True)
+    first = ids_chat(170)
+    second = ChatParams(prompt_ids=first.prompt_ids[:165] + (4, 4, 4), max_tokens=1, temperature=0.0)
+    p1, p2 = r.build_prompt(first), r.build_prompt(second)
+    (_, s1, _), (h2, s2, _) = r.prefill_batch([(p1, ()), (p2, ())], budget=BUDGET)
+    assert s1.length == BUDGET and s2.length == BUDGET + 1  # it started on the 3 blocks computed, + 1 token
+    while s2.length < len(p2.input_ids):
+        h2 = r.prefiller.extend(p2, (), s2, BUDGET)
+    got = r.transformer.compute_logits(h2[-1:])[0]
+    want, _ = whole(tiny_ckpt, model_tok, second)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    s1.release()
+    s2.release()

@@ -98,7 +98,7 @@ class UndPrefill:
             ends, left = [], budget
             for i, (seq, total) in enumerate(zip(seqs, totals, strict=True)):  # in pass order
                 if self.caching and not (i < len(whole) and whole[i]):
-                    if extra := self._computed_earlier(i, keys[i][: (total - 1) // bs], seqs, keys):
+                    if extra := self._computed_earlier(i, keys[i][: (total - 1) // bs], seqs, keys, ends):
                         seq.adopt(self.pool.share(extra))
                         self.pool.count_lookup(0, len(extra) * bs, preempted=resumes[i])
                 seq.reserve(total + 1 - seq.length)
@@ -168,17 +168,19 @@ class UndPrefill:
         return list(hidden.split(list(batch.seq_lens)))  # [n_i, d] each
 
     def _computed_earlier(
-        self, i: int, want: Sequence[bytes], seqs: Sequence[PagedSequence], keys: Sequence[Sequence[bytes]]
-    ) -> list[int]:
-        """The blocks past item i's cache hit, along its lookup keys `want`, that an earlier item of this pass
-        computes: the longest such run (block keys chain, so equal keys mean equal prefixes). vLLM counts
-        blocks computed in the same step as hits, as here: in every layer an item's K/V are written before
-        a later item's attention reads them."""
-        have = seqs[i].length // self.pool.block_size
+        self, i: int, want: Sequence[bytes], seqs: Sequence[PagedSequence], keys: Sequence[Sequence[bytes]],
+        ends: Sequence[int],
+    ) -> list[int]:  # fmt: skip
+        """The blocks past item i's cache hit, along its lookup keys `want`, that an earlier item j of this pass
+        computes (its full blocks before ends[j], where a budget may cut it): the longest such run (block keys
+        chain, so equal keys mean equal prefixes). vLLM counts blocks computed in the same step as hits, as
+        here: in every layer an item's K/V are written before a later item's attention reads them."""
+        bs = self.pool.block_size
+        have = seqs[i].length // bs
         best, src = have, None
         for j in range(i):
             m = have
-            while m < min(len(want), len(keys[j])) and want[m] == keys[j][m]:
+            while m < min(len(want), len(keys[j]), ends[j] // bs) and want[m] == keys[j][m]:
                 m += 1
             if m > best:
                 best, src = m, j
