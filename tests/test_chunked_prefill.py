@@ -324,3 +324,32 @@ def test_a_pass_cut_by_its_budget_shares_only_the_blocks_it_computes(tiny_ckpt, 
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     s1.release()
     s2.release()
+
+
+def test_a_chunked_chat_s_first_token_follows_its_grammar_and_min_tokens(tiny_ckpt, model_tok):
+    """The first token of a chat prefilled in chunks is sampled under its grammar's mask and min_tokens, as a
+    whole prefill's: the same choice, the same tokens."""
+    from worldserve.chat_params import StructuredOutput
+
+    so = StructuredOutput(kind="choice", spec='["alpha", "beta", "gamma"]')
+    long_text = "Pick one of the words, please. " * 6
+    params = [
+        ChatParams(messages=(ChatMessage(role="user", content=long_text),), structured=so, max_tokens=20,
+                   temperature=0.0),
+        ChatParams(messages=(ChatMessage(role="user", content=long_text),), min_tokens=5, max_tokens=8,
+                   temperature=0.0),
+    ]  # fmt: skip
+    r = make(tiny_ckpt, model_tok, caching=False)  # (the second would find the first's blocks cached)
+    for p in params:
+        assert len(r.build_prompt(p).input_ids) > BUDGET
+        (s,) = r.start_many([p])
+        assert s.prefilling
+        while s.finish_reason is None:
+            r.step_all([s])
+        _, want = whole(tiny_ckpt, model_tok, p)
+        assert s.token_ids == want
+        if p.structured is not None:
+            assert model_tok[1].decode(s.token_ids) in ("alpha", "beta", "gamma")
+        else:
+            assert len(s.token_ids) >= 5
+        s.close()
