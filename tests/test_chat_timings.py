@@ -210,3 +210,17 @@ def test_a_chat_still_prefilling_delivers_nothing_before_its_first_token(coalesc
     assert deltas[0].completion_tokens == 1 and deltas[0].text == "x"
     assert "".join(d.text for d in deltas) == "x" + "xx"
     assert len(deltas) == 2
+
+
+def test_a_chunked_prompt_counts_in_the_iteration_of_its_first_token():
+    """vLLM's tokens per engine step count a prompt in the step that samples its first token (after a chunked
+    prefill's last chunk), not when it is admitted: the idle chunk steps report nothing."""
+    worker, recorder, events = ChatWorker(_ChunkedBackend(), threading.Lock()), _Recorder(), queue.Queue()
+    worker.observer = recorder
+    worker.start()
+    try:
+        worker.submit(ChatParams(messages=(ChatMessage(role="user", content="hi"),)), events.put)
+        wait_until(lambda: recorder.finished)
+    finally:
+        worker.stop(1.0)
+    assert recorder.iterations == [5 + 1, 1]  # two idle chunk steps, then the prompt + its first token

@@ -40,6 +40,8 @@ class ChatHandle:
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     """When the prefill that admitted it started (worker thread); None: not started (yet)."""
+    prompt_tokens: int = 0
+    """Its prompt's tokens, once admitted (counted in the iteration of its first token)."""
     first_token_at: float | None = None
     """When its first token was sampled (worker thread); None: none yet."""
     last_token_at: float | None = None

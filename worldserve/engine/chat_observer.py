@@ -1,8 +1,9 @@
 """Where the chat worker reports its timings (the Prometheus metrics implement it; api/metrics.py).
 
 All calls come from the chat worker's thread, measured with time.monotonic() there:
-- `on_chat_iteration(tokens)`: one loop iteration of the worker that did model work: the prompt tokens of the
-  chats it admitted (prefilled) plus the tokens its batched decode step sampled (vLLM's tokens per engine step).
+- `on_chat_iteration(tokens)`: one loop iteration of the worker that sampled tokens: those tokens plus the
+  prompts of the chats whose first token it sampled (vLLM's tokens per engine step: a prompt counts in the
+  step of its first token, after a chunked prefill's last chunk; the n choices of one prompt once).
 - `on_chat_token_gaps(seconds)`: for each token sampled in one batched step by a chat that had sampled one
   before, the time since that chat's previous token (vLLM's inter-token latency; the first token's delay is
   the time to first token, measured by the API).

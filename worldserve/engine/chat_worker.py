@@ -213,13 +213,9 @@ class ChatWorker:
                     self._not_waiting(handle)
                 else:
                     batch.append(handle)
-            tokens = 0  # prompt tokens prefilled + tokens sampled by this iteration (vLLM's per engine step)
             if batch:
                 started, refused = self._start(batch)
                 active += started
-                # a request's n choices share one prompt and its prefill (the backend keys them the same way)
-                prompts = {h.params.prompt_key: s.prompt_tokens for h, s in started}
-                tokens += sum(prompts.values())
                 # retry after this step when running chats will free room, or when others of the batch took
                 # the room and failed since; refused alone with nothing running: the pool is too small
                 if active or len(refused) < len(batch):
@@ -234,10 +230,9 @@ class ChatWorker:
                     self._ended(handle)
             active[:] = [(h, s) for h, s in active if not h.cancelled.is_set()]
             if active:
-                active[:], sampled = self._step(active)
-                tokens += sampled
-            if tokens:
-                self.observer.on_chat_iteration(tokens)
+                active[:], tokens = self._step(active)
+                if tokens:  # (vLLM's tokens per engine step: _timed)
+                    self.observer.on_chat_iteration(tokens)
 
     def _model(self):
         """The model lock, or nothing when the backend runs beside video steps (re-read every call: a
@@ -268,7 +263,7 @@ class ChatWorker:
             elif isinstance(result, Exception):
                 self._fail(handle, result)
             else:
-                handle.admitted_at = admitted_at
+                handle.admitted_at, handle.prompt_tokens = admitted_at, result.prompt_tokens
                 handle.emit(ChatStarted(result.prompt_tokens, getattr(result, "prompt_logprobs", None),
                                         getattr(result, "cached_tokens", 0)))  # fmt: skip
                 started.append((handle, result))
@@ -282,7 +277,7 @@ class ChatWorker:
             log.exception("closing a chat session failed")
 
     def _step(self, active: list[tuple[ChatHandle, object]]) -> tuple[list[tuple[ChatHandle, object]], int]:
-        """One batched step of every active chat: (the ones still generating, the tokens it sampled)."""
+        """One batched step of every active chat: (the ones still generating, its tokens: _timed)."""
         try:
             with self._model():
                 deltas = self.backend.step_all([s for _, s in active])
@@ -311,15 +306,17 @@ class ChatWorker:
         return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None], sampled
 
     def _timed(self, active: list[tuple[ChatHandle, object]], deltas: list[ChatDelta]) -> int:
-        """Report one step's inter-token gaps and the ends of the chats it finished; the tokens it sampled. A
-        delta carries a new token when its count grew or it finished; a preempted chat's idle delta carries
-        none."""
-        now, gaps, sampled = time.monotonic(), [], 0
+        """Report one step's inter-token gaps and the ends of the chats it finished; its tokens: those it sampled
+        and the prompts of the chats whose first token it sampled (vLLM counts a prompt in the step of its
+        first token: with chunked prefill, after its last chunk; the n choices of one prompt share one prefill:
+        once). A delta carries a new token when its count grew or it finished; an idle one carries none."""
+        now, gaps, sampled, prompts = time.monotonic(), [], 0, {}
         for (handle, _), delta in zip(active, deltas, strict=True):
             if delta.completion_tokens > handle._tokens_seen or delta.finish_reason is not None:
                 sampled += 1
                 if handle.last_token_at is None:
                     handle.first_token_at = now
+                    prompts[handle.params.prompt_key] = handle.prompt_tokens
                 else:
                     gaps.append(now - handle.last_token_at)
                 handle.last_token_at, handle._tokens_seen = now, delta.completion_tokens
@@ -327,7 +324,7 @@ class ChatWorker:
                 self._ended(handle, now)
         if gaps:
             self.observer.on_chat_token_gaps(gaps)
-        return sampled
+        return sampled + sum(prompts.values())
 
     def _ended(self, handle: ChatHandle, now: float | None = None) -> None:
         """Report a started chat's timings (ChatTimes: end-to-end, queue, prefill, decode, inference), once."""
