@@ -17,7 +17,6 @@ gaps bounded by one chunk's prefill.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -112,12 +111,10 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    res = run(args)
-    args.out.write_text(json.dumps(res, indent=2))
-    print(table(res))
-    return 0
+    args = parse_args(argv)  # (puts bench/ on the path)
+    from parallel_step import reasoner_bench_main
+
+    return reasoner_bench_main(args, run, table)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,17 @@ def reasoner_bench_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def reasoner_bench_main(args: argparse.Namespace, run, table) -> int:
+    """The Reasoner benches' main: results = run(args), written as JSON to --out, table(results) printed."""
+    import json
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    res = run(args)
+    args.out.write_text(json.dumps(res, indent=2))
+    print(table(res))
+    return 0
+
+
 def reasoner_setup(tiny: bool, random_nano: Path | None) -> tuple:
     """(checkpoint folder, device, dtype, sync, what keeps the folder alive) of the Reasoner benches: the tiny
     checkpoint in a temporary folder (removed when the last item is dropped), float32 on the CPU, or the random

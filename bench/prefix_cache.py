@@ -18,7 +18,6 @@ whether the greedy tokens of the next --steps steps agree.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -168,12 +167,10 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    res = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2))
-    print(table(res))
-    return 0
+    args = parse_args(argv)  # (puts bench/ on the path)
+    from parallel_step import reasoner_bench_main
+
+    return reasoner_bench_main(args, run, table)
 
 
 if __name__ == "__main__":
