@@ -25,7 +25,7 @@ from worldserve.chat_params import ChatParams
 from worldserve.engine.outputs import ChatBackpressure
 from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
 from worldserve.runner.chat_prompt import ChatPrompt, completion_budget
-from worldserve.runner.prefix_hashes import block_hashes
+from worldserve.runner.prefix_hashes import block_hashes, shared_blocks
 from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
 from worldserve.sampling.tokens import TokenSampler
 
@@ -167,10 +167,7 @@ class ChatAdmission:
         keys = block_hashes(prompt, (), bs, n)[: (n - 1) // bs]  # (the last token is always computed)
         hit = self.pool.cached_prefix(keys)
         for other in computed:
-            m = hit
-            while m < min(len(keys), len(other)) and keys[m] == other[m]:
-                m += 1
-            hit = m
+            hit = shared_blocks(keys, other, hit)
         computed.append(keys)
         return n - hit * bs
 
@@ -207,21 +204,19 @@ class ChatAdmission:
         seq: PagedSequence,
         pos: int,
     ) -> ReasonerSession:
-        complete = seq.length == len(prompt.input_ids)  # else chunked: step_all computes the rest
-        logits = self.transformer.compute_logits(hidden[-1:])[0] if complete else None
         sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
         grammar = (
             None
             if params.structured is None
             else self.grammars.grammar(params.structured, params.think_first)
         )
-        session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
+        session = ReasonerSession(self, sampler, seq, None, pos, prompt=prompt, started=self._started + 1,
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
                                   params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None,
                                   grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
+        session.prefilled(hidden)  # its first logits, or (chunked) the tokens step_all has still to compute
         session.cached_tokens = seq.length - hidden.shape[0]  # (hidden: the rows computed)
-        session.prefill_left = len(prompt.input_ids) - seq.length
         session.defer_stops_past_thoughts(params.stops_after_thoughts)
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(

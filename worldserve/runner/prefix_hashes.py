@@ -69,3 +69,13 @@ def block_hashes(prompt: ChatPrompt, generated: Sequence[int], block_size: int, 
         parent = h.digest()
         out.append(parent)
     return out
+
+
+def shared_blocks(a: Sequence[bytes], b: Sequence[bytes], start: int = 0, limit: int | None = None) -> int:
+    """How many leading blocks two key lists share, counted on from `start` (known shared) up to `limit`: keys
+    chain, so the first unequal key ends the shared prefix."""
+    end = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    m = start
+    while m < end and a[m] == b[m]:
+        m += 1
+    return m

@@ -132,7 +132,11 @@ class ReasonerSession:
 
     def prefill_next(self, budget: int) -> None:
         """The prompt's next chunk of up to `budget` tokens; after the last one the first token's logits."""
-        hidden = self._r.prefiller.extend(self._prompt, self.token_ids, self._seq, budget)
+        self.prefilled(self._r.prefiller.extend(self._prompt, self.token_ids, self._seq, budget))
+
+    def prefilled(self, hidden: Tensor) -> None:
+        """After a prefill pass whose computed rows' hidden states are `hidden` [n, d]: the tokens left to
+        prefill (chunked), or, once every token is in, the pending logits of the next one (its last row)."""
         self.prefill_left = self.resume_tokens - self._seq.length
         if not self.prefill_left:
             self._logits = self._constrained(self._r.transformer.compute_logits(hidden[-1:])[0])
@@ -167,9 +171,7 @@ class ReasonerSession:
         except PoolExhausted:
             return False
         self._seq, self._position = seq, position
-        self.prefill_left = self.resume_tokens - seq.length
-        if not self.prefill_left:
-            self._logits = self._constrained(self._r.transformer.compute_logits(hidden[-1:])[0])
+        self.prefilled(hidden)
         return True
 
     def idle_delta(self) -> ChatDelta:

@@ -38,7 +38,7 @@ from worldserve.models.layers.paged_kv import PagedKVPool, PagedSequence
 from worldserve.runner.chat_prompt import ChatPrompt
 from worldserve.runner.encoder_cache import EncoderCache, select_items
 from worldserve.runner.prefill_graphs import PrefillGraphs
-from worldserve.runner.prefix_hashes import block_hashes
+from worldserve.runner.prefix_hashes import block_hashes, shared_blocks
 
 if TYPE_CHECKING:
     from worldserve.chat_params import ChatParams
@@ -120,9 +120,10 @@ class UndPrefill:
         """The next chunk of a sequence an earlier pass left short (chunked prefill): up to `budget` more of
         its tokens computed; the final-normed hidden [n, d] of those (the last row gives the next token's
         logits once the sequence holds every token). Its blocks were reserved when it started."""
-        total = len(prompt.input_ids) + len(generated)
-        keys = [block_hashes(prompt, generated, self.pool.block_size, total)] if self.caching else [[]]
-        return self._pass([(prompt, generated)], [seq], [min(total, seq.length + budget)], keys)[0]
+        end = min(len(prompt.input_ids) + len(generated), seq.length + budget)
+        # the keys of its blocks up to the chunk's end, for their registration after the pass
+        keys = [block_hashes(prompt, generated, self.pool.block_size, end) if self.caching else []]
+        return self._pass([(prompt, generated)], [seq], [end], keys)[0]
 
     def _pass(
         self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], seqs: Sequence[PagedSequence],
@@ -179,9 +180,7 @@ class UndPrefill:
         have = seqs[i].length // bs
         best, src = have, None
         for j in range(i):
-            m = have
-            while m < min(len(want), len(keys[j]), ends[j] // bs) and want[m] == keys[j][m]:
-                m += 1
+            m = shared_blocks(want, keys[j], have, ends[j] // bs)
             if m > best:
                 best, src = m, j
         return [] if src is None else seqs[src].blocks[have:best]
