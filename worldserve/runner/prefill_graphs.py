@@ -39,14 +39,16 @@ from torch import Tensor
 
 from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.models.layers.attention import KVCache
+from worldserve.runner.graph_capture import GraphCapture
 
 MAX_PREFILL_GRAPH_TOKENS = 2048
 """The largest bucket: past ~2k tokens a prefill's GEMMs (36 ms on an H200) outlast its host dispatch."""
 
 
 def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
-    """16, 32, 64, then every 128 tokens, up to max_tokens (itself last): past ~512 tokens a pass is GEMM-bound,
-    so a bucket pads it by at most 128 tokens (powers of two cost 843 tokens 21 % more work in 1,024)."""
+    """16, 32, 64, then every 128 tokens, up to max_tokens (itself last): past ~512 tokens a pass is
+    GEMM-bound, so a bucket pads it by at most 128 tokens (powers of two cost 843 tokens 21 % more work in
+    1,024)."""
     sizes = [b for b in (16, 32, 64) if b < max_tokens] + list(range(128, max_tokens, 128))
     return (*sizes, max_tokens)
 
@@ -76,8 +78,7 @@ class PrefillGraphs:
         self.out = torch.zeros(n, d, device=dev, dtype=dt)  # final-normed hidden states
         self._deepstack_set = False
         self._graphs: dict[int, list] = {}  # bucket -> its pieces' replay functions
-        self._mempool = torch.cuda.graph_pool_handle() if capture else None
-        self._side: torch.cuda.Stream | None = None  # the captures' warm-up stream (_side_stream)
+        self._capture_with = GraphCapture(model.device) if capture else None
         self.replays = 0  # passes run through the graphs (tests, metrics)
 
     def fits(self, batch: UndBatch) -> bool:
@@ -144,38 +145,13 @@ class PrefillGraphs:
 
     # ------------------------------------------------------------------ capture
     def _graphs_for(self, b: int) -> list:
+        """Bucket b's pieces as replay functions: captured (graph_capture.py: one pool and warm-up stream for
+        every bucket) at their first use, or the plain calls without capture."""
         if b not in self._graphs:
-            if self.capture:
-                self._capture(b)
-            else:
-                self._graphs[b] = [partial(self._piece, i, b) for i in range(len(self.model.layers) + 1)]
+            pieces = [partial(self._piece, i, b) for i in range(len(self.model.layers) + 1)]
+            captured = self._capture_with.capture(pieces) if self.capture else None
+            self._graphs[b] = pieces if captured is None else [graph.replay for graph, _ in captured]
         return self._graphs[b]
-
-    def _capture(self, b: int) -> None:
-        """Run bucket b's pieces twice on a side stream (compiles, cuBLAS workspaces), then capture each."""
-        pieces = range(len(self.model.layers) + 1)
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                for i in pieces:
-                    self._piece(i, b)
-        torch.cuda.current_stream().wait_stream(side)
-        graphs = []
-        for i in pieces:
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: as the decode step's captures (runner/und_decoder.py), beside other threads' CUDA work
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                self._piece(i, b)
-            graphs.append(graph.replay)
-        self._graphs[b] = graphs
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        """The one stream every bucket's warm-up runs on: memory the caching allocator keeps for a stream serves
-        that stream only, so a stream per bucket would strand each bucket's warm-up activations (GBs on Nano)."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.model.device)
-        return self._side
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from worldserve.models.layers.paged_attention import paged_decode_attention
 from worldserve.models.layers.paged_kv import PagedKVPool, PagedSequence
+from worldserve.runner.graph_capture import GraphCapture
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -65,8 +66,7 @@ class UndDecoder:
         self.table = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev)
         self.lens = torch.zeros(b, dtype=torch.int32, device=dev)  # tokens of each row already in the pool
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._side: torch.cuda.Stream | None = None
+        self._capture_with = GraphCapture(dev) if self.use_graphs else None
 
     @property
     def math(self) -> tuple | None:
@@ -143,24 +143,10 @@ class UndDecoder:
         return self._graphs[b]
 
     def _capture(self, b: int) -> None:
-        """Warm the step up on a side stream (compiles, cuBLAS workspaces), then capture it for bucket b.
-        Run with the rows pointing at the scratch block (the warm-up writes there)."""
+        """Warm the step up and capture it for bucket b (graph_capture.py), with the rows pointing at the
+        scratch block (the warm-up writes there)."""
         self._pad_rows(b)
-        if (
-            self._side is None
-        ):  # one warm-up stream for every bucket (prefill_graphs.PrefillGraphs._side_stream)
-            self._side = torch.cuda.Stream(self.model.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(b, self.max_blocks)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads do not break the capture (nor fail themselves), e.g. the
-        # keep-alive pings of a multi-GPU pipeline's peers (runner/peers.py), sent from a thread of their own
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            out = self._forward(b, self.max_blocks)
+        ((graph, out),) = self._capture_with.capture([lambda: self._forward(b, self.max_blocks)])
         self._graphs[b] = (graph, out)
 
     def _pad_rows(self, b: int) -> None:
