@@ -204,19 +204,21 @@ class ChatAdmission:
         seq: PagedSequence,
         pos: int,
     ) -> ReasonerSession:
+        complete = seq.length == len(prompt.input_ids)  # else chunked: step_all computes the rest
+        logits = self.transformer.compute_logits(hidden[-1:])[0] if complete else None
         sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
         grammar = (
             None
             if params.structured is None
             else self.grammars.grammar(params.structured, params.think_first)
         )
-        session = ReasonerSession(self, sampler, seq, None, pos, prompt=prompt, started=self._started + 1,
+        session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
                                   params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None,
                                   grammar=grammar, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
-        session.prefilled(hidden)  # its first logits, or (chunked) the tokens step_all has still to compute
         session.cached_tokens = seq.length - hidden.shape[0]  # (hidden: the rows computed)
+        session.prefill_left = len(prompt.input_ids) - seq.length
         session.defer_stops_past_thoughts(params.stops_after_thoughts)
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(
