@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> dict:
 
     root, device, dtype, sync, _scratch = reasoner_setup(args.tiny, args.random_nano)  # (_scratch: tiny's)
     model = load_transformer(root, dtype=dtype, device=device, progress=False)
+    attention = model.set_attention_backend(None)  # serve's default: FA3 where it runs, else SDPA
     tok = AutoTokenizer.from_pretrained(str(root / "text_tokenizer"))
     opts = {"kv_cache_tokens": 2 * 32768, "max_model_len": 32768, "enable_prefix_caching": False,
             "max_num_batched_tokens": args.budget}  # fmt: skip
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
     for r in variants.values():
         r.warm_up()
     res: dict = {"environment": environment(device), "command": " ".join(sys.argv), "dtype": str(dtype),
-                 "long_prompt_tokens": args.long, "running_chats": args.chats, "budget": args.budget,
+                 "attention": attention, "long_prompt_tokens": args.long, "running_chats": args.chats, "budget": args.budget,
                  "variants": {}}  # fmt: skip
     for label, r in variants.items():
         rounds = [window(r, args.chats, args.long, sync) for _ in range(args.rounds)]
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(res: dict) -> str:
     rows = [f"long prompt {res['long_prompt_tokens']} tokens, {res['running_chats']} chats decoding, budget "
-            f"{res['budget']}", "| variant | running chats' max gap ms | median gap ms | long chat's first token ms "
+            f"{res['budget']}, attention {res['attention']}", "| variant | running chats' max gap ms | median gap ms | long chat's first token ms "
             "| steps |", "|---|---|---|---|---|"]  # fmt: skip
     for label, v in res["variants"].items():
         rows.append(f"| {label} | {v['max_gap_ms']:.1f} | {v['median_gap_ms']:.1f} | {v['first_token_ms']:.1f} | "

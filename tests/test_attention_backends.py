@@ -256,8 +256,9 @@ def test_the_installed_fa3_is_usable_on_hopper():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_fa3(), reason="needs an H100/H200 with the FA3 package")
 @pytest.mark.parametrize(
-    ("nq", "nk", "causal"), [(1000, 1000, False), (700, 1300, False), (513, 513, True), (1, 77, True)]
-)
+    ("nq", "nk", "causal"),
+    [(1000, 1000, False), (700, 1300, False), (513, 513, True), (1, 77, True), (300, 1000, True)],
+)  # (300, 1000, True): a prefill chunk after 700 cached tokens, causal aligned at the bottom right
 def test_real_fa3_matches_sdpa(nq, nk, causal):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(nq, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
