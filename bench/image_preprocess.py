@@ -1,0 +1,83 @@
+"""The Reasoner's image preprocessing on this host's CPU: ours (models/cosmos3/vision.py ImagePreprocessor)
+against transformers' Qwen2VLImageProcessorPil with Qwen3-VL's settings, the reference it replaced.
+
+Per image size: the median seconds of each over --repeats calls (after one untimed call each), the ratio,
+and whether the outputs are equal bit for bit. Runs on the API side of every image chat (the prompt is
+built off the chat worker's thread), so its time is part of the chat's time to first token.
+
+    PYTHONPATH=. python bench/image_preprocess.py --out /tmp/image_preprocess.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def photo(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """uint8 [h, w, 3]: smooth gradients plus noise."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = 127 + 120 * np.sin(xx[..., None] / (7 + 3 * np.arange(3)) + yy[..., None] / 11)
+    return np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from worldserve.bench.report import environment
+    from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, ImagePreprocessor
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="JSON file")
+    ap.add_argument("--sizes", default="720x1280,1080x1920,480x854", help="HxW list")
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    ours = ImagePreprocessor()
+    ref = Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        size={"shortest_edge": QWEN3VL_MIN_PIXELS, "longest_edge": QWEN3VL_MAX_PIXELS},
+    )  # fmt: skip
+    rows = []
+    for size in args.sizes.split(","):
+        h, w = (int(x) for x in size.split("x"))
+        img = photo(h, w)
+        a, b = ours([img]), ref(images=[img], return_tensors="pt")
+        rows.append({
+            "size": f"{w}x{h}", "patches": int(a.pixel_values.shape[0]),
+            "ours_ms": 1000 * median_s(lambda img=img: ours([img]), args.repeats),
+            "reference_ms": 1000 * median_s(lambda img=img: ref(images=[img], return_tensors="pt"), args.repeats),
+            "bit_equal": bool(torch.equal(a.pixel_values, b["pixel_values"].float())),
+        })  # fmt: skip
+    res = {
+        "environment": environment(torch.device("cpu")),
+        "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2))
+    print("| image | patches | ours ms | transformers ms | speed-up | bit-equal |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} | {r['patches']} | {r['ours_ms']:.1f} | {r['reference_ms']:.1f} | "
+              f"{r['reference_ms'] / r['ours_ms']:.2f}x | {r['bit_equal']} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
