@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -118,6 +119,8 @@ class Reasoner(ChatAdmission):
             transformer, self.pool, max_batch=max_num_seqs, max_model_len=max_model_len,
             enforce_eager=enforce_eager,
         )  # fmt: skip
+        if vision is not None and self.decoder.use_graphs:  # on a GPU unless --enforce-eager
+            vision.tower.compile_math()
         self.prefiller = UndPrefill(
             transformer, self.pool, vision, image_token_id=image_token_id, video_token_id=self.video_token_id,
             caching=enable_prefix_caching, math=self.decoder.math, graphed=self.decoder.use_graphs,
@@ -305,6 +308,8 @@ class Reasoner(ChatAdmission):
             # the decode step compiled only with a batch bucket past 1 (--max-num-seqs > 1)
             long = self.build_prompt(ChatParams(prompt_ids=(prompt.input_ids[0],) * (graphs.buckets[-1] + 1)))
             self.prefill(long)[1].release()
+        if self.vision is not None:  # the ViT's compiled math (one dynamic graph for every image size)
+            self.vision.encode(self.prompts.preprocess([np.zeros((64, 64, 3), dtype=np.uint8)]))
         _ = self.grammars.tokenizer  # structured outputs' view of the vocabulary (about a second on Qwen's)
         if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
             self.share.mark_ready()

@@ -6,8 +6,8 @@
   mean = std = 0.5, repeat the single frame to the temporal patch of 2, patchify in merge-window order),
   reimplemented: the reference's float64 and channels-first copies made it the larger part of an image
   chat's host time.
-- `VisionEncoder`: transformers' `Qwen3VLVisionModel` loaded from the checkpoint's vision_encoder/ (the ViT
-  is small next to the LM, so we use the reference module). `encode` -> merged embeddings [M, d_llm] (one
+- `VisionEncoder`: transformers' `Qwen3VLVisionModel` loaded from the checkpoint's vision_encoder/ (its
+  weights; our inference forward in vision_tower.py runs them, held to the reference's by tests). `encode` -> merged embeddings [M, d_llm] (one
   row per <|image_pad|> token, M = P / merge**2) and the deepstack features, one [M, d_llm] per ViT index.
 - `video_inputs`: sampled, resized uint8 frames (media/video_input.py) -> VisionInputs, as Qwen3-VL's video
   processor finishes them (rescale, normalise with mean = std = 0.5, pad the frame count to the temporal
@@ -151,10 +151,14 @@ class ImagePreprocessor:
 
 
 class VisionEncoder:
-    """The Qwen3-VL ViT + patch merger + deepstack mergers, from `<checkpoint>/vision_encoder`."""
+    """The Qwen3-VL ViT + patch merger + deepstack mergers, from `<checkpoint>/vision_encoder`: transformers'
+    module holds the weights, our inference forward (vision_tower.py) runs them."""
 
     def __init__(self, model) -> None:
+        from worldserve.models.cosmos3.vision_tower import VisionTower
+
         self.model = model.eval()
+        self.tower = VisionTower(self.model)
         cfg = model.config
         self.patch_size: int = cfg.patch_size
         self.temporal_patch_size: int = cfg.temporal_patch_size
@@ -211,13 +215,10 @@ class VisionEncoder:
             merge_size=self.merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
         )  # fmt: skip
 
-    @torch.inference_mode()
     def encode(self, inputs: VisionInputs) -> tuple[Tensor, tuple[Tensor, ...]]:
         """-> (embeds [M, d_llm], deepstack features (one [M, d_llm] per deepstack ViT layer))."""
-        out = self.model(
-            inputs.pixel_values.to(self.device, self.dtype), grid_thw=inputs.grid_thw.to(self.device)
-        )
-        return out.pooler_output, tuple(out.deepstack_features)
+        pixels = inputs.pixel_values.to(self.device, self.dtype, non_blocking=True)
+        return self.tower.forward(pixels, inputs.grid_thw)
 
 
 def chat_positions(
