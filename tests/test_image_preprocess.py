@@ -75,3 +75,16 @@ def test_every_uint8_value_normalises_as_the_reference_does():
     out = ImagePreprocessor(min_pixels=32 * 1024, max_pixels=32 * 1024)([img])
     assert out.grid_thw.tolist() == [[1, 2, 64]]
     assert torch.equal(out.pixel_values.unique(), torch.from_numpy(ref))
+
+
+def test_digests_follow_the_pixels_the_patches_come_from():
+    """Equal images (and pixel budgets) share a digest (the prefix and encoder caches' key); one changed pixel,
+    or a budget that resizes differently, gives another."""
+    pre = ImagePreprocessor()
+    img = _image(120, 200, 6)
+    other = img.copy()
+    other[60, 100, 1] ^= 1
+    a, b, c = pre([img, img]), pre([img, other]), pre([img], max_pixels=64 * 64)
+    assert a.digests is not None and len(a.digests) == 2 and a.digests[0] == a.digests[1]
+    assert b.digests[0] == a.digests[0] and b.digests[1] != a.digests[0]
+    assert c.digests[0] != a.digests[0]

@@ -25,8 +25,9 @@ def media_digests(
     ids: Sequence[int], vision: VisionInputs | None, video: VisionInputs | None, *, image_token_id: int,
     video_token_id: int, merge_size: int,
 ) -> tuple[tuple[int, bytes], ...]:  # fmt: skip
-    """(first placeholder row, SHA-256 of its patch grid and pixels) of every image and video of a prompt, in
-    row order. Image / video i takes the next t*h*w / merge**2 placeholder rows of its kind."""
+    """(first placeholder row, SHA-256 of its patch grid and pixels, or the digest its VisionInputs carries) of
+    every image and video of a prompt, in row order. Image / video i takes the next t*h*w / merge**2
+    placeholder rows of its kind."""
     out = []
     for inputs, token in ((vision, image_token_id), (video, video_token_id)):
         if inputs is None:
@@ -35,11 +36,14 @@ def media_digests(
         grids = inputs.grid_thw.tolist()
         pixels = inputs.pixel_values.detach().cpu().contiguous()  # [P, C * patch volume], items in order
         patch = row = 0
-        for grid, tokens in zip(grids, inputs.tokens_per_image(merge_size), strict=True):
+        for i, (grid, tokens) in enumerate(zip(grids, inputs.tokens_per_image(merge_size), strict=True)):
             n = grid[0] * grid[1] * grid[2]
-            digest = hashlib.sha256(np.asarray(grid, dtype=np.int64).tobytes())
-            digest.update(memoryview(pixels[patch : patch + n].numpy()).cast("B"))
-            out.append((rows[row], digest.digest()))
+            if inputs.digests is not None:  # the preprocessor's, of the pixels these patches came from
+                out.append((rows[row], inputs.digests[i]))
+            else:
+                digest = hashlib.sha256(np.asarray(grid, dtype=np.int64).tobytes())
+                digest.update(memoryview(pixels[patch : patch + n].numpy()).cast("B"))
+                out.append((rows[row], digest.digest()))
             patch, row = patch + n, row + tokens
     return tuple(sorted(out))
 

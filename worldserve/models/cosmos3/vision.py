@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ class VisionInputs:
     """[P, C * temporal_patch * patch * patch] float32 patches, images one after another."""
     grid_thw: Tensor
     """[n_images, 3] long: (t, h, w) in patches (before the 2x2 merge)."""
+    digests: tuple[bytes, ...] | None = None
+    """Each item's content digest where its maker computed one (ImagePreprocessor: from the resized uint8
+    pixels); None: runner/prefix_hashes.py hashes the float patches."""
 
     def tokens_per_image(self, merge_size: int) -> list[int]:
         """<|image_pad|> tokens each image expands to: t * h * w / merge**2."""
@@ -118,36 +122,44 @@ class ImagePreprocessor:
     def __call__(
         self, images: Sequence[np.ndarray], *, min_pixels: int | None = None, max_pixels: int | None = None
     ) -> VisionInputs:
-        """uint8 RGB (H, W, 3) arrays -> VisionInputs; `min_pixels` / `max_pixels` override the pixel budget
-        (`size.shortest_edge` / `.longest_edge`) for this call, as a request's mm_processor_kwargs do."""
-        patches, grids = [], []
-        for img in images:
-            p, (gh, gw) = self._patches(img, min_pixels or self.min_pixels, max_pixels or self.max_pixels)
-            patches.append(p)
-            grids.append([1, gh, gw])
-        return VisionInputs(pixel_values=torch.cat(patches), grid_thw=torch.tensor(grids, dtype=torch.long))
+        """uint8 RGB (H, W, 3) arrays -> VisionInputs (with each image's digest); `min_pixels` / `max_pixels`
+        override the pixel budget (`size.shortest_edge` / `.longest_edge`) for this call, as a request's
+        mm_processor_kwargs do."""
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        lo, hi = min_pixels or self.min_pixels, max_pixels or self.max_pixels
+        sizes = [
+            smart_resize(i.shape[0], i.shape[1], factor=p * m, min_pixels=lo, max_pixels=hi) for i in images
+        ]
+        grids = [(1, h // p, w // p) for h, w in sizes]
+        out = torch.empty(sum(gh * gw for _, gh, gw in grids), 3, t, p * p)  # every image's patches, in order
+        digests, start = [], 0
+        for img, (h, w), (_, gh, gw) in zip(images, sizes, grids, strict=True):
+            digests.append(self._patches(img, h, w, out[start : start + gh * gw]))
+            start += gh * gw
+        return VisionInputs(
+            pixel_values=out.view(-1, 3 * t * p * p), grid_thw=torch.tensor(grids, dtype=torch.long),
+            digests=tuple(digests),
+        )  # fmt: skip
 
-    def _patches(self, img: np.ndarray, min_pixels: int, max_pixels: int) -> tuple[Tensor, tuple[int, int]]:
-        """One image -> (pixel_values [gh * gw, 3 * T * p * p], (gh, gw))."""
+    def _patches(self, img: np.ndarray, h: int, w: int, out: Tensor) -> bytes:
+        """One image resized to (h, w) into out [gh * gw, 3, T, p * p]; its digest: SHA-256 of its grid and
+        resized uint8 pixels (which decide the float patches; an eighth of their bytes to hash)."""
         from PIL import Image
 
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        h, w = smart_resize(
-            img.shape[0], img.shape[1], factor=p * m, min_pixels=min_pixels, max_pixels=max_pixels
-        )
+        p, m = self.patch_size, self.merge_size
         pil = Image.fromarray(np.ascontiguousarray(img)).resize((w, h), resample=Image.Resampling.BICUBIC)
-        x = torch.from_numpy(np.array(pil))  # [h, w, 3] uint8 (a writable copy)
+        pixels = np.array(pil)  # [h, w, 3] uint8 (a writable copy)
         gh, gw = h // p, w // p
-        x = x.view(gh // m, m, p, gw // m, m, p, 3).permute(
-            0, 3, 1, 4, 6, 2, 5
-        )  # [gh/m, gw/m, m, m, 3, p, p]
-        out = torch.empty(gh * gw, 3, t, p * p)  # the frame, repeated to the temporal patch
-        first = out[:, :, 0].view(gh // m, gw // m, m, m, 3, p, p)
+        x = torch.from_numpy(pixels).view(gh // m, m, p, gw // m, m, p, 3)
+        x = x.permute(0, 3, 1, 4, 6, 2, 5).contiguous()  # [gh/m, gw/m, m, m, 3, p, p] uint8, patch order
         # v / 127.5 - 1 in float32 is, for every uint8 v, bit for bit the reference's float64(v) * (1 / 255)
         # rounded to float32, then (x - 0.5) / 0.5 (tests hold all 256 values to it)
-        first.copy_(x).div_(127.5).sub_(1.0)
-        out[:, :, 1:] = out[:, :, :1]
-        return out.view(gh * gw, 3 * t * p * p), (gh, gw)
+        frame = x.view(gh * gw, 3, 1, p * p).float().div_(127.5).sub_(1.0)
+        out.copy_(frame.expand_as(out))  # the frame, repeated to the temporal patch
+        digest = hashlib.sha256(np.asarray([1, gh, gw], dtype=np.int64).tobytes())
+        digest.update(b"uint8 image")
+        digest.update(memoryview(pixels).cast("B"))
+        return digest.digest()
 
 
 class VisionEncoder:
