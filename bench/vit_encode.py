@@ -1,10 +1,10 @@
 """The Reasoner's ViT (Qwen3-VL-8B's, ~0.58B parameters) on one image or video: transformers' forward against
-ours (models/cosmos3/vision_tower.py), eager and compiled, on the same random weights.
+ours (models/cosmos3/vision_tower.py): SDPA eager, FA3 eager and serve's way (FA3 where it runs, compiled).
 
 Builds `Qwen3VLVisionModel` at Nano's vision config (weights/tiny.py NANO_VISION_CONFIG; random, bf16 on a
 GPU) and, per input, reports the median milliseconds of each forward over --repeats (after warm-up calls:
-the compiled one's first call compiles), the speed-ups and the relative L2 error of ours against the
-reference's merged embeddings and deepstack features. --tiny: the tiny ViT in float32 on the CPU (smoke test).
+the compiled one's first call compiles), serve's speed-up and the relative L2 error of serve's against the
+reference's merged embeddings and deepstack features; on a GPU also the profiler's top kernels at 720p. --tiny: the tiny ViT in float32 on the CPU (smoke test).
 
     PYTHONPATH=. python bench/vit_encode.py --out $OUT/vit_encode.json
     PYTHONPATH=. python bench/vit_encode.py --tiny --out /tmp/vit_encode.json
@@ -42,21 +42,55 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def measure(label: str, g: torch.Tensor, model, eager, compiled, sync, repeats: int) -> dict:
-    """One input's row: the three forwards' median ms, ours' largest relative L2 error against the reference."""
+def variants(model, cuda: bool) -> dict:
+    """label -> VisionTower over `model`: SDPA eager, and on a GPU FA3 eager (where it runs) and serve's way
+    (VisionEncoder.set_attention_backend(None) + compile_math: the last one)."""
+    from worldserve.models.cosmos3.vision_tower import VisionTower
+    from worldserve.models.layers.flash_attention import resolve_attention_backend
+
+    out = {"sdpa eager": VisionTower(model)}
+    if cuda:
+        p = next(model.parameters())
+        label, fn = resolve_attention_backend(
+            None, p.device, p.dtype, model.config.hidden_size // model.config.num_heads
+        )
+        if label == "fa3":
+            out["fa3 eager"] = VisionTower(model, attention=fn)
+        serve = VisionTower(model, attention=fn)
+        serve.compile_math()
+        out[f"{label} compiled (serve)"] = serve
+    return out
+
+
+def measure(label: str, g: torch.Tensor, model, towers: dict, sync, repeats: int) -> dict:
+    """One input's row: each forward's median ms, the last tower's largest relative L2 error against the
+    reference."""
     p = next(model.parameters())
     x = torch.randn(int(g.prod(-1).sum()), 3 * 2 * 16 * 16, device=p.device, dtype=p.dtype)
     with torch.inference_mode():
         ref = model(x, grid_thw=g.to(p.device))
-    ours, ds = (compiled or eager).forward(x, g)
+    ours, ds = list(towers.values())[-1].forward(x, g)
     errs = [
         rel(ours, ref.pooler_output),
         *(rel(a, b) for a, b in zip(ds, ref.deepstack_features, strict=True)),
     ]
-    return {"input": label, "patches": int(x.shape[0]), "max_rel_l2_vs_reference": max(errs),
-            "reference_ms": timed(lambda: model(x, grid_thw=g.to(p.device)), sync, repeats, 2),
-            "ours_eager_ms": timed(lambda: eager.forward(x, g), sync, repeats, 2),
-            "ours_compiled_ms": timed(lambda: compiled.forward(x, g), sync, repeats, 2) if compiled else None}  # fmt: skip
+    ms = {"transformers": timed(lambda: model(x, grid_thw=g.to(p.device)), sync, repeats, 2)}
+    for name, tower in towers.items():
+        ms[name] = timed(lambda tower=tower: tower.forward(x, g), sync, repeats, 2)
+    return {"input": label, "patches": int(x.shape[0]), "max_rel_l2_vs_reference": max(errs), "ms": ms}
+
+
+def profile_top(tower, g: torch.Tensor, model, top: int = 10) -> str:
+    """The CUDA kernels of one forward of `tower` on grid g, by total time (torch profiler's table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = next(model.parameters())
+    x = torch.randn(int(g.prod(-1).sum()), 3 * 2 * 16 * 16, device=p.device, dtype=p.dtype)
+    tower.forward(x, g)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        tower.forward(x, g)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
 
 
 def main() -> int:
@@ -64,7 +98,6 @@ def main() -> int:
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     from worldserve.bench.report import environment
-    from worldserve.models.cosmos3.vision_tower import VisionTower
     from worldserve.weights.tiny import NANO_VISION_CONFIG, TINY_VISION_CONFIG
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,21 +114,27 @@ def main() -> int:
     with torch.device(device):
         model = Qwen3VLVisionModel._from_config(cfg, dtype=dtype).eval()
     inputs = {"image 256x256": [[1, 16, 16]]} if args.tiny else INPUTS
-    eager, compiled = VisionTower(model), VisionTower(model)
-    if cuda:
-        compiled.compile_math()
-    rows = [measure(label, torch.tensor(grid), model, eager, compiled if cuda else None, sync, args.repeats)
-            for label, grid in inputs.items()]  # fmt: skip
+    towers = variants(model, cuda)
+    rows = [
+        measure(label, torch.tensor(grid), model, towers, sync, args.repeats)
+        for label, grid in inputs.items()
+    ]
     res = {"environment": environment(device), "dtype": str(dtype), "config": cfg.to_dict(), "rows": rows}
+    if cuda:
+        res["profile_720p"] = profile_top(
+            list(towers.values())[-1], torch.tensor(INPUTS["image 1280x720"]), model
+        )
+        print(res["profile_720p"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2, default=str))
-    print("| input | patches | transformers ms | ours eager ms | ours compiled ms | speed-up | max rel. L2 |")
-    print("|---|---|---|---|---|---|---|")
+    names = list(rows[0]["ms"])
+    print("| input | patches | " + " | ".join(f"{n} ms" for n in names) + " | speed-up | max rel. L2 |")
+    print("|---" * (len(names) + 4) + "|")
     for r in rows:
-        best = r["ours_compiled_ms"] or r["ours_eager_ms"]
-        comp = f"{r['ours_compiled_ms']:.2f}" if r["ours_compiled_ms"] else "-"
-        print(f"| {r['input']} | {r['patches']} | {r['reference_ms']:.2f} | {r['ours_eager_ms']:.2f} | {comp} | "
-              f"{r['reference_ms'] / best:.2f}x | {r['max_rel_l2_vs_reference']:.1e} |")  # fmt: skip
+        ms = r["ms"]
+        cells = " | ".join(f"{ms[n]:.2f}" for n in names)
+        print(f"| {r['input']} | {r['patches']} | {cells} | {ms['transformers'] / ms[names[-1]]:.2f}x | "
+              f"{r['max_rel_l2_vs_reference']:.1e} |")  # fmt: skip
     return 0
 
 

@@ -97,3 +97,23 @@ def test_compiled_on_cuda_matches_the_reference_and_compiles_once_for_all_sizes(
             graphs = counters["stats"]["unique_graphs"]
         elif n > 1:  # a third size compiles nothing more (dynamic token counts)
             assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fa3_attention_where_it_runs_matches_the_reference(vit):
+    import copy
+
+    from worldserve.models.layers.flash_attention import resolve_attention_backend
+
+    model = copy.deepcopy(vit).to("cuda", torch.bfloat16)
+    label, fn = resolve_attention_backend(None, torch.device("cuda"), torch.bfloat16, 32 // 2)
+    if label != "fa3":
+        pytest.skip("FA3 does not run here")
+    x, g = _inputs([[1, 8, 10], [2, 2, 4]])
+    x = x.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        ref = model(x, grid_thw=g.cuda())
+    merged, _ = VisionTower(model, attention=fn).forward(x, g)
+    err = float((merged.float() - ref.pooler_output.float()).norm() / ref.pooler_output.float().norm())
+    assert err < 2e-2, err

@@ -227,6 +227,17 @@ class VisionEncoder:
             merge_size=self.merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
         )  # fmt: skip
 
+    def set_attention_backend(self, name: str | None = None) -> str:
+        """Route the ViT's attention through `name` (flash_attention.BACKENDS; None = auto: FA3 where it runs);
+        the label."""
+        from worldserve.models.layers.flash_attention import resolve_attention_backend
+
+        cfg = self.model.config
+        label, self.tower.attention = resolve_attention_backend(
+            name, self.device, self.dtype, cfg.hidden_size // cfg.num_heads
+        )
+        return label
+
     def encode(self, inputs: VisionInputs) -> tuple[Tensor, tuple[Tensor, ...]]:
         """-> (embeds [M, d_llm], deepstack features (one [M, d_llm] per deepstack ViT layer))."""
         pixels = inputs.pixel_values.to(self.device, self.dtype, non_blocking=True)
