@@ -6,8 +6,9 @@ transformer, prefix caching off in both: `chunked` (serve's default: a prompt lo
 (`--no-enable-chunked-prefill`). For each, --chats greedy chats decode for a few steps, then a --long-token
 prompt arrives: it is admitted (start_many, as the chat worker admits it) and every session is stepped together
 (step_all, as the chat worker steps them) until the long chat has its first token. Reported, per variant:
-the running chats' inter-token gaps over that window (the step times: max and median), the long chat's time
-to its first token, and the steps it took. Chunking trades a little of the long chat's first-token time for
+the running chats' inter-token gaps over that window (the iteration times, the admission's iteration being its
+pass and the step after it, which share one token budget: max and median), the long chat's time to its first
+token, and the steps it took. Chunking trades a little of the long chat's first-token time for
 gaps bounded by one chunk's prefill.
 
     PYTHONPATH=. python bench/chunked_prefill.py --random-nano /tmp/nano-random --out $OUT/chunked_prefill.json
@@ -54,14 +55,12 @@ def window(reasoner, chats: int, long: int, sync) -> dict:
     sync()
     t0 = time.perf_counter()
     (late,) = reasoner.start_many([params])
-    sync()
-    gaps = [time.perf_counter() - t0]  # the admission's pass: the running chats wait for it too
-    steps = 0
+    gaps, steps, t = [], 0, t0  # the admission's pass and the step after it: one iteration, one gap
     while late.completion_tokens == 0:
-        t = time.perf_counter()
         reasoner.step_all([*running, late])
         sync()
         gaps.append(time.perf_counter() - t)
+        t = time.perf_counter()
         steps += 1
     ttft = time.perf_counter() - t0
     for s in (*running, late):

@@ -186,9 +186,9 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     """Reasoner chats decoded together (continuous batching); more wait for a free slot."""
     max_num_batched_tokens: int = 8192
-    """Reasoner tokens one step computes at most (vLLM's): chats arriving together are prefilled in one pass up to it, and with chunked prefill a longer prompt is prefilled in chunks of it, one a step, while running chats keep decoding."""
+    """Reasoner tokens one iteration (an admission pass and a step) computes at most (vLLM's): the running chats' decodes, the next chunk of a prompt being prefilled, resumed chats and new prompts share it; with chunked prefill a prompt longer than what is left is prefilled in chunks, one an iteration, while running chats keep decoding."""
     enable_chunked_prefill: bool = True
-    """Prefill Reasoner prompts longer than --max-num-batched-tokens in chunks, a step each, interleaved with the running chats' decode steps (vLLM's default); --no-enable-chunked-prefill prefills every prompt whole."""
+    """Prefill Reasoner prompts that do not fit what an iteration's --max-num-batched-tokens leaves in chunks, one an iteration, interleaved with the running chats' decode steps (vLLM's default); --no-enable-chunked-prefill prefills every prompt whole."""
     encode_workers: int = 2
     """Threads that encode finished videos to MP4 while the next request denoises."""
     shutdown_timeout: float = 30.0

@@ -2,16 +2,19 @@
 
 `start_many(batch)`: per chat, validate and build the prompt (or reuse the one built for the same messages,
 or for its last refused start), check the context, and admit it while the pool keeps a block free for each
-running chat's next token and the pass stays within max_num_batched_tokens prompt tokens (a longer prompt
-goes alone; later chats are refused with ChatBackpressure, in order, and retried by the chat worker). The
-admitted chats' prompts are prefilled in ONE und pass (chats with the very same messages, the n choices of
-one request, share one prompt, one prefill and its full K/V blocks: a fork each), with chunked prefill only
-the first chunk of a prompt longer than the budget (its session `prefilling` until Reasoner.step_all computes
-the rest); a pass that fails is retried chat by chat, so that one chat's failure is not every chat's. Then
-each chat's ReasonerSession: sampler, grammar, first logits, cached tokens, prompt logprobs.
+running chat's next token and the pass's uncached prompt tokens fit the iteration's token budget: with chunked
+prefill what the next step's running sessions leave of max_num_batched_tokens (step_budget.py: a decode each,
+the oldest prefilling session's next chunk; the last admitted prompt chunked to the rest, vLLM's), without it
+max_num_batched_tokens (a longer prompt goes alone); later chats are refused with ChatBackpressure, in order,
+and retried by the chat worker. The admitted chats' prompts are prefilled in ONE und pass (chats with the very
+same messages, the n choices of one request, share one prompt, one prefill and its full K/V blocks: a fork
+each), a chunked one's first chunk only (its session `prefilling` until Reasoner.step_all computes the rest);
+the tokens it computed count against the next step's budget. A pass that fails is retried chat by chat, so
+that one chat's failure is not every chat's. Then each chat's ReasonerSession: sampler, grammar, first logits,
+cached tokens, prompt logprobs.
 
-The Reasoner provides the state it reads: pool, prefiller, prompts, grammars, transformer, tokenizer,
-share, max_model_len, max_num_batched_tokens, chunked_prefill, _waiting, _live, _started, _deferred.
+The Reasoner provides the state it reads: pool, prefiller, prompts, grammars, transformer, tokenizer, share,
+max_model_len, max_num_batched_tokens, chunked_prefill, budget, _waiting, _open, _live, _started, _deferred.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class ChatAdmission:
         max_model_len: int
         max_num_batched_tokens: int
         chunked_prefill: bool
+        budget: Any
         _waiting: list
+        _open: list
         _live: int
         _started: int
         _deferred: dict
@@ -59,8 +64,8 @@ class ChatAdmission:
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill (all of it: a chunked one to its end); the session's step()
-        yields the completion."""
-        (result,) = self.start_many([params])
+        yields the completion. An iteration of its own: it does not count against the next step's budget."""
+        (result,) = self._admit([params], shared=False)
         if isinstance(result, Exception):
             raise result
         while result.prefilling:
@@ -74,18 +79,23 @@ class ChatAdmission:
         the pool has no room for it now, leaving a block for each running chat's next token, or the pass is
         full: then every later one is refused too, which keeps the chats in order). Chats with the very same
         messages (the n choices of one request) share one prompt, one prefill and its full K/V blocks."""
+        return self._admit(batch)
+
+    def _admit(self, batch: Sequence[ChatParams], shared: bool = True) -> list[ReasonerSession | Exception]:
+        """start_many(); `shared`: the pass takes its tokens from the iteration's budget (step_budget.py)."""
         self.share.chats_live(self._live + len(batch))  # the margin up before the prefill, not after it
         try:
             with self.share.context():
-                return self._start_many(batch)
+                return self._start_many(batch, shared)
         finally:
             self.share.chats_live(self._live)
 
-    def _start_many(self, batch: Sequence[ChatParams]) -> list[ReasonerSession | Exception]:
+    def _start_many(self, batch: Sequence[ChatParams], shared: bool) -> list[ReasonerSession | Exception]:
         out: list[ReasonerSession | Exception | None] = []
         ready: list[tuple[int, ChatParams, ChatPrompt, int]] = []
         free = 0 if self._waiting else self.pool.num_free - self._live
-        tokens = 0
+        plan = self.budget.admission(self._open if shared else None)
+        whole = False  # a ready chat forks another's K/V or wants prompt logprobs: the pass prefills whole
         built: dict[int, ChatPrompt] = {}  # prompt_key -> its prompt (the batch holds the params alive)
         computed: list[list[bytes]] = []  # block keys of the chats admitted so far (computed in the pass)
         for params in batch:
@@ -99,21 +109,26 @@ class ChatAdmission:
             n = len(prompt.input_ids)
             need = self.pool.blocks_for(n + 1)
             new = self._uncached(params, prompt, computed)
-            if need > free or (ready and tokens + new > self.max_num_batched_tokens):
+            uncut = any(r[2] is prompt for r in ready) or params.prompt_logprobs is not None
+            if need > free or not plan.admit(new, chunkable=not (uncut or whole), first=not ready):
+                short = f"{need} K/V blocks" if need > free else f"{new} prompt tokens of the step's budget"
                 free = 0  # the later chats wait too, in order
                 self._remember(params, prompt)  # the retry reuses it: no new preprocessing
-                out.append(ChatBackpressure(f"{need} K/V blocks wanted, {self.pool.num_free} free"))
+                out.append(ChatBackpressure(f"no room now for {short}"))
                 continue
             free -= need
-            tokens += new
+            whole = whole or uncut
             ready.append((len(out), params, prompt, budget))
             out.append(None)
         leaders: dict[int, tuple] = {}  # id(prompt) -> the first ready chat with that prompt
         for r in ready:
             leaders.setdefault(id(r[2]), r)
         # a prompt whose later choices fork its K/V is prefilled whole (a fork needs all of it)
-        chunk = len(leaders) == len(ready)
-        prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()), chunk)}
+        limit = plan.limit if self.chunked_prefill and not whole else None
+        before = self.prefiller.computed
+        prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()), limit)}
+        if shared:
+            self.budget.admitted += self.prefiller.computed - before
         for i, params, prompt, budget in ready:
             out[i] = self._start_one(i, params, prompt, budget, prefilled, leaders[id(prompt)][0] == i)
         return out
@@ -139,21 +154,19 @@ class ChatAdmission:
                 prefilled[id(prompt)] = exc  # its other choices have nothing to fork now
             return exc
 
-    def _prefill_each(self, ready: list, chunk: bool = True) -> list:
-        """prefill_batch over the ready chats (with chunked prefill and `chunk`, within the step's budget);
-        when the pass fails (e.g. out of memory), each chat once more on its own, so that one chat's failure
-        is not every chat's. [(*item, result or exception)]."""
+    def _prefill_each(self, ready: list, budget: int | None) -> list:
+        """prefill_batch over the ready chats (at most `budget` tokens: chunked prefill; None: whole); when the
+        pass fails (e.g. out of memory), each chat once more on its own, so that one chat's failure is not
+        every chat's. [(*item, result or exception)]."""
         items = [(prompt, ()) for _, _, prompt, _ in ready]
         whole = [params.prompt_logprobs is not None for _, params, _, _ in ready]  # every prompt row's logits
-        chunk = chunk and self.chunked_prefill and not any(whole)
-        budget = self.max_num_batched_tokens if chunk else None
         try:
             done = self.prefill_batch(items, whole, budget)
             return [(*r, d) for r, d in zip(ready, done, strict=True)]
         except Exception as exc:
             if len(ready) == 1:
                 return [(*ready[0], exc)]
-        return [row for r in ready for row in self._prefill_each([r], chunk)]
+        return [row for r in ready for row in self._prefill_each([r], budget)]
 
     def _uncached(self, params: ChatParams, prompt: ChatPrompt, computed: list[list[bytes]]) -> int:
         """Prompt tokens the pass will compute for this chat, as UndPrefill will find its prefix: past the
@@ -225,5 +238,5 @@ class ChatAdmission:
                 self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs
             )
         self._started += 1
-        self._live += 1  # counted once the session exists: its close() takes it back (forget)
+        self._open.append(session)  # counted once it exists: its close() takes it back (forget)
         return session

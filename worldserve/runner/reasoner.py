@@ -19,6 +19,10 @@ K/V memory: the pool holds `kv_cache_tokens` tokens in 64-token blocks, at least
   When a running chat needs a block and none is free, the most recently started chat is preempted: its blocks
   are freed and it waits, then resumes by prefilling its prompt plus the tokens it already produced (vLLM's
   recompute preemption); its stream sees no gap in the text, only a pause. No new chat starts while one waits.
+Token budget (step_budget.py, vLLM's --max-num-batched-tokens): one budget per iteration of the chat worker
+  (an admission pass, then a step), shared in vLLM's order: the decodes (a token each), the oldest prefilling
+  session's next chunk, the resumes of preempted sessions, then the new chats (a pass takes what the next step's
+  running sessions leave; the last new prompt is chunked to fit), so the running chats' gap is one budget's.
 Finish: "stop" on <|im_end|> / <|endoftext|> / the config eos or a `stop` string, "length" at max_tokens or
 the context limit. Callers serialize model access (the chat worker holds the model lock around start/step),
 except where `concurrent_with_video` says the work may run beside video steps on the GPU (chat_share.py).
@@ -43,6 +47,7 @@ from worldserve.runner.chat_admission import ChatAdmission
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
 from worldserve.runner.reasoner_session import ReasonerSession
+from worldserve.runner.step_budget import StepBudget, decoding
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
 from worldserve.sampling.token_grammar import GrammarCompiler, constrain_rows
@@ -52,9 +57,9 @@ STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
 DEFAULT_MAX_NUM_SEQS = 32
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-"""vLLM's --max-num-batched-tokens (its default for online serving on large GPUs): the tokens one step
-computes at most. An admission prefills whole prompts up to it (a longer one goes alone); with chunked prefill
-a longer prompt is computed in chunks of it, one a step, less a token for each decoding chat."""
+"""vLLM's --max-num-batched-tokens (its default for online serving on large GPUs): the tokens one iteration (an
+admission pass and a step) computes at most, decodes, chunks, resumes and new prompts together (step_budget.py);
+without chunked prefill an admission prefills whole prompts up to it (a longer one goes alone)."""
 
 
 def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = False) -> int:
@@ -100,6 +105,7 @@ class Reasoner(ChatAdmission):
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill  # long prompts prefill chunk by chunk (step_all)
+        self.budget = StepBudget(max_num_batched_tokens, enable_chunked_prefill)  # one an iteration
         self.grammars = GrammarCompiler(tokenizer, transformer.config.vocab_size, self.stop_token_ids)
         self.prompts = ChatPromptBuilder(
             tokenizer, vision, vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None,
@@ -120,6 +126,7 @@ class Reasoner(ChatAdmission):
             enforce_eager=enforce_eager,
         )  # fmt: skip
         if vision is not None and self.decoder.use_graphs:  # on a GPU unless --enforce-eager
+            vision.set_attention_backend(None)
             vision.tower.compile_math()
         self.prefiller = UndPrefill(
             transformer, self.pool, vision, image_token_id=image_token_id, video_token_id=self.video_token_id,
@@ -129,7 +136,8 @@ class Reasoner(ChatAdmission):
         self._started = 0  # sessions started so far (their start order decides who is preempted)
         self.preemptions = 0  # sessions preempted so far (their K/V recomputed later)
         self._deferred: dict[int, tuple[ChatParams, ChatPrompt]] = {}  # chats refused for lack of room, by id
-        self._live = 0  # sessions started and not closed: each may need a block for its next token
+        # sessions started and not closed: each may need a block for its next token
+        self._open: list[ReasonerSession] = []
 
     @classmethod
     def from_pretrained(cls, root: str | Path, transformer: Any, tokenizer: Any, **options: Any) -> Reasoner:
@@ -210,17 +218,29 @@ class Reasoner(ChatAdmission):
         return self.decoder.step([t for t, _, _ in steps], [s for _, s, _ in steps], [p for _, _, p in steps])
 
     def step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
-        """One step of every session: sample each (a preempted one first tries to resume), then one batched
-        decode of the unfinished ones, preempting the newest when the pool runs out of blocks."""
+        """One step of every session: the oldest prefilling one's next chunk and the resumes of preempted ones,
+        within what the decodes and this iteration's admissions leave of the budget (step_budget.py); then
+        sample each ready one and one batched decode of the unfinished ones, preempting the newest when the
+        pool runs out of blocks."""
         with self.share.context():
             return self._step_all(sessions)
 
     def _step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
-        resumed = self._resume_waiting(sessions)
-        # chunked prefill: the oldest one's next chunk (not one that computed its first in this step's resume)
-        if filling := [s for s in sessions if s.prefilling and s not in resumed]:
-            decoding = sum(not (s.preempted or s.prefilling) for s in sessions)
-            min(filling, key=lambda s: s.started).prefill_next(max(1, self.max_num_batched_tokens - decoding))
+        try:
+            self.budget.begin(decoding(sessions))  # what the decodes and this iteration's admissions left
+            # chunked prefill: the oldest one's next chunk, then the resumes (step_budget.py)
+            if filling := [s for s in sessions if s.prefilling]:
+                oldest = min(filling, key=lambda s: s.started)
+                if n := self.budget.chunk(oldest.prefill_left):
+                    oldest.prefill_next(n)
+                    self.budget.spend(n + (not oldest.prefilling))  # its first decode, once complete
+            self._resume_waiting(sessions)
+            return self._sample_and_decode(sessions)
+        finally:
+            self.budget.end()
+
+    def _sample_and_decode(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
+        """Sample every ready session's token at once, then one batched decode of the unfinished ones."""
         ready = [s for s in sessions if not (s.preempted or s.prefilling)]
         if ready:
             drawn = sample_tokens([s.sampler for s in ready], torch.stack([s.pending_logits for s in ready]))
@@ -243,21 +263,24 @@ class Reasoner(ChatAdmission):
                 s.receive(row)
         return deltas
 
-    def _resume_waiting(self, sessions: Sequence[ReasonerSession]) -> list[ReasonerSession]:
+    def _resume_waiting(self, sessions: Sequence[ReasonerSession]) -> None:
         """Resume preempted sessions, oldest first, while the pool has room for one plus a block for each
-        running session (so that a resumed session is not preempted again by this very step); with chunked
-        prefill a long one recomputes its first chunk now and the rest a step at a time. The resumed ones."""
+        running session (so that a resumed session is not preempted again by this very step) and, with chunked
+        prefill, the step's budget has a token left for it: a long one recomputes its first chunk now and the
+        rest a step at a time. One that does not fit stays on the wait list."""
         running = sum(not s.preempted for s in sessions)
-        budget = self.max_num_batched_tokens if self.chunked_prefill else None
-        resumed = []
         for s in [s for s in self._waiting if s in sessions]:
             need = self.pool.blocks_for(s.resume_tokens + 1) + running
-            if self.pool.num_free < need or not s.resume(budget):
-                break  # a later one must not take the blocks the older one waits for
+            budget = self.budget.resume_budget()
+            if budget == 0 or self.pool.num_free < need:
+                break  # a later one must not take the blocks (or tokens) the older one waits for
+            before = self.prefiller.computed
+            if not s.resume(budget):
+                break
+            done = not s.prefilling  # then it decodes its next token in this step too
+            self.budget.spend(self.prefiller.computed - before + done)
             self._waiting.remove(s)
-            resumed.append(s)
             running += 1
-        return resumed
 
     def _make_room(self, pending: list, filling: list[ReasonerSession]) -> list:
         """Reserve each pending decode's slot; while the pool is short, preempt the newest running session, as
@@ -281,10 +304,16 @@ class Reasoner(ChatAdmission):
                 self._waiting.sort(key=lambda w: w.started)
         return pending
 
+    @property
+    def _live(self) -> int:
+        """Sessions started and not closed."""
+        return len(self._open)
+
     def forget(self, session: ReasonerSession) -> None:
-        """A session closed (once): drop it from the wait list and the live count."""
-        self._live -= 1
-        self.share.chats_live(self._live)
+        """A session closed (once): drop it from the wait list and the open sessions."""
+        if session in self._open:
+            self._open.remove(session)
+        self.share.chats_live(len(self._open))
         if session in self._waiting:
             self._waiting.remove(session)
 

@@ -29,9 +29,9 @@ adds none). The last delta counts the answer's thought tokens (`thought_tokens`:
 Preemption (the pool ran out of K/V blocks): `preempt` frees the blocks; `resume` prefills the prompt and
 the tokens produced so far again, at the positions their decode steps had, which gives the pending logits
 back as the decode step would have; the text and the sampler state are untouched.
-Chunked prefill (vLLM's): a session whose prompt (or resume) is longer than the step's token budget starts
-`prefilling`; `prefill_next` computes its next chunk (Reasoner.step_all, one a step), the last one gives
-the pending logits.
+Chunked prefill (vLLM's): a session whose prompt (or resume) is longer than what its iteration's token budget
+leaves (step_budget.py) starts `prefilling`; `prefill_next` computes its next chunk (Reasoner.step_all, one a
+step), the last one gives the pending logits.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ those seen recently from the encoder cache (encoder_cache.py). After the pass, i
 `whole` (prompt logprobs want every prompt token's hidden state) is computed whole, as vLLM does.
 Chunked prefill (`budget`, vLLM's): a pass computes at most that many tokens; an item left short keeps the
 blocks of all its tokens, and `extend` computes its next chunk in a later step (runner/reasoner.py).
+`computed` counts the tokens its passes computed (the Reasoner's step budget reads it: step_budget.py).
 On a GPU the layers' q|k|v and o/MLP math run through the decode step's compiled copies (`math`, dynamic
 shapes: one graph for every prompt length), and passes of up to 2,048 tokens replay them as piecewise CUDA
 graphs (`graphs`, runner/prefill_graphs.py): eagerly a layer dispatches ~100 small ops, so a short prompt's
@@ -64,6 +65,7 @@ class UndPrefill:
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.caching = caching
+        self.computed = 0  # tokens computed by its passes so far
 
     @torch.inference_mode()
     def __call__(
@@ -162,6 +164,7 @@ class UndPrefill:
             hidden = self.graphs(batch, seqs)
         else:
             hidden = model.und_step(batch, seqs, math=self.math)
+        self.computed += sum(batch.seq_lens)
         bs = self.pool.block_size
         for seq, k in zip(seqs, keys, strict=True):  # its committed full blocks
             n = min(len(k), seq.length // bs)
