@@ -10,8 +10,9 @@ it steps the running ones, so the Reasoner splits the budget ahead, in vLLM's or
   when that chunk is its last), less the tokens earlier passes computed since the last step. It admits chats
   in order while their uncached prompt tokens and a decode each fit; the first that does not fit is chunked to
   the rest, unless it must prefill whole (a choice forking an earlier chat's K/V, one asking for prompt
-  logprobs) or the pass already does (it holds such a chat), and the later ones wait. With nothing running, the first chat always goes (chunked to
-  the budget when longer); one that must prefill whole and does not fit waits until it fits or nothing runs.
+  logprobs) or the pass already does (it holds such a chat), and the later ones wait. With nothing running,
+  the first chat always goes (chunked to the budget when longer); one that must prefill whole and does not
+  fit waits until it fits or nothing runs.
 - a step (`begin`, `chunk`, `resume_budget`, `spend`): each decoding session takes a token; the oldest
   prefilling session's chunk, then the resumes of preempted sessions (oldest first), share what the decodes and
   the admission passes left; what does not fit waits for a later step (a resume stays on the wait list).
