@@ -117,3 +117,14 @@ def test_fa3_attention_where_it_runs_matches_the_reference(vit):
     merged, _ = VisionTower(model, attention=fn).forward(x, g)
     err = float((merged.float() - ref.pooler_output.float()).norm() / ref.pooler_output.float().norm())
     assert err < 2e-2, err
+
+
+@pytest.mark.parametrize(("n_out", "n_in"), [(44, 48), (80, 48), (1, 6), (6, 6), (13, 5), (2, 2)])
+def test_the_bilinear_matrix_is_f_interpolates_align_corners_resample(n_out, n_in):
+    from worldserve.models.cosmos3.vision_tower import bilinear_matrix
+
+    x = torch.randn(3, n_in, dtype=torch.float32)
+    ref = torch.nn.functional.interpolate(x[None], size=n_out, mode="linear", align_corners=True)[0]
+    m = bilinear_matrix(n_out, n_in, torch.device("cpu"))
+    torch.testing.assert_close(x @ m.t(), ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(m.sum(1), torch.ones(n_out))
