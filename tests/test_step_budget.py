@@ -208,3 +208,27 @@ def test_without_chunked_prefill_admission_is_whole_prompts_as_before(tiny_ckpt,
     assert not big.prefilling and big.pending_logits is not None and isinstance(after, ChatBackpressure)
     for s in (*running, big):
         s.close()
+
+
+def test_a_younger_prefill_takes_what_the_older_ones_last_chunk_leaves(tiny_ckpt, model_tok):
+    """Two sessions prefilling at once (as a chunked resume beside a chunked prompt leaves them; made here by
+    two admissions with the iteration's count cleared between them): in the step where the older one computes
+    its last short chunk, the younger one gets the rest of the budget (vLLM's running prefills share a step),
+    the step stays within the budget, and both answer what whole prefills answer."""
+    r = make(tiny_ckpt, model_tok, caching=False)
+    meter = Meter(r)
+    a, b = ids_chat(60, first=3), ids_chat(150, first=5)
+    (older,) = r.start_many([a])  # 48 of 60
+    r.budget.end()
+    (younger,) = r.start_many([b])  # what the older one's last chunk and decode leave: 35 of 150
+    r.budget.end()
+    assert (older.prefill_left, younger.prefill_left) == (12, 115)
+    meter.take()
+    r.step_all([older, younger])
+    assert not older.prefilling and younger.prefill_left == 115 - (BUDGET - 13)
+    assert meter.take() == BUDGET  # 12 + 35 prompt tokens and the older one's first decode
+    sessions = [older, younger]
+    while any(s.finish_reason is None for s in sessions):
+        r.step_all([s for s in sessions if s.finish_reason is None])
+        assert meter.take() <= BUDGET
+    assert [s.token_ids for s in sessions] == whole(tiny_ckpt, model_tok, [a, b])

@@ -20,9 +20,10 @@ K/V memory: the pool holds `kv_cache_tokens` tokens in 64-token blocks, at least
   are freed and it waits, then resumes by prefilling its prompt plus the tokens it already produced (vLLM's
   recompute preemption); its stream sees no gap in the text, only a pause. No new chat starts while one waits.
 Token budget (step_budget.py, vLLM's --max-num-batched-tokens): one budget per iteration of the chat worker
-  (an admission pass, then a step), shared in vLLM's order: the decodes (a token each), the oldest prefilling
-  session's next chunk, the resumes of preempted sessions, then the new chats (a pass takes what the next step's
-  running sessions leave; the last new prompt is chunked to fit), so the running chats' gap is one budget's.
+  (an admission pass, then a step), shared in vLLM's order: the decodes (a token each), the prefilling
+  sessions' next chunks (oldest first), the resumes of preempted sessions, then the new chats (a pass takes
+  what the next step's running sessions leave; the last new prompt is chunked to fit), so the running chats'
+  gap is one budget's.
 Finish: "stop" on <|im_end|> / <|endoftext|> / the config eos or a `stop` string, "length" at max_tokens or
 the context limit. Callers serialize model access (the chat worker holds the model lock around start/step),
 except where `concurrent_with_video` says the work may run beside video steps on the GPU (chat_share.py).
@@ -218,22 +219,23 @@ class Reasoner(ChatAdmission):
         return self.decoder.step([t for t, _, _ in steps], [s for _, s, _ in steps], [p for _, _, p in steps])
 
     def step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
-        """One step of every session: the oldest prefilling one's next chunk and the resumes of preempted ones,
-        within what the decodes and this iteration's admissions leave of the budget (step_budget.py); then
-        sample each ready one and one batched decode of the unfinished ones, preempting the newest when the
-        pool runs out of blocks."""
+        """One step of every session: the prefilling ones' next chunks (oldest first) and the resumes of
+        preempted ones, within what the decodes and this iteration's admissions leave of the budget
+        (step_budget.py); then sample each ready one and one batched decode of the unfinished ones, preempting
+        the newest when the pool runs out of blocks."""
         with self.share.context():
             return self._step_all(sessions)
 
     def _step_all(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
         try:
             self.budget.begin(decoding(sessions))  # what the decodes and this iteration's admissions left
-            # chunked prefill: the oldest one's next chunk, then the resumes (step_budget.py)
-            if filling := [s for s in sessions if s.prefilling]:
-                oldest = min(filling, key=lambda s: s.started)
-                if n := self.budget.chunk(oldest.prefill_left):
-                    oldest.prefill_next(n)
-                    self.budget.spend(n + (not oldest.prefilling))  # its first decode, once complete
+            # chunked prefill: the prefilling sessions' next chunks, oldest first, while the budget lasts (as
+            # vLLM schedules its running prefills), then the resumes (step_budget.py)
+            for s in sorted((s for s in sessions if s.prefilling), key=lambda s: s.started):
+                if not (n := self.budget.chunk(s.prefill_left)):
+                    break  # a younger one must not take the tokens the older one waits for
+                s.prefill_next(n)
+                self.budget.spend(n + (not s.prefilling))  # its first decode, once complete
             self._resume_waiting(sessions)
             return self._sample_and_decode(sessions)
         finally:

@@ -13,9 +13,10 @@ it steps the running ones, so the Reasoner splits the budget ahead, in vLLM's or
   logprobs) or the pass already does (it holds such a chat), and the later ones wait. With nothing running,
   the first chat always goes (chunked to the budget when longer); one that must prefill whole and does not
   fit waits until it fits or nothing runs.
-- a step (`begin`, `chunk`, `resume_budget`, `spend`): each decoding session takes a token; the oldest
-  prefilling session's chunk, then the resumes of preempted sessions (oldest first), share what the decodes and
-  the admission passes left; what does not fit waits for a later step (a resume stays on the wait list).
+- a step (`begin`, `chunk`, `resume_budget`, `spend`): each decoding session takes a token; the prefilling
+  sessions' chunks (oldest first: a younger one gets what the older ones' chunks leave, as vLLM's running
+  prefills do), then the resumes of preempted sessions (oldest first), share what the decodes and the
+  admission passes left; what does not fit waits for a later step (a resume stays on the wait list).
 A prefill that completes in a step also decodes its first token there (step_all samples it at once), so a chunk
 or resume ends only where a token is left for that decode. Progress: in a step that follows no admission, the
 chunk gets at least a token, and so does the first resume when nothing else but decodes computed, so a prefill
@@ -75,7 +76,8 @@ class StepBudget:
         self.force = not self.admitted
 
     def chunk(self, todo: int) -> int:
-        """Tokens of the oldest prefilling session's next chunk (`todo` to go); 0: none this step."""
+        """Tokens of a prefilling session's next chunk (`todo` to go; the oldest asks first); 0: none this
+        step."""
         n = grant(todo, self.left)
         return max(n, 1) if self.force else n
 
