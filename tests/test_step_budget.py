@@ -213,8 +213,8 @@ def test_without_chunked_prefill_admission_is_whole_prompts_as_before(tiny_ckpt,
 def test_a_younger_prefill_takes_what_the_older_ones_last_chunk_leaves(tiny_ckpt, model_tok):
     """Two sessions prefilling at once (as a chunked resume beside a chunked prompt leaves them; made here by
     two admissions with the iteration's count cleared between them): in the step where the older one computes
-    its last short chunk, the younger one gets the rest of the budget (vLLM's running prefills share a step),
-    the step stays within the budget, and both answer what whole prefills answer."""
+    its last short chunk, the younger one gets the rest of the budget (vLLM's running prefills share a step;
+    a new chat waits for them), the step stays within the budget, and both answer what whole prefills answer."""
     r = make(tiny_ckpt, model_tok, caching=False)
     meter = Meter(r)
     a, b = ids_chat(60, first=3), ids_chat(150, first=5)
@@ -223,6 +223,8 @@ def test_a_younger_prefill_takes_what_the_older_ones_last_chunk_leaves(tiny_ckpt
     (younger,) = r.start_many([b])  # what the older one's last chunk and decode leave: 35 of 150
     r.budget.end()
     assert (older.prefill_left, younger.prefill_left) == (12, 115)
+    (third,) = r.start_many([ids_chat(20, first=7)])
+    assert isinstance(third, ChatBackpressure)  # both prefills' next chunks take the budget: running first
     meter.take()
     r.step_all([older, younger])
     assert not older.prefilling and younger.prefill_left == 115 - (BUDGET - 13)

@@ -6,8 +6,8 @@ takes a token, a chunked prefill under way its next chunk), then the waiting one
 ones; with chunked prefill the last new prompt is cut to what is left). The chat worker admits new chats before
 it steps the running ones, so the Reasoner splits the budget ahead, in vLLM's order of priority:
 - an admission pass (`admission` -> PassBudget) gets what the next step's running sessions leave: the budget
-  less a token for each decoding session, less the next chunk of the oldest prefilling one (and its decode,
-  when that chunk is its last), less the tokens earlier passes computed since the last step. It admits chats
+  less a token for each decoding session, less the next chunks of the prefilling ones (oldest first; with its
+  decode when a chunk is the last), less the tokens earlier passes computed since the last step. It admits chats
   in order while their uncached prompt tokens and a decode each fit; the first that does not fit is chunked to
   the rest, unless it must prefill whole (a choice forking an earlier chat's K/V, one asking for prompt
   logprobs) or the pass already does (it holds such a chat), and the later ones wait. With nothing running,
@@ -60,12 +60,16 @@ class StepBudget:
             return PassBudget(self.tokens, chunked=self.chunked, alone=True)
         if not sessions:  # nothing runs: an earlier pass's chats are gone (failed), and no step follows it
             self.admitted = 0
-        live = decoding(sessions)
-        reserved = live
-        if filling := [s for s in sessions if s.prefilling]:
-            todo = min(filling, key=lambda s: s.started).prefill_left
-            n = max(1, grant(todo, self.tokens - live))
-            reserved += n + (n == todo)
+        reserved = decoding(sessions)
+        # the prefilling sessions' next chunks, oldest first, as the step will compute them (the oldest gets at
+        # least a token)
+        for i, s in enumerate(sorted((s for s in sessions if s.prefilling), key=lambda s: s.started)):
+            n = grant(s.prefill_left, self.tokens - reserved)
+            if i == 0:
+                n = max(1, n)
+            elif not n:
+                break
+            reserved += n + (n == s.prefill_left)
         room = self.tokens - reserved - self.admitted
         return PassBudget(room, chunked=self.chunked, alone=not reserved and not self.admitted)
 
