@@ -234,3 +234,20 @@ def test_a_younger_prefill_takes_what_the_older_ones_last_chunk_leaves(tiny_ckpt
         r.step_all([s for s in sessions if s.finish_reason is None])
         assert meter.take() <= BUDGET
     assert [s.token_ids for s in sessions] == whole(tiny_ckpt, model_tok, [a, b])
+
+
+def test_a_prompt_logprobs_chat_past_the_budget_is_not_starved_by_running_chats(tiny_ckpt, model_tok):
+    """A chat asking for prompt logprobs prefills whole (its prompt's logprobs come from one pass): longer
+    than what the running chats' decodes leave, it goes whole as the first chat of a pass, over the budget for
+    that iteration, instead of waiting for every running chat to end (under steady load, forever)."""
+    r = make(tiny_ckpt, model_tok)
+    running = [r.start(ids_chat(20, first=3 + i, max_tokens=200)) for i in range(2)]
+    r.step_all(running)
+    params = ChatParams(prompt_ids=ids_chat(80, first=9).prompt_ids, max_tokens=2, temperature=0.0,
+                        prompt_logprobs=0)  # fmt: skip
+    late, refused = r.start_many([params, ids_chat(10, first=11)])
+    assert not isinstance(late, ChatBackpressure) and not late.prefilling
+    assert isinstance(refused, ChatBackpressure)  # the pass is over the budget already
+    assert len(late.prompt_logprobs) == 80
+    for s in (*running, late):
+        s.close()

@@ -11,8 +11,9 @@ it steps the running ones, so the Reasoner splits the budget ahead, in vLLM's or
   in order while their uncached prompt tokens and a decode each fit; the first that does not fit is chunked to
   the rest, unless it must prefill whole (a choice forking an earlier chat's K/V, one asking for prompt
   logprobs) or the pass already does (it holds such a chat), and the later ones wait. With nothing running,
-  the first chat always goes (chunked to the budget when longer); one that must prefill whole and does not
-  fit waits until it fits or nothing runs.
+  the first chat always goes (chunked to the budget when longer); one that must prefill whole goes whole when
+  it is the first of its pass (over the budget for that iteration: waiting for room it could starve behind
+  steady decodes), else waits for the next pass.
 - a step (`begin`, `chunk`, `resume_budget`, `spend`): each decoding session takes a token; the prefilling
   sessions' chunks (oldest first: a younger one gets what the older ones' chunks leave, as vLLM's running
   prefills do), then the resumes of preempted sessions (oldest first), share what the decodes and the
@@ -131,7 +132,9 @@ class PassBudget:
             self.tokens += take
             self.cut = True
             return True
-        if first and self.alone:  # prefilled whole although over the budget: nothing else runs
+        if first and (self.alone or not chunkable):
+            # prefilled whole although over the budget: nothing else runs, or it cannot be chunked (prompt
+            # logprobs) and would otherwise wait for every running chat to end: starved under steady load
             self.tokens += new
             self.cut = True
             return True
