@@ -14,28 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from worldserve.bench.timing import time_region
+
 INPUTS = {"image 1280x720": [[1, 44, 80]], "image 1920x1080": [[1, 68, 120]], "image 854x480": [[1, 30, 54]],
           "video 8 s at 2 fps, 640x360": [[8, 22, 40]]}  # fmt: skip
 """Patch grids (t, h, w) as the preprocessing gives them (a 720p image resizes to 1280x704: 44 x 80 patches)."""
-
-
-def timed(fn, sync, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,7 +49,7 @@ def variants(model, cuda: bool) -> dict:
     return out
 
 
-def measure(label: str, g: torch.Tensor, model, towers: dict, sync, repeats: int) -> dict:
+def measure(label: str, g: torch.Tensor, model, towers: dict, repeats: int) -> dict:
     """One input's row: each forward's median ms, the last tower's largest relative L2 error against the
     reference."""
     p = next(model.parameters())
@@ -74,9 +61,13 @@ def measure(label: str, g: torch.Tensor, model, towers: dict, sync, repeats: int
         rel(ours, ref.pooler_output),
         *(rel(a, b) for a, b in zip(ds, ref.deepstack_features, strict=True)),
     ]
-    ms = {"transformers": timed(lambda: model(x, grid_thw=g.to(p.device)), sync, repeats, 2)}
+
+    def ms_of(fn) -> float:  # (CUDA events around each call after a sync: host launch gaps included)
+        return 1000 * time_region(fn, p.device, warmup=2, repeats=repeats).median
+
+    ms = {"transformers": ms_of(lambda: model(x, grid_thw=g.to(p.device)))}
     for name, tower in towers.items():
-        ms[name] = timed(lambda tower=tower: tower.forward(x, g), sync, repeats, 2)
+        ms[name] = ms_of(lambda tower=tower: tower.forward(x, g))
     return {"input": label, "patches": int(x.shape[0]), "max_rel_l2_vs_reference": max(errs), "ms": ms}
 
 
@@ -107,7 +98,6 @@ def main() -> int:
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = Qwen3VLVisionConfig(**(TINY_VISION_CONFIG if args.tiny else NANO_VISION_CONFIG),
                               out_hidden_size=32 if args.tiny else 4096)  # fmt: skip
     torch.manual_seed(0)
@@ -115,10 +105,7 @@ def main() -> int:
         model = Qwen3VLVisionModel._from_config(cfg, dtype=dtype).eval()
     inputs = {"image 256x256": [[1, 16, 16]]} if args.tiny else INPUTS
     towers = variants(model, cuda)
-    rows = [
-        measure(label, torch.tensor(grid), model, towers, sync, args.repeats)
-        for label, grid in inputs.items()
-    ]
+    rows = [measure(label, torch.tensor(grid), model, towers, args.repeats) for label, grid in inputs.items()]
     res = {"environment": environment(device), "dtype": str(dtype), "config": cfg.to_dict(), "rows": rows}
     if cuda:
         res["profile_720p"] = profile_top(
