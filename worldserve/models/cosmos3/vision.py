@@ -7,8 +7,9 @@
   reimplemented: the reference's float64 and channels-first copies made it the larger part of an image
   chat's host time.
 - `VisionEncoder`: transformers' `Qwen3VLVisionModel` loaded from the checkpoint's vision_encoder/ (its
-  weights; our inference forward in vision_tower.py runs them, held to the reference's by tests). `encode` -> merged embeddings [M, d_llm] (one
-  row per <|image_pad|> token, M = P / merge**2) and the deepstack features, one [M, d_llm] per ViT index.
+  weights; our inference forward in vision_tower.py runs them, held to the reference's by tests). `encode`
+  -> merged embeddings [M, d_llm] (one row per <|image_pad|> token, M = P / merge**2) and the deepstack
+  features, one [M, d_llm] per ViT index.
 - `video_inputs`: sampled, resized uint8 frames (media/video_input.py) -> VisionInputs, as Qwen3-VL's video
   processor finishes them (rescale, normalise with mean = std = 0.5, pad the frame count to the temporal
   patch with the last frame, patchify in merge-window order); `video_timestamps`: the seconds printed before

@@ -149,8 +149,6 @@ class VisionTower:
         self.deepstack = {layer: i for i, layer in enumerate(cfg.deepstack_visual_indexes)}
         self.attention = attention
         self.math = (pre_attention, post_attention)
-        proj = model.patch_embed.proj
-        self._embed_w = proj.weight.view(proj.out_channels, -1)  # Conv3d kernel == stride: [d, C*T*p*p]
 
     def compile_math(self) -> None:
         """torch.compile the blocks' math around attention (dynamic token counts: one graph serves all)."""
@@ -160,8 +158,9 @@ class VisionTower:
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         m = self.model
         geo = VisionGeometry.of(grid_thw, self.merge)
-        w = self._embed_w
-        h = F.linear(pixel_values.to(w.dtype), w, m.patch_embed.proj.bias)  # [P, d]
+        proj = m.patch_embed.proj
+        w = proj.weight.view(proj.out_channels, -1)  # Conv3d kernel == stride: [d, C*T*p*p]
+        h = F.linear(pixel_values.to(w.dtype), w, proj.bias)  # [P, d]
         h = h + position_embeddings(m.pos_embed.weight, geo)
         cos, sin = rope_cos_sin(m.rotary_pos_emb.inv_freq, geo, h.device)
         lengths = geo.lengths
