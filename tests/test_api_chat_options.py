@@ -201,7 +201,7 @@ def _prompt_tokens(r: httpx.Response) -> int:
 @pytest.mark.parametrize(("h", "w"), [(10, 8000), (8000, 10), (1, 201), (3, 700)])
 @pytest.mark.parametrize("stream", [False, True])
 def test_images_smart_resize_cannot_take_are_a_400_naming_the_part(url, h, w, stream):
-    """An aspect ratio over 200 (transformers' smart_resize raises on it) is a 400 naming the part and the
+    """An aspect ratio over 200 (Qwen2-VL's smart_resize refuses it) is a 400 naming the part and the
     limit, streaming or not (it was a 500 from the chat worker); the chat still works afterwards."""
     content = [{"type": "text", "text": "What is it?"}, _image_part(h, w)]
     r = _chat(url, content, stream=stream)

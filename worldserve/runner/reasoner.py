@@ -339,7 +339,7 @@ class Reasoner(ChatAdmission):
             # the decode step compiled only with a batch bucket past 1 (--max-num-seqs > 1)
             long = self.build_prompt(ChatParams(prompt_ids=(prompt.input_ids[0],) * (graphs.buckets[-1] + 1)))
             self.prefill(long)[1].release()
-        if self.vision is not None:  # the ViT's compiled math (one dynamic graph for every image size)
+        if self.vision is not None and self.decoder.use_graphs:  # the ViT's compiled math (one dynamic graph)
             self.vision.encode(self.prompts.preprocess([np.zeros((64, 64, 3), dtype=np.uint8)]))
         _ = self.grammars.tokenizer  # structured outputs' view of the vocabulary (about a second on Qwen's)
         if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
