@@ -8,13 +8,12 @@ kernel, so a layout, mask or scale mistake in flash_attention.py shows up as a m
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import run_cli
 
 from worldserve.models.layers import flash_attention as fa
 from worldserve.models.layers.attention import sdpa_attention
@@ -223,11 +222,8 @@ def test_first_layer_shares_a_cfg_pairs_gen_attention_and_computes_the_same(tiny
 
 
 def test_generate_refuses_flash_attn_without_a_hopper_gpu(tiny_ckpt, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "worldserve.cli", "generate", str(tiny_ckpt), "--prompt", "a cat",
-         "--diffusion-attention-backend", "FLASH_ATTN", "-o", str(tmp_path / "x.mp4")],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    proc = run_cli("generate", tiny_ckpt, "--prompt", "a cat", "--diffusion-attention-backend", "FLASH_ATTN",
+                   "-o", tmp_path / "x.mp4")  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert (
         "--diffusion-attention-backend FLASH_ATTN: FlashAttention-3 needs an NVIDIA Hopper GPU" in proc.stderr

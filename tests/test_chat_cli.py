@@ -1,5 +1,6 @@
-"""`worldserve chat` as a user runs it (a subprocess, the tiny checkpoint, CPU): one message, a conversation
-on stdin, an image, and bad input named before the model loads."""
+"""`worldserve chat` as a user runs it (the tiny checkpoint, CPU): one message (a real subprocess), a
+conversation on stdin, an image, and bad input named before the model loads (those through the same `main` in
+this process, tests/cli_helpers.py)."""
 
 from __future__ import annotations
 
@@ -11,28 +12,28 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli_helpers import run_cli
 from PIL import Image
 
 from worldserve.chat_params import ChatMessage, ChatParams
 
 
 def _chat(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "worldserve.cli", "chat", *map(str, args)],
-        input=stdin, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    """`worldserve chat ARGS` in this process (tests/cli_helpers.py), `stdin` as its standard input."""
+    return run_cli("chat", *args, stdin=stdin)
 
 
 def test_one_message_prints_the_reasoners_reply(tiny_ckpt):
-    """The streamed stdout is what the Reasoner answers in-process for the same greedy request."""
+    """The streamed stdout (of a real `python -m worldserve.cli chat` subprocess, as a user starts it) is what
+    the Reasoner answers in-process for the same greedy request."""
     from transformers import AutoTokenizer
 
     from worldserve.runner.reasoner import Reasoner
     from worldserve.weights.loader import load_transformer
 
-    out = _chat(
-        tiny_ckpt, "--message", "Hello there", "--max-tokens", 12, "--temperature", 0, "--device", "cpu"
-    )
+    argv = [tiny_ckpt, "--message", "Hello there", "--max-tokens", 12, "--temperature", 0, "--device", "cpu"]
+    out = subprocess.run([sys.executable, "-m", "worldserve.cli", "chat", *map(str, argv)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
     tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
@@ -107,11 +108,8 @@ def test_text_that_is_not_utf8_is_one_line(tiny_ckpt, capsys):
         main(["chat", "--message", "a \udcff fox", "--device", "cpu"])
     assert exit_.value.code == 2
     assert "error: argument --message: not valid UTF-8 text" in capsys.readouterr().err
-    out = subprocess.run(
-        [sys.executable, "-m", "worldserve.cli", "chat", str(tiny_ckpt), "--max-tokens", "2", "--device", "cpu"],
-        input=b"hi\na \xff fox\n", capture_output=True, timeout=300,
-    )  # fmt: skip
-    err = out.stderr.decode()
+    out = _chat(tiny_ckpt, "--max-tokens", "2", "--device", "cpu", stdin=b"hi\na \xff fox\n")
+    err = out.stderr
     assert out.returncode == 2 and "Traceback" not in err, err
     assert err.count("completion tokens") == 1
     assert err.endswith("worldserve chat: error: message: a stdin line is not valid UTF-8 text\n")

@@ -1,5 +1,6 @@
 """`worldserve generate` end to end on the tiny checkpoint: MP4 / PNG / NPZ outputs decoded back, latents file,
-and bad input rejected before any model work with the field named."""
+and bad input rejected before any model work with the field named. One run is a real subprocess; the rest
+call the same `main` in this process (tests/cli_helpers.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli_helpers import run_cli
 from media_probe import probe_mp4
 from PIL import Image
 from safetensors.torch import load_file
@@ -19,18 +21,18 @@ SMALL = ["--size", "80x48", "--num-frames", "9", "--steps", "2", "--negative-pro
 
 
 def _generate(*args, check=True):
-    return subprocess.run(
-        [sys.executable, "-m", "worldserve.cli", "generate", *map(str, args)],
-        capture_output=True,
-        text=True,
-        check=check,
-        timeout=300,
-    )
+    """`worldserve generate ARGS` in this process (tests/cli_helpers.py); a non-zero exit fails when `check`."""
+    proc = run_cli("generate", *args)
+    assert not check or proc.returncode == 0, proc.stderr
+    return proc
 
 
 def test_t2v_with_sound_to_mp4_and_latents(tiny_ckpt, tmp_path):
+    """The one run through a real `python -m worldserve.cli generate` subprocess, as a user starts it."""
     out, lat = tmp_path / "out.mp4", tmp_path / "new" / "lat.safetensors"  # its folder made, as -o's are
-    proc = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--fps", "24", "-o", out, "--save-latents", lat)
+    argv = [tiny_ckpt, "--prompt", "a cat", *SMALL, "--fps", "24", "-o", out, "--save-latents", lat]
+    proc = subprocess.run([sys.executable, "-m", "worldserve.cli", "generate", *map(str, argv)],
+                          capture_output=True, text=True, check=True, timeout=300)  # fmt: skip
     assert f"wrote {out}" in proc.stdout and "diffuse" in proc.stdout and "vae.decode" in proc.stdout
     assert "decode + encode" in proc.stdout, "an MP4 is muxed while the VAE decodes"
     info = probe_mp4(out.read_bytes())
@@ -55,10 +57,17 @@ def test_i2v_and_npz(tiny_ckpt, tmp_path):
     assert "audio" not in data and float(data["fps"]) == 24.0
 
 
-def test_upsampled_prompt_is_the_one_generated_from(tiny_ckpt, tmp_path):
-    """--upsample-prompt: the Reasoner writes a JSON prompt (printed), and the frames equal a run given it."""
+def test_upsampled_prompt_is_the_one_generated_from(tiny_ckpt, tmp_path, monkeypatch):
+    """--upsample-prompt: the Reasoner writes a JSON prompt (printed), and the frames equal a run given it.
+    Its fields are bounded short (the random tiny model fills each to its bound: ~2,400 tokens by default)."""
+    import functools
     import json
 
+    from worldserve.engine import prompt_upsampling
+
+    short = prompt_upsampling.UpsamplerConfig(max_chars=12, max_subjects=1, max_actions=1)
+    monkeypatch.setattr(prompt_upsampling, "upsample_with",
+                        functools.partial(prompt_upsampling.upsample_with, config=short))  # fmt: skip
     up, direct = tmp_path / "up.npz", tmp_path / "direct.npz"
     proc = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--upsample-prompt", "--no-sound", "-o", up)
     line = next(x for x in proc.stderr.splitlines() if x.startswith("upsampled prompt ("))
