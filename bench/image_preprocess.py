@@ -3,7 +3,10 @@ against transformers' Qwen2VLImageProcessorPil with Qwen3-VL's settings, the ref
 
 Per image size: the median milliseconds of each over --repeats rounds (the two called in turn), the ratio,
 and whether the outputs are equal bit for bit. Runs on the API side of every image chat (the prompt is
-built off the chat worker's thread), so its time is part of the chat's time to first token.
+built off the chat worker's thread), so its time is part of the chat's time to first token. Then an image
+chat's whole media work as the API does it (api/chat_media.py `part` on a base64 JPEG data URL: decode, check,
+then the preprocessing): a new image against the same image again, found in the Reasoner's processor cache
+(media/processor_cache.py: neither decoded nor resized; the float patches still written).
 
     PYTHONPATH=. python bench/image_preprocess.py --out /tmp/image_preprocess.json
 """
@@ -61,6 +64,7 @@ def main() -> int:
     for size in args.sizes.split(","):
         h, w = (int(x) for x in size.split("x"))
         img = photo(h, w)
+        new_ms, repeat_ms = chat_media_ms(img, args.repeats)
         a, b = ours([img]), ref(images=[img], return_tensors="pt")
         mine, theirs = medians_ms(
             [lambda img=img: ours([img]), lambda img=img: ref(images=[img], return_tensors="pt")],
@@ -69,6 +73,7 @@ def main() -> int:
         rows.append({
             "size": f"{w}x{h}", "patches": int(a.pixel_values.shape[0]), "ours_ms": mine, "reference_ms": theirs,
             "bit_equal": bool(torch.equal(a.pixel_values, b["pixel_values"].float())),
+            "chat_new_image_ms": new_ms, "chat_repeated_image_ms": repeat_ms,
         })  # fmt: skip
     res = {
         "environment": environment(torch.device("cpu")),
@@ -81,7 +86,40 @@ def main() -> int:
     for r in rows:
         print(f"| {r['size']} | {r['patches']} | {r['ours_ms']:.1f} | {r['reference_ms']:.1f} | "
               f"{r['reference_ms'] / r['ours_ms']:.2f}x | {r['bit_equal']} |")  # fmt: skip
+    print("\n| image | chat's media work, new image ms | same image again (processor cache) ms | speed-up |\n"
+          "|---|---|---|---|")  # fmt: skip
+    for r in rows:
+        print(f"| {r['size']} | {r['chat_new_image_ms']:.1f} | {r['chat_repeated_image_ms']:.1f} | "
+              f"{r['chat_new_image_ms'] / r['chat_repeated_image_ms']:.1f}x |")  # fmt: skip
     return 0
+
+
+def chat_media_ms(img: np.ndarray, repeats: int) -> tuple[float, float]:
+    """Median ms of an image part's media work (api/chat_media.py `part` on a JPEG data URL, then the
+    preprocessing with its content key): without a processor cache, and with one that holds the image."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from worldserve.api.chat_media import part
+    from worldserve.api.chat_protocol import ContentPart
+    from worldserve.chat_params import VideoSampling
+    from worldserve.media.processor_cache import ProcessorCache
+    from worldserve.models.cosmos3.vision import ImagePreprocessor
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", quality=90)
+    url = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = ContentPart(type="image_url", image_url={"url": url})
+    cache = ProcessorCache()
+
+    def work(cache):
+        p = part(content, "messages[0].content[0]", None, VideoSampling(), None, cache)
+        return ImagePreprocessor(cache=cache)([p.image], keys=[p.media_key])
+
+    work(cache)  # the cache now holds the image
+    return tuple(medians_ms([lambda: work(None), lambda: work(cache)], repeats))
 
 
 if __name__ == "__main__":

@@ -182,7 +182,8 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
 
 def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
     """--kv-cache-memory-bytes: refused when 0, too small for --max-model-len names both flags, and otherwise
-    the Reasoner's pool holds that many bytes' worth of tokens."""
+    the Reasoner's pool holds that many bytes' worth of tokens; --mm-processor-cache-gb sizes its processor
+    cache (negative or not a number: refused)."""
     from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig, ParallelConfig
 
@@ -196,10 +197,15 @@ def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
                      kv_cache_memory_bytes=50_000_000)  # fmt: skip
     pipeline, _, reasoner = serve_backend.load_backend(ok, ParallelConfig())
     assert reasoner.prefiller.caching  # vLLM's default: prefix caching on
-    off = dataclasses.replace(
-        ok, enable_prefix_caching=False
-    )  # --no-enable-prefix-caching reaches the Reasoner
-    assert not serve_backend.load_backend(off, ParallelConfig())[2].prefiller.caching
+    assert reasoner.media_cache.max_bytes == 4 * 2**30  # vLLM's default --mm-processor-cache-gb
+    off = dataclasses.replace(  # --no-enable-prefix-caching and --mm-processor-cache-gb reach the Reasoner
+        ok, enable_prefix_caching=False, mm_processor_cache_gb=0.5
+    )
+    off_reasoner = serve_backend.load_backend(off, ParallelConfig())[2]
+    assert not off_reasoner.prefiller.caching and off_reasoner.media_cache.max_bytes == 2**29
+    for bad in ("-1", "nan"):
+        with pytest.raises(ValueError, match="--mm-processor-cache-gb must be a number >= 0"):
+            parse("--mm-processor-cache-gb", bad)
     per_token = pipeline.transformer.und_kv_bytes_per_token()
     assert reasoner.pool.capacity_tokens >= 50_000_000 // per_token > 4096
     assert (

@@ -113,7 +113,10 @@ class ChatPart:
     text: str = ""
     """The text of a text part."""
     image: np.ndarray | None = None
-    """uint8 RGB (H, W, 3) of an image part."""
+    """uint8 RGB (H, W, 3) of an image part (never written: a processor cache may share it)."""
+    media_key: bytes | None = None
+    """An image part's content key (media/processor_cache.py content_key of its file's bytes), with which the
+    preprocessing reuses an earlier request's resized patches; None: preprocessed afresh."""
     video: ChatVideo | None = None
     """The sampled frames of a video part."""
 

@@ -76,6 +76,8 @@ class ModelConfig:
     """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
     enable_prefix_caching: bool = True
     """Reuse the K/V of prompt prefixes seen before (vLLM's automatic prefix caching, on by default as there): a chat whose first 64-token blocks match an earlier chat's (same tokens, images and videos) prefills only the rest; --no-enable-prefix-caching turns it off."""
+    mm_processor_cache_gb: float = 4.0
+    """GiB of host memory for recently processed chat images and videos, by content (vLLM's flag and default): the same image or video again (a conversation's next turn) is not decoded, resized or hashed again; 0 turns it off."""
     chat_sm_margin: int = 16
     """SMs a video step's FlashAttention-3 kernels leave free while Reasoner chats are live, so that they keep decoding beside it on one CUDA GPU (runner/chat_share.py; 8 chats beside a 720p step on an H200: 0 gives ~4 tokens/s a chat at full video speed, 16 ~26 tokens/s with the video step 1.10x as long, 32 ~57 tokens/s at 1.24x)."""
     omni: bool = False
@@ -118,6 +120,10 @@ class ModelConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if not 0 <= self.chat_sm_margin <= 64:
             raise ValueError(f"--chat-sm-margin must be between 0 and 64 SMs, got {self.chat_sm_margin}")
+        if not (math.isfinite(self.mm_processor_cache_gb) and self.mm_processor_cache_gb >= 0):
+            raise ValueError(
+                f"--mm-processor-cache-gb must be a number >= 0, got {self.mm_processor_cache_gb}"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"--kv-cache-memory-bytes must be > 0, got {self.kv_cache_memory_bytes}")
         self.warmup_shape_list(on_gpu=True)  # raises on a malformed or unsupported shape

@@ -78,6 +78,8 @@ def build_app(
         metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
         if hasattr(chat, "prefix_cache_counts"):  # (the Reasoner; test backends may keep no prefix cache)
             metrics.track_prefix_cache(lambda: chat.prefix_cache_counts)
+        if (media_cache := getattr(chat, "media_cache", None)) is not None:
+            metrics.track_mm_cache(media_cache)
         metrics.track_chat_queue(lambda: client.chat_worker.num_waiting)
         if isinstance(getattr(chat, "max_model_len", None), int):
             metrics.track_chat_lengths(chat.max_model_len)

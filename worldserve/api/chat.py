@@ -90,11 +90,11 @@ def request_options(body: ChatCompletionRequest, compiler: Any = None) -> Reques
 
 def build_params(
     body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
-    options: RequestOptions | None = None,
+    options: RequestOptions | None = None, media_cache: Any = None,
 ) -> ChatParams:  # fmt: skip
     """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
-    checks the media counts) and decoded (blocking: call it off the event loop); `options`: its
-    request_options, when already checked."""
+    checks the media counts) and decoded (blocking: call it off the event loop; media found in the
+    Reasoner's `media_cache` is not decoded again); `options`: its request_options, when already checked."""
     options = options or request_options(body)
     sampling = body.sampling_options()
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
@@ -112,7 +112,9 @@ def build_params(
             messages.append(ChatMessage(role=role, content=msg.content or "", **calls))
         else:
             parts = tuple(
-                part(p, f"messages[{i}].content[{j}]", allowed_local_path, options.video, fetched)
+                part(
+                    p, f"messages[{i}].content[{j}]", allowed_local_path, options.video, fetched, media_cache
+                )
                 for j, p in enumerate(msg.content)
             )
             messages.append(ChatMessage(role=role, content=parts, **calls))
@@ -139,13 +141,14 @@ def prepared_params(
     """build_params, then the Reasoner's prompt built from them (template, tokens, media) here, in the API's
     worker thread, not on the chat worker's, which every running chat shares (blocking). A text too long
     for the context by its byte count alone is refused before it is tokenized (ParamError("messages"))."""
-    params = build_params(body, st.allowed_local_media_path, fetched, options)
+    worker = st.client.chat_worker
+    prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
+    cache = getattr(prompts, "media_cache", None)
+    params = build_params(body, st.allowed_local_media_path, fetched, options, cache)
     if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
         params = dataclasses.replace(
             params, stops_after_thoughts=True, think_first=params.structured is not None
         )
-    worker = st.client.chat_worker
-    prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     if prompts is None:
         return params
     prebuilt = prompts.build(params, max_tokens=body.text_bound(worker.backend.max_model_len))

@@ -9,7 +9,8 @@ rest of the API works on. `part(...)` (blocking, in a worker thread) turns one c
 --allowed-local-media-path (a regular file of at most 1 GiB: never a FIFO or a device); images decoded and
 checked against Qwen3-VL's `smart_resize` precondition (aspect ratio at most 200; any size down to 1x1 is
 scaled up to the processor's minimum), videos decoded with PyAV and sampled as Qwen3-VL's processor samples
-them, each kept frame resized as it is decoded.
+them, each kept frame resized as it is decoded. The same bytes again (a conversation's next turn) take the
+decoded image / video from the Reasoner's processor cache (media/processor_cache.py) when given one.
 Errors name the part (`messages[i].content[j].image_url`).
 """
 
@@ -28,6 +29,7 @@ from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
 from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
 from worldserve.media.image import decode_image
+from worldserve.media.processor_cache import ProcessorCache, content_key
 from worldserve.media.video_input import decode_chat_video
 from worldserve.params import ParamError
 
@@ -200,8 +202,10 @@ def part(
     allowed_local_path: str | None,
     sampling: VideoSampling,
     fetched: Mapping[str, bytes] | None = None,
+    cache: ProcessorCache | None = None,
 ) -> ChatPart:
-    """One content part, its media loaded and decoded; errors name `path` (messages[i].content[j])."""
+    """One content part, its media loaded and decoded (the same bytes, and for a video the same sampling,
+    found in `cache` are not decoded again); errors name `path` (messages[i].content[j])."""
     if part.type == "text":
         return ChatPart(type="text", text=part.text or "")
     if part.type == "image_url":
@@ -212,9 +216,13 @@ def part(
             param=path,
             fetched=fetched,
         )
-        image = decode_image(data, param=path)
-        check_image(image, path)
-        return ChatPart(type="image", image=image)
+        key = content_key(data)
+        if cache is None or (image := cache.get(("image", key))) is None:
+            image = decode_image(data, param=path)
+            check_image(image, path)
+            if cache is not None:
+                cache.put(("image", key), image, image.nbytes)
+        return ChatPart(type="image", image=image, media_key=key)
     if part.type == "video_url":
         path += ".video_url"
         data = load_media_url(
@@ -224,10 +232,16 @@ def part(
             param=path,
             fetched=fetched,
         )
+        key = ("video", content_key(data), sampling)
+        if cache is not None and (video := cache.get(key)) is not None:
+            return ChatPart(type="video", video=video)
         try:
-            return ChatPart(type="video", video=decode_chat_video(data, sampling, param=path))
+            video = decode_chat_video(data, sampling, param=path)
         except ParamError as exc:
             if exc.param == path:
                 raise
             raise ParamError(path, exc.message) from None  # the frame-size check names no part
+        if cache is not None:
+            cache.put(key, video, video.frames.nbytes)
+        return ChatPart(type="video", video=video)
     raise ParamError(f"{path}.type", f"content parts of type {part.type!r} are not supported")

@@ -127,6 +127,14 @@ class Metrics:
         self.vllm.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                           lambda: counts()[1], self.registry)  # fmt: skip
 
+    def track_mm_cache(self, cache) -> None:
+        """The Reasoner's processor cache (media/processor_cache.py): chat images and videos looked up so far,
+        and of them the ones found decoded (vLLM's counters, in items)."""
+        self.vllm.counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried "
+                          "items.", lambda: cache.queries, self.registry)  # fmt: skip
+        self.vllm.counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.",
+                          lambda: cache.hits, self.registry)  # fmt: skip
+
     def track_chat_lengths(self, max_model_len: int) -> None:
         """The per-chat token histograms, bucketed up to the Reasoner's context length (vLLM's)."""
         self.vllm.track_lengths(max_model_len, self.registry)

@@ -17,7 +17,8 @@ request_decode_time_seconds (first token to last) and request_inference_time_sec
 prefill + decode), each choice of an n > 1 request a chat as vLLM's child requests are;
 prefix_cache_queries / _hits (prompt tokens looked up in the Reasoner's prefix cache, and found; a chat asking for
 prompt logprobs computes its whole prompt, no lookup; as in vLLM, each choice of an n > 1 request counts and a
-preempted chat's resume does not). Not exported: request_params_n / _max_tokens,
+preempted chat's resume does not); mm_cache_queries / _hits (chat images and videos looked up in the Reasoner's
+processor cache, and found decoded: media/processor_cache.py). Not exported: request_params_n / _max_tokens,
 request_max_num_generation_tokens and cache_config_info.
 
 vLLM-Omni's pipeline families (vllm_omni/metrics/prometheus.py), labelled `model_name` only, count the video

@@ -72,7 +72,9 @@ def _tokenize_chat(
 ) -> list[int]:  # fmt: skip
     """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
     `fetched`; its `options` checked) through the Reasoner's builder."""
-    params = build_params(chat, st.allowed_local_media_path, fetched, options)
+    params = build_params(
+        chat, st.allowed_local_media_path, fetched, options, getattr(prompts, "media_cache", None)
+    )
     prompt = prompts.build(params, add_special_tokens=body.add_special_tokens)
     return prompt.input_ids
 

@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def media_parts(images: list[Path], videos: list[Path]) -> tuple[ChatPart, ...]:
     """The decoded --image / --video files as chat parts; ParamError naming the flag when one is unreadable."""
     from worldserve.media.image import decode_image
+    from worldserve.media.processor_cache import content_key
     from worldserve.media.video_input import decode_chat_video
 
     parts = []
@@ -59,7 +60,8 @@ def media_parts(images: list[Path], videos: list[Path]) -> tuple[ChatPart, ...]:
             except OSError as e:
                 raise ParamError(flag, f"cannot read {path}: {e.strerror}") from e
             if flag == "--image":
-                parts.append(ChatPart(type="image", image=decode_image(data, param=flag)))
+                image = decode_image(data, param=flag)  # (its key: later turns reuse its resized patches)
+                parts.append(ChatPart(type="image", image=image, media_key=content_key(data)))
             else:
                 parts.append(
                     ChatPart(type="video", video=decode_chat_video(data, VideoSampling(), param=flag))

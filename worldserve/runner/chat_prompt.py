@@ -30,7 +30,8 @@ import torch
 from jinja2 import TemplateError
 from torch import Tensor
 
-from worldserve.chat_params import ChatParams
+from worldserve.chat_params import ChatParams, ChatPart
+from worldserve.media.processor_cache import ProcessorCache
 from worldserve.models.cosmos3.prompt import TextSizeBound
 from worldserve.models.cosmos3.vision import (
     VisionEncoder,
@@ -70,10 +71,13 @@ class ChatPromptBuilder:
 
     def __init__(
         self, tokenizer: Any, vision: VisionEncoder | None, preprocess: Any, *, image_token_id: int,
-        video_token_id: int,
+        video_token_id: int, media_cache: ProcessorCache | None = None,
     ) -> None:  # fmt: skip
         self.tokenizer, self.vision, self.preprocess = tokenizer, vision, preprocess
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
+        self.media_cache = media_cache
+        """Decoded chat media by content, for whoever loads a request's parts (api/chat_media.py); the
+        preprocessor keeps its resized images in it too."""
 
     @property
     def vocab_size(self) -> int:
@@ -161,7 +165,7 @@ class ChatPromptBuilder:
             parts = []
             for part in msg.content:
                 if part.type == "image":
-                    images.append(part.image)
+                    images.append(part)
                     parts.append({"type": "image"})
                 elif part.type == "video":
                     videos.append(part.video)
@@ -279,12 +283,15 @@ class ChatPromptBuilder:
                 raise ParamError("messages", f"the chat template refused the messages: {exc}") from exc
             raise
 
-    def _preprocess(self, images: list, params: ChatParams) -> VisionInputs:
-        """Qwen3-VL image preprocessing with the request's pixel budget; an image it cannot resize (the API
-        refuses those up front: this guards other callers) is a ParamError, not a server error."""
+    def _preprocess(self, parts: list[ChatPart], params: ChatParams) -> VisionInputs:
+        """Qwen3-VL image preprocessing of the image parts with the request's pixel budget (by their content
+        keys, from the preprocessor's cache where it has them); an image it cannot resize (the API refuses
+        those up front: this guards other callers) is a ParamError, not a server error."""
+        images = [p.image for p in parts]
         try:
             return self.preprocess(
-                images, min_pixels=params.image_min_pixels, max_pixels=params.image_max_pixels,
+                images, keys=[p.media_key for p in parts], min_pixels=params.image_min_pixels,
+                max_pixels=params.image_max_pixels,
             )  # fmt: skip
         except ValueError as exc:  # vision.smart_resize: "absolute aspect ratio must be smaller than 200"
             shapes = ", ".join(f"{i.shape[1]}x{i.shape[0]}" for i in images)
@@ -308,6 +315,7 @@ class ChatPromptBuilder:
         merged = VisionInputs(
             pixel_values=torch.cat([i.pixel_values for i in inputs]),
             grid_thw=torch.cat([i.grid_thw for i in inputs]),
+            digests=tuple(d for i in inputs for d in i.digests),
         )
         return "".join(out), merged
 

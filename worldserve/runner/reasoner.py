@@ -42,6 +42,7 @@ from torch import Tensor
 
 from worldserve.chat_params import ChatParams
 from worldserve.engine.outputs import ChatDelta
+from worldserve.media.processor_cache import DEFAULT_PROCESSOR_CACHE_GB, ProcessorCache
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.runner.chat_admission import ChatAdmission
@@ -92,6 +93,7 @@ class Reasoner(ChatAdmission):
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_chunked_prefill: bool = True,
+        processor_cache_bytes: int = int(DEFAULT_PROCESSOR_CACHE_GB * 2**30),
     ) -> None:
         self.transformer = transformer
         self.share = ChatGpuShare(transformer, sm_margin=chat_sm_margin)  # chats beside video (chat_share.py)
@@ -108,9 +110,14 @@ class Reasoner(ChatAdmission):
         self.chunked_prefill = enable_chunked_prefill  # long prompts prefill chunk by chunk (step_all)
         self.budget = StepBudget(max_num_batched_tokens, enable_chunked_prefill)  # one an iteration
         self.grammars = GrammarCompiler(tokenizer, transformer.config.vocab_size, self.stop_token_ids)
+        self.media_cache = ProcessorCache(processor_cache_bytes)  # decoded / resized chat media, by content
+        preprocess = (
+            vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels, cache=self.media_cache)
+            if vision is not None else None
+        )  # fmt: skip
         self.prompts = ChatPromptBuilder(
-            tokenizer, vision, vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels) if vision else None,
-            image_token_id=image_token_id, video_token_id=self.video_token_id,
+            tokenizer, vision, preprocess, image_token_id=image_token_id, video_token_id=self.video_token_id,
+            media_cache=self.media_cache,
         )  # fmt: skip
         if kv_cache_tokens is None:
             kv_cache_tokens = default_kv_cache_tokens(

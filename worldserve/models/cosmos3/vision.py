@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from worldserve.media.processor_cache import ProcessorCache
+
 QWEN3VL_MIN_PIXELS = 65536
 """Qwen3-VL's preprocessor_config `size.shortest_edge` (a pixel count, not an edge)."""
 QWEN3VL_MAX_PIXELS = 16777216
@@ -41,12 +43,13 @@ QWEN3VL_MAX_PIXELS = 16777216
 @dataclass(frozen=True, slots=True)
 class VisionInputs:
     pixel_values: Tensor
-    """[P, C * temporal_patch * patch * patch] float32 patches, images one after another."""
+    """[P, C * temporal_patch * patch * patch] float32 patches, images one after another (never written: the
+    processor cache may hold the same tensor)."""
     grid_thw: Tensor
     """[n_images, 3] long: (t, h, w) in patches (before the 2x2 merge)."""
     digests: tuple[bytes, ...] | None = None
-    """Each item's content digest where its maker computed one (ImagePreprocessor: from the resized uint8
-    pixels); None: runner/prefix_hashes.py hashes the float patches."""
+    """Each item's content digest where its maker computed one (ImagePreprocessor, video_inputs: from the
+    uint8 pixels); None: runner/prefix_hashes.py hashes the float patches."""
 
     def tokens_per_image(self, merge_size: int) -> list[int]:
         """<|image_pad|> tokens each image expands to: t * h * w / merge**2."""
@@ -56,8 +59,10 @@ class VisionInputs:
 def video_inputs(
     frames: np.ndarray, *, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2
 ) -> VisionInputs:
-    """uint8 (N, H, W, 3) frames, H and W multiples of patch * merge -> pixel_values [P, 3*2*p*p], grid [1, 3]."""
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()  # [N, 3, H, W]
+    """uint8 (N, H, W, 3) frames, H and W multiples of patch * merge -> pixel_values [P, 3*2*p*p], grid [1, 3],
+    and the digest: SHA-256 of the grid and the uint8 frames (which decide the float patches)."""
+    frames = np.ascontiguousarray(frames)
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2).float()  # [N, 3, H, W]
     x = (x / 255.0 - 0.5) / 0.5
     if pad := -x.shape[0] % temporal_patch_size:
         x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
@@ -66,7 +71,12 @@ def video_inputs(
     x = x.view(gt, temporal_patch_size, c, gh // m, m, p, gw // m, m, p)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, tp, p, p]
     pixels = x.reshape(gt * gh * gw, c * temporal_patch_size * p * p)
-    return VisionInputs(pixel_values=pixels, grid_thw=torch.tensor([[gt, gh, gw]]))
+    digest = hashlib.sha256(np.asarray([gt, gh, gw], dtype=np.int64).tobytes())
+    digest.update(b"uint8 video")
+    digest.update(memoryview(frames).cast("B"))
+    return VisionInputs(
+        pixel_values=pixels, grid_thw=torch.tensor([[gt, gh, gw]]), digests=(digest.digest(),)
+    )
 
 
 def video_timestamps(indices: Sequence[int], source_fps: float, temporal_patch_size: int = 2) -> list[float]:
@@ -103,7 +113,9 @@ class ImagePreprocessor:
     implementation of it: the same output bit for bit (tests hold it to the reference), faster (no float64
     copy of the image, no channels-first round trips; bench/image_preprocess.py). Per image: Pillow's bicubic
     resize to smart_resize's size, then the uint8 pixels converted straight into patch order, rescaled and
-    normalised in place, the single frame repeated to the temporal patch."""
+    normalised in place, the single frame repeated to the temporal patch. With a `cache`
+    (media/processor_cache.py), an image given with its content key reuses the resized patches and digest
+    of an earlier call that resized it to the same size."""
 
     def __init__(
         self,
@@ -113,38 +125,48 @@ class ImagePreprocessor:
         merge_size: int = 2,
         min_pixels: int = QWEN3VL_MIN_PIXELS,
         max_pixels: int = QWEN3VL_MAX_PIXELS,
+        cache: ProcessorCache | None = None,
     ) -> None:
         self.patch_size = patch_size
         self.temporal_patch_size = temporal_patch_size
         self.merge_size = merge_size
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
+        self.cache = cache
 
     def __call__(
-        self, images: Sequence[np.ndarray], *, min_pixels: int | None = None, max_pixels: int | None = None
-    ) -> VisionInputs:
-        """uint8 RGB (H, W, 3) arrays -> VisionInputs (with each image's digest); `min_pixels` / `max_pixels`
-        override the pixel budget (`size.shortest_edge` / `.longest_edge`) for this call, as a request's
-        mm_processor_kwargs do."""
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        self, images: Sequence[np.ndarray], *, keys: Sequence[bytes | None] = (), min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> VisionInputs:  # fmt: skip
+        """uint8 RGB (H, W, 3) arrays -> VisionInputs (with each image's digest); `keys`: each image's content
+        key (media/processor_cache.py content_key of its file's bytes; None or absent: not cached);
+        `min_pixels` / `max_pixels` override the pixel budget (`size.shortest_edge` / `.longest_edge`) for
+        this call, as a request's mm_processor_kwargs do."""
+        p, m = self.patch_size, self.merge_size
         lo, hi = min_pixels or self.min_pixels, max_pixels or self.max_pixels
         sizes = [
             smart_resize(i.shape[0], i.shape[1], factor=p * m, min_pixels=lo, max_pixels=hi) for i in images
         ]
         grids = [(1, h // p, w // p) for h, w in sizes]
-        out = torch.empty(sum(gh * gw for _, gh, gw in grids), 3, t, p * p)  # every image's patches, in order
-        digests, start = [], 0
-        for img, (h, w), (_, gh, gw) in zip(images, sizes, grids, strict=True):
-            digests.append(self._patches(img, h, w, out[start : start + gh * gw]))
-            start += gh * gw
-        return VisionInputs(
-            pixel_values=out.view(-1, 3 * t * p * p), grid_thw=torch.tensor(grids, dtype=torch.long),
-            digests=tuple(digests),
+        pieces, digests = [], []
+        for i, (img, (h, w)) in enumerate(zip(images, sizes, strict=True)):
+            cached = self.cache is not None and i < len(keys) and keys[i] is not None
+            key = ("image patches", keys[i], h, w) if cached else None
+            if key is None or (found := self.cache.get(key, counted=False)) is None:
+                found = self._patches(img, h, w)
+                if key is not None:
+                    self.cache.put(key, found, found[0].nbytes)
+            pieces.append(found[0])
+            digests.append(found[1])
+        return VisionInputs(  # (one image: its patches as they are kept, no copy; never written)
+            pixel_values=pieces[0] if len(pieces) == 1 else torch.cat(pieces),
+            grid_thw=torch.tensor(grids, dtype=torch.long), digests=tuple(digests),
         )  # fmt: skip
 
-    def _patches(self, img: np.ndarray, h: int, w: int, out: Tensor) -> bytes:
-        """One image resized to (h, w) into out [gh * gw, 3, T, p * p]; its digest: SHA-256 of its grid and
-        resized uint8 pixels (which decide the float patches; an eighth of their bytes to hash)."""
+    def _patches(self, img: np.ndarray, h: int, w: int) -> tuple[Tensor, bytes]:
+        """One image resized to (h, w): its pixel values [gh * gw, 3 * T * p * p] (float32 patches in
+        merge-window order, the frame repeated to the temporal patch T), and its digest: SHA-256 of its grid
+        and resized uint8 pixels (which decide the float patches; an eighth of their bytes to hash)."""
         from PIL import Image
 
         p, m = self.patch_size, self.merge_size
@@ -153,14 +175,15 @@ class ImagePreprocessor:
         gh, gw = h // p, w // p
         x = torch.from_numpy(pixels).view(gh // m, m, p, gw // m, m, p, 3)
         x = x.permute(0, 3, 1, 4, 6, 2, 5).contiguous()  # [gh/m, gw/m, m, m, 3, p, p] uint8, patch order
-        # v / 127.5 - 1 in float32 is, for every uint8 v, bit for bit the reference's float64(v) * (1 / 255)
-        # rounded to float32, then (x - 0.5) / 0.5 (tests hold all 256 values to it)
-        frame = x.view(gh * gw, 3, 1, p * p).float().div_(127.5).sub_(1.0)
-        out.copy_(frame.expand_as(out))  # the frame, repeated to the temporal patch
         digest = hashlib.sha256(np.asarray([1, gh, gw], dtype=np.int64).tobytes())
         digest.update(b"uint8 image")
         digest.update(memoryview(pixels).cast("B"))
-        return digest.digest()
+        # v / 127.5 - 1 in float32 is, for every uint8 v, bit for bit the reference's float64(v) * (1 / 255)
+        # rounded to float32, then (x - 0.5) / 0.5 (tests hold all 256 values to it)
+        frame = x.view(gh * gw, 3, 1, p * p).float().div_(127.5).sub_(1.0)
+        t = self.temporal_patch_size
+        patches = torch.empty(gh * gw, 3, t, p * p).copy_(frame.expand(-1, -1, t, -1))  # the frame, T times
+        return patches.view(gh * gw, 3 * t * p * p), digest.digest()
 
 
 class VisionEncoder:
@@ -222,10 +245,12 @@ class VisionEncoder:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def preprocessor(self, *, min_pixels: int, max_pixels: int) -> ImagePreprocessor:
+    def preprocessor(
+        self, *, min_pixels: int, max_pixels: int, cache: ProcessorCache | None = None
+    ) -> ImagePreprocessor:
         return ImagePreprocessor(
             patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
-            merge_size=self.merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
+            merge_size=self.merge_size, min_pixels=min_pixels, max_pixels=max_pixels, cache=cache,
         )  # fmt: skip
 
     def set_attention_backend(self, name: str | None = None) -> str:
