@@ -1,8 +1,9 @@
 """The Reasoner's image preprocessing on this host's CPU: ours (models/cosmos3/vision.py ImagePreprocessor)
 against transformers' Qwen2VLImageProcessorPil with Qwen3-VL's settings, the reference it replaced.
 
-Per image size: the median milliseconds of each over --repeats rounds (the two called in turn), the ratio,
-and whether the outputs are equal bit for bit. Runs on the API side of every image chat (the prompt is
+Per image size: the median milliseconds of each over --repeats rounds (the two called in turn; ours up to
+the same float pixel values, normalised on the CPU here where serve sends the uint8 patches to the GPU and
+normalises them there), the ratio, and whether the outputs are equal bit for bit. Runs on the API side of every image chat (the prompt is
 built off the chat worker's thread), so its time is part of the chat's time to first token. Then an image
 chat's whole media work as the API does it (api/chat_media.py `part` on a base64 JPEG data URL: decode, check,
 then the preprocessing): a new image against the same image again, found in the Reasoner's processor cache
@@ -67,12 +68,12 @@ def main() -> int:
         new_ms, repeat_ms = chat_media_ms(img, args.repeats)
         a, b = ours([img]), ref(images=[img], return_tensors="pt")
         mine, theirs = medians_ms(
-            [lambda img=img: ours([img]), lambda img=img: ref(images=[img], return_tensors="pt")],
+            [lambda img=img: ours([img]).pixel_values(), lambda img=img: ref(images=[img], return_tensors="pt")],
             args.repeats,
         )
         rows.append({
-            "size": f"{w}x{h}", "patches": int(a.pixel_values.shape[0]), "ours_ms": mine, "reference_ms": theirs,
-            "bit_equal": bool(torch.equal(a.pixel_values, b["pixel_values"].float())),
+            "size": f"{w}x{h}", "patches": int(a.patches.shape[0]), "ours_ms": mine, "reference_ms": theirs,
+            "bit_equal": bool(torch.equal(a.pixel_values(), b["pixel_values"].float())),
             "chat_new_image_ms": new_ms, "chat_repeated_image_ms": repeat_ms,
         })  # fmt: skip
     res = {

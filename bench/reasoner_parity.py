@@ -89,10 +89,10 @@ def oracle_logits(model, prompt, tokens, pad_ids: tuple[int, int], device) -> to
     kwargs = {"mm_token_type_ids": kind}
     dtype = next(model.parameters()).dtype
     if prompt.vision is not None:
-        kwargs.update(pixel_values=prompt.vision.pixel_values.to(device, dtype),
+        kwargs.update(pixel_values=prompt.vision.pixel_values(device).to(dtype),
                       image_grid_thw=prompt.vision.grid_thw.to(device))  # fmt: skip
     if prompt.video is not None:
-        kwargs.update(pixel_values_videos=prompt.video.pixel_values.to(device, dtype),
+        kwargs.update(pixel_values_videos=prompt.video.pixel_values(device).to(dtype),
                       video_grid_thw=prompt.video.grid_thw.to(device))  # fmt: skip
     return model(input_ids=seq, **kwargs).logits[0].float().cpu()
 

@@ -291,7 +291,9 @@ def media_chats(url: str, served: str) -> dict:
                             "completion_tokens": sum(r[2].get("completion_tokens", 0) for r in rs)}  # fmt: skip
     status, wall, usage = ask("video_url", video, 32)
     out["video_4s"] = {"status": status, "s": wall, "mp4_bytes": len(clip), **usage}
-    status, wall, usage = ask("video_url", video, 32)  # again: decoded and encoded already (processor, encoder
+    status, wall, usage = ask(
+        "video_url", video, 32
+    )  # again: decoded and encoded already (processor, encoder
     out["video_4s_again"] = {"status": status, "s": wall, **usage}  # and prefix caches)
     print(f"media chats: {out}", flush=True)
     return out

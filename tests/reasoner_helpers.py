@@ -73,8 +73,8 @@ def oracle_logits(reasoner, oracle, prompt, tokens):
     kind[:, len(prompt.input_ids) :] = 0
     kw = {"mm_token_type_ids": kind}
     if prompt.vision is not None:
-        kw.update(pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.grid_thw)
+        kw.update(pixel_values=prompt.vision.pixel_values(), image_grid_thw=prompt.vision.grid_thw)
     if prompt.video is not None:
-        kw.update(pixel_values_videos=prompt.video.pixel_values, video_grid_thw=prompt.video.grid_thw)
+        kw.update(pixel_values_videos=prompt.video.pixel_values(), video_grid_thw=prompt.video.grid_thw)
     with torch.no_grad():
         return oracle(input_ids=seq, **kw).logits[0]

@@ -135,7 +135,9 @@ def test_encoder_cache_encodes_each_image_once_and_evicts_the_least_recently_use
     a, b, c = (pre([image(i)]) for i in (11, 12, 13))
 
     def both(*items):  # one VisionInputs of several images, as a prompt carries them
-        return type(a)(torch.cat([x.pixel_values for x in items]), torch.cat([x.grid_thw for x in items]))
+        return type(a)(
+            torch.cat([x.patches for x in items]), torch.cat([x.grid_thw for x in items]), repeat=a.repeat
+        )
 
     cache = EncoderCache(r.vision)
     cache.encode(both(a, b), [b"a", b"b"])
@@ -157,7 +159,7 @@ def test_encoder_cache_keeps_only_its_items_rows(tiny_ckpt, model_tok):
 
     r = make_reasoner(tiny_ckpt, model_tok)
     a, b = (r.prompts.preprocess([image(i)]) for i in (21, 22))
-    pair = type(a)(torch.cat([a.pixel_values, b.pixel_values]), torch.cat([a.grid_thw, b.grid_thw]))
+    pair = type(a)(torch.cat([a.patches, b.patches]), torch.cat([a.grid_thw, b.grid_thw]), repeat=a.repeat)
     cache = EncoderCache(r.vision, max_tokens=b.tokens_per_image(r.vision.merge_size)[0])  # room for one
     cache.encode(pair, [b"a", b"b"])
     ((embeds, deepstack),) = cache._items.values()

@@ -60,11 +60,11 @@ def test_cached_patches_equal_fresh_ones_and_are_resized_once():
     plain = ImagePreprocessor()(images)
     for _ in range(2):
         out = pre(images, keys=[b"k1", b"k2"])
-        assert out.pixel_values.equal(plain.pixel_values) and out.grid_thw.equal(plain.grid_thw)
+        assert out.patches.equal(plain.patches) and out.grid_thw.equal(plain.grid_thw)
         assert out.digests == plain.digests
     assert len(resized) == 2  # the second call resized nothing
     small = pre(images, keys=[b"k1", b"k2"], max_pixels=1024)  # a new size: resized again, then kept
-    assert small.pixel_values.equal(ImagePreprocessor()(images, max_pixels=1024).pixel_values)
+    assert small.patches.equal(ImagePreprocessor()(images, max_pixels=1024).patches)
     assert len(resized) == 4
     pre(images, keys=[b"k1", None])  # an image without a key is never cached
     assert len(resized) == 5 and (cache.queries, cache.hits) == (0, 0)  # (later stages count no items)
@@ -93,7 +93,7 @@ def test_a_prompt_from_cached_media_is_the_same_prompt(reasoner):
         assert (
             p.input_ids == plain.input_ids and p.positions.equal(plain.positions) and p.media == plain.media
         )
-        assert p.vision.pixel_values.equal(plain.vision.pixel_values)
+        assert p.vision.patches.equal(plain.vision.patches)
 
 
 def test_a_conversation_decodes_its_image_and_video_once(reasoner, reasoner_url, monkeypatch):

@@ -95,7 +95,7 @@ def test_image_chat_matches_qwen3vl(reasoner, oracle):
     prompt, tokens = _check_parity(reasoner, oracle, params)
     n_img = int((torch.tensor(prompt.input_ids) == reasoner.image_token_id).sum())
     assert n_img == prompt.vision.tokens_per_image(2)[0] > 1
-    assert prompt.vision.pixel_values.shape[1] == 3 * 2 * 16 * 16
+    assert prompt.vision.pixel_values().shape[1] == 3 * 2 * 16 * 16
     h, w = (int(x) * 16 for x in prompt.vision.grid_thw[0, 1:])
     assert h % 32 == 0 and w % 32 == 0 and h * w >= 65536
     # the session streams the same greedy tokens (up to a stop token)

@@ -71,7 +71,7 @@ def test_timestamps_and_patches_match_qwen3vl():
         None, x[None], patch_size=16, merge_size=2, temporal_patch_size=2
     )
     assert ours.grid_thw.tolist() == [[t, h, w]] == [[3, 4, 6]]
-    torch.testing.assert_close(ours.pixel_values, ref[0])
+    torch.testing.assert_close(ours.pixel_values(), ref[0])
 
 
 def test_video_chat_matches_qwen3vl(reasoner, oracle):  # noqa: F811

@@ -313,7 +313,7 @@ class ChatPromptBuilder:
             out += [f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * per_patch}{VISION_END}" for t in stamps]
             out.append(rest)
         merged = VisionInputs(
-            pixel_values=torch.cat([i.pixel_values for i in inputs]),
+            patches=torch.cat([i.patches for i in inputs]),
             grid_thw=torch.cat([i.grid_thw for i in inputs]),
             digests=tuple(d for i in inputs for d in i.digests),
         )

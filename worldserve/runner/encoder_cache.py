@@ -60,6 +60,8 @@ class EncoderCache:
                 self._items.move_to_end(d)
         for d, item in encoded.items():
             self._put(d, item)
+        if len(parts) == 1:  # (one item: its tensors as they are, no copy)
+            return parts[0]
         return torch.cat([p[0] for p in parts]), tuple(
             torch.cat(k) for k in zip(*(p[1] for p in parts), strict=True)
         )
@@ -78,10 +80,13 @@ class EncoderCache:
 
 
 def select_items(inputs: VisionInputs, items: Sequence[int]) -> VisionInputs:
-    """The images / videos `items` (indices, in that order) of `inputs`: their patches and grid rows."""
-    patches = inputs.grid_thw.prod(-1).tolist()  # [n] patches of each item in pixel_values
+    """The images / videos `items` (indices, in that order) of `inputs`: their patches and grid rows (`inputs`
+    itself when that is all of them in order: no copy of the patches on the chat worker's thread)."""
+    if list(items) == list(range(len(inputs.grid_thw))):
+        return inputs
+    patches = inputs.grid_thw.prod(-1).tolist()  # [n] patches of each item
     starts = [sum(patches[:i]) for i in range(len(patches))]
     return VisionInputs(
-        pixel_values=torch.cat([inputs.pixel_values[starts[i] : starts[i] + patches[i]] for i in items]),
-        grid_thw=inputs.grid_thw[list(items)],
-    )
+        patches=torch.cat([inputs.patches[starts[i] : starts[i] + patches[i]] for i in items]),
+        grid_thw=inputs.grid_thw[list(items)], repeat=inputs.repeat,
+    )  # fmt: skip

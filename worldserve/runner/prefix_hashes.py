@@ -25,7 +25,7 @@ def media_digests(
     ids: Sequence[int], vision: VisionInputs | None, video: VisionInputs | None, *, image_token_id: int,
     video_token_id: int, merge_size: int,
 ) -> tuple[tuple[int, bytes], ...]:  # fmt: skip
-    """(first placeholder row, SHA-256 of its patch grid and pixels, or the digest its VisionInputs carries) of
+    """(first placeholder row, SHA-256 of its patch grid and uint8 patches, or the digest its VisionInputs carries) of
     every image and video of a prompt, in row order. Image / video i takes the next t*h*w / merge**2
     placeholder rows of its kind."""
     out = []
@@ -34,14 +34,14 @@ def media_digests(
             continue
         rows = [i for i, t in enumerate(ids) if t == token]
         grids = inputs.grid_thw.tolist()
-        pixels = inputs.pixel_values.detach().cpu().contiguous()  # [P, C * patch volume], items in order
+        pixels = inputs.patches.cpu().contiguous()  # [P, C * F * p * p] uint8, items in order
         patch = row = 0
         for i, (grid, tokens) in enumerate(zip(grids, inputs.tokens_per_image(merge_size), strict=True)):
             n = grid[0] * grid[1] * grid[2]
             if inputs.digests is not None:  # the preprocessor's, of the pixels these patches came from
                 out.append((rows[row], inputs.digests[i]))
             else:
-                digest = hashlib.sha256(np.asarray(grid, dtype=np.int64).tobytes())
+                digest = hashlib.sha256(np.asarray([*grid, inputs.repeat], dtype=np.int64).tobytes())
                 digest.update(memoryview(pixels[patch : patch + n].numpy()).cast("B"))
                 out.append((rows[row], digest.digest()))
             patch, row = patch + n, row + tokens

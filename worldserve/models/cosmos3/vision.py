@@ -1,6 +1,8 @@
 """The Reasoner's vision side: Qwen3-VL image preprocessing, the ViT (vision_encoder/), and chat mRoPE ids.
 
-- `ImagePreprocessor`: uint8 (H, W, 3) images -> pixel_values [P, 3*2*16*16] + grid_thw [n, 3], bit for bit
+- `VisionInputs`: uint8 patches + grid_thw + digests; `pixel_values(device)` normalises them where the ViT
+  runs (a ninth of the bytes on the host and over PCIe than the float values).
+- `ImagePreprocessor`: uint8 (H, W, 3) images -> VisionInputs whose pixel_values [P, 3*2*16*16] are, bit for bit,
   Qwen3-VL's processor (transformers' Qwen2VL image processor, Pillow backend, with Qwen3-VL's settings:
   bicubic resize to multiples of patch*merge = 32 within [min_pixels, max_pixels], rescale, normalise with
   mean = std = 0.5, repeat the single frame to the temporal patch of 2, patchify in merge-window order),
@@ -11,8 +13,8 @@
   -> merged embeddings [M, d_llm] (one row per <|image_pad|> token, M = P / merge**2) and the deepstack
   features, one [M, d_llm] per ViT index.
 - `video_inputs`: sampled, resized uint8 frames (media/video_input.py) -> VisionInputs, as Qwen3-VL's video
-  processor finishes them (rescale, normalise with mean = std = 0.5, pad the frame count to the temporal
-  patch with the last frame, patchify in merge-window order); `video_timestamps`: the seconds printed before
+  processor finishes them (pad the frame count to the temporal patch with the last frame, patchify in
+  merge-window order; rescaled and normalised with mean = std = 0.5 by pixel_values); `video_timestamps`: the seconds printed before
   each temporal patch (mean of its two frames' times), as Qwen3VLProcessor computes them.
 - `chat_positions`: Qwen3-VL `get_rope_index` for one sequence: text token k at (c, c, c) with a running
   cursor c; an image of merged grid (t, h, w) at (c + t_i, c + h_i, c + w_i); text after it continues at
@@ -42,41 +44,56 @@ QWEN3VL_MAX_PIXELS = 16777216
 
 @dataclass(frozen=True, slots=True)
 class VisionInputs:
-    pixel_values: Tensor
-    """[P, C * temporal_patch * patch * patch] float32 patches, images one after another (never written: the
-    processor cache may hold the same tensor)."""
+    patches: Tensor
+    """[P, C * F * patch * patch] uint8 pixels in patch order, items one after another, F frames a patch: the
+    temporal patch's for videos, 1 for images (`repeat` fills the temporal patch). Never written: the
+    processor cache may hold the same tensor. A ninth of the float pixel values' bytes (no temporal copy,
+    a byte a value) to build, keep and send to the GPU, where `pixel_values` normalises them."""
     grid_thw: Tensor
     """[n_images, 3] long: (t, h, w) in patches (before the 2x2 merge)."""
     digests: tuple[bytes, ...] | None = None
     """Each item's content digest where its maker computed one (ImagePreprocessor, video_inputs: from the
-    uint8 pixels); None: runner/prefix_hashes.py hashes the float patches."""
+    uint8 pixels); None: runner/prefix_hashes.py hashes the patches."""
+    repeat: int = 1
+    """Times each stored frame is repeated to fill the temporal patch: the temporal patch size for images
+    (one frame stored, F = 1), 1 for videos."""
 
     def tokens_per_image(self, merge_size: int) -> list[int]:
         """<|image_pad|> tokens each image expands to: t * h * w / merge**2."""
         return (self.grid_thw.prod(-1) // merge_size**2).tolist()
 
+    def pixel_values(self, device: torch.device | str | None = None) -> Tensor:
+        """The Qwen3-VL processor's pixel_values [P, C * temporal_patch * patch * patch] float32 on `device`:
+        the uint8 patches moved there, normalised (v / 127.5 - 1 in float32 is, for every uint8 v, bit for bit
+        the reference's float64(v) * (1 / 255) rounded to float32, then (x - 0.5) / 0.5; tests hold all 256
+        values to it) and each frame repeated `repeat` times."""
+        x = self.patches.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)  # [P, C * F * p * p]
+        if self.repeat == 1:
+            return x
+        n = x.shape[0]
+        x = x.view(n, 3, 1, -1).expand(n, 3, self.repeat, x.shape[1] // 3)  # [P, C, T, p * p], F = 1
+        return x.reshape(n, -1)
+
 
 def video_inputs(
     frames: np.ndarray, *, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2
 ) -> VisionInputs:
-    """uint8 (N, H, W, 3) frames, H and W multiples of patch * merge -> pixel_values [P, 3*2*p*p], grid [1, 3],
-    and the digest: SHA-256 of the grid and the uint8 frames (which decide the float patches)."""
+    """uint8 (N, H, W, 3) frames, H and W multiples of patch * merge -> uint8 patches [P, 3*2*p*p] (the frame
+    count padded to the temporal patch with the last frame), grid [1, 3], and the digest: SHA-256 of the grid
+    and the uint8 frames (which decide the patches)."""
     frames = np.ascontiguousarray(frames)
-    x = torch.from_numpy(frames).permute(0, 3, 1, 2).float()  # [N, 3, H, W]
-    x = (x / 255.0 - 0.5) / 0.5
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # [N, 3, H, W] uint8
     if pad := -x.shape[0] % temporal_patch_size:
         x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
     n, c, h, w = x.shape
     gt, gh, gw, m, p = n // temporal_patch_size, h // patch_size, w // patch_size, merge_size, patch_size
-    x = x.view(gt, temporal_patch_size, c, gh // m, m, p, gw // m, m, p)
+    x = x.reshape(gt, temporal_patch_size, c, gh // m, m, p, gw // m, m, p)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, tp, p, p]
-    pixels = x.reshape(gt * gh * gw, c * temporal_patch_size * p * p)
+    patches = x.reshape(gt * gh * gw, c * temporal_patch_size * p * p)
     digest = hashlib.sha256(np.asarray([gt, gh, gw], dtype=np.int64).tobytes())
     digest.update(b"uint8 video")
     digest.update(memoryview(frames).cast("B"))
-    return VisionInputs(
-        pixel_values=pixels, grid_thw=torch.tensor([[gt, gh, gw]]), digests=(digest.digest(),)
-    )
+    return VisionInputs(patches=patches, grid_thw=torch.tensor([[gt, gh, gw]]), digests=(digest.digest(),))
 
 
 def video_timestamps(indices: Sequence[int], source_fps: float, temporal_patch_size: int = 2) -> list[float]:
@@ -159,14 +176,14 @@ class ImagePreprocessor:
             pieces.append(found[0])
             digests.append(found[1])
         return VisionInputs(  # (one image: its patches as they are kept, no copy; never written)
-            pixel_values=pieces[0] if len(pieces) == 1 else torch.cat(pieces),
-            grid_thw=torch.tensor(grids, dtype=torch.long), digests=tuple(digests),
+            patches=pieces[0] if len(pieces) == 1 else torch.cat(pieces),
+            grid_thw=torch.tensor(grids, dtype=torch.long), digests=tuple(digests), repeat=self.temporal_patch_size,
         )  # fmt: skip
 
     def _patches(self, img: np.ndarray, h: int, w: int) -> tuple[Tensor, bytes]:
-        """One image resized to (h, w): its pixel values [gh * gw, 3 * T * p * p] (float32 patches in
-        merge-window order, the frame repeated to the temporal patch T), and its digest: SHA-256 of its grid
-        and resized uint8 pixels (which decide the float patches; an eighth of their bytes to hash)."""
+        """One image resized to (h, w): its uint8 patches [gh * gw, 3 * p * p] in merge-window order (one frame:
+        VisionInputs.pixel_values repeats it to the temporal patch), and its digest: SHA-256 of its grid and
+        resized pixels."""
         from PIL import Image
 
         p, m = self.patch_size, self.merge_size
@@ -178,12 +195,7 @@ class ImagePreprocessor:
         digest = hashlib.sha256(np.asarray([1, gh, gw], dtype=np.int64).tobytes())
         digest.update(b"uint8 image")
         digest.update(memoryview(pixels).cast("B"))
-        # v / 127.5 - 1 in float32 is, for every uint8 v, bit for bit the reference's float64(v) * (1 / 255)
-        # rounded to float32, then (x - 0.5) / 0.5 (tests hold all 256 values to it)
-        frame = x.view(gh * gw, 3, 1, p * p).float().div_(127.5).sub_(1.0)
-        t = self.temporal_patch_size
-        patches = torch.empty(gh * gw, 3, t, p * p).copy_(frame.expand(-1, -1, t, -1))  # the frame, T times
-        return patches.view(gh * gw, 3 * t * p * p), digest.digest()
+        return x.view(gh * gw, 3 * p * p), digest.digest()
 
 
 class VisionEncoder:
@@ -266,7 +278,7 @@ class VisionEncoder:
 
     def encode(self, inputs: VisionInputs) -> tuple[Tensor, tuple[Tensor, ...]]:
         """-> (embeds [M, d_llm], deepstack features (one [M, d_llm] per deepstack ViT layer))."""
-        pixels = inputs.pixel_values.to(self.device, self.dtype, non_blocking=True)
+        pixels = inputs.pixel_values(self.device).to(self.dtype)  # (uint8 sent, normalised on the device)
         return self.tower.forward(pixels, inputs.grid_thw)
 
 
