@@ -135,13 +135,14 @@ def mp4_bytes(frames: int = 6, width: int = 32, height: int = 16) -> bytes:
 
 
 @contextlib.contextmanager
-def serve_app(app, name: str = "test-uvicorn"):
-    """Run an ASGI app under a real uvicorn on a loopback port in a background thread; yields its URL."""
+def serve_app(app, name: str = "test-uvicorn", **config):
+    """Run an ASGI app under a real uvicorn on a loopback port in a background thread (`config`: more
+    uvicorn.Config options); yields its URL."""
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **config))
     thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive())

@@ -189,16 +189,35 @@ def _idle_connection_closes_after(port: int, keep_alive_s: float) -> None:
             pass
 
 
+def _silent_connection_gets_408(port: int, header_timeout_s: float) -> None:
+    """A TLS connection that sends no request is answered 408 and closed at the header deadline
+    (api/http_protocol.py; uvicorn alone keeps it open)."""
+    import ssl
+
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port)) as raw, ctx.wrap_socket(raw) as tls:
+        t0, answer = time.monotonic(), b""
+        tls.settimeout(header_timeout_s + 5)
+        try:
+            while chunk := tls.recv(65536):
+                answer += chunk
+        except (ssl.SSLEOFError, ConnectionResetError):
+            pass
+        assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - t0 < header_timeout_s + 4
+
+
 def test_a_real_server_with_vllms_http_flags(tmp_path):
     """HTTPS, --root-path (the API key still checked under the prefix), --middleware, no docs, flags from
-    --config, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE: on a real `worldserve serve` (fake backend)."""
+    --config, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE and our WORLDSERVE_HTTP_HEADER_TIMEOUT: on a real
+    `worldserve serve` (fake backend)."""
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out",
                     "cert.pem", "-days", "1", "-subj", "/CN=localhost"], cwd=tmp_path, check=True,
                    capture_output=True)  # fmt: skip
     (tmp_path / "c.yaml").write_text("api-key: sk-test\nserved-model-name: [cosmos, c3]\n")
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1"}  # fmt: skip
+           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1", "WORLDSERVE_HTTP_HEADER_TIMEOUT": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--backend", "fake", "--host", "127.0.0.1", "--port",
            str(port), "--storage-dir", str(tmp_path / "s"), "--config", str(tmp_path / "c.yaml"), "--root-path",
            "/api", "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem"),
@@ -215,6 +234,7 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
                     assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
                     time.sleep(0.2)
             _idle_connection_closes_after(port, 1.0)
+            _silent_connection_gets_408(port, 1.0)
             key = {"Authorization": "Bearer sk-test"}
             assert http.get("/api/api/v1/models").status_code == 401, "a doubled prefix bypassed the key"
             for path in ("/api/v1/models", "/v1/models"):

@@ -47,6 +47,18 @@ def http_timeout_keep_alive_s() -> float:
     return value
 
 
+def http_header_timeout_s() -> float:
+    """`WORLDSERVE_HTTP_HEADER_TIMEOUT` (default 60 s, nginx's client_header_timeout): how long a connection
+    may take to send a request's headers (from its opening, or its first byte after a response) before it is
+    answered 408 and closed (api/http_protocol.py), so clients that open connections and never finish a
+    request cannot hold the server's file descriptors forever."""
+    value = _env_float("WORLDSERVE_HTTP_HEADER_TIMEOUT")
+    if value is None:
+        return 60.0
+    check_seconds("environment variable WORLDSERVE_HTTP_HEADER_TIMEOUT", value, zero=False)
+    return value
+
+
 def _env_flag(name: str, default: bool) -> bool:
     """A yes / no variable: 1 / true / yes / on, 0 / false / no / off (any case); unset or anything else:
     `default`."""
