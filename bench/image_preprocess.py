@@ -7,7 +7,8 @@ normalises them there), the ratio, and whether the outputs are equal bit for bit
 built off the chat worker's thread), so its time is part of the chat's time to first token. Then an image
 chat's whole media work as the API does it (api/chat_media.py `part` on a base64 JPEG data URL: decode, check,
 then the preprocessing): a new image against the same image again, found in the Reasoner's processor cache
-(media/processor_cache.py: neither decoded nor resized; the float patches still written).
+(media/processor_cache.py: neither decoded nor resized). Last, one request of four new images, their media
+work and preprocessing one after another against on the media pool (media/work_pool.py).
 
     PYTHONPATH=. python bench/image_preprocess.py --out /tmp/image_preprocess.json
 """
@@ -68,7 +69,10 @@ def main() -> int:
         new_ms, repeat_ms = chat_media_ms(img, args.repeats)
         a, b = ours([img]), ref(images=[img], return_tensors="pt")
         mine, theirs = medians_ms(
-            [lambda img=img: ours([img]).pixel_values(), lambda img=img: ref(images=[img], return_tensors="pt")],
+            [
+                lambda img=img: ours([img]).pixel_values(),
+                lambda img=img: ref(images=[img], return_tensors="pt"),
+            ],
             args.repeats,
         )
         rows.append({
@@ -87,12 +91,56 @@ def main() -> int:
     for r in rows:
         print(f"| {r['size']} | {r['patches']} | {r['ours_ms']:.1f} | {r['reference_ms']:.1f} | "
               f"{r['reference_ms'] / r['ours_ms']:.2f}x | {r['bit_equal']} |")  # fmt: skip
+    several = several_images_ms(4, args.repeats)
+    res["four_720p_images_one_request"] = several
+    print(
+        f"\none request of four new 720p images, media work + preprocessing: {several['one_by_one_ms']:.1f} ms "
+        f"one after another, {several['pooled_ms']:.1f} ms on the media pool ({several['pool_threads']} threads)"
+    )
+    args.out.write_text(json.dumps(res, indent=2))
     print("\n| image | chat's media work, new image ms | same image again (processor cache) ms | speed-up |\n"
           "|---|---|---|---|")  # fmt: skip
     for r in rows:
         print(f"| {r['size']} | {r['chat_new_image_ms']:.1f} | {r['chat_repeated_image_ms']:.1f} | "
               f"{r['chat_new_image_ms'] / r['chat_repeated_image_ms']:.1f}x |")  # fmt: skip
     return 0
+
+
+def several_images_ms(n: int, repeats: int) -> dict:
+    """Median ms of a chat request of `n` new 720p JPEG images (data URLs) through api/chat.py build_params
+    and the preprocessing, no processor cache: one image after another (a pool of one thread) and on the
+    media pool (media/work_pool.py)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from worldserve.api.chat import build_params
+    from worldserve.api.chat_protocol import ChatCompletionRequest
+    from worldserve.media import work_pool
+    from worldserve.models.cosmos3.vision import ImagePreprocessor
+
+    parts = []
+    for seed in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(photo(720, 1280, seed)).save(buf, format="JPEG", quality=90)
+        url = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    )
+    threads = work_pool.MAX_WORKERS
+
+    def work(workers: int):
+        work_pool.MAX_WORKERS = workers
+        try:
+            params = build_params(body, None)
+            return ImagePreprocessor()([p.image for p in params.messages[0].content])
+        finally:
+            work_pool.MAX_WORKERS = threads
+
+    alone, pooled = medians_ms([lambda: work(1), lambda: work(threads)], repeats)
+    return {"images": n, "one_by_one_ms": alone, "pooled_ms": pooled, "pool_threads": threads}
 
 
 def chat_media_ms(img: np.ndarray, repeats: int) -> tuple[float, float]:

