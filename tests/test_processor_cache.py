@@ -133,3 +133,29 @@ def test_a_conversation_decodes_its_image_and_video_once(reasoner, reasoner_url,
     metrics = httpx.get(reasoner_url + "/metrics").text
     found = {m: float(v) for m, v in re.findall(r"^vllm:(mm_cache_\w+)_total\{[^}]*\} (\S+)$", metrics, re.M)}
     assert found == {"mm_cache_queries": cache.queries, "mm_cache_hits": cache.hits}
+
+
+def test_concurrent_chats_share_the_cached_media(reasoner, reasoner_url):
+    """Twelve chats at once on two images (each chat both, in either order): each answers as the chat of its
+    order alone did, and every image of every chat came from the cache (the two chats alone put them there)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    urls = ["data:image/png;base64," + base64.b64encode(_png(_image(36, 60, s))).decode() for s in (7, 8)]
+
+    def chat(k: int) -> tuple[str, int]:
+        pair = urls if k % 2 else urls[::-1]
+        content = [{"type": "image_url", "image_url": {"url": u}} for u in pair] + [
+            {"type": "text", "text": "?"}
+        ]
+        body = {"model": "test-model", "messages": [{"role": "user", "content": content}], "max_tokens": 3,
+                "temperature": 0}  # fmt: skip
+        r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return k % 2, r.json()["choices"][0]["message"]["content"]
+
+    alone = dict(chat(k) for k in (0, 1))
+    hits = reasoner.media_cache.hits
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(chat, range(12)))
+    assert all(text == alone[order] for order, text in answers)
+    assert reasoner.media_cache.hits - hits == 24  # every image of every chat found decoded
