@@ -221,6 +221,7 @@ def part(
             image = decode_image(data, param=path)
             check_image(image, path)
             if cache is not None:
+                image.flags.writeable = False  # shared by every request that finds it: a write would raise
                 cache.put(("image", key), image, image.nbytes)
         return ChatPart(type="image", image=image, media_key=key)
     if part.type == "video_url":
