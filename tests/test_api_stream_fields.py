@@ -41,8 +41,9 @@ def urls(reasoner, tmp_path_factory):
 
 
 def _chunks(url: str, path: str, **body) -> list[dict]:
-    """The JSON payloads of a streamed request's raw SSE lines (its `data: [DONE]` checked)."""
-    body = {"model": MODEL, "max_tokens": 3, "stream": True, **body}
+    """The JSON payloads of a streamed request's raw SSE lines (its `data: [DONE]` checked). Every choice gets
+    exactly 3 tokens (min_tokens: the random tiny model, sampling unseeded, may draw a stop token first)."""
+    body = {"model": MODEL, "max_tokens": 3, "min_tokens": 3, "stream": True, **body}
     with httpx.stream("POST", url + path, json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
         events = r.read().decode().split("\n\n")
@@ -120,9 +121,7 @@ def test_text_completion_chunks(urls, server):
 def test_text_completion_prompt_logprobs_only_when_asked(urls):
     """vLLM's prompt_logprobs (which vLLM refuses with stream; this server sends them): in the first chunk
     only, and only when asked for."""
-    first, *rest = _chunks(
-        urls["plain"], "/v1/completions", prompt="A red fox", prompt_logprobs=1, min_tokens=3
-    )  # (a stop token sampled first would leave no chunk after the first)
+    first, *rest = _chunks(urls["plain"], "/v1/completions", prompt="A red fox", prompt_logprobs=1)
     assert (
         set(first["choices"][0]) == TEXT_CHOICE | {"prompt_logprobs"}
         and first["choices"][0]["prompt_logprobs"]
