@@ -66,6 +66,8 @@ def test_cached_patches_equal_fresh_ones_and_are_resized_once():
     small = pre(images, keys=[b"k1", b"k2"], max_pixels=1024)  # a new size: resized again, then kept
     assert small.patches.equal(ImagePreprocessor()(images, max_pixels=1024).patches)
     assert len(resized) == 4
+    none = pre([])
+    assert none.patches.shape == (0, 3 * 16 * 16) and none.grid_thw.shape == (0, 3) and none.digests == ()
     pre(images, keys=[b"k1", None])  # an image without a key is never cached
     assert len(resized) == 5 and (cache.queries, cache.hits) == (0, 0)  # (later stages count no items)
 

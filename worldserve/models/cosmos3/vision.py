@@ -178,10 +178,12 @@ class ImagePreprocessor:
             found[i] = made
             if cache_keys[i] is not None:
                 self.cache.put(cache_keys[i], made, made[0].nbytes)
-        pieces, digests = zip(*found, strict=True)
+        pieces = [f[0] for f in found] or [torch.empty(0, 3 * p * p, dtype=torch.uint8)]  # (no images: none)
+        digests = [f[1] for f in found]
         return VisionInputs(  # (one image: its patches as they are kept, no copy; never written)
             patches=pieces[0] if len(pieces) == 1 else torch.cat(pieces),
-            grid_thw=torch.tensor(grids, dtype=torch.long), digests=tuple(digests), repeat=self.temporal_patch_size,
+            grid_thw=torch.tensor(grids, dtype=torch.long).view(-1, 3), digests=tuple(digests),
+            repeat=self.temporal_patch_size,
         )  # fmt: skip
 
     def _patches(self, img: np.ndarray, h: int, w: int) -> tuple[Tensor, bytes]:
