@@ -47,7 +47,29 @@ def test_least_recently_used_out_by_bytes_and_counted_lookups():
     assert off.get("a") is None and len(off) == 0
     with pytest.raises(ValueError, match="max_bytes"):
         ProcessorCache(-1)
-    assert content_key(b"x") != content_key(b"y") and content_key(b"x") != content_key(b"x", b"2 fps")
+    assert content_key(b"x") != content_key(b"y") and content_key(b"x") == content_key(b"x")
+    assert ProcessorCache(1).enabled and not off.enabled
+
+
+def test_a_cache_that_keeps_nothing_hashes_nothing(monkeypatch):
+    """--mm-processor-cache-gb 0 (and no cache at all): the media is decoded with no content key hashed (a
+    video's SHA-256 alone is ~0.7 s a GiB)."""
+    from worldserve.api import chat_media
+    from worldserve.api.chat_protocol import ContentPart
+    from worldserve.chat_params import VideoSampling
+
+    hashed = []
+    monkeypatch.setattr(chat_media, "content_key", lambda data: hashed.append(data) or b"k")
+    url = "data:image/png;base64," + base64.b64encode(_png(_image(24, 40, 9))).decode()
+    content = ContentPart(type="image_url", image_url={"url": url})
+    for cache in (None, ProcessorCache(0)):
+        got = chat_media.part(content, "messages[0].content[0]", None, VideoSampling(), None, cache)
+        assert got.image.shape == (24, 40, 3) and got.media_key is None
+    assert hashed == []
+    got = chat_media.part(
+        content, "messages[0].content[0]", None, VideoSampling(), None, ProcessorCache(2**20)
+    )
+    assert got.media_key == b"k" and len(hashed) == 1
 
 
 def test_cached_patches_equal_fresh_ones_and_are_resized_once():

@@ -100,9 +100,9 @@ def build_params(
     sampling = body.sampling_options()
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
         sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
+    roles = ["system" if msg.role == "developer" else msg.role for msg in body.messages]
     calls = []  # each message's checked tool-call fields, in message order (no media work yet)
-    for i, msg in enumerate(body.messages):
-        role = "system" if msg.role == "developer" else msg.role
+    for i, (msg, role) in enumerate(zip(body.messages, roles, strict=True)):
         calls.append({
             "tool_calls": message_calls(msg.tool_calls, f"messages[{i}]"),
             "tool_call_id": msg.tool_call_id,
@@ -119,8 +119,7 @@ def build_params(
     media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
     loaded = dict(zip(media, map_in_order(load, media), strict=True))
     messages = []
-    for i, msg in enumerate(body.messages):
-        role = "system" if msg.role == "developer" else msg.role
+    for i, (msg, role) in enumerate(zip(body.messages, roles, strict=True)):
         if msg.content is None or isinstance(msg.content, str):
             messages.append(ChatMessage(role=role, content=msg.content or "", **calls[i]))
         else:

@@ -205,7 +205,9 @@ def part(
     cache: ProcessorCache | None = None,
 ) -> ChatPart:
     """One content part, its media loaded and decoded (the same bytes, and for a video the same sampling,
-    found in `cache` are not decoded again); errors name `path` (messages[i].content[j])."""
+    found in `cache` are not decoded again; without a cache that keeps anything, no key is hashed); errors
+    name `path` (messages[i].content[j])."""
+    keyed = cache is not None and cache.enabled
     if part.type == "text":
         return ChatPart(type="text", text=part.text or "")
     if part.type == "image_url":
@@ -216,11 +218,11 @@ def part(
             param=path,
             fetched=fetched,
         )
-        key = content_key(data)
-        if cache is None or (image := cache.get(("image", key))) is None:
+        key = content_key(data) if keyed else None
+        if key is None or (image := cache.get(("image", key))) is None:
             image = decode_image(data, param=path)
             check_image(image, path)
-            if cache is not None:
+            if key is not None:
                 image.flags.writeable = False  # shared by every request that finds it: a write would raise
                 cache.put(("image", key), image, image.nbytes)
         return ChatPart(type="image", image=image, media_key=key)
@@ -233,8 +235,8 @@ def part(
             param=path,
             fetched=fetched,
         )
-        key = ("video", content_key(data), sampling)
-        if cache is not None and (video := cache.get(key)) is not None:
+        key = ("video", content_key(data), sampling) if keyed else None
+        if key is not None and (video := cache.get(key)) is not None:
             return ChatPart(type="video", video=video)
         try:
             video = decode_chat_video(data, sampling, param=path)
@@ -242,7 +244,7 @@ def part(
             if exc.param == path:
                 raise
             raise ParamError(path, exc.message) from None  # the frame-size check names no part
-        if cache is not None:
+        if key is not None:
             cache.put(key, video, video.frames.nbytes)
         return ChatPart(type="video", video=video)
     raise ParamError(f"{path}.type", f"content parts of type {part.type!r} are not supported")

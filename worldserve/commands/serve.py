@@ -225,8 +225,8 @@ def _serve(
     uv_config = uvicorn.Config(
         app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
         timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
-        timeout_keep_alive=envs.http_timeout_keep_alive_s(), http=header_deadline_protocol(envs.http_header_timeout_s()),
-        **serve_http.uvicorn_options(http_args),
+        timeout_keep_alive=envs.http_timeout_keep_alive_s(),
+        http=header_deadline_protocol(envs.http_header_timeout_s()), **serve_http.uvicorn_options(http_args),
     )  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):

@@ -2,8 +2,8 @@
 
 - `VisionInputs`: uint8 patches + grid_thw + digests; `pixel_values(device)` normalises them where the ViT
   runs (a ninth of the bytes on the host and over PCIe than the float values).
-- `ImagePreprocessor`: uint8 (H, W, 3) images -> VisionInputs whose pixel_values [P, 3*2*16*16] are, bit for bit,
-  Qwen3-VL's processor (transformers' Qwen2VL image processor, Pillow backend, with Qwen3-VL's settings:
+- `ImagePreprocessor`: uint8 (H, W, 3) images -> VisionInputs whose pixel_values [P, 3*2*16*16] are, bit for
+  bit, Qwen3-VL's processor (transformers' Qwen2VL image processor, Pillow backend, with Qwen3-VL's settings:
   bicubic resize to multiples of patch*merge = 32 within [min_pixels, max_pixels], rescale, normalise with
   mean = std = 0.5, repeat the single frame to the temporal patch of 2, patchify in merge-window order),
   reimplemented: the reference's float64 and channels-first copies made it the larger part of an image
@@ -14,8 +14,9 @@
   features, one [M, d_llm] per ViT index.
 - `video_inputs`: sampled, resized uint8 frames (media/video_input.py) -> VisionInputs, as Qwen3-VL's video
   processor finishes them (pad the frame count to the temporal patch with the last frame, patchify in
-  merge-window order; rescaled and normalised with mean = std = 0.5 by pixel_values); `video_timestamps`: the seconds printed before
-  each temporal patch (mean of its two frames' times), as Qwen3VLProcessor computes them.
+  merge-window order; rescaled and normalised with mean = std = 0.5 by pixel_values); `video_timestamps`:
+  the seconds printed before each temporal patch (mean of its two frames' times), as Qwen3VLProcessor
+  computes them.
 - `chat_positions`: Qwen3-VL `get_rope_index` for one sequence: text token k at (c, c, c) with a running
   cursor c; an image of merged grid (t, h, w) at (c + t_i, c + h_i, c + w_i); text after it continues at
   max + 1 (c += max(h, w)). A video's temporal patches are separated by timestamp text, so each is placed
@@ -130,10 +131,10 @@ class ImagePreprocessor:
     """Qwen3-VL's image processor (transformers' Qwen2VLImageProcessorPil with Qwen3-VL's settings), our own
     implementation of it: the same output bit for bit (tests hold it to the reference), faster (no float64
     copy of the image, no channels-first round trips; bench/image_preprocess.py). Per image: Pillow's bicubic
-    resize to smart_resize's size, then the uint8 pixels converted straight into patch order, rescaled and
-    normalised in place, the single frame repeated to the temporal patch. With a `cache`
-    (media/processor_cache.py), an image given with its content key reuses the resized patches and digest
-    of an earlier call that resized it to the same size."""
+    resize to smart_resize's size, then the uint8 pixels put straight into patch order, one frame (rescaled,
+    normalised and repeated to the temporal patch by VisionInputs.pixel_values where the ViT runs). With a
+    `cache` (media/processor_cache.py), an image given with its content key reuses the resized patches and
+    digest of an earlier call that resized it to the same size."""
 
     def __init__(
         self,
