@@ -49,6 +49,7 @@ def make_client(
     encoder=stub_encoder,
     real_encoder: bool = False,
     job_ttl_s: float | None = None,
+    sweep_interval_s: float | None = None,
     model_name: str = "test-model",
     observer=None,
     chat_backend=None,
@@ -66,7 +67,7 @@ def make_client(
     )  # fmt: skip
     return EngineClient(
         engine, store, model_name=model_name, max_queued_requests=max_queued_requests, job_ttl_s=job_ttl_s,
-        chat_backend=chat_backend, max_num_seqs=max_num_seqs, upsampler=upsampler,
+        sweep_interval_s=sweep_interval_s, chat_backend=chat_backend, max_num_seqs=max_num_seqs, upsampler=upsampler,
     )  # fmt: skip
 
 

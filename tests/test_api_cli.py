@@ -93,7 +93,8 @@ def test_unsupported_or_bad_values_are_refused(argv):
 @pytest.mark.parametrize(
     ("name", "value"),
     [("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "inf"), ("VLLM_IMAGE_FETCH_TIMEOUT", "abc"), ("VLLM_VIDEO_FETCH_TIMEOUT", "0"),
-     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "-1")],
+     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "-1"), ("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "0"),
+     ("VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL", "often")],
 )  # fmt: skip
 def test_malformed_timeouts_in_the_environment_stop_the_start_naming_the_variable(monkeypatch, name, value):
     """Read when the config resolves (before the model loads), not when the app is built after it."""
@@ -119,6 +120,28 @@ def test_resolve_env_fallbacks(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="VLLM_OMNI_VIDEO_SYNC_TIMEOUT"):
         parse().resolve()
+
+
+def test_vllm_omni_storage_variables(monkeypatch, tmp_path):
+    """vLLM-Omni's storage variables: the deprecated path alias, the file TTL (--job-ttl's default: the flag
+    wins) and the sweep interval."""
+    for name in ("WORLDSERVE_STORAGE_DIR", "VLLM_OMNI_SERVER_STORAGE__PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_OMNI_STORAGE_PATH", str(tmp_path / "old"))
+    monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "3600")
+    monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL", "30")
+    server = parse().resolve().server
+    assert (server.storage_dir, server.job_ttl, server.job_sweep_interval) == (
+        str(tmp_path / "old"),
+        3600,
+        30,
+    )
+    monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__PATH", str(tmp_path / "new"))
+    assert parse("--job-ttl", "60").resolve().server.job_ttl == 60, "the flag wins"
+    assert parse().resolve().server.storage_dir == str(tmp_path / "new"), "the current name wins"
+    for name in ("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL"):
+        monkeypatch.delenv(name)
+    assert (parse().resolve().server.job_ttl, parse().resolve().server.job_sweep_interval) == (None, None)
 
 
 def test_hidden_test_flags_stay_out_of_help(capsys):
@@ -165,6 +188,21 @@ async def test_job_ttl_removes_finished_jobs_and_files(tmp_path, anyio_backend):
             await asyncio.sleep(0.02)
         assert (await http.get(f"/v1/videos/{job['id']}")).status_code == 404
         assert not (tmp_path / "videos" / f"{job['id']}.mp4").exists()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_sweep_interval_delays_the_expiry_sweep(tmp_path, anyio_backend):
+    """With VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL's 30 s, a job past its 0.2 s TTL stays until the next
+    sweep (without it the sweep runs every 0.1 s: the test above)."""
+    import asyncio
+
+    async with asgi_server(tmp_path, job_ttl_s=0.2, sweep_interval_s=30) as http:
+        job = (await http.post("/v1/videos", data={"prompt": "x", "size": "64x48", "num_frames": "5",
+                                                   "num_inference_steps": "1"})).json()  # fmt: skip
+        await poll_job(http, job["id"])
+        await asyncio.sleep(0.6)
+        assert (await http.get(f"/v1/videos/{job['id']}")).status_code == 200
 
 
 def test_init_timeout_bounds_model_loading(monkeypatch, caplog):

@@ -69,10 +69,11 @@ def test_generator_recipe_line_with_vllm_omni_flags(caplog):
         serve_compat.log_compat(args, cfg)
     for flag in ("--model-class-name", "--deploy-config", "--num-gpus", "--diffusion-batch-size",
                  "--vae-use-slicing", "--trust-remote-code", "--log-stats",
-                 "--default-sampling-params", "--gpu-memory-utilization"):  # fmt: skip
+                 "--gpu-memory-utilization"):  # fmt: skip
         lines = [r.getMessage() for r in caplog.records if flag_of(r) == flag]
         assert len(lines) == 1 and "accepted, no effect: " in lines[0], flag
     assert cfg.server.flow_shift == 10.0 and not any(flag_of(r) == "--flow-shift" for r in caplog.records)
+    assert cfg.server.video_defaults == {"flow_shift": 10.0, "num_inference_steps": 35}  # both honoured
     assert "(1 here)" in next(r.getMessage() for r in caplog.records if flag_of(r) == "--num-gpus")
     assert not any(flag_of(r) in ("--hf-overrides", "--media-io-kwargs") for r in caplog.records)
 
@@ -221,10 +222,11 @@ async def test_flow_shift_is_the_default_of_requests_without_one(anyio_backend):
     from worldserve.api.video_inputs import build_inputs
 
     fields = {"prompt": "x", "size": "64x48", "num_frames": "5"}
-    got = await build_inputs(dict(fields), served_model="m", has_sound=False, default_flow_shift=7.0)
+    defaults = config("--flow-shift", "7").server.video_defaults
+    got = await build_inputs(dict(fields), served_model="m", has_sound=False, defaults=defaults)
     assert got.params.flow_shift == 7.0
     own = await build_inputs(
-        {**fields, "flow_shift": "3"}, served_model="m", has_sound=False, default_flow_shift=7.0
+        {**fields, "flow_shift": "3"}, served_model="m", has_sound=False, defaults=defaults
     )
     assert own.params.flow_shift == 3.0
     plain = await build_inputs(dict(fields), served_model="m", has_sound=False)
@@ -289,7 +291,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
-    assert sorted(logged) == sorted(given) and len(given) >= 48
+    assert sorted(logged) == sorted(given) and len(given) >= 47
     assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (
@@ -338,8 +340,6 @@ REFUSED = [
     (["--generation-config", "/models/gen"], "--generation-config /models/gen", "per request"),
     (["--media-io-kwargs", '{"video": {"fps": 4}}'], "--media-io-kwargs", "per request"),
     (["--hf-overrides", '{"rope_scaling": {"factor": 2}}'], "--hf-overrides", "own config"),
-    (["--default-sampling-params", '{"0": {"num_inference_steps": 50}}'], "--default-sampling-params",
-     "per request"),
 ]  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag
     FlagValueError,
     JsonStrList,
     MediaLimits,
+    SamplingDefaults,
     TokenCount,
     check_seconds,
     json_flag,
@@ -226,13 +227,16 @@ class ServerConfig:
     api_key: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
     """Require `Authorization: Bearer KEY` on /v1/*, KEY one of these (vLLM's flag: several keys may be given); default: $WORLDSERVE_API_KEY or $VLLM_API_KEY, else open."""
     storage_dir: str | None = None
-    """Folder of the job database and the videos; default: $XDG_CACHE_HOME/worldserve/storage."""
+    """Folder of the job database and the videos; default: $WORLDSERVE_STORAGE_DIR, else $VLLM_OMNI_SERVER_STORAGE__PATH, else $XDG_CACHE_HOME/worldserve/storage."""
     sync_timeout: float | None = None
     """Seconds /v1/videos/sync waits before 504 (the job goes on); default: $VLLM_OMNI_VIDEO_SYNC_TIMEOUT or 600."""
     max_upload_mb: float = 100.0
     """Largest request body accepted on /v1/videos*, in MiB (413 above)."""
     job_ttl: float | None = None
-    """Delete finished jobs and their files this many seconds after completion; default: keep forever."""
+    """Delete finished jobs and their files this many seconds after completion; default: $VLLM_OMNI_SERVER_STORAGE__FILE_TTL, else keep forever."""
+    job_sweep_interval: float | None = field(default=None, metadata={"no_flag": True})
+    """Seconds between two expiry sweeps (resolve: $VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL; None: half the
+    TTL, at most a minute)."""
     allowed_local_media_path: str | None = None
     """Folder whose files chat requests may reference as file:// image URLs; default: no local files."""
     limit_mm_per_prompt: MediaLimits | None = None
@@ -253,6 +257,8 @@ class ServerConfig:
     """CORS: allow cookies and Authorization headers on cross-origin requests (Access-Control-Allow-Credentials)."""
     flow_shift: float | None = None
     """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
+    default_sampling_params: SamplingDefaults | None = None
+    """Server defaults for the fields video requests omit, as vLLM-Omni's flag: '{"0": {"num_inference_steps": 20, "width": 832, "height": 480}}' (stage "0"; width, height, num_frames, fps, num_inference_steps, guidance_scale, flow_shift, seed, max_sequence_length, negative_prompt, generate_sound); a request's own values win; default: Cosmos3's (1280x720, 189 frames, 24 fps, 35 steps, guidance 6.0, seed 42)."""
     enable_prompt_tokens_details: bool = False
     """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
@@ -284,6 +290,20 @@ class ServerConfig:
             math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100
         ):
             raise ValueError(f"--flow-shift must be in (0, 100], got {self.flow_shift}")
+        if self.default_sampling_params:
+            from worldserve.params import ParamError, VideoParams
+
+            try:  # the values together, as a request's (a 480p default with 400 frames fails here, not per request)
+                VideoParams(prompt="x", **self.default_sampling_params.as_dict()).validate()
+            except ParamError as exc:
+                raise ValueError(f"--default-sampling-params: {exc.message}") from None
+
+    @property
+    def video_defaults(self) -> dict[str, typing.Any]:
+        """The values of the fields video requests omit: --default-sampling-params's, and --flow-shift's where
+        it sets no flow_shift."""
+        shift = {} if self.flow_shift is None else {"flow_shift": self.flow_shift}
+        return {**shift, **(self.default_sampling_params or SamplingDefaults()).as_dict()}
 
     @property
     def max_upload_bytes(self) -> int:
@@ -318,6 +338,8 @@ class EngineConfig:
             api_key=self.server.api_key or ((key,) if (key := envs.api_key()) else None),
             storage_dir=self.server.storage_dir or str(envs.storage_dir()),
             sync_timeout=self.server.sync_timeout or envs.sync_timeout_s(),
+            job_ttl=self.server.job_ttl or envs.storage_file_ttl_s(),
+            job_sweep_interval=self.server.job_sweep_interval or envs.storage_sweep_interval_s(),
         )
         return replace(self, model=replace(self.model, served_model_name=served), server=server)
 

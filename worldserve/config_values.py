@@ -1,6 +1,7 @@
 """The value types of config flags, parsed from their command-line text (config.py's dataclasses use them as
 field types, so argparse converts a flag's text with them): vLLM's JSON lists (`--allowed-origins`), media
-limits (`--limit-mm-per-prompt`), token counts with vLLM's human-readable suffixes (`--max-model-len 32k`),
+limits (`--limit-mm-per-prompt`), video defaults (`--default-sampling-params`), token counts with vLLM's
+human-readable suffixes (`--max-model-len 32k`),
 and the error they raise (`FlagValueError`: argparse shows it as `argument --flag: <message>`, exit 2); the
 bounds of a duration (`check_seconds`: flags and environment variables alike).
 """
@@ -75,6 +76,55 @@ class MediaLimits(tuple):
 
     def __str__(self) -> str:
         return json.dumps(dict(self))
+
+
+class SamplingDefaults(tuple):
+    """vLLM-Omni's `--default-sampling-params '{"0": {"num_inference_steps": 20}}'`: the server's values for the
+    video fields a request omits, keyed by stage id (worldserve generates in one stage, "0"). A tuple of sorted
+    (field, value) pairs, so the frozen configs stay hashable; str() is the JSON. Only each value's type is
+    checked here; ServerConfig checks the values together as a request's (VideoParams.validate)."""
+
+    __slots__ = ()
+    FIELDS: typing.ClassVar[dict[str, tuple[type, ...]]] = {
+        "width": (int,), "height": (int,), "num_frames": (int,), "fps": (int, float),
+        "num_inference_steps": (int,), "guidance_scale": (int, float), "flow_shift": (int, float),
+        "seed": (int,), "max_sequence_length": (int,), "negative_prompt": (str,), "generate_sound": (bool,),
+    }  # fmt: skip
+    """The VideoParams fields a default may set, and the JSON types each takes."""
+    STAGE = "0"
+
+    def __new__(cls, value: str | typing.Mapping[str, typing.Any] | typing.Iterable = ()) -> SamplingDefaults:
+        """Parse `value` (the flag's JSON text, its object, or (field, value) pairs); FlagValueError naming the
+        stage or field that is wrong."""
+        if isinstance(value, str):
+            stages = json_flag(value, 'an object such as \'{"0": {"num_inference_steps": 20}}\'')
+            if not isinstance(stages, dict):
+                raise FlagValueError(f'expected an object of stages such as {{"0": {{"num_inference_steps": 20}}}}, '
+                                     f"got {json.dumps(stages)}")  # fmt: skip
+            if other := sorted(k for k, v in stages.items() if k != cls.STAGE and v):
+                raise FlagValueError(f'stage {other[0]!r}: worldserve generates in one stage, "0"')
+            value = stages.get(cls.STAGE) or {}
+            if not isinstance(value, dict):
+                raise FlagValueError(f'stage "0": expected an object of fields, got {json.dumps(value)}')
+        pairs = dict(value)
+        for name, v in pairs.items():
+            if name not in cls.FIELDS:
+                raise FlagValueError(f'stage "0": unknown field {name!r}; the fields a default may set: '
+                                     f"{', '.join(cls.FIELDS)}")  # fmt: skip
+            kinds = cls.FIELDS[name]
+            if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+                names = " or ".join({"int": "an integer", "float": "a number", "str": "a string",
+                                     "bool": "true or false"}[k.__name__] for k in kinds)  # fmt: skip
+                raise FlagValueError(f'stage "0": {name} must be {names}, got {json.dumps(v)}')
+        if ("width" in pairs) != ("height" in pairs):
+            raise FlagValueError('stage "0": width and height must be given together')
+        return super().__new__(cls, sorted(pairs.items()))
+
+    def as_dict(self) -> dict[str, typing.Any]:
+        return dict(self)
+
+    def __str__(self) -> str:
+        return json.dumps({self.STAGE: dict(self)})
 
 
 DEFAULT_MAX_MODEL_LEN = 32768

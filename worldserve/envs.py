@@ -104,9 +104,29 @@ def cache_dir() -> Path:
 
 
 def storage_dir() -> Path:
-    """Job store folder: `WORLDSERVE_STORAGE_DIR`, else `VLLM_OMNI_SERVER_STORAGE__PATH`, else the cache."""
-    explicit = os.environ.get("WORLDSERVE_STORAGE_DIR") or os.environ.get("VLLM_OMNI_SERVER_STORAGE__PATH")
+    """Job store folder: `WORLDSERVE_STORAGE_DIR`, else vLLM-Omni's `VLLM_OMNI_SERVER_STORAGE__PATH` (or its
+    deprecated `VLLM_OMNI_STORAGE_PATH`), else the cache."""
+    names = ("WORLDSERVE_STORAGE_DIR", "VLLM_OMNI_SERVER_STORAGE__PATH", "VLLM_OMNI_STORAGE_PATH")
+    explicit = next((value for name in names if (value := os.environ.get(name))), None)
     return Path(explicit) if explicit else cache_dir() / "storage"
+
+
+def storage_file_ttl_s() -> float | None:
+    """vLLM-Omni's `VLLM_OMNI_SERVER_STORAGE__FILE_TTL`: seconds a finished video is kept (here --job-ttl's
+    default: the job goes with its file); None (keep forever) when unset."""
+    value = _env_float("VLLM_OMNI_SERVER_STORAGE__FILE_TTL")
+    if value is not None:
+        check_seconds("environment variable VLLM_OMNI_SERVER_STORAGE__FILE_TTL", value, zero=False)
+    return value
+
+
+def storage_sweep_interval_s() -> float | None:
+    """vLLM-Omni's `VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL`: seconds between two expiry sweeps; None
+    (unset): half the TTL, at most a minute."""
+    value = _env_float("VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL")
+    if value is not None:
+        check_seconds("environment variable VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL", value, zero=False)
+    return value
 
 
 def attention_backend() -> str | None:

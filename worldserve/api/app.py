@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -56,6 +57,7 @@ def build_app(
     allow_credentials: bool = False,
     request_id_headers: bool = True,
     default_flow_shift: float | None = None,
+    video_defaults: Mapping[str, Any] | None = None,
     allowed_media_domains: Sequence[str] = (),
     server_load_tracking: bool = False,
     mm_limits: Mapping[str, int] | None = None,
@@ -66,7 +68,8 @@ def build_app(
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
-    `--flow-shift`, `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
+    `--flow-shift` (image requests), `video_defaults` = `ServerConfig.video_defaults` (--default-sampling-params
+    and --flow-shift: video requests), `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
     `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
     `responses_store_bytes` = `--responses-store-mb`; `docs` False:
@@ -105,6 +108,7 @@ def build_app(
         model_aliases=tuple(model_aliases),
         sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
         allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
+        video_defaults=dict(video_defaults or {}),
         media=MediaFetcher(
             max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects(),
             (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),

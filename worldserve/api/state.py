@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 
@@ -30,7 +31,10 @@ class AppState:
     allowed_local_media_path: str | None = None
     """Folder whose files chat requests may reference as file:// URLs (None: no local files)."""
     default_flow_shift: float | None = None
-    """`--flow-shift`: the flow shift of video / image requests that send none (None: Cosmos3's defaults)."""
+    """`--flow-shift`: the flow shift of image requests that send none (None: Cosmos3's T2I 3.0)."""
+    video_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """The values of the fields video requests omit (--default-sampling-params, --flow-shift: VideoParams
+    field names); absent: Cosmos3's defaults."""
     media: MediaFetcher | None = None
     """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
     mm_limits: Mapping[str, int] = field(default_factory=dict)

@@ -3,11 +3,14 @@ read and the references decoded (api/video_inputs.py): top-level fields, a JSON 
 the gaps, `extra_params` keys over them, `size` over width / height, fps 24, and `num_frames` from `seconds` x
 fps only when still unset, rounded to the nearest 4k+1. Beyond it: guidance_scale 0 means the default, an I2V
 request without a size takes the image's aspect ratio at the 720p area (§4.3), and numbers are bounded
-before any arithmetic on them (a size's digits, seconds x fps). Errors name the field the value came in.
+before any arithmetic on them (a size's digits, seconds x fps), and the server's defaults
+(--default-sampling-params) fill what a request leaves unset. Errors name the field the value came in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -32,12 +35,16 @@ def resolve_video_params(
     image: np.ndarray | None,
     video: np.ndarray | None,
     source: str,
+    defaults: Mapping[str, Any] = MappingProxyType({}),
 ) -> VideoParams:
     """vLLM-Omni's resolution (serving-api.md §4.1): top-level fields, `video_params` filling the gaps,
     `size` over width / height, fps 24, num_frames from `seconds` only if still unset; `extra_params`
     keys win over the top level. Beyond it: guidance_scale 0 means the default (the pipeline tests
     truthiness), and an I2V request without a size takes the image's aspect ratio (§4.3). An error names
-    the field the value came in (`extra_params.<key>`, `video_params`, `seconds`, the reference's `source`)."""
+    the field the value came in (`extra_params.<key>`, `video_params`, `seconds`, the reference's `source`).
+    `defaults` (the server's, VideoParams field names: --default-sampling-params, --flow-shift) fill what the
+    request leaves unset, before the model defaults: a default size before an I2V image's aspect ratio, a
+    default fps before `seconds` becomes frames."""
     kw: dict[str, Any] = {"prompt": req.prompt}
     origin = {"input_reference": source} if source else {}
     top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
@@ -61,16 +68,22 @@ def resolve_video_params(
         del kw["guidance_scale"]  # Cosmos3 takes a scale of 0 as "not given": 6.0
     if extra.sound_gen is not None and extra.generate_sound is None:
         kw["generate_sound"] = extra.sound_gen
+    for name, value in defaults.items():  # the size, fps and frames: below, where the request's are resolved
+        if name not in ("width", "height", "fps", "num_frames"):
+            kw.setdefault(name, value)
     if "guidance_interval" in kw:
         kw["guidance_interval"] = tuple(float(v) for v in kw["guidance_interval"])
-    size = _frame_size(req, vp, image)
+    default_size = (defaults["width"], defaults["height"]) if "width" in defaults else None
+    size = _frame_size(req, vp, image, default_size)
     if size is not None:
         kw["width"], kw["height"] = size
-    fps = kw.setdefault("fps", VideoParams.__dataclass_fields__["fps"].default)
+    fps = kw.setdefault("fps", defaults.get("fps", VideoParams.__dataclass_fields__["fps"].default))
     if fps > MAX_FPS:  # (bounded before seconds x fps: 1e308 would overflow)
         raise ParamError(origin.get("fps", "fps"), f"fps={fps:g} must be a number in [1, {MAX_FPS}]")
     if "num_frames" not in kw and req.seconds is not None:
         kw["num_frames"], origin["num_frames"] = _frames_from_seconds(req.seconds, fps), "seconds"
+    if "num_frames" in defaults:
+        kw.setdefault("num_frames", defaults["num_frames"])
     if extra.condition_frame_indexes_vision is not None:
         kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
     if extra.condition_video_keep is not None:
@@ -79,10 +92,12 @@ def resolve_video_params(
 
 
 def _frame_size(
-    req: VideoCreateRequest, vp: VideoParamsObject, image: np.ndarray | None
-) -> tuple[int, int] | None:
+    req: VideoCreateRequest, vp: VideoParamsObject, image: np.ndarray | None,
+    default: tuple[int, int] | None = None,
+) -> tuple[int, int] | None:  # fmt: skip
     """(width, height): `size`, else width / height (the top level's, then video_params'; a side out of range
-    names its field), else an I2V image's aspect ratio at the 720p area; None: the model default."""
+    names its field), else the server's `default`, else an I2V image's aspect ratio at the 720p area; None: the
+    model default."""
     if req.size is not None:
         return _parse_size(req.size)
     width = req.width if req.width is not None else vp.width
@@ -96,6 +111,8 @@ def _frame_size(
         for name, value, given in (("width", width, req.width), ("height", height, req.height)):
             check_side(name, value, param=name if given is not None else "video_params")
         return width, height
+    if default is not None:
+        return default
     return None if image is None else aspect_size(image.shape[1], image.shape[0])
 
 

@@ -15,8 +15,8 @@ engine but `validate`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,12 +100,12 @@ def _json_fields(body: bytes) -> dict[str, Any]:
 
 
 async def build_inputs(
-    fields: dict[str, Any], *, served_model: str, has_sound: bool, default_flow_shift: float | None = None,
+    fields: dict[str, Any], *, served_model: str, has_sound: bool, defaults: Mapping[str, Any] | None = None,
     fetcher: MediaFetcher | None = None, model_aliases: tuple[str, ...] = (),
 ) -> VideoInputs:  # fmt: skip
     """The validated params, job spec, encoding and reference of a create request's fields (`model` may name
     the served model or one of its `model_aliases`; the job carries the served name);
-    `default_flow_shift` (--flow-shift) stands in for a flow_shift the request does not send; `fetcher`
+    `defaults` (the server's: --default-sampling-params, --flow-shift) stand in for the fields it omits; `fetcher`
     downloads http(s) reference URLs (None: they are refused)."""
     upload = fields.pop("input_reference", None)
     try:
@@ -127,14 +127,13 @@ async def build_inputs(
     # (a placeholder image stands in for I2V's: the size it implies is checked again with the real one)
     placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None or upload else None
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
-    resolve_video_params(req, video_params, extra, placeholder, None, ref_field)
+    defaults = defaults or {}
+    resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults)
     source, reference = await _reference_bytes(req, upload, fetcher)
     image = video = None
     if reference is not None:
         image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
-    params = resolve_video_params(req, video_params, extra, image, video, source)
-    if params.flow_shift is None and default_flow_shift is not None:
-        params = dataclasses.replace(params, flow_shift=default_flow_shift)
+    params = resolve_video_params(req, video_params, extra, image, video, source, defaults)
     sound = params.generate_sound if params.generate_sound is not None else has_sound
     field, duration = next(
         ((f, d) for f, d in (("sound_duration", req.sound_duration), ("extra_params.sound_duration",

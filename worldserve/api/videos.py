@@ -63,7 +63,7 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
             st.metrics.on_rejected("too_large")
         raise
     inputs = await build_inputs(fields, served_model=st.served_model_name, model_aliases=st.model_aliases,
-                                has_sound=st.client.has_sound, default_flow_shift=st.default_flow_shift,
+                                has_sound=st.client.has_sound, defaults=st.video_defaults,
                                 fetcher=st.media)  # fmt: skip
     await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
     try:

@@ -206,7 +206,8 @@ def _serve(
     metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
     engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=server_cfg.job_ttl)
     client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
-                          job_ttl_s=server_cfg.job_ttl, chat_backend=chat_backend,
+                          job_ttl_s=server_cfg.job_ttl, sweep_interval_s=server_cfg.job_sweep_interval,
+                          chat_backend=chat_backend,
                           max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
     http_args, middlewares = http or (argparse.Namespace(), [])
     app = build_app(client, metrics=metrics, **app_options(config),
@@ -253,7 +254,8 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         mm_limits=dict(server.limit_mm_per_prompt or ()),
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
-        default_flow_shift=server.flow_shift, reasoning_parser=server.reasoning_parser,
+        default_flow_shift=server.flow_shift, video_defaults=server.video_defaults,
+        reasoning_parser=server.reasoning_parser,
         prompt_tokens_details=server.enable_prompt_tokens_details,
         responses_store_bytes=int(server.responses_store_mb * 2**20),
     )  # fmt: skip

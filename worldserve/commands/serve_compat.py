@@ -72,22 +72,6 @@ def _guardrails_off_only(overrides: dict[str, Any]) -> bool:
     return True
 
 
-SAMPLING_DEFAULTS = ("width", "height", "num_frames", "fps", "num_inference_steps", "guidance_scale",
-                     "flow_shift", "seed", "max_sequence_length")  # fmt: skip
-"""The VideoParams fields --default-sampling-params may restate."""
-
-
-def _model_defaults_only(stages: dict[str, Any]) -> bool:
-    """--default-sampling-params whose every stage entry only restates VideoParams' defaults."""
-    from worldserve.params import VideoParams
-
-    defaults = {f: getattr(VideoParams(prompt="x"), f) for f in SAMPLING_DEFAULTS}
-    return all(
-        isinstance(entry, dict) and all(k in defaults and defaults[k] == v for k, v in entry.items())
-        for entry in stages.values() if entry is not None
-    )  # fmt: skip
-
-
 @dataclass(frozen=True, slots=True)
 class CompatFlag:
     """One vLLM / vLLM-Omni flag that worldserve accepts (possibly only at some values) without an effect."""
@@ -172,10 +156,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--kv-cache-dtype", "auto is the model's dtype", {"metavar": "DTYPE"}, lambda v: v == "auto", "only at auto",
       "the Reasoner's K/V cache is in the model's dtype (--dtype); size it with --kv-cache-memory-bytes"),
     # sampling, execution and observability
-    C("--default-sampling-params", "the values given are worldserve's own defaults", JSON, _model_defaults_only,
-      "only with values equal to the Cosmos3 defaults (e.g. {\"0\": {\"num_inference_steps\": 35}})",
-      "worldserve has no server-side sampling defaults: fields a request omits take the Cosmos3 defaults (1280x720, "
-      "189 frames, 24 fps, 35 steps, guidance 6.0, seed 42); send other values per request"),
     C("--diffusion-batch-size", "same-shape requests denoise together up to --max-batch-size{max_batch_size}",
       {"type": POSITIVE_INT}),
     C("--boundary-ratio", "", {"type": FLOAT}, NEVER, "never",

@@ -75,6 +75,7 @@ class EngineClient:
         model_name: str,
         max_queued_requests: int,
         job_ttl_s: float | None = None,
+        sweep_interval_s: float | None = None,
         chat_backend: ChatBackend | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         upsampler: UpsamplerConfig | None = None,
@@ -87,6 +88,7 @@ class EngineClient:
         self.model_name = model_name
         self.max_queued_requests = max_queued_requests
         self.job_ttl_s = job_ttl_s
+        self.sweep_interval_s = sweep_interval_s  # None: half the TTL, at most SWEEP_PERIOD_MAX_S
         self.accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, list[asyncio.Future]] = defaultdict(list)
@@ -208,7 +210,7 @@ class EngineClient:
         self.store.fail(job_id, 500, message, completed_at=time.time(), ttl_s=self.job_ttl_s)
 
     async def _sweep_forever(self) -> None:
-        period = min(SWEEP_PERIOD_MAX_S, max(0.05, self.job_ttl_s / 2))
+        period = self.sweep_interval_s or min(SWEEP_PERIOD_MAX_S, max(0.05, self.job_ttl_s / 2))
         while True:
             await asyncio.sleep(period)
             try:  # off the loop, in batches (100k expired jobs took the loop for 39 s); finished jobs: no abort
