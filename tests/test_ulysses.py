@@ -25,19 +25,6 @@ def _init(rank: int, port: int):
     return comm.init_world("gloo", f"tcp://127.0.0.1:{port}", rank, WORLD, 60.0)
 
 
-def _alltoall_rank(rank: int, port: int, out_dir: str) -> None:
-    from worldserve.parallel import comm, ulysses
-
-    sp = _init(rank, port)
-    full = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(6, 4, 3)  # [N, H, D], same on every rank
-    mine = ulysses.shard(full, sp)  # my tokens, all heads
-    heads = ulysses.seq_to_heads(mine, sp)  # all tokens, my heads
-    back = ulysses.heads_to_seq(heads, sp)
-    gathered = ulysses.gather(mine, 5, sp)
-    torch.save({"heads": heads, "back": back, "mine": mine, "gathered": gathered}, f"{out_dir}/r{rank}.pt")
-    comm.destroy_world()
-
-
 def _inputs(model):
     """The same GenBatch on every rank: a CFG pair (sound on one branch only) and an I2V item."""
     from worldserve.models.cosmos3.batch import GenBatch, GenItem
@@ -55,42 +42,55 @@ def _inputs(model):
     return GenBatch.pack(items, config=model.config, device="cpu")
 
 
-def _forward_rank(rank: int, port: int, ckpt: str, out_dir: str) -> None:
-    from worldserve.parallel import comm
+def _rank(rank: int, port: int, ckpt: str, out_dir: str) -> None:
+    """One rank of both checks (one spawn for the module: a spawned process spends seconds importing torch):
+    the all-to-alls on a known tensor, then the sharded forward."""
+    from worldserve.parallel import comm, ulysses
     from worldserve.weights.loader import load_transformer
 
     sp = _init(rank, port)
+    full = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(6, 4, 3)  # [N, H, D], same on every rank
+    mine = ulysses.shard(full, sp)  # my tokens, all heads
+    heads = ulysses.seq_to_heads(mine, sp)  # all tokens, my heads
+    back = ulysses.heads_to_seq(heads, sp)
+    gathered = ulysses.gather(mine, 5, sp)
+    torch.save(
+        {"heads": heads, "back": back, "mine": mine, "gathered": gathered}, f"{out_dir}/a2a-r{rank}.pt"
+    )
     model = load_transformer(ckpt, dtype=torch.float32, progress=False)
     out = model(_inputs(model), sp)
-    torch.save({"video": list(out.video), "sound": list(out.sound)}, f"{out_dir}/r{rank}.pt")
+    torch.save({"video": list(out.video), "sound": list(out.sound)}, f"{out_dir}/forward-r{rank}.pt")
     comm.destroy_world()
 
 
-def _spawn(fn, *args) -> None:
-    mp.start_processes(fn, args=(_port(), *args), nprocs=WORLD, start_method="spawn", join=True)
+@pytest.fixture(scope="module")
+def ranks(tiny_ckpt, tmp_path_factory):
+    """The folder of what the WORLD spawned ranks saved (`_rank`)."""
+    out = tmp_path_factory.mktemp("ulysses")
+    mp.start_processes(_rank, args=(_port(), str(tiny_ckpt), str(out)), nprocs=WORLD, start_method="spawn",
+                       join=True)  # fmt: skip
+    return out
 
 
-def test_all_to_all_moves_the_right_blocks(tmp_path):
-    _spawn(_alltoall_rank, str(tmp_path))
+def test_all_to_all_moves_the_right_blocks(ranks):
     full = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(6, 4, 3)
     for rank in range(WORLD):
-        r = torch.load(tmp_path / f"r{rank}.pt")
+        r = torch.load(ranks / f"a2a-r{rank}.pt")
         assert torch.equal(r["mine"], full[3 * rank : 3 * rank + 3])
         assert torch.equal(r["heads"], full[:, 2 * rank : 2 * rank + 2])  # all tokens, my 2 of 4 heads
         assert torch.equal(r["back"], r["mine"])
         assert torch.equal(r["gathered"], full[:5])
 
 
-def test_sharded_forward_matches_one_rank(tmp_path, tiny_ckpt):
+def test_sharded_forward_matches_one_rank(ranks, tiny_ckpt):
     from worldserve.weights.loader import load_transformer
 
     model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
     batch = _inputs(model)
     assert batch.positions.shape[1] % WORLD == 1  # odd: the last rank's block is padded
     ref = model(batch)
-    _spawn(_forward_rank, str(tiny_ckpt), str(tmp_path))
     for rank in range(WORLD):
-        r = torch.load(tmp_path / f"r{rank}.pt")
+        r = torch.load(ranks / f"forward-r{rank}.pt")
         for a, b in zip(r["video"], ref.video, strict=True):
             assert float((a - b).norm() / b.norm()) < 1e-5
         assert r["sound"][1] is None and r["sound"][2] is None
