@@ -62,9 +62,14 @@ async def test_sync_i2v_and_batched_pair_on_the_tiny_checkpoint(tmp_path, pipeli
 async def test_model_validation_reaches_the_client(tmp_path, pipeline):
     async with asgi_server(tmp_path, backend=pipeline) as http:
         r = await http.post("/v1/videos", data={"prompt": "x " * 50, **TINY, "max_sequence_length": "4"})
-        assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "max_sequence_length"), (
-            r.text
-        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = await http.post("/v1/videos", data={"prompt": "x " * 50, **TINY, "max_sequence_length": "512",
+                                                "negative_prompt": "y " * 600})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "negative_prompt", r.text
+        # a cap set for the prompt (NVIDIA's README: 512) does not refuse the default negative prompt
+        r = await http.post("/v1/videos", data={"prompt": "x " * 50, **TINY, "max_sequence_length": "512"})
+        assert r.status_code == 200, r.text
+        assert (await poll_job(http, r.json()["id"], timeout=60))["status"] == "completed"
         r = await http.post(
             "/v1/videos", data={"prompt": "x", **TINY, "num_frames": "1", "generate_sound": "true"}
         )

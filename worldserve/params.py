@@ -116,7 +116,8 @@ class VideoParams:
     generate_sound: bool | None = None
     """None: on when the checkpoint has a sound tokenizer."""
     max_sequence_length: int = 4096
-    """Cap on prompt tokens (after templating); longer prompts are an error."""
+    """Cap on the prompt's tokens after templating (and a given negative prompt's; not the default one); longer
+    ones are an error."""
     image: np.ndarray | None = None
     """Image-to-video conditioning frame, uint8 (H, W, 3), any size (resized and centre-cropped)."""
     video: np.ndarray | None = None

@@ -305,9 +305,11 @@ class PromptEncoder:
     ) -> tuple[list[int], list[int] | None]:
         """(cond_ids, uncond_ids) for a request; uncond is None when `with_uncond` is False (no CFG).
 
-        Raises ParamError when a branch is longer than `params.max_sequence_length` tokens: param "prompt"
-        for the prompt, "negative_prompt" for a given negative prompt, "max_sequence_length" when the
-        default negative prompt itself does not fit.
+        Raises ParamError when a text the request sent is longer than `params.max_sequence_length` tokens:
+        param "prompt" for the prompt, "negative_prompt" for its negative prompt. The default negative prompt
+        (~3k tokens with Qwen's tokenizer) is the server's own text and not capped: a request that lowers
+        max_sequence_length for its prompt (NVIDIA's README suggests 512) is not refused for a text it never
+        sent (vLLM-Omni's default negative is "", and NVIDIA's reference caps nothing).
         """
         texts = format_prompts(params)
         is_image = params.num_frames == 1
@@ -325,17 +327,14 @@ class PromptEncoder:
             )
         if not with_uncond:
             return cond, None
-        if params.negative_prompt is not None:
-            self._check_bytes(texts.uncond, limit, "negative_prompt", "negative_prompt")
-        else:
-            self._check_bytes(texts.uncond, limit, "the default negative prompt", "max_sequence_length")
+        if params.negative_prompt is None:  # the server's own text, never cut nor refused (see the docstring)
+            return cond, list(self._encode_cached(texts.uncond, is_image=is_image, system=system))
+        self._check_bytes(texts.uncond, limit, "negative_prompt", "negative_prompt")
         uncond = list(self._encode_cached(texts.uncond, is_image=is_image, system=system))
         if len(uncond) > limit:
-            user_given = params.negative_prompt is not None
             raise ParamError(
-                "negative_prompt" if user_given else "max_sequence_length",
-                f"{'negative_prompt' if user_given else 'the default negative prompt'} is {len(uncond)} tokens "
-                f"after templating{with_system}, above max_sequence_length={limit}; pass a shorter negative_prompt "
-                "or raise max_sequence_length",
+                "negative_prompt",
+                f"negative_prompt is {len(uncond)} tokens after templating{with_system}, above "
+                f"max_sequence_length={limit}; pass a shorter negative_prompt or raise max_sequence_length",
             )
         return cond, uncond
