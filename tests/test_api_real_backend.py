@@ -59,6 +59,25 @@ async def test_sync_i2v_and_batched_pair_on_the_tiny_checkpoint(tmp_path, pipeli
         assert contents[0] != contents[1]
 
 
+async def test_sound_duration_trims_or_pads_the_jointly_generated_sound(tmp_path, pipeline):
+    """vLLM-Omni's sound_duration: the sound is generated as long as the clip (5 frames at 8 fps: 0.625 s), then
+    its waveform cut or padded with silence to the duration asked for; the video is unchanged."""
+    from media_probe import probe_mp4
+
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True) as http:
+        clips = {}
+        for name, extra in (("clip", {}), ("short", {"sound_duration": "0.25"}),
+                            ("long", {"extra_params": '{"audio_duration": 2}'})):  # fmt: skip
+            r = await http.post("/v1/videos/sync", data={"prompt": "a cat", **TINY, "seed": "3", **extra})
+            assert r.status_code == 200, r.text
+            clips[name] = probe_mp4(r.content, decode=True)
+    for name, seconds in (("clip", 0.625), ("short", 0.25), ("long", 2.0)):
+        p = clips[name]
+        assert abs(p.audio_duration - seconds) <= 1e-3 and abs(p.video_duration - 0.625) <= 1e-3, name
+        assert p.num_frames == 5 and p.audio_codec == "aac"
+    assert clips["short"].frames.tobytes() == clips["clip"].frames.tobytes() == clips["long"].frames.tobytes()
+
+
 async def test_model_validation_reaches_the_client(tmp_path, pipeline):
     async with asgi_server(tmp_path, backend=pipeline) as http:
         r = await http.post("/v1/videos", data={"prompt": "x " * 50, **TINY, "max_sequence_length": "4"})

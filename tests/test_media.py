@@ -127,10 +127,13 @@ def test_mp4_without_audio_and_single_frame():
 
 
 @pytest.mark.parametrize("extra", [-5000, 0, 1919, 7000])
-def test_mp4_audio_is_fitted_to_video_duration(extra):
+def test_mp4_audio_keeps_its_own_length(extra):
+    """The muxer keeps the track as long as it is (the pipeline fits it: the clip's length, or the request's
+    sound_duration), shorter or longer than the video."""
     n = audio_num_samples(9, 24.0, SR)
-    p = probe_mp4(encode_mp4(_frames(9), 24.0, _sine(n + extra)))
-    assert abs(p.audio_duration - 9 / 24) <= 1e-3
+    p = probe_mp4(encode_mp4(_frames(9), 24.0, _sine(n + extra)), decode=True)
+    assert abs(p.audio_duration - (n + extra) / SR) <= 1e-3 and abs(p.video_duration - 9 / 24) <= 1e-3
+    assert n + extra <= p.audio_samples_decoded < n + extra + 1024
 
 
 def test_mp4_mono_audio():

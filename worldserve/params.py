@@ -140,6 +140,9 @@ class VideoParams:
     """Prepend the reference's system message (`system_prompt` replaces its text) to both branches."""
     system_prompt: str | None = None
     """A system message of your own (implies `use_system_prompt`)."""
+    sound_duration: float | None = None
+    """Seconds of audio in the MP4 (vLLM-Omni's `sound_duration`): the sound is generated jointly with the
+    video, as long as the clip, then its waveform trimmed or zero-padded to this; None: the clip's length."""
 
     @property
     def latent_frames(self) -> int:
@@ -189,6 +192,11 @@ class VideoParams:
             raise ParamError("system_prompt", "system_prompt must be a string")
         if not 1 <= self.max_sequence_length <= 131072:
             raise ParamError("max_sequence_length", "max_sequence_length must be in [1, 131072]")
+        if self.sound_duration is not None and not (
+            math.isfinite(self.sound_duration) and 1 / self.fps <= self.sound_duration <= MAX_SECONDS
+        ):
+            raise ParamError("sound_duration", f"sound_duration={self.sound_duration:g} must be in "
+                             f"[1 / fps, {MAX_SECONDS}] seconds ({1 / self.fps:.4g} at fps {self.fps:g})")  # fmt: skip
         if self.image is not None:
             img = self.image
             if not (

@@ -68,6 +68,11 @@ def resolve_video_params(
         del kw["guidance_scale"]  # Cosmos3 takes a scale of 0 as "not given": 6.0
     if extra.sound_gen is not None and extra.generate_sound is None:
         kw["generate_sound"] = extra.sound_gen
+    for name, value in (("sound_duration", req.sound_duration), ("extra_params.sound_duration",
+                        extra.sound_duration), ("extra_params.audio_duration", extra.audio_duration)):  # fmt: skip
+        if value is not None:  # (the top level first, as vLLM-Omni reads them)
+            kw["sound_duration"], origin["sound_duration"] = value, name
+            break
     for name, value in defaults.items():  # the size, fps and frames: below, where the request's are resolved
         if name not in ("width", "height", "fps", "num_frames"):
             kw.setdefault(name, value)

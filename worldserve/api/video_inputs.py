@@ -134,16 +134,6 @@ async def build_inputs(
     if reference is not None:
         image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
     params = resolve_video_params(req, video_params, extra, image, video, source, defaults)
-    sound = params.generate_sound if params.generate_sound is not None else has_sound
-    field, duration = next(
-        ((f, d) for f, d in (("sound_duration", req.sound_duration), ("extra_params.sound_duration",
-         extra.sound_duration), ("extra_params.audio_duration", extra.audio_duration)) if d),
-        (None, None),
-    )  # fmt: skip
-    if sound and duration is not None and abs(duration - params.num_frames / params.fps) > 1 / params.fps:
-        # Cosmos3 generates the audio jointly with the video: its latent length is the clip's (num_frames / fps)
-        raise ParamError(field, f"{field} must equal num_frames / fps ({params.num_frames / params.fps:.3f} s): "
-                         "Cosmos3 generates the sound jointly with the video, as long as the clip")  # fmt: skip
     seconds = req.seconds or str(max(1, round(params.num_frames / params.fps)))
     spec = JobSpec(model=served_model, prompt=params.prompt, size=f"{params.width}x{params.height}",
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,

@@ -1,8 +1,9 @@
 """Audio track of the output MP4: float waveform (channels, samples) -> AAC packets in an open container.
 
-Input is float32 (C, N) in [-1, 1] with C = 1 (mono) or 2 (stereo; Cosmos3 is 48 kHz stereo). The track is
-fitted to the video's duration (`audio_num_samples`, the cosmos-framework length `int(frames/fps*rate)`):
-longer audio is trimmed, shorter audio padded with silence. Packets are written in time order as the video
+Input is float32 (C, N) in [-1, 1] with C = 1 (mono) or 2 (stereo; Cosmos3 is 48 kHz stereo), muxed at its
+own length: the pipeline decodes it to the video's duration (`audio_num_samples`, the cosmos-framework length
+`int(frames/fps*rate)`) or to a request's sound_duration (`fit_audio`: longer audio trimmed, shorter audio
+padded with silence). Packets are written in time order as the video
 advances (`AacTrack.write_until`) so the file is interleaved. The first audio frame has pts 0; the AAC
 encoder's priming delay goes into the MP4 edit list, so players do not hear it as leading silence
 (serving-api.md §4.4 "Output encoding").
@@ -27,12 +28,14 @@ def audio_num_samples(num_frames: int, fps: float, sample_rate: int) -> int:
     return int(num_frames / float(fps) * sample_rate)
 
 
-def fit_audio(audio: np.ndarray, num_samples: int) -> np.ndarray:
-    """float (C, N) -> contiguous float32 (C, num_samples) in [-1, 1] (NaN -> 0): trimmed or zero-padded at the end."""
+def fit_audio(audio: np.ndarray, num_samples: int | None = None) -> np.ndarray:
+    """float (C, N) -> contiguous float32 (C, num_samples) in [-1, 1] (NaN -> 0): trimmed or zero-padded at the
+    end (num_samples None: N, its own length)."""
     if audio.ndim != 2 or audio.shape[0] not in CHANNEL_LAYOUTS:
         raise ValueError(f"audio must be (channels, samples) with 1 or 2 channels, got shape {audio.shape}")
     if not np.issubdtype(audio.dtype, np.floating):
         raise ValueError(f"audio must be floating point in [-1, 1], got {audio.dtype}")
+    num_samples = audio.shape[1] if num_samples is None else num_samples
     out = np.zeros((audio.shape[0], num_samples), dtype=np.float32)
     n = min(num_samples, audio.shape[1])
     np.clip(audio[:, :n], -1.0, 1.0, out=out[:, :n], casting="same_kind")

@@ -29,7 +29,7 @@ import av
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
-from worldserve.media.audio import AacTrack, audio_num_samples, fit_audio
+from worldserve.media.audio import AacTrack, fit_audio
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority
 from worldserve.params import ParamError
 
@@ -208,16 +208,17 @@ def encode_mp4(
     """Encode uint8 (F, H, W, 3) frames, and optionally float32 (C, N) audio, into MP4 bytes.
 
     `frames` may be a `FrameStream` whose chunks arrive while this runs (the same bytes as its frames in
-    one array). The audio is trimmed or zero-padded to `int(F / fps * sample_rate)` samples (the video
-    duration). Raises ParamError for bad `codec_options`, ValueError for malformed frames or audio.
+    one array). The audio is muxed at its own length (the pipeline decodes it to the clip's duration,
+    `audio_num_samples`, or to the request's sound_duration), NaN as silence and clipped to [-1, 1]. Raises
+    ParamError for bad `codec_options`, ValueError for malformed frames or audio.
     """
     stream = frames if isinstance(frames, FrameStream) else FrameStream.of(frames)
     _check_size(stream)
     options = h264_options(codec_options, crf)
     rate = frame_rate(fps)
-    num_frames, height, width = stream.num_frames, stream.height, stream.width
+    height, width = stream.height, stream.width
     if audio is not None:
-        audio = fit_audio(audio, audio_num_samples(num_frames, float(fps), sample_rate))
+        audio = fit_audio(audio)
 
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as container:
