@@ -10,7 +10,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_helpers import asgi_server, mp4_bytes, png_bytes, uvicorn_thread
+from serving_helpers import asgi_server, mp4_bytes, png_bytes, poll_job, uvicorn_thread
 
 pytestmark = pytest.mark.anyio
 MISSING_PROMPT = "{'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', 'input': None}"
@@ -113,8 +113,12 @@ CASES = [
      "video-to-video needs num_frames > 1"),
     ("extra guidance_interval", {**OK, "extra_params": '{"guidance_interval": [5, 1]}'}, 400,
      "extra_params.guidance_interval", "0 <= lo <= hi <= 1000"),
+    ("extra_params deep JSON text", {**OK, "extra_params": '{"a": ' * 300 + "1" + "}" * 300}, 400, "extra_params",
+     "nested deeper than"),
     ("extra flow_shift", {**OK, "extra_params": '{"flow_shift": 1000}'}, 400, "extra_params.flow_shift",
-     "must be in (0, 100]"),
+     "must be in [0.001, 100]"),
+    # a denormal shift underflows the schedule's sigmas to 0: it was accepted, then failed the job
+    ("flow_shift denormal", {**OK, "flow_shift": "5e-324"}, 400, "flow_shift", "must be in [0.001, 100]"),
     ("extra max_sequence_length", {**OK, "extra_params": '{"max_sequence_length": 200000}'}, 400,
      "extra_params.max_sequence_length", "[1, 131072]"),
     ("condition index negative, T2V", {**OK, "extra_params": '{"condition_frame_indexes_vision": [-1]}'}, 400,
@@ -158,6 +162,8 @@ JSON_CASES = [
      '{"prompt": "x", "size": "32x32", "true_cfg_scale": -Infinity}', "true_cfg_scale"),
     ("image extra flow_shift", "/v1/images/generations",
      '{"prompt": "x", "size": "32x32", "extra_params": {"flow_shift": 1000}}', "extra_params.flow_shift"),
+    ("image flow_shift denormal", "/v1/images/generations",
+     '{"prompt": "x", "size": "32x32", "flow_shift": 5e-324}', "flow_shift"),
     ("image extra guidance_interval", "/v1/images/generations",
      '{"prompt": "x", "size": "32x32", "extra_params": {"guidance_interval": [5, 1]}}',
      "extra_params.guidance_interval"),
@@ -212,6 +218,48 @@ async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
             "Request Entity Too Large",
             "Content Too Large",
         )
+
+
+def _multipart(*parts: tuple[str, bytes], boundary: bytes = b"XyZ", close: bool = True) -> bytes:
+    """A multipart/form-data body of (name, value) text parts, with or without its closing boundary."""
+    body = b"".join(b"--%s\r\nContent-Disposition: form-data; name=\"%s\"\r\n\r\n%s\r\n"
+                    % (boundary, name.encode(), value) for name, value in parts)  # fmt: skip
+    return body + (b"--%s--\r\n" % boundary if close else b"")
+
+
+async def test_cut_form_bodies_and_bad_form_text_are_400s(tmp_path):
+    """The fuzzer's finds: a multipart body cut before its closing boundary ran a job with the defaults of the
+    fields it lost (189 frames, 35 steps; a cut upload ran text-to-video), and form text that is not UTF-8
+    became other characters; each is now a 400 (the field named where there is one)."""
+    multipart = {"Content-Type": "multipart/form-data; boundary=XyZ"}
+    urlencoded = {"Content-Type": "application/x-www-form-urlencoded"}
+    fields = [(k, v.encode()) for k, v in OK.items()]
+    accepted = []
+    async with asgi_server(tmp_path) as http:
+        cut = _multipart(*fields, close=False) + b'--XyZ\r\nContent-Disposition: form-data; name="num_fr'
+        for body in (cut, _multipart(*fields, close=False)):
+            r = await http.post("/v1/videos", content=body, headers=multipart)
+            assert r.status_code == 400 and "closing boundary" in r.json()["error"]["message"], r.text
+        upload = _multipart(*fields, close=False) + (
+            b'--XyZ\r\nContent-Disposition: form-data; name="input_reference"; filename="a.png"\r\n'
+            b"Content-Type: image/png\r\n\r\n" + png_bytes()[:40]
+        )
+        r = await http.post("/v1/videos", content=upload, headers=multipart)
+        assert r.status_code == 400 and "closing boundary" in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/videos", content=_multipart(*fields) + b"an epilogue", headers=multipart)
+        assert r.status_code == 200, r.text  # RFC 2046: text after the closing boundary is ignored
+        accepted.append(r.json())
+        bad = _multipart(*fields[1:], ("prompt", b"\xff\xfe fox"))
+        r = await http.post("/v1/videos", content=bad, headers=multipart)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = await http.post("/v1/videos", content=b"prompt=%ff%fe&size=64x48", headers=urlencoded)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        good = b"prompt=caf%C3%A9+au+lait&size=64x48&num_frames=5&num_inference_steps=1"
+        r = await http.post("/v1/videos", content=good, headers=urlencoded)
+        assert r.status_code == 200 and r.json()["prompt"] == "café au lait", r.text
+        accepted.append(r.json())
+        for job in accepted:
+            assert (await poll_job(http, job["id"]))["status"] == "completed"
 
 
 async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_path):

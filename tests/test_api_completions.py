@@ -297,6 +297,15 @@ def test_tokenize_counts_past_the_context(reasoner_url):
     for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
         r = httpx.post(reasoner_url + "/tokenize", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["count"] > r.json()["max_model_len"] == 4096, r.text
+    # a text whose byte size alone shows it cannot fit the context however it tokenizes: a 400 before the
+    # tokenizer runs (megabytes took minutes and gigabytes)
+    huge = "hello " * 2_000_000  # 12 MB
+    for body, param in (
+        ({"prompt": huge}, "prompt"),
+        ({"messages": [{"role": "user", "content": huge}]}, "messages"),
+    ):
+        r = httpx.post(reasoner_url + "/tokenize", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
 
 
 def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, reasoner):

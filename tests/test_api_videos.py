@@ -243,6 +243,16 @@ async def test_video_to_video_upload_extra_params_and_data_url(tmp_path):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "input_reference"
         assert err["message"] == "Invalid input_reference: provided content is not a valid image or video."
+        # FFmpeg demuxes an SVG but has no decoder for it (no codec context): a 400 too, upload or data URL
+        svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>'
+        r = await http.post("/v1/videos", data={"prompt": "x", **small},
+                            files={"input_reference": ("a.svg", svg, "image/svg+xml")})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
+        url = "data:video/mp4;base64," + base64.b64encode(svg).decode()
+        r = await http.post(
+            "/v1/videos", json={"prompt": "x", **small, "video_reference": {"video_url": url}}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "video_reference", r.text
     first, last, json_ref = backend.params
     assert first.image is None and first.video.shape == (5, 16, 32, 3)
     assert first.condition_frame_indexes == (0, 1) and first.condition_video_keep == "first"

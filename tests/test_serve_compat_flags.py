@@ -207,9 +207,9 @@ async def test_request_id_headers_flag(tmp_path, monkeypatch):
         assert sync.status_code == 200 and sync.headers["x-request-id"].startswith("video_sync-")
 
 
-@pytest.mark.parametrize("value", ["0", "nan", "101"])
+@pytest.mark.parametrize("value", ["0", "nan", "101", "1e-12"])
 def test_flow_shift_out_of_range_is_refused(value):
-    """--flow-shift is a real server default: (0, 100] like a request's flow_shift."""
+    """--flow-shift is a real server default: [0.001, 100] like a request's flow_shift."""
     with pytest.raises(ValueError, match="--flow-shift"):
         config("--flow-shift", value)
 

@@ -286,10 +286,11 @@ class ServerConfig:
             raise ValueError("--responses-store-mb must be >= 0")
         if self.job_ttl is not None:
             check_seconds("--job-ttl", self.job_ttl, zero=False)
-        if self.flow_shift is not None and not (
-            math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100
-        ):
-            raise ValueError(f"--flow-shift must be in (0, 100], got {self.flow_shift}")
+        if self.flow_shift is not None:
+            from worldserve.params import FLOW_SHIFT_RANGE, flow_shift_ok
+
+            if not flow_shift_ok(self.flow_shift):
+                raise ValueError(f"--flow-shift must be in {FLOW_SHIFT_RANGE}, got {self.flow_shift}")
         if self.default_sampling_params:
             from worldserve.params import ParamError, VideoParams
 

@@ -34,6 +34,17 @@ IMAGE_MAX_AREA = 1024 * 1024
 """Images (num_frames 1) may go up to 1024x1024, vLLM-Omni's Cosmos3 text-to-image default (above the 720p area)."""
 
 
+MIN_FLOW_SHIFT, MAX_FLOW_SHIFT = 1e-3, 100.0
+"""The flow shifts taken (Cosmos3 uses 3-10; below ~1e-11 the shifted float32 sigmas underflow to 0 and no
+schedule exists, which failed a job after it was accepted)."""
+FLOW_SHIFT_RANGE = f"[{MIN_FLOW_SHIFT:g}, {MAX_FLOW_SHIFT:g}]"
+
+
+def flow_shift_ok(value: float) -> bool:
+    """Whether `value` is a flow shift in [MIN_FLOW_SHIFT, MAX_FLOW_SHIFT] (a request's, or --flow-shift)."""
+    return math.isfinite(value) and MIN_FLOW_SHIFT <= value <= MAX_FLOW_SHIFT
+
+
 class ParamError(ValueError):
     """A request parameter is invalid. `param` names the field, as in the OpenAI error JSON."""
 
@@ -176,10 +187,8 @@ class VideoParams:
             )
         if not (math.isfinite(self.guidance_scale) and 0 <= self.guidance_scale <= 20):
             raise ParamError("guidance_scale", f"guidance_scale={self.guidance_scale} must be in [0, 20]")
-        if self.flow_shift is not None and not (
-            math.isfinite(self.flow_shift) and 0 < self.flow_shift <= 100
-        ):
-            raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in (0, 100]")
+        if self.flow_shift is not None and not flow_shift_ok(self.flow_shift):
+            raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in {FLOW_SHIFT_RANGE}")
         if not -(2**63) <= self.seed < 2**63:
             raise ParamError("seed", f"seed={self.seed} must be in [-2**63, 2**63) (int64)")
         if self.guidance_interval is not None:

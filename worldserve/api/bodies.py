@@ -1,5 +1,8 @@
-"""Request-body readers shared by the routes: a size-bounded stream (413 past `--max-upload-mb`) and the JSON
-object of the JSON-only routes (chat completions, image generations; vLLM's `validate_json_request`)."""
+"""Request-body readers shared by the routes: a size-bounded stream (413 past `--max-upload-mb`), the JSON
+object of the JSON-only routes (chat completions, image generations; vLLM's `validate_json_request`), and
+the strict form parsers of the video routes (`FormParts`: a multipart body must close with its final
+boundary, and form text must be UTF-8; Starlette's parsers drop an unfinished last part and turn bad bytes
+into other characters, so a cut body ran a job with the defaults of the fields it lost)."""
 
 from __future__ import annotations
 
@@ -8,10 +11,15 @@ import re
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
+from starlette.formparsers import MultiPartParser
 from starlette.requests import Request
 
 from worldserve.api.errors import APIError
+
+MAX_FORM_FIELDS = 200
+"""Form fields (and files) a video request may carry."""
 
 
 def too_large(max_bytes: int) -> APIError:
@@ -133,3 +141,52 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object")
     return data
+
+
+class FormParts(MultiPartParser):
+    """Starlette's multipart parser, strict: a text part that is not UTF-8 (or the body's `_charset_`) is a 400
+    naming it, and `parse()` is a 400 when the body ends before its closing `--boundary--` (a cut upload or a
+    cut field would otherwise be dropped in silence)."""
+
+    closed = False
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            _form_text(bytes(part.data), part.field_name, self._charset)
+        super().on_part_end()
+
+    def on_end(self) -> None:
+        self.closed = True
+        super().on_end()
+
+    async def parse(self):  # -> FormData
+        form = await super().parse()
+        if not self.closed:
+            await form.close()
+            raise APIError(
+                400, "Invalid form body: it ends before the closing boundary (a truncated upload?)."
+            )
+        return form
+
+
+def parse_urlencoded(body: bytes) -> dict[str, str]:
+    """An application/x-www-form-urlencoded body's fields (the last of a repeated name wins, as Starlette's
+    form does); a value that is not UTF-8 once unquoted is a 400 naming its field."""
+    pairs = [pair for pair in body.split(b"&") if pair]
+    if len(pairs) > MAX_FORM_FIELDS:
+        raise APIError(400, f"Too many fields. Maximum number of fields is {MAX_FORM_FIELDS}.")
+    fields = {}
+    for pair in pairs:
+        raw_name, _, raw_value = pair.partition(b"=")
+        name = _form_text(unquote_to_bytes(raw_name.replace(b"+", b" ")), "")
+        fields[name] = _form_text(unquote_to_bytes(raw_value.replace(b"+", b" ")), name)
+    return fields
+
+
+def _form_text(data: bytes, field: str, charset: str = "utf-8") -> str:
+    try:
+        return data.decode(charset)
+    except (UnicodeDecodeError, LookupError):
+        raise APIError(400, f"{field or 'a field name'}: the form value is not valid {charset} text.",
+                       param=field or None) from None  # fmt: skip

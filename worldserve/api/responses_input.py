@@ -199,7 +199,7 @@ def _content(content: str | list[InputPart] | None, where: str) -> str | list[di
                 if p.file_id is not None
                 else f"{p.type} parts"
                 if p.type in ("input_file", "input_audio")
-                else "a part without its URL"
+                else "parts without their URL"
             )
             raise APIError(400, f"{what} are not supported: send images as image_url (a data: or http(s) URL)",
                            param=f"{where}.content[{j}]")  # fmt: skip

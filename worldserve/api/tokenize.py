@@ -7,7 +7,9 @@ tokenizes the text as /v1/completions does. The chat form `{"messages", "add_gen
 and the Reasoner's ChatPromptBuilder, so its `count` is the `prompt_tokens` a chat completion of the same
 messages reports, image and video placeholders expanded. Answer: `{"count", "max_model_len", "tokens",
 "token_strs"}`. Neither form checks the context: a text past max_model_len is counted, as vLLM's /tokenize
-counts it (the upload limit bounds the work). /detokenize `{"tokens": [...]}` answers `{"prompt": text}` (special tokens kept); an id
+counts it, unless its byte size alone shows no tokenization could fit it in max_model_len tokens (prompt.py
+TextSizeBound, ~30x the context in real tokens): that is a 400 before tokenizing (a 40 MB prompt took minutes
+and gigabytes of memory, and went on after its client left). /detokenize `{"tokens": [...]}` answers `{"prompt": text}` (special tokens kept); an id
 outside the vocabulary is a 400 naming `tokens`. A `model` other than the served name is a 404 as in chat; a
 server without the Reasoner answers these routes as chat answers then (400). Tokenizer and media work runs in
 a worker thread, off the event loop. `reasoner_prompts` is the Reasoner access /v1/completions shares.
@@ -68,14 +70,15 @@ def openapi_body(*models) -> dict:
 
 def _tokenize_chat(
     st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes],
-    options: RequestOptions,
+    options: RequestOptions, max_tokens: int,
 ) -> list[int]:  # fmt: skip
     """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
-    `fetched`; its `options` checked) through the Reasoner's builder."""
+    `fetched`; its `options` checked) through the Reasoner's builder (texts too big for `max_tokens` refused
+    before tokenizing)."""
     params = build_params(
         chat, st.allowed_local_media_path, fetched, options, getattr(prompts, "media_cache", None)
     )
-    prompt = prompts.build(params, add_special_tokens=body.add_special_tokens)
+    prompt = prompts.build(params, add_special_tokens=body.add_special_tokens, max_tokens=max_tokens)
     return prompt.input_ids
 
 
@@ -94,9 +97,11 @@ async def tokenize(request: Request, st: State):
 
     def encode() -> tuple[list[int], list[str] | None]:  # in a worker thread: long prompts take seconds
         if chat:
-            ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options)
+            ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options, max_model_len)
         else:
-            ids = prompts.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = prompts.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens, max_tokens=max_model_len
+            )
         return ids, prompts.token_strs(ids) if body.return_token_strs else None
 
     fetched: dict[str, bytes] = {}

@@ -23,10 +23,18 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
-from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
-from worldserve.api.bodies import bounded_stream, check_unicode, parse_json
+from worldserve.api.bodies import (
+    MAX_FORM_FIELDS,
+    FormParts,
+    bounded_stream,
+    check_depth,
+    check_unicode,
+    parse_json,
+    parse_urlencoded,
+)
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.media_urls import MediaFetcher, is_http_url
@@ -65,11 +73,11 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     stream = bounded_stream(request, max_bytes)
     try:
         if ctype == "multipart/form-data":
-            form = await MultiPartParser(
-                request.headers, stream, max_files=8, max_fields=200, max_part_size=max_bytes
+            form = await FormParts(
+                request.headers, stream, max_files=8, max_fields=MAX_FORM_FIELDS, max_part_size=max_bytes
             ).parse()
         elif ctype == "application/x-www-form-urlencoded":
-            form = await FormParser(request.headers, stream, max_fields=200, max_part_size=max_bytes).parse()
+            form = parse_urlencoded(b"".join([chunk async for chunk in stream]))
         elif ctype == "application/json" or ctype.endswith("+json"):
             return _json_fields(b"".join([chunk async for chunk in stream]))
         elif not ctype and not [chunk async for chunk in stream if chunk]:
@@ -193,9 +201,11 @@ def json_field(raw: Any, field: str) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (ValueError, RecursionError):  # bad JSON, or a number past Python's int-from-text digit limit
         raise APIError(400, "Invalid JSON in form field.", param=field) from None
+    check_depth(value, field)  # as deep as the same value sent as an object may be
+    return value
 
 
 def json_object_field(raw: str | dict | None, field: str) -> dict | None:

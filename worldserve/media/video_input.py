@@ -50,7 +50,8 @@ def decode_video(
     frames: collections.deque[np.ndarray] = collections.deque(maxlen=max_frames if keep == "last" else None)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
+            # (a stream FFmpeg can demux but has no decoder for, e.g. an SVG, has no codec context)
+            if not container.streams.video or container.streams.video[0].codec_context is None:
                 raise bad
             stream = container.streams.video[0]
             _check_frame_size(stream.codec_context.width, stream.codec_context.height, 1, param)
