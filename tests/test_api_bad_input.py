@@ -113,6 +113,8 @@ CASES = [
      "video-to-video needs num_frames > 1"),
     ("extra guidance_interval", {**OK, "extra_params": '{"guidance_interval": [5, 1]}'}, 400,
      "extra_params.guidance_interval", "0 <= lo <= hi <= 1000"),
+    ("extra condition index true", {**OK, "extra_params": '{"condition_frame_indexes_vision": [0, true]}'}, 400,
+     "extra_params", "got a boolean"),
     ("extra_params deep JSON text", {**OK, "extra_params": '{"a": ' * 300 + "1" + "}" * 300}, 400, "extra_params",
      "nested deeper than"),
     ("extra flow_shift", {**OK, "extra_params": '{"flow_shift": 1000}'}, 400, "extra_params.flow_shift",

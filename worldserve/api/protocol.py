@@ -27,15 +27,31 @@ def _is_number(annotation: Any) -> bool:
     return bool(kinds & {int, float})
 
 
+def _holds_numbers(annotation: Any) -> bool:
+    """Whether a field's type is a list / tuple of ints / floats (or optional): `list[int] | None` yes."""
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    return any(
+        typing.get_origin(k) in (list, tuple) and any(_is_number(item) for item in typing.get_args(k))
+        for k in kinds
+    )
+
+
 class NumbersNotBooleans(BaseModel):
-    """A base for request models: a JSON true / false in any int / float field is refused (pydantic's lax
-    mode would take it as 1 / 0), with the field named."""
+    """A base for request models: a JSON true / false in any int / float field, or in a list of them, is
+    refused (pydantic's lax mode would take it as 1 / 0), with the field named."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _is_number(annotation):
             raise ValueError("expected a number, got a boolean")
+        if (
+            isinstance(value, list | tuple)
+            and any(isinstance(v, bool) for v in value)
+            and _holds_numbers(annotation)
+        ):
+            raise ValueError("expected numbers, got a boolean")
         return value
 
 
