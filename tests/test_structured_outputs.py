@@ -375,6 +375,13 @@ def test_grammars_that_fail_past_their_first_token_are_refused(compiler):
         assert info.value.param == "f", so
     for so in (StructuredOutput(kind="regex", spec="ab\\\\"), StructuredOutput(kind="json", spec="true")):
         compiler.compile(so)
+    # a constraint no text matches: said in words, not llguidance's parser dump (<state> counters, <grammar>)
+    recursive = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    for so in (StructuredOutput(kind="grammar", spec="start: start", field="f"),
+               StructuredOutput(kind="json", spec=json.dumps(recursive), field="f")):  # fmt: skip
+        with pytest.raises(ParamError, match="matches no text") as info:
+            compiler.compile(so)
+        assert "<state>" not in info.value.message and "compute_time_us" not in info.value.message
     for so in (StructuredOutput(kind="choice", spec='["a<|image_pad|>b"]'),
                StructuredOutput(kind="regex", spec="a<\\|im_end\\|>b")):  # fmt: skip
         for seed in range(3):  # (walk decodes skipping special tokens: the text is there, so it is no token)

@@ -12,6 +12,7 @@ Reasoner calls it right after it launches a decode step, so that the host's shar
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -149,8 +150,12 @@ def _mask_words(matcher: llguidance.LLMatcher) -> np.ndarray:
 
 
 def _short(error: str, limit: int = 2000) -> str:
-    """An llguidance error, cut (some quote the whole grammar)."""
-    error = error.strip()
+    """An llguidance error for a client: without the parser dump it appends (<state> and <grammar> blocks:
+    internal counters and the request's own constraint), the stop reason of a grammar that matches nothing
+    said in words, cut (some errors quote the whole grammar)."""
+    error = re.sub(r"<(state|grammar)>.*?</\1>", "", error, flags=re.DOTALL).strip()
+    if error.startswith("NoExtensionBias"):  # no token can start (or continue) any text the grammar allows
+        return "it matches no text (no token can start or continue a string it allows)"
     return error if len(error) <= limit else error[:limit] + " ..."
 
 
