@@ -251,6 +251,9 @@ async def test_cut_form_bodies_and_bad_form_text_are_400s(tmp_path):
         r = await http.post("/v1/videos", content=_multipart(*fields) + b"an epilogue", headers=multipart)
         assert r.status_code == 200, r.text  # RFC 2046: text after the closing boundary is ignored
         accepted.append(r.json())
+        text_ref = _multipart(*fields, ("input_reference", png_bytes()))  # curl -F 'input_reference=<a.png'
+        r = await http.post("/v1/videos", content=text_ref, headers=multipart)
+        assert r.status_code == 400 and "must be a file upload" in r.json()["error"]["message"], r.text
         bad = _multipart(*fields[1:], ("prompt", b"\xff\xfe fox"))
         r = await http.post("/v1/videos", content=bad, headers=multipart)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

@@ -93,7 +93,7 @@ def test_unsupported_or_bad_values_are_refused(argv):
 @pytest.mark.parametrize(
     ("name", "value"),
     [("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "inf"), ("VLLM_IMAGE_FETCH_TIMEOUT", "abc"), ("VLLM_VIDEO_FETCH_TIMEOUT", "0"),
-     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "-1"), ("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "0"),
+     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "-1"), ("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "-5"),
      ("VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL", "often")],
 )  # fmt: skip
 def test_malformed_timeouts_in_the_environment_stop_the_start_naming_the_variable(monkeypatch, name, value):
@@ -139,6 +139,8 @@ def test_vllm_omni_storage_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__PATH", str(tmp_path / "new"))
     assert parse("--job-ttl", "60").resolve().server.job_ttl == 60, "the flag wins"
     assert parse().resolve().server.storage_dir == str(tmp_path / "new"), "the current name wins"
+    monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "0")
+    assert parse().resolve().server.job_ttl is None, "0: no TTL"
     for name in ("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL"):
         monkeypatch.delenv(name)
     assert (parse().resolve().server.job_ttl, parse().resolve().server.job_sweep_interval) == (None, None)

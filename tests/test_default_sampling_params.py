@@ -140,3 +140,60 @@ async def test_a_server_started_with_the_flag_generates_with_its_defaults(anyio_
     first, second = backend.params
     assert (first.num_inference_steps, first.num_frames, first.fps, first.seed) == (7, 17, 16.0, 9)
     assert (second.num_inference_steps, second.width) == (2, 320)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_server_negative_prompt_is_not_capped_by_the_requests_max_sequence_length(
+    anyio_backend, tiny_ckpt
+):
+    """Review find: the server's negative prompt was capped as if the request had sent it, so a request's
+    max_sequence_length set for its prompt (NVIDIA's README: 512) was refused for a text it never sent."""
+    from worldserve.models.cosmos3.prompt import PromptEncoder
+    from worldserve.params import ParamError
+
+    encoder = PromptEncoder.from_pretrained(tiny_ckpt)
+    defaults = {"negative_prompt": "blurry, dark, " * 200, "width": 320, "height": 192, "num_frames": 17}
+    got = (await build_inputs({"prompt": "a cat", "max_sequence_length": "128"}, served_model="m",
+                              has_sound=False, defaults=defaults)).params  # fmt: skip
+    assert got.server_negative_prompt and got.negative_prompt == defaults["negative_prompt"]
+    cond, uncond = encoder.encode_params(got)
+    assert len(cond) <= 128 < len(uncond)
+    own = (await build_inputs({"prompt": "a cat", "max_sequence_length": "128", "negative_prompt": "x " * 300},
+                              served_model="m", has_sound=False, defaults=defaults)).params  # fmt: skip
+    assert not own.server_negative_prompt
+    with pytest.raises(ParamError) as err:
+        encoder.encode_params(own)
+    assert err.value.param == "negative_prompt", "the request's own negative prompt is capped"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_sound_default_applies_to_videos_of_a_checkpoint_with_sound(anyio_backend):
+    """Review find: a default generate_sound true made every image request (no sound there) a 400."""
+    on = {"generate_sound": True}
+    video = {"prompt": "x", "size": "320x192", "num_frames": "17"}
+    image = {"prompt": "x", "size": "512x512", "num_frames": "1"}
+    assert (
+        await build_inputs(dict(video), served_model="m", has_sound=True, defaults=on)
+    ).params.generate_sound
+    assert (
+        await build_inputs(dict(image), served_model="m", has_sound=True, defaults=on)
+    ).params.generate_sound is None
+    silent = await build_inputs(dict(video), served_model="m", has_sound=False, defaults=on)
+    assert silent.params.generate_sound is False, "no sound tokenizer: the default cannot turn sound on"
+    own = await build_inputs(
+        {**video, "generate_sound": "false"}, served_model="m", has_sound=True, defaults=on
+    )
+    assert own.params.generate_sound is False
+
+
+def test_a_default_guidance_of_zero_is_refused_and_auto_warm_up_follows_the_default_shape():
+    """Review finds: a default guidance_scale 0 generated without the prompt (a request's 0 means 'not
+    given'); --warmup-shapes auto warmed 1280x720x189 whatever the default shape."""
+    with pytest.raises(ValueError, match="guidance_scale 0 would generate without the prompt"):
+        config("--default-sampling-params", '{"0": {"guidance_scale": 0}}')
+    small = config("--default-sampling-params", '{"0": {"width": 832, "height": 480, "num_frames": 121}}')
+    assert small.model.warmup_shape_list(on_gpu=True) == [(832, 480, 121)]
+    assert config().model.warmup_shape_list(on_gpu=True) == [(1280, 720, 189)]
+    assert small.model.warmup_shape_list(on_gpu=False) == []

@@ -70,7 +70,10 @@ class ModelConfig:
     init_timeout: float = 600.0
     """Seconds allowed for loading the model before startup fails (the recipe uses 1800)."""
     warmup_shapes: str = "auto"
-    """Output shapes generated once at startup (WIDTHxHEIGHTxFRAMES, comma separated; one denoising step each, CFG and audio as the defaults), so that the first request of each shape does not pay torch.compile and kernel selection; auto: the default 1280x720x189 on GPU, none on CPU; none: skip."""
+    """Output shapes generated once at startup (WIDTHxHEIGHTxFRAMES, comma separated; one denoising step each, CFG and audio as the defaults), so that the first request of each shape does not pay torch.compile and kernel selection; auto: the default shape (1280x720x189, or --default-sampling-params's) on GPU, none on CPU; none: skip."""
+    auto_warmup_shape: str = field(default="1280x720x189", metadata={"no_flag": True})
+    """What --warmup-shapes auto warms: the default shape of video requests (EngineConfig sets it from
+    --default-sampling-params)."""
     max_model_len: TokenCount = 32768
     """Context length of Reasoner chat completions (prompt + completion tokens; vLLM's 32k = 32000, 32K = 32768; auto or -1: 32768)."""
     kv_cache_memory_bytes: int | None = None
@@ -135,7 +138,7 @@ class ModelConfig:
         if spec == "none" or (spec == "auto" and not on_gpu):
             return []
         if spec == "auto":
-            spec = "1280x720x189"
+            spec = self.auto_warmup_shape
         from worldserve.params import ParamError, VideoParams
 
         shapes = []
@@ -294,8 +297,16 @@ class ServerConfig:
         if self.default_sampling_params:
             from worldserve.params import ParamError, VideoParams
 
+            defaults = self.default_sampling_params.as_dict()
+            if (
+                defaults.get("guidance_scale") == 0
+            ):  # a request's 0 means "not given"; the server's would ignore
+                raise ValueError(  # every prompt (the unconditional branch alone)
+                    "--default-sampling-params: guidance_scale 0 would generate without the prompt; use 1 for "
+                    "the conditional branch alone (no CFG), or a scale above 1"
+                )
             try:  # the values together, as a request's (a 480p default with 400 frames fails here, not per request)
-                VideoParams(prompt="x", **self.default_sampling_params.as_dict()).validate()
+                VideoParams(prompt="x", **defaults).validate()
             except ParamError as exc:
                 raise ValueError(f"--default-sampling-params: {exc.message}") from None
 
@@ -317,6 +328,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        d = self.server.video_defaults  # --warmup-shapes auto warms the shape requests get by default
+        shape = f"{d.get('width', 1280)}x{d.get('height', 720)}x{d.get('num_frames', 189)}"
+        if shape != self.model.auto_warmup_shape:
+            object.__setattr__(self, "model", replace(self.model, auto_warmup_shape=shape))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -113,11 +113,11 @@ def storage_dir() -> Path:
 
 def storage_file_ttl_s() -> float | None:
     """vLLM-Omni's `VLLM_OMNI_SERVER_STORAGE__FILE_TTL`: seconds a finished video is kept (here --job-ttl's
-    default: the job goes with its file); None (keep forever) when unset."""
+    default: the job goes with its file); None (keep forever) when unset or 0."""
     value = _env_float("VLLM_OMNI_SERVER_STORAGE__FILE_TTL")
     if value is not None:
-        check_seconds("environment variable VLLM_OMNI_SERVER_STORAGE__FILE_TTL", value, zero=False)
-    return value
+        check_seconds("environment variable VLLM_OMNI_SERVER_STORAGE__FILE_TTL", value, zero=True)
+    return value or None
 
 
 def storage_sweep_interval_s() -> float | None:

@@ -108,6 +108,10 @@ class VideoParams:
     """Plain text or a JSON document (the model's native structured prompt)."""
     negative_prompt: str | None = None
     """None: the default negative prompt shipped with worldserve."""
+    server_negative_prompt: bool = False
+    """`negative_prompt` is the server's default (--default-sampling-params), not the request's: like the
+    built-in one it is not capped by max_sequence_length (a cap set for the prompt refuses no text the request
+    never sent)."""
     width: int = 1280
     """Output width in pixels (multiple of 16)."""
     height: int = 720

@@ -144,15 +144,17 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 
 
 class FormParts(MultiPartParser):
-    """Starlette's multipart parser, strict: a text part that is not UTF-8 (or the body's `_charset_`) is a 400
-    naming it, and `parse()` is a 400 when the body ends before its closing `--boundary--` (a cut upload or a
-    cut field would otherwise be dropped in silence)."""
+    """Starlette's multipart parser, strict: a text part that is not UTF-8 (or the Content-Type's `charset`) is
+    a 400 naming it, and `parse()` is a 400 when the body ends before its closing `--boundary--` (a cut upload
+    or a cut field would otherwise be dropped in silence). Parts named in `uploads` are left to their route,
+    which says they must be file uploads when they come as text."""
 
     closed = False
+    uploads = frozenset(("input_reference",))
 
     def on_part_end(self) -> None:
         part = self._current_part
-        if part.file is None:
+        if part.file is None and part.field_name not in self.uploads:
             _form_text(bytes(part.data), part.field_name, self._charset)
         super().on_part_end()
 

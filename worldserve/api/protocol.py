@@ -69,13 +69,17 @@ class VideoCreateRequest(NumbersNotBooleans):
     quality: str | None = Field(None, description="high | lossless (x264 crf 10 / 0); omitted: crf 18.")
     width: int | None = Field(None, ge=1)
     height: int | None = Field(None, ge=1)
-    num_frames: int | None = Field(None, ge=1, description="1 or 4k+1; default 189.")
-    fps: float | None = Field(None, ge=1, allow_inf_nan=False, description="Default 24.")
-    num_inference_steps: int | None = Field(None, ge=1, le=200, description="Default 35.")
-    guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False, description="Default 6.0.")
+    num_frames: int | None = Field(None, ge=1, description="1 or 4k+1; default 189 (or the server's).")
+    fps: float | None = Field(None, ge=1, allow_inf_nan=False, description="Default 24 (or the server's).")
+    num_inference_steps: int | None = Field(None, ge=1, le=200, description="Default 35 (or the server's).")
+    guidance_scale: float | None = Field(
+        None, ge=0, le=20, allow_inf_nan=False, description="Default 6.0 (or the server's)."
+    )
     flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-INT64, lt=INT64, description="Default 42.")
-    max_sequence_length: int | None = Field(None, ge=1, description="Prompt-token cap; default 4096.")
+    seed: int | None = Field(None, ge=-INT64, lt=INT64, description="Default 42 (or the server's).")
+    max_sequence_length: int | None = Field(
+        None, ge=1, description="Prompt-token cap; default 4096 (or the server's)."
+    )
     generate_sound: bool | None = Field(
         None, description="Default: on when the checkpoint has a sound tokenizer."
     )

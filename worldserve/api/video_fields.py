@@ -73,9 +73,12 @@ def resolve_video_params(
         if value is not None:  # (the top level first, as vLLM-Omni reads them)
             kw["sound_duration"], origin["sound_duration"] = value, name
             break
-    for name, value in defaults.items():  # the size, fps and frames: below, where the request's are resolved
-        if name not in ("width", "height", "fps", "num_frames"):
-            kw.setdefault(name, value)
+    for name, value in defaults.items():
+        if name in ("width", "height", "fps", "num_frames", "generate_sound") or name in kw:
+            continue  # the size, fps and frames below, with the request's; the sound in build_inputs
+        kw[name] = value
+        if name == "negative_prompt":  # the server's text: not capped by the request's max_sequence_length
+            kw["server_negative_prompt"] = True
     if "guidance_interval" in kw:
         kw["guidance_interval"] = tuple(float(v) for v in kw["guidance_interval"])
     default_size = (defaults["width"], defaults["height"]) if "width" in defaults else None

@@ -15,6 +15,7 @@ engine but `validate`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -142,6 +143,9 @@ async def build_inputs(
     if reference is not None:
         image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
     params = resolve_video_params(req, video_params, extra, image, video, source, defaults)
+    if params.generate_sound is None and defaults.get("generate_sound") is not None and params.num_frames > 1:
+        # the server's sound default: for videos only (an image has none), and "on" only where there is sound
+        params = dataclasses.replace(params, generate_sound=defaults["generate_sound"] and has_sound)
     seconds = req.seconds or str(max(1, round(params.num_frames / params.fps)))
     spec = JobSpec(model=served_model, prompt=params.prompt, size=f"{params.width}x{params.height}",
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,

@@ -209,6 +209,9 @@ def _serve(
                           job_ttl_s=server_cfg.job_ttl, sweep_interval_s=server_cfg.job_sweep_interval,
                           chat_backend=chat_backend,
                           max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
+    if server_cfg.video_defaults.get("generate_sound") and not client.has_sound:
+        log.warning("--default-sampling-params generate_sound true: this checkpoint has no sound tokenizer, so "
+                    "videos are made without sound")  # fmt: skip
     http_args, middlewares = http or (argparse.Namespace(), [])
     app = build_app(client, metrics=metrics, **app_options(config),
                     docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
