@@ -298,10 +298,9 @@ class ServerConfig:
             from worldserve.params import ParamError, VideoParams
 
             defaults = self.default_sampling_params.as_dict()
-            if (
-                defaults.get("guidance_scale") == 0
-            ):  # a request's 0 means "not given"; the server's would ignore
-                raise ValueError(  # every prompt (the unconditional branch alone)
+            # a request's 0 means "not given"; the server's would run the unconditional branch alone
+            if defaults.get("guidance_scale") == 0:
+                raise ValueError(
                     "--default-sampling-params: guidance_scale 0 would generate without the prompt; use 1 for "
                     "the conditional branch alone (no CFG), or a scale above 1"
                 )

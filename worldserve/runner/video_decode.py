@@ -38,9 +38,11 @@ def decode_video(
     stages = dict(state.stage_seconds)
     audio = None
     if state.sound is not None:
-        samples = audio_vae.num_samples(p.num_frames, p.fps)  # the clip's length, unless asked otherwise
-        if p.sound_duration is not None:
-            samples = round(p.sound_duration * audio_vae.sample_rate)
+        samples = (  # the clip's length unless the request asked for another (trimmed or padded)
+            audio_vae.num_samples(p.num_frames, p.fps)
+            if p.sound_duration is None
+            else round(p.sound_duration * audio_vae.sample_rate)
+        )
         audio = audio_vae.decode(state.sound, samples)
         stages["audio.decode"] = time.perf_counter() - t0
     s = vae.scale_factor_spatial

@@ -308,9 +308,9 @@ class PromptEncoder:
         Raises ParamError when a text the request sent is longer than `params.max_sequence_length` tokens:
         param "prompt" for the prompt, "negative_prompt" for its negative prompt. The default negative prompt
         (~3k tokens with Qwen's tokenizer), or --default-sampling-params's, is the server's own text and not
-        capped: a request that lowers
-        max_sequence_length for its prompt (NVIDIA's README suggests 512) is not refused for a text it never
-        sent (vLLM-Omni's default negative is "", and NVIDIA's reference caps nothing).
+        capped: a request that lowers max_sequence_length for its prompt (NVIDIA's README suggests 512) is not
+        refused for a text it never sent (vLLM-Omni's default negative is "", and NVIDIA's reference caps
+        nothing).
         """
         texts = format_prompts(params)
         is_image = params.num_frames == 1
@@ -328,11 +328,13 @@ class PromptEncoder:
             )
         if not with_uncond:
             return cond, None
-        if params.negative_prompt is None or params.server_negative_prompt:  # the server's: never refused
-            return cond, list(self._encode_cached(texts.uncond, is_image=is_image, system=system))
-        self._check_bytes(texts.uncond, limit, "negative_prompt", "negative_prompt")
+        sent = (
+            params.negative_prompt is not None and not params.server_negative_prompt
+        )  # the server's: no cap
+        if sent:
+            self._check_bytes(texts.uncond, limit, "negative_prompt", "negative_prompt")
         uncond = list(self._encode_cached(texts.uncond, is_image=is_image, system=system))
-        if len(uncond) > limit:
+        if sent and len(uncond) > limit:
             raise ParamError(
                 "negative_prompt",
                 f"negative_prompt is {len(uncond)} tokens after templating{with_system}, above "
