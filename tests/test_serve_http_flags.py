@@ -224,7 +224,12 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
            "--middleware", "serve_middleware.stamp", "--disable-fastapi-docs", "--disable-uvicorn-access-log"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=False, timeout=10) as http:
+        # a new connection a request: the server closes idle ones after 1 s here, so a reused one could be
+        # closed just as a request goes out on a busy host (seen in CI at the 11th request)
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(
+            base_url=f"https://127.0.0.1:{port}", verify=False, timeout=10, limits=fresh
+        ) as http:
             deadline = time.monotonic() + 60
             while True:
                 try:
