@@ -53,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_server_source(ap)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--text-tokens", action="store_true",
+        help="chats sample only the tokenizer's letters (allowed_token_ids), so every token is a content chunk "
+        "(a random checkpoint with the tiny byte tokenizer otherwise samples mostly ids that decode to nothing)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="rounds of each --concurrency; the median is reported"
+    )
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra flag for serve (repeatable)")
@@ -99,24 +107,54 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 STREAM = False
 """--stream: every chat as server-sent events (usage from the last chunk), as most chat clients call it."""
+ONLY_TOKENS: list[int] | None = None
+"""--text-tokens: the ids every chat may sample (allowed_token_ids), each one a visible character."""
 
 
 def chat(url: str, model: str, max_tokens: int, i: int, extra: dict | None = None) -> dict:
+    """One chat: its wall `s` and completion `tokens`; streamed, also `ttft_s` (the first content chunk) and
+    `chunks` (content chunks received)."""
     body = {"model": model, "max_tokens": max_tokens, "seed": i, **SAMPLING, **(extra or {}),
             "messages": [{"role": "user", "content": f"Describe scene {i} of a fox in the snow."}]}  # fmt: skip
+    if ONLY_TOKENS is not None:
+        body["allowed_token_ids"] = ONLY_TOKENS
     t0 = time.perf_counter()
     if not STREAM:
         r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
         r.raise_for_status()
         return {"s": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"]}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
-    usage = None
+    usage, first, chunks = None, None, 0
     with HTTP.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
+            if line.startswith('data: {"id"') and '"content":"' in line and '"content":""' not in line:
+                chunks += 1
+                first = first or time.perf_counter() - t0
             if line.startswith("data: {") and '"usage":{' in line:
                 usage = json.loads(line[6:])["usage"]
-    return {"s": time.perf_counter() - t0, "tokens": usage["completion_tokens"]}
+    return {
+        "s": time.perf_counter() - t0,
+        "tokens": usage["completion_tokens"],
+        "ttft_s": first,
+        "chunks": chunks,
+    }
+
+
+def text_token_ids(url: str, model: str) -> list[int]:
+    """The ids of the letters a-z in the served tokenizer (/tokenize), for --text-tokens."""
+    r = HTTP.post(url + "/tokenize", json={"model": model, "prompt": " ".join("abcdefghijklmnopqrstuvwxyz"),
+                                           "add_special_tokens": False}, timeout=60)  # fmt: skip
+    r.raise_for_status()
+    return sorted(set(r.json()["tokens"]))
+
+
+def decode_ms(outs: list[dict]) -> float | None:
+    """Median over streamed chats of the time per token after each one's first content chunk."""
+    per = sorted(
+        (o["s"] - o["ttft_s"]) / (o["tokens"] - 1) * 1e3 for o in outs if o.get("ttft_s") and o["tokens"] > 1
+    )
+    return per[len(per) // 2] if per else None
 
 
 def chats_beside_video(url: str, served: str, args: argparse.Namespace) -> dict:
@@ -338,18 +376,31 @@ def run(args: argparse.Namespace) -> dict:
     try:
         res["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
         served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        if args.text_tokens:
+            global ONLY_TOKENS
+            ONLY_TOKENS = res["allowed_token_ids"] = text_token_ids(url, served)
         chat(url, served, 8, -1)  # a first request outside the timings
         res["ttft_s"] = min(chat(url, served, 1, -2 - k)["s"] for k in range(3))
         res["chats"] = {}
         for c in (int(x) for x in args.concurrency.split(",")):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(c) as pool:
-                outs = list(pool.map(lambda i: chat(url, served, args.max_tokens, i), range(c)))
-            wall = time.perf_counter() - t0
-            tokens = sum(o["tokens"] for o in outs)
-            res["chats"][str(c)] = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-                                    "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs)}  # fmt: skip
-            print(f"{c} chats: {tokens} tokens in {wall:.2f} s", flush=True)
+            rounds = []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(c) as pool:
+                    outs = list(pool.map(lambda i: chat(url, served, args.max_tokens, i), range(c)))
+                wall = time.perf_counter() - t0
+                tokens = sum(o["tokens"] for o in outs)
+                rounds.append({"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+                               "per_chat_tok_s": min(o["tokens"] / o["s"] for o in outs),
+                               "chunks": sum(o.get("chunks", 0) for o in outs), "decode_ms": decode_ms(outs)})  # fmt: skip
+                ms = (
+                    f", {rounds[-1]['decode_ms']:.2f} ms a token after the first"
+                    if rounds[-1]["decode_ms"]
+                    else ""
+                )
+                print(f"{c} chats: {tokens} tokens in {wall:.2f} s{ms}", flush=True)
+            median = sorted(rounds, key=lambda r: r["wall_s"])[len(rounds) // 2]
+            res["chats"][str(c)] = {**median, "walls_s": [r["wall_s"] for r in rounds]}
         if args.api_checks:
             res["api_checks"] = api_checks(url, served, args.max_tokens)
         if args.structured:
@@ -387,9 +438,15 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(res: dict) -> str:
     lines = [f"serve up in {res['startup_s']:.1f} s; time to first token {res['ttft_s'] * 1e3:.0f} ms; "
-             f"{res['max_tokens']} tokens a chat", f"{'chats':>5s} {'wall s':>8s} {'tok/s':>9s} {'per chat':>9s}"]  # fmt: skip
+             f"{res['max_tokens']} tokens a chat", f"{'chats':>5s} {'wall s':>8s} {'tok/s':>9s} {'per chat':>9s} {'chunks':>7s} {'ms/token':>9s}"]  # fmt: skip
     for c, r in res["chats"].items():
-        lines.append(f"{c:>5s} {r['wall_s']:8.2f} {r['tok_s']:9.1f} {r['per_chat_tok_s']:9.1f}")
+        ms = f"{r['decode_ms']:9.2f}" if r.get("decode_ms") else f"{'-':>9s}"
+        lines.append(
+            f"{c:>5s} {r['wall_s']:8.2f} {r['tok_s']:9.1f} {r['per_chat_tok_s']:9.1f} {r['chunks']:7d} {ms}"
+        )
+    lines.append(
+        "ms/token: a streamed chat's time per token after its first content chunk (median over chats)"
+    )
     if b := res.get("beside_video"):
         lines.append(f"{b['chats']} chats beside a {b['video']['size']} x {b['video']['num_frames']} video: "
                      f"{b['wall_s']:.2f} s, {b['tok_s']:.1f} tok/s, {b['per_chat_tok_s']:.1f} per chat; video "

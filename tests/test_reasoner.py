@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
 from worldserve.models.cosmos3.vision import chat_positions
 from worldserve.params import ParamError
-from worldserve.sampling.tokens import TokenSampler
+from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
 TOL = 1e-4
 
@@ -264,6 +264,39 @@ def test_penalties_match_their_definitions():
     flat = torch.zeros(4)
     flat[2] = 1.0
     assert [s2.sample(flat) for _ in range(3)] == [2, 0, 1]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalized_rows_batched_as_chats_come_and_go_equal_each_row_alone(device):
+    """The output counts live in one slab per batch (sampling/tokens.py _batch_counts): as rows join, leave and
+    change places between steps, and a row is sampled alone in between, every row's tokens stay those of
+    its own sampler run alone on the same logits."""
+    kinds = [dict(temperature=0.8, presence_penalty=1.5, frequency_penalty=0.3, top_k=20, top_p=0.8),
+             dict(temperature=0, frequency_penalty=0.7), dict(temperature=1.0, repetition_penalty=1.4, prompt_ids=(1, 2, 3)), dict(temperature=0.9),
+             dict(temperature=0, presence_penalty=2.0, repetition_penalty=1.2)]  # fmt: skip
+    alone = [TokenSampler(**kw, seed=7 + i) for i, kw in enumerate(kinds)]
+    batched = [TokenSampler(**kw, seed=7 + i) for i, kw in enumerate(kinds)]
+    g = torch.Generator().manual_seed(1)
+    plan = (
+        [[0, 1, 2, 3, 4]] * 3
+        + [[4, 0, 2], [1], [1, 3]]
+        + [[0, 1, 2, 3, 4]] * 2
+        + [[3, 4], [2, 0, 4, 3, 1]] * 2
+    )
+    for rows in plan:
+        logits = (torch.randn(len(rows), 12, generator=g) * 2).to(device)  # a small vocabulary: tokens repeat
+        together = sample_tokens([batched[r] for r in rows], logits)
+        assert together == [alone[r].sample(logits[i]) for i, r in enumerate(rows)], rows
+    flat = torch.zeros(12, device=device)
+    for kw, a, b in zip(kinds, alone, batched, strict=True):
+        assert a.output_counts == b.output_counts
+        fresh = TokenSampler(**kw)  # its device counts built once from the host's counts
+        fresh.output_counts.update(b.output_counts)
+        torch.testing.assert_close(b.penalize(flat), fresh.penalize(flat))
+        torch.testing.assert_close(a.penalize(flat), fresh.penalize(flat))
 
 
 def test_a_chat_samples_from_penalized_logits(reasoner):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 
 import httpx
 import pytest
@@ -217,6 +218,28 @@ def test_rules_that_leave_no_token_the_row_allowed_are_not_applied():
     for temperature in (0, 1.0):
         token = TokenSampler(temperature=temperature, allowed_token_ids=(3, 5), seed=0).sample(logits)
         assert token >= 32
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rules_step_aside_only_in_the_rows_they_would_empty(device):
+    """Batched: the row whose rules leave nothing keeps its scores (and the warning names it), the rows
+    beside it keep their rules."""
+    logits = _logits(4).repeat(3, 1)  # [3, V]
+    logits[0, :32] = float("-inf")
+    samplers = [TokenSampler(temperature=0, allowed_token_ids=(3, 5)),  # steps aside: 3 and 5 are -inf
+                TokenSampler(temperature=0, allowed_token_ids=(40, 41), bad_words=((40,),)),  # only 41 is left
+                TokenSampler(temperature=0)]  # fmt: skip
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # (no caplog: the GPU runs drop it)
+    logger = logging.getLogger("worldserve.sampling.tokens")
+    logger.addHandler(handler)
+    try:
+        tokens = sample_tokens(samplers, logits.to(device))
+    finally:
+        logger.removeHandler(handler)
+    assert tokens == [int(logits[0].argmax()), 41, int(logits[2].argmax())]
+    assert len(warnings) == 1 and "rows [0]" in warnings[0], warnings
 
 
 def test_a_streamed_chat_tells_the_stop_string_it_hit(reasoner_url):

@@ -15,8 +15,11 @@ tokens tied with the k-th, as vLLM does; with every k <= 1024 only the top max(k
 (keep the smallest prefix of the sorted probabilities whose mass reaches p; the top token always stays),
 then inverse-CDF sampling with one uniform number drawn from the request's CPU `torch.Generator` (seeded
 with the request's seed): a seeded request gives the same tokens on every run, on any device. Every
-sampled token counts as output for the next call; its count also lives on the logits' device, so the
-penalties of a step cost no host work that grows with the text.
+sampled token counts as output for the next call; its count also lives on the logits' device (one [B, V] slab
+per batch, updated in place while the batch stays the same), so the penalties of a step cost no host work
+that grows with the text or kernels that grow with the batch. Only the drawn tokens are read back (and, with
+top-k, one tie count): the rules add no host sync. A row its allowed_token_ids / bad_words / logit_bias would
+leave with no token keeps its scores for that token (chosen on the device; the warning is read afterwards).
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ class TokenSampler:
     """The tokens sampled so far, in order (kept for bad_words)."""
     generator: torch.Generator = field(init=False)
     output_counts: dict[int, int] = field(init=False, default_factory=dict)
-    _counts: Tensor | None = field(init=False, default=None, repr=False)
+    _counts: tuple[Tensor, int] | None = field(init=False, default=None, repr=False)
+    """(slab [P, V] float32 on the device, row): where this sampler's output counts live (see _batch_counts)."""
     _unsynced: list[int] = field(init=False, default_factory=list, repr=False)
+    """Tokens recorded since its counts row was last updated."""
     _prompt_mask: Tensor | None = field(init=False, default=None, repr=False)
     _fixed: tuple[Tensor, ...] | None = field(init=False, default=None, repr=False)  # device rule tensors
 
@@ -103,30 +108,22 @@ class TokenSampler:
         """Whether the request set allowed_token_ids, bad_words or logit_bias."""
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
-    def restrict(self, scores: Tensor) -> None:
-        """Apply allowed_token_ids, bad_words and logit_bias to one row of scores [V] (float32) in place. When
-        they leave no token the row already allowed (e.g. allowed ids outside a structured output's grammar),
-        they are not applied for this token (a warning says so): the grammar and the ends stay in force."""
-        before = scores.clone()
-        vocab, device = scores.shape[0], scores.device
+    def rule_tensors(self, vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """([V] bool: the tokens allowed_token_ids forbids, [V] float32: logit_bias), built once on `device`."""
         if self._fixed is None or self._fixed[0].device != device:
-            allowed = torch.ones(vocab, dtype=torch.bool)
+            forbidden = torch.zeros(vocab, dtype=torch.bool)
             if self.allowed_token_ids is not None:
-                allowed.zero_()[list(self.allowed_token_ids)] = True
+                forbidden.fill_(True)[list(self.allowed_token_ids)] = False
             bias = torch.zeros(vocab, dtype=torch.float32)
             for token, value in self.logit_bias:
                 bias[token] += value
-            self._fixed = (allowed.to(device), bias.to(device))
-        allowed, bias = self._fixed
-        scores.add_(bias).masked_fill_(~allowed, float("-inf"))
-        banned = [
-            w[-1] for w in self.bad_words if len(w) == 1 or tuple(self.output[-(len(w) - 1) :]) == w[:-1]
-        ]
-        if banned:
-            scores[_host_to(banned, torch.long, device)] = float("-inf")
-        if not bool(torch.isfinite(scores).any()):  # a host read, for these requests only
-            log.warning("allowed_token_ids / bad_words / logit_bias leave no token allowed: not applied")
-            scores.copy_(before)
+            self._fixed = (forbidden.to(device), bias.to(device))
+        return self._fixed  # type: ignore[return-value]
+
+    def banned_now(self) -> list[int]:
+        """bad_words' tokens banned for the next token: a word's last token where the output ends with the
+        rest of it (a one-token word always)."""
+        return [w[-1] for w in self.bad_words if len(w) == 1 or tuple(self.output[-(len(w) - 1) :]) == w[:-1]]
 
     @property
     def penalized(self) -> bool:
@@ -141,26 +138,29 @@ class TokenSampler:
         if self.penalized:  # only the penalties read the device-side counts
             self._unsynced.append(token)
 
-    def device_counts(self, vocab: int, device: torch.device) -> Tensor:
-        """[V] float32 on `device`: how often each token was output (kept in step with output_counts)."""
-        if self._counts is None or self._counts.device != device or self._counts.numel() != vocab:
-            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-            if self.output_counts:
-                ids = _host_to(list(self.output_counts), torch.long, device)
-                self._counts[ids] = _host_to(list(self.output_counts.values()), torch.float32, device)
-        elif self._unsynced:
-            ids = _host_to(self._unsynced, torch.long, device)
-            self._counts.index_add_(0, ids, torch.ones(ids.numel(), device=device))
-        self._unsynced.clear()
+    def counts_at(self, vocab: int, device: torch.device) -> tuple[Tensor, int]:
+        """(slab, row): where this sampler's output counts live on `device`, as of the last _batch_counts (the
+        tokens in _unsynced are not in them yet); built from output_counts when there are none there yet."""
+        if (
+            self._counts is not None
+            and self._counts[0].device == device
+            and self._counts[0].shape[1] == vocab
+        ):
+            return self._counts
+        counts = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+        if self.output_counts:
+            ids = _host_to(list(self.output_counts), torch.long, device)
+            counts[0, ids] = _host_to(list(self.output_counts.values()), torch.float32, device)
+        self._counts, self._unsynced = (counts, 0), []
         return self._counts
 
-    def seen_mask(self, vocab: int, device: torch.device) -> Tensor:
-        """[V] bool: tokens of the prompt or of the output so far (what repetition_penalty discounts)."""
+    def prompt_mask(self, vocab: int, device: torch.device) -> Tensor:
+        """[V] bool: the prompt's tokens (with the output so far, what repetition_penalty discounts)."""
         if self._prompt_mask is None or self._prompt_mask.device != device:
             self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
             if self.prompt_ids:
                 self._prompt_mask[_host_to(list(self.prompt_ids), torch.long, device)] = True
-        return self._prompt_mask | (self.device_counts(vocab, device) > 0)
+        return self._prompt_mask
 
     def penalize(self, logits: Tensor) -> Tensor:
         """The penalties on a float32 copy of logits [V] (the input is untouched)."""
@@ -198,6 +198,28 @@ def _rows(
     return idx, scores.index_select(0, idx)
 
 
+def _batch_counts(sub: Sequence[TokenSampler], vocab: int, device: torch.device) -> Tensor:
+    """[P, V] float32: the output counts of these samplers, row p sub[p]'s, up to date.
+
+    The counts live in one slab per batch: when the batch is the one of the last call (a decode's steady
+    state) its slab is updated in place; otherwise the rows are gathered into a new slab (one kernel) that
+    the samplers then point to. Either way every token recorded since goes in with one host-to-device copy
+    and one scatter-add, whatever the batch size (not a copy and a kernel a chat)."""
+    at = [s.counts_at(vocab, device) for s in sub]
+    slab = at[0][0]
+    if not (slab.shape[0] == len(sub) and all(t is slab and row == p for p, (t, row) in enumerate(at))):
+        slab = torch.stack([t[row] for t, row in at])  # [P, V]: one gather of the rows
+        for p, s in enumerate(sub):
+            s._counts = (slab, p)
+    pending = [(p, t) for p, s in enumerate(sub) for t in s._unsynced]
+    if pending:
+        flat = _host_to([p * vocab + t for p, t in pending], torch.long, device)  # [N]: row * V + token
+        slab.view(-1).index_add_(0, flat, torch.ones(len(pending), device=device))  # one kernel, no sort
+        for s in sub:
+            s._unsynced.clear()
+    return slab
+
+
 def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
     """Apply each row's penalties to scores [B, V] (float32) in place, the penalized rows at once."""
     rows = [i for i, s in enumerate(samplers) if s.penalized]
@@ -208,10 +230,10 @@ def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
     idx, x = _rows(samplers, rows, scores)  # [P, V]
     knobs = [[s.repetition_penalty, s.frequency_penalty, s.presence_penalty] for s in sub]
     r, freq, pres = _host_to(knobs, torch.float32, device).unbind(1)  # [P] each
+    counts = _batch_counts(sub, vocab, device)  # [P, V]
     if any(s.repetition_penalty != 1.0 for s in sub):
-        seen = torch.stack([s.seen_mask(vocab, device) for s in sub])  # [P, V]
+        seen = _stacked([s.prompt_mask(vocab, device) for s in sub]) | (counts > 0)  # [P, V]
         x = torch.where(seen, torch.where(x > 0, x / r[:, None], x * r[:, None]), x)
-    counts = torch.stack([s.device_counts(vocab, device) for s in sub])  # [P, V]
     x = x - freq[:, None] * counts - pres[:, None] * (counts > 0)
     if idx is None:
         scores.copy_(x)
@@ -235,15 +257,47 @@ def _sorted_candidates(x: Tensor, k: Tensor, k_max: int) -> tuple[Tensor, Tensor
     return (vals, order) if tied <= k_max else x.topk(min(tied, x.shape[1]), dim=-1)
 
 
+def _stacked(rows: Sequence[Tensor]) -> Tensor:
+    """[R, V] from R tensors [V]: a view for one (no copy), else one stack."""
+    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
+
+
+def _restrict(samplers: Sequence[TokenSampler], scores: Tensor) -> tuple[list[int], Tensor | None]:
+    """Apply allowed_token_ids, bad_words and logit_bias to scores [B, V] (float32) in place, the restricted
+    rows at once and with no host sync. A row they would leave with no token it allowed before (e.g.
+    allowed ids outside a structured output's grammar) keeps its scores for this token: the grammar and the
+    ends stay in force. Returns (the restricted rows, [R] bool on the device: where the rules stepped aside)
+    for sample_tokens to read after its one sync."""
+    rows = [i for i, s in enumerate(samplers) if s.restricted]
+    if not rows:
+        return rows, None
+    vocab, device = scores.shape[1], scores.device
+    sub = [samplers[i] for i in rows]
+    idx, before = _rows(samplers, rows, scores)  # [R, V]
+    forbidden, bias = (_stacked(t) for t in zip(*(s.rule_tensors(vocab, device) for s in sub), strict=True))
+    x = before + bias if any(s.logit_bias for s in sub) else before.clone()  # [R, V]
+    if any(s.allowed_token_ids is not None for s in sub):
+        x.masked_fill_(forbidden, float("-inf"))
+    banned = [(r, t) for r, s in enumerate(sub) for t in s.banned_now()]
+    if banned:
+        at = _host_to(banned, torch.long, device)  # [N, 2]: (row of sub, token)
+        x[at[:, 0], at[:, 1]] = float("-inf")
+    stepped_aside = ~torch.isfinite(x).any(-1)  # [R]
+    x = torch.where(stepped_aside[:, None], before, x)
+    if idx is None:
+        scores.copy_(x)
+    else:
+        scores.index_copy_(0, idx, x)
+    return rows, stepped_aside
+
+
 def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]:
     """logits [B, V] (any float dtype, any device) -> one token id per row, row b drawn by samplers[b] and
     recorded as its output. One pass over all rows on the logits' device, one host sync."""
     if len(samplers) != logits.shape[0]:
         raise ValueError(f"{len(samplers)} samplers for {logits.shape[0]} rows of logits")
     scores = logits.detach().to(torch.float32, copy=True)  # [B, V]: one copy, whatever the dtype
-    for row, s in enumerate(samplers):
-        if s.restricted:
-            s.restrict(scores[row])
+    restricted, stepped_aside = _restrict(samplers, scores)
     _penalize(samplers, scores)
     tokens = scores.argmax(-1)  # [B]: the greedy rows' answer (first index on ties)
     rows = [i for i, s in enumerate(samplers) if not s.greedy]
@@ -273,6 +327,9 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
     if tokens.is_cuda:  # wait with the GIL released (.tolist() would hold it): the HTTP thread runs meanwhile
         torch.cuda.current_stream(tokens.device).synchronize()
     out = tokens.tolist()
+    if stepped_aside is not None and any(aside := stepped_aside.tolist()):  # no wait: the GPU is done
+        log.warning("allowed_token_ids / bad_words / logit_bias leave no token allowed in rows %s: not applied",
+                    [row for row, a in zip(restricted, aside, strict=True) if a])  # fmt: skip
     for s, t in zip(samplers, out, strict=True):
         s.record(t)
     return out
