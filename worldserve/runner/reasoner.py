@@ -48,7 +48,7 @@ from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence,
 from worldserve.runner.chat_admission import ChatAdmission
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
-from worldserve.runner.reasoner_session import ReasonerSession
+from worldserve.runner.reasoner_session import ReasonerSession, batch_logprobs
 from worldserve.runner.step_budget import StepBudget, decoding
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
@@ -251,15 +251,21 @@ class Reasoner(ChatAdmission):
     def _sample_and_decode(self, sessions: Sequence[ReasonerSession]) -> list[ChatDelta]:
         """Sample every ready session's token at once, then one batched decode of the unfinished ones."""
         ready = [s for s in sessions if not (s.preempted or s.prefilling)]
+        logprobs: dict = {}
         if ready:
             drawn = sample_tokens([s.sampler for s in ready], torch.stack([s.pending_logits for s in ready]))
             tokens = dict(zip(map(id, ready), drawn, strict=True))
+            wanting = [(s, t) for s, t in zip(ready, drawn, strict=True) if s.top_logprobs is not None]
+            if wanting:  # every chat asking for logprobs, in one pass
+                entries = batch_logprobs(self.tokenizer, [s.logprob_logits for s, _ in wanting],
+                                         [t for _, t in wanting], [s.top_logprobs for s, _ in wanting])  # fmt: skip
+                logprobs = {id(s): e for (s, _), e in zip(wanting, entries, strict=True)}
         deltas, pending = [], []
         for s in sessions:
             if s.preempted or s.prefilling:
                 deltas.append(s.idle_delta())
                 continue
-            delta, decode = s.advance(tokens[id(s)])
+            delta, decode = s.advance(tokens[id(s)], logprobs.get(id(s)))
             deltas.append(delta)
             if decode is not None:
                 pending.append((s, decode))

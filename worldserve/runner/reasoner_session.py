@@ -45,7 +45,7 @@ from torch import Tensor
 from worldserve.chat_params import THINK_END, THINK_START
 from worldserve.engine.outputs import ChatDelta, TokenLogprob
 from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
-from worldserve.sampling.tokens import TokenSampler
+from worldserve.sampling.tokens import TokenSampler, host_to
 
 if TYPE_CHECKING:
     from worldserve.runner.chat_prompt import ChatPrompt
@@ -200,16 +200,27 @@ class ReasonerSession:
         as vLLM applies the grammar's mask before it computes them)."""
         return logits if self.grammar is None else self.grammar.constrain(logits)
 
-    def advance(self, token: int) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
+    @property
+    def logprob_logits(self) -> Tensor | None:
+        """[V]: the logits the next token's log-probabilities are reported under (the grammar's mask applied,
+        as vLLM applies it; not min_tokens' nor the sampler's rules)."""
+        return self._logits
+
+    def advance(
+        self, token: int, logprob: TokenLogprob | None = None
+    ) -> tuple[ChatDelta, tuple[int, Any, int] | None]:
         """Take `token`, sampled from the pending logits by this session's sampler (step_all samples every
         session at once), and update the text: (delta, the decode step to run next as (token, paged sequence,
         position) for Reasoner.decode_many, or None once finished). The caller runs it and hands its logits
-        to `receive`."""
+        to `receive`. `logprob`: the token's entry when top_logprobs is set (step_all computes every
+        session's at once with batch_logprobs; computed here when not given)."""
         if self.finish_reason is not None or self._logits is None:
             raise RuntimeError("the session is finished")
         finished = (token in self._r.stop_token_ids and not self.ignore_eos) or token in self.stop_token_ids
         # every sampled token has its entry, the ending one too (vLLM's logprobs parallel its token ids)
-        logprobs = () if self.top_logprobs is None else (self._logprob(self._logits, token),)
+        if self.top_logprobs is not None and logprob is None:
+            logprob = batch_logprobs(self._r.tokenizer, [self._logits], [token], [self.top_logprobs])[0]
+        logprobs = () if logprob is None else (logprob,)
         before = len(self._text) + len(self._tail)
         if finished:
             self._ended_by_token = True
@@ -301,11 +312,6 @@ class ReasonerSession:
         found = [(i + len(s), n, i, s) for n, s, i in starts if i >= 0]
         return min(found)[2:] if found else (-1, None)
 
-    def _logprob(self, logits: Tensor, token: int) -> TokenLogprob:
-        """The token's log-probability under the raw logits, and the top alternatives."""
-        lp = torch.log_softmax(logits.detach().float(), dim=-1)
-        return token_logprob(self._r.tokenizer, lp, token, self.top_logprobs or 0)
-
 
 def thought_tokens(ids: Sequence[int], tokenizer: Any, skip_special_tokens: bool = True) -> int:
     """The tokens of an answer's thoughts, as --reasoning-parser qwen3 splits the answer (api/reasoning.py) and
@@ -324,13 +330,23 @@ def thought_tokens(ids: Sequence[int], tokenizer: Any, skip_special_tokens: bool
     return 0
 
 
-def token_logprob(tokenizer: Any, lp: Tensor, token: int, top: int) -> TokenLogprob:
-    """`token`'s entry in the log-probabilities `lp` [V], with the `top` most likely tokens."""
-    alternatives = ()
-    if top:
-        vals, ids = torch.topk(lp, top)
-        alternatives = tuple((tokenizer.decode([int(i)]), float(v)) for v, i in zip(vals, ids, strict=True))
-    return TokenLogprob(token=tokenizer.decode([token]), logprob=float(lp[token]), top=alternatives)
+def batch_logprobs(
+    tokenizer: Any, logits: Sequence[Tensor], tokens: Sequence[int], tops: Sequence[int]
+) -> list:
+    """Each row's TokenLogprob: tokens[r]'s log-probability under logits[r] [V] with the tops[r] most likely
+    tokens, all rows in one pass on the device and one read back (not a read per value)."""
+    lp = torch.log_softmax(torch.stack([x.detach() for x in logits]).float(), dim=-1)  # [R, V]
+    chosen = lp.gather(1, host_to(list(tokens), torch.long, lp.device)[:, None])  # [R, 1]
+    k = max(tops)
+    vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # [R, k]
+    if lp.is_cuda:  # wait with the GIL released (.tolist() would hold it)
+        torch.cuda.current_stream(lp.device).synchronize()
+    rows = zip(tokens, tops, chosen[:, 0].tolist(), vals.tolist(), ids.tolist(), strict=True)
+    return [
+        TokenLogprob(token=tokenizer.decode([token]), logprob=value,
+                     top=tuple((tokenizer.decode([i]), v) for v, i in zip(row_vals[:top], row_ids[:top], strict=True)))
+        for token, top, value, row_vals, row_ids in rows
+    ]  # fmt: skip
 
 
 PROMPT_LOGPROB_ROWS = 256
@@ -346,7 +362,9 @@ def prompt_logprobs(transformer: Any, tokenizer: Any, ids: Sequence[int], hidden
     for start in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
         end = min(start + PROMPT_LOGPROB_ROWS, len(ids) - 1)
         lp = torch.log_softmax(transformer.compute_logits(hidden[start:end]).float(), dim=-1)  # [r, V]
-        nxt = torch.tensor(ids[start + 1 : end + 1], device=lp.device)  # [r]: the token each row predicts
+        nxt = host_to(
+            list(ids[start + 1 : end + 1]), torch.long, lp.device
+        )  # [r]: the token each row predicts
         chosen = lp.gather(1, nxt[:, None])  # [r, 1]
         ranks = ((lp > chosen).sum(-1) + 1).tolist()  # [r]: 1 = the most likely
         vals, alts = torch.topk(lp, top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())  # [r, top]

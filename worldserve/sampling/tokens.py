@@ -149,8 +149,8 @@ class TokenSampler:
             return self._counts
         counts = torch.zeros(1, vocab, dtype=torch.float32, device=device)
         if self.output_counts:
-            ids = _host_to(list(self.output_counts), torch.long, device)
-            counts[0, ids] = _host_to(list(self.output_counts.values()), torch.float32, device)
+            ids = host_to(list(self.output_counts), torch.long, device)
+            counts[0, ids] = host_to(list(self.output_counts.values()), torch.float32, device)
         self._counts, self._unsynced = (counts, 0), []
         return self._counts
 
@@ -159,7 +159,7 @@ class TokenSampler:
         if self._prompt_mask is None or self._prompt_mask.device != device:
             self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
             if self.prompt_ids:
-                self._prompt_mask[_host_to(list(self.prompt_ids), torch.long, device)] = True
+                self._prompt_mask[host_to(list(self.prompt_ids), torch.long, device)] = True
         return self._prompt_mask
 
     def penalize(self, logits: Tensor) -> Tensor:
@@ -180,7 +180,7 @@ TOPK_FAST_PATH = 1024
 """When every sampled row has 0 < top_k <= this, only the top max(k) candidates are sorted (torch.topk)."""
 
 
-def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+def host_to(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy: a
     plain torch.tensor(..., device="cuda") waits for all queued GPU work (the decode step's graph) while
     holding the GIL, which stalls the HTTP server's thread for that long."""
@@ -194,7 +194,7 @@ def _rows(
     """(index tensor of the wanted rows or None when they are all rows, those rows of scores)."""
     if len(wanted) == scores.shape[0]:
         return None, scores
-    idx = _host_to(wanted, torch.long, scores.device)
+    idx = host_to(wanted, torch.long, scores.device)
     return idx, scores.index_select(0, idx)
 
 
@@ -213,7 +213,7 @@ def _batch_counts(sub: Sequence[TokenSampler], vocab: int, device: torch.device)
             s._counts = (slab, p)
     pending = [(p, t) for p, s in enumerate(sub) for t in s._unsynced]
     if pending:
-        flat = _host_to([p * vocab + t for p, t in pending], torch.long, device)  # [N]: row * V + token
+        flat = host_to([p * vocab + t for p, t in pending], torch.long, device)  # [N]: row * V + token
         slab.view(-1).index_add_(0, flat, torch.ones(len(pending), device=device))  # one kernel, no sort
         for s in sub:
             s._unsynced.clear()
@@ -229,7 +229,7 @@ def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
     sub = [samplers[i] for i in rows]
     idx, x = _rows(samplers, rows, scores)  # [P, V]
     knobs = [[s.repetition_penalty, s.frequency_penalty, s.presence_penalty] for s in sub]
-    r, freq, pres = _host_to(knobs, torch.float32, device).unbind(1)  # [P] each
+    r, freq, pres = host_to(knobs, torch.float32, device).unbind(1)  # [P] each
     counts = _batch_counts(sub, vocab, device)  # [P, V]
     if any(s.repetition_penalty != 1.0 for s in sub):
         seen = _stacked([s.prompt_mask(vocab, device) for s in sub]) | (counts > 0)  # [P, V]
@@ -280,7 +280,7 @@ def _restrict(samplers: Sequence[TokenSampler], scores: Tensor) -> tuple[list[in
         x.masked_fill_(forbidden, float("-inf"))
     banned = [(r, t) for r, s in enumerate(sub) for t in s.banned_now()]
     if banned:
-        at = _host_to(banned, torch.long, device)  # [N, 2]: (row of sub, token)
+        at = host_to(banned, torch.long, device)  # [N, 2]: (row of sub, token)
         x[at[:, 0], at[:, 1]] = float("-inf")
     stepped_aside = ~torch.isfinite(x).any(-1)  # [R]
     x = torch.where(stepped_aside[:, None], before, x)
@@ -308,7 +308,7 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
         # per row: temperature, top_k, top_p (inf: off), a uniform draw from the request's generator, min_p
         knobs = [[s.temperature, k, s.top_p if s.top_p < 1 else float("inf"),
                   float(torch.rand((), generator=s.generator)), s.min_p] for s, k in zip(sub, ks, strict=True)]  # fmt: skip
-        temp, k, p, u, min_p = _host_to(knobs, torch.float32, scores.device).unbind(1)  # [S] each
+        temp, k, p, u, min_p = host_to(knobs, torch.float32, scores.device).unbind(1)  # [S] each
         idx, x = _rows(samplers, rows, scores)
         x = x / temp[:, None]  # [S, V]
         vals, order = _sorted_candidates(x, k, max(ks))  # [S, n] each, descending
