@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from worldserve.runner.reasoner_session import ReasonerSession
+from worldserve.runner.reasoner_session import ReasonerSession, TokenTexts
 
 EOS = 301
 MERGED = {300: b"P\xe4"}
@@ -39,6 +39,7 @@ class NoPrefixCache:
 
 class FakeReasoner:
     tokenizer = ByteTokenizer()
+    token_texts = TokenTexts(tokenizer)
     stop_token_ids = frozenset({EOS})
     prefiller = NoPrefixCache()
 

@@ -303,13 +303,13 @@ def test_penalized_rows_batched_as_chats_come_and_go_equal_each_row_alone(device
 def test_batched_logprobs_equal_each_rows_log_softmax(reasoner, device):
     """batch_logprobs (every chat's sampled-token logprobs in one pass): each row's value and its own number
     of alternatives, as log_softmax of that row alone gives them."""
-    from worldserve.runner.reasoner_session import batch_logprobs
+    from worldserve.runner.reasoner_session import TokenTexts, batch_logprobs
 
     g = torch.Generator().manual_seed(2)
     vocab = len(reasoner.tokenizer)
     rows = [(torch.randn(vocab, generator=g) * 4).to(device) for _ in range(3)]
     tokens, tops = [5, 17, 40], [0, 2, 5]
-    entries = batch_logprobs(reasoner.tokenizer, rows, tokens, tops)
+    entries = batch_logprobs(TokenTexts(reasoner.tokenizer), rows, tokens, tops)
     for row, token, top, e in zip(rows, tokens, tops, entries, strict=True):
         lp = torch.log_softmax(row.float().cpu(), -1)
         assert e.token == reasoner.tokenizer.decode([token]) and e.logprob == pytest.approx(

@@ -235,7 +235,7 @@ class ChatAdmission:
         session.defer_stops_past_thoughts(params.stops_after_thoughts)
         if params.prompt_logprobs is not None:
             session.prompt_logprobs = prompt_logprobs(
-                self.transformer, self.tokenizer, prompt.input_ids, hidden, params.prompt_logprobs
+                self.transformer, self.token_texts, prompt.input_ids, hidden, params.prompt_logprobs
             )
         self._started += 1
         self._open.append(session)  # counted once it exists: its close() takes it back (forget)

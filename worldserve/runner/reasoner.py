@@ -48,7 +48,7 @@ from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence,
 from worldserve.runner.chat_admission import ChatAdmission
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
-from worldserve.runner.reasoner_session import ReasonerSession, batch_logprobs
+from worldserve.runner.reasoner_session import ReasonerSession, TokenTexts, batch_logprobs
 from worldserve.runner.step_budget import StepBudget, decoding
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
@@ -98,6 +98,7 @@ class Reasoner(ChatAdmission):
         self.transformer = transformer
         self.share = ChatGpuShare(transformer, sm_margin=chat_sm_margin)  # chats beside video (chat_share.py)
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # logprobs' token texts, decoded once an id
         self.vision = vision
         self.image_token_id = image_token_id
         self.video_token_id = (
@@ -257,7 +258,7 @@ class Reasoner(ChatAdmission):
             tokens = dict(zip(map(id, ready), drawn, strict=True))
             wanting = [(s, t) for s, t in zip(ready, drawn, strict=True) if s.top_logprobs is not None]
             if wanting:  # every chat asking for logprobs, in one pass
-                entries = batch_logprobs(self.tokenizer, [s.logprob_logits for s, _ in wanting],
+                entries = batch_logprobs(self.token_texts, [s.logprob_logits for s, _ in wanting],
                                          [t for _, t in wanting], [s.top_logprobs for s, _ in wanting])  # fmt: skip
                 logprobs = {id(s): e for (s, _), e in zip(wanting, entries, strict=True)}
         deltas, pending = [], []

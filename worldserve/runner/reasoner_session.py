@@ -219,7 +219,7 @@ class ReasonerSession:
         finished = (token in self._r.stop_token_ids and not self.ignore_eos) or token in self.stop_token_ids
         # every sampled token has its entry, the ending one too (vLLM's logprobs parallel its token ids)
         if self.top_logprobs is not None and logprob is None:
-            logprob = batch_logprobs(self._r.tokenizer, [self._logits], [token], [self.top_logprobs])[0]
+            logprob = batch_logprobs(self._r.token_texts, [self._logits], [token], [self.top_logprobs])[0]
         logprobs = () if logprob is None else (logprob,)
         before = len(self._text) + len(self._tail)
         if finished:
@@ -330,9 +330,24 @@ def thought_tokens(ids: Sequence[int], tokenizer: Any, skip_special_tokens: bool
     return 0
 
 
+class TokenTexts:
+    """Each token id's text decoded alone (the `token` of a logprobs entry and its alternatives), decoded once
+    per id: 32 chats with 5 alternatives each would otherwise take ~200 tokenizer calls a step."""
+
+    def __init__(self, tokenizer: Any):
+        self._decode = tokenizer.decode
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._decode([token])
+        return text
+
+
 def batch_logprobs(
-    tokenizer: Any, logits: Sequence[Tensor], tokens: Sequence[int], tops: Sequence[int]
-) -> list:
+    texts: TokenTexts, logits: Sequence[Tensor], tokens: Sequence[int], tops: Sequence[int]
+) -> list[TokenLogprob]:
     """Each row's TokenLogprob: tokens[r]'s log-probability under logits[r] [V] with the tops[r] most likely
     tokens, all rows in one pass on the device and one read back (not a read per value)."""
     lp = torch.log_softmax(torch.stack([x.detach() for x in logits]).float(), dim=-1)  # [R, V]
@@ -343,8 +358,8 @@ def batch_logprobs(
         torch.cuda.current_stream(lp.device).synchronize()
     rows = zip(tokens, tops, chosen[:, 0].tolist(), vals.tolist(), ids.tolist(), strict=True)
     return [
-        TokenLogprob(token=tokenizer.decode([token]), logprob=value,
-                     top=tuple((tokenizer.decode([i]), v) for v, i in zip(row_vals[:top], row_ids[:top], strict=True)))
+        TokenLogprob(token=texts(token), logprob=value,
+                     top=tuple((texts(i), v) for v, i in zip(row_vals[:top], row_ids[:top], strict=True)))
         for token, top, value, row_vals, row_ids in rows
     ]  # fmt: skip
 
@@ -353,12 +368,14 @@ PROMPT_LOGPROB_ROWS = 256
 """Prompt positions whose logits are computed at once for prompt logprobs (~150 MB of float32 on Nano)."""
 
 
-def prompt_logprobs(transformer: Any, tokenizer: Any, ids: Sequence[int], hidden: Tensor, top: int) -> tuple:
+def prompt_logprobs(
+    transformer: Any, texts: TokenTexts, ids: Sequence[int], hidden: Tensor, top: int
+) -> tuple:
     """Each prompt token's TokenLogprob under the tokens before it, with `top` alternatives (the first
     token's logprob None): the prefill's final-normed hidden rows [N, d] through the LM head,
     PROMPT_LOGPROB_ROWS at a time (a row of logits is the vocabulary wide); only the chosen and top values
     leave the device."""
-    out = [TokenLogprob(token=tokenizer.decode([ids[0]]), logprob=None, token_id=ids[0])]
+    out = [TokenLogprob(token=texts(ids[0]), logprob=None, token_id=ids[0])]
     for start in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
         end = min(start + PROMPT_LOGPROB_ROWS, len(ids) - 1)
         lp = torch.log_softmax(transformer.compute_logits(hidden[start:end]).float(), dim=-1)  # [r, V]
@@ -370,7 +387,7 @@ def prompt_logprobs(transformer: Any, tokenizer: Any, ids: Sequence[int], hidden
         vals, alts = torch.topk(lp, top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())  # [r, top]
         rows = zip(nxt.tolist(), chosen[:, 0].tolist(), ranks, vals.tolist(), alts.tolist(), strict=True)
         for tok, value, rank, row_vals, row_alts in rows:
-            alternatives = tuple((tokenizer.decode([a]), v) for v, a in zip(row_vals, row_alts, strict=True))
-            out.append(TokenLogprob(token=tokenizer.decode([tok]), logprob=value, top=alternatives, token_id=tok,
+            alternatives = tuple((texts(a), v) for v, a in zip(row_vals, row_alts, strict=True))
+            out.append(TokenLogprob(token=texts(tok), logprob=value, top=alternatives, token_id=tok,
                                     rank=rank, top_ids=tuple(row_alts)))  # fmt: skip
     return tuple(out)
