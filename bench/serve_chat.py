@@ -7,8 +7,11 @@ the completion tokens per second in all and per chat, next to the decode step's 
 (bench/reasoner_decode.py). A max_tokens=1 chat gives the time to first token (prefill + HTTP). A small
 video (/v1/videos/sync, 256x256, 9 frames, 2 steps) checks that video generation shares the process; with
 --beside-video, chats are also timed while a video job denoises (runner/chat_share.py); --stream sends every
-chat as server-sent events; --structured times the chats again under a JSON schema (structured outputs). Last,
-the K/V metrics from /metrics. Everything the server does is the product's code path: paged K/V pool,
+chat as server-sent events (each chat's time per token after its first content chunk is reported too);
+--text-tokens restricts the chats to the tokenizer's letters (allowed_token_ids) so that every token is a
+content chunk; --logprobs N asks for logprobs; --repeat N runs each concurrency N times (median);
+--structured times the chats again under a JSON schema (structured outputs). Last, the K/V metrics from
+/metrics. Everything the server does is the product's code path: paged K/V pool,
 CUDA-graphed decode, batched sampling, incremental detokenization, SSE-free JSON responses.
 
 --random-nano DIR writes (once) a full-size random Nano checkpoint with the tiny byte tokenizer
@@ -61,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--repeat", type=int, default=1, help="rounds of each --concurrency; the median is reported"
     )
+    ap.add_argument("--logprobs", type=int, default=None, metavar="N",
+                    help="every chat asks for logprobs with N top alternatives (0-20)")  # fmt: skip
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra flag for serve (repeatable)")
@@ -109,6 +114,8 @@ STREAM = False
 """--stream: every chat as server-sent events (usage from the last chunk), as most chat clients call it."""
 ONLY_TOKENS: list[int] | None = None
 """--text-tokens: the ids every chat may sample (allowed_token_ids), each one a visible character."""
+TOP_LOGPROBS: int | None = None
+"""--logprobs N: every chat asks for its tokens' logprobs with N alternatives."""
 
 
 def chat(url: str, model: str, max_tokens: int, i: int, extra: dict | None = None) -> dict:
@@ -118,6 +125,8 @@ def chat(url: str, model: str, max_tokens: int, i: int, extra: dict | None = Non
             "messages": [{"role": "user", "content": f"Describe scene {i} of a fox in the snow."}]}  # fmt: skip
     if ONLY_TOKENS is not None:
         body["allowed_token_ids"] = ONLY_TOKENS
+    if TOP_LOGPROBS is not None:
+        body |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
     t0 = time.perf_counter()
     if not STREAM:
         r = HTTP.post(url + "/v1/chat/completions", json=body, timeout=600)
@@ -345,8 +354,8 @@ def metric(text: str, name: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    global STREAM
-    STREAM = args.stream
+    global STREAM, TOP_LOGPROBS
+    STREAM, TOP_LOGPROBS = args.stream, args.logprobs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model = args.model
     if args.random_nano is not None:
