@@ -16,6 +16,7 @@ import random
 import torch
 
 from worldserve.runner.reasoner_session import ReasonerSession, TokenTexts
+from worldserve.sampling.tokens import TokenSampler
 
 EOS = 301
 MERGED = {300: b"P\xe4"}
@@ -57,7 +58,7 @@ class FakePrompt:
 
 
 def run_session(tokens, stop, max_tokens, keep=False):
-    s = ReasonerSession(FakeReasoner(), None, FakeSeq(), torch.zeros(1), 0, prompt=FakePrompt(), started=1,
+    s = ReasonerSession(FakeReasoner(), TokenSampler(), FakeSeq(), torch.zeros(1), 0, prompt=FakePrompt(), started=1,
                         max_tokens=max_tokens, stop=stop, ends=(False, 0, (), keep))  # fmt: skip
     out = []
     for t in tokens:
@@ -116,7 +117,7 @@ def test_a_stop_token_id_is_output_as_vllm_outputs_it():
     leave it out and completion_tokens count it."""
     tokens = [*b"abc", ord("X")]
     for keep, text, reason in ((False, "abc", ord("X")), (True, "abcX", "cX")):
-        s = ReasonerSession(FakeReasoner(), None, FakeSeq(), torch.zeros(302), 0, prompt=FakePrompt(), started=1,
+        s = ReasonerSession(FakeReasoner(), TokenSampler(), FakeSeq(), torch.zeros(302), 0, prompt=FakePrompt(), started=1,
                             max_tokens=9, stop=("cX",), top_logprobs=0, ends=(False, 0, (ord("X"),), keep))  # fmt: skip
         deltas = []
         for t in tokens:
@@ -135,7 +136,7 @@ def test_stop_strings_end_the_answer_not_its_thoughts():
     would straddle it); an answer without thoughts stops as before; without the option, the first match wins."""
 
     def run(text, defer, stop=("STOP",)):
-        s = ReasonerSession(FakeReasoner(), None, FakeSeq(), torch.zeros(1), 0, prompt=FakePrompt(), started=1,
+        s = ReasonerSession(FakeReasoner(), TokenSampler(), FakeSeq(), torch.zeros(1), 0, prompt=FakePrompt(), started=1,
                             max_tokens=len(text), stop=stop)  # fmt: skip
         s.defer_stops_past_thoughts(defer)
         out = []

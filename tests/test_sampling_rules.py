@@ -240,6 +240,25 @@ def test_rules_step_aside_only_in_the_rows_they_would_empty(device):
         logger.removeHandler(handler)
     assert tokens == [int(logits[0].argmax()), 41, int(logits[2].argmax())]
     assert len(warnings) == 1 and "rows [0]" in warnings[0], warnings
+    # every row restricted, a bias beside the rule that steps aside: that row's scores stay as they were
+    biased = [TokenSampler(temperature=0, allowed_token_ids=(3, 5), logit_bias=((40, 100.0),)),
+              TokenSampler(temperature=0, logit_bias=((7, 1000.0),))]  # fmt: skip
+    assert sample_tokens(biased, logits[:2].to(device)) == [int(logits[0].argmax()), 7]
+
+
+def test_chats_preempted_or_closed_let_go_of_their_batchs_counts():
+    """A chat out of the batch keeps no reference to the batch's [P, V] counts slab (which would keep it
+    alive); its counts come back from the host's when it samples again."""
+    samplers = [TokenSampler(temperature=0, presence_penalty=1.0) for _ in range(3)]
+    logits = _logits(5).repeat(3, 1)
+    sample_tokens(samplers, logits)
+    sample_tokens(samplers, logits)  # the slab of the three, in place
+    slab = samplers[0]._counts[0]
+    assert all(s._counts[0] is slab for s in samplers)
+    samplers[2].drop_device_counts()
+    assert samplers[2]._counts is None
+    first = samplers[2].penalize(torch.zeros(V))  # rebuilt from output_counts: the two tokens it drew
+    assert (first < 0).sum() == len(samplers[2].output_counts) > 0
 
 
 def test_a_streamed_chat_tells_the_stop_string_it_hit(reasoner_url):

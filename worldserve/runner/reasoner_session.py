@@ -158,6 +158,7 @@ class ReasonerSession:
         self._r.prefiller.register(self._prompt, self.token_ids, self._seq)
         self._seq.release()
         self._seq, self._logits = None, None
+        self._sampler.drop_device_counts()  # out of the batch until its resume
 
     def resume(self, budget: int | None = None) -> bool:
         """Prefill the prompt + the tokens produced so far again (at most `budget` tokens now: chunked, the
@@ -186,6 +187,7 @@ class ReasonerSession:
             self._seq = None
         if not self._closed:
             self._closed = True
+            self._sampler.drop_device_counts()
             self._r.forget(self)
 
     # ------------------------------------------------------------------ one token

@@ -15,8 +15,8 @@ tokens tied with the k-th, as vLLM does; with every k <= 1024 only the top max(k
 (keep the smallest prefix of the sorted probabilities whose mass reaches p; the top token always stays),
 then inverse-CDF sampling with one uniform number drawn from the request's CPU `torch.Generator` (seeded
 with the request's seed): a seeded request gives the same tokens on every run, on any device. Every
-sampled token counts as output for the next call; its count also lives on the logits' device (one [B, V] slab
-per batch, updated in place while the batch stays the same), so the penalties of a step cost no host work
+sampled token counts as output for the next call; its count also lives on the logits' device (one [P, V] slab
+per batch of penalized rows, updated in place while the batch stays the same), so the penalties of a step cost no host work
 that grows with the text or kernels that grow with the batch. Only the drawn tokens are read back (and, with
 top-k, one tie count): the rules add no host sync. A row its allowed_token_ids / bad_words / logit_bias would
 leave with no token keeps its scores for that token (chosen on the device; the warning is read afterwards).
@@ -153,6 +153,12 @@ class TokenSampler:
             counts[0, ids] = host_to(list(self.output_counts.values()), torch.float32, device)
         self._counts, self._unsynced = (counts, 0), []
         return self._counts
+
+    def drop_device_counts(self) -> None:
+        """Let go of its row of a batch's counts slab (a chat preempted or done: out of the batch for a while or
+        for good, its reference would keep the whole [P, V] slab alive); rebuilt from output_counts if needed."""
+        self._counts = None
+        self._unsynced.clear()
 
     def prompt_mask(self, vocab: int, device: torch.device) -> Tensor:
         """[V] bool: the prompt's tokens (with the output so far, what repetition_penalty discounts)."""
