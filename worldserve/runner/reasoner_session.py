@@ -351,7 +351,9 @@ def batch_logprobs(
     texts: TokenTexts, logits: Sequence[Tensor], tokens: Sequence[int], tops: Sequence[int]
 ) -> list[TokenLogprob]:
     """Each row's TokenLogprob: tokens[r]'s log-probability under logits[r] [V] with the tops[r] most likely
-    tokens, all rows in one pass on the device and one read back (not a read per value)."""
+    tokens, all rows in one pass on the device and one read back (not a read per value). The alternatives are
+    the batch's largest top-k cut to each row's count, as vLLM takes them: among tokens tied at a row's cut,
+    which ones are listed may depend on the batch (their values do not)."""
     lp = torch.log_softmax(torch.stack([x.detach() for x in logits]).float(), dim=-1)  # [R, V]
     chosen = lp.gather(1, host_to(list(tokens), torch.long, lp.device)[:, None])  # [R, 1]
     k = max(tops)
