@@ -114,7 +114,7 @@ class ReasonerSession:
             return self._logits
         if self._ends is None:
             ids = sorted((set() if self.ignore_eos else set(self._r.stop_token_ids)) | self.stop_token_ids)
-            self._ends = torch.tensor(ids, dtype=torch.long, device=self._logits.device)
+            self._ends = host_to(ids, torch.long, self._logits.device)  # no wait for the queued GPU work
         masked = self._logits.index_fill(0, self._ends, float("-inf"))
         if self.grammar is not None and not bool(torch.isfinite(masked).any()):  # a host read: grammars only
             return self._logits

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -96,9 +97,9 @@ class UndDecoder:
     def _fill(self, tokens: Sequence[int], seqs: Sequence[PagedSequence], positions: Sequence[int], b: int):
         """Copy the step's host metadata into the static buffers; rows past len(seqs) become padding."""
         n = len(seqs)
-        table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
+        table = np.zeros((b, self.max_blocks), dtype=np.int32)  # filled by numpy: no tensor a row
         for r, s in enumerate(seqs):
-            table[r, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+            table[r, : len(s.blocks)] = s.blocks
         pad = b - n
         ids = torch.tensor([*tokens, *([0] * pad)], dtype=torch.long)
         pos = torch.tensor([*(float(p) for p in positions), *([0.0] * pad)], dtype=torch.float32)
@@ -108,7 +109,7 @@ class UndDecoder:
         self.positions[:, :b].copy_(pos.expand(3, -1), non_blocking=True)
         self.slots[:b].copy_(slots, non_blocking=True)
         self.lens[:b].copy_(lens, non_blocking=True)
-        self.table[:b].copy_(table, non_blocking=True)
+        self.table[:b].copy_(torch.from_numpy(table), non_blocking=True)
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], seqs: Sequence[PagedSequence], positions: Sequence[int]) -> Tensor:
