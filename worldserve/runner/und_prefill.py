@@ -40,6 +40,7 @@ from worldserve.runner.chat_prompt import ChatPrompt
 from worldserve.runner.encoder_cache import EncoderCache, select_items
 from worldserve.runner.prefill_graphs import PrefillGraphs
 from worldserve.runner.prefix_hashes import block_hashes, shared_blocks
+from worldserve.sampling.tokens import host_to
 
 if TYPE_CHECKING:
     from worldserve.chat_params import ChatParams
@@ -139,7 +140,9 @@ class UndPrefill:
         visual = any(vit)
         for seq, (prompt, generated), end, vit_left in zip(seqs, items, ends, vit, strict=True):
             start = seq.length
-            every = torch.tensor(prompt.input_ids + list(generated), dtype=torch.long, device=model.device)
+            every = host_to(
+                prompt.input_ids + list(generated), torch.long, model.device
+            )  # no wait for the GPU
             ids.append(every[start:end])
             after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
             positions.append(
@@ -155,7 +158,7 @@ class UndPrefill:
                 embeds.append(model.embed_tokens(ids[-1]))
             offset += ids[-1].numel()
         batch = UndBatch(
-            input_ids=torch.cat(ids), positions=torch.cat(positions, dim=1).to(model.device),
+            input_ids=torch.cat(ids), positions=host_to(torch.cat(positions, dim=1), torch.float32, model.device),
             seq_lens=tuple(x.numel() for x in ids), inputs_embeds=torch.cat(embeds) if visual else None,
             deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack, strict=True)),
             visual_rows=torch.cat(rows) if rows else None,

@@ -186,11 +186,11 @@ TOPK_FAST_PATH = 1024
 """When every sampled row has 0 < top_k <= this, only the top max(k) candidates are sorted (torch.topk)."""
 
 
-def host_to(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy: a
-    plain torch.tensor(..., device="cuda") waits for all queued GPU work (the decode step's graph) while
-    holding the GIL, which stalls the HTTP server's thread for that long."""
-    t = torch.tensor(values, dtype=dtype)
+def host_to(values: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list (or CPU tensor) as a tensor on `device`. On CUDA through pinned memory and a non-blocking
+    copy: a plain torch.tensor(..., device="cuda") or .to("cuda") waits for all queued GPU work (the decode
+    step's graph) while holding the GIL, which stalls the HTTP server's thread for that long."""
+    t = torch.as_tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
