@@ -383,13 +383,11 @@ def prompt_logprobs(
     for start in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
         end = min(start + PROMPT_LOGPROB_ROWS, len(ids) - 1)
         lp = torch.log_softmax(transformer.compute_logits(hidden[start:end]).float(), dim=-1)  # [r, V]
-        nxt = host_to(
-            list(ids[start + 1 : end + 1]), torch.long, lp.device
-        )  # [r]: the token each row predicts
-        chosen = lp.gather(1, nxt[:, None])  # [r, 1]
+        targets = list(ids[start + 1 : end + 1])  # the token each row predicts
+        chosen = lp.gather(1, host_to(targets, torch.long, lp.device)[:, None])  # [r, 1]
         ranks = ((lp > chosen).sum(-1) + 1).tolist()  # [r]: 1 = the most likely
         vals, alts = torch.topk(lp, top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())  # [r, top]
-        rows = zip(nxt.tolist(), chosen[:, 0].tolist(), ranks, vals.tolist(), alts.tolist(), strict=True)
+        rows = zip(targets, chosen[:, 0].tolist(), ranks, vals.tolist(), alts.tolist(), strict=True)
         for tok, value, rank, row_vals, row_alts in rows:
             alternatives = tuple((texts(a), v) for v, a in zip(row_vals, row_alts, strict=True))
             out.append(TokenLogprob(token=texts(tok), logprob=value, top=alternatives, token_id=tok,

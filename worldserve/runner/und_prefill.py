@@ -140,9 +140,8 @@ class UndPrefill:
         visual = any(vit)
         for seq, (prompt, generated), end, vit_left in zip(seqs, items, ends, vit, strict=True):
             start = seq.length
-            every = host_to(
-                prompt.input_ids + list(generated), torch.long, model.device
-            )  # no wait for the GPU
+            # pinned and non-blocking: no wait for the decode step queued before this pass
+            every = host_to(prompt.input_ids + list(generated), torch.long, model.device)
             ids.append(every[start:end])
             after = prompt.next_position + torch.arange(len(generated), dtype=torch.float32)
             positions.append(

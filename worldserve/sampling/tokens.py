@@ -204,6 +204,14 @@ def _rows(
     return idx, scores.index_select(0, idx)
 
 
+def _put_rows(scores: Tensor, idx: Tensor | None, x: Tensor) -> None:
+    """Write rows x back where _rows took them from (all of scores when idx is None)."""
+    if idx is None:
+        scores.copy_(x)
+    else:
+        scores.index_copy_(0, idx, x)
+
+
 def _batch_counts(sub: Sequence[TokenSampler], vocab: int, device: torch.device) -> Tensor:
     """[P, V] float32: the output counts of these samplers, row p sub[p]'s, up to date.
 
@@ -241,10 +249,7 @@ def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
         seen = _stacked([s.prompt_mask(vocab, device) for s in sub]) | (counts > 0)  # [P, V]
         x = torch.where(seen, torch.where(x > 0, x / r[:, None], x * r[:, None]), x)
     x = x - freq[:, None] * counts - pres[:, None] * (counts > 0)
-    if idx is None:
-        scores.copy_(x)
-    else:
-        scores.index_copy_(0, idx, x)
+    _put_rows(scores, idx, x)
 
 
 def _sorted_candidates(x: Tensor, k: Tensor, k_max: int) -> tuple[Tensor, Tensor]:
@@ -289,11 +294,7 @@ def _restrict(samplers: Sequence[TokenSampler], scores: Tensor) -> tuple[list[in
         at = host_to(banned, torch.long, device)  # [N, 2]: (row of sub, token)
         x[at[:, 0], at[:, 1]] = float("-inf")
     stepped_aside = ~torch.isfinite(x).any(-1)  # [R]
-    x = torch.where(stepped_aside[:, None], before, x)
-    if idx is None:
-        scores.copy_(x)
-    else:
-        scores.index_copy_(0, idx, x)
+    _put_rows(scores, idx, torch.where(stepped_aside[:, None], before, x))
     return rows, stepped_aside
 
 
