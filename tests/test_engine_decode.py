@@ -11,10 +11,12 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from serving_helpers import job_params, make_client, stub_encoder, submit_job, wait_until
 
 from worldserve.engine.client import JobStatus
 from worldserve.engine.fake_backend import FakeBackend, FakeState
+from worldserve.engine.refusals import CancelledRequest
 from worldserve.media.frame_stream import FrameStream
 
 
@@ -279,3 +281,39 @@ def test_an_encoder_base_exception_still_ends_the_job(tmp_path):
 
     done = run(main())
     assert done.status is JobStatus.FAILED and "not an Exception" in done.error_message
+
+
+def test_a_streamed_ephemeral_request_hands_its_frames_over_as_they_decode(tmp_path):
+    """/v1/realtime/video's path: `on_frames` reads the frames in the encode pool while the engine decodes,
+    then the future gets the result; one aborted during its decode stops after the chunk in hand, its
+    reader gets FramesLost, the future CancelledRequest, and nothing is stored."""
+    backend = _SlowDecode()
+    read: dict[str, list[int]] = {}
+
+    def on_frames(name):
+        def reader(result):
+            for chunk in result.frames:
+                read.setdefault(name, []).append(len(chunk))
+
+        return reader
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        _, aborted = client.stream_ephemeral(job_params(frames=97), "rt-aborted", on_frames("rt-aborted"))
+        await asyncio.to_thread(backend.decoding.wait, 5)
+        client.engine.abort("rt-aborted")
+        with pytest.raises(CancelledRequest):
+            await asyncio.wait_for(aborted, 5)
+        request, done = client.stream_ephemeral(
+            job_params(frames=33, seed=2), "rt-done", on_frames("rt-done")
+        )
+        result = await asyncio.wait_for(done, 10)
+        await client.shutdown(5)
+        return request, result
+
+    request, result = run(main())
+    assert len(backend.made["rt-aborted"]) <= 2 and sum(read.get("rt-aborted", [])) < 97
+    assert read["rt-done"] == [1, 16, 16] and backend.made["rt-done"] == [1, 16, 16]
+    assert request.state is None and {"prepare", "diffuse", "decode"} <= set(result.stage_seconds)
+    assert {"rt-aborted", "rt-done"} <= set(backend.released) and not backend.live

@@ -17,8 +17,9 @@ from media_probe import probe_mp4
 from PIL import Image
 
 from worldserve.media.audio import audio_num_samples, fit_audio
+from worldserve.media.frame_stream import FrameStream
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image, encode_png, resize_center_crop
-from worldserve.media.video import encode_mp4, frame_rate, h264_options, write_npz
+from worldserve.media.video import encode_fragments, encode_mp4, frame_rate, h264_options, write_npz
 from worldserve.params import ParamError
 
 SR = 48000
@@ -313,3 +314,52 @@ def test_media_imports_without_torch():
         "import worldserve.media.video, worldserve.media.image, worldserve.media.audio\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _decode_chunks(frames: np.ndarray) -> FrameStream:
+    """`frames` as the VAE hands them out: frame 0, then 16 a chunk."""
+    chunks = [frames[:1]] + [frames[s : s + 16] for s in range(1, len(frames), 16)]
+    return FrameStream(len(frames), frames.shape[1], frames.shape[2], iter(chunks))
+
+
+@pytest.mark.parametrize("num_frames", [1, 17, 41])
+def test_fragments_join_into_the_same_video_as_encode_mp4(num_frames):
+    """encode_fragments: an init segment, then whole fragments (each starting with its chunk's keyframe)
+    once the next chunk is out; the joined parts decode to the frames encode_mp4's file has, with the audio
+    (plus AAC's 1,024 leading samples of encoder delay, which fragmented readers do not trim)."""
+    frames, n = _frames(num_frames), audio_num_samples(num_frames, 24.0, SR)
+    parts = list(
+        encode_fragments(_decode_chunks(frames), 24.0, _sine(n), codec_options={"tune": "zerolatency"})
+    )
+    data = b"".join(part for part, _ in parts)
+    assert parts[0][0][4:8] == b"ftyp" and parts[0][1] == 0
+    assert all(part[4:8] == b"moof" for part, _ in parts[1:])
+    chunk_sizes = [1] + [min(16, num_frames - s) for s in range(1, num_frames, 16)]
+    assert [frames_in for _, frames_in in parts[1:]] == chunk_sizes
+    fragmented, plain = (
+        probe_mp4(data, decode=True),
+        probe_mp4(encode_mp4(frames, 24.0, _sine(n)), decode=True),
+    )
+    assert (fragmented.num_frames, fragmented.fps, fragmented.width, fragmented.height) == (
+        num_frames,
+        24,
+        48,
+        32,
+    )
+    assert (fragmented.audio_codec, fragmented.sample_rate, fragmented.channels) == ("aac", SR, 2)
+    assert np.abs(fragmented.frames.astype(int) - plain.frames.astype(int)).mean() < 2.0
+    assert np.abs(fragmented.frames.astype(int) - frames).mean() < 4.0
+    assert fragmented.audio_samples_decoded == plain.audio_samples_decoded + 1024
+    assert np.abs(fragmented.audio[:, 1024 : 1024 + n] - plain.audio[:, :n]).max() < 1e-3
+
+
+def test_fragments_without_audio_or_zerolatency_and_their_checks():
+    """x264's frame threads hold packets back: parts come later, and count the frames they really hold."""
+    parts = list(encode_fragments(_decode_chunks(_frames(33)), 8.0, codec_options={"threads": 4}))
+    assert sum(frames_in for _, frames_in in parts) == 33
+    probe = probe_mp4(b"".join(part for part, _ in parts))
+    assert probe.num_frames == 33 and probe.audio_codec is None
+    with pytest.raises(ParamError, match="video_codec_options"):
+        next(encode_fragments(_decode_chunks(_frames(5)), 8.0, codec_options={"tune": "loud"}))
+    with pytest.raises(ValueError, match="even frame sizes"):
+        next(encode_fragments(_decode_chunks(_frames(5, height=31)), 8.0))

@@ -1,5 +1,6 @@
-"""build_app(client, ...) -> the FastAPI application: video routes, /v1/chat/completions, /v1/completions,
-/tokenize and /detokenize (when the client has a chat backend), /v1/models, /health, /version, /metrics.
+"""build_app(client, ...) -> the FastAPI application: video routes (and the /v1/realtime/video WebSocket),
+/v1/chat/completions, /v1/completions, /tokenize and /detokenize (when the client has a chat backend),
+/v1/models, /health, /version, /metrics.
 
 The app only talks to an `EngineClient` (never to torch). Its lifespan starts the client (job recovery,
 engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, so tests enter
@@ -31,6 +32,7 @@ from worldserve.api.images import router as images_router
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
+from worldserve.api.realtime import router as realtime_router
 from worldserve.api.responses import router as responses_router
 from worldserve.api.responses_store import ResponseStore
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
@@ -129,6 +131,7 @@ def build_app(
     if request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     app.include_router(videos_router)
+    app.include_router(realtime_router)
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(responses_router)

@@ -3,7 +3,8 @@
 Auth follows vLLM: with API keys configured, any request whose route path (less the root path, as the router
 matches it) starts with /v1 must carry
 `Authorization: Bearer KEY`, KEY one of them (the scheme in any case, as vLLM's), else 401 with the bare body
-{"error": "Unauthorized"} (not the envelope). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
+{"error": "Unauthorized"} (not the envelope; a WebSocket handshake gets that response where the server can
+send one, else it is refused: HTTP 403). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
 stay open. Keys are compared in constant time, as SHA-256 digests (the time tells nothing of the key's length).
 Request ids: the incoming X-Request-Id is echoed, otherwise a uuid4 hex is generated; a route that sets its
 own (the sync route's `video_sync-<hex>`) keeps it.
@@ -40,6 +41,12 @@ class APIKeyMiddleware:
             # every key compared (the time tells not which one matched)
             matched = [secrets.compare_digest(given, expected) for expected in self._expected]
             if scheme.lower() != "bearer" or not any(matched):
+                if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
+                    "extensions", {}
+                ):
+                    # a server that cannot answer a handshake with a response refuses it (HTTP 403)
+                    await send({"type": "websocket.close", "code": 1008, "reason": "Unauthorized"})
+                    return
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

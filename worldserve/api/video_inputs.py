@@ -102,8 +102,14 @@ def _json_fields(body: bytes) -> dict[str, Any]:
     data = parse_json(body) if body.strip() else {}
     if not isinstance(data, dict):
         raise APIError(400, f"The JSON body must be an object, got {type(data).__name__}.")
+    return json_body_fields(data)
+
+
+def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """A JSON object's fields as a create request takes them: a structured prompt (an object or a list) as
+    its compact serialisation (also /v1/realtime/video's session.start)."""
     for key in TEXT_FIELDS:
-        if isinstance(data.get(key), dict | list):  # a structured prompt sent as JSON: keep it compact
+        if isinstance(data.get(key), dict | list):
             data[key] = json.dumps(data[key], separators=(",", ":"), ensure_ascii=False)
     return data
 

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from worldserve.chat_params import ChatParams
@@ -40,7 +40,7 @@ from worldserve.engine.chat_worker import (
     ChatWorker,
 )
 from worldserve.engine.engine import Engine
-from worldserve.engine.ephemeral import run_without_jobs
+from worldserve.engine.ephemeral import run_without_jobs, start_streamed
 from worldserve.engine.job_files import StorageError, inputs_from_record, inputs_record
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.observer import EngineObserver
@@ -323,6 +323,15 @@ class EngineClient:
         order, or the first failure raised. Past `timeout_s` they are aborted and TimeoutError is raised."""
         self._check_admission(len(params_list), "requests")
         return await run_without_jobs(self.engine, params_list, prefix, timeout_s)
+
+    def stream_ephemeral(
+        self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None]
+    ) -> tuple[Request, asyncio.Future[VideoResult]]:
+        """Run one request without a job whose frames go to `on_frames` while they are decoded
+        (/v1/realtime/video; engine/ephemeral.py `start_streamed`). QueueFullError / ShuttingDownError when
+        it cannot be queued now."""
+        self._check_admission(1, "requests")
+        return start_streamed(self.engine, params, request_id, on_frames)
 
     def get(self, job_id: str) -> Job | None:
         return self.store.get(job_id)

@@ -259,10 +259,12 @@ class Engine:
         try:
             if not stop.is_set():
                 with self.model_lock:
-                    result = self.backend.decode(request.state, stream=not request.ephemeral)
+                    stream = not request.ephemeral or request.on_frames is not None
+                    result = self.backend.decode(request.state, stream=stream)
                     if isinstance(result.frames, FrameStream):  # the decode runs here, chunk after chunk
-                        read_beside(result.frames, partial(self._encode_streamed, request, result),
-                                    self._pool, before_end=decoded, stop=stop)  # fmt: skip
+                        reader = self._hand_streamed if request.ephemeral else self._encode_streamed
+                        read_beside(result.frames, partial(reader, request, result), self._pool,
+                                    before_end=decoded, stop=stop)  # fmt: skip
                         streamed = True
         except Exception as exc:  # (a streamed encode stops with FramesLost: the job fails here, once)
             failure = exc
@@ -280,20 +282,37 @@ class Engine:
             return
         decoded()
         if request.ephemeral:  # the caller encodes (an image): hand the frames over
-            now = time.monotonic()
-            stages = {**request.stage_seconds, **result.stage_seconds}
-            result.stage_seconds = stages
-            self.observer.on_finished(
-                now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
-                float(result.peak_memory_mb),
-            )  # fmt: skip
-            request.on_result(result)
+            self._hand_over(request, result)
             return
         self._pool.submit(self._encode_and_save, request, result)
+
+    def _hand_over(self, request: Request, result: VideoResult) -> None:
+        """An ephemeral request's end: its stage times and the metrics, then its caller gets the result."""
+        now = time.monotonic()
+        stages = {**request.stage_seconds, **result.stage_seconds}
+        result.stage_seconds = stages
+        self.observer.on_finished(
+            now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
+            float(result.peak_memory_mb),
+        )  # fmt: skip
+        request.on_result(result)
 
     def _encode_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
         result.frames = frames
         self._encode_and_save(request, result)
+
+    def _hand_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
+        """An ephemeral request's frames, as the decode makes them, to its caller's `on_frames` (in the
+        pool); a decode that failed or was aborted is ended by the engine thread."""
+        result.frames = frames
+        try:
+            request.on_frames(result)
+        except FramesLost:
+            return
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        self._hand_over(request, result)
 
     def _encode_and_save(self, request: Request, result: VideoResult) -> None:
         """Mux the MP4 (reading a FrameStream's chunks as they come) and complete the job. The "encode"

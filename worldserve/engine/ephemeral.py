@@ -1,12 +1,12 @@
-"""Requests that run through the engine without a job (POST /v1/images/generations): no store row, no files;
-the results come back to the caller's event loop, or the first failure is raised."""
+"""Requests that run through the engine without a job (POST /v1/images/generations, /v1/realtime/video): no
+store row, no files; the results come back to the caller's event loop, or the first failure is raised."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from worldserve.engine.engine import Engine
 from worldserve.engine.outputs import VideoResult
@@ -22,28 +22,10 @@ async def run_without_jobs(
     loop = asyncio.get_running_loop()
     ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params_list]
     futures = [loop.create_future() for _ in params_list]
-
-    def deliver(future: asyncio.Future, outcome) -> None:
-        if future.done():
-            return
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-
-    def sink(future: asyncio.Future):
-        def on_result(outcome) -> None:  # engine thread
-            try:
-                loop.call_soon_threadsafe(deliver, future, outcome)
-            except RuntimeError:  # the loop closed: nobody is waiting any more
-                pass
-
-        return on_result
-
     now = time.monotonic()
     for request_id, params, future in zip(ids, params_list, futures, strict=True):
         engine.add_request(
-            Request(job_id=request_id, params=params, arrival_time=now, on_result=sink(future))
+            Request(job_id=request_id, params=params, arrival_time=now, on_result=_sink(loop, future))
         )
     gathered = asyncio.gather(*futures)
     try:
@@ -52,11 +34,46 @@ async def run_without_jobs(
         for request_id in ids:  # timed out, failed or cancelled: stop the rest at a step boundary
             engine.abort(request_id)
         for future in (gathered, *futures):  # nobody reads their outcomes now: asyncio must not log them
-            future.add_done_callback(_outcome_read)
+            future.add_done_callback(outcome_read)
         raise
 
 
-def _outcome_read(future: asyncio.Future) -> None:
+def start_streamed(
+    engine: Engine, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None]
+) -> tuple[Request, asyncio.Future[VideoResult]]:
+    """Queue one request whose frames go to `on_frames` as they are decoded (called in the engine's encode
+    pool with the result, its `frames` a FrameStream). Returns the request (its `steps_done` tells the
+    progress) and a future that settles on the caller's loop with the result once `on_frames` has returned,
+    or with the exception that ended the request (CancelledRequest after `engine.abort(request_id)`)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    request = Request(job_id=request_id, params=params, arrival_time=time.monotonic(),
+                      on_result=_sink(loop, future), on_frames=on_frames)  # fmt: skip
+    engine.add_request(request)
+    return request, future
+
+
+def _sink(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable[[object], None]:
+    """A request's `on_result`: its outcome (a result or an exception) settles `future` on `loop`, once."""
+
+    def deliver(outcome) -> None:
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def on_result(outcome) -> None:  # engine thread or encode pool
+        try:
+            loop.call_soon_threadsafe(deliver, outcome)
+        except RuntimeError:  # the loop closed: nobody is waiting any more
+            pass
+
+    return on_result
+
+
+def outcome_read(future: asyncio.Future) -> None:
     """Mark a settled future's exception as read (asyncio logs 'exception was never retrieved' otherwise)."""
     if not future.cancelled():
         future.exception()

@@ -39,8 +39,13 @@ class Request:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Engine-measured stage wall times: prepare, diffuse (sum of its steps), decode, encode."""
     on_result: Callable[[VideoResult | BaseException], None] | None = None
-    """Set for an ephemeral request (POST /v1/images/generations): no job in the store, no MP4; the decoded
-    result, or the exception that ended it, goes here (from the engine thread) instead."""
+    """Set for an ephemeral request (POST /v1/images/generations, /v1/realtime/video): no job in the store,
+    no MP4; the decoded result, or the exception that ended it, goes here (from the engine thread or, after
+    `on_frames`, from the encode pool) instead."""
+    on_frames: Callable[[VideoResult], None] | None = None
+    """An ephemeral request that streams (/v1/realtime/video): called on the engine's encode pool with the
+    result whose `frames` is a FrameStream, read while the engine thread decodes (it raises FramesLost when
+    the decode fails or is aborted); `on_result` gets the result once it has returned."""
 
     @property
     def ephemeral(self) -> bool:

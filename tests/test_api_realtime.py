@@ -1,0 +1,267 @@
+"""WebSocket /v1/realtime/video over a real uvicorn with the `websockets` client: a whole session (metadata
+and bytes in pairs, the joined parts one MP4 with its audio, decoded), session.stop, the client leaving,
+ping / interaction / unknown messages beside a running request, every bad session.start (an error naming the
+field, then the socket closed), the start and stall timeouts, a full queue, a failing decode, auth, I2V by a
+data URL; and the same session on the tiny checkpoint's real pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+
+import httpx
+import pytest
+import websockets
+from media_probe import probe_mp4
+from serving_helpers import png_bytes, serve_app, uvicorn_thread, wait_until
+
+from worldserve.api import realtime
+from worldserve.engine.fake_backend import FAIL_MARKER, FakeBackend
+
+pytestmark = pytest.mark.anyio
+SMALL = {"size": "64x48", "num_frames": 33, "fps": 8, "num_inference_steps": 2}
+
+
+def ws_url(url: str) -> str:
+    return url.replace("http://", "ws://") + "/v1/realtime/video"
+
+
+async def session(
+    url: str, start: dict | str, *, during=None, headers=None
+) -> tuple[list[dict], bytes, list]:
+    """Send `start`, then (after video.start) run `during(ws)`; read to session.done / error / close.
+    Returns (JSON messages, the binary parts joined, the messages in order as (kind, size-or-type))."""
+    messages, parts, order = [], [], []
+    async with websockets.connect(ws_url(url), additional_headers=headers, max_size=None) as ws:
+        await ws.send(start if isinstance(start, str) else json.dumps(start))
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for raw in ws:
+                if isinstance(raw, bytes):
+                    parts.append(raw)
+                    order.append(("bytes", len(raw)))
+                    continue
+                msg = json.loads(raw)
+                messages.append(msg)
+                order.append(("json", msg["type"]))
+                if msg["type"] == "video.start" and during is not None:
+                    await during(ws)
+                if msg["type"] in ("session.done", "error") and during is None:
+                    break
+    return messages, b"".join(parts), order
+
+
+async def test_a_session_streams_one_mp4_in_parts(tmp_path):
+    with uvicorn_thread(tmp_path, real_encoder=True) as (url, client):
+        start = {"type": "session.start", "model": "test-model", "prompt": {"subjects": ["a cat"]}, **SMALL,
+                 "sampling_params": {"seed": 3, "num_inference_steps": 5, "flow_shift": 7.0}}  # fmt: skip
+        messages, data, order = await session(url, start)
+        assert client.list(after=None, limit=None, order="desc")[0] == [], "no job is stored"
+    first, *chunks, done = messages
+    assert first["type"] == "video.start" and first["format"] == "m4s"
+    assert first["request_id"].startswith("video_stream-")
+    # vLLM-Omni's merge: sampling_params fill the request fields it omits (seed, flow_shift); the rest go to
+    # extra_params (whose keys win over the top level, as for POST /v1/videos)
+    config = first["config"]
+    assert (config["seed"], config["flow_shift"], config["num_inference_steps"]) == (3, 7.0, 2)
+    assert config["extra_params"] == {"num_inference_steps": 5}
+    assert first["config"]["prompt"] == '{"subjects":["a cat"]}'
+    assert done == {"type": "session.done", "request_id": first["request_id"], "chunks": len(chunks),
+                    "stopped": False}  # fmt: skip
+    # each part: its metadata, then its bytes
+    assert [kind for kind, _ in order[1:-1]] == ["json", "bytes"] * len(chunks)
+    sizes = [size for kind, size in order if kind == "bytes"]
+    assert [c["byte_length"] for c in chunks] == sizes
+    assert [c["transport_chunk_index"] for c in chunks] == list(range(len(chunks)))
+    # frame 0 and 16-frame chunks: the init segment, then each fragment once the next chunk's keyframe is out
+    assert [c["num_frames"] for c in chunks] == [0, 1, 16, 16]
+    assert data[4:8] == b"ftyp"
+    probe = probe_mp4(data)
+    assert (probe.video_codec, probe.width, probe.height, probe.num_frames) == ("h264", 64, 48, 33)
+    assert (probe.audio_codec, probe.sample_rate, probe.channels) == ("aac", 48000, 2)
+    assert client.engine.backend.live == set() and first["request_id"] in client.engine.backend.released
+
+
+async def test_stop_and_client_leaving_abort_the_request(tmp_path):
+    backend = FakeBackend(step_delay=0.05)
+    with uvicorn_thread(tmp_path, backend=backend) as (url, client):
+        start = {"type": "session.start", "prompt": "x", **SMALL, "num_inference_steps": 200}
+
+        async def stop(ws):
+            await ws.send(json.dumps({"type": "session.ping"}))
+            await ws.send(json.dumps({"type": "session.stop"}))
+
+        messages, data, _ = await session(url, start, during=stop)
+        assert [m["type"] for m in messages] == ["video.start", "session.pong", "session.done"]
+        assert messages[-1]["stopped"] is True and messages[-1]["chunks"] == 0 and data == b""
+        wait_until(lambda: messages[0]["request_id"] in backend.released and not backend.live)
+
+        async with websockets.connect(ws_url(url)) as ws:  # the client leaves while its request runs
+            await ws.send(json.dumps(start))
+            request_id = json.loads(await ws.recv())["request_id"]
+            wait_until(lambda: request_id in backend.live)
+        wait_until(lambda: request_id in backend.released and not backend.live)
+        assert client.engine.num_running == 0
+
+
+async def test_control_messages_beside_a_running_request(tmp_path):
+    with uvicorn_thread(tmp_path, backend=FakeBackend(step_delay=0.02), real_encoder=True) as (url, _):
+        start = {"type": "session.start", "prompt": "x", **SMALL, "num_inference_steps": 30}
+
+        async def talk(ws):
+            await ws.send(
+                json.dumps({"type": "session.interaction", "interaction": {"event": {"prompt": "y"}}})
+            )
+            await ws.send(json.dumps({"type": "session.dance"}))
+            await ws.send("{not json")
+            await ws.send(b"\x00\x01")
+            await ws.send("[1]")
+            await ws.send(json.dumps({"type": "session.ping"}))
+
+        messages, data, _ = await session(url, start, during=talk)
+    kinds = [m["type"] for m in messages if m["type"] != "video.chunk_metadata"]
+    assert kinds == [
+        "video.start",
+        "error",
+        "error",
+        "error",
+        "error",
+        "error",
+        "session.pong",
+        "session.done",
+    ]
+    errors = [m["message"] for m in messages if m["type"] == "error"]
+    assert (
+        "session.interaction is not supported" in errors[0]
+        and errors[1] == "Unknown message type: session.dance"
+    )
+    assert errors[2:] == ["Invalid JSON message", "WebSocket messages must be JSON text",
+                          "WebSocket messages must be JSON objects"]  # fmt: skip
+    assert messages[-1]["stopped"] is False and probe_mp4(data).num_frames == 33
+
+
+@pytest.mark.parametrize(
+    ("start", "message", "param"),
+    [
+        ("{nope", "Invalid JSON body", None),
+        ("[]", "session.start must be a JSON object", None),
+        ({"type": "session.begin"}, "Expected session.start, got: session.begin", "type"),
+        ({"type": "session.start", "prompt": "x", "format": "mp4"}, "Invalid session.start format", "format"),
+        ({"type": "session.start", "prompt": "x", "size": "big"}, "size", "size"),
+        ({"type": "session.start", "prompt": "x", "model": "other"}, "Model mismatch", "model"),
+        ({"type": "session.start", "prompt": "x", "input_reference": "cat.png"}, "must be a file upload",
+         "input_reference"),
+        ({"type": "session.start", "prompt": "x", "sampling_params": [1]}, "sampling_params must be",
+         "sampling_params"),
+        ({"type": "session.start", "prompt": "x", "extra_params": "{bad", "sampling_params": {"a": 1}},
+         "Invalid JSON", "extra_params"),
+        ({"type": "session.start", "prompt": "x", "extra_params": {"video_codec_options": {"tune": "loud"}}},
+         "video_codec_options.tune", "video_codec_options"),
+        ({"type": "session.start", "prompt": "x", "extra_params": {"edge": True}}, "transfer/action",
+         "extra_params.edge"),
+    ],
+)  # fmt: skip
+async def test_bad_starts_get_an_error_naming_the_field_and_a_close(tmp_path, start, message, param):
+    with uvicorn_thread(tmp_path) as (url, client):
+        messages, data, order = await session(url, start)
+        assert client.engine.num_waiting == 0 and client.engine.backend.batch_sizes == []
+    assert len(messages) == 1 and data == b"", messages
+    error = messages[0]
+    assert error["type"] == "error" and message in error["message"] and error["code"] == 400
+    assert error.get("param") == param
+
+
+async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path, monkeypatch):
+    monkeypatch.setattr(realtime, "START_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(realtime, "MAX_START_BYTES", 200)
+    with uvicorn_thread(tmp_path, real_encoder=True) as (url, client):
+        async with websockets.connect(ws_url(url)) as ws:
+            assert json.loads(await ws.recv()) == {
+                "type": "error",
+                "message": "Timeout waiting for session.start",
+            }
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+        big = {"type": "session.start", "prompt": "x" * 200}
+        assert (await session(url, big))[0] == [
+            {"type": "error", "message": "session.start message too large", "code": 413}
+        ]
+        failing = {"type": "session.start", "prompt": f"x {FAIL_MARKER}decode_stream", **SMALL}
+        messages, data, _ = await session(url, failing)
+        # (the init segment may or may not go out first: a failed decode drops the chunks not yet muxed)
+        assert messages[0]["type"] == "video.start"
+        assert {m["type"] for m in messages[1:-1]} <= {"video.chunk_metadata"}
+        assert messages[-1]["type"] == "error" and messages[-1]["code"] == 500
+        assert "injected failure at decode_stream" in messages[-1]["message"]
+    backend = FakeBackend(step_delay=0.05)
+    with uvicorn_thread(tmp_path / "q", backend=backend, max_queued_requests=1) as (url, client):
+        form = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "200"}
+        jobs = [
+            httpx.post(f"{url}/v1/videos", data=form).json()["id"] for _ in range(2)
+        ]  # one runs, one waits
+        wait_until(lambda: client.num_running == 1 and client.num_waiting == 1)
+        messages, _, _ = await session(url, {"type": "session.start", "prompt": "x", **SMALL})
+        assert messages == [{"type": "error", "message": "Too many queued requests (1); retry later.",
+                             "code": 429}]  # fmt: skip
+        for job in jobs:
+            httpx.delete(f"{url}/v1/videos/{job}")
+
+
+async def test_a_running_request_without_progress_stalls(tmp_path, monkeypatch):
+    monkeypatch.setattr(realtime, "STALL_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(realtime, "POLL_S", 0.05)
+    backend = FakeBackend(step_delay=1.0)
+    with uvicorn_thread(tmp_path, backend=backend) as (url, _):
+        messages, _, _ = await session(url, {"type": "session.start", "prompt": "x", **SMALL})
+        assert [m["type"] for m in messages] == ["video.start", "error"]
+        assert messages[1]["message"] == "Stall timeout: no generation progress"
+        wait_until(lambda: not backend.live)
+
+
+async def test_auth_and_an_image_reference(tmp_path):
+    with uvicorn_thread(tmp_path, api_key="sekret", real_encoder=True) as (url, _):
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await session(url, {"type": "session.start", "prompt": "x", **SMALL})
+        assert refused.value.response.status_code == 401
+        image = "data:image/png;base64," + base64.b64encode(png_bytes(64, 48)).decode()
+        start = {"type": "session.start", "prompt": "x", **SMALL, "image_reference": {"image_url": image}}
+        messages, data, _ = await session(url, start, headers={"Authorization": "Bearer sekret"})
+        assert messages[-1]["type"] == "session.done" and "image_reference" not in messages[0]["config"]
+        assert probe_mp4(data).num_frames == 33
+
+
+async def test_the_tiny_checkpoint_streams_over_a_real_socket(tmp_path, tiny_ckpt):
+    from serving_helpers import make_client
+
+    from worldserve.api.app import build_app
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    pipeline = await asyncio.to_thread(VideoPipeline.from_pretrained, tiny_ckpt, device="cpu", progress=False)
+    client = make_client(tmp_path, backend=pipeline, real_encoder=True)
+    with serve_app(build_app(client, shutdown_timeout_s=1.0)) as url:
+        start = {"type": "session.start", "prompt": "a cat", "size": "32x32", "num_frames": 21, "fps": 8,
+                 "num_inference_steps": 2, "seed": 5}  # fmt: skip
+        messages, data, _ = await session(url, start)
+    assert messages[-1]["type"] == "session.done" and messages[-1]["stopped"] is False
+    assert [m["num_frames"] for m in messages[1:-1]] == [0, 1, 16, 4]
+    probe = probe_mp4(data)
+    assert (probe.width, probe.height, probe.num_frames, probe.audio_codec) == (32, 32, 21, "aac")
+
+
+async def test_a_server_without_handshake_responses_refuses_an_unauthorized_socket():
+    """Where the ASGI server cannot answer a WebSocket handshake with an HTTP response (no
+    `websocket.http.response` extension), the key check closes it instead (the server answers 403)."""
+    from worldserve.api.auth import APIKeyMiddleware
+
+    async def app(scope, receive, send):
+        raise AssertionError("reached the app without a key")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/realtime/video", "headers": [], "extensions": {}}
+    await APIKeyMiddleware(app, api_keys=["sekret"])(scope, None, send)
+    assert sent == [{"type": "websocket.close", "code": 1008, "reason": "Unauthorized"}]

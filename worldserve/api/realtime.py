@@ -1,0 +1,282 @@
+"""WebSocket /v1/realtime/video: one video sent as a fragmented MP4 ("m4s") while it is decoded (vLLM-Omni's
+streaming video output, serving-api.md §7.5).
+
+The protocol is vLLM-Omni's:
+- client -> server: first `{"type": "session.start", "format": "m4s", ...}` within START_TIMEOUT_S, at most
+  MAX_START_BYTES, holding the fields of a JSON `POST /v1/videos` body (`sampling_params`' keys fill the
+  request fields not given, the rest go to `extra_params`); then `session.stop` (abort: `session.done` with
+  `stopped` true) and `session.ping` (`session.pong`) at any time.
+- server -> client: `video.start {request_id, format, config}` (config: the validated request), then for
+  each part a `video.chunk_metadata` JSON message followed by its bytes as one binary message, then
+  `session.done {request_id, chunks, stopped}`; `{"type": "error", "message", "code"}` for anything wrong.
+  A bad session.start gets an error (code: the HTTP status `POST /v1/videos` would answer, `param` the
+  field) and the socket is closed; a bad control message gets an error and the session goes on.
+
+Cosmos3 makes a video in one pass, so the parts come after the denoising, as the VAE decodes (frame 0, then
+16 frames per part; the bytes of a part go out when the next part's keyframe has been encoded, so each part
+is whole fragments): the first part is the init segment, the joined parts are one MP4 with the AAC track as
+well (media/video.py `encode_fragments`; H.264 `tune zerolatency` unless `video_codec_options` names one).
+`session.interaction` (vLLM-Omni's prompt changes inside a streaming generation) gets an error: there is
+nothing to change mid-pass. A session whose request is running but has made no progress (a step or a part)
+for STALL_TIMEOUT_S gets vLLM-Omni's stall error and is aborted; a request still waiting in the queue is
+not stalled. The client leaving aborts the request at its next step (or decode chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+
+from worldserve.api.bodies import parse_json
+from worldserve.api.errors import APIError
+from worldserve.api.protocol import VideoCreateRequest
+from worldserve.api.state import AppState
+from worldserve.api.video_inputs import build_inputs, json_body_fields, json_object_field
+from worldserve.engine.client import EncodeOptions, QueueFullError, ShuttingDownError
+from worldserve.engine.ephemeral import outcome_read
+from worldserve.engine.outputs import VideoResult
+from worldserve.engine.refusals import error_for
+from worldserve.engine.request import Request
+from worldserve.media.video import encode_fragments, h264_options
+from worldserve.params import ParamError
+
+router = APIRouter(tags=["videos"])
+START_TIMEOUT_S = 10.0
+STALL_TIMEOUT_S = 60.0
+MAX_START_BYTES = 4 * 2**20
+MAX_CONTROL_BYTES = 128 * 2**10
+POLL_S = 1.0
+STREAM_CODEC_OPTIONS = {"tune": "zerolatency"}
+"""x264 hands out each frame's packet at once (no frame threads' delay), as vLLM-Omni's stream encodes."""
+REFERENCES = ("image_reference", "video_reference")
+
+
+class _Stop(Exception):
+    """The session ends without a result: `reason` is "stop" (session.stop), "stall" or "gone" (client left)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@router.websocket("/v1/realtime/video")
+async def realtime_video(websocket: WebSocket) -> None:
+    await websocket.accept()
+    await _Session(websocket, websocket.app.state.ws).run()
+
+
+class _Session:
+    """One socket, one video: the start, then the parts and the client's control messages side by side."""
+
+    def __init__(self, websocket: WebSocket, st: AppState):
+        self.ws, self.st = websocket, st
+        self.send_lock = asyncio.Lock()
+        self.request_id = f"video_stream-{uuid.uuid4().hex}"
+        self.sent = 0
+        self.last_progress = time.monotonic()
+
+    async def run(self) -> None:
+        try:
+            start = await self._start()
+        except WebSocketDisconnect:
+            return
+        if start is None:
+            await self._close()
+            return
+        params, encode, config = start
+        parts: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
+        on_frames = partial(_encode_parts, asyncio.get_running_loop(), parts, encode)
+        try:
+            request, done = self.st.client.stream_ephemeral(params, self.request_id, on_frames)
+        except (QueueFullError, ShuttingDownError) as exc:
+            refusal = self.st.refusal(exc)
+            await self._error(refusal.message, refusal.status)
+            await self._close()
+            return
+        control = asyncio.create_task(self._control(request))
+        try:
+            await self._send({"type": "video.start", "request_id": self.request_id, "format": "m4s",
+                              "config": config})  # fmt: skip
+            await self._stream(parts, done, control)
+        except (_Stop, WebSocketDisconnect) as exc:  # stopped, stalled, or the client left
+            self.st.client.engine.abort(self.request_id)
+            done.add_done_callback(outcome_read)
+            reason = exc.reason if isinstance(exc, _Stop) else "gone"
+            if reason == "stop":
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                    await self._send({"type": "session.done", "request_id": self.request_id,
+                                      "chunks": self.sent, "stopped": True})  # fmt: skip
+            elif reason == "stall":
+                await self._error("Stall timeout: no generation progress")
+        finally:
+            control.cancel()
+            with contextlib.suppress(BaseException):
+                await control
+        await self._close()
+
+    async def _stream(self, parts: asyncio.Queue, done: asyncio.Future, control: asyncio.Task) -> None:
+        """Send the parts as they come until the request ends (its outcome: session.done or an error) or the
+        control side stops the session (raises _Stop)."""
+        while True:
+            get = asyncio.ensure_future(parts.get())
+            finished, _ = await asyncio.wait({get, done, control}, return_when=asyncio.FIRST_COMPLETED)
+            if get in finished:
+                await self._send_part(*get.result())
+                continue
+            get.cancel()
+            if control in finished:
+                raise _Stop(control.result())
+            while not parts.empty():  # (on_frames queued every part before the result settled)
+                await self._send_part(*parts.get_nowait())
+            if (exc := done.exception()) is not None:
+                code, message = error_for(exc)
+                await self._error(message, code)
+                return
+            await self._send({"type": "session.done", "request_id": self.request_id, "chunks": self.sent,
+                              "stopped": False})  # fmt: skip
+            return
+
+    async def _send_part(self, data: bytes, frames: int) -> None:
+        metadata = {
+            "type": "video.chunk_metadata", "request_id": self.request_id,
+            "kind": "media", "num_frames": frames,
+            "byte_length": len(data), "generation_chunk_index": self.sent, "transport_chunk_index": self.sent,
+            "started_event_ids": [], "active_event_ids": [], "completed_event_ids": [],
+        }  # fmt: skip
+        async with self.send_lock:  # the metadata and its bytes go out together
+            await self.ws.send_json(metadata)
+            await self.ws.send_bytes(data)
+        self.sent += 1
+        self.last_progress = time.monotonic()
+
+    async def _start(self) -> tuple[Any, EncodeOptions, dict[str, Any]] | None:
+        """The validated request of the session.start message, or None once an error was sent."""
+        try:
+            message = await asyncio.wait_for(self.ws.receive(), START_TIMEOUT_S)
+        except TimeoutError:
+            await self._error("Timeout waiting for session.start")
+            return None
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        raw = message.get("text")
+        if raw is None:
+            await self._error("session.start must be a JSON text message", 400)
+            return None
+        if len(raw) > MAX_START_BYTES:
+            await self._error("session.start message too large", 413)
+            return None
+        try:
+            return await self._inputs(raw)
+        except APIError as exc:
+            await self._error(exc.message, exc.status, exc.param)
+        except ParamError as exc:
+            await self._error(exc.message, 400, exc.param)
+        return None
+
+    async def _inputs(self, raw: str) -> tuple[Any, EncodeOptions, dict[str, Any]]:
+        msg = parse_json(raw)
+        if not isinstance(msg, dict):
+            raise APIError(400, "session.start must be a JSON object")
+        if msg.get("type") != "session.start":
+            raise APIError(400, f"Expected session.start, got: {msg.get('type')}", param="type")
+        if msg.get("format", "m4s") != "m4s":
+            raise APIError(400, "Invalid session.start format: expected 'm4s'.", param="format")
+        fields = {k: v for k, v in msg.items() if k not in ("type", "format", "sampling_params")}
+        sampling = msg.get("sampling_params")
+        if sampling is not None and not isinstance(sampling, dict):
+            raise APIError(400, "sampling_params must be a JSON object", param="sampling_params")
+        if sampling:  # vLLM-Omni's merge: request fields not given, the rest into extra_params
+            extra = dict(json_object_field(fields.get("extra_params"), "extra_params") or {})
+            for key, value in sampling.items():
+                if key in VideoCreateRequest.model_fields and key not in fields:
+                    fields[key] = value
+                else:
+                    extra[key] = value
+            if extra:
+                fields["extra_params"] = extra
+        fields = json_body_fields(fields)
+        st = self.st
+        inputs = await build_inputs(dict(fields), served_model=st.served_model_name,
+                                    model_aliases=st.model_aliases, has_sound=st.client.has_sound,
+                                    defaults=st.video_defaults, fetcher=st.media)  # fmt: skip
+        # video.start's config: the request as validated (vLLM-Omni's), less the references' bytes
+        request = VideoCreateRequest.model_validate(fields).model_dump(exclude_none=True)
+        config = {k: v for k, v in request.items() if k not in REFERENCES}
+        await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
+        codec = {**STREAM_CODEC_OPTIONS, **(inputs.encode.codec_options or {})}
+        h264_options(codec, inputs.encode.crf)  # (a tune the request names is checked again with ours)
+        return inputs.params, EncodeOptions(crf=inputs.encode.crf, codec_options=codec), config
+
+    async def _control(self, request: Request) -> str:
+        """Read the client's messages until it stops the session ("stop"), leaves ("gone") or the running
+        request makes no progress for STALL_TIMEOUT_S ("stall")."""
+        steps = request.steps_done
+        while True:
+            if request.steps_done != steps or request.admitted_time is None:
+                steps, self.last_progress = request.steps_done, time.monotonic()
+            if time.monotonic() - self.last_progress > STALL_TIMEOUT_S:
+                return "stall"
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), POLL_S)
+            except TimeoutError:
+                continue
+            if message["type"] == "websocket.disconnect":
+                return "gone"
+            raw = message.get("text")
+            if raw is None:
+                await self._error("WebSocket messages must be JSON text", 400)
+                continue
+            if len(raw) > MAX_CONTROL_BYTES:
+                await self._error("control message too large", 413)
+                continue
+            try:
+                msg = parse_json(raw)
+            except APIError:
+                await self._error("Invalid JSON message", 400)
+                continue
+            kind = msg.get("type") if isinstance(msg, dict) else None
+            if not isinstance(msg, dict):
+                await self._error("WebSocket messages must be JSON objects", 400)
+            elif kind == "session.stop":
+                return "stop"
+            elif kind == "session.ping":
+                self.last_progress = time.monotonic()
+                await self._send({"type": "session.pong"})
+            elif kind == "session.interaction":
+                await self._error("session.interaction is not supported: Cosmos3 generates the whole video in "
+                                  "one pass, so its prompt cannot change while it runs", 400)  # fmt: skip
+            else:
+                await self._error(f"Unknown message type: {kind}", 400)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        async with self.send_lock:
+            await self.ws.send_json(message)
+
+    async def _error(self, message: str, code: int | None = None, param: str | None = None) -> None:
+        """An error message; nothing when the client is gone."""
+        payload: dict[str, Any] = {"type": "error", "message": message}
+        if code is not None:
+            payload["code"] = code
+        if param is not None:
+            payload["param"] = param
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await self._send(payload)
+
+    async def _close(self) -> None:
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await self.ws.close()
+
+
+def _encode_parts(loop: asyncio.AbstractEventLoop, parts: asyncio.Queue, encode: EncodeOptions,
+                  result: VideoResult) -> None:  # fmt: skip
+    """The request's `on_frames` (in the engine's encode pool): its frames as fragmented MP4 parts, each
+    queued for the session as soon as it is muxed."""
+    for part in encode_fragments(result.frames, result.fps, result.audio, result.sample_rate, crf=encode.crf,
+                                 codec_options=encode.codec_options):  # fmt: skip
+        loop.call_soon_threadsafe(parts.put_nowait, part)
