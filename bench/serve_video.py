@@ -6,7 +6,9 @@ multipart form (serving-api.md §1: JSON prompt, the default negative prompt fil
 guidance 6.0, max_sequence_length 4096, flow shift 10, seed) as a text-to-video request and again with an
 `input_reference` JPEG (image-to-video), `--steps` steps each. Every MP4 is decoded back (codecs, frames,
 fps, audio rate and channels); the JSON records each request's wall time and the server's own stage times
-(/metrics: worldserve:stage_duration_seconds sums).
+(/metrics: worldserve:stage_duration_seconds sums). `--realtime` also runs the T2V request as a
+/v1/realtime/video session (fragmented MP4 parts while the VAE decodes): the times to video.start, to the
+first part holding frames and to session.done, against the sync request's whole MP4.
 
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 8 --out $OUT/serve_video.json
     PYTHONPATH=. python bench/serve_video.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/sv.json  # CPU
@@ -40,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=35)
     ap.add_argument("--port", type=int, default=8766)
     ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--realtime", action="store_true", help="also the T2V request over /v1/realtime/video")
     return ap.parse_args(argv)
 
 
@@ -63,6 +66,36 @@ def probe_mp4(data: bytes) -> dict:
         return {"video_codec": video.codec_context.name, "size": f"{video.width}x{video.height}",
                 "frames": frames, "fps": float(video.average_rate), "audio_codec": audio.codec_context.name,
                 "sample_rate": audio.sample_rate, "channels": audio.channels, "bytes": len(data)}  # fmt: skip
+
+
+def realtime_session(url: str, form: dict[str, str]) -> dict:
+    """The T2V request as a /v1/realtime/video session: when each message came (seconds from the start),
+    the parts' frames and bytes, and the joined MP4 decoded."""
+    from websockets.sync.client import connect
+
+    start = {"type": "session.start", "format": "m4s", **form}
+    parts, events, t0 = [], [], time.perf_counter()
+    with connect(
+        url.replace("http://", "ws://") + "/v1/realtime/video", max_size=None, open_timeout=60
+    ) as ws:
+        ws.send(json.dumps(start))
+        for raw in ws:
+            at = time.perf_counter() - t0
+            if isinstance(raw, bytes):
+                parts.append(raw)
+                continue
+            msg = json.loads(raw)
+            events.append({"type": msg["type"], "at_s": round(at, 3), **{k: msg[k] for k in ("num_frames",
+                           "byte_length", "chunks", "stopped", "message") if k in msg}})  # fmt: skip
+            if msg["type"] in ("session.done", "error"):
+                break
+    media = [e for e in events if e["type"] == "video.chunk_metadata"]
+    first_frames = next((e["at_s"] for e in media if e["num_frames"]), None)
+    out = {"events": events, "parts": len(parts), "bytes": sum(map(len, parts)), "first_frames_s": first_frames,
+           "start_s": events[0]["at_s"], "done_s": events[-1]["at_s"], "ok": events[-1]["type"] == "session.done"}  # fmt: skip
+    if out["ok"]:
+        out["mp4"] = probe_mp4(b"".join(parts))
+    return out
 
 
 def stage_seconds(url: str) -> dict[str, float]:
@@ -116,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
                 entry["error"] = r.text[:500]
             result["requests"][name] = entry
             print(name, json.dumps(entry), flush=True)
+        if args.realtime:
+            result["realtime"] = realtime_session(url, form)
+            print("realtime", json.dumps({k: v for k, v in result["realtime"].items() if k != "events"}),
+                  flush=True)  # fmt: skip
     finally:
         proc.terminate()
         try:
@@ -131,6 +168,11 @@ def main(argv: list[str] | None = None) -> None:
         m = e.get("mp4", {})
         print(f"{name:8} {e['status']:6}  {e['wall_s']:6.1f}  {m.get('frames', '-'):>6}  {m.get('size', '-'):9}  "
               f"{m.get('audio_codec', '-')} {m.get('sample_rate', '')} x{m.get('channels', '')}")  # fmt: skip
+    if rt := result.get("realtime"):
+        m = rt.get("mp4", {})
+        print(f"realtime: video.start {rt['start_s']:.2f} s, first frames {rt['first_frames_s']} s, done "
+              f"{rt['done_s']:.1f} s (sync t2v {result['requests']['t2v']['wall_s']:.1f} s); {rt['parts']} parts, "
+              f"{m.get('frames', '-')} frames, {m.get('audio_codec', '-')} {m.get('sample_rate', '')}")  # fmt: skip
 
 
 if __name__ == "__main__":

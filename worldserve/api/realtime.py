@@ -38,11 +38,14 @@ from worldserve.api.errors import APIError
 from worldserve.api.protocol import VideoCreateRequest
 from worldserve.api.state import AppState
 from worldserve.api.video_inputs import build_inputs, json_body_fields, json_object_field
-from worldserve.engine.client import EncodeOptions, QueueFullError, ShuttingDownError
-from worldserve.engine.ephemeral import outcome_read
-from worldserve.engine.outputs import VideoResult
-from worldserve.engine.refusals import error_for
-from worldserve.engine.request import Request
+from worldserve.engine.client import (
+    EncodeOptions,
+    QueueFullError,
+    Request,
+    ShuttingDownError,
+    VideoResult,
+    error_for,
+)
 from worldserve.media.video import encode_fragments, h264_options
 from worldserve.params import ParamError
 
@@ -105,8 +108,7 @@ class _Session:
                               "config": config})  # fmt: skip
             await self._stream(parts, done, control)
         except (_Stop, WebSocketDisconnect) as exc:  # stopped, stalled, or the client left
-            self.st.client.engine.abort(self.request_id)
-            done.add_done_callback(outcome_read)
+            self.st.client.engine.abort(self.request_id)  # (its outcome, unread, is marked read)
             reason = exc.reason if isinstance(exc, _Stop) else "gone"
             if reason == "stop":
                 with contextlib.suppress(WebSocketDisconnect, RuntimeError):

@@ -47,6 +47,7 @@ def start_streamed(
     or with the exception that ended the request (CancelledRequest after `engine.abort(request_id)`)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
+    future.add_done_callback(outcome_read)  # an aborted session leaves it unread: asyncio must not log that
     request = Request(job_id=request_id, params=params, arrival_time=time.monotonic(),
                       on_result=_sink(loop, future), on_frames=on_frames)  # fmt: skip
     engine.add_request(request)
