@@ -214,3 +214,34 @@ def stub_meta(content: bytes) -> dict:
 def _keys(api_key: str | tuple[str, ...] | None) -> tuple[str, ...]:
     """build_app's api_keys from a test's one key, several or none."""
     return (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+
+
+def ws_url(url: str) -> str:
+    """The /v1/realtime/video socket of the server at `url`."""
+    return url.replace("http://", "ws://") + "/v1/realtime/video"
+
+
+async def realtime_session(
+    url: str, start: dict | str, *, during=None, headers=None
+) -> tuple[list[dict], bytes, list]:
+    """Send `start`, then (after video.start) run `during(ws)`; read to session.done / error / close.
+    Returns (JSON messages, the binary parts joined, the messages in order as (kind, size-or-type))."""
+    import websockets
+
+    messages, parts, order = [], [], []
+    async with websockets.connect(ws_url(url), additional_headers=headers, max_size=None) as ws:
+        await ws.send(start if isinstance(start, str) else json.dumps(start))
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for raw in ws:
+                if isinstance(raw, bytes):
+                    parts.append(raw)
+                    order.append(("bytes", len(raw)))
+                    continue
+                msg = json.loads(raw)
+                messages.append(msg)
+                order.append(("json", msg["type"]))
+                if msg["type"] == "video.start" and during is not None:
+                    await during(ws)
+                if msg["type"] in ("session.done", "error") and during is None:
+                    break
+    return messages, b"".join(parts), order

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 
 import httpx
 import pytest
 import websockets
 from media_probe import probe_mp4
-from serving_helpers import png_bytes, serve_app, uvicorn_thread, wait_until
+from serving_helpers import png_bytes, realtime_session, serve_app, uvicorn_thread, wait_until, ws_url
 
 from worldserve.api import realtime
 from worldserve.engine.fake_backend import FAIL_MARKER, FakeBackend
@@ -24,39 +23,11 @@ pytestmark = pytest.mark.anyio
 SMALL = {"size": "64x48", "num_frames": 33, "fps": 8, "num_inference_steps": 2}
 
 
-def ws_url(url: str) -> str:
-    return url.replace("http://", "ws://") + "/v1/realtime/video"
-
-
-async def session(
-    url: str, start: dict | str, *, during=None, headers=None
-) -> tuple[list[dict], bytes, list]:
-    """Send `start`, then (after video.start) run `during(ws)`; read to session.done / error / close.
-    Returns (JSON messages, the binary parts joined, the messages in order as (kind, size-or-type))."""
-    messages, parts, order = [], [], []
-    async with websockets.connect(ws_url(url), additional_headers=headers, max_size=None) as ws:
-        await ws.send(start if isinstance(start, str) else json.dumps(start))
-        with contextlib.suppress(websockets.ConnectionClosed):
-            async for raw in ws:
-                if isinstance(raw, bytes):
-                    parts.append(raw)
-                    order.append(("bytes", len(raw)))
-                    continue
-                msg = json.loads(raw)
-                messages.append(msg)
-                order.append(("json", msg["type"]))
-                if msg["type"] == "video.start" and during is not None:
-                    await during(ws)
-                if msg["type"] in ("session.done", "error") and during is None:
-                    break
-    return messages, b"".join(parts), order
-
-
 async def test_a_session_streams_one_mp4_in_parts(tmp_path):
     with uvicorn_thread(tmp_path, real_encoder=True) as (url, client):
         start = {"type": "session.start", "model": "test-model", "prompt": {"subjects": ["a cat"]}, **SMALL,
                  "sampling_params": {"seed": 3, "num_inference_steps": 5, "flow_shift": 7.0}}  # fmt: skip
-        messages, data, order = await session(url, start)
+        messages, data, order = await realtime_session(url, start)
         assert client.list(after=None, limit=None, order="desc")[0] == [], "no job is stored"
     first, *chunks, done = messages
     assert first["type"] == "video.start" and first["format"] == "m4s"
@@ -92,7 +63,7 @@ async def test_stop_and_client_leaving_abort_the_request(tmp_path):
             await ws.send(json.dumps({"type": "session.ping"}))
             await ws.send(json.dumps({"type": "session.stop"}))
 
-        messages, data, _ = await session(url, start, during=stop)
+        messages, data, _ = await realtime_session(url, start, during=stop)
         assert [m["type"] for m in messages] == ["video.start", "session.pong", "session.done"]
         assert messages[-1]["stopped"] is True and messages[-1]["chunks"] == 0 and data == b""
         wait_until(lambda: messages[0]["request_id"] in backend.released and not backend.live)
@@ -119,7 +90,7 @@ async def test_control_messages_beside_a_running_request(tmp_path):
             await ws.send("[1]")
             await ws.send(json.dumps({"type": "session.ping"}))
 
-        messages, data, _ = await session(url, start, during=talk)
+        messages, data, _ = await realtime_session(url, start, during=talk)
     kinds = [m["type"] for m in messages if m["type"] != "video.chunk_metadata"]
     assert kinds == [
         "video.start",
@@ -158,13 +129,17 @@ async def test_control_messages_beside_a_running_request(tmp_path):
          "Invalid JSON", "extra_params"),
         ({"type": "session.start", "prompt": "x", "extra_params": {"video_codec_options": {"tune": "loud"}}},
          "video_codec_options.tune", "video_codec_options"),
+        ({"type": "session.start", "prompt": "x", "extra_params": {"video_codec_options": {"bf": 2}}},
+         "bf must be 0 on /v1/realtime/video", "video_codec_options"),
+        ({"type": "session.start", "prompt": "x", "extra_params": {"upsample_prompt": True}},
+         "prompt upsampling needs the Reasoner", "extra_params.upsample_prompt"),
         ({"type": "session.start", "prompt": "x", "extra_params": {"edge": True}}, "transfer/action",
          "extra_params.edge"),
     ],
 )  # fmt: skip
 async def test_bad_starts_get_an_error_naming_the_field_and_a_close(tmp_path, start, message, param):
     with uvicorn_thread(tmp_path) as (url, client):
-        messages, data, order = await session(url, start)
+        messages, data, order = await realtime_session(url, start)
         assert client.engine.num_waiting == 0 and client.engine.backend.batch_sizes == []
     assert len(messages) == 1 and data == b"", messages
     error = messages[0]
@@ -184,11 +159,11 @@ async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path,
             with pytest.raises(websockets.ConnectionClosed):
                 await ws.recv()
         big = {"type": "session.start", "prompt": "x" * 200}
-        assert (await session(url, big))[0] == [
+        assert (await realtime_session(url, big))[0] == [
             {"type": "error", "message": "session.start message too large", "code": 413}
         ]
         failing = {"type": "session.start", "prompt": f"x {FAIL_MARKER}decode_stream", **SMALL}
-        messages, data, _ = await session(url, failing)
+        messages, data, _ = await realtime_session(url, failing)
         # (the init segment may or may not go out first: a failed decode drops the chunks not yet muxed)
         assert messages[0]["type"] == "video.start"
         assert {m["type"] for m in messages[1:-1]} <= {"video.chunk_metadata"}
@@ -201,9 +176,9 @@ async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path,
             httpx.post(f"{url}/v1/videos", data=form).json()["id"] for _ in range(2)
         ]  # one runs, one waits
         wait_until(lambda: client.num_running == 1 and client.num_waiting == 1)
-        messages, _, _ = await session(url, {"type": "session.start", "prompt": "x", **SMALL})
+        messages, _, _ = await realtime_session(url, {"type": "session.start", "prompt": "x", **SMALL})
         assert messages == [{"type": "error", "message": "Too many queued requests (1); retry later.",
-                             "code": 429}]  # fmt: skip
+                             "code": 429, "retry_after_s": 1}]  # fmt: skip
         for job in jobs:
             httpx.delete(f"{url}/v1/videos/{job}")
 
@@ -213,20 +188,54 @@ async def test_a_running_request_without_progress_stalls(tmp_path, monkeypatch):
     monkeypatch.setattr(realtime, "POLL_S", 0.05)
     backend = FakeBackend(step_delay=1.0)
     with uvicorn_thread(tmp_path, backend=backend) as (url, _):
-        messages, _, _ = await session(url, {"type": "session.start", "prompt": "x", **SMALL})
-        assert [m["type"] for m in messages] == ["video.start", "error"]
+
+        async def read_on(ws):  # (to the close: the error, then session.done)
+            pass
+
+        start = {"type": "session.start", "prompt": "x", **SMALL}
+        messages, _, _ = await realtime_session(url, start, during=read_on)
+        assert [m["type"] for m in messages] == ["video.start", "error", "session.done"]
         assert messages[1]["message"] == "Stall timeout: no generation progress"
+        assert messages[2]["stopped"] is True and messages[2]["chunks"] == 0
         wait_until(lambda: not backend.live)
+
+
+@pytest.mark.parametrize("failure", ["closed", "not reading"])
+async def test_a_part_that_cannot_be_sent_aborts_the_request_and_its_encode(tmp_path, monkeypatch, failure):
+    """uvicorn raises RuntimeError on a send to a socket it has closed; a client that reads nothing blocks
+    a send: past SEND_TIMEOUT_S the session ends. Either way the request is aborted (its decode and encode
+    stop, at the next chunk) and the server goes on serving."""
+    monkeypatch.setattr(realtime, "SEND_TIMEOUT_S", 0.2)
+    send_now = realtime._Session._send_now
+
+    async def failing(self, messages):
+        if any(isinstance(m, bytes) for m in messages):
+            if failure == "closed":
+                raise RuntimeError('Cannot call "send" once a close message has been sent.')
+            await asyncio.sleep(30)
+        await send_now(self, messages)
+
+    monkeypatch.setattr(realtime._Session, "_send_now", failing)
+    backend = FakeBackend(decode_chunk_delay=0.1)
+    with uvicorn_thread(tmp_path, backend=backend, real_encoder=True) as (url, client):
+        start = {"type": "session.start", "prompt": "x", **SMALL, "num_frames": 97}
+        messages, data, _ = await realtime_session(url, start, during=lambda ws: asyncio.sleep(0))
+        assert [m["type"] for m in messages] == ["video.start"] and data == b""
+        wait_until(lambda: not backend.live and client.engine.num_running == 0)
+        assert backend.decoded_chunks < 7, "the decode stopped early"
+        monkeypatch.setattr(realtime._Session, "_send_now", send_now)
+        messages, data, _ = await realtime_session(url, {"type": "session.start", "prompt": "x", **SMALL})
+        assert messages[-1]["type"] == "session.done" and probe_mp4(data).num_frames == 33
 
 
 async def test_auth_and_an_image_reference(tmp_path):
     with uvicorn_thread(tmp_path, api_key="sekret", real_encoder=True) as (url, _):
         with pytest.raises(websockets.InvalidStatus) as refused:
-            await session(url, {"type": "session.start", "prompt": "x", **SMALL})
+            await realtime_session(url, {"type": "session.start", "prompt": "x", **SMALL})
         assert refused.value.response.status_code == 401
         image = "data:image/png;base64," + base64.b64encode(png_bytes(64, 48)).decode()
         start = {"type": "session.start", "prompt": "x", **SMALL, "image_reference": {"image_url": image}}
-        messages, data, _ = await session(url, start, headers={"Authorization": "Bearer sekret"})
+        messages, data, _ = await realtime_session(url, start, headers={"Authorization": "Bearer sekret"})
         assert messages[-1]["type"] == "session.done" and "image_reference" not in messages[0]["config"]
         assert probe_mp4(data).num_frames == 33
 
@@ -242,7 +251,7 @@ async def test_the_tiny_checkpoint_streams_over_a_real_socket(tmp_path, tiny_ckp
     with serve_app(build_app(client, shutdown_timeout_s=1.0)) as url:
         start = {"type": "session.start", "prompt": "a cat", "size": "32x32", "num_frames": 21, "fps": 8,
                  "num_inference_steps": 2, "seed": 5}  # fmt: skip
-        messages, data, _ = await session(url, start)
+        messages, data, _ = await realtime_session(url, start)
     assert messages[-1]["type"] == "session.done" and messages[-1]["stopped"] is False
     assert [m["num_frames"] for m in messages[1:-1]] == [0, 1, 16, 4]
     probe = probe_mp4(data)

@@ -317,3 +317,69 @@ def test_a_streamed_ephemeral_request_hands_its_frames_over_as_they_decode(tmp_p
     assert read["rt-done"] == [1, 16, 16] and backend.made["rt-done"] == [1, 16, 16]
     assert request.state is None and {"prepare", "diffuse", "decode"} <= set(result.stage_seconds)
     assert {"rt-aborted", "rt-done"} <= set(backend.released) and not backend.live
+
+
+class _HeldEnd(FakeBackend):
+    """A streamed decode whose end (after its last chunk was made) waits for `release_end`; a non-streamed
+    answer when `arrays` (a backend that cannot stream)."""
+
+    def __init__(self, arrays: bool = False):
+        super().__init__()
+        self.arrays, self.release_end = arrays, threading.Event()
+
+    def decode(self, state, *, stream=False):
+        if self.arrays:
+            return super().decode(state, stream=False)
+        result = super().decode(state, stream=stream)
+        chunks = result.frames.chunks
+
+        def held():
+            yield from chunks
+            self.release_end.wait(5)
+
+        result.frames.chunks = held()
+        return result
+
+
+class _FailingMetrics:
+    def on_step(self, seconds, batch_size):
+        pass
+
+    def on_finished(self, *args):
+        raise RuntimeError("metrics broke")
+
+    def on_failed(self, code):
+        pass
+
+
+@pytest.mark.parametrize("case", ["abort after the last chunk", "a backend that cannot stream"])
+def test_a_streamed_request_ends_once_with_its_frames_read(tmp_path, case):
+    """An abort after the last chunk was made is too late: the reader finishes and the caller gets the result,
+    once (not also CancelledRequest); a backend that answers stream=True with one array still goes through
+    `on_frames`; an observer that fails does not keep the result from its caller."""
+    from worldserve.engine.request import Request
+
+    backend = _HeldEnd(arrays=case == "a backend that cannot stream")
+    outcomes, read, all_read = [], [], threading.Event()
+
+    def on_frames(result):
+        for chunk in result.frames:
+            read.append(len(chunk))
+            if sum(read) == 33:
+                all_read.set()
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        client.engine.observer = _FailingMetrics()
+        await client.start()
+        client.engine.add_request(Request(job_id="rt", params=job_params(frames=33), arrival_time=time.monotonic(),
+                                          on_result=outcomes.append, on_frames=on_frames))  # fmt: skip
+        await asyncio.to_thread(all_read.wait, 5)
+        client.engine.abort("rt")
+        backend.release_end.set()
+        await asyncio.to_thread(wait_until, lambda: outcomes and not backend.live)
+        await asyncio.sleep(0.2)  # (a second outcome would come now)
+        await client.shutdown(5)
+
+    run(main())
+    assert sum(read) == 33 and len(outcomes) == 1 and outcomes[0].fps == 8

@@ -9,6 +9,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -16,10 +17,12 @@ from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import _preprocess_conditi
 from media_probe import probe_mp4
 from PIL import Image
 
+from worldserve.media import fragments
 from worldserve.media.audio import audio_num_samples, fit_audio
+from worldserve.media.fragments import encode_fragments
 from worldserve.media.frame_stream import FrameStream
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image, encode_png, resize_center_crop
-from worldserve.media.video import encode_fragments, encode_mp4, frame_rate, h264_options, write_npz
+from worldserve.media.video import encode_mp4, frame_rate, h264_options, write_npz
 from worldserve.params import ParamError
 
 SR = 48000
@@ -351,6 +354,24 @@ def test_fragments_join_into_the_same_video_as_encode_mp4(num_frames):
     assert np.abs(fragmented.frames.astype(int) - frames).mean() < 4.0
     assert fragmented.audio_samples_decoded == plain.audio_samples_decoded + 1024
     assert np.abs(fragmented.audio[:, 1024 : 1024 + n] - plain.audio[:, :n]).max() < 1e-3
+
+
+def test_fragments_have_no_b_frames_and_count_frames_from_their_bytes():
+    """A caller's B-frames (or a slow preset's) are turned off: the first frame shows at time 0, as the
+    audio starts; the frames a part holds are read from its `trun` boxes, also when fed byte by byte."""
+    n = 41
+    options = {"preset": "medium", "bf": 3, "tune": "film", "threads": 1}
+    parts = list(encode_fragments(_decode_chunks(_frames(n)), 24.0, _sine(audio_num_samples(n, 24.0, SR)),
+                                  codec_options=options))  # fmt: skip
+    data = b"".join(part for part, _ in parts)
+    assert sum(frames_in for _, frames_in in parts) == n  # (x264's lookahead holds medium's to the end)
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        packets = [p for p in container.demux(stream) if p.size]
+    assert all(p.pts == p.dts for p in packets)  # no reordering: no B-frames
+    assert min(p.pts for p in packets) * stream.time_base == 0
+    counter = fragments._VideoSamples()
+    assert sum(counter.count(data[i : i + 7]) for i in range(0, len(data), 7)) == n
 
 
 def test_fragments_without_audio_or_zerolatency_and_their_checks():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from reasoner_helpers import tiny_reasoner
-from serving_helpers import asgi_server, png_bytes, poll_job
+from serving_helpers import asgi_server, make_client, png_bytes, poll_job, realtime_session, serve_app, ws_url
 
 from worldserve.chat_params import StructuredOutput
 from worldserve.engine.prompt_upsampling import UpsamplerConfig, prompt_from_answer, upsampling_chat
@@ -340,3 +340,40 @@ async def test_an_image_whose_prompt_outlasts_the_sync_timeout_is_a_504(
                                                             "extra_params": {"upsample_prompt": True}})  # fmt: skip
         assert r.status_code == 504 and "while its prompt was being written" in r.json()["error"]["message"]
         assert await _chat_stopped(chat_backend)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_realtime_session_streams_the_video_of_its_upsampled_prompt(
+    tmp_path, pipeline, chat_backend, anyio_backend
+):
+    """/v1/realtime/video with `extra_params.upsample_prompt`: the Reasoner writes the prompt first
+    (video.start's config shows it as `upsampled_prompt`) and the parts join into the video a session sent
+    that prompt directly streams; a session.stop while the prompt is being written stops the chat."""
+    import websockets
+
+    from worldserve.api.app import build_app
+
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4, min_room=1024)
+    for upsampler in (SMALL, slow):
+        client = make_client(tmp_path / str(upsampler.max_chars), backend=pipeline, real_encoder=True,
+                             chat_backend=chat_backend, upsampler=upsampler)  # fmt: skip
+        with serve_app(build_app(client, shutdown_timeout_s=1.0)) as url:
+            start = {"type": "session.start", "prompt": "a fox", "size": "32x32", "num_frames": 5, "fps": 8,
+                     "num_inference_steps": 2, "seed": 7, "extra_params": {"upsample_prompt": True}}  # fmt: skip
+            if upsampler is slow:
+                async with websockets.connect(ws_url(url)) as ws:
+                    await ws.send(json.dumps(start))
+                    await asyncio.sleep(0.3)
+                    await ws.send(json.dumps({"type": "session.stop"}))
+                    done = json.loads(await ws.recv())
+                assert done["type"] == "session.done" and done["stopped"] is True and done["chunks"] == 0
+                assert await _chat_stopped(chat_backend)
+                continue
+            messages, data, _ = await realtime_session(url, start)
+            config = messages[0]["config"]
+            assert config["prompt"] == "a fox" and set(json.loads(config["upsampled_prompt"])) == KEYS
+            assert messages[-1]["type"] == "session.done" and messages[-1]["stopped"] is False
+            direct = {**start, "prompt": config["upsampled_prompt"], "extra_params": {}}
+            messages, direct_data, _ = await realtime_session(url, direct)
+            assert "upsampled_prompt" not in messages[0]["config"] and direct_data == data

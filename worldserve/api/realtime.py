@@ -6,26 +6,33 @@ The protocol is vLLM-Omni's:
   MAX_START_BYTES, holding the fields of a JSON `POST /v1/videos` body (`sampling_params`' keys fill the
   request fields not given, the rest go to `extra_params`); then `session.stop` (abort: `session.done` with
   `stopped` true) and `session.ping` (`session.pong`) at any time.
-- server -> client: `video.start {request_id, format, config}` (config: the validated request), then for
+- server -> client: `video.start {request_id, format, config}` (config: the validated request; with
+  `extra_params.upsample_prompt`, also `upsampled_prompt`, the prompt the Reasoner wrote first), then for
   each part a `video.chunk_metadata` JSON message followed by its bytes as one binary message, then
   `session.done {request_id, chunks, stopped}`; `{"type": "error", "message", "code"}` for anything wrong.
   A bad session.start gets an error (code: the HTTP status `POST /v1/videos` would answer, `param` the
-  field) and the socket is closed; a bad control message gets an error and the session goes on.
+  field; a full queue's 429 also `retry_after_s`) and the socket is closed; a bad control message gets an
+  error and the session goes on.
 
 Cosmos3 makes a video in one pass, so the parts come after the denoising, as the VAE decodes (frame 0, then
 16 frames per part; the bytes of a part go out when the next part's keyframe has been encoded, so each part
 is whole fragments): the first part is the init segment, the joined parts are one MP4 with the AAC track as
-well (media/video.py `encode_fragments`; H.264 `tune zerolatency` unless `video_codec_options` names one).
-`session.interaction` (vLLM-Omni's prompt changes inside a streaming generation) gets an error: there is
-nothing to change mid-pass. A session whose request is running but has made no progress (a step or a part)
-for STALL_TIMEOUT_S gets vLLM-Omni's stall error and is aborted; a request still waiting in the queue is
-not stalled. The client leaving aborts the request at its next step (or decode chunk).
+well (media/fragments.py `encode_fragments`: no B-frames, so `video_codec_options.bf` above 0 is refused;
+H.264 `tune zerolatency` unless `video_codec_options` names a tune, whose x264 lookahead then holds parts
+back, at slow presets to the end). `session.interaction` (vLLM-Omni's prompt changes inside a streaming
+generation) gets an error: there is nothing to change mid-pass. A session whose request is running but has
+made no progress (a step or a part) for STALL_TIMEOUT_S gets vLLM-Omni's stall error, then `session.done`
+with `stopped` true, and is aborted; a request still waiting in the queue (or for its upsampled prompt) is
+not stalled. The client leaving, or reading nothing for SEND_TIMEOUT_S while a part waits, aborts the
+request at its next step (or decode chunk) and stops its encode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import threading
 import time
 import uuid
 from functools import partial
@@ -43,15 +50,18 @@ from worldserve.engine.client import (
     QueueFullError,
     Request,
     ShuttingDownError,
+    UpsamplingFailed,
     VideoResult,
     error_for,
 )
-from worldserve.media.video import encode_fragments, h264_options
-from worldserve.params import ParamError
+from worldserve.media.fragments import encode_fragments
+from worldserve.media.video import h264_options
+from worldserve.params import ParamError, VideoParams
 
 router = APIRouter(tags=["videos"])
 START_TIMEOUT_S = 10.0
 STALL_TIMEOUT_S = 60.0
+SEND_TIMEOUT_S = 60.0
 MAX_START_BYTES = 4 * 2**20
 MAX_CONTROL_BYTES = 128 * 2**10
 POLL_S = 1.0
@@ -61,7 +71,8 @@ REFERENCES = ("image_reference", "video_reference")
 
 
 class _Stop(Exception):
-    """The session ends without a result: `reason` is "stop" (session.stop), "stall" or "gone" (client left)."""
+    """The session ends without a result: `reason` is "stop" (session.stop), "stall" or "gone" (the client
+    left, or read nothing for SEND_TIMEOUT_S)."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -81,52 +92,100 @@ class _Session:
         self.ws, self.st = websocket, st
         self.send_lock = asyncio.Lock()
         self.request_id = f"video_stream-{uuid.uuid4().hex}"
+        self.request: Request | None = None
+        self.done: asyncio.Future[VideoResult] | None = None
+        self.parts: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
+        self.ended = threading.Event()
+        """Set when the session is over, however it ended: an encode still running stops making parts."""
         self.sent = 0
         self.last_progress = time.monotonic()
 
     async def run(self) -> None:
         try:
             start = await self._start()
-        except WebSocketDisconnect:
+        except (WebSocketDisconnect, _Stop):
             return
         if start is None:
             await self._close()
             return
-        params, encode, config = start
-        parts: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
-        on_frames = partial(_encode_parts, asyncio.get_running_loop(), parts, encode)
+        control = asyncio.create_task(self._control())
         try:
-            request, done = self.st.client.stream_ephemeral(params, self.request_id, on_frames)
-        except (QueueFullError, ShuttingDownError) as exc:
-            refusal = self.st.refusal(exc)
-            await self._error(refusal.message, refusal.status)
-            await self._close()
-            return
-        control = asyncio.create_task(self._control(request))
-        try:
-            await self._send({"type": "video.start", "request_id": self.request_id, "format": "m4s",
-                              "config": config})  # fmt: skip
-            await self._stream(parts, done, control)
-        except (_Stop, WebSocketDisconnect) as exc:  # stopped, stalled, or the client left
-            self.st.client.engine.abort(self.request_id)  # (its outcome, unread, is marked read)
-            reason = exc.reason if isinstance(exc, _Stop) else "gone"
-            if reason == "stop":
-                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            if await self._queue(*start, control):
+                await self._stream(control)
+        except _Stop as exc:  # stopped, stalled, or the client left
+            self._abort()
+            if exc.reason == "stall":
+                await self._error("Stall timeout: no generation progress")
+            if exc.reason in ("stop", "stall"):
+                with contextlib.suppress(_Stop):
                     await self._send({"type": "session.done", "request_id": self.request_id,
                                       "chunks": self.sent, "stopped": True})  # fmt: skip
-            elif reason == "stall":
-                await self._error("Stall timeout: no generation progress")
         finally:
+            self.ended.set()
+            self._abort()
             control.cancel()
             with contextlib.suppress(BaseException):
                 await control
         await self._close()
 
-    async def _stream(self, parts: asyncio.Queue, done: asyncio.Future, control: asyncio.Task) -> None:
+    def _abort(self) -> None:
+        """Stop the request unless it has ended (its outcome, unread, was marked read when it was made)."""
+        if self.done is not None and not self.done.done():
+            self.st.client.abort_stream(self.request_id)
+
+    async def _queue(self, params: VideoParams, encode: EncodeOptions, config: dict[str, Any],
+                     control: asyncio.Task) -> bool:  # fmt: skip
+        """Upsample the prompt when asked, queue the request, send video.start; False once an error was
+        sent (the prompt could not be written, the queue is full, the server is stopping)."""
+        if params.upsample_prompt:
+            prompt = await self._upsampled(params, control)
+            if prompt is None:
+                return False
+            params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
+            config = {**config, "upsampled_prompt": prompt}
+        on_frames = partial(_encode_parts, asyncio.get_running_loop(), self.parts, encode, self.ended)
+        try:
+            self.request, self.done = self.st.client.stream_ephemeral(params, self.request_id, on_frames)
+        except (QueueFullError, ShuttingDownError) as exc:
+            await self._refused(exc)
+            return False
+        await self._send({"type": "video.start", "request_id": self.request_id, "format": "m4s",
+                          "config": config})  # fmt: skip
+        return True
+
+    async def _upsampled(self, params: VideoParams, control: asyncio.Task) -> str | None:
+        """The prompt the Reasoner writes (as `POST /v1/videos` upsamples), or None once an error was sent;
+        the session's end (_Stop) cancels the chat."""
+        timeout = self.st.sync_timeout_s
+        work = asyncio.ensure_future(asyncio.wait_for(self.st.client.upsampled_prompt(params), timeout))
+        await asyncio.wait({work, control}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            raise _Stop(control.result())
+        try:
+            return work.result()
+        except TimeoutError:
+            await self._error(f"Prompt upsampling timed out after {timeout:g}s.", 504)
+        except ShuttingDownError as exc:
+            await self._refused(exc)
+        except UpsamplingFailed as exc:
+            await self._error(f"Prompt upsampling failed: {exc}", exc.status, exc.param)
+        return None
+
+    async def _refused(self, exc: Exception) -> None:
+        refusal = self.st.refusal(exc)
+        retry = refusal.headers.get("Retry-After") if refusal.headers else None
+        await self._error(refusal.message, refusal.status,
+                          extra={"retry_after_s": int(retry)} if retry else None)  # fmt: skip
+
+    async def _stream(self, control: asyncio.Task) -> None:
         """Send the parts as they come until the request ends (its outcome: session.done or an error) or the
         control side stops the session (raises _Stop)."""
+        done = self.done
         while True:
-            get = asyncio.ensure_future(parts.get())
+            get = asyncio.ensure_future(self.parts.get())
             finished, _ = await asyncio.wait({get, done, control}, return_when=asyncio.FIRST_COMPLETED)
             if get in finished:
                 await self._send_part(*get.result())
@@ -134,8 +193,8 @@ class _Session:
             get.cancel()
             if control in finished:
                 raise _Stop(control.result())
-            while not parts.empty():  # (on_frames queued every part before the result settled)
-                await self._send_part(*parts.get_nowait())
+            while not self.parts.empty():  # (on_frames queued every part before the result settled)
+                await self._send_part(*self.parts.get_nowait())
             if (exc := done.exception()) is not None:
                 code, message = error_for(exc)
                 await self._error(message, code)
@@ -151,13 +210,11 @@ class _Session:
             "byte_length": len(data), "generation_chunk_index": self.sent, "transport_chunk_index": self.sent,
             "started_event_ids": [], "active_event_ids": [], "completed_event_ids": [],
         }  # fmt: skip
-        async with self.send_lock:  # the metadata and its bytes go out together
-            await self.ws.send_json(metadata)
-            await self.ws.send_bytes(data)
+        await self._send(metadata, data)  # the metadata and its bytes go out together
         self.sent += 1
         self.last_progress = time.monotonic()
 
-    async def _start(self) -> tuple[Any, EncodeOptions, dict[str, Any]] | None:
+    async def _start(self) -> tuple[VideoParams, EncodeOptions, dict[str, Any]] | None:
         """The validated request of the session.start message, or None once an error was sent."""
         try:
             message = await asyncio.wait_for(self.ws.receive(), START_TIMEOUT_S)
@@ -181,7 +238,7 @@ class _Session:
             await self._error(exc.message, 400, exc.param)
         return None
 
-    async def _inputs(self, raw: str) -> tuple[Any, EncodeOptions, dict[str, Any]]:
+    async def _inputs(self, raw: str) -> tuple[VideoParams, EncodeOptions, dict[str, Any]]:
         msg = parse_json(raw)
         if not isinstance(msg, dict):
             raise APIError(400, "session.start must be a JSON object")
@@ -210,24 +267,30 @@ class _Session:
         # video.start's config: the request as validated (vLLM-Omni's), less the references' bytes
         request = VideoCreateRequest.model_validate(fields).model_dump(exclude_none=True)
         config = {k: v for k, v in request.items() if k not in REFERENCES}
-        await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
         codec = {**STREAM_CODEC_OPTIONS, **(inputs.encode.codec_options or {})}
         h264_options(codec, inputs.encode.crf)  # (a tune the request names is checked again with ours)
+        if int(codec.get("bf", 0)) > 0:
+            raise ParamError("video_codec_options", "video_codec_options.bf must be 0 on /v1/realtime/video: "
+                             "its fragments have no B-frames (they would start the video after its audio).")  # fmt: skip
+        await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
         return inputs.params, EncodeOptions(crf=inputs.encode.crf, codec_options=codec), config
 
-    async def _control(self, request: Request) -> str:
+    async def _control(self) -> str:
         """Read the client's messages until it stops the session ("stop"), leaves ("gone") or the running
         request makes no progress for STALL_TIMEOUT_S ("stall")."""
-        steps = request.steps_done
+        steps = 0
         while True:
-            if request.steps_done != steps or request.admitted_time is None:
-                steps, self.last_progress = request.steps_done, time.monotonic()
+            request = self.request
+            if request is None or request.steps_done != steps or request.admitted_time is None:
+                steps, self.last_progress = request.steps_done if request else 0, time.monotonic()
             if time.monotonic() - self.last_progress > STALL_TIMEOUT_S:
                 return "stall"
             try:
                 message = await asyncio.wait_for(self.ws.receive(), POLL_S)
             except TimeoutError:
                 continue
+            except (WebSocketDisconnect, RuntimeError):
+                return "gone"
             if message["type"] == "websocket.disconnect":
                 return "gone"
             raw = message.get("text")
@@ -256,29 +319,51 @@ class _Session:
             else:
                 await self._error(f"Unknown message type: {kind}", 400)
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, *messages: dict[str, Any] | bytes) -> None:
+        """Send `messages` together (a dict as JSON text, bytes as one binary message); _Stop("gone") when
+        the client has left, or has read nothing for SEND_TIMEOUT_S."""
         async with self.send_lock:
-            await self.ws.send_json(message)
+            try:
+                await asyncio.wait_for(self._send_now(messages), SEND_TIMEOUT_S)
+            except (WebSocketDisconnect, RuntimeError, OSError, TimeoutError):
+                raise _Stop("gone") from None  # (uvicorn: RuntimeError once the socket is closed)
 
-    async def _error(self, message: str, code: int | None = None, param: str | None = None) -> None:
+    async def _send_now(self, messages: tuple[dict[str, Any] | bytes, ...]) -> None:
+        for message in messages:
+            if isinstance(message, bytes):
+                await self.ws.send_bytes(message)
+            else:
+                await self.ws.send_json(message)
+
+    async def _error(self, message: str, code: int | None = None, param: str | None = None,
+                     extra: dict[str, Any] | None = None) -> None:  # fmt: skip
         """An error message; nothing when the client is gone."""
         payload: dict[str, Any] = {"type": "error", "message": message}
         if code is not None:
             payload["code"] = code
         if param is not None:
             payload["param"] = param
-        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        payload.update(extra or {})
+        with contextlib.suppress(_Stop):
             await self._send(payload)
 
     async def _close(self) -> None:
-        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
             await self.ws.close()
 
 
 def _encode_parts(loop: asyncio.AbstractEventLoop, parts: asyncio.Queue, encode: EncodeOptions,
-                  result: VideoResult) -> None:  # fmt: skip
+                  ended: threading.Event, result: VideoResult) -> None:  # fmt: skip
     """The request's `on_frames` (in the engine's encode pool): its frames as fragmented MP4 parts, each
-    queued for the session as soon as it is muxed."""
-    for part in encode_fragments(result.frames, result.fps, result.audio, result.sample_rate, crf=encode.crf,
-                                 codec_options=encode.codec_options):  # fmt: skip
-        loop.call_soon_threadsafe(parts.put_nowait, part)
+    queued for the session as soon as it is muxed; it stops (and so does the decode) once the session
+    has `ended`."""
+    fragments = encode_fragments(result.frames, result.fps, result.audio, result.sample_rate,
+                                 crf=encode.crf, codec_options=encode.codec_options)  # fmt: skip
+    with contextlib.closing(fragments):
+        for part in fragments:
+            if ended.is_set():
+                return
+            try:
+                loop.call_soon_threadsafe(parts.put_nowait, part)
+            except RuntimeError:  # the server's loop has closed
+                return

@@ -333,6 +333,11 @@ class EngineClient:
         self._check_admission(1, "requests")
         return start_streamed(self.engine, params, request_id, on_frames)
 
+    def abort_stream(self, request_id: str) -> None:
+        """Stop a `stream_ephemeral` request at its next step (or decode chunk); its future then settles
+        with CancelledRequest, or with the result when every frame was already decoded."""
+        self.engine.abort(request_id)
+
     def get(self, job_id: str) -> Job | None:
         return self.store.get(job_id)
 

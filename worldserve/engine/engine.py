@@ -36,7 +36,13 @@ from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
 from worldserve.engine.refusals import CancelledRequest, error_for
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
-from worldserve.media.frame_stream import FramesLost, FrameStream, lower_thread_priority, read_beside
+from worldserve.media.frame_stream import (
+    FramesCancelled,
+    FramesLost,
+    FrameStream,
+    lower_thread_priority,
+    read_beside,
+)
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +267,9 @@ class Engine:
                 with self.model_lock:
                     stream = not request.ephemeral or request.on_frames is not None
                     result = self.backend.decode(request.state, stream=stream)
-                    if isinstance(result.frames, FrameStream):  # the decode runs here, chunk after chunk
+                    if stream and not isinstance(result.frames, FrameStream):  # (a backend that cannot)
+                        result.frames = FrameStream.of(np.asarray(result.frames))
+                    if stream:  # the decode runs here, chunk after chunk
                         reader = self._hand_streamed if request.ephemeral else self._encode_streamed
                         read_beside(result.frames, partial(reader, request, result), self._pool,
                                     before_end=decoded, stop=stop)  # fmt: skip
@@ -272,7 +280,7 @@ class Engine:
             with self._cv:  # (abort() sets the event under _cv: after this, the outcome is settled)
                 cancelled = self._decode_stops.pop(request.job_id).is_set()
             self._release(request)
-        if cancelled:
+        if cancelled and not (streamed and request.ephemeral):  # (else the reader ends it: _hand_streamed)
             self._cancelled(request)
         elif failure is not None:
             self._fail(request, failure)
@@ -291,10 +299,13 @@ class Engine:
         now = time.monotonic()
         stages = {**request.stage_seconds, **result.stage_seconds}
         result.stage_seconds = stages
-        self.observer.on_finished(
-            now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
-            float(result.peak_memory_mb),
-        )  # fmt: skip
+        try:
+            self.observer.on_finished(
+                now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
+                float(result.peak_memory_mb),
+            )  # fmt: skip
+        except Exception:  # the metrics' fault: the caller still gets its result
+            log.exception("observer.on_finished failed for %s", request.job_id)
         request.on_result(result)
 
     def _encode_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
@@ -303,15 +314,22 @@ class Engine:
 
     def _hand_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
         """An ephemeral request's frames, as the decode makes them, to its caller's `on_frames` (in the
-        pool); a decode that failed or was aborted is ended by the engine thread."""
+        pool), then its end, once: the result; or the abort when it cut the frames short (an abort after
+        the last chunk was made is too late: the caller gets the result); a decode that failed is ended by
+        the engine thread."""
         result.frames = frames
         try:
             request.on_frames(result)
-        except FramesLost:
+        except FramesLost as exc:
+            if isinstance(exc.__cause__, FramesCancelled):
+                self._cancelled(request)
             return
         except Exception as exc:
             self._fail(request, exc)
             return
+        except BaseException as exc:  # (SystemExit, KeyboardInterrupt in this pool thread) it still ends
+            self._fail(request, exc)
+            raise
         self._hand_over(request, result)
 
     def _encode_and_save(self, request: Request, result: VideoResult) -> None:

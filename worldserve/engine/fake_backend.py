@@ -6,7 +6,7 @@ a broadcast view (no memory even at 720p x 189 frames). Audio, when on, is a see
 GPU time) and records its batch size, so engine-policy tests can assert on batching. A prompt holding the word
 `__fail__:prepare`, `__fail__:denoise` or `__fail__:decode` raises at that stage, `__fail__:decode_stream`
 after a streamed decode's first chunk (failure-isolation tests). `decode(stream=True)` streams frame 0 and
-then 16 frames a chunk.
+then 16 frames a chunk, each after `decode_chunk_delay` seconds (counted in `decoded_chunks`).
 It never changes the outputs of one request because of another one in its batch.
 """
 
@@ -45,9 +45,12 @@ class FakeBackendError(RuntimeError):
 
 
 class FakeBackend:
-    def __init__(self, *, step_delay: float = 0.0, has_sound: bool = True):
+    def __init__(self, *, step_delay: float = 0.0, has_sound: bool = True, decode_chunk_delay: float = 0.0):
         self.has_sound = has_sound
         self.step_delay = step_delay
+        self.decode_chunk_delay = decode_chunk_delay
+        self.decoded_chunks = 0
+        """Chunks of frames a streamed decode has made, all requests together."""
         self.batch_sizes: list[int] = []
         """Size of every denoise call, in order."""
         self.live: set[str] = set()
@@ -96,7 +99,7 @@ class FakeBackend:
             tone = 0.2 * np.sin(2 * np.pi * freq * t, dtype=np.float32)
             audio = np.stack([tone, tone * 0.5]).astype(np.float32)
         if stream:
-            frames = FrameStream(p.num_frames, p.height, p.width, _chunks(frames, p))
+            frames = FrameStream(p.num_frames, p.height, p.width, self._chunks(frames, p))
         return VideoResult(frames=frames, fps=p.fps, audio=audio, sample_rate=SAMPLE_RATE)
 
     def release(self, state: FakeState) -> None:
@@ -104,14 +107,16 @@ class FakeBackend:
             self.live.discard(state.request_id)
             self.released.append(state.request_id)
 
-
-def _chunks(frames: np.ndarray, params: VideoParams) -> Iterator[np.ndarray]:
-    """Frame 0, then 16 frames a chunk (the real decoder's pace); FAIL_MARKER + "decode_stream" fails the
-    stream after its first chunk."""
-    yield frames[:1]
-    for start in range(1, len(frames), 16):
-        _maybe_fail(params, "decode_stream")
-        yield frames[start : start + 16]
+    def _chunks(self, frames: np.ndarray, params: VideoParams) -> Iterator[np.ndarray]:
+        """Frame 0, then 16 frames a chunk (the real decoder's pace); FAIL_MARKER + "decode_stream" fails
+        the stream after its first chunk."""
+        self.decoded_chunks += 1
+        yield frames[:1]
+        for start in range(1, len(frames), 16):
+            _maybe_fail(params, "decode_stream")
+            time.sleep(self.decode_chunk_delay)
+            self.decoded_chunks += 1
+            yield frames[start : start + 16]
 
 
 def _maybe_fail(params: VideoParams, stage: str) -> None:

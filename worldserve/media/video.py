@@ -129,7 +129,7 @@ def frame_rate(fps: float | Fraction) -> Fraction:
     return rate
 
 
-def _check_size(frames: FrameStream) -> None:
+def check_even_size(frames: FrameStream) -> None:
     height, width = frames.height, frames.width
     if height % 2 or width % 2:
         raise ValueError(
@@ -197,23 +197,22 @@ def yuv_frames(chunks: Iterable[np.ndarray], workers: int | None = None) -> Iter
             future.cancel()
 
 
-class _Mp4Writer:
+class Mp4Writer:
     """One H.264 (+ AAC) MP4 being muxed into `out` (a BytesIO, or anything with `write` alone: then the
     output is not seekable, as a pipe's). `fragmented`: an empty `moov` first, then a `moof` + `mdat`
     fragment from each keyframe to the next (`write(..., keyframe_first=True)` starts one), so what has been
     written so far plays while the rest is still coming. (vLLM-Omni cuts a fragment at every frame; with an
     AAC track FFmpeg then gives the first frame the AAC encoder's 1,024-sample delay as its duration, and a
     decoder loses a frame. The edit list keeps the video's timestamps where the non-fragmented file has
-    them.) A context manager: the container is closed on the way out, also when a frame fails."""
+    them; with B-frames the first frame's composition offset would still start the video late, so a
+    fragmented writer's caller sets `bf` 0: media/fragments.py.) A context manager: the container is closed
+    on the way out, also when a frame fails."""
 
     def __init__(self, out, width: int, height: int, fps: float | Fraction, audio: np.ndarray | None,
                  sample_rate: int, options: dict[str, str], fragmented: bool = False) -> None:  # fmt: skip
         self.rate = frame_rate(fps)
         self.sample_rate = sample_rate
         self.frames_written = 0
-        self.frames_muxed = 0
-        self.frames_before_keyframe = 0
-        """Video packets muxed before the last keyframe packet: those of the fragments written so far."""
         fragments = {"movflags": "+frag_keyframe+empty_moov+default_base_moof", "use_editlist": "1"}
         self.container = av.open(out, mode="w", format="mp4", options=fragments if fragmented else {})
         self.video = self.container.add_stream("libx264", rate=self.rate, options=options)
@@ -223,7 +222,7 @@ class _Mp4Writer:
         ctx.color_range = _LIMITED_RANGE
         self.audio = AacTrack.add(self.container, audio, sample_rate) if audio is not None else None
 
-    def __enter__(self) -> _Mp4Writer:
+    def __enter__(self) -> Mp4Writer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -238,21 +237,14 @@ class _Mp4Writer:
             yuv.pts, yuv.time_base = i, frame_duration
             if keyframe_first and n == 0:
                 yuv.pict_type = av.video.frame.PictureType.I
-            self._mux_video(self.video.encode(yuv))
+            self.container.mux(self.video.encode(yuv))
             if self.audio is not None:
                 self.audio.write_until(self.container, math.floor((i + 1) * self.sample_rate / self.rate))
             self.frames_written = i + 1
 
-    def _mux_video(self, packets: list[av.Packet]) -> None:
-        for packet in packets:  # (x264 may hand a frame's packet out frames later: its threads' delay)
-            if packet.is_keyframe:
-                self.frames_before_keyframe = self.frames_muxed
-            self.container.mux(packet)
-            self.frames_muxed += 1
-
     def finish(self) -> None:
         """Flush the encoders (the video's last packets, the audio's rest)."""
-        self._mux_video(self.video.encode(None))
+        self.container.mux(self.video.encode(None))
         if self.audio is not None:
             self.audio.finish(self.container)
 
@@ -273,63 +265,14 @@ def encode_mp4(
     ParamError for bad `codec_options`, ValueError for malformed frames or audio.
     """
     stream = frames if isinstance(frames, FrameStream) else FrameStream.of(frames)
-    _check_size(stream)
+    check_even_size(stream)
     options = h264_options(codec_options, crf)
     audio = fit_audio(audio) if audio is not None else None
     buf = io.BytesIO()
-    with _Mp4Writer(buf, stream.width, stream.height, fps, audio, sample_rate, options) as writer:
+    with Mp4Writer(buf, stream.width, stream.height, fps, audio, sample_rate, options) as writer:
         writer.write(yuv_frames(stream))
         writer.finish()
     return buf.getvalue()
-
-
-class _Drain:
-    """A write-only byte sink whose bytes are taken out as they come (no `seek`: PyAV then treats the output
-    as a pipe, and the MP4 muxer never goes back over what it has handed out)."""
-
-    def __init__(self) -> None:
-        self._parts: list[bytes] = []
-
-    def write(self, data) -> int:
-        self._parts.append(bytes(data))
-        return len(data)
-
-    def take(self) -> bytes:
-        data, self._parts = b"".join(self._parts), []
-        return data
-
-
-def encode_fragments(
-    frames: FrameStream,
-    fps: float | Fraction,
-    audio: np.ndarray | None = None,
-    sample_rate: int = 48000,
-    crf: int = 18,
-    codec_options: Mapping[str, object] | None = None,
-) -> Iterator[tuple[bytes, int]]:
-    """The same video as `encode_mp4`, as a fragmented MP4 ("m4s") handed out while `frames` arrive: each
-    chunk of `frames` is one fragment (its first frame a keyframe). A fragment is written when the next
-    keyframe's packet is muxed, so after chunk k is encoded the bytes up to chunk k - 1's fragment go out
-    (with `tune zerolatency`; x264's frame threads otherwise hold packets back for a few frames): (bytes, n)
-    with n the frames they hold (the init segment, `ftyp` + an empty `moov`, comes first, with the frames
-    already fragmented, or 0), and the last part holds the last fragment and the index (`mfra`). Empty parts
-    are skipped. The parts joined
-    are one playable MP4 of the same frames; its AAC track, unlike `encode_mp4`'s, also plays the encoder's
-    1,024 leading samples of delay (21 ms at 48 kHz: fragmented MP4 readers do not trim them).
-    Raises as `encode_mp4`."""
-    _check_size(frames)
-    options = h264_options(codec_options, crf)
-    audio = fit_audio(audio) if audio is not None else None
-    out, handed = _Drain(), 0
-    with _Mp4Writer(out, frames.width, frames.height, fps, audio, sample_rate, options, fragmented=True) as w:
-        for chunk in frames:
-            w.write(yuv_frames([chunk]), keyframe_first=True)
-            if data := out.take():  # the fragments before the last keyframe muxed
-                yield data, w.frames_before_keyframe - handed
-                handed = w.frames_before_keyframe
-        w.finish()
-    if data := out.take():
-        yield data, w.frames_muxed - handed
 
 
 def write_npz(
