@@ -261,11 +261,11 @@ class _Session:
                 fields["extra_params"] = extra
         fields = json_body_fields(fields)
         st = self.st
-        inputs = await build_inputs(dict(fields), served_model=st.served_model_name,
+        inputs = await build_inputs(fields, served_model=st.served_model_name,
                                     model_aliases=st.model_aliases, has_sound=st.client.has_sound,
                                     defaults=st.video_defaults, fetcher=st.media)  # fmt: skip
         # video.start's config: the request as validated (vLLM-Omni's), less the references' bytes
-        request = VideoCreateRequest.model_validate(fields).model_dump(exclude_none=True)
+        request = inputs.request.model_dump(exclude_none=True)
         config = {k: v for k, v in request.items() if k not in REFERENCES}
         codec = {**STREAM_CODEC_OPTIONS, **(inputs.encode.codec_options or {})}
         h264_options(codec, inputs.encode.crf)  # (a tune the request names is checked again with ours)

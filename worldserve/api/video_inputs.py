@@ -66,6 +66,8 @@ class VideoInputs:
     encode: EncodeOptions
     reference: bytes | None
     """The raw reference image or video bytes, persisted so the job can be re-run after a restart."""
+    request: VideoCreateRequest
+    """The fields as validated (/v1/realtime/video echoes them in video.start)."""
 
 
 async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -161,7 +163,8 @@ async def build_inputs(
         from worldserve.media.video import h264_options
 
         h264_options(codec, QUALITY_CRF[quality])  # a bad option is a 400 now, not a failed job later
-    return VideoInputs(params, spec, EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec), reference)
+    encode = EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec)
+    return VideoInputs(params, spec, encode, reference, req)
 
 
 CONTROL_TYPES = ("blur", "depth", "edge", "seg", "wsm")
