@@ -26,7 +26,8 @@ SMALL = {"size": "64x48", "num_frames": 33, "fps": 8, "num_inference_steps": 2}
 async def test_a_session_streams_one_mp4_in_parts(tmp_path):
     with uvicorn_thread(tmp_path, real_encoder=True) as (url, client):
         start = {"type": "session.start", "model": "test-model", "prompt": {"subjects": ["a cat"]}, **SMALL,
-                 "sampling_params": {"seed": 3, "num_inference_steps": 5, "flow_shift": 7.0}}  # fmt: skip
+                 "sampling_params": {"seed": 3, "num_inference_steps": 5, "flow_shift": 7.0,
+                                     "extra_params": {"guidance_interval": [0.5, 1.0]}}}  # fmt: skip
         messages, data, order = await realtime_session(url, start)
         assert client.list(after=None, limit=None, order="desc")[0] == [], "no job is stored"
     first, *chunks, done = messages
@@ -36,7 +37,7 @@ async def test_a_session_streams_one_mp4_in_parts(tmp_path):
     # extra_params (whose keys win over the top level, as for POST /v1/videos)
     config = first["config"]
     assert (config["seed"], config["flow_shift"], config["num_inference_steps"]) == (3, 7.0, 2)
-    assert config["extra_params"] == {"num_inference_steps": 5}
+    assert config["extra_params"] == {"num_inference_steps": 5, "guidance_interval": [0.5, 1.0]}
     assert first["config"]["prompt"] == '{"subjects":["a cat"]}'
     assert done == {"type": "session.done", "request_id": first["request_id"], "chunks": len(chunks),
                     "stopped": False}  # fmt: skip
@@ -158,10 +159,11 @@ async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path,
             }
             with pytest.raises(websockets.ConnectionClosed):
                 await ws.recv()
-        big = {"type": "session.start", "prompt": "x" * 200}
-        assert (await realtime_session(url, big))[0] == [
-            {"type": "error", "message": "session.start message too large", "code": 413}
-        ]
+        wide = json.dumps({"type": "session.start", "prompt": "é" * 90}, ensure_ascii=False)  # 129 characters
+        for big in ({"type": "session.start", "prompt": "x" * 200}, wide):  # (the bytes count: 219 of them)
+            assert (await realtime_session(url, big))[0] == [
+                {"type": "error", "message": "session.start message too large", "code": 413}
+            ]
         failing = {"type": "session.start", "prompt": f"x {FAIL_MARKER}decode_stream", **SMALL}
         messages, data, _ = await realtime_session(url, failing)
         # (the init segment may or may not go out first: a failed decode drops the chunks not yet muxed)

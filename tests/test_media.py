@@ -184,7 +184,7 @@ def test_codec_options_defaults_and_overrides():
     "options",
     [{"x264-params": "keyint=1"}, {"filter_complex": "x"}, {"preset": "ultrafast -y"}, {"preset": 3},
      {"threads": "-1"}, {"threads": "1e9"}, {"crf": 52}, {"crf": True}, {"g": 0}, {"tune": ["film"]},
-     ["preset"]],
+     ["preset"], {"bf": "²"}, {"g": "٣"}],
 )  # fmt: skip
 def test_codec_options_reject_anything_else(options):
     with pytest.raises(ParamError) as err:

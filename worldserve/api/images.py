@@ -56,7 +56,7 @@ class ImageGenerationRequest(NumbersNotBooleans):
     model: str | None = None
     n: int = Field(1, ge=1, le=10)
     size: str | None = Field(
-        None, pattern=r"^\d{1,5}x\d{1,5}$", description="WIDTHxHEIGHT, default 1024x1024."
+        None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$", description="WIDTHxHEIGHT, default 1024x1024."
     )
     response_format: Literal["b64_json", "url", "file"] | None = None
     output_format: Literal["png", "jpeg", "jpg", "webp"] | None = None

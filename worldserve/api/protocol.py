@@ -14,7 +14,16 @@ import math
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 from worldserve.engine.client import Job
 
@@ -63,8 +72,12 @@ class VideoCreateRequest(NumbersNotBooleans):
     prompt: str = Field(description="Text, or a JSON document as a string (Cosmos3's structured prompt).")
     model: str | None = Field(None, description="Must equal the served model name when given.")
     negative_prompt: str | None = None
-    seconds: str | None = Field(None, pattern=r"^[1-9]\d*$", description="Without num_frames: seconds x fps.")
-    size: str | None = Field(None, pattern=r"^\d+x\d+$", description="WIDTHxHEIGHT; overrides width/height.")
+    seconds: str | None = Field(
+        None, pattern=r"^[1-9][0-9]*$", description="Without num_frames: seconds x fps."
+    )
+    size: str | None = Field(
+        None, pattern=r"^[0-9]+x[0-9]+$", description="WIDTHxHEIGHT; overrides width/height."
+    )
     user: str | None = None
     quality: str | None = Field(None, description="high | lossless (x264 crf 10 / 0); omitted: crf 18.")
     width: int | None = Field(None, ge=1)
@@ -136,7 +149,8 @@ class ExtraParams(NumbersNotBooleans):
     num_inference_steps: int | None = Field(None, ge=1, le=200)
     guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    video_codec_options: dict[str, str | int | float] | None = None
+    video_codec_options: dict[str, StrictStr | StrictInt | StrictFloat] | None = None
+    """(strict: a boolean is refused, not taken as 1 or 0)"""
     condition_frame_indexes_vision: list[int] | None = Field(
         None, description="V2V: latent frames kept clean (default [0, 1])."
     )

@@ -227,7 +227,7 @@ class _Session:
         if raw is None:
             await self._error("session.start must be a JSON text message", 400)
             return None
-        if len(raw) > MAX_START_BYTES:
+        if len(raw) > MAX_START_BYTES or len(raw.encode("utf-8", "surrogatepass")) > MAX_START_BYTES:
             await self._error("session.start message too large", 413)
             return None
         try:
@@ -253,7 +253,9 @@ class _Session:
         if sampling:  # vLLM-Omni's merge: request fields not given, the rest into extra_params
             extra = dict(json_object_field(fields.get("extra_params"), "extra_params") or {})
             for key, value in sampling.items():
-                if key in VideoCreateRequest.model_fields and key not in fields:
+                if key == "extra_params":  # (its keys join the top level's)
+                    extra.update(json_object_field(value, "sampling_params.extra_params") or {})
+                elif key in VideoCreateRequest.model_fields and key not in fields:
                     fields[key] = value
                 else:
                     extra[key] = value

@@ -106,7 +106,7 @@ def _check_int(key: str, value: object) -> int:
         number = value
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
-    elif isinstance(value, str) and value.strip().isdigit():
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         number = int(value.strip())
     if number is None or not lo <= number <= hi:
         raise ParamError(
