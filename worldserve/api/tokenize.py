@@ -35,14 +35,11 @@ from worldserve.api.completions_protocol import (
 )  # fmt: skip
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
+from worldserve.engine.client import NO_REASONER
 from worldserve.params import ParamError
 
 router = APIRouter(tags=["tokenize"])
 State = Annotated[AppState, Depends(app_state)]
-NO_REASONER = (
-    "chat completions are not available on this server (no Reasoner: the fake backend, or "
-    "--tensor-parallel-size > 1)"
-)
 
 
 def reasoner_prompts(st: AppState) -> tuple[Any, int]:

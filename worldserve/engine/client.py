@@ -59,11 +59,15 @@ from worldserve.params import VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
-    "JobSpec", "JobStatus", "QueueFullError", "ShuttingDownError", "StorageError", "UpsamplingFailed", "error_for", "metered",
+    "JobSpec", "JobStatus", "NO_REASONER", "QueueFullError", "ShuttingDownError", "StorageError", "UpsamplingFailed", "error_for", "metered",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
 SWEEP_PERIOD_MAX_S = 60.0
+NO_REASONER = (
+    "this server runs no Reasoner, so its text routes (chat, completions, responses, tokenize) are not "
+    "available: the fake backend, or --tensor-parallel-size > 1"
+)
 
 
 class EngineClient:
@@ -370,10 +374,7 @@ class EngineClient:
         `coalesce`: the first delta, then the rest merged into one at the end (ChatHandle.coalesce)."""
         worker = self.chat_worker
         if worker is None:
-            raise ChatUnavailableError(
-                "chat completions are not available on this server (no Reasoner: the fake backend, or "
-                "--tensor-parallel-size > 1)"
-            )
+            raise ChatUnavailableError(NO_REASONER)
         if not self.accepting:
             raise ShuttingDownError("The server is shutting down and accepts no new requests.")
         queues = [asyncio.Queue() for _ in choices]
