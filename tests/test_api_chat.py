@@ -271,6 +271,7 @@ def test_http_image_url_is_downloaded(server):
         ({"temperature": -1}, 400, "temperature", "validation error"),
         ({"presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
         ({"repetition_penalty": 0}, 400, "repetition_penalty", "must be in (0, 2]"),
+        ({"repetition_penalty": 1e-46}, 400, "repetition_penalty", "at least 1e-38"),  # (0 in float32)
         ({"top_logprobs": 3}, 400, "top_logprobs", "needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "validation error"),
         ({"response_format": {"type": "yaml"}}, 400, "response_format", "must be text, json_object"),
@@ -403,3 +404,23 @@ def test_stop_string_is_reported_as_stop_reason(server):
     ][0]
     assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
     assert cut["message"]["content"] == text[: text.find(stop)]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "kwargs", "param"),
+    [
+        ("{{ (100 / scale) | string }}", {"scale": 0}, "chat_template_kwargs"),  # ZeroDivisionError
+        ("{% for i in range(10**6) %}{% endfor %}", {}, "messages"),  # OverflowError: the sandbox's cap
+    ],
+)
+def test_any_failure_of_the_chat_template_is_a_400(reasoner, monkeypatch, prefix, kwargs, param):
+    """The template is code run on the request: whatever it raises while rendering names the field that fed
+    it (its variables, else the messages), never a 500."""
+    from worldserve.params import ParamError
+
+    tokenizer = reasoner.prompts.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", prefix + tokenizer.chat_template)
+    params = ChatParams(messages=(ChatMessage(role="user", content="hi"),), chat_template_kwargs=kwargs)
+    with pytest.raises(ParamError) as err:
+        reasoner.build_prompt(params)
+    assert err.value.param == param

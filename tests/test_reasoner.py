@@ -266,6 +266,15 @@ def test_penalties_match_their_definitions():
     assert [s2.sample(flat) for _ in range(3)] == [2, 0, 1]
 
 
+def test_the_smallest_repetition_penalty_keeps_scores_ordered_and_masks_masked():
+    """At float32's smallest normal penalty a seen token's positive score divided by it stays finite (the
+    largest float32) and a masked token's -inf stays -inf: no NaN that argmax would pick past a grammar."""
+    s = TokenSampler(temperature=0.0, repetition_penalty=1e-38, prompt_ids=(0, 1, 2))
+    scores = s.penalize(torch.tensor([float("-inf"), 5.0, -3.0, 2.0]))  # (5 / 1e-38 overflows float32)
+    assert scores[0] == float("-inf") and scores[1] == torch.finfo(torch.float32).max
+    assert not scores.isnan().any() and scores[2] < 0 and scores[3] == 2.0
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

@@ -25,6 +25,11 @@ own takes every frame (up to VideoSampling.max_frames) anyway, so a request's la
 (as vLLM samples it: every frame); the bound keeps every frame count finite."""
 
 
+MIN_REPETITION_PENALTY = 1e-38
+"""float32's smallest normal: below it the sampler's float32 penalty is 0 or subnormal (a masked token's
+-inf times 0 is NaN, which argmax would pick past a grammar)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VideoSampling:
     """Which frames of a chat video the Reasoner sees (Qwen3-VL's video processor defaults; per request:
@@ -296,8 +301,9 @@ class ChatParams:
         if self.add_generation_prompt and self.continue_final_message:
             raise ParamError("continue_final_message",
                              "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")  # fmt: skip
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
-            raise ParamError(
-                "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
-            )
+        if not (
+            math.isfinite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2
+        ):
+            raise ParamError("repetition_penalty", f"repetition_penalty must be in (0, 2] (and at least "
+                             f"{MIN_REPETITION_PENALTY:g}), got {self.repetition_penalty}")  # fmt: skip
         return self

@@ -266,7 +266,9 @@ class ChatPromptBuilder:
             )  # fmt: skip
         except RecursionError:  # (bodies nest at most api.bodies.MAX_JSON_DEPTH levels: not expected)
             raise ParamError("messages", "the chat template cannot render input nested this deeply") from None
-        except (TemplateError, TypeError, ValueError) as exc:
+        except MemoryError:
+            raise
+        except Exception as exc:  # the template is code run on the request: ZeroDivisionError, range's cap...
             if continue_final_message:  # e.g. no final message content to continue
                 raise ParamError(
                     "continue_final_message", f"cannot continue the final message: {exc}"
@@ -281,7 +283,9 @@ class ChatPromptBuilder:
                 raise ParamError("tools", f"the chat template failed with these tools: {exc}") from exc
             if isinstance(exc, TemplateError):  # the template's raise_exception(): it refuses these messages
                 raise ParamError("messages", f"the chat template refused the messages: {exc}") from exc
-            raise
+            raise ParamError(
+                "messages", f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _preprocess(self, parts: list[ChatPart], params: ChatParams) -> VisionInputs:
         """Qwen3-VL image preprocessing of the image parts with the request's pixel budget (by their content

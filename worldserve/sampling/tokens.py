@@ -247,7 +247,8 @@ def _penalize(samplers: Sequence[TokenSampler], scores: Tensor) -> None:
     counts = _batch_counts(sub, vocab, device)  # [P, V]
     if any(s.repetition_penalty != 1.0 for s in sub):
         seen = _stacked([s.prompt_mask(vocab, device) for s in sub]) | (counts > 0)  # [P, V]
-        x = torch.where(seen, torch.where(x > 0, x / r[:, None], x * r[:, None]), x)
+        big = torch.finfo(x.dtype).max  # (a score divided by a tiny penalty stays finite: the top one)
+        x = torch.where(seen, torch.where(x > 0, (x / r[:, None]).clamp(max=big), x * r[:, None]), x)
     x = x - freq[:, None] * counts - pres[:, None] * (counts > 0)
     _put_rows(scores, idx, x)
 
