@@ -187,6 +187,10 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "input[1].content[0].image_url"),
         ({"input": "hi", "instructions": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}},
+         "tool_choice"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # (the chat's shape)
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
         ({"input": []}, "input"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "s"}]}, "tools[0].parameters"),

@@ -107,7 +107,7 @@ class ChatPaths:
         if old and new != old:
             exc.param = new
             if isinstance(getattr(exc, "message", None), str):
-                exc.message = exc.message.replace(old, new).replace("in the messages", "in the input")
+                exc.message = exc.message.replace(old, new).replace(" the messages", " the input")
                 if isinstance(exc, APIError):
                     exc.args = (exc.message,)
         return exc

@@ -147,9 +147,11 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
 
 def _tool_choice(choice: Any) -> Any:
     """Responses' {"type": "function", "name": N} as the chat's {"type": "function", "function": {"name": N}}."""
-    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or "function" in choice:
+        raise APIError(400, 'a named tool_choice is {"type": "function", "name": ...}', param="tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
 
 
 def _format(text: TextConfig | None) -> dict[str, Any] | None:
