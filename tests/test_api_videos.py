@@ -97,7 +97,9 @@ async def test_json_body_same_names_and_structured_prompt(tmp_path):
         assert meta["frames"] == [9, 48, 64, 3]
         body["extra_params"] = {"video_codec_options": {"profile": "main"}}  # x264: no lossless in main
         r = await http.post("/v1/videos", json=body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "video_codec_options", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.video_codec_options", (
+            r.text
+        )
 
 
 async def test_seconds_width_height_and_extra_params(tmp_path):

@@ -44,7 +44,12 @@ from worldserve.api.bodies import parse_json
 from worldserve.api.errors import APIError
 from worldserve.api.protocol import VideoCreateRequest
 from worldserve.api.state import AppState
-from worldserve.api.video_inputs import build_inputs, json_body_fields, json_object_field
+from worldserve.api.video_inputs import (
+    build_inputs,
+    checked_codec_options,
+    json_body_fields,
+    json_object_field,
+)
 from worldserve.engine.client import (
     EncodeOptions,
     QueueFullError,
@@ -55,7 +60,6 @@ from worldserve.engine.client import (
     error_for,
 )
 from worldserve.media.fragments import encode_fragments
-from worldserve.media.video import h264_options
 from worldserve.params import ParamError, VideoParams
 
 router = APIRouter(tags=["videos"])
@@ -270,10 +274,10 @@ class _Session:
         request = inputs.request.model_dump(exclude_none=True)
         config = {k: v for k, v in request.items() if k not in REFERENCES}
         codec = {**STREAM_CODEC_OPTIONS, **(inputs.encode.codec_options or {})}
-        h264_options(codec, inputs.encode.crf)  # (a tune the request names is checked again with ours)
-        if int(codec.get("bf", 0)) > 0:
-            raise ParamError("video_codec_options", "video_codec_options.bf must be 0 on /v1/realtime/video: "
-                             "its fragments have no B-frames (they would start the video after its audio).")  # fmt: skip
+        if int(checked_codec_options(codec, inputs.encode.crf).get("bf", 0)) > 0:
+            raise ParamError("extra_params.video_codec_options", "video_codec_options.bf must be 0 on "
+                             "/v1/realtime/video: its fragments have no B-frames (they would start the video "
+                             "after its audio).")  # fmt: skip
         await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
         return inputs.params, EncodeOptions(crf=inputs.encode.crf, codec_options=codec), config
 

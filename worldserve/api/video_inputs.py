@@ -159,12 +159,21 @@ async def build_inputs(
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,
                    user=req.user)  # fmt: skip
     codec = dict(extra.video_codec_options) if extra.video_codec_options else None
-    if codec is not None:
-        from worldserve.media.video import h264_options
-
-        h264_options(codec, QUALITY_CRF[quality])  # a bad option is a 400 now, not a failed job later
+    if codec is not None:  # a bad option is a 400 now, not a failed job later
+        checked_codec_options(codec, QUALITY_CRF[quality])
     encode = EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec)
     return VideoInputs(params, spec, encode, reference, req)
+
+
+def checked_codec_options(codec: Mapping[str, Any], crf: int) -> dict[str, str]:
+    """The libx264 options of `extra_params.video_codec_options` at `crf` (media/video.py h264_options); a
+    bad one is a ParamError naming `extra_params.video_codec_options`."""
+    from worldserve.media.video import h264_options
+
+    try:
+        return h264_options(codec, crf)
+    except ParamError as exc:
+        raise ParamError("extra_params.video_codec_options", exc.message) from None
 
 
 CONTROL_TYPES = ("blur", "depth", "edge", "seg", "wsm")
