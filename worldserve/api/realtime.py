@@ -180,9 +180,8 @@ class _Session:
 
     async def _refused(self, exc: Exception) -> None:
         refusal = self.st.refusal(exc)
-        retry = refusal.headers.get("Retry-After") if refusal.headers else None
-        await self._error(refusal.message, refusal.status,
-                          extra={"retry_after_s": int(retry)} if retry else None)  # fmt: skip
+        retry = {"retry_after_s": exc.retry_after_s} if isinstance(exc, QueueFullError) else None
+        await self._error(refusal.message, refusal.status, extra=retry)
 
     async def _stream(self, control: asyncio.Task) -> None:
         """Send the parts as they come until the request ends (its outcome: session.done or an error) or the
