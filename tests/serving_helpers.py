@@ -19,7 +19,8 @@ import httpx
 
 from worldserve.config import SchedulerConfig
 from worldserve.engine.client import EncodeOptions, EngineClient, JobSpec
-from worldserve.engine.engine import Engine, default_encoder
+from worldserve.engine.endings import default_encoder
+from worldserve.engine.engine import Engine
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.jobs import JobStore
 from worldserve.media.frame_stream import FrameStream

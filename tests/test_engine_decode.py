@@ -253,7 +253,7 @@ def test_a_decode_that_fails_mid_stream_frees_what_it_held_without_the_cycle_col
 
     # pytest's log capture would keep the failure's record, and with it the traceback (a log handler that
     # writes the record and drops it, as the server's, does not)
-    monkeypatch.setattr(logging.getLogger("worldserve.engine.engine"), "propagate", False)
+    monkeypatch.setattr(logging.getLogger("worldserve.engine.endings"), "propagate", False)
     gc.disable()
     try:
         done, alive = run(main())

@@ -14,8 +14,9 @@ exception inside a request (prepare, its denoise batch, decode, encode) fails on
 pipeline lost a peer rank): then it stops as on a crash and its jobs wait in the store. Backend calls run
 under `model_lock`, which the chat worker (chat_worker.py) also takes around each chat prefill / decode step,
 so chat and video share the model step by step, unless the chat backend runs beside video steps on its own
-CUDA stream (runner/chat_share.py: then it takes no lock). `on_done(job_id)` is called (from this thread or an
-encoder) whenever a job reaches completed/failed or is aborted, so the HTTP side can wake waiters.
+CUDA stream (runner/chat_share.py: then it takes no lock). How a request ends (its MP4 saved, its result
+handed over, its failure or cancellation reported, `on_done(job_id)` called so the HTTP side can wake
+waiters) is endings.py's, from this thread or the encode pool.
 """
 
 from __future__ import annotations
@@ -30,31 +31,16 @@ from functools import partial
 import numpy as np
 
 from worldserve.config import SchedulerConfig
+from worldserve.engine.endings import Encoder, Endings, default_encoder
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
-from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
-from worldserve.engine.refusals import CancelledRequest, error_for
+from worldserve.engine.outputs import BackendLost, VideoBackend
+from worldserve.engine.refusals import CancelledRequest
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
-from worldserve.media.frame_stream import (
-    FramesCancelled,
-    FramesLost,
-    FrameStream,
-    lower_thread_priority,
-    read_beside,
-)
+from worldserve.media.frame_stream import FrameStream, lower_thread_priority, read_beside
 
 log = logging.getLogger(__name__)
-
-Encoder = Callable[..., bytes]
-"""`encode_mp4(frames, fps, audio, sample_rate=..., crf=..., codec_options=...) -> bytes`."""
-
-
-def default_encoder(*args, **kwargs) -> bytes:
-    """media.video.encode_mp4, imported on first use (PyAV)."""
-    from worldserve.media.video import encode_mp4
-
-    return encode_mp4(*args, **kwargs)
 
 
 class Engine:
@@ -71,12 +57,9 @@ class Engine:
         self.backend = backend
         self.store = store
         self.config = config
-        self.observer: EngineObserver = observer or NullObserver()
-        self.on_done: Callable[[str], None] = lambda job_id: None
+        self._ends = Endings(store, encoder, observer or NullObserver(), job_ttl_s)
         self.on_crash: Callable[[BaseException], None] = lambda exc: None
         """Called on the engine thread once its loop has crashed (the jobs it held are queued again)."""
-        self._encoder = encoder
-        self._ttl_s = job_ttl_s
         self._sched = Scheduler(config.max_batch_size)
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
@@ -86,7 +69,6 @@ class Engine:
         self._draining = False
         self._hard_stop = False
         self._stopped = False  # set when the loop has ended (ephemeral requests are refused from then on)
-        self._service_ewma_s: float | None = None
         self._pool = ThreadPoolExecutor(
             config.encode_workers, thread_name_prefix="worldserve-encode", initializer=lower_thread_priority
         )  # the muxes yield the CPUs to this engine's thread, which feeds the GPU
@@ -138,6 +120,23 @@ class Engine:
         self._pool.shutdown(wait=True)
 
     @property
+    def observer(self) -> EngineObserver:
+        return self._ends.observer
+
+    @observer.setter
+    def observer(self, observer: EngineObserver) -> None:
+        self._ends.observer = observer
+
+    @property
+    def on_done(self) -> Callable[[str], None]:
+        """Called (from this thread or an encoder) whenever a job reaches completed/failed or is aborted."""
+        return self._ends.on_done
+
+    @on_done.setter
+    def on_done(self, on_done: Callable[[str], None]) -> None:
+        self._ends.on_done = on_done
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.crashed is None
 
@@ -151,7 +150,7 @@ class Engine:
 
     def estimated_slot_wait_s(self) -> float:
         """Rough seconds until a queue slot frees: mean service time / batch size (1 s before any data)."""
-        ewma = self._service_ewma_s
+        ewma = self._ends.service_ewma_s
         return 1.0 if ewma is None else ewma / self.config.max_batch_size
 
     # -- the loop (engine thread) -----------------------------------------------------------------------
@@ -219,7 +218,7 @@ class Engine:
         except BackendLost:  # nothing can run any more: a crash of the loop (_iterate queues it again)
             raise
         except Exception as exc:  # a bad input, or the disk refused the admission write (a StorageError)
-            self._fail(request, exc)
+            self._ends.fail(request, exc)
             return
         request.stage_seconds["prepare"] = time.monotonic() - t0
         self._sched.start(request)
@@ -235,7 +234,7 @@ class Engine:
             for request in batch:
                 self._sched.finish(request)
                 self._release(request)
-                self._fail(request, exc)
+                self._ends.fail(request, exc)
             return
         seconds = time.monotonic() - t0
         self.observer.on_step(seconds, len(batch))
@@ -270,7 +269,7 @@ class Engine:
                     if stream and not isinstance(result.frames, FrameStream):  # (a backend that cannot)
                         result.frames = FrameStream.of(np.asarray(result.frames))
                     if stream:  # the decode runs here, chunk after chunk
-                        reader = self._hand_streamed if request.ephemeral else self._encode_streamed
+                        reader = self._ends.hand_streamed if request.ephemeral else self._ends.encode_streamed
                         read_beside(result.frames, partial(reader, request, result), self._pool,
                                     before_end=decoded, stop=stop)  # fmt: skip
                         streamed = True
@@ -280,91 +279,19 @@ class Engine:
             with self._cv:  # (abort() sets the event under _cv: after this, the outcome is settled)
                 cancelled = self._decode_stops.pop(request.job_id).is_set()
             self._release(request)
-        if cancelled and not (streamed and request.ephemeral):  # (else the reader ends it: _hand_streamed)
-            self._cancelled(request)
+        if cancelled and not (streamed and request.ephemeral):  # (else the reader ends it: hand_streamed)
+            self._ends.cancelled(request)
         elif failure is not None:
-            self._fail(request, failure)
+            self._ends.fail(request, failure)
             failure = None  # (its traceback holds this frame: a cycle that would keep the decode's tensors)
             return
         if cancelled or streamed:
             return
         decoded()
         if request.ephemeral:  # the caller encodes (an image): hand the frames over
-            self._hand_over(request, result)
+            self._ends.hand_over(request, result)
             return
-        self._pool.submit(self._encode_and_save, request, result)
-
-    def _hand_over(self, request: Request, result: VideoResult) -> None:
-        """An ephemeral request's end: its stage times and the metrics, then its caller gets the result."""
-        now = time.monotonic()
-        stages = {**request.stage_seconds, **result.stage_seconds}
-        result.stage_seconds = stages
-        try:
-            self.observer.on_finished(
-                now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
-                float(result.peak_memory_mb),
-            )  # fmt: skip
-        except Exception:  # the metrics' fault: the caller still gets its result
-            log.exception("observer.on_finished failed for %s", request.job_id)
-        request.on_result(result)
-
-    def _encode_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
-        result.frames = frames
-        self._encode_and_save(request, result)
-
-    def _hand_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
-        """An ephemeral request's frames, as the decode makes them, to its caller's `on_frames` (in the
-        pool), then its end, once: the result; or the abort when it cut the frames short (an abort after
-        the last chunk was made is too late: the caller gets the result); a decode that failed is ended by
-        the engine thread."""
-        result.frames = frames
-        try:
-            request.on_frames(result)
-        except FramesLost as exc:
-            if isinstance(exc.__cause__, FramesCancelled):
-                self._cancelled(request)
-            return
-        except Exception as exc:
-            self._fail(request, exc)
-            return
-        except BaseException as exc:  # (SystemExit, KeyboardInterrupt in this pool thread) it still ends
-            self._fail(request, exc)
-            raise
-        self._hand_over(request, result)
-
-    def _encode_and_save(self, request: Request, result: VideoResult) -> None:
-        """Mux the MP4 (reading a FrameStream's chunks as they come) and complete the job. The "encode"
-        stage is the mux's wall time, which overlaps the decode when the frames stream."""
-        try:
-            t0 = time.monotonic()
-            frames = result.frames if isinstance(result.frames, FrameStream) else np.asarray(result.frames)
-            video = self._encoder(
-                frames, result.fps, result.audio, sample_rate=result.sample_rate,
-                crf=request.encode.crf, codec_options=request.encode.codec_options,
-            )  # fmt: skip
-            now = time.monotonic()
-            stages = {**request.stage_seconds, **result.stage_seconds, "encode": now - t0}
-            saved = self.store.complete(
-                request.job_id, video, completed_at=time.time(), ttl_s=self._ttl_s,
-                inference_time_s=now - request.admitted_time, stage_durations=_rounded(stages),
-                peak_memory_mb=float(result.peak_memory_mb),
-            )  # fmt: skip
-            if saved:
-                service = now - request.admitted_time
-                ewma = self._service_ewma_s
-                self._service_ewma_s = service if ewma is None else 0.8 * ewma + 0.2 * service
-                self.observer.on_finished(
-                    now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
-                    float(result.peak_memory_mb),
-                )  # fmt: skip
-        except FramesLost:
-            return  # the decode failed: the engine thread failed the job
-        except Exception as exc:
-            self._fail(request, exc)
-        except BaseException as exc:  # (SystemExit, KeyboardInterrupt in this pool thread) the job still ends
-            self._fail(request, exc)
-            raise
-        self.on_done(request.job_id)
+        self._pool.submit(self._ends.encode_and_save, request, result)
 
     def _abort(self, job_id: str) -> None:
         request = self._sched.remove(job_id)
@@ -372,12 +299,7 @@ class Engine:
             return  # unknown, already finished (its decode stopped), or being encoded (the store drops it)
         self._release(request)
         self._num_running = len(self._sched.running)
-        self._cancelled(request)
-
-    def _cancelled(self, request: Request) -> None:
-        if request.ephemeral:
-            request.on_result(CancelledRequest(request.job_id))
-        self.on_done(request.job_id)
+        self._ends.cancelled(request)
 
     def _release(self, request: Request) -> None:
         if request.state is None:
@@ -387,19 +309,6 @@ class Engine:
             self.backend.release(state)
         except Exception:
             log.exception("backend.release failed for %s", request.job_id)
-
-    def _fail(self, request: Request, exc: BaseException) -> None:
-        code, message = error_for(exc)
-        if code >= 500:
-            log.error("job %s failed: %s", request.job_id, message, exc_info=exc)
-        else:
-            log.info("job %s rejected: %s", request.job_id, message)
-        if request.ephemeral:
-            self.observer.on_failed(code)
-            request.on_result(exc)
-        elif self.store.fail(request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s):
-            self.observer.on_failed(code)
-        self.on_done(request.job_id)
 
     def _park_running(self) -> None:
         """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
@@ -428,7 +337,3 @@ class Engine:
                 "stopped with %d running job(s); they are queued again and resume at restart", len(parked)
             )
         self._num_running = 0
-
-
-def _rounded(stages: dict[str, float]) -> dict[str, float]:
-    return {k: round(float(v), 4) for k, v in stages.items()}
