@@ -8,7 +8,8 @@ guidance 6.0, max_sequence_length 4096, flow shift 10, seed) as a text-to-video 
 fps, audio rate and channels); the JSON records each request's wall time and the server's own stage times
 (/metrics: worldserve:stage_duration_seconds sums). `--realtime` also runs the T2V request as a
 /v1/realtime/video session (fragmented MP4 parts while the VAE decodes): the times to video.start, to the
-first part holding frames and to session.done, against the sync request's whole MP4.
+first part holding frames and to session.done, against the sync request's whole MP4 (and the server's stage
+times of the session).
 
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 8 --out $OUT/serve_video.json
     PYTHONPATH=. python bench/serve_video.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/sv.json  # CPU
@@ -150,7 +151,10 @@ def main(argv: list[str] | None = None) -> None:
             result["requests"][name] = entry
             print(name, json.dumps(entry), flush=True)
         if args.realtime:
+            before = stage_seconds(url)
             result["realtime"] = realtime_session(url, form)
+            after = stage_seconds(url)
+            result["realtime"]["server_stages_s"] = {k: after[k] - before.get(k, 0.0) for k in after}
             print("realtime", json.dumps({k: v for k, v in result["realtime"].items() if k != "events"}),
                   flush=True)  # fmt: skip
     finally:

@@ -276,3 +276,24 @@ async def test_a_server_without_handshake_responses_refuses_an_unauthorized_sock
     scope = {"type": "websocket", "path": "/v1/realtime/video", "headers": [], "extensions": {}}
     await APIKeyMiddleware(app, api_keys=["sekret"])(scope, None, send)
     assert sent == [{"type": "websocket.close", "code": 1008, "reason": "Unauthorized"}]
+
+
+async def test_the_server_never_deflates_the_sockets_video(tmp_path):
+    """`worldserve serve`'s uvicorn options decline permessage-deflate, which a `websockets` client offers and
+    uvicorn's default accepts: zlib cannot shrink H.264 and took longer per part than the VAE's decode."""
+    import argparse
+
+    from serving_helpers import make_client
+
+    from worldserve.api.app import build_app
+    from worldserve.commands.serve_http import uvicorn_options
+
+    extensions = {}
+    for name, options in (("uvicorn", {}), ("worldserve", uvicorn_options(argparse.Namespace()))):
+        client = make_client(tmp_path / name)
+        app = build_app(client, api_keys=(), sync_timeout_s=60.0, shutdown_timeout_s=1.0)
+        with serve_app(app, **options) as url:
+            async with websockets.connect(ws_url(url)) as ws:  # (offers permessage-deflate, as by default)
+                extensions[name] = ws.response.headers.get("Sec-WebSocket-Extensions")
+    assert extensions["uvicorn"] and "permessage-deflate" in extensions["uvicorn"]  # what it would negotiate
+    assert extensions["worldserve"] is None

@@ -72,8 +72,14 @@ def _import_middleware(name: str) -> Callable | type:
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
-    """uvicorn.Config keywords of these flags (the root path is the app's, as vLLM sets it: see install)."""
+    """uvicorn.Config keywords of these flags (the root path is the app's, as vLLM sets it: see install).
+
+    WebSockets never negotiate permessage-deflate (uvicorn's default offers it to every client that asks, as
+    `websockets` clients do): /v1/realtime/video sends H.264 parts, which zlib cannot shrink (1.002x), and
+    deflating a 7 MB part on the event loop takes 0.27-0.47 s, more than the VAE takes to decode it (0.33 s),
+    so the parts fell behind the decode."""
     return dict(
+        ws_per_message_deflate=False,
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
         ssl_keyfile=getattr(args, "ssl_keyfile", None), ssl_certfile=getattr(args, "ssl_certfile", None),
         ssl_ca_certs=getattr(args, "ssl_ca_certs", None), ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
