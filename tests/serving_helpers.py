@@ -139,11 +139,15 @@ def mp4_bytes(frames: int = 6, width: int = 32, height: int = 16) -> bytes:
 @contextlib.contextmanager
 def serve_app(app, name: str = "test-uvicorn", **config):
     """Run an ASGI app under a real uvicorn on a loopback port in a background thread (`config`: more
-    uvicorn.Config options); yields its URL."""
+    uvicorn.Config options over `worldserve serve`'s); yields its URL."""
+    import argparse
     import threading
 
     import uvicorn
 
+    from worldserve.commands.serve_http import uvicorn_options
+
+    config = {**uvicorn_options(argparse.Namespace()), **config}
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **config))
     thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
