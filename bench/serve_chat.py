@@ -10,7 +10,8 @@ video (/v1/videos/sync, 256x256, 9 frames, 2 steps) checks that video generation
 chat as server-sent events (each chat's time per token after its first content chunk is reported too);
 --text-tokens restricts the chats to the tokenizer's letters (allowed_token_ids) so that every token is a
 content chunk; --logprobs N asks for logprobs; --repeat N runs each concurrency N times (median);
---structured times the chats again under a JSON schema (structured outputs). Last, the K/V metrics from
+--structured times the chats again under a JSON schema (structured outputs); --http-stack plain runs the
+server without httptools and uvloop (h11 and asyncio), to weigh them. Last, the K/V metrics from
 /metrics. Everything the server does is the product's code path: paged K/V pool,
 CUDA-graphed decode, batched sampling, incremental detokenization, SSE-free JSON responses.
 
@@ -93,7 +94,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also a T2V and an I2V job with extra_params.upsample_prompt (bench/upsampled_videos.py)",
     )  # fmt: skip
     ap.add_argument("--responses", action="store_true", help="also /v1/responses (bench/responses_checks.py)")
+    ap.add_argument(
+        "--http-stack", choices=("installed", "plain"), default="installed",
+        help="plain: the server runs without httptools and uvloop (uvicorn's h11 parser and asyncio's loop), "
+        "to weigh what they bring against the installed ones",
+    )  # fmt: skip
     return ap.parse_args(argv)
+
+
+PLAIN_STACK = (
+    "import sys; sys.modules['httptools'] = sys.modules['uvloop'] = None; "
+    "from worldserve.cli import main; sys.exit(main())"
+)
+"""`python -c PLAIN_STACK serve ...`: `worldserve serve` with httptools and uvloop unimportable, so uvicorn
+falls back to h11 and asyncio (its choice when they are not installed)."""
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
@@ -215,7 +229,8 @@ def run(args: argparse.Namespace) -> dict:
 
         model = str(write_random_checkpoint(args.random_nano))
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "worldserve.cli", "serve", *([model] if model else []), "--port", str(args.port),
+    entry = ["-c", PLAIN_STACK] if args.http_stack == "plain" else ["-m", "worldserve.cli"]
+    cmd = [sys.executable, *entry, "serve", *([model] if model else []), "--port", str(args.port),
            "--warmup-shapes", "none", *args.serve_arg]  # fmt: skip
     log = open(args.out.parent / "serve.log", "w")  # noqa: SIM115 (the server writes to it until killed)
     # the image chat by URL downloads from this script's own file server on loopback, which serve refuses
@@ -232,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens,
         "sampling": SAMPLING,
         "stream": args.stream,
+        "http_stack": args.http_stack,
     }
     try:
         res["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
@@ -300,7 +316,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(res: dict) -> str:
     lines = [f"serve up in {res['startup_s']:.1f} s; time to first token {res['ttft_s'] * 1e3:.0f} ms; "
-             f"{res['max_tokens']} tokens a chat", f"{'chats':>5s} {'wall s':>8s} {'tok/s':>9s} {'per chat':>9s} {'chunks':>7s} {'ms/token':>9s}"]  # fmt: skip
+             f"{res['max_tokens']} tokens a chat; HTTP stack {res['http_stack']}", f"{'chats':>5s} {'wall s':>8s} {'tok/s':>9s} {'per chat':>9s} {'chunks':>7s} {'ms/token':>9s}"]  # fmt: skip
     for c, r in res["chats"].items():
         ms = f"{r['decode_ms']:9.2f}" if r.get("decode_ms") else f"{'-':>9s}"
         lines.append(

@@ -1,7 +1,7 @@
 """The request-header deadline (api/http_protocol.py): over a real uvicorn and raw sockets, a connection that
 sends nothing, or its headers a byte at a time, gets a 408 and is closed at the deadline; requests whose
 headers arrived in time are never cut, however long their body upload or their answer takes, on fresh and
-kept-alive connections; serve runs uvicorn with it (WORLDSERVE_HTTP_HEADER_TIMEOUT)."""
+kept-alive connections, on h11 and on httptools; serve runs uvicorn with it (WORLDSERVE_HTTP_HEADER_TIMEOUT)."""
 
 from __future__ import annotations
 
@@ -38,9 +38,16 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": str(size).encode()})
 
 
-@pytest.fixture(scope="module")
-def url():
-    with serve_app(app, name="test-header-deadline", http=header_deadline_protocol(DEADLINE)) as u:
+@pytest.fixture(scope="module", params=["h11", "httptools"])
+def url(request):
+    """The app behind the deadline on each of uvicorn's HTTP implementations (serve takes httptools when it
+    is installed, as it is with worldserve, and h11 otherwise)."""
+    if request.param == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    protocol = header_deadline_protocol(DEADLINE, base)
+    with serve_app(app, name=f"test-header-deadline-{request.param}", http=protocol) as u:
         yield u
 
 

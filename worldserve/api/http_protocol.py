@@ -3,7 +3,7 @@
 uvicorn closes a keep-alive connection idle past its timeout, but not one that was opened and never sent a
 request, nor one that sends a request's headers a byte at a time: each holds a file descriptor for as long
 as the client likes, and enough of them (a few hundred slow clients, or a leak in a client pool) use up the
-process's descriptors, after which the server accepts no connection at all. `HeaderDeadlineProtocol` gives
+process's descriptors, after which the server accepts no connection at all. `header_deadline_protocol` gives
 every request `header_timeout_s` (envs.http_header_timeout_s) from the connection's opening, or from its first
 byte after the previous response, until uvicorn has parsed the request's headers; past it the connection gets
 a 408 and is closed. A request whose headers arrived is never timed here (its body and response take as
@@ -22,7 +22,9 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
-class HeaderDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+class HeaderDeadline:
+    """The deadline, mixed in before one of uvicorn's HTTP protocol classes (header_deadline_protocol)."""
+
     header_timeout_s: float = 60.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -61,6 +63,7 @@ class HeaderDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             self.transport.close()
 
 
-def header_deadline_protocol(header_timeout_s: float) -> type:
-    """HeaderDeadlineProtocol with this deadline, for uvicorn.Config(http=...)."""
-    return type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
+def header_deadline_protocol(header_timeout_s: float, base: type = AutoHTTPProtocol) -> type:
+    """`base` (uvicorn's choice by default, or its H11Protocol / HttpToolsProtocol) with this deadline, for
+    uvicorn.Config(http=...)."""
+    return type("HeaderDeadlineProtocol", (HeaderDeadline, base), {"header_timeout_s": header_timeout_s})
