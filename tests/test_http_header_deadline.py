@@ -107,3 +107,14 @@ def test_serve_gives_uvicorn_the_deadline(monkeypatch):
     with pytest.raises(ValueError, match="WORLDSERVE_HTTP_HEADER_TIMEOUT"):
         envs.http_header_timeout_s()
     assert header_deadline_protocol(7.5).header_timeout_s == 7.5
+
+
+def test_serve_runs_on_httptools_and_uvloop_and_names_them():
+    """worldserve installs httptools and uvloop (as uvicorn[standard] does), so serve's protocol is the
+    httptools one and its loop uvloop's; the startup log names what uvicorn runs on (serve_http)."""
+    import uvicorn
+
+    from worldserve.commands.serve_http import implementations
+
+    assert implementations(uvicorn.Config(app, http=header_deadline_protocol(5.0))) == ("httptools", "uvloop")
+    assert implementations(uvicorn.Config(app, http="h11", loop="asyncio")) == ("h11", "asyncio")

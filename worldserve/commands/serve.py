@@ -220,9 +220,6 @@ def _serve(
              config.scheduler.max_queued_requests, server_cfg.sync_timeout,
              ", API key required on /v1" if server_cfg.api_key else "")  # fmt: skip
     scheme = "https" if getattr(http_args, "ssl_certfile", None) else "http"
-    log.info(
-        "Starting worldserve API server on %s://%s:%d", scheme, server_cfg.host, listener.getsockname()[1]
-    )
     log.info("Available routes are:")
     for path, methods in route_table(app):
         log.info("Route: %s, Methods: %s", path, ", ".join(methods))
@@ -231,6 +228,10 @@ def _serve(
         timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
         timeout_keep_alive=envs.http_timeout_keep_alive_s(),
         http=header_deadline_protocol(envs.http_header_timeout_s()), **serve_http.uvicorn_options(http_args),
+    )  # fmt: skip
+    log.info(
+        "Starting worldserve API server on %s://%s:%d (HTTP: %s, event loop: %s)", scheme, server_cfg.host,
+        listener.getsockname()[1], *serve_http.implementations(uv_config),
     )  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):
