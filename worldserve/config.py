@@ -2,7 +2,7 @@
 
 `EngineConfig` = `ModelConfig` + `ParallelConfig` + `SchedulerConfig` + `ServerConfig`. Each field's one-line
 attribute docstring is its `--help` text, its name is its flag (`max_batch_size` -> `--max-batch-size`) and
-its default is the flag's default: one source of truth (`add_config_arguments`, `config_from_args`).
+its default is the flag's default: one source of truth (config_flags.py).
 Constructors validate and do no I/O; `EngineConfig.resolve()` fills the values that depend on the
 environment (storage folder, sync timeout, API key, served name) and returns a new object.
 Per-request knobs (steps, size, seed...) live in `params.VideoParams`, never here.
@@ -11,17 +11,13 @@ Per-request knobs (steps, size, seed...) live in `params.VideoParams`, never her
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
 import math
 import re
-import textwrap
-import types
 import typing
 from dataclasses import dataclass, field, replace
 
 from worldserve import envs
+from worldserve.config_flags import config_from_args
 from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag: re-exported)
     FlagValueError,
     JsonStrList,
@@ -187,13 +183,19 @@ class ParallelConfig:
             )
 
 
+DEFAULT_MAX_NUM_SEQS = 128
+"""Reasoner chats decoded together by default. At full size on an H200 (`bench/serve_chat.py`, 128 streamed
+chats at once): 4,369-5,425 tok/s at 10.5-10.9 ms a token, where 32 (the earlier default) served them in four
+waves at the 32-chat rate, 2,949 tok/s (4.5 ms a token). vLLM's API server takes 256."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     max_queued_requests: int = 256
     """Jobs waiting for admission beyond this answer 429 with Retry-After."""
     max_batch_size: int = 1
     """Requests denoised together in one step (and held in memory at once); same-shape requests only."""
-    max_num_seqs: int = 32
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Reasoner chats decoded together (continuous batching); more wait for a free slot."""
     max_num_batched_tokens: int = 8192
     """Reasoner tokens one iteration (an admission pass and a step) computes at most (vLLM's): the running chats' decodes, the next chunk of a prompt being prefilled, resumed chats and new prompts share it; with chunked prefill a prompt longer than what is left is prefilled in chunks, one an iteration, while running chats keep decoding."""
@@ -362,62 +364,3 @@ class EngineConfig:
 
 
 CONFIG_CLASSES = (ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
-
-
-def attribute_docs(cls: type) -> dict[str, str]:
-    """Field name -> the string literal written right below it in the class body (vLLM's get_attr_docs)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-def _scalar_type(hint: object) -> type:
-    """`int | None` -> int; the type argparse converts the flag's text with."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return inner
-    assert isinstance(hint, type), hint
-    return hint
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (none for metadata no_flag); metadata may mark it positional, hidden, or give
-    choices/aliases."""
-    hints = typing.get_type_hints(cls)
-    docs = attribute_docs(cls)
-    group = parser.add_argument_group(cls.__name__)
-    for f in dataclasses.fields(cls):
-        meta = f.metadata
-        if meta.get("no_flag"):
-            continue
-        kind = str if "nargs" in meta else _scalar_type(hints[f.name])  # nargs: a list of strings
-        text = docs.get(f.name, "")
-        if f.default not in (None, False, ""):
-            text += f" (default: {f.default})"
-        kwargs: dict[str, typing.Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else text}
-        if kind is bool:
-            kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = kind
-        if "choices" in meta:
-            kwargs["choices"] = meta["choices"]
-        if "nargs" in meta:
-            kwargs["nargs"] = meta["nargs"]
-        if meta.get("positional"):
-            group.add_argument(f.name, nargs="?", default=f.default, metavar=f.name.upper(), **kwargs)
-        else:
-            flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
-            group.add_argument(*flags, dest=f.name, default=f.default, **kwargs)
-
-
-def config_from_args(cls: type, args: argparse.Namespace) -> typing.Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})

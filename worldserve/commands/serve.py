@@ -38,8 +38,8 @@ from worldserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    add_config_arguments,
 )
+from worldserve.config_flags import add_config_arguments
 
 log = logging.getLogger("worldserve.serve")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"

@@ -1,0 +1,73 @@
+"""The bridge between config.py's frozen dataclasses and argparse: one flag per field, its help the string
+written below the field (vLLM's way), its default the field's default, its type the field's; and back, a
+dataclass from the parsed flags. Field metadata may mark a flag positional, hidden or flagless, or give it
+choices, aliases or nargs."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal written right below it in the class body (vLLM's get_attr_docs)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _scalar_type(hint: object) -> type:
+    """`int | None` -> int; the type argparse converts the flag's text with."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return inner
+    assert isinstance(hint, type), hint
+    return hint
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per dataclass field (none for metadata no_flag); metadata may mark it positional, hidden, or give
+    choices/aliases."""
+    hints = typing.get_type_hints(cls)
+    docs = attribute_docs(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if meta.get("no_flag"):
+            continue
+        kind = str if "nargs" in meta else _scalar_type(hints[f.name])  # nargs: a list of strings
+        text = docs.get(f.name, "")
+        if f.default not in (None, False, ""):
+            text += f" (default: {f.default})"
+        kwargs: dict[str, typing.Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else text}
+        if kind is bool:
+            kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        if "nargs" in meta:
+            kwargs["nargs"] = meta["nargs"]
+        if meta.get("positional"):
+            group.add_argument(f.name, nargs="?", default=f.default, metavar=f.name.upper(), **kwargs)
+        else:
+            flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+            group.add_argument(*flags, dest=f.name, default=f.default, **kwargs)
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> typing.Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
