@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from worldserve.chat_params import ChatParams
+from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.chat_handle import ChatHandle
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
 from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta
@@ -68,7 +69,6 @@ class ChatFailed:
 ChatEvent = ChatStarted | ChatDelta | ChatFailed
 
 
-DEFAULT_MAX_NUM_SEQS = 32
 ABORT_JOIN_S = 10.0
 """How long stop() waits, after failing the running chats, for the worker's current step to end."""
 

@@ -29,10 +29,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from worldserve.chat_params import ChatParams
+from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.chat_metering import ChatMeter, metered
 from worldserve.engine.chat_observer import ChatTimes
 from worldserve.engine.chat_worker import (
-    DEFAULT_MAX_NUM_SEQS,
     ChatEvent,
     ChatEvents,
     ChatFailed,

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from worldserve.chat_params import ChatParams
+from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.outputs import ChatDelta
 from worldserve.media.processor_cache import DEFAULT_PROCESSOR_CACHE_GB, ProcessorCache
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
@@ -57,7 +58,6 @@ from worldserve.sampling.tokens import sample_tokens
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
-DEFAULT_MAX_NUM_SEQS = 32
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """vLLM's --max-num-batched-tokens (its default for online serving on large GPUs): the tokens one iteration (an
 admission pass and a step) computes at most, decodes, chunks, resumes and new prompts together (step_budget.py);
