@@ -1,15 +1,19 @@
-"""uvicorn's HTTP protocol with a deadline on request headers (a slow-loris guard uvicorn and vLLM lack).
+"""uvicorn's HTTP protocol with a deadline and a size cap on request headers (slow-loris and header-bloat
+guards uvicorn and vLLM lack).
 
 uvicorn closes a keep-alive connection idle past its timeout, but not one that was opened and never sent a
 request, nor one that sends a request's headers a byte at a time: each holds a file descriptor for as long
 as the client likes, and enough of them (a few hundred slow clients, or a leak in a client pool) use up the
-process's descriptors, after which the server accepts no connection at all. `header_deadline_protocol` gives
+process's descriptors, after which the server accepts no connection at all. `header_guard_protocol` gives
 every request `header_timeout_s` (envs.http_header_timeout_s) from the connection's opening, or from its first
 byte after the previous response, until uvicorn has parsed the request's headers; past it the connection gets
 a 408 and is closed. A request whose headers arrived is never timed here (its body and response take as
-long as they take). Built on uvicorn's own choice of HTTP implementation (httptools when installed, else h11),
-whose `cycle` attribute (the request-response cycle it starts once a request's headers are parsed) tells the
-two apart.
+long as they take). Headers are also capped at MAX_HEADER_BYTES (request line included): httptools, unlike
+h11, takes headers of any size and keeps a header's value whole in memory, copied again at every
+read (on a 2-CPU host, 192 MB of one header in 51 s, 202 MB held), so past the cap the connection gets a 431
+and is closed (both after the client's unread bytes are drained, so it reads the answer). Built on uvicorn's own choice of HTTP implementation (httptools when installed, as with
+worldserve, else h11), whose `cycle` attribute (the request-response cycle it starts once a request's headers
+are parsed) tells the two apart.
 """
 
 from __future__ import annotations
@@ -20,22 +24,38 @@ from typing import Any
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+TOO_LARGE_RESPONSE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+)
+MAX_HEADER_BYTES = 64 * 1024
+"""A request's line and headers, at most."""
+H11_BUFFER_BYTES = MAX_HEADER_BYTES + 2**20
+"""uvicorn.Config's h11_max_incomplete_event_size (serve_http.uvicorn_options): h11 refuses headers past it with
+a 400 and an abrupt close; above the cap plus one socket read (256 KiB), the cap answers first on h11 too."""
+LINGER_S = 2.0
+"""After a refusal, how long what the client still sends is read and dropped before the connection closes: closing
+with unread bytes would reset it, and the client could lose the answer."""
 
 
-class HeaderDeadline:
-    """The deadline, mixed in before one of uvicorn's HTTP protocol classes (header_deadline_protocol)."""
+class HeaderGuard:
+    """The deadline and the cap, mixed in before one of uvicorn's HTTP protocol classes
+    (header_guard_protocol)."""
 
     header_timeout_s: float = 60.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._header_bytes = 0  # received since the headers of the request being read began
+        self._refused = False  # answered 408 / 431: what still comes is dropped until the close
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         idle = self.cycle is None or self.cycle.response_complete  # bytes of a next request's headers
         if idle and self._header_deadline is None:
             self._arm()
@@ -43,12 +63,17 @@ class HeaderDeadline:
         super().data_received(data)
         if self.cycle is not before:  # its headers are parsed: the request runs untimed from here
             self._disarm()
+        elif idle:
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._refuse(TOO_LARGE_RESPONSE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
+        self._header_bytes = 0
         self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
     def _disarm(self) -> None:
@@ -58,12 +83,23 @@ class HeaderDeadline:
 
     def _headers_too_slow(self) -> None:
         self._header_deadline = None
+        self._refuse(TIMEOUT_RESPONSE)
+
+    def _refuse(self, response: bytes) -> None:
+        """`response`, then the end of the connection (its reading side after LINGER_S), unless a request
+        began meanwhile or the connection is closing."""
+        self._disarm()
         if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
-            self.transport.write(TIMEOUT_RESPONSE)
-            self.transport.close()
+            self.transport.write(response)
+            self._refused = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
 
 
-def header_deadline_protocol(header_timeout_s: float, base: type = AutoHTTPProtocol) -> type:
-    """`base` (uvicorn's choice by default, or its H11Protocol / HttpToolsProtocol) with this deadline, for
-    uvicorn.Config(http=...)."""
-    return type("HeaderDeadlineProtocol", (HeaderDeadline, base), {"header_timeout_s": header_timeout_s})
+def header_guard_protocol(header_timeout_s: float, base: type = AutoHTTPProtocol) -> type:
+    """`base` (uvicorn's choice by default, or its H11Protocol / HttpToolsProtocol) with this deadline and
+    the header cap, for uvicorn.Config(http=...)."""
+    return type("HeaderGuardProtocol", (HeaderGuard, base), {"header_timeout_s": header_timeout_s})

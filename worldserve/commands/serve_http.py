@@ -78,8 +78,11 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     `websockets` clients do): /v1/realtime/video sends H.264 parts, which zlib cannot shrink (1.002x), and
     deflating a 7 MB part on the event loop takes 0.27-0.47 s, more than the VAE takes to decode it (0.33 s),
     so the parts fell behind the decode."""
+    from worldserve.api.http_protocol import H11_BUFFER_BYTES
+
     return dict(
         ws_per_message_deflate=False,
+        h11_max_incomplete_event_size=H11_BUFFER_BYTES,  # (the header cap answers first: http_protocol.py)
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
         ssl_keyfile=getattr(args, "ssl_keyfile", None), ssl_certfile=getattr(args, "ssl_certfile", None),
         ssl_ca_certs=getattr(args, "ssl_ca_certs", None), ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),

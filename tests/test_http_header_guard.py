@@ -1,11 +1,14 @@
-"""The request-header deadline (api/http_protocol.py): over a real uvicorn and raw sockets, a connection that
-sends nothing, or its headers a byte at a time, gets a 408 and is closed at the deadline; requests whose
-headers arrived in time are never cut, however long their body upload or their answer takes, on fresh and
-kept-alive connections, on h11 and on httptools; serve runs uvicorn with it (WORLDSERVE_HTTP_HEADER_TIMEOUT)."""
+"""The request-header guard (api/http_protocol.py): over a real uvicorn and raw sockets, a connection that
+sends nothing, or its headers a byte at a time, gets a 408 and is closed at the deadline; headers past the
+size cap get a 431 at once, read by the client, and the connection is closed, with nothing held;
+requests whose headers arrived in time are never cut, however long their body upload or their answer takes,
+also with headers just under the cap and bodies far past it, on fresh and kept-alive connections, on h11
+and on httptools; serve runs uvicorn with it (WORLDSERVE_HTTP_HEADER_TIMEOUT)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -13,7 +16,7 @@ import httpx
 import pytest
 from serving_helpers import serve_app
 
-from worldserve.api.http_protocol import header_deadline_protocol
+from worldserve.api.http_protocol import MAX_HEADER_BYTES, header_guard_protocol
 
 DEADLINE = 0.6
 
@@ -39,15 +42,20 @@ async def app(scope, receive, send):
 
 
 @pytest.fixture(scope="module", params=["h11", "httptools"])
-def url(request):
+def parser(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def url(parser):
     """The app behind the deadline on each of uvicorn's HTTP implementations (serve takes httptools when it
     is installed, as it is with worldserve, and h11 otherwise)."""
-    if request.param == "h11":
+    if parser == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     else:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    protocol = header_deadline_protocol(DEADLINE, base)
-    with serve_app(app, name=f"test-header-deadline-{request.param}", http=protocol) as u:
+    protocol = header_guard_protocol(DEADLINE, base)
+    with serve_app(app, name=f"test-header-guard-{parser}", http=protocol) as u:
         yield u
 
 
@@ -96,6 +104,30 @@ def test_requests_with_their_headers_in_time_run_as_long_as_they_take(url):
     assert _read_all(sock).endswith(b"\r\n\r\n8")
 
 
+def test_headers_past_the_cap_are_refused_at_once(url, parser):
+    """A header growing without end (httptools would keep it whole in memory until the deadline) is cut as
+    soon as the cap is passed, long before the deadline."""
+    sock = _connect(url)
+    sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    t0 = time.monotonic()
+    with contextlib.suppress(OSError):  # (the server may close before all of it is sent)
+        for _ in range(16):
+            sock.sendall(b"a" * (MAX_HEADER_BYTES // 4))
+    reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), reply[:80]
+    assert time.monotonic() - t0 < DEADLINE
+
+
+def test_headers_under_the_cap_and_a_body_past_it_are_served(url):
+    """The cap counts a request's line and headers only: a body of many caps is read whole, and headers just
+    under the cap pass, on a connection kept alive for a second request."""
+    big = MAX_HEADER_BYTES - 200
+    with httpx.Client(base_url=url) as http:
+        r = http.post("/upload", content=b"b" * (4 * MAX_HEADER_BYTES), headers={"X-Big": "a" * big})
+        assert (r.status_code, r.text) == (200, str(4 * MAX_HEADER_BYTES))
+        assert http.get("/ping", headers={"X-Big": "a" * big}).status_code == 200
+
+
 def test_serve_gives_uvicorn_the_deadline(monkeypatch):
     from worldserve import envs
 
@@ -106,7 +138,7 @@ def test_serve_gives_uvicorn_the_deadline(monkeypatch):
     monkeypatch.setenv("WORLDSERVE_HTTP_HEADER_TIMEOUT", "-1")
     with pytest.raises(ValueError, match="WORLDSERVE_HTTP_HEADER_TIMEOUT"):
         envs.http_header_timeout_s()
-    assert header_deadline_protocol(7.5).header_timeout_s == 7.5
+    assert header_guard_protocol(7.5).header_timeout_s == 7.5
 
 
 def test_serve_runs_on_httptools_and_uvloop_and_names_them():
@@ -116,5 +148,5 @@ def test_serve_runs_on_httptools_and_uvloop_and_names_them():
 
     from worldserve.commands.serve_http import implementations
 
-    assert implementations(uvicorn.Config(app, http=header_deadline_protocol(5.0))) == ("httptools", "uvloop")
+    assert implementations(uvicorn.Config(app, http=header_guard_protocol(5.0))) == ("httptools", "uvloop")
     assert implementations(uvicorn.Config(app, http="h11", loop="asyncio")) == ("h11", "asyncio")
