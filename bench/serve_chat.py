@@ -11,7 +11,7 @@ chat as server-sent events (each chat's time per token after its first content c
 --text-tokens restricts the chats to the tokenizer's letters (allowed_token_ids) so that every token is a
 content chunk; --logprobs N asks for logprobs; --repeat N runs each concurrency N times (median);
 --structured times the chats again under a JSON schema (structured outputs); --http-stack plain runs the
-server without httptools and uvloop (h11 and asyncio), to weigh them; --client-processes P splits each round's
+server without uvloop (asyncio's loop; httptools blocked too, for runs of older trees), to weigh it; --client-processes P splits each round's
 chats over P processes (the benchmark's GIL otherwise caps the events it can read). Last, the K/V metrics from
 /metrics. Everything the server does is the product's code path: paged K/V pool,
 CUDA-graphed decode, batched sampling, incremental detokenization, SSE-free JSON responses.
@@ -102,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument(
         "--http-stack", choices=("installed", "plain"), default="installed",
-        help="plain: the server runs without httptools and uvloop (uvicorn's h11 parser and asyncio's loop), "
-        "to weigh what they bring against the installed ones",
+        help="plain: the server runs without uvloop and httptools (asyncio's loop; h11, which serve uses "
+        "anyway since the twenty-fifth session), to weigh what they bring against the installed ones",
     )  # fmt: skip
     return ap.parse_args(argv)
 

@@ -1,14 +1,17 @@
-"""The request-header guard (api/http_protocol.py): over a real uvicorn and raw sockets, a connection that
-sends nothing, or its headers a byte at a time, gets a 408 and is closed at the deadline; headers past the
-size cap get a 431 at once, read by the client, and the connection is closed, with nothing held;
+"""The server's HTTP protocol (api/http_protocol.py: h11 with a header guard), over a real uvicorn and raw
+sockets: a connection that sends nothing, or its headers a byte at a time, gets a 408 and is closed at the
+deadline; headers past the size cap get a 431 at once, read by the client, and the connection is closed;
 requests whose headers arrived in time are never cut, however long their body upload or their answer takes,
-also with headers just under the cap and bodies far past it, on fresh and kept-alive connections, on h11
-and on httptools; serve runs uvicorn with it (WORLDSERVE_HTTP_HEADER_TIMEOUT)."""
+also with headers just under the cap and bodies far past it, on fresh and kept-alive connections; and the
+shapes httptools let through (found by fuzzing) are refused: a pipelined request's endless header while the
+one before it runs, a body smuggled as a request after `Connection: Upgrade`, trailers merged into the
+headers. serve runs uvicorn with it (WORLDSERVE_HTTP_HEADER_TIMEOUT) on uvloop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 
@@ -22,7 +25,8 @@ DEADLINE = 0.6
 
 
 async def app(scope, receive, send):
-    """/slow answers after 1.5 s; every request's body is read whole and its length answered."""
+    """/slow answers after 1.5 s; every request's body is read whole and its length answered; /headers
+    answers the request's header names (after its body)."""
     if scope["type"] != "http":
         return
     size, more = 0, True
@@ -31,31 +35,22 @@ async def app(scope, receive, send):
         size, more = size + len(message.get("body", b"")), message.get("more_body", False)
     if scope["path"] == "/slow":
         await asyncio.sleep(1.5)
+    body = str(size).encode()
+    if scope["path"] == "/headers":
+        body = b",".join(sorted(name for name, _ in scope["headers"]))
     await send(
         {
             "type": "http.response.start",
             "status": 200,
-            "headers": [(b"content-length", b"%d" % len(str(size)))],
+            "headers": [(b"content-length", b"%d" % len(body))],
         }
     )
-    await send({"type": "http.response.body", "body": str(size).encode()})
-
-
-@pytest.fixture(scope="module", params=["h11", "httptools"])
-def parser(request) -> str:
-    return request.param
+    await send({"type": "http.response.body", "body": body})
 
 
 @pytest.fixture(scope="module")
-def url(parser):
-    """The app behind the deadline on each of uvicorn's HTTP implementations (serve takes httptools when it
-    is installed, as it is with worldserve, and h11 otherwise)."""
-    if parser == "h11":
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    else:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    protocol = header_guard_protocol(DEADLINE, base)
-    with serve_app(app, name=f"test-header-guard-{parser}", http=protocol) as u:
+def url():
+    with serve_app(app, name="test-header-guard", http=header_guard_protocol(DEADLINE)) as u:
         yield u
 
 
@@ -104,9 +99,8 @@ def test_requests_with_their_headers_in_time_run_as_long_as_they_take(url):
     assert _read_all(sock).endswith(b"\r\n\r\n8")
 
 
-def test_headers_past_the_cap_are_refused_at_once(url, parser):
-    """A header growing without end (httptools would keep it whole in memory until the deadline) is cut as
-    soon as the cap is passed, long before the deadline."""
+def test_headers_past_the_cap_are_refused_at_once(url):
+    """A header growing without end is cut as soon as the cap is passed, long before the deadline."""
     sock = _connect(url)
     sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: ")
     t0 = time.monotonic()
@@ -128,6 +122,54 @@ def test_headers_under_the_cap_and_a_body_past_it_are_served(url):
         assert http.get("/ping", headers={"X-Big": "a" * big}).status_code == 200
 
 
+def _responses(reply: bytes) -> list[bytes]:
+    """The status lines in `reply` (bodies here are digits or header names: no status line inside them)."""
+    return re.findall(rb"HTTP/1\.1 \d{3}[^\r]*", reply)
+
+
+def test_a_pipelined_request_behind_a_running_one_is_capped_too(url):
+    """httptools read on while a request ran, so the next request's header grew without bound past the cap
+    (and the deadline, which only runs between requests); h11 reads the next request once the answer is
+    out, and the cap holds for it."""
+    sock = _connect(url)
+    sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /ping HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    with contextlib.suppress(OSError):
+        for _ in range(16):
+            sock.sendall(b"a" * (MAX_HEADER_BYTES // 4))
+    reply = _read_all(sock)
+    assert _responses(reply) == [b"HTTP/1.1 200 OK", b"HTTP/1.1 431 Request Header Fields Too Large"], reply
+
+
+def test_a_body_after_connection_upgrade_is_never_run_as_a_request(url):
+    """httptools took the body of a request asking `Connection: Upgrade` (or a CONNECT) as the start of the
+    new protocol and parsed the next packet as a new request: a GET smuggled in a body got its own answer."""
+    smuggled = b"GET /headers HTTP/1.1\r\nHost: x\r\n\r\n"
+    for head in (
+        b"POST /ping HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: foo\r\n",
+        b"CONNECT /ping HTTP/1.1\r\nHost: x\r\n",
+    ):
+        sock = _connect(url)
+        sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(smuggled))
+        time.sleep(0.3)
+        sock.sendall(smuggled)
+        sock.settimeout(3)
+        reply = b""
+        with contextlib.suppress(TimeoutError, OSError):
+            while chunk := sock.recv(4096):
+                reply += chunk
+        assert len(_responses(reply)) <= 1 and b"host" not in reply.split(b"\r\n\r\n", 1)[-1], reply
+        sock.close()
+
+
+def test_chunked_trailers_never_join_the_request_headers(url):
+    sock = _connect(url)
+    sock.sendall(b"POST /headers HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                 b"2\r\nhi\r\n0\r\nAuthorization: Bearer injected\r\n\r\n")  # fmt: skip
+    reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 200 OK") and reply.endswith(b"\r\n\r\nhost,transfer-encoding".replace(
+        b"host,transfer-encoding", b"connection,host,transfer-encoding")), reply  # fmt: skip
+
+
 def test_serve_gives_uvicorn_the_deadline(monkeypatch):
     from worldserve import envs
 
@@ -141,12 +183,12 @@ def test_serve_gives_uvicorn_the_deadline(monkeypatch):
     assert header_guard_protocol(7.5).header_timeout_s == 7.5
 
 
-def test_serve_runs_on_httptools_and_uvloop_and_names_them():
-    """worldserve installs httptools and uvloop (as uvicorn[standard] does), so serve's protocol is the
-    httptools one and its loop uvloop's; the startup log names what uvicorn runs on (serve_http)."""
+def test_serve_runs_on_h11_and_uvloop_and_names_them():
+    """serve's protocol parses with h11 (not httptools, which uvicorn would pick when installed) and its loop
+    is uvloop's (installed with worldserve); the startup log names what uvicorn runs on (serve_http)."""
     import uvicorn
 
     from worldserve.commands.serve_http import implementations
 
-    assert implementations(uvicorn.Config(app, http=header_guard_protocol(5.0))) == ("httptools", "uvloop")
+    assert implementations(uvicorn.Config(app, http=header_guard_protocol(5.0))) == ("h11", "uvloop")
     assert implementations(uvicorn.Config(app, http="h11", loop="asyncio")) == ("h11", "asyncio")

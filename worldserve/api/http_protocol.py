@@ -1,19 +1,26 @@
-"""uvicorn's HTTP protocol with a deadline and a size cap on request headers (slow-loris and header-bloat
-guards uvicorn and vLLM lack).
+"""The server's HTTP/1.1 protocol: uvicorn's h11 one, with a deadline and a size cap on request headers
+(slow-loris and header-bloat guards uvicorn and vLLM lack).
+
+h11, not httptools (which uvicorn picks when installed, and vLLM installs): fuzzing both with the same raw
+requests (twenty-fifth session) found httptools' uvicorn protocol reading on while a request runs, so a
+pipelined next request's headers (or a chunked body's trailers) grew without bound in memory past any cap
+(2 GB from 100 MB of small headers) and stalled the event loop; it parsed the body of a request with
+`Connection: Upgrade` or of a CONNECT as a new request (smuggling past a proxy's routing); it merged chunked
+trailers into the request's headers; and a bad pipelined request lost the answer of the good one before it.
+h11 stops reading until a response is done and refuses those shapes; it was 3-6 % slower on streamed chats
+of the tiny checkpoint (`bench/results/README.md`).
 
 uvicorn closes a keep-alive connection idle past its timeout, but not one that was opened and never sent a
 request, nor one that sends a request's headers a byte at a time: each holds a file descriptor for as long
 as the client likes, and enough of them (a few hundred slow clients, or a leak in a client pool) use up the
 process's descriptors, after which the server accepts no connection at all. `header_guard_protocol` gives
 every request `header_timeout_s` (envs.http_header_timeout_s) from the connection's opening, or from its first
-byte after the previous response, until uvicorn has parsed the request's headers; past it the connection gets
-a 408 and is closed. A request whose headers arrived is never timed here (its body and response take as
-long as they take). Headers are also capped at MAX_HEADER_BYTES (request line included): httptools, unlike
-h11, takes headers of any size and keeps a header's value whole in memory, copied again at every
-read (on a 2-CPU host, 192 MB of one header in 51 s, 202 MB held), so past the cap the connection gets a 431
-and is closed (both after the client's unread bytes are drained, so it reads the answer). Built on uvicorn's own choice of HTTP implementation (httptools when installed, as with
-worldserve, else h11), whose `cycle` attribute (the request-response cycle it starts once a request's headers
-are parsed) tells the two apart.
+byte after the previous response, until h11 has parsed the request's headers; past it the connection gets a
+408. A request whose headers arrived is never timed here (its body and response take as long as they take).
+Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431. After either refusal the
+client's unread bytes are read and dropped for LINGER_S before the close, so the client reads the answer
+instead of a reset. The protocol's `cycle` attribute (the request-response cycle uvicorn
+starts once a request's headers are parsed) tells a request being read from one running.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 TOO_LARGE_RESPONSE = (
@@ -31,15 +38,14 @@ MAX_HEADER_BYTES = 64 * 1024
 """A request's line and headers, at most."""
 H11_BUFFER_BYTES = MAX_HEADER_BYTES + 2**20
 """uvicorn.Config's h11_max_incomplete_event_size (serve_http.uvicorn_options): h11 refuses headers past it with
-a 400 and an abrupt close; above the cap plus one socket read (256 KiB), the cap answers first on h11 too."""
+a 400 and an abrupt close; above the cap plus one socket read (256 KiB), the cap answers first."""
 LINGER_S = 2.0
 """After a refusal, how long what the client still sends is read and dropped before the connection closes: closing
 with unread bytes would reset it, and the client could lose the answer."""
 
 
-class HeaderGuard:
-    """The deadline and the cap, mixed in before one of uvicorn's HTTP protocol classes
-    (header_guard_protocol)."""
+class HeaderGuard(H11Protocol):
+    """uvicorn's h11 protocol with the deadline and the cap (header_guard_protocol sets the deadline)."""
 
     header_timeout_s: float = 60.0
 
@@ -99,7 +105,6 @@ class HeaderGuard:
                 self.transport.close()
 
 
-def header_guard_protocol(header_timeout_s: float, base: type = AutoHTTPProtocol) -> type:
-    """`base` (uvicorn's choice by default, or its H11Protocol / HttpToolsProtocol) with this deadline and
-    the header cap, for uvicorn.Config(http=...)."""
-    return type("HeaderGuardProtocol", (HeaderGuard, base), {"header_timeout_s": header_timeout_s})
+def header_guard_protocol(header_timeout_s: float) -> type:
+    """HeaderGuard with this deadline, for uvicorn.Config(http=...)."""
+    return type("HeaderGuardProtocol", (HeaderGuard,), {"header_timeout_s": header_timeout_s})

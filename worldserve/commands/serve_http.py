@@ -91,7 +91,7 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def implementations(config: Any) -> tuple[str, str]:
     """The HTTP parser and event loop uvicorn runs `config` on: ("httptools" or "h11", "uvloop" or
-    "asyncio"); httptools and uvloop when installed (worldserve depends on both, as uvicorn[standard])."""
+    "asyncio"). serve's: h11 (api/http_protocol.py) and uvloop (installed with worldserve)."""
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
