@@ -25,10 +25,12 @@ DEADLINE = 0.6
 
 
 async def app(scope, receive, send):
-    """/slow answers after 1.5 s; every request's body is read whole and its length answered; /headers
-    answers the request's header names (after its body)."""
+    """/slow answers 1.5 s after reading its body, /late reads it only after 1.5 s; every request's body is
+    read whole and its length answered; /headers answers the request's header names (after its body)."""
     if scope["type"] != "http":
         return
+    if scope["path"] == "/late":  # reads its body only after 1.5 s
+        await asyncio.sleep(1.5)
     size, more = 0, True
     while more:
         message = await receive()
@@ -120,6 +122,34 @@ def test_headers_under_the_cap_and_a_body_past_it_are_served(url):
         r = http.post("/upload", content=b"b" * (4 * MAX_HEADER_BYTES), headers={"X-Big": "a" * big})
         assert (r.status_code, r.text) == (200, str(4 * MAX_HEADER_BYTES))
         assert http.get("/ping", headers={"X-Big": "a" * big}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789",  # 90 bytes owed
+        b"POST /ping HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n",  # no last chunk
+    ],
+    ids=["short-body", "no-last-chunk"],
+)
+def test_a_body_that_stops_coming_is_cut_at_the_deadline(url, request_bytes):
+    sock = _connect(url)
+    sock.sendall(request_bytes)
+    t0 = time.monotonic()
+    reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 408 Request Timeout"), reply
+    assert DEADLINE * 0.9 < time.monotonic() - t0 < DEADLINE * 4
+
+
+def test_a_body_the_app_reads_late_is_not_cut(url):
+    """The app takes its body only after 1.5 s (past the deadline): uvicorn stops reading once 64 KiB wait
+    for it, so the client is held up by the server, not silent by its own choice."""
+    body = b"b" * (4 * 2**20)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.post("/late", content=body)
+        assert (r.status_code, r.text) == (200, str(len(body)))
+        r = http.post("/late", content=b"small")  # (nothing paused: the body came whole, then the app waited)
+        assert (r.status_code, r.text) == (200, "5")
 
 
 def _responses(reply: bytes) -> list[bytes]:

@@ -1,5 +1,5 @@
-"""The server's HTTP/1.1 protocol: uvicorn's h11 one, with a deadline and a size cap on request headers
-(slow-loris and header-bloat guards uvicorn and vLLM lack).
+"""The server's HTTP/1.1 protocol: uvicorn's h11 one, with deadlines on request headers and bodies and a size
+cap on headers (slow-loris and header-bloat guards uvicorn and vLLM lack).
 
 h11, not httptools (which uvicorn picks when installed, and vLLM installs): fuzzing both with the same raw
 requests (twenty-fifth session) found httptools' uvicorn protocol reading on while a request runs, so a
@@ -16,7 +16,10 @@ as the client likes, and enough of them (a few hundred slow clients, or a leak i
 process's descriptors, after which the server accepts no connection at all. `header_guard_protocol` gives
 every request `header_timeout_s` (envs.http_header_timeout_s) from the connection's opening, or from its first
 byte after the previous response, until h11 has parsed the request's headers; past it the connection gets a
-408. A request whose headers arrived is never timed here (its body and response take as long as they take).
+408. Its body then gets the same time between two of its bytes (a request that declared more body than it
+sends, or a chunked body without its last chunk, held the connection open forever): silent that long while
+the server waits for it, the connection gets a 408 and is closed (a slow but steady upload, an app slow to
+read, and the answer's own time are never cut).
 Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431. After either refusal the
 client's unread bytes are read and dropped for LINGER_S before the close, so the client reads the answer
 instead of a reset. The protocol's `cycle` attribute (the request-response cycle uvicorn
@@ -54,6 +57,7 @@ class HeaderGuard(H11Protocol):
         self._header_deadline: asyncio.TimerHandle | None = None
         self._header_bytes = 0  # received since the headers of the request being read began
         self._refused = False  # answered 408 / 431: what still comes is dropped until the close
+        self._body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -67,15 +71,19 @@ class HeaderGuard(H11Protocol):
             self._arm()
         before = self.cycle
         super().data_received(data)
-        if self.cycle is not before:  # its headers are parsed: the request runs untimed from here
+        if self.cycle is not before:  # its headers are parsed: from here only its body's bytes are timed
             self._disarm()
         elif idle:
             self._header_bytes += len(data)
             if self._header_bytes > MAX_HEADER_BYTES:
                 self._refuse(TOO_LARGE_RESPONSE)
+                return
+        self._watch_body()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -90,6 +98,35 @@ class HeaderGuard(H11Protocol):
     def _headers_too_slow(self) -> None:
         self._header_deadline = None
         self._refuse(TIMEOUT_RESPONSE)
+
+    def _watch_body(self) -> None:
+        """(Re)start the body's deadline while the request being read still owes body bytes: each arrival
+        gives it another `header_timeout_s`."""
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.response_complete:
+            self._body_deadline = self.loop.call_later(self.header_timeout_s, self._body_too_slow, cycle)
+
+    def _body_too_slow(self, cycle: Any) -> None:
+        """No body byte for `header_timeout_s`: a 408 (when no answer has begun) and the close, unless the
+        server is the one waiting (the app has not taken what came, so reading is paused; or the client
+        waits for its 100 Continue), or the body has ended meanwhile."""
+        self._body_deadline = None
+        if (
+            cycle is not self.cycle
+            or not cycle.more_body
+            or cycle.response_complete
+            or self.transport.is_closing()
+        ):
+            return
+        if self.flow.read_paused or cycle.waiting_for_100_continue:
+            self._watch_body()
+            return
+        if not cycle.response_started:
+            self.transport.write(TIMEOUT_RESPONSE)
+        self.transport.close()
 
     def _refuse(self, response: bytes) -> None:
         """`response`, then the end of the connection (its reading side after LINGER_S), unless a request
