@@ -49,7 +49,8 @@ def http_timeout_keep_alive_s() -> float:
 
 def http_header_timeout_s() -> float:
     """`WORLDSERVE_HTTP_HEADER_TIMEOUT` (default 60 s, nginx's client_header_timeout): how long a connection
-    may take to send a request's headers (from its opening, or its first byte after a response) before it is
+    may take to send a request's headers (from its opening, or its first byte after a response), and then
+    the longest silence while it owes body bytes (nginx's client_body_timeout, same default), before it is
     answered 408 and closed (api/http_protocol.py), so clients that open connections and never finish a
     request cannot hold the server's file descriptors forever."""
     value = _env_float("WORLDSERVE_HTTP_HEADER_TIMEOUT")
