@@ -152,6 +152,31 @@ def test_a_body_the_app_reads_late_is_not_cut(url):
         assert (r.status_code, r.text) == (200, "5")
 
 
+def test_a_client_that_half_closes_gets_its_answers(url):
+    """`printf 'GET ...' | nc -N`: the client shuts its sending side after its requests. uvicorn closed the
+    connection then, dropping the answers of the requests still running or pipelined behind them."""
+    for requests in (
+        b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /headers HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc",
+    ):
+        sock = _connect(url)
+        sock.sendall(requests)
+        sock.shutdown(socket.SHUT_WR)
+        reply = _read_all(sock)  # (ends when the server closes)
+        assert _responses(reply) == [b"HTTP/1.1 200 OK"] * requests.count(b"HTTP/1.1\r\n"), reply
+        sock.close()
+
+
+def test_a_client_that_half_closes_mid_body_is_closed_at_once(url):
+    sock = _connect(url)
+    sock.sendall(b"POST /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+    sock.shutdown(socket.SHUT_WR)
+    t0 = time.monotonic()
+    _read_all(sock)
+    assert time.monotonic() - t0 < DEADLINE / 2
+
+
 def _responses(reply: bytes) -> list[bytes]:
     """The status lines in `reply` (bodies here are digits or header names: no status line inside them)."""
     return re.findall(rb"HTTP/1\.1 \d{3}[^\r]*", reply)
