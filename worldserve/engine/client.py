@@ -2,7 +2,8 @@
 
 The HTTP event loop never waits on GPU work: `submit` persists a queued job and drops a `Request` into the
 engine's inbox, then returns. Completion comes back from the engine thread as `on_done(job_id)`, bridged into
-the loop with `loop.call_soon_threadsafe`, which resolves the futures of `wait(job_id)` (the sync route).
+the loop with `loop.call_soon_threadsafe`, which resolves the futures of `wait(job_id)` (the sync route;
+job_waiters.py).
 Store reads are short SQLite queries and run inline.
 
 Lifecycle: `start()` re-submits every job the store reports unfinished (a crash or shutdown left it queued
@@ -24,7 +25,6 @@ import logging
 import math
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -42,6 +42,7 @@ from worldserve.engine.chat_worker import (
 from worldserve.engine.engine import Engine
 from worldserve.engine.ephemeral import run_without_jobs, start_streamed
 from worldserve.engine.job_files import StorageError, inputs_from_record, inputs_record
+from worldserve.engine.job_waiters import JobWaiters
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.observer import EngineObserver
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult, crash_reason
@@ -95,7 +96,7 @@ class EngineClient:
         self.sweep_interval_s = sweep_interval_s  # None: half the TTL, at most SWEEP_PERIOD_MAX_S
         self.accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: dict[str, list[asyncio.Future]] = defaultdict(list)
+        self._waiters = JobWaiters(store)
         self._sweeper: asyncio.Task | None = None
         self._stop_thread: threading.Thread | None = None
         self._started = False
@@ -109,7 +110,8 @@ class EngineClient:
             return
         self._started = True
         self._loop = asyncio.get_running_loop()
-        self.engine.on_done = self._on_done_threadsafe
+        self._waiters.loop = self._loop
+        self.engine.on_done = self._waiters.wake_threadsafe
         self.engine.on_crash = self._on_crash_threadsafe
         resumed = self._recover()
         if resumed:
@@ -143,18 +145,18 @@ class EngineClient:
         """The engine loop crashed (health reports it): nothing will finish a job in this process, so every
         waiting sync request is answered now (503; the jobs stay queued and resume after a restart)."""
         err = ShuttingDownError(f"the engine has stopped ({crash_reason(exc)})")
-        self._call_in_loop(lambda: self._wake_all(err))
+        self._call_in_loop(lambda: self._waiters.fail(err))
 
     def _answer_waiters_at_shutdown(self, timeout_s: float) -> None:
         """On the loop: fail the waiters of jobs that stay queued now, the rest when `timeout_s` has passed."""
         err = ShuttingDownError("the server is shutting down")
         queued = [
             i
-            for i in self._waiters
+            for i in self._waiters.job_ids()
             if (job := self.store.get(i)) is not None and job.status is JobStatus.QUEUED
         ]
-        self._wake_all(err, queued)
-        self._loop.call_later(timeout_s, self._wake_all, err)
+        self._waiters.fail(err, queued)
+        self._loop.call_later(timeout_s, self._waiters.fail, err)
 
     async def shutdown(self, timeout_s: float) -> None:
         if not self._started:
@@ -167,7 +169,7 @@ class EngineClient:
             self._sweeper.cancel()
         for upsampling in list(self._upsampling.values()):
             upsampling.cancel()  # its job stays queued, upsampled at the next start
-        self._wake_all(ShuttingDownError("the server is shutting down"))
+        self._waiters.fail(ShuttingDownError("the server is shutting down"))
         self.store.close()
         self._started = False
 
@@ -176,7 +178,7 @@ class EngineClient:
         if self._loop is not None and not self._loop.is_closed():
             err = ShuttingDownError("the server is shutting down")
             try:
-                self._loop.call_soon_threadsafe(self._wake_all, err)
+                self._loop.call_soon_threadsafe(self._waiters.fail, err)
             except RuntimeError:  # loop closed meanwhile
                 pass
 
@@ -219,7 +221,7 @@ class EngineClient:
             await asyncio.sleep(period)
             try:  # off the loop, in batches (100k expired jobs took the loop for 39 s); finished jobs: no abort
                 for job_id in await asyncio.to_thread(self.store.delete_expired, time.time()):
-                    self._wake(job_id)
+                    self._waiters.wake(job_id)
             except Exception:
                 log.exception("expiry sweep failed")
 
@@ -309,7 +311,7 @@ class EngineClient:
             if self.store.fail(job_id, code, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
                                ttl_s=self.job_ttl_s):  # fmt: skip
                 self.engine.observer.on_failed(code)
-                self._wake(job_id)
+                self._waiters.wake(job_id)
             return
         params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         job = self.store.get(job_id)
@@ -355,7 +357,8 @@ class EngineClient:
             upsampling.cancel()  # its chat stops at the next step
         if job is not None and not job.status.terminal:
             self.engine.abort(job_id)
-        self._wake(job_id)  # a sync request waiting on it answers now (404), also while its MP4 is encoded
+        # a sync request waiting on it answers now (404), also while its MP4 is encoded
+        self._waiters.wake(job_id)
         return job
 
     def video_path(self, job_id: str):
@@ -389,38 +392,4 @@ class EngineClient:
 
     async def wait(self, job_id: str) -> Job | None:
         """Wait until the job is completed or failed; None if it was deleted meanwhile."""
-        loop = asyncio.get_running_loop()
-        while True:
-            future = loop.create_future()
-            self._waiters[job_id].append(future)
-            try:
-                job = self.store.get(job_id)  # checked after registering: no wake-up can be missed
-                if job is None or job.status.terminal:
-                    return job
-                await future
-            finally:
-                futures = self._waiters.get(job_id, [])
-                if future in futures:
-                    futures.remove(future)
-                if not futures:
-                    self._waiters.pop(job_id, None)
-
-    def _on_done_threadsafe(self, job_id: str) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self._wake, job_id)
-            except RuntimeError:  # the loop closed between the check and the call
-                pass
-
-    def _wake(self, job_id: str) -> None:
-        for future in self._waiters.get(job_id, ()):
-            if not future.done():
-                future.set_result(None)
-
-    def _wake_all(self, exc: BaseException, job_ids: Sequence[str] | None = None) -> None:
-        """Fail the waiters of `job_ids` (all when None) with `exc`."""
-        for job_id in list(self._waiters) if job_ids is None else job_ids:
-            for future in self._waiters.get(job_id, ()):
-                if not future.done():
-                    future.set_exception(exc)
+        return await self._waiters.wait(job_id)
