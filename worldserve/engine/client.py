@@ -110,8 +110,7 @@ class EngineClient:
             return
         self._started = True
         self._loop = asyncio.get_running_loop()
-        self._waiters.loop = self._loop
-        self.engine.on_done = self._waiters.wake_threadsafe
+        self.engine.on_done = lambda job_id: self._call_in_loop(partial(self._waiters.wake, job_id))
         self.engine.on_crash = self._on_crash_threadsafe
         resumed = self._recover()
         if resumed:
@@ -175,12 +174,8 @@ class EngineClient:
 
     def _stop_engine(self, timeout_s: float) -> None:
         self.engine.stop(timeout_s)
-        if self._loop is not None and not self._loop.is_closed():
-            err = ShuttingDownError("the server is shutting down")
-            try:
-                self._loop.call_soon_threadsafe(self._waiters.fail, err)
-            except RuntimeError:  # loop closed meanwhile
-                pass
+        if self._loop is not None:
+            self._call_in_loop(partial(self._waiters.fail, ShuttingDownError("the server is shutting down")))
 
     def health(self) -> tuple[bool, str | None]:
         if not self._started:

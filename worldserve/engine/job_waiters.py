@@ -2,9 +2,9 @@
 per waiter, on the server's event loop, woken from whichever thread ends the job.
 
 `wait(job_id)` registers a future first and reads the store second, so a job that ends in between is never
-missed. `wake_threadsafe(job_id)` (the engine's `on_done`, from its thread or an encoder) hops onto the
-loop; `wake` and `fail` run on the loop: a woken waiter reads the store again, a failed one gets the
-exception (a ShuttingDownError: the job stays queued for the next start).
+missed. Every method runs on the loop (EngineClient hops the engine's `on_done` onto it): a woken waiter
+reads the store again, a failed one gets the exception (a ShuttingDownError: the job stays queued for the
+next start).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ class JobWaiters:
     def __init__(self, store: JobStore) -> None:
         self._store = store
         self._futures: dict[str, list[asyncio.Future]] = defaultdict(list)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        """The server's event loop (EngineClient.start sets it)."""
 
     def job_ids(self) -> list[str]:
         """The jobs someone waits for."""
@@ -44,15 +42,6 @@ class JobWaiters:
                     futures.remove(future)
                 if not futures:
                     self._futures.pop(job_id, None)
-
-    def wake_threadsafe(self, job_id: str) -> None:
-        """`wake` from any thread; nothing once the loop has closed."""
-        loop = self.loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self.wake, job_id)
-            except RuntimeError:  # the loop closed between the check and the call
-                pass
 
     def wake(self, job_id: str) -> None:
         for future in self._futures.get(job_id, ()):
