@@ -240,10 +240,12 @@ def test_serve_gives_uvicorn_the_deadline(monkeypatch):
 
 def test_serve_runs_on_h11_and_uvloop_and_names_them():
     """serve's protocol parses with h11 (not httptools, which uvicorn would pick when installed) and its loop
-    is uvloop's (installed with worldserve); the startup log names what uvicorn runs on (serve_http)."""
+    is uvloop's (installed with worldserve); the startup log names the loop uvicorn runs on (serve_http)."""
     import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    from worldserve.commands.serve_http import implementations
+    from worldserve.commands.serve_http import event_loop
 
-    assert implementations(uvicorn.Config(app, http=header_guard_protocol(5.0))) == ("h11", "uvloop")
-    assert implementations(uvicorn.Config(app, http="h11", loop="asyncio")) == ("h11", "asyncio")
+    assert issubclass(header_guard_protocol(5.0), H11Protocol)
+    assert event_loop(uvicorn.Config(app, http=header_guard_protocol(5.0))) == "uvloop"
+    assert event_loop(uvicorn.Config(app, http="h11", loop="asyncio")) == "asyncio"

@@ -230,8 +230,8 @@ def _serve(
         http=header_guard_protocol(envs.http_header_timeout_s()), **serve_http.uvicorn_options(http_args),
     )  # fmt: skip
     log.info(
-        "Starting worldserve API server on %s://%s:%d (HTTP: %s, event loop: %s)", scheme, server_cfg.host,
-        listener.getsockname()[1], *serve_http.implementations(uv_config),
+        "Starting worldserve API server on %s://%s:%d (HTTP: h11, event loop: %s)", scheme, server_cfg.host,
+        listener.getsockname()[1], serve_http.event_loop(uv_config),
     )  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):

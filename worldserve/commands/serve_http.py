@@ -89,18 +89,10 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def implementations(config: Any) -> tuple[str, str]:
-    """The HTTP parser and event loop uvicorn runs `config` on: ("httptools" or "h11", "uvloop" or
-    "asyncio"). serve's: h11 (api/http_protocol.py) and uvloop (installed with worldserve)."""
-    from uvicorn.config import HTTP_PROTOCOLS
-    from uvicorn.importer import import_from_string
-
-    http = config.http
-    if isinstance(http, str):  # "auto", "h11", "httptools" or a dotted path
-        http = import_from_string(HTTP_PROTOCOLS.get(http, http))
-    parser = "httptools" if any("httptools" in c.__module__ for c in http.__mro__) else "h11"
+def event_loop(config: Any) -> str:
+    """The event loop uvicorn runs `config` on: "uvloop" (installed with worldserve) or "asyncio"."""
     factory = config.get_loop_factory()
-    return parser, "uvloop" if factory is not None and "uvloop" in factory.__module__ else "asyncio"
+    return "uvloop" if factory is not None and "uvloop" in factory.__module__ else "asyncio"
 
 
 def install(app: Any, *, root_path: str | None, middlewares: list[Callable | type]) -> None:
