@@ -216,8 +216,7 @@ def chats_beside_video(url: str, served: str, args: argparse.Namespace) -> dict:
         time.sleep(0.2)
     c = int(args.concurrency.split(",")[-1])
     before, t1 = p, time.perf_counter()
-    with ThreadPoolExecutor(c) as pool:
-        outs = list(pool.map(lambda i: chat(url, served, args.max_tokens, 1000 + i), range(c)))
+    outs = chats_at_once(url, served, args.max_tokens, [1000 + i for i in range(c)])
     wall, during = time.perf_counter() - t1, progress()
     while (p := progress())["status"] in ("queued", "in_progress"):
         time.sleep(0.5)
