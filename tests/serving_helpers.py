@@ -161,13 +161,21 @@ def serve_app(app, name: str = "test-uvicorn", **config):
 
 
 @contextlib.contextmanager
-def uvicorn_thread(storage: Path, *, api_key: str | None = None, sync_timeout_s: float = 60.0, **client_kw):
-    """A real uvicorn on a loopback port in a background thread (lifespan included); yields (url, client)."""
+def uvicorn_thread(
+    storage: Path,
+    *,
+    api_key: str | None = None,
+    sync_timeout_s: float = 60.0,
+    uvicorn_options=None,
+    **client_kw,
+):
+    """A real uvicorn on a loopback port in a background thread (lifespan included; `uvicorn_options` over
+    serve's); yields (url, client)."""
     from worldserve.api.app import build_app
 
     client = make_client(storage, **client_kw)
     app = build_app(client, api_keys=_keys(api_key), sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
-    with serve_app(app) as url:
+    with serve_app(app, **(uvicorn_options or {})) as url:
         yield url, client
 
 

@@ -282,16 +282,9 @@ async def test_the_server_never_deflates_the_sockets_video(tmp_path):
     """`worldserve serve`'s uvicorn options (serve_app's defaults) decline permessage-deflate, which a
     `websockets` client offers and uvicorn's default accepts: zlib cannot shrink H.264 and took longer per part
     than the VAE's decode."""
-
-    from serving_helpers import make_client
-
-    from worldserve.api.app import build_app
-
     extensions = {}
     for name, options in (("uvicorn", {"ws_per_message_deflate": True}), ("worldserve", {})):
-        client = make_client(tmp_path / name)
-        app = build_app(client, api_keys=(), sync_timeout_s=60.0, shutdown_timeout_s=1.0)
-        with serve_app(app, **options) as url:
+        with uvicorn_thread(tmp_path / name, uvicorn_options=options) as (url, _):
             async with websockets.connect(ws_url(url)) as ws:  # (offers permessage-deflate, as by default)
                 extensions[name] = ws.response.headers.get("Sec-WebSocket-Extensions")
     assert extensions["uvicorn"] and "permessage-deflate" in extensions["uvicorn"]  # what it would negotiate
