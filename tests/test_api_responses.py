@@ -213,6 +213,18 @@ def test_bad_requests_name_the_responses_field(reasoner_url, body, param):
     assert r.json()["error"]["type"] == "BadRequestError"  # vLLM's typed name on its own routes
 
 
+@pytest.mark.parametrize("long_field", ["instructions", "input"])
+def test_a_prompt_too_long_for_the_context_names_what_it_holds(reasoner_url, long_field):
+    """The whole prompt's length is OpenAI's `input` error (context_length_exceeded names it); its message names
+    the instructions too when they are part of it, so an overlong system text is not blamed on the input."""
+    body = {"input": "hi", "instructions": "Be brief.", long_field: "fox " * 300_000}
+    r = httpx.post(reasoner_url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input" and "maximum context length" in error["message"], r.text
+    assert "the instructions and input" in error["message"] and "messages" not in error["message"], r.text
+
+
 @pytest.fixture(scope="module")
 def thinking_url(tiny_ckpt, tmp_path_factory):
     with serve_reasoner(tiny_reasoner(tiny_ckpt), tmp_path_factory.mktemp("responses-think"), model=MODEL,

@@ -99,8 +99,7 @@ class HeaderGuard(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
+        self._body_deadline = _cancel(self._body_deadline)
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -108,9 +107,7 @@ class HeaderGuard(H11Protocol):
         self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
     def _disarm(self) -> None:
-        if self._header_deadline is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
+        self._header_deadline = _cancel(self._header_deadline)
 
     def _headers_too_slow(self) -> None:
         self._header_deadline = None
@@ -119,9 +116,7 @@ class HeaderGuard(H11Protocol):
     def _watch_body(self) -> None:
         """(Re)start the body's deadline while the request being read still owes body bytes: each arrival
         gives it another `header_timeout_s`."""
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
+        self._body_deadline = _cancel(self._body_deadline)
         cycle = self.cycle
         if cycle is not None and cycle.more_body and not cycle.response_complete:
             self._body_deadline = self.loop.call_later(self.header_timeout_s, self._body_too_slow, cycle)
@@ -157,6 +152,12 @@ class HeaderGuard(H11Protocol):
                 self.loop.call_later(LINGER_S, self.transport.close)
             else:
                 self.transport.close()
+
+
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    """Cancels `timer` if there is one; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
 
 
 def header_guard_protocol(header_timeout_s: float) -> type:

@@ -107,7 +107,8 @@ class ChatPaths:
         if old and new != old:
             exc.param = new
             if isinstance(getattr(exc, "message", None), str):
-                exc.message = exc.message.replace(old, new).replace(" the messages", " the input")
+                whole = " the instructions and input" if "instructions" in self.messages else " the input"
+                exc.message = exc.message.replace(" the messages", whole).replace(old, new)
                 if isinstance(exc, APIError):
                     exc.args = (exc.message,)
         return exc
