@@ -45,12 +45,16 @@ over half a second and showed up as server time."""
 
 
 def add_server_source(ap: argparse.ArgumentParser) -> None:
-    """--out and which checkpoint the started server loads (also bench/serve_video.py's)."""
+    """--out, which checkpoint the started server loads and its extra flags (also bench/serve_video.py's)."""
     ap.add_argument("--out", type=Path, required=True, help="JSON file; serve.log goes next to it")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint folder")
     src.add_argument("--random-nano", type=Path, help="write / reuse a random full-size Nano checkpoint here")
     src.add_argument("--tiny", action="store_true", help="the embedded tiny checkpoint (no MODEL)")
+    ap.add_argument(
+        "--serve-arg", action="append", default=[],
+        help="extra flag for serve (repeatable; e.g. --serve-arg=--cfg-parallel-size --serve-arg=2)",
+    )  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="every chat asks for logprobs with N top alternatives (0-20)")  # fmt: skip
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--startup-timeout", type=float, default=600)
-    ap.add_argument("--serve-arg", action="append", default=[], help="extra flag for serve (repeatable)")
     ap.add_argument(
         "--stream", action="store_true", help="chats as server-sent events (default: JSON answers)"
     )

@@ -12,6 +12,8 @@ first part holding frames and to session.done, against the sync request's whole 
 times of the session).
 
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 8 --out $OUT/serve_video.json
+    PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 4 --serve-arg=--cfg-parallel-size \
+        --serve-arg=2 --out $OUT/serve_video.json  # 2 GPUs
     PYTHONPATH=. python bench/serve_video.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/sv.json  # CPU
 """
 
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     # MP4s left in the out folder
     store = tempfile.mkdtemp(prefix="serve_video-")
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", *model, "--host", "127.0.0.1",
-           "--port", str(args.port), "--init-timeout", "1800", "--omni", "--storage-dir", store]  # fmt: skip
+           "--port", str(args.port), "--init-timeout", "1800", "--omni", "--storage-dir", store,
+           *args.serve_arg]  # fmt: skip
     log = open(args.out.with_name("serve.log"), "w")  # noqa: SIM115 (open for the server's lifetime)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     import torch
