@@ -22,8 +22,10 @@ the server waits for it, the connection gets a 408 and is closed (a slow but ste
 read, and the answer's own time are never cut).
 Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431. After either refusal the
 client's unread bytes are read and dropped for LINGER_S before the close, so the client reads the answer
-instead of a reset. A client that half-closes after its requests still gets their answers (uvicorn closed
-at once). The protocol's `cycle` attribute (the request-response cycle uvicorn
+instead of a reset. The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets
+`http.disconnect` and stops the request's work (a server cannot tell a half-close from a close on the wire,
+and abandoned chats and videos must not run on; the twenty-fifth session's answers after a half-close kept
+them running). The protocol's `cycle` attribute (the request-response cycle uvicorn
 starts once a request's headers are parsed) tells a request being read from one running.
 """
 
@@ -59,7 +61,6 @@ class HeaderGuard(H11Protocol):
         self._header_bytes = 0  # received since the headers of the request being read began
         self._refused = False  # answered 408 / 431: what still comes is dropped until the close
         self._body_deadline: asyncio.TimerHandle | None = None
-        self._client_done = False  # the client half-closed with a request to answer (eof_received)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -81,21 +82,6 @@ class HeaderGuard(H11Protocol):
                 self._refuse(TOO_LARGE_RESPONSE)
                 return
         self._watch_body()
-
-    def eof_received(self) -> bool | None:
-        """The client half-closed (it has sent all it will, as `nc -N` or `curl -T` to a pipe do): the request
-        whose body has come whole, and those pipelined behind it, are still answered before the close
-        (uvicorn closed at once, dropping their answers). One still owed body bytes is closed at once."""
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and not cycle.more_body:
-            self._client_done = True
-            return True  # (the transport stays open for writing; on_response_complete closes it)
-        return super().eof_received()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # (starts the next pipelined request, if one came whole)
-        if self._client_done and (self.cycle is None or self.cycle.response_complete):
-            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -194,7 +194,6 @@ def _serve(
     http: tuple[argparse.Namespace, list] | None = None,
 ) -> int:
     from worldserve.api.app import build_app, route_table
-    from worldserve.api.http_protocol import header_guard_protocol
     from worldserve.api.metrics import Metrics
     from worldserve.engine.client import EngineClient
     from worldserve.engine.engine import Engine
@@ -227,7 +226,7 @@ def _serve(
         app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
         timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
         timeout_keep_alive=envs.http_timeout_keep_alive_s(),
-        http=header_guard_protocol(envs.http_header_timeout_s()), **serve_http.uvicorn_options(http_args),
+        **serve_http.uvicorn_options(http_args),
     )  # fmt: skip
     log.info(
         "Starting worldserve API server on %s://%s:%d (HTTP: h11, event loop: %s)", scheme, server_cfg.host,

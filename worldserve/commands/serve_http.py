@@ -72,15 +72,18 @@ def _import_middleware(name: str) -> Callable | type:
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
-    """uvicorn.Config keywords of these flags (the root path is the app's, as vLLM sets it: see install).
+    """uvicorn.Config keywords of these flags (the root path is the app's, as vLLM sets it: see install), and
+    the HTTP protocol (api/http_protocol.py: h11 with header and body deadlines and a header cap).
 
     WebSockets never negotiate permessage-deflate (uvicorn's default offers it to every client that asks, as
     `websockets` clients do): /v1/realtime/video sends H.264 parts, which zlib cannot shrink (1.002x), and
     deflating a 7 MB part on the event loop takes 0.27-0.47 s, more than the VAE takes to decode it (0.33 s),
     so the parts fell behind the decode."""
-    from worldserve.api.http_protocol import H11_BUFFER_BYTES
+    from worldserve import envs
+    from worldserve.api.http_protocol import H11_BUFFER_BYTES, header_guard_protocol
 
     return dict(
+        http=header_guard_protocol(envs.http_header_timeout_s()),
         ws_per_message_deflate=False,
         h11_max_incomplete_event_size=H11_BUFFER_BYTES,  # (the header cap answers first: http_protocol.py)
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
