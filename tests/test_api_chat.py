@@ -242,6 +242,7 @@ def test_http_image_url_is_downloaded(server):
     ("patch", "status", "param", "needle"),
     [
         ({"messages": []}, 400, "messages", "validation error"),
+        ({"max_tokens": int("9" * 4300)}, 400, "max_tokens", "more than 10^18"),  # (the sum was a 500)
         ({"n": 17}, 400, "n", "n must be between 1 and 16"),
         ({"n": 0}, 400, "n", "n must be between 1 and 16"),
         ({"model": "nope"}, 404, "model", "The model `nope` does not exist."),

@@ -355,6 +355,7 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, re
         ("/v1/completions", {"prompt": None}, 400, "prompt", "validation error"),
         ("/v1/completions", {"prompt": [5] * 4096}, 400, "prompt", "maximum context length is 4096"),
         ("/v1/completions", {"max_tokens": 5000}, 400, "max_tokens", "maximum context length"),
+        ("/v1/completions", {"max_tokens": int("9" * 4300)}, 400, "max_tokens", "more than 10^18"),  # (was a 500)
         ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt", "more than the context of 4096 tokens"),
         ("/v1/completions", {"prompt": "<|image_pad|> hi"}, 400, "prompt", "cannot carry images"),
         ("/v1/completions", {"n": 17}, 400, "n", "n must be between 1 and 16"),

@@ -182,6 +182,7 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}, "input[0].content[0]"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
+        ({"input": "hi", "max_output_tokens": int("9" * 4300)}, "max_output_tokens"),
         ({"input": "hi", "include": ["file_search_call.results"]}, "include"),
         ({"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "input[1].content[0].image_url"),
