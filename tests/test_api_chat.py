@@ -81,6 +81,33 @@ def _direct(reasoner, params: ChatParams) -> tuple[str, object]:
     return text, session
 
 
+def test_bad_words_are_tokenized_off_the_chat_worker_and_banned(oai, reasoner, monkeypatch):
+    """bad_words over HTTP (chat and completions): their tokens come from the API's threads, never the chat
+    worker's, which every running chat shares (60,000 words held them all up 7 s); the answer equals the
+    Reasoner's own with the same words (the worker tokenizing them), and no longer holds the banned word."""
+    import threading
+
+    threads: list[str] = []
+    tokenize = reasoner.prompts.bad_word_ids
+    monkeypatch.setattr(reasoner.prompts, "bad_word_ids",
+                        lambda words: threads.append(threading.current_thread().name) or tokenize(words))  # fmt: skip
+    messages = [{"role": "user", "content": "Hello there"}]
+    plain = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True
+    )
+    word = plain.choices[0].logprobs.content[0].token  # the first token's text
+    banned = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                         extra_body={"bad_words": [word, "zz"] * 5000})  # fmt: skip
+    text, _ = _direct(reasoner, ChatParams(messages=(ChatMessage(role="user", content="Hello there"),), max_tokens=6,
+                                           temperature=0, bad_words=(word, "zz")))  # fmt: skip
+    assert banned.choices[0].message.content == text != plain.choices[0].message.content
+    assert not text.startswith(word), (word, text)
+    oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"bad_words": [word]})
+    assert len(threads) == 4 and "worldserve-chat" not in threads, (
+        threads
+    )  # (two chats, _direct, a completion)
+
+
 def test_non_stream_text_matches_the_reasoner(oai, reasoner):
     resp = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0

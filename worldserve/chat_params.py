@@ -219,6 +219,9 @@ class ChatParams:
     bad_words: tuple[str, ...] = ()
     """vLLM's: words never generated (their last token is banned wherever the tokens before it were just
     generated)."""
+    bad_word_ids: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False, repr=False)
+    """`bad_words` as token sequences (ChatPrompts.bad_word_ids), when the API tokenized them in its own worker
+    thread; None: the Reasoner does, on the chat worker's thread (60,000 words held every chat up 7 s)."""
     skip_special_tokens: bool = True
     """Special tokens are left out of the text (vLLM's default)."""
     add_generation_prompt: bool = True

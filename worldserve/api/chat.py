@@ -147,7 +147,7 @@ def build_params(
 def prepared_params(
     st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes], options: RequestOptions
 ) -> ChatParams:
-    """build_params, then the Reasoner's prompt built from them (template, tokens, media) here, in the API's
+    """build_params, then the Reasoner's prompt built from them (template, tokens, media; the bad_words' tokens) here, in the API's
     worker thread, not on the chat worker's, which every running chat shares (blocking). A text too long
     for the context by its byte count alone is refused before it is tokenized (ParamError("messages"))."""
     worker = st.client.chat_worker
@@ -161,7 +161,7 @@ def prepared_params(
     if prompts is None:
         return params
     prebuilt = prompts.build(params, max_tokens=body.text_bound(worker.backend.max_model_len))
-    return dataclasses.replace(params, prebuilt=prebuilt)
+    return dataclasses.replace(params, prebuilt=prebuilt, bad_word_ids=prompts.bad_word_ids(params.bad_words))
 
 
 def name_sent_field(body: ChatCompletionRequest, exc: APIError) -> None:

@@ -69,14 +69,18 @@ def tokenize_prompts(
 
 
 def chat_params(
-    body: CompletionRequest, ids: tuple[int, ...], structured: StructuredOutput | None = None
+    body: CompletionRequest,
+    ids: tuple[int, ...],
+    structured: StructuredOutput | None = None,
+    bad_word_ids: tuple[tuple[int, ...], ...] | None = None,
 ) -> ChatParams:
-    """One prompt's ChatParams: its ids, the request's sampling options and structured output constraint."""
+    """One prompt's ChatParams: its ids, the request's sampling options and structured output constraint (and
+    its bad_words' tokens, when tokenized)."""
     wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
     return ChatParams(  # the prompt's logprobs for echo + logprobs (as vLLM answers it) and prompt_logprobs
         prompt_ids=ids, max_tokens=body.max_tokens, **body.sampling_options(),
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
-        prompt_logprobs=max(wanted) if wanted else None, structured=structured,
+        prompt_logprobs=max(wanted) if wanted else None, structured=structured, bad_word_ids=bad_word_ids,
     ).validate()  # fmt: skip
 
 
@@ -94,11 +98,14 @@ async def create_completion(request: Request, st: State):
     compiler = grammar_compiler(st.client.chat_worker)
     structured = await asyncio.to_thread(structured_output, body, None, compiler)  # a grammar compiles
     tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, body.text_bound(max_model_len))
+    bad_word_ids = await asyncio.to_thread(prompts.bad_word_ids, tuple(body.bad_words or ()))
     echo_only = body.max_tokens == 0  # with echo (refused() made sure): the prompt alone, as vLLM answers it
     if echo_only:  # vLLM's way: one token generated (every check of a generating request applies) and dropped
         body = body.model_copy(update={"max_tokens": 1})
     choices = [
-        choice for ids, _ in tokenized for choice in chat_params(body, ids, structured).choices(body.n)
+        choice
+        for ids, _ in tokenized
+        for choice in chat_params(body, ids, structured, bad_word_ids).choices(body.n)
     ]
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
     work = _answer(st, body, choices, [text for _, text in tokenized], opened, echo_only)

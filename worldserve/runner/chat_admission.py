@@ -219,7 +219,10 @@ class ChatAdmission:
     ) -> ReasonerSession:
         complete = seq.length == len(prompt.input_ids)  # else chunked: step_all computes the rest
         logits = self.transformer.compute_logits(hidden[-1:])[0] if complete else None
-        sampler = TokenSampler.of(params, prompt.input_ids, self.prompts.bad_word_ids(params.bad_words))
+        bad_words = params.bad_word_ids
+        if bad_words is None:  # (not tokenized by the API)
+            bad_words = self.prompts.bad_word_ids(params.bad_words)
+        sampler = TokenSampler.of(params, prompt.input_ids, bad_words)
         grammar = (
             None
             if params.structured is None

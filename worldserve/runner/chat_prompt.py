@@ -116,15 +116,19 @@ class ChatPromptBuilder:
     def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as token sequences: each word as it starts a text and, when that tokenizes to a
         different first token but as many tokens, after a space (mid-text)."""
+        stripped = [word.lstrip() for word in words]
+        if not stripped:
+            return ()
+        encode = self.tokenizer  # (one batched call: 60,000 words take 2.8 s, 5.0 s one by one, on a dev CPU)
+        alones = encode(stripped, add_special_tokens=False)["input_ids"]
+        spaceds = encode([" " + word for word in stripped], add_special_tokens=False)["input_ids"]
         out: list[tuple[int, ...]] = []
-        for word in words:
-            alone = tuple(self.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
-            spaced = tuple(self.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+        for alone, spaced in zip(alones, spaceds, strict=True):
             if not alone:
                 continue
-            out.append(alone)
+            out.append(tuple(alone))
             if spaced[0] != alone[0] and len(spaced) == len(alone):
-                out.append(spaced)
+                out.append(tuple(spaced))
         return tuple(out)
 
     def token_strs(self, ids: list[int]) -> list[str]:
