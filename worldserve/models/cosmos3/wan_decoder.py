@@ -67,6 +67,10 @@ from worldserve.models.cosmos3.wan_decoder_convs import TimeWinogradConv3d
 from worldserve.models.layers.compile_limits import recompile_limits
 
 DEFAULT_CHUNK_SIZE = 4  # latent frames per chunk after the first; see the memory note above
+SMALL_MEMORY_CHUNK_SIZE = 2
+"""Under --enable-layerwise-offload (small GPUs): at 720p x 189 (H200, eager, plain convs; bench/vae_decode.py
+--extra-chunk-sizes) k = 2 holds 10.7 GiB above what is resident, k = 4 16.9 GiB, k = 1 7.6 GiB; 6.42 / 6.47 /
+6.55 s. Served on a 31 GiB cap with k = 4, the Reasoner's K/V beside it, the decode ran out of memory."""
 CHECKPOINT_PREFIXES = ("decoder.", "post_quant_conv.")
 
 
