@@ -200,6 +200,19 @@ async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
             "/v1/videos", data=OK, files={"input_reference": ("x.png", b"", "image/png")}, headers=auth
         )
         assert r.status_code == 400 and r.json()["error"]["message"] == NOT_AN_IMAGE
+        for field in (
+            "prompt",
+            "size",
+            "extra_params",
+        ):  # a file where text belongs: named, its headers not echoed
+            r = await http.post("/v1/videos", data={k: v for k, v in OK.items() if k != field},
+                                files={field: ("p.txt", b"hello", "text/plain")}, headers=auth)  # fmt: skip
+            err = r.json()["error"]
+            assert (r.status_code, err["param"], err["message"]) == (
+                400,
+                field,
+                f"{field} must be a text field, not a file upload",
+            ), r.text
         for body, ctype, fragment in (
             (b"[1, 2]", "application/json", "must be an object"),
             (b"{nope", "application/json", "Invalid JSON body"),

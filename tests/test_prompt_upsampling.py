@@ -228,6 +228,7 @@ async def test_a_written_prompt_past_max_sequence_length_fails_the_job(
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
         assert "Prompt upsampling failed" in message and "raise max_sequence_length" in message
+        assert message.count("max_sequence_length") == 2 and "shorten" not in message, message  # (said once)
         body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 2, "negative_prompt": "",
                 "max_sequence_length": 150}  # fmt: skip
         image = await http.post(

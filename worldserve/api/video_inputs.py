@@ -70,6 +70,10 @@ class VideoInputs:
     """The fields as validated (/v1/realtime/video echoes them in video.start)."""
 
 
+FILE_FIELDS = frozenset(("input_reference", "control_reference", "input_references"))
+"""The form fields that take file parts (serving-api.md §4); a file in another is a 400 naming it."""
+
+
 async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request's fields as a dict (form values are str or UploadFile), whatever the content type."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -94,6 +98,9 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
         raise
     except Exception as exc:  # python-multipart's own parse errors
         raise APIError(400, f"Invalid form body: {exc}") from None
+    for key, value in form.items():  # (a file's repr, in a validation error, would echo its headers)
+        if isinstance(value, UploadFile) and key not in FILE_FIELDS:
+            raise APIError(400, f"{key} must be a text field, not a file upload", param=key)
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
     fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)}
     check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})  # (form text is decoded UTF-8)
