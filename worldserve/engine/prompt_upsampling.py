@@ -191,7 +191,7 @@ def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams)
     try:
         return validate(params)
     except ParamError as exc:
-        reason = exc.message.split("; ")[0]  # (without the client's hint: shortening its prompt would not help)
+        reason = exc.message.split("; ")[0]  # (not the client's hint: a shorter prompt would not help)
         raise UpsamplingFailed(400, f"the prompt the Reasoner wrote does not fit this request: {reason}; raise "
                                "max_sequence_length, or leave upsample_prompt off",
                                "max_sequence_length" if exc.param == "prompt" else exc.param) from None  # fmt: skip
