@@ -108,6 +108,13 @@ def test_bad_words_are_tokenized_off_the_chat_worker_and_banned(oai, reasoner, m
     )  # (two chats, _direct, a completion)
 
 
+def test_a_temperature_above_2_samples_as_vllm_takes_it(oai):
+    """OpenAI caps temperature at 2; vLLM takes any value >= 0 (a flatter distribution), and so do we."""
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                    temperature=3.5, seed=1)  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
 def test_non_stream_text_matches_the_reasoner(oai, reasoner):
     resp = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0
@@ -270,6 +277,7 @@ def test_http_image_url_is_downloaded(server):
     [
         ({"messages": []}, 400, "messages", "validation error"),
         ({"max_tokens": int("9" * 4300)}, 400, "max_tokens", "more than 10^18"),  # (the sum was a 500)
+        ({"temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
         ({"n": 17}, 400, "n", "n must be between 1 and 16"),
         ({"n": 0}, 400, "n", "n must be between 1 and 16"),
         ({"model": "nope"}, 404, "model", "The model `nope` does not exist."),

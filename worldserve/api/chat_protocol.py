@@ -92,7 +92,12 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="Must equal the served model name when given.")
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False, description="Default 1.0.")
+    temperature: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Default 1.0; above 2 too, as vLLM takes it (OpenAI caps at 2).",
+    )
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
