@@ -79,8 +79,9 @@ def load_backend(
     if on_gpu:
         t0 = time.perf_counter()
         reasoner.warm_up()  # compiles and captures the decode step and the prefill now, not in the first chats
+        graphed = reasoner.decoder.use_graphs  # (not under --enforce-eager, layerwise offload or TP)
         log.info("Reasoner warm-up (decode step and prefill%s) in %.1f s",
-                 "" if cfg.enforce_eager else " compiled and CUDA-graphed", time.perf_counter() - t0)  # fmt: skip
+                 " compiled and CUDA-graphed" if graphed else "", time.perf_counter() - t0)  # fmt: skip
     share = reasoner.share
     log.info("chats %s", f"decode beside video steps (video leaves {share.sm_margin} SMs free while chats run)"
              if share.concurrent else f"take turns with video steps ({share.why_not or 'not warmed up'})")  # fmt: skip
