@@ -83,10 +83,14 @@ def test_vllm_omni_memory_flags():
      # durations past what a wait can take failed mid-run (a join at SIGTERM, a timestamp, int(inf))
      ["--job-ttl", "inf"], ["--init-timeout", "1e400"], ["--shutdown-timeout", "1e20"], ["--shutdown-timeout", "nan"],
      ["--sync-timeout", "inf"], ["--max-upload-mb", "inf"], ["--max-upload-mb", "1e-9"],
-     ["--device", "banana"], ["--revision", "v1"]],
+     ["--device", "banana"], ["--revision", "v1"],
+     # an empty key served /v1 open (`--api-key "$KEY"` with KEY unset), an empty name the default one
+     ["--api-key", ""], ["--api-key", "k", ""], ["--served-model-name", ""]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):
-    with pytest.raises(ValueError, match="not supported|must be|runs alone|needs a MODEL"):
+    with pytest.raises(
+        ValueError, match="not supported|must be|runs alone|needs a MODEL|protects nothing|must not"
+    ):
         parse(*argv)
 
 

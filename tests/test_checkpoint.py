@@ -72,6 +72,39 @@ def test_make_tiny_where_no_folder_can_be_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1
 
 
+def test_make_tiny_refuses_a_folder_with_files_and_an_empty_dir(tmp_path, capsys):
+    """make-tiny wrote into a folder with files (a real checkpoint's weights replaced by random ones) and, for
+    DIR '', into the current folder; now both are one line and exit 2, nothing written; --force writes."""
+    from worldserve.cli import main
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "model_index.json").write_text("{}")
+    for target in (str(kept), ""):
+        assert main(["make-tiny", target, "--no-vision", "--no-sound"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("worldserve make-tiny: error: DIR") and err.count("\n") == 1, err
+    assert [p.name for p in kept.iterdir()] == ["model_index.json"] and (
+        kept / "model_index.json"
+    ).read_text() == "{}"
+    assert main(["make-tiny", str(kept), "--no-vision", "--no-sound", "--force"]) == 0
+    assert (kept / "transformer").is_dir() and (kept / "model_index.json").read_text() != "{}"
+
+
+@pytest.mark.parametrize(
+    "verb", [["make-tiny", "DIR"], ["chat", "--message", "hi"], ["generate", "--prompt", "x"]]
+)
+def test_a_seed_past_int64_is_a_usage_error(tmp_path, capsys, verb):
+    """chat and make-tiny failed with a traceback after loading (make-tiny with half a folder written)."""
+    from worldserve.cli import main
+
+    argv = [str(tmp_path / "t") if a == "DIR" else a for a in verb]
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--seed", "9" * 20])
+    assert info.value.code == 2 and "argument --seed: must be in [-2**63, 2**63)" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
 def test_no_sound_variant(tmp_path):
     from worldserve.weights.tiny import make_tiny
 

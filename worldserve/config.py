@@ -103,6 +103,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, list):  # --served-model-name A B: A, and B an alias
             names = list(dict.fromkeys(self.served_model_name))
+            if not all(names):  # ('' was listed in the log, while the default name was served)
+                raise ValueError("--served-model-name: a name must not be empty")
             object.__setattr__(self, "served_model_name", names[0])
             object.__setattr__(self, "served_model_aliases", tuple(names[1:]))
         # vLLM's spellings: auto is the device's default dtype
@@ -276,9 +278,12 @@ class ServerConfig:
     """Send X-Request-Id on every response: the request's own X-Request-Id, else a new uuid4 hex (vLLM's flag; on by default here, --no-enable-request-id-headers turns it off; /v1/videos/sync always sends its video_sync-<hex>)."""
 
     def __post_init__(self) -> None:
-        if self.api_key is not None:  # one key (a --config YAML string) or several; empty ones mean none
+        if self.api_key is not None:  # one key (a --config YAML string) or several
             keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
-            object.__setattr__(self, "api_key", tuple(k for k in keys if k) or None)
+            if not all(keys):  # (`--api-key "$KEY"` with KEY unset served /v1 open, its log saying "***")
+                raise ValueError("--api-key: an empty key protects nothing; give a key, or leave the flag out "
+                                 "to serve /v1 without one")  # fmt: skip
+            object.__setattr__(self, "api_key", tuple(keys))
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.sync_timeout is not None:

@@ -21,6 +21,18 @@ class FlagValueError(argparse.ArgumentTypeError, ValueError):
     to Python callers."""
 
 
+def int64_seed(text: str) -> int:
+    """A `--seed` value: an integer in torch's and VideoParams' int64 range (one past it failed with a
+    traceback after the model had loaded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise FlagValueError(f"invalid int value: {text!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise FlagValueError(f"must be in [-2**63, 2**63) (int64), got {text}")
+    return value
+
+
 def json_flag(text: str, expected: str) -> typing.Any:
     """A JSON flag value parsed; FlagValueError (naming what was `expected`) when it is not JSON."""
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
 from worldserve.commands.generate import text_arg
-from worldserve.config_values import TokenCount
+from worldserve.config_values import TokenCount, int64_seed
 from worldserve.params import ParamError
 
 
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.8, help="default 0.8")
     p.add_argument("--top-k", type=int, default=20, help="-1 or 0: off (default 20)")
     p.add_argument("--presence-penalty", type=float, default=1.5, help="default 1.5")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=int64_seed, default=None, help="sampling seed (default: random)")
     p.add_argument("--max-model-len", type=TokenCount, default=TokenCount(), metavar="N",
                    help="context length (prompt + completion), as serve's: 32768, 32k (32000), 32K, auto "
                    "(default: 32768)")  # fmt: skip

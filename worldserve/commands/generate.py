@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from worldserve.config_values import int64_seed
 from worldserve.params import ParamError, VideoParams
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flow-shift", type=float, default=None, help="default: 10 / 5 / 3 by resolution tier")
     p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
                    help="CFG only at timesteps (0..1000) in [LO, HI], e.g. 400,1000; default: every step")  # fmt: skip
-    p.add_argument("--seed", type=int, default=42, help="initial noise seed (default 42)")
+    p.add_argument("--seed", type=int64_seed, default=42, help="initial noise seed (default 42)")
     p.add_argument("--no-sound", action="store_true", help="no joint audio")
     p.add_argument("--max-sequence-length", type=int, default=4096,
                    help="prompt tokens after templating; a longer prompt is an error (default 4096)")  # fmt: skip

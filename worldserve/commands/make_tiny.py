@@ -6,10 +6,19 @@ import argparse
 import sys
 from pathlib import Path
 
+from worldserve.config_values import int64_seed
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output folder (created)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random tensor (same seed, same bytes)")
+    p.add_argument(
+        "--seed", type=int64_seed, default=0, help="seed of every random tensor (same seed, same bytes)"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into DIR even when it holds files (they may be overwritten)",
+    )
     p.add_argument("--no-sound", action="store_true", help="leave out the sound tokenizer and audio heads")
     p.add_argument("--no-vision", action="store_true", help="leave out the Reasoner's vision encoder")
     p.add_argument(
@@ -25,7 +34,13 @@ def run(args: argparse.Namespace) -> int:
     from worldserve.weights.tiny import make_tiny
 
     try:  # a DIR that is a file, or under one, or read-only: the argument's fault, argparse's exit code
+        if not args.dir:
+            raise ParamError("dir", "DIR must not be empty (it wrote into the current folder)")
         check_writable(Path(args.dir), "dir", "DIR", folder=True)
+        if not args.force and Path(args.dir).is_dir() and any(Path(args.dir).iterdir()):
+            raise ParamError("dir", f"DIR {args.dir} is not empty: its files would be mixed with the checkpoint's "
+                             "or overwritten (a real checkpoint's weights by random ones); name a new folder, or "
+                             "pass --force")  # fmt: skip
     except ParamError as e:
         print(f"worldserve make-tiny: error: {e.message}", file=sys.stderr)
         return 2

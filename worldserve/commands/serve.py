@@ -217,7 +217,7 @@ def _serve(
     serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
              config.scheduler.max_queued_requests, server_cfg.sync_timeout,
-             ", API key required on /v1" if server_cfg.api_key else "")  # fmt: skip
+             ", API key required on /v1" if server_cfg.api_key else ", no API key: /v1 is open to every client")  # fmt: skip
     scheme = "https" if getattr(http_args, "ssl_certfile", None) else "http"
     log.info("Available routes are:")
     for path, methods in route_table(app):
