@@ -235,6 +235,48 @@ def test_truncated_safetensors_is_named(tiny_copy):
         read_header(tiny_copy / "transformer", PREFIX)
 
 
+def _cut(path, size):
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def _config_with(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+BROKEN = [  # (what to break, the file the one line must name) -- each ended in a traceback
+    (lambda r: (r / "model_index.json").write_text('{"_class_name": \n'), "model_index.json"),
+    (lambda r: (r / "model_index.json").write_text("null"), "model_index.json"),
+    (lambda r: (r / "transformer" / "config.json").write_text("[]"), "config.json"),
+    (lambda r: _config_with(r / "transformer" / "config.json", action_dim="abc"), "action_dim"),
+    (lambda r: _config_with(r / "transformer" / "config.json", head_dim=-4), "head_dim"),
+    (lambda r: (r / "transformer" / f"{PREFIX}.safetensors.index.json").write_text('{"weight_map": 5}'), "index.json"),
+    (lambda r: _cut(r / "vae" / f"{PREFIX}.safetensors", 20), "vae"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("brk", "named"), BROKEN, ids=[str(i) for i in range(len(BROKEN))])
+def test_a_broken_checkpoint_is_one_line_naming_the_file(tiny_copy, brk, named):
+    brk(tiny_copy)
+    r = run_cli("info", tiny_copy)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and named in r.stderr, r.stderr
+    assert r.stderr.startswith("worldserve info: error: ") and "Traceback" not in r.stderr
+
+
+def test_unreadable_vae_and_vision_weights_are_checkpoint_errors(tiny_copy):
+    """The loaders behind serve / generate / chat: diffusers' OSError and safetensors' error on a cut file
+    were tracebacks (the CLI prints a CheckpointError as one line)."""
+    from worldserve.models.cosmos3.vae import VideoVAE
+    from worldserve.models.cosmos3.vision import VisionEncoder
+
+    _cut(tiny_copy / "vae" / f"{PREFIX}.safetensors", 20)
+    with pytest.raises(CheckpointError, match="vae.*unreadable weights"):
+        VideoVAE.from_pretrained(tiny_copy / "vae")
+    vision = tiny_copy / "vision_encoder" / "model.safetensors"
+    _cut(vision, vision.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="model.safetensors.*unreadable weights"):
+        VisionEncoder.from_pretrained(tiny_copy / "vision_encoder")
+
+
 def test_wrong_dtype_is_named(tiny_copy):
     def edit(t):
         key = next(k for k in t if t[k].ndim == 2)

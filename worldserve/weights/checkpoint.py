@@ -8,8 +8,10 @@ missing snapshot is one clear error naming the cache folder; otherwise huggingfa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,18 @@ embedded default is written again instead of reused."""
 
 class CheckpointError(RuntimeError):
     """The checkpoint folder is missing, incomplete or inconsistent; the message says what to fix."""
+
+
+@contextlib.contextmanager
+def readable_weights(folder: Path | str) -> Iterator[None]:
+    """Inside it, a weights file under `folder` that cannot be read (a cut safetensors header, a file a loader
+    expects and does not find) is a CheckpointError naming the folder, not diffusers' or safetensors' traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{folder}: unreadable weights ({e}); re-download them") from e
 
 
 def user_cache_dir() -> Path:
@@ -115,12 +129,24 @@ class CheckpointLayout:
         return "vision_encoder" in self.components
 
 
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file that must hold an object; CheckpointError naming the file otherwise (broken JSON,
+    or `null` / a list, ended in tracebacks)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+        raise CheckpointError(f"{path}: not valid JSON ({e}); re-download it") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}; re-download it")
+    return data
+
+
 def read_layout(root: Path) -> CheckpointLayout:
     """Check the folder has every generation component and parse the configs."""
     index_path = root / "model_index.json"
     if not index_path.is_file():
         raise CheckpointError(f"{root}: model_index.json is missing")
-    index = json.loads(index_path.read_text())
+    index = read_json_object(index_path)
     missing = [c for c in GENERATION_COMPONENTS if not (root / c).is_dir()]
     if missing:
         raise CheckpointError(f"{root}: component folder(s) missing: {', '.join(missing)}")
@@ -131,7 +157,7 @@ def read_layout(root: Path) -> CheckpointLayout:
     if not cfg_path.is_file():
         raise CheckpointError(f"{root}: transformer/config.json is missing")
     try:
-        config = Cosmos3Config.from_json(cfg_path)
+        config = Cosmos3Config.from_dict(read_json_object(cfg_path))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
     return CheckpointLayout(

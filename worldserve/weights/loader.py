@@ -58,6 +58,10 @@ def read_header(folder: Path, prefix: str) -> CheckpointHeader:
         files = list_shards(folder, prefix)
     except FileNotFoundError as e:
         raise CheckpointError(str(e)) from e
+    except SafetensorError as e:  # a single file whose header is cut
+        raise CheckpointError(
+            f"{folder / prefix}.safetensors: unreadable safetensors file ({e}); re-download it"
+        ) from e
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     by_file: dict[Path, list[str]] = defaultdict(list)

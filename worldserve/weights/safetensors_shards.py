@@ -46,11 +46,20 @@ def write_sharded(
 
 
 def list_shards(folder: Path, prefix: str) -> dict[str, Path]:
-    """The weight map {key: shard path} of a component folder; raises FileNotFoundError naming what is missing."""
+    """The weight map {key: shard path} of a component folder; raises FileNotFoundError naming what is missing
+    (a shard, or a readable weight map in the index file)."""
     index_path = folder / f"{prefix}.safetensors.index.json"
     single = folder / f"{prefix}.safetensors"
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        try:
+            index = json.loads(index_path.read_bytes())
+        except ValueError:  # (broken JSON, or not UTF-8)
+            index = None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise FileNotFoundError(
+                f"{index_path}: no weight_map of keys to shard files in it; re-download it"
+            )
         files = {name: folder / name for name in set(weight_map.values())}
         missing = sorted(str(p) for p in files.values() if not p.is_file())
         if missing:

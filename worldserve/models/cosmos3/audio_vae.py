@@ -49,10 +49,10 @@ class AudioVAE:
         fold: bool = True,
     ) -> AudioVAE:
         """Load from a checkpoint's `sound_tokenizer/` folder (decoder-only weights are fine)."""
-        with (
-            warnings.catch_warnings()
-        ):  # diffusers builds it with the deprecated weight_norm; we fold it anyway
-            warnings.simplefilter("ignore", FutureWarning)
+        from worldserve.weights.checkpoint import readable_weights
+
+        with readable_weights(folder), warnings.catch_warnings():  # (diffusers builds it with the deprecated
+            warnings.simplefilter("ignore", FutureWarning)  # weight_norm; we fold it anyway)
             model = Cosmos3AVAEAudioTokenizer.from_pretrained(str(folder), dtype=dtype)
         return cls(model.to(device), fold=fold)
 

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "latent_channel", "latent_patch_size",
+               "patch_latent_dim", "base_fps", "sound_dim", "action_dim", "num_embodiment_domains")  # fmt: skip
+"""Cosmos3Config's sizes: positive integers (sound_dim and action_dim may be None)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cosmos3Config:
@@ -81,6 +86,10 @@ class Cosmos3Config:
     """Keys of config.json this class does not know (kept for round trips, never read)."""
 
     def __post_init__(self) -> None:
+        for name in SIZE_FIELDS:  # (a string or a negative size failed deep in torch, after loading began)
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.rope_axes_dim is None:
             section = (self.rope_scaling or {}).get("mrope_section", [24, 20, 20])
             object.__setattr__(self, "rope_axes_dim", tuple(int(s) for s in section))

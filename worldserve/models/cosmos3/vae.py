@@ -96,7 +96,10 @@ class VideoVAE:
     ) -> VideoVAE:
         """Load `AutoencoderKLWan` from a checkpoint's `vae/` folder (config.json + safetensors); our decoder
         copies its decoder weights (options as in `__init__`)."""
-        model = AutoencoderKLWan.from_pretrained(str(folder), dtype=dtype)
+        from worldserve.weights.checkpoint import readable_weights
+
+        with readable_weights(folder):
+            model = AutoencoderKLWan.from_pretrained(str(folder), dtype=dtype)
         return cls(
             model.to(device),
             tiling=tiling,

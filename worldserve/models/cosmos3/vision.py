@@ -239,9 +239,13 @@ class VisionEncoder:
             config = Qwen3VLVisionConfig(**{k: v for k, v in vision_config.items() if k != "model_type"})
         else:
             raise ValueError(f"{folder} has no config.json and no vision_config was given")
+        from worldserve.weights.checkpoint import readable_weights
+
         state = {}
         for file in sorted(folder.glob("*.safetensors")):
-            for key, tensor in load_file(file).items():
+            with readable_weights(file):
+                tensors = load_file(file)
+            for key, tensor in tensors.items():
                 state[key.removeprefix("model.").removeprefix("visual.")] = tensor
         with torch.device("meta"):
             model = Qwen3VLVisionModel._from_config(config, dtype=dtype)
