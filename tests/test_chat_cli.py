@@ -98,6 +98,15 @@ def test_a_max_model_len_under_two_is_named_before_loading(capsys):
         assert build_parser(["chat"]).parse_args(["chat", "--max-model-len", text]).max_model_len == tokens
 
 
+def test_a_max_model_len_past_the_checkpoint_s_context_is_refused(tiny_ckpt):
+    """vLLM's check against max_position_embeddings (99,999,999,999 tried to allocate a 51 TB K/V pool)."""
+    r = _chat(str(tiny_ckpt), "--message", "hi", "--max-model-len", "99999999999", "--device", "cpu")
+    assert r.returncode == 2 and r.stderr.endswith(
+        "--max-model-len 99999999999 is greater than the derived max_model_len 262144 (max_position_embeddings "
+        f"in {tiny_ckpt / 'config.json'})\n"
+    ), r.stderr
+
+
 def test_text_that_is_not_utf8_is_one_line(tiny_ckpt, capsys):
     """argv and stdin bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer refused
     with a TypeError traceback after the model loaded: now argparse's error, and one line for a stdin turn

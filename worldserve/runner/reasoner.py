@@ -154,6 +154,12 @@ class Reasoner(ChatAdmission):
         `options`: the constructor's keyword options (max_model_len, max_num_seqs, kv_cache_tokens, ...)."""
         root = Path(root)
         cfg = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
+        limit = (cfg.get("text_config") or {}).get("max_position_embeddings")
+        if (
+            isinstance(limit, int) and options.get("max_model_len", 0) > limit
+        ):  # (vLLM's check, as it words it)
+            raise ValueError(f"--max-model-len {options['max_model_len']} is greater than the derived "
+                             f"max_model_len {limit} (max_position_embeddings in {root / 'config.json'})")  # fmt: skip
         vision = None
         if (root / "vision_encoder").is_dir():
             vision = VisionEncoder.from_pretrained(
