@@ -22,7 +22,7 @@ from serving_helpers import SMALL_FORM, asgi_server, make_client
 
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
-from worldserve.commands import serve, serve_compat
+from worldserve.commands import serve, serve_compat, serve_http
 
 TESTS = Path(__file__).parent
 
@@ -94,6 +94,9 @@ def test_accepted_flags_log_why_they_change_nothing(argv, caplog):
     (["--enable-sleep-mode"], "--enable-sleep-mode"), (["--middleware", "no_such_module.thing"], "--middleware"),
     (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile"),
     (["--ssl-certfile", "c.pem"], "--ssl-keyfile"), (["--config", "/nonexistent.yaml"], "--config"),
+    # unused without HTTPS (they were dropped in silence), a mode ssl lacks, a folder that is not there
+    (["--ssl-ca-certs", "/nonexistent.ca"], "--ssl-ca-certs"), (["--ssl-cert-reqs", "5"], "--ssl-cert-reqs"),
+    (["--allowed-local-media-path", "/nonexistent/dir"], "--allowed-local-media-path"),
 ])  # fmt: skip
 def test_values_worldserve_cannot_honour_stop_the_start_before_the_load(
     argv, named, tmp_path, caplog, monkeypatch
@@ -205,6 +208,19 @@ def _silent_connection_gets_408(port: int, header_timeout_s: float) -> None:
         except (ssl.SSLEOFError, ConnectionResetError):
             pass
         assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - t0 < header_timeout_s + 4
+
+
+def test_a_bad_ca_file_beside_a_good_certificate_is_blamed_on_itself(tmp_path):
+    """(the certificate and key were blamed for a missing --ssl-ca-certs)"""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out",
+                    "cert.pem", "-days", "1", "-subj", "/CN=localhost"], cwd=tmp_path, check=True,
+                   capture_output=True)  # fmt: skip
+    good = ["--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem")]
+    with pytest.raises(ValueError, match="^--ssl-ca-certs /nonexistent.ca: cannot load it"):
+        serve_http.check_http_arguments(parse_args(*good, "--ssl-ca-certs", "/nonexistent.ca"))
+    serve_http.check_http_arguments(
+        parse_args(*good, "--ssl-ca-certs", str(tmp_path / "cert.pem"), "--ssl-cert-reqs", "2")
+    )
 
 
 def test_a_real_server_with_vllms_http_flags(tmp_path):

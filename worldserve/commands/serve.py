@@ -24,6 +24,7 @@ import logging
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -90,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
             log_file = log_to_file(args.log_file, LOG_FORMAT)
         config = engine_config(args).resolve()
         middlewares = serve_http.check_http_arguments(args)  # certificates load, middlewares import
+        media = config.server.allowed_local_media_path
+        if media and not Path(media).is_dir():  # (vLLM refuses it too; here every file:// URL got a 400)
+            raise ValueError(f"--allowed-local-media-path {media}: "
+                             + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
         if config.model.backend != "fake":  # --device before anything binds, loads or downloads
             from worldserve.runner.devices import check_layout_device
 

@@ -49,14 +49,27 @@ def check_http_arguments(args: argparse.Namespace) -> list[Callable | type]:
     imports; the middlewares, in order."""
     if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
         raise FlagValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS")
+    ca_certs, cert_reqs = getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0)
+    if cert_reqs not in (0, 1, 2):
+        raise FlagValueError(
+            f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {cert_reqs}"
+        )
+    if (ca_certs or cert_reqs) and not getattr(args, "ssl_certfile", None):  # (they were silently unused)
+        raise FlagValueError("--ssl-ca-certs and --ssl-cert-reqs check clients over HTTPS: they need "
+                             "--ssl-certfile and --ssl-keyfile")  # fmt: skip
     if getattr(args, "ssl_certfile", None):
         from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
 
         try:  # as uvicorn will load them (its default protocol and ciphers)
-            create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None, SSL_PROTOCOL_VERSION, args.ssl_cert_reqs,
-                               args.ssl_ca_certs, "TLSv1")  # fmt: skip
+            context = create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None, SSL_PROTOCOL_VERSION,
+                                         cert_reqs, None, "TLSv1")  # fmt: skip
         except (OSError, ValueError) as exc:
             raise FlagValueError(f"--ssl-certfile / --ssl-keyfile: cannot load them ({exc})") from None
+        if ca_certs:
+            try:
+                context.load_verify_locations(ca_certs)
+            except (OSError, ValueError) as exc:
+                raise FlagValueError(f"--ssl-ca-certs {ca_certs}: cannot load it ({exc})") from None
     return [_import_middleware(name) for name in getattr(args, "middleware", None) or ()]
 
 
