@@ -220,6 +220,26 @@ def test_gpus_this_machine_lacks_are_one_line_before_anything_loads(tmp_path, ca
     assert needle in capsys.readouterr().err
 
 
+def test_a_write_failing_after_the_run_is_one_line_and_keeps_the_latents(tiny_ckpt, tmp_path, monkeypatch):
+    """A full disk (or a folder gone since the checks) at the end was a traceback; now one line naming -o,
+    exit 1, and --save-latents written first, so the denoised state survives to decode again."""
+    import errno
+
+    from worldserve.commands import generate
+
+    def full_disk(path, result):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(generate, "write_output", full_disk)
+    out, latents = tmp_path / "x.mp4", tmp_path / "x.safetensors"
+    r = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "-o", out, "--save-latents", latents, check=False)
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (
+        1,
+        f"worldserve generate: error: -o {out}: cannot write it (No space left on device)",
+    ), r.stderr
+    assert latents.is_file() and not out.exists()
+
+
 def test_a_peer_dying_mid_run_is_one_line(tiny_ckpt, tmp_path, capsys, monkeypatch):
     """--cfg-parallel-size 2 on CPU, the uncond rank killed before the second step: exit 1 with one line
     naming the layout (was the exception's traceback), no output file."""

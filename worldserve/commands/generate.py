@@ -362,18 +362,34 @@ def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float
     except BackendLost as e:  # a peer rank of a multi-GPU layout died: its own log holds the traceback
         print(f"worldserve generate: error: {e}", file=sys.stderr)
         return 1
-    t1 = time.perf_counter()
-    write_output(args.output, result)
-    encoded = time.perf_counter() - t1
-    stages = {"load": load_s, **result.stage_seconds, "decode + encode" if stream else "encode": encoded}
+    from safetensors import SafetensorError
+
+    # the writes' own failures (a full disk, a folder gone since the checks) are one line naming the flag; the
+    # latents go first, so that a failed -o still leaves the denoised state to decode again
     if args.save_latents is not None:
         from safetensors.torch import save_file
 
         tensors = {"video_latents": state.latents.cpu().contiguous()}
         if state.sound is not None:
             tensors["sound_latents"] = state.sound.cpu().contiguous()
-        args.save_latents.parent.mkdir(parents=True, exist_ok=True)  # as -o's; save_file creates none
-        save_file(tensors, str(args.save_latents))
+        try:
+            args.save_latents.parent.mkdir(parents=True, exist_ok=True)  # as -o's; save_file creates none
+            save_file(tensors, str(args.save_latents))
+        except (OSError, SafetensorError) as e:
+            print(f"worldserve generate: error: --save-latents {args.save_latents}: cannot write it ({e})",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+    t1 = time.perf_counter()
+    try:
+        write_output(args.output, result)
+    except OSError as e:
+        print(
+            f"worldserve generate: error: -o {args.output}: cannot write it ({e.strerror or e})",
+            file=sys.stderr,
+        )
+        return 1
+    encoded = time.perf_counter() - t1
+    stages = {"load": load_s, **result.stage_seconds, "decode + encode" if stream else "encode": encoded}
     print(f"wrote {args.output}")
     for name, seconds in stages.items():
         print(f"  {name:16s} {seconds:8.3f} s")
