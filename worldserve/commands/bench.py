@@ -129,6 +129,12 @@ def options(args: argparse.Namespace):
     if not points:
         raise ParamError("points", "--points names no WIDTHxHEIGHTxFRAMES point")
     check_writable(args.out_dir, "out_dir", "--out-dir", folder=True)
+    try:  # made now: a folder that cannot be (under /proc, a full disk) failed with a traceback after the run
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ParamError(
+            "out_dir", f"--out-dir {args.out_dir}: cannot create it ({e.strerror or e})"
+        ) from None
     return BenchOptions(
         points=points,
         steps=args.steps,
