@@ -173,7 +173,10 @@ def test_profile_helpers_trace_copies_to_python_and_name_fused_kernels():
         (["--attention-backend", "FLASH_ATTN"], "--attention-backend FLASH_ATTN: FlashAttention-3 needs"),
         (["--out-dir", "{file}"], "is not a directory"),
         (["--out-dir", "{file}/under"], "is not a directory"),
-        (["--out-dir", "/proc/worldserve-bench"], "--out-dir /proc/worldserve-bench"),  # (root passes os.access)
+        (
+            ["--out-dir", "/proc/worldserve-bench"],
+            "--out-dir /proc/worldserve-bench",
+        ),  # (root passes os.access)
     ],
 )
 def test_bench_bad_arguments_are_one_line_before_any_work(tmp_path, capsys, argv, needle):

@@ -318,8 +318,32 @@ def test_resolve_model_errors(tmp_path, monkeypatch):
         resolve_model("nvidia/Cosmos3-Nano")
     with pytest.raises(CheckpointError, match="no model_index.json"):
         resolve_model(str(tmp_path))
-    with pytest.raises(CheckpointError, match="neither an existing folder"):
-        resolve_model("not/a/repo/id")
+    for ref in (
+        "not/a/repo/id",
+        "bad repo/x!!",
+        "~/nonexistent",
+    ):  # (the last two: huggingface_hub tracebacks)
+        with pytest.raises(CheckpointError, match="neither an existing folder"):
+            resolve_model(ref)
+
+
+def test_an_unreachable_hub_is_not_blamed_on_hf_hub_offline(tmp_path, monkeypatch):
+    """Online, a download that cannot reach huggingface.co said 'HF_HUB_OFFLINE=1 forbids downloading it'."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def unreachable(*args, **kwargs):
+        raise LocalEntryNotFoundError("cannot find the files in the cache") from OSError(
+            "Name or service not known"
+        )
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(
+        CheckpointError, match="huggingface.co could not be reached.*Name or service not known"
+    ):
+        resolve_model("nvidia/Cosmos3-Nano")
 
 
 def test_resolve_model_finds_an_hf_cache_snapshot(tiny_ckpt, tmp_path, monkeypatch):

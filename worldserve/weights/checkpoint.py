@@ -91,21 +91,27 @@ def resolve_model(ref: str | None, revision: str | None = None) -> Path:
         if not (local / "model_index.json").is_file():
             raise CheckpointError(f"{local} is not a Cosmos3 checkpoint folder (no model_index.json)")
         return local.resolve()
-    if ref.count("/") != 1 or ref.startswith((".", "/")):
+    if ref.count("/") != 1 or ref.startswith((".", "/", "~")):
         raise CheckpointError(f"model {ref!r} is neither an existing folder nor a Hugging Face repo id")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    where = f"{ref} (revision {revision or 'main'})"
     try:
         path = snapshot_download(
             ref, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=offline
         )
-    except LocalEntryNotFoundError as e:
+    except HFValidationError as e:  # ('bad repo/x!!')
         raise CheckpointError(
-            f"{ref} (revision {revision or 'main'}) is not in the Hugging Face cache {_hf_cache_dir()} "
-            "and HF_HUB_OFFLINE=1 forbids downloading it"
+            f"model {ref!r} is neither an existing folder nor a Hugging Face repo id"
         ) from e
+    except LocalEntryNotFoundError as e:  # (offline; or online, when huggingface.co could not be reached)
+        why = ("HF_HUB_OFFLINE=1 forbids downloading it" if offline
+               else f"huggingface.co could not be reached to download it ({e.__cause__ or e})")  # fmt: skip
+        raise CheckpointError(f"{where} is not in the Hugging Face cache {_hf_cache_dir()} and {why}") from e
+    except HfHubHTTPError as e:  # a repo or revision that is not there, or one needing a token
+        raise CheckpointError(f"{where}: {str(e).splitlines()[0]}") from e
     return Path(path)
 
 
