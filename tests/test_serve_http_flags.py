@@ -109,6 +109,17 @@ def test_values_worldserve_cannot_honour_stop_the_start_before_the_load(
     assert named in record.getMessage() and record.exc_info is None and not loads
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a Hopper GPU")
+@pytest.mark.parametrize("flag", [["--quantization", "fp8"], ["--fp8-attention"]])
+def test_fp8_kernels_this_machine_lacks_stop_the_start_before_the_load(flag, tmp_path, caplog, monkeypatch):
+    """(serve found them after loading the model, exit 1; generate refused them before, exit 2)"""
+    loads = []
+    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        assert serve.run(parse_args(*flag, "--storage-dir", str(tmp_path / "s"), "--port", "0")) == 2
+    assert flag[0] in caplog.text and not loads
+
+
 def test_config_file_fills_what_the_command_line_left(tmp_path):
     (tmp_path / "c.yaml").write_text("model: some/model\nmax_model_len: 16k\nmax-num-seqs: 8\nenforce-eager: true\n"
                                      "allowed-origins: '[\"https://a.example\"]'\nport: 9000\n")  # fmt: skip

@@ -82,6 +82,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_args(argparse.Namespace(**values))
 
 
+def _check_kernels(config: EngineConfig) -> None:
+    """--quantization fp8 / --fp8-attention / FLASH_ATTN where they cannot run: ValueError before the model
+    loads (as generate; serve found it after loading, exit 1). Nano's head_dim: FA3's support does not vary
+    with the checkpoint's size otherwise."""
+    import torch
+
+    from worldserve.runner.devices import default_device
+
+    device = torch.device(config.model.device) if config.model.device else default_device()
+    dtype = getattr(torch, config.model.dtype) if config.model.dtype else None
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config.model.kernel_options(enable_layerwise_offload=config.parallel.enable_layerwise_offload).check(
+        device, dtype
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
     log_file = None
@@ -105,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 ulysses_degree=par.ulysses_degree,
                 tensor_parallel_size=par.tensor_parallel_size,
             )
+            _check_kernels(config)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
