@@ -251,6 +251,7 @@ BROKEN = [  # (what to break, the file the one line must name) -- each ended in 
     (lambda r: _config_with(r / "transformer" / "config.json", head_dim=-4), "head_dim"),
     (lambda r: (r / "transformer" / f"{PREFIX}.safetensors.index.json").write_text('{"weight_map": 5}'), "index.json"),
     (lambda r: _cut(r / "vae" / f"{PREFIX}.safetensors", 20), "vae"),
+    (lambda r: (r / "text_tokenizer" / "tokenizer.json").unlink(), "text_tokenizer: no tokenizer.json"),
 ]  # fmt: skip
 
 

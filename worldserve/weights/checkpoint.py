@@ -156,6 +156,11 @@ def read_layout(root: Path) -> CheckpointLayout:
     missing = [c for c in GENERATION_COMPONENTS if not (root / c).is_dir()]
     if missing:
         raise CheckpointError(f"{root}: component folder(s) missing: {', '.join(missing)}")
+    tok = root / "text_tokenizer"  # (without its files, the error came after loading, about missing tokens)
+    if not (tok / "tokenizer.json").is_file() and not all(
+        (tok / f).is_file() for f in ("vocab.json", "merges.txt")
+    ):
+        raise CheckpointError(f"{tok}: no tokenizer.json (nor vocab.json + merges.txt); re-download it")
     present = [c for c in GENERATION_COMPONENTS + OPTIONAL_COMPONENTS if (root / c).is_dir()]
     if "sound_tokenizer" in present and (index.get("sound_tokenizer") or [None])[0] is None:
         present.remove("sound_tokenizer")
