@@ -250,9 +250,10 @@ def _serve(
         timeout_keep_alive=envs.http_timeout_keep_alive_s(),
         **serve_http.uvicorn_options(http_args),
     )  # fmt: skip
+    host = server_cfg.host or "0.0.0.0"  # ('' binds every address); an IPv6 address goes in brackets in a URL
     log.info(
-        "Starting worldserve API server on %s://%s:%d (HTTP: h11, event loop: %s)", scheme, server_cfg.host,
-        listener.getsockname()[1], serve_http.event_loop(uv_config),
+        "Starting worldserve API server on %s://%s:%d (HTTP: h11, event loop: %s)", scheme,
+        f"[{host}]" if ":" in host else host, listener.getsockname()[1], serve_http.event_loop(uv_config),
     )  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
         for name in ("uvicorn", "uvicorn.access"):
