@@ -125,7 +125,8 @@ def test_stage_init_timeout_sets_the_load_bound():
      ("--stage-init-timeout", "-1"), ("--mm-encoder-tp-mode", "pipeline"), ("--ulysses-mode", "loose"),
      ("--ring", "two"), ("--ring-degree", "0"), ("--worker-backend", "k8s"), ("--cache-config", "[1]"),
      ("--diffusion-attention-config", "{bad"), ("--hsdp-shard-size", "all"), ("--api-server-count", "0"),
-     ("--limit-mm-per-prompt", "image=2"), ("--seed", "x"), ("--boundary-ratio", "inf")],
+     ("--limit-mm-per-prompt", "image=2"), ("--seed", "x"), ("--boundary-ratio", "inf"),
+     ("--compilation-config", "{bad"), ("--compilation-config", "[3]")],
 )  # fmt: skip
 def test_bad_values_are_argparse_errors_naming_the_flag(flag, value, capsys):
     """Malformed JSON, out-of-range numbers and unknown choices: argparse errors (exit 2) naming the flag."""

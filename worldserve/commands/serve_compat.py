@@ -48,6 +48,14 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def level_or_json(text: str) -> int | dict[str, Any]:
+    """An argparse type: vLLM's `-O` / `--compilation-config`, an optimization level or a JSON object."""
+    try:
+        return int(text)
+    except ValueError:
+        return json_object(text)
+
+
 POSITIVE_INT = checked(int, lambda v: v >= 1, "an integer >= 1")
 FLOAT = checked(float, math.isfinite, "a number")
 JSON = {"type": json_object, "metavar": "JSON"}
@@ -245,7 +253,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "server-wide processor settings: send mm_processor_kwargs per request (size, min_pixels, max_pixels, fps, "
       "num_frames)"),
     C("--compilation-config", "worldserve compiles its own layers on GPU (--enforce-eager turns it off)",
-      {"metavar": "LEVEL|JSON"}, aliases=("-O",)),
+      {"type": level_or_json, "metavar": "LEVEL|JSON"}, aliases=("-O",)),
     C("--tokenizer", "", {"metavar": "NAME"}, NEVER, "never", "worldserve uses the checkpoint's text_tokenizer/"),
     C("--tokenizer-mode", "auto is the checkpoint's tokenizer", {"metavar": "MODE"}, lambda v: v == "auto",
       "only at auto", "worldserve uses the checkpoint's own (fast) tokenizer"),
