@@ -132,7 +132,9 @@ def test_t2i_png(tiny_ckpt, tmp_path):
         (["--max-sequence-length", "5"], "prompt"),
         (["--video", __file__], "video"),
         (["--video", "/nonexistent.mp4"], "video"),
-        (["--condition-frames", "a,b"], "condition_frames"),
+        (["--condition-frames", "a,b", "--video", "/nonexistent.mp4"], "condition_frames"),
+        (["--condition-frames", "0"], "condition_frames"),  # (without --video: dropped in silence)
+        (["--condition-video-keep", "last"], "condition_video_keep"),
         (["--guidance-interval", "400"], "guidance_interval"),
         (["--guidance-interval", "900,400"], "guidance_interval"),
         (["--upsample-prompt", "--tensor-parallel-size", "2"], "upsample_prompt"),

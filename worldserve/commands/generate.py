@@ -34,12 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", type=Path, default=None, help="conditioning image for image-to-video")
     p.add_argument("--video", type=Path, default=None, help="conditioning clip for video-to-video")
     p.add_argument(
-        "--condition-frames", default="0,1",
+        "--condition-frames", default=None,
         help="V2V: latent frames held clean, comma-separated (default 0,1: the clip's first 5 frames)",
     )  # fmt: skip
     p.add_argument(
-        "--condition-video-keep", default="first", choices=("first", "last"),
-        help="V2V: take the conditioning frames from the first or the last end of the clip",
+        "--condition-video-keep", default=None, choices=("first", "last"),
+        help="V2V: take the conditioning frames from the first (default) or the last end of the clip",
     )  # fmt: skip
     p.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT, multiples of 16 (default 1280x720)")
     p.add_argument("--num-frames", type=int, default=189, help="1 (an image) or 4k+1 (default 189)")
@@ -119,7 +119,13 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         from worldserve.media.image import decode_image
 
         image = decode_image(_read_bytes(args.image, "image"), param="image")
-    indexes = _parse_indexes(args.condition_frames)
+    if args.video is None:  # (they were dropped in silence)
+        for flag in ("condition_frames", "condition_video_keep"):
+            if getattr(args, flag) is not None:
+                raise ParamError(flag, f"--{flag.replace('_', '-')} conditions a --video clip: give --video, or "
+                                 "leave it out")  # fmt: skip
+    indexes = _parse_indexes(args.condition_frames or "0,1")
+    keep = args.condition_video_keep or "first"
     video = None
     if args.video is not None:
         from worldserve.media.video_input import condition_budget, decode_video
@@ -127,9 +133,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         if image is not None:
             raise ParamError("video", "--image and --video are exclusive")
         budget = min(condition_budget(indexes), args.num_frames) if args.num_frames >= 1 else 1
-        video = decode_video(
-            _read_bytes(args.video, "video"), budget, args.condition_video_keep, param="video"
-        )
+        video = decode_video(_read_bytes(args.video, "video"), budget, keep, param="video")
     if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
         raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
                          "(not with --tensor-parallel-size > 1)")  # fmt: skip
@@ -152,7 +156,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         image=image,
         video=video,
         condition_frame_indexes=indexes,
-        condition_video_keep=args.condition_video_keep,
+        condition_video_keep=keep,
         guidance_interval=_parse_interval(args.guidance_interval),
         add_duration_template=not args.no_duration_template,
         add_resolution_template=not args.no_resolution_template,
