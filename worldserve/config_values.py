@@ -28,7 +28,9 @@ def int64_seed(text: str) -> int:
         value = int(text)
     except ValueError:
         raise FlagValueError(f"invalid int value: {text!r}") from None
-    if not -(2**63) <= value < 2**63:
+    from worldserve.params import INT64
+
+    if not -INT64 <= value < INT64:
         raise FlagValueError(f"must be in [-2**63, 2**63) (int64), got {text}")
     return value
 

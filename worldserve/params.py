@@ -25,6 +25,8 @@ RESOLUTION_TIERS: tuple[tuple[str, int, int, float], ...] = (
     ("480", 640 * 640, 300, 5.0),
     ("720", 1280 * 720, 200, 10.0),
 )
+INT64 = 2**63
+"""Seeds are int64: [-INT64, INT64) (torch.Generator.manual_seed; vLLM's range)."""
 MAX_SIDE = 1280
 SIZE_MULTIPLE = 16
 MAX_FPS = 120
@@ -193,7 +195,7 @@ class VideoParams:
             raise ParamError("guidance_scale", f"guidance_scale={self.guidance_scale} must be in [0, 20]")
         if self.flow_shift is not None and not flow_shift_ok(self.flow_shift):
             raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in {FLOW_SHIFT_RANGE}")
-        if not -(2**63) <= self.seed < 2**63:
+        if not -INT64 <= self.seed < INT64:
             raise ParamError("seed", f"seed={self.seed} must be in [-2**63, 2**63) (int64)")
         if self.guidance_interval is not None:
             lo, hi = self.guidance_interval

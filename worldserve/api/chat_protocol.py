@@ -28,9 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from worldserve.api.tool_calls import ToolCallIn, ToolCallOut, ToolIn
-from worldserve.params import ParamError
-
-INT64 = 2**63
+from worldserve.params import INT64, ParamError
 
 TOOLLESS_CHOICES = (None, "none", "auto")
 """Legacy `function_call` values that call nothing (any other is refused: the request should send tools)."""

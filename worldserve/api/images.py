@@ -34,7 +34,7 @@ from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
-from worldserve.params import VideoParams
+from worldserve.params import INT64, VideoParams
 
 router = APIRouter(tags=["images"])
 State = Annotated[AppState, Depends(app_state)]
@@ -70,7 +70,7 @@ class ImageGenerationRequest(NumbersNotBooleans):
     max_sequence_length: int | None = Field(
         None, ge=1, description="Cap on prompt tokens (as on the video routes)."
     )
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
     lora: Any = None
     extra_params: dict[str, Any] | str | None = None
@@ -111,7 +111,7 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         upsample_prompt=bool(extra.upsample_prompt),
     )  # fmt: skip
     base.validate_as(origin)
-    wrap = lambda s: (s + 2**63) % 2**64 - 2**63  # noqa: E731  (seed + i stays an int64)
+    wrap = lambda s: (s + INT64) % (2 * INT64) - INT64  # noqa: E731  (seed + i stays an int64)
     return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n)]
 
 

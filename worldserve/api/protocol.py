@@ -26,8 +26,7 @@ from pydantic import (
 )
 
 from worldserve.engine.client import Job
-
-INT64 = 2**63
+from worldserve.params import INT64
 
 
 def _is_number(annotation: Any) -> bool:

@@ -125,7 +125,7 @@ def _load(args: argparse.Namespace):
     import torch
 
     from worldserve.models.cosmos3.prompt import PromptEncoder
-    from worldserve.runner.devices import check_device, default_device
+    from worldserve.runner.devices import check_device, default_device, default_dtype
     from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.reasoner import Reasoner
     from worldserve.runner.video_pipeline import load_configured_transformer
@@ -144,11 +144,7 @@ def _load(args: argparse.Namespace):
         diffusion_attention_backend=None, enable_layerwise_offload=args.enable_layerwise_offload,
     )  # fmt: skip
     device = torch.device(args.device) if args.device else default_device()
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
     try:  # the transformer and the tokenizer only: no VAEs, nothing of video generation
         kernels.check(device, dtype)
         transformer = load_configured_transformer(root, dtype, device, kernels)

@@ -110,10 +110,10 @@ def runtime(head_dim: int) -> dict:
     import torch
 
     from worldserve.models.layers.flash_attention import fa3_unavailable_reason
+    from worldserve.runner.devices import default_device, default_dtype
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device = default_device()
+    cuda, dtype = device.type == "cuda", default_dtype(device)
     reason = fa3_unavailable_reason(device, dtype, head_dim)
     return {
         "torch": torch.__version__,

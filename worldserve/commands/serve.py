@@ -88,11 +88,10 @@ def _check_kernels(config: EngineConfig) -> None:
     with the checkpoint's size otherwise."""
     import torch
 
-    from worldserve.runner.devices import default_device
+    from worldserve.runner.devices import default_device, default_dtype
 
     device = torch.device(config.model.device) if config.model.device else default_device()
-    dtype = getattr(torch, config.model.dtype) if config.model.dtype else None
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, config.model.dtype) if config.model.dtype else default_dtype(device)
     config.model.kernel_options(enable_layerwise_offload=config.parallel.enable_layerwise_offload).check(
         device, dtype
     )

@@ -13,6 +13,11 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The model dtype when none is asked for: bf16 on a GPU, float32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def check_device(device: str | torch.device | None) -> None:
     """ValueError for a --device this machine does not have: a CUDA device without CUDA, or past the visible
     GPUs, or no device at all."""

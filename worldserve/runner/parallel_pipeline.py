@@ -34,7 +34,7 @@ from worldserve.engine.outputs import BackendLost
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.parallel.ulysses import check_degree
 from worldserve.params import ParamError, VideoParams
-from worldserve.runner.devices import rank_devices
+from worldserve.runner.devices import default_dtype, rank_devices
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.parallel_layout import ParallelLayout
 from worldserve.runner.parallel_worker import BranchRank
@@ -79,7 +79,7 @@ class ParallelPipeline:
                              f"{config.intermediate_size}")  # fmt: skip
         devices = rank_devices(device, layout.world, layout.flags)
         if dtype is None:
-            dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
+            dtype = default_dtype(devices[0])
         kernels = kernels or KernelOptions()
 
         def peer_args(r: int, init: str) -> tuple:

@@ -33,7 +33,7 @@ from worldserve.models.cosmos3.vae import VideoVAE
 from worldserve.models.cosmos3.wan_decoder import DEFAULT_CHUNK_SIZE, SMALL_MEMORY_CHUNK_SIZE
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
-from worldserve.runner.devices import check_device, default_device
+from worldserve.runner.devices import check_device, default_device, default_dtype
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.video_decode import decode_video
 from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
@@ -157,7 +157,7 @@ class VideoPipeline:
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
         if dtype is None:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            dtype = default_dtype(device)
         kernels = kernels or KernelOptions()
         kernels.check(device, dtype)
         transformer = load_configured_transformer(root, dtype, device, kernels, tp=tp, progress=progress)
