@@ -147,9 +147,10 @@ def build_params(
 def prepared_params(
     st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes], options: RequestOptions
 ) -> ChatParams:
-    """build_params, then the Reasoner's prompt built from them (template, tokens, media; the bad_words' tokens) here, in the API's
-    worker thread, not on the chat worker's, which every running chat shares (blocking). A text too long
-    for the context by its byte count alone is refused before it is tokenized (ParamError("messages"))."""
+    """build_params, then the Reasoner's prompt built from them (template, tokens, media) and the bad_words'
+    tokens here, in the API's worker thread, not on the chat worker's, which every running chat shares
+    (blocking). A text too long for the context by its byte count alone is refused before it is tokenized
+    (ParamError("messages"))."""
     worker = st.client.chat_worker
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     cache = getattr(prompts, "media_cache", None)

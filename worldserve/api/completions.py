@@ -98,7 +98,9 @@ async def create_completion(request: Request, st: State):
     compiler = grammar_compiler(st.client.chat_worker)
     structured = await asyncio.to_thread(structured_output, body, None, compiler)  # a grammar compiles
     tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, body.text_bound(max_model_len))
-    bad_word_ids = await asyncio.to_thread(prompts.bad_word_ids, tuple(body.bad_words or ()))
+    bad_word_ids = (
+        await asyncio.to_thread(prompts.bad_word_ids, tuple(body.bad_words)) if body.bad_words else ()
+    )
     echo_only = body.max_tokens == 0  # with echo (refused() made sure): the prompt alone, as vLLM answers it
     if echo_only:  # vLLM's way: one token generated (every check of a generating request applies) and dropped
         body = body.model_copy(update={"max_tokens": 1})

@@ -335,12 +335,12 @@ def completion_budget(params: ChatParams, n: int, max_model_len: int) -> int:
     if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
         asked, where = n + (params.max_tokens or 1), "messages" if params.prompt_ids is None else "prompt"
         # (a JSON max_tokens may have 4,300 digits, past what Python prints: the sum has one more)
-        completion = f"{asked - n}" if asked < 10**18 else "more than 10^18"
+        total, completion = (asked, asked - n) if asked < 10**18 else ("more than 10^18",) * 2
         raise ParamError(
             "max_tokens" if params.max_tokens is not None and room >= 1 else where,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{asked if asked < 10**18 else 'more than 10^18'} tokens ({n} in the {where}, {completion} in "
-            f"the completion). Please reduce the length of the {where} or completion.",
+            f"{total} tokens ({n} in the {where}, {completion} in the completion). Please reduce the length "
+            f"of the {where} or completion.",
         )
     budget = params.max_tokens if params.max_tokens is not None else room
     if params.min_tokens > budget:  # (vLLM checks it against the max_tokens it defaulted to the room)

@@ -31,7 +31,6 @@ except where `concurrent_with_video` says the work may run beside video steps on
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
 from worldserve.sampling.token_grammar import GrammarCompiler, constrain_rows
 from worldserve.sampling.tokens import sample_tokens
+from worldserve.weights.checkpoint import read_json_object
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -153,11 +153,10 @@ class Reasoner(ChatAdmission):
         """Share `transformer` (already loaded); load the ViT from `<root>/vision_encoder` when present.
         `options`: the constructor's keyword options (max_model_len, max_num_seqs, kv_cache_tokens, ...)."""
         root = Path(root)
-        cfg = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
+        cfg = read_json_object(root / "config.json") if (root / "config.json").is_file() else {}
+        # vLLM's check of the context against the checkpoint's positions, in its words
         limit = (cfg.get("text_config") or {}).get("max_position_embeddings")
-        if (
-            isinstance(limit, int) and options.get("max_model_len", 0) > limit
-        ):  # (vLLM's check, as it words it)
+        if isinstance(limit, int) and options.get("max_model_len", 0) > limit:
             raise ValueError(f"--max-model-len {options['max_model_len']} is greater than the derived "
                              f"max_model_len {limit} (max_position_embeddings in {root / 'config.json'})")  # fmt: skip
         vision = None
