@@ -59,9 +59,7 @@ def read_header(folder: Path, prefix: str) -> CheckpointHeader:
     except FileNotFoundError as e:
         raise CheckpointError(str(e)) from e
     except SafetensorError as e:  # a single file whose header is cut
-        raise CheckpointError(
-            f"{folder / prefix}.safetensors: unreadable safetensors file ({e}); re-download it"
-        ) from e
+        raise _unreadable(folder / f"{prefix}.safetensors", e) from e
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -78,8 +76,12 @@ def read_header(folder: Path, prefix: str) -> CheckpointHeader:
                     shapes[key] = tuple(sl.get_shape())
                     dtypes[key] = sl.get_dtype()
         except SafetensorError as e:
-            raise CheckpointError(f"{path}: unreadable safetensors file ({e}); re-download it") from e
+            raise _unreadable(path, e) from e
     return CheckpointHeader(files=files, shapes=shapes, dtypes=dtypes)
+
+
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{path}: unreadable safetensors file ({e}); re-download it")
 
 
 def _is_scale_key(key: str) -> bool:
