@@ -281,7 +281,8 @@ def test_video_metrics_and_failures(server):
 def test_http_families_as_vllms_instrumentator_exports_them(server):
     """vLLM's http_* families: each request counted under its route template, method and status class, with
     its latency (coarse by handler, fine overall) and sizes; /metrics itself and vLLM's other excluded routes
-    are not counted; a path no route matches is handler "none"."""
+    are not counted; a path no route matches is handler "none", a made-up method "other" (a client cannot mint
+    series)."""
 
     def http(samples: dict, name: str, **labels) -> float:
         return samples.get((name, frozenset(labels.items())), 0.0)
@@ -293,14 +294,18 @@ def test_http_families_as_vllms_instrumentator_exports_them(server):
         assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code == 400
         assert client.get("/nowhere").status_code == 404
         assert client.get("/health").status_code == 200
+        for made_up in ("X1234", "X5678"):
+            assert client.request(made_up, "/nowhere").status_code == 404
     after = scrape(server)
-    for handler, method, status in (("/v1/models", "GET", "2xx"), ("/v1/videos/{video_id}", "GET", "4xx"),
-                                    ("/v1/chat/completions", "POST", "4xx"), ("none", "GET", "4xx")):  # fmt: skip
+    for handler, method, status, n in (("/v1/models", "GET", "2xx", 1), ("/v1/videos/{video_id}", "GET", "4xx", 1),
+                                       ("/v1/chat/completions", "POST", "4xx", 1), ("none", "GET", "4xx", 1),
+                                       ("none", "other", "4xx", 2)):  # fmt: skip
         labels = {"handler": handler, "method": method, "status": status}
         assert (
-            http(after, "http_requests_total", **labels) - http(before, "http_requests_total", **labels) == 1
+            http(after, "http_requests_total", **labels) - http(before, "http_requests_total", **labels) == n
         )
     assert not any(dict(k).get("handler") in ("/metrics", "/health") for (_, k) in after)
+    assert not any(dict(k).get("method", "").startswith("X") for (_, k) in after)
     count = http(after, "http_request_duration_seconds_count", handler="/v1/models", method="GET")
     assert count >= 1 and http(after, "http_request_duration_seconds_bucket", handler="/v1/models",
                                method="GET", le="+Inf") == count  # fmt: skip

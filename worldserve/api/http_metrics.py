@@ -2,7 +2,8 @@
 exports), so dashboards built on them work here: per request, by route template ("handler"), method and
 status class ("2xx", "4xx", ...), the count, the latency (coarse buckets by handler and method, fine ones
 overall) and the request and response sizes. vLLM's excluded routes (/metrics, /health, /load, /ping,
-/version) are not counted; a path no route matches counts as handler "none". Kept by an ASGI middleware
+/version) are not counted; a path no route matches counts as handler "none", and a method outside HTTP's
+standard ones as "other" (a client cannot mint label values: each would be a new series forever). Kept by an ASGI middleware
 around the whole app: a streamed response is timed and sized to its last byte.
 """
 
@@ -19,6 +20,8 @@ EXCLUDED = ("/metrics", "/health", "/load", "/ping", "/version")
 HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 7.5, 10,
                  30, 60)  # fmt: skip
 """The instrumentator's `http_request_duration_highr_seconds` buckets."""
+METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"))
+"""The methods counted by name (RFC 9110's and PATCH); any other is "other"."""
 
 
 class HTTPMetrics:
@@ -62,7 +65,8 @@ class HTTPMetricsMiddleware:
             await self.app(scope, receive, counting)
         finally:
             seconds = time.perf_counter() - start
-            handler, method = self._handler(scope), scope.get("method", "")
+            handler = self._handler(scope)
+            method = scope.get("method", "") if scope.get("method") in METHODS else "other"
             m = self.metrics
             m.requests.labels(method=method, status=f"{status // 100}xx", handler=handler).inc()
             m.size_in.labels(handler=handler).observe(_content_length(scope))
