@@ -36,7 +36,12 @@ VLLM_BUCKETS = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
+def backend():
+    return FakeBackend(step_delay=0.002)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory, backend):
     from transformers import AutoTokenizer
 
     from worldserve.api.app import build_app
@@ -47,7 +52,7 @@ def server(tiny_ckpt, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
     reasoner = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=1024)
     client = make_client(tmp_path_factory.mktemp("metrics"), model_name=MODEL, chat_backend=reasoner,
-                         backend=FakeBackend(step_delay=0.002))  # fmt: skip
+                         backend=backend)  # fmt: skip
     with serve_app(build_app(client, shutdown_timeout_s=1.0), name="test-metrics-uvicorn") as url:
         yield url
 
@@ -226,7 +231,7 @@ def test_per_chat_histograms_of_vllms_dashboard(server):
     assert queue + inference <= delta("vllm:e2e_request_latency_seconds_sum")
 
 
-def test_video_metrics_and_failures(server):
+def test_video_metrics_and_failures(server, backend):
     before = scrape(server)
     with httpx.Client(base_url=server, timeout=60) as http:
         small = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2}
@@ -238,6 +243,17 @@ def test_video_metrics_and_failures(server):
                     http.get(f"/v1/videos/{job['id']}").json()["status"] in ("completed", "failed")
                 )
             )
+        backend.step_delay = 0.05
+        try:
+            long = http.post(
+                "/v1/videos", json={"prompt": "a cat", **small, "num_inference_steps": 200}
+            ).json()
+            wait_until(lambda: http.get(f"/v1/videos/{long['id']}").json()["progress"] > 0)
+            assert http.delete(f"/v1/videos/{long['id']}").status_code == 200  # deleted while it runs
+        finally:
+            backend.step_delay = 0.002
+        wait_until(lambda: value(scrape(server), "worldserve:request_cancelled_total")
+                   > value(before, "worldserve:request_cancelled_total"))  # fmt: skip
 
     # the observer runs just after the store records the outcome: wait for both reports
     def reported():
@@ -256,9 +272,9 @@ def test_video_metrics_and_failures(server):
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("vllm:omni_requests_success_total", finished_reason="stop") == 1
-    assert (
-        delta("vllm:omni_requests_success_total", finished_reason="abort") == 1
-    )  # vLLM-Omni's request_failed()
+    # the failed job (vLLM-Omni's request_failed()) and the deleted one (an aborted request, as vLLM counts it)
+    assert delta("vllm:omni_requests_success_total", finished_reason="abort") == 2
+    assert delta("worldserve:request_cancelled_total") == 1
     assert (
         delta("vllm:omni_requests_failed_total", reason="error") == 1
     )  # FakeBackend's prepare failure: a 500

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import re
 
 import httpx
 import pytest
@@ -90,6 +92,7 @@ async def test_control_messages_beside_a_running_request(tmp_path):
             await ws.send(b"\x00\x01")
             await ws.send("[1]")
             await ws.send(json.dumps({"type": "session.ping"}))
+            await ws.send(json.dumps(start))
 
         messages, data, _ = await realtime_session(url, start, during=talk)
     kinds = [m["type"] for m in messages if m["type"] != "video.chunk_metadata"]
@@ -101,6 +104,7 @@ async def test_control_messages_beside_a_running_request(tmp_path):
         "error",
         "error",
         "session.pong",
+        "error",
         "session.done",
     ]
     errors = [m["message"] for m in messages if m["type"] == "error"]
@@ -109,7 +113,9 @@ async def test_control_messages_beside_a_running_request(tmp_path):
         and errors[1] == "Unknown message type: session.dance"
     )
     assert errors[2:] == ["Invalid JSON message", "WebSocket messages must be JSON text",
-                          "WebSocket messages must be JSON objects"]  # fmt: skip
+                          "WebSocket messages must be JSON objects",
+                          "The session has started: one session.start per session"]  # fmt: skip
+    assert all(m["code"] == 400 for m in messages if m["type"] == "error")
     assert messages[-1]["stopped"] is False and probe_mp4(data).num_frames == 33
 
 
@@ -156,6 +162,7 @@ async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path,
             assert json.loads(await ws.recv()) == {
                 "type": "error",
                 "message": "Timeout waiting for session.start",
+                "code": 408,
             }
             with pytest.raises(websockets.ConnectionClosed):
                 await ws.recv()
@@ -164,6 +171,8 @@ async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path,
             assert (await realtime_session(url, big))[0] == [
                 {"type": "error", "message": "session.start message too large", "code": 413}
             ]
+        metrics = httpx.get(f"{url}/metrics").text  # (counted as POST /v1/videos counts a body too large)
+        assert re.search(r'worldserve:request_rejected_total\{[^}]*reason="too_large"[^}]*\} 2\.0', metrics)
         failing = {"type": "session.start", "prompt": f"x {FAIL_MARKER}decode_stream", **SMALL}
         messages, data, _ = await realtime_session(url, failing)
         # (the init segment may or may not go out first: a failed decode drops the chunks not yet muxed)
@@ -191,13 +200,21 @@ async def test_a_running_request_without_progress_stalls(tmp_path, monkeypatch):
     backend = FakeBackend(step_delay=1.0)
     with uvicorn_thread(tmp_path, backend=backend) as (url, _):
 
-        async def read_on(ws):  # (to the close: the error, then session.done)
-            pass
+        async def ping(ws):  # (then read to the close: pongs, the error, then session.done)
+            with contextlib.suppress(websockets.ConnectionClosed):  # (the stall closes the socket)
+                for _ in range(10):  # pings are not progress: they keep no stalled request alive
+                    await ws.send(json.dumps({"type": "session.ping"}))
+                    await asyncio.sleep(0.1)
 
         start = {"type": "session.start", "prompt": "x", **SMALL}
-        messages, _, _ = await realtime_session(url, start, during=read_on)
+        messages, _, _ = await realtime_session(url, start, during=ping)
+        pongs = [m for m in messages if m["type"] == "session.pong"]
+        assert len(pongs) < 10, "the stall ended the session while the client was still pinging"
+        messages = [m for m in messages if m["type"] != "session.pong"]
         assert [m["type"] for m in messages] == ["video.start", "error", "session.done"]
-        assert messages[1]["message"] == "Stall timeout: no generation progress"
+        assert (
+            messages[1]["message"] == "Stall timeout: no generation progress" and messages[1]["code"] == 504
+        )
         assert messages[2]["stopped"] is True and messages[2]["chunks"] == 0
         wait_until(lambda: not backend.live)
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -166,6 +167,15 @@ async def test_without_a_reasoner_upsampling_is_a_400(tmp_path, anyio_backend):
         assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.upsample_prompt"
 
 
+async def _one_waiting(http, upsampling) -> None:
+    """Wait (~2 s at most) for `upsampling()` to hold, then check that /metrics counts one request waiting."""
+    for _ in range(200):
+        if upsampling():
+            break
+        await asyncio.sleep(0.01)
+    assert re.search(r"worldserve:num_requests_waiting\{[^}]*\} 1\.0", (await http.get("/metrics")).text)
+
+
 async def _chat_stopped(reasoner) -> bool:
     """Whether the Reasoner has no chat left within ~4 s (a stopped chat leaves at its next step)."""
     for _ in range(200):
@@ -309,12 +319,7 @@ async def test_a_stopped_chat_worker_fails_the_job_and_a_delete_answers_the_sync
         data = {"prompt": "a fox", **TINY, "extra_params": '{"upsample_prompt": true}'}
         sync = asyncio.create_task(http.post("/v1/videos/sync", data=data))
         client = http.engine_client
-        for _ in range(200):
-            if client._upsampling:
-                break
-            await asyncio.sleep(0.01)
-        metrics = (await http.get("/metrics")).text
-        assert re.search(r"worldserve:num_requests_waiting\{[^}]*\} 1\.0", metrics)
+        await _one_waiting(http, lambda: client._upsampling)
         (job_id,) = client._upsampling
         assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 200
         answer = await asyncio.wait_for(sync, 10)
@@ -378,3 +383,41 @@ async def test_a_realtime_session_streams_the_video_of_its_upsampled_prompt(
             direct = {**start, "prompt": config["upsampled_prompt"], "extra_params": {}}
             messages, direct_data, _ = await realtime_session(url, direct)
             assert "upsampled_prompt" not in messages[0]["config"] and direct_data == data
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_realtime_upsampling_holds_its_queue_slot_and_is_counted(
+    tmp_path, pipeline, chat_backend, anyio_backend
+):
+    """A session whose prompt the Reasoner writes is admitted before the upsampling and waits in the queue
+    meanwhile, as a job does: with --max-queued-requests 1 a second session gets its 429 at once (not after
+    the Reasoner's work); stopped meanwhile, it counts as cancelled; a written prompt past
+    max_sequence_length counts as a failed request (400), as the job's failure does."""
+    import websockets
+
+    from worldserve.api.app import build_app
+
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4, min_room=1024)
+    client = make_client(tmp_path, backend=pipeline, chat_backend=chat_backend, upsampler=slow,
+                         max_queued_requests=1)  # fmt: skip
+    with serve_app(build_app(client, shutdown_timeout_s=1.0)) as url:
+        start = {"type": "session.start", "prompt": "a fox", "size": "32x32", "num_frames": 5, "fps": 8,
+                 "num_inference_steps": 2, "extra_params": {"upsample_prompt": True}}  # fmt: skip
+        async with websockets.connect(ws_url(url)) as ws, httpx.AsyncClient(base_url=url) as http:
+            await ws.send(json.dumps(start))
+            await _one_waiting(http, lambda: client.num_waiting)
+            second, _, _ = await realtime_session(url, start)
+            assert [(m["type"], m["code"]) for m in second] == [("error", 429)], second
+            await ws.send(json.dumps({"type": "session.stop"}))
+            done = json.loads(await ws.recv())
+            assert done["type"] == "session.done" and done["stopped"] is True
+            assert await _chat_stopped(chat_backend) and client.num_waiting == 0
+            client.upsampler = SMALL
+            too_long = {**start, "extra_params": {"upsample_prompt": True, "max_sequence_length": 150}}
+            (failed,), _, _ = await realtime_session(url, too_long)
+            assert failed["code"] == 400 and "Prompt upsampling failed" in failed["message"], failed
+            metrics = (await http.get("/metrics")).text
+        assert re.search(r'worldserve:request_failure_total\{[^}]*status="400"[^}]*\} 1\.0', metrics)
+        assert re.search(r"worldserve:request_cancelled_total\{[^}]*\} 1\.0", metrics)
+        assert re.search(r'worldserve:request_rejected_total\{[^}]*reason="queue_full"[^}]*\} 1\.0', metrics)

@@ -1,13 +1,14 @@
 """Prometheus metrics, named `worldserve:*` and labelled `model_name` (vLLM scrapes `vllm:*` the same way).
 
-`Metrics` is the engine's observer (on_step / on_finished / on_failed are called from the engine and
+`Metrics` is the engine's observer (on_step / on_finished / on_failed / on_cancelled are called from the engine and
 encoder threads; prometheus-client is thread-safe) and owns its own CollectorRegistry, so several apps can
 live in one process (tests). Queue depth and running count are read at scrape time through callbacks;
 the GPU-memory gauge exists only when the server passes a reader (commands/serve.py does on CUDA).
 
 Families: num_requests_waiting, num_requests_running (gauges); step_time_seconds, step_batch_size,
 e2e_request_latency_seconds, request_queue_time_seconds, stage_duration_seconds{stage} (histograms);
-request_success_total, request_failure_total{status}, request_rejected_total{reason} (counters);
+request_success_total, request_failure_total{status}, request_cancelled_total, request_rejected_total{reason}
+(counters);
 peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reasoner's chats: chat_prompt_tokens,
 chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting,
 kv_cache_usage_perc, num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
@@ -77,6 +78,8 @@ class Metrics:
         self.failure = Counter(
             "worldserve:request_failure", "Jobs failed, by error code.", [*label, "status"], registry=r
         )
+        self.cancelled = Counter("worldserve:request_cancelled", "Jobs deleted and streamed requests stopped "
+                                 "before their end.", label, registry=r)  # fmt: skip
         self.rejected = Counter("worldserve:request_rejected", "Requests refused before becoming a job.",
                                 [*label, "reason"], registry=r)  # fmt: skip
         self.peak_memory = Gauge("worldserve:peak_memory_mb", "Peak accelerator memory of the last finished job.",
@@ -172,6 +175,10 @@ class Metrics:
     def on_failed(self, code: int) -> None:
         self.failure.labels(status=str(code), **self._label).inc()
         self.vllm.video_failed_with(code)
+
+    def on_cancelled(self) -> None:
+        self.cancelled.labels(**self._label).inc()
+        self.vllm.video_aborted()
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason, **self._label).inc()

@@ -148,8 +148,12 @@ class VllmMirror:
             hist.observe(e2e_s)
         self.video_queue.observe(queue_s)
 
+    def video_aborted(self) -> None:
+        """A request stopped before its end (vLLM counts an aborted request as finished_reason "abort")."""
+        self.video_success.labels(finished_reason="abort", **self.omni).inc()
+
     def video_failed_with(self, code: int) -> None:
-        self.video_success.labels(finished_reason="abort", **self.omni).inc()  # vLLM-Omni's request_failed()
+        self.video_aborted()  # vLLM-Omni's request_failed()
         self.video_failed.labels(reason=failure_reason(code), **self.omni).inc()
 
     def track_lengths(self, max_model_len: int, registry: CollectorRegistry) -> None:

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import time
 import uuid
+from collections.abc import Coroutine
 from functools import partial
 from typing import Any
 
@@ -72,6 +72,8 @@ POLL_S = 1.0
 STREAM_CODEC_OPTIONS = {"tune": "zerolatency"}
 """x264 hands out each frame's packet at once (no frame threads' delay), as vLLM-Omni's stream encodes."""
 REFERENCES = ("image_reference", "video_reference")
+_Started = tuple[str, Request, "asyncio.Future[VideoResult]"]
+"""The upsampled prompt, the queued request, its outcome."""
 
 
 class _Stop(Exception):
@@ -119,7 +121,7 @@ class _Session:
         except _Stop as exc:  # stopped, stalled, or the client left
             self._abort()
             if exc.reason == "stall":
-                await self._error("Stall timeout: no generation progress")
+                await self._error("Stall timeout: no generation progress", 504)
             if exc.reason in ("stop", "stall"):
                 with contextlib.suppress(_Stop):
                     await self._send({"type": "session.done", "request_id": self.request_id,
@@ -139,29 +141,35 @@ class _Session:
 
     async def _queue(self, params: VideoParams, encode: EncodeOptions, config: dict[str, Any],
                      control: asyncio.Task) -> bool:  # fmt: skip
-        """Upsample the prompt when asked, queue the request, send video.start; False once an error was
-        sent (the prompt could not be written, the queue is full, the server is stopping)."""
-        if params.upsample_prompt:
-            prompt = await self._upsampled(params, control)
-            if prompt is None:
-                return False
-            params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-            config = {**config, "upsampled_prompt": prompt}
+        """Queue the request (its prompt upsampled first when asked), send video.start; False once an error
+        was sent (the queue is full, the server is stopping, the prompt could not be written)."""
         on_frames = partial(_encode_parts, asyncio.get_running_loop(), self.parts, encode, self.ended)
-        try:
-            self.request, self.done = self.st.client.stream_ephemeral(params, self.request_id, on_frames)
-        except (QueueFullError, ShuttingDownError) as exc:
-            await self._refused(exc)
-            return False
+        client = self.st.client
+        if params.upsample_prompt:
+            started = await self._upsampled(
+                client.stream_upsampled(params, self.request_id, on_frames, self.st.sync_timeout_s), control
+            )
+            if started is None:
+                return False
+            prompt, self.request, self.done = started
+            config = {**config, "upsampled_prompt": prompt}
+        else:
+            try:
+                self.request, self.done = client.stream_ephemeral(params, self.request_id, on_frames)
+            except (QueueFullError, ShuttingDownError) as exc:
+                await self._refused(exc)
+                return False
         await self._send({"type": "video.start", "request_id": self.request_id, "format": "m4s",
                           "config": config})  # fmt: skip
         return True
 
-    async def _upsampled(self, params: VideoParams, control: asyncio.Task) -> str | None:
-        """The prompt the Reasoner writes (as `POST /v1/videos` upsamples), or None once an error was sent;
-        the session's end (_Stop) cancels the chat."""
-        timeout = self.st.sync_timeout_s
-        work = asyncio.ensure_future(asyncio.wait_for(self.st.client.upsampled_prompt(params), timeout))
+    async def _upsampled(
+        self, start: Coroutine[Any, Any, _Started], control: asyncio.Task
+    ) -> _Started | None:
+        """`start` (the client's stream_upsampled: the Reasoner writes the prompt, as `POST /v1/videos`
+        upsamples, then the request is queued), or None once an error was sent; the session's end (_Stop)
+        cancels the chat."""
+        work = asyncio.ensure_future(start)
         await asyncio.wait({work, control}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             work.cancel()
@@ -171,8 +179,8 @@ class _Session:
         try:
             return work.result()
         except TimeoutError:
-            await self._error(f"Prompt upsampling timed out after {timeout:g}s.", 504)
-        except ShuttingDownError as exc:
+            await self._error(f"Prompt upsampling timed out after {self.st.sync_timeout_s:g}s.", 504)
+        except (QueueFullError, ShuttingDownError) as exc:
             await self._refused(exc)
         except UpsamplingFailed as exc:
             await self._error(f"Prompt upsampling failed: {exc}", exc.status, exc.param)
@@ -222,7 +230,7 @@ class _Session:
         try:
             message = await asyncio.wait_for(self.ws.receive(), START_TIMEOUT_S)
         except TimeoutError:
-            await self._error("Timeout waiting for session.start")
+            await self._error("Timeout waiting for session.start", 408)
             return None
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
@@ -231,6 +239,7 @@ class _Session:
             await self._error("session.start must be a JSON text message", 400)
             return None
         if len(raw) > MAX_START_BYTES or len(raw.encode("utf-8", "surrogatepass")) > MAX_START_BYTES:
+            self.st.metrics.on_rejected("too_large")  # (as POST /v1/videos counts a body too large)
             await self._error("session.start message too large", 413)
             return None
         try:
@@ -315,12 +324,13 @@ class _Session:
                 await self._error("WebSocket messages must be JSON objects", 400)
             elif kind == "session.stop":
                 return "stop"
-            elif kind == "session.ping":
-                self.last_progress = time.monotonic()
+            elif kind == "session.ping":  # (not progress: a stalled request stays stalled, pinged or not)
                 await self._send({"type": "session.pong"})
             elif kind == "session.interaction":
                 await self._error("session.interaction is not supported: Cosmos3 generates the whole video in "
                                   "one pass, so its prompt cannot change while it runs", 400)  # fmt: skip
+            elif kind == "session.start":
+                await self._error("The session has started: one session.start per session", 400)
             else:
                 await self._error(f"Unknown message type: {kind}", 400)
 
@@ -340,12 +350,11 @@ class _Session:
             else:
                 await self.ws.send_json(message)
 
-    async def _error(self, message: str, code: int | None = None, param: str | None = None,
+    async def _error(self, message: str, code: int, param: str | None = None,
                      extra: dict[str, Any] | None = None) -> None:  # fmt: skip
-        """An error message; nothing when the client is gone."""
-        payload: dict[str, Any] = {"type": "error", "message": message}
-        if code is not None:
-            payload["code"] = code
+        """An error message (code: the HTTP status the same failure gets there); nothing when the client is
+        gone."""
+        payload: dict[str, Any] = {"type": "error", "message": message, "code": code}
         if param is not None:
             payload["param"] = param
         payload.update(extra or {})

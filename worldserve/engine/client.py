@@ -102,6 +102,7 @@ class EngineClient:
         self._started = False
         self.upsampler = upsampler or UpsamplerConfig()
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
+        self._upsampling_streams: set[str] = set()  # streamed requests' ids, their prompt being upsampled
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -238,8 +239,8 @@ class EngineClient:
 
     @property
     def num_waiting(self) -> int:
-        """Jobs waiting: in the engine's queue or having their prompt upsampled."""
-        return self.engine.num_waiting + len(self._upsampling)
+        """Jobs and streamed requests waiting: in the engine's queue or having their prompt upsampled."""
+        return self.engine.num_waiting + len(self._upsampling) + len(self._upsampling_streams)
 
     @property
     def num_running(self) -> int:
@@ -334,6 +335,32 @@ class EngineClient:
         self._check_admission(1, "requests")
         return start_streamed(self.engine, params, request_id, on_frames)
 
+    async def stream_upsampled(
+        self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None], timeout_s: float
+    ) -> tuple[str, Request, asyncio.Future[VideoResult]]:
+        """`stream_ephemeral` for a request whose prompt the Reasoner writes first: admitted before the
+        upsampling (QueueFullError / ShuttingDownError) and counted as waiting during it, as a job is; the
+        written prompt and the started request. An upsampling that fails (UpsamplingFailed) or outlasts
+        `timeout_s` (TimeoutError) is counted as a failed request (its status; 504), one stopped as a
+        cancelled request."""
+        self._check_admission(1, "requests")
+        self._upsampling_streams.add(request_id)
+        try:
+            prompt = await asyncio.wait_for(self.upsampled_prompt(params), timeout_s)
+        except TimeoutError:
+            self.engine.observer.on_failed(504)
+            raise
+        except UpsamplingFailed as exc:
+            self.engine.observer.on_failed(exc.status)
+            raise
+        except asyncio.CancelledError:  # the session ended meanwhile
+            self.engine.observer.on_cancelled()
+            raise
+        finally:  # (no await from here to the queue: the slot held during the upsampling passes to it)
+            self._upsampling_streams.discard(request_id)
+        written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
+        return prompt, *self.stream_ephemeral(written, request_id, on_frames)
+
     def abort_stream(self, request_id: str) -> None:
         """Stop a `stream_ephemeral` request at its next step (or decode chunk); its future then settles
         with CancelledRequest, or with the result when every frame was already decoded."""
@@ -350,6 +377,7 @@ class EngineClient:
         job = self.store.delete(job_id)
         if (upsampling := self._upsampling.pop(job_id, None)) is not None:
             upsampling.cancel()  # its chat stops at the next step
+            self.engine.observer.on_cancelled()
         if job is not None and not job.status.terminal:
             self.engine.abort(job_id)
         # a sync request waiting on it answers now (404), also while its MP4 is encoded

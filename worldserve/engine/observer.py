@@ -1,4 +1,4 @@
-"""What the video engine reports as it runs (step times, finished and failed jobs): the Prometheus metrics
+"""What the video engine reports as it runs (step times, finished, failed and cancelled jobs): the Prometheus metrics
 (api/metrics.py) implement `EngineObserver`; `NullObserver` drops everything."""
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ class EngineObserver(Protocol):
 
     def on_failed(self, code: int) -> None: ...
 
+    def on_cancelled(self) -> None:
+        """A job deleted, or a streamed request stopped, before its end."""
+
 
 class NullObserver:
     def on_step(self, seconds: float, batch_size: int) -> None:
@@ -28,4 +31,7 @@ class NullObserver:
         pass
 
     def on_failed(self, code: int) -> None:
+        pass
+
+    def on_cancelled(self) -> None:
         pass
