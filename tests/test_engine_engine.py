@@ -179,30 +179,35 @@ def test_restart_resumes_unfinished_jobs(tmp_path):
     async def first_life():
         client = make_client(tmp_path, backend=FakeBackend(step_delay=0.05))
         await client.start()
-        p = job_params(steps=100)
+        p = job_params(steps=100, generate_sound=False)
         running = client.submit(p, job_spec(p), EncodeOptions(crf=5), png)
         lost = client.submit(p, job_spec(p), EncodeOptions(), png)
+        loud = job_params(generate_sound=True)
+        loud = client.submit(loud, job_spec(loud), EncodeOptions(), None)
         await asyncio.to_thread(wait_until, lambda: client.get(running.id).progress > 0)
-        client.engine.stop(0)  # what a crash leaves: one row in_progress, one queued
+        client.engine.stop(0)  # what a crash leaves: one row in_progress, two queued
         client.store.close()  # the dead process's storage lock goes with it
-        return running, lost
+        return running, lost, loud
 
-    running, lost = run(first_life())
+    running, lost, loud = run(first_life())
     (tmp_path / "inputs" / f"{lost.id}.ref").unlink()
 
-    async def second_life():
-        backend = FakeBackend()
+    async def second_life():  # restarted with a model without sound: a job asking for it no longer fits
+        backend = FakeBackend(has_sound=False)
         client = make_client(tmp_path, backend=backend)
         await client.start()
-        results = await asyncio.wait_for(asyncio.gather(client.wait(running.id), client.wait(lost.id)), 10)
+        waits = (client.wait(job.id) for job in (running, lost, loud))
+        results = await asyncio.wait_for(asyncio.gather(*waits), 10)
         await client.shutdown(5)
         return results
 
-    resumed, failed = run(second_life())
+    resumed, failed, refused = run(second_life())
     assert resumed.status is JobStatus.COMPLETED
     meta = json.loads((tmp_path / "videos" / f"{running.id}.mp4").read_bytes()[7:])
     assert meta["crf"] == 5
     assert failed.status is JobStatus.FAILED and "reference image is missing" in failed.error_message
+    assert (refused.status, refused.error_code) == (JobStatus.FAILED, 400)
+    assert "model now served does not take it (generate_sound)" in refused.error_message
 
 
 def test_waiters_are_woken_from_the_engine_thread(tmp_path):

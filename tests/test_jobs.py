@@ -117,14 +117,23 @@ def test_recover_requeues_and_cleans(tmp_path):
     store.mark_in_progress(done.id, time.time())
     _complete(store, done.id)
     (tmp_path / "videos" / f"{running.id}.mp4").write_bytes(b"partial")  # crash between rename and UPDATE
-    (tmp_path / "videos" / ".x.mp4.abc.tmp").write_bytes(b"tmp")
+    (tmp_path / "videos" / f".{done.id}.mp4.{'a' * 32}.tmp").write_bytes(b"tmp")  # write_atomic's, cut
+    (tmp_path / "inputs" / f"{'video_gen_' + 'b' * 32}.ref").write_bytes(b"orphan")  # no job has it
+    # files the store never writes are someone else's (a shared or misnamed folder): left be
+    foreign = ["holiday.mp4", "notes.txt", ".keep", "video_gen_x.mp4", "subdir"]
+    for name in foreign[:-1]:
+        (tmp_path / "videos" / name).write_bytes(b"precious")
+    (tmp_path / "videos" / "subdir").mkdir()
     store.close()
 
     store = JobStore(tmp_path)
     assert store.recover() == [queued.id, running.id]
     got = store.get(running.id)
     assert (got.status, got.progress) == (JobStatus.QUEUED, 0)
-    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == [f"{done.id}.mp4"]
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == sorted([f"{done.id}.mp4", *foreign])
+    assert sorted(p.name for p in (tmp_path / "inputs").iterdir()) == sorted(
+        f"{j.id}.ref" for j in (queued, running)
+    )
     assert store.load_inputs(running.id) == ({"params": {}}, b"ref")
 
 

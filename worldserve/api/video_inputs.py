@@ -71,7 +71,8 @@ class VideoInputs:
 
 
 FILE_FIELDS = frozenset(("input_reference", "control_reference", "input_references"))
-"""The form fields that take file parts (serving-api.md §4); a file in another is a 400 naming it."""
+"""The form fields that take file parts (serving-api.md §4); a file in another field of the request is a 400
+naming it, a file in a field the request does not have is ignored as any unknown field is."""
 
 
 async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -99,10 +100,11 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     except Exception as exc:  # python-multipart's own parse errors
         raise APIError(400, f"Invalid form body: {exc}") from None
     for key, value in form.items():  # (a file's repr, in a validation error, would echo its headers)
-        if isinstance(value, UploadFile) and key not in FILE_FIELDS:
+        if isinstance(value, UploadFile) and key not in FILE_FIELDS and key in VideoCreateRequest.model_fields:
             raise APIError(400, f"{key} must be a text field, not a file upload", param=key)
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
-    fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)}
+    fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)
+              and (k in FILE_FIELDS or not isinstance(v, UploadFile))}  # fmt: skip
     check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})  # (form text is decoded UTF-8)
     return fields
 

@@ -56,7 +56,7 @@ from worldserve.engine.prompt_upsampling import (
 )
 from worldserve.engine.refusals import ChatUnavailableError, QueueFullError, ShuttingDownError, error_for
 from worldserve.engine.request import EncodeOptions, Request
-from worldserve.params import VideoParams
+from worldserve.params import ParamError, VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
@@ -203,13 +203,20 @@ class EngineClient:
                     job_id, f"The job was interrupted by a restart and could not be restored: {exc}"
                 )
                 continue
+            try:  # checked again: the server may have restarted with another model or Reasoner
+                params = self.validate(params)
+            except ParamError as exc:
+                self._fail_now(job_id, f"The job was interrupted by a restart and the model now served does "
+                               f"not take it ({exc.param}): {exc.message}", 400)  # fmt: skip
+                continue
             self._queue(job_id, params, encode)
             resumed += 1
         return resumed
 
-    def _fail_now(self, job_id: str, message: str) -> None:
+    def _fail_now(self, job_id: str, message: str, code: int = 500) -> None:
         log.warning("job %s: %s", job_id, message)
-        self.store.fail(job_id, 500, message, completed_at=time.time(), ttl_s=self.job_ttl_s)
+        if self.store.fail(job_id, code, message, completed_at=time.time(), ttl_s=self.job_ttl_s):
+            self.engine.observer.on_failed(code)
 
     async def _sweep_forever(self) -> None:
         period = self.sweep_interval_s or min(SWEEP_PERIOD_MAX_S, max(0.05, self.job_ttl_s / 2))

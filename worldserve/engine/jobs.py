@@ -47,6 +47,9 @@ from worldserve.engine.job_schema import (
 __all__ = ["SCHEMA_VERSION", "Job", "JobSpec", "JobStatus", "JobStore", "StorageError", "new_job_id"]
 
 JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
+OWN_FILE = re.compile(r"(\.?)(video_gen_[0-9a-f]{32})\.(?:mp4|ref)(\.[0-9a-f]{32}\.tmp)?")
+"""A file the store writes: a job's video or reference, or a temp file of `write_atomic` (dot, name, .tmp);
+groups: the temp dot, the job id, the temp suffix."""
 log = logging.getLogger(__name__)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
@@ -267,8 +270,8 @@ class JobStore:
 
     def recover(self, *, now: float | None = None, ttl_s: float | None = None) -> list[str]:
         """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
-        the job MAX_INTERRUPTIONS times; finished jobs without an expiry get one from `ttl_s`; stray
-        temp/orphan files removed.
+        the job MAX_INTERRUPTIONS times; finished jobs without an expiry get one from `ttl_s`; the store's
+        stray temp files and orphans removed (only files it writes: another file in its folders is left be).
 
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
         """
@@ -303,7 +306,13 @@ class JobStore:
         }  # the only ones whose inputs are read again
         for folder, keep in ((self.videos_dir, completed), (self.inputs_dir, queued)):
             for path in folder.iterdir():
-                if path.name.startswith(".") or path.name.split(".")[0] not in keep:
+                own = OWN_FILE.fullmatch(path.name)
+                if (
+                    own
+                    and (own[1] or own[3] or own[2] not in keep)
+                    and path.is_file()
+                    and not path.is_symlink()
+                ):
                     path.unlink(missing_ok=True)
         return [r["id"] for r in unfinished]
 
