@@ -213,8 +213,12 @@ async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
                 field,
                 f"{field} must be a text field, not a file upload",
             ), r.text
-        r = await http.post("/v1/videos", data=OK, files={"notes": ("n.txt", b"hi", "text/plain")}, headers=auth)
-        assert r.status_code == 200, r.text  # a file in a field the request has not: ignored, as unknown fields
+        r = await http.post(
+            "/v1/videos", data=OK, files={"notes": ("n.txt", b"hi", "text/plain")}, headers=auth
+        )
+        assert r.status_code == 200, (
+            r.text
+        )  # a file in a field the request has not: ignored, as unknown fields
         for body, ctype, fragment in (
             (b"[1, 2]", "application/json", "must be an object"),
             (b"{nope", "application/json", "Invalid JSON body"),

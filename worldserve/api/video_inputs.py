@@ -100,7 +100,11 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     except Exception as exc:  # python-multipart's own parse errors
         raise APIError(400, f"Invalid form body: {exc}") from None
     for key, value in form.items():  # (a file's repr, in a validation error, would echo its headers)
-        if isinstance(value, UploadFile) and key not in FILE_FIELDS and key in VideoCreateRequest.model_fields:
+        if (
+            isinstance(value, UploadFile)
+            and key not in FILE_FIELDS
+            and key in VideoCreateRequest.model_fields
+        ):
             raise APIError(400, f"{key} must be a text field, not a file upload", param=key)
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
     fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)
