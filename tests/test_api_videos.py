@@ -66,6 +66,10 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
             )
         )
         assert stale.status_code == 200 and stale.content == content.content
+        for header, status in (("bytes=10-5", 400), (f"bytes={size}-", 416)):  # a matching If-Range: checked
+            bad = await http.get(f"/v1/videos/{job['id']}/content",
+                                 headers={"Range": header, "If-Range": content.headers["etag"]})  # fmt: skip
+            assert bad.status_code == status and bad.json()["error"]["param"] == "Range", (header, bad.text)
         same = await http.get(f"/v1/videos/{job['id']}/content", params={"variant": "video"})
         assert same.content == content.content
         thumb = await http.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})

@@ -208,13 +208,15 @@ async def download_video(video_id: str, request: Request, st: State) -> FileResp
         fd = os.open(st.client.video_path(video_id), os.O_RDONLY)
     except FileNotFoundError:
         raise APIError(404, "Generated video file not found on disk") from None
-    try:  # (with If-Range, Starlette may ignore the Range: left to it)
-        if "if-range" not in request.headers:
+    try:
+        response = OpenFileResponse(fd, media_type="video/mp4", filename=f"{video_id}.mp4")
+        if_range = request.headers.get("if-range")  # (one that no longer matches: the whole file, no Range)
+        if if_range is None or response._should_use_range(if_range):
             _check_range(request.headers.get("range"), os.fstat(fd).st_size)
-    except APIError:
+    except BaseException:
         os.close(fd)
         raise
-    return OpenFileResponse(fd, media_type="video/mp4", filename=f"{video_id}.mp4")
+    return response
 
 
 def _check_range(header: str | None, size: int) -> None:
