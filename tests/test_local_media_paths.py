@@ -38,6 +38,11 @@ def test_regular_files_inside_the_folder_are_read(tmp_path):
     (tmp_path / "a.png").write_bytes(b"png")
     assert _load(f"file://{tmp_path}/a.png", tmp_path) == b"png"
     assert _load(f"file://{tmp_path}/sub/%2e%2e/a.png", tmp_path) == b"png"
+    assert _load(f"file://localhost{tmp_path}/a.png", tmp_path) == b"png"
+    with pytest.raises(ParamError, match="host must be empty or localhost, not 'evil.com'"):  # (vLLM refuses too)
+        _load(f"file://evil.com{tmp_path}/a.png", tmp_path)
+    with pytest.raises(ParamError, match="names no file"):
+        _load("file://", tmp_path)
 
 
 def test_fifos_and_devices_are_refused_without_blocking(tmp_path):

@@ -3,6 +3,7 @@ validation, image decoding errors, and the conditioning resize against diffusers
 
 from __future__ import annotations
 
+import base64
 import io
 import subprocess
 import sys
@@ -244,6 +245,31 @@ def test_decode_image_formats():
     gray = decode_image(_encode(Image.fromarray(rgb[..., 1]), "PNG"))
     assert gray.shape == (20, 30, 3) and gray.dtype == np.uint8
     assert decode_image(_encode(Image.fromarray(rgb), "JPEG", quality=95)).shape == (20, 30, 3)
+
+
+def test_decode_image_composites_rgba_over_the_chat_background():
+    """I2V references drop alpha as diffusers does; chat images are composited over white, as vLLM's
+    ImageMediaIO does (a transparent pixel is the background, not the colour hidden under it)."""
+    rgba = np.zeros((2, 2, 4), np.uint8)
+    rgba[..., 0] = 255  # red everywhere; alpha 0, 255, 128, 255
+    rgba[..., 3] = np.array([[0, 255], [128, 255]])
+    data = _encode(Image.fromarray(rgba, "RGBA"), "PNG")
+    np.testing.assert_array_equal(decode_image(data), np.broadcast_to([255, 0, 0], (2, 2, 3)))
+    chat = decode_image(data, rgba_background=(255, 255, 255))
+    assert chat[0, 0].tolist() == [255, 255, 255] and chat[0, 1].tolist() == [255, 0, 0]
+    assert chat[1, 0, 0] == 255 and 120 <= chat[1, 0, 1] <= 135  # half: between white and red
+    la = _encode(Image.fromarray(np.stack([np.full((2, 2), 9, np.uint8)] * 2, -1), "LA"), "PNG")
+    assert (
+        decode_image(la, rgba_background=(255, 255, 255)).tolist() == decode_image(la).tolist()
+    )  # (vLLM: RGBA)
+    from worldserve.api.chat_media import part  # a chat's image_url part is decoded the chat's way
+    from worldserve.api.chat_protocol import ContentPart
+    from worldserve.chat_params import VideoSampling
+
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    got = part(ContentPart(type="image_url", image_url={"url": url}), "messages[0].content[0]", None,
+               VideoSampling())  # fmt: skip
+    np.testing.assert_array_equal(got.image, chat)
 
 
 def test_decode_image_applies_exif_orientation():

@@ -48,10 +48,9 @@ def test_frame_sampling_matches_qwen3vl(total, fps):
 def test_frame_size_matches_smart_resize(n, h, w):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
-    if n < 2:  # transformers refuses fewer frames than the temporal patch; we pad like patchify does
-        n = 2
+    # transformers refuses fewer frames than the temporal patch; we size them as the two patchify makes
     ref = smart_resize(
-        n, h, w, temporal_factor=2, factor=32, min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32
+        max(n, 2), h, w, temporal_factor=2, factor=32, min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32
     )
     assert VideoSampling().frame_size(n, h, w) == ref
 
@@ -120,5 +119,17 @@ def test_decode_chat_video_samples_and_resizes_an_mp4():
     with pytest.raises(ParamError) as e:
         decode_chat_video(b"not a video at all", VideoSampling())
     assert e.value.param == "messages"
+
+
+def test_a_chat_video_frame_above_the_pixel_limit_is_refused_before_it_is_converted(monkeypatch):
+    from PIL import Image
+
+    from worldserve.media.image import ImageTooLarge
+
+    data = encode_mp4(np.zeros((3, 72, 96, 3), np.uint8), 24.0)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 72 * 96 - 1)  # (images are refused from this size on)
+    with pytest.raises(ImageTooLarge, match="a video frame of 96x72") as e:
+        decode_chat_video(data, VideoSampling(), param="messages[0].content[0].video_url")
+    assert e.value.param == "messages[0].content[0].video_url"
     with pytest.raises(ParamError, match="mutually exclusive"):
         VideoSampling(fps=2.0, num_frames=4).validate()

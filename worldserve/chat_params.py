@@ -78,8 +78,10 @@ class VideoSampling:
 
     def frame_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
         """Qwen3-VL video `smart_resize`: (height, width) as multiples of `factor`, near the aspect ratio,
-        with round(num_frames / 2) * 2 * height * width within [min_pixels, max_pixels]."""
+        with round(num_frames / 2) * 2 * height * width within [min_pixels, max_pixels]. A one-frame video is
+        sized as the two frames its patches hold (patchify repeats the frame; transformers refuses it)."""
         f, tf = self.factor, self.temporal_patch
+        num_frames = max(num_frames, tf)
         if height < f or width < f:
             scale = max(f / height, f / width)
             height, width = int(height * scale), int(width * scale)

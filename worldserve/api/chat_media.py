@@ -79,7 +79,13 @@ def load_media_url(
     if scheme == "file":
         if not allowed_local_path:
             raise ParamError(param, "Cannot load local files without `--allowed-local-media-path`.")
-        given = unquote(urlparse(url).path)  # messages name it, never what its symlinks resolve to
+        parts = urlparse(url)
+        if parts.netloc not in ("", "localhost"):  # (file://host/path is a file on that host: not ours)
+            raise ParamError(param, f"A file:// URL names a file of this server: its host must be empty or "
+                             f"localhost, not {parts.netloc[:100]!r} (file:///path).")  # fmt: skip
+        given = unquote(parts.path)  # messages name it, never what its symlinks resolve to
+        if not given:
+            raise ParamError(param, "The file:// URL names no file (file:///path/to/media).")
         if "\0" in given:
             raise ParamError(param, "The file path contains a NUL character.")
         path = Path(given).resolve()
@@ -93,7 +99,8 @@ def load_media_url(
         return fetched[param]
     if scheme in ("http", "https"):
         raise ParamError(param, "this server does not download http(s) media; send a base64 data URL")
-    raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL")
+    raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL, an http(s) URL "
+                     "or a file:// URL (under --allowed-local-media-path)")  # fmt: skip
 
 
 MAX_LOCAL_FILE_BYTES = 1 << 30
@@ -148,6 +155,8 @@ def check_media_counts(body: ChatCompletionRequest, limits: Mapping[str, int]) -
 
 MAX_ASPECT_RATIO = 200
 """Qwen2-VL / Qwen3-VL `smart_resize` refuses a longer side over 200 times the shorter one."""
+RGBA_BACKGROUND = (255, 255, 255)
+"""What a chat image's transparent pixels show (vLLM's ImageMediaIO default `rgba_background_color`)."""
 
 
 def check_image(image, path: str) -> None:
@@ -220,7 +229,7 @@ def part(
         )
         key = content_key(data) if keyed else None
         if key is None or (image := cache.get(("image", key))) is None:
-            image = decode_image(data, param=path)
+            image = decode_image(data, param=path, rgba_background=RGBA_BACKGROUND)
             check_image(image, path)
             if key is not None:
                 image.flags.writeable = False  # shared by every request that finds it: a write would raise

@@ -51,10 +51,14 @@ def too_large(param: str, pixels: int | None, what: str = "the image") -> ImageT
     )
 
 
-def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
+def decode_image(
+    data: bytes, *, param: str = "input_reference", rgba_background: tuple[int, int, int] | None = None
+) -> np.ndarray:
     """Decode image bytes (any Pillow format) to uint8 RGB (H, W, 3), applying the EXIF orientation.
 
-    Alpha is dropped as `Image.convert("RGB")` does (the diffusers pipeline converts the same way).
+    Alpha is dropped as `Image.convert("RGB")` does (the diffusers pipeline converts the same way); with
+    `rgba_background`, an RGBA image is composited over that colour instead (vLLM's `rgba_to_rgb`, white by
+    default there, for chat images: a transparent pixel is the background, not its hidden colour).
     Raises ImageTooLarge(param, ...) for an image above `max_pixels()` (checked from its header, before
     decoding), ParamError(param, ...) for anything Pillow cannot decode and for truncated files.
     """
@@ -66,7 +70,11 @@ def decode_image(data: bytes, *, param: str = "input_reference") -> np.ndarray:
                     raise too_large(param, img.width * img.height, f"the image of {img.width}x{img.height}")
                 img.load()
                 ImageOps.exif_transpose(img, in_place=True)  # (returning a copy costs ~10 ms at 720p)
-                if img.mode != "RGB":
+                if img.mode == "RGBA" and rgba_background is not None:
+                    flat = Image.new("RGB", img.size, rgba_background)
+                    flat.paste(img, mask=img.getchannel("A"))
+                    img = flat
+                elif img.mode != "RGB":
                     img = img.convert("RGB")
                 rgb = np.array(img, dtype=np.uint8)  # [H, W, 3], the one copy out of Pillow
     except MemoryError:

@@ -83,8 +83,7 @@ def decode_video(
 def _check_frame_size(width: int, height: int, kept: int, param: str) -> None:
     """ParamError before decoding a frame above the image pixel limit, or one that would make the `kept`
     frames held at once take more than MAX_DECODED_BYTES (a small file can decode to a huge clip)."""
-    if width * height > max_pixels():
-        raise too_large(param, width * height, f"a video frame of {width}x{height}")
+    _check_frame_pixels(width, height, param)
     if kept * width * height * 3 > MAX_DECODED_BYTES:
         fit = max(1, MAX_DECODED_BYTES // max(1, width * height * 3))
         raise ParamError(param, f"{param}: the conditioning frames of {width}x{height} need more than "
@@ -106,14 +105,16 @@ def decode_chat_video(data: bytes, sampling: VideoSampling, *, param: str = "mes
             if not container.streams.video:
                 raise bad
             stream = container.streams.video[0]
+            if stream.codec_context is not None:
+                _check_frame_pixels(stream.codec_context.width, stream.codec_context.height, param)
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else DEFAULT_SOURCE_FPS
             total = stream.frames
         if total <= 0:  # the container does not say: count by decoding once
-            total = sum(1 for _ in _frames(data))
-        video = _sample(data, sampling, total, fps)
+            total = sum(1 for _ in _frames(data, param))
+        video = _sample(data, sampling, total, fps, param)
         if video is None:  # fewer frames than the header said: sample the frames that exist
-            video = _sample(data, sampling, sum(1 for _ in _frames(data)), fps)
+            video = _sample(data, sampling, sum(1 for _ in _frames(data, param)), fps, param)
     except ParamError:
         raise
     except (av.FFmpegError, ValueError, OSError, EOFError, IndexError) as exc:
@@ -123,21 +124,31 @@ def decode_chat_video(data: bytes, sampling: VideoSampling, *, param: str = "mes
     return video
 
 
-def _frames(data: bytes):
+def _frames(data: bytes, param: str):
+    """The clip's frames, each checked against the image pixel limit before it is converted."""
     import av
 
     with av.open(io.BytesIO(data), mode="r") as container:
-        yield from container.decode(container.streams.video[0])
+        for frame in container.decode(container.streams.video[0]):
+            _check_frame_pixels(frame.width, frame.height, param)
+            yield frame
 
 
-def _sample(data: bytes, sampling: VideoSampling, total: int, fps: float) -> ChatVideo | None:
+def _check_frame_pixels(width: int, height: int, param: str) -> None:
+    """A video frame above the image pixel limit is refused as an image that size is (a chat video's sampled
+    frames are converted at full size before they are resized)."""
+    if width * height > max_pixels():
+        raise too_large(param, width * height, f"a video frame of {width}x{height}")
+
+
+def _sample(data: bytes, sampling: VideoSampling, total: int, fps: float, param: str) -> ChatVideo | None:
     """Decode once, keeping and resizing the sampled frames; None when the clip has fewer than `total`."""
     if total <= 0:
         return None
     wanted = sampling.indices(total, fps)
     want = collections.Counter(wanted)  # an index repeats when num_frames exceeds the clip's length
     kept: list[np.ndarray] = []
-    for i, frame in enumerate(_frames(data)):
+    for i, frame in enumerate(_frames(data, param)):
         if i > wanted[-1]:
             break
         if i not in want:
