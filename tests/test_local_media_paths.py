@@ -39,7 +39,7 @@ def test_regular_files_inside_the_folder_are_read(tmp_path):
     assert _load(f"file://{tmp_path}/a.png", tmp_path) == b"png"
     assert _load(f"file://{tmp_path}/sub/%2e%2e/a.png", tmp_path) == b"png"
     assert _load(f"file://localhost{tmp_path}/a.png", tmp_path) == b"png"
-    with pytest.raises(ParamError, match="host must be empty or localhost, not 'evil.com'"):  # (vLLM refuses too)
+    with pytest.raises(ParamError, match="host must be empty or localhost, not 'evil.com'"):  # (as in vLLM)
         _load(f"file://evil.com{tmp_path}/a.png", tmp_path)
     with pytest.raises(ParamError, match="names no file"):
         _load("file://", tmp_path)
