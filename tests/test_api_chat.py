@@ -460,3 +460,44 @@ def test_any_failure_of_the_chat_template_is_a_400(reasoner, monkeypatch, prefix
     with pytest.raises(ParamError) as err:
         reasoner.build_prompt(params)
     assert err.value.param == param
+
+
+def test_chats_with_media_being_decoded_leave_text_chats_their_threads(server, monkeypatch):
+    """Chats carrying media are prepared on their own pool (media/work_pool.py `on_request_pool`), not on the
+    event loop's default threads: while 40 image chats are stuck decoding, a text chat still answers."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving_helpers import png_bytes
+
+    from worldserve.api import chat_media
+
+    url, _ = server
+    release, real = threading.Event(), chat_media.decode_image
+
+    def stuck(data, **kw):
+        release.wait(60)
+        return real(data, **kw)
+
+    monkeypatch.setattr(chat_media, "decode_image", stuck)
+    image = "data:image/png;base64," + base64.b64encode(png_bytes(40, 24)).decode()
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "hi"}]
+    with_image = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+    }
+    text = {**with_image, "messages": [{"role": "user", "content": "hi"}]}
+    with ThreadPoolExecutor(40) as clients:
+        try:
+            stuck_chats = [clients.submit(httpx.post, url + "/v1/chat/completions", json=with_image, timeout=90)
+                           for _ in range(40)]  # fmt: skip
+            time.sleep(1.0)
+            assert not any(f.done() for f in stuck_chats)
+            answer = httpx.post(url + "/v1/chat/completions", json=text, timeout=20)
+            assert answer.status_code == 200, answer.text
+        finally:
+            release.set()
+        assert all(f.result().status_code == 200 for f in stuck_chats)

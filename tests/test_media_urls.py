@@ -5,6 +5,7 @@ image_reference is a URL."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import socket
 import threading
@@ -156,8 +157,8 @@ def _trickle(data: bytes, gap: float):
 
 @pytest.mark.parametrize(
     ("reply", "message"),
-    [(_trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000, 0.01), "failed to download"),
-     (_trickle(b"HTTP/1.1 200 OK\r\nX-Slow: " + b"y" * 400, 0.01), "failed to download"),
+    [(_trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000, 0.01), "timed out after 1s"),
+     (_trickle(b"HTTP/1.1 200 OK\r\nX-Slow: " + b"y" * 400, 0.01), "timed out after 1s"),
      (lambda conn: conn.sendall(b"FOO BAR\r\n\r\n"), "failed to download"),
      (lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nab"), "failed to download")],
 )  # fmt: skip
@@ -211,7 +212,7 @@ def test_a_name_lookup_that_hangs_is_cut_at_the_deadline(monkeypatch):
     """getaddrinfo takes no timeout: the lookup is waited for only until the download's deadline."""
     _fake_dns(monkeypatch, slow_s=3)
     t0 = time.monotonic()
-    with pytest.raises(ParamError, match="failed to download image"):
+    with pytest.raises(ParamError, match="image download timed out after 0.5s"):
         MediaFetcher(1 << 20).fetch_blocking(
             "http://slow-dns.example/x.png", param="p", kind="image", timeout_s=0.5
         )
@@ -345,6 +346,60 @@ async def test_chat_downloads_run_at_once_on_the_fetch_pool():
         t0 = time.monotonic()
         fetched = await prefetch_media(_chat(server.url, server.url, server.url), MediaFetcher(1 << 20))
         assert list(fetched.values()) == [PNG] * 3 and time.monotonic() - t0 < 1.5
+    finally:
+        server.close()
+
+
+def _hang(conn):
+    """A server that never answers: it waits (at most 10 s) for the client to give up."""
+    conn.settimeout(10)
+    conn.recv(1)
+
+
+async def test_a_failed_download_fails_the_request_at_once_and_frees_the_others_threads(base_url):
+    """One of a chat's downloads fails (404): the request fails then, not when the others time out (5 s),
+    and the downloads still hanging are stopped, their pool threads free at once for other requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worldserve.api.chat_media import prefetch_media
+
+    server = RawServer(_hang)
+    fetcher = MediaFetcher(1 << 20, pool=ThreadPoolExecutor(2))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ParamError, match="HTTP 404") as err:
+            await prefetch_media(_chat(server.url, f"{base_url}/missing.png", server.url), fetcher)
+        assert err.value.param == "messages[0].content[1].image_url" and time.monotonic() - t0 < 2
+        t0 = time.monotonic()  # both threads free again: another request's image comes at once
+        assert await _fetch(fetcher, f"{base_url}/ref.png") == PNG and time.monotonic() - t0 < 1
+    finally:
+        server.close()
+
+
+async def test_a_download_waiting_for_a_thread_is_on_its_deadline_and_a_left_client_stops_them(base_url):
+    """The deadline counts from the request (vLLM's is a timeout on the request's download, which has no
+    thread to wait for): an image stuck behind a full pool times out when its time is up. A request
+    cancelled (its client left) stops its downloads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worldserve.api.chat_media import prefetch_media
+
+    server = RawServer(_hang)
+    fetcher = MediaFetcher(1 << 20, pool=ThreadPoolExecutor(1))
+    try:
+        hung = asyncio.ensure_future(fetcher.fetch(server.url, param="a", kind="image", timeout_s=1.5))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(ParamError, match="timed out after 0.5s"):  # (it got the thread only at 1.5 s)
+            await fetcher.fetch(f"{base_url}/ref.png", param="b", kind="image", timeout_s=0.5)
+        with pytest.raises(ParamError, match="timed out after 1.5s"):
+            await hung
+        assert time.monotonic() - t0 < 2.5
+        chat = asyncio.ensure_future(prefetch_media(_chat(server.url), fetcher))
+        await asyncio.sleep(0.3)
+        chat.cancel()  # what unless_disconnected does when the client leaves
+        t0 = time.monotonic()
+        assert await _fetch(fetcher, f"{base_url}/ref.png") == PNG and time.monotonic() - t0 < 1
     finally:
         server.close()
 

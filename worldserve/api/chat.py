@@ -43,7 +43,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import read_json_object
-from worldserve.api.chat_media import part, prefetch_media, video_sampling
+from worldserve.api.chat_media import media_parts, part, prefetch_media, video_sampling
 from worldserve.api.chat_options import pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
 from worldserve.api.chat_stream import TextParsing, close_all, collect, prompt_logprob_rows, sse, start_all
@@ -53,7 +53,7 @@ from worldserve.api.state import AppState, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput, VideoSampling
-from worldserve.media.work_pool import map_in_order
+from worldserve.media.work_pool import map_in_order, on_request_pool
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
@@ -211,10 +211,13 @@ async def create_chat_completion(request: Request, st: State):
     body = await _read_body(request)
     if not st.serves(body.model):
         return model_not_found(body.model)
-    choices, options = await chat_choices(st, body)
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
-    work = _answer(st, body, choices, opened, options.tools)
-    return await unless_disconnected(request, work, lambda: close_all(opened))
+
+    async def work():  # (watched from the start: a client leaving during its media's downloads stops them)
+        choices, options = await chat_choices(st, body)
+        return await _answer(st, body, choices, opened, options.tools)
+
+    return await unless_disconnected(request, work(), lambda: close_all(opened))
 
 
 async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[ChatParams], RequestOptions]:
@@ -238,7 +241,9 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
     # a grammar compiles there: off the event loop
     options = await asyncio.to_thread(request_options, body, compiler)
     fetched = await prefetch_media(body, st.media, st.mm_limits)
-    params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
+    has_media = next(media_parts(body), None) is not None  # (prepared off the default pool: work_pool.py)
+    prepare = on_request_pool if has_media else asyncio.to_thread
+    params = await prepare(prepared_params, st, body, fetched, options)
     return params.choices(body.n), options
 
 

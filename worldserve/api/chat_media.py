@@ -50,21 +50,32 @@ async def prefetch_media(
     body: ChatCompletionRequest, fetcher: MediaFetcher | None, limits: Mapping[str, int] | None = None
 ) -> dict[str, bytes]:
     """The request's http(s) media, path -> bytes, downloaded concurrently within one budget (no fetcher:
-    none; `part` then refuses such URLs); the media counts are checked first, before any download."""
+    none; `part` then refuses such URLs); the media counts are checked first, before any download. The first
+    download to fail fails the request at once (as vLLM's gather does) and stops the others, as does the
+    request's cancellation (its client left)."""
     check_media_counts(body, limits or {})
     wanted = [(path, kind, url) for path, kind, url in media_parts(body) if is_http_url(url)]
     if fetcher is None or not wanted:
         return {}
     budget = DownloadBudget(fetcher.max_bytes)
-    results = await asyncio.gather(
-        *(fetcher.fetch(url, param=path, kind=kind, timeout_s=fetcher.chat_timeout_s(kind), budget=budget)
-          for path, kind, url in wanted),
-        return_exceptions=True,
-    )  # fmt: skip
-    for result in results:  # the first failure in the request's order
-        if isinstance(result, BaseException):
-            raise result
-    return {path: data for (path, _, _), data in zip(wanted, results, strict=True)}
+    tasks = [
+        asyncio.ensure_future(
+            fetcher.fetch(url, param=path, kind=kind, timeout_s=fetcher.chat_timeout_s(kind), budget=budget)
+        )  # fmt: skip
+        for path, kind, url in wanted
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:  # (of the failures done together, the first in the request's order)
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+        return {path: task.result() for (path, _, _), task in zip(wanted, tasks, strict=True)}
+    finally:
+        if not all(task.done() for task in tasks):
+            budget.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def load_media_url(

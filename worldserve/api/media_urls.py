@@ -1,9 +1,11 @@
 """http(s) media URLs in requests, downloaded by the server (serving-api.md §4.3 for video references,
 §11.2 for chat parts), as vLLM-Omni and vLLM do.
 
-`MediaFetcher.fetch(url, ...)` downloads off the event loop, on its own small thread pool (slow remote
-servers cannot starve the threads the rest of the API uses); `fetch_blocking` does the same on the calling
-thread. The standard library's http.client does the HTTP (no new dependency; environment proxies are not
+`MediaFetcher.fetch(url, ...)` downloads off the event loop, on its own thread pool (slow remote servers
+cannot starve the threads the rest of the API uses); `fetch_blocking` does the same on the calling thread.
+The deadline counts from the call, time spent waiting for a pool thread included. The downloads of one
+request share a `DownloadBudget`: its bytes, and `cancel()`, which ends every download of the request at
+once (its socket shut, the thread freed) when one has failed or the client has left. The standard library's http.client does the HTTP (no new dependency; environment proxies are not
 used). A download has a total deadline, `timeout_s` (vLLM-Omni's 60 s for references; vLLM's
 `VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across the name lookup
 (on a thread of its own: getaddrinfo takes no timeout), each address's connect, the TLS handshake, every
@@ -45,8 +47,8 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1 << 16
 MAX_REDIRECTS = 10
-FETCH_THREADS = 8
-"""Downloads in flight at once (more wait for a thread)."""
+FETCH_THREADS = 32
+"""Downloads in flight at once, all requests together (more wait for a thread, their deadline running)."""
 MAX_LOOKUPS = 64
 """Name lookups in flight at once. A lookup is waited for only until its download's deadline, but its thread
 runs until the system resolver answers; past this bound a download fails at once instead of queueing behind
@@ -111,25 +113,27 @@ class MediaFetcher:
         """The body at `url`, downloaded on the fetcher's own threads; `kind` is the media ("image",
         "video"), `what` names the URL in messages (default `param`; e.g. "image_reference.image_url" for the
         field "image_reference"), `budget` the bytes it shares with its request's other downloads.
-        ParamError(param) (a 400) on any failure."""
+        ParamError(param) (a 400) on any failure. `timeout_s` counts from now, waiting for a thread included."""
         self.check(url, param, what)
+        deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self.pool,
             lambda: self.fetch_blocking(
-                url, param=param, kind=kind, timeout_s=timeout_s, what=what, budget=budget
+                url, param=param, kind=kind, timeout_s=timeout_s, what=what, budget=budget, deadline=deadline
             ),
         )
 
     def fetch_blocking(
         self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None,
-        budget: DownloadBudget | None = None,
+        budget: DownloadBudget | None = None, deadline: float | None = None,
     ) -> bytes:  # fmt: skip
         """`fetch` on the calling thread; `budget`: bytes shared with the request's other downloads (default:
-        this download alone may take the fetcher's `max_bytes`)."""
+        this download alone may take the fetcher's `max_bytes`); `deadline` (monotonic): `timeout_s` from now
+        unless given."""
         what = what or param
         budget = budget if budget is not None else DownloadBudget(self.max_bytes)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
         try:
             for _ in range(MAX_REDIRECTS + 1):
                 parts = self.check(url, param, what)
@@ -149,6 +153,10 @@ class MediaFetcher:
         except _Failed as exc:
             raise ParamError(param, str(exc)) from None
         except (OSError, ValueError, OverflowError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:  # (the timer's shutdown: any)
+                log.warning("%s: GET from %s timed out", what, urllib.parse.urlsplit(url).hostname)
+                raise ParamError(param, f"Invalid {what}: the {kind} download timed out after {timeout_s:g}s "
+                                 "(the server did not answer in time).") from None  # fmt: skip
             # the client hears only that it failed; the log keeps why (the host, not the URL's path or query)
             why = (
                 f"{type(exc).__name__}: {exc.strerror}"
@@ -173,7 +181,10 @@ class MediaFetcher:
         else:
             conn = http.client.HTTPConnection(host, port)
         expired, held = threading.Event(), []  # held: the sockets made (the response may own the last one)
-        timer = threading.Timer(remaining, _expire, (held, expired))
+        stop = functools.partial(_expire, held, expired)
+        if not budget.attach(stop):
+            raise _Failed(f"Invalid {what}: cancelled (another download of the request failed).")
+        timer = threading.Timer(remaining, stop)
         timer.daemon = True
         timer.start()
         taken = 0
@@ -220,6 +231,7 @@ class MediaFetcher:
             return resp.status, None, b"".join(chunks)
         finally:
             budget.give_back(taken)  # a failed download frees what it had taken
+            budget.detach(stop)
             timer.cancel()
             conn.close()
 
@@ -229,11 +241,32 @@ class MediaFetcher:
 
 
 class DownloadBudget:
-    """Bytes the downloads of one request may take together (thread-safe: they run concurrently)."""
+    """What the downloads of one request share (thread-safe: they run concurrently): the bytes they may take
+    together, and `cancel()`, which stops them all (a download started after it fails at once)."""
 
     def __init__(self, total: int) -> None:
         self.left = total
         self._lock = threading.Lock()
+        self._stops: set[functools.partial] = set()  # each live download's _expire
+        self.cancelled = False
+
+    def attach(self, stop: functools.partial) -> bool:
+        """Register a starting download's stop; False once the request is cancelled."""
+        with self._lock:
+            if not self.cancelled:
+                self._stops.add(stop)
+            return not self.cancelled
+
+    def detach(self, stop: functools.partial) -> None:
+        with self._lock:
+            self._stops.discard(stop)
+
+    def cancel(self) -> None:
+        """Stop every download of the request: its socket is shut, so its thread is free at once."""
+        with self._lock:
+            self.cancelled, stops = True, list(self._stops)
+        for stop in stops:
+            stop()
 
     def take(self, n: int) -> bool:
         with self._lock:

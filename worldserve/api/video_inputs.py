@@ -14,7 +14,6 @@ engine but `validate`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -44,6 +43,7 @@ from worldserve.api.video_fields import resolve_video_params
 from worldserve.engine.client import EncodeOptions, JobSpec
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
 from worldserve.media.video_input import condition_budget, decode_reference, decode_video
+from worldserve.media.work_pool import on_request_pool
 from worldserve.params import (
     ParamError,
     VideoParams,
@@ -162,7 +162,7 @@ async def build_inputs(
     source, reference = await _reference_bytes(req, upload, fetcher)
     image = video = None
     if reference is not None:
-        image, video = await asyncio.to_thread(_decode_reference, source, reference, extra)
+        image, video = await on_request_pool(_decode_reference, source, reference, extra)
     params = resolve_video_params(req, video_params, extra, image, video, source, defaults)
     if params.generate_sound is None and defaults.get("generate_sound") is not None and params.num_frames > 1:
         # the server's sound default: for videos only (an image has none), and "on" only where there is sound
