@@ -352,3 +352,32 @@ async def test_a_download_survives_the_file_being_deleted_after_it_was_opened(tm
     assert (status, body) == ((206, b"2345") if range_header else (200, b"0123456789"))
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
+
+
+async def test_a_locked_job_database_holds_its_requests_not_the_other_routes(tmp_path):
+    """The store's writes run off the event loop: while another process holds the database's write lock,
+    a create and a delete wait (and then succeed), and /health and job reads answer at once meanwhile."""
+    import sqlite3
+    import time
+
+    async with asgi_server(tmp_path) as http:
+        form = {"prompt": "a cat", **SMALL_FORM}
+        done = (await http.post("/v1/videos", data=form)).json()
+        await poll_job(http, done["id"])
+        lock = sqlite3.connect(str(tmp_path / "jobs.sqlite3"), isolation_level=None, check_same_thread=False)
+        lock.execute("BEGIN IMMEDIATE")  # another process's write lock on the database
+        try:
+            create = asyncio.ensure_future(http.post("/v1/videos", data=form))
+            delete = asyncio.ensure_future(http.delete(f"/v1/videos/{done['id']}"))
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get(f"/v1/videos/{done['id']}")).status_code == 200
+            assert time.monotonic() - t0 < 1 and not create.done() and not delete.done()
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        created, deleted = await create, await delete
+        assert created.status_code == 200 and deleted.status_code == 200, (created.text, deleted.text)
+        assert (await poll_job(http, created.json()["id"]))["status"] == "completed"
+        assert (await http.get(f"/v1/videos/{done['id']}")).status_code == 404

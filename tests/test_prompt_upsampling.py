@@ -219,7 +219,9 @@ async def test_a_restart_upsamples_an_interrupted_job(tmp_path, pipeline, chat_b
         orphan = _store_unupsampled_job(http.engine_client.store)
     async with asgi_server(tmp_path / "other", backend=pipeline, real_encoder=True) as http:  # no Reasoner
         failed = await poll_job(http, orphan, timeout=30)
-        assert failed["status"] == "failed" and "Prompt upsampling failed" in failed["error"]["message"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == 400
+        assert "the model now served does not take it" in failed["error"]["message"]
+        assert "prompt upsampling needs the Reasoner" in failed["error"]["message"]
     await _completes_on_restart(tmp_path, pipeline, chat_backend, job_id)
 
 

@@ -67,7 +67,7 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
                                 fetcher=st.media)  # fmt: skip
     await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
     try:
-        job = st.client.submit(inputs.params, inputs.spec, inputs.encode, inputs.reference)
+        job = await st.client.create_job(inputs.params, inputs.spec, inputs.encode, inputs.reference)
     except (QueueFullError, ShuttingDownError) as exc:
         raise st.refusal(exc) from None
     return job, inputs
@@ -109,7 +109,7 @@ async def create_video_sync(request: Request, st: State) -> Response:
     ids = {"X-Request-Id": request_id, "X-Video-Id": job.id}
 
     async def forget() -> None:  # the client left without the job id: nobody could fetch the video
-        st.client.delete(job.id)
+        await st.client.delete_job(job.id)
 
     try:
         done = await unless_disconnected(
@@ -174,7 +174,7 @@ async def retrieve_video(video_id: str, st: State) -> JSONResponse:
 @router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
 async def delete_video(video_id: str, st: State) -> VideoDeleted:
     """Cancel (at the next step boundary) if queued or running, and remove the job and its files."""
-    if st.client.delete(video_id) is None:
+    if await st.client.delete_job(video_id) is None:
         raise APIError(404, NOT_FOUND, param="video_id")
     return VideoDeleted(id=video_id)
 

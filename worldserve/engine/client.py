@@ -103,6 +103,7 @@ class EngineClient:
         self.upsampler = upsampler or UpsamplerConfig()
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
         self._upsampling_streams: set[str] = set()  # streamed requests' ids, their prompt being upsampled
+        self._storing = 0  # jobs admitted whose row and reference are being written (create_job)
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ class EngineClient:
     @property
     def num_waiting(self) -> int:
         """Jobs and streamed requests waiting: in the engine's queue or having their prompt upsampled."""
-        return self.engine.num_waiting + len(self._upsampling) + len(self._upsampling_streams)
+        return self.engine.num_waiting + len(self._upsampling) + len(self._upsampling_streams) + self._storing
 
     @property
     def num_running(self) -> int:
@@ -267,6 +268,28 @@ class EngineClient:
             )
         if self.num_waiting + count > self.max_queued_requests:
             raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
+
+    async def create_job(
+        self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
+    ) -> Job:
+        """`submit` from the event loop: the store's writes (its row, the reference's fsync'd file) run on a
+        thread, so a slow disk or a locked database holds this request, not every route. The job counts as
+        waiting from its admission; once stored it is queued even if the caller is cancelled meanwhile."""
+        self._check_admission(1, "jobs")
+        job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
+        self._storing += 1
+        stored = asyncio.ensure_future(
+            asyncio.to_thread(self.store.create, job, inputs_record(params, encode), reference)
+        )
+
+        def queue(done: asyncio.Future) -> None:
+            self._storing -= 1
+            if not done.cancelled() and done.exception() is None:
+                self._queue(job.id, params, encode)
+
+        stored.add_done_callback(queue)
+        await asyncio.shield(stored)
+        return job
 
     def submit(
         self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
@@ -379,9 +402,26 @@ class EngineClient:
     def list(self, *, after: str | None, limit: int | None, order: str) -> tuple[list[Job], bool]:
         return self.store.list(after=after, limit=limit, order=order)
 
+    async def delete_job(self, job_id: str) -> Job | None:
+        """`delete` from the event loop: the store's writes on a thread (as create_job's); the job is aborted
+        once removed even if the caller is cancelled meanwhile."""
+        removed = asyncio.ensure_future(asyncio.to_thread(self.store.delete, job_id))
+
+        def stop(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._deleted(job_id, done.result())
+
+        removed.add_done_callback(stop)
+        return await asyncio.shield(removed)
+
     def delete(self, job_id: str) -> Job | None:
         """Remove the job and its files; a queued or running one is aborted at the next step boundary."""
         job = self.store.delete(job_id)
+        self._deleted(job_id, job)
+        return job
+
+    def _deleted(self, job_id: str, job: Job | None) -> None:
+        """After the store removed `job_id` (`job`: what it was, None when unknown): stop its work."""
         if (upsampling := self._upsampling.pop(job_id, None)) is not None:
             upsampling.cancel()  # its chat stops at the next step
             self.engine.observer.on_cancelled()

@@ -66,7 +66,9 @@ def new_job_id() -> str:
 
 
 class JobStore:
-    """SQLite rows + files; every method is one short transaction under `_lock`."""
+    """SQLite rows + files; every write is one short transaction under `_lock`. Reads (`get`, `list`) go
+    through a second connection under `_read_lock`: in WAL mode they see the last commit without waiting for
+    a write, so a write stuck on a locked database (another process, a slow fsync) holds no status read."""
 
     def __init__(self, root: str | Path):
         """Open (or create) the store in `root`; StorageError, naming the folder or file, when it cannot be
@@ -81,13 +83,21 @@ class JobStore:
             raise StorageError(f"cannot use {self.root} as the storage directory: {exc}") from None
         self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
         self._gone: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._unsaved = UnsavedFailures()  # failures the database refused (a full disk), shown by the reads
         self._progress_refused = False  # logged once until a progress write goes through again
         """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         try:
             self._db = self._open_database(self.root / "jobs.sqlite3")
+            self._reader = sqlite3.connect(
+                self.root / "jobs.sqlite3", check_same_thread=False, isolation_level=None
+            )
+            self._reader.row_factory = sqlite3.Row
+            self._reader.execute("PRAGMA query_only=1")
         except (sqlite3.Error, StorageError) as exc:
+            if hasattr(self, "_db"):
+                self._db.close()
             self._owner.close()
             raise StorageError(f"cannot use the job database {self.root / 'jobs.sqlite3'}: {exc}") from None
 
@@ -132,8 +142,9 @@ class JobStore:
                 self._unsaved.clear()  # once committed (a COMMIT the disk refuses is rolled back: kept)
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._read_lock:
             self._write_unsaved()  # (space back since: a restart must not run those jobs again)
+            self._reader.close()
             self._db.close()
             self._owner.close()  # releases the directory's lock
 
@@ -359,8 +370,8 @@ class JobStore:
     def get(self, job_id: str) -> Job | None:
         if not JOB_ID_PATTERN.match(job_id):
             return None
-        with self._lock:
-            row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        with self._read_lock:
+            row = self._reader.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return self._unsaved.shown(job_from_row(row)) if row is not None else None
 
     def load_inputs(self, job_id: str) -> tuple[dict[str, Any], bytes | None]:
@@ -379,9 +390,9 @@ class JobStore:
         page was read, while this process remembers it); returns (jobs, has_more)."""
         assert order in ("asc", "desc")
         where, args = "", []
-        with self._lock:
+        with self._read_lock:
             if after is not None:
-                row = self._db.execute("SELECT created_at, seq FROM jobs WHERE id=?", (after,)).fetchone()
+                row = self._reader.execute("SELECT created_at, seq FROM jobs WHERE id=?", (after,)).fetchone()
                 anchor = (row["created_at"], row["seq"]) if row is not None else self._gone.get(after)
                 if anchor is None:
                     return [], False
@@ -391,7 +402,7 @@ class JobStore:
             if limit is not None:
                 sql += " LIMIT ?"
                 args.append(limit + 1)
-            rows = self._db.execute(sql, args).fetchall()
+            rows = self._reader.execute(sql, args).fetchall()
         jobs = [self._unsaved.shown(job_from_row(r)) for r in rows]
         if limit is None:
             return jobs, False
