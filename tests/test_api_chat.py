@@ -501,3 +501,42 @@ def test_chats_with_media_being_decoded_leave_text_chats_their_threads(server, m
         finally:
             release.set()
         assert all(f.result().status_code == 200 for f in stuck_chats)
+
+
+def test_a_video_sent_as_jpeg_frames_in_one_data_url(server, reasoner):
+    """vLLM's `data:video/jpeg;base64,<frame>,<frame>,...` video: the frames, sampled and resized as a
+    clip's at 24 fps, answer what the Reasoner answers for them; a frame that is not base64 is a 400 naming
+    the part."""
+    from worldserve.chat_params import VideoSampling
+    from worldserve.media.video_input import decode_chat_frames
+
+    url, _ = server
+    rng = np.random.default_rng(3)
+    jpegs = []
+    for _ in range(6):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (72, 96, 3), dtype=np.uint8)).save(buf, format="JPEG")
+        jpegs.append(buf.getvalue())
+    video = decode_chat_frames(jpegs, VideoSampling(), param="p")
+    assert video.indices == (0, 2, 3, 5) and video.frames.shape == (
+        4,
+        *VideoSampling().frame_size(4, 72, 96),
+        3,
+    )
+    msgs = (ChatMessage(role="user", content=(ChatPart(type="video", video=video),
+                                               ChatPart(type="text", text="What moves?"))),)  # fmt: skip
+    text, _ = _direct(reasoner, ChatParams(messages=msgs, max_tokens=4, temperature=0))
+    frames = "data:video/jpeg;base64," + ",".join(base64.b64encode(j).decode() for j in jpegs)
+    for ref, status in ((frames, 200), (frames + ",!!", 400)):
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": ref}}, {"type": "text", "text": "What moves?"}]}]}  # fmt: skip
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == "messages[0].content[0].video_url"
+    body["messages"][0]["content"][0]["video_url"]["url"] = frames
+    assert (
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"][
+            "content"
+        ]
+        == text
+    )

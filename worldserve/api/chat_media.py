@@ -25,12 +25,12 @@ from urllib.parse import unquote, urlparse
 
 from worldserve.api.chat_options import pixel_budget
 from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart
-from worldserve.api.data_urls import data_url_bytes
+from worldserve.api.data_urls import data_url_bytes, frame_list_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
 from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
 from worldserve.media.image import decode_image
 from worldserve.media.processor_cache import ProcessorCache, content_key
-from worldserve.media.video_input import decode_chat_video
+from worldserve.media.video_input import decode_chat_frames, decode_chat_video
 from worldserve.params import ParamError
 
 
@@ -248,18 +248,19 @@ def part(
         return ChatPart(type="image", image=image, media_key=key)
     if part.type == "video_url":
         path += ".video_url"
-        data = load_media_url(
-            _url(part.video_url, "video", path),
-            allowed_local_path,
-            "video",
-            param=path,
-            fetched=fetched,
-        )
+        url = _url(part.video_url, "video", path)
+        frames = frame_list_bytes(url, param=path)  # vLLM's data:video/jpeg of separate frames, or None
+        data = url.encode() if frames is not None else load_media_url(
+            url, allowed_local_path, "video", param=path, fetched=fetched
+        )  # fmt: skip
         key = ("video", content_key(data), sampling) if keyed else None
         if key is not None and (video := cache.get(key)) is not None:
             return ChatPart(type="video", video=video)
         try:
-            video = decode_chat_video(data, sampling, param=path)
+            if frames is not None:
+                video = decode_chat_frames(frames, sampling, param=path)
+            else:
+                video = decode_chat_video(data, sampling, param=path)
         except ParamError as exc:
             if exc.param == path:
                 raise

@@ -21,3 +21,19 @@ def data_url_bytes(url: str, *, param: str, bad_payload: str) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ParamError(param, bad_payload) from None
+
+
+FRAME_LIST_HEADER = "data:video/jpeg;base64,"
+"""vLLM's video of separate frames: `data:video/jpeg;base64,<frame>,<frame>,...`, each an image in base64."""
+
+
+def frame_list_bytes(url: str, *, param: str) -> list[bytes] | None:
+    """The frames of a FRAME_LIST_HEADER URL (vLLM's VideoMediaIO splits it on commas), None for any other
+    URL; ParamError(param) when a frame is not base64."""
+    if url[: len(FRAME_LIST_HEADER)].lower() != FRAME_LIST_HEADER:
+        return None
+    frames = url[len(FRAME_LIST_HEADER) :].split(",")
+    try:
+        return [base64.b64decode(frame, validate=True) for frame in frames]
+    except (binascii.Error, ValueError):
+        raise ParamError(param, "Invalid base64 data in a frame of the video/jpeg data URL.") from None

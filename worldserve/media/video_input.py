@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import io
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
@@ -122,6 +123,29 @@ def decode_chat_video(data: bytes, sampling: VideoSampling, *, param: str = "mes
     if video is None or not len(video.frames):
         raise bad
     return video
+
+
+def decode_chat_frames(images: Sequence[bytes], sampling: VideoSampling, *, param: str) -> ChatVideo:
+    """vLLM's video of separate frames (`data:video/jpeg;base64,<frame>,<frame>,...`: api/data_urls.py), each
+    frame an image: the clip taken at DEFAULT_SOURCE_FPS (nothing states a rate; transformers' fallback too),
+    its sampled frames decoded and resized as a video's. ParamError(param) for a frame that is no image, or
+    of another size than the first."""
+    if not images:
+        raise ParamError(param, "Invalid video_url: the video/jpeg data URL holds no frame.")
+    wanted = sampling.indices(len(images), DEFAULT_SOURCE_FPS)
+    want = collections.Counter(wanted)
+    kept: list[np.ndarray] = []
+    first: tuple[int, ...] = ()
+    for i in sorted(want):
+        frame = decode_image(images[i], param=param)  # [H, W, 3]
+        if first and frame.shape[:2] != first:
+            raise ParamError(param, f"{param}: the frames differ in size ({first[1]}x{first[0]} and "
+                             f"{frame.shape[1]}x{frame.shape[0]}); send frames of one size")  # fmt: skip
+        first = frame.shape[:2]
+        h, w = sampling.frame_size(len(wanted), *first)
+        resized = Image.fromarray(frame).resize((w, h), resample=Image.Resampling.BICUBIC)
+        kept.extend([np.asarray(resized, dtype=np.uint8)] * want[i])
+    return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=DEFAULT_SOURCE_FPS)
 
 
 def _frames(data: bytes, param: str):
