@@ -287,6 +287,9 @@ def test_bad_mm_processor_kwargs_are_a_400_naming_the_key(url, mm, param, needle
     assert err["param"] == param and needle in err["message"], err
     both = _chat(url, "hi", mm_processor_kwargs={"fps": 2}, media_io_kwargs={"video": {"fps": 4}})
     assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+    for video in ([], "fast", {"speed": 2}):  # (an empty list was taken as no setting)
+        r = _chat(url, "hi", media_io_kwargs={"video": video})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "media_io_kwargs", (video, r.text)
 
 
 def test_chat_template_kwargs_reach_the_template(url):

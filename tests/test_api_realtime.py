@@ -122,7 +122,7 @@ async def test_control_messages_beside_a_running_request(tmp_path):
 @pytest.mark.parametrize(
     ("start", "message", "param"),
     [
-        ("{nope", "Invalid JSON body", None),
+        ("{nope", "Invalid JSON in session.start", None),
         ("[]", "session.start must be a JSON object", None),
         ({"type": "session.begin"}, "Expected session.start, got: session.begin", "type"),
         ({"type": "session.start", "prompt": "x", "format": "mp4"}, "Invalid session.start format", "format"),

@@ -111,19 +111,19 @@ def _path_text(path: tuple) -> str:
     return out
 
 
-def parse_json(body: str | bytes) -> Any:
-    """json.loads with every failure a 400: bad JSON, bad UTF-8, a number too long to convert, nesting deeper
-    than MAX_JSON_DEPTH (or the parser's stack), a lone surrogate."""
+def parse_json(body: str | bytes, what: str = "JSON body") -> Any:
+    """json.loads with every failure a 400 ("Invalid <what>: ..."): bad JSON, bad UTF-8, a number too long to
+    convert, nesting deeper than MAX_JSON_DEPTH (or the parser's stack), a lone surrogate."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"Invalid JSON body: {exc}") from None
+        raise APIError(400, f"Invalid {what}: {exc}") from None
     except ValueError:  # Python's int-from-text limit (sys.get_int_max_str_digits)
         raise APIError(
-            400, f"Invalid JSON body: a number longer than {sys.get_int_max_str_digits()} digits"
+            400, f"Invalid {what}: a number longer than {sys.get_int_max_str_digits()} digits"
         ) from None
     except RecursionError:
-        raise APIError(400, "Invalid JSON body: nested too deeply") from None
+        raise APIError(400, f"Invalid {what}: nested too deeply") from None
     brackets = ("{", "[") if isinstance(body, str) else (b"{", b"[")
     if sum(body.count(b) for b in brackets) >= MAX_JSON_DEPTH:  # (fewer cannot nest that deep)
         check_depth(data)

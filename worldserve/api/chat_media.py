@@ -147,7 +147,7 @@ def _read_local_file(path: Path, given: str, param: str) -> bytes:
 def _url(ref, kind: str, path: str) -> str:
     url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
     if not url:
-        raise ParamError(path, f"a {kind}_url part needs {kind}_url.url")
+        raise ParamError(path, f"{'an' if kind == 'image' else 'a'} {kind}_url part needs {kind}_url.url")
     return url
 
 
@@ -185,7 +185,8 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
     its pixel budget, over Qwen3-VL's defaults (2 fps); ParamError naming the field the values came from when
     fps is not a number > 0 (above MAX_VIDEO_FPS it is taken as that) or num_frames not an integer in
     [1, max_frames] (or -1)."""
-    video = (media_io_kwargs or {}).get("video") or {}
+    video = (media_io_kwargs or {}).get("video")
+    video = {} if video is None else video
     if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
         raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
     if video.get("num_frames") == -1:  # vLLM's "decode every frame, let the processor sample": the default

@@ -251,7 +251,7 @@ class _Session:
         return None
 
     async def _inputs(self, raw: str) -> tuple[VideoParams, EncodeOptions, dict[str, Any]]:
-        msg = parse_json(raw)
+        msg = parse_json(raw, "JSON in session.start")
         if not isinstance(msg, dict):
             raise APIError(400, "session.start must be a JSON object")
         if msg.get("type") != "session.start":
