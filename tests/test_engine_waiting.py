@@ -137,3 +137,28 @@ def test_a_crash_is_reported_once_the_running_jobs_are_queued_again(tmp_path):
         return status
 
     assert asyncio.run(main()) is JobStatus.QUEUED
+
+
+class SlowPrepare(FakeBackend):
+    def prepare(self, request_id, params):
+        time.sleep(0.5)
+        return super().prepare(request_id, params)
+
+
+def test_a_job_being_prepared_counts_as_running(tmp_path):
+    """From its admission a job counts as running (the /metrics gauge, and with the waiting count the queue
+    bound): while the backend prepares it, it is in exactly one of the two counts."""
+
+    async def main():
+        client = make_client(tmp_path, backend=SlowPrepare(step_delay=0.01))
+        await client.start()
+        _submit(client, "slow")
+        seen = set()
+        for _ in range(60):
+            seen.add((client.num_waiting, client.num_running))
+            await asyncio.sleep(0.01)
+        await client.shutdown(5)
+        return seen
+
+    seen = asyncio.run(main())
+    assert (0, 1) in seen and seen <= {(1, 0), (0, 1), (1, 1)}, seen

@@ -190,6 +190,7 @@ class Engine:
 
     def _iterate(self) -> None:
         admitted = self._sched.admit()
+        self._num_running = len(self._sched.running) + len(admitted)  # (counted before they stop waiting)
         for i, request in enumerate(admitted):
             with self._cv:
                 self._waiting_ids.discard(request.job_id)
