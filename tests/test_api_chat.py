@@ -540,3 +540,33 @@ def test_a_video_sent_as_jpeg_frames_in_one_data_url(server, reasoner):
         ]
         == text
     )
+
+
+def test_images_that_alone_overflow_the_context_are_refused_before_decoding(server, monkeypatch):
+    """Each image's tokens are counted from its header (its size and the pixel budget) before any pixel is
+    decoded: images that alone overflow the context are a 400, nothing decoded (a few MB of PNGs decode to
+    gigabytes); the same image under a small mm_processor_kwargs max_pixels fits and is decoded."""
+    from worldserve.api import chat_media
+
+    url, _ = server
+    decoded = []
+    real = chat_media.decode_image
+    monkeypatch.setattr(chat_media, "decode_image", lambda data, **kw: decoded.append(1) or real(data, **kw))
+    buf = io.BytesIO()
+    Image.new("RGB", (3000, 2000), (20, 90, 200)).save(buf, format="PNG")  # ~30 KB; 5,828 tokens by default
+    image = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
+    body = {"model": MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "messages[0].content[0].image_url alone take" in err["message"], err
+    assert decoded == []
+    r = httpx.post(
+        url + "/v1/chat/completions", json={**body, "mm_processor_kwargs": {"max_pixels": 65536}}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert decoded == [1]

@@ -183,3 +183,12 @@ def test_concurrent_chats_share_the_cached_media(reasoner, reasoner_url):
         answers = list(pool.map(chat, range(12)))
     assert all(text == alone[order] for order, text in answers)
     assert reasoner.media_cache.hits - hits == 24  # every image of every chat found decoded
+
+
+@pytest.mark.parametrize(("h", "w", "budget"), [(48, 80, {}), (700, 1300, {}), (2000, 3000, {"max_pixels": 65536}),
+                                                (20, 20, {"min_pixels": 4096})])  # fmt: skip
+def test_an_images_token_count_from_its_size_is_its_prompts(h, w, budget):
+    """ImagePreprocessor.tokens (the API's count before decoding) equals the tokens its patches make."""
+    pre = ImagePreprocessor()
+    inputs = pre([_image(h, w, 0)], **budget)
+    assert pre.tokens(h, w, **budget) == int(inputs.grid_thw.prod()) // pre.merge_size**2

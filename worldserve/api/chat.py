@@ -37,13 +37,14 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import read_json_object
-from worldserve.api.chat_media import media_parts, part, prefetch_media, video_sampling
+from worldserve.api.chat_media import ImageTokenBudget, media_parts, part, prefetch_media, video_sampling
 from worldserve.api.chat_options import pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
 from worldserve.api.chat_stream import TextParsing, close_all, collect, prompt_logprob_rows, sse, start_all
@@ -91,11 +92,12 @@ def request_options(body: ChatCompletionRequest, compiler: Any = None) -> Reques
 
 def build_params(
     body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
-    options: RequestOptions | None = None, media_cache: Any = None,
+    options: RequestOptions | None = None, media_cache: Any = None, image_tokens: ImageTokenBudget | None = None,
 ) -> ChatParams:  # fmt: skip
     """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
     checks the media counts) and decoded (blocking: call it off the event loop; media found in the
-    Reasoner's `media_cache` is not decoded again); `options`: its request_options, when already checked."""
+    Reasoner's `media_cache` is not decoded again; images counted against `image_tokens` before they are
+    decoded); `options`: its request_options, when already checked."""
     options = options or request_options(body)
     sampling = body.sampling_options()
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
@@ -114,7 +116,7 @@ def build_params(
 
     def load(at: tuple[int, int]) -> ChatPart:
         where = f"messages[{at[0]}].content[{at[1]}]"
-        return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache)
+        return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache, image_tokens)
 
     media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
     loaded = dict(zip(media, map_in_order(load, media), strict=True))
@@ -154,7 +156,12 @@ def prepared_params(
     worker = st.client.chat_worker
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     cache = getattr(prompts, "media_cache", None)
-    params = build_params(body, st.allowed_local_media_path, fetched, options, cache)
+    image_tokens = None
+    if prompts is not None and prompts.preprocess is not None:  # (the images' share of the context)
+        lo, hi = options.image_pixels
+        tokens = partial(prompts.preprocess.tokens, min_pixels=lo, max_pixels=hi)
+        image_tokens = ImageTokenBudget(worker.backend.max_model_len, tokens)
+    params = build_params(body, st.allowed_local_media_path, fetched, options, cache, image_tokens)
     if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
         params = dataclasses.replace(
             params, stops_after_thoughts=True, think_first=params.structured is not None

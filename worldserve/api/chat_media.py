@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -28,7 +29,7 @@ from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart
 from worldserve.api.data_urls import data_url_bytes, frame_list_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
 from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
-from worldserve.media.image import decode_image
+from worldserve.media.image import decode_image, image_size
 from worldserve.media.processor_cache import ProcessorCache, content_key
 from worldserve.media.video_input import decode_chat_frames, decode_chat_video
 from worldserve.params import ParamError
@@ -170,6 +171,35 @@ RGBA_BACKGROUND = (255, 255, 255)
 """What a chat image's transparent pixels show (vLLM's ImageMediaIO default `rgba_background_color`)."""
 
 
+class ImageTokenBudget:
+    """The context's tokens a request's images may take, charged from each image's size before it is decoded:
+    a request whose images alone overflow the context is refused before their pixels are decoded (a dozen
+    9000x9000 PNGs, 4 MB of JSON, decoded to 6.7 GB before the context check refused them). Thread-safe: a
+    request's images load at once (media/work_pool.py)."""
+
+    def __init__(self, max_model_len: int, tokens: Callable[[int, int], int]) -> None:
+        self.max_model_len, self.tokens = max_model_len, tokens  # tokens(height, width)
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def charge(self, size: tuple[int, int] | None, path: str) -> None:
+        """Count an image of `size` (height, width; None: unknown, counted when decoded); ParamError("messages")
+        once the images counted so far exceed the context."""
+        if size is None:
+            return
+        try:  # (the smaller of the two orientations: an EXIF rotation may turn it)
+            tokens = min(self.tokens(*size), self.tokens(*size[::-1]))
+        except ValueError:  # an aspect ratio the processor refuses: check_image names it once decoded
+            return
+        with self._lock:
+            self.used += tokens
+            used = self.used
+        if used > self.max_model_len:
+            raise ParamError("messages", f"This model's maximum context length is {self.max_model_len} tokens. "
+                             f"However, the images up to {path} alone take {used} tokens. Please send fewer or "
+                             "smaller images, or a lower mm_processor_kwargs max_pixels.")  # fmt: skip
+
+
 def check_image(image, path: str) -> None:
     """A decoded image the Qwen3-VL processor can resize (any side >= 1 pixel); ParamError(path) otherwise."""
     h, w = image.shape[:2]
@@ -224,6 +254,7 @@ def part(
     sampling: VideoSampling,
     fetched: Mapping[str, bytes] | None = None,
     cache: ProcessorCache | None = None,
+    image_tokens: ImageTokenBudget | None = None,
 ) -> ChatPart:
     """One content part, its media loaded and decoded (the same bytes, and for a video the same sampling,
     found in `cache` are not decoded again; without a cache that keeps anything, no key is hashed); errors
@@ -240,7 +271,10 @@ def part(
             fetched=fetched,
         )
         key = content_key(data) if keyed else None
-        if key is None or (image := cache.get(("image", key))) is None:
+        image = cache.get(("image", key)) if key is not None else None
+        if image_tokens is not None:
+            image_tokens.charge(image.shape[:2] if image is not None else image_size(data), path)
+        if image is None:
             image = decode_image(data, param=path, rgba_background=RGBA_BACKGROUND)
             check_image(image, path)
             if key is not None:

@@ -51,6 +51,18 @@ def too_large(param: str, pixels: int | None, what: str = "the image") -> ImageT
     )
 
 
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from an image file's header, nothing decoded; None when Pillow cannot tell (decode_image
+    then says what is wrong)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                return img.height, img.width
+    except Exception:  # (any failure of Pillow's header parsers on untrusted bytes: decode_image reports it)
+        return None
+
+
 def decode_image(
     data: bytes, *, param: str = "input_reference", rgba_background: tuple[int, int, int] | None = None
 ) -> np.ndarray:

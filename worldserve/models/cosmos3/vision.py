@@ -187,6 +187,16 @@ class ImagePreprocessor:
             repeat=self.temporal_patch_size,
         )  # fmt: skip
 
+    def tokens(
+        self, height: int, width: int, *, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> int:
+        """The prompt tokens of a height x width image under the pixel budget (overrides as in __call__);
+        ValueError past a 200:1 aspect ratio."""
+        f = self.patch_size * self.merge_size  # (one token: merge x merge patches)
+        lo, hi = min_pixels or self.min_pixels, max_pixels or self.max_pixels
+        h, w = smart_resize(height, width, factor=f, min_pixels=lo, max_pixels=hi)
+        return (h // f) * (w // f)
+
     def _patches(self, img: np.ndarray, h: int, w: int) -> tuple[Tensor, bytes]:
         """One image resized to (h, w): its uint8 patches [gh * gw, 3 * p * p] in merge-window order (one frame:
         VisionInputs.pixel_values repeats it to the temporal patch), and its digest: SHA-256 of its grid and
