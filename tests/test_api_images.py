@@ -102,6 +102,9 @@ async def test_timeout_is_504_and_the_work_is_aborted(tmp_path):
         assert r.status_code == 504 and "timed out after 0.3s" in r.json()["error"]["message"]
         engine = http.engine_client.engine
         wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0, timeout=10)
+        metrics = (await http.get("/metrics")).text  # two failed requests (a 504), not cancelled ones
+        assert 'worldserve:request_failure_total{model_name="test-model",status="504"} 2.0' in metrics
+        assert "worldserve:request_cancelled_total{" not in metrics
 
 
 @pytest.mark.parametrize("stage", ["prepare", "denoise", "decode"])

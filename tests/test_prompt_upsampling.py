@@ -423,3 +423,29 @@ async def test_a_realtime_upsampling_holds_its_queue_slot_and_is_counted(
         assert re.search(r'worldserve:request_failure_total\{[^}]*status="400"[^}]*\} 1\.0', metrics)
         assert re.search(r"worldserve:request_cancelled_total\{[^}]*\} 1\.0", metrics)
         assert re.search(r'worldserve:request_rejected_total\{[^}]*reason="queue_full"[^}]*\} 1\.0', metrics)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_image_batch_being_upsampled_holds_its_queue_slots(tmp_path, chat_backend, anyio_backend):
+    """/v1/images/generations with upsample_prompt: its n requests are admitted before the Reasoner writes the
+    prompt and wait in the queue meanwhile (a full queue answers the next request at once); past the sync
+    timeout they count as n failed requests (504)."""
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4, min_room=1024)
+    async with asgi_server(tmp_path, chat_backend=chat_backend, upsampler=slow, sync_timeout_s=1.5,
+                           max_queued_requests=2) as http:  # fmt: skip
+        body = {"prompt": "a fox", "size": "32x32", "n": 2, "extra_params": {"upsample_prompt": True}}
+        first = asyncio.ensure_future(http.post("/v1/images/generations", json=body))
+        for _ in range(200):
+            if http.engine_client.num_waiting == 2:
+                break
+            await asyncio.sleep(0.01)
+        metrics = (await http.get("/metrics")).text
+        assert re.search(r"worldserve:num_requests_waiting\{[^}]*\} 2\.0", metrics)
+        second = await http.post("/v1/images/generations", json={**body, "n": 1})
+        assert second.status_code == 429, second.text
+        r = await first
+        assert r.status_code == 504 and "while its prompt was being written" in r.json()["error"]["message"]
+        metrics = (await http.get("/metrics")).text
+        assert re.search(r'worldserve:request_failure_total\{[^}]*status="504"[^}]*\} 2\.0', metrics)
+        assert http.engine_client.num_waiting == 0 and await _chat_stopped(chat_backend)

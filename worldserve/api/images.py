@@ -115,24 +115,29 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
     return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n)]
 
 
-async def _upsampled(request: Request, st: AppState, params: VideoParams, headers: dict) -> str:
-    """`extra_params.upsample_prompt`: the prompt the Reasoner writes (engine/prompt_upsampling.py), checked as a
-    client's prompt is; answered as `revised_prompt`. A failure answers the chat's status (500 when the answer
-    does not parse) with the reason; past the sync timeout a 504, the chat stopped."""
-    try:
-        work = asyncio.wait_for(st.client.upsampled_prompt(params), st.sync_timeout_s)
-        return await unless_disconnected(request, work)
-    except ClientGone:
-        raise
-    except TimeoutError:
-        raise APIError(504, f"Image generation timed out after {st.sync_timeout_s:g}s (while its prompt was "
-                       "being written).", headers=headers) from None  # fmt: skip
-    except ShuttingDownError as exc:
-        raise st.refusal(exc, headers) from None
-    except UpsamplingFailed as exc:
-        raise APIError(
-            exc.status, f"Prompt upsampling failed: {exc}", param=exc.param, headers=headers
-        ) from None
+async def _generated(st: AppState, params: list[VideoParams], request_id: str, headers: dict):
+    """(the prompt the Reasoner wrote or None, the results): with `extra_params.upsample_prompt` the prompt is
+    written first (engine/prompt_upsampling.py; checked as a client's prompt is, answered as
+    `revised_prompt`; the requests hold their queue slots meanwhile), one for the n images (the first one's
+    seed). One sync timeout for the whole request. A failed upsampling answers the chat's status (500 when
+    the answer does not parse) with the reason; past the timeout a 504, the chat stopped."""
+    deadline = time.monotonic() + st.sync_timeout_s
+    revised = None
+    if params[0].upsample_prompt:
+        try:
+            revised = await st.client.admitted_upsampling(
+                params[0], request_id, st.sync_timeout_s, len(params)
+            )
+        except TimeoutError:
+            raise APIError(504, f"Image generation timed out after {st.sync_timeout_s:g}s (while its prompt "
+                           "was being written).", headers=headers) from None  # fmt: skip
+        except UpsamplingFailed as exc:
+            raise APIError(
+                exc.status, f"Prompt upsampling failed: {exc}", param=exc.param, headers=headers
+            ) from None
+        params = [dataclasses.replace(p, prompt=revised, upsample_prompt=False) for p in params]
+    left = max(deadline - time.monotonic(), 0.001)  # (no await before the queue: the held slots pass to it)
+    return revised, await st.client.generate_ephemeral(params, prefix=request_id, timeout_s=left)
 
 
 def encode_image(frame, fmt: str) -> bytes:
@@ -164,16 +169,9 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift)]
     )
     headers = {"X-Request-Id": request_id}
-    revised, deadline = None, time.monotonic() + st.sync_timeout_s  # one timeout for the whole request
-    if params[0].upsample_prompt:  # one prompt written for the n images (the first one's seed)
-        revised = await _upsampled(request, st, params[0], headers)
-        params = [dataclasses.replace(p, prompt=revised, upsample_prompt=False) for p in params]
     try:
-        left = max(deadline - time.monotonic(), 0.001)
-        results = await unless_disconnected(
-            request, st.client.generate_ephemeral(params, prefix=request_id, timeout_s=left)
-        )
-    except ClientGone:
+        revised, results = await unless_disconnected(request, _generated(st, params, request_id, headers))
+    except (ClientGone, APIError):
         raise
     except TimeoutError:
         raise APIError(

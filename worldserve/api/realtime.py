@@ -119,6 +119,8 @@ class _Session:
             if await self._queue(*start, control):
                 await self._stream(control)
         except _Stop as exc:  # stopped, stalled, or the client left
+            if exc.reason == "stall" and self.request is not None:  # (a failure: counted as a 504)
+                self.request.abort_status = 504
             self._abort()
             if exc.reason == "stall":
                 await self._error("Stall timeout: no generation progress", 504)

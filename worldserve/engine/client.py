@@ -102,7 +102,9 @@ class EngineClient:
         self._started = False
         self.upsampler = upsampler or UpsamplerConfig()
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
-        self._upsampling_streams: set[str] = set()  # streamed requests' ids, their prompt being upsampled
+        self._upsampling_ephemeral: dict[
+            str, int
+        ] = {}  # job-less requests' ids -> slots, prompt being written
         self._storing = 0  # jobs admitted whose row and reference are being written (create_job)
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
 
@@ -248,7 +250,8 @@ class EngineClient:
     @property
     def num_waiting(self) -> int:
         """Jobs and streamed requests waiting: in the engine's queue or having their prompt upsampled."""
-        return self.engine.num_waiting + len(self._upsampling) + len(self._upsampling_streams) + self._storing
+        waiting = self.engine.num_waiting + len(self._upsampling) + self._storing
+        return waiting + sum(self._upsampling_ephemeral.values())
 
     @property
     def num_running(self) -> int:
@@ -365,29 +368,35 @@ class EngineClient:
         self._check_admission(1, "requests")
         return start_streamed(self.engine, params, request_id, on_frames)
 
+    async def admitted_upsampling(
+        self, params: VideoParams, request_id: str, timeout_s: float, count: int = 1
+    ) -> str:
+        """The prompt the Reasoner writes for `count` job-less requests (an image batch, a stream) that will
+        queue once it is written: admitted first (QueueFullError / ShuttingDownError) and counted as waiting
+        meanwhile, as a job is. Its caller queues them with no await after this returns, so the slots held
+        pass to the queue. A failure (UpsamplingFailed) or `timeout_s` passing (TimeoutError) is counted as
+        `count` failed requests (its status; 504), a cancellation as `count` cancelled ones."""
+        self._check_admission(count, "requests")
+        self._upsampling_ephemeral[request_id] = count
+        try:
+            return await asyncio.wait_for(self.upsampled_prompt(params), timeout_s)
+        except (TimeoutError, UpsamplingFailed) as exc:
+            for _ in range(count):
+                self.engine.observer.on_failed(504 if isinstance(exc, TimeoutError) else exc.status)
+            raise
+        except asyncio.CancelledError:
+            for _ in range(count):
+                self.engine.observer.on_cancelled()
+            raise
+        finally:
+            del self._upsampling_ephemeral[request_id]
+
     async def stream_upsampled(
         self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None], timeout_s: float
     ) -> tuple[str, Request, asyncio.Future[VideoResult]]:
-        """`stream_ephemeral` for a request whose prompt the Reasoner writes first: admitted before the
-        upsampling (QueueFullError / ShuttingDownError) and counted as waiting during it, as a job is; the
-        written prompt and the started request. An upsampling that fails (UpsamplingFailed) or outlasts
-        `timeout_s` (TimeoutError) is counted as a failed request (its status; 504), one stopped as a
-        cancelled request."""
-        self._check_admission(1, "requests")
-        self._upsampling_streams.add(request_id)
-        try:
-            prompt = await asyncio.wait_for(self.upsampled_prompt(params), timeout_s)
-        except TimeoutError:
-            self.engine.observer.on_failed(504)
-            raise
-        except UpsamplingFailed as exc:
-            self.engine.observer.on_failed(exc.status)
-            raise
-        except asyncio.CancelledError:  # the session ended meanwhile
-            self.engine.observer.on_cancelled()
-            raise
-        finally:  # (no await from here to the queue: the slot held during the upsampling passes to it)
-            self._upsampling_streams.discard(request_id)
+        """`stream_ephemeral` for a request whose prompt the Reasoner writes first (admitted_upsampling): the
+        written prompt and the started request."""
+        prompt = await self.admitted_upsampling(params, request_id, timeout_s)
         written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         return prompt, *self.stream_ephemeral(written, request_id, on_frames)
 

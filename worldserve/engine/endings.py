@@ -121,7 +121,10 @@ class Endings:
         self.hand_over(request, result)
 
     def cancelled(self, request: Request) -> None:
-        self.observer.on_cancelled()
+        if request.abort_status is not None:
+            self.observer.on_failed(request.abort_status)
+        else:
+            self.observer.on_cancelled()
         if request.ephemeral:
             request.on_result(CancelledRequest(request.job_id))
         self.on_done(request.job_id)

@@ -23,16 +23,18 @@ async def run_without_jobs(
     ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params_list]
     futures = [loop.create_future() for _ in params_list]
     now = time.monotonic()
-    for request_id, params, future in zip(ids, params_list, futures, strict=True):
-        engine.add_request(
-            Request(job_id=request_id, params=params, arrival_time=now, on_result=_sink(loop, future))
-        )
+    requests = [Request(job_id=request_id, params=params, arrival_time=now, on_result=_sink(loop, future))
+                for request_id, params, future in zip(ids, params_list, futures, strict=True)]  # fmt: skip
+    for request in requests:
+        engine.add_request(request)
     gathered = asyncio.gather(*futures)
     try:
         return list(await asyncio.wait_for(gathered, timeout_s))
-    except BaseException:
-        for request_id in ids:  # timed out, failed or cancelled: stop the rest at a step boundary
-            engine.abort(request_id)
+    except BaseException as exc:
+        for request in requests:  # timed out, failed or cancelled: stop the rest at a step boundary
+            if isinstance(exc, TimeoutError):  # (counted as failed with a 504, not as cancelled)
+                request.abort_status = 504
+            engine.abort(request.job_id)
         for future in (gathered, *futures):  # nobody reads their outcomes now: asyncio must not log them
             future.add_done_callback(outcome_read)
         raise

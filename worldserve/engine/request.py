@@ -42,6 +42,9 @@ class Request:
     """Set for an ephemeral request (POST /v1/images/generations, /v1/realtime/video): no job in the store,
     no MP4; the decoded result, or the exception that ended it, goes here (from the engine thread or, after
     `on_frames`, from the encode pool) instead."""
+    abort_status: int | None = None
+    """Set before an abort that ends the request as a failure (504: past its caller's timeout, or stalled):
+    counted as a failed request with this status rather than as cancelled."""
     on_frames: Callable[[VideoResult], None] | None = None
     """An ephemeral request that streams (/v1/realtime/video): called on the engine's encode pool with the
     result whose `frames` is a FrameStream, read while the engine thread decodes (it raises FramesLost when
