@@ -176,6 +176,9 @@ class VideoParams:
         check_side("height", self.height)
         if self.num_frames == 1 and self.width * self.height <= IMAGE_MAX_AREA:
             tier, max_frames = "image", 1
+        elif self.num_frames == 1 and self.width * self.height > RESOLUTION_TIERS[-1][1]:
+            raise ParamError("size", f"size {self.width}x{self.height} is above the largest image "
+                             f"({IMAGE_MAX_AREA} pixels, e.g. 1024x1024, 1280x816)")  # fmt: skip
         else:
             tier, _, max_frames, _ = resolution_tier(self.width, self.height)
         if self.num_frames < 1 or (self.num_frames - 1) % 4:
