@@ -30,7 +30,7 @@ CASES = [
     ("size 1280X720", {**OK, "size": "1280X720"}, 400, "size", "pattern"),
     ("size in fullwidth digits", {**OK, "size": "６４x４８"}, 400, "size", "pattern"),
     ("codec option a boolean", {**OK, "extra_params": '{"video_codec_options": {"g": true}}'}, 400,
-     "extra_params", "'video_codec_options', 'g'"),
+     "extra_params.video_codec_options", "'video_codec_options', 'g'"),
     ("size not /16", {**OK, "size": "100x48"}, 400, "size", "multiple of 16"),
     ("size above 720p", {**OK, "size": "1280x1280"}, 400, "size", "largest resolution tier"),
     ("width alone", {**OK, "size": "", "width": "64"}, 400, "height", "width and height must be given together"),
@@ -57,7 +57,7 @@ CASES = [
     ("extra audio_duration too long", {**OK, "generate_sound": "true", "extra_params": '{"audio_duration": 1e6}'},
      400, "extra_params.audio_duration", "sound_duration=1e+06 must be in [1 / fps"),
     ("extra negative_metadata_mode", {**OK, "extra_params": '{"negative_metadata_mode": "zzz"}'}, 400,
-     "extra_params", "'extra_params', 'negative_metadata_mode'"),
+     "extra_params.negative_metadata_mode", "'extra_params', 'negative_metadata_mode'"),
     ("lora no path", {**OK, "lora": '{"name": "a"}'}, 400, "lora", "both name and path are required"),
     ("lora valid", {**OK, "lora": '{"name": "a", "path": "/x"}'}, 400, "lora", "not supported"),
     ("control_type alone", {**OK, "control_type": "edge"}, 400, "control_type", "requires a control_reference"),
@@ -86,7 +86,7 @@ CASES = [
      "video_reference": V2V_REF}, 400,
      "extra_params.condition_frame_indexes_vision", "non-negative"),
     ("condition keep middle", {**OK, "extra_params": '{"condition_video_keep": "middle"}'}, 400,
-     "extra_params", "literal_error"),
+     "extra_params.condition_video_keep", "literal_error"),
     ("image url download", {**OK, "image_reference": '{"image_url": "http://127.0.0.1:9/a.png"}'}, 400,
      "image_reference", "Invalid image_reference.image_url: failed to download image."),
     ("image url scheme", {**OK, "image_reference": '{"image_url": "ftp://x"}'}, 400, "image_reference",
@@ -117,7 +117,7 @@ CASES = [
     ("extra guidance_interval", {**OK, "extra_params": '{"guidance_interval": [5, 1]}'}, 400,
      "extra_params.guidance_interval", "0 <= lo <= hi <= 1000"),
     ("extra condition index true", {**OK, "extra_params": '{"condition_frame_indexes_vision": [0, true]}'}, 400,
-     "extra_params", "got a boolean"),
+     "extra_params.condition_frame_indexes_vision", "got a boolean"),
     ("extra_params deep JSON text", {**OK, "extra_params": '{"a": ' * 300 + "1" + "}" * 300}, 400, "extra_params",
      "nested deeper than"),
     ("extra flow_shift", {**OK, "extra_params": '{"flow_shift": 1000}'}, 400, "extra_params.flow_shift",
@@ -344,7 +344,9 @@ async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_
         nulls = {**OK, "enable_frame_interpolation": None, "frame_interpolation_exp": None, "lora": None}
         assert (await http.post("/v1/videos/sync", json=nulls)).status_code == 200
         r = await http.post("/v1/videos", json={**OK, "extra_params": {"max_sequence_length": True}})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.max_sequence_length", (
+            r.text
+        )
         r = await http.post("/v1/images/generations", json={"prompt": "x", "n": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         r = await http.post("/v1/videos", data=OK, files={"control_reference": ("c.png", b"x", "image/png")})

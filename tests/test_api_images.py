@@ -79,6 +79,7 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         ({"prompt": "x", "model": "other"}, "model"),
         ({"prompt": "x", "lora": {"name": "a", "path": "/x"}}, "lora"),
         ({"prompt": "x", "extra_params": {"guidance_interval": [900, 100]}}, "guidance_interval"),
+        ({"prompt": "x", "extra_params": {"seed": "abc"}}, "extra_params.seed"),
         ({"prompt": " "}, "prompt"),
         ({}, "prompt"),
     ],

@@ -121,7 +121,7 @@ async def test_seconds_width_height_and_extra_params(tmp_path):
         assert r.json()["error"] == {"message": "Invalid JSON in form field.", "type": "Bad Request",
                                      "param": "extra_params", "code": 400}  # fmt: skip
         r = await http.post("/v1/videos", data={"prompt": "x", "extra_params": '{"flow_shift": -1}'})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.flow_shift"
 
 
 async def test_model_name_check(tmp_path):

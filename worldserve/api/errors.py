@@ -104,8 +104,11 @@ def validation_error(
         items.append({"type": err.get("type"), "loc": loc, "msg": err.get("msg"), "input": value})
     n = len(items)
     message = f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(f"  {item}" for item in items)
-    fields = [str(part) for item in items for part in item["loc"][1:2]]
-    return APIError(400, message, param=fields[0] if fields else None)
+    first = items[0]["loc"] if items else ()
+    param = str(first[1]) if len(first) > 1 else None
+    if param == "extra_params" and len(first) > 2 and isinstance(first[2], str):  # (its keys are named so)
+        param = f"extra_params.{first[2]}"
+    return APIError(400, message, param=param)
 
 
 def _answer(
