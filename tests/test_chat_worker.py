@@ -137,6 +137,42 @@ def test_cancel_stops_at_the_next_step_and_failures_are_reported():
         worker.stop()
 
 
+class CancelBetweenLooks(threading.Event):
+    """A chat's `cancelled` flag whose cancel lands between the worker's first look at it and any later one:
+    once armed, False the first time it is read, True after."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed, self.looks = False, 0
+
+    def is_set(self) -> bool:
+        if not self.armed:
+            return super().is_set()
+        self.looks += 1
+        return self.looks > 1
+
+
+def test_a_cancel_landing_while_the_worker_looks_still_closes_the_chat():
+    """The worker decides once per step whether a chat was cancelled: a cancel between two looks (the soak
+    found ~1.6 % of cancelled streams) dropped the chat without closing it, its K/V blocks never returned."""
+    lock = threading.Lock()
+    worker = ChatWorker(ScriptedBackend(lock, words=tuple("ab" * 200), gate=SlowGate()), lock)
+    worker.start()
+    try:
+        handle, events = _collect(worker)
+        handle.cancelled = CancelBetweenLooks()
+        assert isinstance(events.get(timeout=5), ChatStarted)
+        handle.cancelled.armed = True
+        session = worker.backend.sessions[0]
+        for _ in range(100):
+            if session.closed:
+                break
+            threading.Event().wait(0.02)
+        assert session.closed, "a cancelled chat must be closed (its K/V blocks handed back)"
+    finally:
+        worker.stop()
+
+
 def test_concurrent_chats_are_decoded_together_up_to_max_num_seqs():
     lock = threading.Lock()
     backend = ScriptedBackend(lock, words=("a", "b", "c", "d"))

@@ -224,11 +224,14 @@ class ChatWorker:
                     self._not_waiting(*refused)
                     for handle in refused:
                         handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
-            for handle, session in active:
+            going_on = []  # (one look at each flag: a cancel landing between two looks left a chat unclosed,
+            for handle, session in active:  # its K/V blocks never handed back)
                 if handle.cancelled.is_set():
                     self._close(session)
                     self._ended(handle)
-            active[:] = [(h, s) for h, s in active if not h.cancelled.is_set()]
+                else:
+                    going_on.append((handle, session))
+            active[:] = going_on
             if active:
                 active[:], tokens = self._step(active)
                 if tokens:  # (vLLM's tokens per engine step: _timed)
