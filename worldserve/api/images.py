@@ -86,6 +86,8 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
     if req.lora is not None:
         raise APIError(400, "LoRA adapters are not supported by this server yet", param="lora")
     extra = parse_extra_params(req.extra_params)
+    if extra.generate_sound:  # (false or absent: the image route makes none anyway)
+        raise APIError(400, "sound cannot be generated for an image", param="extra_params.generate_sound")
     width, height = (int(v) for v in (req.size or DEFAULT_SIZE).split("x"))
     origin: dict[str, str] = {"system_prompt": "extra_params.system_prompt"}
 
