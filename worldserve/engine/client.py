@@ -4,11 +4,11 @@ The HTTP event loop never waits on GPU work: `submit` persists a queued job and 
 engine's inbox, then returns. Completion comes back from the engine thread as `on_done(job_id)`, bridged into
 the loop with `loop.call_soon_threadsafe`, which resolves the futures of `wait(job_id)` (the sync route;
 job_waiters.py).
-Store reads are short SQLite queries and run inline.
+Store reads are short SQLite queries on a connection of their own and run inline; creates and deletes write
+on a thread (`create_job`, `delete_job`: a locked database or a slow fsync holds their requests only).
 
 Lifecycle: `start()` re-submits every job the store reports unfinished (a crash or shutdown left it queued
-or in progress; it re-runs from its persisted inputs, or fails with a reason if the reference image is
-gone), then starts the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
+or in progress; it re-runs from its persisted inputs, or fails with a reason: job_recovery.py), then starts the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
 (submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the engine
 and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
 Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat_many(choices)` starts a
@@ -41,7 +41,8 @@ from worldserve.engine.chat_worker import (
 )
 from worldserve.engine.engine import Engine
 from worldserve.engine.ephemeral import run_without_jobs, start_streamed
-from worldserve.engine.job_files import StorageError, inputs_from_record, inputs_record
+from worldserve.engine.job_files import StorageError, inputs_record
+from worldserve.engine.job_recovery import restored_jobs
 from worldserve.engine.job_waiters import JobWaiters
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.observer import EngineObserver
@@ -56,7 +57,7 @@ from worldserve.engine.prompt_upsampling import (
 )
 from worldserve.engine.refusals import ChatUnavailableError, QueueFullError, ShuttingDownError, error_for
 from worldserve.engine.request import EncodeOptions, Request
-from worldserve.params import ParamError, VideoParams
+from worldserve.params import VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
@@ -193,33 +194,12 @@ class EngineClient:
 
     def _recover(self) -> int:
         resumed = 0
-        for job_id in self.store.recover(ttl_s=self.job_ttl_s):
-            try:
-                record, reference = self.store.load_inputs(job_id)
-                params, encode = inputs_from_record(record, reference)
-            except FileNotFoundError:
-                self._fail_now(job_id, "The job was interrupted by a restart and its reference image is missing "
-                               "from the storage folder; submit it again.")  # fmt: skip
-                continue
-            except Exception as exc:
-                self._fail_now(
-                    job_id, f"The job was interrupted by a restart and could not be restored: {exc}"
-                )
-                continue
-            try:  # checked again: the server may have restarted with another model or Reasoner
-                params = self.validate(params)
-            except ParamError as exc:
-                self._fail_now(job_id, f"The job was interrupted by a restart and the model now served does "
-                               f"not take it ({exc.param}): {exc.message}", 400)  # fmt: skip
-                continue
+        for job_id, params, encode in restored_jobs(
+            self.store, self.job_ttl_s, self.validate, self.engine.observer
+        ):
             self._queue(job_id, params, encode)
             resumed += 1
         return resumed
-
-    def _fail_now(self, job_id: str, message: str, code: int = 500) -> None:
-        log.warning("job %s: %s", job_id, message)
-        if self.store.fail(job_id, code, message, completed_at=time.time(), ttl_s=self.job_ttl_s):
-            self.engine.observer.on_failed(code)
 
     async def _sweep_forever(self) -> None:
         period = self.sweep_interval_s or min(SWEEP_PERIOD_MAX_S, max(0.05, self.job_ttl_s / 2))
@@ -279,7 +259,7 @@ class EngineClient:
         thread, so a slow disk or a locked database holds this request, not every route. The job counts as
         waiting from its admission; once stored it is queued even if the caller is cancelled meanwhile."""
         self._check_admission(1, "jobs")
-        job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
+        job = _queued_job(spec)
         self._storing += 1
         stored = asyncio.ensure_future(
             asyncio.to_thread(self.store.create, job, inputs_record(params, encode), reference)
@@ -298,7 +278,7 @@ class EngineClient:
         self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
     ) -> Job:
         self._check_admission(1, "jobs")
-        job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
+        job = _queued_job(spec)
         self.store.create(job, inputs_record(params, encode), reference)
         self._queue(job.id, params, encode)
         return job
@@ -472,3 +452,8 @@ class EngineClient:
     async def wait(self, job_id: str) -> Job | None:
         """Wait until the job is completed or failed; None if it was deleted meanwhile."""
         return await self._waiters.wait(job_id)
+
+
+def _queued_job(spec: JobSpec) -> Job:
+    """A new job, queued now."""
+    return Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)
