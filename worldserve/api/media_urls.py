@@ -5,8 +5,8 @@
 cannot starve the threads the rest of the API uses); `fetch_blocking` does the same on the calling thread.
 The deadline counts from the call, time spent waiting for a pool thread included. The downloads of one
 request share a `DownloadBudget`: its bytes, and `cancel()`, which ends every download of the request at
-once (its socket shut, the thread freed) when one has failed or the client has left. The standard library's http.client does the HTTP (no new dependency; environment proxies are not
-used). A download has a total deadline, `timeout_s` (vLLM-Omni's 60 s for references; vLLM's
+once (its socket shut, the thread freed) when one has failed or the client has left. The standard library's
+http.client does the HTTP (no new dependency; environment proxies are not used). A download has a total deadline, `timeout_s` (vLLM-Omni's 60 s for references; vLLM's
 `VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across the name lookup
 (on a thread of its own: getaddrinfo takes no timeout), each address's connect, the TLS handshake, every
 redirect hop, the headers and the body: a timer shuts the sockets down when it passes, so a server that

@@ -8,7 +8,8 @@ Store reads are short SQLite queries on a connection of their own and run inline
 on a thread (`create_job`, `delete_job`: a locked database or a slow fsync holds their requests only).
 
 Lifecycle: `start()` re-submits every job the store reports unfinished (a crash or shutdown left it queued
-or in progress; it re-runs from its persisted inputs, or fails with a reason: job_recovery.py), then starts the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
+or in progress; it re-runs from its persisted inputs, or fails with a reason: job_recovery.py), then starts
+the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
 (submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the engine
 and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
 Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat_many(choices)` starts a
@@ -103,9 +104,8 @@ class EngineClient:
         self._started = False
         self.upsampler = upsampler or UpsamplerConfig()
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
-        self._upsampling_ephemeral: dict[
-            str, int
-        ] = {}  # job-less requests' ids -> slots, prompt being written
+        # job-less requests (images, streams) whose prompt is being written: their id -> the queue slots held
+        self._upsampling_ephemeral: dict[str, int] = {}
         self._storing = 0  # jobs admitted whose row and reference are being written (create_job)
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
 

@@ -142,9 +142,7 @@ def decode_chat_frames(images: Sequence[bytes], sampling: VideoSampling, *, para
             raise ParamError(param, f"{param}: the frames differ in size ({first[1]}x{first[0]} and "
                              f"{frame.shape[1]}x{frame.shape[0]}); send frames of one size")  # fmt: skip
         first = frame.shape[:2]
-        h, w = sampling.frame_size(len(wanted), *first)
-        resized = Image.fromarray(frame).resize((w, h), resample=Image.Resampling.BICUBIC)
-        kept.extend([np.asarray(resized, dtype=np.uint8)] * want[i])
+        kept.extend([_resized(Image.fromarray(frame), sampling, len(wanted))] * want[i])
     return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=DEFAULT_SOURCE_FPS)
 
 
@@ -177,13 +175,17 @@ def _sample(data: bytes, sampling: VideoSampling, total: int, fps: float, param:
             break
         if i not in want:
             continue
-        h, w = sampling.frame_size(len(wanted), frame.height, frame.width)
-        img = frame.to_image()  # PIL RGB
-        arr = np.asarray(img.resize((w, h), resample=Image.Resampling.BICUBIC), dtype=np.uint8)
-        kept.extend([arr] * want[i])
+        kept.extend([_resized(frame.to_image(), sampling, len(wanted))] * want[i])
     if len(kept) != len(wanted):
         return None
     return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=fps)
+
+
+def _resized(img: Image.Image, sampling: VideoSampling, num_frames: int) -> np.ndarray:
+    """A sampled RGB frame resized (PIL bicubic) to the size Qwen3-VL's processor gives a clip of `num_frames`
+    frames: uint8 [h, w, 3]."""
+    h, w = sampling.frame_size(num_frames, img.height, img.width)
+    return np.asarray(img.resize((w, h), resample=Image.Resampling.BICUBIC), dtype=np.uint8)
 
 
 def _invalid(param: str) -> ParamError:
