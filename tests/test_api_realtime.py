@@ -272,7 +272,8 @@ async def test_the_tiny_checkpoint_streams_over_a_real_socket(tmp_path, tiny_ckp
                  "num_inference_steps": 2, "seed": 5}  # fmt: skip
         messages, data, _ = await realtime_session(url, start)
     assert messages[-1]["type"] == "session.done" and messages[-1]["stopped"] is False
-    assert [m["num_frames"] for m in messages[1:-1]] == [0, 1, 16, 4]
+    # the init segment, frame 0, then 4 frames per latent frame of a decode chunk (2 latent frames)
+    assert [m["num_frames"] for m in messages[1:-1]] == [0, 1, 8, 8, 4]
     probe = probe_mp4(data)
     assert (probe.width, probe.height, probe.num_frames, probe.audio_codec) == (32, 32, 21, "aac")
 

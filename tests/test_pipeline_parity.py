@@ -78,7 +78,7 @@ def test_same_seed_same_output_whatever_else_is_batched(ours_pipeline):
 
 def test_streamed_decode_gives_the_same_frames_and_the_audio_first(ours_pipeline):
     """decode(stream=True): the audio and the frame count are there before any frame is decoded; the
-    chunks (frame 0, then 16 a chunk) are decode()'s frames; "vae.decode" is timed when the last is made."""
+    chunks (frame 0, then 8 a chunk: 2 latent frames) are decode()'s frames; "vae.decode" is timed when the last is made."""
     params = VideoParams(prompt="a cat", seed=3, num_frames=21, height=32, width=48, num_inference_steps=1,
                          negative_prompt="", generate_sound=True)  # fmt: skip
     whole, state = ours_pipeline.generate(params)
@@ -87,6 +87,6 @@ def test_streamed_decode_gives_the_same_frames_and_the_audio_first(ours_pipeline
     np.testing.assert_array_equal(streamed.audio, whole.audio)
     assert "vae.decode" not in streamed.stage_seconds
     chunks = list(streamed.frames)
-    assert [c.shape[0] for c in chunks] == [1, 16, 4]
+    assert [c.shape[0] for c in chunks] == [1, 8, 8, 4]
     np.testing.assert_array_equal(np.concatenate(chunks), whole.frames)
     assert streamed.stage_seconds["vae.decode"] > 0 and "audio.decode" in streamed.stage_seconds

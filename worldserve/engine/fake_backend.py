@@ -6,7 +6,7 @@ a broadcast view (no memory even at 720p x 189 frames). Audio, when on, is a see
 GPU time) and records its batch size, so engine-policy tests can assert on batching. A prompt holding the word
 `__fail__:prepare`, `__fail__:denoise` or `__fail__:decode` raises at that stage, `__fail__:decode_stream`
 after a streamed decode's first chunk (failure-isolation tests). `decode(stream=True)` streams frame 0 and
-then 16 frames a chunk, each after `decode_chunk_delay` seconds (counted in `decoded_chunks`).
+then 16 frames a chunk (the real decoder makes 4 per latent frame of its chunk: 8 by default), each after `decode_chunk_delay` seconds (counted in `decoded_chunks`).
 It never changes the outputs of one request because of another one in its batch.
 """
 
@@ -108,7 +108,7 @@ class FakeBackend:
             self.released.append(state.request_id)
 
     def _chunks(self, frames: np.ndarray, params: VideoParams) -> Iterator[np.ndarray]:
-        """Frame 0, then 16 frames a chunk (the real decoder's pace); FAIL_MARKER + "decode_stream" fails
+        """Frame 0, then 16 frames a chunk; FAIL_MARKER + "decode_stream" fails
         the stream after its first chunk."""
         self.decoded_chunks += 1
         yield frames[:1]

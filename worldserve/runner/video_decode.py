@@ -2,7 +2,7 @@
 
 The audio goes first (the AVAE decode is short: ~0.04 s at 720p x 189 frames on an H200), so a streaming
 consumer knows the whole audio track before the first frame. The frames come from the Wan2.2 decoder chunk
-by chunk (`VideoVAE.decode_frames`: frame 0, then 16 frames per 4 latent frames, each copied to the host
+by chunk (`VideoVAE.decode_frames`: frame 0, then 4 frames per latent frame of a chunk, 8 by default, each copied to the host
 while the GPU decodes the next) as a `FrameStream`: the engine hands it to the MP4 encoder, which muxes the first chunks
 while the GPU decodes the next (media/frame_stream.py); other callers read it whole (`stream=False`).
 """

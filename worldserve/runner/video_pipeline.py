@@ -30,7 +30,6 @@ from worldserve.models.cosmos3.audio_vae import AudioVAE
 from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
 from worldserve.models.cosmos3.vae import VideoVAE
-from worldserve.models.cosmos3.wan_decoder import DEFAULT_CHUNK_SIZE, SMALL_MEMORY_CHUNK_SIZE
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.devices import check_device, default_device, default_dtype
@@ -164,7 +163,6 @@ class VideoPipeline:
         vae = VideoVAE.from_pretrained(
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
             compile_decoder=kernels.compile and device.type == "cuda", time_winograd=not kernels.layerwise_offload,
-            decode_chunk_size=SMALL_MEMORY_CHUNK_SIZE if kernels.layerwise_offload else DEFAULT_CHUNK_SIZE,
         )  # fmt: skip
         audio_vae = None
         if layout.has_sound:

@@ -33,12 +33,12 @@ Memory at 720p x 189 frames, bf16 (45x80 latents; traced with fake tensors, eage
 frames): the widest tensors live in the last up block at 360x640 x 4k frames (512 ch: 0.94k GB, 256 ch:
 0.47k GB), and the peak is its first residual block (input, norm output, context concat, shortcut):
 3.32k GB, on top of 1.11 GB weights, 3.29 GB causal contexts (32 convs x 2 frames), 1.05 GB output and
-~0.5 GB else: ~6.0 + 3.3k GB, so k = 4 (the default) ~19 GB, 6 ~26 GB, 8 ~33 GB, 10 ~39 GB (k = 1, diffusers'
+~0.5 GB else: ~6.0 + 3.3k GB, so k = 2 (the default) ~13 GB, 4 ~19 GB, 6 ~26 GB, 8 ~33 GB, 10 ~39 GB (k = 1, diffusers'
 schedule: ~9 GB; diffusers itself measured +13.1 GiB). Compiled, norm/SiLU/concat fuse into one buffer
 (~1k GB less). cuDNN workspaces and allocator slack come on top. `chunk_size` is a parameter; every chunk
 size gives the same numbers up to float rounding (float32 on the CPU: diffusers' to ~1e-7 in tests). The
 Winograd convs add their transformed inputs (2 frames of C channels per output frame) and partial outputs:
-measured peak 27.4 GiB allocated at k = 4 (21.0 GiB with plain convs).
+measured peak 27.4 GiB allocated at k = 4 (21.0 GiB with plain convs); see DEFAULT_CHUNK_SIZE for k = 2.
 """
 
 from __future__ import annotations
@@ -66,11 +66,13 @@ from worldserve.models.cosmos3.wan_decoder_blocks import (
 from worldserve.models.cosmos3.wan_decoder_convs import TimeWinogradConv3d
 from worldserve.models.layers.compile_limits import recompile_limits
 
-DEFAULT_CHUNK_SIZE = 4  # latent frames per chunk after the first; see the memory note above
-SMALL_MEMORY_CHUNK_SIZE = 2
-"""Under --enable-layerwise-offload (small GPUs): at 720p x 189 (H200, eager, plain convs; bench/vae_decode.py
---extra-chunk-sizes) k = 2 holds 10.7 GiB above what is resident, k = 4 16.9 GiB, k = 1 7.6 GiB; 6.42 / 6.47 /
-6.55 s. Served on a 31 GiB cap with k = 4, the Reasoner's K/V beside it, the decode ran out of memory."""
+DEFAULT_CHUNK_SIZE = 2
+"""Latent frames per chunk after the first. At 720p x 189 on an H200, compiled with the Winograd convs
+(bench/results/vae-decode-20261203-h200-compiled-chunk{2,4}.json): k = 2 decodes in 3.850 s holding 14.0 GiB
+above what is resident and compiles in 36.7 s; k = 4 3.797 s, 22.9 GiB, 67.3 s. 1.4 % slower for 8.9 GiB less
+and half the compile time. Eager under --enable-layerwise-offload (plain convs): k = 2 10.7 GiB, k = 4 16.9 GiB;
+served on a 31 GiB cap, k = 4 ran out of memory beside the Reasoner's K/V, k = 2 passes
+(serve-video-20261203-h200-offload-cap31.json)."""
 CHECKPOINT_PREFIXES = ("decoder.", "post_quant_conv.")
 
 
