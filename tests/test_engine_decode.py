@@ -300,14 +300,12 @@ def test_a_streamed_ephemeral_request_hands_its_frames_over_as_they_decode(tmp_p
     async def main():
         client = make_client(tmp_path, backend=backend)
         await client.start()
-        _, aborted = client.stream_ephemeral(job_params(frames=97), "rt-aborted", on_frames("rt-aborted"))
+        _, aborted = client.jobless.stream(job_params(frames=97), "rt-aborted", on_frames("rt-aborted"))
         await asyncio.to_thread(backend.decoding.wait, 5)
         client.engine.abort("rt-aborted")
         with pytest.raises(CancelledRequest):
             await asyncio.wait_for(aborted, 5)
-        request, done = client.stream_ephemeral(
-            job_params(frames=33, seed=2), "rt-done", on_frames("rt-done")
-        )
+        request, done = client.jobless.stream(job_params(frames=33, seed=2), "rt-done", on_frames("rt-done"))
         result = await asyncio.wait_for(done, 10)
         await client.shutdown(5)
         return request, result

@@ -234,7 +234,7 @@ def test_ephemeral_requests_are_cancelled_at_shutdown_and_leave_the_queue_alone(
         client = make_client(tmp_path, backend=backend, max_batch_size=1)
         await client.start()
         images = asyncio.ensure_future(
-            client.generate_ephemeral(
+            client.jobless.generate(
                 [job_params(steps=200), job_params(steps=200, seed=2)], prefix="img", timeout_s=30
             )
         )

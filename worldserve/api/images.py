@@ -127,7 +127,7 @@ async def _generated(st: AppState, params: list[VideoParams], request_id: str, h
     revised = None
     if params[0].upsample_prompt:
         try:
-            revised = await st.client.admitted_upsampling(
+            revised = await st.client.jobless.admitted_upsampling(
                 params[0], request_id, st.sync_timeout_s, len(params)
             )
         except TimeoutError:
@@ -139,7 +139,7 @@ async def _generated(st: AppState, params: list[VideoParams], request_id: str, h
             ) from None
         params = [dataclasses.replace(p, prompt=revised, upsample_prompt=False) for p in params]
     left = max(deadline - time.monotonic(), 0.001)  # (no await before the queue: the held slots pass to it)
-    return revised, await st.client.generate_ephemeral(params, prefix=request_id, timeout_s=left)
+    return revised, await st.client.jobless.generate(params, prefix=request_id, timeout_s=left)
 
 
 def encode_image(frame, fmt: str) -> bytes:

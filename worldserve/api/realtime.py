@@ -139,7 +139,7 @@ class _Session:
     def _abort(self) -> None:
         """Stop the request unless it has ended (its outcome, unread, was marked read when it was made)."""
         if self.done is not None and not self.done.done():
-            self.st.client.abort_stream(self.request_id)
+            self.st.client.jobless.abort(self.request_id)
 
     async def _queue(self, params: VideoParams, encode: EncodeOptions, config: dict[str, Any],
                      control: asyncio.Task) -> bool:  # fmt: skip
@@ -149,7 +149,8 @@ class _Session:
         client = self.st.client
         if params.upsample_prompt:
             started = await self._upsampled(
-                client.stream_upsampled(params, self.request_id, on_frames, self.st.sync_timeout_s), control
+                client.jobless.stream_upsampled(params, self.request_id, on_frames, self.st.sync_timeout_s),
+                control,
             )
             if started is None:
                 return False
@@ -157,7 +158,7 @@ class _Session:
             config = {**config, "upsampled_prompt": prompt}
         else:
             try:
-                self.request, self.done = client.stream_ephemeral(params, self.request_id, on_frames)
+                self.request, self.done = client.jobless.stream(params, self.request_id, on_frames)
             except (QueueFullError, ShuttingDownError) as exc:
                 await self._refused(exc)
                 return False
@@ -168,7 +169,7 @@ class _Session:
     async def _upsampled(
         self, start: Coroutine[Any, Any, _Started], control: asyncio.Task
     ) -> _Started | None:
-        """`start` (the client's stream_upsampled: the Reasoner writes the prompt, as `POST /v1/videos`
+        """`start` (the client's jobless.stream_upsampled: the Reasoner writes the prompt, as `POST /v1/videos`
         upsamples, then the request is queued), or None once an error was sent; the session's end (_Stop)
         cancels the chat."""
         work = asyncio.ensure_future(start)

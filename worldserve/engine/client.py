@@ -16,6 +16,8 @@ Chat completions (when a chat backend is given) run in a ChatWorker thread; `cha
 request's choices together and gives a `ChatEvents` async iterator for each (ChatStarted, ChatDelta..., or
 ChatFailed), bridged with call_soon_threadsafe. Shutdown gives running chats the same timeout as jobs, then
 fails them with a 503 (on a deadline of their own: the engine may be inside a decode it cannot interrupt).
+Image batches and realtime streams run without jobs through `jobless` (engine/ephemeral.py), admitted by
+the same queue bound.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 from worldserve.chat_params import ChatParams
@@ -41,7 +43,7 @@ from worldserve.engine.chat_worker import (
     ChatWorker,
 )
 from worldserve.engine.engine import Engine
-from worldserve.engine.ephemeral import run_without_jobs, start_streamed
+from worldserve.engine.ephemeral import JoblessRequests
 from worldserve.engine.job_files import StorageError, inputs_record
 from worldserve.engine.job_recovery import restored_jobs
 from worldserve.engine.job_waiters import JobWaiters
@@ -61,8 +63,8 @@ from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import VideoParams
 
 __all__ = [
-    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job",
-    "JobSpec", "JobStatus", "NO_REASONER", "QueueFullError", "ShuttingDownError", "StorageError", "UpsamplingFailed", "error_for", "metered",
+    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job", "JobSpec",
+    "JobStatus", "NO_REASONER", "QueueFullError", "Request", "ShuttingDownError", "StorageError", "UpsamplingFailed", "VideoResult", "error_for", "metered",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -104,10 +106,10 @@ class EngineClient:
         self._started = False
         self.upsampler = upsampler or UpsamplerConfig()
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
-        # job-less requests (images, streams) whose prompt is being written: their id -> the queue slots held
-        self._upsampling_ephemeral: dict[str, int] = {}
         self._storing = 0  # jobs admitted whose row and reference are being written (create_job)
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
+        # images and realtime streams: through the engine without a job, admitted as jobs are
+        self.jobless = JoblessRequests(engine, self._check_admission, self.upsampled_prompt)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -231,7 +233,7 @@ class EngineClient:
     def num_waiting(self) -> int:
         """Jobs and streamed requests waiting: in the engine's queue or having their prompt upsampled."""
         waiting = self.engine.num_waiting + len(self._upsampling) + self._storing
-        return waiting + sum(self._upsampling_ephemeral.values())
+        return waiting + self.jobless.upsampling
 
     @property
     def num_running(self) -> int:
@@ -330,60 +332,6 @@ class EngineClient:
             return  # deleted (or failed) meanwhile
         self._upsampling.pop(job_id, None)  # counted as waiting by the engine from now on, not twice
         self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
-
-    async def generate_ephemeral(
-        self, params_list: Sequence[VideoParams], *, prefix: str, timeout_s: float
-    ) -> list[VideoResult]:
-        """Run requests through the engine without jobs (POST /v1/images/generations): the decoded results in
-        order, or the first failure raised. Past `timeout_s` they are aborted and TimeoutError is raised."""
-        self._check_admission(len(params_list), "requests")
-        return await run_without_jobs(self.engine, params_list, prefix, timeout_s)
-
-    def stream_ephemeral(
-        self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None]
-    ) -> tuple[Request, asyncio.Future[VideoResult]]:
-        """Run one request without a job whose frames go to `on_frames` while they are decoded
-        (/v1/realtime/video; engine/ephemeral.py `start_streamed`). QueueFullError / ShuttingDownError when
-        it cannot be queued now."""
-        self._check_admission(1, "requests")
-        return start_streamed(self.engine, params, request_id, on_frames)
-
-    async def admitted_upsampling(
-        self, params: VideoParams, request_id: str, timeout_s: float, count: int = 1
-    ) -> str:
-        """The prompt the Reasoner writes for `count` job-less requests (an image batch, a stream) that will
-        queue once it is written: admitted first (QueueFullError / ShuttingDownError) and counted as waiting
-        meanwhile, as a job is. Its caller queues them with no await after this returns, so the slots held
-        pass to the queue. A failure (UpsamplingFailed) or `timeout_s` passing (TimeoutError) is counted as
-        `count` failed requests (its status; 504), a cancellation as `count` cancelled ones."""
-        self._check_admission(count, "requests")
-        self._upsampling_ephemeral[request_id] = count
-        try:
-            return await asyncio.wait_for(self.upsampled_prompt(params), timeout_s)
-        except (TimeoutError, UpsamplingFailed) as exc:
-            for _ in range(count):
-                self.engine.observer.on_failed(504 if isinstance(exc, TimeoutError) else exc.status)
-            raise
-        except asyncio.CancelledError:
-            for _ in range(count):
-                self.engine.observer.on_cancelled()
-            raise
-        finally:
-            del self._upsampling_ephemeral[request_id]
-
-    async def stream_upsampled(
-        self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None], timeout_s: float
-    ) -> tuple[str, Request, asyncio.Future[VideoResult]]:
-        """`stream_ephemeral` for a request whose prompt the Reasoner writes first (admitted_upsampling): the
-        written prompt and the started request."""
-        prompt = await self.admitted_upsampling(params, request_id, timeout_s)
-        written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-        return prompt, *self.stream_ephemeral(written, request_id, on_frames)
-
-    def abort_stream(self, request_id: str) -> None:
-        """Stop a `stream_ephemeral` request at its next step (or decode chunk); its future then settles
-        with CancelledRequest, or with the result when every frame was already decoded."""
-        self.engine.abort(request_id)
 
     def get(self, job_id: str) -> Job | None:
         return self.store.get(job_id)

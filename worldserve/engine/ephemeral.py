@@ -1,17 +1,102 @@
 """Requests that run through the engine without a job (POST /v1/images/generations, /v1/realtime/video): no
-store row, no files; the results come back to the caller's event loop, or the first failure is raised."""
+store row, no files; the results come back to the caller's event loop, or the first failure is raised.
+
+`JoblessRequests` (the client's `jobless`) is what the routes call: it admits these requests as the client
+admits jobs (the queue bound, the shutdown) and, for one whose prompt the Reasoner writes first, holds its
+queue slots while it is written (counted as waiting), so `--max-queued-requests` bounds them too.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from worldserve.engine.engine import Engine
 from worldserve.engine.outputs import VideoResult
+from worldserve.engine.prompt_upsampling import UpsamplingFailed
 from worldserve.engine.request import Request
 from worldserve.params import VideoParams
+
+
+class JoblessRequests:
+    """Image batches and realtime streams: admitted by `check_admission(count, what)` (the client's: raises
+    QueueFullError / ShuttingDownError), their prompts written by `write_prompt` (the client's
+    `upsampled_prompt`) when they ask for it."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        check_admission: Callable[[int, str], None],
+        write_prompt: Callable[[VideoParams], Awaitable[str]],
+    ):
+        self.engine = engine
+        self._check_admission = check_admission
+        self._write_prompt = write_prompt
+        self._upsampling: dict[
+            str, int
+        ] = {}  # request id -> the queue slots it holds while its prompt is written
+
+    @property
+    def upsampling(self) -> int:
+        """Queue slots held by requests whose prompt is being written (they count as waiting)."""
+        return sum(self._upsampling.values())
+
+    async def generate(
+        self, params_list: Sequence[VideoParams], *, prefix: str, timeout_s: float
+    ) -> list[VideoResult]:
+        """Run requests (POST /v1/images/generations): the decoded results in order, or the first failure
+        raised. Past `timeout_s` they are aborted and TimeoutError is raised."""
+        self._check_admission(len(params_list), "requests")
+        return await run_without_jobs(self.engine, params_list, prefix, timeout_s)
+
+    def stream(
+        self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None]
+    ) -> tuple[Request, asyncio.Future[VideoResult]]:
+        """Run one request whose frames go to `on_frames` while they are decoded (/v1/realtime/video;
+        `start_streamed`). QueueFullError / ShuttingDownError when it cannot be queued now."""
+        self._check_admission(1, "requests")
+        return start_streamed(self.engine, params, request_id, on_frames)
+
+    async def admitted_upsampling(
+        self, params: VideoParams, request_id: str, timeout_s: float, count: int = 1
+    ) -> str:
+        """The prompt the Reasoner writes for `count` requests (an image batch, a stream) that will queue once
+        it is written: admitted first (QueueFullError / ShuttingDownError) and counted as waiting meanwhile,
+        as a job is. Its caller queues them with no await after this returns, so the slots held pass to the
+        queue. A failure (UpsamplingFailed) or `timeout_s` passing (TimeoutError) is counted as `count`
+        failed requests (its status; 504), a cancellation as `count` cancelled ones."""
+        self._check_admission(count, "requests")
+        self._upsampling[request_id] = count
+        observer = self.engine.observer
+        try:
+            return await asyncio.wait_for(self._write_prompt(params), timeout_s)
+        except (TimeoutError, UpsamplingFailed) as exc:
+            for _ in range(count):
+                observer.on_failed(504 if isinstance(exc, TimeoutError) else exc.status)
+            raise
+        except asyncio.CancelledError:
+            for _ in range(count):
+                observer.on_cancelled()
+            raise
+        finally:
+            del self._upsampling[request_id]
+
+    async def stream_upsampled(
+        self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None], timeout_s: float
+    ) -> tuple[str, Request, asyncio.Future[VideoResult]]:
+        """`stream` for a request whose prompt the Reasoner writes first (admitted_upsampling): the written
+        prompt and the started request."""
+        prompt = await self.admitted_upsampling(params, request_id, timeout_s)
+        written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
+        return prompt, *self.stream(written, request_id, on_frames)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a streamed request at its next step (or decode chunk); its future then settles with
+        CancelledRequest, or with the result when every frame was already decoded."""
+        self.engine.abort(request_id)
 
 
 async def run_without_jobs(
