@@ -81,6 +81,19 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         ({"prompt": "x", "extra_params": {"guidance_interval": [900, 100]}}, "guidance_interval"),
         ({"prompt": "x", "extra_params": {"seed": "abc"}}, "extra_params.seed"),
         ({"prompt": "x", "extra_params": {"generate_sound": True}}, "extra_params.generate_sound"),
+        ({"prompt": "x", "extra_params": {"sound_gen": True}}, "extra_params.sound_gen"),
+        (
+            {"prompt": "x", "extra_params": {"video_codec_options": {"crf": 20}}},
+            "extra_params.video_codec_options",
+        ),
+        (
+            {"prompt": "x", "extra_params": {"use_duration_template": False}},
+            "extra_params.use_duration_template",
+        ),
+        (
+            {"prompt": "x", "extra_params": {"condition_video_keep": "last"}},
+            "extra_params.condition_video_keep",
+        ),
         ({"prompt": " "}, "prompt"),
         ({}, "prompt"),
     ],
@@ -90,6 +103,43 @@ async def test_bad_input_is_a_400_naming_the_field(tmp_path, body, param):
         r = await http.post("/v1/images/generations", json=body)
         assert r.status_code == 400, r.text
         assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+
+
+async def test_response_format_file_answers_the_image_or_a_zip_of_them(tmp_path):
+    """vLLM-Omni's `response_format: "file"`: one image as itself (an attachment, its media type), several as
+    a ZIP of image_<i>.<ext>; the same bytes as b64_json gives for the same seeds."""
+    import zipfile
+
+    body = {"prompt": "a cat", "size": "64x48", "seed": 3, **SMALL}
+    async with asgi_server(tmp_path) as http:
+        inline = (await http.post("/v1/images/generations", json={**body, "n": 2})).json()["data"]
+        expected = [base64.b64decode(d["b64_json"]) for d in inline]
+        one = await http.post("/v1/images/generations", json={**body, "response_format": "file"})
+        assert one.status_code == 200 and one.headers["content-type"] == "image/png"
+        assert one.headers["content-disposition"].startswith('attachment; filename="image_')
+        assert one.content == expected[0] and one.headers["x-request-id"].startswith("img_gen-")
+        many = await http.post("/v1/images/generations", json={**body, "n": 2, "response_format": "file"})
+        assert many.headers["content-type"] == "application/zip"
+        with zipfile.ZipFile(io.BytesIO(many.content)) as archive:
+            assert archive.namelist() == ["image_0.png", "image_1.png"]
+            assert [archive.read(n) for n in archive.namelist()] == expected
+        jpeg = await http.post("/v1/images/generations",
+                               json={**body, "response_format": "file", "output_format": "jpg"})  # fmt: skip
+        assert jpeg.headers["content-type"] == "image/jpeg" and '.jpg"' in jpeg.headers["content-disposition"]
+        assert decode(base64.b64encode(jpeg.content)).format == "JPEG"
+
+
+async def test_openai_defaults_n_null_and_size_auto_are_the_route_defaults(tmp_path):
+    """OpenAI's `n: null` is one image and `size: "auto"` the model's default size (1024x1024)."""
+    from worldserve.api.images import ImageGenerationRequest, build_params
+
+    [p] = build_params(ImageGenerationRequest(prompt="x", n=None, size="auto"))
+    assert (p.width, p.height) == (1024, 1024)
+    async with asgi_server(tmp_path) as http:
+        r = await http.post(
+            "/v1/images/generations", json={"prompt": "x", "n": None, "size": "64x48", **SMALL}
+        )
+        assert r.status_code == 200 and len(r.json()["data"]) == 1
 
 
 async def test_json_only(tmp_path):

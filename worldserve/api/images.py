@@ -3,7 +3,9 @@
 JSON only. Validate (400s with `param`) -> `n` one-frame requests through the engine's scheduler (seeds
 seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by step) with no job in the store
 -> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
-"output_format", "size"}` (+ `metrics` with `return_stage_metrics`). Defaults as vLLM-Omni's Cosmos3 T2I:
+"output_format", "size"}` (+ `metrics` with `return_stage_metrics`), or with vLLM-Omni's `response_format:
+"file"` the image itself as an attachment (n > 1: a ZIP of `image_<i>.<ext>`). `n: null` and OpenAI's
+`size: "auto"` take the defaults. Defaults as vLLM-Omni's Cosmos3 T2I:
 1024x1024, 50 steps, guidance 7.0 inside the timestep window [400, 1000], flow shift 3.0, no audio, a random
 seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches,
 upsample_prompt: the prompt the Reasoner writes comes back as each image's `revised_prompt`) and, as there, wins
@@ -21,10 +23,11 @@ import io
 import random
 import time
 import uuid
+import zipfile
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
 from worldserve.api.bodies import read_json_object
@@ -45,6 +48,11 @@ DEFAULT_GUIDANCE = 7.0
 DEFAULT_SHIFT = 3.0
 DEFAULT_INTERVAL = (400.0, 1000.0)
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+VIDEO_ONLY_EXTRA = (
+    "sound_duration", "audio_duration", "video_codec_options", "condition_frame_indexes_vision",
+    "condition_video_keep", "use_duration_template",
+)  # fmt: skip
+"""`extra_params` keys of the video routes that mean nothing for one image: a 400 naming the key."""
 
 
 class ImageGenerationRequest(NumbersNotBooleans):
@@ -54,9 +62,11 @@ class ImageGenerationRequest(NumbersNotBooleans):
 
     prompt: str
     model: str | None = None
-    n: int = Field(1, ge=1, le=10)
+    n: int | None = Field(1, ge=1, le=10, description="null: 1")
     size: str | None = Field(
-        None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$", description="WIDTHxHEIGHT, default 1024x1024."
+        None,
+        pattern=r"^([0-9]{1,5}x[0-9]{1,5}|auto)$",
+        description="WIDTHxHEIGHT; auto or absent: 1024x1024.",
     )
     response_format: Literal["b64_json", "url", "file"] | None = None
     output_format: Literal["png", "jpeg", "jpg", "webp"] | None = None
@@ -81,14 +91,22 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
     """The `n` one-frame requests (seed, seed + 1, ...), validated (an error names `extra_params.<key>` for a
     value from there); `default_flow_shift` (--flow-shift) replaces T2I's 3.0 for requests that send no
     flow_shift."""
-    if req.response_format not in (None, "b64_json"):
-        raise APIError(400, "only response_format 'b64_json' is supported", param="response_format")
+    if req.response_format == "url":
+        raise APIError(400, "response_format 'url' is not supported: use 'b64_json' or 'file'",
+                       param="response_format")  # fmt: skip
     if req.lora is not None:
         raise APIError(400, "LoRA adapters are not supported by this server yet", param="lora")
     extra = parse_extra_params(req.extra_params)
-    if extra.generate_sound:  # (false or absent: the image route makes none anyway)
-        raise APIError(400, "sound cannot be generated for an image", param="extra_params.generate_sound")
-    width, height = (int(v) for v in (req.size or DEFAULT_SIZE).split("x"))
+    for key in ("generate_sound", "sound_gen"):  # (false or absent: the image route makes none anyway)
+        if getattr(extra, key):
+            raise APIError(400, "sound cannot be generated for an image", param=f"extra_params.{key}")
+    for key in VIDEO_ONLY_EXTRA:
+        if getattr(extra, key) is not None:
+            raise APIError(
+                400, f"extra_params.{key} applies to videos, not images", param=f"extra_params.{key}"
+            )
+    size = DEFAULT_SIZE if req.size in (None, "auto") else req.size
+    width, height = (int(v) for v in size.split("x"))
     origin: dict[str, str] = {"system_prompt": "extra_params.system_prompt"}
 
     def pick(name: str, default):
@@ -114,7 +132,7 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
     )  # fmt: skip
     base.validate_as(origin)
     wrap = lambda s: (s + INT64) % (2 * INT64) - INT64  # noqa: E731  (seed + i stays an int64)
-    return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n)]
+    return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n or 1)]
 
 
 async def _generated(st: AppState, params: list[VideoParams], request_id: str, headers: dict):
@@ -153,15 +171,36 @@ def encode_image(frame, fmt: str) -> bytes:
     return buf.getvalue()
 
 
+def image_file(images: list[bytes], fmt: str, request_id: str, headers: dict[str, str]) -> Response:
+    """`response_format: "file"`: one image as itself, several as a ZIP (stored: the images are compressed
+    already) of image_<i>.<ext>, each an attachment named after the request."""
+    ext = "jpg" if fmt in ("jpeg", "jpg") else fmt
+    name = request_id.removeprefix("img_gen-")[:16]
+    if len(images) == 1:
+        data, media_type, filename = (
+            images[0],
+            f"image/{'jpeg' if ext == 'jpg' else ext}",
+            f"image_{name}.{ext}",
+        )
+    else:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:
+            for i, image in enumerate(images):
+                archive.writestr(f"image_{i}.{ext}", image)
+        data, media_type, filename = buf.getvalue(), "application/zip", f"images_{name}.zip"
+    disposition = {"Content-Disposition": f'attachment; filename="{filename}"'}
+    return Response(data, media_type=media_type, headers=headers | disposition)
+
+
 @router.post("/v1/images/generations")
-async def create_images(request: Request, st: State) -> JSONResponse:
+async def create_images(request: Request, st: State) -> Response:
     """Text-to-image (JSON body): `n` images as base64 in `data`, generated with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
     req = ImageGenerationRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
     if not st.serves(req.model):
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip
-    if req.n > st.client.max_queued_requests:
+    if (req.n or 1) > st.client.max_queued_requests:
         raise APIError(
             400, f"n={req.n} is above this server's queue ({st.client.max_queued_requests})", param="n"
         )
@@ -189,6 +228,8 @@ async def create_images(request: Request, st: State) -> JSONResponse:
         raise APIError(code, message, headers=headers) from None
     fmt = req.output_format or "png"
     images = await asyncio.gather(*(asyncio.to_thread(encode_image, r.frames[0], fmt) for r in results))
+    if req.response_format == "file":
+        return image_file(images, fmt, request_id, headers)
     body: dict[str, Any] = {
         "created": int(time.time()),
         "data": [
