@@ -190,7 +190,7 @@ def _mp4(frames: int = 30, fps: float = 24.0) -> bytes:
 
 @pytest.mark.parametrize(("media_io", "frames"), [(None, 4), ({"video": {"num_frames": 6}}, 6)])
 def test_video_url_data_and_file(server, reasoner, media_io, frames):
-    """A video_url part (data: URL, then file://) answers what the Reasoner answers for the same decoded
+    """A video_url part (data: URL, one wrapped into lines, then file://) answers what the Reasoner answers for the same decoded
     frames; media_io_kwargs changes the sampling."""
     from worldserve.chat_params import VideoSampling
     from worldserve.media.video_input import decode_chat_video
@@ -204,7 +204,14 @@ def test_video_url_data_and_file(server, reasoner, media_io, frames):
     msgs = (ChatMessage(role="user", content=(ChatPart(type="video", video=video),
                                                ChatPart(type="text", text="What moves?"))),)  # fmt: skip
     text, session = _direct(reasoner, ChatParams(messages=msgs, max_tokens=4, temperature=0))
-    for ref in ("data:video/mp4;base64," + base64.b64encode(mp4).decode(), f"file://{media / 'clip.mp4'}"):
+    wrapped = (
+        "data:video/mp4;base64," + base64.encodebytes(mp4).decode()
+    )  # MIME lines of 76 (vLLM takes them)
+    for ref in (
+        "data:video/mp4;base64," + base64.b64encode(mp4).decode(),
+        wrapped,
+        f"file://{media / 'clip.mp4'}",
+    ):
         body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": ref}}, {"type": "text", "text": "What moves?"}]}]}  # fmt: skip
         if media_io is not None:

@@ -13,14 +13,26 @@ NOT_BASE64 = "Only base64 data URLs are supported for now."
 
 def data_url_bytes(url: str, *, param: str, bad_payload: str) -> bytes:
     """The bytes of `data:<mime>;base64,<payload>`; ParamError(param, ...) when it is not base64 (or has no
-    comma) or `bad_payload` when the payload does not decode."""
+    comma) or `bad_payload` when the payload does not decode. A payload wrapped into lines (MIME base64, as
+    `base64 file.mp4` writes it; vLLM's video path takes it) decodes with its whitespace dropped; any other
+    character outside the alphabet is refused."""
     header, sep, payload = url.removeprefix("data:").partition(",")
     if not sep or not header.endswith(";base64"):
         raise ParamError(param, NOT_BASE64)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ParamError(param, bad_payload) from None
+        pass
+    unwrapped = payload.translate(_NO_WHITESPACE)  # (only after the strict decode failed: a copy)
+    try:
+        if len(unwrapped) < len(payload):
+            return base64.b64decode(unwrapped, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    raise ParamError(param, bad_payload)
+
+
+_NO_WHITESPACE = dict.fromkeys(map(ord, " \t\r\n\v\f"))
 
 
 FRAME_LIST_HEADER = "data:video/jpeg;base64,"
