@@ -487,3 +487,32 @@ async def test_unknown_paths_and_401s_stay_out_of_vllms_names(tmp_path):
         metrics = (await http.get("/metrics", headers=auth)).text
         counted = [line for line in metrics.splitlines() if line.startswith("http_requests_total")]
         assert counted and not any('method="GET"' in line for line in counted), counted  # the 401 GET
+
+
+async def test_a_large_json_body_is_parsed_off_the_event_loop(tmp_path, monkeypatch):
+    """JSON bodies past INLINE_JSON_BYTES are parsed on a thread (a 100 MB one held every request for seconds);
+    small ones on the loop; a bad large one is the same 400."""
+    import threading
+
+    from worldserve.api import bodies
+
+    threads: list[bool] = []
+    parse = bodies.parse_json
+
+    def recording(body, *a):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return parse(body, *a)
+
+    monkeypatch.setattr(bodies, "parse_json", recording)
+    big = json.dumps({"prompt": "x" * (bodies.INLINE_JSON_BYTES + 10), "size": "64x48", "n": 11})
+    async with asgi_server(tmp_path) as http:
+        for route in ("/v1/images/generations", "/v1/videos"):
+            r = await http.post(route, content=big, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text  # (n above 10 / too long a prompt: parsed, then refused)
+            r = await http.post(route, content=big[:-1], headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith("Invalid JSON body"), (
+                r.text
+            )
+        r = await http.post("/v1/images/generations", json={"prompt": "x", "n": 11})
+        assert r.status_code == 400
+    assert threads == [False, False, False, False, True], threads

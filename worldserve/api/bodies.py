@@ -6,6 +6,7 @@ into other characters, so a cut body ran a job with the defaults of the fields i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -131,13 +132,25 @@ def parse_json(body: str | bytes, what: str = "JSON body") -> Any:
     return data
 
 
+INLINE_JSON_BYTES = 1 << 20
+"""JSON bodies up to this size are parsed on the event loop; larger ones (a chat of base64 images, up to
+--max-upload-bytes) on a thread, so one client's 100 MB body does not hold every other request meanwhile."""
+
+
+async def parse_json_body(body: bytes) -> Any:
+    """`parse_json` of a request body, off the event loop when it is large (INLINE_JSON_BYTES)."""
+    if len(body) <= INLINE_JSON_BYTES:
+        return parse_json(body)
+    return await asyncio.to_thread(parse_json, body)
+
+
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     """The body as a JSON object; a 400 for another content type, bad JSON or a non-object, a 413 past
     `max_bytes`."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json")
-    data = parse_json(b"".join([chunk async for chunk in bounded_stream(request, max_bytes)]))
+    data = await parse_json_body(b"".join([chunk async for chunk in bounded_stream(request, max_bytes)]))
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object")
     return data

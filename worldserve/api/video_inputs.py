@@ -32,7 +32,7 @@ from worldserve.api.bodies import (
     bounded_stream,
     check_depth,
     check_unicode,
-    parse_json,
+    parse_json_body,
     parse_urlencoded,
 )
 from worldserve.api.data_urls import data_url_bytes
@@ -87,7 +87,7 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
         elif ctype == "application/x-www-form-urlencoded":
             form = parse_urlencoded(b"".join([chunk async for chunk in stream]))
         elif ctype == "application/json" or ctype.endswith("+json"):
-            return _json_fields(b"".join([chunk async for chunk in stream]))
+            return await _json_fields(b"".join([chunk async for chunk in stream]))
         elif not ctype and not [chunk async for chunk in stream if chunk]:
             return {}
         else:
@@ -113,8 +113,8 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     return fields
 
 
-def _json_fields(body: bytes) -> dict[str, Any]:
-    data = parse_json(body) if body.strip() else {}
+async def _json_fields(body: bytes) -> dict[str, Any]:
+    data = await parse_json_body(body) if body.strip() else {}
     if not isinstance(data, dict):
         raise APIError(400, f"The JSON body must be an object, got {type(data).__name__}.")
     return json_body_fields(data)
