@@ -126,4 +126,5 @@ def test_text_completion_prompt_logprobs_only_when_asked(urls):
         set(first["choices"][0]) == TEXT_CHOICE | {"prompt_logprobs"}
         and first["choices"][0]["prompt_logprobs"]
     )
-    assert rest and all(set(c["choices"][0]) == TEXT_CHOICE for c in rest)
+    # (the later chunks, if any: on a loaded machine the 3 tokens may all come in the first one)
+    assert all(set(c["choices"][0]) == TEXT_CHOICE for c in rest)
