@@ -35,9 +35,8 @@ class JoblessRequests:
         self.engine = engine
         self._check_admission = check_admission
         self._write_prompt = write_prompt
-        self._upsampling: dict[
-            str, int
-        ] = {}  # request id -> the queue slots it holds while its prompt is written
+        # request id -> the queue slots it holds while its prompt is written
+        self._upsampling: dict[str, int] = {}
 
     @property
     def upsampling(self) -> int:
