@@ -177,11 +177,8 @@ def image_file(images: list[bytes], fmt: str, request_id: str, headers: dict[str
     ext = "jpg" if fmt in ("jpeg", "jpg") else fmt
     name = request_id.removeprefix("img_gen-")[:16]
     if len(images) == 1:
-        data, media_type, filename = (
-            images[0],
-            f"image/{'jpeg' if ext == 'jpg' else ext}",
-            f"image_{name}.{ext}",
-        )
+        media_type = "image/jpeg" if ext == "jpg" else f"image/{ext}"
+        data, filename = images[0], f"image_{name}.{ext}"
     else:
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:
@@ -194,7 +191,8 @@ def image_file(images: list[bytes], fmt: str, request_id: str, headers: dict[str
 
 @router.post("/v1/images/generations")
 async def create_images(request: Request, st: State) -> Response:
-    """Text-to-image (JSON body): `n` images as base64 in `data`, generated with the video model."""
+    """Text-to-image (JSON body): `n` images as base64 in `data` (or as a file: `image_file`), generated
+    with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
     req = ImageGenerationRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
     if not st.serves(req.model):
