@@ -339,9 +339,8 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
         probs = vals.masked_fill(~keep, float("-inf")).softmax(-1)
         keep &= probs.cumsum(-1) - probs < p[:, None]  # drop a token once the mass before it reaches p
         cdf = vals.masked_fill(~keep, float("-inf")).softmax(-1).cumsum(-1)  # [S, n]
-        last = (keep.sum(-1, keepdim=True) - 1).clamp_min(
-            0
-        )  # the kept tokens are a prefix of the sorted order
+        # the kept tokens are a prefix of the sorted order
+        last = (keep.sum(-1, keepdim=True) - 1).clamp_min(0)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # [S, 1]
         drawn = order.gather(1, torch.minimum(pick, last))[:, 0]
         tokens = drawn if idx is None else tokens.index_copy(0, idx, drawn)
