@@ -287,6 +287,8 @@ def test_http_image_url_is_downloaded(server):
         ({"temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
         ({"n": 17}, 400, "n", "n must be between 1 and 16"),
         ({"n": 0}, 400, "n", "n must be between 1 and 16"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]},
+         400, "messages[0].content[1].text", "Missing required parameter"),  # (was rendered as empty text)
         ({"model": "nope"}, 404, "model", "The model `nope` does not exist."),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
          400, "messages[0].content[0].image_url", "base64"),

@@ -429,3 +429,25 @@ async def test_no_reasoner_and_shutting_down_answer_as_chat(tmp_path, reasoner, 
         http.engine_client.begin_shutdown(0.3)
         r = await http.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+
+
+def test_null_n_stream_and_echo_take_their_defaults_on_every_text_route(reasoner_url):
+    """OpenAI and vLLM declare `n`, `stream`, `echo` and the stream options nullable: null is the default (one
+    choice, no stream), as wrappers passing every argument send them; they were 400s."""
+    greedy = {"model": "test-model", "max_tokens": 2, "temperature": 0}
+    nulls = {
+        "n": None,
+        "stream": None,
+        "stream_options": {"include_usage": None, "continuous_usage_stats": None},
+    }
+    chat = {**greedy, "messages": [{"role": "user", "content": "x"}]}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {**greedy, "prompt": "x", "echo": None}),
+                       ("/v1/responses", {"model": "test-model", "input": "x", "stream": None})):  # fmt: skip
+        r = httpx.post(
+            reasoner_url + path, json={**body, **(nulls if path != "/v1/responses" else {})}, timeout=60
+        )
+        assert r.status_code == 200, (path, r.text)
+        plain = httpx.post(reasoner_url + path, json=body if path == "/v1/responses" else {
+            k: v for k, v in body.items() if k != "echo"}, timeout=60).json()  # fmt: skip
+        if path != "/v1/responses":
+            assert len(r.json()["choices"]) == 1 and r.json()["choices"] == plain["choices"]

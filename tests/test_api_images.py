@@ -83,6 +83,10 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         ({"prompt": "x", "extra_params": {"generate_sound": True}}, "extra_params.generate_sound"),
         ({"prompt": "x", "extra_params": {"sound_gen": True}}, "extra_params.sound_gen"),
         (
+            {"prompt": "x", "extra_params": {"negative_metadata_mode": "opposite"}},
+            "extra_params.negative_metadata_mode",
+        ),
+        (
             {"prompt": "x", "extra_params": {"video_codec_options": {"crf": 20}}},
             "extra_params.video_codec_options",
         ),

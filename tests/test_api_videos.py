@@ -279,12 +279,12 @@ def test_video_reference_survives_a_restart_record():
     params = VideoParams(prompt="x", num_frames=9, width=64, height=48, video=decode_video(clip, 9, "last"),
                          condition_frame_indexes=(0, 2), condition_video_keep="last",
                          guidance_interval=(400.0, 1000.0), add_duration_template=False,
-                         system_prompt="You render documentaries.")  # fmt: skip
+                         system_prompt="You render documentaries.", negative_metadata="none")  # fmt: skip
     record = json.loads(json.dumps(inputs_record(params, EncodeOptions(crf=18))))
     again, _ = inputs_from_record(record, clip)
     assert again.condition_frame_indexes == (0, 2) and again.condition_video_keep == "last"
     assert again.guidance_interval == (400.0, 1000.0) and not again.add_duration_template
-    assert again.system_prompt == "You render documentaries."
+    assert again.system_prompt == "You render documentaries." and again.negative_metadata == "none"
     np.testing.assert_array_equal(again.video, params.video)
 
 
@@ -296,14 +296,15 @@ async def test_prompt_template_extra_params_reach_the_request():
     from worldserve.params import ParamError
 
     extra = {"use_duration_template": False, "use_resolution_template": False, "use_system_prompt": True,
-             "system_prompt": "You render documentaries.", "guidance_interval": [400, 1000]}  # fmt: skip
+             "system_prompt": "You render documentaries.", "guidance_interval": [400, 1000],
+             "negative_metadata_mode": "inverse"}  # fmt: skip
     inputs = await build_inputs(
         {"prompt": "x", "extra_params": json.dumps(extra)}, served_model="m", has_sound=True
     )
     p = inputs.params
     assert (p.add_duration_template, p.add_resolution_template) == (False, False)
     assert p.use_system_prompt and p.system_prompt == "You render documentaries."
-    assert p.guidance_interval == (400.0, 1000.0)
+    assert p.guidance_interval == (400.0, 1000.0) and p.negative_metadata == "inverse"
     for bad in ("[1000, 400]", "[0, 2000]", "[1, 2, 3]", '"soon"'):
         with pytest.raises((APIError, ParamError)) as err:
             await build_inputs({"prompt": "x", "extra_params": f'{{"guidance_interval": {bad}}}'}, served_model="m",
@@ -312,7 +313,7 @@ async def test_prompt_template_extra_params_reach_the_request():
     defaults = (await build_inputs({"prompt": "x"}, served_model="m", has_sound=True)).params
     assert (
         defaults.add_duration_template and defaults.add_resolution_template and not defaults.use_system_prompt
-    )
+    ) and defaults.negative_metadata == "same"
     with pytest.raises(APIError) as bad:
         await build_inputs({"prompt": "x", "extra_params": '{"use_system_prompt": "maybe"}'}, served_model="m",
                            has_sound=True)  # fmt: skip

@@ -6,6 +6,7 @@ and system prompt off, fed our formatted strings, must give exactly our ids (§1
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -265,3 +266,25 @@ def test_texts_longer_than_any_tokenization_are_refused_without_tokenizing(encod
     with pytest.raises(ParamError) as err:
         encoder.encode_params(VideoParams(prompt="a cat", system_prompt=huge), with_uncond=False)
     assert err.value.param == "system_prompt" and len(calls) == 1
+
+
+@pytest.mark.parametrize("negative", ["blurry, low quality", ""])
+@pytest.mark.parametrize("frames", [189, 1])
+def test_inverse_negative_metadata_matches_diffusers(pipeline, encoder, negative, frames):
+    """extra_params.negative_metadata_mode "inverse": both branches' ids equal diffusers' tokenize_prompt with
+    its templates on (the prompt's sentences, their "is not" negations on the negative: vLLM-Omni's way);
+    "none" leaves the negative text alone; "same" (the default, the reference's) repeats the prompt's."""
+    params = VideoParams(prompt="A red fox runs through snow", negative_prompt=negative, num_frames=frames,
+                         negative_metadata="inverse")  # fmt: skip
+    ours = encoder.encode_params(params)
+    ref = pipeline.tokenize_prompt(
+        params.prompt, negative, num_frames=frames, height=params.height, width=params.width, fps=params.fps,
+        use_system_prompt=False, add_duration_template=True, add_resolution_template=True,
+    )  # fmt: skip
+    assert ours == (list(ref[0]), list(ref[1]))
+    bare = format_prompts(dataclasses.replace(params, negative_metadata="none")).uncond
+    assert bare == negative
+    same = format_prompts(dataclasses.replace(params, negative_metadata="same")).uncond
+    assert same.endswith(
+        "This video is of 720x1280 resolution." if frames > 1 else "This image is of 720x1280 resolution."
+    )

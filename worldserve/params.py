@@ -32,6 +32,8 @@ SIZE_MULTIPLE = 16
 MAX_FPS = 120
 MAX_SECONDS = max(tier[2] for tier in RESOLUTION_TIERS)
 """No tier makes a longer video (its most frames at the lowest fps, 1)."""
+NEGATIVE_METADATA_MODES = ("same", "inverse", "none")
+"""VideoParams.negative_metadata's values (vLLM-Omni's extra_params.negative_metadata_mode)."""
 IMAGE_MAX_AREA = 1024 * 1024
 """Images (num_frames 1) may go up to 1024x1024, vLLM-Omni's Cosmos3 text-to-image default (above the 720p area)."""
 
@@ -151,6 +153,9 @@ class VideoParams:
     prompt: its `duration` / `fps` keys). Off for prompts that already say it (vLLM-Omni `use_duration_template`)."""
     add_resolution_template: bool = True
     """State the resolution (plain text: a sentence; JSON prompt: `resolution` / `aspect_ratio`)."""
+    negative_metadata: str = "same"
+    """The metadata sentences on the negative prompt: "same" as the prompt's (NVIDIA's reference), "inverse"
+    ("The video is not ...": diffusers' and vLLM-Omni's), "none" (the negative text alone)."""
     upsample_prompt: bool = False
     """Have the Reasoner rewrite `prompt` into Cosmos3's JSON prompt first (engine/prompt_upsampling.py)."""
     use_system_prompt: bool = False
@@ -206,6 +211,9 @@ class VideoParams:
                 raise ParamError(
                     "guidance_interval", "guidance_interval must be [lo, hi] with 0 <= lo <= hi <= 1000"
                 )
+        if self.negative_metadata not in NEGATIVE_METADATA_MODES:
+            raise ParamError("negative_metadata",
+                             f"negative_metadata_mode must be one of {list(NEGATIVE_METADATA_MODES)}")  # fmt: skip
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ParamError("system_prompt", "system_prompt must be a string")
         if not 1 <= self.max_sequence_length <= 131072:

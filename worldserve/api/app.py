@@ -13,6 +13,7 @@ the key check carries none). Exception handlers turn every error into the vLLM e
 from __future__ import annotations
 
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -142,7 +143,7 @@ def build_app(
     @app.get("/v1/models", response_model=ModelList, tags=["models"])
     async def list_models() -> ModelList:
         name = client.model_name
-        permission = ModelPermission(id=f"modelperm-{name}", created=created)
+        permission = ModelPermission(id=f"modelperm-{uuid.uuid4().hex}", created=created)  # (as vLLM: random)
         # vLLM's card carries the context length; None where no chat is served (vLLM-Omni's diffusion cards)
         max_len = (
             None if client.chat_worker is None else getattr(client.chat_worker.backend, "max_model_len", None)

@@ -261,7 +261,9 @@ def part(
     name `path` (messages[i].content[j])."""
     keyed = cache is not None and cache.enabled
     if part.type == "text":
-        return ChatPart(type="text", text=part.text or "")
+        if part.text is None:  # (OpenAI's 400; it had been rendered as empty text)
+            raise ParamError(f"{path}.text", f"Missing required parameter: '{path}.text'.")
+        return ChatPart(type="text", text=part.text)
     if part.type == "image_url":
         path += ".image_url"
         data = load_media_url(

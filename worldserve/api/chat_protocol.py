@@ -23,9 +23,9 @@ field as vLLM writes them.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from worldserve.api.tool_calls import ToolCallIn, ToolCallOut, ToolIn
 from worldserve.params import INT64, ParamError
@@ -60,8 +60,23 @@ class ChatMessageIn(BaseModel):
     read from `reasoning` only; a `reasoning_content` sent on input is ignored, as vLLM ignores it)."""
 
 
-class StreamOptions(BaseModel):
+class NullsAsDefaults(BaseModel):
+    """A model whose NULLABLE fields take their default when sent as JSON null: OpenAI's spec and vLLM declare
+    them `T | None` with a default, and clients (wrappers passing every argument) send nulls."""
+
+    NULLABLE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_as_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in cls.NULLABLE):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULLABLE}
+        return data
+
+
+class StreamOptions(NullsAsDefaults):
     model_config = ConfigDict(extra="ignore")
+    NULLABLE = frozenset(("include_usage", "continuous_usage_stats"))
     include_usage: bool = False
     """Send one more chunk after the choices, with no choices and the request's usage."""
     continuous_usage_stats: bool = False
@@ -83,11 +98,13 @@ def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(NullsAsDefaults):
     """The request fields chat and text completions (api/completions_protocol.py) share: the model, sampling,
-    streaming, and structured outputs (api/structured_fields.py reads them)."""
+    streaming, and structured outputs (api/structured_fields.py reads them). `n`, `stream` and `echo` sent as
+    null take their defaults, as in vLLM."""
 
     model_config = ConfigDict(extra="ignore")
+    NULLABLE = frozenset(("n", "stream", "echo"))
 
     model: str | None = Field(None, description="Must equal the served model name when given.")
     temperature: float | None = Field(

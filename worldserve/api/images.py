@@ -107,7 +107,10 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
             )
     size = DEFAULT_SIZE if req.size in (None, "auto") else req.size
     width, height = (int(v) for v in size.split("x"))
-    origin: dict[str, str] = {"system_prompt": "extra_params.system_prompt"}
+    origin = {
+        "system_prompt": "extra_params.system_prompt",
+        "negative_metadata": "extra_params.negative_metadata_mode",
+    }
 
     def pick(name: str, default):
         """`extra_params` over the top-level field over the default, as the video routes resolve them."""
@@ -127,6 +130,7 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         max_sequence_length=pick("max_sequence_length", 4096),
         guidance_interval=tuple(float(v) for v in pick("guidance_interval", DEFAULT_INTERVAL)),
         add_resolution_template=extra.use_resolution_template is not False,
+        negative_metadata=extra.negative_metadata_mode or "same",
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
         upsample_prompt=bool(extra.upsample_prompt),
     )  # fmt: skip

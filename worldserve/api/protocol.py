@@ -158,7 +158,9 @@ class ExtraParams(NumbersNotBooleans):
     )
     guardrails: bool | None = Field(None, description="Accepted; this server loads no guardrail models.")
     negative_metadata_mode: Literal["same", "inverse", "none"] | None = Field(
-        None, description="Transfer only (not supported yet); checked, then unused."
+        None,
+        description="The metadata sentences on the negative prompt: same as the prompt's (default, NVIDIA's "
+        "reference), inverse (\"The video is not ...\", diffusers' and vLLM-Omni's T2V/I2V), none.",
     )
     guidance_interval: tuple[float, float] | None = Field(
         None,

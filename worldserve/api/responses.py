@@ -6,8 +6,10 @@ Responses output items (`ResponseBuilder`): with `--reasoning-parser` a `reasoni
 `reasoning_text`), a `message` item (`output_text`, with logprobs when `include` asks for them), and a
 `function_call` item per tool call (the chat's hermes / required / named tool parsing). Non-streaming: the
 `response` object; `stream: true`: the semantic events (response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta, ..., response.completed,
-or response.incomplete when `max_output_tokens` cut it, response.failed when the chat failed), each with its
+response.output_item.added, response.content_part.added, response.output_text.delta, ..., response.completed
+(as vLLM ends every stream: its response's `status` is "incomplete" when `max_output_tokens` cut it, and the
+openai client's `responses.stream(...).get_final_response()` needs that event), response.failed when the chat
+failed), each with its
 `sequence_number`; usage's `output_tokens_details.reasoning_tokens` is the thought tokens' count the chat's
 last delta carries (with --reasoning-parser; 0 without). Errors name the Responses field the client sent. A response is stored (`store`, OpenAI's
 default; in memory, api/responses_store.py) for `previous_response_id` to continue, `item_reference` input
@@ -167,7 +169,7 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]
         "background": False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": text_format},
-        "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none"),
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",  # (OpenAI's and vLLM's default)
         "tools": tools, "truncation": req.truncation or "disabled", "user": req.user, "usage": None,
     }  # fmt: skip
 
@@ -331,9 +333,7 @@ class ResponseBuilder:
         return self.body
 
     def done(self) -> str:
-        body = self.response()
-        return self._event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
-                           response=body)  # fmt: skip
+        return self._event("response.completed", response=self.response())
 
     def failed(self, status: int, message: str) -> str:
         self.body.update(status="failed", error={"code": "server_error" if status >= 500 else "invalid_prompt",

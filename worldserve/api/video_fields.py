@@ -60,6 +60,7 @@ def resolve_video_params(
                       ("max_sequence_length", "max_sequence_length"), ("generate_sound", "generate_sound"),
                       ("guidance_interval", "guidance_interval"), ("use_duration_template", "add_duration_template"),
                       ("use_resolution_template", "add_resolution_template"),
+                      ("negative_metadata_mode", "negative_metadata"),
                       ("use_system_prompt", "use_system_prompt"), ("system_prompt", "system_prompt"),
                       ("upsample_prompt", "upsample_prompt")):  # fmt: skip
         if getattr(extra, key) is not None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from worldserve.config_values import int64_seed
-from worldserve.params import ParamError, VideoParams
+from worldserve.params import NEGATIVE_METADATA_MODES, ParamError, VideoParams
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
 
@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave out the duration / fps sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
     p.add_argument("--no-resolution-template", action="store_true",
                    help="leave out the resolution sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
+    p.add_argument("--negative-metadata", choices=NEGATIVE_METADATA_MODES, default="same",
+                   help="the metadata sentences on the negative prompt: same as the prompt's (the reference), "
+                   "inverse ('is not', as diffusers), none")  # fmt: skip
     p.add_argument("--use-system-prompt", action="store_true", help="prepend the reference's system message")
     p.add_argument("--system-prompt", type=text_arg, default=None, help="a system message of your own")
     p.add_argument("--upsample-prompt", action="store_true",
@@ -160,6 +163,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         guidance_interval=_parse_interval(args.guidance_interval),
         add_duration_template=not args.no_duration_template,
         add_resolution_template=not args.no_resolution_template,
+        negative_metadata=args.negative_metadata,
         use_system_prompt=args.use_system_prompt,
         system_prompt=args.system_prompt,
         upsample_prompt=args.upsample_prompt,

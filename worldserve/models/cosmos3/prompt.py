@@ -10,7 +10,8 @@ Formatting (cosmos-framework inference/inference.py `_get_prompt_sample_data`; c
 - plain text: stripped, then "<text>. The video is {d:.1f} seconds long and is of {fps:.0f} FPS." (video only)
   and ". This video|image is of {h}x{w} resolution.", each joined by `rstrip('.') + '. '`.
 - negative: the SAME sentences appended to the negative text (never JSON-injected), then `lstrip('.')`, so an
-  empty negative yields the sentences alone. None means the shipped default: for video the reference's
+  empty negative yields the sentences alone (per request: their INVERSE, "is not ...", as diffusers and
+  vLLM-Omni append them, or none). None means the shipped default: for video the reference's
   `neg_prompts.json` "bad video" description (assets/negative_prompt.json, serialised with `json.dumps`;
   content as mirrored verbatim in NVIDIA/TensorRT-LLM's cosmos3/negative_prompt.py, Apache-2.0); for an image
   (num_frames == 1) "" as in the reference's text2image defaults.
@@ -40,6 +41,9 @@ from worldserve.params import ParamError, VideoParams
 DURATION_TEMPLATE = "The video is {duration:.1f} seconds long and is of {fps:.0f} FPS."
 VIDEO_RESOLUTION_TEMPLATE = "This video is of {height}x{width} resolution."
 IMAGE_RESOLUTION_TEMPLATE = "This image is of {height}x{width} resolution."
+INVERSE_DURATION_TEMPLATE = "The video is not {duration:.1f} seconds long and is not of {fps:.0f} FPS."
+INVERSE_VIDEO_RESOLUTION_TEMPLATE = "This video is not of {height}x{width} resolution."
+INVERSE_IMAGE_RESOLUTION_TEMPLATE = "This image is not of {height}x{width} resolution."
 SYSTEM_PROMPT_VIDEO = "You are a helpful assistant who will generate videos from a give prompt."
 SYSTEM_PROMPT_IMAGE = "You are a helpful assistant who will generate images from a give prompt."
 EOS_TOKEN = "<|im_end|>"
@@ -64,6 +68,8 @@ class VideoShape:
     """State the duration / fps (video only)."""
     resolution: bool = True
     """State the resolution and aspect ratio."""
+    negative_metadata: str = "same"
+    """The sentences on the negative: "same", "inverse" or "none" (VideoParams.negative_metadata)."""
 
     @property
     def is_image(self) -> bool:
@@ -74,6 +80,7 @@ class VideoShape:
         return cls(
             height=params.height, width=params.width, num_frames=params.num_frames, fps=params.fps,
             duration=params.add_duration_template, resolution=params.add_resolution_template,
+            negative_metadata=params.negative_metadata,
         )  # fmt: skip
 
 
@@ -88,15 +95,19 @@ def _join(base: str, sentence: str) -> str:
     return base.rstrip(".") + ". " + sentence
 
 
-def _metadata_sentences(text: str, shape: VideoShape) -> str:
+def _metadata_sentences(text: str, shape: VideoShape, inverse: bool = False) -> str:
     """Reference `_format_prompt_with_template`: strip, duration sentence (video only), resolution sentence
-    (each unless the shape turns it off)."""
+    (each unless the shape turns it off); `inverse`: diffusers' negated sentences ("is not")."""
     text = text.strip()
     if shape.duration and not shape.is_image:
-        text = _join(text, DURATION_TEMPLATE.format(duration=shape.num_frames / shape.fps, fps=shape.fps))
+        duration = INVERSE_DURATION_TEMPLATE if inverse else DURATION_TEMPLATE
+        text = _join(text, duration.format(duration=shape.num_frames / shape.fps, fps=shape.fps))
     text = text.strip()
     if shape.resolution:
-        template = IMAGE_RESOLUTION_TEMPLATE if shape.is_image else VIDEO_RESOLUTION_TEMPLATE
+        if shape.is_image:
+            template = INVERSE_IMAGE_RESOLUTION_TEMPLATE if inverse else IMAGE_RESOLUTION_TEMPLATE
+        else:
+            template = INVERSE_VIDEO_RESOLUTION_TEMPLATE if inverse else VIDEO_RESOLUTION_TEMPLATE
         text = _join(text, template.format(height=shape.height, width=shape.width))
     return text
 
@@ -140,10 +151,14 @@ def default_negative_prompt() -> str:
 
 
 def format_negative_prompt(negative_prompt: str | None, shape: VideoShape) -> str:
-    """The unconditional text in SAME metadata mode (None: the default negative for video, "" for images)."""
+    """The unconditional text (None: the default negative for video, "" for images) with the shape's metadata
+    sentences: the prompt's (SAME, the reference), their negations (INVERSE, diffusers / vLLM-Omni) or none."""
     if negative_prompt is None:
         negative_prompt = "" if shape.is_image else default_negative_prompt()
-    return _metadata_sentences(negative_prompt, shape).lstrip(".").strip()
+    if shape.negative_metadata == "none":
+        return negative_prompt.strip()
+    inverse = shape.negative_metadata == "inverse"
+    return _metadata_sentences(negative_prompt, shape, inverse).lstrip(".").strip()
 
 
 class TextSizeBound:
