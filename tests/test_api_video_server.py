@@ -30,6 +30,13 @@ async def test_sync_route_headers_and_body(tmp_path):
         assert "content-disposition" not in r.headers
         job = (await http.get(f"/v1/videos/{r.headers['x-video-id']}")).json()
         assert job["status"] == "completed", "the sync route is a normal job"
+        # its refusals before a job exists (a 400 here, a 429 alike) carry its own id, not the client's
+        bad = await http.post(
+            "/v1/videos/sync", data={"prompt": "", **SMALL_FORM}, headers={"X-Request-Id": "abc"}
+        )
+        assert bad.status_code == 400 and re.fullmatch(
+            r"video_sync-[0-9a-f]{32}", bad.headers["x-request-id"]
+        )
 
 
 async def test_sync_timeout_504_and_job_survives(tmp_path):

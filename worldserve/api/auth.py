@@ -80,8 +80,8 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
-                if "x-request-id" not in headers:
-                    headers["X-Request-Id"] = request_id
+                if "x-request-id" not in headers:  # a route's own id (request.state.request_id) first
+                    headers["X-Request-Id"] = scope.get("state", {}).get("request_id") or request_id
             await send(message)
 
         await self.app(scope, receive, send_with_id)

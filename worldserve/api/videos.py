@@ -104,7 +104,7 @@ async def create_video(request: Request, st: State) -> JSONResponse:
 )
 async def create_video_sync(request: Request, st: State) -> Response:
     """Generate and return the MP4 (blocking); the job also stays retrievable under /v1/videos."""
-    request_id = f"video_sync-{uuid.uuid4().hex}"
+    request_id = request.state.request_id = f"video_sync-{uuid.uuid4().hex}"  # (on its refusals too)
     job, _ = await _submit(request, st)
     ids = {"X-Request-Id": request_id, "X-Video-Id": job.id}
 
