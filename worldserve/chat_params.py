@@ -204,6 +204,8 @@ class ChatParams:
     prompt_logprobs: int | None = None
     """The prompt tokens' log-probabilities too (each under the tokens before it; the first has none), with
     this many most likely alternatives (0-20); None: not computed (the legacy completions' echo + logprobs)."""
+    return_token_ids: bool = False
+    """vLLM's: the prompt's token ids come with ChatStarted (every delta carries its sampled ids anyway)."""
     ignore_eos: bool = False
     """vLLM's: keep generating past the end-of-sequence tokens (up to max_tokens)."""
     min_tokens: int = 0

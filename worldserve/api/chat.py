@@ -47,7 +47,15 @@ from worldserve.api.bodies import read_json_object
 from worldserve.api.chat_media import ImageTokenBudget, media_parts, part, prefetch_media, video_sampling
 from worldserve.api.chat_options import pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
-from worldserve.api.chat_stream import TextParsing, close_all, collect, prompt_logprob_rows, sse, start_all
+from worldserve.api.chat_stream import (
+    TextParsing,
+    TokenView,
+    close_all,
+    collect,
+    prompt_logprob_rows,
+    sse,
+    start_all,
+)
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, app_state
@@ -275,13 +283,16 @@ async def _answer(
     cached = (
         firsts[0].cached_tokens if st.prompt_tokens_details else None
     )  # (the choices' leader looked it up)
+    view = TokenView(ids=bool(body.return_token_ids), as_ids=bool(body.return_tokens_as_token_ids))
     if body.stream:
         include_usage, continuous_usage = body.stream_usage()
         stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage,
-                     parsing, cached)  # fmt: skip
+                     parsing, cached, view, first.prompt_token_ids)  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")
     answer = await collect(
-        streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, parsing, cached
+        streams, request_id, created, model, first.prompt_tokens, choices[0].logprobs, parsing, cached, view
     )
     answer.prompt_logprobs = prompt_logprob_rows(first.prompt_logprobs, body.prompt_logprobs)
+    if view.ids:
+        answer.prompt_token_ids = list(first.prompt_token_ids or ())
     return answer

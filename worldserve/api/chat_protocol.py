@@ -140,6 +140,11 @@ class SamplingRequest(NullsAsDefaults):
     """vLLM's request priority: only 0, as vLLM's default first-come-first-served scheduler takes."""
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     """vLLM's: keep only the prompt's last this-many tokens (-1: max_model_len); text prompts only."""
+    return_token_ids: bool | None = None
+    """vLLM's: the prompt's and each choice's token ids beside the text (`prompt_token_ids`, `token_ids`;
+    streamed: the prompt's in the first chunk, each chunk's own sampled ids)."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprobs name their tokens as "token_id:<id>" strings (for tokens that are no valid text)."""
     # structured outputs (vLLM extensions); typed Any so that a wrong value gets the 400 naming the field
     # (api/structured_fields.py) rather than pydantic's validation error
     structured_outputs: Any = None
@@ -164,6 +169,7 @@ class SamplingRequest(NullsAsDefaults):
             "logit_bias": logit_bias(self.logit_bias), "bad_words": tuple(self.bad_words or ()),
             "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             "skip_special_tokens": self.skip_special_tokens, "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "return_token_ids": bool(self.return_token_ids),
         }  # fmt: skip
 
     def refused_sampling(self) -> tuple[str, str] | None:
@@ -309,6 +315,8 @@ class Choice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: the sampled token ids (the ending one too)."""
 
 
 class PromptLogprob(BaseModel):
@@ -328,6 +336,8 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     """vLLM's, with `prompt_logprobs`: per prompt token (the first None) its entry and the top ones, by id."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: the rendered prompt's token ids."""
 
 
 class ChunkChoice(BaseModel):
@@ -341,9 +351,14 @@ class ChunkChoice(BaseModel):
     stop_reason: str | int | None = None
     """vLLM's, on the final chunk only (set there, left out of the others): the matched stop string or stop
     token id."""
+    token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids (left out without): the token ids this chunk's text came from."""
 
 
 class SSEChunk:
+    UNLESS_SET: ClassVar[tuple[str, ...]] = ()
+    """Top-level fields left out unless set (vLLM's prompt_token_ids, in a stream's first chunk only)."""
+
     """Mixin of the streamed chunks (chat and text completions): `sse()` writes the fields vLLM's chunks carry.
     vLLM dumps a chunk with exclude_unset (a field it did not set is left out, one it set to None is null) and
     its final usage chunk with exclude_none too. So a chunk's choices and usage leave out the fields their
@@ -353,7 +368,9 @@ class SSEChunk:
 
     def sse(self) -> str:
         """`data: <json>\\n\\n`."""
-        exclude: dict[Any, Any] = {}
+        exclude: dict[Any, Any] = {
+            name: True for name in self.UNLESS_SET if name not in self.model_fields_set
+        }
         if self.usage is None:
             exclude["usage"] = True
         elif gone := unset_fields(self.usage) | (set() if self.choices else null_fields(self.usage)):
@@ -374,9 +391,11 @@ def null_fields(model: BaseModel) -> set[str]:
 
 
 class ChatCompletionChunk(SSEChunk, BaseModel):
+    UNLESS_SET: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None

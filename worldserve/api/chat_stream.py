@@ -15,6 +15,9 @@ the prompt and that chunk's choice's completion tokens (0 on the role chunk), co
 without a reasoning parser (with one vLLM counts the thoughts so far; those come at the answer's end here, so
 the field is left out), no prompt_tokens_details; only the final chunk sums them. Chunks carry the fields
 vLLM's do (chat_protocol.SSEChunk: what vLLM does not set is left out, e.g. stop_reason before the final chunk).
+vLLM's token-id options (`TokenView`): return_token_ids puts the prompt's ids on the answer (a stream: its
+first chunk) and each choice's sampled ids on it (a stream: each chunk's own); return_tokens_as_token_ids names
+logprobs' tokens "token_id:<id>".
 `start_all` (start a request's choices together, each up to its first event), `run_all`, `sse_events`,
 `make_usage` and `chunk_usage` serve the text completions too (api/completions.py, api/completions_stream.py).
 """
@@ -62,17 +65,34 @@ LOGPROB_FLOOR = -9999.0
 log = logging.getLogger(__name__)
 
 
-def logprob_items(entries) -> list[TokenLogprobOut]:
+@dataclass(frozen=True, slots=True)
+class TokenView:
+    """vLLM's token-id options of a request."""
+
+    ids: bool = False
+    """return_token_ids: the prompt's and the choices' token ids beside the text."""
+    as_ids: bool = False
+    """return_tokens_as_token_ids: logprobs name their tokens "token_id:<id>"."""
+
+    def names(self, entry) -> tuple[str, list[str]]:
+        """A TokenLogprob's token and its alternatives as this request shows them."""
+        if self.as_ids:
+            return f"token_id:{entry.token_id}", [f"token_id:{i}" for i in entry.top_ids]
+        return entry.token, [t for t, _ in entry.top]
+
+
+def logprob_items(entries, view: TokenView = TokenView()) -> list[TokenLogprobOut]:
     """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes); a token a
     structured output's grammar forbids (-inf) is listed at LOGPROB_FLOOR, as vLLM lists it."""
-    return [
-        TokenLogprobOut(
-            token=e.token, logprob=max(e.logprob, LOGPROB_FLOOR), bytes=list(e.token.encode()),
+    items = []
+    for e in entries:
+        token, tops = view.names(e)
+        items.append(TokenLogprobOut(
+            token=token, logprob=max(e.logprob, LOGPROB_FLOOR), bytes=list(token.encode()),
             top_logprobs=[TopLogprob(token=t, logprob=max(lp, LOGPROB_FLOOR), bytes=list(t.encode()))
-                          for t, lp in e.top],
-        )
-        for e in entries
-    ]  # fmt: skip
+                          for t, (_, lp) in zip(tops, e.top, strict=True)],
+        ))  # fmt: skip
+    return items
 
 
 def make_usage(
@@ -127,21 +147,19 @@ async def close_all(streams: Sequence[AsyncIterator]) -> None:
         await events.aclose()
 
 
-async def run_to_end(events: AsyncIterator) -> tuple[str, list, ChatDelta]:
-    """One chat's remaining events -> (its text, its TokenLogprob entries, its last delta); APIError if it
-    fails."""
-    text, entries, last = [], [], None
+async def run_to_end(events: AsyncIterator) -> ChatDelta:
+    """One chat's remaining events as one delta (its text, log-probabilities and token ids, its ending and
+    counts: ChatDelta.then); APIError if it fails."""
+    whole = None
     async for event in events:
         if isinstance(event, ChatFailed):
             raise APIError(event.status, event.message, param=event.param)
-        text.append(event.text)
-        entries += event.logprobs
-        last = event
-    assert isinstance(last, ChatDelta)
-    return "".join(text), entries, last
+        whole = event if whole is None else whole.then(event)
+    assert isinstance(whole, ChatDelta)
+    return whole
 
 
-async def run_all(streams: Sequence[AsyncIterator]) -> list[tuple[str, list, ChatDelta]]:
+async def run_all(streams: Sequence[AsyncIterator]) -> list[ChatDelta]:
     """run_to_end of every chat in order; all are closed at the end, also on a failure or a cancellation
     (client gone: the chats stop at their next step)."""
     try:
@@ -274,15 +292,16 @@ async def collect(
     logprobs: bool,
     parsing: TextParsing = TextParsing(),
     cached: int | None = None,
+    view: TokenView = TokenView(),
 ) -> ChatCompletionResponse:
     """Run every choice to its end -> the `chat.completion` object (APIError if a chat fails); each text
     split and parsed as `parsing` says."""
     choices, completion, thoughts = [], 0, 0
-    for index, (text, entries, last) in enumerate(await run_all(streams)):
-        completion += last.completion_tokens
-        thoughts += last.reasoning_tokens
-        reasoning, content = split_reasoning(text) if parsing.reasoning else (None, text)
-        content, calls, finish = final_message(content, parsing.tools, last.finish_reason)
+    for index, whole in enumerate(await run_all(streams)):
+        completion += whole.completion_tokens
+        thoughts += whole.reasoning_tokens
+        reasoning, content = split_reasoning(whole.text) if parsing.reasoning else (None, whole.text)
+        content, calls, finish = final_message(content, parsing.tools, whole.finish_reason)
         if parsing.echo:
             content = parsing.echo + (content or "")
         reasoning = reasoning if parsing.include_reasoning else None
@@ -291,8 +310,8 @@ async def collect(
         shown = logprobs and not parsing.hides_tokens
         choices.append(Choice(
             index=index, message=message, finish_reason=finish,
-            logprobs=ChoiceLogprobs(content=logprob_items(entries)) if shown else None,
-            stop_reason=last.stop_reason,
+            logprobs=ChoiceLogprobs(content=logprob_items(whole.logprobs, view)) if shown else None,
+            stop_reason=whole.stop_reason, token_ids=list(whole.token_ids) if view.ids else None,
         ))  # fmt: skip
     return ChatCompletionResponse(
         id=request_id,
@@ -306,7 +325,7 @@ async def collect(
 async def sse(
     streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
     include_usage: bool, continuous_usage: bool = False, parsing: TextParsing = TextParsing(),
-    cached: int | None = None,
+    cached: int | None = None, view: TokenView = TokenView(), prompt_ids: Sequence[int] | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
     """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
     each choice's text split and parsed as `parsing` says (AnswerStream: reasoning_content, content and
@@ -314,18 +333,24 @@ async def sse(
     completion, thoughts = [0] * len(streams), [0] * len(streams)
     parsers = [parsing.stream() for _ in streams]
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=(), stop=None) -> str:
-        lp = ChoiceLogprobs(content=logprob_items(logprobs)) if logprobs else None
+    def chunk(
+        index: int, delta: dict[str, Any], finish: str | None = None, logprobs=(), stop=None, ids=None, head=False
+    ) -> str:  # fmt: skip
+        lp = ChoiceLogprobs(content=logprob_items(logprobs, view)) if logprobs else None
         if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)
             delta = {"reasoning": delta["reasoning_content"], **delta}
         stop_reason = {} if finish is None else {"stop_reason": stop}  # set on the final chunk only, as vLLM
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp, **stop_reason)
+        token_ids = {"token_ids": list(ids or ())} if view.ids else {}
+        choice = ChunkChoice(
+            index=index, delta=delta, finish_reason=finish, logprobs=lp, **stop_reason, **token_ids
+        )
         # vLLM sets completion_tokens_details on a chunk's usage: null without --reasoning-parser, the thought
         # tokens so far with one (not known here before the answer's end: left out then)
         thoughts = {} if parsing.reasoning else {"completion_tokens_details": None}
         usage = chunk_usage(prompt_tokens, completion[index], **thoughts) if continuous_usage else None
+        prompt = {"prompt_token_ids": list(prompt_ids or ())} if head and view.ids else {}
         return ChatCompletionChunk(
-            id=request_id, created=created, model=model, choices=[choice], usage=usage
+            id=request_id, created=created, model=model, choices=[choice], usage=usage, **prompt
         ).sse()
 
     def render(index: int, event: ChatDelta) -> Iterator[str]:
@@ -336,10 +361,12 @@ async def sse(
         if finish is not None:
             finish = parsers[index].finish_reason(finish)
         logprobs = () if parsing.hides_tokens else event.logprobs
-        if logprobs and not deltas:
+        if (logprobs or (view.ids and event.token_ids)) and not deltas:
             deltas = [{"content": ""}]
         for i, delta in enumerate(deltas):
-            yield chunk(index, delta, logprobs=logprobs if i == 0 else ())
+            yield chunk(
+                index, delta, logprobs=logprobs if i == 0 else (), ids=event.token_ids if i == 0 else ()
+            )
         if finish is not None:
             yield chunk(index, {}, finish, stop=event.stop_reason)
 
@@ -352,7 +379,9 @@ async def sse(
                 id=request_id, created=created, model=model, choices=[], usage=usage
             ).sse()
 
-    roles = [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(streams))]
+    roles = [
+        chunk(index, {"role": "assistant", "content": ""}, head=index == 0) for index in range(len(streams))
+    ]
     if parsing.echo:  # vLLM's chat echo: the continued message right after the role
         roles += [chunk(index, {"content": parsing.echo}) for index in range(len(streams))]
     async for text in sse_events(streams, render, tail, head=roles):

@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from worldserve.api.bodies import read_json_object
 from worldserve.api.chat import model_not_found
-from worldserve.api.chat_stream import close_all, start_all
+from worldserve.api.chat_stream import TokenView, close_all, start_all
 from worldserve.api.completions_protocol import CompletionRequest, CompletionResponse
 from worldserve.api.completions_stream import Completion, collect, sse
 from worldserve.api.disconnect import unless_disconnected
@@ -126,6 +126,8 @@ async def _answer(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only, cached=cached,
         prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
+        view=TokenView(ids=bool(body.return_token_ids), as_ids=bool(body.return_tokens_as_token_ids)),
+        prompt_ids=[first.prompt_token_ids for first in firsts[:: body.n]],
     )  # fmt: skip
     if body.stream:
         return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")

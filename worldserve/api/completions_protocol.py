@@ -91,6 +91,10 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     """vLLM's, with `prompt_logprobs`: per prompt token (the first None) its entry and the top ones, by id."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: the prompt's token ids (a stream: in the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """vLLM's, with return_token_ids: the sampled token ids (a stream: each chunk's own)."""
 
 
 class CompletionResponse(SSEChunk, BaseModel):

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from worldserve.api.chat_stream import (
     LOGPROB_FLOOR,
+    TokenView,
     chunk_usage,
     make_usage,
     prompt_logprob_rows,
@@ -33,20 +34,23 @@ from worldserve.api.completions_protocol import (
 )
 
 
-def legacy_logprobs(entries: Sequence, offset: int = 0) -> CompletionLogprobs:
-    """engine TokenLogprobs -> OpenAI's legacy logprobs, the first token's text at character `offset`. A
-    prompt's first token (echo) has no log-probability: None and no alternatives, as vLLM gives it."""
+def legacy_logprobs(entries: Sequence, offset: int = 0, view: TokenView = TokenView()) -> CompletionLogprobs:
+    """engine TokenLogprobs -> OpenAI's legacy logprobs, the first token's text at character `offset` (the
+    tokens named as `view` says; offsets count their texts). A prompt's first token (echo) has no
+    log-probability: None and no alternatives, as vLLM gives it."""
     out = CompletionLogprobs()
     for e in entries:
+        token, tops = view.names(e)
         out.text_offset.append(offset)
         offset += len(e.token)
-        out.tokens.append(e.token)
+        out.tokens.append(token)
         if e.logprob is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(max(e.logprob, LOGPROB_FLOOR))
-        top = {e.token: e.logprob, **dict(e.top)}  # the sampled token first, as vLLM lists it
+        # the sampled token first, as vLLM lists it
+        top = {token: e.logprob, **{t: lp for t, (_, lp) in zip(tops, e.top, strict=True)}}
         out.top_logprobs.append({t: max(lp, LOGPROB_FLOOR) for t, lp in top.items()})
     return out
 
@@ -58,6 +62,7 @@ class Completion:
         self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
         prompt_tokens: Sequence[int], logprobs: int | None, echo_only: bool,
         prompt_entries: Sequence[tuple | None], prompt_logprobs: int | None, cached: Sequence[int] | None = None,
+        view: TokenView = TokenView(), prompt_ids: Sequence[Sequence[int] | None] = (),
     ) -> None:  # fmt: skip
         self.request_id, self.created, self.model = request_id, created, model
         self.echoes, self.n, self.logprobs = echoes, n, logprobs  # logprobs: the request's (None: none)
@@ -67,6 +72,8 @@ class Completion:
         self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
         # per prompt, its tokens found in the prefix cache (with --enable-prompt-tokens-details, else None)
         self.cached = cached
+        self.view = view  # vLLM's token-id options
+        self.prompt_ids = prompt_ids  # per prompt, its token ids (with return_token_ids)
 
     def logprobs_of(self, index: int, entries: Sequence, offset: int) -> CompletionLogprobs | None:
         """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`
@@ -75,9 +82,18 @@ class Completion:
             return None
         prompt, entries = index // self.n, () if self.echo_only else entries
         if offset or self.echoes[prompt] is None or not self.prompt_entries[prompt]:
-            return legacy_logprobs(entries, offset)
-        echoed = [replace(e, top=e.top[: self.logprobs]) for e in self.prompt_entries[prompt]]
-        return legacy_logprobs((*echoed, *entries))
+            return legacy_logprobs(entries, offset, self.view)
+        echoed = [replace(e, top=e.top[: self.logprobs], top_ids=e.top_ids[: self.logprobs])
+                  for e in self.prompt_entries[prompt]]  # fmt: skip
+        return legacy_logprobs((*echoed, *entries), 0, self.view)
+
+    def token_ids(self, index: int, first: bool, sampled: Sequence[int]) -> dict[str, list[int]]:
+        """vLLM's return_token_ids fields of choice `index`'s answer or chunk: its prompt's ids (on its
+        `first` one) and the `sampled` ids (none with echo_only); {} without the option."""
+        if not self.view.ids:
+            return {}
+        prompt = {"prompt_token_ids": list(self.prompt_ids[index // self.n] or ())} if first else {}
+        return {**prompt, "token_ids": [] if self.echo_only else list(sampled)}
 
     def vllm_prompt_logprobs(self, index: int) -> list | None:
         """vLLM's `prompt_logprobs` of choice `index` (with the request's field)."""
@@ -100,14 +116,14 @@ async def collect(streams: Sequence[AsyncIterator], c: Completion) -> Completion
     finished = await run_all(streams)
     choices = [
         CompletionChoice(
-            index=index, text=(c.echoes[index // c.n] or "") + ("" if c.echo_only else text),
-            finish_reason=last.finish_reason,
-            logprobs=c.logprobs_of(index, entries, 0), stop_reason=last.stop_reason,
-            prompt_logprobs=c.vllm_prompt_logprobs(index),
+            index=index, text=(c.echoes[index // c.n] or "") + ("" if c.echo_only else whole.text),
+            finish_reason=whole.finish_reason,
+            logprobs=c.logprobs_of(index, whole.logprobs, 0), stop_reason=whole.stop_reason,
+            prompt_logprobs=c.vllm_prompt_logprobs(index), **c.token_ids(index, True, whole.token_ids),
         )
-        for index, (text, entries, last) in enumerate(finished)
+        for index, whole in enumerate(finished)
     ]  # fmt: skip
-    completion = sum(last.completion_tokens for _, _, last in finished)
+    completion = sum(whole.completion_tokens for whole in finished)
     return c.response(choices, c.usage(completion))
 
 
@@ -117,17 +133,20 @@ def sse(
     """The choices' deltas as SSE chunks as they arrive, then the usage chunk (when asked) and [DONE]."""
     completion = [0] * len(streams)
     sent = [0] * len(streams)  # characters of each choice's text sent so far (its next text_offset)
+    started = [False] * len(streams)  # each choice's first chunk sent (its prompt's ids go there)
 
     def render(index: int, event) -> Iterator[str]:
         completion[index] = event.completion_tokens
         echo = c.echoes[index // c.n] if not sent[index] else None
         text = (echo or "") + ("" if c.echo_only else event.text)
-        if not (text or event.logprobs or event.finish_reason):
+        if not (text or event.logprobs or event.finish_reason or (c.view.ids and event.token_ids)):
             return
         lps = c.logprobs_of(index, event.logprobs, sent[index])
         # vLLM's chunks have no prompt_logprobs (it refuses them with stream): ours, in the first chunk, only
         # when asked for (a field left unset is left out: chat_protocol.SSEChunk)
         rows = None if sent[index] else c.vllm_prompt_logprobs(index)
+        ids = c.token_ids(index, not started[index], event.token_ids)
+        started[index] = True
         sent[index] += len(text)
         choice = CompletionChoice(
             index=index,
@@ -136,6 +155,7 @@ def sse(
             finish_reason=event.finish_reason,
             stop_reason=event.stop_reason,
             **({} if rows is None else {"prompt_logprobs": rows}),
+            **ids,
         )
         # vLLM's chunk usage: the chunk's prompt and choice's counts, no details
         usage = chunk_usage(c.prompt_tokens[index // c.n], completion[index]) if continuous_usage else None

@@ -69,11 +69,7 @@ class ChatHandle:
             return delta
         held = self._held
         if held is not None:
-            delta = ChatDelta(
-                text=held.text + delta.text, finish_reason=delta.finish_reason,
-                completion_tokens=delta.completion_tokens, logprobs=held.logprobs + delta.logprobs,
-                stop_reason=delta.stop_reason, reasoning_tokens=delta.reasoning_tokens,
-            )  # fmt: skip
+            delta = held.then(delta)
         if delta.finish_reason is None:
             self._held = delta
             return None

@@ -56,6 +56,8 @@ class ChatStarted:
     """With ChatParams.prompt_logprobs: each prompt token's TokenLogprob (the first one's logprob None)."""
     cached_tokens: int = 0
     """Prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)."""
+    prompt_token_ids: tuple[int, ...] | None = None
+    """With ChatParams.return_token_ids: the rendered prompt's token ids (image placeholders expanded)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +269,9 @@ class ChatWorker:
                 self._fail(handle, result)
             else:
                 handle.admitted_at, handle.prompt_tokens = admitted_at, result.prompt_tokens
+                ids = tuple(result.prompt_token_ids) if handle.params.return_token_ids else None
                 handle.emit(ChatStarted(result.prompt_tokens, getattr(result, "prompt_logprobs", None),
-                                        getattr(result, "cached_tokens", 0)))  # fmt: skip
+                                        getattr(result, "cached_tokens", 0), ids))  # fmt: skip
                 started.append((handle, result))
         return started, refused
 

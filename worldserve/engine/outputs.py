@@ -101,8 +101,8 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
     """The `top_logprobs` most likely tokens at this position, most likely first."""
     token_id: int | None = None
-    """Prompt logprobs only: the token's id, its rank at this position (1: the most likely) and the ids of
-    `top` (vLLM's prompt_logprobs are keyed by id)."""
+    """The token's id and the ids of `top` (vLLM's prompt_logprobs are keyed by id; return_tokens_as_token_ids
+    shows them); prompt logprobs also carry the token's rank at this position (1: the most likely)."""
     rank: int | None = None
     top_ids: tuple[int, ...] = ()
 
@@ -125,12 +125,27 @@ class ChatDelta:
     reasoning_tokens: int = 0
     """On the last delta: the tokens of the answer's thoughts, as --reasoning-parser qwen3 splits them (between
     an opening <think> and its </think>, the tags not counted; runner/reasoner_session.py thought_tokens)."""
+    token_ids: tuple[int, ...] = ()
+    """The tokens sampled this step (the one that ended the chat too: vLLM's output token ids, as many as
+    `completion_tokens` counts)."""
+
+    def then(self, later: ChatDelta) -> ChatDelta:
+        """This delta and a `later` one as one: the texts, log-probabilities and token ids joined, the counts
+        and the ending the later one's."""
+        return ChatDelta(
+            text=self.text + later.text, finish_reason=later.finish_reason,
+            completion_tokens=later.completion_tokens, logprobs=self.logprobs + later.logprobs,
+            stop_reason=later.stop_reason, reasoning_tokens=later.reasoning_tokens,
+            token_ids=self.token_ids + later.token_ids,
+        )  # fmt: skip
 
 
 class ChatSession(Protocol):
     """A prefilled chat completion; each step() samples one token (and runs one decode forward)."""
 
     prompt_tokens: int
+    prompt_token_ids: Sequence[int]
+    """The rendered prompt's token ids (vLLM's return_token_ids)."""
 
     def step(self) -> ChatDelta: ...
 

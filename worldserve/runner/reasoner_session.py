@@ -74,6 +74,7 @@ class ReasonerSession:
         self._prompt = prompt
         self.started = started
         self.prompt_tokens = len(prompt.input_ids)
+        self.prompt_token_ids = prompt.input_ids
         self.prompt_logprobs: tuple | None = None  # with params.prompt_logprobs: set by the Reasoner
         # prompt tokens found in the prefix cache (usage's cached_tokens): set by the Reasoner
         self.cached_tokens = 0
@@ -266,6 +267,7 @@ class ReasonerSession:
             logprobs=logprobs,
             stop_reason=self.stop_reason,
             reasoning_tokens=thoughts,
+            token_ids=(token,),
         )
         return out, decode
 
@@ -362,7 +364,7 @@ def batch_logprobs(
         torch.cuda.current_stream(lp.device).synchronize()
     rows = zip(tokens, tops, chosen[:, 0].tolist(), vals.tolist(), ids.tolist(), strict=True)
     return [
-        TokenLogprob(token=texts(token), logprob=value,
+        TokenLogprob(token=texts(token), logprob=value, token_id=token, top_ids=tuple(row_ids[:top]),
                      top=tuple((texts(i), v) for v, i in zip(row_vals[:top], row_ids[:top], strict=True)))
         for token, top, value, row_vals, row_ids in rows
     ]  # fmt: skip
