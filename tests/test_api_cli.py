@@ -85,13 +85,29 @@ def test_vllm_omni_memory_flags():
      ["--sync-timeout", "inf"], ["--max-upload-mb", "inf"], ["--max-upload-mb", "1e-9"],
      ["--device", "banana"], ["--revision", "v1"],
      # an empty key served /v1 open (`--api-key "$KEY"` with KEY unset), an empty name the default one
-     ["--api-key", ""], ["--api-key", "k", ""], ["--served-model-name", ""]],
+     ["--api-key", ""], ["--api-key", "k", ""], ["--served-model-name", ""],
+     # an empty folder fell back to the default one, no domain meant every host
+     ["--storage-dir", ""], ["--allowed-media-domains", ""], ["--allowed-media-domains", ","]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):
     with pytest.raises(
-        ValueError, match="not supported|must be|runs alone|needs a MODEL|protects nothing|must not"
+        ValueError,
+        match="not supported|must be|runs alone|needs a MODEL|protects nothing|must not|empty path|no domain",
     ):
         parse(*argv)
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--served-model-name"])
+def test_a_many_valued_flag_that_took_the_model_folder_is_refused(tmp_path, flag):
+    """`serve --api-key K ./ckpt`: argparse gave the folder to the flag and no MODEL was left; the tiny default
+    was served and the folder's path was a second key. Now a ValueError naming the flag."""
+    from worldserve.commands.serve import engine_config
+
+    argv = ["serve", flag, "k1", str(tmp_path)]
+    with pytest.raises(ValueError, match=f"{flag} took .*a folder.*put MODEL first"):
+        engine_config(build_parser(argv).parse_args(argv))
+    argv = ["serve", str(tmp_path), flag, "k1"]  # MODEL first: fine
+    assert engine_config(build_parser(argv).parse_args(argv)).model.model == str(tmp_path)
 
 
 @pytest.mark.parametrize(

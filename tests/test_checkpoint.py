@@ -252,6 +252,7 @@ BROKEN = [  # (what to break, the file the one line must name) -- each ended in 
     (lambda r: (r / "transformer" / f"{PREFIX}.safetensors.index.json").write_text('{"weight_map": 5}'), "index.json"),
     (lambda r: _cut(r / "vae" / f"{PREFIX}.safetensors", 20), "vae"),
     (lambda r: (r / "text_tokenizer" / "tokenizer.json").unlink(), "text_tokenizer: no tokenizer.json"),
+    (lambda r: (r / "text_tokenizer" / "tokenizer.json").write_text("xx"), "tokenizer.json: not valid JSON"),
 ]  # fmt: skip
 
 
@@ -269,6 +270,12 @@ def test_unreadable_vae_and_vision_weights_are_checkpoint_errors(tiny_copy):
     from worldserve.models.cosmos3.vae import VideoVAE
     from worldserve.models.cosmos3.vision import VisionEncoder
 
+    config = tiny_copy / "vae" / "config.json"
+    kept = config.read_text()
+    config.write_text("{}")  # diffusers' defaults then mismatch every shape: its ValueError was the message
+    with pytest.raises(CheckpointError, match="vae: its config.json and weights disagree"):
+        VideoVAE.from_pretrained(tiny_copy / "vae")
+    config.write_text(kept)
     _cut(tiny_copy / "vae" / f"{PREFIX}.safetensors", 20)
     with pytest.raises(CheckpointError, match="vae.*unreadable weights"):
         VideoVAE.from_pretrained(tiny_copy / "vae")

@@ -121,23 +121,24 @@ def test_t2i_png(tiny_ckpt, tmp_path):
 @pytest.mark.parametrize(
     ("args", "field"),
     [
-        (["--size", "81x48"], "size"),
-        (["--size", "1920x1080"], "size"),
-        (["--size", "wide"], "size"),
-        (["--num-frames", "10"], "num_frames"),
-        (["--num-frames", "401", "--size", "320x192"], "num_frames"),
-        (["--steps", "0"], "num_inference_steps"),
-        (["--image", "/nonexistent.png"], "image"),
-        (["--image", __file__], "image"),
-        (["--max-sequence-length", "5"], "prompt"),
-        (["--video", __file__], "video"),
-        (["--video", "/nonexistent.mp4"], "video"),
-        (["--condition-frames", "a,b", "--video", "/nonexistent.mp4"], "condition_frames"),
-        (["--condition-frames", "0"], "condition_frames"),  # (without --video: dropped in silence)
-        (["--condition-video-keep", "last"], "condition_video_keep"),
-        (["--guidance-interval", "400"], "guidance_interval"),
-        (["--guidance-interval", "900,400"], "guidance_interval"),
-        (["--upsample-prompt", "--tensor-parallel-size", "2"], "upsample_prompt"),
+        (["--size", "81x48"], "--size"),
+        (["--size", "1920x1080"], "--size"),
+        (["--size", "wide"], "--size"),
+        (["--num-frames", "10"], "--num-frames"),
+        (["--num-frames", "401", "--size", "320x192"], "--num-frames"),
+        (["--steps", "0"], "--steps"),
+        (["--image", "/nonexistent.png"], "--image"),
+        (["--image", __file__], "--image"),
+        (["--max-sequence-length", "5"], "--prompt"),
+        (["--video", __file__], "--video"),
+        (["--video", "/nonexistent.mp4"], "--video"),
+        (["--condition-frames", "a,b", "--video", "/nonexistent.mp4"], "--condition-frames"),
+        (["--condition-frames", "0"], "--condition-frames"),  # (without --video: dropped in silence)
+        (["--condition-video-keep", "last"], "--condition-video-keep"),
+        (["--guidance-interval", "400"], "--guidance-interval"),
+        (["--guidance-interval", "900,400"], "--guidance-interval"),
+        (["--upsample-prompt", "--tensor-parallel-size", "2"], "--upsample-prompt"),
+        (["--guidance", "0"], "--guidance"),  # (it generated without the prompt; the API takes 0 as 6)
     ],
 )
 def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):
@@ -160,7 +161,7 @@ def test_missing_checkpoint_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("where", ["a folder", "under a file", "read-only"])
 def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, where):
-    """-o is checked with the other input (exit 2, `error: output:`), not after minutes of generating."""
+    """-o is checked with the other input (exit 2, `error: -o:`), not after minutes of generating."""
     from worldserve.cli import main
 
     folder = tmp_path / "ro"
@@ -172,7 +173,7 @@ def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, whe
             pytest.skip("root writes anywhere")
         folder.chmod(0o500)
     assert main(["generate", "--prompt", "a cat", "-o", str(output[where]), "--device", "cpu"]) == 2
-    assert "error: output:" in capsys.readouterr().err
+    assert "error: -o:" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["a folder", "under a file"])
@@ -186,7 +187,7 @@ def test_an_unwritable_latents_path_fails_before_the_model_loads(tmp_path, capsy
     argv = ["generate", "--prompt", "a cat", "-o", str(out), "--save-latents", str(latents), "--device", "cpu",
             "--size", "80x48", "--num-frames", "9", "--steps", "1"]  # fmt: skip
     assert main(argv) == 2
-    assert capsys.readouterr().err.startswith("worldserve generate: error: save_latents: --save-latents ")
+    assert capsys.readouterr().err.startswith("worldserve generate: error: --save-latents: --save-latents ")
     assert not out.exists()
 
 
@@ -198,7 +199,7 @@ def test_text_that_is_not_utf8_is_one_line(tmp_path, capsys):
     (tmp_path / "p.txt").write_bytes(b"\xff\xfe a fox")
     out = str(tmp_path / "x.mp4")
     assert main(["generate", "--prompt-file", str(tmp_path / "p.txt"), "-o", out]) == 2
-    assert "error: prompt_file: " in capsys.readouterr().err
+    assert "error: --prompt-file: " in capsys.readouterr().err
     for argv in (["--prompt", "a \udcff fox"], ["--prompt", "a fox", "--negative-prompt", "\udcff"],
                  ["--prompt", "a fox", "--system-prompt", "\udcff"]):  # fmt: skip
         with pytest.raises(SystemExit) as exit_:

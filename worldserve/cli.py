@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 VERBS: dict[str, tuple[str, str]] = {
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:  # a missing or broken checkpoint is the user's: one line, no traceback
         print(f"worldserve {args.verb}: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `worldserve info | head`: the reader left; no traceback, none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:  # Ctrl-C (uvicorn re-raises it after its graceful shutdown): no traceback
         print(f"worldserve {args.verb}: interrupted", file=sys.stderr)
         return 130

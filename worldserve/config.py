@@ -234,7 +234,7 @@ class ServerConfig:
     api_key: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
     """Require `Authorization: Bearer KEY` on /v1/*, KEY one of these (vLLM's flag: several keys may be given); default: $WORLDSERVE_API_KEY or $VLLM_API_KEY, else open."""
     storage_dir: str | None = None
-    """Folder of the job database and the videos; default: $WORLDSERVE_STORAGE_DIR, else $VLLM_OMNI_SERVER_STORAGE__PATH, else $XDG_CACHE_HOME/worldserve/storage."""
+    """Folder of the job database and the videos; default: $WORLDSERVE_STORAGE_DIR, else $VLLM_OMNI_SERVER_STORAGE__PATH (or the deprecated $VLLM_OMNI_STORAGE_PATH), else worldserve/storage under $XDG_CACHE_HOME or ~/.cache."""
     sync_timeout: float | None = None
     """Seconds /v1/videos/sync waits before 504 (the job goes on); default: $VLLM_OMNI_VIDEO_SYNC_TIMEOUT or 600."""
     max_upload_mb: float = 100.0
@@ -284,6 +284,15 @@ class ServerConfig:
                 raise ValueError("--api-key: an empty key protects nothing; give a key, or leave the flag out "
                                  "to serve /v1 without one")  # fmt: skip
             object.__setattr__(self, "api_key", tuple(keys))
+        if self.storage_dir == "":  # (`--storage-dir "$DIR"` with DIR unset had fallen back to the default)
+            raise ValueError(
+                "--storage-dir: an empty path; give a folder, or leave the flag out for the default"
+            )
+        domains = self.allowed_media_domains
+        if domains is not None and not any(h.strip(" .") for v in domains for h in v.split(",")):
+            # (no host had meant every host: `--allowed-media-domains "$DOMAINS"` with DOMAINS unset)
+            raise ValueError("--allowed-media-domains: no domain given; name the hosts media may come from, or "
+                             "leave the flag out to allow every public host")  # fmt: skip
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.sync_timeout is not None:

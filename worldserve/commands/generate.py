@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,6 +141,9 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
         raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
                          "(not with --tensor-parallel-size > 1)")  # fmt: skip
+    if args.guidance == 0:  # (the API takes 0 as "not given", its default 6.0; here it would drop the prompt)
+        raise ParamError("guidance", "--guidance 0 would generate without the prompt; use 1 for the prompt's "
+                         "branch alone (no CFG), or a scale above 1")  # fmt: skip
     _check_output(args.output, args.num_frames)
     if args.save_latents is not None:
         check_writable(args.save_latents, "save_latents", "--save-latents")
@@ -170,6 +174,23 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     ).validate()
 
 
+FLAGS = {
+    "num_inference_steps": "--steps", "guidance_scale": "--guidance", "output": "-o",
+    "extra_params.condition_frame_indexes_vision": "--condition-frames", "condition_frames": "--condition-frames",
+    "extra_params.condition_video_keep": "--condition-video-keep", "generate_sound": "--no-sound",
+}  # fmt: skip
+"""A request field's flag where its name is not the flag's (the API's names are what VideoParams reports)."""
+
+
+def _flag(param: str | None, args: argparse.Namespace) -> str:
+    """The flag the user gave for request field `param` (VideoParams names the API's fields)."""
+    if param == "input_reference":
+        return "--video" if args.video is not None else "--image"
+    if param is None:
+        return "error"
+    return FLAGS.get(param, "--" + param.removeprefix("extra_params.").replace("_", "-"))
+
+
 def _check_output(path: Path, num_frames: int) -> None:
     """An output this run can write, checked before the model loads (not after minutes of generation)."""
     if path.suffix.lower() not in OUTPUT_SUFFIXES:
@@ -192,8 +213,17 @@ def check_writable(path: Path, param: str, flag: str, *, folder: bool = False) -
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise ParamError(param, f"{flag} {path}: {ancestor} is not a directory")
-    if not os.access(path if path.exists() else ancestor, os.W_OK):
+    if not os.access(path if path.exists() else ancestor, os.W_OK) or not _can_create_in(ancestor):
         raise ParamError(param, f"{flag} {path} is not writable")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be made in `folder` (os.access says yes to root on /proc or a read-only mount)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".worldserve-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def text_arg(value: str) -> str:
@@ -305,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = build_params(args)
     except ParamError as e:
-        print(f"worldserve generate: error: {e.param}: {e.message}", file=sys.stderr)
+        print(f"worldserve generate: error: {_flag(e.param, args)}: {e.message}", file=sys.stderr)
         return 2
     import torch
 
@@ -358,7 +388,7 @@ def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float
             params = _upsampled(args, params, pipe, root)
             pipe.validate(params)
     except (ParamError, ValueError) as e:
-        where = f"{e.param}: {e.message}" if isinstance(e, ParamError) else str(e)
+        where = f"{_flag(e.param, args)}: {e.message}" if isinstance(e, ParamError) else str(e)
         print(f"worldserve generate: error: {where}", file=sys.stderr)
         return 2
     stream = streams_to(args.output)  # the VAE decode then runs in write_output, beside the mux

@@ -76,10 +76,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise ValueError(f"the model is given twice, as MODEL {values['model']!r} and as --model {option!r}; "
                              "pass it once, as the positional MODEL")  # fmt: skip
         values["model"] = option
+    if values.get("model") is None:
+        _check_model_not_taken(values)
     stage_timeout = values.pop("stage_init_timeout", None)
     if stage_timeout is not None:
         values["init_timeout"] = max(values["init_timeout"], stage_timeout)
     return EngineConfig.from_args(argparse.Namespace(**values))
+
+
+def _check_model_not_taken(values: dict) -> None:
+    """No MODEL was parsed: ValueError when a many-valued flag took a checkpoint folder as one of its values
+    (`serve --api-key K ./ckpt`: the folder became a second key and the tiny default was served)."""
+    for flag in ("api_key", "served_model_name"):
+        given = values.get(flag)
+        for value in [given] if isinstance(given, str) else given or ():
+            if Path(value).is_dir():
+                raise ValueError(f"--{flag.replace('_', '-')} took {value!r}, a folder, as one of its values, so "
+                                 "no MODEL was given: put MODEL first (serve MODEL --options)")  # fmt: skip
 
 
 def _check_kernels(config: EngineConfig) -> None:

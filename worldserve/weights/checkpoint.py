@@ -44,13 +44,19 @@ class CheckpointError(RuntimeError):
 @contextlib.contextmanager
 def readable_weights(folder: Path | str) -> Iterator[None]:
     """Inside it, a weights file under `folder` that cannot be read (a cut safetensors header, a file a loader
-    expects and does not find) is a CheckpointError naming the folder, not diffusers' or safetensors' traceback."""
+    expects and does not find), or weights whose shapes its config.json does not give (diffusers' ValueError),
+    is a CheckpointError naming the folder, not diffusers' or safetensors' traceback."""
     from safetensors import SafetensorError
 
     try:
         yield
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"{folder}: unreadable weights ({e}); re-download them") from e
+    except ValueError as e:  # (e.g. a config.json of `{}`: diffusers' defaults, then every shape mismatched)
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{folder}: its config.json and weights disagree ({first}); re-download it"
+        ) from e
 
 
 def user_cache_dir() -> Path:
@@ -161,6 +167,12 @@ def read_layout(root: Path) -> CheckpointLayout:
         (tok / f).is_file() for f in ("vocab.json", "merges.txt")
     ):
         raise CheckpointError(f"{tok}: no tokenizer.json (nor vocab.json + merges.txt); re-download it")
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):  # (a cut file failed in transformers, naming none)
+        if (tok / name).is_file():
+            read_json_object(tok / name)
     present = [c for c in GENERATION_COMPONENTS + OPTIONAL_COMPONENTS if (root / c).is_dir()]
     if "sound_tokenizer" in present and (index.get("sound_tokenizer") or [None])[0] is None:
         present.remove("sound_tokenizer")
