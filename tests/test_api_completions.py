@@ -442,7 +442,7 @@ def test_null_n_stream_and_echo_take_their_defaults_on_every_text_route(reasoner
     }
     chat = {**greedy, "messages": [{"role": "user", "content": "x"}]}
     for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {**greedy, "prompt": "x", "echo": None}),
-                       ("/v1/responses", {"model": "test-model", "input": "x", "stream": None})):  # fmt: skip
+                       ("/v1/responses", {"model": "test-model", "input": "x", "stream": None, "max_output_tokens": 2})):  # fmt: skip
         r = httpx.post(
             reasoner_url + path, json={**body, **(nulls if path != "/v1/responses" else {})}, timeout=60
         )

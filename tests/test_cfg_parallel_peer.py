@@ -116,7 +116,7 @@ def test_an_idle_peer_outlives_the_world_timeout():
         "test", _echo_peer, lambda r, init: (r, init, 2, 4.0), [cpu, cpu], lambda: None, timeout_s=4.0
     )
     try:
-        time.sleep(9)
+        time.sleep(6.5)  # (past 1.5x the timeout: without pings the receive had timed out at 4 s)
         with peers.lock:
             peers.send(("echo", 7))
             assert peers.recv_object(1) == ("echo", 7)
