@@ -149,14 +149,14 @@ async def close_all(streams: Sequence[AsyncIterator]) -> None:
 
 async def run_to_end(events: AsyncIterator) -> ChatDelta:
     """One chat's remaining events as one delta (its text, log-probabilities and token ids, its ending and
-    counts: ChatDelta.then); APIError if it fails."""
-    whole = None
+    counts: ChatDelta.joined); APIError if it fails."""
+    deltas = []
     async for event in events:
         if isinstance(event, ChatFailed):
             raise APIError(event.status, event.message, param=event.param)
-        whole = event if whole is None else whole.then(event)
-    assert isinstance(whole, ChatDelta)
-    return whole
+        deltas.append(event)
+    assert deltas and all(isinstance(d, ChatDelta) for d in deltas)
+    return ChatDelta.joined(deltas)
 
 
 async def run_all(streams: Sequence[AsyncIterator]) -> list[ChatDelta]:

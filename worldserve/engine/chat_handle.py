@@ -35,7 +35,7 @@ class ChatHandle:
     coalesce: bool = False
     """Deliver the first delta (time to first token) and then one merged delta at the end, not one a token:
     a non-streaming caller needs nothing in between, and each delivery wakes the consumer's event loop."""
-    _held: ChatDelta | None = None  # coalesce: the deltas since the first one, merged
+    _held: list[ChatDelta] = field(default_factory=list)  # coalesce: the deltas since the first one
     _first_sent: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
@@ -67,11 +67,8 @@ class ChatHandle:
         if not self.coalesce or not self._first_sent:
             self._first_sent = True
             return delta
-        held = self._held
-        if held is not None:
-            delta = held.then(delta)
+        self._held.append(delta)
         if delta.finish_reason is None:
-            self._held = delta
             return None
-        self._held = None
-        return delta
+        held, self._held = self._held, []
+        return ChatDelta.joined(held)

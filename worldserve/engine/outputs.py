@@ -129,14 +129,16 @@ class ChatDelta:
     """The tokens sampled this step (the one that ended the chat too: vLLM's output token ids, as many as
     `completion_tokens` counts)."""
 
-    def then(self, later: ChatDelta) -> ChatDelta:
-        """This delta and a `later` one as one: the texts, log-probabilities and token ids joined, the counts
-        and the ending the later one's."""
+    @staticmethod
+    def joined(deltas: Sequence[ChatDelta]) -> ChatDelta:
+        """Consecutive deltas as one: their texts, log-probabilities and token ids joined once (folding them
+        a pair at a time copied the growing text a token), the counts and the ending the last one's."""
+        last = deltas[-1]
         return ChatDelta(
-            text=self.text + later.text, finish_reason=later.finish_reason,
-            completion_tokens=later.completion_tokens, logprobs=self.logprobs + later.logprobs,
-            stop_reason=later.stop_reason, reasoning_tokens=later.reasoning_tokens,
-            token_ids=self.token_ids + later.token_ids,
+            text="".join(d.text for d in deltas), finish_reason=last.finish_reason,
+            completion_tokens=last.completion_tokens, logprobs=tuple(e for d in deltas for e in d.logprobs),
+            stop_reason=last.stop_reason, reasoning_tokens=last.reasoning_tokens,
+            token_ids=tuple(t for d in deltas for t in d.token_ids),
         )  # fmt: skip
 
 
