@@ -283,7 +283,7 @@ async def _answer(
     cached = (
         firsts[0].cached_tokens if st.prompt_tokens_details else None
     )  # (the choices' leader looked it up)
-    view = TokenView(ids=bool(body.return_token_ids), as_ids=bool(body.return_tokens_as_token_ids))
+    view = TokenView.of(body)
     if body.stream:
         include_usage, continuous_usage = body.stream_usage()
         stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage,

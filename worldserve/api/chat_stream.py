@@ -74,6 +74,11 @@ class TokenView:
     as_ids: bool = False
     """return_tokens_as_token_ids: logprobs name their tokens "token_id:<id>"."""
 
+    @classmethod
+    def of(cls, body) -> TokenView:
+        """A chat or text completion request's (chat_protocol.SamplingRequest) options."""
+        return cls(ids=bool(body.return_token_ids), as_ids=bool(body.return_tokens_as_token_ids))
+
     def names(self, entry) -> tuple[str, list[str]]:
         """A TokenLogprob's token and its alternatives as this request shows them."""
         if self.as_ids:

@@ -126,7 +126,7 @@ async def _answer(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only, cached=cached,
         prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
-        view=TokenView(ids=bool(body.return_token_ids), as_ids=bool(body.return_tokens_as_token_ids)),
+        view=TokenView.of(body),
         prompt_ids=[first.prompt_token_ids for first in firsts[:: body.n]],
     )  # fmt: skip
     if body.stream:
