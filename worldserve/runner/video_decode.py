@@ -18,10 +18,10 @@ import torch
 
 from worldserve.engine.outputs import VideoResult
 from worldserve.media.frame_stream import FrameStream
-from worldserve.models.cosmos3.audio_vae import AudioVAE
-from worldserve.models.cosmos3.vae import VideoVAE
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the VAEs import diffusers: a peer rank, which only runs the transformer, never needs them
+    from worldserve.models.cosmos3.audio_vae import AudioVAE
+    from worldserve.models.cosmos3.vae import VideoVAE
     from worldserve.runner.video_pipeline import VideoRequestState
 
 

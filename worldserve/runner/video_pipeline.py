@@ -20,16 +20,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from worldserve.engine.outputs import VideoResult
-from worldserve.models.cosmos3.audio_vae import AudioVAE
 from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
-from worldserve.models.cosmos3.vae import VideoVAE
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.devices import check_device, default_device, default_dtype
@@ -39,6 +38,10 @@ from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
 from worldserve.sampling.guidance import cfg_combine, guided_at, needs_uncond
 from worldserve.weights.checkpoint import read_layout
 from worldserve.weights.loader import load_transformer
+
+if TYPE_CHECKING:  # the VAEs import diffusers, which a peer rank (transformer only) never needs
+    from worldserve.models.cosmos3.audio_vae import AudioVAE
+    from worldserve.models.cosmos3.vae import VideoVAE
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +162,9 @@ class VideoPipeline:
             dtype = default_dtype(device)
         kernels = kernels or KernelOptions()
         kernels.check(device, dtype)
+        from worldserve.models.cosmos3.audio_vae import AudioVAE
+        from worldserve.models.cosmos3.vae import VideoVAE
+
         transformer = load_configured_transformer(root, dtype, device, kernels, tp=tp, progress=progress)
         vae = VideoVAE.from_pretrained(
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,

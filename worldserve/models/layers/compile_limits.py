@@ -9,15 +9,14 @@ for the rest of the process without a word (the gen layers 1.13x slower). A vide
 
 from __future__ import annotations
 
-import torch
-import torch._dynamo
-
 COMPILED_SHAPES_LIMIT = 4096
 """Graphs a compiled function may keep before dynamo falls back to eager."""
 
 
 def raise_recompile_limits(n: int = COMPILED_SHAPES_LIMIT) -> None:
     """Raise both limits to at least `n`, process-wide (the gen layers compile once, at load)."""
+    import torch._dynamo  # here, not at import: dynamo takes ~2 s to import, and an eager process never needs it
+
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, n)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, n)
@@ -25,6 +24,8 @@ def raise_recompile_limits(n: int = COMPILED_SHAPES_LIMIT) -> None:
 
 def recompile_limits(n: int = COMPILED_SHAPES_LIMIT):
     """Both limits at least `n` inside a `with` block (the VAE decode), as they were outside it."""
+    import torch._dynamo
+
     cfg = torch._dynamo.config
     return cfg.patch(
         recompile_limit=max(n, cfg.recompile_limit),
