@@ -242,6 +242,7 @@ def test_a_v1_database_gains_the_interruption_count(tmp_path):
     store.close()
     db = sqlite3.connect(tmp_path / "jobs.sqlite3")  # as worldserve's v1 left it: no `interrupted` column
     db.execute("ALTER TABLE jobs DROP COLUMN interrupted")
+    db.execute("ALTER TABLE jobs DROP COLUMN error_param")
     db.execute("PRAGMA user_version=1")
     db.commit()
     db.close()
@@ -249,6 +250,31 @@ def test_a_v1_database_gains_the_interruption_count(tmp_path):
     assert store.mark_in_progress(job.id, time.time())
     assert store.recover() == [job.id]
     assert store.get(job.id).status is JobStatus.QUEUED
+
+
+def test_a_v2_database_gains_the_failures_field(tmp_path):
+    """v2 had no `error_param`: its failed jobs read with none, and new failures record theirs."""
+    import sqlite3
+
+    store = JobStore(tmp_path)
+    old, new = _job(), _job()
+    for job in (old, new):
+        store.create(job, {"params": {}}, None)
+    assert store.fail(old.id, 400, "bad", completed_at=time.time(), ttl_s=None)
+    store.close()
+    db = sqlite3.connect(tmp_path / "jobs.sqlite3")
+    db.execute("ALTER TABLE jobs DROP COLUMN error_param")
+    db.execute("PRAGMA user_version=2")
+    db.commit()
+    db.close()
+    store = JobStore(tmp_path)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3
+    got = store.get(old.id)
+    assert (got.error_code, got.error_message, got.error_param) == (400, "bad", None)
+    assert store.fail(
+        new.id, 400, "too long", completed_at=time.time(), ttl_s=None, param="max_sequence_length"
+    )
+    assert store.get(new.id).error_param == "max_sequence_length"
 
 
 def test_a_failed_write_rolls_back_and_later_writes_still_land(tmp_path):
@@ -282,7 +308,7 @@ def test_a_migration_cut_between_its_two_statements_opens_again(tmp_path):
     db.commit()
     db.close()
     store = JobStore(tmp_path)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3
 
 
 def test_a_non_finite_expiry_an_old_store_holds_reads_as_none(tmp_path):

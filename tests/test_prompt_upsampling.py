@@ -237,7 +237,7 @@ async def test_a_written_prompt_past_max_sequence_length_fails_the_job(
                            upsampler=SMALL) as http:  # fmt: skip
         extra = json.dumps({"upsample_prompt": True, "max_sequence_length": 150, "negative_prompt": "blur"})
         r = await http.post("/v1/videos/sync", data={"prompt": "a fox", **TINY, "extra_params": extra})
-        assert r.status_code == 400, r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_sequence_length", r.text
         message = r.json()["error"]["message"]
         assert "Prompt upsampling failed" in message and "raise max_sequence_length" in message
         assert message.count("max_sequence_length") == 2 and "shorten" not in message, message  # (said once)

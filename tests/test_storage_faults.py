@@ -116,12 +116,14 @@ def test_a_kept_failure_is_written_at_close(tmp_path, monkeypatch):
     disk = FullDisk(store, monkeypatch)
     job = _running_job(store)
     disk.db_full = True
-    assert store.fail(job.id, 507, "Video generation failed: disk full", completed_at=time.time(), ttl_s=None)
+    assert store.fail(job.id, 400, "too long", completed_at=time.time(), ttl_s=None, param="prompt")
+    assert store.get(job.id).error_param == "prompt"  # shown from memory
     disk.db_full = False
     store.close()
     store = JobStore(tmp_path)
     assert store.recover() == []
-    assert store.get(job.id).status is JobStatus.FAILED and store.get(job.id).error_code == 507
+    got = store.get(job.id)
+    assert got.status is JobStatus.FAILED and (got.error_code, got.error_param) == (400, "prompt")
     store.close()
 
 

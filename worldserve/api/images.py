@@ -226,8 +226,8 @@ async def create_images(request: Request, st: State) -> Response:
     except ValueError as exc:
         raise APIError(400, str(exc), param=getattr(exc, "param", None), headers=headers) from None
     except Exception as exc:  # a failed request: its status and message, as a failed video job reports them
-        code, message = error_for(exc, "Image generation")
-        raise APIError(code, message, headers=headers) from None
+        code, message, param = error_for(exc, "Image generation")
+        raise APIError(code, message, param=param, headers=headers) from None
     fmt = req.output_format or "png"
     images = await asyncio.gather(*(asyncio.to_thread(encode_image, r.frames[0], fmt) for r in results))
     if req.response_format == "file":

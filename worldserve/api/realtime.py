@@ -210,8 +210,8 @@ class _Session:
             while not self.parts.empty():  # (on_frames queued every part before the result settled)
                 await self._send_part(*self.parts.get_nowait())
             if (exc := done.exception()) is not None:
-                code, message = error_for(exc)
-                await self._error(message, code)
+                code, message, param = error_for(exc)
+                await self._error(message, code, param)
                 return
             await self._send({"type": "session.done", "request_id": self.request_id, "chunks": self.sent,
                               "stopped": False})  # fmt: skip

@@ -126,7 +126,8 @@ async def create_video_sync(request: Request, st: State) -> Response:
     if done is None:
         raise APIError(404, f"{NOT_FOUND}: the job was deleted before it completed.", headers=ids)
     if done.status is JobStatus.FAILED:
-        raise APIError(done.error_code or 500, done.error_message or "Video generation failed.", headers=ids)
+        raise APIError(done.error_code or 500, done.error_message or "Video generation failed.",
+                       param=done.error_param, headers=ids)  # fmt: skip
     try:
         video = await asyncio.to_thread(st.client.video_path(job.id).read_bytes)
     except FileNotFoundError:

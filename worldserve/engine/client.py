@@ -320,7 +320,7 @@ class EngineClient:
                 return  # the shutdown stopped it
             code = exc.status if isinstance(exc, UpsamplingFailed) else 500
             if self.store.fail(job_id, code, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
-                               ttl_s=self.job_ttl_s):  # fmt: skip
+                               ttl_s=self.job_ttl_s, param=getattr(exc, "param", None)):  # fmt: skip
                 self.engine.observer.on_failed(code)
                 self._waiters.wake(job_id)
             return

@@ -130,7 +130,7 @@ class Endings:
         self.on_done(request.job_id)
 
     def fail(self, request: Request, exc: BaseException) -> None:
-        code, message = error_for(exc)
+        code, message, param = error_for(exc)
         if code >= 500:
             log.error("job %s failed: %s", request.job_id, message, exc_info=exc)
         else:
@@ -138,7 +138,9 @@ class Endings:
         if request.ephemeral:
             self.observer.on_failed(code)
             request.on_result(exc)
-        elif self.store.fail(request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s):
+        elif self.store.fail(
+            request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s, param=param
+        ):
             self.observer.on_failed(code)
         self.on_done(request.job_id)
 

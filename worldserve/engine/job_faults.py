@@ -39,10 +39,10 @@ def storage_failure(exc: BaseException, what: str) -> StorageError:
 
 
 class UnsavedFailures:
-    """job id -> (code, message, completed_at, expires_at) of failures not yet in the database."""
+    """job id -> (code, message, param, completed_at, expires_at) of failures not yet in the database."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[int, str, float, float | None]] = {}
+        self._pending: dict[str, tuple[int, str, str | None, float, float | None]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._pending)
@@ -50,8 +50,8 @@ class UnsavedFailures:
     def __contains__(self, job_id: str) -> bool:
         return job_id in self._pending
 
-    def add(self, job_id: str, code: int, message: str, completed_at: float, expires: float | None) -> None:
-        self._pending[job_id] = (code, message, completed_at, expires)
+    def add(self, job_id: str, failure: tuple[int, str, str | None, float, float | None]) -> None:
+        self._pending[job_id] = failure
 
     def discard(self, job_id: str) -> None:
         self._pending.pop(job_id, None)
@@ -61,17 +61,17 @@ class UnsavedFailures:
         pending = self._pending.get(job.id)
         if pending is None or job.status.terminal:
             return job
-        code, message, completed_at, expires = pending
+        code, message, param, completed_at, expires = pending
         status = type(job.status)("failed")
-        return dataclasses.replace(job, status=status, error_code=code, error_message=message,
+        return dataclasses.replace(job, status=status, error_code=code, error_message=message, error_param=param,
                                    completed_at=completed_at, expires_at=expires)  # fmt: skip
 
     def write(self, db: sqlite3.Connection) -> None:
         """Write them (inside the caller's transaction; the caller clears them once it has committed)."""
-        rows = [(c, m, t, e, i) for i, (c, m, t, e) in self._pending.items()]
+        rows = [(*failure, i) for i, failure in self._pending.items()]
         db.executemany(
-            "UPDATE jobs SET status='failed', error_code=?, error_message=?, completed_at=?, expires_at=?"
-            " WHERE id=? AND status IN ('queued', 'in_progress')",
+            "UPDATE jobs SET status='failed', error_code=?, error_message=?, error_param=?, completed_at=?,"
+            " expires_at=? WHERE id=? AND status IN ('queued', 'in_progress')",
             rows,
         )
 

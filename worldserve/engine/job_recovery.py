@@ -32,9 +32,9 @@ def restored_jobs(
 ) -> Iterator[tuple[str, VideoParams, EncodeOptions]]:
     """(job id, params, encode options) of every unfinished job that can run again, oldest first."""
 
-    def fail(job_id: str, message: str, code: int = 500) -> None:
+    def fail(job_id: str, message: str, code: int = 500, param: str | None = None) -> None:
         log.warning("job %s: %s", job_id, message)
-        if store.fail(job_id, code, message, completed_at=time.time(), ttl_s=ttl_s):
+        if store.fail(job_id, code, message, completed_at=time.time(), ttl_s=ttl_s, param=param):
             observer.on_failed(code)
 
     for job_id in store.recover(ttl_s=ttl_s):
@@ -57,6 +57,7 @@ def restored_jobs(
                 job_id,
                 f"{INTERRUPTED} the model now served does not take it ({exc.param}): {exc.message}",
                 400,
+                exc.param,
             )
             continue
         yield job_id, params, encode

@@ -1,5 +1,5 @@
 """What a video job is (JobStatus, JobSpec, Job) and how the job table stores it: the schema, its migration
-(v1 databases gain `interrupted`) and the row <-> Job conversion. The store itself is jobs.py.
+(older databases gain `interrupted`, `error_param`) and the row <-> Job conversion. The store itself is jobs.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from worldserve.engine.job_files import StorageError
 
-SCHEMA_VERSION = 2  # v2: `interrupted` (v1 databases gain it when opened)
+SCHEMA_VERSION = 3  # v2: `interrupted`, v3: `error_param` (older databases gain them when opened)
 
 
 class JobStatus(enum.StrEnum):
@@ -55,6 +55,8 @@ class Job:
     expires_at: float | None = None
     error_code: int | None = None
     error_message: str | None = None
+    error_param: str | None = None
+    """The request field the failure is about (a sync request's error names it), if any."""
     file_name: str | None = None
     inference_time_s: float | None = None
     stage_durations: dict[str, float] = field(default_factory=dict)
@@ -72,7 +74,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     inputs TEXT NOT NULL,
     has_reference INTEGER NOT NULL,
     started_at REAL, completed_at REAL, expires_at REAL,
-    error_code INTEGER, error_message TEXT,
+    error_code INTEGER, error_message TEXT, error_param TEXT,
     file_name TEXT, inference_time_s REAL, stage_durations TEXT, peak_memory_mb REAL,
     interrupted INTEGER NOT NULL DEFAULT 0
 );
@@ -92,12 +94,14 @@ def prepared(db: sqlite3.Connection) -> sqlite3.Connection:
     db.execute("PRAGMA busy_timeout=5000")
     db.executescript(SCHEMA)
     version = db.execute("PRAGMA user_version").fetchone()[0]
-    if version not in (0, 1, SCHEMA_VERSION):
-        raise StorageError(f"schema v{version}; this worldserve reads v1 and v{SCHEMA_VERSION}")
-    db.execute("BEGIN")  # the column and the version together (DDL is transactional in SQLite)
+    if not 0 <= version <= SCHEMA_VERSION:
+        raise StorageError(f"schema v{version}; this worldserve reads v1 to v{SCHEMA_VERSION}")
+    db.execute("BEGIN")  # the columns and the version together (DDL is transactional in SQLite)
     columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
     if "interrupted" not in columns:  # a v1 database
         db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
+    if "error_param" not in columns:  # v1, v2
+        db.execute("ALTER TABLE jobs ADD COLUMN error_param TEXT")
     db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     db.execute("COMMIT")
     return db
@@ -119,6 +123,7 @@ def job_from_row(row: sqlite3.Row) -> Job:
         expires_at=row["expires_at"],
         error_code=row["error_code"],
         error_message=row["error_message"],
+        error_param=row["error_param"],
         file_name=row["file_name"],
         inference_time_s=row["inference_time_s"],
         stage_durations=json.loads(row["stage_durations"]) if row["stage_durations"] else {},

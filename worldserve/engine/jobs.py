@@ -246,13 +246,16 @@ class JobStore:
             self.reference_path(job_id).unlink(missing_ok=True)
         return done
 
-    def fail(self, job_id: str, code: int, message: str, *, completed_at: float, ttl_s: float | None) -> bool:
+    def fail(
+        self, job_id: str, code: int, message: str, *, completed_at: float, ttl_s: float | None,
+        param: str | None = None,
+    ) -> bool:  # fmt: skip
         expires = completed_at + ttl_s if ttl_s else None
         try:
             done = self._update(
-                "UPDATE jobs SET status='failed', error_code=?, error_message=?, completed_at=?, expires_at=?"
-                " WHERE id=? AND status IN ('queued', 'in_progress')",
-                (code, message, completed_at, expires, job_id),
+                "UPDATE jobs SET status='failed', error_code=?, error_message=?, error_param=?, completed_at=?,"
+                " expires_at=? WHERE id=? AND status IN ('queued', 'in_progress')",
+                (code, message, param, completed_at, expires, job_id),
             )
         except StorageError as exc:  # shown failed now, written once the disk takes it (job_faults.py)
             log.warning("job %s: %s; its failure is kept in memory until it can be written", job_id, exc)
@@ -260,7 +263,7 @@ class JobStore:
                 row = self._db.execute("SELECT status FROM jobs WHERE id=?", (job_id,)).fetchone()
                 done = row is not None and row["status"] in _UNFINISHED and job_id not in self._unsaved
                 if done:
-                    self._unsaved.add(job_id, code, message, completed_at, expires)
+                    self._unsaved.add(job_id, (code, message, param, completed_at, expires))
         if done:
             self.reference_path(job_id).unlink(missing_ok=True)
         return done

@@ -1,7 +1,9 @@
 """Why the engine client takes no more work or a request ends early: the exceptions the API answers with 429,
-503 or 400, and the (code, message) a failed job records (`error_for`)."""
+503 or 400, and the JobError (code, message, field) a failed job records (`error_for`)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from worldserve.params import ParamError
 
@@ -31,9 +33,17 @@ class CancelledRequest(Exception):
         super().__init__(f"request {request_id} was cancelled before it finished")
 
 
-def error_for(exc: BaseException, what: str = "Video generation") -> tuple[int, str]:
-    """(HTTP-like code, message) recorded on a failed job (`what` failed: ...)."""
+class JobError(NamedTuple):
+    """What a failed request records and answers: an HTTP-like code, the message, the field at fault."""
+
+    code: int
+    message: str
+    param: str | None = None
+
+
+def error_for(exc: BaseException, what: str = "Video generation") -> JobError:
+    """The JobError of a request that raised `exc` (`what` failed: ...; a ParamError names its field)."""
     if isinstance(exc, ParamError):
-        return 400, exc.message
+        return JobError(400, exc.message, exc.param)
     code = getattr(exc, "status_code", 500)
-    return (code if isinstance(code, int) and 400 <= code < 600 else 500), f"{what} failed: {exc}"
+    return JobError(code if isinstance(code, int) and 400 <= code < 600 else 500, f"{what} failed: {exc}")
