@@ -44,7 +44,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import read_json_object
-from worldserve.api.chat_media import ImageTokenBudget, media_parts, part, prefetch_media, video_sampling
+from worldserve.api.chat_media import (
+    ImageTokenBudget,
+    image_background,
+    media_parts,
+    part,
+    prefetch_media,
+    video_sampling,
+)
 from worldserve.api.chat_options import pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
 from worldserve.api.chat_stream import (
@@ -75,6 +82,8 @@ class RequestOptions:
     image_pixels: tuple[int | None, int | None]
     """(min, max) image pixel budget; None: the server's."""
     video: VideoSampling
+    image_background: tuple[int, int, int]
+    """What an image's transparent pixels show (`media_io_kwargs.image.rgba_background_color`)."""
     chat_template_kwargs: dict
     tools: ToolMode | None
     """The request's tools and tool choice (api/tool_calls.py); None: no tools."""
@@ -92,6 +101,7 @@ def request_options(body: ChatCompletionRequest, compiler: Any = None) -> Reques
     return RequestOptions(
         image_pixels=pixel_budget(image_opts, "images"),
         video=video_sampling(body.media_io_kwargs, video_opts),
+        image_background=image_background(body.media_io_kwargs),
         chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
         tools=tools,
         structured=structured_output(body, tool_constraint(tools), compiler),
@@ -124,7 +134,8 @@ def build_params(
 
     def load(at: tuple[int, int]) -> ChatPart:
         where = f"messages[{at[0]}].content[{at[1]}]"
-        return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache, image_tokens)
+        return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache, image_tokens,
+                    options.image_background)  # fmt: skip
 
     media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
     loaded = dict(zip(media, map_in_order(load, media), strict=True))

@@ -210,6 +210,32 @@ def check_image(image, path: str) -> None:
         )  # fmt: skip
 
 
+MEDIA_IO_KINDS = ("image", "video")
+"""The `media_io_kwargs` keys this server reads (vLLM's are per modality; there is no audio here)."""
+
+
+def image_background(media_io_kwargs: dict | None) -> tuple[int, int, int]:
+    """`media_io_kwargs.image.rgba_background_color` (vLLM's ImageMediaIO option: what a transparent pixel
+    shows, [R, G, B] of 0-255), white by default; ParamError naming the field for another value, another
+    `image` key, or a `media_io_kwargs` key that is no modality here (each had been ignored)."""
+    for key in media_io_kwargs or {}:
+        if key not in MEDIA_IO_KINDS:
+            raise ParamError(f"media_io_kwargs.{key}", f"media_io_kwargs takes {' and '.join(MEDIA_IO_KINDS)} "
+                             f"options, not {key!r}")  # fmt: skip
+    image = (media_io_kwargs or {}).get("image")
+    image = {} if image is None else image
+    if not isinstance(image, dict) or set(image) - {"rgba_background_color"}:
+        raise ParamError(
+            "media_io_kwargs.image", 'media_io_kwargs.image takes {"rgba_background_color": [R, G, B]}'
+        )
+    color = image.get("rgba_background_color", RGBA_BACKGROUND)
+    if (not isinstance(color, list | tuple) or len(color) != 3
+            or not all(type(c) is int and 0 <= c <= 255 for c in color)):  # fmt: skip
+        raise ParamError("media_io_kwargs.image.rgba_background_color",
+                         "rgba_background_color must be [R, G, B], three integers from 0 to 255")  # fmt: skip
+    return tuple(color)
+
+
 def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
     """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) or the same from `mm_processor_kwargs`, and
     its pixel budget, over Qwen3-VL's defaults (2 fps); ParamError naming the field the values came from when
@@ -255,10 +281,11 @@ def part(
     fetched: Mapping[str, bytes] | None = None,
     cache: ProcessorCache | None = None,
     image_tokens: ImageTokenBudget | None = None,
+    background: tuple[int, int, int] = RGBA_BACKGROUND,
 ) -> ChatPart:
-    """One content part, its media loaded and decoded (the same bytes, and for a video the same sampling,
-    found in `cache` are not decoded again; without a cache that keeps anything, no key is hashed); errors
-    name `path` (messages[i].content[j])."""
+    """One content part, its media loaded and decoded (an image's transparent pixels over `background`; the
+    same bytes, and for a video the same sampling, found in `cache` are not decoded again; without a cache
+    that keeps anything, no key is hashed); errors name `path` (messages[i].content[j])."""
     keyed = cache is not None and cache.enabled
     if part.type == "text":
         if part.text is None:  # (OpenAI's 400; it had been rendered as empty text)
@@ -273,11 +300,13 @@ def part(
             fetched=fetched,
         )
         key = content_key(data) if keyed else None
+        if key is not None and background != RGBA_BACKGROUND:  # other pixels from the same bytes: another key
+            key = content_key(key + bytes(background))
         image = cache.get(("image", key)) if key is not None else None
         if image_tokens is not None:
             image_tokens.charge(image.shape[:2] if image is not None else image_size(data), path)
         if image is None:
-            image = decode_image(data, param=path, rgba_background=RGBA_BACKGROUND)
+            image = decode_image(data, param=path, rgba_background=background)
             check_image(image, path)
             if key is not None:
                 image.flags.writeable = False  # shared by every request that finds it: a write would raise
