@@ -74,6 +74,10 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
         assert same.content == content.content
         thumb = await http.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
         assert thumb.status_code == 400 and thumb.json()["error"]["param"] == "variant", "not the MP4 instead"
+        unknown = await http.get(
+            "/v1/videos/video_gen_" + "0" * 32 + "/content", params={"variant": "thumbnail"}
+        )
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "video_id"  # the id first
 
 
 async def test_omitted_fields_take_model_defaults(tmp_path):

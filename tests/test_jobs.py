@@ -224,10 +224,12 @@ def test_a_job_the_process_keeps_dying_on_is_failed_not_rerun_forever(tmp_path):
             store.requeue([parked.id])
         store.close()
         store = JobStore(tmp_path)
-        resumed = store.recover(ttl_s=60.0)
+        counted = []  # the failures the metrics count (they were not counted)
+        resumed = store.recover(ttl_s=60.0, on_failed=counted.append)
         if start < MAX_INTERRUPTIONS:
-            assert resumed == [job.id, parked.id]
+            assert resumed == [job.id, parked.id] and counted == []
     got = store.get(job.id)
+    assert counted == [500]
     assert resumed == [parked.id] and got.status is JobStatus.FAILED and got.error_code == 500
     assert f"stopped {MAX_INTERRUPTIONS} times" in got.error_message and got.expires_at is not None
     assert not store.reference_path(job.id).exists()

@@ -194,3 +194,44 @@ async def test_a_full_disk_fails_the_jobs_and_the_server_goes_on(tmp_path, monke
         )
         raw.close()
         assert rows == {running: "failed", queued: "failed"}, "the kept failures were written"
+
+
+async def test_a_storage_folder_removed_under_the_server_takes_no_more_jobs(tmp_path):
+    """`rm -rf` of the storage folder while serving: SQLite would go on writing to the removed database, and
+    every job accepted then would be gone at the restart. Creates are refused (503 naming the storage) and
+    /health says why; a removed videos/ folder alone is made again (the job completes)."""
+    import shutil
+
+    root = tmp_path / "store"
+    async with asgi_server(root, backend=FakeBackend()) as http:
+        shutil.rmtree(root / "videos")
+        r = await http.post("/v1/videos/sync", data={"prompt": "x", **SMALL_FORM})
+        assert r.status_code == 200 and r.content, r.text
+        assert (await http.get("/health")).status_code == 200
+        shutil.rmtree(root)
+        r = await http.post("/v1/videos", data={"prompt": "x", **SMALL_FORM})
+        assert r.status_code == 503, r.text
+        assert "cannot keep new jobs" in r.json()["error"]["message"] and "job database" in r.text
+        health = await http.get("/health")
+        assert health.status_code == 503 and health.json()["reason"].startswith("storage: its job database")
+        assert (await http.get("/v1/videos")).json()["data"], (
+            "what it holds is still listed until the restart"
+        )
+
+
+def test_a_damaged_database_is_refused_when_the_store_opens(tmp_path):
+    """A page of the job table overwritten (a torn disk write): one StorageError as the store opens, before a
+    server loads its model (it had been a traceback from the restart's recovery, after the load)."""
+    store = JobStore(tmp_path)
+    for _ in range(40):  # the table over several pages
+        p = job_params()
+        store.create(Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(),
+                         spec=job_spec(p)), {"params": {"prompt": "x" * 500}}, None)  # fmt: skip
+    store.close()
+    path = tmp_path / "jobs.sqlite3"
+    data = bytearray(path.read_bytes())
+    page = 4096
+    data[2 * page + 8 : 3 * page] = bytes(range(256)) * ((page - 8) // 256) + bytes((page - 8) % 256)
+    path.write_bytes(bytes(data))
+    with pytest.raises(StorageError, match="damaged"):
+        JobStore(tmp_path)

@@ -195,12 +195,12 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
 async def download_video(video_id: str, request: Request, st: State) -> FileResponse:
     """Download the MP4 (HTTP Range supported; HEAD answers the headers alone); OpenAI's `variant` other than
     video (thumbnail, spritesheet) is not offered: a 400 rather than the MP4 in their place."""
+    job = st.client.get(video_id)
+    if job is None:  # (before the variant: an unknown id is a 404 whatever is asked of it)
+        raise APIError(404, NOT_FOUND, param="video_id")
     variant = request.query_params.get("variant", "video")
     if variant != "video":
         raise APIError(400, f"variant {variant!r} is not offered; only 'video' (the MP4)", param="variant")
-    job = st.client.get(video_id)
-    if job is None:
-        raise APIError(404, NOT_FOUND, param="video_id")
     if job.status is JobStatus.FAILED:
         raise APIError(422, "Video generation failed. Check job status for error details.")
     if job.status is not JobStatus.COMPLETED:

@@ -192,6 +192,8 @@ class EngineClient:
             return False, "engine stopped" if crashed is None else f"engine crashed: {crash_reason(crashed)}"
         if not self.accepting:
             return False, "shutting down"
+        if (problem := self.store.problem()) is not None:
+            return False, f"storage: {problem}"
         return True, None
 
     def _recover(self) -> int:

@@ -4,7 +4,8 @@ the reference, which is a file of its own), files written atomically, and the st
 `inputs_record` / `inputs_from_record` are the one definition of that record: the store persists it at
 submit and the client re-runs an interrupted job from it (the reference bytes decoded again). `write_atomic`
 writes a file so that readers see the old one or the whole new one, across a crash. `lock_storage` holds
-the folder for one process (two servers would re-run and delete each other's jobs).
+the folder for one process (two servers would re-run and delete each other's jobs); `database_gone` says
+when the database was removed under the running server.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write, fsync, rename over `path`, fsync the folder: readers see the old file or the whole new one."""
+    """Write, fsync, rename over `path`, fsync the folder: readers see the old file or the whole new one.
+    Its folder is made again if it was removed (not the folders above it: see `database_gone`)."""
+    path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -68,6 +71,24 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def file_identity(path: Path) -> tuple[int, int]:
+    """(device, inode) of `path`: which file it is, whatever its name says later."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def database_gone(path: Path, identity: tuple[int, int]) -> str | None:
+    """Why the job database the store opened (`identity`) is no longer the file at `path` (removed, or the
+    storage folder removed, or replaced), else None. SQLite keeps writing to a removed file, which is lost
+    at the next start: a store whose database is gone must take no more jobs."""
+    try:
+        if file_identity(path) == identity:
+            return None
+    except OSError as exc:
+        return f"its job database {path} is gone ({exc.strerror}): the storage folder was removed or moved"
+    return f"its job database {path} was replaced by another file under the running server"
 
 
 class StorageError(RuntimeError):

@@ -37,7 +37,7 @@ def restored_jobs(
         if store.fail(job_id, code, message, completed_at=time.time(), ttl_s=ttl_s, param=param):
             observer.on_failed(code)
 
-    for job_id in store.recover(ttl_s=ttl_s):
+    for job_id in store.recover(ttl_s=ttl_s, on_failed=observer.on_failed):
         try:
             record, reference = store.load_inputs(job_id)
             params, encode = inputs_from_record(record, reference)

@@ -92,6 +92,10 @@ def prepared(db: sqlite3.Connection) -> sqlite3.Connection:
     # (NORMAL in WAL mode may lose the last commits then); one fsync per write, against ~5 s a step.
     db.execute("PRAGMA synchronous=FULL")
     db.execute("PRAGMA busy_timeout=5000")
+    damage = db.execute("PRAGMA quick_check(1)").fetchone()[0]  # (before the model loads, not after)
+    if damage != "ok":
+        raise StorageError(f"the database is damaged ({damage}); move it aside to start with no jobs, or "
+                           "restore it from a backup")  # fmt: skip
     db.executescript(SCHEMA)
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if not 0 <= version <= SCHEMA_VERSION:

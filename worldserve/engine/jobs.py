@@ -28,12 +28,12 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from worldserve.engine.job_faults import UnsavedFailures, storage_failure
-from worldserve.engine.job_files import StorageError, lock_storage, write_atomic
+from worldserve.engine.job_files import StorageError, database_gone, file_identity, lock_storage, write_atomic
 from worldserve.engine.job_schema import (
     SCHEMA_VERSION,
     Job,
@@ -95,7 +95,8 @@ class JobStore:
             )
             self._reader.row_factory = sqlite3.Row
             self._reader.execute("PRAGMA query_only=1")
-        except (sqlite3.Error, StorageError) as exc:
+            self._db_identity = file_identity(self.root / "jobs.sqlite3")
+        except (sqlite3.Error, OSError, StorageError) as exc:
             if hasattr(self, "_db"):
                 self._db.close()
             self._owner.close()
@@ -158,8 +159,16 @@ class JobStore:
         return self.inputs_dir / f"{job_id}.ref"
 
     # -- writes ---------------------------------------------------------------------------------------
+    def problem(self) -> str | None:
+        """Why this store cannot keep what it is given any more (its database removed under the server),
+        else None."""
+        return database_gone(self.root / "jobs.sqlite3", self._db_identity)
+
     def create(self, job: Job, inputs: dict[str, Any], reference: bytes | None) -> None:
-        """Persist a new queued job: its reference file first, then the row (the row is the commit)."""
+        """Persist a new queued job: its reference file first, then the row (the row is the commit);
+        StorageError when the store's database is gone (`problem`: the job would be lost at the restart)."""
+        if (problem := self.problem()) is not None:
+            raise StorageError(f"the server's storage cannot keep new jobs: {problem}")
         spec = json.dumps(spec_record(job.spec))
         try:
             if reference is not None:
@@ -282,10 +291,17 @@ class JobStore:
         self.reference_path(job_id).unlink(missing_ok=True)
         return job_from_row(row)
 
-    def recover(self, *, now: float | None = None, ttl_s: float | None = None) -> list[str]:
+    def recover(
+        self,
+        *,
+        now: float | None = None,
+        ttl_s: float | None = None,
+        on_failed: Callable[[int], None] | None = None,
+    ) -> list[str]:
         """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
-        the job MAX_INTERRUPTIONS times; finished jobs without an expiry get one from `ttl_s`; the store's
-        stray temp files and orphans removed (only files it writes: another file in its folders is left be).
+        the job MAX_INTERRUPTIONS times (`on_failed(500)` for each: the metrics count it); finished jobs
+        without an expiry get one from `ttl_s`; the store's stray temp files and orphans removed (only files
+        it writes: another file in its folders is left be).
 
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
         """
@@ -302,11 +318,11 @@ class JobStore:
                     (ttl_s,),
                 )
             self._db.execute("UPDATE jobs SET interrupted = interrupted + 1 WHERE status='in_progress'")
-            self._db.execute(
+            given_up = self._db.execute(
                 "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"
                 " WHERE status='in_progress' AND interrupted >= ?",
                 (message, now, now + ttl_s if ttl_s else None, MAX_INTERRUPTIONS),
-            )
+            ).rowcount
             self._db.execute(
                 "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'"
             )
@@ -328,6 +344,8 @@ class JobStore:
                     and not path.is_symlink()
                 ):
                     path.unlink(missing_ok=True)
+        for _ in range(given_up if on_failed is not None else 0):
+            on_failed(500)
         return [r["id"] for r in unfinished]
 
     def requeue(self, job_ids: Sequence[str]) -> None:
