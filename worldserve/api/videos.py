@@ -210,14 +210,36 @@ async def download_video(video_id: str, request: Request, st: State) -> FileResp
     except FileNotFoundError:
         raise APIError(404, "Generated video file not found on disk") from None
     try:
-        response = OpenFileResponse(fd, media_type="video/mp4", filename=f"{video_id}.mp4")
+        asked = request.headers.get("range")
+        served = _served_range(asked, os.fstat(fd).st_size)
+        response = OpenFileResponse(
+            fd, media_type="video/mp4", filename=f"{video_id}.mp4", range_header=served
+        )
         if_range = request.headers.get("if-range")  # (one that no longer matches: the whole file, no Range)
         if if_range is None or response._should_use_range(if_range):
-            _check_range(request.headers.get("range"), os.fstat(fd).st_size)
+            _check_range(served, os.fstat(fd).st_size)
     except BaseException:
         os.close(fd)
         raise
     return response
+
+
+def _served_range(header: str | None, size: int) -> str | None:
+    """The `Range` to serve (RFC 9110 §14.2): none for a unit other than bytes (it must be ignored); without
+    the byte ranges that start past the end when others do not (a 416 only when none can be served)."""
+    if header is None or "=" not in header:
+        return header
+    unit, specs = header.split("=", 1)
+    if unit.strip().lower() != "bytes":
+        return None
+    try:
+        ranges = FileResponse._parse_ranges(specs, size)
+    except MalformedRangeHeader:
+        return header  # (refused as malformed by _check_range)
+    inside = [(start, end) for start, end in ranges if 0 <= start < size]
+    if not inside or len(inside) == len(ranges):
+        return header
+    return "bytes=" + ",".join(f"{start}-{end - 1}" for start, end in inside)
 
 
 def _check_range(header: str | None, size: int) -> None:
@@ -241,14 +263,18 @@ class OpenFileResponse(FileResponse):
     through its descriptor's /proc (or /dev) path, which stays valid after the file is unlinked, and closes
     the descriptor when the response is done (sent, failed or cancelled)."""
 
-    def __init__(self, fd: int, **kwargs: Any):
+    def __init__(self, fd: int, *, range_header: str | None = None, **kwargs: Any):
+        """`range_header`: the Range it serves, in place of the request's (_served_range)."""
         fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
         super().__init__(f"{fd_dir}/{fd}", stat_result=os.fstat(fd), **kwargs)
-        self._fd = fd
+        self._fd, self._range = fd, range_header
 
     async def __call__(self, scope, receive, send) -> None:
         extensions = {k: v for k, v in scope.get("extensions", {}).items() if k != "http.response.pathsend"}
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"range"]
+        if self._range is not None:
+            headers.append((b"range", self._range.encode("latin-1")))
         try:  # no pathsend: a server would open the path after we closed the descriptor
-            await super().__call__({**scope, "extensions": extensions}, receive, send)
+            await super().__call__({**scope, "extensions": extensions, "headers": headers}, receive, send)
         finally:
             os.close(self._fd)
