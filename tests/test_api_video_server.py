@@ -109,6 +109,12 @@ async def test_unknown_route_and_method_use_the_envelope(tmp_path):
         assert r.status_code == 404 and r.json()["error"]["type"] == "Not Found"
         r = await http.put("/v1/videos")
         assert r.status_code == 405 and r.json()["error"]["code"] == 405
+        assert (
+            r.headers["allow"] == "GET, POST"
+        )  # every method of the path (Starlette named its first route's)
+        r = await http.patch("/v1/videos/video_gen_" + "0" * 32)
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
+        assert (await http.post("/v1/videos/x/content")).headers["allow"] == "GET, HEAD"
 
 
 async def test_queue_full_429_with_retry_after(tmp_path):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from worldserve.api.disconnect import CLIENT_CLOSED_REQUEST, ClientGone
 from worldserve.engine.client import StorageError
@@ -122,6 +123,17 @@ def _answer(
     return error_response(status, message, param, headers, vllm=is_vllm_route(request))
 
 
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path (a 405's `Allow`, RFC 9110 §15.5.6), asked of
+    the routes as the router asks them (FastAPI wraps included routers' routes)."""
+    routes = request.app.router.routes
+    return [m for m in HTTP_METHODS
+            if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]  # fmt: skip
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -143,7 +155,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _answer(request, exc.status_code, str(exc.detail), headers=exc.headers)
+        headers = exc.headers
+        if (
+            exc.status_code == 405
+        ):  # Starlette names the first route's methods; a path may have several routes
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
+        return _answer(request, exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(StorageError)  # the disk refused a write (full: 507); what failed, no paths
     async def _storage_error(request: Request, exc: StorageError) -> JSONResponse:
