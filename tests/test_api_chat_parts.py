@@ -104,4 +104,19 @@ def test_media_io_kwargs_it_cannot_take_are_a_400_naming_the_field(reasoner_url,
 def test_a_part_with_neither_type_nor_media_is_still_a_400(reasoner_url):
     chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [{"caption": "x"}]}]}
     r = httpx.post(reasoner_url + "/v1/chat/completions", json=chat, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].type", r.text
+
+
+@pytest.mark.parametrize(
+    ("part", "param"),
+    [
+        ({"type": "image_url", "image_url": 5}, "messages[0].content[0].image_url"),
+        ({"type": "image_url", "image_url": {"url": None}}, "messages[0].content[0].image_url.url"),
+        ({"type": "bogus"}, "messages[0].content[0].type"),
+    ],
+)
+def test_a_malformed_part_is_a_400_naming_it(reasoner_url, part, param):
+    """(pydantic's errors had named only `messages`; the semantic checks name the part already)"""
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [part]}]}
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -411,7 +411,15 @@ async def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
 
     limits = MediaLimits('{"image": 1, "video": 0}')
     assert dict(limits) == {"image": 1, "video": 0} and str(limits) == '{"image": 1, "video": 0}'
-    for bad in ('{"audio": 1}', '{"image": -1}', '{"image": 1.5}', "[1]"):
+    newer = MediaLimits(
+        '{"image": {"count": 1, "width": 512, "height": 512}, "video": {"count": 0, "num_frames": 32}}'
+    )
+    assert (
+        newer == limits
+    )  # newer vLLM's per-modality objects: their count (the size keys size its profiling)
+    bad_values = ('{"audio": 1}', '{"image": -1}', '{"image": 1.5}', "[1]", '{"video": {"num_frames": 8}}',
+                  '{"image": {"count": -1}}', '{"image": {"count": 2, "fps": 2}}')  # fmt: skip
+    for bad in bad_values:
         with pytest.raises(FlagValueError):
             MediaLimits(bad)
     url = "http://127.0.0.1:9/never-fetched.png"  # refused before any download

@@ -67,22 +67,36 @@ class JsonStrList(tuple):
 
 class MediaLimits(tuple):
     """vLLM's `--limit-mm-per-prompt '{"image": 4, "video": 1}'`: the most images / videos one chat request may
-    carry. A tuple of sorted (modality, count) pairs, so the frozen configs stay hashable; str() is the JSON."""
+    carry; newer vLLM's per-modality objects (`{"video": {"count": 1, "num_frames": 32}}`) give the count as
+    `count` (their size keys only size vLLM's start-up memory profiling, which worldserve does not run: they
+    are read and left unused). A tuple of sorted (modality, count) pairs, so the frozen configs stay
+    hashable; str() is the JSON of the counts."""
 
     __slots__ = ()
     MODALITIES = ("image", "video")
+    SIZE_HINTS = ("width", "height", "num_frames")
 
-    def __new__(cls, value: str | typing.Mapping[str, int] = ()) -> MediaLimits:
+    def __new__(cls, value: str | typing.Mapping[str, typing.Any] = ()) -> MediaLimits:
         if isinstance(value, str):
             value = json_flag(value, 'an object such as \'{"image": 4, "video": 1}\'')
         if not isinstance(value, typing.Mapping | tuple):
             raise FlagValueError(f'expected {{"image": N, "video": M}}, got {json.dumps(value)}')
-        pairs = dict(value)
+        pairs = {k: cls._count(k, v) for k, v in dict(value).items()}
         if set(pairs) - set(cls.MODALITIES) or not all(type(v) is int and v >= 0 for v in pairs.values()):
             raise FlagValueError(
                 f'expected {{"image": N, "video": M}} with counts >= 0, got {json.dumps(pairs)}'
             )
         return super().__new__(cls, sorted(pairs.items()))
+
+    @classmethod
+    def _count(cls, modality: str, value: typing.Any) -> typing.Any:
+        """A modality's count: the value, or a per-modality object's `count` (checked with the plain form)."""
+        if not isinstance(value, typing.Mapping):
+            return value
+        if "count" not in value or set(value) - {"count", *cls.SIZE_HINTS}:
+            raise FlagValueError(f'expected {{"{modality}": {{"count": N}}}} (and only {", ".join(cls.SIZE_HINTS)} '
+                                 f"besides), got {json.dumps(dict(value))}")  # fmt: skip
+        return value["count"]
 
     def get(self, modality: str) -> int | None:
         """The limit for `modality`, or None (no limit)."""

@@ -109,7 +109,27 @@ def validation_error(
     param = str(first[1]) if len(first) > 1 else None
     if param == "extra_params" and len(first) > 2 and isinstance(first[2], str):  # (its keys are named so)
         param = f"extra_params.{first[2]}"
+    elif param == "messages":  # the part at fault, as the semantic checks name it: messages[i].content[j].x
+        param = max((_field_path(item["loc"][1:]) for item in items), key=lambda path: path.count("."))
     return APIError(400, message, param=param)
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """A pydantic error location as a field path (`messages[0].content[1].image_url`), without the union
+    members' type tags pydantic puts in it (`str`, `list[ContentPart]`, `MediaURL`)."""
+    path = ""
+    for key in loc:
+        if isinstance(key, int):
+            path += f"[{key}]"
+        elif "[" in key or key[:1].isupper() or key in UNION_TAGS:
+            continue
+        else:
+            path += f".{key}" if path else key
+    return path
+
+
+UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+"""pydantic's tags of a union's plain members in an error's location (no request field has these names)."""
 
 
 def _answer(
