@@ -324,3 +324,24 @@ def test_shutdown_answers_waiters_of_queued_jobs_at_once_and_the_rest_after_the_
         await client.shutdown(0.5)
 
     run(main())
+
+
+def test_a_job_deleted_as_it_is_admitted_is_counted_cancelled(tmp_path):
+    """A DELETE removes the row, then queues the abort: the engine may take the job from its queue between
+    the two. Its admission then finds no row (and the abort finds nothing): the job is counted cancelled
+    (it had been counted nowhere)."""
+    backend = FakeBackend(step_delay=0.2)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        cancelled = []
+        client.engine.observer.on_cancelled = lambda: cancelled.append(1)  # (the metrics' hook)
+        await client.start()
+        submit_job(client, job_params(steps=2))
+        await asyncio.to_thread(wait_until, lambda: client.engine.num_running == 1)
+        queued = submit_job(client, job_params(seed=1))
+        client.store.delete(queued.id)  # the row is gone; the engine's abort is not sent (the race's window)
+        await asyncio.to_thread(wait_until, lambda: cancelled == [1] and client.engine.num_running == 0)
+        await client.shutdown(1)
+
+    run(main())

@@ -159,6 +159,8 @@ def _trickle(data: bytes, gap: float):
     ("reply", "message"),
     [(_trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000, 0.01), "timed out after 1s"),
      (_trickle(b"HTTP/1.1 200 OK\r\nX-Slow: " + b"y" * 400, 0.01), "timed out after 1s"),
+     (lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 104),
+      "closed the connection 99896 bytes before the end"),  # (had been reported as a timeout, at once)
      (lambda conn: conn.sendall(b"FOO BAR\r\n\r\n"), "failed to download"),
      (lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nab"), "failed to download")],
 )  # fmt: skip

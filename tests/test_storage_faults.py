@@ -181,6 +181,8 @@ async def test_a_full_disk_fails_the_jobs_and_the_server_goes_on(tmp_path, monke
         assert 'worldserve:request_failure_total{model_name="test-model",status="507"} 2.0' in metrics
         r = await http.post("/v1/videos", data=form)
         assert r.status_code == 507, r.text
+        metrics = (await http.get("/metrics")).text  # the refused create counted, as a full queue's is
+        assert 'worldserve:request_rejected_total{model_name="test-model",reason="storage"} 1.0' in metrics
         assert (
             r.json()["error"]["message"]
             == "The server's storage could not save the job: database or disk is full."

@@ -220,8 +220,11 @@ class MediaFetcher:
                 sock.settimeout(_time_left(deadline))
                 chunk = resp.read1(CHUNK)
                 if not chunk:  # the end, or the timer's shutdown, or the server hung up early
-                    if expired.is_set() or resp.length:  # resp.length: bytes Content-Length still promised
+                    if expired.is_set():
                         raise TimeoutError
+                    if resp.length:  # bytes Content-Length still promised: cut short, not slow
+                        raise _Failed(f"Invalid {what}: the server closed the connection {resp.length} bytes "
+                                      f"before the end of the {kind} it announced.")  # fmt: skip
                     break
                 if not budget.take(len(chunk)):
                     raise _Failed(self._too_large(what, kind))

@@ -27,7 +27,7 @@ from worldserve.api.errors import APIError
 from worldserve.api.protocol import ErrorResponse, VideoCreateRequest, VideoDeleted, VideoList, VideoObject
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import VideoInputs, build_inputs, read_fields
-from worldserve.engine.client import Job, JobStatus, QueueFullError, ShuttingDownError
+from worldserve.engine.client import Job, JobStatus, QueueFullError, ShuttingDownError, StorageError
 
 router = APIRouter(tags=["videos"])
 State = Annotated[AppState, Depends(app_state)]
@@ -70,6 +70,9 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
         job = await st.client.create_job(inputs.params, inputs.spec, inputs.encode, inputs.reference)
     except (QueueFullError, ShuttingDownError) as exc:
         raise st.refusal(exc) from None
+    except StorageError:  # (answered 503 / 507 by its handler)
+        st.metrics.on_rejected("storage")
+        raise
     return job, inputs
 
 

@@ -211,7 +211,7 @@ class Engine:
     def _prepare(self, request: Request) -> None:
         try:
             if not request.ephemeral and not self.store.mark_in_progress(request.job_id, time.time()):
-                self.on_done(request.job_id)  # deleted while it waited
+                self._ends.cancelled(request)  # deleted while it waited (its abort, queued, finds nothing)
                 return
             request.admitted_time = t0 = time.monotonic()
             with self.model_lock:
