@@ -131,5 +131,7 @@ def test_a_chat_video_frame_above_the_pixel_limit_is_refused_before_it_is_conver
     with pytest.raises(ImageTooLarge, match="a video frame of 96x72") as e:
         decode_chat_video(data, VideoSampling(), param="messages[0].content[0].video_url")
     assert e.value.param == "messages[0].content[0].video_url"
-    with pytest.raises(ParamError, match="mutually exclusive"):
-        VideoSampling(fps=2.0, num_frames=4).validate()
+    # fps and num_frames together: the fewer frames of the two (vLLM's loader), never repeated
+    both = VideoSampling(fps=2.0, num_frames=8).validate()
+    assert both.indices(48, 24.0) == VideoSampling(fps=2.0).indices(48, 24.0)  # 2 s at 2 fps: 4 frames
+    assert both.indices(480, 24.0) == VideoSampling(fps=None, num_frames=8).indices(480, 24.0)  # 8 of 40

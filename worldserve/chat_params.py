@@ -33,10 +33,10 @@ MIN_REPETITION_PENALTY = 1e-38
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VideoSampling:
     """Which frames of a chat video the Reasoner sees (Qwen3-VL's video processor defaults; per request:
-    `media_io_kwargs.video.fps` / `.num_frames`, mutually exclusive)."""
+    `media_io_kwargs.video.fps` / `.num_frames`; both: the fewer frames of the two, as vLLM's video loader)."""
 
     fps: float | None = 2.0
-    """Frames sampled per second of video (None when num_frames is given)."""
+    """Frames sampled per second of video (None when num_frames alone is given)."""
     num_frames: int | None = None
     """Exactly this many frames, evenly spread (a shorter clip repeats frames, as transformers does)."""
     min_frames: int = 4
@@ -51,8 +51,6 @@ class VideoSampling:
     """Frames per ViT temporal patch (the frame count is padded to a multiple of it)."""
 
     def validate(self) -> VideoSampling:
-        if self.fps is not None and self.num_frames is not None:
-            raise ParamError("media_io_kwargs", "video fps and num_frames are mutually exclusive")
         if self.fps is not None and not 0 < self.fps <= MAX_VIDEO_FPS:  # NaN fails too
             raise ParamError(
                 "media_io_kwargs",
@@ -67,13 +65,16 @@ class VideoSampling:
 
     def indices(self, total_frames: int, source_fps: float) -> list[int]:
         """Qwen3-VL `sample_frames`: n = total / source_fps * fps, clamped to [min_frames, max_frames] and the
-        clip length (or exactly num_frames, repeating frames of a shorter clip), at round(linspace(0, total - 1, n))."""
-        if self.num_frames is not None:
+        clip length (or exactly num_frames, repeating frames of a shorter clip; both: the fewer), at
+        round(linspace(0, total - 1, n))."""
+        if self.fps is None and self.num_frames is not None:
             n = self.num_frames
         else:
             wanted = total_frames / source_fps * (self.fps or 2.0)
             n = int(wanted) if wanted < self.max_frames else self.max_frames  # inf / NaN: int() would raise
             n = min(max(n, self.min_frames), self.max_frames, total_frames)
+            if self.num_frames is not None:  # (vLLM's loader samples the minimum of the two)
+                n = min(n, self.num_frames)
         return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
 
     def frame_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:

@@ -14,7 +14,7 @@ Media (api/chat_media.py): image_url and video_url parts accept base64 `data:` U
 --allowed-local-media-path and http(s) URLs, downloaded at once on the media fetcher's own threads before
 the rest is decoded in a worker thread; videos are sampled as Qwen3-VL's processor samples them (2 fps by
 default; per request `media_io_kwargs: {"video": {"fps": F}}`, 0 < F <= 1000, or `{"num_frames": N}`,
-1 <= N <= 768); a bad part is a 400 naming it (`messages[i].content[j].image_url`), before any model work.
+1 <= N <= 768, or both: the fewer frames; `{"image": {"rgba_background_color": [R, G, B]}}`); a bad part is a 400 naming it (`messages[i].content[j].image_url`), before any model work.
 `mm_processor_kwargs` are
 routed as transformers' processor routes them (a flat key to every modality that takes it): `size`
 {shortest_edge, longest_edge} (pixel budgets, images and videos), `min_pixels` / `max_pixels` (images),

@@ -237,14 +237,16 @@ def image_background(media_io_kwargs: dict | None) -> tuple[int, int, int]:
 
 
 def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
-    """`media_io_kwargs.video` ({"fps": F} or {"num_frames": N}) or the same from `mm_processor_kwargs`, and
+    """`media_io_kwargs.video` ({"fps": F}, {"num_frames": N} or both) or fps / num_frames from `mm_processor_kwargs`, and
     its pixel budget, over Qwen3-VL's defaults (2 fps); ParamError naming the field the values came from when
     fps is not a number > 0 (above MAX_VIDEO_FPS it is taken as that) or num_frames not an integer in
     [1, max_frames] (or -1)."""
     video = (media_io_kwargs or {}).get("video")
     video = {} if video is None else video
     if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
-        raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F} or {"num_frames": N}')
+        raise ParamError(
+            "media_io_kwargs", 'media_io_kwargs.video takes {"fps": F}, {"num_frames": N} or both'
+        )
     if video.get("num_frames") == -1:  # vLLM's "decode every frame, let the processor sample": the default
         video = {k: v for k, v in video.items() if k != "num_frames"}
     mm_video = mm_video or {}
@@ -252,6 +254,11 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
     if asked and video:
         raise ParamError("mm_processor_kwargs", "video sampling is set in media_io_kwargs.video: give fps / "
                          "num_frames there or in mm_processor_kwargs, not both")  # fmt: skip
+    if (
+        "fps" in asked and "num_frames" in asked
+    ):  # (Qwen3-VL's processor refuses both; vLLM's loader takes both)
+        raise ParamError("mm_processor_kwargs", "mm_processor_kwargs fps and num_frames are mutually exclusive "
+                         "(media_io_kwargs.video takes both: the fewer frames)")  # fmt: skip
     video = video or asked
     lo, hi = pixel_budget(mm_video, "videos")
     pixels = {k: v for k, v in (("min_pixels", lo), ("max_pixels", hi)) if v is not None}
