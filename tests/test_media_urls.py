@@ -76,7 +76,7 @@ async def test_downloads_and_follows_redirects(base_url):
     [("/missing", MediaFetcher(1 << 20), "server returned HTTP 404."),
      ("/moved", MediaFetcher(1 << 20, allow_redirects=False), "redirect response was rejected"),
      ("/elsewhere", MediaFetcher(1 << 20, allowed_domains=("127.0.0.1",)), "'media.example.org' is not in"),
-     ("/ref.png", MediaFetcher(100), "larger than what is left of this server's 0 MB upload limit"),
+     ("/ref.png", MediaFetcher(100), "larger than what is left of this server's 0 MiB upload limit"),
      ("/chunked", MediaFetcher(4096), "larger than"),
      ("/ref.png", MediaFetcher(1 << 20, allowed_domains=("example.com",)), "'127.0.0.1' is not in")],
 )  # fmt: skip

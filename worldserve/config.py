@@ -238,7 +238,8 @@ class ServerConfig:
     sync_timeout: float | None = None
     """Seconds /v1/videos/sync waits before 504 (the job goes on); default: $VLLM_OMNI_VIDEO_SYNC_TIMEOUT or 600."""
     max_upload_mb: float = 100.0
-    """Largest request body accepted on /v1/videos*, in MiB (413 above)."""
+    """Largest request body accepted (every route that reads one: videos, images, chat, completions, tokenize; one
+    request's media downloads share it too), in MiB (413 above)."""
     job_ttl: float | None = None
     """Delete finished jobs and their files this many seconds after completion; default: $VLLM_OMNI_SERVER_STORAGE__FILE_TTL, else keep forever."""
     job_sweep_interval: float | None = field(default=None, metadata={"no_flag": True})

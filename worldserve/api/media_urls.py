@@ -239,8 +239,8 @@ class MediaFetcher:
             conn.close()
 
     def _too_large(self, what: str, kind: str) -> str:
-        return (f"Invalid {what}: the {kind} is larger than what is left of this server's {self.max_bytes >> 20} "
-                "MB upload limit (one request's downloads share it).")  # fmt: skip
+        return (f"Invalid {what}: the {kind} is larger than what is left of this server's {self.max_bytes >> 20} MiB "
+                "upload limit (one request's downloads share it).")  # fmt: skip
 
 
 class DownloadBudget:
