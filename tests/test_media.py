@@ -263,7 +263,7 @@ def test_decode_image_composites_rgba_over_the_chat_background():
         decode_image(la, rgba_background=(255, 255, 255)).tolist() == decode_image(la).tolist()
     )  # (vLLM: RGBA)
     from worldserve.api.chat_media import part  # a chat's image_url part is decoded the chat's way
-    from worldserve.api.chat_protocol import ContentPart
+    from worldserve.api.chat_messages import ContentPart
     from worldserve.chat_params import VideoSampling
 
     url = "data:image/png;base64," + base64.b64encode(data).decode()

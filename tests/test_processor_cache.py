@@ -55,7 +55,7 @@ def test_a_cache_that_keeps_nothing_hashes_nothing(monkeypatch):
     """--mm-processor-cache-gb 0 (and no cache at all): the media is decoded with no content key hashed (a
     video's SHA-256 alone is ~0.7 s a GiB)."""
     from worldserve.api import chat_media
-    from worldserve.api.chat_protocol import ContentPart
+    from worldserve.api.chat_messages import ContentPart
     from worldserve.chat_params import VideoSampling
 
     hashed = []

@@ -24,8 +24,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from worldserve.api.chat_messages import ContentPart
 from worldserve.api.chat_options import pixel_budget
-from worldserve.api.chat_protocol import ChatCompletionRequest, ContentPart
+from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.data_urls import data_url_bytes, frame_list_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
 from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
