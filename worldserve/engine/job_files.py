@@ -5,7 +5,7 @@ the reference, which is a file of its own), files written atomically, and the st
 submit and the client re-runs an interrupted job from it (the reference bytes decoded again). `write_atomic`
 writes a file so that readers see the old one or the whole new one, across a crash. `lock_storage` holds
 the folder for one process (two servers would re-run and delete each other's jobs); `database_gone` says
-when the database was removed under the running server.
+when the database was removed under the running server; `remove_strays` clears what a crash left.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,20 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+OWN_FILE = re.compile(r"(\.?)(video_gen_[0-9a-f]{32})\.(?:mp4|ref)(\.[0-9a-f]{32}\.tmp)?")
+"""A file the store writes: a job's video or reference, or a temp file of `write_atomic` (dot, name, .tmp);
+groups: the temp dot, the job id, the temp suffix."""
+
+
+def remove_strays(folder: Path, keep: set[str]) -> None:
+    """Remove the store's temp files in `folder` and its job files whose job is not in `keep` (a file the
+    store does not write, a folder or a symlink is left be)."""
+    for path in folder.iterdir():
+        own = OWN_FILE.fullmatch(path.name)
+        if own and (own[1] or own[3] or own[2] not in keep) and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
 
 
 def file_identity(path: Path) -> tuple[int, int]:

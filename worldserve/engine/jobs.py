@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from worldserve.engine.job_faults import UnsavedFailures, storage_failure
-from worldserve.engine.job_files import StorageError, database_gone, file_identity, lock_storage, write_atomic
+from worldserve.engine.job_files import (
+    StorageError,
+    database_gone,
+    file_identity,
+    lock_storage,
+    remove_strays,
+    write_atomic,
+)
 from worldserve.engine.job_schema import (
     SCHEMA_VERSION,
     Job,
@@ -47,9 +54,6 @@ from worldserve.engine.job_schema import (
 __all__ = ["SCHEMA_VERSION", "Job", "JobSpec", "JobStatus", "JobStore", "StorageError", "new_job_id"]
 
 JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
-OWN_FILE = re.compile(r"(\.?)(video_gen_[0-9a-f]{32})\.(?:mp4|ref)(\.[0-9a-f]{32}\.tmp)?")
-"""A file the store writes: a job's video or reference, or a temp file of `write_atomic` (dot, name, .tmp);
-groups: the temp dot, the job id, the temp suffix."""
 log = logging.getLogger(__name__)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
@@ -330,20 +334,10 @@ class JobStore:
             unfinished = self._db.execute(
                 "SELECT id FROM jobs WHERE status='queued' ORDER BY created_at, seq"
             ).fetchall()
-        completed = {r["id"] for r in rows if r["status"] == "completed"}
-        queued = {
-            r["id"] for r in rows if r["status"] == "queued"
-        }  # the only ones whose inputs are read again
-        for folder, keep in ((self.videos_dir, completed), (self.inputs_dir, queued)):
-            for path in folder.iterdir():
-                own = OWN_FILE.fullmatch(path.name)
-                if (
-                    own
-                    and (own[1] or own[3] or own[2] not in keep)
-                    and path.is_file()
-                    and not path.is_symlink()
-                ):
-                    path.unlink(missing_ok=True)
+        remove_strays(self.videos_dir, keep={r["id"] for r in rows if r["status"] == "completed"})
+        remove_strays(
+            self.inputs_dir, keep={r["id"] for r in rows if r["status"] == "queued"}
+        )  # (read again)
         for _ in range(given_up if on_failed is not None else 0):
             on_failed(500)
         return [r["id"] for r in unfinished]
