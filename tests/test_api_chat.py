@@ -573,7 +573,7 @@ def test_images_that_alone_overflow_the_context_are_refused_before_decoding(serv
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "messages" and "messages[0].content[0].image_url alone take" in err["message"], err
+    assert err["param"] == "messages" and "the last messages[0].content[0].image_url" in err["message"], err
     assert decoded == []
     r = httpx.post(
         url + "/v1/chat/completions", json={**body, "mm_processor_kwargs": {"max_pixels": 65536}}, timeout=60

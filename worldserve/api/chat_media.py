@@ -197,7 +197,8 @@ class ImageTokenBudget:
             used = self.used
         if used > self.max_model_len:
             raise ParamError("messages", f"This model's maximum context length is {self.max_model_len} tokens. "
-                             f"However, the images up to {path} alone take {used} tokens. Please send fewer or "
+                             f"However, its images alone take {used} tokens or more (counted as they load, the "
+                             f"last {path}). Please send fewer or "
                              "smaller images, or a lower mm_processor_kwargs max_pixels.")  # fmt: skip
 
 
