@@ -135,3 +135,25 @@ def test_a_chat_video_frame_above_the_pixel_limit_is_refused_before_it_is_conver
     both = VideoSampling(fps=2.0, num_frames=8).validate()
     assert both.indices(48, 24.0) == VideoSampling(fps=2.0).indices(48, 24.0)  # 2 s at 2 fps: 4 frames
     assert both.indices(480, 24.0) == VideoSampling(fps=None, num_frames=8).indices(480, 24.0)  # 8 of 40
+
+
+def test_a_file_without_a_video_stream_says_so():
+    """An audio-only MP4 in a video_url part: a 400 saying it has no video stream (it had been "not a valid
+    video", as for a broken file)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("aac", rate=48000)
+        stream.layout = "stereo"
+        frame = av.AudioFrame.from_ndarray(np.zeros((2, 1024), np.float32), format="fltp", layout="stereo")
+        frame.sample_rate = 48000
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+    path = "messages[0].content[0].video_url"
+    with pytest.raises(
+        ParamError, match=r"messages\[0\]\.content\[0\]\.video_url: the file has no video stream"
+    ):
+        decode_chat_video(buf.getvalue(), VideoSampling(), param=path)

@@ -100,11 +100,11 @@ def decode_chat_video(data: bytes, sampling: VideoSampling, *, param: str = "mes
     """Video bytes -> the sampled, resized frames of a chat video part (ParamError when nothing decodes)."""
     import av
 
-    bad = ParamError(param, "Invalid video_url: provided content is not a valid video.")
+    bad = ParamError(param, f"Invalid {param}: provided content is not a valid video.")
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
-                raise bad
+                raise ParamError(param, f"Invalid {param}: the file has no video stream (audio only?).")
             stream = container.streams.video[0]
             if stream.codec_context is not None:
                 _check_frame_pixels(stream.codec_context.width, stream.codec_context.height, param)
@@ -131,7 +131,7 @@ def decode_chat_frames(images: Sequence[bytes], sampling: VideoSampling, *, para
     its sampled frames decoded and resized as a video's. ParamError(param) for a frame that is no image, or
     of another size than the first."""
     if not images:
-        raise ParamError(param, "Invalid video_url: the video/jpeg data URL holds no frame.")
+        raise ParamError(param, f"Invalid {param}: the video/jpeg data URL holds no frame.")
     wanted = sampling.indices(len(images), DEFAULT_SOURCE_FPS)
     want = collections.Counter(wanted)
     kept: list[np.ndarray] = []
