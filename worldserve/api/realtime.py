@@ -60,6 +60,7 @@ from worldserve.engine.client import (
     error_for,
 )
 from worldserve.media.fragments import encode_fragments
+from worldserve.media.frame_stream import FramesCancelled, FramesLost
 from worldserve.params import ParamError, VideoParams
 
 router = APIRouter(tags=["videos"])
@@ -373,14 +374,15 @@ def _encode_parts(loop: asyncio.AbstractEventLoop, parts: asyncio.Queue, encode:
                   ended: threading.Event, result: VideoResult) -> None:  # fmt: skip
     """The request's `on_frames` (in the engine's encode pool): its frames as fragmented MP4 parts, each
     queued for the session as soon as it is muxed; it stops (and so does the decode) once the session
-    has `ended`."""
+    has `ended`, raising FramesLost from FramesCancelled: the request counts as cancelled, not finished (a
+    client that left mid-decode had been counted a success)."""
     fragments = encode_fragments(result.frames, result.fps, result.audio, result.sample_rate,
                                  crf=encode.crf, codec_options=encode.codec_options)  # fmt: skip
     with contextlib.closing(fragments):
         for part in fragments:
             if ended.is_set():
-                return
+                raise FramesLost("the session ended before its last part") from FramesCancelled()
             try:
                 loop.call_soon_threadsafe(parts.put_nowait, part)
             except RuntimeError:  # the server's loop has closed
-                return
+                raise FramesLost("the server stopped before the last part") from FramesCancelled()
