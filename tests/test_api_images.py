@@ -80,6 +80,11 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         ({"prompt": "x", "lora": {"name": "a", "path": "/x"}}, "lora"),
         ({"prompt": "x", "extra_params": {"guidance_interval": [900, 100]}}, "guidance_interval"),
         ({"prompt": "x", "extra_params": {"seed": "abc"}}, "extra_params.seed"),
+        (
+            {"prompt": "x", "extra_params": 5},
+            "extra_params",
+        ),  # (pydantic's union errors had named a type tag)
+        ({"prompt": "x", "extra_params": [1]}, "extra_params"),
         ({"prompt": "x", "extra_params": {"generate_sound": True}}, "extra_params.generate_sound"),
         ({"prompt": "x", "extra_params": {"sound_gen": True}}, "extra_params.sound_gen"),
         (

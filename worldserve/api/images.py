@@ -83,7 +83,7 @@ class ImageGenerationRequest(NumbersNotBooleans):
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
     lora: Any = None
-    extra_params: dict[str, Any] | str | None = None
+    extra_params: Any = None  # (an object, or its JSON text; any other value: parse_extra_params names it)
     return_stage_metrics: bool | None = None
 
 
