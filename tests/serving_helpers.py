@@ -167,14 +167,16 @@ def uvicorn_thread(
     api_key: str | None = None,
     sync_timeout_s: float = 60.0,
     uvicorn_options=None,
+    app_kw: dict | None = None,
     **client_kw,
 ):
     """A real uvicorn on a loopback port in a background thread (lifespan included; `uvicorn_options` over
-    serve's); yields (url, client)."""
+    serve's, `app_kw`: more build_app options); yields (url, client)."""
     from worldserve.api.app import build_app
 
     client = make_client(storage, **client_kw)
-    app = build_app(client, api_keys=_keys(api_key), sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0)
+    app = build_app(client, api_keys=_keys(api_key), sync_timeout_s=sync_timeout_s, shutdown_timeout_s=1.0,
+                    **(app_kw or {}))  # fmt: skip
     with serve_app(app, **(uvicorn_options or {})) as url:
         yield url, client
 

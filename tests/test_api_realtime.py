@@ -59,7 +59,7 @@ async def test_a_session_streams_one_mp4_in_parts(tmp_path):
 
 async def test_stop_and_client_leaving_abort_the_request(tmp_path):
     backend = FakeBackend(step_delay=0.05)
-    with uvicorn_thread(tmp_path, backend=backend) as (url, client):
+    with uvicorn_thread(tmp_path, backend=backend, app_kw={"server_load_tracking": True}) as (url, client):
         start = {"type": "session.start", "prompt": "x", **SMALL, "num_inference_steps": 200}
 
         async def stop(ws):
@@ -75,7 +75,9 @@ async def test_stop_and_client_leaving_abort_the_request(tmp_path):
             await ws.send(json.dumps(start))
             request_id = json.loads(await ws.recv())["request_id"]
             wait_until(lambda: request_id in backend.live)
+            assert httpx.get(url + "/load").json() == {"server_load": 1}  # a session counts (it had not)
         wait_until(lambda: request_id in backend.released and not backend.live)
+        wait_until(lambda: httpx.get(url + "/load").json() == {"server_load": 0})
         wait_until(lambda: client.engine.num_running == 0)  # (counted again just after the release)
 
 

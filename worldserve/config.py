@@ -274,7 +274,7 @@ class ServerConfig:
     responses_store_mb: float = 256.0
     """Memory for stored Responses API responses (`store`, for previous_response_id and GET /v1/responses/{id}), in MiB; the least recently used go first past it; 0: none stored."""
     enable_server_load_tracking: bool = False
-    """Count the requests using the model in flight (chat and text completions, video and image generation) and report them at GET /load as {"server_load": N} (vLLM's flag; off: always 0)."""
+    """Count the requests using the model in flight (chat and text completions, video and image generation, realtime video sessions) and report them at GET /load as {"server_load": N} (vLLM's flag; off: always 0)."""
     enable_request_id_headers: bool = True
     """Send X-Request-Id on every response: the request's own X-Request-Id, else a new uuid4 hex (vLLM's flag; on by default here, --no-enable-request-id-headers turns it off; /v1/videos/sync always sends its video_sync-<hex>)."""
 

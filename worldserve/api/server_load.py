@@ -1,7 +1,8 @@
 """vLLM's server-load tracking (`--enable-server-load-tracking`): `GET /load` answers `{"server_load": N}`,
 the requests that use the model in flight right now (chat and text completions, video and image
-generation), for load balancers that route by it. The count is kept by an ASGI middleware: +1 when such a
-request arrives, -1 when its response is finished (a streamed one included) or it fails. Off (vLLM's
+generation, realtime video sessions), for load balancers that route by it. The count is kept by an ASGI
+middleware: +1 when such a request arrives, -1 when its response is finished (a streamed one included) or it
+fails, or its socket closes. Off (vLLM's
 default), the count stays 0.
 """
 
@@ -11,6 +12,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 LOAD_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/videos", "/v1/images/generations")
 """Path prefixes of the routes whose requests count (the job API's GET / DELETE of /v1/videos do not)."""
+STREAM_PATH = "/v1/realtime/video"
+"""The WebSocket whose sessions count too, each for as long as its socket is open."""
 
 
 class ServerLoad:
@@ -25,11 +28,10 @@ class ServerLoadMiddleware:
         self.app, self.load = app, load
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
         counted = (
-            scope["type"] == "http"
-            and scope.get("method") == "POST"
-            and scope.get("path", "").startswith(LOAD_PATHS)
-        )
+            scope["type"] == "http" and scope.get("method") == "POST" and path.startswith(LOAD_PATHS)
+        ) or (scope["type"] == "websocket" and path == STREAM_PATH)
         if not counted:
             await self.app(scope, receive, send)
             return
