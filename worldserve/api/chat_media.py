@@ -256,9 +256,8 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
     if asked and video:
         raise ParamError("mm_processor_kwargs", "video sampling is set in media_io_kwargs.video: give fps / "
                          "num_frames there or in mm_processor_kwargs, not both")  # fmt: skip
-    if (
-        "fps" in asked and "num_frames" in asked
-    ):  # (Qwen3-VL's processor refuses both; vLLM's loader takes both)
+    # Qwen3-VL's processor refuses both; vLLM's loader (media_io_kwargs.video) takes both
+    if "fps" in asked and "num_frames" in asked:
         raise ParamError("mm_processor_kwargs", "mm_processor_kwargs fps and num_frames are mutually exclusive "
                          "(media_io_kwargs.video takes both: the fewer frames)")  # fmt: skip
     video = video or asked

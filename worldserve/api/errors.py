@@ -176,9 +176,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = exc.headers
-        if (
-            exc.status_code == 405
-        ):  # Starlette names the first route's methods; a path may have several routes
+        # a 405: Starlette names the first route's methods; a path may have several routes
+        if exc.status_code == 405:
             headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
         return _answer(request, exc.status_code, str(exc.detail), headers=headers)
 

@@ -213,14 +213,14 @@ async def download_video(video_id: str, request: Request, st: State) -> FileResp
     except FileNotFoundError:
         raise APIError(404, "Generated video file not found on disk") from None
     try:
-        asked = request.headers.get("range")
-        served = _served_range(asked, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        served = _served_range(request.headers.get("range"), size)
         response = OpenFileResponse(
             fd, media_type="video/mp4", filename=f"{video_id}.mp4", range_header=served
         )
         if_range = request.headers.get("if-range")  # (one that no longer matches: the whole file, no Range)
         if if_range is None or response._should_use_range(if_range):
-            _check_range(served, os.fstat(fd).st_size)
+            _check_range(served, size)
     except BaseException:
         os.close(fd)
         raise

@@ -80,6 +80,7 @@ class JobStore:
         self.root = Path(root)
         self.videos_dir = self.root / "videos"
         self.inputs_dir = self.root / "inputs"
+        self.db_path = self.root / "jobs.sqlite3"
         try:
             for d in (self.root, self.videos_dir, self.inputs_dir):
                 d.mkdir(parents=True, exist_ok=True)
@@ -93,18 +94,16 @@ class JobStore:
         self._progress_refused = False  # logged once until a progress write goes through again
         """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         try:
-            self._db = self._open_database(self.root / "jobs.sqlite3")
-            self._reader = sqlite3.connect(
-                self.root / "jobs.sqlite3", check_same_thread=False, isolation_level=None
-            )
+            self._db = self._open_database(self.db_path)
+            self._reader = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
             self._reader.row_factory = sqlite3.Row
             self._reader.execute("PRAGMA query_only=1")
-            self._db_identity = file_identity(self.root / "jobs.sqlite3")
+            self._db_identity = file_identity(self.db_path)
         except (sqlite3.Error, OSError, StorageError) as exc:
             if hasattr(self, "_db"):
                 self._db.close()
             self._owner.close()
-            raise StorageError(f"cannot use the job database {self.root / 'jobs.sqlite3'}: {exc}") from None
+            raise StorageError(f"cannot use the job database {self.db_path}: {exc}") from None
 
     def _open_database(self, path: Path) -> sqlite3.Connection:
         """The job table at `path`, created or migrated to SCHEMA_VERSION (closed again on any failure)."""
@@ -166,7 +165,7 @@ class JobStore:
     def problem(self) -> str | None:
         """Why this store cannot keep what it is given any more (its database removed under the server),
         else None."""
-        return database_gone(self.root / "jobs.sqlite3", self._db_identity)
+        return database_gone(self.db_path, self._db_identity)
 
     def create(self, job: Job, inputs: dict[str, Any], reference: bytes | None) -> None:
         """Persist a new queued job: its reference file first, then the row (the row is the commit);
