@@ -32,13 +32,13 @@ def encode_fragments(
     codec_options: Mapping[str, object] | None = None,
 ) -> Iterator[tuple[bytes, int]]:
     """The same video as `encode_mp4`, as parts handed out while `frames` arrive: (bytes, n), n the frames
-    they hold. The first part is the init segment (`ftyp` + an empty `moov`, with the fragments already
-    written, if any); a fragment is written once the next chunk's keyframe reaches the muxer, so after chunk
-    k is encoded the fragments up to chunk k - 1's go out (later when x264's frame threads hold packets back:
-    `tune zerolatency` avoids that); the last part holds the last fragment and the index (`mfra`). Empty
-    parts are skipped. No B-frames (`bf` is set to 0: a B-frame's composition offset would start the video
-    after the audio). The AAC track, unlike `encode_mp4`'s, also plays the encoder's 1,024 leading samples
-    of delay (21 ms at 48 kHz: fragmented MP4 readers do not trim them). Raises as `encode_mp4`."""
+    they hold. The first part is the init segment (`ftyp` + an empty `moov` with the tracks' edit lists),
+    which goes out with the first fragment (the muxer writes it once the first fragment is cut, when the
+    AAC priming its audio edit list trims is known); a fragment is written once the next chunk's keyframe
+    reaches the muxer, so after chunk k is encoded the fragments up to chunk k - 1's go out (later when
+    x264's frame threads hold packets back: `tune zerolatency` avoids that); the last part holds the last
+    fragment and the index (`mfra`). Empty parts are skipped. No B-frames (`bf` is set to 0: a B-frame's
+    composition offset would start the video after the audio). Raises as `encode_mp4`."""
     check_even_size(frames)
     options = {**h264_options(codec_options, crf), "bf": "0"}
     audio = fit_audio(audio) if audio is not None else None
@@ -46,11 +46,29 @@ def encode_fragments(
     with Mp4Writer(out, frames.width, frames.height, fps, audio, sample_rate, options, fragmented=True) as w:
         for chunk in frames:
             w.write(yuv_frames([chunk]), keyframe_first=True)
-            if data := out.take():  # the fragments written so far
-                yield data, samples.count(data)
+            yield from _parts(out.take(), samples)  # the fragments written so far
         w.finish()
-    if data := out.take():
-        yield data, samples.count(data)
+    yield from _parts(out.take(), samples)
+
+
+def _parts(data: bytes, samples: _VideoSamples) -> Iterator[tuple[bytes, int]]:
+    """`data` as parts (bytes, video frames in them): the init segment at its start, if there, a part of
+    its own."""
+    init = _init_segment_length(data)
+    for part in (data[:init], data[init:]):
+        if part:
+            yield part, samples.count(part)
+
+
+def _init_segment_length(data: bytes) -> int:
+    """The length of the `ftyp` + `moov` at the start of `data` (0 when it does not start with `ftyp`)."""
+    view, end = memoryview(data), 0
+    while end < len(view):
+        size, kind, _ = _box_header(view[end:])
+        if size is None or kind not in (b"ftyp", b"moov") or (end == 0 and kind != b"ftyp"):
+            break
+        end += size
+    return min(end, len(data))
 
 
 class _Drain:

@@ -203,17 +203,22 @@ class Mp4Writer:
     fragment from each keyframe to the next (`write(..., keyframe_first=True)` starts one), so what has been
     written so far plays while the rest is still coming. (vLLM-Omni cuts a fragment at every frame; with an
     AAC track FFmpeg then gives the first frame the AAC encoder's 1,024-sample delay as its duration, and a
-    decoder loses a frame. The edit list keeps the video's timestamps where the non-fragmented file has
-    them; with B-frames the first frame's composition offset would still start the video late, so a
-    fragmented writer's caller sets `bf` 0: media/fragments.py.) A context manager: the container is closed
-    on the way out, also when a frame fails."""
+    decoder loses a frame. The edit lists keep the video's timestamps where the non-fragmented file has
+    them and trim the AAC encoder's priming as it does: `delay_moov` holds the `moov` back until the first
+    fragment is cut, when the tracks' start offsets are known. With B-frames the first frame's composition
+    offset would still start the video late, so a fragmented writer's caller sets `bf` 0:
+    media/fragments.py.) A context manager: the container is closed on the way out, also when a frame
+    fails."""
 
     def __init__(self, out, width: int, height: int, fps: float | Fraction, audio: np.ndarray | None,
                  sample_rate: int, options: dict[str, str], fragmented: bool = False) -> None:  # fmt: skip
         self.rate = frame_rate(fps)
         self.sample_rate = sample_rate
         self.frames_written = 0
-        fragments = {"movflags": "+frag_keyframe+empty_moov+default_base_moof", "use_editlist": "1"}
+        fragments = {
+            "movflags": "+frag_keyframe+empty_moov+default_base_moof+delay_moov",
+            "use_editlist": "1",
+        }
         self.container = av.open(out, mode="w", format="mp4", options=fragments if fragmented else {})
         self.video = self.container.add_stream("libx264", rate=self.rate, options=options)
         self.video.width, self.video.height, self.video.pix_fmt = width, height, "yuv420p"
