@@ -182,6 +182,42 @@ def uvicorn_thread(
 
 
 @contextlib.contextmanager
+def graceful_uvicorn(storage: Path, shutdown_timeout_s: float, **client_kw):
+    """uvicorn_thread's server as `worldserve serve` runs it (GracefulServer, timeout_graceful_shutdown
+    --shutdown-timeout + 10); yields (url, client, terminate): terminate() is SIGTERM's handler, on the
+    server's loop."""
+    import argparse
+    import signal
+    import threading
+
+    import uvicorn
+
+    from worldserve.api.app import build_app
+    from worldserve.commands.serve import GracefulServer
+    from worldserve.commands.serve_http import uvicorn_options
+
+    client = make_client(storage, **client_kw)
+    app = build_app(client, shutdown_timeout_s=shutdown_timeout_s)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                            timeout_graceful_shutdown=int(shutdown_timeout_s) + 10,
+                            **uvicorn_options(argparse.Namespace()))  # fmt: skip
+    server = GracefulServer(config, client, shutdown_timeout_s)
+    thread = threading.Thread(target=server.run, name="test-graceful-uvicorn", daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive())
+    port = server.servers[0].sockets[0].getsockname()[1]
+
+    def terminate() -> None:
+        client._loop.call_soon_threadsafe(server.handle_exit, signal.SIGTERM, None)
+
+    try:
+        yield f"http://127.0.0.1:{port}", client, terminate
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+@contextlib.contextmanager
 def serve_reasoner(reasoner, folder: Path, *, model: str, name: str, **app_options):
     """A real uvicorn serving a fake video backend and `reasoner` for chats (make_client + build_app, with
     `app_options`: build_app's server flags); yields its URL."""

@@ -11,12 +11,21 @@ import base64
 import contextlib
 import json
 import re
+import time
 
 import httpx
 import pytest
 import websockets
 from media_probe import probe_mp4
-from serving_helpers import png_bytes, realtime_session, serve_app, uvicorn_thread, wait_until, ws_url
+from serving_helpers import (
+    graceful_uvicorn,
+    png_bytes,
+    realtime_session,
+    serve_app,
+    uvicorn_thread,
+    wait_until,
+    ws_url,
+)
 
 from worldserve.api import realtime
 from worldserve.engine.fake_backend import FAIL_MARKER, FakeBackend
@@ -313,3 +322,68 @@ async def test_the_server_never_deflates_the_sockets_video(tmp_path):
                 extensions[name] = ws.response.headers.get("Sec-WebSocket-Extensions")
     assert extensions["uvicorn"] and "permessage-deflate" in extensions["uvicorn"]  # what it would negotiate
     assert extensions["worldserve"] is None
+
+
+async def _next_message(ws) -> dict:
+    """The next JSON message (parts' bytes skipped)."""
+    while isinstance(raw := await asyncio.wait_for(ws.recv(), 10), bytes):
+        pass
+    return json.loads(raw)
+
+
+async def _to_the_end(ws) -> tuple[list[dict], bytes, int]:
+    """Read until the server closes: (JSON messages, the parts joined, the close code)."""
+    messages, parts = [], []
+    with contextlib.suppress(websockets.ConnectionClosed):
+        while True:
+            raw = await asyncio.wait_for(ws.recv(), 20)
+            if isinstance(raw, bytes):
+                parts.append(raw)
+            else:
+                messages.append(json.loads(raw))
+    return messages, b"".join(parts), ws.close_code
+
+
+async def test_a_graceful_shutdown_gives_a_running_stream_its_grace(tmp_path):
+    """SIGTERM (`worldserve serve`'s GracefulServer, 6 s --shutdown-timeout): the session whose video is being
+    made streams it to its end and closes normally; one still queued and one that has not sent session.start
+    get the shutdown's 503 error at once and a 1012 close. (uvicorn closed every socket with 1012 at once, so
+    the running video was lost.)"""
+    backend = FakeBackend(step_delay=0.05)
+    start = {"type": "session.start", "prompt": "x", **SMALL, "num_inference_steps": 60}  # 3 s of steps
+    with graceful_uvicorn(tmp_path, 6.0, backend=backend, real_encoder=True) as (url, client, terminate):
+        async with (websockets.connect(ws_url(url), max_size=None) as running,
+                    websockets.connect(ws_url(url)) as queued, websockets.connect(ws_url(url)) as idle):  # fmt: skip
+            await running.send(json.dumps(start))
+            assert (await _next_message(running))["type"] == "video.start"
+            await asyncio.to_thread(wait_until, lambda: client.num_running == 1)
+            await queued.send(json.dumps(start))
+            assert (await _next_message(queued))["type"] == "video.start"
+            terminate()
+            t0 = time.monotonic()
+            for ws in (idle, queued):
+                messages, _, code = await _to_the_end(ws)
+                assert messages[-1]["type"] == "error" and messages[-1]["code"] == 503
+                assert "the server is shutting down" in messages[-1]["message"]
+                assert code == 1012 and time.monotonic() - t0 < 1.0  # (not when the running one ends)
+            messages, data, code = await _to_the_end(running)
+    assert messages[-1]["type"] == "session.done" and messages[-1]["stopped"] is False and code == 1000
+    assert probe_mp4(data).num_frames == 33
+
+
+async def test_a_stream_outlasting_the_grace_ends_with_an_error_and_1012(tmp_path):
+    """The video still running at the --shutdown-timeout deadline is aborted: its session gets the error
+    (503, the server is shutting down) and a 1012 close, before uvicorn would cancel it."""
+    backend = FakeBackend(step_delay=0.2)
+    start = {"type": "session.start", "prompt": "x", **SMALL, "num_inference_steps": 200}  # 40 s
+    with graceful_uvicorn(tmp_path, 1.0, backend=backend) as (url, client, terminate):
+        async with websockets.connect(ws_url(url)) as ws:
+            await ws.send(json.dumps(start))
+            assert (m := await _next_message(ws))["type"] == "video.start", m
+            await asyncio.to_thread(wait_until, lambda: client.num_running == 1)
+            terminate()
+            t0 = time.monotonic()
+            messages, _, code = await _to_the_end(ws)
+    assert [m["type"] for m in messages] == ["error"] and messages[0]["code"] == 503
+    assert "the server is shutting down" in messages[0]["message"]
+    assert code == 1012 and 0.9 < time.monotonic() - t0 < 5.0

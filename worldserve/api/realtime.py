@@ -24,7 +24,9 @@ generation) gets an error: there is nothing to change mid-pass. A session whose 
 made no progress (a step or a part) for STALL_TIMEOUT_S gets vLLM-Omni's stall error, then `session.done`
 with `stopped` true, and is aborted; a request still waiting in the queue (or for its upsampled prompt) is
 not stalled. The client leaving, or reading nothing for SEND_TIMEOUT_S while a part waits, aborts the
-request at its next step (or decode chunk) and stops its encode.
+request at its next step (or decode chunk) and stops its encode. At a graceful shutdown the socket stays open
+(api/ws_protocol.py): a running request streams on within `--shutdown-timeout`; a session not yet started,
+or whose request was still queued or is aborted at the deadline, gets the 503 error and a 1012 close.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from worldserve.api.video_inputs import (
     json_object_field,
 )
 from worldserve.engine.client import (
+    SHUTDOWN_REASON,
     EncodeOptions,
     QueueFullError,
     Request,
@@ -105,6 +108,8 @@ class _Session:
         self.ended = threading.Event()
         """Set when the session is over, however it ended: an encode still running stops making parts."""
         self.sent = 0
+        self.completed = False
+        """Set once session.done has been sent for a whole video."""
         self.last_progress = time.monotonic()
 
     async def run(self) -> None:
@@ -216,6 +221,7 @@ class _Session:
                 return
             await self._send({"type": "session.done", "request_id": self.request_id, "chunks": self.sent,
                               "stopped": False})  # fmt: skip
+            self.completed = True
             return
 
     async def _send_part(self, data: bytes, frames: int) -> None:
@@ -230,12 +236,21 @@ class _Session:
         self.last_progress = time.monotonic()
 
     async def _start(self) -> tuple[VideoParams, EncodeOptions, dict[str, Any]] | None:
-        """The validated request of the session.start message, or None once an error was sent."""
-        try:
-            message = await asyncio.wait_for(self.ws.receive(), START_TIMEOUT_S)
-        except TimeoutError:
-            await self._error("Timeout waiting for session.start", 408)
-            return None
+        """The validated request of the session.start message, or None once an error was sent (also when the
+        server begins shutting down first)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if not self.st.client.accepting:
+                await self._refused(ShuttingDownError(SHUTDOWN_REASON))
+                return None
+            if (left := deadline - time.monotonic()) <= 0:
+                await self._error("Timeout waiting for session.start", 408)
+                return None
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), min(left, POLL_S))
+                break
+            except TimeoutError:
+                continue
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
         raw = message.get("text")
@@ -366,8 +381,11 @@ class _Session:
             await self._send(payload)
 
     async def _close(self) -> None:
+        """Close the socket: 1012 (Service Restart, as uvicorn closes its sockets at a shutdown) when the
+        session ends without its video because the server is shutting down."""
+        code = 1012 if not self.completed and not self.st.client.accepting else 1000
         with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
-            await self.ws.close()
+            await self.ws.close(code)
 
 
 def _encode_parts(loop: asyncio.AbstractEventLoop, parts: asyncio.Queue, encode: EncodeOptions,

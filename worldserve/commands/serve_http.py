@@ -91,12 +91,15 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     WebSockets never negotiate permessage-deflate (uvicorn's default offers it to every client that asks, as
     `websockets` clients do): /v1/realtime/video sends H.264 parts, which zlib cannot shrink (1.002x), and
     deflating a 7 MB part on the event loop takes 0.27-0.47 s, more than the VAE takes to decode it (0.33 s),
-    so the parts fell behind the decode."""
+    so the parts fell behind the decode. An open WebSocket is not closed the moment a graceful shutdown
+    begins (api/ws_protocol.py): a realtime stream gets the grace a running request has."""
     from worldserve import envs
     from worldserve.api.http_protocol import H11_BUFFER_BYTES, header_guard_protocol
+    from worldserve.api.ws_protocol import graceful_ws_protocol
 
     return dict(
         http=header_guard_protocol(envs.http_header_timeout_s()),
+        ws=graceful_ws_protocol(),
         ws_per_message_deflate=False,
         h11_max_incomplete_event_size=H11_BUFFER_BYTES,  # (the header cap answers first: http_protocol.py)
         access_log=not getattr(args, "disable_uvicorn_access_log", False),

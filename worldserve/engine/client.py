@@ -58,13 +58,19 @@ from worldserve.engine.prompt_upsampling import (
     checked,
     upsample,
 )
-from worldserve.engine.refusals import ChatUnavailableError, QueueFullError, ShuttingDownError, error_for
+from worldserve.engine.refusals import (
+    SHUTDOWN_REASON,
+    ChatUnavailableError,
+    QueueFullError,
+    ShuttingDownError,
+    error_for,
+)
 from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job", "JobSpec",
-    "JobStatus", "NO_REASONER", "QueueFullError", "Request", "ShuttingDownError", "StorageError", "UpsamplingFailed", "VideoResult", "error_for", "metered",
+    "JobStatus", "NO_REASONER", "QueueFullError", "Request", "SHUTDOWN_REASON", "ShuttingDownError", "StorageError", "UpsamplingFailed", "VideoResult", "error_for", "metered",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -155,7 +161,7 @@ class EngineClient:
 
     def _answer_waiters_at_shutdown(self, timeout_s: float) -> None:
         """On the loop: fail the waiters of jobs that stay queued now, the rest when `timeout_s` has passed."""
-        err = ShuttingDownError("the server is shutting down")
+        err = ShuttingDownError(SHUTDOWN_REASON)
         queued = [
             i
             for i in self._waiters.job_ids()
@@ -175,14 +181,14 @@ class EngineClient:
             self._sweeper.cancel()
         for upsampling in list(self._upsampling.values()):
             upsampling.cancel()  # its job stays queued, upsampled at the next start
-        self._waiters.fail(ShuttingDownError("the server is shutting down"))
+        self._waiters.fail(ShuttingDownError(SHUTDOWN_REASON))
         self.store.close()
         self._started = False
 
     def _stop_engine(self, timeout_s: float) -> None:
         self.engine.stop(timeout_s)
         if self._loop is not None:
-            self._call_in_loop(partial(self._waiters.fail, ShuttingDownError("the server is shutting down")))
+            self._call_in_loop(partial(self._waiters.fail, ShuttingDownError(SHUTDOWN_REASON)))
 
     def health(self) -> tuple[bool, str | None]:
         if not self._started:

@@ -35,7 +35,7 @@ from worldserve.engine.endings import Encoder, Endings, default_encoder
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
 from worldserve.engine.outputs import BackendLost, VideoBackend
-from worldserve.engine.refusals import CancelledRequest
+from worldserve.engine.refusals import SHUTDOWN_REASON, CancelledRequest
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority, read_beside
@@ -68,6 +68,8 @@ class Engine:
         self._num_running = 0
         self._draining = False
         self._hard_stop = False
+        self._stop_reason = SHUTDOWN_REASON
+        """Why the loop ended (once it has): what an ephemeral request arriving later is cancelled for."""
         self._stopped = False  # set when the loop has ended (ephemeral requests are refused from then on)
         self._pool = ThreadPoolExecutor(
             config.encode_workers, thread_name_prefix="worldserve-encode", initializer=lower_thread_priority
@@ -84,7 +86,7 @@ class Engine:
     def add_request(self, request: Request) -> None:
         with self._cv:
             if self._stopped and request.ephemeral:  # the loop is gone: nothing would ever run it
-                request.on_result(CancelledRequest(request.job_id))
+                request.on_result(CancelledRequest(request.job_id, self._stop_reason))
                 return
             self._inbox.append(("add", request))
             self._waiting_ids.add(request.job_id)
@@ -168,6 +170,8 @@ class Engine:
                         self._sched.add(payload)
                     else:
                         self._abort(payload)
+                if self._draining:  # never admitted now, and nothing to resume them from
+                    self._cancel_waiting_ephemeral([], SHUTDOWN_REASON)
                 if self._should_exit():
                     break
                 self._iterate()
@@ -179,7 +183,7 @@ class Engine:
                 log.exception("engine loop crashed")
         finally:
             try:
-                self._park_running()
+                self._park_running(SHUTDOWN_REASON if crashed is None else "the engine has stopped")
             finally:  # reported once the running jobs are queued again (health, alive, on_crash)
                 self.crashed = crashed
         if crashed is not None:
@@ -311,26 +315,32 @@ class Engine:
         except Exception:
             log.exception("backend.release failed for %s", request.job_id)
 
-    def _park_running(self) -> None:
-        """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
-        requests, running or waiting, are cancelled (they cannot resume)."""
-        parked = list(self._sched.running)
-        for request in parked:
-            self._sched.finish(request)
-            self._release(request)
-            if request.ephemeral:  # nothing to resume it from: its caller gets the stop
-                request.on_result(CancelledRequest(request.job_id))
-        with self._cv:  # also what arrived after the loop's last look at its inbox
-            self._stopped = True
-            late = [r for kind, r in self._inbox if kind == "add" and r.ephemeral]
-            self._inbox = [(kind, r) for kind, r in self._inbox if not (kind == "add" and r.ephemeral)]
-        for request in [r for r in self._sched.waiting if r.ephemeral]:  # never admitted: no one else will
+    def _cancel_waiting_ephemeral(self, late: list[Request], reason: str) -> None:
+        """Cancel the ephemeral requests still waiting, and `late` (taken from the inbox), for `reason`: the
+        engine is stopping, so they are never admitted (a job stays queued for the next start; they cannot)."""
+        for request in [r for r in self._sched.waiting if r.ephemeral]:
             self._sched.waiting.remove(request)
             late.append(request)
         with self._cv:
             self._waiting_ids.difference_update(r.job_id for r in late)
         for request in late:
-            request.on_result(CancelledRequest(request.job_id))
+            request.on_result(CancelledRequest(request.job_id, reason))
+
+    def _park_running(self, reason: str) -> None:
+        """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
+        requests, running or waiting, are cancelled for `reason` (they cannot resume)."""
+        self._stop_reason = reason
+        parked = list(self._sched.running)
+        for request in parked:
+            self._sched.finish(request)
+            self._release(request)
+            if request.ephemeral:  # nothing to resume it from: its caller gets the stop
+                request.on_result(CancelledRequest(request.job_id, reason))
+        with self._cv:  # also what arrived after the loop's last look at its inbox
+            self._stopped = True
+            late = [r for kind, r in self._inbox if kind == "add" and r.ephemeral]
+            self._inbox = [(kind, r) for kind, r in self._inbox if not (kind == "add" and r.ephemeral)]
+        self._cancel_waiting_ephemeral(late, reason)
         parked = [r for r in parked if not r.ephemeral]
         if parked:
             self.store.requeue([r.job_id for r in parked])

@@ -24,13 +24,19 @@ class ChatUnavailableError(Exception):
     """This server has no chat backend (e.g. the fake backend)."""
 
 
+SHUTDOWN_REASON = "the server is shutting down"
+
+
 class CancelledRequest(Exception):
-    """An ephemeral request was aborted or the engine stopped before it finished (503 for its caller)."""
+    """An ephemeral request was aborted, or the engine stopped (`reason`: SHUTDOWN_REASON) before it
+    finished (503 for its caller)."""
 
     status_code = 503
 
-    def __init__(self, request_id: str):
-        super().__init__(f"request {request_id} was cancelled before it finished")
+    def __init__(self, request_id: str, reason: str | None = None):
+        super().__init__(
+            f"request {request_id} was cancelled " + (f"({reason})" if reason else "before it finished")
+        )
 
 
 class JobError(NamedTuple):
