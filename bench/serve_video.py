@@ -59,16 +59,19 @@ def recipe_form(args: argparse.Namespace) -> dict[str, str]:
 
 
 def probe_mp4(data: bytes) -> dict:
-    """What a player sees: codecs, frame count and rate, audio rate and channels (decoded, not read off
-    the container's headers)."""
+    """What a player sees: codecs, frame count and rate, audio rate, channels and samples past the edit
+    list's priming trim (decoded, not read off the container's headers)."""
     import av
 
     with av.open(io.BytesIO(data)) as c:
         video, audio = c.streams.video[0], c.streams.audio[0]
         frames = sum(1 for _ in c.decode(video=0))
+        c.seek(0)
+        samples = sum(f.samples for f in c.decode(audio=0))
         return {"video_codec": video.codec_context.name, "size": f"{video.width}x{video.height}",
                 "frames": frames, "fps": float(video.average_rate), "audio_codec": audio.codec_context.name,
-                "sample_rate": audio.sample_rate, "channels": audio.channels, "bytes": len(data)}  # fmt: skip
+                "sample_rate": audio.sample_rate, "channels": audio.channels, "audio_samples": samples,
+                "bytes": len(data)}  # fmt: skip
 
 
 def realtime_session(url: str, form: dict[str, str]) -> dict:
@@ -179,7 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         m = rt.get("mp4", {})
         print(f"realtime: video.start {rt['start_s']:.2f} s, first frames {rt['first_frames_s']} s, done "
               f"{rt['done_s']:.1f} s (sync t2v {result['requests']['t2v']['wall_s']:.1f} s); {rt['parts']} parts, "
-              f"{m.get('frames', '-')} frames, {m.get('audio_codec', '-')} {m.get('sample_rate', '')}")  # fmt: skip
+              f"{m.get('frames', '-')} frames, {m.get('audio_codec', '-')} {m.get('sample_rate', '')}, "
+              f"{m.get('audio_samples')} audio samples (sync "
+              f"{result['requests']['t2v'].get('mp4', {}).get('audio_samples')})")  # fmt: skip
 
 
 if __name__ == "__main__":
