@@ -245,10 +245,16 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
     [1, max_frames] (or -1)."""
     video = (media_io_kwargs or {}).get("video")
     video = {} if video is None else video
-    if not isinstance(video, dict) or set(video) - {"fps", "num_frames"}:
-        raise ParamError(
-            "media_io_kwargs", 'media_io_kwargs.video takes {"fps": F}, {"num_frames": N} or both'
-        )
+    if not isinstance(video, dict) or set(video) - {"fps", "num_frames", "max_duration"}:
+        raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F}, {"num_frames": N} or '
+                         'both (and "max_duration", which vLLM\'s default loader takes and does not use)')  # fmt: skip
+    if "max_duration" in video:  # (accepted for clients written against vLLM; nothing to limit here)
+        limit = video["max_duration"]
+        if type(limit) not in (int, float) or not limit > 0:
+            raise ParamError(
+                "media_io_kwargs.video.max_duration", "max_duration must be a number of seconds > 0"
+            )
+        video = {k: v for k, v in video.items() if k != "max_duration"}
     if video.get("num_frames") == -1:  # vLLM's "decode every frame, let the processor sample": the default
         video = {k: v for k, v in video.items() if k != "num_frames"}
     mm_video = mm_video or {}
