@@ -114,7 +114,7 @@ def test_a_many_valued_flag_that_took_the_model_folder_is_refused(tmp_path, flag
     ("name", "value"),
     [("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "inf"), ("VLLM_IMAGE_FETCH_TIMEOUT", "abc"), ("VLLM_VIDEO_FETCH_TIMEOUT", "0"),
      ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "-1"), ("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "-5"),
-     ("VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL", "often")],
+     ("VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL", "often"), ("WORLDSERVE_HTTP_HEADER_TIMEOUT", "-1")],
 )  # fmt: skip
 def test_malformed_timeouts_in_the_environment_stop_the_start_naming_the_variable(monkeypatch, name, value):
     """Read when the config resolves (before the model loads), not when the app is built after it."""

@@ -154,6 +154,12 @@ def test_fa3_is_used_only_with_the_fwd_op_it_calls(monkeypatch):
 def test_kernel_options_validate_names_and_read_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="must be one of"):
         KernelOptions(attention_backend="XFORMERS")
+    monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "XFORMERS")  # the message names where it came from
+    with pytest.raises(ValueError, match="^environment variable DIFFUSION_ATTENTION_BACKEND must be one of"):
+        KernelOptions()
+    monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "FLASH_ATTN")
+    with pytest.raises(ValueError, match="^environment variable DIFFUSION_ATTENTION_BACKEND FLASH_ATTN: "):
+        KernelOptions().check(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "TORCH_SDPA")
     assert KernelOptions().backend_name == "TORCH_SDPA"
     assert KernelOptions(attention_backend="FLASH_ATTN").backend_name == "FLASH_ATTN"  # the flag wins

@@ -130,6 +130,9 @@ def storage_sweep_interval_s() -> float | None:
     return value
 
 
+ATTENTION_BACKEND_VAR = "DIFFUSION_ATTENTION_BACKEND"
+
+
 def attention_backend() -> str | None:
     """vLLM-Omni's `DIFFUSION_ATTENTION_BACKEND` (FLASH_ATTN, TORCH_SDPA, CUDNN_ATTN); None: auto."""
-    return os.environ.get("DIFFUSION_ATTENTION_BACKEND") or None
+    return os.environ.get(ATTENTION_BACKEND_VAR) or None

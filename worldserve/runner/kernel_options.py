@@ -43,7 +43,7 @@ class KernelOptions:
             )
         name = self.backend_name
         if name is not None and name.upper() not in (*BACKENDS, "AUTO"):
-            raise ValueError(f"--diffusion-attention-backend must be one of {BACKENDS} or auto, got {name!r}")
+            raise ValueError(f"{self.backend_source} must be one of {BACKENDS} or auto, got {name!r}")
 
     @classmethod
     def from_flags(
@@ -63,6 +63,13 @@ class KernelOptions:
         """The flag, else the environment variable, else None (auto)."""
         return self.attention_backend or envs.attention_backend()
 
+    @property
+    def backend_source(self) -> str:
+        """Where backend_name came from, for error messages: the flag or the environment variable."""
+        if self.attention_backend is None and envs.attention_backend() is not None:
+            return f"environment variable {envs.ATTENTION_BACKEND_VAR}"
+        return "--diffusion-attention-backend"
+
     def check(self, device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> None:
         """ValueError (with the way out) when these options cannot run on this device / dtype."""
         if self.quantization == "fp8":
@@ -74,10 +81,10 @@ class KernelOptions:
         if wants_fa3 or self.fp8_attention:
             reason = fa3_unavailable_reason(device, dtype, head_dim)
             if reason is not None:
-                flag = "--fp8-attention" if self.fp8_attention else "--diffusion-attention-backend FLASH_ATTN"
+                flag = "--fp8-attention" if self.fp8_attention else f"{self.backend_source} FLASH_ATTN"
                 raise ValueError(f"{flag}: {reason}")
         if self.fp8_attention and (self.backend_name or "auto").upper() in ("TORCH_SDPA", "CUDNN_ATTN"):
-            raise ValueError("--fp8-attention runs on FlashAttention-3: drop --diffusion-attention-backend")
+            raise ValueError(f"--fp8-attention runs on FlashAttention-3: drop {self.backend_source}")
 
     def load_device(self, device: torch.device) -> torch.device:
         """Where to load the weights for a model that will run on `device` (the CPU under layerwise offload)."""
