@@ -146,6 +146,10 @@ def build_params(args: argparse.Namespace) -> VideoParams:
                          "branch alone (no CFG), or a scale above 1")  # fmt: skip
     _check_output(args.output, args.num_frames)
     if args.save_latents is not None:
+        if args.save_latents.suffix.lower() != ".safetensors":  # (a .npz or .pt name got safetensors bytes)
+            raise ParamError(
+                "save_latents", "--save-latents writes a safetensors file: name it *.safetensors"
+            )
         check_writable(args.save_latents, "save_latents", "--save-latents")
     return VideoParams(
         prompt=prompt,
@@ -335,7 +339,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = build_params(args)
     except ParamError as e:
-        print(f"worldserve generate: error: {_flag(e.param, args)}: {e.message}", file=sys.stderr)
+        flag = _flag(e.param, args)
+        said = e.message if e.message.startswith(f"{flag} ") else f"{flag}: {e.message}"  # (not "-o: -o ...")
+        print(f"worldserve generate: error: {said}", file=sys.stderr)
         return 2
     import torch
 
