@@ -359,10 +359,14 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, re
         ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt", "more than the context of 4096 tokens"),
         ("/v1/completions", {"prompt": "<|image_pad|> hi"}, 400, "prompt", "cannot carry images"),
         ("/v1/completions", {"n": 17}, 400, "n", "n must be between 1 and 16"),
+        ("/v1/completions", {"prompt": ["a"] * 1025}, 400, "prompt", "prompt list length 1025 exceeds the maximum "
+         "allowed count of 1024"),  # (VLLM_MAX_COMPLETION_PROMPTS: one request held all others back)
+        ("/v1/completions", {"prompt": [[5]] * 1025}, 400, "prompt", "VLLM_MAX_COMPLETION_PROMPTS"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream=True"),
         ("/v1/completions", {"temperature": -1}, 400, "temperature", "validation error"),
         ("/v1/completions", {"response_format": {"type": "yaml"}}, 400, "response_format", "must be text, json_object"),
         ("/v1/completions", {"model": "nope"}, 404, "model", "The model `nope` does not exist."),
+        ("/v1/completions", {"model": "", "max_tokens": 0}, 400, "max_tokens", "at least 1"),  # ("": the served one)
         ("/tokenize", {"model": "nope"}, 404, "model", "does not exist"),
         ("/tokenize", {"prompt": 3}, 400, "prompt", "validation error"),
         ("/tokenize", {"prompt": DROP, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},

@@ -155,6 +155,16 @@ def test_prompt_truncation_and_chat_echo(reasoner_url):
     assert cut["choices"][0]["text"] == tail["choices"][0]["text"]  # the last 10 tokens are what is kept
     chat = _post(url, messages=[{"role": "user", "content": long}], max_tokens=1, truncate_prompt_tokens=12)
     assert chat.json()["usage"]["prompt_tokens"] == 12
+    # -1: as many as leave room for max_tokens (vLLM's max_model_len - max_tokens; it was max_model_len,
+    # which left none, so every prompt it had to cut was refused)
+    context = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    over = _post(url, "/v1/completions", prompt=long * (context // len(ids) + 1), max_tokens=3,
+                 truncate_prompt_tokens=-1)  # fmt: skip
+    assert over.status_code == 200 and over.json()["usage"]["prompt_tokens"] == context - 3, over.text
+    too_many = _post(url, "/v1/completions", prompt=long, max_tokens=3, truncate_prompt_tokens=context - 2)
+    assert (
+        too_many.status_code == 400 and f"max_tokens = {context - 3}" in too_many.json()["error"]["message"]
+    )
     image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
     pic = [
         {
@@ -194,7 +204,7 @@ def test_prompt_truncation_and_chat_echo(reasoner_url):
         ({"priority": 3}, "priority", "Priority scheduling is not enabled"),
         ({"continue_final_message": True}, "continue_final_message", "Cannot set both"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
-        ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "greater than max_model_len"),
+        ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "cannot be greater than max_model_len"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal"),
     ],
 )

@@ -22,9 +22,7 @@ TOOLS = [ToolIn.model_validate(t) for t in (WEATHER, TIME)]
 
 
 def test_tool_choice_defaults_and_refusals():
-    assert (
-        tool_mode(None, None) is None and tool_mode(None, "none") is None and tool_mode(None, "auto") is None
-    )
+    assert tool_mode(None, None) is None and tool_mode(None, "none") is None and tool_mode([], "auto") is None
     auto = tool_mode(TOOLS, None)
     assert auto.choice == "auto" and auto.parsed and auto.tools[0] == WEATHER
     assert not tool_mode(TOOLS, "none").parsed and tool_mode(TOOLS, "none").tools  # still shown to the model
@@ -32,6 +30,7 @@ def test_tool_choice_defaults_and_refusals():
     assert named.choice == "named" and named.name == "get_time"
     for tools, choice, needle in [
         (None, "required", "`tools` must be set"),
+        (None, "auto", "`tools` must be set"),  # (vLLM's check_tool_usage; it had been taken as "none")
         (None, {"type": "function", "function": {"name": "f"}}, "`tools` must be set"),
         (TOOLS, {"type": "function", "function": {"name": "nope"}}, "Tool 'nope' has not been passed"),
         (TOOLS, "sometimes", "must be"),

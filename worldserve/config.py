@@ -368,6 +368,7 @@ class EngineConfig:
             envs.media_fetch_timeout_s(kind)
         envs.http_timeout_keep_alive_s()
         envs.http_header_timeout_s()
+        envs.max_completion_prompts()
         server = replace(
             self.server,
             api_key=self.server.api_key or ((key,) if (key := envs.api_key()) else None),

@@ -60,6 +60,21 @@ def http_header_timeout_s() -> float:
     return value
 
 
+def max_completion_prompts() -> int:
+    """`VLLM_MAX_COMPLETION_PROMPTS` (vLLM's, default 1024): the most prompts one /v1/completions request may
+    list (each runs its `n` choices: without a bound, one request of thousands holds every other back)."""
+    raw = os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "").strip()
+    if not raw:
+        return 1024
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"environment variable VLLM_MAX_COMPLETION_PROMPTS={raw!r} must be an integer >= 1")
+    return value
+
+
 def _env_flag(name: str, default: bool) -> bool:
     """A yes / no variable: 1 / true / yes / on, 0 / false / no / off (any case); unset or anything else:
     `default`."""

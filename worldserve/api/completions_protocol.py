@@ -1,7 +1,7 @@
 """Wire shapes of POST /v1/completions, POST /tokenize and POST /detokenize (pydantic v2), as vLLM writes them.
 
 Completions request: `prompt` (a string, a list of strings, a list of token ids or a list of lists of ids:
-one set of `n` choices per prompt), `max_tokens` (vLLM's default 16; null: up to the context), the chat's
+one set of `n` choices per prompt; at most VLLM_MAX_COMPLETION_PROMPTS of them), `max_tokens` (vLLM's default 16, also for null), the chat's
 sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties and vLLM's token rules: see
 api/chat_protocol.py SamplingRequest), `logprobs` (an int:
 that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from worldserve import envs
 from worldserve.api.chat import MAX_CHOICES
 from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
@@ -41,10 +42,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="Text used as it is (no chat template), token ids, or a list of either (a choice set each)."
     )
-    max_tokens: int | None = Field(
-        16,
-        ge=0,
-        description="vLLM's default 16; null: up to the context length; 0 with `echo`: the prompt's text alone.",
+    max_tokens: int = Field(
+        16, ge=0, description="vLLM's default 16 (null too, as vLLM); 0 with `echo`: the prompt's text alone."
     )
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -54,10 +53,23 @@ class CompletionRequest(SamplingRequest):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's log-probability with this many alternatives (`choices[i].prompt_logprobs`)."""
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any) -> Any:
+        """vLLM's normalize_null_max_tokens: an explicit null is the default 16 (it had meant up to the
+        context, which a client sending its SDK's null by accident did not ask for)."""
+        return 16 if value is None else value
+
     def refused(self) -> tuple[str, str] | None:
         """(field, why) of the first option this server cannot honour, else None."""
         if not 1 <= self.n <= MAX_CHOICES:
             return "n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}"
+        limit = envs.max_completion_prompts()
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) \
+                and len(self.prompt) > limit:  # fmt: skip
+            return "prompt", (f"prompt list length {len(self.prompt)} exceeds the maximum allowed count of "
+                              f"{limit}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+                              "environment variable.")  # fmt: skip
         if self.misplaced_stream_options():
             return "stream_options", "Stream options can only be defined when `stream=True`."
         if self.suffix is not None:

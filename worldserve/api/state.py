@@ -47,8 +47,8 @@ class AppState:
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
 
     def serves(self, model: str | None) -> bool:
-        """Whether a request's `model` names this server's model (None: not given, as vLLM takes it)."""
-        return model is None or model == self.served_model_name or model in self.model_aliases
+        """Whether a request's `model` names this server's model (None or "": not given, as vLLM takes it)."""
+        return not model or model == self.served_model_name or model in self.model_aliases
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

@@ -101,6 +101,7 @@ def tool_mode(tools: list[ToolIn] | None, choice: Any, parallel: bool | None = N
     true); ParamError naming the field."""
     if choice is None:
         choice = "auto" if tools else "none"
+        tools = tools or []  # (no choice given: nothing to check)
     if isinstance(choice, dict):
         fn = choice.get("function")
         if (
@@ -118,8 +119,8 @@ def tool_mode(tools: list[ToolIn] | None, choice: Any, parallel: bool | None = N
                          f"got {choice!r}")  # fmt: skip
     else:
         named = None
-    if not tools:
-        if choice in ("required", "named"):
+    if not tools:  # (vLLM's check_tool_usage: any tool_choice but "none" needs `tools`; [] is tools given)
+        if choice in ("required", "named") or (choice == "auto" and tools is None):
             raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
         return None
     names = [t.function.name for t in tools]

@@ -205,7 +205,9 @@ class ChatAdmission:
                 deferred[1] if deferred is not None and deferred[0] is params else self.build_prompt(params)
             )
         if params.truncate_prompt_tokens is not None:
-            prompt = self.prompts.truncated(prompt, params.truncate_prompt_tokens, self.max_model_len)
+            prompt = self.prompts.truncated(
+                prompt, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens
+            )
         return prompt, completion_budget(params, len(prompt.input_ids), self.max_model_len)
 
     def _session(

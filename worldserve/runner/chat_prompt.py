@@ -229,18 +229,24 @@ class ChatPromptBuilder:
             media=media,
         )
 
-    def truncated(self, prompt: ChatPrompt, keep: int, max_model_len: int) -> ChatPrompt:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len), as a text prompt;
-        a prompt no longer than `keep` is left whole (media included). ParamError for a longer one with images
-        or videos (their tokens cannot be cut), for 0, and for a size past the context."""
-        keep = max_model_len if keep == -1 else keep
+    def truncated(
+        self, prompt: ChatPrompt, keep: int, max_model_len: int, max_tokens: int | None
+    ) -> ChatPrompt:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as leave room for
+        `max_tokens`, vLLM's max_model_len - max_tokens), as a text prompt; a prompt no longer than `keep` is
+        left whole (media included). ParamError for a longer one with images or videos (their tokens cannot be
+        cut), for 0, and for a size past the room `max_tokens` leaves."""
         if keep == 0:
             raise ParamError(
                 "truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1, got 0"
             )
-        if keep > max_model_len:
-            raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
-                             f"max_model_len ({max_model_len}). Please, select a smaller truncation size.")  # fmt: skip
+        room = max_model_len - (max_tokens or 0)
+        if room < 1:  # (max_tokens alone fills the context: the context check says so)
+            return prompt
+        keep = room if keep == -1 else keep
+        if keep > room:
+            raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} cannot be greater than "
+                             f"max_model_len - max_tokens = {room}. Please request a smaller truncation size.")  # fmt: skip
         if len(prompt.input_ids) <= keep:
             return prompt
         if prompt.vision is not None or prompt.video is not None:
