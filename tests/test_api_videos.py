@@ -392,3 +392,35 @@ async def test_a_locked_job_database_holds_its_requests_not_the_other_routes(tmp
         assert created.status_code == 200 and deleted.status_code == 200, (created.text, deleted.text)
         assert (await poll_job(http, created.json()["id"]))["status"] == "completed"
         assert (await http.get(f"/v1/videos/{done['id']}")).status_code == 404
+
+
+async def test_input_references_is_a_reference_video_alone(tmp_path):
+    """vLLM-Omni's plural `input_references` upload: on Cosmos3 a reference video (V2V), as its server keeps
+    these uploads for models without mixed references; beside another reference vLLM-Omni's 400, and more
+    than one file or a text value a 400 naming it (it had been dropped: a plain text-to-video job)."""
+    clip = mp4_bytes(frames=12)
+    backend = RecordingBackend()
+    small = {**SMALL_FORM, "num_frames": "9"}
+    async with asgi_server(tmp_path, backend=backend) as http:
+        r = await http.post("/v1/videos", data={"prompt": "x", **small},
+                            files={"input_references": ("ref.mp4", clip, "video/mp4")})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+        refused = [
+            ({"input_references": ("a.mp4", clip, "video/mp4"), "input_reference": ("b.png", png_bytes(), "image/png")},
+             {}, "Provide input_references alone, without input_reference, image_reference, or video_reference."),
+            ([("input_references", ("a.mp4", clip, "video/mp4")), ("input_references", ("b.mp4", clip, "video/mp4"))],
+             {}, "one reference video"),
+            ({"input_references": ("a.mp4", b"", "video/mp4")}, {}, "not a valid image or video"),
+            ({"input_references": ("a.mp4", clip[:64], "video/mp4")}, {}, "input_references"),
+        ]  # fmt: skip
+        for files, more, needle in refused:
+            r = await http.post("/v1/videos", data={"prompt": "x", **small, **more}, files=files)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "input_references" and needle in err["message"], (
+                r.text
+            )
+        r = await http.post("/v1/videos", json={"prompt": "x", **small, "input_references": "ref.mp4"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_references", r.text
+    (made,) = backend.params
+    assert made.image is None and made.video.shape == (5, 16, 32, 3)

@@ -4,7 +4,9 @@ Bodies: multipart/form-data (the recipe's `curl -F`, the OpenAI SDK), x-www-form
 vLLM-Omni, application/json with the same field names (there `prompt` may also be a JSON object: it is sent
 as its compact serialisation). The body is read through a byte counter: above `--max-upload-mb` -> 413.
 References: an `input_reference` upload is sniffed image first (I2V), then video (PyAV, V2V:
-`max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); JSON
+`max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); an `input_references`
+upload (vLLM-Omni's plural field, which it keeps as reference videos for models such as Cosmos3) is a
+reference video, one file, alone (vLLM-Omni's 400 beside any other reference); JSON
 `image_reference` / `video_reference` take base64 data URLs or http(s) URLs (downloaded:
 api/media_urls.py). The fields then resolve into VideoParams as vLLM-Omni resolves them
 (api/video_fields.py); everything omitted takes the model defaults of `VideoParams`. Any problem raises an
@@ -54,6 +56,9 @@ QUALITY_CRF = {"default": 18, "high": 10, "lossless": 0}
 REFERENCE_CONFLICT = (
     "Provide only one of input_reference, image_reference, or video_reference when using input_reference; "
     "image_reference and video_reference may be combined."
+)
+REFERENCES_ALONE = (
+    "Provide input_references alone, without input_reference, image_reference, or video_reference."
 )
 UNSUPPORTED_EXTRA = ("action_mode", "edge", "blur", "depth", "seg", "wsm", "control_guidance")
 TEXT_FIELDS = ("prompt", "negative_prompt")
@@ -109,6 +114,8 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
     fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)
               and (k in FILE_FIELDS or not isinstance(v, UploadFile))}  # fmt: skip
+    if hasattr(form, "getlist") and (files := [v for v in form.getlist("input_references") if v != ""]):
+        fields["input_references"] = files  # (a repeatable field: every part, where items() keeps the last)
     check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})  # (form text is decoded UTF-8)
     return fields
 
@@ -138,6 +145,7 @@ async def build_inputs(
     `defaults` (the server's: --default-sampling-params, --flow-shift) stand in for the fields it omits; `fetcher`
     downloads http(s) reference URLs (None: they are refused)."""
     upload = fields.pop("input_reference", None)
+    uploads = fields.pop("input_references", None)
     try:
         req = VideoCreateRequest.model_validate(fields)
     except ValidationError as exc:
@@ -159,7 +167,10 @@ async def build_inputs(
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
     defaults = defaults or {}
     resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults)
-    source, reference = await _reference_bytes(req, upload, fetcher)
+    if uploads not in (None, "", []):
+        source, reference = "input_references", await _references_upload(req, upload, uploads)
+    else:
+        source, reference = await _reference_bytes(req, upload, fetcher)
     image = video = None
     if reference is not None:
         image, video = await on_request_pool(_decode_reference, source, reference, extra)
@@ -279,6 +290,24 @@ def parse_extra_params(raw: str | dict | None) -> ExtraParams:
     return _validated(ExtraParams, raw, "extra_params")
 
 
+async def _references_upload(req: VideoCreateRequest, upload: Any, uploads: Any) -> bytes:
+    """The bytes of an `input_references` upload: one reference video (vLLM-Omni keeps these uploads as
+    reference videos on models that take no mixed references, as Cosmos3); ParamError / APIError naming
+    the field for a text value, more than one file, or another reference beside it."""
+    files = uploads if isinstance(uploads, list) else [uploads]
+    if not all(isinstance(f, UploadFile) for f in files):
+        raise ParamError("input_references", "input_references must be file uploads (multipart/form-data)")
+    if upload not in (None, "") or req.image_reference is not None or req.video_reference is not None:
+        raise APIError(400, REFERENCES_ALONE, param="input_references")
+    if len(files) > 1:
+        raise ParamError("input_references", f"Cosmos3 conditions on one reference video: send one "
+                         f"input_references file, got {len(files)}")  # fmt: skip
+    data = await files[0].read()
+    if not data:
+        raise ParamError("input_references", INVALID_REFERENCE_MESSAGE)
+    return data
+
+
 async def _reference_bytes(
     req: VideoCreateRequest, upload: Any, fetcher: MediaFetcher | None
 ) -> tuple[str, bytes | None]:
@@ -330,7 +359,7 @@ def _decode_reference(
         )
     budget = min(condition_budget(indexes or (0, 1)), MAX_CONDITION_FRAMES)
     keep = extra.condition_video_keep or "first"
-    if source == "video_reference":
+    if source in ("video_reference", "input_references"):
         return None, decode_video(data, budget, keep, param=source)
     return decode_reference(data, max_frames=budget, keep=keep, param=source)
 
