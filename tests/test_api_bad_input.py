@@ -28,6 +28,7 @@ CASES = [
     ("size 640x", {**OK, "size": "640x"}, 400, "size", "string_pattern_mismatch"),
     ("size 1280*720", {**OK, "size": "1280*720"}, 400, "size", "should match pattern"),
     ("size 1280X720", {**OK, "size": "1280X720"}, 400, "size", "pattern"),
+    ("size 1296x720", {**OK, "size": "1296x720"}, 400, "size", "multiple of 16 in [16, 1280] (it is above 1280)"),
     ("size in fullwidth digits", {**OK, "size": "６４x４８"}, 400, "size", "pattern"),
     ("codec option a boolean", {**OK, "extra_params": '{"video_codec_options": {"g": true}}'}, 400,
      "extra_params.video_codec_options", "'video_codec_options', 'g'"),
@@ -101,6 +102,8 @@ CASES = [
     ("seconds 400 digits", {**BY_SECONDS, "seconds": "9" * 400}, 400, "seconds", "400-digit number is above 400"),
     ("seconds 5000 digits", {**BY_SECONDS, "seconds": "9" * 5000}, 400, "seconds", "5000-digit number"),
     ("seconds past the tier", {**BY_SECONDS, "seconds": "20"}, 400, "seconds", "exceeds the 256p limit"),
+    ("seconds of one frame", {**BY_SECONDS, "seconds": "3", "fps": "1"}, 400, "seconds",  # (was a still image)
+     "seconds=3 at fps=1 is 3 frames, fewer than the shortest video's 5"),
     ("size 5000 digits", {**OK, "size": "1" + "0" * 5000 + "x16"}, 400, "size", "must be at most 1280"),
     ("video_params fps 1e300", {**BY_SECONDS, "seconds": "2", "video_params": '{"fps": 1e300}'}, 400,
      "video_params", "fps=1e+300 must be a number in [1, 120]"),

@@ -74,8 +74,9 @@ def check_side(name: str, value: int, param: str = "size") -> None:
     """A ParamError naming `param` unless `value` (the `name` side: width or height) is a multiple of
     SIZE_MULTIPLE in [16, MAX_SIDE]."""
     if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE or value > MAX_SIDE:
+        why = f" (it is above {MAX_SIDE})" if value > MAX_SIDE and value % SIZE_MULTIPLE == 0 else ""
         raise ParamError(
-            param, f"{name}={shown(value)} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]"
+            param, f"{name}={shown(value)} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]{why}"
         )
 
 

@@ -137,8 +137,13 @@ def _parse_size(size: str) -> tuple[int, int]:
 
 def _frames_from_seconds(seconds: str, fps: float) -> int:
     """num_frames for `seconds` (digits, no leading zero: the request model checked) at `fps` (at most
-    MAX_FPS), rounded to the nearest 4k+1; past MAX_SECONDS a 400 before any conversion."""
+    MAX_FPS), rounded to the nearest 4k+1; past MAX_SECONDS a 400 before any conversion, and a 400 when it
+    rounds to one frame (a still image without sound, which a duration does not ask for)."""
     if len(seconds) > len(str(MAX_SECONDS)) or int(seconds) > MAX_SECONDS:
         raise ParamError("seconds", f"seconds={shown(seconds)} is above {MAX_SECONDS}: no resolution allows "
                          "a longer video, even at 1 fps")  # fmt: skip
-    return 4 * max(0, round((int(seconds) * fps - 1) / 4)) + 1
+    frames = 4 * max(0, round((int(seconds) * fps - 1) / 4)) + 1
+    if frames == 1:
+        raise ParamError("seconds", f"seconds={seconds} at fps={fps:g} is {int(seconds) * fps:g} frames, fewer than "
+                         "the shortest video's 5: ask for more seconds or a higher fps (num_frames 1 for an image)")  # fmt: skip
+    return frames
