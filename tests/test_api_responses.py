@@ -21,6 +21,7 @@ from serving_helpers import serve_reasoner
 
 openai = pytest.importorskip("openai")  # a test dependency (the GPU machine's image has none)
 NotFoundError = openai.NotFoundError
+BadRequestError = openai.BadRequestError
 Response, ResponseStreamEvent = openai.types.responses.Response, openai.types.responses.ResponseStreamEvent
 
 MODEL = "test-model"
@@ -298,7 +299,11 @@ def test_stored_responses_continue_a_conversation(reasoner_oai, reasoner_url):
     assert second.previous_response_id == first.id and second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert reasoner_oai.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(BadRequestError, match="Cannot cancel a synchronous response"):  # (vLLM's cancel)
+        reasoner_oai.responses.cancel(first.id)
     reasoner_oai.responses.delete(first.id)
+    with pytest.raises(NotFoundError):
+        reasoner_oai.responses.cancel(first.id)
     for call in (lambda: reasoner_oai.responses.retrieve(first.id),
                  lambda: reasoner_oai.responses.create(model=MODEL, input="x", previous_response_id=first.id)):  # fmt: skip
         with pytest.raises(NotFoundError):

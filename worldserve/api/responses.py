@@ -128,6 +128,15 @@ async def get_response(response_id: str, st: State):
     return JSONResponse(found[1])
 
 
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, st: State):
+    """vLLM's cancel: only a background response can be cancelled, and this server makes none (`background`
+    is a 400), so a stored response answers vLLM's 400 for a synchronous one; an unknown id a 404."""
+    if st.responses is None or st.responses.get(response_id) is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, st: State):
     if st.responses is None or not st.responses.delete(response_id):
