@@ -424,3 +424,23 @@ async def test_input_references_is_a_reference_video_alone(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "input_references", r.text
     (made,) = backend.params
     assert made.image is None and made.video.shape == (5, 16, 32, 3)
+
+
+async def test_empty_json_strings_are_not_given_as_in_a_form(tmp_path):
+    """`"model": ""`, `"seconds": ""`, `"extra_params": ""` in a JSON body mean what they mean in a form: not
+    given (they were a model mismatch and type errors); an empty prompt stays a 400 naming it."""
+    async with asgi_server(tmp_path) as http:
+        body = {
+            "prompt": "x",
+            **SMALL_FORM,
+            "model": "",
+            "seconds": "",
+            "extra_params": "",
+            "negative_prompt": "",
+        }
+        for sent in ({"data": body}, {"json": body}):
+            r = await http.post("/v1/videos", **sent)
+            assert r.status_code == 200, r.text
+            assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+        r = await http.post("/v1/videos", json={**body, "prompt": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

@@ -129,7 +129,9 @@ async def _json_fields(body: bytes) -> dict[str, Any]:
 
 def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
     """A JSON object's fields as a create request takes them: a structured prompt (an object or a list) as
-    its compact serialisation (also /v1/realtime/video's session.start)."""
+    its compact serialisation (also /v1/realtime/video's session.start); an empty string is "not given" for
+    every other field, as in a form (a JSON `"model": ""` had been a model mismatch, a form's the default)."""
+    data = {k: v for k, v in data.items() if not (v == "" and k not in TEXT_FIELDS)}
     for key in TEXT_FIELDS:
         if isinstance(data.get(key), dict | list):
             data[key] = json.dumps(data[key], separators=(",", ":"), ensure_ascii=False)
