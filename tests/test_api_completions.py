@@ -257,6 +257,7 @@ def test_vllm_prompt_logprobs_field(reasoner_url, reasoner):
     seq.release()
     ref = torch.log_softmax(reasoner.transformer.compute_logits(hidden).float(), dim=-1)  # [N, V]
     for k, row in enumerate(plp[1:]):
+        assert next(iter(row)) == str(ids[k + 1])  # the prompt's own token first, as vLLM orders them
         own = row[str(ids[k + 1])]
         assert own["logprob"] == pytest.approx(float(ref[k, ids[k + 1]]), abs=1e-4)
         assert own["rank"] == int((ref[k] > ref[k, ids[k + 1]]).sum()) + 1

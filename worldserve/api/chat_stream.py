@@ -395,15 +395,16 @@ async def sse(
 
 def prompt_logprob_rows(entries: Sequence | None, k: int | None) -> list | None:
     """vLLM's `prompt_logprobs` from a prompt's TokenLogprobs (ChatStarted.prompt_logprobs): per prompt token
-    after the first (None), its own entry and the `k` most likely tokens, keyed by token id."""
+    after the first (None), its own entry first (as vLLM orders them) and the `k` most likely tokens, keyed by
+    token id."""
     if k is None or not entries:
         return None
     out: list = [None]
     for e in entries[1:]:
+        row = {str(e.token_id): PromptLogprob(logprob=max(e.logprob, LOGPROB_FLOOR), rank=e.rank,
+                                              decoded_token=e.token)}  # fmt: skip
         ranked = zip(e.top_ids[:k], e.top[:k], range(1, k + 1), strict=False)
-        row = {str(i): PromptLogprob(logprob=max(v, LOGPROB_FLOOR), rank=r, decoded_token=t)
-               for i, (t, v), r in ranked}  # fmt: skip
-        row[str(e.token_id)] = PromptLogprob(logprob=max(e.logprob, LOGPROB_FLOOR), rank=e.rank,
-                                             decoded_token=e.token)  # fmt: skip
+        for i, (t, v), r in ranked:
+            row.setdefault(str(i), PromptLogprob(logprob=max(v, LOGPROB_FLOOR), rank=r, decoded_token=t))
         out.append(row)
     return out
