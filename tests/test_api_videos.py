@@ -254,6 +254,14 @@ async def test_video_to_video_upload_extra_params_and_data_url(tmp_path):
         )
         assert r.status_code == 200, r.text
         assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+        r = await http.post("/v1/videos", data={"prompt": "x", **small, "num_frames": "1"},
+                            files={"input_reference": ("ref.mp4", clip, "video/mp4")})  # fmt: skip
+        err = r.json()["error"]  # (the upload's own kind: it had been checked as an image first)
+        assert (r.status_code, err["param"], err["message"]) == (
+            400,
+            "input_reference",
+            "video-to-video needs num_frames > 1",
+        ), r.text
         r = await http.post("/v1/videos", data={"prompt": "x", **small},
                             files={"input_reference": ("ref.mp4", clip[:64], "video/mp4")})  # fmt: skip
         err = r.json()["error"]

@@ -163,9 +163,10 @@ async def build_inputs(
         raise ParamError(
             "quality", "quality must be one of ['lossless', 'high'] (omit it for the default, crf 18)"
         )
-    # everything that needs no reference is checked before a reference URL is downloaded
-    # (a placeholder image stands in for I2V's: the size it implies is checked again with the real one)
-    placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None or upload else None
+    # everything that needs no reference is checked before a reference URL is downloaded (a placeholder
+    # image stands in for image_reference's: the size it implies is checked again with the real one; an
+    # upload, image or video, is here already and is checked once decoded)
+    placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None else None
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
     defaults = defaults or {}
     resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults)
