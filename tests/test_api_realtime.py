@@ -387,3 +387,23 @@ async def test_a_stream_outlasting_the_grace_ends_with_an_error_and_1012(tmp_pat
     assert [m["type"] for m in messages] == ["error"] and messages[0]["code"] == 503
     assert "the server is shutting down" in messages[0]["message"]
     assert code == 1012 and 0.9 < time.monotonic() - t0 < 5.0
+
+
+async def test_a_stream_decoding_at_the_deadline_gets_the_error_and_1012(tmp_path):
+    """A session whose video is being decoded when --shutdown-timeout runs out: the decode stops at its next
+    chunk and the session gets the 503 and a 1012 close (the decode ran on to its end, and the session was
+    closed without an error by the socket's last-resort close)."""
+    backend = FakeBackend(decode_chunk_delay=1.0)  # frame 0, then 5 chunks of a second
+    start = {"type": "session.start", "prompt": "x", **SMALL, "num_frames": 81, "num_inference_steps": 1}
+    with graceful_uvicorn(tmp_path, 1.0, backend=backend) as (url, client, terminate):
+        async with websockets.connect(ws_url(url), max_size=None) as ws:
+            await ws.send(json.dumps(start))
+            assert (m := await _next_message(ws))["type"] == "video.start", m
+            await asyncio.to_thread(wait_until, lambda: backend.decoded_chunks >= 1)
+            terminate()
+            t0 = time.monotonic()
+            messages, _, code = await _to_the_end(ws)
+    assert messages[-1]["type"] == "error" and messages[-1]["code"] == 503, messages
+    assert "the server is shutting down" in messages[-1]["message"]
+    assert code == 1012 and time.monotonic() - t0 < 3.0
+    assert backend.decoded_chunks < 6

@@ -345,3 +345,29 @@ def test_a_job_deleted_as_it_is_admitted_is_counted_cancelled(tmp_path):
         await client.shutdown(1)
 
     run(main())
+
+
+def test_a_decode_running_at_the_shutdown_deadline_stops_and_its_job_is_queued_again(tmp_path):
+    """The shutdown's deadline stops a decode in progress at its next chunk, and its job is queued again for
+    the next start (the deadline had only stopped the loop at a step boundary, so a long decode, ~45 s for a
+    720p one on a CPU, kept the process up past --shutdown-timeout); its waiter gets the 503 at the deadline."""
+    from worldserve.engine.jobs import JobStore
+
+    backend = FakeBackend(decode_chunk_delay=1.0)  # frame 0, then 3 chunks of a second each
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        job = submit_job(client, job_params(steps=1, frames=49))
+        waiter = asyncio.create_task(client.wait(job.id))
+        await asyncio.to_thread(wait_until, lambda: backend.decoded_chunks >= 1)
+        t0 = time.monotonic()
+        await client.shutdown(0.2)
+        with pytest.raises(ShuttingDownError):
+            await waiter
+        return job, time.monotonic() - t0
+
+    job, took = run(main())
+    assert took < 2.0, took  # the deadline and the chunk in progress, not the 3 s decode
+    assert backend.decoded_chunks < 4 and not backend.live
+    assert JobStore(tmp_path).get(job.id).status is JobStatus.QUEUED

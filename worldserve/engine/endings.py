@@ -126,7 +126,7 @@ class Endings:
         else:
             self.observer.on_cancelled()
         if request.ephemeral:
-            request.on_result(CancelledRequest(request.job_id))
+            request.on_result(CancelledRequest(request.job_id, request.stop_reason))
         self.on_done(request.job_id)
 
     def fail(self, request: Request, exc: BaseException) -> None:

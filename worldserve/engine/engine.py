@@ -64,7 +64,8 @@ class Engine:
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._waiting_ids: set[str] = set()  # queued, not yet admitted nor aborted (inbox + scheduler); _cv
-        self._decode_stops: dict[str, threading.Event] = {}  # the decode in progress, set by abort(); _cv
+        # the decodes in progress: their stop events (set by abort() and stop()) and requests; _cv
+        self._decode_stops: dict[str, tuple[threading.Event, Request]] = {}
         self._num_running = 0
         self._draining = False
         self._hard_stop = False
@@ -99,8 +100,8 @@ class Engine:
         with self._cv:
             self._waiting_ids.discard(job_id)
             self._inbox.append(("abort", job_id))
-            if (stop := self._decode_stops.get(job_id)) is not None:
-                stop.set()
+            if (decoding := self._decode_stops.get(job_id)) is not None:
+                decoding[0].set()
             self._cv.notify()
 
     def drain(self) -> None:
@@ -110,13 +111,18 @@ class Engine:
             self._cv.notify()
 
     def stop(self, timeout_s: float) -> None:
-        """Drain for up to `timeout_s`, then stop at the next step boundary; waits for the encoders."""
+        """Drain for up to `timeout_s`, then stop at the next step boundary, or a decode in progress at its next
+        chunk of frames (its job is queued again: a long decode had kept the process up for ~45 s past the
+        timeout); waits for the encoders."""
         self.drain()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         if self._thread.is_alive():
             with self._cv:
                 self._hard_stop = True
+                for stop, request in self._decode_stops.values():
+                    request.stop_reason = SHUTDOWN_REASON  # (before its reader sees the stop)
+                    stop.set()
                 self._cv.notify()
             self._thread.join()
         self._pool.shutdown(wait=True)
@@ -262,7 +268,7 @@ class Engine:
 
         stop = threading.Event()
         with self._cv:
-            self._decode_stops[request.job_id] = stop
+            self._decode_stops[request.job_id] = (stop, request)
             if any(kind == "abort" and payload == request.job_id for kind, payload in self._inbox):
                 stop.set()
         streamed, failure = False, None
@@ -281,9 +287,22 @@ class Engine:
         except Exception as exc:  # (a streamed encode stops with FramesLost: the job fails here, once)
             failure = exc
         finally:
-            with self._cv:  # (abort() sets the event under _cv: after this, the outcome is settled)
-                cancelled = self._decode_stops.pop(request.job_id).is_set()
+            with self._cv:  # (abort() and stop() set the event under _cv: after this, the outcome is settled)
+                stopped = self._decode_stops.pop(request.job_id)[0].is_set()
+                user_abort = any(
+                    kind == "abort" and payload == request.job_id for kind, payload in self._inbox
+                )
+            # the shutdown's deadline stopped it (not its caller), before its last chunk (else it just ends)
+            deadline = stopped and request.stop_reason is not None and not user_abort
+            parked = deadline and "decode" not in request.stage_seconds
+            cancelled = stopped and (parked or not deadline)
             self._release(request)
+        if parked and not request.ephemeral:  # as _park_running: queued again, resumed at the next start
+            self.store.requeue([request.job_id])
+            log.warning(
+                "stopped job %s in its decode at the shutdown deadline; it is queued again", request.job_id
+            )
+            return
         if cancelled and not (streamed and request.ephemeral):  # (else the reader ends it: hand_streamed)
             self._ends.cancelled(request)
         elif failure is not None:

@@ -45,6 +45,9 @@ class Request:
     abort_status: int | None = None
     """Set before an abort that ends the request as a failure (504: past its caller's timeout, or stalled):
     counted as a failed request with this status rather than as cancelled."""
+    stop_reason: str | None = None
+    """Set when the engine stopped the request's decode at its shutdown deadline (the engine parks it: a job
+    is queued again, an ephemeral request's caller gets CancelledRequest with this reason)."""
     on_frames: Callable[[VideoResult], None] | None = None
     """An ephemeral request that streams (/v1/realtime/video): called on the engine's encode pool with the
     result whose `frames` is a FrameStream, read while the engine thread decodes (it raises FramesLost when

@@ -209,7 +209,7 @@ def read_beside(
 ) -> Future[T]:
     """Run `reader` in `pool` on a copy of `stream` whose chunks arrive as this thread makes them (iterating
     `stream` here: for a decode, on the thread and under the lock the decode needs). Returns the reader's
-    future after the last chunk; `before_end` runs just before the reader sees the end. When making a chunk
+    future after the last chunk; `before_end` runs just before the reader sees the end of a whole stream. When making a chunk
     fails, the reader gets FramesLost and the error is raised here; when the reader stops early, so does
     the making (the stream's source is closed). Another thread setting `stop` ends the making after the
     chunk in hand; the reader then gets FramesLost caused by FramesCancelled, and nothing is raised here."""
@@ -224,8 +224,9 @@ def read_beside(
                 pipe.fail(FramesCancelled("the request was aborted while its frames were decoded"))
                 break
             pipe.put(chunk)
-        if before_end is not None:
-            before_end()
+        else:  # (every chunk made: not after a stop or an abandoned read)
+            if before_end is not None:
+                before_end()
     except BaseException as exc:
         pipe.fail(exc)
         raise
