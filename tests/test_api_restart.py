@@ -99,3 +99,21 @@ def test_kill9_restart_then_sigterm(tmp_path):
     assert "shutdown requested" in log and "queued again" in log
     store = JobStore(storage)
     assert store.get(parked["id"]).status is JobStatus.QUEUED and store.get(parked["id"]).progress == 0
+    store.close()
+
+    fourth = ServerProcess(
+        storage, tmp_path / "fourth.log", "--fake-step-delay", "0.05", "--shutdown-timeout", "60"
+    )
+    with httpx.Client(base_url=fourth.url, timeout=10) as http:
+        wait_until(lambda: http.get(f"/v1/videos/{parked['id']}").json()["progress"] > 0, timeout=20)
+    started = time.monotonic()  # Ctrl-C twice: the second ends the 60 s grace at once
+    fourth.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    fourth.proc.send_signal(signal.SIGINT)
+    code = fourth.proc.wait(30)
+    log = (tmp_path / "fourth.log").read_text()
+    assert time.monotonic() - started < 10 and "second interrupt: stopping now" in log, (code, log[-2000:])
+    assert "queued again" in log
+    store = JobStore(storage)
+    assert store.get(parked["id"]).status is JobStatus.QUEUED
+    store.close()

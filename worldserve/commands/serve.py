@@ -7,7 +7,8 @@ the model within --init-timeout (no MODEL: the embedded tiny random checkpoint, 
 + app, log the routes, then listen on the bound socket and run uvicorn ("Application startup complete." =
 ready).
 SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get --shutdown-timeout seconds
-to finish, anything unfinished stays queued in the store and is re-run at the next start.
+to finish, anything unfinished stays queued in the store and is re-run at the next start. A second Ctrl-C
+ends the grace at once (uvicorn's force exit; the engine stops at its next step or decode chunk).
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
 vision_encoder/. `--backend fake` (hidden) serves numpy colour frames with no model and no chat: tests only.
 Pasted vLLM / vLLM-Omni command lines run too (serve_compat.py): `--model` and `--stage-init-timeout` fold
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import signal
 import socket
 import threading
 import time
@@ -359,4 +361,7 @@ class GracefulServer(uvicorn.Server):
                 "shutdown requested: no new jobs; running ones get %gs to finish", self._shutdown_timeout
             )
             self._client.begin_shutdown(self._shutdown_timeout)
+        elif sig == signal.SIGINT:  # uvicorn's force exit: stops waiting for connections; the engine too
+            log.warning("second interrupt: stopping now; running jobs are queued again for the next start")
+            self._client.stop_now()
         super().handle_exit(sig, frame)

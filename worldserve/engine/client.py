@@ -153,6 +153,15 @@ class EngineClient:
                 ).start()
             self._call_in_loop(lambda: self._answer_waiters_at_shutdown(timeout_s))
 
+    def stop_now(self) -> None:
+        """A second interrupt during the shutdown's grace: its deadline now (the engine parks running jobs for
+        the next start and stops a decode at its next chunk; sync waiters get their 503). Safe from a signal
+        handler: the engine is told from a thread of its own."""
+        self.accepting = False
+        if self._stop_thread is not None and self._started:
+            threading.Thread(target=self.engine.stop_now, name="worldserve-stop-now", daemon=True).start()
+            self._call_in_loop(lambda: self._waiters.fail(ShuttingDownError(SHUTDOWN_REASON)))
+
     def _on_crash_threadsafe(self, exc: BaseException) -> None:
         """The engine loop crashed (health reports it): nothing will finish a job in this process, so every
         waiting sync request is answered now (503; the jobs stay queued and resume after a restart)."""

@@ -118,14 +118,19 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         if self._thread.is_alive():
-            with self._cv:
-                self._hard_stop = True
-                for stop, request in self._decode_stops.values():
-                    request.stop_reason = SHUTDOWN_REASON  # (before its reader sees the stop)
-                    stop.set()
-                self._cv.notify()
+            self.stop_now()
             self._thread.join()
         self._pool.shutdown(wait=True)
+
+    def stop_now(self) -> None:
+        """Stop the loop at its next step boundary and a decode in progress at its next chunk (the shutdown's
+        deadline, or a second interrupt before it); `stop` still waits for the loop and the encoders."""
+        with self._cv:
+            self._draining = self._hard_stop = True
+            for stop, request in self._decode_stops.values():
+                request.stop_reason = SHUTDOWN_REASON  # (before its reader sees the stop)
+                stop.set()
+            self._cv.notify()
 
     @property
     def observer(self) -> EngineObserver:
