@@ -123,6 +123,32 @@ def test_the_n_choices_of_a_request_are_admitted_in_one_batch(server):
     assert out["usage"]["completion_tokens"] == 15
 
 
+def test_a_chat_still_waiting_at_shutdown_gets_its_503_at_once(server):
+    """max_num_seqs 1: the second chat waits; at the shutdown it gets its 503 at once (it can never start),
+    not when the running chat ends at the timeout; the running one gets its 503 after the timeout."""
+    url, client, backend = server
+    answers: dict[str, tuple[float, httpx.Response]] = {}
+
+    def chat(name: str) -> None:
+        r = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=20)
+        answers[name] = (time.monotonic(), r)
+
+    running = threading.Thread(target=chat, args=("running",), daemon=True)
+    running.start()
+    wait_until(lambda: len(backend.sessions) == 1)
+    waiting = threading.Thread(target=chat, args=("waiting",), daemon=True)
+    waiting.start()
+    wait_until(lambda: client.chat_worker.num_waiting == 1)
+    t0 = time.monotonic()
+    client.begin_shutdown(2.0)
+    for t in (running, waiting):
+        t.join(10)
+    assert answers["waiting"][1].status_code == 503 and answers["waiting"][0] - t0 < 1.0
+    assert "shutting down" in answers["waiting"][1].json()["error"]["message"]
+    assert answers["running"][1].status_code == 503 and answers["running"][0] - t0 > 1.9
+    assert len(backend.sessions) == 1  # the waiting chat never started
+
+
 def test_shutdown_ends_running_chats_with_a_503(server):
     url, client, backend = server
     client.chat_worker.max_num_seqs = 4

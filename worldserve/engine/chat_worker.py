@@ -167,17 +167,23 @@ class ChatWorker:
                 self._close(session)
                 self._ended(handle)
                 self._tell(handle, ChatFailed(500, message))
-        for handle in deferred:
-            self._tell(handle, ChatFailed(503, message))
-        while True:  # stopped: tell the callers still queued
+        self._refuse_waiting(deferred, message)
+        with self._waiting_lock:
+            self._waiting.clear()
+
+    def _refuse_waiting(self, deferred: list[ChatHandle], message: str) -> None:
+        """Stopping: the chats not started (`deferred`, emptied, and those still queued) get a 503 now; none
+        of them would start."""
+        handles, deferred[:] = list(deferred), []
+        while True:
             try:
                 entry = self._queue.get_nowait()
             except queue.Empty:
-                with self._waiting_lock:
-                    self._waiting.clear()
-                return
-            for handle in entry or ():
-                self._tell(handle, ChatFailed(503, message))
+                break
+            handles += entry or ()
+        self._not_waiting(*handles)
+        for handle in handles:
+            self._tell(handle, ChatFailed(503, message))
 
     @staticmethod
     def _tell(handle: ChatHandle, event: ChatEvent) -> None:
@@ -190,7 +196,11 @@ class ChatWorker:
         """The worker's loop until stopped and drained; `active` (the running chats) and `deferred` are kept
         up to date in place, for _run to close and tell if the loop fails."""
         stopping = False
+        told = False  # the chats not started got their 503 at the stop (not when the running ones end)
         while not stopping or active:
+            if self._stopping.is_set() and not told:
+                self._refuse_waiting(deferred, "The server is shutting down.")
+                told = stopping = True
             stopping = stopping or self._stopping.is_set()
             if self._abort.is_set():  # shutting down and out of time: the running chats end with a 503
                 for handle, session in active:
