@@ -365,3 +365,8 @@ class GracefulServer(uvicorn.Server):
             log.warning("second interrupt: stopping now; running jobs are queued again for the next start")
             self._client.stop_now()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skips the app's lifespan shutdown then: the engine still parks its
+            await self._client.shutdown(0.0)  # running jobs and the store closes (or they count interrupted)
