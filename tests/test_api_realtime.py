@@ -246,7 +246,9 @@ async def test_a_part_that_cannot_be_sent_aborts_the_request_and_its_encode(tmp_
         await send_now(self, messages)
 
     monkeypatch.setattr(realtime._Session, "_send_now", failing)
-    backend = FakeBackend(decode_chunk_delay=0.1)
+    backend = FakeBackend(
+        decode_chunk_delay=0.3
+    )  # (0.1 s chunks could all be made before a loaded host aborts)
     with uvicorn_thread(tmp_path, backend=backend, real_encoder=True) as (url, client):
         start = {"type": "session.start", "prompt": "x", **SMALL, "num_frames": 97}
         messages, data, _ = await realtime_session(url, start, during=lambda ws: asyncio.sleep(0))

@@ -126,11 +126,16 @@ class Engine:
         """Stop the loop at its next step boundary and a decode in progress at its next chunk (the shutdown's
         deadline, or a second interrupt before it); `stop` still waits for the loop and the encoders."""
         with self._cv:
+            if self._hard_stop:
+                return
             self._draining = self._hard_stop = True
             for stop, request in self._decode_stops.values():
                 request.stop_reason = SHUTDOWN_REASON  # (before its reader sees the stop)
                 stop.set()
+            decoding = len(self._decode_stops)
             self._cv.notify()
+        log.warning("shutdown: stopping %d request(s) in their steps and %d in their decode; jobs are queued "
+                    "again, image and stream requests end with a 503", self._num_running, decoding)  # fmt: skip
 
     @property
     def observer(self) -> EngineObserver:
