@@ -153,6 +153,13 @@ def test_prompt_truncation_and_chat_echo(reasoner_url):
     assert whole["usage"]["prompt_tokens"] == len(ids) and cut["usage"]["prompt_tokens"] == 10
     tail = _post(url, "/v1/completions", prompt=ids[-10:], max_tokens=1, temperature=0).json()
     assert cut["choices"][0]["text"] == tail["choices"][0]["text"]  # the last 10 tokens are what is kept
+    # echo: the kept tokens' text, which the echoed logprobs' tokens and offsets describe (it had been the
+    # whole prompt's text beside the kept tokens' logprobs)
+    echoed = _post(url, "/v1/completions", prompt=long, max_tokens=1, temperature=0, truncate_prompt_tokens=10,
+                   echo=True, logprobs=0).json()["choices"][0]  # fmt: skip
+    kept = "".join(echoed["logprobs"]["tokens"][:10])
+    assert echoed["text"].startswith(kept) and len(kept) < len(long) and long.endswith(kept)
+    assert echoed["logprobs"]["text_offset"][9] == len(kept) - len(echoed["logprobs"]["tokens"][9])
     chat = _post(url, messages=[{"role": "user", "content": long}], max_tokens=1, truncate_prompt_tokens=12)
     assert chat.json()["usage"]["prompt_tokens"] == 12
     # -1: as many as leave room for max_tokens (vLLM's max_model_len - max_tokens; it was max_model_len,

@@ -109,9 +109,22 @@ async def create_completion(request: Request, st: State):
         for ids, _ in tokenized
         for choice in chat_params(body, ids, structured, bad_word_ids).choices(body.n)
     ]
+    echoes = await asyncio.to_thread(
+        lambda: [_echoed(prompts, body, i, t, max_model_len) for i, t in tokenized]
+    )
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
-    work = _answer(st, body, choices, [text for _, text in tokenized], opened, echo_only)
+    work = _answer(st, body, choices, echoes, opened, echo_only)
     return await unless_disconnected(request, work, lambda: close_all(opened))
+
+
+def _echoed(prompts, body: CompletionRequest, ids: tuple[int, ...], text: str | None, max_model_len: int):
+    """A prompt's echo: its text, or with truncate_prompt_tokens the text of the tokens the Reasoner keeps
+    (as it cuts them: -1 keeps max_model_len - max_tokens), so the echo and its logprobs' offsets match."""
+    keep = body.truncate_prompt_tokens
+    if text is None or keep is None:
+        return text
+    keep = max_model_len - body.max_tokens if keep == -1 else keep
+    return prompts.decode(list(ids[-keep:]), param="prompt") if 0 < keep < len(ids) else text
 
 
 async def _answer(
