@@ -281,6 +281,9 @@ class Engine:
             self._decode_stops[request.job_id] = (stop, request)
             if any(kind == "abort" and payload == request.job_id for kind, payload in self._inbox):
                 stop.set()
+            elif self._hard_stop:  # (its last step ended after the stop: it is parked, not decoded)
+                request.stop_reason = SHUTDOWN_REASON
+                stop.set()
         streamed, failure = False, None
         try:
             if not stop.is_set():
