@@ -123,7 +123,7 @@ def _echoed(prompts, body: CompletionRequest, ids: tuple[int, ...], text: str | 
     keep = body.truncate_prompt_tokens
     if text is None or keep is None:
         return text
-    keep = max_model_len - body.max_tokens if keep == -1 else keep
+    keep = prompts.truncation_size(keep, max_model_len, body.max_tokens)
     return prompts.decode(list(ids[-keep:]), param="prompt") if 0 < keep < len(ids) else text
 
 

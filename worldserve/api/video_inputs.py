@@ -170,7 +170,7 @@ async def build_inputs(
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
     defaults = defaults or {}
     resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults)
-    if uploads not in (None, "", []):
+    if uploads not in (None, []):  # (an empty string never gets here: the body readers drop them)
         source, reference = "input_references", await _references_upload(req, upload, uploads)
     else:
         source, reference = await _reference_bytes(req, upload, fetcher)
@@ -300,7 +300,7 @@ async def _references_upload(req: VideoCreateRequest, upload: Any, uploads: Any)
     files = uploads if isinstance(uploads, list) else [uploads]
     if not all(isinstance(f, UploadFile) for f in files):
         raise ParamError("input_references", "input_references must be file uploads (multipart/form-data)")
-    if upload not in (None, "") or req.image_reference is not None or req.video_reference is not None:
+    if upload is not None or req.image_reference is not None or req.video_reference is not None:
         raise APIError(400, REFERENCES_ALONE, param="input_references")
     if len(files) > 1:
         raise ParamError("input_references", f"Cosmos3 conditions on one reference video: send one "
@@ -315,8 +315,6 @@ async def _reference_bytes(
     req: VideoCreateRequest, upload: Any, fetcher: MediaFetcher | None
 ) -> tuple[str, bytes | None]:
     """(source field, raw bytes) of the request's reference, or ("", None) without one."""
-    if isinstance(upload, str) and upload == "":
-        upload = None
     if upload is not None and (req.image_reference is not None or req.video_reference is not None):
         raise APIError(400, REFERENCE_CONFLICT, param="input_reference")
     if isinstance(upload, UploadFile):

@@ -229,6 +229,12 @@ class ChatPromptBuilder:
             media=media,
         )
 
+    @staticmethod
+    def truncation_size(keep: int, max_model_len: int, max_tokens: int | None) -> int:
+        """The prompt tokens truncate_prompt_tokens `keep` keeps: -1 is the room `max_tokens` leaves
+        (vLLM's max_model_len - max_tokens)."""
+        return max_model_len - (max_tokens or 0) if keep == -1 else keep
+
     def truncated(
         self, prompt: ChatPrompt, keep: int, max_model_len: int, max_tokens: int | None
     ) -> ChatPrompt:
@@ -243,7 +249,7 @@ class ChatPromptBuilder:
         room = max_model_len - (max_tokens or 0)
         if room < 1:  # (max_tokens alone fills the context: the context check says so)
             return prompt
-        keep = room if keep == -1 else keep
+        keep = self.truncation_size(keep, max_model_len, max_tokens)
         if keep > room:
             raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} cannot be greater than "
                              f"max_model_len - max_tokens = {room}. Please request a smaller truncation size.")  # fmt: skip
