@@ -73,6 +73,9 @@ SEND_TIMEOUT_S = 60.0
 MAX_START_BYTES = 4 * 2**20
 MAX_CONTROL_BYTES = 128 * 2**10
 POLL_S = 1.0
+START_POLL_S = 0.1
+"""How often a session waiting for its session.start looks whether the server began shutting down (its 503
+comes within this; at most START_TIMEOUT_S / START_POLL_S looks a session)."""
 STREAM_CODEC_OPTIONS = {"tune": "zerolatency"}
 """x264 hands out each frame's packet at once (no frame threads' delay), as vLLM-Omni's stream encodes."""
 REFERENCES = ("image_reference", "video_reference")
@@ -247,7 +250,7 @@ class _Session:
                 await self._error("Timeout waiting for session.start", 408)
                 return None
             try:
-                message = await asyncio.wait_for(self.ws.receive(), min(left, POLL_S))
+                message = await asyncio.wait_for(self.ws.receive(), min(left, START_POLL_S))
                 break
             except TimeoutError:
                 continue
