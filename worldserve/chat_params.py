@@ -182,6 +182,9 @@ class ChatParams:
     """A raw prompt's token ids, continued as they are (positions (k, k, k)); None: render `messages`."""
     max_tokens: int | None = None
     """Completion token budget; None: up to the context length."""
+    max_tokens_bound: int | None = None
+    """The server's bound on the budget (--generation-config's max_new_tokens: sampling/chat_defaults.py); the
+    room the context leaves bounds it further, without an error (an explicit max_tokens past it is a 400)."""
     temperature: float = 1.0
     """0 = greedy."""
     top_p: float = 1.0
@@ -278,6 +281,8 @@ class ChatParams:
                 raise ParamError("messages", "a raw prompt (prompt_ids) takes no messages")
         elif not self.messages:
             raise ParamError("messages", "messages must contain at least one message")
+        if self.max_tokens_bound is not None and self.max_tokens_bound < 1:
+            raise ValueError(f"max_tokens_bound must be at least 1, got {self.max_tokens_bound}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

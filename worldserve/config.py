@@ -20,6 +20,7 @@ from worldserve import envs
 from worldserve.config_flags import config_from_args
 from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag: re-exported)
     FlagValueError,
+    JsonObject,
     JsonStrList,
     MediaLimits,
     SamplingDefaults,
@@ -80,6 +81,10 @@ class ModelConfig:
     """GiB of host memory for recently processed chat images and videos, by content (vLLM's flag and default): the same image or video again (a conversation's next turn) is not decoded, resized or hashed again; 0 turns it off."""
     chat_sm_margin: int = 16
     """SMs a video step's FlashAttention-3 kernels leave free while Reasoner chats are live, so that they keep decoding beside it on one CUDA GPU (runner/chat_share.py; 8 chats beside a 720p step on an H200: 0 gives ~4 tokens/s a chat at full video speed, 16 ~26 tokens/s with the video step 1.10x as long, 32 ~57 tokens/s at 1.24x)."""
+    generation_config: str = "auto"
+    """Where Reasoner requests' omitted sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) get their values (vLLM's flag): auto, the model folder's generation_config.json when it has one; vllm, vLLM's neutral defaults (1.0, 1.0, off, 0, 1.0, up to the context); or a folder holding a generation_config.json (its max_new_tokens then bounds every request)."""
+    override_generation_config: JsonObject | None = None
+    """Generation config values laid over --generation-config's, a JSON object such as '{"temperature": 0.5}' (vLLM's flag; a max_new_tokens here bounds every request's completion)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     no_guardrails: bool = False
@@ -112,6 +117,9 @@ class ModelConfig:
             self, "dtype", {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
         )
         check_seconds("--init-timeout", self.init_timeout, zero=False)
+        if not self.generation_config:  # (`--generation-config "$DIR"` with DIR unset)
+            raise ValueError("--generation-config: empty; give auto, vllm or a folder holding a "
+                             "generation_config.json")  # fmt: skip
         if self.revision is not None and self.model is None:
             raise ValueError("--revision needs a MODEL (the embedded tiny checkpoint has no revisions)")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

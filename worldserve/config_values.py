@@ -1,6 +1,6 @@
 """The value types of config flags, parsed from their command-line text (config.py's dataclasses use them as
 field types, so argparse converts a flag's text with them): vLLM's JSON lists (`--allowed-origins`), media
-limits (`--limit-mm-per-prompt`), video defaults (`--default-sampling-params`), token counts with vLLM's
+limits (`--limit-mm-per-prompt`), JSON objects (`--override-generation-config`), video defaults (`--default-sampling-params`), token counts with vLLM's
 human-readable suffixes (`--max-model-len 32k`),
 and the error they raise (`FlagValueError`: argparse shows it as `argument --flag: <message>`, exit 2); the
 bounds of a duration (`check_seconds`: flags and environment variables alike).
@@ -63,6 +63,27 @@ class JsonStrList(tuple):
     def __str__(self) -> str:
         """The JSON text of the list."""
         return json.dumps(list(self))
+
+
+class JsonObject(tuple):
+    """A flag whose value is a JSON object (vLLM's `--override-generation-config '{"temperature": 0.5}'`): a
+    tuple of sorted (key, value) pairs, so the frozen configs stay hashable; str() gives the JSON back."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str | typing.Mapping[str, typing.Any] | typing.Iterable = ()) -> JsonObject:
+        if isinstance(value, str):
+            value = json_flag(value, "an object such as '{\"temperature\": 0.5}'")
+            if not isinstance(value, dict):
+                raise FlagValueError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got "
+                                     f"{json.dumps(value)}")  # fmt: skip
+        return super().__new__(cls, sorted(dict(value).items()))
+
+    def as_dict(self) -> dict[str, typing.Any]:
+        return dict(self)
+
+    def __str__(self) -> str:
+        return json.dumps(dict(self))
 
 
 class MediaLimits(tuple):

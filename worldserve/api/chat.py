@@ -70,6 +70,7 @@ from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput, VideoSampling
 from worldserve.media.work_pool import map_in_order, on_request_pool
+from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
@@ -111,13 +112,15 @@ def request_options(body: ChatCompletionRequest, compiler: Any = None) -> Reques
 def build_params(
     body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
     options: RequestOptions | None = None, media_cache: Any = None, image_tokens: ImageTokenBudget | None = None,
+    defaults: ChatDefaults = NEUTRAL,
 ) -> ChatParams:  # fmt: skip
     """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
     checks the media counts) and decoded (blocking: call it off the event loop; media found in the
     Reasoner's `media_cache` is not decoded again; images counted against `image_tokens` before they are
-    decoded); `options`: its request_options, when already checked."""
+    decoded); `options`: its request_options, when already checked; `defaults`: what the fields it omits take
+    (--generation-config)."""
     options = options or request_options(body)
-    sampling = body.sampling_options()
+    sampling = body.sampling_options(defaults)
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
         sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
     roles = ["system" if msg.role == "developer" else msg.role for msg in body.messages]
@@ -148,9 +151,11 @@ def build_params(
                 loaded[i, j] if (i, j) in loaded else load((i, j)) for j in range(len(msg.content))
             )
             messages.append(ChatMessage(role=role, content=content, **calls[i]))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return ChatParams(
         messages=tuple(messages),
-        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        max_tokens=max_tokens,
+        max_tokens_bound=defaults.budget(max_tokens),
         **sampling,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
@@ -180,7 +185,9 @@ def prepared_params(
         lo, hi = options.image_pixels
         tokens = partial(prompts.preprocess.tokens, min_pixels=lo, max_pixels=hi)
         image_tokens = ImageTokenBudget(worker.backend.max_model_len, tokens)
-    params = build_params(body, st.allowed_local_media_path, fetched, options, cache, image_tokens)
+    params = build_params(
+        body, st.allowed_local_media_path, fetched, options, cache, image_tokens, st.chat_defaults
+    )
     if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
         params = dataclasses.replace(
             params, stops_after_thoughts=True, think_first=params.structured is not None

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from worldserve.api.chat_messages import ChatMessageIn
 from worldserve.api.tool_calls import ToolCallOut, ToolIn
 from worldserve.params import INT64, ParamError
+from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 TOOLLESS_CHOICES = (None, "none", "auto")
 """Legacy `function_call` values that call nothing (any other is refused: the request should send tools)."""
@@ -131,17 +132,20 @@ class SamplingRequest(NullsAsDefaults):
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None
 
-    def sampling_options(self) -> dict[str, Any]:
-        """The ChatParams sampling fields of this request, vLLM's defaults for those it leaves out."""
+    def sampling_options(self, defaults: ChatDefaults = NEUTRAL) -> dict[str, Any]:
+        """The ChatParams sampling fields of this request, `defaults`' (--generation-config) for those it
+        leaves out."""
         pick = lambda value, default: default if value is None else value  # noqa: E731
         return {
-            "temperature": pick(self.temperature, 1.0), "top_p": pick(self.top_p, 1.0), "top_k": pick(self.top_k, 0),
+            "temperature": pick(self.temperature, defaults.temperature), "top_p": pick(self.top_p, defaults.top_p),
+            "top_k": pick(self.top_k, defaults.top_k),
             "seed": self.seed, "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             "presence_penalty": pick(self.presence_penalty, 0.0),
             "frequency_penalty": pick(self.frequency_penalty, 0.0),
-            "repetition_penalty": pick(self.repetition_penalty, 1.0), "ignore_eos": self.ignore_eos,
+            "repetition_penalty": pick(self.repetition_penalty, defaults.repetition_penalty),
+            "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
-            "include_stop_str_in_output": self.include_stop_str_in_output, "min_p": pick(self.min_p, 0.0),
+            "include_stop_str_in_output": self.include_stop_str_in_output, "min_p": pick(self.min_p, defaults.min_p),
             "logit_bias": logit_bias(self.logit_bias), "bad_words": tuple(self.bad_words or ()),
             "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             "skip_special_tokens": self.skip_special_tokens, "truncate_prompt_tokens": self.truncate_prompt_tokens,

@@ -38,6 +38,7 @@ from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
 from worldserve.chat_params import ChatParams, StructuredOutput
 from worldserve.params import ParamError
+from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 router = APIRouter(tags=["completions"])
 State = Annotated[AppState, Depends(app_state)]
@@ -73,12 +74,14 @@ def chat_params(
     ids: tuple[int, ...],
     structured: StructuredOutput | None = None,
     bad_word_ids: tuple[tuple[int, ...], ...] | None = None,
+    defaults: ChatDefaults = NEUTRAL,
 ) -> ChatParams:
-    """One prompt's ChatParams: its ids, the request's sampling options and structured output constraint (and
-    its bad_words' tokens, when tokenized)."""
+    """One prompt's ChatParams: its ids, the request's sampling options (`defaults`' where it omits them) and
+    structured output constraint (and its bad_words' tokens, when tokenized)."""
     wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
     return ChatParams(  # the prompt's logprobs for echo + logprobs (as vLLM answers it) and prompt_logprobs
-        prompt_ids=ids, max_tokens=body.max_tokens, **body.sampling_options(),
+        prompt_ids=ids, max_tokens=body.max_tokens, max_tokens_bound=defaults.budget(body.max_tokens),
+        **body.sampling_options(defaults),
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
         prompt_logprobs=max(wanted) if wanted else None, structured=structured, bad_word_ids=bad_word_ids,
     ).validate()  # fmt: skip
@@ -107,7 +110,7 @@ async def create_completion(request: Request, st: State):
     choices = [
         choice
         for ids, _ in tokenized
-        for choice in chat_params(body, ids, structured, bad_word_ids).choices(body.n)
+        for choice in chat_params(body, ids, structured, bad_word_ids, st.chat_defaults).choices(body.n)
     ]
     echoes = await asyncio.to_thread(
         lambda: [_echoed(prompts, body, i, t, max_model_len) for i, t in tokenized]

@@ -37,6 +37,7 @@ from worldserve.api.responses_protocol import ResponsesRequest, to_chat
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import ChatDelta, ChatFailed
 from worldserve.params import ParamError
+from worldserve.sampling.chat_defaults import ChatDefaults
 
 router = APIRouter(tags=["responses"])
 State = Annotated[AppState, Depends(app_state)]
@@ -100,7 +101,7 @@ async def create_response(request: Request, st: State):
             )
         except APIError as exc:
             raise paths.rename(exc) from None
-        builder = ResponseBuilder(_skeleton(req, st.served_model_name, store is not None), parsing, req.logprobs,
+        builder = ResponseBuilder(_skeleton(req, st.served_model_name, store is not None, st.chat_defaults), parsing, req.logprobs,
                                   firsts[0].prompt_tokens, firsts[0].cached_tokens)  # fmt: skip
         keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)
         if req.stream:
@@ -161,8 +162,9 @@ async def _events(events: AsyncIterator, builder: ResponseBuilder, keep: Callabl
         await events.aclose()
 
 
-def _skeleton(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]:
-    """The response object's fields fixed at the start (the request's settings echoed, as OpenAI does)."""
+def _skeleton(req: ResponsesRequest, model: str, stored: bool, defaults: ChatDefaults) -> dict[str, Any]:
+    """The response object's fields fixed at the start (the request's settings echoed, as OpenAI does; those it
+    omits as `defaults` (--generation-config) set them)."""
     tools = [{"type": "function", "name": t["name"], "description": t.get("description"),
               "parameters": t.get("parameters"), "strict": t.get("strict")} for t in req.tools or ()]  # fmt: skip
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
@@ -176,8 +178,8 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]
         "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None, "store": stored,
         "background": False,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": text_format},
+        "temperature": defaults.temperature if req.temperature is None else req.temperature,
+        "top_p": defaults.top_p if req.top_p is None else req.top_p, "text": {"format": text_format},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",  # (OpenAI's and vLLM's default)
         "tools": tools, "truncation": req.truncation or "disabled", "user": req.user, "usage": None,
     }  # fmt: skip

@@ -13,6 +13,7 @@ from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.responses_store import ResponseStore
 from worldserve.engine.client import EngineClient, QueueFullError
+from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +46,13 @@ class AppState:
     """`--reasoning-parser`: "qwen3" splits <think> answers into reasoning_content (api/reasoning.py)."""
     responses: ResponseStore | None = None
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
+
+    @property
+    def chat_defaults(self) -> ChatDefaults:
+        """What Reasoner requests' omitted sampling fields take (--generation-config: the Reasoner's; vLLM's
+        neutral values for a chat backend that sets none)."""
+        worker = self.client.chat_worker
+        return getattr(worker.backend, "sampling_defaults", NEUTRAL) if worker else NEUTRAL
 
     def serves(self, model: str | None) -> bool:
         """Whether a request's `model` names this server's model (None or "": not given, as vLLM takes it)."""

@@ -125,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         if media and not Path(media).is_dir():  # (vLLM refuses it too; here every file:// URL got a 400)
             raise ValueError(f"--allowed-local-media-path {media}: "
                              + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
+        # a bad --generation-config folder or value stops the start before the load
+        model = config.model.model
+        serve_backend.chat_defaults(config.model, Path(model) if model and Path(model).is_dir() else None)
         if config.model.backend != "fake":  # --device before anything binds, loads or downloads
             from worldserve.runner.devices import check_layout_device
 

@@ -4,16 +4,19 @@ its transformer (commands/serve.py runs `load_backend` in a thread bounded by --
 `load_backend` resolves MODEL (none: the embedded tiny random checkpoint, loudly), loads the pipeline with the
 kernel, parallel and offload options, generates each --warmup-shapes shape once (one step + decode: compiles
 and kernel selection before serving), and, unless tensor parallel, builds the Reasoner over the same und
-tower and warms it up on a GPU (its decode step's and prefill's graphs captured).
+tower and warms it up on a GPU (its decode step's and prefill's graphs captured), with the sampling defaults
+of --generation-config (sampling/chat_defaults.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from worldserve.config import ModelConfig, ParallelConfig, SchedulerConfig
+from worldserve.sampling.chat_defaults import ChatDefaults
 
 log = logging.getLogger("worldserve.serve")
 
@@ -60,6 +63,10 @@ def load_backend(
         return pipeline, gpu_memory
     from worldserve.runner.reasoner import Reasoner
 
+    defaults = chat_defaults(cfg, path)
+    if changed := defaults.changed():  # (vLLM's warning, with the values)
+        log.warning("Reasoner requests' omitted sampling fields take %s from %s (--generation-config vllm for "
+                    "vLLM's neutral defaults)", ", ".join(f"{k} {v}" for k, v in changed.items()), defaults.source)  # fmt: skip
     transformer = pipeline.transformer
     on_gpu = transformer.device.type == "cuda"
     kv_tokens = None
@@ -71,7 +78,7 @@ def load_backend(
         chat_sm_margin=cfg.chat_sm_margin, enable_prefix_caching=cfg.enable_prefix_caching,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         enable_chunked_prefill=scheduler.enable_chunked_prefill,
-        processor_cache_bytes=int(cfg.mm_processor_cache_gb * 2**30),
+        processor_cache_bytes=int(cfg.mm_processor_cache_gb * 2**30), sampling_defaults=defaults,
     )  # fmt: skip
     log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
              "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",
@@ -86,6 +93,14 @@ def load_backend(
     log.info("chats %s", f"decode beside video steps (video leaves {share.sm_margin} SMs free while chats run)"
              if share.concurrent else f"take turns with video steps ({share.why_not or 'not warmed up'})")  # fmt: skip
     return pipeline, gpu_memory, reasoner
+
+
+def chat_defaults(cfg: ModelConfig, path: Path | None) -> ChatDefaults:
+    """The sampling defaults of Reasoner requests under --generation-config / --override-generation-config, for
+    the checkpoint at `path` (None: not resolved yet: a folder or the override alone is checked);
+    ValueError naming the file or flag of a bad value."""
+    overrides = cfg.override_generation_config.as_dict() if cfg.override_generation_config else None
+    return ChatDefaults.load(cfg.generation_config, path, overrides)
 
 
 def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:

@@ -230,11 +230,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--seed", "0 is vLLM's default; a video without a seed uses 42, a chat without one samples at random",
       {"type": int}, lambda v: v == 0, "only at 0", "worldserve has no server-wide seed (a video without one "
       "uses 42, a chat samples at random): send seed per request"),
-    C("--generation-config", "worldserve reads no generation_config.json: chat fields a request omits take "
-      "vLLM's built-in defaults (temperature 1.0, top_p 1.0, top_k off), as `--generation-config vllm` does",
-      {"metavar": "auto|vllm"}, lambda v: v in ("auto", "vllm"), "only at auto or vllm",
-      "worldserve reads no generation config folder: send the sampling fields per request",
-      level=logging.WARNING),
     C("--enable-log-requests", "worldserve logs no request contents (uvicorn's access log has a line a request)",
       {"action": argparse.BooleanOptionalAction}),
     C("--max-log-len", "worldserve logs no prompts", {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),

@@ -342,7 +342,8 @@ class ChatPromptBuilder:
 
 def completion_budget(params: ChatParams, n: int, max_model_len: int) -> int:
     """The completion tokens a chat may produce after its `n`-token prompt (its max_tokens, else the room the
-    context leaves); ParamError, in vLLM's words, when the prompt or max_tokens (or min_tokens) do not fit."""
+    context leaves; at most its max_tokens_bound); ParamError, in vLLM's words, when the prompt or max_tokens
+    (or min_tokens) do not fit."""
     room = max_model_len - n
     if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
         asked, where = n + (params.max_tokens or 1), "messages" if params.prompt_ids is None else "prompt"
@@ -355,7 +356,11 @@ def completion_budget(params: ChatParams, n: int, max_model_len: int) -> int:
             f"of the {where} or completion.",
         )
     budget = params.max_tokens if params.max_tokens is not None else room
+    bounded = params.max_tokens_bound is not None and params.max_tokens_bound < budget
+    budget = params.max_tokens_bound if bounded else budget
     if params.min_tokens > budget:  # (vLLM checks it against the max_tokens it defaulted to the room)
-        raise ParamError("min_tokens", f"min_tokens must be at most max_tokens ({budget}, the room the "
-                         f"{n}-token prompt leaves in the context), got {params.min_tokens}")  # fmt: skip
+        why = ("the server's --generation-config bound" if bounded
+               else f"the room the {n}-token prompt leaves in the context")  # fmt: skip
+        raise ParamError("min_tokens", f"min_tokens must be at most max_tokens ({budget}, {why}), got "
+                         f"{params.min_tokens}")  # fmt: skip
     return budget

@@ -52,6 +52,7 @@ from worldserve.runner.reasoner_session import ReasonerSession, TokenTexts, batc
 from worldserve.runner.step_budget import StepBudget, decoding
 from worldserve.runner.und_decoder import UndDecoder
 from worldserve.runner.und_prefill import UndPrefill
+from worldserve.sampling.chat_defaults import ChatDefaults
 from worldserve.sampling.token_grammar import GrammarCompiler, constrain_rows
 from worldserve.sampling.tokens import sample_tokens
 from worldserve.weights.checkpoint import read_json_object
@@ -94,8 +95,10 @@ class Reasoner(ChatAdmission):
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_chunked_prefill: bool = True,
         processor_cache_bytes: int = int(DEFAULT_PROCESSOR_CACHE_GB * 2**30),
+        sampling_defaults: ChatDefaults = ChatDefaults(),
     ) -> None:
         self.transformer = transformer
+        self.sampling_defaults = sampling_defaults  # what requests' omitted sampling fields take (API layer)
         self.share = ChatGpuShare(transformer, sm_margin=chat_sm_margin)  # chats beside video (chat_share.py)
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)  # logprobs' token texts, decoded once an id
