@@ -131,7 +131,10 @@ def stream_tensors(header: CheckpointHeader, keys: Iterable[str], progress: bool
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key in wanted:
         by_file[header.files[key]].append(key)
-    for path in tqdm(sorted(by_file), desc=PROGRESS_DESC, disable=not progress, unit="shard"):
+    shards = sorted(by_file)
+    # no tqdm at all without progress: even disabled, it makes a multiprocessing lock, which a peer process
+    # (runner/peers.py, ended with os._exit) left to the resource tracker's "leaked semaphore" warning
+    for path in tqdm(shards, desc=PROGRESS_DESC, unit="shard") if progress else shards:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in sorted(by_file[path]):
                 t = f.get_tensor(key)
