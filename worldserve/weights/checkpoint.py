@@ -24,6 +24,7 @@ ALLOW_PATTERNS = [
     "model_index.json",
     "config.json",
     "model.safetensors.index.json",
+    "generation_config.json",  # the Reasoner's sampling defaults (--generation-config auto), when shipped
     "transformer/*",
     "vae/*",
     "sound_tokenizer/*",
