@@ -10,6 +10,7 @@ import json
 import logging
 
 import pytest
+from cli_helpers import run_cli
 from reasoner_helpers import run_to_end
 from serving_helpers import serve_reasoner
 
@@ -120,6 +121,13 @@ def test_load_backend_reads_the_checkpoint_generation_config(tiny_copy, caplog):
         temperature=0.6, top_k=20, max_tokens=32, source=str(tiny_copy / "generation_config.json")
     )
     assert "take temperature 0.6, top_k 20, max_tokens 32 from" in caplog.text
+    shown = run_cli("info", tiny_copy).stdout  # worldserve info shows what serve will take
+    assert f"chats:      temperature=0.6, top_p=1.0, top_k=20, min_p=0.0, repetition_penalty=1.0, max_tokens=32 " \
+           f"({tiny_copy / 'generation_config.json'})" in shown  # fmt: skip
+    _folder(tiny_copy, {"top_p": 3})
+    assert (
+        "error=" in run_cli("info", tiny_copy).stdout and "top_p must be" in run_cli("info", tiny_copy).stdout
+    )
     assert (
         serve_backend.chat_defaults(ModelConfig(model=str(tiny_copy), generation_config="vllm"), tiny_copy)
         == NEUTRAL

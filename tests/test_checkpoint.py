@@ -376,6 +376,8 @@ def test_info_cli_describes_the_checkpoint(tiny_ckpt):
     )
     assert info["generation_defaults"]["num_frames"] == 189
     assert info["generation_defaults"]["generate_sound"] is True
+    assert info["chat_defaults"]["temperature"] == 1.0 and info["chat_defaults"]["max_tokens"] is None
+    assert info["chat_defaults"]["source"].startswith("vLLM's neutral defaults")
     assert info["runtime"]["attention"].startswith(("FlashAttention-3", "PyTorch SDPA"))
     mem = info[
         "transformer_memory"

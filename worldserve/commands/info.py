@@ -1,5 +1,6 @@
-"""`worldserve info [MODEL]`: the resolved checkpoint path, components, parameter counts, dtypes and defaults,
-and the transformer's memory in bf16, resident and with --enable-layerwise-offload.
+"""`worldserve info [MODEL]`: the resolved checkpoint path, components, parameter counts, dtypes and defaults
+(video requests', and the chat sampling defaults its generation_config.json gives `serve`), and the
+transformer's memory in bf16, resident and with --enable-layerwise-offload.
 
 Reads only configs and safetensors headers (no tensor data; the memory plan builds the model on the meta
 device), so it is instant even on the 33 GB checkpoint.
@@ -13,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from worldserve.params import VideoParams, default_flow_shift
+from worldserve.sampling.chat_defaults import ChatDefaults
 from worldserve.weights.checkpoint import read_layout, resolve_model
 from worldserve.weights.loader import read_header
 
@@ -70,7 +72,21 @@ def describe(root: Path, layout=None) -> dict:
             "seed": d.seed,
             "generate_sound": layout.has_sound,
         },
+        # what `serve --generation-config auto` gives chats that omit them (ValueError: a bad file)
+        "chat_defaults": _chat_defaults(root),
     }
+
+
+def _chat_defaults(root: Path) -> dict:
+    """The chat sampling defaults of the checkpoint's generation_config.json (vLLM's neutral ones without it),
+    or {"error": why} for a file serve would refuse."""
+    try:
+        d = ChatDefaults.load("auto", root)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p,
+            "repetition_penalty": d.repetition_penalty, "max_tokens": d.max_tokens,
+            "source": d.source or "vLLM's neutral defaults (no generation_config.json)"}  # fmt: skip
 
 
 def memory_plan(config) -> dict:
@@ -150,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{name:16s} (configuration only)")
     print("defaults:   " + ", ".join(f"{k}={v}" for k, v in info["generation_defaults"].items()))
+    chat = dict(info["chat_defaults"])
+    source = chat.pop("source", None)
+    print(
+        "chats:      " + ", ".join(f"{k}={v}" for k, v in chat.items()) + (f" ({source})" if source else "")
+    )
     per_token = info["transformer_memory"]["kv_bytes_per_token"]
     m = {
         k: (f"{v:.2f} GiB" if v >= 0.1 else f"{v * 1024:.2f} MiB")
