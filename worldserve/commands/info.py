@@ -86,7 +86,7 @@ def _chat_defaults(root: Path) -> dict:
         return {"error": str(exc)}
     return {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "min_p": d.min_p,
             "repetition_penalty": d.repetition_penalty, "max_tokens": d.max_tokens,
-            "source": d.source or "vLLM's neutral defaults (no generation_config.json)"}  # fmt: skip
+            "source": d.source or "vLLM's neutral defaults: no generation_config.json"}  # fmt: skip
 
 
 def memory_plan(config) -> dict:
