@@ -74,7 +74,7 @@ async def test_every_served_name_is_accepted(tmp_path, anyio_backend):
 
 @pytest.mark.parametrize("argv", [
     ["--enable-log-requests"], ["--max-log-len", "100"], ["-O", "3"], ["-O3"], ["--compilation-config", '{"level": 3}'],
-    ["--response-role", "assistant"], ["--mm-processor-kwargs", "{}"],
+    ["--mm-processor-kwargs", "{}"],
     ["--block-size", "16"], ["--swap-space", "4"], ["-pp", "1"], ["--data-parallel-size", "1"],
     ["--load-format", "safetensors"], ["--tokenizer-mode", "auto"], ["--chat-template-content-format", "auto"],
 ])  # fmt: skip
@@ -86,9 +86,7 @@ def test_accepted_flags_log_why_they_change_nothing(argv, caplog):
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--chat-template", "t.jinja"], "--chat-template"), (["--response-role", "bot"], "--response-role"),
-    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids"),
-    (["--enable-force-include-usage"], "--enable-force-include-usage"),
+    (["--chat-template", "t.jinja"], "--chat-template"), (["--response-role", " "], "--response-role"),
     (["--mm-processor-kwargs", '{"fps": 1}'], "--mm-processor-kwargs"), (["--tokenizer", "x"], "--tokenizer"),
     (["-dp", "2"], "--data-parallel-size"), (["--download-dir", "/tmp"], "--download-dir"),
     (["--enable-sleep-mode"], "--enable-sleep-mode"), (["--middleware", "no_such_module.thing"], "--middleware"),

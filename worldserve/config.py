@@ -279,6 +279,12 @@ class ServerConfig:
     """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
     """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
+    response_role: str = "assistant"
+    """The role of chat answers after a generation prompt (vLLM's flag; with add_generation_prompt false an answer takes the last message's role, as vLLM's)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name their tokens "token_id:<id>" for every chat and text completion that does not say otherwise in its own return_tokens_as_token_ids (vLLM's flag: for tokens that are no valid text)."""
+    enable_force_include_usage: bool = False
+    """Every streamed chat and text completion carries usage, in each chunk and in a final usage chunk, whatever its stream_options say (vLLM's flag)."""
     responses_store_mb: float = 256.0
     """Memory for stored Responses API responses (`store`, for previous_response_id and GET /v1/responses/{id}), in MiB; the least recently used go first past it; 0: none stored."""
     enable_server_load_tracking: bool = False
@@ -310,6 +316,8 @@ class ServerConfig:
             raise ValueError(
                 f"--max-upload-mb must be a number >= {MIN_UPLOAD_MB} (MiB), got {self.max_upload_mb}"
             )
+        if not self.response_role.strip():
+            raise ValueError("--response-role: an empty role; give one, such as assistant")
         if not (math.isfinite(self.responses_store_mb) and self.responses_store_mb >= 0):
             raise ValueError("--responses-store-mb must be >= 0")
         if self.job_ttl is not None:

@@ -66,6 +66,9 @@ def build_app(
     mm_limits: Mapping[str, int] | None = None,
     reasoning_parser: str | None = None,
     prompt_tokens_details: bool = False,
+    response_role: str = "assistant",
+    tokens_as_ids: bool = False,
+    force_include_usage: bool = False,
     responses_store_bytes: int = 256 * 2**20,
     docs: bool = True,
 ) -> FastAPI:
@@ -75,6 +78,8 @@ def build_app(
     and --flow-shift: video requests), `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
     `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
+    `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
+    `--enable-force-include-usage`,
     `responses_store_bytes` = `--responses-store-mb`; `docs` False:
     vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
@@ -116,7 +121,8 @@ def build_app(
             max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects(),
             (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
-        mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser,
+        mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser, response_role=response_role,
+        tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage,
         prompt_tokens_details=prompt_tokens_details,
         responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
     )  # fmt: skip

@@ -285,8 +285,9 @@ async def _answer(
 ):
     """Start the choices together (`opened` gets their event streams), wait for each one's first event,
     then answer: SSE, or the whole completion."""
+    role = st.response_role if body.add_generation_prompt else body.messages[-1].role  # (vLLM's rule)
     parsing = TextParsing(tools=tools, reasoning=st.reasoning_parser is not None,
-                          include_reasoning=body.include_reasoning, echo=body.echo_text())  # fmt: skip
+                          include_reasoning=body.include_reasoning, echo=body.echo_text(), role=role)  # fmt: skip
     # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
     # merged at the end, which spares the event loop a wake-up per chat and token
     try:
@@ -301,9 +302,9 @@ async def _answer(
     cached = (
         firsts[0].cached_tokens if st.prompt_tokens_details else None
     )  # (the choices' leader looked it up)
-    view = TokenView.of(body)
+    view = TokenView.of(body, st.tokens_as_ids)
     if body.stream:
-        include_usage, continuous_usage = body.stream_usage()
+        include_usage, continuous_usage = body.stream_usage(st.force_include_usage)
         stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage,
                      parsing, cached, view, first.prompt_token_ids)  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -171,8 +171,11 @@ class SamplingRequest(NullsAsDefaults):
         opts = self.stream_options
         return not self.stream and opts is not None and bool(opts.model_fields_set)
 
-    def stream_usage(self) -> tuple[bool, bool]:
-        """(include_usage, continuous_usage_stats) as vLLM applies them: continuous needs include_usage."""
+    def stream_usage(self, forced: bool = False) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats) as vLLM applies them: continuous needs include_usage; both
+        when `forced` (--enable-force-include-usage)."""
+        if forced:
+            return True, True
         opts = self.stream_options
         include = bool(opts and opts.include_usage)
         return include, include and bool(opts and opts.continuous_usage_stats)
@@ -266,7 +269,8 @@ class Usage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
+    """--response-role (after a generation prompt), else the last message's role, as vLLM answers."""
     content: str | None
     reasoning: str | None = None
     """The thoughts (--reasoning-parser): vLLM's name since v0.11.1 (the only one since early 2026) ..."""

@@ -75,9 +75,11 @@ class TokenView:
     """return_tokens_as_token_ids: logprobs name their tokens "token_id:<id>"."""
 
     @classmethod
-    def of(cls, body) -> TokenView:
-        """A chat or text completion request's (chat_protocol.SamplingRequest) options."""
-        return cls(ids=bool(body.return_token_ids), as_ids=bool(body.return_tokens_as_token_ids))
+    def of(cls, body, as_ids: bool = False) -> TokenView:
+        """A chat or text completion request's (chat_protocol.SamplingRequest) options; `as_ids`: the server's
+        --return-tokens-as-token-ids, for a request that sends no return_tokens_as_token_ids."""
+        own = body.return_tokens_as_token_ids
+        return cls(ids=bool(body.return_token_ids), as_ids=as_ids if own is None else own)
 
     def names(self, entry) -> tuple[str, list[str]]:
         """A TokenLogprob's token and its alternatives as this request shows them."""
@@ -240,6 +242,9 @@ class TextParsing:
     """vLLM's request field: false drops the reasoning from the answer."""
     echo: str = ""
     """vLLM's chat echo: the continued assistant message, put before the content."""
+    role: str = "assistant"
+    """The answer's role: --response-role after a generation prompt, else the last message's (vLLM's
+    get_chat_request_role)."""
 
     @property
     def hides_tokens(self) -> bool:
@@ -310,7 +315,7 @@ async def collect(
         if parsing.echo:
             content = parsing.echo + (content or "")
         reasoning = reasoning if parsing.include_reasoning else None
-        message = AssistantMessage(content=content, tool_calls=calls, reasoning=reasoning,
+        message = AssistantMessage(role=parsing.role, content=content, tool_calls=calls, reasoning=reasoning,
                                    reasoning_content=reasoning)  # fmt: skip
         shown = logprobs and not parsing.hides_tokens
         choices.append(Choice(
@@ -385,7 +390,7 @@ async def sse(
             ).sse()
 
     roles = [
-        chunk(index, {"role": "assistant", "content": ""}, head=index == 0) for index in range(len(streams))
+        chunk(index, {"role": parsing.role, "content": ""}, head=index == 0) for index in range(len(streams))
     ]
     if parsing.echo:  # vLLM's chat echo: the continued message right after the role
         roles += [chunk(index, {"content": parsing.echo}) for index in range(len(streams))]

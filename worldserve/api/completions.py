@@ -142,9 +142,11 @@ async def _answer(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only, cached=cached,
         prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
-        view=TokenView.of(body),
+        view=TokenView.of(body, st.tokens_as_ids),
         prompt_ids=[first.prompt_token_ids for first in firsts[:: body.n]],
     )  # fmt: skip
     if body.stream:
-        return StreamingResponse(sse(streams, c, *body.stream_usage()), media_type="text/event-stream")
+        return StreamingResponse(
+            sse(streams, c, *body.stream_usage(st.force_include_usage)), media_type="text/event-stream"
+        )
     return await collect(streams, c)

@@ -44,6 +44,13 @@ class AppState:
     """`--enable-prompt-tokens-details`: chat and text completions' usage carries prompt_tokens_details."""
     reasoning_parser: str | None = None
     """`--reasoning-parser`: "qwen3" splits <think> answers into reasoning_content (api/reasoning.py)."""
+    response_role: str = "assistant"
+    """`--response-role`: the role of chat answers after a generation prompt."""
+    tokens_as_ids: bool = False
+    """`--return-tokens-as-token-ids`: logprobs name tokens "token_id:<id>" unless a request says otherwise."""
+    force_include_usage: bool = False
+    """`--enable-force-include-usage`: every streamed chat and text completion carries usage (every chunk's
+    and a final chunk's)."""
     responses: ResponseStore | None = None
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
 

@@ -299,7 +299,8 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
         default_flow_shift=server.flow_shift, video_defaults=server.video_defaults,
         reasoning_parser=server.reasoning_parser,
-        prompt_tokens_details=server.enable_prompt_tokens_details,
+        prompt_tokens_details=server.enable_prompt_tokens_details, response_role=server.response_role,
+        tokens_as_ids=server.return_tokens_as_token_ids, force_include_usage=server.enable_force_include_usage,
         responses_store_bytes=int(server.responses_store_mb * 2**20),
     )  # fmt: skip
 

@@ -238,12 +238,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--chat-template-content-format", "the chat template is handed each message as it expects",
       {"choices": ("auto", "string", "openai")}, lambda v: v == "auto", "only at auto",
       "worldserve renders message content the way the checkpoint's chat template expects it"),
-    C("--response-role", "assistant is the role of every answer", {"metavar": "ROLE"},
-      lambda v: v == "assistant", "only as assistant", "answers always carry the assistant role"),
-    C("--return-tokens-as-token-ids", "", ON, NEVER, "never",
-      "logprobs name their tokens by text (vLLM's default); token:<id> strings are not supported"),
-    C("--enable-force-include-usage", "", ON, NEVER, "never", "streamed answers carry usage only when the "
-      "request's stream_options.include_usage asks for it"),
     C("--mm-processor-kwargs", "an empty object is the default", JSON, EMPTY, "only as {}", "worldserve has no "
       "server-wide processor settings: send mm_processor_kwargs per request (size, min_pixels, max_pixels, fps, "
       "num_frames)"),
