@@ -73,7 +73,7 @@ async def test_every_served_name_is_accepted(tmp_path, anyio_backend):
 
 
 @pytest.mark.parametrize("argv", [
-    ["--enable-log-requests"], ["--max-log-len", "100"], ["-O", "3"], ["-O3"], ["--compilation-config", '{"level": 3}'],
+    ["-O", "3"], ["-O3"], ["--compilation-config", '{"level": 3}'],
     ["--mm-processor-kwargs", "{}"],
     ["--block-size", "16"], ["--swap-space", "4"], ["-pp", "1"], ["--data-parallel-size", "1"],
     ["--load-format", "safetensors"], ["--tokenizer-mode", "auto"], ["--chat-template-content-format", "auto"],

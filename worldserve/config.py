@@ -279,6 +279,10 @@ class ServerConfig:
     """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
     """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
+    enable_log_requests: bool = False
+    """Log each generating request once accepted (chat, text completion, Responses, video, image, realtime session): its id, prompt and parameters, at INFO on the worldserve.requests logger (vLLM's flag; prompts are users' data: off by default)."""
+    max_log_len: int | None = None
+    """With --enable-log-requests: the most characters of a prompt logged (vLLM's flag); default: whole prompts."""
     response_role: str = "assistant"
     """The role of chat answers after a generation prompt (vLLM's flag; with add_generation_prompt false an answer takes the last message's role, as vLLM's)."""
     return_tokens_as_token_ids: bool = False
@@ -316,6 +320,8 @@ class ServerConfig:
             raise ValueError(
                 f"--max-upload-mb must be a number >= {MIN_UPLOAD_MB} (MiB), got {self.max_upload_mb}"
             )
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if not self.response_role.strip():
             raise ValueError("--response-role: an empty role; give one, such as assistant")
         if not (math.isfinite(self.responses_store_mb) and self.responses_store_mb >= 0):

@@ -34,6 +34,7 @@ from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.realtime import router as realtime_router
+from worldserve.api.request_log import RequestLog
 from worldserve.api.responses import router as responses_router
 from worldserve.api.responses_store import ResponseStore
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
@@ -69,6 +70,7 @@ def build_app(
     response_role: str = "assistant",
     tokens_as_ids: bool = False,
     force_include_usage: bool = False,
+    request_log: RequestLog | None = None,
     responses_store_bytes: int = 256 * 2**20,
     docs: bool = True,
 ) -> FastAPI:
@@ -79,7 +81,7 @@ def build_app(
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
     `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
     `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
-    `--enable-force-include-usage`,
+    `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off),
     `responses_store_bytes` = `--responses-store-mb`; `docs` False:
     vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
@@ -122,7 +124,7 @@ def build_app(
             (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
         mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser, response_role=response_role,
-        tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage,
+        tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage, request_log=request_log,
         prompt_tokens_details=prompt_tokens_details,
         responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
     )  # fmt: skip

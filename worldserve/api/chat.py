@@ -302,6 +302,8 @@ async def _answer(
     cached = (
         firsts[0].cached_tokens if st.prompt_tokens_details else None
     )  # (the choices' leader looked it up)
+    if st.request_log is not None:
+        st.request_log.chat(request_id, body.messages, choices[0], len(choices), first.prompt_tokens)
     view = TokenView.of(body, st.tokens_as_ids)
     if body.stream:
         include_usage, continuous_usage = body.stream_usage(st.force_include_usage)

@@ -19,6 +19,7 @@ generated tokens' entries; vLLM's `prompt_logprobs: k` gives the same as `choice
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Annotated
@@ -33,6 +34,7 @@ from worldserve.api.completions_protocol import CompletionRequest, CompletionRes
 from worldserve.api.completions_stream import Completion, collect, sse
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
+from worldserve.api.request_log import sampling
 from worldserve.api.state import AppState, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tokenize import openapi_body, reasoner_prompts
@@ -145,6 +147,10 @@ async def _answer(
         view=TokenView.of(body, st.tokens_as_ids),
         prompt_ids=[first.prompt_token_ids for first in firsts[:: body.n]],
     )  # fmt: skip
+    if st.request_log is not None:
+        prompt = body.prompt if isinstance(body.prompt, str) else json.dumps(body.prompt)
+        st.request_log.received(c.request_id, prompt, {**sampling(choices[0]), "n": body.n},
+                                prompt_tokens=sum(prompt_tokens))  # fmt: skip
     if body.stream:
         return StreamingResponse(
             sse(streams, c, *body.stream_usage(st.force_include_usage)), media_type="text/event-stream"

@@ -212,6 +212,8 @@ async def create_images(request: Request, st: State) -> Response:
         lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift)]
     )
     headers = {"X-Request-Id": request_id}
+    if st.request_log is not None:  # (the n images differ by their seeds only)
+        st.request_log.video(request_id, params[0])
     try:
         revised, results = await unless_disconnected(request, _generated(st, params, request_id, headers))
     except (ClientGone, APIError):

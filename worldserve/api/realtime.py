@@ -171,6 +171,8 @@ class _Session:
             except (QueueFullError, ShuttingDownError) as exc:
                 await self._refused(exc)
                 return False
+        if self.st.request_log is not None:
+            self.st.request_log.video(self.request_id, params)
         await self._send({"type": "video.start", "request_id": self.request_id, "format": "m4s",
                           "config": config})  # fmt: skip
         return True

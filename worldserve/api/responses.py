@@ -103,6 +103,8 @@ async def create_response(request: Request, st: State):
             raise paths.rename(exc) from None
         builder = ResponseBuilder(_skeleton(req, st.served_model_name, store is not None, st.chat_defaults), parsing, req.logprobs,
                                   firsts[0].prompt_tokens, firsts[0].cached_tokens)  # fmt: skip
+        if st.request_log is not None:
+            st.request_log.chat(builder.body["id"], chat.messages, choices[0], 1, firsts[0].prompt_tokens)
         keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)
         if req.stream:
             return StreamingResponse(_events(streams[0], builder, keep), media_type="text/event-stream")

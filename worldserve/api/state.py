@@ -11,6 +11,7 @@ from starlette.requests import Request
 from worldserve.api.errors import APIError
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
+from worldserve.api.request_log import RequestLog
 from worldserve.api.responses_store import ResponseStore
 from worldserve.engine.client import EngineClient, QueueFullError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
@@ -51,6 +52,8 @@ class AppState:
     force_include_usage: bool = False
     """`--enable-force-include-usage`: every streamed chat and text completion carries usage (every chunk's
     and a final chunk's)."""
+    request_log: RequestLog | None = None
+    """`--enable-log-requests`: where accepted requests are logged (api/request_log.py); None: not logged."""
     responses: ResponseStore | None = None
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
 

@@ -73,6 +73,8 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
     except StorageError:  # (answered 503 / 507 by its handler)
         st.metrics.on_rejected("storage")
         raise
+    if st.request_log is not None:
+        st.request_log.video(job.id, inputs.params, inputs.reference)
     return job, inputs
 
 

@@ -33,6 +33,7 @@ import uvicorn
 
 from worldserve import __version__, envs
 from worldserve.api.media_urls import allowed_domains
+from worldserve.api.request_log import RequestLog
 from worldserve.commands import serve_backend, serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import (
@@ -301,6 +302,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         reasoning_parser=server.reasoning_parser,
         prompt_tokens_details=server.enable_prompt_tokens_details, response_role=server.response_role,
         tokens_as_ids=server.return_tokens_as_token_ids, force_include_usage=server.enable_force_include_usage,
+        request_log=RequestLog(server.max_log_len) if server.enable_log_requests else None,
         responses_store_bytes=int(server.responses_store_mb * 2**20),
     )  # fmt: skip
 

@@ -230,9 +230,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--seed", "0 is vLLM's default; a video without a seed uses 42, a chat without one samples at random",
       {"type": int}, lambda v: v == 0, "only at 0", "worldserve has no server-wide seed (a video without one "
       "uses 42, a chat samples at random): send seed per request"),
-    C("--enable-log-requests", "worldserve logs no request contents (uvicorn's access log has a line a request)",
-      {"action": argparse.BooleanOptionalAction}),
-    C("--max-log-len", "worldserve logs no prompts", {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),
     C("--chat-template", "", {"metavar": "PATH"}, NEVER, "never", "worldserve renders the checkpoint's own chat "
       "template (text_tokenizer/); another template would change every chat's prompt"),
     C("--chat-template-content-format", "the chat template is handed each message as it expects",
