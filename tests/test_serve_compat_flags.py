@@ -90,7 +90,8 @@ def test_reasoner_recipe_line(caplog):
         serve_compat.log_compat(args, cfg)
     given = {flag_of(r) for r in caplog.records}
     assert {"--hf-overrides", "--mm-encoder-tp-mode", "--async-scheduling", "--media-io-kwargs",
-            "--gpu-memory-utilization", "--disable-log-stats"} <= given  # fmt: skip
+            "--gpu-memory-utilization"} <= given  # fmt: skip
+    assert cfg.server.disable_log_stats and serve.app_options(cfg)["stats_interval_s"] is None  # honoured
 
 
 def test_model_option_is_a_deprecated_alias(caplog, tmp_path, monkeypatch):
@@ -295,7 +296,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
-    assert sorted(logged) == sorted(given) and len(given) >= 46
+    assert sorted(logged) == sorted(given) and len(given) >= 45
     assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (

@@ -279,6 +279,8 @@ class ServerConfig:
     """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
     """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
+    disable_log_stats: bool = False
+    """Do not log the stats line (chat throughputs, running / waiting chats and videos, K/V cache usage, prefix cache hit rate, denoising steps) every $VLLM_LOG_STATS_INTERVAL seconds (10) while there is work (vLLM's flag; /metrics serves the same figures either way)."""
     enable_log_requests: bool = False
     """Log each generating request once accepted (chat, text completion, Responses, video, image, realtime session): its id, prompt and parameters, at INFO on the worldserve.requests logger (vLLM's flag; prompts are users' data: off by default)."""
     max_log_len: int | None = None
@@ -390,6 +392,7 @@ class EngineConfig:
             envs.media_fetch_timeout_s(kind)
         envs.http_timeout_keep_alive_s()
         envs.http_header_timeout_s()
+        envs.log_stats_interval_s()
         envs.max_completion_prompts()
         server = replace(
             self.server,

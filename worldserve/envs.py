@@ -47,6 +47,15 @@ def http_timeout_keep_alive_s() -> float:
     return value
 
 
+def log_stats_interval_s() -> float:
+    """`VLLM_LOG_STATS_INTERVAL` (vLLM's, default 10 s): seconds between two stats lines (api/stats_log.py)."""
+    value = _env_float("VLLM_LOG_STATS_INTERVAL")
+    if value is None:
+        return 10.0
+    check_seconds("environment variable VLLM_LOG_STATS_INTERVAL", value, zero=False)
+    return value
+
+
 def http_header_timeout_s() -> float:
     """`WORLDSERVE_HTTP_HEADER_TIMEOUT` (default 60 s, nginx's client_header_timeout): how long a connection
     may take to send a request's headers (from its opening, or its first byte after a response), and then

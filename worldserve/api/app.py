@@ -12,6 +12,7 @@ the key check carries none). Exception handlers turn every error into the vLLM e
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import defaultdict
@@ -39,6 +40,7 @@ from worldserve.api.responses import router as responses_router
 from worldserve.api.responses_store import ResponseStore
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
 from worldserve.api.state import AppState
+from worldserve.api.stats_log import StatsLog
 from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
@@ -71,6 +73,7 @@ def build_app(
     tokens_as_ids: bool = False,
     force_include_usage: bool = False,
     request_log: RequestLog | None = None,
+    stats_interval_s: float | None = None,
     responses_store_bytes: int = 256 * 2**20,
     docs: bool = True,
 ) -> FastAPI:
@@ -81,7 +84,8 @@ def build_app(
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
     `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
     `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
-    `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off),
+    `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off), `stats_interval_s`: the
+    stats line's period (None: `--disable-log-stats`),
     `responses_store_bytes` = `--responses-store-mb`; `docs` False:
     vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
@@ -101,9 +105,16 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
+        stats = None
+        if stats_interval_s is not None:
+            stats = asyncio.create_task(
+                StatsLog(metrics.registry, stats_interval_s).run(), name="worldserve-stats"
+            )
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             await client.shutdown(shutdown_timeout_s)
 
     app = FastAPI(

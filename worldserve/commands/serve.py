@@ -303,6 +303,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         prompt_tokens_details=server.enable_prompt_tokens_details, response_role=server.response_role,
         tokens_as_ids=server.return_tokens_as_token_ids, force_include_usage=server.enable_force_include_usage,
         request_log=RequestLog(server.max_log_len) if server.enable_log_requests else None,
+        stats_interval_s=None if server.disable_log_stats else envs.log_stats_interval_s(),
         responses_store_bytes=int(server.responses_store_mb * 2**20),
     )  # fmt: skip
 

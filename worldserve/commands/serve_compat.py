@@ -177,8 +177,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--lora-scale", "no LoRA is loaded (--lora-path is refused)", {"type": FLOAT}),
     C("--max-generated-image-size", "", {"type": POSITIVE_INT}, NEVER, "never",
       "worldserve has no server-wide cap on the generated image size"),
-    C("--log-stats", "the statistics are always served on /metrics", ON),
-    C("--disable-log-stats", "the statistics are always served on /metrics", ON),
+    C("--log-stats", "the stats line is logged unless --disable-log-stats (and /metrics serves the figures)", ON),
     C("--enable-diffusion-pipeline-profiler", "per-stage wall times are always on /metrics "
       "(worldserve:stage_duration_seconds)", ON),
     C("--worker-backend", "worldserve spawns its own worker processes", {"choices": ("multi_process", "ray")},
