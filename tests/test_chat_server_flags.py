@@ -77,3 +77,32 @@ def test_streams_carry_usage_without_asking(oai):
     assert told_not_to[-1].choices == [] and told_not_to[-1].usage is not None  # forced, as vLLM forces it
     text = list(oai.completions.create(model="m", prompt="Hello", max_tokens=3, stream=True))
     assert all(c.usage is not None for c in text) and text[-1].choices == []
+
+
+def test_seed_makes_unseeded_requests_repeat_across_restarts(reasoner, tmp_path):
+    """--seed: requests without a seed take the next seed of one sequence, so a fresh server (a restart)
+    answers the same requests, in the same order, the same way; a request's own seed still wins."""
+    from openai import OpenAI
+
+    from worldserve.sampling.chat_defaults import RequestSeeds
+
+    def run(folder, seeds):
+        with serve_reasoner(reasoner, folder, model="m", name="seed-uvicorn", request_seeds=seeds) as url:
+            oai = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            kw = dict(model="m", max_tokens=6, temperature=1.0)
+            chats = [
+                oai.chat.completions.create(messages=HELLO, **kw).choices[0].message.content for _ in range(2)
+            ]
+            texts = [c.text for c in oai.completions.create(prompt=["Hello", "World"], **kw).choices]
+            own = oai.chat.completions.create(messages=HELLO, seed=11, **kw).choices[0].message.content
+            return chats, texts, own
+
+    first = run(tmp_path / "a", RequestSeeds(7))
+    assert run(tmp_path / "b", RequestSeeds(7)) == first  # the restart answers alike
+    assert first[0][0] != first[0][1]  # one sequence: each request its own seed
+    other = run(tmp_path / "c", RequestSeeds(8))
+    assert other[:2] != first[:2] and other[2] == first[2]  # another sequence; a request's seed wins
+    options = serve.app_options(config("--seed", "5"))["request_seeds"]
+    assert isinstance(options, RequestSeeds) and serve.app_options(config())["request_seeds"] is None
+    with pytest.raises(ValueError, match="--seed must be in"):
+        config("--seed", str(2**63))

@@ -256,7 +256,7 @@ ACCEPTED = [
     "--step-execution", "--num-weight-load-threads", "8", "--disable-multithread-weight-load",
     "--lora-scale", "1.0", "--enable-diffusion-pipeline-profiler", "--worker-backend", "multi_process",
     "--api-server-count", "1", "--allowed-media-domains", "example.com", "cdn.example.com",
-    "--disable-log-requests", "--seed", "0",
+    "--disable-log-requests",
     "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto", "--max-num-partial-prefills", "1",
     "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "0", "--scheduling-policy", "fcfs",
     "--cuda-graph-sizes", "1", "2", "--disable-chunked-mm-input",
@@ -266,7 +266,7 @@ REAL_FLAGS = [  # §9 flags that are worldserve's own (config.py): honoured, nev
     "--cfg-parallel-size", "1", "--enable-layerwise-offload", "--diffusion-attention-backend", "TORCH_SDPA",
     "--quantization", "fp8", "--enforce-eager", "--allowed-local-media-path", "/data", "--no-enable-prefix-caching",
     "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill", "--generation-config", "vllm",
-    "--override-generation-config", '{"temperature": 0.5}',
+    "--override-generation-config", '{"temperature": 0.5}', "--seed", "0",
 ]  # fmt: skip
 
 
@@ -283,6 +283,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         and cfg.scheduler.max_num_batched_tokens == 4096
         and not cfg.scheduler.enable_chunked_prefill
         and cfg.model.generation_config == "vllm"
+        and cfg.server.seed == 0
         and cfg.model.override_generation_config.as_dict() == {"temperature": 0.5}
     )
     assert cfg.parallel.enable_layerwise_offload and cfg.server.allowed_local_media_path == "/data"
@@ -296,7 +297,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
-    assert sorted(logged) == sorted(given) and len(given) >= 45
+    assert sorted(logged) == sorted(given) and len(given) >= 44
     assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (
@@ -340,7 +341,6 @@ REFUSED = [
     (["--ray-address", "auto"], "--ray-address auto", "no Ray"),
     (["--api-server-count", "4"], "--api-server-count 4", "one API server"),
     (["--omni-lb-policy", "cost-aware"], "--omni-lb-policy cost-aware", "load balancer"),
-    (["--seed", "1234"], "--seed 1234", "per request"),
     (["--trust-request-chat-template"], "--trust-request-chat-template", "chat_template is a 400"),
     (["--media-io-kwargs", '{"video": {"fps": 4}}'], "--media-io-kwargs", "per request"),
     (["--hf-overrides", '{"rope_scaling": {"factor": 2}}'], "--hf-overrides", "own config"),

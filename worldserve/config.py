@@ -279,6 +279,8 @@ class ServerConfig:
     """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
     """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
+    seed: int | None = None
+    """Seed of the sequence Reasoner requests without a seed (chats, text completions, Responses) take theirs from, in arrival order, so that a restarted server answers the same requests sent in the same order the same way (vLLM's flag); default: random seeds. Videos without a seed keep Cosmos3's 42 (--default-sampling-params sets another)."""
     disable_log_stats: bool = False
     """Do not log the stats line (chat throughputs, running / waiting chats and videos, K/V cache usage, prefix cache hit rate, denoising steps) every $VLLM_LOG_STATS_INTERVAL seconds (10) while there is work (vLLM's flag; /metrics serves the same figures either way)."""
     enable_log_requests: bool = False
@@ -322,6 +324,11 @@ class ServerConfig:
             raise ValueError(
                 f"--max-upload-mb must be a number >= {MIN_UPLOAD_MB} (MiB), got {self.max_upload_mb}"
             )
+        if self.seed is not None:
+            from worldserve.params import INT64
+
+            if not -INT64 <= self.seed < INT64:
+                raise ValueError(f"--seed must be in [-2**63, 2**63) (int64), got {self.seed}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if not self.response_role.strip():

@@ -44,6 +44,7 @@ from worldserve.api.stats_log import StatsLog
 from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
+from worldserve.sampling.chat_defaults import RequestSeeds
 
 
 def build_app(
@@ -74,6 +75,7 @@ def build_app(
     force_include_usage: bool = False,
     request_log: RequestLog | None = None,
     stats_interval_s: float | None = None,
+    request_seeds: RequestSeeds | None = None,
     responses_store_bytes: int = 256 * 2**20,
     docs: bool = True,
 ) -> FastAPI:
@@ -85,7 +87,7 @@ def build_app(
     `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
     `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
     `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off), `stats_interval_s`: the
-    stats line's period (None: `--disable-log-stats`),
+    stats line's period (None: `--disable-log-stats`), `request_seeds`: `--seed`'s (None: random seeds),
     `responses_store_bytes` = `--responses-store-mb`; `docs` False:
     vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
@@ -136,6 +138,7 @@ def build_app(
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
         mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser, response_role=response_role,
         tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage, request_log=request_log,
+        request_seeds=request_seeds,
         prompt_tokens_details=prompt_tokens_details,
         responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
     )  # fmt: skip

@@ -14,7 +14,7 @@ from worldserve.api.metrics import Metrics
 from worldserve.api.request_log import RequestLog
 from worldserve.api.responses_store import ResponseStore
 from worldserve.engine.client import EngineClient, QueueFullError
-from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
+from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults, RequestSeeds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +52,8 @@ class AppState:
     force_include_usage: bool = False
     """`--enable-force-include-usage`: every streamed chat and text completion carries usage (every chunk's
     and a final chunk's)."""
+    request_seeds: RequestSeeds | None = None
+    """`--seed`: where Reasoner requests without a seed get theirs; None: random seeds."""
     request_log: RequestLog | None = None
     """`--enable-log-requests`: where accepted requests are logged (api/request_log.py); None: not logged."""
     responses: ResponseStore | None = None

@@ -44,6 +44,7 @@ from worldserve.config import (
     SchedulerConfig,
 )
 from worldserve.config_flags import add_config_arguments
+from worldserve.sampling.chat_defaults import RequestSeeds
 
 log = logging.getLogger("worldserve.serve")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -304,6 +305,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         tokens_as_ids=server.return_tokens_as_token_ids, force_include_usage=server.enable_force_include_usage,
         request_log=RequestLog(server.max_log_len) if server.enable_log_requests else None,
         stats_interval_s=None if server.disable_log_stats else envs.log_stats_interval_s(),
+        request_seeds=None if server.seed is None else RequestSeeds(server.seed),
         responses_store_bytes=int(server.responses_store_mb * 2**20),
     )  # fmt: skip
 

@@ -226,9 +226,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       {"type": checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")}),
     # common vLLM flags
     C("--disable-log-requests", "worldserve never logs request contents", ON),
-    C("--seed", "0 is vLLM's default; a video without a seed uses 42, a chat without one samples at random",
-      {"type": int}, lambda v: v == 0, "only at 0", "worldserve has no server-wide seed (a video without one "
-      "uses 42, a chat samples at random): send seed per request"),
     C("--chat-template", "", {"metavar": "PATH"}, NEVER, "never", "worldserve renders the checkpoint's own chat "
       "template (text_tokenizer/); another template would change every chat's prompt"),
     C("--chat-template-content-format", "the chat template is handed each message as it expects",

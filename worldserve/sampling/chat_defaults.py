@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -98,6 +100,19 @@ class ChatDefaults:
             b for b in (self.max_tokens if requested is None else None, self.max_tokens_cap) if b is not None
         ]
         return min(bounds) if bounds else None
+
+
+class RequestSeeds:
+    """vLLM's `--seed`: the seeds of Reasoner requests that send none, drawn in arrival order from a sequence
+    that `seed` starts, so a restarted server answers the same requests, sent in the same order, the same
+    way (vLLM draws them from its seeded global generator). Thread-safe (the API builds params in threads)."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng, self._lock = random.Random(seed), threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            return self._rng.getrandbits(63)
 
 
 NEUTRAL = ChatDefaults()
