@@ -374,3 +374,60 @@ def test_the_template_gets_the_thoughts_under_both_names(tiny_ckpt, key):
     )
     ids = builder.build(ChatParams(messages=messages)).input_ids
     assert "<|im_start|>assistant\n<think>\nT.\n</think>\n\nA.<|im_end|>" in tok.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def url_with_defaults(reasoner, tmp_path_factory):
+    """The same Reasoner behind a server with --media-io-kwargs '{"video": {"fps": 8}}' and
+    --mm-processor-kwargs '{"max_pixels": 1}'."""
+    from serving_helpers import serve_reasoner
+
+    from worldserve.api.chat_options import MediaDefaults
+
+    defaults = MediaDefaults({"video": {"fps": 8}}, {"max_pixels": 1})
+    folder = tmp_path_factory.mktemp("chat-media-defaults")
+    with serve_reasoner(
+        reasoner, folder, model=MODEL, name="media-defaults-uvicorn", media_defaults=defaults
+    ) as u:
+        yield u
+
+
+def test_server_media_defaults_lie_under_the_request_s_own(url, url_with_defaults):
+    """--mm-processor-kwargs / --media-io-kwargs answer as if each request had sent them, and a request's own
+    values win key by key (video sampling set by the request in one field sets it alone)."""
+    image = [_image_part(40, 56), {"type": "text", "text": "hi"}]
+    assert _prompt_tokens(_chat(url_with_defaults, image)) == _prompt_tokens(
+        _chat(url, image, mm_processor_kwargs={"max_pixels": 1})
+    )
+    own = {"min_pixels": 1024, "max_pixels": 4096}
+    assert _prompt_tokens(_chat(url_with_defaults, image, mm_processor_kwargs=own)) == _prompt_tokens(
+        _chat(url, image, mm_processor_kwargs=own)
+    )
+    video = [_video_part(64, 96, frames=24), {"type": "text", "text": "hi"}]
+    plain = lambda **kw: _prompt_tokens(_chat(url, video, **kw))  # noqa: E731
+    served = lambda **kw: _prompt_tokens(_chat(url_with_defaults, video, **kw))  # noqa: E731
+    assert served() == plain(media_io_kwargs={"video": {"fps": 8}}, mm_processor_kwargs={"max_pixels": 1})
+    # the request's fps in mm_processor_kwargs: the server's media_io fps steps aside (no "not both" 400)
+    assert served(mm_processor_kwargs={"fps": 2}) == plain(mm_processor_kwargs={"fps": 2, "max_pixels": 1})
+    # the request's num_frames joins the server's fps in media_io_kwargs.video (the fewer frames)
+    assert served(media_io_kwargs={"video": {"num_frames": 4}}) == plain(
+        media_io_kwargs={"video": {"fps": 8, "num_frames": 4}}, mm_processor_kwargs={"max_pixels": 1}
+    )
+    bad = _chat(url_with_defaults, video, media_io_kwargs="fast")  # the request's own bad value: its 400
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "media_io_kwargs", bad.text
+
+
+def test_media_defaults_merge_as_vllm_merges():
+    from worldserve.api.chat_options import MediaDefaults
+
+    d = MediaDefaults(
+        {"video": {"fps": 1.0}, "image": {"rgba_background_color": [0, 0, 0]}}, {"max_pixels": 9}
+    )
+    assert d.under(None, None) == ({"video": {"fps": 1.0}, "image": {"rgba_background_color": [0, 0, 0]}},
+                                   {"max_pixels": 9})  # fmt: skip
+    io, mm = d.under({"video": {"num_frames": 8}}, {"max_pixels": 100, "min_pixels": 4})
+    assert io["video"] == {"fps": 1.0, "num_frames": 8} and mm == {"max_pixels": 100, "min_pixels": 4}
+    io, mm = d.under(None, {"videos_kwargs": {"num_frames": 8}})
+    assert io["video"] == {} and mm == {"max_pixels": 9, "videos_kwargs": {"num_frames": 8}}
+    assert MediaDefaults({}, {"fps": 1}).under({"video": {"fps": 3}}, None)[1] is None  # (none left)
+    assert MediaDefaults().under(None, {"size": {}}) == (None, {"size": {}})

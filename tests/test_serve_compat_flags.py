@@ -85,12 +85,20 @@ def test_reasoner_recipe_line(caplog):
     assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.max_model_len == 16384
     assert cfg.parallel.tensor_parallel_size == 1 and cfg.server.allowed_local_media_path == "/"
     assert args.hf_overrides == {"architectures": ["Cosmos3ReasonerForConditionalGeneration"]}
-    assert args.media_io_kwargs == {"video": {"num_frames": -1}} and args.mm_encoder_tp_mode == "data"
+    assert (
+        cfg.server.media_io_kwargs.as_dict() == {"video": {"num_frames": -1}}
+        and args.mm_encoder_tp_mode == "data"
+    )
+    assert serve.app_options(cfg)["media_defaults"].media_io == {"video": {"num_frames": -1}}  # honoured
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, cfg)
     given = {flag_of(r) for r in caplog.records}
-    assert {"--hf-overrides", "--mm-encoder-tp-mode", "--async-scheduling", "--media-io-kwargs",
-            "--gpu-memory-utilization"} <= given  # fmt: skip
+    assert {
+        "--hf-overrides",
+        "--mm-encoder-tp-mode",
+        "--async-scheduling",
+        "--gpu-memory-utilization",
+    } <= given
     assert cfg.server.disable_log_stats and serve.app_options(cfg)["stats_interval_s"] is None  # honoured
 
 
@@ -297,7 +305,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
-    assert sorted(logged) == sorted(given) and len(given) >= 44
+    assert sorted(logged) == sorted(given) and len(given) >= 43
     assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (
@@ -342,7 +350,6 @@ REFUSED = [
     (["--api-server-count", "4"], "--api-server-count 4", "one API server"),
     (["--omni-lb-policy", "cost-aware"], "--omni-lb-policy cost-aware", "load balancer"),
     (["--trust-request-chat-template"], "--trust-request-chat-template", "chat_template is a 400"),
-    (["--media-io-kwargs", '{"video": {"fps": 4}}'], "--media-io-kwargs", "per request"),
     (["--hf-overrides", '{"rope_scaling": {"factor": 2}}'], "--hf-overrides", "own config"),
 ]  # fmt: skip
 

@@ -74,7 +74,6 @@ async def test_every_served_name_is_accepted(tmp_path, anyio_backend):
 
 @pytest.mark.parametrize("argv", [
     ["-O", "3"], ["-O3"], ["--compilation-config", '{"level": 3}'],
-    ["--mm-processor-kwargs", "{}"],
     ["--block-size", "16"], ["--swap-space", "4"], ["-pp", "1"], ["--data-parallel-size", "1"],
     ["--load-format", "safetensors"], ["--tokenizer-mode", "auto"], ["--chat-template-content-format", "auto"],
 ])  # fmt: skip
@@ -87,7 +86,8 @@ def test_accepted_flags_log_why_they_change_nothing(argv, caplog):
 
 @pytest.mark.parametrize("argv, named", [
     (["--chat-template", "t.jinja"], "--chat-template"), (["--response-role", " "], "--response-role"),
-    (["--mm-processor-kwargs", '{"fps": 1}'], "--mm-processor-kwargs"), (["--tokenizer", "x"], "--tokenizer"),
+    (["--mm-processor-kwargs", '{"fps": "x"}'], "--mm-processor-kwargs"),
+    (["--media-io-kwargs", '{"audio": {}}'], "--media-io-kwargs"), (["--tokenizer", "x"], "--tokenizer"),
     (["-dp", "2"], "--data-parallel-size"), (["--download-dir", "/tmp"], "--download-dir"),
     (["--enable-sleep-mode"], "--enable-sleep-mode"), (["--middleware", "no_such_module.thing"], "--middleware"),
     (["--ssl-keyfile", "/nonexistent.pem", "--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile"),

@@ -279,6 +279,10 @@ class ServerConfig:
     """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
     """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
+    media_io_kwargs: JsonObject | None = None
+    """Chat media loading defaults a request's own media_io_kwargs lay over, per modality (vLLM's flag): '{"video": {"fps": 1.0}}' or '{"video": {"num_frames": 32}}' ({"video": {"num_frames": -1}}, the recipe's: Qwen3-VL's own 2 fps), '{"image": {"rgba_background_color": [0, 0, 0]}}'."""
+    mm_processor_kwargs: JsonObject | None = None
+    """Qwen3-VL processor defaults a request's own mm_processor_kwargs lay over, key by key (vLLM's flag): e.g. '{"max_pixels": 1003520}' to cap every image's vision tokens; size, min_pixels, max_pixels, fps, num_frames, images_kwargs, videos_kwargs."""
     seed: int | None = None
     """Seed of the sequence Reasoner requests without a seed (chats, text completions, Responses) take theirs from, in arrival order, so that a restarted server answers the same requests sent in the same order the same way (vLLM's flag); default: random seeds. Videos without a seed keep Cosmos3's 42 (--default-sampling-params sets another)."""
     disable_log_stats: bool = False

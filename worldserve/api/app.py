@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from worldserve import __version__, envs
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
 from worldserve.api.chat import router as chat_router
+from worldserve.api.chat_options import MediaDefaults
 from worldserve.api.completions import router as completions_router
 from worldserve.api.errors import install_error_handlers
 from worldserve.api.http_metrics import HTTPMetricsMiddleware
@@ -76,6 +77,7 @@ def build_app(
     request_log: RequestLog | None = None,
     stats_interval_s: float | None = None,
     request_seeds: RequestSeeds | None = None,
+    media_defaults: MediaDefaults = MediaDefaults(),
     responses_store_bytes: int = 256 * 2**20,
     docs: bool = True,
 ) -> FastAPI:
@@ -88,6 +90,7 @@ def build_app(
     `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
     `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off), `stats_interval_s`: the
     stats line's period (None: `--disable-log-stats`), `request_seeds`: `--seed`'s (None: random seeds),
+    `media_defaults`: `--media-io-kwargs` / `--mm-processor-kwargs`,
     `responses_store_bytes` = `--responses-store-mb`; `docs` False:
     vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
@@ -138,7 +141,7 @@ def build_app(
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
         mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser, response_role=response_role,
         tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage, request_log=request_log,
-        request_seeds=request_seeds,
+        request_seeds=request_seeds, media_defaults=media_defaults,
         prompt_tokens_details=prompt_tokens_details,
         responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
     )  # fmt: skip

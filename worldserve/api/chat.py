@@ -52,7 +52,7 @@ from worldserve.api.chat_media import (
     prefetch_media,
     video_sampling,
 )
-from worldserve.api.chat_options import pixel_budget, processor_kwargs, template_kwargs
+from worldserve.api.chat_options import MediaDefaults, pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
 from worldserve.api.chat_stream import (
     TextParsing,
@@ -93,16 +93,19 @@ class RequestOptions:
     compiled once (api/structured_fields.py)."""
 
 
-def request_options(body: ChatCompletionRequest, compiler: Any = None) -> RequestOptions:
-    """`mm_processor_kwargs`, `media_io_kwargs`, `chat_template_kwargs`, the tools and the structured output
-    fields checked (no media work; a grammar compiles, with the Reasoner's `compiler` when given):
-    ParamError naming the field, as soon as the request is read."""
-    image_opts, video_opts = processor_kwargs(body.mm_processor_kwargs)
+def request_options(
+    body: ChatCompletionRequest, compiler: Any = None, media: MediaDefaults = MediaDefaults()
+) -> RequestOptions:
+    """`mm_processor_kwargs`, `media_io_kwargs` (over the server's `media` defaults), `chat_template_kwargs`, the
+    tools and the structured output fields checked (no media work; a grammar compiles, with the Reasoner's
+    `compiler` when given): ParamError naming the field, as soon as the request is read."""
+    media_io, mm = media.under(body.media_io_kwargs, body.mm_processor_kwargs)
+    image_opts, video_opts = processor_kwargs(mm)
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
     return RequestOptions(
         image_pixels=pixel_budget(image_opts, "images"),
-        video=video_sampling(body.media_io_kwargs, video_opts),
-        image_background=image_background(body.media_io_kwargs),
+        video=video_sampling(media_io, video_opts),
+        image_background=image_background(media_io),
         chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
         tools=tools,
         structured=structured_output(body, tool_constraint(tools), compiler),
@@ -274,7 +277,7 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
                        "tool_choice", param=field)  # fmt: skip
     compiler = grammar_compiler(st.client.chat_worker)
     # a grammar compiles there: off the event loop
-    options = await asyncio.to_thread(request_options, body, compiler)
+    options = await asyncio.to_thread(request_options, body, compiler, st.media_defaults)
     fetched = await prefetch_media(body, st.media, st.mm_limits)
     has_media = next(media_parts(body), None) is not None  # (prepared off the default pool: work_pool.py)
     prepare = on_request_pool if has_media else asyncio.to_thread

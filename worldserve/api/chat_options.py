@@ -2,12 +2,14 @@
 `request_options`), before any media work: `mm_processor_kwargs` routed to images and videos as transformers'
 processor routes them (`processor_kwargs`), a modality's pixel budget (`pixel_budget`), and
 `chat_template_kwargs` without apply_chat_template's own arguments (`template_kwargs`). A bad value is a
-ParamError naming the field.
+ParamError naming the field. The server's `--media-io-kwargs` / `--mm-processor-kwargs` are the defaults a
+request's own lay over (`MediaDefaults`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from worldserve.params import ParamError
@@ -25,6 +27,57 @@ MM_HELP = (
     "this server's Qwen3-VL preprocessing takes size, min_pixels, max_pixels (images), size, fps, num_frames "
     "(videos), and images_kwargs / videos_kwargs holding those"
 )
+
+
+SAMPLING_KEYS = ("fps", "num_frames")
+"""The video sampling options, given in media_io_kwargs.video or in mm_processor_kwargs (not both)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MediaDefaults:
+    """The server's `--media-io-kwargs` and `--mm-processor-kwargs`: what chat requests' own lay over."""
+
+    media_io: Mapping[str, Any] = field(default_factory=dict)
+    mm_processor: Mapping[str, Any] = field(default_factory=dict)
+
+    def under(self, media_io: Any, mm: Any) -> tuple[Any, Any]:
+        """A request's (media_io_kwargs, mm_processor_kwargs) laid over these, as vLLM merges them: media_io
+        per modality, mm_processor key by key (a value that is no object stays the request's, for its 400).
+        Video sampling (fps / num_frames) set by the request in one of them is set there alone: these step
+        aside in the other."""
+        io_server, mm_server = dict(self.media_io), dict(self.mm_processor)
+        video = media_io.get("video") if isinstance(media_io, Mapping) else None
+        if isinstance(mm, Mapping) and _samples_video(mm) and isinstance(io_server.get("video"), Mapping):
+            io_server["video"] = _without_sampling(io_server["video"])
+        if isinstance(video, Mapping) and any(k in video for k in SAMPLING_KEYS):
+            mm_server = _without_sampling(mm_server)
+            if isinstance(mm_server.get("videos_kwargs"), Mapping):
+                mm_server["videos_kwargs"] = _without_sampling(mm_server["videos_kwargs"])
+        return _laid_over(media_io, io_server, deep=True), _laid_over(mm, mm_server, deep=False)
+
+
+def _laid_over(request: Any, server: dict, *, deep: bool) -> Any:
+    if request is not None and not isinstance(request, Mapping):
+        return request
+    out = dict(server)
+    for key, value in (request or {}).items():
+        base = out.get(key)
+        out[key] = (
+            {**base, **value} if deep and isinstance(base, Mapping) and isinstance(value, Mapping) else value
+        )
+    return out or request
+
+
+def _without_sampling(options: Mapping[str, Any]) -> dict:
+    return {k: v for k, v in options.items() if k not in SAMPLING_KEYS}
+
+
+def _samples_video(mm: Mapping[str, Any]) -> bool:
+    """Whether mm_processor_kwargs set video sampling (flat or in videos_kwargs)."""
+    videos = mm.get("videos_kwargs")
+    return any(k in mm for k in SAMPLING_KEYS) or (
+        isinstance(videos, Mapping) and any(k in videos for k in SAMPLING_KEYS)
+    )
 
 
 def processor_kwargs(mm: Mapping[str, Any] | None) -> tuple[dict, dict]:

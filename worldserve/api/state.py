@@ -8,6 +8,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from worldserve.api.chat_options import MediaDefaults
 from worldserve.api.errors import APIError
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
@@ -52,6 +53,8 @@ class AppState:
     force_include_usage: bool = False
     """`--enable-force-include-usage`: every streamed chat and text completion carries usage (every chunk's
     and a final chunk's)."""
+    media_defaults: MediaDefaults = MediaDefaults()
+    """`--media-io-kwargs` / `--mm-processor-kwargs`: what chat requests' own media options lay over."""
     request_seeds: RequestSeeds | None = None
     """`--seed`: where Reasoner requests without a seed get theirs; None: random seeds."""
     request_log: RequestLog | None = None

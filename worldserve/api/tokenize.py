@@ -106,7 +106,7 @@ async def tokenize(request: Request, st: State):
         if body.chat_template is not None:
             raise ParamError("chat_template", UNTRUSTED_TEMPLATE)
         as_chat = body.as_chat()
-        options = request_options(as_chat)
+        options = request_options(as_chat, media=st.media_defaults)
         fetched = await prefetch_media(as_chat, st.media, st.mm_limits)
     ids, strs = await asyncio.to_thread(encode)
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)

@@ -42,6 +42,7 @@ from worldserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    ServerConfig,
 )
 from worldserve.config_flags import add_config_arguments
 from worldserve.sampling.chat_defaults import RequestSeeds
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if media and not Path(media).is_dir():  # (vLLM refuses it too; here every file:// URL got a 400)
             raise ValueError(f"--allowed-local-media-path {media}: "
                              + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
+        media_defaults(config.server)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
         # a bad --generation-config folder or value stops the start before the load
         model = config.model.model
         serve_backend.chat_defaults(config.model, Path(model) if model and Path(model).is_dir() else None)
@@ -306,8 +308,28 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         request_log=RequestLog(server.max_log_len) if server.enable_log_requests else None,
         stats_interval_s=None if server.disable_log_stats else envs.log_stats_interval_s(),
         request_seeds=None if server.seed is None else RequestSeeds(server.seed),
+        media_defaults=media_defaults(server),
         responses_store_bytes=int(server.responses_store_mb * 2**20),
     )  # fmt: skip
+
+
+def media_defaults(server: ServerConfig) -> Any:
+    """--media-io-kwargs / --mm-processor-kwargs as the chat API's MediaDefaults; ValueError naming the flag
+    when a request carrying them would be refused (checked before the model loads)."""
+    from worldserve.api.chat import request_options
+    from worldserve.api.chat_options import MediaDefaults
+    from worldserve.api.chat_protocol import ChatCompletionRequest
+    from worldserve.params import ParamError
+
+    io, mm = dict(server.media_io_kwargs or {}), dict(server.mm_processor_kwargs or {})
+    probe = ChatCompletionRequest(messages=[{"role": "user", "content": "-"}])
+    for flag, defaults in (("--media-io-kwargs", MediaDefaults(io, {})), ("--mm-processor-kwargs", MediaDefaults({}, mm)),
+                           ("--media-io-kwargs with --mm-processor-kwargs", MediaDefaults(io, mm))):  # fmt: skip
+        try:
+            request_options(probe, media=defaults)
+        except ParamError as exc:
+            raise ValueError(f"{flag}: {exc.message}") from None
+    return MediaDefaults(io, mm)
 
 
 def _load_backend_within(

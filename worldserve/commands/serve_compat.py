@@ -209,11 +209,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "its second part)", {"action": argparse.BooleanOptionalAction}),
     C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
       "schedule in their own thread)", {"action": argparse.BooleanOptionalAction}),
-    C("--media-io-kwargs", "chat videos are sampled as Qwen3-VL's processor does (2 fps), which the recipe's "
-      "video num_frames -1 asks for; a request's own media_io_kwargs apply", JSON,
-      lambda v: v in ({}, {"video": {}}, {"video": {"num_frames": -1}}), 'only as {} or the recipe\'s '
-      '{"video": {"num_frames": -1}}', "worldserve has no server-wide media defaults: send media_io_kwargs per "
-      "request"),
     C("--enable-auto-tool-choice", "tool_choice auto (the default with tools) is always available: the "
       "model's <tool_call> blocks are parsed as vLLM's hermes parser parses them", ON),
     C("--trust-request-chat-template", "", ON, NEVER, "never", "worldserve renders only the checkpoint's chat "
@@ -231,9 +226,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--chat-template-content-format", "the chat template is handed each message as it expects",
       {"choices": ("auto", "string", "openai")}, lambda v: v == "auto", "only at auto",
       "worldserve renders message content the way the checkpoint's chat template expects it"),
-    C("--mm-processor-kwargs", "an empty object is the default", JSON, EMPTY, "only as {}", "worldserve has no "
-      "server-wide processor settings: send mm_processor_kwargs per request (size, min_pixels, max_pixels, fps, "
-      "num_frames)"),
     C("--compilation-config", "worldserve compiles its own layers on GPU (--enforce-eager turns it off)",
       {"type": level_or_json, "metavar": "LEVEL|JSON"}, aliases=("-O",)),
     C("--tokenizer", "", {"metavar": "NAME"}, NEVER, "never", "worldserve uses the checkpoint's text_tokenizer/"),
