@@ -13,6 +13,9 @@ of the sampling defaults.
 
 Unlike vLLM, which fails each request against a bad value (or serves neutral defaults from a folder it cannot
 read), a bad value or a folder without `generation_config.json` stops the server at start, naming the file and key.
+
+An omitted `seed` is the other such field: under `--seed N` (`RequestSeeds`) it is the next of one sequence N
+starts; without the flag, a random one (the sampler's own).
 """
 
 from __future__ import annotations
