@@ -43,7 +43,9 @@ def test_defaults_come_from_the_model_file_a_folder_or_the_override(tmp_path):
     assert auto.budget(None) == 64 and auto.budget(500) is None
     assert auto.source == str(model / "generation_config.json")
     assert ChatDefaults.load("auto", tmp_path / "empty") == NEUTRAL  # no file: vLLM's neutral values
-    assert ChatDefaults.load("vllm", model) == NEUTRAL  # the model's file is not read
+    assert ChatDefaults.load("vllm", model) == ChatDefaults(
+        eos_token_ids=(1, 2)
+    )  # its sampling values unread
     other = ChatDefaults.load(
         str(_folder(tmp_path / "other", {"temperature": 0.2, "max_new_tokens": 8})), model
     )
@@ -192,3 +194,40 @@ def test_completions_and_responses_take_them_too(served):
     assert resp.temperature == 0.0 and resp.top_p == 0.5 and resp.usage.output_tokens <= 4
     own = oai.responses.create(model="m", input="Tell me a story", temperature=0.9, top_p=1.0)
     assert own.temperature == 0.9 and own.top_p == 1.0
+
+
+def test_the_generation_config_eos_ids_end_chats(tiny_ckpt, tmp_path):
+    """vLLM stops on the generation config's eos_token_id too (under auto and vllm alike: the model's file; or
+    the folder's): a chat whose greedy first token is one of them ends there, with finish_reason stop."""
+    from reasoner_helpers import tiny_reasoner
+
+    model = _folder(tmp_path / "model", {"eos_token_id": [5, 7], "temperature": 0.2})
+    assert (
+        ChatDefaults.load("auto", model).eos_token_ids
+        == (5, 7)
+        == ChatDefaults.load("vllm", model).eos_token_ids
+    )
+    other = _folder(tmp_path / "other", {"eos_token_id": 9})
+    assert ChatDefaults.load(str(other), model).eos_token_ids == (9,)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
+        ChatDefaults.load("auto", _folder(tmp_path / "bad", {"eos_token_id": "</s>"}))
+    import torch
+    from transformers import AutoTokenizer
+
+    from worldserve.runner.reasoner import Reasoner
+    from worldserve.weights.loader import load_transformer
+
+    params = ChatParams(
+        messages=(ChatMessage(role="user", content="Tell me a story"),), max_tokens=3, temperature=0
+    )
+    plain = tiny_reasoner(tiny_ckpt)
+    session, ids = plain.start(params), []
+    while session.finish_reason is None:
+        ids += session.step().token_ids
+    assert ids and ids[0] not in plain.stop_token_ids and session.finish_reason == "length"
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt / "text_tokenizer"))
+    stopping = Reasoner.from_pretrained(tiny_ckpt, model, tok, max_model_len=4096,
+                                        sampling_defaults=ChatDefaults(eos_token_ids=(ids[0],)))  # fmt: skip
+    text, ended = run_to_end(stopping, params)
+    assert ended.finish_reason == "stop" and text == "" and ids[0] in stopping.stop_token_ids

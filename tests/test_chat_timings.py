@@ -53,6 +53,9 @@ class _Recorder:
     def on_chat_token_gaps(self, seconds):
         self.gaps += seconds
 
+    def on_chat_generated(self, tokens):
+        self.generated = getattr(self, "generated", 0) + tokens
+
     def on_chat_finished(self, times):
         self.finished.append(times)
 
@@ -71,6 +74,7 @@ def test_chat_worker_reports_timings():
         worker.stop(1.0)
     assert recorder.iterations == [5 + 1, 1, 1]  # prefill + first token; the idle step reports nothing
     assert len(recorder.gaps) == 2 and all(g >= 0 for g in recorder.gaps)
+    assert recorder.generated == 2  # the completion tokens, counted step by step (the stop step adds none)
     (times,) = recorder.finished
     assert 0 <= times.queue_s <= times.e2e_s
 

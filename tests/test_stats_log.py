@@ -23,8 +23,8 @@ def test_a_line_reports_the_interval_and_the_queues():
     metrics.track_queue(lambda: queue["waiting"], lambda: queue["running"])
     stats = StatsLog(metrics.registry, 10.0)
     metrics.on_chat_started(120)
-    metrics.on_chat_first_token(0.1)
-    metrics.on_chat_token_gaps([0.01] * 9)  # 10 tokens sampled
+    metrics.on_chat_generated(4)  # 10 tokens sampled, in two steps
+    metrics.on_chat_generated(6)
     metrics.on_step(5.0, 1)
     metrics.on_step(5.5, 1)
     stats.last_t -= 10.0  # as if the interval had lasted 10 s

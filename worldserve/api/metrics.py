@@ -198,7 +198,6 @@ class Metrics:
         self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
     ) -> None:
         """finish_reason None: failed or abandoned by the client."""
-        self.chat_generation_tokens.labels(**self._label).inc(completion_tokens)
         self.chat_running.labels(**self._label).dec()
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
         self.vllm.chat_ended(completion_tokens, finish_reason or "abort", prompt_tokens)
@@ -207,6 +206,10 @@ class Metrics:
     def on_chat_iteration(self, tokens: int) -> None:
         self.chat_iteration_tokens.labels(**self._label).observe(tokens)
         self.vllm.iteration_tokens.observe(tokens)
+
+    def on_chat_generated(self, tokens: int) -> None:
+        self.chat_generation_tokens.labels(**self._label).inc(tokens)
+        self.vllm.generation_tokens.inc(tokens)
 
     def on_chat_token_gaps(self, seconds: Sequence[float]) -> None:
         hist = self.chat_itl.labels(**self._label)

@@ -168,7 +168,6 @@ class VllmMirror:
 
     # -- chats -------------------------------------------------------------------------------------------
     def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int) -> None:
-        self.generation_tokens.inc(completion_tokens)
         self.chat_running.dec()
         self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()
         if self.request_tokens is not None:

@@ -21,11 +21,7 @@ from prometheus_client import CollectorRegistry
 log = logging.getLogger("worldserve.stats")
 
 READ = {
-    "prompt": "worldserve:chat_prompt_tokens_total",
-    # tokens as they are sampled (the generation token counter grows when a chat ends): first tokens, then the
-    # rest, each observed once in the latency histograms
-    "first": "worldserve:chat_time_to_first_token_seconds_count",
-    "later": "worldserve:chat_inter_token_latency_seconds_count",
+    "prompt": "worldserve:chat_prompt_tokens_total", "generated": "worldserve:chat_generation_tokens_total",
     "chats_running": "worldserve:chat_requests_running", "chats_waiting": "worldserve:chat_requests_waiting",
     "kv": "worldserve:kv_cache_usage_perc", "queries": "vllm:prefix_cache_queries_total",
     "hits": "vllm:prefix_cache_hits_total", "videos_running": "worldserve:num_requests_running",
@@ -56,15 +52,14 @@ class StatsLog:
         """(the line of the interval since the last call, whether anything ran or waited in it)."""
         now, t = self._read(), time.monotonic()
         span = max(t - self.last_t, 1e-9)
-        delta = {k: now[k] - self.last[k] for k in ("prompt", "first", "later", "step_s", "steps")}
-        generated = delta["first"] + delta["later"]
+        delta = {k: now[k] - self.last[k] for k in ("prompt", "generated", "step_s", "steps")}
         self.last, self.last_t = now, t
         hit_rate = 100 * now["hits"] / now["queries"] if now["queries"] else 0.0
         steps = int(delta["steps"])
         per_step = f" ({delta['step_s'] / steps:.2f} s a step)" if steps else ""
         text = (
             f"Chats: avg prompt throughput: {delta['prompt'] / span:.1f} tokens/s, avg generation throughput: "
-            f"{generated / span:.1f} tokens/s, running: {now['chats_running']:.0f} reqs, waiting: "
+            f"{delta['generated'] / span:.1f} tokens/s, running: {now['chats_running']:.0f} reqs, waiting: "
             f"{now['chats_waiting']:.0f} reqs, GPU KV cache usage: {100 * now['kv']:.1f}%, prefix cache hit "
             f"rate: {hit_rate:.1f}%; videos: running: {now['videos_running']:.0f} reqs, waiting: "
             f"{now['videos_waiting']:.0f} reqs, denoising steps: {steps}{per_step}"

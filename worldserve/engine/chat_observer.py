@@ -4,6 +4,8 @@ All calls come from the chat worker's thread, measured with time.monotonic() the
 - `on_chat_iteration(tokens)`: one loop iteration of the worker that sampled tokens: those tokens plus the
   prompts of the chats whose first token it sampled (vLLM's tokens per engine step: a prompt counts in the
   step of its first token, after a chunked prefill's last chunk; the n choices of one prompt once).
+- `on_chat_generated(tokens)`: the completion tokens one batched step sampled, all chats together (vLLM
+  counts its generation tokens per engine step, so a rate over a window shows tokens as they come).
 - `on_chat_token_gaps(seconds)`: for each token sampled in one batched step by a chat that had sampled one
   before, the time since that chat's previous token (vLLM's inter-token latency; the first token's delay is
   the time to first token, measured by the API).
@@ -42,6 +44,8 @@ class ChatTimes:
 class ChatObserver(Protocol):
     def on_chat_iteration(self, tokens: int) -> None: ...
 
+    def on_chat_generated(self, tokens: int) -> None: ...
+
     def on_chat_token_gaps(self, seconds: Sequence[float]) -> None: ...
 
     def on_chat_finished(self, times: ChatTimes) -> None: ...
@@ -49,6 +53,9 @@ class ChatObserver(Protocol):
 
 class NullChatObserver:
     def on_chat_iteration(self, tokens: int) -> None:
+        pass
+
+    def on_chat_generated(self, tokens: int) -> None:
         pass
 
     def on_chat_token_gaps(self, seconds: Sequence[float]) -> None:

@@ -326,8 +326,9 @@ class ChatWorker:
         and the prompts of the chats whose first token it sampled (vLLM counts a prompt in the step of its
         first token: with chunked prefill, after its last chunk; the n choices of one prompt share one prefill:
         once). A delta carries a new token when its count grew or it finished; an idle one carries none."""
-        now, gaps, sampled, prompts = time.monotonic(), [], 0, {}
+        now, gaps, sampled, prompts, generated = time.monotonic(), [], 0, {}, 0
         for (handle, _), delta in zip(active, deltas, strict=True):
+            generated += max(delta.completion_tokens - handle._tokens_seen, 0)
             if delta.completion_tokens > handle._tokens_seen or delta.finish_reason is not None:
                 sampled += 1
                 if handle.last_token_at is None:
@@ -340,6 +341,8 @@ class ChatWorker:
                 self._ended(handle, now)
         if gaps:
             self.observer.on_chat_token_gaps(gaps)
+        if generated:
+            self.observer.on_chat_generated(generated)
         return sampled + sum(prompts.values())
 
     def _ended(self, handle: ChatHandle, now: float | None = None) -> None:

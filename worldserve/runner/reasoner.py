@@ -108,6 +108,8 @@ class Reasoner(ChatAdmission):
             video_token_id if video_token_id is not None else tokenizer.convert_tokens_to_ids(VIDEO_PAD)
         )
         stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
+        vocab = transformer.config.vocab_size  # (the generation config's, as vLLM stops on them)
+        stops |= {i for i in sampling_defaults.eos_token_ids if i < vocab}
         self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -8,8 +8,8 @@ another folder (a path); lay `--override-generation-config`'s JSON over it; keep
 `max_new_tokens` is the completion budget of a request that sends none (with `auto` / `vllm`), and a bound
 on every request's budget when it comes from a folder or from the override (vLLM's `override_max_tokens`);
 the room the prompt leaves in the context bounds both, without an error (runner/chat_prompt.py
-completion_budget). The file's other keys (do_sample, eos_token_id, ...) are not read, as vLLM leaves them out
-of the sampling defaults.
+completion_budget). Its `eos_token_id`s end chats too (vLLM adds them to a request's stop tokens), read from
+the model's file under `vllm` as well; its other keys (do_sample, ...) are not read.
 
 Unlike vLLM, which fails each request against a bad value (or serves neutral defaults from a folder it cannot
 read), a bad value or a folder without `generation_config.json` stops the server at start, naming the file and key.
@@ -55,6 +55,9 @@ class ChatDefaults:
     """The most completion tokens any request gets, whatever max_tokens it sends (None: no bound)."""
     source: str = ""
     """Where the values came from, for the start-up log ("" : vLLM's neutral defaults)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The generation config's `eos_token_id`s: more tokens that end every chat (vLLM adds them to its stop
+    tokens), read from the model's file under auto and vllm alike, or from the folder's."""
 
     @classmethod
     def load(
@@ -66,6 +69,7 @@ class ChatDefaults:
         value the sampler cannot take."""
         values: dict[str, Any] = {}
         sources, where = [], ""
+        eos = _eos_ids(Path(mode) / FILE if mode not in MODES else model_dir / FILE if model_dir else None)
         if mode not in MODES:
             path = Path(mode) / FILE
             if not path.is_file():
@@ -88,13 +92,15 @@ class ChatDefaults:
         budget = values.pop("max_new_tokens", None)
         # vLLM: a folder's max_new_tokens bounds every request; with auto / vllm only the override's does
         cap = budget if mode not in MODES or "max_new_tokens" in given else None
-        return cls(**values, max_tokens=budget, max_tokens_cap=cap, source=" + ".join(sources))
+        return cls(
+            **values, max_tokens=budget, max_tokens_cap=cap, source=" + ".join(sources), eos_token_ids=eos
+        )
 
     def changed(self) -> dict[str, Any]:
-        """The values that differ from vLLM's neutral defaults (the start-up log's)."""
+        """The sampling values that differ from vLLM's neutral defaults (the start-up log's)."""
         neutral = ChatDefaults()
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "source" and getattr(self, f.name) != getattr(neutral, f.name)}  # fmt: skip
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "eos_token_ids")
+                and getattr(self, f.name) != getattr(neutral, f.name)}  # fmt: skip
 
     def budget(self, requested: int | None) -> int | None:
         """The bound on a request's completion budget beside the max_tokens it sent (`requested`; None: sent
@@ -130,6 +136,23 @@ def _read(path: Path) -> dict[str, Any]:
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
     return {k: data[k] for k in KEYS if data.get(k) is not None}
+
+
+def _eos_ids(path: Path | None) -> tuple[int, ...]:
+    """A generation_config.json's `eos_token_id` (one id or a list) as ids; () without the file or the key;
+    ValueError naming the file for anything else."""
+    if path is None or not path.is_file():
+        return ()
+    try:
+        value = read_json_object(path).get("eos_token_id")
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise ValueError(
+            f"{path}: eos_token_id must be a token id or a list of them, got {json.dumps(value)}"
+        )
+    return tuple(ids)
 
 
 def _check(key: str, value: Any, where: str) -> None:
