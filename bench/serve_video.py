@@ -12,6 +12,7 @@ first part holding frames and to session.done, against the sync request's whole 
 times of the session).
 
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 8 --out $OUT/serve_video.json
+    PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --requests t2v --out ...  # 35 steps, T2V
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 4 --serve-arg=--cfg-parallel-size \
         --serve-arg=2 --out $OUT/serve_video.json  # 2 GPUs
     PYTHONPATH=. python bench/serve_video.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/sv.json  # CPU
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8766)
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--realtime", action="store_true", help="also the T2V request over /v1/realtime/video")
+    ap.add_argument("--requests", default="t2v,i2v", help="which sync requests to send, in order (t2v, i2v)")
     return ap.parse_args(argv)
 
 
@@ -141,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
         form = recipe_form(args)
-        for name, files in (("t2v", None), ("i2v", {"input_reference": ("ref.jpg", _jpeg(), "image/jpeg")})):
+        references = {"t2v": None, "i2v": {"input_reference": ("ref.jpg", _jpeg(), "image/jpeg")}}
+        for name in args.requests.split(","):
+            files = references[name]
             before = stage_seconds(url)
             t0 = time.perf_counter()
             r = httpx.post(url + "/v1/videos/sync", data=form, files=files, headers={"Accept": "video/mp4"},
