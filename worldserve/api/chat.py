@@ -191,8 +191,7 @@ def prepared_params(
     params = build_params(
         body, st.allowed_local_media_path, fetched, options, cache, image_tokens, st.chat_defaults
     )
-    if params.seed is None and st.request_seeds is not None:  # --seed: the next of its sequence
-        params = dataclasses.replace(params, seed=st.request_seeds.next())
+    params = st.seeded(params)
     if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
         params = dataclasses.replace(
             params, stops_after_thoughts=True, think_first=params.structured is not None

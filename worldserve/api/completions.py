@@ -19,7 +19,6 @@ generated tokens' entries; vLLM's `prompt_logprobs: k` gives the same as `choice
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -113,7 +112,7 @@ async def create_completion(request: Request, st: State):
     choices = [
         choice
         for ids, _ in tokenized
-        for choice in seeded(st, chat_params(body, ids, structured, bad_word_ids, st.chat_defaults)).choices(
+        for choice in st.seeded(chat_params(body, ids, structured, bad_word_ids, st.chat_defaults)).choices(
             body.n
         )
     ]
@@ -123,13 +122,6 @@ async def create_completion(request: Request, st: State):
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
     work = _answer(st, body, choices, echoes, opened, echo_only)
     return await unless_disconnected(request, work, lambda: close_all(opened))
-
-
-def seeded(st: AppState, params: ChatParams) -> ChatParams:
-    """`params` with the next seed of --seed's sequence when the request sent none (each prompt its own)."""
-    if params.seed is None and st.request_seeds is not None:
-        return dataclasses.replace(params, seed=st.request_seeds.next())
-    return params
 
 
 def _echoed(prompts, body: CompletionRequest, ids: tuple[int, ...], text: str | None, max_model_len: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.request_log import RequestLog
 from worldserve.api.responses_store import ResponseStore
+from worldserve.chat_params import ChatParams
 from worldserve.engine.client import EngineClient, QueueFullError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults, RequestSeeds
 
@@ -68,6 +70,12 @@ class AppState:
         neutral values for a chat backend that sets none)."""
         worker = self.client.chat_worker
         return getattr(worker.backend, "sampling_defaults", NEUTRAL) if worker else NEUTRAL
+
+    def seeded(self, params: ChatParams) -> ChatParams:
+        """`params` with the next seed of --seed's sequence when the request sent none (one a prompt)."""
+        if params.seed is None and self.request_seeds is not None:
+            return dataclasses.replace(params, seed=self.request_seeds.next())
+        return params
 
     def serves(self, model: str | None) -> bool:
         """Whether a request's `model` names this server's model (None or "": not given, as vLLM takes it)."""

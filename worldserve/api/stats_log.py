@@ -29,6 +29,7 @@ READ = {
     "steps": "worldserve:step_time_seconds_count",
 }  # fmt: skip
 """The figures of a line, by the registry sample each is read from."""
+_BY_SAMPLE = {name: key for key, name in READ.items()}
 
 
 class StatsLog:
@@ -40,12 +41,11 @@ class StatsLog:
 
     def _read(self) -> dict[str, float]:
         """The READ figures now (summed over their label sets; 0 for those not registered)."""
-        wanted = {name: key for key, name in READ.items()}
         out: dict[str, float] = defaultdict(float)
         for family in self.registry.collect():
             for sample in family.samples:
-                if sample.name in wanted:
-                    out[wanted[sample.name]] += sample.value
+                if sample.name in _BY_SAMPLE:
+                    out[_BY_SAMPLE[sample.name]] += sample.value
         return out
 
     def line(self) -> tuple[str, bool]:

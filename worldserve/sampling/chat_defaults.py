@@ -67,19 +67,15 @@ class ChatDefaults:
         one; vllm: none; a folder: its generation_config.json, which must exist) with `overrides`
         (--override-generation-config) laid over them. ValueError naming the file or flag and the key of a
         value the sampler cannot take."""
-        values: dict[str, Any] = {}
-        sources, where = [], ""
-        eos = _eos_ids(Path(mode) / FILE if mode not in MODES else model_dir / FILE if model_dir else None)
-        if mode not in MODES:
-            path = Path(mode) / FILE
-            if not path.is_file():
-                raise ValueError(f"--generation-config {mode}: "
-                                 + (f"no {FILE} in that folder" if Path(mode).is_dir() else "no such folder"))  # fmt: skip
-            values, where = _read(path), str(path)
-            sources.append(where)
-        elif mode == "auto" and model_dir is not None and (model_dir / FILE).is_file():
-            values, where = _read(model_dir / FILE), str(model_dir / FILE)
-            sources.append(where)
+        path = Path(mode) / FILE if mode not in MODES else model_dir / FILE if model_dir is not None else None
+        if mode not in MODES and not path.is_file():
+            raise ValueError(f"--generation-config {mode}: "
+                             + (f"no {FILE} in that folder" if Path(mode).is_dir() else "no such folder"))  # fmt: skip
+        found = path is not None and path.is_file()
+        data, where = _read(path) if found else {}, str(path)  # (under vllm: read for its eos ids only)
+        sources = [where] if found and mode != "vllm" else []
+        values = {} if mode == "vllm" else {k: data[k] for k in KEYS if data.get(k) is not None}
+        eos = _eos_ids(data.get("eos_token_id"), where)
         given = {k: v for k, v in (overrides or {}).items() if k in KEYS and v is not None}
         for key, value in values.items():
             _check(key, value, where)
@@ -129,28 +125,20 @@ NEUTRAL = ChatDefaults()
 
 
 def _read(path: Path) -> dict[str, Any]:
-    """The sampling keys of a generation_config.json whose values are set (null: not set, as transformers
-    reads it); CheckpointError (a ValueError to the caller's log) for a file that is no JSON object."""
+    """A generation_config.json's object; ValueError naming the file when it is no JSON object."""
     try:
-        data = read_json_object(path)
+        return read_json_object(path)
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
-    return {k: data[k] for k in KEYS if data.get(k) is not None}
 
 
-def _eos_ids(path: Path | None) -> tuple[int, ...]:
-    """A generation_config.json's `eos_token_id` (one id or a list) as ids; () without the file or the key;
-    ValueError naming the file for anything else."""
-    if path is None or not path.is_file():
-        return ()
-    try:
-        value = read_json_object(path).get("eos_token_id")
-    except CheckpointError as exc:
-        raise ValueError(str(exc)) from None
+def _eos_ids(value: Any, where: str) -> tuple[int, ...]:
+    """A generation config's `eos_token_id` (one id or a list; null or absent: none) as ids; ValueError naming
+    the file for anything else."""
     ids = [] if value is None else [value] if not isinstance(value, list) else value
     if not all(type(i) is int and i >= 0 for i in ids):
         raise ValueError(
-            f"{path}: eos_token_id must be a token id or a list of them, got {json.dumps(value)}"
+            f"{where}: eos_token_id must be a token id or a list of them, got {json.dumps(value)}"
         )
     return tuple(ids)
 
