@@ -18,6 +18,9 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   path where the chats' SM carve-out, runner/chat_share.py, also reaches the bf16 GEMMs): its cost or gain;
 - `fa4`: `buffers+twins` with every layer's attention through FlashAttention-4's CuTe-DSL kernel
   (`worldserve/bench/fa4.py`) with the tile `--fa4` names (bench/attention_fa4.py searches them);
+- `fa4-prebuilt`: `buffers+twins` with the gen layers' attention through the FA4 kernel `--fa4-kernel` of
+  the folder `--fa4-prebuilt` (compiled ahead of time by bench/fa4_export.py, loaded by
+  worldserve/bench/fa4_prebuilt.py; e.g. the 2-CTA cluster kernel that shares K / V tiles by multicast);
 - `diffusers`: diffusers' transformer with its default SDPA.
 Variants alternate over --rounds (each round runs every variant --steps times, in the reverse order every
 other round; one warm-up each first), so drift of the machine's clocks spreads over all of them.
@@ -55,6 +58,7 @@ VARIANTS = (
     "buffers+twins",
     "cublaslt",
     "fa4",
+    "fa4-prebuilt",
     "diffusers",
 )
 
@@ -75,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
     ap.add_argument("--fa4", default="128x128-rs-ovl-gqaauto", help="the fa4 variant's Fa4Config spec")
     ap.add_argument(
+        "--fa4-prebuilt", type=Path, default=None, help="fa4-prebuilt: bench/fa4_export.py's folder"
+    )
+    ap.add_argument("--fa4-kernel", default="fa4_sm90_128x176_c2", help="fa4-prebuilt: the kernel's name")
+    ap.add_argument(
         "--stacks", action="store_true", help="with --profile-dir: the Python stacks of copies and host syncs"
     )
     ap.add_argument(
@@ -86,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not asked or set(asked) - set(VARIANTS):
         ap.error(f"--variants: a comma-separated subset of {', '.join(VARIANTS)}, got {args.variants!r}")
     args.variants = tuple(v for v in VARIANTS if v in asked)
+    if "fa4-prebuilt" in args.variants and args.fa4_prebuilt is None:
+        ap.error("the fa4-prebuilt variant needs --fa4-prebuilt DIR")
     if args.rounds < 1 or args.steps < 1:
         ap.error("--rounds and --steps must be >= 1")
     args.size = args.size or ("64x64" if args.tiny else "1280x720")
@@ -110,8 +120,9 @@ class _NoLayoutCache(dict):
 
 
 @contextlib.contextmanager
-def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto"):
-    """Switch our model to one of the step's code paths for the duration."""
+def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto", prebuilt=None):
+    """Switch our model to one of the step's code paths for the duration (`prebuilt`: the fa4-prebuilt
+    variant's `PrebuiltFa4` kernel)."""
     first = model.layers[0].gen
     lse_fn = first.attn_lse_fn
     with contextlib.ExitStack() as stack:
@@ -140,6 +151,11 @@ def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto"):
                     stack.callback(setattr, block, "attn_fn", block.attn_fn)
                     block.attn_fn = fa4.fa4_attention
             first.attn_lse_fn = fa4.fa4_forward
+        if name == "fa4-prebuilt":  # the gen layers only: the prompt's (causal) K/V are prefilled before
+            for block in (layer.gen for layer in model.layers):
+                stack.callback(setattr, block, "attn_fn", block.attn_fn)
+                block.attn_fn = prebuilt.attention
+            first.attn_lse_fn = prebuilt.forward
         blas = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
         if name == "cublaslt" and blas is not None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -203,6 +219,12 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     our_step = OurStep(ours, w, inputs)
     ref_step = DiffusersStep(ref, w, inputs) if ref is not None else None
     our_step.prefill()
+    prebuilt = None
+    if "fa4-prebuilt" in names:
+        from worldserve.bench.fa4_prebuilt import load_prebuilt
+
+        prebuilt = load_prebuilt(args.fa4_prebuilt)[args.fa4_kernel]
+        res["fa4_prebuilt"] = {"kernel": prebuilt.name, "spec": prebuilt.spec}
     log(f"built both transformers ({w.gen_tokens} gen tokens, attention {res['attention']}) in "
         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
 
@@ -210,7 +232,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         """(step, context) of a variant."""
         if name == "diffusers":
             return ref_step, contextlib.nullcontext()
-        return our_step, variant(ours, name, args.fa4)
+        return our_step, variant(ours, name, args.fa4, prebuilt)
 
     snaps, timings = {}, {name: Timing() for name in names}
     for name in names:  # warm-up (compiles each path's graphs) and the velocities at T_REF

@@ -11,6 +11,10 @@ power and clock-event reasons read beside it (worldserve/bench/clocks.py):
   N(0, 0.02) as the random-weight model's);
 - `attention`: the gen tower's attention (44,357 queries over 44,657 keys, GQA 32 / 8, d 128) through the
   product's attention function (FA3 where it runs);
+- `--fa4-prebuilt DIR`: the same attention through each FlashAttention-4 kernel of DIR (compiled ahead of
+  time by bench/fa4_export.py: FA4's tile, or the 2-CTA cluster that shares K / V tiles by TMA multicast),
+  each checked against FA3's output on the same inputs first, then FA3 once more (`attention-again`) so
+  that drift of the board between the first and the last attention phase shows;
 - `--extra` phases: `packgqa` / `nopackgqa`: the same attention with FA3's GQA packing forced on / off
   (packed, a K/V tile is loaded once for the 4 query heads that share it: less traffic, less power);
   `step`: the product's compiled CFG step at 1280x720x189 + audio (random weights); `diffusers`:
@@ -49,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, default=2 * 44_357, help="M of gate_up: a CFG step's gen tokens")
     ap.add_argument("--extra", default="", help=f"comma list of more phases: {', '.join(EXTRA)}")
     ap.add_argument("--steps", type=int, default=3, help="timed calls of the step / diffusers / vae phases")
+    ap.add_argument("--fa4-prebuilt", type=Path, default=None, help="bench/fa4_export.py's kernel folder")
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
@@ -149,6 +154,31 @@ def _attention_case(device: torch.device, dtype: torch.dtype, tiny: bool, pack_g
     return (lambda: attn(q, k, v, out=out)), 4.0 * nq * nk * hq * d, label
 
 
+def _prebuilt_cases(folder: Path, device: torch.device, dtype: torch.dtype, tiny: bool, log) -> list:
+    """[(phase name, fn, flops)] of each prebuilt FA4 kernel at `_attention_case`'s shape and inputs, after
+    checking its output and LSE against FA3's (ValueError when they disagree beyond bf16 rounding)."""
+    from worldserve.bench.denoise import rel_error
+    from worldserve.bench.fa4_prebuilt import load_prebuilt
+    from worldserve.models.layers.flash_attention import fa3_forward
+
+    nq, nk, hq, hkv, d = (96, 112, 4, 2, 32) if tiny else (44_357, 44_657, 32, 8, 128)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(nq, hq, d, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(nk, hkv, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+    ref, ref_lse = fa3_forward(q, k, v)
+    cases = []
+    for kernel in load_prebuilt(folder).values():
+        out = torch.empty_like(q)
+        o, lse = kernel.forward(q, k, v, out=out)
+        err, lse_diff = rel_error(o, ref), (lse - ref_lse).abs().max().item()
+        log(f"fa4-{kernel.spec}: rel. L2 vs FA3 {err:.2e}, max LSE difference {lse_diff:.2e}")
+        if not (err < 1e-2 and lse_diff < 1e-2):
+            raise ValueError(f"{kernel.name} disagrees with FA3: rel. L2 {err:.2e}, LSE {lse_diff:.2e}")
+        fn = lambda kernel=kernel, out=out: kernel.forward(q, k, v, out=out)  # noqa: E731
+        cases.append((f"fa4-{kernel.spec}", fn, 4.0 * nq * nk * hq * d))
+    return cases
+
+
 def _model_case(name: str, device: torch.device, log) -> tuple[Callable[[], object], float]:
     """(fn, flops) of a full-size phase, built, compiled and warmed up here: `step` (ours, compiled, the
     product's attention), `diffusers` (its transformer, default SDPA) or `vae` (our compiled decoder)."""
@@ -228,6 +258,12 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                     continue
                 phase(name, sustained, fn, flops, secs, device)
                 del fn
+            if name == "attention" and args.fa4_prebuilt is not None:
+                for pname, fn, flops in _prebuilt_cases(args.fa4_prebuilt, device, dtype, args.tiny, log):
+                    phase(pname, sustained, fn, flops, secs, device)
+                fn, flops, _ = _attention_case(device, dtype, args.tiny)
+                phase("attention-again", sustained, fn, flops, secs, device)
+                del fn
         for name in ("step", "diffusers", "vae"):
             if name in args.extra and device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -257,18 +293,19 @@ def table(res: dict) -> str:
     lines = [
         f"sustained rates, {res['environment'].get('gpu', res['environment']['device'])}; power cap "
         f"{board.get('power_limit_w', '-')} W, SM max {board.get('sm_max_mhz', '-')} MHz",
-        f"{'phase':11s} {'TF/s':>6s} {'first':>6s} {'SM MHz':>7s} {'min':>6s} {'W med':>6s} {'W max':>6s} "
+        f"{'phase':15s} {'TF/s':>6s} {'first':>6s} {'SM MHz':>7s} {'min':>6s} {'W med':>6s} {'W max':>6s} "
         f"{'°C':>4s}  reasons",
     ]
     for name, r in res["phases"].items():
         c = r.get("clocks") or {}
+        name = name.removeprefix("fa4-")
         cells = [
             format(c[key], fmt) if key in c else "-".rjust(int(fmt[0]))
             for key, fmt in (("sm_mhz", "7.0f"), ("sm_mhz_min", "6.0f"), ("power_w", "6.0f"),
                              ("power_w_max", "6.0f"), ("temp_c_max", "4.0f"))
         ]  # fmt: skip
         lines.append(
-            f"{name:11s} {r.get('tflops', float('nan')):6.0f} {r.get('tflops_first', float('nan')):6.0f} "
+            f"{name:15s} {r.get('tflops', float('nan')):6.0f} {r.get('tflops_first', float('nan')):6.0f} "
             + " ".join(cells)
             + f"  {','.join(c.get('reasons', [])) or '-'}"
         )

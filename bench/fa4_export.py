@@ -1,0 +1,130 @@
+"""Compile FlashAttention-4's SM90 forward ahead of time on a CPU-only machine, for the GPU machine to load.
+
+FA4 is written in NVIDIA's CuTe Python DSL and compiles on first use; the DSL's compiler library is ~190 MB,
+more than a device call can carry beside the serving wheels. Its kernels compile without a GPU (fake
+tensors, target sm_90a), and each compiled function exports as a small TVM-FFI shared library that needs
+only `apache-tvm-ffi` and the DSL's runtime library (`libcute_dsl_runtime.so`) to run. This script compiles
+one kernel per spec, `TMxTN-cC` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by TMA multicast:
+bench/fa4_sm90_kv_multicast.patch, which must be applied to the installed flash-attn-4), and writes
+
+    OUT/<name>.so                    one TVM-FFI library per kernel (~65 kB), function <name>
+    OUT/libcute_dsl_runtime.so.xz    the DSL runtime (the device unpacks it beside the kernels)
+    OUT/apache_tvm_ffi-*.whl         when --tvm-ffi-wheel names one (the device installs it)
+    OUT/manifest.json                spec, tile, cluster, versions of each kernel
+
+Every kernel: bf16, head dim 128, GQA (any ratio: it is a runtime shape), non-causal, P @ V from registers,
+intra-warpgroup overlap, no GQA packing, the softmax LSE written; shapes are dynamic. The GPU side is
+`worldserve/bench/fa4_prebuilt.py`; bench/attention_fa4.py --prebuilt and bench/step_levers.py --fa4-prebuilt
+time them. Here (a venv with torch, flash-attn-4 4.0.0b36 patched, nvidia-cutlass-dsl 4.8.1, triton):
+
+    python bench/fa4_export.py --out .fa4 --specs 128x176-c1,128x176-c2          # ~3 s a kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SPEC_HELP = "comma-separated TMxTN-cC specs, e.g. 128x176-c1,128x176-c2"
+
+
+def parse_spec(spec: str) -> tuple[int, int, int]:
+    """`128x176-c2` -> (128, 176, 2) (ValueError naming the form otherwise)."""
+    try:
+        tile, cluster = spec.strip().lower().split("-c")
+        tm, tn = (int(x) for x in tile.split("x"))
+        c = int(cluster)
+    except ValueError:
+        raise ValueError(f"kernel spec must look like 128x176-c2, got {spec!r}") from None
+    if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2):
+        raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1 or 2")
+    return tm, tn, c
+
+
+def kernel_name(spec: str) -> str:
+    tm, tn, c = parse_spec(spec)
+    return f"fa4_sm90_{tm}x{tn}_c{c}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path, help="output folder (git-excluded, e.g. .fa4)")
+    ap.add_argument("--specs", default="128x176-c1,128x176-c2", help=SPEC_HELP)
+    ap.add_argument("--tvm-ffi-wheel", type=Path, help="an apache-tvm-ffi cp312 wheel to copy beside them")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    specs = [s for s in args.specs.split(",") if s]
+    for s in specs:
+        parse_spec(s)
+    # Kernel selection and compile target without a GPU (FA4's documented CPU-only compilation).
+    os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90a")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
+    import torch
+    from cutlass.cute.export import aot_config
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if "cluster_m" not in inspect.signature(FlashAttentionForwardSm90.__init__).parameters:
+        sys.exit("flash-attn-4 is not patched: apply bench/fa4_sm90_kv_multicast.patch (its header says how)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache = interface._flash_attn_fwd.compile_cache.cache  # compile key -> compiled TVM-FFI function
+    libdir = aot_config.get_libdir()
+    manifest = {"flash_attn_4": _version("flash-attn-4"), "cutlass_dsl": _version("nvidia-cutlass-dsl"),
+                "arch": "sm_90a", "kernels": {}}  # fmt: skip
+    for spec in specs:
+        tm, tn, c = parse_spec(spec)
+        name = kernel_name(spec)
+        before = set(cache)
+        t0 = time.perf_counter()
+        with FakeTensorMode(allow_non_fake_inputs=True):  # shapes are dynamic: any size compiles the same
+            q = torch.empty(1, 1024, 32, 128, dtype=torch.bfloat16, device="cuda")
+            k, v = (torch.empty(1, 1024, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            interface._flash_attn_fwd(
+                q, k, v, tile_mn=(tm, tn), mma_pv_is_rs=True, intra_wg_overlap=True,
+                num_threads=128 * (1 + tm // 64), pack_gqa=False, return_lse=True, sm90_cluster_m=c,
+            )  # fmt: skip
+        (key,) = set(cache) - before
+        obj = args.out / f"{name}.o"
+        cache[key].export_to_c(str(obj), function_name=name)
+        so = args.out / f"{name}.so"
+        subprocess.run(
+            ["g++", "-shared", "-o", str(so), str(obj), f"-L{libdir}", "-lcute_dsl_runtime"], check=True
+        )
+        obj.unlink()
+        manifest["kernels"][name] = {"spec": spec, "tile_m": tm, "tile_n": tn, "cluster_m": c,
+                                     "compile_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+        print(f"{spec}: {so} ({so.stat().st_size} bytes, {time.perf_counter() - t0:.1f} s)", flush=True)
+    runtime = Path(libdir) / "libcute_dsl_runtime.so"
+    with lzma.open(args.out / "libcute_dsl_runtime.so.xz", "wb", preset=6) as f:
+        f.write(runtime.read_bytes())
+    if args.tvm_ffi_wheel is not None:
+        shutil.copy2(args.tvm_ffi_wheel, args.out / args.tvm_ffi_wheel.name)
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"wrote {len(specs)} kernels, the runtime and manifest.json under {args.out}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
