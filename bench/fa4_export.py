@@ -4,18 +4,26 @@ FA4 is written in NVIDIA's CuTe Python DSL and compiles on first use; the DSL's 
 more than a device call can carry beside the serving wheels. Its kernels compile without a GPU (fake
 tensors, target sm_90a), and each compiled function exports as a small TVM-FFI shared library that needs
 only `apache-tvm-ffi` and the DSL's runtime library (`libcute_dsl_runtime.so`) to run. This script compiles
-one kernel per spec, `TMxTN-cC` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by TMA multicast:
-bench/fa4_sm90_kv_multicast.patch, which must be applied to the installed flash-attn-4), and writes
+one kernel per spec, `TMxTN-cC[-ss][-gqa]` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by TMA
+multicast: bench/fa4_sm90_kv_multicast.patch, which must be applied to the installed flash-attn-4; `-ss`:
+P @ V with P through shared memory instead of registers; `-gqa`: the query heads of a K / V head packed
+into one tile), and writes
 
     OUT/<name>.so                    one TVM-FFI library per kernel (~65 kB), function <name>
-    OUT/libcute_dsl_runtime.so.xz    the DSL runtime (the device unpacks it beside the kernels)
+    OUT/libcute_dsl_runtime.so.xz    the DSL runtime, for a machine without nvidia-cutlass-dsl-libs: unpack
+                                     it there and name the file in $WORLDSERVE_CUTE_DSL_RUNTIME
     OUT/apache_tvm_ffi-*.whl         when --tvm-ffi-wheel names one (the device installs it)
     OUT/manifest.json                spec, tile, cluster, versions of each kernel
 
-Every kernel: bf16, head dim 128, GQA (any ratio: it is a runtime shape), non-causal, P @ V from registers,
-intra-warpgroup overlap, no GQA packing, the softmax LSE written; shapes are dynamic. The GPU side is
-`worldserve/bench/fa4_prebuilt.py`; bench/attention_fa4.py --prebuilt and bench/step_levers.py --fa4-prebuilt
-time them. Here (a venv with torch, flash-attn-4 4.0.0b36 patched, nvidia-cutlass-dsl 4.8.1, triton):
+Every kernel: bf16, head dim 128, non-causal, intra-warpgroup overlap, the softmax LSE written; token
+counts and head counts are runtime shapes, but the GQA ratio (query heads per K / V head, --qhead-per-kvhead,
+Cosmos3's 32 / 8 = 4, also under Ulysses) is compiled in: the manifest records it and the loader runs a
+kernel only at its ratio. The GPU side is
+`worldserve/models/layers/fa4_cluster.py`: the product's gen kernel is the 128x176-c2 one, committed in
+worldserve/models/layers/fa4_sm90/ (rebuild it with `--out worldserve/models/layers/fa4_sm90 --specs
+128x176-c2`, then drop the runtime archive there); bench/sustained_rate.py --fa4-prebuilt and
+bench/step_levers.py --fa4-prebuilt time other candidates. Here (a venv with torch, flash-attn-4 4.0.0b36
+patched, nvidia-cutlass-dsl 4.8.1, triton):
 
     python bench/fa4_export.py --out .fa4 --specs 128x176-c1,128x176-c2          # ~3 s a kernel
 """
@@ -31,42 +39,56 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-SPEC_HELP = "comma-separated TMxTN-cC specs, e.g. 128x176-c1,128x176-c2"
+SPEC_HELP = "comma-separated TMxTN-cC[-ss][-gqa] specs, e.g. 128x176-c1,128x176-c2,192x112-c2-ss"
 
 
-def parse_spec(spec: str) -> tuple[int, int, int]:
-    """`128x176-c2` -> (128, 176, 2) (ValueError naming the form otherwise)."""
-    try:
-        tile, cluster = spec.strip().lower().split("-c")
-        tm, tn = (int(x) for x in tile.split("x"))
-        c = int(cluster)
-    except ValueError:
-        raise ValueError(f"kernel spec must look like 128x176-c2, got {spec!r}") from None
-    if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2):
-        raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1 or 2")
-    return tm, tn, c
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel to compile: tile, cluster size, P's source for P @ V, GQA packing."""
 
+    tile_m: int
+    tile_n: int
+    cluster_m: int
+    p_in_smem: bool = False
+    pack_gqa: bool = False
 
-def kernel_name(spec: str) -> str:
-    tm, tn, c = parse_spec(spec)
-    return f"fa4_sm90_{tm}x{tn}_c{c}"
+    @classmethod
+    def parse(cls, spec: str) -> KernelSpec:
+        """`128x176-c2[-ss][-gqa]` (ValueError naming the form otherwise)."""
+        tile, cluster, *flags = spec.strip().lower().split("-")
+        try:
+            tm, tn = (int(x) for x in tile.split("x"))
+            c = int(cluster.removeprefix("c"))
+        except ValueError:
+            raise ValueError(f"kernel spec must look like 128x176-c2[-ss][-gqa], got {spec!r}") from None
+        if not cluster.startswith("c") or set(flags) - {"ss", "gqa"}:
+            raise ValueError(f"kernel spec must look like 128x176-c2[-ss][-gqa], got {spec!r}")
+        if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2):
+            raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1 or 2")
+        return cls(tm, tn, c, "ss" in flags, "gqa" in flags)
+
+    @property
+    def name(self) -> str:
+        flags = "_ss" * self.p_in_smem + "_gqa" * self.pack_gqa
+        return f"fa4_sm90_{self.tile_m}x{self.tile_n}_c{self.cluster_m}{flags}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path, help="output folder (git-excluded, e.g. .fa4)")
     ap.add_argument("--specs", default="128x176-c1,128x176-c2", help=SPEC_HELP)
+    ap.add_argument("--qhead-per-kvhead", type=int, default=4, help="the GQA ratio compiled in (Cosmos3: 4)")
     ap.add_argument("--tvm-ffi-wheel", type=Path, help="an apache-tvm-ffi cp312 wheel to copy beside them")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    specs = [s for s in args.specs.split(",") if s]
-    for s in specs:
-        parse_spec(s)
+    specs = {s: KernelSpec.parse(s) for s in args.specs.split(",") if s}
+    ratio = args.qhead_per_kvhead
     # Kernel selection and compile target without a GPU (FA4's documented CPU-only compilation).
     os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90a")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -84,18 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     libdir = aot_config.get_libdir()
     manifest = {"flash_attn_4": _version("flash-attn-4"), "cutlass_dsl": _version("nvidia-cutlass-dsl"),
                 "arch": "sm_90a", "kernels": {}}  # fmt: skip
-    for spec in specs:
-        tm, tn, c = parse_spec(spec)
-        name = kernel_name(spec)
+    for spec, ks in specs.items():
+        name = ks.name
         before = set(cache)
         t0 = time.perf_counter()
-        with FakeTensorMode(allow_non_fake_inputs=True):  # shapes are dynamic: any size compiles the same
-            q = torch.empty(1, 1024, 32, 128, dtype=torch.bfloat16, device="cuda")
-            k, v = (torch.empty(1, 1024, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-            interface._flash_attn_fwd(
-                q, k, v, tile_mn=(tm, tn), mma_pv_is_rs=True, intra_wg_overlap=True,
-                num_threads=128 * (1 + tm // 64), pack_gqa=False, return_lse=True, sm90_cluster_m=c,
-            )  # fmt: skip
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):  # shapes are dynamic: any size compiles the same
+                q = torch.empty(1, 1024, 8 * ratio, 128, dtype=torch.bfloat16, device="cuda")
+                k, v = (torch.empty(1, 1024, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+                interface._flash_attn_fwd(
+                    q, k, v, tile_mn=(ks.tile_m, ks.tile_n), mma_pv_is_rs=not ks.p_in_smem,
+                    intra_wg_overlap=True, num_threads=128 * (1 + ks.tile_m // 64), pack_gqa=ks.pack_gqa,
+                    return_lse=True, sm90_cluster_m=ks.cluster_m,
+                )  # fmt: skip
+        except Exception as e:  # a tile the DSL refuses (shared memory, registers, layout): skip it
+            print(f"{spec}: not compiled: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
         (key,) = set(cache) - before
         obj = args.out / f"{name}.o"
         cache[key].export_to_c(str(obj), function_name=name)
@@ -104,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             ["g++", "-shared", "-o", str(so), str(obj), f"-L{libdir}", "-lcute_dsl_runtime"], check=True
         )
         obj.unlink()
-        manifest["kernels"][name] = {"spec": spec, "tile_m": tm, "tile_n": tn, "cluster_m": c,
+        manifest["kernels"][name] = {"spec": spec, "tile_m": ks.tile_m, "tile_n": ks.tile_n,
+                                     "cluster_m": ks.cluster_m, "p_in_smem": ks.p_in_smem,
+                                     "pack_gqa": ks.pack_gqa, "qhead_per_kvhead": ratio,
                                      "compile_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         print(f"{spec}: {so} ({so.stat().st_size} bytes, {time.perf_counter() - t0:.1f} s)", flush=True)
     runtime = Path(libdir) / "libcute_dsl_runtime.so"

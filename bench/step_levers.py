@@ -11,7 +11,10 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   each branch's prompt attention; the layer's end the compiled finish_math (inductor's addmm for each
   residual add, which first copies the residual stream into its output);
 - `buffers+twins`: the product default: as `addmm-copy`, the residual adds done by the GEMMs in place
-  (`finish_residual_in_place`); `concat` and `buffers` also run the compiled finish_math;
+  (`finish_residual_in_place`), the product's attention (on Hopper FA4's cluster kernel for the gen
+  layers where it runs, models/layers/fa4_cluster.py); `concat` and `buffers` also run the compiled
+  finish_math;
+- `fa3`: `buffers+twins` with the gen layers' attention through FA3 (the product before the cluster kernel);
 - `pack-each-step`: `buffers+twins` with GenBatch.pack's layout built anew and moved to the GPU by plain
   (stream-synchronizing) copies every step, as before the layout cache (batch.py `_packed_layout`);
 - `cublaslt`: `buffers+twins` with PyTorch's GEMMs through cuBLASLt (`preferred_blas_library`; the only
@@ -20,7 +23,7 @@ same tensors, ours torch.compile'd with the product's attention (FA3 on Hopper),
   (`worldserve/bench/fa4.py`) with the tile `--fa4` names (bench/attention_fa4.py searches them);
 - `fa4-prebuilt`: `buffers+twins` with the gen layers' attention through the FA4 kernel `--fa4-kernel` of
   the folder `--fa4-prebuilt` (compiled ahead of time by bench/fa4_export.py, loaded by
-  worldserve/bench/fa4_prebuilt.py; e.g. the 2-CTA cluster kernel that shares K / V tiles by multicast);
+  models/layers/fa4_cluster.py's `load_kernels`: candidates beside the product's kernel);
 - `diffusers`: diffusers' transformer with its default SDPA.
 Variants alternate over --rounds (each round runs every variant --steps times, in the reverse order every
 other round; one warm-up each first), so drift of the machine's clocks spreads over all of them.
@@ -56,6 +59,7 @@ VARIANTS = (
     "addmm-copy",
     "pack-each-step",
     "buffers+twins",
+    "fa3",
     "cublaslt",
     "fa4",
     "fa4-prebuilt",
@@ -151,11 +155,17 @@ def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto", prebuilt
                     stack.callback(setattr, block, "attn_fn", block.attn_fn)
                     block.attn_fn = fa4.fa4_attention
             first.attn_lse_fn = fa4.fa4_forward
-        if name == "fa4-prebuilt":  # the gen layers only: the prompt's (causal) K/V are prefilled before
+        if name in ("fa3", "fa4-prebuilt"):  # the gen layers only (the prompt's causal K/V are prefilled)
+            from worldserve.models.layers import flash_attention as fa
+
+            gen_fn, first.attn_lse_fn = (
+                (fa.fa3_attention, fa.fa3_forward)
+                if name == "fa3"
+                else (prebuilt.attention, prebuilt.forward)
+            )
             for block in (layer.gen for layer in model.layers):
                 stack.callback(setattr, block, "attn_fn", block.attn_fn)
-                block.attn_fn = prebuilt.attention
-            first.attn_lse_fn = prebuilt.forward
+                block.attn_fn = gen_fn
         blas = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
         if name == "cublaslt" and blas is not None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -221,9 +231,9 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     our_step.prefill()
     prebuilt = None
     if "fa4-prebuilt" in names:
-        from worldserve.bench.fa4_prebuilt import load_prebuilt
+        from worldserve.models.layers.fa4_cluster import load_kernels
 
-        prebuilt = load_prebuilt(args.fa4_prebuilt)[args.fa4_kernel]
+        prebuilt = load_kernels(args.fa4_prebuilt)[args.fa4_kernel]
         res["fa4_prebuilt"] = {"kernel": prebuilt.name, "spec": prebuilt.spec}
     log(f"built both transformers ({w.gen_tokens} gen tokens, attention {res['attention']}) in "
         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip

@@ -9,10 +9,11 @@ power and clock-event reasons read beside it (worldserve/bench/clocks.py):
 - `gemm`: the same product sustained; `gemm-zeros`: on zeros (same kernel, less switching power);
 - `gate_up`: the step's largest GEMM ([--rows, 4096] @ [4096, 24,576]; activations N(0, 1), weights
   N(0, 0.02) as the random-weight model's);
-- `attention`: the gen tower's attention (44,357 queries over 44,657 keys, GQA 32 / 8, d 128) through the
-  product's attention function (FA3 where it runs);
+- `attention`: the gen tower's attention (44,357 queries over 44,657 keys, GQA 32 / 8, d 128) through FA3
+  (the product's und attention; the gen tower's where FA4's cluster kernel cannot run);
 - `--fa4-prebuilt DIR`: the same attention through each FlashAttention-4 kernel of DIR (compiled ahead of
-  time by bench/fa4_export.py: FA4's tile, or the 2-CTA cluster that shares K / V tiles by TMA multicast),
+  time by bench/fa4_export.py: FA4's tile, or the 2-CTA cluster that shares K / V tiles by TMA multicast;
+  the product's gen kernel is worldserve/models/layers/fa4_sm90/),
   each checked against FA3's output on the same inputs first, then FA3 once more (`attention-again`) so
   that drift of the board between the first and the last attention phase shows;
 - `--extra` phases: `packgqa` / `nopackgqa`: the same attention with FA3's GQA packing forced on / off
@@ -158,7 +159,7 @@ def _prebuilt_cases(folder: Path, device: torch.device, dtype: torch.dtype, tiny
     """[(phase name, fn, flops)] of each prebuilt FA4 kernel at `_attention_case`'s shape and inputs, after
     checking its output and LSE against FA3's (ValueError when they disagree beyond bf16 rounding)."""
     from worldserve.bench.denoise import rel_error
-    from worldserve.bench.fa4_prebuilt import load_prebuilt
+    from worldserve.models.layers.fa4_cluster import load_kernels
     from worldserve.models.layers.flash_attention import fa3_forward
 
     nq, nk, hq, hkv, d = (96, 112, 4, 2, 32) if tiny else (44_357, 44_657, 32, 8, 128)
@@ -167,7 +168,7 @@ def _prebuilt_cases(folder: Path, device: torch.device, dtype: torch.dtype, tiny
     k, v = (torch.randn(nk, hkv, d, device=device, dtype=dtype, generator=g) for _ in range(2))
     ref, ref_lse = fa3_forward(q, k, v)
     cases = []
-    for kernel in load_prebuilt(folder).values():
+    for kernel in load_kernels(folder).values():
         out = torch.empty_like(q)
         o, lse = kernel.forward(q, k, v, out=out)
         err, lse_diff = rel_error(o, ref), (lse - ref_lse).abs().max().item()

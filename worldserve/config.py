@@ -59,7 +59,7 @@ class ModelConfig:
     diffusion_attention_backend: str | None = field(
         default=None, metadata={"choices": ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN", "auto")}
     )
-    """Attention kernel: FLASH_ATTN (FlashAttention-3, from `pip install 'worldserve[hopper]'`), TORCH_SDPA / CUDNN_ATTN (PyTorch SDPA, cuDNN first); default: env DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs, else SDPA."""
+    """Attention kernel: FLASH_ATTN (FlashAttention-3, from `pip install 'worldserve[hopper]'`), TORCH_SDPA / CUDNN_ATTN (PyTorch SDPA, cuDNN first); default: env DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs (the gen tower FA4's cluster kernel where that runs too: FLASH_ATTN keeps FA3), else SDPA."""
     enforce_eager: bool = False
     """Run the transformer eagerly; by default the gen layers are torch.compile'd on GPU (first request per shape compiles, about 15 s)."""
     vae_tiling: bool = field(default=False, metadata={"aliases": ("--vae-use-tiling",)})

@@ -5,8 +5,9 @@ NVIDIA's CuTe Python DSL and compiled on first use (~2 s) for the tile, the P @ 
 or shared memory) and the intra-warpgroup overlap it is given. `bench/attention_fa4.py` searches those at
 the gen tower's shape and `bench/step_levers.py --variants fa4` runs a whole step on the winner: measured on
 an H200 (bench/results/README.md, seventh session) the best FA4 tile is FA3's own 128 x 176 at FA3's speed
-(49.3 vs 49.7 ms a call, within noise) and the step is 1 % slower, so the product keeps FA3
-(`models/layers/flash_attention.py`) and this wrapper lives with the benchmarks.
+(49.3 vs 49.7 ms a call, within noise) and the step is 1 % slower, so this wrapper lives with the
+benchmarks. What did pay is FA4 with K/V tiles shared by 2-CTA clusters (thirty-third session), which
+the product runs precompiled: `models/layers/fa4_cluster.py`.
 
 Same contract as `flash_attention.fa3_forward`: token-major [N, H, D] tensors, GQA native, causal aligned
 bottom right, the output written into `out`, the softmax LSE [Hq, Nq] float32 returned beside it. The call
@@ -29,7 +30,7 @@ from torch import Tensor
 from worldserve.models.layers.flash_attention import hopper_bf16_reason
 
 FA4_MODULE = "flash_attn.cute.interface"
-FA4_INSTALL_HINT = "pip install 'worldserve[hopper]' (flash-attn-4: FlashAttention's CuTe-DSL kernels)"
+FA4_INSTALL_HINT = "pip install flash-attn-4==4.0.0b36 (FlashAttention's CuTe-DSL kernels, JIT-compiled)"
 
 
 @dataclass(frozen=True)

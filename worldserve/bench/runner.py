@@ -56,7 +56,8 @@ class BenchOptions:
     diffusers_cudnn: bool = True
     """Also time diffusers with our SDPA backend priority (cuDNN first)."""
     attention_backend: str | None = None
-    """Our attention kernel (flash_attention.BACKENDS; None = auto, the product default: FA3 where it runs)."""
+    """Our attention kernel (flash_attention.BACKENDS; None = auto, the product default: FA3 where it
+    runs, the gen tower FA4's cluster kernel where that runs too)."""
 
 
 class _CudnnFirst:

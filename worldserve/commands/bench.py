@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default=None,
         choices=("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN"),
-        help="our attention kernel (default: auto, FA3 where it runs, as serve / generate)",
+        help="our attention kernel (default: auto as serve / generate: FA3, the gen tower FA4's cluster kernel where it runs)",
     )
     p.add_argument("--e2e-steps", type=int, default=35, help="steps of the end-to-end estimate")
     p.add_argument(

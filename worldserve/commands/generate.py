@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--diffusion-attention-backend", default=None, choices=("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN", "auto"),
         help="FLASH_ATTN (FlashAttention-3) or TORCH_SDPA / CUDNN_ATTN; default: env "
-        "DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs, else SDPA",
+        "DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs (the gen tower FA4's cluster kernel where that runs), else SDPA",
     )  # fmt: skip
     p.add_argument(
         "--fp8-attention", action="store_true",

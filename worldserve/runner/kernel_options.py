@@ -30,7 +30,8 @@ class KernelOptions:
     quantization: str | None = None
     """None, "fp8" (gen tower GEMMs in e4m3, row-wise scales; bf16 gen weights freed) or "fp8-emulated"."""
     attention_backend: str | None = None
-    """flash_attention.BACKENDS name; None: `DIFFUSION_ATTENTION_BACKEND`, else auto (FA3 where it runs)."""
+    """flash_attention.BACKENDS name; None: `DIFFUSION_ATTENTION_BACKEND`, else auto (FA3 where it runs; the gen tower
+    FA4's cluster kernel where that runs too: models/layers/fa4_cluster.py)."""
     fp8_attention: bool = False
     """Gen tower attention in e4m3 through FlashAttention-3 (lossy; H100/H200 with the FA3 package)."""
     layerwise_offload: bool = False

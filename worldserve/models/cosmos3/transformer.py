@@ -20,8 +20,9 @@ Layerwise offload (`enable_layerwise_offload(device)`, on a model loaded on the 
 blocks stay in pinned host memory and stream through two device slots per tower while they run
 (models/layers/offload.py); everything else moves to the device.
 Attention kernel: `set_attention_backend(name)` picks FlashAttention-3 or SDPA for every layer
-(models/layers/flash_attention.py; auto = FA3 where it can run); `fp8_attention=True` sends the gen
-tower's attention through FA3's e4m3 kernel (lossy, the fp8 mode).
+(models/layers/flash_attention.py; auto = FA3 where it can run, and the gen tower then FA4's cluster
+kernel where it can run: models/layers/fa4_cluster.py); `fp8_attention=True` sends the gen tower's
+attention through FA3's e4m3 kernel (lossy, the fp8 mode).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ from worldserve.models.cosmos3.layer import (
 )
 from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
 from worldserve.models.layers.attention import ContiguousKVCache, KVCache
+from worldserve.models.layers.fa4_cluster import (
+    fa4_cluster_attention,
+    fa4_cluster_forward,
+    fa4_cluster_unavailable_reason,
+)
 from worldserve.models.layers.flash_attention import (
     fa3_forward,
     fa3_fp8_attention,
@@ -206,18 +212,27 @@ class Cosmos3Transformer(nn.Module):
     def set_attention_backend(self, name: str | None = None, *, fp8_attention: bool = False) -> str:
         """Route every layer's attention through `name` (flash_attention.BACKENDS; None = auto); the label.
 
+        Auto on Hopper: FA3 for the und tower and FA4's cluster kernel for the gen tower ("fa4-cluster")
+        where that kernel can run (fa4_cluster.fa4_cluster_unavailable_reason), else FA3 for both.
         `fp8_attention` (needs FA3) runs the gen tower's attention in e4m3; the und tower stays exact."""
         label, fn = resolve_attention_backend(name, self.device, self.dtype, self.config.head_dim)
         if fp8_attention and label != "fa3":
             raise ValueError(
                 "fp8 attention needs the FlashAttention-3 backend (FLASH_ATTN), which cannot run here"
             )
+        # LSEs let the first gen layer share a CFG pair's gen-gen attention (layer.GenAttentionBuffers)
+        gen_fn, lse_fn = fn, (fa3_forward if label == "fa3" else None)
+        if fp8_attention:
+            gen_fn, lse_fn, label = fa3_fp8_attention, None, "fa3+fp8"
+        elif label == "fa3" and (name or "auto").upper() == "AUTO":
+            head_dim = self.config.head_dim
+            if fa4_cluster_unavailable_reason(self.device, self.dtype, head_dim) is None:
+                gen_fn, lse_fn, label = fa4_cluster_attention, fa4_cluster_forward, "fa4-cluster"
         for layer in self.layers:
             layer.und.attn_fn = fn
-            layer.gen.attn_fn = fa3_fp8_attention if fp8_attention else fn
-            # LSEs let the first gen layer share a CFG pair's gen-gen attention (layer.GenAttentionBuffers)
-            layer.gen.attn_lse_fn = fa3_forward if label == "fa3" and not fp8_attention else None
-        return label + ("+fp8" if fp8_attention else "")
+            layer.gen.attn_fn = gen_fn
+            layer.gen.attn_lse_fn = lse_fn
+        return label
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint key this model loads, with its on-disk shape."""

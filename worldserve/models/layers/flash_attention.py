@@ -13,8 +13,9 @@ amax scale per tensor (computed on the device, no host sync) and FA3's fp8 kerne
 (`*_descale`); the output stays bf16.
 
 Backends (`--diffusion-attention-backend`, env `DIFFUSION_ATTENTION_BACKEND`, vLLM-Omni's names):
-- None / "auto": FA3 where it can run (CUDA sm90, bf16, head dim <= 256, package importable), else SDPA.
-- "FLASH_ATTN": FA3, and an error naming the fix where it cannot run.
+- None / "auto": FA3 where it can run (CUDA sm90, bf16, head dim <= 256, package importable), else SDPA;
+  the transformer then gives its gen tower FA4's cluster kernel where that runs (fa4_cluster.py).
+- "FLASH_ATTN": FA3 (both towers), and an error naming the fix where it cannot run.
 - "TORCH_SDPA" / "CUDNN_ATTN": PyTorch SDPA with cuDNN first (`attention.sdpa_attention`).
 """
 
