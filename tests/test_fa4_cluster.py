@@ -188,3 +188,19 @@ def test_the_cluster_kernel_matches_fa3_and_float32(nq, nk, hq, hkv):
     fa3_out, fa3_lse = fa.fa3_forward(q, k, v)
     assert float((out.float() - fa3_out.float()).norm() / fa3_out.float().norm()) < 2e-3
     torch.testing.assert_close(lse, fa3_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cluster_kernel_runs(), reason="needs an H100/H200 with worldserve[hopper]")
+def test_the_cluster_kernel_reads_strided_views():
+    """q / k / v as column slices of one fused [N, (Hq + 2 Hkv) D] projection (token strides larger than
+    H D, as `qkv_math` returns them before the K/V buffers): the same result as contiguous copies."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, hq, hkv = 700, 32, 8
+    qkv = torch.randn(n, (hq + 2 * hkv) * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (x.unflatten(-1, (-1, 128)) for x in qkv.split([hq * 128, hkv * 128, hkv * 128], dim=-1))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out, lse = fc.fa4_cluster_forward(q, k, v)
+    ref, ref_lse = fc.fa4_cluster_forward(q.contiguous(), k.contiguous(), v.contiguous())
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
