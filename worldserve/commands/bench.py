@@ -86,7 +86,7 @@ def options(args: argparse.Namespace):
 
     from worldserve.bench.runner import PHASES, BenchOptions
     from worldserve.bench.workload import parse_point
-    from worldserve.commands.generate import check_writable
+    from worldserve.commands.cli_inputs import check_writable
     from worldserve.params import ParamError
     from worldserve.runner.devices import check_device
 

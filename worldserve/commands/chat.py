@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
-from worldserve.commands.generate import text_arg
+from worldserve.commands.cli_inputs import text_arg
 from worldserve.config_values import TokenCount, int64_seed
 from worldserve.params import ParamError
 

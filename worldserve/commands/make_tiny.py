@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worldserve.commands.generate import check_writable
+    from worldserve.commands.cli_inputs import check_writable
     from worldserve.params import ParamError
     from worldserve.weights.tiny import make_tiny
 
