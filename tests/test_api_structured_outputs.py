@@ -119,6 +119,8 @@ BAD = [
      "structured_outputs.disable_any_whitespace", "boolean"),
     ({"response_format": {"type": "xml"}}, "response_format", "'xml'"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name", '"name"'),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
      "response_format.json_schema.schema", "JSON object"),
     ({"guided_choice": "red"}, "guided_choice", "list of strings"),

@@ -306,3 +306,47 @@ def test_prefix_cache_counters_on_metrics(reasoner_url):
     queried = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
     found = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     assert queried > 0 and 0 < found < queried  # the second chat found the first one's full blocks
+
+
+def test_cache_salt_keeps_prompts_apart(tiny_ckpt, model_tok):
+    """vLLM's cache_salt: it seeds the first block's key, so chats share cached blocks only with chats of the
+    same salt (or, without one, with unsalted chats); a truncated prompt keeps its salt."""
+    r = make_reasoner(tiny_ckpt, model_tok)
+    prompts = [r.build_prompt(chat(LONG, "Question?", cache_salt=s)) for s in ("a", "a", "b", None)]
+    keys = [block_hashes(p, (), BS, len(p.input_ids)) for p in prompts]
+    assert keys[0] == keys[1] and len(keys[0]) >= 2
+    assert all(x != y for other in keys[2:] for x, y in zip(keys[0], other, strict=True))
+    assert all(x != y for x, y in zip(keys[2], keys[3], strict=True))
+    n = len(prompts[0].input_ids)
+    hits = []
+    for salt in ("a", "b", None, "a", None):
+        first_logits_and_tokens(r, chat(LONG, "Question?", cache_salt=salt))
+        hits.append(r.prefix_cache_counts[1])
+    shared = (n - 1) // BS * BS  # what a chat finds of an earlier one's prompt (its last token is computed)
+    assert hits == [0, 0, 0, shared, 2 * shared]  # "a" again and unsalted again find their own blocks only
+    cut = r.prompts.truncated(prompts[0], n - 3, 1024, 6)
+    assert cut.cache_salt == "a" and len(cut.input_ids) == n - 3
+
+
+@pytest.mark.parametrize(
+    ("route", "salt", "status"),
+    [("chat", "", 400), ("chat", 5, 400), ("chat", "tenant-1", 200), ("completions", "", 400),
+     ("completions", "tenant-1", 200)],
+)  # fmt: skip
+def test_cache_salt_must_be_a_non_empty_string(reasoner_url, route, salt, status):
+    body = {"model": "test-model", "max_tokens": 2, "cache_salt": salt}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": "Hello"}]
+    else:
+        body["prompt"] = "Hello"
+    resp = httpx.post(
+        f"{reasoner_url}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, timeout=60
+    )
+    assert resp.status_code == status, resp.text
+    if status == 400:
+        assert resp.json()["error"]["param"] == "cache_salt"
+        if salt == "":
+            assert (
+                resp.json()["error"]["message"]
+                == "Parameter 'cache_salt' must be a non-empty string if provided."
+            )

@@ -258,6 +258,9 @@ class ChatParams:
     with <think>, they match only after </think>."""
     tools: tuple[dict, ...] = ()
     """Function tools the chat template shows the model ({"type": "function", "function": {...}})."""
+    cache_salt: str | None = None
+    """vLLM's prefix-cache salt: a chat reuses cached prompt blocks only of chats with the same salt (it seeds
+    the first block's key, runner/prefix_hashes.py), so clients can keep their prompts' K/V to themselves."""
 
     @property
     def prompt_key(self) -> int:
@@ -295,6 +298,8 @@ class ChatParams:
             raise ParamError("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ParamError("stop", "stop strings must be non-empty")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ParamError("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2 <= value <= 2):

@@ -122,6 +122,8 @@ class SamplingRequest(NullsAsDefaults):
     streamed: the prompt's in the first chunk, each chunk's own sampled ids)."""
     return_tokens_as_token_ids: bool | None = None
     """vLLM's: logprobs name their tokens as "token_id:<id>" strings (for tokens that are no valid text)."""
+    cache_salt: str | None = None
+    """vLLM's: only requests with the same salt share cached prompt blocks (non-empty)."""
     # structured outputs (vLLM extensions); typed Any so that a wrong value gets the 400 naming the field
     # (api/structured_fields.py) rather than pydantic's validation error
     structured_outputs: Any = None
@@ -149,7 +151,7 @@ class SamplingRequest(NullsAsDefaults):
             "logit_bias": logit_bias(self.logit_bias), "bad_words": tuple(self.bad_words or ()),
             "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             "skip_special_tokens": self.skip_special_tokens, "truncate_prompt_tokens": self.truncate_prompt_tokens,
-            "return_token_ids": bool(self.return_token_ids),
+            "return_token_ids": bool(self.return_token_ids), "cache_salt": self.cache_salt,
         }  # fmt: skip
 
     def refused_sampling(self) -> tuple[str, str] | None:

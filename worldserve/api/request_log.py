@@ -19,8 +19,9 @@ from worldserve.params import VideoParams
 log = logging.getLogger("worldserve.requests")
 
 _NOT_SAMPLING = {"messages", "prompt_ids", "prebuilt", "bad_word_ids", "chat_template_kwargs", "tools",
-                 "structured", "image_min_pixels", "image_max_pixels", "think_first", "stops_after_thoughts"}  # fmt: skip
-"""ChatParams fields that are the prompt or its rendering, not how it is sampled."""
+                 "structured", "image_min_pixels", "image_max_pixels", "think_first", "stops_after_thoughts",
+                 "cache_salt"}  # fmt: skip
+"""ChatParams fields that are the prompt or its rendering (or the client's cache salt), not how it is sampled."""
 _CHAT_DEFAULTS = ChatParams(messages=())
 MEDIA = {"image_url": "<image>", "video_url": "<video>"}
 """How a chat's media parts show in its logged prompt."""

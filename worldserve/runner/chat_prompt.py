@@ -23,7 +23,7 @@ tokenizing it (megabytes take tens of seconds).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,8 @@ class ChatPrompt:
     media: tuple[tuple[int, bytes], ...] = ()
     """(first placeholder row, content digest) of each image and video: their part of the prefix-cache keys
     (runner/prefix_hashes.py)."""
+    cache_salt: str | None = None
+    """The request's prefix-cache salt (ChatParams.cache_salt): part of the first block's key."""
 
 
 class ChatPromptBuilder:
@@ -152,6 +154,10 @@ class ChatPromptBuilder:
         any media preprocessing or tokenizing (ParamError("messages")): the template renders megabytes in
         milliseconds (and may drop text, e.g. earlier turns' reasoning, so the raw messages would not do),
         placeholders only ever expand, and tokenizing megabytes takes seconds to tens of seconds."""
+        prompt = self._build(params, add_special_tokens, max_tokens)
+        return prompt if params.cache_salt is None else replace(prompt, cache_salt=params.cache_salt)
+
+    def _build(self, params: ChatParams, add_special_tokens: bool, max_tokens: int | None) -> ChatPrompt:
         if params.prompt_ids is not None:
             return self._raw(list(params.prompt_ids))
         conversation, images, videos = [], [], []
@@ -257,7 +263,9 @@ class ChatPromptBuilder:
             return prompt
         if prompt.vision is not None or prompt.video is not None:
             raise ParamError("truncate_prompt_tokens", "a prompt with images or videos cannot be truncated")
-        return self._raw(list(prompt.input_ids[len(prompt.input_ids) - keep :]))
+        return replace(
+            self._raw(list(prompt.input_ids[len(prompt.input_ids) - keep :])), cache_salt=prompt.cache_salt
+        )
 
     def _raw(self, ids: list[int]) -> ChatPrompt:
         """A raw prompt: ids checked (in the vocabulary, no vision placeholder), text positions (k, k, k)."""

@@ -4,7 +4,8 @@ The K/V of token t depend on every token up to t, on their mRoPE positions and, 
 placeholder rows, on the pixels (the ViT embeddings and deepstack features added there). So the key of block
 j is SHA-256 over the key of block j-1, block j's token ids, their positions, and the digest of each image or
 video whose placeholder rows start in block j (`media_digests`, computed once when the prompt is built, off
-the chat worker: `ChatPrompt.media`). Two chats share a block only when all of that is equal up to its end.
+the chat worker: `ChatPrompt.media`); block 0's "parent" is the digest of the request's `cache_salt` (vLLM's
+field), empty without one. Two chats share a block only when all of that is equal up to its end.
 SHA-256 (vLLM's default hash too) keeps a crafted prompt from colliding with another client's.
 """
 
@@ -62,7 +63,8 @@ def block_hashes(prompt: ChatPrompt, generated: Sequence[int], block_size: int, 
     digests: dict[int, list[bytes]] = {}  # block -> the media starting in it, in row order
     for row, digest in prompt.media:
         digests.setdefault(row // block_size, []).append(digest)
-    out, parent = [], b""
+    salt = prompt.cache_salt
+    out, parent = [], b"" if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
     for j in range(full):
         start, end = j * block_size, (j + 1) * block_size
         h = hashlib.sha256(parent)
