@@ -204,3 +204,16 @@ def test_the_cluster_kernel_reads_strided_views():
     ref, ref_lse = fc.fa4_cluster_forward(q.contiguous(), k.contiguous(), v.contiguous())
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
+
+
+def test_info_names_the_attention_kernels_it_would_use(monkeypatch):
+    from worldserve.commands import info
+
+    monkeypatch.setattr(fa, "fa3_unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(fc, "fa4_cluster_unavailable_reason", lambda *a: "no tvm here")
+    assert info.runtime(128)["attention"] == "FlashAttention-3 (the FA4 cluster kernel not used: no tvm here)"
+    monkeypatch.setattr(fc, "fa4_cluster_unavailable_reason", lambda *a: None)
+    assert (
+        info.runtime(128)["attention"]
+        == "FlashAttention-3, the gen tower FlashAttention-4 with 2-CTA clusters"
+    )

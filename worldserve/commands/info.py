@@ -125,17 +125,24 @@ def runtime(head_dim: int) -> dict:
     """What this machine would run the model with: torch, the default device, the attention kernel."""
     import torch
 
+    from worldserve.models.layers.fa4_cluster import fa4_cluster_unavailable_reason
     from worldserve.models.layers.flash_attention import fa3_unavailable_reason
     from worldserve.runner.devices import default_device, default_dtype
 
     device = default_device()
     cuda, dtype = device.type == "cuda", default_dtype(device)
     reason = fa3_unavailable_reason(device, dtype, head_dim)
+    if reason is not None:
+        attention = f"PyTorch SDPA (FA3 not used: {reason})"
+    elif (fa4 := fa4_cluster_unavailable_reason(device, dtype, head_dim)) is None:
+        attention = "FlashAttention-3, the gen tower FlashAttention-4 with 2-CTA clusters"
+    else:
+        attention = f"FlashAttention-3 (the FA4 cluster kernel not used: {fa4})"
     return {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "gpus": torch.cuda.device_count() if cuda else 0,
-        "attention": "FlashAttention-3" if reason is None else f"PyTorch SDPA (FA3 not used: {reason})",
+        "attention": attention,
     }
 
 
