@@ -152,11 +152,56 @@ def test_the_kernel_gets_fa4s_batch_major_arguments(monkeypatch):
         kernel.forward(q, q, q)
 
 
+def test_the_self_test_keeps_fa3_when_the_kernel_fails_or_disagrees(monkeypatch):
+    """Before the model takes the kernel, it runs once against FA3 on a small problem (here on the CPU, with
+    stand-ins for both kernels): agreement passes; a launch error or a wrong result is the reason FA3 stays."""
+    monkeypatch.setattr(fc, "fa3_forward", lambda q, k, v: (q.clone(), torch.zeros(q.shape[1], q.shape[0])))
+
+    class StandIn(fc.Fa4Kernel):
+        def forward(self, q, k, v, **kw):
+            if self.fn == "raise":
+                raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+            return (q.clone() if self.fn == "agree" else -q), torch.zeros(q.shape[1], q.shape[0])
+
+    cpu = torch.device("cpu")
+    assert fc.self_test(StandIn("k", "128x176-c2", 2, 4, "agree"), cpu) is None
+    assert fc.self_test(StandIn("k", "128x176-c2", 2, 4, "raise"), cpu) == (
+        "FlashAttention-4's cluster kernel failed its self-test: RuntimeError: CUDA error: no kernel image is "
+        "available for execution on the device"
+    )
+    assert fc.self_test(StandIn("k", "128x176-c2", 2, 4, "negate"), cpu).startswith(
+        "FlashAttention-4's cluster kernel disagrees with FA3 (rel. L2 2.0e+00"
+    )
+
+
 def _cluster_kernel_runs() -> bool:
     return (
         torch.cuda.is_available()
         and fc.fa4_cluster_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128) is None
     )
+
+
+def _hopper_with_the_kernel_packages() -> bool:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and fa.fa3_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128) is None
+        and fc.runtime_library() is not None
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _hopper_with_the_kernel_packages(), reason="needs an H100/H200 with worldserve[hopper]"
+)
+def test_the_shipped_kernel_is_usable_on_hopper():
+    """Where its packages are installed on Hopper, the kernel loads and passes its self-test (a failure would
+    silently leave the gen tower on FA3, and skip the tests below)."""
+    assert fc.fa4_cluster_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128) is None
 
 
 @pytest.mark.gpu

@@ -153,7 +153,37 @@ def fa4_cluster_unavailable_reason(device: torch.device, dtype: torch.dtype, hea
         return reason
     if head_dim != HEAD_DIM:
         return f"FlashAttention-4's cluster kernel is compiled for head dim {HEAD_DIM}, not {head_dim}"
-    return _gen_kernel()[1]
+    kernel, reason = _gen_kernel()
+    if kernel is None:
+        return reason
+    return _self_test(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _self_test(index: int) -> str | None:
+    """`self_test` of the gen kernel on GPU `index`, once per GPU."""
+    return self_test(_gen_kernel()[0], torch.device("cuda", index))
+
+
+def self_test(kernel: Fa4Kernel, device: torch.device) -> str | None:
+    """None when `kernel` runs on `device` and agrees with FA3 on a small problem (three query tiles, so one
+    cluster holds a tile past the queries), else why not: a driver that cannot load its sm_90a code or a
+    runtime that does not match it shows here, once, and the model keeps FA3 instead of failing a request."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(
+        300, 4 * kernel.qhead_per_kvhead, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g
+    )
+    k, v = (torch.randn(333, 4, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    try:
+        out, lse = kernel.forward(q, k, v)
+        ref, ref_lse = fa3_forward(q, k, v)
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        lse_err = float((lse - ref_lse).abs().max())
+    except Exception as e:  # the launch itself failed (driver, runtime, kernel image)
+        return f"FlashAttention-4's cluster kernel failed its self-test: {type(e).__name__}: {e}"
+    if not (err < 1e-2 and lse_err < 1e-2):
+        return f"FlashAttention-4's cluster kernel disagrees with FA3 (rel. L2 {err:.1e}, LSE {lse_err:.1e})"
+    return None
 
 
 def fa4_cluster_forward(
