@@ -21,6 +21,8 @@ compiled in (4: Cosmos3's 32 / 8, also per Ulysses rank), and the kernel is non-
 another ratio goes to FA3.
 `transformer.set_attention_backend` gives it to the gen layers where the backend is chosen automatically
 and it can run (the und tower, causal, keeps FA3); `--diffusion-attention-backend FLASH_ATTN` keeps FA3.
+"Can run" includes a self-test against FA3 on each GPU, once (`self_test`): a driver or runtime that cannot
+launch the sm_90a code leaves the model on FA3 with the reason, instead of failing requests.
 """
 
 from __future__ import annotations
