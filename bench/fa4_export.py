@@ -4,10 +4,11 @@ FA4 is written in NVIDIA's CuTe Python DSL and compiles on first use; the DSL's 
 more than a device call can carry beside the serving wheels. Its kernels compile without a GPU (fake
 tensors, target sm_90a), and each compiled function exports as a small TVM-FFI shared library that needs
 only `apache-tvm-ffi` and the DSL's runtime library (`libcute_dsl_runtime.so`) to run. This script compiles
-one kernel per spec, `TMxTN-cC[-ss][-gqa]` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by TMA
-multicast: bench/fa4_sm90_kv_multicast.patch, which must be applied to the installed flash-attn-4; `-ss`:
-P @ V with P through shared memory instead of registers; `-gqa`: the query heads of a K / V head packed
-into one tile), and writes
+one kernel per spec, `TMxTN-cC[-ss][-gqa][-pN]` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by
+TMA multicast: bench/fa4_sm90_kv_multicast.patch, which must be applied to the installed flash-attn-4;
+`-ss`: P @ V with P through shared memory instead of registers; `-gqa`: the query heads of a K / V head
+packed into one tile; `-pN`: persistent, N resident CTAs walking the tiles, `-p` = 132, an H100 / H200's SMs),
+and writes
 
     OUT/<name>.so                    one TVM-FFI library per kernel (~65 kB), function <name>
     OUT/libcute_dsl_runtime.so.xz    the DSL runtime, for a machine without nvidia-cutlass-dsl-libs: unpack
@@ -42,7 +43,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SPEC_HELP = "comma-separated TMxTN-cC[-ss][-gqa] specs, e.g. 128x176-c1,128x176-c2,192x112-c2-ss"
+SPEC_HELP = (
+    "comma-separated TMxTN-cC[-ss][-gqa][-pN] specs, e.g. 128x176-c1,128x176-c2,192x112-c2-ss,128x176-c2-p"
+)
 
 
 @dataclass(frozen=True)
@@ -54,25 +57,34 @@ class KernelSpec:
     cluster_m: int
     p_in_smem: bool = False
     pack_gqa: bool = False
+    persistent_sms: int = 0
+    """Resident CTAs of a persistent kernel (0: one CTA per query tile)."""
 
     @classmethod
     def parse(cls, spec: str) -> KernelSpec:
-        """`128x176-c2[-ss][-gqa]` (ValueError naming the form otherwise)."""
+        """`128x176-c2[-ss][-gqa][-pN]` (ValueError naming the form otherwise)."""
+        form = f"kernel spec must look like 128x176-c2[-ss][-gqa][-pN], got {spec!r}"
         tile, cluster, *flags = spec.strip().lower().split("-")
+        persistent = [f for f in flags if f.startswith("p")]
         try:
             tm, tn = (int(x) for x in tile.split("x"))
             c = int(cluster.removeprefix("c"))
+            sms = int(persistent[0].removeprefix("p") or 132) if persistent else 0
         except ValueError:
-            raise ValueError(f"kernel spec must look like 128x176-c2[-ss][-gqa], got {spec!r}") from None
-        if not cluster.startswith("c") or set(flags) - {"ss", "gqa"}:
-            raise ValueError(f"kernel spec must look like 128x176-c2[-ss][-gqa], got {spec!r}")
+            raise ValueError(form) from None
+        if not cluster.startswith("c") or set(flags) - {"ss", "gqa", *persistent} or len(persistent) > 1:
+            raise ValueError(form)
         if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2):
             raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1 or 2")
-        return cls(tm, tn, c, "ss" in flags, "gqa" in flags)
+        return cls(tm, tn, c, "ss" in flags, "gqa" in flags, sms)
 
     @property
     def name(self) -> str:
-        flags = "_ss" * self.p_in_smem + "_gqa" * self.pack_gqa
+        flags = (
+            "_ss" * self.p_in_smem
+            + "_gqa" * self.pack_gqa
+            + (f"_p{self.persistent_sms}" if self.persistent_sms else "")
+        )
         return f"fa4_sm90_{self.tile_m}x{self.tile_n}_c{self.cluster_m}{flags}"
 
 
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 interface._flash_attn_fwd(
                     q, k, v, tile_mn=(ks.tile_m, ks.tile_n), mma_pv_is_rs=not ks.p_in_smem,
                     intra_wg_overlap=True, num_threads=128 * (1 + ks.tile_m // 64), pack_gqa=ks.pack_gqa,
-                    return_lse=True, sm90_cluster_m=ks.cluster_m,
+                    return_lse=True, sm90_cluster_m=ks.cluster_m, sm90_persistent_sms=ks.persistent_sms,
                 )  # fmt: skip
         except Exception as e:  # a tile the DSL refuses (shared memory, registers, layout): skip it
             print(f"{spec}: not compiled: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -132,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         obj.unlink()
         manifest["kernels"][name] = {"spec": spec, "tile_m": ks.tile_m, "tile_n": ks.tile_n,
                                      "cluster_m": ks.cluster_m, "p_in_smem": ks.p_in_smem,
-                                     "pack_gqa": ks.pack_gqa, "qhead_per_kvhead": ratio,
+                                     "pack_gqa": ks.pack_gqa, "persistent_sms": ks.persistent_sms,
+                                     "qhead_per_kvhead": ratio,
                                      "compile_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         print(f"{spec}: {so} ({so.stat().st_size} bytes, {time.perf_counter() - t0:.1f} s)", flush=True)
     runtime = Path(libdir) / "libcute_dsl_runtime.so"
