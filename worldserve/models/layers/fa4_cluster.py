@@ -4,8 +4,8 @@ At 720p each gen layer's attention reads ~0.5 TB of K/V from L2 into shared memo
 long kernel of a step runs at the board's 700 W cap. This kernel launches clusters of two CTAs on
 neighbouring query tiles of one head; each CTA loads half of every K/V tile and the TMA multicasts it into
 both, halving that traffic. Measured at the gen shape (bench/results/README.md, thirty-third session) it
-runs at FA4's rate per clock but a 6 % higher capped clock: 685 vs FA3's 667-670 TF/s sustained, the CFG
-step 1.4 % faster. The output is exact (FA4's numerics: rel. L2 1e-5 against FA3).
+runs at FA4's rate per clock at a 4-6 % higher capped clock: 676-685 vs FA3's 664-670 TF/s sustained on
+two boards, the CFG step 1.4-1.6 % faster. The output is exact (FA4's numerics: rel. L2 1e-5 against FA3).
 
 The kernel is FA4 (flash-attn-4 4.0.0b36, NVIDIA's CuTe Python DSL) with our patch
 (bench/fa4_sm90_kv_multicast.patch), compiled ahead of time for sm_90a by bench/fa4_export.py into
