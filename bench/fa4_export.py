@@ -64,7 +64,10 @@ class KernelSpec:
     def parse(cls, spec: str) -> KernelSpec:
         """`128x176-c2[-ss][-gqa][-pN]` (ValueError naming the form otherwise)."""
         form = f"kernel spec must look like 128x176-c2[-ss][-gqa][-pN], got {spec!r}"
-        tile, cluster, *flags = spec.strip().lower().split("-")
+        parts = spec.strip().lower().split("-")
+        if len(parts) < 2:
+            raise ValueError(form)
+        tile, cluster, *flags = parts
         persistent = [f for f in flags if f.startswith("p")]
         try:
             tm, tn = (int(x) for x in tile.split("x"))

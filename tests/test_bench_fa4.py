@@ -42,3 +42,47 @@ def test_impossible_tiles_are_refused(spec):
 def test_off_hopper_the_reason_names_the_device():
     reason = fa4.fa4_unavailable_reason(torch.device("cpu"), torch.bfloat16, 128)
     assert reason is not None and "Hopper" in reason and "cpu" in reason
+
+
+def _fa4_export():
+    """bench/fa4_export.py as a module (its top level imports the standard library only)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "fa4_export.py"
+    spec = importlib.util.spec_from_file_location("fa4_export", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fa4_export"] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("spec", "fields", "name"),
+    [
+        ("128x176-c2", (128, 176, 2, False, False, 0), "fa4_sm90_128x176_c2"),
+        (" 192X112-c2-ss ", (192, 112, 2, True, False, 0), "fa4_sm90_192x112_c2_ss"),
+        ("128x176-c2-gqa-p", (128, 176, 2, False, True, 132), "fa4_sm90_128x176_c2_gqa_p132"),
+        ("128x176-c1-p128", (128, 176, 1, False, False, 128), "fa4_sm90_128x176_c1_p128"),
+    ],
+)
+def test_export_specs_name_their_kernels(spec, fields, name):
+    """The ahead-of-time kernels' specs (the product's gen kernel is fa4_sm90_128x176_c2)."""
+    ks = _fa4_export().KernelSpec.parse(spec)
+    assert (ks.tile_m, ks.tile_n, ks.cluster_m, ks.p_in_smem, ks.pack_gqa, ks.persistent_sms) == fields
+    assert ks.name == name
+
+
+@pytest.mark.parametrize(
+    "spec", ["128x176", "128x176-2", "128x176-c2-xx", "128x176-c2-p-p8", "axb-c2", "128x176-cz"]
+)
+def test_malformed_export_specs_name_the_form(spec):
+    with pytest.raises(ValueError, match=r"must look like 128x176-c2\[-ss\]\[-gqa\]\[-pN\]"):
+        _fa4_export().KernelSpec.parse(spec)
+
+
+@pytest.mark.parametrize("spec", ["100x176-c2", "128x300-c2", "128x176-c3"])
+def test_export_specs_out_of_range(spec):
+    with pytest.raises(ValueError, match="tile 64-192 rows"):
+        _fa4_export().KernelSpec.parse(spec)
