@@ -79,6 +79,7 @@ def load_backend(
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         enable_chunked_prefill=scheduler.enable_chunked_prefill,
         processor_cache_bytes=int(cfg.mm_processor_cache_gb * 2**30), sampling_defaults=defaults,
+        chat_template=cfg.chat_template_text,
     )  # fmt: skip
     log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
              "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",

@@ -221,8 +221,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       {"type": checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")}),
     # common vLLM flags
     C("--disable-log-requests", "worldserve never logs request contents", ON),
-    C("--chat-template", "", {"metavar": "PATH"}, NEVER, "never", "worldserve renders the checkpoint's own chat "
-      "template (text_tokenizer/); another template would change every chat's prompt"),
     C("--chat-template-content-format", "the chat template is handed each message as it expects",
       {"choices": ("auto", "string", "openai")}, lambda v: v == "auto", "only at auto",
       "worldserve renders message content the way the checkpoint's chat template expects it"),

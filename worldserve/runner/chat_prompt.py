@@ -73,13 +73,31 @@ class ChatPromptBuilder:
 
     def __init__(
         self, tokenizer: Any, vision: VisionEncoder | None, preprocess: Any, *, image_token_id: int,
-        video_token_id: int, media_cache: ProcessorCache | None = None,
+        video_token_id: int, media_cache: ProcessorCache | None = None, chat_template: str | None = None,
     ) -> None:  # fmt: skip
         self.tokenizer, self.vision, self.preprocess = tokenizer, vision, preprocess
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.media_cache = media_cache
         """Decoded chat media by content, for whoever loads a request's parts (api/chat_media.py); the
         preprocessor keeps its resized images in it too."""
+        self.chat_template = chat_template
+        """--chat-template's text (runner/chat_template.py), rendered instead of the tokenizer's own; None: the
+        checkpoint's."""
+        if chat_template is not None:
+            self.check_template()
+
+    def check_template(self) -> None:
+        """ValueError naming --chat-template when the template fails on one plain user message (the start stops
+        there, not at the first chat)."""
+        try:
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True,
+                chat_template=self.chat_template,
+            )  # fmt: skip
+        except Exception as exc:  # the template is code: anything it raises
+            raise ValueError(
+                f"--chat-template: the chat template fails on a plain user message: {type(exc).__name__}: {exc}"
+            ) from exc
 
     @property
     def vocab_size(self) -> int:
@@ -284,9 +302,10 @@ class ChatPromptBuilder:
         """The chat template's text of the conversation, with the request's extra template variables
         (`continue_final_message`: the last message left open, vLLM's /tokenize option)."""
         try:
+            template = {} if self.chat_template is None else {"chat_template": self.chat_template}
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **options,
+                continue_final_message=continue_final_message, **template, **options,
             )  # fmt: skip
         except RecursionError:  # (bodies nest at most api.bodies.MAX_JSON_DEPTH levels: not expected)
             raise ParamError("messages", "the chat template cannot render input nested this deeply") from None

@@ -96,6 +96,7 @@ class Reasoner(ChatAdmission):
         enable_chunked_prefill: bool = True,
         processor_cache_bytes: int = int(DEFAULT_PROCESSOR_CACHE_GB * 2**30),
         sampling_defaults: ChatDefaults = ChatDefaults(),
+        chat_template: str | None = None,
     ) -> None:
         self.transformer = transformer
         self.sampling_defaults = sampling_defaults  # what requests' omitted sampling fields take (API layer)
@@ -123,7 +124,7 @@ class Reasoner(ChatAdmission):
         )  # fmt: skip
         self.prompts = ChatPromptBuilder(
             tokenizer, vision, preprocess, image_token_id=image_token_id, video_token_id=self.video_token_id,
-            media_cache=self.media_cache,
+            media_cache=self.media_cache, chat_template=chat_template,
         )  # fmt: skip
         if kv_cache_tokens is None:
             kv_cache_tokens = default_kv_cache_tokens(
