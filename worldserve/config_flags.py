@@ -41,7 +41,7 @@ def _scalar_type(hint: object) -> type:
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per dataclass field (none for metadata no_flag); metadata may mark it positional, hidden, or give
-    choices/aliases."""
+    choices/aliases/metavar."""
     hints = typing.get_type_hints(cls)
     docs = attribute_docs(cls)
     group = parser.add_argument_group(cls.__name__)
@@ -62,6 +62,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["choices"] = meta["choices"]
         if "nargs" in meta:
             kwargs["nargs"] = meta["nargs"]
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
         if meta.get("positional"):
             group.add_argument(f.name, nargs="?", default=f.default, metavar=f.name.upper(), **kwargs)
         else:
