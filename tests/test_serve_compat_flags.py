@@ -380,3 +380,21 @@ def test_log_file_receives_the_log(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--log-file .*: cannot open it"):
         serve_compat.log_to_file(str(tmp_path / "missing" / "serve.log"), serve.LOG_FORMAT)
     assert serve.run(parse_args("--log-file", str(tmp_path / "missing" / "x.log"))) == 2
+
+
+def test_every_config_flag_has_its_own_help():
+    """Each flag of the config classes is documented by the string right below its field (a field inserted
+    between another and its docstring took that help and left the other flag without any)."""
+    import dataclasses
+
+    from worldserve.config import CONFIG_CLASSES
+    from worldserve.config_flags import attribute_docs
+
+    for cls in CONFIG_CLASSES:
+        docs = attribute_docs(cls)
+        flags = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if not f.metadata.get("no_flag") and not f.metadata.get("hidden")
+        ]
+        assert [name for name in flags if not docs.get(name, "").strip()] == [], cls.__name__

@@ -84,11 +84,11 @@ class ModelConfig:
     generation_config: str = "auto"
     """Where Reasoner requests' omitted sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) get their values (vLLM's flag): auto, the model folder's generation_config.json when it has one; vllm, vLLM's neutral defaults (1.0, 1.0, off, 0, 1.0, up to the context); or a folder holding a generation_config.json (its max_new_tokens then bounds every request)."""
     override_generation_config: JsonObject | None = None
+    """Generation config values laid over --generation-config's, a JSON object such as '{"temperature": 0.5}' (vLLM's flag; a max_new_tokens here bounds every request's completion)."""
     chat_template: str | None = field(default=None, metadata={"metavar": "PATH|TEMPLATE"})
     """The Reasoner's chat template instead of the checkpoint's (vLLM's flag): a file, or the Jinja template itself in one line (a text with {, } or a newline; backslash escapes such as \\n decoded); checked before the model loads. For images and videos it must write Qwen3-VL's vision placeholders as the checkpoint's does."""
     chat_template_text: str | None = field(default=None, repr=False, metadata={"no_flag": True})
     """--chat-template's template, read from its file or its text (set by __post_init__, from the flag's value)."""
-    """Generation config values laid over --generation-config's, a JSON object such as '{"temperature": 0.5}' (vLLM's flag; a max_new_tokens here bounds every request's completion)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     no_guardrails: bool = False
