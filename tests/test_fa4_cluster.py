@@ -107,7 +107,7 @@ def test_a_causal_call_or_another_gqa_ratio_goes_to_fa3(monkeypatch, fresh_cache
         def forward(self, *a, **kw):
             return kernel_calls.append(kw) or ("fa4", "lse")
 
-    monkeypatch.setattr(fc, "_gen_kernel", lambda: (Recording("k", "128x176-c2", 2, 4, None), None))
+    monkeypatch.setattr(fc, "_gen_kernel", lambda: (Recording("k", "128x176-c2", 4, None), None))
     q, kv = torch.zeros(3, 8, 128), torch.zeros(5, 2, 128)
     assert fc.fa4_cluster_forward(q, kv, kv)[0] == "fa4"
     assert fc.fa4_cluster_forward(q, kv, kv, causal=True, scale=0.5)[0] == "fa3"
@@ -135,7 +135,7 @@ def test_the_kernel_gets_fa4s_batch_major_arguments(monkeypatch):
         seen.append(args)
         args[4].fill_(1.5)  # the kernel writes the LSE
 
-    kernel = fc.Fa4Kernel("k", "128x176-c2", 2, 4, fn)
+    kernel = fc.Fa4Kernel("k", "128x176-c2", 4, fn)
     q, k = torch.randn(10, 8, 128), torch.randn(12, 2, 128)
     out = torch.empty(12, 8, 128)[1:11]
     o, lse = kernel.forward(q, k, k, out=out)
@@ -164,12 +164,12 @@ def test_the_self_test_keeps_fa3_when_the_kernel_fails_or_disagrees(monkeypatch)
             return (q.clone() if self.fn == "agree" else -q), torch.zeros(q.shape[1], q.shape[0])
 
     cpu = torch.device("cpu")
-    assert fc.self_test(StandIn("k", "128x176-c2", 2, 4, "agree"), cpu) is None
-    assert fc.self_test(StandIn("k", "128x176-c2", 2, 4, "raise"), cpu) == (
+    assert fc.self_test(StandIn("k", "128x176-c2", 4, "agree"), cpu) is None
+    assert fc.self_test(StandIn("k", "128x176-c2", 4, "raise"), cpu) == (
         "FlashAttention-4's cluster kernel failed its self-test: RuntimeError: CUDA error: no kernel image is "
         "available for execution on the device"
     )
-    assert fc.self_test(StandIn("k", "128x176-c2", 2, 4, "negate"), cpu).startswith(
+    assert fc.self_test(StandIn("k", "128x176-c2", 4, "negate"), cpu).startswith(
         "FlashAttention-4's cluster kernel disagrees with FA3 (rel. L2 2.0e+00"
     )
 

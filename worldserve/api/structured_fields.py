@@ -2,7 +2,8 @@
 
 - `response_format`: {"type": "text"} (free text), {"type": "json_object"} (any JSON object),
   {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (OpenAI's; "name" is required, as
-  in OpenAI's and vLLM's request models, and "schema" too, as vLLM needs it), {"type": "structural_tag", "structures": [...], "triggers": [...]} (vLLM's).
+  in OpenAI's and vLLM's request models, and "schema" too, as vLLM needs it),
+  {"type": "structural_tag", "structures": [...], "triggers": [...]} (vLLM's).
 - `structured_outputs` (vLLM >= 0.10): exactly one of json (a schema, object or JSON text), regex, choice
   (a list of strings), grammar (Lark or GBNF / EBNF), json_object (true), structural_tag (JSON text); with
   the options disable_any_whitespace, disable_additional_properties, whitespace_pattern (disable_fallback
@@ -84,9 +85,8 @@ def _response_format(rf: dict[str, Any] | None) -> StructuredOutput | None:
         return StructuredOutput(kind="json_object", field="response_format")
     if kind == "json_schema":
         js = rf.get("json_schema")
-        if isinstance(js, dict) and not isinstance(
-            js.get("name"), str
-        ):  # required by OpenAI's and vLLM's models
+        # "name" is required by OpenAI's and vLLM's request models
+        if isinstance(js, dict) and not isinstance(js.get("name"), str):
             raise ParamError(
                 "response_format.json_schema.name", 'response_format json_schema needs its "name" (a string)'
             )

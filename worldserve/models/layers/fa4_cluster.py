@@ -61,7 +61,6 @@ class Fa4Kernel:
 
     name: str
     spec: str
-    cluster_m: int
     qhead_per_kvhead: int
     """The GQA ratio compiled in (query heads per K/V head)."""
     fn: Any
@@ -127,7 +126,7 @@ def load_kernels(folder: Path) -> dict[str, Fa4Kernel]:
     kernels = {}
     for name, entry in manifest["kernels"].items():
         fn = tvm_ffi.load_module(str(folder / f"{name}.so"))[name]
-        kernels[name] = Fa4Kernel(name, entry["spec"], entry["cluster_m"], entry["qhead_per_kvhead"], fn)
+        kernels[name] = Fa4Kernel(name, entry["spec"], entry["qhead_per_kvhead"], fn)
     return kernels
 
 
