@@ -126,7 +126,7 @@ class _NoLayoutCache(dict):
 @contextlib.contextmanager
 def variant(model, name: str, fa4_spec: str = "128x128-rs-ovl-gqaauto", prebuilt=None):
     """Switch our model to one of the step's code paths for the duration (`prebuilt`: the fa4-prebuilt
-    variant's `PrebuiltFa4` kernel)."""
+    variant's `fa4_cluster.Fa4Kernel`)."""
     first = model.layers[0].gen
     lse_fn = first.attn_lse_fn
     with contextlib.ExitStack() as stack:

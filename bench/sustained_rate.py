@@ -139,8 +139,8 @@ def _attention_case(device: torch.device, dtype: torch.dtype, tiny: bool, pack_g
     `pack_gqa` set, FA3 with its GQA packing forced on / off (None: the product's attention function)."""
     from worldserve.models.layers.flash_attention import fa3_forward, resolve_attention_backend
 
-    nq, nk, hq, hkv, d = (96, 112, 4, 2, 32) if tiny else (44_357, 44_657, 32, 8, 128)
-    label, attn = resolve_attention_backend(None, device, dtype, d)
+    q, k, v = _attention_inputs(device, dtype, tiny)
+    label, attn = resolve_attention_backend(None, device, dtype, q.shape[-1])
     if pack_gqa is not None:
         if label != "fa3":
             return None, 0.0, f"{label}: no FA3 here"
@@ -148,35 +148,38 @@ def _attention_case(device: torch.device, dtype: torch.dtype, tiny: bool, pack_g
         def attn(q, k, v, out):
             return fa3_forward(q, k, v, out=out, pack_gqa=pack_gqa)[0]
 
+    out = torch.empty_like(q)
+    return (lambda: attn(q, k, v, out=out)), _attention_flops(q, k), label
+
+
+def _attention_inputs(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple:
+    """Random q [44,357, 32, 128] over k / v [44,657, 8, 128] (one CFG item of the 720p step), seed 0."""
+    nq, nk, hq, hkv, d = (96, 112, 4, 2, 32) if tiny else (44_357, 44_657, 32, 8, 128)
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(nq, hq, d, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(nk, hkv, d, device=device, dtype=dtype, generator=g) for _ in range(2))
-    out = torch.empty_like(q)
-    return (lambda: attn(q, k, v, out=out)), 4.0 * nq * nk * hq * d, label
+    return q, k, v
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor) -> float:
+    return 4.0 * q.shape[0] * k.shape[0] * q.shape[1] * q.shape[2]
 
 
 def _prebuilt_cases(folder: Path, device: torch.device, dtype: torch.dtype, tiny: bool, log) -> list:
     """[(phase name, fn, flops)] of each prebuilt FA4 kernel at `_attention_case`'s shape and inputs, after
     checking its output and LSE against FA3's (ValueError when they disagree beyond bf16 rounding)."""
-    from worldserve.bench.denoise import rel_error
-    from worldserve.models.layers.fa4_cluster import load_kernels
-    from worldserve.models.layers.flash_attention import fa3_forward
+    from worldserve.models.layers.fa4_cluster import AGREEMENT, compare_with_fa3, load_kernels
 
-    nq, nk, hq, hkv, d = (96, 112, 4, 2, 32) if tiny else (44_357, 44_657, 32, 8, 128)
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(nq, hq, d, device=device, dtype=dtype, generator=g)
-    k, v = (torch.randn(nk, hkv, d, device=device, dtype=dtype, generator=g) for _ in range(2))
-    ref, ref_lse = fa3_forward(q, k, v)
+    q, k, v = _attention_inputs(device, dtype, tiny)
     cases = []
     for kernel in load_kernels(folder).values():
-        out = torch.empty_like(q)
-        o, lse = kernel.forward(q, k, v, out=out)
-        err, lse_diff = rel_error(o, ref), (lse - ref_lse).abs().max().item()
+        err, lse_diff = compare_with_fa3(kernel, q, k, v)
         log(f"fa4-{kernel.spec}: rel. L2 vs FA3 {err:.2e}, max LSE difference {lse_diff:.2e}")
-        if not (err < 1e-2 and lse_diff < 1e-2):
+        if not (err < AGREEMENT and lse_diff < AGREEMENT):
             raise ValueError(f"{kernel.name} disagrees with FA3: rel. L2 {err:.2e}, LSE {lse_diff:.2e}")
+        out = torch.empty_like(q)
         fn = lambda kernel=kernel, out=out: kernel.forward(q, k, v, out=out)  # noqa: E731
-        cases.append((f"fa4-{kernel.spec}", fn, 4.0 * nq * nk * hq * d))
+        cases.append((f"fa4-{kernel.spec}", fn, _attention_flops(q, k)))
     return cases
 
 
