@@ -4,8 +4,9 @@
    our prefill (once) and K timed CFG steps, then diffusers' K steps on identical inputs; parity of the
    last outputs; with `profile`, one step of each under torch.profiler (first point only).
 2. decode: Wan2.2 VAE + audio decode + uint8/D2H + mux at the first point (diffusers freed first).
-3. variants: kernel micro-benchmarks, CFG run sequentially, and a torch.compile'd gen layer (only while
-   the time budget allows: compile takes minutes).
+3. variants: kernel micro-benchmarks, CFG run sequentially, and the step in the other mode: eager when ours
+   runs compiled (the product's default, as `serve` runs it), compiled under `--enforce-eager` (only while the
+   time budget allows: compile takes minutes).
 Results are re-written after every phase, so a run cut short still leaves what it measured.
 """
 
@@ -50,7 +51,10 @@ class BenchOptions:
     seed: int = 0
     """Weights and inputs seed."""
     time_budget_s: float = 540.0
-    """Wall-clock budget: the compile variant is skipped when it would not fit."""
+    """Wall-clock budget: the compiled variant (under compile=False) is skipped when it would not fit."""
+    compile: bool = True
+    """Our gen layers torch.compile'd on CUDA, as `serve` runs them (KernelOptions.apply); False: eager, as
+    `serve --enforce-eager`."""
     e2e_steps: int = 35
     """Steps of the end-to-end estimate."""
     diffusers_cudnn: bool = True
@@ -95,6 +99,7 @@ class Bench:
             "points": [],
         }
         self.ours = self.ref = None
+        self.compiled = False
         self._t = 999
 
     # ------------------------------------------------------------------ helpers
@@ -149,8 +154,12 @@ class Bench:
         before = allocated_gib(self.device)
         self.ours = build_our_transformer(cfg, self.device, dtype, self.ref, self.o.seed)
         self.ours_gib = allocated_gib(self.device) - before
-        attention = self.ours.set_attention_backend(self.o.attention_backend)
-        self.log(f"our attention backend: {attention}")
+        from worldserve.runner.kernel_options import KernelOptions
+
+        options = KernelOptions(compile=self.o.compile, attention_backend=self.o.attention_backend)
+        attention = options.apply(self.ours)  # as serve: the attention kernel, then compile (on CUDA)
+        self.compiled = attention.endswith("+compiled")
+        self.log(f"our kernels: {attention}")
         self.results["models"] = {
             "ours_attention": attention,
             "ours_params": param_count(self.ours),
@@ -176,7 +185,10 @@ class Bench:
         self.log(
             f"[{w.label}] ours: prefill {prefill.median * 1e3:.1f} ms; {self.o.warmup}+{self.o.steps} steps"
         )
-        point["ours"] = self._time_steps(ours, w, self.ours_gib) | {"prefill_s": prefill.to_dict()}
+        warmup = self.o.warmup + self.compiled  # compiled: the first call compiles this shape's graphs
+        point["ours"] = self._time_steps(ours, w, self.ours_gib, warmup=warmup) | {
+            "prefill_s": prefill.to_dict()
+        }
         self.log(f"[{w.label}] ours step {point['ours']['step_s']['median']:.3f} s")
         if self.ref is not None:
             ref = DiffusersStep(self.ref, w, inputs)
@@ -235,7 +247,7 @@ class Bench:
         )
 
     def variants(self) -> None:
-        from worldserve.bench.variants import attention_micro, compiled_layers, gemm_micro
+        from worldserve.bench.variants import attention_micro, gemm_micro, gen_layers_compiled
 
         w = self.o.points[0]
         point = self.results["points"][0]
@@ -263,22 +275,25 @@ class Bench:
         self.log("variant: CFG branches run one after the other")
         var["cfg_sequential"] = self._time_steps(seq, w, self.ours_gib, warmup=0, repeats=1)
         self.save()
-        if self.elapsed() + 150 > self.o.time_budget_s:
-            var["compiled"] = {
+        mode = "eager" if self.compiled else "compiled"
+        if mode == "compiled" and self.elapsed() + 150 > self.o.time_budget_s:
+            var[mode] = {
                 "skipped": f"time budget ({self.elapsed():.0f} s used of {self.o.time_budget_s:.0f})"
             }
         else:
             step = OurStep(self.ours, w, inputs)
             step.prefill()
-            eager = step(999)
-            eager_last = dict(step.last)
-            with compiled_layers(self.ours):
-                self.log("variant: torch.compile'd gen layer (first call compiles)")
-                var["compiled"] = self._time_steps(step, w, self.ours_gib, warmup=2)
-                var["compiled"]["parity_vs_eager"] = {
-                    k: rel_error(step.last[k], eager_last[k]) for k in eager_last
+            step(999)
+            product_last = dict(step.last)
+            with gen_layers_compiled(self.ours, not self.compiled):
+                self.log(
+                    f"variant: the gen layers {mode}"
+                    + (" (first call compiles)" if mode == "compiled" else "")
+                )
+                var[mode] = self._time_steps(step, w, self.ours_gib, warmup=2 if mode == "compiled" else 1)
+                var[mode]["parity_vs_ours"] = {
+                    k: rel_error(step.last[k], product_last[k]) for k in product_last
                 }
-            del eager
             self.save()
             if self.device.type == "cuda":
                 from worldserve.bench.variants import layer_numerics
@@ -291,9 +306,9 @@ class Bench:
         point, dec = self.results["points"][0], self.results.get("decode")
         tail = decode_total(dec) if dec else 0.0
         est = {}
-        compiled = self.results.get("variants", {}).get("compiled", {})
-        runs = {**point, "ours_compiled": compiled if "step_s" in compiled else None}
-        for name in ("ours", "ours_compiled", "diffusers", "diffusers_cudnn"):
+        var = self.results.get("variants", {})
+        runs = {**point, **{f"ours_{m}": var[m] for m in ("eager", "compiled") if "step_s" in var.get(m, {})}}
+        for name in ("ours", "ours_eager", "ours_compiled", "diffusers", "diffusers_cudnn"):
             p = runs.get(name)
             if not p:
                 continue

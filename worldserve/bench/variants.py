@@ -5,8 +5,9 @@ a torch.compile'd gen layer, and a torch.profiler kernel table.
   token-major layout (strided [1, H, N, D] views, `layers.attention.sdpa_attention`) vs contiguous [1, H, N, D]
   with cuDNN forced, vs PyTorch's default choice, vs cuDNN on both CFG items at once (B=2).
 - `gemm_micro`: fused q|k|v and gate|up projections vs the separate GEMMs diffusers runs.
-- `compiled_layers`: the model's own regional compile (`Cosmos3Transformer.compile_gen_layers`: one
-  torch.compile'd qkv / finish graph shared by the 36 layers) for a block; attention stays eager.
+- `gen_layers_compiled`: the gen layers compiled (the model's own regional compile,
+  `Cosmos3Transformer.compile_gen_layers`: one torch.compile'd qkv / finish graph shared by the 36 layers;
+  attention stays eager) or eager for a block, then as they were.
 - `layer_numerics`: one gen layer eager and compiled (bf16) against a float32 copy, to tell a wrong compiled
   path from bf16 rounding amplified over 36 random layers.
 - `profile_step`: one call under torch.profiler; the kernel table goes to a text file and the kernel time
@@ -129,8 +130,9 @@ def layer_numerics(
     ref = gen_layer_step(ref_blk, 0, x.float(), cos, sin, [_FixedKV(kt.float(), vt.float())], spans)
     del ref_blk
     args = (0, x, cos.to(torch.bfloat16), sin.to(torch.bfloat16), [_FixedKV(kt, vt)], spans)
-    eager = gen_layer_step(blk, *args)
-    with compiled_layers(model):
+    with gen_layers_compiled(model, False):
+        eager = gen_layer_step(blk, *args)
+    with gen_layers_compiled(model, True):
         compiled = gen_layer_step(blk, *args)
     return {
         "tokens": n_gen,
@@ -189,16 +191,23 @@ def gemm_micro(
 
 
 @contextlib.contextmanager
-def compiled_layers(model, *, mode: str = "default"):
-    """The model's own regional compile (`compile_gen_layers`) for the duration of the block, then eager."""
+def gen_layers_compiled(model, compiled: bool, *, mode: str = "default"):
+    """The gen layers' math torch.compile'd (the model's own `compile_gen_layers`) or eager for the duration of
+    the block; afterwards each layer gets back the functions it had (the product's compiled ones, or eager)."""
     from worldserve.models.cosmos3.layer import finish_math, merge_attention, qkv_math
 
-    model.compile_gen_layers(mode=mode)
+    blocks = [layer.gen for layer in model.layers]
+    saved = [(b.qkv_fn, b.finish_fn, b.merge_fn) for b in blocks]
+    if compiled:
+        model.compile_gen_layers(mode=mode)
+    else:
+        for b in blocks:
+            b.qkv_fn, b.finish_fn, b.merge_fn = qkv_math, finish_math, merge_attention
     try:
         yield
     finally:
-        for layer in model.layers:
-            layer.gen.qkv_fn, layer.gen.finish_fn, layer.gen.merge_fn = qkv_math, finish_math, merge_attention
+        for b, (qkv, finish, merge) in zip(blocks, saved, strict=True):
+            b.qkv_fn, b.finish_fn, b.merge_fn = qkv, finish, merge
 
 
 def _kernel_category(name: str) -> str:

@@ -45,12 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN"),
         help="our attention kernel (default: auto as serve / generate: FA3, the gen tower FA4's cluster kernel where it runs)",
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="time our gen layers eagerly (as serve --enforce-eager); by default they are torch.compile'd as "
+        "serve runs them, and the variants phase times the eager step beside",
+    )
     p.add_argument("--e2e-steps", type=int, default=35, help="steps of the end-to-end estimate")
     p.add_argument(
         "--time-budget",
         type=float,
         default=540.0,
-        help="seconds; the torch.compile variant is skipped when it would not fit",
+        help="seconds; under --enforce-eager the compiled variant is skipped when it would not fit",
     )
     p.add_argument(
         "--out-dir", type=Path, default=Path("bench/results"),
@@ -149,6 +155,7 @@ def options(args: argparse.Namespace):
         e2e_steps=args.e2e_steps,
         diffusers_cudnn=not args.no_diffusers_cudnn,
         attention_backend=args.attention_backend,
+        compile=not args.enforce_eager,
     )
 
 
