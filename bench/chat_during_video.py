@@ -1,8 +1,8 @@
 """Can the Reasoner decode while a 720p video step runs on the same GPU? A probe for SM sharing.
 
-Today chat and video take the model lock step by step, so a chat gets one token per 5.3 s denoising step.
-This probe builds the full-size Nano transformer (random bf16 weights, compiled, FA3) and its CUDA-graphed
-decode step, and measures, for each SM margin M in --margins:
+Under one model lock a chat would get one token per 5.3 s denoising step. This probe builds the full-size
+Nano transformer (random bf16 weights, compiled, the product's attention or --attention-backend's) and its
+CUDA-graphed decode step, and measures, for each SM margin M in --margins:
 - the video step alone (one CFG step, 1280x720x189 + audio, 300-token prompts) with FA3's `sm_margin` = M
   and cuBLAS's SM carve-out = M (`torch._C._set_sm_carveout_experimental`): what the margin costs video;
 - the same step while a second thread decodes --chats chats in a loop on a high-priority stream (the graph
@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chats", type=int, default=8, help="chats decoded together in the chat thread")
     ap.add_argument("--context", type=int, default=300, help="tokens in each chat's cache at the start")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-backend", default=None, choices=("FLASH_ATTN",),
+                    help="the video's attention kernel (default: auto, as serve: the gen layers through FA4's "
+                    "cluster kernel where it runs)")  # fmt: skip
     ap.add_argument("--launch-window", type=int, default=2,
                     help="the transformer's launch_window during the margin runs (what a ready Reasoner sets)")  # fmt: skip
     return ap.parse_args(argv)
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                  "cublas_carveout": hasattr(torch._C, "_set_sm_carveout_experimental")}  # fmt: skip
     t0 = time.perf_counter()
     model = build_our_transformer(cfg, device, torch.bfloat16, None, args.seed)
-    res["attention"] = model.set_attention_backend(None)
+    res["attention"] = model.set_attention_backend(args.attention_backend)
     model.compile_gen_layers()
     w = Workload(width=1280, height=720, num_frames=189, sound=True, cond_text=300, uncond_text=300)
     video = OurStep(model, w, make_inputs(w, cfg.vocab_size, device, args.seed))
@@ -132,7 +135,8 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
 def table(res: dict) -> str:
     windows = ", ".join(f"{w}: {min(t):.3f} s" for w, t in res.get("launch_window_s", {}).items())
     lines = [
-        f"chat during video, {res['args']['chats']} chats, decode alone {res['chat_alone_ms']:.2f} ms a step",
+        f"chat during video ({res['attention']}), {res['args']['chats']} chats, decode alone "
+        f"{res['chat_alone_ms']:.2f} ms a step",
         f"video step alone by launch window (layers queued ahead; 0 = all): {windows}",
         f"{'margin':>6s} {'video s':>8s} {'w/ chat s':>9s} {'chat steps':>10s} {'ms/step':>8s} {'tok/s/chat':>10s}",
     ]

@@ -122,6 +122,33 @@ def test_a_causal_call_or_another_gqa_ratio_goes_to_fa3(monkeypatch, fresh_cache
         fc.fa4_cluster_forward(q, kv, kv)
 
 
+def test_while_chats_hold_an_sm_margin_the_calls_go_to_fa3_which_leaves_them_those_sms(
+    monkeypatch, fresh_cache
+):
+    """The cluster kernel is not persistent and takes any SM a retiring CTA frees: beside it 8 chats decoded
+    3.4 tokens/s each, 26 beside FA3 with 16 SMs left free (bench/results/README.md, thirty-fourth session)."""
+    from worldserve.runner.chat_share import set_sm_margin
+
+    used = []
+    monkeypatch.setattr(fc, "fa3_forward", lambda *a, **kw: used.append("fa3") or ("fa3", "lse"))
+
+    class Recording(fc.Fa4Kernel):
+        def forward(self, *a, **kw):
+            return used.append("fa4") or ("fa4", "lse")
+
+    monkeypatch.setattr(fc, "_gen_kernel", lambda: (Recording("k", "128x176-c2", 4, None), None))
+    q, kv = torch.zeros(3, 8, 128), torch.zeros(5, 2, 128)
+    try:
+        fc.fa4_cluster_forward(q, kv, kv)
+        set_sm_margin(16)  # a chat went live (runner/chat_share.py)
+        fc.fa4_cluster_forward(q, kv, kv)
+        set_sm_margin(0)  # the last chat ended
+        fc.fa4_cluster_forward(q, kv, kv)
+    finally:
+        set_sm_margin(0)
+    assert used == ["fa4", "fa3", "fa4"]
+
+
 def test_the_kernel_gets_fa4s_batch_major_arguments(monkeypatch):
     """The TVM-FFI function is FA4's SM90 `__call__`: q / k / v / out as [1, N, H, D] views of the caller's
     tensors, the LSE [1, Hq, Nq], the scale, then the 12 optional arguments absent; it runs inside

@@ -6,7 +6,8 @@ captured at start), the Reasoner's work runs on its own high-priority CUDA strea
 thread without the model lock (the und weights are read-only to both; the chats' paged K/V, the decode
 graphs' buffers and the sampler belong to the chat side, the video's und caches to the video side), and
 while chats are live the video's FA3 calls leave `sm_margin` SMs idle (FA3's persistent kernels otherwise
-hold every SM for ~50 ms). cuBLAS is asked to do the same (`torch._C._set_sm_carveout_experimental`), which
+hold every SM for ~50 ms; the gen tower's FA4 cluster kernel, which has no margin, hands its calls to FA3
+meanwhile: models/layers/fa4_cluster.py). cuBLAS is asked to do the same (`torch._C._set_sm_carveout_experimental`), which
 PyTorch applies to its cuBLASLt GEMMs only (with bias, fp8); the plain bf16 GEMMs (cublasGemmEx, 35 % of a
 step) still take every SM, and chat kernels get in between them. Measured (bench/chat_during_video.py, one
 H200, full-size Nano, 8 chats of 300 tokens against a 720p x 189 + audio step,

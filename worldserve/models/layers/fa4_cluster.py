@@ -23,6 +23,11 @@ another ratio goes to FA3.
 and it can run (the und tower, causal, keeps FA3); `--diffusion-attention-backend FLASH_ATTN` keeps FA3.
 "Can run" includes a self-test against FA3 on each GPU, once (`self_test`): a driver or runtime that cannot
 launch the sm_90a code leaves the model on FA3 with the reason, instead of failing requests.
+While chats run beside a video (runner/chat_share.py raised FA3's SM margin), the calls go to FA3, which
+leaves those SMs to the chats' high-priority stream. This kernel is not persistent, so chat kernels get SMs
+as its CTAs retire, ~0.5 ms each: a 20-GEMM chain waited 7.3 ms beside it vs 1.3 ms beside FA3 with 16 SMs
+free, and 8 chats decoded 3.4 tokens/s each beside a 720p step, 26 with FA3's margin
+(bench/priority_probe.py, bench/chat_during_video.py; bench/results/README.md, thirty-fourth session).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worldserve.models.layers.flash_attention import fa3_forward, hopper_bf16_reason
+from worldserve.models.layers.flash_attention import fa3_forward, fa3_sm_margin, hopper_bf16_reason
 
 KERNEL_DIR = Path(__file__).with_name("fa4_sm90")
 GEN_KERNEL = "fa4_sm90_128x176_c2"
@@ -197,11 +202,12 @@ def fa4_cluster_forward(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
     out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """`fa3_forward`'s contract through the cluster kernel (a causal call, or another GQA ratio, through FA3)."""
+    """`fa3_forward`'s contract through the cluster kernel (a causal call, another GQA ratio, or any call while
+    chats hold an SM margin, through FA3)."""
     kernel, reason = _gen_kernel()
     if kernel is None:
         raise RuntimeError(f"FlashAttention-4's cluster kernel cannot run: {reason}")
-    if not kernel.runs(q, k, causal):
+    if not kernel.runs(q, k, causal) or fa3_sm_margin():
         return fa3_forward(q, k, v, causal=causal, scale=scale, out=out)
     return kernel.forward(q, k, v, scale=scale, out=out)
 

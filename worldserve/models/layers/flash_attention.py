@@ -107,6 +107,11 @@ def set_fa3_sm_margin(margin: int) -> None:
     _sm_margin = int(margin)
 
 
+def fa3_sm_margin() -> int:
+    """The SMs FA3 calls leave free now (0: none; runner/chat_share.py raises it while chats run)."""
+    return _sm_margin
+
+
 def fa3_forward(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
     out: Tensor | None = None, descale: tuple[Tensor | None, ...] = (None, None, None),
