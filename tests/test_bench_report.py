@@ -89,3 +89,24 @@ def test_the_mode_switch_gives_the_layers_back_their_functions():
     with gen_layers_compiled(eager, True):
         assert eager.layers[0].gen.qkv_fn is not qkv_math
     assert all(layer.gen.qkv_fn is qkv_math and layer.gen.finish_fn is finish_math for layer in eager.layers)
+
+
+def test_a_tiny_eager_run_times_the_variants_and_skips_a_compile_past_its_budget(tmp_path):
+    """On the CPU the served step is eager (serve compiles on CUDA only), so the variant is the compiled
+    step, skipped here by a budget already spent; the summary names the kernels it ran."""
+    import json
+
+    from worldserve.cli import main
+
+    argv = ["bench", "--tiny", "--device", "cpu", "--points", "64x32x5", "--steps", "1", "--text-tokens", "7",
+            "--neg-text-tokens", "5", "--phases", "transformer,variants", "--skip-diffusers",
+            "--time-budget", "0.001", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    (result,) = tmp_path.glob("bench-*.json")
+    data = json.loads(result.read_text())
+    assert "compiled" not in data["models"]["ours_attention"]
+    assert data["variants"]["compiled"]["skipped"].startswith("time budget")
+    assert data["variants"]["cfg_sequential"]["step_s"]["samples"]
+    assert set(data["e2e_estimate"]) == {"ours"}
+    text = (tmp_path / result.name.replace(".json", ".md")).read_text()
+    assert f"our kernels: {data['models']['ours_attention']}" in text
