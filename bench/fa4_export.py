@@ -77,8 +77,8 @@ class KernelSpec:
             raise ValueError(form) from None
         if not cluster.startswith("c") or set(flags) - {"ss", "gqa", *persistent} or len(persistent) > 1:
             raise ValueError(form)
-        if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2):
-            raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1 or 2")
+        if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2, 4):
+            raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1, 2 or 4")
         return cls(tm, tn, c, "ss" in flags, "gqa" in flags, sms)
 
     @property

@@ -167,16 +167,22 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor) -> float:
 
 def _prebuilt_cases(folder: Path, device: torch.device, dtype: torch.dtype, tiny: bool, log) -> list:
     """[(phase name, fn, flops)] of each prebuilt FA4 kernel at `_attention_case`'s shape and inputs, after
-    checking its output and LSE against FA3's (ValueError when they disagree beyond bf16 rounding)."""
+    checking its output and LSE against FA3's (a kernel that disagrees beyond bf16 rounding is logged and
+    left out)."""
     from worldserve.models.layers.fa4_cluster import AGREEMENT, compare_with_fa3, load_kernels
 
     q, k, v = _attention_inputs(device, dtype, tiny)
     cases = []
     for kernel in load_kernels(folder).values():
-        err, lse_diff = compare_with_fa3(kernel, q, k, v)
+        try:
+            err, lse_diff = compare_with_fa3(kernel, q, k, v)
+        except RuntimeError as e:  # e.g. a cluster shape the GPU cannot launch
+            log(f"fa4-{kernel.spec} did not run ({e}): left out")
+            continue
         log(f"fa4-{kernel.spec}: rel. L2 vs FA3 {err:.2e}, max LSE difference {lse_diff:.2e}")
         if not (err < AGREEMENT and lse_diff < AGREEMENT):
-            raise ValueError(f"{kernel.name} disagrees with FA3: rel. L2 {err:.2e}, LSE {lse_diff:.2e}")
+            log(f"fa4-{kernel.spec} disagrees with FA3: left out")
+            continue
         out = torch.empty_like(q)
         fn = lambda kernel=kernel, out=out: kernel.forward(q, k, v, out=out)  # noqa: E731
         cases.append((f"fa4-{kernel.spec}", fn, _attention_flops(q, k)))

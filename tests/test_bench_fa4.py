@@ -65,6 +65,7 @@ def _fa4_export():
         (" 192X112-c2-ss ", (192, 112, 2, True, False, 0), "fa4_sm90_192x112_c2_ss"),
         ("128x176-c2-gqa-p", (128, 176, 2, False, True, 132), "fa4_sm90_128x176_c2_gqa_p132"),
         ("128x176-c1-p128", (128, 176, 1, False, False, 128), "fa4_sm90_128x176_c1_p128"),
+        ("128x128-c4", (128, 128, 4, False, False, 0), "fa4_sm90_128x128_c4"),
     ],
 )
 def test_export_specs_name_their_kernels(spec, fields, name):
