@@ -106,8 +106,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         torch.cuda.synchronize(device)
         for _ in range(calls):  # queued at once: the host is free to launch probes
             call()
-        t = chains(max(0.0005, 0.8 * args.seconds / args.probes))
-        torch.cuda.synchronize(device)
+        t = chains(max(0.0005, 0.8 * args.seconds / args.probes))  # (returns after a device sync)
         set_fa3_sm_margin(0)
         t.sort()
         run_ = {"call_ms": seconds * 1e3, "calls": calls, "chain_ms_median": statistics.median(t),
