@@ -15,8 +15,8 @@ request, nor one that sends a request's headers a byte at a time: each holds a f
 as the client likes, and enough of them (a few hundred slow clients, or a leak in a client pool) use up the
 process's descriptors, after which the server accepts no connection at all. `header_guard_protocol` gives
 every request `header_timeout_s` (envs.http_header_timeout_s) from the connection's opening, or from its first
-byte after the previous response, until h11 has parsed the request's headers; past it the connection gets a
-408. Its body then gets the same time between two of its bytes (a request that declared more body than it
+byte after the previous response (from that response's end for bytes pipelined while it ran), until h11 has
+parsed the request's headers; past it the connection gets a 408. Its body then gets the same time between two of its bytes (a request that declared more body than it
 sends, or a chunked body without its last chunk, held the connection open forever): silent that long while
 the server waits for it, the connection gets a 408 and is closed (a slow but steady upload, an app slow to
 read, and the answer's own time are never cut).
@@ -83,13 +83,25 @@ class HeaderGuard(H11Protocol):
                 return
         self._watch_body()
 
+    def on_response_complete(self) -> None:
+        """A pipelined next request whose header bytes came while this one ran sits in h11's buffer, read
+        before the count began: its deadline starts now, and those bytes count toward its cap."""
+        super().on_response_complete()
+        pending = len(self.conn.trailing_data[0])
+        idle = self.cycle is None or self.cycle.response_complete  # (else h11 parsed the whole next request)
+        if pending and idle and self._header_deadline is None and not self._refused:
+            self._arm(pending)
+            if pending > MAX_HEADER_BYTES:
+                self._refuse(TOO_LARGE_RESPONSE)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._body_deadline = _cancel(self._body_deadline)
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
-        self._header_bytes = 0
+    def _arm(self, received: int = 0) -> None:
+        """Start a request's header deadline and count, `received` of its bytes already read."""
+        self._header_bytes = received
         self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
     def _disarm(self) -> None:
