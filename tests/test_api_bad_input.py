@@ -192,6 +192,21 @@ async def test_bad_json_numbers_are_short_400s_naming_the_field(tmp_path, name, 
         assert err["param"] == param and len(err["message"]) < 400, err
 
 
+async def test_a_reference_far_from_the_videos_aspect_ratio_is_a_400_before_any_job(tmp_path):
+    """A 1 x 80,000 PNG (a few hundred bytes) would be resized to 64 x 5,120,000 pixels to cover 64x64: a 400
+    naming the field it came in, at create time (it was a job that failed with a 500, or gigabytes of RAM)."""
+    strip = png_bytes(1, 80_000)
+    url = "data:image/png;base64," + base64.b64encode(strip).decode()
+    async with asgi_server(tmp_path) as http:
+        size = {**OK, "size": "64x64"}
+        r = await http.post("/v1/videos", data=size, files={"input_reference": ("s.png", strip, "image/png")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
+        assert "would be resized to 64x5120000" in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/videos/sync", json={**size, "image_reference": {"image_url": url}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "image_reference", r.text
+        assert (await http.get("/v1/videos")).json()["data"] == []
+
+
 async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
     async with asgi_server(tmp_path, api_key="k", max_upload_bytes=4096) as http:
         auth = {"Authorization": "Bearer k"}

@@ -11,6 +11,7 @@ import json
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 from PIL import Image
@@ -130,6 +131,28 @@ def test_non_stream_text_matches_the_reasoner(oai, reasoner):
     u = resp.usage
     assert (u.prompt_tokens, u.completion_tokens) == (session.prompt_tokens, session.completion_tokens)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens and 0 < u.completion_tokens <= 6
+
+
+def test_the_answer_id_is_x_request_id_else_the_bodys_request_id(oai):
+    """vLLM's `_base_request_id`: `chatcmpl-<X-Request-Id>`, else `chatcmpl-<request_id>` (a gateway joins its
+    trace to the answer), streamed chunks too, `cmpl-` for text; `user` is typed as vLLM types it."""
+    hi = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = oai.chat.completions.create(
+        **hi, extra_headers={"X-Request-Id": "trace-abc"}, extra_body={"request_id": "b"}
+    )
+    assert r.id == "chatcmpl-trace-abc"
+    assert oai.chat.completions.create(**hi, extra_body={"request_id": "body-xyz"}).id == "chatcmpl-body-xyz"
+    chunks = list(oai.chat.completions.create(**hi, stream=True, extra_headers={"X-Request-Id": "s-1"}))
+    assert chunks and {c.id for c in chunks} == {"chatcmpl-s-1"}
+    a, b = (oai.chat.completions.create(**hi).id for _ in range(2))
+    assert a != b and a.startswith("chatcmpl-") and len(a) > len("chatcmpl-") + 16
+    text = oai.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": "t-2"}
+    )
+    assert text.id == "cmpl-t-2"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(**hi, extra_body={"user": 5})
+    assert err.value.body["param"] == "user", err.value.body
 
 
 def test_prompts_are_built_off_the_chat_worker_thread(oai, reasoner, monkeypatch):

@@ -93,6 +93,11 @@ async def test_model_validation_reaches_the_client(tmp_path, pipeline):
             "/v1/videos", data={"prompt": "x", **TINY, "num_frames": "1", "generate_sound": "true"}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "generate_sound"
+        r = await http.post(  # the model's checks name the field the value came in, as the field checks do
+            "/v1/videos",
+            data={"prompt": "x", **TINY, "num_frames": "1", "extra_params": '{"generate_sound": true}'},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.generate_sound", r.text
         await asyncio.sleep(0)
 
 

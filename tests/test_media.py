@@ -337,6 +337,30 @@ def test_resize_center_crop_rejects_bad_input():
         resize_center_crop(np.zeros((10, 10, 3), np.uint8), 0, 16)
 
 
+def test_an_image_far_from_the_videos_aspect_ratio_is_refused_before_its_resize():
+    """Covering 64x64 with a 1 x 80,000 image would resize it to 64 x 5,120,000 (a 4 GB float32 copy from a
+    312-byte PNG): VideoParams refuses it, naming the reference, while an image at the bound still passes."""
+    from worldserve.media.image import max_pixels
+    from worldserve.params import ParamError, VideoParams
+
+    strip = np.zeros((80_000, 1, 3), np.uint8)  # [H, W, 3]
+    with pytest.raises(ParamError, match="would be resized to 64x5120000") as err:
+        VideoParams(prompt="x", width=64, height=64, num_frames=5, image=strip).validate()
+    assert err.value.param == "input_reference"
+    named = VideoParams(prompt="x", width=64, height=64, num_frames=5, image=strip)
+    with pytest.raises(ParamError) as err:
+        named.validate_as({"input_reference": "image_reference"})
+    assert err.value.param == "image_reference"
+    tallest = max_pixels() // 64 // 64  # the tallest 1-pixel-wide image whose cover resize stays in bounds
+    VideoParams(
+        prompt="x", width=64, height=64, num_frames=5, image=np.zeros((tallest, 1, 3), np.uint8)
+    ).validate()
+    with pytest.raises(ParamError):
+        VideoParams(
+            prompt="x", width=64, height=64, num_frames=5, image=np.zeros((tallest + 1, 1, 3), np.uint8)
+        ).validate()
+
+
 def test_media_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"

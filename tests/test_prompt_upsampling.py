@@ -232,14 +232,17 @@ async def test_a_written_prompt_past_max_sequence_length_fails_the_job(
 ):
     """The written prompt is checked as a client's would be (here: more tokens than the request's
     max_sequence_length): the job fails with a 400 that says so, the sync request answers it; the images
-    route answers the same, naming the field (its top-level max_sequence_length is honoured too)."""
+    route answers the same, naming the field the value came in (its top-level max_sequence_length is
+    honoured too)."""
     async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
                            upsampler=SMALL) as http:  # fmt: skip
         extra = json.dumps({"upsample_prompt": True, "max_sequence_length": 150, "negative_prompt": "blur"})
         r = await http.post("/v1/videos/sync", data={"prompt": "a fox", **TINY, "extra_params": extra})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_sequence_length", r.text
-        message = r.json()["error"]["message"]
-        assert "Prompt upsampling failed" in message and "raise max_sequence_length" in message
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra_params.max_sequence_length", (
+            r.text
+        )
+        message = r.json()["error"]["message"]  # (the field the value came in)
+        assert "Prompt upsampling failed" in message and "raise extra_params.max_sequence_length" in message
         assert message.count("max_sequence_length") == 2 and "shorten" not in message, message  # (said once)
         body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 2, "negative_prompt": "",
                 "max_sequence_length": 150}  # fmt: skip

@@ -13,9 +13,10 @@ an image (num_frames 1) may go up to the 1024x1024 area (vLLM-Omni's text-to-ima
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -167,6 +168,11 @@ class VideoParams:
     """Seconds of audio in the MP4 (vLLM-Omni's `sound_duration`): the sound is generated jointly with the
     video, as long as the clip, then its waveform trimmed or zero-padded to this; None: the clip's length."""
 
+    field_names: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    """(field, the request field its value came in) where they differ (`extra_params.seed`, `video_params`,
+    the reference's field), set by `validate_as`: a later check (the model's, the upsampled prompt's) names
+    the field the client sent too."""
+
     @property
     def latent_frames(self) -> int:
         return (self.num_frames - 1) // 4 + 1
@@ -234,6 +240,9 @@ class VideoParams:
                 )
             if self.num_frames == 1:
                 raise ParamError("input_reference", "image-to-video needs num_frames > 1")
+            from worldserve.media.image import check_cover_size  # (lazy: media/ imports this module)
+
+            check_cover_size(img.shape[1], img.shape[0], self.width, self.height, "input_reference")
         if self.video is not None:
             self._validate_video()
         if self.num_frames > 1:  # (an image has no latent timeline to condition)
@@ -243,10 +252,19 @@ class VideoParams:
     def validate_as(self, names: Mapping[str, str]) -> VideoParams:
         """`validate()`, a ParamError's field renamed through `names` (VideoParams field -> the request field
         its value came in; a field not in it keeps its name)."""
+        named = dataclasses.replace(self, field_names=tuple(names.items()))
         try:
-            return self.validate()
+            return named.validate()
         except ParamError as exc:
-            raise ParamError(names.get(exc.param, exc.param), exc.message) from None
+            raise named.named(exc) from None
+
+    def field_name(self, name: str) -> str:
+        """The request field the value of field `name` came in (`field_names`; else `name` itself)."""
+        return dict(self.field_names).get(name, name)
+
+    def named(self, exc: ParamError) -> ParamError:
+        """`exc` naming the request field its field's value came in."""
+        return ParamError(self.field_name(exc.param), exc.message)
 
     def _validate_video(self) -> None:
         if self.image is not None:

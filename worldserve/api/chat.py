@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 from collections.abc import Mapping
 from functools import partial
 from typing import Annotated, Any
@@ -252,7 +251,8 @@ async def create_chat_completion(request: Request, st: State):
 
     async def work():  # (watched from the start: a client leaving during its media's downloads stops them)
         choices, options = await chat_choices(st, body)
-        return await _answer(st, body, choices, opened, options.tools)
+        answer_id = body.answer_id("chatcmpl", request.headers.get("x-request-id"))
+        return await _answer(st, body, choices, opened, options.tools, answer_id)
 
     return await unless_disconnected(request, work(), lambda: close_all(opened))
 
@@ -285,10 +285,15 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
 
 
 async def _answer(
-    st: AppState, body: ChatCompletionRequest, choices: list, opened: list, tools: ToolMode | None
+    st: AppState,
+    body: ChatCompletionRequest,
+    choices: list,
+    opened: list,
+    tools: ToolMode | None,
+    request_id: str,
 ):
     """Start the choices together (`opened` gets their event streams), wait for each one's first event,
-    then answer: SSE, or the whole completion."""
+    then answer (its id `request_id`): SSE, or the whole completion."""
     role = st.response_role if body.add_generation_prompt else body.messages[-1].role  # (vLLM's rule)
     parsing = TextParsing(tools=tools, reasoning=st.reasoning_parser is not None,
                           include_reasoning=body.include_reasoning, echo=body.echo_text(), role=role)  # fmt: skip
@@ -302,7 +307,7 @@ async def _answer(
         name_sent_field(body, exc)
         raise
     first = firsts[-1]
-    request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name
+    created, model = int(time.time()), st.served_model_name
     cached = (
         firsts[0].cached_tokens if st.prompt_tokens_details else None
     )  # (the choices' leader looked it up)

@@ -24,6 +24,7 @@ field as vLLM writes them.
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -124,6 +125,10 @@ class SamplingRequest(NullsAsDefaults):
     """vLLM's: logprobs name their tokens as "token_id:<id>" strings (for tokens that are no valid text)."""
     cache_salt: str | None = None
     """vLLM's: only requests with the same salt share cached prompt blocks (non-empty)."""
+    request_id: str | None = None
+    """vLLM's: the answer's id is `chatcmpl-<request_id>` (`cmpl-` for text); an X-Request-Id header wins."""
+    user: str | None = None
+    """OpenAI's end-user id: typed as there (a number is a 400, as in vLLM), not used."""
     # structured outputs (vLLM extensions); typed Any so that a wrong value gets the 400 naming the field
     # (api/structured_fields.py) rather than pydantic's validation error
     structured_outputs: Any = None
@@ -153,6 +158,11 @@ class SamplingRequest(NullsAsDefaults):
             "skip_special_tokens": self.skip_special_tokens, "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "return_token_ids": bool(self.return_token_ids), "cache_salt": self.cache_salt,
         }  # fmt: skip
+
+    def answer_id(self, prefix: str, header: str | None) -> str:
+        """`<prefix>-<id>`, the id an X-Request-Id `header` gives, else `request_id`, else a random one (vLLM's
+        `_base_request_id`: a gateway joins its trace to the answer)."""
+        return f"{prefix}-{header or self.request_id or uuid.uuid4().hex}"
 
     def refused_sampling(self) -> tuple[str, str] | None:
         """(field, why) of a sampling option this server refuses: vLLM's beam search (it samples), a priority

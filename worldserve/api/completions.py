@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -120,7 +119,8 @@ async def create_completion(request: Request, st: State):
         lambda: [_echoed(prompts, body, i, t, max_model_len) for i, t in tokenized]
     )
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
-    work = _answer(st, body, choices, echoes, opened, echo_only)
+    answer_id = body.answer_id("cmpl", request.headers.get("x-request-id"))
+    work = _answer(st, body, choices, echoes, opened, echo_only, answer_id)
     return await unless_disconnected(request, work, lambda: close_all(opened))
 
 
@@ -135,15 +135,16 @@ def _echoed(prompts, body: CompletionRequest, ids: tuple[int, ...], text: str | 
 
 
 async def _answer(
-    st: AppState, body: CompletionRequest, choices: list, echoes: list, opened: list, echo_only: bool
-):
+    st: AppState, body: CompletionRequest, choices: list, echoes: list, opened: list, echo_only: bool,
+    request_id: str,
+):  # fmt: skip
     """Start every choice together, wait for each one's first event (a refusal or a bad prompt answers the
-    request), then answer: SSE, or the whole object."""
+    request), then answer (its id `request_id`): SSE, or the whole object."""
     streams, firsts = await start_all(st.client, choices, st.metrics, coalesce=not body.stream, opened=opened)
     prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
     cached = [first.cached_tokens for first in firsts[:: body.n]] if st.prompt_tokens_details else None
     c = Completion(
-        f"cmpl-{uuid.uuid4().hex}", int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
+        request_id, int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only, cached=cached,
         prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
         view=TokenView.of(body, st.tokens_as_ids),

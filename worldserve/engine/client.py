@@ -66,7 +66,7 @@ from worldserve.engine.refusals import (
     error_for,
 )
 from worldserve.engine.request import EncodeOptions, Request
-from worldserve.params import VideoParams
+from worldserve.params import ParamError, VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job", "JobSpec",
@@ -233,10 +233,15 @@ class EngineClient:
     # -- jobs -----------------------------------------------------------------------------------------
     def validate(self, params: VideoParams) -> VideoParams:
         """Model-aware checks (prompt length, sound availability, a Reasoner to upsample the prompt); raises
-        ParamError."""
-        if params.upsample_prompt:
-            check_upsampling(self.chat_worker.backend if self.chat_worker else None, params, self.upsampler)
-        return self.engine.backend.validate(params)
+        ParamError naming the request's field."""
+        try:
+            if params.upsample_prompt:
+                check_upsampling(
+                    self.chat_worker.backend if self.chat_worker else None, params, self.upsampler
+                )
+            return self.engine.backend.validate(params)
+        except ParamError as exc:
+            raise params.named(exc) from None
 
     def observe(self, observer: EngineObserver) -> None:
         """Route the engine's and the chat worker's timings (ChatObserver) to `observer` (the metrics)."""

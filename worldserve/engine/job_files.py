@@ -40,6 +40,7 @@ def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple
     for name in ("condition_frame_indexes", "guidance_interval"):  # JSON gave lists back
         if fields.get(name) is not None:
             fields[name] = tuple(fields[name])
+    fields["field_names"] = tuple(tuple(pair) for pair in fields.get("field_names", ()))
     image = video = None
     if reference is not None:  # the upload or data URL as received: an image, else a V2V clip
         from worldserve.media.video_input import condition_budget, decode_reference

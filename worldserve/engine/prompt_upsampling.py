@@ -192,9 +192,9 @@ def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams)
         return validate(params)
     except ParamError as exc:
         reason = exc.message.split("; ")[0]  # (not the client's hint: a shorter prompt would not help)
+        field = params.field_name("max_sequence_length" if exc.param == "prompt" else exc.param)
         raise UpsamplingFailed(400, f"the prompt the Reasoner wrote does not fit this request: {reason}; raise "
-                               "max_sequence_length, or leave upsample_prompt off",
-                               "max_sequence_length" if exc.param == "prompt" else exc.param) from None  # fmt: skip
+                               f"{field}, or leave upsample_prompt off", field) from None  # fmt: skip
 
 
 async def built_upsampling_chat(backend, params: VideoParams, config: UpsamplerConfig) -> ChatParams:

@@ -126,6 +126,20 @@ def cover_crop_box(src_width: int, src_height: int, width: int, height: int) -> 
     return resized_w, resized_h, round((resized_w - width) / 2), round((resized_h - height) / 2)
 
 
+def check_cover_size(src_width: int, src_height: int, width: int, height: int, param: str) -> None:
+    """A ParamError naming `param` when covering width x height would resize the image past `max_pixels()`.
+
+    The cover scale is set by the side that fits worst, so an image far from the target's aspect ratio
+    (1 x 80,000 pixels: a few hundred bytes of PNG) would be resized to gigapixels before the crop; this
+    bounds the resize's float32 copy by the largest image decoded at all."""
+    resized_w, resized_h, _, _ = cover_crop_box(src_width, src_height, width, height)
+    if resized_w * resized_h > max_pixels():
+        raise ParamError(param, f"the conditioning image of {src_width}x{src_height} would be resized to "
+                         f"{resized_w}x{resized_h} ({resized_w * resized_h:,} pixels) to cover {width}x{height}, "
+                         f"above this server's limit of {max_pixels():,} pixels; crop it closer to the "
+                         "video's aspect ratio")  # fmt: skip
+
+
 def resize_center_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:
     """uint8 RGB (h, w, 3) -> uint8 (height, width, 3): cover-resize (antialiased bilinear) + centre crop.
 
