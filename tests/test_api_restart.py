@@ -20,7 +20,7 @@ from worldserve.engine.jobs import JobStatus, JobStore
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 SMALL = {"size": "64x48", "num_frames": "5", "fps": "8"}
-CLEAN_EXIT = (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful shutdown
+CLEAN_EXIT = (0,)  # (uvicorn raises a SIGTERM again after its graceful shutdown: the serve command takes it)
 
 
 def _free_port() -> int:
@@ -97,6 +97,7 @@ def test_kill9_restart_then_sigterm(tmp_path):
     assert third.proc.wait(20) in CLEAN_EXIT and time.monotonic() - started < 10
     log = (tmp_path / "third.log").read_text()
     assert "shutdown requested" in log and "queued again" in log
+    assert "worldserve serve stopped" in log  # its cleanup ran (the peer ranks of a parallel backend stop)
     store = JobStore(storage)
     assert store.get(parked["id"]).status is JobStatus.QUEUED and store.get(parked["id"]).progress == 0
     store.close()

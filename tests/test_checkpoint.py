@@ -89,6 +89,13 @@ def test_make_tiny_refuses_a_folder_with_files_and_an_empty_dir(tmp_path, capsys
     ).read_text() == "{}"
     assert main(["make-tiny", str(kept), "--no-vision", "--no-sound", "--force"]) == 0
     assert (kept / "transformer").is_dir() and (kept / "model_index.json").read_text() != "{}"
+    assert main(["make-tiny", str(kept), "--force"]) == 0
+    assert {"vision_encoder", "sound_tokenizer"} <= {p.name for p in kept.iterdir()}
+    (kept / "notes.txt").write_text("mine")
+    assert main(["make-tiny", str(kept), "--no-vision", "--no-sound", "--force"]) == 0  # (they stayed behind)
+    assert not (kept / "vision_encoder").exists() and not (kept / "sound_tokenizer").exists()
+    assert (kept / "notes.txt").read_text() == "mine"  # (only the checkpoint's own folders are replaced)
+    assert "vision_encoder" not in run_cli("info", kept).stdout
 
 
 @pytest.mark.parametrize(
@@ -285,6 +292,85 @@ def test_unreadable_vae_and_vision_weights_are_checkpoint_errors(tiny_copy):
         VisionEncoder.from_pretrained(tiny_copy / "vision_encoder")
 
 
+def _edit_weights(file, edit) -> str:
+    """Rewrite a safetensors file with `edit` applied; the key it touched."""
+    tensors = load_file(file)
+    key = edit(tensors)
+    save_file(tensors, file)
+    return key
+
+
+def _drop_one(t):
+    key = sorted(t)[0]
+    del t[key]
+    return key
+
+
+def _add_one(t):
+    t["bogus.weight"] = torch.zeros(2)
+    return "bogus.weight"
+
+
+def _reshape_one(t):
+    key = next(k for k in sorted(t) if t[k].ndim >= 1 and t[k].shape[0] > 1)
+    t[key] = t[key][1:].contiguous()  # one row fewer
+    return key
+
+
+def _component_loader(component):
+    from worldserve.models.cosmos3.audio_vae import AudioVAE
+    from worldserve.models.cosmos3.vae import VideoVAE
+    from worldserve.models.cosmos3.vision import VisionEncoder
+
+    return {"vae": VideoVAE, "sound_tokenizer": AudioVAE, "vision_encoder": VisionEncoder}[component]
+
+
+@pytest.mark.parametrize(
+    ("component", "edit"),
+    [(c, e) for c in ("vae", "sound_tokenizer", "vision_encoder") for e in (_drop_one, _reshape_one)]
+    + [("vision_encoder", _add_one)],
+)
+def test_missing_and_mis_shaped_component_weights_are_named(tiny_copy, component, edit):
+    """As the transformer's: a missing key of the VAE / sound tokenizer / ViT was a meta-device traceback
+    ("Cannot copy out of meta tensor"), a mis-shaped ViT one a traceback; the ViT refuses extra keys too."""
+    folder = tiny_copy / component
+    key = _edit_weights(next(folder.glob("*.safetensors")), edit)
+    with pytest.raises(CheckpointError, match=f"{component}: ") as err:
+        _component_loader(component).from_pretrained(folder)
+    assert key in str(err.value) and "re-download it" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("component", ["vae", "sound_tokenizer"])
+def test_an_extra_key_in_a_diffusers_component_is_skipped_as_diffusers_skips_it(tiny_copy, component, caplog):
+    """diffusers loads a VAE / sound tokenizer with keys its class has not (e.g. an audio encoder's), naming
+    them in a warning: so do we, the weights it has loaded as they are."""
+    folder = tiny_copy / component
+    _edit_weights(next(folder.glob("*.safetensors")), _add_one)
+    with caplog.at_level("WARNING"):
+        _component_loader(component).from_pretrained(folder)
+    assert "bogus.weight" in caplog.text
+
+
+def test_a_vae_missing_a_key_is_one_line_from_generate(tiny_copy):
+    _edit_weights(tiny_copy / "vae" / f"{PREFIX}.safetensors", _drop_one)
+    r = run_cli("generate", tiny_copy, "--prompt", "x", "--size", "32x32", "--num-frames", "1", "--steps", "1",
+                "-o", tiny_copy / "o.png")  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # (after the transformer's loading progress)
+    assert "vae: its weights do not match the model: missing ['decoder." in last and "error" in last, r.stderr
+
+
+def test_a_tokenizer_without_a_chat_template_is_named_before_the_weights_load(tiny_copy, monkeypatch):
+    """Every prompt goes through the chat template: without one, generation failed after the model had
+    loaded, in transformers' words, naming no checkpoint."""
+    import worldserve.runner.video_pipeline as vp
+
+    (tiny_copy / "text_tokenizer" / "chat_template.jinja").unlink()
+    monkeypatch.setattr(vp, "load_configured_transformer", lambda *a, **k: pytest.fail("loaded the weights"))
+    with pytest.raises(CheckpointError, match="text_tokenizer: the tokenizer has no chat template"):
+        vp.VideoPipeline.from_pretrained(tiny_copy, device="cpu")
+
+
 def test_wrong_dtype_is_named(tiny_copy):
     def edit(t):
         key = next(k for k in t if t[k].ndim == 2)
@@ -333,6 +419,15 @@ def test_resolve_model_errors(tmp_path, monkeypatch):
     ):  # (the last two: huggingface_hub tracebacks)
         with pytest.raises(CheckpointError, match="neither an existing folder"):
             resolve_model(ref)
+
+
+def test_a_revision_for_a_local_folder_is_said_to_do_nothing(tiny_ckpt, caplog):
+    with caplog.at_level("WARNING"):
+        assert resolve_model(str(tiny_ckpt), revision="v1") == tiny_ckpt.resolve()
+    assert "--revision v1 has no effect" in caplog.text and "local folder" in caplog.text
+    caplog.clear()
+    resolve_model(str(tiny_ckpt))
+    assert "--revision" not in caplog.text
 
 
 def test_an_unreachable_hub_is_not_blamed_on_hf_hub_offline(tmp_path, monkeypatch):

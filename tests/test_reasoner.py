@@ -228,6 +228,7 @@ def test_vision_encoder_loading_is_strict(tiny_ckpt, tmp_path, reasoner):
     from safetensors.torch import save_file
 
     from worldserve.models.cosmos3.vision import VisionEncoder
+    from worldserve.weights.checkpoint import CheckpointError
 
     root = json.loads((tiny_ckpt / "config.json").read_text())
     state = load_file(tiny_ckpt / "vision_encoder" / "model.safetensors")
@@ -239,7 +240,7 @@ def test_vision_encoder_loading_is_strict(tiny_ckpt, tmp_path, reasoner):
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(da, db, strict=True))
     state.pop(next(iter(state)))
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(CheckpointError, match="its weights do not match the model: missing"):
         VisionEncoder.from_pretrained(tmp_path, vision_config=root["vision_config"])
 
 

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="write into DIR even when it holds files (they may be overwritten)",
+        help="write into DIR even when it holds files (they may be overwritten; a checkpoint's component "
+        "folders there are replaced)",
     )
     p.add_argument("--no-sound", action="store_true", help="leave out the sound tokenizer and audio heads")
     p.add_argument("--no-vision", action="store_true", help="leave out the Reasoner's vision encoder")

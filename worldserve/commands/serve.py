@@ -8,7 +8,8 @@ the model within --init-timeout (no MODEL: the embedded tiny random checkpoint, 
 ready).
 SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get --shutdown-timeout seconds
 to finish, anything unfinished stays queued in the store and is re-run at the next start. A second Ctrl-C
-ends the grace at once (uvicorn's force exit; the engine stops at its next step or decode chunk).
+ends the grace at once (uvicorn's force exit; the engine stops at its next step or decode chunk). The peer
+ranks of a parallel backend stop after that; the exit status is then 0 after SIGTERM, 130 after Ctrl-C.
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
 vision_encoder/. `--backend fake` (hidden) serves numpy colour frames with no model and no chat: tests only.
 Pasted vLLM / vLLM-Omni command lines run too (serve_compat.py): `--model` and `--stage-init-timeout` fold
@@ -20,12 +21,14 @@ model loads (exit 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
                 backend.close()
+            log.info("worldserve serve stopped")
 
 
 def bind_listener(host: str | None, port: int) -> socket.socket:
@@ -396,6 +400,14 @@ class GracefulServer(uvicorn.Server):
             log.warning("second interrupt: stopping now; running jobs are queued again for the next start")
             self._client.stop_now()
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, but a SIGTERM ends `run` once the graceful shutdown is done: uvicorn raises it again
+        there, and the default handler killed the process before the peer ranks were stopped (exit 0)."""
+        with super().capture_signals():
+            yield
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     async def shutdown(self, sockets: Any = None) -> None:
         await super().shutdown(sockets)

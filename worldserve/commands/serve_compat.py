@@ -220,7 +220,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "--max-model-len tokens), not by a fraction of GPU memory",
       {"type": checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")}),
     # common vLLM flags
-    C("--disable-log-requests", "worldserve never logs request contents", ON),
+    C("--disable-log-requests", "request contents are logged only with --enable-log-requests (off by default), "
+      "as in vLLM, which deprecates this flag", ON),
     C("--chat-template-content-format", "the chat template is handed each message as it expects",
       {"choices": ("auto", "string", "openai")}, lambda v: v == "auto", "only at auto",
       "worldserve renders message content the way the checkpoint's chat template expects it"),

@@ -165,6 +165,7 @@ class VideoPipeline:
         from worldserve.models.cosmos3.audio_vae import AudioVAE
         from worldserve.models.cosmos3.vae import VideoVAE
 
+        prompts = PromptEncoder.from_pretrained(root)  # (first: a bad tokenizer before minutes of weights)
         transformer = load_configured_transformer(root, dtype, device, kernels, tp=tp, progress=progress)
         vae = VideoVAE.from_pretrained(
             root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
@@ -173,7 +174,7 @@ class VideoPipeline:
         audio_vae = None
         if layout.has_sound:
             audio_vae = AudioVAE.from_pretrained(root / "sound_tokenizer", dtype=dtype, device=device)
-        return cls(transformer, vae, audio_vae, PromptEncoder.from_pretrained(root), device)
+        return cls(transformer, vae, audio_vae, prompts, device)
 
     # ------------------------------------------------------------------ VideoBackend
     @property

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from worldserve.models.cosmos3.config import Cosmos3Config
+
+log = logging.getLogger(__name__)
 
 GENERATION_COMPONENTS = ("transformer", "vae", "text_tokenizer", "scheduler")
 OPTIONAL_COMPONENTS = ("sound_tokenizer", "vision_encoder")
@@ -60,6 +63,20 @@ def readable_weights(folder: Path | str) -> Iterator[None]:
         ) from e
 
 
+def check_weights_match(
+    folder: Path | str, missing: Sequence[str], unexpected: Sequence[str], mismatched: Sequence[str] = ()
+) -> None:
+    """A CheckpointError naming the keys (five of each kind) when a component's weights are not the model's: a
+    missing one would stay random (or on the meta device), an unexpected one would be ignored."""
+    problems = [f"{what} {list(keys[:5])}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+                for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mismatched))
+                if keys]  # fmt: skip
+    if problems:
+        raise CheckpointError(
+            f"{folder}: its weights do not match the model: {'; '.join(problems)}; re-download it"
+        )
+
+
 def user_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "worldserve"
@@ -97,6 +114,8 @@ def resolve_model(ref: str | None, revision: str | None = None) -> Path:
     if local.exists():
         if not (local / "model_index.json").is_file():
             raise CheckpointError(f"{local} is not a Cosmos3 checkpoint folder (no model_index.json)")
+        if revision is not None:  # (as Hugging Face's loaders: a folder is read as it is)
+            log.warning("--revision %s has no effect: %s is a local folder, read as it is", revision, local)
         return local.resolve()
     if ref.count("/") != 1 or ref.startswith((".", "/", "~")):
         raise CheckpointError(f"model {ref!r} is neither an existing folder nor a Hugging Face repo id")

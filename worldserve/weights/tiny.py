@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -286,12 +287,18 @@ def _root_config(config: Cosmos3Config, token_ids: dict[str, int], vision: dict 
     return root
 
 
+COMPONENT_FOLDERS = ("transformer", "vae", "sound_tokenizer", "vision_encoder", "text_tokenizer", "scheduler")
+
+
 def make_tiny(
     out_dir: str | Path, seed: int = 0, sound: bool = True, vision: bool = True, shapes: str = "tiny"
 ) -> Path:
     """Write the random checkpoint (`shapes`: "tiny" or "nano", see the module docstring) into `out_dir`
-    (created; existing files overwritten) and return it."""
+    (created; existing files overwritten, and the component folders of an earlier checkpoint there removed
+    first: a component left out, or a shard of larger shapes, would stay behind) and return it."""
     out = Path(out_dir)
+    for name in COMPONENT_FOLDERS:
+        shutil.rmtree(out / name, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     sizes = SHAPES[shapes]
     vocab = write_tiny_tokenizer(out / "text_tokenizer")

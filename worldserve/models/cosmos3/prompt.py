@@ -277,10 +277,18 @@ class PromptEncoder:
         """Load from a checkpoint folder (its `text_tokenizer/`) or from a tokenizer folder itself."""
         from transformers import AutoTokenizer
 
+        from worldserve.weights.checkpoint import CheckpointError
+
         folder = Path(path)
         if (folder / "text_tokenizer").is_dir():
             folder = folder / "text_tokenizer"
-        return cls(AutoTokenizer.from_pretrained(str(folder)), use_system_prompt=use_system_prompt)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        if (
+            not tokenizer.chat_template
+        ):  # (every prompt goes through it: transformers' error came per request)
+            raise CheckpointError(f"{folder}: the tokenizer has no chat template (chat_template.jinja, or "
+                                  "tokenizer_config.json's chat_template); re-download it")  # fmt: skip
+        return cls(tokenizer, use_system_prompt=use_system_prompt)
 
     def system_message(self, params: VideoParams) -> str | None:  # "" (no system message) is not None
         """The request's system message: its own `system_prompt` (which wins over `use_system_prompt`; ""

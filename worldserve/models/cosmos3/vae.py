@@ -96,10 +96,13 @@ class VideoVAE:
     ) -> VideoVAE:
         """Load `AutoencoderKLWan` from a checkpoint's `vae/` folder (config.json + safetensors); our decoder
         copies its decoder weights (options as in `__init__`)."""
-        from worldserve.weights.checkpoint import readable_weights
+        from worldserve.weights.checkpoint import check_weights_match, readable_weights
 
         with readable_weights(folder):
-            model = AutoencoderKLWan.from_pretrained(str(folder), dtype=dtype)
+            model, info = AutoencoderKLWan.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
+        # a missing weight stays on the meta device; an unexpected one diffusers names in a warning and skips
+        # (as it loads them: a checkpoint with extra keys, e.g. an audio encoder, still serves)
+        check_weights_match(folder, info["missing_keys"], (), info["mismatched_keys"])
         return cls(
             model.to(device),
             tiling=tiling,

@@ -237,7 +237,7 @@ class VisionEncoder:
     ) -> VisionEncoder:  # fmt: skip
         """Load `folder` (a save_pretrained ViT, or bare safetensors + `vision_config` from the root config).
 
-        Every weight must be present: a missing or unexpected key raises instead of leaving random weights."""
+        Every weight must be present: a missing, unexpected or mis-shaped key is a CheckpointError naming it."""
         from safetensors.torch import load_file
         from transformers import Qwen3VLVisionConfig
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -249,7 +249,7 @@ class VisionEncoder:
             config = Qwen3VLVisionConfig(**{k: v for k, v in vision_config.items() if k != "model_type"})
         else:
             raise ValueError(f"{folder} has no config.json and no vision_config was given")
-        from worldserve.weights.checkpoint import readable_weights
+        from worldserve.weights.checkpoint import check_weights_match, readable_weights
 
         state = {}
         for file in sorted(folder.glob("*.safetensors")):
@@ -259,12 +259,15 @@ class VisionEncoder:
                 state[key.removeprefix("model.").removeprefix("visual.")] = tensor
         with torch.device("meta"):
             model = Qwen3VLVisionModel._from_config(config, dtype=dtype)
-        result = model.load_state_dict(state, strict=False, assign=True)
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(
-                f"vision encoder weights in {folder} do not match Qwen3VLVisionModel: missing "
-                f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
-            )
+        expected = model.state_dict()  # meta tensors: the names and shapes Qwen3VLVisionModel takes
+        check_weights_match(
+            folder,
+            missing=[k for k in expected if k not in state],
+            unexpected=[k for k in state if k not in expected],
+            mismatched=[f"{k}: {tuple(state[k].shape)}, not {tuple(v.shape)}" for k, v in expected.items()
+                        if k in state and state[k].shape != v.shape],
+        )  # fmt: skip
+        model.load_state_dict(state, strict=True, assign=True)
         _reset_nonpersistent_buffers(model, "cpu")  # off meta, so that .to() can move it
         model = model.to(device=device, dtype=dtype)
         _reset_nonpersistent_buffers(model, device)  # float32 RoPE frequencies, as from_pretrained keeps them
