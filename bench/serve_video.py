@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.kill()
             proc.wait()
         log.close()
+    result["exit_status"] = proc.returncode  # (0 after SIGTERM's graceful shutdown and the cleanup)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"serve up in {result['startup_s']:.1f} s (model load + warm-up)")
     print("request  status  wall s  frames  size       audio")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import os
 import subprocess
@@ -76,6 +77,22 @@ async def test_sound_duration_trims_or_pads_the_jointly_generated_sound(tmp_path
         assert abs(p.audio_duration - seconds) <= 1e-3 and abs(p.video_duration - 0.625) <= 1e-3, name
         assert p.num_frames == 5 and p.audio_codec == "aac"
     assert clips["short"].frames.tobytes() == clips["clip"].frames.tobytes() == clips["long"].frames.tobytes()
+
+
+def test_a_longer_sound_duration_pads_the_clips_sound_with_silence(pipeline):
+    """Past the clip (5 frames at 8 fps: 30,000 samples) the padding is silence: the decoder's output runs on
+    to a whole hop (30,720 samples), and that tail was kept before the zeros."""
+    import numpy as np
+
+    from worldserve.params import VideoParams
+
+    clip = VideoParams(prompt="a cat", width=32, height=32, num_frames=5, fps=8, num_inference_steps=2, seed=3,
+                       generate_sound=True)  # fmt: skip
+    plain, _ = pipeline.generate(clip)
+    long, _ = pipeline.generate(dataclasses.replace(clip, sound_duration=2.0))
+    assert plain.audio.shape == (2, 30_000) and long.audio.shape == (2, 96_000)
+    assert np.array_equal(long.audio[:, :30_000], plain.audio) and np.abs(plain.audio).max() > 0
+    assert not long.audio[:, 30_000:].any()
 
 
 async def test_model_validation_reaches_the_client(tmp_path, pipeline):

@@ -133,6 +133,38 @@ def test_t2i_png(tiny_ckpt, tmp_path):
         assert im.size == (64, 64) and im.mode == "RGB"
 
 
+def test_a_still_takes_the_images_routes_defaults_and_a_video_the_videos():
+    """`generate --num-frames 1` with no --size / --steps / --guidance / --flow-shift / --guidance-interval
+    makes the image /v1/images/generations makes (it took the video defaults: 35 steps, guidance 6 at every
+    step, the 720p tier's shift 10); flags given win; a video keeps the video defaults."""
+    from worldserve.api.images import ImageGenerationRequest
+    from worldserve.api.images import build_params as image_params
+    from worldserve.cli import build_parser
+    from worldserve.commands.generate import build_params
+
+    def params(*argv):
+        argv = ["generate", "--prompt", "a lighthouse", "-o", "out.npz", *argv]
+        return build_params(build_parser(argv).parse_args(argv))
+
+    still = params("--num-frames", "1")
+    route = image_params(ImageGenerationRequest(prompt="a lighthouse", seed=42))[0]
+    fields = ("width", "height", "num_inference_steps", "guidance_scale", "guidance_interval")
+    assert [getattr(still, f) for f in fields] == [getattr(route, f) for f in fields]
+    assert still.resolved_flow_shift() == route.resolved_flow_shift() == 3.0
+    given = params("--num-frames", "1", "--size", "64x64", "--steps", "2", "--guidance", "4", "--flow-shift", "5",
+                   "--guidance-interval", "0,1000")  # fmt: skip
+    assert (given.width, given.num_inference_steps, given.guidance_scale, given.flow_shift) == (
+        64,
+        2,
+        4.0,
+        5.0,
+    )
+    assert given.guidance_interval == (0.0, 1000.0)
+    video = params()
+    assert (video.width, video.height, video.num_frames, video.num_inference_steps) == (1280, 720, 189, 35)
+    assert (video.guidance_scale, video.guidance_interval, video.resolved_flow_shift()) == (6.0, None, 10.0)
+
+
 @pytest.mark.parametrize(
     ("args", "field"),
     [

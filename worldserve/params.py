@@ -39,6 +39,23 @@ IMAGE_MAX_AREA = 1024 * 1024
 """Images (num_frames 1) may go up to 1024x1024, vLLM-Omni's Cosmos3 text-to-image default (above the 720p area)."""
 
 
+@dataclass(frozen=True)
+class ImageDefaults:
+    """vLLM-Omni's Cosmos3 text-to-image defaults (serving-api.md §4.4): what /v1/images/generations and
+    `generate --num-frames 1` take for the fields a request leaves out (cosmos-framework's own text2image
+    differs only in its guidance, 4.0)."""
+
+    width: int = 1024
+    height: int = 1024
+    num_inference_steps: int = 50
+    guidance_scale: float = 7.0
+    flow_shift: float = 3.0
+    guidance_interval: tuple[float, float] = (400.0, 1000.0)
+
+
+IMAGE_DEFAULTS = ImageDefaults()
+
+
 MIN_FLOW_SHIFT, MAX_FLOW_SHIFT = 1e-3, 100.0
 """The flow shifts taken (Cosmos3 uses 3-10; below ~1e-11 the shifted float32 sigmas underflow to 0 and no
 schedule exists, which failed a job after it was accepted)."""

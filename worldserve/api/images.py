@@ -37,16 +37,12 @@ from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
-from worldserve.params import INT64, VideoParams
+from worldserve.params import IMAGE_DEFAULTS, INT64, VideoParams
 
 router = APIRouter(tags=["images"])
 State = Annotated[AppState, Depends(app_state)]
 
-DEFAULT_SIZE = "1024x1024"
-DEFAULT_STEPS = 50
-DEFAULT_GUIDANCE = 7.0
-DEFAULT_SHIFT = 3.0
-DEFAULT_INTERVAL = (400.0, 1000.0)
+DEFAULT_SIZE = f"{IMAGE_DEFAULTS.width}x{IMAGE_DEFAULTS.height}"
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 VIDEO_ONLY_EXTRA = (
     "sound_duration", "audio_duration", "video_codec_options", "condition_frame_indexes_vision",
@@ -120,15 +116,15 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         return default if getattr(req, name, None) is None else getattr(req, name)
 
     seed = pick("seed", None)
-    shift = DEFAULT_SHIFT if default_flow_shift is None else default_flow_shift
+    shift = IMAGE_DEFAULTS.flow_shift if default_flow_shift is None else default_flow_shift
     base = VideoParams(
         prompt=req.prompt, negative_prompt=pick("negative_prompt", None), width=width, height=height, num_frames=1,
-        num_inference_steps=pick("num_inference_steps", DEFAULT_STEPS),
-        guidance_scale=pick("guidance_scale", DEFAULT_GUIDANCE) or DEFAULT_GUIDANCE,  # 0: the default
+        num_inference_steps=pick("num_inference_steps", IMAGE_DEFAULTS.num_inference_steps),
+        guidance_scale=pick("guidance_scale", IMAGE_DEFAULTS.guidance_scale) or IMAGE_DEFAULTS.guidance_scale,  # 0: the default
         flow_shift=pick("flow_shift", shift),
         seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
         max_sequence_length=pick("max_sequence_length", 4096),
-        guidance_interval=tuple(float(v) for v in pick("guidance_interval", DEFAULT_INTERVAL)),
+        guidance_interval=tuple(float(v) for v in pick("guidance_interval", IMAGE_DEFAULTS.guidance_interval)),
         add_resolution_template=extra.use_resolution_template is not False,
         negative_metadata=extra.negative_metadata_mode or "same",
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,

@@ -13,10 +13,11 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from worldserve.commands.cli_inputs import check_writable, text_arg
 from worldserve.config_values import int64_seed
-from worldserve.params import NEGATIVE_METADATA_MODES, ParamError, VideoParams
+from worldserve.params import IMAGE_DEFAULTS, NEGATIVE_METADATA_MODES, ParamError, VideoParams
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
 
@@ -41,14 +42,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--condition-video-keep", default=None, choices=("first", "last"),
         help="V2V: take the conditioning frames from the first (default) or the last end of the clip",
     )  # fmt: skip
-    p.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT, multiples of 16 (default 1280x720)")
+    # an image (--num-frames 1) takes the text-to-image defaults of /v1/images/generations (IMAGE_DEFAULTS)
+    p.add_argument(
+        "--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default 1280x720; an image 1024x1024)"
+    )
     p.add_argument("--num-frames", type=int, default=189, help="1 (an image) or 4k+1 (default 189)")
     p.add_argument("--fps", type=float, default=24.0, help="frames a second (default 24)")
-    p.add_argument("--steps", type=int, default=35, help="denoising steps (default 35)")
-    p.add_argument("--guidance", type=float, default=6.0, help="CFG scale; 1 runs one branch (default 6)")
-    p.add_argument("--flow-shift", type=float, default=None, help="default: 10 / 5 / 3 by resolution tier")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default 35; an image 50)")
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="CFG scale; 1 runs one branch (default 6; an image 7, inside --guidance-interval)",
+    )
+    p.add_argument(
+        "--flow-shift", type=float, default=None, help="default: 10 / 5 / 3 by resolution tier; an image 3"
+    )
     p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
-                   help="CFG only at timesteps (0..1000) in [LO, HI], e.g. 400,1000; default: every step")  # fmt: skip
+                   help="CFG only at timesteps (0..1000) in [LO, HI], e.g. 400,1000; default: every step (an "
+                   "image: 400,1000)")  # fmt: skip
     p.add_argument("--seed", type=int64_seed, default=42, help="initial noise seed (default 42)")
     p.add_argument("--no-sound", action="store_true", help="no joint audio")
     p.add_argument("--max-sequence-length", type=int, default=4096,
@@ -114,9 +126,25 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _defaults(num_frames: int) -> dict[str, Any]:
+    """The values of the flags left out: a video's (VideoParams' defaults), or a still's (--num-frames 1) the
+    text-to-image ones /v1/images/generations takes (1024x1024, 50 steps, guidance 7 in [400, 1000], shift 3)."""
+    if num_frames == 1:
+        d = IMAGE_DEFAULTS
+        return {"size": f"{d.width}x{d.height}", "steps": d.num_inference_steps, "guidance": d.guidance_scale,
+                "flow_shift": d.flow_shift, "guidance_interval": d.guidance_interval}  # fmt: skip
+    v = VideoParams(prompt="-")
+    return {"size": f"{v.width}x{v.height}", "steps": v.num_inference_steps, "guidance": v.guidance_scale,
+            "flow_shift": None, "guidance_interval": None}  # fmt: skip
+
+
 def build_params(args: argparse.Namespace) -> VideoParams:
     prompt = args.prompt if args.prompt is not None else _read_text(args.prompt_file, "prompt_file")
-    width, height = parse_size(args.size)
+    left_out = _defaults(args.num_frames)
+    given = lambda flag: left_out[flag] if getattr(args, flag) is None else getattr(args, flag)  # noqa: E731
+    width, height = parse_size(given("size"))
+    steps, guidance, flow_shift = given("steps"), given("guidance"), given("flow_shift")
+    interval = _parse_interval(args.guidance_interval) or left_out["guidance_interval"]
     image = None
     if args.image is not None:
         from worldserve.media.image import decode_image
@@ -140,7 +168,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
         raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
                          "(not with --tensor-parallel-size > 1)")  # fmt: skip
-    if args.guidance == 0:  # (the API takes 0 as "not given", its default 6.0; here it would drop the prompt)
+    if guidance == 0:  # (the API takes 0 as "not given", its default 6.0; here it would drop the prompt)
         raise ParamError("guidance", "--guidance 0 would generate without the prompt; use 1 for the prompt's "
                          "branch alone (no CFG), or a scale above 1")  # fmt: skip
     _check_output(args.output, args.num_frames)
@@ -157,9 +185,9 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         height=height,
         num_frames=args.num_frames,
         fps=args.fps,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        flow_shift=args.flow_shift,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        flow_shift=flow_shift,
         seed=args.seed,
         generate_sound=False if args.no_sound else None,
         max_sequence_length=args.max_sequence_length,
@@ -167,7 +195,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         video=video,
         condition_frame_indexes=indexes,
         condition_video_keep=keep,
-        guidance_interval=_parse_interval(args.guidance_interval),
+        guidance_interval=interval,
         add_duration_template=not args.no_duration_template,
         add_resolution_template=not args.no_resolution_template,
         negative_metadata=args.negative_metadata,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from worldserve.engine.outputs import VideoResult
+from worldserve.media.audio import fit_audio
 from worldserve.media.frame_stream import FrameStream
 
 if TYPE_CHECKING:  # the VAEs import diffusers: a peer rank, which only runs the transformer, never needs them
@@ -38,12 +39,11 @@ def decode_video(
     stages = dict(state.stage_seconds)
     audio = None
     if state.sound is not None:
-        samples = (  # the clip's length unless the request asked for another (trimmed or padded)
-            audio_vae.num_samples(p.num_frames, p.fps)
-            if p.sound_duration is None
-            else round(p.sound_duration * audio_vae.sample_rate)
-        )
-        audio = audio_vae.decode(state.sound, samples)
+        # the clip's length; a request's sound_duration then trims it or pads it with silence (the decoder's
+        # output past the clip, up to a hop of it, is not silence)
+        audio = audio_vae.decode(state.sound, audio_vae.num_samples(p.num_frames, p.fps))
+        if p.sound_duration is not None:
+            audio = fit_audio(audio, round(p.sound_duration * audio_vae.sample_rate))
         stages["audio.decode"] = time.perf_counter() - t0
     s = vae.scale_factor_spatial
     frames = FrameStream(
