@@ -171,7 +171,7 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
     *text, end = part.logprobs  # the grammar's end: an end-of-sequence token, its entry last (as vLLM's)
     assert "".join(lp.token for lp in text) == r.output_text and end.token in ("<|im_end|>", "<|endoftext|>")
     assert len(part.logprobs) == r.usage.output_tokens
-    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs) and r.top_logprobs == 2  # (echoed)
     events, final = _stream(reasoner_oai, input="A city?", text={"format": fmt}, extra_body={"seed": 3},
                             include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
@@ -200,6 +200,9 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
         ({"input": "hi", "tools": [{"type": "function", "name": "f"}],
           "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # (the chat's shape)
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_blah", "text": "x"}]}]}, "input[0].content[0].type"),
+        ({"input": [{"role": "user", "content": "hi"}, {"type": "foo"}]}, "input[1].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
         ({"input": []}, "input"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "s"}]}, "tools[0].parameters"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},

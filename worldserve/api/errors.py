@@ -109,7 +109,11 @@ def validation_error(
     param = str(first[1]) if len(first) > 1 else None
     if param == "extra_params" and len(first) > 2 and isinstance(first[2], str):  # (its keys are named so)
         param = f"extra_params.{first[2]}"
-    elif param == "messages":  # the part at fault, as the semantic checks name it: messages[i].content[j].x
+    elif param in (
+        "messages",
+        "input",
+    ):  # the part at fault, as the semantic checks name it: messages[i].content[j].x
+        # (Responses' `input` items the same)
         param = max((_field_path(item["loc"][1:]) for item in items), key=lambda path: path.count("."))
     return APIError(400, message, param=param)
 

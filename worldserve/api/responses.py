@@ -184,6 +184,7 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool, defaults: ChatDef
         "top_p": defaults.top_p if req.top_p is None else req.top_p, "text": {"format": text_format},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",  # (OpenAI's and vLLM's default)
         "tools": tools, "truncation": req.truncation or "disabled", "user": req.user, "usage": None,
+        "top_logprobs": req.top_logprobs,  # (echoed, as OpenAI and vLLM do)
     }  # fmt: skip
 
 

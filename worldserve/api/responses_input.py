@@ -189,7 +189,12 @@ def _content(content: str | list[InputPart] | None, where: str) -> str | list[di
     parts = []
     for j, p in enumerate(content):
         if p.type in ("input_text", "output_text", "refusal"):
-            parts.append({"type": "text", "text": (p.refusal if p.type == "refusal" else p.text) or ""})
+            field = "refusal" if p.type == "refusal" else "text"
+            if getattr(p, field) is None:  # (OpenAI's: required; it read as an empty text)
+                raise APIError(
+                    400, f"{p.type} parts need their {field}", param=f"{where}.content[{j}].{field}"
+                )
+            parts.append({"type": "text", "text": getattr(p, field)})
         elif p.type == "input_image" and p.image_url is not None:
             parts.append({"type": "image_url", "image_url": {"url": p.image_url}})
         elif p.type == "input_video" and p.video_url is not None:
