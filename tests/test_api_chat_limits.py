@@ -102,3 +102,35 @@ def test_a_text_longer_than_the_context_can_hold_is_refused_untokenized(reasoner
     )  # under the bound: tokenized, too long
     assert r.status_code == 400 and calls == [1] and r.json()["error"]["param"] == "messages", r.text
     assert "in the messages, 1 in the completion" in r.json()["error"]["message"]
+
+
+def test_more_messages_than_the_context_has_tokens_are_refused_before_validation(reasoner_url, monkeypatch):
+    """Each message takes at least a token: 4,097 of them cannot fit the 4,096-token context, a 400 naming
+    the field before pydantic builds an object of each (2.3 M messages in 67 MB took 2.6 GB and held the
+    event loop 7 s); a large body that may fit is validated off the event loop."""
+    import threading
+
+    from worldserve.api.chat_protocol import ChatCompletionRequest
+
+    many = [{"role": "user", "content": "a"}] * 4097
+    for route, body, field in (
+        ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": many}, "messages"),
+        ("/v1/responses", {"model": MODEL, "max_output_tokens": 1, "input": many}, "input"),
+    ):
+        r = httpx.post(reasoner_url + route, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "4,097 items" in err["message"] and "4,096 tokens" in err["message"]
+    threads = []
+    validate = ChatCompletionRequest.model_validate.__func__
+
+    def recording(cls, data, *a, **k):
+        threads.append(threading.current_thread().name)
+        return validate(cls, data, *a, **k)
+
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate", classmethod(recording))
+    small = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    large = {**small, "messages": [{"role": "user", "content": "hi"}], "metadata": "x" * (2 << 20)}
+    for body in (small, large):
+        assert httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert len(threads) == 2 and threads[0] != threads[1], threads  # (the loop's thread, then a worker's)

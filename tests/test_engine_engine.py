@@ -347,6 +347,33 @@ def test_a_job_deleted_as_it_is_admitted_is_counted_cancelled(tmp_path):
     run(main())
 
 
+def test_a_job_deleted_while_its_mp4_is_made_is_counted_cancelled(tmp_path):
+    """The engine hands a decoded job to the encode pool, where an abort no longer reaches it: a DELETE then
+    left it counted nowhere (success + failed + cancelled fell short of the jobs)."""
+    encoding, release = threading.Event(), threading.Event()
+
+    def slow_encoder(*args, **kwargs):
+        encoding.set()
+        release.wait(10)
+        return stub_encoder(*args, **kwargs)
+
+    async def main():
+        client = make_client(tmp_path, encoder=slow_encoder)
+        counted = []
+        client.engine.observer.on_cancelled = lambda: counted.append("cancelled")
+        client.engine.observer.on_finished = lambda *a: counted.append("finished")
+        await client.start()
+        job = submit_job(client, job_params(steps=1))
+        await asyncio.to_thread(encoding.wait, 10)
+        assert client.delete(job.id) is not None
+        release.set()
+        await asyncio.to_thread(wait_until, lambda: counted == ["cancelled"])
+        assert client.store.get(job.id) is None and not client.store.video_path(job.id).exists()
+        await client.shutdown(1)
+
+    run(main())
+
+
 def test_a_decode_running_at_the_shutdown_deadline_stops_and_its_job_is_queued_again(tmp_path):
     """The shutdown's deadline stops a decode in progress at its next chunk, and its job is queued again for
     the next start (the deadline had only stopped the loop at a step boundary, so a long decode, ~45 s for a

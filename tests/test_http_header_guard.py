@@ -26,6 +26,10 @@ DEADLINE = 0.6
 
 LEFT: list[str] = []
 """The message /watch received after its body: "http.disconnect" once its client has gone."""
+ENDED: list[float] = []
+"""When /big's answer ended (its sends return at once once its client is dropped)."""
+BIG = 32 << 20
+"""/big's answer: past what loopback sockets and the transport buffer between them."""
 
 
 async def app(scope, receive, send):
@@ -43,6 +47,15 @@ async def app(scope, receive, send):
         await asyncio.sleep(1.5)
     if scope["path"] == "/watch":  # waits for the client to leave (as chat.py's unless_disconnected does)
         LEFT.append((await asyncio.wait_for(receive(), 5))["type"])
+    if scope["path"] == "/big":
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % BIG)]}
+        )
+        chunk = b"v" * (1 << 20)
+        for i in range(BIG // len(chunk)):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < BIG // len(chunk) - 1})
+        ENDED.append(time.monotonic())
+        return
     body = str(size).encode()
     if scope["path"] == "/headers":
         body = b",".join(sorted(name for name, _ in scope["headers"]))
@@ -187,6 +200,54 @@ def test_a_client_that_half_closes_mid_body_is_closed_at_once(url):
     t0 = time.monotonic()
     _read_all(sock)
     assert time.monotonic() - t0 < DEADLINE / 2
+
+
+def _big_request(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small window)
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    return sock
+
+
+def _received(sock: socket.socket) -> int:
+    size = 0
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(1 << 20):
+            size += len(chunk)
+    return size
+
+
+def test_an_answer_the_client_reads_nothing_of_is_dropped_at_the_deadline(url):
+    """A client that reads nothing of a large answer (a video's content) held the connection, and the
+    app's response with its file, for as long as it liked; it is dropped once writing has waited the
+    deadline, and the answer ends. A client that waits less than that, then reads, gets all of it."""
+    ENDED.clear()
+    sock = _big_request(url)
+    t0 = time.monotonic()
+    while not ENDED and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert ENDED and DEADLINE * 0.9 <= ENDED[0] - t0 < DEADLINE + 3, ENDED
+    assert _received(sock) < BIG  # (what the buffers held, then the reset)
+    sock.close()
+    ENDED.clear()
+    sock = _big_request(url)
+    time.sleep(DEADLINE / 2)
+    assert _received_until(sock, BIG) == BIG
+    sock.close()
+
+
+def _received_until(sock: socket.socket, size: int) -> int:
+    """The answer's body bytes read, up to `size` of them after its head."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    got = len(data.split(b"\r\n\r\n", 1)[1])
+    while got < size and (chunk := sock.recv(1 << 20)):
+        got += len(chunk)
+    return got
 
 
 def _responses(reply: bytes) -> list[bytes]:

@@ -237,3 +237,83 @@ def test_a_damaged_database_is_refused_when_the_store_opens(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(StorageError, match="damaged"):
         JobStore(tmp_path)
+
+
+class FullOfVideos(FullDisk):
+    """A disk filled by the store's own videos: SQLite's writes are refused until one of them is removed."""
+
+    def fill(self, videos_dir) -> None:
+        self.videos_dir, self.db_full, self.videos = videos_dir, True, len(list(videos_dir.iterdir()))
+
+    def _refused(self, verb: str) -> bool:
+        return verb in self.WRITES and len(list(self.videos_dir.iterdir())) >= self.videos
+
+
+def _completed_job(store: JobStore, ttl_s: float | None = None) -> Job:
+    job = _running_job(store)
+    assert store.complete(job.id, b"mp4", completed_at=time.time(), ttl_s=ttl_s, inference_time_s=1.0,
+                          stage_durations={}, peak_memory_mb=1.0)  # fmt: skip
+    return job
+
+
+def test_a_disk_full_of_videos_is_freed_by_delete_and_by_the_sweep(tmp_path, monkeypatch):
+    """The row's deletion needs disk space that only the job's files can free: they go first (the row went
+    first, its write was refused, and a full disk could not be emptied through the API)."""
+    store = JobStore(tmp_path)
+    jobs = [_completed_job(store), _completed_job(store, ttl_s=0.01), _completed_job(store, ttl_s=0.01)]
+    FullOfVideos(store, monkeypatch).fill(store.videos_dir)
+    with pytest.raises(StorageError):  # (the disk is full: a create is refused)
+        _running_job(store)
+    assert store.delete(jobs[0].id).id == jobs[0].id  # its file freed the space its row's deletion needed
+    assert store.get(jobs[0].id) is None
+    assert sorted(store.delete_expired(time.time() + 1)) == sorted(j.id for j in jobs[1:])
+    assert not list(store.videos_dir.iterdir()) and store.list()[0] == []
+    store.close()
+
+
+def test_a_file_that_cannot_be_removed_keeps_its_job(tmp_path, monkeypatch, caplog):
+    """A videos folder made read-only: DELETE is a StorageError and the job stays as it was (the row went,
+    the file stayed, and the answer was a 500); the sweep keeps that job and deletes the others; a restart
+    leaves a stray file it cannot remove (it died on it)."""
+    store = JobStore(tmp_path)
+    stuck, other = _completed_job(store, ttl_s=0.01), _completed_job(store, ttl_s=0.01)
+    real_unlink = type(store.video_path(stuck.id)).unlink
+
+    def unlink(path, missing_ok=False):
+        if path.name == f"{stuck.id}.mp4":
+            raise PermissionError(13, "Permission denied")
+        return real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(type(store.video_path(stuck.id)), "unlink", unlink)
+    with pytest.raises(StorageError, match="Permission denied"):
+        store.delete(stuck.id)
+    assert store.get(stuck.id).status is JobStatus.COMPLETED and store.video_path(stuck.id).exists()
+    with caplog.at_level(logging.WARNING, logger="worldserve.engine.jobs"):
+        assert store.delete_expired(time.time() + 1) == [other.id]
+    assert f"expired job {stuck.id} kept" in caplog.text
+    assert store.get(stuck.id) is not None and not store.video_path(other.id).exists()
+    store._db.execute("DELETE FROM jobs WHERE id=?", (stuck.id,))  # its file now a stray of no job
+    store.close()
+    store = JobStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="worldserve.engine.job_files"):
+        assert store.recover() == []
+    assert "could not remove the stray file" in caplog.text and store.video_path(stuck.id).exists()
+    store.close()
+
+
+def test_a_restart_on_a_full_disk_starts_with_its_jobs_as_they_were(tmp_path, monkeypatch, caplog):
+    """recover() writes (unfinished jobs queued again): on a full disk the server died at start on SQLite's
+    error; it now starts, serves what is stored, and queues them at a restart with space."""
+    store = JobStore(tmp_path)
+    done, running = _completed_job(store), _running_job(store)
+    store.close()
+    store = JobStore(tmp_path)
+    disk = FullDisk(store, monkeypatch)
+    disk.db_full = True
+    with caplog.at_level(logging.WARNING, logger="worldserve.engine.jobs"):
+        assert store.recover() == []
+    assert "cannot record this restart" in caplog.text
+    assert store.get(running.id).status is JobStatus.IN_PROGRESS and store.video_path(done.id).exists()
+    disk.db_full = False
+    assert store.recover() == [running.id] and store.get(running.id).status is JobStatus.QUEUED
+    store.close()

@@ -42,7 +42,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from worldserve.api.bodies import read_json_object
+from worldserve.api.bodies import fits_context, read_model
 from worldserve.api.chat_media import (
     ImageTokenBudget,
     image_background,
@@ -233,8 +233,9 @@ BODY = {"requestBody": {"required": True, "content": {
 
 async def _read_body(request: Request) -> ChatCompletionRequest:
     """The JSON body, validated (400 envelope with `param` on any problem; other content types refused)."""
-    max_bytes = app_state(request).max_upload_bytes
-    return ChatCompletionRequest.model_validate(await read_json_object(request, max_bytes))
+    st = app_state(request)
+    context = fits_context("messages", st.max_model_len)
+    return await read_model(request, ChatCompletionRequest, st.max_upload_bytes, context)
 
 
 MAX_CHOICES = 16

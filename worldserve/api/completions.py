@@ -26,7 +26,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from worldserve.api.bodies import read_json_object
+from worldserve.api.bodies import read_model
 from worldserve.api.chat import model_not_found
 from worldserve.api.chat_stream import TokenView, close_all, start_all
 from worldserve.api.completions_protocol import CompletionRequest, CompletionResponse
@@ -93,7 +93,7 @@ def chat_params(
 )
 async def create_completion(request: Request, st: State):
     """OpenAI text completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
-    body = CompletionRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
+    body = await read_model(request, CompletionRequest, st.max_upload_bytes)
     if not st.serves(body.model):
         return model_not_found(body.model)
     if (refused := body.refused()) is not None:

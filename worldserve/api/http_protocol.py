@@ -20,6 +20,10 @@ parsed the request's headers; past it the connection gets a 408. Its body then g
 sends, or a chunked body without its last chunk, held the connection open forever): silent that long while
 the server waits for it, the connection gets a 408 and is closed (a slow but steady upload, an app slow to
 read, and the answer's own time are never cut).
+An answer the client reads nothing of gets the same time: writing paused (the socket's and the transport's
+buffers full) for `header_timeout_s` without a byte taken, the connection is dropped (a client that never
+read a video's content held its descriptors, and the file of a deleted video, for as long as it liked; a
+slow reader that takes bytes now and then is never cut).
 Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431. After either refusal the
 client's unread bytes are read and dropped for LINGER_S before the close, so the client reads the answer
 instead of a reset. The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets
@@ -61,6 +65,24 @@ class HeaderGuard(H11Protocol):
         self._header_bytes = 0  # received since the headers of the request being read began
         self._refused = False  # answered 408 / 431: what still comes is dropped until the close
         self._body_deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        """The client takes no more of the answer for now: it has `header_timeout_s` to take some."""
+        super().pause_writing()
+        _cancel(self._write_deadline)
+        self._write_deadline = self.loop.call_later(self.header_timeout_s, self._reads_nothing)
+
+    def resume_writing(self) -> None:
+        self._write_deadline = _cancel(self._write_deadline)
+        super().resume_writing()
+
+    def _reads_nothing(self) -> None:
+        """Nothing of the answer taken for `header_timeout_s`: the connection is dropped (its unsent bytes
+        with it), the app's sends return at once and its response ends (uvicorn's disconnect)."""
+        self._write_deadline = None
+        if self.flow.write_paused and not self.transport.is_closing():
+            self.transport.abort()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,6 +119,7 @@ class HeaderGuard(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._body_deadline = _cancel(self._body_deadline)
+        self._write_deadline = _cancel(self._write_deadline)
         super().connection_lost(exc)
 
     def _arm(self, received: int = 0) -> None:

@@ -30,7 +30,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
-from worldserve.api.bodies import read_json_object
+from worldserve.api.bodies import read_model
 from worldserve.api.disconnect import ClientGone, unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.protocol import NumbersNotBooleans
@@ -194,7 +194,7 @@ async def create_images(request: Request, st: State) -> Response:
     """Text-to-image (JSON body): `n` images as base64 in `data` (or as a file: `image_file`), generated
     with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
-    req = ImageGenerationRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
+    req = await read_model(request, ImageGenerationRequest, st.max_upload_bytes)
     if not st.serves(req.model):
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip

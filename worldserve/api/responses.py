@@ -27,7 +27,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from worldserve.api.bodies import read_json_object
+from worldserve.api.bodies import fits_context, read_model
 from worldserve.api.chat import chat_choices, model_not_found
 from worldserve.api.chat_stream import TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
@@ -64,7 +64,9 @@ def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
 @router.post("/v1/responses")
 async def create_response(request: Request, st: State):
     """An OpenAI Responses API answer from the Reasoner (JSON body; `stream: true` answers semantic events)."""
-    req = ResponsesRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
+    req = await read_model(
+        request, ResponsesRequest, st.max_upload_bytes, fits_context("input", st.max_model_len)
+    )
     if not st.serves(req.model):
         return model_not_found(req.model)
     history: list = []
@@ -77,7 +79,7 @@ async def create_response(request: Request, st: State):
     if not isinstance(req.input, str):
         req.input = [_resolved(st, item, f"input[{i}]") for i, item in enumerate(req.input or ())]
     chat, paths, conversation = to_chat(req, history)
-    context = getattr(st.client.chat_worker.backend, "max_model_len", None) if st.client.chat_worker else None
+    context = st.max_model_len
     if req.truncation == "auto" and chat.truncate_prompt_tokens is None and context is not None:
         # drop the conversation's start to fit: the input keeps what the answer's budget leaves (vLLM's way)
         budget = req.max_output_tokens or min(4096, context // 8)

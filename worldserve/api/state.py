@@ -65,6 +65,13 @@ class AppState:
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
 
     @property
+    def max_model_len(self) -> int | None:
+        """The Reasoner's context length in tokens; None where no chat is served."""
+        worker = self.client.chat_worker
+        value = getattr(worker.backend, "max_model_len", None) if worker is not None else None
+        return value if isinstance(value, int) else None
+
+    @property
     def chat_defaults(self) -> ChatDefaults:
         """What Reasoner requests' omitted sampling fields take (--generation-config: the Reasoner's; vLLM's
         neutral values for a chat backend that sets none)."""

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from worldserve.api.bodies import read_json_object
+from worldserve.api.bodies import read_json_object, read_model
 from worldserve.api.chat import RequestOptions, build_params, inline_refs, model_not_found, request_options
 from worldserve.api.chat_media import prefetch_media
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest
@@ -115,7 +115,7 @@ async def tokenize(request: Request, st: State):
 @router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
 async def detokenize(request: Request, st: State):
     """vLLM's /detokenize: the text of token ids."""
-    body = DetokenizeRequest.model_validate(await read_json_object(request, st.max_upload_bytes))
+    body = await read_model(request, DetokenizeRequest, st.max_upload_bytes)
     if not st.serves(body.model):
         return model_not_found(body.model)
     prompts, _ = reasoner_prompts(st)

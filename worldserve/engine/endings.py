@@ -72,6 +72,8 @@ class Endings:
                     now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
                     float(result.peak_memory_mb),
                 )  # fmt: skip
+            elif self.store.get(request.job_id) is None:  # deleted while its MP4 was made: the engine had
+                self.observer.on_cancelled()  # let it go to the encoder, so nothing counted it
         except FramesLost:
             return  # the decode failed: the engine thread failed the job
         except Exception as exc:

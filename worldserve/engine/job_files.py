@@ -86,7 +86,10 @@ def remove_strays(folder: Path, keep: set[str]) -> None:
     for path in folder.iterdir():
         own = OWN_FILE.fullmatch(path.name)
         if own and (own[1] or own[3] or own[2] not in keep) and path.is_file() and not path.is_symlink():
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # (a folder made read-only: the server still starts, the file stays)
+                log.warning("could not remove the stray file %s: %s", path, exc)
 
 
 def file_identity(path: Path) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from worldserve.engine.job_faults import UnsavedFailures, storage_failure
+from worldserve.engine.job_faults import StorageFull, UnsavedFailures, storage_failure
 from worldserve.engine.job_files import (
     StorageError,
     database_gone,
@@ -281,18 +281,23 @@ class JobStore:
         return done
 
     def delete(self, job_id: str) -> Job | None:
-        """Remove the row and every file of the job; None if there was no such job."""
+        """Remove every file of the job, then its row; None if there was no such job. Files first: on a disk
+        full of videos the row's deletion needs the space they free, and a file that cannot be removed (a
+        StorageError) leaves the job as it was, not a row gone with its file left behind."""
         if not JOB_ID_PATTERN.match(job_id):
             return None
         with self._writing("the deletion"):
             row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
                 return None
+            self._remove_files(job_id)
             self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
             self._forget(job_id, row["created_at"], row["seq"])
+        return job_from_row(row)
+
+    def _remove_files(self, job_id: str) -> None:
         self.video_path(job_id).unlink(missing_ok=True)
         self.reference_path(job_id).unlink(missing_ok=True)
-        return job_from_row(row)
 
     def recover(
         self,
@@ -313,30 +318,38 @@ class JobStore:
             f"The server stopped {MAX_INTERRUPTIONS} times while running this job (it may be what crashes it, "
             "e.g. out of host memory); it is not run again."
         )
-        with self._lock, self._transaction():
-            if ttl_s:  # jobs finished with no TTL: this one counts from their completion (set ones stay)
+        try:
+            with self._lock, self._transaction():
+                if ttl_s:  # jobs finished with no TTL: this one counts from their completion (set ones stay)
+                    self._db.execute(
+                        "UPDATE jobs SET expires_at = completed_at + ? WHERE expires_at IS NULL AND completed_at"
+                        " IS NOT NULL AND status IN ('completed', 'failed')",
+                        (ttl_s,),
+                    )
+                self._db.execute("UPDATE jobs SET interrupted = interrupted + 1 WHERE status='in_progress'")
+                given_up = self._db.execute(
+                    "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"
+                    " WHERE status='in_progress' AND interrupted >= ?",
+                    (message, now, now + ttl_s if ttl_s else None, MAX_INTERRUPTIONS),
+                ).rowcount
                 self._db.execute(
-                    "UPDATE jobs SET expires_at = completed_at + ? WHERE expires_at IS NULL AND completed_at IS"
-                    " NOT NULL AND status IN ('completed', 'failed')",
-                    (ttl_s,),
+                    "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'"
                 )
-            self._db.execute("UPDATE jobs SET interrupted = interrupted + 1 WHERE status='in_progress'")
-            given_up = self._db.execute(
-                "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"
-                " WHERE status='in_progress' AND interrupted >= ?",
-                (message, now, now + ttl_s if ttl_s else None, MAX_INTERRUPTIONS),
-            ).rowcount
-            self._db.execute(
-                "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'"
-            )
+                unfinished = self._db.execute(
+                    "SELECT id FROM jobs WHERE status='queued' ORDER BY created_at, seq"
+                ).fetchall()
+        except sqlite3.OperationalError as exc:
+            if not isinstance(storage_failure(exc, "the restart"), StorageFull):
+                raise
+            # a disk full (of videos): start anyway, to serve what is stored and take DELETEs that free it;
+            # the unfinished jobs stay as they were (running them would need the disk) until a restart
+            log.warning("the job store cannot record this restart (%s): its unfinished jobs stay as they are "
+                        "until the server restarts with free space; DELETE old videos to free it", exc)  # fmt: skip
+            given_up, unfinished = 0, []
+        with self._lock:
             rows = self._db.execute("SELECT id, status FROM jobs").fetchall()
-            unfinished = self._db.execute(
-                "SELECT id FROM jobs WHERE status='queued' ORDER BY created_at, seq"
-            ).fetchall()
         remove_strays(self.videos_dir, keep={r["id"] for r in rows if r["status"] == "completed"})
-        remove_strays(
-            self.inputs_dir, keep={r["id"] for r in rows if r["status"] == "queued"}
-        )  # (read again)
+        remove_strays(self.inputs_dir, keep={r["id"] for r in rows if r["status"] in _UNFINISHED})
         for _ in range(given_up if on_failed is not None else 0):
             on_failed(500)
         return [r["id"] for r in unfinished]
@@ -357,19 +370,27 @@ class JobStore:
         between them (the event loop's reads wait for one batch, not for the whole sweep); their ids."""
         deleted: list[str] = []
         while True:
-            with self._writing("the expired jobs' deletion"), self._transaction():
+            with self._writing("the expired jobs' deletion"):
                 rows = self._db.execute(
                     "SELECT id, created_at, seq FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?"
                     " LIMIT ?",
                     (now, batch),
                 ).fetchall()
-                self._db.executemany("DELETE FROM jobs WHERE id=?", [(r["id"],) for r in rows])
-                for r in rows:
-                    self._forget(r["id"], r["created_at"], r["seq"])
-            for r in rows:
-                self.video_path(r["id"]).unlink(missing_ok=True)
-                self.reference_path(r["id"]).unlink(missing_ok=True)
-            deleted += [r["id"] for r in rows]
+                gone, kept = [], None
+                for r in rows:  # files first, as `delete`: a job whose file stays keeps its row (swept again)
+                    try:
+                        self._remove_files(r["id"])
+                        gone.append(r)
+                    except OSError as exc:
+                        kept = kept or (r["id"], exc)
+                with self._transaction():
+                    self._db.executemany("DELETE FROM jobs WHERE id=?", [(r["id"],) for r in gone])
+                    for r in gone:
+                        self._forget(r["id"], r["created_at"], r["seq"])
+            deleted += [r["id"] for r in gone]
+            if kept is not None:  # (the next batch would meet it again: the sweep ends here)
+                log.warning("expired job %s kept: its files could not be removed (%s)", *kept)
+                return deleted
             if len(rows) < batch:
                 return deleted
 
