@@ -1,5 +1,6 @@
 """Request-body readers shared by the routes: a size-bounded stream (413 past `--max-upload-mb`), the JSON
-object of the JSON-only routes (chat completions, image generations; vLLM's `validate_json_request`), and
+object of the JSON-only routes (chat completions, image generations; vLLM's `validate_json_request`) and its
+validation as the route's model (`read_model`: parsed and validated off the event loop when large), and
 the strict form parsers of the video routes (`FormParts`: a multipart body must close with its final
 boundary, and form text must be UTF-8; Starlette's parsers drop an unfinished last part and turn bad bytes
 into other characters, so a cut body ran a job with the defaults of the fields it lost)."""

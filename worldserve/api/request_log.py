@@ -51,7 +51,10 @@ class RequestLog:
         """A video job, an image generation or a realtime session: its prompt and every other field (a
         `reference` upload, decoded later by the engine, as its size)."""
         fields = {
-            f.name: _brief(getattr(params, f.name)) for f in dataclasses.fields(params) if f.name != "prompt"
+            f.name: _brief(getattr(params, f.name))
+            for f in dataclasses.fields(params)
+            if f.name
+            not in ("prompt", "field_names")  # (where the request's values came in: not one of them)
         }
         if isinstance(fields.get("negative_prompt"), str) and self.max_len is not None:
             fields["negative_prompt"] = fields["negative_prompt"][: self.max_len]
