@@ -249,7 +249,8 @@ def test_decode_image_formats():
 
 def test_decode_image_composites_rgba_over_the_chat_background():
     """I2V references drop alpha as diffusers does; chat images are composited over white, as vLLM's
-    ImageMediaIO does (a transparent pixel is the background, not the colour hidden under it)."""
+    ImageMediaIO does (a transparent pixel is the background, not the colour hidden under it), LA and
+    palette transparency too (as transformers' processor)."""
     rgba = np.zeros((2, 2, 4), np.uint8)
     rgba[..., 0] = 255  # red everywhere; alpha 0, 255, 128, 255
     rgba[..., 3] = np.array([[0, 255], [128, 255]])
@@ -258,10 +259,20 @@ def test_decode_image_composites_rgba_over_the_chat_background():
     chat = decode_image(data, rgba_background=(255, 255, 255))
     assert chat[0, 0].tolist() == [255, 255, 255] and chat[0, 1].tolist() == [255, 0, 0]
     assert chat[1, 0, 0] == 255 and 120 <= chat[1, 0, 1] <= 135  # half: between white and red
-    la = _encode(Image.fromarray(np.stack([np.full((2, 2), 9, np.uint8)] * 2, -1), "LA"), "PNG")
-    assert (
-        decode_image(la, rgba_background=(255, 255, 255)).tolist() == decode_image(la).tolist()
-    )  # (vLLM: RGBA)
+    # LA and palette transparency too, as transformers' Qwen3-VL processor flattens them (the model's own
+    # preprocessing; vLLM flattens RGBA only, and the hidden colour of a transparent LA pixel reached the ViT)
+    grey = np.stack([np.full((2, 2), 9, np.uint8), np.array([[0, 255], [255, 255]], np.uint8)], -1)
+    la = _encode(Image.fromarray(grey, "LA"), "PNG")
+    assert decode_image(la)[0, 0].tolist() == [9, 9, 9]
+    flat = decode_image(la, rgba_background=(255, 255, 255))
+    assert flat[0, 0].tolist() == [255, 255, 255] and flat[0, 1].tolist() == [9, 9, 9]
+    palette = Image.fromarray(np.array([[0, 1], [1, 1]], np.uint8), "P")
+    palette.putpalette([10, 20, 30, 200, 0, 0])
+    buf = io.BytesIO()
+    palette.save(buf, format="PNG", transparency=0)  # (palette entry 0 transparent: a tRNS chunk)
+    flat = decode_image(buf.getvalue(), rgba_background=(255, 255, 255))
+    assert flat[0, 0].tolist() == [255, 255, 255] and flat[0, 1].tolist() == [200, 0, 0]
+    assert decode_image(buf.getvalue())[0, 0].tolist() == [10, 20, 30]  # (I2V references: alpha dropped)
     from worldserve.api.chat_media import part  # a chat's image_url part is decoded the chat's way
     from worldserve.api.chat_messages import ContentPart
     from worldserve.chat_params import VideoSampling

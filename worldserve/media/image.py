@@ -69,8 +69,10 @@ def decode_image(
     """Decode image bytes (any Pillow format) to uint8 RGB (H, W, 3), applying the EXIF orientation.
 
     Alpha is dropped as `Image.convert("RGB")` does (the diffusers pipeline converts the same way); with
-    `rgba_background`, an RGBA image is composited over that colour instead (vLLM's `rgba_to_rgb`, white by
-    default there, for chat images: a transparent pixel is the background, not its hidden colour).
+    `rgba_background`, an image with transparency is composited over that colour instead (vLLM's
+    `rgba_to_rgb`, white by default there, for chat images: a transparent pixel is the background, not its
+    hidden colour; vLLM does it for RGBA only, transformers' processors for LA and palette transparency too,
+    as here).
     Raises ImageTooLarge(param, ...) for an image above `max_pixels()` (checked from its header, before
     decoding), ParamError(param, ...) for anything Pillow cannot decode and for truncated files.
     """
@@ -82,7 +84,8 @@ def decode_image(
                     raise too_large(param, img.width * img.height, f"the image of {img.width}x{img.height}")
                 img.load()
                 ImageOps.exif_transpose(img, in_place=True)  # (returning a copy costs ~10 ms at 720p)
-                if img.mode == "RGBA" and rgba_background is not None:
+                if rgba_background is not None and _has_alpha(img):
+                    img = img.convert("RGBA")  # (LA, PA, a palette or RGB with a transparent colour too)
                     flat = Image.new("RGB", img.size, rgba_background)
                     flat.paste(img, mask=img.getchannel("A"))
                     img = flat
@@ -103,6 +106,11 @@ def decode_image(
     if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
         raise ParamError(param, invalid_reference(param))
     return rgb
+
+
+def _has_alpha(img: Image.Image) -> bool:
+    """Whether `img` has transparent pixels' worth of information: an alpha band, or a transparent colour."""
+    return img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
 
 
 def encode_png(frame: np.ndarray, *, compress_level: int = 6) -> bytes:
