@@ -507,6 +507,20 @@ async def test_unknown_paths_and_401s_stay_out_of_vllms_names(tmp_path):
         assert counted and not any('method="GET"' in line for line in counted), counted  # the 401 GET
 
 
+async def test_the_api_key_guards_tokenize_and_detokenize_too(tmp_path):
+    """Beyond vLLM (which guards /v1 only): /tokenize runs a chat's media pipeline (downloads, local files,
+    decodes), so with --api-key it needs the key as /v1 does; the probes and /metrics stay open."""
+    async with asgi_server(tmp_path, api_key="k") as http:
+        body = {"model": "test-model", "prompt": "hi"}
+        for path in ("/tokenize", "/detokenize"):
+            r = await http.post(path, json=body)
+            assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (path, r.text)
+            r = await http.post(path, json=body, headers={"Authorization": "Bearer k"})
+            assert r.status_code != 401, (path, r.text)
+        for path in ("/health", "/metrics", "/version", "/ping"):
+            assert (await http.get(path)).status_code == 200, path
+
+
 async def test_a_large_json_body_is_parsed_off_the_event_loop(tmp_path, monkeypatch):
     """JSON bodies past INLINE_JSON_BYTES are parsed on a thread (a 100 MB one held every request for seconds);
     small ones on the loop; a bad large one is the same 400."""

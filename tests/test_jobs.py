@@ -323,3 +323,25 @@ def test_a_non_finite_expiry_an_old_store_holds_reads_as_none(tmp_path):
     store.mark_in_progress(job.id, time.time())
     _complete(store, job.id, ttl=float("inf"))
     assert VideoObject.from_job(store.get(job.id)).expires_at is None
+
+
+def test_what_the_store_creates_is_the_server_users_alone(tmp_path):
+    """Prompts (the database), references and videos were world-readable under a 022 umask: the folders it
+    creates are 0700, its files 0600 (SQLite's WAL and shared memory follow the database's)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        store = JobStore(tmp_path / "store")
+        job = _job()
+        store.create(job, {"params": {}}, reference=b"img")
+        store.mark_in_progress(job.id, time.time())
+        _complete(store, job.id)
+        mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+        assert [mode(d) for d in (store.root, store.videos_dir, store.inputs_dir)] == [0o700] * 3
+        files = [store.db_path, store.video_path(job.id), *store.root.glob("jobs.sqlite3-*")]
+        assert len(files) >= 3 and all(mode(f) == 0o600 for f in files), {f.name: oct(mode(f)) for f in files}
+        store.close()
+    finally:
+        os.umask(old)

@@ -1,7 +1,8 @@
 """Bearer-key check for /v1/* and the X-Request-Id header, as two small pure-ASGI middlewares.
 
 Auth follows vLLM: with API keys configured, any request whose route path (less the root path, as the router
-matches it) starts with /v1 must carry
+matches it) starts with /v1 (and, beyond vLLM, /tokenize and /detokenize: they run the Reasoner's tokenizer
+and a chat's whole media pipeline, downloads, local files and decodes, which vLLM leaves open) must carry
 `Authorization: Bearer KEY`, KEY one of them (the scheme in any case, as vLLM's), else 401 with the bare body
 {"error": "Unauthorized"} (not the envelope; a WebSocket handshake gets that response where the server can
 send one, else it is refused: HTTP 403). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
@@ -21,7 +22,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-PROTECTED_PREFIX = "/v1"
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
@@ -34,7 +35,7 @@ class APIKeyMiddleware:
             self._expected
             and scope["type"] in ("http", "websocket")
             and scope.get("method") != "OPTIONS"
-            and route_path(scope).startswith(PROTECTED_PREFIX)
+            and route_path(scope).startswith(PROTECTED_PREFIXES)
         ):
             scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
             given = _digest(key)

@@ -61,7 +61,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:  # (private)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -81,9 +82,11 @@ class JobStore:
         self.videos_dir = self.root / "videos"
         self.inputs_dir = self.root / "inputs"
         self.db_path = self.root / "jobs.sqlite3"
-        try:
+        try:  # (folders and files it creates are the server user's alone: prompts, references, videos)
             for d in (self.root, self.videos_dir, self.inputs_dir):
-                d.mkdir(parents=True, exist_ok=True)
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self.db_path.exists():  # (SQLite gives its WAL and shared-memory files the same mode)
+                os.close(os.open(self.db_path, os.O_WRONLY | os.O_CREAT, 0o600))
         except OSError as exc:
             raise StorageError(f"cannot use {self.root} as the storage directory: {exc}") from None
         self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
