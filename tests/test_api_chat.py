@@ -576,6 +576,49 @@ def test_a_video_sent_as_jpeg_frames_in_one_data_url(server, reasoner):
     )
 
 
+def test_images_past_the_pixel_cap_are_refused_before_decoding_whatever_their_tokens(server, monkeypatch):
+    """A request's images may decode to MAX_REQUEST_PIXELS in all (a 10 kB one-bit PNG decodes to 9400 x
+    9400): a low mm_processor_kwargs max_pixels lowers their tokens, not their decode, and /tokenize (no
+    context budget) is capped too; the image past the cap is never decoded."""
+    from worldserve.api import chat_media
+
+    monkeypatch.setattr(chat_media, "MAX_REQUEST_PIXELS", 3000 * 2000 + 100)  # one 3000x2000 image fits
+    url, _ = server
+    decoded = []
+    real = chat_media.decode_image
+    monkeypatch.setattr(chat_media, "decode_image", lambda data, **kw: decoded.append(1) or real(data, **kw))
+    buf = io.BytesIO()
+    Image.new("RGB", (3000, 2000), (21, 90, 200)).save(buf, format="PNG")
+    image = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
+    small = {"mm_processor_kwargs": {"max_pixels": 65536}}
+    r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "max_tokens": 1, "messages": messages, **small})  # fmt: skip
+    assert r.status_code == 200 and decoded == [1], r.text
+    decoded.clear()
+    for n, (route, body) in enumerate(
+        (("/v1/chat/completions", {"max_tokens": 1, **small}), ("/tokenize", {}))
+    ):
+        buf = (
+            io.BytesIO()
+        )  # (new bytes each time: decoded ones stay in the processor cache, free to use again)
+        Image.new("RGB", (3000, 2000), (200, 90, n)).save(buf, format="PNG")
+        image = {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+        }
+        two = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}, image]}]
+        r = httpx.post(url + route, json={"model": MODEL, "messages": two, **body}, timeout=60)
+        assert r.status_code == 400, (route, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "messages" and "images decode to 12,000,000 pixels" in err["message"], err
+        assert len(decoded) <= 1, decoded  # (the two load at once: the first may decode; never the second)
+        decoded.clear()
+
+
 def test_images_that_alone_overflow_the_context_are_refused_before_decoding(server, monkeypatch):
     """Each image's tokens are counted from its header (its size and the pixel budget) before any pixel is
     decoded: images that alone overflow the context are a 400, nothing decoded (a few MB of PNGs decode to

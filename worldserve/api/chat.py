@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import fits_context, read_model
 from worldserve.api.chat_media import (
-    ImageTokenBudget,
+    ImageBudget,
     image_background,
     media_parts,
     part,
@@ -113,15 +113,16 @@ def request_options(
 
 def build_params(
     body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
-    options: RequestOptions | None = None, media_cache: Any = None, image_tokens: ImageTokenBudget | None = None,
+    options: RequestOptions | None = None, media_cache: Any = None, image_budget: ImageBudget | None = None,
     defaults: ChatDefaults = NEUTRAL,
 ) -> ChatParams:  # fmt: skip
     """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
     checks the media counts) and decoded (blocking: call it off the event loop; media found in the
-    Reasoner's `media_cache` is not decoded again; images counted against `image_tokens` before they are
-    decoded); `options`: its request_options, when already checked; `defaults`: what the fields it omits take
+    Reasoner's `media_cache` is not decoded again; images counted against `image_budget`, by default its
+    pixels alone, before they are decoded); `options`: its request_options, when already checked; `defaults`: what the fields it omits take
     (--generation-config)."""
     options = options or request_options(body)
+    image_budget = image_budget or ImageBudget()
     sampling = body.sampling_options(defaults)
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
         sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
@@ -139,7 +140,7 @@ def build_params(
 
     def load(at: tuple[int, int]) -> ChatPart:
         where = f"messages[{at[0]}].content[{at[1]}]"
-        return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache, image_tokens,
+        return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache, image_budget,
                     options.image_background)  # fmt: skip
 
     media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
@@ -182,13 +183,13 @@ def prepared_params(
     worker = st.client.chat_worker
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     cache = getattr(prompts, "media_cache", None)
-    image_tokens = None
+    budget = None
     if prompts is not None and prompts.preprocess is not None:  # (the images' share of the context)
         lo, hi = options.image_pixels
         tokens = partial(prompts.preprocess.tokens, min_pixels=lo, max_pixels=hi)
-        image_tokens = ImageTokenBudget(worker.backend.max_model_len, tokens)
+        budget = ImageBudget(worker.backend.max_model_len, tokens)
     params = build_params(
-        body, st.allowed_local_media_path, fetched, options, cache, image_tokens, st.chat_defaults
+        body, st.allowed_local_media_path, fetched, options, cache, budget, st.chat_defaults
     )
     params = st.seeded(params)
     if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts

@@ -30,7 +30,7 @@ from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.data_urls import data_url_bytes, frame_list_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
 from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
-from worldserve.media.image import decode_image, image_size
+from worldserve.media.image import decode_image, image_size, max_pixels
 from worldserve.media.processor_cache import ProcessorCache, content_key
 from worldserve.media.video_input import decode_chat_frames, decode_chat_video
 from worldserve.params import ParamError
@@ -172,21 +172,40 @@ RGBA_BACKGROUND = (255, 255, 255)
 """What a chat image's transparent pixels show (vLLM's ImageMediaIO default `rgba_background_color`)."""
 
 
-class ImageTokenBudget:
-    """The context's tokens a request's images may take, charged from each image's size before it is decoded:
-    a request whose images alone overflow the context is refused before their pixels are decoded (a dozen
-    9000x9000 PNGs, 4 MB of JSON, decoded to 6.7 GB before the context check refused them). Thread-safe: a
-    request's images load at once (media/work_pool.py)."""
+MAX_REQUEST_PIXELS = 3 * max_pixels()
+"""Pixels a request's images may decode to in all (~268 M, 0.8 GB of RGB: three of the largest image decoded
+at all); a 10 kB one-bit PNG decodes to 9400 x 9400, so without a cap a request of a few of them took GBs."""
 
-    def __init__(self, max_model_len: int, tokens: Callable[[int, int], int]) -> None:
+
+class ImageBudget:
+    """What a request's images may take, charged from each image's size before it is decoded: the context's
+    tokens (`max_model_len`; None: not counted, /tokenize) and MAX_REQUEST_PIXELS decoded pixels. A request
+    past either is refused before the pixels are decoded (a dozen 9000x9000 PNGs, 4 MB of JSON, decoded to
+    6.7 GB before the context check refused them; a low `mm_processor_kwargs` max_pixels lowers the tokens,
+    not the decode). Thread-safe: a request's images load at once (media/work_pool.py)."""
+
+    def __init__(
+        self, max_model_len: int | None = None, tokens: Callable[[int, int], int] | None = None
+    ) -> None:
         self.max_model_len, self.tokens = max_model_len, tokens  # tokens(height, width)
-        self.used = 0
+        self.max_request_pixels = MAX_REQUEST_PIXELS
+        self.used = self.pixels = 0
         self._lock = threading.Lock()
 
-    def charge(self, size: tuple[int, int] | None, path: str) -> None:
-        """Count an image of `size` (height, width; None: unknown, counted when decoded); ParamError("messages")
-        once the images counted so far exceed the context."""
+    def charge(self, size: tuple[int, int] | None, path: str, *, decoded: bool) -> None:
+        """Count an image of `size` (height, width; None: unknown, counted when decoded), its pixels when it is
+        to be `decoded` (not found decoded in the cache); ParamError("messages") once the images counted so
+        far exceed the context or the pixels."""
         if size is None:
+            return
+        with self._lock:
+            self.pixels += size[0] * size[1] if decoded else 0
+            pixels = self.pixels
+        if pixels > self.max_request_pixels:
+            raise ParamError("messages", f"The request's images decode to {pixels:,} pixels or more (counted as "
+                             f"they load, the last {path}), above this server's limit of {self.max_request_pixels:,} "
+                             "a request. Please send fewer or smaller images.")  # fmt: skip
+        if self.tokens is None or self.max_model_len is None:
             return
         try:  # (the smaller of the two orientations: an EXIF rotation may turn it)
             tokens = min(self.tokens(*size), self.tokens(*size[::-1]))
@@ -294,7 +313,7 @@ def part(
     sampling: VideoSampling,
     fetched: Mapping[str, bytes] | None = None,
     cache: ProcessorCache | None = None,
-    image_tokens: ImageTokenBudget | None = None,
+    image_budget: ImageBudget | None = None,
     background: tuple[int, int, int] = RGBA_BACKGROUND,
 ) -> ChatPart:
     """One content part, its media loaded and decoded (an image's transparent pixels over `background`; the
@@ -317,8 +336,9 @@ def part(
         if key is not None and background != RGBA_BACKGROUND:  # other pixels from the same bytes: another key
             key = content_key(key + bytes(background))
         image = cache.get(("image", key)) if key is not None else None
-        if image_tokens is not None:
-            image_tokens.charge(image.shape[:2] if image is not None else image_size(data), path)
+        if image_budget is not None:
+            size = image.shape[:2] if image is not None else image_size(data)
+            image_budget.charge(size, path, decoded=image is None)
         if image is None:
             image = decode_image(data, param=path, rgba_background=background)
             check_image(image, path)
