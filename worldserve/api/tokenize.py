@@ -24,7 +24,7 @@ from fastapi import APIRouter, Depends, Request
 
 from worldserve.api.bodies import read_json_object, read_model
 from worldserve.api.chat import RequestOptions, build_params, inline_refs, model_not_found, request_options
-from worldserve.api.chat_media import prefetch_media
+from worldserve.api.chat_media import media_parts, prefetch_media
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest
 from worldserve.api.completions_protocol import (
     DetokenizeRequest,
@@ -36,6 +36,7 @@ from worldserve.api.completions_protocol import (
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import NO_REASONER
+from worldserve.media.work_pool import on_request_pool
 from worldserve.params import ParamError
 
 router = APIRouter(tags=["tokenize"])
@@ -108,7 +109,10 @@ async def tokenize(request: Request, st: State):
         as_chat = body.as_chat()
         options = request_options(as_chat, media=st.media_defaults)
         fetched = await prefetch_media(as_chat, st.media, st.mm_limits)
-    ids, strs = await asyncio.to_thread(encode)
+    # a chat form with media on the chat route's request pool (the default executor parses every route's large
+    # bodies: a burst of video decodes here held them up)
+    run = on_request_pool if chat and next(media_parts(as_chat), None) is not None else asyncio.to_thread
+    ids, strs = await run(encode)
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 
