@@ -34,6 +34,8 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
             pipe.peers.recv_object(1)
         assert time.monotonic() - t0 < 5
         pipe.process.join(10)
+        # /health's question: answered from the processes, before any request meets the dead peer
+        assert "peer (rank 1, pid" in pipe.problem() and "exited with code" in pipe.problem()
         t0 = time.monotonic()
         with pytest.raises(BackendLost, match="--cfg-parallel-size 2: .*peer .*(exited|gone)"):
             pipe.denoise([state])
@@ -44,9 +46,40 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
         )
         pipe.denoise([solo])
         assert solo.step_index == 1
+        assert pipe.problem() == "--cfg-parallel-size 2: the peer ranks are stopped"
     finally:
         pipe.close()
     assert not pipe.process.is_alive()
+
+
+def test_ctrl_c_inside_an_exchange_stops_the_peers_and_close_returns(tiny_ckpt):
+    """A KeyboardInterrupt in the middle of an exchange leaves the peers out of step: they are killed then
+    (only an Exception did that), so close() does not send its ("stop",) to a peer blocked on the step
+    (`generate` hung there after Ctrl-C in every parallel mode)."""
+    from worldserve.runner.video_pipeline import load_pipeline
+
+    pipe = load_pipeline(tiny_ckpt, cfg_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
+    try:
+        state = pipe.prepare(
+            "r0", VideoParams(prompt="a fox", num_inference_steps=3, guidance_scale=6.0, **SMALL)
+        )
+        send = pipe.peers.send
+
+        def interrupted(msg, to=None):
+            send(msg, to)  # (the message went out; the peer now waits on the rest of the step)
+            raise KeyboardInterrupt
+
+        pipe.peers.send = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            pipe.denoise([state])
+        assert (
+            not pipe.process.is_alive()
+            and pipe.problem() == "--cfg-parallel-size 2: the peer ranks are stopped"
+        )
+    finally:
+        t0 = time.monotonic()
+        pipe.close()
+    assert time.monotonic() - t0 < 5
 
 
 def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp_path):

@@ -347,6 +347,21 @@ def test_a_job_deleted_as_it_is_admitted_is_counted_cancelled(tmp_path):
     run(main())
 
 
+def test_health_says_what_the_backend_reports_wrong_while_idle(tmp_path):
+    """A multi-rank backend whose peer died while no request ran: /health said healthy until a request
+    failed on it; the backend's `problem()` is asked too."""
+
+    async def main():
+        client = make_client(tmp_path)
+        await client.start()
+        assert client.health() == (True, None)
+        client.engine.backend.problem = lambda: "--ulysses-degree 2 peer (rank 1, pid 7) exited with code -9"
+        assert client.health() == (False, "--ulysses-degree 2 peer (rank 1, pid 7) exited with code -9")
+        await client.shutdown(1)
+
+    run(main())
+
+
 def test_a_job_deleted_while_its_mp4_is_made_is_counted_cancelled(tmp_path):
     """The engine hands a decoded job to the encode pool, where an abort no longer reaches it: a DELETE then
     left it counted nowhere (success + failed + cancelled fell short of the jobs)."""

@@ -324,3 +324,22 @@ def test_a_peer_dying_mid_run_is_one_line(tiny_ckpt, tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert "error: --cfg-parallel-size 2: the peer ranks are stopped after an error" in err
     assert "Traceback" not in err and not out.exists() and len(calls) == 2
+
+
+def test_a_peer_dying_at_start_up_is_one_line(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """A peer rank that exits while the model loads: one error line, exit 1 (was PeerError's traceback)."""
+    from worldserve.cli import main
+    from worldserve.parallel.comm import PeerError
+    from worldserve.runner import video_pipeline
+
+    def dies(*args, **kwargs):
+        raise PeerError("cfg-parallel rank 1 exited during start-up (exit code 3)")
+
+    monkeypatch.setattr(video_pipeline, "load_pipeline", dies)
+    argv = ["generate", str(tiny_ckpt), "--prompt", "a cat", "--size", "32x32", "--num-frames", "5", "--steps", "1",
+            "--cfg-parallel-size", "2", "--device", "cpu", "-o", str(tmp_path / "x.mp4")]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.strip() == "worldserve generate: error: cfg-parallel rank 1 exited during start-up (exit code 3)"
+    )

@@ -336,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from worldserve.parallel.comm import PeerError
     from worldserve.runner.devices import check_layout_device
     from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import load_pipeline
@@ -370,6 +371,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. --quantization fp8 without fp8 GEMMs, --cfg-parallel-size 2 on 1 GPU
         print(f"worldserve generate: error: {e}", file=sys.stderr)
         return 2
+    except PeerError as e:  # a peer rank died at start-up (its own log says why): one line, not a traceback
+        print(f"worldserve generate: error: {e}", file=sys.stderr)
+        return 1
     try:
         return _generate(args, params, pipe, time.perf_counter() - t0, root)
     finally:

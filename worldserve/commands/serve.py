@@ -362,8 +362,11 @@ def _load_backend_within(
         return None
     if "error" in outcome:
         err = outcome["error"]
-        # A bad checkpoint or an unsupported option is the user's to fix: one line; anything else: traceback.
-        expected = isinstance(err, (CheckpointError, ValueError))
+        # A bad checkpoint or an unsupported option is the user's to fix, a peer rank that died at start-up
+        # has its own log above: one line; anything else: traceback.
+        from worldserve.parallel.comm import PeerError
+
+        expected = isinstance(err, (CheckpointError, ValueError, PeerError))
         log.error("could not load the model: %s", err, exc_info=None if expected else err)
         return None
     log.info("model ready in %.1fs", time.monotonic() - started)

@@ -129,6 +129,13 @@ class ParallelPipeline:
     def device(self) -> torch.device:
         return self.local.device
 
+    def problem(self) -> str | None:
+        """Why the peers cannot serve (one exited, or they were stopped after an error), None while they can:
+        /health says it at once, not only once a request has failed on it."""
+        if self.peers.closed:
+            return f"{self.layout.flags}: the peer ranks are stopped"
+        return self.peers.gone()
+
     def validate(self, params: VideoParams) -> VideoParams:
         return self.local.validate(params)
 
@@ -159,6 +166,11 @@ class ParallelPipeline:
                     f"{lost}: {exc}. Restart the server",
                     f"{lost} (the server log says which). Restart the server",
                 ) from exc
+            except (
+                BaseException
+            ):  # Ctrl-C mid-exchange: the peers are out of step; close() would wait on them
+                self.peers.kill()
+                raise
 
     def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState:
         cfg = needs_uncond(params.guidance_scale)

@@ -128,11 +128,15 @@ class PeerRanks:
     def check(self) -> None:
         if self.closed:
             raise RuntimeError(f"the {self.label} pipeline is closed")
+        if (gone := self.gone()) is not None:
+            raise comm.PeerError(gone)
+
+    def gone(self) -> str | None:
+        """Why a peer is gone (the first dead one), None while all live: cheap, for health checks."""
         for r, p in enumerate(self.processes, 1):
             if not p.is_alive():
-                raise comm.PeerError(
-                    f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log above"
-                )
+                return f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log above"
+        return None
 
     def _gone(self, r: int, exc: Exception) -> comm.PeerError:
         code = self.processes[r - 1].exitcode
