@@ -116,6 +116,7 @@ def test_more_messages_than_the_context_has_tokens_are_refused_before_validation
     for route, body, field in (
         ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": many}, "messages"),
         ("/v1/responses", {"model": MODEL, "max_output_tokens": 1, "input": many}, "input"),
+        ("/tokenize", {"model": MODEL, "messages": many}, "messages"),
     ):
         r = httpx.post(reasoner_url + route, json=body, timeout=60)
         assert r.status_code == 400, r.text

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from worldserve.api.bodies import read_json_object, read_model
+from worldserve.api.bodies import fits_context, read_json_object, read_model
 from worldserve.api.chat import RequestOptions, build_params, inline_refs, model_not_found, request_options
 from worldserve.api.chat_media import media_parts, prefetch_media
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest
@@ -88,6 +88,7 @@ async def tokenize(request: Request, st: State):
     """vLLM's /tokenize: a prompt's (or a chat's rendered prompt's) token ids."""
     data = await read_json_object(request, st.max_upload_bytes)
     chat = "messages" in data and "prompt" not in data
+    fits_context("messages", st.max_model_len)(data)  # (before pydantic builds an object of each)
     body = (TokenizeChatRequest if chat else TokenizePromptRequest).model_validate(data)
     if not st.serves(body.model):
         return model_not_found(body.model)
