@@ -170,9 +170,7 @@ def build_app(
         name = client.model_name
         permission = ModelPermission(id=f"modelperm-{uuid.uuid4().hex}", created=created)  # (as vLLM: random)
         # vLLM's card carries the context length; None where no chat is served (vLLM-Omni's diffusion cards)
-        max_len = (
-            None if client.chat_worker is None else getattr(client.chat_worker.backend, "max_model_len", None)
-        )
+        max_len = app.state.ws.max_model_len
         # one card per --served-model-name, as vLLM lists them
         return ModelList(data=[ModelCard(id=n, created=created, root=model_root or name, max_model_len=max_len,
                                          permission=[permission]) for n in (name, *model_aliases)])  # fmt: skip
