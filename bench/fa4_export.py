@@ -4,11 +4,11 @@ FA4 is written in NVIDIA's CuTe Python DSL and compiles on first use; the DSL's 
 more than a device call can carry beside the serving wheels. Its kernels compile without a GPU (fake
 tensors, target sm_90a), and each compiled function exports as a small TVM-FFI shared library that needs
 only `apache-tvm-ffi` and the DSL's runtime library (`libcute_dsl_runtime.so`) to run. This script compiles
-one kernel per spec, `TMxTN-cC[-ss][-gqa][-pN]` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by
+one kernel per spec, `TMxTN-cC[-ss][-gqa][-pN][-kN][-vN]` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by
 TMA multicast: bench/fa4_sm90_kv_multicast.patch, which must be applied to the installed flash-attn-4;
 `-ss`: P @ V with P through shared memory instead of registers; `-gqa`: the query heads of a K / V head
-packed into one tile; `-pN`: persistent, N resident CTAs walking the tiles, `-p` = 132, an H100 / H200's SMs),
-and writes
+packed into one tile; `-pN`: persistent, N resident CTAs walking the tiles, `-p` = 132, an H100 / H200's SMs;
+`-kN` / `-vN`: N shared-memory stages of K / of V, default 2 / as many as K), and writes
 
     OUT/<name>.so                    one TVM-FFI library per kernel (~65 kB), function <name>
     OUT/libcute_dsl_runtime.so.xz    the DSL runtime, for a machine without nvidia-cutlass-dsl-libs: unpack
@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPEC_HELP = (
-    "comma-separated TMxTN-cC[-ss][-gqa][-pN] specs, e.g. 128x176-c1,128x176-c2,192x112-c2-ss,128x176-c2-p"
+    "comma-separated TMxTN-cC[-ss][-gqa][-pN][-kN][-vN] specs, e.g. 128x176-c1,128x176-c2,192x112-c2-ss,"
+    "128x176-c2-p,128x144-c2-v3"
 )
 
 
@@ -59,27 +60,41 @@ class KernelSpec:
     pack_gqa: bool = False
     persistent_sms: int = 0
     """Resident CTAs of a persistent kernel (0: one CTA per query tile)."""
+    stages_k: int = 2
+    """Shared-memory stages of K (FA4's default 2; V has as many unless stages_v says otherwise)."""
+    stages_v: int = 0
+    """Stages of V on their own ring (0: as K's)."""
 
     @classmethod
     def parse(cls, spec: str) -> KernelSpec:
-        """`128x176-c2[-ss][-gqa][-pN]` (ValueError naming the form otherwise)."""
-        form = f"kernel spec must look like 128x176-c2[-ss][-gqa][-pN], got {spec!r}"
+        """`128x176-c2[-ss][-gqa][-pN][-kN][-vN]` (ValueError naming the form otherwise)."""
+        form = f"kernel spec must look like 128x176-c2[-ss][-gqa][-pN][-kN][-vN], got {spec!r}"
         parts = spec.strip().lower().split("-")
         if len(parts) < 2:
             raise ValueError(form)
         tile, cluster, *flags = parts
         persistent = [f for f in flags if f.startswith("p")]
+        stages = {f[0]: f for f in flags if f[:1] in ("k", "v")}
         try:
             tm, tn = (int(x) for x in tile.split("x"))
             c = int(cluster.removeprefix("c"))
             sms = int(persistent[0].removeprefix("p") or 132) if persistent else 0
+            sk, sv = (int(stages[r][1:]) if r in stages else d for r, d in (("k", 2), ("v", 0)))
         except ValueError:
             raise ValueError(form) from None
-        if not cluster.startswith("c") or set(flags) - {"ss", "gqa", *persistent} or len(persistent) > 1:
+        known = {"ss", "gqa", *persistent, *stages.values()}
+        if (
+            not cluster.startswith("c")
+            or set(flags) - known
+            or len(persistent) > 1
+            or len(flags) != len(set(flags))
+        ):
             raise ValueError(form)
+        if not 1 <= sk <= 4 or not 0 <= sv <= 4:
+            raise ValueError(f"{spec!r}: 1-4 stages of K, 1-4 of V")
         if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2, 4):
             raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1, 2 or 4")
-        return cls(tm, tn, c, "ss" in flags, "gqa" in flags, sms)
+        return cls(tm, tn, c, "ss" in flags, "gqa" in flags, sms, sk, sv if sv != sk else 0)
 
     @property
     def name(self) -> str:
@@ -87,6 +102,8 @@ class KernelSpec:
             "_ss" * self.p_in_smem
             + "_gqa" * self.pack_gqa
             + (f"_p{self.persistent_sms}" if self.persistent_sms else "")
+            + (f"_k{self.stages_k}" if self.stages_k != 2 else "")
+            + (f"_v{self.stages_v}" if self.stages_v else "")
         )
         return f"fa4_sm90_{self.tile_m}x{self.tile_n}_c{self.cluster_m}{flags}"
 
@@ -114,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if "cluster_m" not in inspect.signature(FlashAttentionForwardSm90.__init__).parameters:
+    if "num_stages_v" not in inspect.signature(FlashAttentionForwardSm90.__init__).parameters:
         sys.exit("flash-attn-4 is not patched: apply bench/fa4_sm90_kv_multicast.patch (its header says how)")
     args.out.mkdir(parents=True, exist_ok=True)
     cache = interface._flash_attn_fwd.compile_cache.cache  # compile key -> compiled TVM-FFI function
@@ -133,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     q, k, v, tile_mn=(ks.tile_m, ks.tile_n), mma_pv_is_rs=not ks.p_in_smem,
                     intra_wg_overlap=True, num_threads=128 * (1 + ks.tile_m // 64), pack_gqa=ks.pack_gqa,
                     return_lse=True, sm90_cluster_m=ks.cluster_m, sm90_persistent_sms=ks.persistent_sms,
+                    sm90_num_stages=ks.stages_k, sm90_num_stages_v=ks.stages_v,
                 )  # fmt: skip
         except Exception as e:  # a tile the DSL refuses (shared memory, registers, layout): skip it
             print(f"{spec}: not compiled: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -148,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest["kernels"][name] = {"spec": spec, "tile_m": ks.tile_m, "tile_n": ks.tile_n,
                                      "cluster_m": ks.cluster_m, "p_in_smem": ks.p_in_smem,
                                      "pack_gqa": ks.pack_gqa, "persistent_sms": ks.persistent_sms,
+                                     "stages_k": ks.stages_k, "stages_v": ks.stages_v or ks.stages_k,
                                      "qhead_per_kvhead": ratio,
                                      "compile_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         print(f"{spec}: {so} ({so.stat().st_size} bytes, {time.perf_counter() - t0:.1f} s)", flush=True)

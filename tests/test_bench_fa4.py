@@ -66,17 +66,41 @@ def _fa4_export():
         ("128x176-c2-gqa-p", (128, 176, 2, False, True, 132), "fa4_sm90_128x176_c2_gqa_p132"),
         ("128x176-c1-p128", (128, 176, 1, False, False, 128), "fa4_sm90_128x176_c1_p128"),
         ("128x128-c4", (128, 128, 4, False, False, 0), "fa4_sm90_128x128_c4"),
+        ("128x144-c2-v3", (128, 144, 2, False, False, 0, 2, 3), "fa4_sm90_128x144_c2_v3"),
+        ("128x128-c2-k3-v3", (128, 128, 2, False, False, 0, 3, 0), "fa4_sm90_128x128_c2_k3"),
+        ("128x128-c2-v2", (128, 128, 2, False, False, 0, 2, 0), "fa4_sm90_128x128_c2"),
     ],
 )
 def test_export_specs_name_their_kernels(spec, fields, name):
-    """The ahead-of-time kernels' specs (the product's gen kernel is fa4_sm90_128x176_c2)."""
+    """The ahead-of-time kernels' specs (the product's gen kernel is fa4_sm90_128x176_c2); stages of K and V
+    default to 2 and K's, and V's own count is kept only where it differs from K's."""
     ks = _fa4_export().KernelSpec.parse(spec)
-    assert (ks.tile_m, ks.tile_n, ks.cluster_m, ks.p_in_smem, ks.pack_gqa, ks.persistent_sms) == fields
+    got = (
+        ks.tile_m,
+        ks.tile_n,
+        ks.cluster_m,
+        ks.p_in_smem,
+        ks.pack_gqa,
+        ks.persistent_sms,
+        ks.stages_k,
+        ks.stages_v,
+    )
+    assert got[: len(fields)] == fields
     assert ks.name == name
 
 
 @pytest.mark.parametrize(
-    "spec", ["128x176", "128x176-2", "128x176-c2-xx", "128x176-c2-p-p8", "axb-c2", "128x176-cz"]
+    "spec",
+    [
+        "128x176",
+        "128x176-2",
+        "128x176-c2-xx",
+        "128x176-c2-p-p8",
+        "axb-c2",
+        "128x176-cz",
+        "128x176-c2-v3-v3",
+        "128x176-c2-kx",
+    ],
 )
 def test_malformed_export_specs_name_the_form(spec):
     with pytest.raises(ValueError, match=r"must look like 128x176-c2\[-ss\]\[-gqa\]\[-pN\]"):
@@ -86,4 +110,10 @@ def test_malformed_export_specs_name_the_form(spec):
 @pytest.mark.parametrize("spec", ["100x176-c2", "128x300-c2", "128x176-c3"])
 def test_export_specs_out_of_range(spec):
     with pytest.raises(ValueError, match="tile 64-192 rows"):
+        _fa4_export().KernelSpec.parse(spec)
+
+
+@pytest.mark.parametrize("spec", ["128x128-c2-k0", "128x128-c2-v5"])
+def test_export_stage_counts_out_of_range(spec):
+    with pytest.raises(ValueError, match="1-4 stages of K"):
         _fa4_export().KernelSpec.parse(spec)
