@@ -240,22 +240,29 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     assert serve._load_backend_within(ModelConfig()) == ("backend", None)
 
 
-def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
-    """--kv-cache-memory-bytes: refused when 0, too small for --max-model-len names both flags, and otherwise
-    the Reasoner's pool holds that many bytes' worth of tokens; --mm-processor-cache-gb sizes its processor
-    cache (negative or not a number: refused)."""
+def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt, monkeypatch):
+    """--kv-cache-memory-bytes: refused when 0, too small for --max-model-len names both flags before any
+    weight loads, and otherwise the Reasoner's pool holds that many bytes' worth of tokens;
+    --mm-processor-cache-gb sizes its processor cache (negative or not a number: refused)."""
     from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig, ParallelConfig
+    from worldserve.runner import video_pipeline
 
     with pytest.raises(ValueError, match="kv-cache-memory-bytes must be > 0"):
         parse("--kv-cache-memory-bytes", "0")
     small = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
                         kv_cache_memory_bytes=1000)  # fmt: skip
-    with pytest.raises(ValueError, match="--kv-cache-memory-bytes or lower --max-model-len"):
-        serve_backend.load_backend(small, ParallelConfig())
     ok = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
                      kv_cache_memory_bytes=50_000_000)  # fmt: skip
     pipeline, _, reasoner = serve_backend.load_backend(ok, ParallelConfig())
+    per_token = pipeline.transformer.und_kv_bytes_per_token()
+    short = dataclasses.replace(small, kv_cache_memory_bytes=4096 * per_token - 1)  # one token short
+    with monkeypatch.context() as m:  # (refused before the weights load)
+        m.setattr(video_pipeline, "load_pipeline", lambda *a, **k: pytest.fail("weights loaded"))
+        for cfg, tokens in ((small, 1), (short, 4095)):
+            with pytest.raises(ValueError, match=rf"holds {tokens} tokens .* fewer than --max-model-len 4096: "
+                               r"raise --kv-cache-memory-bytes or lower --max-model-len"):  # fmt: skip
+                serve_backend.load_backend(cfg, ParallelConfig())
     assert reasoner.prefiller.caching  # vLLM's default: prefix caching on
     assert reasoner.media_cache.max_bytes == 4 * 2**30  # vLLM's default --mm-processor-cache-gb
     off = dataclasses.replace(  # --no-enable-prefix-caching and --mm-processor-cache-gb reach the Reasoner
@@ -266,7 +273,6 @@ def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt):
     for bad in ("-1", "nan"):
         with pytest.raises(ValueError, match="--mm-processor-cache-gb must be a number >= 0"):
             parse("--mm-processor-cache-gb", bad)
-    per_token = pipeline.transformer.und_kv_bytes_per_token()
     assert reasoner.pool.capacity_tokens >= 50_000_000 // per_token > 4096
     assert (
         reasoner.pool.nbytes <= 50_000_000 + 2 * reasoner.pool.block_size * per_token

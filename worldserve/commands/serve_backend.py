@@ -45,6 +45,8 @@ def load_backend(
 
     from worldserve.runner.video_pipeline import load_pipeline
 
+    if parallel.tensor_parallel_size == 1:  # (no Reasoner under tensor parallel)
+        check_kv_cache_fits(cfg, path)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     pipeline = load_pipeline(
         path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
@@ -94,6 +96,32 @@ def load_backend(
     log.info("chats %s", f"decode beside video steps (video leaves {share.sm_margin} SMs free while chats run)"
              if share.concurrent else f"take turns with video steps ({share.why_not or 'not warmed up'})")  # fmt: skip
     return pipeline, gpu_memory, reasoner
+
+
+def check_kv_cache_fits(cfg: ModelConfig, path: Path) -> None:
+    """ValueError naming both flags when --kv-cache-memory-bytes cannot hold one --max-model-len chat of the
+    checkpoint at `path` (its und tower's layers and K/V heads, the dtype the model will load in), before the
+    weights load: a full-size load takes minutes. The Reasoner checks the pool it builds again."""
+    if cfg.kv_cache_memory_bytes is None:
+        return
+    import torch
+
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.models.layers.paged_kv import PagedKVPool
+    from worldserve.runner.devices import default_device, default_dtype
+
+    config = Cosmos3Config.from_json(path / "transformer" / "config.json")
+    device = torch.device(cfg.device) if cfg.device else default_device()
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
+    per_token = PagedKVPool.bytes_per_token(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype
+    )
+    if (tokens := cfg.kv_cache_memory_bytes // per_token) < cfg.max_model_len:
+        raise ValueError(
+            f"--kv-cache-memory-bytes {cfg.kv_cache_memory_bytes} holds {tokens} tokens of the Reasoner's K/V "
+            f"({per_token} bytes a token), fewer than --max-model-len {cfg.max_model_len}: raise "
+            "--kv-cache-memory-bytes or lower --max-model-len"
+        )
 
 
 def chat_defaults(cfg: ModelConfig, path: Path | None) -> ChatDefaults:
