@@ -124,7 +124,7 @@ def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp
     assert queued.status is JobStatus.QUEUED
 
 
-def _echo_peer(rank: int, init_method: str, world: int, timeout_s: float) -> None:
+def _echo_peer(rank: int, link, world: int, timeout_s: float) -> None:
     """A peer that answers ("echo", x) to ("echo", x)."""
     from worldserve.parallel import comm
     from worldserve.runner.peers import LEADER, run_peer, serve_messages
@@ -135,7 +135,7 @@ def _echo_peer(rank: int, init_method: str, world: int, timeout_s: float) -> Non
 
         serve_messages(group, dev, leader_alive, {"echo": echo}, "test")
 
-    run_peer(rank, init_method, world, "cpu", "test", lambda dev: None, serve, timeout_s)
+    run_peer(rank, link, world, "cpu", "test", lambda dev: None, serve, timeout_s)
 
 
 def test_an_idle_peer_outlives_the_world_timeout():

@@ -5,7 +5,8 @@ tests can fake a world by handing in a group whose `size` is 1.
 Point-to-point (`send_tensor` / `recv_tensor` / `send_object` / `recv_object`, used by CFG-parallel) raises
 `PeerError` rather than hanging when the peer dies: NCCL isend / irecv are polled with an `alive()` check;
 gloo's only complete inside wait(), which raises once a dead peer's socket closes. NCCL needs tensors on the
-rank's GPU (`device`); gloo takes CPU tensors.
+rank's GPU (`device`); gloo takes CPU tensors. `init_world` joins through a TCPStore of its own, so rank 0
+can bound the rendezvous apart from the world's (long) timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from torch import Tensor
@@ -39,12 +41,24 @@ def all_reduce(x: Tensor, group: ParallelGroup) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- world
-def init_world(backend: str, init_method: str, rank: int, world_size: int, timeout_s: float) -> ParallelGroup:
-    """torch.distributed.init_process_group (the default group) -> its ParallelGroup."""
+def init_world(
+    backend: str, init_method: str, rank: int, world_size: int, timeout_s: float,
+    join_timeout_s: float | None = None,
+) -> ParallelGroup:  # fmt: skip
+    """torch.distributed.init_process_group (the default group) over a TCPStore at `init_method`
+    ("tcp://host:port", hosted by rank 0) -> its ParallelGroup. Every rank of the world must join through
+    here (the same store layout). `join_timeout_s` bounds the rendezvous alone (rank 0's wait for the other
+    ranks to connect, or a rank's wait for rank 0's store), `timeout_s` (default for it) everything after."""
     import torch.distributed as dist
 
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    join = timedelta(seconds=timeout_s if join_timeout_s is None else min(join_timeout_s, timeout_s))
+    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=join)
+    store.set_timeout(timedelta(seconds=timeout_s))  # later waits on it (new_group, NCCL ids) may be long
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size,
+        backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )  # fmt: skip
     return ParallelGroup(rank=rank, size=world_size, group=None)
@@ -65,11 +79,13 @@ def world_initialized() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- p2p
-def _wait(work, alive: Callable[[], bool] | None, what: str) -> None:
-    """Poll `work` until done; PeerError if `alive()` turns False or the transport fails."""
+def _wait(start: Callable[[], Any], alive: Callable[[], bool] | None, what: str) -> None:
+    """Start the work (`start()`: gloo raises there too once a peer's connection is closed) and poll it until
+    done; PeerError if `alive()` turns False or the transport fails."""
     import torch.distributed as dist
 
     try:
+        work = start()
         if alive is None or dist.get_backend() != "nccl":
             # gloo's p2p work only completes inside wait(); a dead peer's closed socket makes it raise
             work.wait()
@@ -90,7 +106,8 @@ def send_tensor(x: Tensor, dst: int, group: ParallelGroup, alive: Callable[[], b
 
     if alive is not None and not alive():
         raise PeerError(f"peer rank {dst} has exited")
-    _wait(dist.isend(x.contiguous(), dst, group=group.group), alive, f"send to rank {dst}")
+    x = x.contiguous()
+    _wait(lambda: dist.isend(x, dst, group=group.group), alive, f"send to rank {dst}")
 
 
 def recv_tensor(
@@ -99,7 +116,7 @@ def recv_tensor(
     """Receive into `out` (its shape, dtype and device must match the sender's tensor) and return it."""
     import torch.distributed as dist
 
-    _wait(dist.irecv(out, src, group=group.group), alive, f"receive from rank {src}")
+    _wait(lambda: dist.irecv(out, src, group=group.group), alive, f"receive from rank {src}")
     return out
 
 

@@ -32,12 +32,14 @@ import torch
 
 from worldserve.engine.outputs import BackendLost
 from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.parallel.comm import PeerError
 from worldserve.parallel.ulysses import check_degree
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.devices import default_dtype, rank_devices
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.parallel_layout import ParallelLayout
 from worldserve.runner.parallel_worker import BranchRank
+from worldserve.runner.peer_start import PeerLink
 from worldserve.runner.peers import PeerRanks, peer_worker_main, send_step
 from worldserve.runner.video_pipeline import (
     VideoPipeline,
@@ -56,7 +58,6 @@ class ParallelPipeline:
 
     def __init__(self, local: VideoPipeline, peers: PeerRanks, layout: ParallelLayout):
         self.local, self.peers, self.layout = local, peers, layout
-        local.sp = layout.branch_group(0)  # collective with the peers' own calls
         self._cfg_remote: set[str] = set()  # requests whose uncond branch runs on the uncond group
         self._lock = peers.lock  # one conversation with the peers at a time
         self._cond_peers = list(range(1, layout.per_branch))
@@ -67,8 +68,9 @@ class ParallelPipeline:
         cls, path: str | Path, layout: ParallelLayout, device: str | torch.device | None = None,
         dtype: torch.dtype | None = None, kernels: KernelOptions | None = None, **kwargs,
     ) -> ParallelPipeline:  # fmt: skip
-        """Check the layout against the checkpoint, spawn the peers (each loads the transformer on its GPU),
-        load the full pipeline here, connect and wait for every peer's "ready"."""
+        """Check the layout against the checkpoint, spawn the peers, join the world with them, load the full
+        pipeline here while each peer loads the transformer on its GPU, and wait for every peer's "ready"
+        (runner/peers.py). A peer that dies meanwhile: PeerError, one line naming the layout, rank, exit code."""
         config = Cosmos3Config.from_json(Path(path) / "transformer" / "config.json")
         for degree, flag in ((layout.ulysses, "--ulysses-degree"), (layout.tp, "--tensor-parallel-size")):
             check_degree(
@@ -82,11 +84,11 @@ class ParallelPipeline:
             dtype = default_dtype(devices[0])
         kernels = kernels or KernelOptions()
 
-        def peer_args(r: int, init: str) -> tuple:
+        def peer_args(r: int, link: PeerLink) -> tuple:
             branch = functools.partial(BranchRank, layout=layout, rank=r)
             return (
                 r,
-                init,
+                link,
                 layout.world,
                 str(path),
                 str(devices[r]),
@@ -97,12 +99,18 @@ class ParallelPipeline:
                 layout.tp_group(r) if layout.tp > 1 else None,
             )
 
-        peers, local = PeerRanks.start(
-            "parallel", peer_worker_main, peer_args, devices,
-            lambda: VideoPipeline.from_pretrained(
+        def load_local() -> VideoPipeline:
+            sp = layout.branch_group(0)  # collective: with the peers' own calls, before any rank loads
+            local = VideoPipeline.from_pretrained(
                 path, device=devices[0], dtype=dtype, kernels=kernels, tp=layout.tp_group(0), **kwargs
-            ),
-        )  # fmt: skip
+            )
+            local.sp = sp
+            return local
+
+        try:
+            peers, local = PeerRanks.start("parallel", peer_worker_main, peer_args, devices, load_local)
+        except PeerError as exc:
+            raise PeerError(f"{layout.flags}: {exc}") from exc
         log.info("%s on %s", layout.flags, ", ".join(map(str, devices)))
         return cls(local, peers, layout)
 

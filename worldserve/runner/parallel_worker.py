@@ -8,7 +8,8 @@ parallelism its transformer holds 1/T of every weight, and prefill and forward a
 runs at the same time); the first rank
 of the uncond group sends the uncond velocities (video, then sound, per CFG request in plan order) to rank
 0. "release" drops a request's caches. Started by runner/peers.py `peer_worker_main`, which handles errors
-and shutdown.
+and shutdown: it builds the BranchRank right after joining the world (its Ulysses group is created with every
+rank's, before any of them loads), then loads the transformer into it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from worldserve.parallel import comm
-from worldserve.parallel.groups import SINGLE, ParallelGroup
+from worldserve.parallel.groups import ParallelGroup
 from worldserve.runner.parallel_layout import COND, ParallelLayout
 from worldserve.runner.peers import LEADER, recv_step
 from worldserve.runner.video_pipeline import VideoPipeline, gen_item
@@ -25,14 +26,18 @@ from worldserve.runner.video_pipeline import VideoPipeline, gen_item
 class BranchRank:
     """A peer's model (whole, or its tensor-parallel slices), branch, Ulysses group and per-request und caches."""
 
-    def __init__(self, transformer, device: torch.device, layout: ParallelLayout, rank: int):
-        self.transformer = transformer
+    def __init__(self, device: torch.device, layout: ParallelLayout, rank: int):
         self.device = device
-        self.config = transformer.config
         self.layout, self.rank = layout, rank
         self.branch = layout.branch(rank)
         self.caches: dict[str, list] = {}
-        self.sp: ParallelGroup = SINGLE
+        self.sp: ParallelGroup = layout.branch_group(rank)  # collective: every rank, right after joining
+        self.transformer = self.config = None
+
+    def load(self, transformer) -> BranchRank:
+        """Take the loaded transformer (whole, or this rank's tensor-parallel slices)."""
+        self.transformer, self.config = transformer, transformer.config
+        return self
 
     forward = VideoPipeline.forward  # GenBatch.pack over self.config / self.device -> transformer(batch, sp)
 
@@ -64,7 +69,6 @@ class BranchRank:
                     comm.send_tensor(out.sound[i], LEADER, group, leader_alive)
 
     def handlers(self, group: ParallelGroup, dev: torch.device, leader_alive) -> dict:
-        self.sp = self.layout.branch_group(self.rank)
         return {
             "prefill": self.prefill,
             "release": lambda request_id: self.caches.pop(request_id, None),

@@ -4,10 +4,13 @@ the peer process's own start-up / shutdown frame (`run_peer`).
 Used by CFG-parallel (one peer runs the uncond branch) and Ulysses (P - 1 peers run the same forward on
 their share of the tokens). Every rank holds a full transformer on its own device (cuda:r; cpu with gloo
 for tests). Messages are small pickled tuples plus tensors through parallel/comm.py; every wait polls the
-peer processes, so a dead peer raises `PeerError` (a RuntimeError) instead of hanging. A peer answers
-("ready",) once loaded, serves until ("stop",), then exits without the interpreter's slow teardown. A peer
-left without a message for a while gets ("ping",): its pending receive would otherwise time out after the
-world's timeout (gloo's wait, NCCL's watchdog) and end it, while the server sat idle.
+peer processes, so a dead peer raises `PeerError` (a RuntimeError) instead of hanging. Start-up: every rank
+joins the world first and then loads its weights (all at once), and the peers tell rank 0 on a plain pipe
+(runner/peer_start.py) that they are joining, then that they are ready: rank 0 never waits inside
+torch.distributed on a peer that may be dead or still loading. A peer serves until ("stop",), then exits
+without the interpreter's slow teardown. A peer left without a message for a while gets ("ping",): its
+pending receive would otherwise time out after the world's timeout (gloo's wait, NCCL's watchdog) and end
+it, while the server sat idle.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
+from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes
 
 log = logging.getLogger("worldserve.peers")
 LEADER = 0
@@ -76,12 +80,15 @@ class PeerRanks:
 
     @classmethod
     def start(
-        cls, label: str, target: Callable, peer_args: Callable[[int, str], tuple], devices: Sequence[torch.device],
-        load_local: Callable[[], object], timeout_s: float = INIT_TIMEOUT_S,
+        cls, label: str, target: Callable, peer_args: Callable[[int, PeerLink], tuple],
+        devices: Sequence[torch.device], load_local: Callable[[], object], timeout_s: float = INIT_TIMEOUT_S,
     ) -> tuple[PeerRanks, object]:  # fmt: skip
-        """Spawn `target(*peer_args(rank, init_method))` for ranks 1..P-1, run `load_local()` here meanwhile,
-        join the world (`timeout_s`: the peers' run_peer must use the same) as rank 0, wait for every peer's
-        ("ready",) and start the keep-alive pings. -> (peers, load_local's result)."""
+        """Spawn `target(*peer_args(rank, link))` for ranks 1..P-1 (`link` goes to their run_peer), join the
+        world as rank 0 once every peer says it is joining, run `load_local()` here while the peers load
+        theirs (a collective set-up, such as new_group, comes first in both), wait for every peer's ("ready",)
+        and start the keep-alive pings. `timeout_s`: the world's (the peers' run_peer must use the same). A
+        peer that exits meanwhile is a PeerError naming its rank and exit code, raised at once (while rank 0
+        loads: when its load returns), the other peers killed. -> (peers, load_local's result)."""
         import torch.multiprocessing as mp
 
         if comm.world_initialized():
@@ -90,31 +97,38 @@ class PeerRanks:
             os.environ.setdefault(k, v)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
+        pipes = StartupPipes(ctx, label, len(devices) - 1, timeout_s)
         procs = [
-            ctx.Process(target=target, name=f"worldserve-{label}-rank{r}", daemon=True, args=peer_args(r, init_method))
+            ctx.Process(target=target, name=f"worldserve-{label}-rank{r}", daemon=True,
+                        args=peer_args(r, pipes.link(r, init_method)))
             for r in range(1, len(devices))
         ]  # fmt: skip
-        for p in procs:
-            p.start()
         try:
-            local = load_local()
+            pipes.spawn(procs)
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
-            for r, p in enumerate(procs, 1):
-                if not p.is_alive():
-                    raise comm.PeerError(f"{label} rank {r} exited during start-up (exit code {p.exitcode})")
+            pipes.wait_for("joining", "before joining the world")
             backend = "nccl" if devices[0].type == "cuda" else "gloo"
-            group = comm.init_world(backend, init_method, 0, len(devices), timeout_s)
+            try:
+                group = comm.init_world(backend, init_method, 0, len(devices), timeout_s, JOIN_TIMEOUT_S)
+            except RuntimeError as exc:  # (the rendezvous timed out: a peer died right after saying joining)
+                pipes.check("while joining the world")
+                raise comm.PeerError(f"{label} ranks could not join the world: {exc}") from exc
+            local = load_local()
+            pipes.wait_for("ready", "while loading")
             self = cls(procs, group, devices[0], label)
-            for r in range(1, len(devices)):
-                if (ready := self.recv_object(r)) != ("ready",):
-                    raise comm.PeerError(f"unexpected first message from {label} rank {r}: {ready!r}")
+            # Every peer's first message now, while each is known to wait for one (NCCL builds rank 0's
+            # communicator with a peer on their first exchange, a wait that polls no liveness).
+            self.send(("ping",))
         except BaseException:
             for p in procs:
-                p.kill()
-                p.join(5)
+                if p.pid is not None:
+                    p.kill()
+                    p.join(5)
             comm.destroy_world()
             raise
+        finally:
+            pipes.close()
         self.keep_alive(min(KEEPALIVE_S, timeout_s / 4))
         return self, local
 
@@ -208,12 +222,12 @@ class PeerRanks:
 
 
 def run_peer(
-    rank: int, init_method: str, world_size: int, device: str, label: str,
+    rank: int, link: PeerLink, world_size: int, device: str, label: str,
     load: Callable[[torch.device], object], serve: Callable[[object, ParallelGroup, torch.device, Callable], None],
     timeout_s: float = INIT_TIMEOUT_S,
 ) -> None:  # fmt: skip
-    """A peer process: connect, `load(device)`, answer ("ready",), `serve(loaded, group, device, leader_alive)`
-    until it returns (after ("stop",)); exit code 1 on any error."""
+    """A peer process: say ("joining",) on `link`, join the world, `load(device)`, say ("ready",), then
+    `serve(loaded, group, device, leader_alive)` until it returns (after ("stop",)); exit code 1 on any error."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [{label} rank {rank}] %(message)s")
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -224,11 +238,13 @@ def run_peer(
         return os.getppid() == parent
 
     try:
+        link.conn.send(("joining",))
         group = comm.init_world(
-            "nccl" if dev.type == "cuda" else "gloo", init_method, rank, world_size, timeout_s
+            "nccl" if dev.type == "cuda" else "gloo", link.init_method, rank, world_size, timeout_s
         )
         loaded = load(dev)
-        comm.send_object(("ready",), LEADER, group, dev, leader_alive)
+        link.conn.send(("ready",))
+        link.conn.close()
         serve(loaded, group, dev, leader_alive)
     except comm.PeerError as exc:
         log.error("rank 0 is gone (%s); exiting", exc)
@@ -307,15 +323,16 @@ def serve_messages(
 
 # ---------------------------------------------------------------------------------------------- peer processes
 def peer_worker_main(
-    rank: int, init_method: str, world_size: int, model_path: str, device: str, dtype: torch.dtype,
+    rank: int, link: PeerLink, world_size: int, model_path: str, device: str, dtype: torch.dtype,
     kernels, make_branch: Callable, label: str, tp: ParallelGroup | None = None,
 ) -> None:  # fmt: skip
     """Entry point of a spawned rank (design.md anti-pattern 10: the process's whole life in one function):
-    load the transformer (this rank's tensor-parallel slices with `tp`) with `kernels` on `device`, wrap it
-    as `make_branch(transformer, device)` (a class with `handlers(group, device, leader_alive)`: message
-    kind -> callable) and serve until ("stop",)."""
+    once in the world, `make_branch(device)` (its collective set-up, with every rank's: a class with
+    `load(transformer)` and `handlers(group, device, leader_alive)`: message kind -> callable), load the
+    transformer (this rank's tensor-parallel slices with `tp`) with `kernels` on `device` into it and serve
+    until ("stop",)."""
     load = functools.partial(_load_branch, model_path, dtype, kernels, make_branch, tp)
-    run_peer(rank, init_method, world_size, device, label, load, functools.partial(_serve_branch, label))
+    run_peer(rank, link, world_size, device, label, load, functools.partial(_serve_branch, label))
 
 
 def _load_branch(
@@ -328,8 +345,10 @@ def _load_branch(
 ):
     from worldserve.runner.video_pipeline import load_configured_transformer
 
-    transformer = load_configured_transformer(Path(model_path), dtype, device, kernels, tp=tp, progress=False)
-    return make_branch(transformer, device)
+    branch = make_branch(device)  # first: its process groups, created with every rank's before any loads
+    return branch.load(
+        load_configured_transformer(Path(model_path), dtype, device, kernels, tp=tp, progress=False)
+    )
 
 
 @torch.inference_mode()

@@ -1,0 +1,167 @@
+"""Multi-rank start-up (runner/peers.py, runner/peer_start.py) on gloo CPU ranks: every rank joins the world
+first and loads at the same time; a peer that exits before joining or while it loads is one PeerError line
+naming its rank and exit code, at once, with no peer process left (was: rank 0 waited on it inside
+torch.distributed until the world's 30-minute timeout); a rendezvous that runs out leaves no half-made world.
+
+Where rank 0 could hang it runs in a spawned process, killed when it has not answered in time: a rank 0
+left stuck in init_process_group in the test process would break every later world there."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import time
+
+import pytest
+import torch
+
+CPU = torch.device("cpu")
+
+
+def _as_rank0(fn, *args, timeout_s: float = 90.0):
+    """fn(*args, answer) in a spawned process (not daemonic: it spawns peers) -> what it put in `answer`."""
+    ctx = multiprocessing.get_context("spawn")
+    answer = ctx.Queue()
+    p = ctx.Process(target=fn, args=(*args, answer), name="test-rank0")
+    p.start()
+    try:
+        return answer.get(timeout=timeout_s)
+    except queue.Empty:
+        pytest.fail(f"rank 0 gave no answer within {timeout_s:g}s (hung on a dead peer?)")
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _outcome(start, answer) -> None:
+    """Run `start()` (rank 0's start-up), put (error type, message, seconds, live child processes)."""
+    t0 = time.monotonic()
+    try:
+        start()
+        err = (None, "")
+    except Exception as exc:
+        err = (type(exc).__name__, str(exc))
+    answer.put((*err, time.monotonic() - t0, [c.name for c in multiprocessing.active_children()]))
+
+
+# ---------------------------------------------------------------------------------------------- the real pipeline
+def _peer_dying_in_its_load(rank: int, *args) -> None:
+    """runner/peers.py peer_worker_main, but rank 2 exits (code 3) as its transformer starts to load."""
+    from worldserve.runner import peers, video_pipeline
+
+    if rank == 2:
+
+        def dies(*_args, **_kwargs):
+            os._exit(3)
+
+        video_pipeline.load_configured_transformer = dies
+    peers.peer_worker_main(rank, *args)
+
+
+def _load_4_ranks_one_dying(ckpt: str, answer) -> None:
+    from worldserve.runner import parallel_pipeline
+    from worldserve.runner.video_pipeline import load_pipeline
+
+    parallel_pipeline.peer_worker_main = _peer_dying_in_its_load
+    _outcome(
+        lambda: load_pipeline(ckpt, cfg_parallel_size=2, ulysses_degree=2, device="cpu", dtype=torch.float32,
+                              progress=False),
+        answer,
+    )  # fmt: skip
+
+
+def test_a_peer_dying_while_it_loads_is_one_line_and_leaves_no_peer(tiny_ckpt):
+    """--cfg-parallel-size 2 --ulysses-degree 2: rank 2 exits while it loads its weights, after every rank
+    joined the world (and made its Ulysses group); rank 0 says so in one line naming the rank and exit code,
+    in seconds, and ranks 1 and 3 are gone too."""
+    kind, message, seconds, children = _as_rank0(_load_4_ranks_one_dying, str(tiny_ckpt))
+    assert (kind, message) == (
+        "PeerError",
+        "--cfg-parallel-size 2 --ulysses-degree 2: parallel rank 2 exited while loading (exit code 3); "
+        "see its log above",
+    )
+    assert seconds < 60 and children == []
+
+
+# ---------------------------------------------------------------------------------------------- PeerRanks.start
+def _peer_dying_before_it_joins(rank: int, link) -> None:
+    """A peer that is killed (SIGKILL, as the OOM killer does) a second into its start, before it joins the
+    world: after rank 0's (instant) load has returned."""
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _start_with_a_peer_dying_before_it_joins(answer) -> None:
+    from worldserve.runner.peers import PeerRanks
+
+    _outcome(
+        lambda: PeerRanks.start("test", _peer_dying_before_it_joins, lambda r, link: (r, link), [CPU, CPU],
+                                lambda: None, timeout_s=120.0),
+        answer,
+    )  # fmt: skip
+
+
+def test_a_peer_dying_before_it_joins_the_world_fails_at_once():
+    """Alive when rank 0's load returned, dead before joining: rank 0 does not enter the rendezvous until
+    every peer says it is joining (was: init_process_group waited the world's timeout for the dead peer)."""
+    kind, message, seconds, children = _as_rank0(_start_with_a_peer_dying_before_it_joins, timeout_s=60)
+    assert (kind, message) == (
+        "PeerError",
+        "test rank 1 exited before joining the world (exit code -9 (SIGKILL)); see its log above",
+    )
+    assert seconds < 30 and children == []
+
+
+def _peer_loading_with_rank0(rank: int, link, marker: str) -> None:
+    from worldserve.runner.peers import run_peer, serve_messages
+
+    def load(_dev) -> None:
+        open(marker, "w").close()
+
+    def serve(_loaded, group, dev, leader_alive) -> None:
+        serve_messages(group, dev, leader_alive, {}, "test")
+
+    run_peer(rank, link, 2, "cpu", "test", load, serve, 60.0)
+
+
+def test_every_rank_loads_at_the_same_time(tmp_path):
+    """The peers load while rank 0 does (was: their rendezvous waited for rank 0's whole load first)."""
+    from worldserve.runner.peers import PeerRanks
+
+    marker = tmp_path / "peer-loading"
+
+    def load_local() -> bool:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return marker.exists()
+
+    peers, overlapped = PeerRanks.start(
+        "test", _peer_loading_with_rank0, lambda r, link: (r, link, str(marker)), [CPU, CPU], load_local,
+        timeout_s=60.0,
+    )  # fmt: skip
+    peers.close()
+    assert overlapped and peers.processes[0].exitcode == 0
+
+
+def test_a_rendezvous_that_runs_out_leaves_no_world_and_the_next_start_works(tmp_path):
+    """Rank 0's join is bounded (here 1 s, nobody coming); it raises, leaves no world behind, and a
+    two-rank start after it runs (a rendezvous left hanging had broken every later one in the process)."""
+    from worldserve.parallel import comm
+    from worldserve.runner.peers import PeerRanks, _free_port
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="waiting for clients"):
+        comm.init_world("gloo", f"tcp://127.0.0.1:{_free_port()}", 0, 2, 60.0, join_timeout_s=1.0)
+    assert time.monotonic() - t0 < 10 and not comm.world_initialized()
+    marker = tmp_path / "peer-loading"
+    peers, _ = PeerRanks.start(  # (its first message, a ping, went through)
+        "test", _peer_loading_with_rank0, lambda r, link: (r, link, str(marker)), [CPU, CPU], lambda: None,
+        timeout_s=60.0,
+    )  # fmt: skip
+    peers.close()
+    assert marker.exists() and peers.processes[0].exitcode == 0

@@ -1,0 +1,111 @@
+"""Start-up handshake between rank 0 and its spawned peer ranks (runner/peers.py `PeerRanks.start`), on plain
+pipes rather than torch.distributed.
+
+Each peer says ("joining",) just before it joins the world and ("ready",) once its weights are loaded. Rank 0
+waits for each word on the pipes and the peers' process sentinels together, so a peer that exits (an import
+error, a bad GPU, an out-of-memory kill while loading) is a one-line `PeerError` naming its rank and exit
+code at once, where a wait inside torch.distributed (the rendezvous, gloo's mesh, NCCL building a
+communicator on a first message) would have sat until the world's 30-minute timeout. Rank 0 joins the
+world only once every peer is alive at its door, and bounds that rendezvous by `JOIN_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from worldserve.parallel.comm import PeerError
+
+JOIN_TIMEOUT_S = 60.0
+"""Rank 0's bound on the world's rendezvous (at most the world's timeout). It starts once every peer has said
+("joining",), so it takes well under a second; only a peer dying right then can make it run out."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLink:
+    """What a spawned peer gets to reach rank 0 (picklable into the spawned process)."""
+
+    init_method: str
+    """tcp://127.0.0.1:PORT: rank 0's TCPStore, the world's rendezvous (parallel/comm.py `init_world`)."""
+    conn: Connection
+    """The peer's (write) end of its start-up pipe: ("joining",), then ("ready",)."""
+
+
+def exit_reason(code: int | None) -> str:
+    """'exit code 3', 'exit code -9 (SIGKILL)' (killed by a signal: the OOM killer's is SIGKILL)."""
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class StartupPipes:
+    """Rank 0's ends of the peers' start-up pipes, and the waits on them that watch the peers' processes."""
+
+    def __init__(self, ctx, label: str, peers: int, timeout_s: float):
+        self.label = label
+        self.timeout_s = timeout_s
+        self._pipes = [ctx.Pipe(duplex=False) for _ in range(peers)]  # (rank 0's read end, the peer's end)
+        self.procs: list = []
+
+    def link(self, rank: int, init_method: str) -> PeerLink:
+        return PeerLink(init_method, self._pipes[rank - 1][1])
+
+    def spawn(self, procs: Sequence) -> None:
+        """Start the peers' processes (ranks 1..), then close the peers' ends here: each is then held by its
+        peer alone, so the peer's exit reads as the end of its pipe."""
+        self.procs = list(procs)
+        for p in self.procs:
+            p.start()
+        for _, theirs in self._pipes:
+            theirs.close()
+
+    def wait_for(self, word: str, stage: str) -> None:
+        """Until every peer has said (word,); PeerError at once when one exits first (`stage`: 'while
+        loading'), says anything else, or when the world's timeout passes."""
+        pending = {r: ours for r, (ours, _) in enumerate(self._pipes, 1)}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = ", ".join(map(str, pending))
+                raise PeerError(
+                    f"{self.label} rank(s) {ranks} did not say {word!r} within {self.timeout_s:g}s"
+                )
+            wait([*pending.values(), *(self.procs[r - 1].sentinel for r in pending)], timeout=min(left, 1.0))
+            for r, ours in list(pending.items()):
+                try:
+                    if ours.poll():
+                        if (msg := ours.recv()) != (word,):
+                            raise PeerError(
+                                f"unexpected start-up message from {self.label} rank {r}: {msg!r}"
+                            )
+                        del pending[r]
+                        continue
+                except (EOFError, OSError):  # its end is closed: the peer is gone (or going)
+                    raise self._exited(r, stage) from None
+                if not self.procs[r - 1].is_alive():
+                    raise self._exited(r, stage)
+
+    def check(self, stage: str) -> None:
+        """PeerError for the first peer that has exited, if any."""
+        for r, p in enumerate(self.procs, 1):
+            if not p.is_alive():
+                raise self._exited(r, stage)
+
+    def _exited(self, r: int, stage: str) -> PeerError:
+        p = self.procs[r - 1]
+        p.join(5)  # (its pipe can close a moment before the process is reaped: then its exit code is known)
+        return PeerError(
+            f"{self.label} rank {r} exited {stage} ({exit_reason(p.exitcode)}); see its log above"
+        )
+
+    def close(self) -> None:
+        for ours, theirs in self._pipes:
+            ours.close()
+            theirs.close()
