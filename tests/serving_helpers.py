@@ -136,6 +136,27 @@ def mp4_bytes(frames: int = 6, width: int = 32, height: int = 16) -> bytes:
     return encode_mp4(np.broadcast_to(ramp, (frames, height, width, 3)).copy(), fps=8.0, audio=None)
 
 
+def flat_clip(
+    frames: int, width: int, height: int, *, container: str, codec: str, rate: int, step: int
+) -> bytes:
+    """A clip of `frames` flat frames (frame i's grey level i * step) in `container` ("matroska": no frame
+    count stated; "mpegts": segments concatenate into one stream), encoded with `codec` at `rate` fps."""
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(
+                np.full((height, width, 3), i * step % 256, np.uint8), format="rgb24"
+            )
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())  # flush
+    return buf.getvalue()
+
+
 @contextlib.contextmanager
 def serve_app(app, name: str = "test-uvicorn", **config):
     """Run an ASGI app under a real uvicorn on a loopback port in a background thread (`config`: more

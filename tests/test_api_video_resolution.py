@@ -131,24 +131,9 @@ def test_video_frames_above_the_limits_are_refused_before_decoding(monkeypatch):
 
 def _ts_segment(width: int, height: int, frames: int = 6) -> bytes:
     """An MPEG-TS clip of `frames` flat frames (TS segments concatenate into one stream)."""
-    import io
+    from serving_helpers import flat_clip
 
-    import av
-    import numpy as np
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mpegts") as container:
-        stream = container.add_stream("mpeg2video", rate=24)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(
-                np.full((height, width, 3), 40 * i % 256, np.uint8), format="rgb24"
-            )
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():  # flush
-            container.mux(packet)
-    return buf.getvalue()
+    return flat_clip(frames, width, height, container="mpegts", codec="mpeg2video", rate=24, step=40)
 
 
 def test_a_clip_that_changes_size_mid_stream_is_a_400():

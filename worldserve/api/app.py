@@ -45,6 +45,7 @@ from worldserve.api.stats_log import StatsLog
 from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
+from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS
 from worldserve.sampling.chat_defaults import RequestSeeds
 
 
@@ -69,6 +70,7 @@ def build_app(
     allowed_media_domains: Sequence[str] = (),
     server_load_tracking: bool = False,
     mm_limits: Mapping[str, int] | None = None,
+    video_decode_pixels: int = DEFAULT_MAX_PIXELS,
     reasoning_parser: str | None = None,
     prompt_tokens_details: bool = False,
     response_role: str = "assistant",
@@ -86,6 +88,7 @@ def build_app(
     `--flow-shift` (image requests), `video_defaults` = `ServerConfig.video_defaults` (--default-sampling-params
     and --flow-shift: video requests), `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
+    `video_decode_pixels` = `--max-video-decode-gpixels` (in pixels),
     `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
     `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
     `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off), `stats_interval_s`: the
@@ -139,7 +142,7 @@ def build_app(
             max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects(),
             (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
         ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
-        mm_limits=dict(mm_limits or {}), reasoning_parser=reasoning_parser, response_role=response_role,
+        mm_limits=dict(mm_limits or {}), video_decode_pixels=video_decode_pixels, reasoning_parser=reasoning_parser, response_role=response_role,
         tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage, request_log=request_log,
         request_seeds=request_seeds, media_defaults=media_defaults,
         prompt_tokens_details=prompt_tokens_details,

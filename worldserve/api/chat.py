@@ -9,7 +9,8 @@ before it is tokenized: runner/chat_prompt.py) ->
 `EngineClient.chat_many` starts the choices together (the ChatWorker thread runs their one prefill and the
 batched decode steps, so the event loop never waits on the model) -> api/chat_stream.py builds the answer.
 A client that disconnects before its answer is complete stops its chats at their next step
-(api/disconnect.py; a started SSE stream is watched by Starlette itself).
+(api/disconnect.py; a started SSE stream is watched by Starlette itself), and its videos' decoding at the
+next frame (media/decode_budget.py, which also bounds that decoding: --max-video-decode-gpixels).
 Media (api/chat_media.py): image_url and video_url parts accept base64 `data:` URLs, `file://` paths under
 --allowed-local-media-path and http(s) URLs, downloaded at once on the media fetcher's own threads before
 the rest is decoded in a worker thread; videos are sampled as Qwen3-VL's processor samples them (2 fps by
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping
 from functools import partial
@@ -68,6 +70,7 @@ from worldserve.api.state import AppState, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput, VideoSampling
+from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.work_pool import map_in_order, on_request_pool
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
@@ -114,15 +117,17 @@ def request_options(
 def build_params(
     body: ChatCompletionRequest, allowed_local_path: str | None, fetched: Mapping[str, bytes] | None = None,
     options: RequestOptions | None = None, media_cache: Any = None, image_budget: ImageBudget | None = None,
-    defaults: ChatDefaults = NEUTRAL,
+    defaults: ChatDefaults = NEUTRAL, video_budget: DecodeBudget | None = None,
 ) -> ChatParams:  # fmt: skip
     """The request as ChatParams, media loaded (http(s) URLs from `fetched`: prefetch_media, which also
     checks the media counts) and decoded (blocking: call it off the event loop; media found in the
     Reasoner's `media_cache` is not decoded again; images counted against `image_budget`, by default its
-    pixels alone, before they are decoded); `options`: its request_options, when already checked; `defaults`: what the fields it omits take
-    (--generation-config)."""
+    pixels alone, before they are decoded; videos' decode work against `video_budget`, by default
+    --max-video-decode-gpixels's, whose stop signal ends the media work: DecodeCancelled); `options`: its
+    request_options, when already checked; `defaults`: what the fields it omits take (--generation-config)."""
     options = options or request_options(body)
     image_budget = image_budget or ImageBudget()
+    video_budget = video_budget or DecodeBudget()
     sampling = body.sampling_options(defaults)
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
         sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
@@ -139,9 +144,10 @@ def build_params(
              for j, p in enumerate(msg.content)}  # fmt: skip
 
     def load(at: tuple[int, int]) -> ChatPart:
+        video_budget.check_stop()  # (an abandoned request decodes no more parts)
         where = f"messages[{at[0]}].content[{at[1]}]"
         return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache, image_budget,
-                    options.image_background)  # fmt: skip
+                    options.image_background, video_budget)  # fmt: skip
 
     media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
     loaded = dict(zip(media, map_in_order(load, media), strict=True))
@@ -174,12 +180,14 @@ def build_params(
 
 
 def prepared_params(
-    st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes], options: RequestOptions
-) -> ChatParams:
+    st: AppState, body: ChatCompletionRequest, fetched: Mapping[str, bytes], options: RequestOptions,
+    stop: threading.Event | None = None,
+) -> ChatParams:  # fmt: skip
     """build_params, then the Reasoner's prompt built from them (template, tokens, media) and the bad_words'
     tokens here, in the API's worker thread, not on the chat worker's, which every running chat shares
     (blocking). A text too long for the context by its byte count alone is refused before it is tokenized
-    (ParamError("messages"))."""
+    (ParamError("messages")). Its videos may take --max-video-decode-gpixels of decoding; `stop` set (the
+    request abandoned) ends their decoding at the next frame (DecodeCancelled)."""
     worker = st.client.chat_worker
     prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
     cache = getattr(prompts, "media_cache", None)
@@ -188,8 +196,9 @@ def prepared_params(
         lo, hi = options.image_pixels
         tokens = partial(prompts.preprocess.tokens, min_pixels=lo, max_pixels=hi)
         budget = ImageBudget(worker.backend.max_model_len, tokens)
+    videos = DecodeBudget(st.video_decode_pixels, stop)
     params = build_params(
-        body, st.allowed_local_media_path, fetched, options, cache, budget, st.chat_defaults
+        body, st.allowed_local_media_path, fetched, options, cache, budget, st.chat_defaults, videos
     )
     params = st.seeded(params)
     if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
@@ -280,9 +289,11 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
     # a grammar compiles there: off the event loop
     options = await asyncio.to_thread(request_options, body, compiler, st.media_defaults)
     fetched = await prefetch_media(body, st.media, st.mm_limits)
-    has_media = next(media_parts(body), None) is not None  # (prepared off the default pool: work_pool.py)
-    prepare = on_request_pool if has_media else asyncio.to_thread
-    params = await prepare(prepared_params, st, body, fetched, options)
+    if next(media_parts(body), None) is None:
+        params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
+    else:  # off the default pool (work_pool.py); the client leaving stops the decoding (`stop`)
+        stop = threading.Event()
+        params = await on_request_pool(prepared_params, st, body, fetched, options, stop, stop=stop)
     return params.choices(body.n), options
 
 

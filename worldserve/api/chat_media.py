@@ -9,7 +9,7 @@ rest of the API works on. `part(...)` (blocking, in a worker thread) turns one c
 --allowed-local-media-path (a regular file of at most 1 GiB: never a FIFO or a device); images decoded and
 checked against Qwen3-VL's `smart_resize` precondition (aspect ratio at most 200; any size down to 1x1 is
 scaled up to the processor's minimum), videos decoded with PyAV and sampled as Qwen3-VL's processor samples
-them, each kept frame resized as it is decoded. The same bytes again (a conversation's next turn) take the
+them, each kept frame resized as it is decoded, their decode work bounded a request (media/decode_budget.py). The same bytes again (a conversation's next turn) take the
 decoded image / video from the Reasoner's processor cache (media/processor_cache.py) when given one.
 Errors name the part (`messages[i].content[j].image_url`).
 """
@@ -30,6 +30,7 @@ from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.data_urls import data_url_bytes, frame_list_bytes
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
 from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
+from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.image import decode_image, image_size, max_pixels
 from worldserve.media.processor_cache import ProcessorCache, content_key
 from worldserve.media.video_input import decode_chat_frames, decode_chat_video
@@ -315,10 +316,12 @@ def part(
     cache: ProcessorCache | None = None,
     image_budget: ImageBudget | None = None,
     background: tuple[int, int, int] = RGBA_BACKGROUND,
+    video_budget: DecodeBudget | None = None,
 ) -> ChatPart:
-    """One content part, its media loaded and decoded (an image's transparent pixels over `background`; the
-    same bytes, and for a video the same sampling, found in `cache` are not decoded again; without a cache
-    that keeps anything, no key is hashed); errors name `path` (messages[i].content[j])."""
+    """One content part, its media loaded and decoded (an image's transparent pixels over `background`; a
+    video's decode work counted against `video_budget`, none: no limit; the same bytes, and for a video the
+    same sampling, found in `cache` are not decoded again, at no cost; without a cache that keeps anything, no
+    key is hashed); errors name `path` (messages[i].content[j])."""
     keyed = cache is not None and cache.enabled
     if part.type == "text":
         if part.text is None:  # (OpenAI's 400; it had been rendered as empty text)
@@ -358,9 +361,9 @@ def part(
             return ChatPart(type="video", video=video)
         try:
             if frames is not None:
-                video = decode_chat_frames(frames, sampling, param=path)
+                video = decode_chat_frames(frames, sampling, param=path, budget=video_budget)
             else:
-                video = decode_chat_video(data, sampling, param=path)
+                video = decode_chat_video(data, sampling, param=path, budget=video_budget)
         except ParamError as exc:
             if exc.param == path:
                 raise

@@ -17,6 +17,7 @@ from worldserve.api.request_log import RequestLog
 from worldserve.api.responses_store import ResponseStore
 from worldserve.chat_params import ChatParams
 from worldserve.engine.client import EngineClient, QueueFullError
+from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults, RequestSeeds
 
 
@@ -44,6 +45,8 @@ class AppState:
     """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
     mm_limits: Mapping[str, int] = field(default_factory=dict)
     """`--limit-mm-per-prompt`: the most images / videos one chat request may carry (absent: no limit)."""
+    video_decode_pixels: int = DEFAULT_MAX_PIXELS
+    """`--max-video-decode-gpixels` in pixels: the decode work a chat request's videos may take."""
     prompt_tokens_details: bool = False
     """`--enable-prompt-tokens-details`: chat and text completions' usage carries prompt_tokens_details."""
     reasoning_parser: str | None = None

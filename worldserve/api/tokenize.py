@@ -3,9 +3,10 @@
 /tokenize takes vLLM's two forms. The prompt form `{"prompt", "add_special_tokens": true, "return_token_strs"}`
 tokenizes the text as /v1/completions does. The chat form `{"messages", "add_generation_prompt": true,
 "continue_final_message": false, "add_special_tokens": false, "chat_template_kwargs", "mm_processor_kwargs",
-...}` goes through the chat's own `build_params` (media loaded and checked as a chat completion loads them)
-and the Reasoner's ChatPromptBuilder, so its `count` is the `prompt_tokens` a chat completion of the same
-messages reports, image and video placeholders expanded. Answer: `{"count", "max_model_len", "tokens",
+...}` goes through the chat's own `build_params` (media loaded and checked as a chat completion loads them,
+within the same video decode budget; a client leaving stops its videos' decoding, as a chat's) and the
+Reasoner's ChatPromptBuilder, so its `count` is the `prompt_tokens` a chat completion of the same messages
+reports, image and video placeholders expanded. Answer: `{"count", "max_model_len", "tokens",
 "token_strs"}`. Neither form checks the context: a text past max_model_len is counted, as vLLM's /tokenize
 counts it, unless its byte size alone shows no tokenization could fit it in max_model_len tokens (prompt.py
 TextSizeBound, ~30x the context in real tokens): that is a 400 before tokenizing (a 40 MB prompt took minutes
@@ -18,6 +19,7 @@ a worker thread, off the event loop. `reasoner_prompts` is the Reasoner access /
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -33,9 +35,11 @@ from worldserve.api.completions_protocol import (
     TokenizePromptRequest,
     TokenizeResponse,
 )  # fmt: skip
+from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
 from worldserve.engine.client import NO_REASONER
+from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.work_pool import on_request_pool
 from worldserve.params import ParamError
 
@@ -68,14 +72,15 @@ def openapi_body(*models) -> dict:
 
 def _tokenize_chat(
     st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes],
-    options: RequestOptions, max_tokens: int,
+    options: RequestOptions, max_tokens: int, stop: threading.Event | None = None,
 ) -> list[int]:  # fmt: skip
     """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
-    `fetched`; its `options` checked) through the Reasoner's builder (texts too big for `max_tokens` refused
-    before tokenizing)."""
+    `fetched`; its `options` checked; its videos within --max-video-decode-gpixels, their decoding ended
+    by `stop`) through the Reasoner's builder (texts too big for `max_tokens` refused before tokenizing)."""
     params = build_params(
-        chat, st.allowed_local_media_path, fetched, options, getattr(prompts, "media_cache", None)
-    )
+        chat, st.allowed_local_media_path, fetched, options, getattr(prompts, "media_cache", None),
+        video_budget=DecodeBudget(st.video_decode_pixels, stop),
+    )  # fmt: skip
     prompt = prompts.build(params, add_special_tokens=body.add_special_tokens, max_tokens=max_tokens)
     return prompt.input_ids
 
@@ -96,7 +101,7 @@ async def tokenize(request: Request, st: State):
 
     def encode() -> tuple[list[int], list[str] | None]:  # in a worker thread: long prompts take seconds
         if chat:
-            ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options, max_model_len)
+            ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options, max_model_len, stop)
         else:
             ids = prompts.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens, max_tokens=max_model_len
@@ -104,6 +109,7 @@ async def tokenize(request: Request, st: State):
         return ids, prompts.token_strs(ids) if body.return_token_strs else None
 
     fetched: dict[str, bytes] = {}
+    stop = threading.Event()  # set when the client leaves: the media decoding stops
     if chat:
         if body.chat_template is not None:
             raise ParamError("chat_template", UNTRUSTED_TEMPLATE)
@@ -112,8 +118,10 @@ async def tokenize(request: Request, st: State):
         fetched = await prefetch_media(as_chat, st.media, st.mm_limits)
     # a chat form with media on the chat route's request pool (the default executor parses every route's large
     # bodies: a burst of video decodes here held them up)
-    run = on_request_pool if chat and next(media_parts(as_chat), None) is not None else asyncio.to_thread
-    ids, strs = await run(encode)
+    if chat and next(media_parts(as_chat), None) is not None:  # (watched: a video's decode takes seconds)
+        ids, strs = await unless_disconnected(request, on_request_pool(encode, stop=stop))
+    else:
+        ids, strs = await asyncio.to_thread(encode)
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 

@@ -303,6 +303,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         allowed_media_domains=allowed_domains(server.allowed_media_domains),
         server_load_tracking=server.enable_server_load_tracking,
         mm_limits=dict(server.limit_mm_per_prompt or ()),
+        video_decode_pixels=int(server.max_video_decode_gpixels * 10**9),
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
         default_flow_shift=server.flow_shift, video_defaults=server.video_defaults,

@@ -13,13 +13,17 @@
   samples (`VideoSampling.indices`, 2 fps by default), each resized with PIL bicubic to the processor's
   `smart_resize` size as it is decoded (a long clip never sits in memory at full size). transformers resizes
   with torchvision's antialiased bicubic, so pixels can differ by rounding; the sampling, sizes and
-  timestamps are the same.
+  timestamps are the same. The whole clip is decoded (the last frame is always sampled), so its decode work is
+  counted against the request's `DecodeBudget` (media/decode_budget.py): from the container's frame count
+  and size before decoding (a count the container lacks is its packets', demuxed, not decoded), then frame
+  by frame, each check also where an abandoned request's decode stops.
 Pillow and PyAV only: the API process can validate uploads without torch.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 from collections.abc import Sequence
 
@@ -27,7 +31,15 @@ import numpy as np
 from PIL import Image
 
 from worldserve.chat_params import ChatVideo, VideoSampling
-from worldserve.media.image import ImageTooLarge, decode_image, invalid_reference, max_pixels, too_large
+from worldserve.media.decode_budget import DecodeBudget
+from worldserve.media.image import (
+    ImageTooLarge,
+    decode_image,
+    image_size,
+    invalid_reference,
+    max_pixels,
+    too_large,
+)
 from worldserve.params import ParamError
 
 KEEP_CHOICES = ("first", "last")
@@ -96,26 +108,34 @@ DEFAULT_SOURCE_FPS = 24.0
 """Frame rate assumed when a container states none (transformers' fallback too)."""
 
 
-def decode_chat_video(data: bytes, sampling: VideoSampling, *, param: str = "messages") -> ChatVideo:
-    """Video bytes -> the sampled, resized frames of a chat video part (ParamError when nothing decodes)."""
+def decode_chat_video(
+    data: bytes, sampling: VideoSampling, *, param: str = "messages", budget: DecodeBudget | None = None
+) -> ChatVideo:
+    """Video bytes -> the sampled, resized frames of a chat video part (ParamError when nothing decodes, or
+    when the decode would take the request past its `budget`; DecodeCancelled once the budget's request is
+    abandoned; no budget: no limit, a local caller's own file)."""
     import av
 
+    budget = budget if budget is not None else DecodeBudget(None)
     bad = ParamError(param, f"Invalid {param}: provided content is not a valid video.")
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise ParamError(param, f"Invalid {param}: the file has no video stream (audio only?).")
             stream = container.streams.video[0]
+            size = (0, 0)
             if stream.codec_context is not None:
-                _check_frame_pixels(stream.codec_context.width, stream.codec_context.height, param)
+                size = (stream.codec_context.width, stream.codec_context.height)
+                _check_frame_pixels(*size, param)
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else DEFAULT_SOURCE_FPS
-            total = stream.frames
-        if total <= 0:  # the container does not say: count by decoding once
-            total = sum(1 for _ in _frames(data, param))
-        video = _sample(data, sampling, total, fps, param)
-        if video is None:  # fewer frames than the header said: sample the frames that exist
-            video = _sample(data, sampling, sum(1 for _ in _frames(data, param)), fps, param)
+            # the container does not say (WebM, MKV): its packets, a frame each, counted undecoded
+            total = (
+                stream.frames if stream.frames > 0 else _count_packets(container, stream, size, budget, param)
+            )
+        video, seen = _sample(data, sampling, total, fps, size, budget, param)
+        if video is None:  # fewer frames than the container said: sample the frames there are
+            video, _ = _sample(data, sampling, seen, fps, size, budget, param)
     except ParamError:
         raise
     except (av.FFmpegError, ValueError, OSError, EOFError, IndexError) as exc:
@@ -125,25 +145,45 @@ def decode_chat_video(data: bytes, sampling: VideoSampling, *, param: str = "mes
     return video
 
 
-def decode_chat_frames(images: Sequence[bytes], sampling: VideoSampling, *, param: str) -> ChatVideo:
+def decode_chat_frames(
+    images: Sequence[bytes], sampling: VideoSampling, *, param: str, budget: DecodeBudget | None = None
+) -> ChatVideo:
     """vLLM's video of separate frames (`data:video/jpeg;base64,<frame>,<frame>,...`: api/data_urls.py), each
     frame an image: the clip taken at DEFAULT_SOURCE_FPS (nothing states a rate; transformers' fallback too),
-    its sampled frames decoded and resized as a video's. ParamError(param) for a frame that is no image, or
-    of another size than the first."""
+    its sampled frames decoded and resized as a video's, counted against `budget` (from their headers before
+    any is decoded). ParamError(param) for a frame that is no image, or of another size than the first."""
     if not images:
         raise ParamError(param, f"Invalid {param}: the video/jpeg data URL holds no frame.")
+    budget = budget if budget is not None else DecodeBudget(None)
     wanted = sampling.indices(len(images), DEFAULT_SOURCE_FPS)
     want = collections.Counter(wanted)
+    sizes = [image_size(images[i]) for i in want]
+    if all(sizes) and len(set(sizes)) == 1:  # (frames of several sizes are refused as they decode)
+        budget.plan(len(want), len(want), sizes[0][1], sizes[0][0], param)
     kept: list[np.ndarray] = []
     first: tuple[int, ...] = ()
     for i in sorted(want):
+        budget.check_stop()
         frame = decode_image(images[i], param=param)  # [H, W, 3]
         if first and frame.shape[:2] != first:
             raise ParamError(param, f"{param}: the frames differ in size ({first[1]}x{first[0]} and "
                              f"{frame.shape[1]}x{frame.shape[0]}); send frames of one size")  # fmt: skip
         first = frame.shape[:2]
+        budget.charge(frame.shape[1], frame.shape[0], param, sampled=True)
         kept.extend([_resized(Image.fromarray(frame), sampling, len(wanted))] * want[i])
     return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=DEFAULT_SOURCE_FPS)
+
+
+def _count_packets(container, stream, size: tuple[int, int], budget: DecodeBudget, param: str) -> int:
+    """The stream's frames as its packets, demuxed, not decoded (~10 us each); a count whose decoding alone
+    would take the request past its budget is refused before it is all read."""
+    count = 0
+    for packet in container.demux(stream):
+        if packet.size:
+            count += 1
+            if count % 1024 == 0:  # (a file may hold millions of tiny frames)
+                budget.plan(count, 0, *size, param)
+    return count
 
 
 def _frames(data: bytes, param: str):
@@ -163,22 +203,31 @@ def _check_frame_pixels(width: int, height: int, param: str) -> None:
         raise too_large(param, width * height, f"a video frame of {width}x{height}")
 
 
-def _sample(data: bytes, sampling: VideoSampling, total: int, fps: float, param: str) -> ChatVideo | None:
-    """Decode once, keeping and resizing the sampled frames; None when the clip has fewer than `total`."""
+def _sample(
+    data: bytes, sampling: VideoSampling, total: int, fps: float, size: tuple[int, int], budget: DecodeBudget,
+    param: str,
+) -> tuple[ChatVideo | None, int]:  # fmt: skip
+    """Decode once, up to the last sampled frame (`size`: the container's, for the budget's plan), keeping and
+    resizing the sampled frames, each frame counted against `budget` as it decodes: (the video, frames
+    decoded), or (None, the clip's frame count) when it has fewer than `total`."""
     if total <= 0:
-        return None
+        return None, 0
     wanted = sampling.indices(total, fps)
     want = collections.Counter(wanted)  # an index repeats when num_frames exceeds the clip's length
+    budget.plan(wanted[-1] + 1, len(want), *size, param)
     kept: list[np.ndarray] = []
-    for i, frame in enumerate(_frames(data, param)):
-        if i > wanted[-1]:
-            break
-        if i not in want:
-            continue
-        kept.extend([_resized(frame.to_image(), sampling, len(wanted))] * want[i])
+    seen = 0
+    with contextlib.closing(_frames(data, param)) as frames:
+        for i, frame in enumerate(frames):
+            seen = i + 1
+            budget.charge(frame.width, frame.height, param, sampled=i in want)
+            if i in want:
+                kept.extend([_resized(frame.to_image(), sampling, len(wanted))] * want[i])
+            if i == wanted[-1]:
+                break
     if len(kept) != len(wanted):
-        return None
-    return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=fps)
+        return None, seen
+    return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=fps), seen
 
 
 def _resized(img: Image.Image, sampling: VideoSampling, num_frames: int) -> np.ndarray:

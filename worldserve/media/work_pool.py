@@ -6,11 +6,14 @@ after another on the API's worker thread. `map_in_order(fn, items)` runs one ite
 hand-off) and several on the pool, returning the results in order and raising the first failure in order, as
 a loop would. Callers must not nest it (pool work never waits on the pool).
 
-`on_request_pool(fn, *args)` runs a whole request's media preparation (a chat carrying images or videos, a
-video reference) off the event loop on a pool of its own, not on the loop's default executor: every route's
-small off-loop work (a text chat's template, a job's validation, a video download) uses that one, and a
-burst of heavy media requests would otherwise hold all its threads (12 chats with 1080p videos held a
-text-only chat 39 s on a 2-CPU host). Its threads may use `map_in_order`; the media pool's never do.
+`on_request_pool(fn, *args, stop=event)` runs a whole request's media preparation (a chat carrying images or
+videos, a video reference) off the event loop on a pool of its own, not on the loop's default executor: every
+route's small off-loop work (a text chat's template, a job's validation, a video download) uses that one, and
+a burst of heavy media requests would otherwise hold all its threads (12 chats with 1080p videos held a
+text-only chat 39 s on a 2-CPU host). Its threads may use `map_in_order`; the media pool's never do. A
+request abandoned while it waits (its client left: the awaiting task is cancelled) frees its thread: work not
+yet started is dropped, and `stop` is set for work under way, whose loops check it (a video's decode, frame
+by frame: media/decode_budget.py); what that work ends with is dropped unseen, never logged.
 """
 
 from __future__ import annotations
@@ -45,11 +48,16 @@ def media_pool() -> ThreadPoolExecutor:
     return _named_pool("media")
 
 
-async def on_request_pool(fn: Callable[..., R], *args) -> R:
-    """fn(*args) on the request pool (made on first use), awaited from the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(
-        _named_pool("request"), functools.partial(fn, *args)
-    )
+async def on_request_pool(fn: Callable[..., R], *args, stop: threading.Event | None = None) -> R:
+    """fn(*args) on the request pool (made on first use), awaited from the event loop; cancelled, `stop` is
+    set (fn's loops end at their next check) and fn's outcome, when it comes, is dropped."""
+    future = asyncio.get_running_loop().run_in_executor(_named_pool("request"), functools.partial(fn, *args))
+    try:
+        return await future
+    except asyncio.CancelledError:
+        if stop is not None:
+            stop.set()
+        raise
 
 
 def map_in_order(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
