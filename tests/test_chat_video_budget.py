@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import logging
 import threading
 import time
 
 import av
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 from serving_helpers import flat_clip, mp4_bytes, serve_reasoner, wait_until
@@ -120,6 +122,41 @@ def test_frames_sent_as_images_are_planned_from_their_headers():
         decode_chat_frames(frames, VideoSampling(), param=PART, budget=budget)
     assert exc.value.param == PART and budget.used == 0
     assert len(decode_chat_frames(frames, VideoSampling(), param=PART, budget=DecodeBudget(None)).frames) == 4
+
+
+@pytest.mark.parametrize(("keep", "decoded"), [("last", 40), ("first", 5)])
+def test_a_video_reference_is_planned_and_only_its_kept_frames_are_converted(keep, decoded):
+    """Video-to-video references: the clip's decode ("last" reads it all, "first" up to the kept frames) and
+    the kept frames' conversion are planned from the container before a frame decodes, and charged exactly
+    (the old path converted every frame of a "last" clip to RGB, ~10x its decode, with no bound)."""
+    data = mp4_bytes(frames=40, width=64, height=48)
+    needed = decoded * MIN_FRAME_PIXELS + 5 * MIN_FRAME_PIXELS * CONVERT_WEIGHT
+    budget = DecodeBudget(needed - 1)
+    with pytest.raises(ParamError, match=f"{decoded} frames of 64x48, 5 of them sampled") as exc:
+        video_input.decode_video(data, 5, keep, param="video_reference", budget=budget)
+    assert exc.value.param == "video_reference" and budget.used == 0
+    budget = DecodeBudget(needed)
+    frames = video_input.decode_video(data, 5, keep, param="video_reference", budget=budget)
+    assert budget.used == needed
+    whole = video_input.decode_video(data, 40)  # (no budget: no limit)
+    np.testing.assert_array_equal(frames, whole[-5:] if keep == "last" else whole[:5])
+
+
+@pytest.mark.anyio
+async def test_a_video_reference_over_the_budget_is_a_400_before_the_job(tmp_path):
+    """POST /v1/videos with a video reference past --max-video-decode-gpixels: a 400 naming the reference,
+    no job created."""
+    from serving_helpers import SMALL_FORM, asgi_server
+
+    clip = mp4_bytes(frames=40, width=64, height=48)
+    async with asgi_server(tmp_path, app_kw={"video_decode_pixels": 40 * MIN_FRAME_PIXELS}) as http:
+        extra = json.dumps({"condition_video_keep": "last"})
+        r = await http.post("/v1/videos", data={"prompt": "x", **SMALL_FORM, "num_frames": "9", "extra_params": extra},
+                            files={"input_reference": ("ref.mp4", clip, "video/mp4")})  # fmt: skip
+        err = r.json()["error"]
+        assert (r.status_code, err["param"]) == (400, "input_reference"), r.text
+        assert "--max-video-decode-gpixels" in err["message"] and "40 frames of 64x48" in err["message"]
+        assert (await http.get("/v1/videos")).json()["data"] == []
 
 
 def test_a_stop_set_mid_decode_ends_the_loop_at_the_next_frame(monkeypatch):

@@ -207,7 +207,7 @@ chats at once): 4,369-5,425 tok/s at 10.5-10.9 ms a token, where 32 (the earlier
 waves at the 32-chat rate, 2,949 tok/s (4.5 ms a token). vLLM's API server takes 256."""
 
 DEFAULT_VIDEO_DECODE_GPIXELS = 48.0
-"""The decode work a chat request's videos may take by default, in G pixels (media/decode_budget.py: each
+"""The decode work a request's videos (chat videos, a video reference) may take by default, in G pixels (media/decode_budget.py: each
 decoded frame its pixels, each sampled frame 11 times): 8.5 minutes of 1080p at 30 fps or 4.8 at 60 fps,
 sampled at Qwen3-VL's default 2 fps (5 minutes of 1080p30 take 31 G); about a minute of one core at most."""
 
@@ -271,7 +271,7 @@ class ServerConfig:
     limit_mm_per_prompt: MediaLimits | None = None
     """The most images / videos one chat request may carry, a JSON object such as '{"image": 4, "video": 1}' (vLLM's flag); default: no count limit (the request body and --max-model-len bound them)."""
     max_video_decode_gpixels: float = DEFAULT_VIDEO_DECODE_GPIXELS
-    """The decode work one chat request's videos may take, in G pixels: each decoded frame counts its pixels, each sampled frame 11 times (converted and resized at full size); past it, a 400 naming the video part, before decoding where the container tells its frames (the default: over 5 minutes of 1080p at 2 fps; ~1 s of CPU a G)."""
+    """The decode work one request's videos (chat videos, a video-to-video reference) may take, in G pixels: each decoded frame counts its pixels, each sampled or kept frame 11 times (converted and resized at full size); past it, a 400 naming the video part or reference, before decoding where the container tells its frames (the default: over 5 minutes of 1080p at 2 fps; ~1 s of CPU a G)."""
     allowed_media_domains: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
     """Hosts http(s) media URLs (video references, chat images and videos) may be downloaded from (exact host names, as vLLM; space- or comma-separated); default: any host (as vLLM: set it when clients are untrusted)."""
     uvicorn_log_level: str = field(

@@ -43,6 +43,7 @@ from worldserve.api.media_urls import MediaFetcher, is_http_url
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
 from worldserve.api.video_fields import resolve_video_params
 from worldserve.engine.client import EncodeOptions, JobSpec
+from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS, DecodeBudget
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
 from worldserve.media.video_input import condition_budget, decode_reference, decode_video
 from worldserve.media.work_pool import on_request_pool
@@ -141,11 +142,14 @@ def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
 async def build_inputs(
     fields: dict[str, Any], *, served_model: str, has_sound: bool, defaults: Mapping[str, Any] | None = None,
     fetcher: MediaFetcher | None = None, model_aliases: tuple[str, ...] = (),
+    decode_pixels: int | None = DEFAULT_MAX_PIXELS,
 ) -> VideoInputs:  # fmt: skip
     """The validated params, job spec, encoding and reference of a create request's fields (`model` may name
     the served model or one of its `model_aliases`; the job carries the served name);
     `defaults` (the server's: --default-sampling-params, --flow-shift) stand in for the fields it omits; `fetcher`
-    downloads http(s) reference URLs (None: they are refused)."""
+    downloads http(s) reference URLs (None: they are refused); a video reference's decoding may take
+    `decode_pixels` of work (--max-video-decode-gpixels: media/decode_budget.py) and stops when the request
+    is abandoned."""
     upload = fields.pop("input_reference", None)
     uploads = fields.pop("input_references", None)
     try:
@@ -176,7 +180,10 @@ async def build_inputs(
         source, reference = await _reference_bytes(req, upload, fetcher)
     image = video = None
     if reference is not None:
-        image, video = await on_request_pool(_decode_reference, source, reference, extra)
+        budget = DecodeBudget(decode_pixels)
+        image, video = await on_request_pool(
+            _decode_reference, source, reference, extra, budget, stop=budget.stop
+        )
     params = resolve_video_params(req, video_params, extra, image, video, source, defaults)
     if params.generate_sound is None and defaults.get("generate_sound") is not None and params.num_frames > 1:
         # the server's sound default: for videos only (an image has none), and "on" only where there is sound
@@ -346,7 +353,7 @@ async def _reference_bytes(
 
 
 def _decode_reference(
-    source: str, data: bytes, extra: ExtraParams
+    source: str, data: bytes, extra: ExtraParams, budget: DecodeBudget
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(image, video) of a reference: the image path for image_reference, the video path for
     video_reference, image-then-video sniffing for an upload."""
@@ -358,11 +365,11 @@ def _decode_reference(
             "extra_params.condition_frame_indexes_vision",
             "condition_frame_indexes_vision must be a non-empty list of non-negative ints, e.g. [0, 1]",
         )
-    budget = min(condition_budget(indexes or (0, 1)), MAX_CONDITION_FRAMES)
+    frames = min(condition_budget(indexes or (0, 1)), MAX_CONDITION_FRAMES)
     keep = extra.condition_video_keep or "first"
     if source in ("video_reference", "input_references"):
-        return None, decode_video(data, budget, keep, param=source)
-    return decode_reference(data, max_frames=budget, keep=keep, param=source)
+        return None, decode_video(data, frames, keep, param=source, budget=budget)
+    return decode_reference(data, max_frames=frames, keep=keep, param=source, budget=budget)
 
 
 MAX_CONDITION_FRAMES = 401

@@ -64,7 +64,7 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
         raise
     inputs = await build_inputs(fields, served_model=st.served_model_name, model_aliases=st.model_aliases,
                                 has_sound=st.client.has_sound, defaults=st.video_defaults,
-                                fetcher=st.media)  # fmt: skip
+                                fetcher=st.media, decode_pixels=st.video_decode_pixels)  # fmt: skip
     await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
     try:
         job = await st.client.create_job(inputs.params, inputs.spec, inputs.encode, inputs.reference)

@@ -1,6 +1,6 @@
-"""What decoding a chat request's videos may cost, and the signal that stops it (media/video_input.py).
+"""What decoding a request's videos may cost, and the signal that stops it (media/video_input.py).
 
-One `DecodeBudget` per request (api/chat.py), shared by its videos, which decode at once on the media pool
+One `DecodeBudget` per request (api/chat.py; a video reference's: api/video_inputs.py), shared by its videos, which decode at once on the media pool
 (thread-safe). The measure is decode work in pixels: every decoded frame counts its width x height (at least
 MIN_FRAME_PIXELS: a frame has a fixed cost), a sampled frame CONVERT_WEIGHT times more besides, for it is
 converted to RGB and resized at full size. Qwen3-VL samples the last frame, so the whole clip is always
@@ -76,6 +76,17 @@ class DecodeBudget:
         if self.max_pixels is not None and used > self.max_pixels:
             raise ParamError(param, f"{param}: the request's videos took {_amount(used)} of decoding, counted "
                              f"frame by frame (the last {width}x{height}). {self._advice()}")  # fmt: skip
+
+    def charge_conversion(self, width: int, height: int, param: str) -> None:
+        """Count the RGB conversion of a frame already charged as decoded (a video reference's kept frames,
+        known only once the clip has been read); as `charge` past the limit or once stopped."""
+        self.check_stop()
+        with self._lock:
+            self.used += frames_work(1, width, height) * CONVERT_WEIGHT
+            used = self.used
+        if self.max_pixels is not None and used > self.max_pixels:
+            raise ParamError(param, f"{param}: the request's videos took {_amount(used)} of decoding and "
+                             f"conversion (frames of {width}x{height}). {self._advice()}")  # fmt: skip
 
     def _advice(self) -> str:
         return (f"This server's limit is {_amount(self.max_pixels)} a request (--max-video-decode-gpixels: every "

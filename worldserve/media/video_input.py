@@ -48,9 +48,14 @@ MAX_DECODED_BYTES = 4 * 2**30
 
 
 def decode_video(
-    data: bytes, max_frames: int, keep: str = "first", *, param: str = "input_reference"
-) -> np.ndarray:
-    """Video bytes -> uint8 RGB (F, H, W, 3) with 1 <= F <= max_frames, from the `keep` end of the clip."""
+    data: bytes, max_frames: int, keep: str = "first", *, param: str = "input_reference",
+    budget: DecodeBudget | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Video bytes -> uint8 RGB (F, H, W, 3) with 1 <= F <= max_frames, from the `keep` end of the clip. Only
+    the kept frames are converted to RGB ("last" decodes the whole clip, holding the last `max_frames` as
+    decoded); the work is counted against `budget` (no budget: no limit, a local caller's own file): from the
+    container's frame count and size before decoding, then frame by frame (ParamError(param) past it;
+    DecodeCancelled once the request is abandoned)."""
     import av  # lazy: PyAV loads FFmpeg
 
     bad = _invalid(param)
@@ -60,21 +65,27 @@ def decode_video(
         )
     if max_frames < 1:
         raise ValueError(f"max_frames must be >= 1, got {max_frames}")
-    frames: collections.deque[np.ndarray] = collections.deque(maxlen=max_frames if keep == "last" else None)
+    budget = budget if budget is not None else DecodeBudget(None)
+    frames: collections.deque = collections.deque(maxlen=max_frames if keep == "last" else None)  # av frames
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             # (a stream FFmpeg can demux but has no decoder for, e.g. an SVG, has no codec context)
             if not container.streams.video or container.streams.video[0].codec_context is None:
                 raise bad
             stream = container.streams.video[0]
-            _check_frame_size(stream.codec_context.width, stream.codec_context.height, 1, param)
+            width, height = stream.codec_context.width, stream.codec_context.height
+            _check_frame_size(width, height, 1, param)
+            if stream.frames > 0:  # (the container says: its whole decoding planned before a frame)
+                kept = min(stream.frames, max_frames)
+                budget.plan(stream.frames if keep == "last" else kept, kept, width, height, param)
             for frame in container.decode(stream):
+                budget.charge(frame.width, frame.height, param, sampled=False)
                 _check_frame_size(frame.width, frame.height, min(len(frames) + 1, max_frames), param)
-                if frames and frames[0].shape[:2] != (frame.height, frame.width):
-                    first = frames[0].shape
-                    raise ParamError(param, f"{param}: the video changes size mid-stream ({first[1]}x{first[0]} "
+                if frames and (frames[0].height, frames[0].width) != (frame.height, frame.width):
+                    first = frames[0]
+                    raise ParamError(param, f"{param}: the video changes size mid-stream ({first.width}x{first.height} "
                                      f"-> {frame.width}x{frame.height}); send a clip of one frame size")  # fmt: skip
-                frames.append(frame.to_ndarray(format="rgb24"))
+                frames.append(frame)
                 if keep == "first" and len(frames) >= max_frames:
                     break
     except ParamError:
@@ -83,13 +94,16 @@ def decode_video(
         if not frames:
             raise bad from exc
         # A clip truncated after some good frames: keep what decoded, as FFmpeg players do.
-    if not frames:
+    if not frames or frames[0].width == 0 or frames[0].height == 0:
         raise bad
-    out = np.empty((len(frames), *frames[0].shape), np.uint8)  # [F, H, W, 3]
-    for i in range(len(out)):  # frame by frame, each freed once copied: the peak stays ~1x the clip
-        out[i] = frames.popleft()
-    if out.shape[1] == 0 or out.shape[2] == 0 or out.shape[3] != 3:
-        raise bad
+    out = np.empty((len(frames), frames[0].height, frames[0].width, 3), np.uint8)  # [F, H, W, 3]
+    for i in range(len(out)):  # frame by frame, each freed once converted: the peak stays ~1x the clip
+        frame = frames.popleft()
+        budget.charge_conversion(frame.width, frame.height, param)
+        try:
+            out[i] = frame.to_ndarray(format="rgb24")
+        except (av.FFmpegError, ValueError) as exc:  # (a pixel format FFmpeg cannot convert)
+            raise bad from exc
     return out
 
 
@@ -244,17 +258,19 @@ def _invalid(param: str) -> ParamError:
 
 
 def decode_reference(
-    data: bytes, *, max_frames: int, keep: str = "first", param: str = "input_reference"
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(image, None) when Pillow decodes `data`, else (None, video) when PyAV does, else ParamError. An image
-    Pillow recognises but refuses (too many pixels) is a ParamError, not retried as a one-frame video."""
+    data: bytes, *, max_frames: int, keep: str = "first", param: str = "input_reference",
+    budget: DecodeBudget | None = None,
+) -> tuple[np.ndarray | None, np.ndarray | None]:  # fmt: skip
+    """(image, None) when Pillow decodes `data`, else (None, video) when PyAV does (its work counted against
+    `budget`), else ParamError. An image Pillow recognises but refuses (too many pixels) is a ParamError, not
+    retried as a one-frame video."""
     try:
         return decode_image(data, param=param), None
     except ImageTooLarge:
         raise
     except ParamError:
         pass
-    return None, decode_video(data, max_frames, keep, param=param)
+    return None, decode_video(data, max_frames, keep, param=param, budget=budget)
 
 
 def condition_budget(
