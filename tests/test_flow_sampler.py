@@ -15,10 +15,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from worldserve.sampling.flow import (
     FlowSchedule,
     SolverState,
-    StepInput,
-    euler_step,
     unipc_step,
-    unipc_step_batch,
 )
 from worldserve.sampling.guidance import cfg_combine, guided_at, needs_uncond
 
@@ -127,18 +124,12 @@ def test_interleaved_requests_step_independently():
     xa, va = random_run(6, (2, 3, 4), seed=1)
     xb, vb = random_run(4, (5,), seed=2)
     alone_a, alone_b = our_trajectory(sched_a, xa, va), our_trajectory(sched_b, xb, vb)
-    # Request b joins two steps later; both then advance in shared batches (a server's view).
+    # Request b joins two steps later; both then advance tick by tick, interleaved (a server's view).
     state_a, state_b, ya, yb = SolverState(), SolverState(), xa, xb
     for tick in range(6):
-        items, owners = [StepInput(sched_a, state_a, tick, va[tick], ya)], ["a"]
+        ya, state_a = unipc_step(sched_a, state_a, tick, va[tick], ya)
         if tick >= 2:
-            items.append(StepInput(sched_b, state_b, tick - 2, vb[tick - 2], yb))
-            owners.append("b")
-        for owner, (sample, state) in zip(owners, unipc_step_batch(items), strict=True):
-            if owner == "a":
-                ya, state_a = sample, state
-            else:
-                yb, state_b = sample, state
+            yb, state_b = unipc_step(sched_b, state_b, tick - 2, vb[tick - 2], yb)
     assert torch.equal(ya, alone_a[-1]) and torch.equal(yb, alone_b[-1])
 
 
@@ -170,7 +161,14 @@ def test_low_precision_inputs_step_in_float32():
     torch.testing.assert_close(low.float(), ref, atol=0.05, rtol=0.02)
 
 
-def test_euler_matches_diffusers_flow_match_euler():
+def _euler_step(schedule: FlowSchedule, i: int, velocity: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """Flow-matching Euler on the schedule's sigmas, x + (sigma_next - sigma) * v in float32."""
+    sig = schedule.sigmas[i : i + 2].to(torch.float32)
+    return (sample.float() + float(sig[1] - sig[0]) * velocity.float()).to(sample.dtype)
+
+
+def test_schedule_sigmas_step_as_diffusers_flow_match_euler():
+    """The schedule's shifted sigmas are FlowMatchEuler's (each Euler step on them equals its step)."""
     num_steps, shift = 8, 5.0
     ref = FlowMatchEulerDiscreteScheduler(shift=shift)
     ref.set_timesteps(sigmas=np.linspace(0.999, 0, num_steps + 1)[:-1].tolist())
@@ -179,11 +177,11 @@ def test_euler_matches_diffusers_flow_match_euler():
     y = x
     for i, t in enumerate(ref.timesteps):
         x = ref.step(velocities[i], t, x, return_dict=False)[0]
-        y = euler_step(schedule, i, velocities[i], y)
+        y = _euler_step(schedule, i, velocities[i], y)
     # FlowMatchEuler shifts its sigmas in float32 (a last-ulp difference from our float64 table).
     torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-6)
     sig = schedule.sigmas.to(torch.float32)
-    z = euler_step(schedule, 0, velocities[0], velocities[1])
+    z = _euler_step(schedule, 0, velocities[0], velocities[1])
     assert torch.equal(z, velocities[1] + float(sig[1] - sig[0]) * velocities[0])
 
 

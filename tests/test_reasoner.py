@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart
 from worldserve.models.cosmos3.vision import chat_positions
-from worldserve.params import ParamError
+from worldserve.params import INT64, ParamError, choice_seed
 from worldserve.sampling.tokens import TokenSampler, sample_tokens
 
 TOL = 1e-4
@@ -154,6 +154,17 @@ def test_batched_decode_of_concurrent_chats_equals_solo_runs(reasoner):
             texts[i].append(d.text)
     assert [(s.token_ids, t) for s, t in zip(sessions, texts, strict=True)] == solo
     assert [len(t) for _, t in solo] == [3, 5, 7] or any(s.finish_reason == "stop" for s in sessions)
+
+
+def test_n_choices_take_seed_plus_i_wrapped_to_int64():
+    """Choice i of a seeded request samples with seed + i (as images' n), wrapped to stay an int64."""
+    params = ChatParams(messages=(ChatMessage(role="user", content="hi"),), seed=INT64 - 2)
+    assert [c.seed for c in params.choices(4)] == [INT64 - 2, INT64 - 1, -INT64, -INT64 + 1]
+    assert [c.seed for c in ChatParams(messages=(ChatMessage(role="user", content="hi"),)).choices(2)] == [
+        None,
+        None,
+    ]
+    assert choice_seed(5, 3) == 8 and choice_seed(-INT64, 0) == -INT64
 
 
 def test_sampling_seeded_and_bounded():

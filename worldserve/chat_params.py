@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from worldserve.params import ParamError, shown
+from worldserve.params import ParamError, choice_seed, shown
 
 THINK_START, THINK_END = "<think>", "</think>"
 """The tags of a Qwen3 answer's thoughts (as --reasoning-parser qwen3 reads them: api/reasoning.py; the
@@ -270,10 +270,10 @@ class ChatParams:
         return id(self.messages if self.prompt_ids is None else self.prompt_ids)
 
     def choices(self, n: int) -> list[ChatParams]:
-        """These params as the n choices of one request: choice i samples with seed + i (different
-        samples, the same ones on every run)."""
+        """These params as the n choices of one request: choice i samples with seed + i (`choice_seed`:
+        different samples, the same ones on every run)."""
         return [self] + [
-            replace(self, seed=None if self.seed is None else self.seed + i) for i in range(1, n)
+            replace(self, seed=None if self.seed is None else choice_seed(self.seed, i)) for i in range(1, n)
         ]
 
     def validate(self) -> ChatParams:

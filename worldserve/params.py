@@ -28,6 +28,14 @@ RESOLUTION_TIERS: tuple[tuple[str, int, int, float], ...] = (
 )
 INT64 = 2**63
 """Seeds are int64: [-INT64, INT64) (torch.Generator.manual_seed; vLLM's range)."""
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice i of a request seeded `seed` (n images, n chat choices): seed + i, wrapped to stay
+    an int64."""
+    return (seed + i + INT64) % (2 * INT64) - INT64
+
+
 MAX_SIDE = 1280
 SIZE_MULTIPLE = 16
 MAX_FPS = 120

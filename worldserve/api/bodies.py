@@ -3,7 +3,8 @@ object of the JSON-only routes (chat completions, image generations; vLLM's `val
 validation as the route's model (`read_model`: parsed and validated off the event loop when large), and
 the strict form parsers of the video routes (`FormParts`: a multipart body must close with its final
 boundary, and form text must be UTF-8; Starlette's parsers drop an unfinished last part and turn bad bytes
-into other characters, so a cut body ran a job with the defaults of the fields it lost)."""
+into other characters, so a cut body ran a job with the defaults of the fields it lost). `openapi_body`:
+the OpenAPI requestBody of a route that reads its JSON itself (its models' schemas, refs inlined)."""
 
 from __future__ import annotations
 
@@ -243,3 +244,28 @@ def _form_text(data: bytes, field: str, charset: str = "utf-8") -> str:
     except (UnicodeDecodeError, LookupError):
         raise APIError(400, f"{field or 'a field name'}: the form value is not valid {charset} text.",
                        param=field or None) from None  # fmt: skip
+
+
+def openapi_body(*models) -> dict:
+    """The OpenAPI requestBody of a route that reads its JSON itself: the fields of `models` (several: the
+    route's forms, told apart by their fields) in one object schema."""
+    schemas = [
+        inline_refs(schema, schema.get("$defs", {})) for schema in (m.model_json_schema() for m in models)
+    ]
+    schema = schemas[0]
+    if len(schemas) > 1:
+        properties = {k: v for s in reversed(schemas) for k, v in s["properties"].items()}
+        forms = " or ".join(" + ".join(s.get("required", [])) for s in schemas)
+        schema = {"type": "object", "description": f"Forms: {forms}.", "properties": properties}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def inline_refs(node, defs):
+    """A JSON schema with every local `$ref` replaced by its definition (OpenAPI gets no dangling refs)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [inline_refs(v, defs) for v in node]
+    return node

@@ -44,7 +44,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from worldserve.api.bodies import fits_context, read_model
+from worldserve.api.bodies import fits_context, openapi_body, read_model
 from worldserve.api.chat_media import (
     ImageBudget,
     image_background,
@@ -224,21 +224,7 @@ def model_not_found(model: str) -> JSONResponse:
     )
 
 
-def inline_refs(node, defs):
-    """A JSON schema with every local `$ref` replaced by its definition (OpenAPI gets no dangling refs)."""
-    if isinstance(node, dict):
-        if "$ref" in node:
-            return inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
-        return {k: inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
-    if isinstance(node, list):
-        return [inline_refs(v, defs) for v in node]
-    return node
-
-
-_SCHEMA = ChatCompletionRequest.model_json_schema()
-BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": inline_refs(_SCHEMA, _SCHEMA.get("$defs", {}))},
-}}}  # fmt: skip
+BODY = openapi_body(ChatCompletionRequest)
 
 
 async def _read_body(request: Request) -> ChatCompletionRequest:

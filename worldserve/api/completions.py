@@ -26,7 +26,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from worldserve.api.bodies import read_model
+from worldserve.api.bodies import openapi_body, read_model
 from worldserve.api.chat import model_not_found
 from worldserve.api.chat_stream import TokenView, close_all, start_all
 from worldserve.api.completions_protocol import CompletionRequest, CompletionResponse
@@ -36,7 +36,7 @@ from worldserve.api.errors import APIError
 from worldserve.api.request_log import sampling
 from worldserve.api.state import AppState, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
-from worldserve.api.tokenize import openapi_body, reasoner_prompts
+from worldserve.api.tokenize import reasoner_prompts
 from worldserve.chat_params import ChatParams, StructuredOutput
 from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults

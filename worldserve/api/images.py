@@ -37,7 +37,7 @@ from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
-from worldserve.params import IMAGE_DEFAULTS, INT64, VideoParams
+from worldserve.params import IMAGE_DEFAULTS, INT64, VideoParams, choice_seed
 
 router = APIRouter(tags=["images"])
 State = Annotated[AppState, Depends(app_state)]
@@ -131,8 +131,7 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         upsample_prompt=bool(extra.upsample_prompt),
     )  # fmt: skip
     base.validate_as(origin)
-    wrap = lambda s: (s + INT64) % (2 * INT64) - INT64  # noqa: E731  (seed + i stays an int64)
-    return [base] + [dataclasses.replace(base, seed=wrap(base.seed + i)) for i in range(1, req.n or 1)]
+    return [base] + [dataclasses.replace(base, seed=choice_seed(base.seed, i)) for i in range(1, req.n or 1)]
 
 
 async def _generated(st: AppState, params: list[VideoParams], request_id: str, headers: dict):

@@ -19,9 +19,6 @@ from typing import Any
 from worldserve.api.tool_calls import partial_suffix
 from worldserve.chat_params import THINK_END, THINK_START
 
-PARSERS = ("qwen3",)
-"""The --reasoning-parser names served."""
-
 
 def split_reasoning(text: str) -> tuple[str | None, str | None]:
     """(reasoning_content, content) of a finished answer; each None when empty."""

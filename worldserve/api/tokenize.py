@@ -24,8 +24,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from worldserve.api.bodies import fits_context, read_json_object, read_model
-from worldserve.api.chat import RequestOptions, build_params, inline_refs, model_not_found, request_options
+from worldserve.api.bodies import fits_context, openapi_body, read_json_object, read_model
+from worldserve.api.chat import RequestOptions, build_params, model_not_found, request_options
 from worldserve.api.chat_media import media_parts, prefetch_media
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest
 from worldserve.api.completions_protocol import (
@@ -54,20 +54,6 @@ def reasoner_prompts(st: AppState) -> tuple[Any, int]:
     if prompts is None:
         raise APIError(400, NO_REASONER)
     return prompts, worker.backend.max_model_len
-
-
-def openapi_body(*models) -> dict:
-    """The OpenAPI requestBody of a route that reads its JSON itself: the fields of `models` (several: the
-    route's forms, told apart by their fields) in one object schema."""
-    schemas = [
-        inline_refs(schema, schema.get("$defs", {})) for schema in (m.model_json_schema() for m in models)
-    ]
-    schema = schemas[0]
-    if len(schemas) > 1:
-        properties = {k: v for s in reversed(schemas) for k, v in s["properties"].items()}
-        forms = " or ".join(" + ".join(s.get("required", [])) for s in schemas)
-        schema = {"type": "object", "description": f"Forms: {forms}.", "properties": properties}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _tokenize_chat(

@@ -92,10 +92,6 @@ def set_fa4_config(config: Fa4Config) -> None:
     _config = config
 
 
-def fa4_config() -> Fa4Config:
-    return _config
-
-
 @cache
 def fa4_module() -> ModuleType | None:
     """FA4's interface module, or None when not importable (never raises: a broken install reads as absent)."""

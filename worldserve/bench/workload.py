@@ -18,7 +18,6 @@ LATENT_CHANNELS = 48
 PATCH = 2
 AUDIO_RATE = 48000
 AUDIO_HOP = 1920
-AUDIO_CHANNELS = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

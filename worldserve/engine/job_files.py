@@ -1,5 +1,6 @@
-"""What a video job keeps on disk besides its row: its inputs as a JSON record (every VideoParams field but
-the reference, which is a file of its own), files written atomically, and the storage folder's lock.
+"""A video job's inputs record (every VideoParams field but the reference, which is a file of its own, plus
+the encode options; kept in the row's `inputs` column), the files a job keeps beside its row (written
+atomically), and the storage folder's lock.
 
 `inputs_record` / `inputs_from_record` are the one definition of that record: the store persists it at
 submit and the client re-runs an interrupted job from it (the reference bytes decoded again). `write_atomic`

@@ -1,7 +1,7 @@
 """Durable video jobs: one SQLite database (stdlib sqlite3, WAL) plus files under the storage folder.
 
 Layout: `<root>/jobs.sqlite3`, `<root>/videos/<id>.mp4` (the output), `<root>/inputs/<id>.ref` (the uploaded
-reference image, kept so that an interrupted job can be re-run). Files are written atomically (temp file,
+reference, image or video, kept so that an interrupted job can be re-run). Files are written atomically (temp file,
 fsync, rename, fsync of the folder); a row turns `completed` only after its file is in place, so a crash
 never leaves a completed job without its video.
 

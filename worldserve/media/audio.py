@@ -1,8 +1,8 @@
 """Audio track of the output MP4: float waveform (channels, samples) -> AAC packets in an open container.
 
 Input is float32 (C, N) in [-1, 1] with C = 1 (mono) or 2 (stereo; Cosmos3 is 48 kHz stereo), muxed at its
-own length: the pipeline decodes it to the video's duration (`audio_num_samples`, the cosmos-framework length
-`int(frames/fps*rate)`) or to a request's sound_duration (`fit_audio`: longer audio trimmed, shorter audio
+own length: the pipeline decodes it to the video's duration (`AudioVAE.num_samples`, the cosmos-framework
+length `int(frames/fps*rate)`) or to a request's sound_duration (`fit_audio`: longer audio trimmed, shorter audio
 padded with silence). Packets are written in time order as the video
 advances (`AacTrack.write_until`) so the file is interleaved. The first audio frame has pts 0; the AAC
 encoder's priming delay goes into the MP4 edit list, so players do not hear it as leading silence
@@ -21,11 +21,6 @@ CHANNEL_LAYOUTS = {1: "mono", 2: "stereo"}
 AAC_BIT_RATE = 192_000
 """FFmpeg's native AAC encoder defaults to 128 kb/s; 192 kb/s is markedly more faithful for 48 kHz stereo
 (about 28 vs 19 dB SNR on a two-tone test) at ~24 kB per second of video."""
-
-
-def audio_num_samples(num_frames: int, fps: float, sample_rate: int) -> int:
-    """Samples covering `num_frames` video frames: `int(num_frames / fps * sample_rate)` (cosmos3-model.md §4)."""
-    return int(num_frames / float(fps) * sample_rate)
 
 
 def fit_audio(audio: np.ndarray, num_samples: int | None = None) -> np.ndarray:

@@ -266,7 +266,7 @@ def encode_mp4(
 
     `frames` may be a `FrameStream` whose chunks arrive while this runs (the same bytes as its frames in
     one array). The audio is muxed at its own length (the pipeline decodes it to the clip's duration,
-    `audio_num_samples`, or to the request's sound_duration), NaN as silence and clipped to [-1, 1]. Raises
+    `AudioVAE.num_samples`, or to the request's sound_duration), NaN as silence and clipped to [-1, 1]. Raises
     ParamError for bad `codec_options`, ValueError for malformed frames or audio.
     """
     stream = frames if isinstance(frames, FrameStream) else FrameStream.of(frames)

@@ -5,6 +5,7 @@
   `max(condition_frame_indexes_vision)*4 + 1` frames, from the `first` or `last` end). Anything that
   yields no video frame raises ParamError with the OpenAI-shaped `input_reference` message.
 - `decode_reference(data, ...)`: an `input_reference` upload sniffed image first (Pillow), then video.
+- `condition_budget(indexes)`: the pixel frames a V2V request needs from its clip.
 - `resize_video(frames, width, height)`: what diffusers 0.42.1's Cosmos3 pipeline does to a V2V clip
   (`VideoProcessor.preprocess_video` with `resample="bilinear"`, resize_mode "default"): each frame is
   a PIL image resized to exactly width x height with PIL's bilinear filter, no aspect-preserving crop
@@ -17,6 +18,8 @@
   counted against the request's `DecodeBudget` (media/decode_budget.py): from the container's frame count
   and size before decoding (a count the container lacks is its packets', demuxed, not decoded), then frame
   by frame, each check also where an abandoned request's decode stops.
+- `decode_chat_frames(images, sampling)`: vLLM's video of separate image frames, sampled and resized as a
+  video's.
 Pillow and PyAV only: the API process can validate uploads without torch.
 """
 

@@ -6,7 +6,7 @@ mutated, so a server can step many requests that sit at different steps (or use 
 in one batch, each with its own `SolverState` (design.md §3.4 anti-pattern 5).
 
 Maths: flow UniPC (order 2, bh2, data prediction `x0 = x_t - sigma * v`, corrector from step 1, order 1
-on the last step), exactly as diffusers' `UniPCMultistepScheduler` computes it, and flow Euler. Step
+on the last step), exactly as diffusers' `UniPCMultistepScheduler` computes it. Step
 coefficients are derived once per schedule with float32 0-d tensor arithmetic in diffusers' order of
 operations and kept as Python floats. All updates run in float32 (the sampling state is fp32, as in the
 Cosmos3 pipeline, which upcasts velocities with `.float()`): float32 trajectories match diffusers bit for
@@ -238,34 +238,3 @@ def unipc_step(
         next_step=step_index + 1,
     )
     return x_next.to(out_dtype), new_state
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class StepInput:
-    """One request's share of a batched solver step."""
-
-    schedule: FlowSchedule
-    state: SolverState
-    step_index: int
-    velocity: torch.Tensor
-    sample: torch.Tensor
-
-
-def unipc_step_batch(items: Sequence[StepInput]) -> list[tuple[torch.Tensor, SolverState]]:
-    """Step several requests (any schedules, steps and shapes) at once; results in input order.
-
-    Each request's update is a handful of memory-bound elementwise ops, so this loops; fusing them
-    across requests (stacked coefficients or torch.compile) is a later optimisation with the same API.
-    """
-    return [unipc_step(it.schedule, it.state, it.step_index, it.velocity, it.sample) for it in items]
-
-
-def euler_step(
-    schedule: FlowSchedule, step_index: int, velocity: torch.Tensor, sample: torch.Tensor
-) -> torch.Tensor:
-    """Flow-matching Euler, x + (sigma_next - sigma) * v, in float32 like diffusers' FlowMatchEuler; the
-    result has sample's dtype. Stateless: needs no SolverState."""
-    _check_step(schedule, step_index, velocity, sample)
-    sig = schedule.sigmas[step_index : step_index + 2].to(torch.float32)
-    dt = float(sig[1] - sig[0])
-    return (sample.float() + dt * velocity.float()).to(sample.dtype)

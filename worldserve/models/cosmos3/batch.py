@@ -6,8 +6,9 @@
   optional sound latent [C_s, T_s], the integer scheduler timestep, the fps, which latent frames are
   clean, and the und K/V cache of its prompt (the CFG branch). cond and uncond are two items.
 - `GenBatch.pack(items, ...)`: the packed gen stream, item after item, each [video T*Hp*Wp | sound T_s]
-  tokens. It holds host metadata (`GenLayout`) and small device index tensors built once, so that
-  `forward` needs no host syncs and runs its linear layers over all tokens of all items at once.
+  tokens. It holds host metadata (an `ItemLayout` per item; `twins`: identical items computed once) and
+  small device index tensors built once, so that `forward` needs no host syncs and runs its linear layers
+  over all tokens of all items at once.
 - `GenOutput`: per item the velocity [C, T, H, W] (zeros on clean frames) and [C_s, T_s] or None.
 Patchify is 2x2 with zero padding of odd latent H/W; the feature index is (ph*p + pw)*C + c; tokens are
 T-major, then row, then column (cosmos3-model.md §2.2).
