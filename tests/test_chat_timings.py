@@ -1,7 +1,7 @@
 """The Reasoner chats' timings as the metrics get them, without a server: the chat worker's reports
 (ChatObserver, engine/chat_observer.py) on a scripted backend (tokens per iteration, inter-token gaps, and each
 chat's ChatTimes: vLLM's queue, prefill, decode and inference intervals; idle steps of a preempted chat carry no
-token, the stop token does), and the API's metering of a request's choices (engine/chat_metering.py).
+token, the stop token does), and each choice's time to first token.
 tests/test_api_metrics.py scrapes the same numbers from /metrics after real chats.
 """
 
@@ -45,10 +45,13 @@ class _Backend:
 
 class _Recorder:
     def __init__(self):
-        self.iterations, self.gaps, self.finished = [], [], []
+        self.iterations, self.gaps, self.finished, self.ttft = [], [], [], []
 
     def on_chat_iteration(self, tokens):
         self.iterations.append(tokens)
+
+    def on_chat_first_token(self, seconds):
+        self.ttft.append(seconds)
 
     def on_chat_token_gaps(self, seconds):
         self.gaps += seconds
@@ -142,41 +145,36 @@ def test_n_choices_count_their_shared_prompt_once():
     assert recorder.iterations == [5 + 3, 3, 3]  # one prompt of 5, then a token per choice
 
 
-def test_time_to_first_token_of_each_choice_counts_from_the_request():
-    """The n choices of a request are wrapped together and read one after another: the second one's time to
-    first token counts from when they were wrapped, not from when the first one was read."""
-    import asyncio
+class _LongBackend(_Backend):
+    """Chats of 30 tokens, a step of 10 ms each (a choice takes about 0.3 s)."""
 
-    from worldserve.engine.chat_metering import metered
-    from worldserve.engine.chat_worker import ChatStarted
+    def start_many(self, batch):
+        sessions = super().start_many(batch)
+        for s in sessions:
+            s.script = [(n, None) for n in range(1, 30)] + [(30, "length")]
+        return sessions
 
-    class Meter:
-        ttft: list = []
+    def step_all(self, sessions):
+        time.sleep(0.01)
+        return super().step_all(sessions)
 
-        def on_chat_started(self, prompt_tokens):
-            pass
 
-        def on_chat_first_token(self, seconds):
-            self.ttft.append(seconds)
-
-        def on_chat_ended(self, completion_tokens, finish_reason, *, prompt_tokens=0):
-            pass
-
-    async def chat(delay):
-        await asyncio.sleep(delay)
-        yield ChatStarted(3)
-        yield ChatDelta(text="x", finish_reason="stop", completion_tokens=1)
-
-    async def main():
-        meter = Meter()
-        streams = [metered(chat(0.2), meter), metered(chat(0.0), meter)]
-        for events in streams:
-            async for _ in events:
-                pass
-        return meter.ttft
-
-    first, second = asyncio.run(main())
-    assert first >= 0.2 and second >= 0.2
+def test_time_to_first_token_of_each_choice_is_when_the_worker_sampled_it():
+    """The n choices of a non-streamed request decode together and are read one after another: each choice's
+    time to first token is when the worker sampled it (a step or so after the request), not when its
+    reader got to it (the second choice's had been after the whole first one, 0.3 s)."""
+    worker, recorder = ChatWorker(_LongBackend(), threading.Lock()), _Recorder()
+    worker.observer = recorder
+    worker.start()
+    try:
+        params = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
+        worker.submit_many([(dataclasses.replace(params, seed=i), lambda e: None, None) for i in range(3)],
+                           coalesce=True)  # fmt: skip
+        wait_until(lambda: len(recorder.finished) == 3)
+    finally:
+        worker.stop(1.0)
+    assert len(recorder.ttft) == 3 and max(recorder.ttft) < 0.1, recorder.ttft
+    assert all(t.e2e_s > 0.25 for t in recorder.finished)
 
 
 class _ChunkedBackend(_Backend):

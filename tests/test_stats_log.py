@@ -20,7 +20,9 @@ from worldserve.commands import serve
 
 def test_a_line_reports_the_interval_and_the_queues():
     metrics, queue = Metrics("m"), {"waiting": 2, "running": 1}
+    chats = {"waiting": 0, "running": 1}  # the chat worker's queues (a preempted chat would wait)
     metrics.track_queue(lambda: queue["waiting"], lambda: queue["running"])
+    metrics.track_chat_queue(lambda: chats["waiting"], lambda: chats["running"])
     stats = StatsLog(metrics.registry, 10.0)
     metrics.on_chat_started(120)
     metrics.on_chat_generated(4)  # 10 tokens sampled, in two steps
@@ -37,6 +39,7 @@ def test_a_line_reports_the_interval_and_the_queues():
     ), text
     assert active
     queue.update(waiting=0, running=0)
+    chats.update(running=0)
     metrics.on_chat_ended(10, "stop", prompt_tokens=120)
     text, active = stats.line()  # nothing since: idle
     assert (

@@ -97,6 +97,7 @@ def build_app(
     `responses_store_bytes` = `--responses-store-mb`; `docs` False:
     vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
     metrics = metrics or Metrics(client.model_name)
+    load = ServerLoad()
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
     if client.chat_worker is not None:
         chat = client.chat_worker.backend
@@ -105,7 +106,8 @@ def build_app(
             metrics.track_prefix_cache(lambda: chat.prefix_cache_counts)
         if (media_cache := getattr(chat, "media_cache", None)) is not None:
             metrics.track_mm_cache(media_cache)
-        metrics.track_chat_queue(lambda: client.chat_worker.num_waiting)
+        worker = client.chat_worker  # its queues as they are at each scrape (a preempted chat waits)
+        metrics.track_chat_queue(lambda: worker.num_waiting, lambda: worker.num_running)
         if isinstance(getattr(chat, "max_model_len", None), int):
             metrics.track_chat_lengths(chat.max_model_len)
     client.observe(metrics)
@@ -147,6 +149,7 @@ def build_app(
         request_seeds=request_seeds, media_defaults=media_defaults,
         prompt_tokens_details=prompt_tokens_details,
         responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
+        load=load if server_load_tracking else None,
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)
@@ -154,7 +157,6 @@ def build_app(
                        allow_methods=list(allowed_methods), allow_headers=list(allowed_headers))  # fmt: skip
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # inside auth: 401s not counted (vLLM's)
     app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
-    load = ServerLoad()
     if server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=load)
     if request_id_headers:
@@ -195,7 +197,8 @@ def build_app(
 
     @app.get("/load", tags=["server"])
     async def server_load() -> dict[str, int]:
-        """vLLM's /load: requests using the model in flight (0 unless --enable-server-load-tracking)."""
+        """vLLM's /load: requests using the model in flight, and async video jobs not ended (0 unless
+        --enable-server-load-tracking; api/server_load.py)."""
         return {"server_load": load.value}
 
     @app.get("/version", tags=["server"])

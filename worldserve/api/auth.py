@@ -8,7 +8,9 @@ and a chat's whole media pipeline, downloads, local files and decodes, which vLL
 send one, else it is refused: HTTP 403). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
 stay open. Keys are compared in constant time, as SHA-256 digests (the time tells nothing of the key's length).
 Request ids: the incoming X-Request-Id is echoed, otherwise a uuid4 hex is generated; a route that sets its
-own (the sync route's `video_sync-<hex>`) keeps it.
+own (the sync route's `video_sync-<hex>`) keeps it. The id is also kept in the request's scope, where the
+error handlers find it (`request_id_of`: their log lines, and the X-Request-Id of an unhandled error's 500,
+which Starlette answers outside every middleware).
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+REQUEST_ID_KEY = "worldserve.request_id"
+"""Where RequestIdMiddleware keeps a request's id in its ASGI scope (the same dict every layer sees)."""
+
+
+def request_id_of(scope: Scope) -> str | None:
+    """A request's id: its route's own (request.state.request_id), else the one RequestIdMiddleware echoed or
+    generated (None: neither, request ids off)."""
+    return scope.get("state", {}).get("request_id") or scope.get(REQUEST_ID_KEY)
+
+
 class RequestIdMiddleware:
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -76,13 +88,13 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        scope[REQUEST_ID_KEY] = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
                 if "x-request-id" not in headers:  # a route's own id (request.state.request_id) first
-                    headers["X-Request-Id"] = scope.get("state", {}).get("request_id") or request_id
+                    headers["X-Request-Id"] = request_id_of(scope)
             await send(message)
 
         await self.app(scope, receive, send_with_id)

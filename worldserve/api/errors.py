@@ -5,6 +5,11 @@
 "N validation error(s):" followed by one dict per error with loc ('body', field), as vLLM prints it, and
 `param` names the first offending field. Unknown routes and methods get the envelope too (404 / 405).
 The one exception is auth: 401 `{"error": "Unauthorized"}` (see auth.py).
+An engine failure (a video or image request the engine failed, or could not finish: APIError's
+`engine_request_id`) adds vLLM-Omni's `error.request_id` and `error.error_stage_id` (its
+entrypoints/serve/utils/errors.py; worldserve's one diffusion stage is stage 0). Error log lines name the
+request id, and an unhandled error's 500 (answered by Starlette outside every middleware) carries the
+X-Request-Id header as every other answer does.
 """
 
 from __future__ import annotations
@@ -22,25 +27,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
+from worldserve.api.auth import request_id_of
 from worldserve.api.disconnect import CLIENT_CLOSED_REQUEST, ClientGone
 from worldserve.engine.client import StorageError
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
 MAX_INPUT_REPR = 200
+ENGINE_STAGE_ID = 0
+"""`error.error_stage_id` of an engine failure: worldserve runs one diffusion stage (vLLM-Omni's pure
+diffusion mode numbers it 0)."""
 
 
 class APIError(Exception):
-    """Raised anywhere in a route to answer `status` with the envelope."""
+    """Raised anywhere in a route to answer `status` with the envelope; `engine_request_id`: the request id of
+    an engine failure (the body then carries vLLM-Omni's `error.request_id` and `error.error_stage_id`)."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
-    ):
+        self, status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None,
+        engine_request_id: str | None = None,
+    ):  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = dict(headers or {})
+        self.engine_request_id = engine_request_id
 
 
 VLLM_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize")
@@ -67,24 +79,29 @@ def _text(value: str | None) -> str | None:
     return None if value is None else value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(status: int, message: str, param: str | None = None, *, vllm: bool = False) -> dict[str, Any]:
-    """The envelope; `vllm`: an error of one of vLLM's own routes (its typed names)."""
+def error_body(
+    status: int, message: str, param: str | None = None, *, vllm: bool = False,
+    engine_request_id: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The envelope; `vllm`: an error of one of vLLM's own routes (its typed names); `engine_request_id`: an
+    engine failure's request id (vLLM-Omni's request_id and error_stage_id added)."""
     kind = VLLM_TYPES.get(status) if vllm else None
-    return {
-        "error": {
-            "message": _text(message),
-            "type": kind or reason_phrase(status),
-            "param": _text(param),
-            "code": status,
-        }
+    error: dict[str, Any] = {
+        "message": _text(message),
+        "type": kind or reason_phrase(status),
+        "param": _text(param),
+        "code": status,
     }
+    if engine_request_id is not None:
+        error |= {"request_id": engine_request_id, "error_stage_id": ENGINE_STAGE_ID}
+    return {"error": error}
 
 
 def error_response(
     status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None,
-    *, vllm: bool = False,
+    *, vllm: bool = False, engine_request_id: str | None = None,
 ) -> JSONResponse:  # fmt: skip
-    body = error_body(status, message, param, vllm=vllm)
+    body = error_body(status, message, param, vllm=vllm, engine_request_id=engine_request_id)
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
@@ -142,9 +159,16 @@ def _answer(
     message: str,
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
+    engine_request_id: str | None = None,
 ) -> JSONResponse:
     """The envelope for an error of `request` (typed as vLLM types them on its own routes)."""
-    return error_response(status, message, param, headers, vllm=is_vllm_route(request))
+    return error_response(status, message, param, headers, vllm=is_vllm_route(request),
+                          engine_request_id=engine_request_id)  # fmt: skip
+
+
+def _named(request_id: str | None) -> str:
+    """A log line's mention of the request id (none when request ids are off)."""
+    return f" (request {request_id})" if request_id else ""
 
 
 HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
@@ -161,7 +185,7 @@ def allowed_methods(request: Request) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _answer(request, exc.status, exc.message, exc.param, exc.headers)
+        return _answer(request, exc.status, exc.message, exc.param, exc.headers, exc.engine_request_id)
 
     @app.exception_handler(ParamError)
     async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
@@ -187,7 +211,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StorageError)  # the disk refused a write (full: 507); what failed, no paths
     async def _storage_error(request: Request, exc: StorageError) -> JSONResponse:
-        log.error("%s %s: %s", request.method, request.url.path, exc)
+        log.error("%s %s%s: %s", request.method, request.url.path, _named(request_id_of(request.scope)), exc)
         return _answer(request, exc.status_code, f"{str(exc)[0].upper()}{str(exc)[1:]}.")
 
     @app.exception_handler(ClientGone)
@@ -197,6 +221,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        # Starlette runs this handler outside every middleware (RequestIdMiddleware's too): the id comes from
+        # the scope, where that middleware (or the route) left it
+        request_id = request_id_of(request.scope)
+        log.exception("unhandled error on %s %s%s", request.method, request.url.path, _named(request_id))
         # the exception's text stays in the log: it may quote internals (paths, a remote server's bytes)
-        return _answer(request, 500, f"Internal server error ({type(exc).__name__}); see the server log.")
+        headers = {"X-Request-Id": request_id} if request_id else None
+        return _answer(request, 500, f"Internal server error ({type(exc).__name__}); see the server log.",
+                       headers=headers)  # fmt: skip

@@ -12,6 +12,9 @@ upsample_prompt: the prompt the Reasoner writes comes back as each image's `revi
 over a top-level field. Prompt templates and system message follow worldserve's defaults
 (NVIDIA's reference), not vLLM-Omni's (use `extra_params` to switch them).
 Past the sync timeout the requests are aborted and the answer is 504; a client that disconnects aborts them too.
+The metrics count the HTTP request once whatever its `n` (succeeded, failed or cancelled: engine/observer.py
+RequestGroup), as vLLM-Omni counts one request of num_outputs_per_prompt n; an engine failure's body carries
+vLLM-Omni's `error.request_id` (api/errors.py).
 """
 
 from __future__ import annotations
@@ -223,8 +226,8 @@ async def create_images(request: Request, st: State) -> Response:
     except ValueError as exc:
         raise APIError(400, str(exc), param=getattr(exc, "param", None), headers=headers) from None
     except Exception as exc:  # a failed request: its status and message, as a failed video job reports them
-        code, message, param = error_for(exc, "Image generation")
-        raise APIError(code, message, param=param, headers=headers) from None
+        code, message, param = error_for(exc, "Image generation")  # (an engine failure: error.request_id)
+        raise APIError(code, message, param=param, headers=headers, engine_request_id=request_id) from None
     fmt = req.output_format or "png"
     images = await asyncio.gather(*(asyncio.to_thread(encode_image, r.frames[0], fmt) for r in results))
     if req.response_format == "file":

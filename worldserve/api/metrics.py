@@ -8,14 +8,17 @@ the GPU-memory gauge exists only when the server passes a reader (commands/serve
 Families: num_requests_waiting, num_requests_running (gauges); step_time_seconds, step_batch_size,
 e2e_request_latency_seconds, request_queue_time_seconds, stage_duration_seconds{stage} (histograms);
 request_success_total, request_failure_total{status}, request_cancelled_total, request_rejected_total{reason}
-(counters);
+(counters; the usual statuses and every reason exported as 0 from the start, so dashboards show 0 rather
+than no data; an image request counts once whatever its `n`, as vLLM-Omni counts a request);
 peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reasoner's chats: chat_prompt_tokens,
-chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting,
-kv_cache_usage_perc, num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
+chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting
+(the chat worker's queues read at scrape time: a preempted chat waits, as in vLLM), kv_cache_usage_perc,
+num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
 chat_e2e_request_latency_seconds, chat_request_queue_time_seconds, chat_iteration_tokens (histograms). The API
-layer reports a chat's tokens, time to first token and end (engine/chat_metering.py, as the prompt upsampling
-does for its chats); the chat worker its timings (the ChatObserver calls, engine/chat_observer.py: tokens per
-step, inter-token gaps, and each chat's ChatTimes: end-to-end, queue, prefill, decode and inference time).
+layer reports a chat's prompt tokens and end (engine/chat_metering.py, as the prompt upsampling does for its
+chats); the chat worker its timings (the ChatObserver calls, engine/chat_observer.py: tokens per step, time to
+first token, inter-token gaps, and each chat's ChatTimes: end-to-end, queue, prefill, decode and inference
+time).
 
 So that dashboards built for vLLM / vLLM-Omni find their series, the same numbers are also exported under
 their names (serving-api.md §7.4, §11.3; `VllmMirror` in metrics_vllm.py: vLLM-Omni's `vllm:omni_*` for the
@@ -48,6 +51,11 @@ STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 3
 E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+FAILURE_STATUSES = (400, 500, 503, 504, 507)
+"""request_failure_total's statuses exported (as 0) from the start: the model refused the request, an error,
+unavailable (shutdown, storage), a timeout, the disk full (others appear when they happen)."""
+REJECT_REASONS = ("queue_full", "shutting_down", "storage", "too_large")
+"""request_rejected_total's reasons, every one exported (as 0) from the start."""
 
 
 class Metrics:
@@ -105,7 +113,11 @@ class Metrics:
                                                "Prompt + generated tokens per chat worker step.", label,
                                                buckets=ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
         self.vllm = VllmMirror(r, model_name)
-        self.chat_running.labels(**self._label)  # exported as 0 from the start, as vLLM's
+        self.chat_running.labels(**self._label)  # exported as 0 from the start, as vLLM's (track_chat_queue)
+        for status in FAILURE_STATUSES:  # 0 from the start, as vLLM exports its finished_reason series
+            self.failure.labels(status=str(status), **self._label)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason, **self._label)
         if gpu_memory_bytes is not None:
             gpu = Gauge("worldserve:gpu_memory_used_bytes", "Accelerator memory in use.", label, registry=r)
             gpu.labels(**self._label).set_function(gpu_memory_bytes)
@@ -142,14 +154,18 @@ class Metrics:
         """The per-chat token histograms, bucketed up to the Reasoner's context length (vLLM's)."""
         self.vllm.track_lengths(max_model_len, self.registry)
 
-    def track_chat_queue(self, waiting: Callable[[], float]) -> None:
-        """Chats submitted and not yet started, read at scrape time (also as vLLM's num_requests_waiting)."""
+    def track_chat_queue(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
+        """The chat worker's queues, read at scrape time (also as vLLM's num_requests_waiting / _running):
+        waiting, the chats submitted and not yet started plus the preempted ones (vLLM moves a preempted
+        request back to waiting); running, the chats started and not ended, less the preempted ones."""
         r, label = self.registry, ["model_name"]
-        Gauge("worldserve:chat_requests_waiting", "Chats queued, not yet prefilled.", label,
+        Gauge("worldserve:chat_requests_waiting", "Chats queued, not yet prefilled, or preempted.", label,
               registry=r).labels(**self._label).set_function(waiting)  # fmt: skip
         self.vllm.gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting, r
         )
+        self.chat_running.labels(**self._label).set_function(running)
+        self.vllm.chat_running.set_function(running)
 
     def track_queue(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
         for gauge, read in ((self.waiting, waiting), (self.running, running), (self.vllm.video_waiting, waiting),
@@ -183,22 +199,15 @@ class Metrics:
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason=reason, **self._label).inc()
 
-    # -- chats (api/chat.py) ------------------------------------------------------------------------------
+    # -- chats (api/chat.py, engine/chat_metering.py) ------------------------------------------------------
     def on_chat_started(self, prompt_tokens: int) -> None:
         self.chat_prompt_tokens.labels(**self._label).inc(prompt_tokens)
-        self.chat_running.labels(**self._label).inc()
         self.vllm.prompt_tokens.inc(prompt_tokens)
-        self.vllm.chat_running.inc()
-
-    def on_chat_first_token(self, seconds: float) -> None:
-        self.chat_ttft.labels(**self._label).observe(seconds)
-        self.vllm.ttft.observe(seconds)
 
     def on_chat_ended(
         self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
     ) -> None:
         """finish_reason None: failed or abandoned by the client."""
-        self.chat_running.labels(**self._label).dec()
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
         self.vllm.chat_ended(completion_tokens, finish_reason or "abort", prompt_tokens)
 
@@ -206,6 +215,10 @@ class Metrics:
     def on_chat_iteration(self, tokens: int) -> None:
         self.chat_iteration_tokens.labels(**self._label).observe(tokens)
         self.vllm.iteration_tokens.observe(tokens)
+
+    def on_chat_first_token(self, seconds: float) -> None:
+        self.chat_ttft.labels(**self._label).observe(seconds)
+        self.vllm.ttft.observe(seconds)
 
     def on_chat_generated(self, tokens: int) -> None:
         self.chat_generation_tokens.labels(**self._label).inc(tokens)

@@ -3,12 +3,13 @@ so that dashboards built for those servers find their series here (api/metrics.p
 
 vLLM's (the Reasoner's chats) follow vllm/v1/metrics/loggers.py `PrometheusStatLogger` of vLLM 0.11: the same
 names, types, help texts and histogram buckets, labelled `model_name` and `engine` ("0": worldserve runs one
-engine core): num_requests_running / _waiting, kv_cache_usage_perc (gauges); prompt_tokens_total,
+engine core): num_requests_running / _waiting (the chat worker's queues at scrape time: a preempted chat is
+waiting, as vLLM moves it back to its waiting queue), kv_cache_usage_perc (gauges); prompt_tokens_total,
 generation_tokens_total, num_preemptions_total, request_success_total{finished_reason} (counters, every
 finished_reason exported from the start as vLLM does); time_to_first_token_seconds,
 inter_token_latency_seconds and its deprecated twin time_per_output_token_seconds (the same observations, as
-vLLM 0.11 still exports both),
-e2e_request_latency_seconds, iteration_tokens_total (histograms); and the per-chat histograms vLLM's Grafana
+vLLM 0.11 still exports both; the time to first token of each choice of an n > 1 request on the chat worker's
+clock, when it was sampled), e2e_request_latency_seconds, iteration_tokens_total (histograms); and the per-chat histograms vLLM's Grafana
 dashboard reads: request_prompt_tokens / request_generation_tokens (vLLM's 1-2-5 buckets up to --max-model-len,
 with a chat worker) and the phases of vLLM's stats.py update_from_finished_request, on the chat worker's clock
 (engine/chat_observer.py ChatTimes): request_queue_time_seconds (submitted to the start of the prefill that
@@ -22,11 +23,14 @@ processor cache, and found decoded: media/processor_cache.py). Not exported: req
 request_max_num_generation_tokens and cache_config_info.
 
 vLLM-Omni's pipeline families (vllm_omni/metrics/prometheus.py), labelled `model_name` only, count the video
-and image requests: omni_num_requests_running / _waiting, omni_requests_success_total{finished_reason}
-("stop", or "abort" for a failure, as its request_failed() does), omni_e2e_request_latency_seconds and the newer
+and image requests (their counters and latencies once a request: an image request of `n` images once, as
+vLLM-Omni runs it as one request with num_outputs_per_prompt n): omni_num_requests_running / _waiting, omni_requests_success_total{finished_reason}
+("stop", or "abort" for a failure, as its request_failed() does; both exported as 0 from the start, which
+vLLM-Omni leaves to the first request), omni_e2e_request_latency_seconds and the newer
 name omni_e2e_request_latency_s, omni_request_queue_time_seconds; and omni_requests_failed_total{reason}, a
 failure counter by reason that vLLM-Omni itself does not define (worldserve's: "invalid_request" for a 4xx,
-"unavailable" for a 503, "timeout" for a 408 / 504, "error" for any other 5xx).
+"unavailable" for a 503, "timeout" for a 408 / 504, "error" for any other 5xx; every reason exported as 0
+from the start).
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ if TYPE_CHECKING:
 
 ENGINE = "0"
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
+OMNI_FINISHED_REASONS = ("stop", "abort")
+"""omni_requests_success_total's finished_reason values for a video or image request (vLLM-Omni's
+request_succeeded() default and request_failed()), exported as 0 from the start."""
+FAILURE_REASONS = ("invalid_request", "unavailable", "timeout", "error")
+"""omni_requests_failed_total's reasons (failure_reason), exported as 0 from the start."""
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -91,6 +100,10 @@ class VllmMirror:
                                      [*omni, "finished_reason"], registry=r)  # fmt: skip
         self.video_failed = Counter("vllm:omni_requests_failed", "Video and image requests failed, by reason.",
                                     [*omni, "reason"], registry=r)  # fmt: skip
+        for reason in OMNI_FINISHED_REASONS:  # 0 from the start (as vLLM's request_success_total)
+            self.video_success.labels(finished_reason=reason, **self.omni)
+        for reason in FAILURE_REASONS:
+            self.video_failed.labels(reason=reason, **self.omni)
         e2e = [Histogram(name, "Video job submit to saved video.", omni, buckets=OMNI_E2E_BUCKETS, registry=r)
                for name in ("vllm:omni_e2e_request_latency_seconds", "vllm:omni_e2e_request_latency_s")]  # fmt: skip
         self.video_e2e = [h.labels(**self.omni) for h in e2e]  # the newer name too: either dashboard finds it
@@ -168,7 +181,6 @@ class VllmMirror:
 
     # -- chats -------------------------------------------------------------------------------------------
     def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int) -> None:
-        self.chat_running.dec()
         self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()
         if self.request_tokens is not None:
             self.request_tokens[0].observe(prompt_tokens)

@@ -15,6 +15,7 @@ from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.request_log import RequestLog
 from worldserve.api.responses_store import ResponseStore
+from worldserve.api.server_load import ServerLoad
 from worldserve.chat_params import ChatParams
 from worldserve.engine.client import EngineClient, QueueFullError
 from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS
@@ -66,6 +67,9 @@ class AppState:
     """`--enable-log-requests`: where accepted requests are logged (api/request_log.py); None: not logged."""
     responses: ResponseStore | None = None
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
+    load: ServerLoad | None = None
+    """`--enable-server-load-tracking`'s count (api/server_load.py: async video jobs count until they end);
+    None: off."""
 
     @property
     def max_model_len(self) -> int | None:

@@ -92,6 +92,8 @@ def _job_response(job: Job) -> JSONResponse:
 async def create_video(request: Request, st: State) -> JSONResponse:
     """Create an async video job (multipart, urlencoded or JSON body)."""
     job, _ = await _submit(request, st)
+    if st.load is not None:  # /load counts the job until it ends (api/server_load.py)
+        st.load.count_until(st.client.wait(job.id))
     return _job_response(job)
 
 
@@ -127,12 +129,12 @@ async def create_video_sync(request: Request, st: State) -> Response:
     except ShuttingDownError as exc:  # the server is shutting down, or its engine has stopped
         raise APIError(503, f"Job {job.id} cannot finish now: {exc}; it is kept: it resumes after a "
                        f"restart unless it completes first (GET /v1/videos/{job.id}).",
-                       headers=ids) from None  # fmt: skip
+                       headers=ids, engine_request_id=request_id) from None  # fmt: skip
     if done is None:
         raise APIError(404, f"{NOT_FOUND}: the job was deleted before it completed.", headers=ids)
-    if done.status is JobStatus.FAILED:
+    if done.status is JobStatus.FAILED:  # an engine failure: vLLM-Omni's error.request_id (errors.py)
         raise APIError(done.error_code or 500, done.error_message or "Video generation failed.",
-                       param=done.error_param, headers=ids)  # fmt: skip
+                       param=done.error_param, headers=ids, engine_request_id=request_id)  # fmt: skip
     try:
         video = await asyncio.to_thread(st.client.video_path(job.id).read_bytes)
     except FileNotFoundError:

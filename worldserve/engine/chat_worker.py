@@ -21,9 +21,11 @@ each chat's handle: chat_handle.py) stops a chat at the next step boundary.
 prompt K/V shared by the backend) together. `stop(timeout_s)` (server shutdown) takes no new chats, lets the
 running ones finish within the timeout and then fails those still running with a 503, so their callers
 answer with an error instead of being cut off when the HTTP server closes their connections.
-Timings go to `observer` (chat_observer.py: tokens per loop iteration, inter-token gaps, and each started chat's
-ChatTimes: end-to-end, queue, prefill, decode and inference time), measured on this thread with
-time.monotonic().
+Timings go to `observer` (chat_observer.py: tokens per loop iteration, each chat's time to first token,
+inter-token gaps, and each started chat's ChatTimes: end-to-end, queue, prefill, decode and inference time),
+measured on this thread with time.monotonic(). `num_running` / `num_waiting` (thread-safe, read by /metrics
+at scrape time) are the worker's own state, as vLLM's scheduler queues: a chat runs from its admission to its
+end, and a preempted one (the backend took its K/V blocks back) waits again until it resumes.
 """
 
 from __future__ import annotations
@@ -98,7 +100,11 @@ class ChatWorker:
         self._queue: queue.Queue[tuple[ChatHandle, ...] | None] = queue.Queue()  # one entry a request
         self._stopping = threading.Event()  # also seen while a deferred chat keeps the queue unread
         self._abort = threading.Event()  # the shutdown timeout passed: fail the running chats
+        # what /metrics and the stats line read at any time (under _waiting_lock; written by this worker's
+        # thread, and by submit_many for _waiting): vLLM's scheduler queues, a preempted chat back to waiting
         self._waiting: set[ChatHandle] = set()  # submitted, not started, failed or dropped yet
+        self._running: set[ChatHandle] = set()  # started (prefilled or prefilling), not ended
+        self._preempted: set[ChatHandle] = set()  # of _running, those whose K/V the backend took back
         self._waiting_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
@@ -123,9 +129,19 @@ class ChatWorker:
 
     @property
     def num_waiting(self) -> int:
-        """Chats submitted and not yet started (queued, or waiting for K/V room): /metrics' waiting gauge."""
+        """Chats submitted and not yet started (queued, or waiting for K/V room) and started chats preempted
+        (waiting to resume, as vLLM moves a preempted request back to its waiting queue): /metrics' waiting
+        gauge. Thread-safe, read at scrape time."""
         with self._waiting_lock:
-            return sum(not h.cancelled.is_set() for h in self._waiting)  # a client gone counts no more
+            queued = sum(not h.cancelled.is_set() for h in self._waiting)  # a client gone counts no more
+            return queued + len(self._preempted)
+
+    @property
+    def num_running(self) -> int:
+        """Chats started (prefilled, or prefilling in chunks) and not ended, less the preempted ones: /metrics'
+        running gauge (vLLM's scheduler's running queue). Thread-safe, read at scrape time."""
+        with self._waiting_lock:
+            return len(self._running) - len(self._preempted)
 
     def submit(
         self, params: ChatParams, emit: Callable[[ChatEvent], None],
@@ -170,6 +186,8 @@ class ChatWorker:
         self._refuse_waiting(deferred, message)
         with self._waiting_lock:
             self._waiting.clear()
+            self._running.clear()
+            self._preempted.clear()
 
     def _refuse_waiting(self, deferred: list[ChatHandle], message: str) -> None:
         """Stopping: the chats not started (`deferred`, emptied, and those still queued) get a 503 now; none
@@ -269,9 +287,12 @@ class ChatWorker:
         except Exception as exc:
             results = [exc] * len(batch)
         started, refused = [], []
-        self._not_waiting(
-            *(h for h, r in zip(batch, results, strict=True) if not isinstance(r, ChatBackpressure))
-        )
+        with self._waiting_lock:  # running from now on, before any of them hears of it (the gauges)
+            for handle, result in zip(batch, results, strict=True):
+                if not isinstance(result, ChatBackpressure):
+                    self._waiting.discard(handle)
+                if not isinstance(result, Exception):
+                    self._running.add(handle)
         for handle, result in zip(batch, results, strict=True):
             if isinstance(result, ChatBackpressure):
                 refused.append(handle)
@@ -303,8 +324,12 @@ class ChatWorker:
                 self._ended(handle)
                 self._fail(handle, exc)
             return [], 0
-        # a chat still prefilling (chunked) or preempted idles: no token, nothing to deliver (the API's time to
-        # first token is its first delta's)
+        # the preempted chats count as waiting until they resume (set before any delivery: a client that has
+        # its answer finds the gauges up to date)
+        preempted = {h for h, s in active if getattr(s, "preempted", False)}
+        with self._waiting_lock:
+            self._preempted = preempted
+        # a chat still prefilling (chunked) or preempted idles: no token, nothing to deliver
         idle = [not (d.text or d.logprobs or d.finish_reason) and d.completion_tokens == h._tokens_seen
                 for (h, _), d in zip(active, deltas, strict=True)]  # fmt: skip
         sampled = self._timed(active, deltas)
@@ -326,19 +351,22 @@ class ChatWorker:
         and the prompts of the chats whose first token it sampled (vLLM counts a prompt in the step of its
         first token: with chunked prefill, after its last chunk; the n choices of one prompt share one prefill:
         once). A delta carries a new token when its count grew or it finished; an idle one carries none."""
-        now, gaps, sampled, prompts, generated = time.monotonic(), [], 0, {}, 0
+        now, gaps, sampled, prompts, generated, firsts = time.monotonic(), [], 0, {}, 0, []
         for (handle, _), delta in zip(active, deltas, strict=True):
             generated += max(delta.completion_tokens - handle._tokens_seen, 0)
             if delta.completion_tokens > handle._tokens_seen or delta.finish_reason is not None:
                 sampled += 1
                 if handle.last_token_at is None:
                     handle.first_token_at = now
+                    firsts.append(now - handle.submitted_at)
                     prompts[handle.params.prompt_key] = handle.prompt_tokens
                 else:
                     gaps.append(now - handle.last_token_at)
                 handle.last_token_at, handle._tokens_seen = now, delta.completion_tokens
             if delta.finish_reason is not None:
                 self._ended(handle, now)
+        for seconds in firsts:  # (each choice of an n > 1 request its own, however its caller reads them)
+            self.observer.on_chat_first_token(seconds)
         if gaps:
             self.observer.on_chat_token_gaps(gaps)
         if generated:
@@ -346,7 +374,11 @@ class ChatWorker:
         return sampled + sum(prompts.values())
 
     def _ended(self, handle: ChatHandle, now: float | None = None) -> None:
-        """Report a started chat's timings (ChatTimes: end-to-end, queue, prefill, decode, inference), once."""
+        """A started chat ended: no longer running (nor preempted); report its timings (ChatTimes: end-to-end,
+        queue, prefill, decode, inference), once."""
+        with self._waiting_lock:
+            self._running.discard(handle)
+            self._preempted.discard(handle)
         if handle.admitted_at is None or handle._ended:
             return
         handle._ended = True

@@ -251,7 +251,7 @@ class EngineClient:
         self.engine.observer = observer
         if self.chat_worker is not None:
             self.chat_worker.observer = observer
-        if all(hasattr(observer, f"on_chat_{x}") for x in ("started", "first_token", "ended")):
+        if all(hasattr(observer, f"on_chat_{x}") for x in ("started", "ended")):
             self._meter = observer  # the upsampling chats are counted as the API's are
 
     @property

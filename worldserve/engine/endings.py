@@ -68,12 +68,12 @@ class Endings:
                 service = now - request.admitted_time
                 ewma = self.service_ewma_s
                 self.service_ewma_s = service if ewma is None else 0.8 * ewma + 0.2 * service
-                self.observer.on_finished(
+                _observer(self, request).on_finished(
                     now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
                     float(result.peak_memory_mb),
                 )  # fmt: skip
             elif self.store.get(request.job_id) is None:  # deleted while its MP4 was made: the engine had
-                self.observer.on_cancelled()  # let it go to the encoder, so nothing counted it
+                _observer(self, request).on_cancelled()  # let it go to the encoder, so nothing counted it
         except FramesLost:
             return  # the decode failed: the engine thread failed the job
         except Exception as exc:
@@ -94,7 +94,7 @@ class Endings:
         stages = {**request.stage_seconds, **result.stage_seconds}
         result.stage_seconds = stages
         try:
-            self.observer.on_finished(
+            _observer(self, request).on_finished(
                 now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
                 float(result.peak_memory_mb),
             )  # fmt: skip
@@ -124,9 +124,9 @@ class Endings:
 
     def cancelled(self, request: Request) -> None:
         if request.abort_status is not None:
-            self.observer.on_failed(request.abort_status)
+            _observer(self, request).on_failed(request.abort_status)
         else:
-            self.observer.on_cancelled()
+            _observer(self, request).on_cancelled()
         if request.ephemeral:
             request.on_result(CancelledRequest(request.job_id, request.stop_reason))
         self.on_done(request.job_id)
@@ -138,13 +138,18 @@ class Endings:
         else:
             log.info("job %s rejected: %s", request.job_id, message)
         if request.ephemeral:
-            self.observer.on_failed(code)
+            _observer(self, request).on_failed(code)
             request.on_result(exc)
         elif self.store.fail(
             request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s, param=param
         ):
-            self.observer.on_failed(code)
+            _observer(self, request).on_failed(code)
         self.on_done(request.job_id)
+
+
+def _observer(ends: Endings, request: Request) -> EngineObserver:
+    """Where `request`'s end is reported: its own observer (a RequestGroup), else the engine's."""
+    return request.observer or ends.observer
 
 
 def _rounded(stages: dict[str, float]) -> dict[str, float]:

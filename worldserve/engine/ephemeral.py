@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from worldserve.engine.engine import Engine
+from worldserve.engine.observer import RequestGroup
 from worldserve.engine.outputs import VideoResult
 from worldserve.engine.prompt_upsampling import UpsamplingFailed
 from worldserve.engine.request import Request
@@ -65,20 +66,19 @@ class JoblessRequests:
         """The prompt the Reasoner writes for `count` requests (an image batch, a stream) that will queue once
         it is written: admitted first (QueueFullError / ShuttingDownError) and counted as waiting meanwhile,
         as a job is. Its caller queues them with no await after this returns, so the slots held pass to the
-        queue. A failure (UpsamplingFailed) or `timeout_s` passing (TimeoutError) is counted as `count`
-        failed requests (its status; 504), a cancellation as `count` cancelled ones."""
+        queue. A failure (UpsamplingFailed) or `timeout_s` passing (TimeoutError) is counted as one failed
+        request (its status; 504), a cancellation as one cancelled request (the `count` requests answer one
+        HTTP request: RequestGroup)."""
         self._check_admission(count, "requests")
         self._upsampling[request_id] = count
         observer = self.engine.observer
         try:
             return await asyncio.wait_for(self._write_prompt(params), timeout_s)
         except (TimeoutError, UpsamplingFailed) as exc:
-            for _ in range(count):
-                observer.on_failed(504 if isinstance(exc, TimeoutError) else exc.status)
+            observer.on_failed(504 if isinstance(exc, TimeoutError) else exc.status)
             raise
         except asyncio.CancelledError:
-            for _ in range(count):
-                observer.on_cancelled()
+            observer.on_cancelled()
             raise
         finally:
             del self._upsampling[request_id]
@@ -102,12 +102,15 @@ async def run_without_jobs(
     engine: Engine, params_list: Sequence[VideoParams], prefix: str, timeout_s: float
 ) -> list[VideoResult]:
     """The decoded results in order, or the first failure raised. On a failure, past `timeout_s` (TimeoutError)
-    or when the caller is cancelled, the requests still running are aborted at their next step boundary."""
+    or when the caller is cancelled, the requests still running are aborted at their next step boundary.
+    The metrics count them as one request (RequestGroup: the n images of one image request)."""
     loop = asyncio.get_running_loop()
     ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params_list]
     futures = [loop.create_future() for _ in params_list]
     now = time.monotonic()
-    requests = [Request(job_id=request_id, params=params, arrival_time=now, on_result=_sink(loop, future))
+    group = RequestGroup(engine.observer, len(params_list)) if len(params_list) > 1 else None
+    requests = [Request(job_id=request_id, params=params, arrival_time=now, on_result=_sink(loop, future),
+                        observer=group)
                 for request_id, params, future in zip(ids, params_list, futures, strict=True)]  # fmt: skip
     for request in requests:
         engine.add_request(request)

@@ -1,8 +1,10 @@
 """What the video engine reports as it runs (step times, finished, failed and cancelled jobs): the Prometheus metrics
-(api/metrics.py) implement `EngineObserver`; `NullObserver` drops everything."""
+(api/metrics.py) implement `EngineObserver`; `NullObserver` drops everything; `RequestGroup` reports the engine
+requests of one HTTP request (an image request's n images) as one."""
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 
@@ -35,3 +37,53 @@ class NullObserver:
 
     def on_cancelled(self) -> None:
         pass
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (an image request's `n` images) reported to `observer` as one
+    request, as vLLM-Omni counts a request with num_outputs_per_prompt n: finished once all of them are (its
+    latency the last one's, its queue time the first one's, each stage its longest, the largest peak memory);
+    failed once, at the first failure (the others, aborted then, count nothing more); cancelled once, unless it
+    failed. Its members' endings come from the engine thread and the encode pool: a lock orders them."""
+
+    def __init__(self, observer: EngineObserver, size: int) -> None:
+        self._observer, self._size = observer, size
+        self._finished: list[tuple[float, float, dict[str, float], float]] = []
+        self._ended = False  # reported (finished, failed or cancelled)
+        self._lock = threading.Lock()
+
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        self._observer.on_step(seconds, batch_size)
+
+    def on_finished(
+        self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
+    ) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._finished.append((e2e_s, queue_s, stages, peak_memory_mb))
+            if len(self._finished) < self._size:
+                return
+            self._ended = True
+        longest: dict[str, float] = {}
+        for _, _, member, _ in self._finished:
+            for stage, seconds in member.items():
+                longest[stage] = max(seconds, longest.get(stage, 0.0))
+        self._observer.on_finished(
+            max(f[0] for f in self._finished), min(f[1] for f in self._finished), longest,
+            max(f[3] for f in self._finished),
+        )  # fmt: skip
+
+    def on_failed(self, code: int) -> None:
+        if self._end():
+            self._observer.on_failed(code)
+
+    def on_cancelled(self) -> None:
+        if self._end():
+            self._observer.on_cancelled()
+
+    def _end(self) -> bool:
+        """Whether this ending is the group's (the first one that is not a finish)."""
+        with self._lock:
+            first, self._ended = not self._ended, True
+        return first

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from worldserve.engine.observer import EngineObserver
 from worldserve.engine.outputs import DenoiseState, VideoResult
 from worldserve.params import VideoParams
 
@@ -52,6 +53,10 @@ class Request:
     """An ephemeral request that streams (/v1/realtime/video): called on the engine's encode pool with the
     result whose `frames` is a FrameStream, read while the engine thread decodes (it raises FramesLost when
     the decode fails or is aborted); `on_result` gets the result once it has returned."""
+
+    observer: EngineObserver | None = None
+    """Where its end is reported instead of the engine's observer (a RequestGroup: the n images of one image
+    request count as one request); None: the engine's."""
 
     @property
     def ephemeral(self) -> bool:

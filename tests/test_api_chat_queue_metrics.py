@@ -1,0 +1,145 @@
+"""The Reasoner's running / waiting chats and their time to first token as /metrics and the stats line show
+them, over real HTTP (uvicorn on loopback) with a scripted chat backend whose chats the test preempts: the
+gauges are the chat worker's queues at scrape time (vLLM's scheduler: a preempted request is waiting, not
+running), and each choice of a non-streamed n > 1 request has the time to first token the worker saw, not
+the time its reader got to it."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import httpx
+import pytest
+from serving_helpers import make_client, serve_app, wait_until
+
+from worldserve.api.stats_log import StatsLog
+from worldserve.engine.outputs import ChatDelta
+
+MODEL = "test-model"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 100_000}
+LLM = {"model_name": MODEL, "engine": "0"}  # vLLM's labels
+WS = {"model_name": MODEL}
+
+
+class Session:
+    prompt_tokens = 4
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens, self.n, self.preempted, self.closed = max_tokens, 0, False, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class PreemptableBackend:
+    """A token every `delay` seconds a chat, until max_tokens or `finish` is set; a session the test marks
+    `preempted` idles (no token), as the Reasoner's does while it waits for K/V blocks."""
+
+    concurrent_with_video = True
+    preemptions = 0
+
+    def __init__(self, delay: float = 0.005):
+        self.delay, self.sessions, self.finish = delay, [], threading.Event()
+
+    def start_many(self, batch):
+        new = [Session(params.max_tokens) for params in batch]
+        self.sessions += new
+        return new
+
+    def step_all(self, sessions):
+        time.sleep(self.delay)
+        out = []
+        for s in sessions:
+            if s.preempted:
+                out.append(ChatDelta(text="", finish_reason=None, completion_tokens=s.n))
+                continue
+            s.n += 1
+            done = "stop" if self.finish.is_set() else "length" if s.n >= s.max_tokens else None
+            out.append(ChatDelta(text="x", finish_reason=done, completion_tokens=s.n))
+        return out
+
+    def kv_cache_usage(self) -> float:
+        return 0.0
+
+
+@pytest.fixture
+def served(tmp_path):
+    from worldserve.api.app import build_app
+
+    backend = PreemptableBackend()
+    client = make_client(tmp_path, model_name=MODEL, chat_backend=backend, max_num_seqs=2)
+    app = build_app(client, shutdown_timeout_s=1.0)
+    with serve_app(app, name="test-chat-queue-metrics") as url:
+        yield url, app, backend
+
+
+def gauge(text: str, name: str, labels: dict[str, str], default: float | None = None) -> float:
+    """The sample `name` labelled exactly `labels` in a /metrics text (`default` when absent, else an error)."""
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        found, _, rest = series.partition("{")
+        pairs = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
+        if found == name and {k: v.strip('"') for k, v in pairs.items()} == labels:
+            return float(value)
+    if default is not None:
+        return default
+    raise AssertionError(f"no {name}{labels}")
+
+
+def queues(url: str) -> tuple[float, float, float, float]:
+    """(vllm running, vllm waiting, worldserve running, worldserve waiting) now."""
+    text = httpx.get(url + "/metrics").text
+    return (gauge(text, "vllm:num_requests_running", LLM), gauge(text, "vllm:num_requests_waiting", LLM),
+            gauge(text, "worldserve:chat_requests_running", WS),
+            gauge(text, "worldserve:chat_requests_waiting", WS))  # fmt: skip
+
+
+def test_a_preempted_chat_counts_as_waiting_not_running(served):
+    """Two chats run (max_num_seqs 2) and a third waits; one running chat is preempted: 1 running, 2 waiting
+    (vLLM moves a preempted request back to waiting), in the vllm:* and worldserve:* gauges and the stats
+    line; resumed, it runs again; all ended, nothing runs nor waits."""
+    url, app, backend = served
+    answers = []
+
+    def chat():
+        answers.append(httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code)
+
+    threads = [threading.Thread(target=chat, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: queues(url) == (2, 1, 2, 1))
+    backend.sessions[1].preempted = True
+    wait_until(lambda: queues(url) == (1, 2, 1, 2))
+    text, _ = StatsLog(app.state.ws.metrics.registry, 10.0).line()
+    assert "running: 1 reqs, waiting: 2 reqs" in text, text
+    backend.sessions[1].preempted = False
+    wait_until(lambda: queues(url) == (2, 1, 2, 1))
+    backend.finish.set()
+    for t in threads:
+        t.join(30)
+    assert answers == [200, 200, 200]
+    assert queues(url) == (0, 0, 0, 0)  # up to date before the answers left
+
+
+def test_each_choice_of_a_non_streamed_request_has_its_own_time_to_first_token(served):
+    """n=3 non-streamed: the choices decode together (60 tokens, ~0.3 s) and are read one after another; each
+    one's time to first token is a step or so, not the time the API took to read the choices before it."""
+    url, app, _ = served
+    app.state.ws.client.chat_worker.max_num_seqs = 4  # the three together
+
+    def ttft(text: str, le: str) -> tuple[float, float]:
+        return (gauge(text, "vllm:time_to_first_token_seconds_bucket", {**LLM, "le": le}),
+                gauge(text, "vllm:time_to_first_token_seconds_count", LLM))  # fmt: skip
+
+    before = httpx.get(url + "/metrics").text
+    out = httpx.post(url + "/v1/chat/completions", json={**BODY, "n": 3, "max_tokens": 60}, timeout=30)
+    assert out.status_code == 200 and len(out.json()["choices"]) == 3
+    after = httpx.get(url + "/metrics").text
+    (fast0, n0), (fast1, n1) = ttft(before, "0.1"), ttft(after, "0.1")
+    assert n1 - n0 == 3 and fast1 - fast0 == 3, (fast0, n0, fast1, n1)
+    for name, labels in (("vllm:time_to_first_token_seconds_sum", LLM),
+                         ("worldserve:chat_time_to_first_token_seconds_sum", WS)):  # fmt: skip
+        total = gauge(after, name, labels) - gauge(before, name, labels, default=0.0)
+        assert 0 < total < 0.3 and not math.isnan(total), (name, total)
