@@ -9,13 +9,14 @@ import logging
 
 import numpy as np
 import pytest
-from serving_helpers import SMALL_FORM, asgi_server, png_bytes, serve_reasoner
+from serving_helpers import SMALL_FORM, asgi_server, png_bytes, poll_job, serve_reasoner, wait_until
 from test_serve_compat_flags import config
 
 from worldserve.api.chat_messages import ChatMessageIn
 from worldserve.api.request_log import RequestLog, chat_text, sampling
 from worldserve.chat_params import ChatMessage, ChatParams
 from worldserve.commands import serve
+from worldserve.engine.fake_backend import FakeBackend
 from worldserve.params import VideoParams
 
 LOGGER = "worldserve.requests"
@@ -90,8 +91,9 @@ async def test_videos_and_images_are_logged_with_every_field(tmp_path, caplog):
         async with asgi_server(tmp_path, app_kw={"request_log": RequestLog()}) as http:
             job = (await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "a red fox"})).json()
             image = await http.post("/v1/images/generations", json={"prompt": "a blue bird", "size": "64x64"})
-            i2v = (await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "it moves"},
-                                   files={"input_reference": ("in.png", png_bytes(40, 30), "image/png")})).json()  # fmt: skip
+            i2v_answer = await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "it moves"},
+                                         files={"input_reference": ("in.png", png_bytes(40, 30), "image/png")})  # fmt: skip
+            i2v = i2v_answer.json()
         async with asgi_server(tmp_path / "quiet") as http:  # without the flag: nothing
             await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "unlogged"})
     video_line, image_line, i2v_line = _lines(caplog)
@@ -100,10 +102,47 @@ async def test_videos_and_images_are_logged_with_every_field(tmp_path, caplog):
     assert image_line.startswith(f"Received request {image.headers['x-request-id']}: prompt: 'a blue bird'")
     assert "num_frames=1" in image_line
     assert i2v_line.startswith(f"Received request {i2v['id']}: prompt: 'it moves'") and len(i2v_line) < 2000
-    assert i2v_line.endswith(f"reference='<{len(png_bytes(40, 30))} bytes>'.")  # its size, not its bytes
+    assert i2v_line.endswith(  # its size, not its bytes; then the HTTP request's own id beside the job's
+        f"reference='<{len(png_bytes(40, 30))} bytes>', request_id: {i2v_answer.headers['x-request-id']}."
+    )
     with caplog.at_level(logging.INFO, logger=LOGGER):  # decoded frames (an image request's) show as a shape
         RequestLog().video("r", VideoParams(prompt="p", image=np.zeros((48, 64, 3), np.uint8)))
     assert "image='<48x64x3 array>'" in _lines(caplog)[-1]
+
+
+@pytest.mark.anyio
+async def test_a_job_line_names_the_client_s_request_id_and_a_deleted_job_in_flight_is_aborted(
+    tmp_path, caplog
+):
+    """The client's X-Request-Id shows beside the job id; DELETE of a job in flight logs vLLM's "Aborted
+    request" line, of a finished one nothing more."""
+    backend = FakeBackend(step_delay=0.5)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        async with asgi_server(tmp_path, app_kw={"request_log": RequestLog()}, backend=backend) as http:
+            slow = (await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "slow"},
+                                    headers={"X-Request-Id": "client-7"})).json()  # fmt: skip
+            await http.delete(f"/v1/videos/{slow['id']}")
+            backend.step_delay = 0.0
+            done = (await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "quick"})).json()
+            assert (await poll_job(http, done["id"]))["status"] == "completed"
+            await http.delete(f"/v1/videos/{done['id']}")
+    received, aborted, _ = _lines(caplog)
+    assert received.startswith(f"Received request {slow['id']}: prompt: 'slow'")
+    assert received.endswith(", request_id: client-7.")
+    assert aborted in (f"Aborted request {slow['id']} (deleted while queued).",
+                       f"Aborted request {slow['id']} (deleted while in_progress).")  # fmt: skip
+
+
+def test_a_chat_its_client_leaves_is_logged_as_aborted(served, caplog):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        chat = served.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Count"}], max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chat_id = next(iter(chat)).id
+        chat.close()  # the client leaves mid-answer
+        wait_until(lambda: any(line.startswith(f"Aborted request {chat_id} ") for line in _lines(caplog)))
+    assert sum(line.startswith("Aborted request") for line in _lines(caplog)) == 1
 
 
 @pytest.mark.anyio

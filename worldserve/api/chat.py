@@ -300,7 +300,7 @@ async def _answer(
     # merged at the end, which spares the event loop a wake-up per chat and token
     try:
         streams, firsts = await start_all(
-            st.client, choices, st.metrics, coalesce=not body.stream, opened=opened
+            st.client, choices, st.chat_meter(request_id), coalesce=not body.stream, opened=opened
         )
     except APIError as exc:
         name_sent_field(body, exc)

@@ -140,7 +140,9 @@ async def _answer(
 ):  # fmt: skip
     """Start every choice together, wait for each one's first event (a refusal or a bad prompt answers the
     request), then answer (its id `request_id`): SSE, or the whole object."""
-    streams, firsts = await start_all(st.client, choices, st.metrics, coalesce=not body.stream, opened=opened)
+    streams, firsts = await start_all(
+        st.client, choices, st.chat_meter(request_id), coalesce=not body.stream, opened=opened
+    )
     prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
     cached = [first.cached_tokens for first in firsts[:: body.n]] if st.prompt_tokens_details else None
     c = Completion(

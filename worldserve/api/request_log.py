@@ -2,7 +2,10 @@
 completion and Responses requests, video jobs, image generations, realtime video sessions), on the
 `worldserve.requests` logger: its id (the one its answer carries), its prompt (the first `--max-log-len`
 characters, as vLLM cuts it; a chat's messages as `role: text`, media as <image> / <video>) and its
-parameters (a chat's sampling fields that differ from their defaults, a video's every field). Off by default:
+parameters (a chat's sampling fields that differ from their defaults, a video's every field; a video job's
+line also names the request's own id, X-Request-Id or a sync request's, beside the job's). A request stopped
+before its end (its client left, a DELETE of a job in flight, a shutdown) gets an "Aborted request" line, as
+vLLM logs its aborts (`aborted`; chats through `AbortLogged`, the meter their events pass). Off by default:
 prompts are the users' data."""
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class RequestLog:
 
     max_len: int | None = None
 
-    def received(self, request_id: str, prompt: str, params: Mapping[str, Any], **more: Any) -> None:
+    def received(self, request_id: str, prompt: str, params: Mapping[str, Any], /, **more: Any) -> None:
         """The line of one request: its prompt cut to `max_len`, then its params and `more` (e.g. counts)."""
         if self.max_len is not None:
             prompt = prompt[: self.max_len]
@@ -47,9 +50,21 @@ class RequestLog:
         self.received(request_id, chat_text(messages), {**sampling(params), **({"n": n} if n > 1 else {})},
                       prompt_tokens=prompt_tokens)  # fmt: skip
 
-    def video(self, request_id: str, params: VideoParams, reference: bytes | None = None) -> None:
+    def aborted(self, request_id: str, why: str) -> None:
+        """A request stopped before its end (vLLM's "Aborted request" line), and why."""
+        log.info("Aborted request %s (%s).", request_id, why)
+
+    def video(
+        self,
+        request_id: str,
+        params: VideoParams,
+        reference: bytes | None = None,
+        *,
+        http_id: str | None = None,
+    ) -> None:
         """A video job, an image generation or a realtime session: its prompt and every other field (a
-        `reference` upload, decoded later by the engine, as its size)."""
+        `reference` upload, decoded later by the engine, as its size; `http_id`: the HTTP request's own id,
+        when it is not `request_id`)."""
         fields = {
             f.name: _brief(getattr(params, f.name))
             for f in dataclasses.fields(params)
@@ -60,7 +75,30 @@ class RequestLog:
             fields["negative_prompt"] = fields["negative_prompt"][: self.max_len]
         if reference is not None:
             fields["reference"] = f"<{len(reference)} bytes>"
-        self.received(request_id, params.prompt, fields)
+        more = {"request_id": http_id} if http_id is not None and http_id != request_id else {}
+        self.received(request_id, params.prompt, fields, **more)
+
+
+class AbortLogged:
+    """A chat meter (engine/chat_metering.py) that passes the counts on to `meter` and logs the request's abort
+    once: a choice that ends without a finish reason (its client left, a failure, a shutdown)."""
+
+    def __init__(self, meter: Any, request_log: RequestLog, request_id: str) -> None:
+        self.meter, self.request_log, self.request_id = meter, request_log, request_id
+        self.logged = False
+
+    def on_chat_started(self, prompt_tokens: int) -> None:
+        self.meter.on_chat_started(prompt_tokens)
+
+    def on_chat_ended(
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
+    ) -> None:
+        self.meter.on_chat_ended(completion_tokens, finish_reason, prompt_tokens=prompt_tokens)
+        if finish_reason is None and not self.logged:
+            self.logged = True
+            self.request_log.aborted(
+                self.request_id, "ended before its answer: client gone, failed or shut down"
+            )
 
 
 def sampling(params: ChatParams) -> dict[str, Any]:

@@ -97,14 +97,16 @@ async def create_response(request: Request, st: State):
     async def answer():
         # per-token deliveries only where they matter: streamed, logprobs to place
         coalesce = not (req.stream or req.logprobs)
+        skeleton = _skeleton(req, st.served_model_name, store is not None, st.chat_defaults)
         try:
             streams, firsts = await start_all(
-                st.client, choices, st.metrics, opened=opened, coalesce=coalesce
+                st.client, choices, st.chat_meter(skeleton["id"]), opened=opened, coalesce=coalesce
             )
         except APIError as exc:
             raise paths.rename(exc) from None
-        builder = ResponseBuilder(_skeleton(req, st.served_model_name, store is not None, st.chat_defaults), parsing, req.logprobs,
-                                  firsts[0].prompt_tokens, firsts[0].cached_tokens)  # fmt: skip
+        builder = ResponseBuilder(
+            skeleton, parsing, req.logprobs, firsts[0].prompt_tokens, firsts[0].cached_tokens
+        )
         if st.request_log is not None:
             st.request_log.chat(builder.body["id"], chat.messages, choices[0], 1, firsts[0].prompt_tokens)
         keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)

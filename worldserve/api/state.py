@@ -13,7 +13,7 @@ from worldserve.api.chat_options import MediaDefaults
 from worldserve.api.errors import APIError
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
-from worldserve.api.request_log import RequestLog
+from worldserve.api.request_log import AbortLogged, RequestLog
 from worldserve.api.responses_store import ResponseStore
 from worldserve.api.server_load import ServerLoad
 from worldserve.chat_params import ChatParams
@@ -90,6 +90,12 @@ class AppState:
         if params.seed is None and self.request_seeds is not None:
             return dataclasses.replace(params, seed=self.request_seeds.next())
         return params
+
+    def chat_meter(self, request_id: str):
+        """Where a request's chats are counted: the metrics, and with --enable-log-requests its abort logged."""
+        if self.request_log is None:
+            return self.metrics
+        return AbortLogged(self.metrics, self.request_log, request_id)
 
     def serves(self, model: str | None) -> bool:
         """Whether a request's `model` names this server's model (None or "": not given, as vLLM takes it)."""

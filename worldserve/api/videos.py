@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
+from worldserve.api.auth import request_id_of
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.protocol import ErrorResponse, VideoCreateRequest, VideoDeleted, VideoList, VideoObject
@@ -74,7 +75,7 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
         st.metrics.on_rejected("storage")
         raise
     if st.request_log is not None:
-        st.request_log.video(job.id, inputs.params, inputs.reference)
+        st.request_log.video(job.id, inputs.params, inputs.reference, http_id=request_id_of(request.scope))
     return job, inputs
 
 
@@ -117,6 +118,8 @@ async def create_video_sync(request: Request, st: State) -> Response:
 
     async def forget() -> None:  # the client left without the job id: nobody could fetch the video
         await st.client.delete_job(job.id)
+        if st.request_log is not None:
+            st.request_log.aborted(job.id, f"{request_id}: the client left before its video")
 
     try:
         done = await unless_disconnected(
@@ -182,8 +185,10 @@ async def retrieve_video(video_id: str, st: State) -> JSONResponse:
 @router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
 async def delete_video(video_id: str, st: State) -> VideoDeleted:
     """Cancel (at the next step boundary) if queued or running, and remove the job and its files."""
-    if await st.client.delete_job(video_id) is None:
+    if (job := await st.client.delete_job(video_id)) is None:
         raise APIError(404, NOT_FOUND, param="video_id")
+    if st.request_log is not None and not job.status.terminal:
+        st.request_log.aborted(video_id, f"deleted while {job.status.value}")
     return VideoDeleted(id=video_id)
 
 
