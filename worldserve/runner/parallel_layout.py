@@ -20,6 +20,9 @@ COND, UNCOND = 0, 1
 COLLECTIVE_TIMEOUT_S = 300.0
 """Timeout of the branch groups' all-to-alls: a forward that waits this long on a rank is a dead rank (the
 world group keeps the long start-up timeout that model loading needs)."""
+GROUP_SETUP_TIMEOUT_S = 60.0
+"""Timeout of a branch group's creation: every rank creates it right after joining, before any loads, so a
+wait this long is a rank that died meanwhile (rank 0 then names it: runner/peers.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +76,19 @@ class ParallelLayout:
         return self.per_branch
 
     def branch_group(self, rank: int) -> ParallelGroup:
-        """`rank`'s Ulysses group (its own process group, COLLECTIVE_TIMEOUT_S). Collective: every rank of the
-        world calls it once, right after connecting, before any other collective."""
+        """`rank`'s Ulysses group (its own process group: created within GROUP_SETUP_TIMEOUT_S, its collectives
+        COLLECTIVE_TIMEOUT_S). Collective: every rank of the world calls it once, right after connecting,
+        before any other collective."""
         if self.ulysses == 1:
             return SINGLE
         import torch.distributed as dist
 
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        setup = timedelta(seconds=GROUP_SETUP_TIMEOUT_S)  # (the creation's wait: gloo connects the ranks)
         groups = [
-            dist.new_group(ranks=list(range(b * self.ulysses, (b + 1) * self.ulysses)), timeout=timeout)
+            dist.new_group(ranks=list(range(b * self.ulysses, (b + 1) * self.ulysses)), timeout=setup)
             for b in range(self.cfg)
         ]
-        return ParallelGroup(rank=rank % self.ulysses, size=self.ulysses, group=groups[self.branch(rank)])
+        mine = groups[self.branch(rank)]
+        if hasattr(mine, "set_timeout"):  # then the collectives' (torch >= 2.6; older: the setup's stays)
+            mine.set_timeout(timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return ParallelGroup(rank=rank % self.ulysses, size=self.ulysses, group=mine)

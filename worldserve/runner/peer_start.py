@@ -7,11 +7,18 @@ error, a bad GPU, an out-of-memory kill while loading) is a one-line `PeerError`
 code at once, where a wait inside torch.distributed (the rendezvous, gloo's mesh, NCCL building a
 communicator on a first message) would have sat until the world's 30-minute timeout. Rank 0 joins the
 world only once every peer is alive at its door, and bounds that rendezvous by `JOIN_TIMEOUT_S`.
+
+The other way round, a peer watches rank 0 (`watch_leader`, its whole life): once rank 0 is gone (killed, or
+a SIGTERM's default exit, which skips every clean-up), the peer exits within `LEADER_POLL_S` whatever it is
+doing, rather than finishing a minutes-long load or waiting in the rendezvous (up to the world's timeout)
+on a GPU no one will use.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +29,8 @@ from worldserve.parallel.comm import PeerError
 JOIN_TIMEOUT_S = 60.0
 """Rank 0's bound on the world's rendezvous (at most the world's timeout). It starts once every peer has said
 ("joining",), so it takes well under a second; only a peer dying right then can make it run out."""
+LEADER_POLL_S = 0.5
+"""How often a peer checks that rank 0 (its parent process) is still there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,26 @@ class PeerLink:
     """tcp://127.0.0.1:PORT: rank 0's TCPStore, the world's rendezvous (parallel/comm.py `init_world`)."""
     conn: Connection
     """The peer's (write) end of its start-up pipe: ("joining",), then ("ready",)."""
+    leader_pid: int
+    """Rank 0's process id: the peer's parent while rank 0 lives."""
+
+    def leader_alive(self) -> bool:
+        """Whether rank 0 is still the peer's parent (a dead parent's children are handed to another)."""
+        return os.getppid() == self.leader_pid
+
+
+def watch_leader(link: PeerLink, label: str, rank: int, period_s: float = LEADER_POLL_S) -> None:
+    """In a peer: a daemon thread that ends the process (exit code 1, one line on stderr) once rank 0 is gone,
+    whether the peer is loading, joining the world (a C++ wait no signal reaches) or serving. It calls no
+    torch.distributed (os._exit only), so it is safe beside them."""
+
+    def loop() -> None:
+        while link.leader_alive():
+            time.sleep(period_s)
+        os.write(2, f"ERROR [{label} rank {rank}] rank 0 (pid {link.leader_pid}) is gone; exiting\n".encode())
+        os._exit(1)
+
+    threading.Thread(target=loop, name=f"worldserve-{label}-rank{rank}-watch", daemon=True).start()
 
 
 def exit_reason(code: int | None) -> str:
@@ -54,7 +83,7 @@ class StartupPipes:
         self.procs: list = []
 
     def link(self, rank: int, init_method: str) -> PeerLink:
-        return PeerLink(init_method, self._pipes[rank - 1][1])
+        return PeerLink(init_method, self._pipes[rank - 1][1], os.getpid())
 
     def spawn(self, procs: Sequence) -> None:
         """Start the peers' processes (ranks 1..), then close the peers' ends here: each is then held by its

@@ -8,7 +8,8 @@ peer processes, so a dead peer raises `PeerError` (a RuntimeError) instead of ha
 joins the world first and then loads its weights (all at once), and the peers tell rank 0 on a plain pipe
 (runner/peer_start.py) that they are joining, then that they are ready: rank 0 never waits inside
 torch.distributed on a peer that may be dead or still loading. A peer serves until ("stop",), then exits
-without the interpreter's slow teardown. A peer left without a message for a while gets ("ping",): its
+without the interpreter's slow teardown; it exits on its own within a second once rank 0 is gone, whatever it
+is doing (runner/peer_start.py `watch_leader`). A peer left without a message for a while gets ("ping",): its
 pending receive would otherwise time out after the world's timeout (gloo's wait, NCCL's watchdog) and end
 it, while the server sat idle.
 """
@@ -30,7 +31,7 @@ import torch
 
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
-from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes
+from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes, watch_leader
 
 log = logging.getLogger("worldserve.peers")
 LEADER = 0
@@ -88,8 +89,10 @@ class PeerRanks:
         theirs (a collective set-up, such as new_group, comes first in both), wait for every peer's ("ready",)
         and start the keep-alive pings. `timeout_s`: the world's (the peers' run_peer must use the same). A
         peer that exits meanwhile is a PeerError naming its rank and exit code, raised at once (while rank 0
-        loads: when its load returns), the other peers killed. -> (peers, load_local's result)."""
+        loads: when its load returns, or when a torch.distributed wait in it runs out), the other peers killed.
+        -> (peers, load_local's result)."""
         import torch.multiprocessing as mp
+        from torch.distributed import DistError
 
         if comm.world_initialized():
             raise RuntimeError("a torch.distributed world already exists in this process (one at a time)")
@@ -114,7 +117,11 @@ class PeerRanks:
             except RuntimeError as exc:  # (the rendezvous timed out: a peer died right after saying joining)
                 pipes.check("while joining the world")
                 raise comm.PeerError(f"{label} ranks could not join the world: {exc}") from exc
-            local = load_local()
+            try:
+                local = load_local()
+            except DistError:  # a collective set-up (new_group) that ran out waiting on a peer that died
+                pipes.check("while loading")
+                raise
             pipes.wait_for("ready", "while loading")
             self = cls(procs, group, devices[0], label)
             # Every peer's first message now, while each is known to wait for one (NCCL builds rank 0's
@@ -227,15 +234,16 @@ def run_peer(
     timeout_s: float = INIT_TIMEOUT_S,
 ) -> None:  # fmt: skip
     """A peer process: say ("joining",) on `link`, join the world, `load(device)`, say ("ready",), then
-    `serve(loaded, group, device, leader_alive)` until it returns (after ("stop",)); exit code 1 on any error."""
+    `serve(loaded, group, device, leader_alive)` until it returns (after ("stop",)); exit code 1 on any error
+    (a bad checkpoint: one line, as rank 0 says it; anything else: its traceback), or once rank 0 is gone."""
+    from worldserve.weights.checkpoint import CheckpointError
+
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [{label} rank {rank}] %(message)s")
+    watch_leader(link, label, rank)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    parent = os.getppid()
-
-    def leader_alive() -> bool:
-        return os.getppid() == parent
+    leader_alive = link.leader_alive
 
     try:
         link.conn.send(("joining",))
@@ -248,6 +256,9 @@ def run_peer(
         serve(loaded, group, dev, leader_alive)
     except comm.PeerError as exc:
         log.error("rank 0 is gone (%s); exiting", exc)
+        sys.exit(1)
+    except CheckpointError as exc:  # the user's to fix, and the same files rank 0 reads: no traceback
+        log.error("could not load the model: %s", exc)
         sys.exit(1)
     except BaseException:
         traceback.print_exc()
