@@ -214,8 +214,7 @@ def graceful_uvicorn(storage: Path, shutdown_timeout_s: float, **client_kw):
     import uvicorn
 
     from worldserve.api.app import build_app
-    from worldserve.commands.serve import GracefulServer
-    from worldserve.commands.serve_http import uvicorn_options
+    from worldserve.commands.serve_http import GracefulServer, uvicorn_options
 
     client = make_client(storage, **client_kw)
     app = build_app(client, shutdown_timeout_s=shutdown_timeout_s)

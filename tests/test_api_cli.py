@@ -230,14 +230,14 @@ async def test_a_sweep_interval_delays_the_expiry_sweep(tmp_path, anyio_backend)
 def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     import time as _time
 
-    from worldserve.commands import serve, serve_backend
+    from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig
 
     monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched: _time.sleep(5))
-    assert serve._load_backend_within(ModelConfig(init_timeout=0.05)) is None
+    assert serve_backend.load_backend_within(ModelConfig(init_timeout=0.05)) is None
     assert "did not become ready within 0.05s" in caplog.text
     monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched: ("backend", None))
-    assert serve._load_backend_within(ModelConfig()) == ("backend", None)
+    assert serve_backend.load_backend_within(ModelConfig()) == ("backend", None)
 
 
 def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt, monkeypatch):

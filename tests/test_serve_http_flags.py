@@ -22,7 +22,7 @@ from serving_helpers import SMALL_FORM, asgi_server, make_client
 
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
-from worldserve.commands import serve, serve_compat, serve_http
+from worldserve.commands import serve, serve_backend, serve_compat, serve_http
 
 TESTS = Path(__file__).parent
 
@@ -100,7 +100,7 @@ def test_values_worldserve_cannot_honour_stop_the_start_before_the_load(
     argv, named, tmp_path, caplog, monkeypatch
 ):
     loads = []
-    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
         assert serve.run(parse_args(*argv, "--storage-dir", str(tmp_path / "s"), "--port", "0")) == 2
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -112,7 +112,7 @@ def test_values_worldserve_cannot_honour_stop_the_start_before_the_load(
 def test_fp8_kernels_this_machine_lacks_stop_the_start_before_the_load(flag, tmp_path, caplog, monkeypatch):
     """(serve found them after loading the model, exit 1; generate refused them before, exit 2)"""
     loads = []
-    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
         assert serve.run(parse_args(*flag, "--storage-dir", str(tmp_path / "s"), "--port", "0")) == 2
     assert flag[0] in caplog.text and not loads

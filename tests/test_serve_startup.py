@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from worldserve.cli import build_parser
-from worldserve.commands import serve
+from worldserve.commands import serve, serve_backend, serve_http
 
 
 def parse_args(*argv: str):
@@ -38,7 +38,7 @@ def test_an_unusable_storage_directory_is_one_line_before_the_model_loads(
     elif where == "a folder as database":
         (store / "jobs.sqlite3").mkdir(parents=True)
     loads = []
-    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
         assert serve.run(parse_args("--storage-dir", str(store), "--port", "0")) == 1
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -49,7 +49,7 @@ def test_a_busy_port_or_a_bad_host_fails_the_start_before_the_model_loads(tmp_pa
     import socket
 
     loads = []
-    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -68,13 +68,13 @@ def test_the_socket_binds_as_vllm_binds_it():
     IPv6 literal gets an IPv6 socket; nothing listens until the app is ready."""
     import socket
 
-    with serve.bind_listener("", 0) as every, serve.bind_listener("localhost", 0) as local:
+    with serve_http.bind_listener("", 0) as every, serve_http.bind_listener("localhost", 0) as local:
         assert every.family == local.family == socket.AF_INET
         assert every.getsockname()[0] == "0.0.0.0" and local.getsockname()[0] == "127.0.0.1"
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", local.getsockname()[1])) != 0, "refused until listening"
     try:
-        six = serve.bind_listener("::1", 0)
+        six = serve_http.bind_listener("::1", 0)
     except ValueError:
         pytest.skip("no IPv6 loopback here")
     with six:
@@ -97,7 +97,7 @@ def test_accepted_connections_have_nagle_off():
             )
             writer.close()
 
-        with serve.bind_listener("127.0.0.1", 0) as sock:
+        with serve_http.bind_listener("127.0.0.1", 0) as sock:
             sock.listen()
             server = await asyncio.start_server(accepted, sock=sock)
             async with server:
@@ -115,14 +115,14 @@ def test_a_port_another_server_took_during_the_load_is_one_line(tmp_path, caplog
     not uvicorn's traceback."""
     from worldserve.engine.fake_backend import FakeBackend
 
-    other = serve.bind_listener("127.0.0.1", 0)  # another server, still loading its model
+    other = serve_http.bind_listener("127.0.0.1", 0)  # another server, still loading its model
     port = other.getsockname()[1]
 
     def load(*_a, **_k):
         other.listen()  # ... which becomes ready while this one loads
         return FakeBackend(), None
 
-    monkeypatch.setattr(serve, "_load_backend_within", load)
+    monkeypatch.setattr(serve_backend, "load_backend_within", load)
     with other, caplog.at_level(logging.ERROR, logger="worldserve.serve"):
         argv = ("--host", "127.0.0.1", "--port", str(port), "--storage-dir", str(tmp_path / "s"))
         assert serve.run(parse_args(*argv)) == 2
@@ -146,7 +146,7 @@ def test_gpus_this_machine_lacks_fail_before_anything_binds_or_loads(
     """A device, or a parallel layout's one GPU per rank, that is not there: one line naming the flags, exit 2,
     before the checkpoint is resolved (a parallel layout was: exit 1 after binding and opening the store)."""
     loads = []
-    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
         assert serve.run(parse_args(*flags, "--storage-dir", str(tmp_path / "s"))) == 2
     assert message in caplog.text
@@ -158,7 +158,7 @@ def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_p
 
     held = JobStore(tmp_path / "store")  # another server's store
     loads = []
-    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
         assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"), "--port", "0")) == 1
     assert "in use by another worldserve server" in caplog.text and not loads
@@ -169,7 +169,7 @@ def test_a_refused_flag_fails_the_start_before_the_model_loads(tmp_path, caplog,
     """`serve` exits 2 at once (no store opened, no load), logging the one-line reason."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     loads = []
-    monkeypatch.setattr(serve, "_load_backend_within", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
         assert serve.run(parse_args("--cache-backend", "tea_cache")) == 2
     assert "--cache-backend tea_cache: worldserve has no lossy step caching" in caplog.text and not loads

@@ -21,14 +21,8 @@ model loads (exit 2).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ipaddress
 import logging
-import signal
 import socket
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +36,6 @@ from worldserve.commands.serve_compat import add_compat_arguments, check_compat_
 from worldserve.config import (
     CONFIG_CLASSES,
     EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
     ServerConfig,
 )
 from worldserve.config_flags import add_config_arguments
@@ -159,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     # before the (minutes-long) model load: a bad --host, a busy --port or an unusable storage directory
     # fails the start at once
     try:
-        listener = bind_listener(config.server.host, config.server.port)
+        listener = serve_http.bind_listener(config.server.host, config.server.port)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -169,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         except StorageError as exc:
             log.error("%s", exc)
             return 1
-        loaded = _load_backend_within(config.model, config.parallel, config.scheduler)
+        loaded = serve_backend.load_backend_within(config.model, config.parallel, config.scheduler)
         if loaded is None:
             store.close()
             return 1
@@ -189,44 +180,6 @@ def run(args: argparse.Namespace) -> int:
             if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
                 backend.close()
             log.info("worldserve serve stopped")
-
-
-def bind_listener(host: str | None, port: int) -> socket.socket:
-    """The server's socket, bound before the model loads and listening only once the app is ready (until
-    then connections are refused, so readiness probes wait); ValueError naming --host / --port when it cannot
-    be bound. Bound as vLLM binds its API socket: an IPv6 literal gets an IPv6 socket (`::` is dual-stack),
-    anything else (an IPv4 address, a name such as localhost, empty for every interface) an IPv4 one."""
-    try:
-        ipv6 = ipaddress.ip_address(host or "").version == 6
-    except ValueError:
-        ipv6 = False
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (proto 0 left Nagle on,
-    # and a response's body, written after its headers, waited ~40 ms for the client's delayed ACK)
-    sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    # as uvicorn: a restart reuses the port at once (its old connections may still be in TIME_WAIT)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host or "", port))
-    except (socket.gaierror, UnicodeError) as exc:
-        sock.close()
-        raise ValueError(f"--host {host!r} is not an address of this machine: {exc}") from None
-    except OSError as exc:
-        sock.close()
-        raise _cannot_listen(host, port, exc) from None
-    return sock
-
-
-def start_listening(sock: socket.socket, host: str | None) -> None:
-    """listen() on the bound socket (uvicorn's backlog); ValueError when another process bound the same port
-    meanwhile (two sockets with SO_REUSEADDR can both bind it while neither listens)."""
-    try:
-        sock.listen(2048)
-    except OSError as exc:
-        raise _cannot_listen(host, sock.getsockname()[1], exc) from None
-
-
-def _cannot_listen(host: str | None, port: int, exc: OSError) -> ValueError:
-    return ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}")
 
 
 def _serve(
@@ -284,11 +237,11 @@ def _serve(
         for name in ("uvicorn", "uvicorn.access"):
             logging.getLogger(name).addHandler(log_file)
     try:
-        start_listening(listener, server_cfg.host)
+        serve_http.start_listening(listener, server_cfg.host)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run(sockets=[listener])
+    serve_http.GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run(sockets=[listener])
     return 0
 
 
@@ -337,43 +290,6 @@ def media_defaults(server: ServerConfig) -> Any:
     return MediaDefaults(io, mm)
 
 
-def _load_backend_within(
-    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), scheduler: SchedulerConfig | None = None
-) -> tuple[Any, Any] | None:
-    """serve_backend.load_backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
-    from worldserve.weights.checkpoint import CheckpointError
-
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = serve_backend.load_backend(cfg, parallel, scheduler or SchedulerConfig())
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    started = time.monotonic()
-    loader = threading.Thread(target=target, name="worldserve-load", daemon=True)
-    loader.start()
-    loader.join(cfg.init_timeout)
-    if loader.is_alive():
-        log.error(
-            "Model did not become ready within %gs (--init-timeout); raise it for cold caches",
-            cfg.init_timeout,
-        )
-        return None
-    if "error" in outcome:
-        err = outcome["error"]
-        # A bad checkpoint or an unsupported option is the user's to fix, a peer rank that died at start-up
-        # has its own log above: one line; anything else: traceback.
-        from worldserve.parallel.comm import PeerError
-
-        expected = isinstance(err, (CheckpointError, ValueError, PeerError))
-        log.error("could not load the model: %s", err, exc_info=None if expected else err)
-        return None
-    log.info("model ready in %.1fs", time.monotonic() - started)
-    return outcome["value"]
-
-
 def _non_default_args(args: argparse.Namespace) -> str:
     defaults = {}
     for cls in CONFIG_CLASSES:
@@ -384,36 +300,3 @@ def _non_default_args(args: argparse.Namespace) -> str:
     if "api_key" in changed:
         changed["api_key"] = "***"
     return f"non-default args: {changed}" if changed else "all defaults"
-
-
-class GracefulServer(uvicorn.Server):
-    """uvicorn.Server that stops job intake the moment a shutdown signal arrives (then uvicorn's own)."""
-
-    def __init__(self, config: uvicorn.Config, client: Any, shutdown_timeout: float):
-        super().__init__(config)
-        self._client = client
-        self._shutdown_timeout = shutdown_timeout
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit:
-            log.info(
-                "shutdown requested: no new jobs; running ones get %gs to finish", self._shutdown_timeout
-            )
-            self._client.begin_shutdown(self._shutdown_timeout)
-        elif sig == signal.SIGINT:  # uvicorn's force exit: stops waiting for connections; the engine too
-            log.warning("second interrupt: stopping now; running jobs are queued again for the next start")
-            self._client.stop_now()
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """uvicorn's, but a SIGTERM ends `run` once the graceful shutdown is done: uvicorn raises it again
-        there, and the default handler killed the process before the peer ranks were stopped (exit 0)."""
-        with super().capture_signals():
-            yield
-            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        await super().shutdown(sockets)
-        if self.force_exit:  # uvicorn skips the app's lifespan shutdown then: the engine still parks its
-            await self._client.shutdown(0.0)  # running jobs and the store closes (or they count interrupted)

@@ -1,5 +1,5 @@
 """`worldserve serve`'s model loading: the video pipeline, the startup warm-up shapes, and the Reasoner sharing
-its transformer (commands/serve.py runs `load_backend` in a thread bounded by --init-timeout).
+its transformer (`load_backend_within` runs `load_backend` in a thread bounded by --init-timeout).
 
 `load_backend` resolves MODEL (none: the embedded tiny random checkpoint, loudly), loads the pipeline with the
 kernel, parallel and offload options, generates each --warmup-shapes shape once (one step + decode: compiles
@@ -11,6 +11,7 @@ of --generation-config (sampling/chat_defaults.py).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,40 @@ def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
         )
     if shapes and pipeline.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pipeline.device)  # jobs report their peaks, not the warm-up's
+
+
+def load_backend_within(
+    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), scheduler: SchedulerConfig | None = None
+) -> tuple[Any, Any] | None:
+    """serve_backend.load_backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
+    from worldserve.weights.checkpoint import CheckpointError
+
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = load_backend(cfg, parallel, scheduler or SchedulerConfig())
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    started = time.monotonic()
+    loader = threading.Thread(target=target, name="worldserve-load", daemon=True)
+    loader.start()
+    loader.join(cfg.init_timeout)
+    if loader.is_alive():
+        log.error(
+            "Model did not become ready within %gs (--init-timeout); raise it for cold caches",
+            cfg.init_timeout,
+        )
+        return None
+    if "error" in outcome:
+        err = outcome["error"]
+        # A bad checkpoint or an unsupported option is the user's to fix, a peer rank that died at start-up
+        # has its own log above: one line; anything else: traceback.
+        from worldserve.parallel.comm import PeerError
+
+        expected = isinstance(err, (CheckpointError, ValueError, PeerError))
+        log.error("could not load the model: %s", err, exc_info=None if expected else err)
+        return None
+    log.info("model ready in %.1fs", time.monotonic() - started)
+    return outcome["value"]

@@ -3,21 +3,31 @@ proxy under a path prefix), `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs
 checked before the model loads), `--disable-uvicorn-access-log`, `--disable-fastapi-docs` (no /docs, /redoc,
 /openapi.json), `--middleware` (a class or `async def (request, call_next)` imported by its dotted name, added
 outermost, as vLLM adds it) and `--config FILE` (a YAML file of flags, keys spelled as the flags without `--`;
-a flag also given on the command line keeps the command line's value).
+a flag also given on the command line keeps the command line's value). Also the listening socket
+(`bind_listener` before the model loads, `start_listening` once the app is ready, as vLLM binds its API
+socket) and `GracefulServer`, uvicorn's server that stops job intake the moment a shutdown signal arrives.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
+import ipaddress
 import json
-from collections.abc import Callable
+import logging
+import signal
+import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worldserve.config import FlagValueError
+
+log = logging.getLogger("worldserve.serve")
 
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,3 +243,74 @@ def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argpars
         ):
             continue
         setattr(args, dest, value)
+
+
+def bind_listener(host: str | None, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads and listening only once the app is ready (until
+    then connections are refused, so readiness probes wait); ValueError naming --host / --port when it cannot
+    be bound. Bound as vLLM binds its API socket: an IPv6 literal gets an IPv6 socket (`::` is dual-stack),
+    anything else (an IPv4 address, a name such as localhost, empty for every interface) an IPv4 one."""
+    try:
+        ipv6 = ipaddress.ip_address(host or "").version == 6
+    except ValueError:
+        ipv6 = False
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (proto 0 left Nagle on,
+    # and a response's body, written after its headers, waited ~40 ms for the client's delayed ACK)
+    sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # as uvicorn: a restart reuses the port at once (its old connections may still be in TIME_WAIT)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host or "", port))
+    except (socket.gaierror, UnicodeError) as exc:
+        sock.close()
+        raise ValueError(f"--host {host!r} is not an address of this machine: {exc}") from None
+    except OSError as exc:
+        sock.close()
+        raise _cannot_listen(host, port, exc) from None
+    return sock
+
+
+def start_listening(sock: socket.socket, host: str | None) -> None:
+    """listen() on the bound socket (uvicorn's backlog); ValueError when another process bound the same port
+    meanwhile (two sockets with SO_REUSEADDR can both bind it while neither listens)."""
+    try:
+        sock.listen(2048)
+    except OSError as exc:
+        raise _cannot_listen(host, sock.getsockname()[1], exc) from None
+
+
+def _cannot_listen(host: str | None, port: int, exc: OSError) -> ValueError:
+    return ValueError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}")
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that stops job intake the moment a shutdown signal arrives (then uvicorn's own)."""
+
+    def __init__(self, config: uvicorn.Config, client: Any, shutdown_timeout: float):
+        super().__init__(config)
+        self._client = client
+        self._shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            log.info(
+                "shutdown requested: no new jobs; running ones get %gs to finish", self._shutdown_timeout
+            )
+            self._client.begin_shutdown(self._shutdown_timeout)
+        elif sig == signal.SIGINT:  # uvicorn's force exit: stops waiting for connections; the engine too
+            log.warning("second interrupt: stopping now; running jobs are queued again for the next start")
+            self._client.stop_now()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, but a SIGTERM ends `run` once the graceful shutdown is done: uvicorn raises it again
+        there, and the default handler killed the process before the peer ranks were stopped (exit 0)."""
+        with super().capture_signals():
+            yield
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skips the app's lifespan shutdown then: the engine still parks its
+            await self._client.shutdown(0.0)  # running jobs and the store closes (or they count interrupted)
