@@ -43,8 +43,8 @@ def test_every_flag_maps_to_a_field():
     )
     assert cfg.scheduler.max_queued_requests == 3 and cfg.scheduler.max_batch_size == 4
     assert cfg.scheduler.encode_workers == 3 and cfg.scheduler.shutdown_timeout == 5
-    s = cfg.server
-    assert (s.api_key, s.storage_dir, s.sync_timeout, s.max_upload_bytes, s.job_ttl) == (
+    s, v = cfg.server, cfg.video
+    assert (s.api_key, v.storage_dir, v.sync_timeout, s.max_upload_bytes, v.job_ttl) == (
         ("k",),
         "/s",
         12.5,
@@ -52,6 +52,20 @@ def test_every_flag_maps_to_a_field():
         60,
     )
     assert cfg.parallel == ParallelConfig()
+
+
+def test_engine_config_parts_are_small_and_each_a_help_group():
+    """design.md: one frozen dataclass per concern, about 15 fields at most; EngineConfig holds every class
+    CONFIG_CLASSES lists (their flags, their --help groups and serve's `non-default args`), and no flag is in
+    two of them."""
+    from worldserve.config import CONFIG_CLASSES
+
+    parts = [f.type for f in dataclasses.fields(EngineConfig)]
+    assert parts == [cls.__name__ for cls in CONFIG_CLASSES]
+    for cls in CONFIG_CLASSES:
+        assert cls.__dataclass_params__.frozen and len(dataclasses.fields(cls)) <= 18, cls.__name__
+    names = [f.name for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names))
 
 
 def test_warmup_shapes():
@@ -131,10 +145,10 @@ def test_resolve_env_fallbacks(monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_OMNI_SERVER_STORAGE__PATH", raising=False)
     monkeypatch.delenv("WORLDSERVE_API_KEY", raising=False)
     cfg = parse().resolve()
-    assert cfg.server.sync_timeout == 1800 and cfg.server.api_key == ("from-env",)
-    assert cfg.server.storage_dir == str(tmp_path / "worldserve" / "storage")
+    assert cfg.video.sync_timeout == 1800 and cfg.server.api_key == ("from-env",)
+    assert cfg.video.storage_dir == str(tmp_path / "worldserve" / "storage")
     assert cfg.model.served_model_name == TINY_SERVED_NAME
-    assert parse("m", "--sync-timeout", "5").resolve().server.sync_timeout == 5, "the flag wins"
+    assert parse("m", "--sync-timeout", "5").resolve().video.sync_timeout == 5, "the flag wins"
     assert parse("--api-key", "k1", "k2").resolve().server.api_key == ("k1", "k2"), "vLLM takes several keys"
     assert parse("some/model").resolve().model.served_model_name == "some/model"
     monkeypatch.setenv("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "soon")
@@ -150,20 +164,20 @@ def test_vllm_omni_storage_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_OMNI_STORAGE_PATH", str(tmp_path / "old"))
     monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "3600")
     monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL", "30")
-    server = parse().resolve().server
-    assert (server.storage_dir, server.job_ttl, server.job_sweep_interval) == (
+    video = parse().resolve().video
+    assert (video.storage_dir, video.job_ttl, video.job_sweep_interval) == (
         str(tmp_path / "old"),
         3600,
         30,
     )
     monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__PATH", str(tmp_path / "new"))
-    assert parse("--job-ttl", "60").resolve().server.job_ttl == 60, "the flag wins"
-    assert parse().resolve().server.storage_dir == str(tmp_path / "new"), "the current name wins"
+    assert parse("--job-ttl", "60").resolve().video.job_ttl == 60, "the flag wins"
+    assert parse().resolve().video.storage_dir == str(tmp_path / "new"), "the current name wins"
     monkeypatch.setenv("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "0")
-    assert parse().resolve().server.job_ttl is None, "0: no TTL"
+    assert parse().resolve().video.job_ttl is None, "0: no TTL"
     for name in ("VLLM_OMNI_SERVER_STORAGE__FILE_TTL", "VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL"):
         monkeypatch.delenv(name)
-    assert (parse().resolve().server.job_ttl, parse().resolve().server.job_sweep_interval) == (None, None)
+    assert (parse().resolve().video.job_ttl, parse().resolve().video.job_sweep_interval) == (None, None)
 
 
 def test_hidden_test_flags_stay_out_of_help(capsys):
@@ -233,10 +247,10 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig
 
-    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched: _time.sleep(5))
+    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched, chat: _time.sleep(5))
     assert serve_backend.load_backend_within(ModelConfig(init_timeout=0.05)) is None
     assert "did not become ready within 0.05s" in caplog.text
-    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched: ("backend", None))
+    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched, chat: ("backend", None))
     assert serve_backend.load_backend_within(ModelConfig()) == ("backend", None)
 
 
@@ -245,30 +259,29 @@ def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt, monkeypatch):
     weight loads, and otherwise the Reasoner's pool holds that many bytes' worth of tokens;
     --mm-processor-cache-gb sizes its processor cache (negative or not a number: refused)."""
     from worldserve.commands import serve_backend
-    from worldserve.config import ModelConfig, ParallelConfig
+    from worldserve.config import ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
     from worldserve.runner import video_pipeline
 
     with pytest.raises(ValueError, match="kv-cache-memory-bytes must be > 0"):
         parse("--kv-cache-memory-bytes", "0")
-    small = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
-                        kv_cache_memory_bytes=1000)  # fmt: skip
-    ok = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096,
-                     kv_cache_memory_bytes=50_000_000)  # fmt: skip
-    pipeline, _, reasoner = serve_backend.load_backend(ok, ParallelConfig())
+    model, sched = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none"), SchedulerConfig()
+    small = ReasonerConfig(max_model_len=4096, kv_cache_memory_bytes=1000)
+    ok = ReasonerConfig(max_model_len=4096, kv_cache_memory_bytes=50_000_000)
+    pipeline, _, reasoner = serve_backend.load_backend(model, ParallelConfig(), sched, ok)
     per_token = pipeline.transformer.und_kv_bytes_per_token()
     short = dataclasses.replace(small, kv_cache_memory_bytes=4096 * per_token - 1)  # one token short
     with monkeypatch.context() as m:  # (refused before the weights load)
         m.setattr(video_pipeline, "load_pipeline", lambda *a, **k: pytest.fail("weights loaded"))
-        for cfg, tokens in ((small, 1), (short, 4095)):
+        for chat, tokens in ((small, 1), (short, 4095)):
             with pytest.raises(ValueError, match=rf"holds {tokens} tokens .* fewer than --max-model-len 4096: "
                                r"raise --kv-cache-memory-bytes or lower --max-model-len"):  # fmt: skip
-                serve_backend.load_backend(cfg, ParallelConfig())
+                serve_backend.load_backend(model, ParallelConfig(), sched, chat)
     assert reasoner.prefiller.caching  # vLLM's default: prefix caching on
     assert reasoner.media_cache.max_bytes == 4 * 2**30  # vLLM's default --mm-processor-cache-gb
     off = dataclasses.replace(  # --no-enable-prefix-caching and --mm-processor-cache-gb reach the Reasoner
         ok, enable_prefix_caching=False, mm_processor_cache_gb=0.5
     )
-    off_reasoner = serve_backend.load_backend(off, ParallelConfig())[2]
+    off_reasoner = serve_backend.load_backend(model, ParallelConfig(), sched, off)[2]
     assert not off_reasoner.prefiller.caching and off_reasoner.media_cache.max_bytes == 2**29
     for bad in ("-1", "nan"):
         with pytest.raises(ValueError, match="--mm-processor-cache-gb must be a number >= 0"):

@@ -113,12 +113,14 @@ def test_a_folder_without_the_file_or_a_broken_file_stops_the_start(tmp_path, ca
 
 def test_load_backend_reads_the_checkpoint_generation_config(tiny_copy, caplog):
     from worldserve.commands import serve_backend
-    from worldserve.config import ModelConfig, ParallelConfig
+    from worldserve.config import ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 
     _folder(tiny_copy, {"temperature": 0.6, "top_k": 20, "max_new_tokens": 32})
-    cfg = ModelConfig(model=str(tiny_copy), device="cpu", warmup_shapes="none", max_model_len=4096)
+    cfg = ModelConfig(model=str(tiny_copy), device="cpu", warmup_shapes="none")
     with caplog.at_level(logging.WARNING, logger="worldserve.serve"):
-        reasoner = serve_backend.load_backend(cfg, ParallelConfig())[2]
+        reasoner = serve_backend.load_backend(
+            cfg, ParallelConfig(), SchedulerConfig(), ReasonerConfig(max_model_len=4096)
+        )[2]
     assert reasoner.sampling_defaults == ChatDefaults(
         temperature=0.6, top_k=20, max_tokens=32, source=str(tiny_copy / "generation_config.json")
     )
@@ -130,10 +132,7 @@ def test_load_backend_reads_the_checkpoint_generation_config(tiny_copy, caplog):
     assert (
         "error=" in run_cli("info", tiny_copy).stdout and "top_p must be" in run_cli("info", tiny_copy).stdout
     )
-    assert (
-        serve_backend.chat_defaults(ModelConfig(model=str(tiny_copy), generation_config="vllm"), tiny_copy)
-        == NEUTRAL
-    )
+    assert serve_backend.chat_defaults(ReasonerConfig(generation_config="vllm"), tiny_copy) == NEUTRAL
 
 
 @pytest.fixture(scope="module")

@@ -41,11 +41,11 @@ def test_a_file_or_the_template_itself(tmp_path):
 def test_the_flag_is_read_before_the_model_loads(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
-    model = config("--chat-template", str(path)).model
-    assert model.chat_template == str(path) and model.chat_template_text == TEMPLATE
-    again = dataclasses.replace(model, served_model_name="x")  # (the config is rebuilt this way at start)
+    chat = config("--chat-template", str(path)).reasoner
+    assert chat.chat_template == str(path) and chat.chat_template_text == TEMPLATE
+    again = dataclasses.replace(chat, max_model_len=4096)  # (a rebuilt config reads the template again)
     assert again.chat_template_text == TEMPLATE
-    assert config().model.chat_template_text is None
+    assert config().reasoner.chat_template_text is None
     with pytest.raises(ValueError, match="looks like a file path, but it failed to be opened"):
         config("--chat-template", str(tmp_path / "missing.jinja"))
 

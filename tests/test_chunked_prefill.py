@@ -156,13 +156,16 @@ def test_start_prefills_to_the_end_and_no_chunking_prefills_whole(tiny_ckpt, mod
 
 def test_the_flags_reach_the_reasoner_and_are_checked(tiny_ckpt):
     from worldserve.commands import serve_backend
-    from worldserve.config import ModelConfig, ParallelConfig, SchedulerConfig
+    from worldserve.config import ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 
-    cfg = ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none", max_model_len=4096)
+    cfg, chat = (
+        ModelConfig(model=str(tiny_ckpt), device="cpu", warmup_shapes="none"),
+        ReasonerConfig(max_model_len=4096),
+    )
     sched = SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False)
-    reasoner = serve_backend.load_backend(cfg, ParallelConfig(), sched)[2]
+    reasoner = serve_backend.load_backend(cfg, ParallelConfig(), sched, chat)[2]
     assert (reasoner.max_num_batched_tokens, reasoner.chunked_prefill) == (512, False)
-    reasoner = serve_backend.load_backend(cfg, ParallelConfig())[2]
+    reasoner = serve_backend.load_backend(cfg, ParallelConfig(), SchedulerConfig(), chat)[2]
     assert (reasoner.max_num_batched_tokens, reasoner.chunked_prefill) == (8192, True)  # vLLM's defaults
     with pytest.raises(ValueError, match="--max-num-batched-tokens"):
         SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=32)

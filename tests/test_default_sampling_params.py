@@ -23,13 +23,13 @@ DEFAULTS = {"num_inference_steps": 7, "width": 320, "height": 192, "num_frames":
 
 def test_the_flag_becomes_the_video_defaults_with_flow_shift():
     cfg = config("--default-sampling-params", json.dumps({"0": DEFAULTS}), "--flow-shift", "7")
-    assert cfg.server.video_defaults == {**DEFAULTS, "flow_shift": 7.0}
+    assert cfg.video.video_defaults == {**DEFAULTS, "flow_shift": 7.0}
     own = config("--default-sampling-params", '{"0": {"flow_shift": 3}}', "--flow-shift", "7")
-    assert own.server.video_defaults == {"flow_shift": 3}, "the flag's own flow_shift wins over --flow-shift"
-    assert config().server.video_defaults == {} and config("--flow-shift", "5").server.video_defaults == {
+    assert own.video.video_defaults == {"flow_shift": 3}, "the flag's own flow_shift wins over --flow-shift"
+    assert config().video.video_defaults == {} and config("--flow-shift", "5").video.video_defaults == {
         "flow_shift": 5.0
     }
-    assert config("--default-sampling-params", '{"0": null, "1": {}}').server.video_defaults == {}
+    assert config("--default-sampling-params", '{"0": null, "1": {}}').video.video_defaults == {}
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ async def test_a_server_started_with_the_flag_generates_with_its_defaults(anyio_
     cfg = config("--default-sampling-params", json.dumps({"0": DEFAULTS}))
     backend = RecordingBackend()
     async with asgi_server(
-        tmp_path, backend=backend, app_kw={"video_defaults": cfg.server.video_defaults}
+        tmp_path, backend=backend, app_kw={"video_defaults": cfg.video.video_defaults}
     ) as http:
         r = await http.post("/v1/videos", data={"prompt": "a red fox"})
         assert r.status_code == 200, r.text

@@ -72,8 +72,8 @@ def test_generator_recipe_line_with_vllm_omni_flags(caplog):
                  "--gpu-memory-utilization"):  # fmt: skip
         lines = [r.getMessage() for r in caplog.records if flag_of(r) == flag]
         assert len(lines) == 1 and "accepted, no effect: " in lines[0], flag
-    assert cfg.server.flow_shift == 10.0 and not any(flag_of(r) == "--flow-shift" for r in caplog.records)
-    assert cfg.server.video_defaults == {"flow_shift": 10.0, "num_inference_steps": 35}  # both honoured
+    assert cfg.video.flow_shift == 10.0 and not any(flag_of(r) == "--flow-shift" for r in caplog.records)
+    assert cfg.video.video_defaults == {"flow_shift": 10.0, "num_inference_steps": 35}  # both honoured
     assert "(1 here)" in next(r.getMessage() for r in caplog.records if flag_of(r) == "--num-gpus")
     assert not any(flag_of(r) in ("--hf-overrides", "--media-io-kwargs") for r in caplog.records)
 
@@ -82,11 +82,11 @@ def test_reasoner_recipe_line(caplog):
     """The vLLM Reasoner recipe line parses, its JSON flags parsed, and each no-op flag is logged."""
     args = parse_args(*REASONER)
     cfg = serve.engine_config(args)
-    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.max_model_len == 16384
-    assert cfg.parallel.tensor_parallel_size == 1 and cfg.server.allowed_local_media_path == "/"
+    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.reasoner.max_model_len == 16384
+    assert cfg.parallel.tensor_parallel_size == 1 and cfg.media.allowed_local_media_path == "/"
     assert args.hf_overrides == {"architectures": ["Cosmos3ReasonerForConditionalGeneration"]}
     assert (
-        cfg.server.media_io_kwargs.as_dict() == {"video": {"num_frames": -1}}
+        cfg.media.media_io_kwargs.as_dict() == {"video": {"num_frames": -1}}
         and args.mm_encoder_tp_mode == "data"
     )
     assert serve.app_options(cfg)["media_defaults"].media_io == {"video": {"num_frames": -1}}  # honoured
@@ -232,7 +232,7 @@ async def test_flow_shift_is_the_default_of_requests_without_one(anyio_backend):
     from worldserve.api.video_inputs import build_inputs
 
     fields = {"prompt": "x", "size": "64x48", "num_frames": "5"}
-    defaults = config("--flow-shift", "7").server.video_defaults
+    defaults = config("--flow-shift", "7").video.video_defaults
     got = await build_inputs(dict(fields), served_model="m", has_sound=False, defaults=defaults)
     assert got.params.flow_shift == 7.0
     own = await build_inputs(
@@ -287,16 +287,16 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         cfg.model.served_model_name == "cosmos"
         and cfg.model.quantization == "fp8"
         and cfg.model.enforce_eager
-        and not cfg.model.enable_prefix_caching
+        and not cfg.reasoner.enable_prefix_caching
         and cfg.scheduler.max_num_batched_tokens == 4096
         and not cfg.scheduler.enable_chunked_prefill
-        and cfg.model.generation_config == "vllm"
-        and cfg.server.seed == 0
-        and cfg.model.override_generation_config.as_dict() == {"temperature": 0.5}
+        and cfg.reasoner.generation_config == "vllm"
+        and cfg.chat.seed == 0
+        and cfg.reasoner.override_generation_config.as_dict() == {"temperature": 0.5}
     )
-    assert cfg.parallel.enable_layerwise_offload and cfg.server.allowed_local_media_path == "/data"
+    assert cfg.parallel.enable_layerwise_offload and cfg.media.allowed_local_media_path == "/data"
     assert args.ring_degree == 1 and args.diffusion_attention_config == {} and args.dlo_use_allgather is False
-    assert cfg.server.allowed_media_domains == [
+    assert cfg.media.allowed_media_domains == [
         "example.com",
         "cdn.example.com",
     ]  # honoured: api/media_urls.py
@@ -306,7 +306,7 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
     assert sorted(logged) == sorted(given) and len(given) >= 43
-    assert dict(cfg.server.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
+    assert dict(cfg.media.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (
         "--ring-degree 1: accepted, no effect" in caplog.text

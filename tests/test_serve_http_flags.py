@@ -34,7 +34,7 @@ def parse_args(*argv: str):
 @pytest.mark.parametrize("text, tokens", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),
                                           ("1m", 1_000_000), ("auto", 32768), ("-1", 32768)])  # fmt: skip
 def test_max_model_len_takes_vllms_human_readable_numbers(text, tokens):
-    assert serve.engine_config(parse_args("--max-model-len", text)).model.max_model_len == tokens
+    assert serve.engine_config(parse_args("--max-model-len", text)).reasoner.max_model_len == tokens
 
 
 @pytest.mark.parametrize("text", ["1.5K", "32kb", "x", "-2"])
@@ -122,7 +122,11 @@ def test_config_file_fills_what_the_command_line_left(tmp_path):
     (tmp_path / "c.yaml").write_text("model: some/model\nmax_model_len: 16k\nmax-num-seqs: 8\nenforce-eager: true\n"
                                      "allowed-origins: '[\"https://a.example\"]'\nport: 9000\n")  # fmt: skip
     cfg = serve.engine_config(parse_args("--config", str(tmp_path / "c.yaml"), "--port", "8001"))
-    assert (cfg.model.model, cfg.model.max_model_len, cfg.scheduler.max_num_seqs) == ("some/model", 16000, 8)
+    assert (cfg.model.model, cfg.reasoner.max_model_len, cfg.scheduler.max_num_seqs) == (
+        "some/model",
+        16000,
+        8,
+    )
     assert cfg.model.enforce_eager and cfg.server.allowed_origins == ("https://a.example",)
     assert cfg.server.port == 8001, "the command line wins"
     (tmp_path / "bad.yaml").write_text("max-num-seqs: lots\n")

@@ -1,8 +1,9 @@
 """Engine and server configuration: small frozen dataclasses, one per concern, and the CLI generated from them.
 
-`EngineConfig` = `ModelConfig` + `ParallelConfig` + `SchedulerConfig` + `ServerConfig`. Each field's one-line
+`EngineConfig` = `ModelConfig` + `ReasonerConfig` + `ParallelConfig` + `SchedulerConfig` + `ServerConfig` +
+`VideoApiConfig` + `MediaConfig` + `ChatApiConfig` (the Reasoner's two in config_chat.py). Each field's one-line
 attribute docstring is its `--help` text, its name is its flag (`max_batch_size` -> `--max-batch-size`) and
-its default is the flag's default: one source of truth (config_flags.py).
+its default is the flag's default: one source of truth (config_flags.py); each class is one --help group.
 Constructors validate and do no I/O; `EngineConfig.resolve()` fills the values that depend on the
 environment (storage folder, sync timeout, API key, served name) and returns a new object.
 Per-request knobs (steps, size, seed...) live in `params.VideoParams`, never here.
@@ -17,6 +18,7 @@ import typing
 from dataclasses import dataclass, field, replace
 
 from worldserve import envs
+from worldserve.config_chat import ChatApiConfig, ReasonerConfig
 from worldserve.config_flags import config_from_args
 from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag: re-exported)
     FlagValueError,
@@ -24,7 +26,6 @@ from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag
     JsonStrList,
     MediaLimits,
     SamplingDefaults,
-    TokenCount,
     check_seconds,
     json_flag,
 )
@@ -71,24 +72,6 @@ class ModelConfig:
     auto_warmup_shape: str = field(default="1280x720x189", metadata={"no_flag": True})
     """What --warmup-shapes auto warms: the default shape of video requests (EngineConfig sets it from
     --default-sampling-params)."""
-    max_model_len: TokenCount = 32768
-    """Context length of Reasoner chat completions (prompt + completion tokens; vLLM's 32k = 32000, 32K = 32768; auto or -1: 32768)."""
-    kv_cache_memory_bytes: int | None = None
-    """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
-    enable_prefix_caching: bool = True
-    """Reuse the K/V of prompt prefixes seen before (vLLM's automatic prefix caching, on by default as there): a chat whose first 64-token blocks match an earlier chat's (same tokens, images and videos) prefills only the rest; --no-enable-prefix-caching turns it off."""
-    mm_processor_cache_gb: float = 4.0
-    """GiB of host memory for recently processed chat images and videos, by content (vLLM's flag and default): the same image or video again (a conversation's next turn) is not decoded, resized or hashed again; 0 turns it off."""
-    chat_sm_margin: int = 16
-    """SMs a video step's FlashAttention-3 kernels leave free while Reasoner chats are live, so that they keep decoding beside it on one CUDA GPU (runner/chat_share.py; 8 chats beside a 720p step on an H200: 0 gives ~4 tokens/s a chat at full video speed, 16 ~26 tokens/s with the video step 1.10x as long, 32 ~57 tokens/s at 1.24x)."""
-    generation_config: str = "auto"
-    """Where Reasoner requests' omitted sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) get their values (vLLM's flag): auto, the model folder's generation_config.json when it has one; vllm, vLLM's neutral defaults (1.0, 1.0, off, 0, 1.0, up to the context); or a folder holding a generation_config.json (its max_new_tokens then bounds every request)."""
-    override_generation_config: JsonObject | None = None
-    """Generation config values laid over --generation-config's, a JSON object such as '{"temperature": 0.5}' (vLLM's flag; a max_new_tokens here bounds every request's completion)."""
-    chat_template: str | None = field(default=None, metadata={"metavar": "PATH|TEMPLATE"})
-    """The Reasoner's chat template instead of the checkpoint's (vLLM's flag): a file, or the Jinja template itself in one line (a text with {, } or a newline; backslash escapes such as \\n decoded); checked before the model loads. For images and videos it must write Qwen3-VL's vision placeholders as the checkpoint's does."""
-    chat_template_text: str | None = field(default=None, repr=False, metadata={"no_flag": True})
-    """--chat-template's template, read from its file or its text (set by __post_init__, from the flag's value)."""
     omni: bool = False
     """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
     no_guardrails: bool = False
@@ -121,29 +104,12 @@ class ModelConfig:
             self, "dtype", {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
         )
         check_seconds("--init-timeout", self.init_timeout, zero=False)
-        if self.chat_template is not None:  # (a replace() reads the flag's file or text again: the same)
-            from worldserve.runner.chat_template import load_chat_template
-
-            object.__setattr__(self, "chat_template_text", load_chat_template(self.chat_template))
-        if not self.generation_config:  # (`--generation-config "$DIR"` with DIR unset)
-            raise ValueError("--generation-config: empty; give auto, vllm or a folder holding a "
-                             "generation_config.json")  # fmt: skip
         if self.revision is not None and self.model is None:
             raise ValueError("--revision needs a MODEL (the embedded tiny checkpoint has no revisions)")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.fake_step_delay < 0:
             raise ValueError("--fake-step-delay must be >= 0")
-        if self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if not 0 <= self.chat_sm_margin <= 64:
-            raise ValueError(f"--chat-sm-margin must be between 0 and 64 SMs, got {self.chat_sm_margin}")
-        if not (math.isfinite(self.mm_processor_cache_gb) and self.mm_processor_cache_gb >= 0):
-            raise ValueError(
-                f"--mm-processor-cache-gb must be a number >= 0, got {self.mm_processor_cache_gb}"
-            )
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"--kv-cache-memory-bytes must be > 0, got {self.kv_cache_memory_bytes}")
         self.warmup_shape_list(on_gpu=True)  # raises on a malformed or unsupported shape
 
     def warmup_shape_list(self, *, on_gpu: bool) -> list[tuple[int, int, int]]:
@@ -254,26 +220,9 @@ class ServerConfig:
     """Port to bind."""
     api_key: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
     """Require `Authorization: Bearer KEY` on /v1/*, KEY one of these (vLLM's flag: several keys may be given); default: $WORLDSERVE_API_KEY or $VLLM_API_KEY, else open."""
-    storage_dir: str | None = None
-    """Folder of the job database and the videos; default: $WORLDSERVE_STORAGE_DIR, else $VLLM_OMNI_SERVER_STORAGE__PATH (or the deprecated $VLLM_OMNI_STORAGE_PATH), else worldserve/storage under $XDG_CACHE_HOME or ~/.cache."""
-    sync_timeout: float | None = None
-    """Seconds /v1/videos/sync waits before 504 (the job goes on); default: $VLLM_OMNI_VIDEO_SYNC_TIMEOUT or 600."""
     max_upload_mb: float = 100.0
     """Largest request body accepted (every route that reads one: videos, images, chat, completions, tokenize; one
     request's media downloads share it too), in MiB (413 above)."""
-    job_ttl: float | None = None
-    """Delete finished jobs and their files this many seconds after completion; default: $VLLM_OMNI_SERVER_STORAGE__FILE_TTL, else keep forever."""
-    job_sweep_interval: float | None = field(default=None, metadata={"no_flag": True})
-    """Seconds between two expiry sweeps (resolve: $VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL; None: half the
-    TTL, at most a minute)."""
-    allowed_local_media_path: str | None = None
-    """Folder whose files chat requests may reference as file:// image URLs; default: no local files."""
-    limit_mm_per_prompt: MediaLimits | None = None
-    """The most images / videos one chat request may carry, a JSON object such as '{"image": 4, "video": 1}' (vLLM's flag); default: no count limit (the request body and --max-model-len bound them)."""
-    max_video_decode_gpixels: float = DEFAULT_VIDEO_DECODE_GPIXELS
-    """The decode work one request's videos (chat videos, a video-to-video reference) may take, in G pixels: each decoded frame counts its pixels, each sampled or kept frame 11 times (converted and resized at full size); past it, a 400 naming the video part or reference, before decoding where the container tells its frames (the default: over 5 minutes of 1080p at 2 fps; ~1 s of CPU a G)."""
-    allowed_media_domains: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
-    """Hosts http(s) media URLs (video references, chat images and videos) may be downloaded from (exact host names, as vLLM; space- or comma-separated); default: any host (as vLLM: set it when clients are untrusted)."""
     uvicorn_log_level: str = field(
         default="info", metadata={"choices": ("critical", "error", "warning", "info", "debug", "trace")}
     )
@@ -286,34 +235,12 @@ class ServerConfig:
     """CORS: request headers allowed in cross-origin requests, a JSON list."""
     allow_credentials: bool = False
     """CORS: allow cookies and Authorization headers on cross-origin requests (Access-Control-Allow-Credentials)."""
-    flow_shift: float | None = None
-    """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
-    default_sampling_params: SamplingDefaults | None = None
-    """Server defaults for the fields video requests omit, as vLLM-Omni's flag: '{"0": {"num_inference_steps": 20, "width": 832, "height": 480}}' (stage "0"; width, height, num_frames, fps, num_inference_steps, guidance_scale, flow_shift, seed, max_sequence_length, negative_prompt, generate_sound); a request's own values win; default: Cosmos3's (1280x720, 189 frames, 24 fps, 35 steps, guidance 6.0, seed 42)."""
-    enable_prompt_tokens_details: bool = False
-    """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
-    reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})
-    """Split an answer that opens with <think> into reasoning_content (the thoughts) and content (the text after </think>), as vLLM's qwen3 parser; an answer without <think> stays all content (default: every answer is content)."""
-    media_io_kwargs: JsonObject | None = None
-    """Chat media loading defaults a request's own media_io_kwargs lay over, per modality (vLLM's flag): '{"video": {"fps": 1.0}}' or '{"video": {"num_frames": 32}}' ({"video": {"num_frames": -1}}, the recipe's: Qwen3-VL's own 2 fps), '{"image": {"rgba_background_color": [0, 0, 0]}}'."""
-    mm_processor_kwargs: JsonObject | None = None
-    """Qwen3-VL processor defaults a request's own mm_processor_kwargs lay over, key by key (vLLM's flag): e.g. '{"max_pixels": 1003520}' to cap every image's vision tokens; size, min_pixels, max_pixels, fps, num_frames, images_kwargs, videos_kwargs."""
-    seed: int | None = None
-    """Seed of the sequence Reasoner requests without a seed (chats, text completions, Responses) take theirs from, in arrival order, so that a restarted server answers the same requests sent in the same order the same way (vLLM's flag); default: random seeds. Videos without a seed keep Cosmos3's 42 (--default-sampling-params sets another)."""
     disable_log_stats: bool = False
     """Do not log the stats line (chat throughputs, running / waiting chats and videos, K/V cache usage, prefix cache hit rate, denoising steps) every $VLLM_LOG_STATS_INTERVAL seconds (10) while there is work (vLLM's flag; /metrics serves the same figures either way)."""
     enable_log_requests: bool = False
     """Log each generating request once accepted (chat, text completion, Responses, video, image, realtime session): its id, prompt and parameters, at INFO on the worldserve.requests logger (vLLM's flag; prompts are users' data: off by default)."""
     max_log_len: int | None = None
     """With --enable-log-requests: the most characters of a prompt logged (vLLM's flag); default: whole prompts."""
-    response_role: str = "assistant"
-    """The role of chat answers after a generation prompt (vLLM's flag; with add_generation_prompt false an answer takes the last message's role, as vLLM's)."""
-    return_tokens_as_token_ids: bool = False
-    """Logprobs name their tokens "token_id:<id>" for every chat and text completion that does not say otherwise in its own return_tokens_as_token_ids (vLLM's flag: for tokens that are no valid text)."""
-    enable_force_include_usage: bool = False
-    """Every streamed chat and text completion carries usage, in each chunk and in a final usage chunk, whatever its stream_options say (vLLM's flag)."""
-    responses_store_mb: float = 256.0
-    """Memory for stored Responses API responses (`store`, for previous_response_id and GET /v1/responses/{id}), in MiB; the least recently used go first past it; 0: none stored."""
     enable_server_load_tracking: bool = False
     """Count the requests using the model in flight (chat and text completions, video and image generation, realtime video sessions) and report them at GET /load as {"server_load": N} (vLLM's flag; off: always 0)."""
     enable_request_id_headers: bool = True
@@ -326,38 +253,43 @@ class ServerConfig:
                 raise ValueError("--api-key: an empty key protects nothing; give a key, or leave the flag out "
                                  "to serve /v1 without one")  # fmt: skip
             object.__setattr__(self, "api_key", tuple(keys))
-        if self.storage_dir == "":  # (`--storage-dir "$DIR"` with DIR unset had fallen back to the default)
-            raise ValueError(
-                "--storage-dir: an empty path; give a folder, or leave the flag out for the default"
-            )
-        domains = self.allowed_media_domains
-        if domains is not None and not any(h.strip(" .") for v in domains for h in v.split(",")):
-            # (no host had meant every host: `--allowed-media-domains "$DOMAINS"` with DOMAINS unset)
-            raise ValueError("--allowed-media-domains: no domain given; name the hosts media may come from, or "
-                             "leave the flag out to allow every public host")  # fmt: skip
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.sync_timeout is not None:
-            check_seconds("--sync-timeout", self.sync_timeout, zero=False)
         if not (math.isfinite(self.max_upload_mb) and self.max_upload_mb >= MIN_UPLOAD_MB):
             raise ValueError(
                 f"--max-upload-mb must be a number >= {MIN_UPLOAD_MB} (MiB), got {self.max_upload_mb}"
             )
-        if not (math.isfinite(self.max_video_decode_gpixels) and self.max_video_decode_gpixels > 0):
-            raise ValueError(
-                f"--max-video-decode-gpixels must be a number > 0, got {self.max_video_decode_gpixels}"
-            )
-        if self.seed is not None:
-            from worldserve.params import INT64
-
-            if not -INT64 <= self.seed < INT64:
-                raise ValueError(f"--seed must be in [-2**63, 2**63) (int64), got {self.seed}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
-        if not self.response_role.strip():
-            raise ValueError("--response-role: an empty role; give one, such as assistant")
-        if not (math.isfinite(self.responses_store_mb) and self.responses_store_mb >= 0):
-            raise ValueError("--responses-store-mb must be >= 0")
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoApiConfig:
+    storage_dir: str | None = None
+    """Folder of the job database and the videos; default: $WORLDSERVE_STORAGE_DIR, else $VLLM_OMNI_SERVER_STORAGE__PATH (or the deprecated $VLLM_OMNI_STORAGE_PATH), else worldserve/storage under $XDG_CACHE_HOME or ~/.cache."""
+    sync_timeout: float | None = None
+    """Seconds /v1/videos/sync waits before 504 (the job goes on); default: $VLLM_OMNI_VIDEO_SYNC_TIMEOUT or 600."""
+    job_ttl: float | None = None
+    """Delete finished jobs and their files this many seconds after completion; default: $VLLM_OMNI_SERVER_STORAGE__FILE_TTL, else keep forever."""
+    job_sweep_interval: float | None = field(default=None, metadata={"no_flag": True})
+    """Seconds between two expiry sweeps (resolve: $VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL; None: half the
+    TTL, at most a minute)."""
+    flow_shift: float | None = None
+    """Flow shift for video and image requests that send none (vLLM-Omni's --flow-shift); default: Cosmos3's per resolution (10 at 720p, 5 at 480p, 3 at 256p; images 3.0)."""
+    default_sampling_params: SamplingDefaults | None = None
+    """Server defaults for the fields video requests omit, as vLLM-Omni's flag: '{"0": {"num_inference_steps": 20, "width": 832, "height": 480}}' (stage "0"; width, height, num_frames, fps, num_inference_steps, guidance_scale, flow_shift, seed, max_sequence_length, negative_prompt, generate_sound); a request's own values win; default: Cosmos3's (1280x720, 189 frames, 24 fps, 35 steps, guidance 6.0, seed 42)."""
+
+    def __post_init__(self) -> None:
+        if self.storage_dir == "":  # (`--storage-dir "$DIR"` with DIR unset had fallen back to the default)
+            raise ValueError(
+                "--storage-dir: an empty path; give a folder, or leave the flag out for the default"
+            )
+        if self.sync_timeout is not None:
+            check_seconds("--sync-timeout", self.sync_timeout, zero=False)
         if self.job_ttl is not None:
             check_seconds("--job-ttl", self.job_ttl, zero=False)
         if self.flow_shift is not None:
@@ -387,20 +319,47 @@ class ServerConfig:
         shift = {} if self.flow_shift is None else {"flow_shift": self.flow_shift}
         return {**shift, **(self.default_sampling_params or SamplingDefaults()).as_dict()}
 
-    @property
-    def max_upload_bytes(self) -> int:
-        return int(self.max_upload_mb * 1024 * 1024)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MediaConfig:
+    allowed_local_media_path: str | None = None
+    """Folder whose files chat requests may reference as file:// image URLs; default: no local files."""
+    limit_mm_per_prompt: MediaLimits | None = None
+    """The most images / videos one chat request may carry, a JSON object such as '{"image": 4, "video": 1}' (vLLM's flag); default: no count limit (the request body and --max-model-len bound them)."""
+    max_video_decode_gpixels: float = DEFAULT_VIDEO_DECODE_GPIXELS
+    """The decode work one request's videos (chat videos, a video-to-video reference) may take, in G pixels: each decoded frame counts its pixels, each sampled or kept frame 11 times (converted and resized at full size); past it, a 400 naming the video part or reference, before decoding where the container tells its frames (the default: over 5 minutes of 1080p at 2 fps; ~1 s of CPU a G)."""
+    allowed_media_domains: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
+    """Hosts http(s) media URLs (video references, chat images and videos) may be downloaded from (exact host names, as vLLM; space- or comma-separated); default: any host (as vLLM: set it when clients are untrusted)."""
+    media_io_kwargs: JsonObject | None = None
+    """Chat media loading defaults a request's own media_io_kwargs lay over, per modality (vLLM's flag): '{"video": {"fps": 1.0}}' or '{"video": {"num_frames": 32}}' ({"video": {"num_frames": -1}}, the recipe's: Qwen3-VL's own 2 fps), '{"image": {"rgba_background_color": [0, 0, 0]}}'."""
+    mm_processor_kwargs: JsonObject | None = None
+    """Qwen3-VL processor defaults a request's own mm_processor_kwargs lay over, key by key (vLLM's flag): e.g. '{"max_pixels": 1003520}' to cap every image's vision tokens; size, min_pixels, max_pixels, fps, num_frames, images_kwargs, videos_kwargs."""
+
+    def __post_init__(self) -> None:
+        domains = self.allowed_media_domains
+        if domains is not None and not any(h.strip(" .") for v in domains for h in v.split(",")):
+            # (no host had meant every host: `--allowed-media-domains "$DOMAINS"` with DOMAINS unset)
+            raise ValueError("--allowed-media-domains: no domain given; name the hosts media may come from, or "
+                             "leave the flag out to allow every public host")  # fmt: skip
+        if not (math.isfinite(self.max_video_decode_gpixels) and self.max_video_decode_gpixels > 0):
+            raise ValueError(
+                f"--max-video-decode-gpixels must be a number > 0, got {self.max_video_decode_gpixels}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    reasoner: ReasonerConfig = field(default_factory=ReasonerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    video: VideoApiConfig = field(default_factory=VideoApiConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+    chat: ChatApiConfig = field(default_factory=ChatApiConfig)
 
     def __post_init__(self) -> None:
-        d = self.server.video_defaults  # --warmup-shapes auto warms the shape requests get by default
+        d = self.video.video_defaults  # --warmup-shapes auto warms the shape requests get by default
         shape = f"{d.get('width', 1280)}x{d.get('height', 720)}x{d.get('num_frames', 189)}"
         if shape != self.model.auto_warmup_shape:
             object.__setattr__(self, "model", replace(self.model, auto_warmup_shape=shape))
@@ -409,9 +368,13 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(
             model=config_from_args(ModelConfig, args),
+            reasoner=config_from_args(ReasonerConfig, args),
             parallel=config_from_args(ParallelConfig, args),
             scheduler=config_from_args(SchedulerConfig, args),
             server=config_from_args(ServerConfig, args),
+            video=config_from_args(VideoApiConfig, args),
+            media=config_from_args(MediaConfig, args),
+            chat=config_from_args(ChatApiConfig, args),
         )
 
     def resolve(self) -> EngineConfig:
@@ -425,14 +388,20 @@ class EngineConfig:
         envs.log_stats_interval_s()
         envs.max_completion_prompts()
         server = replace(
-            self.server,
-            api_key=self.server.api_key or ((key,) if (key := envs.api_key()) else None),
-            storage_dir=self.server.storage_dir or str(envs.storage_dir()),
-            sync_timeout=self.server.sync_timeout or envs.sync_timeout_s(),
-            job_ttl=self.server.job_ttl or envs.storage_file_ttl_s(),
-            job_sweep_interval=self.server.job_sweep_interval or envs.storage_sweep_interval_s(),
+            self.server, api_key=self.server.api_key or ((key,) if (key := envs.api_key()) else None)
         )
-        return replace(self, model=replace(self.model, served_model_name=served), server=server)
+        video = replace(
+            self.video,
+            storage_dir=self.video.storage_dir or str(envs.storage_dir()),
+            sync_timeout=self.video.sync_timeout or envs.sync_timeout_s(),
+            job_ttl=self.video.job_ttl or envs.storage_file_ttl_s(),
+            job_sweep_interval=self.video.job_sweep_interval or envs.storage_sweep_interval_s(),
+        )
+        return replace(self, model=replace(self.model, served_model_name=served), server=server, video=video)
 
 
-CONFIG_CLASSES = (ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
+CONFIG_CLASSES = (
+    ModelConfig, ReasonerConfig, ParallelConfig, SchedulerConfig, ServerConfig, VideoApiConfig, MediaConfig,
+    ChatApiConfig,
+)  # fmt: skip
+"""The config classes in --help order (one group each); serve's flags and its `non-default args` line."""

@@ -85,7 +85,7 @@ def build_app(
 ) -> FastAPI:
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
-    `--flow-shift` (image requests), `video_defaults` = `ServerConfig.video_defaults` (--default-sampling-params
+    `--flow-shift` (image requests), `video_defaults` = `VideoApiConfig.video_defaults` (--default-sampling-params
     and --flow-shift: video requests), `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
     `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
     `video_decode_pixels` = `--max-video-decode-gpixels` (in pixels),

@@ -33,11 +33,7 @@ from worldserve.api.media_urls import allowed_domains
 from worldserve.api.request_log import RequestLog
 from worldserve.commands import serve_backend, serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
-from worldserve.config import (
-    CONFIG_CLASSES,
-    EngineConfig,
-    ServerConfig,
-)
+from worldserve.config import CONFIG_CLASSES, EngineConfig, MediaConfig
 from worldserve.config_flags import add_config_arguments
 from worldserve.sampling.chat_defaults import RequestSeeds
 
@@ -118,14 +114,14 @@ def run(args: argparse.Namespace) -> int:
             log_file = log_to_file(args.log_file, LOG_FORMAT)
         config = engine_config(args).resolve()
         middlewares = serve_http.check_http_arguments(args)  # certificates load, middlewares import
-        media = config.server.allowed_local_media_path
+        media = config.media.allowed_local_media_path
         if media and not Path(media).is_dir():  # (vLLM refuses it too; here every file:// URL got a 400)
             raise ValueError(f"--allowed-local-media-path {media}: "
                              + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
-        media_defaults(config.server)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
+        media_defaults(config.media)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
         # a bad --generation-config folder or value stops the start before the load
         model = config.model.model
-        serve_backend.chat_defaults(config.model, Path(model) if model and Path(model).is_dir() else None)
+        serve_backend.chat_defaults(config.reasoner, Path(model) if model and Path(model).is_dir() else None)
         if config.model.backend != "fake":  # --device before anything binds, loads or downloads
             from worldserve.runner.devices import check_layout_device
 
@@ -156,11 +152,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with listener:
         try:
-            store = JobStore(config.server.storage_dir)
+            store = JobStore(config.video.storage_dir)
         except StorageError as exc:
             log.error("%s", exc)
             return 1
-        loaded = serve_backend.load_backend_within(config.model, config.parallel, config.scheduler)
+        loaded = serve_backend.load_backend_within(
+            config.model, config.parallel, config.scheduler, config.reasoner
+        )
         if loaded is None:
             store.close()
             return 1
@@ -198,17 +196,17 @@ def _serve(
     from worldserve.engine.client import EngineClient
     from worldserve.engine.engine import Engine
 
-    server_cfg, served = config.server, config.model.served_model_name
+    server_cfg, video_cfg, served = config.server, config.video, config.model.served_model_name
     log.info(
-        "job store: %s (ttl: %s)", store.root, f"{server_cfg.job_ttl:g}s" if server_cfg.job_ttl else "none"
+        "job store: %s (ttl: %s)", store.root, f"{video_cfg.job_ttl:g}s" if video_cfg.job_ttl else "none"
     )
     metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
-    engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=server_cfg.job_ttl)
+    engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=video_cfg.job_ttl)
     client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
-                          job_ttl_s=server_cfg.job_ttl, sweep_interval_s=server_cfg.job_sweep_interval,
+                          job_ttl_s=video_cfg.job_ttl, sweep_interval_s=video_cfg.job_sweep_interval,
                           chat_backend=chat_backend,
                           max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
-    if server_cfg.video_defaults.get("generate_sound") and not client.has_sound:
+    if video_cfg.video_defaults.get("generate_sound") and not client.has_sound:
         log.warning("--default-sampling-params generate_sound true: this checkpoint has no sound tokenizer, so "
                     "videos are made without sound")  # fmt: skip
     http_args, middlewares = http or (argparse.Namespace(), [])
@@ -216,7 +214,7 @@ def _serve(
                     docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
     serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
-             config.scheduler.max_queued_requests, server_cfg.sync_timeout,
+             config.scheduler.max_queued_requests, video_cfg.sync_timeout,
              ", API key required on /v1" if server_cfg.api_key else ", no API key: /v1 is open to every client")  # fmt: skip
     scheme = "https" if getattr(http_args, "ssl_certfile", None) else "http"
     log.info("Available routes are:")
@@ -247,31 +245,31 @@ def _serve(
 
 def app_options(config: EngineConfig) -> dict[str, Any]:
     """build_app's keyword arguments from a resolved config (everything but the client and the metrics)."""
-    server = config.server
+    server, video, media, chat = config.server, config.video, config.media, config.chat
     return dict(
-        api_keys=server.api_key or (), sync_timeout_s=server.sync_timeout, max_upload_bytes=server.max_upload_bytes,
+        api_keys=server.api_key or (), sync_timeout_s=video.sync_timeout, max_upload_bytes=server.max_upload_bytes,
         shutdown_timeout_s=config.scheduler.shutdown_timeout, model_root=config.model.model,
         model_aliases=config.model.served_model_aliases,
-        allowed_local_media_path=server.allowed_local_media_path, allowed_origins=server.allowed_origins,
-        allowed_media_domains=allowed_domains(server.allowed_media_domains),
+        allowed_local_media_path=media.allowed_local_media_path, allowed_origins=server.allowed_origins,
+        allowed_media_domains=allowed_domains(media.allowed_media_domains),
         server_load_tracking=server.enable_server_load_tracking,
-        mm_limits=dict(server.limit_mm_per_prompt or ()),
-        video_decode_pixels=int(server.max_video_decode_gpixels * 10**9),
+        mm_limits=dict(media.limit_mm_per_prompt or ()),
+        video_decode_pixels=int(media.max_video_decode_gpixels * 10**9),
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
-        default_flow_shift=server.flow_shift, video_defaults=server.video_defaults,
-        reasoning_parser=server.reasoning_parser,
-        prompt_tokens_details=server.enable_prompt_tokens_details, response_role=server.response_role,
-        tokens_as_ids=server.return_tokens_as_token_ids, force_include_usage=server.enable_force_include_usage,
+        default_flow_shift=video.flow_shift, video_defaults=video.video_defaults,
+        reasoning_parser=chat.reasoning_parser,
+        prompt_tokens_details=chat.enable_prompt_tokens_details, response_role=chat.response_role,
+        tokens_as_ids=chat.return_tokens_as_token_ids, force_include_usage=chat.enable_force_include_usage,
         request_log=RequestLog(server.max_log_len) if server.enable_log_requests else None,
         stats_interval_s=None if server.disable_log_stats else envs.log_stats_interval_s(),
-        request_seeds=None if server.seed is None else RequestSeeds(server.seed),
-        media_defaults=media_defaults(server),
-        responses_store_bytes=int(server.responses_store_mb * 2**20),
+        request_seeds=None if chat.seed is None else RequestSeeds(chat.seed),
+        media_defaults=media_defaults(media),
+        responses_store_bytes=int(chat.responses_store_mb * 2**20),
     )  # fmt: skip
 
 
-def media_defaults(server: ServerConfig) -> Any:
+def media_defaults(media: MediaConfig) -> Any:
     """--media-io-kwargs / --mm-processor-kwargs as the chat API's MediaDefaults; ValueError naming the flag
     when a request carrying them would be refused (checked before the model loads)."""
     from worldserve.api.chat import request_options
@@ -279,7 +277,7 @@ def media_defaults(server: ServerConfig) -> Any:
     from worldserve.api.chat_protocol import ChatCompletionRequest
     from worldserve.params import ParamError
 
-    io, mm = dict(server.media_io_kwargs or {}), dict(server.mm_processor_kwargs or {})
+    io, mm = dict(media.media_io_kwargs or {}), dict(media.mm_processor_kwargs or {})
     probe = ChatCompletionRequest(messages=[{"role": "user", "content": "-"}])
     for flag, defaults in (("--media-io-kwargs", MediaDefaults(io, {})), ("--mm-processor-kwargs", MediaDefaults({}, mm)),
                            ("--media-io-kwargs with --mm-processor-kwargs", MediaDefaults(io, mm))):  # fmt: skip

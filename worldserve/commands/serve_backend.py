@@ -16,16 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worldserve.config import ModelConfig, ParallelConfig, SchedulerConfig
+from worldserve.config import ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 from worldserve.sampling.chat_defaults import ChatDefaults
 
 log = logging.getLogger("worldserve.serve")
 
 
 def load_backend(
-    cfg: ModelConfig, parallel: ParallelConfig, scheduler: SchedulerConfig = SchedulerConfig()
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    scheduler: SchedulerConfig = SchedulerConfig(),
+    chat: ReasonerConfig = ReasonerConfig(),
 ) -> tuple[Any, ...]:
-    """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer]).
+    """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer, built
+    with `chat`'s context, caches and sampling defaults]).
     `--cfg-parallel-size 2` and / or `--ulysses-degree N`, or `--tensor-parallel-size N` (no Reasoner then): a
     ParallelPipeline over their product of GPUs."""
     if cfg.backend == "fake":
@@ -47,7 +51,7 @@ def load_backend(
     from worldserve.runner.video_pipeline import load_pipeline
 
     if parallel.tensor_parallel_size == 1:  # (no Reasoner under tensor parallel)
-        check_kv_cache_fits(cfg, path)
+        check_kv_cache_fits(cfg, chat, path)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     pipeline = load_pipeline(
         path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
@@ -66,23 +70,23 @@ def load_backend(
         return pipeline, gpu_memory
     from worldserve.runner.reasoner import Reasoner
 
-    defaults = chat_defaults(cfg, path)
+    defaults = chat_defaults(chat, path)
     if changed := defaults.changed():  # (vLLM's warning, with the values)
         log.warning("Reasoner requests' omitted sampling fields take %s from %s (--generation-config vllm for "
                     "vLLM's neutral defaults)", ", ".join(f"{k} {v}" for k, v in changed.items()), defaults.source)  # fmt: skip
     transformer = pipeline.transformer
     on_gpu = transformer.device.type == "cuda"
     kv_tokens = None
-    if cfg.kv_cache_memory_bytes is not None:
-        kv_tokens = cfg.kv_cache_memory_bytes // transformer.und_kv_bytes_per_token()
+    if chat.kv_cache_memory_bytes is not None:
+        kv_tokens = chat.kv_cache_memory_bytes // transformer.und_kv_bytes_per_token()
     reasoner = Reasoner.from_pretrained(
-        path, transformer, pipeline.encoder.tokenizer, max_model_len=cfg.max_model_len,
+        path, transformer, pipeline.encoder.tokenizer, max_model_len=chat.max_model_len,
         max_num_seqs=scheduler.max_num_seqs, kv_cache_tokens=kv_tokens, enforce_eager=cfg.enforce_eager,
-        chat_sm_margin=cfg.chat_sm_margin, enable_prefix_caching=cfg.enable_prefix_caching,
+        chat_sm_margin=chat.chat_sm_margin, enable_prefix_caching=chat.enable_prefix_caching,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         enable_chunked_prefill=scheduler.enable_chunked_prefill,
-        processor_cache_bytes=int(cfg.mm_processor_cache_gb * 2**30), sampling_defaults=defaults,
-        chat_template=cfg.chat_template_text,
+        processor_cache_bytes=int(chat.mm_processor_cache_gb * 2**30), sampling_defaults=defaults,
+        chat_template=chat.chat_template_text,
     )  # fmt: skip
     log.info("Reasoner chat completions on the shared und tower (vision encoder: %s; K/V cache %d tokens, "
              "%.2f GiB)", "yes" if reasoner.vision is not None else "none: text only",
@@ -99,11 +103,12 @@ def load_backend(
     return pipeline, gpu_memory, reasoner
 
 
-def check_kv_cache_fits(cfg: ModelConfig, path: Path) -> None:
+def check_kv_cache_fits(cfg: ModelConfig, chat: ReasonerConfig, path: Path) -> None:
     """ValueError naming both flags when --kv-cache-memory-bytes cannot hold one --max-model-len chat of the
-    checkpoint at `path` (its und tower's layers and K/V heads, the dtype the model will load in), before the
-    weights load: a full-size load takes minutes. The Reasoner checks the pool it builds again."""
-    if cfg.kv_cache_memory_bytes is None:
+    checkpoint at `path` (its und tower's layers and K/V heads, the dtype the model will load in: `cfg`'s
+    --device / --dtype), before the weights load: a full-size load takes minutes. The Reasoner checks the pool
+    it builds again."""
+    if chat.kv_cache_memory_bytes is None:
         return
     import torch
 
@@ -117,20 +122,20 @@ def check_kv_cache_fits(cfg: ModelConfig, path: Path) -> None:
     per_token = PagedKVPool.bytes_per_token(
         config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype
     )
-    if (tokens := cfg.kv_cache_memory_bytes // per_token) < cfg.max_model_len:
+    if (tokens := chat.kv_cache_memory_bytes // per_token) < chat.max_model_len:
         raise ValueError(
-            f"--kv-cache-memory-bytes {cfg.kv_cache_memory_bytes} holds {tokens} tokens of the Reasoner's K/V "
-            f"({per_token} bytes a token), fewer than --max-model-len {cfg.max_model_len}: raise "
+            f"--kv-cache-memory-bytes {chat.kv_cache_memory_bytes} holds {tokens} tokens of the Reasoner's K/V "
+            f"({per_token} bytes a token), fewer than --max-model-len {chat.max_model_len}: raise "
             "--kv-cache-memory-bytes or lower --max-model-len"
         )
 
 
-def chat_defaults(cfg: ModelConfig, path: Path | None) -> ChatDefaults:
+def chat_defaults(chat: ReasonerConfig, path: Path | None) -> ChatDefaults:
     """The sampling defaults of Reasoner requests under --generation-config / --override-generation-config, for
     the checkpoint at `path` (None: not resolved yet: a folder or the override alone is checked);
     ValueError naming the file or flag of a bad value."""
-    overrides = cfg.override_generation_config.as_dict() if cfg.override_generation_config else None
-    return ChatDefaults.load(cfg.generation_config, path, overrides)
+    overrides = chat.override_generation_config.as_dict() if chat.override_generation_config else None
+    return ChatDefaults.load(chat.generation_config, path, overrides)
 
 
 def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
@@ -159,7 +164,10 @@ def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
 
 
 def load_backend_within(
-    cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), scheduler: SchedulerConfig | None = None
+    cfg: ModelConfig,
+    parallel: ParallelConfig = ParallelConfig(),
+    scheduler: SchedulerConfig | None = None,
+    chat: ReasonerConfig | None = None,
 ) -> tuple[Any, Any] | None:
     """serve_backend.load_backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
     from worldserve.weights.checkpoint import CheckpointError
@@ -168,7 +176,9 @@ def load_backend_within(
 
     def target() -> None:
         try:
-            outcome["value"] = load_backend(cfg, parallel, scheduler or SchedulerConfig())
+            outcome["value"] = load_backend(
+                cfg, parallel, scheduler or SchedulerConfig(), chat or ReasonerConfig()
+            )
         except BaseException as exc:
             outcome["error"] = exc
 

@@ -306,7 +306,7 @@ def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
                  " or ".join(repr(n) for n in (config.model.served_model_name, *config.model.served_model_aliases)),
                  config.model.served_model_name)  # fmt: skip
     if getattr(getattr(args, "max_model_len", None), "auto", False):
-        log.info("--max-model-len auto: %d tokens, worldserve's default", config.model.max_model_len)
+        log.info("--max-model-len auto: %d tokens, worldserve's default", config.reasoner.max_model_len)
     par = config.parallel
     context = {"gpus": f" ({par.cfg_parallel_size * par.ulysses_degree * par.tensor_parallel_size} here)",
                "max_batch_size": f" ({config.scheduler.max_batch_size} here)"}  # fmt: skip
