@@ -309,12 +309,13 @@ def test_http_families_as_vllms_instrumentator_exports_them(server):
         assert client.get("/v1/videos/video_gen_nope").status_code == 404
         assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code == 400
         assert client.get("/nowhere").status_code == 404
+        assert client.get("/healthz").status_code == 404  # (not /health: counted as "none")
         assert client.get("/health").status_code == 200
         for made_up in ("X1234", "X5678"):
             assert client.request(made_up, "/nowhere").status_code == 404
     after = scrape(server)
     for handler, method, status, n in (("/v1/models", "GET", "2xx", 1), ("/v1/videos/{video_id}", "GET", "4xx", 1),
-                                       ("/v1/chat/completions", "POST", "4xx", 1), ("none", "GET", "4xx", 1),
+                                       ("/v1/chat/completions", "POST", "4xx", 1), ("none", "GET", "4xx", 2),
                                        ("none", "other", "4xx", 2)):  # fmt: skip
         labels = {"handler": handler, "method": method, "status": status}
         assert (

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from worldserve.api.auth import route_path
+
 EXCLUDED = ("/metrics", "/health", "/load", "/ping", "/version")
 """vLLM's `excluded_handlers`."""
 HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 7.5, 10,
@@ -47,7 +49,7 @@ class HTTPMetricsMiddleware:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path", "").startswith(EXCLUDED):
+        if scope["type"] != "http" or route_path(scope) in EXCLUDED:  # (those routes: /healthz is "none")
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
