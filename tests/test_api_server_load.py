@@ -65,3 +65,17 @@ async def test_an_async_video_job_counts_until_it_ends(tmp_path):
 
 async def _eq(value, want) -> bool:
     return await value == want
+
+
+async def test_a_sync_video_past_its_timeout_counts_until_its_job_ends(tmp_path):
+    """/v1/videos/sync answers 504 after --sync-timeout and its job goes on: /load keeps counting it, as an
+    async job, until it ends."""
+    async with asgi_server(tmp_path, backend=FakeBackend(step_delay=0.05), sync_timeout_s=0.3,
+                           app_kw={"server_load_tracking": True}) as http:  # fmt: skip
+        r = await http.post(
+            "/v1/videos/sync", data={"prompt": "x", **SMALL_FORM, "num_inference_steps": "200"}
+        )
+        assert r.status_code == 504, r.text
+        assert await _load(http) == 1  # (was 0: the job ran on, uncounted)
+        assert (await http.delete(f"/v1/videos/{r.headers['x-video-id']}")).status_code == 200
+        await _until(lambda: _eq(_load(http), 0))

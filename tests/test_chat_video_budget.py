@@ -315,3 +315,28 @@ def test_a_client_leaving_stops_its_video_decode(budget_url, monkeypatch, caplog
     assert 1 <= len(converted) < 20 and converted[-1] < left + 1.0, (len(converted), converted[-1] - left)
     time.sleep(0.3)
     assert not [r for r in caplog.records if r.levelno > logging.INFO], caplog.records
+
+
+def test_a_client_leaving_stops_its_video_reference_decode(budget_url, monkeypatch):
+    """POST /v1/videos with a 40-frame reference whose frames take 0.1 s each to count: the client gives up
+    after 0.5 s; the decode stops at the next frame (it ran to the end and created the job before)."""
+    from worldserve.media import decode_budget
+
+    charged, real_charge = [], decode_budget.DecodeBudget.charge
+
+    def slow(self, *args, **kwargs):
+        charged.append(time.monotonic())
+        time.sleep(0.1)
+        return real_charge(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode_budget.DecodeBudget, "charge", slow)
+    form = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "2",
+            "extra_params": json.dumps({"condition_video_keep": "last"})}  # fmt: skip
+    clip = mp4_bytes(frames=40, width=32, height=48)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(budget_url + "/v1/videos", data=form, files={"input_reference": ("ref.mp4", clip, "video/mp4")},
+                   timeout=httpx.Timeout(30, read=0.5))  # fmt: skip
+    left = time.monotonic()
+    time.sleep(1.0)
+    assert 1 <= len(charged) < 20 and charged[-1] < left + 0.5, (len(charged), charged[-1] - left)
+    assert httpx.get(budget_url + "/v1/videos", timeout=10).json()["data"] == []  # no job for a gone client

@@ -150,7 +150,11 @@ def build_params(
                     options.image_background, video_budget)  # fmt: skip
 
     media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
-    loaded = dict(zip(media, map_in_order(load, media), strict=True))
+    try:
+        loaded = dict(zip(media, map_in_order(load, media), strict=True))
+    except BaseException:  # the request is answered (a bad part): its other videos stop decoding
+        video_budget.stop.set()
+        raise
     messages = []
     for i, (msg, role) in enumerate(zip(body.messages, roles, strict=True)):
         if msg.content is None or isinstance(msg.content, str):

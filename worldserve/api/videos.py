@@ -63,9 +63,11 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
         if exc.status == 413:
             st.metrics.on_rejected("too_large")
         raise
-    inputs = await build_inputs(fields, served_model=st.served_model_name, model_aliases=st.model_aliases,
-                                has_sound=st.client.has_sound, defaults=st.video_defaults,
-                                fetcher=st.media, decode_pixels=st.video_decode_pixels)  # fmt: skip
+    # (the body is read: a client leaving during a reference's download or decode stops that work)
+    inputs = await unless_disconnected(request, build_inputs(
+        fields, served_model=st.served_model_name, model_aliases=st.model_aliases, has_sound=st.client.has_sound,
+        defaults=st.video_defaults, fetcher=st.media, decode_pixels=st.video_decode_pixels,
+    ))  # fmt: skip
     await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
     try:
         job = await st.client.create_job(inputs.params, inputs.spec, inputs.encode, inputs.reference)
@@ -125,7 +127,9 @@ async def create_video_sync(request: Request, st: State) -> Response:
         done = await unless_disconnected(
             request, asyncio.wait_for(st.client.wait(job.id), st.sync_timeout_s), forget
         )
-    except TimeoutError:
+    except TimeoutError:  # the job goes on: /load counts it until it ends, as an async job
+        if st.load is not None:
+            st.load.count_until(st.client.wait(job.id))
         raise APIError(
             504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids
         ) from None

@@ -101,12 +101,13 @@ class PeerRanks:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         pipes = StartupPipes(ctx, label, len(devices) - 1, timeout_s)
-        procs = [
-            ctx.Process(target=target, name=f"worldserve-{label}-rank{r}", daemon=True,
-                        args=peer_args(r, pipes.link(r, init_method)))
-            for r in range(1, len(devices))
-        ]  # fmt: skip
+        procs: list = []
         try:
+            procs += [
+                ctx.Process(target=target, name=f"worldserve-{label}-rank{r}", daemon=True,
+                            args=peer_args(r, pipes.link(r, init_method)))
+                for r in range(1, len(devices))
+            ]  # fmt: skip
             pipes.spawn(procs)
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
