@@ -340,3 +340,45 @@ def test_a_client_leaving_stops_its_video_reference_decode(budget_url, monkeypat
     time.sleep(1.0)
     assert 1 <= len(charged) < 20 and charged[-1] < left + 0.5, (len(charged), charged[-1] - left)
     assert httpx.get(budget_url + "/v1/videos", timeout=10).json()["data"] == []  # no job for a gone client
+
+
+def _noisy_faststart_mp4(frames: int, width: int = 64, height: int = 48) -> bytes:
+    """An H.264 MP4 of noise frames with its index first (faststart): cut short, its header still says all."""
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        with av.open(path, "w", format="mp4", options={"movflags": "faststart"}) as out:
+            stream = out.add_stream("libx264", rate=24)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            rng = np.random.default_rng(0)
+            for _ in range(frames):
+                noise = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+                out.mux(stream.encode(av.VideoFrame.from_ndarray(noise, format="rgb24")))
+            out.mux(stream.encode())
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.remove(path)
+
+
+def test_a_chat_clip_cut_short_samples_the_frames_that_decode():
+    """A clip whose tail is cut (its header still says 60 frames) is sampled over the frames that decode, as
+    a video reference keeps them (chat had refused the whole clip as not a video)."""
+    full = _noisy_faststart_mp4(60)
+    cut = full[: len(full) // 2]
+    whole = decode_chat_video(full, VideoSampling(), param=PART)
+    video = decode_chat_video(cut, VideoSampling(), param=PART)
+    assert 0 < video.indices[-1] < whole.indices[-1] == 59
+    assert len(video_input.decode_video(cut, 100)) == video.indices[-1] + 1  # the same frames as V2V decodes
+
+
+def test_a_chat_clip_that_changes_shape_mid_stream_is_named_so():
+    """Two MPEG-TS segments of other aspect ratios, one stream: a 400 saying the size changes (it was the
+    generic 'not a valid video', from stacking frames of two sizes)."""
+    seg = lambda w, h: flat_clip(12, w, h, container="mpegts", codec="mpeg2video", rate=24, step=40)  # noqa: E731
+    with pytest.raises(ParamError, match="changes size mid-stream") as exc:
+        decode_chat_video(seg(64, 64) + seg(96, 48), VideoSampling(fps=24.0), param=PART)
+    assert exc.value.param == PART

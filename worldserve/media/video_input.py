@@ -204,13 +204,21 @@ def _count_packets(container, stream, size: tuple[int, int], budget: DecodeBudge
 
 
 def _frames(data: bytes, param: str):
-    """The clip's frames, each checked against the image pixel limit before it is converted."""
+    """The clip's frames, each checked against the image pixel limit before it is converted. A clip whose
+    tail does not decode (truncated, corrupt) ends at its last good frame, as FFmpeg players and
+    `decode_video` take it; one with no good frame raises."""
     import av
 
+    yielded = False
     with av.open(io.BytesIO(data), mode="r") as container:
-        for frame in container.decode(container.streams.video[0]):
-            _check_frame_pixels(frame.width, frame.height, param)
-            yield frame
+        try:
+            for frame in container.decode(container.streams.video[0]):
+                _check_frame_pixels(frame.width, frame.height, param)
+                yielded = True
+                yield frame
+        except (av.FFmpegError, EOFError):
+            if not yielded:
+                raise
 
 
 def _check_frame_pixels(width: int, height: int, param: str) -> None:
@@ -239,7 +247,12 @@ def _sample(
             seen = i + 1
             budget.charge(frame.width, frame.height, param, sampled=i in want)
             if i in want:
-                kept.extend([_resized(frame.to_image(), sampling, len(wanted))] * want[i])
+                resized = _resized(frame.to_image(), sampling, len(wanted))
+                if kept and kept[0].shape != resized.shape:
+                    raise ParamError(param, f"{param}: the video changes size mid-stream ({kept[0].shape[1]}x"
+                                     f"{kept[0].shape[0]} -> {resized.shape[1]}x{resized.shape[0]} once resized); "
+                                     "send a clip of one frame size")  # fmt: skip
+                kept.extend([resized] * want[i])
             if i == wanted[-1]:
                 break
     if len(kept) != len(wanted):
