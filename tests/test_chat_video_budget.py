@@ -382,3 +382,18 @@ def test_a_chat_clip_that_changes_shape_mid_stream_is_named_so():
     with pytest.raises(ParamError, match="changes size mid-stream") as exc:
         decode_chat_video(seg(64, 64) + seg(96, 48), VideoSampling(fps=24.0), param=PART)
     assert exc.value.param == PART
+
+
+def test_a_header_claiming_a_billion_frames_is_planned_by_the_file_s_size():
+    """An 8-frame AVI whose header says 1e9 frames: planned as at most a frame a byte, then sampled over the
+    frames it has (the budget had refused it, quoting 3.28e4 G pixels of a clip it is not)."""
+    import struct
+
+    clip = bytearray(flat_clip(8, 64, 48, container="avi", codec="mpeg4", rate=24, step=30))
+    struct.pack_into("<I", clip, clip.find(b"avih") + 8 + 16, 10**9)  # dwTotalFrames
+    struct.pack_into("<I", clip, clip.find(b"strh") + 8 + 32, 10**9)  # dwLength
+    with av.open(io.BytesIO(bytes(clip))) as container:
+        assert container.streams.video[0].frames == 10**9
+    video = decode_chat_video(bytes(clip), VideoSampling(), param=PART, budget=DecodeBudget())
+    assert video.indices[-1] == 7
+    assert len(video_input.decode_video(bytes(clip), 5, "last", budget=DecodeBudget())) == 5

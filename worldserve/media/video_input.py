@@ -78,9 +78,9 @@ def decode_video(
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             _check_frame_size(width, height, 1, param)
-            if stream.frames > 0:  # (the container says: its whole decoding planned before a frame)
-                kept = min(stream.frames, max_frames)
-                budget.plan(stream.frames if keep == "last" else kept, kept, width, height, param)
+            if (stated := stated_frames(stream, data)) > 0:  # (its whole decoding planned before a frame)
+                kept = min(stated, max_frames)
+                budget.plan(stated if keep == "last" else kept, kept, width, height, param)
             for frame in container.decode(stream):
                 budget.charge(frame.width, frame.height, param, sampled=False)
                 _check_frame_size(frame.width, frame.height, min(len(frames) + 1, max_frames), param)
@@ -108,6 +108,12 @@ def decode_video(
         except (av.FFmpegError, ValueError) as exc:  # (a pixel format FFmpeg cannot convert)
             raise bad from exc
     return out
+
+
+def stated_frames(stream, data: bytes) -> int:
+    """The frame count a container states (0: none), at most one a byte of the file: a header can claim 1e9
+    frames in 19 KB, and the budget's plan would refuse that clip for a size it does not have."""
+    return min(max(stream.frames, 0), len(data))
 
 
 def _check_frame_size(width: int, height: int, kept: int, param: str) -> None:
@@ -148,7 +154,9 @@ def decode_chat_video(
             fps = float(rate) if rate else DEFAULT_SOURCE_FPS
             # the container does not say (WebM, MKV): its packets, a frame each, counted undecoded
             total = (
-                stream.frames if stream.frames > 0 else _count_packets(container, stream, size, budget, param)
+                stated_frames(stream, data)
+                if stream.frames > 0
+                else _count_packets(container, stream, size, budget, param)
             )
         video, seen = _sample(data, sampling, total, fps, size, budget, param)
         if video is None:  # fewer frames than the container said: sample the frames there are
