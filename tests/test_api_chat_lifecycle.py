@@ -25,20 +25,22 @@ class EndlessSession:
     prompt_tokens = 4
 
     def __init__(self, max_tokens: int):
-        self.max_tokens, self.n, self.closed = max_tokens, 0, False
+        self.max_tokens, self.n, self.closed, self.preempted = max_tokens, 0, False, False
 
     def close(self) -> None:
         self.closed = True
 
 
 class EndlessBackend:
-    """Sessions that emit one token every `delay` seconds until closed or at max_tokens (100k in BODY)."""
+    """Sessions that emit one token every `delay` seconds until closed, at max_tokens (100k in BODY) or once
+    `finish` is set (then "stop"); a session a test marks `preempted` idles (no token), as the Reasoner's does
+    while it waits for K/V blocks."""
 
     concurrent_with_video = True
 
     def __init__(self, delay: float = 0.005):
         self.delay, self.sessions, self.batches, self.preemptions = delay, [], [], 0
-        self.lock = threading.Lock()
+        self.lock, self.finish = threading.Lock(), threading.Event()
 
     def start_many(self, batch):
         with self.lock:
@@ -51,8 +53,11 @@ class EndlessBackend:
         time.sleep(self.delay)
         out = []
         for s in sessions:
+            if s.preempted:
+                out.append(ChatDelta(text="", finish_reason=None, completion_tokens=s.n))
+                continue
             s.n += 1
-            done = "length" if s.n == s.max_tokens else None
+            done = "stop" if self.finish.is_set() else "length" if s.n == s.max_tokens else None
             out.append(ChatDelta(text="x", finish_reason=done, completion_tokens=s.n))
         return out
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import httpx
 import pytest
 from serving_helpers import make_client, serve_app, wait_until
+from test_api_chat_lifecycle import EndlessBackend
 
 from worldserve.api.stats_log import StatsLog
-from worldserve.engine.outputs import ChatDelta
 
 MODEL = "test-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 100_000}
@@ -23,52 +22,11 @@ LLM = {"model_name": MODEL, "engine": "0"}  # vLLM's labels
 WS = {"model_name": MODEL}
 
 
-class Session:
-    prompt_tokens = 4
-
-    def __init__(self, max_tokens: int):
-        self.max_tokens, self.n, self.preempted, self.closed = max_tokens, 0, False, False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class PreemptableBackend:
-    """A token every `delay` seconds a chat, until max_tokens or `finish` is set; a session the test marks
-    `preempted` idles (no token), as the Reasoner's does while it waits for K/V blocks."""
-
-    concurrent_with_video = True
-    preemptions = 0
-
-    def __init__(self, delay: float = 0.005):
-        self.delay, self.sessions, self.finish = delay, [], threading.Event()
-
-    def start_many(self, batch):
-        new = [Session(params.max_tokens) for params in batch]
-        self.sessions += new
-        return new
-
-    def step_all(self, sessions):
-        time.sleep(self.delay)
-        out = []
-        for s in sessions:
-            if s.preempted:
-                out.append(ChatDelta(text="", finish_reason=None, completion_tokens=s.n))
-                continue
-            s.n += 1
-            done = "stop" if self.finish.is_set() else "length" if s.n >= s.max_tokens else None
-            out.append(ChatDelta(text="x", finish_reason=done, completion_tokens=s.n))
-        return out
-
-    def kv_cache_usage(self) -> float:
-        return 0.0
-
-
 @pytest.fixture
 def served(tmp_path):
     from worldserve.api.app import build_app
 
-    backend = PreemptableBackend()
+    backend = EndlessBackend()
     client = make_client(tmp_path, model_name=MODEL, chat_backend=backend, max_num_seqs=2)
     app = build_app(client, shutdown_timeout_s=1.0)
     with serve_app(app, name="test-chat-queue-metrics") as url:

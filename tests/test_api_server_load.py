@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 from serving_helpers import SMALL_FORM, asgi_server, poll_job
-from test_api_chat_queue_metrics import PreemptableBackend
+from test_api_chat_lifecycle import EndlessBackend
 
 from worldserve.engine.fake_backend import FakeBackend
 
@@ -30,7 +30,7 @@ async def _until(predicate, timeout: float = 10.0) -> None:
 
 
 async def test_a_response_being_created_counts(tmp_path):
-    chat = PreemptableBackend()
+    chat = EndlessBackend()
     async with asgi_server(tmp_path, chat_backend=chat, app_kw={"server_load_tracking": True}) as http:
         created = asyncio.ensure_future(
             http.post(
