@@ -68,25 +68,26 @@ class DecodeBudget:
     def charge(self, width: int, height: int, param: str, *, sampled: bool) -> None:
         """Count one decoded frame (and its conversion when `sampled`); DecodeCancelled once stopped,
         ParamError(param) once the request's videos have taken more than the limit."""
-        self.check_stop()
         work = frames_work(1, width, height) * (1 + CONVERT_WEIGHT if sampled else 1)
-        with self._lock:
-            self.used += work
-            used = self.used
-        if self.max_pixels is not None and used > self.max_pixels:
-            raise ParamError(param, f"{param}: the request's videos took {_amount(used)} of decoding, counted "
-                             f"frame by frame (the last {width}x{height}). {self._advice()}")  # fmt: skip
+        self._add(work, param, f"of decoding, counted frame by frame (the last {width}x{height})")
 
     def charge_conversion(self, width: int, height: int, param: str) -> None:
         """Count the RGB conversion of a frame already charged as decoded (a video reference's kept frames,
         known only once the clip has been read); as `charge` past the limit or once stopped."""
+        work = frames_work(1, width, height) * CONVERT_WEIGHT
+        self._add(work, param, f"of decoding and conversion (frames of {width}x{height})")
+
+    def _add(self, work: int, param: str, what: str) -> None:
+        """Count `work` done; DecodeCancelled once stopped, ParamError(param) past the limit (`what`: the work
+        so far, for the message)."""
         self.check_stop()
         with self._lock:
-            self.used += frames_work(1, width, height) * CONVERT_WEIGHT
+            self.used += work
             used = self.used
         if self.max_pixels is not None and used > self.max_pixels:
-            raise ParamError(param, f"{param}: the request's videos took {_amount(used)} of decoding and "
-                             f"conversion (frames of {width}x{height}). {self._advice()}")  # fmt: skip
+            raise ParamError(
+                param, f"{param}: the request's videos took {_amount(used)} {what}. {self._advice()}"
+            )
 
     def _advice(self) -> str:
         return (f"This server's limit is {_amount(self.max_pixels)} a request (--max-video-decode-gpixels: every "
