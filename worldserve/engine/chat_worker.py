@@ -100,12 +100,12 @@ class ChatWorker:
         self._queue: queue.Queue[tuple[ChatHandle, ...] | None] = queue.Queue()  # one entry a request
         self._stopping = threading.Event()  # also seen while a deferred chat keeps the queue unread
         self._abort = threading.Event()  # the shutdown timeout passed: fail the running chats
-        # what /metrics and the stats line read at any time (under _waiting_lock; written by this worker's
+        # what /metrics and the stats line read at any time (under _queues_lock; written by this worker's
         # thread, and by submit_many for _waiting): vLLM's scheduler queues, a preempted chat back to waiting
         self._waiting: set[ChatHandle] = set()  # submitted, not started, failed or dropped yet
         self._running: set[ChatHandle] = set()  # started (prefilled or prefilling), not ended
         self._preempted: set[ChatHandle] = set()  # of _running, those whose K/V the backend took back
-        self._waiting_lock = threading.Lock()
+        self._queues_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
     def start(self) -> None:
@@ -132,7 +132,7 @@ class ChatWorker:
         """Chats submitted and not yet started (queued, or waiting for K/V room) and started chats preempted
         (waiting to resume, as vLLM moves a preempted request back to its waiting queue): /metrics' waiting
         gauge. Thread-safe, read at scrape time."""
-        with self._waiting_lock:
+        with self._queues_lock:
             queued = sum(not h.cancelled.is_set() for h in self._waiting)  # a client gone counts no more
             return queued + len(self._preempted)
 
@@ -140,7 +140,7 @@ class ChatWorker:
     def num_running(self) -> int:
         """Chats started (prefilled, or prefilling in chunks) and not ended, less the preempted ones: /metrics'
         running gauge (vLLM's scheduler's running queue). Thread-safe, read at scrape time."""
-        with self._waiting_lock:
+        with self._queues_lock:
             return len(self._running) - len(self._preempted)
 
     def submit(
@@ -160,13 +160,13 @@ class ChatWorker:
             for handle in handles:
                 self._tell(handle, ChatFailed(503, "The server is shutting down."))
         else:
-            with self._waiting_lock:
+            with self._queues_lock:
                 self._waiting.update(handles)
             self._queue.put(handles)
         return list(handles)
 
     def _not_waiting(self, *handles: ChatHandle) -> None:
-        with self._waiting_lock:
+        with self._queues_lock:
             self._waiting.difference_update(handles)
 
     def _run(self) -> None:
@@ -184,7 +184,7 @@ class ChatWorker:
                 self._ended(handle)
                 self._tell(handle, ChatFailed(500, message))
         self._refuse_waiting(deferred, message)
-        with self._waiting_lock:
+        with self._queues_lock:
             self._waiting.clear()
             self._running.clear()
             self._preempted.clear()
@@ -287,7 +287,7 @@ class ChatWorker:
         except Exception as exc:
             results = [exc] * len(batch)
         started, refused = [], []
-        with self._waiting_lock:  # running from now on, before any of them hears of it (the gauges)
+        with self._queues_lock:  # running from now on, before any of them hears of it (the gauges)
             for handle, result in zip(batch, results, strict=True):
                 if not isinstance(result, ChatBackpressure):
                     self._waiting.discard(handle)
@@ -327,7 +327,7 @@ class ChatWorker:
         # the preempted chats count as waiting until they resume (set before any delivery: a client that has
         # its answer finds the gauges up to date)
         preempted = {h for h, s in active if getattr(s, "preempted", False)}
-        with self._waiting_lock:
+        with self._queues_lock:
             self._preempted = preempted
         # a chat still prefilling (chunked) or preempted idles: no token, nothing to deliver
         idle = [not (d.text or d.logprobs or d.finish_reason) and d.completion_tokens == h._tokens_seen
@@ -376,7 +376,7 @@ class ChatWorker:
     def _ended(self, handle: ChatHandle, now: float | None = None) -> None:
         """A started chat ended: no longer running (nor preempted); report its timings (ChatTimes: end-to-end,
         queue, prefill, decode, inference), once."""
-        with self._waiting_lock:
+        with self._queues_lock:
             self._running.discard(handle)
             self._preempted.discard(handle)
         if handle.admitted_at is None or handle._ended:
