@@ -7,7 +7,8 @@ the requests that use the model in flight right now, for load balancers that rou
 - beyond vLLM (serving-api.md leaves /load unspecified for vLLM-Omni's video routes), every async video job
   created by POST /v1/videos, from its creation until it completes, fails or is deleted: the create answers
   at once, and a balancer that saw only HTTP requests would pile jobs onto a busy server (a sync request's
-  job is its HTTP request, counted once). Jobs queued before a restart are not counted again.
+  job is its HTTP request, counted once; after its 504 the job runs on, counted as an async job's). Jobs
+  queued before a restart are not counted again.
 Off (vLLM's default), the count stays 0.
 """
 
