@@ -4,9 +4,10 @@ FA4 is written in NVIDIA's CuTe Python DSL and compiles on first use; the DSL's 
 more than a device call can carry beside the serving wheels. Its kernels compile without a GPU (fake
 tensors, target sm_90a), and each compiled function exports as a small TVM-FFI shared library that needs
 only `apache-tvm-ffi` and the DSL's runtime library (`libcute_dsl_runtime.so`) to run. This script compiles
-one kernel per spec, `TMxTN-cC[-ss][-gqa][-pN][-kN][-vN]` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by
+one kernel per spec, `TMxTN-cC[-ss][-rs][-gqa][-pN][-kN][-vN]` (tile_m x tile_n, cluster of C CTAs sharing K / V tiles by
 TMA multicast: bench/fa4_sm90_kv_multicast.patch, which must be applied to the installed flash-attn-4;
-`-ss`: P @ V with P through shared memory instead of registers; `-gqa`: the query heads of a K / V head
+`-ss`: P @ V with P through shared memory instead of registers; `-rs`: Q @ K^T with Q in registers (loaded
+once a tile) instead of read from shared memory at every k-step; `-gqa`: the query heads of a K / V head
 packed into one tile; `-pN`: persistent, N resident CTAs walking the tiles, `-p` = 132, an H100 / H200's SMs;
 `-kN` / `-vN`: N shared-memory stages of K / of V, default 2 / as many as K), and writes
 
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPEC_HELP = (
-    "comma-separated TMxTN-cC[-ss][-gqa][-pN][-kN][-vN] specs, e.g. 128x176-c1,128x176-c2,192x112-c2-ss,"
+    "comma-separated TMxTN-cC[-ss][-rs][-gqa][-pN][-kN][-vN] specs, e.g. 128x176-c1,128x176-c2,192x112-c2-ss,"
     "128x176-c2-p,128x144-c2-v3"
 )
 
@@ -64,11 +65,13 @@ class KernelSpec:
     """Shared-memory stages of K (FA4's default 2; V has as many unless stages_v says otherwise)."""
     stages_v: int = 0
     """Stages of V on their own ring (0: as K's)."""
+    q_in_regs: bool = False
+    """Q @ K^T as an RS WGMMA: Q from registers, K from shared memory."""
 
     @classmethod
     def parse(cls, spec: str) -> KernelSpec:
-        """`128x176-c2[-ss][-gqa][-pN][-kN][-vN]` (ValueError naming the form otherwise)."""
-        form = f"kernel spec must look like 128x176-c2[-ss][-gqa][-pN][-kN][-vN], got {spec!r}"
+        """`128x176-c2[-ss][-rs][-gqa][-pN][-kN][-vN]` (ValueError naming the form otherwise)."""
+        form = f"kernel spec must look like 128x176-c2[-ss][-rs][-gqa][-pN][-kN][-vN], got {spec!r}"
         parts = spec.strip().lower().split("-")
         if len(parts) < 2:
             raise ValueError(form)
@@ -82,7 +85,7 @@ class KernelSpec:
             sk, sv = (int(stages[r][1:]) if r in stages else d for r, d in (("k", 2), ("v", 0)))
         except ValueError:
             raise ValueError(form) from None
-        known = {"ss", "gqa", *persistent, *stages.values()}
+        known = {"ss", "rs", "gqa", *persistent, *stages.values()}
         if (
             not cluster.startswith("c")
             or set(flags) - known
@@ -94,12 +97,13 @@ class KernelSpec:
             raise ValueError(f"{spec!r}: 1-4 stages of K, 1-4 of V")
         if tm % 64 or not 64 <= tm <= 192 or tn % 16 or not 16 <= tn <= 256 or c not in (1, 2, 4):
             raise ValueError(f"{spec!r}: tile 64-192 rows (x64) by 16-256 keys (x16), cluster 1, 2 or 4")
-        return cls(tm, tn, c, "ss" in flags, "gqa" in flags, sms, sk, sv if sv != sk else 0)
+        return cls(tm, tn, c, "ss" in flags, "gqa" in flags, sms, sk, sv if sv != sk else 0, "rs" in flags)
 
     @property
     def name(self) -> str:
         flags = (
             "_ss" * self.p_in_smem
+            + "_rs" * self.q_in_regs
             + "_gqa" * self.pack_gqa
             + (f"_p{self.persistent_sms}" if self.persistent_sms else "")
             + (f"_k{self.stages_k}" if self.stages_k != 2 else "")
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                     q, k, v, tile_mn=(ks.tile_m, ks.tile_n), mma_pv_is_rs=not ks.p_in_smem,
                     intra_wg_overlap=True, num_threads=128 * (1 + ks.tile_m // 64), pack_gqa=ks.pack_gqa,
                     return_lse=True, sm90_cluster_m=ks.cluster_m, sm90_persistent_sms=ks.persistent_sms,
-                    sm90_num_stages=ks.stages_k, sm90_num_stages_v=ks.stages_v,
+                    sm90_num_stages=ks.stages_k, sm90_num_stages_v=ks.stages_v, sm90_mma_qk_is_rs=ks.q_in_regs,
                 )  # fmt: skip
         except Exception as e:  # a tile the DSL refuses (shared memory, registers, layout): skip it
             print(f"{spec}: not compiled: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest["kernels"][name] = {"spec": spec, "tile_m": ks.tile_m, "tile_n": ks.tile_n,
                                      "cluster_m": ks.cluster_m, "p_in_smem": ks.p_in_smem,
                                      "pack_gqa": ks.pack_gqa, "persistent_sms": ks.persistent_sms,
-                                     "stages_k": ks.stages_k, "stages_v": ks.stages_v or ks.stages_k,
+                                     "stages_k": ks.stages_k, "stages_v": ks.stages_v or ks.stages_k, "q_in_regs": ks.q_in_regs,
                                      "qhead_per_kvhead": ratio,
                                      "compile_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         print(f"{spec}: {so} ({so.stat().st_size} bytes, {time.perf_counter() - t0:.1f} s)", flush=True)

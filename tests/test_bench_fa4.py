@@ -69,6 +69,8 @@ def _fa4_export():
         ("128x144-c2-v3", (128, 144, 2, False, False, 0, 2, 3), "fa4_sm90_128x144_c2_v3"),
         ("128x128-c2-k3-v3", (128, 128, 2, False, False, 0, 3, 0), "fa4_sm90_128x128_c2_k3"),
         ("128x128-c2-v2", (128, 128, 2, False, False, 0, 2, 0), "fa4_sm90_128x128_c2"),
+        ("128x128-c2-rs", (128, 128, 2, False, False, 0, 2, 0, True), "fa4_sm90_128x128_c2_rs"),
+        ("128x144-c2-rs-v3", (128, 144, 2, False, False, 0, 2, 3, True), "fa4_sm90_128x144_c2_rs_v3"),
     ],
 )
 def test_export_specs_name_their_kernels(spec, fields, name):
@@ -84,6 +86,7 @@ def test_export_specs_name_their_kernels(spec, fields, name):
         ks.persistent_sms,
         ks.stages_k,
         ks.stages_v,
+        ks.q_in_regs,
     )
     assert got[: len(fields)] == fields
     assert ks.name == name
@@ -100,10 +103,11 @@ def test_export_specs_name_their_kernels(spec, fields, name):
         "128x176-cz",
         "128x176-c2-v3-v3",
         "128x176-c2-kx",
+        "128x176-c2-rs-rs",
     ],
 )
 def test_malformed_export_specs_name_the_form(spec):
-    with pytest.raises(ValueError, match=r"must look like 128x176-c2\[-ss\]\[-gqa\]\[-pN\]"):
+    with pytest.raises(ValueError, match=r"must look like 128x176-c2\[-ss\]\[-rs\]\[-gqa\]\[-pN\]"):
         _fa4_export().KernelSpec.parse(spec)
 
 
