@@ -295,7 +295,9 @@ def test_bad_mm_processor_kwargs_are_a_400_naming_the_key(url, mm, param, needle
 def test_chat_template_kwargs_reach_the_template(url):
     """enable_thinking=false renders Qwen3's empty think block (more prompt tokens, through the openai
     client's extra_body too); a key the template does not use changes nothing; apply_chat_template's own
-    arguments are a 400 naming the key."""
+    arguments this server sets are a 400 naming the key. The four vLLM passes the template from the request
+    may come here too and win, as vLLM lays chat_template_kwargs over them: the same prompt as the request's
+    own fields give; its switches must be booleans."""
     import openai
 
     plain = _prompt_tokens(_chat(url, "hi"))
@@ -308,9 +310,21 @@ def test_chat_template_kwargs_reach_the_template(url):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     assert resp.usage.prompt_tokens == off
-    for key in ("tokenize", "add_generation_prompt", "chat_template", "messages"):
+    for key in ("tokenize", "chat_template", "messages", "return_dict"):
         r = _chat(url, "hi", chat_template_kwargs={key: False})
         assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
+    bare = _prompt_tokens(_chat(url, "hi", add_generation_prompt=False))
+    assert bare < plain
+    assert _prompt_tokens(_chat(url, "hi", chat_template_kwargs={"add_generation_prompt": False})) == bare
+    open_turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The sky is"}]
+    switches = {"add_generation_prompt": False, "continue_final_message": True}
+    own = _prompt_tokens(_chat(url, None, messages=open_turn, **switches))
+    assert _prompt_tokens(_chat(url, None, messages=open_turn, chat_template_kwargs=switches)) == own
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    assert _prompt_tokens(_chat(url, "hi", chat_template_kwargs={"tools": [tool]})) > plain
+    r = _chat(url, "hi", chat_template_kwargs={"add_generation_prompt": "no"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt", r.text
 
 
 EARLIER = [

@@ -247,8 +247,9 @@ def test_echo_with_logprobs_scores_the_prompt(reasoner_oai, reasoner):
 def test_vllm_prompt_logprobs_field(reasoner_url, reasoner):
     """vLLM's `prompt_logprobs: k`: choices[i].prompt_logprobs lists, per prompt token after the first, its
     own log-probability and rank and the k most likely tokens, keyed by id (as vLLM's Logprob objects);
-    streamed in the first chunk; out of [0, 20] a 400 naming it. Chat completions take the field too (the
-    answer's top-level prompt_logprobs; not with stream, a 400)."""
+    out of [0, 20] a 400 naming it. Chat completions take the field too (the answer's top-level
+    prompt_logprobs). On both routes, as in vLLM, above 0 not with stream (a 400 naming it); 0 streams, and
+    no chunk carries prompt logprobs."""
     ids = list(_ids(reasoner, "The quick brown fox jumps"))
     body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 2}
     r = httpx.post(reasoner_url + "/v1/completions", json=body, timeout=60)
@@ -269,12 +270,16 @@ def test_vllm_prompt_logprobs_field(reasoner_url, reasoner):
             2,
             3,
         )  # the top 2, and the prompt's own token if not in them
-    with httpx.stream(
-        "POST", reasoner_url + "/v1/completions", json={**body, "stream": True}, timeout=60
-    ) as resp:
-        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
-    assert events[0]["choices"][0]["prompt_logprobs"] == plp
-    assert all(e["choices"][0].get("prompt_logprobs") is None for e in events[1:] if e["choices"])
+    r = httpx.post(reasoner_url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    assert r.json()["error"]["message"] == "`prompt_logprobs` are not available when `stream=True`."
+    for route, extra in (("/v1/completions", {"prompt": ids}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi"}]})):  # fmt: skip
+        zero = {"model": MODEL, "max_tokens": 2, "prompt_logprobs": 0, "stream": True, **extra}
+        with httpx.stream("POST", reasoner_url + route, json=zero, timeout=60) as resp:
+            assert resp.status_code == 200
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert events and all("prompt_logprobs" not in e["choices"][0] for e in events if e["choices"])
     r = httpx.post(reasoner_url + "/v1/completions", json={**body, "prompt_logprobs": 21}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
     # a chat completion: the same field, the rendered chat prompt's tokens, at the top of the answer

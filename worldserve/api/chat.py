@@ -172,7 +172,7 @@ def build_params(
         **sampling,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
-        prompt_logprobs=body.prompt_logprobs,
+        prompt_logprobs=body.prompt_logprobs_wanted(body.prompt_logprobs),
         chat_template_kwargs=options.chat_template_kwargs,
         image_min_pixels=options.image_pixels[0],
         image_max_pixels=options.image_pixels[1],
@@ -264,10 +264,8 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
     API (api/responses.py) answers through the same."""
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
-    if body.misplaced_stream_options():
-        raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
-    if body.stream and body.prompt_logprobs is not None:
-        raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+    if (refused := body.refused_streaming(body.prompt_logprobs)) is not None:
+        raise APIError(400, refused[1], param=refused[0])
     if (refused := body.refused_sampling()) is not None:
         raise APIError(400, refused[1], param=refused[0])
     if body.chat_template is not None:

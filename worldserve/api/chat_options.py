@@ -17,11 +17,15 @@ from worldserve.params import ParamError
 MAX_PIXELS = 16777216
 """Largest pixel budget a request may ask for (Qwen3-VL's image `size.longest_edge`): 16384 vision tokens."""
 TEMPLATE_ARGUMENTS = frozenset(
-    ("conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+    ("conversation", "conversations", "messages", "chat_template", "tokenize", "sanitize_control_tokens",
+     "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+     "tokenizer_kwargs")
 )  # fmt: skip
-"""apply_chat_template's own arguments (and the template's `messages`): this server sets them."""
+"""apply_chat_template's own arguments (and the template's `messages`) that this server sets. The four that
+vLLM passes the template from the request (`add_generation_prompt`, `continue_final_message`, `tools`,
+`documents`) may be given here too, and win for the template's text, as vLLM lays chat_template_kwargs over
+them (the answer's role and the tool parser still follow the request's own fields, as in vLLM)."""
+TEMPLATE_SWITCHES = ("add_generation_prompt", "continue_final_message")
 IMAGE_KEYS, VIDEO_KEYS = ("size", "min_pixels", "max_pixels"), ("size", "fps", "num_frames")
 MM_HELP = (
     "this server's Qwen3-VL preprocessing takes size, min_pixels, max_pixels (images), size, fps, num_frames "
@@ -140,9 +144,13 @@ def pixel_budget(opts: dict, modality: str) -> tuple[int | None, int | None]:
 
 
 def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict:
-    """`chat_template_kwargs` checked: the template's variables, none of apply_chat_template's own arguments."""
-    for key in kwargs or {}:
+    """`chat_template_kwargs` checked: the template's variables, none of the apply_chat_template arguments this
+    server sets (TEMPLATE_ARGUMENTS); its two switches, when given, true or false."""
+    for key, value in (kwargs or {}).items():
         if key in TEMPLATE_ARGUMENTS:
             raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key} is not supported: "
                              "this server sets it (chat_template_kwargs carry the template's own variables)")  # fmt: skip
+        if key in TEMPLATE_SWITCHES and not isinstance(value, bool):
+            raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key} must be true or false, "
+                             f"got {value!r}")  # fmt: skip
     return dict(kwargs or {})

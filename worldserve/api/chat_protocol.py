@@ -178,10 +178,21 @@ class SamplingRequest(NullsAsDefaults):
         None with truncate_prompt_tokens (the prompt may be longer: only its end is kept)."""
         return max_model_len if self.truncate_prompt_tokens is None else None
 
-    def misplaced_stream_options(self) -> bool:
-        """vLLM's rule: non-empty stream_options only with stream=true (the route answers a 400)."""
+    def refused_streaming(self, prompt_logprobs: int | None = None) -> tuple[str, str] | None:
+        """(field, why) where the request breaks vLLM's streaming rules (its request validators): non-empty
+        stream_options only with stream=true; the request's `prompt_logprobs` above 0 not with stream=true
+        (0 is taken, and its rows are not sent, as no vLLM chunk carries them: `prompt_logprobs_wanted`)."""
         opts = self.stream_options
-        return not self.stream and opts is not None and bool(opts.model_fields_set)
+        if not self.stream and opts is not None and bool(opts.model_fields_set):
+            return "stream_options", "Stream options can only be defined when `stream=True`."
+        if self.stream and prompt_logprobs:
+            return "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
+        return None
+
+    def prompt_logprobs_wanted(self, prompt_logprobs: int | None) -> int | None:
+        """The request's `prompt_logprobs` as computed: None when streamed (only 0 passes refused_streaming, and
+        vLLM's chunks carry no prompt logprobs, so nothing is computed for them)."""
+        return None if self.stream else prompt_logprobs
 
     def stream_usage(self, forced: bool = False) -> tuple[bool, bool]:
         """(include_usage, continuous_usage_stats) as vLLM applies them: continuous needs include_usage; both

@@ -79,7 +79,8 @@ def chat_params(
 ) -> ChatParams:
     """One prompt's ChatParams: its ids, the request's sampling options (`defaults`' where it omits them) and
     structured output constraint (and its bad_words' tokens, when tokenized)."""
-    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    scored = (body.logprobs if body.echo else None, body.prompt_logprobs_wanted(body.prompt_logprobs))
+    wanted = [k for k in scored if k is not None]
     return ChatParams(  # the prompt's logprobs for echo + logprobs (as vLLM answers it) and prompt_logprobs
         prompt_ids=ids, max_tokens=body.max_tokens, max_tokens_bound=defaults.budget(body.max_tokens),
         **body.sampling_options(defaults),

@@ -70,8 +70,8 @@ class CompletionRequest(SamplingRequest):
             return "prompt", (f"prompt list length {len(self.prompt)} exceeds the maximum allowed count of "
                               f"{limit}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
                               "environment variable.")  # fmt: skip
-        if self.misplaced_stream_options():
-            return "stream_options", "Stream options can only be defined when `stream=True`."
+        if (refused := self.refused_streaming(self.prompt_logprobs)) is not None:
+            return refused
         if self.suffix is not None:
             return "suffix", "suffix is not supported by this server (no fill-in-the-middle)"
         if self.best_of is not None and self.best_of != self.n:

@@ -142,9 +142,6 @@ def sse(
         if not (text or event.logprobs or event.finish_reason or (c.view.ids and event.token_ids)):
             return
         lps = c.logprobs_of(index, event.logprobs, sent[index])
-        # vLLM's chunks have no prompt_logprobs (it refuses them with stream): ours, in the first chunk, only
-        # when asked for (a field left unset is left out: chat_protocol.SSEChunk)
-        rows = None if sent[index] else c.vllm_prompt_logprobs(index)
         ids = c.token_ids(index, not started[index], event.token_ids)
         started[index] = True
         sent[index] += len(text)
@@ -154,7 +151,6 @@ def sse(
             logprobs=lps,
             finish_reason=event.finish_reason,
             stop_reason=event.stop_reason,
-            **({} if rows is None else {"prompt_logprobs": rows}),
             **ids,
         )
         # vLLM's chunk usage: the chunk's prompt and choice's counts, no details

@@ -201,7 +201,8 @@ class ChatPromptBuilder:
                 else:
                     parts.append({"type": "text", "text": part.text})
             conversation.append({"role": msg.role, "content": parts, **extra})
-        options = dict(params.chat_template_kwargs) | ({"tools": list(params.tools)} if params.tools else {})
+        # the request's chat_template_kwargs over its own template arguments, as vLLM lays them
+        options = ({"tools": list(params.tools)} if params.tools else {}) | dict(params.chat_template_kwargs)
         text = self._render(
             conversation, options, params.add_generation_prompt, params.continue_final_message
         )
@@ -300,13 +301,17 @@ class ChatPromptBuilder:
         self, conversation: list, options: dict, add_generation_prompt: bool, continue_final_message: bool
     ) -> str:
         """The chat template's text of the conversation, with the request's extra template variables
-        (`continue_final_message`: the last message left open, vLLM's /tokenize option)."""
+        (`continue_final_message`: the last message left open, vLLM's /tokenize option; `options` may set
+        both switches, and then win)."""
+        args = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        args |= options
+        continue_final_message = args["continue_final_message"]
         try:
             template = {} if self.chat_template is None else {"chat_template": self.chat_template}
-            return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **template, **options,
-            )  # fmt: skip
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, **template, **args)
         except RecursionError:  # (bodies nest at most api.bodies.MAX_JSON_DEPTH levels: not expected)
             raise ParamError("messages", "the chat template cannot render input nested this deeply") from None
         except MemoryError:
