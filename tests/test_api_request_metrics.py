@@ -21,6 +21,8 @@ IMAGE = {"size": "32x32", "num_inference_steps": 2}
 async def test_the_request_counters_start_at_zero(tmp_path):
     async with asgi_server(tmp_path) as http:
         text = (await http.get("/metrics")).text
+    for name in ("worldserve:request_success_total", "worldserve:request_cancelled_total"):
+        assert gauge(text, name, M) == 0
     for status in ("400", "500", "503", "504", "507"):
         assert gauge(text, "worldserve:request_failure_total", {**M, "status": status}) == 0
     for reason in ("queue_full", "shutting_down", "storage", "too_large"):

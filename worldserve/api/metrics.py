@@ -8,8 +8,8 @@ the GPU-memory gauge exists only when the server passes a reader (commands/serve
 Families: num_requests_waiting, num_requests_running (gauges); step_time_seconds, step_batch_size,
 e2e_request_latency_seconds, request_queue_time_seconds, stage_duration_seconds{stage} (histograms);
 request_success_total, request_failure_total{status}, request_cancelled_total, request_rejected_total{reason}
-(counters; the usual statuses and every reason exported as 0 from the start, so dashboards show 0 rather
-than no data; an image request counts once whatever its `n`, as vLLM-Omni counts a request);
+(counters of video and image requests; each, with the usual statuses and every reason, exported as 0 from
+the start, so dashboards show 0 rather than no data; an image request counts once whatever its `n`, as vLLM-Omni counts a request);
 peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reasoner's chats: chat_prompt_tokens,
 chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting
 (the chat worker's queues read at scrape time: a preempted chat waits, as in vLLM), kv_cache_usage_perc,
@@ -86,8 +86,9 @@ class Metrics:
         self.failure = Counter(
             "worldserve:request_failure", "Jobs failed, by error code.", [*label, "status"], registry=r
         )
-        self.cancelled = Counter("worldserve:request_cancelled", "Jobs deleted and streamed requests stopped "
-                                 "before their end.", label, registry=r)  # fmt: skip
+        self.cancelled = Counter("worldserve:request_cancelled", "Video / image jobs deleted and realtime video "
+                                 "streams stopped before their end (a chat stopped early counts in "
+                                 "chat_request_success{finish_reason=\"abort\"}).", label, registry=r)  # fmt: skip
         self.rejected = Counter("worldserve:request_rejected", "Requests refused before becoming a job.",
                                 [*label, "reason"], registry=r)  # fmt: skip
         self.peak_memory = Gauge("worldserve:peak_memory_mb", "Peak accelerator memory of the last finished job.",
@@ -114,6 +115,8 @@ class Metrics:
                                                buckets=ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
         self.vllm = VllmMirror(r, model_name)
         self.chat_running.labels(**self._label)  # exported as 0 from the start, as vLLM's (track_chat_queue)
+        for counter in (self.success, self.cancelled):
+            counter.labels(**self._label)
         for status in FAILURE_STATUSES:  # 0 from the start, as vLLM exports its finished_reason series
             self.failure.labels(status=str(status), **self._label)
         for reason in REJECT_REASONS:
