@@ -4,12 +4,14 @@ run over every operation of /openapi.json (valid-ish and garbage values, every b
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 from serving_helpers import asgi_server, mp4_bytes, png_bytes, poll_job, uvicorn_thread
 
 pytestmark = pytest.mark.anyio
@@ -62,6 +64,12 @@ CASES = [
     ("lora no path", {**OK, "lora": '{"name": "a"}'}, 400, "lora", "both name and path are required"),
     ("lora valid", {**OK, "lora": '{"name": "a", "path": "/x"}'}, 400, "lora", "not supported"),
     ("control_type alone", {**OK, "control_type": "edge"}, 400, "control_type", "requires a control_reference"),
+    # vLLM-Omni's Wan2.2 fields and return_stage_metrics: typed (they were ignored whatever their value)
+    ("true_cfg_scale abc", {**OK, "true_cfg_scale": "abc"}, 400, "true_cfg_scale", "float_parsing"),
+    ("guidance_scale_2 nan", {**OK, "guidance_scale_2": "nan"}, 400, "guidance_scale_2", "finite"),
+    ("boundary_ratio abc", {**OK, "boundary_ratio": "abc"}, 400, "boundary_ratio", "float_parsing"),
+    ("return_stage_metrics maybe", {**OK, "return_stage_metrics": "maybe"}, 400, "return_stage_metrics",
+     "bool_parsing"),
     ("interpolation 0", {**OK, "frame_interpolation_exp": "0"}, 400, "frame_interpolation_exp", "greater than"),
     ("interpolation on", {**OK, "enable_frame_interpolation": "true"}, 400, "enable_frame_interpolation",
      "not supported"),
@@ -378,6 +386,31 @@ async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_
             files={"control_reference": ("c.png", b"x", "image/png")},
         )
         assert r.status_code == 400 and "Supported control upload types: blur" in r.json()["error"]["message"]
+        r = await http.post(  # vLLM-Omni's emptiness check comes before the transfer mode's
+            "/v1/videos",
+            data={**OK, "control_type": "edge"},
+            files={"control_reference": ("c.png", b"", "image/png")},
+        )
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "control_reference must not be empty.", "type": "Bad Request",
+            "param": "control_reference", "code": 400,
+        }  # fmt: skip
+        for empty in ([], {}):  # a structured prompt with nothing in it is as empty as ""
+            r = await http.post("/v1/videos", json={**OK, "prompt": empty})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        ok = {
+            **OK,
+            "true_cfg_scale": 4.0,
+            "guidance_scale_2": 3,
+            "boundary_ratio": 0.9,
+            "return_stage_metrics": True,
+        }
+        assert (await http.post("/v1/videos/sync", json=ok)).status_code == 200  # accepted, unused by Cosmos3
+        jpeg = io.BytesIO()
+        Image.effect_noise((64, 48), 60).convert("RGB").save(jpeg, "JPEG")
+        cut = jpeg.getvalue()[:-40]  # Pillow refuses it; FFmpeg would read it as a one-frame clip (V2V)
+        r = await http.post("/v1/videos", data=OK, files={"input_reference": ("a.jpg", cut, "image/jpeg")})
+        assert r.status_code == 400 and r.json()["error"]["message"] == NOT_AN_IMAGE, r.text
 
 
 # -- hypothesis over /openapi.json -------------------------------------------------------------------------

@@ -4,6 +4,8 @@ checkpoint (same settings as tests/test_pipeline_parity.py: templates off, same 
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -54,6 +56,18 @@ def test_decode_reference_sniffs_image_first_then_video_and_rejects_garbage():
         with pytest.raises(ParamError) as err:
             decode_reference(bad, max_frames=5)
         assert err.value.param == "input_reference" and err.value.message == INVALID_REFERENCE_MESSAGE
+
+
+def test_an_image_pillow_refuses_is_not_a_one_frame_video():
+    """A truncated JPEG: Pillow refuses it, FFmpeg reads it (jpeg_pipe) as a one-frame clip. As an upload it is
+    an invalid image (not a V2V reference); sent as a video_reference, the video decoder still reads it."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 48, 3), np.uint8)).save(buf, "JPEG")
+    cut = buf.getvalue()[:-40]
+    with pytest.raises(ParamError) as err:
+        decode_reference(cut, max_frames=5)
+    assert err.value.message == INVALID_REFERENCE_MESSAGE
+    assert decode_video(cut, 5, param="video_reference").shape == (1, 32, 48, 3)
 
 
 @pytest.mark.parametrize("size", [(48, 64), (32, 48), (80, 48), (32, 64)])

@@ -115,6 +115,20 @@ class VideoCreateRequest(NumbersNotBooleans):
     frame_interpolation_exp: int | None = Field(None, ge=1)
     frame_interpolation_scale: float | None = Field(None, gt=0, allow_inf_nan=False)
     frame_interpolation_model_path: str | None = None
+    # vLLM-Omni's Wan2.2 fields and image-endpoint switch: typed as its request model types them (a bad value
+    # is a 400 naming the field), then unused by Cosmos3 (NVIDIA's README: no true_cfg_scale for Cosmos3)
+    guidance_scale_2: float | None = Field(
+        None, allow_inf_nan=False, description="Wan2.2's; unused by Cosmos3."
+    )
+    boundary_ratio: float | None = Field(
+        None, allow_inf_nan=False, description="Wan2.2's; unused by Cosmos3."
+    )
+    true_cfg_scale: float | None = Field(
+        None, allow_inf_nan=False, description="Unused: Cosmos3 uses guidance_scale."
+    )
+    return_stage_metrics: bool | None = Field(
+        None, description="Accepted; the sync headers carry the stages."
+    )
 
     @field_validator("seconds", "size", mode="before")
     @classmethod

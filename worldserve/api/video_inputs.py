@@ -133,6 +133,8 @@ def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
     its compact serialisation (also /v1/realtime/video's session.start); an empty string is "not given" for
     every other field, as in a form (a JSON `"model": ""` had been a model mismatch, a form's the default)."""
     data = {k: v for k, v in data.items() if not (v == "" and k not in TEXT_FIELDS)}
+    if data.get("prompt") in ({}, []):  # (not a structured prompt: nothing in it)
+        raise ParamError("prompt", "prompt must be a non-empty string or JSON document, got an empty one")
     for key in TEXT_FIELDS:
         if isinstance(data.get(key), dict | list):
             data[key] = json.dumps(data[key], separators=(",", ":"), ensure_ascii=False)
@@ -212,6 +214,8 @@ def checked_codec_options(codec: Mapping[str, Any], crf: int) -> dict[str, str]:
 
 CONTROL_TYPES = ("blur", "depth", "edge", "seg", "wsm")
 """Cosmos3 transfer control kinds vLLM-Omni names (serving-api.md §4.1, §12)."""
+CONTROL_UPLOAD_LIMIT = 512 * 2**20
+"""vLLM-Omni's cap on a control upload's bytes."""
 
 
 def refuse_unsupported(req: VideoCreateRequest) -> None:
@@ -239,6 +243,11 @@ def refuse_unsupported(req: VideoCreateRequest) -> None:
     if req.control_type and not has_upload:
         raise ParamError("control_type", "control_type requires a control_reference upload.")
     if req.control_type:
+        size = getattr(req.control_reference, "size", None)  # (an UploadFile's byte count)
+        if size == 0:
+            raise ParamError("control_reference", "control_reference must not be empty.")
+        if size is not None and size > CONTROL_UPLOAD_LIMIT:
+            raise ParamError("control_reference", "control_reference exceeds the 512 MiB size limit.")
         if req.control_type not in CONTROL_TYPES:
             raise ParamError("control_type", f"Control upload type '{req.control_type}' is not supported by this "
                              f"model. Supported control upload types: {', '.join(CONTROL_TYPES)}.")  # fmt: skip

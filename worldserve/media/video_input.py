@@ -50,11 +50,22 @@ MAX_DECODED_BYTES = 4 * 2**30
 """A conditioning clip's decoded frames may take this much host memory (4 GiB: 189 frames at 4K)."""
 
 
+STILL_IMAGE_DEMUXERS = ("image2", "image2pipe", "gif", "apng")
+"""FFmpeg's demuxers of still-image files besides its `*_pipe` ones (jpeg_pipe, png_pipe, webp_pipe, ...)."""
+
+
+def is_still_image(format_name: str) -> bool:
+    """Whether FFmpeg read the bytes as an image file (a demuxer of PyAV's `container.format.name`)."""
+    return any(name.endswith("_pipe") or name in STILL_IMAGE_DEMUXERS for name in format_name.split(","))
+
+
 def decode_video(
     data: bytes, max_frames: int, keep: str = "first", *, param: str = "input_reference",
-    budget: DecodeBudget | None = None,
+    budget: DecodeBudget | None = None, still_images: bool = True,
 ) -> np.ndarray:  # fmt: skip
-    """Video bytes -> uint8 RGB (F, H, W, 3) with 1 <= F <= max_frames, from the `keep` end of the clip. Only
+    """Video bytes -> uint8 RGB (F, H, W, 3) with 1 <= F <= max_frames, from the `keep` end of the clip
+    (`still_images=False`: an image file FFmpeg reads, e.g. a JPEG Pillow refused as truncated, is not a
+    one-frame video but ParamError(param), as an upload's image-then-video sniffing wants it). Only
     the kept frames are converted to RGB ("last" decodes the whole clip, holding the last `max_frames` as
     decoded); the work is counted against `budget` (no budget: no limit, a local caller's own file): from the
     container's frame count and size before decoding, then frame by frame (ParamError(param) past it;
@@ -74,6 +85,8 @@ def decode_video(
         with av.open(io.BytesIO(data), mode="r") as container:
             # (a stream FFmpeg can demux but has no decoder for, e.g. an SVG, has no codec context)
             if not container.streams.video or container.streams.video[0].codec_context is None:
+                raise bad
+            if not still_images and is_still_image(container.format.name):
                 raise bad
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
@@ -285,16 +298,17 @@ def decode_reference(
     data: bytes, *, max_frames: int, keep: str = "first", param: str = "input_reference",
     budget: DecodeBudget | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray | None]:  # fmt: skip
-    """(image, None) when Pillow decodes `data`, else (None, video) when PyAV does (its work counted against
-    `budget`), else ParamError. An image Pillow recognises but refuses (too many pixels) is a ParamError, not
-    retried as a one-frame video."""
+    """(image, None) when Pillow decodes `data`, else (None, video) when PyAV decodes it as a video (its work
+    counted against `budget`), else ParamError. An image Pillow recognises but refuses (too many pixels), or
+    one it cannot read (a truncated JPEG, which FFmpeg would read as a one-frame clip), is a ParamError, not a
+    one-frame video."""
     try:
         return decode_image(data, param=param), None
     except ImageTooLarge:
         raise
     except ParamError:
         pass
-    return None, decode_video(data, max_frames, keep, param=param, budget=budget)
+    return None, decode_video(data, max_frames, keep, param=param, budget=budget, still_images=False)
 
 
 def condition_budget(
