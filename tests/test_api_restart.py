@@ -118,3 +118,18 @@ def test_kill9_restart_then_sigterm(tmp_path):
     store = JobStore(storage)
     assert store.get(parked["id"]).status is JobStatus.QUEUED
     store.close()
+
+    fifth = ServerProcess(
+        storage, tmp_path / "fifth.log", "--fake-step-delay", "0.05", "--shutdown-timeout", "60"
+    )
+    with httpx.Client(base_url=fifth.url, timeout=10) as http:
+        wait_until(lambda: http.get(f"/v1/videos/{parked['id']}").json()["progress"] > 0, timeout=20)
+    fifth.proc.send_signal(
+        signal.SIGINT
+    )  # twice at once (`timeout -s INT` signals the child, then its group):
+    time.sleep(0.02)  # the second lands before uvicorn's loop sees the first, so it skips the app's lifespan
+    fifth.proc.send_signal(signal.SIGINT)
+    code = fifth.proc.wait(30)
+    log = (tmp_path / "fifth.log").read_text()
+    assert "second interrupt: stopping now" in log and "Traceback" not in log, (code, log[-3000:])
+    assert "worldserve serve stopped" in log

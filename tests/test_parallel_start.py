@@ -165,3 +165,23 @@ def test_a_rendezvous_that_runs_out_leaves_no_world_and_the_next_start_works(tmp
     )  # fmt: skip
     peers.close()
     assert marker.exists() and peers.processes[0].exitcode == 0
+
+
+def test_a_peer_outlives_the_signals_that_reach_its_process_group(tmp_path):
+    """A terminal's Ctrl-C and a service manager's stop signal every process of the group: a peer ignores
+    SIGINT and SIGTERM (rank 0 runs the graceful shutdown and stops it; it had died at once, so rank 0 lost
+    it mid-step and the running jobs lost their grace), and still ends cleanly when rank 0 closes it."""
+    from worldserve.runner.peers import PeerRanks
+
+    marker = tmp_path / "peer-loading"
+    peers, _ = PeerRanks.start(
+        "test", _peer_loading_with_rank0, lambda r, link: (r, link, str(marker)), [CPU, CPU], lambda: None,
+        timeout_s=60.0,
+    )  # fmt: skip
+    peer = peers.processes[0]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(peer.pid, sig)
+    time.sleep(1.0)
+    alive = peer.is_alive()
+    peers.close()
+    assert alive and peer.exitcode == 0

@@ -133,9 +133,11 @@ class Engine:
                 request.stop_reason = SHUTDOWN_REASON  # (before its reader sees the stop)
                 stop.set()
             decoding = len(self._decode_stops)
+            # (a request decodes inside its last step's iteration: still counted running until it ends)
+            stepping = max(self._num_running - decoding, 0)
             self._cv.notify()
         log.warning("shutdown: stopping %d request(s) in their steps and %d in their decode; jobs are queued "
-                    "again, image and stream requests end with a 503", self._num_running, decoding)  # fmt: skip
+                    "again, image and stream requests end with a 503", stepping, decoding)  # fmt: skip
 
     @property
     def observer(self) -> EngineObserver:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -240,6 +241,11 @@ def run_peer(
     from worldserve.weights.checkpoint import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [{label} rank {rank}] %(message)s")
+    # Rank 0 owns the shutdown: a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process
+    # group, and a peer that died of it cut the running jobs' grace short (rank 0 lost its peers mid-step).
+    # A peer ends when rank 0 says ("stop",), or within LEADER_POLL_S of rank 0 being gone (watch_leader).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_leader(link, label, rank)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -257,6 +263,9 @@ def run_peer(
         serve(loaded, group, dev, leader_alive)
     except comm.PeerError as exc:
         log.error("rank 0 is gone (%s); exiting", exc)
+        sys.exit(1)
+    except (BrokenPipeError, ConnectionResetError):  # a start-up word to a rank 0 that has exited
+        log.error("rank 0 is gone (its start-up pipe is closed); exiting")
         sys.exit(1)
     except CheckpointError as exc:  # the user's to fix, and the same files rank 0 reads: no traceback
         log.error("could not load the model: %s", exc)
