@@ -383,7 +383,8 @@ def test_the_store_keeps_the_most_recent_within_its_budget():
 def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, reasoner_url):
     """Found by fuzzing: tokens whose text comes out with a later token (a partial character) kept no logprob;
     a message's added event carried its part, which the SDK's stream accumulator then added twice; the
-    server's own reasoning items, sent back as input, were refused; truncation "auto" left no room."""
+    server's own reasoning items, sent back as input, were refused; truncation "auto" left no room (it drops
+    whole items now, as OpenAI's does, and cut tokens off the prompt's start before, the instructions too)."""
     for seed in range(3):
         r = reasoner_oai.responses.create(model=MODEL, input="hi", max_output_tokens=30, extra_body={"seed": seed},
                                           include=["message.output_text.logprobs"])  # fmt: skip
@@ -403,19 +404,32 @@ def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, re
     again = reasoner_oai.responses.create(model=MODEL, input=[thought, {"role": "user", "content": "hi"}],
                                           max_output_tokens=2)  # fmt: skip
     assert again.status in ("completed", "incomplete")
-    long = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
-        "input": "hello " * 6000, "truncation": "auto", "max_output_tokens": 4})  # fmt: skip
-    assert long.status_code == 200 and long.json()["usage"]["input_tokens"] <= 4096 - 4, long.text
+    # truncation "auto", as OpenAI's: whole items dropped from the start, the instructions kept
+    # (~1,200 tokens an item on the tiny tokenizer: four do not fit 4,096 - 4, three do)
+    items = [{"role": "user", "content": "hello " * 300} for _ in range(4)]
+    items.append({"role": "user", "content": "hi"})
+    sure = {"instructions": "Answer briefly.", "max_output_tokens": 4}
+
+    def input_tokens(**body) -> int:
+        r = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={**sure, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+
+    cut = input_tokens(input=items, truncation="auto")
+    assert cut == input_tokens(input=items[1:]) <= 4096 - 4  # one item dropped: the fewest that fit
+    assert input_tokens(input=items[2:], truncation="auto") == input_tokens(input=items[2:])  # fits: whole
+    for body in ({"input": "hello " * 6000}, {"input": items, "max_output_tokens": 4090}):
+        long = httpx.post(
+            reasoner_url + "/v1/responses", timeout=60, json={**sure, **body, "truncation": "auto"}
+        )
+        assert long.status_code == 400 and long.json()["error"]["param"] == "input", (
+            long.text
+        )  # its last item
     pictured = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello " * 6000},
                                                {"type": "input_image", "image_url": _png()}]}],
         "truncation": "auto", "max_output_tokens": 4})  # fmt: skip
-    err = pictured.json()["error"]
-    assert (
-        pictured.status_code == 400
-        and err["param"] == "truncation"
-        and "cannot be truncated" in err["message"]
-    )
+    assert pictured.status_code == 400 and pictured.json()["error"]["param"] == "input", pictured.text
     own = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={  # the client's own field keeps its name
         "input": "hi", "truncate_prompt_tokens": 0, "max_output_tokens": 4})  # fmt: skip
     assert own.status_code == 400 and own.json()["error"]["param"] == "truncate_prompt_tokens", own.text

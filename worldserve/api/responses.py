@@ -13,15 +13,18 @@ failed), each with its
 `sequence_number`; usage's `output_tokens_details.reasoning_tokens` is the thought tokens' count the chat's
 last delta carries (with --reasoning-parser; 0 without). Errors name the Responses field the client sent. A response is stored (`store`, OpenAI's
 default; in memory, api/responses_store.py) for `previous_response_id` to continue, `item_reference` input
-items to name its output items by id, and GET / DELETE /v1/responses/{id} to find.
+items to name its output items by id, and GET / DELETE /v1/responses/{id} to find. `truncation: "auto"` drops
+whole input items from the conversation's start, as OpenAI's does (api/responses_truncation.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -34,7 +37,9 @@ from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.responses_input import InputItem
 from worldserve.api.responses_protocol import ResponsesRequest, to_chat
+from worldserve.api.responses_truncation import fit_by_items, prompt_tokens
 from worldserve.api.state import AppState, app_state
+from worldserve.api.tokenize import reasoner_prompts
 from worldserve.engine.client import ChatDelta, ChatFailed
 from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import ChatDefaults
@@ -81,10 +86,16 @@ async def create_response(request: Request, st: State):
     chat, paths, conversation = to_chat(req, history)
     context = st.max_model_len
     if req.truncation == "auto" and chat.truncate_prompt_tokens is None and context is not None:
-        # drop the conversation's start to fit: the input keeps what the answer's budget leaves (vLLM's way)
-        budget = req.max_output_tokens or min(4096, context // 8)
-        chat.truncate_prompt_tokens = max(1, context - budget)
-        paths.truncation = True
+        # OpenAI's: whole input items dropped from the conversation's start (the instructions stay) until the
+        # prompt leaves the answer its room
+        room = context - (req.max_output_tokens or min(4096, context // 8))
+        prompts, _ = reasoner_prompts(st)
+        try:
+            chat, paths = await asyncio.to_thread(
+                fit_by_items, chat, paths, room, partial(prompt_tokens, prompts, room=room)
+            )
+        except (APIError, ParamError) as exc:
+            raise paths.rename(exc) from None
     store = st.responses if req.store is not False else None
     try:
         choices, options = await chat_choices(st, chat)

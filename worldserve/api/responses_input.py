@@ -73,8 +73,6 @@ class ChatPaths:
 
     messages: list[str] = field(default_factory=list)
     """messages[i] -> "instructions", "input", "input[j]" or "previous_response_id" (its first item)."""
-    truncation: bool = False
-    """truncate_prompt_tokens came from `truncation: auto` (else the client sent it: its own name stays)."""
     calls: dict[int, list[str]] = field(default_factory=dict)
     """messages[i]'s tool_calls: the function_call item each came from."""
     contents: dict[int, str] = field(default_factory=dict)
@@ -94,8 +92,6 @@ class ChatPaths:
         renamed = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text.format", "logprobs": "include",
                    "continue_final_message": "input"}  # fmt: skip
-        if self.truncation:
-            renamed["truncate_prompt_tokens"] = "truncation"
         param = param.replace("response_format.json_schema", "response_format")
         head, _, rest = param.partition(".")
         return renamed.get(head, head) + ("." + rest if rest else "")

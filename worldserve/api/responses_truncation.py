@@ -1,0 +1,82 @@
+"""The Responses API's `truncation: "auto"` as OpenAI defines it: when the conversation does not fit the context
+with room for the answer, whole input items are dropped from its start, and the instructions (and any other
+leading system / developer message) stay.
+
+`fit_by_items` finds the fewest leading messages to drop by bisection over the count (each try renders the
+chat template and counts its tokens; fewer messages never render more text), drops them from the chat request
+and from the ChatPaths that name each message's field, and refuses (400 naming `input`) a conversation whose
+last item alone is still too long. A conversation with images or videos is left whole: their token counts
+need their preprocessing, and the context check answers a 400 if it is too long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from worldserve.api.chat import build_params
+from worldserve.api.chat_media import media_parts
+from worldserve.api.chat_protocol import ChatCompletionRequest
+from worldserve.api.errors import APIError
+from worldserve.api.responses_input import ChatPaths
+from worldserve.params import ParamError
+
+
+def fit_by_items(
+    chat: ChatCompletionRequest,
+    paths: ChatPaths,
+    room: int,
+    count: Callable[[ChatCompletionRequest], int | None],
+) -> tuple[ChatCompletionRequest, ChatPaths]:
+    """(chat, paths) with the fewest leading conversation messages dropped for the prompt to take at most
+    `room` tokens; `count(chat)`: its prompt's tokens, None when more than `room` (blocking: the template
+    renders, the text tokenizes). APIError (400, `input`) when only the last message left is still too long."""
+    if next(media_parts(chat), None) is not None:
+        return chat, paths
+    first = next((i for i, m in enumerate(chat.messages) if m.role not in ("system", "developer")), 0)
+    last = len(chat.messages) - 1  # (always kept: the item the answer follows)
+
+    def fits(drop: int) -> bool:
+        tokens = count(_dropped(chat, first, drop))
+        return tokens is not None and tokens <= room
+
+    if fits(0):
+        return chat, paths
+    if not fits(last - first):
+        raise APIError(400, f"The input does not fit the context with max_output_tokens' room ({room} tokens for "
+                       "the prompt), even with truncation 'auto' dropping every input item but the last: "
+                       "shorten the input or lower max_output_tokens.", param="input")  # fmt: skip
+    lo, hi = 0, last - first  # fits(hi), not fits(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return _dropped(chat, first, hi), _paths_dropped(paths, first, hi)
+
+
+def prompt_tokens(prompts, chat: ChatCompletionRequest, room: int) -> int | None:
+    """The tokens of a text-only chat's prompt through the Reasoner's builder `prompts`, or None when its text
+    is more than `room` tokens can hold (refused by its byte size, before tokenizing)."""
+    params = build_params(chat, None)
+    try:
+        return len(prompts.build(params, max_tokens=room).input_ids)
+    except ParamError as exc:
+        if exc.message.startswith("This model's maximum context length"):  # (ChatPromptBuilder.check_size)
+            return None
+        raise
+
+
+def _dropped(chat: ChatCompletionRequest, first: int, drop: int) -> ChatCompletionRequest:
+    if drop == 0:
+        return chat
+    return chat.model_copy(update={"messages": chat.messages[:first] + chat.messages[first + drop :]})
+
+
+def _paths_dropped(paths: ChatPaths, first: int, drop: int) -> ChatPaths:
+    """The field names of the messages that stay, at their new indexes."""
+
+    def moved(index: dict) -> dict:
+        return {(i if i < first else i - drop): v for i, v in index.items() if not first <= i < first + drop}
+
+    return ChatPaths(
+        messages=paths.messages[:first] + paths.messages[first + drop :], calls=moved(paths.calls),
+        contents=moved(paths.contents),
+    )  # fmt: skip
