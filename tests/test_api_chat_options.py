@@ -322,6 +322,9 @@ def test_chat_template_kwargs_reach_the_template(url):
     assert _prompt_tokens(_chat(url, None, messages=open_turn, chat_template_kwargs=switches)) == own
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     assert _prompt_tokens(_chat(url, "hi", chat_template_kwargs={"tools": [tool]})) > plain
+    r = _chat(url, None, messages=open_turn, chat_template_kwargs={"continue_final_message": True})
+    assert r.status_code == 400, r.text  # (with the request's add_generation_prompt, true: the switch named)
+    assert r.json()["error"]["param"] == "chat_template_kwargs.continue_final_message", r.text
     r = _chat(url, "hi", chat_template_kwargs={"add_generation_prompt": "no"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt", r.text

@@ -115,6 +115,7 @@ def test_kill9_restart_then_sigterm(tmp_path):
     log = (tmp_path / "fourth.log").read_text()
     assert time.monotonic() - started < 10 and "second interrupt: stopping now" in log, (code, log[-2000:])
     assert "queued again" in log
+    assert log.count("Waiting for application shutdown") == 1, log[-3000:]  # (uvicorn's, ended once)
     store = JobStore(storage)
     assert store.get(parked["id"]).status is JobStatus.QUEUED
     store.close()

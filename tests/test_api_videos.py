@@ -306,6 +306,36 @@ def test_video_reference_survives_a_restart_record():
     np.testing.assert_array_equal(again.video, params.video)
 
 
+def test_a_reference_is_read_again_as_it_was_at_submit():
+    """A restart reads a job's reference as its submit did: a video_reference whose bytes are an image (a PNG,
+    or a truncated JPEG Pillow refuses) stays a one-frame clip (it became I2V, or failed to restore), an image
+    stays an image; a record from before the kind was kept is sniffed, image first."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from worldserve.engine.client import EncodeOptions
+    from worldserve.engine.job_files import inputs_from_record, inputs_record
+    from worldserve.media.image import decode_image
+    from worldserve.media.video_input import decode_video
+    from worldserve.params import VideoParams
+
+    jpeg = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), np.uint8)).save(jpeg, "JPEG")
+    base = {"prompt": "x", "num_frames": 9, "width": 64, "height": 48}
+    for data in (png_bytes(), jpeg.getvalue()[:-40]):
+        params = VideoParams(**base, video=decode_video(data, 5))
+        again, _ = inputs_from_record(json.loads(json.dumps(inputs_record(params, EncodeOptions()))), data)
+        assert again.image is None and again.video.shape == params.video.shape
+    params = VideoParams(**base, image=decode_image(png_bytes()))
+    record = json.loads(json.dumps(inputs_record(params, EncodeOptions())))
+    again, _ = inputs_from_record(record, png_bytes())
+    assert again.video is None and again.image.shape == params.image.shape
+    del record["reference"]  # (an older record)
+    assert inputs_from_record(record, png_bytes())[0].image is not None
+
+
 async def test_prompt_template_extra_params_reach_the_request():
     """vLLM-Omni's extra_params prompt switches: use_duration_template / use_resolution_template /
     use_system_prompt / system_prompt become the request's VideoParams (formatting: test_prompt.py)."""

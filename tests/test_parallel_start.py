@@ -185,3 +185,32 @@ def test_a_peer_outlives_the_signals_that_reach_its_process_group(tmp_path):
     alive = peer.is_alive()
     peers.close()
     assert alive and peer.exitcode == 0
+
+
+RANK0_LEAVING = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_parallel_start import _peer_loading_with_rank0
+from worldserve.runner.peers import PeerRanks
+cpu = torch.device("cpu")
+peers, _ = PeerRanks.start("test", _peer_loading_with_rank0, lambda r, link: (r, link, {marker!r}), [cpu, cpu],
+                           lambda: None, timeout_s=60.0)
+print(peers.processes[0].pid, flush=True)
+"""  # rank 0's script ends with its peer up, neither closed nor killed (an error, a Ctrl-C in the load)
+
+
+def test_a_rank0_leaving_without_closing_its_peers_exits(tmp_path):
+    """The peers ignore SIGTERM, which multiprocessing's exit hook sends its daemon children before joining
+    them with no timeout: rank 0's own exit hook kills what is left first (it had waited forever)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = RANK0_LEAVING.format(tests=str(Path(__file__).parent), marker=str(tmp_path / "peer-loading"))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and time.monotonic() - t0 < 45, done.stderr[-2000:]
+    peer = int(done.stdout.split()[0])
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(peer, 0)

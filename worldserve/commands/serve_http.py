@@ -315,5 +315,8 @@ class GracefulServer(uvicorn.Server):
         if self.force_exit:  # uvicorn skips the app's lifespan shutdown then: the engine still parks its
             await self._client.shutdown(0.0)  # running jobs and the store closes (or they count interrupted)
             # ...and the lifespan ends (its client.shutdown now returns at once), rather than being cancelled
-            # with a logged traceback when the second interrupt's SIGINT is raised again after serve
-            await self.lifespan.shutdown()
+            # with a logged traceback when the second interrupt's SIGINT is raised again after serve; unless
+            # uvicorn ended it already (the second interrupt came during its lifespan shutdown)
+            ended = getattr(self.lifespan, "shutdown_event", None)
+            if ended is not None and not ended.is_set():
+                await self.lifespan.shutdown()

@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 
 
 def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
-    """What the store keeps to re-run a job: every VideoParams field but the image / video (a file)."""
+    """What the store keeps to re-run a job: every VideoParams field but the image / video (a file), and which
+    of the two the reference file was read as (`reference`: "image", "video" or None)."""
     fields = {
         f.name: getattr(params, f.name)
         for f in dataclasses.fields(VideoParams)
         if f.name not in ("image", "video")
     }
-    return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options}
+    kind = "video" if params.video is not None else "image" if params.image is not None else None
+    return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options, "reference": kind}
 
 
 def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple[VideoParams, EncodeOptions]:
@@ -43,15 +45,19 @@ def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple
             fields[name] = tuple(fields[name])
     fields["field_names"] = tuple(tuple(pair) for pair in fields.get("field_names", ()))
     image = video = None
-    if reference is not None:  # the upload or data URL as received: an image, else a V2V clip
-        from worldserve.media.video_input import condition_budget, decode_reference
+    if reference is not None:  # the upload or data URL as received, read as it was at submit
+        from worldserve.media.image import decode_image
+        from worldserve.media.video_input import condition_budget, decode_reference, decode_video
 
         probe = VideoParams(**fields)
-        image, video = decode_reference(
-            reference,
-            max_frames=condition_budget(probe.condition_frame_indexes),
-            keep=probe.condition_video_keep,
-        )
+        frames, keep = condition_budget(probe.condition_frame_indexes), probe.condition_video_keep
+        kind = record.get("reference")  # (a record from before it was kept: sniffed, image first)
+        if kind == "image":
+            image = decode_image(reference)
+        elif kind == "video":  # (a video_reference's image bytes are a one-frame clip, as at submit)
+            video = decode_video(reference, frames, keep)
+        else:
+            image, video = decode_reference(reference, max_frames=frames, keep=keep, still_images=True)
     params = VideoParams(**fields, image=image, video=video)
     return params, EncodeOptions(crf=record["crf"], codec_options=record["codec_options"])
 

@@ -296,19 +296,19 @@ def _invalid(param: str) -> ParamError:
 
 def decode_reference(
     data: bytes, *, max_frames: int, keep: str = "first", param: str = "input_reference",
-    budget: DecodeBudget | None = None,
+    budget: DecodeBudget | None = None, still_images: bool = False,
 ) -> tuple[np.ndarray | None, np.ndarray | None]:  # fmt: skip
     """(image, None) when Pillow decodes `data`, else (None, video) when PyAV decodes it as a video (its work
     counted against `budget`), else ParamError. An image Pillow recognises but refuses (too many pixels), or
     one it cannot read (a truncated JPEG, which FFmpeg would read as a one-frame clip), is a ParamError, not a
-    one-frame video."""
+    one-frame video (`still_images=True`: it is, as before that rule)."""
     try:
         return decode_image(data, param=param), None
     except ImageTooLarge:
         raise
     except ParamError:
         pass
-    return None, decode_video(data, max_frames, keep, param=param, budget=budget, still_images=False)
+    return None, decode_video(data, max_frames, keep, param=param, budget=budget, still_images=still_images)
 
 
 def condition_budget(

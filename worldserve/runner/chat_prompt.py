@@ -318,8 +318,9 @@ class ChatPromptBuilder:
             raise
         except Exception as exc:  # the template is code run on the request: ZeroDivisionError, range's cap...
             if continue_final_message:  # e.g. no final message content to continue
+                where = "chat_template_kwargs." * ("continue_final_message" in options)
                 raise ParamError(
-                    "continue_final_message", f"cannot continue the final message: {exc}"
+                    f"{where}continue_final_message", f"cannot continue the final message: {exc}"
                 ) from exc
             kwargs = {k: v for k, v in options.items() if k != "tools"}
             if kwargs:  # e.g. a template's raise_exception() or a type error on a variable's value

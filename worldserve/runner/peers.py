@@ -16,6 +16,7 @@ it, while the server sat idle.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -110,6 +111,10 @@ class PeerRanks:
                 for r in range(1, len(devices))
             ]  # fmt: skip
             pipes.spawn(procs)
+            # Peers ignore SIGTERM (run_peer), and multiprocessing's exit hook terminates daemon children
+            # with SIGTERM then joins them without a timeout: a rank 0 leaving any other way than close() /
+            # kill() (Ctrl-C or --init-timeout during the load, an unhandled error) killed them first.
+            atexit.register(_kill_left, procs)
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
             pipes.wait_for("joining", "before joining the world")
@@ -228,6 +233,14 @@ class PeerRanks:
                 log.warning("%s peer rank %d did not stop within %gs; killing it", self.label, r, timeout_s)
                 p.kill()
                 p.join(5)
+
+
+def _kill_left(procs: Sequence) -> None:
+    """At rank 0's exit (before multiprocessing's own exit hook): SIGKILL the peers still alive."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def run_peer(
