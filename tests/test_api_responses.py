@@ -265,6 +265,16 @@ def test_thoughts_become_a_reasoning_item(thinking_url):
     tokens = "".join(lp.token for lp in text)  # the thoughts' tokens are not text
     assert tokens.endswith(hidden.output_text) and "Look" not in tokens
     assert end.token in ("<|im_end|>", "<|endoftext|>")
+    # cut in its message: the reasoning item before it is complete, streamed or not (it said "incomplete"
+    # when the whole answer came in one piece, the finish reason known as the item closed)
+    cut = {**kw, "max_output_tokens": r.usage.output_tokens - 1}
+    whole = oai.responses.create(model=MODEL, **cut)
+    _, streamed = _stream(oai, **cut)
+    for answer in (whole, streamed):
+        assert [(o.type, o.status) for o in answer.output] == [
+            ("reasoning", "completed"),
+            ("message", "incomplete"),
+        ]
 
 
 def test_an_answer_without_text_still_has_its_message():

@@ -254,7 +254,7 @@ class ResponseBuilder:
         if finished:
             if self.item is not None and self.item["type"] == "message" and self.logprobs and self.pending:
                 out += self._textless()
-            out += self._close()
+            out += self._close(last=True)
         return out
 
     def _textless(self) -> list[str]:
@@ -324,13 +324,15 @@ class ResponseBuilder:
             out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=args))
         return out
 
-    def _close(self) -> list[str]:
-        """Close the open item: its done events."""
+    def _close(self, last: bool = False) -> list[str]:
+        """Close the open item: its done events. An item that another followed is complete; the `last` one is
+        "incomplete" when max_output_tokens cut the answer (the same whether the deltas came one by one or in
+        one piece: the status had followed the finish reason known when the item closed)."""
         item, self.item = self.item, None
         if item is None:
             return []
         where = {"item_id": item["id"], "output_index": self.body["output"].index(item)}
-        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        item["status"] = "incomplete" if last and self.finish_reason == "length" else "completed"
         out = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -348,7 +350,7 @@ class ResponseBuilder:
     # ---------------------------------------------------------------- the end
     def response(self) -> dict[str, Any]:
         """The finished response object."""
-        self._close()
+        self._close(last=True)
         cut = self.finish_reason == "length"
         self.body.update(
             status="incomplete" if cut else "completed",
