@@ -428,6 +428,11 @@ def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, re
     cut = input_tokens(input=items, truncation="auto")
     assert cut == input_tokens(input=items[1:]) <= 4096 - 4  # one item dropped: the fewest that fit
     assert input_tokens(input=items[2:], truncation="auto") == input_tokens(input=items[2:])  # fits: whole
+    no_room = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
+        "input": "hi", "truncation": "auto", "max_output_tokens": 4096})  # fmt: skip
+    assert no_room.status_code == 400 and no_room.json()["error"]["param"] == "max_output_tokens", (
+        no_room.text
+    )
     for body in ({"input": "hello " * 6000}, {"input": items, "max_output_tokens": 4090}):
         long = httpx.post(
             reasoner_url + "/v1/responses", timeout=60, json={**sure, **body, "truncation": "auto"}

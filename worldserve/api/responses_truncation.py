@@ -1,6 +1,7 @@
 """The Responses API's `truncation: "auto"` as OpenAI defines it: when the conversation does not fit the context
 with room for the answer, whole input items are dropped from its start, and the instructions (and any other
-leading system / developer message) stay.
+leading system / developer message) stay, and so does the last user message (an agent loop's question: the
+items after it are its tool calls and their outputs).
 
 `fit_by_items` finds the fewest leading messages to drop by bisection over the count (each try renders the
 chat template and counts its tokens; fewer messages never render more text), drops them from the chat request
@@ -28,24 +29,34 @@ def fit_by_items(
     count: Callable[[ChatCompletionRequest], int | None],
 ) -> tuple[ChatCompletionRequest, ChatPaths]:
     """(chat, paths) with the fewest leading conversation messages dropped for the prompt to take at most
-    `room` tokens; `count(chat)`: its prompt's tokens, None when more than `room` (blocking: the template
-    renders, the text tokenizes). APIError (400, `input`) when only the last message left is still too long."""
-    if next(media_parts(chat), None) is not None:
+    `room` tokens, never the last user message; `count(chat)`: its prompt's tokens, None when more than `room`
+    (blocking: the template renders, the text tokenizes). APIError (400, `input`) when the messages left are
+    still too long; nothing dropped when `room` < 1 (max_output_tokens fills the context: the context check's
+    400 names it) or with media."""
+    if room < 1 or next(media_parts(chat), None) is not None:  # (room < 1: the context check names it)
         return chat, paths
     first = next((i for i, m in enumerate(chat.messages) if m.role not in ("system", "developer")), 0)
-    last = len(chat.messages) - 1  # (always kept: the item the answer follows)
+    # the last user message is kept (an agent loop's question, which templates such as Qwen3's require),
+    # else the last message (the item the answer follows)
+    users = [i for i, m in enumerate(chat.messages) if m.role == "user" and i >= first]
+    most = (users[-1] if users else len(chat.messages) - 1) - first
 
     def fits(drop: int) -> bool:
-        tokens = count(_dropped(chat, first, drop))
+        try:
+            tokens = count(_dropped(chat, first, drop))
+        except ParamError:  # a cut conversation the template refuses (the whole one's errors are the user's)
+            if drop == 0:
+                raise
+            return False
         return tokens is not None and tokens <= room
 
     if fits(0):
         return chat, paths
-    if not fits(last - first):
+    if not fits(most):
         raise APIError(400, f"The input does not fit the context with max_output_tokens' room ({room} tokens for "
-                       "the prompt), even with truncation 'auto' dropping every input item but the last: "
-                       "shorten the input or lower max_output_tokens.", param="input")  # fmt: skip
-    lo, hi = 0, last - first  # fits(hi), not fits(lo)
+                       "the prompt), even with truncation 'auto' dropping every input item before the last "
+                       "user message: shorten the input or lower max_output_tokens.", param="input")  # fmt: skip
+    lo, hi = 0, most  # fits(hi), not fits(lo)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)

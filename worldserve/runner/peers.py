@@ -114,7 +114,7 @@ class PeerRanks:
             # Peers ignore SIGTERM (run_peer), and multiprocessing's exit hook terminates daemon children
             # with SIGTERM then joins them without a timeout: a rank 0 leaving any other way than close() /
             # kill() (Ctrl-C or --init-timeout during the load, an unhandled error) killed them first.
-            atexit.register(_kill_left, procs)
+            atexit.register(_kill_left, procs, os.getpid())
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
             pipes.wait_for("joining", "before joining the world")
@@ -235,12 +235,18 @@ class PeerRanks:
                 p.join(5)
 
 
-def _kill_left(procs: Sequence) -> None:
-    """At rank 0's exit (before multiprocessing's own exit hook): SIGKILL the peers still alive."""
+def _kill_left(procs: Sequence, owner: int) -> None:
+    """At rank 0's exit (before multiprocessing's own exit hook): SIGKILL the peers still alive (not in a
+    forked child of rank 0, which runs the hooks too but does not own them)."""
+    if os.getpid() != owner:
+        return
     for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.kill()
-            p.join(5)
+        try:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(5)
+        except ValueError:  # (a Process already closed)
+            pass
 
 
 def run_peer(

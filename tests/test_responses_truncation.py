@@ -1,0 +1,55 @@
+"""The Responses API's truncation "auto" (api/responses_truncation.py `fit_by_items`) against a counting stub:
+the fewest leading messages dropped, the instructions and the last user message kept, a cut conversation the
+template refuses taken as not fitting, the error paths remapped; nothing dropped without room or with media.
+Over HTTP on the tiny model: tests/test_api_responses.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from worldserve.api.chat_protocol import ChatCompletionRequest
+from worldserve.api.errors import APIError
+from worldserve.api.responses_input import ChatPaths
+from worldserve.api.responses_truncation import fit_by_items
+from worldserve.params import ParamError
+
+
+def _chat(*messages: tuple[str, str]) -> tuple[ChatCompletionRequest, ChatPaths]:
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": role, "content": text} for role, text in messages]}
+    )
+    return chat, ChatPaths(
+        messages=[f"m{i}" for i in range(len(messages))], contents={len(messages) - 1: "last"}
+    )
+
+
+def _count(chat: ChatCompletionRequest) -> int:
+    """A template that needs a user turn (as Qwen3's): one token a character."""
+    if not any(m.role == "user" for m in chat.messages):
+        raise ParamError("messages", "No user query found in messages.")
+    return sum(len(m.content) for m in chat.messages)
+
+
+def test_the_fewest_leading_items_go_and_the_instructions_and_question_stay():
+    chat, paths = _chat(("system", "s" * 5), ("user", "a" * 40), ("assistant", "b" * 40), ("user", "q" * 10),
+                        ("tool", "t" * 30))  # fmt: skip
+    cut, where = fit_by_items(chat, paths, 90, _count)
+    assert [m.content[0] for m in cut.messages] == ["s", "b", "q", "t"]  # 85 tokens: one item dropped
+    assert where.messages == ["m0", "m2", "m3", "m4"] and where.contents == {3: "last"}
+    cut, _ = fit_by_items(chat, paths, 50, _count)  # down to the last user message, never past it
+    assert [m.content[0] for m in cut.messages] == ["s", "q", "t"]
+    with pytest.raises(APIError) as err:
+        fit_by_items(chat, paths, 40, _count)
+    assert err.value.param == "input"
+    assert fit_by_items(chat, paths, 1000, _count)[0] is chat  # fits whole
+
+
+def test_no_room_or_media_leave_it_whole_and_the_whole_ones_errors_stand():
+    chat, paths = _chat(("user", "a" * 40), ("user", "q"))
+    assert fit_by_items(chat, paths, 0, _count)[0] is chat  # (the context check names max_output_tokens)
+    pictured = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})  # fmt: skip
+    assert fit_by_items(pictured, ChatPaths(), 1, _count)[0] is pictured
+    tools_only, paths = _chat(("assistant", "a" * 40), ("tool", "t"))
+    with pytest.raises(ParamError, match="No user query"):  # the whole conversation's own error
+        fit_by_items(tools_only, paths, 10, _count)
