@@ -133,6 +133,17 @@ def test_headers_past_the_cap_are_refused_at_once(url):
     assert time.monotonic() - t0 < DEADLINE
 
 
+def test_headers_past_the_cap_in_one_read_are_refused(url):
+    """Headers just past the cap, sent whole in one write: refused before the request starts (they had been
+    counted only when they spanned two reads, so ~100 kB of them came in one and were served)."""
+    sock = _connect(url)
+    head = b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * MAX_HEADER_BYTES + b"\r\n\r\n"
+    with contextlib.suppress(OSError):
+        sock.sendall(head)
+    reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), reply[:80]
+
+
 def test_headers_under_the_cap_and_a_body_past_it_are_served(url):
     """The cap counts a request's line and headers only: a body of many caps is read whole, and headers just
     under the cap pass, on a connection kept alive for a second request."""

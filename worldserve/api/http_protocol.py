@@ -94,15 +94,17 @@ class HeaderGuard(H11Protocol):
         idle = self.cycle is None or self.cycle.response_complete  # bytes of a next request's headers
         if idle and self._header_deadline is None:
             self._arm()
+        if idle:  # counted before h11 parses them: headers that end in this read would start the request
+            end = data.find(b"\r\n\r\n")  # (their end; a body may follow it in the same read)
+            if self._header_bytes + (len(data) if end < 0 else end + 4) > MAX_HEADER_BYTES:
+                self._refuse(TOO_LARGE_RESPONSE)
+                return
         before = self.cycle
         super().data_received(data)
         if self.cycle is not before:  # its headers are parsed: from here only its body's bytes are timed
             self._disarm()
         elif idle:
             self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._refuse(TOO_LARGE_RESPONSE)
-                return
         self._watch_body()
 
     def on_response_complete(self) -> None:
