@@ -413,6 +413,16 @@ async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_
         assert r.status_code == 400 and r.json()["error"]["message"] == NOT_AN_IMAGE, r.text
 
 
+async def test_openapi_documents_400s_not_422s(tmp_path):
+    """Validation answers 400 (never FastAPI's 422): /openapi.json says so too (it listed a 422 for every
+    route with path or query parameters), with no dangling reference to the schemas it dropped."""
+    async with asgi_server(tmp_path) as http:
+        spec = (await http.get("/openapi.json")).json()
+    text = json.dumps(spec)
+    assert '"422"' not in text and "ValidationError" not in text
+    assert "400" in spec["paths"]["/v1/videos"]["get"]["responses"]
+
+
 # -- hypothesis over /openapi.json -------------------------------------------------------------------------
 GARBAGE = st.one_of(
     st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=30),

@@ -122,6 +122,9 @@ def test_a_many_valued_flag_that_took_the_model_folder_is_refused(tmp_path, flag
         engine_config(build_parser(argv).parse_args(argv))
     argv = ["serve", str(tmp_path), flag, "k1"]  # MODEL first: fine
     assert engine_config(build_parser(argv).parse_args(argv)).model.model == str(tmp_path)
+    argv = ["serve", flag, ""]  # "" is not a folder (Path("") is "."): the empty value's own error says why
+    with pytest.raises(ValueError, match="protects nothing|must not be empty"):
+        engine_config(build_parser(argv).parse_args(argv))
 
 
 @pytest.mark.parametrize(
@@ -300,3 +303,23 @@ def test_http_keep_alive_timeout_from_vllm_s_variable(monkeypatch):
     assert envs.http_timeout_keep_alive_s() == 5.0
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "75")
     assert envs.http_timeout_keep_alive_s() == 75.0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--max-num-seqs", "abc"],
+        ["serve", "--reasoning-parser", "deepseek_r1"],
+        ["info", "--bogus"],
+        [],
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it(capsys, argv):
+    """argparse printed the usage of every flag first (107 lines for serve) before the error line."""
+    from worldserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err
+    assert "--help" in err

@@ -24,8 +24,16 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag or value is one line naming it (and exit 2), not argparse's usage of every flag first (over
+    a hundred lines for `serve`); `--help` still lists them. Each verb's parser is one too (add_subparsers)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="worldserve", description="Serving engine for Cosmos3 world models")
+    parser = OneLineErrors(prog="worldserve", description="Serving engine for Cosmos3 world models")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for verb, (module, help_text) in VERBS.items():

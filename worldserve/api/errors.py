@@ -182,7 +182,42 @@ def allowed_methods(request: Request) -> list[str]:
             if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]  # fmt: skip
 
 
+ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "code": {"type": "integer"}}}},
+}  # fmt: skip
+"""The error envelope (serving-api.md §3.2), as /openapi.json documents a 400."""
+
+
+def _openapi_400s(app: FastAPI) -> None:
+    """/openapi.json documents a validation error as the 400 this server answers, not FastAPI's 422 (which it
+    listed for every route with path or query parameters; a client generated from it expected 422s)."""
+    made = app.openapi
+
+    def openapi() -> dict:
+        fresh = app.openapi_schema is None
+        schema = made()
+        if fresh:
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses.setdefault("400", {
+                            "description": "Bad Request: the error envelope, `param` naming the field",
+                            "content": {"application/json": {"schema": ERROR_SCHEMA}},
+                        })  # fmt: skip
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    _openapi_400s(app)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return _answer(request, exc.status, exc.message, exc.param, exc.headers, exc.engine_request_id)

@@ -85,7 +85,7 @@ def _check_model_not_taken(values: dict) -> None:
     for flag in ("api_key", "served_model_name"):
         given = values.get(flag)
         for value in [given] if isinstance(given, str) else given or ():
-            if Path(value).is_dir():
+            if value and Path(value).is_dir():  # ("" is the current folder to Path: left to the flag's check)
                 raise ValueError(f"--{flag.replace('_', '-')} took {value!r}, a folder, as one of its values, so "
                                  "no MODEL was given: put MODEL first (serve MODEL --options)")  # fmt: skip
 
