@@ -78,7 +78,9 @@ async def test_stop_and_client_leaving_abort_the_request(tmp_path):
         messages, data, _ = await realtime_session(url, start, during=stop)
         assert [m["type"] for m in messages] == ["video.start", "session.pong", "session.done"]
         assert messages[-1]["stopped"] is True and messages[-1]["chunks"] == 0 and data == b""
-        engine = client.engine  # (stopped before or after the engine prepared it: a loaded host may do either)
+        engine = (
+            client.engine
+        )  # (stopped before or after the engine prepared it: a loaded host may do either)
         wait_until(lambda: not backend.live and engine.num_running == 0 and engine.num_waiting == 0)
         assert backend.batch_sizes.count(1) < 200  # (not run to its end)
 

@@ -34,8 +34,13 @@ BIG = 32 << 20
 
 async def app(scope, receive, send):
     """/slow answers 1.5 s after reading its body, /late reads it only after 1.5 s; every request's body is
-    read whole and its length answered; /headers answers the request's header names (after its body)."""
+    read whole and its length answered; /headers answers the request's header names (after its body); /early
+    answers 401 without reading its body."""
     if scope["type"] != "http":
+        return
+    if scope["path"] == "/early":  # answers before reading its body (as a 401 from the key check does)
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
         return
     if scope["path"] == "/late":  # reads its body only after 1.5 s
         await asyncio.sleep(1.5)
@@ -142,6 +147,38 @@ def test_headers_past_the_cap_in_one_read_are_refused(url):
         sock.sendall(head)
     reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), reply[:80]
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_a_body_after_headers_whose_end_is_split_across_reads_is_not_counted(url, split):
+    """The end of the headers split between two reads, the body in the second: the body is not header bytes
+    (the first count of one read took the whole second read for headers and refused it)."""
+    sock = _connect(url)
+    head = b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\nConnection: close\r\n\r\n"
+    sock.sendall(head[:-split])
+    time.sleep(0.2)
+    sock.sendall(head[-split:] + b"b" * 200_000)
+    assert _responses(_read_all(sock)) == [b"HTTP/1.1 200 OK"]
+
+
+def test_bare_lf_headers_and_an_early_answer_are_not_counted_past_their_end(url):
+    """h11 takes headers ended by bare LFs: their body is not counted either. A body the app answered before
+    reading it (a 401) is the rest of that request, not a next request's headers (it got a stray 431)."""
+    sock = _connect(url)
+    sock.sendall(
+        b"POST /upload HTTP/1.1\nHost: x\nContent-Length: 200000\nConnection: close\n\n" + b"b" * 200_000
+    )
+    assert _responses(_read_all(sock)) == [b"HTTP/1.1 200 OK"]
+    sock = _connect(url)  # (kept alive: the server reads the rest of the body and drops it)
+    sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 400000\r\n\r\n" + b"b" * 400_000)
+    reply = b""
+    sock.settimeout(1.0)
+    with contextlib.suppress(
+        TimeoutError
+    ):  # (whatever comes within a second of the answer: a 431 came at once)
+        while chunk := sock.recv(4096):
+            reply += chunk
+    assert _responses(reply) == [b"HTTP/1.1 401 Unauthorized"], reply
 
 
 def test_headers_under_the_cap_and_a_body_past_it_are_served(url):

@@ -30,12 +30,12 @@ def _count(chat: ChatCompletionRequest) -> int:
     return sum(len(m.content) for m in chat.messages)
 
 
-def test_the_fewest_leading_items_go_and_the_instructions_and_question_stay():
-    chat, paths = _chat(("system", "s" * 5), ("user", "a" * 40), ("assistant", "b" * 40), ("user", "q" * 10),
-                        ("tool", "t" * 30))  # fmt: skip
-    cut, where = fit_by_items(chat, paths, 90, _count)
-    assert [m.content[0] for m in cut.messages] == ["s", "b", "q", "t"]  # 85 tokens: one item dropped
-    assert where.messages == ["m0", "m2", "m3", "m4"] and where.contents == {3: "last"}
+def test_the_fewest_leading_turns_go_and_the_instructions_and_question_stay():
+    chat, paths = _chat(("system", "s" * 5), ("user", "a" * 40), ("assistant", "b" * 40), ("user", "c" * 20),
+                        ("assistant", "d" * 20), ("user", "q" * 10), ("tool", "t" * 30))  # fmt: skip
+    cut, where = fit_by_items(chat, paths, 90, _count)  # 165 tokens whole; cut at a user turn: 85
+    assert [m.content[0] for m in cut.messages] == ["s", "c", "d", "q", "t"]
+    assert where.messages == ["m0", "m3", "m4", "m5", "m6"] and where.contents == {4: "last"}
     cut, _ = fit_by_items(chat, paths, 50, _count)  # down to the last user message, never past it
     assert [m.content[0] for m in cut.messages] == ["s", "q", "t"]
     with pytest.raises(APIError) as err:

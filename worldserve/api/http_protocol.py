@@ -36,8 +36,10 @@ starts once a request's headers are parsed) tells a request being read from one 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -46,6 +48,8 @@ TOO_LARGE_RESPONSE = (
 )
 MAX_HEADER_BYTES = 64 * 1024
 """A request's line and headers, at most."""
+HEAD_END = re.compile(rb"\n\r?\n")
+"""h11's end of headers (bare LFs too): what follows it in a read is the body, not counted."""
 H11_BUFFER_BYTES = MAX_HEADER_BYTES + 2**20
 """uvicorn.Config's h11_max_incomplete_event_size (serve_http.uvicorn_options): h11 refuses headers past it with
 a 400 and an abrupt close; above the cap plus one socket read (256 KiB), the cap answers first."""
@@ -63,6 +67,7 @@ class HeaderGuard(H11Protocol):
         super().__init__(*args, **kwargs)
         self._header_deadline: asyncio.TimerHandle | None = None
         self._header_bytes = 0  # received since the headers of the request being read began
+        self._tail = b""  # the last 2 of those bytes: an end of headers split across reads
         self._refused = False  # answered 408 / 431: what still comes is dropped until the close
         self._body_deadline: asyncio.TimerHandle | None = None
         self._write_deadline: asyncio.TimerHandle | None = None
@@ -91,12 +96,18 @@ class HeaderGuard(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        idle = self.cycle is None or self.cycle.response_complete  # bytes of a next request's headers
+        # bytes of a next request's headers: not the rest of a body the app answered before reading it all
+        idle = (
+            self.cycle is None or self.cycle.response_complete
+        ) and self.conn.their_state is not h11.SEND_BODY
         if idle and self._header_deadline is None:
             self._arm()
         if idle:  # counted before h11 parses them: headers that end in this read would start the request
-            end = data.find(b"\r\n\r\n")  # (their end; a body may follow it in the same read)
-            if self._header_bytes + (len(data) if end < 0 else end + 4) > MAX_HEADER_BYTES:
+            end = HEAD_END.search(
+                self._tail + data
+            )  # (an end split across two reads: the tail's last 2 bytes)
+            counted = len(data) if end is None else max(end.end() - len(self._tail), 0)
+            if self._header_bytes + counted > MAX_HEADER_BYTES:
                 self._refuse(TOO_LARGE_RESPONSE)
                 return
         before = self.cycle
@@ -105,6 +116,7 @@ class HeaderGuard(H11Protocol):
             self._disarm()
         elif idle:
             self._header_bytes += len(data)
+            self._tail = (self._tail + data)[-2:]
         self._watch_body()
 
     def on_response_complete(self) -> None:
@@ -115,6 +127,7 @@ class HeaderGuard(H11Protocol):
         idle = self.cycle is None or self.cycle.response_complete  # (else h11 parsed the whole next request)
         if pending and idle and self._header_deadline is None and not self._refused:
             self._arm(pending)
+            self._tail = bytes(self.conn.trailing_data[0][-2:])
             if pending > MAX_HEADER_BYTES:
                 self._refuse(TOO_LARGE_RESPONSE)
 
@@ -127,6 +140,7 @@ class HeaderGuard(H11Protocol):
     def _arm(self, received: int = 0) -> None:
         """Start a request's header deadline and count, `received` of its bytes already read."""
         self._header_bytes = received
+        self._tail = b""
         self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
     def _disarm(self) -> None:

@@ -3,8 +3,9 @@ with room for the answer, whole input items are dropped from its start, and the 
 leading system / developer message) stay, and so does the last user message (an agent loop's question: the
 items after it are its tool calls and their outputs).
 
-`fit_by_items` finds the fewest leading messages to drop by bisection over the count (each try renders the
-chat template and counts its tokens; fewer messages never render more text), drops them from the chat request
+`fit_by_items` finds the fewest leading messages to drop, cutting at user turns (a conversation kept from a
+user message on is one every template takes), by bisection over those cuts (each try renders the chat
+template and counts its tokens; fewer messages render fewer tokens), drops them from the chat request
 and from the ChatPaths that name each message's field, and refuses (400 naming `input`) a conversation whose
 last item alone is still too long. A conversation with images or videos is left whole: their token counts
 need their preprocessing, and the context check answers a 400 if it is too long.
@@ -52,15 +53,18 @@ def fit_by_items(
 
     if fits(0):
         return chat, paths
-    if not fits(most):
+    # cuts at user turns only: a conversation kept from a user message on is one every template takes, and
+    # fewer messages render fewer tokens, so the first cut that fits is found by bisection
+    cuts = [d for d in range(1, most + 1) if chat.messages[first + d].role == "user"]
+    if not cuts or not fits(cuts[-1]):
         raise APIError(400, f"The input does not fit the context with max_output_tokens' room ({room} tokens for "
                        "the prompt), even with truncation 'auto' dropping every input item before the last "
                        "user message: shorten the input or lower max_output_tokens.", param="input")  # fmt: skip
-    lo, hi = 0, most  # fits(hi), not fits(lo)
+    lo, hi = -1, len(cuts) - 1  # fits(cuts[hi]); cuts[lo] (no cut at -1) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return _dropped(chat, first, hi), _paths_dropped(paths, first, hi)
+        lo, hi = (lo, mid) if fits(cuts[mid]) else (mid, hi)
+    return _dropped(chat, first, cuts[hi]), _paths_dropped(paths, first, cuts[hi])
 
 
 def prompt_tokens(prompts, chat: ChatCompletionRequest, room: int) -> int | None:
