@@ -1,7 +1,8 @@
 """The chat request's media and template options, checked as the request is read (api/chat.py
 `request_options`), before any media work: `mm_processor_kwargs` routed to images and videos as transformers'
 processor routes them (`processor_kwargs`), a modality's pixel budget (`pixel_budget`), and
-`chat_template_kwargs` without apply_chat_template's own arguments (`template_kwargs`). A bad value is a
+`chat_template_kwargs` without the apply_chat_template arguments this server sets (`template_kwargs`; the four
+vLLM passes the template from the request may be laid over the request's own there). A bad value is a
 ParamError naming the field. The server's `--media-io-kwargs` / `--mm-processor-kwargs` are the defaults a
 request's own lay over (`MediaDefaults`).
 """

@@ -4,7 +4,8 @@
   first or the last `max_frames` frames (serving-api.md §4.3: the V2V decode budget is
   `max(condition_frame_indexes_vision)*4 + 1` frames, from the `first` or `last` end). Anything that
   yields no video frame raises ParamError with the OpenAI-shaped `input_reference` message.
-- `decode_reference(data, ...)`: an `input_reference` upload sniffed image first (Pillow), then video.
+- `decode_reference(data, ...)`: an `input_reference` upload sniffed image first (Pillow), then video (an image
+  file Pillow refuses is not read as a one-frame clip: `is_still_image` names FFmpeg's image demuxers).
 - `condition_budget(indexes)`: the pixel frames a V2V request needs from its clip.
 - `resize_video(frames, width, height)`: what diffusers 0.42.1's Cosmos3 pipeline does to a V2V clip
   (`VideoProcessor.preprocess_video` with `resample="bilinear"`, resize_mode "default"): each frame is

@@ -10,7 +10,7 @@ Host work only; a mismatch of placeholders and media (e.g. "<|image_pad|>" typed
 Per-request options of ChatParams: `chat_template_kwargs` (extra template variables; a template failing on
 them is a ParamError naming the field), `tools` (the template's tools variable) and messages' `tool_calls` /
 `tool_call_id`, an assistant message's `reasoning` (under both `reasoning` and `reasoning_content`, as vLLM
-passes it), `add_generation_prompt` / `continue_final_message`, and `image_min_pixels` /
+passes it), `add_generation_prompt` / `continue_final_message` (chat_template_kwargs may set them, and win), and `image_min_pixels` /
 `image_max_pixels` (the image processor's pixel budget; None: the server's). `truncated` applies vLLM's
 truncate_prompt_tokens; `bad_word_ids` tokenizes vLLM's bad_words. A raw prompt (`ChatParams.prompt_ids`, /v1/completions) skips the template:
 its ids are checked against the vocabulary (no vision placeholders: there is no media) and get text positions
