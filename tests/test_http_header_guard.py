@@ -178,7 +178,18 @@ def test_bare_lf_headers_and_an_early_answer_are_not_counted_past_their_end(url)
     ):  # (whatever comes within a second of the answer: a 431 came at once)
         while chunk := sock.recv(4096):
             reply += chunk
-    assert _responses(reply) == [b"HTTP/1.1 401 Unauthorized"], reply
+    assert _responses(reply)[:1] == [b"HTTP/1.1 401 Unauthorized"] and b" 431 " not in reply, reply
+    # ...and once that body has come, the next request is on the header deadline (it had none: the
+    # connection stayed open for good), whether nothing follows or its headers stall half-way
+    for after in (b"", b"GET /ping HTTP/1.1\r\nHost"):
+        sock = _connect(url)
+        sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        time.sleep(0.2)  # (the 401 goes out before the body comes)
+        sock.sendall(b"b" * 1000 + after)
+        t0 = time.monotonic()
+        reply = _read_all(sock)
+        assert _responses(reply) == [b"HTTP/1.1 401 Unauthorized", b"HTTP/1.1 408 Request Timeout"], reply
+        assert time.monotonic() - t0 < DEADLINE + 3
 
 
 def test_headers_under_the_cap_and_a_body_past_it_are_served(url):

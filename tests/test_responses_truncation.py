@@ -50,6 +50,11 @@ def test_no_room_or_media_leave_it_whole_and_the_whole_ones_errors_stand():
     pictured = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})  # fmt: skip
     assert fit_by_items(pictured, ChatPaths(), 1, _count)[0] is pictured
+    replies, paths = _chat(
+        ("system", "s"), ("assistant", "a" * 40), ("assistant", "b" * 40), ("assistant", "c")
+    )
+    kept = fit_by_items(replies, paths, 50, lambda chat: sum(len(m.content) for m in chat.messages))[0]
+    assert [m.content[0] for m in kept.messages] == ["s", "b", "c"]  # no user message: cut at any item
     tools_only, paths = _chat(("assistant", "a" * 40), ("tool", "t"))
     with pytest.raises(ParamError, match="No user query"):  # the whole conversation's own error
         fit_by_items(tools_only, paths, 10, _count)

@@ -117,19 +117,31 @@ class HeaderGuard(H11Protocol):
         elif idle:
             self._header_bytes += len(data)
             self._tail = (self._tail + data)[-2:]
+        elif (
+            before is not None
+            and before.response_complete
+            and self.conn.their_state is h11.IDLE
+            and self._header_deadline is None
+            and not self._refused
+        ):  # the rest of a body answered early has come: what follows is a next request's, on its deadline
+            self._arm_pending()
         self._watch_body()
 
     def on_response_complete(self) -> None:
         """A pipelined next request whose header bytes came while this one ran sits in h11's buffer, read
         before the count began: its deadline starts now, and those bytes count toward its cap."""
         super().on_response_complete()
-        pending = len(self.conn.trailing_data[0])
         idle = self.cycle is None or self.cycle.response_complete  # (else h11 parsed the whole next request)
-        if pending and idle and self._header_deadline is None and not self._refused:
-            self._arm(pending)
-            self._tail = bytes(self.conn.trailing_data[0][-2:])
-            if pending > MAX_HEADER_BYTES:
-                self._refuse(TOO_LARGE_RESPONSE)
+        if self.conn.trailing_data[0] and idle and self._header_deadline is None and not self._refused:
+            self._arm_pending()
+
+    def _arm_pending(self) -> None:
+        """Start the next request's deadline and count with the bytes of it already in h11's buffer."""
+        pending = self.conn.trailing_data[0]
+        self._arm(len(pending))
+        self._tail = bytes(pending[-2:])
+        if len(pending) > MAX_HEADER_BYTES:
+            self._refuse(TOO_LARGE_RESPONSE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

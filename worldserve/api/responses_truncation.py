@@ -56,10 +56,13 @@ def fit_by_items(
     # cuts at user turns only: a conversation kept from a user message on is one every template takes, and
     # fewer messages render fewer tokens, so the first cut that fits is found by bisection
     cuts = [d for d in range(1, most + 1) if chat.messages[first + d].role == "user"]
+    if not users:  # (no user message at all: any leading item may go, the last kept)
+        cuts = list(range(1, most + 1))
     if not cuts or not fits(cuts[-1]):
         raise APIError(400, f"The input does not fit the context with max_output_tokens' room ({room} tokens for "
                        "the prompt), even with truncation 'auto' dropping every input item before the last "
-                       "user message: shorten the input or lower max_output_tokens.", param="input")  # fmt: skip
+                       "user message (or the last item): shorten the input or lower max_output_tokens.",
+                       param="input")  # fmt: skip
     lo, hi = -1, len(cuts) - 1  # fits(cuts[hi]); cuts[lo] (no cut at -1) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
