@@ -421,6 +421,7 @@ async def test_openapi_documents_400s_not_422s(tmp_path):
     text = json.dumps(spec)
     assert '"422"' not in text and "ValidationError" not in text
     assert "400" in spec["paths"]["/v1/videos"]["get"]["responses"]
+    assert all("400" in ops["post"]["responses"] for ops in spec["paths"].values() if "post" in ops)
 
 
 # -- hypothesis over /openapi.json -------------------------------------------------------------------------

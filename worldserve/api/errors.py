@@ -193,7 +193,8 @@ ERROR_SCHEMA = {
 
 def _openapi_400s(app: FastAPI) -> None:
     """/openapi.json documents a validation error as the 400 this server answers, not FastAPI's 422 (which it
-    listed for every route with path or query parameters; a client generated from it expected 422s)."""
+    listed for every route with path or query parameters; a client generated from it expected 422s), and a
+    POST's too (the routes that read their own body listed none)."""
     made = app.openapi
 
     def openapi() -> dict:
@@ -201,9 +202,9 @@ def _openapi_400s(app: FastAPI) -> None:
         schema = made()
         if fresh:
             for operations in schema.get("paths", {}).values():
-                for operation in operations.values():
-                    responses = operation.get("responses", {})
-                    if responses.pop("422", None) is not None:
+                for method, operation in operations.items():
+                    responses = operation.setdefault("responses", {})
+                    if responses.pop("422", None) is not None or method == "post":
                         responses.setdefault("400", {
                             "description": "Bad Request: the error envelope, `param` naming the field",
                             "content": {"application/json": {"schema": ERROR_SCHEMA}},
