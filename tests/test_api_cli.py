@@ -215,13 +215,14 @@ def test_api_layer_imports_only_the_engine_client_and_never_torch():
 async def test_job_ttl_removes_finished_jobs_and_files(tmp_path, anyio_backend):
     import asyncio
 
-    async with asgi_server(tmp_path, job_ttl_s=0.3) as http:
+    # (a TTL long enough for the poll to see the finished job on a loaded host: at 0.3 s it was swept first)
+    async with asgi_server(tmp_path, job_ttl_s=2.0) as http:
         job = (await http.post("/v1/videos", data={"prompt": "x", "size": "64x48", "num_frames": "5",
                                                    "num_inference_steps": "1"})).json()  # fmt: skip
         done = await poll_job(http, job["id"])
         assert done["expires_at"] is not None and done["expires_at"] >= done["completed_at"]
         assert (tmp_path / "videos" / f"{job['id']}.mp4").exists()
-        for _ in range(100):
+        for _ in range(300):
             if (await http.get(f"/v1/videos/{job['id']}")).status_code == 404:
                 break
             await asyncio.sleep(0.02)
