@@ -84,6 +84,10 @@ class ParamError(ValueError):
         self.message = message
 
 
+class TextTooLong(ParamError):
+    """A text refused by its byte size alone: more than the context's tokens can hold (before tokenizing)."""
+
+
 def resolution_tier(width: int, height: int) -> tuple[str, int, int, float]:
     area = width * height
     for tier in RESOLUTION_TIERS:

@@ -103,9 +103,8 @@ class HeaderGuard(H11Protocol):
         if idle and self._header_deadline is None:
             self._arm()
         if idle:  # counted before h11 parses them: headers that end in this read would start the request
-            end = HEAD_END.search(
-                self._tail + data
-            )  # (an end split across two reads: the tail's last 2 bytes)
+            # (an end split across two reads: the tail holds the last 2 counted bytes)
+            end = HEAD_END.search(self._tail + data)
             counted = len(data) if end is None else max(end.end() - len(self._tail), 0)
             if self._header_bytes + counted > MAX_HEADER_BYTES:
                 self._refuse(TOO_LARGE_RESPONSE)

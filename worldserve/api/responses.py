@@ -31,7 +31,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import fits_context, read_model
-from worldserve.api.chat import chat_choices, model_not_found
+from worldserve.api.chat import chat_choices, model_not_found, request_options
 from worldserve.api.chat_stream import TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
@@ -91,8 +91,10 @@ async def create_response(request: Request, st: State):
         room = context - (req.max_output_tokens or min(4096, context // 8))
         prompts, _ = reasoner_prompts(st)
         try:
+            # (checked once, no grammar compiled: the counts need the tools' and templates' options only)
+            options = await asyncio.to_thread(request_options, chat)
             chat, paths = await asyncio.to_thread(
-                fit_by_items, chat, paths, room, partial(prompt_tokens, prompts, room=room)
+                fit_by_items, chat, paths, room, partial(prompt_tokens, prompts, options, room=room)
             )
         except (APIError, ParamError) as exc:
             raise paths.rename(exc) from None

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from worldserve.api.chat import build_params
+from worldserve.api.chat import RequestOptions, build_params
 from worldserve.api.chat_media import media_parts
 from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.errors import APIError
 from worldserve.api.responses_input import ChatPaths
-from worldserve.params import ParamError
+from worldserve.params import ParamError, TextTooLong
 
 
 def fit_by_items(
@@ -70,16 +70,14 @@ def fit_by_items(
     return _dropped(chat, first, cuts[hi]), _paths_dropped(paths, first, cuts[hi])
 
 
-def prompt_tokens(prompts, chat: ChatCompletionRequest, room: int) -> int | None:
-    """The tokens of a text-only chat's prompt through the Reasoner's builder `prompts`, or None when its text
-    is more than `room` tokens can hold (refused by its byte size, before tokenizing)."""
-    params = build_params(chat, None)
+def prompt_tokens(prompts, options: RequestOptions, chat: ChatCompletionRequest, room: int) -> int | None:
+    """The tokens of a text-only chat's prompt through the Reasoner's builder `prompts` (`options`: the
+    request's, checked once: they do not depend on its messages), or None when its text is more than `room`
+    tokens can hold (refused by its byte size, before tokenizing)."""
     try:
-        return len(prompts.build(params, max_tokens=room).input_ids)
-    except ParamError as exc:
-        if exc.message.startswith("This model's maximum context length"):  # (ChatPromptBuilder.check_size)
-            return None
-        raise
+        return len(prompts.build(build_params(chat, None, options=options), max_tokens=room).input_ids)
+    except TextTooLong:
+        return None
 
 
 def _dropped(chat: ChatCompletionRequest, first: int, drop: int) -> ChatCompletionRequest:

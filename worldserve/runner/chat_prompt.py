@@ -40,7 +40,7 @@ from worldserve.models.cosmos3.vision import (
     video_inputs,
     video_timestamps,
 )
-from worldserve.params import ParamError
+from worldserve.params import ParamError, TextTooLong
 from worldserve.runner.prefix_hashes import media_digests
 
 IMAGE_PAD = "<|image_pad|>"
@@ -115,10 +115,10 @@ class ChatPromptBuilder:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def check_size(self, text: str, max_tokens: int, where: str) -> None:
-        """ParamError(where) when `text` has more UTF-8 bytes than `max_tokens` tokens can hold (TextSizeBound),
+        """TextTooLong(where) when `text` has more UTF-8 bytes than `max_tokens` tokens can hold (TextSizeBound),
         in vLLM's context-length wording."""
         if (size := self.text_bound.size_over(text, max_tokens)) is not None:
-            raise ParamError(where, f"This model's maximum context length is {max_tokens} tokens. However, you "
+            raise TextTooLong(where, f"This model's maximum context length is {max_tokens} tokens. However, you "
                              f"sent {size} bytes in the {where}, more than the context of {max_tokens} tokens "
                              f"can hold (a token stands for at most {self.text_bound.bytes_per_token} bytes "
                              f"here). Please reduce the length of the {where}.")  # fmt: skip

@@ -135,10 +135,7 @@ class PeerRanks:
             # communicator with a peer on their first exchange, a wait that polls no liveness).
             self.send(("ping",))
         except BaseException:
-            for p in procs:
-                if p.pid is not None:
-                    p.kill()
-                    p.join(5)
+            _kill_left(procs, os.getpid())
             comm.destroy_world()
             raise
         finally:
