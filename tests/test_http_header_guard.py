@@ -19,7 +19,7 @@ import httpx
 import pytest
 from serving_helpers import serve_app
 
-from worldserve.api.http_protocol import MAX_HEADER_BYTES, header_guard_protocol
+from worldserve.api.http_protocol import LINGER_S, MAX_HEADER_BYTES, header_guard_protocol
 
 DEADLINE = 0.6
 
@@ -190,6 +190,25 @@ def test_bare_lf_headers_and_an_early_answer_are_not_counted_past_their_end(url)
         reply = _read_all(sock)
         assert _responses(reply) == [b"HTTP/1.1 401 Unauthorized", b"HTTP/1.1 408 Request Timeout"], reply
         assert time.monotonic() - t0 < DEADLINE + 3
+
+
+def test_an_answer_before_the_body_on_a_closing_connection_reaches_a_client_that_sends_it_all(url):
+    """An answer given before the body was read (a 401, a 413) on a `Connection: close` request: the server
+    reads and drops the rest of the body before closing, so a client that sends its whole body before reading
+    (Python's urllib) reads the answer (a close with the body unread reset the connection: a broken pipe);
+    the connection ends at the client's EOF, or when it has been silent a while."""
+    for client_ends in (True, False):
+        sock = _connect(url)
+        sock.sendall(
+            b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % BIG
+        )
+        time.sleep(0.2)  # (the 401 goes out, and the server closes its side, before the body comes)
+        sock.sendall(b"b" * BIG)  # (past what the sockets between them buffer)
+        if client_ends:
+            sock.shutdown(socket.SHUT_WR)
+        t0 = time.monotonic()
+        assert _responses(_read_all(sock)) == [b"HTTP/1.1 401 Unauthorized"]
+        assert time.monotonic() - t0 < LINGER_S + 2
 
 
 def test_headers_under_the_cap_and_a_body_past_it_are_served(url):

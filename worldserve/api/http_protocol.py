@@ -24,9 +24,13 @@ An answer the client reads nothing of gets the same time: writing paused (the so
 buffers full) for `header_timeout_s` without a byte taken, the connection is dropped (a client that never
 read a video's content held its descriptors, and the file of a deleted video, for as long as it liked; a
 slow reader that takes bytes now and then is never cut).
-Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431. After either refusal the
-client's unread bytes are read and dropped for LINGER_S before the close, so the client reads the answer
-instead of a reset. The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets
+Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431. After either refusal, and
+whenever the connection closes while its client still sends a request's body (an answer given before the body
+was read, such as a 401 or a 413, on a `Connection: close` request), the client's bytes are read and dropped
+until it has been silent for LINGER_S (at most LINGER_MAX_S) before the close, so the client reads the answer
+instead of a reset: closing with unread bytes resets the connection, and a client that sends its whole body
+before reading (Python's urllib) got a broken pipe instead of the 401 to an 8 MB upload (as nginx's lingering
+close does). The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets
 `http.disconnect` and stops the request's work (a server cannot tell a half-close from a close on the wire,
 and abandoned chats and videos must not run on; the twenty-fifth session's answers after a half-close kept
 them running). The protocol's `cycle` attribute (the request-response cycle uvicorn
@@ -54,8 +58,11 @@ H11_BUFFER_BYTES = MAX_HEADER_BYTES + 2**20
 """uvicorn.Config's h11_max_incomplete_event_size (serve_http.uvicorn_options): h11 refuses headers past it with
 a 400 and an abrupt close; above the cap plus one socket read (256 KiB), the cap answers first."""
 LINGER_S = 2.0
-"""After a refusal, how long what the client still sends is read and dropped before the connection closes: closing
-with unread bytes would reset it, and the client could lose the answer."""
+"""After a refusal or an early answer, how long a client may be silent while what it still sends is read and
+dropped, before the connection closes: closing with unread bytes would reset it, and the client could lose the
+answer."""
+LINGER_MAX_S = 10.0
+"""That lingering's end however much the client still sends."""
 
 
 class HeaderGuard(H11Protocol):
@@ -68,9 +75,11 @@ class HeaderGuard(H11Protocol):
         self._header_deadline: asyncio.TimerHandle | None = None
         self._header_bytes = 0  # received since the headers of the request being read began
         self._tail = b""  # the last 2 of those bytes: an end of headers split across reads
-        self._refused = False  # answered 408 / 431: what still comes is dropped until the close
+        self.dropping = False  # lingering (after a 408 / 431, an early answer): what comes is dropped
         self._body_deadline: asyncio.TimerHandle | None = None
         self._write_deadline: asyncio.TimerHandle | None = None
+        self._linger_close: asyncio.TimerHandle | None = None
+        self._linger_end = 0.0
 
     def pause_writing(self) -> None:
         """The client takes no more of the answer for now: it has `header_timeout_s` to take some."""
@@ -90,11 +99,14 @@ class HeaderGuard(H11Protocol):
             self.transport.abort()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(LingeringClose(transport, self))  # type: ignore[arg-type]
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self.dropping:  # dropped; the close waits for the client's silence
+            if self._linger_close is not None and self.loop.time() + LINGER_S < self._linger_end:
+                self._linger_close.cancel()
+                self._linger_close = self.loop.call_later(LINGER_S, self.transport.transport.close)
             return
         # bytes of a next request's headers: not the rest of a body the app answered before reading it all
         idle = (
@@ -121,7 +133,7 @@ class HeaderGuard(H11Protocol):
             and before.response_complete
             and self.conn.their_state is h11.IDLE
             and self._header_deadline is None
-            and not self._refused
+            and not self.dropping
         ):  # the rest of a body answered early has come: what follows is a next request's, on its deadline
             self._arm_pending()
         self._watch_body()
@@ -131,7 +143,7 @@ class HeaderGuard(H11Protocol):
         before the count began: its deadline starts now, and those bytes count toward its cap."""
         super().on_response_complete()
         idle = self.cycle is None or self.cycle.response_complete  # (else h11 parsed the whole next request)
-        if self.conn.trailing_data[0] and idle and self._header_deadline is None and not self._refused:
+        if self.conn.trailing_data[0] and idle and self._header_deadline is None and not self.dropping:
             self._arm_pending()
 
     def _arm_pending(self) -> None:
@@ -144,6 +156,7 @@ class HeaderGuard(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._linger_close = _cancel(self._linger_close)
         self._body_deadline = _cancel(self._body_deadline)
         self._write_deadline = _cancel(self._write_deadline)
         super().connection_lost(exc)
@@ -186,20 +199,59 @@ class HeaderGuard(H11Protocol):
             return
         if not cycle.response_started:
             self.transport.write(TIMEOUT_RESPONSE)
-        self.transport.close()
+        self.transport.close()  # (lingers: the client owes body bytes)
 
     def _refuse(self, response: bytes) -> None:
-        """`response`, then the end of the connection (its reading side after LINGER_S), unless a request
-        began meanwhile or the connection is closing."""
+        """`response`, then the end of the connection (lingering), unless a request began meanwhile or the
+        connection is closing."""
         self._disarm()
         if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
             self.transport.write(response)
-            self._refused = True
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-                self.loop.call_later(LINGER_S, self.transport.close)
-            else:
-                self.transport.close()
+            self.linger(most_s=LINGER_S)  # (no longer for bytes that keep coming: a slow client's)
+
+    def owes_body(self) -> bool:
+        """Whether the client is still sending a request's body (h11 reads it; unread, a close resets)."""
+        return self.conn.their_state is h11.SEND_BODY
+
+    def linger(self, most_s: float = LINGER_MAX_S) -> None:
+        """The end of the connection: what was written goes, then the writing side closes; what the client
+        still sends is read and dropped, and the connection closes after LINGER_S of its silence (at most
+        `most_s`), or at its EOF."""
+        transport = self.transport.transport  # type: ignore[attr-defined]
+        self._disarm()
+        self._body_deadline = _cancel(self._body_deadline)
+        self.dropping = True
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self.flow.resume_reading()
+        self._linger_end = self.loop.time() + most_s
+        self._linger_close = self.loop.call_later(LINGER_S, transport.close)
+
+
+class LingeringClose:
+    """A connection's transport as HeaderGuard hands it to uvicorn: `close()` lingers (HeaderGuard.linger)
+    while the client still sends a body, as after an answer given before reading it on a `Connection: close`
+    request; everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: HeaderGuard) -> None:
+        self.transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        if self.is_closing():
+            return
+        if self._protocol.owes_body():
+            self._protocol.linger()
+        else:
+            self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol.dropping or self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
 
 
 def _cancel(timer: asyncio.TimerHandle | None) -> None:
