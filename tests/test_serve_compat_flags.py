@@ -60,14 +60,14 @@ def test_generator_recipe_line_with_vllm_omni_flags(caplog):
     """The vLLM-Omni generator recipe line plus the other vLLM-Omni flags parses; each no-op flag logs one line."""
     args = parse_args(*GENERATOR, *GENERATOR_EXTRAS)
     cfg = serve.engine_config(args)
-    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.omni and cfg.model.vae_tiling
+    assert cfg.model.model == "nvidia/Cosmos3-Nano" and cfg.model.vae_tiling
     assert cfg.model.init_timeout == 1800, "a shorter per-stage timeout does not shorten --init-timeout"
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
     assert cfg.server.allowed_origins == ("https://app.example",) and cfg.server.allow_credentials
     assert cfg.server.enable_request_id_headers
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, cfg)
-    for flag in ("--model-class-name", "--deploy-config", "--num-gpus", "--diffusion-batch-size",
+    for flag in ("--omni", "--model-class-name", "--deploy-config", "--num-gpus", "--diffusion-batch-size",
                  "--vae-use-slicing", "--trust-remote-code", "--log-stats",
                  "--gpu-memory-utilization"):  # fmt: skip
         lines = [r.getMessage() for r in caplog.records if flag_of(r) == flag]
@@ -348,6 +348,7 @@ REFUSED = [
     (["--worker-backend", "ray"], "--worker-backend ray", "no Ray"),
     (["--ray-address", "auto"], "--ray-address auto", "no Ray"),
     (["--api-server-count", "4"], "--api-server-count 4", "one API server"),
+    (["--enable-cpu-offload"], "--enable-cpu-offload", "use --enable-layerwise-offload instead"),
     (["--omni-lb-policy", "cost-aware"], "--omni-lb-policy cost-aware", "load balancer"),
     (["--trust-request-chat-template"], "--trust-request-chat-template", "chat_template is a 400"),
     (["--hf-overrides", '{"rope_scaling": {"factor": 2}}'], "--hf-overrides", "own config"),

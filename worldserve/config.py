@@ -72,10 +72,6 @@ class ModelConfig:
     auto_warmup_shape: str = field(default="1280x720x189", metadata={"no_flag": True})
     """What --warmup-shapes auto warms: the default shape of video requests (EngineConfig sets it from
     --default-sampling-params)."""
-    omni: bool = False
-    """Accepted for `vllm serve ... --omni` compatibility; worldserve always serves the video API, so it changes nothing."""
-    no_guardrails: bool = False
-    """Accepted for vLLM-Omni compatibility: worldserve loads no guardrail models, so it changes nothing."""
     backend: str = field(default="auto", metadata={"hidden": True, "choices": ("auto", "fake")})
     """Tests only: `fake` serves deterministic colour frames from a numpy backend instead of the model."""
     fake_step_delay: float = field(default=0.0, metadata={"hidden": True})
@@ -143,8 +139,6 @@ class ParallelConfig:
     """Ulysses sequence parallelism: split every denoising forward over this many GPUs (cuda:0..N-1; must divide the 32 query / 8 KV heads: 1, 2, 4, 8)."""
     cfg_parallel_size: int = 1
     """Run the CFG branches on separate GPUs: 1, or 2 (cond on the first half of the GPUs, uncond on the second; a full model on each GPU; combines with --ulysses-degree, using cfg x ulysses GPUs)."""
-    enable_cpu_offload: bool = False
-    """vLLM-Omni's whole-model CPU offload: refused, as Cosmos3 refuses it there (use --enable-layerwise-offload)."""
     enable_layerwise_offload: bool = False
     """Keep the transformer's 72 blocks (und + gen, 25.9 GiB on Nano) in pinned host memory and stream each to the GPU just before it runs, overlapped with compute: 24 GiB less GPU memory, same 720p/480p step time on an H200; a Reasoner decode step streams the 36 und blocks (~0.25 s a token)."""
 
@@ -160,11 +154,6 @@ class ParallelConfig:
                 f"--cfg-parallel-size {self.cfg_parallel_size} is not supported: use 1 or 2 (the two CFG branches)"
             )
         ParallelLayout(cfg=self.cfg_parallel_size, ulysses=self.ulysses_degree, tp=self.tensor_parallel_size)
-        if self.enable_cpu_offload:
-            raise ValueError(
-                "--enable-cpu-offload: CPU offloading of the whole Cosmos3 pipeline is not supported. "
-                "Use --enable-layerwise-offload instead."
-            )
 
 
 DEFAULT_MAX_NUM_SEQS = 128

@@ -39,15 +39,18 @@ def _scalar_type(hint: object) -> type:
     return hint
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field (none for metadata no_flag); metadata may mark it positional, hidden, or give
+def add_config_arguments(
+    parser: argparse.ArgumentParser, cls: type, only: typing.Collection[str] | None = None
+) -> None:
+    """One flag per dataclass field (none for metadata no_flag; with `only`, for those fields alone: a verb
+    that uses some of a config's fields); metadata may mark it positional, hidden, or give
     choices/aliases/metavar."""
     hints = typing.get_type_hints(cls)
     docs = attribute_docs(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         meta = f.metadata
-        if meta.get("no_flag"):
+        if meta.get("no_flag") or (only is not None and f.name not in only):
             continue
         kind = str if "nargs" in meta else _scalar_type(hints[f.name])  # nargs: a list of strings
         text = docs.get(f.name, "")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
 from worldserve.commands.cli_inputs import text_arg
+from worldserve.config import ModelConfig, ParallelConfig
+from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import TokenCount, int64_seed
 from worldserve.params import ParamError
 
@@ -38,12 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=TokenCount, default=TokenCount(), metavar="N",
                    help="context length (prompt + completion), as serve's: 32768, 32k (32000), 32K, auto "
                    "(default: 32768)")  # fmt: skip
-    p.add_argument("--revision", default=None, help="HF revision of MODEL")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
-    p.add_argument("--enable-layerwise-offload", action="store_true",
-                   help="keep the transformer blocks in host memory, streamed per layer (small GPUs)")  # fmt: skip
+    # serve's flags of the same name (config.py)
+    add_config_arguments(p, ModelConfig, only=("revision", "device", "dtype", "enforce_eager"))
+    add_config_arguments(p, ParallelConfig, only=("enable_layerwise_offload",))
 
 
 def media_parts(images: list[Path], videos: list[Path]) -> tuple[ChatPart, ...]:
@@ -126,25 +125,23 @@ def _load(args: argparse.Namespace):
 
     from worldserve.models.cosmos3.prompt import PromptEncoder
     from worldserve.runner.devices import check_device, default_device, default_dtype
-    from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.reasoner import Reasoner
     from worldserve.runner.video_pipeline import load_configured_transformer
     from worldserve.weights.checkpoint import resolve_model
 
-    try:  # before the checkpoint is resolved (an HF id may download it)
-        check_device(args.device)
+    try:  # serve's checks of the same flags, before the checkpoint is resolved (an HF id may download it)
+        model = config_from_args(ModelConfig, args)
+        offload = config_from_args(ParallelConfig, args).enable_layerwise_offload
+        check_device(model.device)
     except ValueError as e:
         print(f"worldserve chat: error: {e}", file=sys.stderr)
         return None
-    root = resolve_model(args.model, args.revision)
-    if args.model is None:
+    root = resolve_model(model.model, model.revision)
+    if model.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its replies are noise", file=sys.stderr)
-    kernels = KernelOptions.from_flags(
-        enforce_eager=args.enforce_eager, quantization=None, fp8_attention=False,
-        diffusion_attention_backend=None, enable_layerwise_offload=args.enable_layerwise_offload,
-    )  # fmt: skip
-    device = torch.device(args.device) if args.device else default_device()
-    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
+    kernels = model.kernel_options(enable_layerwise_offload=offload)
+    device = torch.device(model.device) if model.device else default_device()
+    dtype = getattr(torch, model.dtype) if model.dtype else default_dtype(device)
     try:  # the transformer and the tokenizer only: no VAEs, nothing of video generation
         kernels.check(device, dtype)
         transformer = load_configured_transformer(root, dtype, device, kernels)

@@ -16,10 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from worldserve.commands.cli_inputs import check_writable, text_arg
+from worldserve.config import ModelConfig, ParallelConfig
+from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import int64_seed
 from worldserve.params import IMAGE_DEFAULTS, NEGATIVE_METADATA_MODES, ParamError, VideoParams
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
+GENERATE_MODEL_FLAGS = (
+    "revision", "device", "dtype", "quantization", "fp8_attention", "diffusion_attention_backend",
+    "enforce_eager", "vae_tiling",
+)  # fmt: skip
+"""The ModelConfig fields `generate` takes as flags (serve's: the server's, such as --served-model-name, are not)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,45 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="have the checkpoint's Reasoner rewrite the prompt into Cosmos3's JSON prompt first")  # fmt: skip
     p.add_argument("-o", "--output", type=Path, required=True, help="out.mp4, out.png or out.npz")
     p.add_argument("--save-latents", type=Path, default=None, help="also write final latents (.safetensors)")
-    p.add_argument("--revision", default=None, help="HF revision of MODEL")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
-    p.add_argument(
-        "--vae-tiling",
-        "--vae-use-tiling",
-        action="store_true",
-        help="decode the video in tiles (less memory)",
-    )
-    p.add_argument(
-        "--cfg-parallel-size", type=int, default=1, choices=(1, 2),
-        help="2: the uncond CFG branch on its own GPU(s), the cond branch on cuda:0 (x --ulysses-degree GPUs each)",
-    )  # fmt: skip
-    p.add_argument(
-        "--ulysses-degree", type=int, default=1, choices=(1, 2, 4, 8),
-        help="split every denoising forward over this many GPUs (cuda:0..N-1) by tokens / heads",
-    )  # fmt: skip
-    p.add_argument(
-        "-tp", "--tensor-parallel-size", type=int, default=1, choices=(1, 2, 4, 8),
-        help="split every weight matrix over this many GPUs (cuda:0..N-1); alone only",
-    )  # fmt: skip
-    p.add_argument(
-        "--enable-layerwise-offload", action="store_true",
-        help="keep the transformer blocks in pinned host memory, streamed to the GPU as they run (less VRAM)",
-    )  # fmt: skip
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the gen layers on GPU")
-    p.add_argument(
-        "--quantization", default=None, choices=("fp8",),
-        help="fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy)",
-    )  # fmt: skip
-    p.add_argument(
-        "--diffusion-attention-backend", default=None, choices=("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN", "auto"),
-        help="FLASH_ATTN (FlashAttention-3) or TORCH_SDPA / CUDNN_ATTN; default: env "
-        "DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs (the gen tower FA4's cluster kernel where that runs), else SDPA",
-    )  # fmt: skip
-    p.add_argument(
-        "--fp8-attention", action="store_true",
-        help="gen attention in e4m3 through FlashAttention-3 (H100/H200; lossy)",
-    )  # fmt: skip
+    # the model, kernel and parallel flags are serve's own (config.py)
+    add_config_arguments(p, ModelConfig, only=GENERATE_MODEL_FLAGS)
+    add_config_arguments(p, ParallelConfig)
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -338,35 +309,32 @@ def run(args: argparse.Namespace) -> int:
 
     from worldserve.parallel.comm import PeerError
     from worldserve.runner.devices import check_layout_device
-    from worldserve.runner.kernel_options import KernelOptions
     from worldserve.runner.video_pipeline import load_pipeline
     from worldserve.weights.checkpoint import resolve_model
 
     t0 = time.perf_counter()
-    try:  # before the checkpoint is resolved (an HF id may download it)
+    try:  # serve's checks of the same flags, before the checkpoint is resolved (an HF id may download it)
+        model = config_from_args(ModelConfig, args)
+        par = config_from_args(ParallelConfig, args)
         check_layout_device(
-            args.device,
-            cfg_parallel_size=args.cfg_parallel_size,
-            ulysses_degree=args.ulysses_degree,
-            tensor_parallel_size=args.tensor_parallel_size,
+            model.device,
+            cfg_parallel_size=par.cfg_parallel_size,
+            ulysses_degree=par.ulysses_degree,
+            tensor_parallel_size=par.tensor_parallel_size,
         )
     except ValueError as e:
         print(f"worldserve generate: error: {e}", file=sys.stderr)
         return 2
-    root = resolve_model(args.model, args.revision)
-    if args.model is None:
+    root = resolve_model(model.model, model.revision)
+    if model.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
-        kernels = KernelOptions.from_flags(
-            enforce_eager=args.enforce_eager, quantization=args.quantization, fp8_attention=args.fp8_attention,
-            diffusion_attention_backend=args.diffusion_attention_backend,
-            enable_layerwise_offload=args.enable_layerwise_offload,
-        )  # fmt: skip
+        kernels = model.kernel_options(enable_layerwise_offload=par.enable_layerwise_offload)
         pipe = load_pipeline(
-            root, cfg_parallel_size=args.cfg_parallel_size, ulysses_degree=args.ulysses_degree,
-            tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=dtype,
-            vae_tiling=args.vae_tiling, kernels=kernels,
+            root, cfg_parallel_size=par.cfg_parallel_size, ulysses_degree=par.ulysses_degree,
+            tensor_parallel_size=par.tensor_parallel_size, device=model.device,
+            dtype=getattr(torch, model.dtype) if model.dtype else None, vae_tiling=model.vae_tiling,
+            kernels=kernels,
         )  # fmt: skip
     except ValueError as e:  # e.g. --quantization fp8 without fp8 GEMMs, --cfg-parallel-size 2 on 1 GPU
         print(f"worldserve generate: error: {e}", file=sys.stderr)

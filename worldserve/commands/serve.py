@@ -138,8 +138,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
     log_compat(args, config)
-    if config.model.omni:
-        log.info("--omni accepted: worldserve always serves the omni video API")
     from worldserve.engine.job_files import StorageError
     from worldserve.engine.jobs import JobStore
 

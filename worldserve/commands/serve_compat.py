@@ -115,6 +115,8 @@ HSDP = ("worldserve has no HSDP weight sharding: --tensor-parallel-size splits t
         "--enable-layerwise-offload keeps them in host memory")  # fmt: skip
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     # vLLM-Omni basics
+    C("--omni", "worldserve always serves the omni video API, beside the Reasoner's chat API", ON),
+    C("--no-guardrails", "worldserve loads no guardrail models", ON),
     C("--trust-remote-code", "worldserve runs its own Cosmos3 code, never code shipped with a checkpoint", ON),
     C("--model-class-name", "worldserve has one Cosmos3 pipeline, its own, for every task", {"metavar": "NAME"}),
     C("--deploy-config", DEPLOY, {"metavar": "PATH"}),
@@ -145,6 +147,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "worldserve has no distributed (sharded) layerwise offload: use --enable-layerwise-offload"),
     C("--dlo-resident-layers", NO_DLO, {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),
     C("--dlo-use-allgather", NO_DLO, {"action": argparse.BooleanOptionalAction}),
+    C("--enable-cpu-offload", "", ON, NEVER, "never", "CPU offloading of the whole Cosmos3 pipeline is not "
+      "supported (as in vLLM-Omni): use --enable-layerwise-offload instead"),
     C("--vae-use-slicing", "worldserve's VAE memory lever is --vae-use-tiling (--vae-tiling)", ON),
     # kernels, caching and quantisation
     C("--cache-backend", "none is no step caching", {"metavar": "NAME"}, lambda v: v.lower() == "none", "only at "
