@@ -151,6 +151,22 @@ def test_fa3_is_used_only_with_the_fwd_op_it_calls(monkeypatch):
     assert "compiled fwd op" in fa.fa3_unavailable_reason(cuda, torch.bfloat16, 128)
 
 
+def test_an_fa3_install_that_does_not_import_says_why(monkeypatch, tmp_path):
+    """An FA3 package whose import fails (a binary built for another torch: an undefined symbol) is reported
+    with its error, not as "no package is importable" with an install hint (which it already has)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    (tmp_path / "fa3_fwd_interface.py").write_text(
+        "raise OSError('fa3_fwd_cuda.so: undefined symbol: _ZN3c10')"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fa._fa3_import.cache_clear()
+    try:
+        reason = fa.fa3_unavailable_reason(torch.device("cuda"), torch.bfloat16, 128)
+    finally:
+        fa._fa3_import.cache_clear()
+    assert "does not import (fa3_fwd_interface: OSError: fa3_fwd_cuda.so: undefined symbol" in reason
+
+
 def test_kernel_options_validate_names_and_read_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="must be one of"):
         KernelOptions(attention_backend="XFORMERS")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -81,6 +82,17 @@ STREAM_CODEC_OPTIONS = {"tune": "zerolatency"}
 REFERENCES = ("image_reference", "video_reference")
 _Started = tuple[str, Request, "asyncio.Future[VideoResult]"]
 """The upsampled prompt, the queued request, its outcome."""
+
+log = logging.getLogger("worldserve.realtime")
+
+
+async def _reaped(task: asyncio.Future) -> None:
+    """Wait for a cancelled `task` to end: its cancellation is expected and its own error is logged, not
+    raised; a cancellation of the task waiting still ends it (contextlib.suppress(BaseException) swallowed
+    both)."""
+    (outcome,) = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(outcome, Exception):  # (not its CancelledError, a BaseException)
+        log.error("a realtime session's task failed: %r", outcome, exc_info=outcome)
 
 
 class _Stop(Exception):
@@ -141,8 +153,7 @@ class _Session:
             self.ended.set()
             self._abort()
             control.cancel()
-            with contextlib.suppress(BaseException):
-                await control
+            await _reaped(control)
         await self._close()
 
     def _abort(self) -> None:
@@ -187,8 +198,7 @@ class _Session:
         await asyncio.wait({work, control}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             work.cancel()
-            with contextlib.suppress(BaseException):
-                await work
+            await _reaped(work)
             raise _Stop(control.result())
         try:
             return work.result()

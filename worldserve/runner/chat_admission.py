@@ -19,6 +19,7 @@ max_model_len, max_num_batched_tokens, chunked_prefill, budget, _waiting, _open,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,8 @@ from worldserve.runner.chat_prompt import ChatPrompt, completion_budget
 from worldserve.runner.prefix_hashes import block_hashes, shared_blocks
 from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
 from worldserve.sampling.tokens import TokenSampler
+
+log = logging.getLogger("worldserve.reasoner")
 
 if TYPE_CHECKING:
     from typing import Any
@@ -166,6 +169,8 @@ class ChatAdmission:
         except Exception as exc:
             if len(ready) == 1:
                 return [(*ready[0], exc)]
+            log.warning("a prefill of %d chats failed (%r): each is prefilled alone", len(ready), exc,
+                        exc_info=exc)  # fmt: skip
         return [row for r in ready for row in self._prefill_each([r], budget)]
 
     def _uncached(self, params: ChatParams, prompt: ChatPrompt, computed: list[list[bytes]]) -> int:

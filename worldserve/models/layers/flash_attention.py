@@ -51,14 +51,24 @@ FA3_FWD_ARGS = 34
 
 
 @cache
-def fa3_module() -> ModuleType | None:
-    """The first importable FA3 front end, or None (never raises: a broken install reads as absent)."""
+def _fa3_import() -> tuple[ModuleType | None, str]:
+    """(the first importable FA3 front end, or None; why none imported: each module's error)."""
+    errors = []
     for name in FA3_MODULES:
         try:
-            return importlib.import_module(name)
-        except Exception:  # ImportError, or an OSError / RuntimeError from a mismatched binary
-            continue
-    return None
+            return importlib.import_module(name), ""
+        except ModuleNotFoundError as e:
+            if e.name != name.split(".")[0]:  # (a module it imports is missing: a broken install)
+                errors.append(f"{name}: {e}")
+        except Exception as e:  # an OSError / RuntimeError from a mismatched binary
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    return None, "; ".join(errors)
+
+
+def fa3_module() -> ModuleType | None:
+    """The first importable FA3 front end, or None (never raises: a broken install reads as absent, and
+    fa3_unavailable_reason says why)."""
+    return _fa3_import()[0]
 
 
 def hopper_bf16_reason(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -82,6 +92,8 @@ def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     if reason is not None:
         return reason
     mod = fa3_module()
+    if mod is None and _fa3_import()[1]:  # installed, but it does not import
+        return f"the FlashAttention-3 package does not import ({_fa3_import()[1]}): {FA3_INSTALL_HINT}"
     if mod is None:
         return f"no FlashAttention-3 package is importable ({' / '.join(FA3_MODULES)}): {FA3_INSTALL_HINT}"
     schema = getattr(getattr(getattr(_fwd_ops(mod), "fwd", None), "default", None), "_schema", None)

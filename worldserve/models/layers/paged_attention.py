@@ -26,11 +26,14 @@ softmax) that also serves as the tests' oracle.
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import cache
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("worldserve.paged_attention")
 
 SPLIT_BLOCKS = 16
 """Blocks one program walks (1,024 tokens at the default block size 64), at least."""
@@ -73,7 +76,9 @@ def _triton():
     try:
         import triton
         import triton.language as tl
-    except Exception:
+    except Exception as e:  # (ImportError, or a broken install's own error)
+        log.warning("Triton does not import (%s: %s): the Reasoner's paged decode attention runs the slower "
+                    "PyTorch reference instead", type(e).__name__, e)  # fmt: skip
         return None
 
     @triton.jit
