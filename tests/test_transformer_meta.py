@@ -1,6 +1,7 @@
 """Building Cosmos3Transformer on the meta device, the checkpoint -> fused-parameter map, and dtype rules.
 
-- Nano builds on meta in bf16 with exactly checkpoint_keys.count_parameters parameters (~15.17B).
+- Nano builds on meta in bf16 with exactly checkpoint_keys.count_parameters parameters (~15.17B) but the
+  action heads (checked, not loaded).
 - Every checkpoint key lands in a slice of one of our parameters with the checkpoint's shape, and the
   slices tile every parameter exactly once (q|k|v and gate|up fused), also per rank under tensor parallel.
 - The loader path (meta -> to_empty -> load_checkpoint_tensor -> post_load) rebuilds the RoPE buffers and
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -33,7 +35,9 @@ def test_nano_builds_on_meta_with_the_checkpoint_parameter_count():
     model = _build_meta(Cosmos3Config.nano())
     assert time.perf_counter() - t0 < 5.0
     n = sum(p.numel() for p in model.parameters())
-    assert n == count_parameters(Cosmos3Config.nano())
+    action = sum(math.prod(s) for k, s in model.checkpoint_shapes().items() if k.startswith("action_"))
+    assert n == count_parameters(Cosmos3Config.nano()) - action  # (the action heads are not loaded)
+    assert action == 16_914_432 and not any(k.startswith("action_") for k in model.loaded_shapes())
     assert abs(n / 1e9 - 15.17) < 0.05
     assert all(p.is_meta for p in model.parameters())
     assert model.checkpoint_shapes() == transformer_checkpoint_shapes(model.config)
@@ -49,7 +53,7 @@ def test_checkpoint_keys_tile_our_parameters(config, tp_size):
     model = _build_meta(config, tp=ParallelGroup(rank=tp_size - 1, size=tp_size))
     params = dict(model.named_parameters())
     covered = {name: [] for name in params}
-    for key, shape in transformer_checkpoint_shapes(config).items():
+    for key, shape in model.loaded_shapes().items():
         t = checkpoint_target(key, config, tp_size)
         param = params[t.name]
         local = list(shape)
@@ -110,9 +114,7 @@ def _build_tp(root, tp):
             Cosmos3Config.from_json(folder / "config.json"), dtype=torch.float32, tp=tp
         )
     model = model.to_empty(device="cpu")
-    load_into(
-        model, read_header(folder, "diffusion_pytorch_model"), model.checkpoint_shapes(), progress=False
-    )
+    load_into(model, read_header(folder, "diffusion_pytorch_model"), model.loaded_shapes(), progress=False)
     return model
 
 

@@ -167,8 +167,7 @@ def load_transformer(
     header = read_header(folder, "diffusion_pytorch_model")
     with torch.device("meta"):
         model = Cosmos3Transformer(config, dtype=dtype, **({} if tp is None else {"tp": tp}))
-    expected = model.checkpoint_shapes()
-    check_checkpoint(header, expected, str(folder))
+    check_checkpoint(header, model.checkpoint_shapes(), str(folder))
     model = model.to_empty(device=device)
-    load_into(model, header, expected, progress=progress)
+    load_into(model, header, model.loaded_shapes(), progress=progress)
     return model.eval().requires_grad_(False)

@@ -42,6 +42,11 @@ def _layer_shape(kind: str, c: Cosmos3Config) -> tuple[int, ...]:
     }[kind]
 
 
+UNLOADED_KEY_PREFIXES = ("action_",)
+"""Checkpoint keys checked but not loaded: the action heads (cosmos3-model.md §1.3, §2.4; 34 MB on Nano),
+which no request reaches (action generation, `action_mode`, is refused), as the Reasoner drops them."""
+
+
 def transformer_checkpoint_shapes(c: Cosmos3Config) -> dict[str, tuple[int, ...]]:
     """Every key of the transformer checkpoint with its shape, in a stable order."""
     d = c.hidden_size
@@ -89,6 +94,13 @@ def transformer_checkpoint_shapes(c: Cosmos3Config) -> dict[str, tuple[int, ...]
                 shapes[f"layers.{i}.{und[: -len('weight')]}bias"] = (shape[0],)
                 shapes[f"layers.{i}.{gen[: -len('weight')]}bias"] = (shape[0],)
     return shapes
+
+
+def loaded_checkpoint_shapes(c: Cosmos3Config) -> dict[str, tuple[int, ...]]:
+    """transformer_checkpoint_shapes but UNLOADED_KEY_PREFIXES: the keys our transformer loads."""
+    return {
+        k: v for k, v in transformer_checkpoint_shapes(c).items() if not k.startswith(UNLOADED_KEY_PREFIXES)
+    }
 
 
 def is_fp32_key(key: str) -> bool:

@@ -81,7 +81,7 @@ class Cosmos3Config:
     action_dim: int | None = None
     """Action row width."""
     num_embodiment_domains: int = 32
-    """Rows of the DomainAwareLinear action heads."""
+    """Rows of the action heads (diffusers' DomainAwareLinear; checked in the checkpoint, not loaded)."""
     extra_keys: dict = field(default_factory=dict, compare=False)
     """Keys of config.json this class does not know (kept for round trips, never read)."""
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worldserve.models.cosmos3.batch import GenBatch, GenOutput, UndBatch, patchify, unpatchify
-from worldserve.models.cosmos3.checkpoint_keys import transformer_checkpoint_shapes
+from worldserve.models.cosmos3.checkpoint_keys import loaded_checkpoint_shapes, transformer_checkpoint_shapes
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.cosmos3.layer import (
     GenAttentionBuffers,
@@ -86,21 +86,6 @@ class TimestepEmbedder(nn.Module):
         args = t_net.float()[:, None] * freqs[None, :]  # [B, half]
         features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # [B, 256]
         return self.linear_2(F.silu(self.linear_1(features)))
-
-
-class DomainAwareLinear(nn.Module):
-    """Per-embodiment linear: y = x @ fc[d].view(in, out) + bias[d] (note the [in, out] view)."""
-
-    def __init__(self, in_features: int, out_features: int, num_domains: int, *, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.fc = Embedding(num_domains, in_features * out_features, dtype=dtype)
-        self.bias = Embedding(num_domains, out_features, dtype=dtype)
-
-    def forward(self, x: Tensor, domain: Tensor) -> Tensor:
-        """x [N, in], domain [N] long -> [N, out]."""
-        w = self.fc(domain).view(-1, self.in_features, self.out_features)  # [N, in, out]
-        return torch.bmm(x.unsqueeze(1), w).squeeze(1) + self.bias(domain)
 
 
 def _resident(blocks: BlockStreamer | None, i: int):
@@ -153,11 +138,6 @@ class Cosmos3Transformer(nn.Module):
         self.und_blocks: BlockStreamer | None = None  # set by enable_layerwise_offload
         self.gen_blocks: BlockStreamer | None = None
         self.launch_window = 0  # gen layers a forward may queue ahead of the GPU (0: all); see LaunchWindow
-        if c.action_gen:
-            n = c.num_embodiment_domains
-            self.action_proj_in = DomainAwareLinear(c.action_dim, d, n, dtype=dtype)
-            self.action_proj_out = DomainAwareLinear(d, c.action_dim, n, dtype=dtype)
-            self.action_modality_embed = nn.Parameter(torch.empty(d, dtype=dtype), requires_grad=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -235,8 +215,12 @@ class Cosmos3Transformer(nn.Module):
         return label
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every checkpoint key this model loads, with its on-disk shape."""
+        """Every key of this model's checkpoint, with its on-disk shape (all are checked before loading)."""
         return transformer_checkpoint_shapes(self.config)
+
+    def loaded_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint keys this model loads, with their shapes: all but the action heads."""
+        return loaded_checkpoint_shapes(self.config)
 
     def load_checkpoint_tensor(self, key: str, tensor: Tensor) -> None:
         """Copy checkpoint tensor `key` (any dtype/device) into its (fused, rank-local) parameter slice."""
