@@ -398,6 +398,14 @@ async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_
         for empty in ([], {}):  # a structured prompt with nothing in it is as empty as ""
             r = await http.post("/v1/videos", json={**OK, "prompt": empty})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        for bad, why in (("notjson", "Invalid JSON in form field."), ("[1]", "expected dict, got list")):
+            r = await http.post("/v1/videos", data={**OK, "audio_reference": bad})  # (it was ignored)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "audio_reference", r.text
+            assert why in r.json()["error"]["message"]
+        for field in ("prompt", "negative_prompt"):  # one prompt a request: a list was one video of its text
+            r = await http.post("/v1/videos", json={**OK, field: ["a fox", "a cat"]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert "got a list: one prompt a request" in r.json()["error"]["message"]
         ok = {
             **OK,
             "true_cfg_scale": 4.0,

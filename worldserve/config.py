@@ -145,14 +145,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         from worldserve.runner.parallel_layout import ParallelLayout
 
-        for name in ("tensor_parallel_size", "ulysses_degree", "cfg_parallel_size"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.cfg_parallel_size > 2:
-            raise ValueError(
-                f"--cfg-parallel-size {self.cfg_parallel_size} is not supported: use 1 or 2 (the two CFG branches)"
-            )
         ParallelLayout(cfg=self.cfg_parallel_size, ulysses=self.ulysses_degree, tp=self.tensor_parallel_size)
 
 

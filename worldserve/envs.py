@@ -14,6 +14,7 @@ from worldserve.config_values import check_seconds
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
 MAX_FETCH_TIMEOUT_S = 86400.0
+CUTE_DSL_RUNTIME_ENV = "WORLDSERVE_CUTE_DSL_RUNTIME"
 
 
 def _env_float(name: str) -> float | None:
@@ -36,24 +37,25 @@ def sync_timeout_s() -> float:
     return DEFAULT_SYNC_TIMEOUT_S
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from variable `name`, `default` when unset or blank."""
+    value = _env_float(name)
+    if value is None:
+        return default
+    check_seconds(f"environment variable {name}", value, zero=False)
+    return value
+
+
 def http_timeout_keep_alive_s() -> float:
     """`VLLM_HTTP_TIMEOUT_KEEP_ALIVE` (vLLM's, default 5 s): how long an idle keep-alive connection stays open
     (uvicorn's timeout_keep_alive). A client pool that reuses connections idle about that long can meet the
     server closing them (a read error); raise it above the client's own idle timeout to avoid that."""
-    value = _env_float("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
-    if value is None:
-        return 5.0
-    check_seconds("environment variable VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value, zero=False)
-    return value
+    return _env_seconds("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 5.0)
 
 
 def log_stats_interval_s() -> float:
     """`VLLM_LOG_STATS_INTERVAL` (vLLM's, default 10 s): seconds between two stats lines (api/stats_log.py)."""
-    value = _env_float("VLLM_LOG_STATS_INTERVAL")
-    if value is None:
-        return 10.0
-    check_seconds("environment variable VLLM_LOG_STATS_INTERVAL", value, zero=False)
-    return value
+    return _env_seconds("VLLM_LOG_STATS_INTERVAL", 10.0)
 
 
 def http_header_timeout_s() -> float:
@@ -62,11 +64,7 @@ def http_header_timeout_s() -> float:
     the longest silence while it owes body bytes (nginx's client_body_timeout, same default), before it is
     answered 408 and closed (api/http_protocol.py), so clients that open connections and never finish a
     request cannot hold the server's file descriptors forever."""
-    value = _env_float("WORLDSERVE_HTTP_HEADER_TIMEOUT")
-    if value is None:
-        return 60.0
-    check_seconds("environment variable WORLDSERVE_HTTP_HEADER_TIMEOUT", value, zero=False)
-    return value
+    return _env_seconds("WORLDSERVE_HTTP_HEADER_TIMEOUT", 60.0)
 
 
 def max_completion_prompts() -> int:
@@ -126,6 +124,18 @@ def cache_dir() -> Path:
     """The user cache folder: `$XDG_CACHE_HOME/worldserve`, else `~/.cache/worldserve`."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "worldserve"
+
+
+def hf_hub_offline() -> bool:
+    """Hugging Face's `HF_HUB_OFFLINE` (default 0): nothing is downloaded; a model not in the cache is an error."""
+    return _env_flag("HF_HUB_OFFLINE", False)
+
+
+def cute_dsl_runtime() -> Path | None:
+    """`WORLDSERVE_CUTE_DSL_RUNTIME`: the CuTe DSL runtime library the FA4 cluster kernel loads, in place of
+    the installed nvidia-cutlass-dsl libs' (models/layers/fa4_cluster.py)."""
+    value = os.environ.get(CUTE_DSL_RUNTIME_ENV)
+    return Path(value) if value else None
 
 
 def storage_dir() -> Path:

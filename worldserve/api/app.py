@@ -1,13 +1,14 @@
 """build_app(client, ...) -> the FastAPI application: video routes (and the /v1/realtime/video WebSocket),
-/v1/chat/completions, /v1/completions, /tokenize and /detokenize (when the client has a chat backend),
-/v1/models, /health, /version, /metrics.
+/v1/images/generations, /v1/chat/completions, /v1/completions, /v1/responses, /tokenize and /detokenize
+(a 400 without a chat backend), /v1/models, /health, /ping, /load, /version, /metrics.
 
 The app only talks to an `EngineClient` (never to torch). Its lifespan starts the client (job recovery,
 engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, so tests enter
 `app.router.lifespan_context(app)` themselves (or run a real uvicorn). Middlewares, outermost first, in
-vLLM's order: request ids (`--enable-request-id-headers`, on by default here), the /v1 API key, then CORS
-(`--allowed-origins` ...: preflight OPTIONS answered, Access-Control-* headers added; as in vLLM, a 401 from
-the key check carries none). Exception handlers turn every error into the vLLM envelope (errors.py).
+vLLM's order: request ids (`--enable-request-id-headers`, on by default here), the server load count
+(`/load`, --enable-server-load-tracking), the /v1 API key, the HTTP metrics (inside the key check: a 401
+is not counted, as in vLLM), then CORS (`--allowed-origins` ...: preflight OPTIONS answered,
+Access-Control-* headers added; as in vLLM, a 401 from the key check carries none). Exception handlers turn every error into the vLLM envelope (errors.py).
 """
 
 from __future__ import annotations
@@ -135,15 +136,13 @@ def build_app(
         **({} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
     )
     app.state.ws = AppState(
-        client=client, metrics=metrics, served_model_name=client.model_name, model_root=model_root,
+        client=client, metrics=metrics, served_model_name=client.model_name,
         model_aliases=tuple(model_aliases),
-        sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes, shutdown_timeout_s=shutdown_timeout_s,
+        sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
         allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
         video_defaults=dict(video_defaults or {}),
-        media=MediaFetcher(
-            max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects(),
-            (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video")),
-        ),  # fmt: skip (the environment is read here, at startup: a malformed value stops the start)
+        # (the environment is read here, at startup: a malformed timeout stops the start)
+        media=MediaFetcher(max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects()),
         mm_limits=dict(mm_limits or {}), video_decode_pixels=video_decode_pixels, reasoning_parser=reasoning_parser, response_role=response_role,
         tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage, request_log=request_log,
         request_seeds=request_seeds, media_defaults=media_defaults,

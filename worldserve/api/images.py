@@ -40,7 +40,7 @@ from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
-from worldserve.params import IMAGE_DEFAULTS, INT64, VideoParams, choice_seed
+from worldserve.params import DEFAULT_MAX_SEQUENCE_LENGTH, IMAGE_DEFAULTS, INT64, VideoParams, choice_seed
 
 router = APIRouter(tags=["images"])
 State = Annotated[AppState, Depends(app_state)]
@@ -126,7 +126,7 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         guidance_scale=pick("guidance_scale", IMAGE_DEFAULTS.guidance_scale) or IMAGE_DEFAULTS.guidance_scale,  # 0: the default
         flow_shift=pick("flow_shift", shift),
         seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
-        max_sequence_length=pick("max_sequence_length", 4096),
+        max_sequence_length=pick("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
         guidance_interval=tuple(float(v) for v in pick("guidance_interval", IMAGE_DEFAULTS.guidance_interval)),
         add_resolution_template=extra.use_resolution_template is not False,
         negative_metadata=extra.negative_metadata_mode or "same",

@@ -71,7 +71,9 @@ class MediaFetcher:
     allowed_domains: tuple[str, ...] = ()
     """Hosts media may come from (exact names, as vLLM matches them); empty: any host."""
     allow_redirects: bool = True
-    chat_timeouts_s: tuple[float, float] = (5.0, 30.0)
+    chat_timeouts_s: tuple[float, float] = field(
+        default_factory=lambda: (envs.media_fetch_timeout_s("image"), envs.media_fetch_timeout_s("video"))
+    )
     """Deadlines of a chat's image and video downloads (vLLM's VLLM_IMAGE_FETCH_TIMEOUT / VIDEO_FETCH)."""
     block_private: bool = field(default_factory=lambda: not envs.media_allow_private_addresses())
     """Refuse hosts outside `allowed_domains` that resolve to a non-public address (blocked_address)."""

@@ -101,6 +101,9 @@ class VideoCreateRequest(NumbersNotBooleans):
         None, description='{"image_url": "data:image/...;base64,..."} (or a list of one)'
     )
     video_reference: Any = Field(None, description='{"video_url": "data:video/...;base64,..."}')
+    audio_reference: Any = Field(
+        None, description='{"audio_url": ...}: unused by Cosmos3 (a 400 when it is not a JSON object).'
+    )
     video_params: Any = Field(
         None, description="{width, height, fps, num_frames}: fills the top-level fields not given."
     )

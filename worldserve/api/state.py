@@ -30,11 +30,8 @@ class AppState:
     """The name answers carry (`--served-model-name`'s first)."""
     model_aliases: tuple[str, ...] = ()
     """`--served-model-name`'s other names: requests may send them too."""
-    model_root: str | None
-    """The model argument as given (shown as `root` in /v1/models)."""
     sync_timeout_s: float
     max_upload_bytes: int
-    shutdown_timeout_s: float
     allowed_local_media_path: str | None = None
     """Folder whose files chat requests may reference as file:// URLs (None: no local files)."""
     default_flow_shift: float | None = None

@@ -129,14 +129,19 @@ async def _json_fields(body: bytes) -> dict[str, Any]:
 
 
 def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """A JSON object's fields as a create request takes them: a structured prompt (an object or a list) as
-    its compact serialisation (also /v1/realtime/video's session.start); an empty string is "not given" for
-    every other field, as in a form (a JSON `"model": ""` had been a model mismatch, a form's the default)."""
+    """A JSON object's fields as a create request takes them: a structured prompt (a JSON object, Cosmos3's
+    JSON prompt) as its compact serialisation (also /v1/realtime/video's session.start); a list is a 400 (a
+    request has one prompt: a list of prompts was one video of the list's text); an empty string is "not
+    given" for every other field, as in a form (a JSON `"model": ""` had been a model mismatch, a form's the
+    default)."""
     data = {k: v for k, v in data.items() if not (v == "" and k not in TEXT_FIELDS)}
-    if data.get("prompt") in ({}, []):  # (not a structured prompt: nothing in it)
-        raise ParamError("prompt", "prompt must be a non-empty string or JSON document, got an empty one")
+    if data.get("prompt") == {}:  # (not a structured prompt: nothing in it)
+        raise ParamError("prompt", "prompt must be a non-empty string or JSON object, got an empty one")
     for key in TEXT_FIELDS:
-        if isinstance(data.get(key), dict | list):
+        if isinstance(data.get(key), list):
+            raise ParamError(key, f"{key} must be a string or a JSON object (a structured prompt), got a list: "
+                             "one prompt a request")  # fmt: skip
+        if isinstance(data.get(key), dict):
             data[key] = json.dumps(data[key], separators=(",", ":"), ensure_ascii=False)
     return data
 
@@ -163,6 +168,9 @@ async def build_inputs(
                        f"'{served_model}'.", param="model")  # fmt: skip
     extra = parse_extra_params(req.extra_params)
     video_params = parse_video_params(req.video_params)
+    json_object_field(
+        req.audio_reference, "audio_reference"
+    )  # (vLLM-Omni's JSON check; Cosmos3 has no use for it)
     refuse_unsupported(req)
     quality = req.quality or "default"
     if req.quality is not None and req.quality not in ("high", "lossless"):

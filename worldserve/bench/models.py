@@ -67,8 +67,10 @@ def build_our_transformer(
     if source is None:
         fill_random_(model, seed=seed)
     else:
+        loaded = model.loaded_shapes()  # (the action heads are not)
         for key, tensor in source.state_dict().items():
-            model.load_checkpoint_tensor(key, tensor)
+            if key in loaded:
+                model.load_checkpoint_tensor(key, tensor)
     model.post_load()
     return model
 

@@ -19,7 +19,13 @@ from worldserve.commands.cli_inputs import check_writable, text_arg
 from worldserve.config import ModelConfig, ParallelConfig
 from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import int64_seed
-from worldserve.params import IMAGE_DEFAULTS, NEGATIVE_METADATA_MODES, ParamError, VideoParams
+from worldserve.params import (
+    DEFAULT_MAX_SEQUENCE_LENGTH,
+    IMAGE_DEFAULTS,
+    NEGATIVE_METADATA_MODES,
+    ParamError,
+    VideoParams,
+)
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
 GENERATE_MODEL_FLAGS = (
@@ -70,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "image: 400,1000)")  # fmt: skip
     p.add_argument("--seed", type=int64_seed, default=42, help="initial noise seed (default 42)")
     p.add_argument("--no-sound", action="store_true", help="no joint audio")
-    p.add_argument("--max-sequence-length", type=int, default=4096,
-                   help="prompt tokens after templating; a longer prompt is an error (default 4096)")  # fmt: skip
+    p.add_argument("--max-sequence-length", type=int, default=DEFAULT_MAX_SEQUENCE_LENGTH,
+                   help="prompt tokens after templating; a longer prompt is an error (default "
+                   f"{DEFAULT_MAX_SEQUENCE_LENGTH})")  # fmt: skip
     p.add_argument("--no-duration-template", action="store_true",
                    help="leave out the duration / fps sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
     p.add_argument("--no-resolution-template", action="store_true",

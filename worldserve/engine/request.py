@@ -3,7 +3,9 @@
 A `Request` is created by the client when a job is submitted (or re-submitted after a restart), waits in
 the scheduler, gets a backend `DenoiseState` when admitted (`prepare`), advances one denoising step per
 engine iteration, then is decoded and handed to the encoder pool. Only the engine thread mutates it, except
-`stage_seconds["encode"]`, written by the one encoder that owns the request after decode.
+`stage_seconds["encode"]`, written by the one encoder that owns the request after decode, and the stop
+marks other threads set for the engine to act on at its next step: `abort_status` (the event loop: a
+realtime stream's stall, an ephemeral request's end) and `stop_reason` (Engine.stop_now's caller).
 """
 
 from __future__ import annotations

@@ -35,11 +35,12 @@ class ParallelLayout:
     """Tensor-parallel degree: every weight matrix of both towers split over this many ranks (alone only)."""
 
     def __post_init__(self) -> None:
+        for flag, value in (("--ulysses-degree", self.ulysses), ("--tensor-parallel-size", self.tp)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.cfg not in (1, 2):
-            raise ValueError(f"--cfg-parallel-size must be 1 or 2, got {self.cfg}")
-        if self.ulysses < 1 or self.tp < 1:
             raise ValueError(
-                f"--ulysses-degree and --tensor-parallel-size must be >= 1, got {self.ulysses}, {self.tp}"
+                f"--cfg-parallel-size {self.cfg} is not supported: use 1 or 2 (the two CFG branches)"
             )
         if self.tp > 1 and self.cfg * self.ulysses > 1:
             raise ValueError(

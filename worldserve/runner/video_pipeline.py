@@ -9,8 +9,9 @@ denoise:  one step for a list of prepared requests: one transformer forward over
           CFG branches (GenBatch), CFG combine in float32, then each request's UniPC step.
 decode:   Wan2.2 VAE (video) and AVAE (audio, trimmed to the video length) -> host uint8 frames + float audio.
 The sampling state is float32 (diffusers' `sampling_dtype`); the transformer runs in its own dtype.
-Kernels (runner/kernel_options.py): compiled gen layers on CUDA, FlashAttention-3 where it runs (else
-cuDNN-first SDPA); opt-in fp8 GEMMs / fp8 attention on Hopper only, refused elsewhere before anything loads.
+Kernels (runner/kernel_options.py): compiled gen layers on CUDA, the gen tower's FA4 cluster kernel and
+FlashAttention-3 where they run (else cuDNN-first SDPA); opt-in fp8 GEMMs / fp8 attention on Hopper only,
+refused elsewhere before anything loads.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from worldserve import envs
 from worldserve.models.cosmos3.config import Cosmos3Config
 
 log = logging.getLogger(__name__)
@@ -77,16 +78,11 @@ def check_weights_match(
         )
 
 
-def user_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "worldserve"
-
-
 def default_tiny_checkpoint() -> Path:
     """The embedded default model: a tiny random checkpoint, written once (atomically) and reused."""
     from worldserve.weights.tiny import make_tiny
 
-    target = user_cache_dir() / f"tiny-cosmos3-v{TINY_LAYOUT}-seed{TINY_SEED}"
+    target = envs.cache_dir() / f"tiny-cosmos3-v{TINY_LAYOUT}-seed{TINY_SEED}"
     if (target / "model_index.json").is_file():
         return target
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
@@ -122,7 +118,7 @@ def resolve_model(ref: str | None, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    offline = envs.hf_hub_offline()
     where = f"{ref} (revision {revision or 'main'})"
     try:
         path = snapshot_download(

@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from worldserve import envs
 from worldserve.models.layers.flash_attention import fa3_forward, fa3_sm_margin, hopper_bf16_reason
 
 KERNEL_DIR = Path(__file__).with_name("fa4_sm90")
@@ -51,7 +51,7 @@ GEN_KERNEL = "fa4_sm90_128x176_c2"
 """The gen tower's kernel: FA3's own 128 x 176 tile, clusters of 2 CTAs sharing K/V tiles."""
 HEAD_DIM = 128
 RUNTIME = "libcute_dsl_runtime.so"
-RUNTIME_ENV = "WORLDSERVE_CUTE_DSL_RUNTIME"
+RUNTIME_ENV = envs.CUTE_DSL_RUNTIME_ENV
 INSTALL_HINT = "pip install 'worldserve[hopper]' (apache-tvm-ffi and nvidia-cutlass-dsl-libs-cu13)"
 AGREEMENT = 1e-2
 """The largest rel. L2 of the output, and LSE difference, a kernel may show against FA3 (bf16 rounding: ~1e-3)."""
@@ -105,8 +105,8 @@ class Fa4Kernel:
 
 def runtime_library() -> Path | None:
     """The DSL runtime to load: $WORLDSERVE_CUTE_DSL_RUNTIME, else the installed nvidia-cutlass-dsl libs'."""
-    if env := os.environ.get(RUNTIME_ENV):
-        return Path(env)
+    if (lib := envs.cute_dsl_runtime()) is not None:
+        return lib
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
     roots = (spec.submodule_search_locations or ()) if spec is not None else ()
     for root in roots:
