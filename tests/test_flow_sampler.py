@@ -89,6 +89,23 @@ def test_unipc_matches_diffusers(num_steps, shift):
     assert torch.equal(ours[-1], ref[-1])
 
 
+@pytest.mark.parametrize(("num_steps", "shift"), [(200, 10.0), (150, 10.0), (35, 100.0), (35, 50.0)])
+def test_unipc_matches_diffusers_where_the_first_timestep_repeats(num_steps, shift):
+    """Long or high-shift schedules that the API accepts (steps <= 200, flow_shift <= 100) start with a
+    repeated integer timestep (999, 999, ...). diffusers' UniPC then looks its first step up at index 1 (the
+    pipeline never calls set_begin_index) and fails at the last step; pinned to index 0, as our schedule
+    walks by index, it is the same sampler, step for step."""
+    ref_sched = diffusers_unipc(num_steps, shift)
+    assert ref_sched.timesteps[0] == ref_sched.timesteps[1] == 999
+    ref_sched.set_begin_index(0)
+    schedule = FlowSchedule.native(num_steps, shift)
+    assert torch.equal(schedule.timesteps, ref_sched.timesteps)
+    x, velocities = random_run(num_steps, (48, 2, 2, 3), seed=num_steps + int(shift))
+    ours = our_trajectory(schedule, x, velocities)
+    ref = reference_trajectory(ref_sched, x, velocities)
+    assert max(max_rel_err(a, b) for a, b in zip(ours, ref, strict=True)) <= 1e-6
+
+
 def test_native_schedule_is_the_reference_table():
     schedule = FlowSchedule.native(35, 10.0)
     assert schedule.timesteps.tolist() == DOC_TIMESTEPS_35_SHIFT_10
