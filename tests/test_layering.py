@@ -59,6 +59,18 @@ def test_models_reach_parallel_only_through_layers():
     assert not offenders, "; ".join(offenders)
 
 
+def test_only_comm_calls_torch_distributed():
+    """Collectives and process groups go through parallel/comm.py (design.md §3.5)."""
+    offenders = [
+        f"{path.relative_to(PKG)} imports {name}"
+        for path in PKG.rglob("*.py")
+        if path.relative_to(PKG).as_posix() != "parallel/comm.py"
+        for name in _imports(path)
+        if name == "torch.distributed" or name.startswith("torch.distributed.")
+    ]
+    assert not offenders, "; ".join(offenders)
+
+
 def test_every_module_has_a_docstring():
     missing = [
         str(p.relative_to(PKG))

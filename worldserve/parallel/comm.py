@@ -1,4 +1,4 @@
-"""Collectives and point-to-point messages; with parallel/ulysses.py the only modules that call torch.distributed.
+"""Collectives and point-to-point messages: the only module that calls torch.distributed.
 
 Every collective is the identity when the group has one rank, so single-device code pays nothing and
 tests can fake a world by handing in a group whose `size` is 1.
@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 import torch
 from torch import Tensor
+from torch.distributed import DistError  # noqa: F401  (re-exported: a wait that ran out)
 
 from worldserve.parallel.groups import ParallelGroup
 
@@ -38,6 +39,40 @@ def all_reduce(x: Tensor, group: ParallelGroup) -> Tensor:
 
     dist.all_reduce(x, group=group.group)
     return x
+
+
+def all_gather_rows(x: Tensor, group: ParallelGroup) -> Tensor:
+    """Every rank's `x` (the same shape on each), concatenated along dim 0 in rank order, on every rank."""
+    if group.size == 1:
+        return x
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x.contiguous(), group=group.group)
+    return torch.cat(parts)
+
+
+def all_to_all_blocks(send: Tensor, group: ParallelGroup) -> Tensor:
+    """[P, ...] blocks: block j of `send` goes to rank j; block j of the result came from rank j."""
+    if group.size == 1:
+        return send
+    import torch.distributed as dist
+
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group.group)
+    return recv
+
+
+def new_group(ranks: list[int], setup_timeout_s: float, timeout_s: float) -> Any:
+    """A process group of `ranks` (collective: every rank of the world calls it, with the same ranks, in
+    the same order), created within `setup_timeout_s`; its collectives then wait `timeout_s` (torch >= 2.6;
+    older versions keep the setup's)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=setup_timeout_s))
+    if hasattr(group, "set_timeout"):
+        group.set_timeout(timedelta(seconds=timeout_s))
+    return group
 
 
 # ---------------------------------------------------------------------------------------------- world

@@ -10,7 +10,7 @@ except the model itself. The text K/V of each prompt are computed in full on eve
 tiny) and sliced to the rank's KV heads.
 
 `shard` / `gather` split and rebuild the packed stream; the all-to-alls are `seq_to_heads` / `heads_to_seq`.
-All are the identity at size 1. torch.distributed (NCCL on GPU, gloo on CPU) is called here and in comm.py.
+All are the identity at size 1. The collectives themselves are comm.py's (NCCL on GPU, gloo on CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
 
 
@@ -41,24 +42,17 @@ def gather(x: Tensor, n: int, sp: ParallelGroup) -> Tensor:
     """Every rank's block [N_pad / P, ...] -> the first n rows of their concatenation [n, ...], on every rank."""
     if sp.size == 1:
         return x
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(x) for _ in range(sp.size)]
-    dist.all_gather(parts, x.contiguous(), group=sp.group)
-    return torch.cat(parts)[:n]
+    return comm.all_gather_rows(x, sp)[:n]
 
 
 def seq_to_heads(x: Tensor, sp: ParallelGroup) -> Tensor:
     """[N/P, H, D] (my tokens, all heads) -> [N, H/P, D] (all tokens in order, my heads)."""
     if sp.size == 1:
         return x
-    import torch.distributed as dist
-
     n, h, d = x.shape
     p = sp.size
     send = x.reshape(n, p, h // p, d).transpose(0, 1).contiguous()  # [P, N/P, H/P, D]: block j -> rank j
-    recv = torch.empty_like(send)  # block j: rank j's tokens, my heads
-    dist.all_to_all_single(recv, send, group=sp.group)
+    recv = comm.all_to_all_blocks(send, sp)  # block j: rank j's tokens, my heads
     return recv.reshape(p * n, h // p, d)
 
 
@@ -66,13 +60,10 @@ def heads_to_seq(x: Tensor, sp: ParallelGroup) -> Tensor:
     """[N, H/P, D] (all tokens, my heads) -> [N/P, H, D] (my tokens, all heads in order)."""
     if sp.size == 1:
         return x
-    import torch.distributed as dist
-
     n_all, hp, d = x.shape
     p = sp.size
     send = x.reshape(p, n_all // p, hp, d).contiguous()  # block j: rank j's tokens
-    recv = torch.empty_like(send)  # block j: my tokens, rank j's heads
-    dist.all_to_all_single(recv, send, group=sp.group)
+    recv = comm.all_to_all_blocks(send, sp)  # block j: my tokens, rank j's heads
     return recv.transpose(0, 1).reshape(n_all // p, p * hp, d)
 
 

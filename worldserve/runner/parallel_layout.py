@@ -12,7 +12,6 @@ the uncond group sends to rank 0. Rank 0 is the process that serves (runner/para
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 
@@ -82,14 +81,14 @@ class ParallelLayout:
         before any other collective."""
         if self.ulysses == 1:
             return SINGLE
-        import torch.distributed as dist
+        from worldserve.parallel import comm  # (torch: this module is imported by config.py)
 
-        setup = timedelta(seconds=GROUP_SETUP_TIMEOUT_S)  # (the creation's wait: gloo connects the ranks)
         groups = [
-            dist.new_group(ranks=list(range(b * self.ulysses, (b + 1) * self.ulysses)), timeout=setup)
+            comm.new_group(
+                list(range(b * self.ulysses, (b + 1) * self.ulysses)),
+                GROUP_SETUP_TIMEOUT_S,
+                COLLECTIVE_TIMEOUT_S,
+            )
             for b in range(self.cfg)
         ]
-        mine = groups[self.branch(rank)]
-        if hasattr(mine, "set_timeout"):  # then the collectives' (torch >= 2.6; older: the setup's stays)
-            mine.set_timeout(timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        return ParallelGroup(rank=rank % self.ulysses, size=self.ulysses, group=mine)
+        return ParallelGroup(rank=rank % self.ulysses, size=self.ulysses, group=groups[self.branch(rank)])

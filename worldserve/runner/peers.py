@@ -94,7 +94,6 @@ class PeerRanks:
         loads: when its load returns, or when a torch.distributed wait in it runs out), the other peers killed.
         -> (peers, load_local's result)."""
         import torch.multiprocessing as mp
-        from torch.distributed import DistError
 
         if comm.world_initialized():
             raise RuntimeError("a torch.distributed world already exists in this process (one at a time)")
@@ -126,7 +125,7 @@ class PeerRanks:
                 raise comm.PeerError(f"{label} ranks could not join the world: {exc}") from exc
             try:
                 local = load_local()
-            except DistError:  # a collective set-up (new_group) that ran out waiting on a peer that died
+            except comm.DistError:  # a collective set-up (new_group) that ran out waiting on a peer that died
                 pipes.check("while loading")
                 raise
             pipes.wait_for("ready", "while loading")
