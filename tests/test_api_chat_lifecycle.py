@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from chat_fakes import ScriptedChatBackend, ScriptedChatSession
 from serving_helpers import make_client, serve_app, wait_until
 
 from worldserve.engine.outputs import ChatDelta
@@ -21,7 +22,7 @@ MODEL = "test-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 100_000}
 
 
-class EndlessSession:
+class EndlessSession(ScriptedChatSession):
     prompt_tokens = 4
 
     def __init__(self, max_tokens: int):
@@ -31,7 +32,7 @@ class EndlessSession:
         self.closed = True
 
 
-class EndlessBackend:
+class EndlessBackend(ScriptedChatBackend):
     """Sessions that emit one token every `delay` seconds until closed, at max_tokens (100k in BODY) or once
     `finish` is set (then "stop"); a session a test marks `preempted` idles (no token), as the Reasoner's does
     while it waits for K/V blocks."""

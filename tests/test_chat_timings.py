@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from chat_fakes import ScriptedChatBackend, ScriptedChatSession
 from serving_helpers import wait_until
 
 from worldserve.chat_params import ChatMessage, ChatParams
@@ -20,7 +21,7 @@ from worldserve.engine.chat_worker import ChatWorker
 from worldserve.engine.outputs import ChatDelta
 
 
-class _Session:
+class _Session(ScriptedChatSession):
     """Scripted deltas: a token, an idle step (preempted: no token), a token, then the stop token."""
 
     prompt_tokens = 5
@@ -32,7 +33,7 @@ class _Session:
         pass
 
 
-class _Backend:
+class _Backend(ScriptedChatBackend):
     def start_many(self, batch):
         return [_Session() for _ in batch]
 

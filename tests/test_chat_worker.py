@@ -8,6 +8,8 @@ from __future__ import annotations
 import queue
 import threading
 
+from chat_fakes import ScriptedChatBackend, ScriptedChatSession
+
 from worldserve.chat_params import ChatMessage, ChatParams
 from worldserve.engine.chat_worker import ChatFailed, ChatStarted, ChatWorker
 from worldserve.engine.outputs import ChatBackpressure, ChatDelta
@@ -16,7 +18,7 @@ from worldserve.params import ParamError
 PARAMS = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
 
 
-class ScriptedSession:
+class ScriptedSession(ScriptedChatSession):
     def __init__(self, lock, words, gate=None):
         self.prompt_tokens, self.lock, self.words, self.gate, self.n = 7, lock, words, gate, 0
         self.closed = False
@@ -34,7 +36,7 @@ class ScriptedSession:
         self.closed = True
 
 
-class ScriptedBackend:
+class ScriptedBackend(ScriptedChatBackend):
     def __init__(self, lock, words=("a", "b", "c"), gate=None, fail=None):
         self.lock, self.words, self.gate, self.fail = lock, words, gate, fail
 

@@ -14,10 +14,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
+from chat_fakes import ScriptedChatBackend
 from serving_helpers import SMALL_FORM, asgi_server, make_client
 
 from worldserve.api.app import build_app
@@ -292,7 +292,8 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
 @pytest.mark.anyio
 async def test_models_card_carries_the_chat_context_length(tmp_path, anyio_backend):
     """As vLLM's card: max_model_len is the Reasoner's context length (null without chats)."""
-    chat = SimpleNamespace(max_model_len=4096, kv_cache_usage=lambda: 0.0, preemptions=0)
+    chat = ScriptedChatBackend()
+    chat.max_model_len = 4096
     for backend, expected in ((chat, 4096), (None, None)):
         client = make_client(tmp_path / str(expected), chat_backend=backend)
         app = build_app(client)

@@ -103,13 +103,13 @@ def build_app(
     if client.chat_worker is not None:
         chat = client.chat_worker.backend
         metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
-        if hasattr(chat, "prefix_cache_counts"):  # (the Reasoner; test backends may keep no prefix cache)
+        if chat.prefix_cache_counts is not None:
             metrics.track_prefix_cache(lambda: chat.prefix_cache_counts)
-        if (media_cache := getattr(chat, "media_cache", None)) is not None:
-            metrics.track_mm_cache(media_cache)
+        if chat.media_cache is not None:
+            metrics.track_mm_cache(chat.media_cache)
         worker = client.chat_worker  # its queues as they are at each scrape (a preempted chat waits)
         metrics.track_chat_queue(lambda: worker.num_waiting, lambda: worker.num_running)
-        if isinstance(getattr(chat, "max_model_len", None), int):
+        if chat.max_model_len is not None:
             metrics.track_chat_lengths(chat.max_model_len)
     client.observe(metrics)
 

@@ -193,8 +193,8 @@ def prepared_params(
     (ParamError("messages")). Its videos may take --max-video-decode-gpixels of decoding; `stop` set (the
     request abandoned) ends their decoding at the next frame (DecodeCancelled)."""
     worker = st.client.chat_worker
-    prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
-    cache = getattr(prompts, "media_cache", None)
+    prompts = worker.backend.prompts if worker is not None else None
+    cache = prompts.media_cache if prompts is not None else None
     budget = None
     if prompts is not None and prompts.preprocess is not None:  # (the images' share of the context)
         lo, hi = options.image_pixels

@@ -72,15 +72,14 @@ class AppState:
     def max_model_len(self) -> int | None:
         """The Reasoner's context length in tokens; None where no chat is served."""
         worker = self.client.chat_worker
-        value = getattr(worker.backend, "max_model_len", None) if worker is not None else None
-        return value if isinstance(value, int) else None
+        return worker.backend.max_model_len if worker is not None else None
 
     @property
     def chat_defaults(self) -> ChatDefaults:
         """What Reasoner requests' omitted sampling fields take (--generation-config: the Reasoner's; vLLM's
         neutral values for a chat backend that sets none)."""
         worker = self.client.chat_worker
-        return getattr(worker.backend, "sampling_defaults", NEUTRAL) if worker else NEUTRAL
+        return worker.backend.sampling_defaults if worker is not None else NEUTRAL
 
     def seeded(self, params: ChatParams) -> ChatParams:
         """`params` with the next seed of --seed's sequence when the request sent none (one a prompt)."""

@@ -72,7 +72,7 @@ def structured_output(
 
 def grammar_compiler(worker: Any) -> Any:
     """The chat worker's Reasoner's GrammarCompiler, or None (no Reasoner, or a backend without grammars)."""
-    return getattr(getattr(worker, "backend", None), "grammars", None)
+    return worker.backend.grammars if worker is not None else None
 
 
 def _response_format(rf: dict[str, Any] | None) -> StructuredOutput | None:

@@ -50,7 +50,7 @@ State = Annotated[AppState, Depends(app_state)]
 def reasoner_prompts(st: AppState) -> tuple[Any, int]:
     """(the Reasoner's ChatPromptBuilder, its max_model_len); a 400, as chat answers, when there is none."""
     worker = st.client.chat_worker
-    prompts = getattr(worker.backend, "prompts", None) if worker is not None else None
+    prompts = worker.backend.prompts if worker is not None else None
     if prompts is None:
         raise APIError(400, NO_REASONER)
     return prompts, worker.backend.max_model_len
@@ -64,7 +64,7 @@ def _tokenize_chat(
     `fetched`; its `options` checked; its videos within --max-video-decode-gpixels, their decoding ended
     by `stop`) through the Reasoner's builder (texts too big for `max_tokens` refused before tokenizing)."""
     params = build_params(
-        chat, st.allowed_local_media_path, fetched, options, getattr(prompts, "media_cache", None),
+        chat, st.allowed_local_media_path, fetched, options, prompts.media_cache,
         video_budget=DecodeBudget(st.video_decode_pixels, stop),
     )  # fmt: skip
     prompt = prompts.build(params, add_special_tokens=body.add_special_tokens, max_tokens=max_tokens)

@@ -270,11 +270,7 @@ class ChatWorker:
     def _model(self):
         """The model lock, or nothing when the backend runs beside video steps (re-read every call: a
         Reasoner turns concurrent once its decode graphs are captured)."""
-        return (
-            contextlib.nullcontext()
-            if getattr(self.backend, "concurrent_with_video", False)
-            else self.model_lock
-        )
+        return contextlib.nullcontext() if self.backend.concurrent_with_video else self.model_lock
 
     def _start(self, batch: list[ChatHandle]):
         """Prefill several chats in one backend call: (the started (handle, session) pairs, the handles the
@@ -301,8 +297,9 @@ class ChatWorker:
             else:
                 handle.admitted_at, handle.prompt_tokens = admitted_at, result.prompt_tokens
                 ids = tuple(result.prompt_token_ids) if handle.params.return_token_ids else None
-                handle.emit(ChatStarted(result.prompt_tokens, getattr(result, "prompt_logprobs", None),
-                                        getattr(result, "cached_tokens", 0), ids))  # fmt: skip
+                handle.emit(
+                    ChatStarted(result.prompt_tokens, result.prompt_logprobs, result.cached_tokens, ids)
+                )
                 started.append((handle, result))
         return started, refused
 
@@ -326,7 +323,7 @@ class ChatWorker:
             return [], 0
         # the preempted chats count as waiting until they resume (set before any delivery: a client that has
         # its answer finds the gauges up to date)
-        preempted = {h for h, s in active if getattr(s, "preempted", False)}
+        preempted = {h for h, s in active if s.preempted}
         with self._queues_lock:
             self._preempted = preempted
         # a chat still prefilling (chunked) or preempted idles: no token, nothing to deliver

@@ -210,8 +210,7 @@ class EngineClient:
             return False, "shutting down"
         if (problem := self.store.problem()) is not None:
             return False, f"storage: {problem}"
-        backend_problem = getattr(self.engine.backend, "problem", None)  # (a multi-rank backend's peers)
-        if backend_problem is not None and (problem := backend_problem()) is not None:
+        if (problem := self.engine.backend.problem()) is not None:  # (a multi-rank backend's peers)
             return False, problem
         return True, None
 

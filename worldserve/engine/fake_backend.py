@@ -58,6 +58,9 @@ class FakeBackend:
         self.released: list[str] = []
         self._lock = threading.Lock()
 
+    def problem(self) -> str | None:
+        return None
+
     def validate(self, params: VideoParams) -> VideoParams:
         if params.generate_sound and not self.has_sound:
             raise ParamError(

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from worldserve.chat_params import ChatParams
 from worldserve.media.frame_stream import FrameStream
+from worldserve.media.processor_cache import ProcessorCache
 from worldserve.params import VideoParams
+from worldserve.sampling.chat_defaults import ChatDefaults
 
 
 @dataclass(slots=True, kw_only=True)
@@ -69,6 +71,10 @@ def crash_reason(exc: BaseException) -> str:
 class VideoBackend(Protocol):
     has_sound: bool
     """Whether the checkpoint ships a sound tokenizer (audio on by default)."""
+
+    def problem(self) -> str | None:
+        """Why it cannot serve now (a multi-rank backend's peer is gone: /health's reason), or None."""
+        ...
 
     def validate(self, params: VideoParams) -> VideoParams:
         """Model-aware validation (prompt length, sound availability); raises ParamError."""
@@ -148,6 +154,12 @@ class ChatSession(Protocol):
     prompt_tokens: int
     prompt_token_ids: Sequence[int]
     """The rendered prompt's token ids (vLLM's return_token_ids)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None
+    """Each prompt token's log-probability when the request asked for prompt_logprobs, else None."""
+    cached_tokens: int
+    """Prompt tokens found in the prefix cache rather than computed (usage's cached_tokens)."""
+    preempted: bool
+    """Whether its K/V cache blocks went to other chats: it idles (no token) until it is recomputed."""
 
     def step(self) -> ChatDelta: ...
 
@@ -162,6 +174,28 @@ class ChatBackpressure(RuntimeError):
 
 
 class ChatBackend(Protocol):
+    max_model_len: int | None
+    """Its context in tokens (prompt + completion); None: unbounded."""
+    sampling_defaults: ChatDefaults
+    """What requests' omitted sampling fields take (--generation-config; vLLM's neutral values by default)."""
+    prompts: Any
+    """Its prompt builder (runner/chat_prompt.py ChatPromptBuilder: chat template, tokens, media), used off
+    the chat worker's thread; None for a backend that builds its prompts in `start`."""
+    grammars: Any
+    """Its structured-output GrammarCompiler (sampling/token_grammar.py); None: structured outputs are refused."""
+    media_cache: ProcessorCache | None
+    """Its decoded / preprocessed chat media, by content (metrics report its hits); None: none kept."""
+
+    @property
+    def concurrent_with_video(self) -> bool:
+        """Whether start_many / step_all may run without the model lock, beside video steps."""
+        ...
+
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        """Prompt tokens looked up in its prefix cache so far and of them the tokens found; None: no cache."""
+        ...
+
     def start(self, params: ChatParams) -> ChatSession:
         """Validate, tokenize, encode images, prefill; raises ParamError for a bad request."""
         ...

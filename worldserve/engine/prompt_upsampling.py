@@ -162,13 +162,14 @@ def upsample_with(reasoner, params: VideoParams, config: UpsamplerConfig = Upsam
 def check_upsampling(reasoner, params: VideoParams, config: UpsamplerConfig) -> None:
     """ParamError unless `reasoner` (the chat worker's Reasoner; None: this server runs none) can upsample
     `params`' prompt: the chat's prompt must leave `config.min_room` tokens of context for the answer
-    (blocking: builds that prompt, the image through the ViT's preprocessing)."""
+    (blocking: builds that prompt, the image through the ViT's preprocessing; a backend without its own
+    prompt builder is not checked: it builds the prompt when the chat starts)."""
     if reasoner is None:
         raise ParamError("extra_params.upsample_prompt", "prompt upsampling needs the Reasoner, which this server "
                          "does not run (the fake backend, or --tensor-parallel-size > 1)")  # fmt: skip
-    if (build := getattr(reasoner, "build_prompt", None)) is None:
+    if reasoner.prompts is None:
         return
-    tokens = len(build(upsampling_chat(params, config)).input_ids)
+    tokens = len(reasoner.prompts.build(upsampling_chat(params, config)).input_ids)
     if tokens + config.min_room > reasoner.max_model_len:
         raise ParamError("prompt", f"the prompt is too long to upsample: its upsampling chat is {tokens} tokens, "
                          f"and the answer needs {config.min_room} more within the Reasoner's "
@@ -203,7 +204,7 @@ async def built_upsampling_chat(backend, params: VideoParams, config: UpsamplerC
     shares (`backend`: the chat worker's Reasoner; one without `prompts` builds its own); UpsamplingFailed(400)
     when it cannot be."""
     chat = upsampling_chat(params, config)
-    prompts = getattr(backend, "prompts", None)
+    prompts = backend.prompts if backend is not None else None
     if prompts is None:
         return chat
     try:

@@ -188,6 +188,10 @@ class VideoPipeline:
             return self.has_sound and params.num_frames > 1
         return bool(params.generate_sound)
 
+    def problem(self) -> str | None:
+        """None: one process, nothing of it can be gone while it answers (ParallelPipeline's peers can)."""
+        return None
+
     def validate(self, params: VideoParams) -> VideoParams:
         """Field checks plus model checks (sound available, prompts within max_sequence_length)."""
         params.validate()
