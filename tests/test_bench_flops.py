@@ -167,7 +167,8 @@ def test_profile_helpers_trace_copies_to_python_and_name_fused_kernels():
         (["--warmup", "-1"], "--warmup must be >= 0"),
         (["--e2e-steps", "0"], "--e2e-steps must be >= 1"),
         (["--text-tokens", "0"], "--text-tokens must be >= 1"),
-        (["--fps", "0"], "--fps must be in (0, 120]"),
+        (["--fps", "0"], "--fps must be in [1, 120]"),
+        (["--fps", "1e-300"], "--fps must be in [1, 120]"),  # (a point's audio of 10^302 frames)
         (["--time-budget", "-1"], "--time-budget must be > 0"),
         (["--device", "foo"], "--device 'foo' is not a device"),
         (["--attention-backend", "FLASH_ATTN"], "--attention-backend FLASH_ATTN: FlashAttention-3 needs"),

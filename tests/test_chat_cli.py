@@ -66,10 +66,29 @@ def test_bad_input_is_named_before_loading(tmp_path):
     missing = _chat("--message", "x", "--image", tmp_path / "none.png")
     assert missing.returncode == 2 and "--image" in missing.stderr
     zero = _chat("--message", "x", "--max-tokens", 0)
-    assert zero.returncode == 2 and "max_tokens" in zero.stderr
+    assert zero.returncode == 2 and "error: --max-tokens: " in zero.stderr
     (tmp_path / "junk.png").write_bytes(b"not an image")
     junk = _chat("--message", "x", "--image", tmp_path / "junk.png")
     assert junk.returncode == 2 and "--image" in junk.stderr and "Loading" not in junk.stderr
+    for stdin in ("hi\n", ""):  # stdin turns: the flags were checked after the load, or never (exit 0)
+        cold = _chat("--temperature", "-5", stdin=stdin)
+        assert cold.returncode == 2 and cold.stderr.startswith("worldserve chat: error: --temperature: "), (
+            cold
+        )
+        assert "Loading" not in cold.stderr
+
+
+def test_a_refused_chat_is_one_line(tiny_ckpt):
+    """The Reasoner's refusal (no room in the context for max_tokens) is the error line alone: a warning and
+    a traceback of an empty prefill batch came before it."""
+    argv = [str(tiny_ckpt), "--message", "hi", "--max-tokens", "100000", "--device", "cpu"]
+    out = subprocess.run([sys.executable, "-m", "worldserve.cli", "chat", *argv],
+                         capture_output=True, text=True, timeout=300)  # (a process's own log, not pytest's)  # fmt: skip
+    lines = [
+        line for line in out.stderr.splitlines() if line and "Loading safetensors" not in line
+    ]  # (the bar)
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("worldserve chat: error: --max-tokens: This model's maximum context length")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

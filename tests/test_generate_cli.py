@@ -195,6 +195,30 @@ def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):
     assert not (tmp_path / "x.mp4").exists()
 
 
+def test_prompt_files(tmp_path, monkeypatch, capsys):
+    """--prompt-file: an editor's byte-order mark is dropped (it hid a JSON prompt's `{`: the prompt went in as
+    text, its metadata keys not injected); `-` reads standard input; a file past 16 MiB, or one that never
+    ends, is refused, as are the prompt's own errors, naming --prompt-file (they named --prompt)."""
+    import io
+
+    from worldserve.cli import build_parser, main
+    from worldserve.commands.generate import build_params
+
+    def params(*argv):
+        return build_params(build_parser(["generate"]).parse_args(["generate", *argv, "-o", "x.mp4"]))
+
+    (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf{"caption": "a red fox"}')
+    assert params("--prompt-file", str(tmp_path / "bom.json")).prompt == '{"caption": "a red fox"}'
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a fox from stdin")))
+    assert params("--prompt-file", "-").prompt == "a fox from stdin"
+    for name, body, said in (("big.txt", b"a" * ((16 << 20) + 1), "larger than 16 MiB"),
+                             ("blank.txt", b"  \n", "prompt must be")):  # fmt: skip
+        (tmp_path / name).write_bytes(body)
+        assert main(["generate", "--prompt-file", str(tmp_path / name), "-o", str(tmp_path / "x.mp4")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("worldserve generate: error: --prompt-file") and said in err, err
+
+
 def test_missing_checkpoint_is_one_line(tmp_path):
     proc = _generate(
         "nvidia/Cosmos3-Nano-missing", "--prompt", "a cat", "-o", tmp_path / "x.mp4", check=False

@@ -12,6 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from worldserve.config_values import int64_seed
+from worldserve.params import MAX_FPS
+
 DEFAULT_POINTS = "1280x720x189,832x480x121"
 
 
@@ -64,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--device", default="cuda", help="torch device (cuda for real numbers)")
     p.add_argument("--tiny", action="store_true", help="tiny model/VAE configs: a smoke run of the harness")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int64_seed, default=0, help="seed of the random weights and inputs (default 0)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,8 +111,8 @@ def options(args: argparse.Namespace):
                                ("--neg-text-tokens", args.neg_text_tokens, 1)):  # fmt: skip
         if value < least:
             raise ParamError(flag, f"{flag} must be >= {least}, got {value}")
-    if not 0 < args.fps <= 120:  # the audio length divides by it
-        raise ParamError("fps", f"--fps must be in (0, 120], got {args.fps}")
+    if not 1 <= args.fps <= MAX_FPS:  # (a request's range; the audio length divides by it)
+        raise ParamError("fps", f"--fps must be in [1, {MAX_FPS}], got {args.fps}")
     if not args.time_budget > 0:
         raise ParamError("time_budget", f"--time-budget must be > 0 seconds, got {args.time_budget}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

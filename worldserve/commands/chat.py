@@ -81,12 +81,11 @@ def run(args: argparse.Namespace) -> int:
             raise ParamError("--max-model-len", f"must be >= 2, got {args.max_model_len}")
         media = media_parts(args.image, args.video)
         messages = [] if args.system is None else [ChatMessage(role="system", content=args.system)]
-        if args.message is not None:
-            turn_params(
-                args, [*messages, ChatMessage(role="user", content=args.message)]
-            )  # fail before loading
+        # the flags fail before loading (the message too; stdin turns come later)
+        first = args.message if args.message is not None else "(stdin)"
+        turn_params(args, [*messages, ChatMessage(role="user", content=first)])
     except ParamError as e:
-        print(f"worldserve chat: error: {e.param}: {e.message}", file=sys.stderr)
+        print(f"worldserve chat: error: {_said(e)}", file=sys.stderr)
         return 2
     reasoner = _load(args)
     if reasoner is None:
@@ -100,9 +99,19 @@ def run(args: argparse.Namespace) -> int:
             reply = _answer(reasoner, turn_params(args, messages))
             messages.append(ChatMessage(role="assistant", content=reply))
     except ParamError as e:
-        print(f"worldserve chat: error: {e.param}: {e.message}", file=sys.stderr)
+        print(f"worldserve chat: error: {_said(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "presence_penalty", "seed")
+"""ChatParams fields set by the flag of the same name (--max-tokens ...)."""
+
+
+def _said(e: ParamError) -> str:
+    """The error as a line, named by the flag that set the field (ChatParams names the API's fields)."""
+    name = "--" + e.param.replace("_", "-") if e.param in SAMPLING_FLAGS else e.param
+    return f"{name}: {e.message}"
 
 
 def _stdin_turns():

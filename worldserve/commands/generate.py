@@ -28,6 +28,10 @@ from worldserve.params import (
 )
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
+MAX_TEXT_FILE_BYTES = 16 << 20
+"""--prompt-file's size at most (a prompt is at most --max-sequence-length tokens)."""
+MAX_MEDIA_FILE_BYTES = 4 << 30
+"""--image / --video file size at most (read whole before decoding)."""
 GENERATE_MODEL_FLAGS = (
     "revision", "device", "dtype", "quantization", "fp8_attention", "diffusion_attention_backend",
     "enforce_eager", "vae_tiling",
@@ -41,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=text_arg, help="plain text or a JSON document")
-    src.add_argument("--prompt-file", type=Path, help="read the prompt from a file (e.g. a JSON prompt)")
+    src.add_argument(
+        "--prompt-file", type=Path, help="read the prompt from a file (e.g. a JSON prompt; - reads stdin)"
+    )
     p.add_argument(
         "--negative-prompt", type=text_arg, default=None, help="default: the shipped Cosmos3 negative prompt"
     )
@@ -127,13 +133,13 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     if args.image is not None:
         from worldserve.media.image import decode_image
 
-        image = decode_image(_read_bytes(args.image, "image"), param="image")
+        image = decode_image(_read_bytes(args.image, "image", MAX_MEDIA_FILE_BYTES), param="image")
     if args.video is None:  # (they were dropped in silence)
         for flag in ("condition_frames", "condition_video_keep"):
             if getattr(args, flag) is not None:
                 raise ParamError(flag, f"--{flag.replace('_', '-')} conditions a --video clip: give --video, or "
                                  "leave it out")  # fmt: skip
-    indexes = _parse_indexes(args.condition_frames or "0,1")
+    indexes = _parse_indexes("0,1" if args.condition_frames is None else args.condition_frames)
     keep = args.condition_video_keep or "first"
     video = None
     if args.video is not None:
@@ -142,7 +148,9 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         if image is not None:
             raise ParamError("video", "--image and --video are exclusive")
         budget = min(condition_budget(indexes), args.num_frames) if args.num_frames >= 1 else 1
-        video = decode_video(_read_bytes(args.video, "video"), budget, keep, param="video")
+        video = decode_video(
+            _read_bytes(args.video, "video", MAX_MEDIA_FILE_BYTES), budget, keep, param="video"
+        )
     if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
         raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
                          "(not with --tensor-parallel-size > 1)")  # fmt: skip
@@ -195,6 +203,8 @@ def _flag(param: str | None, args: argparse.Namespace) -> str:
     """The flag the user gave for request field `param` (VideoParams names the API's fields)."""
     if param == "input_reference":
         return "--video" if args.video is not None else "--image"
+    if param == "prompt" and args.prompt is None:
+        return "--prompt-file"
     if param is None:
         return "error"
     return FLAGS.get(param, "--" + param.removeprefix("extra_params.").replace("_", "-"))
@@ -232,17 +242,27 @@ def _parse_indexes(text: str) -> tuple[int, ...]:
 
 
 def _read_text(path: Path, param: str) -> str:
+    """A UTF-8 text file (a leading byte-order mark dropped: an editor's BOM hid a JSON prompt's `{`), or
+    standard input for `-`, at most MAX_TEXT_FILE_BYTES."""
+    data = sys.stdin.buffer.read(MAX_TEXT_FILE_BYTES + 1) if str(path) == "-" else _read_bytes(path, param)
+    if len(data) > MAX_TEXT_FILE_BYTES:
+        raise ParamError(param, f"{path} is larger than {MAX_TEXT_FILE_BYTES >> 20} MiB: not a prompt")
     try:
-        return _read_bytes(path, param).decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ParamError(param, f"{path} is not UTF-8 text (byte {e.start})") from None
 
 
-def _read_bytes(path: Path, param: str) -> bytes:
+def _read_bytes(path: Path, param: str, limit: int = MAX_TEXT_FILE_BYTES) -> bytes:
+    """The file's bytes, at most `limit` (a larger one is refused, also one that never ends: /dev/zero)."""
     try:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
     except OSError as e:
         raise ParamError(param, f"cannot read {path}: {e.strerror}") from e
+    if len(data) > limit:
+        raise ParamError(param, f"{path} is larger than {limit >> 20} MiB")
+    return data
 
 
 def _upsampled(args: argparse.Namespace, params: VideoParams, pipe, root: Path) -> VideoParams:

@@ -161,6 +161,8 @@ class ChatAdmission:
         """prefill_batch over the ready chats (at most `budget` tokens: chunked prefill; None: whole); when the
         pass fails (e.g. out of memory), each chat once more on its own, so that one chat's failure is not
         every chat's. [(*item, result or exception)]."""
+        if not ready:  # (every chat of the batch was refused before its prefill)
+            return []
         items = [(prompt, ()) for _, _, prompt, _ in ready]
         whole = [params.prompt_logprobs is not None for _, params, _, _ in ready]  # every prompt row's logits
         try:
