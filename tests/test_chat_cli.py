@@ -78,6 +78,37 @@ def test_bad_input_is_named_before_loading(tmp_path):
         assert "Loading" not in cold.stderr
 
 
+def test_sampling_left_out_follows_the_checkpoint_s_generation_config(tiny_copy, monkeypatch):
+    """As serve's --generation-config auto: a checkpoint whose generation_config.json asks for greedy answers
+    greedily (the same reply twice) within its max_new_tokens; a flag given still wins; without the file the
+    flags left out are NVIDIA's suggested values."""
+    import argparse
+    import json
+
+    from worldserve.commands.chat import SUGGESTED, turn_params
+    from worldserve.sampling.chat_defaults import ChatDefaults
+
+    (tiny_copy / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "temperature": 0.0, "top_k": 1, "max_new_tokens": 5})
+    )
+    argv = [tiny_copy, "--message", "hi", "--device", "cpu"]
+    first, second = _chat(*argv), _chat(*argv)
+    assert first.returncode == 0 and first.stdout == second.stdout, first.stderr
+    assert re.search(r"\+ 5 completion tokens, length", first.stderr), first.stderr
+    defaults = ChatDefaults.load("auto", tiny_copy)
+    flags = argparse.Namespace(
+        seed=None,
+        **dict.fromkeys(SUGGESTED),
+    )
+    msg = [ChatMessage(role="user", content="hi")]
+    p = turn_params(flags, msg, defaults)
+    assert (p.temperature, p.top_k, p.max_tokens, p.top_p, p.presence_penalty) == (0.0, 1, 5, 0.8, 1.5)
+    flags.temperature = 0.3
+    assert turn_params(flags, msg, defaults).temperature == 0.3
+    p = turn_params(argparse.Namespace(seed=None, **dict.fromkeys(SUGGESTED)), msg)
+    assert {k: getattr(p, k) for k in SUGGESTED} == SUGGESTED
+
+
 def test_a_refused_chat_is_one_line(tiny_ckpt):
     """The Reasoner's refusal (no room in the context for max_tokens) is the error line alone: a warning and
     a traceback of an empty prefill batch came before it."""

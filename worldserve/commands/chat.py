@@ -3,9 +3,11 @@
 With `--message` it answers once (streaming the reply to stdout) and exits; without, it reads one user turn
 per line from stdin and keeps the conversation (an empty line or end of input ends it). `--image F` /
 `--video F` (repeatable) attach media to the first user turn, as `image_url` / `video_url` parts would
-(videos sampled at 2 fps as Qwen3-VL's processor does). Sampling flags are the chat completion fields
-(defaults: NVIDIA's suggested temperature 0.7, top_p 0.8, top_k 20, presence_penalty 1.5; --temperature 0
-for greedy). Bad input fails with the field named, exit code 2. Token counts and speed go to stderr.
+(videos sampled at 2 fps as Qwen3-VL's processor does). Sampling flags are the chat completion fields; a
+flag left out takes the checkpoint's generation_config.json value where it sets one (as serve's
+--generation-config auto; its min_p, repetition_penalty and eos_token_id too), else NVIDIA's suggested
+temperature 0.7, top_p 0.8, top_k 20, presence_penalty 1.5 and 512 completion tokens (--temperature 0 for
+greedy). Bad input fails with the flag named, exit code 2. Token counts and speed go to stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from worldserve.config import ModelConfig, ParallelConfig
 from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import TokenCount, int64_seed
 from worldserve.params import ParamError
+from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,11 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", type=text_arg, default=None, help="a system message")
     p.add_argument("--image", type=Path, action="append", default=[], help="image for the first turn")
     p.add_argument("--video", type=Path, action="append", default=[], help="video for the first turn")
-    p.add_argument("--max-tokens", type=int, default=512, help="completion tokens a turn")
-    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.8, help="default 0.8")
-    p.add_argument("--top-k", type=int, default=20, help="-1 or 0: off (default 20)")
-    p.add_argument("--presence-penalty", type=float, default=1.5, help="default 1.5")
+    # (left out: the checkpoint's generation_config.json value where it sets one, as serve's, else NVIDIA's)
+    p.add_argument("--max-tokens", type=int, default=None, help="completion tokens a turn (default 512)")
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=None, help="default 0.8")
+    p.add_argument("--top-k", type=int, default=None, help="-1 or 0: off (default 20)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="default 1.5")
     p.add_argument("--seed", type=int64_seed, default=None, help="sampling seed (default: random)")
     p.add_argument("--max-model-len", type=TokenCount, default=TokenCount(), metavar="N",
                    help="context length (prompt + completion), as serve's: 32768, 32k (32000), 32K, auto "
@@ -68,10 +72,25 @@ def media_parts(images: list[Path], videos: list[Path]) -> tuple[ChatPart, ...]:
     return tuple(parts)
 
 
-def turn_params(args: argparse.Namespace, messages: list[ChatMessage]) -> ChatParams:
+SUGGESTED = {"max_tokens": 512, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "presence_penalty": 1.5}
+"""The sampling flags' values when left out and the checkpoint's generation_config.json does not set them
+(NVIDIA's suggested Reasoner settings; 512 completion tokens a turn)."""
+
+
+def turn_params(
+    args: argparse.Namespace, messages: list[ChatMessage], defaults: ChatDefaults = NEUTRAL
+) -> ChatParams:
+    """A turn's params: each sampling flag given, else what the checkpoint's generation config (`defaults`)
+    sets, else SUGGESTED."""
+
+    def pick(name: str):
+        if getattr(args, name) is not None:
+            return getattr(args, name)
+        return getattr(defaults, name) if name in defaults.given else SUGGESTED[name]
+
     return ChatParams(
-        messages=tuple(messages), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, presence_penalty=args.presence_penalty, seed=args.seed,
+        messages=tuple(messages), **{name: pick(name) for name in SUGGESTED}, seed=args.seed,
+        min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
     ).validate()  # fmt: skip
 
 
@@ -87,16 +106,17 @@ def run(args: argparse.Namespace) -> int:
     except ParamError as e:
         print(f"worldserve chat: error: {_said(e)}", file=sys.stderr)
         return 2
-    reasoner = _load(args)
-    if reasoner is None:
+    loaded = _load(args)
+    if loaded is None:
         return 2
+    reasoner, defaults = loaded
     turns = [args.message] if args.message is not None else _stdin_turns()
     try:
         for text in turns:
             content = (*media, ChatPart(type="text", text=text)) if media else text
             media = ()
             messages.append(ChatMessage(role="user", content=content))
-            reply = _answer(reasoner, turn_params(args, messages))
+            reply = _answer(reasoner, turn_params(args, messages, defaults))
             messages.append(ChatMessage(role="assistant", content=reply))
     except ParamError as e:
         print(f"worldserve chat: error: {_said(e)}", file=sys.stderr)
@@ -128,8 +148,9 @@ def _stdin_turns():
         yield line.rstrip("\n")
 
 
-def _load(args: argparse.Namespace):
-    """The Reasoner on the checkpoint's transformer (None after printing why it cannot load)."""
+def _load(args: argparse.Namespace) -> tuple | None:
+    """(the Reasoner on the checkpoint's transformer, the sampling defaults of its generation_config.json, as
+    serve's --generation-config auto reads them), or None after printing why it cannot load."""
     import torch
 
     from worldserve.models.cosmos3.prompt import PromptEncoder
@@ -154,16 +175,17 @@ def _load(args: argparse.Namespace):
     try:  # the transformer and the tokenizer only: no VAEs, nothing of video generation
         kernels.check(device, dtype)
         transformer = load_configured_transformer(root, dtype, device, kernels)
+        defaults = ChatDefaults.load("auto", root)  # (its eos_token_id ends chats too, as serve's)
         reasoner = Reasoner.from_pretrained(root, transformer, PromptEncoder.from_pretrained(root).tokenizer,
                                             max_model_len=args.max_model_len, max_num_seqs=1,
-                                            enforce_eager=args.enforce_eager,
+                                            enforce_eager=args.enforce_eager, sampling_defaults=defaults,
                                             chat_sm_margin=0)  # no video here to leave SMs to  # fmt: skip
     except ValueError as e:
         print(f"worldserve chat: error: {e}", file=sys.stderr)
         return None
     if device.type == "cuda":
         reasoner.warm_up()
-    return reasoner
+    return reasoner, defaults
 
 
 def _answer(reasoner, params: ChatParams) -> str:

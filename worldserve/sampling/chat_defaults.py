@@ -58,6 +58,8 @@ class ChatDefaults:
     eos_token_ids: tuple[int, ...] = ()
     """The generation config's `eos_token_id`s: more tokens that end every chat (vLLM adds them to its stop
     tokens), read from the model's file under auto and vllm alike, or from the folder's."""
+    given: frozenset[str] = frozenset()
+    """The fields above that the generation config or the overrides set (max_new_tokens: max_tokens)."""
 
     @classmethod
     def load(
@@ -88,14 +90,17 @@ class ChatDefaults:
         budget = values.pop("max_new_tokens", None)
         # vLLM: a folder's max_new_tokens bounds every request; with auto / vllm only the override's does
         cap = budget if mode not in MODES or "max_new_tokens" in given else None
+        given_fields = frozenset(values) | ({"max_tokens"} if budget is not None else frozenset())
         return cls(
-            **values, max_tokens=budget, max_tokens_cap=cap, source=" + ".join(sources), eos_token_ids=eos
-        )
+            **values, max_tokens=budget, max_tokens_cap=cap, source=" + ".join(sources), eos_token_ids=eos,
+            given=given_fields,
+        )  # fmt: skip
 
     def changed(self) -> dict[str, Any]:
         """The sampling values that differ from vLLM's neutral defaults (the start-up log's)."""
         neutral = ChatDefaults()
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "eos_token_ids")
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("source", "eos_token_ids", "given")
                 and getattr(self, f.name) != getattr(neutral, f.name)}  # fmt: skip
 
     def budget(self, requested: int | None) -> int | None:
