@@ -200,6 +200,16 @@ async def test_bad_json_numbers_are_short_400s_naming_the_field(tmp_path, name, 
         assert err["param"] == param and len(err["message"]) < 400, err
 
 
+async def test_a_long_bad_value_is_echoed_cut_to_200_characters(tmp_path):
+    """The validation message quotes the value it refused, its first 200 characters and "...": a 10,000-
+    character value is not sent back whole."""
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/videos", data={"prompt": "x", "size": "7" * 10_000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "size"
+        message = r.json()["error"]["message"]
+        assert f"'input': '{'7' * 200}...'" in message and "7" * 201 not in message, message[:500]
+
+
 async def test_a_reference_far_from_the_videos_aspect_ratio_is_a_400_before_any_job(tmp_path):
     """A 1 x 80,000 PNG (a few hundred bytes) would be resized to 64 x 5,120,000 pixels to cover 64x64: a 400
     naming the field it came in, at create time (it was a job that failed with a 500, or gigabytes of RAM)."""

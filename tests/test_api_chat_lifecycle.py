@@ -114,8 +114,12 @@ def test_a_waiting_chat_whose_client_left_is_never_started(server):
         httpx.post(url + "/v1/chat/completions", json=BODY, timeout=httpx.Timeout(5, read=0.3))
     first.join(10)  # the first client leaves too: its chat closes, the slot frees
     wait_until(lambda: backend.sessions[0].closed, timeout=5)
-    time.sleep(0.3)  # the worker admits the queue now: the abandoned chat must be skipped
-    assert len(backend.sessions) == 1
+    # a third chat, queued after the abandoned one: the worker admits in order, so once the third has started
+    # the abandoned one was taken off the queue before it, and must have been skipped (a sleep before the
+    # check let a slow worker pass a chat that was never skipped)
+    third = httpx.post(url + "/v1/chat/completions", json={**BODY, "max_tokens": 3}, timeout=10)
+    assert third.status_code == 200 and third.json()["usage"]["completion_tokens"] == 3
+    assert [s.max_tokens for s in backend.sessions] == [BODY["max_tokens"], 3]
     assert client.chat_worker.num_waiting == 0
 
 

@@ -110,6 +110,7 @@ def test_text_completion_chunks(urls, server):
     a chunk's own usage has the counts only; the final usage chunk has no null field."""
     for options in ({"include_usage": True}, BOTH):
         *chunks, final = _chunks(urls[server], "/v1/completions", prompt="A red fox", stream_options=options)
+        assert chunks, final
         for chunk in chunks:
             assert set(chunk) == TOP | ({"usage"} if options is BOTH else set()), chunk
             assert set(chunk["choices"][0]) == TEXT_CHOICE, chunk

@@ -122,7 +122,10 @@ def test_load_backend_reads_the_checkpoint_generation_config(tiny_copy, caplog):
             cfg, ParallelConfig(), SchedulerConfig(), ReasonerConfig(max_model_len=4096)
         )[2]
     assert reasoner.sampling_defaults == ChatDefaults(
-        temperature=0.6, top_k=20, max_tokens=32, source=str(tiny_copy / "generation_config.json"),
+        temperature=0.6,
+        top_k=20,
+        max_tokens=32,
+        source=str(tiny_copy / "generation_config.json"),
         given=frozenset({"temperature", "top_k", "max_tokens"}),
     )
     assert "take temperature 0.6, top_k 20, max_tokens 32 from" in caplog.text

@@ -48,6 +48,33 @@ def test_import_boundaries(folder, banned, why):
     assert not offenders, f"{why}: " + "; ".join(offenders)
 
 
+def test_api_reaches_the_engine_only_through_its_client():
+    allowed = ("worldserve.engine.client", "worldserve.engine.outputs")
+    offenders = [
+        f"{path.relative_to(PKG)} imports {name}"
+        for path in _files("api")
+        for name in _imports(path)
+        if name.startswith("worldserve.engine") and not name.startswith(allowed)
+    ]
+    assert not offenders, "; ".join(offenders)
+
+
+def test_media_never_touches_torch_cuda():
+    """Neither an import of torch.cuda nor a use of it (`torch.cuda.x` after `import torch`)."""
+    offenders = []
+    for path in _files("media"):
+        tree = ast.parse(path.read_text())
+        names = _imports(path)
+        offenders += [f"{path.relative_to(PKG)} imports {n}" for n in names if n.startswith("torch.cuda")]
+        offenders += [
+            f"{path.relative_to(PKG)}:{node.lineno} uses torch.cuda"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "cuda"
+            and isinstance(node.value, ast.Name) and node.value.id == "torch"
+        ]  # fmt: skip
+    assert not offenders, "; ".join(offenders)
+
+
 def test_models_reach_parallel_only_through_layers():
     offenders = []
     for path in _files("models"):

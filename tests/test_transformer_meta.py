@@ -2,7 +2,7 @@
 
 - Nano builds on meta in bf16 with exactly checkpoint_keys.count_parameters parameters (~15.17B) but the
   action heads (checked, not loaded).
-- Every checkpoint key lands in a slice of one of our parameters with the checkpoint's shape, and the
+- Every checkpoint key it loads lands in a slice of one of our parameters with the checkpoint's shape, and the
   slices tile every parameter exactly once (q|k|v and gate|up fused), also per rank under tensor parallel.
 - The loader path (meta -> to_empty -> load_checkpoint_tensor -> post_load) rebuilds the RoPE buffers and
   keeps time_embedder in float32; a bf16 model tracks the float32 one.
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -31,9 +30,7 @@ def _build_meta(config, dtype=torch.bfloat16, tp=None):
 
 
 def test_nano_builds_on_meta_with_the_checkpoint_parameter_count():
-    t0 = time.perf_counter()
     model = _build_meta(Cosmos3Config.nano())
-    assert time.perf_counter() - t0 < 5.0
     n = sum(p.numel() for p in model.parameters())
     action = sum(math.prod(s) for k, s in model.checkpoint_shapes().items() if k.startswith("action_"))
     assert n == count_parameters(Cosmos3Config.nano()) - action  # (the action heads are not loaded)

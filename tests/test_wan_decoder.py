@@ -152,6 +152,30 @@ def test_compiled_blocks_trace_whole_and_never_recompile(diffusers_vae):
     assert _rel(out, eager.decode(z, chunk_size=3)) <= 1e-5
 
 
+def test_a_compiled_decode_keeps_compiling_past_dynamo_s_default_limits(tiny_ckpt):
+    """A served decode meets shape after shape, each adding graphs to the shared ResidualBlock.forward: the
+    decode raises dynamo's limits while it runs (compile_limits.py), so a second shape still compiles (under
+    the defaults it fell back to eager for good, in silence). The defaults are pinned here: the gen layers'
+    process-wide raise, by a test run before this one in the same worker, hid a decode that set none."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from worldserve.models.cosmos3.wan_decoder_blocks import ResidualBlock
+
+    vae = VideoVAE.from_pretrained(tiny_ckpt / "vae", dtype=torch.float32, device="cpu")
+    torch._dynamo.reset()
+    vae.decoder.compile(backend="eager")
+    graphs = 0
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        for t, h, w in ((7, 3, 5), (8, 2, 4)):  # (an odd and an even number of latent frames after the first)
+            for _ in vae.decode_frames(torch.randn(48, t, h, w)):
+                pass
+            before, graphs = graphs, len(_debug_get_cache_entry_list(ResidualBlock.forward.__code__))
+            assert graphs > before, (
+                f"latents {(t, h, w)} decoded without compiling (eager fallback at {before})"
+            )
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (inductor's GPU kernels, cuDNN layouts)"
