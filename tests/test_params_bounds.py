@@ -1,6 +1,5 @@
 """Every documented limit of a video request's params (params.VideoParams.validate) is accepted exactly at
-its edge and refused just past it, naming the field; so are the job store's expiry instant and
---max-log-len on a logged negative prompt. (Mutation checks found limits that only a value far inside or far
+its edge and refused just past it, naming the field; --max-log-len cuts a logged negative prompt too. (Mutation checks found limits that only a value far inside or far
 outside had exercised: `<= 20` turned into `< 20` passed every test.)"""
 
 from __future__ import annotations
@@ -42,23 +41,6 @@ def test_sound_duration_runs_from_one_frame_to_the_longest_video():
     for value in (1 / fps - 1e-6, MAX_SECONDS + 1e-6):
         with pytest.raises(ParamError, match="sound_duration"):
             VideoParams(**SMALL, fps=fps, sound_duration=value).validate()
-
-
-def test_a_job_expires_at_its_expiry_instant(tmp_path):
-    import time
-
-    from test_jobs import _complete, _job
-
-    from worldserve.engine.jobs import JobStore
-
-    store = JobStore(tmp_path)
-    job = _job()
-    store.create(job, {}, None)
-    store.mark_in_progress(job.id, time.time())
-    _complete(store, job.id, ttl=60)
-    at = store.get(job.id).expires_at
-    assert store.delete_expired(math.nextafter(at, 0)) == [] and store.get(job.id) is not None
-    assert store.delete_expired(at) == [job.id] and store.get(job.id) is None
 
 
 def test_max_log_len_cuts_the_logged_negative_prompt_too(caplog):
