@@ -289,7 +289,7 @@ def test_unreadable_vae_and_vision_weights_are_checkpoint_errors(tiny_copy):
         VideoVAE.from_pretrained(tiny_copy / "vae")
     config.write_text(kept)
     _cut(tiny_copy / "vae" / f"{PREFIX}.safetensors", 20)
-    with pytest.raises(CheckpointError, match="vae.*unreadable weights"):
+    with pytest.raises(CheckpointError, match="vae.*unreadable"):
         VideoVAE.from_pretrained(tiny_copy / "vae")
     vision = tiny_copy / "vision_encoder" / "model.safetensors"
     _cut(vision, vision.stat().st_size // 2)
@@ -354,6 +354,28 @@ def test_an_extra_key_in_a_diffusers_component_is_skipped_as_diffusers_skips_it(
     with caplog.at_level("WARNING"):
         _component_loader(component).from_pretrained(folder)
     assert "bogus.weight" in caplog.text
+
+
+@pytest.mark.parametrize("component", ["vae", "sound_tokenizer"])
+def test_a_diffusers_component_s_integer_tensor_or_missing_file_is_named(tiny_copy, component):
+    """As the transformer's: a tensor that is not floating point is refused (diffusers cast it in silence),
+    and a folder without its safetensors file is one error (diffusers went looking for a pickle file, with
+    warnings, first)."""
+
+    def to_int(t):
+        key = sorted(t)[0]
+        t[key] = t[key].to(torch.int32)
+        return key
+
+    folder = tiny_copy / component
+    key = _edit_weights(folder / f"{PREFIX}.safetensors", to_int)
+    with pytest.raises(
+        CheckpointError, match=f"{component}: tensors that are not floating point: .*{key}: I32"
+    ):
+        _component_loader(component).from_pretrained(folder)
+    (folder / f"{PREFIX}.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=f"no {PREFIX}.safetensors .* in .*{component}"):
+        _component_loader(component).from_pretrained(folder)
 
 
 def test_a_vae_missing_a_key_is_one_line_from_generate(tiny_copy):

@@ -58,10 +58,43 @@ def readable_weights(folder: Path | str) -> Iterator[None]:
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"{folder}: unreadable weights ({e}); re-download them") from e
     except ValueError as e:  # (e.g. a config.json of `{}`: diffusers' defaults, then every shape mismatched)
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        first = str(e).strip().split(" For more information")[0].splitlines()[0] if str(e).strip() else ""
+        first = (first if len(first) <= 300 else first[:297] + "...") or type(e).__name__
         raise CheckpointError(
             f"{folder}: its config.json and weights disagree ({first}); re-download it"
         ) from e
+
+
+def load_diffusers_component(model_cls, folder: Path | str, **kwargs):
+    """`model_cls.from_pretrained(folder, **kwargs)` (a diffusers model: the video VAE, the sound tokenizer)
+    held to the transformer's rules. Its safetensors headers are read first: none there, an unreadable one,
+    or a tensor that is not floating point is one CheckpointError naming it (diffusers went looking for a
+    pickle file instead, and cast integers in silence). Missing and mis-shaped keys are refused; extra keys
+    (an encoder this server does not run) are skipped, as diffusers skips them, with one log line; diffusers'
+    own multi-line loading warnings stay out of the output."""
+    from worldserve.weights.loader import FLOAT_DTYPES, read_header
+
+    folder = Path(folder)
+    header = read_header(folder, "diffusion_pytorch_model")
+    ints = sorted(f"{k}: {d}" for k, d in header.dtypes.items() if d not in FLOAT_DTYPES)
+    if ints:
+        more = f" and {len(ints) - 5} more" if len(ints) > 5 else ""
+        raise CheckpointError(
+            f"{folder}: tensors that are not floating point: {ints[:5]}{more}; re-download it"
+        )
+    library = logging.getLogger("diffusers")
+    level = library.level
+    library.setLevel(logging.ERROR)
+    try:
+        with readable_weights(folder):
+            model, info = model_cls.from_pretrained(str(folder), output_loading_info=True, **kwargs)
+    finally:
+        library.setLevel(level)
+    check_weights_match(folder, info["missing_keys"], (), info["mismatched_keys"])
+    if extra := info["unexpected_keys"]:
+        log.warning("%s: skipped %d weights %s has no use for: %s%s", folder, len(extra), model_cls.__name__,
+                    sorted(extra)[:5], " ..." if len(extra) > 5 else "")  # fmt: skip
+    return model
 
 
 def check_weights_match(

@@ -49,16 +49,11 @@ class AudioVAE:
         fold: bool = True,
     ) -> AudioVAE:
         """Load from a checkpoint's `sound_tokenizer/` folder (decoder-only weights are fine)."""
-        from worldserve.weights.checkpoint import check_weights_match, readable_weights
+        from worldserve.weights.checkpoint import load_diffusers_component
 
-        with readable_weights(folder), warnings.catch_warnings():  # (diffusers builds it with the deprecated
-            warnings.simplefilter("ignore", FutureWarning)  # weight_norm; we fold it anyway)
-            model, info = Cosmos3AVAEAudioTokenizer.from_pretrained(
-                str(folder), dtype=dtype, output_loading_info=True
-            )
-        # a missing weight stays on the meta device; an unexpected one diffusers names in a warning and skips
-        # (as it loads them: a checkpoint with extra keys, e.g. an audio encoder, still serves)
-        check_weights_match(folder, info["missing_keys"], (), info["mismatched_keys"])
+        with warnings.catch_warnings():  # (diffusers builds it with the deprecated weight_norm; we fold it)
+            warnings.simplefilter("ignore", FutureWarning)
+            model = load_diffusers_component(Cosmos3AVAEAudioTokenizer, folder, dtype=dtype)
         return cls(model.to(device), fold=fold)
 
     @property

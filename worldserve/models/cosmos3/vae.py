@@ -96,13 +96,9 @@ class VideoVAE:
     ) -> VideoVAE:
         """Load `AutoencoderKLWan` from a checkpoint's `vae/` folder (config.json + safetensors); our decoder
         copies its decoder weights (options as in `__init__`)."""
-        from worldserve.weights.checkpoint import check_weights_match, readable_weights
+        from worldserve.weights.checkpoint import load_diffusers_component
 
-        with readable_weights(folder):
-            model, info = AutoencoderKLWan.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
-        # a missing weight stays on the meta device; an unexpected one diffusers names in a warning and skips
-        # (as it loads them: a checkpoint with extra keys, e.g. an audio encoder, still serves)
-        check_weights_match(folder, info["missing_keys"], (), info["mismatched_keys"])
+        model = load_diffusers_component(AutoencoderKLWan, folder, dtype=dtype)
         return cls(
             model.to(device),
             tiling=tiling,
