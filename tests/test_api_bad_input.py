@@ -200,6 +200,21 @@ async def test_bad_json_numbers_are_short_400s_naming_the_field(tmp_path, name, 
         assert err["param"] == param and len(err["message"]) < 400, err
 
 
+async def test_forms_take_starlette_s_1000_fields_and_no_more(tmp_path):
+    """Undeclared fields are ignored up to Starlette's (and so vLLM-Omni's) 1,000 a form, multipart and
+    urlencoded alike; past it a 400 in Starlette's words."""
+    async with asgi_server(tmp_path) as http:
+        for extra, status in ((1000 - len(OK), 200), (1001 - len(OK), 400)):
+            fields = {**OK, **{f"x{i}": "1" for i in range(extra)}}
+            for files in (None, {"unused": ("u.txt", b"u", "text/plain")}):  # (urlencoded, multipart)
+                r = await http.post("/v1/videos", data=fields, files=files)
+                assert r.status_code == status, (extra, files, r.text[:200])
+                if status == 400:
+                    assert (
+                        r.json()["error"]["message"] == "Too many fields. Maximum number of fields is 1000."
+                    )
+
+
 async def test_a_long_bad_value_is_echoed_cut_to_200_characters(tmp_path):
     """The validation message quotes the value it refused, its first 200 characters and "...": a 10,000-
     character value is not sent back whole."""

@@ -24,8 +24,9 @@ from worldserve.api.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
 
-MAX_FORM_FIELDS = 200
-"""Form fields (and files) a video request may carry."""
+MAX_FORM_FIELDS = 1000
+"""Form fields (and files) a video request may carry: Starlette's default, which vLLM-Omni's forms take (200
+had refused clients that vLLM-Omni serves)."""
 
 
 def too_large(max_bytes: int) -> APIError:
