@@ -99,8 +99,8 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
         else:
             raise APIError(400, f"Unsupported Content-Type {ctype!r}: send multipart/form-data, "
                            "application/x-www-form-urlencoded or application/json.")  # fmt: skip
-    except MultiPartException as exc:
-        raise APIError(400, f"Invalid form body: {exc.message}") from None
+    except MultiPartException as exc:  # (Starlette's own words, as FastAPI, and so vLLM-Omni, answer them)
+        raise APIError(400, exc.message) from None
     except (APIError, ParamError):
         raise
     except Exception as exc:  # python-multipart's own parse errors
