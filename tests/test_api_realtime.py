@@ -413,3 +413,20 @@ async def test_a_stream_decoding_at_the_deadline_gets_the_error_and_1012(tmp_pat
     assert "the server is shutting down" in messages[-1]["message"]
     assert code == 1012 and time.monotonic() - t0 < 3.0
     assert backend.decoded_chunks < 6
+
+
+async def test_a_session_s_ended_tasks_are_reaped_quietly_unless_they_failed(caplog):
+    """The control task ends with _Stop("gone") when its pong finds the client gone: that is the session's
+    end, not an error; any other exception in a reaped task is logged (the suppress(BaseException) it
+    replaced hid both)."""
+
+    async def raising(exc):
+        raise exc
+
+    with caplog.at_level("ERROR", logger="worldserve.realtime"):
+        await realtime._reaped(asyncio.ensure_future(raising(realtime._Stop("gone"))))
+        assert not caplog.records
+        await realtime._reaped(asyncio.ensure_future(raising(RuntimeError("a bug"))))
+    assert [r.getMessage() for r in caplog.records] == [
+        "a realtime session's task failed: RuntimeError('a bug')"
+    ]

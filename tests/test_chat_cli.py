@@ -102,11 +102,18 @@ def test_sampling_left_out_follows_the_checkpoint_s_generation_config(tiny_copy,
     )
     msg = [ChatMessage(role="user", content="hi")]
     p = turn_params(flags, msg, defaults)
-    assert (p.temperature, p.top_k, p.max_tokens, p.top_p, p.presence_penalty) == (0.0, 1, 5, 0.8, 1.5)
+    assert (p.temperature, p.top_k, p.top_p, p.presence_penalty) == (0.0, 1, 0.8, 1.5)
+    assert (p.max_tokens, p.max_tokens_bound) == (None, 5)  # a bound, as serve's: not a request past the room
     flags.temperature = 0.3
     assert turn_params(flags, msg, defaults).temperature == 0.3
     p = turn_params(argparse.Namespace(seed=None, **dict.fromkeys(SUGGESTED)), msg)
     assert {k: getattr(p, k) for k in SUGGESTED} == SUGGESTED
+    # a max_new_tokens past the context is a bound the room cuts, not a refused request
+    (tiny_copy / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 40000})
+    )
+    roomy = _chat(tiny_copy, "--message", "hi", "--device", "cpu", "--max-model-len", "64")
+    assert roomy.returncode == 0 and "completion tokens, length" in roomy.stderr, roomy.stderr
 
 
 def test_a_refused_chat_is_one_line(tiny_ckpt):

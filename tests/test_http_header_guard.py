@@ -32,11 +32,31 @@ BIG = 32 << 20
 """/big's answer: past what loopback sockets and the transport buffer between them."""
 
 
+SEND_ERRORS: list[BaseException] = []
+"""What /stream-early's sends raised."""
+
+
 async def app(scope, receive, send):
     """/slow answers 1.5 s after reading its body, /late reads it only after 1.5 s; every request's body is
     read whole and its length answered; /headers answers the request's header names (after its body); /early
-    answers 401 without reading its body."""
+    answers 401 without reading its body; /stream-early starts its answer before reading its body and sends
+    more of it later. A WebSocket echoes what it gets."""
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        while (message := await receive())["type"] == "websocket.receive":
+            await send({"type": "websocket.send", "text": message.get("text")})
+        return
     if scope["type"] != "http":
+        return
+    if scope["path"] == "/stream-early":
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            await asyncio.sleep(3 * DEADLINE)  # (meanwhile the client's body stops coming)
+            await send({"type": "http.response.body", "body": b"later", "more_body": False})
+        except BaseException as exc:
+            SEND_ERRORS.append(exc)
         return
     if scope["path"] == "/early":  # answers before reading its body (as a 401 from the key check does)
         await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
@@ -209,6 +229,28 @@ def test_an_answer_before_the_body_on_a_closing_connection_reaches_a_client_that
         t0 = time.monotonic()
         assert _responses(_read_all(sock)) == [b"HTTP/1.1 401 Unauthorized"]
         assert time.monotonic() - t0 < LINGER_S + 2
+
+
+def test_a_websocket_outlives_the_header_deadline(url):
+    """An upgraded connection is the WebSocket's: the header deadline armed for its request was never
+    disarmed, so every /v1/realtime/video session was cut at the deadline (a 408 written into the socket)."""
+    from websockets.sync.client import connect
+
+    with connect(url.replace("http://", "ws://") + "/ws", open_timeout=5) as ws:
+        time.sleep(3 * DEADLINE)
+        ws.send("still here")
+        assert ws.recv(timeout=5) == "still here"
+
+
+def test_an_answer_under_way_is_not_half_closed_when_its_body_stalls(url):
+    """A body that stops coming while its answer streams: the connection is closed (the body deadline), not
+    half-closed to linger, after which the answer's next send failed (write after write_eof)."""
+    SEND_ERRORS.clear()
+    sock = _connect(url)
+    sock.sendall(b"POST /stream-early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"b" * 10)
+    assert b"first" in _read_all(sock)  # (then the close)
+    time.sleep(3 * DEADLINE)
+    assert SEND_ERRORS == []
 
 
 def test_headers_under_the_cap_and_a_body_past_it_are_served(url):

@@ -62,7 +62,7 @@ class ModelConfig:
     )
     """Attention kernel: FLASH_ATTN (FlashAttention-3, from `pip install 'worldserve[hopper]'`), TORCH_SDPA / CUDNN_ATTN (PyTorch SDPA, cuDNN first); default: env DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs (the gen tower FA4's cluster kernel where that runs too: FLASH_ATTN keeps FA3), else SDPA."""
     enforce_eager: bool = False
-    """Run the transformer eagerly; by default the gen layers are torch.compile'd on GPU (first request per shape compiles, about 15 s)."""
+    """Run the transformer eagerly: by default on GPU the gen layers are torch.compile'd (the first request of a shape compiles, about 15 s) and the Reasoner's prefill and decode steps run as CUDA graphs."""
     vae_tiling: bool = field(default=False, metadata={"aliases": ("--vae-use-tiling",)})
     """Decode the video in spatial tiles (less memory, a little slower)."""
     init_timeout: float = 600.0

@@ -42,9 +42,9 @@ MAX_FPS = 120
 MAX_SECONDS = max(tier[2] for tier in RESOLUTION_TIERS)
 """No tier makes a longer video (its most frames at the lowest fps, 1)."""
 NEGATIVE_METADATA_MODES = ("same", "inverse", "none")
+"""VideoParams.negative_metadata's values (vLLM-Omni's extra_params.negative_metadata_mode)."""
 DEFAULT_MAX_SEQUENCE_LENGTH = 4096
 """A prompt's tokens after templating, at most, by default (vLLM-Omni's)."""
-"""VideoParams.negative_metadata's values (vLLM-Omni's extra_params.negative_metadata_mode)."""
 IMAGE_MAX_AREA = 1024 * 1024
 """Images (num_frames 1) may go up to 1024x1024, vLLM-Omni's Cosmos3 text-to-image default (above the 720p area)."""
 

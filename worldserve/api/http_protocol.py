@@ -210,8 +210,22 @@ class HeaderGuard(H11Protocol):
             self.linger(most_s=LINGER_S)  # (no longer for bytes that keep coming: a slow client's)
 
     def owes_body(self) -> bool:
-        """Whether the client is still sending a request's body (h11 reads it; unread, a close resets)."""
-        return self.conn.their_state is h11.SEND_BODY
+        """Whether the client is still sending the body of a request whose answer is complete (h11 reads it;
+        unread, a close resets). An answer still being sent is not lingered behind: its next write would
+        fail after the half-close."""
+        return self.conn.their_state is h11.SEND_BODY and (self.cycle is None or self.cycle.response_complete)
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """The connection becomes a WebSocket (its own protocol from here, which uvicorn's HTTP deadlines do
+        not concern): the header deadline set for this request is disarmed (it cut every /v1/realtime/video
+        session at header_timeout_s, writing a 408 into the socket), the other timers too, and the WebSocket
+        gets the connection's own transport (h11 stays in SEND_BODY after an upgrade: the lingering close
+        would have taken every WebSocket close for an early answer)."""
+        self._disarm()
+        self._body_deadline = _cancel(self._body_deadline)
+        self._write_deadline = _cancel(self._write_deadline)
+        self.transport = self.transport.transport  # type: ignore[attr-defined]
+        super().handle_websocket_upgrade(event)
 
     def linger(self, most_s: float = LINGER_MAX_S) -> None:
         """The end of the connection: what was written goes, then the writing side closes; what the client

@@ -91,7 +91,7 @@ async def _reaped(task: asyncio.Future) -> None:
     raised; a cancellation of the task waiting still ends it (contextlib.suppress(BaseException) swallowed
     both)."""
     (outcome,) = await asyncio.gather(task, return_exceptions=True)
-    if isinstance(outcome, Exception):  # (not its CancelledError, a BaseException)
+    if isinstance(outcome, Exception) and not isinstance(outcome, _Stop):  # (not a CancelledError either)
         log.error("a realtime session's task failed: %r", outcome, exc_info=outcome)
 
 

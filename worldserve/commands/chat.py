@@ -35,10 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", type=Path, action="append", default=[], help="image for the first turn")
     p.add_argument("--video", type=Path, action="append", default=[], help="video for the first turn")
     # (left out: the checkpoint's generation_config.json value where it sets one, as serve's, else NVIDIA's)
-    p.add_argument("--max-tokens", type=int, default=None, help="completion tokens a turn (default 512)")
-    p.add_argument("--temperature", type=float, default=None, help="0: greedy (default 0.7)")
-    p.add_argument("--top-p", type=float, default=None, help="default 0.8")
-    p.add_argument("--top-k", type=int, default=None, help="-1 or 0: off (default 20)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="completion tokens a turn (default: the generation config's max_new_tokens, else 512)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: the generation config's, else 0.7)")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=None, help="default: the generation config's, else 0.8")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="-1 or 0: off (default: the generation config's, else 20)")  # fmt: skip
     p.add_argument("--presence-penalty", type=float, default=None, help="default 1.5")
     p.add_argument("--seed", type=int64_seed, default=None, help="sampling seed (default: random)")
     p.add_argument("--max-model-len", type=TokenCount, default=TokenCount(), metavar="N",
@@ -81,16 +84,22 @@ def turn_params(
     args: argparse.Namespace, messages: list[ChatMessage], defaults: ChatDefaults = NEUTRAL
 ) -> ChatParams:
     """A turn's params: each sampling flag given, else what the checkpoint's generation config (`defaults`)
-    sets, else SUGGESTED."""
+    sets, else SUGGESTED. The config's max_new_tokens is a bound, as serve takes it: the room the context
+    leaves bounds it further without an error (--max-tokens past the room is one)."""
 
     def pick(name: str):
         if getattr(args, name) is not None:
             return getattr(args, name)
         return getattr(defaults, name) if name in defaults.given else SUGGESTED[name]
 
+    sampling = {name: pick(name) for name in SUGGESTED if name != "max_tokens"}
+    if args.max_tokens is None and "max_tokens" in defaults.given:
+        budget = {"max_tokens": None, "max_tokens_bound": defaults.budget(None)}
+    else:
+        budget = {"max_tokens": pick("max_tokens"), "max_tokens_bound": defaults.budget(pick("max_tokens"))}
     return ChatParams(
-        messages=tuple(messages), **{name: pick(name) for name in SUGGESTED}, seed=args.seed,
-        min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
+        messages=tuple(messages), **sampling, **budget, seed=args.seed, min_p=defaults.min_p,
+        repetition_penalty=defaults.repetition_penalty,
     ).validate()  # fmt: skip
 
 

@@ -325,6 +325,12 @@ def write_output(path: Path, result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # serve's checks of the same flags, before any input is read (an --image may be 4 GiB)
+        model = config_from_args(ModelConfig, args)
+        par = config_from_args(ParallelConfig, args)
+    except ValueError as e:
+        print(f"worldserve generate: error: {e}", file=sys.stderr)
+        return 2
     try:
         params = build_params(args)
     except ParamError as e:
@@ -340,9 +346,7 @@ def run(args: argparse.Namespace) -> int:
     from worldserve.weights.checkpoint import resolve_model
 
     t0 = time.perf_counter()
-    try:  # serve's checks of the same flags, before the checkpoint is resolved (an HF id may download it)
-        model = config_from_args(ModelConfig, args)
-        par = config_from_args(ParallelConfig, args)
+    try:  # before the checkpoint is resolved (an HF id may download it)
         check_layout_device(
             model.device,
             cfg_parallel_size=par.cfg_parallel_size,
