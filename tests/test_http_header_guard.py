@@ -49,6 +49,12 @@ async def app(scope, receive, send):
         return
     if scope["type"] != "http":
         return
+    if scope["path"] == "/onebig":  # the whole answer in one send
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % BIG)]}
+        )
+        await send({"type": "http.response.body", "body": b"v" * BIG})
+        return
     if scope["path"] == "/stream-early":
         try:
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -356,6 +362,64 @@ def test_an_answer_the_client_reads_nothing_of_is_dropped_at_the_deadline(url):
     sock = _big_request(url)
     time.sleep(DEADLINE / 2)
     assert _received_until(sock, BIG) == BIG
+    sock.close()
+
+
+def test_a_closing_connection_whose_client_reads_nothing_is_dropped(url):
+    """An answer written whole, then the close (Connection: close): the close waits for the client to take
+    the rest, and the write deadline skipped a closing connection, so one that read nothing stayed open
+    for good (as a lingering refusal whose client read nothing did)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    sock.sendall(b"GET /onebig HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    time.sleep(3 * DEADLINE)  # (reads nothing)
+    assert _received(sock) < BIG  # (what the buffers held, then the end)
+    sock.close()
+
+
+def test_a_body_left_unsent_after_an_early_answer_is_not_waited_for_without_end(url, monkeypatch):
+    """A keep-alive request answered before its body (a 401), whose client sends a byte more, then nothing:
+    no deadline was left armed (uvicorn's keep-alive timer stops at a byte), so the connection stayed open
+    for good (a way to hold descriptors with no key). It now lingers and closes within LINGER_MAX_S."""
+    from worldserve.api import http_protocol
+
+    monkeypatch.setattr(http_protocol, "LINGER_MAX_S", 1.0)
+    sock = _connect(url)
+    sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+    time.sleep(0.2)
+    sock.sendall(b"x")
+    t0 = time.monotonic()
+    assert _responses(_read_all(sock)) == [b"HTTP/1.1 401 Unauthorized"]
+    assert time.monotonic() - t0 < 1.0 + 2 * LINGER_S + 1
+
+
+def test_a_pipelined_websocket_upgrade_gets_no_header_deadline(url):
+    """An upgrade pipelined behind a request, a frame sent with it: the upgrade happened while the first
+    answer completed, and that armed the next request's header deadline on what was a WebSocket by then (a
+    408 written into it, then an error in the timer)."""
+    import base64
+    import os
+
+    key = base64.b64encode(os.urandom(16))
+    upgrade = (b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")  # fmt: skip
+    frame = b"\x81\x82abcd" + bytes(a ^ b for a, b in zip(b"hi", b"ab", strict=True))  # "hi", masked
+    sock = _connect(url)
+    sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n" + upgrade + frame)
+    got, t0 = b"", time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < 3 * DEADLINE:
+        with contextlib.suppress(TimeoutError):
+            if not (chunk := sock.recv(4096)):
+                break
+            got += chunk
+    assert b"101 Switching Protocols" in got and b"408" not in got, got[-200:]
+    sock.sendall(frame)  # (still a live WebSocket past the deadline; the eager frame uvicorn's upgrade drops)
+    sock.settimeout(5)
+    assert sock.recv(4096) == b"\x81\x02hi"
     sock.close()
 
 

@@ -30,7 +30,12 @@ was read, such as a 401 or a 413, on a `Connection: close` request), the client'
 until it has been silent for LINGER_S (at most LINGER_MAX_S) before the close, so the client reads the answer
 instead of a reset: closing with unread bytes resets the connection, and a client that sends its whole body
 before reading (Python's urllib) got a broken pipe instead of the 401 to an 8 MB upload (as nginx's lingering
-close does). The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets
+close does; over TLS, which has no half-close, the connection closes outright). A body a kept-alive client
+still owes after such an early answer has LINGER_MAX_S to end (a client that sent a byte more and then
+nothing held the connection for good); a server shutdown cuts a lingering connection's wait to its client's
+next LINGER_S of silence. Every close that still has answer bytes to write is aborted once the client has
+taken none of them for `header_timeout_s` (the close waits for them, and a client that read nothing held
+the connection for good). A WebSocket upgrade leaves all of this behind: the connection is the WebSocket's. The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets
 `http.disconnect` and stops the request's work (a server cannot tell a half-close from a close on the wire,
 and abandoned chats and videos must not run on; the twenty-fifth session's answers after a half-close kept
 them running). The protocol's `cycle` attribute (the request-response cycle uvicorn
@@ -80,6 +85,9 @@ class HeaderGuard(H11Protocol):
         self._write_deadline: asyncio.TimerHandle | None = None
         self._linger_close: asyncio.TimerHandle | None = None
         self._linger_end = 0.0
+        self._drain_deadline: asyncio.TimerHandle | None = None
+        self.upgraded = False
+        self._abort_later: asyncio.TimerHandle | None = None
 
     def pause_writing(self) -> None:
         """The client takes no more of the answer for now: it has `header_timeout_s` to take some."""
@@ -95,7 +103,7 @@ class HeaderGuard(H11Protocol):
         """Nothing of the answer taken for `header_timeout_s`: the connection is dropped (its unsent bytes
         with it), the app's sends return at once and its response ends (uvicorn's disconnect)."""
         self._write_deadline = None
-        if self.flow.write_paused and not self.transport.is_closing():
+        if self.flow.write_paused:  # (closing too: its close waits for what the client never takes)
             self.transport.abort()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -106,7 +114,7 @@ class HeaderGuard(H11Protocol):
         if self.dropping:  # dropped; the close waits for the client's silence
             if self._linger_close is not None and self.loop.time() + LINGER_S < self._linger_end:
                 self._linger_close.cancel()
-                self._linger_close = self.loop.call_later(LINGER_S, self.transport.transport.close)
+                self._linger_close = self.loop.call_later(LINGER_S, self.close_now)
             return
         # bytes of a next request's headers: not the rest of a body the app answered before reading it all
         idle = (
@@ -135,13 +143,20 @@ class HeaderGuard(H11Protocol):
             and self._header_deadline is None
             and not self.dropping
         ):  # the rest of a body answered early has come: what follows is a next request's, on its deadline
+            self._drain_deadline = _cancel(self._drain_deadline)
             self._arm_pending()
         self._watch_body()
 
     def on_response_complete(self) -> None:
         """A pipelined next request whose header bytes came while this one ran sits in h11's buffer, read
-        before the count began: its deadline starts now, and those bytes count toward its cap."""
+        before the count began: its deadline starts now, and those bytes count toward its cap. A body still
+        owed (an early answer) gets LINGER_MAX_S to end, then the connection closes (lingering); nothing of
+        this once the connection became a WebSocket (a pipelined upgrade happens within the super call)."""
         super().on_response_complete()
+        if self.upgraded:
+            return
+        if self.owes_body() and not self.dropping and self._drain_deadline is None:
+            self._drain_deadline = self.loop.call_later(LINGER_MAX_S, self.transport.close)  # (lingers)
         idle = self.cycle is None or self.cycle.response_complete  # (else h11 parsed the whole next request)
         if self.conn.trailing_data[0] and idle and self._header_deadline is None and not self.dropping:
             self._arm_pending()
@@ -157,6 +172,8 @@ class HeaderGuard(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._linger_close = _cancel(self._linger_close)
+        self._drain_deadline = _cancel(self._drain_deadline)
+        self._abort_later = _cancel(self._abort_later)
         self._body_deadline = _cancel(self._body_deadline)
         self._write_deadline = _cancel(self._write_deadline)
         super().connection_lost(exc)
@@ -199,7 +216,7 @@ class HeaderGuard(H11Protocol):
             return
         if not cycle.response_started:
             self.transport.write(TIMEOUT_RESPONSE)
-        self.transport.close()  # (lingers: the client owes body bytes)
+        self.transport.close()  # (its answer is not complete: closed outright, not lingered)
 
     def _refuse(self, response: bytes) -> None:
         """`response`, then the end of the connection (lingering), unless a request began meanwhile or the
@@ -224,8 +241,17 @@ class HeaderGuard(H11Protocol):
         self._disarm()
         self._body_deadline = _cancel(self._body_deadline)
         self._write_deadline = _cancel(self._write_deadline)
+        self._drain_deadline = _cancel(self._drain_deadline)
+        self.upgraded = True
         self.transport = self.transport.transport  # type: ignore[attr-defined]
         super().handle_websocket_upgrade(event)
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown: a lingering connection ends at its client's next LINGER_S of silence
+        (the shutdown waited out up to LINGER_MAX_S of it)."""
+        if not self.dropping:
+            super().shutdown()
+        self._linger_end = min(self._linger_end, self.loop.time())
 
     def linger(self, most_s: float = LINGER_MAX_S) -> None:
         """The end of the connection: what was written goes, then the writing side closes; what the client
@@ -234,14 +260,35 @@ class HeaderGuard(H11Protocol):
         transport = self.transport.transport  # type: ignore[attr-defined]
         self._disarm()
         self._body_deadline = _cancel(self._body_deadline)
+        self._drain_deadline = _cancel(self._drain_deadline)
         self.dropping = True
         if not transport.can_write_eof():
-            transport.close()
+            self.close_now()
             return
         transport.write_eof()
         self.flow.resume_reading()
         self._linger_end = self.loop.time() + most_s
-        self._linger_close = self.loop.call_later(LINGER_S, transport.close)
+        self._linger_close = self.loop.call_later(LINGER_S, self.close_now)
+
+    def close_now(self) -> None:
+        """The transport's close (it waits until what is left of the answer has been written), and its
+        abort once the client has taken none of that for `header_timeout_s` (a closing connection whose
+        client reads nothing was held for good: a `Connection: close` answer, a lingering refusal)."""
+        transport = self.transport.transport  # type: ignore[attr-defined]
+        transport.close()
+        if self._abort_later is None:
+            self._watch_close(transport, transport.get_write_buffer_size())
+
+    def _watch_close(self, transport: asyncio.Transport, left: int) -> None:
+        self._abort_later = self.loop.call_later(self.header_timeout_s, self._close_stalled, transport, left)
+
+    def _close_stalled(self, transport: asyncio.Transport, left: int) -> None:
+        """`header_timeout_s` after a close (or the last check): aborted if no byte of the `left` was taken."""
+        now = transport.get_write_buffer_size()
+        if now and now >= left:
+            transport.abort()
+        elif now:  # (a slow reader: it took some)
+            self._watch_close(transport, now)
 
 
 class LingeringClose:
@@ -259,7 +306,7 @@ class LingeringClose:
         if self._protocol.owes_body():
             self._protocol.linger()
         else:
-            self.transport.close()
+            self._protocol.close_now()
 
     def is_closing(self) -> bool:
         return self._protocol.dropping or self.transport.is_closing()
