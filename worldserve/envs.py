@@ -127,7 +127,8 @@ def cache_dir() -> Path:
 
 
 def hf_hub_offline() -> bool:
-    """Hugging Face's `HF_HUB_OFFLINE` (default 0): nothing is downloaded; a model not in the cache is an error."""
+    """Hugging Face's `HF_HUB_OFFLINE` (default 0): nothing is downloaded; a model not in the cache is an
+    error."""
     return _env_flag("HF_HUB_OFFLINE", False)
 
 

@@ -8,7 +8,8 @@ engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, 
 vLLM's order: request ids (`--enable-request-id-headers`, on by default here), the server load count
 (`/load`, --enable-server-load-tracking), the /v1 API key, the HTTP metrics (inside the key check: a 401
 is not counted, as in vLLM), then CORS (`--allowed-origins` ...: preflight OPTIONS answered,
-Access-Control-* headers added; as in vLLM, a 401 from the key check carries none). Exception handlers turn every error into the vLLM envelope (errors.py).
+Access-Control-* headers added; as in vLLM, a 401 from the key check carries none). Exception handlers turn
+every error into the vLLM envelope (errors.py).
 """
 
 from __future__ import annotations

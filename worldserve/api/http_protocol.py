@@ -35,11 +35,12 @@ still owes after such an early answer has LINGER_MAX_S to end (a client that sen
 nothing held the connection for good); a server shutdown cuts a lingering connection's wait to its client's
 next LINGER_S of silence. Every close that still has answer bytes to write is aborted once the client has
 taken none of them for `header_timeout_s` (the close waits for them, and a client that read nothing held
-the connection for good). A WebSocket upgrade leaves all of this behind: the connection is the WebSocket's. The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets
-`http.disconnect` and stops the request's work (a server cannot tell a half-close from a close on the wire,
-and abandoned chats and videos must not run on; the twenty-fifth session's answers after a half-close kept
-them running). The protocol's `cycle` attribute (the request-response cycle uvicorn
-starts once a request's headers are parsed) tells a request being read from one running.
+the connection for good). A WebSocket upgrade leaves all of this behind: the connection is the WebSocket's.
+The end of what the client sends (EOF) is its leaving, as uvicorn has it: the app gets `http.disconnect`
+and stops the request's work (a server cannot tell a half-close from a close on the wire, and abandoned
+chats and videos must not run on; the twenty-fifth session's answers after a half-close kept them
+running). The protocol's `cycle` attribute (the request-response cycle uvicorn starts once a request's
+headers are parsed) tells a request being read from one running.
 """
 
 from __future__ import annotations
@@ -226,6 +227,13 @@ class HeaderGuard(H11Protocol):
             self.transport.write(response)
             self.linger(most_s=LINGER_S)  # (no longer for bytes that keep coming: a slow client's)
 
+    @property
+    def _raw(self) -> asyncio.Transport:
+        """The connection's own transport: the one LingeringClose wraps (until a WebSocket upgrade hands it
+        over as it is)."""
+        t = self.transport
+        return t.transport if isinstance(t, LingeringClose) else t  # type: ignore[return-value]
+
     def owes_body(self) -> bool:
         """Whether the client is still sending the body of a request whose answer is complete (h11 reads it;
         unread, a close resets). An answer still being sent is not lingered behind: its next write would
@@ -243,7 +251,7 @@ class HeaderGuard(H11Protocol):
         self._write_deadline = _cancel(self._write_deadline)
         self._drain_deadline = _cancel(self._drain_deadline)
         self.upgraded = True
-        self.transport = self.transport.transport  # type: ignore[attr-defined]
+        self.transport = self._raw
         super().handle_websocket_upgrade(event)
 
     def shutdown(self) -> None:
@@ -257,7 +265,7 @@ class HeaderGuard(H11Protocol):
         """The end of the connection: what was written goes, then the writing side closes; what the client
         still sends is read and dropped, and the connection closes after LINGER_S of its silence (at most
         `most_s`), or at its EOF."""
-        transport = self.transport.transport  # type: ignore[attr-defined]
+        transport = self._raw
         self._disarm()
         self._body_deadline = _cancel(self._body_deadline)
         self._drain_deadline = _cancel(self._drain_deadline)
@@ -274,7 +282,7 @@ class HeaderGuard(H11Protocol):
         """The transport's close (it waits until what is left of the answer has been written), and its
         abort once the client has taken none of that for `header_timeout_s` (a closing connection whose
         client reads nothing was held for good: a `Connection: close` answer, a lingering refusal)."""
-        transport = self.transport.transport  # type: ignore[attr-defined]
+        transport = self._raw
         transport.close()
         if self._abort_later is None:
             self._watch_close(transport, transport.get_write_buffer_size())
@@ -283,7 +291,7 @@ class HeaderGuard(H11Protocol):
         self._abort_later = self.loop.call_later(self.header_timeout_s, self._close_stalled, transport, left)
 
     def _close_stalled(self, transport: asyncio.Transport, left: int) -> None:
-        """`header_timeout_s` after a close (or the last check): aborted if no byte of the `left` was taken."""
+        """`header_timeout_s` after a close (or the last check): aborted if none of the `left` bytes went."""
         now = transport.get_write_buffer_size()
         if now and now >= left:
             transport.abort()

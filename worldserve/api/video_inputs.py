@@ -168,9 +168,8 @@ async def build_inputs(
                        f"'{served_model}'.", param="model")  # fmt: skip
     extra = parse_extra_params(req.extra_params)
     video_params = parse_video_params(req.video_params)
-    json_object_field(
-        req.audio_reference, "audio_reference"
-    )  # (vLLM-Omni's JSON check; Cosmos3 has no use for it)
+    # vLLM-Omni's JSON check of audio_reference, which Cosmos3 has no use for
+    json_object_field(req.audio_reference, "audio_reference")
     refuse_unsupported(req)
     quality = req.quality or "default"
     if req.quality is not None and req.quality not in ("high", "lossless"):

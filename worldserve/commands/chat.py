@@ -93,13 +93,11 @@ def turn_params(
         return getattr(defaults, name) if name in defaults.given else SUGGESTED[name]
 
     sampling = {name: pick(name) for name in SUGGESTED if name != "max_tokens"}
-    if args.max_tokens is None and "max_tokens" in defaults.given:
-        budget = {"max_tokens": None, "max_tokens_bound": defaults.budget(None)}
-    else:
-        budget = {"max_tokens": pick("max_tokens"), "max_tokens_bound": defaults.budget(pick("max_tokens"))}
+    # (the config's budget comes as the bound of a request that sends none)
+    sent = None if args.max_tokens is None and "max_tokens" in defaults.given else pick("max_tokens")
     return ChatParams(
-        messages=tuple(messages), **sampling, **budget, seed=args.seed, min_p=defaults.min_p,
-        repetition_penalty=defaults.repetition_penalty,
+        messages=tuple(messages), **sampling, max_tokens=sent, max_tokens_bound=defaults.budget(sent),
+        seed=args.seed, min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
     ).validate()  # fmt: skip
 
 
@@ -133,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "presence_penalty", "seed")
+SAMPLING_FLAGS = (*SUGGESTED, "seed")
 """ChatParams fields set by the flag of the same name (--max-tokens ...)."""
 
 
@@ -187,7 +185,7 @@ def _load(args: argparse.Namespace) -> tuple | None:
         defaults = ChatDefaults.load("auto", root)  # (its eos_token_id ends chats too, as serve's)
         reasoner = Reasoner.from_pretrained(root, transformer, PromptEncoder.from_pretrained(root).tokenizer,
                                             max_model_len=args.max_model_len, max_num_seqs=1,
-                                            enforce_eager=args.enforce_eager, sampling_defaults=defaults,
+                                            enforce_eager=model.enforce_eager, sampling_defaults=defaults,
                                             chat_sm_margin=0)  # no video here to leave SMs to  # fmt: skip
     except ValueError as e:
         print(f"worldserve chat: error: {e}", file=sys.stderr)

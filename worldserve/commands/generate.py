@@ -36,7 +36,8 @@ GENERATE_MODEL_FLAGS = (
     "revision", "device", "dtype", "quantization", "fp8_attention", "diffusion_attention_backend",
     "enforce_eager", "vae_tiling",
 )  # fmt: skip
-"""The ModelConfig fields `generate` takes as flags (serve's: the server's, such as --served-model-name, are not)."""
+"""The ModelConfig fields `generate` takes as flags (serve's own: the server's, such as --served-model-name,
+are not)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,20 +245,23 @@ def _parse_indexes(text: str) -> tuple[int, ...]:
 def _read_text(path: Path, param: str) -> str:
     """A UTF-8 text file (a leading byte-order mark dropped: an editor's BOM hid a JSON prompt's `{`), or
     standard input for `-`, at most MAX_TEXT_FILE_BYTES."""
-    data = sys.stdin.buffer.read(MAX_TEXT_FILE_BYTES + 1) if str(path) == "-" else _read_bytes(path, param)
-    if len(data) > MAX_TEXT_FILE_BYTES:
-        raise ParamError(param, f"{path} is larger than {MAX_TEXT_FILE_BYTES >> 20} MiB: not a prompt")
     try:
-        return data.decode("utf-8-sig")
+        return _read_bytes(path, param, stdin_for_dash=True).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ParamError(param, f"{path} is not UTF-8 text (byte {e.start})") from None
 
 
-def _read_bytes(path: Path, param: str, limit: int = MAX_TEXT_FILE_BYTES) -> bytes:
-    """The file's bytes, at most `limit` (a larger one is refused, also one that never ends: /dev/zero)."""
+def _read_bytes(
+    path: Path, param: str, limit: int = MAX_TEXT_FILE_BYTES, *, stdin_for_dash: bool = False
+) -> bytes:
+    """The file's bytes (standard input's for `-` with `stdin_for_dash`), at most `limit` (a larger one is
+    refused, also one that never ends: /dev/zero)."""
     try:
-        with path.open("rb") as f:
-            data = f.read(limit + 1)
+        if stdin_for_dash and str(path) == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with path.open("rb") as f:
+                data = f.read(limit + 1)
     except OSError as e:
         raise ParamError(param, f"cannot read {path}: {e.strerror}") from e
     if len(data) > limit:

@@ -2,9 +2,9 @@
 
 The HTTP event loop never waits on GPU work: `create_job` persists a queued job and drops a `Request` into
 the engine's inbox, then returns (`submit` / `delete` are the synchronous forms of `create_job` /
-`delete_job`, for callers off the event loop: the engine tests). Completion comes back from the engine thread as `on_done(job_id)`, bridged into
-the loop with `loop.call_soon_threadsafe`, which resolves the futures of `wait(job_id)` (the sync route;
-job_waiters.py).
+`delete_job`, for callers off the event loop: the engine tests). Completion comes back from the engine
+thread as `on_done(job_id)`, bridged into the loop with `loop.call_soon_threadsafe`, which resolves the
+futures of `wait(job_id)` (the sync route; job_waiters.py).
 Store reads are short SQLite queries on a connection of their own and run inline; creates and deletes write
 on a thread (`create_job`, `delete_job`: a locked database or a slow fsync holds their requests only).
 

@@ -182,7 +182,8 @@ class ChatBackend(Protocol):
     """Its prompt builder (runner/chat_prompt.py ChatPromptBuilder: chat template, tokens, media), used off
     the chat worker's thread; None for a backend that builds its prompts in `start`."""
     grammars: Any
-    """Its structured-output GrammarCompiler (sampling/token_grammar.py); None: structured outputs are refused."""
+    """Its structured-output GrammarCompiler (sampling/token_grammar.py); None: structured outputs are
+    refused."""
     media_cache: ProcessorCache | None
     """Its decoded / preprocessed chat media, by content (metrics report its hits); None: none kept."""
 

@@ -72,11 +72,11 @@ def load_diffusers_component(model_cls, folder: Path | str, **kwargs):
     pickle file instead, and cast integers in silence). Missing and mis-shaped keys are refused; extra keys
     (an encoder this server does not run) are skipped, as diffusers skips them, with one log line; diffusers'
     own multi-line loading warnings stay out of the output."""
-    from worldserve.weights.loader import FLOAT_DTYPES, read_header
+    from worldserve.weights.loader import read_header
 
     folder = Path(folder)
     header = read_header(folder, "diffusion_pytorch_model")
-    ints = sorted(f"{k}: {d}" for k, d in header.dtypes.items() if d not in FLOAT_DTYPES)
+    ints = header.non_float(header.dtypes)
     if ints:
         more = f" and {len(ints) - 5} more" if len(ints) > 5 else ""
         raise CheckpointError(

@@ -52,6 +52,10 @@ class CheckpointHeader:
     def is_fp8(self) -> bool:
         return any(d in FP8_DTYPES for d in self.dtypes.values())
 
+    def non_float(self, keys: Iterable[str]) -> list[str]:
+        """ "key: dtype" of those of `keys` whose tensors are not floating point, sorted."""
+        return sorted(f"{k}: {self.dtypes[k]}" for k in keys if self.dtypes[k] not in FLOAT_DTYPES)
+
 
 def read_header(folder: Path, prefix: str) -> CheckpointHeader:
     try:
@@ -106,7 +110,7 @@ def check_checkpoint(header: CheckpointHeader, expected: dict[str, tuple[int, ..
         for k in stored & set(expected)
         if header.shapes[k] != tuple(expected[k])
     )
-    bad_dtype = sorted(f"{k}: {header.dtypes[k]}" for k in stored if header.dtypes[k] not in FLOAT_DTYPES)
+    bad_dtype = header.non_float(stored)
     unscaled = sorted(
         k for k in stored if header.dtypes[k] in FP8_DTYPES and _scale_key_for(k, header) is None
     )

@@ -12,7 +12,8 @@ final-normed hidden states; compute_logits applies lm_head (runner/und_decoder.p
 UndBatch may carry Qwen3-VL deepstack features, added at the visual rows after the first und layers.
 Loading: build under `torch.device("meta")` with the target dtype, `to_empty(device=...)`, call
 `load_checkpoint_tensor(key, tensor)` for every key of `loaded_shapes()` (q/k/v and gate/up are fused
-here; the action heads are checked in the checkpoint, not loaded), then `post_load()`. time_embedder stays float32 whatever the model dtype; do not call `.to(dtype)` on the model.
+here; the action heads are checked in the checkpoint, not loaded), then `post_load()`. time_embedder
+stays float32 whatever the model dtype; do not call `.to(dtype)` on the model.
 FP8 mode (opt-in, after loading): `quantize_gen_fp8()` turns the gen tower's four GEMMs per layer into
 row-wise scaled e4m3 GEMMs (models/layers/fp8.py) and frees their bf16 weights; the und tower, the norms
 and the heads stay in the model dtype (und runs once per request).

@@ -9,8 +9,9 @@ gen copy under `add_*` / `*_moe_gen` names (cosmos3-model.md §1.3). Our model f
   to_out / to_add_out, down_proj                 -> o_proj / down_proj (row-parallel: split along dim 1)
   norms                                          -> input_layernorm, q_norm, k_norm, post_attention_layernorm
 Top-level keys (embed_tokens, norm, norm_moe_gen, lm_head, proj_in/out, time_embedder, audio_*) keep their
-checkpoint names and are replicated (the action_* heads are checked, not loaded: transformer.py). Under tensor parallelism a fused parameter holds each
-part's rank slice back to back, so `ParamTarget.offset/rows` are in rank-local rows.
+checkpoint names and are replicated (the action_* heads are checked, not loaded: transformer.py). Under
+tensor parallelism a fused parameter holds each part's rank slice back to back, so `ParamTarget.offset/rows`
+are in rank-local rows.
 """
 
 from __future__ import annotations

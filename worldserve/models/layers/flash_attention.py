@@ -92,8 +92,9 @@ def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     if reason is not None:
         return reason
     mod = fa3_module()
-    if mod is None and _fa3_import()[1]:  # installed, but it does not import
-        return f"the FlashAttention-3 package does not import ({_fa3_import()[1]}): {FA3_INSTALL_HINT}"
+    errors = _fa3_import()[1] if mod is None else ""
+    if errors:  # installed, but it does not import
+        return f"the FlashAttention-3 package does not import ({errors}): {FA3_INSTALL_HINT}"
     if mod is None:
         return f"no FlashAttention-3 package is importable ({' / '.join(FA3_MODULES)}): {FA3_INSTALL_HINT}"
     schema = getattr(getattr(getattr(_fwd_ops(mod), "fwd", None), "default", None), "_schema", None)
