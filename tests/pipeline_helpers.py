@@ -35,3 +35,13 @@ def two_rank_cpu_pipeline(ckpt, **parallel):  # also more ranks: cfg x ulysses
     yield pipe
     pipe.close()
     assert not pipe.process.is_alive() and pipe.process.exitcode == 0
+
+
+def write_random_adapter(folder, ckpt, **kwargs) -> str:
+    """weights/lora_adapter.py's random PEFT adapter for the checkpoint at `ckpt` (every module LoRA applies to)."""
+    from pathlib import Path
+
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.weights.lora_adapter import write_random_adapter as write
+
+    return write(folder, Cosmos3Config.from_json(Path(ckpt) / "transformer" / "config.json"), **kwargs)

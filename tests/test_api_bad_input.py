@@ -62,7 +62,8 @@ CASES = [
     ("extra negative_metadata_mode", {**OK, "extra_params": '{"negative_metadata_mode": "zzz"}'}, 400,
      "extra_params.negative_metadata_mode", "'extra_params', 'negative_metadata_mode'"),
     ("lora no path", {**OK, "lora": '{"name": "a"}'}, 400, "lora", "both name and path are required"),
-    ("lora valid", {**OK, "lora": '{"name": "a", "path": "/x"}'}, 400, "lora", "not supported"),
+    ("lora without --enable-lora", {**OK, "lora": '{"name": "a", "path": "/x"}'}, 400, "lora",
+     "per-request LoRA adapters are off on this server: start it with --enable-lora"),
     ("control_type alone", {**OK, "control_type": "edge"}, 400, "control_type", "requires a control_reference"),
     # vLLM-Omni's Wan2.2 fields and return_stage_metrics: typed (they were ignored whatever their value)
     ("true_cfg_scale abc", {**OK, "true_cfg_scale": "abc"}, 400, "true_cfg_scale", "float_parsing"),

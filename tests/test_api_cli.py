@@ -249,10 +249,14 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig
 
-    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched, chat: _time.sleep(5))
+    monkeypatch.setattr(
+        serve_backend, "load_backend", lambda cfg, parallel, sched, chat, lora: _time.sleep(5)
+    )
     assert serve_backend.load_backend_within(ModelConfig(init_timeout=0.05)) is None
     assert "did not become ready within 0.05s" in caplog.text
-    monkeypatch.setattr(serve_backend, "load_backend", lambda cfg, parallel, sched, chat: ("backend", None))
+    monkeypatch.setattr(
+        serve_backend, "load_backend", lambda cfg, parallel, sched, chat, lora: ("backend", None)
+    )
     assert serve_backend.load_backend_within(ModelConfig()) == ("backend", None)
 
 

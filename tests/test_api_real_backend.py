@@ -159,3 +159,40 @@ def test_serve_without_model_uses_the_tiny_checkpoint_loudly_with_layerwise_offl
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+async def test_jobs_with_and_without_an_adapter_run_side_by_side(tmp_path, pipeline, tiny_ckpt):
+    """Over HTTP on the real pipeline (--enable-lora, max batch 3): a job with an adapter, one without and one
+    with a bad adapter's path submitted together. The bad one is a 400 naming `lora` before it is queued;
+    the other two complete, each MP4's decoded frames equal to those of the same request run alone (sync),
+    and the adapter changed the video."""
+    from pipeline_helpers import write_random_adapter
+
+    adapter = write_random_adapter(tmp_path / "fox", tiny_ckpt, std=0.2)
+    fields = {"prompt": "a fox", **TINY, "generate_sound": "false", "seed": "5"}
+    lora = f'{{"name": "fox", "path": "{adapter}", "scale": 0.8}}'
+    async with asgi_server(tmp_path / "s", backend=pipeline, real_encoder=True, max_batch_size=3,
+                           app_kw={"enable_lora": True}) as http:  # fmt: skip
+        bad = await http.post("/v1/videos", data={**fields, "lora": '{"name": "x", "path": "/nowhere"}'})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora", bad.text
+        jobs = await asyncio.gather(
+            http.post("/v1/videos", data={**fields, "lora": lora}), http.post("/v1/videos", data=fields)
+        )
+        ids = [j.json()["id"] for j in jobs]
+        for job_id in ids:
+            assert (await poll_job(http, job_id, timeout=60))["status"] == "completed"
+        together = [(await http.get(f"/v1/videos/{i}/content")).content for i in ids]
+        alone = []
+        for extra in ({"lora": lora}, {}):
+            r = await http.post("/v1/videos/sync", data={**fields, **extra})
+            assert r.status_code == 200, r.text
+            alone.append(r.content)
+    assert [frames_of(m) for m in together] == [frames_of(m) for m in alone]
+    assert frames_of(together[0]) != frames_of(together[1])
+
+
+def frames_of(mp4: bytes) -> list[bytes]:
+    import av
+
+    with av.open(io.BytesIO(mp4)) as container:
+        return [f.to_ndarray(format="rgb24").tobytes() for f in container.decode(video=0)]

@@ -61,3 +61,19 @@ def test_guidance_interval_matches_single_process(cfgp, ours_pipeline):
     [(lat, snd, _)] = run_requests(cfgp, [params])
     [(lat1, snd1, _)] = run_requests(ours_pipeline, [params])
     assert rel(lat, lat1) <= 1e-5 and rel(snd, snd1) <= 1e-5  # semantics: test_guidance_interval.py
+
+
+def test_lora_adapter_matches_single_process(cfgp, ours_pipeline, tiny_ckpt, tmp_path):
+    """The uncond peer loads the request's adapter itself (from the prefill message) and runs its branch with
+    it: the same result as one process."""
+    from pipeline_helpers import write_random_adapter
+
+    from worldserve.params import LoraRequest
+
+    lora = LoraRequest("fox", write_random_adapter(tmp_path / "fox", tiny_ckpt, seed=6), 1.0)
+    params = VideoParams(prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=True,
+                         lora=lora, **BASE)  # fmt: skip
+    [(lat, snd, _)] = run_requests(cfgp, [params])
+    [(lat1, snd1, _)] = run_requests(ours_pipeline, [params])
+    assert rel(lat, lat1) <= 1e-5 and rel(snd, snd1) <= 1e-5
+    assert cfgp.local.loras is not None and "r0" not in cfgp._cfg_remote

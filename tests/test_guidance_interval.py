@@ -23,7 +23,9 @@ def run(pipe, params, monkeypatch=None):
     sizes = []
     if monkeypatch is not None:
         forward = pipe.forward
-        monkeypatch.setattr(pipe, "forward", lambda items: sizes.append(len(items)) or forward(items))
+        monkeypatch.setattr(
+            pipe, "forward", lambda items, lora=None: sizes.append(len(items)) or forward(items, lora)
+        )
     [(lat, snd, _)] = run_requests(pipe, [params])
     return lat, snd, sizes
 

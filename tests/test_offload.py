@@ -165,7 +165,7 @@ def test_offloaded_reasoner_answers_the_same(tiny_ckpt, ours_pipeline, offloaded
     assert answers[0] == answers[1] and len(answers[0]) > 0
 
 
-def test_fp8_quantised_then_offloaded(tiny_ckpt, ours_pipeline):
+def test_fp8_quantised_then_offloaded(tiny_ckpt, ours_pipeline, tmp_path):
     kernels = KernelOptions(quantization="fp8-emulated", layerwise_offload=True)
     pipe = VideoPipeline.from_pretrained(
         tiny_ckpt, device="cpu", dtype=torch.float32, kernels=kernels, progress=False
@@ -178,6 +178,15 @@ def test_fp8_quantised_then_offloaded(tiny_ckpt, ours_pipeline):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     with pytest.raises(ValueError, match="quantize before enable_layerwise_offload"):
         pipe.transformer.quantize_gen_fp8(emulate=True)
+    # a LoRA adapter over fp8 GEMMs and streamed blocks: its pairs stay on the device beside the slots
+    from tests.pipeline_helpers import write_random_adapter
+    from worldserve.params import LoraRequest
+
+    lora = LoraRequest("fox", write_random_adapter(tmp_path / "fox", tiny_ckpt), 1.0)
+    adapted = dataclasses.replace(PARAMS[0], lora=lora)
+    got, ref = run_requests(pipe, [adapted])[0], run_requests(plain, [adapted])[0]
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert (got[0] - run_requests(plain, PARAMS[:1])[0][0]).abs().max() > 1e-2
 
 
 @pytest.mark.gpu

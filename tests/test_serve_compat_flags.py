@@ -153,9 +153,9 @@ def test_bad_json_exits_2_from_the_console_script():
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path, monkeypatch, *argv: str) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(tmp_path, monkeypatch, *argv: str, **client_kw) -> AsyncIterator[httpx.AsyncClient]:
     """The app `worldserve serve ARGV` builds (its flags through engine_config and app_options) on the fake
-    backend, over httpx.ASGITransport with its lifespan entered."""
+    backend (`client_kw`: make_client's options), over httpx.ASGITransport with its lifespan entered."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for name in (
         "WORLDSERVE_API_KEY",
@@ -165,7 +165,7 @@ async def serving(tmp_path, monkeypatch, *argv: str) -> AsyncIterator[httpx.Asyn
     ):
         monkeypatch.delenv(name, raising=False)
     cfg = config("--storage-dir", str(tmp_path / "store"), "--shutdown-timeout", "0.3", *argv).resolve()
-    app = build_app(make_client(tmp_path / "store"), **serve.app_options(cfg))
+    app = build_app(make_client(tmp_path / "store", **client_kw), **serve.app_options(cfg))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
@@ -262,19 +262,19 @@ ACCEPTED = [
     "--dlo-resident-layers", "12", "--no-dlo-use-allgather", "--cache-backend", "none", "--cache-config", "{}",
     "--enable-cache-dit-summary", "-dac", "{}", "--quantization-config", "{}", "--diffusion-kv-cache-dtype", "auto",
     "--step-execution", "--num-weight-load-threads", "8", "--disable-multithread-weight-load",
-    "--lora-scale", "1.0", "--enable-diffusion-pipeline-profiler", "--worker-backend", "multi_process",
+    "--enable-diffusion-pipeline-profiler", "--worker-backend", "multi_process",
     "--api-server-count", "1", "--allowed-media-domains", "example.com", "cdn.example.com",
     "--disable-log-requests",
     "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto", "--max-num-partial-prefills", "1",
     "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "0", "--scheduling-policy", "fcfs",
-    "--cuda-graph-sizes", "1", "2", "--disable-chunked-mm-input",
+    "--cuda-graph-sizes", "1", "2", "--disable-chunked-mm-input", "--max-loras", "2", "--max-lora-rank", "64",
 ]  # fmt: skip
 REAL_FLAGS = [  # §9 flags that are worldserve's own (config.py): honoured, never logged as compat lines
     "--served-model-name", "cosmos", "--api-key", "k", "--no-guardrails", "-tp", "1", "--usp", "1",
     "--cfg-parallel-size", "1", "--enable-layerwise-offload", "--diffusion-attention-backend", "TORCH_SDPA",
     "--quantization", "fp8", "--enforce-eager", "--allowed-local-media-path", "/data", "--no-enable-prefix-caching",
     "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill", "--generation-config", "vllm",
-    "--override-generation-config", '{"temperature": 0.5}', "--seed", "0",
+    "--override-generation-config", '{"temperature": 0.5}', "--seed", "0", "--enable-lora", "--max-cpu-loras", "3",
 ]  # fmt: skip
 
 
@@ -293,6 +293,8 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         and cfg.reasoner.generation_config == "vllm"
         and cfg.chat.seed == 0
         and cfg.reasoner.override_generation_config.as_dict() == {"temperature": 0.5}
+        and cfg.lora.enable_lora
+        and cfg.lora.max_cpu_loras == 3
     )
     assert cfg.parallel.enable_layerwise_offload and cfg.media.allowed_local_media_path == "/data"
     assert args.ring_degree == 1 and args.diffusion_attention_config == {} and args.dlo_use_allgather is False
@@ -343,7 +345,7 @@ REFUSED = [
     (["--diffusion-kv-cache-dtype", "fp8"], "--diffusion-kv-cache-dtype fp8", "--fp8-attention"),
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3", "model's dtype"),
     (["--boundary-ratio", "0.875"], "--boundary-ratio 0.875", "Wan2.2"),
-    (["--lora-path", "lora.safetensors"], "--lora-path lora.safetensors", "LoRA"),
+    (["--lora-modules", "a=/loras/a"], "--lora-modules", "--enable-lora"),
     (["--max-generated-image-size", "1048576"], "--max-generated-image-size", "cap"),
     (["--worker-backend", "ray"], "--worker-backend ray", "no Ray"),
     (["--ray-address", "auto"], "--ray-address auto", "no Ray"),

@@ -118,7 +118,7 @@ def test_und_tower_is_the_qwen3vl_text_model(model, tiny_ckpt):
     assert rel(torch.cat(ours), ref[: seq.numel()]) <= TOL
 
 
-def test_compiled_gen_layers_equal_eager(tiny_ckpt):
+def test_compiled_gen_layers_equal_eager(tiny_ckpt, tmp_path):
     """The regional-compile path (shared qkv_math / finish_math graphs) computes what eager does.
 
     aot_eager traces through dynamo + AOTAutograd without generating kernels, so it is fast on CPU and
@@ -126,6 +126,7 @@ def test_compiled_gen_layers_equal_eager(tiny_ckpt):
     import torch
 
     from worldserve.models.cosmos3.batch import GenBatch, GenItem
+    from worldserve.models.cosmos3.layer import finish_math, merge_attention, qkv_math
     from worldserve.weights.loader import load_transformer
 
     model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
@@ -146,6 +147,18 @@ def test_compiled_gen_layers_equal_eager(tiny_ckpt):
     batch2 = GenBatch.pack([dataclasses.replace(item, und_cache=other)], config=model.config, device="cpu")
     with torch._dynamo.config.patch(error_on_recompile=True):
         model(batch2)
+    # under a LoRA adapter (compile_blocks' graphs take its pairs): what eager computes with it
+    from pipeline_helpers import write_random_adapter
+
+    from worldserve.weights.lora_adapter import inspect_adapter, load_adapter
+
+    spec = inspect_adapter(write_random_adapter(tmp_path / "lora", tiny_ckpt), model.config)
+    lora = load_adapter(spec, 1.0, model.config, dtype=torch.float32, device=torch.device("cpu"))
+    adapted = model(batch, lora=lora)
+    assert (adapted.video[0] - eager.video[0]).abs().max() > 1e-2
+    for block in (layer.gen for layer in model.layers):  # back to the eager math
+        block.qkv_fn, block.finish_fn, block.merge_fn = qkv_math, finish_math, merge_attention
+    torch.testing.assert_close(adapted.video[0], model(batch, lora=lora).video[0], rtol=1e-5, atol=1e-6)
 
 
 def test_in_place_residual_finish_equals_finish_math_and_reuses_h():
@@ -169,9 +182,9 @@ def test_in_place_residual_finish_equals_finish_math_and_reuses_h():
 
     calls = []
 
-    def fallback(*args):
+    def fallback(*args, **kwargs):
         calls.append(args)
-        return finish_math(*args)
+        return finish_math(*args, **kwargs)
 
     o_b = torch.randn(d, generator=g)
     strided = torch.randn(d, n, generator=g).t()
@@ -184,3 +197,22 @@ def test_in_place_residual_finish_equals_finish_math_and_reuses_h():
         torch.testing.assert_close(out, finish_math(before, attn, o_w, case_b, ln_w, gu_w, down_w, 1e-6))
         assert torch.equal(case_h, before)  # the fallback leaves h alone
     assert len(calls) == 3
+
+    # a LoRA adapter's o_proj / gate|up / down deltas, added in place too (one of them absent)
+    lora = ((torch.randn(3, heads * hd, generator=g), torch.randn(d, 3, generator=g)), None,
+            (torch.randn(2, inter, generator=g), torch.randn(d, 2, generator=g)))  # fmt: skip
+    want = finish_math(h, attn, o_w, None, ln_w, gu_w, down_w, 1e-6, lora=lora)
+    assert (want - finish_math(h, attn, o_w, None, ln_w, gu_w, down_w, 1e-6)).abs().max() > 1e-2
+    h_in = h.clone()
+    with torch.inference_mode():
+        got = finish_residual_in_place(h_in, attn, o_w, None, ln_w, gu_w, down_w, 1e-6, lora=lora)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.data_ptr() == h_in.data_ptr()
+    gu_lora = (torch.randn(2, d, generator=g), torch.randn(2 * inter, 2, generator=g))
+    with torch.inference_mode():
+        got = finish_residual_in_place(
+            h.clone(), attn, o_w, None, ln_w, gu_w, down_w, 1e-6, lora=(None, gu_lora, None)
+        )
+    torch.testing.assert_close(
+        got, finish_math(h, attn, o_w, None, ln_w, gu_w, down_w, 1e-6, lora=(None, gu_lora, None))
+    )

@@ -1,12 +1,14 @@
 """Engine and server configuration: small frozen dataclasses, one per concern, and the CLI generated from them.
 
 `EngineConfig` = `ModelConfig` + `ReasonerConfig` + `ParallelConfig` + `SchedulerConfig` + `ServerConfig` +
-`VideoApiConfig` + `MediaConfig` + `ChatApiConfig` (the Reasoner's two in config_chat.py). Each field's one-line
-attribute docstring is its `--help` text, its name is its flag (`max_batch_size` -> `--max-batch-size`) and
-its default is the flag's default: one source of truth (config_flags.py); each class is one --help group.
-Constructors validate and do no I/O; `EngineConfig.resolve()` fills the values that depend on the
-environment (storage folder, sync timeout, API key, served name) and returns a new object.
-Per-request knobs (steps, size, seed...) live in `params.VideoParams`, never here.
+`VideoApiConfig` + `LoraConfig` + `MediaConfig` + `ChatApiConfig` (the Reasoner's two in config_chat.py, the
+LoRA flags in config_lora.py). Each
+field's one-line attribute docstring is its `--help` text, its name is its flag (`max_batch_size` ->
+`--max-batch-size`) and its default is the flag's default: one source of truth (config_flags.py); each class
+is one --help group. Constructors validate and do no I/O (serve checks that --lora-path exists:
+`LoraConfig.check_path`); `EngineConfig.resolve()` fills the values that depend on the environment (storage
+folder, sync timeout, API key, served name) and returns a new object. Per-request knobs (steps, size,
+seed...) live in `params.VideoParams`, never here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from worldserve import envs
 from worldserve.config_chat import ChatApiConfig, ReasonerConfig
 from worldserve.config_flags import config_from_args
+from worldserve.config_lora import LoraConfig
 from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag: re-exported)
     FlagValueError,
     JsonObject,
@@ -336,6 +339,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     video: VideoApiConfig = field(default_factory=VideoApiConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     chat: ChatApiConfig = field(default_factory=ChatApiConfig)
 
@@ -354,6 +358,7 @@ class EngineConfig:
             scheduler=config_from_args(SchedulerConfig, args),
             server=config_from_args(ServerConfig, args),
             video=config_from_args(VideoApiConfig, args),
+            lora=config_from_args(LoraConfig, args),
             media=config_from_args(MediaConfig, args),
             chat=config_from_args(ChatApiConfig, args),
         )
@@ -382,7 +387,7 @@ class EngineConfig:
 
 
 CONFIG_CLASSES = (
-    ModelConfig, ReasonerConfig, ParallelConfig, SchedulerConfig, ServerConfig, VideoApiConfig, MediaConfig,
-    ChatApiConfig,
+    ModelConfig, ReasonerConfig, ParallelConfig, SchedulerConfig, ServerConfig, VideoApiConfig, LoraConfig,
+    MediaConfig, ChatApiConfig,
 )  # fmt: skip
 """The config classes in --help order (one group each); serve's flags and its `non-default args` line."""

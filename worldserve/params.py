@@ -139,6 +139,38 @@ def default_flow_shift(width: int, height: int) -> float:
     return next((tier[3] for tier in RESOLUTION_TIERS if area <= tier[1]), RESOLUTION_TIERS[-1][3])
 
 
+@dataclass(frozen=True, slots=True)
+class LoraRequest:
+    """A LoRA adapter a generation runs with (vLLM-Omni's `lora` object, `--lora-path` / `--lora-scale`): a
+    PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) or diffusers' LoRA file
+    (`pytorch_lora_weights.safetensors`, or the folder holding it) on the server (weights/lora_adapter.py),
+    the name the request gave it, and the scale its deltas are multiplied by (on top of the adapter's own
+    lora_alpha / r). A scale of 0 runs the base model, as vLLM-Omni does."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+
+    def validate(self) -> LoraRequest:
+        """ParamError naming `lora` unless the name and path are non-empty strings and the scale finite."""
+        if not isinstance(self.name, str) or not self.name:
+            raise ParamError("lora", "Invalid lora object: both name and path are required.")
+        if not isinstance(self.path, str) or not self.path:
+            raise ParamError("lora", "Invalid lora object: both name and path are required.")
+        if (
+            isinstance(self.scale, bool)
+            or not isinstance(self.scale, (int, float))
+            or not math.isfinite(self.scale)
+        ):
+            raise ParamError("lora", f"lora scale must be a finite number, got {shown(self.scale)}")
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether the adapter changes anything (a scale of 0 is the base model)."""
+        return self.scale != 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VideoParams:
     prompt: str
@@ -198,6 +230,10 @@ class VideoParams:
     sound_duration: float | None = None
     """Seconds of audio in the MP4 (vLLM-Omni's `sound_duration`): the sound is generated jointly with the
     video, as long as the clip, then its waveform trimmed or zero-padded to this; None: the clip's length."""
+
+    lora: LoraRequest | None = None
+    """The LoRA adapter the transformer runs with; None: the base model (or the server's `--lora-path`, which
+    the API fills in for requests that name none)."""
 
     field_names: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     """(field, the request field its value came in) where they differ (`extra_params.seed`, `video_params`,
@@ -274,6 +310,10 @@ class VideoParams:
             from worldserve.media.image import check_cover_size  # (lazy: media/ imports this module)
 
             check_cover_size(img.shape[1], img.shape[0], self.width, self.height, "input_reference")
+        if self.lora is not None:
+            if not isinstance(self.lora, LoraRequest):
+                raise ParamError("lora", "Invalid lora object: expected a JSON object.")
+            self.lora.validate()
         if self.video is not None:
             self._validate_video()
         if self.num_frames > 1:  # (an image has no latent timeline to condition)

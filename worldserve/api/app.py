@@ -34,6 +34,7 @@ from worldserve.api.completions import router as completions_router
 from worldserve.api.errors import install_error_handlers
 from worldserve.api.http_metrics import HTTPMetricsMiddleware
 from worldserve.api.images import router as images_router
+from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
@@ -48,6 +49,7 @@ from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
 from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS
+from worldserve.params import LoraRequest
 from worldserve.sampling.chat_defaults import RequestSeeds
 
 
@@ -69,6 +71,8 @@ def build_app(
     request_id_headers: bool = True,
     default_flow_shift: float | None = None,
     video_defaults: Mapping[str, Any] | None = None,
+    enable_lora: bool = False,
+    static_lora: LoraRequest | None = None,
     allowed_media_domains: Sequence[str] = (),
     server_load_tracking: bool = False,
     mm_limits: Mapping[str, int] | None = None,
@@ -88,9 +92,10 @@ def build_app(
     """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
     lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
     `--flow-shift` (image requests), `video_defaults` = `VideoApiConfig.video_defaults` (--default-sampling-params
-    and --flow-shift: video requests), `allowed_media_domains` = `--allowed-media-domains`: empty, any host,
-    `server_load_tracking` = `--enable-server-load-tracking`, `mm_limits` = `--limit-mm-per-prompt`,
-    `video_decode_pixels` = `--max-video-decode-gpixels` (in pixels),
+    and --flow-shift: video requests), `enable_lora` = `--enable-lora` (requests may name their own LoRA adapter),
+    `static_lora`: `--lora-path` / `--lora-scale`'s adapter (None: none), `allowed_media_domains` =
+    `--allowed-media-domains`: empty, any host, `server_load_tracking` = `--enable-server-load-tracking`,
+    `mm_limits` = `--limit-mm-per-prompt`, `video_decode_pixels` = `--max-video-decode-gpixels` (in pixels),
     `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
     `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
     `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off), `stats_interval_s`: the
@@ -141,7 +146,7 @@ def build_app(
         model_aliases=tuple(model_aliases),
         sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
         allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
-        video_defaults=dict(video_defaults or {}),
+        video_defaults=dict(video_defaults or {}), lora=LoraSettings(enable_lora, static_lora),
         # (the environment is read here, at startup: a malformed timeout stops the start)
         media=MediaFetcher(max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects()),
         mm_limits=dict(mm_limits or {}), video_decode_pixels=video_decode_pixels, reasoning_parser=reasoning_parser, response_role=response_role,

@@ -9,7 +9,8 @@ seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by st
 1024x1024, 50 steps, guidance 7.0 inside the timestep window [400, 1000], flow shift 3.0, no audio, a random
 seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches,
 upsample_prompt: the prompt the Reasoner writes comes back as each image's `revised_prompt`) and, as there, wins
-over a top-level field. Prompt templates and system message follow worldserve's defaults
+over a top-level field; `lora` is the video routes' adapter object (api/lora_field.py). Prompt templates and
+system message follow worldserve's defaults
 (NVIDIA's reference), not vLLM-Omni's (use `extra_params` to switch them).
 Past the sync timeout the requests are aborted and the answer is 504; a client that disconnects aborts them too.
 The metrics count the HTTP request once whatever its `n` (succeeded, failed or cancelled: engine/observer.py
@@ -36,6 +37,7 @@ from pydantic import ConfigDict, Field
 from worldserve.api.bodies import read_model
 from worldserve.api.disconnect import ClientGone, unless_disconnected
 from worldserve.api.errors import APIError
+from worldserve.api.lora_field import LoraSettings
 from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
@@ -81,20 +83,21 @@ class ImageGenerationRequest(NumbersNotBooleans):
     )
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
-    lora: Any = None
+    lora: Any = None  # (an object, or its JSON text: api/lora_field.py)
     extra_params: Any = None  # (an object, or its JSON text; any other value: parse_extra_params names it)
     return_stage_metrics: bool | None = None
 
 
-def build_params(req: ImageGenerationRequest, default_flow_shift: float | None = None) -> list[VideoParams]:
+def build_params(
+    req: ImageGenerationRequest, default_flow_shift: float | None = None, lora: LoraSettings = LoraSettings()
+) -> list[VideoParams]:
     """The `n` one-frame requests (seed, seed + 1, ...), validated (an error names `extra_params.<key>` for a
     value from there); `default_flow_shift` (--flow-shift) replaces T2I's 3.0 for requests that send no
-    flow_shift."""
+    flow_shift; `lora` (--enable-lora, --lora-path) picks the adapter they run with (api/lora_field.py)."""
     if req.response_format == "url":
         raise APIError(400, "response_format 'url' is not supported: use 'b64_json' or 'file'",
                        param="response_format")  # fmt: skip
-    if req.lora is not None:
-        raise APIError(400, "LoRA adapters are not supported by this server yet", param="lora")
+    adapter = lora.for_request(req.lora)
     extra = parse_extra_params(req.extra_params)
     for key in ("generate_sound", "sound_gen"):  # (false or absent: the image route makes none anyway)
         if getattr(extra, key):
@@ -131,7 +134,7 @@ def build_params(req: ImageGenerationRequest, default_flow_shift: float | None =
         add_resolution_template=extra.use_resolution_template is not False,
         negative_metadata=extra.negative_metadata_mode or "same",
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
-        upsample_prompt=bool(extra.upsample_prompt),
+        upsample_prompt=bool(extra.upsample_prompt), lora=adapter,
     )  # fmt: skip
     base.validate_as(origin)
     return [base] + [dataclasses.replace(base, seed=choice_seed(base.seed, i)) for i in range(1, req.n or 1)]
@@ -207,7 +210,7 @@ async def create_images(request: Request, st: State) -> Response:
     # tokenising the prompts (model-aware validation) runs off the event loop: a long prompt must not
     # stall every other request
     params = await asyncio.to_thread(
-        lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift)]
+        lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift, st.lora)]
     )
     headers = {"X-Request-Id": request_id}
     if st.request_log is not None:  # (the n images differ by their seeds only)

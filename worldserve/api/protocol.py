@@ -109,7 +109,9 @@ class VideoCreateRequest(NumbersNotBooleans):
     )
     # (typed Any: a JSON body's list or number gets vLLM-Omni's "expected dict" 400, not pydantic's)
     extra_params: Any = Field(None, description="JSON object (Cosmos3 keys, §4.2).")
-    lora: Any = Field(None, description="Not supported yet: a 400 when given.")
+    lora: Any = Field(
+        None, description='{"name", "path", "scale"}: a LoRA adapter on the server (with --enable-lora).'
+    )
     control_type: str | None = Field(None, description="Cosmos3 transfer controls: not supported yet.")
     control_reference: Any = Field(None, description="Cosmos3 transfer control upload: not supported yet.")
     enable_frame_interpolation: bool | None = Field(

@@ -312,7 +312,7 @@ class _Session:
         inputs = await build_inputs(fields, served_model=st.served_model_name,
                                     model_aliases=st.model_aliases, has_sound=st.client.has_sound,
                                     defaults=st.video_defaults, fetcher=st.media,
-                                    decode_pixels=st.video_decode_pixels)  # fmt: skip
+                                    decode_pixels=st.video_decode_pixels, lora=st.lora)  # fmt: skip
         # video.start's config: the request as validated (vLLM-Omni's), less the references' bytes
         request = inputs.request.model_dump(exclude_none=True)
         config = {k: v for k, v in request.items() if k not in REFERENCES}

@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from worldserve.api.chat_options import MediaDefaults
 from worldserve.api.errors import APIError
+from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.request_log import AbortLogged, RequestLog
@@ -39,6 +40,8 @@ class AppState:
     video_defaults: Mapping[str, Any] = field(default_factory=dict)
     """The values of the fields video requests omit (--default-sampling-params, --flow-shift: VideoParams
     field names); absent: Cosmos3's defaults."""
+    lora: LoraSettings = LoraSettings()
+    """`--enable-lora` and `--lora-path` / `--lora-scale`: the adapter video and image requests run with."""
     media: MediaFetcher | None = None
     """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
     mm_limits: Mapping[str, int] = field(default_factory=dict)

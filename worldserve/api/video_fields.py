@@ -20,6 +20,7 @@ from worldserve.params import (
     MAX_FPS,
     MAX_SECONDS,
     MAX_SIDE,
+    LoraRequest,
     ParamError,
     VideoParams,
     aspect_size,
@@ -36,6 +37,7 @@ def resolve_video_params(
     video: np.ndarray | None,
     source: str,
     defaults: Mapping[str, Any] = MappingProxyType({}),
+    lora: LoraRequest | None = None,
 ) -> VideoParams:
     """vLLM-Omni's resolution (serving-api.md §4.1): top-level fields, `video_params` filling the gaps,
     `size` over width / height, fps 24, num_frames from `seconds` only if still unset; `extra_params`
@@ -44,8 +46,9 @@ def resolve_video_params(
     the field the value came in (`extra_params.<key>`, `video_params`, `seconds`, the reference's `source`).
     `defaults` (the server's, VideoParams field names: --default-sampling-params, --flow-shift) fill what the
     request leaves unset, before the model defaults: a default size before an I2V image's aspect ratio, a
-    default fps before `seconds` becomes frames."""
-    kw: dict[str, Any] = {"prompt": req.prompt}
+    default fps before `seconds` becomes frames. `lora` is the adapter the request runs with (its own or the
+    server's: api/lora_field.py)."""
+    kw: dict[str, Any] = {"prompt": req.prompt, "lora": lora}
     origin = {"input_reference": source} if source else {}
     top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
            "generate_sound", "fps", "num_frames")  # fmt: skip

@@ -39,6 +39,7 @@ from worldserve.api.bodies import (
 )
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
+from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import MediaFetcher, is_http_url
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
 from worldserve.api.video_fields import resolve_video_params
@@ -149,14 +150,14 @@ def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
 async def build_inputs(
     fields: dict[str, Any], *, served_model: str, has_sound: bool, defaults: Mapping[str, Any] | None = None,
     fetcher: MediaFetcher | None = None, model_aliases: tuple[str, ...] = (),
-    decode_pixels: int | None = DEFAULT_MAX_PIXELS,
+    decode_pixels: int | None = DEFAULT_MAX_PIXELS, lora: LoraSettings = LoraSettings(),
 ) -> VideoInputs:  # fmt: skip
     """The validated params, job spec, encoding and reference of a create request's fields (`model` may name
     the served model or one of its `model_aliases`; the job carries the served name);
     `defaults` (the server's: --default-sampling-params, --flow-shift) stand in for the fields it omits; `fetcher`
     downloads http(s) reference URLs (None: they are refused); a video reference's decoding may take
     `decode_pixels` of work (--max-video-decode-gpixels: media/decode_budget.py) and stops when the request
-    is abandoned."""
+    is abandoned; `lora` (--enable-lora, --lora-path) picks the adapter it runs with (api/lora_field.py)."""
     upload = fields.pop("input_reference", None)
     uploads = fields.pop("input_references", None)
     try:
@@ -171,6 +172,7 @@ async def build_inputs(
     # vLLM-Omni's JSON check of audio_reference, which Cosmos3 has no use for
     json_object_field(req.audio_reference, "audio_reference")
     refuse_unsupported(req)
+    adapter = lora.for_request(req.lora)
     quality = req.quality or "default"
     if req.quality is not None and req.quality not in ("high", "lossless"):
         raise ParamError(
@@ -182,7 +184,7 @@ async def build_inputs(
     placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None else None
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
     defaults = defaults or {}
-    resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults)
+    resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults, adapter)
     if uploads not in (None, []):  # (an empty string never gets here: the body readers drop them)
         source, reference = "input_references", await _references_upload(req, upload, uploads)
     else:
@@ -193,7 +195,7 @@ async def build_inputs(
         image, video = await on_request_pool(
             _decode_reference, source, reference, extra, budget, stop=budget.stop
         )
-    params = resolve_video_params(req, video_params, extra, image, video, source, defaults)
+    params = resolve_video_params(req, video_params, extra, image, video, source, defaults, adapter)
     if params.generate_sound is None and defaults.get("generate_sound") is not None and params.num_frames > 1:
         # the server's sound default: for videos only (an image has none), and "on" only where there is sound
         params = dataclasses.replace(params, generate_sound=defaults["generate_sound"] and has_sound)
@@ -227,23 +229,9 @@ CONTROL_UPLOAD_LIMIT = 512 * 2**20
 
 def refuse_unsupported(req: VideoCreateRequest) -> None:
     """400s, with vLLM-Omni's messages where it has them, for declared fields this server cannot honour
-    yet (LoRA, transfer controls, RIFE interpolation): never a plain text-to-video job in their place.
+    yet (transfer controls, RIFE interpolation): never a plain text-to-video job in their place.
     `num_outputs_per_prompt` 2..10 is accepted: vLLM-Omni's bytes paths return only the first video, and
     a job here makes that one."""
-    if req.lora is not None:
-        lora = req.lora
-        if isinstance(lora, str):
-            try:
-                lora = json.loads(lora)
-            except (ValueError, RecursionError):
-                raise ParamError("lora", "Invalid lora object: not valid JSON.") from None
-        if not isinstance(lora, dict):
-            raise ParamError("lora", "Invalid lora object: expected a JSON object.")
-        name = next((lora[k] for k in ("name", "lora_name", "adapter") if lora.get(k)), None)
-        path = next((lora[k] for k in ("path", "lora_path", "local_path") if lora.get(k)), None)
-        if not (name and path):
-            raise ParamError("lora", "Invalid lora object: both name and path are required.")
-        raise ParamError("lora", "LoRA adapters are not supported by this server yet")
     has_upload = req.control_reference not in (None, "")
     if has_upload and not req.control_type:
         raise ParamError("control_reference", "control_reference requires control_type.")

@@ -66,7 +66,7 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
     # (the body is read: a client leaving during a reference's download or decode stops that work)
     inputs = await unless_disconnected(request, build_inputs(
         fields, served_model=st.served_model_name, model_aliases=st.model_aliases, has_sound=st.client.has_sound,
-        defaults=st.video_defaults, fetcher=st.media, decode_pixels=st.video_decode_pixels,
+        defaults=st.video_defaults, fetcher=st.media, decode_pixels=st.video_decode_pixels, lora=st.lora,
     ))  # fmt: skip
     await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
     try:

@@ -49,10 +49,13 @@ class OurStep:
         self.inputs = inputs
         self.caches = None
         self.last: dict[str, Tensor | None] = {}
+        self.lora = None  # a LoraWeights every forward (and the prefill) runs with (bench/lora_step.py)
 
     def prefill(self) -> None:
         """Text K/V of the cond and uncond prompts (once per request)."""
-        self.caches = self.model.prefill_und([self.inputs["cond_ids"], self.inputs["uncond_ids"]])
+        self.caches = self.model.prefill_und(
+            [self.inputs["cond_ids"], self.inputs["uncond_ids"]], lora=self.lora
+        )
 
     def _items(self, timestep: int):
         from worldserve.models.cosmos3.batch import GenItem
@@ -70,10 +73,10 @@ class OurStep:
             raise RuntimeError("call prefill() first")
         items, cfg, dev = self._items(timestep), self.model.config, self.model.device
         if self.batch_cfg:
-            out = self.model(GenBatch.pack(items, config=cfg, device=dev))
+            out = self.model(GenBatch.pack(items, config=cfg, device=dev), lora=self.lora)
             videos, sounds = out.video, out.sound
         else:
-            outs = [self.model(GenBatch.pack([it], config=cfg, device=dev)) for it in items]
+            outs = [self.model(GenBatch.pack([it], config=cfg, device=dev), lora=self.lora) for it in items]
             videos, sounds = [o.video[0] for o in outs], [o.sound[0] for o in outs]
         cv, uv = (v.float().unsqueeze(0) for v in videos)
         cs, us = (None if s is None else s.float() for s in sounds)

@@ -1,4 +1,4 @@
-"""Argument types and output checks the CLI commands share (generate, chat, bench, make-tiny).
+"""Argument types, input and output checks the CLI commands share (generate, chat, bench, make-tiny).
 
 Each fails before any model work, with the field and the flag named: a path this run could not write is
 found before minutes of generation, not after them.
@@ -7,11 +7,12 @@ found before minutes of generation, not after them.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 from pathlib import Path
 
-from worldserve.params import ParamError
+from worldserve.params import LoraRequest, ParamError
 
 
 def check_writable(path: Path, param: str, flag: str, *, folder: bool = False) -> None:
@@ -38,6 +39,25 @@ def _can_create_in(folder: Path) -> bool:
             return True
     except OSError:
         return False
+
+
+def lora_arg(path: Path | None, scale: float | None) -> LoraRequest | None:
+    """generate's --lora / --lora-scale as the adapter the run uses, named after its folder (a file: its name
+    less the suffix), at its absolute path; ParamError naming `lora` when nothing is at the path (its files are
+    the pipeline's to check), `lora_scale` for a scale without --lora or one that is not finite."""
+    if path is None:
+        if scale is not None:
+            raise ParamError(
+                "lora_scale", "--lora-scale scales a --lora adapter: give --lora too, or leave it out"
+            )
+        return None
+    if not path.exists():
+        raise ParamError("lora", f"{path}: no such file or folder")
+    if scale is not None and not math.isfinite(scale):
+        raise ParamError("lora_scale", f"--lora-scale must be a finite number, got {scale}")
+    full = Path(os.path.abspath(path))
+    name = full.name if full.is_dir() else full.stem
+    return LoraRequest(name=name, path=str(full), scale=1.0 if scale is None else scale)
 
 
 def text_arg(value: str) -> str:

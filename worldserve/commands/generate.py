@@ -4,7 +4,8 @@ Bad input fails before the model loads, with the field named (exit code 2). Outp
 (H.264 + AAC 48 kHz stereo), `.png` (text-to-image, num_frames 1), `.npz` (lossless: uint8 frames, float32
 audio, fps, sample rate). `--save-latents F.safetensors` also writes the final video and audio latents.
 Conditioning: `--image F` (image-to-video) or `--video F` (video-to-video: `--condition-frames 0,1` latent
-frames held clean, taken from the `--condition-video-keep first|last` end of the clip).
+frames held clean, taken from the `--condition-video-keep first|last` end of the clip). `--lora PATH
+[--lora-scale S]` runs with a LoRA adapter.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worldserve.commands.cli_inputs import check_writable, text_arg
+from worldserve.commands.cli_inputs import check_writable, lora_arg, text_arg
 from worldserve.config import ModelConfig, ParallelConfig
 from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import int64_seed
@@ -97,6 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt", type=text_arg, default=None, help="a system message of your own")
     p.add_argument("--upsample-prompt", action="store_true",
                    help="have the checkpoint's Reasoner rewrite the prompt into Cosmos3's JSON prompt first")  # fmt: skip
+    p.add_argument("--lora", type=Path, default=None, metavar="PATH",
+                   help="run with this LoRA adapter: a PEFT folder, or a diffusers LoRA file or its folder")  # fmt: skip
+    p.add_argument("--lora-scale", type=float, default=None,
+                   help="the --lora adapter's scale (default 1.0; 0 runs the base model)")  # fmt: skip
     p.add_argument("-o", "--output", type=Path, required=True, help="out.mp4, out.png or out.npz")
     p.add_argument("--save-latents", type=Path, default=None, help="also write final latents (.safetensors)")
     # the model, kernel and parallel flags are serve's own (config.py)
@@ -130,6 +135,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     width, height = parse_size(given("size"))
     steps, guidance, flow_shift = given("steps"), given("guidance"), given("flow_shift")
     interval = _parse_interval(args.guidance_interval) or left_out["guidance_interval"]
+    lora = lora_arg(args.lora, args.lora_scale)
     image = None
     if args.image is not None:
         from worldserve.media.image import decode_image
@@ -189,6 +195,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         use_system_prompt=args.use_system_prompt,
         system_prompt=args.system_prompt,
         upsample_prompt=args.upsample_prompt,
+        lora=lora,
     ).validate()
 
 

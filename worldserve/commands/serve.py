@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--allowed-local-media-path {media}: "
                              + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
         media_defaults(config.media)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
+        config.lora.check_path()  # (the adapter's own files are the backend's to check, per request)
         # a bad --generation-config folder or value stops the start before the load
         model = config.model.model
         serve_backend.chat_defaults(config.reasoner, Path(model) if model and Path(model).is_dir() else None)
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             log.error("%s", exc)
             return 1
         loaded = serve_backend.load_backend_within(
-            config.model, config.parallel, config.scheduler, config.reasoner
+            config.model, config.parallel, config.scheduler, config.reasoner, config.lora
         )
         if loaded is None:
             store.close()
@@ -256,6 +257,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
         default_flow_shift=video.flow_shift, video_defaults=video.video_defaults,
+        enable_lora=config.lora.enable_lora, static_lora=config.lora.static_lora,
         reasoning_parser=chat.reasoning_parser,
         prompt_tokens_details=chat.enable_prompt_tokens_details, response_role=chat.response_role,
         tokens_as_ids=chat.return_tokens_as_token_ids, force_include_usage=chat.enable_force_include_usage,

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worldserve.config import ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
+from worldserve.config import LoraConfig, ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 from worldserve.sampling.chat_defaults import ChatDefaults
 
 log = logging.getLogger("worldserve.serve")
@@ -27,6 +27,7 @@ def load_backend(
     parallel: ParallelConfig,
     scheduler: SchedulerConfig = SchedulerConfig(),
     chat: ReasonerConfig = ReasonerConfig(),
+    lora: LoraConfig = LoraConfig(),
 ) -> tuple[Any, ...]:
     """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer, built
     with `chat`'s context, caches and sampling defaults]).
@@ -58,12 +59,14 @@ def load_backend(
         tensor_parallel_size=parallel.tensor_parallel_size, device=cfg.device, dtype=dtype,
         vae_tiling=cfg.vae_tiling,
         kernels=cfg.kernel_options(enable_layerwise_offload=parallel.enable_layerwise_offload),
+        max_loras=lora.max_cpu_loras,
     )  # fmt: skip
+    load_static_lora(pipeline, lora)
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
         device = torch.device(cfg.device or "cuda")
         gpu_memory = lambda: float(torch.cuda.memory_allocated(device))  # noqa: E731
-    warm_up_shapes(pipeline, cfg.warmup_shape_list(on_gpu=pipeline.device.type == "cuda"))
+    warm_up_shapes(pipeline, cfg.warmup_shape_list(on_gpu=pipeline.device.type == "cuda"), lora.static_lora)
     if parallel.tensor_parallel_size > 1:
         log.warning("--tensor-parallel-size %d: the Reasoner chat API is off (its und tower is sharded across "
                     "the ranks); use --ulysses-degree to keep it", parallel.tensor_parallel_size)  # fmt: skip
@@ -103,6 +106,21 @@ def load_backend(
     return pipeline, gpu_memory, reasoner
 
 
+def load_static_lora(pipeline, lora: LoraConfig) -> None:
+    """--lora-path's adapter checked against the model and loaded now (ValueError naming the flag): a bad
+    adapter stops the start, not every request."""
+    from worldserve.params import ParamError
+
+    if (static := lora.static_lora) is None:
+        return
+    try:
+        pipeline.loras.get(static)
+    except ParamError as exc:
+        raise ValueError(f"--lora-path: {exc.message}") from None
+    log.info("every request that names no LoRA adapter runs with --lora-path %s at scale %g", static.path,
+             static.scale)  # fmt: skip
+
+
 def check_kv_cache_fits(cfg: ModelConfig, chat: ReasonerConfig, path: Path) -> None:
     """ValueError naming both flags when --kv-cache-memory-bytes cannot hold one --max-model-len chat of the
     checkpoint at `path` (its und tower's layers and K/V heads, the dtype the model will load in: `cfg`'s
@@ -138,8 +156,9 @@ def chat_defaults(chat: ReasonerConfig, path: Path | None) -> ChatDefaults:
     return ChatDefaults.load(chat.generation_config, path, overrides)
 
 
-def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
-    """One denoising step + decode per shape, so that compile and kernel selection happen before serving."""
+def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]], lora=None) -> None:
+    """One denoising step + decode per shape, so that compile and kernel selection happen before serving;
+    `lora`: --lora-path's adapter (the requests that name none run with it: their graphs take its pairs)."""
     import torch
 
     from worldserve.params import VideoParams
@@ -147,7 +166,7 @@ def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]]) -> None:
     for width, height, frames in shapes:
         t0 = time.perf_counter()
         params = VideoParams(prompt="warm-up", width=width, height=height, num_frames=frames,
-                             num_inference_steps=1, seed=0)  # fmt: skip
+                             num_inference_steps=1, seed=0, lora=lora)  # fmt: skip
         try:
             _, state = pipeline.generate(params, request_id=f"warmup-{width}x{height}x{frames}")
         except torch.OutOfMemoryError as e:  # the user's to fix: one line, not a traceback
@@ -168,6 +187,7 @@ def load_backend_within(
     parallel: ParallelConfig = ParallelConfig(),
     scheduler: SchedulerConfig | None = None,
     chat: ReasonerConfig | None = None,
+    lora: LoraConfig | None = None,
 ) -> tuple[Any, Any] | None:
     """serve_backend.load_backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
     from worldserve.weights.checkpoint import CheckpointError
@@ -177,7 +197,7 @@ def load_backend_within(
     def target() -> None:
         try:
             outcome["value"] = load_backend(
-                cfg, parallel, scheduler or SchedulerConfig(), chat or ReasonerConfig()
+                cfg, parallel, scheduler or SchedulerConfig(), chat or ReasonerConfig(), lora or LoraConfig()
             )
         except BaseException as exc:
             outcome["error"] = exc

@@ -176,9 +176,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "the next step", ON),
     C("--num-weight-load-threads", WEIGHT_LOAD, {"type": POSITIVE_INT}),
     C("--disable-multithread-weight-load", WEIGHT_LOAD, ON),
-    C("--lora-path", "", {"metavar": "PATH"}, NEVER, "never",
-      "worldserve loads no LoRA adapters (merge one into the checkpoint's weights instead)"),
-    C("--lora-scale", "no LoRA is loaded (--lora-path is refused)", {"type": FLOAT}),
     C("--max-generated-image-size", "", {"type": POSITIVE_INT}, NEVER, "never",
       "worldserve has no server-wide cap on the generated image size"),
     C("--log-stats", "the stats line is logged unless --disable-log-stats (and /metrics serves the figures)", ON),
@@ -250,11 +247,17 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--download-dir", "", {"metavar": "PATH"}, NEVER, "never", "worldserve downloads into the Hugging Face "
       "cache: set HF_HOME (or HF_HUB_CACHE) instead"),
     C("--lora-modules", "", {"metavar": "SPEC", "nargs": "+"}, NEVER, "never",
-      "worldserve serves no LoRA adapters (merge one into the checkpoint's weights instead)"),
+      "worldserve registers no adapter names: video and image requests give an adapter by its path (with "
+      "--enable-lora), or every request runs one static adapter (--lora-path)"),
+    C("--max-loras", "one forward runs one adapter: requests batch by adapter, as by video shape",
+      {"type": POSITIVE_INT}),
+    C("--max-lora-rank", "adapters of any rank are applied as they are (no buffers sized by rank)",
+      {"type": POSITIVE_INT}),
     C("--enable-sleep-mode", "", ON, NEVER, "never", "worldserve has no sleep mode (no /sleep, /wake_up routes)"),
 )  # fmt: skip
 """vLLM / vLLM-Omni flags of pasted command lines, in serving-api.md §9 / §11.1 order. (--flow-shift, --dtype,
---vae-use-tiling, -tp, --usp, the CORS flags... are real worldserve flags, in config.py.)"""
+--vae-use-tiling, -tp, --usp, the CORS flags, --enable-lora, --lora-path / --lora-scale, --max-cpu-loras... are
+real worldserve flags, in config.py and config_lora.py.)"""
 
 
 def add_compat_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
-"""A video job's inputs record (every VideoParams field but the reference, which is a file of its own, plus
-the encode options; kept in the row's `inputs` column), the files a job keeps beside its row (written
-atomically), and the storage folder's lock.
+"""A video job's inputs record (every VideoParams field but the reference, which is a file of its own, its LoRA
+adapter as a JSON object, plus the encode options; kept in the row's `inputs` column), the files a job keeps
+beside its row (written atomically), and the storage folder's lock.
 
 `inputs_record` / `inputs_from_record` are the one definition of that record: the store persists it at
 submit and the client re-runs an interrupted job from it (the reference bytes decoded again). `write_atomic`
@@ -21,19 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from worldserve.engine.request import EncodeOptions
-from worldserve.params import VideoParams
+from worldserve.params import LoraRequest, VideoParams
 
 log = logging.getLogger(__name__)
 
 
 def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
     """What the store keeps to re-run a job: every VideoParams field but the image / video (a file), and which
-    of the two the reference file was read as (`reference`: "image", "video" or None)."""
+    of the two the reference file was read as (`reference`: "image", "video" or None); the LoRA adapter as an
+    object of its fields."""
     fields = {
         f.name: getattr(params, f.name)
         for f in dataclasses.fields(VideoParams)
         if f.name not in ("image", "video")
     }
+    if params.lora is not None:
+        fields["lora"] = dataclasses.asdict(params.lora)
     kind = "video" if params.video is not None else "image" if params.image is not None else None
     return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options, "reference": kind}
 
@@ -44,6 +47,8 @@ def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple
         if fields.get(name) is not None:
             fields[name] = tuple(fields[name])
     fields["field_names"] = tuple(tuple(pair) for pair in fields.get("field_names", ()))
+    if fields.get("lora") is not None:
+        fields["lora"] = LoraRequest(**fields["lora"])
     image = video = None
     if reference is not None:  # the upload or data URL as received, read as it was at submit
         from worldserve.media.image import decode_image

@@ -6,8 +6,9 @@ each holding the full model on cuda:r (gloo CPU ranks with --device cpu, for tes
 Rank 0 wraps a local VideoPipeline that does everything one process does (prompts, noise, conditioning,
 CFG combine in float32, UniPC, decode; the Reasoner shares its und tower); its forwards run with the cond
 group's Ulysses group. Messages (small pickled tuples + tensors, runner/peers.py):
-- prepare: rank 0 prepares (a bad input fails before any peer hears of it), then ("prefill", request_id,
-  cond ids, uncond ids or None) to the cond group's peers, and to the uncond group for CFG requests; with
+- prepare: rank 0 prepares (a bad input fails before any peer hears of it, a LoRA adapter is loaded here
+  first), then ("prefill", request_id, cond ids, uncond ids or None, the LoraRequest or None: each peer
+  loads its own slices of the adapter) to the cond group's peers, and to the uncond group for CFG requests; with
   cfg == 2 rank 0 keeps only the cond cache;
 - denoise: ("denoise", plan) + the requests' latents (+ sound) to the cond group's peers (all requests) and
   to the uncond group (CFG requests only), rank 0's own forward over the cond (and guidance-1) items, then
@@ -37,6 +38,7 @@ from worldserve.parallel.ulysses import check_degree
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.devices import default_dtype, rank_devices
 from worldserve.runner.kernel_options import KernelOptions
+from worldserve.runner.lora_cache import DEFAULT_MAX_LOADED
 from worldserve.runner.parallel_layout import ParallelLayout
 from worldserve.runner.parallel_worker import BranchRank
 from worldserve.runner.peer_start import PeerLink
@@ -47,6 +49,7 @@ from worldserve.runner.video_pipeline import (
     branch_items,
     guided,
     step_caches,
+    step_lora,
 )
 from worldserve.sampling.guidance import needs_uncond
 
@@ -85,7 +88,9 @@ class ParallelPipeline:
         kernels = kernels or KernelOptions()
 
         def peer_args(r: int, link: PeerLink) -> tuple:
-            branch = functools.partial(BranchRank, layout=layout, rank=r)
+            branch = functools.partial(
+                BranchRank, layout=layout, rank=r, max_loras=kwargs.get("max_loras", DEFAULT_MAX_LOADED)
+            )
             return (
                 r,
                 link,
@@ -123,6 +128,11 @@ class ParallelPipeline:
     @property
     def has_sound(self) -> bool:
         return self.local.has_sound
+
+    @property
+    def loras(self):
+        """Rank 0's LoRA adapters (each peer loads its own slices of the ones its requests name)."""
+        return self.local.loras
 
     @property
     def transformer(self):
@@ -184,7 +194,13 @@ class ParallelPipeline:
         cfg = needs_uncond(params.guidance_scale)
         cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
         remote = cfg and self.layout.cfg == 2
-        msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond))
+        self.local.loras.get(
+            params.lora
+        )  # (loaded here first: a bad adapter fails before a peer hears of it)
+        lora = (
+            params.lora if params.lora is not None and params.lora.active else None
+        )  # each peer loads its own
+        msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond), lora)
         to = self._cond_peers + (self._uncond_peers if remote else [])
         if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
             with self._exchange():
@@ -213,7 +229,8 @@ class ParallelPipeline:
                 send_step(self.peers, states, self._cond_peers)
             if remote:
                 send_step(self.peers, remote, self._uncond_peers)
-            out = self.local.forward([it for s in states for it in branch_items(s, step_caches(s))])
+            items = [it for s in states for it in branch_items(s, step_caches(s))]
+            out = self.local.forward(items, step_lora(states))
             uncond = {s.request_id: self._recv_uncond(s) for s in remote}
         self.local.apply_step(states, out, t0, uncond)
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from worldserve.models.layers.lora import LoraWeights
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
+from worldserve.params import LoraRequest
+from worldserve.runner.lora_cache import DEFAULT_MAX_LOADED, LoraCache
 from worldserve.runner.parallel_layout import COND, ParallelLayout
 from worldserve.runner.peers import LEADER, recv_step
 from worldserve.runner.video_pipeline import VideoPipeline, gen_item
@@ -26,31 +29,41 @@ from worldserve.runner.video_pipeline import VideoPipeline, gen_item
 class BranchRank:
     """A peer's model (whole, or its tensor-parallel slices), branch, Ulysses group and per-request und caches."""
 
-    def __init__(self, device: torch.device, layout: ParallelLayout, rank: int):
+    def __init__(
+        self, device: torch.device, layout: ParallelLayout, rank: int, max_loras: int = DEFAULT_MAX_LOADED
+    ):
         self.device = device
         self.layout, self.rank = layout, rank
         self.branch = layout.branch(rank)
         self.caches: dict[str, list] = {}
+        self.max_loras = max_loras
+        self.loras: LoraCache | None = None  # (made with the transformer it loads adapters for)
+        self.lora_of: dict[str, LoraWeights | None] = {}  # request id -> its adapter, as rank 0's
         self.sp: ParallelGroup = layout.branch_group(rank)  # collective: every rank, right after joining
         self.transformer = self.config = None
 
     def load(self, transformer) -> BranchRank:
         """Take the loaded transformer (whole, or this rank's tensor-parallel slices)."""
         self.transformer, self.config = transformer, transformer.config
+        self.loras = LoraCache(transformer, self.max_loras)
         return self
 
     forward = VideoPipeline.forward  # GenBatch.pack over self.config / self.device -> transformer(batch, sp)
 
-    def prefill(self, request_id: str, cond: list[int], uncond: list[int] | None) -> None:
+    def prefill(
+        self, request_id: str, cond: list[int], uncond: list[int] | None, lora: LoraRequest | None = None
+    ) -> None:
         if self.branch == COND:
             prompts = [cond] + ([uncond] if uncond is not None and self.layout.cfg == 1 else [])
         elif uncond is not None:
             prompts = [uncond]
         else:
             return  # a guidance-1 request: nothing for the uncond group
+        weights = self.loras.get(lora)  # (rank 0 loaded the same files first)
         self.caches[request_id] = self.transformer.prefill_und(
-            [torch.tensor(p, dtype=torch.long) for p in prompts]
+            [torch.tensor(p, dtype=torch.long) for p in prompts], lora=weights
         )
+        self.lora_of[request_id] = weights
 
     def denoise(self, plan, group: ParallelGroup, dev: torch.device, leader_alive) -> None:
         inputs = [x for x in recv_step(plan, group, dev, leader_alive) if x[0] in self.caches]
@@ -61,16 +74,20 @@ class BranchRank:
         ]
         if not items:
             return
-        out = self.forward(items)
+        out = self.forward(items, self.lora_of.get(inputs[0][0]))  # (rank 0 batches one adapter a step)
         if self.branch != COND and self.rank == self.layout.uncond_leader:
             for i, (*_, snd, _guided) in enumerate(inputs):  # one uncond item per CFG request
                 comm.send_tensor(out.video[i], LEADER, group, leader_alive)
                 if snd is not None:
                     comm.send_tensor(out.sound[i], LEADER, group, leader_alive)
 
+    def release(self, request_id: str) -> None:
+        self.caches.pop(request_id, None)
+        self.lora_of.pop(request_id, None)
+
     def handlers(self, group: ParallelGroup, dev: torch.device, leader_alive) -> dict:
         return {
             "prefill": self.prefill,
-            "release": lambda request_id: self.caches.pop(request_id, None),
+            "release": self.release,
             "denoise": lambda plan: self.denoise(plan, group, dev, leader_alive),
         }

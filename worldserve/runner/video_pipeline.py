@@ -1,12 +1,14 @@
 """VideoPipeline: the GPU side of a video request, as the engine's `VideoBackend` (prepare / denoise / decode).
 
-prepare:  VideoParams -> prompt token ids (cond, uncond) -> und K/V prefill of both CFG branches, once ->
+prepare:  VideoParams -> prompt token ids (cond, uncond) -> the request's LoRA adapter, if any, from the
+          LoraCache -> und K/V prefill of both CFG branches (under the adapter's und deltas), once ->
           initial noise drawn exactly as diffusers' Cosmos3OmniPipeline draws it (CPU generator seeded with
           the request's seed: the video noise, then the sound noise) -> I2V: latent frame 0 replaced by the
           VAE-encoded conditioning image (held clean); V2V: the first max(idx)*4+1 frames of the clip encoded,
           latent frames `condition_frame_indexes` replaced and held clean -> an immutable FlowSchedule + per-request SolverStates.
 denoise:  one step for a list of prepared requests: one transformer forward over every request and both
-          CFG branches (GenBatch), CFG combine in float32, then each request's UniPC step.
+          CFG branches (GenBatch; requests batch only with those of the same adapter: `batch_key`), CFG
+          combine in float32, then each request's UniPC step.
 decode:   Wan2.2 VAE (video) and AVAE (audio, trimmed to the video length) -> host uint8 frames + float audio.
 The sampling state is float32 (diffusers' `sampling_dtype`); the transformer runs in its own dtype.
 Kernels (runner/kernel_options.py): compiled gen layers on CUDA, the gen tower's FA4 cluster kernel and
@@ -30,10 +32,12 @@ from torch import Tensor
 from worldserve.engine.outputs import VideoResult
 from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
+from worldserve.models.layers.lora import LoraWeights
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.devices import check_device, default_device, default_dtype
 from worldserve.runner.kernel_options import KernelOptions
+from worldserve.runner.lora_cache import DEFAULT_MAX_LOADED, LoraCache
 from worldserve.runner.video_decode import decode_video
 from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
 from worldserve.sampling.guidance import cfg_combine, guided_at, needs_uncond
@@ -62,6 +66,8 @@ class VideoRequestState:
     """[cond] or [cond, uncond] prompt K/V caches."""
     clean_frames: tuple[int, ...]
     """Latent frames held clean (I2V: (0,); V2V: the condition frame indexes)."""
+    lora: LoraWeights | None = None
+    """The LoRA adapter the request runs with (runner/lora_cache.py), None for the base model."""
     video_solver: SolverState = field(default_factory=SolverState)
     sound_solver: SolverState = field(default_factory=SolverState)
     step_index: int = 0
@@ -74,11 +80,20 @@ class VideoRequestState:
     @property
     def batch_key(self) -> tuple:
         snd = 0 if self.sound is None else self.sound.shape[1]
-        return (tuple(self.latents.shape), snd)
+        return (tuple(self.latents.shape), snd, None if self.lora is None else self.lora.key)
 
     @property
     def done(self) -> bool:
         return self.step_index >= self.num_steps
+
+
+def step_lora(states: Sequence[VideoRequestState]) -> LoraWeights | None:
+    """The one LoRA adapter (or None) that every state of a denoising step runs with: a forward applies one
+    adapter, so the engine batches requests by `batch_key`, which holds the adapter's key; a mix is a bug."""
+    keys = {None if s.lora is None else s.lora.key for s in states}
+    if len(keys) > 1:
+        raise ValueError("one denoising step cannot mix LoRA adapters: batch the requests by batch_key")
+    return states[0].lora
 
 
 def guided(s: VideoRequestState) -> bool:
@@ -128,9 +143,11 @@ class VideoPipeline:
     """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
 
     def __init__(
-        self, transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder, device
-    ):
+        self, transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder, device,
+        max_loras: int = DEFAULT_MAX_LOADED,
+    ):  # fmt: skip
         self.transformer = transformer
+        self.loras = LoraCache(transformer, max_loras)
         self.vae = vae
         self.audio_vae = audio_vae
         self.encoder = encoder
@@ -147,6 +164,7 @@ class VideoPipeline:
         progress: bool = True,
         kernels: KernelOptions | None = None,
         tp: ParallelGroup = SINGLE,
+        max_loras: int = DEFAULT_MAX_LOADED,
     ) -> VideoPipeline:
         """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint.
 
@@ -155,7 +173,7 @@ class VideoPipeline:
         loading. The compiled VAE decoder follows `kernels.compile`; under layerwise offload (memory is short)
         it decodes with plain Conv3d calls (the Winograd convs' transformed frames add ~6.4 GiB to a 720p
         decode's peak). `tp`: this rank's tensor-parallel group (ParallelPipeline; every rank of it must then
-        run the same transformer calls)."""
+        run the same transformer calls). `max_loras`: LoRA adapters kept loaded (runner/lora_cache.py)."""
         root = Path(path)
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
@@ -175,7 +193,7 @@ class VideoPipeline:
         audio_vae = None
         if layout.has_sound:
             audio_vae = AudioVAE.from_pretrained(root / "sound_tokenizer", dtype=dtype, device=device)
-        return cls(transformer, vae, audio_vae, prompts, device)
+        return cls(transformer, vae, audio_vae, prompts, device, max_loras)
 
     # ------------------------------------------------------------------ VideoBackend
     @property
@@ -193,8 +211,11 @@ class VideoPipeline:
         return None
 
     def validate(self, params: VideoParams) -> VideoParams:
-        """Field checks plus model checks (sound available, prompts within max_sequence_length)."""
+        """Field checks plus model checks (sound available, prompts within max_sequence_length, a LoRA adapter
+        that fits the transformer)."""
         params.validate()
+        if params.lora is not None and params.lora.active:
+            self.loras.check(params.lora)
         if self.sound_enabled(params):
             if not self.has_sound:
                 raise ParamError(
@@ -220,7 +241,8 @@ class VideoPipeline:
         prompts = [torch.tensor(cond_ids, dtype=torch.long)]
         if uncond_ids is not None and prefill_uncond:
             prompts.append(torch.tensor(uncond_ids, dtype=torch.long))
-        caches = self.transformer.prefill_und(prompts)
+        lora = self.loras.get(params.lora)  # (its und deltas shape the prompt's K/V too)
+        caches = self.transformer.prefill_und(prompts, lora=lora)
         t1 = time.perf_counter()
         latents, sound = self._initial_noise(params)
         clean: tuple[int, ...] = ()
@@ -240,6 +262,7 @@ class VideoPipeline:
             sound=sound,
             und_caches=caches,
             clean_frames=clean,
+            lora=lora,
         )
         state.stage_seconds["prefill"] = t1 - t0
         state.stage_seconds["prepare_latents"] = time.perf_counter() - t1
@@ -287,7 +310,7 @@ class VideoPipeline:
         """Advance every state by one step with a single batched transformer forward."""
         t0 = time.perf_counter()
         items = [it for s in states for it in branch_items(s, step_caches(s))]  # cond, then uncond (CFG)
-        self.apply_step(states, self.forward(items), t0)
+        self.apply_step(states, self.forward(items, step_lora(states)), t0)
 
     def apply_step(
         self,
@@ -315,9 +338,9 @@ class VideoPipeline:
     sp: ParallelGroup = SINGLE
     """Ulysses group of this rank's forwards (set by ParallelPipeline; one process: no parallelism)."""
 
-    def forward(self, items: Sequence[GenItem]) -> GenOutput:
-        """One transformer forward over `items` (any mix of requests and branches)."""
-        return self.transformer(GenBatch.pack(items, config=self.config, device=self.device), self.sp)
+    def forward(self, items: Sequence[GenItem], lora: LoraWeights | None = None) -> GenOutput:
+        """One transformer forward over `items` (any mix of requests and branches that share `lora`)."""
+        return self.transformer(GenBatch.pack(items, config=self.config, device=self.device), self.sp, lora)
 
     def finish_step(self, states: Sequence[VideoRequestState], t0: float) -> None:
         """Synchronize the device and add the step's wall time to every state's "diffuse" stage."""
@@ -348,6 +371,7 @@ class VideoPipeline:
 
     def release(self, state: VideoRequestState) -> None:
         state.und_caches = []
+        state.lora = None
         state.latents = state.latents.new_empty(0)
         state.sound = None
 

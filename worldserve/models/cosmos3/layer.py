@@ -27,7 +27,7 @@ and the activation quantisation fuses with the norm / SwiGLU in front of each GE
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import torch
@@ -39,6 +39,7 @@ from worldserve.models.layers.attention import KVCache, sdpa_attention
 from worldserve.models.layers.compile_limits import raise_recompile_limits
 from worldserve.models.layers.fp8 import Fp8Linear, fp8_linear
 from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worldserve.models.layers.lora import LoraPair, with_lora
 from worldserve.models.layers.norm import RMSNorm, rms_norm
 from worldserve.models.layers.rope import apply_rope
 from worldserve.parallel.groups import SINGLE, ParallelGroup
@@ -58,14 +59,16 @@ def qkv_math(
     h: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, qkv_w: Tensor, qkv_b: Tensor | None,
     qn_w: Tensor, kn_w: Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
     qkv_s: Tensor | None = None, emulate: bool = False, fast_accum: bool = True,
-    kv_out: tuple[Tensor, Tensor, Tensor] | None = None,
+    kv_out: tuple[Tensor, Tensor, Tensor] | None = None, lora: LoraPair | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Pre-norm, fused q|k|v, per-head q/k RMSNorm, RoPE: h [N, d] -> q [N, Hq, D], k, v [N, Hkv, D].
+    `lora`: an adapter's (A, B) for the fused q|k|v (models/layers/lora.py), added to its output.
 
     With `qkv_s` the weight is e4m3 with per-row scales [out, 1] (fp8_linear; `emulate`, `fast_accum`).
     With `kv_out` = (k_buf, v_buf [R, Hkv, D], rows [N] long), row i's k and v are stored at row rows[i]
     of the buffers (compiled, by the kernel that computes them) and the buffers come back in their place."""
-    qkv = _linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b, qkv_s, emulate, fast_accum)  # [N, q + 2 kv]
+    x = rms_norm(h, ln_w, eps)
+    qkv = with_lora(_linear(x, qkv_w, qkv_b, qkv_s, emulate, fast_accum), x, lora)  # [N, q + 2 kv]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = rms_norm(q.unflatten(-1, (heads, head_dim)), qn_w, eps)  # [N, Hq, D]
     k = rms_norm(k.unflatten(-1, (kv_heads, head_dim)), kn_w, eps)  # [N, Hkv, D]
@@ -79,26 +82,34 @@ def qkv_math(
 def finish_math(
     h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, ln_w: Tensor, gu_w: Tensor, down_w: Tensor,
     eps: float, o_s: Tensor | None = None, gu_s: Tensor | None = None, down_s: Tensor | None = None,
-    emulate: bool = False, fast_accum: bool = True,
+    emulate: bool = False, fast_accum: bool = True, lora: tuple | None = None,
 ) -> Tensor:  # fmt: skip
     """Single-rank `finish`: h + o_proj(attn), then + down(silu(gate) * up) of the post-norm.
 
-    With the scales `o_s`, `gu_s`, `down_s` those weights are e4m3 (fp8_linear), as in qkv_math."""
-    h = h + _linear(attn.flatten(1), o_w, o_b, o_s, emulate, fast_accum)  # [N, Hq*D] -> [N, d]
-    gate, up = _linear(rms_norm(h, ln_w, eps), gu_w, None, gu_s, emulate, fast_accum).chunk(2, dim=-1)
-    return h + _linear(F.silu(gate) * up, down_w, None, down_s, emulate, fast_accum)
+    With the scales `o_s`, `gu_s`, `down_s` those weights are e4m3 (fp8_linear), as in qkv_math. `lora`: an
+    adapter's (o_proj, gate_up_proj, down_proj) pairs, each (A, B) or None (tower_lora)."""
+    o_l, gu_l, down_l = lora or (None, None, None)
+    a = attn.flatten(1)  # [N, Hq*D]
+    h = h + with_lora(_linear(a, o_w, o_b, o_s, emulate, fast_accum), a, o_l)  # [N, d]
+    x = rms_norm(h, ln_w, eps)
+    gate, up = with_lora(_linear(x, gu_w, None, gu_s, emulate, fast_accum), x, gu_l).chunk(2, dim=-1)
+    m = F.silu(gate) * up  # [N, I]
+    return h + with_lora(_linear(m, down_w, None, down_s, emulate, fast_accum), m, down_l)
 
 
-def swiglu_math(h: Tensor, ln_w: Tensor, gu_w: Tensor, eps: float) -> Tensor:
-    """The MLP's hidden activations: silu(gate) * up of the post-norm residual stream h [N, d] -> [N, I]."""
-    gate, up = F.linear(rms_norm(h, ln_w, eps), gu_w).chunk(2, dim=-1)  # [N, 2I] -> 2 x [N, I]
+def swiglu_math(h: Tensor, ln_w: Tensor, gu_w: Tensor, eps: float, gu_lora: LoraPair | None = None) -> Tensor:
+    """The MLP's hidden activations: silu(gate) * up of the post-norm residual stream h [N, d] -> [N, I]
+    (`gu_lora`: an adapter's pair for gate|up)."""
+    x = rms_norm(h, ln_w, eps)
+    gate, up = with_lora(F.linear(x, gu_w), x, gu_lora).chunk(2, dim=-1)  # [N, 2I] -> 2 x [N, I]
     return F.silu(gate) * up
 
 
 def finish_residual_in_place(
     h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, ln_w: Tensor, gu_w: Tensor, down_w: Tensor,
     eps: float, o_s: Tensor | None = None, gu_s: Tensor | None = None, down_s: Tensor | None = None,
-    emulate: bool = False, fast_accum: bool = True, *, swiglu_fn=swiglu_math, fallback=finish_math,
+    emulate: bool = False, fast_accum: bool = True, lora: tuple | None = None, *, swiglu_fn=swiglu_math,
+    fallback=finish_math,
 ) -> Tensor:  # fmt: skip
     """finish_math whose two residual adds happen inside the GEMMs, in place: h += attn @ o_w^T and
     h += swiglu @ down_w^T are cuBLAS GEMMs with beta = 1 reading and writing h itself. h [N, d] is
@@ -109,12 +120,21 @@ def finish_residual_in_place(
     step). Same arithmetic as that addmm (fp32 accumulate, one rounding). `swiglu_fn`: the compiled
     swiglu_math; fp8 weights (any of the scales), an o_proj bias, a non-contiguous h or autograd (the
     second add would overwrite what swiglu_fn saved for backward) take `fallback` (the compiled
-    finish_math) instead."""
+    finish_math) instead. An adapter's deltas (`lora`, as finish_math's) are added in place the same way:
+    h += (x A^T) B^T."""
     scaled = o_s is not None or gu_s is not None or down_s is not None
     if scaled or o_b is not None or not h.is_contiguous() or torch.is_grad_enabled():
-        return fallback(h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, o_s, gu_s, down_s, emulate, fast_accum)
-    h.addmm_(attn.flatten(1), o_w.t())  # [N, Hq*D] @ [Hq*D, d], added to h
-    return h.addmm_(swiglu_fn(h, ln_w, gu_w, eps), down_w.t())  # [N, I] @ [I, d], added to h
+        return fallback(
+            h, attn, o_w, o_b, ln_w, gu_w, down_w, eps, o_s, gu_s, down_s, emulate, fast_accum, lora=lora
+        )
+    o_l, gu_l, down_l = lora or (None, None, None)
+    a = attn.flatten(1)  # [N, Hq*D]
+    h.addmm_(a, o_w.t())  # [N, Hq*D] @ [Hq*D, d], added to h
+    if o_l is not None:
+        h.addmm_(F.linear(a, o_l[0]), o_l[1].t())  # [N, R] @ [R, d]
+    m = swiglu_fn(h, ln_w, gu_w, eps, gu_l)  # [N, I]
+    h.addmm_(m, down_w.t())  # [N, I] @ [I, d], added to h
+    return h if down_l is None else h.addmm_(F.linear(m, down_l[0]), down_l[1].t())
 
 
 def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor, out: Tensor) -> Tensor:
@@ -173,29 +193,33 @@ class TowerBlock(nn.Module):
         sin: Tensor,
         fn=None,
         kv_out: tuple[Tensor, Tensor, Tensor] | None = None,
+        lora: Mapping[str, LoraPair] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]; `fn`: another copy of
         qkv_math to run (the Reasoner decoder's compiled one), default this block's; `kv_out`: buffers the
-        k / v rows are stored into (qkv_math)."""
+        k / v rows are stored into (qkv_math); `lora`: this block's adapter deltas (LoraWeights.tower)."""
         return (fn or self.qkv_fn)(
             h, cos, sin, self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
             self.q_norm.weight, self.k_norm.weight, self.input_layernorm.eps,
             self.num_heads, self.num_kv_heads, self.head_dim, _scale(self.qkv_proj), **self.fp8,
-            kv_out=kv_out,
+            kv_out=kv_out, lora=None if lora is None else lora.get("qkv_proj"),
         )  # fmt: skip
 
-    def finish(self, h: Tensor, attn: Tensor, fn=None) -> Tensor:
+    def finish(self, h: Tensor, attn: Tensor, fn=None, lora: Mapping[str, LoraPair] | None = None) -> Tensor:
         """Residual stream h [N, d] + o_proj(attn [N, Hq, D]), then + SwiGLU MLP; `fn`: another copy of
-        finish_math for a single rank (the Reasoner decoder's compiled one), default this block's."""
+        finish_math for a single rank (the Reasoner decoder's compiled one), default this block's; `lora`: this
+        block's adapter deltas (LoraWeights.tower)."""
+        pairs = None if lora is None else tuple(lora.get(n) for n in ("o_proj", "gate_up_proj", "down_proj"))
         if self.tp_size == 1:
             return (fn or self.finish_fn)(
                 h, attn, self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
                 self.gate_up_proj.weight, self.down_proj.weight, self.post_attention_layernorm.eps,
-                _scale(self.o_proj), _scale(self.gate_up_proj), _scale(self.down_proj), **self.fp8,
+                _scale(self.o_proj), _scale(self.gate_up_proj), _scale(self.down_proj), **self.fp8, lora=pairs,
             )  # fmt: skip
-        h = h + self.o_proj(attn.flatten(1))  # [N, Hq*D] -> [N, d]; all-reduce across TP ranks
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        o_l, gu_l, down_l = pairs or (None, None, None)
+        h = h + self.o_proj(attn.flatten(1), o_l)  # [N, Hq*D] -> [N, d]; all-reduce across TP ranks
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h), gu_l).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up, down_l)
 
     def quantize_fp8(self, *, emulate: bool = False, fast_accum: bool = True) -> None:
         """Replace the four GEMM weights by e4m3 + per-row scales (fp8.Fp8Linear), dropping the originals.
@@ -267,14 +291,16 @@ def und_layer_step(
     *,
     kv_only: bool = False,
     math: tuple | None = None,
+    lora: Mapping[str, LoraPair] | None = None,
 ) -> Tensor | None:
     """One und layer over the new tokens h [N, d] of len(caches) sequences; writes their K/V.
 
     Returns the updated residual stream, or None with `kv_only` (only the K/V were wanted). `math`: the
-    (qkv, finish) functions to run instead of the block's (compiled_decode_math's, on a GPU).
+    (qkv, finish) functions to run instead of the block's (compiled_decode_math's, on a GPU); `lora`: the
+    block's adapter deltas (a video prompt's K/V under a LoRA adapter).
     """
     qkv_fn, finish_fn = math or (None, None)
-    q, k, v = block.project_qkv(h, cos, sin, qkv_fn)
+    q, k, v = block.project_qkv(h, cos, sin, qkv_fn, lora=lora)
     outs, start = [], 0
     for cache, n in zip(caches, seq_lens, strict=True):
         k_all, v_all = cache.write(layer, k[start : start + n], v[start : start + n])
@@ -283,7 +309,7 @@ def und_layer_step(
         start += n
     if kv_only:
         return None
-    return block.finish(h, _cat(outs), finish_fn)
+    return block.finish(h, _cat(outs), finish_fn, lora)
 
 
 KV_ROWS_BUCKET = 4096
@@ -370,8 +396,10 @@ def gen_layer_step(
     spans: Sequence[tuple[int, int]],
     sp: ParallelGroup = SINGLE,
     buffers: GenAttentionBuffers | None = None,
+    lora: Mapping[str, LoraPair] | None = None,
 ) -> Tensor:
-    """One gen layer over the packed gen stream g [N, d]; item i owns rows spans[i] = (start, count).
+    """One gen layer over the packed gen stream g [N, d]; item i owns rows spans[i] = (start, count);
+    `lora`: the block's adapter deltas (every item of the stream runs with the same adapter).
 
     With `buffers` (one rank of the sequence, sp.size == 1) the K/V and the attention output live in its
     workspace. With a Ulysses group `sp` of P ranks, g / cos / sin are this rank's block of the stream
@@ -379,7 +407,7 @@ def gen_layer_step(
     attention, whose text K/V are this rank's KV heads; spans index the full stream."""
     if buffers is not None:
         buffers.load_text(layer, caches)
-        q, _, _ = block.project_qkv(g, cos, sin, kv_out=(buffers.k, buffers.v, buffers.rows))
+        q, _, _ = block.project_qkv(g, cos, sin, kv_out=(buffers.k, buffers.v, buffers.rows), lora=lora)
         twins = buffers.twins if layer == 0 and block.attn_lse_fn is not None else ()
         for group in twins:
             _twin_attention(block, q, buffers, group)
@@ -387,8 +415,8 @@ def gen_layer_step(
         for i, (start, n) in enumerate(spans):
             if i not in shared:
                 block.attn_fn(q[start : start + n], *buffers.keys(i), out=buffers.out[start : start + n])
-        return block.finish(g, buffers.out)
-    q, k, v = block.project_qkv(g, cos, sin)
+        return block.finish(g, buffers.out, lora=lora)
+    q, k, v = block.project_qkv(g, cos, sin, lora=lora)
     q, k, v = seq_to_heads(q, sp), seq_to_heads(k, sp), seq_to_heads(v, sp)  # [N_pad, H/P, D] each
     outs = []
     for cache, (start, n) in zip(caches, spans, strict=True):
@@ -398,4 +426,4 @@ def gen_layer_step(
         outs.append(block.attn_fn(q[start : start + n], k_i, v_i))
     if sp.size > 1 and (pad := q.shape[0] - sum(n for _, n in spans)):
         outs.append(q.new_zeros(pad, *q.shape[1:]))  # the padding rows (never read back)
-    return block.finish(g, heads_to_seq(_cat(outs), sp))
+    return block.finish(g, heads_to_seq(_cat(outs), sp), lora=lora)

@@ -61,6 +61,7 @@ from worldserve.models.layers.flash_attention import (
 )
 from worldserve.models.layers.fp8 import fp8_unavailable_reason
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
+from worldserve.models.layers.lora import LoraWeights
 from worldserve.models.layers.norm import RMSNorm
 from worldserve.models.layers.offload import BlockStreamer
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedKVPool
@@ -80,13 +81,16 @@ class TimestepEmbedder(nn.Module):
         self.linear_1 = ReplicatedLinear(TIMESTEP_FREQ_DIM, dim, bias=True, dtype=torch.float32)
         self.linear_2 = ReplicatedLinear(dim, dim, bias=True, dtype=torch.float32)
 
-    def forward(self, t_net: Tensor) -> Tensor:
+    def forward(self, t_net: Tensor, lora: LoraWeights | None = None) -> Tensor:
+        """`lora`: an adapter whose `time_embedder.linear_1` / `_2` deltas (float32) apply."""
+        top = {} if lora is None else lora.top
         half = TIMESTEP_FREQ_DIM // 2
         exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t_net.device)
         freqs = torch.exp(exponent / half)  # [half]
         args = t_net.float()[:, None] * freqs[None, :]  # [B, half]
         features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # [B, 256]
-        return self.linear_2(F.silu(self.linear_1(features)))
+        hidden = F.silu(self.linear_1(features, top.get("time_embedder.linear_1")))
+        return self.linear_2(hidden, top.get("time_embedder.linear_2"))
 
 
 def _resident(blocks: BlockStreamer | None, i: int):
@@ -261,13 +265,15 @@ class Cosmos3Transformer(nn.Module):
 
     @torch.inference_mode()
     def und_step(
-        self, batch: UndBatch, caches: Sequence[KVCache], *, kv_only: bool = False, math: tuple | None = None
-    ) -> Tensor | None:
+        self, batch: UndBatch, caches: Sequence[KVCache], *, kv_only: bool = False, math: tuple | None = None,
+        lora: LoraWeights | None = None,
+    ) -> Tensor | None:  # fmt: skip
         """Run the und tower on the new tokens of len(caches) sequences, appending their K/V.
 
         Returns the final-normed hidden states [N, d] (feed rows to compute_logits), or None with kv_only,
         which skips everything after the last layer's K/V. `math`: (qkv, finish) functions for every layer
-        in place of the blocks' eager ones (layer.compiled_decode_math's).
+        in place of the blocks' eager ones (layer.compiled_decode_math's). `lora`: an adapter whose und deltas
+        apply (a video prompt's K/V; the Reasoner's chats run the base weights).
         """
         if len(caches) != len(batch.seq_lens):
             raise ValueError(f"{len(caches)} caches for {len(batch.seq_lens)} sequences")
@@ -281,7 +287,7 @@ class Cosmos3Transformer(nn.Module):
             with _resident(self.und_blocks, i):
                 out = und_layer_step(
                     layer.und, i, h, cos, sin, caches, batch.seq_lens, kv_only=kv_only and i == last,
-                    math=math,
+                    math=math, lora=None if lora is None else lora.tower(i, "und"),
                 )  # fmt: skip
             if out is not None:
                 h = out
@@ -295,21 +301,27 @@ class Cosmos3Transformer(nn.Module):
         """Final-normed hidden [M, d] -> logits [M, vocab] (lm_head)."""
         return self.lm_head(hidden)
 
-    def prefill_und(self, prompts: Sequence[Tensor]) -> list[ContiguousKVCache]:
-        """Text K/V of each prompt ([L_i] token ids, positions (k, k, k)), in one batched und pass."""
+    def prefill_und(
+        self, prompts: Sequence[Tensor], lora: LoraWeights | None = None
+    ) -> list[ContiguousKVCache]:
+        """Text K/V of each prompt ([L_i] token ids, positions (k, k, k)), in one batched und pass (under
+        `lora`'s und deltas when given)."""
         caches = [self.new_und_cache(int(p.numel())) for p in prompts]
         batch = UndBatch.text([p.to(self.device) for p in prompts])
-        self.und_step(batch, caches, kv_only=True)
+        self.und_step(batch, caches, kv_only=True, lora=lora)
         return caches
 
     # ------------------------------------------------------------------ gen pathway
     @torch.inference_mode()
-    def forward(self, batch: GenBatch, sp: ParallelGroup = SINGLE) -> GenOutput:
+    def forward(
+        self, batch: GenBatch, sp: ParallelGroup = SINGLE, lora: LoraWeights | None = None
+    ) -> GenOutput:
         """One denoising forward of every item in `batch` -> per-item velocities.
 
         `sp`: a Ulysses group (every rank calls forward with the same batch); each rank runs the layers on
-        its block of the stream and the blocks are gathered before the heads (parallel/ulysses.py)."""
-        g = self._embed_gen(batch)  # [N, d]
+        its block of the stream and the blocks are gathered before the heads (parallel/ulysses.py). `lora`:
+        the LoRA adapter every item runs with (models/layers/lora.py), None for the base model."""
+        g = self._embed_gen(batch, lora)  # [N, d]
         n = g.shape[0]
         cos, sin = self.rotary_emb.cos_sin(batch.positions, g.dtype)  # [N, D] each
         g, cos, sin = ulysses.shard(g, sp), ulysses.shard(cos, sp), ulysses.shard(sin, sp)  # [N_pad/P, ...]
@@ -321,21 +333,27 @@ class Cosmos3Transformer(nn.Module):
         window = LaunchWindow(self.launch_window) if self.launch_window and g.is_cuda else None
         for i, layer in enumerate(self.layers):
             with _resident(self.gen_blocks, i):
-                g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp, buffers)
+                tower = None if lora is None else lora.tower(i, "gen")
+                g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp, buffers, tower)
             if window is not None:
                 window.mark()
         del buffers  # the K/V and output workspace (~1 GB at 720p with CFG) before the heads allocate
-        return self._decode_gen(ulysses.gather(g, n, sp), batch)
+        return self._decode_gen(ulysses.gather(g, n, sp), batch, lora)
 
-    def _embed_gen(self, batch: GenBatch) -> Tensor:
+    def _embed_gen(self, batch: GenBatch, lora: LoraWeights | None = None) -> Tensor:
         """Packed gen stream [N, d]: per item [proj_in(video patches) | audio_proj_in(sound) + embed] + temb."""
         dtype, p = self.dtype, self.config.latent_patch_size
+        top = {} if lora is None else lora.top
         patches = [patchify(item.latents.to(dtype), p) for item in batch.items]  # each [T*Hp*Wp, 192]
-        video = self.proj_in(torch.cat(patches)).split([x.num_video for x in batch.layout])
+        video = self.proj_in(torch.cat(patches), top.get("proj_in")).split(
+            [x.num_video for x in batch.layout]
+        )
         sounds = [item.sound.to(dtype).t() for item in batch.items if item.sound is not None]  # [T_s, C_s]
         sound_tokens: list[Tensor] = []
         if sounds:
-            sound_all = self.audio_proj_in(torch.cat(sounds)) + self.audio_modality_embed
+            sound_all = (
+                self.audio_proj_in(torch.cat(sounds), top.get("audio_proj_in")) + self.audio_modality_embed
+            )
             sound_tokens = list(sound_all.split([x.num_sound for x in batch.layout if x.num_sound]))
         parts: list[Tensor] = []
         for vid, lay in zip(video, batch.layout, strict=True):
@@ -343,13 +361,15 @@ class Cosmos3Transformer(nn.Module):
             if lay.num_sound:
                 parts.append(sound_tokens.pop(0))
         g = torch.cat(parts) if len(parts) > 1 else parts[0]
-        temb = self.time_embedder(batch.timesteps * self.config.timestep_scale).to(dtype)  # [B, d]
+        temb = self.time_embedder(batch.timesteps * self.config.timestep_scale, lora).to(dtype)  # [B, d]
         return g.index_add(0, batch.temb_rows, temb.index_select(0, batch.temb_items))
 
-    def _decode_gen(self, g: Tensor, batch: GenBatch) -> GenOutput:
+    def _decode_gen(self, g: Tensor, batch: GenBatch, lora: LoraWeights | None = None) -> GenOutput:
         """norm_moe_gen + heads on the noisy rows, back to per-item latent-shaped velocities."""
-        p = self.config.latent_patch_size
-        vel = self.proj_out(self.norm_moe_gen(g.index_select(0, batch.video_rows)))  # [N_vout, 192]
+        p, top = self.config.latent_patch_size, {} if lora is None else lora.top
+        vel = self.proj_out(
+            self.norm_moe_gen(g.index_select(0, batch.video_rows)), top.get("proj_out")
+        )  # [N_vout, 192]
         num_video = sum(x.num_video for x in batch.layout)
         all_video = vel.new_zeros(num_video, vel.shape[1]).index_copy_(0, batch.video_slots, vel)
         video = tuple(
@@ -360,7 +380,9 @@ class Cosmos3Transformer(nn.Module):
         )
         sound: list[Tensor | None] = [None] * len(batch.items)
         if batch.sound_rows.numel():
-            s = self.audio_proj_out(self.norm_moe_gen(g.index_select(0, batch.sound_rows)))  # [N_s, C_s]
+            s = self.audio_proj_out(
+                self.norm_moe_gen(g.index_select(0, batch.sound_rows)), top.get("audio_proj_out")
+            )
             chunks = iter(s.split([x.num_sound for x in batch.layout if x.num_sound]))
             sound = [next(chunks).t().contiguous() if x.num_sound else None for x in batch.layout]
         return GenOutput(video=video, sound=tuple(sound))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from worldserve.models.layers.lora import LoraPair, with_lora
 from worldserve.parallel.comm import all_reduce
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 
@@ -49,8 +50,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((self.out_features, in_features), dtype)
         self.bias = _param((self.out_features,), dtype) if bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, lora: LoraPair | None = None) -> Tensor:
+        """`lora`: an adapter's (A, B) for this layer (B: this rank's rows), its delta added."""
+        return with_lora(F.linear(x, self.weight, self.bias), x, lora)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_local={self.out_features}, bias={self.bias is not None}"
@@ -75,10 +77,12 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_features, self.in_features), dtype)
         self.bias = _param((out_features,), dtype) if bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, lora: LoraPair | None = None) -> Tensor:
+        """`lora`: an adapter's (A, B) for this layer (A: this rank's columns): its partial delta joins the
+        partial product before the all-reduce."""
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+            return with_lora(F.linear(x, self.weight, self.bias), x, lora)
+        y = all_reduce(with_lora(F.linear(x, self.weight), x, lora), self.tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

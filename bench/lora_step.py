@@ -1,0 +1,142 @@
+"""A LoRA adapter's cost on the denoising step, at full size on one GPU: the same step without and with adapters.
+
+Builds the full-size Cosmos3-Nano transformer with random bf16 weights (worldserve/bench/models.py), compiles
+the gen layers (the product default), times the 720p x 189 + audio CFG step (cond + uncond packed, 300-token
+prompts; worldserve/bench/denoise.py) with no adapter, then with random PEFT adapters of each `--ranks` on
+every module worldserve applies LoRA to (both towers' layer linears, the gen pathway's embeddings and
+heads), written to disk in bf16 and read through the served path (weights/lora_adapter.py inspect + load:
+the load time is reported). Per rank: seconds a step, the slowdown against no adapter, the adapter's bytes on
+the device, the extra FLOPs of its GEMM pairs (2 N r (in + out) a linear) as a share of the step's, and the
+rel. L2 distance of the velocities from the base model's (the adapter does change them).
+
+Predicted (before any run): the pairs' FLOPs are ~0.7 % of a step at rank 64; the cost is memory traffic,
+each adapted GEMM's output read and written once more by the delta's addmm and its input read once more
+by x A^T, ~18 GB a gen layer at 720p with CFG, ~3 % of the step at rank 64 if none of it fuses.
+
+    PYTHONPATH=. python bench/lora_step.py --out $OUT/lora_step.json          # H200: ~3 min
+    PYTHONPATH=. python bench/lora_step.py --tiny --device cpu --out /tmp/x   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from worldserve.bench.denoise import rel_error, snapshot
+
+T_REF = 500
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--out", type=Path, required=True, help="JSON file (or folder for lora-step-<stamp>.json)"
+    )
+    ap.add_argument("--size", default="1280x720", help="WIDTHxHEIGHT (default 1280x720)")
+    ap.add_argument("--frames", type=int, default=189, help="pixel frames, 4k+1 (default 189)")
+    ap.add_argument("--text-tokens", type=int, default=300, help="tokens of each prompt (cond, uncond)")
+    ap.add_argument("--ranks", default="16,64", help="adapter ranks to time, comma-separated")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 1 warm-up)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (compiled is the default on CUDA)")
+    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
+    return ap.parse_args(argv)
+
+
+def lora_flops(w, cfg, rank: int) -> float:
+    """FLOPs of one step's adapter GEMM pairs: the gen tower's four fused linears a layer over both branches'
+    gen tokens (the und tower's run once a request, in the prefill)."""
+    d, q, kv, inter = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    per_row = 3 * d + (q + 2 * kv) + 2 * (q + d) + (d + 2 * inter) + (inter + d)  # sum of (in + out) x parts
+    return 2.0 * 2 * w.gen_tokens * rank * per_row * cfg.num_hidden_layers  # x2: cond and uncond
+
+
+def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
+    """No adapter, then each rank; `save(res)` after each variant, so a run cut short keeps what it measured."""
+    from worldserve.bench.denoise import OurStep, make_inputs
+    from worldserve.bench.flops import TowerShape, tflops
+    from worldserve.bench.models import build_our_transformer
+    from worldserve.bench.report import environment
+    from worldserve.bench.timing import peak_gib, reset_peak, time_region
+    from worldserve.bench.workload import Workload
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.weights.lora_adapter import inspect_adapter, load_adapter, write_random_adapter
+
+    device = torch.device(args.device)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    w = Workload(width=width, height=height, num_frames=args.frames, sound=True, cond_text=args.text_tokens,
+                 uncond_text=args.text_tokens)  # fmt: skip
+    cfg = Cosmos3Config.tiny() if args.tiny else Cosmos3Config.nano()
+    shape = TowerShape.from_config(cfg)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compiled = device.type == "cuda" and not args.eager
+    res: dict = {"environment": environment(device), "workload": w.label, "gen_tokens": w.gen_tokens,
+                 "step_flops": w.step_flops(shape), "compiled": compiled,
+                 "args": {k: v for k, v in vars(args).items() if k != "out"}, "variants": {}}  # fmt: skip
+    t0 = time.perf_counter()
+    model = build_our_transformer(cfg, device, dtype, None, args.seed)
+    if compiled:
+        model.compile_gen_layers()
+    step = OurStep(model, w, make_inputs(w, cfg.vocab_size, device, args.seed))
+
+    def variant(name: str, rank: int = 0, extra: dict | None = None) -> None:
+        step.prefill()
+        reset_peak(device)
+        timing = time_region(lambda: step(T_REF), device, warmup=1, repeats=args.steps)
+        out = snapshot(step, T_REF)
+        row = {"step_s": timing.median, "tflops": tflops(res["step_flops"], timing.median), "peak_gib": peak_gib(device),
+               "lora_flops_share": lora_flops(w, cfg, rank) / res["step_flops"] if rank else 0.0, **(extra or {})}  # fmt: skip
+        if "base" in res["variants"]:
+            row["slowdown"] = timing.median / res["variants"]["base"]["step_s"]
+            row["rel_l2_vs_base"] = rel_error(out["video"], base_out["video"])
+        res["variants"][name] = row
+        log(f"{name}: {timing.median:.3f} s a step")
+        save(res)
+        return out
+
+    base_out = variant("base")
+    with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
+        for rank in (int(r) for r in args.ranks.split(",")):
+            folder = write_random_adapter(Path(tmp) / f"r{rank}", cfg, rank=rank, alpha=rank, seed=rank,
+                                          std=0.02, dtype=torch.bfloat16)  # fmt: skip
+            t1 = time.perf_counter()
+            spec = inspect_adapter(folder, cfg)
+            step.lora = load_adapter(spec, 1.0, cfg, dtype=dtype, device=device)
+            load_s = time.perf_counter() - t1
+            variant(f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30})
+            step.lora = None
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def table(res: dict) -> str:
+    lines = [
+        f"LoRA step: {res['workload']}, {res['gen_tokens']} gen tokens, {res['step_flops'] / 1e15:.2f} PF a step, "
+        f"{res['environment'].get('gpu', res['environment']['device'])}, compiled={res['compiled']}",
+        "",
+        f"{'variant':10s} {'s/step':>8s} {'TF/s':>7s} {'slowdown':>8s} {'LoRA FLOPs':>10s} {'GiB':>6s} "
+        f"{'load s':>6s} {'vs base':>8s}",
+    ]
+    for name, r in res["variants"].items():
+        lines.append(
+            f"{name:10s} {r['step_s']:8.3f} {r['tflops']:7.1f} {r.get('slowdown', 1.0):7.3f}x "
+            f"{100 * r['lora_flops_share']:9.2f}% {r.get('adapter_gib', 0.0):6.2f} {r.get('load_s', 0.0):6.1f} "
+            f"{r.get('rel_l2_vs_base', 0.0):8.4f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from worldserve.bench.report import run_script
+
+    return run_script(parse_args(argv), run, table, "lora-step")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The `lora` field of POST /v1/videos, /v1/videos/sync, /v1/realtime/video and /v1/images/generations (vLLM-Omni's
+request-level LoRA object) into a `params.LoraRequest`, and the server's LoRA flags that decide what a request runs
+with.
+
+A request's `lora` is a JSON object, or its JSON text (a form field; a JSON body may send either): `{name |
+lora_name | adapter, local_path | path | lora_path | lora_local_path, scale | lora_scale, int_id | lora_int_id}`,
+each read in vLLM-Omni's key order, the first non-empty value winning. The scale defaults to 1.0 (a number, or a
+numeric string as float() reads it; 0 runs the base model); int_id is accepted for compatibility (an int) and
+unused. `LoraSettings` is the server's side: a request's own adapter only under --enable-lora (adapters are read
+from the server's disk), else --lora-path's, else none. Every error is a ParamError naming `lora` (a 400); the
+adapter's files are the backend's to check (its validate), not this module's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from worldserve.params import LoraRequest, ParamError, shown
+
+NAME_KEYS = ("name", "lora_name", "adapter")
+PATH_KEYS = ("local_path", "path", "lora_path", "lora_local_path")
+"""vLLM-Omni's order (its parse_lora_request): a `local_path` wins over a `path`."""
+SCALE_KEYS = ("scale", "lora_scale")
+INT_ID_KEYS = ("int_id", "lora_int_id")
+PER_REQUEST_OFF = "per-request LoRA adapters are off on this server: start it with --enable-lora"
+
+
+def parse_lora(raw: Any) -> LoraRequest | None:
+    """The adapter a request's `lora` value names (None: not given), validated; ParamError naming `lora` for
+    text that is not JSON, a value that is not an object, a missing name or path, a non-string name or path,
+    a scale that is not a finite number, or an int_id that is not an int."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except (ValueError, RecursionError):  # (RecursionError: nested too deep to parse)
+            raise ParamError("lora", "Invalid lora object: not valid JSON.") from None
+    if not isinstance(raw, dict):
+        raise ParamError("lora", "Invalid lora object: expected a JSON object.")
+    name = next((raw[k] for k in NAME_KEYS if raw.get(k)), None)
+    path = next((raw[k] for k in PATH_KEYS if raw.get(k)), None)
+    if not (name and path):
+        raise ParamError("lora", "Invalid lora object: both name and path are required.")
+    if not (isinstance(name, str) and isinstance(path, str)):
+        raise ParamError("lora", "Invalid lora object: name and path must be strings.")
+    int_id = _given(raw, INT_ID_KEYS)
+    if int_id is not None and (isinstance(int_id, bool) or not isinstance(int_id, int)):
+        raise ParamError("lora", f"Invalid lora object: int_id must be an integer, got {_quoted(int_id)}.")
+    return LoraRequest(name=name, path=path, scale=_scale(_given(raw, SCALE_KEYS))).validate()
+
+
+def _given(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    """The value of the first of `keys` that `raw` holds and is not null (0 is a value: a scale of 0)."""
+    return next((raw[k] for k in keys if raw.get(k) is not None), None)
+
+
+def _scale(value: Any) -> float:
+    """A request's scale as a float (None: 1.0); ParamError naming `lora` unless it is a finite number or a
+    string float() reads as one."""
+    if value is None:
+        return 1.0
+    scale = math.nan
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        try:
+            scale = float(value)
+        except (ValueError, OverflowError):  # (OverflowError: an int past a float's range)
+            pass
+    if not math.isfinite(scale):
+        raise ParamError("lora", f"Invalid lora object: scale must be a finite number, got {_quoted(value)}.")
+    return scale
+
+
+def _quoted(value: Any) -> str:
+    """A request's value as an error message quotes it: a string in quotes (cut at 40 characters), a number as
+    `shown` writes it, anything else its JSON type."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return shown(value)
+    return {bool: "a boolean", dict: "an object", list: "an array"}.get(type(value), type(value).__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSettings:
+    """The server's LoRA flags, as the video and image routes apply them to each request."""
+
+    per_request: bool = False
+    """--enable-lora: a request may name an adapter of its own."""
+    static: LoraRequest | None = None
+    """--lora-path / --lora-scale: the adapter of requests that name none (None: the base model)."""
+
+    def for_request(self, raw: Any) -> LoraRequest | None:
+        """The adapter a request whose `lora` field is `raw` runs with: its own (parse_lora; without
+        --enable-lora a 400 naming `lora`), else the static one, else None."""
+        own = parse_lora(raw)
+        if own is None:
+            return self.static
+        if not self.per_request:
+            raise ParamError("lora", PER_REQUEST_OFF)
+        return own

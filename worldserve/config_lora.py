@@ -1,0 +1,57 @@
+"""LoRA configuration (`LoraConfig`): whether requests may name adapters of their own (--enable-lora), the static
+adapter of those that name none (--lora-path, --lora-scale) and how many adapters stay loaded (--max-cpu-loras).
+
+A frozen dataclass of config.py's `EngineConfig` (`lora`), its flags generated as the others' are
+(config_flags.py). The constructor validates without I/O; serve checks that --lora-path exists before the
+model loads (`check_path`) and loads the adapter against the model once it is up (commands/serve_backend.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+
+if typing.TYPE_CHECKING:
+    from worldserve.params import LoraRequest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoraConfig:
+    enable_lora: bool = False
+    """Let video and image requests name a LoRA adapter of their own in `lora` (a path on this server: a PEFT folder or a diffusers LoRA file), which replaces --lora-path's for that request (vLLM's flag; off: such a request is a 400 naming lora). Chat requests take no adapters."""
+    lora_path: str | None = field(default=None, metadata={"metavar": "PATH"})
+    """A LoRA adapter (a PEFT folder, or a diffusers LoRA file or its folder) every video and image request runs with unless it names its own (vLLM-Omni's flag; checked to exist before the model loads)."""
+    lora_scale: float | None = None
+    """The scale of --lora-path's adapter (vLLM-Omni's flag); default: 1.0, 0 runs the base model."""
+    max_cpu_loras: int = 4
+    """LoRA adapters (at a scale) kept loaded between requests, least recently used dropped first (vLLM's flag; on the GPU here: a rank-64 adapter of every linear of Cosmos3-Nano is ~0.6 GB in bf16)."""
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras < 1:
+            raise ValueError(f"--max-cpu-loras must be >= 1, got {self.max_cpu_loras}")
+        if self.lora_path == "":  # (`--lora-path "$ADAPTER"` with ADAPTER unset)
+            raise ValueError("--lora-path: an empty path; give the adapter, or leave the flag out")
+        if self.lora_scale is not None:
+            if self.lora_path is None:
+                raise ValueError("--lora-scale scales the --lora-path adapter: give --lora-path too (a request's "
+                                 "own lora carries its own scale), or leave --lora-scale out")  # fmt: skip
+            if not math.isfinite(self.lora_scale):
+                raise ValueError(f"--lora-scale must be a finite number, got {self.lora_scale}")
+
+    @property
+    def static_lora(self) -> LoraRequest | None:
+        """The adapter of requests that name none: --lora-path's (its absolute path: a job re-run after a
+        restart from another folder finds it) as "static" at --lora-scale; None without --lora-path."""
+        if self.lora_path is None:
+            return None
+        from worldserve.params import LoraRequest  # (params imports numpy: not at this module's import)
+
+        scale = 1.0 if self.lora_scale is None else self.lora_scale
+        return LoraRequest(name="static", path=os.path.abspath(self.lora_path), scale=scale)
+
+    def check_path(self) -> None:
+        """ValueError naming --lora-path when nothing is there (serve's startup, before the model loads)."""
+        if self.lora_path is not None and not os.path.exists(self.lora_path):
+            raise ValueError(f"--lora-path {self.lora_path}: no such file or folder")

@@ -1,0 +1,75 @@
+"""LoRA deltas, unmerged: y = x W^T + (x A^T) B^T for a linear layer whose adapter is (A [R, in], B [out, R]).
+
+The adapter's scaling (lora_alpha / r, rsLoRA's lora_alpha / sqrt(r), times the request's scale) is folded
+into B when it is loaded (weights/lora_adapter.py), so applying one is two small GEMMs on the layer's input
+(R is the adapter's rank, a few dozen). A fused layer (q|k|v, gate|up) takes the parts' adapters as one pair:
+A stacks the parts' A rows [R_q + R_k + R_v, in] and B is block-diagonal [q + k + v, R_q + R_k + R_v], so
+the parts stay independent and one GEMM pair serves the fused weight. Under tensor parallelism a
+column-parallel layer holds its rank's rows of B (A whole) and a row-parallel one its rank's columns of A
+(B whole): the partial deltas sum in the layer's all-reduce.
+
+The deltas are never merged into the weights: the base weights stay exact for every other request (the
+Reasoner's chats share the und tower), and switching adapters costs nothing but passing other tensors.
+`LoraWeights` is one loaded adapter in our model's layout: what the transformer's forwards take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LoraPair = tuple[Tensor, Tensor]
+"""(A [R, in], B [out, R]) of one linear layer, B already scaled."""
+
+TOWER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The linear layers of a TowerBlock an adapter may carry deltas for."""
+
+TOP_LINEARS = (
+    "proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2", "audio_proj_in", "audio_proj_out",
+)  # fmt: skip
+"""The transformer's linear layers outside the layers (the gen pathway's embeddings and heads)."""
+
+
+def lora_delta(x: Tensor, pair: LoraPair) -> Tensor:
+    """(x A^T) B^T: x [N, in] -> [N, out], in x's dtype (the adapter is stored in the layer's dtype)."""
+    a, b = pair
+    return F.linear(F.linear(x, a), b)
+
+
+def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
+    """y (the base layer's output for x) plus the adapter's delta, or y as it is without one. 2-D (every
+    caller's [N, features]): one GEMM adds (x A^T) B^T to y (beta 1), no [N, out] delta is written and read
+    back (at 720p the gen tower's gate|up output alone is ~4 GB a forward)."""
+    if pair is None:
+        return y
+    if y.dim() != 2:
+        return y + lora_delta(x, pair)
+    a, b = pair
+    return torch.addmm(y, F.linear(x, a), b.t())  # [N, out] + [N, R] @ [R, out]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoraWeights:
+    """One adapter in our layout, on the model's device: per layer and tower the deltas of its fused linears
+    (`TOWER_LINEARS` names; absent: no delta), and those of the top-level linears (`TOP_LINEARS`)."""
+
+    key: tuple
+    """What identifies this adapter at this scale (its files and the scale): requests whose keys are equal
+    may share a forward (runner/video_pipeline.py batch_key)."""
+    layers: tuple[Mapping[str, Mapping[str, LoraPair]], ...]
+    """layers[i]["und" | "gen"][linear] -> (A, B)."""
+    top: Mapping[str, LoraPair] = field(default_factory=dict)
+
+    def tower(self, layer: int, tower: str) -> Mapping[str, LoraPair] | None:
+        """The deltas of one TowerBlock (None when the adapter has none there)."""
+        found = self.layers[layer].get(tower) if layer < len(self.layers) else None
+        return found or None
+
+    @property
+    def nbytes(self) -> int:
+        pairs = [p for layer in self.layers for tower in layer.values() for p in tower.values()]
+        return sum(t.numel() * t.element_size() for pair in [*pairs, *self.top.values()] for t in pair)

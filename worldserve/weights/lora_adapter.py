@@ -1,0 +1,295 @@
+"""LoRA adapters for the Cosmos3 transformer: find the files, check them against the model, load them into our
+fused layout (models/layers/lora.py LoraWeights).
+
+Formats (the adapter's module names are diffusers' Cosmos3OmniTransformer's, the checkpoint's key names):
+- PEFT's folder: `adapter_config.json` + `adapter_model.safetensors` (keys `base_model.model.<module>.lora_A
+  .weight` / `.lora_B.weight`), what `PeftModel.save_pretrained` writes and vLLM-Omni requires;
+- diffusers' LoRA file: `pytorch_lora_weights.safetensors` (or any one `.safetensors` file, or the folder
+  holding just one), keys `<module>.lora_A.weight` optionally prefixed `transformer.`, its LoraConfig in the
+  `lora_adapter_metadata` header entry when `save_lora_adapter` wrote it (without one, lora_alpha = r).
+Scaling as PEFT's: lora_alpha / r per module (`rank_pattern` / `alpha_pattern` matched on module names as
+PEFT matches them; rsLoRA: lora_alpha / sqrt(r)), times the request's scale; folded into B at load.
+Modules: every linear of both towers' layers (to_q/to_k/to_v/to_out, add_q_proj/add_k_proj/add_v_proj/
+to_add_out, mlp.* and mlp_moe_gen.* gate/up/down) and the gen pathway's proj_in, proj_out, time_embedder's
+two linears, audio_proj_in/out; `lm_head` (the Reasoner's head, unused by generation) is skipped with a log
+line. Anything else (DoRA, LoRA biases, fan_in_fan_out, embeddings, unknown modules, shapes that do not fit
+the model) is refused naming it: a request never runs with part of its adapter silently dropped.
+
+`inspect_adapter` reads headers only (the API's check before a job is accepted); `load_adapter` reads the
+tensors and builds this rank's LoraWeights on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from worldserve.models.cosmos3.checkpoint_keys import transformer_checkpoint_shapes
+from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.cosmos3.weights import checkpoint_target
+from worldserve.models.layers.lora import TOP_LINEARS, LoraWeights
+from worldserve.parallel.groups import SINGLE, ParallelGroup
+from worldserve.params import ParamError
+from worldserve.weights.loader import FLOAT_DTYPES
+
+log = logging.getLogger(__name__)
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
+_PREFIXES = ("base_model.model.", "transformer.")
+_KEY_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_SKIPPED = ("lm_head",)
+"""Modules an adapter may carry that generation never runs (the Reasoner's vocabulary head)."""
+
+
+def _refuse(path: str, why: str) -> ParamError:
+    return ParamError("lora", f"LoRA adapter {path!r}: {why}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """An adapter's files, checked against a model config: what `load_adapter` reads."""
+
+    path: str
+    """As the request gave it."""
+    weights: Path
+    identity: tuple
+    """(real path, size, mtime_ns) of the weights file: a rewritten file is another adapter."""
+    modules: dict[str, tuple[int, float]]
+    """module -> (rank, lora_alpha / r scaling) of every module applied."""
+    keys: dict[str, tuple[str, str]]
+    """module -> (its A key, its B key) in the file."""
+
+
+def find_adapter_files(path: str) -> tuple[Path, dict | None]:
+    """(the safetensors file, the PEFT config or None) of the adapter at `path`; ParamError naming `lora`."""
+    p = Path(path)
+    if not p.exists():
+        raise _refuse(path, "no such file or folder on the server")
+    if p.is_dir():
+        if (p / PEFT_CONFIG).is_file():
+            if not (p / PEFT_WEIGHTS).is_file():
+                found = (
+                    "adapter_model.bin (pickle: convert it to safetensors)"
+                    if (p / "adapter_model.bin").exists()
+                    else "none"
+                )
+                raise _refuse(
+                    path, f"a PEFT folder needs {PEFT_WEIGHTS} beside {PEFT_CONFIG} (found {found})"
+                )
+            return p / PEFT_WEIGHTS, _read_config(p / PEFT_CONFIG, path)
+        candidates = (
+            [p / DIFFUSERS_WEIGHTS] if (p / DIFFUSERS_WEIGHTS).is_file() else sorted(p.glob("*.safetensors"))
+        )
+        if len(candidates) != 1:
+            raise _refuse(path, f"expected {PEFT_CONFIG} + {PEFT_WEIGHTS}, {DIFFUSERS_WEIGHTS}, or one .safetensors "
+                          f"file in the folder; found {len(candidates)} .safetensors files")  # fmt: skip
+        p = candidates[0]
+    if p.suffix != ".safetensors":
+        raise _refuse(path, "adapter weights must be a .safetensors file")
+    return p, None
+
+
+def _read_config(file: Path, path: str) -> dict:
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _refuse(path, f"{file.name} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise _refuse(path, f"{file.name} is not a JSON object")
+    return config
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module name."""
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def _check_config(config: dict, path: str) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": "DoRA adapters are not supported", "fan_in_fan_out": "fan_in_fan_out weights are not supported",
+        "lora_bias": "LoRA biases are not supported",
+    }  # fmt: skip
+    for key, why in unsupported.items():
+        if config.get(key):
+            raise _refuse(path, why)
+    if config.get("bias", "none") != "none":
+        raise _refuse(path, f"bias {config.get('bias')!r} is not supported (only 'none')")
+
+
+def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
+    """The adapter at `path` checked against the model (headers only, no tensor read): every key a LoRA A or
+    B of a module the model has and worldserve applies, shapes fitting the module, float dtypes."""
+    weights, peft = find_adapter_files(path)
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            metadata = f.metadata() or {}
+            header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise _refuse(path, f"{weights.name} is not a readable safetensors file ({exc})") from None
+    if peft is None and "lora_adapter_metadata" in metadata:
+        try:
+            peft = json.loads(metadata["lora_adapter_metadata"])
+        except json.JSONDecodeError:
+            raise _refuse(path, "its lora_adapter_metadata is not JSON") from None
+    _check_config(peft or {}, path)
+    pairs: dict[str, dict[str, str]] = defaultdict(dict)
+    strange = []
+    for key in header:
+        name = next((key[len(p) :] for p in _PREFIXES if key.startswith(p)), key)
+        m = _KEY_RE.match(name)
+        if m is None:
+            strange.append(key)
+        else:
+            pairs[m["module"]][m["ab"]] = key
+    if strange:
+        raise _refuse(path, f"keys that are not PEFT LoRA A / B weights: {strange[:3]}"
+                      f"{f' (and {len(strange) - 3} more)' if len(strange) > 3 else ''}")  # fmt: skip
+    if not pairs:
+        raise _refuse(path, "it holds no LoRA weights")
+    shapes = transformer_checkpoint_shapes(config)
+    modules, keys, unknown = {}, {}, []
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise _refuse(path, f"module {module!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        if module in _SKIPPED:
+            log.info("LoRA adapter %s: %s is not used by generation, skipped", path, module)
+            continue
+        target = shapes.get(f"{module}.weight")
+        if target is None or not (module.startswith("layers.") or module in TOP_LINEARS):
+            unknown.append(module)
+            continue
+        (a_shape, a_dtype), (b_shape, b_dtype) = header[ab["A"]], header[ab["B"]]
+        out_f, in_f = target
+        if (
+            len(a_shape) != 2
+            or len(b_shape) != 2
+            or a_shape[1] != in_f
+            or b_shape[0] != out_f
+            or a_shape[0] != b_shape[1]
+        ):
+            raise _refuse(path, f"module {module!r}: lora_A {list(a_shape)} / lora_B {list(b_shape)} do not fit its "
+                          f"weight [{out_f}, {in_f}] (A [r, {in_f}], B [{out_f}, r])")  # fmt: skip
+        if a_dtype not in FLOAT_DTYPES or b_dtype not in FLOAT_DTYPES:
+            raise _refuse(
+                path, f"module {module!r}: lora weights must be floating point ({a_dtype}, {b_dtype})"
+            )
+        rank = a_shape[0]
+        if peft is not None and _pattern_value(peft.get("rank_pattern"), module, peft.get("r", rank)) != rank:
+            raise _refuse(path, f"module {module!r} has rank {rank}, its config says "
+                          f"{_pattern_value(peft.get('rank_pattern'), module, peft.get('r'))}")  # fmt: skip
+        alpha = (
+            rank
+            if peft is None
+            else _pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", rank))
+        )
+        rs = bool(peft and peft.get("use_rslora"))
+        modules[module] = (rank, float(alpha) / (math.sqrt(rank) if rs else rank))
+        keys[module] = (ab["A"], ab["B"])
+    if unknown:
+        raise _refuse(path, f"it targets modules worldserve's Cosmos3 transformer does not apply LoRA to: "
+                      f"{unknown[:4]}{f' (and {len(unknown) - 4} more)' if len(unknown) > 4 else ''}")  # fmt: skip
+    stat = os.stat(weights)
+    identity = (str(weights.resolve()), stat.st_size, stat.st_mtime_ns)
+    return AdapterSpec(path=path, weights=weights, identity=identity, modules=modules, keys=keys)
+
+
+def load_adapter(
+    spec: AdapterSpec, scale: float, config: Cosmos3Config, *, dtype: torch.dtype, device: torch.device,
+    tp: ParallelGroup = SINGLE,
+) -> LoraWeights:  # fmt: skip
+    """The adapter's tensors as this rank's LoraWeights on `device`: B scaled by the module's scaling times
+    `scale`, fused parts stacked (A) and block-diagonal (B), tensor-parallel slices cut as the base weights
+    are (models/cosmos3/weights.py). The time embedder's pairs stay float32 as its weights do."""
+    fused: dict[str, list[tuple]] = defaultdict(list)  # our linear -> [(target, A, B)]
+    top = {}
+    with safe_open(str(spec.weights), framework="pt") as f:
+        for module, (_, scaling) in spec.modules.items():
+            a_key, b_key = spec.keys[module]
+            a = f.get_tensor(a_key).float()  # [r, in]
+            b = f.get_tensor(b_key).float() * (scaling * scale)  # [out, r]
+            if module in TOP_LINEARS:
+                pair_dtype = torch.float32 if module.startswith("time_embedder.") else dtype
+                top[module] = (a.to(device, pair_dtype), b.to(device, pair_dtype))
+                continue
+            target = checkpoint_target(f"{module}.weight", config, tp.size)
+            fused[target.name.removesuffix(".weight")].append((target, a, b))
+    layers: list[dict[str, dict]] = [{} for _ in range(config.num_hidden_layers)]
+    for name, parts in fused.items():
+        _, layer, tower, linear = name.split(".")  # layers.<i>.<und|gen>.<linear>
+        rows = {"qkv_proj": config.q_dim + 2 * config.kv_dim, "gate_up_proj": 2 * config.intermediate_size}
+        out_local = (
+            rows[linear] // tp.size if linear in rows else config.hidden_size
+        )  # (o_proj, down_proj: d)
+        layers[int(layer)].setdefault(tower, {})[linear] = _fuse(parts, out_local, tp, dtype, device)
+    return LoraWeights(key=(spec.identity, float(scale), tp.rank), layers=tuple(layers), top=top)
+
+
+def _fuse(
+    parts: list[tuple], out_local: int, tp: ParallelGroup, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """One fused linear's (A [R, in_local], B [out_local, R]) from its parts' (target, A, B): A rows stacked,
+    B block-diagonal at each part's rows (zeros elsewhere: a part without an adapter gets no delta)."""
+    a_rows, blocks, total = [], [], 0
+    for target, a, b in parts:
+        if target.shard_dim == 1 and tp.size > 1:  # row-parallel: this rank's input columns of A
+            n = a.shape[1] // tp.size
+            a = a.narrow(1, tp.rank * n, n)
+        if target.shard_dim == 0 and tp.size > 1:  # column-parallel: this rank's output rows of B
+            n = b.shape[0] // tp.size
+            b = b.narrow(0, tp.rank * n, n)
+        a_rows.append(a)
+        blocks.append((target, b, total))
+        total += a.shape[0]
+    fused_b = torch.zeros(out_local, total)
+    for target, b, col in blocks:
+        fused_b[target.offset : target.offset + b.shape[0], col : col + b.shape[1]] = b
+    return torch.cat(a_rows).to(device, dtype), fused_b.to(device, dtype)
+
+
+def write_random_adapter(
+    folder: str | Path, config: Cosmos3Config, *, rank: int = 4, alpha: float = 8.0, seed: int = 0,
+    std: float = 0.05, dtype: torch.dtype = torch.float32,
+) -> str:  # fmt: skip
+    """A PEFT adapter folder with random A (std 0.2) and B (`std`) for every module this file applies (both
+    towers' layer linears, the gen pathway's embeddings and heads): tests' and benchmarks' adapters, a delta
+    everywhere. Returns the folder."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, shape in transformer_checkpoint_shapes(config).items():
+        module = key.removesuffix(".weight")
+        layer_linear = (
+            key.startswith("layers.") and ("_proj." in key or ".to_" in key) and key.endswith(".weight")
+        )
+        if len(shape) != 2 or not (layer_linear or module in TOP_LINEARS):
+            continue
+        out_f, in_f = shape
+        tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, in_f, generator=g) * 0.2).to(
+            dtype
+        )
+        tensors[f"base_model.model.{module}.lora_B.weight"] = (
+            torch.randn(out_f, rank, generator=g) * std
+        ).to(dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / PEFT_WEIGHTS))
+    (folder / PEFT_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha}))
+    return str(folder)
