@@ -13,14 +13,14 @@ import pytest
 from serving_helpers import SMALL_FORM, asgi_server, poll_job, realtime_session, uvicorn_thread, wait_until
 from test_api_videos import RecordingBackend
 
-from worldserve.api.lora_field import PER_REQUEST_OFF
+from worldserve.api.lora_field import PER_REQUEST_OFF, LoraSettings
 from worldserve.engine.client import EncodeOptions
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.job_files import inputs_from_record, inputs_record
 from worldserve.params import LoraRequest, VideoParams
 
 pytestmark = pytest.mark.anyio
-ON = {"enable_lora": True}
+ON = {"lora": LoraSettings(per_request=True)}
 """build_app's options of a server started with --enable-lora."""
 STATIC = LoraRequest(name="static", path="/srv/loras/house-style", scale=0.7)
 IMAGE = {"prompt": "a fox", "size": "64x48", "num_inference_steps": 1}
@@ -131,7 +131,10 @@ async def test_a_requests_own_adapter_needs_enable_lora(tmp_path):
     disk), also beside a static one; requests without one run (the static adapter, or none)."""
     backend = RecordingBackend()
     own = {"name": "mine", "path": "/srv/loras/mine"}
-    for folder, app_kw, default in (("plain", {}, None), ("static", {"static_lora": STATIC}, STATIC)):
+    for folder, app_kw, default in (
+        ("plain", {}, None),
+        ("static", {"lora": LoraSettings(static=STATIC)}, STATIC),
+    ):
         async with asgi_server(tmp_path / folder, backend=backend, app_kw=app_kw) as http:
             body = {"prompt": "x", **SMALL_FORM}
             for route, send in (("/v1/videos", {"data": {**body, "lora": json.dumps(own)}}),
@@ -149,7 +152,9 @@ async def test_the_static_adapter_runs_unless_a_request_names_its_own(tmp_path):
     """--lora-path / --lora-scale: every video and image request naming no adapter runs the static one; with
     --enable-lora a request's own replaces it (a scale of 0: the base model, the static one not applied)."""
     backend = RecordingBackend()
-    async with asgi_server(tmp_path, backend=backend, app_kw={**ON, "static_lora": STATIC}) as http:
+    async with asgi_server(
+        tmp_path, backend=backend, app_kw={"lora": LoraSettings(per_request=True, static=STATIC)}
+    ) as http:
         body = {"prompt": "x", **SMALL_FORM}
         assert await made(http, backend, "/v1/videos", data=body) == STATIC
         assert await made(http, backend, "/v1/videos/sync", json=body) == STATIC

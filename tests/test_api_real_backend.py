@@ -168,11 +168,13 @@ async def test_jobs_with_and_without_an_adapter_run_side_by_side(tmp_path, pipel
     and the adapter changed the video."""
     from pipeline_helpers import write_random_adapter
 
+    from worldserve.api.lora_field import LoraSettings
+
     adapter = write_random_adapter(tmp_path / "fox", tiny_ckpt, std=0.2)
     fields = {"prompt": "a fox", **TINY, "generate_sound": "false", "seed": "5"}
     lora = f'{{"name": "fox", "path": "{adapter}", "scale": 0.8}}'
     async with asgi_server(tmp_path / "s", backend=pipeline, real_encoder=True, max_batch_size=3,
-                           app_kw={"enable_lora": True}) as http:  # fmt: skip
+                           app_kw={"lora": LoraSettings(per_request=True)}) as http:  # fmt: skip
         bad = await http.post("/v1/videos", data={**fields, "lora": '{"name": "x", "path": "/nowhere"}'})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora", bad.text
         jobs = await asyncio.gather(

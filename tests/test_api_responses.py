@@ -458,7 +458,7 @@ def test_a_server_that_stores_nothing(reasoner, tmp_path):
 
     argv = ["serve", "--responses-store-mb", "0"]
     assert (
-        serve.app_options(serve.engine_config(build_parser(argv).parse_args(argv)))["responses_store_bytes"]
+        serve.app_settings(serve.engine_config(build_parser(argv).parse_args(argv))).responses_store_bytes
         == 0
     )
     with pytest.raises(ValueError, match="--responses-store-mb must be >= 0"):  # serve logs it and exits 2

@@ -26,15 +26,15 @@ def oai(reasoner, tmp_path_factory):
 
 
 def test_the_flags_reach_the_app():
-    options = serve.app_options(config("--response-role", "bot", "--return-tokens-as-token-ids",
+    options = serve.app_settings(config("--response-role", "bot", "--return-tokens-as-token-ids",
                                        "--enable-force-include-usage"))  # fmt: skip
-    assert (options["response_role"], options["tokens_as_ids"], options["force_include_usage"]) == (
+    assert (options.response_role, options.tokens_as_ids, options.force_include_usage) == (
         "bot",
         True,
         True,
     )
-    defaults = serve.app_options(config())
-    assert (defaults["response_role"], defaults["tokens_as_ids"], defaults["force_include_usage"]) == (
+    defaults = serve.app_settings(config())
+    assert (defaults.response_role, defaults.tokens_as_ids, defaults.force_include_usage) == (
         "assistant",
         False,
         False,
@@ -102,7 +102,7 @@ def test_seed_makes_unseeded_requests_repeat_across_restarts(reasoner, tmp_path)
     assert first[0][0] != first[0][1]  # one sequence: each request its own seed
     other = run(tmp_path / "c", RequestSeeds(8))
     assert other[:2] != first[:2] and other[2] == first[2]  # another sequence; a request's seed wins
-    options = serve.app_options(config("--seed", "5"))["request_seeds"]
-    assert isinstance(options, RequestSeeds) and serve.app_options(config())["request_seeds"] is None
+    options = serve.app_settings(config("--seed", "5")).request_seeds
+    assert isinstance(options, RequestSeeds) and serve.app_settings(config()).request_seeds is None
     with pytest.raises(ValueError, match="--seed must be in"):
         config("--seed", str(2**63))

@@ -216,9 +216,9 @@ def test_a_cancelled_request_pool_call_sets_its_stop_and_ends_quietly(caplog):
 
 
 def test_the_flag_reaches_the_app():
-    assert serve.app_options(config())["video_decode_pixels"] == DEFAULT_MAX_PIXELS == 48 * 10**9
+    assert serve.app_settings(config()).video_decode_pixels == DEFAULT_MAX_PIXELS == 48 * 10**9
     assert (
-        serve.app_options(config("--max-video-decode-gpixels", "2.5"))["video_decode_pixels"] == 2_500_000_000
+        serve.app_settings(config("--max-video-decode-gpixels", "2.5")).video_decode_pixels == 2_500_000_000
     )
     for bad in ("0", "-1", "nan", "inf"):
         with pytest.raises(ValueError, match="--max-video-decode-gpixels must be"):

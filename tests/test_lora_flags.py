@@ -26,14 +26,14 @@ def test_the_flags_become_the_apps_lora_options(tmp_path, monkeypatch):
     (tmp_path / "style").mkdir()
     cfg = config("--enable-lora", "--lora-path", "style", "--lora-scale", "0.5")
     assert (cfg.lora.enable_lora, cfg.lora.lora_path, cfg.lora.lora_scale) == (True, "style", 0.5)
-    options = serve.app_options(cfg)
-    assert options["enable_lora"] is True
-    assert options["static_lora"] == LoraRequest(name="static", path=str(tmp_path / "style"), scale=0.5)
-    assert serve.app_options(config("--lora-path", "/srv/a.safetensors"))["static_lora"] == LoraRequest(
+    options = serve.app_settings(cfg)
+    assert options.lora.per_request is True
+    assert options.lora.static == LoraRequest(name="static", path=str(tmp_path / "style"), scale=0.5)
+    assert serve.app_settings(config("--lora-path", "/srv/a.safetensors")).lora.static == LoraRequest(
         "static", "/srv/a.safetensors", 1.0
     )
-    plain = serve.app_options(config())
-    assert (plain["enable_lora"], plain["static_lora"]) == (False, None)
+    plain = serve.app_settings(config())
+    assert (plain.lora.per_request, plain.lora.static) == (False, None)
 
 
 @pytest.mark.parametrize(

@@ -146,12 +146,12 @@ def test_the_flag_reaches_the_app():
     from worldserve.commands import serve
 
     def options(*argv):
-        return serve.app_options(
+        return serve.app_settings(
             serve.engine_config(build_parser(["serve", *argv]).parse_args(["serve", *argv]))
         )
 
-    assert options("--reasoning-parser", "qwen3")["reasoning_parser"] == "qwen3"
-    assert options()["reasoning_parser"] is None
+    assert options("--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
+    assert options().reasoning_parser is None
     with pytest.raises(SystemExit):
         options("--reasoning-parser", "deepseek_r1")
 

@@ -27,11 +27,11 @@ def _lines(caplog) -> list[str]:
 
 
 def test_the_flags_reach_the_app_and_bad_lengths_are_refused():
-    assert serve.app_options(config())["request_log"] is None
-    assert serve.app_options(config("--enable-log-requests", "--max-log-len", "7"))[
-        "request_log"
-    ] == RequestLog(7)
-    assert serve.app_options(config("--enable-log-requests"))["request_log"] == RequestLog(None)
+    assert serve.app_settings(config()).request_log is None
+    assert serve.app_settings(
+        config("--enable-log-requests", "--max-log-len", "7")
+    ).request_log == RequestLog(7)
+    assert serve.app_settings(config("--enable-log-requests")).request_log == RequestLog(None)
     with pytest.raises(ValueError, match="--max-log-len must be >= 0"):
         config("--max-log-len", "-1")
 

@@ -89,7 +89,7 @@ def test_reasoner_recipe_line(caplog):
         cfg.media.media_io_kwargs.as_dict() == {"video": {"num_frames": -1}}
         and args.mm_encoder_tp_mode == "data"
     )
-    assert serve.app_options(cfg)["media_defaults"].media_io == {"video": {"num_frames": -1}}  # honoured
+    assert serve.app_settings(cfg).media_defaults.media_io == {"video": {"num_frames": -1}}  # honoured
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, cfg)
     given = {flag_of(r) for r in caplog.records}
@@ -99,7 +99,7 @@ def test_reasoner_recipe_line(caplog):
         "--async-scheduling",
         "--gpu-memory-utilization",
     } <= given
-    assert cfg.server.disable_log_stats and serve.app_options(cfg)["stats_interval_s"] is None  # honoured
+    assert cfg.server.disable_log_stats and serve.app_settings(cfg).stats_interval_s is None  # honoured
 
 
 def test_model_option_is_a_deprecated_alias(caplog, tmp_path, monkeypatch):
@@ -165,7 +165,7 @@ async def serving(tmp_path, monkeypatch, *argv: str, **client_kw) -> AsyncIterat
     ):
         monkeypatch.delenv(name, raising=False)
     cfg = config("--storage-dir", str(tmp_path / "store"), "--shutdown-timeout", "0.3", *argv).resolve()
-    app = build_app(make_client(tmp_path / "store", **client_kw), **serve.app_options(cfg))
+    app = build_app(make_client(tmp_path / "store", **client_kw), serve.app_settings(cfg))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
@@ -302,13 +302,13 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
         "example.com",
         "cdn.example.com",
     ]  # honoured: api/media_urls.py
-    assert serve.app_options(cfg)["allowed_media_domains"] == ("example.com", "cdn.example.com")
+    assert serve.app_settings(cfg).allowed_media_domains == ("example.com", "cdn.example.com")
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
     given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
     assert sorted(logged) == sorted(given) and len(given) >= 43
-    assert dict(cfg.media.limit_mm_per_prompt) == {} and serve.app_options(cfg)["mm_limits"] == {}
+    assert dict(cfg.media.limit_mm_per_prompt) == {} and serve.app_settings(cfg).mm_limits == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
     assert (
         "--ring-degree 1: accepted, no effect" in caplog.text

@@ -48,10 +48,10 @@ def test_a_line_reports_the_interval_and_the_queues():
 
 
 def test_the_period_comes_from_the_environment_and_the_flag_turns_it_off(monkeypatch):
-    assert serve.app_options(config())["stats_interval_s"] == 10.0
-    assert serve.app_options(config("--disable-log-stats"))["stats_interval_s"] is None
+    assert serve.app_settings(config()).stats_interval_s == 10.0
+    assert serve.app_settings(config("--disable-log-stats")).stats_interval_s is None
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "2.5")
-    assert serve.app_options(config())["stats_interval_s"] == 2.5
+    assert serve.app_settings(config()).stats_interval_s == 2.5
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0")
     with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL"):
         config().resolve()

@@ -1,4 +1,4 @@
-"""build_app(client, ...) -> the FastAPI application: video routes (and the /v1/realtime/video WebSocket),
+"""build_app(client, settings) -> the FastAPI application (settings: the server flags, api/settings.py): video routes (and the /v1/realtime/video WebSocket),
 /v1/images/generations, /v1/chat/completions, /v1/completions, /v1/responses, /tokenize and /detokenize
 (a 400 without a chat backend), /v1/models, /health, /ping, /load, /version, /metrics.
 
@@ -15,10 +15,11 @@ every error into the vLLM envelope (errors.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,80 +30,36 @@ from fastapi.responses import JSONResponse, Response
 from worldserve import __version__, envs
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
 from worldserve.api.chat import router as chat_router
-from worldserve.api.chat_options import MediaDefaults
 from worldserve.api.completions import router as completions_router
 from worldserve.api.errors import install_error_handlers
 from worldserve.api.http_metrics import HTTPMetricsMiddleware
 from worldserve.api.images import router as images_router
-from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.realtime import router as realtime_router
-from worldserve.api.request_log import RequestLog
 from worldserve.api.responses import router as responses_router
 from worldserve.api.responses_store import ResponseStore
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
+from worldserve.api.settings import AppSettings
 from worldserve.api.state import AppState
 from worldserve.api.stats_log import StatsLog
 from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
-from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS
-from worldserve.params import LoraRequest
-from worldserve.sampling.chat_defaults import RequestSeeds
 
 
 def build_app(
     client: EngineClient,
+    settings: AppSettings | None = None,
     *,
     metrics: Metrics | None = None,
-    api_keys: Sequence[str] = (),
-    sync_timeout_s: float = 600.0,
-    max_upload_bytes: int = 100 * 2**20,
-    shutdown_timeout_s: float = 30.0,
-    model_root: str | None = None,
-    model_aliases: Sequence[str] = (),
-    allowed_local_media_path: str | None = None,
-    allowed_origins: Sequence[str] = ("*",),
-    allowed_methods: Sequence[str] = ("*",),
-    allowed_headers: Sequence[str] = ("*",),
-    allow_credentials: bool = False,
-    request_id_headers: bool = True,
-    default_flow_shift: float | None = None,
-    video_defaults: Mapping[str, Any] | None = None,
-    enable_lora: bool = False,
-    static_lora: LoraRequest | None = None,
-    allowed_media_domains: Sequence[str] = (),
-    server_load_tracking: bool = False,
-    mm_limits: Mapping[str, int] | None = None,
-    video_decode_pixels: int = DEFAULT_MAX_PIXELS,
-    reasoning_parser: str | None = None,
-    prompt_tokens_details: bool = False,
-    response_role: str = "assistant",
-    tokens_as_ids: bool = False,
-    force_include_usage: bool = False,
-    request_log: RequestLog | None = None,
-    stats_interval_s: float | None = None,
-    request_seeds: RequestSeeds | None = None,
-    media_defaults: MediaDefaults = MediaDefaults(),
-    responses_store_bytes: int = 256 * 2**20,
-    docs: bool = True,
+    **changes: Any,
 ) -> FastAPI:
-    """The application over `client`; the keyword arguments are the server flags of the same names (the CORS
-    lists as vLLM's `--allowed-*`, `request_id_headers` = `--enable-request-id-headers`, `default_flow_shift` =
-    `--flow-shift` (image requests), `video_defaults` = `VideoApiConfig.video_defaults` (--default-sampling-params
-    and --flow-shift: video requests), `enable_lora` = `--enable-lora` (requests may name their own LoRA adapter),
-    `static_lora`: `--lora-path` / `--lora-scale`'s adapter (None: none), `allowed_media_domains` =
-    `--allowed-media-domains`: empty, any host, `server_load_tracking` = `--enable-server-load-tracking`,
-    `mm_limits` = `--limit-mm-per-prompt`, `video_decode_pixels` = `--max-video-decode-gpixels` (in pixels),
-    `reasoning_parser` = `--reasoning-parser`, `prompt_tokens_details` = `--enable-prompt-tokens-details`,
-    `response_role` = `--response-role`, `tokens_as_ids` = `--return-tokens-as-token-ids`, `force_include_usage` =
-    `--enable-force-include-usage`, `request_log`: `--enable-log-requests` (None: off), `stats_interval_s`: the
-    stats line's period (None: `--disable-log-stats`), `request_seeds`: `--seed`'s (None: random seeds),
-    `media_defaults`: `--media-io-kwargs` / `--mm-processor-kwargs`,
-    `responses_store_bytes` = `--responses-store-mb`; `docs` False:
-    vLLM's `--disable-fastapi-docs`, no /docs, /redoc or /openapi.json)."""
+    """The application over `client` with the server flags `settings` (api/settings.py; default: a bare
+    server's), `changes` replacing some of their fields (`build_app(client, shutdown_timeout_s=1.0)`)."""
+    settings = dataclasses.replace(settings or AppSettings(), **changes)
+    shutdown_timeout_s, stats_interval_s = settings.shutdown_timeout_s, settings.stats_interval_s
     metrics = metrics or Metrics(client.model_name)
     load = ServerLoad()
     metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
@@ -139,32 +96,26 @@ def build_app(
         version=__version__,
         description="vLLM-Omni / OpenAI-Videos-compatible video generation for Cosmos3 models.",
         lifespan=lifespan,
-        **({} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
+        **({} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
     )
     app.state.ws = AppState(
-        client=client, metrics=metrics, served_model_name=client.model_name,
-        model_aliases=tuple(model_aliases),
-        sync_timeout_s=sync_timeout_s, max_upload_bytes=max_upload_bytes,
-        allowed_local_media_path=allowed_local_media_path, default_flow_shift=default_flow_shift,
-        video_defaults=dict(video_defaults or {}), lora=LoraSettings(enable_lora, static_lora),
+        client=client, metrics=metrics, served_model_name=client.model_name, settings=settings,
         # (the environment is read here, at startup: a malformed timeout stops the start)
-        media=MediaFetcher(max_upload_bytes, tuple(allowed_media_domains), envs.media_url_allow_redirects()),
-        mm_limits=dict(mm_limits or {}), video_decode_pixels=video_decode_pixels, reasoning_parser=reasoning_parser, response_role=response_role,
-        tokens_as_ids=tokens_as_ids, force_include_usage=force_include_usage, request_log=request_log,
-        request_seeds=request_seeds, media_defaults=media_defaults,
-        prompt_tokens_details=prompt_tokens_details,
-        responses=ResponseStore(responses_store_bytes) if responses_store_bytes > 0 else None,
-        load=load if server_load_tracking else None,
+        media=MediaFetcher(settings.max_upload_bytes, settings.allowed_media_domains,
+                           envs.media_url_allow_redirects()),
+        responses=ResponseStore(settings.responses_store_bytes) if settings.responses_store_bytes > 0 else None,
+        load=load if settings.server_load_tracking else None,
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)
-    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
-                       allow_methods=list(allowed_methods), allow_headers=list(allowed_headers))  # fmt: skip
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                       allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),
+                       allow_headers=list(settings.allowed_headers))  # fmt: skip
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # inside auth: 401s not counted (vLLM's)
-    app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
-    if server_load_tracking:
+    app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    if settings.server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=load)
-    if request_id_headers:
+    if settings.request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     app.include_router(videos_router)
     app.include_router(realtime_router)
@@ -182,8 +133,8 @@ def build_app(
         # vLLM's card carries the context length; None where no chat is served (vLLM-Omni's diffusion cards)
         max_len = app.state.ws.max_model_len
         # one card per --served-model-name, as vLLM lists them
-        return ModelList(data=[ModelCard(id=n, created=created, root=model_root or name, max_model_len=max_len,
-                                         permission=[permission]) for n in (name, *model_aliases)])  # fmt: skip
+        return ModelList(data=[ModelCard(id=n, created=created, root=settings.model_root or name, max_model_len=max_len,
+                                         permission=[permission]) for n in (name, *settings.model_aliases)])  # fmt: skip
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:

@@ -200,12 +200,12 @@ def prepared_params(
         lo, hi = options.image_pixels
         tokens = partial(prompts.preprocess.tokens, min_pixels=lo, max_pixels=hi)
         budget = ImageBudget(worker.backend.max_model_len, tokens)
-    videos = DecodeBudget(st.video_decode_pixels, stop)
+    videos = DecodeBudget(st.settings.video_decode_pixels, stop)
     params = build_params(
-        body, st.allowed_local_media_path, fetched, options, cache, budget, st.chat_defaults, videos
+        body, st.settings.allowed_local_media_path, fetched, options, cache, budget, st.chat_defaults, videos
     )
     params = st.seeded(params)
-    if st.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
+    if st.settings.reasoning_parser is not None:  # stop strings (and a grammar) start after the thoughts
         params = dataclasses.replace(
             params, stops_after_thoughts=True, think_first=params.structured is not None
         )
@@ -235,7 +235,7 @@ async def _read_body(request: Request) -> ChatCompletionRequest:
     """The JSON body, validated (400 envelope with `param` on any problem; other content types refused)."""
     st = app_state(request)
     context = fits_context("messages", st.max_model_len)
-    return await read_model(request, ChatCompletionRequest, st.max_upload_bytes, context)
+    return await read_model(request, ChatCompletionRequest, st.settings.max_upload_bytes, context)
 
 
 MAX_CHOICES = 16
@@ -275,8 +275,8 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
                        "tool_choice", param=field)  # fmt: skip
     compiler = grammar_compiler(st.client.chat_worker)
     # a grammar compiles there: off the event loop
-    options = await asyncio.to_thread(request_options, body, compiler, st.media_defaults)
-    fetched = await prefetch_media(body, st.media, st.mm_limits)
+    options = await asyncio.to_thread(request_options, body, compiler, st.settings.media_defaults)
+    fetched = await prefetch_media(body, st.media, st.settings.mm_limits)
     if next(media_parts(body), None) is None:
         params = await asyncio.to_thread(prepared_params, st, body, fetched, options)
     else:  # off the default pool (work_pool.py); the client leaving stops the decoding (`stop`)
@@ -295,8 +295,10 @@ async def _answer(
 ):
     """Start the choices together (`opened` gets their event streams), wait for each one's first event,
     then answer (its id `request_id`): SSE, or the whole completion."""
-    role = st.response_role if body.add_generation_prompt else body.messages[-1].role  # (vLLM's rule)
-    parsing = TextParsing(tools=tools, reasoning=st.reasoning_parser is not None,
+    role = (
+        st.settings.response_role if body.add_generation_prompt else body.messages[-1].role
+    )  # (vLLM's rule)
+    parsing = TextParsing(tools=tools, reasoning=st.settings.reasoning_parser is not None,
                           include_reasoning=body.include_reasoning, echo=body.echo_text(), role=role)  # fmt: skip
     # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
     # merged at the end, which spares the event loop a wake-up per chat and token
@@ -310,13 +312,13 @@ async def _answer(
     first = firsts[-1]
     created, model = int(time.time()), st.served_model_name
     cached = (
-        firsts[0].cached_tokens if st.prompt_tokens_details else None
+        firsts[0].cached_tokens if st.settings.prompt_tokens_details else None
     )  # (the choices' leader looked it up)
-    if st.request_log is not None:
-        st.request_log.chat(request_id, body.messages, choices[0], len(choices), first.prompt_tokens)
-    view = TokenView.of(body, st.tokens_as_ids)
+    if st.settings.request_log is not None:
+        st.settings.request_log.chat(request_id, body.messages, choices[0], len(choices), first.prompt_tokens)
+    view = TokenView.of(body, st.settings.tokens_as_ids)
     if body.stream:
-        include_usage, continuous_usage = body.stream_usage(st.force_include_usage)
+        include_usage, continuous_usage = body.stream_usage(st.settings.force_include_usage)
         stream = sse(streams, request_id, created, model, first.prompt_tokens, include_usage, continuous_usage,
                      parsing, cached, view, first.prompt_token_ids)  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -94,7 +94,7 @@ def chat_params(
 )
 async def create_completion(request: Request, st: State):
     """OpenAI text completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
-    body = await read_model(request, CompletionRequest, st.max_upload_bytes)
+    body = await read_model(request, CompletionRequest, st.settings.max_upload_bytes)
     if not st.serves(body.model):
         return model_not_found(body.model)
     if (refused := body.refused()) is not None:
@@ -145,20 +145,23 @@ async def _answer(
         st.client, choices, st.chat_meter(request_id), coalesce=not body.stream, opened=opened
     )
     prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
-    cached = [first.cached_tokens for first in firsts[:: body.n]] if st.prompt_tokens_details else None
+    cached = (
+        [first.cached_tokens for first in firsts[:: body.n]] if st.settings.prompt_tokens_details else None
+    )
     c = Completion(
         request_id, int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
         prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only, cached=cached,
         prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
-        view=TokenView.of(body, st.tokens_as_ids),
+        view=TokenView.of(body, st.settings.tokens_as_ids),
         prompt_ids=[first.prompt_token_ids for first in firsts[:: body.n]],
     )  # fmt: skip
-    if st.request_log is not None:
+    if st.settings.request_log is not None:
         prompt = body.prompt if isinstance(body.prompt, str) else json.dumps(body.prompt)
-        st.request_log.received(c.request_id, prompt, {**sampling(choices[0]), "n": body.n},
+        st.settings.request_log.received(c.request_id, prompt, {**sampling(choices[0]), "n": body.n},
                                 prompt_tokens=sum(prompt_tokens))  # fmt: skip
     if body.stream:
         return StreamingResponse(
-            sse(streams, c, *body.stream_usage(st.force_include_usage)), media_type="text/event-stream"
+            sse(streams, c, *body.stream_usage(st.settings.force_include_usage)),
+            media_type="text/event-stream",
         )
     return await collect(streams, c)

@@ -146,15 +146,15 @@ async def _generated(st: AppState, params: list[VideoParams], request_id: str, h
     `revised_prompt`; the requests hold their queue slots meanwhile), one for the n images (the first one's
     seed). One sync timeout for the whole request. A failed upsampling answers the chat's status (500 when
     the answer does not parse) with the reason; past the timeout a 504, the chat stopped."""
-    deadline = time.monotonic() + st.sync_timeout_s
+    deadline = time.monotonic() + st.settings.sync_timeout_s
     revised = None
     if params[0].upsample_prompt:
         try:
             revised = await st.client.jobless.admitted_upsampling(
-                params[0], request_id, st.sync_timeout_s, len(params)
+                params[0], request_id, st.settings.sync_timeout_s, len(params)
             )
         except TimeoutError:
-            raise APIError(504, f"Image generation timed out after {st.sync_timeout_s:g}s (while its prompt "
+            raise APIError(504, f"Image generation timed out after {st.settings.sync_timeout_s:g}s (while its prompt "
                            "was being written).", headers=headers) from None  # fmt: skip
         except UpsamplingFailed as exc:
             raise APIError(
@@ -199,7 +199,7 @@ async def create_images(request: Request, st: State) -> Response:
     """Text-to-image (JSON body): `n` images as base64 in `data` (or as a file: `image_file`), generated
     with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
-    req = await read_model(request, ImageGenerationRequest, st.max_upload_bytes)
+    req = await read_model(request, ImageGenerationRequest, st.settings.max_upload_bytes)
     if not st.serves(req.model):
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip
@@ -210,18 +210,20 @@ async def create_images(request: Request, st: State) -> Response:
     # tokenising the prompts (model-aware validation) runs off the event loop: a long prompt must not
     # stall every other request
     params = await asyncio.to_thread(
-        lambda: [st.client.validate(p) for p in build_params(req, st.default_flow_shift, st.lora)]
+        lambda: [
+            st.client.validate(p) for p in build_params(req, st.settings.default_flow_shift, st.settings.lora)
+        ]
     )
     headers = {"X-Request-Id": request_id}
-    if st.request_log is not None:  # (the n images differ by their seeds only)
-        st.request_log.video(request_id, params[0])
+    if st.settings.request_log is not None:  # (the n images differ by their seeds only)
+        st.settings.request_log.video(request_id, params[0])
     try:
         revised, results = await unless_disconnected(request, _generated(st, params, request_id, headers))
     except (ClientGone, APIError):
         raise
     except TimeoutError:
         raise APIError(
-            504, f"Image generation timed out after {st.sync_timeout_s:g}s.", headers=headers
+            504, f"Image generation timed out after {st.settings.sync_timeout_s:g}s.", headers=headers
         ) from None
     except (QueueFullError, ShuttingDownError) as exc:
         raise st.refusal(exc, headers) from None

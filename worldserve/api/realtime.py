@@ -169,7 +169,9 @@ class _Session:
         client = self.st.client
         if params.upsample_prompt:
             started = await self._upsampled(
-                client.jobless.stream_upsampled(params, self.request_id, on_frames, self.st.sync_timeout_s),
+                client.jobless.stream_upsampled(
+                    params, self.request_id, on_frames, self.st.settings.sync_timeout_s
+                ),
                 control,
             )
             if started is None:
@@ -182,8 +184,8 @@ class _Session:
             except (QueueFullError, ShuttingDownError) as exc:
                 await self._refused(exc)
                 return False
-        if self.st.request_log is not None:
-            self.st.request_log.video(self.request_id, params)
+        if self.st.settings.request_log is not None:
+            self.st.settings.request_log.video(self.request_id, params)
         await self._send({"type": "video.start", "request_id": self.request_id, "format": "m4s",
                           "config": config})  # fmt: skip
         return True
@@ -203,7 +205,7 @@ class _Session:
         try:
             return work.result()
         except TimeoutError:
-            await self._error(f"Prompt upsampling timed out after {self.st.sync_timeout_s:g}s.", 504)
+            await self._error(f"Prompt upsampling timed out after {self.st.settings.sync_timeout_s:g}s.", 504)
         except (QueueFullError, ShuttingDownError) as exc:
             await self._refused(exc)
         except UpsamplingFailed as exc:
@@ -310,9 +312,9 @@ class _Session:
         fields = json_body_fields(fields)
         st = self.st
         inputs = await build_inputs(fields, served_model=st.served_model_name,
-                                    model_aliases=st.model_aliases, has_sound=st.client.has_sound,
-                                    defaults=st.video_defaults, fetcher=st.media,
-                                    decode_pixels=st.video_decode_pixels, lora=st.lora)  # fmt: skip
+                                    model_aliases=st.settings.model_aliases, has_sound=st.client.has_sound,
+                                    defaults=st.settings.video_defaults, fetcher=st.media,
+                                    decode_pixels=st.settings.video_decode_pixels, lora=st.settings.lora)  # fmt: skip
         # video.start's config: the request as validated (vLLM-Omni's), less the references' bytes
         request = inputs.request.model_dump(exclude_none=True)
         config = {k: v for k, v in request.items() if k not in REFERENCES}

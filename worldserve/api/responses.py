@@ -70,7 +70,7 @@ def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
 async def create_response(request: Request, st: State):
     """An OpenAI Responses API answer from the Reasoner (JSON body; `stream: true` answers semantic events)."""
     req = await read_model(
-        request, ResponsesRequest, st.max_upload_bytes, fits_context("input", st.max_model_len)
+        request, ResponsesRequest, st.settings.max_upload_bytes, fits_context("input", st.max_model_len)
     )
     if not st.serves(req.model):
         return model_not_found(req.model)
@@ -104,7 +104,7 @@ async def create_response(request: Request, st: State):
     except (APIError, ParamError) as exc:
         raise paths.rename(exc) from None
     opened: list = []  # the chat's events, to cancel if the client goes away at any point
-    parsing = TextParsing(tools=options.tools, reasoning=st.reasoning_parser is not None,
+    parsing = TextParsing(tools=options.tools, reasoning=st.settings.reasoning_parser is not None,
                           include_reasoning=req.include_reasoning)  # fmt: skip
 
     async def answer():
@@ -120,8 +120,10 @@ async def create_response(request: Request, st: State):
         builder = ResponseBuilder(
             skeleton, parsing, req.logprobs, firsts[0].prompt_tokens, firsts[0].cached_tokens
         )
-        if st.request_log is not None:
-            st.request_log.chat(builder.body["id"], chat.messages, choices[0], 1, firsts[0].prompt_tokens)
+        if st.settings.request_log is not None:
+            st.settings.request_log.chat(
+                builder.body["id"], chat.messages, choices[0], 1, firsts[0].prompt_tokens
+            )
         keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)
         if req.stream:
             return StreamingResponse(_events(streams[0], builder, keep), media_type="text/event-stream")

@@ -64,8 +64,8 @@ def _tokenize_chat(
     `fetched`; its `options` checked; its videos within --max-video-decode-gpixels, their decoding ended
     by `stop`) through the Reasoner's builder (texts too big for `max_tokens` refused before tokenizing)."""
     params = build_params(
-        chat, st.allowed_local_media_path, fetched, options, prompts.media_cache,
-        video_budget=DecodeBudget(st.video_decode_pixels, stop),
+        chat, st.settings.allowed_local_media_path, fetched, options, prompts.media_cache,
+        video_budget=DecodeBudget(st.settings.video_decode_pixels, stop),
     )  # fmt: skip
     prompt = prompts.build(params, add_special_tokens=body.add_special_tokens, max_tokens=max_tokens)
     return prompt.input_ids
@@ -77,7 +77,7 @@ def _tokenize_chat(
 )  # fmt: skip
 async def tokenize(request: Request, st: State):
     """vLLM's /tokenize: a prompt's (or a chat's rendered prompt's) token ids."""
-    data = await read_json_object(request, st.max_upload_bytes)
+    data = await read_json_object(request, st.settings.max_upload_bytes)
     chat = "messages" in data and "prompt" not in data
     fits_context("messages", st.max_model_len)(data)  # (before pydantic builds an object of each)
     body = (TokenizeChatRequest if chat else TokenizePromptRequest).model_validate(data)
@@ -100,8 +100,8 @@ async def tokenize(request: Request, st: State):
         if body.chat_template is not None:
             raise ParamError("chat_template", UNTRUSTED_TEMPLATE)
         as_chat = body.as_chat()
-        options = request_options(as_chat, media=st.media_defaults)
-        fetched = await prefetch_media(as_chat, st.media, st.mm_limits)
+        options = request_options(as_chat, media=st.settings.media_defaults)
+        fetched = await prefetch_media(as_chat, st.media, st.settings.mm_limits)
     # a chat form with media on the chat route's request pool (the default executor parses every route's large
     # bodies: a burst of video decodes here held them up)
     if chat and next(media_parts(as_chat), None) is not None:  # (watched: a video's decode takes seconds)
@@ -114,7 +114,7 @@ async def tokenize(request: Request, st: State):
 @router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
 async def detokenize(request: Request, st: State):
     """vLLM's /detokenize: the text of token ids."""
-    body = await read_model(request, DetokenizeRequest, st.max_upload_bytes)
+    body = await read_model(request, DetokenizeRequest, st.settings.max_upload_bytes)
     if not st.serves(body.model):
         return model_not_found(body.model)
     prompts, _ = reasoner_prompts(st)

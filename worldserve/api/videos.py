@@ -58,15 +58,15 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
     try:
-        fields = await read_fields(request, st.max_upload_bytes)
+        fields = await read_fields(request, st.settings.max_upload_bytes)
     except APIError as exc:
         if exc.status == 413:
             st.metrics.on_rejected("too_large")
         raise
     # (the body is read: a client leaving during a reference's download or decode stops that work)
     inputs = await unless_disconnected(request, build_inputs(
-        fields, served_model=st.served_model_name, model_aliases=st.model_aliases, has_sound=st.client.has_sound,
-        defaults=st.video_defaults, fetcher=st.media, decode_pixels=st.video_decode_pixels, lora=st.lora,
+        fields, served_model=st.served_model_name, model_aliases=st.settings.model_aliases, has_sound=st.client.has_sound,
+        defaults=st.settings.video_defaults, fetcher=st.media, decode_pixels=st.settings.video_decode_pixels, lora=st.settings.lora,
     ))  # fmt: skip
     await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
     try:
@@ -76,8 +76,10 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
     except StorageError:  # (answered 503 / 507 by its handler)
         st.metrics.on_rejected("storage")
         raise
-    if st.request_log is not None:
-        st.request_log.video(job.id, inputs.params, inputs.reference, http_id=request_id_of(request.scope))
+    if st.settings.request_log is not None:
+        st.settings.request_log.video(
+            job.id, inputs.params, inputs.reference, http_id=request_id_of(request.scope)
+        )
     return job, inputs
 
 
@@ -120,18 +122,18 @@ async def create_video_sync(request: Request, st: State) -> Response:
 
     async def forget() -> None:  # the client left without the job id: nobody could fetch the video
         await st.client.delete_job(job.id)
-        if st.request_log is not None:
-            st.request_log.aborted(job.id, f"{request_id}: the client left before its video")
+        if st.settings.request_log is not None:
+            st.settings.request_log.aborted(job.id, f"{request_id}: the client left before its video")
 
     try:
         done = await unless_disconnected(
-            request, asyncio.wait_for(st.client.wait(job.id), st.sync_timeout_s), forget
+            request, asyncio.wait_for(st.client.wait(job.id), st.settings.sync_timeout_s), forget
         )
     except TimeoutError:  # the job goes on: /load counts it until it ends, as an async job
         if st.load is not None:
             st.load.count_until(st.client.wait(job.id))
         raise APIError(
-            504, f"Video generation timed out after {st.sync_timeout_s:g}s.", headers=ids
+            504, f"Video generation timed out after {st.settings.sync_timeout_s:g}s.", headers=ids
         ) from None
     except ShuttingDownError as exc:  # the server is shutting down, or its engine has stopped
         raise APIError(503, f"Job {job.id} cannot finish now: {exc}; it is kept: it resumes after a "
@@ -191,8 +193,8 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
     """Cancel (at the next step boundary) if queued or running, and remove the job and its files."""
     if (job := await st.client.delete_job(video_id)) is None:
         raise APIError(404, NOT_FOUND, param="video_id")
-    if st.request_log is not None and not job.status.terminal:
-        st.request_log.aborted(video_id, f"deleted while {job.status.value}")
+    if st.settings.request_log is not None and not job.status.terminal:
+        st.settings.request_log.aborted(video_id, f"deleted while {job.status.value}")
     return VideoDeleted(id=video_id)
 
 

@@ -29,8 +29,10 @@ from typing import Any
 import uvicorn
 
 from worldserve import __version__, envs
+from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import allowed_domains
 from worldserve.api.request_log import RequestLog
+from worldserve.api.settings import AppSettings
 from worldserve.commands import serve_backend, serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import CONFIG_CLASSES, EngineConfig, MediaConfig
@@ -209,7 +211,7 @@ def _serve(
         log.warning("--default-sampling-params generate_sound true: this checkpoint has no sound tokenizer, so "
                     "videos are made without sound")  # fmt: skip
     http_args, middlewares = http or (argparse.Namespace(), [])
-    app = build_app(client, metrics=metrics, **app_options(config),
+    app = build_app(client, app_settings(config), metrics=metrics,
                     docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
     serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
@@ -242,10 +244,11 @@ def _serve(
     return 0
 
 
-def app_options(config: EngineConfig) -> dict[str, Any]:
-    """build_app's keyword arguments from a resolved config (everything but the client and the metrics)."""
+def app_settings(config: EngineConfig) -> AppSettings:
+    """build_app's settings from a resolved config (api/settings.py; --disable-fastapi-docs is the HTTP
+    layer's, given beside them)."""
     server, video, media, chat = config.server, config.video, config.media, config.chat
-    return dict(
+    return AppSettings(
         api_keys=server.api_key or (), sync_timeout_s=video.sync_timeout, max_upload_bytes=server.max_upload_bytes,
         shutdown_timeout_s=config.scheduler.shutdown_timeout, model_root=config.model.model,
         model_aliases=config.model.served_model_aliases,
@@ -257,7 +260,7 @@ def app_options(config: EngineConfig) -> dict[str, Any]:
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
         default_flow_shift=video.flow_shift, video_defaults=video.video_defaults,
-        enable_lora=config.lora.enable_lora, static_lora=config.lora.static_lora,
+        lora=LoraSettings(config.lora.enable_lora, config.lora.static_lora),
         reasoning_parser=chat.reasoning_parser,
         prompt_tokens_details=chat.enable_prompt_tokens_details, response_role=chat.response_role,
         tokens_as_ids=chat.return_tokens_as_token_ids, force_include_usage=chat.enable_force_include_usage,
