@@ -214,3 +214,12 @@ async def test_an_interrupted_job_reruns_with_its_adapter_after_a_restart(tmp_pa
     async with asgi_server(tmp_path, backend=backend) as http:
         assert (await poll_job(http, job))["status"] == "completed"
     assert [p.lora for p in backend.params] == [LoraRequest("a", "/l/a", 0.5)]
+
+
+def test_a_relative_path_is_kept_absolute(tmp_path, monkeypatch):
+    """A request's relative path names a file of the server's working folder: it is kept absolute, so a job
+    re-run after a restart from another folder reads the same adapter."""
+    from worldserve.api.lora_field import parse_lora
+
+    monkeypatch.chdir(tmp_path)
+    assert parse_lora('{"name": "a", "path": "loras/a"}').path == str(tmp_path / "loras" / "a")

@@ -144,6 +144,8 @@ def test_static_adapter_is_loaded_at_startup(ours_pipeline, adapter, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"^--lora-path: LoRA adapter .*found 0 \.safetensors files"):
         load_static_lora(ours_pipeline, LoraConfig(lora_path=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match="^--lora-path: "):  # (checked at scale 0 too, which loads nothing)
+        load_static_lora(ours_pipeline, LoraConfig(lora_path=str(tmp_path / "empty"), lora_scale=0.0))
     load_static_lora(ours_pipeline, LoraConfig(lora_path=adapter, lora_scale=0.25))
     static = LoraConfig(lora_path=adapter, lora_scale=0.25).static_lora
     assert any(key[1] == 0.25 for key in ours_pipeline.loras._loaded) and static.scale == 0.25

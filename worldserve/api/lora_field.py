@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,11 @@ def parse_lora(raw: Any) -> LoraRequest | None:
     int_id = _given(raw, INT_ID_KEYS)
     if int_id is not None and (isinstance(int_id, bool) or not isinstance(int_id, int)):
         raise ParamError("lora", f"Invalid lora object: int_id must be an integer, got {_quoted(int_id)}.")
-    return LoraRequest(name=name, path=path, scale=_scale(_given(raw, SCALE_KEYS))).validate()
+    # (a relative path is the server's working folder's: kept absolute, a job re-run after a restart from
+    # another folder finds it)
+    return LoraRequest(
+        name=name, path=os.path.abspath(path), scale=_scale(_given(raw, SCALE_KEYS))
+    ).validate()
 
 
 def _given(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:

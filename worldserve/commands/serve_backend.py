@@ -114,6 +114,7 @@ def load_static_lora(pipeline, lora: LoraConfig) -> None:
     if (static := lora.static_lora) is None:
         return
     try:
+        pipeline.loras.check(static)  # (also at scale 0, which loads nothing)
         pipeline.loras.get(static)
     except ParamError as exc:
         raise ValueError(f"--lora-path: {exc.message}") from None

@@ -65,7 +65,7 @@ class AdapterSpec:
     """As the request gave it."""
     weights: Path
     identity: tuple
-    """(real path, size, mtime_ns) of the weights file: a rewritten file is another adapter."""
+    """The weights file (real path, inode, size, times) and every module's (rank, scaling): `_identity`."""
     modules: dict[str, tuple[int, float]]
     """module -> (rank, lora_alpha / r scaling) of every module applied."""
     keys: dict[str, tuple[str, str]]
@@ -77,6 +77,10 @@ def find_adapter_files(path: str) -> tuple[Path, dict | None]:
     p = Path(path)
     if not p.exists():
         raise _refuse(path, "no such file or folder on the server")
+    if p.is_file() and p.name == PEFT_WEIGHTS and (p.parent / PEFT_CONFIG).is_file():
+        return p, _read_config(
+            p.parent / PEFT_CONFIG, path
+        )  # (a PEFT folder's weights named: its config too)
     if p.is_dir():
         if (p / PEFT_CONFIG).is_file():
             if not (p / PEFT_WEIGHTS).is_file():
@@ -119,18 +123,55 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+_VARIANTS = {
+    "use_dora": "DoRA adapters are not supported", "lora_bias": "LoRA biases are not supported",
+    "fan_in_fan_out": "fan_in_fan_out weights are not supported", "use_qalora": "QALoRA adapters are not supported",
+    "use_bdlora": "BD-LoRA adapters are not supported", "alora_invocation_tokens": "aLoRA adapters are not supported",
+    "velora_config": "VeLoRA adapters are not supported", "monteclora_config": "MonteCLoRA adapters are not supported",
+    "arrow_config": "Arrow routing is not supported", "kasa_config": "KaSA adapters are not supported",
+    "layer_replication": "layer_replication is not supported",
+    "trainable_token_indices": "trainable tokens are not supported",
+    "target_parameters": "LoRA on parameters (target_parameters) is not supported",
+    "modules_to_save": "modules_to_save (whole modules saved beside the adapter) is not supported",
+}  # fmt: skip
+"""PEFT LoraConfig keys whose set values change what an adapter computes beyond a scaled (x A^T) B^T."""
+
+
 def _check_config(config: dict, path: str) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
-    unsupported = {
-        "use_dora": "DoRA adapters are not supported", "fan_in_fan_out": "fan_in_fan_out weights are not supported",
-        "lora_bias": "LoRA biases are not supported",
-    }  # fmt: skip
-    for key, why in unsupported.items():
+    for key, why in _VARIANTS.items():
         if config.get(key):
             raise _refuse(path, why)
     if config.get("bias", "none") != "none":
         raise _refuse(path, f"bias {config.get('bias')!r} is not supported (only 'none')")
+
+
+def _metadata_config(metadata: dict, path: str) -> dict | None:
+    """The LoraConfig diffusers wrote into the header (`lora_adapter_metadata`): a transformer's own
+    (`save_lora_adapter`), or a pipeline's with its keys prefixed `transformer.` (`save_lora_weights`)."""
+    if "lora_adapter_metadata" not in metadata:
+        return None
+    try:
+        config = json.loads(metadata["lora_adapter_metadata"])
+    except json.JSONDecodeError:
+        raise _refuse(path, "its lora_adapter_metadata is not JSON") from None
+    if not isinstance(config, dict):
+        raise _refuse(path, "its lora_adapter_metadata is not a JSON object")
+    if any(k.startswith("transformer.") for k in config):  # (a pipeline's: the transformer's part of it)
+        config = {
+            k.removeprefix("transformer."): v for k, v in config.items() if k.startswith("transformer.")
+        }
+    return config
+
+
+def _identity(weights: Path, modules: dict) -> tuple:
+    """What makes this adapter this one: its weights file (real path, inode, size, modification and change
+    times: a rewrite in place is another adapter) and what its config made of it (every module's rank and
+    scaling: an edited config, or the same file read with and without its config, is another adapter)."""
+    st = os.stat(weights)
+    files = (str(weights.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return (*files, tuple(sorted(modules.items())))
 
 
 def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
@@ -143,11 +184,8 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise _refuse(path, f"{weights.name} is not a readable safetensors file ({exc})") from None
-    if peft is None and "lora_adapter_metadata" in metadata:
-        try:
-            peft = json.loads(metadata["lora_adapter_metadata"])
-        except json.JSONDecodeError:
-            raise _refuse(path, "its lora_adapter_metadata is not JSON") from None
+    if peft is None:
+        peft = _metadata_config(metadata, path)
     _check_config(peft or {}, path)
     pairs: dict[str, dict[str, str]] = defaultdict(dict)
     strange = []
@@ -172,7 +210,7 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             log.info("LoRA adapter %s: %s is not used by generation, skipped", path, module)
             continue
         target = shapes.get(f"{module}.weight")
-        if target is None or not (module.startswith("layers.") or module in TOP_LINEARS):
+        if target is None or len(target) != 2 or not (module.startswith("layers.") or module in TOP_LINEARS):
             unknown.append(module)
             continue
         (a_shape, a_dtype), (b_shape, b_dtype) = header[ab["A"]], header[ab["B"]]
@@ -190,14 +228,16 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             raise _refuse(
                 path, f"module {module!r}: lora weights must be floating point ({a_dtype}, {b_dtype})"
             )
-        rank = a_shape[0]
-        if peft is not None and _pattern_value(peft.get("rank_pattern"), module, peft.get("r", rank)) != rank:
-            raise _refuse(path, f"module {module!r} has rank {rank}, its config says "
-                          f"{_pattern_value(peft.get('rank_pattern'), module, peft.get('r'))}")  # fmt: skip
+        rank = a_shape[0]  # (with a config, its values, or PEFT's LoraConfig defaults: r 8, lora_alpha 8)
+        if (
+            peft is not None
+            and (said := _pattern_value(peft.get("rank_pattern"), module, peft.get("r", 8))) != rank
+        ):
+            raise _refuse(path, f"module {module!r} has rank {rank}, its config says {said}")
         alpha = (
             rank
             if peft is None
-            else _pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", rank))
+            else _pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", 8))
         )
         rs = bool(peft and peft.get("use_rslora"))
         modules[module] = (rank, float(alpha) / (math.sqrt(rank) if rs else rank))
@@ -205,9 +245,9 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
     if unknown:
         raise _refuse(path, f"it targets modules worldserve's Cosmos3 transformer does not apply LoRA to: "
                       f"{unknown[:4]}{f' (and {len(unknown) - 4} more)' if len(unknown) > 4 else ''}")  # fmt: skip
-    stat = os.stat(weights)
-    identity = (str(weights.resolve()), stat.st_size, stat.st_mtime_ns)
-    return AdapterSpec(path=path, weights=weights, identity=identity, modules=modules, keys=keys)
+    return AdapterSpec(
+        path=path, weights=weights, identity=_identity(weights, modules), modules=modules, keys=keys
+    )
 
 
 def load_adapter(
@@ -230,6 +270,8 @@ def load_adapter(
                 continue
             target = checkpoint_target(f"{module}.weight", config, tp.size)
             fused[target.name.removesuffix(".weight")].append((target, a, b))
+    if _identity(spec.weights, spec.modules) != spec.identity:  # (replaced between the check and the read)
+        raise _refuse(spec.path, "its weights file changed while it was read; send the request again")
     layers: list[dict[str, dict]] = [{} for _ in range(config.num_hidden_layers)]
     for name, parts in fused.items():
         _, layer, tower, linear = name.split(".")  # layers.<i>.<und|gen>.<linear>
