@@ -41,6 +41,21 @@ def test_matches_single_process(usp, ours_pipeline):
         np.testing.assert_allclose(res.frames.astype(int), res1.frames.astype(int), atol=1)
 
 
+def test_lora_adapter_matches_single_process(usp, ours_pipeline, tiny_ckpt, tmp_path):
+    """Both ranks project their blocks of the stream with the adapter's deltas (the peer loads it from the
+    prefill message): the same result as one process."""
+    from pipeline_helpers import write_random_adapter
+
+    from worldserve.params import LoraRequest
+
+    lora = LoraRequest("fox", write_random_adapter(tmp_path / "fox", tiny_ckpt, seed=8), 1.5)
+    batch = [VideoParams(prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=True,
+                         lora=lora, **BASE)]  # fmt: skip
+    [(lat, snd, _)] = run_requests(usp, batch)
+    [(lat1, snd1, _)] = run_requests(ours_pipeline, batch)
+    assert rel(lat, lat1) <= 1e-5 and rel(snd, snd1) <= 1e-5
+
+
 def test_cfg_times_ulysses_on_four_ranks(ours_pipeline, tiny_ckpt, usp):
     """Runs after the 2-rank pipeline is closed (one world per process): cond on ranks 0-1, uncond on 2-3."""
     usp.close()
