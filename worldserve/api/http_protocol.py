@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -78,32 +79,28 @@ class HeaderGuard(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._header_deadline: asyncio.TimerHandle | None = None
+        # the connection's deadlines, by name: "header" (a request's line and headers), "body" (its next body
+        # byte), "write" (the client taking some of the answer), "drain" (a body owed after an early answer),
+        # "linger" (the client's silence while lingering), "abort" (a close the client takes nothing of)
+        self.timers = Timers(self.loop)
         self._header_bytes = 0  # received since the headers of the request being read began
         self._tail = b""  # the last 2 of those bytes: an end of headers split across reads
         self.dropping = False  # lingering (after a 408 / 431, an early answer): what comes is dropped
-        self._body_deadline: asyncio.TimerHandle | None = None
-        self._write_deadline: asyncio.TimerHandle | None = None
-        self._linger_close: asyncio.TimerHandle | None = None
         self._linger_end = 0.0
-        self._drain_deadline: asyncio.TimerHandle | None = None
         self.upgraded = False
-        self._abort_later: asyncio.TimerHandle | None = None
 
     def pause_writing(self) -> None:
         """The client takes no more of the answer for now: it has `header_timeout_s` to take some."""
         super().pause_writing()
-        _cancel(self._write_deadline)
-        self._write_deadline = self.loop.call_later(self.header_timeout_s, self._reads_nothing)
+        self.timers.set("write", self.header_timeout_s, self._reads_nothing)
 
     def resume_writing(self) -> None:
-        self._write_deadline = _cancel(self._write_deadline)
+        self.timers.cancel("write")
         super().resume_writing()
 
     def _reads_nothing(self) -> None:
         """Nothing of the answer taken for `header_timeout_s`: the connection is dropped (its unsent bytes
         with it), the app's sends return at once and its response ends (uvicorn's disconnect)."""
-        self._write_deadline = None
         if self.flow.write_paused:  # (closing too: its close waits for what the client never takes)
             self.transport.abort()
 
@@ -113,15 +110,14 @@ class HeaderGuard(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.dropping:  # dropped; the close waits for the client's silence
-            if self._linger_close is not None and self.loop.time() + LINGER_S < self._linger_end:
-                self._linger_close.cancel()
-                self._linger_close = self.loop.call_later(LINGER_S, self.close_now)
+            if "linger" in self.timers and self.loop.time() + LINGER_S < self._linger_end:
+                self.timers.set("linger", LINGER_S, self.close_now)
             return
         # bytes of a next request's headers: not the rest of a body the app answered before reading it all
         idle = (
             self.cycle is None or self.cycle.response_complete
         ) and self.conn.their_state is not h11.SEND_BODY
-        if idle and self._header_deadline is None:
+        if idle and "header" not in self.timers:
             self._arm()
         if idle:  # counted before h11 parses them: headers that end in this read would start the request
             # (an end split across two reads: the tail holds the last 2 counted bytes)
@@ -133,7 +129,7 @@ class HeaderGuard(H11Protocol):
         before = self.cycle
         super().data_received(data)
         if self.cycle is not before:  # its headers are parsed: from here only its body's bytes are timed
-            self._disarm()
+            self.timers.cancel("header")
         elif idle:
             self._header_bytes += len(data)
             self._tail = (self._tail + data)[-2:]
@@ -141,10 +137,10 @@ class HeaderGuard(H11Protocol):
             before is not None
             and before.response_complete
             and self.conn.their_state is h11.IDLE
-            and self._header_deadline is None
+            and "header" not in self.timers
             and not self.dropping
         ):  # the rest of a body answered early has come: what follows is a next request's, on its deadline
-            self._drain_deadline = _cancel(self._drain_deadline)
+            self.timers.cancel("drain")
             self._arm_pending()
         self._watch_body()
 
@@ -156,10 +152,10 @@ class HeaderGuard(H11Protocol):
         super().on_response_complete()
         if self.upgraded:
             return
-        if self.owes_body() and not self.dropping and self._drain_deadline is None:
-            self._drain_deadline = self.loop.call_later(LINGER_MAX_S, self.transport.close)  # (lingers)
+        if self.owes_body() and not self.dropping and "drain" not in self.timers:
+            self.timers.set("drain", LINGER_MAX_S, self.transport.close)  # (lingers)
         idle = self.cycle is None or self.cycle.response_complete  # (else h11 parsed the whole next request)
-        if self.conn.trailing_data[0] and idle and self._header_deadline is None and not self.dropping:
+        if self.conn.trailing_data[0] and idle and "header" not in self.timers and not self.dropping:
             self._arm_pending()
 
     def _arm_pending(self) -> None:
@@ -171,40 +167,27 @@ class HeaderGuard(H11Protocol):
             self._refuse(TOO_LARGE_RESPONSE)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        self._linger_close = _cancel(self._linger_close)
-        self._drain_deadline = _cancel(self._drain_deadline)
-        self._abort_later = _cancel(self._abort_later)
-        self._body_deadline = _cancel(self._body_deadline)
-        self._write_deadline = _cancel(self._write_deadline)
+        self.timers.cancel_all()
         super().connection_lost(exc)
 
     def _arm(self, received: int = 0) -> None:
         """Start a request's header deadline and count, `received` of its bytes already read."""
         self._header_bytes = received
         self._tail = b""
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
-
-    def _disarm(self) -> None:
-        self._header_deadline = _cancel(self._header_deadline)
-
-    def _headers_too_slow(self) -> None:
-        self._header_deadline = None
-        self._refuse(TIMEOUT_RESPONSE)
+        self.timers.set("header", self.header_timeout_s, self._refuse, TIMEOUT_RESPONSE)
 
     def _watch_body(self) -> None:
         """(Re)start the body's deadline while the request being read still owes body bytes: each arrival
         gives it another `header_timeout_s`."""
-        self._body_deadline = _cancel(self._body_deadline)
+        self.timers.cancel("body")
         cycle = self.cycle
         if cycle is not None and cycle.more_body and not cycle.response_complete:
-            self._body_deadline = self.loop.call_later(self.header_timeout_s, self._body_too_slow, cycle)
+            self.timers.set("body", self.header_timeout_s, self._body_too_slow, cycle)
 
     def _body_too_slow(self, cycle: Any) -> None:
         """No body byte for `header_timeout_s`: a 408 (when no answer has begun) and the close, unless the
         server is the one waiting (the app has not taken what came, so reading is paused; or the client
         waits for its 100 Continue), or the body has ended meanwhile."""
-        self._body_deadline = None
         if (
             cycle is not self.cycle
             or not cycle.more_body
@@ -222,7 +205,7 @@ class HeaderGuard(H11Protocol):
     def _refuse(self, response: bytes) -> None:
         """`response`, then the end of the connection (lingering), unless a request began meanwhile or the
         connection is closing."""
-        self._disarm()
+        self.timers.cancel("header")
         if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
             self.transport.write(response)
             self.linger(most_s=LINGER_S)  # (no longer for bytes that keep coming: a slow client's)
@@ -246,10 +229,7 @@ class HeaderGuard(H11Protocol):
         session at header_timeout_s, writing a 408 into the socket), the other timers too, and the WebSocket
         gets the connection's own transport (h11 stays in SEND_BODY after an upgrade: the lingering close
         would have taken every WebSocket close for an early answer)."""
-        self._disarm()
-        self._body_deadline = _cancel(self._body_deadline)
-        self._write_deadline = _cancel(self._write_deadline)
-        self._drain_deadline = _cancel(self._drain_deadline)
+        self.timers.cancel("header", "body", "write", "drain")
         self.upgraded = True
         self.transport = self._raw
         super().handle_websocket_upgrade(event)
@@ -266,9 +246,7 @@ class HeaderGuard(H11Protocol):
         still sends is read and dropped, and the connection closes after LINGER_S of its silence (at most
         `most_s`), or at its EOF."""
         transport = self._raw
-        self._disarm()
-        self._body_deadline = _cancel(self._body_deadline)
-        self._drain_deadline = _cancel(self._drain_deadline)
+        self.timers.cancel("header", "body", "drain")
         self.dropping = True
         if not transport.can_write_eof():
             self.close_now()
@@ -276,7 +254,7 @@ class HeaderGuard(H11Protocol):
         transport.write_eof()
         self.flow.resume_reading()
         self._linger_end = self.loop.time() + most_s
-        self._linger_close = self.loop.call_later(LINGER_S, self.close_now)
+        self.timers.set("linger", LINGER_S, self.close_now)
 
     def close_now(self) -> None:
         """The transport's close (it waits until what is left of the answer has been written), and its
@@ -284,11 +262,11 @@ class HeaderGuard(H11Protocol):
         client reads nothing was held for good: a `Connection: close` answer, a lingering refusal)."""
         transport = self._raw
         transport.close()
-        if self._abort_later is None:
+        if "abort" not in self.timers:
             self._watch_close(transport, transport.get_write_buffer_size())
 
     def _watch_close(self, transport: asyncio.Transport, left: int) -> None:
-        self._abort_later = self.loop.call_later(self.header_timeout_s, self._close_stalled, transport, left)
+        self.timers.set("abort", self.header_timeout_s, self._close_stalled, transport, left)
 
     def _close_stalled(self, transport: asyncio.Transport, left: int) -> None:
         """`header_timeout_s` after a close (or the last check): aborted if none of the `left` bytes went."""
@@ -323,10 +301,32 @@ class LingeringClose:
         return getattr(self.transport, name)
 
 
-def _cancel(timer: asyncio.TimerHandle | None) -> None:
-    """Cancels `timer` if there is one; None, for the attribute that held it."""
-    if timer is not None:
-        timer.cancel()
+class Timers:
+    """A connection's deadlines by name (loop.call_later handles): `set` one (replacing that name's), `cancel`
+    some or all; a name is `in` it from its setting until it fires or is cancelled."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._handles: dict[str, asyncio.TimerHandle] = {}
+
+    def set(self, name: str, delay_s: float, callback: Callable[..., Any], *args: Any) -> None:
+        self.cancel(name)
+        self._handles[name] = self.loop.call_later(delay_s, self._fire, name, callback, args)
+
+    def _fire(self, name: str, callback: Callable[..., Any], args: tuple) -> None:
+        del self._handles[name]
+        callback(*args)
+
+    def cancel(self, *names: str) -> None:
+        for name in names:
+            if (handle := self._handles.pop(name, None)) is not None:
+                handle.cancel()
+
+    def cancel_all(self) -> None:
+        self.cancel(*list(self._handles))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._handles
 
 
 def header_guard_protocol(header_timeout_s: float) -> type:
