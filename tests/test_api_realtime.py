@@ -366,12 +366,13 @@ async def test_a_graceful_shutdown_gives_a_running_stream_its_grace(tmp_path):
             await queued.send(json.dumps(start))
             assert (await _next_message(queued))["type"] == "video.start"
             terminate()
-            t0 = time.monotonic()
             for ws in (idle, queued):
-                messages, _, code = await _to_the_end(ws)
+                messages, _, code = await _to_the_end(ws)  # (its waits are the hang guard)
                 assert messages[-1]["type"] == "error" and messages[-1]["code"] == 503
                 assert "the server is shutting down" in messages[-1]["message"]
-                assert code == 1012 and time.monotonic() - t0 < 1.0  # (not when the running one ends)
+                assert code == 1012
+                # at once, not when the running one ends: it is still running, its 60 steps not all done
+                assert client.num_running == 1 and backend.steps_done < 60
             messages, data, code = await _to_the_end(running)
     assert messages[-1]["type"] == "session.done" and messages[-1]["stopped"] is False and code == 1000
     assert probe_mp4(data).num_frames == 33
@@ -390,9 +391,11 @@ async def test_a_stream_outlasting_the_grace_ends_with_an_error_and_1012(tmp_pat
             terminate()
             t0 = time.monotonic()
             messages, _, code = await _to_the_end(ws)
+            took, steps = time.monotonic() - t0, backend.steps_done
     assert [m["type"] for m in messages] == ["error"] and messages[0]["code"] == 503
     assert "the server is shutting down" in messages[0]["message"]
-    assert code == 1012 and 0.9 < time.monotonic() - t0 < 5.0
+    assert code == 1012 and steps < 200  # aborted with its video still running (40 s of steps)
+    assert took > 0.9  # not before the grace: a lower bound (timers do not fire early, so it cannot flake)
 
 
 async def test_a_stream_decoding_at_the_deadline_gets_the_error_and_1012(tmp_path):
@@ -407,12 +410,11 @@ async def test_a_stream_decoding_at_the_deadline_gets_the_error_and_1012(tmp_pat
             assert (m := await _next_message(ws))["type"] == "video.start", m
             await asyncio.to_thread(wait_until, lambda: backend.decoded_chunks >= 1)
             terminate()
-            t0 = time.monotonic()
-            messages, _, code = await _to_the_end(ws)
+            messages, _, code = await _to_the_end(ws)  # (its waits are the hang guard)
     assert messages[-1]["type"] == "error" and messages[-1]["code"] == 503, messages
     assert "the server is shutting down" in messages[-1]["message"]
-    assert code == 1012 and time.monotonic() - t0 < 3.0
-    assert backend.decoded_chunks < 6
+    assert code == 1012
+    assert backend.decoded_chunks < 6  # the decode stopped at a next chunk, not at its end (then the error)
 
 
 async def test_a_session_s_ended_tasks_are_reaped_quietly_unless_they_failed(caplog):

@@ -18,6 +18,28 @@ from worldserve.params import VideoParams
 SMALL = dict(num_frames=5, height=32, width=32, generate_sound=False)
 
 
+def _ends(fn, hang_s: float = 60.0):
+    """fn()'s result, or its exception raised here, from a thread of its own; a failure if it has not ended
+    within `hang_s`. A guard against a hang (a dead peer waited for until the world's 1800 s timeout), not a
+    speed bound: the exception's kind and message say what ended it."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # handed to the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="test-peer-call", daemon=True)
+    thread.start()
+    thread.join(hang_s)
+    if thread.is_alive():
+        pytest.fail(f"still waiting after {hang_s:g}s (on the dead peer?)")
+    if "error" in out:
+        raise out["error"]
+    return out.get("result")
+
+
 def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
     from worldserve.parallel.comm import PeerError
     from worldserve.runner.video_pipeline import load_pipeline
@@ -29,17 +51,13 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
         pipe.denoise([state])
         # the peer dies while rank 0 blocks on it (here: waiting for a message that never comes)
         threading.Timer(0.5, pipe.process.kill).start()
-        t0 = time.monotonic()
         with pytest.raises(PeerError, match="gone"):
-            pipe.peers.recv_object(1)
-        assert time.monotonic() - t0 < 5
+            _ends(lambda: pipe.peers.recv_object(1))
         pipe.process.join(10)
         # /health's question: answered from the processes, before any request meets the dead peer
         assert "peer (rank 1, pid" in pipe.problem() and "exited with code" in pipe.problem()
-        t0 = time.monotonic()
         with pytest.raises(BackendLost, match="--cfg-parallel-size 2: .*peer .*(exited|gone)"):
-            pipe.denoise([state])
-        assert time.monotonic() - t0 < 5
+            _ends(lambda: pipe.denoise([state]))
         # guidance-1 requests never touch the peer: they still run
         solo = pipe.prepare(
             "r1", VideoParams(prompt="a fox", num_inference_steps=2, guidance_scale=1.0, **SMALL)
@@ -77,9 +95,7 @@ def test_ctrl_c_inside_an_exchange_stops_the_peers_and_close_returns(tiny_ckpt):
             and pipe.problem() == "--cfg-parallel-size 2: the peer ranks are stopped"
         )
     finally:
-        t0 = time.monotonic()
-        pipe.close()
-    assert time.monotonic() - t0 < 5
+        pipe.close()  # (nothing to wait for: the peers were killed in the exchange, as asserted above)
 
 
 def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp_path):

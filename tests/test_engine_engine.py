@@ -303,8 +303,10 @@ def test_deleted_queued_jobs_free_their_queue_slots_at_once(tmp_path):
 
 def test_shutdown_answers_waiters_of_queued_jobs_at_once_and_the_rest_after_the_timeout(tmp_path):
     """On shutdown a sync waiter whose job stays queued is answered right away; one whose job runs gets its
-    answer after the shutdown timeout even while the engine is still inside a long step."""
-    backend = FakeBackend(step_delay=3.0)
+    answer after the shutdown timeout even while the engine is still inside a long step (held by the gate:
+    its answer comes while the step cannot have ended)."""
+    step = threading.Event()
+    backend = FakeBackend(step_gate=step)
 
     async def main():
         client = make_client(tmp_path, backend=backend)
@@ -316,12 +318,17 @@ def test_shutdown_answers_waiters_of_queued_jobs_at_once_and_the_rest_after_the_
         await asyncio.sleep(0.05)
         t0 = time.monotonic()
         client.begin_shutdown(0.5)
-        with pytest.raises(ShuttingDownError):
-            await waiters[1]
-        assert time.monotonic() - t0 < 0.3
-        with pytest.raises(ShuttingDownError):
-            await waiters[0]
-        assert 0.4 < time.monotonic() - t0 < 2.0  # the timeout, not the 3 s step
+        try:
+            with pytest.raises(ShuttingDownError):
+                await asyncio.wait_for(waiters[1], 10)
+            assert not waiters[0].done()  # at once: before the timeout answers the running job's waiter
+            with pytest.raises(ShuttingDownError):  # (wait_for: a hang guard, not a speed bound)
+                await asyncio.wait_for(waiters[0], 10)
+            assert backend.steps_done == 0  # answered while the step was still held, not when it ended
+            # not before the timeout (a lower bound: timers do not fire early, so it cannot flake)
+            assert time.monotonic() - t0 > 0.4
+        finally:
+            step.set()
         await client.shutdown(0.5)
 
     run(main())
@@ -397,7 +404,9 @@ def test_a_decode_running_at_the_shutdown_deadline_stops_and_its_job_is_queued_a
     The log counts it once, in its decode (it was counted in its steps too)."""
     from worldserve.engine.jobs import JobStore
 
-    backend = FakeBackend(decode_chunk_delay=1.0)  # frame 0, then 3 chunks of a second each
+    chunk = threading.Event()
+    backend = FakeBackend(chunk_gate=chunk)  # frame 0, then 3 chunks, each held until `chunk` is set
+    stopping = "stopping 0 request(s) in their steps and 1 in their decode"
 
     async def main():
         client = make_client(tmp_path, backend=backend)
@@ -405,15 +414,18 @@ def test_a_decode_running_at_the_shutdown_deadline_stops_and_its_job_is_queued_a
         job = submit_job(client, job_params(steps=1, frames=49))
         waiter = asyncio.create_task(client.wait(job.id))
         await asyncio.to_thread(wait_until, lambda: backend.decoded_chunks >= 1)
-        t0 = time.monotonic()
+        client.begin_shutdown(0.2)
+        try:
+            with pytest.raises(ShuttingDownError):  # at the deadline, while the second chunk is still held
+                await asyncio.wait_for(waiter, 10)  # (a hang guard, not a speed bound)
+            await asyncio.to_thread(wait_until, lambda: stopping in caplog.text)  # the deadline's stop...
+        finally:
+            chunk.set()  # ...then the chunk in progress ends, and the decode stops at the next one
         await client.shutdown(0.2)
-        with pytest.raises(ShuttingDownError):
-            await waiter
-        return job, time.monotonic() - t0
+        return job
 
     with caplog.at_level(logging.WARNING, logger="worldserve.engine.engine"):
-        job, took = run(main())
-    assert "stopping 0 request(s) in their steps and 1 in their decode" in caplog.text, caplog.text
-    assert took < 2.0, took  # the deadline and the chunk in progress, not the 3 s decode
+        job = run(main())
+    assert caplog.text.count(stopping) == 1, caplog.text
     assert backend.decoded_chunks < 4 and not backend.live
     assert JobStore(tmp_path).get(job.id).status is JobStatus.QUEUED

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from serving_helpers import serve_app
 
-from worldserve.api.http_protocol import LINGER_S, MAX_HEADER_BYTES, header_guard_protocol
+from worldserve.api.http_protocol import MAX_HEADER_BYTES, header_guard_protocol
 
 DEADLINE = 0.6
 
@@ -120,22 +120,25 @@ def _read_all(sock: socket.socket) -> bytes:
 
 
 def test_a_silent_connection_is_closed_with_a_408_at_the_deadline(url):
+    """The 408 says the header deadline closed it (uvicorn alone keeps such a connection open). When is the
+    behaviour itself, with nothing but the clock to tell: not early (a lower bound, which cannot flake:
+    timers do not fire early) and not far past it (6x the deadline, generous for a slow machine)."""
     sock = _connect(url)
     t0 = time.monotonic()
     answer = _read_all(sock)  # (the server closes it: recv returns b"")
     took = time.monotonic() - t0
-    assert answer.startswith(b"HTTP/1.1 408 Request Timeout") and DEADLINE * 0.8 < took < DEADLINE + 3
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout") and DEADLINE * 0.8 < took < 6 * DEADLINE
 
 
 def test_headers_a_byte_at_a_time_are_cut_at_the_deadline(url):
+    """Cut while its headers still come (their 230 bytes take 11 s, far past the deadline): each byte does
+    not buy more time."""
     sock = _connect(url)
-    t0 = time.monotonic()
     with pytest.raises(OSError):  # (a send after the close: a reset or a broken pipe)
         for byte in b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 200:
             sock.send(bytes([byte]))
             time.sleep(0.05)
         raise AssertionError("the connection outlived its deadline")
-    assert time.monotonic() - t0 < DEADLINE + 3
 
 
 def test_requests_with_their_headers_in_time_run_as_long_as_they_take(url):
@@ -152,16 +155,15 @@ def test_requests_with_their_headers_in_time_run_as_long_as_they_take(url):
 
 
 def test_headers_past_the_cap_are_refused_at_once(url):
-    """A header growing without end is cut as soon as the cap is passed, long before the deadline."""
+    """A header growing without end is cut as soon as the cap is passed, long before the deadline: the answer
+    is the cap's 431, not the deadline's 408."""
     sock = _connect(url)
     sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: ")
-    t0 = time.monotonic()
     with contextlib.suppress(OSError):  # (the server may close before all of it is sent)
         for _ in range(16):
             sock.sendall(b"a" * (MAX_HEADER_BYTES // 4))
     reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), reply[:80]
-    assert time.monotonic() - t0 < DEADLINE
 
 
 def test_headers_past_the_cap_in_one_read_are_refused(url):
@@ -212,17 +214,17 @@ def test_bare_lf_headers_and_an_early_answer_are_not_counted_past_their_end(url)
         sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
         time.sleep(0.2)  # (the 401 goes out before the body comes)
         sock.sendall(b"b" * 1000 + after)
-        t0 = time.monotonic()
-        reply = _read_all(sock)
+        reply = _read_all(sock)  # (its 10 s timeout is the guard against a connection left open for good)
         assert _responses(reply) == [b"HTTP/1.1 401 Unauthorized", b"HTTP/1.1 408 Request Timeout"], reply
-        assert time.monotonic() - t0 < DEADLINE + 3
 
 
 def test_an_answer_before_the_body_on_a_closing_connection_reaches_a_client_that_sends_it_all(url):
     """An answer given before the body was read (a 401, a 413) on a `Connection: close` request: the server
     reads and drops the rest of the body before closing, so a client that sends its whole body before reading
     (Python's urllib) reads the answer (a close with the body unread reset the connection: a broken pipe);
-    the connection ends at the client's EOF, or when it has been silent a while."""
+    the connection ends at the client's EOF, or when it has been silent a while. (The read ends at the
+    server's half-close right after its answer, so when the server closes for good is not seen here: the
+    read's 10 s timeout only guards against a hang.)"""
     for client_ends in (True, False):
         sock = _connect(url)
         sock.sendall(
@@ -232,9 +234,7 @@ def test_an_answer_before_the_body_on_a_closing_connection_reaches_a_client_that
         sock.sendall(b"b" * BIG)  # (past what the sockets between them buffer)
         if client_ends:
             sock.shutdown(socket.SHUT_WR)
-        t0 = time.monotonic()
         assert _responses(_read_all(sock)) == [b"HTTP/1.1 401 Unauthorized"]
-        assert time.monotonic() - t0 < LINGER_S + 2
 
 
 def test_a_websocket_outlives_the_header_deadline(url):
@@ -278,12 +278,14 @@ def test_headers_under_the_cap_and_a_body_past_it_are_served(url):
     ids=["short-body", "no-last-chunk"],
 )
 def test_a_body_that_stops_coming_is_cut_at_the_deadline(url, request_bytes):
+    """The 408 says the body deadline cut it; when is the behaviour itself: not early (a lower bound, which
+    cannot flake) and not far past it (6x the deadline, generous for a slow machine)."""
     sock = _connect(url)
     sock.sendall(request_bytes)
     t0 = time.monotonic()
     reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408 Request Timeout"), reply
-    assert DEADLINE * 0.9 < time.monotonic() - t0 < DEADLINE * 4
+    assert DEADLINE * 0.9 < time.monotonic() - t0 < 6 * DEADLINE
 
 
 def test_a_body_the_app_reads_late_is_not_cut(url):
@@ -307,25 +309,23 @@ def test_the_app_learns_at_once_that_its_client_left(url, how):
     sock = _connect(url)
     sock.sendall(b"POST /watch HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
     time.sleep(0.1)
-    t0 = time.monotonic()
     if how == "close":
         sock.close()
     else:
         sock.shutdown(socket.SHUT_WR)
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 3  # (the hang guard: an app never told waits 5 s, then gives up)
     while not LEFT and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert LEFT == ["http.disconnect"] and time.monotonic() - t0 < 1.0
+    assert LEFT == ["http.disconnect"]
     sock.close()
 
 
 def test_a_client_that_half_closes_mid_body_is_closed_at_once(url):
+    """Closed at its EOF, answerless: not by the body deadline, whose close answers 408 first."""
     sock = _connect(url)
     sock.sendall(b"POST /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
     sock.shutdown(socket.SHUT_WR)
-    t0 = time.monotonic()
-    _read_all(sock)
-    assert time.monotonic() - t0 < DEADLINE / 2
+    assert _read_all(sock) == b""
 
 
 def _big_request(url: str) -> socket.socket:
@@ -355,7 +355,9 @@ def test_an_answer_the_client_reads_nothing_of_is_dropped_at_the_deadline(url):
     t0 = time.monotonic()
     while not ENDED and time.monotonic() - t0 < 10:
         time.sleep(0.02)
-    assert ENDED and DEADLINE * 0.9 <= ENDED[0] - t0 < DEADLINE + 3, ENDED
+    # when is the behaviour itself: not early (a lower bound, which cannot flake: timers do not fire early)
+    # and not far past the deadline (6x it, generous for a slow machine)
+    assert ENDED and DEADLINE * 0.9 <= ENDED[0] - t0 < 6 * DEADLINE, ENDED
     assert _received(sock) < BIG  # (what the buffers held, then the reset)
     sock.close()
     ENDED.clear()
@@ -391,9 +393,9 @@ def test_a_body_left_unsent_after_an_early_answer_is_not_waited_for_without_end(
     sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
     time.sleep(0.2)
     sock.sendall(b"x")
-    t0 = time.monotonic()
+    # (the read's 10 s timeout is the guard against a connection left open for good: the owed body's
+    # LINGER_MAX_S, 1 s here, ends it, the server's half-close ending the read)
     assert _responses(_read_all(sock)) == [b"HTTP/1.1 401 Unauthorized"]
-    assert time.monotonic() - t0 < 1.0 + 2 * LINGER_S + 1
 
 
 def test_a_pipelined_websocket_upgrade_gets_no_header_deadline(url):

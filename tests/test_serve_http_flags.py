@@ -207,20 +207,21 @@ def _idle_connection_closes_after(port: int, keep_alive_s: float) -> None:
 
 def _silent_connection_gets_408(port: int, header_timeout_s: float) -> None:
     """A TLS connection that sends no request is answered 408 and closed at the header deadline
-    (api/http_protocol.py; uvicorn alone keeps it open)."""
+    (api/http_protocol.py; uvicorn alone keeps it open). The read's timeout, 6x the deadline set here and far
+    under the 60 s default, is the guard: a deadline left at its default fails the read (a TimeoutError)."""
     import ssl
 
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     with socket.create_connection(("127.0.0.1", port)) as raw, ctx.wrap_socket(raw) as tls:
-        t0, answer = time.monotonic(), b""
+        answer = b""
         tls.settimeout(header_timeout_s + 5)
         try:
             while chunk := tls.recv(65536):
                 answer += chunk
         except (ssl.SSLEOFError, ConnectionResetError):
             pass
-        assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - t0 < header_timeout_s + 4
+        assert answer.startswith(b"HTTP/1.1 408 ")
 
 
 def test_a_bad_ca_file_beside_a_good_certificate_is_blamed_on_itself(tmp_path):

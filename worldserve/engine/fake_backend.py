@@ -7,6 +7,9 @@ GPU time) and records its batch size, so engine-policy tests can assert on batch
 `__fail__:prepare`, `__fail__:denoise` or `__fail__:decode` raises at that stage, `__fail__:decode_stream`
 after a streamed decode's first chunk (failure-isolation tests). `decode(stream=True)` streams frame 0 and
 then 16 frames a chunk (the real decoder makes 4 per latent frame of its chunk: 8 by default), each after `decode_chunk_delay` seconds (counted in `decoded_chunks`).
+A test that must hold a step or a decode chunk in progress (to see what happens meanwhile, with no clock)
+passes `step_gate` / `chunk_gate`: each denoise call, and each streamed chunk after frame 0, then waits for
+that event to be set before it ends (`steps_done` counts the denoise calls completed).
 It never changes the outputs of one request because of another one in its batch.
 """
 
@@ -45,10 +48,19 @@ class FakeBackendError(RuntimeError):
 
 
 class FakeBackend:
-    def __init__(self, *, step_delay: float = 0.0, has_sound: bool = True, decode_chunk_delay: float = 0.0):
+    def __init__(
+        self, *, step_delay: float = 0.0, has_sound: bool = True, decode_chunk_delay: float = 0.0,
+        step_gate: threading.Event | None = None, chunk_gate: threading.Event | None = None,
+    ):  # fmt: skip
         self.has_sound = has_sound
         self.step_delay = step_delay
         self.decode_chunk_delay = decode_chunk_delay
+        self.step_gate = step_gate
+        """When given, every denoise call waits for it to be set before it ends (a step held in progress)."""
+        self.chunk_gate = chunk_gate
+        """When given, every streamed chunk after frame 0 waits for it to be set before it is made."""
+        self.steps_done = 0
+        """Denoise calls completed, all requests together."""
         self.decoded_chunks = 0
         """Chunks of frames a streamed decode has made, all requests together."""
         self.batch_sizes: list[int] = []
@@ -80,12 +92,15 @@ class FakeBackend:
         assert len({s.batch_key for s in states}) == 1, "a batch mixes batch keys"
         if self.step_delay:
             time.sleep(self.step_delay)
+        if self.step_gate is not None:
+            self.step_gate.wait()
         for state in states:
             _maybe_fail(state.params, "denoise")
         for state in states:
             assert state.step_index < state.num_steps, "denoised past the last step"
             state.step_index += 1
         self.batch_sizes.append(len(states))
+        self.steps_done += 1
 
     def decode(self, state: FakeState, *, stream: bool = False) -> VideoResult:
         p = state.params
@@ -118,6 +133,8 @@ class FakeBackend:
         for start in range(1, len(frames), 16):
             _maybe_fail(params, "decode_stream")
             time.sleep(self.decode_chunk_delay)
+            if self.chunk_gate is not None:
+                self.chunk_gate.wait()
             self.decoded_chunks += 1
             yield frames[start : start + 16]
 
