@@ -162,7 +162,7 @@ def _pair(out_f: int, in_f: int, r: int = 2) -> tuple[torch.Tensor, torch.Tensor
         ("unknown-module", "does not apply LoRA to: ['embed_tokens']"),
         ("shape", "do not fit its weight [64, 64]"),
         ("only-a", "has lora_A but not both"),
-        ("strange-key", "not PEFT LoRA A / B weights"),
+        ("strange-key", "not LoRA weights (lora_A / lora_B, lora_down / lora_up, alpha)"),
         ("rank-vs-config", "has rank 2, its config says 3"),
         ("pickle", "adapter_model.bin (pickle"),
         ("int-weights", "must be floating point"),
@@ -183,7 +183,7 @@ def test_refusals_name_lora(ours, tmp_path, case, message):
         "shape": lambda: _write_adapter(tmp_path / "s", {**good, "layers.0.self_attn.to_q.lora_A.weight": torch.randn(2, 32),
                                                          "layers.0.self_attn.to_q.lora_B.weight": torch.randn(64, 2)}),
         "only-a": lambda: _write_adapter(tmp_path / "o", {"layers.1.mlp.up_proj.lora_A.weight": torch.randn(2, 64)}),
-        "strange-key": lambda: _write_adapter(tmp_path / "k", {**good, "layers.0.mlp.up_proj.alpha": torch.ones(())}),
+        "strange-key": lambda: _write_adapter(tmp_path / "k", {**good, "layers.0.mlp.up_proj.lora_magnitude_vector": torch.ones(64)}),
         "rank-vs-config": lambda: _write_adapter(tmp_path / "r", good, {"r": 3}),
         "pickle": lambda: _pickled_peft_folder(tmp_path / "p"),
         "int-weights": lambda: _write_adapter(tmp_path / "i", {k: v.to(torch.int32) for k, v in good.items()}),
@@ -217,3 +217,26 @@ def test_lm_head_is_skipped_and_parts_are_fused(ours, tmp_path):
     torch.testing.assert_close(delta[:, :64], 2.0 * (x @ q[0].T) @ q[1].T)  # (no config: alpha = r)
     assert torch.count_nonzero(delta[:, 64:96]) == 0
     torch.testing.assert_close(delta[:, 96:], 2.0 * (x @ v[0].T) @ v[1].T)
+
+
+def test_kohya_style_file_matches_its_peft_folder(ours, tiny_ckpt, tmp_path):
+    """A trainer's kohya-style file (`diffusion_model.` prefix, lora_down / lora_up, a scalar alpha per module,
+    no config) is the same adapter as the PEFT folder with that lora_alpha: the same scalings and deltas."""
+    from pipeline_helpers import write_random_adapter
+
+    folder = write_random_adapter(tmp_path / "peft", tiny_ckpt, rank=4, alpha=6.0)
+    tensors = load_file(f"{folder}/adapter_model.safetensors")
+    kohya = {}
+    for key, value in tensors.items():
+        module, part = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        kohya[f"diffusion_model.{module}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+        kohya[f"diffusion_model.{module}.alpha"] = torch.tensor(6.0)
+    (tmp_path / "kohya").mkdir()
+    save_file(kohya, str(tmp_path / "kohya" / "style.safetensors"))
+    want, got = inspect_adapter(folder, ours.config), inspect_adapter(str(tmp_path / "kohya"), ours.config)
+    assert got.modules == want.modules and next(iter(got.modules.values())) == (4, 1.5)
+    cpu = torch.device("cpu")
+    a = load_adapter(want, 1.0, ours.config, dtype=torch.float32, device=cpu)
+    b = load_adapter(got, 1.0, ours.config, dtype=torch.float32, device=cpu)
+    torch.testing.assert_close(b.tower(1, "gen")["qkv_proj"][1], a.tower(1, "gen")["qkv_proj"][1])
+    torch.testing.assert_close(b.top["proj_out"][1], a.top["proj_out"][1])

@@ -6,7 +6,10 @@ Formats (the adapter's module names are diffusers' Cosmos3OmniTransformer's, the
   .weight` / `.lora_B.weight`), what `PeftModel.save_pretrained` writes and vLLM-Omni requires;
 - diffusers' LoRA file: `pytorch_lora_weights.safetensors` (or any one `.safetensors` file, or the folder
   holding just one), keys `<module>.lora_A.weight` optionally prefixed `transformer.`, its LoraConfig in the
-  `lora_adapter_metadata` header entry when `save_lora_adapter` wrote it (without one, lora_alpha = r).
+  `lora_adapter_metadata` header entry when `save_lora_adapter` wrote it (a pipeline's `save_lora_weights`:
+  its `transformer.`-prefixed part; without one, lora_alpha = r);
+- kohya-style trainers' files: `lora_down` / `lora_up` for A / B, a scalar `<module>.alpha` each, keys
+  optionally prefixed `diffusion_model.` (the scaling alpha / r, as those trainers and diffusers read them).
 Scaling as PEFT's: lora_alpha / r per module (`rank_pattern` / `alpha_pattern` matched on module names as
 PEFT matches them; rsLoRA: lora_alpha / sqrt(r)), times the request's scale; folded into B at load.
 Modules: every linear of both towers' layers (to_q/to_k/to_v/to_out, add_q_proj/add_k_proj/add_v_proj/
@@ -15,7 +18,7 @@ two linears, audio_proj_in/out; `lm_head` (the Reasoner's head, unused by genera
 line. Anything else (DoRA, LoRA biases, fan_in_fan_out, embeddings, unknown modules, shapes that do not fit
 the model) is refused naming it: a request never runs with part of its adapter silently dropped.
 
-`inspect_adapter` reads headers only (the API's check before a job is accepted); `load_adapter` reads the
+`inspect_adapter` reads headers (and kohya-style alphas, scalars) only: the API's check before a job is accepted; `load_adapter` reads the
 tensors and builds this rank's LoraWeights on the device.
 """
 
@@ -47,8 +50,12 @@ log = logging.getLogger(__name__)
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
-_PREFIXES = ("base_model.model.", "transformer.")
-_KEY_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_PREFIXES = ("base_model.model.", "transformer.", "diffusion_model.")
+_KEY_RE = re.compile(
+    r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])\.weight|lora_(?P<du>down|up)\.weight|(?P<alpha>alpha))$"
+)
+_PART = {"A": "A", "B": "B", "down": "A", "up": "B"}
+"""Key suffix -> pair part: PEFT's lora_A / lora_B, the kohya-style trainers' lora_down / lora_up."""
 _SKIPPED = ("lm_head",)
 """Modules an adapter may carry that generation never runs (the Reasoner's vocabulary head)."""
 
@@ -182,6 +189,7 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
         with safe_open(str(weights), framework="pt") as f:
             metadata = f.metadata() or {}
             header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            alphas = {k: f.get_tensor(k) for k in header if k.endswith(".alpha")}  # (scalars: kohya's alphas)
     except (SafetensorError, OSError) as exc:
         raise _refuse(path, f"{weights.name} is not a readable safetensors file ({exc})") from None
     if peft is None:
@@ -195,17 +203,18 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
         if m is None:
             strange.append(key)
         else:
-            pairs[m["module"]][m["ab"]] = key
+            pairs[m["module"]]["alpha" if m["alpha"] else _PART[m["ab"] or m["du"]]] = key
     if strange:
-        raise _refuse(path, f"keys that are not PEFT LoRA A / B weights: {strange[:3]}"
+        raise _refuse(path, f"keys that are not LoRA weights (lora_A / lora_B, lora_down / lora_up, alpha): {strange[:3]}"
                       f"{f' (and {len(strange) - 3} more)' if len(strange) > 3 else ''}")  # fmt: skip
     if not pairs:
         raise _refuse(path, "it holds no LoRA weights")
     shapes = transformer_checkpoint_shapes(config)
     modules, keys, unknown = {}, {}, []
     for module, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise _refuse(path, f"module {module!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        if set(ab) - {"alpha"} != {"A", "B"}:
+            raise _refuse(path, f"module {module!r} has lora_{''.join(sorted(set(ab) - {'alpha'}))} but not both "
+                          "lora_A and lora_B")  # fmt: skip
         if module in _SKIPPED:
             log.info("LoRA adapter %s: %s is not used by generation, skipped", path, module)
             continue
@@ -239,6 +248,11 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             if peft is None
             else _pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", 8))
         )
+        if "alpha" in ab:  # (a kohya-style file's own alpha for the module: its scaling is alpha / r)
+            value = alphas[ab["alpha"]]
+            if value.numel() != 1 or not value.is_floating_point() or not math.isfinite(float(value)):
+                raise _refuse(path, f"module {module!r}: its alpha must be one finite float")
+            alpha = float(value)
         rs = bool(peft and peft.get("use_rslora"))
         modules[module] = (rank, float(alpha) / (math.sqrt(rank) if rs else rank))
         keys[module] = (ab["A"], ab["B"])
