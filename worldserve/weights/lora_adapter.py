@@ -18,8 +18,8 @@ two linears, audio_proj_in/out; `lm_head` (the Reasoner's head, unused by genera
 line. Anything else (DoRA, LoRA biases, fan_in_fan_out, embeddings, unknown modules, shapes that do not fit
 the model) is refused naming it: a request never runs with part of its adapter silently dropped.
 
-`inspect_adapter` reads headers (and kohya-style alphas, scalars) only: the API's check before a job is accepted; `load_adapter` reads the
-tensors and builds this rank's LoraWeights on the device.
+`inspect_adapter` reads headers (and kohya-style alphas, scalars) only: the API's check before a job is
+accepted; `load_adapter` reads the tensors and builds this rank's LoraWeights on the device.
 """
 
 from __future__ import annotations
