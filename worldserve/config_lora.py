@@ -26,7 +26,7 @@ class LoraConfig:
     lora_scale: float | None = None
     """The scale of --lora-path's adapter (vLLM-Omni's flag); default: 1.0, 0 runs the base model."""
     max_cpu_loras: int = 4
-    """LoRA adapters (at a scale) kept loaded between requests, least recently used dropped first (vLLM's flag; on the GPU here: a rank-64 adapter of every linear of Cosmos3-Nano is ~0.6 GB in bf16)."""
+    """LoRA adapters (at a scale) kept loaded between requests, least recently used dropped first (vLLM's flag; on the GPU here: a rank-64 adapter of every linear of Cosmos3-Nano takes ~1 GB in bf16, fused q|k|v and gate|up B blocks included)."""
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras < 1:
