@@ -103,8 +103,41 @@ def test_cache_loads_once_per_file_and_scale(ours_pipeline, tiny_ckpt, tmp_path)
     again = cache.get(LoraRequest("a", path, 1.0))
     assert again is not first and again.key != first.key
     assert cache.get(LoraRequest("a", path, 1.0)) is again
-    cache.get(LoraRequest("a", path, 2.0))  # (max_loaded 2: the least recently used goes)
-    assert cache.get(LoraRequest("a", path, 0.5)) is not half
+    read = []
+    cache._read = lambda request, spec, read_=cache._read: read.append(request.scale) or read_(request, spec)
+    held = cache.get(LoraRequest("a", path, 0.5))  # (a new file identity: read, and kept with 1.0's)
+    assert read == [0.5] and [k[1] for k in cache._loaded] == [1.0, 0.5]
+    cache.get(LoraRequest("a", path, 2.0))  # (max_loaded 2: the least recently used host copy, 1.0's, goes)
+    assert read == [0.5, 2.0] and [k[1] for k in cache._loaded] == [0.5, 2.0]
+    assert cache.get(LoraRequest("a", path, 0.5)) is held and read == [0.5, 2.0]
+    del again, first
+    import gc
+
+    gc.collect()  # (no request holds 1.0's copy any more: read again)
+    cache.get(LoraRequest("a", path, 1.0))
+    assert read == [0.5, 2.0, 1.0]
+
+
+@pytest.mark.gpu
+def test_gpu_copies_live_while_requests_hold_them(ours_pipeline, tiny_ckpt, tmp_path):
+    """On a GPU the host copy is pinned and the device copy is shared by its holders, then freed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import gc
+
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    pipe = VideoPipeline.from_pretrained(tiny_ckpt, device="cuda", progress=False)
+    path = write_random_adapter(tmp_path / "a", tiny_ckpt)
+    cache = LoraCache(pipe.transformer)
+    a = cache.get(LoraRequest("a", path, 1.0))
+    key = next(iter(cache._loaded))
+    assert a.top["proj_in"][0].is_cuda and cache._loaded[key].top["proj_in"][0].is_pinned()
+    assert cache.get(LoraRequest("b", path, 1.0)) is a
+    before = torch.cuda.memory_allocated()
+    del a
+    gc.collect()
+    assert torch.cuda.memory_allocated() < before and key not in cache._on_device
 
 
 def test_validate_refuses_a_bad_adapter(ours_pipeline, tmp_path):

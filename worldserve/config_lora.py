@@ -26,7 +26,7 @@ class LoraConfig:
     lora_scale: float | None = None
     """The scale of --lora-path's adapter (vLLM-Omni's flag); default: 1.0, 0 runs the base model."""
     max_cpu_loras: int = 4
-    """LoRA adapters (at a scale) kept loaded between requests, least recently used dropped first (vLLM's flag; on the GPU here: a rank-64 adapter of every linear of Cosmos3-Nano takes ~1 GB in bf16, fused q|k|v and gate|up B blocks included)."""
+    """LoRA adapters (at a scale) kept read in host memory between requests, least recently used dropped first (vLLM's flag); the GPU holds an adapter only while requests run with it (a rank-64 adapter of every linear of Cosmos3-Nano takes ~1 GB in bf16, fused q|k|v and gate|up B blocks included)."""
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras < 1:

@@ -52,7 +52,7 @@ def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
     return torch.addmm(y, F.linear(x, a), b.t())  # [N, out] + [N, R] @ [R, out]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class LoraWeights:
     """One adapter in our layout, on the model's device: per layer and tower the deltas of its fused linears
     (`TOWER_LINEARS` names; absent: no delta), and those of the top-level linears (`TOP_LINEARS`)."""
@@ -68,6 +68,31 @@ class LoraWeights:
         """The deltas of one TowerBlock (None when the adapter has none there)."""
         found = self.layers[layer].get(tower) if layer < len(self.layers) else None
         return found or None
+
+    def to(self, device, *, non_blocking: bool = False) -> LoraWeights:
+        """The same adapter with every pair on `device` (itself when it is there already)."""
+        pairs = [p for layer in self.layers for tower in layer.values() for p in tower.values()]
+        if all(t.device == torch.device(device) for pair in [*pairs, *self.top.values()] for t in pair):
+            return self
+
+        def move(pair: LoraPair) -> LoraPair:
+            return tuple(t.to(device, non_blocking=non_blocking) for t in pair)  # type: ignore[return-value]
+
+        layers = tuple(
+            {tw: {n: move(p) for n, p in lin.items()} for tw, lin in layer.items()} for layer in self.layers
+        )
+        return LoraWeights(key=self.key, layers=layers, top={n: move(p) for n, p in self.top.items()})
+
+    def pinned(self) -> LoraWeights:
+        """The same adapter in pinned host memory (its copies to a GPU then run asynchronously)."""
+
+        def pin(pair: LoraPair) -> LoraPair:
+            return tuple(t.pin_memory() for t in pair)  # type: ignore[return-value]
+
+        layers = tuple(
+            {tw: {n: pin(p) for n, p in lin.items()} for tw, lin in layer.items()} for layer in self.layers
+        )
+        return LoraWeights(key=self.key, layers=layers, top={n: pin(p) for n, p in self.top.items()})
 
     @property
     def nbytes(self) -> int:
