@@ -84,10 +84,8 @@ def test_seed_makes_unseeded_requests_repeat_across_restarts(reasoner, tmp_path)
     answers the same requests, in the same order, the same way; a request's own seed still wins."""
     from openai import OpenAI
 
-    from worldserve.sampling.chat_defaults import RequestSeeds
-
     def run(folder, seeds):
-        with serve_reasoner(reasoner, folder, model="m", name="seed-uvicorn", request_seeds=seeds) as url:
+        with serve_reasoner(reasoner, folder, model="m", name="seed-uvicorn", seed=seeds) as url:
             oai = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
             kw = dict(model="m", max_tokens=6, temperature=1.0)
             chats = [
@@ -97,12 +95,11 @@ def test_seed_makes_unseeded_requests_repeat_across_restarts(reasoner, tmp_path)
             own = oai.chat.completions.create(messages=HELLO, seed=11, **kw).choices[0].message.content
             return chats, texts, own
 
-    first = run(tmp_path / "a", RequestSeeds(7))
-    assert run(tmp_path / "b", RequestSeeds(7)) == first  # the restart answers alike
+    first = run(tmp_path / "a", 7)
+    assert run(tmp_path / "b", 7) == first  # the restart answers alike
     assert first[0][0] != first[0][1]  # one sequence: each request its own seed
-    other = run(tmp_path / "c", RequestSeeds(8))
+    other = run(tmp_path / "c", 8)
     assert other[:2] != first[:2] and other[2] == first[2]  # another sequence; a request's seed wins
-    options = serve.app_settings(config("--seed", "5")).request_seeds
-    assert isinstance(options, RequestSeeds) and serve.app_settings(config()).request_seeds is None
+    assert serve.app_settings(config("--seed", "5")).seed == 5 and serve.app_settings(config()).seed is None
     with pytest.raises(ValueError, match="--seed must be in"):
         config("--seed", str(2**63))

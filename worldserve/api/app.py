@@ -47,6 +47,7 @@ from worldserve.api.stats_log import StatsLog
 from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
+from worldserve.sampling.chat_defaults import RequestSeeds
 
 
 def build_app(
@@ -105,6 +106,7 @@ def build_app(
                            envs.media_url_allow_redirects()),
         responses=ResponseStore(settings.responses_store_bytes) if settings.responses_store_bytes > 0 else None,
         load=load if settings.server_load_tracking else None,
+        request_seeds=None if settings.seed is None else RequestSeeds(settings.seed),
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)

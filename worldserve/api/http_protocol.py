@@ -129,7 +129,7 @@ class HeaderGuard(H11Protocol):
         before = self.cycle
         super().data_received(data)
         if self.cycle is not before:  # its headers are parsed: from here only its body's bytes are timed
-            self.timers.cancel("header")
+            self.timers.cancel("header", "drain")  # (an owed body's end may come in the same read as them)
         elif idle:
             self._header_bytes += len(data)
             self._tail = (self._tail + data)[-2:]

@@ -16,7 +16,6 @@ from worldserve.api.chat_options import MediaDefaults
 from worldserve.api.lora_field import LoraSettings
 from worldserve.api.request_log import RequestLog
 from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS
-from worldserve.sampling.chat_defaults import RequestSeeds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,8 +73,9 @@ class AppSettings:
     """`--enable-log-requests`: where accepted requests are logged (api/request_log.py); None: not logged."""
     stats_interval_s: float | None = None
     """The stats line's period (None: `--disable-log-stats`)."""
-    request_seeds: RequestSeeds | None = None
-    """`--seed`: where Reasoner requests without a seed get theirs; None: random seeds."""
+    seed: int | None = None
+    """`--seed`: the start of the sequence Reasoner requests without a seed take theirs from (each app starts
+    its own: AppState.request_seeds); None: random seeds."""
     media_defaults: MediaDefaults = MediaDefaults()
     """`--media-io-kwargs` / `--mm-processor-kwargs`: what chat requests' own media options lay over."""
     responses_store_bytes: int = 256 * 2**20

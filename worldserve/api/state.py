@@ -16,7 +16,7 @@ from worldserve.api.server_load import ServerLoad
 from worldserve.api.settings import AppSettings
 from worldserve.chat_params import ChatParams
 from worldserve.engine.client import EngineClient, QueueFullError
-from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
+from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults, RequestSeeds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +31,8 @@ class AppState:
     """Downloads http(s) media URLs (video references, chat media) within the upload limit."""
     responses: ResponseStore | None = None
     """Stored Responses API responses (api/responses_store.py); None: `--responses-store-mb 0`, none kept."""
+    request_seeds: RequestSeeds | None = None
+    """`--seed`'s sequence of this app (from `settings.seed`), the seeds of Reasoner requests that send none."""
     load: ServerLoad | None = None
     """`--enable-server-load-tracking`'s count (api/server_load.py: async video jobs count until they end);
     None: off."""
@@ -50,8 +52,8 @@ class AppState:
 
     def seeded(self, params: ChatParams) -> ChatParams:
         """`params` with the next seed of --seed's sequence when the request sent none (one a prompt)."""
-        if params.seed is None and self.settings.request_seeds is not None:
-            return dataclasses.replace(params, seed=self.settings.request_seeds.next())
+        if params.seed is None and self.request_seeds is not None:
+            return dataclasses.replace(params, seed=self.request_seeds.next())
         return params
 
     def chat_meter(self, request_id: str):

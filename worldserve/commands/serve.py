@@ -37,7 +37,6 @@ from worldserve.commands import serve_backend, serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import CONFIG_CLASSES, EngineConfig, MediaConfig
 from worldserve.config_flags import add_config_arguments
-from worldserve.sampling.chat_defaults import RequestSeeds
 
 log = logging.getLogger("worldserve.serve")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -266,7 +265,7 @@ def app_settings(config: EngineConfig) -> AppSettings:
         tokens_as_ids=chat.return_tokens_as_token_ids, force_include_usage=chat.enable_force_include_usage,
         request_log=RequestLog(server.max_log_len) if server.enable_log_requests else None,
         stats_interval_s=None if server.disable_log_stats else envs.log_stats_interval_s(),
-        request_seeds=None if chat.seed is None else RequestSeeds(chat.seed),
+        seed=chat.seed,
         media_defaults=media_defaults(media),
         responses_store_bytes=int(chat.responses_store_mb * 2**20),
     )  # fmt: skip
