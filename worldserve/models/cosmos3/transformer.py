@@ -40,8 +40,8 @@ from torch import Tensor, nn
 from worldserve.models.cosmos3.batch import GenBatch, GenOutput, UndBatch, patchify, unpatchify
 from worldserve.models.cosmos3.checkpoint_keys import loaded_checkpoint_shapes, transformer_checkpoint_shapes
 from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.cosmos3.gen_attention import GenAttentionBuffers
 from worldserve.models.cosmos3.layer import (
-    GenAttentionBuffers,
     MoTLayer,
     compile_blocks,
     gen_layer_step,
@@ -205,7 +205,7 @@ class Cosmos3Transformer(nn.Module):
             raise ValueError(
                 "fp8 attention needs the FlashAttention-3 backend (FLASH_ATTN), which cannot run here"
             )
-        # LSEs let the first gen layer share a CFG pair's gen-gen attention (layer.GenAttentionBuffers)
+        # LSEs let the first gen layer share a CFG pair's gen-gen attention (gen_attention.GenAttentionBuffers)
         gen_fn, lse_fn = fn, (fa3_forward if label == "fa3" else None)
         if fp8_attention:
             gen_fn, lse_fn, label = fa3_fp8_attention, None, "fa3+fp8"
