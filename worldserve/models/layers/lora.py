@@ -54,8 +54,9 @@ def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class LoraWeights:
-    """One adapter in our layout, on the model's device: per layer and tower the deltas of its fused linears
-    (`TOWER_LINEARS` names; absent: no delta), and those of the top-level linears (`TOP_LINEARS`)."""
+    """One adapter in our layout (on the host, or on the model's device where forwards take it): per layer and
+    tower the deltas of its fused linears (`TOWER_LINEARS` names; absent: no delta), and those of the top-level
+    linears (`TOP_LINEARS`)."""
 
     key: tuple
     """What identifies this adapter at this scale (its files and the scale): requests whose keys are equal
@@ -69,32 +70,31 @@ class LoraWeights:
         found = self.layers[layer].get(tower) if layer < len(self.layers) else None
         return found or None
 
-    def to(self, device, *, non_blocking: bool = False) -> LoraWeights:
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> LoraWeights:
         """The same adapter with every pair on `device` (itself when it is there already)."""
-        pairs = [p for layer in self.layers for tower in layer.values() for p in tower.values()]
-        if all(t.device == torch.device(device) for pair in [*pairs, *self.top.values()] for t in pair):
+        if all(t.device == device for t in self._tensors()):
             return self
-
-        def move(pair: LoraPair) -> LoraPair:
-            return tuple(t.to(device, non_blocking=non_blocking) for t in pair)  # type: ignore[return-value]
-
-        layers = tuple(
-            {tw: {n: move(p) for n, p in lin.items()} for tw, lin in layer.items()} for layer in self.layers
-        )
-        return LoraWeights(key=self.key, layers=layers, top={n: move(p) for n, p in self.top.items()})
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pinned(self) -> LoraWeights:
         """The same adapter in pinned host memory (its copies to a GPU then run asynchronously)."""
-
-        def pin(pair: LoraPair) -> LoraPair:
-            return tuple(t.pin_memory() for t in pair)  # type: ignore[return-value]
-
-        layers = tuple(
-            {tw: {n: pin(p) for n, p in lin.items()} for tw, lin in layer.items()} for layer in self.layers
-        )
-        return LoraWeights(key=self.key, layers=layers, top={n: pin(p) for n, p in self.top.items()})
+        return self._map(lambda t: t.pin_memory())
 
     @property
     def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self):
         pairs = [p for layer in self.layers for tower in layer.values() for p in tower.values()]
-        return sum(t.numel() * t.element_size() for pair in [*pairs, *self.top.values()] for t in pair)
+        return (t for pair in [*pairs, *self.top.values()] for t in pair)
+
+    def _map(self, fn) -> LoraWeights:
+        """A LoraWeights of the same key whose every tensor is fn(tensor)."""
+
+        def pair(p: LoraPair) -> LoraPair:
+            return fn(p[0]), fn(p[1])
+
+        layers = tuple(
+            {tw: {n: pair(p) for n, p in lin.items()} for tw, lin in layer.items()} for layer in self.layers
+        )
+        return LoraWeights(key=self.key, layers=layers, top={n: pair(p) for n, p in self.top.items()})
