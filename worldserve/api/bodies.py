@@ -1,6 +1,7 @@
 """Request-body readers shared by the routes: a size-bounded stream (413 past `--max-upload-mb`), the JSON
 object of the JSON-only routes (chat completions, image generations; vLLM's `validate_json_request`) and its
-validation as the route's model (`read_model`: parsed and validated off the event loop when large), and
+validation as the route's model (`read_model`: parsed and validated off the event loop when large; the
+top-level fields the model ignores are named in one warning, vLLM's), and
 the strict form parsers of the video routes (`FormParts`: a multipart body must close with its final
 boundary, and form text must be UTF-8; Starlette's parsers drop an unfinished last part and turn bad bytes
 into other characters, so a cut body ran a job with the defaults of the fields it lost). `openapi_body`:
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +23,8 @@ from starlette.formparsers import MultiPartParser
 from starlette.requests import Request
 
 from worldserve.api.errors import APIError
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -166,8 +170,37 @@ async def read_model(
     if precheck is not None:
         precheck(data)
     if size <= INLINE_JSON_BYTES:
-        return model.model_validate(data)
-    return await asyncio.to_thread(model.model_validate, data)
+        parsed = model.model_validate(data)
+    else:
+        parsed = await asyncio.to_thread(model.model_validate, data)
+    log_ignored_fields(model, data)
+    return parsed
+
+
+IGNORED_NAMES_SHOWN = 20
+"""The most ignored field names one warning lists (each cut at 64 characters: a body may send thousands)."""
+
+
+def log_ignored_fields(model: type[BaseModel], data: dict[str, Any]) -> None:
+    """vLLM's warning for a request's top-level fields that `model` ignores (extra="ignore": a field of a
+    newer API or a misspelled one is not an error, but it is said once, in vLLM's words)."""
+    if model.model_config.get("extra") != "ignore":
+        return
+    known = set(model.model_fields)
+    known |= {f.alias for f in model.model_fields.values() if f.alias}
+    known |= {
+        a
+        for f in model.model_fields.values()
+        if isinstance(f.validation_alias, str)
+        for a in [f.validation_alias]
+    }
+    ignored = sorted(k for k in data if k not in known)
+    if ignored:
+        shown = [k[:64] for k in ignored[:IGNORED_NAMES_SHOWN]]
+        more = (
+            f" (and {len(ignored) - IGNORED_NAMES_SHOWN} more)" if len(ignored) > IGNORED_NAMES_SHOWN else ""
+        )
+        log.warning("The following fields were present in the request but ignored: %s%s", set(shown), more)
 
 
 def fits_context(field: str, max_model_len: int | None) -> Callable[[dict[str, Any]], None]:
