@@ -194,12 +194,10 @@ class ParallelPipeline:
         cfg = needs_uncond(params.guidance_scale)
         cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
         remote = cfg and self.layout.cfg == 2
-        self.local.loras.get(
-            params.lora
-        )  # (loaded here first: a bad adapter fails before a peer hears of it)
-        lora = (
-            params.lora if params.lora is not None and params.lora.active else None
-        )  # each peer loads its own
+        # the adapter loaded here first (a bad one fails before a peer hears of it), held: the prepare below
+        # shares its device copy; each peer loads its own slices of it from the prefill message
+        adapter = self.local.loras.get(params.lora)
+        lora = params.lora if adapter is not None else None
         msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond), lora)
         to = self._cond_peers + (self._uncond_peers if remote else [])
         if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0

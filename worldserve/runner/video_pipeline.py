@@ -173,7 +173,7 @@ class VideoPipeline:
         loading. The compiled VAE decoder follows `kernels.compile`; under layerwise offload (memory is short)
         it decodes with plain Conv3d calls (the Winograd convs' transformed frames add ~6.4 GiB to a 720p
         decode's peak). `tp`: this rank's tensor-parallel group (ParallelPipeline; every rank of it must then
-        run the same transformer calls). `max_loras`: LoRA adapters kept loaded (runner/lora_cache.py)."""
+        run the same transformer calls). `max_loras`: LoRA adapters kept read in host memory (runner/lora_cache.py)."""
         root = Path(path)
         layout = read_layout(root)
         device = torch.device(device) if device is not None else default_device()
