@@ -4,7 +4,8 @@ Starts `python -m worldserve.cli serve MODEL --host 127.0.0.1 --port P --init-ti
 warm-up at its default, `--warmup-shapes auto`), waits for /health, then sends the product recipe's
 multipart form (serving-api.md §1: JSON prompt, the default negative prompt file, size, num_frames, fps 24,
 guidance 6.0, max_sequence_length 4096, flow shift 10, seed) as a text-to-video request and again with an
-`input_reference` JPEG (image-to-video), `--steps` steps each. Every MP4 is decoded back (codecs, frames,
+`input_reference` JPEG (image-to-video), `--steps` steps each; `--lora-rank N` adds the T2V request naming
+a random rank-N adapter (the server runs with --enable-lora). Every MP4 is decoded back (codecs, frames,
 fps, audio rate and channels); the JSON records each request's wall time and the server's own stage times
 (/metrics: worldserve:stage_duration_seconds sums). `--realtime` also runs the T2V request as a
 /v1/realtime/video session (fragmented MP4 parts while the VAE decodes): the times to video.start, to the
@@ -15,6 +16,7 @@ times of the session).
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --requests t2v --out ...  # 35 steps, T2V
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 4 --serve-arg=--cfg-parallel-size \
         --serve-arg=2 --out $OUT/serve_video.json  # 2 GPUs
+    PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 2 --lora-rank 64 --out ...
     PYTHONPATH=. python bench/serve_video.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/sv.json  # CPU
 """
 
@@ -48,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--realtime", action="store_true", help="also the T2V request over /v1/realtime/video")
     ap.add_argument("--requests", default="t2v,i2v", help="which sync requests to send, in order (t2v, i2v)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="also a T2V request naming a random LoRA adapter of this rank on every module (the server "
+                         "runs with --enable-lora; weights/lora_adapter.py write_random_adapter)")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -116,6 +121,21 @@ def stage_seconds(url: str) -> dict[str, float]:
     return out
 
 
+def write_adapter(model: list[str], rank: int, folder: str) -> str:
+    """A random PEFT adapter of `rank` on every module LoRA applies to, at the served checkpoint's shapes
+    (bf16), in `folder`; its path."""
+    import torch
+
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.weights.checkpoint import default_tiny_checkpoint
+    from worldserve.weights.lora_adapter import write_random_adapter
+
+    root = Path(model[0]) if model else default_tiny_checkpoint()
+    config = Cosmos3Config.from_json(root / "transformer" / "config.json")
+    return write_random_adapter(Path(folder) / f"lora-r{rank}", config, rank=rank, alpha=rank, std=0.02,
+                                dtype=torch.bfloat16)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,9 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     # a fresh store: no job of an earlier, interrupted run re-queued beside the timed requests, and no 84 MB
     # MP4s left in the out folder
     store = tempfile.mkdtemp(prefix="serve_video-")
+    lora = ["--enable-lora"] if args.lora_rank else []
+    adapter = write_adapter(model, args.lora_rank, store) if args.lora_rank else None
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", *model, "--host", "127.0.0.1",
            "--port", str(args.port), "--init-timeout", "1800", "--omni", "--storage-dir", store,
-           *args.serve_arg]  # fmt: skip
+           *lora, *args.serve_arg]  # fmt: skip
     log = open(args.out.with_name("serve.log"), "w")  # noqa: SIM115 (open for the server's lifetime)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     import torch
@@ -143,12 +165,22 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
         form = recipe_form(args)
-        references = {"t2v": None, "i2v": {"input_reference": ("ref.jpg", _jpeg(), "image/jpeg")}}
-        for name in args.requests.split(","):
+        references = {
+            "t2v": None,
+            "i2v": {"input_reference": ("ref.jpg", _jpeg(), "image/jpeg")},
+            "t2v-lora": None,
+        }
+        names = args.requests.split(",") + (["t2v-lora"] if adapter else [])
+        for name in names:
             files = references[name]
+            data = (
+                {**form, "lora": json.dumps({"name": "random", "path": adapter})}
+                if name == "t2v-lora"
+                else form
+            )
             before = stage_seconds(url)
             t0 = time.perf_counter()
-            r = httpx.post(url + "/v1/videos/sync", data=form, files=files, headers={"Accept": "video/mp4"},
+            r = httpx.post(url + "/v1/videos/sync", data=data, files=files, headers={"Accept": "video/mp4"},
                            timeout=3600)  # fmt: skip
             wall = time.perf_counter() - t0
             entry = {"status": r.status_code, "wall_s": wall, "content_type": r.headers.get("content-type")}
