@@ -104,7 +104,9 @@ def test_cache_loads_once_per_file_and_scale(ours_pipeline, tiny_ckpt, tmp_path)
     assert again is not first and again.key != first.key
     assert cache.get(LoraRequest("a", path, 1.0)) is again
     read = []
-    cache._read = lambda request, spec, read_=cache._read: read.append(request.scale) or read_(request, spec)
+    cache._read = lambda request, spec, key, read_=cache._read: (
+        read.append(request.scale) or read_(request, spec, key)
+    )
     held = cache.get(LoraRequest("a", path, 0.5))  # (a new file identity: read, and kept with 1.0's)
     assert read == [0.5] and [k[1] for k in cache._loaded] == [1.0, 0.5]
     cache.get(LoraRequest("a", path, 2.0))  # (max_loaded 2: the least recently used host copy, 1.0's, goes)

@@ -153,9 +153,7 @@ class LoraRequest:
 
     def validate(self) -> LoraRequest:
         """ParamError naming `lora` unless the name and path are non-empty strings and the scale finite."""
-        if not isinstance(self.name, str) or not self.name:
-            raise ParamError("lora", "Invalid lora object: both name and path are required.")
-        if not isinstance(self.path, str) or not self.path:
+        if not all(isinstance(v, str) and v for v in (self.name, self.path)):
             raise ParamError("lora", "Invalid lora object: both name and path are required.")
         if (
             isinstance(self.scale, bool)

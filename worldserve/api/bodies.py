@@ -188,12 +188,7 @@ def log_ignored_fields(model: type[BaseModel], data: dict[str, Any]) -> None:
         return
     known = set(model.model_fields)
     known |= {f.alias for f in model.model_fields.values() if f.alias}
-    known |= {
-        a
-        for f in model.model_fields.values()
-        if isinstance(f.validation_alias, str)
-        for a in [f.validation_alias]
-    }
+    known |= {f.validation_alias for f in model.model_fields.values() if isinstance(f.validation_alias, str)}
     ignored = sorted(k for k in data if k not in known)
     if ignored:
         shown = [k[:64] for k in ignored[:IGNORED_NAMES_SHOWN]]

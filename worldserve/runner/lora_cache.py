@@ -65,13 +65,13 @@ class LoraCache:
                 return found
             host = self._loaded.get(key)
         if host is None:
-            host = self._read(request, spec)
+            host = self._read(request, spec, key)
         weights = host.to(device, non_blocking=True)
         with self._lock:
             self._on_device[key] = weights
         return weights
 
-    def _read(self, request: LoraRequest, spec) -> LoraWeights:
+    def _read(self, request: LoraRequest, spec: AdapterSpec, key: tuple) -> LoraWeights:
         """The adapter read from its files into host memory (pinned for a CUDA model), kept as the most recent."""
         t = self.transformer
         cpu = torch.device("cpu")
@@ -81,7 +81,7 @@ class LoraCache:
         log.info("LoRA adapter %r read from %s (%d modules, %.1f MB, scale %g)", request.name, request.path,
                  len(spec.modules), host.nbytes / 2**20, request.scale)  # fmt: skip
         with self._lock:
-            self._loaded[(spec.identity, float(request.scale))] = host
+            self._loaded[key] = host
             while len(self._loaded) > self.max_loaded:
                 self._loaded.popitem(last=False)
         return host

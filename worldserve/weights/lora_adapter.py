@@ -172,6 +172,17 @@ def _metadata_config(metadata: dict, path: str) -> dict | None:
     return config
 
 
+def adaptable_modules(config: Cosmos3Config) -> dict[str, tuple[int, int]]:
+    """module -> its weight's (out, in) for every module an adapter may carry deltas for: the layers' linears
+    (their 2-D weights) and the gen pathway's TOP_LINEARS."""
+    return {
+        key.removesuffix(".weight"): shape
+        for key, shape in transformer_checkpoint_shapes(config).items()
+        if key.endswith(".weight") and len(shape) == 2
+        and (key.startswith("layers.") or key.removesuffix(".weight") in TOP_LINEARS)
+    }  # fmt: skip
+
+
 def _identity(weights: Path, modules: dict) -> tuple:
     """What makes this adapter this one: its weights file (real path, inode, size, modification and change
     times: a rewrite in place is another adapter) and what its config made of it (every module's rank and
@@ -209,7 +220,7 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
                       f"{f' (and {len(strange) - 3} more)' if len(strange) > 3 else ''}")  # fmt: skip
     if not pairs:
         raise _refuse(path, "it holds no LoRA weights")
-    shapes = transformer_checkpoint_shapes(config)
+    shapes = adaptable_modules(config)
     modules, keys, unknown = {}, {}, []
     for module, ab in sorted(pairs.items()):
         if set(ab) - {"alpha"} != {"A", "B"}:
@@ -218,8 +229,8 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
         if module in _SKIPPED:
             log.info("LoRA adapter %s: %s is not used by generation, skipped", path, module)
             continue
-        target = shapes.get(f"{module}.weight")
-        if target is None or len(target) != 2 or not (module.startswith("layers.") or module in TOP_LINEARS):
+        target = shapes.get(module)
+        if target is None:
             unknown.append(module)
             continue
         (a_shape, a_dtype), (b_shape, b_dtype) = header[ab["A"]], header[ab["B"]]
@@ -331,17 +342,9 @@ def write_random_adapter(
     folder = Path(folder)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for key, shape in transformer_checkpoint_shapes(config).items():
-        module = key.removesuffix(".weight")
-        layer_linear = (
-            key.startswith("layers.") and ("_proj." in key or ".to_" in key) and key.endswith(".weight")
-        )
-        if len(shape) != 2 or not (layer_linear or module in TOP_LINEARS):
-            continue
-        out_f, in_f = shape
-        tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, in_f, generator=g) * 0.2).to(
-            dtype
-        )
+    for module, (out_f, in_f) in adaptable_modules(config).items():
+        a = torch.randn(rank, in_f, generator=g) * 0.2
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(dtype)
         tensors[f"base_model.model.{module}.lora_B.weight"] = (
             torch.randn(out_f, rank, generator=g) * std
         ).to(dtype)
