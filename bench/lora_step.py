@@ -9,6 +9,10 @@ the load time is reported). Per rank: seconds a step, the slowdown against no ad
 the device, the extra FLOPs of its GEMM pairs (2 N r (in + out) a linear) as a share of the step's, and the
 rel. L2 distance of the velocities from the base model's (the adapter does change them).
 
+Last, the last rank's adapter merged into the gen pathway's weights (runner/lora_cache.py merge_lora, what serve
+does with --lora-path alone): its step, the merge's seconds (in "load s") and the rel. L2 distance of its
+velocities from the unmerged adapter's.
+
 Predicted (before any run): the pairs' FLOPs are ~0.7 % of a step at rank 64; the cost is memory traffic,
 each adapted GEMM's output read and written once more by the delta's addmm and its input read once more
 by x A^T, ~18 GB a gen layer at 720p with CFG, ~3 % of the step at rank 64 if none of it fuses.
@@ -66,6 +70,9 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     from worldserve.bench.timing import peak_gib, reset_peak, time_region
     from worldserve.bench.workload import Workload
     from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.params import LoraRequest
+    from worldserve.runner.kernel_options import KernelOptions
+    from worldserve.runner.lora_cache import merge_lora
     from worldserve.weights.lora_adapter import inspect_adapter, load_adapter, write_random_adapter
 
     device = torch.device(args.device)
@@ -81,8 +88,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                  "args": {k: v for k, v in vars(args).items() if k != "out"}, "variants": {}}  # fmt: skip
     t0 = time.perf_counter()
     model = build_our_transformer(cfg, device, dtype, None, args.seed)
-    if compiled:
-        model.compile_gen_layers()
+    res["kernels"] = KernelOptions(compile=compiled).apply(model)  # as serve: the attention kernel, compiled
     step = OurStep(model, w, make_inputs(w, cfg.vocab_size, device, args.seed))
 
     def variant(name: str, rank: int = 0, extra: dict | None = None) -> None:
@@ -109,8 +115,21 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
             spec = inspect_adapter(folder, cfg)
             step.lora = load_adapter(spec, 1.0, cfg, dtype=dtype, device=device)
             load_s = time.perf_counter() - t1
-            variant(f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30})
+            unmerged = variant(
+                f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30}
+            )
             step.lora = None
+        # the last rank's adapter merged into the gen pathway's weights, as serve does with a static one: the
+        # base step's kernels again; its velocities against the unmerged adapter's (bf16 rounding of W + BA)
+        t1 = time.perf_counter()
+        merge_lora(model, LoraRequest("bench", folder, 1.0), device)
+        merge_s = time.perf_counter() - t1
+        step.lora = model.merged_lora.rest  # (the und deltas: the prefill applies them)
+        out = variant(f"rank {rank} merged", 0, {"load_s": merge_s})
+        res["variants"][f"rank {rank} merged"]["rel_l2_vs_unmerged"] = rel_error(
+            out["video"], unmerged["video"]
+        )
+        save(res)
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -118,16 +137,16 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
 def table(res: dict) -> str:
     lines = [
         f"LoRA step: {res['workload']}, {res['gen_tokens']} gen tokens, {res['step_flops'] / 1e15:.2f} PF a step, "
-        f"{res['environment'].get('gpu', res['environment']['device'])}, compiled={res['compiled']}",
+        f"{res['environment'].get('gpu', res['environment']['device'])}, kernels {res['kernels']}",
         "",
-        f"{'variant':10s} {'s/step':>8s} {'TF/s':>7s} {'slowdown':>8s} {'LoRA FLOPs':>10s} {'GiB':>6s} "
-        f"{'load s':>6s} {'vs base':>8s}",
+        f"{'variant':15s} {'s/step':>8s} {'TF/s':>7s} {'slowdown':>8s} {'LoRA FLOPs':>10s} {'GiB':>6s} "
+        f"{'load s':>6s} {'vs base':>8s} {'vs unmerged':>11s}",
     ]
     for name, r in res["variants"].items():
         lines.append(
-            f"{name:10s} {r['step_s']:8.3f} {r['tflops']:7.1f} {r.get('slowdown', 1.0):7.3f}x "
+            f"{name:15s} {r['step_s']:8.3f} {r['tflops']:7.1f} {r.get('slowdown', 1.0):7.3f}x "
             f"{100 * r['lora_flops_share']:9.2f}% {r.get('adapter_gib', 0.0):6.2f} {r.get('load_s', 0.0):6.1f} "
-            f"{r.get('rel_l2_vs_base', 0.0):8.4f}"
+            f"{r.get('rel_l2_vs_base', 0.0):8.4f} {r.get('rel_l2_vs_unmerged', 0.0):11.5f}"
         )
     return "\n".join(lines)
 

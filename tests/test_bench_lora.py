@@ -1,5 +1,6 @@
 """bench/lora_step.py on the CPU at a tiny size: it times the step without and with an adapter read through the
-served path (weights/lora_adapter.py), and the adapter changes the velocities (the GPU run is the measurement)."""
+served path (weights/lora_adapter.py), and the adapter changes the velocities; merged into the weights it gives
+the unmerged adapter's velocities (the GPU run is the measurement)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ def test_lora_step_script_runs_on_cpu(tmp_path, capsys):
             "--text-tokens", "20", "--out", str(out)]  # fmt: skip
     assert mod.main(argv) == 0
     res = json.loads(out.read_text())
-    assert list(res["variants"]) == ["base", "rank 2", "rank 4"]
+    assert list(res["variants"]) == ["base", "rank 2", "rank 4", "rank 4 merged"]
     for name in ("rank 2", "rank 4"):
         row = res["variants"][name]
         assert row["rel_l2_vs_base"] > 1e-3 and row["step_s"] > 0 and row["adapter_gib"] > 0, name
         assert 0 < row["lora_flops_share"] < 1
     assert res["variants"]["rank 4"]["lora_flops_share"] > res["variants"]["rank 2"]["lora_flops_share"]
-    assert "rank 4" in capsys.readouterr().out
+    merged = res["variants"]["rank 4 merged"]  # (float32 here: merged and unmerged agree to rounding)
+    assert merged["rel_l2_vs_unmerged"] < 1e-5 and merged["rel_l2_vs_base"] > 1e-3
+    assert "rank 4 merged" in capsys.readouterr().out

@@ -156,7 +156,8 @@ def test_validate_refuses_a_bad_adapter(ours_pipeline, tmp_path):
 @pytest.mark.gpu
 def test_gpu_adapter_through_compiled_bf16_layers(tiny_ckpt, ours_pipeline, adapter):
     """On a GPU with the served kernels (bf16, compiled gen layers, the attention backend auto picks): the
-    adapter's request lands near the float32 CPU one, far from the base model's."""
+    adapter's request lands near the float32 CPU one, far from the base model's; so does the adapter merged
+    into the bf16 weights."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from worldserve.runner.video_pipeline import VideoPipeline
@@ -168,6 +169,13 @@ def test_gpu_adapter_through_compiled_bf16_layers(tiny_ckpt, ours_pipeline, adap
     _, base = pipe.generate(VideoParams(**BASE, generate_sound=True))
     near = rel_l2(state.latents.float().cpu(), cpu.latents)
     assert near <= 5e-2 and rel_l2(base.latents.float().cpu(), cpu.latents) > 4 * near
+    from worldserve.runner.kernel_options import KernelOptions  # merged into bf16 weights, as serve's static one
+
+    merged = VideoPipeline.from_pretrained(
+        tiny_ckpt, device="cuda", progress=False, kernels=KernelOptions(merged_lora=params.lora)
+    )
+    _, fused = merged.generate(params)
+    assert rel_l2(fused.latents.float().cpu(), cpu.latents) <= 5e-2
 
 
 def test_static_adapter_is_loaded_at_startup(ours_pipeline, adapter, tmp_path):

@@ -3,7 +3,8 @@ adapter of those that name none (--lora-path, --lora-scale) and how many adapter
 
 A frozen dataclass of config.py's `EngineConfig` (`lora`), its flags generated as the others' are
 (config_flags.py). The constructor validates without I/O; serve checks that --lora-path exists before the
-model loads (`check_path`) and loads the adapter against the model once it is up (commands/serve_backend.py).
+model loads (`check_path`), checks the adapter against the checkpoint's config before the weights load, and
+merges it into them as they load when it is the only adapter (`merged_lora`; commands/serve_backend.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class LoraConfig:
     enable_lora: bool = False
     """Let video and image requests name a LoRA adapter of their own in `lora` (a path on this server: a PEFT folder or a diffusers LoRA file), which replaces --lora-path's for that request (vLLM's flag; off: such a request is a 400 naming lora). Chat requests take no adapters."""
     lora_path: str | None = field(default=None, metadata={"metavar": "PATH"})
-    """A LoRA adapter (a PEFT folder, or a diffusers LoRA file or its folder) every video and image request runs with unless it names its own (vLLM-Omni's flag; checked to exist before the model loads)."""
+    """A LoRA adapter (a PEFT folder, or a diffusers LoRA file or its folder) every video and image request runs with unless it names its own (vLLM-Omni's flag; checked against the model before it loads). Without --enable-lora it is merged into the video weights as they load (no cost a step; unmerged it slows a step ~5 percent)."""
     lora_scale: float | None = None
     """The scale of --lora-path's adapter (vLLM-Omni's flag); default: 1.0, 0 runs the base model."""
     max_cpu_loras: int = 4
@@ -50,6 +51,13 @@ class LoraConfig:
 
         scale = 1.0 if self.lora_scale is None else self.lora_scale
         return LoraRequest(name="static", path=os.path.abspath(self.lora_path), scale=scale)
+
+    @property
+    def merged_lora(self) -> LoraRequest | None:
+        """The static adapter when it is the only one (no --enable-lora) and changes anything: merged into the
+        gen pathway's weights as the model loads (KernelOptions.merged_lora), at no cost a step."""
+        static = self.static_lora
+        return static if static is not None and static.active and not self.enable_lora else None
 
     def check_path(self) -> None:
         """ValueError naming --lora-path when nothing is there (serve's startup, before the model loads)."""

@@ -5,12 +5,13 @@ Bad input fails before the model loads, with the field named (exit code 2). Outp
 audio, fps, sample rate). `--save-latents F.safetensors` also writes the final video and audio latents.
 Conditioning: `--image F` (image-to-video) or `--video F` (video-to-video: `--condition-frames 0,1` latent
 frames held clean, taken from the `--condition-video-keep first|last` end of the clip). `--lora PATH
-[--lora-scale S]` runs with a LoRA adapter.
+[--lora-scale S]` runs with a LoRA adapter (merged into the weights as they load).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -279,7 +280,6 @@ def _read_bytes(
 def _upsampled(args: argparse.Namespace, params: VideoParams, pipe, root: Path) -> VideoParams:
     """`params` with the prompt the Reasoner wrote (engine/prompt_upsampling.py), on the pipeline's own
     transformer (its K/V pool freed afterwards); printed to stderr."""
-    import dataclasses
     import gc
 
     import torch
@@ -353,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
 
     from worldserve.parallel.comm import PeerError
     from worldserve.runner.devices import check_layout_device
+    from worldserve.runner.lora_cache import check_adapter_fits
     from worldserve.runner.video_pipeline import load_pipeline
     from worldserve.weights.checkpoint import resolve_model
 
@@ -372,6 +373,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"using the embedded tiny random checkpoint {root}: its output is noise", file=sys.stderr)
     try:
         kernels = model.kernel_options(enable_layerwise_offload=par.enable_layerwise_offload)
+        if params.lora is not None:  # the run's only adapter: merged into the weights as they load
+            check_adapter_fits(root, params.lora, "--lora")
+            kernels = dataclasses.replace(kernels, merged_lora=params.lora)
         pipe = load_pipeline(
             root, cfg_parallel_size=par.cfg_parallel_size, ulysses_degree=par.ulysses_degree,
             tensor_parallel_size=par.tensor_parallel_size, device=model.device,

@@ -10,6 +10,7 @@ of --generation-config (sampling/chat_defaults.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -49,17 +50,21 @@ def load_backend(
         log.warning(bar)
     import torch
 
+    from worldserve.runner.lora_cache import check_adapter_fits
     from worldserve.runner.video_pipeline import load_pipeline
 
     if parallel.tensor_parallel_size == 1:  # (no Reasoner under tensor parallel)
         check_kv_cache_fits(cfg, chat, path)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+    kernels = cfg.kernel_options(enable_layerwise_offload=parallel.enable_layerwise_offload)
+    if (static := lora.static_lora) is not None:
+        check_adapter_fits(path, static, "--lora-path")
+        kernels = dataclasses.replace(kernels, merged_lora=lora.merged_lora)
     pipeline = load_pipeline(
         path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
         tensor_parallel_size=parallel.tensor_parallel_size, device=cfg.device, dtype=dtype,
         vae_tiling=cfg.vae_tiling,
-        kernels=cfg.kernel_options(enable_layerwise_offload=parallel.enable_layerwise_offload),
-        max_loras=lora.max_cpu_loras,
+        kernels=kernels, max_loras=lora.max_cpu_loras,
     )  # fmt: skip
     load_static_lora(pipeline, lora)
     gpu_memory = None
@@ -108,18 +113,21 @@ def load_backend(
 
 def load_static_lora(pipeline, lora: LoraConfig) -> None:
     """--lora-path's adapter checked against the model and loaded now (ValueError naming the flag): a bad
-    adapter stops the start, not every request."""
+    adapter stops the start, not every request. Without --enable-lora it was merged into the weights as they
+    loaded (LoraConfig.merged_lora): its unmerged und deltas are what is left."""
     from worldserve.params import ParamError
+    from worldserve.weights.lora_adapter import inspect_adapter
 
     if (static := lora.static_lora) is None:
         return
     try:
-        pipeline.loras.check(static)  # (also at scale 0, which loads nothing)
+        inspect_adapter(static.path, pipeline.transformer.config)  # (also at scale 0, which loads nothing)
         pipeline.loras.get(static)
     except ParamError as exc:
         raise ValueError(f"--lora-path: {exc.message}") from None
-    log.info("every request that names no LoRA adapter runs with --lora-path %s at scale %g", static.path,
-             static.scale)  # fmt: skip
+    how = "merged into the weights" if lora.merged_lora is not None else "unmerged"
+    log.info("every request that names no LoRA adapter runs with --lora-path %s at scale %g (%s)", static.path,
+             static.scale, how)  # fmt: skip
 
 
 def check_kv_cache_fits(cfg: ModelConfig, chat: ReasonerConfig, path: Path) -> None:

@@ -3,7 +3,8 @@ whether its layers stream from host memory (layerwise offload).
 
 One frozen `KernelOptions` travels from the CLI (`serve` / `generate` flags) to every rank that loads a
 transformer (the CFG-parallel peer gets the same object), and `apply` turns a freshly loaded model into
-the configured one in a fixed order: fp8 weights first (they replace the GEMM weights), then layerwise
+the configured one in a fixed order: a merged LoRA adapter first (runner/lora_cache.py merge_lora: its deltas
+are added into the weights everything after sees), fp8 weights (they replace the GEMM weights), then layerwise
 offload (it packs the final weights into pinned host buffers; the model was loaded on the CPU for it, see
 `load_device`), then the attention backend, then compilation (the compiled graphs see the final weights). `check` raises the
 user-facing ValueError before anything is loaded.
@@ -11,12 +12,16 @@ user-facing ValueError before anything is loaded.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import torch
 
 from worldserve import envs
 from worldserve.models.layers.flash_attention import BACKENDS, fa3_unavailable_reason
+
+if typing.TYPE_CHECKING:
+    from worldserve.params import LoraRequest
 
 QUANTIZATIONS = ("fp8", "fp8-emulated")
 """`quantization` values besides None; the CLI offers "fp8" only ("fp8-emulated": float32 numerics, tests)."""
@@ -36,6 +41,9 @@ class KernelOptions:
     """Gen tower attention in e4m3 through FlashAttention-3 (lossy; H100/H200 with the FA3 package)."""
     layerwise_offload: bool = False
     """Keep the transformer layers in pinned host memory and stream them to the GPU as they run."""
+    merged_lora: LoraRequest | None = None
+    """A LoRA adapter merged into the gen pathway's weights at load (a server's only one: --lora-path without
+    --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~5 %."""
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -92,17 +100,25 @@ class KernelOptions:
         return torch.device("cpu") if self.layerwise_offload else device
 
     def apply(self, transformer, device: torch.device | None = None) -> str:
-        """Quantise, offload, pick the attention kernel, compile; returns e.g. "fa3+compiled" for the logs.
+        """Merge the adapter, quantise, offload, pick the attention kernel, compile; returns e.g.
+        "fa3+compiled" for the logs.
 
         `device`: where the model runs (default: where it is; give it when it was loaded at load_device)."""
         device = transformer.device if device is None else torch.device(device)
         self.check(device, transformer.dtype, transformer.config.head_dim)
+        merged = self.merged_lora is not None and self.merged_lora.active
+        if merged:
+            from worldserve.runner.lora_cache import merge_lora
+
+            merge_lora(transformer, self.merged_lora, device)
         if self.quantization is not None:
             transformer.quantize_gen_fp8(emulate=self.quantization == "fp8-emulated", device=device)
         if self.layerwise_offload:
             transformer.enable_layerwise_offload(device)
         label = transformer.set_attention_backend(self.backend_name, fp8_attention=self.fp8_attention)
-        parts = [label] + ([self.quantization] if self.quantization else [])
+        parts = (
+            [label] + (["lora-merged"] if merged else []) + ([self.quantization] if self.quantization else [])
+        )
         parts += ["offload"] if self.layerwise_offload else []
         if self.compile and transformer.device.type == "cuda":
             transformer.compile_gen_layers()

@@ -10,6 +10,11 @@ vLLM's --max-cpu-loras), so a request of one of them copies it to the device (~4
 reading its files again; the device copy is shared by the requests running with it and freed once the last
 of them releases it (GPU memory holds only adapters in use). An adapter whose files changed since it was read
 (weights/lora_adapter.py `_identity`) is read again.
+
+A server whose one adapter is --lora-path's (no --enable-lora) merges its gen-pathway deltas into the weights
+at load (`merge_lora`, through KernelOptions.merged_lora on every rank): the cache then answers that adapter's
+requests with its unmerged und tower deltas alone, reads no files for them, and refuses any other adapter
+(the gen weights are no longer the base model's).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections import OrderedDict
 import torch
 
 from worldserve.models.layers.lora import LoraWeights
-from worldserve.params import LoraRequest
+from worldserve.params import LoraRequest, ParamError
 from worldserve.weights.lora_adapter import AdapterSpec, inspect_adapter, load_adapter
 
 log = logging.getLogger(__name__)
@@ -46,16 +51,23 @@ class LoraCache:
         self._on_device: weakref.WeakValueDictionary[tuple, LoraWeights] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # (the API's validate and the engine thread's prepare may overlap)
 
-    def check(self, request: LoraRequest) -> AdapterSpec:
-        """The adapter's files checked against the model (headers only); ParamError naming `lora`."""
+    def check(self, request: LoraRequest | None) -> AdapterSpec | None:
+        """The adapter's files checked against the model (headers only); ParamError naming `lora`. None for no
+        adapter or a scale of 0 (the base model: nothing is read), and for the adapter merged into the model
+        (its files were read at load; what runs is what was merged)."""
+        if self._merged(request) is not None or request is None or not request.active:
+            return None
         return inspect_adapter(request.validate().path, self.transformer.config)
 
     def get(self, request: LoraRequest | None) -> LoraWeights | None:
         """The request's adapter on the device (None: the base model): the copy requests running with it
-        share, else a copy of the host one, else read from its files."""
-        if request is None or not request.active:
-            return None
+        share, else a copy of the host one, else read from its files; for the merged adapter its unmerged
+        und deltas (None when it has none)."""
+        if (merged := self._merged(request)) is not None:
+            return merged.rest
         spec = self.check(request)
+        if spec is None:
+            return None
         key = (spec.identity, float(request.scale))
         device = self.transformer.device
         with self._lock:
@@ -71,6 +83,20 @@ class LoraCache:
             self._on_device[key] = weights
         return weights
 
+    def _merged(self, request: LoraRequest | None):
+        """The model's MergedLora when `request` names it; None on a model without one. On a model with one,
+        any other request (another adapter, another scale, none: the base model) is a ParamError naming
+        `lora`: its gen weights are no longer the base model's."""
+        merged = self.transformer.merged_lora
+        if merged is None:
+            return None
+        if request is None or merged.source != merged_source(request.validate()):
+            path, scale = merged.source
+            raise ParamError("lora", f"this server runs the LoRA adapter {path} at scale {scale:g} merged into "
+                             "its weights (--lora-path without --enable-lora): it runs no other adapter, nor the "
+                             "base model")  # fmt: skip
+        return merged
+
     def _read(self, request: LoraRequest, spec: AdapterSpec, key: tuple) -> LoraWeights:
         """The adapter read from its files into host memory (pinned for a CUDA model), kept as the most recent."""
         t = self.transformer
@@ -85,3 +111,36 @@ class LoraCache:
             while len(self._loaded) > self.max_loaded:
                 self._loaded.popitem(last=False)
         return host
+
+
+def merged_source(request: LoraRequest) -> tuple[str, float]:
+    """What names a merged adapter (MergedLora.source): its path and scale."""
+    return request.path, float(request.scale)
+
+
+def merge_lora(transformer, request: LoraRequest, device: torch.device) -> None:
+    """`request`'s adapter read (this rank's tensor-parallel slices, float32) and its gen-pathway deltas merged
+    into `transformer`'s weights (Cosmos3Transformer.merge_gen_lora; its und deltas kept on `device`, where the
+    model will run). ParamError naming `lora` for an adapter that does not fit the model."""
+    spec = inspect_adapter(request.validate().path, transformer.config)
+    cpu = torch.device("cpu")
+    weights = load_adapter(
+        spec, request.scale, transformer.config, dtype=torch.float32, device=cpu, tp=transformer.tp
+    )
+    transformer.merge_gen_lora(weights, merged_source(request), device)
+    log.info("LoRA adapter %r (%s, %d modules, scale %g) merged into the gen pathway's weights", request.name,
+             request.path, len(spec.modules), request.scale)  # fmt: skip
+
+
+def check_adapter_fits(root, request: LoraRequest, flag: str) -> None:
+    """ValueError naming `flag` unless `request`'s adapter fits the transformer of the checkpoint at `root`
+    (its headers against the config): before minutes of weights load, not after."""
+    from pathlib import Path
+
+    from worldserve.models.cosmos3.config import Cosmos3Config
+
+    config = Cosmos3Config.from_json(Path(root) / "transformer" / "config.json")
+    try:
+        inspect_adapter(request.validate().path, config)
+    except ParamError as exc:
+        raise ValueError(f"{flag}: {exc.message}") from None

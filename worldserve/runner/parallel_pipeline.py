@@ -195,9 +195,10 @@ class ParallelPipeline:
         cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
         remote = cfg and self.layout.cfg == 2
         # the adapter loaded here first (a bad one fails before a peer hears of it), held: the prepare below
-        # shares its device copy; each peer loads its own slices of it from the prefill message
-        adapter = self.local.loras.get(params.lora)
-        lora = params.lora if adapter is not None else None
+        # shares its device copy; each peer loads its own slices of it from the prefill message (or, merged
+        # into every rank's weights, takes its unmerged und deltas: None when it has none)
+        held = self.local.loras.get(params.lora)
+        lora = params.lora if held is not None or self.local.transformer.merged_lora is not None else None
         msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond), lora)
         to = self._cond_peers + (self._uncond_peers if remote else [])
         if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0

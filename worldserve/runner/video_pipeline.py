@@ -214,8 +214,7 @@ class VideoPipeline:
         """Field checks plus model checks (sound available, prompts within max_sequence_length, a LoRA adapter
         that fits the transformer)."""
         params.validate()
-        if params.lora is not None and params.lora.active:
-            self.loras.check(params.lora)
+        self.loras.check(params.lora)
         if self.sound_enabled(params):
             if not self.has_sound:
                 raise ParamError(

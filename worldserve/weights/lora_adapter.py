@@ -39,7 +39,7 @@ from torch import Tensor
 
 from worldserve.models.cosmos3.checkpoint_keys import transformer_checkpoint_shapes
 from worldserve.models.cosmos3.config import Cosmos3Config
-from worldserve.models.cosmos3.weights import checkpoint_target
+from worldserve.models.cosmos3.weights import checkpoint_target, layer_linear_rows
 from worldserve.models.layers.lora import TOP_LINEARS, LoraWeights
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError
@@ -300,10 +300,7 @@ def load_adapter(
     layers: list[dict[str, dict]] = [{} for _ in range(config.num_hidden_layers)]
     for name, parts in fused.items():
         _, layer, tower, linear = name.split(".")  # layers.<i>.<und|gen>.<linear>
-        rows = {"qkv_proj": config.q_dim + 2 * config.kv_dim, "gate_up_proj": 2 * config.intermediate_size}
-        out_local = (
-            rows[linear] // tp.size if linear in rows else config.hidden_size
-        )  # (o_proj, down_proj: d)
+        out_local = layer_linear_rows(linear, config, tp.size)
         layers[int(layer)].setdefault(tower, {})[linear] = _fuse(parts, out_local, tp, dtype, device)
     return LoraWeights(key=(spec.identity, float(scale), tp.rank), layers=tuple(layers), top=top)
 

@@ -61,7 +61,7 @@ from worldserve.models.layers.flash_attention import (
 )
 from worldserve.models.layers.fp8 import fp8_unavailable_reason
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
-from worldserve.models.layers.lora import LoraWeights
+from worldserve.models.layers.lora import LoraWeights, MergedLora, merge_pair
 from worldserve.models.layers.norm import RMSNorm
 from worldserve.models.layers.offload import BlockStreamer
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedKVPool
@@ -143,6 +143,7 @@ class Cosmos3Transformer(nn.Module):
         self.und_blocks: BlockStreamer | None = None  # set by enable_layerwise_offload
         self.gen_blocks: BlockStreamer | None = None
         self.launch_window = 0  # gen layers a forward may queue ahead of the GPU (0: all); see LaunchWindow
+        self.merged_lora: MergedLora | None = None  # set by merge_gen_lora
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,6 +177,27 @@ class Cosmos3Transformer(nn.Module):
             layer.gen.quantize_fp8(emulate=emulate, fast_accum=fast_accum)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed bf16 gen weights (about 13.9 GB on Nano) back
+
+    def merge_gen_lora(self, lora: LoraWeights, source, device: torch.device | None = None) -> None:
+        """Add `lora`'s gen-pathway deltas (the gen tower's linears, proj_in / proj_out, the time embedder's and
+        the audio heads') into the weights, W += B A: the adapter then costs nothing a step. Its und tower
+        deltas stay unmerged, on `device` (default: the model's) in its dtype, in `merged_lora.rest`: the und weights stay
+        exact for the Reasoner, and the prompt's prefill applies them. Before fp8 quantisation (it quantises
+        the merged weights) and layerwise offload (it packs them); `source` names the adapter for callers."""
+        if self.merged_lora is not None:
+            raise ValueError("a LoRA adapter is merged into this model already")
+        if self.gen_blocks is not None or any(layer.gen.fp8 for layer in self.layers):
+            raise ValueError("merge a LoRA adapter before quantize_gen_fp8 and enable_layerwise_offload")
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                for name, pair in (lora.tower(i, "gen") or {}).items():
+                    merge_pair(getattr(layer.gen, name).weight, pair)
+            for name, pair in lora.top.items():
+                merge_pair(self.get_submodule(name).weight, pair)
+        rest = lora.und_only()
+        self.merged_lora = MergedLora(
+            source, None if rest is None else rest.to(device or self.device, self.dtype)
+        )
 
     def enable_layerwise_offload(self, device: str | torch.device, *, slots: int = 2) -> None:
         """Move everything but the layers to `device`; keep the layers' und and gen blocks in pinned host

@@ -78,6 +78,16 @@ def _part_rows(part: str, config: Cosmos3Config, tp_size: int) -> tuple[int, int
     return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, f), "up": (f, f)}[part]
 
 
+def layer_linear_rows(linear: str, config: Cosmos3Config, tp_size: int = 1) -> int:
+    """Output rows on every rank of our layer linear `linear` (qkv_proj, o_proj, gate_up_proj, down_proj):
+    the fused ones end with their last part; o_proj and down_proj are row-parallel (all d rows)."""
+    last = {"qkv_proj": "v", "gate_up_proj": "up"}.get(linear)
+    if last is None:
+        return config.hidden_size
+    offset, rows = _part_rows(last, config, tp_size)
+    return offset + rows
+
+
 def checkpoint_target(key: str, config: Cosmos3Config, tp_size: int = 1) -> ParamTarget:
     """Where checkpoint tensor `key` goes; KeyError for a key this architecture does not have."""
     m = _LAYER_RE.match(key)

@@ -8,14 +8,18 @@ the parts stay independent and one GEMM pair serves the fused weight. Under tens
 column-parallel layer holds its rank's rows of B (A whole) and a row-parallel one its rank's columns of A
 (B whole): the partial deltas sum in the layer's all-reduce.
 
-The deltas are never merged into the weights: the base weights stay exact for every other request (the
-Reasoner's chats share the und tower), and switching adapters costs nothing but passing other tensors.
+Per-request adapters are never merged into the weights: the base weights stay exact for every other request
+(the Reasoner's chats share the und tower), and switching adapters costs nothing but passing other tensors.
+The unmerged deltas cost ~5 % of a 720p step at any rank (bench/results/README.md: the GEMM pairs' extra
+reads and writes of each layer's input and output, not their FLOPs), so a server's one static adapter (no
+per-request ones) is merged into the gen pathway's weights instead (`merge_pair`, `MergedLora`:
+Cosmos3Transformer.merge_gen_lora); its und tower deltas stay unmerged, applied in the prompt's prefill.
 `LoraWeights` is one loaded adapter in our model's layout: what the transformer's forwards take.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +56,12 @@ def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
     return torch.addmm(y, F.linear(x, a), b.t())  # [N, out] + [N, R] @ [R, out]
 
 
+def merge_pair(weight: Tensor, pair: LoraPair) -> None:
+    """weight [out, in] += B A in place: summed in float32 on the weight's device, rounded to its dtype once."""
+    a, b = (t.to(weight.device, torch.float32) for t in pair)
+    weight.copy_(torch.addmm(weight.float(), b, a))  # [out, in] + [out, R] @ [R, in]
+
+
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class LoraWeights:
     """One adapter in our layout (on the host, or on the model's device where forwards take it): per layer and
@@ -70,11 +80,19 @@ class LoraWeights:
         found = self.layers[layer].get(tower) if layer < len(self.layers) else None
         return found or None
 
-    def to(self, device: torch.device, *, non_blocking: bool = False) -> LoraWeights:
-        """The same adapter with every pair on `device` (itself when it is there already)."""
-        if all(t.device == device for t in self._tensors()):
+    def und_only(self) -> LoraWeights | None:
+        """The same adapter with its und tower deltas alone (None when it has none): what stays unmerged once
+        the rest is merged into the gen pathway's weights."""
+        layers = tuple({"und": layer["und"]} if layer.get("und") else {} for layer in self.layers)
+        return LoraWeights(key=self.key, layers=layers) if any(layers) else None
+
+    def to(
+        self, device: torch.device, dtype: torch.dtype | None = None, *, non_blocking: bool = False
+    ) -> LoraWeights:
+        """The same adapter with every pair on `device` (in `dtype` when given; itself when it is so already)."""
+        if all(t.device == device and dtype in (None, t.dtype) for t in self._tensors()):
             return self
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        return self._map(lambda t: t.to(device, dtype, non_blocking=non_blocking))
 
     def pinned(self) -> LoraWeights:
         """The same adapter in pinned host memory (its copies to a GPU then run asynchronously)."""
@@ -98,3 +116,13 @@ class LoraWeights:
             {tw: {n: pair(p) for n, p in lin.items()} for tw, lin in layer.items()} for layer in self.layers
         )
         return LoraWeights(key=self.key, layers=layers, top={n: pair(p) for n, p in self.top.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class MergedLora:
+    """An adapter whose gen-pathway deltas were added into a model's weights (Cosmos3Transformer.merged_lora)."""
+
+    source: Hashable
+    """What the loader named it by (runner/lora_cache.py: the adapter's path and scale)."""
+    rest: LoraWeights | None
+    """Its deltas left unmerged, on the model's device: the und tower's (the Reasoner shares those weights)."""

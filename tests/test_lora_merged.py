@@ -1,0 +1,205 @@
+"""A LoRA adapter merged into the weights as they load (KernelOptions.merged_lora: serve's --lora-path without
+--enable-lora, `generate --lora`), float32 on the CPU, tiny checkpoint: its requests equal the unmerged
+adapter's (which equals diffusers + PEFT, test_lora_pipeline.py), alone, under layerwise offload and under
+tensor parallelism; only the gen pathway's weights change (the Reasoner's und tower stays the base model's, the
+adapter's und deltas run unmerged in the prefill); the merged model refuses every other adapter and the base
+model by name; its files are not read again; serve merges only without --enable-lora.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from pipeline_helpers import rel, run_requests, two_rank_cpu_pipeline, write_random_adapter
+
+from worldserve.params import LoraRequest, ParamError, VideoParams
+from worldserve.runner.kernel_options import KernelOptions
+
+BASE = dict(negative_prompt="blurry", num_inference_steps=3, num_frames=9, height=48, width=80)
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_ckpt, tmp_path_factory) -> LoraRequest:
+    return LoraRequest(
+        "fox", write_random_adapter(tmp_path_factory.mktemp("lora") / "fox", tiny_ckpt, seed=8), 0.75
+    )
+
+
+def _load(ckpt, lora: LoraRequest, **kernels):
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    options = KernelOptions(compile=False, merged_lora=lora, **kernels)
+    return VideoPipeline.from_pretrained(
+        ckpt, device="cpu", dtype=torch.float32, progress=False, kernels=options
+    )
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_ckpt, lora):
+    return _load(tiny_ckpt, lora)
+
+
+def _batch(lora: LoraRequest | None) -> list[VideoParams]:
+    return [
+        VideoParams(prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=True,
+                    lora=lora, **BASE),
+        VideoParams(prompt="The scene moves.", guidance_scale=4.0, seed=7, generate_sound=False, lora=lora,
+                    image=np.random.default_rng(7).integers(0, 256, (48, 80, 3), dtype=np.uint8), **BASE),
+    ]  # fmt: skip
+
+
+def _assert_same(runs, expected) -> None:
+    for (lat, snd, res), (lat1, snd1, res1) in zip(runs, expected, strict=True):
+        assert rel(lat, lat1) <= 1e-5
+        assert (snd is None) == (snd1 is None) and (snd is None or rel(snd, snd1) <= 1e-5)
+        np.testing.assert_allclose(res.frames.astype(int), res1.frames.astype(int), atol=1)
+
+
+def test_merged_requests_equal_the_unmerged_adapters(merged, ours_pipeline, lora):
+    batch = _batch(lora)
+    unmerged = run_requests(ours_pipeline, batch)
+    _assert_same(run_requests(merged, batch), unmerged)
+    plain = run_requests(ours_pipeline, _batch(None))
+    assert rel(plain[0][0], unmerged[0][0]) > 1e-2  # (the adapter mattered)
+
+
+def test_only_the_gen_pathway_changes(merged, ours_pipeline, lora):
+    """The gen tower's four linears and the top linears carry the deltas; the und tower, embeddings, norms and
+    lm_head are the base model's bit for bit (the Reasoner's chats run on them); the und deltas stay unmerged."""
+    base = dict(ours_pipeline.transformer.named_parameters())
+    changed = {n for n, p in merged.transformer.named_parameters() if not torch.equal(p, base[n])}
+    gen = {f"layers.{i}.gen.{lin}.weight" for i in range(len(merged.transformer.layers))
+           for lin in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}  # fmt: skip
+    top = {f"{m}.weight" for m in ("proj_in", "proj_out", "time_embedder.linear_1", "time_embedder.linear_2",
+                                   "audio_proj_in", "audio_proj_out")}  # fmt: skip
+    assert changed == gen | top
+    rest = merged.transformer.merged_lora.rest
+    assert rest is not None and not rest.top
+    assert all(set(layer) == {"und"} for layer in rest.layers)
+    assert merged.loras.get(lora) is rest and merged.loras.check(lora) is None
+
+
+OTHERS = {
+    "another adapter": lambda lora: dataclasses.replace(lora, path=lora.path + "-other"),
+    "another scale": lambda lora: dataclasses.replace(lora, scale=0.5),
+    "scale 0": lambda lora: dataclasses.replace(lora, scale=0.0),
+    "no adapter": lambda lora: None,
+}
+
+
+@pytest.mark.parametrize("other", list(OTHERS))
+def test_the_merged_model_refuses_other_adapters_and_the_base_model(merged, lora, other):
+    request = OTHERS[other](lora)
+    for call in (merged.loras.check, merged.loras.get):
+        with pytest.raises(ParamError, match="merged into its weights") as err:
+            call(request)
+        assert err.value.param == "lora" and lora.path in err.value.message
+    with pytest.raises(ParamError, match="it runs no other adapter, nor the base model"):
+        merged.validate(VideoParams(prompt="a cat", lora=request, **BASE))
+    assert (
+        merged.loras.get(dataclasses.replace(lora, name="another name")) is not None
+    )  # (names do not count)
+
+
+def test_merged_under_layerwise_offload_and_with_its_files_gone(tiny_ckpt, merged, lora, tmp_path):
+    """Merged before the layers are packed into host memory; once merged, the adapter's files are not read again
+    (what runs is what was merged): removing them changes nothing."""
+    copy = dataclasses.replace(lora, path=str(shutil.copytree(lora.path, tmp_path / "fox")))
+    offloaded = _load(tiny_ckpt, copy, layerwise_offload=True)
+    assert offloaded.transformer.gen_blocks is not None
+    shutil.rmtree(copy.path)
+    batch = _batch(copy)[:1]
+    _assert_same(
+        run_requests(offloaded, batch), run_requests(merged, [dataclasses.replace(batch[0], lora=lora)])
+    )
+
+
+def test_merging_goes_before_quantising_and_happens_once(merged, lora):
+    from worldserve.runner.lora_cache import merge_lora
+
+    with pytest.raises(ValueError, match="merged into this model already"):
+        merge_lora(merged.transformer, lora, torch.device("cpu"))
+    from worldserve.bench.models import fill_random_
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+
+    model = Cosmos3Transformer(merged.transformer.config, dtype=torch.float32)
+    fill_random_(model, seed=0)
+    model.quantize_gen_fp8(emulate=True)
+    with pytest.raises(ValueError, match="before quantize_gen_fp8"):
+        merge_lora(model, lora, torch.device("cpu"))
+    assert model.merged_lora is None
+
+
+@pytest.fixture(scope="module")
+def merged_tp(tiny_ckpt, lora):
+    yield from two_rank_cpu_pipeline(
+        tiny_ckpt, tensor_parallel_size=2, kernels=KernelOptions(compile=False, merged_lora=lora)
+    )
+
+
+def test_each_tensor_parallel_rank_merges_its_slices(merged_tp, ours_pipeline, lora):
+    """q|k|v and gate|up merge B's rows of the rank, o_proj and down_proj A's columns: the same requests as one
+    unmerged process."""
+    assert merged_tp.local.transformer.merged_lora is not None
+    batch = _batch(lora)[:1]
+    _assert_same(run_requests(merged_tp, batch), run_requests(ours_pipeline, batch))
+
+
+def test_serve_merges_the_static_adapter_only_without_enable_lora(tiny_ckpt, lora, tmp_path, monkeypatch):
+    """--lora-path alone: merged as the weights load; with --enable-lora (requests may name others) or at scale
+    0: not. An adapter that does not fit stops the start naming the flag before any weights load."""
+    from worldserve.commands.serve_backend import load_backend
+    from worldserve.config import LoraConfig, ModelConfig, ParallelConfig
+    from worldserve.runner import video_pipeline
+
+    class Loaded(Exception):
+        pass
+
+    seen = []
+
+    def load_pipeline(path, **kwargs):
+        seen.append(kwargs["kernels"].merged_lora)
+        raise Loaded
+
+    monkeypatch.setattr(video_pipeline, "load_pipeline", load_pipeline)
+    model = ModelConfig(model=str(tiny_ckpt), device="cpu", dtype="float32")
+    for flags in (dict(), dict(enable_lora=True), dict(lora_scale=0.0)):
+        with pytest.raises(Loaded):
+            load_backend(
+                model, ParallelConfig(), lora=LoraConfig(lora_path=lora.path, **{"lora_scale": 0.75, **flags})
+            )
+    assert seen == [dataclasses.replace(lora, name="static"), None, None]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^--lora-path: LoRA adapter .*found 0 \.safetensors files"):
+        load_backend(model, ParallelConfig(), lora=LoraConfig(lora_path=str(tmp_path / "empty")))
+    assert len(seen) == 3
+
+
+def test_generate_merges_its_adapter(tiny_ckpt, lora, tmp_path, monkeypatch):
+    """`generate --lora` runs one adapter: merged as the weights load, checked before (exit 2 naming --lora)."""
+    from cli_helpers import run_cli
+
+    from worldserve.runner import video_pipeline
+
+    loaded, real = [], video_pipeline.load_pipeline
+    monkeypatch.setattr(
+        video_pipeline, "load_pipeline", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1]
+    )
+    small = ("--size", "64x48", "--num-frames", "5", "--steps", "2", "--dtype", "float32", "--device", "cpu")
+    proc = run_cli("generate", tiny_ckpt, "--prompt", "a cat", *small, "--lora", lora.path, "--lora-scale", "0.75",
+                   "-o", tmp_path / "x.mp4")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        loaded[0].transformer.merged_lora.source == (lora.path, 0.75) and (tmp_path / "x.mp4").stat().st_size
+    )
+    (tmp_path / "empty").mkdir()
+    proc = run_cli("generate", tiny_ckpt, "--prompt", "a cat", *small, "--lora", tmp_path / "empty",
+                   "-o", tmp_path / "y.mp4")  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.startswith("worldserve generate: error: --lora: "), (
+        proc.stderr
+    )
+    assert len(loaded) == 1
