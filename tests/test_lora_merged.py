@@ -203,3 +203,15 @@ def test_generate_merges_its_adapter(tiny_ckpt, lora, tmp_path, monkeypatch):
         proc.stderr
     )
     assert len(loaded) == 1
+
+
+def test_fp8_quantises_the_merged_weights(tiny_ckpt, merged, lora):
+    """--quantization fp8 with a static adapter: the e4m3 weights are the merged ones', quantised (the deltas
+    are not lost to a quantisation before the merge)."""
+    from worldserve.models.layers.fp8 import quantize_rowwise
+
+    fp8 = _load(tiny_ckpt, lora, quantization="fp8-emulated")
+    for name in ("qkv_proj", "gate_up_proj", "down_proj"):
+        q = getattr(fp8.transformer.layers[1].gen, name)
+        expected = quantize_rowwise(getattr(merged.transformer.layers[1].gen, name).weight)
+        assert torch.equal(q.weight.float(), expected[0].float()) and torch.equal(q.weight_scale, expected[1])
