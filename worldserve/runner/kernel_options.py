@@ -43,7 +43,7 @@ class KernelOptions:
     """Keep the transformer layers in pinned host memory and stream them to the GPU as they run."""
     merged_lora: LoraRequest | None = None
     """A LoRA adapter merged into the gen pathway's weights at load (a server's only one: --lora-path without
-    --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~5 %."""
+    --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~6 %."""
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -10,7 +10,7 @@ column-parallel layer holds its rank's rows of B (A whole) and a row-parallel on
 
 Per-request adapters are never merged into the weights: the base weights stay exact for every other request
 (the Reasoner's chats share the und tower), and switching adapters costs nothing but passing other tensors.
-The unmerged deltas cost ~5 % of a 720p step at any rank (bench/results/README.md: the GEMM pairs' extra
+The unmerged deltas cost ~6 % of a 720p step at rank 16 and 64 alike (bench/results/README.md: the GEMM pairs' extra
 reads and writes of each layer's input and output, not their FLOPs), so a server's one static adapter (no
 per-request ones) is merged into the gen pathway's weights instead (`merge_pair`, `MergedLora`:
 Cosmos3Transformer.merge_gen_lora); its und tower deltas stay unmerged, applied in the prompt's prefill.
