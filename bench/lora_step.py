@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from worldserve.bench.denoise import rel_error, snapshot
 
@@ -45,12 +46,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--frames", type=int, default=189, help="pixel frames, 4k+1 (default 189)")
     ap.add_argument("--text-tokens", type=int, default=300, help="tokens of each prompt (cond, uncond)")
     ap.add_argument("--ranks", default="16,64", help="adapter ranks to time, comma-separated")
+    ap.add_argument(
+        "--forms",
+        default="",
+        help="also time the last rank with its delta added these other "
+        f"ways, comma-separated ({', '.join(DELTA_FORMS)}; compiled again for each)",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 1 warm-up)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true", help="no torch.compile (compiled is the default on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke test)")
     return ap.parse_args(argv)
+
+
+def _delta_in_place(y, x, pair):
+    return y.addmm_(F.linear(x, pair[0]), pair[1].t())  # y += (x A^T) B^T, no copy of y
+
+
+def _delta_added(y, x, pair):
+    return y + F.linear(F.linear(x, pair[0]), pair[1])  # compiled: the add fuses into y's consumers
+
+
+DELTA_FORMS = {"addmm": None, "addmm_": _delta_in_place, "add": _delta_added}
+"""Ways of adding a 2-D delta (models/layers/lora.py add_delta_2d; "addmm": the product's own, set in run):
+out-of-place addmm copies y into its output before the GEMM reads and writes it again."""
 
 
 def lora_flops(w, cfg, rank: int) -> float:
@@ -63,6 +83,7 @@ def lora_flops(w, cfg, rank: int) -> float:
 
 def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     """No adapter, then each rank; `save(res)` after each variant, so a run cut short keeps what it measured."""
+    import worldserve.models.layers.lora as lora_layers
     from worldserve.bench.denoise import OurStep, make_inputs
     from worldserve.bench.flops import TowerShape, tflops
     from worldserve.bench.models import build_our_transformer
@@ -106,6 +127,8 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         save(res)
         return out
 
+    product_form = lora_layers.add_delta_2d
+    step.lora = None
     base_out = variant("base")
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         for rank in (int(r) for r in args.ranks.split(",")):
@@ -118,7 +141,12 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
             unmerged = variant(
                 f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30}
             )
-            step.lora = None
+        for form in filter(None, args.forms.split(",")):  # the last rank's adapter, its delta added otherwise
+            lora_layers.add_delta_2d = DELTA_FORMS[form] or product_form
+            torch._dynamo.reset()  # (the compiled layers trace the new form)
+            variant(f"rank {rank} {form}", rank)
+        lora_layers.add_delta_2d, step.lora = product_form, None
+        torch._dynamo.reset()
         # the last rank's adapter merged into the gen pathway's weights, as serve does with a static one: the
         # base step's kernels again; its velocities against the unmerged adapter's (bf16 rounding of W + BA)
         t1 = time.perf_counter()

@@ -16,10 +16,23 @@ def test_lora_step_script_runs_on_cpu(tmp_path, capsys):
     spec.loader.exec_module(mod)
     out = tmp_path / "l.json"
     argv = ["--tiny", "--device", "cpu", "--size", "64x48", "--frames", "5", "--steps", "1", "--ranks", "2,4",
-            "--text-tokens", "20", "--out", str(out)]  # fmt: skip
+            "--text-tokens", "20", "--forms", "addmm_,add", "--out", str(out)]  # fmt: skip
     assert mod.main(argv) == 0
     res = json.loads(out.read_text())
-    assert list(res["variants"]) == ["base", "rank 2", "rank 4", "rank 4 merged"]
+    assert list(res["variants"]) == [
+        "base",
+        "rank 2",
+        "rank 4",
+        "rank 4 addmm_",
+        "rank 4 add",
+        "rank 4 merged",
+    ]
+    for form in ("addmm_", "add"):  # (the same velocities, the delta added another way)
+        got, want = (
+            res["variants"][f"rank 4 {form}"]["rel_l2_vs_base"],
+            res["variants"]["rank 4"]["rel_l2_vs_base"],
+        )
+        assert abs(got - want) < 1e-5 * want, form
     for name in ("rank 2", "rank 4"):
         row = res["variants"][name]
         assert row["rel_l2_vs_base"] > 1e-3 and row["step_s"] > 0 and row["adapter_gib"] > 0, name

@@ -44,16 +44,20 @@ def lora_delta(x: Tensor, pair: LoraPair) -> Tensor:
     return F.linear(F.linear(x, a), b)
 
 
+def add_delta_2d(y: Tensor, x: Tensor, pair: LoraPair) -> Tensor:
+    """y [N, out] + (x A^T) B^T for a 2-D y: one GEMM adds the delta to y (beta 1)."""
+    a, b = pair
+    return torch.addmm(y, F.linear(x, a), b.t())  # [N, out] + [N, R] @ [R, out]
+
+
 def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
-    """y (the base layer's output for x) plus the adapter's delta, or y as it is without one. 2-D (every
-    caller's [N, features]): one GEMM adds (x A^T) B^T to y (beta 1), no [N, out] delta is written and read
-    back (at 720p the gen tower's gate|up output alone is ~4 GB a forward)."""
+    """y (the base layer's output for x) plus the adapter's delta, or y as it is without one (2-D, every
+    caller's [N, features]: `add_delta_2d`)."""
     if pair is None:
         return y
     if y.dim() != 2:
         return y + lora_delta(x, pair)
-    a, b = pair
-    return torch.addmm(y, F.linear(x, a), b.t())  # [N, out] + [N, R] @ [R, out]
+    return add_delta_2d(y, x, pair)
 
 
 def merge_pair(weight: Tensor, pair: LoraPair) -> None:
