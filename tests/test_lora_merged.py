@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,18 +136,55 @@ def test_merging_goes_before_quantising_and_happens_once(merged, lora):
 
 
 @pytest.fixture(scope="module")
-def merged_tp(tiny_ckpt, lora):
-    yield from two_rank_cpu_pipeline(
-        tiny_ckpt, tensor_parallel_size=2, kernels=KernelOptions(compile=False, merged_lora=lora)
-    )
+def gen_only(lora, tmp_path_factory) -> LoraRequest:
+    """The adapter less its und tower modules: merged, nothing is left unmerged (MergedLora.rest is None)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(lora.path, tmp_path_factory.mktemp("lora") / "gen-only")
+    weights = folder / "adapter_model.safetensors"
+    und = (
+        "self_attn.to_",
+        "mlp.",
+    )  # (diffusers' und names; the gen tower's are add_*_proj, to_add_out, mlp_moe_gen)
+    save_file({k: v for k, v in load_file(weights).items() if not any(u in k for u in und)}, str(weights))
+    return dataclasses.replace(lora, name="gen-only", path=str(folder))
 
 
-def test_each_tensor_parallel_rank_merges_its_slices(merged_tp, ours_pipeline, lora):
+@pytest.fixture(scope="module", params=["adapter", "gen-only"])
+def merged_tp(request, tiny_ckpt, lora, gen_only):
+    adapter = lora if request.param == "adapter" else gen_only
+    for pipe in two_rank_cpu_pipeline(
+        tiny_ckpt, tensor_parallel_size=2, kernels=KernelOptions(compile=False, merged_lora=adapter)
+    ):
+        yield pipe, adapter
+
+
+def test_each_tensor_parallel_rank_merges_its_slices(merged_tp, ours_pipeline):
     """q|k|v and gate|up merge B's rows of the rank, o_proj and down_proj A's columns: the same requests as one
-    unmerged process."""
-    assert merged_tp.local.transformer.merged_lora is not None
-    batch = _batch(lora)[:1]
-    _assert_same(run_requests(merged_tp, batch), run_requests(ours_pipeline, batch))
+    unmerged process; an adapter with no und deltas too (the peers still hear which adapter runs)."""
+    pipe, adapter = merged_tp
+    merged = pipe.local.transformer.merged_lora
+    assert merged is not None and (merged.rest is None) == (adapter.name == "gen-only")
+    batch = _batch(adapter)[:1]
+    _assert_same(run_requests(pipe, batch), run_requests(ours_pipeline, batch))
+
+
+def test_an_adapter_rounding_would_erase_stays_unmerged(tiny_ckpt, lora, tmp_path):
+    """In bf16 weights a delta far below a weight's last bit rounds away: such an adapter (here a small scale)
+    is applied unmerged, every weight as loaded; a float32 model merges it."""
+    from worldserve.runner.lora_cache import MERGE_LOSS_LIMIT, merge_lora
+    from worldserve.runner.video_pipeline import load_configured_transformer
+
+    small = dataclasses.replace(lora, scale=1e-3)
+    options = KernelOptions(compile=False)
+    cpu = torch.device("cpu")
+    model = load_configured_transformer(Path(tiny_ckpt), torch.bfloat16, cpu, options, progress=False)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    assert merge_lora(model, small, cpu) > MERGE_LOSS_LIMIT and model.merged_lora is None
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    pipe = _load(tiny_ckpt, small)  # (float32: nothing rounds away)
+    assert pipe.transformer.merged_lora is not None
+    assert merge_lora(model, lora, cpu) <= MERGE_LOSS_LIMIT and model.merged_lora is not None  # (scale 0.75)
 
 
 def test_serve_merges_the_static_adapter_only_without_enable_lora(tiny_ckpt, lora, tmp_path, monkeypatch):

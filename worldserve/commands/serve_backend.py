@@ -114,7 +114,8 @@ def load_backend(
 def load_static_lora(pipeline, lora: LoraConfig) -> None:
     """--lora-path's adapter checked against the model and loaded now (ValueError naming the flag): a bad
     adapter stops the start, not every request. Without --enable-lora it was merged into the weights as they
-    loaded (LoraConfig.merged_lora): its unmerged und deltas are what is left."""
+    loaded (LoraConfig.merged_lora; unless rounding would lose its deltas): its unmerged und deltas are what
+    is left."""
     from worldserve.params import ParamError
     from worldserve.weights.lora_adapter import inspect_adapter
 
@@ -125,7 +126,7 @@ def load_static_lora(pipeline, lora: LoraConfig) -> None:
         pipeline.loras.get(static)
     except ParamError as exc:
         raise ValueError(f"--lora-path: {exc.message}") from None
-    how = "merged into the weights" if lora.merged_lora is not None else "unmerged"
+    how = "merged into the weights" if pipeline.transformer.merged_lora is not None else "unmerged"
     log.info("every request that names no LoRA adapter runs with --lora-path %s at scale %g (%s)", static.path,
              static.scale, how)  # fmt: skip
 

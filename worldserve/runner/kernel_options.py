@@ -43,7 +43,8 @@ class KernelOptions:
     """Keep the transformer layers in pinned host memory and stream them to the GPU as they run."""
     merged_lora: LoraRequest | None = None
     """A LoRA adapter merged into the gen pathway's weights at load (a server's only one: --lora-path without
-    --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~6 %."""
+    --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~6 %. Left unmerged when
+    rounding into the weights would lose its deltas (runner/lora_cache.py MERGE_LOSS_LIMIT)."""
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -106,11 +107,11 @@ class KernelOptions:
         `device`: where the model runs (default: where it is; give it when it was loaded at load_device)."""
         device = transformer.device if device is None else torch.device(device)
         self.check(device, transformer.dtype, transformer.config.head_dim)
-        merged = self.merged_lora is not None and self.merged_lora.active
-        if merged:
+        if self.merged_lora is not None and self.merged_lora.active:
             from worldserve.runner.lora_cache import merge_lora
 
-            merge_lora(transformer, self.merged_lora, device)
+            merge_lora(transformer, self.merged_lora, device)  # (unless rounding would lose its deltas)
+        merged = transformer.merged_lora is not None
         if self.quantization is not None:
             transformer.quantize_gen_fp8(emulate=self.quantization == "fp8-emulated", device=device)
         if self.layerwise_offload:

@@ -186,18 +186,33 @@ class Cosmos3Transformer(nn.Module):
         the merged weights) and layerwise offload (it packs them); `source` names the adapter for callers."""
         if self.merged_lora is not None:
             raise ValueError("a LoRA adapter is merged into this model already")
-        if self.gen_blocks is not None or any(layer.gen.fp8 for layer in self.layers):
-            raise ValueError("merge a LoRA adapter before quantize_gen_fp8 and enable_layerwise_offload")
         with torch.no_grad():
-            for i, layer in enumerate(self.layers):
-                for name, pair in (lora.tower(i, "gen") or {}).items():
-                    merge_pair(getattr(layer.gen, name).weight, pair)
-            for name, pair in lora.top.items():
-                merge_pair(self.get_submodule(name).weight, pair)
+            for weight, pair in self._gen_lora_targets(lora):
+                merge_pair(weight, pair)
         rest = lora.und_only()
         self.merged_lora = MergedLora(
             source, None if rest is None else rest.to(device or self.device, self.dtype)
         )
+
+    def gen_lora_merge_loss(self, lora: LoraWeights) -> float:
+        """The share of `lora`'s gen-pathway deltas that merging them would round away (||lost|| / ||B A|| over
+        all of them; models/layers/lora.py merge_pair); the weights are left as they are."""
+        lost = total = 0.0
+        with torch.no_grad():
+            for weight, pair in self._gen_lora_targets(lora):
+                part_lost, part = merge_pair(weight, pair, apply=False)
+                lost, total = lost + part_lost, total + part
+        return math.sqrt(lost / total) if total else 0.0
+
+    def _gen_lora_targets(self, lora: LoraWeights):
+        """(weight, pair) of every gen-pathway linear `lora` has a delta for."""
+        if self.gen_blocks is not None or any(layer.gen.fp8 for layer in self.layers):
+            raise ValueError("merge a LoRA adapter before quantize_gen_fp8 and enable_layerwise_offload")
+        for i, layer in enumerate(self.layers):
+            for name, pair in (lora.tower(i, "gen") or {}).items():
+                yield getattr(layer.gen, name).weight, pair
+        for name, pair in lora.top.items():
+            yield self.get_submodule(name).weight, pair
 
     def enable_layerwise_offload(self, device: str | torch.device, *, slots: int = 2) -> None:
         """Move everything but the layers to `device`; keep the layers' und and gen blocks in pinned host
