@@ -24,7 +24,9 @@ from worldserve.weights.lora_adapter import inspect_adapter
 def transformer(tiny_ckpt):
     """What LoraCache reads of a transformer (config, dtype, device, tensor-parallel group)."""
     config = Cosmos3Config.from_json(tiny_ckpt / "transformer" / "config.json")
-    return SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cpu"), tp=SINGLE, merged_lora=None)
+    return SimpleNamespace(
+        config=config, dtype=torch.float32, device=torch.device("cpu"), tp=SINGLE, merged_lora=None
+    )
 
 
 def _b(weights, module="proj_out"):

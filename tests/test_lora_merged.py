@@ -172,7 +172,7 @@ def test_each_tensor_parallel_rank_merges_its_slices(merged_tp, ours_pipeline):
 def test_an_adapter_rounding_would_erase_stays_unmerged(tiny_ckpt, lora, tmp_path):
     """In bf16 weights a delta far below a weight's last bit rounds away: such an adapter (here a small scale)
     is applied unmerged, every weight as loaded; a float32 model merges it."""
-    from worldserve.runner.lora_cache import MERGE_LOSS_LIMIT, merge_lora
+    from worldserve.runner.lora_cache import MERGE_ERASURE_LIMIT, merge_lora
     from worldserve.runner.video_pipeline import load_configured_transformer
 
     small = dataclasses.replace(lora, scale=1e-3)
@@ -180,11 +180,13 @@ def test_an_adapter_rounding_would_erase_stays_unmerged(tiny_ckpt, lora, tmp_pat
     cpu = torch.device("cpu")
     model = load_configured_transformer(Path(tiny_ckpt), torch.bfloat16, cpu, options, progress=False)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    assert merge_lora(model, small, cpu) > MERGE_LOSS_LIMIT and model.merged_lora is None
+    assert merge_lora(model, small, cpu) > MERGE_ERASURE_LIMIT and model.merged_lora is None
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     pipe = _load(tiny_ckpt, small)  # (float32: nothing rounds away)
     assert pipe.transformer.merged_lora is not None
-    assert merge_lora(model, lora, cpu) <= MERGE_LOSS_LIMIT and model.merged_lora is not None  # (scale 0.75)
+    assert (
+        merge_lora(model, lora, cpu) <= MERGE_ERASURE_LIMIT and model.merged_lora is not None
+    )  # (scale 0.75)
 
 
 def test_serve_merges_the_static_adapter_only_without_enable_lora(tiny_ckpt, lora, tmp_path, monkeypatch):

@@ -169,11 +169,13 @@ def test_gpu_adapter_through_compiled_bf16_layers(tiny_ckpt, ours_pipeline, adap
     _, base = pipe.generate(VideoParams(**BASE, generate_sound=True))
     near = rel_l2(state.latents.float().cpu(), cpu.latents)
     assert near <= 5e-2 and rel_l2(base.latents.float().cpu(), cpu.latents) > 4 * near
-    from worldserve.runner.kernel_options import KernelOptions  # merged into bf16 weights, as serve's static one
+    # merged into the bf16 weights, as serve's static adapter is
+    from worldserve.runner.kernel_options import KernelOptions
 
     merged = VideoPipeline.from_pretrained(
         tiny_ckpt, device="cuda", progress=False, kernels=KernelOptions(merged_lora=params.lora)
     )
+    assert merged.transformer.merged_lora is not None
     _, fused = merged.generate(params)
     assert rel_l2(fused.latents.float().cpu(), cpu.latents) <= 5e-2
 

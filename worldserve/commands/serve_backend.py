@@ -114,7 +114,7 @@ def load_backend(
 def load_static_lora(pipeline, lora: LoraConfig) -> None:
     """--lora-path's adapter checked against the model and loaded now (ValueError naming the flag): a bad
     adapter stops the start, not every request. Without --enable-lora it was merged into the weights as they
-    loaded (LoraConfig.merged_lora; unless rounding would lose its deltas): its unmerged und deltas are what
+    loaded (LoraConfig.merged_lora; unless rounding would erase its deltas): its unmerged und deltas are what
     is left."""
     from worldserve.params import ParamError
     from worldserve.weights.lora_adapter import inspect_adapter

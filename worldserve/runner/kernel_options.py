@@ -44,7 +44,7 @@ class KernelOptions:
     merged_lora: LoraRequest | None = None
     """A LoRA adapter merged into the gen pathway's weights at load (a server's only one: --lora-path without
     --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~6 %. Left unmerged when
-    rounding into the weights would lose its deltas (runner/lora_cache.py MERGE_LOSS_LIMIT)."""
+    rounding into the weights would erase its deltas (runner/lora_cache.py MERGE_ERASURE_LIMIT)."""
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -110,7 +110,7 @@ class KernelOptions:
         if self.merged_lora is not None and self.merged_lora.active:
             from worldserve.runner.lora_cache import merge_lora
 
-            merge_lora(transformer, self.merged_lora, device)  # (unless rounding would lose its deltas)
+            merge_lora(transformer, self.merged_lora, device)  # (unless rounding would erase its deltas)
         merged = transformer.merged_lora is not None
         if self.quantization is not None:
             transformer.quantize_gen_fp8(emulate=self.quantization == "fp8-emulated", device=device)

@@ -12,8 +12,8 @@ of them releases it (GPU memory holds only adapters in use). An adapter whose fi
 (weights/lora_adapter.py `_identity`) is read again.
 
 A server whose one adapter is --lora-path's (no --enable-lora) merges its gen-pathway deltas into the weights
-at load (`merge_lora`, through KernelOptions.merged_lora on every rank) when rounding loses no more than a
-trace of them (MERGE_LOSS_LIMIT): the cache then answers that adapter's requests with its unmerged und tower
+at load (`merge_lora`, through KernelOptions.merged_lora on every rank) when rounding erases no more than a
+trace of them (MERGE_ERASURE_LIMIT): the cache then answers that adapter's requests with its unmerged und tower
 deltas alone, reads no files for them, and refuses any other adapter (the gen weights are no longer the base
 model's).
 """
@@ -119,35 +119,35 @@ def merged_source(request: LoraRequest) -> tuple[str, float]:
     return request.path, float(request.scale)
 
 
-MERGE_LOSS_LIMIT = 0.01
+MERGE_ERASURE_LIMIT = 0.01
 """The largest share of an adapter's gen-pathway deltas a merge may round away (Cosmos3Transformer.
-gen_lora_merge_loss); past it the adapter stays unmerged. The unmerged bf16 GEMM pair's own rounding is a few
-tenths of a percent of the delta; a merge into bf16 weights loses deltas below the weights' last bit (~0.4 %
-of each weight) outright, which a small adapter, or a small --lora-scale, is made of."""
+gen_lora_merge_erasure); past it the adapter stays unmerged. A delta below half a bf16 weight's last bit (~0.2 %
+of the weight) rounds away whole, which a small adapter, or a small --lora-scale, is made of; larger ones
+only take the zero-mean rounding noise every bf16 weight carries."""
 
 
 def merge_lora(transformer, request: LoraRequest, device: torch.device) -> float:
     """`request`'s adapter read (this rank's tensor-parallel slices, float32) and its gen-pathway deltas merged
     into `transformer`'s weights (Cosmos3Transformer.merge_gen_lora; its und deltas kept on `device`, where the
-    model will run), unless that would round away more than MERGE_LOSS_LIMIT of them: then the weights stay
+    model will run), unless that would round away more than MERGE_ERASURE_LIMIT of them: then the weights stay
     as they are and the cache applies the adapter unmerged (`transformer.merged_lora` says which). Returns
-    the share a merge loses (or would). ParamError naming `lora` for an adapter that does not fit the model."""
+    the share a merge erases (or would). ParamError naming `lora` for an adapter that does not fit the model."""
     spec = inspect_adapter(request.validate().path, transformer.config)
     cpu = torch.device("cpu")
     weights = load_adapter(
         spec, request.scale, transformer.config, dtype=torch.float32, device=cpu, tp=transformer.tp
     )
-    loss = transformer.gen_lora_merge_loss(weights)
-    if loss > MERGE_LOSS_LIMIT:
+    erased = transformer.gen_lora_merge_erasure(weights)
+    if erased > MERGE_ERASURE_LIMIT:
         log.warning("LoRA adapter %r (%s, scale %g) kept unmerged: rounding its deltas into the %s weights would "
-                    "lose %.1f %% of them (limit %g %%); unmerged it costs ~6 %% of a step", request.name,
-                    request.path, request.scale, str(transformer.dtype).removeprefix("torch."), 100 * loss,
-                    100 * MERGE_LOSS_LIMIT)  # fmt: skip
-        return loss
+                    "erase %.1f %% of them (limit %g %%); unmerged it costs ~6 %% of a step", request.name,
+                    request.path, request.scale, str(transformer.dtype).removeprefix("torch."), 100 * erased,
+                    100 * MERGE_ERASURE_LIMIT)  # fmt: skip
+        return erased
     transformer.merge_gen_lora(weights, merged_source(request), device)
-    log.info("LoRA adapter %r (%s, %d modules, scale %g) merged into the gen pathway's weights (rounding lost "
-             "%.2g %% of its deltas)", request.name, request.path, len(spec.modules), request.scale, 100 * loss)  # fmt: skip
-    return loss
+    log.info("LoRA adapter %r (%s, %d modules, scale %g) merged into the gen pathway's weights (rounding erased "
+             "%.2g %% of its deltas)", request.name, request.path, len(spec.modules), request.scale, 100 * erased)  # fmt: skip
+    return erased
 
 
 def check_adapter_fits(root, request: LoraRequest, flag: str) -> None:

@@ -194,15 +194,15 @@ class Cosmos3Transformer(nn.Module):
             source, None if rest is None else rest.to(device or self.device, self.dtype)
         )
 
-    def gen_lora_merge_loss(self, lora: LoraWeights) -> float:
-        """The share of `lora`'s gen-pathway deltas that merging them would round away (||lost|| / ||B A|| over
-        all of them; models/layers/lora.py merge_pair); the weights are left as they are."""
-        lost = total = 0.0
+    def gen_lora_merge_erasure(self, lora: LoraWeights) -> float:
+        """The share of `lora`'s gen-pathway deltas that merging them would round away (<erased, B A> / ||B A||^2
+        over all of them: models/layers/lora.py merge_pair); the weights are left as they are."""
+        erased = energy = 0.0
         with torch.no_grad():
             for weight, pair in self._gen_lora_targets(lora):
-                part_lost, part = merge_pair(weight, pair, apply=False)
-                lost, total = lost + part_lost, total + part
-        return math.sqrt(lost / total) if total else 0.0
+                part_erased, part_energy = merge_pair(weight, pair, apply=False)
+                erased, energy = erased + part_erased, energy + part_energy
+        return erased / energy if energy else 0.0
 
     def _gen_lora_targets(self, lora: LoraWeights):
         """(weight, pair) of every gen-pathway linear `lora` has a delta for."""

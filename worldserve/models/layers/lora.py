@@ -13,8 +13,8 @@ Per-request adapters are never merged into the weights: the base weights stay ex
 The unmerged deltas cost ~6 % of a 720p step at rank 16 and 64 alike (bench/results/README.md: the GEMM pairs' extra
 reads and writes of each layer's input and output, not their FLOPs), so a server's one static adapter (no
 per-request ones) is merged into the gen pathway's weights instead (`merge_pair`, `MergedLora`:
-Cosmos3Transformer.merge_gen_lora), unless rounding into the weights' dtype would lose more than a trace of
-its deltas (runner/lora_cache.py MERGE_LOSS_LIMIT); its und tower deltas stay unmerged, applied in the
+Cosmos3Transformer.merge_gen_lora), unless rounding into the weights' dtype would erase more than a trace of
+its deltas (runner/lora_cache.py MERGE_ERASURE_LIMIT); its und tower deltas stay unmerged, applied in the
 prompt's prefill.
 `LoraWeights` is one loaded adapter in our model's layout: what the transformer's forwards take.
 """
@@ -64,17 +64,20 @@ def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
 
 def merge_pair(weight: Tensor, pair: LoraPair, *, apply: bool = True) -> tuple[float, float]:
     """weight [out, in] += B A in place: summed in float32 on the weight's device, rounded to its dtype once
-    (`apply=False`: the weight is left as it is). Returns (||what that rounding lost of B A||^2, ||B A||^2):
-    a delta far smaller than the weight's last bit is rounded away in a bf16 weight, where the unmerged GEMM
-    pair keeps it (its sum over the input is coherent, and the output's rounding sees that sum)."""
+    (`apply=False`: the weight is left as it is). Returns (<erased, B A>, ||B A||^2), where erased = exact sum
+    minus its rounding: their ratio is the share of the delta the merge erases. Rounding a delta well above the
+    weight's last bit only adds the zero-mean noise any bf16 weight carries (~0 erased); a delta below half a
+    bit (~0.2 % of the weight) rounds away whole (all erased), where the unmerged GEMM pair keeps it: its sum
+    over the input is coherent, and the output's rounding sees that sum."""
     a, b = (t.to(weight.device, torch.float32) for t in pair)
     base = weight.float()
     exact = torch.addmm(base, b, a)  # [out, in] + [out, R] @ [R, in]
     merged = exact.to(weight.dtype)
-    lost, delta = (merged.float() - exact).square().sum(), (exact - base).square().sum()
+    delta = exact - base
+    erased, energy = ((exact - merged.float()) * delta).sum(), delta.square().sum()
     if apply:
         weight.copy_(merged)
-    return float(lost), float(delta)
+    return float(erased), float(energy)
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
