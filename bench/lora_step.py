@@ -60,17 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _delta_addmm(y, x, pair):
+    return torch.addmm(y, F.linear(x, pair[0]), pair[1].t())  # copies y into its result first
+
+
 def _delta_in_place(y, x, pair):
     return y.addmm_(F.linear(x, pair[0]), pair[1].t())  # y += (x A^T) B^T, no copy of y
 
 
-def _delta_added(y, x, pair):
-    return y + F.linear(F.linear(x, pair[0]), pair[1])  # compiled: the add fuses into y's consumers
-
-
-DELTA_FORMS = {"addmm": None, "addmm_": _delta_in_place, "add": _delta_added}
-"""Ways of adding a 2-D delta (models/layers/lora.py add_delta_2d; "addmm": the product's own, set in run):
-out-of-place addmm copies y into its output before the GEMM reads and writes it again."""
+DELTA_FORMS = {"add": None, "addmm": _delta_addmm, "addmm_": _delta_in_place}
+"""Ways of adding a delta (models/layers/lora.py add_delta; "add": the product's own, set in run)."""
 
 
 def lora_flops(w, cfg, rank: int) -> float:
@@ -127,7 +126,7 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         save(res)
         return out
 
-    product_form = lora_layers.add_delta_2d
+    product_form = lora_layers.add_delta
     step.lora = None
     base_out = variant("base")
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
@@ -142,10 +141,10 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                 f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30}
             )
         for form in filter(None, args.forms.split(",")):  # the last rank's adapter, its delta added otherwise
-            lora_layers.add_delta_2d = DELTA_FORMS[form] or product_form
+            lora_layers.add_delta = DELTA_FORMS[form] or product_form
             torch._dynamo.reset()  # (the compiled layers trace the new form)
             variant(f"rank {rank} {form}", rank)
-        lora_layers.add_delta_2d, step.lora = product_form, None
+        lora_layers.add_delta, step.lora = product_form, None
         torch._dynamo.reset()
         # the last rank's adapter merged into the gen pathway's weights, as serve does with a static one: the
         # base step's kernels again; its velocities against the unmerged adapter's (bf16 rounding of W + BA)

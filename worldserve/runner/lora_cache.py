@@ -140,7 +140,7 @@ def merge_lora(transformer, request: LoraRequest, device: torch.device) -> float
     erased = transformer.gen_lora_merge_erasure(weights)
     if erased > MERGE_ERASURE_LIMIT:
         log.warning("LoRA adapter %r (%s, scale %g) kept unmerged: rounding its deltas into the %s weights would "
-                    "erase %.1f %% of them (limit %g %%); unmerged it costs ~6 %% of a step", request.name,
+                    "erase %.1f %% of them (limit %g %%); unmerged it costs ~5 %% of a step", request.name,
                     request.path, request.scale, str(transformer.dtype).removeprefix("torch."), 100 * erased,
                     100 * MERGE_ERASURE_LIMIT)  # fmt: skip
         return erased

@@ -10,7 +10,7 @@ column-parallel layer holds its rank's rows of B (A whole) and a row-parallel on
 
 Per-request adapters are never merged into the weights: the base weights stay exact for every other request
 (the Reasoner's chats share the und tower), and switching adapters costs nothing but passing other tensors.
-The unmerged deltas cost ~6 % of a 720p step at rank 16 and 64 alike (bench/results/README.md: the GEMM pairs' extra
+The unmerged deltas cost ~5 % of a 720p step at rank 16 and 64 alike (bench/results/README.md: the GEMM pairs' extra
 reads and writes of each layer's input and output, not their FLOPs), so a server's one static adapter (no
 per-request ones) is merged into the gen pathway's weights instead (`merge_pair`, `MergedLora`:
 Cosmos3Transformer.merge_gen_lora), unless rounding into the weights' dtype would erase more than a trace of
@@ -46,20 +46,16 @@ def lora_delta(x: Tensor, pair: LoraPair) -> Tensor:
     return F.linear(F.linear(x, a), b)
 
 
-def add_delta_2d(y: Tensor, x: Tensor, pair: LoraPair) -> Tensor:
-    """y [N, out] + (x A^T) B^T for a 2-D y: one GEMM adds the delta to y (beta 1)."""
-    a, b = pair
-    return torch.addmm(y, F.linear(x, a), b.t())  # [N, out] + [N, R] @ [R, out]
+def add_delta(y: Tensor, x: Tensor, pair: LoraPair) -> Tensor:
+    """y + (x A^T) B^T. Compiled, the add fuses into y's consumers (the q / k norms, silu(gate) * up); an
+    addmm into y's GEMM output instead copies y into its result before reading and writing it again: 1.066x a
+    720p step at rank 64 against this form's 1.050x (bench/lora_step.py --forms)."""
+    return y + lora_delta(x, pair)
 
 
 def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
-    """y (the base layer's output for x) plus the adapter's delta, or y as it is without one (2-D, every
-    caller's [N, features]: `add_delta_2d`)."""
-    if pair is None:
-        return y
-    if y.dim() != 2:
-        return y + lora_delta(x, pair)
-    return add_delta_2d(y, x, pair)
+    """y (the base layer's output for x) plus the adapter's delta, or y as it is without one."""
+    return y if pair is None else add_delta(y, x, pair)
 
 
 def merge_pair(weight: Tensor, pair: LoraPair, *, apply: bool = True) -> tuple[float, float]:
