@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 import torch
 
-from worldserve.models.layers.lora import LoraWeights
+from worldserve.models.layers.lora import LoraWeights, merge_erasure
 from worldserve.params import LoraRequest, ParamError
 from worldserve.weights.lora_adapter import AdapterSpec, inspect_adapter, load_adapter
 
@@ -120,8 +120,8 @@ def merged_source(request: LoraRequest) -> tuple[str, float]:
 
 
 MERGE_ERASURE_LIMIT = 0.01
-"""The largest share of an adapter's gen-pathway deltas a merge may round away (Cosmos3Transformer.
-gen_lora_merge_erasure); past it the adapter stays unmerged. A delta below half a bf16 weight's last bit (~0.2 %
+"""The largest share of an adapter's gen-pathway deltas a merge may round away (models/layers/lora.py
+merge_erasure); past it the adapter stays unmerged. A delta below half a bf16 weight's last bit (~0.2 %
 of the weight) rounds away whole, which a small adapter, or a small --lora-scale, is made of; larger ones
 only take the zero-mean rounding noise every bf16 weight carries."""
 
@@ -137,7 +137,7 @@ def merge_lora(transformer, request: LoraRequest, device: torch.device) -> float
     weights = load_adapter(
         spec, request.scale, transformer.config, dtype=torch.float32, device=cpu, tp=transformer.tp
     )
-    erased = transformer.gen_lora_merge_erasure(weights)
+    erased = merge_erasure(transformer.gen_lora_targets(weights))
     if erased > MERGE_ERASURE_LIMIT:
         log.warning("LoRA adapter %r (%s, scale %g) kept unmerged: rounding its deltas into the %s weights would "
                     "erase %.1f %% of them (limit %g %%); unmerged it costs ~5 %% of a step", request.name,

@@ -14,6 +14,8 @@ Loading: build under `torch.device("meta")` with the target dtype, `to_empty(dev
 `load_checkpoint_tensor(key, tensor)` for every key of `loaded_shapes()` (q/k/v and gate/up are fused
 here; the action heads are checked in the checkpoint, not loaded), then `post_load()`. time_embedder
 stays float32 whatever the model dtype; do not call `.to(dtype)` on the model.
+A LoRA adapter merges into the gen pathway's weights before any of the below (`merge_gen_lora`, runner/
+lora_cache.py merge_lora; `merged_lora` keeps its unmerged und deltas), else runs unmerged (models/layers/lora.py).
 FP8 mode (opt-in, after loading): `quantize_gen_fp8()` turns the gen tower's four GEMMs per layer into
 row-wise scaled e4m3 GEMMs (models/layers/fp8.py) and frees their bf16 weights; the und tower, the norms
 and the heads stay in the model dtype (und runs once per request).
@@ -28,13 +30,11 @@ attention through FA3's e4m3 kernel (lossy, the fp8 mode).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worldserve.models.cosmos3.batch import GenBatch, GenOutput, UndBatch, patchify, unpatchify
@@ -47,6 +47,7 @@ from worldserve.models.cosmos3.layer import (
     gen_layer_step,
     und_layer_step,
 )
+from worldserve.models.cosmos3.timestep import TimestepEmbedder
 from worldserve.models.cosmos3.weights import checkpoint_target, copy_checkpoint_tensor
 from worldserve.models.layers.attention import ContiguousKVCache, KVCache
 from worldserve.models.layers.fa4_cluster import (
@@ -68,29 +69,6 @@ from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedKVPool
 from worldserve.models.layers.rope import MRotaryEmbedding
 from worldserve.parallel import ulysses
 from worldserve.parallel.groups import SINGLE, ParallelGroup
-
-TIMESTEP_FREQ_DIM = 256
-"""Width of the sinusoidal timestep features (cos half first, then sin)."""
-
-
-class TimestepEmbedder(nn.Module):
-    """t_net [B] -> linear_2(silu(linear_1(cat(cos(t f), sin(t f))))) [B, dim], all in float32."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = ReplicatedLinear(TIMESTEP_FREQ_DIM, dim, bias=True, dtype=torch.float32)
-        self.linear_2 = ReplicatedLinear(dim, dim, bias=True, dtype=torch.float32)
-
-    def forward(self, t_net: Tensor, lora: LoraWeights | None = None) -> Tensor:
-        """`lora`: an adapter whose `time_embedder.linear_1` / `_2` deltas (float32) apply."""
-        top = {} if lora is None else lora.top
-        half = TIMESTEP_FREQ_DIM // 2
-        exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t_net.device)
-        freqs = torch.exp(exponent / half)  # [half]
-        args = t_net.float()[:, None] * freqs[None, :]  # [B, half]
-        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # [B, 256]
-        hidden = F.silu(self.linear_1(features, top.get("time_embedder.linear_1")))
-        return self.linear_2(hidden, top.get("time_embedder.linear_2"))
 
 
 def _resident(blocks: BlockStreamer | None, i: int):
@@ -187,25 +165,16 @@ class Cosmos3Transformer(nn.Module):
         if self.merged_lora is not None:
             raise ValueError("a LoRA adapter is merged into this model already")
         with torch.no_grad():
-            for weight, pair in self._gen_lora_targets(lora):
+            for weight, pair in self.gen_lora_targets(lora):
                 merge_pair(weight, pair)
         rest = lora.und_only()
         self.merged_lora = MergedLora(
             source, None if rest is None else rest.to(device or self.device, self.dtype)
         )
 
-    def gen_lora_merge_erasure(self, lora: LoraWeights) -> float:
-        """The share of `lora`'s gen-pathway deltas that merging them would round away (<erased, B A> / ||B A||^2
-        over all of them: models/layers/lora.py merge_pair); the weights are left as they are."""
-        erased = energy = 0.0
-        with torch.no_grad():
-            for weight, pair in self._gen_lora_targets(lora):
-                part_erased, part_energy = merge_pair(weight, pair, apply=False)
-                erased, energy = erased + part_erased, energy + part_energy
-        return erased / energy if energy else 0.0
-
-    def _gen_lora_targets(self, lora: LoraWeights):
-        """(weight, pair) of every gen-pathway linear `lora` has a delta for."""
+    def gen_lora_targets(self, lora: LoraWeights):
+        """(weight, pair) of every gen-pathway linear `lora` has a delta for (models/layers/lora.py merge_erasure
+        says what merging them would round away)."""
         if self.gen_blocks is not None or any(layer.gen.fp8 for layer in self.layers):
             raise ValueError("merge a LoRA adapter before quantize_gen_fp8 and enable_layerwise_offload")
         for i, layer in enumerate(self.layers):

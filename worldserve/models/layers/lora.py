@@ -76,6 +76,17 @@ def merge_pair(weight: Tensor, pair: LoraPair, *, apply: bool = True) -> tuple[f
     return float(erased), float(energy)
 
 
+@torch.no_grad()
+def merge_erasure(targets) -> float:
+    """The share of the deltas that merging these (weight, pair)s would round away: <erased, B A> / ||B A||^2
+    over all of them (`merge_pair`); the weights are left as they are."""
+    erased = energy = 0.0
+    for weight, pair in targets:
+        part_erased, part_energy = merge_pair(weight, pair, apply=False)
+        erased, energy = erased + part_erased, energy + part_energy
+    return erased / energy if energy else 0.0
+
+
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class LoraWeights:
     """One adapter in our layout (on the host, or on the model's device where forwards take it): per layer and
