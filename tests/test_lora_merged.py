@@ -150,19 +150,21 @@ def gen_only(lora, tmp_path_factory) -> LoraRequest:
     return dataclasses.replace(lora, name="gen-only", path=str(folder))
 
 
-@pytest.fixture(scope="module", params=["adapter", "gen-only"])
-def merged_tp(request, tiny_ckpt, lora, gen_only):
-    adapter = lora if request.param == "adapter" else gen_only
+@pytest.fixture(scope="module", params=["tp2", "tp2-gen-only", "cfg2"])
+def merged_parallel(request, tiny_ckpt, lora, gen_only):
+    adapter = gen_only if request.param.endswith("gen-only") else lora
+    layout = {"cfg_parallel_size": 2} if request.param == "cfg2" else {"tensor_parallel_size": 2}
     for pipe in two_rank_cpu_pipeline(
-        tiny_ckpt, tensor_parallel_size=2, kernels=KernelOptions(compile=False, merged_lora=adapter)
+        tiny_ckpt, **layout, kernels=KernelOptions(compile=False, merged_lora=adapter)
     ):
         yield pipe, adapter
 
 
-def test_each_tensor_parallel_rank_merges_its_slices(merged_tp, ours_pipeline):
-    """q|k|v and gate|up merge B's rows of the rank, o_proj and down_proj A's columns: the same requests as one
-    unmerged process; an adapter with no und deltas too (the peers still hear which adapter runs)."""
-    pipe, adapter = merged_tp
+def test_each_rank_merges_its_slices(merged_parallel, ours_pipeline):
+    """Under TP 2 q|k|v and gate|up merge B's rows of the rank, o_proj and down_proj A's columns; under CFG-parallel
+    the uncond rank merges the whole adapter and prefills with its und deltas: the same requests as one unmerged
+    process; an adapter with no und deltas too (the peers still hear which adapter runs)."""
+    pipe, adapter = merged_parallel
     merged = pipe.local.transformer.merged_lora
     assert merged is not None and (merged.rest is None) == (adapter.name == "gen-only")
     batch = _batch(adapter)[:1]
