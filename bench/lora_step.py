@@ -135,7 +135,9 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
                                           std=0.02, dtype=torch.bfloat16)  # fmt: skip
             t1 = time.perf_counter()
             spec = inspect_adapter(folder, cfg)
-            step.lora = load_adapter(spec, 1.0, cfg, dtype=dtype, device=device)
+            step.lora = load_adapter(
+                spec, 1.0, cfg, dtype=dtype, device=device
+            ).mark_ranks_dynamic()  # (as served)
             load_s = time.perf_counter() - t1
             unmerged = variant(
                 f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30}

@@ -154,11 +154,17 @@ def test_compiled_gen_layers_equal_eager(tiny_ckpt, tmp_path):
 
     spec = inspect_adapter(write_random_adapter(tmp_path / "lora", tiny_ckpt), model.config)
     lora = load_adapter(spec, 1.0, model.config, dtype=torch.float32, device=torch.device("cpu"))
-    adapted = model(batch, lora=lora)
+    adapted = model(batch, lora=lora.mark_ranks_dynamic())
     assert (adapted.video[0] - eager.video[0]).abs().max() > 1e-2
+    # another adapter rank, its rank marked dynamic (as runner/lora_cache.py serves it): no new graph
+    spec8 = inspect_adapter(write_random_adapter(tmp_path / "lora8", tiny_ckpt, rank=8, seed=8), model.config)
+    lora8 = load_adapter(spec8, 1.0, model.config, dtype=torch.float32, device=torch.device("cpu"))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        adapted8 = model(batch, lora=lora8.mark_ranks_dynamic())
     for block in (layer.gen for layer in model.layers):  # back to the eager math
         block.qkv_fn, block.finish_fn, block.merge_fn = qkv_math, finish_math, merge_attention
     torch.testing.assert_close(adapted.video[0], model(batch, lora=lora).video[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(adapted8.video[0], model(batch, lora=lora8).video[0], rtol=1e-5, atol=1e-6)
 
 
 def test_in_place_residual_finish_equals_finish_math_and_reuses_h():

@@ -79,7 +79,9 @@ class LoraCache:
             host = self._loaded.get(key)
         if host is None:
             host = self._read(request, spec, key)
-        weights = host.to(device, non_blocking=True)
+        weights = host.to(
+            device, non_blocking=True
+        ).mark_ranks_dynamic()  # (one compiled graph for all ranks)
         with self._lock:
             self._on_device[key] = weights
         return weights
