@@ -7,8 +7,12 @@ The dead-peer case lives in test_cfg_parallel_peer.py (it needs its own world).
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 import pytest
+import torch
 from pipeline_helpers import rel, run_requests, two_rank_cpu_pipeline
 
 from worldserve.config import ParallelConfig
@@ -64,7 +68,7 @@ def test_guidance_interval_matches_single_process(cfgp, ours_pipeline):
 
 
 def test_lora_adapter_matches_single_process(cfgp, ours_pipeline, tiny_ckpt, tmp_path):
-    """The uncond peer loads the request's adapter itself (from the prefill message) and runs its branch with
+    """The uncond peer loads the request's adapter itself (asked before the prefill) and runs its branch with
     it: the same result as one process."""
     from pipeline_helpers import write_random_adapter
 
@@ -77,3 +81,42 @@ def test_lora_adapter_matches_single_process(cfgp, ours_pipeline, tiny_ckpt, tmp
     [(lat1, snd1, _)] = run_requests(ours_pipeline, [params])
     assert rel(lat, lat1) <= 1e-5 and rel(snd, snd1) <= 1e-5
     assert cfgp.local.loras is not None and "r0" not in cfgp._cfg_remote
+
+
+@pytest.mark.parametrize("change", ["removed", "rewritten"])
+def test_an_adapter_changed_before_the_peer_reads_it_fails_that_request_alone(cfgp, tiny_ckpt, tmp_path,
+                                                                               monkeypatch, change):  # fmt: skip
+    """Rank 0 read the adapter; its files go, or are rewritten (another adapter to the peer), before the peer
+    reads them: that request is a 400 naming `lora` (the peer's reason), the peers stay up and in step, and the
+    next request runs."""
+    import shutil
+
+    from pipeline_helpers import write_random_adapter
+
+    from worldserve.params import LoraRequest, ParamError
+
+    folder = write_random_adapter(tmp_path / "fox", tiny_ckpt, seed=9)
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    read = cfgp.local.loras.get
+
+    def read_then_change(request):
+        held = read(request)
+        if change == "removed":
+            shutil.rmtree(folder)
+        else:  # the same bytes written again: a new file to anyone reading it now
+            data = open(weights, "rb").read()
+            os.remove(weights)
+            open(weights, "wb").write(data)
+        return held
+
+    monkeypatch.setattr(cfgp.local.loras, "get", read_then_change)
+    params = VideoParams(prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=False,
+                         lora=LoraRequest("fox", folder, 1.0), **BASE)  # fmt: skip
+    with pytest.raises(ParamError) as err:
+        cfgp.prepare("changed", params)
+    assert err.value.param == "lora" and "rank 1 could not load LoRA adapter" in err.value.message
+    assert ("no such file" in err.value.message) == (change == "removed"), err.value.message
+    monkeypatch.undo()
+    assert cfgp.peers.alive() and "changed" not in cfgp._cfg_remote
+    [(lat, _, _)] = run_requests(cfgp, [dataclasses.replace(params, lora=None)])  # (the peers answer)
+    assert torch.isfinite(lat).all()

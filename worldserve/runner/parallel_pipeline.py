@@ -195,12 +195,15 @@ class ParallelPipeline:
         cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
         remote = cfg and self.layout.cfg == 2
         # the adapter loaded here first (a bad one fails before a peer hears of it), held: the prepare below
-        # shares its device copy; each peer loads its own slices of it from the prefill message (or, merged
-        # into every rank's weights, takes its unmerged und deltas: None when it has none)
+        # shares its device copy; each peer then loads its own slices of the same files and answers (or, merged
+        # into every rank's weights, takes its unmerged und deltas from the prefill message: None when none)
         held = self.local.loras.get(params.lora)
-        lora = params.lora if held is not None or self.local.transformer.merged_lora is not None else None
+        merged = self.local.transformer.merged_lora is not None
+        lora = params.lora if held is not None or merged else None
         msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond), lora)
         to = self._cond_peers + (self._uncond_peers if remote else [])
+        if held is not None and not merged and to:
+            self._peers_load_lora(request_id, lora, held.key[0], to)
         if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
             with self._exchange():
                 self.peers.send(msg, to)
@@ -218,6 +221,17 @@ class ParallelPipeline:
         if remote:
             self._cfg_remote.add(request_id)
         return state
+
+    def _peers_load_lora(self, request_id: str, lora, identity: tuple, to: list[int]) -> None:
+        """The peers `to` load the request's adapter before its prefill, each answering: one that could not (its
+        files gone or changed since rank 0 read them) fails this request alone, a 400 naming `lora`, with the
+        peers still in step; rank 0 and the peers then run the very files rank 0 read."""
+        with self._exchange():
+            self.peers.send(("lora", request_id, lora, identity), to)
+            refused = [answer for r in to if (answer := self.peers.recv_object(r)) is not None]
+            if refused:
+                self.peers.send(("release", request_id), to)
+                raise ParamError("lora", refused[0])
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[VideoRequestState]) -> None:

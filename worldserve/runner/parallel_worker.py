@@ -7,7 +7,8 @@ builds its branch's GenItems in rank 0's order and runs the forward with its Uly
 parallelism its transformer holds 1/T of every weight, and prefill and forward are collectives that rank 0
 runs at the same time); the first rank
 of the uncond group sends the uncond velocities (video, then sound, per CFG request in plan order) to rank
-0. "release" drops a request's caches. Started by runner/peers.py `peer_worker_main`, which handles errors
+0. "lora" loads a request's unmerged adapter before its prefill and answers rank 0 (None, or why it could not:
+rank 0 then fails that request alone). "release" drops a request's caches. Started by runner/peers.py `peer_worker_main`, which handles errors
 and shutdown: it builds the BranchRank right after joining the world (its Ulysses group is created with every
 rank's, before any of them loads), then loads the transformer into it.
 """
@@ -59,11 +60,31 @@ class BranchRank:
             prompts = [uncond]
         else:
             return  # a guidance-1 request: nothing for the uncond group
-        weights = self.loras.get(lora)  # (rank 0 loaded the same files first)
+        # (loaded on "lora" for an unmerged adapter; else the merged one's und deltas, or none)
+        weights = self.lora_of[request_id] if request_id in self.lora_of else self.loras.get(lora)
         self.caches[request_id] = self.transformer.prefill_und(
             [torch.tensor(p, dtype=torch.long) for p in prompts], lora=weights
         )
         self.lora_of[request_id] = weights
+
+    def load_lora(
+        self, request_id: str, lora: LoraRequest, identity: tuple, group: ParallelGroup, dev: torch.device,
+        leader_alive,
+    ) -> None:  # fmt: skip
+        """Load the request's adapter (this rank's slices) and answer rank 0: None, or why not. Rank 0 read the
+        files first; they may have gone or changed since (`identity`: what rank 0 read), and this rank must run
+        the adapter rank 0 runs."""
+        try:
+            weights = self.loras.get(lora)
+            if weights is None or weights.key[0] != identity:
+                raise ValueError("its files changed while the request was being prepared; send it again")
+            self.lora_of[request_id] = weights
+            answer = None
+        except Exception as exc:  # (anything: rank 0 fails this request alone, the peers stay in step)
+            answer = (
+                f"rank {self.rank} could not load LoRA adapter {lora.path}: {getattr(exc, 'message', exc)}"
+            )
+        comm.send_object(answer, LEADER, group, dev, leader_alive)
 
     def denoise(self, plan, group: ParallelGroup, dev: torch.device, leader_alive) -> None:
         inputs = [x for x in recv_step(plan, group, dev, leader_alive) if x[0] in self.caches]
@@ -88,6 +109,7 @@ class BranchRank:
     def handlers(self, group: ParallelGroup, dev: torch.device, leader_alive) -> dict:
         return {
             "prefill": self.prefill,
+            "lora": lambda rid, lora, identity: self.load_lora(rid, lora, identity, group, dev, leader_alive),
             "release": self.release,
             "denoise": lambda plan: self.denoise(plan, group, dev, leader_alive),
         }
