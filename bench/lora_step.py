@@ -11,7 +11,8 @@ rel. L2 distance of the velocities from the base model's (the adapter does chang
 
 Last, the last rank's adapter merged into the gen pathway's weights (runner/lora_cache.py merge_lora, what serve
 does with --lora-path alone): its step, the merge's seconds (in "load s") and the rel. L2 distance of its
-velocities from the unmerged adapter's (and the share of its deltas the merge's rounding erased: `merge_erasure`).
+velocities from the unmerged adapter's (and how many gen-pathway linears merged whole, with the largest share of a row's delta the rounding
+changed: `merge`).
 
 Predicted (before any run): the pairs' FLOPs are ~0.7 % of a step at rank 64; the cost is memory traffic,
 each adapted GEMM's output read and written once more by the delta's addmm and its input read once more
@@ -151,11 +152,9 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
         # the last rank's adapter merged into the gen pathway's weights, as serve does with a static one: the
         # base step's kernels again; its velocities against the unmerged adapter's (bf16 rounding of W + BA)
         t1 = time.perf_counter()
-        erased = merge_lora(model, LoraRequest("bench", folder, 1.0), device)
+        merged, total, worst = merge_lora(model, LoraRequest("bench", folder, 1.0), device)
         merge_s = time.perf_counter() - t1
-        res["merge_erasure"] = (
-            erased  # (the share of the deltas rounding erased; past MERGE_ERASURE_LIMIT: not merged)
-        )
+        res["merge"] = {"linears_merged_whole": merged, "linears": total, "largest_erasure": worst}
         if model.merged_lora is not None:
             step.lora = model.merged_lora.rest  # (the und deltas: the prefill applies them)
             out = variant(f"rank {rank} merged", 0, {"load_s": merge_s})

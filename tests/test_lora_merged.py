@@ -171,24 +171,73 @@ def test_each_rank_merges_its_slices(merged_parallel, ours_pipeline):
     _assert_same(run_requests(pipe, batch), run_requests(ours_pipeline, batch))
 
 
-def test_an_adapter_rounding_would_erase_stays_unmerged(tiny_ckpt, lora, tmp_path):
-    """In bf16 weights a delta far below a weight's last bit rounds away: such an adapter (here a small scale)
-    is applied unmerged, every weight as loaded; a float32 model merges it."""
-    from worldserve.runner.lora_cache import MERGE_ERASURE_LIMIT, merge_lora
+def _bf16_model(ckpt):
     from worldserve.runner.video_pipeline import load_configured_transformer
 
-    small = dataclasses.replace(lora, scale=1e-3)
-    options = KernelOptions(compile=False)
-    cpu = torch.device("cpu")
-    model = load_configured_transformer(Path(tiny_ckpt), torch.bfloat16, cpu, options, progress=False)
+    return load_configured_transformer(Path(ckpt), torch.bfloat16, torch.device("cpu"), KernelOptions(compile=False),
+                                       progress=False)  # fmt: skip
+
+
+def test_an_adapter_rounding_would_erase_stays_unmerged(tiny_ckpt, lora):
+    """In bf16 weights a delta far below a weight's last bit rounds away: such an adapter (here a small scale)
+    merges into no bf16 weight, each as loaded, and runs unmerged (only the time embedder's float32 weights
+    take theirs); a float32 model merges it all; the same adapter at scale 0.75 merges whole into bf16."""
+    from worldserve.runner.lora_cache import MERGE_ERASURE_LIMIT, merge_lora
+
+    small, cpu = dataclasses.replace(lora, scale=1e-3), torch.device("cpu")
+    model = _bf16_model(tiny_ckpt)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    assert merge_lora(model, small, cpu) > MERGE_ERASURE_LIMIT and model.merged_lora is None
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    pipe = _load(tiny_ckpt, small)  # (float32: nothing rounds away)
-    assert pipe.transformer.merged_lora is not None
+    merged, total, _ = merge_lora(model, small, cpu)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert merged == 2 < total and changed == {
+        "time_embedder.linear_1.weight",
+        "time_embedder.linear_2.weight",
+    }
+    rest = model.merged_lora.rest  # (every bf16 linear's pair, beside the und deltas)
+    assert sum(len(layer.get("gen", {})) for layer in rest.layers) + len(rest.top) == total - 2
+    assert _load(tiny_ckpt, small).transformer.merged_lora.rest.top == {}  # (float32: nothing rounds away)
+    model = _bf16_model(tiny_ckpt)
+    merged, total, worst = merge_lora(model, lora, cpu)  # (scale 0.75)
+    assert merged == total and worst <= MERGE_ERASURE_LIMIT and model.merged_lora is not None
+
+
+def test_a_linear_whose_delta_would_round_away_stays_unmerged(tiny_ckpt, lora, tmp_path, ours_pipeline):
+    """One part of a fused gen linear barely trained (q's B x 1e-4, beside strong k and v): every other row
+    merges, q's rows alone run unmerged (MergedLora.rest carries q|k|v's pair with k's and v's rows of B
+    zeroed, beside the und deltas), their weights as loaded; in bf16 the requests land where the unmerged
+    adapter's do, far from the base model's."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(lora.path, tmp_path / "weak-one")
+    weights = folder / "adapter_model.safetensors"
+    weak = "layers.1.self_attn.add_q_proj"
+    tensors = load_file(weights)
+    tensors[f"base_model.model.{weak}.lora_B.weight"] *= 1e-4
+    save_file(tensors, str(weights))
+    adapter = dataclasses.replace(lora, name="weak-one", path=str(folder))
+    from worldserve.runner.lora_cache import merge_lora
+
+    model = _bf16_model(tiny_ckpt)
+    qkv = model.layers[1].gen.qkv_proj.weight.clone()
+    q = model.config.q_dim  # (q's rows of the fused q|k|v)
+    merged, total, _ = merge_lora(model, adapter, torch.device("cpu"))
+    assert merged == total - 1  # (the fused q|k|v keeps q's rows unmerged)
+    a, b = model.merged_lora.rest.tower(1, "gen")["qkv_proj"]
     assert (
-        merge_lora(model, lora, cpu) <= MERGE_ERASURE_LIMIT and model.merged_lora is not None
-    )  # (scale 0.75)
+        model.merged_lora.rest.tower(0, "gen") is None and b[:q].count_nonzero() > 0 == b[q:].count_nonzero()
+    )
+    weight = model.layers[1].gen.qkv_proj.weight
+    assert torch.equal(weight[:q], qkv[:q]) and not torch.equal(weight[q:], qkv[q:])  # (k and v merged)
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    def run(**kernels):
+        pipe = VideoPipeline.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.bfloat16, progress=False,
+                                             kernels=KernelOptions(compile=False, **kernels))  # fmt: skip
+        return run_requests(pipe, _batch(adapter)[:1])[0][0].float()
+
+    partial, unmerged = run(merged_lora=adapter), run()
+    base = run_requests(ours_pipeline, _batch(None)[:1])[0][0]
+    assert rel(partial, unmerged) < 0.1 < rel(base, unmerged)
 
 
 def test_serve_merges_the_static_adapter_only_without_enable_lora(tiny_ckpt, lora, tmp_path, monkeypatch):
@@ -257,3 +306,22 @@ def test_fp8_quantises_the_merged_weights(tiny_ckpt, merged, lora):
         q = getattr(fp8.transformer.layers[1].gen, name)
         expected = quantize_rowwise(getattr(merged.transformer.layers[1].gen, name).weight)
         assert torch.equal(q.weight.float(), expected[0].float()) and torch.equal(q.weight_scale, expected[1])
+
+
+def test_merge_pair_keeps_the_rows_rounding_would_change():
+    """Row by row: a large delta merges (rounding adds only noise), one far below the weights' last bit would
+    vanish and one of just over half a bit would nearly double (both stay unmerged, in the pair returned with
+    the merged rows of B zeroed), a row without a delta is left as it is."""
+    from worldserve.models.layers.lora import merge_pair
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 256, generator=g).bfloat16()
+    weight[2] = 1.0  # (bf16's last bit at 1.0: 2^-7)
+    a = torch.cat([torch.randn(1, 256, generator=g), torch.ones(1, 256)])  # [2, 256]
+    b = torch.tensor([[0.3, 0.0], [1e-5, 0.0], [0.0, 0.51 * 2**-7], [0.0, 0.0]])  # [4, 2]
+    before = weight.clone()
+    left, worst = merge_pair(weight, (a, b), max_erasure=0.01)
+    assert not torch.equal(weight[0], before[0]) and torch.equal(weight[1:], before[1:]) and worst <= 0.01
+    assert left[0] is a and torch.equal(left[1], b * torch.tensor([[0.0], [1.0], [1.0], [0.0]]))
+    exact = before.float() + b @ a  # (merged anyway, row 2's delta would come out 1.96x)
+    assert torch.allclose((exact.bfloat16().float() - before.float())[2], torch.full((256,), 2**-7))

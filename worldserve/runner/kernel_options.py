@@ -43,8 +43,8 @@ class KernelOptions:
     """Keep the transformer layers in pinned host memory and stream them to the GPU as they run."""
     merged_lora: LoraRequest | None = None
     """A LoRA adapter merged into the gen pathway's weights at load (a server's only one: --lora-path without
-    --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~5 %. Left unmerged when
-    rounding into the weights would erase its deltas (runner/lora_cache.py MERGE_ERASURE_LIMIT)."""
+    --enable-lora; `generate --lora`): no cost a step, where unmerged deltas cost ~5 %. An output row whose delta
+    rounding into the weights would erase stays unmerged (runner/lora_cache.py MERGE_ERASURE_LIMIT)."""
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

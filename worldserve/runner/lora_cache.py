@@ -12,10 +12,10 @@ of them releases it (GPU memory holds only adapters in use). An adapter whose fi
 (weights/lora_adapter.py `_identity`) is read again.
 
 A server whose one adapter is --lora-path's (no --enable-lora) merges its gen-pathway deltas into the weights
-at load (`merge_lora`, through KernelOptions.merged_lora on every rank) when rounding erases no more than a
-trace of them (MERGE_ERASURE_LIMIT): the cache then answers that adapter's requests with its unmerged und tower
-deltas alone, reads no files for them, and refuses any other adapter (the gen weights are no longer the base
-model's).
+at load (`merge_lora`, through KernelOptions.merged_lora on every rank), each output row when rounding
+changes no more than a trace of its delta (MERGE_ERASURE_LIMIT): the cache then answers that adapter's
+requests with what stays unmerged (its und tower deltas, the rows left out), reads no files for them, and
+refuses any other adapter (the gen weights are no longer the base model's).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 import torch
 
-from worldserve.models.layers.lora import LoraWeights, merge_erasure
+from worldserve.models.layers.lora import LoraWeights
 from worldserve.params import LoraRequest, ParamError
 from worldserve.weights.lora_adapter import AdapterSpec, inspect_adapter, load_adapter
 
@@ -122,34 +122,39 @@ def merged_source(request: LoraRequest) -> tuple[str, float]:
 
 
 MERGE_ERASURE_LIMIT = 0.01
-"""The largest share of an adapter's gen-pathway deltas a merge may round away (models/layers/lora.py
-merge_erasure); past it the adapter stays unmerged. A delta below half a bf16 weight's last bit (~0.2 %
-of the weight) rounds away whole, which a small adapter, or a small --lora-scale, is made of; larger ones
-only take the zero-mean rounding noise every bf16 weight carries."""
+"""The largest share of an output row's LoRA delta a merge may change by rounding into the weights (models/
+layers/lora.py merge_pair); past it that row stays unmerged. A delta below half a bf16 weight's last bit
+(~0.2 % of the weight) rounds away whole, which a barely trained module or row, a small adapter or a small
+--lora-scale is made of; larger ones only take the zero-mean rounding noise every bf16 weight carries."""
 
 
-def merge_lora(transformer, request: LoraRequest, device: torch.device) -> float:
+def merge_lora(transformer, request: LoraRequest, device: torch.device) -> tuple[int, int, float]:
     """`request`'s adapter read (this rank's tensor-parallel slices, float32) and its gen-pathway deltas merged
-    into `transformer`'s weights (Cosmos3Transformer.merge_gen_lora; its und deltas kept on `device`, where the
-    model will run), unless that would round away more than MERGE_ERASURE_LIMIT of them: then the weights stay
-    as they are and the cache applies the adapter unmerged (`transformer.merged_lora` says which). Returns
-    the share a merge erases (or would). ParamError naming `lora` for an adapter that does not fit the model."""
+    into `transformer`'s weights (Cosmos3Transformer.merge_gen_lora), each output row unless rounding would
+    change more than MERGE_ERASURE_LIMIT of its delta; the und deltas and the rows left out run unmerged, from
+    `device` (where the model will run). Nothing merged: the weights stay as loaded and the cache applies the
+    adapter unmerged (`transformer.merged_lora` says which). Returns (gen-pathway linears merged whole, their
+    count, the largest |erasure| merged). ParamError naming `lora` for an adapter that does not fit the model."""
     spec = inspect_adapter(request.validate().path, transformer.config)
     cpu = torch.device("cpu")
     weights = load_adapter(
         spec, request.scale, transformer.config, dtype=torch.float32, device=cpu, tp=transformer.tp
     )
-    erased = merge_erasure(transformer.gen_lora_targets(weights))
-    if erased > MERGE_ERASURE_LIMIT:
-        log.warning("LoRA adapter %r (%s, scale %g) kept unmerged: rounding its deltas into the %s weights would "
-                    "erase %.1f %% of them (limit %g %%); unmerged it costs ~5 %% of a step", request.name,
-                    request.path, request.scale, str(transformer.dtype).removeprefix("torch."), 100 * erased,
+    whole, worst = transformer.merge_gen_lora(
+        weights, merged_source(request), device, max_erasure=MERGE_ERASURE_LIMIT
+    )
+    total = len(weights.top) + sum(len(layer.get("gen", {})) for layer in weights.layers)
+    name, dtype = request.name, str(transformer.dtype).removeprefix("torch.")
+    if whole < total:
+        log.warning("LoRA adapter %r (%s, scale %g): %d of its %d gen-pathway linears keep rows unmerged (~5 %% "
+                    "of a step if all do): rounding into the %s weights would change more than %g %% of those "
+                    "rows' deltas", name, request.path, request.scale, total - whole, total, dtype,
                     100 * MERGE_ERASURE_LIMIT)  # fmt: skip
-        return erased
-    transformer.merge_gen_lora(weights, merged_source(request), device)
-    log.info("LoRA adapter %r (%s, %d modules, scale %g) merged into the gen pathway's weights (rounding erased "
-             "%.2g %% of its deltas)", request.name, request.path, len(spec.modules), request.scale, 100 * erased)  # fmt: skip
-    return erased
+    if transformer.merged_lora is not None:
+        log.info("LoRA adapter %r (%s, scale %g) merged into the gen pathway's weights (%d of %d linears whole; "
+                 "rounding changed at most %.2g %% of a merged row's delta)", name, request.path, request.scale,
+                 whole, total, 100 * worst)  # fmt: skip
+    return whole, total, worst
 
 
 def check_adapter_fits(root, request: LoraRequest, flag: str) -> None:

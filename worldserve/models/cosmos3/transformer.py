@@ -30,6 +30,7 @@ attention through FA3's e4m3 kernel (lossy, the fp8 mode).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -156,32 +157,44 @@ class Cosmos3Transformer(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed bf16 gen weights (about 13.9 GB on Nano) back
 
-    def merge_gen_lora(self, lora: LoraWeights, source, device: torch.device | None = None) -> None:
+    def merge_gen_lora(
+        self, lora: LoraWeights, source, device: torch.device | None = None, *, max_erasure: float = math.inf
+    ) -> tuple[int, float]:
         """Add `lora`'s gen-pathway deltas (the gen tower's linears, proj_in / proj_out, the time embedder's and
-        the audio heads') into the weights, W += B A: the adapter then costs nothing a step. Its und tower
-        deltas stay unmerged, on `device` (default: the model's) in its dtype, in `merged_lora.rest`: the und weights stay
-        exact for the Reasoner, and the prompt's prefill applies them. Before fp8 quantisation (it quantises
-        the merged weights) and layerwise offload (it packs them); `source` names the adapter for callers."""
+        the audio heads') into the weights, W += B A, each output row unless rounding would change more than
+        `max_erasure` of its delta (models/layers/lora.py merge_pair; float32 weights always merge): merged
+        rows cost nothing a step. The und tower's deltas and the rows left out stay unmerged in
+        `merged_lora.rest`, on `device` (default: the model's) in its dtype: the und weights stay exact for the
+        Reasoner, and the prompt's prefill applies their deltas. Nothing merged leaves `merged_lora` None.
+        Before fp8 quantisation (it quantises the merged weights) and layerwise offload (it packs them);
+        `source` names the adapter for callers. Returns (linears merged whole, the largest |erasure| merged)."""
         if self.merged_lora is not None:
             raise ValueError("a LoRA adapter is merged into this model already")
-        with torch.no_grad():
-            for weight, pair in self.gen_lora_targets(lora):
-                merge_pair(weight, pair)
-        rest = lora.und_only()
-        self.merged_lora = MergedLora(
-            source, None if rest is None else rest.to(device or self.device, self.dtype)
-        )
-
-    def gen_lora_targets(self, lora: LoraWeights):
-        """(weight, pair) of every gen-pathway linear `lora` has a delta for (models/layers/lora.py merge_erasure
-        says what merging them would round away)."""
         if self.gen_blocks is not None or any(layer.gen.fp8 for layer in self.layers):
             raise ValueError("merge a LoRA adapter before quantize_gen_fp8 and enable_layerwise_offload")
+        left, worst, merged_any = {}, 0.0, False
+        with torch.no_grad():
+            for key, weight, pair in self._gen_lora_targets(lora):
+                limit = math.inf if weight.dtype == torch.float32 else max_erasure
+                left[key], erased = merge_pair(weight, pair, max_erasure=limit)
+                worst = max(worst, erased)
+                merged_any |= left[key] is None or bool(
+                    left[key][1].count_nonzero() < pair[1].count_nonzero()
+                )
+        if merged_any:
+            rest = lora.replaced(left)
+            self.merged_lora = MergedLora(
+                source, None if rest is None else rest.to(device or self.device, self.dtype)
+            )
+        return sum(pair is None for pair in left.values()), worst
+
+    def _gen_lora_targets(self, lora: LoraWeights):
+        """(key, weight, pair) of every gen-pathway linear `lora` has a delta for (key: LoraWeights.replaced's)."""
         for i, layer in enumerate(self.layers):
             for name, pair in (lora.tower(i, "gen") or {}).items():
-                yield getattr(layer.gen, name).weight, pair
+                yield (i, "gen", name), getattr(layer.gen, name).weight, pair
         for name, pair in lora.top.items():
-            yield self.get_submodule(name).weight, pair
+            yield ("top", name), self.get_submodule(name).weight, pair
 
     def enable_layerwise_offload(self, device: str | torch.device, *, slots: int = 2) -> None:
         """Move everything but the layers to `device`; keep the layers' und and gen blocks in pinned host

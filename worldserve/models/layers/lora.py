@@ -13,14 +13,15 @@ Per-request adapters are never merged into the weights: the base weights stay ex
 The unmerged deltas cost ~5 % of a 720p step at rank 16 and 64 alike (bench/results/README.md: the GEMM pairs' extra
 reads and writes of each layer's input and output, not their FLOPs), so a server's one static adapter (no
 per-request ones) is merged into the gen pathway's weights instead (`merge_pair`, `MergedLora`:
-Cosmos3Transformer.merge_gen_lora), unless rounding into the weights' dtype would erase more than a trace of
-its deltas (runner/lora_cache.py MERGE_ERASURE_LIMIT); its und tower deltas stay unmerged, applied in the
-prompt's prefill.
+Cosmos3Transformer.merge_gen_lora), each output row unless rounding into the weights' dtype would change
+more than a trace of its delta (runner/lora_cache.py MERGE_ERASURE_LIMIT); its und tower deltas, and the rows
+left out, run unmerged (the und ones in the prompt's prefill).
 `LoraWeights` is one loaded adapter in our model's layout: what the transformer's forwards take.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
@@ -58,33 +59,32 @@ def with_lora(y: Tensor, x: Tensor, pair: LoraPair | None) -> Tensor:
     return y if pair is None else add_delta(y, x, pair)
 
 
-def merge_pair(weight: Tensor, pair: LoraPair, *, apply: bool = True) -> tuple[float, float]:
-    """weight [out, in] += B A in place: summed in float32 on the weight's device, rounded to its dtype once
-    (`apply=False`: the weight is left as it is). Returns (<erased, B A>, ||B A||^2), where erased = exact sum
-    minus its rounding: their ratio is the share of the delta the merge erases. Rounding a delta well above the
-    weight's last bit only adds the zero-mean noise any bf16 weight carries (~0 erased); a delta below half a
-    bit (~0.2 % of the weight) rounds away whole (all erased), where the unmerged GEMM pair keeps it: its sum
-    over the input is coherent, and the output's rounding sees that sum."""
+def merge_pair(
+    weight: Tensor, pair: LoraPair, *, max_erasure: float = math.inf
+) -> tuple[LoraPair | None, float]:
+    """weight [out, in] += B A in place, summed in float32 on the weight's device and rounded to its dtype once,
+    row by row: a row whose rounding would change more than `max_erasure` of its delta (|<exact - rounded,
+    B A>| / ||B A||^2 over the row) keeps its weights as loaded. Rounding a delta well above the weights' last
+    bit only adds the zero-mean noise any bf16 weight carries (~0); a delta below half a bit (~0.2 % of the
+    weight) rounds away whole (1), where the unmerged GEMM pair keeps it: its sum over the input is coherent,
+    and the output's rounding sees that sum. Returns (the pair for the rows left unmerged, B's merged rows
+    zeroed, or None when every row merged; the largest |erasure| of a merged row)."""
     a, b = (t.to(weight.device, torch.float32) for t in pair)
     base = weight.float()
     exact = torch.addmm(base, b, a)  # [out, in] + [out, R] @ [R, in]
     merged = exact.to(weight.dtype)
-    delta = exact - base
-    erased, energy = ((exact - merged.float()) * delta).sum(), delta.square().sum()
-    if apply:
-        weight.copy_(merged)
-    return float(erased), float(energy)
-
-
-@torch.no_grad()
-def merge_erasure(targets) -> float:
-    """The share of the deltas that merging these (weight, pair)s would round away: <erased, B A> / ||B A||^2
-    over all of them (`merge_pair`); the weights are left as they are."""
-    erased = energy = 0.0
-    for weight, pair in targets:
-        part_erased, part_energy = merge_pair(weight, pair, apply=False)
-        erased, energy = erased + part_erased, energy + part_energy
-    return erased / energy if energy else 0.0
+    delta = (exact - base).double()
+    energy = delta.square().sum(1)  # [out]
+    erased = ((exact - merged.float()).double() * delta).sum(1) / energy.clamp_min(
+        1e-300
+    )  # [out]; 0 where no delta
+    ok = erased.abs() <= max_erasure  # [out]
+    weight.copy_(torch.where(ok[:, None], merged, weight))
+    worst = float(erased[ok].abs().max()) if bool(ok.any()) else 0.0
+    if bool(ok.all()):
+        return None, worst
+    keep = (~ok).to(pair[1].device, pair[1].dtype)[:, None]  # [out, 1]
+    return (pair[0], pair[1] * keep), worst
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
@@ -105,11 +105,20 @@ class LoraWeights:
         found = self.layers[layer].get(tower) if layer < len(self.layers) else None
         return found or None
 
-    def und_only(self) -> LoraWeights | None:
-        """The same adapter with its und tower deltas alone (None when it has none): what stays unmerged once
-        the rest is merged into the gen pathway's weights."""
-        layers = tuple({"und": layer["und"]} if layer.get("und") else {} for layer in self.layers)
-        return LoraWeights(key=self.key, layers=layers) if any(layers) else None
+    def replaced(self, pairs: Mapping[tuple, LoraPair | None]) -> LoraWeights | None:
+        """The same adapter with the pairs named in `pairs` ((layer, tower, linear), or ("top", linear)) replaced,
+        or dropped where None; None when nothing is left."""
+
+        def pick(key: tuple, pair: LoraPair) -> LoraPair | None:
+            return pairs.get(key, pair)
+
+        layers = tuple(
+            {tw: kept for tw, lin in layer.items()
+             if (kept := {n: q for n, p in lin.items() if (q := pick((i, tw, n), p)) is not None})}
+            for i, layer in enumerate(self.layers)
+        )  # fmt: skip
+        top = {n: q for n, p in self.top.items() if (q := pick(("top", n), p)) is not None}
+        return LoraWeights(key=self.key, layers=layers, top=top) if any(layers) or top else None
 
     def to(
         self, device: torch.device, dtype: torch.dtype | None = None, *, non_blocking: bool = False
@@ -165,4 +174,5 @@ class MergedLora:
     source: Hashable
     """What the loader named it by (runner/lora_cache.py: the adapter's path and scale)."""
     rest: LoraWeights | None
-    """Its deltas left unmerged, on the model's device: the und tower's (the Reasoner shares those weights)."""
+    """Its deltas left unmerged, on the model's device: the und tower's (the Reasoner shares those weights), and
+    the gen-pathway rows the rounding would have erased (their pairs with B's merged rows zeroed)."""
