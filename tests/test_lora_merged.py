@@ -320,8 +320,8 @@ def test_merge_pair_keeps_the_rows_rounding_would_change():
     a = torch.cat([torch.randn(1, 256, generator=g), torch.ones(1, 256)])  # [2, 256]
     b = torch.tensor([[0.3, 0.0], [1e-5, 0.0], [0.0, 0.51 * 2**-7], [0.0, 0.0]])  # [4, 2]
     before = weight.clone()
-    left, worst = merge_pair(weight, (a, b), max_erasure=0.01)
-    assert not torch.equal(weight[0], before[0]) and torch.equal(weight[1:], before[1:]) and worst <= 0.01
+    left, worst = merge_pair(weight, (a, b), max_erasure=0.05)
+    assert not torch.equal(weight[0], before[0]) and torch.equal(weight[1:], before[1:]) and worst <= 0.05
     assert left[0] is a and torch.equal(left[1], b * torch.tensor([[0.0], [1.0], [1.0], [0.0]]))
     exact = before.float() + b @ a  # (merged anyway, row 2's delta would come out 1.96x)
     assert torch.allclose((exact.bfloat16().float() - before.float())[2], torch.full((256,), 2**-7))

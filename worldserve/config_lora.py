@@ -23,7 +23,7 @@ class LoraConfig:
     enable_lora: bool = False
     """Let video and image requests name a LoRA adapter of their own in `lora` (a path on this server: a PEFT folder or a diffusers LoRA file), which replaces --lora-path's for that request (vLLM's flag; off: such a request is a 400 naming lora). Chat requests take no adapters."""
     lora_path: str | None = field(default=None, metadata={"metavar": "PATH"})
-    """A LoRA adapter (a PEFT folder, or a diffusers LoRA file or its folder) every video and image request runs with unless it names its own (vLLM-Omni's flag; checked against the model before it loads). Without --enable-lora it is merged into the video weights as they load (no cost a step; unmerged it slows a step ~5 percent), each output row unless rounding into the weights would change more than 1 percent of its delta."""
+    """A LoRA adapter (a PEFT folder, or a diffusers LoRA file or its folder) every video and image request runs with unless it names its own (vLLM-Omni's flag; checked against the model before it loads). Without --enable-lora it is merged into the video weights as they load (no cost a step; unmerged it slows a step ~5 percent), each output row unless rounding into the weights would change more than 5 percent of its delta."""
     lora_scale: float | None = None
     """The scale of --lora-path's adapter (vLLM-Omni's flag); default: 1.0, 0 runs the base model."""
     max_cpu_loras: int = 4
