@@ -73,11 +73,9 @@ def merge_pair(
     base = weight.float()
     exact = torch.addmm(base, b, a)  # [out, in] + [out, R] @ [R, in]
     merged = exact.to(weight.dtype)
-    delta = (exact - base).double()
+    delta = exact - base
     energy = delta.square().sum(1)  # [out]
-    erased = ((exact - merged.float()).double() * delta).sum(1) / energy.clamp_min(
-        1e-300
-    )  # [out]; 0 where no delta
+    erased = ((exact - merged.float()) * delta).sum(1) / energy.clamp_min(1e-30)  # [out]; 0 where no delta
     ok = erased.abs() <= max_erasure  # [out]
     weight.copy_(torch.where(ok[:, None], merged, weight))
     worst = float(erased[ok].abs().max()) if bool(ok.any()) else 0.0
