@@ -5,7 +5,8 @@ warm-up at its default, `--warmup-shapes auto`), waits for /health, then sends t
 multipart form (serving-api.md §1: JSON prompt, the default negative prompt file, size, num_frames, fps 24,
 guidance 6.0, max_sequence_length 4096, flow shift 10, seed) as a text-to-video request and again with an
 `input_reference` JPEG (image-to-video), `--steps` steps each; `--lora-rank N` adds the T2V request naming
-a random rank-N adapter (the server runs with --enable-lora). Every MP4 is decoded back (codecs, frames,
+a random rank-N adapter (the server runs with --enable-lora; with `--static-lora` the server runs it as
+--lora-path instead, merged into the weights at load, and every request runs it). Every MP4 is decoded back (codecs, frames,
 fps, audio rate and channels); the JSON records each request's wall time and the server's own stage times
 (/metrics: worldserve:stage_duration_seconds sums). `--realtime` also runs the T2V request as a
 /v1/realtime/video session (fragmented MP4 parts while the VAE decodes): the times to video.start, to the
@@ -17,6 +18,7 @@ times of the session).
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 4 --serve-arg=--cfg-parallel-size \
         --serve-arg=2 --out $OUT/serve_video.json  # 2 GPUs
     PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 2 --lora-rank 64 --out ...
+    PYTHONPATH=. python bench/serve_video.py --random-nano /tmp/nano-random --steps 2 --lora-rank 64 --static-lora ...
     PYTHONPATH=. python bench/serve_video.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/sv.json  # CPU
 """
 
@@ -50,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--realtime", action="store_true", help="also the T2V request over /v1/realtime/video")
     ap.add_argument("--requests", default="t2v,i2v", help="which sync requests to send, in order (t2v, i2v)")
+    ap.add_argument("--static-lora", action="store_true",
+                    help="serve the --lora-rank adapter as --lora-path instead (no --enable-lora: merged into the "
+                         "weights at load, every request runs it; no extra request)")  # fmt: skip
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="also a T2V request naming a random LoRA adapter of this rank on every module (the server "
                          "runs with --enable-lora; weights/lora_adapter.py write_random_adapter)")  # fmt: skip
@@ -149,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     # a fresh store: no job of an earlier, interrupted run re-queued beside the timed requests, and no 84 MB
     # MP4s left in the out folder
     store = tempfile.mkdtemp(prefix="serve_video-")
-    lora = ["--enable-lora"] if args.lora_rank else []
     adapter = write_adapter(model, args.lora_rank, store) if args.lora_rank else None
+    lora = [] if adapter is None else ["--lora-path", adapter] if args.static_lora else ["--enable-lora"]
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", *model, "--host", "127.0.0.1",
            "--port", str(args.port), "--init-timeout", "1800", "--omni", "--storage-dir", store,
            *lora, *args.serve_arg]  # fmt: skip
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             "i2v": {"input_reference": ("ref.jpg", _jpeg(), "image/jpeg")},
             "t2v-lora": None,
         }
-        names = args.requests.split(",") + (["t2v-lora"] if adapter else [])
+        names = args.requests.split(",") + (["t2v-lora"] if adapter and not args.static_lora else [])
         for name in names:
             files = references[name]
             data = (
