@@ -120,3 +120,55 @@ def test_an_adapter_changed_before_the_peer_reads_it_fails_that_request_alone(cf
     assert cfgp.peers.alive() and "changed" not in cfgp._cfg_remote
     [(lat, _, _)] = run_requests(cfgp, [dataclasses.replace(params, lora=None)])  # (the peers answer)
     assert torch.isfinite(lat).all()
+
+
+def test_rank_0_runs_the_adapter_its_peers_loaded(cfgp, ours_pipeline, tiny_ckpt, tmp_path, monkeypatch):
+    """Files replaced by another adapter's after the peers answered: rank 0 does not read them again (its prepare
+    takes the adapter it read first), so both branches run the adapter the peers loaded: one process's result
+    with the old files."""
+    import shutil
+
+    from pipeline_helpers import write_random_adapter
+
+    from worldserve.params import LoraRequest
+
+    folder = write_random_adapter(tmp_path / "fox", tiny_ckpt, seed=9)
+    other = write_random_adapter(tmp_path / "other", tiny_ckpt, seed=10)
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    params = VideoParams(prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=False,
+                         lora=LoraRequest("fox", folder, 1.0), **BASE)  # fmt: skip
+    [(expected, _, _)] = run_requests(ours_pipeline, [params])
+    answered = cfgp._peers_load_lora
+
+    def answered_then_replaced(*args):
+        answered(*args)
+        os.remove(weights)
+        shutil.copy(os.path.join(other, "adapter_model.safetensors"), weights)
+
+    monkeypatch.setattr(cfgp, "_peers_load_lora", answered_then_replaced)
+    [(lat, _, _)] = run_requests(cfgp, [params])
+    assert rel(lat, expected) <= 1e-5
+
+
+def test_a_failed_prepare_releases_the_peers_adapter(cfgp, ours_pipeline, tiny_ckpt, tmp_path, monkeypatch):
+    """Rank 0's own prepare fails after the peers loaded the request's adapter: they are told to release it, so
+    a later request of the same id runs without it."""
+    from pipeline_helpers import write_random_adapter
+
+    from worldserve.params import LoraRequest, ParamError
+
+    params = VideoParams(prompt="A red fox runs through snow.", guidance_scale=6.0, seed=3, generate_sound=False,
+                         lora=LoraRequest("fox", write_random_adapter(tmp_path / "fox", tiny_ckpt, seed=9), 1.0),
+                         **BASE)  # fmt: skip
+
+    def fails(*args, **kwargs):
+        raise ParamError("image", "an image that would not decode")
+
+    monkeypatch.setattr(cfgp.local, "prepare", fails)
+    with pytest.raises(ParamError, match="would not decode"):
+        cfgp.prepare("r0", params)
+    monkeypatch.undo()
+    plain = dataclasses.replace(params, lora=None)
+    [(lat, _, _)] = run_requests(cfgp, [plain])  # (the same id, r0)
+    [(expected, _, _)] = run_requests(ours_pipeline, [plain])
+    assert rel(lat, expected) <= 1e-5

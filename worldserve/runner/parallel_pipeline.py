@@ -194,38 +194,45 @@ class ParallelPipeline:
         cfg = needs_uncond(params.guidance_scale)
         cond, uncond = self.local.encoder.encode_params(params, with_uncond=cfg)
         remote = cfg and self.layout.cfg == 2
-        # the adapter loaded here first (a bad one fails before a peer hears of it), held: the prepare below
-        # shares its device copy; each peer then loads its own slices of the same files and answers (or, merged
-        # into every rank's weights, takes its unmerged und deltas from the prefill message: None when none)
+        # the adapter loaded here first (a bad one fails before a peer hears of it) and handed to the prepare
+        # below (no second read of its files); each peer then loads its own slices and answers (merged into a
+        # rank's weights, it takes what stays unmerged there: the und deltas, any row left out, or none)
         held = self.local.loras.get(params.lora)
         merged = self.local.transformer.merged_lora is not None
         lora = params.lora if held is not None or merged else None
         msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond), lora)
         to = self._cond_peers + (self._uncond_peers if remote else [])
-        if held is not None and not merged and to:
-            self._peers_load_lora(request_id, lora, held.key[0], to)
+        asked = lora is not None and bool(to)
+        if asked:  # (identity None: merged here, the peers take their own merge's rest)
+            self._peers_load_lora(request_id, lora, None if merged else held.key[0], to)
         if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
             with self._exchange():
                 self.peers.send(msg, to)
                 try:
-                    state = self.local.prepare(request_id, params, prompt_ids=(cond, uncond))
+                    state = self.local.prepare(request_id, params, prompt_ids=(cond, uncond), adapter=held)
                 except ParamError:  # a bad input (after the collective prefill): the request alone fails
                     self.peers.send(("release", request_id), to)
                     raise
-        else:  # rank 0 first: a bad input fails before any peer hears of it
-            state = self.local.prepare(
-                request_id, params, prefill_uncond=not remote, prompt_ids=(cond, uncond)
-            )
+        else:  # rank 0 first: a bad input fails before any peer hears of its prefill
+            try:
+                state = self.local.prepare(
+                    request_id, params, prefill_uncond=not remote, prompt_ids=(cond, uncond), adapter=held
+                )
+            except BaseException:
+                if asked:  # (the peers hold the adapter for it)
+                    with self._exchange():
+                        self.peers.send(("release", request_id), to)
+                raise
             with self._exchange():
                 self.peers.send(msg, to)
         if remote:
             self._cfg_remote.add(request_id)
         return state
 
-    def _peers_load_lora(self, request_id: str, lora, identity: tuple, to: list[int]) -> None:
+    def _peers_load_lora(self, request_id: str, lora, identity: tuple | None, to: list[int]) -> None:
         """The peers `to` load the request's adapter before its prefill, each answering: one that could not (its
-        files gone or changed since rank 0 read them) fails this request alone, a 400 naming `lora`, with the
-        peers still in step; rank 0 and the peers then run the very files rank 0 read."""
+        files gone, or changed since rank 0 read them: `identity`) fails this request alone, a 400 naming
+        `lora`, with the peers still in step; rank 0 and the peers then run the files rank 0 read."""
         with self._exchange():
             self.peers.send(("lora", request_id, lora, identity), to)
             refused = [answer for r in to if (answer := self.peers.recv_object(r)) is not None]

@@ -72,11 +72,12 @@ class BranchRank:
         leader_alive,
     ) -> None:  # fmt: skip
         """Load the request's adapter (this rank's slices) and answer rank 0: None, or why not. Rank 0 read the
-        files first; they may have gone or changed since (`identity`: what rank 0 read), and this rank must run
-        the adapter rank 0 runs."""
+        files first; they may have gone or changed since (`identity`: what rank 0 read; None when rank 0 merged
+        it), and this rank must run the adapter rank 0 runs. Merged here, it takes its merge's rest."""
         try:
             weights = self.loras.get(lora)
-            if weights is None or weights.key[0] != identity:
+            unmerged = self.transformer.merged_lora is None
+            if unmerged and identity is not None and (weights is None or weights.key[0] != identity):
                 raise ValueError("its files changed while the request was being prepared; send it again")
             self.lora_of[request_id] = weights
             answer = None

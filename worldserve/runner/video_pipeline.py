@@ -139,6 +139,10 @@ def load_configured_transformer(
     return transformer
 
 
+READ_ADAPTER = object()
+"""VideoPipeline.prepare's `adapter` default: read the request's adapter there."""
+
+
 class VideoPipeline:
     """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
 
@@ -230,17 +234,22 @@ class VideoPipeline:
 
     @torch.inference_mode()
     def prepare(
-        self, request_id: str, params: VideoParams, *, prefill_uncond: bool = True, prompt_ids=None
-    ) -> VideoRequestState:
+        self, request_id: str, params: VideoParams, *, prefill_uncond: bool = True, prompt_ids=None,
+        adapter=READ_ADAPTER,
+    ) -> VideoRequestState:  # fmt: skip
         """`prefill_uncond=False`: the uncond branch lives elsewhere (CFG-parallel peer); cond cache only.
-        `prompt_ids`: (cond ids, uncond ids or None) when the caller has already tokenized the prompts."""
+        `prompt_ids`: (cond ids, uncond ids or None) when the caller has already tokenized the prompts.
+        `adapter`: the request's LoraWeights (or None) when the caller has already read them (ParallelPipeline:
+        what its peers load too); by default read here."""
         t0 = time.perf_counter()
         cfg = needs_uncond(params.guidance_scale)
         cond_ids, uncond_ids = prompt_ids or self.encoder.encode_params(params, with_uncond=cfg)
         prompts = [torch.tensor(cond_ids, dtype=torch.long)]
         if uncond_ids is not None and prefill_uncond:
             prompts.append(torch.tensor(uncond_ids, dtype=torch.long))
-        lora = self.loras.get(params.lora)  # (its und deltas shape the prompt's K/V too)
+        lora = (
+            self.loras.get(params.lora) if adapter is READ_ADAPTER else adapter
+        )  # (und deltas shape the K/V)
         caches = self.transformer.prefill_und(prompts, lora=lora)
         t1 = time.perf_counter()
         latents, sound = self._initial_noise(params)
