@@ -172,6 +172,9 @@ def test_a_token_outside_the_mask_leaves_only_the_end(compiler):
         (StructuredOutput(kind="structural_tag", field="response_format",
                           spec='{"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<b"]}'),
          "triggers"),
+        (StructuredOutput(kind="structural_tag", field="response_format",
+                          spec='{"structures": [{"begin": "<a>", "schema": false, "end": "</a>"}], "triggers": ["<a"]}'),
+         "structures[0].schema false"),
     ],
 )  # fmt: skip
 def test_invalid_constraints_name_their_field(so, needle):
@@ -194,6 +197,9 @@ def test_closed_objects_and_valid_structural_tags():
     }
     check(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
     assert "%llguidance" in grammar_text(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
+    # a schema of true is any JSON document, as in a json_schema constraint (llguidance itself takes no bool)
+    tag["structures"][0]["schema"] = True
+    check(StructuredOutput(kind="structural_tag", spec=json.dumps(tag)))
 
 
 @pytest.mark.parametrize("trigger", ["<tool_call>", "<a>"])

@@ -9,13 +9,14 @@ time (chat_worker.py, chat_observer.py).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Protocol, runtime_checkable
 
-from worldserve.engine.chat_worker import ChatStarted
+from worldserve.engine.chat_worker import ChatEvent, ChatStarted
 from worldserve.engine.outputs import ChatDelta
 
 
+@runtime_checkable
 class ChatMeter(Protocol):
     def on_chat_started(self, prompt_tokens: int) -> None: ...
 
@@ -24,12 +25,20 @@ class ChatMeter(Protocol):
     ) -> None: ...
 
 
-def metered(events: AsyncIterator, meter: ChatMeter) -> AsyncIterator:
+class ChatEventSource(Protocol):
+    """A chat's events, closed by its reader (chat_worker.ChatEvents, or `metered`'s pass-through)."""
+
+    def __aiter__(self) -> AsyncIterator[ChatEvent]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEvent, None]:
     """Pass a chat's events through, counting its prompt tokens and how it ended (tokens, finish reason)."""
     return _metered(events, meter)
 
 
-async def _metered(events: AsyncIterator, meter: ChatMeter) -> AsyncIterator:
+async def _metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEvent, None]:
     prompt, completion, finish = None, 0, None
     try:
         async for event in events:

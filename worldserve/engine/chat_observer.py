@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,7 @@ class ChatTimes:
     """Admitted to its last token (prefill + decode: vLLM's RUNNING phase)."""
 
 
+@runtime_checkable
 class ChatObserver(Protocol):
     def on_chat_iteration(self, tokens: int) -> None: ...
 

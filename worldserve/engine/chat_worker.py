@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,7 +44,7 @@ from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.chat_handle import ChatHandle
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
-from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta
+from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta, ChatSession
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,9 @@ ABORT_JOIN_S = 10.0
 """How long stop() waits, after failing the running chats, for the worker's current step to end."""
 
 
-def _receive_all(pairs: list[tuple[ChatHandle, ChatEvent]]) -> None:
-    for handle, event in pairs:
-        handle.receive(event)
+def _receive_all(pairs: Sequence[tuple[Callable[[ChatEvent], None], ChatEvent]]) -> None:
+    for receive, event in pairs:
+        receive(event)
 
 
 class ChatWorker:
@@ -170,7 +170,7 @@ class ChatWorker:
             self._waiting.difference_update(handles)
 
     def _run(self) -> None:
-        active: list[tuple[ChatHandle, object]] = []
+        active: list[tuple[ChatHandle, ChatSession]] = []
         deferred: list[ChatHandle] = []  # the backend had no room for them at the last try, in order
         try:
             self._loop(active, deferred)
@@ -210,7 +210,7 @@ class ChatWorker:
         except Exception:
             log.exception("could not deliver a chat event")
 
-    def _loop(self, active: list[tuple[ChatHandle, object]], deferred: list[ChatHandle]) -> None:
+    def _loop(self, active: list[tuple[ChatHandle, ChatSession]], deferred: list[ChatHandle]) -> None:
         """The worker's loop until stopped and drained; `active` (the running chats) and `deferred` are kept
         up to date in place, for _run to close and tell if the loop fails."""
         stopping = False
@@ -310,7 +310,9 @@ class ChatWorker:
         except Exception:
             log.exception("closing a chat session failed")
 
-    def _step(self, active: list[tuple[ChatHandle, object]]) -> tuple[list[tuple[ChatHandle, object]], int]:
+    def _step(
+        self, active: list[tuple[ChatHandle, ChatSession]]
+    ) -> tuple[list[tuple[ChatHandle, ChatSession]], int]:
         """One batched step of every active chat: (the ones still generating, its tokens: _timed)."""
         try:
             with self._model():
@@ -336,14 +338,14 @@ class ChatWorker:
             if not quiet and (out := handle.outgoing(delta)) is not None
         ]
         hop = self.call_in_consumer
-        if hop is not None and (batched := [(h, d) for h, d in pairs if h.receive is not None]):
+        if hop is not None and (batched := [(h.receive, d) for h, d in pairs if h.receive is not None]):
             hop(partial(_receive_all, batched))
         for handle, delta in pairs:
             if hop is None or handle.receive is None:
                 handle.emit(delta)
         return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None], sampled
 
-    def _timed(self, active: list[tuple[ChatHandle, object]], deltas: list[ChatDelta]) -> int:
+    def _timed(self, active: list[tuple[ChatHandle, ChatSession]], deltas: list[ChatDelta]) -> int:
         """Report one step's inter-token gaps and the ends of the chats it finished; its tokens: those it sampled
         and the prompts of the chats whose first token it sampled (vLLM counts a prompt in the step of its
         first token: with chunked prefill, after its last chunk; the n choices of one prompt share one prefill:

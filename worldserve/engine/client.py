@@ -24,6 +24,7 @@ the same queue bound.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import logging
 import math
@@ -35,7 +36,7 @@ from functools import partial
 from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.chat_metering import ChatMeter, metered
-from worldserve.engine.chat_observer import ChatTimes
+from worldserve.engine.chat_observer import ChatObserver, ChatTimes
 from worldserve.engine.chat_worker import (
     ChatEvent,
     ChatEvents,
@@ -118,6 +119,13 @@ class EngineClient:
         # images and realtime streams: through the engine without a job, admitted as jobs are
         self.jobless = JoblessRequests(engine, self._check_admission, self.upsampled_prompt)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the client started on (its waiters and tasks live there)."""
+        if self._loop is None:
+            raise RuntimeError("EngineClient.start() has not run")
+        return self._loop
+
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._started:
@@ -134,7 +142,7 @@ class EngineClient:
             self.chat_worker.call_in_consumer = self._call_in_loop
             self.chat_worker.start()
         if self.job_ttl_s:
-            self._sweeper = asyncio.create_task(self._sweep_forever())
+            self._sweeper = asyncio.create_task(self._sweep_forever(self.job_ttl_s))
         self.accepting = True
 
     def begin_shutdown(self, timeout_s: float) -> None:
@@ -178,13 +186,14 @@ class EngineClient:
             if (job := self.store.get(i)) is not None and job.status is JobStatus.QUEUED
         ]
         self._waiters.fail(err, queued)
-        self._loop.call_later(timeout_s, self._waiters.fail, err)
+        self.loop.call_later(timeout_s, self._waiters.fail, err)
 
     async def shutdown(self, timeout_s: float) -> None:
         if not self._started:
             return
         self.begin_shutdown(timeout_s)
-        await asyncio.to_thread(self._stop_thread.join)
+        if self._stop_thread is not None:  # (begin_shutdown made it: the client had started)
+            await asyncio.to_thread(self._stop_thread.join)
         if self.chat_worker is not None:
             await asyncio.to_thread(self.chat_worker.stop, timeout_s)
         if self._sweeper is not None:
@@ -223,8 +232,8 @@ class EngineClient:
             resumed += 1
         return resumed
 
-    async def _sweep_forever(self) -> None:
-        period = self.sweep_interval_s or min(SWEEP_PERIOD_MAX_S, max(0.05, self.job_ttl_s / 2))
+    async def _sweep_forever(self, ttl_s: float) -> None:
+        period = self.sweep_interval_s or min(SWEEP_PERIOD_MAX_S, max(0.05, ttl_s / 2))
         while True:
             await asyncio.sleep(period)
             try:  # off the loop, in batches (100k expired jobs took the loop for 39 s); finished jobs: no abort
@@ -249,9 +258,9 @@ class EngineClient:
     def observe(self, observer: EngineObserver) -> None:
         """Route the engine's and the chat worker's timings (ChatObserver) to `observer` (the metrics)."""
         self.engine.observer = observer
-        if self.chat_worker is not None:
+        if self.chat_worker is not None and isinstance(observer, ChatObserver):
             self.chat_worker.observer = observer
-        if all(hasattr(observer, f"on_chat_{x}") for x in ("started", "ended")):
+        if isinstance(observer, ChatMeter):
             self._meter = observer  # the upsampling chats are counted as the API's are
 
     @property
@@ -315,7 +324,7 @@ class EngineClient:
         first (a task on the loop: the job stays queued meanwhile, counted as waiting)."""
         arrival = time.monotonic()
         if params.upsample_prompt:
-            task = self._loop.create_task(self._upsample_then_queue(job_id, params, encode, arrival))
+            task = self.loop.create_task(self._upsample_then_queue(job_id, params, encode, arrival))
             self._upsampling[job_id] = task
             task.add_done_callback(lambda _: self._upsampling.pop(job_id, None))
             return
@@ -391,19 +400,22 @@ class EngineClient:
             self.engine.abort(job_id)
         # a sync request waiting on it answers now (404), also while its MP4 is encoded
         self._waiters.wake(job_id)
-        return job
 
     def video_path(self, job_id: str):
         return self.store.video_path(job_id)
 
     def _call_in_loop(self, fn) -> None:
         """Run fn on the server's event loop (from any thread); nothing once the loop has closed."""
+        if self._loop is None:  # (not started: nobody is listening yet)
+            return
         try:
             self._loop.call_soon_threadsafe(fn)
         except RuntimeError:  # the loop closed: nobody is listening any more
             pass
 
-    def chat_many(self, choices: Sequence[ChatParams], *, coalesce: bool = False) -> list[ChatEvents]:
+    def chat_many(
+        self, choices: Sequence[ChatParams], *, coalesce: bool = False
+    ) -> builtins.list[ChatEvents]:  # (`list` is the job listing's name in this class)
         """Start the chats of one request (its `n` choices), queued as one entry so the worker admits and
         prefills them together: one `ChatEvents` each. Call on the event loop's thread.
         `coalesce`: the first delta, then the rest merged into one at the end (ChatHandle.coalesce)."""
@@ -412,7 +424,7 @@ class EngineClient:
             raise ChatUnavailableError(NO_REASONER)
         if not self.accepting:
             raise ShuttingDownError("The server is shutting down and accepts no new requests.")
-        queues = [asyncio.Queue() for _ in choices]
+        queues: builtins.list[asyncio.Queue[ChatEvent]] = [asyncio.Queue() for _ in choices]
 
         def emitter(events: asyncio.Queue):  # from the worker thread onto the loop, nothing once it closed
             return lambda event: self._call_in_loop(partial(events.put_nowait, event))

@@ -61,15 +61,15 @@ class Endings:
             stages = {**request.stage_seconds, **result.stage_seconds, "encode": now - t0}
             saved = self.store.complete(
                 request.job_id, video, completed_at=time.time(), ttl_s=self._ttl_s,
-                inference_time_s=now - request.admitted_time, stage_durations=_rounded(stages),
+                inference_time_s=now - request.admitted_at, stage_durations=_rounded(stages),
                 peak_memory_mb=float(result.peak_memory_mb),
             )  # fmt: skip
             if saved:
-                service = now - request.admitted_time
+                service = now - request.admitted_at
                 ewma = self.service_ewma_s
                 self.service_ewma_s = service if ewma is None else 0.8 * ewma + 0.2 * service
                 _observer(self, request).on_finished(
-                    now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
+                    now - request.arrival_time, request.admitted_at - request.arrival_time, stages,
                     float(result.peak_memory_mb),
                 )  # fmt: skip
             elif self.store.get(request.job_id) is None:  # deleted while its MP4 was made: the engine had
@@ -95,12 +95,12 @@ class Endings:
         result.stage_seconds = stages
         try:
             _observer(self, request).on_finished(
-                now - request.arrival_time, request.admitted_time - request.arrival_time, stages,
+                now - request.arrival_time, request.admitted_at - request.arrival_time, stages,
                 float(result.peak_memory_mb),
             )  # fmt: skip
         except Exception:  # the metrics' fault: the caller still gets its result
             log.exception("observer.on_finished failed for %s", request.job_id)
-        request.on_result(result)
+        request.deliver(result)
 
     def hand_streamed(self, request: Request, result: VideoResult, frames: FrameStream) -> None:
         """An ephemeral request's frames, as the decode makes them, to its caller's `on_frames` (in the
@@ -108,8 +108,10 @@ class Endings:
         the last chunk was made is too late: the caller gets the result); a decode that failed is ended by
         the engine thread."""
         result.frames = frames
+        on_frames = request.on_frames
+        assert on_frames is not None, "hand_streamed takes a streaming request"
         try:
-            request.on_frames(result)
+            on_frames(result)
         except FramesLost as exc:
             if isinstance(exc.__cause__, FramesCancelled):
                 self.cancelled(request)
@@ -128,7 +130,7 @@ class Endings:
         else:
             _observer(self, request).on_cancelled()
         if request.ephemeral:
-            request.on_result(CancelledRequest(request.job_id, request.stop_reason))
+            request.deliver(CancelledRequest(request.job_id, request.stop_reason))
         self.on_done(request.job_id)
 
     def fail(self, request: Request, exc: BaseException) -> None:
@@ -139,7 +141,7 @@ class Endings:
             log.info("job %s rejected: %s", request.job_id, message)
         if request.ephemeral:
             _observer(self, request).on_failed(code)
-            request.on_result(exc)
+            request.deliver(exc)
         elif self.store.fail(
             request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s, param=param
         ):

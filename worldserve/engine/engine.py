@@ -62,7 +62,7 @@ class Engine:
         """Called on the engine thread once its loop has crashed (the jobs it held are queued again)."""
         self._sched = Scheduler(config.max_batch_size)
         self._cv = threading.Condition()
-        self._inbox: list[tuple[str, object]] = []
+        self._inbox: list[Request | str] = []  # what other threads asked: a Request to add, a job id to abort
         self._waiting_ids: set[str] = set()  # queued, not yet admitted nor aborted (inbox + scheduler); _cv
         # the decodes in progress: their stop events (set by abort() and stop()) and requests; _cv
         self._decode_stops: dict[str, tuple[threading.Event, Request]] = {}
@@ -87,9 +87,9 @@ class Engine:
     def add_request(self, request: Request) -> None:
         with self._cv:
             if self._stopped and request.ephemeral:  # the loop is gone: nothing would ever run it
-                request.on_result(CancelledRequest(request.job_id, self._stop_reason))
+                request.deliver(CancelledRequest(request.job_id, self._stop_reason))
                 return
-            self._inbox.append(("add", request))
+            self._inbox.append(request)
             self._waiting_ids.add(request.job_id)
             self._cv.notify()
 
@@ -99,7 +99,7 @@ class Engine:
         be busy for a while)."""
         with self._cv:
             self._waiting_ids.discard(job_id)
-            self._inbox.append(("abort", job_id))
+            self._inbox.append(job_id)
             if (decoding := self._decode_stops.get(job_id)) is not None:
                 decoding[0].set()
             self._cv.notify()
@@ -183,11 +183,11 @@ class Engine:
                         self._cv.wait()
                     inbox, self._inbox = self._inbox, []
                     self._sched.admitting = not self._draining
-                for kind, payload in inbox:
-                    if kind == "add":
-                        self._sched.add(payload)
+                for item in inbox:
+                    if isinstance(item, Request):
+                        self._sched.add(item)
                     else:
-                        self._abort(payload)
+                        self._abort(item)
                 if self._draining:  # never admitted now, and nothing to resume them from
                     self._cancel_waiting_ephemeral([], SHUTDOWN_REASON)
                 if self._should_exit():
@@ -250,7 +250,7 @@ class Engine:
         t0 = time.monotonic()
         try:
             with self.model_lock:
-                self.backend.denoise([r.state for r in batch])
+                self.backend.denoise([r.prepared for r in batch])
         except BackendLost:  # not the batch's fault: the loop crashes and its jobs are queued again
             raise
         except Exception as exc:  # the batch's states are undefined now: fail every member
@@ -281,7 +281,7 @@ class Engine:
         stop = threading.Event()
         with self._cv:
             self._decode_stops[request.job_id] = (stop, request)
-            if any(kind == "abort" and payload == request.job_id for kind, payload in self._inbox):
+            if request.job_id in self._inbox:  # (an abort of it waits there)
                 stop.set()
             elif self._hard_stop:  # (its last step ended after the stop: it is parked, not decoded)
                 request.stop_reason = SHUTDOWN_REASON
@@ -291,12 +291,13 @@ class Engine:
             if not stop.is_set():
                 with self.model_lock:
                     stream = not request.ephemeral or request.on_frames is not None
-                    result = self.backend.decode(request.state, stream=stream)
-                    if stream and not isinstance(result.frames, FrameStream):  # (a backend that cannot)
-                        result.frames = FrameStream.of(np.asarray(result.frames))
+                    result = self.backend.decode(request.prepared, stream=stream)
                     if stream:  # the decode runs here, chunk after chunk
+                        frames = result.frames
+                        if not isinstance(frames, FrameStream):  # (a backend that cannot stream)
+                            result.frames = frames = FrameStream.of(np.asarray(frames))
                         reader = self._ends.hand_streamed if request.ephemeral else self._ends.encode_streamed
-                        read_beside(result.frames, partial(reader, request, result), self._pool,
+                        read_beside(frames, partial(reader, request, result), self._pool,
                                     before_end=decoded, stop=stop)  # fmt: skip
                         streamed = True
         except Exception as exc:  # (a streamed encode stops with FramesLost: the job fails here, once)
@@ -304,9 +305,7 @@ class Engine:
         finally:
             with self._cv:  # (abort() and stop() set the event under _cv: after this, the outcome is settled)
                 stopped = self._decode_stops.pop(request.job_id)[0].is_set()
-                user_abort = any(
-                    kind == "abort" and payload == request.job_id for kind, payload in self._inbox
-                )
+                user_abort = request.job_id in self._inbox
             # the shutdown's deadline stopped it (not its caller), before its last chunk (else it just ends)
             deadline = stopped and request.stop_reason is not None and not user_abort
             parked = deadline and "decode" not in request.stage_seconds
@@ -358,7 +357,7 @@ class Engine:
         with self._cv:
             self._waiting_ids.difference_update(r.job_id for r in late)
         for request in late:
-            request.on_result(CancelledRequest(request.job_id, reason))
+            request.deliver(CancelledRequest(request.job_id, reason))
 
     def _park_running(self, reason: str) -> None:
         """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
@@ -369,11 +368,11 @@ class Engine:
             self._sched.finish(request)
             self._release(request)
             if request.ephemeral:  # nothing to resume it from: its caller gets the stop
-                request.on_result(CancelledRequest(request.job_id, reason))
+                request.deliver(CancelledRequest(request.job_id, reason))
         with self._cv:  # also what arrived after the loop's last look at its inbox
             self._stopped = True
-            late = [r for kind, r in self._inbox if kind == "add" and r.ephemeral]
-            self._inbox = [(kind, r) for kind, r in self._inbox if not (kind == "add" and r.ephemeral)]
+            late = [r for r in self._inbox if isinstance(r, Request) and r.ephemeral]
+            self._inbox = [r for r in self._inbox if not (isinstance(r, Request) and r.ephemeral)]
         self._cancel_waiting_ephemeral(late, reason)
         parked = [r for r in parked if not r.ephemeral]
         if parked:

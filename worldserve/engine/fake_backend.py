@@ -116,9 +116,8 @@ class FakeBackend:
             freq = 220.0 + float(rng.integers(0, 440))
             tone = 0.2 * np.sin(2 * np.pi * freq * t, dtype=np.float32)
             audio = np.stack([tone, tone * 0.5]).astype(np.float32)
-        if stream:
-            frames = FrameStream(p.num_frames, p.height, p.width, self._chunks(frames, p))
-        return VideoResult(frames=frames, fps=p.fps, audio=audio, sample_rate=SAMPLE_RATE)
+        out = FrameStream(p.num_frames, p.height, p.width, self._chunks(frames, p)) if stream else frames
+        return VideoResult(frames=out, fps=p.fps, audio=audio, sample_rate=SAMPLE_RATE)
 
     def release(self, state: FakeState) -> None:
         with self._lock:

@@ -353,8 +353,9 @@ class JobStore:
             rows = self._db.execute("SELECT id, status FROM jobs").fetchall()
         remove_strays(self.videos_dir, keep={r["id"] for r in rows if r["status"] == "completed"})
         remove_strays(self.inputs_dir, keep={r["id"] for r in rows if r["status"] in _UNFINISHED})
-        for _ in range(given_up if on_failed is not None else 0):
-            on_failed(500)
+        if on_failed is not None:
+            for _ in range(given_up):
+                on_failed(500)
         return [r["id"] for r in unfinished]
 
     def requeue(self, job_ids: Sequence[str]) -> None:

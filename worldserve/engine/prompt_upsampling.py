@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput
-from worldserve.engine.chat_metering import ChatMeter, metered
+from worldserve.engine.chat_metering import ChatEventSource, ChatMeter, metered
 from worldserve.engine.chat_worker import ChatEvents, ChatFailed
 from worldserve.engine.outputs import ChatDelta
 from worldserve.params import ParamError, VideoParams
@@ -219,9 +219,8 @@ async def upsample(
     """Run the upsampling chat (`upsampling_chat`) through `chat_many` (EngineClient.chat_many; counted into
     `meter`, the chat metrics) and return the new prompt; UpsamplingFailed otherwise (ShuttingDownError from
     chat_many passes through)."""
-    (events,) = chat_many([chat], coalesce=True)
-    if meter is not None:
-        events = metered(events, meter)
+    (chat_events,) = chat_many([chat], coalesce=True)
+    events: ChatEventSource = chat_events if meter is None else metered(chat_events, meter)
     pieces: list[str] = []
     try:
         async for event in events:

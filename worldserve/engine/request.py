@@ -64,6 +64,26 @@ class Request:
     def ephemeral(self) -> bool:
         return self.on_result is not None
 
+    def deliver(self, outcome: VideoResult | BaseException) -> None:
+        """An ephemeral request's end (its result, or the exception that ended it) to its caller."""
+        if self.on_result is None:
+            raise RuntimeError(f"request {self.job_id} is not ephemeral: its end goes to the job store")
+        self.on_result(outcome)
+
+    @property
+    def admitted_at(self) -> float:
+        """`admitted_time` of a request the scheduler admitted (an ending's timings start there)."""
+        if self.admitted_time is None:
+            raise RuntimeError(f"request {self.job_id} was never admitted")
+        return self.admitted_time
+
+    @property
+    def prepared(self) -> DenoiseState:
+        """The backend state of a request that is running (prepared, not yet released)."""
+        if self.state is None:
+            raise RuntimeError(f"request {self.job_id} has no backend state (not prepared, or released)")
+        return self.state
+
     @property
     def num_steps(self) -> int:
         return self.state.num_steps if self.state is not None else self.params.num_inference_steps

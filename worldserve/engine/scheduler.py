@@ -53,8 +53,8 @@ class Scheduler:
         """The running requests to advance by one step together: the oldest request's batch_key group."""
         if not self.running:
             return []
-        key = self.running[0].state.batch_key
-        return [r for r in self.running if r.state.batch_key == key][: self.max_batch_size]
+        key = self.running[0].prepared.batch_key
+        return [r for r in self.running if r.prepared.batch_key == key][: self.max_batch_size]
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)

@@ -70,11 +70,14 @@ class ChatDefaults:
         (--override-generation-config) laid over them. ValueError naming the file or flag and the key of a
         value the sampler cannot take."""
         path = Path(mode) / FILE if mode not in MODES else model_dir / FILE if model_dir is not None else None
-        if mode not in MODES and not path.is_file():
+        found = path is not None and path.is_file()
+        if mode not in MODES and not found:
             raise ValueError(f"--generation-config {mode}: "
                              + (f"no {FILE} in that folder" if Path(mode).is_dir() else "no such folder"))  # fmt: skip
-        found = path is not None and path.is_file()
-        data, where = _read(path) if found else {}, str(path)  # (under vllm: read for its eos ids only)
+        data, where = (
+            _read(path) if path is not None and found else {},
+            str(path),
+        )  # (vllm: read for its eos ids)
         sources = [where] if found and mode != "vllm" else []
         values = {} if mode == "vllm" else {k: data[k] for k in KEYS if data.get(k) is not None}
         eos = _eos_ids(data.get("eos_token_id"), where)

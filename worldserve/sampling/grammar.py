@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
@@ -70,7 +73,7 @@ def grammar_text(so: StructuredOutput) -> str:
     """The llguidance grammar of `so`; ParamError(so.field) when its spec is not even well-formed."""
     if len(so.spec.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise ParamError(so.field, f"the {so.kind} constraint is longer than {MAX_SPEC_BYTES} bytes")
-    options: dict[str, Any] = {"whitespace_flexible": so.any_whitespace}
+    options: JsonCompileOptions = {"whitespace_flexible": so.any_whitespace}
     if so.whitespace_pattern is not None:
         options["whitespace_pattern"] = so.whitespace_pattern
     try:
@@ -161,6 +164,9 @@ def structural_tag_grammar(tag: Any, field: str) -> str:
         schema = s.get("schema", {})
         if not isinstance(schema, dict | bool):
             raise ParamError(field, f"structures[{i}].schema must be a JSON schema object")
+        if schema is False:
+            raise ParamError(field, f"structures[{i}].schema false matches no document")
+        schema = {} if schema is True else schema  # true: any JSON document, as {} (llguidance takes no bool)
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     # a trigger such as "<tool_call>" or "<a>" is text: llguidance would take one of the form <...> for a special
     # token's name, which Qwen's <tool_call> is not here (only the truly special ids are), and refuse the grammar

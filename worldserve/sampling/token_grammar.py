@@ -96,7 +96,7 @@ def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) ->
         tokens, special = token_bytes(hf_tokenizer, vocab_size)
     except ValueError:  # not byte-level BPE: llguidance reads the tokenizer's JSON itself
         return llguidance.LLTokenizer(
-            hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=end_ids
+            hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(end_ids)
         )
 
     # a special token's text (a grammar writing "<|im_end|>") tokenized as plain text, bytes the grammar can
@@ -175,7 +175,7 @@ class TokenGrammar:
     ) -> None:  # fmt: skip
         self._matcher, self._vocab, self.end_ids = matcher, vocab_size, frozenset(end_ids)
         self.ended = False
-        self._think = think
+        self._think = think if think is not None else (-1, -1)  # (no token is -1: the phase starts at answer)
         self._phase = "open" if think is not None else "answer"  # "open" -> "thinking" -> "answer"
         self._words: np.ndarray | None = None  # [W] int32 host bits of the next token's mask, once computed
 
@@ -231,13 +231,13 @@ def constrain_rows(logits: Tensor, grammars: Sequence[TokenGrammar | None]) -> T
     tensor: the rows' host bits gathered in one numpy array (no torch CPU ops: their thread pool costs more
     than the work), one host-to-device copy and one pass for the batch (a copy and a pass per chat cost
     ~0.1 ms of launches each: 4 ms a step at 32 chats)."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and not g.idle]
+    rows = [(i, g) for i, g in enumerate(grammars) if g is not None and not g.idle]
     if not rows:
         return logits
-    width = max(len(grammars[rows[0]].words), (logits.shape[1] + 31) // 32)  # llguidance may add a word
+    width = max(len(rows[0][1].words), (logits.shape[1] + 31) // 32)  # llguidance may add a word
     words = np.full((logits.shape[0], width), -1, dtype=np.int32)  # [B, W]: every token allowed
-    for i in rows:
-        words[i] = grammars[i].words
+    for i, grammar in rows:
+        words[i] = grammar.words
     return logits.masked_fill(~_unpack(words, logits.shape[1], logits.device), float("-inf"))
 
 

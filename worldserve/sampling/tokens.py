@@ -284,7 +284,7 @@ def _sorted_candidates(x: Tensor, k: Tensor, k_max: int) -> tuple[Tensor, Tensor
 
 def _stacked(rows: Sequence[Tensor]) -> Tensor:
     """[R, V] from R tensors [V]: a view for one (no copy), else one stack."""
-    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
+    return rows[0][None] if len(rows) == 1 else torch.stack(list(rows))
 
 
 def _restrict(samplers: Sequence[TokenSampler], scores: Tensor) -> tuple[list[int], Tensor | None]:
