@@ -16,7 +16,9 @@ import typing
 
 def attribute_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal written right below it in the class body (vLLM's get_attr_docs)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    class_def = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(class_def, ast.ClassDef), cls
+    body = class_def.body
     docs = {}
     for node, after in zip(body, body[1:], strict=False):
         if (

@@ -128,9 +128,11 @@ def aspect_size(src_width: int, src_height: int) -> tuple[int, int]:
     area = RESOLUTION_TIERS[-1][1]
     width, height = math.sqrt(area * ratio), math.sqrt(area / ratio)
     shrink = min(1.0, MAX_SIDE / width, MAX_SIDE / height)
-    return tuple(
-        max(SIZE_MULTIPLE, int(v * shrink) // SIZE_MULTIPLE * SIZE_MULTIPLE) for v in (width, height)
-    )
+    return _floor_to_multiple(width * shrink), _floor_to_multiple(height * shrink)
+
+
+def _floor_to_multiple(side: float) -> int:
+    return max(SIZE_MULTIPLE, int(side) // SIZE_MULTIPLE * SIZE_MULTIPLE)
 
 
 def default_flow_shift(width: int, height: int) -> float:

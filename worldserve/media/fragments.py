@@ -97,20 +97,20 @@ class _VideoSamples:
         self._skip = 0  # bytes of a skipped box still to come
 
     def count(self, data: bytes) -> int:
-        total, data = 0, memoryview(self._head + data) if self._head else memoryview(data)
+        total, view = 0, memoryview(self._head + data) if self._head else memoryview(data)
         self._head = b""
-        while data:
+        while view:
             if self._skip:
-                n = min(self._skip, len(data))
-                self._skip, data = self._skip - n, data[n:]
+                n = min(self._skip, len(view))
+                self._skip, view = self._skip - n, view[n:]
                 continue
-            size, kind, header = _box_header(data)
-            if size is None or (kind == b"moof" and len(data) < size):
-                self._head = bytes(data)  # wait for the rest
+            size, kind, header = _box_header(view)
+            if size is None or (kind == b"moof" and len(view) < size):
+                self._head = bytes(view)  # wait for the rest
                 break
             if kind == b"moof":
-                total += _moof_video_samples(data[header:size])
-                data = data[size:]
+                total += _moof_video_samples(view[header:size])
+                view = view[size:]
             else:
                 self._skip = size
         return total

@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from typing import TypeVar
 
@@ -84,7 +84,7 @@ class FrameStream:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.num_frames, self.height, self.width, 3)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
+    def __iter__(self) -> Generator[np.ndarray, None, None]:
         source = iter(self.chunks)
         try:
             yield from self._checked(source)

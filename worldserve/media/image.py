@@ -79,11 +79,14 @@ def decode_image(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                if img.width * img.height > max_pixels():
-                    raise too_large(param, img.width * img.height, f"the image of {img.width}x{img.height}")
-                img.load()
-                ImageOps.exif_transpose(img, in_place=True)  # (returning a copy costs ~10 ms at 720p)
+            with Image.open(io.BytesIO(data)) as opened:
+                if opened.width * opened.height > max_pixels():
+                    raise too_large(
+                        param, opened.width * opened.height, f"the image of {opened.width}x{opened.height}"
+                    )
+                opened.load()
+                ImageOps.exif_transpose(opened, in_place=True)  # (returning a copy costs ~10 ms at 720p)
+                img: Image.Image = opened
                 if rgba_background is not None and _has_alpha(img):
                     img = img.convert("RGBA")  # (LA, PA, a palette or RGB with a transparent colour too)
                     flat = Image.new("RGB", img.size, rgba_background)

@@ -20,7 +20,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from functools import cache
 from pathlib import Path
@@ -141,10 +141,14 @@ def _to_yuv420p(rgb: np.ndarray, threads: int | None = None) -> av.VideoFrame:
     """One uint8 (H, W, 3) RGB frame -> a yuv420p VideoFrame (BT.709 matrix, limited range; swscale, on
     `threads` of its own where PyAV takes the argument)."""
     frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-    kwargs = dict(format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
     if threads is not None and _REFORMAT_TAKES_THREADS:
-        kwargs["threads"] = threads
-    return frame.reformat(**kwargs)
+        return frame.reformat(
+            format="yuv420p",
+            dst_colorspace=Colorspace.ITU709,
+            dst_color_range=ColorRange.MPEG,
+            threads=threads,
+        )
+    return frame.reformat(format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
 
 
 _REFORMAT_TAKES_THREADS = "threads=" in (av.video.reformatter.VideoReformatter.reformat.__doc__ or "")
@@ -172,10 +176,12 @@ def yuv_frames(chunks: Iterable[np.ndarray], workers: int | None = None) -> Iter
     may block until the decoder has made it)."""
     workers = conversion_workers() if workers is None else workers
     if workers <= 1:
-        for chunk in chunks:
-            yield from map(_to_yuv420p, chunk)
+        for frames in chunks:
+            yield from map(_to_yuv420p, frames)
         return
-    pool, pending, ready = _conversion_pool(workers), deque(), deque()
+    pool = _conversion_pool(workers)
+    pending: deque[Future[av.VideoFrame]] = deque()  # conversions in flight, in frame order
+    ready: deque[np.ndarray] = deque()  # frames of a chunk not yet handed to the pool
     source = iter(chunks)
     try:
         while True:
@@ -294,6 +300,6 @@ def write_npz(
         arrays["audio"] = np.ascontiguousarray(audio, dtype=np.float32)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        np.savez(fh, **arrays)
+        np.savez(fh, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
     os.replace(tmp, path)
     return path

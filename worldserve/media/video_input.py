@@ -196,9 +196,11 @@ def decode_chat_frames(
     budget = budget if budget is not None else DecodeBudget(None)
     wanted = sampling.indices(len(images), DEFAULT_SOURCE_FPS)
     want = collections.Counter(wanted)
-    sizes = [image_size(images[i]) for i in want]
-    if all(sizes) and len(set(sizes)) == 1:  # (frames of several sizes are refused as they decode)
-        budget.plan(len(want), len(want), sizes[0][1], sizes[0][0], param)
+    sizes = {image_size(images[i]) for i in want}
+    if (
+        len(sizes) == 1 and (size := sizes.pop()) is not None
+    ):  # (frames of several sizes: refused as they decode)
+        budget.plan(len(want), len(want), size[1], size[0], param)
     kept: list[np.ndarray] = []
     first: tuple[int, ...] = ()
     for i in sorted(want):
