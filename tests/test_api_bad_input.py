@@ -226,6 +226,23 @@ async def test_a_long_bad_value_is_echoed_cut_to_200_characters(tmp_path):
         assert f"'input': '{'7' * 200}...'" in message and "7" * 201 not in message, message[:500]
 
 
+def test_a_long_bytes_value_is_echoed_cut_to_200_bytes():
+    """pydantic quotes a bytes input as it was given (a bytes value validated as another type): it is cut as a
+    string is (`bytes + "..."` had raised a TypeError, a 500 where the answer is a 400)."""
+    from pydantic import BaseModel, ValidationError
+
+    from worldserve.api.errors import validation_error
+
+    class Sized(BaseModel):
+        size: int
+
+    with pytest.raises(ValidationError) as refused:
+        Sized.model_validate({"size": b"7x" * 5_000})
+    err = validation_error(refused.value.errors())
+    assert err.status == 400 and err.param == "size"
+    assert f"'input': {b'7x' * 100 + b'...'!r}" in err.message and "7x" * 101 not in err.message, err.message
+
+
 async def test_a_reference_far_from_the_videos_aspect_ratio_is_a_400_before_any_job(tmp_path):
     """A 1 x 80,000 PNG (a few hundred bytes) would be resized to 64 x 5,120,000 pixels to cover 64x64: a 400
     naming the field it came in, at create time (it was a job that failed with a 500, or gigabytes of RAM)."""
@@ -565,7 +582,12 @@ def test_fuzz_openapi_operations_never_5xx(tmp_path):
             @given(api_calls(spec))
             def check(call):
                 r = http.request(**call)
-                assert r.status_code < 500, (call, r.status_code, r.text[:500])
+                # a valid sync request that waited past --sync-timeout behind the fuzz's own jobs (a loaded
+                # host) is the documented 504, not a failure of input handling
+                timed_out = call["url"] == "/v1/videos/sync" and r.status_code == 504
+                assert r.status_code < 500 or (timed_out and "timed out after" in r.text), (
+                    call, r.status_code, r.text[:500],
+                )  # fmt: skip
                 if r.status_code >= 400 and r.status_code != 401:
                     err = r.json()["error"]
                     assert err["code"] == r.status_code and isinstance(err["message"], str) and err["type"]

@@ -68,7 +68,13 @@ def build_app(
         chat = client.chat_worker.backend
         metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
         if chat.prefix_cache_counts is not None:
-            metrics.track_prefix_cache(lambda: chat.prefix_cache_counts)
+
+            def prefix_cache_counts() -> tuple[int, int]:
+                counts = chat.prefix_cache_counts
+                assert counts is not None  # (a backend has a prefix cache or not: checked above)
+                return counts
+
+            metrics.track_prefix_cache(prefix_cache_counts)
         if chat.media_cache is not None:
             metrics.track_mm_cache(chat.media_cache)
         worker = client.chat_worker  # its queues as they are at each scrape (a preempted chat waits)
@@ -92,12 +98,13 @@ def build_app(
                 stats.cancel()
             await client.shutdown(shutdown_timeout_s)
 
+    docs: dict[str, Any] = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
         title="worldserve",
         version=__version__,
         description="vLLM-Omni / OpenAI-Videos-compatible video generation for Cosmos3 models.",
         lifespan=lifespan,
-        **({} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
+        **docs,
     )
     app.state.ws = AppState(
         client=client, metrics=metrics, served_model_name=client.model_name, settings=settings,
@@ -174,8 +181,8 @@ def route_table(app: FastAPI) -> list[tuple[str, list[str]]]:
     """(path, methods) of every HTTP route, for the startup log (included routers are expanded via OpenAPI)."""
     table: dict[str, set[str]] = defaultdict(set)  # a path served by several routes (GET + HEAD) lists all
     for r in app.routes:
-        if getattr(r, "methods", None) and hasattr(r, "path"):
-            table[r.path] |= r.methods
+        if (methods := getattr(r, "methods", None)) and hasattr(r, "path"):
+            table[r.path] |= methods
     for path, operations in app.openapi()["paths"].items():
         table[path] |= {m.upper() for m in operations}
     return sorted((path, sorted(methods)) for path, methods in table.items())

@@ -88,13 +88,13 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope[REQUEST_ID_KEY] = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        request_id = scope[REQUEST_ID_KEY] = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
                 if "x-request-id" not in headers:  # a route's own id (request.state.request_id) first
-                    headers["X-Request-Id"] = request_id_of(scope)
+                    headers["X-Request-Id"] = request_id_of(scope) or request_id
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote_to_bytes
 
@@ -37,7 +37,7 @@ def too_large(max_bytes: int) -> APIError:
     return APIError(413, f"Request body exceeds the {max_bytes / 2**20:g} MiB limit (--max-upload-mb).")
 
 
-async def bounded_stream(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
+async def bounded_stream(request: Request, max_bytes: int) -> AsyncGenerator[bytes, None]:
     """The body's chunks; a 413 as soon as they pass `max_bytes` (a declared Content-Length fails first)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
@@ -135,8 +135,11 @@ def parse_json(body: str | bytes, what: str = "JSON body") -> Any:
         ) from None
     except RecursionError:
         raise APIError(400, f"Invalid {what}: nested too deeply") from None
-    brackets = ("{", "[") if isinstance(body, str) else (b"{", b"[")
-    if sum(body.count(b) for b in brackets) >= MAX_JSON_DEPTH:  # (fewer cannot nest that deep)
+    if isinstance(body, str):
+        brackets = body.count("{") + body.count("[")
+    else:
+        brackets = body.count(b"{") + body.count(b"[")
+    if brackets >= MAX_JSON_DEPTH:  # (fewer cannot nest that deep)
         check_depth(data)
     check_unicode(data, body)
     return data

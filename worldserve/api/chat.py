@@ -132,7 +132,8 @@ def build_params(
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
         sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
     roles = ["system" if msg.role == "developer" else msg.role for msg in body.messages]
-    calls = []  # each message's checked tool-call fields, in message order (no media work yet)
+    # each message's checked tool-call fields, in message order (no media work yet)
+    calls: list[dict[str, Any]] = []
     for i, (msg, role) in enumerate(zip(body.messages, roles, strict=True)):
         calls.append({
             "tool_calls": message_calls(msg.tool_calls, f"messages[{i}]"),
@@ -196,7 +197,8 @@ def prepared_params(
     prompts = worker.backend.prompts if worker is not None else None
     cache = prompts.media_cache if prompts is not None else None
     budget = None
-    if prompts is not None and prompts.preprocess is not None:  # (the images' share of the context)
+    # (the images' share of the context)
+    if worker is not None and prompts is not None and prompts.preprocess is not None:
         lo, hi = options.image_pixels
         tokens = partial(prompts.preprocess.tokens, min_pixels=lo, max_pixels=hi)
         budget = ImageBudget(worker.backend.max_model_len, tokens)
@@ -209,7 +211,7 @@ def prepared_params(
         params = dataclasses.replace(
             params, stops_after_thoughts=True, think_first=params.structured is not None
         )
-    if prompts is None:
+    if worker is None or prompts is None:  # (no worker: no prompts)
         return params
     prebuilt = prompts.build(params, max_tokens=body.text_bound(worker.backend.max_model_len))
     return dataclasses.replace(params, prebuilt=prebuilt, bad_word_ids=prompts.bad_word_ids(params.bad_words))
@@ -246,7 +248,7 @@ MAX_CHOICES = 16
 async def create_chat_completion(request: Request, st: State):
     """OpenAI chat completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = await _read_body(request)
-    if not st.serves(body.model):
+    if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
         return model_not_found(body.model)
     opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
 

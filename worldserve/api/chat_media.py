@@ -70,8 +70,8 @@ async def prefetch_media(
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:  # (of the failures done together, the first in the request's order)
-            if task.done() and task.exception() is not None:
-                raise task.exception()
+            if task.done() and (exc := task.exception()) is not None:
+                raise exc
         return {path: task.result() for (path, _, _), task in zip(wanted, tasks, strict=True)}
     finally:
         if not all(task.done() for task in tasks):
@@ -338,14 +338,14 @@ def part(
         key = content_key(data) if keyed else None
         if key is not None and background != RGBA_BACKGROUND:  # other pixels from the same bytes: another key
             key = content_key(key + bytes(background))
-        image = cache.get(("image", key)) if key is not None else None
+        image = cache.get(("image", key)) if cache is not None and key is not None else None
         if image_budget is not None:
             size = image.shape[:2] if image is not None else image_size(data)
             image_budget.charge(size, path, decoded=image is None)
         if image is None:
             image = decode_image(data, param=path, rgba_background=background)
             check_image(image, path)
-            if key is not None:
+            if cache is not None and key is not None:
                 image.flags.writeable = False  # shared by every request that finds it: a write would raise
                 cache.put(("image", key), image, image.nbytes)
         return ChatPart(type="image", image=image, media_key=key)
@@ -356,8 +356,8 @@ def part(
         data = url.encode() if frames is not None else load_media_url(
             url, allowed_local_path, "video", param=path, fetched=fetched
         )  # fmt: skip
-        key = ("video", content_key(data), sampling) if keyed else None
-        if key is not None and (video := cache.get(key)) is not None:
+        video_key = ("video", content_key(data), sampling) if keyed else None
+        if cache is not None and video_key is not None and (video := cache.get(video_key)) is not None:
             return ChatPart(type="video", video=video)
         try:
             if frames is not None:
@@ -368,7 +368,7 @@ def part(
             if exc.param == path:
                 raise
             raise ParamError(path, exc.message) from None  # the frame-size check names no part
-        if key is not None:
-            cache.put(key, video, video.frames.nbytes)
+        if cache is not None and video_key is not None:
+            cache.put(video_key, video, video.frames.nbytes)
         return ChatPart(type="video", video=video)
     raise ParamError(f"{path}.type", f"content parts of type {part.type!r} are not supported")

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import uuid
-from typing import Any, ClassVar, Literal
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -173,9 +174,9 @@ class SamplingRequest(NullsAsDefaults):
             return "priority", f"Got priority {self.priority} but Priority scheduling is not enabled."
         return None
 
-    def text_bound(self, max_model_len: int) -> int | None:
-        """The token count a prompt's byte size is checked against before tokenizing: max_model_len, or
-        None with truncate_prompt_tokens (the prompt may be longer: only its end is kept)."""
+    def text_bound(self, max_model_len: int | None) -> int | None:
+        """The token count a prompt's byte size is checked against before tokenizing: max_model_len (None:
+        unbounded), or None with truncate_prompt_tokens (the prompt may be longer: only its end is kept)."""
         return max_model_len if self.truncate_prompt_tokens is None else None
 
     def refused_streaming(self, prompt_logprobs: int | None = None) -> tuple[str, str] | None:
@@ -362,6 +363,23 @@ class ChunkChoice(BaseModel):
     """vLLM's, with return_token_ids (left out without): the token ids this chunk's text came from."""
 
 
+class _Chunk(Protocol):
+    """What SSEChunk.sse reads of the pydantic chunk it is mixed into."""
+
+    UNLESS_SET: ClassVar[tuple[str, ...]]
+
+    @property
+    def model_fields_set(self) -> set[str]: ...
+
+    @property
+    def usage(self) -> Usage | None: ...
+
+    @property
+    def choices(self) -> Sequence[BaseModel]: ...
+
+    def model_dump_json(self, *, exclude: Any = None) -> str: ...
+
+
 class SSEChunk:
     UNLESS_SET: ClassVar[tuple[str, ...]] = ()
     """Top-level fields left out unless set (vLLM's prompt_token_ids, in a stream's first chunk only)."""
@@ -373,7 +391,7 @@ class SSEChunk:
     left out unless set, and the final usage chunk (no choices) has no null field. Their other values are
     written whole (vLLM builds them whole)."""
 
-    def sse(self) -> str:
+    def sse(self: _Chunk) -> str:
         """`data: <json>\\n\\n`."""
         exclude: dict[Any, Any] = {
             name: True for name in self.UNLESS_SET if name not in self.model_fields_set

@@ -28,9 +28,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from worldserve.api.chat_protocol import (
     AssistantMessage,
@@ -63,6 +63,14 @@ LOGPROB_FLOOR = -9999.0
 """Log-probabilities are floored here in JSON answers (JSON has no -inf)."""
 
 log = logging.getLogger(__name__)
+
+
+class ChatStream(Protocol):
+    """A chat's events as the routes read and close them (the engine's ChatEvents, `metered`'s generator)."""
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,13 +156,13 @@ async def start_all(client, choices: Sequence, metrics, *, coalesce: bool, opene
     return streams, firsts
 
 
-async def close_all(streams: Sequence[AsyncIterator]) -> None:
+async def close_all(streams: Sequence[ChatStream]) -> None:
     """Close every chat's event stream (stops those still running at their next step)."""
     for events in streams:
         await events.aclose()
 
 
-async def run_to_end(events: AsyncIterator) -> ChatDelta:
+async def run_to_end(events: ChatStream) -> ChatDelta:
     """One chat's remaining events as one delta (its text, log-probabilities and token ids, its ending and
     counts: ChatDelta.joined); APIError if it fails."""
     deltas = []
@@ -166,7 +174,7 @@ async def run_to_end(events: AsyncIterator) -> ChatDelta:
     return ChatDelta.joined(deltas)
 
 
-async def run_all(streams: Sequence[AsyncIterator]) -> list[ChatDelta]:
+async def run_all(streams: Sequence[ChatStream]) -> list[ChatDelta]:
     """run_to_end of every chat in order; all are closed at the end, also on a failure or a cancellation
     (client gone: the chats stop at their next step)."""
     try:
@@ -176,7 +184,7 @@ async def run_all(streams: Sequence[AsyncIterator]) -> list[ChatDelta]:
 
 
 async def sse_events(
-    streams: Sequence[AsyncIterator], render: Callable[[int, ChatDelta], Iterable[str]],
+    streams: Sequence[ChatStream], render: Callable[[int, ChatDelta], Iterable[str]],
     tail: Callable[[], Iterable[str]], head: Iterable[str] = (),
 ) -> AsyncIterator[str]:  # fmt: skip
     """The SSE text of n choices: `head`, then `render(index, delta)` of each delta as it comes, `tail()` and
@@ -206,11 +214,11 @@ def _error_event(status: int, message: str, param: str | None = None) -> str:
     return f"data: {json.dumps(error_body(status, message, param, vllm=True))}\n\ndata: [DONE]\n\n"
 
 
-async def merged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+async def merged(streams: Sequence[ChatStream]) -> AsyncGenerator[tuple[int, Any], None]:
     """(index, event) of every stream as its events come, until all have ended; closing it stops the pumps."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, events: AsyncIterator) -> None:
+    async def pump(index: int, events: ChatStream) -> None:
         async for event in events:
             await queue.put((index, event))
         await queue.put((index, None))
@@ -294,7 +302,7 @@ class AnswerStream:
 
 
 async def collect(
-    streams: Sequence[AsyncIterator],
+    streams: Sequence[ChatStream],
     request_id: str,
     created: int,
     model: str,
@@ -333,7 +341,7 @@ async def collect(
 
 
 async def sse(
-    streams: Sequence[AsyncIterator], request_id: str, created: int, model: str, prompt_tokens: int,
+    streams: Sequence[ChatStream], request_id: str, created: int, model: str, prompt_tokens: int,
     include_usage: bool, continuous_usage: bool = False, parsing: TextParsing = TextParsing(),
     cached: int | None = None, view: TokenView = TokenView(), prompt_ids: Sequence[int] | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
@@ -349,8 +357,9 @@ async def sse(
         lp = ChoiceLogprobs(content=logprob_items(logprobs, view)) if logprobs else None
         if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)
             delta = {"reasoning": delta["reasoning_content"], **delta}
-        stop_reason = {} if finish is None else {"stop_reason": stop}  # set on the final chunk only, as vLLM
-        token_ids = {"token_ids": list(ids or ())} if view.ids else {}
+        # set on the final chunk only, as vLLM
+        stop_reason: dict[str, Any] = {} if finish is None else {"stop_reason": stop}
+        token_ids: dict[str, Any] = {"token_ids": list(ids or ())} if view.ids else {}
         choice = ChunkChoice(
             index=index, delta=delta, finish_reason=finish, logprobs=lp, **stop_reason, **token_ids
         )
@@ -358,7 +367,7 @@ async def sse(
         # tokens so far with one (not known here before the answer's end: left out then)
         thoughts = {} if parsing.reasoning else {"completion_tokens_details": None}
         usage = chunk_usage(prompt_tokens, completion[index], **thoughts) if continuous_usage else None
-        prompt = {"prompt_token_ids": list(prompt_ids or ())} if head and view.ids else {}
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids or ())} if head and view.ids else {}
         return ChatCompletionChunk(
             id=request_id, created=created, model=model, choices=[choice], usage=usage, **prompt
         ).sse()

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -50,12 +51,13 @@ def tokenize_prompts(
 ) -> list[tuple[tuple[int, ...], str | None]]:
     """Each prompt as (token ids, its text when `echo`) (blocking: tokenizes; a text longer than
     `max_model_len` tokens can hold is refused before); ParamError("prompt")."""
-    given = body.prompt
+    given: Sequence[Any] = body.prompt
     if isinstance(given, str) or (given and isinstance(given[0], int)):
         given = [given]  # one prompt: a text or one list of ids
     if not given:
         raise ParamError("prompt", "prompt must not be empty")
     out = []
+    text: str | None
     for prompt in given:
         if isinstance(prompt, str):
             ids = prompts.encode(prompt, add_special_tokens=body.add_special_tokens, max_tokens=max_model_len)
@@ -95,7 +97,7 @@ def chat_params(
 async def create_completion(request: Request, st: State):
     """OpenAI text completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = await read_model(request, CompletionRequest, st.settings.max_upload_bytes)
-    if not st.serves(body.model):
+    if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
         return model_not_found(body.model)
     if (refused := body.refused()) is not None:
         raise APIError(400, refused[1], param=refused[0])

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 from worldserve.api.chat_stream import (
     LOGPROB_FLOOR,
+    ChatStream,
     TokenView,
     chunk_usage,
     make_usage,
@@ -81,13 +83,14 @@ class Completion:
         if self.logprobs is None:
             return None
         prompt, entries = index // self.n, () if self.echo_only else entries
-        if offset or self.echoes[prompt] is None or not self.prompt_entries[prompt]:
+        prompt_entries = self.prompt_entries[prompt]
+        if offset or self.echoes[prompt] is None or not prompt_entries:
             return legacy_logprobs(entries, offset, self.view)
         echoed = [replace(e, top=e.top[: self.logprobs], top_ids=e.top_ids[: self.logprobs])
-                  for e in self.prompt_entries[prompt]]  # fmt: skip
+                  for e in prompt_entries]  # fmt: skip
         return legacy_logprobs((*echoed, *entries), 0, self.view)
 
-    def token_ids(self, index: int, first: bool, sampled: Sequence[int]) -> dict[str, list[int]]:
+    def token_ids(self, index: int, first: bool, sampled: Sequence[int]) -> dict[str, Any]:
         """vLLM's return_token_ids fields of choice `index`'s answer or chunk: its prompt's ids (on its
         `first` one) and the `sampled` ids (none with echo_only); {} without the option."""
         if not self.view.ids:
@@ -111,7 +114,7 @@ class Completion:
         )
 
 
-async def collect(streams: Sequence[AsyncIterator], c: Completion) -> CompletionResponse:
+async def collect(streams: Sequence[ChatStream], c: Completion) -> CompletionResponse:
     """Run every choice to its end -> the `text_completion` object (APIError if a choice fails)."""
     finished = await run_all(streams)
     choices = [
@@ -128,7 +131,7 @@ async def collect(streams: Sequence[AsyncIterator], c: Completion) -> Completion
 
 
 def sse(
-    streams: Sequence[AsyncIterator], c: Completion, include_usage: bool, continuous_usage: bool = False
+    streams: Sequence[ChatStream], c: Completion, include_usage: bool, continuous_usage: bool = False
 ) -> AsyncIterator[str]:
     """The choices' deltas as SSE chunks as they arrive, then the usage chunk (when asked) and [DONE]."""
     completion = [0] * len(streams)

@@ -109,20 +109,22 @@ def validation_error(
     errors: Sequence[Mapping[str, Any]], loc_prefix: tuple[str, ...] = ("body",)
 ) -> APIError:
     """pydantic errors -> a 400 APIError whose message reads like vLLM's and whose param is the first field."""
-    items = []
+    items: list[dict[str, Any]] = []
     for err in errors:
         loc = tuple(err.get("loc", ()))
         if loc_prefix and loc[: len(loc_prefix)] != loc_prefix:
             loc = (*loc_prefix, *loc)
         value = None if err.get("type") == "missing" else err.get("input")
-        if isinstance(value, str | bytes) and len(value) > MAX_INPUT_REPR:
+        if isinstance(value, str) and len(value) > MAX_INPUT_REPR:
             value = value[:MAX_INPUT_REPR] + "..."
+        elif isinstance(value, bytes) and len(value) > MAX_INPUT_REPR:  # (str + bytes raised a TypeError)
+            value = value[:MAX_INPUT_REPR] + b"..."
         elif not isinstance(value, str | bytes | int | float | bool | type(None)):
             value = repr(value)[:MAX_INPUT_REPR]
         items.append({"type": err.get("type"), "loc": loc, "msg": err.get("msg"), "input": value})
     n = len(items)
     message = f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(f"  {item}" for item in items)
-    first = items[0]["loc"] if items else ()
+    first: tuple[Any, ...] = items[0]["loc"] if items else ()
     param = str(first[1]) if len(first) > 1 else None
     if param == "extra_params" and len(first) > 2 and isinstance(first[2], str):  # (its keys are named so)
         param = f"extra_params.{first[2]}"

@@ -88,6 +88,11 @@ class ImageGenerationRequest(NumbersNotBooleans):
     return_stage_metrics: bool | None = None
 
 
+def _floats(lo: float, hi: float) -> tuple[float, float]:
+    """A guidance_interval (a pair: its field's type) as floats."""
+    return float(lo), float(hi)
+
+
 def build_params(
     req: ImageGenerationRequest, default_flow_shift: float | None = None, lora: LoraSettings = LoraSettings()
 ) -> list[VideoParams]:
@@ -130,7 +135,7 @@ def build_params(
         flow_shift=pick("flow_shift", shift),
         seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
         max_sequence_length=pick("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
-        guidance_interval=tuple(float(v) for v in pick("guidance_interval", IMAGE_DEFAULTS.guidance_interval)),
+        guidance_interval=_floats(*pick("guidance_interval", IMAGE_DEFAULTS.guidance_interval)),
         add_resolution_template=extra.use_resolution_template is not False,
         negative_metadata=extra.negative_metadata_mode or "same",
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,

@@ -175,6 +175,7 @@ class JsonStream:
             self._escape = ch
         elif ch == '"':
             self._flush_high()
+            assert self._string is not None  # feed() reads a string character only inside an open string
             text, self._string = "".join(self._string), None
             if self._is_key:
                 self._key = text
@@ -197,6 +198,7 @@ class JsonStream:
         if escaped and "\ud800" <= ch <= "\udbff":
             self._high = ch
             return
+        assert self._string is not None  # (_string_char's: a string is open)
         self._string.append(ch)
         if not self._is_key:
             self._emit(_canonical_char(ch))
@@ -204,6 +206,7 @@ class JsonStream:
     def _flush_high(self) -> None:
         if self._high:
             ch, self._high = self._high, ""
+            assert self._string is not None  # (_string_char's: a string is open)
             self._string.append(ch)
             if not self._is_key:
                 self._emit(_canonical_char(ch))

@@ -160,29 +160,29 @@ class MediaFetcher:
                 raise ParamError(param, f"Invalid {what}: the {kind} download timed out after {timeout_s:g}s "
                                  "(the server did not answer in time).") from None  # fmt: skip
             # the client hears only that it failed; the log keeps why (the host, not the URL's path or query)
-            why = (
-                f"{type(exc).__name__}: {exc.strerror}"
-                if getattr(exc, "strerror", None)
-                else type(exc).__name__
-            )
+            strerror = getattr(exc, "strerror", None)  # (OSError's; the others have none)
+            why = f"{type(exc).__name__}: {strerror}" if strerror else type(exc).__name__
             log.warning("%s: GET from %s failed (%s)", what, urllib.parse.urlsplit(url).hostname, why)
             raise ParamError(param, f"Invalid {what}: failed to download {kind}.") from None
 
     def _get(
         self, parts: urllib.parse.SplitResult, deadline: float, what: str, kind: str, budget: DownloadBudget
-    ):
+    ) -> tuple[int, str | None, bytes]:
         """One GET: (status, redirect location or None, body). Past `deadline` it fails: the name lookup,
         each connect attempt and the TLS handshake get the time left, and a timer shuts the socket down under
         any blocked read, which also gets at most the time left."""
         remaining = _time_left(deadline)
+        assert parts.hostname is not None  # check() refused a URL without a host
         host = parts.hostname.rstrip(".")
         https = parts.scheme.lower() == "https"
         port = parts.port or (443 if https else 80)
+        conn: http.client.HTTPConnection
         if https:  # (given the context: its own default one would load the CA store again, unused)
             conn = http.client.HTTPSConnection(host, port, context=_tls_context())
         else:
             conn = http.client.HTTPConnection(host, port)
-        expired, held = threading.Event(), []  # held: the sockets made (the response may own the last one)
+        held: list[socket.socket] = []  # the sockets made (the response may own the last one)
+        expired = threading.Event()
         stop = functools.partial(_expire, held, expired)
         if not budget.attach(stop):
             raise _Failed(f"Invalid {what}: cancelled (another download of the request failed).")
@@ -309,6 +309,7 @@ def _connect(
                 sock.do_handshake()
             return sock
         except ssl.SSLCertVerificationError:
+            assert sock is not None  # (raised by the handshake: the socket exists)
             sock.close()
             raise
         except OSError as exc:

@@ -64,7 +64,8 @@ OMNI_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600
 
 def one_two_five(limit: int) -> list[int]:
     """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:
@@ -172,12 +173,13 @@ class VllmMirror:
     def track_lengths(self, max_model_len: int, registry: CollectorRegistry) -> None:
         """vllm:request_prompt_tokens and _generation_tokens, bucketed 1, 2, 5, 10, ... up to `max_model_len`."""
         buckets = one_two_five(max_model_len)
-        self.request_tokens = tuple(
+        prompt, generation = (
             Histogram(name, "Number of prefill tokens processed." if "prompt" in name else
                       "Number of generation tokens processed.", ["model_name", "engine"], buckets=buckets,
                       registry=registry).labels(**self.llm)
             for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens")
         )  # fmt: skip
+        self.request_tokens = prompt, generation
 
     # -- chats -------------------------------------------------------------------------------------------
     def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int) -> None:

@@ -51,6 +51,7 @@ class NumbersNotBooleans(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None  # (a field validator's: pydantic names the field)
         annotation = cls.model_fields[info.field_name].annotation
         if isinstance(value, bool) and _is_number(annotation):
             raise ValueError("expected a number, got a boolean")

@@ -64,7 +64,7 @@ from worldserve.engine.client import (
     error_for,
 )
 from worldserve.media.fragments import encode_fragments
-from worldserve.media.frame_stream import FramesCancelled, FramesLost
+from worldserve.media.frame_stream import FramesCancelled, FramesLost, FrameStream
 from worldserve.params import ParamError, VideoParams
 
 router = APIRouter(tags=["videos"])
@@ -90,7 +90,8 @@ async def _reaped(task: asyncio.Future) -> None:
     """Wait for a cancelled `task` to end: its cancellation is expected and its own error is logged, not
     raised; a cancellation of the task waiting still ends it (contextlib.suppress(BaseException) swallowed
     both)."""
-    (outcome,) = await asyncio.gather(task, return_exceptions=True)
+    outcomes: list[object] = await asyncio.gather(task, return_exceptions=True)
+    (outcome,) = outcomes
     if isinstance(outcome, Exception) and not isinstance(outcome, _Stop):  # (not a CancelledError either)
         log.error("a realtime session's task failed: %r", outcome, exc_info=outcome)
 
@@ -221,9 +222,11 @@ class _Session:
         """Send the parts as they come until the request ends (its outcome: session.done or an error) or the
         control side stops the session (raises _Stop)."""
         done = self.done
+        assert done is not None  # (_queue set it: the request is queued)
         while True:
             get = asyncio.ensure_future(self.parts.get())
-            finished, _ = await asyncio.wait({get, done, control}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Future[Any]] = {get, done, control}
+            finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if get in finished:
                 await self._send_part(*get.result())
                 continue
@@ -412,6 +415,7 @@ def _encode_parts(loop: asyncio.AbstractEventLoop, parts: asyncio.Queue, encode:
     queued for the session as soon as it is muxed; it stops (and so does the decode) once the session
     has `ended`, raising FramesLost from FramesCancelled: the request counts as cancelled, not finished (a
     client that left mid-decode had been counted a success)."""
+    assert isinstance(result.frames, FrameStream)  # (hand_streamed hands the frames as they are decoded)
     fragments = encode_fragments(result.frames, result.fps, result.audio, result.sample_rate,
                                  crf=encode.crf, codec_options=encode.codec_options)  # fmt: skip
     with contextlib.closing(fragments):

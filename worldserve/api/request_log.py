@@ -104,7 +104,7 @@ class AbortLogged:
 def sampling(params: ChatParams) -> dict[str, Any]:
     """The sampling fields of `params` that differ from ChatParams' defaults (max_tokens always: None is up to
     the context)."""
-    out = {"max_tokens": params.max_tokens}
+    out: dict[str, Any] = {"max_tokens": params.max_tokens}
     for f in dataclasses.fields(params):
         value = getattr(params, f.name)
         if (

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import fits_context, read_model
 from worldserve.api.chat import chat_choices, model_not_found, request_options
-from worldserve.api.chat_stream import TextParsing, close_all, logprob_items, start_all
+from worldserve.api.chat_stream import ChatStream, TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.responses_input import InputItem
@@ -72,7 +72,7 @@ async def create_response(request: Request, st: State):
     req = await read_model(
         request, ResponsesRequest, st.settings.max_upload_bytes, fits_context("input", st.max_model_len)
     )
-    if not st.serves(req.model):
+    if req.model is not None and not st.serves(req.model):  # (None: not given, the served model)
         return model_not_found(req.model)
     history: list = []
     if req.previous_response_id is not None:
@@ -166,7 +166,7 @@ async def delete_response(response_id: str, st: State):
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-async def _events(events: AsyncIterator, builder: ResponseBuilder, keep: Callable) -> AsyncIterator[str]:
+async def _events(events: ChatStream, builder: ResponseBuilder, keep: Callable) -> AsyncIterator[str]:
     """The streamed answer's SSE text (the finished response handed to `keep`); closes the chat's events."""
     try:
         for text in builder.head():
@@ -224,7 +224,8 @@ class ResponseBuilder:
         self.answer, self.keep_thoughts, self.parsing = parsing.stream(), parsing.include_reasoning, parsing
         self.seq = 0
         self.item: dict[str, Any] | None = None  # the open output item
-        self.completion_tokens, self.finish_reason, self.reasoning_tokens = 0, None, 0
+        self.completion_tokens, self.reasoning_tokens = 0, 0
+        self.finish_reason: str | None = None
         self.pending: list = []  # logprob entries of tokens whose text is not out yet (a partial character)
 
     # ---------------------------------------------------------------- events
@@ -267,7 +268,7 @@ class ResponseBuilder:
         delta (its text "") carries the ending token's."""
         lp = [e.model_dump() for e in logprob_items(self.pending)]
         self.pending = []
-        self.item["content"][0]["logprobs"] += lp
+        self._opened()["content"][0]["logprobs"] += lp
         return [
             self._event("response.output_text.delta", **self._where(), content_index=0, delta="", logprobs=lp)
         ]
@@ -282,13 +283,18 @@ class ResponseBuilder:
                                   item={**item, **(announced or {})})]  # fmt: skip
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.item["id"], "output_index": len(self.body["output"]) - 1}
+        return {"item_id": self._opened()["id"], "output_index": len(self.body["output"]) - 1}
+
+    def _opened(self) -> dict[str, Any]:
+        """The open output item, which a delta adds to (each item is opened before its deltas)."""
+        assert self.item is not None
+        return self.item
 
     def _reasoning(self, text: str) -> list[str]:
         out = [] if self.item is not None and self.item["type"] == "reasoning" else self._open(
             {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
              "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})  # fmt: skip
-        self.item["content"][0]["text"] += text
+        self._opened()["content"][0]["text"] += text
         return out + [
             self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
         ]
@@ -307,7 +313,7 @@ class ResponseBuilder:
         lp = [e.model_dump() for e in logprob_items(self.pending)] if self.logprobs and text else []
         if text:
             self.pending = []
-        part = self.item["content"][0]
+        part = self._opened()["content"][0]
         part["text"] += text
         part["logprobs"] += lp
         if not text:
@@ -324,7 +330,7 @@ class ResponseBuilder:
                                "name": call["function"]["name"], "arguments": "", "status": "in_progress"})  # fmt: skip
         args = call["function"].get("arguments") or ""
         if args:
-            self.item["arguments"] += args
+            self._opened()["arguments"] += args
             out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=args))
         return out
 

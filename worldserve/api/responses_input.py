@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from worldserve.api.errors import APIError
+from worldserve.params import ParamError
+
+_Named = TypeVar("_Named", bound=APIError | ParamError)
+"""An error naming a request field (ChatPaths.rename)."""
 
 PARTIAL = ("in_progress", "incomplete")
 """Statuses of a last message or reasoning item that the answer continues."""
@@ -96,17 +100,16 @@ class ChatPaths:
         head, _, rest = param.partition(".")
         return renamed.get(head, head) + ("." + rest if rest else "")
 
-    def rename(self, exc: Exception) -> Exception:
+    def rename(self, exc: _Named) -> _Named:
         """`exc` (APIError or ParamError) naming the Responses field, its message too."""
-        old = getattr(exc, "param", None)
+        old = exc.param
         new = self.field(old)
-        if old and new != old:
+        if old and new is not None and new != old:  # (a field is named again: never None)
             exc.param = new
-            if isinstance(getattr(exc, "message", None), str):
-                whole = " the instructions and input" if "instructions" in self.messages else " the input"
-                exc.message = exc.message.replace(" the messages", whole).replace(old, new)
-                if isinstance(exc, APIError):
-                    exc.args = (exc.message,)
+            whole = " the instructions and input" if "instructions" in self.messages else " the input"
+            exc.message = exc.message.replace(" the messages", whole).replace(old, new)
+            if isinstance(exc, APIError):
+                exc.args = (exc.message,)
         return exc
 
 

@@ -18,6 +18,7 @@ back into the Responses field the client sent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -84,7 +85,7 @@ class ResponsesRequest(SamplingRequest):
 
 
 def to_chat(
-    req: ResponsesRequest, history: list[dict[str, Any]] = ()
+    req: ResponsesRequest, history: Sequence[dict[str, Any]] = ()
 ) -> tuple[ChatCompletionRequest, ChatPaths, list[dict[str, Any]]]:
     """The chat completion request that answers `req` after `history` (the stored conversation of its
     previous_response_id, as chat messages), where its messages came from, and the conversation it

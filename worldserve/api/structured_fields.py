@@ -114,7 +114,7 @@ def _structured_outputs(so: Any) -> StructuredOutput | None:
         what = "none is" if not given else f"{len(given)} are ({', '.join(given)})"
         raise ParamError("structured_outputs", f"structured_outputs takes exactly one constraint of "
                          f"{', '.join(CONSTRAINTS)}; {what} given")  # fmt: skip
-    options = {}
+    options: dict[str, Any] = {}
     for key, flag in (("disable_any_whitespace", "any_whitespace"),
                       ("disable_additional_properties", "additional_properties")):  # fmt: skip
         if so.get(key) is not None:

@@ -51,9 +51,11 @@ def reasoner_prompts(st: AppState) -> tuple[Any, int]:
     """(the Reasoner's ChatPromptBuilder, its max_model_len); a 400, as chat answers, when there is none."""
     worker = st.client.chat_worker
     prompts = worker.backend.prompts if worker is not None else None
-    if prompts is None:
+    if worker is None or prompts is None:  # (no worker: no prompts)
         raise APIError(400, NO_REASONER)
-    return prompts, worker.backend.max_model_len
+    max_model_len = worker.backend.max_model_len
+    assert max_model_len is not None  # (a backend with a prompt builder is the Reasoner: a bounded context)
+    return prompts, max_model_len
 
 
 def _tokenize_chat(
@@ -81,12 +83,12 @@ async def tokenize(request: Request, st: State):
     chat = "messages" in data and "prompt" not in data
     fits_context("messages", st.max_model_len)(data)  # (before pydantic builds an object of each)
     body = (TokenizeChatRequest if chat else TokenizePromptRequest).model_validate(data)
-    if not st.serves(body.model):
+    if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
         return model_not_found(body.model)
     prompts, max_model_len = reasoner_prompts(st)
 
     def encode() -> tuple[list[int], list[str] | None]:  # in a worker thread: long prompts take seconds
-        if chat:
+        if isinstance(body, TokenizeChatRequest):  # (chat)
             ids = _tokenize_chat(st, prompts, body, as_chat, fetched, options, max_model_len, stop)
         else:
             ids = prompts.encode(
@@ -96,7 +98,7 @@ async def tokenize(request: Request, st: State):
 
     fetched: dict[str, bytes] = {}
     stop = threading.Event()  # set when the client leaves: the media decoding stops
-    if chat:
+    if isinstance(body, TokenizeChatRequest):  # (chat)
         if body.chat_template is not None:
             raise ParamError("chat_template", UNTRUSTED_TEMPLATE)
         as_chat = body.as_chat()
@@ -115,7 +117,7 @@ async def tokenize(request: Request, st: State):
 async def detokenize(request: Request, st: State):
     """vLLM's /detokenize: the text of token ids."""
     body = await read_model(request, DetokenizeRequest, st.settings.max_upload_bytes)
-    if not st.serves(body.model):
+    if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
         return model_not_found(body.model)
     prompts, _ = reasoner_prompts(st)
     return DetokenizeResponse(prompt=await asyncio.to_thread(prompts.decode, body.tokens, param="tokens"))

@@ -173,13 +173,13 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
     once parsed) stays the text it is. `where`: the message's field, for a ParamError naming the arguments."""
     out = []
     for j, call in enumerate(calls or ()):
-        args = call.function.arguments if call.function.arguments is not None else {}
+        args: Any = call.function.arguments if call.function.arguments is not None else {}
         if isinstance(args, str) and not args.strip():  # a call without arguments: {} (vLLM's rule; the
             args = {}  # template would print nothing where its JSON goes)
         if isinstance(args, str):
-            field = f"{where}.tool_calls[{j}].function.arguments"
+            text, field = args, f"{where}.tool_calls[{j}].function.arguments"
             try:
-                args = json.loads(args)
+                args = json.loads(text)
             except ValueError:
                 pass  # not JSON: handed over as the text it is
             except RecursionError:
@@ -187,9 +187,9 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
             else:
                 check_depth(args, field)  # (the template renders them recursively)
                 try:
-                    check_unicode(args, call.function.arguments)
+                    check_unicode(args, text)
                 except APIError:  # JSON escaping a lone surrogate (as canonical_json writes this server's own
-                    args = call.function.arguments  # answers): its text, which is plain, goes to the template
+                    args = text  # answers): its text, which is plain, goes to the template
         out.append(
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
         )
@@ -213,7 +213,7 @@ def hermes_call(body: str) -> ToolCallOut | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((v for k, v in obj.items() if k in ("arguments", "parameters")), {})
+    args: Any = next((v for k, v in obj.items() if k in ("arguments", "parameters")), {})
     return call_out(obj["name"], args)
 
 

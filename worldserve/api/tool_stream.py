@@ -47,6 +47,7 @@ def final_message(
     if text is None or mode is None or not mode.parsed:
         return text, [], finish_reason
     if mode.choice == "named":  # (no text, e.g. the answer only thought: no call)
+        assert mode.name is not None  # (tool_mode names a named choice's function)
         return (
             ("", [call_out(mode.name, text, text=True)], finish_reason) if text else (text, [], finish_reason)
         )
@@ -90,6 +91,7 @@ class ToolStream:
         ):  # the call opens with its first argument text (none: no call, as unstreamed)
             if not piece:
                 return []
+            assert self.mode.name is not None  # (tool_mode names a named choice's function)
             out = [] if self._calls else [self._call_delta(call_out(self.mode.name, "", text=True))]
             self.calls[0].function.arguments += piece
             out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
@@ -228,6 +230,7 @@ class _CallReader:
     def finish(self, final: str | None) -> list[dict[str, Any]]:
         """The last delta of an announced call whose text ended: the rest of the finished arguments `final`
         when what was sent begins them (e.g. none were written: "{}"); the arguments sent stand otherwise."""
+        assert self.call is not None  # (called for an announced call only)
         args = final if final is not None and final.startswith(self.sent) else self.sent
         rest, self.call.function.arguments = args[len(self.sent) :], args
         return [self._arguments_delta(rest)] if rest else []

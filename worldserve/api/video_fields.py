@@ -119,7 +119,7 @@ def _frame_size(
         from_top = (req.width if height is None else req.height) is not None  # the side that was given
         raise ParamError(missing if from_top else "video_params",
                          f"width and height must be given together ({missing} is missing)")  # fmt: skip
-    if width is not None:
+    if width is not None and height is not None:  # (one without the other was refused above)
         for name, value, given in (("width", width, req.width), ("height", height, req.height)):
             check_side(name, value, param=name if given is not None else "video_params")
         return width, height

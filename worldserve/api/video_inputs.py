@@ -185,6 +185,7 @@ async def build_inputs(
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
     defaults = defaults or {}
     resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults, adapter)
+    reference: bytes | None
     if uploads not in (None, []):  # (an empty string never gets here: the body readers drop them)
         source, reference = "input_references", await _references_upload(req, upload, uploads)
     else:

@@ -86,7 +86,8 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
 def _job_response(job: Job) -> JSONResponse:
     body = VideoObject.from_job(job).model_dump(mode="json")
     if job.status is JobStatus.FAILED:
-        return JSONResponse(body, status_code=job.error_code if 400 <= (job.error_code or 0) < 600 else 500)
+        code = job.error_code
+        return JSONResponse(body, status_code=code if code is not None and 400 <= code < 600 else 500)
     headers = {} if job.status.terminal else {"openai-poll-after-ms": POLL_AFTER_MS}
     return JSONResponse(body, headers=headers)
 

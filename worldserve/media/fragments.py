@@ -10,7 +10,7 @@ long x264's threads or FFmpeg's interleaver hold packets back.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from fractions import Fraction
 
 import numpy as np
@@ -30,7 +30,7 @@ def encode_fragments(
     sample_rate: int = 48000,
     crf: int = 18,
     codec_options: Mapping[str, object] | None = None,
-) -> Iterator[tuple[bytes, int]]:
+) -> Generator[tuple[bytes, int], None, None]:
     """The same video as `encode_mp4`, as parts handed out while `frames` arrive: (bytes, n), n the frames
     they hold. The first part is the init segment (`ftyp` + an empty `moov` with the tracks' edit lists),
     which goes out with the first fragment (the muxer writes it once the first fragment is cut, when the
