@@ -162,6 +162,21 @@ def test_an_auto_call_streams_its_arguments_as_events(reasoner_oai):
     assert final.output[0].type == "message" and final.output_text == whole.output_text == "I will check.\n"
 
 
+def test_an_unstreamed_call_whose_body_fails_to_parse_is_text_with_logprobs_too(reasoner_oai):
+    """A finished answer's tool call is what the chat route parses from its whole text: a call body that is
+    not JSON stays the message's text whether or not logprobs are asked for (with them the tokens come one by
+    one, and the streaming parser, which announces a call by its name, had made a function_call of broken
+    arguments)."""
+    broken = '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": [a-z]{1,8}\\}\\}\\n</tool_call>'
+    kw = {"model": MODEL, "input": "Weather?", "tools": [WEATHER], "max_output_tokens": 100,
+          "extra_body": {"seed": 1, "structured_outputs": {"regex": broken}}}  # fmt: skip
+    plain = reasoner_oai.responses.create(**kw)
+    with_logprobs = reasoner_oai.responses.create(include=["message.output_text.logprobs"], **kw)
+    assert [o.type for o in plain.output] == [o.type for o in with_logprobs.output] == ["message"]
+    assert with_logprobs.output_text == plain.output_text and plain.output_text.startswith("<tool_call>")
+    assert len(with_logprobs.output[0].content[0].logprobs) == with_logprobs.usage.output_tokens
+
+
 def test_json_schema_format_and_logprobs(reasoner_oai):
     fmt = {"type": "json_schema", "name": "city", "schema": WEATHER["parameters"], "strict": True}
     r = reasoner_oai.responses.create(model=MODEL, input="A city?", text={"format": fmt}, extra_body={"seed": 3},

@@ -20,6 +20,7 @@ whole input items from the conversation's start, as OpenAI's does (api/responses
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -35,11 +36,13 @@ from worldserve.api.chat import chat_choices, model_not_found, request_options
 from worldserve.api.chat_stream import ChatStream, TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
+from worldserve.api.reasoning import split_reasoning
 from worldserve.api.responses_input import InputItem
 from worldserve.api.responses_protocol import ResponsesRequest, to_chat
 from worldserve.api.responses_truncation import fit_by_items, prompt_tokens
 from worldserve.api.state import AppState, app_state
 from worldserve.api.tokenize import reasoner_prompts
+from worldserve.api.tool_stream import final_message
 from worldserve.engine.client import ChatDelta, ChatFailed
 from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import ChatDefaults
@@ -117,24 +120,34 @@ async def create_response(request: Request, st: State):
             )
         except APIError as exc:
             raise paths.rename(exc) from None
-        builder = ResponseBuilder(
-            skeleton, parsing, req.logprobs, firsts[0].prompt_tokens, firsts[0].cached_tokens
-        )
+
+        def builder(parsing: TextParsing) -> ResponseBuilder:
+            return ResponseBuilder(
+                skeleton, parsing, req.logprobs, firsts[0].prompt_tokens, firsts[0].cached_tokens
+            )
+
         if st.settings.request_log is not None:
             st.settings.request_log.chat(
-                builder.body["id"], chat.messages, choices[0], 1, firsts[0].prompt_tokens
+                skeleton["id"], chat.messages, choices[0], 1, firsts[0].prompt_tokens
             )
         keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)
         if req.stream:
-            return StreamingResponse(_events(streams[0], builder, keep), media_type="text/event-stream")
+            return StreamingResponse(
+                _events(streams[0], builder(parsing), keep), media_type="text/event-stream"
+            )
+        deltas: list[ChatDelta] = []
         try:
             async for event in streams[0]:
                 if isinstance(event, ChatFailed):
                     raise APIError(event.status, event.message, param=paths.field(event.param))
-                builder.feed(event)
+                if isinstance(event, ChatDelta):
+                    deltas.append(event)
         finally:
             await close_all(streams)
-        body = builder.response()
+        whole = builder(_as_answered(parsing, deltas))
+        for delta in deltas:
+            whole.feed(delta)
+        body = whole.response()
         keep(body)
         return JSONResponse(body)
 
@@ -181,6 +194,19 @@ async def _events(events: ChatStream, builder: ResponseBuilder, keep: Callable) 
         keep(builder.body)
     finally:
         await events.aclose()
+
+
+def _as_answered(parsing: TextParsing, deltas: list[ChatDelta]) -> TextParsing:
+    """How a finished, unstreamed answer is parsed: its tool calls as the chat route finds them in its whole
+    text (tool_stream.final_message). Fed token by token (as it is when logprobs are placed), the stream's
+    parser announces a call once its name is out and cannot take it back when the body then fails to parse:
+    such an answer is text, with or without logprobs, as its chat completion is."""
+    if parsing.tools is None or not deltas:
+        return parsing
+    text = "".join(d.text for d in deltas)
+    content = split_reasoning(text)[1] if parsing.reasoning else text
+    _, calls, _ = final_message(content, parsing.tools, deltas[-1].finish_reason)
+    return parsing if calls else dataclasses.replace(parsing, tools=None)
 
 
 def _skeleton(req: ResponsesRequest, model: str, stored: bool, defaults: ChatDefaults) -> dict[str, Any]:
