@@ -126,3 +126,73 @@ def test_an_adapter_on_a_norm_is_refused_naming_lora(config, tmp_path):
     with pytest.raises(ParamError) as err:
         inspect_adapter(str(tmp_path / "norm.safetensors"), config)
     assert err.value.param == "lora"
+
+
+def test_a_fifo_named_as_the_weights_is_refused_before_it_is_opened(tiny_ckpt, tmp_path):
+    """A FIFO named *.safetensors (named, or alone in a folder): safetensors' open blocks holding the GIL, which
+    froze every thread of the server until someone wrote to it; it is refused as not a regular file. (In a
+    subprocess: a regression would freeze the process that opens it.)"""
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "a.safetensors")
+    script = (
+        "import sys\n"
+        "from worldserve.models.cosmos3.config import Cosmos3Config\n"
+        "from worldserve.params import ParamError\n"
+        "from worldserve.weights.lora_adapter import inspect_adapter\n"
+        "config = Cosmos3Config.from_json(sys.argv[1])\n"
+        "try:\n"
+        "    inspect_adapter(sys.argv[2], config)\n"
+        "except ParamError as exc:\n"
+        "    print(exc.param, exc)\n"
+    )
+    for path in (tmp_path / "a.safetensors", tmp_path):
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", script, str(tiny_ckpt / "transformer" / "config.json"), str(path)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            with open(tmp_path / "a.safetensors", "wb"):  # (lets the blocked open end)
+                pass
+            pytest.fail(f"inspect_adapter({path}) blocked on the FIFO")
+        assert run.stdout.startswith("lora ") and "not a regular file" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_peft_config_that_is_not_a_regular_file_is_refused(config, peft_saved, tmp_path):
+    """adapter_config.json there as a dangling link (or a folder): read as no config, the adapter had run at
+    another strength (lora_alpha = r) with a 200; it is a 400 naming lora."""
+    from worldserve.params import ParamError
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    shutil.copy(peft_saved / "adapter_model.safetensors", folder)
+    (folder / "adapter_config.json").symlink_to(tmp_path / "gone.json")
+    for path in (folder, folder / "adapter_model.safetensors"):
+        with pytest.raises(ParamError) as err:
+            inspect_adapter(str(path), config)
+        assert err.value.param == "lora" and "adapter_config.json" in str(err.value)
+
+
+@pytest.mark.parametrize(("value", "scale"), [(float("nan"), 1.0), (float("inf"), 1.0), (1.0, 1e39)])
+def test_weights_not_finite_after_the_scaling_are_refused(config, peft_saved, tmp_path, value, scale):
+    """NaN or inf in an adapter, or a scale that makes its deltas overflow: every video came out black with a
+    200; loading refuses it, naming lora and the module."""
+    from safetensors.torch import save_file
+
+    from worldserve.params import ParamError
+    from worldserve.weights.lora_adapter import load_adapter
+
+    tensors = load_file(str(peft_saved / "adapter_model.safetensors"))
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key][0, 0] = value
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    shutil.copy(peft_saved / "adapter_config.json", folder)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    spec = inspect_adapter(str(folder), config)
+    with pytest.raises(ParamError) as err:
+        load_adapter(spec, scale, config, dtype=torch.float32, device=torch.device("cpu"))
+    assert err.value.param == "lora" and "not all finite" in str(err.value)

@@ -84,6 +84,10 @@ def find_adapter_files(path: str) -> tuple[Path, dict | None]:
     p = Path(path)
     if not p.exists():
         raise _refuse(path, "no such file or folder on the server")
+    if p.name == PEFT_WEIGHTS:
+        _check_regular(p.parent / PEFT_CONFIG, path)
+    if p.is_dir():
+        _check_regular(p / PEFT_CONFIG, path)
     if p.is_file() and p.name == PEFT_WEIGHTS and (p.parent / PEFT_CONFIG).is_file():
         return p, _read_config(
             p.parent / PEFT_CONFIG, path
@@ -109,7 +113,16 @@ def find_adapter_files(path: str) -> tuple[Path, dict | None]:
         p = candidates[0]
     if p.suffix != ".safetensors":
         raise _refuse(path, "adapter weights must be a .safetensors file")
+    if not p.is_file():  # (a FIFO or a device would block the open, and every thread with it: safetensors
+        raise _refuse(path, f"{p.name} is not a regular file")  # holds the GIL there)
     return p, None
+
+
+def _check_regular(config: Path, path: str) -> None:
+    """A PEFT config that is there in another form than a regular file (a dangling link, a folder, a FIFO) is
+    refused: read as no config, the adapter would run at another strength (lora_alpha = r)."""
+    if os.path.lexists(config) and not config.is_file():
+        raise _refuse(path, f"{config.name} is there but is not a readable regular file")
 
 
 def _read_config(file: Path, path: str) -> dict:
@@ -289,8 +302,12 @@ def load_adapter(
             a_key, b_key = spec.keys[module]
             a = f.get_tensor(a_key).float()  # [r, in]
             b = f.get_tensor(b_key).float() * (scaling * scale)  # [out, r]
+            pair_dtype = torch.float32 if module.startswith("time_embedder.") else dtype
+            if not (a.to(pair_dtype).isfinite().all() and b.to(pair_dtype).isfinite().all()):
+                raise _refuse(spec.path, f"module {module!r}: its weights, B times the scaling "
+                              f"({scaling:g} x scale {scale:g}), are not all finite in {str(pair_dtype)[6:]} "
+                              "(NaN or inf in the file, or a scale too large)")  # fmt: skip
             if module in TOP_LINEARS:
-                pair_dtype = torch.float32 if module.startswith("time_embedder.") else dtype
                 top[module] = (a.to(device, pair_dtype), b.to(device, pair_dtype))
                 continue
             target = checkpoint_target(f"{module}.weight", config, tp.size)
