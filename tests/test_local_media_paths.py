@@ -82,3 +82,11 @@ def test_a_directory_is_refused_and_leaves_no_descriptor_open(tmp_path):
         with pytest.raises(ParamError, match="not a regular file"):
             _load(url, tmp_path)
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.parametrize("url", ["//[::1", "zz://[", "file://[::1/x"])
+def test_urls_pythons_parser_refuses_name_the_field(url):
+    """urlparse raises ValueError ("Invalid IPv6 URL") for these: it had been a 500 on every chat media part."""
+    with pytest.raises(ParamError) as err:
+        load_media_url(url, None, param="messages[0].content[0].image_url")
+    assert err.value.param == "messages[0].content[0].image_url" and "Invalid image URL" in str(err.value)

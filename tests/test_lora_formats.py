@@ -196,3 +196,12 @@ def test_weights_not_finite_after_the_scaling_are_refused(config, peft_saved, tm
     with pytest.raises(ParamError) as err:
         load_adapter(spec, scale, config, dtype=torch.float32, device=torch.device("cpu"))
     assert err.value.param == "lora" and "not all finite" in str(err.value)
+
+
+def test_a_path_the_file_system_refuses_is_a_400(config):
+    """A name longer than the file system takes (255 bytes): Path.exists raised OSError, a 500."""
+    from worldserve.params import ParamError
+
+    with pytest.raises(ParamError) as err:
+        inspect_adapter("/tmp/" + "x" * 300, config)
+    assert err.value.param == "lora" and "not a usable path" in str(err.value)

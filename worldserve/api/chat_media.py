@@ -87,7 +87,10 @@ def load_media_url(
 ) -> bytes:  # fmt: skip
     """The bytes behind an image / video URL (data:, file:// under `allowed_local_path`, or an http(s) URL's
     download in `fetched`, keyed by `param`: prefetch_media); raises ParamError(param)."""
-    scheme = urlparse(url).scheme.lower()
+    try:
+        scheme = urlparse(url).scheme.lower()
+    except ValueError as exc:  # (urlparse's own refusals: "Invalid IPv6 URL")
+        raise ParamError(param, f"Invalid {kind} URL: {exc}.") from None
     if scheme == "data":
         return data_url_bytes(url, param=param, bad_payload=f"Invalid base64 data in the {kind} data URL.")
     if scheme == "file":

@@ -82,7 +82,11 @@ class AdapterSpec:
 def find_adapter_files(path: str) -> tuple[Path, dict | None]:
     """(the safetensors file, the PEFT config or None) of the adapter at `path`; ParamError naming `lora`."""
     p = Path(path)
-    if not p.exists():
+    try:
+        exists = p.exists()
+    except OSError as exc:  # (a name the file system refuses: too long, ...)
+        raise _refuse(path, f"not a usable path on the server ({exc.strerror})") from None
+    if not exists:
         raise _refuse(path, "no such file or folder on the server")
     if p.name == PEFT_WEIGHTS:
         _check_regular(p.parent / PEFT_CONFIG, path)
