@@ -652,3 +652,20 @@ async def test_a_large_json_body_is_parsed_off_the_event_loop(tmp_path, monkeypa
         r = await http.post("/v1/images/generations", json={"prompt": "x", "n": 11})
         assert r.status_code == 400
     assert threads == [False, False, False, False, True], threads
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_json_bodies_refuse_the_non_json_constants_naming_their_field(constant):
+    """Python's json takes NaN / Infinity, JSON does not: in a Responses tool schema one made the answer
+    unserialisable (a 500 on the request, and on every GET of it once stored); every JSON body refuses them
+    with a 400 naming the field they are in."""
+    from worldserve.api.bodies import parse_json
+    from worldserve.api.errors import APIError
+
+    with pytest.raises(APIError) as err:
+        parse_json(f'{{"input": "x", "tools": [{{"parameters": {{"maximum": {constant}}}}}]}}')
+    assert err.value.status == 400 and f"{constant} is not a JSON number" in err.value.message
+    assert err.value.param == "tools[0].parameters.maximum"
+    with pytest.raises(APIError) as err:
+        parse_json(constant)
+    assert err.value.param is None

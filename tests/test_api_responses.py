@@ -488,3 +488,14 @@ def test_a_server_that_stores_nothing(reasoner, tmp_path):
             url + "/v1/responses", json={"input": "hi", "previous_response_id": r["id"]}, timeout=60
         )
         assert again.status_code == 404 and again.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_tool_schema_with_nan_is_a_400_naming_it(reasoner_url):
+    """A NaN literal (Python's json takes it) echoed into the answer's tools made it unserialisable: a 500, and
+    every GET of the stored answer after; it is refused as the body is read."""
+    body = (
+        '{"model": "test-model", "input": "x", "tools": [{"type": "function", "name": "f", "parameters": '
+        '{"type": "object", "properties": {"n": {"type": "number", "maximum": NaN}}}}]}'
+    )
+    r = httpx.post(reasoner_url + "/v1/responses", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters.properties.n.maximum"

@@ -122,11 +122,38 @@ def _path_text(path: tuple) -> str:
     return out
 
 
+class _Constant(float):
+    """A NaN / Infinity / -Infinity literal as Python's json parses it, marked so that it can be found."""
+
+
+def _constant_path(data: Any) -> str | None:
+    """Where the first _Constant in `data` is, as a field path ("tools[0].parameters.maximum"; None: the root),
+    cut to 200 characters."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, _Constant):
+            return path[:200] or None
+        if isinstance(value, dict):
+            stack += [(v, f"{path}.{k}" if path else str(k)) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value)))]
+    return None
+
+
 def parse_json(body: str | bytes, what: str = "JSON body") -> Any:
     """json.loads with every failure a 400 ("Invalid <what>: ..."): bad JSON, bad UTF-8, a number too long to
-    convert, nesting deeper than MAX_JSON_DEPTH (or the parser's stack), a lone surrogate."""
+    convert, nesting deeper than MAX_JSON_DEPTH (or the parser's stack), a lone surrogate, and the NaN /
+    Infinity literals Python's json takes and JSON does not (named by their field: echoed into an answer,
+    they made it unserialisable, a 500 on the request and on every read of a stored Responses answer)."""
+    constants: list[str] = []
+
+    def constant(name: str) -> float:
+        constants.append(name)
+        return _Constant(name)
+
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"Invalid {what}: {exc}") from None
     except ValueError:  # Python's int-from-text limit (sys.get_int_max_str_digits)
@@ -142,6 +169,10 @@ def parse_json(body: str | bytes, what: str = "JSON body") -> Any:
     if brackets >= MAX_JSON_DEPTH:  # (fewer cannot nest that deep)
         check_depth(data)
     check_unicode(data, body)
+    if constants:
+        where = _constant_path(data)
+        raise APIError(400, f"Invalid {what}: {constants[0]} is not a JSON number"
+                       + (f" (in {where})" if where else ""), param=where)  # fmt: skip
     return data
 
 
