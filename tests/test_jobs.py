@@ -77,6 +77,26 @@ def test_fail_records_code_and_message(tmp_path):
     assert not store.reference_path(job.id).exists()
 
 
+def test_a_job_committed_late_is_not_stamped_behind_a_cursor_already_passed(tmp_path):
+    """A create stamped on the event loop whose write (a large reference's fsync) ends after a later create's:
+    stored with its own created_at, it sorted before the later job, behind the cursor of a client tailing the
+    list in `asc` order, which never saw it (an audit measured 1-3 of 44 jobs missed so). The store raises its
+    created_at to the latest stored, so the list's order is the commit order."""
+    store = JobStore(tmp_path)
+    early = _job(created_at=1_700_000_000.5)  # stamped first, committed second
+    late = store.create(_job(created_at=1_700_000_001.0), {}, None)
+    page, _ = store.list(order="asc")
+    assert [j.id for j in page] == [late.id]
+    stored = store.create(early, {}, None)
+    assert stored.created_at == late.created_at == store.get(early.id).created_at
+    page, more = store.list(order="asc", after=late.id)
+    assert [j.id for j in page] == [early.id] and not more
+    store.close()
+    reopened = JobStore(tmp_path)
+    assert reopened.create(_job(created_at=1.0), {}, None).created_at == late.created_at
+    reopened.close()
+
+
 def test_list_order_cursor_and_has_more(tmp_path):
     store = JobStore(tmp_path)
     t0 = 1_700_000_000.0

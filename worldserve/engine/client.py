@@ -297,7 +297,7 @@ class EngineClient:
         self._check_admission(1, "jobs")
         job = _queued_job(spec)
         self._storing += 1
-        stored = asyncio.ensure_future(
+        stored: asyncio.Future[Job] = asyncio.ensure_future(
             asyncio.to_thread(self.store.create, job, inputs_record(params, encode), reference)
         )
 
@@ -307,15 +307,13 @@ class EngineClient:
                 self._queue(job.id, params, encode)
 
         stored.add_done_callback(queue)
-        await asyncio.shield(stored)
-        return job
+        return await asyncio.shield(stored)
 
     def submit(
         self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
     ) -> Job:
         self._check_admission(1, "jobs")
-        job = _queued_job(spec)
-        self.store.create(job, inputs_record(params, encode), reference)
+        job = self.store.create(_queued_job(spec), inputs_record(params, encode), reference)
         self._queue(job.id, params, encode)
         return job
 

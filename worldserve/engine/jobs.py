@@ -20,6 +20,7 @@ Thread-safe: one connection behind a lock, shared by the event loop, the engine 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -93,20 +94,23 @@ class JobStore:
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._gone: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         self._unsaved = UnsavedFailures()  # failures the database refused (a full disk), shown by the reads
         self._progress_refused = False  # logged once until a progress write goes through again
-        """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         try:
             self._db = self._open_database(self.db_path)
             self._reader = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
             self._reader.row_factory = sqlite3.Row
             self._reader.execute("PRAGMA query_only=1")
             self._db_identity = file_identity(self.db_path)
+            newest = self._db.execute("SELECT MAX(created_at) FROM jobs").fetchone()[0]
         except (sqlite3.Error, OSError, StorageError) as exc:
             if hasattr(self, "_db"):
                 self._db.close()
             self._owner.close()
             raise StorageError(f"cannot use the job database {self.db_path}: {exc}") from None
+        self._newest_created = float(newest or 0.0)
+        """The latest created_at stored: a job committed after another is never stamped before it (create)."""
 
     def _open_database(self, path: Path) -> sqlite3.Connection:
         """The job table at `path`, created or migrated to SCHEMA_VERSION (closed again on any failure)."""
@@ -170,8 +174,11 @@ class JobStore:
         else None."""
         return database_gone(self.db_path, self._db_identity)
 
-    def create(self, job: Job, inputs: dict[str, Any], reference: bytes | None) -> None:
-        """Persist a new queued job: its reference file first, then the row (the row is the commit);
+    def create(self, job: Job, inputs: dict[str, Any], reference: bytes | None) -> Job:
+        """Persist a new queued job: its reference file first, then the row (the row is the commit); the job as
+        stored. Its created_at is raised, if needed, to the latest one stored: the list pages by (created_at,
+        seq), and a create stamped on the event loop whose write (a large reference's fsync) took longer than a
+        later one's would otherwise land behind a cursor a client paging `order=asc` has already passed.
         StorageError when the store's database is gone (`problem`: the job would be lost at the restart)."""
         if (problem := self.problem()) is not None:
             raise StorageError(f"the server's storage cannot keep new jobs: {problem}")
@@ -183,15 +190,18 @@ class JobStore:
                 except OSError as exc:
                     raise storage_failure(exc, "the job's reference file") from exc
             with self._writing("the job"):
+                job = dataclasses.replace(job, created_at=max(job.created_at, self._newest_created))
                 self._db.execute(
                     "INSERT INTO jobs (id, status, progress, created_at, spec, inputs, has_reference)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (job.id, job.status.value, job.progress, job.created_at, spec, json.dumps(inputs),
                      int(reference is not None)),
                 )  # fmt: skip
+                self._newest_created = job.created_at
         except StorageError:
             self.reference_path(job.id).unlink(missing_ok=True)
             raise
+        return job
 
     def set_upsampled(self, job_id: str, spec: JobSpec, inputs: dict[str, Any]) -> bool:
         """Record a queued job's upsampled prompt: the spec that shows it and the inputs that now run with it
