@@ -220,6 +220,9 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
         ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
         ({"input": []}, "input"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "s"}]}, "tools[0].parameters"),
+        ({"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools[0].name"),  # (had been "0")
+        ({"input": "hi", "tools": [{"type": "function", "name": 5}]}, "tools[0].name"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f", "description": 7}]}, "tools[0].description"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
          "text.format.schema"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),

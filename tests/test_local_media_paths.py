@@ -90,3 +90,12 @@ def test_urls_pythons_parser_refuses_name_the_field(url):
     with pytest.raises(ParamError) as err:
         load_media_url(url, None, param="messages[0].content[0].image_url")
     assert err.value.param == "messages[0].content[0].image_url" and "Invalid image URL" in str(err.value)
+
+
+def test_a_symlink_loop_under_the_allowed_folder_names_the_field(tmp_path):
+    """Path.resolve raises on a symlink loop (RuntimeError on Python 3.11): it had been a 500."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ParamError) as err:
+        load_media_url(f"file://{tmp_path}/a/x.png", str(tmp_path), param="messages[0].content[0].image_url")
+    assert err.value.param == "messages[0].content[0].image_url" and "cannot be resolved" in str(err.value)

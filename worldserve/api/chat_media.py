@@ -105,7 +105,13 @@ def load_media_url(
             raise ParamError(param, "The file:// URL names no file (file:///path/to/media).")
         if "\0" in given:
             raise ParamError(param, "The file path contains a NUL character.")
-        path = Path(given).resolve()
+        try:
+            path = Path(given).resolve()
+        except (
+            RuntimeError,
+            OSError,
+        ) as exc:  # (a symlink loop: RuntimeError before Python 3.13, then OSError)
+            raise ParamError(param, f"The file path {given} cannot be resolved ({exc}).") from None
         root = Path(allowed_local_path).resolve()
         if not path.is_relative_to(root):
             raise ParamError(

@@ -134,9 +134,13 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         return None
     out = []
     for i, tool in enumerate(tools):
-        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        if tool.get("type") != "function":
             raise APIError(400, "only function tools ({\"type\": \"function\", \"name\": ...}) are supported",
                            param=f"tools[{i}]")  # fmt: skip
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise APIError(400, "a function tool's name is a non-empty string", param=f"tools[{i}].name")
+        if tool.get("description") is not None and not isinstance(tool["description"], str):
+            raise APIError(400, "a function tool's description is a string", param=f"tools[{i}].description")
         if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
             raise APIError(
                 400, "a tool's parameters are a JSON schema object", param=f"tools[{i}].parameters"
