@@ -205,3 +205,31 @@ def test_a_path_the_file_system_refuses_is_a_400(config):
     with pytest.raises(ParamError) as err:
         inspect_adapter("/tmp/" + "x" * 300, config)
     assert err.value.param == "lora" and "not a usable path" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"rank_pattern": {"(": 2}}, "not a regular expression"),
+        ({"alpha_pattern": ["x"]}, "alpha_pattern must be an object"),
+        ({"alpha_pattern": {"to_q": float("nan")}}, "must be a finite number"),
+        ({"lora_alpha": None}, "lora_alpha must be a finite number"),
+        ({"lora_alpha": 10**400}, "lora_alpha must be a finite number"),
+        ({"lora_alpha": float("inf")}, "lora_alpha must be a finite number"),
+        ({"r": "4"}, "r must be a positive integer"),
+        ({"rank_pattern": {"to_q": 2.5}}, "must be a positive integer"),
+    ],
+)
+def test_config_values_peft_would_not_take_are_refused(config, peft_saved, tmp_path, change, needle):
+    """Bad numbers or patterns in adapter_config.json: TypeErrors, regex errors and overflows had been 500s, a
+    NaN or inf lora_alpha a black video with a 200, "r": "4" a refusal saying 'has rank 4, its config says 4'."""
+    from worldserve.params import ParamError
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    shutil.copy(peft_saved / "adapter_model.safetensors", folder)
+    cfg = {**json.loads((peft_saved / "adapter_config.json").read_text()), **change}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ParamError) as err:
+        inspect_adapter(str(folder), config)
+    assert err.value.param == "lora" and needle in str(err.value), str(err.value)

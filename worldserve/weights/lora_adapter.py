@@ -32,6 +32,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -169,6 +170,44 @@ def _check_config(config: dict, path: str) -> None:
             raise _refuse(path, why)
     if config.get("bias", "none") != "none":
         raise _refuse(path, f"bias {config.get('bias')!r} is not supported (only 'none')")
+    _check_values(config, path)
+
+
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # (an int past a float's range)
+        return False
+
+
+def _check_values(config: dict, path: str) -> None:
+    """The config's numbers and patterns as PEFT would take them: r a positive integer, lora_alpha a finite
+    number, rank_pattern / alpha_pattern objects of regular expressions to such values (else a 400 naming
+    lora; they had been TypeErrors, regex errors or a NaN scaling: 500s and black videos)."""
+    if "r" in config and (
+        isinstance(config["r"], bool) or not isinstance(config["r"], int) or config["r"] < 1
+    ):
+        raise _refuse(path, f"its config's r must be a positive integer, not {json.dumps(config['r'])[:40]}")
+    if "lora_alpha" in config and not _finite_number(config["lora_alpha"]):
+        raise _refuse(path, f"its config's lora_alpha must be a finite number, not "
+                      f"{json.dumps(config['lora_alpha'])[:40]}")  # fmt: skip
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise _refuse(path, f"its config's {key} must be an object of patterns")
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise _refuse(path, f"its config's {key} key {pattern[:60]!r} is not a regular expression "
+                              f"({exc})") from None  # fmt: skip
+            if not _finite_number(value) or (key == "rank_pattern" and (value != int(value) or value < 1)):
+                raise _refuse(path, f"its config's {key}[{pattern[:60]!r}] must be a "
+                              + ("positive integer" if key == "rank_pattern" else "finite number"))  # fmt: skip
 
 
 def _metadata_config(metadata: dict, path: str) -> dict | None:
