@@ -367,3 +367,37 @@ def test_what_the_store_creates_is_the_server_users_alone(tmp_path):
         store.close()
     finally:
         os.umask(old)
+
+
+def test_a_listing_reads_its_rows_in_batches(tmp_path, monkeypatch):
+    """A listing of many jobs reads LIST_BATCH_ROWS rows under the read lock at a time (100k jobs had held it
+    for ~2 s, stalling every GET on the event loop); the pages are the same."""
+    from worldserve.engine import jobs as jobs_module
+
+    store = JobStore(tmp_path)
+    ids = [store.create(_job(created_at=1_700_000_000.0 + i), {}, None).id for i in range(7)]
+    monkeypatch.setattr(jobs_module, "LIST_BATCH_ROWS", 2)
+    fetched = []
+    real_execute = store._reader.execute
+
+    class Cursor:  # the reader's cursor, recording each batch
+        def __init__(self, cursor):
+            self.cursor = cursor
+
+        def fetchmany(self, n):
+            rows = self.cursor.fetchmany(n)
+            fetched.append(len(rows))
+            assert store._read_lock.locked()
+            return rows
+
+    def execute(sql, args=()):
+        cursor = real_execute(sql, args)
+        return Cursor(cursor) if sql.startswith("SELECT id, status") else cursor
+
+    monkeypatch.setattr(store, "_reader", type("R", (), {"execute": staticmethod(execute)})())
+    jobs, more = store.list(order="asc")
+    assert [j.id for j in jobs] == ids and not more and fetched == [2, 2, 2, 1, 0]
+    page, more = store.list(order="desc", limit=3)
+    assert [j.id for j in page] == ids[::-1][:3] and more
+    monkeypatch.undo()
+    store.close()

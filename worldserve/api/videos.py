@@ -173,9 +173,12 @@ async def list_videos(
     def page() -> Response:  # in a thread: with no limit, 100k jobs took the event loop for 6 s
         jobs, has_more = st.client.list(after=after or None, limit=limit, order=order)  # after= means none
         data = [VideoObject.from_job(j) for j in jobs]
-        body = VideoList(data=data, first_id=data[0].id if data else None,
-                         last_id=data[-1].id if data else None, has_more=has_more)  # fmt: skip
-        return Response(body.model_dump_json(), media_type="application/json")
+        # the items serialised one by one and joined: one model_dump_json of 100k items held the GIL for ~2 s,
+        # stalling every other request (the event loop runs between items)
+        items = ",".join([d.model_dump_json() for d in data])
+        head = VideoList(data=[], first_id=data[0].id if data else None,
+                         last_id=data[-1].id if data else None, has_more=has_more).model_dump_json()  # fmt: skip
+        return Response(head.replace('"data":[]', f'"data":[{items}]', 1), media_type="application/json")
 
     return await asyncio.to_thread(page)
 
