@@ -29,6 +29,29 @@ async def test_the_image_route_names_what_it_ignores(tmp_path, caplog):
     assert "'sead'" in line and "'style_preset'" in line and "'prompt'" not in line and "'size'" not in line
 
 
+@pytest.mark.anyio
+async def test_a_json_video_body_names_what_it_ignores(tmp_path, caplog):
+    """A JSON create request's misplaced fields (a top-level lora_path) are named; a form's stay silent, as
+    vLLM-Omni's form parser ignores them."""
+    body = {
+        "prompt": "a fox",
+        "size": "32x32",
+        "num_frames": 1,
+        "num_inference_steps": 1,
+        "lora_path": "/l/a",
+    }
+    async with asgi_server(tmp_path) as http:
+        with caplog.at_level(logging.WARNING, logger="worldserve.api.bodies"):
+            r = await http.post("/v1/videos", json=body)
+            assert r.status_code == 200, r.text
+            [line] = [m for m in caplog.messages if WARNING in m]
+            assert "'lora_path'" in line and "'prompt'" not in line and "'num_frames'" not in line
+            caplog.clear()
+            r = await http.post("/v1/videos", data={k: str(v) for k, v in body.items()})
+            assert r.status_code == 200, r.text
+    assert not [m for m in caplog.messages if WARNING in m]
+
+
 @pytest.mark.parametrize(
     ("model", "data", "ignored"),
     [

@@ -34,6 +34,7 @@ from worldserve.api.bodies import (
     bounded_stream,
     check_depth,
     check_unicode,
+    log_ignored_fields,
     parse_json_body,
     parse_urlencoded,
 )
@@ -126,6 +127,9 @@ async def _json_fields(body: bytes) -> dict[str, Any]:
     data = await parse_json_body(body) if body.strip() else {}
     if not isinstance(data, dict):
         raise APIError(400, f"The JSON body must be an object, got {type(data).__name__}.")
+    # (a form's undeclared fields are ignored silently, as vLLM-Omni's; a JSON body's are said, as on the
+    # other JSON routes: a misplaced field, such as a top-level lora_path, would go unnoticed)
+    log_ignored_fields(VideoCreateRequest, {k: v for k, v in data.items() if k not in FILE_FIELDS})
     return json_body_fields(data)
 
 
