@@ -144,6 +144,7 @@ def stream_tensors(header: CheckpointHeader, keys: Iterable[str], progress: bool
                 t = f.get_tensor(key)
                 if header.dtypes[key] in FP8_DTYPES:
                     scale_key = _scale_key_for(key, header)
+                    assert scale_key is not None, key  # (check_checkpoint refused an fp8 weight without one)
                     with safe_open(str(header.files[scale_key]), framework="pt") as sf:
                         scale = sf.get_tensor(scale_key).float()
                     t = t.float() * (scale if scale.ndim == 0 or scale.numel() == 1 else scale.reshape(-1, 1))

@@ -140,7 +140,7 @@ def _read_config(file: Path, path: str) -> dict:
     return config
 
 
-def _pattern_value(patterns: dict, module: str, default):
+def _pattern_value(patterns: dict | None, module: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module name."""
     for pattern, value in (patterns or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", module):

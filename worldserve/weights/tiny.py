@@ -262,7 +262,7 @@ def _root_config(config: Cosmos3Config, token_ids: dict[str, int], vision: dict 
             "rope_type": "default",
             "rope_theta": config.rope_theta,
             "mrope_interleaved": True,
-            "mrope_section": list(config.rope_axes_dim),
+            "mrope_section": list(config.rope_axes_dim or ()),  # (set by Cosmos3Config's __post_init__)
         },
         "tie_word_embeddings": False,
     }

@@ -99,13 +99,14 @@ def _learn_merges() -> list[tuple[str, str]]:
     )
     learner.train_from_iterator([negative, TRAINING_TEXT], trainer=trainer)
     merges = json.loads(learner.to_str())["model"]["merges"]
-    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]  # (tokenizers' two JSON forms)
+    return [(left, right) for left, right in pairs]
 
 
 def write_tiny_tokenizer(out_dir: Path) -> int:
     """Write the tokenizer into `out_dir`; returns its vocabulary size."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Qwen2TokenizerFast
+    from transformers import Qwen2TokenizerFast  # type: ignore[attr-defined]  # (a lazy export mypy cannot see)
 
     byte_map = bytes_to_unicode()
     vocab = {byte_map[b]: b for b in range(256)}
