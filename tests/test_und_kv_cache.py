@@ -167,6 +167,37 @@ def test_compiled_gen_layers_equal_eager(tiny_ckpt, tmp_path):
     torch.testing.assert_close(adapted8.video[0], model(batch, lora=lora8).video[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_adapters_of_other_ranks_reuse_the_inductor_graphs_on_a_gpu(tiny_ckpt, tmp_path):
+    """On a GPU, bf16, with inductor (what serve compiles): adapters of ranks 4, 8 and 16, each marked dynamic
+    as runner/lora_cache.py serves them, run on the graphs the first one compiled (the CPU test above checks
+    this with aot_eager only), and each lands near its eager run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pipeline_helpers import write_random_adapter
+
+    from worldserve.weights.lora_adapter import inspect_adapter, load_adapter
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.bfloat16, device="cuda", progress=False)
+    cache = model.prefill_und([(torch.arange(20) % 200).cuda()])[0]
+    gen = torch.Generator().manual_seed(0)
+    item = GenItem(latents=torch.randn(48, 2, 3, 5, generator=gen).cuda(), timestep=900, und_cache=cache)
+    batch = GenBatch.pack([item], config=model.config, device="cuda")
+    adapters = []
+    for rank in (4, 8, 16):
+        spec = inspect_adapter(write_random_adapter(tmp_path / f"r{rank}", tiny_ckpt, rank=rank, seed=rank),
+                               model.config)  # fmt: skip
+        adapters.append(load_adapter(spec, 1.0, model.config, dtype=torch.bfloat16, device=torch.device("cuda")))
+    eager = [model(batch, lora=lora).video[0].float() for lora in adapters]
+    model.compile_gen_layers()
+    compiled = [model(batch, lora=adapters[0].mark_ranks_dynamic()).video[0].float()]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled += [model(batch, lora=lora.mark_ranks_dynamic()).video[0].float() for lora in adapters[1:]]
+    for ours, ref in zip(compiled, eager, strict=True):
+        assert (ours - ref).norm() / ref.norm() < 2e-2
+
+
 def test_in_place_residual_finish_equals_finish_math_and_reuses_h():
     """compile_blocks' finish: the residual adds inside the GEMMs (addmm_ into h) equal finish_math's
     h + linear(...), the result lives in h's own storage (no [N, d] copy), and fp8 scales, an o_proj bias
