@@ -176,8 +176,8 @@ def test_adapters_of_other_ranks_reuse_the_inductor_graphs_on_a_gpu(tiny_ckpt, t
         pytest.skip("needs CUDA")
     from pipeline_helpers import write_random_adapter
 
-    from worldserve.weights.lora_adapter import inspect_adapter, load_adapter
     from worldserve.weights.loader import load_transformer
+    from worldserve.weights.lora_adapter import inspect_adapter, load_adapter
 
     model = load_transformer(tiny_ckpt, dtype=torch.bfloat16, device="cuda", progress=False)
     cache = model.prefill_und([(torch.arange(20) % 200).cuda()])[0]
@@ -188,7 +188,9 @@ def test_adapters_of_other_ranks_reuse_the_inductor_graphs_on_a_gpu(tiny_ckpt, t
     for rank in (4, 8, 16):
         spec = inspect_adapter(write_random_adapter(tmp_path / f"r{rank}", tiny_ckpt, rank=rank, seed=rank),
                                model.config)  # fmt: skip
-        adapters.append(load_adapter(spec, 1.0, model.config, dtype=torch.bfloat16, device=torch.device("cuda")))
+        adapters.append(
+            load_adapter(spec, 1.0, model.config, dtype=torch.bfloat16, device=torch.device("cuda"))
+        )
     eager = [model(batch, lora=lora).video[0].float() for lora in adapters]
     model.compile_gen_layers()
     compiled = [model(batch, lora=adapters[0].mark_ranks_dynamic()).video[0].float()]
