@@ -11,6 +11,7 @@ import base64
 import contextlib
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -232,6 +233,45 @@ async def test_a_running_request_without_progress_stalls(tmp_path, monkeypatch):
         )
         assert messages[2]["stopped"] is True and messages[2]["chunks"] == 0
         wait_until(lambda: not backend.live)
+
+
+async def test_a_video_made_whole_but_never_sent_counts_as_cancelled(tmp_path, monkeypatch):
+    """The parts are made ahead of the socket: a client that reads nothing while the whole (short) video is
+    decoded and muxed, then times out, got none of it; its request had been counted a success. Its finish is
+    held until the last part is sent (HeldFinish) and counts as cancelled here."""
+    monkeypatch.setattr(realtime, "SEND_TIMEOUT_S", 0.5)
+    send_now = realtime._Session._send_now
+    made = threading.Event()
+
+    async def stalled(self, messages):
+        if any(isinstance(m, bytes) for m in messages):
+            await asyncio.to_thread(made.wait, 10)  # (the request ended: every part was made)
+            await asyncio.sleep(30)
+        await send_now(self, messages)
+
+    monkeypatch.setattr(realtime._Session, "_send_now", stalled)
+    backend = FakeBackend()
+    with uvicorn_thread(tmp_path, backend=backend, real_encoder=True) as (url, client):
+        real_deliver = client.engine._ends.hand_over
+
+        def hand_over(request, result):
+            real_deliver(request, result)
+            made.set()
+
+        monkeypatch.setattr(client.engine._ends, "hand_over", hand_over)
+        start = {"type": "session.start", "prompt": "x", **SMALL, "num_frames": 9}
+        messages, data, _ = await realtime_session(url, start, during=lambda ws: asyncio.sleep(0))
+        assert [m["type"] for m in messages] == ["video.start"] and data == b"" and made.is_set()
+        cancelled = re.compile(r"worldserve:request_cancelled_total\{[^}]*\} 1\.0")
+        wait_until(lambda: cancelled.search(httpx.get(url + "/metrics").text))
+        metrics = httpx.get(url + "/metrics").text
+        assert not re.search(r"worldserve:request_success_total\{[^}]*\} [1-9]", metrics)
+        # a session that sends every part counts its success once session.done is out
+        monkeypatch.setattr(realtime._Session, "_send_now", send_now)
+        messages, data, _ = await realtime_session(url, start, during=lambda ws: asyncio.sleep(0))
+        assert messages[-1]["type"] == "session.done" and data
+        success = re.compile(r"worldserve:request_success_total\{[^}]*\} 1\.0")
+        wait_until(lambda: success.search(httpx.get(url + "/metrics").text))
 
 
 @pytest.mark.parametrize("failure", ["closed", "not reading"])

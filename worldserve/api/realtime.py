@@ -56,6 +56,7 @@ from worldserve.api.video_inputs import (
 from worldserve.engine.client import (
     SHUTDOWN_REASON,
     EncodeOptions,
+    HeldFinish,
     QueueFullError,
     Request,
     ShuttingDownError,
@@ -153,9 +154,17 @@ class _Session:
         finally:
             self.ended.set()
             self._abort()
+            self._settle(delivered=False)
             control.cancel()
             await _reaped(control)
         await self._close()
+
+    def _settle(self, delivered: bool) -> None:
+        """Report the request's finish once its session has sent every part, or as cancelled when the session
+        ended first (the client left, or read nothing until the send timed out, with the parts made ahead)."""
+        held = self.request.observer if self.request is not None else None
+        if isinstance(held, HeldFinish):
+            held.delivered() if delivered else held.undelivered()
 
     def _abort(self) -> None:
         """Stop the request unless it has ended (its outcome, unread, was marked read when it was made)."""
@@ -242,6 +251,7 @@ class _Session:
             await self._send({"type": "session.done", "request_id": self.request_id, "chunks": self.sent,
                               "stopped": False})  # fmt: skip
             self.completed = True
+            self._settle(delivered=True)
             return
 
     async def _send_part(self, data: bytes, frames: int) -> None:

@@ -50,7 +50,7 @@ from worldserve.engine.job_files import StorageError, inputs_record
 from worldserve.engine.job_recovery import restored_jobs
 from worldserve.engine.job_waiters import JobWaiters
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
-from worldserve.engine.observer import EngineObserver
+from worldserve.engine.observer import EngineObserver, HeldFinish
 from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult, crash_reason
 from worldserve.engine.prompt_upsampling import (
     UpsamplerConfig,
@@ -71,7 +71,7 @@ from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import ParamError, VideoParams
 
 __all__ = [
-    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "Job", "JobSpec",
+    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "HeldFinish", "Job", "JobSpec",
     "JobStatus", "NO_REASONER", "QueueFullError", "Request", "SHUTDOWN_REASON", "ShuttingDownError", "StorageError", "UpsamplingFailed", "VideoResult", "error_for", "metered",
 ]  # fmt: skip
 

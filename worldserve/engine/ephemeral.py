@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from worldserve.engine.engine import Engine
-from worldserve.engine.observer import RequestGroup
+from worldserve.engine.observer import EngineObserver, HeldFinish, RequestGroup
 from worldserve.engine.outputs import VideoResult
 from worldserve.engine.prompt_upsampling import UpsamplingFailed
 from worldserve.engine.request import Request
@@ -56,9 +56,10 @@ class JoblessRequests:
         self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None]
     ) -> tuple[Request, asyncio.Future[VideoResult]]:
         """Run one request whose frames go to `on_frames` while they are decoded (/v1/realtime/video;
-        `start_streamed`). QueueFullError / ShuttingDownError when it cannot be queued now."""
+        `start_streamed`). QueueFullError / ShuttingDownError when it cannot be queued now. Its finish is
+        held for its session to report (the request's observer, a HeldFinish: delivered or not)."""
         self._check_admission(1, "requests")
-        return start_streamed(self.engine, params, request_id, on_frames)
+        return start_streamed(self.engine, params, request_id, on_frames, HeldFinish(self.engine.observer))
 
     async def admitted_upsampling(
         self, params: VideoParams, request_id: str, timeout_s: float, count: int = 1
@@ -128,8 +129,9 @@ async def run_without_jobs(
 
 
 def start_streamed(
-    engine: Engine, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None]
-) -> tuple[Request, asyncio.Future[VideoResult]]:
+    engine: Engine, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None],
+    observer: EngineObserver | None = None,
+) -> tuple[Request, asyncio.Future[VideoResult]]:  # fmt: skip
     """Queue one request whose frames go to `on_frames` as they are decoded (called in the engine's encode
     pool with the result, its `frames` a FrameStream). Returns the request (its `steps_done` tells the
     progress) and a future that settles on the caller's loop with the result once `on_frames` has returned,
@@ -138,7 +140,7 @@ def start_streamed(
     future = loop.create_future()
     future.add_done_callback(outcome_read)  # an aborted session leaves it unread: asyncio must not log that
     request = Request(job_id=request_id, params=params, arrival_time=time.monotonic(),
-                      on_result=_sink(loop, future), on_frames=on_frames)  # fmt: skip
+                      on_result=_sink(loop, future), on_frames=on_frames, observer=observer)  # fmt: skip
     engine.add_request(request)
     return request, future
 

@@ -87,3 +87,57 @@ class RequestGroup:
         with self._lock:
             first, self._ended = not self._ended, True
         return first
+
+
+class HeldFinish:
+    """A streamed request's (/v1/realtime/video) ending as its client saw it: the engine finishing it (its parts
+    all made) is held until the session has sent the last of them (`delivered`); a session that ends first
+    (the client left, or read nothing until the send timed out: the parts were made into memory ahead of the
+    socket) reports it cancelled (`undelivered`). A failure or cancellation the engine reports passes at once.
+    One report in all; the engine's calls come from its thread and the encode pool, the session's from the
+    event loop: a lock orders them."""
+
+    def __init__(self, observer: EngineObserver) -> None:
+        self._observer = observer
+        self._held: tuple[float, float, dict[str, float], float] | None = None
+        self._ended = False  # reported
+        self._lock = threading.Lock()
+
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        self._observer.on_step(seconds, batch_size)
+
+    def on_finished(
+        self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
+    ) -> None:
+        with self._lock:
+            if not self._ended:
+                self._held = (e2e_s, queue_s, stages, peak_memory_mb)
+
+    def on_failed(self, code: int) -> None:
+        if self._end():
+            self._observer.on_failed(code)
+
+    def on_cancelled(self) -> None:
+        if self._end():
+            self._observer.on_cancelled()
+
+    def delivered(self) -> None:
+        """The session sent every part: a held finish is reported."""
+        with self._lock:
+            held = self._held if not self._ended else None
+            self._ended = self._ended or held is not None
+        if held is not None:
+            self._observer.on_finished(*held)
+
+    def undelivered(self) -> None:
+        """The session ended without sending every part: a held finish is reported as cancelled."""
+        with self._lock:
+            held = self._held is not None and not self._ended
+            self._ended = self._ended or held
+        if held:
+            self._observer.on_cancelled()
+
+    def _end(self) -> bool:
+        with self._lock:
+            first, self._ended = not self._ended, True
+        return first
