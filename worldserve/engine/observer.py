@@ -39,7 +39,35 @@ class NullObserver:
         pass
 
 
-class RequestGroup:
+class _ReportedOnce:
+    """An observer in front of `observer` that reports one ending at most: the first failure or cancellation
+    passes, later ones do not (the subclass says when a finish does). Endings come from the engine thread, the
+    encode pool and the event loop: a lock orders them."""
+
+    def __init__(self, observer: EngineObserver) -> None:
+        self._observer = observer
+        self._ended = False  # reported (finished, failed or cancelled)
+        self._lock = threading.Lock()
+
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        self._observer.on_step(seconds, batch_size)
+
+    def on_failed(self, code: int) -> None:
+        if self._end():
+            self._observer.on_failed(code)
+
+    def on_cancelled(self) -> None:
+        if self._end():
+            self._observer.on_cancelled()
+
+    def _end(self) -> bool:
+        """Whether this ending is the one reported (the first)."""
+        with self._lock:
+            first, self._ended = not self._ended, True
+        return first
+
+
+class RequestGroup(_ReportedOnce):
     """The engine requests of one HTTP request (an image request's `n` images) reported to `observer` as one
     request, as vLLM-Omni counts a request with num_outputs_per_prompt n: finished once all of them are (its
     latency the last one's, its queue time the first one's, each stage its longest, the largest peak memory);
@@ -47,13 +75,9 @@ class RequestGroup:
     failed. Its members' endings come from the engine thread and the encode pool: a lock orders them."""
 
     def __init__(self, observer: EngineObserver, size: int) -> None:
-        self._observer, self._size = observer, size
+        super().__init__(observer)
+        self._size = size
         self._finished: list[tuple[float, float, dict[str, float], float]] = []
-        self._ended = False  # reported (finished, failed or cancelled)
-        self._lock = threading.Lock()
-
-    def on_step(self, seconds: float, batch_size: int) -> None:
-        self._observer.on_step(seconds, batch_size)
 
     def on_finished(
         self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
@@ -74,22 +98,8 @@ class RequestGroup:
             max(f[3] for f in self._finished),
         )  # fmt: skip
 
-    def on_failed(self, code: int) -> None:
-        if self._end():
-            self._observer.on_failed(code)
 
-    def on_cancelled(self) -> None:
-        if self._end():
-            self._observer.on_cancelled()
-
-    def _end(self) -> bool:
-        """Whether this ending is the group's (the first one that is not a finish)."""
-        with self._lock:
-            first, self._ended = not self._ended, True
-        return first
-
-
-class HeldFinish:
+class HeldFinish(_ReportedOnce):
     """A streamed request's (/v1/realtime/video) ending as its client saw it: the engine finishing it (its parts
     all made) is held until the session has sent the last of them (`delivered`); a session that ends first
     (the client left, or read nothing until the send timed out: the parts were made into memory ahead of the
@@ -98,13 +108,8 @@ class HeldFinish:
     event loop: a lock orders them."""
 
     def __init__(self, observer: EngineObserver) -> None:
-        self._observer = observer
+        super().__init__(observer)
         self._held: tuple[float, float, dict[str, float], float] | None = None
-        self._ended = False  # reported
-        self._lock = threading.Lock()
-
-    def on_step(self, seconds: float, batch_size: int) -> None:
-        self._observer.on_step(seconds, batch_size)
 
     def on_finished(
         self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
@@ -112,14 +117,6 @@ class HeldFinish:
         with self._lock:
             if not self._ended:
                 self._held = (e2e_s, queue_s, stages, peak_memory_mb)
-
-    def on_failed(self, code: int) -> None:
-        if self._end():
-            self._observer.on_failed(code)
-
-    def on_cancelled(self) -> None:
-        if self._end():
-            self._observer.on_cancelled()
 
     def delivered(self) -> None:
         """The session sent every part: a held finish is reported."""
@@ -136,8 +133,3 @@ class HeldFinish:
             self._ended = self._ended or held
         if held:
             self._observer.on_cancelled()
-
-    def _end(self) -> bool:
-        with self._lock:
-            first, self._ended = not self._ended, True
-        return first
