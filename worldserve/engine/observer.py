@@ -1,6 +1,7 @@
 """What the video engine reports as it runs (step times, finished, failed and cancelled jobs): the Prometheus metrics
 (api/metrics.py) implement `EngineObserver`; `NullObserver` drops everything; `RequestGroup` reports the engine
-requests of one HTTP request (an image request's n images) as one."""
+requests of one HTTP request (an image request's n images) as one; `HeldFinish` reports a realtime stream's
+finish only once its session has sent it."""
 
 from __future__ import annotations
 
