@@ -669,3 +669,10 @@ def test_json_bodies_refuse_the_non_json_constants_naming_their_field(constant):
     with pytest.raises(APIError) as err:
         parse_json(constant)
     assert err.value.param is None
+
+
+async def test_a_refused_fps_is_quoted_as_it_came(tmp_path):
+    """fps=120.0000001 had read "fps=120 must be a number in [1, 120]": a value rounded into the range."""
+    async with asgi_server(tmp_path) as http:
+        r = await http.post("/v1/videos", json={"prompt": "x", "fps": 120.0000001})
+    assert r.status_code == 400 and "fps=120.0000001 must" in r.json()["error"]["message"], r.text

@@ -43,6 +43,14 @@ def test_sound_duration_runs_from_one_frame_to_the_longest_video():
             VideoParams(**SMALL, fps=fps, sound_duration=value).validate()
 
 
+def test_a_refused_value_is_quoted_as_it_came_not_rounded_into_range():
+    """sound_duration just under 1 / fps had read "sound_duration=0.125 must be in [1 / fps, ...]" (the API's
+    fps likewise: tests/test_api_bad_input.py)."""
+    with pytest.raises(ParamError) as error:
+        VideoParams(**SMALL, fps=8.0, sound_duration=1 / 8 - 1e-9).validate()
+    assert "sound_duration=0.124999999" in str(error.value), str(error.value)
+
+
 def test_max_log_len_cuts_the_logged_negative_prompt_too(caplog):
     with caplog.at_level(logging.INFO, logger="worldserve.requests"):
         RequestLog(max_len=10).video("r", VideoParams(**SMALL, negative_prompt="blurry " * 100))

@@ -295,7 +295,7 @@ class VideoParams:
         if self.sound_duration is not None and not (
             math.isfinite(self.sound_duration) and 1 / self.fps <= self.sound_duration <= MAX_SECONDS
         ):
-            raise ParamError("sound_duration", f"sound_duration={self.sound_duration:g} must be in "
+            raise ParamError("sound_duration", f"sound_duration={shown(self.sound_duration)} must be in "
                              f"[1 / fps, {MAX_SECONDS}] seconds ({1 / self.fps:.4g} at fps {self.fps:g})")  # fmt: skip
         if self.image is not None:
             img = self.image

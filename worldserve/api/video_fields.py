@@ -91,7 +91,7 @@ def resolve_video_params(
         kw["width"], kw["height"] = size
     fps = kw.setdefault("fps", defaults.get("fps", VideoParams.__dataclass_fields__["fps"].default))
     if fps > MAX_FPS:  # (bounded before seconds x fps: 1e308 would overflow)
-        raise ParamError(origin.get("fps", "fps"), f"fps={fps:g} must be a number in [1, {MAX_FPS}]")
+        raise ParamError(origin.get("fps", "fps"), f"fps={shown(fps)} must be a number in [1, {MAX_FPS}]")
     if "num_frames" not in kw and req.seconds is not None:
         kw["num_frames"], origin["num_frames"] = _frames_from_seconds(req.seconds, fps), "seconds"
     if "num_frames" in defaults:
