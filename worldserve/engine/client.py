@@ -285,6 +285,11 @@ class EngineClient:
             raise ShuttingDownError(
                 f"The engine has stopped (see the server log); no new {what} are accepted."
             )
+        # a peer rank that died while the engine idled: /health says so, and nothing could run a new request
+        if (problem := self.engine.backend.problem()) is not None:
+            raise ShuttingDownError(
+                f"The server cannot run {what} now ({problem}); no new {what} are accepted until it restarts."
+            )
         if self.num_waiting + count > self.max_queued_requests:
             raise QueueFullError(max(1, math.ceil(self.engine.estimated_slot_wait_s())))
 
