@@ -58,7 +58,7 @@ CASES = [
     ("sound_duration under a frame", {**OK, "fps": "5", "generate_sound": "true", "sound_duration": "0.1"}, 400,
      "sound_duration", "sound_duration=0.1 must be in [1 / fps, "),
     ("extra audio_duration too long", {**OK, "generate_sound": "true", "extra_params": '{"audio_duration": 1e6}'},
-     400, "extra_params.audio_duration", "sound_duration=1e+06 must be in [1 / fps"),
+     400, "extra_params.audio_duration", "sound_duration=1000000.0 must be in [1 / fps"),
     ("extra negative_metadata_mode", {**OK, "extra_params": '{"negative_metadata_mode": "zzz"}'}, 400,
      "extra_params.negative_metadata_mode", "'extra_params', 'negative_metadata_mode'"),
     ("lora no path", {**OK, "lora": '{"name": "a"}'}, 400, "lora", "both name and path are required"),

@@ -4,6 +4,7 @@ idle peer outlives the world's timeout (keep-alive pings); close() still works."
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -98,10 +99,11 @@ def test_ctrl_c_inside_an_exchange_stops_the_peers_and_close_returns(tiny_ckpt):
         pipe.close()  # (nothing to wait for: the peers were killed in the exchange, as asserted above)
 
 
-def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp_path):
+def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp_path, caplog):
     """The server's engine: the running job goes back to the queue (it resumes at restart) and so does the
     next one; /health turns unhealthy and new jobs are refused with a reason (was: both jobs failed with a
-    500 and /health stayed healthy, failing every later CFG job the same way)."""
+    500 and /health stayed healthy, failing every later CFG job the same way). The log names the dead peer
+    in one line, without a traceback of the transport's error (the peer's death is the cause)."""
     import asyncio
 
     from worldserve.runner.video_pipeline import load_pipeline
@@ -128,9 +130,12 @@ def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp
             await client.shutdown(5)
 
     try:
-        ok, reason, running, queued = asyncio.run(main())
+        with caplog.at_level(logging.ERROR, logger="worldserve.parallel"):
+            ok, reason, running, queued = asyncio.run(main())
     finally:
         pipe.close()
+    [record] = [r for r in caplog.records if "failed inside an exchange" in r.getMessage()]
+    assert "peer (rank 1" in record.getMessage() and record.exc_info is None, record.getMessage()
     assert reason == (  # which peer and why (a pid, a transport's address) are the log's, not the clients'
         "engine crashed: --cfg-parallel-size 2: the peer ranks are stopped after an error (the server log says "
         "which). Restart the server"
