@@ -285,8 +285,12 @@ def run_peer(
     except CheckpointError as exc:  # the user's to fix, and the same files rank 0 reads: no traceback
         log.error("could not load the model: %s", exc)
         sys.exit(1)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        if not leader_alive() or (isinstance(exc, RuntimeError) and _leader_gone_within(leader_alive, 1.0)):
+            # (rank 0 vanished mid-collective: the transport's error is only the symptom)
+            log.error("rank 0 is gone (%s); exiting", type(exc).__name__)
+        else:
+            traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
     finally:
@@ -390,3 +394,14 @@ def _load_branch(
 @torch.inference_mode()
 def _serve_branch(label: str, branch, group: ParallelGroup, dev: torch.device, leader_alive) -> None:
     serve_messages(group, dev, leader_alive, branch.handlers(group, dev, leader_alive), label)
+
+
+def _leader_gone_within(leader_alive: Callable[[], bool], wait_s: float) -> bool:
+    """Whether rank 0 is found gone within `wait_s` (a peer's transport error can come before its parent has
+    finished dying)."""
+    deadline = time.monotonic() + wait_s
+    while leader_alive():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
