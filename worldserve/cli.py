@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 VERBS: dict[str, tuple[str, str]] = {
     "serve": ("worldserve.commands.serve", "serve the video and chat APIs over HTTP"),
@@ -43,11 +45,25 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM in a verb other than serve (whose server has its own graceful stop): raised in the main thread,
+    as Ctrl-C's KeyboardInterrupt is, so the verb's clean-ups run (parallel peers stopped, no partial output)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     from worldserve.weights.checkpoint import CheckpointError
 
+    previous = None  # (restored on return: main may run inside another program, a test)
+    if args.verb != "serve" and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(
+            signal.SIGTERM, _terminated
+        )  # (the default had died at once: rc -15, silent)
     try:
         return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
     except CheckpointError as e:  # a missing or broken checkpoint is the user's: one line, no traceback
@@ -59,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C (uvicorn re-raises it after its graceful shutdown): no traceback
         print(f"worldserve {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"worldserve {args.verb}: terminated", file=sys.stderr)
+        return 143  # (128 + SIGTERM, as a shell reports a process the signal ended)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
