@@ -163,8 +163,10 @@ class _Session:
         """Report the request's finish once its session has sent every part, or as cancelled when the session
         ended first (the client left, or read nothing until the send timed out, with the parts made ahead)."""
         held = self.request.observer if self.request is not None else None
-        if isinstance(held, HeldFinish):
-            held.delivered() if delivered else held.undelivered()
+        if isinstance(held, HeldFinish) and delivered:
+            held.delivered()
+        elif isinstance(held, HeldFinish):
+            held.undelivered()
 
     def _abort(self) -> None:
         """Stop the request unless it has ended (its outcome, unread, was marked read when it was made)."""

@@ -167,14 +167,6 @@ class ParallelPipeline:
 
     generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
 
-    def _peer_gone(self, wait_s: float) -> str | None:
-        """Why a peer is gone, waiting up to `wait_s` for one dying (its transport closes before it is reaped),
-        or None while all live."""
-        deadline = time.monotonic() + wait_s
-        while (gone := self.peers.gone()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return gone
-
     @contextmanager
     def _exchange(self) -> Iterator[None]:
         """The lock over one exchange with the peers. A failure inside it leaves them out of step with rank 0
@@ -185,7 +177,7 @@ class ParallelPipeline:
             except ParamError:  # a bad input, answered with the peers still in step (prepare)
                 raise
             except Exception as exc:
-                gone = self._peer_gone(PEER_EXIT_WAIT_S)  # (a peer that died is the cause: its own log says
+                gone = self.peers.gone(PEER_EXIT_WAIT_S)  # (a peer that died is the cause: its own log says
                 log.error(  # why, no traceback here; anything else is a failure of this rank's, with it)
                     "%s: failed inside an exchange with the peer ranks%s", self.layout.flags,
                     f" ({gone})" if gone else "", exc_info=None if gone else exc,

@@ -155,8 +155,10 @@ class PeerRanks:
         if (gone := self.gone()) is not None:
             raise comm.PeerError(gone)
 
-    def gone(self) -> str | None:
-        """Why a peer is gone (the first dead one), None while all live: cheap, for health checks."""
+    def gone(self, wait_s: float = 0.0) -> str | None:
+        """Why a peer is gone (the first dead one), None while all live: cheap, for health checks. `wait_s`:
+        how long to wait for one dying (a failed exchange: its transport closes before it is reaped)."""
+        _wait_for(lambda: not all(p.is_alive() for p in self.processes), wait_s)
         for r, p in enumerate(self.processes, 1):
             if not p.is_alive():
                 return f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log above"
@@ -286,7 +288,9 @@ def run_peer(
         log.error("could not load the model: %s", exc)
         sys.exit(1)
     except BaseException as exc:
-        if not leader_alive() or (isinstance(exc, RuntimeError) and _leader_gone_within(leader_alive, 1.0)):
+        if not leader_alive() or (
+            isinstance(exc, RuntimeError) and _wait_for(lambda: not leader_alive(), 1.0)
+        ):
             # (rank 0 vanished mid-collective: the transport's error is only the symptom)
             log.error("rank 0 is gone (%s); exiting", type(exc).__name__)
         else:
@@ -396,11 +400,11 @@ def _serve_branch(label: str, branch, group: ParallelGroup, dev: torch.device, l
     serve_messages(group, dev, leader_alive, branch.handlers(group, dev, leader_alive), label)
 
 
-def _leader_gone_within(leader_alive: Callable[[], bool], wait_s: float) -> bool:
-    """Whether rank 0 is found gone within `wait_s` (a peer's transport error can come before its parent has
-    finished dying)."""
+def _wait_for(done: Callable[[], bool], wait_s: float) -> bool:
+    """Whether `done()` holds within `wait_s` (asked every 50 ms): a transport's error can come before the
+    process at its other end has finished dying."""
     deadline = time.monotonic() + wait_s
-    while leader_alive():
+    while not done():
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
