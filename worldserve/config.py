@@ -38,6 +38,8 @@ TINY_SERVED_NAME = "worldserve/tiny-cosmos3"
 
 MIN_UPLOAD_MB = 0.01
 """The smallest --max-upload-mb (10 KiB): below it even a short chat body is refused."""
+_DTYPE_ALIASES: dict[str, str | None] = {"auto": None, "half": "float16", "float": "float32"}
+"""--dtype's vLLM spellings: auto is the device's default dtype (None)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,10 +100,8 @@ class ModelConfig:
                 raise ValueError("--served-model-name: a name must not be empty")
             object.__setattr__(self, "served_model_name", names[0])
             object.__setattr__(self, "served_model_aliases", tuple(names[1:]))
-        # vLLM's spellings: auto is the device's default dtype
-        object.__setattr__(
-            self, "dtype", {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
-        )
+        if self.dtype is not None:  # vLLM's spellings: auto is the device's default dtype
+            object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         check_seconds("--init-timeout", self.init_timeout, zero=False)
         if self.revision is not None and self.model is None:
             raise ValueError("--revision needs a MODEL (the embedded tiny checkpoint has no revisions)")

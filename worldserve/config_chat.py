@@ -18,7 +18,7 @@ from worldserve.config_values import JsonObject, TokenCount
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReasonerConfig:
-    max_model_len: TokenCount = 32768
+    max_model_len: TokenCount = TokenCount()  # 32768
     """Context length of Reasoner chat completions (prompt + completion tokens; vLLM's 32k = 32000, 32K = 32768; auto or -1: 32768)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""

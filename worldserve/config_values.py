@@ -65,18 +65,24 @@ class JsonStrList(tuple):
         return json.dumps(list(self))
 
 
+_Pairs = typing.Iterable[tuple[str, typing.Any]]
+"""(key, value) pairs: what the tuple-of-pairs flag types below are built from besides their JSON text (a
+replace() or a copy passes the tuple itself)."""
+
+
 class JsonObject(tuple):
     """A flag whose value is a JSON object (vLLM's `--override-generation-config '{"temperature": 0.5}'`): a
     tuple of sorted (key, value) pairs, so the frozen configs stay hashable; str() gives the JSON back."""
 
     __slots__ = ()
 
-    def __new__(cls, value: str | typing.Mapping[str, typing.Any] | typing.Iterable = ()) -> JsonObject:
+    def __new__(cls, value: str | typing.Mapping[str, typing.Any] | _Pairs = ()) -> JsonObject:
         if isinstance(value, str):
-            value = json_flag(value, "an object such as '{\"temperature\": 0.5}'")
-            if not isinstance(value, dict):
+            parsed = json_flag(value, "an object such as '{\"temperature\": 0.5}'")
+            if not isinstance(parsed, dict):
                 raise FlagValueError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got "
-                                     f"{json.dumps(value)}")  # fmt: skip
+                                     f"{json.dumps(parsed)}")  # fmt: skip
+            value = parsed
         return super().__new__(cls, sorted(dict(value).items()))
 
     def as_dict(self) -> dict[str, typing.Any]:
@@ -97,7 +103,7 @@ class MediaLimits(tuple):
     MODALITIES = ("image", "video")
     SIZE_HINTS = ("width", "height", "num_frames")
 
-    def __new__(cls, value: str | typing.Mapping[str, typing.Any] = ()) -> MediaLimits:
+    def __new__(cls, value: str | typing.Mapping[str, typing.Any] | _Pairs = ()) -> MediaLimits:
         if isinstance(value, str):
             value = json_flag(value, 'an object such as \'{"image": 4, "video": 1}\'')
         if not isinstance(value, typing.Mapping | tuple):
@@ -142,7 +148,7 @@ class SamplingDefaults(tuple):
     """The VideoParams fields a default may set, and the JSON types each takes."""
     STAGE = "0"
 
-    def __new__(cls, value: str | typing.Mapping[str, typing.Any] | typing.Iterable = ()) -> SamplingDefaults:
+    def __new__(cls, value: str | typing.Mapping[str, typing.Any] | _Pairs = ()) -> SamplingDefaults:
         """Parse `value` (the flag's JSON text, its object, or (field, value) pairs); FlagValueError naming the
         stage or field that is wrong."""
         if isinstance(value, str):
@@ -152,9 +158,10 @@ class SamplingDefaults(tuple):
                                      f"got {json.dumps(stages)}")  # fmt: skip
             if other := sorted(k for k, v in stages.items() if k != cls.STAGE and v):
                 raise FlagValueError(f'stage {other[0]!r}: worldserve generates in one stage, "0"')
-            value = stages.get(cls.STAGE) or {}
-            if not isinstance(value, dict):
-                raise FlagValueError(f'stage "0": expected an object of fields, got {json.dumps(value)}')
+            fields = stages.get(cls.STAGE) or {}
+            if not isinstance(fields, dict):
+                raise FlagValueError(f'stage "0": expected an object of fields, got {json.dumps(fields)}')
+            value = fields
         pairs = dict(value)
         for name, v in pairs.items():
             if name not in cls.FIELDS:
