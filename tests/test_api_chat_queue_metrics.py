@@ -101,3 +101,36 @@ def test_each_choice_of_a_non_streamed_request_has_its_own_time_to_first_token(s
                          ("worldserve:chat_time_to_first_token_seconds_sum", WS)):  # fmt: skip
         total = gauge(after, name, labels) - gauge(before, name, labels, default=0.0)
         assert 0 < total < 0.3 and not math.isnan(total), (name, total)
+
+
+def test_a_chat_whose_client_leaves_while_it_waits_is_counted_aborted(served):
+    """Two chats run, a third waits; its client leaves before it started: vLLM counts that request finished
+    with reason "abort" (it had not been counted at all: its count waited for a start that never came); the
+    token histograms take nothing from it; the two that ran end "stop"."""
+    url, _, backend = served
+    reason = {**LLM, "finished_reason": "abort"}
+    before = httpx.get(url + "/metrics").text
+    answers = []
+
+    def chat():
+        answers.append(httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code)
+
+    threads = [threading.Thread(target=chat, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: queues(url)[:2] == (2, 0))
+    with pytest.raises(httpx.ReadTimeout):  # queued behind the two, it leaves
+        httpx.post(url + "/v1/chat/completions", json=BODY, timeout=httpx.Timeout(30, read=0.5))
+    wait_until(lambda: queues(url)[:2] == (2, 0))
+
+    def aborted() -> float:
+        return gauge(httpx.get(url + "/metrics").text, "vllm:request_success_total", reason)
+
+    wait_until(lambda: aborted() == gauge(before, "vllm:request_success_total", reason) + 1)
+    backend.finish.set()
+    for t in threads:
+        t.join(30)
+    after = httpx.get(url + "/metrics").text
+    assert answers == [200, 200]
+    assert gauge(after, "vllm:request_success_total", {**LLM, "finished_reason": "stop"}) == 2
+    assert gauge(after, "worldserve:chat_request_success_total", {**WS, "finish_reason": "abort"}) == 1

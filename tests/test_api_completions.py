@@ -349,6 +349,8 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, re
     [
         ("/v1/completions", {"suffix": "!"}, 400, "suffix", "not supported"),
         ("/v1/completions", {"best_of": 2}, 400, "best_of", "must equal n"),
+        ("/v1/completions", {"prompt_embeds": "AAAA"}, 400, "prompt_embeds", "not supported"),  # (was ignored)
+        ("/v1/completions", {"prompt": DROP, "prompt_embeds": ["AAAA"]}, 400, "prompt_embeds", "not supported"),
         ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens", "at least 1"),
         ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": [5] * 4096}, 400, "prompt",
          "maximum context length is 4096"),

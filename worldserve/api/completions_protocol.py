@@ -7,7 +7,8 @@ api/chat_protocol.py SamplingRequest), `logprobs` (an int:
 that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
 `add_special_tokens` (default true); `echo` with `logprobs`, and vLLM's `prompt_logprobs`, score the prompt
 too; structured outputs as the chat's (`response_format`, `structured_outputs`, `guided_*`). `suffix` and
-a `best_of` other than `n` are refused with a 400 naming the field (`refused`); other unknown fields are
+a `best_of` other than `n` are refused with a 400 naming the field (`refused`), as is vLLM's
+`prompt_embeds` (vLLM too refuses it unless served with --enable-prompt-embeds); other unknown fields are
 ignored, as vLLM ignores them.
 Responses: `text_completion` objects (`choices[i].text`, legacy `logprobs` {tokens, token_logprobs,
 top_logprobs, text_offset}), the same object per SSE chunk, and the /tokenize {count, max_model_len, tokens,
@@ -39,6 +40,9 @@ MAX_LOGPROBS = 20
 
 
 class CompletionRequest(SamplingRequest):
+    prompt_embeds: Any = Field(None, description="Refused: vLLM takes it only with --enable-prompt-embeds.")
+    """Declared ahead of `prompt` so that a body of embeddings alone is told of them first, not of a missing
+    prompt (pydantic reports errors in field order)."""
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="Text used as it is (no chat template), token ids, or a list of either (a choice set each)."
     )
@@ -52,6 +56,17 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = Field(True, description="The tokenizer's special tokens (e.g. BOS) on text.")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's log-probability with this many alternatives (`choices[i].prompt_logprobs`)."""
+
+    @field_validator("prompt_embeds")
+    @classmethod
+    def _no_prompt_embeds(cls, value: Any) -> Any:
+        """vLLM refuses `prompt_embeds` unless served with --enable-prompt-embeds; this server has no such
+        mode (the Reasoner's embeddings are its own tower's), so any value but null is a 400 naming it."""
+        if value is not None:
+            raise ValueError(
+                "prompt_embeds is not supported by this server: send `prompt` as text or token ids"
+            )
+        return value
 
     @field_validator("max_tokens", mode="before")
     @classmethod

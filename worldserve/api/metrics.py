@@ -208,9 +208,9 @@ class Metrics:
         self.vllm.prompt_tokens.inc(prompt_tokens)
 
     def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int | None = 0
     ) -> None:
-        """finish_reason None: failed or abandoned by the client."""
+        """finish_reason None: failed or abandoned by the client; prompt_tokens None: ended while queued."""
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
         self.vllm.chat_ended(completion_tokens, finish_reason or "abort", prompt_tokens)
 

@@ -182,9 +182,10 @@ class VllmMirror:
         self.request_tokens = prompt, generation
 
     # -- chats -------------------------------------------------------------------------------------------
-    def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int) -> None:
+    def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int | None) -> None:
+        """prompt_tokens None: a chat aborted while queued, counted without token counts (none were read)."""
         self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()
-        if self.request_tokens is not None:
+        if self.request_tokens is not None and prompt_tokens is not None:
             self.request_tokens[0].observe(prompt_tokens)
             self.request_tokens[1].observe(completion_tokens)
 

@@ -91,7 +91,7 @@ class AbortLogged:
         self.meter.on_chat_started(prompt_tokens)
 
     def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int | None = 0
     ) -> None:
         self.meter.on_chat_ended(completion_tokens, finish_reason, prompt_tokens=prompt_tokens)
         if finish_reason is None and not self.logged:

@@ -1,6 +1,9 @@
 """Counting a chat's events where they are consumed (the API's chats and completions, the prompt upsampling's)
 into a `ChatMeter` (the Prometheus metrics implement it; api/metrics.py): started (its prompt tokens) and
-ended (its prompt and completion tokens and finish reason). What the chat worker knows better than a reader
+ended (its prompt and completion tokens and finish reason). A chat that ends before it started (cancelled while
+queued, failed by a shutdown or a full K/V cache) is counted ended without a finish reason ("abort", as vLLM
+counts an aborted waiting request) and without prompt tokens (None: it has none counted); one refused with a
+4xx before it started is the route's 400, not a finished request. What the chat worker knows better than a reader
 of the events is counted there: running and waiting chats (its queues, read at scrape time: a preempted chat
 waits), the time to first token (when the worker sampled it: the n choices of one request are read one
 after another), tokens per iteration, inter-token gaps, and each chat's queue, prefill, decode and inference
@@ -21,8 +24,9 @@ class ChatMeter(Protocol):
     def on_chat_started(self, prompt_tokens: int) -> None: ...
 
     def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int = 0
-    ) -> None: ...
+        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int | None = 0
+    ) -> None:
+        """finish_reason None: aborted (client gone, failed, shut down); prompt_tokens None: never started."""
 
 
 class ChatEventSource(Protocol):
@@ -39,7 +43,8 @@ def metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEve
 
 
 async def _metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEvent, None]:
-    prompt, completion, finish = None, 0, None
+    prompt: int | None = None
+    completion, finish, refused = 0, None, False
     try:
         async for event in events:
             if isinstance(event, ChatStarted):
@@ -47,8 +52,10 @@ async def _metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[
                 meter.on_chat_started(prompt)
             elif isinstance(event, ChatDelta):
                 completion, finish = event.completion_tokens, event.finish_reason
+            elif prompt is None and event.status < 500:  # (a ChatFailed: its request was refused)
+                refused = True
             yield event
     finally:
         await events.aclose()
-        if prompt is not None:
+        if not refused:
             meter.on_chat_ended(completion, finish, prompt_tokens=prompt)
