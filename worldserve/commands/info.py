@@ -12,6 +12,7 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from worldserve.params import VideoParams, default_flow_shift
 from worldserve.sampling.chat_defaults import ChatDefaults
@@ -37,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def describe(root: Path, layout=None) -> dict:
     """The checkpoint at `root` (its `read_layout`, when the caller has it already)."""
     layout = layout if layout is not None else read_layout(root)
-    components = {}
+    components: dict[str, dict[str, Any]] = {}  # component -> its parameters, dtypes and files
     for name in layout.components:
         prefix = COMPONENT_WEIGHTS.get(name)
         if prefix is None:

@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     with listener:
+        assert config.video.storage_dir is not None, "resolve() sets the storage directory"
         try:
             store = JobStore(config.video.storage_dir)
         except StorageError as exc:
@@ -201,6 +202,7 @@ def _serve(
     from worldserve.engine.engine import Engine
 
     server_cfg, video_cfg, served = config.server, config.video, config.model.served_model_name
+    assert served is not None, "resolve() names the served model"
     log.info(
         "job store: %s (ttl: %s)", store.root, f"{video_cfg.job_ttl:g}s" if video_cfg.job_ttl else "none"
     )
@@ -227,7 +229,8 @@ def _serve(
     uv_config = uvicorn.Config(
         app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
         timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
-        timeout_keep_alive=envs.http_timeout_keep_alive_s(),
+        # uvicorn annotates it int, but only ever passes it to loop.call_later: a fraction of a second works
+        timeout_keep_alive=envs.http_timeout_keep_alive_s(),  # type: ignore[arg-type]
         **serve_http.uvicorn_options(http_args),
     )  # fmt: skip
     host = server_cfg.host or "0.0.0.0"  # ('' binds every address); an IPv6 address goes in brackets in a URL
@@ -251,8 +254,10 @@ def app_settings(config: EngineConfig) -> AppSettings:
     """build_app's settings from a resolved config (api/settings.py; --disable-fastapi-docs is the HTTP
     layer's, given beside them)."""
     server, video, media, chat = config.server, config.video, config.media, config.chat
+    # resolve()'s value, for a config not resolved (as tests pass one: they look at other settings)
+    sync_timeout = video.sync_timeout if video.sync_timeout is not None else envs.sync_timeout_s()
     return AppSettings(
-        api_keys=server.api_key or (), sync_timeout_s=video.sync_timeout, max_upload_bytes=server.max_upload_bytes,
+        api_keys=server.api_key or (), sync_timeout_s=sync_timeout, max_upload_bytes=server.max_upload_bytes,
         shutdown_timeout_s=config.scheduler.shutdown_timeout, model_root=config.model.model,
         model_aliases=config.model.served_model_aliases,
         allowed_local_media_path=media.allowed_local_media_path, allowed_origins=server.allowed_origins,
@@ -284,7 +289,7 @@ def media_defaults(media: MediaConfig) -> Any:
     from worldserve.params import ParamError
 
     io, mm = dict(media.media_io_kwargs or {}), dict(media.mm_processor_kwargs or {})
-    probe = ChatCompletionRequest(messages=[{"role": "user", "content": "-"}])
+    probe = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "-"}]})
     for flag, defaults in (("--media-io-kwargs", MediaDefaults(io, {})), ("--mm-processor-kwargs", MediaDefaults({}, mm)),
                            ("--media-io-kwargs with --mm-processor-kwargs", MediaDefaults(io, mm))):  # fmt: skip
         try:

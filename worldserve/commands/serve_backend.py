@@ -198,8 +198,9 @@ def load_backend_within(
     scheduler: SchedulerConfig | None = None,
     chat: ReasonerConfig | None = None,
     lora: LoraConfig | None = None,
-) -> tuple[Any, Any] | None:
-    """serve_backend.load_backend in a thread, bounded by --init-timeout; None (after logging why) on failure."""
+) -> tuple[Any, ...] | None:
+    """serve_backend.load_backend in a thread, bounded by --init-timeout: its tuple, or None (after logging why)
+    on failure."""
     from worldserve.weights.checkpoint import CheckpointError
 
     outcome: dict[str, Any] = {}

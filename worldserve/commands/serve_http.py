@@ -20,7 +20,7 @@ import logging
 import signal
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -175,7 +175,9 @@ def record_given(parser: argparse.ArgumentParser) -> None:
 def _recorded(
     self: argparse.Action, parser: Any, namespace: Any, values: Any, option_string: Any = None
 ) -> None:
-    super(type(self), self).__call__(parser, namespace, values, option_string)
+    # record_given's subclass has one base, the flag's own Action class (store, append, BooleanOptional...)
+    base = cast(type[argparse.Action], type(self).__bases__[0])
+    base.__call__(self, parser, namespace, values, option_string)
     setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), self.dest})
 
 
@@ -227,10 +229,11 @@ def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argpars
     parser = parser_for()
     argv = _config_argv(path, data, parser, getattr(args, "model", None) is not None)
 
-    def refuse(message: str) -> None:
+    def refuse(message: str) -> NoReturn:
         raise FlagValueError(f"--config {path}: {message}")
 
-    parser.error = refuse  # type: ignore[method-assign]  (argparse would exit naming the wrong command)
+    # argparse would exit naming the wrong command; mypy refuses any assignment to a method, which Python allows
+    parser.error = refuse  # type: ignore[method-assign]
     defaults, given = vars(parser.parse_args([])), vars(parser.parse_args(argv))
     on_command_line = getattr(args, GIVEN, None)
     for dest, value in given.items():
