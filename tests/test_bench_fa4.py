@@ -44,6 +44,16 @@ def test_off_hopper_the_reason_names_the_device():
     assert reason is not None and "Hopper" in reason and "cpu" in reason
 
 
+def test_a_forward_without_fa4_names_the_install():
+    """fa4_forward where flash-attn-4 is not importable (`bench/step_levers.py --variants fa4` calls it without
+    asking fa4_unavailable_reason first): the module and the install hint, not an AttributeError on None."""
+    if fa4.fa4_module() is not None:
+        pytest.skip("flash-attn-4 is importable here")
+    q = torch.zeros(4, 2, 8)  # [N, H, D]
+    with pytest.raises(RuntimeError, match=r"flash_attn\.cute\.interface is not importable: pip install"):
+        fa4.fa4_forward(q, q, q)
+
+
 def _fa4_export():
     """bench/fa4_export.py as a module (its top level imports the standard library only)."""
     import importlib.util

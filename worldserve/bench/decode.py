@@ -18,6 +18,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -152,7 +153,7 @@ def overlap_decode_and_mux(vae, latents: torch.Tensor, w: Workload, log: Callabl
             t0 = time.perf_counter()
             digests[name] = hashlib.sha256(run()).hexdigest()
             times[name].append(time.perf_counter() - t0)
-    out = {f"decode_mux_{name}_s": min(ts) for name, ts in times.items()}
+    out: dict[str, Any] = {f"decode_mux_{name}_s": min(ts) for name, ts in times.items()}
     out["decode_mux_runs_s"] = times
     out["decode_mux_same_bytes"] = digests["sequential"] == digests["overlapped"]
     out["decode_mux_saved_s"] = out["decode_mux_sequential_s"] - out["decode_mux_overlapped_s"]

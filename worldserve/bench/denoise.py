@@ -17,11 +17,15 @@ float32; `last` keeps the per-branch predictions of the latest call for the pari
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from worldserve.bench.workload import VAE_TEMPORAL, Workload
+
+if TYPE_CHECKING:
+    from worldserve.models.layers.attention import ContiguousKVCache
 
 GUIDANCE = 6.0
 
@@ -47,7 +51,7 @@ class OurStep:
     def __init__(self, model, w: Workload, inputs: dict[str, Tensor], *, batch_cfg: bool = True):
         self.model, self.w, self.batch_cfg = model, w, batch_cfg
         self.inputs = inputs
-        self.caches = None
+        self.caches: list[ContiguousKVCache] | None = None  # the cond and uncond text K/V (prefill())
         self.last: dict[str, Tensor | None] = {}
         self.lora = None  # a LoraWeights every forward (and the prefill) runs with (bench/lora_step.py)
 
@@ -60,6 +64,8 @@ class OurStep:
     def _items(self, timestep: int):
         from worldserve.models.cosmos3.batch import GenItem
 
+        if self.caches is None:
+            raise RuntimeError("call prefill() first")
         lat, snd = self.inputs["latents"][0], self.inputs.get("sound")
         return [
             GenItem(latents=lat, timestep=float(timestep), und_cache=c, fps=self.w.fps, sound=snd)
@@ -69,8 +75,6 @@ class OurStep:
     def __call__(self, timestep: int) -> tuple[Tensor, Tensor | None]:
         from worldserve.models.cosmos3.batch import GenBatch
 
-        if self.caches is None:
-            raise RuntimeError("call prefill() first")
         items, cfg, dev = self._items(timestep), self.model.config, self.model.device
         if self.batch_cfg:
             out = self.model(GenBatch.pack(items, config=cfg, device=dev), lora=self.lora)

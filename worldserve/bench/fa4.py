@@ -122,8 +122,10 @@ def fa4_forward(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """One FA4 forward: q [Nq, Hq, D], k/v [Nk, Hkv, D] token-major, last dim contiguous -> (out [Nq, Hq, D],
     softmax LSE [Hq, Nq] float32), with the current `Fa4Config`. With `out` the kernel writes there."""
-    cfg = _config
-    res = fa4_module()._flash_attn_fwd(
+    cfg, mod = _config, fa4_module()
+    if mod is None:  # (the caller skipped fa4_unavailable_reason: `bench/step_levers.py --variants fa4`)
+        raise RuntimeError(f"{FA4_MODULE} is not importable: {FA4_INSTALL_HINT}")
+    res = mod._flash_attn_fwd(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),  # [N, H, D] -> [1, N, H, D]
         softmax_scale=scale, causal=causal, out=None if out is None else out.unsqueeze(0),
         return_lse=True, tile_mn=(cfg.tile_m, cfg.tile_n), mma_pv_is_rs=cfg.mma_pv_is_rs,

@@ -12,10 +12,12 @@ Results are re-written after every phase, so a run cut short still leaves what i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +28,9 @@ from worldserve.bench.denoise import DiffusersStep, OurStep, make_inputs, rel_er
 from worldserve.bench.flops import PEAK_BF16_TFLOPS, roofline_seconds
 from worldserve.bench.timing import Timing, allocated_gib, free_memory, peak_gib, reset_peak, time_region
 from worldserve.bench.workload import Workload
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
 
 PHASES = ("transformer", "profile", "decode", "variants")
 
@@ -98,7 +103,8 @@ class Bench:
             },
             "points": [],
         }
-        self.ours = self.ref = None
+        self.ours: Cosmos3Transformer | None = None  # build() makes both
+        self.ref: torch.nn.Module | None = None  # diffusers' transformer (None without it, or once freed)
         self.compiled = False
         self._t = 999
 
@@ -112,6 +118,10 @@ class Bench:
     def _next_timestep(self) -> int:
         self._t = 999 if self._t < 100 else self._t - 7  # values do not change the work
         return self._t
+
+    def _one_step(self, step: Callable[[int], object]) -> object:
+        """`step` once, at the next timestep (what the profile phase records)."""
+        return step(self._next_timestep())
 
     def _time_steps(
         self, step, w: Workload, weights_gib: float, warmup: int | None = None, repeats: int | None = None
@@ -169,7 +179,8 @@ class Bench:
         }
 
     def transformer_point(self, w: Workload, first: bool) -> dict:
-        point = {
+        assert self.ours is not None, "build() runs before the transformer points"
+        point: dict[str, Any] = {
             "workload": w.label,
             "video_tokens": w.video_tokens,
             "audio_frames": w.audio_frames,
@@ -222,7 +233,7 @@ class Bench:
                 continue
             self.log(f"[{w.label}] profiling one {name} step")
             prof[name] = profile_step(
-                lambda s=step: s(self._next_timestep()),
+                functools.partial(self._one_step, step),
                 self.device,
                 self.o.out_dir / f"profile_{name}_{w.width}x{w.height}.txt",
             )
@@ -253,6 +264,7 @@ class Bench:
         point = self.results["points"][0]
         base = point["ours"]["step_s"]["median"]
         var: dict = {}
+        assert self.ours is not None, "build() runs before the variants (they need the transformer points)"
         c = self.ours.config
         if self.device.type == "cuda":
             self.log("micro-benchmarks: attention layouts, fused vs separate GEMMs")

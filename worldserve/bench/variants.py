@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from worldserve.bench.timing import time_region
 
@@ -93,13 +94,24 @@ def attention_micro(
 
 
 class _FixedKV:
-    """A stand-in und cache holding one layer's text K/V."""
+    """A stand-in und cache holding one layer's text K/V: the KVCache a gen step reads (`kv`, `length`);
+    an und step's writes are refused."""
 
-    def __init__(self, k, v):
-        self.k, self.v, self.length = k, v, k.shape[0]
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        self.k, self.v = k, v
+        self.length: int = k.shape[0]
 
-    def kv(self, layer: int):
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.k, self.v
+
+    def reserve(self, num_new: int) -> None:
+        raise NotImplementedError("_FixedKV is read-only: a gen step's text K/V")
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError("_FixedKV is read-only: a gen step's text K/V")
+
+    def advance(self, num_new: int) -> None:
+        raise NotImplementedError("_FixedKV is read-only: a gen step's text K/V")
 
 
 @torch.no_grad()
@@ -306,8 +318,12 @@ def profile_step(
     for e in ka:
         if device.type == "cuda" and e.device_type != DeviceType.CUDA:
             continue
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
+        device_us = getattr(
+            e, "self_device_time_total", None
+        )  # (newer torch; the CUDA or CPU total before it)
+        if device_us is not None:
+            us = device_us
+        else:
             us = getattr(e, "self_cuda_time_total", 0.0) if device.type == "cuda" else e.self_cpu_time_total
         kernels.append((e.key, us / 1e3, e.count))
     kernels.sort(key=lambda x: -x[1])

@@ -88,7 +88,8 @@ class Workload:
 
     def forward_flops(self, shape: TowerShape = NANO) -> tuple[float, float]:
         """(cond, uncond) model FLOPs of one forward."""
-        return tuple(forward_flops(self.gen_tokens, t, shape) for t in self.text_tokens)
+        cond, uncond = self.text_tokens
+        return forward_flops(self.gen_tokens, cond, shape), forward_flops(self.gen_tokens, uncond, shape)
 
     def step_flops(self, shape: TowerShape = NANO) -> float:
         return step_flops(self.gen_tokens, self.text_tokens, shape)
