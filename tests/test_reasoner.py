@@ -233,6 +233,16 @@ def test_context_limit_and_stop_strings(reasoner):
     assert s.stop_reason is None  # length, or an end-of-sequence token
 
 
+def test_an_image_or_video_part_without_its_pixels_is_a_param_error(reasoner):
+    """An in-process caller's ChatPart(type="image") with no image (or a video part with no video) is a bad
+    request naming `messages`, not an AttributeError deep in the preprocessing (a server error)."""
+    for part in (ChatPart(type="image"), ChatPart(type="video")):
+        msgs = (ChatMessage(role="user", content=(part, ChatPart(type="text", text="what?"))),)
+        with pytest.raises(ParamError) as err:
+            reasoner.build_prompt(ChatParams(messages=msgs))
+        assert err.value.param == "messages" and "no decoded" in err.value.message
+
+
 def test_vision_encoder_loading_is_strict(tiny_ckpt, tmp_path, reasoner):
     """Bare safetensors (keys prefixed `visual.`) + the root vision_config load the same ViT; a missing
     weight is an error, never a silently random tower."""

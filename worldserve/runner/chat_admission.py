@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from torch import Tensor
 
@@ -38,6 +38,8 @@ log = logging.getLogger("worldserve.reasoner")
 if TYPE_CHECKING:
     from typing import Any
 
+    from worldserve.runner.reasoner import Reasoner
+
 DEFERRED_PROMPTS = 256
 """Built prompts kept for chats refused for lack of room (their retry skips the preprocessing)."""
 
@@ -52,6 +54,7 @@ class ChatAdmission:
         grammars: Any
         transformer: Any
         tokenizer: Any
+        token_texts: Any
         share: Any
         max_model_len: int
         max_num_batched_tokens: int
@@ -59,11 +62,15 @@ class ChatAdmission:
         budget: Any
         _waiting: list
         _open: list
-        _live: int
         _started: int
         _deferred: dict
 
+        @property
+        def _live(self) -> int: ...
+
         def prefill_batch(self, items, whole=(), budget=None) -> list: ...
+
+        def build_prompt(self, params: ChatParams) -> ChatPrompt: ...
 
     def start(self, params: ChatParams) -> ReasonerSession:
         """Validate, build the prompt, prefill (all of it: a chunked one to its end); the session's step()
@@ -132,9 +139,11 @@ class ChatAdmission:
         prefilled = {id(row[2]): row[4] for row in self._prefill_each(list(leaders.values()), limit)}
         if shared:
             self.budget.admitted += self.prefiller.computed - before
-        for i, params, prompt, budget in ready:
-            out[i] = self._start_one(i, params, prompt, budget, prefilled, leaders[id(prompt)][0] == i)
-        return out
+        started = {
+            i: self._start_one(i, params, prompt, budget, prefilled, leaders[id(prompt)][0] == i)
+            for i, params, prompt, budget in ready
+        }
+        return [started[i] if o is None else o for i, o in enumerate(out)]  # (None: a ready chat's place)
 
     def _start_one(self, i: int, params: ChatParams, prompt: ChatPrompt, budget: int, prefilled: dict,
                    leader: bool) -> ReasonerSession | Exception:  # fmt: skip
@@ -237,7 +246,8 @@ class ChatAdmission:
             if params.structured is None
             else self.grammars.grammar(params.structured, params.think_first)
         )
-        session = ReasonerSession(self, sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
+        # (cast: ChatAdmission is only ever the Reasoner's base, whose sessions these are)
+        session = ReasonerSession(cast("Reasoner", self), sampler, seq, logits, pos, prompt=prompt, started=self._started + 1,
                                   max_tokens=budget, stop=params.stop, ends=(params.ignore_eos, params.min_tokens,
                                   params.stop_token_ids, params.include_stop_str_in_output),
                                   top_logprobs=params.top_logprobs if params.logprobs else None,

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from jinja2 import TemplateError
 from torch import Tensor
 
-from worldserve.chat_params import ChatParams, ChatPart
+from worldserve.chat_params import ChatParams, ChatVideo
 from worldserve.media.processor_cache import ProcessorCache
 from worldserve.models.cosmos3.prompt import TextSizeBound
 from worldserve.models.cosmos3.vision import (
@@ -178,7 +179,9 @@ class ChatPromptBuilder:
     def _build(self, params: ChatParams, add_special_tokens: bool, max_tokens: int | None) -> ChatPrompt:
         if params.prompt_ids is not None:
             return self._raw(list(params.prompt_ids))
-        conversation, images, videos = [], [], []
+        conversation: list[dict] = []
+        images: list[tuple[np.ndarray, bytes | None]] = []  # (pixels, media_key) of each image part
+        videos: list[ChatVideo] = []
         for msg in params.messages:
             extra = {
                 k: v
@@ -193,10 +196,10 @@ class ChatPromptBuilder:
             parts = []
             for part in msg.content:
                 if part.type == "image":
-                    images.append(part)
+                    images.append((_decoded(part.image, "image"), part.media_key))
                     parts.append({"type": "image"})
                 elif part.type == "video":
-                    videos.append(part.video)
+                    videos.append(_decoded(part.video, "video"))
                     parts.append({"type": "video"})
                 else:
                     parts.append({"type": "text", "text": part.text})
@@ -213,9 +216,10 @@ class ChatPromptBuilder:
             raise ParamError(
                 "messages", "this checkpoint has no vision_encoder/: image and video inputs are unsupported"
             )
+        merge = self.vision.merge_size if self.vision is not None else 2
         if images:
             vision = self._preprocess(images, params)
-            counts = vision.tokens_per_image(self.vision.merge_size)
+            counts = vision.tokens_per_image(merge)
             pieces = text.split(IMAGE_PAD)
             if len(pieces) != len(counts) + 1:
                 raise ParamError(
@@ -228,7 +232,6 @@ class ChatPromptBuilder:
             text, video = self._expand_videos(text, videos)
         ids = self.encode(text, add_special_tokens=add_special_tokens)
         grids = [] if vision is None else vision.grid_thw.tolist()
-        merge = self.vision.merge_size if self.vision is not None else 2
         try:
             positions, next_pos = chat_positions(
                 ids, self.image_token_id, grids, merge, video_token_id=self.video_token_id,
@@ -336,14 +339,14 @@ class ChatPromptBuilder:
                 "messages", f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _preprocess(self, parts: list[ChatPart], params: ChatParams) -> VisionInputs:
-        """Qwen3-VL image preprocessing of the image parts with the request's pixel budget (by their content
-        keys, from the preprocessor's cache where it has them); an image it cannot resize (the API refuses
-        those up front: this guards other callers) is a ParamError, not a server error."""
-        images = [p.image for p in parts]
+    def _preprocess(self, parts: list[tuple[np.ndarray, bytes | None]], params: ChatParams) -> VisionInputs:
+        """Qwen3-VL image preprocessing of the image parts ((image, media_key) each) with the request's pixel
+        budget (by their content keys, from the preprocessor's cache where it has them); an image it cannot
+        resize (the API refuses those up front: this guards other callers) is a ParamError, not a server error."""
+        images = [image for image, _ in parts]
         try:
             return self.preprocess(
-                images, keys=[p.media_key for p in parts], min_pixels=params.image_min_pixels,
+                images, keys=[key for _, key in parts], min_pixels=params.image_min_pixels,
                 max_pixels=params.image_max_pixels,
             )  # fmt: skip
         except ValueError as exc:  # vision.smart_resize: "absolute aspect ratio must be smaller than 200"
@@ -360,7 +363,10 @@ class ChatPromptBuilder:
         if len(pieces) != len(videos) + 1:
             raise ParamError("messages", "the chat template did not render one video placeholder per video")
         out = [pieces[0]]
+        digests: list[bytes] = []
         for x, inp, rest in zip(videos, inputs, pieces[1:], strict=True):
+            assert inp.digests is not None  # (video_inputs hashes every clip's frames)
+            digests += inp.digests
             per_patch = int(inp.grid_thw[0, 1:].prod()) // v.merge_size**2
             stamps = video_timestamps(x.indices, x.source_fps, v.temporal_patch_size)
             out += [f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * per_patch}{VISION_END}" for t in stamps]
@@ -368,9 +374,20 @@ class ChatPromptBuilder:
         merged = VisionInputs(
             patches=torch.cat([i.patches for i in inputs]),
             grid_thw=torch.cat([i.grid_thw for i in inputs]),
-            digests=tuple(d for i in inputs for d in i.digests),
+            digests=tuple(digests),
         )
         return "".join(out), merged
+
+
+_Media = TypeVar("_Media")
+
+
+def _decoded(media: _Media | None, kind: str) -> _Media:
+    """An image / video part's decoded pixels; a part without them is a ParamError (the API always decodes
+    them; an in-process caller may build such a ChatPart)."""
+    if media is None:
+        raise ParamError("messages", f"a message part of type {kind!r} carries no decoded {kind}")
+    return media
 
 
 def completion_budget(params: ChatParams, n: int, max_model_len: int) -> int:
@@ -389,8 +406,10 @@ def completion_budget(params: ChatParams, n: int, max_model_len: int) -> int:
             f"of the {where} or completion.",
         )
     budget = params.max_tokens if params.max_tokens is not None else room
-    bounded = params.max_tokens_bound is not None and params.max_tokens_bound < budget
-    budget = params.max_tokens_bound if bounded else budget
+    bound = params.max_tokens_bound
+    bounded = bound is not None and bound < budget
+    if bound is not None and bounded:
+        budget = bound
     if params.min_tokens > budget:  # (vLLM checks it against the max_tokens it defaulted to the room)
         why = ("the server's --generation-config bound" if bounded
                else f"the room the {n}-token prompt leaves in the context")  # fmt: skip

@@ -47,13 +47,13 @@ class EncoderCache:
         missing = [i for i, d in enumerate(digests) if d not in self._items]
         self.hits += len(digests) - len(missing)
         self.misses += len(missing)
-        encoded = {}
+        encoded: dict[bytes, tuple[Tensor, tuple[Tensor, ...]]] = {}
         if missing:
             sub = select_items(inputs, missing)
             vis, ds = self.vision.encode(sub)  # [m, d], each [m, d]
             counts = sub.tokens_per_image(self.vision.merge_size)
-            for i, v, *d in zip(missing, vis.split(counts), *(x.split(counts) for x in ds), strict=True):
-                encoded[digests[i]] = (v, tuple(d))
+            for i, v, *feats in zip(missing, vis.split(counts), *(x.split(counts) for x in ds), strict=True):
+                encoded[digests[i]] = (v, tuple(feats))
         parts = [encoded.get(d) or self._items[d] for d in digests]
         for d in digests:
             if d in self._items:

@@ -67,7 +67,7 @@ class LoraCache:
         if (merged := self._merged(request)) is not None:
             return merged.rest
         spec = self.check(request)
-        if spec is None:
+        if request is None or spec is None:  # (check gives None for no request)
             return None
         key = (spec.identity, float(request.scale))
         device = self.transformer.device

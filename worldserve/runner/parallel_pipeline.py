@@ -207,7 +207,7 @@ class ParallelPipeline:
         to = self._cond_peers + (self._uncond_peers if remote else [])
         asked = lora is not None and bool(to)
         if asked:  # (identity None: merged here, the peers take their own merge's rest)
-            self._peers_load_lora(request_id, lora, None if merged else held.key[0], to)
+            self._peers_load_lora(request_id, lora, None if merged or held is None else held.key[0], to)
         if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
             with self._exchange():
                 self.peers.send(msg, to)

@@ -15,8 +15,12 @@ rank's, before any of them loads), then loads the transformer into it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
+from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.layers.lora import LoraWeights
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
@@ -24,7 +28,11 @@ from worldserve.params import LoraRequest
 from worldserve.runner.lora_cache import DEFAULT_MAX_LOADED, LoraCache
 from worldserve.runner.parallel_layout import COND, ParallelLayout
 from worldserve.runner.peers import LEADER, recv_step
-from worldserve.runner.video_pipeline import VideoPipeline, gen_item
+from worldserve.runner.video_pipeline import gen_item
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
 
 
 class BranchRank:
@@ -41,15 +49,25 @@ class BranchRank:
         self.loras: LoraCache | None = None  # (made with the transformer it loads adapters for)
         self.lora_of: dict[str, LoraWeights | None] = {}  # request id -> its adapter, as rank 0's
         self.sp: ParallelGroup = layout.branch_group(rank)  # collective: every rank, right after joining
-        self.transformer = self.config = None
+        self.transformer: Cosmos3Transformer | None = None
+        self.config: Cosmos3Config | None = None
 
-    def load(self, transformer) -> BranchRank:
+    def load(self, transformer: Cosmos3Transformer) -> BranchRank:
         """Take the loaded transformer (whole, or this rank's tensor-parallel slices)."""
         self.transformer, self.config = transformer, transformer.config
         self.loras = LoraCache(transformer, self.max_loras)
         return self
 
-    forward = VideoPipeline.forward  # GenBatch.pack over self.config / self.device -> transformer(batch, sp)
+    def _loaded(self) -> tuple[Cosmos3Transformer, LoraCache]:
+        """The transformer and its adapters (peers.py loads them before this rank takes any message)."""
+        if self.transformer is None or self.loras is None:
+            raise RuntimeError(f"rank {self.rank} got a request before its transformer was loaded")
+        return self.transformer, self.loras
+
+    def forward(self, items: Sequence[GenItem], lora: LoraWeights | None = None) -> GenOutput:
+        """One forward over `items` with this rank's Ulysses group (as VideoPipeline.forward on rank 0)."""
+        transformer, _ = self._loaded()
+        return transformer(GenBatch.pack(items, config=transformer.config, device=self.device), self.sp, lora)
 
     def prefill(
         self, request_id: str, cond: list[int], uncond: list[int] | None, lora: LoraRequest | None = None
@@ -61,8 +79,9 @@ class BranchRank:
         else:
             return  # a guidance-1 request: nothing for the uncond group
         # (loaded on "lora" for an unmerged adapter; else the merged one's und deltas, or none)
-        weights = self.lora_of[request_id] if request_id in self.lora_of else self.loras.get(lora)
-        self.caches[request_id] = self.transformer.prefill_und(
+        transformer, loras = self._loaded()
+        weights = self.lora_of[request_id] if request_id in self.lora_of else loras.get(lora)
+        self.caches[request_id] = transformer.prefill_und(
             [torch.tensor(p, dtype=torch.long) for p in prompts], lora=weights
         )
         self.lora_of[request_id] = weights
@@ -75,8 +94,9 @@ class BranchRank:
         files first; they may have gone or changed since (`identity`: what rank 0 read; None when rank 0 merged
         it), and this rank must run the adapter rank 0 runs. Merged here, it takes its merge's rest."""
         try:
-            weights = self.loras.get(lora)
-            unmerged = self.transformer.merged_lora is None
+            transformer, loras = self._loaded()
+            weights = loras.get(lora)
+            unmerged = transformer.merged_lora is None
             if unmerged and identity is not None and (weights is None or weights.key[0] != identity):
                 raise ValueError("its files changed while the request was being prepared; send it again")
             self.lora_of[request_id] = weights

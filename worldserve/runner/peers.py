@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -36,6 +37,7 @@ from worldserve.parallel.groups import ParallelGroup
 from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes, watch_leader
 
 log = logging.getLogger("worldserve.peers")
+_Local = TypeVar("_Local")  # what PeerRanks.start's load_local returns on rank 0
 LEADER = 0
 INIT_TIMEOUT_S = 1800.0
 KEEPALIVE_S = 60.0
@@ -84,8 +86,8 @@ class PeerRanks:
     @classmethod
     def start(
         cls, label: str, target: Callable, peer_args: Callable[[int, PeerLink], tuple],
-        devices: Sequence[torch.device], load_local: Callable[[], object], timeout_s: float = INIT_TIMEOUT_S,
-    ) -> tuple[PeerRanks, object]:  # fmt: skip
+        devices: Sequence[torch.device], load_local: Callable[[], _Local], timeout_s: float = INIT_TIMEOUT_S,
+    ) -> tuple[PeerRanks, _Local]:  # fmt: skip
         """Spawn `target(*peer_args(rank, link))` for ranks 1..P-1 (`link` goes to their run_peer), join the
         world as rank 0 once every peer says it is joining, run `load_local()` here while the peers load
         theirs (a collective set-up, such as new_group, comes first in both), wait for every peer's ("ready",)

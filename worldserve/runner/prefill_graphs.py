@@ -149,7 +149,7 @@ class PrefillGraphs:
         every bucket) at their first use, or the plain calls without capture."""
         if b not in self._graphs:
             pieces = [partial(self._piece, i, b) for i in range(len(self.model.layers) + 1)]
-            captured = self._capture_with.capture(pieces) if self.capture else None
+            captured = self._capture_with.capture(pieces) if self._capture_with is not None else None
             self._graphs[b] = pieces if captured is None else [graph.replay for graph, _ in captured]
         return self._graphs[b]
 

@@ -116,7 +116,7 @@ class Reasoner(ChatAdmission):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill  # long prompts prefill chunk by chunk (step_all)
         self.budget = StepBudget(max_num_batched_tokens, enable_chunked_prefill)  # one an iteration
-        self.grammars = GrammarCompiler(tokenizer, transformer.config.vocab_size, self.stop_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, transformer.config.vocab_size, sorted(self.stop_token_ids))
         self.media_cache = ProcessorCache(processor_cache_bytes)  # decoded / resized chat media, by content
         preprocess = (
             vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels, cache=self.media_cache)
@@ -267,11 +267,15 @@ class Reasoner(ChatAdmission):
         if ready:
             drawn = sample_tokens([s.sampler for s in ready], torch.stack([s.pending_logits for s in ready]))
             tokens = dict(zip(map(id, ready), drawn, strict=True))
-            wanting = [(s, t) for s, t in zip(ready, drawn, strict=True) if s.top_logprobs is not None]
+            wanting = [
+                (s, t, s.top_logprobs)
+                for s, t in zip(ready, drawn, strict=True)
+                if s.top_logprobs is not None
+            ]
             if wanting:  # every chat asking for logprobs, in one pass
-                entries = batch_logprobs(self.token_texts, [s.logprob_logits for s, _ in wanting],
-                                         [t for _, t in wanting], [s.top_logprobs for s, _ in wanting])  # fmt: skip
-                logprobs = {id(s): e for (s, _), e in zip(wanting, entries, strict=True)}
+                entries = batch_logprobs(self.token_texts, [s.logprob_logits for s, _, _ in wanting],
+                                         [t for _, t, _ in wanting], [top for _, _, top in wanting])  # fmt: skip
+                logprobs = {id(s): e for (s, _, _), e in zip(wanting, entries, strict=True)}
         deltas, pending = [], []
         for s in sessions:
             if s.preempted or s.prefilling:

@@ -138,6 +138,7 @@ class ReasonerSession:
     def prefilled(self, hidden: Tensor) -> None:
         """After a prefill pass whose computed rows' hidden states are `hidden` [n, d]: the tokens left to
         prefill (chunked), or, once every token is in, the pending logits of the next one (its last row)."""
+        assert self._seq is not None, "a prefill pass ran on a session without K/V blocks"
         self.prefill_left = self.resume_tokens - self._seq.length
         if not self.prefill_left:
             self._logits = self._constrained(self._r.transformer.compute_logits(hidden[-1:])[0])
@@ -156,6 +157,7 @@ class ReasonerSession:
     def preempt(self) -> None:
         """Free its K/V blocks (the full ones offered to the prefix cache: the resume may find them); the token
         `advance` just took stays in token_ids and is recomputed."""
+        assert self._seq is not None, "only a session holding K/V blocks is preempted"
         self._r.prefiller.register(self._prompt, self.token_ids, self._seq)
         self._seq.release()
         self._seq, self._logits = None, None
@@ -251,7 +253,7 @@ class ReasonerSession:
             self._logits = None  # until receive()
             decode = (token, self._seq, self._position)
         else:
-            end = (cut + len(matched) if self.keep_stop else cut) if cut >= 0 else len(view)
+            end = (cut + len(matched) if self.keep_stop else cut) if matched is not None else len(view)
             self._logits = None
             self.close()
             decode = None

@@ -146,6 +146,7 @@ class UndDecoder:
     def _capture(self, b: int) -> None:
         """Warm the step up and capture it for bucket b (graph_capture.py), with the rows pointing at the
         scratch block (the warm-up writes there)."""
+        assert self._capture_with is not None, "graphs are captured only with use_graphs (which made it)"
         self._pad_rows(b)
         ((graph, out),) = self._capture_with.capture([lambda: self._forward(b, self.max_blocks)])
         self._graphs[b] = (graph, out)

@@ -98,7 +98,8 @@ class UndPrefill:
                     # (a resume is counted apart, as vLLM counts it)
                     hits = self.pool.lookup(keys[i][: (totals[i] - 1) // bs], totals[i], preempted=resumes[i])
                     seqs[-1].adopt(hits)
-            ends, left = [], budget
+            ends: list[int] = []
+            left = budget
             for i, (seq, total) in enumerate(zip(seqs, totals, strict=True)):  # in pass order
                 if self.caching and not (i < len(whole) and whole[i]):
                     if extra := self._computed_earlier(i, keys[i][: (total - 1) // bs], seqs, keys, ends):
@@ -227,7 +228,7 @@ class UndPrefill:
         cached blocks, and re-encoding an item the prefix cache holds whole (e.g. a long video, too large
         for the encoder cache, before a new turn's image) would be wasted; rows past `end` come in a later
         chunk (one cut by the chunk's end is encoded for both, the second time from the encoder cache)."""
-        assert self.vision is not None
+        assert self.vision is not None and self.encoder is not None  # (both or neither: __init__)
         model = self.transformer
         embeds = model.embed_tokens(ids)
         in_prompt = torch.arange(ids.numel(), device=ids.device) < len(prompt.input_ids)  # not generated ones

@@ -39,6 +39,7 @@ def decode_video(
     stages = dict(state.stage_seconds)
     audio = None
     if state.sound is not None:
+        assert audio_vae is not None, "sound latents come only from a pipeline with an audio VAE"
         # the clip's length; a request's sound_duration then trims it or pads it with silence (the decoder's
         # output past the clip, up to a hop of it, is not silence)
         audio = audio_vae.decode(state.sound, audio_vae.num_samples(p.num_frames, p.fps))

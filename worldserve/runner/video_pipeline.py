@@ -180,24 +180,24 @@ class VideoPipeline:
         run the same transformer calls). `max_loras`: LoRA adapters kept read in host memory (runner/lora_cache.py)."""
         root = Path(path)
         layout = read_layout(root)
-        device = torch.device(device) if device is not None else default_device()
+        dev: torch.device = torch.device(device) if device is not None else default_device()
         if dtype is None:
-            dtype = default_dtype(device)
+            dtype = default_dtype(dev)
         kernels = kernels or KernelOptions()
-        kernels.check(device, dtype)
+        kernels.check(dev, dtype)
         from worldserve.models.cosmos3.audio_vae import AudioVAE
         from worldserve.models.cosmos3.vae import VideoVAE
 
         prompts = PromptEncoder.from_pretrained(root)  # (first: a bad tokenizer before minutes of weights)
-        transformer = load_configured_transformer(root, dtype, device, kernels, tp=tp, progress=progress)
+        transformer = load_configured_transformer(root, dtype, dev, kernels, tp=tp, progress=progress)
         vae = VideoVAE.from_pretrained(
-            root / "vae", dtype=dtype, device=device, tiling=vae_tiling,
-            compile_decoder=kernels.compile and device.type == "cuda", time_winograd=not kernels.layerwise_offload,
+            root / "vae", dtype=dtype, device=dev, tiling=vae_tiling,
+            compile_decoder=kernels.compile and dev.type == "cuda", time_winograd=not kernels.layerwise_offload,
         )  # fmt: skip
         audio_vae = None
         if layout.has_sound:
-            audio_vae = AudioVAE.from_pretrained(root / "sound_tokenizer", dtype=dtype, device=device)
-        return cls(transformer, vae, audio_vae, prompts, device, max_loras)
+            audio_vae = AudioVAE.from_pretrained(root / "sound_tokenizer", dtype=dtype, device=dev)
+        return cls(transformer, vae, audio_vae, prompts, dev, max_loras)
 
     # ------------------------------------------------------------------ VideoBackend
     @property
@@ -255,10 +255,10 @@ class VideoPipeline:
         latents, sound = self._initial_noise(params)
         clean: tuple[int, ...] = ()
         if params.image is not None:
-            latents[:, 0] = self._encode_image(params)
+            latents[:, 0] = self._encode_image(params.image, params)
             clean = (0,)
         elif params.video is not None:
-            cond = self._encode_video(params)  # [48, max(idx)+1, h, w]
+            cond = self._encode_video(params.video, params)  # [48, max(idx)+1, h, w]
             clean = tuple(sorted(set(params.condition_frame_indexes)))
             for i in clean:
                 latents[:, i] = cond[:, i]
@@ -283,29 +283,34 @@ class VideoPipeline:
         latents = torch.randn((c, t, h, w), generator=gen, dtype=torch.float32)
         sound = None
         if self.sound_enabled(params):
+            if self.audio_vae is None:  # (validate refuses this; a prepare without it gets the same answer)
+                raise ParamError(
+                    "generate_sound",
+                    "generate_sound was requested but this checkpoint has no sound tokenizer",
+                )
             n = self.audio_vae.latent_frames(params.num_frames, params.fps)
             sound = torch.randn((self.audio_vae.latent_channels, n), generator=gen, dtype=torch.float32)
             sound = sound.to(self.device)
         return latents.to(self.device), sound
 
-    def _encode_image(self, params: VideoParams) -> Tensor:
+    def _encode_image(self, image: np.ndarray, params: VideoParams) -> Tensor:
+        """I2V: `image` (params.image) -> latent frame 0 [48, h, w] on the device."""
         from worldserve.media.image import resize_center_crop
 
-        image = resize_center_crop(params.image, params.width, params.height)
+        image = resize_center_crop(image, params.width, params.height)
         # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so encoding one frame
         # equals frame 0 of encoding the image repeated over the whole clip, at a fraction of the cost.
         cond = self.vae.encode_condition(image, params.num_frames, first_frame_only=True)  # [1, 48, 1, h, w]
         return cond[0, :, 0].to(self.device)
 
-    def _encode_video(self, params: VideoParams) -> Tensor:
-        """diffusers' V2V conditioning: the clip's first (or last) max(idx)*4+1 frames, resized, the last
+    def _encode_video(self, video: np.ndarray, params: VideoParams) -> Tensor:
+        """diffusers' V2V conditioning (`video`: params.video): the clip's first (or last) max(idx)*4+1 frames, resized, the last
         frame repeated when the clip is shorter, VAE-encoded. diffusers encodes the whole `num_frames`
         video (the tail repeat-padded); the VAE is causal, so the latent frames up to max(idx) are the
         same from this prefix alone."""
         from worldserve.media.video_input import condition_budget, resize_video
 
         n = condition_budget(params.condition_frame_indexes, self.vae.scale_factor_temporal)
-        video = params.video
         clip = video[:n] if params.condition_video_keep == "first" else video[-n:]
         clip = resize_video(clip, params.width, params.height)
         if clip.shape[0] < n:
@@ -367,6 +372,7 @@ class VideoPipeline:
         velocity = cfg_combine(v_video[0], v_video[1], g) if len(v_video) == 2 else v_video[0]
         s.latents, s.video_solver = unipc_step(s.schedule, s.video_solver, s.step_index, velocity, s.latents)
         if s.sound is not None:
+            assert v_sound is not None, "a request with sound needs its sound velocities"
             v_sound = [v.float() for v in v_sound]
             vs = cfg_combine(v_sound[0], v_sound[1], g) if len(v_sound) == 2 else v_sound[0]
             s.sound, s.sound_solver = unipc_step(s.schedule, s.sound_solver, s.step_index, vs, s.sound)
