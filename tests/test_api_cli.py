@@ -326,3 +326,43 @@ def test_a_bad_flag_is_one_line_naming_it(capsys, argv):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err
     assert "--help" in err
+
+
+def test_sigterm_during_the_model_load_ends_serve_in_one_line(monkeypatch, tmp_path, capsys):
+    """SIGTERM while serve loads its model (minutes at full size): one line and rc 143, the port and the job
+    store's lock are let go (it had died at once with rc -15 and nothing said, its peers with a line each)."""
+    import os
+    import signal
+    import socket
+    import threading
+
+    from worldserve.cli import main
+    from worldserve.commands import serve_backend
+    from worldserve.engine.jobs import JobStore
+
+    loading, never = threading.Event(), threading.Event()
+
+    def slow_load(*args):
+        loading.set()
+        never.wait(30)  # (a daemon thread: left behind as the real loader is)
+
+    monkeypatch.setattr(serve_backend, "load_backend", slow_load)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def terminate():
+        if loading.wait(30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate, daemon=True).start()
+    try:
+        rc = main(["serve", "--host", "127.0.0.1", "--port", str(port), "--storage-dir", str(tmp_path)])
+    finally:
+        never.set()
+    assert rc == 143
+    assert "worldserve serve: terminated" in capsys.readouterr().err
+    JobStore(tmp_path).close()  # the storage lock was released
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))  # the listener closed

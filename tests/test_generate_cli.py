@@ -42,6 +42,8 @@ def test_t2v_with_sound_to_mp4_and_latents(tiny_ckpt, tmp_path):
     assert info.audio_codec == "aac" and info.sample_rate == 48000 and info.channels == 2
     assert abs(info.audio_duration - 9 / 24) < 0.05
     tensors = load_file(lat)
+    # the latents' mode is the MP4's (the umask's; safetensors' save_file had left them 0600)
+    assert lat.stat().st_mode & 0o777 == out.stat().st_mode & 0o777
     assert tuple(tensors["video_latents"].shape) == (48, 3, 3, 5)
     assert tuple(tensors["sound_latents"].shape) == (64, 10)
 

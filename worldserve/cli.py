@@ -46,8 +46,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 class Terminated(BaseException):
-    """SIGTERM in a verb other than serve (whose server has its own graceful stop): raised in the main thread,
-    as Ctrl-C's KeyboardInterrupt is, so the verb's clean-ups run (parallel peers stopped, no partial output)."""
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so the verb's clean-ups run
+    (parallel peers stopped, no partial output). A serving server has its own graceful stop (uvicorn holds
+    SIGTERM while it serves); this is serve's during its start-up (the model load: minutes at full size)."""
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from worldserve.weights.checkpoint import CheckpointError
 
     previous = None  # (restored on return: main may run inside another program, a test)
-    if args.verb != "serve" and threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
         previous = signal.signal(
             signal.SIGTERM, _terminated
         )  # (the default had died at once: rc -15, silent)

@@ -420,14 +420,15 @@ def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float
     # the writes' own failures (a full disk, a folder gone since the checks) are one line naming the flag; the
     # latents go first, so that a failed -o still leaves the denoised state to decode again
     if args.save_latents is not None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         tensors = {"video_latents": state.latents.cpu().contiguous()}
         if state.sound is not None:
             tensors["sound_latents"] = state.sound.cpu().contiguous()
         try:
-            args.save_latents.parent.mkdir(parents=True, exist_ok=True)  # as -o's; save_file creates none
-            save_file(tensors, str(args.save_latents))
+            args.save_latents.parent.mkdir(parents=True, exist_ok=True)  # as -o's
+            # written as -o is (the umask's mode: save_file's temporary file left it 0600)
+            args.save_latents.write_bytes(save(tensors))
         except (OSError, SafetensorError) as e:
             print(f"worldserve generate: error: --save-latents {args.save_latents}: cannot write it ({e})",
                   file=sys.stderr)  # fmt: skip

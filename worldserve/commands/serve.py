@@ -10,6 +10,7 @@ SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get 
 to finish, anything unfinished stays queued in the store and is re-run at the next start. A second Ctrl-C
 ends the grace at once (uvicorn's force exit; the engine stops at its next step or decode chunk). The peer
 ranks of a parallel backend stop after that; the exit status is then 0 after SIGTERM, 130 after Ctrl-C.
+SIGTERM during the start (the model load) ends it with one line, "worldserve serve: terminated", rc 143.
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
 vision_encoder/. `--backend fake` (hidden) serves numpy colour frames with no model and no chat: tests only.
 Pasted vLLM / vLLM-Omni command lines run too (serve_compat.py): `--model` and `--stage-init-timeout` fold
@@ -158,11 +159,15 @@ def run(args: argparse.Namespace) -> int:
         except StorageError as exc:
             log.error("%s", exc)
             return 1
-        loaded = serve_backend.load_backend_within(
-            config.model, config.parallel, config.scheduler, config.reasoner, config.lora
-        )
+        loaded: tuple[Any, ...] | None = None
+        try:  # (SIGTERM here, cli.Terminated, ends the start: the loader is a daemon thread, peers see us go)
+            loaded = serve_backend.load_backend_within(
+                config.model, config.parallel, config.scheduler, config.reasoner, config.lora
+            )
+        finally:
+            if loaded is None:
+                store.close()
         if loaded is None:
-            store.close()
             return 1
         backend, gpu_memory, *chat = loaded
         try:
