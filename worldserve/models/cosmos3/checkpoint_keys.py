@@ -65,6 +65,7 @@ def transformer_checkpoint_shapes(c: Cosmos3Config) -> dict[str, tuple[int, ...]
         "time_embedder.linear_2.bias": (d,),
     }
     if c.sound_gen:
+        assert c.sound_dim is not None  # (Cosmos3Config refuses sound_gen without sound_dim)
         shapes.update(
             {
                 "audio_proj_in.weight": (d, c.sound_dim),
@@ -76,6 +77,7 @@ def transformer_checkpoint_shapes(c: Cosmos3Config) -> dict[str, tuple[int, ...]
         )
     if c.action_gen:
         n, a = c.num_embodiment_domains, c.action_dim
+        assert a is not None  # (Cosmos3Config refuses action_gen without action_dim)
         shapes.update(
             {
                 "action_proj_in.fc.weight": (n, a * d),

@@ -90,18 +90,18 @@ class Cosmos3Config:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.rope_axes_dim is None:
+        section = self.rope_axes_dim
+        if section is None:
             section = (self.rope_scaling or {}).get("mrope_section", [24, 20, 20])
-            object.__setattr__(self, "rope_axes_dim", tuple(int(s) for s in section))
-        else:
-            object.__setattr__(self, "rope_axes_dim", tuple(int(s) for s in self.rope_axes_dim))
+        axes = tuple(int(s) for s in section)
+        object.__setattr__(self, "rope_axes_dim", axes)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.patch_latent_dim != self.latent_patch_size**2 * self.latent_channel:
             raise ValueError(
                 f"patch_latent_dim={self.patch_latent_dim} != latent_patch_size**2 * latent_channel"
             )
-        if sum(self.rope_axes_dim) != self.head_dim // 2:
+        if sum(axes) != self.head_dim // 2:
             raise ValueError(
                 f"rope_axes_dim {self.rope_axes_dim} must sum to head_dim/2 = {self.head_dim // 2}"
             )
@@ -130,7 +130,7 @@ class Cosmos3Config:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra_keys"}
-        out["rope_axes_dim"] = list(self.rope_axes_dim)
+        out["rope_axes_dim"] = list(self.mrope_sections)
         return out
 
     @classmethod
@@ -163,6 +163,12 @@ class Cosmos3Config:
         )
 
     # ------------------------------------------------------------------ derived
+    @property
+    def mrope_sections(self) -> tuple[int, int, int]:
+        """rope_axes_dim as __post_init__ resolved it (from rope_scaling's mrope_section when not given)."""
+        assert self.rope_axes_dim is not None  # (__post_init__ always sets it)
+        return self.rope_axes_dim
+
     @property
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim

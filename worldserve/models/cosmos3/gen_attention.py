@@ -40,7 +40,7 @@ class GenAttentionBuffers:
     ) -> None:  # fmt: skip
         self.text_lens = [c.length for c in caches]
         self.spans = list(spans)
-        self.twins = tuple(twins)
+        self.twins: tuple[tuple[int, ...], ...] = tuple(twins)
         self.bases: list[int] = []
         rows, base = [], 0
         if [start for start, _ in spans] != [sum(n for _, n in spans[:i]) for i in range(len(spans))]:
@@ -83,9 +83,11 @@ def twin_attention(
     first item, and each item merges it (by LSE) with the attention of its own queries over its own
     prompt's K/V. Saves one N_g x N_g attention per extra member (a CFG pair at
     720p: one of the step's 72 FA3 calls) for two N_g x L_text ones and the merges."""
+    attend = block.attn_lse_fn
+    assert attend is not None  # (gen_layer forms twins only with a backend that gives LSEs)
     start0, n = buffers.spans[group[0]]
-    o_gen, lse_gen = block.attn_lse_fn(q[start0 : start0 + n], *buffers.keys(group[0], "gen"))
+    o_gen, lse_gen = attend(q[start0 : start0 + n], *buffers.keys(group[0], "gen"))
     for i in group:
         start = buffers.spans[i][0]
-        o_text, lse_text = block.attn_lse_fn(q[start : start + n], *buffers.keys(i, "text"))
+        o_text, lse_text = attend(q[start : start + n], *buffers.keys(i, "text"))
         block.merge_fn(o_gen, lse_gen, o_text, lse_text, buffers.out[start : start + n])

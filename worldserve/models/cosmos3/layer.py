@@ -38,6 +38,7 @@ from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.cosmos3.gen_attention import GenAttentionBuffers, twin_attention
 from worldserve.models.layers.attention import KVCache, sdpa_attention
 from worldserve.models.layers.compile_limits import raise_recompile_limits
+from worldserve.models.layers.flash_attention import AttentionFn, LseAttentionFn
 from worldserve.models.layers.fp8 import Fp8Linear, fp8_linear
 from worldserve.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worldserve.models.layers.lora import LoraPair, with_lora
@@ -183,8 +184,10 @@ class TowerBlock(nn.Module):
         self.qkv_fn = qkv_math
         self.finish_fn = finish_math
         self.fp8: dict[str, bool] = {}  # after quantize_fp8: the emulate / fast_accum flags of the math
-        self.attn_fn = sdpa_attention  # flash_attention.resolve_attention_backend may swap in FA3
-        self.attn_lse_fn = None  # (q, k, v) -> (out, LSE [H, n]) where the backend gives LSEs (FA3)
+        # flash_attention.resolve_attention_backend may swap in FA3; attn_lse_fn: (q, k, v) -> (out, LSE [H, n])
+        # where the backend gives LSEs (FA3)
+        self.attn_fn: AttentionFn = sdpa_attention
+        self.attn_lse_fn: LseAttentionFn | None = None
         self.merge_fn = merge_attention
 
     def project_qkv(

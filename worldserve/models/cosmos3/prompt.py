@@ -203,10 +203,13 @@ def text_dropper(tokenizer: Any) -> str | None:
         return "an added token strips whitespace"
     for node in _nodes(spec.get("normalizer"), "normalizers"):
         pattern = (node.get("pattern") or {}).get("String")
-        literal = node["type"] == "Replace" and pattern is not None
-        if node["type"] not in SAFE_NORMALIZERS and not (
-            literal and len(node["content"].encode()) >= len(pattern.encode())
-        ):
+        # a literal Replace that makes no text shorter
+        widens = (
+            node["type"] == "Replace"
+            and pattern is not None
+            and len(node["content"].encode()) >= len(pattern.encode())
+        )
+        if node["type"] not in SAFE_NORMALIZERS and not widens:
             return f"the {node['type']} normalizer"
     for node in _nodes(spec.get("pre_tokenizer"), "pretokenizers"):
         if node.get("behavior") == "Removed":  # (Split, Punctuation...: the matched text is dropped)

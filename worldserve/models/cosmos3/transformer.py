@@ -57,6 +57,7 @@ from worldserve.models.layers.fa4_cluster import (
     fa4_cluster_unavailable_reason,
 )
 from worldserve.models.layers.flash_attention import (
+    LseAttentionFn,
     fa3_forward,
     fa3_fp8_attention,
     resolve_attention_backend,
@@ -111,11 +112,12 @@ class Cosmos3Transformer(nn.Module):
         self.norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
         self.norm_moe_gen = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
         self.lm_head = ReplicatedLinear(d, c.vocab_size, bias=False, dtype=dtype)
-        self.rotary_emb = MRotaryEmbedding(c.head_dim, c.rope_theta, c.rope_axes_dim)
+        self.rotary_emb = MRotaryEmbedding(c.head_dim, c.rope_theta, c.mrope_sections)
         self.proj_in = ReplicatedLinear(c.patch_latent_dim, d, bias=True, dtype=dtype)
         self.proj_out = ReplicatedLinear(d, c.patch_latent_dim, bias=True, dtype=dtype)
         self.time_embedder = TimestepEmbedder(d)
         if c.sound_gen:
+            assert c.sound_dim is not None  # (Cosmos3Config refuses sound_gen without sound_dim)
             self.audio_proj_in = ReplicatedLinear(c.sound_dim, d, bias=True, dtype=dtype)
             self.audio_proj_out = ReplicatedLinear(d, c.sound_dim, bias=True, dtype=dtype)
             self.audio_modality_embed = nn.Parameter(torch.empty(d, dtype=dtype), requires_grad=False)
@@ -176,11 +178,10 @@ class Cosmos3Transformer(nn.Module):
         with torch.no_grad():
             for key, weight, pair in self._gen_lora_targets(lora):
                 limit = math.inf if weight.dtype == torch.float32 else max_erasure
-                left[key], erased = merge_pair(weight, pair, max_erasure=limit)
+                kept, erased = merge_pair(weight, pair, max_erasure=limit)
+                left[key] = kept
                 worst = max(worst, erased)
-                merged_any |= left[key] is None or bool(
-                    left[key][1].count_nonzero() < pair[1].count_nonzero()
-                )
+                merged_any |= kept is None or bool(kept[1].count_nonzero() < pair[1].count_nonzero())
         if merged_any:
             rest = lora.replaced(left)
             self.merged_lora = MergedLora(
@@ -225,7 +226,8 @@ class Cosmos3Transformer(nn.Module):
                 "fp8 attention needs the FlashAttention-3 backend (FLASH_ATTN), which cannot run here"
             )
         # LSEs let the first gen layer share a CFG pair's gen-gen attention (gen_attention.GenAttentionBuffers)
-        gen_fn, lse_fn = fn, (fa3_forward if label == "fa3" else None)
+        gen_fn = fn
+        lse_fn: LseAttentionFn | None = fa3_forward if label == "fa3" else None
         if fp8_attention:
             gen_fn, lse_fn, label = fa3_fp8_attention, None, "fa3+fp8"
         elif label == "fa3" and (name or "auto").upper() == "AUTO":

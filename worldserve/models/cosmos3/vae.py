@@ -226,14 +226,16 @@ class VideoVAE:
                 chunks = iter([self.model.decode(z).sample])
             else:
                 chunks = self.decoder.decode_chunks(z, chunk_size=self.decode_chunk_size)
-            pending: tuple | None = None  # (uint8 frames on the device, the event after them)
+            # (uint8 frames on the device, the event after them)
+            pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
             for pixels in chunks:  # queues this chunk's decode on the device
                 frames = self.pixels_to_uint8(pixels)[0]  # [n, H, W, 3]
                 if pending is not None:
                     yield _to_host(*pending, copies)
-                pending = (frames, torch.cuda.Event() if cuda else None)
-                if cuda:
-                    pending[1].record(torch.cuda.current_stream(z.device))
+                done = torch.cuda.Event() if cuda else None
+                if done is not None:
+                    done.record(torch.cuda.current_stream(z.device))
+                pending = (frames, done)
             if pending is not None:
                 yield _to_host(*pending, copies)
 
@@ -253,6 +255,7 @@ def _to_host(
     calling thread waits for this copy only (a copy to pageable memory returns when done)."""
     if ready is None:
         return frames.numpy()
+    assert stream is not None, "a CUDA chunk's event comes with the copy stream"
     with torch.cuda.stream(stream):
         stream.wait_event(ready)
         return frames.to("cpu").numpy()

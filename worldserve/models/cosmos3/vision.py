@@ -94,7 +94,7 @@ def video_inputs(
     patches = x.reshape(gt * gh * gw, c * temporal_patch_size * p * p)
     digest = hashlib.sha256(np.asarray([gt, gh, gw], dtype=np.int64).tobytes())
     digest.update(b"uint8 video")
-    digest.update(memoryview(frames).cast("B"))
+    digest.update(frames.data.cast("B"))  # (frames' buffer as bytes)
     return VisionInputs(patches=patches, grid_thw=torch.tensor([[gt, gh, gw]]), digests=(digest.digest(),))
 
 
@@ -167,20 +167,26 @@ class ImagePreprocessor:
             smart_resize(i.shape[0], i.shape[1], factor=p * m, min_pixels=lo, max_pixels=hi) for i in images
         ]
         grids = [(1, h // p, w // p) for h, w in sizes]
+        cache = self.cache
         cache_keys = [
-            ("image patches", keys[i], h, w) if self.cache is not None and i < len(keys) and keys[i] else None
+            ("image patches", keys[i], h, w) if cache is not None and i < len(keys) and keys[i] else None
             for i, (h, w) in enumerate(sizes)
         ]
-        found = [self.cache.get(k, counted=False) if k is not None else None for k in cache_keys]
+        found = [
+            cache.get(k, counted=False) if cache is not None and k is not None else None for k in cache_keys
+        ]
         todo = [i for i, f in enumerate(found) if f is None]  # resized at once (media/work_pool.py)
-        for i, made in zip(
+        made: dict[int, tuple[Tensor, bytes]] = {}
+        for i, item in zip(
             todo, map_in_order(lambda i: self._patches(images[i], *sizes[i]), todo), strict=True
         ):
-            found[i] = made
-            if cache_keys[i] is not None:
-                self.cache.put(cache_keys[i], made, made[0].nbytes)
-        pieces = [f[0] for f in found] or [torch.empty(0, 3 * p * p, dtype=torch.uint8)]  # (no images: none)
-        digests = [f[1] for f in found]
+            made[i] = item
+            key = cache_keys[i]
+            if cache is not None and key is not None:
+                cache.put(key, item, item[0].nbytes)
+        done = [made[i] if f is None else f for i, f in enumerate(found)]  # (patches, digest) per image
+        pieces = [f[0] for f in done] or [torch.empty(0, 3 * p * p, dtype=torch.uint8)]  # (no images: none)
+        digests = [f[1] for f in done]
         return VisionInputs(  # (one image: its patches as they are kept, no copy; never written)
             patches=pieces[0] if len(pieces) == 1 else torch.cat(pieces),
             grid_thw=torch.tensor(grids, dtype=torch.long).view(-1, 3), digests=tuple(digests),
@@ -211,7 +217,7 @@ class ImagePreprocessor:
         x = x.permute(0, 3, 1, 4, 6, 2, 5).contiguous()  # [gh/m, gw/m, m, m, 3, p, p] uint8, patch order
         digest = hashlib.sha256(np.asarray([1, gh, gw], dtype=np.int64).tobytes())
         digest.update(b"uint8 image")
-        digest.update(memoryview(pixels).cast("B"))
+        digest.update(pixels.data.cast("B"))  # (the pixels' buffer as bytes)
         return x.view(gh * gw, 3 * p * p), digest.digest()
 
 

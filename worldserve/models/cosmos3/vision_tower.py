@@ -40,7 +40,7 @@ class VisionGeometry:
 
     @classmethod
     def of(cls, grid_thw: Tensor, merge: int) -> VisionGeometry:
-        return cls(tuple(tuple(int(x) for x in g) for g in grid_thw.tolist()), merge)
+        return cls(tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()), merge)
 
     @property
     def lengths(self) -> list[int]:

@@ -154,7 +154,7 @@ class UpBlock(nn.Module):
         x_in = x if self.upsampler is not None else None  # the shortcut's input (only held when used)
         for resnet in self.resnets:
             x = resnet.run(x, cache, eager=first_chunk)
-        if x_in is None:
+        if self.upsampler is None:
             return x
         return self.upsampler.run(x, cache, first_chunk=first_chunk, shortcut=x_in, factor_t=self.factor_t)
 

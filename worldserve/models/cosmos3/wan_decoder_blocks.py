@@ -185,6 +185,7 @@ class Upsample(nn.Module):
         `first_chunk`: the one-frame first chunk (see add_dup_up)."""
         new_ctx = None
         if ctx is not None:
+            assert self.time_conv is not None, "a time context needs the temporal upsampler's time conv"
             a = causal_input(ctx, x)  # [B, C, 2 + T, H, W]
             x = interleave_time(self.time_conv(a))  # [B, C, 2T, H, W]
             new_ctx = last_frames(a)

@@ -169,8 +169,10 @@ def fa4_cluster_unavailable_reason(device: torch.device, dtype: torch.dtype, hea
 
 @cache
 def _self_test(index: int) -> str | None:
-    """`self_test` of the gen kernel on GPU `index`, once per GPU."""
-    return self_test(_gen_kernel()[0], torch.device("cuda", index))
+    """`self_test` of the gen kernel on GPU `index`, once per GPU (asked only once the kernel loaded)."""
+    kernel = _gen_kernel()[0]
+    assert kernel is not None  # (fa4_cluster_unavailable_reason checks it first)
+    return self_test(kernel, torch.device("cuda", index))
 
 
 def self_test(kernel: Fa4Kernel, device: torch.device) -> str | None:

@@ -35,6 +35,10 @@ AttentionFn = Callable[..., Tensor]
 """(q [Nq, Hq, D], k [Nk, Hkv, D], v [Nk, Hkv, D], *, causal=False, scale=None, out=None) -> [Nq, Hq, D];
 with `out` ([Nq, Hq, D]) the result lands there (the gen layers pass their workspace rows)."""
 
+LseAttentionFn = Callable[..., tuple[Tensor, Tensor]]
+"""An AttentionFn that also gives the softmax LSE: (q, k, v, ...) -> (out [Nq, Hq, D], LSE [Hq, Nq] float32),
+as `fa3_forward` (the first gen layer merges attentions by their LSEs: gen_attention.twin_attention)."""
+
 BACKENDS = ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN")
 """Accepted `--diffusion-attention-backend` values (None means auto)."""
 
@@ -140,8 +144,11 @@ def fa3_forward(
     take no output buffer (`flash_attn_func`) or are a torch custom op that refuses to return a tensor it
     was given (`_flash_attn_forward`). The argument list is FA3's `fwd` schema as of fa3-fwd 0.0.3 (the
     `worldserve[hopper]` pin) and the upstream FA3 it packages."""
+    mod = fa3_module()
+    if mod is None:  # (the backend is chosen only where it imports: fa3_unavailable_reason)
+        raise RuntimeError(f"no FlashAttention-3 package is importable: {FA3_INSTALL_HINT}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    res = _fwd_ops(fa3_module()).fwd(
+    res = _fwd_ops(mod).fwd(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
         None, None, None,  # k_new, v_new, qv
         None if out is None else out.unsqueeze(0),

@@ -28,8 +28,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-def mrope_axis_of_slot(head_dim: int, sections: tuple[int, int, int]) -> Tensor:
-    """[head_dim/2] long: which position axis (0=t, 1=h, 2=w) frequency slot j reads."""
+def mrope_axis_of_slot(head_dim: int, sections: tuple[int, ...]) -> Tensor:
+    """[head_dim/2] long: which position axis (0=t, 1=h, 2=w) frequency slot j reads (`sections`: t, h, w)."""
     axis = torch.zeros(head_dim // 2, dtype=torch.long)
     for a, offset in ((1, 1), (2, 2)):
         axis[offset : sections[a] * 3 : 3] = a
