@@ -199,6 +199,54 @@ async def test_cors_preflight_and_headers(tmp_path, monkeypatch):
         assert (await http.options("/v1/chat/completions", headers=PREFLIGHT)).status_code == 200
 
 
+async def test_allowed_origins_refuse_other_pages_requests_not_only_their_reading(tmp_path, monkeypatch):
+    """--allowed-origins keeps another site's page from using the server, not only from reading its answers:
+    a form POST (sent cross-site with no preflight) had created a job; now a 403 naming the origin, and no
+    job. An allowed origin, the server's own page (its /docs) and clients that send no Origin pass; the
+    default ["*"] lets every origin through (vLLM's)."""
+    small = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "1"}
+    async with serving(tmp_path, monkeypatch, "--allowed-origins", '["https://app.example"]') as http:
+        evil = await http.post("/v1/videos", data=small, headers={"Origin": "https://evil.example"})
+        assert evil.status_code == 403, evil.text
+        assert "'https://evil.example' is not allowed (--allowed-origins)" in evil.json()["error"]["message"]
+        assert (await http.get("/v1/videos")).json()["data"] == [], "no job was made"
+        for origin in ("https://app.example", "http://test", None):  # allowed; same origin; not a browser
+            headers = {"Origin": origin} if origin else {}
+            assert (await http.post("/v1/videos", data=small, headers=headers)).status_code == 200, origin
+        pre = await http.options("/v1/videos", headers=PREFLIGHT)  # the preflight stays CORS's
+        assert pre.status_code == 200
+    async with serving(tmp_path, monkeypatch) as http:
+        r = await http.post("/v1/videos", data=small, headers={"Origin": "https://anywhere.example"})
+        assert r.status_code == 200
+
+
+def test_allowed_origins_refuse_another_sites_websocket(tmp_path):
+    """A WebSocket handshake carries its page's Origin, which CORS never checks: with --allowed-origins,
+    another site's is refused (HTTP 403) before the session starts; an allowed one is served."""
+    import asyncio
+
+    import websockets
+    from serving_helpers import serve_app
+
+    from worldserve.api.settings import AppSettings
+
+    settings = AppSettings(allowed_origins=("https://app.example",))
+    app = build_app(make_client(tmp_path / "store"), settings)
+
+    async def handshake(url: str, origin: str) -> str:
+        try:
+            async with websockets.connect(url, origin=origin) as ws:
+                await ws.send('{"type": "ping"}')
+                return "open"
+        except websockets.exceptions.InvalidStatus as e:
+            return str(e.response.status_code)
+
+    with serve_app(app, name="test-origin-ws") as url:
+        ws_url = url.replace("http", "ws", 1) + "/v1/realtime/video"
+        assert asyncio.run(handshake(ws_url, "https://evil.example")) == "403"
+        assert asyncio.run(handshake(ws_url, "https://app.example")) == "open"
+
+
 async def test_request_id_headers_flag(tmp_path, monkeypatch):
     """X-Request-Id echoed or generated with the flag, absent without it; the sync route keeps its own id."""
     small = {"prompt": "x", "size": "64x48", "num_frames": "5", "num_inference_steps": "1"}

@@ -212,7 +212,7 @@ class ServerConfig:
     )
     """Log level of the HTTP server."""
     allowed_origins: JsonStrList = JsonStrList(["*"])
-    """CORS (as vLLM): origins whose browser pages may call the API, a JSON list; ["*"]: any origin."""
+    """CORS (as vLLM): origins whose browser pages may call the API, a JSON list; ["*"]: any origin. A list is enforced: another origin's requests get a 403."""
     allowed_methods: JsonStrList = JsonStrList(["*"])
     """CORS: HTTP methods allowed in cross-origin requests, a JSON list."""
     allowed_headers: JsonStrList = JsonStrList(["*"])
@@ -307,7 +307,7 @@ class VideoApiConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MediaConfig:
     allowed_local_media_path: str | None = None
-    """Folder whose files chat requests may reference as file:// image URLs; default: no local files."""
+    """Folder whose files chat requests (and /tokenize's chat form) may reference as file:// image or video URLs; default: no local files."""
     limit_mm_per_prompt: MediaLimits | None = None
     """The most images / videos one chat request may carry, a JSON object such as '{"image": 4, "video": 1}' (vLLM's flag); default: no count limit (the request body and --max-model-len bound them)."""
     max_video_decode_gpixels: float = DEFAULT_VIDEO_DECODE_GPIXELS

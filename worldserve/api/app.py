@@ -36,6 +36,7 @@ from worldserve.api.http_metrics import HTTPMetricsMiddleware
 from worldserve.api.images import router as images_router
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
+from worldserve.api.origins import OriginGuardMiddleware
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.realtime import router as realtime_router
 from worldserve.api.responses import router as responses_router
@@ -121,6 +122,9 @@ def build_app(
                        allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),
                        allow_headers=list(settings.allowed_headers))  # fmt: skip
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # inside auth: 401s not counted (vLLM's)
+    app.add_middleware(
+        OriginGuardMiddleware, allowed_origins=settings.allowed_origins
+    )  # (--allowed-origins kept)
     app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     if settings.server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=load)

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
@@ -44,15 +44,21 @@ class APIKeyMiddleware:
             # every key compared (the time tells not which one matched)
             matched = [secrets.compare_digest(given, expected) for expected in self._expected]
             if scheme.lower() != "bearer" or not any(matched):
-                if scope["type"] == "websocket" and "websocket.http.response" not in scope.get(
-                    "extensions", {}
-                ):
-                    # a server that cannot answer a handshake with a response refuses it (HTTP 403)
-                    await send({"type": "websocket.close", "code": 1008, "reason": "Unauthorized"})
-                    return
-                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                unauthorized = JSONResponse({"error": "Unauthorized"}, status_code=401)
+                await refuse(scope, receive, send, unauthorized, "Unauthorized")
                 return
         await self.app(scope, receive, send)
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, response: Response, reason: str) -> None:
+    """Answer `scope` with `response`; a WebSocket handshake too where the server can send a response (the
+    websocket.http.response extension), else it is closed before it is accepted (the client sees HTTP 403)."""
+    if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
+        await send(
+            {"type": "websocket.close", "code": 1008, "reason": reason[:120]}
+        )  # (the frame's limit: 123)
+        return
+    await response(scope, receive, send)
 
 
 def route_path(scope: Scope) -> str:
