@@ -5,6 +5,7 @@ nothing is logged without the flag."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -108,6 +109,29 @@ async def test_videos_and_images_are_logged_with_every_field(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):  # decoded frames (an image request's) show as a shape
         RequestLog().video("r", VideoParams(prompt="p", image=np.zeros((48, 64, 3), np.uint8)))
     assert "image='<48x64x3 array>'" in _lines(caplog)[-1]
+
+
+@pytest.mark.anyio
+async def test_a_request_the_full_queue_refuses_is_not_logged_as_received(tmp_path, caplog):
+    """A 429 (queue full) is not a request received: an image request's line had been written before its
+    admission, a video job's only once created; now both only once admitted."""
+    backend = FakeBackend(step_delay=0.5)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        async with asgi_server(tmp_path, app_kw={"request_log": RequestLog()}, backend=backend,
+                               max_queued_requests=1) as http:  # fmt: skip
+            running = (await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "runs"})).json()
+            for _ in range(100):
+                if (await http.get(f"/v1/videos/{running['id']}")).json()["status"] != "queued":
+                    break
+                await asyncio.sleep(0.02)
+            held = (await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "holds the queue"})).json()
+            image = await http.post("/v1/images/generations", json={"prompt": "a blue bird", "size": "64x64"})
+            video = await http.post("/v1/videos", data={**SMALL_FORM, "prompt": "refused too"})
+            for job in (running, held):
+                await http.delete(f"/v1/videos/{job['id']}")
+    assert (image.status_code, video.status_code) == (429, 429), image.text
+    received = [line.split(":")[0] for line in _lines(caplog) if line.startswith("Received request")]
+    assert received == [f"Received request {running['id']}", f"Received request {held['id']}"], received
 
 
 @pytest.mark.anyio

@@ -28,6 +28,7 @@ import random
 import time
 import uuid
 import zipfile
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -145,19 +146,26 @@ def build_params(
     return [base] + [dataclasses.replace(base, seed=choice_seed(base.seed, i)) for i in range(1, req.n or 1)]
 
 
-async def _generated(st: AppState, params: list[VideoParams], request_id: str, headers: dict):
+async def _generated(
+    st: AppState,
+    params: list[VideoParams],
+    request_id: str,
+    headers: dict,
+    on_admitted: Callable[[], None] | None,
+):
     """(the prompt the Reasoner wrote or None, the results): with `extra_params.upsample_prompt` the prompt is
     written first (engine/prompt_upsampling.py; checked as a client's prompt is, answered as
     `revised_prompt`; the requests hold their queue slots meanwhile), one for the n images (the first one's
-    seed). One sync timeout for the whole request. A failed upsampling answers the chat's status (500 when
+    seed), `on_admitted` called once they are admitted. One sync timeout for the whole request. A failed upsampling answers the chat's status (500 when
     the answer does not parse) with the reason; past the timeout a 504, the chat stopped."""
     deadline = time.monotonic() + st.settings.sync_timeout_s
     revised = None
     if params[0].upsample_prompt:
         try:
             revised = await st.client.jobless.admitted_upsampling(
-                params[0], request_id, st.settings.sync_timeout_s, len(params)
+                params[0], request_id, st.settings.sync_timeout_s, len(params), on_admitted
             )
+            on_admitted = None  # (admitted: the requests hold their slots)
         except TimeoutError:
             raise APIError(504, f"Image generation timed out after {st.settings.sync_timeout_s:g}s (while its prompt "
                            "was being written).", headers=headers) from None  # fmt: skip
@@ -167,7 +175,9 @@ async def _generated(st: AppState, params: list[VideoParams], request_id: str, h
             ) from None
         params = [dataclasses.replace(p, prompt=revised, upsample_prompt=False) for p in params]
     left = max(deadline - time.monotonic(), 0.001)  # (no await before the queue: the held slots pass to it)
-    return revised, await st.client.jobless.generate(params, prefix=request_id, timeout_s=left)
+    return revised, await st.client.jobless.generate(
+        params, prefix=request_id, timeout_s=left, on_admitted=on_admitted
+    )
 
 
 def encode_image(frame, fmt: str) -> bytes:
@@ -220,10 +230,16 @@ async def create_images(request: Request, st: State) -> Response:
         ]
     )
     headers = {"X-Request-Id": request_id}
-    if st.settings.request_log is not None:  # (the n images differ by their seeds only)
-        st.settings.request_log.video(request_id, params[0])
+    log = st.settings.request_log
+
+    def received() -> None:  # (logged once admitted, as a video job once created; the n differ by seeds only)
+        if log is not None:
+            log.video(request_id, params[0])
+
     try:
-        revised, results = await unless_disconnected(request, _generated(st, params, request_id, headers))
+        revised, results = await unless_disconnected(
+            request, _generated(st, params, request_id, headers, received)
+        )
     except (ClientGone, APIError):
         raise
     except TimeoutError:

@@ -45,11 +45,15 @@ class JoblessRequests:
         return sum(self._upsampling.values())
 
     async def generate(
-        self, params_list: Sequence[VideoParams], *, prefix: str, timeout_s: float
-    ) -> list[VideoResult]:
+        self, params_list: Sequence[VideoParams], *, prefix: str, timeout_s: float,
+        on_admitted: Callable[[], None] | None = None,
+    ) -> list[VideoResult]:  # fmt: skip
         """Run requests (POST /v1/images/generations): the decoded results in order, or the first failure
-        raised. Past `timeout_s` they are aborted and TimeoutError is raised."""
+        raised. Past `timeout_s` they are aborted and TimeoutError is raised. `on_admitted`: called once they
+        are admitted (its request's log line: a refused request is not one received)."""
         self._check_admission(len(params_list), "requests")
+        if on_admitted is not None:
+            on_admitted()
         return await run_without_jobs(self.engine, params_list, prefix, timeout_s)
 
     def stream(
@@ -62,15 +66,18 @@ class JoblessRequests:
         return start_streamed(self.engine, params, request_id, on_frames, HeldFinish(self.engine.observer))
 
     async def admitted_upsampling(
-        self, params: VideoParams, request_id: str, timeout_s: float, count: int = 1
-    ) -> str:
+        self, params: VideoParams, request_id: str, timeout_s: float, count: int = 1,
+        on_admitted: Callable[[], None] | None = None,
+    ) -> str:  # fmt: skip
         """The prompt the Reasoner writes for `count` requests (an image batch, a stream) that will queue once
         it is written: admitted first (QueueFullError / ShuttingDownError) and counted as waiting meanwhile,
         as a job is. Its caller queues them with no await after this returns, so the slots held pass to the
         queue. A failure (UpsamplingFailed) or `timeout_s` passing (TimeoutError) is counted as one failed
         request (its status; 504), a cancellation as one cancelled request (the `count` requests answer one
-        HTTP request: RequestGroup)."""
+        HTTP request: RequestGroup). `on_admitted`: as `generate`'s."""
         self._check_admission(count, "requests")
+        if on_admitted is not None:
+            on_admitted()
         self._upsampling[request_id] = count
         observer = self.engine.observer
         try:
