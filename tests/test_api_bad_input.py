@@ -676,3 +676,24 @@ async def test_a_refused_fps_is_quoted_as_it_came(tmp_path):
     async with asgi_server(tmp_path) as http:
         r = await http.post("/v1/videos", json={"prompt": "x", "fps": 120.0000001})
     assert r.status_code == 400 and "fps=120.0000001 must" in r.json()["error"]["message"], r.text
+
+
+async def test_a_field_sent_twice_in_a_form_is_a_400_naming_it(tmp_path):
+    """Two `input_reference` parts (or two prompts): which one was meant? FastAPI would take the last and drop
+    the other unsaid (a 200 that had made a video from one of the two); a 400 naming the field. The repeatable
+    `input_references` and fields the request does not have stay as they were."""
+    png = png_bytes(64, 48)
+    async with asgi_server(tmp_path) as http:
+        two = [
+            ("input_reference", ("a.png", png, "image/png")),
+            ("input_reference", ("b.png", png, "image/png")),
+        ]
+        r = await http.post("/v1/videos", data=OK, files=two)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
+        assert "input_reference was sent 2 times" in r.json()["error"]["message"]
+        r = await http.post("/v1/videos/sync", content=b"prompt=a&prompt=b&size=64x48",
+                            headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = await http.post("/v1/videos", content=b"prompt=a&note=1&note=2&size=64x48",
+                            headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+        assert r.status_code == 200, r.text

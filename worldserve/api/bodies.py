@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote_to_bytes
 
 from pydantic import BaseModel
+from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartParser
 from starlette.requests import Request
 
@@ -287,18 +288,18 @@ class FormParts(MultiPartParser):
         return form
 
 
-def parse_urlencoded(body: bytes) -> dict[str, str]:
-    """An application/x-www-form-urlencoded body's fields (the last of a repeated name wins, as Starlette's
-    form does); a value that is not UTF-8 once unquoted is a 400 naming its field."""
+def parse_urlencoded(body: bytes) -> FormData:
+    """An application/x-www-form-urlencoded body's fields, as Starlette's form holds them (every value of a
+    repeated name); a value that is not UTF-8 once unquoted is a 400 naming its field."""
     pairs = [pair for pair in body.split(b"&") if pair]
     if len(pairs) > MAX_FORM_FIELDS:
         raise APIError(400, f"Too many fields. Maximum number of fields is {MAX_FORM_FIELDS}.")
-    fields = {}
+    fields: list[tuple[str, str | UploadFile]] = []
     for pair in pairs:
         raw_name, _, raw_value = pair.partition(b"=")
         name = _form_text(unquote_to_bytes(raw_name.replace(b"+", b" ")), "")
-        fields[name] = _form_text(unquote_to_bytes(raw_value.replace(b"+", b" ")), name)
-    return fields
+        fields.append((name, _form_text(unquote_to_bytes(raw_value.replace(b"+", b" ")), name)))
+    return FormData(fields)
 
 
 def _form_text(data: bytes, field: str, charset: str = "utf-8") -> str:

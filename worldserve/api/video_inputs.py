@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,10 +115,16 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
             and key in VideoCreateRequest.model_fields
         ):
             raise APIError(400, f"{key} must be a text field, not a file upload", param=key)
+    # a field the request takes once, sent more: which one was meant?
+    counts = Counter(key for key, _ in form.multi_items() if key != "input_references")
+    known = VideoCreateRequest.model_fields.keys() | FILE_FIELDS
+    if repeated := next((key for key, n in counts.items() if n > 1 and key in known), None):
+        raise APIError(400, f"{repeated} was sent {counts[repeated]} times: send it once (FastAPI, and so "
+                       "vLLM-Omni, would take the last one and drop the others unsaid)", param=repeated)  # fmt: skip
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
     fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)
               and (k in FILE_FIELDS or not isinstance(v, UploadFile))}  # fmt: skip
-    if hasattr(form, "getlist") and (files := [v for v in form.getlist("input_references") if v != ""]):
+    if files := [v for v in form.getlist("input_references") if v != ""]:
         fields["input_references"] = files  # (a repeatable field: every part, where items() keeps the last)
     check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})  # (form text is decoded UTF-8)
     return fields
