@@ -616,7 +616,7 @@ async def test_the_api_key_guards_tokenize_and_detokenize_too(tmp_path):
     decodes), so with --api-key it needs the key as /v1 does; the probes and /metrics stay open."""
     async with asgi_server(tmp_path, api_key="k") as http:
         body = {"model": "test-model", "prompt": "hi"}
-        for path in ("/tokenize", "/detokenize"):
+        for path in ("/tokenize", "/detokenize", "/invocations"):  # (vLLM leaves /invocations open too)
             r = await http.post(path, json=body)
             assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (path, r.text)
             r = await http.post(path, json=body, headers={"Authorization": "Bearer k"})

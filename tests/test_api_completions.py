@@ -465,3 +465,27 @@ def test_null_n_stream_and_echo_take_their_defaults_on_every_text_route(reasoner
             k: v for k, v in body.items() if k != "echo"}, timeout=60).json()  # fmt: skip
         if path != "/v1/responses":
             assert len(r.json()["choices"]) == 1 and r.json()["choices"] == plain["choices"]
+
+
+def test_invocations_answers_a_chat_or_a_completion_by_its_body(reasoner_url):
+    """vLLM's SageMaker route: `messages` is a chat completion, `prompt` a text completion (streamed too), each
+    the same answer as its own route; anything else a 400 naming the types it could have been."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "seed": 1}
+    text = {"prompt": "hello", "max_tokens": 5, "temperature": 0, "seed": 1}
+    for body, route, kind in ((chat, "/v1/chat/completions", "chat.completion"),
+                              (text, "/v1/completions", "text_completion")):  # fmt: skip
+        via, direct = (
+            httpx.post(reasoner_url + path, json=body, timeout=60) for path in ("/invocations", route)
+        )
+        assert via.status_code == 200 and via.json()["object"] == kind, via.text
+        assert via.json()["choices"] == direct.json()["choices"]
+    with httpx.stream("POST", reasoner_url + "/invocations", json={**text, "stream": True}, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.read().decode().rstrip().endswith("data: [DONE]")
+    r = httpx.post(reasoner_url + "/invocations", json={"input": "hi"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    assert "Expected one of: ['ChatCompletionRequest', 'CompletionRequest']" in r.json()["error"]["message"]
+    r = httpx.post(
+        reasoner_url + "/invocations", json={"messages": []}, timeout=60
+    )  # the chat route's own 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

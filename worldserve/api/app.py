@@ -1,6 +1,7 @@
 """build_app(client, settings) -> the FastAPI application (settings: the server flags, api/settings.py): video routes (and the /v1/realtime/video WebSocket),
 /v1/images/generations, /v1/chat/completions, /v1/completions, /v1/responses, /tokenize and /detokenize
-(a 400 without a chat backend), /v1/models, /health, /ping, /load, /version, /metrics.
+(a 400 without a chat backend), /invocations (SageMaker's: a chat or text completion by its body), /v1/models,
+/health, /ping, /load, /version, /metrics.
 
 The app only talks to an `EngineClient` (never to torch). Its lifespan starts the client (job recovery,
 engine thread) and shuts it down; `httpx.ASGITransport` does not run lifespans, so tests enter
@@ -34,6 +35,7 @@ from worldserve.api.completions import router as completions_router
 from worldserve.api.errors import install_error_handlers
 from worldserve.api.http_metrics import HTTPMetricsMiddleware
 from worldserve.api.images import router as images_router
+from worldserve.api.invocations import router as invocations_router
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.origins import OriginGuardMiddleware
@@ -137,6 +139,7 @@ def build_app(
     app.include_router(responses_router)
     app.include_router(tokenize_router)
     app.include_router(images_router)
+    app.include_router(invocations_router)
     created = int(time.time())
 
     @app.get("/v1/models", response_model=ModelList, tags=["models"])

@@ -2,7 +2,8 @@
 
 Auth follows vLLM: with API keys configured, any request whose route path (less the root path, as the router
 matches it) starts with /v1 (and, beyond vLLM, /tokenize and /detokenize: they run the Reasoner's tokenizer
-and a chat's whole media pipeline, downloads, local files and decodes, which vLLM leaves open) must carry
+and a chat's whole media pipeline, downloads, local files and decodes, which vLLM leaves open; and
+/invocations, SageMaker's route to the same chats, which vLLM leaves open for SageMaker to guard) must carry
 `Authorization: Bearer KEY`, KEY one of them (the scheme in any case, as vLLM's), else 401 with the bare body
 {"error": "Unauthorized"} (not the envelope; a WebSocket handshake gets that response where the server can
 send one, else it is refused: HTTP 403). OPTIONS, /health, /metrics, /version, /docs and /openapi.json
@@ -24,7 +25,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/invocations")
 
 
 class APIKeyMiddleware:

@@ -195,6 +195,13 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     return (await _json_object(request, max_bytes))[0]
 
 
+async def read_json_object_again(request: Request, max_bytes: int) -> dict[str, Any]:
+    """`read_json_object`, the body then kept where Starlette's `request.stream()` gives it again (its
+    `request.body()` cache): a dispatching route (/invocations) reads it, then hands the request on."""
+    data, _ = await _json_object(request, max_bytes, keep=True)
+    return data
+
+
 async def read_model(
     request: Request, model: type[M], max_bytes: int, precheck: Callable[[dict[str, Any]], None] | None = None
 ) -> M:
@@ -247,12 +254,14 @@ def fits_context(field: str, max_model_len: int | None) -> Callable[[dict[str, A
     return check
 
 
-async def _json_object(request: Request, max_bytes: int) -> tuple[dict[str, Any], int]:
-    """(the body's JSON object, its size in bytes)."""
+async def _json_object(request: Request, max_bytes: int, keep: bool = False) -> tuple[dict[str, Any], int]:
+    """(the body's JSON object, its size in bytes); `keep`: the body kept to be read again."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json")
     body = b"".join([chunk async for chunk in bounded_stream(request, max_bytes)])
+    if keep:
+        request._body = body  # (Starlette's own cache, which request.stream() and .body() read first)
     data = await parse_json_body(body)
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object")

@@ -55,7 +55,14 @@ class APIError(Exception):
         self.engine_request_id = engine_request_id
 
 
-VLLM_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize")
+VLLM_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+    "/invocations",
+)
 """Routes vLLM's own handlers serve: their errors are typed as vLLM types them."""
 VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
