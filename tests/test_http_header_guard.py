@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import socket
 import time
@@ -164,6 +165,7 @@ def test_headers_past_the_cap_are_refused_at_once(url):
             sock.sendall(b"a" * (MAX_HEADER_BYTES // 4))
     reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), reply[:80]
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == 431
 
 
 def test_headers_past_the_cap_in_one_read_are_refused(url):
@@ -286,6 +288,8 @@ def test_a_body_that_stops_coming_is_cut_at_the_deadline(url, request_bytes):
     reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408 Request Timeout"), reply
     assert DEADLINE * 0.9 < time.monotonic() - t0 < 6 * DEADLINE
+    error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]  # the envelope, not an empty body
+    assert error["code"] == 408 and "did not arrive in time" in error["message"], reply
 
 
 def test_a_body_the_app_reads_late_is_not_cut(url):

@@ -46,6 +46,7 @@ headers are parsed) tells a request being read from one running.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -53,14 +54,27 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-TOO_LARGE_RESPONSE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-)
+from worldserve.api.errors import error_body, reason_phrase
+
 MAX_HEADER_BYTES = 64 * 1024
 """A request's line and headers, at most."""
 HEAD_END = re.compile(rb"\n\r?\n")
 """h11's end of headers (bare LFs too): what follows it in a read is the body, not counted."""
+
+
+def _closing_error(status: int, message: str) -> bytes:
+    """A whole HTTP/1.1 answer with the error envelope (api/errors.py) that closes its connection: written
+    into the socket below the app, where no route answers."""
+    body = json.dumps(error_body(status, message)).encode()
+    head = (f"HTTP/1.1 {status} {reason_phrase(status)}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+TIMEOUT_RESPONSE = _closing_error(
+    408, "The request did not arrive in time (its headers or body stopped coming)"
+)
+TOO_LARGE_RESPONSE = _closing_error(431, f"The request's line and headers are over {MAX_HEADER_BYTES} bytes")
 H11_BUFFER_BYTES = MAX_HEADER_BYTES + 2**20
 """uvicorn.Config's h11_max_incomplete_event_size (serve_http.uvicorn_options): h11 refuses headers past it with
 a 400 and an abrupt close; above the cap plus one socket read (256 KiB), the cap answers first."""
