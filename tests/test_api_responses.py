@@ -395,7 +395,7 @@ def test_the_store_keeps_the_most_recent_within_its_budget():
             ],
         }
 
-    store = ResponseStore(max_bytes=1000)
+    store = ResponseStore(max_bytes=2000)  # (two entries: ~330 bytes of JSON and the overhead each)
     for i in range(8):
         store.put(response(i), [{"role": "user", "content": "hi"}])
         store.get("resp_0")  # used: kept
@@ -406,6 +406,39 @@ def test_the_store_keeps_the_most_recent_within_its_budget():
         store.item("msg_7")["id"] == "msg_7" and store.item("msg_1") is None
     )  # items go with their response
     assert store.delete("resp_7") and store.item("msg_7") is None and store.item("msg_0") is not None
+
+
+def test_the_store_s_budget_is_the_memory_its_entries_take():
+    """--responses-store-mb bounds memory: 200 responses of ~8 KB of JSON take about their accounted bytes
+    (kept as dict trees they had taken 4-7x: a 256 MiB budget held 1-2 GB of RSS in an audit's soak); what a
+    caller gets is its own copy, which cannot change the stored entry."""
+    import tracemalloc
+
+    from worldserve.api.responses_store import ResponseStore
+
+    def response(i: int) -> dict:
+        words = [
+            {"type": "output_text", "text": f"w{j}", "annotations": [], "logprobs": []} for j in range(60)
+        ]
+        return {"id": f"resp_{i}", "object": "response", "status": "completed", "tools": [],
+                "output": [{"type": "message", "id": f"msg_{i}", "role": "assistant", "content": words}]}  # fmt: skip
+
+    store = ResponseStore(max_bytes=2**30)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            store.put(
+                response(i),
+                [{"role": "user", "content": [{"type": "text", "text": f"t{j}"} for j in range(40)]}],
+            )
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert taken < 1.3 * store._bytes, (taken, store._bytes)
+    _, body = store.get("resp_3")
+    body["output"].clear()
+    assert store.get("resp_3")[1]["output"] and store.item("msg_3")["id"] == "msg_3"
 
 
 def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, reasoner_url):

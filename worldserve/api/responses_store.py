@@ -18,27 +18,37 @@ from typing import Any
 
 from worldserve.api.responses_input import chat_tool_call
 
+ENTRY_OVERHEAD_BYTES = 512
+"""An entry's memory besides its JSON: its id twice, the ordered dict's node, the tuple, its items' index."""
+
 
 class ResponseStore:
+    """Entries are kept as their JSON bytes (the conversation, the response), read back into fresh objects on
+    each `get`: the budget is then the memory they take. Kept as dict trees, a response's Python objects had
+    taken 4-7 times its JSON's length, so the default 256 MiB budget held ~1-2 GB (an audit's soak: 30-58 KB
+    of RSS per ~8 KB response). No caller can change a stored entry through what it was given either."""
+
     def __init__(self, max_bytes: int = 256 * 2**20) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any], int]] = OrderedDict()
-        self._items: dict[str, dict[str, Any]] = {}  # output item id -> the item, for the stored responses
+        # id -> (the conversation's JSON, the response's JSON, its output items' ids)
+        self._entries: OrderedDict[str, tuple[bytes, bytes, list[str]]] = OrderedDict()
+        self._items: dict[str, str] = {}  # output item id -> the stored response that holds it
         self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
         """Keep `response` and the conversation it ends (`messages`: its input as chat messages, without its
         instructions), its output appended; the least recently used entries go past the budget."""
-        history = [*messages, *output_messages(response["output"])]
-        size = len(json.dumps(history)) + len(json.dumps(response))
+        history = json.dumps([*messages, *output_messages(response["output"])]).encode()
+        body = json.dumps(response).encode()
+        items = [o["id"] for o in response["output"] if "id" in o]
         with self._lock:
-            self._drop(self._entries.pop(response["id"], None))
-            self._entries[response["id"]] = (history, response, size)
-            self._items.update((o["id"], o) for o in response["output"] if "id" in o)
-            self._bytes += size
+            self._drop(response["id"], self._entries.pop(response["id"], None))
+            self._entries[response["id"]] = (history, body, items)
+            self._items.update((item, response["id"]) for item in items)
+            self._bytes += _size(history, body)
             while self._bytes > self.max_bytes and self._entries:
-                self._drop(self._entries.popitem(last=False)[1])
+                self._drop(*self._entries.popitem(last=False))
 
     def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """(the conversation as chat messages, the response object), or None."""
@@ -47,25 +57,33 @@ class ResponseStore:
             if entry is None:
                 return None
             self._entries.move_to_end(response_id)
-            return entry[0], entry[1]
+        return json.loads(entry[0]), json.loads(entry[1])
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         """A stored response's output item by its id, or None."""
         with self._lock:
-            return self._items.get(item_id)
+            entry = self._entries.get(self._items.get(item_id, ""))
+        if entry is None:
+            return None
+        return next((o for o in json.loads(entry[1])["output"] if o.get("id") == item_id), None)
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
             entry = self._entries.pop(response_id, None)
-            self._drop(entry)
+            self._drop(response_id, entry)
             return entry is not None
 
-    def _drop(self, entry: tuple | None) -> None:
+    def _drop(self, response_id: str, entry: tuple[bytes, bytes, list[str]] | None) -> None:
         """Forget a removed entry's bytes and items (under the lock)."""
         if entry is not None:
-            self._bytes -= entry[2]
-            for o in entry[1]["output"]:
-                self._items.pop(o.get("id"), None)
+            self._bytes -= _size(entry[0], entry[1])
+            for item in entry[2]:
+                if self._items.get(item) == response_id:  # (a later response may hold the same id)
+                    del self._items[item]
+
+
+def _size(history: bytes, body: bytes) -> int:
+    return len(history) + len(body) + ENTRY_OVERHEAD_BYTES
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
