@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import subprocess
 import time
+import warnings
 
 import httpx
 import pytest
@@ -140,6 +141,16 @@ def test_openai_client_videos_calls(tmp_path):
             client.videos.retrieve(video.id)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).videos.list()
+        # Sora's own calls (vLLM-Omni serves none): a 404 saying so (remix was a bare 404, extend and edit 405s)
+        for call in (lambda: client.videos.remix(done.id, prompt="again"),
+                     lambda: client.videos.extend(prompt="on", seconds="4", video=("in.mp4", content.content, "video/mp4")),
+                     lambda: client.videos.edit(prompt="red", video=("in.mp4", content.content, "video/mp4"))):  # fmt: skip
+            with (
+                pytest.raises(openai.NotFoundError, match="is Sora's and not served here"),
+                warnings.catch_warnings(),
+            ):
+                warnings.simplefilter("ignore", DeprecationWarning)
+                call()
 
 
 def test_a_sync_client_that_disconnects_takes_its_job_with_it(tmp_path):

@@ -300,3 +300,25 @@ class OpenFileResponse(FileResponse):
             await super().__call__({**scope, "extensions": extensions, "headers": headers}, receive, send)
         finally:
             os.close(self._fd)
+
+
+SORA_ONLY = {
+    "/v1/videos/{video_id}/remix": "remix",
+    "/v1/videos/extensions": "extend",
+    "/v1/videos/edits": "edit",
+    "/v1/videos/characters": "create_character",
+}
+"""OpenAI SDK video calls that are Sora's own (vLLM-Omni serves none): the route -> the SDK's method."""
+
+
+async def sora_only(request: Request) -> None:
+    """A clear 404 for the SDK calls this server does not serve; the POSTs under /v1/videos/{id} had been a
+    bare 405 (the job routes' path matched them)."""
+    path = request.scope["route"].path
+    raise APIError(404, f"POST {path} (the OpenAI SDK's videos.{SORA_ONLY[path]}) is Sora's and not served here, "
+                   "as in vLLM-Omni: condition a new job on a video instead (POST /v1/videos with the video as "
+                   "`input_reference`)")  # fmt: skip
+
+
+for _path in SORA_ONLY:
+    router.add_api_route(_path, sora_only, methods=["POST"], include_in_schema=False)
