@@ -49,11 +49,14 @@ def test_frame_sampling_matches_qwen3vl(total, fps):
 def test_frame_size_matches_smart_resize(n, h, w):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
-    # transformers refuses fewer frames than the temporal patch; we size them as the two patchify makes
-    ref = smart_resize(
-        max(n, 2), h, w, temporal_factor=2, factor=32, min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32
-    )
+    # transformers refuses fewer frames than the temporal patch; we size them as the two patchify makes.
+    # The default budget is the Qwen3-VL checkpoints' video_preprocessor_config.json `size` (what AutoProcessor
+    # and vLLM load: shortest_edge 4096, longest_edge 25165824), not the processor class's own default
+    ref = smart_resize(max(n, 2), h, w, temporal_factor=2, factor=32, min_pixels=4096, max_pixels=25165824)
     assert VideoSampling().frame_size(n, h, w) == ref
+    small = dict(min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32)  # (a request's size, e.g. the class's)
+    ref = smart_resize(max(n, 2), h, w, temporal_factor=2, factor=32, **small)
+    assert VideoSampling(**small).frame_size(n, h, w) == ref
 
 
 def test_timestamps_and_patches_match_qwen3vl():

@@ -41,10 +41,13 @@ class VideoSampling:
     """Exactly this many frames, evenly spread (a shorter clip repeats frames, as transformers does)."""
     min_frames: int = 4
     max_frames: int = 768
-    min_pixels: int = 128 * 32 * 32
-    """Lower bound of sampled frames x height x width after resizing (Qwen3-VL `size.shortest_edge`)."""
-    max_pixels: int = 768 * 32 * 32
-    """Upper bound of the same product (`size.longest_edge`): more frames, smaller frames."""
+    min_pixels: int = 4096
+    """Lower bound of sampled frames x height x width after resizing: `size.shortest_edge` of the Qwen3-VL
+    checkpoints' video_preprocessor_config.json, which AutoProcessor and vLLM load (not the processor class's
+    own default, 128 x 32 x 32, which had made 8 frames of 720p 224x416 where vLLM sees 704x1280)."""
+    max_pixels: int = 25165824
+    """Upper bound of the same product (the config's `size.longest_edge`, 24576 x 32 x 32): more frames,
+    smaller frames."""
     factor: int = 32
     """Frame sides become multiples of patch 16 x merge 2."""
     temporal_patch: int = 2
