@@ -11,7 +11,8 @@ Formatting (cosmos-framework inference/inference.py `_get_prompt_sample_data`; c
   and ". This video|image is of {h}x{w} resolution.", each joined by `rstrip('.') + '. '`.
 - negative: the SAME sentences appended to the negative text (never JSON-injected), then `lstrip('.')`, so an
   empty negative yields the sentences alone (per request: their INVERSE, "is not ...", as diffusers and
-  vLLM-Omni append them, or none). None means the shipped default: for video the reference's
+  vLLM-Omni append them, with diffusers' assembly on both branches: plain texts as given, not stripped; or
+  none). None means the shipped default: for video the reference's
   `neg_prompts.json` "bad video" description (assets/negative_prompt.json, serialised with `json.dumps`;
   content as mirrored verbatim in NVIDIA/TensorRT-LLM's cosmos3/negative_prompt.py, Apache-2.0); for an image
   (num_frames == 1) "" as in the reference's text2image defaults.
@@ -95,20 +96,39 @@ def _join(base: str, sentence: str) -> str:
     return base.rstrip(".") + ". " + sentence
 
 
-def _metadata_sentences(text: str, shape: VideoShape, inverse: bool = False) -> str:
-    """Reference `_format_prompt_with_template`: strip, duration sentence (video only), resolution sentence
-    (each unless the shape turns it off); `inverse`: diffusers' negated sentences ("is not")."""
-    text = text.strip()
+def _sentences(shape: VideoShape, inverse: bool = False) -> list[str]:
+    """The duration sentence (video only) and the resolution sentence, each unless the shape turns it off;
+    `inverse`: diffusers' negations ("is not")."""
+    sentences = []
     if shape.duration and not shape.is_image:
         duration = INVERSE_DURATION_TEMPLATE if inverse else DURATION_TEMPLATE
-        text = _join(text, duration.format(duration=shape.num_frames / shape.fps, fps=shape.fps))
-    text = text.strip()
+        sentences.append(duration.format(duration=shape.num_frames / shape.fps, fps=shape.fps))
     if shape.resolution:
         if shape.is_image:
             template = INVERSE_IMAGE_RESOLUTION_TEMPLATE if inverse else IMAGE_RESOLUTION_TEMPLATE
         else:
             template = INVERSE_VIDEO_RESOLUTION_TEMPLATE if inverse else VIDEO_RESOLUTION_TEMPLATE
-        text = _join(text, template.format(height=shape.height, width=shape.width))
+        sentences.append(template.format(height=shape.height, width=shape.width))
+    return sentences
+
+
+def _metadata_sentences(text: str, shape: VideoShape) -> str:
+    """Reference `_format_prompt_with_template`: the text stripped, then its sentences joined; in the "inverse"
+    mode diffusers' assembly instead (`_diffusers_sentences`)."""
+    if shape.negative_metadata == "inverse":
+        return _diffusers_sentences(text, shape)
+    text = text.strip()
+    for sentence in _sentences(shape):
+        text = _join(text, sentence)
+    return text
+
+
+def _diffusers_sentences(text: str, shape: VideoShape, inverse: bool = False) -> str:
+    """diffusers' `tokenize_prompt` assembly (the "inverse" mode's, vLLM-Omni's): the text as given, not
+    stripped (a prompt "a fox " becomes "a fox . The video is ..."), each sentence joined as the reference
+    joins them, or alone after an empty text."""
+    for sentence in _sentences(shape, inverse):
+        text = _join(text, sentence) if text.rstrip(".") else sentence
     return text
 
 
@@ -137,7 +157,7 @@ def format_prompt(prompt: str, shape: VideoShape) -> str:
             metadata["aspect_ratio"] = aspect_ratio_label(shape.width, shape.height)
         obj.update(metadata)  # existing keys keep their place, new ones go last (reference dict.update)
         return json.dumps(obj)
-    if not prompt.strip():
+    if not prompt.strip() and shape.negative_metadata != "inverse":
         # The reference would emit a leading ". "; an empty base yields the sentences alone (§12 join rule).
         return _metadata_sentences("", shape).lstrip(".").strip()
     return _metadata_sentences(prompt, shape)
@@ -157,8 +177,9 @@ def format_negative_prompt(negative_prompt: str | None, shape: VideoShape) -> st
         negative_prompt = "" if shape.is_image else default_negative_prompt()
     if shape.negative_metadata == "none":
         return negative_prompt.strip()
-    inverse = shape.negative_metadata == "inverse"
-    return _metadata_sentences(negative_prompt, shape, inverse).lstrip(".").strip()
+    if shape.negative_metadata == "inverse":
+        return _diffusers_sentences(negative_prompt, shape, inverse=True)
+    return _metadata_sentences(negative_prompt, shape).lstrip(".").strip()
 
 
 class TextSizeBound:
