@@ -287,7 +287,7 @@ class FormParts(MultiPartParser):
         self.closed = True
         super().on_end()
 
-    async def parse(self):  # -> FormData
+    async def parse(self) -> FormData:
         form = await super().parse()
         if not self.closed:
             await form.close()
@@ -319,7 +319,7 @@ def _form_text(data: bytes, field: str, charset: str = "utf-8") -> str:
                        param=field or None) from None  # fmt: skip
 
 
-def openapi_body(*models) -> dict:
+def openapi_body(*models: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI requestBody of a route that reads its JSON itself: the fields of `models` (several: the
     route's forms, told apart by their fields) in one object schema."""
     schemas = [
@@ -333,7 +333,7 @@ def openapi_body(*models) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def inline_refs(node, defs):
+def inline_refs(node: Any, defs: dict[str, Any]) -> Any:
     """A JSON schema with every local `$ref` replaced by its definition (OpenAPI gets no dangling refs)."""
     if isinstance(node, dict):
         if "$ref" in node:

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -73,6 +73,9 @@ from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, Structured
 from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.work_pool import map_in_order, on_request_pool
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
+
+if TYPE_CHECKING:
+    from worldserve.engine.client import ChatEvents
 
 router = APIRouter(tags=["chat"])
 State = Annotated[AppState, Depends(app_state)]
@@ -245,14 +248,18 @@ MAX_CHOICES = 16
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, openapi_extra=BODY)
-async def create_chat_completion(request: Request, st: State):
+async def create_chat_completion(
+    request: Request, st: State
+) -> ChatCompletionResponse | StreamingResponse | JSONResponse:
     """OpenAI chat completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = await _read_body(request)
     if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
         return model_not_found(body.model)
-    opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
+    opened: list[ChatEvents] = []  # the request's ChatEvents, to cancel if the client goes away at any point
 
-    async def work():  # (watched from the start: a client leaving during its media's downloads stops them)
+    async def work() -> (
+        ChatCompletionResponse | StreamingResponse
+    ):  # (watched from the start: a client leaving during its media's downloads stops them)
         choices, options = await chat_choices(st, body)
         answer_id = body.answer_id("chatcmpl", request.headers.get("x-request-id"))
         return await _answer(st, body, choices, opened, options.tools, answer_id)
@@ -290,11 +297,11 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
 async def _answer(
     st: AppState,
     body: ChatCompletionRequest,
-    choices: list,
-    opened: list,
+    choices: list[ChatParams],
+    opened: list[ChatEvents],
     tools: ToolMode | None,
     request_id: str,
-):
+) -> ChatCompletionResponse | StreamingResponse:
     """Start the choices together (`opened` gets their event streams), wait for each one's first event,
     then answer (its id `request_id`): SSE, or the whole completion."""
     role = (

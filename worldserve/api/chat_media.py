@@ -20,11 +20,12 @@ import asyncio
 import os
 import stat
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from worldserve.api.chat_messages import ContentPart
+from worldserve.api.chat_messages import ContentPart, MediaURL
 from worldserve.api.chat_options import pixel_budget
 from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.data_urls import data_url_bytes, frame_list_bytes
@@ -36,8 +37,11 @@ from worldserve.media.processor_cache import ProcessorCache, content_key
 from worldserve.media.video_input import decode_chat_frames, decode_chat_video
 from worldserve.params import ParamError
 
+if TYPE_CHECKING:
+    import numpy as np
 
-def media_parts(body: ChatCompletionRequest):
+
+def media_parts(body: ChatCompletionRequest) -> Iterator[tuple[str, str, str]]:
     """(path, kind, url) of every image_url / video_url part, path as `messages[i].content[j].<type>`."""
     for i, msg in enumerate(body.messages):
         if msg.content is None or isinstance(msg.content, str):
@@ -156,7 +160,7 @@ def _read_local_file(path: Path, given: str, param: str) -> bytes:
     return data
 
 
-def _url(ref, kind: str, path: str) -> str:
+def _url(ref: MediaURL | str | None, kind: str, path: str) -> str:
     url = ref if isinstance(ref, str) else ref.url if ref is not None else ""
     if not url:
         raise ParamError(path, f"{'an' if kind == 'image' else 'a'} {kind}_url part needs {kind}_url.url")
@@ -231,7 +235,7 @@ class ImageBudget:
                              "smaller images, or a lower mm_processor_kwargs max_pixels.")  # fmt: skip
 
 
-def check_image(image, path: str) -> None:
+def check_image(image: np.ndarray, path: str) -> None:
     """A decoded image the Qwen3-VL processor can resize (any side >= 1 pixel); ParamError(path) otherwise."""
     h, w = image.shape[:2]
     if max(h, w) > MAX_ASPECT_RATIO * min(h, w):

@@ -30,7 +30,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from worldserve.api.chat_protocol import (
     AssistantMessage,
@@ -59,6 +59,13 @@ from worldserve.engine.client import (
     metered,
 )
 
+if TYPE_CHECKING:
+    from worldserve.api.chat_protocol import SamplingRequest
+    from worldserve.chat_params import ChatParams
+    from worldserve.engine.chat_metering import ChatMeter
+    from worldserve.engine.client import ChatEvent, ChatEvents, EngineClient
+    from worldserve.engine.outputs import TokenLogprob
+
 LOGPROB_FLOOR = -9999.0
 """Log-probabilities are floored here in JSON answers (JSON has no -inf)."""
 
@@ -83,25 +90,26 @@ class TokenView:
     """return_tokens_as_token_ids: logprobs name their tokens "token_id:<id>"."""
 
     @classmethod
-    def of(cls, body, as_ids: bool = False) -> TokenView:
+    def of(cls, body: SamplingRequest, as_ids: bool = False) -> TokenView:
         """A chat or text completion request's (chat_protocol.SamplingRequest) options; `as_ids`: the server's
         --return-tokens-as-token-ids, for a request that sends no return_tokens_as_token_ids."""
         own = body.return_tokens_as_token_ids
         return cls(ids=bool(body.return_token_ids), as_ids=as_ids if own is None else own)
 
-    def names(self, entry) -> tuple[str, list[str]]:
+    def names(self, entry: TokenLogprob) -> tuple[str, list[str]]:
         """A TokenLogprob's token and its alternatives as this request shows them."""
         if self.as_ids:
             return f"token_id:{entry.token_id}", [f"token_id:{i}" for i in entry.top_ids]
         return entry.token, [t for t, _ in entry.top]
 
 
-def logprob_items(entries, view: TokenView = TokenView()) -> list[TokenLogprobOut]:
+def logprob_items(entries: Iterable[TokenLogprob], view: TokenView = TokenView()) -> list[TokenLogprobOut]:
     """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes); a token a
     structured output's grammar forbids (-inf) is listed at LOGPROB_FLOOR, as vLLM lists it."""
     items = []
     for e in entries:
         token, tops = view.names(e)
+        assert e.logprob is not None  # (a sampled token's: None only for a prompt's first token)
         items.append(TokenLogprobOut(
             token=token, logprob=max(e.logprob, LOGPROB_FLOOR), bytes=list(token.encode()),
             top_logprobs=[TopLogprob(token=t, logprob=max(lp, LOGPROB_FLOOR), bytes=list(t.encode()))
@@ -130,7 +138,10 @@ def chunk_usage(prompt_tokens: int, completion: int, **details: Any) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=total, **details)
 
 
-async def start_all(client, choices: Sequence, metrics, *, coalesce: bool, opened: list) -> tuple[list, list]:
+async def start_all(
+    client: EngineClient, choices: Sequence[ChatParams], metrics: ChatMeter, *, coalesce: bool,
+    opened: list[ChatEvents],
+) -> tuple[list[AsyncGenerator[ChatEvent, None]], list[ChatStarted]]:  # fmt: skip
     """Start `choices` (ChatParams) together on the chat worker (`opened` gets their event streams, so a
     caller watching for a disconnect can close them) and wait for each one's first event: (the metered
     streams, their ChatStarted events). A failed choice (its status), no Reasoner (400) or a shutdown (503)
@@ -352,7 +363,8 @@ async def sse(
     parsers = [parsing.stream() for _ in streams]
 
     def chunk(
-        index: int, delta: dict[str, Any], finish: str | None = None, logprobs=(), stop=None, ids=None, head=False
+        index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Sequence[TokenLogprob] = (),
+        stop: str | int | None = None, ids: Sequence[int] | None = None, head: bool = False,
     ) -> str:  # fmt: skip
         lp = ChoiceLogprobs(content=logprob_items(logprobs, view)) if logprobs else None
         if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)

@@ -22,10 +22,10 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import openapi_body, read_model
 from worldserve.api.chat import model_not_found
@@ -42,12 +42,16 @@ from worldserve.chat_params import ChatParams, StructuredOutput
 from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
+if TYPE_CHECKING:
+    from worldserve.engine.client import ChatEvents
+    from worldserve.runner.chat_prompt import ChatPromptBuilder
+
 router = APIRouter(tags=["completions"])
 State = Annotated[AppState, Depends(app_state)]
 
 
 def tokenize_prompts(
-    prompts, body: CompletionRequest, max_model_len: int | None = None
+    prompts: ChatPromptBuilder, body: CompletionRequest, max_model_len: int | None = None
 ) -> list[tuple[tuple[int, ...], str | None]]:
     """Each prompt as (token ids, its text when `echo`) (blocking: tokenizes; a text longer than
     `max_model_len` tokens can hold is refused before); ParamError("prompt")."""
@@ -94,7 +98,9 @@ def chat_params(
 @router.post(
     "/v1/completions", response_model=CompletionResponse, openapi_extra=openapi_body(CompletionRequest)
 )
-async def create_completion(request: Request, st: State):
+async def create_completion(
+    request: Request, st: State
+) -> CompletionResponse | StreamingResponse | JSONResponse:
     """OpenAI text completion from the Reasoner (JSON body; `stream: true` answers server-sent events)."""
     body = await read_model(request, CompletionRequest, st.settings.max_upload_bytes)
     if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
@@ -121,13 +127,19 @@ async def create_completion(request: Request, st: State):
     echoes = await asyncio.to_thread(
         lambda: [_echoed(prompts, body, i, t, max_model_len) for i, t in tokenized]
     )
-    opened: list = []  # the request's ChatEvents, to cancel if the client goes away at any point
+    opened: list[ChatEvents] = []  # the request's ChatEvents, to cancel if the client goes away at any point
     answer_id = body.answer_id("cmpl", request.headers.get("x-request-id"))
     work = _answer(st, body, choices, echoes, opened, echo_only, answer_id)
     return await unless_disconnected(request, work, lambda: close_all(opened))
 
 
-def _echoed(prompts, body: CompletionRequest, ids: tuple[int, ...], text: str | None, max_model_len: int):
+def _echoed(
+    prompts: ChatPromptBuilder,
+    body: CompletionRequest,
+    ids: tuple[int, ...],
+    text: str | None,
+    max_model_len: int,
+) -> str | None:
     """A prompt's echo: its text, or with truncate_prompt_tokens the text of the tokens the Reasoner keeps
     (as it cuts them: -1 keeps max_model_len - max_tokens), so the echo and its logprobs' offsets match."""
     keep = body.truncate_prompt_tokens
@@ -138,9 +150,9 @@ def _echoed(prompts, body: CompletionRequest, ids: tuple[int, ...], text: str | 
 
 
 async def _answer(
-    st: AppState, body: CompletionRequest, choices: list, echoes: list, opened: list, echo_only: bool,
-    request_id: str,
-):  # fmt: skip
+    st: AppState, body: CompletionRequest, choices: list[ChatParams], echoes: list[str | None],
+    opened: list[ChatEvents], echo_only: bool, request_id: str,
+) -> StreamingResponse | CompletionResponse:  # fmt: skip
     """Start every choice together, wait for each one's first event (a refusal or a bad prompt answers the
     request), then answer (its id `request_id`): SSE, or the whole object."""
     streams, firsts = await start_all(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worldserve.api.chat_stream import (
     LOGPROB_FLOOR,
@@ -34,6 +34,10 @@ from worldserve.api.completions_protocol import (
     CompletionLogprobs,
     CompletionResponse,
 )
+
+if TYPE_CHECKING:
+    from worldserve.api.chat_protocol import Usage
+    from worldserve.engine.outputs import ChatDelta
 
 
 def legacy_logprobs(entries: Sequence, offset: int = 0, view: TokenView = TokenView()) -> CompletionLogprobs:
@@ -102,13 +106,13 @@ class Completion:
         """vLLM's `prompt_logprobs` of choice `index` (with the request's field)."""
         return prompt_logprob_rows(self.prompt_entries[index // self.n], self.prompt_logprobs)
 
-    def usage(self, completion: int):
+    def usage(self, completion: int) -> Usage:
         """Usage of `completion` tokens over every prompt (the prompts' cached tokens in its details)."""
         return make_usage(
             sum(self.prompt_tokens), completion, None if self.cached is None else sum(self.cached)
         )
 
-    def response(self, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
+    def response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
@@ -138,7 +142,7 @@ def sse(
     sent = [0] * len(streams)  # characters of each choice's text sent so far (its next text_offset)
     started = [False] * len(streams)  # each choice's first chunk sent (its prompt's ids go there)
 
-    def render(index: int, event) -> Iterator[str]:
+    def render(index: int, event: ChatDelta) -> Iterator[str]:
         completion[index] = event.completion_tokens
         echo = c.echoes[index // c.n] if not sent[index] else None
         text = (echo or "") + ("" if c.echo_only else event.text)

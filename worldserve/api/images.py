@@ -29,7 +29,7 @@ import time
 import uuid
 import zipfile
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -44,6 +44,11 @@ from worldserve.api.state import AppState, app_state
 from worldserve.api.video_inputs import parse_extra_params
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
 from worldserve.params import DEFAULT_MAX_SEQUENCE_LENGTH, IMAGE_DEFAULTS, INT64, VideoParams, choice_seed
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from worldserve.engine.outputs import VideoResult
 
 router = APIRouter(tags=["images"])
 State = Annotated[AppState, Depends(app_state)]
@@ -120,7 +125,7 @@ def build_params(
         "negative_metadata": "extra_params.negative_metadata_mode",
     }
 
-    def pick(name: str, default):
+    def pick(name: str, default: Any) -> Any:
         """`extra_params` over the top-level field over the default, as the video routes resolve them."""
         if getattr(extra, name, None) is not None:
             origin[name] = f"extra_params.{name}"
@@ -152,7 +157,7 @@ async def _generated(
     request_id: str,
     headers: dict,
     on_admitted: Callable[[], None] | None,
-):
+) -> tuple[str | None, list[VideoResult]]:
     """(the prompt the Reasoner wrote or None, the results): with `extra_params.upsample_prompt` the prompt is
     written first (engine/prompt_upsampling.py; checked as a client's prompt is, answered as
     `revised_prompt`; the requests hold their queue slots meanwhile), one for the n images (the first one's
@@ -180,7 +185,7 @@ async def _generated(
     )
 
 
-def encode_image(frame, fmt: str) -> bytes:
+def encode_image(frame: np.ndarray, fmt: str) -> bytes:
     """uint8 (H, W, 3) -> PNG / JPEG (quality 95) / WebP (lossless) bytes."""
     from PIL import Image
 

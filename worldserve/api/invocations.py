@@ -8,7 +8,7 @@ keyed server must not open by a second door.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, Request
 
@@ -17,6 +17,12 @@ from worldserve.api.chat import create_chat_completion
 from worldserve.api.completions import create_completion
 from worldserve.api.errors import APIError
 from worldserve.api.state import AppState, app_state
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from worldserve.api.chat_protocol import ChatCompletionResponse
+    from worldserve.api.completions_protocol import CompletionResponse
 
 router = APIRouter(tags=["server"])
 State = Annotated[AppState, Depends(app_state)]
@@ -27,8 +33,10 @@ HANDLERS = (("messages", "ChatCompletionRequest", create_chat_completion),
 with both is a chat, as vLLM tries ChatCompletionRequest first)."""
 
 
-@router.post("/invocations")
-async def invocations(request: Request, st: State):
+@router.post("/invocations", response_model=None)  # (the answer is the chosen route's)
+async def invocations(
+    request: Request, st: State
+) -> ChatCompletionResponse | CompletionResponse | StreamingResponse | JSONResponse:
     """The chat or text completion the JSON body is (SageMaker's invocation route)."""
     data = await read_json_object_again(request, st.settings.max_upload_bytes)
     for key, _, route in HANDLERS:

@@ -45,6 +45,7 @@ from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, VllmMirror
 
 if TYPE_CHECKING:
     from worldserve.engine.client import ChatTimes
+    from worldserve.media.processor_cache import ProcessorCache
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -145,7 +146,7 @@ class Metrics:
         self.vllm.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                           lambda: counts()[1], self.registry)  # fmt: skip
 
-    def track_mm_cache(self, cache) -> None:
+    def track_mm_cache(self, cache: ProcessorCache) -> None:
         """The Reasoner's processor cache (media/processor_cache.py): chat images and videos looked up so far,
         and of them the ones found decoded (vLLM's counters, in items)."""
         self.vllm.counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried "

@@ -26,10 +26,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from worldserve.api.bodies import fits_context, read_model
 from worldserve.api.chat import chat_choices, model_not_found, request_options
@@ -46,6 +46,9 @@ from worldserve.api.tool_stream import final_message
 from worldserve.engine.client import ChatDelta, ChatFailed
 from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import ChatDefaults
+
+if TYPE_CHECKING:
+    from worldserve.engine.client import ChatEvents
 
 router = APIRouter(tags=["responses"])
 State = Annotated[AppState, Depends(app_state)]
@@ -70,7 +73,7 @@ def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
 
 
 @router.post("/v1/responses")
-async def create_response(request: Request, st: State):
+async def create_response(request: Request, st: State) -> Response:
     """An OpenAI Responses API answer from the Reasoner (JSON body; `stream: true` answers semantic events)."""
     req = await read_model(
         request, ResponsesRequest, st.settings.max_upload_bytes, fits_context("input", st.max_model_len)
@@ -106,11 +109,11 @@ async def create_response(request: Request, st: State):
         choices, options = await chat_choices(st, chat)
     except (APIError, ParamError) as exc:
         raise paths.rename(exc) from None
-    opened: list = []  # the chat's events, to cancel if the client goes away at any point
+    opened: list[ChatEvents] = []  # the chat's events, to cancel if the client goes away at any point
     parsing = TextParsing(tools=options.tools, reasoning=st.settings.reasoning_parser is not None,
                           include_reasoning=req.include_reasoning)  # fmt: skip
 
-    async def answer():
+    async def answer() -> StreamingResponse | JSONResponse:
         # per-token deliveries only where they matter: streamed, logprobs to place
         coalesce = not (req.stream or req.logprobs)
         skeleton = _skeleton(req, st.served_model_name, store is not None, st.chat_defaults)
@@ -155,7 +158,7 @@ async def create_response(request: Request, st: State):
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, st: State):
+async def get_response(response_id: str, st: State) -> JSONResponse:
     """A stored response (`store`, kept in memory: api/responses_store.py)."""
     found = st.responses.get(response_id) if st.responses is not None else None
     if found is None:
@@ -163,8 +166,8 @@ async def get_response(response_id: str, st: State):
     return JSONResponse(found[1])
 
 
-@router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, st: State):
+@router.post("/v1/responses/{response_id}/cancel", response_model=None)
+async def cancel_response(response_id: str, st: State) -> NoReturn:
     """vLLM's cancel: only a background response can be cancelled, and this server makes none (`background`
     is a 400), so a stored response answers vLLM's 400 for a synchronous one; an unknown id a 404."""
     if st.responses is None or st.responses.get(response_id) is None:
@@ -173,7 +176,7 @@ async def cancel_response(response_id: str, st: State):
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, st: State):
+async def delete_response(response_id: str, st: State) -> JSONResponse:
     if st.responses is None or not st.responses.delete(response_id):
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})

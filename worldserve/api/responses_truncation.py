@@ -14,6 +14,7 @@ need their preprocessing, and the context check answers a 400 if it is too long.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from worldserve.api.chat import RequestOptions, build_params
 from worldserve.api.chat_media import media_parts
@@ -21,6 +22,9 @@ from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.errors import APIError
 from worldserve.api.responses_input import ChatPaths
 from worldserve.params import ParamError, TextTooLong
+
+if TYPE_CHECKING:
+    from worldserve.runner.chat_prompt import ChatPromptBuilder
 
 
 def fit_by_items(
@@ -70,7 +74,9 @@ def fit_by_items(
     return _dropped(chat, first, cuts[hi]), _paths_dropped(paths, first, cuts[hi])
 
 
-def prompt_tokens(prompts, options: RequestOptions, chat: ChatCompletionRequest, room: int) -> int | None:
+def prompt_tokens(
+    prompts: ChatPromptBuilder, options: RequestOptions, chat: ChatCompletionRequest, room: int
+) -> int | None:
     """The tokens of a text-only chat's prompt through the Reasoner's builder `prompts` (`options`: the
     request's, checked once: they do not depend on its messages), or None when its text is more than `room`
     tokens can hold (refused by its byte size, before tokenizing)."""

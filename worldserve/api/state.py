@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -17,6 +18,9 @@ from worldserve.api.settings import AppSettings
 from worldserve.chat_params import ChatParams
 from worldserve.engine.client import EngineClient, QueueFullError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults, RequestSeeds
+
+if TYPE_CHECKING:
+    from worldserve.engine.chat_metering import ChatMeter
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,7 +60,7 @@ class AppState:
             return dataclasses.replace(params, seed=self.request_seeds.next())
         return params
 
-    def chat_meter(self, request_id: str):
+    def chat_meter(self, request_id: str) -> ChatMeter:
         """Where a request's chats are counted: the metrics, and with --enable-log-requests its abort logged."""
         if self.settings.request_log is None:
             return self.metrics

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
 from worldserve.api.bodies import fits_context, openapi_body, read_json_object, read_model
 from worldserve.api.chat import RequestOptions, build_params, model_not_found, request_options
@@ -43,11 +44,14 @@ from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.work_pool import on_request_pool
 from worldserve.params import ParamError
 
+if TYPE_CHECKING:
+    from worldserve.runner.chat_prompt import ChatPromptBuilder
+
 router = APIRouter(tags=["tokenize"])
 State = Annotated[AppState, Depends(app_state)]
 
 
-def reasoner_prompts(st: AppState) -> tuple[Any, int]:
+def reasoner_prompts(st: AppState) -> tuple[ChatPromptBuilder, int]:
     """(the Reasoner's ChatPromptBuilder, its max_model_len); a 400, as chat answers, when there is none."""
     worker = st.client.chat_worker
     prompts = worker.backend.prompts if worker is not None else None
@@ -59,7 +63,7 @@ def reasoner_prompts(st: AppState) -> tuple[Any, int]:
 
 
 def _tokenize_chat(
-    st: AppState, prompts, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes],
+    st: AppState, prompts: ChatPromptBuilder, body: TokenizeChatRequest, chat: ChatCompletionRequest, fetched: dict[str, bytes],
     options: RequestOptions, max_tokens: int, stop: threading.Event | None = None,
 ) -> list[int]:  # fmt: skip
     """The chat form's ids: the chat's params (`chat`, its media loaded, blocking; http(s) ones already
@@ -77,7 +81,7 @@ def _tokenize_chat(
     "/tokenize", response_model=TokenizeResponse,
     openapi_extra=openapi_body(TokenizePromptRequest, TokenizeChatRequest),
 )  # fmt: skip
-async def tokenize(request: Request, st: State):
+async def tokenize(request: Request, st: State) -> TokenizeResponse | JSONResponse:
     """vLLM's /tokenize: a prompt's (or a chat's rendered prompt's) token ids."""
     data = await read_json_object(request, st.settings.max_upload_bytes)
     chat = "messages" in data and "prompt" not in data
@@ -114,7 +118,7 @@ async def tokenize(request: Request, st: State):
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
-async def detokenize(request: Request, st: State):
+async def detokenize(request: Request, st: State) -> DetokenizeResponse | JSONResponse:
     """vLLM's /detokenize: the text of token ids."""
     body = await read_model(request, DetokenizeRequest, st.settings.max_upload_bytes)
     if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)

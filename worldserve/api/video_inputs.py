@@ -21,10 +21,10 @@ import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
@@ -54,6 +54,8 @@ from worldserve.params import (
     ParamError,
     VideoParams,
 )
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 QUALITY_CRF = {"default": 18, "high": 10, "lossless": 0}
 """x264 crf per job quality; a request names "high" or "lossless" (vLLM-Omni's levels), else "default"."""
@@ -122,7 +124,7 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
         raise APIError(400, f"{repeated} was sent {counts[repeated]} times: send it once (FastAPI, and so "
                        "vLLM-Omni, would take the last one and drop the others unsaid)", param=repeated)  # fmt: skip
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
-    fields = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)
+    fields: dict[str, Any] = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)
               and (k in FILE_FIELDS or not isinstance(v, UploadFile))}  # fmt: skip
     if files := [v for v in form.getlist("input_references") if v != ""]:
         fields["input_references"] = files  # (a repeatable field: every part, where items() keeps the last)
@@ -289,7 +291,7 @@ def json_object_field(raw: str | dict | None, field: str) -> dict | None:
     return raw
 
 
-def _validated(model, raw: dict, field: str):
+def _validated(model: type[_Model], raw: dict, field: str) -> _Model:
     """`model` validated from `raw`, pydantic's errors as a 400 located under `field`."""
     try:
         return model.model_validate(raw)

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
+from starlette.types import Receive, Scope, Send
 
 from worldserve.api.auth import request_id_of
 from worldserve.api.disconnect import unless_disconnected
@@ -291,7 +292,7 @@ class OpenFileResponse(FileResponse):
         super().__init__(f"{fd_dir}/{fd}", stat_result=os.fstat(fd), **kwargs)
         self._fd, self._range = fd, range_header
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         extensions = {k: v for k, v in scope.get("extensions", {}).items() if k != "http.response.pathsend"}
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"range"]
         if self._range is not None:
