@@ -267,12 +267,14 @@ class ChatWorker:
                 if tokens:  # (vLLM's tokens per engine step: _timed)
                     self.observer.on_chat_iteration(tokens)
 
-    def _model(self):
+    def _model(self) -> contextlib.AbstractContextManager[object]:
         """The model lock, or nothing when the backend runs beside video steps (re-read every call: a
         Reasoner turns concurrent once its decode graphs are captured)."""
         return contextlib.nullcontext() if self.backend.concurrent_with_video else self.model_lock
 
-    def _start(self, batch: list[ChatHandle]):
+    def _start(
+        self, batch: list[ChatHandle]
+    ) -> tuple[list[tuple[ChatHandle, ChatSession]], list[ChatHandle]]:
         """Prefill several chats in one backend call: (the started (handle, session) pairs, the handles the
         backend had no room for now). Failed chats get their ChatFailed."""
         admitted_at = None  # when the model is ours (vLLM's SCHEDULED): a wait on a video step is queue time
@@ -282,7 +284,8 @@ class ChatWorker:
                 results = self.backend.start_many([h.params for h in batch])
         except Exception as exc:
             results = [exc] * len(batch)
-        started, refused = [], []
+        started: list[tuple[ChatHandle, ChatSession]] = []
+        refused: list[ChatHandle] = []
         with self._queues_lock:  # running from now on, before any of them hears of it (the gauges)
             for handle, result in zip(batch, results, strict=True):
                 if not isinstance(result, ChatBackpressure):
@@ -303,7 +306,7 @@ class ChatWorker:
                 started.append((handle, result))
         return started, refused
 
-    def _close(self, session) -> None:
+    def _close(self, session: ChatSession) -> None:
         try:
             with self._model():
                 session.close()

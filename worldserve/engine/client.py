@@ -30,8 +30,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 
 from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
@@ -404,10 +405,10 @@ class EngineClient:
         # a sync request waiting on it answers now (404), also while its MP4 is encoded
         self._waiters.wake(job_id)
 
-    def video_path(self, job_id: str):
+    def video_path(self, job_id: str) -> Path:
         return self.store.video_path(job_id)
 
-    def _call_in_loop(self, fn) -> None:
+    def _call_in_loop(self, fn: Callable[[], object]) -> None:
         """Run fn on the server's event loop (from any thread); nothing once the loop has closed."""
         if self._loop is None:  # (not started: nobody is listening yet)
             return
@@ -429,7 +430,8 @@ class EngineClient:
             raise ShuttingDownError("The server is shutting down and accepts no new requests.")
         queues: builtins.list[asyncio.Queue[ChatEvent]] = [asyncio.Queue() for _ in choices]
 
-        def emitter(events: asyncio.Queue):  # from the worker thread onto the loop, nothing once it closed
+        # from the worker thread onto the loop, nothing once it closed
+        def emitter(events: asyncio.Queue[ChatEvent]) -> Callable[[ChatEvent], None]:
             return lambda event: self._call_in_loop(partial(events.put_nowait, event))
 
         handles = worker.submit_many(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ Encoder = Callable[..., bytes]
 """`encode_mp4(frames, fps, audio, sample_rate=..., crf=..., codec_options=...) -> bytes`."""
 
 
-def default_encoder(*args, **kwargs) -> bytes:
+def default_encoder(*args: Any, **kwargs: Any) -> bytes:
     """media.video.encode_mp4, imported on first use (PyAV)."""
     from worldserve.media.video import encode_mp4
 

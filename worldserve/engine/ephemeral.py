@@ -155,7 +155,7 @@ def start_streamed(
 def _sink(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable[[object], None]:
     """A request's `on_result`: its outcome (a result or an exception) settles `future` on `loop`, once."""
 
-    def deliver(outcome) -> None:
+    def deliver(outcome: object) -> None:
         if future.done():
             return
         if isinstance(outcome, BaseException):
@@ -163,7 +163,7 @@ def _sink(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable[[
         else:
             future.set_result(outcome)
 
-    def on_result(outcome) -> None:  # engine thread or encode pool
+    def on_result(outcome: object) -> None:  # engine thread or encode pool
         try:
             loop.call_soon_threadsafe(deliver, outcome)
         except RuntimeError:  # the loop closed: nobody is waiting any more

@@ -15,8 +15,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import sqlite3
+from typing import TYPE_CHECKING
 
 from worldserve.engine.job_files import StorageError
+
+if TYPE_CHECKING:
+    from worldserve.engine.job_schema import Job
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 FULL_SQLITE_CODES = frozenset({13})  # SQLITE_FULL ("database or disk is full")
@@ -56,7 +60,7 @@ class UnsavedFailures:
     def discard(self, job_id: str) -> None:
         self._pending.pop(job_id, None)
 
-    def shown(self, job):
+    def shown(self, job: Job) -> Job:
         """`job` as a client sees it: failed if its failure waits to be written (and it has not ended)."""
         pending = self._pending.get(job.id)
         if pending is None or job.status.terminal:

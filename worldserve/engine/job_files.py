@@ -18,7 +18,7 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from worldserve.engine.request import EncodeOptions
 from worldserve.params import LoraRequest, VideoParams
@@ -132,7 +132,7 @@ class StorageInUseError(StorageError):
     """Another process holds the storage directory (two servers would re-run and delete each other's jobs)."""
 
 
-def lock_storage(root: Path):
+def lock_storage(root: Path) -> TextIO:
     """An exclusive lock on `root`/.lock for this process (the open file holds it; closing releases it).
     Where the filesystem has no locks (some NFS / FUSE mounts) the store runs unlocked, with a warning."""
     try:

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,7 @@ class JobStore:
             raise
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def _transaction(self) -> Iterator[None]:
         """BEGIN ... COMMIT, rolled back on any error (an open transaction would swallow later writes)."""
         self._db.execute("BEGIN")
         try:
@@ -143,7 +143,7 @@ class JobStore:
             raise
 
     @contextlib.contextmanager
-    def _writing(self, what: str):
+    def _writing(self, what: str) -> Iterator[None]:
         """Under `_lock`, after writing the failures still unsaved: a write the disk refuses (full, an I/O
         error) raises StorageError saying what was not saved."""
         with self._lock:

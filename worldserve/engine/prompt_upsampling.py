@@ -21,14 +21,18 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput
 from worldserve.engine.chat_metering import ChatEventSource, ChatMeter, metered
 from worldserve.engine.chat_worker import ChatEvents, ChatFailed
-from worldserve.engine.outputs import ChatDelta
+from worldserve.engine.outputs import ChatBackend, ChatDelta
 from worldserve.params import ParamError, VideoParams
+
+if TYPE_CHECKING:
+    from worldserve.runner.reasoner import Reasoner
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +151,9 @@ def prompt_from_answer(answer: str) -> str:
     return json.dumps(doc)
 
 
-def upsample_with(reasoner, params: VideoParams, config: UpsamplerConfig = UpsamplerConfig()) -> str:
+def upsample_with(
+    reasoner: Reasoner, params: VideoParams, config: UpsamplerConfig = UpsamplerConfig()
+) -> str:
     """The new prompt from a Reasoner in this thread (the generate CLI: no server, no chat worker)."""
     session = reasoner.start(upsampling_chat(params, config))
     pieces = []
@@ -159,7 +165,7 @@ def upsample_with(reasoner, params: VideoParams, config: UpsamplerConfig = Upsam
     return prompt_from_answer("".join(pieces))
 
 
-def check_upsampling(reasoner, params: VideoParams, config: UpsamplerConfig) -> None:
+def check_upsampling(reasoner: ChatBackend | None, params: VideoParams, config: UpsamplerConfig) -> None:
     """ParamError unless `reasoner` (the chat worker's Reasoner; None: this server runs none) can upsample
     `params`' prompt: the chat's prompt must leave `config.min_room` tokens of context for the answer
     (blocking: builds that prompt, the image through the ViT's preprocessing; a backend without its own
@@ -170,6 +176,8 @@ def check_upsampling(reasoner, params: VideoParams, config: UpsamplerConfig) -> 
     if reasoner.prompts is None:
         return
     tokens = len(reasoner.prompts.build(upsampling_chat(params, config)).input_ids)
+    # (a backend with a prompt builder is the Reasoner: a bounded context)
+    assert reasoner.max_model_len is not None
     if tokens + config.min_room > reasoner.max_model_len:
         raise ParamError("prompt", f"the prompt is too long to upsample: its upsampling chat is {tokens} tokens, "
                          f"and the answer needs {config.min_room} more within the Reasoner's "
@@ -198,7 +206,9 @@ def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams)
                                f"{field}, or leave upsample_prompt off", field) from None  # fmt: skip
 
 
-async def built_upsampling_chat(backend, params: VideoParams, config: UpsamplerConfig) -> ChatParams:
+async def built_upsampling_chat(
+    backend: ChatBackend | None, params: VideoParams, config: UpsamplerConfig
+) -> ChatParams:
     """`upsampling_chat` with its prompt built here, in a worker thread (the frame through the ViT's
     preprocessing, the template, the tokens), not on the chat worker's thread, which every running chat
     shares (`backend`: the chat worker's Reasoner; one without `prompts` builds its own); UpsamplingFailed(400)
