@@ -68,7 +68,10 @@ class ChatAdmission:
         @property
         def _live(self) -> int: ...
 
-        def prefill_batch(self, items, whole=(), budget=None) -> list: ...
+        def prefill_batch(
+            self, items: Sequence[tuple[ChatPrompt, Sequence[int]]], whole: Sequence[bool] = (),
+            budget: int | None = None, resumed: Sequence[bool] = (),
+        ) -> list[tuple[Tensor, PagedSequence, int]]: ...  # fmt: skip
 
         def build_prompt(self, params: ChatParams) -> ChatPrompt: ...
 

@@ -23,6 +23,7 @@ tokenizing it (megabytes take tens of seconds).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -156,7 +157,7 @@ class ChatPromptBuilder:
         """Each id's vocabulary string (byte-level pieces, e.g. "Ġworld"), as vLLM's `return_token_strs`."""
         return list(self.tokenizer.convert_ids_to_tokens(ids))
 
-    def check_ids(self, ids, param: str) -> None:
+    def check_ids(self, ids: Iterable[int], param: str) -> None:
         """ParamError(param) unless every id is in the vocabulary."""
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:

@@ -87,7 +87,7 @@ class ChatGpuShare:
         """Whether chat calls may run without the model lock, alongside video steps."""
         return self.stream is not None and self.ready
 
-    def context(self):
+    def context(self) -> contextlib.AbstractContextManager[object]:
         """Where the Reasoner's GPU work runs: its own stream when concurrent."""
         return torch.cuda.stream(self.stream) if self.concurrent else contextlib.nullcontext()
 

@@ -21,6 +21,7 @@ from worldserve import envs
 from worldserve.models.layers.flash_attention import BACKENDS, fa3_unavailable_reason
 
 if typing.TYPE_CHECKING:
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
     from worldserve.params import LoraRequest
 
 QUANTIZATIONS = ("fp8", "fp8-emulated")
@@ -100,7 +101,7 @@ class KernelOptions:
         """Where to load the weights for a model that will run on `device` (the CPU under layerwise offload)."""
         return torch.device("cpu") if self.layerwise_offload else device
 
-    def apply(self, transformer, device: torch.device | None = None) -> str:
+    def apply(self, transformer: Cosmos3Transformer, device: torch.device | None = None) -> str:
         """Merge the adapter, quantise, offload, pick the attention kernel, compile; returns e.g.
         "fa3+compiled" for the logs.
 

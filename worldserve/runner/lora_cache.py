@@ -24,12 +24,18 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from worldserve.models.layers.lora import LoraWeights
 from worldserve.params import LoraRequest, ParamError
 from worldserve.weights.lora_adapter import AdapterSpec, inspect_adapter, load_adapter
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+    from worldserve.models.layers.lora import MergedLora
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,7 @@ of Cosmos3-Nano's layers takes ~1 GB in bf16 here, the block-diagonal B of fused
 class LoraCache:
     """One rank's adapters for `transformer` (its config, dtype, device and tensor-parallel group)."""
 
-    def __init__(self, transformer, max_loaded: int = DEFAULT_MAX_LOADED) -> None:
+    def __init__(self, transformer: Cosmos3Transformer, max_loaded: int = DEFAULT_MAX_LOADED) -> None:
         if max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.transformer = transformer
@@ -86,7 +92,7 @@ class LoraCache:
             self._on_device[key] = weights
         return weights
 
-    def _merged(self, request: LoraRequest | None):
+    def _merged(self, request: LoraRequest | None) -> MergedLora | None:
         """The model's MergedLora when `request` names it; None on a model without one. On a model with one,
         any other request (another adapter, another scale, none: the base model) is a ParamError naming
         `lora`: its gen weights are no longer the base model's."""
@@ -94,7 +100,7 @@ class LoraCache:
         if merged is None:
             return None
         if request is None or merged.source != merged_source(request.validate()):
-            path, scale = merged.source
+            path, scale = cast("tuple[str, float]", merged.source)  # (merged_source's)
             raise ParamError("lora", f"this server runs the LoRA adapter {path} at scale {scale:g} merged into "
                              "its weights (--lora-path without --enable-lora): it runs no other adapter, nor the "
                              "base model")  # fmt: skip
@@ -131,7 +137,9 @@ noise enters a row's measure too (std ~0.3 % for deltas of 1 % of the weights ov
 systematic loss of deltas under ~0.4 % of a weight."""
 
 
-def merge_lora(transformer, request: LoraRequest, device: torch.device) -> tuple[int, int, float]:
+def merge_lora(
+    transformer: Cosmos3Transformer, request: LoraRequest, device: torch.device
+) -> tuple[int, int, float]:
     """`request`'s adapter read (this rank's tensor-parallel slices, float32) and its gen-pathway deltas merged
     into `transformer`'s weights (Cosmos3Transformer.merge_gen_lora), each output row unless rounding would
     change more than MERGE_ERASURE_LIMIT of its delta; the und deltas and the rows left out run unmerged, from
@@ -160,11 +168,9 @@ def merge_lora(transformer, request: LoraRequest, device: torch.device) -> tuple
     return whole, total, worst
 
 
-def check_adapter_fits(root, request: LoraRequest, flag: str) -> None:
+def check_adapter_fits(root: str | Path, request: LoraRequest, flag: str) -> None:
     """ValueError naming `flag` unless `request`'s adapter fits the transformer of the checkpoint at `root`
     (its headers against the config): before minutes of weights load, not after."""
-    from pathlib import Path
-
     from worldserve.models.cosmos3.config import Cosmos3Config
 
     config = Cosmos3Config.from_json(Path(root) / "transformer" / "config.json")

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +54,15 @@ from worldserve.runner.video_pipeline import (
 )
 from worldserve.sampling.guidance import needs_uncond
 
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from worldserve.engine.outputs import VideoResult
+    from worldserve.models.cosmos3.prompt import PromptEncoder
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+    from worldserve.params import LoraRequest
+    from worldserve.runner.lora_cache import LoraCache
+
 log = logging.getLogger("worldserve.parallel")
 PEER_EXIT_WAIT_S = 1.0
 """How long a failed exchange waits for a dying peer to be reaped, to name it as the cause."""
@@ -71,7 +81,7 @@ class ParallelPipeline:
     @classmethod
     def from_pretrained(
         cls, path: str | Path, layout: ParallelLayout, device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None, kernels: KernelOptions | None = None, **kwargs,
+        dtype: torch.dtype | None = None, kernels: KernelOptions | None = None, **kwargs: Any,
     ) -> ParallelPipeline:  # fmt: skip
         """Check the layout against the checkpoint, spawn the peers, join the world with them, load the full
         pipeline here while each peer loads the transformer on its GPU, and wait for every peer's "ready"
@@ -123,7 +133,7 @@ class ParallelPipeline:
 
     # ------------------------------------------------------------------ VideoBackend
     @property
-    def process(self):
+    def process(self) -> BaseProcess:
         """The rank 1 process."""
         return self.peers.processes[0]
 
@@ -132,17 +142,17 @@ class ParallelPipeline:
         return self.local.has_sound
 
     @property
-    def loras(self):
+    def loras(self) -> LoraCache:
         """Rank 0's LoRA adapters (each peer loads its own slices of the ones its requests name)."""
         return self.local.loras
 
     @property
-    def transformer(self):
+    def transformer(self) -> Cosmos3Transformer:
         """Rank 0's transformer (the Reasoner shares its und tower)."""
         return self.local.transformer
 
     @property
-    def encoder(self):
+    def encoder(self) -> PromptEncoder:
         return self.local.encoder
 
     @property
@@ -162,7 +172,7 @@ class ParallelPipeline:
     def sound_enabled(self, params: VideoParams) -> bool:
         return self.local.sound_enabled(params)
 
-    def decode(self, state: VideoRequestState, *, stream: bool = False):
+    def decode(self, state: VideoRequestState, *, stream: bool = False) -> VideoResult:
         return self.local.decode(state, stream=stream)
 
     generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
@@ -206,7 +216,7 @@ class ParallelPipeline:
         msg = ("prefill", request_id, list(cond), None if uncond is None else list(uncond), lora)
         to = self._cond_peers + (self._uncond_peers if remote else [])
         asked = lora is not None and bool(to)
-        if asked:  # (identity None: merged here, the peers take their own merge's rest)
+        if asked and lora is not None:  # (identity None: merged here, the peers take their own merge's rest)
             self._peers_load_lora(request_id, lora, None if merged or held is None else held.key[0], to)
         if self.layout.tp > 1:  # the prefill is collective: the peers must run it alongside rank 0
             with self._exchange():
@@ -232,7 +242,9 @@ class ParallelPipeline:
             self._cfg_remote.add(request_id)
         return state
 
-    def _peers_load_lora(self, request_id: str, lora, identity: tuple | None, to: list[int]) -> None:
+    def _peers_load_lora(
+        self, request_id: str, lora: LoraRequest, identity: tuple | None, to: list[int]
+    ) -> None:
         """The peers `to` load the request's adapter before its prefill, each answering: one that could not (its
         files gone, or changed since rank 0 read them: `identity`) fails this request alone, a 400 naming
         `lora`, with the peers still in step; rank 0 and the peers then run the files rank 0 read."""

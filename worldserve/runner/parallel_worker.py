@@ -15,7 +15,7 @@ rank's, before any of them loads), then loads the transformer into it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,8 +87,8 @@ class BranchRank:
         self.lora_of[request_id] = weights
 
     def load_lora(
-        self, request_id: str, lora: LoraRequest, identity: tuple, group: ParallelGroup, dev: torch.device,
-        leader_alive,
+        self, request_id: str, lora: LoraRequest, identity: tuple | None, group: ParallelGroup,
+        dev: torch.device, leader_alive: Callable[[], bool],
     ) -> None:  # fmt: skip
         """Load the request's adapter (this rank's slices) and answer rank 0: None, or why not. Rank 0 read the
         files first; they may have gone or changed since (`identity`: what rank 0 read; None when rank 0 merged
@@ -107,7 +107,9 @@ class BranchRank:
             )
         comm.send_object(answer, LEADER, group, dev, leader_alive)
 
-    def denoise(self, plan, group: ParallelGroup, dev: torch.device, leader_alive) -> None:
+    def denoise(
+        self, plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, leader_alive: Callable[[], bool]
+    ) -> None:
         inputs = [x for x in recv_step(plan, group, dev, leader_alive) if x[0] in self.caches]
         items = [
             gen_item(lat, ts, cache, fps, clean, snd)
@@ -127,7 +129,9 @@ class BranchRank:
         self.caches.pop(request_id, None)
         self.lora_of.pop(request_id, None)
 
-    def handlers(self, group: ParallelGroup, dev: torch.device, leader_alive) -> dict:
+    def handlers(
+        self, group: ParallelGroup, dev: torch.device, leader_alive: Callable[[], bool]
+    ) -> dict[str, Callable[..., None]]:
         return {
             "prefill": self.prefill,
             "lora": lambda rid, lora, identity: self.load_lora(rid, lora, identity, group, dev, leader_alive),

@@ -23,8 +23,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from worldserve.parallel.comm import PeerError
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
 
 JOIN_TIMEOUT_S = 60.0
 """Rank 0's bound on the world's rendezvous (at most the world's timeout). It starts once every peer has said
@@ -76,7 +80,7 @@ def exit_reason(code: int | None) -> str:
 class StartupPipes:
     """Rank 0's ends of the peers' start-up pipes, and the waits on them that watch the peers' processes."""
 
-    def __init__(self, ctx, label: str, peers: int, timeout_s: float):
+    def __init__(self, ctx: BaseContext, label: str, peers: int, timeout_s: float) -> None:
         self.label = label
         self.timeout_s = timeout_s
         self._pipes = [ctx.Pipe(duplex=False) for _ in range(peers)]  # (rank 0's read end, the peer's end)

@@ -28,13 +28,16 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
 from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes, watch_leader
+
+if TYPE_CHECKING:
+    from worldserve.runner.kernel_options import KernelOptions
 
 log = logging.getLogger("worldserve.peers")
 _Local = TypeVar("_Local")  # what PeerRanks.start's load_local returns on rank 0
@@ -44,6 +47,17 @@ KEEPALIVE_S = 60.0
 """A peer that has had no message for this long (at most a quarter of the world timeout) gets ("ping",)."""
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set (setdefault) before peers are spawned: no NVLink multicast on the lent H200 hosts."""
+
+
+class PeerBranch(Protocol):
+    """What a peer rank serves (`peer_worker_main`'s `make_branch(device)`, e.g. parallel_worker.BranchRank):
+    it takes the loaded transformer, then answers rank 0's messages by kind."""
+
+    def load(self, transformer: Any) -> PeerBranch: ...
+
+    def handlers(
+        self, group: ParallelGroup, dev: torch.device, leader_alive: Callable[[], bool]
+    ) -> dict[str, Callable[..., None]]: ...
 
 
 def _free_port() -> int:
@@ -170,7 +184,7 @@ class PeerRanks:
         code = self.processes[r - 1].exitcode
         return comm.PeerError(f"{self.label} peer (rank {r}) is gone (exit code {code}): {exc}")
 
-    def send(self, msg, to: Sequence[int] | None = None) -> None:
+    def send(self, msg: tuple[object, ...], to: Sequence[int] | None = None) -> None:
         """Pickled `msg` to the ranks `to`, or to every peer (nothing, and no liveness check, for `to=[]`)."""
         if to is not None and not to:
             return
@@ -190,7 +204,7 @@ class PeerRanks:
             except comm.PeerError as exc:
                 raise self._gone(r, exc) from exc
 
-    def recv_object(self, src: int):
+    def recv_object(self, src: int) -> Any:
         try:
             return comm.recv_object(src, self.group, self.comm_device, self.alive)
         except comm.PeerError as exc:
@@ -331,7 +345,9 @@ def send_step(peers: PeerRanks, states: Sequence, to: Sequence[int] | None = Non
             peers.send_tensor(s.sound, to)
 
 
-def recv_step(plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, leader_alive) -> list[tuple]:
+def recv_step(
+    plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, leader_alive: Callable[[], bool]
+) -> list[tuple]:
     """A peer's side of send_step: [(request_id, timestep, fps, clean, latents, sound, guided)] in plan order."""
     out = []
     for request_id, timestep, fps, clean, latent_shape, sound_shape, is_guided in plan:
@@ -350,7 +366,7 @@ def recv_step(plan: Sequence[tuple], group: ParallelGroup, dev: torch.device, le
 def serve_messages(
     group: ParallelGroup,
     dev: torch.device,
-    leader_alive,
+    leader_alive: Callable[[], bool],
     handlers: dict[str, Callable[..., None]],
     label: str,
 ) -> None:
@@ -370,7 +386,8 @@ def serve_messages(
 # ---------------------------------------------------------------------------------------------- peer processes
 def peer_worker_main(
     rank: int, link: PeerLink, world_size: int, model_path: str, device: str, dtype: torch.dtype,
-    kernels, make_branch: Callable, label: str, tp: ParallelGroup | None = None,
+    kernels: KernelOptions, make_branch: Callable[[torch.device], PeerBranch], label: str,
+    tp: ParallelGroup | None = None,
 ) -> None:  # fmt: skip
     """Entry point of a spawned rank (design.md anti-pattern 10: the process's whole life in one function):
     once in the world, `make_branch(device)` (its collective set-up, with every rank's: a class with
@@ -384,11 +401,11 @@ def peer_worker_main(
 def _load_branch(
     model_path: str,
     dtype: torch.dtype,
-    kernels,
-    make_branch: Callable,
+    kernels: KernelOptions,
+    make_branch: Callable[[torch.device], PeerBranch],
     tp: ParallelGroup | None,
     device: torch.device,
-):
+) -> PeerBranch:
     from worldserve.runner.video_pipeline import load_configured_transformer
 
     branch = make_branch(device)  # first: its process groups, created with every rank's before any loads
@@ -398,7 +415,9 @@ def _load_branch(
 
 
 @torch.inference_mode()
-def _serve_branch(label: str, branch, group: ParallelGroup, dev: torch.device, leader_alive) -> None:
+def _serve_branch(
+    label: str, branch: PeerBranch, group: ParallelGroup, dev: torch.device, leader_alive: Callable[[], bool]
+) -> None:
     serve_messages(group, dev, leader_alive, branch.handlers(group, dev, leader_alive), label)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,7 +58,7 @@ class PrefillGraphs:
     """The und tower's prefill pass as L + 1 CUDA-graphed pieces per token bucket, attention eager between."""
 
     def __init__(
-        self, model, math: tuple, *, num_deepstack: int, max_tokens: int = MAX_PREFILL_GRAPH_TOKENS,
+        self, model: Any, math: tuple, *, num_deepstack: int, max_tokens: int = MAX_PREFILL_GRAPH_TOKENS,
         capture: bool = True,
     ) -> None:  # fmt: skip
         self.model = model

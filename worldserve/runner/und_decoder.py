@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +47,13 @@ class UndDecoder:
     """Static-buffer decode step over a PagedKVPool; CUDA graphs per batch bucket where they can run."""
 
     def __init__(
-        self, model, pool: PagedKVPool, *, max_batch: int, max_model_len: int, enforce_eager: bool = False
+        self,
+        model: Any,
+        pool: PagedKVPool,
+        *,
+        max_batch: int,
+        max_model_len: int,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -94,7 +101,9 @@ class UndDecoder:
                 h = self._layer(i, h, cos, sin, table, lens)
         return m.compute_logits(m.norm(h))
 
-    def _fill(self, tokens: Sequence[int], seqs: Sequence[PagedSequence], positions: Sequence[int], b: int):
+    def _fill(
+        self, tokens: Sequence[int], seqs: Sequence[PagedSequence], positions: Sequence[int], b: int
+    ) -> None:
         """Copy the step's host metadata into the static buffers; rows past len(seqs) become padding."""
         n = len(seqs)
         table = np.zeros((b, self.max_blocks), dtype=np.int32)  # filled by numpy: no tensor a row

@@ -18,12 +18,13 @@ refused elsewhere before anything loads.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 import torch
@@ -46,7 +47,10 @@ from worldserve.weights.loader import load_transformer
 
 if TYPE_CHECKING:  # the VAEs import diffusers, which a peer rank (transformer only) never needs
     from worldserve.models.cosmos3.audio_vae import AudioVAE
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
     from worldserve.models.cosmos3.vae import VideoVAE
+    from worldserve.models.layers.attention import KVCache
+    from worldserve.runner.parallel_pipeline import ParallelPipeline
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +118,10 @@ def branch_items(s: VideoRequestState, caches: Sequence) -> list[GenItem]:
     return [gen_item(s.latents, timestep, c, s.params.fps, s.clean_frames, s.sound) for c in caches]
 
 
-def gen_item(latents: Tensor, timestep, cache, fps: float, clean_frames, sound: Tensor | None) -> GenItem:
+def gen_item(
+    latents: Tensor, timestep: Tensor | float, cache: KVCache, fps: float, clean_frames: Iterable[int],
+    sound: Tensor | None,
+) -> GenItem:  # fmt: skip
     """One branch of one request at one timestep (shared with the CFG-parallel peer)."""
     return GenItem(
         latents=latents, timestep=timestep, und_cache=cache, fps=float(fps),
@@ -128,9 +135,9 @@ def load_configured_transformer(
     device: torch.device,
     kernels: KernelOptions,
     *,
-    tp=None,
+    tp: ParallelGroup | None = None,
     progress: bool = True,
-):
+) -> Cosmos3Transformer:
     """The checkpoint's transformer (this rank's tensor-parallel slices with `tp`) with `kernels` applied:
     what every rank of a pipeline runs."""
     load_device = kernels.load_device(device)
@@ -139,7 +146,11 @@ def load_configured_transformer(
     return transformer
 
 
-READ_ADAPTER = object()
+class _Sentinel(enum.Enum):
+    READ_ADAPTER = "read"
+
+
+READ_ADAPTER: Final = _Sentinel.READ_ADAPTER
 """VideoPipeline.prepare's `adapter` default: read the request's adapter there."""
 
 
@@ -147,9 +158,9 @@ class VideoPipeline:
     """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
 
     def __init__(
-        self, transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder, device,
-        max_loras: int = DEFAULT_MAX_LOADED,
-    ):  # fmt: skip
+        self, transformer: Cosmos3Transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder,
+        device: str | torch.device, max_loras: int = DEFAULT_MAX_LOADED,
+    ) -> None:  # fmt: skip
         self.transformer = transformer
         self.loras = LoraCache(transformer, max_loras)
         self.vae = vae
@@ -234,8 +245,9 @@ class VideoPipeline:
 
     @torch.inference_mode()
     def prepare(
-        self, request_id: str, params: VideoParams, *, prefill_uncond: bool = True, prompt_ids=None,
-        adapter=READ_ADAPTER,
+        self, request_id: str, params: VideoParams, *, prefill_uncond: bool = True,
+        prompt_ids: tuple[list[int], list[int] | None] | None = None,
+        adapter: LoraWeights | None | Literal[_Sentinel.READ_ADAPTER] = READ_ADAPTER,
     ) -> VideoRequestState:  # fmt: skip
         """`prefill_uncond=False`: the uncond branch lives elsewhere (CFG-parallel peer); cond cache only.
         `prompt_ids`: (cond ids, uncond ids or None) when the caller has already tokenized the prompts.
@@ -419,8 +431,8 @@ def load_pipeline(
     cfg_parallel_size: int = 1,
     ulysses_degree: int = 1,
     tensor_parallel_size: int = 1,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> VideoPipeline | ParallelPipeline:
     """`VideoPipeline.from_pretrained(path, **kwargs)` on one device; with `cfg_parallel_size == 2`,
     `ulysses_degree > 1` or `tensor_parallel_size > 1` a ParallelPipeline over the product of them in ranks
     (runner/parallel_layout.py). Callers `close()` it."""
