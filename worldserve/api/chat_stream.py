@@ -62,8 +62,7 @@ from worldserve.engine.client import (
 if TYPE_CHECKING:
     from worldserve.api.chat_protocol import SamplingRequest
     from worldserve.chat_params import ChatParams
-    from worldserve.engine.chat_metering import ChatMeter
-    from worldserve.engine.client import ChatEvent, ChatEvents, EngineClient
+    from worldserve.engine.client import ChatEvent, ChatEvents, ChatMeter, EngineClient
     from worldserve.engine.outputs import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0

@@ -20,7 +20,7 @@ from worldserve.engine.client import EngineClient, QueueFullError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults, RequestSeeds
 
 if TYPE_CHECKING:
-    from worldserve.engine.chat_metering import ChatMeter
+    from worldserve.engine.client import ChatMeter
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,7 +72,7 @@ from worldserve.engine.request import EncodeOptions, Request
 from worldserve.params import ParamError, VideoParams
 
 __all__ = [
-    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "HeldFinish", "Job", "JobSpec",
+    "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatMeter", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "HeldFinish", "Job", "JobSpec",
     "JobStatus", "NO_REASONER", "QueueFullError", "Request", "SHUTDOWN_REASON", "ShuttingDownError", "StorageError", "UpsamplingFailed", "VideoResult", "error_for", "metered",
 ]  # fmt: skip
 

@@ -21,7 +21,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -30,9 +30,6 @@ from worldserve.engine.chat_metering import ChatEventSource, ChatMeter, metered
 from worldserve.engine.chat_worker import ChatEvents, ChatFailed
 from worldserve.engine.outputs import ChatBackend, ChatDelta
 from worldserve.params import ParamError, VideoParams
-
-if TYPE_CHECKING:
-    from worldserve.runner.reasoner import Reasoner
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +148,25 @@ def prompt_from_answer(answer: str) -> str:
     return json.dumps(doc)
 
 
+class DirectSession(Protocol):
+    """A chat run on the caller's thread (runner/reasoner_session.py ReasonerSession)."""
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    def step(self) -> ChatDelta: ...
+
+    def close(self) -> None: ...
+
+
+class DirectReasoner(Protocol):
+    """A Reasoner used without a chat worker (runner/reasoner.py Reasoner: the generate CLI's)."""
+
+    def start(self, params: ChatParams) -> DirectSession: ...
+
+
 def upsample_with(
-    reasoner: Reasoner, params: VideoParams, config: UpsamplerConfig = UpsamplerConfig()
+    reasoner: DirectReasoner, params: VideoParams, config: UpsamplerConfig = UpsamplerConfig()
 ) -> str:
     """The new prompt from a Reasoner in this thread (the generate CLI: no server, no chat worker)."""
     session = reasoner.start(upsampling_chat(params, config))
