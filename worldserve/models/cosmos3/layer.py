@@ -27,7 +27,7 @@ and the activation quantisation fuses with the norm / SwiGLU in front of each GE
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import torch
@@ -46,6 +46,11 @@ from worldserve.models.layers.norm import RMSNorm, rms_norm
 from worldserve.models.layers.rope import apply_rope
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.parallel.ulysses import head_slice, heads_to_seq, seq_to_heads
+
+QkvFn = Callable[..., tuple[Tensor, Tensor, Tensor]]
+"""qkv_math or a compiled copy of it: (h, cos, sin, weights...) -> q, k, v."""
+FinishFn = Callable[..., Tensor]
+"""finish_math or a compiled copy of it (finish_residual_in_place): (h, attn, weights...) -> h."""
 
 
 def _linear(
@@ -110,8 +115,8 @@ def swiglu_math(h: Tensor, ln_w: Tensor, gu_w: Tensor, eps: float, gu_lora: Lora
 def finish_residual_in_place(
     h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, ln_w: Tensor, gu_w: Tensor, down_w: Tensor,
     eps: float, o_s: Tensor | None = None, gu_s: Tensor | None = None, down_s: Tensor | None = None,
-    emulate: bool = False, fast_accum: bool = True, lora: tuple | None = None, *, swiglu_fn=swiglu_math,
-    fallback=finish_math,
+    emulate: bool = False, fast_accum: bool = True, lora: tuple | None = None, *,
+    swiglu_fn: Callable[..., Tensor] = swiglu_math, fallback: FinishFn = finish_math,
 ) -> Tensor:  # fmt: skip
     """finish_math whose two residual adds happen inside the GEMMs, in place: h += attn @ o_w^T and
     h += swiglu @ down_w^T are cuBLAS GEMMs with beta = 1 reading and writing h itself. h [N, d] is
@@ -195,7 +200,7 @@ class TowerBlock(nn.Module):
         h: Tensor,
         cos: Tensor,
         sin: Tensor,
-        fn=None,
+        fn: QkvFn | None = None,
         kv_out: tuple[Tensor, Tensor, Tensor] | None = None,
         lora: Mapping[str, LoraPair] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -209,7 +214,9 @@ class TowerBlock(nn.Module):
             kv_out=kv_out, lora=None if lora is None else lora.get("qkv_proj"),
         )  # fmt: skip
 
-    def finish(self, h: Tensor, attn: Tensor, fn=None, lora: Mapping[str, LoraPair] | None = None) -> Tensor:
+    def finish(
+        self, h: Tensor, attn: Tensor, fn: FinishFn | None = None, lora: Mapping[str, LoraPair] | None = None
+    ) -> Tensor:
         """Residual stream h [N, d] + o_proj(attn [N, Hq, D]), then + SwiGLU MLP; `fn`: another copy of
         finish_math for a single rank (the Reasoner decoder's compiled one), default this block's; `lora`: this
         block's adapter deltas (LoraWeights.tower)."""
@@ -258,7 +265,7 @@ def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backe
             block.finish_fn = finish
 
 
-def compiled_decode_math(*, mode: str = "default", backend: str = "inductor"):
+def compiled_decode_math(*, mode: str = "default", backend: str = "inductor") -> tuple[QkvFn, FinishFn]:
     """(qkv, finish): torch.compile'd copies of qkv_math / finish_math for the Reasoner's decode step.
 
     Their own code objects (dynamo caches graphs per code object: the gen tower's static graphs never serve a

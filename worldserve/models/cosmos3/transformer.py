@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +64,7 @@ from worldserve.models.layers.flash_attention import (
 )
 from worldserve.models.layers.fp8 import fp8_unavailable_reason
 from worldserve.models.layers.linear import Embedding, ReplicatedLinear
-from worldserve.models.layers.lora import LoraWeights, MergedLora, merge_pair
+from worldserve.models.layers.lora import LoraPair, LoraWeights, MergedLora, merge_pair
 from worldserve.models.layers.norm import RMSNorm
 from worldserve.models.layers.offload import BlockStreamer
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedKVPool
@@ -73,7 +73,7 @@ from worldserve.parallel import ulysses
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 
 
-def _resident(blocks: BlockStreamer | None, i: int):
+def _resident(blocks: BlockStreamer | None, i: int) -> AbstractContextManager[object]:
     """Layer i's block on the device for the with-body (a no-op without layerwise offload)."""
     return nullcontext() if blocks is None else blocks.use(i)
 
@@ -160,7 +160,12 @@ class Cosmos3Transformer(nn.Module):
             torch.cuda.empty_cache()  # hand the freed bf16 gen weights (about 13.9 GB on Nano) back
 
     def merge_gen_lora(
-        self, lora: LoraWeights, source, device: torch.device | None = None, *, max_erasure: float = math.inf
+        self,
+        lora: LoraWeights,
+        source: Hashable,
+        device: torch.device | None = None,
+        *,
+        max_erasure: float = math.inf,
     ) -> tuple[int, float]:
         """Add `lora`'s gen-pathway deltas (the gen tower's linears, proj_in / proj_out, the time embedder's and
         the audio heads') into the weights, W += B A, each output row unless rounding would change more than
@@ -189,7 +194,7 @@ class Cosmos3Transformer(nn.Module):
             )
         return sum(pair is None for pair in left.values()), worst
 
-    def _gen_lora_targets(self, lora: LoraWeights):
+    def _gen_lora_targets(self, lora: LoraWeights) -> Iterator[tuple[tuple, Tensor, LoraPair]]:
         """(key, weight, pair) of every gen-pathway linear `lora` has a delta for (key: LoraWeights.replaced's)."""
         for i, layer in enumerate(self.layers):
             for name, pair in (lora.tower(i, "gen") or {}).items():

@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,7 +226,7 @@ class VisionEncoder:
     """The Qwen3-VL ViT + patch merger + deepstack mergers, from `<checkpoint>/vision_encoder`: transformers'
     module holds the weights, our inference forward (vision_tower.py) runs them."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model: Any) -> None:
         from worldserve.models.cosmos3.vision_tower import VisionTower
 
         self.model = model.eval()
@@ -363,7 +364,7 @@ def _positions(kind: Sequence[int], grids: dict[int, list], merge_size: int) -> 
     return pos.float(), cursor
 
 
-def _reset_nonpersistent_buffers(model, device: torch.device | str) -> None:
+def _reset_nonpersistent_buffers(model: Any, device: torch.device | str) -> None:
     """Buffers that are not in the state dict (RoPE inverse frequencies) were built on meta: rebuild them."""
     for module in model.modules():
         if type(module).__name__ == "Qwen3VLVisionRotaryEmbedding":

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from worldserve.models.layers.attention import sdpa_attention
+
+if TYPE_CHECKING:
+    from worldserve.models.layers.flash_attention import AttentionFn
 
 
 @dataclass(frozen=True)
@@ -113,21 +117,26 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]).to(x.dtype)
 
 
-def pre_attention(h: Tensor, cos: Tensor, sin: Tensor, ln_w, ln_b, qkv_w, qkv_b, heads: int):
+def pre_attention(
+    h: Tensor, cos: Tensor, sin: Tensor, ln_w: Tensor, ln_b: Tensor, qkv_w: Tensor, qkv_b: Tensor, heads: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm, fused qkv, RoPE on q and k: h [P, d] -> q, k, v [P, H, D]."""
     x = F.layer_norm(h, (h.shape[-1],), ln_w, ln_b, eps=1e-6)
     q, k, v = F.linear(x, qkv_w, qkv_b).view(h.shape[0], 3, heads, -1).unbind(1)  # [P, H, D] each
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
-def post_attention(h: Tensor, attn: Tensor, proj_w, proj_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b) -> Tensor:
+def post_attention(
+    h: Tensor, attn: Tensor, proj_w: Tensor, proj_b: Tensor, ln_w: Tensor, ln_b: Tensor, fc1_w: Tensor,
+    fc1_b: Tensor, fc2_w: Tensor, fc2_b: Tensor,
+) -> Tensor:  # fmt: skip
     """o-proj + residual, LayerNorm, tanh-GELU MLP + residual: h [P, d], attn [P, H, D] -> [P, d]."""
     h = h + F.linear(attn.flatten(1), proj_w, proj_b)
     x = F.layer_norm(h, (h.shape[-1],), ln_w, ln_b, eps=1e-6)
     return h + F.linear(F.gelu(F.linear(x, fc1_w, fc1_b), approximate="tanh"), fc2_w, fc2_b)
 
 
-def merge_patches(x: Tensor, merger, *, postshuffle: bool) -> Tensor:
+def merge_patches(x: Tensor, merger: Any, *, postshuffle: bool) -> Tensor:
     """A patch merger: [P, d] -> [P/4, d_llm] (LayerNorm before or after grouping the 2x2 windows)."""
     width = merger.linear_fc1.in_features
     x = merger.norm(x.view(-1, width) if postshuffle else x).view(-1, width)
@@ -137,7 +146,7 @@ def merge_patches(x: Tensor, merger, *, postshuffle: bool) -> Tensor:
 class VisionTower:
     """Our inference forward of one `Qwen3VLVisionModel` (its modules hold the weights)."""
 
-    def __init__(self, model, attention=sdpa_attention) -> None:
+    def __init__(self, model: Any, attention: AttentionFn = sdpa_attention) -> None:
         cfg = model.config
         if cfg.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(

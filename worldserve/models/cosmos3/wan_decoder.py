@@ -48,6 +48,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -281,7 +282,7 @@ class WanDecoder(nn.Module):
                 m.time_winograd = on
         return self
 
-    def compile(self, **kwargs) -> WanDecoder:
+    def compile(self, **kwargs: Any) -> WanDecoder:
         """torch.compile the hot blocks (residual, attention, upsample, head) with static shapes; meant for
         CUDA. `kwargs` go to torch.compile (e.g. mode=, backend=). The one-frame first chunk stays eager."""
         kwargs.setdefault("dynamic", False)

@@ -29,6 +29,7 @@ shapes stay diffusers'.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -102,11 +103,12 @@ class _DerivedKernelsOwner(nn.Module):
 
     _kernels: DerivedKernels
 
-    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half() / to_empty(): rebuild lazily
+    # .to() / .cuda() / .half() / to_empty(): rebuild lazily
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Self:
         self._kernels.clear()
         return super()._apply(fn, recurse)
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._kernels.clear()
         super()._load_from_state_dict(*args, **kwargs)
 

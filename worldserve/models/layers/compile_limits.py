@@ -9,6 +9,8 @@ for the rest of the process without a word (the gen layers 1.13x slower). A vide
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 COMPILED_SHAPES_LIMIT = 4096
 """Graphs a compiled function may keep before dynamo falls back to eager."""
 
@@ -22,7 +24,7 @@ def raise_recompile_limits(n: int = COMPILED_SHAPES_LIMIT) -> None:
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, n)
 
 
-def recompile_limits(n: int = COMPILED_SHAPES_LIMIT):
+def recompile_limits(n: int = COMPILED_SHAPES_LIMIT) -> AbstractContextManager[object]:
     """Both limits at least `n` inside a `with` block (the VAE decode), as they were outside it."""
     import torch._dynamo
 

@@ -25,6 +25,7 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -110,7 +111,7 @@ def fa3_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     return None
 
 
-def _fwd_ops(mod: ModuleType):
+def _fwd_ops(mod: ModuleType) -> Any:
     """The front end's namespace of compiled ops (fa3-fwd's `fa3_fwd_cuda`, upstream's `flash_attn_3_cuda`)."""
     return getattr(mod, "fa3_fwd_cuda", None) or getattr(mod, "flash_attn_3_cuda", None)
 

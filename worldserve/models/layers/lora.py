@@ -22,7 +22,7 @@ left out, run unmerged (the und ones in the prompt's prefill).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -150,10 +150,10 @@ class LoraWeights:
             *self.top.values()
         ]
 
-    def _tensors(self):
+    def _tensors(self) -> Iterator[Tensor]:
         return (t for pair in self._pairs() for t in pair)
 
-    def _map(self, fn) -> LoraWeights:
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> LoraWeights:
         """A LoraWeights of the same key whose every tensor is fn(tensor)."""
 
         def pair(p: LoraPair) -> LoraPair:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -71,7 +72,7 @@ def paged_decode_attention_reference(
 
 
 @cache
-def _triton():
+def _triton() -> tuple[Any, Any, Any] | None:
     """(triton, split kernel, merge kernel), or None where Triton is not importable."""
     try:
         import triton
@@ -81,8 +82,9 @@ def _triton():
                     "PyTorch reference instead", type(e).__name__, e)  # fmt: skip
         return None
 
+    # (Triton reads a kernel's annotations: its arguments keep none but tl.constexpr)
     @triton.jit
-    def split_kernel(
+    def split_kernel(  # type: ignore[no-untyped-def]
         Q, K, V, TABLE, LENS, OUT, LSE, scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb,
         stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
@@ -128,7 +130,7 @@ def _triton():
         tl.store(LSE + b * stride_lb + s * stride_ls + heads, lse, mask=gmask)
 
     @triton.jit
-    def merge_kernel(
+    def merge_kernel(  # type: ignore[no-untyped-def]
         Q, KN, VN, KP, VP, SLOTS, PART, LSE, OUT, scale,
         stride_qb, stride_qh, stride_nb, stride_nh, stride_row, stride_ph,
         stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_yb, stride_yh,
