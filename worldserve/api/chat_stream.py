@@ -62,8 +62,7 @@ from worldserve.engine.client import (
 if TYPE_CHECKING:
     from worldserve.api.chat_protocol import SamplingRequest
     from worldserve.chat_params import ChatParams
-    from worldserve.engine.client import ChatEvent, ChatEvents, ChatMeter, EngineClient
-    from worldserve.engine.outputs import TokenLogprob
+    from worldserve.engine.client import ChatEvent, ChatEvents, ChatMeter, EngineClient, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
 """Log-probabilities are floored here in JSON answers (JSON has no -inf)."""

@@ -37,7 +37,7 @@ from worldserve.api.completions_protocol import (
 
 if TYPE_CHECKING:
     from worldserve.api.chat_protocol import Usage
-    from worldserve.engine.outputs import ChatDelta
+    from worldserve.engine.client import ChatDelta
 
 
 def legacy_logprobs(entries: Sequence, offset: int = 0, view: TokenView = TokenView()) -> CompletionLogprobs:

@@ -48,7 +48,7 @@ from worldserve.params import DEFAULT_MAX_SEQUENCE_LENGTH, IMAGE_DEFAULTS, INT64
 if TYPE_CHECKING:
     import numpy as np
 
-    from worldserve.engine.outputs import VideoResult
+    from worldserve.engine.client import VideoResult
 
 router = APIRouter(tags=["images"])
 State = Annotated[AppState, Depends(app_state)]

@@ -52,7 +52,7 @@ from worldserve.engine.job_recovery import restored_jobs
 from worldserve.engine.job_waiters import JobWaiters
 from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
 from worldserve.engine.observer import EngineObserver, HeldFinish
-from worldserve.engine.outputs import ChatBackend, ChatDelta, VideoResult, crash_reason
+from worldserve.engine.outputs import ChatBackend, ChatDelta, TokenLogprob, VideoResult, crash_reason
 from worldserve.engine.prompt_upsampling import (
     UpsamplerConfig,
     UpsamplingFailed,
@@ -73,7 +73,7 @@ from worldserve.params import ParamError, VideoParams
 
 __all__ = [
     "ChatDelta", "ChatEvent", "ChatEvents", "ChatFailed", "ChatMeter", "ChatStarted", "ChatTimes", "ChatUnavailableError", "EncodeOptions", "EngineClient", "HeldFinish", "Job", "JobSpec",
-    "JobStatus", "NO_REASONER", "QueueFullError", "Request", "SHUTDOWN_REASON", "ShuttingDownError", "StorageError", "UpsamplingFailed", "VideoResult", "error_for", "metered",
+    "JobStatus", "NO_REASONER", "QueueFullError", "Request", "SHUTDOWN_REASON", "ShuttingDownError", "StorageError", "TokenLogprob", "UpsamplingFailed", "VideoResult", "error_for", "metered",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
