@@ -11,9 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worldserve.config_values import int64_seed
 from worldserve.params import MAX_FPS
+
+if TYPE_CHECKING:
+    import torch
+
+    from worldserve.bench.runner import BenchOptions
 
 DEFAULT_POINTS = "1280x720x189,832x480x121"
 
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def options(args: argparse.Namespace):
+def options(args: argparse.Namespace) -> BenchOptions:
     """The BenchOptions of `args`; ParamError (its message naming the flag) for any value the run would trip on
     later (each was a traceback, some after minutes of timing, or a report of NaNs)."""
     import torch
@@ -164,7 +170,7 @@ def options(args: argparse.Namespace):
     )
 
 
-def _check_fa3(device, tiny: bool) -> None:
+def _check_fa3(device: torch.device, tiny: bool) -> None:
     """--attention-backend FLASH_ATTN where FlashAttention-3 cannot run: why, before the models are built."""
     import torch
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
 from worldserve.commands.cli_inputs import text_arg
@@ -24,6 +26,9 @@ from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import TokenCount, int64_seed
 from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
+
+if TYPE_CHECKING:
+    from worldserve.runner.reasoner import Reasoner
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +92,7 @@ def turn_params(
     sets, else SUGGESTED. The config's max_new_tokens is a bound, as serve takes it: the room the context
     leaves bounds it further without an error (--max-tokens past the room is one)."""
 
-    def pick(name: str):
+    def pick(name: str) -> Any:
         if getattr(args, name) is not None:
             return getattr(args, name)
         return getattr(defaults, name) if name in defaults.given else SUGGESTED[name]
@@ -141,7 +146,7 @@ def _said(e: ParamError) -> str:
     return f"{name}: {e.message}"
 
 
-def _stdin_turns():
+def _stdin_turns() -> Iterator[str]:
     while True:
         if sys.stdin.isatty():
             print("> ", end="", file=sys.stderr, flush=True)
@@ -155,7 +160,7 @@ def _stdin_turns():
         yield line.rstrip("\n")
 
 
-def _load(args: argparse.Namespace) -> tuple | None:
+def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
     """(the Reasoner on the checkpoint's transformer, the sampling defaults of its generation_config.json, as
     serve's --generation-config auto reads them), or None after printing why it cannot load."""
     import torch
@@ -195,7 +200,7 @@ def _load(args: argparse.Namespace) -> tuple | None:
     return reasoner, defaults
 
 
-def _answer(reasoner, params: ChatParams) -> str:
+def _answer(reasoner: Reasoner, params: ChatParams) -> str:
     """Stream one reply to stdout; its text."""
     t0 = time.perf_counter()
     session = reasoner.start(params)

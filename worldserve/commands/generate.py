@@ -15,7 +15,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worldserve.commands.cli_inputs import check_writable, lora_arg, text_arg
 from worldserve.config import ModelConfig, ParallelConfig
@@ -28,6 +28,11 @@ from worldserve.params import (
     ParamError,
     VideoParams,
 )
+
+if TYPE_CHECKING:
+    from worldserve.engine.outputs import VideoResult
+    from worldserve.runner.parallel_pipeline import ParallelPipeline
+    from worldserve.runner.video_pipeline import VideoPipeline
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
 MAX_TEXT_FILE_BYTES = 16 << 20
@@ -277,7 +282,9 @@ def _read_bytes(
     return data
 
 
-def _upsampled(args: argparse.Namespace, params: VideoParams, pipe, root: Path) -> VideoParams:
+def _upsampled(
+    args: argparse.Namespace, params: VideoParams, pipe: VideoPipeline | ParallelPipeline, root: Path
+) -> VideoParams:
     """`params` with the prompt the Reasoner wrote (engine/prompt_upsampling.py), on the pipeline's own
     transformer (its K/V pool freed afterwards); printed to stderr."""
     import gc
@@ -307,7 +314,7 @@ def streams_to(path: Path) -> bool:
     return path.suffix.lower() not in (".npz", ".png")
 
 
-def write_output(path: Path, result) -> None:
+def write_output(path: Path, result: VideoResult) -> None:
     """`result` as `path` (.npz raw, .png the first frame, else MP4). A FrameStream's frames are muxed in
     another thread while this one decodes them, as the server does (media/frame_stream.py)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -319,18 +326,19 @@ def write_output(path: Path, result) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     suffix = path.suffix.lower()
     frames = result.frames
-    if isinstance(frames, FrameStream) and not streams_to(path):
-        frames = frames.to_array()
-    if suffix == ".npz":
-        write_npz(path, frames, result.audio, result.fps, result.sample_rate)
-    elif suffix == ".png":
-        path.write_bytes(encode_png(frames[0]))
-    elif isinstance(frames, FrameStream):
+    if isinstance(frames, FrameStream) and streams_to(path):
         with ThreadPoolExecutor(1) as pool:
             mux = read_beside(
                 frames, lambda f: encode_mp4(f, result.fps, result.audio, result.sample_rate), pool
             )
             path.write_bytes(mux.result())
+        return
+    if isinstance(frames, FrameStream):  # (npz and PNG take whole frames)
+        frames = frames.to_array()
+    if suffix == ".npz":
+        write_npz(path, frames, result.audio, result.fps, result.sample_rate)
+    elif suffix == ".png":
+        path.write_bytes(encode_png(frames[0]))
     else:
         path.write_bytes(encode_mp4(frames, result.fps, result.audio, result.sample_rate))
 
@@ -394,7 +402,13 @@ def run(args: argparse.Namespace) -> int:
         pipe.close()
 
 
-def _generate(args: argparse.Namespace, params: VideoParams, pipe, load_s: float, root: Path) -> int:
+def _generate(
+    args: argparse.Namespace,
+    params: VideoParams,
+    pipe: VideoPipeline | ParallelPipeline,
+    load_s: float,
+    root: Path,
+) -> int:
     from tqdm.auto import tqdm
 
     try:

@@ -12,12 +12,15 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worldserve.params import VideoParams, default_flow_shift
 from worldserve.sampling.chat_defaults import ChatDefaults
-from worldserve.weights.checkpoint import read_layout, resolve_model
+from worldserve.weights.checkpoint import CheckpointLayout, read_layout, resolve_model
 from worldserve.weights.loader import read_header
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.config import Cosmos3Config
 
 COMPONENT_WEIGHTS = {
     "transformer": "diffusion_pytorch_model",
@@ -35,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def describe(root: Path, layout=None) -> dict:
+def describe(root: Path, layout: CheckpointLayout | None = None) -> dict:
     """The checkpoint at `root` (its `read_layout`, when the caller has it already)."""
     layout = layout if layout is not None else read_layout(root)
     components: dict[str, dict[str, Any]] = {}  # component -> its parameters, dtypes and files
@@ -90,7 +93,7 @@ def _chat_defaults(root: Path) -> dict:
             "source": d.source or "vLLM's neutral defaults: no generation_config.json"}  # fmt: skip
 
 
-def memory_plan(config) -> dict:
+def memory_plan(config: Cosmos3Config) -> dict:
     """GiB of the bf16 transformer: all on the GPU, and under layerwise offload (GPU: everything but the
     layers plus two slots per tower; host: the und and gen blocks, pinned in power-of-two chunks); and the
     Reasoner's default K/V cache at the default --max-model-len (its bytes a token: kv_bytes_per_token)."""

@@ -15,10 +15,15 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worldserve.config import LoraConfig, ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 from worldserve.sampling.chat_defaults import ChatDefaults
+
+if TYPE_CHECKING:
+    from worldserve.params import LoraRequest
+    from worldserve.runner.parallel_pipeline import ParallelPipeline
+    from worldserve.runner.video_pipeline import VideoPipeline
 
 log = logging.getLogger("worldserve.serve")
 
@@ -111,7 +116,7 @@ def load_backend(
     return pipeline, gpu_memory, reasoner
 
 
-def load_static_lora(pipeline, lora: LoraConfig) -> None:
+def load_static_lora(pipeline: VideoPipeline | ParallelPipeline, lora: LoraConfig) -> None:
     """--lora-path's adapter checked against the model and loaded now (ValueError naming the flag): a bad
     adapter stops the start, not every request. Without --enable-lora it was merged into the weights as they
     loaded (LoraConfig.merged_lora; unless rounding would erase its deltas): its unmerged und deltas are what
@@ -166,7 +171,11 @@ def chat_defaults(chat: ReasonerConfig, path: Path | None) -> ChatDefaults:
     return ChatDefaults.load(chat.generation_config, path, overrides)
 
 
-def warm_up_shapes(pipeline, shapes: list[tuple[int, int, int]], lora=None) -> None:
+def warm_up_shapes(
+    pipeline: VideoPipeline | ParallelPipeline,
+    shapes: list[tuple[int, int, int]],
+    lora: LoraRequest | None = None,
+) -> None:
     """One denoising step + decode per shape, so that compile and kernel selection happen before serving;
     `lora`: --lora-path's adapter (the requests that name none run with it: their graphs take its pairs)."""
     import torch

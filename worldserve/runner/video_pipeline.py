@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import numpy as np
 import torch
@@ -144,6 +144,18 @@ def load_configured_transformer(
     transformer = load_transformer(root, dtype=dtype, device=load_device, progress=progress, tp=tp)
     log.info("transformer kernels: %s", kernels.apply(transformer, device))
     return transformer
+
+
+class SteppedBackend(Protocol):
+    """What `VideoPipeline.generate` runs through (VideoPipeline, and ParallelPipeline, which borrows it)."""
+
+    def validate(self, params: VideoParams) -> VideoParams: ...
+
+    def prepare(self, request_id: str, params: VideoParams) -> VideoRequestState: ...
+
+    def denoise(self, states: Sequence[VideoRequestState]) -> None: ...
+
+    def decode(self, state: VideoRequestState, *, stream: bool = False) -> VideoResult: ...
 
 
 class _Sentinel(enum.Enum):
@@ -406,7 +418,7 @@ class VideoPipeline:
 
     # ------------------------------------------------------------------ one-shot
     def generate(
-        self,
+        self: SteppedBackend,
         params: VideoParams,
         request_id: str = "generate",
         on_step: Callable[[int, int], None] | None = None,
