@@ -78,7 +78,7 @@ class _Drain:
     def __init__(self) -> None:
         self._parts: list[bytes] = []
 
-    def write(self, data) -> int:
+    def write(self, data: bytes) -> int:
         self._parts.append(bytes(data))
         return len(data)
 

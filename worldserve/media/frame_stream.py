@@ -133,7 +133,8 @@ class FramePipe:
     def like(cls, stream: FrameStream) -> FramePipe:
         return cls(stream.num_frames, stream.height, stream.width)
 
-    def put(self, chunk) -> None:
+    def put(self, chunk: object) -> None:
+        """The next chunk of frames (uint8 (n, H, W, 3)), for the reader."""
         with self._cv:
             if not self._abandoned:
                 self._queue.append(chunk)

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 import av
 import numpy as np
@@ -203,6 +204,12 @@ def yuv_frames(chunks: Iterable[np.ndarray], workers: int | None = None) -> Iter
             future.cancel()
 
 
+class ByteSink(Protocol):
+    """Where an Mp4Writer's bytes go: a BytesIO, or a write-only sink (media/fragments.py)."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+
 class Mp4Writer:
     """One H.264 (+ AAC) MP4 being muxed into `out` (a BytesIO, or anything with `write` alone: then the
     output is not seekable, as a pipe's). `fragmented`: an empty `moov` first, then a `moof` + `mdat`
@@ -216,7 +223,7 @@ class Mp4Writer:
     media/fragments.py.) A context manager: the container is closed on the way out, also when a frame
     fails."""
 
-    def __init__(self, out, width: int, height: int, fps: float | Fraction, audio: np.ndarray | None,
+    def __init__(self, out: ByteSink, width: int, height: int, fps: float | Fraction, audio: np.ndarray | None,
                  sample_rate: int, options: dict[str, str], fragmented: bool = False) -> None:  # fmt: skip
         self.rate = frame_rate(fps)
         self.sample_rate = sample_rate
@@ -236,7 +243,7 @@ class Mp4Writer:
     def __enter__(self) -> Mp4Writer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.container.close()
 
     def write(self, frames: Iterable[av.VideoFrame], keyframe_first: bool = False) -> None:

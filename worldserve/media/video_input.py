@@ -29,7 +29,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -45,6 +46,11 @@ from worldserve.media.image import (
     too_large,
 )
 from worldserve.params import ParamError
+
+if TYPE_CHECKING:
+    import av
+    from av.container import InputContainer
+    from av.video.stream import VideoStream
 
 KEEP_CHOICES = ("first", "last")
 MAX_DECODED_BYTES = 4 * 2**30
@@ -124,7 +130,7 @@ def decode_video(
     return out
 
 
-def stated_frames(stream, data: bytes) -> int:
+def stated_frames(stream: VideoStream, data: bytes) -> int:
     """The frame count a container states (0: none), at most one a byte of the file: a header can claim 1e9
     frames in 19 KB, and the budget's plan would refuse that clip for a size it does not have."""
     return min(max(stream.frames, 0), len(data))
@@ -215,7 +221,9 @@ def decode_chat_frames(
     return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=DEFAULT_SOURCE_FPS)
 
 
-def _count_packets(container, stream, size: tuple[int, int], budget: DecodeBudget, param: str) -> int:
+def _count_packets(
+    container: InputContainer, stream: VideoStream, size: tuple[int, int], budget: DecodeBudget, param: str
+) -> int:
     """The stream's frames as its packets, demuxed, not decoded (~10 us each); a count whose decoding alone
     would take the request past its budget is refused before it is all read."""
     count = 0
@@ -227,7 +235,7 @@ def _count_packets(container, stream, size: tuple[int, int], budget: DecodeBudge
     return count
 
 
-def _frames(data: bytes, param: str):
+def _frames(data: bytes, param: str) -> Generator[av.VideoFrame, None, None]:
     """The clip's frames, each checked against the image pixel limit before it is converted. A clip whose
     tail does not decode (truncated, corrupt) ends at its last good frame, as FFmpeg players and
     `decode_video` take it; one with no good frame raises."""

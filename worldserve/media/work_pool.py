@@ -48,7 +48,7 @@ def media_pool() -> ThreadPoolExecutor:
     return _named_pool("media")
 
 
-async def on_request_pool(fn: Callable[..., R], *args, stop: threading.Event | None = None) -> R:
+async def on_request_pool(fn: Callable[..., R], *args: object, stop: threading.Event | None = None) -> R:
     """fn(*args) on the request pool (made on first use), awaited from the event loop; cancelled, `stop` is
     set (fn's loops end at their next check) and fn's outcome, when it comes, is dropped."""
     future = asyncio.get_running_loop().run_in_executor(_named_pool("request"), functools.partial(fn, *args))
