@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from worldserve import envs
 from worldserve.models.cosmos3.config import Cosmos3Config
@@ -65,7 +66,7 @@ def readable_weights(folder: Path | str) -> Iterator[None]:
         ) from e
 
 
-def load_diffusers_component(model_cls, folder: Path | str, **kwargs):
+def load_diffusers_component(model_cls: Any, folder: Path | str, **kwargs: Any) -> Any:
     """`model_cls.from_pretrained(folder, **kwargs)` (a diffusers model: the video VAE, the sound tokenizer)
     held to the transformer's rules. Its safetensors headers are read first: none there, an unreadable one,
     or a tensor that is not floating point is one CheckpointError naming it (diffusers went looking for a

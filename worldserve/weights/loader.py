@@ -14,10 +14,10 @@ tensor and optional `input_scale`s; they are detected and dequantised on load to
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,6 +25,10 @@ from tqdm.auto import tqdm
 
 from worldserve.weights.checkpoint import CheckpointError
 from worldserve.weights.safetensors_shards import list_shards
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+    from worldserve.parallel.groups import ParallelGroup
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", *FP8_DTYPES)
@@ -129,7 +133,9 @@ def check_checkpoint(header: CheckpointHeader, expected: dict[str, tuple[int, ..
         raise CheckpointError(f"{where} does not match the model config: " + " | ".join(problems))
 
 
-def stream_tensors(header: CheckpointHeader, keys: Iterable[str], progress: bool = True):
+def stream_tensors(
+    header: CheckpointHeader, keys: Iterable[str], progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (key, tensor) shard by shard from mmap'd files; fp8 weights come back dequantised to float32."""
     wanted = set(keys)
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -160,8 +166,8 @@ def load_into(target: WeightTarget, header: CheckpointHeader, expected: dict, pr
 
 def load_transformer(
     root: Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", progress: bool = True,
-    tp=None,
-):  # fmt: skip
+    tp: ParallelGroup | None = None,
+) -> Cosmos3Transformer:  # fmt: skip
     """Build the Cosmos3 transformer of checkpoint folder `root` and load its weights (with a tensor-parallel
     ParallelGroup `tp`: this rank's slices of the sharded linears)."""
     from worldserve.models.cosmos3.config import Cosmos3Config

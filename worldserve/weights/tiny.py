@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -163,7 +164,10 @@ def _random_tensor(key: str, shape: tuple[int, ...], gen: torch.Generator) -> to
     return x / math.sqrt(fan_in)
 
 
-def _seeded_module(build, seed: int):
+_Built = TypeVar("_Built")
+
+
+def _seeded_module(build: Callable[[], _Built], seed: int) -> _Built:
     import warnings
 
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -172,7 +176,7 @@ def _seeded_module(build, seed: int):
         return build()
 
 
-def _save_quietly(module, out: Path) -> None:
+def _save_quietly(module: Any, out: Path) -> None:
     from diffusers.utils import logging as dlogging
 
     was_enabled = dlogging.is_progress_bar_enabled()
@@ -201,7 +205,7 @@ def write_transformer(
 def write_vae(out: Path, seed: int, config: dict = TINY_VAE_CONFIG) -> None:
     from diffusers import AutoencoderKLWan
 
-    def build():
+    def build() -> AutoencoderKLWan:
         m = AutoencoderKLWan(**config)
         with torch.no_grad():  # RMS_norm scales start at 1; vary them so tests see a wrong gamma
             for name, p in m.named_parameters():
@@ -215,7 +219,7 @@ def write_vae(out: Path, seed: int, config: dict = TINY_VAE_CONFIG) -> None:
 def write_sound_tokenizer(out: Path, seed: int, config: dict = TINY_SOUND_CONFIG) -> None:
     from diffusers import Cosmos3AVAEAudioTokenizer
 
-    def build():
+    def build() -> Cosmos3AVAEAudioTokenizer:
         m = Cosmos3AVAEAudioTokenizer(**config)
         with torch.no_grad():  # Snake alpha/beta start at 0; give them values so the test sees them
             for name, p in m.named_parameters():
