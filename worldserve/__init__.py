@@ -11,13 +11,15 @@ generate; imported lazily because it pulls in torch), `resolve_model` (model ref
 
 from __future__ import annotations
 
+from typing import Any
+
 from worldserve.params import ParamError, VideoParams
 
 __version__ = "0.1.0"
 __all__ = ["ParamError", "VideoParams", "VideoPipeline", "resolve_model", "__version__"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "VideoPipeline":
         from worldserve.runner.video_pipeline import VideoPipeline
 

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 VERBS: dict[str, tuple[str, str]] = {
     "serve": ("worldserve.commands.serve", "serve the video and chat APIs over HTTP"),
@@ -30,7 +31,7 @@ class OneLineErrors(argparse.ArgumentParser):
     """A bad flag or value is one line naming it (and exit 2), not argparse's usage of every flag first (over
     a hundred lines for `serve`); `--help` still lists them. Each verb's parser is one too (add_subparsers)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

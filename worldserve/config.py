@@ -33,6 +33,9 @@ from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag
     json_flag,
 )
 
+if typing.TYPE_CHECKING:
+    from worldserve.runner.kernel_options import KernelOptions
+
 TINY_SERVED_NAME = "worldserve/tiny-cosmos3"
 
 
@@ -82,7 +85,7 @@ class ModelConfig:
     fake_step_delay: float = field(default=0.0, metadata={"hidden": True})
     """Tests only: seconds the fake backend sleeps per denoising step."""
 
-    def kernel_options(self, *, enable_layerwise_offload: bool = False):
+    def kernel_options(self, *, enable_layerwise_offload: bool = False) -> KernelOptions:
         """The runner's KernelOptions for these flags (compile unless --enforce-eager) and ParallelConfig's
         --enable-layerwise-offload."""
         from worldserve.runner.kernel_options import KernelOptions
