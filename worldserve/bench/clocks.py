@@ -172,7 +172,7 @@ class ClockLog:
     def __enter__(self) -> ClockLog:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     @contextlib.contextmanager

@@ -18,13 +18,16 @@ import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from worldserve.bench.timing import allocated_gib, free_memory, peak_gib, reset_peak, time_region
 from worldserve.bench.workload import Workload
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.vae import VideoVAE
 
 
 def synthetic_clip(w: Workload) -> np.ndarray:
@@ -92,7 +95,7 @@ def bench_decode(
 
         log("profiling one VAE decode")
         res["vae_profile"] = profile_step(lambda: vae.decode_pixels(latents), device, profile_file)
-    vae = None  # drop the decoder before the audio phase
+    vae = None  # type: ignore[assignment]  # drop the decoder before the audio phase
     free_memory(device)
 
     audio = None
@@ -110,7 +113,7 @@ def bench_decode(
         )
         res["audio_decode_s"] = ta.to_dict()
         audio = box[0]
-        avae = None
+        avae = None  # type: ignore[assignment]  # (dropped, as the video VAE)
 
     from worldserve.media.video import encode_mp4
 
@@ -123,7 +126,9 @@ def bench_decode(
     return res
 
 
-def overlap_decode_and_mux(vae, latents: torch.Tensor, w: Workload, log: Callable[[str], None]) -> dict:
+def overlap_decode_and_mux(
+    vae: VideoVAE, latents: torch.Tensor, w: Workload, log: Callable[[str], None]
+) -> dict:
     """The decode + MP4 mux wall time as the engine runs a job's (the mux reads the frames chunk by chunk
     in another thread while the VAE decodes: media/frame_stream.py) against one after the other, twice
     each, alternating; the same decoded frames and a stand-in audio track (the audio is decoded first,

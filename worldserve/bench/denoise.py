@@ -16,8 +16,9 @@ float32; `last` keeps the per-branch predictions of the latest call for the pari
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -25,9 +26,14 @@ from torch import Tensor
 from worldserve.bench.workload import VAE_TEMPORAL, Workload
 
 if TYPE_CHECKING:
+    from worldserve.models.cosmos3.batch import GenItem
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
     from worldserve.models.layers.attention import ContiguousKVCache
 
 GUIDANCE = 6.0
+
+Step = Callable[[int], tuple[Tensor, Tensor | None]]
+"""One CFG denoising step at a timestep -> (video velocity, sound velocity or None): OurStep, DiffusersStep."""
 
 
 def cfg_combine(cond: Tensor, uncond: Tensor, scale: float = GUIDANCE) -> Tensor:
@@ -48,7 +54,9 @@ def make_inputs(w: Workload, vocab: int, device: torch.device, seed: int) -> dic
 
 
 class OurStep:
-    def __init__(self, model, w: Workload, inputs: dict[str, Tensor], *, batch_cfg: bool = True):
+    def __init__(
+        self, model: Cosmos3Transformer, w: Workload, inputs: dict[str, Tensor], *, batch_cfg: bool = True
+    ) -> None:
         self.model, self.w, self.batch_cfg = model, w, batch_cfg
         self.inputs = inputs
         self.caches: list[ContiguousKVCache] | None = None  # the cond and uncond text K/V (prefill())
@@ -61,7 +69,7 @@ class OurStep:
             [self.inputs["cond_ids"], self.inputs["uncond_ids"]], lora=self.lora
         )
 
-    def _items(self, timestep: int):
+    def _items(self, timestep: int) -> list[GenItem]:
         from worldserve.models.cosmos3.batch import GenItem
 
         if self.caches is None:
@@ -89,7 +97,7 @@ class OurStep:
 
 
 class DiffusersStep:
-    def __init__(self, model, w: Workload, inputs: dict[str, Tensor]):
+    def __init__(self, model: Any, w: Workload, inputs: dict[str, Tensor]) -> None:
         from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
 
         self.pipe_cls = Cosmos3OmniPipeline
@@ -105,7 +113,7 @@ class DiffusersStep:
         )
         self.last: dict[str, Tensor | None] = {}
 
-    def _static(self, stub, ids: Tensor) -> dict:
+    def _static(self, stub: SimpleNamespace, ids: Tensor) -> dict:
         """The per-prompt packed fields, as the pipeline builds them before its denoising loop."""
         p, dev = self.pipe_cls, self.device
         text = p._prepare_text_segment(stub, ids.tolist(), device=dev)
@@ -140,7 +148,10 @@ class DiffusersStep:
             "sequence_length": text["und_len"] + vision["num_vision_tokens"] + sound.get("sound_len", 0),
         }
 
-    def _forward(self, s: dict, vision_tokens, sound_tokens, vision_ts, sound_ts):
+    def _forward(
+        self, s: dict, vision_tokens: Tensor, sound_tokens: Tensor | None, vision_ts: Tensor,
+        sound_ts: Tensor | None,
+    ) -> tuple:  # fmt: skip
         return self.model(
             input_ids=s["input_ids"],
             text_indexes=s["text_indexes"],
@@ -195,7 +206,7 @@ def rel_error(a: Tensor | None, b: Tensor | None) -> float | None:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def snapshot(step, timestep: int) -> dict[str, Tensor | None]:
+def snapshot(step: OurStep | DiffusersStep, timestep: int) -> dict[str, Tensor | None]:
     """Velocities of one step at `timestep`: CFG-combined video / sound and the per-branch outputs (copies)."""
     video, sound = step(timestep)
     out = {"video": video, "sound": sound, **step.last}

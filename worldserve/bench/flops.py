@@ -10,6 +10,10 @@ CFG is two forwards (cond and uncond, each with its own T). Pure Python: no torc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.config import Cosmos3Config
 
 PEAK_BF16_TFLOPS = 790.0
 """Measured dense bf16 GEMM rate of one H200 on random data (performance.md §2); the roofline used here."""
@@ -27,7 +31,7 @@ class TowerShape:
     intermediate: int = 12288
 
     @classmethod
-    def from_config(cls, config) -> TowerShape:
+    def from_config(cls, config: Cosmos3Config) -> TowerShape:
         return cls(
             layers=config.num_hidden_layers,
             hidden=config.hidden_size,

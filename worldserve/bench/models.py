@@ -10,11 +10,18 @@ directly on the device with their default (random) init and cast to bf16.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.weights.tiny import NANO_VAE_CONFIG, TINY_VAE_CONFIG, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.audio_vae import AudioVAE
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+    from worldserve.models.cosmos3.vae import VideoVAE
 
 # The real Nano Wan2.2 VAE (cosmos3-model.md §6.1) and a tiny stand-in with the same compression, both
 # exactly what make-tiny writes (real 48-channel statistics passed separately).
@@ -36,7 +43,9 @@ def fill_random_(module: nn.Module, *, seed: int, std: float = 0.02) -> int:
     return total
 
 
-def build_diffusers_transformer(config: Cosmos3Config, device: torch.device, dtype: torch.dtype, seed: int):
+def build_diffusers_transformer(
+    config: Cosmos3Config, device: torch.device, dtype: torch.dtype, seed: int
+) -> Any:
     """diffusers' Cosmos3OmniTransformer with random weights, dtype as `from_pretrained(dtype=)` gives
     (time_embedder kept in float32, `_keep_in_fp32_modules`)."""
     from diffusers import Cosmos3OmniTransformer
@@ -56,7 +65,7 @@ def build_diffusers_transformer(config: Cosmos3Config, device: torch.device, dty
 
 def build_our_transformer(
     config: Cosmos3Config, device: torch.device, dtype: torch.dtype, source: nn.Module | None, seed: int
-):
+) -> Cosmos3Transformer:
     """Our Cosmos3Transformer (meta -> to_empty), weights copied from diffusers' `source` (same keys as a
     checkpoint) or, without one, filled at random."""
     from worldserve.models.cosmos3.transformer import Cosmos3Transformer
@@ -82,7 +91,7 @@ def build_video_vae(
     tiny: bool = False,
     compile_decoder: bool = False,
     time_winograd: bool = True,
-):
+) -> VideoVAE:
     """Wan2.2 VAE (diffusers AutoencoderKLWan, Nano config) with random init, behind our VideoVAE
     (`compile_decoder`, `time_winograd`: as VideoPipeline.from_pretrained sets them, the latter off under
     layerwise offload)."""
@@ -104,7 +113,7 @@ def build_video_vae(
     )
 
 
-def build_audio_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False):
+def build_audio_vae(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) -> AudioVAE:
     """The AVAE decoder (diffusers Cosmos3AVAEAudioTokenizer default = real config, decoder only), random
     init, weight norm folded as our AudioVAE does at load."""
     from diffusers import Cosmos3AVAEAudioTokenizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -34,7 +35,7 @@ def qwen3vl_oracle(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     state: dict | None = None,
-):
+) -> tuple[Any, Any]:
     """(model, load_state_dict result) with the Reasoner weights loaded strictly, in eval mode.
 
     Built directly on `device` in `dtype` (its RoPE frequencies stay float32, as from_pretrained keeps

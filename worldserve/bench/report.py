@@ -7,11 +7,13 @@ short table the run prints last).
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,7 +80,7 @@ def _commit() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-def _f(x, fmt: str = ".3f") -> str:
+def _f(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
@@ -327,7 +329,9 @@ def variant_rows(results: dict, var: dict, point: dict, base: float, n_layers: i
     return rows
 
 
-def run_script(args, run, table, prefix: str) -> int:
+def run_script(
+    args: argparse.Namespace, run: Callable[..., dict], table: Callable[[dict], str], prefix: str
+) -> int:
     """The `main` of a bench/ script: `args.out` is a .json file or a folder (then `<prefix>-<stamp>.json`);
     `run(args, log=, save=)` logs to stderr and saves the partial results after each phase, so a run cut
     short keeps what it measured; `table(results)` is printed last."""

@@ -24,7 +24,7 @@ import torch
 from worldserve.bench import report
 from worldserve.bench.clocks import ClockLog, board_limits
 from worldserve.bench.decode import bench_decode, decode_total
-from worldserve.bench.denoise import DiffusersStep, OurStep, make_inputs, rel_error
+from worldserve.bench.denoise import DiffusersStep, OurStep, Step, make_inputs, rel_error
 from worldserve.bench.flops import PEAK_BF16_TFLOPS, roofline_seconds
 from worldserve.bench.timing import Timing, allocated_gib, free_memory, peak_gib, reset_peak, time_region
 from worldserve.bench.workload import Workload
@@ -72,10 +72,10 @@ class BenchOptions:
 class _CudnnFirst:
     """Wraps a step in the SDPA backend priority our attention uses (cuDNN, flash, efficient, math)."""
 
-    def __init__(self, step):
+    def __init__(self, step: Step) -> None:
         self.step = step
 
-    def __call__(self, timestep: int):
+    def __call__(self, timestep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         from torch.nn.attention import sdpa_kernel
 
         from worldserve.models.layers.attention import CUDA_SDPA_PRIORITY
@@ -124,8 +124,9 @@ class Bench:
         return step(self._next_timestep())
 
     def _time_steps(
-        self, step, w: Workload, weights_gib: float, warmup: int | None = None, repeats: int | None = None
-    ) -> dict:
+        self, step: Step, w: Workload, weights_gib: float, warmup: int | None = None,
+        repeats: int | None = None,
+    ) -> dict:  # fmt: skip
         resident = allocated_gib(self.device)
         reset_peak(self.device)
         t = time_region(

@@ -9,17 +9,24 @@ Used by bench/reasoner_decode.py and bench/layerwise_offload.py.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from worldserve.bench.timing import time_region
 from worldserve.models.cosmos3.batch import UndBatch
 from worldserve.runner.und_decoder import UndDecoder
 
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+
 MAX_MODEL_LEN = 32768
 """The serve default: it sets the block-table width, hence the kernel's split count, as in production."""
 
 
-def make_decoder(model, *, max_batch: int, tokens: int, enforce_eager: bool = False) -> UndDecoder:
+def make_decoder(
+    model: Cosmos3Transformer, *, max_batch: int, tokens: int, enforce_eager: bool = False
+) -> UndDecoder:
     """A decoder over a pool of `tokens` tokens (at least MAX_MODEL_LEN), graphs per bucket up to max_batch."""
     pool = model.new_paged_pool(max(tokens, MAX_MODEL_LEN))
     return UndDecoder(
@@ -27,13 +34,19 @@ def make_decoder(model, *, max_batch: int, tokens: int, enforce_eager: bool = Fa
     )
 
 
-def _prompts(model, device, batch: int, context: int) -> list[torch.Tensor]:
+def _prompts(model: Cosmos3Transformer, device: torch.device, batch: int, context: int) -> list[torch.Tensor]:
     vocab = model.config.vocab_size
     return [(torch.arange(context, device=device) * (i + 1)) % vocab for i in range(batch)]
 
 
 def und_decode_seconds(
-    model, device: torch.device, decoder: UndDecoder, *, batch: int = 1, context: int = 300, repeats: int = 5
+    model: Cosmos3Transformer,
+    device: torch.device,
+    decoder: UndDecoder,
+    *,
+    batch: int = 1,
+    context: int = 300,
+    repeats: int = 5,
 ) -> float:
     """Median seconds of one batched decode step (each of `batch` sequences at `context` tokens)."""
     seqs = [decoder.pool.sequence() for _ in range(batch)]
@@ -55,7 +68,7 @@ def und_decode_seconds(
 
 
 def contiguous_decode_seconds(
-    model, device: torch.device, *, batch: int = 1, context: int = 300, repeats: int = 5
+    model: Cosmos3Transformer, device: torch.device, *, batch: int = 1, context: int = 300, repeats: int = 5
 ) -> float:
     """The same step through und_step over contiguous per-chat caches (eager, a Python loop per chat)."""
     caches = [model.new_und_cache(context + 2 + repeats) for _ in range(batch)]

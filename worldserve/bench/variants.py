@@ -18,14 +18,18 @@ a torch.compile'd gen layer, and a torch.profiler kernel table.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from worldserve.bench.timing import time_region
+
+if TYPE_CHECKING:
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
 
 
 def _tf(flops: float, s: float) -> float:
@@ -54,13 +58,13 @@ def attention_micro(
     flops = 4.0 * n_gen * (n_gen + n_text) * heads * head_dim
     out: dict = {"shape": f"{n_gen}x{n_gen + n_text}, GQA {heads}/{kv_heads}, d {head_dim}", "flops": flops}
 
-    def native_cudnn():
+    def native_cudnn() -> None:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
 
     q2, k2, v2 = (torch.cat([x, x]) for x in (qh, kh, vh))  # CFG-batched B=2 (equal text lengths)
 
-    def cudnn_b2():
+    def cudnn_b2() -> None:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             F.scaled_dot_product_attention(q2, k2, v2, enable_gqa=True)
 
@@ -116,7 +120,7 @@ class _FixedKV:
 
 @torch.no_grad()
 def layer_numerics(
-    model, device: torch.device, *, n_gen: int = 4096, n_text: int = 300, seed: int = 0
+    model: Cosmos3Transformer, device: torch.device, *, n_gen: int = 4096, n_text: int = 300, seed: int = 0
 ) -> dict:
     """One gen layer in bf16, eager and compiled, against a float32 copy of it (rel. L2 to float32).
 
@@ -193,7 +197,7 @@ def gemm_micro(
     out: dict = {"tokens": n}
     for name, (ops, flops) in cases.items():
 
-        def run(ops=ops):
+        def run(ops: list[tuple[str, str]] = ops) -> None:
             for a, b in ops:
                 F.linear(acts[a], w[b])
 
@@ -203,7 +207,9 @@ def gemm_micro(
 
 
 @contextlib.contextmanager
-def gen_layers_compiled(model, compiled: bool, *, mode: str = "default"):
+def gen_layers_compiled(
+    model: Cosmos3Transformer, compiled: bool, *, mode: str = "default"
+) -> Iterator[None]:
     """The gen layers' math torch.compile'd (the model's own `compile_gen_layers`) or eager for the duration of
     the block; afterwards each layer gets back the functions it had (the product's compiled ones, or eager)."""
     from worldserve.models.cosmos3.layer import finish_math, merge_attention, qkv_math
@@ -235,7 +241,7 @@ def _kernel_category(name: str) -> str:
     return "elementwise/other"
 
 
-def gpu_idle(events, top: int = 8) -> dict:
+def gpu_idle(events: Sequence[Any], top: int = 8) -> dict:
     """Where the GPU waited during a profiled call: `lead_ms` from the call's first host op to its first
     kernel, `gaps_ms` between kernels (the union of kernel / copy intervals against their span), the
     `top` longest gaps with the kernels around them (a host sync or slow host code mid-call shows here)."""
@@ -267,7 +273,7 @@ HOST_CALLS = ("cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cu
 """Runtime calls `profile_step(stacks=True)` traces back to Python: copies and host syncs."""
 
 
-def host_call_stacks(events, names: tuple[str, ...] = HOST_CALLS, depth: int = 8) -> str:
+def host_call_stacks(events: Sequence[Any], names: tuple[str, ...] = HOST_CALLS, depth: int = 8) -> str:
     """Each of `names`' calls traced to the Python code that issued it, counted per (call, stack), most
     frequent first. With `with_stack` the profiler records Python frames as events enclosing the ops
     (older versions: a `stack` list on the op); runtime calls hang under their op, so this walks up the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from worldserve.bench.flops import NANO, TowerShape, forward_flops, step_flops
 
@@ -95,7 +96,7 @@ class Workload:
         return step_flops(self.gen_tokens, self.text_tokens, shape)
 
 
-def parse_point(spec: str, **kw) -> Workload:
+def parse_point(spec: str, **kw: Any) -> Workload:
     """'1280x720x189' -> Workload(width=1280, height=720, num_frames=189, **kw)."""
     try:
         w, h, f = (int(x) for x in spec.lower().split("x"))
