@@ -134,3 +134,6 @@ def test_a_chat_whose_client_leaves_while_it_waits_is_counted_aborted(served):
     assert answers == [200, 200]
     assert gauge(after, "vllm:request_success_total", {**LLM, "finished_reason": "stop"}) == 2
     assert gauge(after, "worldserve:chat_request_success_total", {**WS, "finish_reason": "abort"}) == 1
+    # vLLM's per-request histograms count the requests its success counter does: the one that left too
+    e2e = "vllm:e2e_request_latency_seconds_count"
+    assert gauge(after, e2e, LLM) - gauge(before, e2e, LLM, default=0.0) == 3

@@ -227,3 +227,41 @@ def test_a_chunked_prompt_counts_in_the_iteration_of_its_first_token():
     finally:
         worker.stop(1.0)
     assert recorder.iterations == [5 + 1, 1]  # two idle chunk steps, then the prompt + its first token
+
+
+class _Endless(_Backend):
+    """A token a step (20 ms each) until the chat is closed."""
+
+    def start_many(self, batch):
+        sessions = super().start_many(batch)
+        for s in sessions:
+            s.script = [(n, None) for n in range(1, 10_000)]
+        return sessions
+
+    def step_all(self, sessions):
+        time.sleep(0.02)
+        return super().step_all(sessions)
+
+
+def test_every_ended_chat_reports_its_lengths_as_the_worker_counted_them():
+    """Each chat that ends is reported once with the worker's counts (vLLM's per-request histograms count the
+    requests its success counter does): one whose client left mid-answer with the tokens sampled for it
+    (the API had counted those it read: 1 for a non-streamed chat's first event), one whose client left
+    while it waited with no prompt length and all its time queued."""
+    worker, recorder = ChatWorker(_Endless(), threading.Lock(), max_num_seqs=1), _Recorder()
+    worker.observer = recorder
+    worker.start()
+    params = ChatParams(messages=(ChatMessage(role="user", content="hi"),))
+    try:
+        running = worker.submit(params, lambda event: None, coalesce=True)
+        waiting = worker.submit(params, lambda event: None)
+        wait_until(lambda: getattr(recorder, "generated", 0) >= 5)
+        waiting.cancel()  # (seen when the worker next looks at its queue: once the running one has gone)
+        running.cancel()
+        wait_until(lambda: len(recorder.finished) == 2)
+    finally:
+        worker.stop(1.0)
+    left, queued = recorder.finished
+    assert queued.prompt_tokens is None and queued.generation_tokens == 0
+    assert queued.queue_s == queued.e2e_s > 0 and queued.prefill_s == queued.decode_s == 0
+    assert left.prompt_tokens == 5 and left.generation_tokens == recorder.generated >= 5

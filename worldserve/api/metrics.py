@@ -213,7 +213,7 @@ class Metrics:
     ) -> None:
         """finish_reason None: failed or abandoned by the client; prompt_tokens None: ended while queued."""
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
-        self.vllm.chat_ended(completion_tokens, finish_reason or "abort", prompt_tokens)
+        self.vllm.chat_ended(finish_reason or "abort")  # (its lengths: on_chat_finished, the worker's counts)
 
     # -- ChatObserver (engine/chat_worker.py, the worker's thread) ----------------------------------------
     def on_chat_iteration(self, tokens: int) -> None:

@@ -182,15 +182,17 @@ class VllmMirror:
         self.request_tokens = prompt, generation
 
     # -- chats -------------------------------------------------------------------------------------------
-    def chat_ended(self, completion_tokens: int, finished_reason: str, prompt_tokens: int | None) -> None:
-        """prompt_tokens None: a chat aborted while queued, counted without token counts (none were read)."""
+    def chat_ended(self, finished_reason: str) -> None:
         self.chat_success.labels(finished_reason=finished_reason, **self.llm).inc()
-        if self.request_tokens is not None and prompt_tokens is not None:
-            self.request_tokens[0].observe(prompt_tokens)
-            self.request_tokens[1].observe(completion_tokens)
 
     def chat_timed(self, times: ChatTimes) -> None:
-        """A started chat's phases (the chat worker's ChatTimes), as vLLM observes a finished request's."""
+        """A chat's phases and lengths as the chat worker counted them (ChatTimes), as vLLM observes a finished
+        request's: the tokens it sampled, not those its reader took (a client that left had taken fewer);
+        a chat that ended queued has no prompt length (its prompt was never rendered)."""
+        if self.request_tokens is not None:
+            if times.prompt_tokens is not None:
+                self.request_tokens[0].observe(times.prompt_tokens)
+            self.request_tokens[1].observe(times.generation_tokens)
         self.e2e.observe(times.e2e_s)
         for hist, seconds in ((self.queue, times.queue_s), (self.prefill, times.prefill_s),
                               (self.decode, times.decode_s), (self.inference, times.inference_s)):  # fmt: skip

@@ -53,14 +53,18 @@ class ChatHandle:
         self.cancelled.set()
 
     def times(self, now: float) -> ChatTimes:
-        """Its intervals as vLLM defines them (ChatTimes), the chat having been admitted and ended at `now`: a
-        chat with tokens runs to its last one, one without spent its time up to `now` before a first token."""
-        assert self.admitted_at is not None
+        """Its intervals as vLLM defines them (ChatTimes) and its token counts, the chat having ended at `now`:
+        a chat with tokens runs to its last one, one without spent its time up to `now` before a first token,
+        one never admitted all of it queued."""
+        if self.admitted_at is None:
+            return ChatTimes(e2e_s=now - self.submitted_at, queue_s=now - self.submitted_at, prefill_s=0.0,
+                             decode_s=0.0, inference_s=0.0)  # fmt: skip
         last = now if self.last_token_at is None else self.last_token_at
         first = last if self.first_token_at is None else self.first_token_at
         return ChatTimes(e2e_s=now - self.submitted_at, queue_s=self.admitted_at - self.submitted_at,
                          prefill_s=first - self.admitted_at, decode_s=last - first,
-                         inference_s=last - self.admitted_at)  # fmt: skip
+                         inference_s=last - self.admitted_at, prompt_tokens=self.prompt_tokens,
+                         generation_tokens=self._tokens_seen)  # fmt: skip
 
     def outgoing(self, delta: ChatDelta) -> ChatDelta | None:
         """What to deliver for this step's delta now (None: held, when coalescing)."""

@@ -41,6 +41,11 @@ class ChatTimes:
     """Its first token to its last."""
     inference_s: float
     """Admitted to its last token (prefill + decode: vLLM's RUNNING phase)."""
+    prompt_tokens: int | None = None
+    """Its prompt's tokens as the worker rendered them; None: it ended before it was admitted (its prompt
+    was never rendered), its intervals then all queue time."""
+    generation_tokens: int = 0
+    """The tokens the worker sampled for it (its client may have read fewer: one that left mid-answer)."""
 
 
 @runtime_checkable

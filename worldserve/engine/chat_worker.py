@@ -158,6 +158,7 @@ class ChatWorker:
         )
         if self._stopping.is_set():  # stopped (or the loop failed): nobody would read the queue
             for handle in handles:
+                self._ended(handle)
                 self._tell(handle, ChatFailed(503, "The server is shutting down."))
         else:
             with self._queues_lock:
@@ -201,6 +202,7 @@ class ChatWorker:
             handles += entry or ()
         self._not_waiting(*handles)
         for handle in handles:
+            self._ended(handle)
             self._tell(handle, ChatFailed(503, message))
 
     @staticmethod
@@ -239,8 +241,9 @@ class ChatWorker:
                         break
                     deferred += entry  # a request's choices, in order (admitted as room allows)
                 handle = deferred.pop(0)
-                if handle.cancelled.is_set():
+                if handle.cancelled.is_set():  # its client left while it waited
                     self._not_waiting(handle)
+                    self._ended(handle)
                 else:
                     batch.append(handle)
             if batch:
@@ -253,6 +256,7 @@ class ChatWorker:
                 else:
                     self._not_waiting(*refused)
                     for handle in refused:
+                        self._ended(handle)
                         handle.emit(ChatFailed(503, "The K/V cache has no room for this chat."))
             going_on = []  # (one look at each flag: a cancel landing between two looks left a chat unclosed,
             for handle, session in active:  # its K/V blocks never handed back)
@@ -296,6 +300,8 @@ class ChatWorker:
             if isinstance(result, ChatBackpressure):
                 refused.append(handle)
             elif isinstance(result, Exception):
+                if not isinstance(result, ParamError):  # (a refused request is no finished one: its 400)
+                    self._ended(handle)
                 self._fail(handle, result)
             else:
                 handle.admitted_at, handle.prompt_tokens = admitted_at, result.prompt_tokens
@@ -376,12 +382,14 @@ class ChatWorker:
         return sampled + sum(prompts.values())
 
     def _ended(self, handle: ChatHandle, now: float | None = None) -> None:
-        """A started chat ended: no longer running (nor preempted); report its timings (ChatTimes: end-to-end,
-        queue, prefill, decode, inference), once."""
+        """A chat ended, started or not (a 400-refused one is not reported: no finished request, as vLLM's):
+        no longer running (nor preempted); report its timings and token counts (ChatTimes), once. Every
+        chat the API counts under finished_reason is so reported (engine/chat_metering.py): vLLM's success
+        counter and its per-request histograms count the same requests."""
         with self._queues_lock:
             self._running.discard(handle)
             self._preempted.discard(handle)
-        if handle.admitted_at is None or handle._ended:
+        if handle._ended:
             return
         handle._ended = True
         self.observer.on_chat_finished(handle.times(time.monotonic() if now is None else now))
