@@ -32,6 +32,7 @@ VLLM_BUCKETS = {
     "vllm:request_prefill_time_seconds": REQUEST_LATENCY_BUCKETS,
     "vllm:request_decode_time_seconds": REQUEST_LATENCY_BUCKETS,
     "vllm:request_inference_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "vllm:request_time_per_output_token_seconds": ITL_BUCKETS,
 }  # fmt: skip
 
 
@@ -160,6 +161,11 @@ def test_chat_metrics(server):
     assert delta("vllm:time_per_output_token_seconds_count", **LLM) == sum(
         n - 1 for n in sampled
     )  # vLLM 0.11's old name
+    # vLLM's per-request mean TPOT: one a chat, its decode time over its tokens less one
+    assert delta("vllm:request_time_per_output_token_seconds_count", **LLM) == 2
+    tpot = delta("vllm:request_time_per_output_token_seconds_sum", **LLM)
+    bound = delta("vllm:request_decode_time_seconds_sum", **LLM) / min(n - 1 for n in sampled)
+    assert 0 < tpot <= bound * (1 + 1e-9), (tpot, bound)  # (equal when the chats have as many tokens)
     for name, bounds in VLLM_BUCKETS.items():  # vLLM's buckets exactly
         assert [le for le, _ in buckets(after, name, **LLM)] == [float(b) for b in bounds] + [math.inf], name
         check_histogram(after, name, **LLM)

@@ -9,7 +9,9 @@ generation_tokens_total, num_preemptions_total, request_success_total{finished_r
 finished_reason exported from the start as vLLM does); time_to_first_token_seconds,
 inter_token_latency_seconds and its deprecated twin time_per_output_token_seconds (the same observations, as
 vLLM 0.11 still exports both; the time to first token of each choice of an n > 1 request on the chat worker's
-clock, when it was sampled), e2e_request_latency_seconds, iteration_tokens_total (histograms); and the per-chat histograms vLLM's Grafana
+clock, when it was sampled), e2e_request_latency_seconds, iteration_tokens_total (histograms); and the per-chat histograms
+(the worker's counts of every chat that ended, also one that ended queued: as vLLM, they count what request_success
+counts): request_time_per_output_token_seconds (its decode time over its tokens less one, vLLM's mean TPOT), vLLM's Grafana
 dashboard reads: request_prompt_tokens / request_generation_tokens (vLLM's 1-2-5 buckets up to --max-model-len,
 with a chat worker) and the phases of vLLM's stats.py update_from_finished_request, on the chat worker's clock
 (engine/chat_observer.py ChatTimes): request_queue_time_seconds (submitted to the start of the prefill that
@@ -130,6 +132,8 @@ class VllmMirror:
         ]  # fmt: skip
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                         REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)  # fmt: skip
         self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
                           REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
@@ -194,6 +198,9 @@ class VllmMirror:
                 self.request_tokens[0].observe(times.prompt_tokens)
             self.request_tokens[1].observe(times.generation_tokens)
         self.e2e.observe(times.e2e_s)
+        # vLLM's mean_time_per_output_token: its decode time over the gaps between its tokens (0 with one token)
+        gaps = times.generation_tokens - 1
+        self.tpot.observe(times.decode_s / gaps if gaps > 0 else 0.0)
         for hist, seconds in ((self.queue, times.queue_s), (self.prefill, times.prefill_s),
                               (self.decode, times.decode_s), (self.inference, times.inference_s)):  # fmt: skip
             hist.observe(seconds)
