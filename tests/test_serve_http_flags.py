@@ -251,7 +251,8 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--backend", "fake", "--host", "127.0.0.1", "--port",
            str(port), "--storage-dir", str(tmp_path / "s"), "--config", str(tmp_path / "c.yaml"), "--root-path",
            "/api", "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem"),
-           "--middleware", "serve_middleware.stamp", "--disable-fastapi-docs", "--disable-uvicorn-access-log"]  # fmt: skip
+           "--middleware", "serve_middleware.stamp", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
+           "--log-file", str(tmp_path / "serve.log")]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # a new connection a request: the server closes idle ones after 1 s here, so a reused one could be
@@ -288,6 +289,8 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
         out = proc.communicate(timeout=30)[0]
     assert "https://" in out and "requests may name 'cosmos' or 'c3'" in out
     assert '"GET /v1/models HTTP/1.1"' not in out, "--disable-uvicorn-access-log"
+    logged = (tmp_path / "serve.log").read_text()  # the file as the console (it had every access line)
+    assert "https://" in logged and '"GET /v1/models HTTP/1.1"' not in logged, logged[-2000:]
 
 
 @pytest.mark.anyio

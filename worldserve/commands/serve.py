@@ -244,7 +244,8 @@ def _serve(
         f"[{host}]" if ":" in host else host, listener.getsockname()[1], serve_http.event_loop(uv_config),
     )  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
-        for name in ("uvicorn", "uvicorn.access"):
+        # (its access logger too, even with access_log off: the file then got what the console did not)
+        for name in ("uvicorn", "uvicorn.access") if uv_config.access_log else ("uvicorn",):
             logging.getLogger(name).addHandler(log_file)
     try:
         serve_http.start_listening(listener, server_cfg.host)
