@@ -144,7 +144,8 @@ def test_openai_client_videos_calls(tmp_path):
         # Sora's own calls (vLLM-Omni serves none): a 404 saying so (remix was a bare 404, extend and edit 405s)
         for call in (lambda: client.videos.remix(done.id, prompt="again"),
                      lambda: client.videos.extend(prompt="on", seconds="4", video=("in.mp4", content.content, "video/mp4")),
-                     lambda: client.videos.edit(prompt="red", video=("in.mp4", content.content, "video/mp4"))):  # fmt: skip
+                     lambda: client.videos.edit(prompt="red", video=("in.mp4", content.content, "video/mp4")),
+                     lambda: client.videos.get_character("char_1")):  # fmt: skip
             with (
                 pytest.raises(openai.NotFoundError, match="is Sora's and not served here"),
                 warnings.catch_warnings(),

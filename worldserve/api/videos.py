@@ -304,22 +304,23 @@ class OpenFileResponse(FileResponse):
 
 
 SORA_ONLY = {
-    "/v1/videos/{video_id}/remix": "remix",
-    "/v1/videos/extensions": "extend",
-    "/v1/videos/edits": "edit",
-    "/v1/videos/characters": "create_character",
+    ("POST", "/v1/videos/{video_id}/remix"): "remix",
+    ("POST", "/v1/videos/extensions"): "extend",
+    ("POST", "/v1/videos/edits"): "edit",
+    ("POST", "/v1/videos/characters"): "create_character",
+    ("GET", "/v1/videos/characters/{character_id}"): "get_character",
 }
-"""OpenAI SDK video calls that are Sora's own (vLLM-Omni serves none): the route -> the SDK's method."""
+"""OpenAI SDK video calls that are Sora's own (vLLM-Omni serves none): (method, route) -> the SDK's method."""
 
 
 async def sora_only(request: Request) -> None:
     """A clear 404 for the SDK calls this server does not serve; the POSTs under /v1/videos/{id} had been a
     bare 405 (the job routes' path matched them)."""
-    path = request.scope["route"].path
-    raise APIError(404, f"POST {path} (the OpenAI SDK's videos.{SORA_ONLY[path]}) is Sora's and not served here, "
+    call = request.method, request.scope["route"].path
+    raise APIError(404, f"{' '.join(call)} (the OpenAI SDK's videos.{SORA_ONLY[call]}) is Sora's and not served here, "
                    "as in vLLM-Omni: condition a new job on a video instead (POST /v1/videos with the video as "
                    "`input_reference`)")  # fmt: skip
 
 
-for _path in SORA_ONLY:
-    router.add_api_route(_path, sora_only, methods=["POST"], include_in_schema=False)
+for _method, _path in SORA_ONLY:
+    router.add_api_route(_path, sora_only, methods=[_method], include_in_schema=False)
