@@ -132,8 +132,10 @@ def test_a_wait_for_the_model_lock_is_queue_time_not_prefill():
     assert times.queue_s >= 0.2 and times.prefill_s < 0.1, times
 
 
-def test_n_choices_count_their_shared_prompt_once():
-    """A request's n choices are prefilled once (shared prompt K/V): tokens per iteration count it once."""
+def test_n_choices_count_their_prompt_each_as_vllm_s_child_requests():
+    """A request's n choices are prefilled once (shared prompt K/V), yet tokens per iteration count the prompt
+    for each, as vLLM's child requests do: the iterations then sum to the prompt and generation token
+    counters, which count it per choice (they had counted it once: a metrics audit found the sums apart)."""
     worker, recorder, events = ChatWorker(_Backend(), threading.Lock()), _Recorder(), queue.Queue()
     worker.observer = recorder
     worker.start()
@@ -143,7 +145,7 @@ def test_n_choices_count_their_shared_prompt_once():
         wait_until(lambda: len(recorder.finished) == 3)
     finally:
         worker.stop(1.0)
-    assert recorder.iterations == [5 + 3, 3, 3]  # one prompt of 5, then a token per choice
+    assert recorder.iterations == [3 * 5 + 3, 3, 3]  # a prompt of 5 for each choice, then a token each
 
 
 class _LongBackend(_Backend):

@@ -357,9 +357,11 @@ class ChatWorker:
     def _timed(self, active: list[tuple[ChatHandle, ChatSession]], deltas: list[ChatDelta]) -> int:
         """Report one step's inter-token gaps and the ends of the chats it finished; its tokens: those it sampled
         and the prompts of the chats whose first token it sampled (vLLM counts a prompt in the step of its
-        first token: with chunked prefill, after its last chunk; the n choices of one prompt share one prefill:
-        once). A delta carries a new token when its count grew or it finished; an idle one carries none."""
-        now, gaps, sampled, prompts, generated, firsts = time.monotonic(), [], 0, {}, 0, []
+        first token: with chunked prefill, after its last chunk; each of the n choices of one prompt its own,
+        as vLLM's child requests do, though they share one prefill: so the iterations' tokens sum to
+        prompt_tokens_total + generation_tokens_total, as vLLM's do). A delta carries a new token when its
+        count grew or it finished; an idle one carries none."""
+        now, gaps, sampled, prompts, generated, firsts = time.monotonic(), [], 0, 0, 0, []
         for (handle, _), delta in zip(active, deltas, strict=True):
             generated += max(delta.completion_tokens - handle._tokens_seen, 0)
             if delta.completion_tokens > handle._tokens_seen or delta.finish_reason is not None:
@@ -367,7 +369,7 @@ class ChatWorker:
                 if handle.last_token_at is None:
                     handle.first_token_at = now
                     firsts.append(now - handle.submitted_at)
-                    prompts[handle.params.prompt_key] = handle.prompt_tokens
+                    prompts += handle.prompt_tokens
                 else:
                     gaps.append(now - handle.last_token_at)
                 handle.last_token_at, handle._tokens_seen = now, delta.completion_tokens
@@ -379,7 +381,7 @@ class ChatWorker:
             self.observer.on_chat_token_gaps(gaps)
         if generated:
             self.observer.on_chat_generated(generated)
-        return sampled + sum(prompts.values())
+        return sampled + prompts
 
     def _ended(self, handle: ChatHandle, now: float | None = None) -> None:
         """A chat ended, started or not (a 400-refused one is not reported: no finished request, as vLLM's):
