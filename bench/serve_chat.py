@@ -340,7 +340,8 @@ def run(args: argparse.Namespace) -> dict:
                         "s": time.perf_counter() - t0}  # fmt: skip
         text = httpx.get(url + "/metrics").text
         res["metrics"] = {
-            n: metric(text, "worldserve:" + n) for n in ("kv_cache_usage_perc", "num_preemptions")
+            "kv_cache_usage_perc": metric(text, "worldserve:kv_cache_usage_perc"),
+            "num_preemptions": metric(text, "worldserve:num_preemptions_total"),  # (a counter)
         }
     finally:
         proc.terminate()

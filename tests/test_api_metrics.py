@@ -190,7 +190,7 @@ def test_chat_metrics(server):
     for name in (
         "worldserve:chat_requests_waiting",
         "worldserve:kv_cache_usage_perc",
-        "worldserve:num_preemptions",
+        "worldserve:num_preemptions_total",  # (a counter: it had been a gauge of a running total)
     ):
         assert (name, frozenset({"model_name": MODEL}.items())) in after and value(after, name) == 0
 

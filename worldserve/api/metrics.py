@@ -11,9 +11,9 @@ request_success_total, request_failure_total{status}, request_cancelled_total, r
 (counters of video and image requests; each, with the usual statuses and every reason, exported as 0 from
 the start, so dashboards show 0 rather than no data; an image request counts once whatever its `n`, as vLLM-Omni counts a request);
 peak_memory_mb (last finished request), gpu_memory_used_bytes (gauges). The Reasoner's chats: chat_prompt_tokens,
-chat_generation_tokens, chat_request_success{finish_reason} (counters); chat_requests_running / _waiting
-(the chat worker's queues read at scrape time: a preempted chat waits, as in vLLM), kv_cache_usage_perc,
-num_preemptions (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
+chat_generation_tokens, chat_request_success{finish_reason}, num_preemptions (counters, the last read at
+scrape time); chat_requests_running / _waiting (the chat worker's queues read at scrape time: a preempted
+chat waits, as in vLLM), kv_cache_usage_perc (gauges); chat_time_to_first_token_seconds, chat_inter_token_latency_seconds,
 chat_e2e_request_latency_seconds, chat_request_queue_time_seconds, chat_iteration_tokens (histograms). The API
 layer reports a chat's prompt tokens and end (engine/chat_metering.py, as the prompt upsampling does for its
 chats); the chat worker its timings (the ChatObserver calls, engine/chat_observer.py: tokens per step, time to
@@ -41,7 +41,7 @@ from prometheus_client import (
 )
 
 from worldserve.api.http_metrics import HTTPMetrics
-from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, VllmMirror
+from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, ReadCounter, VllmMirror
 
 if TYPE_CHECKING:
     from worldserve.engine.client import ChatTimes
@@ -131,8 +131,9 @@ class Metrics:
         r, label = self.registry, ["model_name"]
         Gauge("worldserve:kv_cache_usage_perc", "Fraction of the Reasoner's K/V cache blocks in use (0-1).",
               label, registry=r).labels(**self._label).set_function(usage)  # fmt: skip
-        Gauge("worldserve:num_preemptions", "Chats preempted so far for lack of K/V blocks (cumulative).",
-              label, registry=r).labels(**self._label).set_function(preemptions)  # fmt: skip
+        # a counter (`_total`, rate() applies), read at scrape time: it had been a gauge of a running total
+        r.register(ReadCounter("worldserve:num_preemptions", "Chats preempted so far for lack of K/V blocks.",
+                               self._label, preemptions))  # fmt: skip
         self.vllm.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage, r)
         self.vllm.counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", preemptions, r

@@ -157,7 +157,7 @@ class VllmMirror:
     def counter(self, name: str, doc: str, read: Callable[[], float], registry: CollectorRegistry) -> None:
         """A vLLM counter whose running total is kept elsewhere (num_preemptions), read at scrape time and
         exposed as `<name>_total`."""
-        registry.register(_ReadCounter(name, doc, self.llm, read))
+        registry.register(ReadCounter(name, doc, self.llm, read))
 
     # -- video / image requests ------------------------------------------------------------------------
     def video_finished(self, e2e_s: float, queue_s: float) -> None:
@@ -211,7 +211,7 @@ class VllmMirror:
                 hist.observe(value)
 
 
-class _ReadCounter(Collector):
+class ReadCounter(Collector):
     """A counter family with one series whose value a callable gives (prometheus_client's Counter can only
     be incremented)."""
 
