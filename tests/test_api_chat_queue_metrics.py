@@ -54,19 +54,25 @@ def queues(url: str) -> tuple[float, float, float, float]:
             gauge(text, "worldserve:chat_requests_waiting", WS))  # fmt: skip
 
 
+def start_chats(url: str, n: int) -> tuple[list[threading.Thread], list[int]]:
+    """`n` chats of BODY posted on threads of their own: (the threads, their status codes as they answer)."""
+    answers: list[int] = []
+
+    def chat() -> None:
+        answers.append(httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code)
+
+    threads = [threading.Thread(target=chat, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, answers
+
+
 def test_a_preempted_chat_counts_as_waiting_not_running(served):
     """Two chats run (max_num_seqs 2) and a third waits; one running chat is preempted: 1 running, 2 waiting
     (vLLM moves a preempted request back to waiting), in the vllm:* and worldserve:* gauges and the stats
     line; resumed, it runs again; all ended, nothing runs nor waits."""
     url, app, backend = served
-    answers = []
-
-    def chat():
-        answers.append(httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code)
-
-    threads = [threading.Thread(target=chat, daemon=True) for _ in range(3)]
-    for t in threads:
-        t.start()
+    threads, answers = start_chats(url, 3)
     wait_until(lambda: queues(url) == (2, 1, 2, 1))
     backend.sessions[1].preempted = True
     wait_until(lambda: queues(url) == (1, 2, 1, 2))
@@ -105,19 +111,13 @@ def test_each_choice_of_a_non_streamed_request_has_its_own_time_to_first_token(s
 
 def test_a_chat_whose_client_leaves_while_it_waits_is_counted_aborted(served):
     """Two chats run, a third waits; its client leaves before it started: vLLM counts that request finished
-    with reason "abort" (it had not been counted at all: its count waited for a start that never came); the
-    token histograms take nothing from it; the two that ran end "stop"."""
+    with reason "abort" (it had not been counted at all: its count waited for a start that never came), and
+    its per-request histograms count it too (vLLM's count what its success counter counts); the two that ran
+    end "stop"."""
     url, _, backend = served
     reason = {**LLM, "finished_reason": "abort"}
     before = httpx.get(url + "/metrics").text
-    answers = []
-
-    def chat():
-        answers.append(httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code)
-
-    threads = [threading.Thread(target=chat, daemon=True) for _ in range(2)]
-    for t in threads:
-        t.start()
+    threads, answers = start_chats(url, 2)
     wait_until(lambda: queues(url)[:2] == (2, 0))
     with pytest.raises(httpx.ReadTimeout):  # queued behind the two, it leaves
         httpx.post(url + "/v1/chat/completions", json=BODY, timeout=httpx.Timeout(30, read=0.5))
