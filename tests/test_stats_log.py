@@ -40,7 +40,7 @@ def test_a_line_reports_the_interval_and_the_queues():
     assert active
     queue.update(waiting=0, running=0)
     chats.update(running=0)
-    metrics.on_chat_ended(10, "stop", prompt_tokens=120)
+    metrics.on_chat_ended("stop")
     text, active = stats.line()  # nothing since: idle
     assert (
         "avg prompt throughput: 0.0 tokens/s" in text and text.endswith("denoising steps: 0") and not active

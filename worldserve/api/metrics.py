@@ -209,12 +209,10 @@ class Metrics:
         self.chat_prompt_tokens.labels(**self._label).inc(prompt_tokens)
         self.vllm.prompt_tokens.inc(prompt_tokens)
 
-    def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int | None = 0
-    ) -> None:
-        """finish_reason None: failed or abandoned by the client; prompt_tokens None: ended while queued."""
+    def on_chat_ended(self, finish_reason: str | None) -> None:
+        """finish_reason None: failed or abandoned by the client (its lengths: on_chat_finished)."""
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
-        self.vllm.chat_ended(finish_reason or "abort")  # (its lengths: on_chat_finished, the worker's counts)
+        self.vllm.chat_ended(finish_reason or "abort")
 
     # -- ChatObserver (engine/chat_worker.py, the worker's thread) ----------------------------------------
     def on_chat_iteration(self, tokens: int) -> None:

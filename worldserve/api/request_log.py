@@ -90,10 +90,8 @@ class AbortLogged:
     def on_chat_started(self, prompt_tokens: int) -> None:
         self.meter.on_chat_started(prompt_tokens)
 
-    def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int | None = 0
-    ) -> None:
-        self.meter.on_chat_ended(completion_tokens, finish_reason, prompt_tokens=prompt_tokens)
+    def on_chat_ended(self, finish_reason: str | None) -> None:
+        self.meter.on_chat_ended(finish_reason)
         if finish_reason is None and not self.logged:
             self.logged = True
             self.request_log.aborted(

@@ -1,12 +1,12 @@
 """Counting a chat's events where they are consumed (the API's chats and completions, the prompt upsampling's)
 into a `ChatMeter` (the Prometheus metrics implement it; api/metrics.py): started (its prompt tokens) and
-ended (its prompt and completion tokens and finish reason). A chat that ends before it started (cancelled while
-queued, failed by a shutdown or a full K/V cache) is counted ended without a finish reason ("abort", as vLLM
-counts an aborted waiting request) and without prompt tokens (None: it has none counted); one refused with a
-4xx before it started is the route's 400, not a finished request. What the chat worker knows better than a reader
-of the events is counted there: running and waiting chats (its queues, read at scrape time: a preempted chat
-waits), the time to first token (when the worker sampled it: the n choices of one request are read one
-after another), tokens per iteration, inter-token gaps, and each chat's queue, prefill, decode and inference
+ended (its finish reason). A chat that ends before it started (cancelled while queued, failed by a shutdown or
+a full K/V cache) is counted ended without a finish reason ("abort", as vLLM counts an aborted waiting
+request); one refused with a 4xx before it started is the route's 400, not a finished request. What the chat
+worker knows better than a reader of the events is counted there: running and waiting chats (its queues, read
+at scrape time: a preempted chat waits), the time to first token (when the worker sampled it: the n choices
+of one request are read one after another), tokens per iteration, inter-token gaps, and each chat's lengths
+(the tokens it sampled: a reader that left took fewer) and queue, prefill, decode and inference
 time (chat_worker.py, chat_observer.py).
 """
 
@@ -23,10 +23,9 @@ from worldserve.engine.outputs import ChatDelta
 class ChatMeter(Protocol):
     def on_chat_started(self, prompt_tokens: int) -> None: ...
 
-    def on_chat_ended(
-        self, completion_tokens: int, finish_reason: str | None, *, prompt_tokens: int | None = 0
-    ) -> None:
-        """finish_reason None: aborted (client gone, failed, shut down); prompt_tokens None: never started."""
+    def on_chat_ended(self, finish_reason: str | None) -> None:
+        """finish_reason None: aborted (client gone, failed, shut down). Its token counts are the chat
+        worker's (ChatObserver.on_chat_finished), not the events a reader took."""
 
 
 class ChatEventSource(Protocol):
@@ -43,19 +42,18 @@ def metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEve
 
 
 async def _metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEvent, None]:
-    prompt: int | None = None
-    completion, finish, refused = 0, None, False
+    started, finish, refused = False, None, False
     try:
         async for event in events:
             if isinstance(event, ChatStarted):
-                prompt = event.prompt_tokens
-                meter.on_chat_started(prompt)
+                started = True
+                meter.on_chat_started(event.prompt_tokens)
             elif isinstance(event, ChatDelta):
-                completion, finish = event.completion_tokens, event.finish_reason
-            elif prompt is None and event.status < 500:  # (a ChatFailed: its request was refused)
+                finish = event.finish_reason
+            elif not started and event.status < 500:  # (a ChatFailed: its request was refused)
                 refused = True
             yield event
     finally:
         await events.aclose()
         if not refused:
-            meter.on_chat_ended(completion, finish, prompt_tokens=prompt)
+            meter.on_chat_ended(finish)
