@@ -271,7 +271,9 @@ def test_texts_longer_than_any_tokenization_are_refused_without_tokenizing(encod
 @pytest.mark.parametrize(
     ("prompt", "negative"),
     [("A red fox runs through snow", "blurry, low quality"), ("A red fox runs through snow", ""),
-     (" A red fox runs. ", "blurry "), ("a fox...", "  ")],  # (as given: diffusers strips nothing)
+     (" A red fox runs. ", "blurry "), ("a fox...", "  "),  # (as given: diffusers strips nothing)
+     # a JSON prompt gets the sentences after its text, not fields injected (diffusers / vLLM-Omni inject none)
+     ('{"caption": "a fox in snow", "duration": "3s"}', '{"quality": "blurry"}')],
 )  # fmt: skip
 @pytest.mark.parametrize("frames", [189, 1])
 def test_inverse_negative_metadata_matches_diffusers(pipeline, encoder, prompt, negative, frames):
@@ -279,7 +281,8 @@ def test_inverse_negative_metadata_matches_diffusers(pipeline, encoder, prompt, 
     its templates on (the prompt's sentences, their "is not" negations on the negative: vLLM-Omni's way), its
     texts as given (they had been stripped as the reference's are, which changed the ids of a text with
     leading or trailing spaces); "none" leaves the negative text alone; "same" (the default, the
-    reference's) repeats the prompt's."""
+    reference's) repeats the prompt's. A JSON prompt, which the reference's modes get fields injected into,
+    is text here as in diffusers."""
     params = VideoParams(prompt=prompt, negative_prompt=negative, num_frames=frames,
                          negative_metadata="inverse")  # fmt: skip
     ours = encoder.encode_params(params)

@@ -113,10 +113,7 @@ def _sentences(shape: VideoShape, inverse: bool = False) -> list[str]:
 
 
 def _metadata_sentences(text: str, shape: VideoShape) -> str:
-    """Reference `_format_prompt_with_template`: the text stripped, then its sentences joined; in the "inverse"
-    mode diffusers' assembly instead (`_diffusers_sentences`)."""
-    if shape.negative_metadata == "inverse":
-        return _diffusers_sentences(text, shape)
+    """Reference `_format_prompt_with_template`: the text stripped, then its sentences joined."""
     text = text.strip()
     for sentence in _sentences(shape):
         text = _join(text, sentence)
@@ -142,7 +139,11 @@ def _parse_json_object(prompt: str) -> dict[str, Any] | None:
 
 
 def format_prompt(prompt: str, shape: VideoShape) -> str:
-    """The conditional text: JSON metadata injection or plain-text metadata sentences."""
+    """The conditional text: JSON metadata injection or plain-text metadata sentences (the reference's); in the
+    "inverse" mode diffusers' / vLLM-Omni's assembly throughout: sentences after any text, a JSON object's
+    too (they inject no fields, cosmos3-model.md §13)."""
+    if shape.negative_metadata == "inverse":
+        return _diffusers_sentences(prompt, shape)
     obj = _parse_json_object(prompt)
     if obj is not None:
         metadata: dict[str, Any] = {}
@@ -157,7 +158,7 @@ def format_prompt(prompt: str, shape: VideoShape) -> str:
             metadata["aspect_ratio"] = aspect_ratio_label(shape.width, shape.height)
         obj.update(metadata)  # existing keys keep their place, new ones go last (reference dict.update)
         return json.dumps(obj)
-    if not prompt.strip() and shape.negative_metadata != "inverse":
+    if not prompt.strip():
         # The reference would emit a leading ". "; an empty base yields the sentences alone (§12 join rule).
         return _metadata_sentences("", shape).lstrip(".").strip()
     return _metadata_sentences(prompt, shape)
