@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time the last rank with its delta added these other "
         f"ways, comma-separated ({', '.join(DELTA_FORMS)}; compiled again for each)",
     )
+    ap.add_argument(
+        "--delta-std",
+        type=float,
+        default=0.02,
+        help="std of the random adapters' B (A's is 0.2): 0.02 gives deltas B A larger than the base weights' "
+        "(0.02); 0.0002 gives ~1 %% of them, a lightly trained adapter's size",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 1 warm-up)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
@@ -84,6 +91,7 @@ def lora_flops(w, cfg, rank: int) -> float:
 def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     """No adapter, then each rank; `save(res)` after each variant, so a run cut short keeps what it measured."""
     import worldserve.models.layers.lora as lora_layers
+    from worldserve.bench.clocks import ClockLog
     from worldserve.bench.denoise import OurStep, make_inputs
     from worldserve.bench.flops import TowerShape, tflops
     from worldserve.bench.models import build_our_transformer
@@ -111,57 +119,68 @@ def run(args: argparse.Namespace, log=print, save=lambda res: None) -> dict:
     model = build_our_transformer(cfg, device, dtype, None, args.seed)
     res["kernels"] = KernelOptions(compile=compiled).apply(model)  # as serve: the attention kernel, compiled
     step = OurStep(model, w, make_inputs(w, cfg.vocab_size, device, args.seed))
+    # the board's clock and power beside each variant: under the 700 W cap larger weights (a merged random
+    # adapter's) may draw more power a FLOP and so run at a lower clock (bench/clocks.py)
+    clocks = ClockLog().start() if device.type == "cuda" else ClockLog()
+    try:
 
-    def variant(name: str, rank: int = 0, extra: dict | None = None) -> None:
-        step.prefill()
-        reset_peak(device)
-        timing = time_region(lambda: step(T_REF), device, warmup=1, repeats=args.steps)
-        out = snapshot(step, T_REF)
-        row = {"step_s": timing.median, "tflops": tflops(res["step_flops"], timing.median), "peak_gib": peak_gib(device),
-               "lora_flops_share": lora_flops(w, cfg, rank) / res["step_flops"] if rank else 0.0, **(extra or {})}  # fmt: skip
-        if "base" in res["variants"]:
-            row["slowdown"] = timing.median / res["variants"]["base"]["step_s"]
-            row["rel_l2_vs_base"] = rel_error(out["video"], base_out["video"])
-        res["variants"][name] = row
-        log(f"{name}: {timing.median:.3f} s a step")
-        save(res)
-        return out
+        def variant(name: str, rank: int = 0, extra: dict | None = None) -> None:
+            step.prefill()
+            reset_peak(device)
+            with clocks.phase(name):
+                timing = time_region(lambda: step(T_REF), device, warmup=1, repeats=args.steps)
+            out = snapshot(step, T_REF)
+            board = clocks.summary().get(name) or {}
+            row = {"step_s": timing.median, "tflops": tflops(res["step_flops"], timing.median), "peak_gib": peak_gib(device),
+                   "lora_flops_share": lora_flops(w, cfg, rank) / res["step_flops"] if rank else 0.0,
+                   "sm_mhz": board.get("sm_mhz"), "power_w": board.get("power_w"), **(extra or {})}  # fmt: skip
+            if "base" in res["variants"]:
+                row["slowdown"] = timing.median / res["variants"]["base"]["step_s"]
+                row["rel_l2_vs_base"] = rel_error(out["video"], base_out["video"])
+            res["variants"][name] = row
+            log(f"{name}: {timing.median:.3f} s a step")
+            save(res)
+            return out
 
-    product_form = lora_layers.add_delta
-    step.lora = None
-    base_out = variant("base")
-    with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
-        for rank in (int(r) for r in args.ranks.split(",")):
-            folder = write_random_adapter(Path(tmp) / f"r{rank}", cfg, rank=rank, alpha=rank, seed=rank,
-                                          std=0.02, dtype=torch.bfloat16)  # fmt: skip
+        product_form = lora_layers.add_delta
+        step.lora = None
+        base_out = variant("base")
+        with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
+            for rank in (int(r) for r in args.ranks.split(",")):
+                folder = write_random_adapter(Path(tmp) / f"r{rank}", cfg, rank=rank, alpha=rank, seed=rank,
+                                              std=args.delta_std, dtype=torch.bfloat16)  # fmt: skip
+                t1 = time.perf_counter()
+                spec = inspect_adapter(folder, cfg)
+                step.lora = load_adapter(
+                    spec, 1.0, cfg, dtype=dtype, device=device
+                ).mark_ranks_dynamic()  # (as served)
+                load_s = time.perf_counter() - t1
+                unmerged = variant(
+                    f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30}
+                )
+            for form in filter(
+                None, args.forms.split(",")
+            ):  # the last rank's adapter, its delta added otherwise
+                lora_layers.add_delta = DELTA_FORMS[form] or product_form
+                torch._dynamo.reset()  # (the compiled layers trace the new form)
+                variant(f"rank {rank} {form}", rank)
+            lora_layers.add_delta, step.lora = product_form, None
+            torch._dynamo.reset()
+            # the last rank's adapter merged into the gen pathway's weights, as serve does with a static one: the
+            # base step's kernels again; its velocities against the unmerged adapter's (bf16 rounding of W + BA)
             t1 = time.perf_counter()
-            spec = inspect_adapter(folder, cfg)
-            step.lora = load_adapter(
-                spec, 1.0, cfg, dtype=dtype, device=device
-            ).mark_ranks_dynamic()  # (as served)
-            load_s = time.perf_counter() - t1
-            unmerged = variant(
-                f"rank {rank}", rank, {"load_s": load_s, "adapter_gib": step.lora.nbytes / 2**30}
-            )
-        for form in filter(None, args.forms.split(",")):  # the last rank's adapter, its delta added otherwise
-            lora_layers.add_delta = DELTA_FORMS[form] or product_form
-            torch._dynamo.reset()  # (the compiled layers trace the new form)
-            variant(f"rank {rank} {form}", rank)
-        lora_layers.add_delta, step.lora = product_form, None
-        torch._dynamo.reset()
-        # the last rank's adapter merged into the gen pathway's weights, as serve does with a static one: the
-        # base step's kernels again; its velocities against the unmerged adapter's (bf16 rounding of W + BA)
-        t1 = time.perf_counter()
-        merged, total, worst = merge_lora(model, LoraRequest("bench", folder, 1.0), device)
-        merge_s = time.perf_counter() - t1
-        res["merge"] = {"linears_merged_whole": merged, "linears": total, "largest_erasure": worst}
-        if model.merged_lora is not None:
-            step.lora = model.merged_lora.rest  # (the und deltas: the prefill applies them)
-            out = variant(f"rank {rank} merged", 0, {"load_s": merge_s})
-            res["variants"][f"rank {rank} merged"]["rel_l2_vs_unmerged"] = rel_error(
-                out["video"], unmerged["video"]
-            )
-        save(res)
+            merged, total, worst = merge_lora(model, LoraRequest("bench", folder, 1.0), device)
+            merge_s = time.perf_counter() - t1
+            res["merge"] = {"linears_merged_whole": merged, "linears": total, "largest_erasure": worst}
+            if model.merged_lora is not None:
+                step.lora = model.merged_lora.rest  # (the und deltas: the prefill applies them)
+                out = variant(f"rank {rank} merged", 0, {"load_s": merge_s})
+                res["variants"][f"rank {rank} merged"]["rel_l2_vs_unmerged"] = rel_error(
+                    out["video"], unmerged["video"]
+                )
+            save(res)
+    finally:
+        clocks.stop()
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -172,13 +191,15 @@ def table(res: dict) -> str:
         f"{res['environment'].get('gpu', res['environment']['device'])}, kernels {res['kernels']}",
         "",
         f"{'variant':15s} {'s/step':>8s} {'TF/s':>7s} {'slowdown':>8s} {'LoRA FLOPs':>10s} {'GiB':>6s} "
-        f"{'load s':>6s} {'vs base':>8s} {'vs unmerged':>11s}",
+        f"{'load s':>6s} {'vs base':>8s} {'vs unmerged':>11s} {'SM MHz':>6s} {'W':>5s}",
     ]
     for name, r in res["variants"].items():
+        mhz, watts = r.get("sm_mhz"), r.get("power_w")
         lines.append(
             f"{name:15s} {r['step_s']:8.3f} {r['tflops']:7.1f} {r.get('slowdown', 1.0):7.3f}x "
             f"{100 * r['lora_flops_share']:9.2f}% {r.get('adapter_gib', 0.0):6.2f} {r.get('load_s', 0.0):6.1f} "
-            f"{r.get('rel_l2_vs_base', 0.0):8.4f} {r.get('rel_l2_vs_unmerged', 0.0):11.5f}"
+            f"{r.get('rel_l2_vs_base', 0.0):8.4f} {r.get('rel_l2_vs_unmerged', 0.0):11.5f} "
+            f"{'-' if mhz is None else f'{mhz:.0f}':>6s} {'-' if watts is None else f'{watts:.0f}':>5s}"
         )
     return "\n".join(lines)
 
