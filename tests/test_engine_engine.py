@@ -206,7 +206,10 @@ def test_restart_resumes_unfinished_jobs(tmp_path):
     assert resumed.status is JobStatus.COMPLETED
     meta = json.loads((tmp_path / "videos" / f"{running.id}.mp4").read_bytes()[7:])
     assert meta["crf"] == 5
-    assert failed.status is JobStatus.FAILED and "reference image is missing" in failed.error_message
+    assert (
+        failed.status is JobStatus.FAILED
+        and "uploaded reference (image or video) is missing" in failed.error_message
+    )
     assert (refused.status, refused.error_code) == (JobStatus.FAILED, 400)
     assert "model now served does not take it (generate_sound)" in refused.error_message
 

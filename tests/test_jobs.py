@@ -206,6 +206,21 @@ def test_a_ttl_set_at_restart_reaches_jobs_finished_before(tmp_path):
     assert store.delete_expired(time.time() + 6) == [old.id]
 
 
+def test_a_restart_without_a_ttl_clears_the_expiries(tmp_path):
+    """A server started without --job-ttl sweeps nothing, so a job finished under an earlier TTL must not
+    keep saying it expires (a date in the past, the job still listed and downloadable): its expiry is None."""
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, None)
+    store.mark_in_progress(job.id, time.time())
+    _complete(store, job.id, ttl=0.001)
+    assert store.get(job.id).expires_at is not None
+    store.close()
+    store = JobStore(tmp_path)
+    store.recover(ttl_s=None)
+    assert store.get(job.id).expires_at is None and store.get(job.id).status == "completed"
+
+
 def test_one_store_per_directory_and_the_lock_goes_with_close(tmp_path):
     """A second server on the same storage directory would re-run the first one's running jobs and delete
     their finished videos: the directory is locked while a store holds it."""

@@ -44,7 +44,7 @@ def restored_jobs(
         except FileNotFoundError:
             fail(
                 job_id,
-                f"{INTERRUPTED} its reference image is missing from the storage folder; submit it again.",
+                f"{INTERRUPTED} its uploaded reference (image or video) is missing from the storage folder; submit it again.",
             )
             continue
         except Exception as exc:

@@ -330,7 +330,7 @@ class JobStore:
     ) -> list[str]:
         """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
         the job MAX_INTERRUPTIONS times (`on_failed(500)` for each: the metrics count it); finished jobs
-        without an expiry get one from `ttl_s`; the store's stray temp files and orphans removed (only files
+        without an expiry get one from `ttl_s` (without a TTL none keeps one: nothing expires); the store's stray temp files and orphans removed (only files
         it writes: another file in its folders is left be).
 
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
@@ -348,6 +348,8 @@ class JobStore:
                         " IS NOT NULL AND status IN ('completed', 'failed')",
                         (ttl_s,),
                     )
+                else:  # a server without a TTL expires nothing: no job says it will (nor keeps a past date)
+                    self._db.execute("UPDATE jobs SET expires_at = NULL WHERE expires_at IS NOT NULL")
                 self._db.execute("UPDATE jobs SET interrupted = interrupted + 1 WHERE status='in_progress'")
                 given_up = self._db.execute(
                     "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"
