@@ -110,7 +110,7 @@ CASES = [
     ("fps 1e308 with seconds", {**BY_SECONDS, "seconds": "2", "fps": "1e308"}, 400, "fps", "in [1, 120]"),
     ("seconds 400 digits", {**BY_SECONDS, "seconds": "9" * 400}, 400, "seconds", "400-digit number is above 400"),
     ("seconds 5000 digits", {**BY_SECONDS, "seconds": "9" * 5000}, 400, "seconds", "5000-digit number"),
-    ("seconds past the tier", {**BY_SECONDS, "seconds": "20"}, 400, "seconds", "exceeds the 256p limit"),
+    ("seconds past the tier", {**BY_SECONDS, "seconds": "20"}, 400, "seconds", "(from seconds x fps 24) exceeds the 256p"),
     ("seconds of one frame", {**BY_SECONDS, "seconds": "3", "fps": "1"}, 400, "seconds",  # (was a still image)
      "seconds=3 at fps=1 is 3 frames, fewer than the shortest video's 5"),
     ("size 5000 digits", {**OK, "size": "1" + "0" * 5000 + "x16"}, 400, "size", "must be at most 1280"),

@@ -265,7 +265,9 @@ class VideoParams:
                 "num_frames", f"num_frames={shown(self.num_frames)} must be 1 or 4k+1 (e.g. 93, 121, 189)"
             )
         if self.num_frames > max_frames:
-            raise ParamError("num_frames", f"num_frames={shown(self.num_frames)} exceeds the {tier}p limit "
+            source = self.field_name("num_frames")  # ("seconds": the frames of seconds x fps)
+            came = "" if source == "num_frames" else f" (from {source} x fps {self.fps:g})"
+            raise ParamError("num_frames", f"num_frames={shown(self.num_frames)}{came} exceeds the {tier}p limit "
                              f"of {max_frames} frames")  # fmt: skip
         if not (math.isfinite(self.fps) and 1 <= self.fps <= MAX_FPS):
             raise ParamError("fps", f"fps={self.fps} must be a number in [1, {MAX_FPS}]")
