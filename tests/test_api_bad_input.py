@@ -216,6 +216,20 @@ async def test_forms_take_starlette_s_1000_fields_and_no_more(tmp_path):
                     )
 
 
+async def test_a_part_header_over_the_parser_s_limit_is_told(tmp_path):
+    """A 60 kB filename passes python-multipart's header line limit: a 400 saying so (Starlette's own
+    message had been "Invalid multipart data." alone)."""
+    async with asgi_server(tmp_path) as http:
+        files = {"input_reference": ("a" * 60_000 + ".png", b"x", "image/png")}
+        r = await http.post("/v1/videos", data={"prompt": "a fox"}, files=files)
+        assert r.status_code == 400, r.text[:300]
+        message = r.json()["error"]["message"]
+        assert (
+            message.startswith("Invalid multipart data: Maximum header size exceeded")
+            and "filename" in message
+        )
+
+
 async def test_a_long_bad_value_is_echoed_cut_to_200_characters(tmp_path):
     """The validation message quotes the value it refused, its first 200 characters and "...": a 10,000-
     character value is not sent back whole."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
+import python_multipart.multipart as multipart_parser
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
@@ -86,6 +87,19 @@ FILE_FIELDS = frozenset(("input_reference", "control_reference", "input_referenc
 naming it, a file in a field the request does not have is ignored as any unknown field is."""
 
 
+def _multipart_message(exc: MultiPartException) -> str:
+    """Starlette's message, with python-multipart's reason where Starlette's hides it ("Invalid multipart
+    data." for a header line over the parser's limit, a 60 kB filename's)."""
+    cause = exc.__cause__
+    if exc.message != "Invalid multipart data." or cause is None or not str(cause):
+        return exc.message
+    reason = f"Invalid multipart data: {str(cause).rstrip('.')}"
+    limit = getattr(multipart_parser, "DEFAULT_MAX_HEADER_SIZE", None)  # (python-multipart >= 0.0.22)
+    if "header size" in str(cause) and limit:
+        reason += f" (a part's header line, its filename's included, may be at most {limit:,} bytes)"
+    return reason + "."
+
+
 async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request's fields as a dict (form values are str or UploadFile), whatever the content type."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -104,8 +118,8 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
         else:
             raise APIError(400, f"Unsupported Content-Type {ctype!r}: send multipart/form-data, "
                            "application/x-www-form-urlencoded or application/json.")  # fmt: skip
-    except MultiPartException as exc:  # (Starlette's own words, as FastAPI, and so vLLM-Omni, answer them)
-        raise APIError(400, exc.message) from None
+    except MultiPartException as exc:  # (Starlette's own words, as FastAPI, and so vLLM-Omni, answer them,
+        raise APIError(400, _multipart_message(exc)) from None  # with the parser's reason after them)
     except (APIError, ParamError):
         raise
     except Exception as exc:  # python-multipart's own parse errors
