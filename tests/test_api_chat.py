@@ -170,7 +170,12 @@ def test_prompts_are_built_off_the_chat_worker_thread(oai, reasoner, monkeypatch
 
     monkeypatch.setattr(reasoner.prompts, "build", recording_build)
     resp = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=2, temperature=0, n=2
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=2,
+        temperature=0.5,
+        n=2,
+        seed=1,
     )
     assert len(resp.choices) == 2 and threads and "worldserve-chat" not in threads
     assert len(threads) == 1  # once for the request: its n choices share the prompt
@@ -340,7 +345,9 @@ def test_http_image_url_is_downloaded(server):
         ({"max_tokens": 40000, "max_completion_tokens": 2, "stream": True}, 200, None, None),
         ({"temperature": -1}, 400, "temperature", "validation error"),
         ({"presence_penalty": 2.5}, 400, "presence_penalty", "must be in [-2, 2]"),
-        ({"repetition_penalty": 0}, 400, "repetition_penalty", "must be in (0, 2]"),
+        ({"repetition_penalty": 0}, 400, "repetition_penalty", "greater than zero"),
+        ({"n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy sampling, got 2."),
+        ({"repetition_penalty": 2.5}, 200, None, None),  # (vLLM bounds it below only)
         ({"repetition_penalty": 1e-46}, 400, "repetition_penalty", "at least 1e-38"),  # (0 in float32)
         ({"top_logprobs": 3}, 400, "top_logprobs", "needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "validation error"),

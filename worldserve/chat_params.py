@@ -25,6 +25,9 @@ own takes every frame (up to VideoSampling.max_frames) anyway, so a request's la
 (as vLLM samples it: every frame); the bound keeps every frame count finite."""
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures under this are greedy, as in vLLM (dividing logits by a denormal gives inf and NaN)."""
+
 MIN_REPETITION_PENALTY = 1e-38
 """float32's smallest normal: below it the sampler's float32 penalty is 0 or subnormal (a masked token's
 -inf times 0 is NaN, which argmax would pick past a grammar)."""
@@ -274,7 +277,10 @@ class ChatParams:
 
     def choices(self, n: int) -> list[ChatParams]:
         """These params as the n choices of one request: choice i samples with seed + i (`choice_seed`:
-        different samples, the same ones on every run)."""
+        different samples, the same ones on every run). More than one greedy choice is a ParamError naming
+        `n`, as vLLM refuses it (they would all be the same)."""
+        if n > 1 and self.temperature < GREEDY_BELOW:
+            raise ParamError("n", f"n must be 1 when using greedy sampling, got {n}.")
         return [self] + [
             replace(self, seed=None if self.seed is None else choice_seed(self.seed, i)) for i in range(1, n)
         ]
@@ -322,9 +328,7 @@ class ChatParams:
         if self.add_generation_prompt and self.continue_final_message:
             raise ParamError("continue_final_message",
                              "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")  # fmt: skip
-        if not (
-            math.isfinite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2
-        ):
-            raise ParamError("repetition_penalty", f"repetition_penalty must be in (0, 2] (and at least "
-                             f"{MIN_REPETITION_PENALTY:g}), got {self.repetition_penalty}")  # fmt: skip
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= MIN_REPETITION_PENALTY):
+            raise ParamError("repetition_penalty", "repetition_penalty must be a finite number greater than zero "
+                             f"(at least {MIN_REPETITION_PENALTY:g}), got {self.repetition_penalty}")  # fmt: skip
         return self

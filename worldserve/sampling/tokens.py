@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from worldserve.chat_params import ChatParams
+from worldserve.chat_params import GREEDY_BELOW, ChatParams
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +191,6 @@ class TokenSampler:
         """logits [V] -> the next token id (recorded as output for the penalties of later calls)."""
         return sample_tokens([self], logits[None])[0]
 
-
-GREEDY_BELOW = 1e-5
-"""Temperatures under this are greedy, as in vLLM (dividing logits by a denormal gives inf and NaN)."""
 
 TOPK_FAST_PATH = 1024
 """When every sampled row has 0 < top_k <= this, only the top max(k) candidates are sorted (torch.topk)."""
