@@ -69,6 +69,13 @@ def test_hermes_parse_of_a_finished_text():
     )  # unterminated, no text
     assert hermes_calls("no calls here") is None
     assert hermes_calls("<tool_call>{not json</tool_call>") is None  # then it is all content
+    # a block that is not a call, before or after good ones (a second call cut by max_tokens): all text with
+    # the chat's own finish reason, as vLLM's hermes parser answers (the cut had been hidden behind the calls)
+    cut = text + '\n<tool_call>\n{"name": "get_time", "argu'
+    assert hermes_calls(cut) is None and final_message(cut, mode := tool_mode(TOOLS, "auto"), "length") == (
+        cut, [], "length")  # fmt: skip
+    broken = "<tool_call>nope</tool_call>" + text
+    assert final_message(broken, mode, "stop") == (broken, [], "stop")
     mode = tool_mode(TOOLS, "auto")
     assert final_message(text, mode, "stop")[2] == "tool_calls"
     assert final_message("plain", mode, "length") == ("plain", [], "length")
@@ -158,8 +165,6 @@ def _cuts(text: str, rng: random.Random) -> list[str]:
         '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
         "A plain answer with < and <tool in it, but no call.",
         '<tool_call>{"name": "get_time", "arguments": {}}',  # unterminated: parsed at the end
-        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>not json</tool_call>',
-        'Hm <tool_call>not json</tool_call> then <tool_call>{"name": "get_time", "arguments": {}}</tool_call> x',
     ],
 )
 def test_auto_stream_adds_up_to_the_finished_answer(text):
@@ -172,6 +177,27 @@ def test_auto_stream_adds_up_to_the_finished_answer(text):
         assert [(c["name"], c["arguments"]) for c in s_calls] == [
             (c.function.name, c.function.arguments) for c in calls]  # fmt: skip
         assert all(c["id"].startswith("chatcmpl-tool-") for c in s_calls)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>not json</tool_call>',
+        'Hm <tool_call>not json</tool_call> then <tool_call>{"name": "get_time", "arguments": {}}</tool_call> x',
+    ],
+)
+def test_a_block_that_is_no_call_makes_the_finished_answer_text_but_streamed_calls_stand(text):
+    """With a <tool_call> block that does not parse the unstreamed answer is all text with the chat's own
+    finish reason (vLLM's hermes parser); the stream cannot take back the good call it sent: it has the
+    call, and the text before the first call as content."""
+    mode = tool_mode(TOOLS, "auto")
+    assert final_message(text, mode, "stop") == (text, [], "stop")
+    s_content, s_calls, called = _streamed(mode, _cuts(text, random.Random(text)))
+    assert (
+        called
+        and [c["name"] for c in s_calls] == ["get_time"]
+        and s_content == text[: text.index('<tool_call>{"')]
+    )
 
 
 def test_auto_calls_stream_their_arguments_as_they_are_written():

@@ -31,13 +31,16 @@ from worldserve.api.tool_calls import (
 
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCallOut]] | None:
     """(content or None, the calls) of a finished text holding <tool_call> blocks, each JSON {"name",
-    "arguments"}: the content is the text before the first block that parses (a block that does not parse,
-    e.g. cut mid-JSON, is text; an unterminated one that parses is a call), the rest after it is dropped;
-    None when no block parses (then it is all content). The same parser as a streamed answer's (ToolStream),
-    fed the whole text at once."""
+    "arguments"}: the content is the text before the first block, text between and after blocks is
+    dropped; None (then it is all content, with the chat's own finish reason) when no block is a call or
+    any block is not one (cut mid-JSON by max_tokens, or not JSON: vLLM's hermes parser answers the whole
+    text then). An unterminated last block that parses is a call. The same parser as a streamed answer's
+    (ToolStream), fed the whole text at once."""
     stream = ToolStream(ToolMode(choice="auto", tools=()))
     stream.feed(text, finished=True)
-    return (stream.content or None, stream.calls) if stream.calls else None
+    if not stream.calls or stream.calls_refused:
+        return None
+    return stream.content or None, stream.calls
 
 
 def final_message(
@@ -78,6 +81,7 @@ class ToolStream:
         self._calls = 0  # calls sent
         self.content = ""  # (auto) the content sent: the text before the first call
         self.calls: list[ToolCallOut] = []  # (auto, required) the calls sent
+        self.calls_refused = False  # (auto) a <tool_call> block was not a call (its text went as content)
         self._block: _CallReader | None = None  # (auto) the <tool_call> block being written, read so far
         self._fed = 0  # (auto) characters of that block's body fed to its reader
         self._json = JsonStream()  # (required) the answer's JSON list
@@ -175,7 +179,8 @@ class ToolStream:
                 out.append(self._call_delta(call))
                 call.function.arguments = args
                 out.append({"tool_calls": [{"index": self._calls - 1, "function": {"arguments": args}}]})
-            else:  # not a call after all: its text is content
+            else:  # not a call after all: its text is content (and a finished answer all text: hermes_calls)
+                self.calls_refused = True
                 self._content(out, rest[:block_end])
                 continue
             self._sent += block_end
