@@ -197,6 +197,14 @@ def test_prompt_truncation_and_chat_echo(reasoner_url):
                                                                   "echo": True, **kw}, timeout=60) as r:  # fmt: skip
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == echoed
+    # without add_generation_prompt the answer takes the last message's role, and echo repeats it whatever
+    # it is (vLLM's rule: the last message is echoed when its role is the answer's); with it, a user turn is not
+    user = {"messages": HI, "add_generation_prompt": False, "temperature": 0}
+    answer = _post(url, echo=True, **user).json()["choices"][0]["message"]
+    alone = _post(url, **user).json()["choices"][0]["message"]["content"]
+    assert answer["role"] == "user" and answer["content"] == HI[-1]["content"] + alone
+    assert _post(url, echo=True, messages=HI, temperature=0).json()["choices"][0]["message"]["content"] == (
+        _post(url, messages=HI, temperature=0).json()["choices"][0]["message"]["content"])  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -308,7 +308,7 @@ async def _answer(
         st.settings.response_role if body.add_generation_prompt else body.messages[-1].role
     )  # (vLLM's rule)
     parsing = TextParsing(tools=tools, reasoning=st.settings.reasoning_parser is not None,
-                          include_reasoning=body.include_reasoning, echo=body.echo_text(), role=role)  # fmt: skip
+                          include_reasoning=body.include_reasoning, echo=body.echo_text(role), role=role)  # fmt: skip
     # a non-streaming answer needs no per-token deliveries: the first (time to first token), the rest
     # merged at the end, which spares the event loop a wake-up per chat and token
     try:

@@ -248,10 +248,12 @@ class ChatCompletionRequest(SamplingRequest):
         "logprobs, which would show its tokens).",
     )
 
-    def echo_text(self) -> str:
-        """vLLM's chat echo: the last message's text when it is an assistant's (else "")."""
+    def echo_text(self, role: str) -> str:
+        """vLLM's chat echo: the last message's text when its role is the answer's `role` (else ""): an
+        assistant message continued, or any last message without add_generation_prompt (the answer then
+        takes its role)."""
         last = self.messages[-1]
-        if not self.echo or last.role != "assistant" or last.content is None:
+        if not self.echo or last.role != role or last.content is None:
             return ""
         if isinstance(last.content, str):
             return last.content
