@@ -106,6 +106,19 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         ),
         ({"prompt": " "}, "prompt"),
         ({}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        # OpenAI's fields: checked (they had been ignored whatever their value)
+        ({"prompt": "x", "background": "transparent"}, "background"),
+        ({"prompt": "x", "background": "bogus"}, "background"),
+        ({"prompt": "x", "quality": "bogus"}, "quality"),
+        ({"prompt": "x", "style": "vivid-ish"}, "style"),
+        ({"prompt": "x", "moderation": "high"}, "moderation"),
+        ({"prompt": "x", "output_format": "jpeg", "output_compression": 150}, "output_compression"),
+        ({"prompt": "x", "output_compression": 50}, "output_compression"),  # (png: no such setting)
+        ({"prompt": "x", "partial_images": 4}, "partial_images"),
+        ({"prompt": "x", "stream": True, "response_format": "file"}, "response_format"),
+        ({"prompt": "x", "true_cfg_scale": 30}, "true_cfg_scale"),
+        ({"prompt": "x", "generator_device": "bogus"}, "generator_device"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(tmp_path, body, param):
@@ -211,6 +224,44 @@ async def test_json_routes_refuse_bodies_past_the_upload_limit(tmp_path):
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2000}]})):  # fmt: skip
             r = await http.post(path, json=body)
             assert r.status_code == 413 and "--max-upload-mb" in r.json()["error"]["message"], r.text
+        metrics = (
+            await http.get("/metrics")
+        ).text  # the image route's 413 is a rejection, as the video route's
+        assert 'worldserve:request_rejected_total{model_name="test-model",reason="too_large"} 1.0' in metrics
+
+
+def test_openai_s_streamed_images_compression_and_the_calls_not_served(tmp_path):
+    """The SDK's `images.generate(stream=True)` gets an `image_generation.completed` event per image, the
+    same bytes as the unstreamed answer (it had got a JSON body, which the SDK read as an empty stream);
+    `output_compression` sets a JPEG's quality; a structured prompt (a JSON object) is its compact text, as
+    on the video routes; images.edit and create_variation get a 404 saying they are not served."""
+    openai = pytest.importorskip("openai")
+    body = {"prompt": "a red fox", "size": "64x48", "n": 2, "extra_body": {**SMALL, "seed": 4}}
+    with uvicorn_thread(tmp_path) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        whole = client.images.generate(**body)
+        events = list(client.images.generate(**body, stream=True, partial_images=2))
+        assert [e.type for e in events] == ["image_generation.completed"] * 2
+        assert [e.b64_json for e in events] == [d.b64_json for d in whole.data]
+        assert (events[0].size, events[0].output_format, events[0].background) == ("64x48", "png", "opaque")
+        sizes = {}
+        for compression in (10, 95):
+            out = client.images.generate(**body, output_format="jpeg", output_compression=compression)
+            sizes[compression] = len(base64.b64decode(out.data[0].b64_json))
+        assert sizes[10] < sizes[95]
+        structured = {"subjects": [{"description": "a fox"}]}
+        raw = {"prompt": structured, "size": "64x48", "n": 2, **SMALL, "seed": 4}
+        as_object = httpx.post(f"{url}/v1/images/generations", json=raw, timeout=60)
+        as_text = client.images.generate(**{**body, "prompt": '{"subjects":[{"description":"a fox"}]}'})
+        assert (
+            as_object.status_code == 200
+            and as_object.json()["data"][0]["b64_json"] == as_text.data[0].b64_json
+        )
+        png = base64.b64decode(whole.data[0].b64_json)
+        for call in (lambda: client.images.edit(image=("a.png", png, "image/png"), prompt="blue"),
+                     lambda: client.images.create_variation(image=("a.png", png, "image/png"))):  # fmt: skip
+            with pytest.raises(openai.NotFoundError, match="is not served here"):
+                call()
 
 
 def test_a_client_that_leaves_aborts_its_images(tmp_path):

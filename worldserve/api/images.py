@@ -5,7 +5,13 @@ seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by st
 -> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
 "output_format", "size"}` (+ `metrics` with `return_stage_metrics`), or with vLLM-Omni's `response_format:
 "file"` the image itself as an attachment (n > 1: a ZIP of `image_<i>.<ext>`). `n: null` and OpenAI's
-`size: "auto"` take the defaults. Defaults as vLLM-Omni's Cosmos3 T2I:
+`size: "auto"` take the defaults. OpenAI's fields: `output_compression` (0-100) sets a JPEG's or lossy WebP's
+quality (without it JPEG quality 95, WebP lossless); `background` "transparent" is a 400 (the model draws
+opaque images); `quality`, `style`, `moderation`, `user` are checked and have no effect; `stream: true`
+answers OpenAI's server-sent events, an `image_generation.completed` event per image once all are made
+(`partial_images` accepted, none sent: OpenAI's final image may come before its partials); a JSON object
+as the prompt (Cosmos3's structured prompt) is its compact text, as on the video routes. /v1/images/edits
+and /variations are 404s saying so (text-to-image only). Defaults as vLLM-Omni's Cosmos3 T2I:
 1024x1024, 50 steps, guidance 7.0 inside the timestep window [400, 1000], flow shift 3.0, no audio, a random
 seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches,
 upsample_prompt: the prompt the Reasoner writes comes back as each image's `revised_prompt`) and, as there, wins
@@ -24,15 +30,16 @@ import asyncio
 import base64
 import dataclasses
 import io
+import json
 import random
 import time
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field
 
 from worldserve.api.bodies import read_model
@@ -41,7 +48,7 @@ from worldserve.api.errors import APIError
 from worldserve.api.lora_field import LoraSettings
 from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, app_state
-from worldserve.api.video_inputs import parse_extra_params
+from worldserve.api.video_inputs import parse_extra_params, structured_texts
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
 from worldserve.params import DEFAULT_MAX_SEQUENCE_LENGTH, IMAGE_DEFAULTS, INT64, VideoParams, choice_seed
 
@@ -81,17 +88,30 @@ class ImageGenerationRequest(NumbersNotBooleans):
     num_inference_steps: int | None = Field(None, ge=1, le=200)
     guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
     true_cfg_scale: float | None = Field(
-        None, allow_inf_nan=False, description="Accepted; Cosmos3 uses guidance_scale."
+        None, ge=0, le=20, allow_inf_nan=False, description="Accepted; Cosmos3 uses guidance_scale."
     )
     flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
     max_sequence_length: int | None = Field(
         None, ge=1, description="Cap on prompt tokens (as on the video routes)."
     )
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    generator_device: str | None = Field(None, description="Accepted; noise is drawn as diffusers does.")
+    generator_device: str | None = Field(
+        None,
+        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="Accepted; noise is drawn on the CPU, as diffusers does.",
+    )
     lora: Any = None  # (an object, or its JSON text: api/lora_field.py)
     extra_params: Any = None  # (an object, or its JSON text; any other value: parse_extra_params names it)
     return_stage_metrics: bool | None = None
+    # OpenAI's Images API fields
+    output_compression: int | None = Field(None, ge=0, le=100, description="JPEG / WebP quality (100: best).")
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
+    style: Literal["vivid", "natural"] | None = None
+    moderation: Literal["auto", "low"] | None = None
+    user: str | None = None
+    stream: bool | None = None
+    partial_images: int | None = Field(None, ge=0, le=3, description="Accepted; no partial image is sent.")
 
 
 def _floats(lo: float, hi: float) -> tuple[float, float]:
@@ -108,6 +128,16 @@ def build_params(
     if req.response_format == "url":
         raise APIError(400, "response_format 'url' is not supported: use 'b64_json' or 'file'",
                        param="response_format")  # fmt: skip
+    if req.stream and req.response_format == "file":
+        raise APIError(
+            400, "response_format 'file' cannot be streamed: use 'b64_json'", param="response_format"
+        )
+    if req.background == "transparent":
+        raise APIError(400, "background 'transparent' is not supported: Cosmos3 draws opaque images",
+                       param="background")  # fmt: skip
+    if req.output_compression is not None and req.output_format in (None, "png"):
+        raise APIError(400, "output_compression applies to the jpeg and webp output formats",
+                       param="output_compression")  # fmt: skip
     adapter = lora.for_request(req.lora)
     extra = parse_extra_params(req.extra_params)
     for key in ("generate_sound", "sound_gen"):  # (false or absent: the image route makes none anyway)
@@ -185,13 +215,17 @@ async def _generated(
     )
 
 
-def encode_image(frame: np.ndarray, fmt: str) -> bytes:
-    """uint8 (H, W, 3) -> PNG / JPEG (quality 95) / WebP (lossless) bytes."""
+def encode_image(frame: np.ndarray, fmt: str, quality: int | None = None) -> bytes:
+    """uint8 (H, W, 3) -> PNG / JPEG (`quality`, else 95) / WebP (lossy at `quality`, else lossless) bytes."""
     from PIL import Image
 
     buf = io.BytesIO()
     kind = FORMATS[fmt]
-    options = {"quality": 95} if kind == "JPEG" else {"lossless": True} if kind == "WEBP" else {}
+    options: dict[str, Any] = {}
+    if kind == "JPEG":
+        options = {"quality": 95 if quality is None else quality}
+    elif kind == "WEBP":
+        options = {"lossless": True} if quality is None else {"quality": quality}
     Image.fromarray(frame).save(buf, format=kind, **options)
     return buf.getvalue()
 
@@ -219,7 +253,14 @@ async def create_images(request: Request, st: State) -> Response:
     """Text-to-image (JSON body): `n` images as base64 in `data` (or as a file: `image_file`), generated
     with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
-    req = await read_model(request, ImageGenerationRequest, st.settings.max_upload_bytes)
+    try:  # (a structured prompt, a JSON object, becomes its text as on the video routes)
+        req = await read_model(
+            request, ImageGenerationRequest, st.settings.max_upload_bytes, structured_texts
+        )
+    except APIError as exc:
+        if exc.status == 413:
+            st.metrics.on_rejected("too_large")
+        raise
     if not st.serves(req.model):
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip
@@ -260,9 +301,16 @@ async def create_images(request: Request, st: State) -> Response:
         code, message, param = error_for(exc, "Image generation")  # (an engine failure: error.request_id)
         raise APIError(code, message, param=param, headers=headers, engine_request_id=request_id) from None
     fmt = req.output_format or "png"
-    images = await asyncio.gather(*(asyncio.to_thread(encode_image, r.frames[0], fmt) for r in results))
+    images = await asyncio.gather(
+        *(asyncio.to_thread(encode_image, r.frames[0], fmt, req.output_compression) for r in results)
+    )
     if req.response_format == "file":
         return image_file(images, fmt, request_id, headers)
+    if req.stream:
+        return StreamingResponse(
+            completed_events(req, images, f"{params[0].width}x{params[0].height}"),
+            media_type="text/event-stream", headers=headers,
+        )  # fmt: skip
     body: dict[str, Any] = {
         "created": int(time.time()),
         "data": [
@@ -277,3 +325,29 @@ async def create_images(request: Request, st: State) -> Response:
             "peak_memory_mb": round(max(r.peak_memory_mb for r in results), 3),
         }
     return JSONResponse(body, headers=headers)
+
+
+async def completed_events(req: ImageGenerationRequest, images: list[bytes], size: str) -> AsyncIterator[str]:
+    """OpenAI's streamed answer: an `image_generation.completed` server-sent event per image (no partials)."""
+    fmt = req.output_format or "png"
+    for image in images:
+        event = {
+            "type": "image_generation.completed", "b64_json": base64.b64encode(image).decode("ascii"),
+            "background": "opaque", "created_at": int(time.time()), "output_format": "jpeg" if fmt == "jpg" else fmt,
+            "quality": req.quality or "auto", "size": size,
+        }  # fmt: skip
+        yield f"event: image_generation.completed\ndata: {json.dumps(event)}\n\n"
+
+
+async def not_served(request: Request) -> None:
+    """A clear 404 for the OpenAI SDK's image calls this server does not serve (a bare "Not Found" before)."""
+    call = request.scope["route"].path.rsplit("/", 1)[-1]
+    raise APIError(404, f"POST /v1/images/{call} (the OpenAI SDK's images.{IMAGE_CALLS[call]}) is not served "
+                   "here: Cosmos3 makes images from text (POST /v1/images/generations)")  # fmt: skip
+
+
+IMAGE_CALLS = {"edits": "edit", "variations": "create_variation"}
+"""OpenAI image routes not served -> the SDK's method."""
+
+for _call in IMAGE_CALLS:
+    router.add_api_route(f"/v1/images/{_call}", not_served, methods=["POST"], include_in_schema=False)

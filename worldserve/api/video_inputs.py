@@ -163,6 +163,14 @@ def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
     given" for every other field, as in a form (a JSON `"model": ""` had been a model mismatch, a form's the
     default)."""
     data = {k: v for k, v in data.items() if not (v == "" and k not in TEXT_FIELDS)}
+    structured_texts(data)
+    return data
+
+
+def structured_texts(data: dict[str, Any]) -> None:
+    """A JSON body's `prompt` / `negative_prompt` given as a JSON object (Cosmos3's structured prompt) made its
+    compact serialisation, in place (the video and image routes); a list, or an empty object as the prompt,
+    is a 400 naming the field."""
     if data.get("prompt") == {}:  # (not a structured prompt: nothing in it)
         raise ParamError("prompt", "prompt must be a non-empty string or JSON object, got an empty one")
     for key in TEXT_FIELDS:
@@ -171,7 +179,6 @@ def json_body_fields(data: dict[str, Any]) -> dict[str, Any]:
                              "one prompt a request")  # fmt: skip
         if isinstance(data.get(key), dict):
             data[key] = json.dumps(data[key], separators=(",", ":"), ensure_ascii=False)
-    return data
 
 
 async def build_inputs(
