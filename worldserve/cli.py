@@ -12,7 +12,8 @@ import os
 import signal
 import sys
 import threading
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 VERBS: dict[str, tuple[str, str]] = {
     "serve": ("worldserve.commands.serve", "serve the video and chat APIs over HTTP"),
@@ -52,8 +53,24 @@ class Terminated(BaseException):
     SIGTERM while it serves); this is serve's during its start-up (the model load: minutes at full size)."""
 
 
+TERM_RECEIVED = threading.Event()
+"""Set by a SIGTERM this process's handler got: raising Terminated is not enough alone, since a signal that
+lands while Python runs a finalizer or a GC callback has its exception printed and dropped ("Exception
+ignored in ..."), and serve's start would go on to serve; uvicorn's handlers look at this once installed."""
+
+
 def _terminated(signum: int, frame: object) -> None:
+    TERM_RECEIVED.set()
     raise Terminated
+
+
+def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
+    """`hook` (sys.unraisablehook) quiet about a Terminated that Python dropped (TERM_RECEIVED keeps it)."""
+
+    def quiet(unraisable: Any) -> object:
+        return None if isinstance(unraisable.exc_value, Terminated) else hook(unraisable)
+
+    return quiet
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     from worldserve.weights.checkpoint import CheckpointError
 
     previous = None  # (restored on return: main may run inside another program, a test)
+    TERM_RECEIVED.clear()
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(
             signal.SIGTERM, _terminated
         )  # (the default had died at once: rc -15, silent)
+    unraisable_hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     try:
         return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
     except CheckpointError as e:  # a missing or broken checkpoint is the user's: one line, no traceback
@@ -81,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worldserve {args.verb}: terminated", file=sys.stderr)
         return 143  # (128 + SIGTERM, as a shell reports a process the signal ended)
     finally:
+        sys.unraisablehook = unraisable_hook
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
