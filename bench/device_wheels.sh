@@ -20,7 +20,7 @@ done
 packages=(
   annotated-doc==0.0.7 annotated-types==0.8.0 anyio==4.16.0 attrs==26.1.0 av==18.1.0 click==8.5.1
   diffusers==0.42.1 distro==1.9.0 execnet==2.1.2 fastapi==0.165.0 h11==0.16.0 httpcore==1.0.9 httpx==0.29.0
-  importlib_metadata==10.2.0 iniconfig==2.3.1 jiter==0.19.0 jsonschema==4.26.0
+  importlib_metadata==10.2.0 iniconfig==2.3.1 jiter==0.19.0 jsonschema==4.26.0 opentelemetry-api==1.45.3
   jsonschema-specifications==2025.9.1 llguidance==1.9.1 peft==0.21.2 pillow==13.0.0 pluggy==1.7.0
   prometheus_client==0.26.0 psutil==7.2.2 pydantic==2.14.4 pydantic_core==2.50.5 Pygments==2.21.0
   pytest==9.2.0 pytest-xdist==3.8.0 python-multipart==0.0.34 referencing==0.37.0 rpds-py==2026.9.1

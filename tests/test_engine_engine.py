@@ -5,6 +5,7 @@ the test is about the encoder."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import threading
@@ -135,6 +136,46 @@ def test_a_failing_request_fails_alone(tmp_path, stage):
     assert failed.error_message.endswith(injected)
     assert ok.status is JobStatus.COMPLETED and health == (True, None)
     assert not backend.live
+
+
+def test_a_failed_request_s_traceback_holds_none_of_its_state(tmp_path):
+    """A log handler that keeps records (pytest's, a memory or error-reporting one) keeps a failure's
+    exc_info: the traceback's frames had kept the failed batch's state alive with it (on a GPU: a 720p job's
+    latents, 70 MiB after a CUDA OOM in its step). The frames let their locals go once the job has failed."""
+    import logging
+    import weakref
+
+    class Held:
+        pass
+
+    held: list = []
+
+    class Failing(FakeBackend):
+        def denoise(self, states):
+            state = Held()  # (a local of the failing frame, as a step's activations are)
+            held.append(weakref.ref(state))
+            raise RuntimeError("out of memory")
+
+    records: list[logging.LogRecord] = []
+    keeper = logging.Handler()
+    keeper.emit = records.append  # (keeps every record, its exc_info too)
+    logging.getLogger("worldserve").addHandler(keeper)
+
+    async def main():
+        client = make_client(tmp_path, backend=Failing())
+        await client.start()
+        job = submit_job(client, job_params())
+        done = await asyncio.wait_for(client.wait(job.id), 10)
+        await client.shutdown(5)
+        return done
+
+    try:
+        failed = run(main())
+    finally:
+        logging.getLogger("worldserve").removeHandler(keeper)
+    assert failed.status is JobStatus.FAILED and any(r.exc_info for r in records)
+    gc.collect()
+    assert held and held[0]() is None
 
 
 def test_queue_bound_and_shutdown_intake(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +141,10 @@ class Endings:
             log.error("job %s failed: %s", request.job_id, message, exc_info=exc)
         else:
             log.info("job %s rejected: %s", request.job_id, message)
+        # the traceback's finished frames let go of their locals (the failed batch's latents, K/V, activations:
+        # GPU memory): a log handler that keeps records (pytest's, a memory or error-reporting handler) or a
+        # caller holding the exception would otherwise hold them; the lines and the message stay
+        traceback.clear_frames(exc.__traceback__)
         if request.ephemeral:
             _observer(self, request).on_failed(code)
             request.deliver(exc)
