@@ -137,7 +137,15 @@ def test_a_port_another_server_took_during_the_load_is_one_line(tmp_path, caplog
     ("flags", "message"),
     [
         (("--device", "cuda:3"), "--device cuda:3 needs CUDA GPU 3; 0 visible"),
-        (("--cfg-parallel-size", "2"), "--cfg-parallel-size 2 needs 2 CUDA GPUs"),
+        (
+            ("--cfg-parallel-size", "2"),
+            "--cfg-parallel-size 2 needs 2 CUDA GPUs; 0 visible. --device cpu runs",
+        ),
+        # what the checkpoint's config bounds comes first, before the model loads (they had been exit 1 after
+        # the load, and a head count the GPU count hid)
+        (("--ulysses-degree", "3"), "--ulysses-degree 3 must divide num_attention_heads=4"),
+        (("--device", "cpu", "-tp", "3"), "--tensor-parallel-size 3 must divide num_attention_heads=4"),
+        (("--max-model-len", "10000000"), "is greater than the derived max_model_len 262144"),
     ],
 )
 def test_gpus_this_machine_lacks_fail_before_anything_binds_or_loads(

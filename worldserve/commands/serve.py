@@ -108,6 +108,23 @@ def _check_kernels(config: EngineConfig) -> None:
     )
 
 
+def _check_against_checkpoint(config: EngineConfig) -> None:
+    """The flags that a checkpoint's config.json bounds (the parallel degrees' head and MLP splits, the
+    context against its positions), checked before the model loads when the checkpoint is on disk (a local
+    folder or the embedded tiny one; a Hub name is checked as it loads)."""
+    from worldserve.runner.parallel_pipeline import check_checkpoint_layout
+    from worldserve.runner.reasoner import check_context
+    from worldserve.weights.checkpoint import resolve_model
+
+    model = config.model.model
+    if model is not None and not Path(model).expanduser().is_dir():
+        return
+    root = resolve_model(model)
+    par = config.parallel
+    check_checkpoint_layout(root, ulysses=par.ulysses_degree, tp=par.tensor_parallel_size)
+    check_context(root, config.reasoner.max_model_len)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
     log_file = None
@@ -130,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             from worldserve.runner.devices import check_layout_device
 
             par = config.parallel
+            _check_against_checkpoint(config)
             check_layout_device(
                 config.model.device,
                 cfg_parallel_size=par.cfg_parallel_size,

@@ -44,7 +44,8 @@ def rank_devices(device: str | torch.device | None, world: int, flags: str) -> l
         raise ValueError(f"{flags} runs on cuda:0..cuda:{world - 1}; use --device cuda, got {device}")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < world:
-        raise ValueError(f"{flags} needs {world} CUDA GPUs; {n} visible. Use fewer GPUs")
+        hint = "Use fewer GPUs" if n else "--device cpu runs the ranks on the CPU (gloo)"
+        raise ValueError(f"{flags} needs {world} CUDA GPUs; {n} visible. {hint}")
     return [torch.device("cuda", r) for r in range(world)]
 
 

@@ -71,6 +71,18 @@ def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = Fal
     return max_model_len if layerwise_offload else 2 * max_model_len
 
 
+def check_context(root: str | Path, max_model_len: int) -> None:
+    """vLLM's check of the context against the checkpoint's positions, in its words: ValueError when
+    `max_model_len` is above the max_position_embeddings of `root`/config.json (serve runs it before the
+    model loads)."""
+    path = Path(root) / "config.json"
+    cfg = read_json_object(path) if path.is_file() else {}
+    limit = (cfg.get("text_config") or {}).get("max_position_embeddings")
+    if isinstance(limit, int) and max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} is greater than the derived max_model_len {limit} "
+                         f"(max_position_embeddings in {path})")  # fmt: skip
+
+
 class Reasoner(ChatAdmission):
     """The Qwen3-VL view of a loaded Cosmos3Transformer + the ViT + the checkpoint tokenizer."""
 
@@ -159,12 +171,8 @@ class Reasoner(ChatAdmission):
         """Share `transformer` (already loaded); load the ViT from `<root>/vision_encoder` when present.
         `options`: the constructor's keyword options (max_model_len, max_num_seqs, kv_cache_tokens, ...)."""
         root = Path(root)
+        check_context(root, options.get("max_model_len", 0))
         cfg = read_json_object(root / "config.json") if (root / "config.json").is_file() else {}
-        # vLLM's check of the context against the checkpoint's positions, in its words
-        limit = (cfg.get("text_config") or {}).get("max_position_embeddings")
-        if isinstance(limit, int) and options.get("max_model_len", 0) > limit:
-            raise ValueError(f"--max-model-len {options['max_model_len']} is greater than the derived "
-                             f"max_model_len {limit} (max_position_embeddings in {root / 'config.json'})")  # fmt: skip
         vision = None
         if (root / "vision_encoder").is_dir():
             vision = VisionEncoder.from_pretrained(
