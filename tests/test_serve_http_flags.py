@@ -237,6 +237,14 @@ def test_a_bad_ca_file_beside_a_good_certificate_is_blamed_on_itself(tmp_path):
     )
 
 
+def test_a_root_path_without_its_slash_is_refused():
+    """--root-path api (no leading slash) had been taken and then matched no request path: every prefixed
+    request a 404 while /openapi.json advertised the prefix."""
+    with pytest.raises(ValueError, match="^--root-path 'api' must start with '/'"):
+        serve_http.check_http_arguments(parse_args("--root-path", "api"))
+    serve_http.check_http_arguments(parse_args("--root-path", "/api"))
+
+
 def test_a_real_server_with_vllms_http_flags(tmp_path):
     """HTTPS, --root-path (the API key still checked under the prefix), --middleware, no docs, flags from
     --config, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE and our WORLDSERVE_HTTP_HEADER_TIMEOUT: on a real

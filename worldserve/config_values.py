@@ -78,9 +78,9 @@ class JsonObject(tuple):
 
     def __new__(cls, value: str | typing.Mapping[str, typing.Any] | _Pairs = ()) -> JsonObject:
         if isinstance(value, str):
-            parsed = json_flag(value, "an object such as '{\"temperature\": 0.5}'")
+            parsed = json_flag(value, "an object such as '{\"key\": 1}'")
             if not isinstance(parsed, dict):
-                raise FlagValueError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got "
+                raise FlagValueError(f"expected a JSON object such as '{{\"key\": 1}}', got "
                                      f"{json.dumps(parsed)}")  # fmt: skip
             value = parsed
         return super().__new__(cls, sorted(dict(value).items()))

@@ -119,7 +119,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--no-guardrails", "worldserve loads no guardrail models", ON),
     C("--trust-remote-code", "worldserve runs its own Cosmos3 code, never code shipped with a checkpoint", ON),
     C("--model-class-name", "worldserve has one Cosmos3 pipeline, its own, for every task", {"metavar": "NAME"}),
-    C("--deploy-config", DEPLOY, {"metavar": "PATH"}),
+    C("--deploy-config", DEPLOY, {"metavar": "PATH"}),  # (recipes name vLLM-Omni's own files: not opened)
     C("--stage-configs-path", DEPLOY + "; vLLM-Omni deprecates this flag", {"metavar": "PATH"}),
     C("--stage-overrides", "worldserve loads no guardrail models", JSON, _guardrails_off_only,
       "as {} or turning guardrails off", "worldserve has no stages to override: use the matching worldserve "
@@ -232,7 +232,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--tokenizer-mode", "auto is the checkpoint's tokenizer", {"metavar": "MODE"}, lambda v: v == "auto",
       "only at auto", "worldserve uses the checkpoint's own (fast) tokenizer"),
     C("--block-size", "the Reasoner's K/V pool has 64-token blocks", {"type": POSITIVE_INT}),
-    C("--swap-space", "preempted chats are recomputed, not swapped", {"type": FLOAT}),
+    C("--swap-space", "preempted chats are recomputed, not swapped",
+      {"type": checked(float, lambda v: math.isfinite(v) and v >= 0, "a number of GiB >= 0")}),
     C("--max-seq-len-to-capture", "the decode step is captured for every context length", {"type": POSITIVE_INT}),
     C("--disable-custom-all-reduce", "worldserve's collectives are torch.distributed's", ON),
     C("--data-parallel-size", "1 is one replica", {"type": POSITIVE_INT}, lambda v: v == 1, "only at 1",

@@ -55,8 +55,11 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_http_arguments(args: argparse.Namespace) -> list[Callable | type]:
-    """Before the model loads: the --ssl-* files load (FlagValueError otherwise) and every --middleware
-    imports; the middlewares, in order."""
+    """Before the model loads: --root-path starts with "/", the --ssl-* files load (FlagValueError otherwise)
+    and every --middleware imports; the middlewares, in order."""
+    root = getattr(args, "root_path", None)
+    if root and not root.startswith("/"):  # (a prefix without its slash matched no request path)
+        raise FlagValueError(f"--root-path {root!r} must start with '/' (e.g. /{root})")
     if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
         raise FlagValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS")
     ca_certs, cert_reqs = getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0)
