@@ -352,6 +352,7 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, re
         ("/v1/completions", {"prompt_embeds": "AAAA"}, 400, "prompt_embeds", "not supported"),  # (was ignored)
         ("/v1/completions", {"prompt": DROP, "prompt_embeds": ["AAAA"]}, 400, "prompt_embeds", "not supported"),
         ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        ("/v1/completions", {"n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy sampling"),
         ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": [5] * 4096}, 400, "prompt",
          "maximum context length is 4096"),
         ("/v1/completions", {"echo": True, "max_tokens": 0, "min_tokens": 3}, 400, "min_tokens", "max_tokens"),

@@ -277,13 +277,17 @@ class ChatParams:
 
     def choices(self, n: int) -> list[ChatParams]:
         """These params as the n choices of one request: choice i samples with seed + i (`choice_seed`:
-        different samples, the same ones on every run). More than one greedy choice is a ParamError naming
-        `n`, as vLLM refuses it (they would all be the same)."""
-        if n > 1 and self.temperature < GREEDY_BELOW:
-            raise ParamError("n", f"n must be 1 when using greedy sampling, got {n}.")
+        different samples, the same ones on every run)."""
         return [self] + [
             replace(self, seed=None if self.seed is None else choice_seed(self.seed, i)) for i in range(1, n)
         ]
+
+    def request_choices(self, n: int) -> list[ChatParams]:
+        """`choices(n)` for a request's `n`: more than one greedy choice is a ParamError naming `n`, as vLLM
+        refuses it (they would all be the same)."""
+        if n > 1 and self.temperature < GREEDY_BELOW:
+            raise ParamError("n", f"n must be 1 when using greedy sampling, got {n}.")
+        return self.choices(n)
 
     def validate(self) -> ChatParams:
         if self.prompt_ids is not None:

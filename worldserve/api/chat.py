@@ -291,7 +291,7 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
     else:  # off the default pool (work_pool.py); the client leaving stops the decoding (`stop`)
         stop = threading.Event()
         params = await on_request_pool(prepared_params, st, body, fetched, options, stop, stop=stop)
-    return params.choices(body.n), options
+    return params.request_choices(body.n), options
 
 
 async def _answer(

@@ -120,9 +120,9 @@ async def create_completion(
     choices = [
         choice
         for ids, _ in tokenized
-        for choice in st.seeded(chat_params(body, ids, structured, bad_word_ids, st.chat_defaults)).choices(
-            body.n
-        )
+        for choice in st.seeded(
+            chat_params(body, ids, structured, bad_word_ids, st.chat_defaults)
+        ).request_choices(body.n)
     ]
     echoes = await asyncio.to_thread(
         lambda: [_echoed(prompts, body, i, t, max_model_len) for i, t in tokenized]
