@@ -163,6 +163,7 @@ def test_compiled_gen_layers_equal_eager(tiny_ckpt, tmp_path):
         adapted8 = model(batch, lora=lora8.mark_ranks_dynamic())
     for block in (layer.gen for layer in model.layers):  # back to the eager math
         block.qkv_fn, block.finish_fn, block.merge_fn = qkv_math, finish_math, merge_attention
+        block.qkv_lora_fn, block.finish_lora_fn = qkv_math, finish_math
     torch.testing.assert_close(adapted.video[0], model(batch, lora=lora).video[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(adapted8.video[0], model(batch, lora=lora8).video[0], rtol=1e-5, atol=1e-6)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -188,6 +189,8 @@ class TowerBlock(nn.Module):
         self.tp_size = tp.size
         self.qkv_fn = qkv_math
         self.finish_fn = finish_math
+        self.qkv_lora_fn = qkv_math  # (compile_blocks: the copies an adapter's calls run, their own graphs)
+        self.finish_lora_fn = finish_math
         self.fp8: dict[str, bool] = {}  # after quantize_fp8: the emulate / fast_accum flags of the math
         # flash_attention.resolve_attention_backend may swap in FA3; attn_lse_fn: (q, k, v) -> (out, LSE [H, n])
         # where the backend gives LSEs (FA3)
@@ -207,11 +210,12 @@ class TowerBlock(nn.Module):
         """h [N, d] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]; `fn`: another copy of
         qkv_math to run (the Reasoner decoder's compiled one), default this block's; `kv_out`: buffers the
         k / v rows are stored into (qkv_math); `lora`: this block's adapter deltas (LoraWeights.tower)."""
-        return (fn or self.qkv_fn)(
+        pair = None if lora is None else lora.get("qkv_proj")
+        return (fn or (self.qkv_fn if pair is None else self.qkv_lora_fn))(
             h, cos, sin, self.input_layernorm.weight, self.qkv_proj.weight, self.qkv_proj.bias,
             self.q_norm.weight, self.k_norm.weight, self.input_layernorm.eps,
             self.num_heads, self.num_kv_heads, self.head_dim, _scale(self.qkv_proj), **self.fp8,
-            kv_out=kv_out, lora=None if lora is None else lora.get("qkv_proj"),
+            kv_out=kv_out, lora=pair,
         )  # fmt: skip
 
     def finish(
@@ -222,7 +226,8 @@ class TowerBlock(nn.Module):
         block's adapter deltas (LoraWeights.tower)."""
         pairs = None if lora is None else tuple(lora.get(n) for n in ("o_proj", "gate_up_proj", "down_proj"))
         if self.tp_size == 1:
-            return (fn or self.finish_fn)(
+            adapted = pairs is not None and any(p is not None for p in pairs)
+            return (fn or (self.finish_lora_fn if adapted else self.finish_fn))(
                 h, attn, self.o_proj.weight, self.o_proj.bias, self.post_attention_layernorm.weight,
                 self.gate_up_proj.weight, self.down_proj.weight, self.post_attention_layernorm.eps,
                 _scale(self.o_proj), _scale(self.gate_up_proj), _scale(self.down_proj), **self.fp8, lora=pairs,
@@ -258,11 +263,26 @@ def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backe
     swiglu_c = torch.compile(swiglu_math, mode=mode, backend=backend, dynamic=False)
     merge_c = torch.compile(merge_attention, mode=mode, backend=backend, dynamic=False)
     finish = partial(finish_residual_in_place, swiglu_fn=swiglu_c, fallback=finish_c)
+    # an adapter's calls get copies of their own (their own code objects, so their own graphs): their ranks
+    # are dynamic (LoraWeights.mark_ranks_dynamic), and torch 2.11's inductor GEMM padding pass weighs a GEMM
+    # on its symbolic sizes, guarding the rank to its decision's range (2 <= r <= 12 for rank 4: a rank-16
+    # adapter compiled again); these copies compile without that pass, the base graphs keep it
+    options = {"shape_padding": False} if backend == "inductor" and mode in (None, "default") else None
+    lora_mode = None if options else mode
+
+    def lora_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(fn, mode=lora_mode, backend=backend, dynamic=False, options=options)
+
+    # (lambdas: code objects of their own, each with its own graph cache, distinct from the base copies')
+    qkv_l = lora_copy(lambda *a, **k: qkv_math(*a, **k))
+    finish_l = lora_copy(lambda *a, **k: finish_math(*a, **k))
+    swiglu_l = lora_copy(lambda *a, **k: swiglu_math(*a, **k))
+    finish_lora = partial(finish_residual_in_place, swiglu_fn=swiglu_l, fallback=finish_l)
     for block in blocks:
-        block.qkv_fn = qkv_c
+        block.qkv_fn, block.qkv_lora_fn = qkv_c, qkv_l
         block.merge_fn = merge_c
         if block.tp_size == 1:
-            block.finish_fn = finish
+            block.finish_fn, block.finish_lora_fn = finish, finish_lora
 
 
 def compiled_decode_math(*, mode: str = "default", backend: str = "inductor") -> tuple[QkvFn, FinishFn]:

@@ -46,7 +46,6 @@ from worldserve.models.cosmos3.layer import (
     MoTLayer,
     compile_blocks,
     gen_layer_step,
-    qkv_math,
     und_layer_step,
 )
 from worldserve.models.cosmos3.timestep import TimestepEmbedder
@@ -77,19 +76,6 @@ from worldserve.parallel.groups import SINGLE, ParallelGroup
 def _resident(blocks: BlockStreamer | None, i: int) -> AbstractContextManager[object]:
     """Layer i's block on the device for the with-body (a no-op without layerwise offload)."""
     return nullcontext() if blocks is None else blocks.use(i)
-
-
-def _lora_compiling(lora: LoraWeights | None, block: nn.Module) -> AbstractContextManager[object]:
-    """For a forward with an adapter through compiled gen layers: inductor's GEMM padding pass off while
-    its graphs compile. The adapters' ranks are dynamic (LoraWeights.mark_ranks_dynamic: one graph for every
-    rank), and torch 2.11's pad_mm weighs a GEMM's shape on its symbolic sizes, which guards the rank to the
-    range of its decision (2 <= r <= 12 for a rank-4 adapter): a rank-16 adapter then compiled again. The
-    base model's graphs (no adapter) keep the pass; the config is read only when a graph compiles."""
-    if lora is None or getattr(block, "qkv_fn", None) is qkv_math:  # (not compiled)
-        return nullcontext()
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(shape_padding=False)
 
 
 class LaunchWindow:
@@ -371,13 +357,12 @@ class Cosmos3Transformer(nn.Module):
         if sp.size == 1:
             buffers = GenAttentionBuffers(caches, spans, self.layers[0].gen, g, batch.twins)
         window = LaunchWindow(self.launch_window) if self.launch_window and g.is_cuda else None
-        with _lora_compiling(lora, self.layers[0].gen):
-            for i, layer in enumerate(self.layers):
-                with _resident(self.gen_blocks, i):
-                    tower = None if lora is None else lora.tower(i, "gen")
-                    g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp, buffers, tower)
-                if window is not None:
-                    window.mark()
+        for i, layer in enumerate(self.layers):
+            with _resident(self.gen_blocks, i):
+                tower = None if lora is None else lora.tower(i, "gen")
+                g = gen_layer_step(layer.gen, i, g, cos, sin, caches, spans, sp, buffers, tower)
+            if window is not None:
+                window.mark()
         del buffers  # the K/V and output workspace (~1 GB at 720p with CFG) before the heads allocate
         return self._decode_gen(ulysses.gather(g, n, sp), batch, lora)
 
