@@ -479,11 +479,6 @@ def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, re
     cut = input_tokens(input=items, truncation="auto")
     assert cut == input_tokens(input=items[1:]) <= 4096 - 4  # one item dropped: the fewest that fit
     assert input_tokens(input=items[2:], truncation="auto") == input_tokens(input=items[2:])  # fits: whole
-    # more items than the context has tokens: refused whole, dropped from the start under "auto"
-    many = [{"role": "user", "content": "a"}] * 5000 + [{"role": "user", "content": "hi"}]
-    assert 0 < input_tokens(input=many, truncation="auto") <= 4096 - 4
-    whole = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={**sure, "input": many})
-    assert whole.status_code == 400 and whole.json()["error"]["param"] == "input", whole.text
     no_room = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
         "input": "hi", "truncation": "auto", "max_output_tokens": 4096})  # fmt: skip
     assert no_room.status_code == 400 and no_room.json()["error"]["param"] == "max_output_tokens", (

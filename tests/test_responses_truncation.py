@@ -10,7 +10,7 @@ import pytest
 from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.errors import APIError
 from worldserve.api.responses_input import ChatPaths
-from worldserve.api.responses_truncation import fit_by_items, input_precheck
+from worldserve.api.responses_truncation import fit_by_items
 from worldserve.params import ParamError
 
 
@@ -58,35 +58,3 @@ def test_no_room_or_media_leave_it_whole_and_the_whole_ones_errors_stand():
     tools_only, paths = _chat(("assistant", "a" * 40), ("tool", "t"))
     with pytest.raises(ParamError, match="No user query"):  # the whole conversation's own error
         fit_by_items(tools_only, paths, 10, _count)
-
-
-def _items(*roles: str) -> list[dict]:
-    return [{"role": role, "content": f"{role[0]}{i}"} for i, role in enumerate(roles)]
-
-
-def test_an_input_list_longer_than_the_context_keeps_only_what_could_fit_under_auto():
-    """input_precheck: under truncation "auto" a list of more items than the context's tokens keeps its
-    leading instructions and the items from the first user message of the last (context - leading) on, as
-    fit_by_items would (each item takes a token at least); without "auto", or when the last user message is
-    older than that window, the list stays and the count check refuses it (400 naming input)."""
-    check = input_precheck(6)
-    many = _items(
-        "system", "user", "assistant", "user", "assistant", "assistant", "user", "tool", "user", "tool"
-    )
-    data = {"input": list(many), "truncation": "auto"}
-    check(data)  # window: the last 5 items (6 - 1 leading), cut forward to its first user message
-    assert [i["content"] for i in data["input"]] == ["s0", "u6", "t7", "u8", "t9"]
-    for body in (
-        {"input": list(many)},
-        {"input": many[:1] + _items(*["user"] + ["tool"] * 8), "truncation": "auto"},
-    ):
-        with pytest.raises(APIError) as err:
-            check(body)
-        assert err.value.param == "input"
-    replies = {"input": _items(*["assistant"] * 9), "truncation": "auto"}  # no user message: any cut
-    check(replies)
-    assert [i["content"] for i in replies["input"]] == ["a3", "a4", "a5", "a6", "a7", "a8"]
-    short = {"input": many[:6], "truncation": "auto"}
-    check(short)
-    assert short["input"] == many[:6]
-    input_precheck(None)({"input": many, "truncation": "auto"})  # (no context known: nothing to bound)

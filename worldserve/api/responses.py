@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from worldserve.api.bodies import read_model
+from worldserve.api.bodies import fits_context, read_model
 from worldserve.api.chat import chat_choices, model_not_found, request_options
 from worldserve.api.chat_stream import ChatStream, TextParsing, close_all, logprob_items, start_all
 from worldserve.api.disconnect import unless_disconnected
@@ -39,7 +39,7 @@ from worldserve.api.errors import APIError
 from worldserve.api.reasoning import split_reasoning
 from worldserve.api.responses_input import InputItem
 from worldserve.api.responses_protocol import ResponsesRequest, to_chat
-from worldserve.api.responses_truncation import fit_by_items, input_precheck, prompt_tokens
+from worldserve.api.responses_truncation import fit_by_items, prompt_tokens
 from worldserve.api.state import AppState, app_state
 from worldserve.api.tokenize import reasoner_prompts
 from worldserve.api.tool_stream import final_message
@@ -76,7 +76,7 @@ def _resolved(st: AppState, item: InputItem, where: str) -> InputItem:
 async def create_response(request: Request, st: State) -> Response:
     """An OpenAI Responses API answer from the Reasoner (JSON body; `stream: true` answers semantic events)."""
     req = await read_model(
-        request, ResponsesRequest, st.settings.max_upload_bytes, input_precheck(st.max_model_len)
+        request, ResponsesRequest, st.settings.max_upload_bytes, fits_context("input", st.max_model_len)
     )
     if req.model is not None and not st.serves(req.model):  # (None: not given, the served model)
         return model_not_found(req.model)

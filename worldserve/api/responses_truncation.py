@@ -9,19 +9,13 @@ template and counts its tokens; fewer messages render fewer tokens), drops them 
 and from the ChatPaths that name each message's field, and refuses (400 naming `input`) a conversation whose
 last item alone is still too long. A conversation with images or videos is left whole: their token counts
 need their preprocessing, and the context check answers a 400 if it is too long.
-
-`input_precheck` runs on the request's JSON before pydantic builds an object of each item: an input list
-with more items than the context holds tokens is refused (bodies.fits_context: each item takes at least
-one), unless truncation is "auto", which would drop the oldest anyway; then only the items that could ever
-fit are built (the leading instructions and the items from the first user message among the last ones).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from worldserve.api.bodies import fits_context
 from worldserve.api.chat import RequestOptions, build_params
 from worldserve.api.chat_media import media_parts
 from worldserve.api.chat_protocol import ChatCompletionRequest
@@ -78,45 +72,6 @@ def fit_by_items(
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(cuts[mid]) else (mid, hi)
     return _dropped(chat, first, cuts[hi]), _paths_dropped(paths, first, cuts[hi])
-
-
-def input_precheck(max_model_len: int | None) -> Callable[[dict[str, Any]], None]:
-    """A `read_model` precheck for /v1/responses: under truncation "auto" an `input` list longer than the
-    context keeps only what `fit_by_items` could keep (`_latest_items`), then bodies.fits_context refuses a
-    list still longer than the context (a 400 naming `input`)."""
-    refuse = fits_context("input", max_model_len)
-
-    def check(data: dict[str, Any]) -> None:
-        items = data.get("input")
-        if data.get("truncation") == "auto" and max_model_len is not None and isinstance(items, list):
-            data["input"] = _latest_items(items, max_model_len)
-        refuse(data)
-
-    return check
-
-
-def _latest_items(items: list[Any], max_model_len: int) -> list[Any]:
-    """The leading system / developer messages and the items from the first user message among the last
-    (max_model_len - leading) on, or from the first of them when there is no user message at all: every
-    item takes at least a token, so no kept conversation starts before them (fit_by_items cuts at user
-    turns only, and never past the last user message). `items` unchanged when they fit the context or the
-    last user message is older than that window (nothing could fit: the count check refuses it)."""
-    if len(items) <= max_model_len:
-        return items
-
-    def role(item: Any) -> Any:
-        return item.get("role") if isinstance(item, dict) else None
-
-    lead = next((i for i, item in enumerate(items) if role(item) not in ("system", "developer")), len(items))
-    start = len(items) - max(0, max_model_len - lead)
-    if start <= lead:
-        return items
-    if any(role(item) == "user" for item in items[lead:]):
-        user = next((i for i in range(start, len(items)) if role(items[i]) == "user"), None)
-        if user is None:  # (the last user message is older than the window)
-            return items
-        start = user
-    return items[:lead] + items[start:]
 
 
 def prompt_tokens(
