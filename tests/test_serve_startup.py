@@ -182,3 +182,20 @@ def test_a_refused_flag_fails_the_start_before_the_model_loads(tmp_path, caplog,
         assert serve.run(parse_args("--cache-backend", "tea_cache")) == 2
     assert "--cache-backend tea_cache: worldserve has no lossy step caching" in caplog.text and not loads
     assert not (tmp_path / "worldserve").exists(), "the job store was not opened"
+
+
+def test_a_broken_checkpoint_config_is_one_line_before_the_load(tiny_copy, tmp_path, monkeypatch, capsys):
+    """The pre-load checks read the checkpoint as the loader does: a missing or cut transformer/config.json
+    is one line naming the file, exit 1 (the first version of those checks ended in a traceback)."""
+    from worldserve.cli import main
+
+    loads = []
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
+    config = tiny_copy / "transformer" / "config.json"
+    for broken, needle in ((lambda: config.write_text('{"num_attention_heads": '), "not valid JSON"),
+                           (config.unlink, "transformer/config.json is missing")):  # fmt: skip
+        broken()
+        rc = main(["serve", str(tiny_copy), "--device", "cpu", "--storage-dir", str(tmp_path / "s")])
+        err = capsys.readouterr().err
+        assert rc == 1 and needle in err and "Traceback" not in err, err
+    assert not loads

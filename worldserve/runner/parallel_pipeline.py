@@ -68,11 +68,10 @@ PEER_EXIT_WAIT_S = 1.0
 """How long a failed exchange waits for a dying peer to be reaped, to name it as the cause."""
 
 
-def check_checkpoint_layout(path: str | Path, *, ulysses: int = 1, tp: int = 1) -> None:
-    """ValueError naming the flag unless the checkpoint at `path` splits over `ulysses` / `tp` ranks: both
+def check_checkpoint_layout(config: Cosmos3Config, *, ulysses: int = 1, tp: int = 1) -> None:
+    """ValueError naming the flag unless a transformer of `config` splits over `ulysses` / `tp` ranks: both
     divide its query and KV head counts, `tp` its MLP width (each rank owns whole heads and 1 / tp of every
-    MLP's hidden units). Reads the transformer's config.json only: serve runs it before the model loads."""
-    config = Cosmos3Config.from_json(Path(path) / "transformer" / "config.json")
+    MLP's hidden units). Serve runs it before the model loads."""
     for degree, flag in ((ulysses, "--ulysses-degree"), (tp, "--tensor-parallel-size")):
         check_degree(degree, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, flag=flag)
     if config.intermediate_size % tp:
@@ -99,7 +98,8 @@ class ParallelPipeline:
         """Check the layout against the checkpoint, spawn the peers, join the world with them, load the full
         pipeline here while each peer loads the transformer on its GPU, and wait for every peer's "ready"
         (runner/peers.py). A peer that dies meanwhile: PeerError, one line naming the layout, rank, exit code."""
-        check_checkpoint_layout(path, ulysses=layout.ulysses, tp=layout.tp)
+        config = Cosmos3Config.from_json(Path(path) / "transformer" / "config.json")
+        check_checkpoint_layout(config, ulysses=layout.ulysses, tp=layout.tp)
         devices = rank_devices(device, layout.world, layout.flags)
         if dtype is None:
             dtype = default_dtype(devices[0])
