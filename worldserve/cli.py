@@ -65,12 +65,20 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
-    """`hook` (sys.unraisablehook) quiet about a Terminated that Python dropped (TERM_RECEIVED keeps it)."""
+    """`hook` (sys.unraisablehook), but a Terminated that Python dropped is delivered again instead of
+    printed: SIGTERM once more, sent 10 ms later from another thread, so that the handler runs after the
+    finalizer (sent from here, it ran inside this hook and was dropped again; should it land in another
+    finalizer, it comes round once more). TERM_RECEIVED stays as serve's fallback."""
 
-    def quiet(unraisable: Any) -> object:
-        return None if isinstance(unraisable.exc_value, Terminated) else hook(unraisable)
+    def redeliver(unraisable: Any) -> object:
+        if isinstance(unraisable.exc_value, Terminated):
+            again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
+            again.daemon = True
+            again.start()
+            return None
+        return hook(unraisable)
 
-    return quiet
+    return redeliver
 
 
 def main(argv: list[str] | None = None) -> int:
