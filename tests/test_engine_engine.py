@@ -138,6 +138,20 @@ def test_a_failing_request_fails_alone(tmp_path, stage):
     assert not backend.live
 
 
+def _one_job(tmp_path, backend):
+    """One job through a client on `backend`, to its end: its finished record."""
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        job = submit_job(client, job_params())
+        done = await asyncio.wait_for(client.wait(job.id), 10)
+        await client.shutdown(5)
+        return done
+
+    return run(main())
+
+
 def test_a_failed_request_s_traceback_holds_none_of_its_state(tmp_path):
     """A log handler that keeps records (pytest's, a memory or error-reporting one) keeps a failure's
     exc_info: the traceback's frames had kept the failed batch's state alive with it (on a GPU: a 720p job's
@@ -161,21 +175,34 @@ def test_a_failed_request_s_traceback_holds_none_of_its_state(tmp_path):
     keeper.emit = records.append  # (keeps every record, its exc_info too)
     logging.getLogger("worldserve").addHandler(keeper)
 
-    async def main():
-        client = make_client(tmp_path, backend=Failing())
-        await client.start()
-        job = submit_job(client, job_params())
-        done = await asyncio.wait_for(client.wait(job.id), 10)
-        await client.shutdown(5)
-        return done
-
     try:
-        failed = run(main())
+        failed = _one_job(tmp_path, Failing())
     finally:
         logging.getLogger("worldserve").removeHandler(keeper)
     assert failed.status is JobStatus.FAILED and any(r.exc_info for r in records)
     gc.collect()
     assert held and held[0]() is None
+
+
+def test_the_engine_thread_prepares_its_backend_s_compile_settings(tmp_path):
+    """The engine's thread calls its backend's prepare_thread first: the compiled layers' graph limits set at
+    load (on the loader thread) are that thread's own on torch >= 2.12, and the engine's had kept dynamo's 8
+    graphs, then ran eagerly without a word (VideoPipeline.prepare_thread raises them there)."""
+    import torch._dynamo
+
+    from worldserve.runner.video_pipeline import VideoPipeline
+
+    seen = []
+
+    class Compiled(FakeBackend):
+        prepare_thread = VideoPipeline.prepare_thread
+
+        def denoise(self, states):
+            seen.append(torch._dynamo.config.recompile_limit)
+            super().denoise(states)
+
+    assert _one_job(tmp_path, Compiled()).status is JobStatus.COMPLETED
+    assert seen and min(seen) >= 4096
 
 
 def test_queue_bound_and_shutdown_intake(tmp_path):

@@ -171,6 +171,9 @@ class ChatWorker:
             self._waiting.difference_update(handles)
 
     def _run(self) -> None:
+        prepare = getattr(self.backend, "prepare_thread", None)  # (the decode step's per-thread settings)
+        if prepare is not None:
+            prepare()
         active: list[tuple[ChatHandle, ChatSession]] = []
         deferred: list[ChatHandle] = []  # the backend had no room for them at the last try, in order
         try:

@@ -176,6 +176,9 @@ class Engine:
     # -- the loop (engine thread) -----------------------------------------------------------------------
     def _run(self) -> None:
         crashed: BaseException | None = None
+        prepare = getattr(self.backend, "prepare_thread", None)  # (the compiled layers' per-thread settings)
+        if prepare is not None:
+            prepare()
         try:
             while True:
                 with self._cv:

@@ -34,6 +34,7 @@ import torch
 
 from worldserve.engine.outputs import BackendLost
 from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.models.layers.compile_limits import limits_in_this_thread
 from worldserve.parallel.comm import PeerError
 from worldserve.parallel.ulysses import check_degree
 from worldserve.params import ParamError, VideoParams
@@ -171,6 +172,12 @@ class ParallelPipeline:
         if self.peers.closed:
             return f"{self.layout.flags}: the peer ranks are stopped"
         return self.peers.gone()
+
+    def prepare_thread(self) -> None:
+        """Called by the thread that will run this backend (the engine's, the chat worker's): dynamo's graph
+        limits for it (on torch >= 2.12 a config value set is the setting thread's own: set at load, on the
+        loader thread, they did not reach this one, which kept 8 graphs and then ran eagerly)."""
+        limits_in_this_thread()
 
     def validate(self, params: VideoParams) -> VideoParams:
         return self.local.validate(params)

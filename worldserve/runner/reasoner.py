@@ -44,6 +44,7 @@ from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.outputs import ChatDelta
 from worldserve.media.processor_cache import DEFAULT_PROCESSOR_CACHE_GB, ProcessorCache
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
+from worldserve.models.layers.compile_limits import limits_in_this_thread
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
 from worldserve.runner.chat_admission import ChatAdmission
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
@@ -188,6 +189,12 @@ class Reasoner(ChatAdmission):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prompt (CPU)
+    def prepare_thread(self) -> None:
+        """Called by the thread that will run this backend (the engine's, the chat worker's): dynamo's graph
+        limits for it (on torch >= 2.12 a config value set is the setting thread's own: set at load, on the
+        loader thread, they did not reach this one, which kept 8 graphs and then ran eagerly)."""
+        limits_in_this_thread()
+
     def build_prompt(self, params: ChatParams) -> ChatPrompt:
         """Chat template + image / video placeholder expansion + tokenization + positions; raises ParamError."""
         return self.prompts.build(params)

@@ -33,6 +33,7 @@ from torch import Tensor
 from worldserve.engine.outputs import VideoResult
 from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
+from worldserve.models.layers.compile_limits import limits_in_this_thread
 from worldserve.models.layers.lora import LoraWeights
 from worldserve.parallel.groups import SINGLE, ParallelGroup
 from worldserve.params import ParamError, VideoParams
@@ -236,6 +237,12 @@ class VideoPipeline:
     def problem(self) -> str | None:
         """None: one process, nothing of it can be gone while it answers (ParallelPipeline's peers can)."""
         return None
+
+    def prepare_thread(self) -> None:
+        """Called by the thread that will run this backend (the engine's, the chat worker's): dynamo's graph
+        limits for it (on torch >= 2.12 a config value set is the setting thread's own: set at load, on the
+        loader thread, they did not reach this one, which kept 8 graphs and then ran eagerly)."""
+        limits_in_this_thread()
 
     def validate(self, params: VideoParams) -> VideoParams:
         """Field checks plus model checks (sound available, prompts within max_sequence_length, a LoRA adapter

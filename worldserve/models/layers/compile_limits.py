@@ -9,6 +9,7 @@ for the rest of the process without a word (the gen layers 1.13x slower). A vide
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager
 
 COMPILED_SHAPES_LIMIT = 4096
@@ -16,7 +17,9 @@ COMPILED_SHAPES_LIMIT = 4096
 
 
 def raise_recompile_limits(n: int = COMPILED_SHAPES_LIMIT) -> None:
-    """Raise both limits to at least `n`, process-wide (the gen layers compile once, at load)."""
+    """Raise both limits to at least `n`, for this thread: process-wide up to torch 2.11, but from torch 2.12 a
+    config value set is the setting thread's own (a ContextVar), so the threads that run compiled code call
+    `limits_in_this_thread` as they start."""
     import torch._dynamo  # here, not at import: dynamo takes ~2 s to import, and an eager process never needs it
 
     cfg = torch._dynamo.config
@@ -33,3 +36,11 @@ def recompile_limits(n: int = COMPILED_SHAPES_LIMIT) -> AbstractContextManager[o
         recompile_limit=max(n, cfg.recompile_limit),
         accumulated_recompile_limit=max(n, cfg.accumulated_recompile_limit),
     )
+
+
+def limits_in_this_thread() -> None:
+    """`raise_recompile_limits` in a thread that runs compiled code (the engine's, the chat worker's), once
+    anything compiled in this process (dynamo imported: an eager process does not pay its ~2 s import).
+    Without it, on torch >= 2.12 such a thread kept dynamo's 8 graphs and then ran eagerly without a word."""
+    if "torch._dynamo" in sys.modules:
+        raise_recompile_limits()
