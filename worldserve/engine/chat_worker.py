@@ -45,6 +45,7 @@ from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.chat_handle import ChatHandle
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
 from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta, ChatSession
+from worldserve.failures import release_frames
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -405,6 +406,7 @@ class ChatWorker:
             handle.emit(ChatFailed(400, exc.message, exc.param))
         else:
             log.exception("chat completion failed", exc_info=exc)
+            release_frames(exc)  # (the record keeps no step's tensors: failures.py)
             handle.emit(ChatFailed(500, f"Chat completion failed: {type(exc).__name__}: {exc}"))
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from worldserve.engine.observer import EngineObserver
 from worldserve.engine.outputs import VideoResult
 from worldserve.engine.refusals import CancelledRequest, error_for
 from worldserve.engine.request import Request
+from worldserve.failures import release_frames
 from worldserve.media.frame_stream import FramesCancelled, FramesLost, FrameStream
 
 log = logging.getLogger(__name__)
@@ -141,10 +141,7 @@ class Endings:
             log.error("job %s failed: %s", request.job_id, message, exc_info=exc)
         else:
             log.info("job %s rejected: %s", request.job_id, message)
-        # the traceback's finished frames let go of their locals (the failed batch's latents, K/V, activations:
-        # GPU memory): a log handler that keeps records (pytest's, a memory or error-reporting handler) or a
-        # caller holding the exception would otherwise hold them; the lines and the message stay
-        traceback.clear_frames(exc.__traceback__)
+        release_frames(exc)  # (a kept log record or caller holds no latents through its frames: failures.py)
         if request.ephemeral:
             _observer(self, request).on_failed(code)
             request.deliver(exc)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from worldserve.chat_params import ChatParams
 from worldserve.engine.outputs import ChatBackpressure
+from worldserve.failures import release_frames
 from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
 from worldserve.runner.chat_prompt import ChatPrompt, completion_budget
 from worldserve.runner.prefix_hashes import block_hashes, shared_blocks
@@ -185,6 +186,7 @@ class ChatAdmission:
                 return [(*ready[0], exc)]
             log.warning("a prefill of %d chats failed (%r): each is prefilled alone", len(ready), exc,
                         exc_info=exc)  # fmt: skip
+            release_frames(exc)  # (the record keeps no pass's activations: failures.py)
         return [row for r in ready for row in self._prefill_each([r], budget)]
 
     def _uncached(self, params: ChatParams, prompt: ChatPrompt, computed: list[list[bytes]]) -> int:
