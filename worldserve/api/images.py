@@ -308,7 +308,7 @@ async def create_images(request: Request, st: State) -> Response:
         return image_file(images, fmt, request_id, headers)
     if req.stream:
         return StreamingResponse(
-            completed_events(req, images, f"{params[0].width}x{params[0].height}"),
+            completed_events(req, images, f"{params[0].width}x{params[0].height}", revised),
             media_type="text/event-stream", headers=headers,
         )  # fmt: skip
     body: dict[str, Any] = {
@@ -327,15 +327,26 @@ async def create_images(request: Request, st: State) -> Response:
     return JSONResponse(body, headers=headers)
 
 
-async def completed_events(req: ImageGenerationRequest, images: list[bytes], size: str) -> AsyncIterator[str]:
-    """OpenAI's streamed answer: an `image_generation.completed` server-sent event per image (no partials)."""
+EVENT_QUALITIES = ("low", "medium", "high", "xhigh", "max", "auto")
+"""The `quality` values OpenAI's completed event takes (a request's "standard" / "hd" is reported "auto")."""
+
+
+async def completed_events(
+    req: ImageGenerationRequest, images: list[bytes], size: str, revised: str | None
+) -> AsyncIterator[str]:
+    """OpenAI's streamed answer: an `image_generation.completed` server-sent event per image (no partials;
+    `return_stage_metrics` has no place in it)."""
     fmt = req.output_format or "png"
     for image in images:
         event = {
             "type": "image_generation.completed", "b64_json": base64.b64encode(image).decode("ascii"),
             "background": "opaque", "created_at": int(time.time()), "output_format": "jpeg" if fmt == "jpg" else fmt,
-            "quality": req.quality or "auto", "size": size,
+            "quality": req.quality if req.quality in EVENT_QUALITIES else "auto", "size": size,
         }  # fmt: skip
+        if (
+            revised is not None
+        ):  # (not in OpenAI's event: the prompt the Reasoner wrote, as in b64_json's data)
+            event["revised_prompt"] = revised
         yield f"event: image_generation.completed\ndata: {json.dumps(event)}\n\n"
 
 

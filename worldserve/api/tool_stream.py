@@ -9,7 +9,9 @@ begins); a named call's arguments as they come (a call written whole in one text
 then its arguments). The streamed calls add up to the finished answer's, except that a call once announced
 stands: should its text stop being JSON, be cut by max_tokens, or (required) the list turn out not to be a
 list of calls, its arguments are what was sent, where the unstreamed answer (vLLM's too) has the text as
-content; and a repeated key in a call's JSON streams as written (the finished parse keeps the last value).
+content; the calls sent before a block that turns out not to be a call stand too (with finish_reason
+tool_calls), where the unstreamed answer is then all text with the chat's own finish reason (vLLM's hermes
+rule: any block that does not parse); and a repeated key in a call's JSON streams as written (the finished parse keeps the last value).
 """
 
 from __future__ import annotations
