@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--delta-std",
         type=float,
         default=0.02,
-        help="std of the random adapters' B (A's is 0.2): 0.02 gives deltas B A larger than the base weights' "
-        "(0.02); 0.0002 gives ~1 %% of them, a lightly trained adapter's size",
+        help="std of the random adapters' B (A's is 0.2; B A's std is ~0.2 x this x sqrt(rank)): at rank 64, "
+        "0.02 gives deltas ~1.5x the base weights' 0.02; 0.0002 ~1 %% of them, a trained adapter's size",
     )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 1 warm-up)")
     ap.add_argument("--device", default="cuda")
