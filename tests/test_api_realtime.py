@@ -308,6 +308,32 @@ async def test_a_part_that_cannot_be_sent_aborts_the_request_and_its_encode(tmp_
         assert messages[-1]["type"] == "session.done" and probe_mp4(data).num_frames == 33
 
 
+async def test_a_close_that_cannot_be_sent_drops_the_connection(tmp_path, monkeypatch):
+    """A client that reads nothing never lets the close frame out (it waits behind the unread parts): the
+    socket and the session's task had outlived the session, and a shutdown waited for uvicorn's task
+    cancellation. Past ABORT_AFTER_S the connection is dropped (the close is made to hang here, as it does
+    behind a full send buffer)."""
+    from starlette.websockets import WebSocket
+
+    monkeypatch.setattr(realtime, "ABORT_AFTER_S", 0.3)
+
+    async def never_sent(self, code=1000, reason=None):
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(WebSocket, "close", never_sent)
+    with uvicorn_thread(tmp_path, real_encoder=True) as (url, _):
+        async with websockets.connect(ws_url(url), max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.start", "prompt": "x", **SMALL}))
+            started = None
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                while True:
+                    raw = await asyncio.wait_for(ws.recv(), 30)
+                    if isinstance(raw, str) and json.loads(raw)["type"] == "session.done":
+                        started = time.monotonic()
+            assert started is not None and time.monotonic() - started < 10
+            assert closed.value.rcvd is None  # (dropped: no close frame came)
+
+
 async def test_auth_and_an_image_reference(tmp_path):
     with uvicorn_thread(tmp_path, api_key="sekret", real_encoder=True) as (url, _):
         with pytest.raises(websockets.InvalidStatus) as refused:

@@ -53,6 +53,7 @@ from worldserve.api.video_inputs import (
     json_body_fields,
     json_object_field,
 )
+from worldserve.api.ws_protocol import ABORT_AFTER_S, abort_connection
 from worldserve.engine.client import (
     SHUTDOWN_REASON,
     EncodeOptions,
@@ -415,10 +416,15 @@ class _Session:
 
     async def _close(self) -> None:
         """Close the socket: 1012 (Service Restart, as uvicorn closes its sockets at a shutdown) when the
-        session ends without its video because the server is shutting down."""
+        session ends without its video because the server is shutting down; a close that cannot be sent
+        within ABORT_AFTER_S (a client reading nothing) drops the connection instead."""
         code = 1012 if not self.completed and not self.st.client.accepting else 1000
-        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
-            await self.ws.close(code)
+        try:
+            await asyncio.wait_for(self.ws.close(code), ABORT_AFTER_S)
+        except TimeoutError:  # a client that reads nothing: the close frame waits behind its unread parts
+            abort_connection(self.ws)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
 
 
 def _encode_parts(loop: asyncio.AbstractEventLoop, parts: asyncio.Queue, encode: EncodeOptions,

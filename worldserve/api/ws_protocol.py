@@ -7,15 +7,30 @@ whose video was being generated lost it, although `--shutdown-timeout` gives run
 the realtime session finishes its stream while its request runs on in the engine's grace, or sends an error
 and closes with 1012 when the request is aborted at the deadline, was still queued, or had not started
 (api/realtime.py). CLOSE_MARGIN_S before uvicorn cancels the app's tasks (`timeout_graceful_shutdown`) a
-socket still open is closed as uvicorn closes it, so nothing outlives the shutdown. Without a
+socket still open is closed as uvicorn closes it, and its connection dropped ABORT_AFTER_S later if the
+close could not be flushed (a client that reads nothing), so nothing outlives the shutdown. Without a
 `timeout_graceful_shutdown` (uvicorn then waits for ever) the close is uvicorn's, at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 CLOSE_MARGIN_S = 5.0
+ABORT_AFTER_S = 2.0
+"""How long a closed socket may take to flush before its connection is dropped (a client that reads nothing
+never lets it flush: the socket and the app's task had outlived the session, and the shutdown waited for
+uvicorn's task cancellation)."""
+
+
+def abort_connection(ws: Any) -> None:
+    """Drop the connection under the Starlette WebSocket `ws` at once (its transport aborted, the unsent
+    bytes discarded): for a client that reads nothing, whose close frame can never be sent."""
+    protocol = getattr(getattr(ws, "_send", None), "__self__", None)  # (uvicorn's protocol: the ASGI send's)
+    transport = getattr(protocol, "transport", None)
+    if transport is not None:
+        transport.abort()
 
 
 def graceful_ws_protocol() -> type | str:
@@ -32,16 +47,27 @@ def graceful_ws_protocol() -> type | str:
         def shutdown(self) -> None:
             grace = self.config.timeout_graceful_shutdown
             if grace is None or not self._open_session():
-                super().shutdown()
+                self._close_then_abort()
             elif self._late_close is None:
                 self._late_close = asyncio.get_running_loop().call_later(
-                    max(grace - CLOSE_MARGIN_S, 0.0), super().shutdown
+                    max(grace - CLOSE_MARGIN_S, 0.0), self._close_then_abort
                 )
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._late_close is not None:
                 self._late_close.cancel()
+            self._lost = True
             super().connection_lost(exc)
+
+        def _close_then_abort(self) -> None:
+            """uvicorn's close, then the connection dropped ABORT_AFTER_S later if it has not flushed."""
+            super().shutdown()
+            asyncio.get_running_loop().call_later(ABORT_AFTER_S, self._abort_unless_lost)
+
+        def _abort_unless_lost(self) -> None:
+            transport = getattr(self, "transport", None)
+            if not getattr(self, "_lost", False) and transport is not None:
+                transport.abort()
 
         def _open_session(self) -> bool:
             """Accepted, not closing, and not answered over HTTP instead (a refused handshake)."""
