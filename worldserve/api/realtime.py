@@ -16,8 +16,8 @@ The protocol is vLLM-Omni's:
 
 Cosmos3 makes a video in one pass, so the parts come after the denoising, as the VAE decodes (frame 0, then
 8 frames per part, the decoder's 2 latent frames a chunk; the bytes of a part go out when the next part's
-keyframe has been encoded, so each part is whole fragments): the first part is the init segment (sent with
-frame 0's part), the joined parts are one MP4 with the AAC track as well (media/fragments.py `encode_fragments`: no B-frames, so `video_codec_options.bf` above 0 is refused;
+keyframe has been encoded, so each part is whole fragments): the first part is the init segment (a part of its
+own, `num_frames` 0, sent just before frame 0's; the file's closing mfra box ends the last part), the joined parts are one MP4 with the AAC track as well (media/fragments.py `encode_fragments`: no B-frames, so `video_codec_options.bf` above 0 is refused;
 H.264 `tune zerolatency` unless `video_codec_options` names a tune, whose x264 lookahead then holds parts
 back, at slow presets to the end). `session.interaction` (vLLM-Omni's prompt changes inside a streaming
 generation) gets an error: there is nothing to change mid-pass. A session whose request is running but has
