@@ -444,6 +444,27 @@ async def test_a_graceful_shutdown_gives_a_running_stream_its_grace(tmp_path):
     assert probe_mp4(data).num_frames == 33
 
 
+async def test_a_queued_session_is_refused_while_the_engine_is_inside_a_long_step(tmp_path):
+    """The queued session's 503 comes within a poll of the SIGTERM even while the engine thread is inside a
+    step it cannot leave (a long CPU step or decode): the audit saw it come only when the running request
+    ended, 9-10 s later on the tiny model."""
+    backend = FakeBackend(step_delay=4.0)
+    start = {"type": "session.start", "prompt": "x", **SMALL, "num_inference_steps": 3}
+    with graceful_uvicorn(tmp_path, 20.0, backend=backend) as (url, client, terminate):
+        async with (websockets.connect(ws_url(url), max_size=None) as running,
+                    websockets.connect(ws_url(url)) as queued):  # fmt: skip
+            await running.send(json.dumps(start))
+            assert (await _next_message(running))["type"] == "video.start"
+            await asyncio.to_thread(wait_until, lambda: client.num_running == 1)
+            await queued.send(json.dumps(start))
+            assert (await _next_message(queued))["type"] == "video.start"
+            terminate()
+            t0 = time.monotonic()
+            messages, _, code = await _to_the_end(queued)
+            assert messages[-1]["type"] == "error" and messages[-1]["code"] == 503 and code == 1012
+            assert time.monotonic() - t0 < 3.0 and backend.steps_done < 3  # (a poll, not the running video)
+
+
 async def test_a_stream_outlasting_the_grace_ends_with_an_error_and_1012(tmp_path):
     """The video still running at the --shutdown-timeout deadline is aborted: its session gets the error
     (503, the server is shutting down) and a 1012 close, before uvicorn would cancel it."""

@@ -99,8 +99,9 @@ async def _reaped(task: asyncio.Future) -> None:
 
 
 class _Stop(Exception):
-    """The session ends without a result: `reason` is "stop" (session.stop), "stall" or "gone" (the client
-    left, or read nothing for SEND_TIMEOUT_S)."""
+    """The session ends without a result: `reason` is "stop" (session.stop), "stall", "gone" (the client
+    left, or read nothing for SEND_TIMEOUT_S) or "shutdown" (the server began shutting down while the request
+    was still queued)."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -148,6 +149,8 @@ class _Session:
             self._abort()
             if exc.reason == "stall":
                 await self._error("Stall timeout: no generation progress", 504)
+            if exc.reason == "shutdown":  # (the request is cancelled, not refused: no rejection counted)
+                await self._error(f"Video generation was not started: {SHUTDOWN_REASON}", 503)
             if exc.reason in ("stop", "stall"):
                 with contextlib.suppress(_Stop):
                     await self._send({"type": "session.done", "request_id": self.request_id,
@@ -343,8 +346,9 @@ class _Session:
         return inputs.params, EncodeOptions(crf=inputs.encode.crf, codec_options=codec), config
 
     async def _control(self) -> str:
-        """Read the client's messages until it stops the session ("stop"), leaves ("gone") or the running
-        request makes no progress for STALL_TIMEOUT_S ("stall")."""
+        """Read the client's messages until it stops the session ("stop"), leaves ("gone"), the running
+        request makes no progress for STALL_TIMEOUT_S ("stall") or the server begins shutting down while the
+        request is still queued ("shutdown")."""
         steps = 0
         while True:
             request = self.request
@@ -352,6 +356,10 @@ class _Session:
                 steps, self.last_progress = request.steps_done if request else 0, time.monotonic()
             if time.monotonic() - self.last_progress > STALL_TIMEOUT_S:
                 return "stall"
+            if request is not None and request.admitted_time is None and not self.st.client.accepting:
+                return (
+                    "shutdown"  # (a queued request runs no more: its 503 at once, not after the running one)
+                )
             try:
                 message = await asyncio.wait_for(self.ws.receive(), POLL_S)
             except TimeoutError:
