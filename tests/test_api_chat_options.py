@@ -73,12 +73,13 @@ def _stream(url: str, **body) -> list[dict]:
     [({"guided_json": None}, 200, None), ({"structured_outputs": None, "guided_decoding_backend": None}, 200, None),
      ({"guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": "[ ]*"}, 200, None),
      ({"guided_regex": ""}, 200, None), ({"guided_choice": []}, 400, "guided_choice"),
-     ({"structured_outputs": {}}, 400, "structured_outputs")],
+     ({"structured_outputs": {}}, 400, "structured_outputs"),
+     ({"guided_json": False}, 400, "guided_json"), ({"guided_regex": True}, 400, "guided_regex")],
 )  # fmt: skip
 def test_null_constraint_fields_ask_for_nothing_and_empty_ones_count(url, fields, status, param):
     """As vLLM counts them: null asks for nothing, nor do the guided-decoding options without a constraint;
     an empty value is a constraint (an empty regex: the empty text; an empty choice list or an empty
-    structured_outputs: a 400)."""
+    structured_outputs: a 400); a boolean is no constraint, a 400 as in vLLM (false had been taken as none)."""
     body = {"model": MODEL, "messages": HI, "max_tokens": 2, **fields}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == status, r.text

@@ -54,7 +54,9 @@ def structured_output(
     if pattern is not None and not isinstance(pattern, str):
         raise ParamError("guided_whitespace_pattern", "guided_whitespace_pattern must be a string")
     for name, kind in GUIDED_FIELDS.items():
-        if is_set(value := getattr(body, name)):
+        if isinstance(value := getattr(body, name), bool):  # (vLLM's request model takes no boolean here)
+            raise ParamError(name, f"{name} takes a constraint (text, a JSON object or a list), not {value}")
+        if is_set(value):
             found.append(_constraint(kind, value, name, whitespace_pattern=pattern))
     if len(found) > 1:
         raise ParamError(
