@@ -326,6 +326,8 @@ def test_a_bad_flag_is_one_line_naming_it(capsys, argv):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err
     assert "--help" in err
+    if argv:  # the verb's parser names it (an unknown flag had been `worldserve: error: ...`)
+        assert err.startswith(f"worldserve {argv[0]}: error:") and f"worldserve {argv[0]} --help" in err, err
 
 
 def test_a_sigterm_dropped_in_a_finalizer_still_stops_serve(monkeypatch, tmp_path, capsys, caplog):

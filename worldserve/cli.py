@@ -83,7 +83,11 @@ def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (named by the verb's parser: `worldserve serve: error: ... (see worldserve serve --help)`)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
     from worldserve.weights.checkpoint import CheckpointError
 
     previous = None  # (restored on return: main may run inside another program, a test)
