@@ -35,7 +35,9 @@ had refused clients that vLLM-Omni serves)."""
 
 
 def too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"Request body exceeds the {max_bytes / 2**20:g} MiB limit (--max-upload-mb).")
+    mib = max_bytes / 2**20  # (a fraction of a MiB shown as given: 0.01, not its whole bytes' 0.00999928)
+    shown = f"{mib:.3g}" if mib < 1 else f"{mib:g}"
+    return APIError(413, f"Request body exceeds the {shown} MiB limit (--max-upload-mb).")
 
 
 async def bounded_stream(request: Request, max_bytes: int) -> AsyncGenerator[bytes, None]:
