@@ -290,3 +290,11 @@ async def test_a_request_the_model_refuses_in_the_engine_is_a_400(tmp_path, monk
         r = await http.post("/v1/images/generations", json={"prompt": "x", "size": "64x48", **SMALL})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert str(exc) in r.json()["error"]["message"]
+
+
+def test_the_413_shows_the_upload_limit_as_the_flag_gave_it():
+    """--max-upload-mb 0.01 is 10,485 bytes: the message had said '0.00999928 MiB'."""
+    from worldserve.api.bodies import too_large
+
+    assert [too_large(int(m * 2**20)).message.split()[4] for m in (0.01, 0.5, 100, 1024)] == [
+        "0.01", "0.5", "100", "1024"]  # fmt: skip
