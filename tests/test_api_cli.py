@@ -411,6 +411,29 @@ def test_a_sigterm_dropped_in_a_finalizer_still_ends_any_verb(monkeypatch, capsy
     assert "worldserve info: terminated" in err and "Exception ignored" not in err
 
 
+def test_a_sigterm_dropped_as_a_verb_ends_is_not_sent_after_main_returns(monkeypatch, capsys):
+    """A Terminated dropped in the verb's last instructions: main returns 143 ("terminated") and the SIGTERM
+    it would have sent again is cancelled; sent after main had restored the caller's handler, it would have
+    ended the calling program (this test run)."""
+    import signal
+    import time
+
+    from worldserve.cli import main
+    from worldserve.commands import info
+
+    class SignalsOnCollection:
+        def __del__(self):
+            signal.raise_signal(signal.SIGTERM)
+
+    def run(args):
+        SignalsOnCollection()
+        return 0  # (at once: before the SIGTERM is sent again)
+
+    monkeypatch.setattr(info, "run", run)
+    assert main(["info"]) == 143 and "worldserve info: terminated" in capsys.readouterr().err
+    time.sleep(0.1)  # (a SIGTERM sent now would end this process under pytest's default handler)
+
+
 def test_sigterm_during_the_model_load_ends_serve_in_one_line(monkeypatch, tmp_path, capsys):
     """SIGTERM while serve loads its model (minutes at full size): one line and rc 143, the port and the job
     store's lock are let go (it had died at once with rc -15 and nothing said, its peers with a line each)."""

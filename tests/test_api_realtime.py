@@ -28,7 +28,7 @@ from serving_helpers import (
     ws_url,
 )
 
-from worldserve.api import realtime
+from worldserve.api import realtime, ws_protocol
 from worldserve.engine.fake_backend import FAIL_MARKER, FakeBackend
 
 pytestmark = pytest.mark.anyio
@@ -321,6 +321,10 @@ async def test_a_close_that_cannot_be_sent_drops_the_connection(tmp_path, monkey
         await asyncio.sleep(60)
 
     monkeypatch.setattr(WebSocket, "close", never_sent)
+    aborted = []  # (the app found the transport the server's protocol handed it, and dropped it)
+    monkeypatch.setattr(
+        realtime, "abort_connection", lambda ws: aborted.append(ws_protocol.abort_connection(ws))
+    )
     with uvicorn_thread(tmp_path, real_encoder=True) as (url, _):
         async with websockets.connect(ws_url(url), max_size=None) as ws:
             await ws.send(json.dumps({"type": "session.start", "prompt": "x", **SMALL}))
@@ -331,7 +335,7 @@ async def test_a_close_that_cannot_be_sent_drops_the_connection(tmp_path, monkey
                     if isinstance(raw, str) and json.loads(raw)["type"] == "session.done":
                         started = time.monotonic()
             assert started is not None and time.monotonic() - started < 10
-            assert closed.value.rcvd is None  # (dropped: no close frame came)
+            assert closed.value.rcvd is None and aborted == [True]  # (dropped: no close frame came)
 
 
 async def test_auth_and_an_image_reference(tmp_path):

@@ -184,9 +184,12 @@ def test_a_refused_flag_fails_the_start_before_the_model_loads(tmp_path, caplog,
     assert not (tmp_path / "worldserve").exists(), "the job store was not opened"
 
 
-def test_a_broken_checkpoint_config_is_one_line_before_the_load(tiny_copy, tmp_path, monkeypatch, capsys):
+def test_a_broken_checkpoint_config_is_one_line_before_the_load(
+    tiny_copy, tmp_path, monkeypatch, capsys, caplog
+):
     """The pre-load checks read the checkpoint as the loader does: a missing or cut transformer/config.json
-    is one line naming the file, exit 1 (the first version of those checks ended in a traceback)."""
+    is one logged line naming the file (so --log-file has it too), exit 1 (the first version of those
+    checks ended in a traceback)."""
     from worldserve.cli import main
 
     loads = []
@@ -195,7 +198,10 @@ def test_a_broken_checkpoint_config_is_one_line_before_the_load(tiny_copy, tmp_p
     for broken, needle in ((lambda: config.write_text('{"num_attention_heads": '), "not valid JSON"),
                            (config.unlink, "transformer/config.json is missing")):  # fmt: skip
         broken()
-        rc = main(["serve", str(tiny_copy), "--device", "cpu", "--storage-dir", str(tmp_path / "s")])
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+            rc = main(["serve", str(tiny_copy), "--device", "cpu", "--storage-dir", str(tmp_path / "s")])
         err = capsys.readouterr().err
-        assert rc == 1 and needle in err and "Traceback" not in err, err
+        assert rc == 1 and "Traceback" not in err, err
+        assert "could not load the model" in caplog.text and needle in caplog.text, caplog.text
     assert not loads

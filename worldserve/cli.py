@@ -64,6 +64,21 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
+REDELIVERIES: list[threading.Timer] = []
+"""The SIGTERMs `_unraisable` will send again: cancelled when `main` returns (once it has restored the
+previous handler, one would end the program that called it, a test's for one)."""
+
+
+def _cancel_redeliveries() -> bool:
+    """Cancel the SIGTERMs not yet sent again; True if one was still to come (the verb ended first)."""
+    pending = False
+    while REDELIVERIES:
+        timer = REDELIVERIES.pop()
+        pending |= not timer.finished.is_set()
+        timer.cancel()
+    return pending
+
+
 def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
     """`hook` (sys.unraisablehook), but a Terminated that Python dropped is delivered again instead of
     printed: SIGTERM once more, sent 10 ms later from another thread, so that the handler runs after the
@@ -74,6 +89,7 @@ def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
         if isinstance(unraisable.exc_value, Terminated):
             again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
             again.daemon = True
+            REDELIVERIES.append(again)
             again.start()
             return None
         return hook(unraisable)
@@ -98,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         )  # (the default had died at once: rc -15, silent)
     unraisable_hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     try:
-        return int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
+        rc = int(importlib.import_module(VERBS[args.verb][0]).run(args) or 0)
+        if _cancel_redeliveries():  # (a SIGTERM the verb's end outran: it still ends as terminated)
+            raise Terminated
+        return rc
     except CheckpointError as e:  # a missing or broken checkpoint is the user's: one line, no traceback
         print(f"worldserve {args.verb}: error: {e}", file=sys.stderr)
         return 1
@@ -112,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worldserve {args.verb}: terminated", file=sys.stderr)
         return 143  # (128 + SIGTERM, as a shell reports a process the signal ended)
     finally:
+        _cancel_redeliveries()
         sys.unraisablehook = unraisable_hook
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

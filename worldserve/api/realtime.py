@@ -356,7 +356,7 @@ class _Session:
                 steps, self.last_progress = request.steps_done if request else 0, time.monotonic()
             if time.monotonic() - self.last_progress > STALL_TIMEOUT_S:
                 return "stall"
-            if request is not None and request.admitted_time is None and not self.st.client.accepting:
+            if request is not None and not request.admitted and not self.st.client.accepting:
                 return (
                     "shutdown"  # (a queued request runs no more: its 503 at once, not after the running one)
                 )

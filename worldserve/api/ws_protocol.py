@@ -24,13 +24,19 @@ never lets it flush: the socket and the app's task had outlived the session, and
 uvicorn's task cancellation)."""
 
 
-def abort_connection(ws: Any) -> None:
+TRANSPORT_KEY = "worldserve.transport"
+"""The scope key under which GracefulWebSocketProtocol hands the app its connection's transport."""
+
+
+def abort_connection(ws: Any) -> bool:
     """Drop the connection under the Starlette WebSocket `ws` at once (its transport aborted, the unsent
-    bytes discarded): for a client that reads nothing, whose close frame can never be sent."""
-    protocol = getattr(getattr(ws, "_send", None), "__self__", None)  # (uvicorn's protocol: the ASGI send's)
-    transport = getattr(protocol, "transport", None)
-    if transport is not None:
-        transport.abort()
+    bytes discarded): for a client that reads nothing, whose close frame can never be sent. False where the
+    server gave no transport (another ASGI server)."""
+    transport = ws.scope.get(TRANSPORT_KEY)
+    if transport is None:
+        return False
+    transport.abort()
+    return True
 
 
 def graceful_ws_protocol() -> type | str:
@@ -53,6 +59,10 @@ def graceful_ws_protocol() -> type | str:
                     max(grace - CLOSE_MARGIN_S, 0.0), self._close_then_abort
                 )
 
+        async def run_asgi(self) -> None:
+            self.scope[TRANSPORT_KEY] = self.transport  # type: ignore[literal-required]  # (abort_connection)
+            await super().run_asgi()
+
         def connection_lost(self, exc: Exception | None) -> None:
             if self._late_close is not None:
                 self._late_close.cancel()
@@ -72,7 +82,8 @@ def graceful_ws_protocol() -> type | str:
         def _open_session(self) -> bool:
             """Accepted, not closing, and not answered over HTTP instead (a refused handshake)."""
             return (
-                bool(getattr(self, "handshake_complete", False))
+                not getattr(self, "_lost", False)  # (dropped by abort_connection: nothing left to close)
+                and bool(getattr(self, "handshake_complete", False))
                 and not getattr(self, "close_sent", False)
                 and getattr(self, "initial_response", None) is None  # (websockets' sans-I/O)
                 and not getattr(self, "response_started", False)  # (wsproto)

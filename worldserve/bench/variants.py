@@ -215,17 +215,22 @@ def gen_layers_compiled(
     from worldserve.models.cosmos3.layer import finish_math, merge_attention, qkv_math
 
     blocks = [layer.gen for layer in model.layers]
-    saved = [(b.qkv_fn, b.finish_fn, b.merge_fn) for b in blocks]
+    slots = ("qkv_fn", "finish_fn", "merge_fn", "qkv_lora_fn", "finish_lora_fn")  # (an adapter's copies too)
+    saved = [tuple(getattr(b, name) for name in slots) for b in blocks]
     if compiled:
         model.compile_gen_layers(mode=mode)
     else:
         for b in blocks:
-            b.qkv_fn, b.finish_fn, b.merge_fn = qkv_math, finish_math, merge_attention
+            for name, fn in zip(
+                slots, (qkv_math, finish_math, merge_attention, qkv_math, finish_math), strict=True
+            ):
+                setattr(b, name, fn)
     try:
         yield
     finally:
-        for b, (qkv, finish, merge) in zip(blocks, saved, strict=True):
-            b.qkv_fn, b.finish_fn, b.merge_fn = qkv, finish, merge
+        for b, fns in zip(blocks, saved, strict=True):
+            for name, fn in zip(slots, fns, strict=True):
+                setattr(b, name, fn)
 
 
 def _kernel_category(name: str) -> str:

@@ -39,6 +39,7 @@ from worldserve.commands import serve_backend, serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import CONFIG_CLASSES, EngineConfig, MediaConfig
 from worldserve.config_flags import add_config_arguments
+from worldserve.weights.checkpoint import CheckpointError
 
 log = logging.getLogger("worldserve.serve")
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -161,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    except CheckpointError as exc:  # (the pre-load checks read the checkpoint: logged, --log-file too)
+        log.error("could not load the model: %s", exc)
+        return 1
     log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
     log_compat(args, config)
     from worldserve.engine.job_files import StorageError

@@ -172,12 +172,12 @@ class ChatWorker:
             self._waiting.difference_update(handles)
 
     def _run(self) -> None:
-        prepare = getattr(self.backend, "prepare_thread", None)  # (the decode step's per-thread settings)
-        if prepare is not None:
-            prepare()
         active: list[tuple[ChatHandle, ChatSession]] = []
         deferred: list[ChatHandle] = []  # the backend had no room for them at the last try, in order
         try:
+            prepare = getattr(self.backend, "prepare_thread", None)  # (the decode step's per-thread settings)
+            if prepare is not None:
+                prepare()
             self._loop(active, deferred)
             message = "The server is shutting down."
         except Exception:  # a bug of the loop (a delivery callback raising, ...): never leave sessions open

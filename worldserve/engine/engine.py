@@ -176,10 +176,12 @@ class Engine:
     # -- the loop (engine thread) -----------------------------------------------------------------------
     def _run(self) -> None:
         crashed: BaseException | None = None
-        prepare = getattr(self.backend, "prepare_thread", None)  # (the compiled layers' per-thread settings)
-        if prepare is not None:
-            prepare()
         try:
+            prepare = getattr(
+                self.backend, "prepare_thread", None
+            )  # (the compiled layers' per-thread settings)
+            if prepare is not None:
+                prepare()
             while True:
                 with self._cv:
                     while not (self._inbox or self._sched.has_work() or self._should_exit()):
@@ -216,6 +218,8 @@ class Engine:
     def _iterate(self) -> None:
         admitted = self._sched.admit()
         self._num_running = len(self._sched.running) + len(admitted)  # (counted before they stop waiting)
+        for request in admitted:
+            request.admitted = True
         for i, request in enumerate(admitted):
             with self._cv:
                 self._waiting_ids.discard(request.job_id)
@@ -226,6 +230,8 @@ class Engine:
                     self.store.requeue([request.job_id])
                 with self._cv:
                     self._waiting_ids.add(request.job_id)
+                for waiting in admitted[i:]:
+                    waiting.admitted = False
                 self._sched.waiting.extendleft(reversed(admitted[i:]))
                 raise
         batch = self._sched.next_batch()

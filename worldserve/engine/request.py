@@ -39,6 +39,10 @@ class Request:
     """The backend's per-request state; set by `prepare`, dropped after `release`."""
     admitted_time: float | None = None
     """Monotonic clock when the scheduler admitted it (prepare started)."""
+    admitted: bool = False
+    """Taken from the queue by the scheduler (set for a whole admitted batch before any of it is prepared,
+    where admitted_time waits for its own prepare): a queued request's session may be refused at a shutdown,
+    an admitted one runs within the grace."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Engine-measured stage wall times: prepare, diffuse (sum of its steps), decode, encode."""
     on_result: Callable[[VideoResult | BaseException], None] | None = None

@@ -267,8 +267,12 @@ def compile_blocks(blocks: Sequence[TowerBlock], *, mode: str = "default", backe
     # are dynamic (LoraWeights.mark_ranks_dynamic), and torch 2.11's inductor GEMM padding pass weighs a GEMM
     # on its symbolic sizes, guarding the rank to its decision's range (2 <= r <= 12 for rank 4: a rank-16
     # adapter compiled again); these copies compile without that pass, the base graphs keep it
-    options = {"shape_padding": False} if backend == "inductor" and mode in (None, "default") else None
-    lora_mode = None if options else mode
+    # (torch.compile takes a mode or options, not both: an inductor mode's options, padding off)
+    inductor = backend == "inductor"
+    options = (
+        {**torch._inductor.list_mode_options(mode or "default"), "shape_padding": False} if inductor else None
+    )
+    lora_mode = None if inductor else mode
 
     def lora_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(fn, mode=lora_mode, backend=backend, dynamic=False, options=options)
