@@ -397,3 +397,22 @@ def test_chats_whose_clients_left_stop_counting_as_waiting_at_once():
         assert worker.num_waiting == 0
     finally:
         worker.stop()
+
+
+def test_the_worker_thread_prepares_its_backend_first():
+    """The chat worker's thread calls its backend's prepare_thread before its loop (the Reasoner raises the
+    decode step's graph limits there: from torch 2.12 the loader thread's setting did not reach it)."""
+    lock = threading.Lock()
+    threads = []
+
+    class Preparing(ScriptedBackend):
+        def prepare_thread(self):
+            threads.append(threading.current_thread().name)
+
+    worker = ChatWorker(Preparing(lock), lock)
+    worker.start()
+    try:
+        assert _drain(_collect(worker)[1])[-1].finish_reason == "length"
+    finally:
+        worker.stop()
+    assert threads == ["worldserve-chat"]
