@@ -338,6 +338,48 @@ async def test_a_close_that_cannot_be_sent_drops_the_connection(tmp_path, monkey
             assert closed.value.rcvd is None and aborted == [True]  # (dropped: no close frame came)
 
 
+def test_a_client_that_reads_nothing_is_dropped_once_its_session_ends(tmp_path, monkeypatch):
+    """A real client that reads nothing (a raw socket after the handshake): the server's sends fill the
+    socket's buffers, the send timeout ends the session, the close frame cannot go out, and the connection
+    is dropped rather than held open (the audit saw it held until the client left, and a shutdown wait ~40 s
+    for it). The parts are made large (a 16 MiB first message) so that the buffers fill at once."""
+    import base64 as b64
+    import os
+    import socket
+
+    monkeypatch.setattr(realtime, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(realtime, "ABORT_AFTER_S", 0.3)
+    send_now = realtime._Session._send_now
+
+    async def bulky(self, messages):
+        if any(isinstance(m, dict) and m.get("type") == "video.start" for m in messages):
+            await self.ws.send_bytes(bytes(16 * 2**20))  # (more than loopback's buffers hold)
+        await send_now(self, messages)
+
+    monkeypatch.setattr(realtime._Session, "_send_now", bulky)
+    with uvicorn_thread(tmp_path) as (url, client):
+        host, port = url.removeprefix("http://").split(":")
+        key = b64.b64encode(os.urandom(16)).decode()
+        with socket.create_connection((host, int(port))) as raw:
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            raw.sendall((f"GET /v1/realtime/video HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                         f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())  # fmt: skip
+            assert raw.recv(4096).startswith(b"HTTP/1.1 101")
+            start = json.dumps({"type": "session.start", "prompt": "x", **SMALL}).encode()
+            mask = os.urandom(4)
+            raw.sendall(bytes([0x81, 0x80 | 126]) + len(start).to_bytes(2, "big") + mask
+                        + bytes(b ^ mask[i % 4] for i, b in enumerate(start)))  # fmt: skip
+            time.sleep(3)  # (reading nothing: the session's send times out, its close cannot go out)
+            raw.settimeout(10)
+            got, t0 = 0, time.monotonic()
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := raw.recv(1 << 20):  # (what the buffers held, then the end: dropped)
+                    got += len(chunk)
+            assert got < 16 * 2**20  # the connection ended before the whole first message could come
+            assert time.monotonic() - t0 < 5  # (dropped: it had stayed open until the header timeout, ~100 s)
+        wait_until(lambda: client.engine.num_running == 0)
+
+
 async def test_auth_and_an_image_reference(tmp_path):
     with uvicorn_thread(tmp_path, api_key="sekret", real_encoder=True) as (url, _):
         with pytest.raises(websockets.InvalidStatus) as refused:

@@ -130,6 +130,8 @@ class _Session:
         self.completed = False
         """Set once session.done has been sent for a whole video."""
         self.last_progress = time.monotonic()
+        self.unread = False
+        """Set when a send timed out: the client reads nothing, its socket is full (it is dropped, not closed)."""
 
     async def run(self) -> None:
         try:
@@ -401,7 +403,10 @@ class _Session:
         async with self.send_lock:
             try:
                 await asyncio.wait_for(self._send_now(messages), SEND_TIMEOUT_S)
-            except (WebSocketDisconnect, RuntimeError, OSError, TimeoutError):
+            except TimeoutError:  # the client reads nothing: its socket is full, no close frame can go out
+                self.unread = True
+                raise _Stop("gone") from None
+            except (WebSocketDisconnect, RuntimeError, OSError):
                 raise _Stop("gone") from None  # (uvicorn: RuntimeError once the socket is closed)
 
     async def _send_now(self, messages: tuple[dict[str, Any] | bytes, ...]) -> None:
@@ -427,6 +432,9 @@ class _Session:
         session ends without its video because the server is shutting down; a close that cannot be sent
         within ABORT_AFTER_S (a client reading nothing) drops the connection instead."""
         code = 1012 if not self.completed and not self.st.client.accepting else 1000
+        if self.unread:  # (a send timed out behind unread parts: dropped at once)
+            abort_connection(self.ws)
+            return
         try:
             await asyncio.wait_for(self.ws.close(code), ABORT_AFTER_S)
         except TimeoutError:  # a client that reads nothing: the close frame waits behind its unread parts

@@ -15,6 +15,9 @@ close could not be flushed (a client that reads nothing), so nothing outlives th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from typing import Any
 
 CLOSE_MARGIN_S = 5.0
@@ -35,8 +38,18 @@ def abort_connection(ws: Any) -> bool:
     transport = ws.scope.get(TRANSPORT_KEY)
     if transport is None:
         return False
+    _reset_on_close(transport)
     transport.abort()
     return True
+
+
+def _reset_on_close(transport: Any) -> None:
+    """SO_LINGER 0 on the transport's socket: its close then resets the connection at once, dropping the
+    bytes the kernel still holds for a client that reads nothing (a plain close sends them first, for ever)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 def graceful_ws_protocol() -> type | str:
@@ -77,6 +90,7 @@ def graceful_ws_protocol() -> type | str:
         def _abort_unless_lost(self) -> None:
             transport = getattr(self, "transport", None)
             if not getattr(self, "_lost", False) and transport is not None:
+                _reset_on_close(transport)
                 transport.abort()
 
         def _open_session(self) -> bool:
