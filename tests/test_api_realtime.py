@@ -462,6 +462,15 @@ async def _to_the_end(ws) -> tuple[list[dict], bytes, int]:
     return messages, b"".join(parts), ws.close_code
 
 
+async def _one_running_one_queued(running, queued, client, start) -> None:
+    """`start` on `running` until its request runs, then on `queued` (its request waits behind it)."""
+    await running.send(json.dumps(start))
+    assert (await _next_message(running))["type"] == "video.start"
+    await asyncio.to_thread(wait_until, lambda: client.num_running == 1)
+    await queued.send(json.dumps(start))
+    assert (await _next_message(queued))["type"] == "video.start"
+
+
 async def test_a_graceful_shutdown_gives_a_running_stream_its_grace(tmp_path):
     """SIGTERM (`worldserve serve`'s GracefulServer, 6 s --shutdown-timeout): the session whose video is being
     made streams it to its end and closes normally; one still queued and one that has not sent session.start
@@ -472,11 +481,7 @@ async def test_a_graceful_shutdown_gives_a_running_stream_its_grace(tmp_path):
     with graceful_uvicorn(tmp_path, 6.0, backend=backend, real_encoder=True) as (url, client, terminate):
         async with (websockets.connect(ws_url(url), max_size=None) as running,
                     websockets.connect(ws_url(url)) as queued, websockets.connect(ws_url(url)) as idle):  # fmt: skip
-            await running.send(json.dumps(start))
-            assert (await _next_message(running))["type"] == "video.start"
-            await asyncio.to_thread(wait_until, lambda: client.num_running == 1)
-            await queued.send(json.dumps(start))
-            assert (await _next_message(queued))["type"] == "video.start"
+            await _one_running_one_queued(running, queued, client, start)
             terminate()
             for ws in (idle, queued):
                 messages, _, code = await _to_the_end(ws)  # (its waits are the hang guard)
@@ -499,11 +504,7 @@ async def test_a_queued_session_is_refused_while_the_engine_is_inside_a_long_ste
     with graceful_uvicorn(tmp_path, 20.0, backend=backend) as (url, client, terminate):
         async with (websockets.connect(ws_url(url), max_size=None) as running,
                     websockets.connect(ws_url(url)) as queued):  # fmt: skip
-            await running.send(json.dumps(start))
-            assert (await _next_message(running))["type"] == "video.start"
-            await asyncio.to_thread(wait_until, lambda: client.num_running == 1)
-            await queued.send(json.dumps(start))
-            assert (await _next_message(queued))["type"] == "video.start"
+            await _one_running_one_queued(running, queued, client, start)
             terminate()
             t0 = time.monotonic()
             messages, _, code = await _to_the_end(queued)
