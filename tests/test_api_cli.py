@@ -333,8 +333,8 @@ def test_a_bad_flag_is_one_line_naming_it(capsys, argv):
 def test_a_sigterm_dropped_in_a_finalizer_still_stops_serve(monkeypatch, tmp_path, capsys, caplog):
     """A SIGTERM that lands while Python runs a finalizer has its Terminated printed and dropped ("Exception
     ignored in ..."): just after the model load it had been lost and the server went on serving (found by a
-    CLI audit: a kill 0.2-0.4 s after "model ready"). It is delivered again, and the handler's flag stops the
-    server once uvicorn has started should that come first; the dropped exception is not printed."""
+    CLI audit: a kill 0.2-0.4 s after "model ready"). It is delivered again, and the dropped exception is not
+    printed."""
     import os
     import signal
     import threading
@@ -374,8 +374,8 @@ def test_a_sigterm_dropped_in_a_finalizer_still_stops_serve(monkeypatch, tmp_pat
     finally:
         rescue.cancel()
     err = capsys.readouterr().err
-    # stopped either way: by the SIGTERM delivered again (before uvicorn's handlers: "terminated", 143) or by
-    # the flag once uvicorn has started (a graceful stop, 0)
+    # stopped either way by the SIGTERM delivered again: before uvicorn's handlers are in ("terminated", 143)
+    # or after (a graceful stop, 0)
     assert not rescued and (rc, "shutdown requested" in caplog.text or "terminated" in err) in (
         (0, True),
         (143, True),

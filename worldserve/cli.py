@@ -53,14 +53,7 @@ class Terminated(BaseException):
     SIGTERM while it serves); this is serve's during its start-up (the model load: minutes at full size)."""
 
 
-TERM_RECEIVED = threading.Event()
-"""Set by a SIGTERM this process's handler got: raising Terminated is not enough alone, since a signal that
-lands while Python runs a finalizer or a GC callback has its exception printed and dropped ("Exception
-ignored in ..."), and serve's start would go on to serve; uvicorn's handlers look at this once installed."""
-
-
 def _terminated(signum: int, frame: object) -> None:
-    TERM_RECEIVED.set()
     raise Terminated
 
 
@@ -83,7 +76,8 @@ def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
     """`hook` (sys.unraisablehook), but a Terminated that Python dropped is delivered again instead of
     printed: SIGTERM once more, sent 10 ms later from another thread, so that the handler runs after the
     finalizer (sent from here, it ran inside this hook and was dropped again; should it land in another
-    finalizer, it comes round once more). TERM_RECEIVED stays as serve's fallback."""
+    finalizer, it comes round once more). A SIGTERM Python drops is so never lost: once uvicorn's handlers
+    are in (serve), the one sent again starts its graceful stop."""
 
     def redeliver(unraisable: Any) -> object:
         if isinstance(unraisable.exc_value, Terminated):
@@ -107,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     from worldserve.weights.checkpoint import CheckpointError
 
     previous = None  # (restored on return: main may run inside another program, a test)
-    TERM_RECEIVED.clear()
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(
             signal.SIGTERM, _terminated

@@ -38,18 +38,18 @@ def abort_connection(ws: Any) -> bool:
     transport = ws.scope.get(TRANSPORT_KEY)
     if transport is None:
         return False
-    _reset_on_close(transport)
-    transport.abort()
+    _drop(transport)
     return True
 
 
-def _reset_on_close(transport: Any) -> None:
-    """SO_LINGER 0 on the transport's socket: its close then resets the connection at once, dropping the
-    bytes the kernel still holds for a client that reads nothing (a plain close sends them first, for ever)."""
+def _drop(transport: Any) -> None:
+    """Reset the connection at once: SO_LINGER 0 on its socket, then the transport aborted (a plain close
+    leaves the kernel sending the bytes it holds, for ever to a client that reads nothing)."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def graceful_ws_protocol() -> type | str:
@@ -90,8 +90,7 @@ def graceful_ws_protocol() -> type | str:
         def _abort_unless_lost(self) -> None:
             transport = getattr(self, "transport", None)
             if not getattr(self, "_lost", False) and transport is not None:
-                _reset_on_close(transport)
-                transport.abort()
+                _drop(transport)
 
         def _open_session(self) -> bool:
             """Accepted, not closing, and not answered over HTTP instead (a refused handshake)."""

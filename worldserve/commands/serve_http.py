@@ -311,13 +311,8 @@ class GracefulServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """uvicorn's, but a SIGTERM ends `run` once the graceful shutdown is done: uvicorn raises it again
-        there, and the default handler killed the process before the peer ranks were stopped (exit 0). A
-        SIGTERM the start-up lost (cli.TERM_RECEIVED) shuts the server down as soon as it has started."""
+        there, and the default handler killed the process before the peer ranks were stopped (exit 0)."""
         with super().capture_signals():
-            from worldserve.cli import TERM_RECEIVED
-
-            if TERM_RECEIVED.is_set():  # a SIGTERM before these handlers whose Terminated was dropped
-                self.handle_exit(signal.SIGTERM, None)  # (raised in a finalizer): stop once started
             yield
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
