@@ -174,9 +174,7 @@ class ParallelPipeline:
         return self.peers.gone()
 
     def prepare_thread(self) -> None:
-        """Called by the thread that will run this backend (the engine's, the chat worker's): dynamo's graph
-        limits for it (on torch >= 2.12 a config value set is the setting thread's own: set at load, on the
-        loader thread, they did not reach this one, which kept 8 graphs and then ran eagerly)."""
+        """As VideoPipeline.prepare_thread (compile_limits.limits_in_this_thread)."""
         limits_in_this_thread()
 
     def validate(self, params: VideoParams) -> VideoParams:

@@ -72,12 +72,13 @@ def default_kv_cache_tokens(max_model_len: int, *, layerwise_offload: bool = Fal
     return max_model_len if layerwise_offload else 2 * max_model_len
 
 
-def check_context(root: str | Path, max_model_len: int) -> None:
+def check_context(root: str | Path, max_model_len: int, cfg: dict | None = None) -> None:
     """vLLM's check of the context against the checkpoint's positions, in its words: ValueError when
-    `max_model_len` is above the max_position_embeddings of `root`/config.json (serve runs it before the
-    model loads)."""
+    `max_model_len` is above the max_position_embeddings of `root`/config.json (`cfg`: that file, read
+    already; serve runs the check before the model loads)."""
     path = Path(root) / "config.json"
-    cfg = read_json_object(path) if path.is_file() else {}
+    if cfg is None:
+        cfg = read_json_object(path) if path.is_file() else {}
     limit = (cfg.get("text_config") or {}).get("max_position_embeddings")
     if isinstance(limit, int) and max_model_len > limit:
         raise ValueError(f"--max-model-len {max_model_len} is greater than the derived max_model_len {limit} "
@@ -172,8 +173,8 @@ class Reasoner(ChatAdmission):
         """Share `transformer` (already loaded); load the ViT from `<root>/vision_encoder` when present.
         `options`: the constructor's keyword options (max_model_len, max_num_seqs, kv_cache_tokens, ...)."""
         root = Path(root)
-        check_context(root, options.get("max_model_len", 0))
         cfg = read_json_object(root / "config.json") if (root / "config.json").is_file() else {}
+        check_context(root, options.get("max_model_len", 0), cfg)
         vision = None
         if (root / "vision_encoder").is_dir():
             vision = VisionEncoder.from_pretrained(
@@ -190,9 +191,7 @@ class Reasoner(ChatAdmission):
 
     # ------------------------------------------------------------------ prompt (CPU)
     def prepare_thread(self) -> None:
-        """Called by the thread that will run this backend (the engine's, the chat worker's): dynamo's graph
-        limits for it (on torch >= 2.12 a config value set is the setting thread's own: set at load, on the
-        loader thread, they did not reach this one, which kept 8 graphs and then ran eagerly)."""
+        """As VideoPipeline.prepare_thread (compile_limits.limits_in_this_thread)."""
         limits_in_this_thread()
 
     def build_prompt(self, params: ChatParams) -> ChatPrompt:
