@@ -253,14 +253,12 @@ async def create_images(request: Request, st: State) -> Response:
     """Text-to-image (JSON body): `n` images as base64 in `data` (or as a file: `image_file`), generated
     with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
-    try:  # (a structured prompt, a JSON object, becomes its text as on the video routes)
+    with (
+        st.counting_too_large()
+    ):  # (a structured prompt, a JSON object, becomes its text as on the video routes)
         req = await read_model(
             request, ImageGenerationRequest, st.settings.max_upload_bytes, structured_texts
         )
-    except APIError as exc:
-        if exc.status == 413:
-            st.metrics.on_rejected("too_large")
-        raise
     if not st.serves(req.model):
         raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
                        f"'{st.served_model_name}'.", param="model")  # fmt: skip
@@ -343,9 +341,8 @@ async def completed_events(
             "background": "opaque", "created_at": int(time.time()), "output_format": "jpeg" if fmt == "jpg" else fmt,
             "quality": req.quality if req.quality in EVENT_QUALITIES else "auto", "size": size,
         }  # fmt: skip
-        if (
-            revised is not None
-        ):  # (not in OpenAI's event: the prompt the Reasoner wrote, as in b64_json's data)
+        # (not in OpenAI's event: the prompt the Reasoner wrote, as b64_json's data carries it)
+        if revised is not None:
             event["revised_prompt"] = revised
         yield f"event: image_generation.completed\ndata: {json.dumps(event)}\n\n"
 

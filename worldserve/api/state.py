@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +71,17 @@ class AppState:
     def serves(self, model: str | None) -> bool:
         """Whether a request's `model` names this server's model (None or "": not given, as vLLM takes it)."""
         return not model or model == self.served_model_name or model in self.settings.model_aliases
+
+    @contextlib.contextmanager
+    def counting_too_large(self) -> Iterator[None]:
+        """A body past --max-upload-mb read in the with-body (its 413 raised through) counts as a too_large
+        rejection (the video and image routes)."""
+        try:
+            yield
+        except APIError as exc:
+            if exc.status == 413:
+                self.metrics.on_rejected("too_large")
+            raise
 
     def refusal(self, exc: Exception, headers: dict[str, str] | None = None) -> APIError:
         """The answer to the engine client refusing new work (QueueFullError: 429 with Retry-After, else the

@@ -58,12 +58,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
-    try:
+    with st.counting_too_large():
         fields = await read_fields(request, st.settings.max_upload_bytes)
-    except APIError as exc:
-        if exc.status == 413:
-            st.metrics.on_rejected("too_large")
-        raise
     # (the body is read: a client leaving during a reference's download or decode stops that work)
     inputs = await unless_disconnected(request, build_inputs(
         fields, served_model=st.served_model_name, model_aliases=st.settings.model_aliases, has_sound=st.client.has_sound,

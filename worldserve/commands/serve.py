@@ -115,7 +115,7 @@ def _check_against_checkpoint(config: EngineConfig) -> None:
     folder or the embedded tiny one; a Hub name is checked as it loads)."""
     from worldserve.runner.parallel_pipeline import check_checkpoint_layout
     from worldserve.runner.reasoner import check_context
-    from worldserve.weights.checkpoint import read_layout, resolve_model
+    from worldserve.weights.checkpoint import read_transformer_config, resolve_model
 
     model = config.model.model
     if model is not None and not Path(model).expanduser().is_dir():
@@ -123,7 +123,7 @@ def _check_against_checkpoint(config: EngineConfig) -> None:
     root = resolve_model(model)
     par = config.parallel
     # (read as the loader reads it: a broken checkpoint is a CheckpointError naming the file, exit 1)
-    check_checkpoint_layout(read_layout(root).transformer_config, ulysses=par.ulysses_degree,
+    check_checkpoint_layout(read_transformer_config(root), ulysses=par.ulysses_degree,
                             tp=par.tensor_parallel_size)  # fmt: skip
     if par.tensor_parallel_size == 1:  # (no Reasoner under tensor parallel: no context to check)
         check_context(root, config.reasoner.max_model_len)

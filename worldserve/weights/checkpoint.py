@@ -226,13 +226,20 @@ def read_layout(root: Path) -> CheckpointLayout:
     present = [c for c in GENERATION_COMPONENTS + OPTIONAL_COMPONENTS if (root / c).is_dir()]
     if "sound_tokenizer" in present and (index.get("sound_tokenizer") or [None])[0] is None:
         present.remove("sound_tokenizer")
+    return CheckpointLayout(
+        root=root,
+        components=tuple(present),
+        model_index=index,
+        transformer_config=read_transformer_config(root),
+    )
+
+
+def read_transformer_config(root: Path) -> Cosmos3Config:
+    """`root`/transformer/config.json parsed; CheckpointError naming the file when it is missing or broken."""
     cfg_path = root / "transformer" / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{root}: transformer/config.json is missing")
     try:
-        config = Cosmos3Config.from_dict(read_json_object(cfg_path))
+        return Cosmos3Config.from_dict(read_json_object(cfg_path))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
-    return CheckpointLayout(
-        root=root, components=tuple(present), model_index=index, transformer_config=config
-    )
