@@ -343,41 +343,82 @@ def test_a_client_that_reads_nothing_is_dropped_once_its_session_ends(tmp_path, 
     socket's buffers, the send timeout ends the session, the close frame cannot go out, and the connection
     is dropped rather than held open (the audit saw it held until the client left, and a shutdown wait ~40 s
     for it). The parts are made large (a 16 MiB first message) so that the buffers fill at once."""
-    import base64 as b64
-    import os
-    import socket
+    _bulky_first_part(monkeypatch)
+    with uvicorn_thread(tmp_path) as (url, client):
+        with _unread_session(url) as raw:
+            time.sleep(3)  # (reading nothing: the session's send times out, its close cannot go out)
+            got, took = _read_to_the_end(raw)
+            assert got < 16 * 2**20  # the connection ended before the whole first message could come
+            assert took < 5  # (dropped: it had stayed open until the header timeout, ~100 s)
+        wait_until(lambda: client.engine.num_running == 0)
 
+
+def test_a_shutdown_drops_a_socket_its_app_left_open_and_its_client_does_not_read(tmp_path, monkeypatch):
+    """The protocol's own last resort (ws_protocol's late close): a session still open CLOSE_MARGIN_S before
+    uvicorn would cancel the app (here an app stuck in its close) is closed with uvicorn's 1012, and its
+    connection dropped ABORT_AFTER_S later when the close cannot flush (a client reading nothing): without
+    the drop the connection outlived the shutdown's deadline."""
+    _bulky_first_part(monkeypatch)
+    monkeypatch.setattr(ws_protocol, "CLOSE_MARGIN_S", 10.5)  # (grace 1 + 10 s: the late close at 0.5 s)
+    monkeypatch.setattr(ws_protocol, "ABORT_AFTER_S", 0.3)
+    stuck = []
+
+    async def stuck_close(self):
+        stuck.append(self)
+        await asyncio.sleep(3)  # (neither closes nor drops its socket)
+
+    monkeypatch.setattr(realtime._Session, "_close", stuck_close)
+    with graceful_uvicorn(tmp_path, 1.0) as (url, client, terminate):
+        with _unread_session(url) as raw:
+            wait_until(lambda: stuck)  # (the session ended by its send timeout, its socket left open)
+            terminate()
+            got, took = _read_to_the_end(raw)
+            assert got < 16 * 2**20 and took < 5  # dropped at 0.8 s, not left to the 11 s deadline
+
+
+def _bulky_first_part(monkeypatch) -> None:
+    """A 16 MiB message before video.start (more than loopback's buffers hold), sends timing out in 0.5 s."""
     monkeypatch.setattr(realtime, "SEND_TIMEOUT_S", 0.5)
     monkeypatch.setattr(realtime, "ABORT_AFTER_S", 0.3)
     send_now = realtime._Session._send_now
 
     async def bulky(self, messages):
         if any(isinstance(m, dict) and m.get("type") == "video.start" for m in messages):
-            await self.ws.send_bytes(bytes(16 * 2**20))  # (more than loopback's buffers hold)
+            await self.ws.send_bytes(bytes(16 * 2**20))
         await send_now(self, messages)
 
     monkeypatch.setattr(realtime._Session, "_send_now", bulky)
-    with uvicorn_thread(tmp_path) as (url, client):
-        host, port = url.removeprefix("http://").split(":")
-        key = b64.b64encode(os.urandom(16)).decode()
-        with socket.create_connection((host, int(port))) as raw:
-            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            raw.sendall((f"GET /v1/realtime/video HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
-                         f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())  # fmt: skip
-            assert raw.recv(4096).startswith(b"HTTP/1.1 101")
-            start = json.dumps({"type": "session.start", "prompt": "x", **SMALL}).encode()
-            mask = os.urandom(4)
-            raw.sendall(bytes([0x81, 0x80 | 126]) + len(start).to_bytes(2, "big") + mask
-                        + bytes(b ^ mask[i % 4] for i, b in enumerate(start)))  # fmt: skip
-            time.sleep(3)  # (reading nothing: the session's send times out, its close cannot go out)
-            raw.settimeout(10)
-            got, t0 = 0, time.monotonic()
-            with contextlib.suppress(ConnectionResetError):
-                while chunk := raw.recv(1 << 20):  # (what the buffers held, then the end: dropped)
-                    got += len(chunk)
-            assert got < 16 * 2**20  # the connection ended before the whole first message could come
-            assert time.monotonic() - t0 < 5  # (dropped: it had stayed open until the header timeout, ~100 s)
-        wait_until(lambda: client.engine.num_running == 0)
+
+
+@contextlib.contextmanager
+def _unread_session(url: str):
+    """A raw socket to /v1/realtime/video that shakes hands, sends a session.start and reads nothing."""
+    import base64 as b64
+    import os
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    key = b64.b64encode(os.urandom(16)).decode()
+    with socket.create_connection((host, int(port))) as raw:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.sendall((f"GET /v1/realtime/video HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                     f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())  # fmt: skip
+        assert raw.recv(4096).startswith(b"HTTP/1.1 101")
+        start = json.dumps({"type": "session.start", "prompt": "x", **SMALL}).encode()
+        mask = os.urandom(4)
+        raw.sendall(bytes([0x81, 0x80 | 126]) + len(start).to_bytes(2, "big") + mask
+                    + bytes(b ^ mask[i % 4] for i, b in enumerate(start)))  # fmt: skip
+        yield raw
+
+
+def _read_to_the_end(raw) -> tuple[int, float]:
+    """Read what the buffers held until the connection ends: (bytes read, seconds it took)."""
+    raw.settimeout(10)
+    got, t0 = 0, time.monotonic()
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := raw.recv(1 << 20):
+            got += len(chunk)
+    return got, time.monotonic() - t0
 
 
 async def test_auth_and_an_image_reference(tmp_path):
