@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from cli_helpers import run_cli
 
 from worldserve.models.layers import flash_attention as fa
-from worldserve.models.layers.attention import sdpa_attention
+from worldserve.models.layers.attention import any_shape_sdpa_attention, sdpa_attention
 from worldserve.runner.kernel_options import KernelOptions
 
 SM_MARGINS: list[int] = []  # the sm_margin argument of every reference FA3 call
@@ -257,6 +257,62 @@ def test_generate_refuses_flash_attn_without_a_hopper_gpu(tiny_ckpt, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+def _softmax_attention(q, k, v, causal):
+    """The definition in float64: every query head over its KV head's keys, causal at the bottom right."""
+    nq, nk = q.shape[0], k.shape[0]
+    kk, vv = (x.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) / q.shape[-1] ** 0.5  # [Hq, Nq, Nk]
+    if causal:
+        allowed = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("fn", [sdpa_attention, any_shape_sdpa_attention])
+@pytest.mark.parametrize(
+    ("nq", "nk", "causal"), [(7, 7, False), (5, 12, False), (9, 9, True), (3, 10, True), (1, 10, True)]
+)  # (3, 10, True): a prefill chunk over 7 cached tokens; (1, 10): one query sees every key
+def test_sdpa_is_softmax_attention_with_gqa_and_a_bottom_right_causal_mask(fn, nq, nk, causal):
+    q, k, v = _qkv(nq, nk)
+    torch.testing.assert_close(fn(q, k, v, causal=causal).double(), _softmax_attention(q, k, v, causal),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    buf = torch.full((nq + 2, 4, 32), float("nan"))
+    assert fn(q, k, v, causal=causal, out=buf[1 : 1 + nq]).data_ptr() == buf[1].data_ptr()
+    assert buf[0].isnan().all() and buf[-1].isnan().all()
+
+
+def _cuda_kernels(fn) -> list[str]:
+    """The CUDA kernels one call of fn() launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("nq", "nk"), [(34, 930), (513, 513)])  # a cached prefix's chat; a whole prompt
+def test_causal_sdpa_runs_flash_with_no_graph_build_per_shape(nq, nk):
+    """The und tower's prefill without FA3 (and the ViT's items): flash, not cuDNN, whose per-shape graph
+    build cost 46-790 ms a new prompt length on an H200 (bench/sdpa_new_shapes.py); right at the bottom-right
+    alignment, GQA 32 / 8, token-major strided views."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(max(nq, nk), 48, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = qkv[-nq:, :32], qkv[-nk:, 32:40], qkv[-nk:, 40:]  # (column slices, as a fused projection's)
+    ref = _softmax_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), True).float().cuda()
+    out = sdpa_attention(q, k, v, causal=True)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    kernels = _cuda_kernels(lambda: sdpa_attention(q, k, v, causal=True))
+    assert any("flash" in name.lower() for name in kernels), kernels
+    assert not any("cudnn" in name.lower() for name in kernels), kernels
+    vit = _cuda_kernels(
+        lambda: any_shape_sdpa_attention(q, k[:, :1].expand(-1, 32, -1), v[:, :1].expand(-1, 32, -1))
+    )
+    assert any("flash" in name.lower() for name in vit), vit
+
+
 def _hopper_fa3() -> bool:
     return (
         torch.cuda.is_available()

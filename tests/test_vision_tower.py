@@ -119,6 +119,18 @@ def test_fa3_attention_where_it_runs_matches_the_reference(vit):
     assert err < 2e-2, err
 
 
+def test_without_fa3_the_vit_takes_the_flash_first_sdpa(vit):
+    """The ViT's items are as long as their images: where FA3 does not run it gets the SDPA that puts flash
+    before cuDNN (a cuDNN graph build for every new image size: layers/attention.py)."""
+    from worldserve.models.cosmos3.vision import VisionEncoder
+    from worldserve.models.layers.attention import any_shape_sdpa_attention
+
+    encoder = VisionEncoder(vit)
+    assert encoder.tower.attention is any_shape_sdpa_attention
+    assert encoder.set_attention_backend("TORCH_SDPA") == "sdpa"
+    assert encoder.tower.attention is any_shape_sdpa_attention
+
+
 @pytest.mark.parametrize(("n_out", "n_in"), [(44, 48), (80, 48), (1, 6), (6, 6), (13, 5), (2, 2)])
 def test_the_bilinear_matrix_is_f_interpolates_align_corners_resample(n_out, n_in):
     from worldserve.models.cosmos3.vision_tower import bilinear_matrix

@@ -68,7 +68,7 @@ class ModelConfig:
     diffusion_attention_backend: str | None = field(
         default=None, metadata={"choices": ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN", "auto")}
     )
-    """Attention kernel: FLASH_ATTN (FlashAttention-3, from `pip install 'worldserve[hopper]'`), TORCH_SDPA / CUDNN_ATTN (PyTorch SDPA, cuDNN first); default: env DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs (the gen tower FA4's cluster kernel where that runs too: FLASH_ATTN keeps FA3), else SDPA."""
+    """Attention kernel: FLASH_ATTN (FlashAttention-3, from `pip install 'worldserve[hopper]'`), TORCH_SDPA / CUDNN_ATTN (PyTorch SDPA: cuDNN first for the gen tower, flash first for prompts and images); default: env DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs (the gen tower FA4's cluster kernel where that runs too: FLASH_ATTN keeps FA3), else SDPA."""
     enforce_eager: bool = False
     """Run the transformer eagerly: by default on GPU the gen layers are torch.compile'd (the first request of a shape compiles, about 15 s) and the Reasoner's prefill and decode steps run as CUDA graphs."""
     vae_tiling: bool = field(default=False, metadata={"aliases": ("--vae-use-tiling",)})

@@ -299,12 +299,12 @@ class VisionEncoder:
     def set_attention_backend(self, name: str | None = None) -> str:
         """Route the ViT's attention through `name` (flash_attention.BACKENDS; None = auto: FA3 where it runs);
         the label."""
+        from worldserve.models.layers.attention import any_shape_sdpa_attention, sdpa_attention
         from worldserve.models.layers.flash_attention import resolve_attention_backend
 
         cfg = self.model.config
-        label, self.tower.attention = resolve_attention_backend(
-            name, self.device, self.dtype, cfg.hidden_size // cfg.num_heads
-        )
+        label, fn = resolve_attention_backend(name, self.device, self.dtype, cfg.hidden_size // cfg.num_heads)
+        self.tower.attention = any_shape_sdpa_attention if fn is sdpa_attention else fn  # (an image's size)
         return label
 
     def encode(self, inputs: VisionInputs) -> tuple[Tensor, tuple[Tensor, ...]]:

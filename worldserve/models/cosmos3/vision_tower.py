@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worldserve.models.layers.attention import sdpa_attention
+from worldserve.models.layers.attention import any_shape_sdpa_attention
 
 if TYPE_CHECKING:
     from worldserve.models.layers.flash_attention import AttentionFn
@@ -146,7 +146,7 @@ def merge_patches(x: Tensor, merger: Any, *, postshuffle: bool) -> Tensor:
 class VisionTower:
     """Our inference forward of one `Qwen3VLVisionModel` (its modules hold the weights)."""
 
-    def __init__(self, model: Any, attention: AttentionFn = sdpa_attention) -> None:
+    def __init__(self, model: Any, attention: AttentionFn = any_shape_sdpa_attention) -> None:
         cfg = model.config
         if cfg.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(

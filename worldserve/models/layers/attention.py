@@ -2,11 +2,18 @@
 
 `sdpa_attention(q, k, v, causal=...)` takes token-major tensors, q [Nq, Hq, D] and k/v [Nk, Hkv, D] with
 Hq a multiple of Hkv, and returns [Nq, Hq, D]. It runs `F.scaled_dot_product_attention` with
-`enable_gqa` (no K/V repeat). On CUDA the backend priority is cuDNN, then flash, then mem-efficient,
-then math; on CPU the math kernel runs. (`flash_attention.py` holds the FlashAttention-3 alternative with the
-same signature and semantics, and the choice between them.) A causal call with Nq < Nk (decode, chunked prefill) aligns the
-mask to the bottom right: query i of the new chunk sees keys [0, Nk - Nq + i]. Nothing here reads device
-values on the host, so it stays capturable (CUDA graphs, fullgraph compile).
+`enable_gqa` (no K/V repeat). On CPU the math kernel runs. On CUDA the backend priority depends on whether
+the call's shapes repeat: cuDNN builds an execution graph for every new (Nq, Nk), 46-790 ms on an H200
+(bench/sdpa_new_shapes.py) where flash starts at once and runs as fast. So the gen tower's calls (non-causal:
+one shape a resolution, run twice per layer per step) keep cuDNN first, the fastest SDPA kernel there
+(performance.md §4), while causal calls (the und tower's prefill: any prompt length over any cached prefix)
+and `any_shape_sdpa_attention` (the ViT: an item's length is its image's size) put flash first: without
+FlashAttention-3 every chat had paid a graph build, a cached prefix's chat ~0.2-1.3 s of its first token.
+(`flash_attention.py` holds the FlashAttention-3 alternative with the same signature and semantics, and the
+choice between them.) A causal call with Nq < Nk (chunked prefill, a cached prefix) aligns the mask to the
+bottom right: query i of the new chunk sees keys [0, Nk - Nq + i], through torch's lower-right CausalBias
+(flash takes it without a mask tensor; a boolean mask would send the call to cuDNN or the math kernel).
+Nothing here reads device values on the host, so it stays capturable (CUDA graphs, fullgraph compile).
 
 `ContiguousKVCache` holds one sequence's K/V for every layer, post-norm and post-RoPE, in one
 [layers, capacity, Hkv, D] buffer per K and V. Its `length` is host metadata. The und step writes a chunk
@@ -22,22 +29,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
-# cuDNN first: it is the fastest Hopper SDPA kernel for the tower's shapes (performance.md §4) and
-# accepts unequal q/kv head counts; flash also does GQA; mem-efficient declines GQA; math always works.
 CUDA_SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
+"""Shapes that repeat (the gen tower's): cuDNN first, the fastest Hopper SDPA kernel at the tower's shapes
+(performance.md §4), accepting unequal q/kv head counts; flash also does GQA; mem-efficient declines GQA;
+math always works."""
 
-
-def _lower_right_causal_mask(nq: int, nk: int, device: torch.device) -> Tensor:
-    """[Nq, Nk] bool, True where allowed: key j <= (Nk - Nq) + query i."""
-    q_idx = torch.arange(nq, device=device).unsqueeze(1)
-    k_idx = torch.arange(nk, device=device).unsqueeze(0)
-    return k_idx <= q_idx + (nk - nq)
+ANY_SHAPE_PRIORITY = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.MATH,
+]
+"""Shapes that change from call to call (a prompt's length, a cached prefix, an image's size): flash first, as
+fast as cuDNN there with no per-shape graph build (the module docstring)."""
 
 
 def sdpa_attention(
@@ -45,29 +56,44 @@ def sdpa_attention(
     out: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """q [Nq, Hq, D], k/v [Nk, Hkv, D] -> [Nq, Hq, D]; unmasked, or causal aligned at the bottom right.
-    With `out` ([Nq, Hq, D]) the result is copied there and `out` returned (FA3 writes it directly)."""
+    With `out` ([Nq, Hq, D]) the result is copied there and `out` returned (FA3 writes it directly).
+    On CUDA: causal calls flash first, the others cuDNN first (the module docstring)."""
+    priority = ANY_SHAPE_PRIORITY if causal else CUDA_SDPA_PRIORITY
+    return _sdpa(q, k, v, causal=causal, scale=scale, out=out, priority=priority)
+
+
+def any_shape_sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+    out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """sdpa_attention with flash first for every call: for callers whose shapes change from call to call
+    (the ViT)."""
+    return _sdpa(q, k, v, causal=causal, scale=scale, out=out, priority=ANY_SHAPE_PRIORITY)
+
+
+def _sdpa(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, out: Tensor | None,
+    priority: list[SDPBackend],
+) -> Tensor:  # fmt: skip
     nq, nk = q.shape[0], k.shape[0]
-    is_causal = False
-    mask = None
-    if causal and nq > 1:
-        if nq == nk:
-            is_causal = True
-        else:
-            mask = _lower_right_causal_mask(nq, nk, q.device)
     # SDPA wants [B, H, N, D]; these are strided views of the token-major tensors.
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Nq, D]
     kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Nk, D]
     vh = v.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
+    options: dict = {"is_causal": causal and nq > 1, "enable_gqa": gqa}
+    if causal and 1 < nq != nk:  # lower right: query i sees keys [0, Nk - Nq + i]
+        if (
+            gqa
+        ):  # (CausalBias takes no enable_gqa on older torch: K/V heads repeated, as the math kernel does)
+            kh = kh.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [1, Hq, Nk, D]
+            vh = vh.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        options = {"attn_mask": causal_lower_right(nq, nk)}
     if q.device.type == "cuda":
-        with sdpa_kernel(CUDA_SDPA_PRIORITY, set_priority=True):
-            out_h = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-            )
+        with sdpa_kernel(priority, set_priority=True):
+            out_h = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, **options)
     else:
-        out_h = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-        )
+        out_h = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, **options)
     res = out_h.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
     return res if out is None else out.copy_(res)
 

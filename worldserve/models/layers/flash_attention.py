@@ -16,7 +16,8 @@ Backends (`--diffusion-attention-backend`, env `DIFFUSION_ATTENTION_BACKEND`, vL
 - None / "auto": FA3 where it can run (CUDA sm90, bf16, head dim <= 256, package importable), else SDPA;
   the transformer then gives its gen tower FA4's cluster kernel where that runs (fa4_cluster.py).
 - "FLASH_ATTN": FA3 (both towers), and an error naming the fix where it cannot run.
-- "TORCH_SDPA" / "CUDNN_ATTN": PyTorch SDPA with cuDNN first (`attention.sdpa_attention`).
+- "TORCH_SDPA" / "CUDNN_ATTN": PyTorch SDPA (`attention.sdpa_attention`: cuDNN first for the gen tower's
+  fixed shapes, flash first for causal calls; the ViT takes `any_shape_sdpa_attention`).
 """
 
 from __future__ import annotations
