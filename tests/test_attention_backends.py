@@ -272,7 +272,13 @@ def _softmax_attention(q, k, v, causal):
 @pytest.mark.parametrize(
     ("nq", "nk", "causal"), [(7, 7, False), (5, 12, False), (9, 9, True), (3, 10, True), (1, 10, True)]
 )  # (3, 10, True): a prefill chunk over 7 cached tokens; (1, 10): one query sees every key
-def test_sdpa_is_softmax_attention_with_gqa_and_a_bottom_right_causal_mask(fn, nq, nk, causal):
+@pytest.mark.parametrize("bias_takes_gqa", [True, False])  # (False: older torch, K/V heads repeated)
+def test_sdpa_is_softmax_attention_with_gqa_and_a_bottom_right_causal_mask(
+    fn, nq, nk, causal, bias_takes_gqa, monkeypatch
+):
+    from worldserve.models.layers import attention
+
+    monkeypatch.setattr(attention, "_CAUSAL_BIAS_TAKES_GQA", bias_takes_gqa)
     q, k, v = _qkv(nq, nk)
     torch.testing.assert_close(fn(q, k, v, causal=causal).double(), _softmax_attention(q, k, v, causal),
                                atol=1e-5, rtol=1e-5)  # fmt: skip

@@ -23,13 +23,14 @@ it behind the same `KVCache` protocol.
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 CUDA_SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
@@ -49,6 +50,11 @@ ANY_SHAPE_PRIORITY = [
 ]
 """Shapes that change from call to call (a prompt's length, a cached prefix, an image's size): flash first, as
 fast as cuDNN there with no per-shape graph build (the module docstring)."""
+
+
+_CAUSAL_BIAS_TAKES_GQA = "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
+"""Whether torch's CausalBias passes `enable_gqa` on (its flash kernel then reads the KV heads in place, no
+copy); otherwise a lower-right call repeats the K/V heads."""
 
 
 def sdpa_attention(
@@ -83,12 +89,12 @@ def _sdpa(
     gqa = q.shape[1] != k.shape[1]
     options: dict = {"is_causal": causal and nq > 1, "enable_gqa": gqa}
     if causal and 1 < nq != nk:  # lower right: query i sees keys [0, Nk - Nq + i]
-        if (
-            gqa
-        ):  # (CausalBias takes no enable_gqa on older torch: K/V heads repeated, as the math kernel does)
+        options = {"attn_mask": causal_lower_right(nq, nk)}
+        if _CAUSAL_BIAS_TAKES_GQA:
+            options["enable_gqa"] = gqa
+        elif gqa:  # (K/V heads repeated, as the math kernel does)
             kh = kh.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [1, Hq, Nk, D]
             vh = vh.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        options = {"attn_mask": causal_lower_right(nq, nk)}
     if q.device.type == "cuda":
         with sdpa_kernel(priority, set_priority=True):
             out_h = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, **options)
