@@ -7,7 +7,8 @@
 #     .whl/*.whl && export PYTHONPATH=/tmp/site:. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
 #     NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # and e.g. `python3 -m pytest -q -m gpu -rs tests/...`. Left out for size: openai, uvloop, hypothesis,
-# accelerate (no gpu test needs them), and FlashAttention-3 / FA4's runtime (their tests skip without them).
+# accelerate (no gpu test needs them), and FlashAttention-3 / FA4's runtime (their tests skip without them;
+# bench/device_kits.sh packs them, with diffusers or with the serving stack, for runs at the product's kernels).
 # Versions are this venv's (`pip freeze`); a new pin there means a new one here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
