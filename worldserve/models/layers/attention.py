@@ -14,8 +14,8 @@ first token. (`flash_attention.py` holds the FlashAttention-3 alternative with t
 semantics, and the choice between them.) A causal call with Nq < Nk (chunked prefill, a cached prefix) aligns
 the mask to the bottom right: query i of the new chunk sees keys [0, Nk - Nq + i], through torch's lower-right
 CausalBias (flash takes it without a mask tensor; a boolean mask would send the call to cuDNN or the math
-kernel). Nothing here reads device values on the host, so it stays capturable (CUDA graphs, fullgraph
-compile).
+kernel). Nothing here reads device values on the host, so it stays capturable in CUDA graphs (torch.compile runs
+no attention: dynamo cannot build a CausalBias inside a graph).
 
 `ContiguousKVCache` holds one sequence's K/V for every layer, post-norm and post-RoPE, in one
 [layers, capacity, Hkv, D] buffer per K and V. Its `length` is host metadata. The und step writes a chunk
