@@ -202,6 +202,20 @@ def test_transformer_routes_every_layer_through_the_chosen_backend(tiny_ckpt, mo
     assert all(layer.gen.attn_fn is fa.fa3_fp8_attention for layer in model.layers)
 
 
+def test_cudnn_attn_off_cuda_says_which_kernels_run(tiny_ckpt, caplog):
+    """--diffusion-attention-backend CUDNN_ATTN on a CPU runs SDPA's own kernels: said once, not silently."""
+    from worldserve.weights.loader import load_transformer
+
+    model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)
+    with caplog.at_level("WARNING", logger="worldserve.kernels"):
+        assert KernelOptions(attention_backend="CUDNN_ATTN", compile=False).apply(model) == "sdpa"
+        assert KernelOptions(attention_backend="TORCH_SDPA", compile=False).apply(model) == "sdpa"
+    assert [r.getMessage() for r in caplog.records] == [
+        "--diffusion-attention-backend CUDNN_ATTN: cuDNN attention runs on CUDA only; on cpu PyTorch SDPA's own "
+        "kernels run"
+    ]
+
+
 def test_first_layer_shares_a_cfg_pairs_gen_attention_and_computes_the_same(tiny_ckpt, monkeypatch):
     """A CFG pair (same latents, sound and timestep; prompts of different lengths, so every gen position
     differs by a constant) computes its first layer's gen-gen attention once, merged by LSE with each

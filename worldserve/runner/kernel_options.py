@@ -12,6 +12,7 @@ user-facing ValueError before anything is loaded.
 
 from __future__ import annotations
 
+import logging
 import typing
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from worldserve.models.layers.flash_attention import BACKENDS, fa3_unavailable_r
 if typing.TYPE_CHECKING:
     from worldserve.models.cosmos3.transformer import Cosmos3Transformer
     from worldserve.params import LoraRequest
+
+log = logging.getLogger("worldserve.kernels")
 
 QUANTIZATIONS = ("fp8", "fp8-emulated")
 """`quantization` values besides None; the CLI offers "fp8" only ("fp8-emulated": float32 numerics, tests)."""
@@ -118,6 +121,9 @@ class KernelOptions:
         if self.layerwise_offload:
             transformer.enable_layerwise_offload(device)
         label = transformer.set_attention_backend(self.backend_name, fp8_attention=self.fp8_attention)
+        if (self.backend_name or "").upper() == "CUDNN_ATTN" and device.type != "cuda":
+            log.warning("%s CUDNN_ATTN: cuDNN attention runs on CUDA only; on %s PyTorch SDPA's own kernels "
+                        "run", self.backend_source, device.type)  # fmt: skip
         parts = (
             [label] + (["lora-merged"] if merged else []) + ([self.quantization] if self.quantization else [])
         )
