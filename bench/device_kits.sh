@@ -22,11 +22,11 @@ trap 'rm -rf "$work"' EXIT
 download() {  # CPython 3.12 x86-64 wheels into $work/wheels
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    -d "$work/wheels" "$@"
+    --platform linux_x86_64 -d "$work/wheels" "$@"
 }
 mkdir -p "$work/wheels" "$work/site"
-download apache-tvm-ffi==0.1.15.post2 nvidia-cutlass-dsl-libs-cu13==4.8.1
-python3 -m pip download -q --no-deps -d "$work/wheels" fa3-fwd==0.0.3  # (tagged manylinux_2_24, abi3)
+download apache-tvm-ffi==0.1.15.post2 nvidia-cutlass-dsl-libs-cu13==4.8.1 fa3-fwd==0.0.3
+ls "$work"/wheels/fa3_fwd-*.whl "$work"/wheels/apache_tvm_ffi-*.whl > /dev/null  # (no sdist slipped in)
 unzip -q -j "$work"/wheels/nvidia_cutlass_dsl_libs_cu13-*.whl 'nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so' \
   -d "$work/site"
 rm "$work"/wheels/nvidia_cutlass_dsl_libs_cu13-*.whl
@@ -45,5 +45,6 @@ case "$kind" in
 esac
 for w in "$work"/wheels/*.whl; do unzip -q -o "$w" -d "$work/site"; done
 mkdir -p .kit
-tar -C "$work/site" -cf - . | xz -T0 -9 > ".kit/$kind.tar.xz"
+tar -C "$work/site" -cf - . | xz -T0 -9 > ".kit/$kind.tar.xz.part"
+mv ".kit/$kind.tar.xz.part" ".kit/$kind.tar.xz"  # (a failed run leaves no truncated kit)
 du -h ".kit/$kind.tar.xz"

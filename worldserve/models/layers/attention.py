@@ -5,17 +5,18 @@ Hq a multiple of Hkv, and returns [Nq, Hq, D]. It runs `F.scaled_dot_product_att
 `enable_gqa` (no K/V repeat). On CPU the math kernel runs. On CUDA the backend priority depends on whether the
 call's shapes repeat: cuDNN builds an execution graph for every new (Nq, Nk), 46-790 ms on an H200
 (bench/sdpa_new_shapes.py) where flash starts at once and runs as fast. So the gen tower's calls (non-causal:
-the same shapes over every step of a request: a graph build per request at most, for a kernel ~1.7x PyTorch's
-flash, FA2, at those lengths: performance.md §3) keep cuDNN first, while causal calls (the und tower's
-prefill: any prompt length over any cached prefix) and `any_shape_sdpa_attention` (the ViT: an item's length
-is its image's size) put flash first (prompts are short enough for FA2's attention to cost less than a graph
-build): without FlashAttention-3 every chat had paid a graph build, a cached prefix's chat ~0.2-1.3 s of its
-first token. (`flash_attention.py` holds the FlashAttention-3 alternative with the same signature and
-semantics, and the choice between them.) A causal call with Nq < Nk (chunked prefill, a cached prefix) aligns
-the mask to the bottom right: query i of the new chunk sees keys [0, Nk - Nq + i], through torch's lower-right
-CausalBias (flash takes it without a mask tensor; a boolean mask would send the call to cuDNN or the math
-kernel). Nothing here reads device values on the host, so it stays capturable in CUDA graphs (torch.compile runs
-no attention: dynamo cannot build a CausalBias inside a graph).
+the same shapes over every step of a request: a graph build per request for each CFG branch's prompt length,
+~0.5-0.8 s against minutes of steps, for a kernel ~1.7x PyTorch's flash, FA2, at those lengths: performance.md
+§3) keep cuDNN first, while causal calls (the und tower's prefill: any prompt length over any cached prefix)
+and `any_shape_sdpa_attention` (the ViT: an item's length is its image's size) put flash first (prompts are
+short enough for FA2's attention to cost less than a graph build): without FlashAttention-3 every chat had
+paid a graph build, a cached prefix's chat ~0.2-1.3 s of its first token. (`flash_attention.py` holds the
+FlashAttention-3 alternative with the same signature and semantics, and the choice between them.) A causal
+call with Nq < Nk (chunked prefill, a cached prefix) aligns the mask to the bottom right: query i of the new
+chunk sees keys [0, Nk - Nq + i], through torch's lower-right CausalBias (flash takes it without a mask
+tensor; a boolean mask would send the call to cuDNN or the math kernel). Nothing here reads device values on
+the host, so it stays capturable in CUDA graphs (torch.compile runs no attention: dynamo cannot build a
+CausalBias inside a graph).
 
 `ContiguousKVCache` holds one sequence's K/V for every layer, post-norm and post-RoPE, in one
 [layers, capacity, Hkv, D] buffer per K and V. Its `length` is host metadata. The und step writes a chunk
@@ -26,6 +27,7 @@ it behind the same `KVCache` protocol.
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -91,7 +93,7 @@ def _sdpa(
     gqa = q.shape[1] != k.shape[1]
     options: dict = {"is_causal": causal and nq > 1, "enable_gqa": gqa}
     if causal and 1 < nq != nk:  # lower right: query i sees keys [0, Nk - Nq + i]
-        options = {"attn_mask": causal_lower_right(nq, nk)}
+        options = {"attn_mask": _lower_right(nq, nk)}
         if _CAUSAL_BIAS_TAKES_GQA:
             options["enable_gqa"] = gqa
         elif gqa:  # (K/V heads repeated, as the math kernel does)
@@ -104,6 +106,14 @@ def _sdpa(
         out_h = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, **options)
     res = out_h.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
     return res if out is None else out.copy_(res)
+
+
+@lru_cache(maxsize=8)
+def _lower_right(nq: int, nk: int) -> CausalBias:
+    """torch's lower-right CausalBias for (Nq, Nk), one per shape for a pass's layers: the object is a tensor
+    subclass that allocates (uninitialised, never read) 2 x Nq x Nk float32 of host memory, 0.5 GB for a
+    2k-token chunk over 32k cached tokens, which every layer had allocated again."""
+    return causal_lower_right(nq, nk)
 
 
 class KVCache(Protocol):
