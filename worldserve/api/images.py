@@ -253,9 +253,8 @@ async def create_images(request: Request, st: State) -> Response:
     """Text-to-image (JSON body): `n` images as base64 in `data` (or as a file: `image_file`), generated
     with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
-    with (
-        st.counting_too_large()
-    ):  # (a structured prompt, a JSON object, becomes its text as on the video routes)
+    # (a structured prompt, a JSON object, becomes its text as on the video routes)
+    with st.counting_too_large():
         req = await read_model(
             request, ImageGenerationRequest, st.settings.max_upload_bytes, structured_texts
         )

@@ -358,10 +358,9 @@ class _Session:
                 steps, self.last_progress = request.steps_done if request else 0, time.monotonic()
             if time.monotonic() - self.last_progress > STALL_TIMEOUT_S:
                 return "stall"
+            # (a queued request runs no more at a shutdown: its 503 at once, not after the running one)
             if request is not None and not request.admitted and not self.st.client.accepting:
-                return (
-                    "shutdown"  # (a queued request runs no more: its 503 at once, not after the running one)
-                )
+                return "shutdown"
             try:
                 message = await asyncio.wait_for(self.ws.receive(), POLL_S)
             except TimeoutError:

@@ -177,9 +177,8 @@ class Engine:
     def _run(self) -> None:
         crashed: BaseException | None = None
         try:
-            prepare = getattr(
-                self.backend, "prepare_thread", None
-            )  # (the compiled layers' per-thread settings)
+            # (the compiled layers' per-thread settings)
+            prepare = getattr(self.backend, "prepare_thread", None)
             if prepare is not None:
                 prepare()
             while True:
