@@ -4,8 +4,8 @@
 # `bench/device_wheels.sh`'s .whl/ leaves out for size: without them an H100 / H200 run measures SDPA, not
 # what `worldserve serve` runs (the forty-third and forty-fourth sessions' device runs). Each kit is one
 # tar.xz of unpacked wheels (git-ignored .kit/; a call carries 64 MiB, the 5 MiB repo included):
-#   .kit/bench.tar.xz (31 MiB): the kernels + diffusers, Pillow: `worldserve bench`, bench/step_levers.py,
-#                               bench/sustained_rate.py and the like, with diffusers beside;
+#   .kit/bench.tar.xz (56 MiB): the kernels + diffusers, Pillow, PyAV (the decode phase's mux): `worldserve bench`,
+#                               bench/step_levers.py, bench/sustained_rate.py and the like, with diffusers beside;
 #   .kit/serve.tar.xz (57 MiB): the kernels + the serving stack of .whl/ (FastAPI, uvicorn, PyAV, ...):
 #                               bench/serve_video.py, bench/serve_chat.py at the product's kernels.
 # On the device (carry the one kit file, e.g. [".kit/bench.tar.xz"]: both together are over the limit):
@@ -32,7 +32,7 @@ unzip -q -j "$work"/wheels/nvidia_cutlass_dsl_libs_cu13-*.whl 'nvidia_cutlass_ds
 rm "$work"/wheels/nvidia_cutlass_dsl_libs_cu13-*.whl
 case "$kind" in
   bench)
-    download diffusers==0.42.1 pillow==13.0.0 importlib_metadata==10.2.0 zipp==4.1.2 ;;
+    download diffusers==0.42.1 pillow==13.0.0 importlib_metadata==10.2.0 zipp==4.1.2 av==18.1.0 ;;
   serve)
     [ -d .whl ] || { echo "run bash bench/device_wheels.sh first" >&2; exit 1; }
     for w in .whl/*.whl; do

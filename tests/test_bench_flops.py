@@ -194,6 +194,34 @@ def test_bench_bad_arguments_are_one_line_before_any_work(tmp_path, capsys, argv
     assert not (tmp_path / "out").exists()
 
 
+def test_bench_decode_phase_without_pyav_is_exit_2_before_any_work(tmp_path, capsys, monkeypatch):
+    """The decode phase muxes its clip: without PyAV (a device kit without it) the run failed with a traceback
+    after the transformer phase's minutes; now the argument check names the phase, and a run without decode
+    needs no PyAV."""
+    import importlib.util
+
+    from worldserve.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a)
+    )
+    out = tmp_path / "out"
+    assert (
+        main(["bench", "--tiny", "--device", "cpu", "--out-dir", str(out), "--phases", "transformer,decode"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("worldserve bench: error: --phases decode") and "PyAV" in err, err
+    assert not out.exists()
+    from worldserve.cli import build_parser
+    from worldserve.commands.bench import options
+
+    argv = ["bench", "--tiny", "--device", "cpu", "--out-dir", str(out), "--phases", "transformer"]
+    args = build_parser(argv).parse_args(argv)
+    assert options(args).phases == frozenset({"transformer"})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize(
     ("argv", "needle"),

@@ -9,6 +9,7 @@ Implementation: `worldserve/bench/`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,6 +135,10 @@ def options(args: argparse.Namespace) -> BenchOptions:
                          "use --tiny with --device cpu")  # fmt: skip
     if args.attention_backend == "FLASH_ATTN":
         _check_fa3(device, args.tiny)
+    if "decode" in phases and importlib.util.find_spec("av") is None:
+        # (the decode phase muxes the clip it decoded: without PyAV it failed after the transformer phase's minutes)
+        raise ParamError("phases", "--phases decode muxes an MP4 and needs PyAV (pip install av); "
+                         "leave decode out of --phases to run without it")  # fmt: skip
     try:
         points = tuple(
             parse_point(s, fps=args.fps, sound=not args.no_sound, cond_text=args.text_tokens,

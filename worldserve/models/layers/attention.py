@@ -6,8 +6,8 @@ Hq a multiple of Hkv, and returns [Nq, Hq, D]. It runs `F.scaled_dot_product_att
 call's shapes repeat: cuDNN builds an execution graph for every new (Nq, Nk), 46-790 ms on an H200
 (bench/sdpa_new_shapes.py) where flash starts at once and runs as fast. So the gen tower's calls (non-causal:
 the same shapes over every step of a request: a graph build per request for each CFG branch's prompt length,
-~0.5-0.8 s against minutes of steps, for a kernel ~1.7x PyTorch's flash, FA2, at those lengths: performance.md
-§3) keep cuDNN first, while causal calls (the und tower's prefill: any prompt length over any cached prefix)
+~40 ms against minutes of steps, for a kernel 1.6-1.7x PyTorch's flash, FA2, at those lengths: 55 vs 89 ms a
+720p call on an H200, bench/sdpa_new_shapes.py, performance.md §3) keep cuDNN first, while causal calls (the und tower's prefill: any prompt length over any cached prefix)
 and `any_shape_sdpa_attention` (the ViT: an item's length is its image's size) put flash first (prompts are
 short enough for FA2's attention to cost less than a graph build): without FlashAttention-3 every chat had
 paid a graph build, a cached prefix's chat ~0.2-1.3 s of its first token. (`flash_attention.py` holds the
