@@ -205,3 +205,26 @@ def test_a_broken_checkpoint_config_is_one_line_before_the_load(
         assert rc == 1 and "Traceback" not in err, err
         assert "could not load the model" in caplog.text and needle in caplog.text, caplog.text
     assert not loads
+
+
+def test_every_loader_names_a_broken_transformer_config(tiny_copy):
+    """The library's loaders read transformer/config.json through read_transformer_config, as serve's pre-load
+    check does: a cut file is a CheckpointError naming it (the parallel loader, the transformer loader and the
+    adapter check had each parsed it themselves: a bare JSONDecodeError), before any peer starts."""
+    from worldserve.params import LoraRequest
+    from worldserve.runner.lora_cache import check_adapter_fits
+    from worldserve.runner.parallel_layout import ParallelLayout
+    from worldserve.runner.parallel_pipeline import ParallelPipeline
+    from worldserve.weights.checkpoint import CheckpointError
+    from worldserve.weights.loader import load_transformer
+
+    config = tiny_copy / "transformer" / "config.json"
+    config.write_text('{"num_attention_heads": ')
+    loads = (
+        lambda: load_transformer(tiny_copy, progress=False),
+        lambda: ParallelPipeline.from_pretrained(tiny_copy, ParallelLayout(cfg=2), device="cpu"),
+        lambda: check_adapter_fits(tiny_copy, LoraRequest(name="a", path=str(tiny_copy)), "--lora-path"),
+    )
+    for load in loads:
+        with pytest.raises(CheckpointError, match="transformer/config.json"):
+            load()

@@ -145,11 +145,11 @@ def check_kv_cache_fits(cfg: ModelConfig, chat: ReasonerConfig, path: Path) -> N
         return
     import torch
 
-    from worldserve.models.cosmos3.config import Cosmos3Config
     from worldserve.models.layers.paged_kv import PagedKVPool
     from worldserve.runner.devices import default_device, default_dtype
+    from worldserve.weights.checkpoint import read_transformer_config
 
-    config = Cosmos3Config.from_json(path / "transformer" / "config.json")
+    config = read_transformer_config(path)
     device = torch.device(cfg.device) if cfg.device else default_device()
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
     per_token = PagedKVPool.bytes_per_token(

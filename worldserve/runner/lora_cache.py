@@ -171,9 +171,9 @@ def merge_lora(
 def check_adapter_fits(root: str | Path, request: LoraRequest, flag: str) -> None:
     """ValueError naming `flag` unless `request`'s adapter fits the transformer of the checkpoint at `root`
     (its headers against the config): before minutes of weights load, not after."""
-    from worldserve.models.cosmos3.config import Cosmos3Config
+    from worldserve.weights.checkpoint import read_transformer_config
 
-    config = Cosmos3Config.from_json(Path(root) / "transformer" / "config.json")
+    config = read_transformer_config(Path(root))
     try:
         inspect_adapter(request.validate().path, config)
     except ParamError as exc:

@@ -54,6 +54,7 @@ from worldserve.runner.video_pipeline import (
     step_lora,
 )
 from worldserve.sampling.guidance import needs_uncond
+from worldserve.weights.checkpoint import read_transformer_config
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -99,7 +100,7 @@ class ParallelPipeline:
         """Check the layout against the checkpoint, spawn the peers, join the world with them, load the full
         pipeline here while each peer loads the transformer on its GPU, and wait for every peer's "ready"
         (runner/peers.py). A peer that dies meanwhile: PeerError, one line naming the layout, rank, exit code."""
-        config = Cosmos3Config.from_json(Path(path) / "transformer" / "config.json")
+        config = read_transformer_config(Path(path))
         check_checkpoint_layout(config, ulysses=layout.ulysses, tp=layout.tp)
         devices = rank_devices(device, layout.world, layout.flags)
         if dtype is None:

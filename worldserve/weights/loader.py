@@ -170,11 +170,11 @@ def load_transformer(
 ) -> Cosmos3Transformer:  # fmt: skip
     """Build the Cosmos3 transformer of checkpoint folder `root` and load its weights (with a tensor-parallel
     ParallelGroup `tp`: this rank's slices of the sharded linears)."""
-    from worldserve.models.cosmos3.config import Cosmos3Config
     from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+    from worldserve.weights.checkpoint import read_transformer_config
 
     folder = Path(root) / "transformer"
-    config = Cosmos3Config.from_json(folder / "config.json")
+    config = read_transformer_config(Path(root))
     header = read_header(folder, "diffusion_pytorch_model")
     with torch.device("meta"):
         model = Cosmos3Transformer(config, dtype=dtype, **({} if tp is None else {"tp": tp}))
