@@ -81,6 +81,10 @@ CASES = [
     ("video_params 5000-digit number", {**OK, "video_params": '{"fps": %s}' % ("9" * 5000)}, 400, "video_params",
      "Invalid JSON in form field."),
     ("extra_params list", {**OK, "extra_params": "[]"}, 400, "extra_params", "expected dict, got list."),
+    ("extra_params null", {**OK, "extra_params": "null"}, 400, "extra_params", "expected dict, got NoneType."),
+    ("video_params null", {**OK, "video_params": "null"}, 400, "video_params", "expected dict, got NoneType."),
+    ("audio_reference null", {**OK, "audio_reference": "null"}, 400, "audio_reference",
+     "expected dict, got NoneType."),
     ("extra_params action", {**OK, "extra_params": '{"action_mode": "policy"}'}, 400, "extra_params.action_mode",
      "not supported"),
     ("video_reference not a video", {**OK, "video_reference": '{"video_url": "data:video/mp4;base64,AA=="}'},
@@ -473,6 +477,10 @@ async def test_lone_surrogates_name_the_field_and_seeds_outputs_follow_vllm(tmp_
             "guidance_scale_2": 3,
             "boundary_ratio": 0.9,
             "return_stage_metrics": True,
+            # a JSON body's null is the field left out (a form's text "null" is a 400: CASES)
+            "extra_params": None,
+            "video_params": None,
+            "audio_reference": None,
         }
         assert (await http.post("/v1/videos/sync", json=ok)).status_code == 200  # accepted, unused by Cosmos3
         jpeg = io.BytesIO()

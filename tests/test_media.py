@@ -288,6 +288,20 @@ def test_decode_image_composites_rgba_over_the_chat_background():
     np.testing.assert_array_equal(got.image, chat)
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_decode_image_scales_16_bit_grayscale(fmt):
+    """A 16-bit grayscale image (Pillow's I;16) is scaled to 8 bits: Pillow's convert("RGB") clips its values
+    at 255, so an I2V reference of a 16-bit gradient conditioned on a white frame (an audit's finding)."""
+    wide = np.tile(np.array([0, 128, 257, 32768, 65535], np.uint16), (3, 1))  # [3, 5]
+    img = Image.fromarray(wide)
+    assert img.mode.startswith("I;16")
+    out = decode_image(_encode(img, fmt))
+    assert out.shape == (3, 5, 3) and out.dtype == np.uint8
+    np.testing.assert_array_equal(out[0, :, 0], [0, 0, 1, 128, 255])
+    assert (out == out[..., :1]).all()  # grey: the three channels equal
+    np.testing.assert_array_equal(decode_image(_encode(img, fmt), rgba_background=(255, 255, 255)), out)
+
+
 def test_decode_image_applies_exif_orientation():
     img = Image.fromarray(_frames(1, 20, 30)[0])
     exif = Image.Exif()

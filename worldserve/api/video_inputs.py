@@ -304,12 +304,13 @@ def json_field(raw: Any, field: str) -> Any:
 
 
 def json_object_field(raw: str | dict | None, field: str) -> dict | None:
-    """A field that holds a JSON object (json_field); a non-object is a 400 with vLLM-Omni's message."""
-    raw = json_field(raw, field)
-    if raw is not None and not isinstance(raw, dict):
-        raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
+    """A field that holds a JSON object (json_field); a non-object is a 400 with vLLM-Omni's message. A JSON
+    body's null is the field left out; a form's text `null` is a non-object (NoneType), as for the references."""
+    value = json_field(raw, field)
+    if not isinstance(value, dict) and (value is not None or isinstance(raw, str)):
+        raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(value).__name__}.",
                        param=field)  # fmt: skip
-    return raw
+    return value
 
 
 def _validated(model: type[_Model], raw: dict, field: str) -> _Model:

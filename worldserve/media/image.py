@@ -68,7 +68,8 @@ def decode_image(
 ) -> np.ndarray:
     """Decode image bytes (any Pillow format) to uint8 RGB (H, W, 3), applying the EXIF orientation.
 
-    Alpha is dropped as `Image.convert("RGB")` does (the diffusers pipeline converts the same way); with
+    16-bit grayscale is scaled to 8 bits (where `convert("RGB")` clips it at 255). Alpha is dropped as
+    `Image.convert("RGB")` does (the diffusers pipeline converts the same way); with
     `rgba_background`, an image with transparency is composited over that colour instead (vLLM's
     `rgba_to_rgb`, white by default there, for chat images: a transparent pixel is the background, not its
     hidden colour; vLLM does it for RGBA only, transformers' processors for LA and palette transparency too,
@@ -87,6 +88,8 @@ def decode_image(
                 opened.load()
                 ImageOps.exif_transpose(opened, in_place=True)  # (returning a copy costs ~10 ms at 720p)
                 img: Image.Image = opened
+                if img.mode.startswith("I;16"):  # 16-bit grayscale (PNG, TIFF): convert("RGB") clips at 255
+                    img = _gray16_to_8bit(img)
                 if rgba_background is not None and _has_alpha(img):
                     img = img.convert("RGBA")  # (LA, PA, a palette or RGB with a transparent colour too)
                     flat = Image.new("RGB", img.size, rgba_background)
@@ -109,6 +112,14 @@ def decode_image(
     if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
         raise ParamError(param, invalid_reference(param))
     return rgb
+
+
+def _gray16_to_8bit(img: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image (Pillow's I;16 modes) as 8-bit "L", each value scaled by 255 / 65535 and
+    rounded. Pillow's convert("RGB") / ("L") clips those values at 255 instead, so every pixel above 1/256 of
+    full scale came out white (diffusers' load_image and transformers' processors convert that way)."""
+    wide = np.asarray(img).astype(np.uint32)  # [H, W] of 0..65535
+    return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), mode="L")
 
 
 def _has_alpha(img: Image.Image) -> bool:
