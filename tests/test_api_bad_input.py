@@ -626,11 +626,47 @@ async def test_unknown_paths_and_401s_stay_out_of_vllms_names(tmp_path):
             r = await http.post(path, json={}, headers=auth)
             assert r.status_code == 404 and r.json()["error"]["type"] == "Not Found", (path, r.text)
         r = await http.post("/v1/chat/completions", json={"messages": []}, headers=auth)
-        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"  # (request validation)
         assert (await http.get("/v1/videos/nope")).status_code == 401
         metrics = (await http.get("/metrics", headers=auth)).text
         counted = [line for line in metrics.splitlines() if line.startswith("http_requests_total")]
         assert counted and not any('method="GET"' in line for line in counted), counted  # the 401 GET
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "param"),
+    [
+        ({"messages": HI, "temperature": "x"}, "Bad Request", "temperature"),
+        ({"messages": []}, "Bad Request", "messages"),
+        ({"messages": HI, "stream_options": {"include_usage": True}}, "Bad Request", "stream_options"),
+        ({"messages": HI, "stream": True, "prompt_logprobs": 1}, "Bad Request", "prompt_logprobs"),
+        ({"messages": HI, "top_logprobs": 2}, "Bad Request", "top_logprobs"),
+        ({"messages": HI, "tool_choice": "required"}, "Bad Request", "tool_choice"),
+        ({"messages": HI, "continue_final_message": True}, "Bad Request", "continue_final_message"),
+        ("not json", "Bad Request", None),
+        ({"messages": HI, "n": 17}, "BadRequestError", "n"),
+        ({"messages": HI, "max_tokens": 2, "min_tokens": 5}, "BadRequestError", "min_tokens"),
+        ({"messages": HI, "model": "nope"}, "NotFoundError", "model"),
+    ],
+)  # fmt: skip
+async def test_vllm_routes_type_request_validation_as_bad_request(tmp_path, body, kind, param):
+    """On vLLM's routes a request its validation refuses (pydantic's types and ranges, its request model's
+    validators, a body that is not JSON) is typed with the reason phrase "Bad Request", as vLLM's
+    RequestValidationError handler types it (serving-api.md §3.2); what its serving code refuses later (the
+    sampling parameters' checks, an unknown model) keeps vLLM's typed names."""
+    async with asgi_server(tmp_path) as http:
+        if isinstance(body, str):
+            r = await http.post(
+                "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
+        else:
+            r = await http.post("/v1/chat/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == (404 if kind == "NotFoundError" else 400), r.text
+    assert (err["type"], err["param"]) == (kind, param), r.text
 
 
 async def test_the_api_key_guards_tokenize_and_detokenize_too(tmp_path):

@@ -351,6 +351,23 @@ def _rendered(url: str, messages: list[dict]) -> tuple[str, int]:
     return back.json()["prompt"], len(tokens)
 
 
+def test_custom_roles_reach_the_template_as_vllm_passes_them(url):
+    """vLLM takes any role (its CustomChatCompletionMessageParam; OpenAI's legacy `function` role too) and
+    leaves it to the chat template, which here writes `<|im_start|>` + role; a chat with them answers."""
+    import openai
+
+    messages = [
+        {"role": "user", "content": "What is 6 x 7?"},
+        {"role": "function", "name": "calc", "content": "42"},
+        {"role": "wizard", "content": "Forty-two."},
+    ]
+    text, count = _rendered(url, messages)
+    assert "<|im_start|>function\n42<|im_end|>\n<|im_start|>wizard\nForty-two.<|im_end|>" in text, text
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    resp = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert resp.usage.prompt_tokens == count and resp.choices[0].message.role == "assistant"
+
+
 def test_an_assistant_turns_reasoning_reaches_the_template(url):
     """vLLM's interleaved thinking: an assistant message's `reasoning` goes to the chat template (as
     `reasoning` and `reasoning_content`), here rendered in Qwen3's think block before that turn's answer; the

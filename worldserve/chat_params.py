@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from worldserve.params import ParamError, choice_seed, shown
+from worldserve.params import InvalidRequest, ParamError, choice_seed, shown
 
 THINK_START, THINK_END = "<think>", "</think>"
 """The tags of a Qwen3 answer's thoughts (as --reasoning-parser qwen3 reads them: api/reasoning.py; the
@@ -320,7 +320,7 @@ class ChatParams:
         if not 0 <= self.top_logprobs <= 20:
             raise ParamError("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
-            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+            raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise ParamError(
                 "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
@@ -330,8 +330,8 @@ class ChatParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ParamError("continue_final_message",
-                             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")  # fmt: skip
+            raise InvalidRequest("continue_final_message",
+                                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")  # fmt: skip
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= MIN_REPETITION_PENALTY):
             raise ParamError("repetition_penalty", "repetition_penalty must be a finite number greater than zero "
                              f"(at least {MIN_REPETITION_PENALTY:g}), got {self.repetition_penalty}")  # fmt: skip

@@ -86,6 +86,12 @@ class ParamError(ValueError):
         self.message = message
 
 
+class InvalidRequest(ParamError):
+    """A ParamError that vLLM raises from its request model's validators (stream_options without stream,
+    top_logprobs without logprobs, tool_choice without tools, both template switches): on vLLM's routes its
+    error type is the reason phrase "Bad Request", as for any request validation, not "BadRequestError"."""
+
+
 class TextTooLong(ParamError):
     """A text refused by its byte size alone: more than the context's tokens can hold (before tokenizing)."""
 

@@ -158,13 +158,12 @@ def parse_json(body: str | bytes, what: str = "JSON body") -> Any:
     try:
         data = json.loads(body, parse_constant=constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"Invalid {what}: {exc}") from None
+        raise APIError(400, f"Invalid {what}: {exc}", request_validation=True) from None
     except ValueError:  # Python's int-from-text limit (sys.get_int_max_str_digits)
-        raise APIError(
-            400, f"Invalid {what}: a number longer than {sys.get_int_max_str_digits()} digits"
-        ) from None
+        raise APIError(400, f"Invalid {what}: a number longer than {sys.get_int_max_str_digits()} digits",
+                       request_validation=True) from None  # fmt: skip
     except RecursionError:
-        raise APIError(400, f"Invalid {what}: nested too deeply") from None
+        raise APIError(400, f"Invalid {what}: nested too deeply", request_validation=True) from None
     if isinstance(body, str):
         brackets = body.count("{") + body.count("[")
     else:
@@ -175,7 +174,7 @@ def parse_json(body: str | bytes, what: str = "JSON body") -> Any:
     if constants:
         where = _constant_path(data)
         raise APIError(400, f"Invalid {what}: {constants[0]} is not a JSON number"
-                       + (f" (in {where})" if where else ""), param=where)  # fmt: skip
+                       + (f" (in {where})" if where else ""), param=where, request_validation=True)  # fmt: skip
     return data
 
 
@@ -260,13 +259,14 @@ async def _json_object(request: Request, max_bytes: int, keep: bool = False) -> 
     """(the body's JSON object, its size in bytes); `keep`: the body kept to be read again."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
-        raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json")
+        raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json",
+                       request_validation=True)  # fmt: skip
     body = b"".join([chunk async for chunk in bounded_stream(request, max_bytes)])
     if keep:
         request._body = body  # (Starlette's own cache, which request.stream() and .body() read first)
     data = await parse_json_body(body)
     if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object")
+        raise APIError(400, "The request body must be a JSON object", request_validation=True)
     return data, len(body)
 
 

@@ -72,6 +72,7 @@ from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput, VideoSampling
 from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.work_pool import map_in_order, on_request_pool
+from worldserve.params import InvalidRequest
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
     if not 1 <= body.n <= MAX_CHOICES:
         raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
     if (refused := body.refused_streaming(body.prompt_logprobs)) is not None:
-        raise APIError(400, refused[1], param=refused[0])
+        raise InvalidRequest(*refused)
     if (refused := body.refused_sampling()) is not None:
         raise APIError(400, refused[1], param=refused[0])
     if body.chat_template is not None:

@@ -62,7 +62,9 @@ class ContentPart(BaseModel):
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str
+    """system, developer (rendered as system), user, assistant, tool, or any other role, as vLLM takes custom
+    roles (OpenAI's legacy `function` among them) and leaves them to the chat template."""
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
     """An assistant turn's calls (the chat template renders them)."""

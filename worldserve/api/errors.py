@@ -30,7 +30,7 @@ from starlette.routing import Match
 from worldserve.api.auth import request_id_of
 from worldserve.api.disconnect import CLIENT_CLOSED_REQUEST, ClientGone
 from worldserve.engine.client import StorageError
-from worldserve.params import ParamError
+from worldserve.params import InvalidRequest, ParamError
 
 log = logging.getLogger(__name__)
 MAX_INPUT_REPR = 200
@@ -45,7 +45,7 @@ class APIError(Exception):
 
     def __init__(
         self, status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None,
-        engine_request_id: str | None = None,
+        engine_request_id: str | None = None, request_validation: bool = False,
     ):  # fmt: skip
         super().__init__(message)
         self.status = status
@@ -53,6 +53,9 @@ class APIError(Exception):
         self.param = param
         self.headers = dict(headers or {})
         self.engine_request_id = engine_request_id
+        self.request_validation = request_validation
+        """A request refused as FastAPI's validation refuses it (the body not a JSON object, a field's type or
+        range): typed "Bad Request" on vLLM's routes too, as vLLM's RequestValidationError handler types it."""
 
 
 VLLM_ROUTES = (
@@ -141,7 +144,7 @@ def validation_error(
     ):  # the part at fault, as the semantic checks name it: messages[i].content[j].x
         # (Responses' `input` items the same)
         param = max((_field_path(item["loc"][1:]) for item in items), key=lambda path: path.count("."))
-    return APIError(400, message, param=param)
+    return APIError(400, message, param=param, request_validation=True)
 
 
 def _field_path(loc: Sequence[Any]) -> str:
@@ -169,10 +172,12 @@ def _answer(
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
     engine_request_id: str | None = None,
+    request_validation: bool = False,
 ) -> JSONResponse:
-    """The envelope for an error of `request` (typed as vLLM types them on its own routes)."""
-    return error_response(status, message, param, headers, vllm=is_vllm_route(request),
-                          engine_request_id=engine_request_id)  # fmt: skip
+    """The envelope for an error of `request`: typed as vLLM types them on its own routes, except a
+    `request_validation` error, which vLLM's validation handler types "Bad Request" as everywhere."""
+    vllm = is_vllm_route(request) and not request_validation
+    return error_response(status, message, param, headers, vllm=vllm, engine_request_id=engine_request_id)
 
 
 def _named(request_id: str | None) -> str:
@@ -230,21 +235,24 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _answer(request, exc.status, exc.message, exc.param, exc.headers, exc.engine_request_id)
+        return _answer(request, exc.status, exc.message, exc.param, exc.headers, exc.engine_request_id,
+                       exc.request_validation)  # fmt: skip
 
     @app.exception_handler(ParamError)
     async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
-        return _answer(request, 400, exc.message, exc.param)
+        return _answer(
+            request, 400, exc.message, exc.param, request_validation=isinstance(exc, InvalidRequest)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(exc.errors(), loc_prefix=())
-        return _answer(request, 400, err.message, err.param)
+        return _answer(request, 400, err.message, err.param, request_validation=True)
 
     @app.exception_handler(ValidationError)
     async def _pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
         err = validation_error(exc.errors())
-        return _answer(request, 400, err.message, err.param)
+        return _answer(request, 400, err.message, err.param, request_validation=True)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -29,7 +29,7 @@ from worldserve.api.bodies import check_depth, check_unicode
 from worldserve.api.errors import APIError
 from worldserve.api.json_stream import canonical_json
 from worldserve.chat_params import StructuredOutput
-from worldserve.params import ParamError
+from worldserve.params import InvalidRequest, ParamError
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 """A hermes call block's tags (an unterminated last block, a length cut or a missing end tag, runs to the end
@@ -121,7 +121,7 @@ def tool_mode(tools: list[ToolIn] | None, choice: Any, parallel: bool | None = N
         named = None
     if not tools:  # (vLLM's check_tool_usage: any tool_choice but "none" needs `tools`; [] is tools given)
         if choice in ("required", "named") or (choice == "auto" and tools is None):
-            raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
+            raise InvalidRequest("tool_choice", "When using `tool_choice`, `tools` must be set.")
         return None
     names = [t.function.name for t in tools]
     if named is not None and named not in names:
