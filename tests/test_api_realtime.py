@@ -158,6 +158,15 @@ async def test_control_messages_beside_a_running_request(tmp_path):
          "prompt upsampling needs the Reasoner", "extra_params.upsample_prompt"),
         ({"type": "session.start", "prompt": "x", "extra_params": {"edge": True}}, "transfer/action",
          "extra_params.edge"),
+        # a value sent in sampling_params is named there, not by the field vLLM-Omni's merge filled with it
+        ({"type": "session.start", "prompt": "x", "sampling_params": {"num_inference_steps": -3}}, "",
+         "sampling_params.num_inference_steps"),
+        ({"type": "session.start", "prompt": "x", "num_inference_steps": 2,
+          "sampling_params": {"num_inference_steps": -3}}, "", "sampling_params.num_inference_steps"),
+        ({"type": "session.start", "prompt": "x", "sampling_params": {"video_codec_options": {"bf": 2}}},
+         "bf must be 0", "sampling_params.video_codec_options"),
+        ({"type": "session.start", "prompt": "x", "sampling_params": {"extra_params": {"seed": "s"}}}, "",
+         "sampling_params.extra_params.seed"),
     ],
 )  # fmt: skip
 async def test_bad_starts_get_an_error_naming_the_field_and_a_close(tmp_path, start, message, param):

@@ -320,6 +320,26 @@ def test_an_answer_without_text_still_has_its_message():
     assert body["usage"]["output_tokens"] == 2 and ResponsesRequest(input="x").logprobs is False
 
 
+def test_prompt_templates_are_refused_and_the_service_tier_echoed(reasoner_oai, reasoner_url):
+    """vLLM's Responses request: a `prompt` template is a 400 in its words (its request validator: typed
+    "Bad Request"); `service_tier` takes OpenAI's tiers and the response echoes it ("auto" by default); another
+    value is a 400 naming it (both had been ignored)."""
+    url = reasoner_url + "/v1/responses"
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 2}
+    r = httpx.post(url, json={**body, "prompt": {"id": "pmpt_1", "variables": {"x": "y"}}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "prompt template is not supported",
+        "type": "Bad Request",
+        "param": "prompt",
+        "code": 400,
+    }, r.text
+    r = httpx.post(url, json={**body, "service_tier": "gold"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "service_tier", r.text
+    assert reasoner_oai.responses.create(**body).service_tier == "auto"
+    flex = reasoner_oai.responses.create(**body, service_tier="flex")
+    assert flex.service_tier == "flex" and reasoner_oai.responses.retrieve(flex.id).service_tier == "flex"
+
+
 def test_stored_responses_continue_a_conversation(reasoner_oai, reasoner_url):
     """store (the default) keeps a response: previous_response_id continues its conversation (instructions not
     carried over, as OpenAI's), which answers as the chat of the whole conversation; GET finds it, DELETE
@@ -335,6 +355,9 @@ def test_stored_responses_continue_a_conversation(reasoner_oai, reasoner_url):
     assert second.previous_response_id == first.id and second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert reasoner_oai.responses.retrieve(first.id).output_text == first.output_text
+    # vLLM's stream replays a background response's events; none here: a 400, not JSON read as no events
+    r = httpx.get(f"{reasoner_url}/v1/responses/{first.id}", params={"stream": "true", "starting_after": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
     with pytest.raises(BadRequestError, match="Cannot cancel a synchronous response"):  # (vLLM's cancel)
         reasoner_oai.responses.cancel(first.id)
     reasoner_oai.responses.delete(first.id)

@@ -45,14 +45,9 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from worldserve.api.bodies import parse_json
 from worldserve.api.errors import APIError
-from worldserve.api.protocol import VideoCreateRequest
+from worldserve.api.realtime_start import merged_fields, sent_name
 from worldserve.api.state import AppState
-from worldserve.api.video_inputs import (
-    build_inputs,
-    checked_codec_options,
-    json_body_fields,
-    json_object_field,
-)
+from worldserve.api.video_inputs import build_inputs, checked_codec_options, json_body_fields
 from worldserve.api.ws_protocol import ABORT_AFTER_S, abort_connection
 from worldserve.engine.client import (
     SHUTDOWN_REASON,
@@ -315,22 +310,14 @@ class _Session:
             raise APIError(400, f"Expected session.start, got: {msg.get('type')}", param="type")
         if msg.get("format", "m4s") != "m4s":
             raise APIError(400, "Invalid session.start format: expected 'm4s'.", param="format")
-        fields = {k: v for k, v in msg.items() if k not in ("type", "format", "sampling_params")}
-        sampling = msg.get("sampling_params")
-        if sampling is not None and not isinstance(sampling, dict):
-            raise APIError(400, "sampling_params must be a JSON object", param="sampling_params")
-        if sampling:  # vLLM-Omni's merge: request fields not given, the rest into extra_params
-            extra = dict(json_object_field(fields.get("extra_params"), "extra_params") or {})
-            for key, value in sampling.items():
-                if key == "extra_params":  # (its keys join the top level's)
-                    extra.update(json_object_field(value, "sampling_params.extra_params") or {})
-                elif key in VideoCreateRequest.model_fields and key not in fields:
-                    fields[key] = value
-                else:
-                    extra[key] = value
-            if extra:
-                fields["extra_params"] = extra
-        fields = json_body_fields(fields)
+        fields, origins = merged_fields(msg)
+        try:
+            return await self._checked(json_body_fields(fields))
+        except (APIError, ParamError) as exc:  # named as session.start named the value
+            exc.param = sent_name(exc.param, origins)
+            raise
+
+    async def _checked(self, fields: dict[str, Any]) -> tuple[VideoParams, EncodeOptions, dict[str, Any]]:
         st = self.st
         inputs = await build_inputs(fields, served_model=st.served_model_name,
                                     model_aliases=st.settings.model_aliases, has_sound=st.client.has_sound,

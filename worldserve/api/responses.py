@@ -158,11 +158,18 @@ async def create_response(request: Request, st: State) -> Response:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, st: State) -> JSONResponse:
-    """A stored response (`store`, kept in memory: api/responses_store.py)."""
+async def get_response(
+    response_id: str, st: State, stream: bool | None = None, starting_after: int | None = None
+) -> JSONResponse:
+    """A stored response (`store`, kept in memory: api/responses_store.py). vLLM's `stream` / `starting_after`
+    replay a background response's events; this server makes none (`background` is a 400), so `stream` is a
+    400 rather than a JSON answer an SDK's stream would read as no events."""
     found = st.responses.get(response_id) if st.responses is not None else None
     if found is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    if stream:
+        raise APIError(400, "stream replays a background response's events; this server makes no background "
+                       "responses: retrieve it without stream", param="stream")  # fmt: skip
     return JSONResponse(found[1])
 
 
@@ -233,6 +240,7 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool, defaults: ChatDef
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",  # (OpenAI's and vLLM's default)
         "tools": tools, "truncation": req.truncation or "disabled", "user": req.user, "usage": None,
         "top_logprobs": req.top_logprobs,  # (echoed, as OpenAI and vLLM do)
+        "service_tier": req.service_tier,
     }  # fmt: skip
 
 

@@ -12,7 +12,7 @@ name, description, parameters) and `tool_choice` ("auto", "none", "required", {"
 become the chat's; `text.format` (json_schema / json_object / text) its response_format; `max_output_tokens`
 its max_tokens; `include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs;
 `previous_response_id`'s stored conversation (api/responses_store.py) comes before the input, after the
-instructions. `background` is a 400. `ChatPaths` (api/responses_input.py) turns an error naming a chat field
+instructions. `background` and a `prompt` template are 400s; `service_tier` is checked and echoed. `ChatPaths` (api/responses_input.py) turns an error naming a chat field
 back into the Responses field the client sent.
 """
 
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from worldserve.api.chat_protocol import ChatCompletionRequest, SamplingRequest
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.responses_input import ChatPaths, InputItem, continues_final, input_messages
+from worldserve.params import InvalidRequest
 
 LOGPROBS = "message.output_text.logprobs"
 INCLUDES = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url")
@@ -69,6 +70,10 @@ class ResponsesRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     store: bool | None = None
     background: bool | None = None
+    prompt: Any = None
+    """OpenAI's prompt template reference: refused, in vLLM's words."""
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
+    """Echoed in the response object, as vLLM does (one tier here)."""
     previous_response_id: str | None = None
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
@@ -93,6 +98,8 @@ def to_chat(
     the Responses field for what this server does not take."""
     if req.background:
         raise APIError(400, "background responses are not supported", param="background")
+    if req.prompt is not None:  # (vLLM's request validator)
+        raise InvalidRequest("prompt", "prompt template is not supported")
     for value in req.include or ():
         if value not in INCLUDES:
             raise APIError(400, f"include value {value!r} is not supported (supported: {', '.join(INCLUDES)})",
@@ -114,7 +121,7 @@ def to_chat(
                        "answer", param="input")  # fmt: skip
     continued = continues_final(items)  # a partial last message or reasoning item: the answer goes on with it
     chat = req.model_dump(exclude={"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
-                                   "include", "top_logprobs", "store", "background", "previous_response_id",
+                                   "include", "top_logprobs", "store", "background", "previous_response_id", "prompt", "service_tier",
                                    "reasoning", "metadata", "user", "truncation", "n", "stream_options",
                                    "response_format"})  # fmt: skip
     chat.update(messages=messages, max_tokens=req.max_output_tokens, logprobs=req.logprobs,
