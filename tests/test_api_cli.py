@@ -123,6 +123,27 @@ def test_a_many_valued_flag_that_took_the_model_folder_is_refused(tmp_path, flag
     argv = ["serve", flag, ""]  # "" is not a folder (Path("") is "."): the empty value's own error says why
     with pytest.raises(ValueError, match="protects nothing|must not be empty"):
         engine_config(build_parser(argv).parse_args(argv))
+    # a Hub repo id after the flag's first value: the tiny random model had been served under it
+    argv = ["serve", flag, "k1", "nvidia/Cosmos3-Nano"]
+    with pytest.raises(
+        ValueError, match=f"{flag} took 'nvidia/Cosmos3-Nano', a Hugging Face repo id.*MODEL first"
+    ):
+        engine_config(build_parser(argv).parse_args(argv))
+    argv = ["serve", "nvidia/Cosmos3-Nano", flag, "k1", "org/name"]  # MODEL given: a second value is a value
+    assert engine_config(build_parser(argv).parse_args(argv)).model.model == "nvidia/Cosmos3-Nano"
+
+
+def test_a_lone_served_model_name_shaped_as_a_repo_id_names_the_tiny_default():
+    from worldserve.commands.serve import engine_config
+
+    argv = ["serve", "--served-model-name", "nvidia/Cosmos3-Nano"]
+    config = engine_config(build_parser(argv).parse_args(argv))
+    assert config.model.model is None and config.model.served_model_name == "nvidia/Cosmos3-Nano"
+    # /v1/models' root names the model served (vLLM's model path), not the name it is served under
+    from worldserve.commands.serve import app_settings
+    from worldserve.config import TINY_SERVED_NAME
+
+    assert app_settings(config).model_root == TINY_SERVED_NAME
 
 
 @pytest.mark.parametrize(
@@ -253,7 +274,7 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
         serve_backend, "load_backend", lambda cfg, parallel, sched, chat, lora: _time.sleep(5)
     )
     assert serve_backend.load_backend_within(ModelConfig(init_timeout=0.05)) is None
-    assert "did not become ready within 0.05s" in caplog.text
+    assert "Orchestrator did not become ready within 0.05s" in caplog.text  # (vLLM-Omni's words)
     monkeypatch.setattr(
         serve_backend, "load_backend", lambda cfg, parallel, sched, chat, lora: ("backend", None)
     )
@@ -472,3 +493,14 @@ def test_sigterm_during_the_model_load_ends_serve_in_one_line(monkeypatch, tmp_p
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", port))  # the listener closed
+
+
+@pytest.mark.parametrize("flag", ["--version", "-v"])
+def test_version_flag_prints_the_version(flag, capsys):
+    """`worldserve --version` as `vllm --version` (it was a usage error: a VERB is required)."""
+    from worldserve import __version__
+    from worldserve.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([flag])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == __version__

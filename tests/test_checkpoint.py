@@ -126,6 +126,20 @@ def test_no_sound_variant(tmp_path):
     assert not any("audio" in k for k in read_header(root / "transformer", PREFIX).shapes)
 
 
+def test_a_declared_sound_tokenizer_missing_is_a_partial_download(tiny_copy):
+    """model_index.json declares sound_tokenizer and its folder is gone (a partial download): a CheckpointError
+    naming it, where generation went on without the sound that is on by default; declared null, the
+    checkpoint is video-only as make-tiny --no-sound writes it."""
+    import shutil
+
+    shutil.rmtree(tiny_copy / "sound_tokenizer")
+    with pytest.raises(CheckpointError, match="declares sound_tokenizer but its folder is missing"):
+        read_layout(tiny_copy)
+    index = json.loads((tiny_copy / "model_index.json").read_text())
+    (tiny_copy / "model_index.json").write_text(json.dumps({**index, "sound_tokenizer": [None, None]}))
+    assert not read_layout(tiny_copy).has_sound
+
+
 def test_nano_shapes_are_cosmos3_nano(tmp_path):
     """`make-tiny --shapes nano` (~32 GB, not written here) sizes every component as the real Nano: the
     transformer config, the Wan2.2 VAE's widths, a 0.58B Qwen3-VL-8B ViT projecting into d_model 4096, 5 GB

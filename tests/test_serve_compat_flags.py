@@ -316,6 +316,7 @@ ACCEPTED = [
     "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto", "--max-num-partial-prefills", "1",
     "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "0", "--scheduling-policy", "fcfs",
     "--cuda-graph-sizes", "1", "2", "--disable-chunked-mm-input", "--max-loras", "2", "--max-lora-rank", "64",
+    "-asc", "1", "--dlo-no-use-allgather",  # (vLLM's alias, vLLM-Omni's own spelling)
 ]  # fmt: skip
 REAL_FLAGS = [  # §9 flags that are worldserve's own (config.py): honoured, never logged as compat lines
     "--served-model-name", "cosmos", "--api-key", "k", "--no-guardrails", "-tp", "1", "--usp", "1",
@@ -449,3 +450,16 @@ def test_every_config_flag_has_its_own_help():
             if not f.metadata.get("no_flag") and not f.metadata.get("hidden")
         ]
         assert [name for name in flags if not docs.get(name, "").strip()] == [], cls.__name__
+
+
+def test_diffusion_cache_backend_in_the_environment_is_checked_as_the_flag(monkeypatch):
+    """vLLM-Omni's DIFFUSION_CACHE_BACKEND, --cache-backend's fallback: cache_dit there had been ignored in
+    silence while the flag at that value is refused; none passes, and the flag given wins."""
+    monkeypatch.setenv("DIFFUSION_CACHE_BACKEND", "cache_dit")
+    with pytest.raises(
+        ValueError, match="^environment variable DIFFUSION_CACHE_BACKEND=cache_dit: worldserve has"
+    ):
+        config(*GENERATOR)
+    assert config(*GENERATOR, "--cache-backend", "none") is not None
+    monkeypatch.setenv("DIFFUSION_CACHE_BACKEND", "None")
+    assert config(*GENERATOR) is not None

@@ -44,6 +44,37 @@ def test_a_malformed_max_model_len_is_an_argparse_error(text, capsys):
     assert exit_.value.code == 2 and "--max-model-len" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "text", "value"), [
+    ("--max-num-batched-tokens", "16k", 16000), ("--max-num-batched-tokens", "16K", 16384),
+    ("--max-num-batched-tokens", "8192", 8192), ("--kv-cache-memory-bytes", "1G", 2**30),
+    ("--kv-cache-memory-bytes", "512M", 512 * 2**20), ("--kv-cache-memory-bytes", "2.5g", 2_500_000_000),
+])  # fmt: skip
+def test_vllms_human_readable_token_and_byte_counts(flag, text, value, capsys):
+    """vLLM types --max-num-batched-tokens and --kv-cache-memory-bytes human-readable (as --max-model-len):
+    16k, 1G pasted from a vLLM command line were an argparse error here."""
+    cfg = serve.engine_config(parse_args(flag, text))
+    got = cfg.scheduler.max_num_batched_tokens if "batched" in flag else cfg.reasoner.kv_cache_memory_bytes
+    assert got == value
+    for bad in ("1.5K", "auto", "x"):  # (no auto here: those flags have no model-derived value)
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(flag, bad)
+        assert exit_.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_vllms_underscore_flag_names(tmp_path, monkeypatch):
+    """vLLM's parser takes `--max_model_len 16384` and `--tensor_parallel_size=1`; they were unrecognized
+    arguments here. Values keep their underscores."""
+    from worldserve.cli import dashed, main
+
+    argv = dashed(["serve", "--max_model_len", "16k", "--served_model_name=my_model", "--api_key", "k_1"])
+    assert argv == ["serve", "--max-model-len", "16k", "--served-model-name=my_model", "--api-key", "k_1"]
+    cfg = serve.engine_config(build_parser(argv).parse_args(argv))
+    assert (cfg.reasoner.max_model_len, cfg.model.served_model_name) == (16000, "my_model")
+    seen = []
+    monkeypatch.setattr(serve, "run", lambda args: seen.append(args.tensor_parallel_size) or 0)
+    assert main(["serve", "--tensor_parallel_size=1", "--storage-dir", str(tmp_path)]) == 0 and seen == [1]
+
+
 def test_vllm_dtype_spellings_and_several_served_names(caplog):
     assert serve.engine_config(parse_args("--dtype", "half")).model.dtype == "float16"
     assert serve.engine_config(parse_args("--dtype", "float")).model.dtype == "float32"
@@ -147,6 +178,10 @@ def test_config_file_values_as_vllm_spells_them(tmp_path):
     (tmp_path / "bad.yaml").write_text("port: [8001, 8002]\n")
     with pytest.raises(ValueError, match="--config .*bad.yaml.*--port takes one value"):
         serve.engine_config(parse_args("--config", str(tmp_path / "bad.yaml")))
+    (tmp_path / "cut.yaml").write_text("port: [unclosed\n")  # YAML's parse error spans 4 lines: one here
+    with pytest.raises(ValueError, match="--config .*cut.yaml: cannot read it") as error:
+        serve.engine_config(parse_args("--config", str(tmp_path / "cut.yaml")))
+    assert "\n" not in str(error.value)
 
 
 def test_config_file_log_file_gets_the_log(tmp_path):

@@ -146,6 +146,9 @@ def test_a_port_another_server_took_during_the_load_is_one_line(tmp_path, caplog
         (("--ulysses-degree", "3"), "--ulysses-degree 3 must divide num_attention_heads=4"),
         (("--device", "cpu", "-tp", "3"), "--tensor-parallel-size 3 must divide num_attention_heads=4"),
         (("--max-model-len", "10000000"), "is greater than the derived max_model_len 262144"),
+        # (was exit 1 after binding the port, as a failed model load)
+        (("--device", "cpu", "--kv-cache-memory-bytes", "10"), "--kv-cache-memory-bytes 10 holds 0 tokens"),
+        (("--device", "cpu", "--enable-lora", "--lora-path", __file__), "--lora-path: "),
     ],
 )
 def test_gpus_this_machine_lacks_fail_before_anything_binds_or_loads(

@@ -38,6 +38,9 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="worldserve", description="Serving engine for Cosmos3 world models")
+    from worldserve import __version__
+
+    parser.add_argument("-v", "--version", action="version", version=__version__)  # (as `vllm --version`)
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for verb, (module, help_text) in VERBS.items():
@@ -91,8 +94,20 @@ def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
     return redeliver
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """`--max_model_len 16384` / `--tensor_parallel_size=2` as `--max-model-len` / `--tensor-parallel-size=2`:
+    vLLM's parser takes underscores in a flag's name (its value, after `=`, is left as it is)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.partition("=")[0]:
+            name, eq, value = arg.partition("=")
+            arg = "--" + name[2:].replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = dashed(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (named by the verb's parser: `worldserve serve: error: ... (see worldserve serve --help)`)

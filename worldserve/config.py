@@ -25,6 +25,7 @@ from worldserve.config_flags import config_from_args
 from worldserve.config_lora import LoraConfig
 from worldserve.config_values import (  # noqa: F401  (FlagValueError, json_flag: re-exported)
     FlagValueError,
+    HumanInt,
     JsonObject,
     JsonStrList,
     MediaLimits,
@@ -173,7 +174,7 @@ class SchedulerConfig:
     """Requests denoised together in one step (and held in memory at once); same-shape requests only."""
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Reasoner chats decoded together (continuous batching); more wait for a free slot."""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: HumanInt = HumanInt(8192)
     """Reasoner tokens one iteration (an admission pass and a step) computes at most (vLLM's): the running chats' decodes, the next chunk of a prompt being prefilled, resumed chats and new prompts share it; with chunked prefill a prompt longer than what is left is prefilled in chunks, one an iteration, while running chats keep decoding."""
     enable_chunked_prefill: bool = True
     """Prefill Reasoner prompts that do not fit what an iteration's --max-num-batched-tokens leaves in chunks, one an iteration, interleaved with the running chats' decode steps (vLLM's default); --no-enable-chunked-prefill prefills every prompt whole."""

@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from worldserve.config_values import JsonObject, TokenCount
+from worldserve.config_values import HumanInt, JsonObject, TokenCount
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReasonerConfig:
     max_model_len: TokenCount = TokenCount()  # 32768
     """Context length of Reasoner chat completions (prompt + completion tokens; vLLM's 32k = 32000, 32K = 32768; auto or -1: 32768)."""
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: HumanInt | None = None
     """Bytes of the Reasoner's paged K/V cache, shared by all chats (at least --max-model-len tokens; 144 KiB a token on Cosmos3-Nano); default: room for 2 x --max-model-len tokens (1 x under --enable-layerwise-offload)."""
     enable_prefix_caching: bool = True
     """Reuse the K/V of prompt prefixes seen before (vLLM's automatic prefix caching, on by default as there): a chat whose first 64-token blocks match an earlier chat's (same tokens, images and videos) prefills only the rest; --no-enable-prefix-caching turns it off."""

@@ -187,24 +187,35 @@ DEFAULT_MAX_MODEL_LEN = 32768
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-class TokenCount(int):
-    """vLLM's human-readable integers (`--max-model-len 32k`): a lowercase suffix is decimal (k = 1000, decimals
-    allowed: 25.6k), an uppercase one binary (K = 1024, whole numbers only); `auto` or -1 (vLLM: fit the model)
-    is worldserve's default, 32768 tokens (`TokenCount.auto` tells it was asked for)."""
+class HumanInt(int):
+    """vLLM's human-readable integers (`--max-num-batched-tokens 16k`, `--kv-cache-memory-bytes 8G`): a lowercase
+    suffix is decimal (k = 1000, decimals allowed: 25.6k), an uppercase one binary (K = 1024, whole numbers
+    only)."""
+
+    __slots__ = ()
+    EXAMPLE = "such as 8192, 8k (8000) or 8K (8192)"
+
+    def __new__(cls, value: str | int) -> HumanInt:
+        text = str(value).strip()
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text)
+        if match is None or ("." in match[1] and not match[2].islower()):
+            raise FlagValueError(f"expected a whole number {cls.EXAMPLE}, got {text!r}")
+        number, suffix = match.groups()
+        return super().__new__(cls, int(float(number) * _SUFFIXES[suffix]) if suffix else int(number))
+
+
+class TokenCount(HumanInt):
+    """A context length (`--max-model-len 32k`), a HumanInt; `auto` or -1 (vLLM: fit the model) is
+    worldserve's default, 32768 tokens (`TokenCount.auto` tells it was asked for)."""
 
     __slots__ = ()
     auto: bool = False
+    EXAMPLE = "of tokens such as 32768, 32k (32000) or 32K (32768), or auto"
 
     def __new__(cls, value: str | int = DEFAULT_MAX_MODEL_LEN) -> TokenCount:
-        text = str(value).strip()
-        if text in ("auto", "-1"):
+        if str(value).strip() in ("auto", "-1"):
             return AutoTokenCount(DEFAULT_MAX_MODEL_LEN)
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text)
-        if match is None or ("." in match[1] and not match[2].islower()):
-            raise FlagValueError(f"expected a whole number of tokens such as 32768, 32k (32000) or 32K (32768), "
-                                 f"or auto, got {text!r}")  # fmt: skip
-        number, suffix = match.groups()
-        return super().__new__(cls, int(float(number) * _SUFFIXES[suffix]) if suffix else int(number))
+        return typing.cast(TokenCount, super().__new__(cls, value))
 
 
 class AutoTokenCount(TokenCount):

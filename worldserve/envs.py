@@ -165,6 +165,11 @@ def storage_sweep_interval_s() -> float | None:
     return value
 
 
+def cache_backend() -> str | None:
+    """vLLM-Omni's `DIFFUSION_CACHE_BACKEND`, --cache-backend's fallback (serve_compat checks it as the flag)."""
+    return os.environ.get("DIFFUSION_CACHE_BACKEND") or None
+
+
 ATTENTION_BACKEND_VAR = "DIFFUSION_ATTENTION_BACKEND"
 
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from worldserve.params import VideoParams, default_flow_shift
 from worldserve.sampling.chat_defaults import ChatDefaults
 from worldserve.weights.checkpoint import CheckpointLayout, read_layout, resolve_model
-from worldserve.weights.loader import read_header
 
 if TYPE_CHECKING:
     from worldserve.models.cosmos3.config import Cosmos3Config
@@ -40,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def describe(root: Path, layout: CheckpointLayout | None = None) -> dict:
     """The checkpoint at `root` (its `read_layout`, when the caller has it already)."""
+    from worldserve.weights.loader import read_header  # (torch: not for `info --help`)
+
     layout = layout if layout is not None else read_layout(root)
     components: dict[str, dict[str, Any]] = {}  # component -> its parameters, dtypes and files
     for name in layout.components:

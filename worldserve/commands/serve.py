@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from worldserve.api.request_log import RequestLog
 from worldserve.api.settings import AppSettings
 from worldserve.commands import serve_backend, serve_http
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
-from worldserve.config import CONFIG_CLASSES, EngineConfig, MediaConfig
+from worldserve.config import CONFIG_CLASSES, TINY_SERVED_NAME, EngineConfig, MediaConfig
 from worldserve.config_flags import add_config_arguments
 from worldserve.weights.checkpoint import CheckpointError
 
@@ -83,15 +84,27 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_args(argparse.Namespace(**values))
 
 
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+"""A Hugging Face repo id's shape (owner/name)."""
+
+
 def _check_model_not_taken(values: dict) -> None:
     """No MODEL was parsed: ValueError when a many-valued flag took a checkpoint folder as one of its values
-    (`serve --api-key K ./ckpt`: the folder became a second key and the tiny default was served)."""
+    (`serve --api-key K ./ckpt`: the folder became a second key and the tiny default was served), or a Hub
+    repo id as a value after its first (`serve --served-model-name foo nvidia/Cosmos3-Nano`: the tiny random
+    model was served under both names; vLLM refuses that order too). A lone `--served-model-name org/name`
+    without MODEL stays the tiny default's name."""
     for flag in ("api_key", "served_model_name"):
         given = values.get(flag)
-        for value in [given] if isinstance(given, str) else given or ():
+        for i, value in enumerate([given] if isinstance(given, str) else given or ()):
             if value and Path(value).is_dir():  # ("" is the current folder to Path: left to the flag's check)
-                raise ValueError(f"--{flag.replace('_', '-')} took {value!r}, a folder, as one of its values, so "
-                                 "no MODEL was given: put MODEL first (serve MODEL --options)")  # fmt: skip
+                what = "a folder"
+            elif i > 0 and HUB_ID.fullmatch(value or ""):
+                what = "a Hugging Face repo id"
+            else:
+                continue
+            raise ValueError(f"--{flag.replace('_', '-')} took {value!r}, {what}, as one of its values, so no "
+                             "MODEL was given: put MODEL first (serve MODEL --options)")  # fmt: skip
 
 
 def _check_kernels(config: EngineConfig) -> None:
@@ -111,7 +124,7 @@ def _check_kernels(config: EngineConfig) -> None:
 
 def _check_against_checkpoint(config: EngineConfig) -> None:
     """The flags that a checkpoint's config.json bounds (the parallel degrees' head and MLP splits, the
-    context against its positions), checked before the model loads when the checkpoint is on disk (a local
+    context against its positions, the K/V pool against one context), checked before the model loads when the checkpoint is on disk (a local
     folder or the embedded tiny one; a Hub name is checked as it loads)."""
     from worldserve.runner.parallel_pipeline import check_checkpoint_layout
     from worldserve.runner.reasoner import check_context
@@ -127,6 +140,12 @@ def _check_against_checkpoint(config: EngineConfig) -> None:
                             tp=par.tensor_parallel_size)  # fmt: skip
     if par.tensor_parallel_size == 1:  # (no Reasoner under tensor parallel: no context to check)
         check_context(root, config.reasoner.max_model_len)
+        # (the load checks it again, for a Hub name; here a bad value is exit 2 before the port binds)
+        serve_backend.check_kv_cache_fits(config.model, config.reasoner, root)
+    if (static := config.lora.static_lora) is not None:  # (its files against the transformer's shapes)
+        from worldserve.runner.lora_cache import check_adapter_fits
+
+        check_adapter_fits(root, static, "--lora-path")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -289,7 +308,9 @@ def app_settings(config: EngineConfig) -> AppSettings:
     sync_timeout = video.sync_timeout if video.sync_timeout is not None else envs.sync_timeout_s()
     return AppSettings(
         api_keys=server.api_key or (), sync_timeout_s=sync_timeout, max_upload_bytes=server.max_upload_bytes,
-        shutdown_timeout_s=config.scheduler.shutdown_timeout, model_root=config.model.model,
+        shutdown_timeout_s=config.scheduler.shutdown_timeout,
+        # /v1/models' root: the model argument, as vLLM's; without one the embedded tiny default's own name
+        model_root=config.model.model or TINY_SERVED_NAME,
         model_aliases=config.model.served_model_aliases,
         allowed_local_media_path=media.allowed_local_media_path, allowed_origins=server.allowed_origins,
         allowed_media_domains=allowed_domains(media.allowed_media_domains),

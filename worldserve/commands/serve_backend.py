@@ -228,7 +228,8 @@ def load_backend_within(
     loader.join(cfg.init_timeout)
     if loader.is_alive():
         log.error(
-            "Model did not become ready within %gs (--init-timeout); raise it for cold caches",
+            "Orchestrator did not become ready within %gs (vLLM-Omni's words: the model did not load within "
+            "--init-timeout); raise it for cold caches",
             cfg.init_timeout,
         )
         return None

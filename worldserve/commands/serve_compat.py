@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from worldserve import envs
 from worldserve.config import EngineConfig, FlagValueError, json_flag
 
 log = logging.getLogger("worldserve.serve")
@@ -147,6 +148,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "worldserve has no distributed (sharded) layerwise offload: use --enable-layerwise-offload"),
     C("--dlo-resident-layers", NO_DLO, {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),
     C("--dlo-use-allgather", NO_DLO, {"action": argparse.BooleanOptionalAction}),
+    C("--dlo-no-use-allgather", NO_DLO, ON),  # (vLLM-Omni's own spelling of --no-dlo-use-allgather)
     C("--enable-cpu-offload", "", ON, NEVER, "never", "CPU offloading of the whole Cosmos3 pipeline is not "
       "supported (as in vLLM-Omni): use --enable-layerwise-offload instead"),
     C("--vae-use-slicing", "worldserve's VAE memory lever is --vae-use-tiling (--vae-tiling)", ON),
@@ -186,7 +188,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "worldserve spawns its own worker processes (torch.distributed); it has no Ray worker backend"),
     C("--ray-address", "", {"metavar": "ADDRESS"}, NEVER, "never", "worldserve has no Ray worker backend"),
     C("--api-server-count", "one API server process is worldserve's only mode", {"type": POSITIVE_INT},
-      lambda v: v == 1, "only at 1", "worldserve runs one API server process beside its engine"),
+      lambda v: v == 1, "only at 1", "worldserve runs one API server process beside its engine", aliases=("-asc",)),
     C("--omni-lb-policy", "", {"metavar": "POLICY"}, NEVER, "never", "worldserve is one replica with no "
       "built-in load balancer: route between replicas (each with its own --storage-dir) with an external one"),
     # the Reasoner (vLLM)
@@ -303,6 +305,10 @@ def check_compat_flags(args: argparse.Namespace) -> None:
         value = getattr(args, c.dest, None)
         if value is not None and c.ok is not None and not c.ok(value):
             raise FlagValueError(f"{c.flag}{_shown(value)}: {c.refusal}")
+    backend = envs.cache_backend()  # --cache-backend's environment fallback: refused as the flag would be
+    if getattr(args, "cache_backend", None) is None and backend is not None and backend.lower() != "none":
+        raise FlagValueError(f"environment variable DIFFUSION_CACHE_BACKEND={backend}: worldserve has no lossy "
+                             "step caching (cache-dit, TeaCache...): every step runs the full model; unset it")  # fmt: skip
 
 
 def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:

@@ -226,7 +226,8 @@ def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argpars
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise FlagValueError(f"--config {path}: cannot read it ({exc})") from None
+        why = " ".join(str(exc).split())  # (YAML's errors span lines: one line, as every flag error)
+        raise FlagValueError(f"--config {path}: cannot read it ({why})") from None
     if not isinstance(data, dict):
         raise FlagValueError(f"--config {path}: expected a mapping of flags to values")
     parser = parser_for()

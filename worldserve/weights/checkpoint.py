@@ -212,6 +212,10 @@ def read_layout(root: Path) -> CheckpointLayout:
     missing = [c for c in GENERATION_COMPONENTS if not (root / c).is_dir()]
     if missing:
         raise CheckpointError(f"{root}: component folder(s) missing: {', '.join(missing)}")
+    if (index.get("sound_tokenizer") or [None])[0] is not None and not (root / "sound_tokenizer").is_dir():
+        # (a partial download: generation went on without the sound that is on by default)
+        raise CheckpointError(f"{root}: model_index.json declares sound_tokenizer but its folder is missing; "
+                              "re-download it (or set sound_tokenizer to [null, null] there for video only)")  # fmt: skip
     tok = root / "text_tokenizer"  # (without its files, the error came after loading, about missing tokens)
     if not (tok / "tokenizer.json").is_file() and not all(
         (tok / f).is_file() for f in ("vocab.json", "merges.txt")
