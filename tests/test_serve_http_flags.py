@@ -7,6 +7,7 @@ refused before the model loads (exit 2, naming the flag); /v1/models carries the
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -64,15 +65,37 @@ def test_vllms_human_readable_token_and_byte_counts(flag, text, value, capsys):
 def test_vllms_underscore_flag_names(tmp_path, monkeypatch):
     """vLLM's parser takes `--max_model_len 16384` and `--tensor_parallel_size=1`; they were unrecognized
     arguments here. Values keep their underscores."""
-    from worldserve.cli import dashed, main
+    from worldserve.cli import main
+    from worldserve.commands.vllm_argv import vllm_argv
 
-    argv = dashed(["serve", "--max_model_len", "16k", "--served_model_name=my_model", "--api_key", "k_1"])
+    argv = vllm_argv(["serve", "--max_model_len", "16k", "--served_model_name=my_model", "--api_key", "k_1"])
     assert argv == ["serve", "--max-model-len", "16k", "--served-model-name=my_model", "--api-key", "k_1"]
     cfg = serve.engine_config(build_parser(argv).parse_args(argv))
     assert (cfg.reasoner.max_model_len, cfg.model.served_model_name) == (16000, "my_model")
     seen = []
     monkeypatch.setattr(serve, "run", lambda args: seen.append(args.tensor_parallel_size) or 0)
     assert main(["serve", "--tensor_parallel_size=1", "--storage-dir", str(tmp_path)]) == 0 and seen == [1]
+
+
+def test_vllms_dotted_json_keys():
+    """vLLM's `--json-flag.key value`: the keys of one flag merged into its JSON object (they were unrecognized
+    arguments); a value is JSON where it parses, `key+ a,b` a list; keys keep their underscores."""
+    from worldserve.commands.vllm_argv import vllm_argv
+
+    argv = vllm_argv(["serve", "--media-io-kwargs.video.num_frames", "-1", "--media_io_kwargs.video.fps=2.5",
+                      "--mm-processor-kwargs.max_pixels", "1000000", "--limit-mm-per-prompt.image", "2",
+                      "--override-generation-config.stop+", "a,b", "--port", "8001"])  # fmt: skip
+    assert argv[:3] == ["serve", "--port", "8001"]
+    objects = {argv[i]: json.loads(argv[i + 1]) for i in range(3, len(argv), 2)}
+    assert objects == {
+        "--media-io-kwargs": {"video": {"num_frames": -1, "fps": 2.5}},
+        "--mm-processor-kwargs": {"max_pixels": 1000000},
+        "--limit-mm-per-prompt": {"image": 2},
+        "--override-generation-config": {"stop": ["a", "b"]},
+    }
+    cfg = serve.engine_config(build_parser(argv).parse_args(argv))
+    assert dict(cfg.media.media_io_kwargs) == {"video": {"num_frames": -1, "fps": 2.5}}
+    assert vllm_argv(["serve", "--x.y=text", "--z.k"]) == ["serve", "--z.k", "--x", '{"y": "text"}']
 
 
 def test_vllm_dtype_spellings_and_several_served_names(caplog):

@@ -94,20 +94,10 @@ def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
     return redeliver
 
 
-def dashed(argv: list[str]) -> list[str]:
-    """`--max_model_len 16384` / `--tensor_parallel_size=2` as `--max-model-len` / `--tensor-parallel-size=2`:
-    vLLM's parser takes underscores in a flag's name (its value, after `=`, is left as it is)."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--") and "_" in arg.partition("=")[0]:
-            name, eq, value = arg.partition("=")
-            arg = "--" + name[2:].replace("_", "-") + eq + value
-        out.append(arg)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = dashed(sys.argv[1:] if argv is None else argv)
+    from worldserve.commands.vllm_argv import vllm_argv
+
+    argv = vllm_argv(sys.argv[1:] if argv is None else argv)  # (vLLM's underscore and dotted-key spellings)
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (named by the verb's parser: `worldserve serve: error: ... (see worldserve serve --help)`)

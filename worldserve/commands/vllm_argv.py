@@ -1,0 +1,56 @@
+"""vLLM's command-line spellings, rewritten into the forms argparse takes before any verb parses them (vLLM's
+FlexibleArgumentParser accepts them, so a pasted `vllm serve` line must too):
+
+- underscores in a flag's name, `--max_model_len 16k` / `--tensor_parallel_size=2`: dashes (only the name up
+  to its first `.`; a value, after `=` or in its own word, is left as it is);
+- a JSON flag's keys as dotted flags, `--media-io-kwargs.video.num_frames 16` (or `=16`): one
+  `--media-io-kwargs '{"video": {"num_frames": 16}}'` per flag, the keys of all its dotted flags merged; a
+  value is JSON where it parses (16, true, "x"), else the text; `--flag.key+ a,b` is the list ["a", "b"].
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def vllm_argv(argv: list[str]) -> list[str]:
+    """`argv` with vLLM's underscore and dotted-key spellings rewritten (module docstring)."""
+    out: list[str] = []
+    objects: dict[str, dict[str, Any]] = {}  # a JSON flag -> its dotted keys' object
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            continue
+        name, eq, value = arg.partition("=")
+        head, dot, keys = name.partition(".")
+        head = "--" + head[2:].replace("_", "-")
+        if not dot:
+            out.append(head + eq + value)
+            continue
+        if not eq:
+            if i == len(argv):  # no value: argparse names the flag as given
+                out.append(arg)
+                continue
+            value, i = argv[i], i + 1
+        parsed: Any
+        if keys.endswith("+"):
+            keys, parsed = keys[:-1], value.split(",")
+        else:
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                parsed = value
+        *path, last = keys.split(".")
+        node = objects.setdefault(head, {})
+        for key in path:
+            if not isinstance(node.get(key), dict):  # (a key given a value, then keys below it: the keys win)
+                node[key] = {}
+            node = node[key]
+        node[last] = parsed
+    for flag, obj in objects.items():
+        out += [flag, json.dumps(obj)]
+    return out
