@@ -335,3 +335,23 @@ def test_http_families_as_vllms_instrumentator_exports_them(server):
     assert http(after, "http_request_duration_highr_seconds_count") >= 4
     assert http(after, "http_response_size_bytes_sum", handler="/v1/models") > 0
     assert http(after, "http_request_size_bytes_count", handler="/v1/chat/completions") >= 1
+
+
+def test_metrics_negotiate_the_format_and_filter_by_name(server):
+    """As prometheus_client's ASGI app answers vLLM's /metrics: OpenMetrics for a scrape that asks for it (the
+    text format otherwise), and only the families a scrape names with `name[]` (every family had come, in the
+    text format, whatever was asked); process_* is filterable too. vLLM's FinishReason values, error and
+    repetition among them, are exported from the start."""
+    with httpx.Client(base_url=server, timeout=60) as client:
+        plain = client.get("/metrics")
+        om = client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        some = client.get("/metrics", params=[("name[]", "vllm:request_success_total"),
+                                              ("name[]", "process_open_fds")])  # fmt: skip
+    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.rstrip().endswith("# EOF") and not plain.text.rstrip().endswith("# EOF")
+    names = {line.split("{")[0].split(" ")[0] for line in some.text.splitlines() if not line.startswith("#")}
+    assert names == {"vllm:request_success_total", "process_open_fds"}, names
+    reasons = {line.split('finished_reason="')[1].split('"')[0] for line in some.text.splitlines()
+               if line.startswith("vllm:request_success_total")}  # fmt: skip
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}

@@ -17,7 +17,7 @@ from chat_fakes import ScriptedChatBackend, ScriptedChatSession
 from serving_helpers import wait_until
 
 from worldserve.chat_params import ChatMessage, ChatParams
-from worldserve.engine.chat_worker import ChatWorker
+from worldserve.engine.chat_worker import ChatFailed, ChatStarted, ChatWorker
 from worldserve.engine.outputs import ChatDelta
 
 
@@ -267,3 +267,42 @@ def test_every_ended_chat_reports_its_lengths_as_the_worker_counted_them():
     assert queued.prompt_tokens is None and queued.generation_tokens == 0
     assert queued.queue_s == queued.e2e_s > 0 and queued.prefill_s == queued.decode_s == 0
     assert left.prompt_tokens == 5 and left.generation_tokens == recorder.generated >= 5
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("events", "ended"),
+    [
+        ([ChatStarted(prompt_tokens=3), ChatFailed(status=500, message="boom")], ["error"]),
+        ([ChatFailed(status=500, message="boom")], ["error"]),
+        ([ChatStarted(prompt_tokens=3), ChatFailed(status=503, message="shutting down")], [None]),
+        ([ChatFailed(status=400, message="bad")], []),  # refused: the route's 400, not a finished request
+    ],
+)
+async def test_a_server_error_ends_a_chat_as_vllms_error_reason(events, ended):
+    """vLLM counts a request its engine failed under finished_reason "error" (it had been "abort", as a client
+    leaving); a shutdown's 503 stays an abort, a refusal is not counted."""
+    from worldserve.engine.chat_metering import metered
+
+    seen: list = []
+
+    class Meter:
+        def on_chat_started(self, prompt_tokens: int) -> None:
+            pass
+
+        def on_chat_ended(self, finish_reason: str | None) -> None:
+            seen.append(finish_reason)
+
+    class Source:
+        def __aiter__(self):
+            return self._gen()
+
+        async def _gen(self):
+            for e in events:
+                yield e
+
+        async def aclose(self) -> None:
+            pass
+
+    assert [e async for e in metered(Source(), Meter())] == events
+    assert seen == ended

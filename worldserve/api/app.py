@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
@@ -178,8 +178,11 @@ def build_app(
         return {"version": __version__}
 
     @app.get("/metrics", tags=["server"], response_class=Response)
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
+    async def prometheus_metrics(request: Request) -> Response:
+        body, content_type = metrics.render(
+            request.headers.get("accept", ""), request.query_params.getlist("name[]")
+        )
+        return Response(body, media_type=content_type)
 
     return app
 

@@ -31,14 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 from worldserve.api.http_metrics import HTTPMetrics
 from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, ReadCounter, VllmMirror
@@ -60,10 +54,9 @@ REJECT_REASONS = ("queue_full", "shutting_down", "storage", "too_large")
 
 
 class Metrics:
-    content_type = CONTENT_TYPE_LATEST
-
     def __init__(self, model_name: str, *, gpu_memory_bytes: Callable[[], float] | None = None):
-        self.registry = CollectorRegistry()
+        # auto_describe: every family filterable by /metrics?name[]=..., process_* too (as vLLM's default registry)
+        self.registry = CollectorRegistry(auto_describe=True)
         self.http = HTTPMetrics(self.registry)  # vLLM's http_* families (api/http_metrics.py)
         r, label = self.registry, ["model_name"]
         self._label = {"model_name": model_name}
@@ -210,7 +203,7 @@ class Metrics:
         self.vllm.prompt_tokens.inc(prompt_tokens)
 
     def on_chat_ended(self, finish_reason: str | None) -> None:
-        """finish_reason None: failed or abandoned by the client (its lengths: on_chat_finished)."""
+        """finish_reason "error": failed; None: abandoned by the client (its lengths: on_chat_finished)."""
         self.chat_finished.labels(finish_reason=finish_reason or "abort", **self._label).inc()
         self.vllm.chat_ended(finish_reason or "abort")
 
@@ -238,5 +231,10 @@ class Metrics:
         self.chat_queue_time.labels(**self._label).observe(times.queue_s)
         self.vllm.chat_timed(times)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str = "", names: Sequence[str] = ()) -> tuple[bytes, str]:
+        """(the exposition, its content type) as prometheus_client's ASGI app answers vLLM's /metrics: the
+        format the `accept` header asks for (OpenMetrics for Prometheus's scrapes, else the text format),
+        only the `names` families when a scrape names some (`?name[]=...`)."""
+        encoder, content_type = choose_encoder(accept)
+        registry = self.registry.restricted_registry(names) if names else self.registry
+        return encoder(registry), content_type

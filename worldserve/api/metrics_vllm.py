@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from worldserve.engine.client import ChatTimes
 
 ENGINE = "0"
-FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason values
 OMNI_FINISHED_REASONS = ("stop", "abort")
 """omni_requests_success_total's finished_reason values for a video or image request (vLLM-Omni's
 request_succeeded() default and request_failed()), exported as 0 from the start."""

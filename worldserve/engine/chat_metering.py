@@ -2,7 +2,7 @@
 into a `ChatMeter` (the Prometheus metrics implement it; api/metrics.py): started (its prompt tokens) and
 ended (its finish reason). A chat that ends before it started (cancelled while queued, failed by a shutdown or
 a full K/V cache) is counted ended without a finish reason ("abort", as vLLM counts an aborted waiting
-request); one refused with a 4xx before it started is the route's 400, not a finished request. What the chat
+request); one that a server error ended, "error" (vLLM's FinishReason.ERROR); one refused with a 4xx before it started is the route's 400, not a finished request. What the chat
 worker knows better than a reader of the events is counted there: running and waiting chats (its queues, read
 at scrape time: a preempted chat waits), the time to first token (when the worker sampled it: the n choices
 of one request are read one after another), tokens per iteration, inter-token gaps, and each chat's lengths
@@ -24,7 +24,7 @@ class ChatMeter(Protocol):
     def on_chat_started(self, prompt_tokens: int) -> None: ...
 
     def on_chat_ended(self, finish_reason: str | None) -> None:
-        """finish_reason None: aborted (client gone, failed, shut down). Its token counts are the chat
+        """finish_reason "error": a server error ended it; None: aborted (client gone, shut down). Its token counts are the chat
         worker's (ChatObserver.on_chat_finished), not the events a reader took."""
 
 
@@ -52,6 +52,10 @@ async def _metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[
                 finish = event.finish_reason
             elif not started and event.status < 500:  # (a ChatFailed: its request was refused)
                 refused = True
+            elif (
+                event.status >= 500 and event.status != 503
+            ):  # a server error: vLLM's finished_reason "error"
+                finish = "error"  # (503, a shutdown's end, stays an abort, as vLLM counts one)
             yield event
     finally:
         await events.aclose()
