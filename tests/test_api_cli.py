@@ -123,12 +123,21 @@ def test_a_many_valued_flag_that_took_the_model_folder_is_refused(tmp_path, flag
     argv = ["serve", flag, ""]  # "" is not a folder (Path("") is "."): the empty value's own error says why
     with pytest.raises(ValueError, match="protects nothing|must not be empty"):
         engine_config(build_parser(argv).parse_args(argv))
-    # a Hub repo id after the flag's first value: the tiny random model had been served under it
+    # a Hub repo id after the names' first: the tiny random model had been served under it; an API key may
+    # be shaped so (base64), and a --config list has no order: both stay values
     argv = ["serve", flag, "k1", "nvidia/Cosmos3-Nano"]
-    with pytest.raises(
-        ValueError, match=f"{flag} took 'nvidia/Cosmos3-Nano', a Hugging Face repo id.*MODEL first"
-    ):
-        engine_config(build_parser(argv).parse_args(argv))
+    if flag == "--served-model-name":
+        with pytest.raises(ValueError, match=f"{flag} took 'nvidia/Cosmos3-Nano', a Hugging Face repo id"):
+            engine_config(build_parser(argv).parse_args(argv))
+    else:
+        assert engine_config(build_parser(argv).parse_args(argv)).server.api_key == (
+            "k1",
+            "nvidia/Cosmos3-Nano",
+        )
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(f"{flag[2:]}: [k1, team/k2]\n")
+    argv = ["serve", "--config", str(config_file)]
+    assert engine_config(build_parser(argv).parse_args(argv)).model.model is None
     argv = ["serve", "nvidia/Cosmos3-Nano", flag, "k1", "org/name"]  # MODEL given: a second value is a value
     assert engine_config(build_parser(argv).parse_args(argv)).model.model == "nvidia/Cosmos3-Nano"
 

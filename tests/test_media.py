@@ -300,6 +300,9 @@ def test_decode_image_scales_16_bit_grayscale(fmt):
     np.testing.assert_array_equal(out[0, :, 0], [0, 0, 1, 128, 255])
     assert (out == out[..., :1]).all()  # grey: the three channels equal
     np.testing.assert_array_equal(decode_image(_encode(img, fmt), rgba_background=(255, 255, 255)), out)
+    if fmt == "PNG":  # a 16-bit PGM opens as mode "I" (as a 16-bit PNG did before Pillow 10.3)
+        pgm = b"P5\n5 3\n65535\n" + wide.astype(">u2").tobytes()
+        np.testing.assert_array_equal(decode_image(pgm), out)
 
 
 def test_decode_image_applies_exif_orientation():

@@ -463,3 +463,7 @@ def test_diffusion_cache_backend_in_the_environment_is_checked_as_the_flag(monke
     assert config(*GENERATOR, "--cache-backend", "none") is not None
     monkeypatch.setenv("DIFFUSION_CACHE_BACKEND", "None")
     assert config(*GENERATOR) is not None
+    monkeypatch.delenv("DIFFUSION_CACHE_BACKEND")
+    monkeypatch.setenv("DIFFUSION_CACHE_ADAPTER", "tea_cache")  # (its older name)
+    with pytest.raises(ValueError, match="^environment variable DIFFUSION_CACHE_ADAPTER=tea_cache: "):
+        config(*GENERATOR)

@@ -96,6 +96,7 @@ def test_vllms_dotted_json_keys():
     cfg = serve.engine_config(build_parser(argv).parse_args(argv))
     assert dict(cfg.media.media_io_kwargs) == {"video": {"num_frames": -1, "fps": 2.5}}
     assert vllm_argv(["serve", "--x.y=text", "--z.k"]) == ["serve", "--z.k", "--x", '{"y": "text"}']
+    assert vllm_argv(["serve", "-O.level", "3"]) == ["serve", "--compilation-config", '{"level": 3}']
 
 
 def test_vllm_dtype_spellings_and_several_served_names(caplog):

@@ -165,9 +165,13 @@ def storage_sweep_interval_s() -> float | None:
     return value
 
 
-def cache_backend() -> str | None:
-    """vLLM-Omni's `DIFFUSION_CACHE_BACKEND`, --cache-backend's fallback (serve_compat checks it as the flag)."""
-    return os.environ.get("DIFFUSION_CACHE_BACKEND") or None
+def cache_backend() -> tuple[str, str] | None:
+    """(variable, value) of vLLM-Omni's `DIFFUSION_CACHE_BACKEND`, or of its older name `DIFFUSION_CACHE_ADAPTER`:
+    --cache-backend's fallback (serve_compat checks it as the flag); None when neither is set."""
+    for name in ("DIFFUSION_CACHE_BACKEND", "DIFFUSION_CACHE_ADAPTER"):
+        if value := os.environ.get(name):
+            return name, value
+    return None
 
 
 ATTENTION_BACKEND_VAR = "DIFFUSION_ATTENTION_BACKEND"

@@ -39,7 +39,7 @@ from worldserve.api.state import AppState, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tokenize import reasoner_prompts
 from worldserve.chat_params import ChatParams, StructuredOutput
-from worldserve.params import ParamError
+from worldserve.params import InvalidRequest, ParamError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 if TYPE_CHECKING:
@@ -105,6 +105,8 @@ async def create_completion(
     body = await read_model(request, CompletionRequest, st.settings.max_upload_bytes)
     if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
         return model_not_found(body.model)
+    if (refused := body.refused_streaming(body.prompt_logprobs)) is not None:
+        raise InvalidRequest(*refused)  # (vLLM's request validators: "Bad Request")
     if (refused := body.refused()) is not None:
         raise APIError(400, refused[1], param=refused[0])
     prompts, max_model_len = reasoner_prompts(st)

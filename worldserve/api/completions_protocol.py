@@ -76,7 +76,8 @@ class CompletionRequest(SamplingRequest):
         return 16 if value is None else value
 
     def refused(self) -> tuple[str, str] | None:
-        """(field, why) of the first option this server cannot honour, else None."""
+        """(field, why) of the first option this server cannot honour, else None (the streaming rules, vLLM's
+        request validators, are refused_streaming's)."""
         if not 1 <= self.n <= MAX_CHOICES:
             return "n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}"
         limit = envs.max_completion_prompts()
@@ -85,8 +86,6 @@ class CompletionRequest(SamplingRequest):
             return "prompt", (f"prompt list length {len(self.prompt)} exceeds the maximum allowed count of "
                               f"{limit}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
                               "environment variable.")  # fmt: skip
-        if (refused := self.refused_streaming(self.prompt_logprobs)) is not None:
-            return refused
         if self.suffix is not None:
             return "suffix", "suffix is not supported by this server (no fill-in-the-middle)"
         if self.best_of is not None and self.best_of != self.n:

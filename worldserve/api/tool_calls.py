@@ -98,7 +98,7 @@ class ToolMode:
 
 def tool_mode(tools: list[ToolIn] | None, choice: Any, parallel: bool | None = None) -> ToolMode | None:
     """The request's ToolMode (None: no tools, nothing to parse; `parallel`: parallel_tool_calls, default
-    true); ParamError naming the field."""
+    true); ParamError naming the field (InvalidRequest where vLLM's request validator check_tool_usage refuses)."""
     if choice is None:
         choice = "auto" if tools else "none"
         tools = tools or []  # (no choice given: nothing to check)
@@ -109,14 +109,14 @@ def tool_mode(tools: list[ToolIn] | None, choice: Any, parallel: bool | None = N
             or not isinstance(fn, dict)
             or not isinstance(fn.get("name"), str)
         ):
-            raise ParamError(
+            raise InvalidRequest(
                 "tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}'
             )
         named = fn["name"]
         choice = "named"
     elif choice not in ("none", "auto", "required"):
-        raise ParamError("tool_choice", f'tool_choice must be "none", "auto", "required" or a named function, '
-                         f"got {choice!r}")  # fmt: skip
+        raise InvalidRequest("tool_choice", f'tool_choice must be "none", "auto", "required" or a named '
+                             f"function, got {choice!r}")  # fmt: skip
     else:
         named = None
     if not tools:  # (vLLM's check_tool_usage: any tool_choice but "none" needs `tools`; [] is tools given)
@@ -125,7 +125,7 @@ def tool_mode(tools: list[ToolIn] | None, choice: Any, parallel: bool | None = N
         return None
     names = [t.function.name for t in tools]
     if named is not None and named not in names:
-        raise ParamError("tool_choice", f"Tool '{named}' has not been passed in `tools`.")
+        raise InvalidRequest("tool_choice", f"Tool '{named}' has not been passed in `tools`.")
     return ToolMode(choice=choice, tools=tuple(t.model_dump(exclude_none=True) for t in tools), name=named,
                     parallel=parallel is not False)  # fmt: skip
 

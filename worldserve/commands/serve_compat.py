@@ -306,8 +306,8 @@ def check_compat_flags(args: argparse.Namespace) -> None:
         if value is not None and c.ok is not None and not c.ok(value):
             raise FlagValueError(f"{c.flag}{_shown(value)}: {c.refusal}")
     backend = envs.cache_backend()  # --cache-backend's environment fallback: refused as the flag would be
-    if getattr(args, "cache_backend", None) is None and backend is not None and backend.lower() != "none":
-        raise FlagValueError(f"environment variable DIFFUSION_CACHE_BACKEND={backend}: worldserve has no lossy "
+    if getattr(args, "cache_backend", None) is None and backend is not None and backend[1].lower() != "none":
+        raise FlagValueError(f"environment variable {backend[0]}={backend[1]}: worldserve has no lossy "
                              "step caching (cache-dit, TeaCache...): every step runs the full model; unset it")  # fmt: skip
 
 

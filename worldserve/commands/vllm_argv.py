@@ -5,7 +5,8 @@ FlexibleArgumentParser accepts them, so a pasted `vllm serve` line must too):
   to its first `.`; a value, after `=` or in its own word, is left as it is);
 - a JSON flag's keys as dotted flags, `--media-io-kwargs.video.num_frames 16` (or `=16`): one
   `--media-io-kwargs '{"video": {"num_frames": 16}}'` per flag, the keys of all its dotted flags merged; a
-  value is JSON where it parses (16, true, "x"), else the text; `--flag.key+ a,b` is the list ["a", "b"].
+  value is JSON where it parses (16, true, "x"), else the text; `--flag.key+ a,b` is the list ["a", "b"];
+  `-O.level 3` is `--compilation-config.level 3`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def vllm_argv(argv: list[str]) -> list[str]:
     while i < len(argv):
         arg = argv[i]
         i += 1
+        if arg.startswith("-O."):  # (vLLM's -O is --compilation-config: its keys dotted too, -O.level 3)
+            arg = "--compilation-config" + arg[2:]
         if not arg.startswith("--") or arg == "--":
             out.append(arg)
             continue

@@ -88,7 +88,9 @@ def decode_image(
                 opened.load()
                 ImageOps.exif_transpose(opened, in_place=True)  # (returning a copy costs ~10 ms at 720p)
                 img: Image.Image = opened
-                if img.mode.startswith("I;16"):  # 16-bit grayscale (PNG, TIFF): convert("RGB") clips at 255
+                # 16-bit grayscale: Pillow's I;16 modes (PNG, TIFF), or "I" for a 16-bit PGM (and a 16-bit PNG
+                # before Pillow 10.3); convert("RGB") clips it at 255
+                if img.mode.startswith("I;16") or (img.mode == "I" and opened.format in ("PNG", "PPM")):
                     img = _gray16_to_8bit(img)
                 if rgba_background is not None and _has_alpha(img):
                     img = img.convert("RGBA")  # (LA, PA, a palette or RGB with a transparent colour too)
@@ -115,10 +117,10 @@ def decode_image(
 
 
 def _gray16_to_8bit(img: Image.Image) -> Image.Image:
-    """A 16-bit grayscale image (Pillow's I;16 modes) as 8-bit "L", each value scaled by 255 / 65535 and
-    rounded. Pillow's convert("RGB") / ("L") clips those values at 255 instead, so every pixel above 1/256 of
+    """A 16-bit grayscale image (Pillow's I;16 modes, or "I" read from a 16-bit file) as 8-bit "L", each value
+    scaled by 255 / 65535 and rounded (clipped to 0..65535 first). Pillow's convert("RGB") / ("L") clips those values at 255 instead, so every pixel above 1/256 of
     full scale came out white (diffusers' load_image and transformers' processors convert that way)."""
-    wide = np.asarray(img).astype(np.uint32)  # [H, W] of 0..65535
+    wide = np.clip(np.asarray(img), 0, 65535).astype(np.uint32)  # [H, W] of 0..65535
     return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), mode="L")
 
 
