@@ -634,45 +634,37 @@ async def test_unknown_paths_and_401s_stay_out_of_vllms_names(tmp_path):
 
 
 HI = [{"role": "user", "content": "hi"}]
+# (body, error type, param): the fields the chat and completion requests share, sent to both routes
+SHARED_REFUSALS = [
+    ({"temperature": "x"}, "Bad Request", "temperature"),
+    ({"stream_options": {"include_usage": True}}, "Bad Request", "stream_options"),
+    ({"stream": True, "prompt_logprobs": 1}, "Bad Request", "prompt_logprobs"),
+    ({"n": 17}, "BadRequestError", "n"),
+    ({"model": "nope"}, "NotFoundError", "model"),
+]
+TYPED_REFUSALS = [
+    *[("/v1/chat/completions", {"messages": HI, **body}, kind, param) for body, kind, param in SHARED_REFUSALS],
+    *[("/v1/completions", {"prompt": "hi", **body}, kind, param) for body, kind, param in SHARED_REFUSALS],
+    ("/v1/chat/completions", {"messages": []}, "Bad Request", "messages"),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "Bad Request", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, "Bad Request", "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "sometimes"}, "Bad Request", "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+     "tool_choice": {"type": "function", "function": {"name": "g"}}}, "Bad Request", "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "continue_final_message": True}, "Bad Request",
+     "continue_final_message"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "min_tokens": 5}, "BadRequestError", "min_tokens"),
+    ("/v1/chat/completions", "not json", "Bad Request", None),
+    ("/v1/completions", "not json", "Bad Request", None),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("body", "kind", "param"),
-    [
-        ({"messages": HI, "temperature": "x"}, "Bad Request", "temperature"),
-        ({"messages": []}, "Bad Request", "messages"),
-        ({"messages": HI, "stream_options": {"include_usage": True}}, "Bad Request", "stream_options"),
-        ({"messages": HI, "stream": True, "prompt_logprobs": 1}, "Bad Request", "prompt_logprobs"),
-        ({"messages": HI, "top_logprobs": 2}, "Bad Request", "top_logprobs"),
-        ({"messages": HI, "tool_choice": "required"}, "Bad Request", "tool_choice"),
-        ({"messages": HI, "tool_choice": "sometimes"}, "Bad Request", "tool_choice"),
-        ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
-          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "Bad Request", "tool_choice"),
-        ({"messages": HI, "continue_final_message": True}, "Bad Request", "continue_final_message"),
-        ("not json", "Bad Request", None),
-        ({"messages": HI, "n": 17}, "BadRequestError", "n"),
-        ({"messages": HI, "max_tokens": 2, "min_tokens": 5}, "BadRequestError", "min_tokens"),
-        ({"messages": HI, "model": "nope"}, "NotFoundError", "model"),
-    ],
-)  # fmt: skip
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("route", "body", "kind", "param"), TYPED_REFUSALS)
 async def test_vllm_routes_type_request_validation_as_bad_request(tmp_path, route, body, kind, param):
     """On vLLM's routes a request its validation refuses (pydantic's types and ranges, its request model's
     validators, a body that is not JSON) is typed with the reason phrase "Bad Request", as vLLM's
     RequestValidationError handler types it (serving-api.md §3.2); what its serving code refuses later (the
     sampling parameters' checks, an unknown model) keeps vLLM's typed names."""
-    if route == "/v1/completions":  # (the same validators on vLLM's CompletionRequest; no chat-only fields)
-        if (
-            isinstance(body, dict)
-            and any(
-                k in body
-                for k in ("tools", "tool_choice", "continue_final_message", "top_logprobs", "min_tokens")
-            )
-            or param == "messages"
-        ):
-            pytest.skip("a chat-only field, or a check after the Reasoner's (this server runs none)")
-        if isinstance(body, dict):
-            body = {"prompt": "hi", **{k: v for k, v in body.items() if k != "messages"}}
     async with asgi_server(tmp_path) as http:
         if isinstance(body, str):
             r = await http.post(route, content=body, headers={"Content-Type": "application/json"})
