@@ -503,3 +503,39 @@ def test_a_decode_running_at_the_shutdown_deadline_stops_and_its_job_is_queued_a
     assert caplog.text.count(stopping) == 1, caplog.text
     assert backend.decoded_chunks < 4 and not backend.live
     assert JobStore(tmp_path).get(job.id).status is JobStatus.QUEUED
+
+
+def test_a_restart_without_enable_lora_refuses_the_queued_jobs_own_adapters(tmp_path):
+    """Jobs queued on an --enable-lora server ran their own adapters after a restart without it (the paths
+    are read from the server's disk: the operator's choice); now they fail with the 400 a new request gets,
+    naming `lora`. A job whose adapter is the restarted server's --lora-path runs."""
+    from worldserve.api.lora_field import PER_REQUEST_OFF, LoraSettings
+    from worldserve.params import LoraRequest
+
+    static = LoraRequest("house", "/adapters/house", 1.0)
+
+    async def first_life():
+        client = make_client(tmp_path, backend=FakeBackend(step_delay=0.05))
+        await client.start()
+        blocker = submit_job(client, job_params(steps=100))
+        own = submit_job(client, job_params(lora=LoraRequest("mine", "/adapters/mine", 0.5)))
+        house = submit_job(client, job_params(lora=static))
+        await asyncio.to_thread(wait_until, lambda: client.get(blocker.id).progress > 0)
+        client.engine.stop(0)
+        client.store.close()
+        return own, house
+
+    own, house = run(first_life())
+
+    async def second_life():
+        client = make_client(tmp_path)
+        client.restored_check = LoraSettings(per_request=False, static=static).check_restored
+        await client.start()
+        results = await asyncio.wait_for(asyncio.gather(client.wait(own.id), client.wait(house.id)), 10)
+        await client.shutdown(5)
+        return results
+
+    refused, ran = run(second_life())
+    assert (refused.status, refused.error_code) == (JobStatus.FAILED, 400)
+    assert f"(lora): {PER_REQUEST_OFF}" in refused.error_message
+    assert ran.status is JobStatus.COMPLETED

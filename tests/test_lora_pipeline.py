@@ -91,6 +91,25 @@ def test_adapters_never_share_a_forward(ours_pipeline, adapter):
         ours_pipeline.release(s)
 
 
+def test_a_scale_that_overflows_the_activations_fails_naming_lora(ours_pipeline, adapter):
+    """A scale of 1e30 passes the adapter's finite check (B x scale is finite) but overflows the activations:
+    the latents went NaN and the request answered 200 with a black video (an audit's finding). The decode
+    now refuses them, naming `lora`; without an adapter the same divergence is a DivergedError."""
+    from worldserve.runner.video_decode import DivergedError, check_finite
+
+    params = VideoParams(**{**BASE, "num_inference_steps": 1}, generate_sound=False,
+                         lora=LoraRequest("fox", adapter, 1e30))  # fmt: skip
+    with pytest.raises(ParamError, match="diverged") as err:
+        ours_pipeline.generate(params, request_id="overflow")
+    assert err.value.param == "lora"
+    state = ours_pipeline.prepare("plain", VideoParams(**BASE, generate_sound=False))
+    state.latents = state.latents.clone()
+    state.latents[0, 0, 0, 0] = float("nan")
+    with pytest.raises(DivergedError):
+        check_finite(state)
+    ours_pipeline.release(state)
+
+
 def test_cache_loads_once_per_file_and_scale(ours_pipeline, tiny_ckpt, tmp_path):
     path = write_random_adapter(tmp_path / "a", tiny_ckpt, seed=3)
     cache = LoraCache(ours_pipeline.transformer, max_loaded=2)

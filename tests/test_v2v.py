@@ -155,3 +155,15 @@ def test_keep_last_differs_from_first(ours_pipeline):
     b = ours_pipeline.prepare("b", VideoParams(**base, condition_video_keep="last").validate())
     assert not torch.equal(a.latents[:, 0], b.latents[:, 0])
     assert torch.equal(a.latents[:, 2:], b.latents[:, 2:])  # the same noise on the generated frames
+
+
+def test_v2v_defaults_to_vllm_omnis_flow_shift_at_every_size():
+    """vLLM-Omni's COSMOS3_V2V_DEFAULT_FLOW_SHIFT (serving-api.md §4.2, §4.4): a video-to-video request without
+    a flow_shift runs at 10.0 at any size (it had taken the resolution's training shift, 3 at 256p); T2V / I2V
+    keep the resolution's, and a request's own shift wins."""
+    clip = np.zeros((5, 96, 160, 3), np.uint8)
+    small = dict(prompt="a fox", width=160, height=96, num_frames=9)
+    assert VideoParams(**small, video=clip).resolved_flow_shift() == 10.0
+    assert VideoParams(**small).resolved_flow_shift() == 3.0
+    assert VideoParams(**small, image=clip[0]).resolved_flow_shift() == 3.0
+    assert VideoParams(**small, video=clip, flow_shift=4.0).resolved_flow_shift() == 4.0

@@ -141,6 +141,11 @@ def _floor_to_multiple(side: float) -> int:
     return max(SIZE_MULTIPLE, int(side) // SIZE_MULTIPLE * SIZE_MULTIPLE)
 
 
+V2V_FLOW_SHIFT = 10.0
+"""Video-to-video's default flow shift at every size (vLLM-Omni's COSMOS3_V2V_DEFAULT_FLOW_SHIFT; serving-api.md
+§4.2, §4.4)."""
+
+
 def default_flow_shift(width: int, height: int) -> float:
     """10 at 720p, 5 at 480p, 3 at 256p (the training shift table); 10 for the images above the 720p area."""
     area = width * height
@@ -251,7 +256,11 @@ class VideoParams:
         return (self.num_frames - 1) // 4 + 1
 
     def resolved_flow_shift(self) -> float:
-        return self.flow_shift if self.flow_shift is not None else default_flow_shift(self.width, self.height)
+        """The request's shift, else Cosmos3's: V2V_FLOW_SHIFT for video-to-video (vLLM-Omni's constant), the
+        resolution's training shift otherwise."""
+        if self.flow_shift is not None:
+            return self.flow_shift
+        return V2V_FLOW_SHIFT if self.video is not None else default_flow_shift(self.width, self.height)
 
     def validate(self) -> VideoParams:
         """Raise ParamError naming the first bad field; return self for chaining."""

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from worldserve.params import LoraRequest, ParamError, shown
+from worldserve.params import LoraRequest, ParamError, VideoParams, shown
 
 NAME_KEYS = ("name", "lora_name", "adapter")
 PATH_KEYS = ("local_path", "path", "lora_path", "lora_local_path")
@@ -97,6 +97,13 @@ class LoraSettings:
     """--enable-lora: a request may name an adapter of its own."""
     static: LoraRequest | None = None
     """--lora-path / --lora-scale: the adapter of requests that name none (None: the base model)."""
+
+    def check_restored(self, params: VideoParams) -> None:
+        """A job stored before a restart runs again only with an adapter this server would give it (its own
+        under --enable-lora, or this server's --lora-path): ParamError naming `lora` otherwise (a server restarted
+        without --enable-lora had run the queued jobs' own adapters, read from paths the operator turned off)."""
+        if params.lora is not None and params.lora != self.static and not self.per_request:
+            raise ParamError("lora", PER_REQUEST_OFF)
 
     def for_request(self, raw: Any) -> LoraRequest | None:
         """The adapter a request whose `lora` field is `raw` runs with: its own (parse_lora; without

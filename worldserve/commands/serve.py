@@ -260,15 +260,16 @@ def _serve(
     )
     metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
     engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=video_cfg.job_ttl)
+    settings = app_settings(config)
     client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
                           job_ttl_s=video_cfg.job_ttl, sweep_interval_s=video_cfg.job_sweep_interval,
-                          chat_backend=chat_backend,
-                          max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
+                          chat_backend=chat_backend, max_num_seqs=config.scheduler.max_num_seqs,
+                          restored_check=settings.lora.check_restored)  # fmt: skip
     if video_cfg.video_defaults.get("generate_sound") and not client.has_sound:
         log.warning("--default-sampling-params generate_sound true: this checkpoint has no sound tokenizer, so "
                     "videos are made without sound")  # fmt: skip
     http_args, middlewares = http or (argparse.Namespace(), [])
-    app = build_app(client, app_settings(config), metrics=metrics,
+    app = build_app(client, settings, metrics=metrics,
                     docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
     serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,

@@ -97,6 +97,7 @@ class EngineClient:
         chat_backend: ChatBackend | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         upsampler: UpsamplerConfig | None = None,
+        restored_check: Callable[[VideoParams], None] | None = None,
     ):
         self.engine = engine
         self.chat_worker = (
@@ -114,6 +115,8 @@ class EngineClient:
         self._stop_thread: threading.Thread | None = None
         self._started = False
         self.upsampler = upsampler or UpsamplerConfig()
+        self.restored_check = restored_check
+        """The server's own check of a job stored before a restart (its LoRA settings), before validate."""
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
         self._storing = 0  # jobs admitted whose row and reference are being written (create_job)
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
@@ -226,8 +229,14 @@ class EngineClient:
 
     def _recover(self) -> int:
         resumed = 0
+
+        def validate(params: VideoParams) -> VideoParams:
+            if self.restored_check is not None:
+                self.restored_check(params)
+            return self.validate(params)
+
         for job_id, params, encode in restored_jobs(
-            self.store, self.job_ttl_s, self.validate, self.engine.observer
+            self.store, self.job_ttl_s, validate, self.engine.observer
         ):
             self._queue(job_id, params, encode)
             resumed += 1

@@ -19,6 +19,7 @@ import torch
 from worldserve.engine.outputs import VideoResult
 from worldserve.media.audio import fit_audio
 from worldserve.media.frame_stream import FrameStream
+from worldserve.params import ParamError
 
 if TYPE_CHECKING:  # the VAEs import diffusers: a peer rank, which only runs the transformer, never needs them
     from worldserve.models.cosmos3.audio_vae import AudioVAE
@@ -33,7 +34,9 @@ def decode_video(
     """`state`'s latents and sound -> a VideoResult. `stream`: its frames are a FrameStream that decodes as
     it is read, to be read at once on this thread while `state` lives (the caller holds its model lock);
     the "vae.decode" stage and the peak device memory are filled in when its last chunk has been made.
-    Otherwise the frames are one (F, H, W, 3) array, decoded here."""
+    Otherwise the frames are one (F, H, W, 3) array, decoded here. A denoising that diverged fails here
+    (check_finite), not as a black video."""
+    check_finite(state)
     t0 = time.perf_counter()
     p, latents = state.params, state.latents  # latents [48, T, h, w]
     stages = dict(state.stage_seconds)
@@ -58,6 +61,26 @@ def decode_video(
     if not stream:
         result.frames = frames.to_array()
     return result
+
+
+class DivergedError(RuntimeError):
+    """The denoised latents hold NaN or inf: the request's output would decode to a black video."""
+
+
+def check_finite(state: VideoRequestState) -> None:
+    """ParamError naming `lora` when a request's denoising with a LoRA adapter diverged (a scale large enough to
+    overflow the activations: 1e30 passes the adapter's own finite check and made a black video, HTTP 200);
+    DivergedError without one. One device sync a request, before the decode that reads the latents anyway."""
+    finite = torch.isfinite(state.latents).all()
+    if state.sound is not None:
+        finite = finite & torch.isfinite(state.sound).all()
+    if bool(finite):
+        return
+    lora = state.params.lora
+    if lora is not None and lora.scale != 0:
+        raise ParamError("lora", f"the generation with LoRA adapter {lora.name!r} at scale {lora.scale:g} "
+                         "diverged (its latents are not finite): lower the scale")  # fmt: skip
+    raise DivergedError("the denoised latents are not finite (NaN or inf); the request cannot be decoded")
 
 
 @torch.inference_mode()
