@@ -1,7 +1,10 @@
 """Every error leaves the server in vLLM's envelope: {"error": {"message", "type", "param", "code"}}.
 
 `type` is the HTTP reason phrase ("Bad Request", "Not Found", ...) and `code` the status (serving-api.md
-§3.2). Request validation answers 400, never FastAPI's 422 `{"detail": ...}`: the message starts
+§3.2); on vLLM's own routes (VLLM_ROUTES) an error its serving code raises carries vLLM's typed names
+("BadRequestError", "NotFoundError", ...), while a request its validation refuses (pydantic's types and ranges,
+its request models' validators: APIError(request_validation=True), params.InvalidRequest) keeps the reason
+phrase, as vLLM's RequestValidationError handler answers. Request validation answers 400, never FastAPI's 422 `{"detail": ...}`: the message starts
 "N validation error(s):" followed by one dict per error with loc ('body', field), as vLLM prints it, and
 `param` names the first offending field. Unknown routes and methods get the envelope too (404 / 405).
 The one exception is auth: 401 `{"error": "Unauthorized"}` (see auth.py).
