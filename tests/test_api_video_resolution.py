@@ -87,6 +87,19 @@ async def test_i2v_without_a_size_takes_the_image_aspect_ratio():
     assert (p.width, p.height) == (1280, 720)  # T2V keeps the model default
 
 
+async def test_v2v_without_a_size_takes_the_clips_aspect_ratio():
+    """vLLM-Omni's pre_process_func sets a V2V request's size from the clip's first frame as an I2V image's
+    (the 720p area): a portrait clip ran at 1280x720 here; its default flow shift is 10.0 at any size."""
+    url = "data:video/mp4;base64," + base64.b64encode(mp4_bytes(frames=6, width=16, height=32)).decode()
+    p = await _params({"prompt": "x", "num_frames": 5, "video_reference": {"video_url": url}})
+    assert (p.width, p.height) == aspect_size(16, 32) and p.width < p.height
+    assert p.video is not None and p.resolved_flow_shift() == 10.0
+    p = await _params(
+        {"prompt": "x", "num_frames": 5, "size": "320x192", "video_reference": {"video_url": url}}
+    )
+    assert (p.width, p.height) == (320, 192)  # a size given wins
+
+
 async def test_image_reference_may_be_a_list_of_one():
     url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
     p = await _params(

@@ -1,8 +1,9 @@
 """vLLM-Omni's resolution of a video request's fields into VideoParams (serving-api.md §4.1), after the body is
 read and the references decoded (api/video_inputs.py): top-level fields, a JSON `video_params` object filling
 the gaps, `extra_params` keys over them, `size` over width / height, fps 24, and `num_frames` from `seconds` x
-fps only when still unset, rounded to the nearest 4k+1. Beyond it: guidance_scale 0 means the default, an I2V
-request without a size takes the image's aspect ratio at the 720p area (§4.3), and numbers are bounded
+fps only when still unset, rounded to the nearest 4k+1; an I2V or V2V request without a size takes the image's
+(the clip's first frame's) aspect ratio at the 720p area (§4.3, vLLM-Omni's pre_process_func). Beyond it:
+guidance_scale 0 means the default, and numbers are bounded
 before any arithmetic on them (a size's digits, seconds x fps), and the server's defaults
 (--default-sampling-params) fill what a request leaves unset. Errors name the field the value came in.
 """
@@ -41,8 +42,8 @@ def resolve_video_params(
 ) -> VideoParams:
     """vLLM-Omni's resolution (serving-api.md §4.1): top-level fields, `video_params` filling the gaps,
     `size` over width / height, fps 24, num_frames from `seconds` only if still unset; `extra_params`
-    keys win over the top level. Beyond it: guidance_scale 0 means the default (the pipeline tests
-    truthiness), and an I2V request without a size takes the image's aspect ratio (§4.3). An error names
+    keys win over the top level; an I2V or V2V request without a size takes the image's (the clip's) aspect
+    ratio (§4.3). Beyond it: guidance_scale 0 means the default (the pipeline tests truthiness). An error names
     the field the value came in (`extra_params.<key>`, `video_params`, `seconds`, the reference's `source`).
     `defaults` (the server's, VideoParams field names: --default-sampling-params, --flow-shift) fill what the
     request leaves unset, before the model defaults: a default size before an I2V image's aspect ratio, a
@@ -86,7 +87,8 @@ def resolve_video_params(
     if "guidance_interval" in kw:
         kw["guidance_interval"] = tuple(float(v) for v in kw["guidance_interval"])
     default_size = (defaults["width"], defaults["height"]) if "width" in defaults else None
-    size = _frame_size(req, vp, image, default_size)
+    # (V2V: the clip's first frame sets the aspect ratio, as an I2V image does: vLLM-Omni's pre_process_func)
+    size = _frame_size(req, vp, image if image is not None or video is None else video[0], default_size)
     if size is not None:
         kw["width"], kw["height"] = size
     fps = kw.setdefault("fps", defaults.get("fps", VideoParams.__dataclass_fields__["fps"].default))
@@ -108,8 +110,8 @@ def _frame_size(
     default: tuple[int, int] | None = None,
 ) -> tuple[int, int] | None:  # fmt: skip
     """(width, height): `size`, else width / height (the top level's, then video_params'; a side out of range
-    names its field), else the server's `default`, else an I2V image's aspect ratio at the 720p area; None: the
-    model default."""
+    names its field), else the server's `default`, else an I2V image's (or a V2V clip's first frame's) aspect
+    ratio at the 720p area; None: the model default."""
     if req.size is not None:
         return _parse_size(req.size)
     width = req.width if req.width is not None else vp.width
