@@ -290,6 +290,21 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     assert serve_backend.load_backend_within(ModelConfig()) == ("backend", None)
 
 
+def test_a_static_adapter_refused_as_it_loads_names_the_flag(monkeypatch, caplog):
+    """--lora-path's adapter merged at load with NaN weights: the load's one line names the flag (it named only
+    the request field `lora`, which a server's operator never sent)."""
+    from worldserve.commands import serve_backend
+    from worldserve.config import ModelConfig
+    from worldserve.params import ParamError
+
+    def load(cfg, parallel, sched, chat, lora):
+        raise ParamError("lora", "LoRA adapter '/a': module 'x': its weights ... are not all finite")
+
+    monkeypatch.setattr(serve_backend, "load_backend", load)
+    assert serve_backend.load_backend_within(ModelConfig()) is None
+    assert "could not load the model: --lora-path: LoRA adapter '/a'" in caplog.text
+
+
 def test_kv_cache_memory_bytes_sizes_the_chat_pool(tiny_ckpt, monkeypatch):
     """--kv-cache-memory-bytes: refused when 0, too small for --max-model-len names both flags before any
     weight loads, and otherwise the Reasoner's pool holds that many bytes' worth of tokens;

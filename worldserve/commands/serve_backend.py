@@ -238,8 +238,11 @@ def load_backend_within(
         # A bad checkpoint or an unsupported option is the user's to fix, a peer rank that died at start-up
         # has its own log above: one line; anything else: traceback.
         from worldserve.parallel.comm import PeerError
+        from worldserve.params import ParamError
 
         expected = isinstance(err, (CheckpointError, ValueError, PeerError))
+        if isinstance(err, ParamError) and err.param == "lora":  # (the static adapter, merged as it loads)
+            err = ValueError(f"--lora-path: {err.message}")
         log.error("could not load the model: %s", err, exc_info=None if expected else err)
         return None
     log.info("model ready in %.1fs", time.monotonic() - started)
