@@ -2,11 +2,12 @@
 
 `type` is the HTTP reason phrase ("Bad Request", "Not Found", ...) and `code` the status (serving-api.md
 §3.2); on vLLM's own routes (VLLM_ROUTES) an error its serving code raises carries vLLM's typed names
-("BadRequestError", "NotFoundError", ...), while a request its validation refuses (pydantic's types and ranges,
-its request models' validators: APIError(request_validation=True), params.InvalidRequest) keeps the reason
-phrase, as vLLM's RequestValidationError handler answers. Request validation answers 400, never FastAPI's 422 `{"detail": ...}`: the message starts
-"N validation error(s):" followed by one dict per error with loc ('body', field), as vLLM prints it, and
-`param` names the first offending field. Unknown routes and methods get the envelope too (404 / 405).
+("BadRequestError", "NotFoundError", ...), while a request its validation refuses (pydantic's types and
+ranges, its request models' validators: APIError(request_validation=True), params.InvalidRequest) keeps the
+reason phrase, as vLLM's RequestValidationError handler answers. Request validation answers 400, never
+FastAPI's 422 `{"detail": ...}`: the message starts "N validation error(s):" followed by one dict per error
+with loc ('body', field), as vLLM prints it, and `param` names the first offending field. Unknown routes and
+methods get the envelope too (404 / 405).
 The one exception is auth: 401 `{"error": "Unauthorized"}` (see auth.py).
 An engine failure (a video or image request the engine failed, or could not finish: APIError's
 `engine_request_id`) adds vLLM-Omni's `error.request_id` and `error.error_stage_id` (its

@@ -12,8 +12,8 @@ name, description, parameters) and `tool_choice` ("auto", "none", "required", {"
 become the chat's; `text.format` (json_schema / json_object / text) its response_format; `max_output_tokens`
 its max_tokens; `include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs;
 `previous_response_id`'s stored conversation (api/responses_store.py) comes before the input, after the
-instructions. `background` and a `prompt` template are 400s; `service_tier` is checked and echoed. `ChatPaths` (api/responses_input.py) turns an error naming a chat field
-back into the Responses field the client sent.
+instructions. `background` and a `prompt` template are 400s; `service_tier` is checked and echoed. `ChatPaths`
+(api/responses_input.py) turns an error naming a chat field back into the Responses field the client sent.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def to_chat(
                        "answer", param="input")  # fmt: skip
     continued = continues_final(items)  # a partial last message or reasoning item: the answer goes on with it
     chat = req.model_dump(exclude={"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
-                                   "include", "top_logprobs", "store", "background", "previous_response_id", "prompt", "service_tier",
-                                   "reasoning", "metadata", "user", "truncation", "n", "stream_options",
+                                   "include", "top_logprobs", "store", "background", "previous_response_id",
+                                   "prompt", "service_tier", "reasoning", "metadata", "user", "truncation", "n", "stream_options",
                                    "response_format"})  # fmt: skip
     chat.update(messages=messages, max_tokens=req.max_output_tokens, logprobs=req.logprobs,
                 top_logprobs=req.top_logprobs if req.logprobs else None, tools=_tools(req.tools),

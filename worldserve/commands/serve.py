@@ -127,8 +127,8 @@ def _check_kernels(config: EngineConfig) -> None:
 
 def _check_against_checkpoint(config: EngineConfig) -> None:
     """The flags that a checkpoint's config.json bounds (the parallel degrees' head and MLP splits, the
-    context against its positions, the K/V pool against one context), checked before the model loads when the checkpoint is on disk (a local
-    folder or the embedded tiny one; a Hub name is checked as it loads)."""
+    context against its positions, the K/V pool against one context), checked before the model loads when the
+    checkpoint is on disk (a local folder or the embedded tiny one; a Hub name is checked as it loads)."""
     from worldserve.runner.parallel_pipeline import check_checkpoint_layout
     from worldserve.runner.reasoner import check_context
     from worldserve.weights.checkpoint import read_transformer_config, resolve_model

@@ -2,12 +2,12 @@
 into a `ChatMeter` (the Prometheus metrics implement it; api/metrics.py): started (its prompt tokens) and
 ended (its finish reason). A chat that ends before it started (cancelled while queued, failed by a shutdown or
 a full K/V cache) is counted ended without a finish reason ("abort", as vLLM counts an aborted waiting
-request); one that a server error ended, "error" (vLLM's FinishReason.ERROR); one refused with a 4xx before it started is the route's 400, not a finished request. What the chat
-worker knows better than a reader of the events is counted there: running and waiting chats (its queues, read
-at scrape time: a preempted chat waits), the time to first token (when the worker sampled it: the n choices
-of one request are read one after another), tokens per iteration, inter-token gaps, and each chat's lengths
-(the tokens it sampled: a reader that left took fewer) and queue, prefill, decode and inference
-time (chat_worker.py, chat_observer.py).
+request); one that a server error ended, "error" (vLLM's FinishReason.ERROR); one refused with a 4xx before it
+started is the route's 400, not a finished request. What the chat worker knows better than a reader of the
+events is counted there: running and waiting chats (its queues, read at scrape time: a preempted chat waits),
+the time to first token (when the worker sampled it: the n choices of one request are read one after another),
+tokens per iteration, inter-token gaps, and each chat's lengths (the tokens it sampled: a reader that left
+took fewer) and queue, prefill, decode and inference time (chat_worker.py, chat_observer.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ class ChatMeter(Protocol):
     def on_chat_started(self, prompt_tokens: int) -> None: ...
 
     def on_chat_ended(self, finish_reason: str | None) -> None:
-        """finish_reason "error": a server error ended it; None: aborted (client gone, shut down). Its token counts are the chat
-        worker's (ChatObserver.on_chat_finished), not the events a reader took."""
+        """finish_reason "error": a server error ended it; None: aborted (client gone, shut down). Its token
+        counts are the chat worker's (ChatObserver.on_chat_finished), not the events a reader took."""
 
 
 class ChatEventSource(Protocol):

@@ -118,8 +118,9 @@ def decode_image(
 
 def _gray16_to_8bit(img: Image.Image) -> Image.Image:
     """A 16-bit grayscale image (Pillow's I;16 modes, or "I" read from a 16-bit file) as 8-bit "L", each value
-    scaled by 255 / 65535 and rounded (clipped to 0..65535 first). Pillow's convert("RGB") / ("L") clips those values at 255 instead, so every pixel above 1/256 of
-    full scale came out white (diffusers' load_image and transformers' processors convert that way)."""
+    scaled by 255 / 65535 and rounded (clipped to 0..65535 first). Pillow's convert("RGB") / ("L") clips those
+    values at 255 instead, so every pixel above 1/256 of full scale came out white (diffusers' load_image and
+    transformers' processors convert that way)."""
     wide = np.clip(np.asarray(img), 0, 65535).astype(np.uint32)  # [H, W] of 0..65535
     return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), mode="L")
 

@@ -1,22 +1,22 @@
 """The one attention entry point (scaled dot-product, GQA) and the contiguous per-sequence K/V cache.
 
-`sdpa_attention(q, k, v, causal=...)` takes token-major tensors, q [Nq, Hq, D] and k/v [Nk, Hkv, D] with
-Hq a multiple of Hkv, and returns [Nq, Hq, D]. It runs `F.scaled_dot_product_attention` with
-`enable_gqa` (no K/V repeat). On CPU the math kernel runs. On CUDA the backend priority depends on whether the
-call's shapes repeat: cuDNN builds an execution graph for every new (Nq, Nk), 46-790 ms on an H200
+`sdpa_attention(q, k, v, causal=...)` takes token-major tensors, q [Nq, Hq, D] and k/v [Nk, Hkv, D] with Hq a
+multiple of Hkv, and returns [Nq, Hq, D]. It runs `F.scaled_dot_product_attention` with `enable_gqa` (no K/V
+repeat). On CPU the math kernel runs. On CUDA the backend priority depends on whether the call's shapes
+repeat: cuDNN builds an execution graph for every new (Nq, Nk), 46-790 ms on an H200
 (bench/sdpa_new_shapes.py) where flash starts at once and runs as fast. So the gen tower's calls (non-causal:
 the same shapes over every step of a request: a graph build per request for each CFG branch's prompt length,
 ~40 ms against minutes of steps, for a kernel 1.6-1.7x PyTorch's flash, FA2, at those lengths: 55 vs 89 ms a
-720p call on an H200, bench/sdpa_new_shapes.py, performance.md §3) keep cuDNN first, while causal calls (the und tower's prefill: any prompt length over any cached prefix)
-and `any_shape_sdpa_attention` (the ViT: an item's length is its image's size) put flash first (prompts are
-short enough for FA2's attention to cost less than a graph build): without FlashAttention-3 every chat had
-paid a graph build, a cached prefix's chat ~0.2-1.3 s of its first token. (`flash_attention.py` holds the
-FlashAttention-3 alternative with the same signature and semantics, and the choice between them.) A causal
-call with Nq < Nk (chunked prefill, a cached prefix) aligns the mask to the bottom right: query i of the new
-chunk sees keys [0, Nk - Nq + i], through torch's lower-right CausalBias (flash takes it without a mask
-tensor; a boolean mask would send the call to cuDNN or the math kernel). Nothing here reads device values on
-the host, so it stays capturable in CUDA graphs (torch.compile runs no attention: dynamo cannot build a
-CausalBias inside a graph).
+720p call on an H200, bench/sdpa_new_shapes.py, performance.md §3) keep cuDNN first, while causal calls (the
+und tower's prefill: any prompt length over any cached prefix) and `any_shape_sdpa_attention` (the ViT: an
+item's length is its image's size) put flash first (prompts are short enough for FA2's attention to cost less
+than a graph build): without FlashAttention-3 every chat had paid a graph build, a cached prefix's chat
+~0.2-1.3 s of its first token. (`flash_attention.py` holds the FlashAttention-3 alternative with the same
+signature and semantics, and the choice between them.) A causal call with Nq < Nk (chunked prefill, a cached
+prefix) aligns the mask to the bottom right: query i of the new chunk sees keys [0, Nk - Nq + i], through
+torch's lower-right CausalBias (flash takes it without a mask tensor; a boolean mask would send the call to
+cuDNN or the math kernel). Nothing here reads device values on the host, so it stays capturable in CUDA graphs
+(torch.compile runs no attention: dynamo cannot build a CausalBias inside a graph).
 
 `ContiguousKVCache` holds one sequence's K/V for every layer, post-norm and post-RoPE, in one
 [layers, capacity, Hkv, D] buffer per K and V. Its `length` is host metadata. The und step writes a chunk
