@@ -341,12 +341,18 @@ def test_metrics_negotiate_the_format_and_filter_by_name(server):
     """As prometheus_client's ASGI app answers vLLM's /metrics: OpenMetrics for a scrape that asks for it (the
     text format otherwise), and only the families a scrape names with `name[]` (every family had come, in the
     text format, whatever was asked); process_* is filterable too. vLLM's FinishReason values, error and
-    repetition among them, are exported from the start."""
+    repetition among them, are exported from the start. As vLLM mounts the app, /metrics/ and a POST are served
+    (they were a 307 and a 405), gzipped when the scrape accepts it, and none of them counted in http_*."""
     with httpx.Client(base_url=server, timeout=60) as client:
         plain = client.get("/metrics")
         om = client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
         some = client.get("/metrics", params=[("name[]", "vllm:request_success_total"),
                                               ("name[]", "process_open_fds")])  # fmt: skip
+        # vLLM's mount: /metrics/ and POST answer too (they were a 307 and a 405), gzip when accepted
+        slash, post = client.get("/metrics/"), client.post("/metrics")
+        zipped = client.get("/metrics", headers={"Accept-Encoding": "gzip"})
+        unzipped = client.get("/metrics", headers={"Accept-Encoding": "identity"})
+        served = client.get("/metrics").text.splitlines()
     assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert om.headers["content-type"].startswith("application/openmetrics-text")
     assert om.text.rstrip().endswith("# EOF") and not plain.text.rstrip().endswith("# EOF")
@@ -355,3 +361,9 @@ def test_metrics_negotiate_the_format_and_filter_by_name(server):
     reasons = {line.split('finished_reason="')[1].split('"')[0] for line in some.text.splitlines()
                if line.startswith("vllm:request_success_total")}  # fmt: skip
     assert reasons == {"stop", "length", "abort", "error", "repetition"}
+    for answer in (slash, post, zipped):
+        assert answer.status_code == 200 and "vllm:request_success_total" in answer.text
+    assert zipped.headers["content-encoding"] == "gzip" and "content-encoding" not in unzipped.headers
+    counted = [line for line in served if line.startswith("http_requests_total")]
+    assert counted and not any("/metrics" in line for line in counted), counted
+

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 import uuid
 from collections import defaultdict
@@ -24,9 +25,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import make_asgi_app
+from starlette.routing import Mount
 
 from worldserve import __version__, envs
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
@@ -177,14 +180,18 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics", tags=["server"], response_class=Response)
-    async def prometheus_metrics(request: Request) -> Response:
-        body, content_type = metrics.render(
-            request.headers.get("accept", ""), request.query_params.getlist("name[]")
-        )
-        return Response(body, media_type=content_type)
-
+    app.routes.append(metrics_mount(metrics))
     return app
+
+
+def metrics_mount(metrics: Metrics) -> Mount:
+    """/metrics as vLLM mounts it: prometheus_client's ASGI app on every path that starts with /metrics
+    (/metrics/ too, any method), so a scrape gets the format its Accept header asks for (OpenMetrics or
+    text), only the families it names with `?name[]=` and a gzip body when it accepts one."""
+    mount = Mount("/metrics", make_asgi_app(registry=metrics.registry))
+    # vLLM's override: without it /metrics answers a 307 to /metrics/
+    mount.path_regex = re.compile("^/metrics(?P<path>.*)$")
+    return mount
 
 
 def route_table(app: FastAPI) -> list[tuple[str, list[str]]]:

@@ -49,7 +49,8 @@ class HTTPMetricsMiddleware:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in EXCLUDED:  # (those routes: /healthz is "none")
+        # (those routes: /healthz is "none"; every path of the /metrics mount, as its handler is /metrics)
+        if scope["type"] != "http" or (path := route_path(scope)) in EXCLUDED or path.startswith("/metrics"):
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()

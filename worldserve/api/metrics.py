@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import choose_encoder
 
 from worldserve.api.http_metrics import HTTPMetrics
 from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, ReadCounter, VllmMirror
@@ -230,11 +229,3 @@ class Metrics:
         self.chat_e2e.labels(**self._label).observe(times.e2e_s)
         self.chat_queue_time.labels(**self._label).observe(times.queue_s)
         self.vllm.chat_timed(times)
-
-    def render(self, accept: str = "", names: Sequence[str] = ()) -> tuple[bytes, str]:
-        """(the exposition, its content type) as prometheus_client's ASGI app answers vLLM's /metrics: the
-        format the `accept` header asks for (OpenMetrics for Prometheus's scrapes, else the text format),
-        only the `names` families when a scrape names some (`?name[]=...`)."""
-        encoder, content_type = choose_encoder(accept)
-        registry = self.registry.restricted_registry(names) if names else self.registry
-        return encoder(registry), content_type
