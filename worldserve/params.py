@@ -80,6 +80,10 @@ def flow_shift_ok(value: float) -> bool:
 class ParamError(ValueError):
     """A request parameter is invalid. `param` names the field, as in the OpenAI error JSON."""
 
+    request_validation = False
+    """Refused as a request model's validation refuses it (`api.errors.APIError` has the same attribute): typed
+    "Bad Request" on vLLM's routes too."""
+
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
@@ -90,6 +94,8 @@ class InvalidRequest(ParamError):
     """A ParamError that vLLM raises from its request model's validators (stream_options without stream,
     top_logprobs without logprobs, tool_choice without tools, both template switches): on vLLM's routes its
     error type is the reason phrase "Bad Request", as for any request validation, not "BadRequestError"."""
+
+    request_validation = True
 
 
 class TextTooLong(ParamError):

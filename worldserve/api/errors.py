@@ -3,7 +3,7 @@
 `type` is the HTTP reason phrase ("Bad Request", "Not Found", ...) and `code` the status (serving-api.md
 §3.2); on vLLM's own routes (VLLM_ROUTES) an error its serving code raises carries vLLM's typed names
 ("BadRequestError", "NotFoundError", ...), while a request its validation refuses (pydantic's types and
-ranges, its request models' validators: APIError(request_validation=True), params.InvalidRequest) keeps the
+ranges, its request models' validators: an APIError or ParamError whose `request_validation` is true) keeps the
 reason phrase, as vLLM's RequestValidationError handler answers. Request validation answers 400, never
 FastAPI's 422 `{"detail": ...}`: the message starts "N validation error(s):" followed by one dict per error
 with loc ('body', field), as vLLM prints it, and `param` names the first offending field. Unknown routes and
@@ -34,7 +34,7 @@ from starlette.routing import Match
 from worldserve.api.auth import request_id_of
 from worldserve.api.disconnect import CLIENT_CLOSED_REQUEST, ClientGone
 from worldserve.engine.client import StorageError
-from worldserve.params import InvalidRequest, ParamError
+from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
 MAX_INPUT_REPR = 200
@@ -244,9 +244,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ParamError)
     async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
-        return _answer(
-            request, 400, exc.message, exc.param, request_validation=isinstance(exc, InvalidRequest)
-        )
+        return _answer(request, 400, exc.message, exc.param, request_validation=exc.request_validation)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
