@@ -227,6 +227,30 @@ async def test_a_restart_upsamples_an_interrupted_job(tmp_path, pipeline, chat_b
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_prompt_to_upsample_is_not_held_to_max_sequence_length(
+    tmp_path, pipeline, chat_backend, anyio_backend
+):
+    """The client's prompt is the Reasoner's input, not the text the gen tower reads: past the request's
+    max_sequence_length it is upsampled (the Reasoner's context bounds it), and the prompt written for it is
+    the one held to that limit (it was refused as too long before the Reasoner saw it)."""
+    async with asgi_server(tmp_path, backend=pipeline, real_encoder=True, chat_backend=chat_backend,
+                           upsampler=SMALL) as http:  # fmt: skip
+        tokens = len(pipeline.encoder.tokenizer("a red fox runs " * 100)["input_ids"])
+        limit = json.dumps({"max_sequence_length": 400})
+        data = {"prompt": "a red fox runs " * 100, **TINY}
+        assert tokens > 400
+        plain = await http.post("/v1/videos", data={**data, "extra_params": limit})
+        assert plain.status_code == 400 and plain.json()["error"]["param"] == "prompt", plain.text
+        extra = json.dumps({"upsample_prompt": True, "max_sequence_length": 400})
+        r = await http.post("/v1/videos/sync", data={**data, "extra_params": extra})
+        assert r.status_code == 200, r.text
+        job = (await http.get(f"/v1/videos/{r.headers['x-video-id']}")).json()
+        written = len(pipeline.encoder.tokenizer(job["upsampled_prompt"])["input_ids"])
+        assert set(json.loads(job["upsampled_prompt"])) == KEYS and written <= 400
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_written_prompt_past_max_sequence_length_fails_the_job(
     tmp_path, pipeline, chat_backend, anyio_backend
 ):

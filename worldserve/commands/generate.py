@@ -411,13 +411,16 @@ def _generate(
 ) -> int:
     from tqdm.auto import tqdm
 
+    from worldserve.engine.prompt_upsampling import UpsamplingFailed, checked, model_checked
+
     try:
-        pipe.validate(params)
+        model_checked(pipe.validate, params)
         if params.upsample_prompt:
-            params = _upsampled(args, params, pipe, root)
-            pipe.validate(params)
-    except (ParamError, ValueError) as e:
-        where = f"{_flag(e.param, args)}: {e.message}" if isinstance(e, ParamError) else str(e)
+            # (the written prompt past max_sequence_length: an error naming that limit, not the prompt)
+            params = checked(pipe.validate, _upsampled(args, params, pipe, root))
+    except (ParamError, UpsamplingFailed, ValueError) as e:
+        named = isinstance(e, (ParamError, UpsamplingFailed))
+        where = f"{_flag(getattr(e, 'param', None), args)}: {e}" if named else str(e)
         print(f"worldserve generate: error: {where}", file=sys.stderr)
         return 2
     stream = streams_to(args.output)  # the VAE decode then runs in write_output, beside the mux

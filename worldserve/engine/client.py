@@ -59,6 +59,7 @@ from worldserve.engine.prompt_upsampling import (
     built_upsampling_chat,
     check_upsampling,
     checked,
+    model_checked,
     upsample,
 )
 from worldserve.engine.refusals import (
@@ -261,7 +262,7 @@ class EngineClient:
                 check_upsampling(
                     self.chat_worker.backend if self.chat_worker else None, params, self.upsampler
                 )
-            return self.engine.backend.validate(params)
+            return model_checked(self.engine.backend.validate, params)
         except ParamError as exc:
             raise params.named(exc) from None
 

@@ -198,6 +198,16 @@ def check_upsampling(reasoner: ChatBackend | None, params: VideoParams, config: 
                          f"{reasoner.max_model_len}-token context")  # fmt: skip
 
 
+def model_checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams) -> VideoParams:
+    """`validate(params)` (the backend's model checks), except that a prompt to be upsampled is not held to
+    max_sequence_length: it is the Reasoner's input (check_upsampling bounds it by the Reasoner's context),
+    not the text the gen tower reads; the prompt written for it is held to that limit (`checked`)."""
+    if not params.upsample_prompt:
+        return validate(params)
+    # (a one-word stand-in: every other field, the negative prompt's length among them, checked as given)
+    return dataclasses.replace(validate(dataclasses.replace(params, prompt="video")), prompt=params.prompt)
+
+
 class UpsamplingFailed(Exception):
     """The upsampling chat failed (`status`: the chat's own, e.g. 503 when the chat worker stopped, 400 for a
     prompt past the context), its answer is not a complete JSON object (500), or the prompt it wrote does not
