@@ -113,13 +113,17 @@ def file_identity(path: Path) -> tuple[int, int]:
 def database_gone(path: Path, identity: tuple[int, int]) -> str | None:
     """Why the job database the store opened (`identity`) is no longer the file at `path` (removed, or the
     storage folder removed, or replaced), else None. SQLite keeps writing to a removed file, which is lost
-    at the next start: a store whose database is gone must take no more jobs."""
+    at the next start: a store whose database is gone must take no more jobs. The reason reaches clients (a
+    create's 503, the unauthenticated /health), so it names the file, not its path (the startup log has the
+    storage folder), as job_faults.py's messages do."""
     try:
         if file_identity(path) == identity:
             return None
     except OSError as exc:
-        return f"its job database {path} is gone ({exc.strerror}): the storage folder was removed or moved"
-    return f"its job database {path} was replaced by another file under the running server"
+        return (
+            f"its job database {path.name} is gone ({exc.strerror}): the storage folder was removed or moved"
+        )
+    return f"its job database {path.name} was replaced by another file under the running server"
 
 
 class StorageError(RuntimeError):
