@@ -217,3 +217,40 @@ def test_a_rank0_leaving_without_closing_its_peers_exits(tmp_path):
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.kill(peer, 0)
+
+
+RANK0_SIGNALLING = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from test_parallel_start import _peer_loading_with_rank0
+from worldserve.runner import peer_start
+from worldserve.runner.peers import PeerRanks
+spawn = peer_start.StartupPipes.spawn
+
+def spawn_then_signal(self, procs):
+    spawn(self, procs)
+    for p in procs:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(p.pid, sig)
+
+peer_start.StartupPipes.spawn = spawn_then_signal
+cpu = torch.device("cpu")
+peers, _ = PeerRanks.start("test", _peer_loading_with_rank0, lambda r, link: (r, link, {marker!r}), [cpu, cpu],
+                           lambda: None, timeout_s=60.0)
+peers.close()
+print(peers.processes[0].exitcode, flush=True)
+"""  # a fresh interpreter: its first spawn starts multiprocessing's resource tracker too
+
+
+def test_a_peer_still_starting_outlives_the_signals_that_reach_its_process_group(tmp_path):
+    """Ctrl-C in the terminal while the peers are still starting (importing torch, before run_peer ignores
+    the signals): they hold SIGINT and SIGTERM from their first instruction and start as usual (each had died
+    of a KeyboardInterrupt traceback, or at once of the SIGTERM). The signals go out right after the spawn,
+    long before a peer's interpreter could run a line of its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = RANK0_SIGNALLING.format(tests=str(Path(__file__).parent), marker=str(tmp_path / "peer-loading"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "0\n"), done.stderr[-2000:]

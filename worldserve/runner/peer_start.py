@@ -8,6 +8,10 @@ code at once, where a wait inside torch.distributed (the rendezvous, gloo's mesh
 communicator on a first message) would have sat until the world's 30-minute timeout. Rank 0 joins the
 world only once every peer is alive at its door, and bounds that rendezvous by `JOIN_TIMEOUT_S`.
 
+A peer holds SIGINT and SIGTERM from its first instruction (`spawn` starts it with both blocked) until its
+run_peer ignores them: a terminal's Ctrl-C during the start, which reaches the whole process group, had ended
+every peer still importing torch with a KeyboardInterrupt traceback (rank 0 owns the shutdown).
+
 The other way round, a peer watches rank 0 (`watch_leader`, its whole life): once rank 0 is gone (killed, or
 a SIGTERM's default exit, which skips every clean-up), the peer exits within `LEADER_POLL_S` whatever it is
 doing, rather than finishing a minutes-long load or waiting in the rendezvous (up to the world's timeout)
@@ -20,7 +24,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
@@ -35,6 +40,31 @@ JOIN_TIMEOUT_S = 60.0
 ("joining",), so it takes well under a second; only a peer dying right then can make it run out."""
 LEADER_POLL_S = 0.5
 """How often a peer checks that rank 0 (its parent process) is still there."""
+HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+"""The signals a peer is started with blocked (a blocked mask survives fork and exec), released by run_peer
+once it ignores them."""
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """HELD_SIGNALS blocked in the calling thread, whose mask the processes it starts inherit; one that comes
+    meanwhile is delivered as the block ends."""
+    from multiprocessing import resource_tracker
+
+    # (first: the tracker's own start, with a process's first spawn, unblocks SIGINT and SIGTERM after it)
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_held_signals() -> None:
+    """In a peer: ignore HELD_SIGNALS and unblock them (one that came while they were held is dropped)."""
+    for sig in HELD_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +120,12 @@ class StartupPipes:
         return PeerLink(init_method, self._pipes[rank - 1][1], os.getpid())
 
     def spawn(self, procs: Sequence) -> None:
-        """Start the peers' processes (ranks 1..), then close the peers' ends here: each is then held by its
-        peer alone, so the peer's exit reads as the end of its pipe."""
+        """Start the peers' processes (ranks 1..) with HELD_SIGNALS blocked, then close the peers' ends here:
+        each is then held by its peer alone, so the peer's exit reads as the end of its pipe."""
         self.procs = list(procs)
-        for p in self.procs:
-            p.start()
+        with signals_held():
+            for p in self.procs:
+                p.start()
         for _, theirs in self._pipes:
             theirs.close()
 

@@ -20,7 +20,6 @@ import atexit
 import functools
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -34,7 +33,13 @@ import torch
 
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
-from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes, watch_leader
+from worldserve.runner.peer_start import (
+    JOIN_TIMEOUT_S,
+    PeerLink,
+    StartupPipes,
+    ignore_held_signals,
+    watch_leader,
+)
 
 if TYPE_CHECKING:
     from worldserve.runner.kernel_options import KernelOptions
@@ -277,8 +282,8 @@ def run_peer(
     # Rank 0 owns the shutdown: a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process
     # group, and a peer that died of it cut the running jobs' grace short (rank 0 lost its peers mid-step).
     # A peer ends when rank 0 says ("stop",), or within LEADER_POLL_S of rank 0 being gone (watch_leader).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # (It started with them held: runner/peer_start.py StartupPipes.spawn.)
+    ignore_held_signals()
     watch_leader(link, label, rank)
     dev = torch.device(device)
     if dev.type == "cuda":
