@@ -307,6 +307,19 @@ def test_gpus_this_machine_lacks_are_one_line_before_anything_loads(tmp_path, ca
     assert needle in capsys.readouterr().err
 
 
+def test_cfg_parallel_without_cfg_is_one_line_before_anything_loads(tmp_path, capsys):
+    """--cfg-parallel-size 2 --guidance 1: the run has no uncond branch for the second rank, which had loaded a
+    whole model to sit idle (serve keeps the layout: its requests each give their own guidance)."""
+    from worldserve.cli import main
+
+    argv = ["generate", "--prompt", "a cat", "-o", str(tmp_path / "x.mp4"), "--device", "cpu"]
+    assert main([*argv, "--guidance", "1", "--cfg-parallel-size", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "worldserve generate: error: --guidance 1 runs no uncond CFG branch, so --cfg-parallel-size 2 would "
+        "leave its uncond rank idle: drop --cfg-parallel-size, or give a scale above 1"
+    )
+
+
 def test_a_write_failing_after_the_run_is_one_line_and_keeps_the_latents(tiny_ckpt, tmp_path, monkeypatch):
     """A full disk (or a folder gone since the checks) at the end was a traceback; now one line naming -o,
     exit 1, and --save-latents written first, so the denoised state survives to decode again."""

@@ -170,6 +170,9 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     if guidance == 0:  # (the API takes 0 as "not given", its default 6.0; here it would drop the prompt)
         raise ParamError("guidance", "--guidance 0 would generate without the prompt; use 1 for the prompt's "
                          "branch alone (no CFG), or a scale above 1")  # fmt: skip
+    if guidance == 1 and args.cfg_parallel_size == 2:  # (its second rank would load the model and wait)
+        raise ParamError("guidance", "--guidance 1 runs no uncond CFG branch, so --cfg-parallel-size 2 would "
+                         "leave its uncond rank idle: drop --cfg-parallel-size, or give a scale above 1")  # fmt: skip
     _check_output(args.output, args.num_frames)
     if args.save_latents is not None:
         if args.save_latents.suffix.lower() != ".safetensors":  # (a .npz or .pt name got safetensors bytes)
