@@ -528,3 +528,26 @@ def test_version_flag_prints_the_version(flag, capsys):
     with pytest.raises(SystemExit) as info:
         main([flag])
     assert info.value.code == 0 and capsys.readouterr().out.strip() == __version__
+
+
+def test_help_topics_as_vllm_reads_them():
+    """vLLM's `--help=TOPIC` (it was a usage error, "ignored explicit argument"): the groups listed, a group's
+    flags by its title in any case, flags by a part of their name, the whole help; no match is exit 1."""
+    from cli_helpers import run_cli
+
+    groups = run_cli("serve", "--help=listgroup")
+    assert (
+        groups.returncode == 0
+        and "  - ParallelConfig" in groups.stdout
+        and "  - SchedulerConfig" in groups.stdout
+    )
+    parallel = run_cli("serve", "--help=parallelconfig")
+    assert parallel.returncode == 0 and parallel.stdout.startswith("ParallelConfig:")
+    assert "--cfg-parallel-size" in parallel.stdout and "--max-num-seqs" not in parallel.stdout
+    found = run_cli("serve", "--help=MAX-NUM-SEQ")
+    assert found.returncode == 0 and "--max-num-seqs" in found.stdout and "--port" not in found.stdout
+    assert "--steps" in run_cli("generate", "--help=steps").stdout
+    whole = run_cli("serve", "--help=page")  # (not a terminal: printed without a pager)
+    assert whole.returncode == 0 and "--port" in whole.stdout and "--max-num-seqs" in whole.stdout
+    missing = run_cli("serve", "--help=no-such-flag")
+    assert missing.returncode == 1 and "no group or parameter matching 'no-such-flag'" in missing.stderr

@@ -50,6 +50,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def verb_parser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
+    """The parser of `verb` (a subcommand) within build_parser's `parser`."""
+    # (argparse exposes its subparsers only through its private action list)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[verb]
+
+
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so the verb's clean-ups run
     (parallel peers stopped, no partial output). A serving server has its own graceful stop (uvicorn holds
@@ -95,14 +102,17 @@ def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from worldserve.commands.help_topics import help_topic, show_help_topic
     from worldserve.commands.vllm_argv import vllm_argv
 
     argv = vllm_argv(sys.argv[1:] if argv is None else argv)  # (vLLM's underscore and dotted-key spellings)
     parser = build_parser(argv)
+    if (topic := help_topic(argv)) is not None:  # (vLLM's --help=listgroup / =ModelConfig / =max / =page)
+        chosen = next((a for a in argv if not a.startswith("-")), None)
+        return show_help_topic(verb_parser(parser, chosen) if chosen in VERBS else parser, topic)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (named by the verb's parser: `worldserve serve: error: ... (see worldserve serve --help)`)
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
+        verb_parser(parser, args.verb).error(f"unrecognized arguments: {' '.join(unknown)}")
     from worldserve.weights.checkpoint import CheckpointError
 
     previous = None  # (restored on return: main may run inside another program, a test)
