@@ -609,15 +609,15 @@ def test_images_past_the_pixel_cap_are_refused_before_decoding_whatever_their_to
     for n, (route, body) in enumerate(
         (("/v1/chat/completions", {"max_tokens": 1, **small}), ("/tokenize", {}))
     ):
-        buf = (
-            io.BytesIO()
-        )  # (new bytes each time: decoded ones stay in the processor cache, free to use again)
-        Image.new("RGB", (3000, 2000), (200, 90, n)).save(buf, format="PNG")
-        image = {
-            "type": "image_url",
-            "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
-        }
-        two = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}, image]}]
+        # new bytes each time, and two different images: decoded ones stay in the processor cache, free to use
+        # again (one image twice costs one decode when the first is cached before the second is counted)
+        images = []
+        for colour in ((200, 90, n), (201, 90, n)):
+            buf = io.BytesIO()
+            Image.new("RGB", (3000, 2000), colour).save(buf, format="PNG")
+            url_of = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            images.append({"type": "image_url", "image_url": {"url": url_of}})
+        two = [{"role": "user", "content": [images[0], {"type": "text", "text": "hi"}, images[1]]}]
         r = httpx.post(url + route, json={"model": MODEL, "messages": two, **body}, timeout=60)
         assert r.status_code == 400, (route, r.text)
         err = r.json()["error"]
