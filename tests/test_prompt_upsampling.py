@@ -322,6 +322,31 @@ async def test_a_shutdown_while_upsampling_keeps_the_job_for_the_next_start(tmp_
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_shutdown_stops_an_image_requests_upsampling_at_once(tmp_path, pipeline, chat_backend,
+                                                                     anyio_backend):  # fmt: skip
+    """A shutdown stops the prompts being upsampled when it begins: their requests are queued ones, which
+    start no more. An image request (a realtime session alike) got its 503 only once its chat had run to its
+    end, or the shutdown's timeout had passed (30 s by default, holding the server's exit)."""
+    slow = UpsamplerConfig(max_chars=4000, max_subjects=3, max_actions=4, min_room=1024)
+    async with asgi_server(tmp_path, backend=pipeline, chat_backend=chat_backend, upsampler=slow,
+                           sync_timeout_s=600) as http:  # fmt: skip
+        body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 2,
+                "extra_params": {"upsample_prompt": True}}  # fmt: skip
+        image = asyncio.create_task(http.post("/v1/images/generations", json=body))
+        client = http.engine_client
+        await _one_waiting(http, lambda: client.jobless.upsampling)
+        client.begin_shutdown(600)
+        answer = await asyncio.wait_for(image, 60)  # (a hang guard only)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["message"] == (
+            "Prompt upsampling failed: the Reasoner failed: The server is shutting down."
+        )  # (its chat stopped: not the admission's refusal after a whole answer)
+        assert await _chat_stopped(chat_backend)
+        assert client.num_waiting == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_prompt_leaving_the_answer_too_little_context_is_a_400(
     tmp_path, pipeline, chat_backend, anyio_backend
 ):

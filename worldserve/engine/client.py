@@ -30,9 +30,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
@@ -119,6 +120,8 @@ class EngineClient:
         self.restored_check = restored_check
         """The server's own check of a job stored before a restart (its LoRA settings), before validate."""
         self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
+        # settled on the loop when the shutdown begins: the prompts being upsampled stop then (upsampled_prompt)
+        self._stopping: asyncio.Future[None] | None = None
         self._storing = 0  # jobs admitted whose row and reference are being written (create_job)
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
         # images and realtime streams: through the engine without a job, admitted as jobs are
@@ -137,6 +140,7 @@ class EngineClient:
             return
         self._started = True
         self._loop = asyncio.get_running_loop()
+        self._stopping = self._loop.create_future()
         self.engine.on_done = lambda job_id: self._call_in_loop(partial(self._waiters.wake, job_id))
         self.engine.on_crash = self._on_crash_threadsafe
         resumed = self._recover()
@@ -166,6 +170,15 @@ class EngineClient:
                     target=self.chat_worker.stop, args=(timeout_s,), name="worldserve-stop-chats", daemon=True
                 ).start()
             self._call_in_loop(lambda: self._answer_waiters_at_shutdown(timeout_s))
+            self._call_in_loop(self._stop_upsampling)
+
+    def _stop_upsampling(self) -> None:
+        """On the loop, when the shutdown begins: the prompts being upsampled stop now (upsampled_prompt). Their
+        requests are queued ones, which no longer start: a job stays queued for the next start, an image or a
+        realtime request gets its 503 at once. Left to run as running chats are, they held the shutdown (and
+        their clients) for up to --shutdown-timeout and failed all the same."""
+        if self._stopping is not None and not self._stopping.done():
+            self._stopping.set_result(None)
 
     def stop_now(self) -> None:
         """A second interrupt during the shutdown's grace: its deadline now (the engine parks running jobs for
@@ -346,13 +359,31 @@ class EngineClient:
 
     async def upsampled_prompt(self, params: VideoParams) -> str:
         """The prompt the Reasoner writes for `params`, checked as a client's (engine/prompt_upsampling.py);
-        UpsamplingFailed (ShuttingDownError at shutdown) when it cannot."""
+        UpsamplingFailed when it cannot (503 once the shutdown begins; ShuttingDownError when it had begun)."""
         backend = self.chat_worker.backend if self.chat_worker is not None else None
         chat = await built_upsampling_chat(backend, params, self.upsampler)  # off the chat worker's thread
-        prompt = await upsample(self.chat_many, chat, self._meter)
+        prompt = await self._unless_stopping(upsample(self.chat_many, chat, self._meter))
         written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         await asyncio.to_thread(checked, self.engine.backend.validate, written)  # e.g. its length in tokens
         return prompt
+
+    async def _unless_stopping(self, upsampling: Coroutine[Any, Any, str]) -> str:
+        """`upsampling`'s prompt; once the shutdown begins (_stop_upsampling) it is cancelled (its chat stops
+        at the next step) and UpsamplingFailed(503) is raised."""
+        task = asyncio.ensure_future(upsampling)
+        stopping = self._stopping
+        if stopping is None:  # (not started: nothing stops it)
+            return await task
+        waiting: set[asyncio.Future[Any]] = {task, stopping}
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # (also when the caller is cancelled: a DELETE, a client gone)
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():  # stopped by the shutdown, not by its caller
+            raise UpsamplingFailed(503, "the Reasoner failed: The server is shutting down.")
+        return task.result()
 
     async def _upsample_then_queue(
         self, job_id: str, params: VideoParams, encode: EncodeOptions, arrival: float
