@@ -30,10 +30,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
@@ -61,6 +60,7 @@ from worldserve.engine.prompt_upsampling import (
     check_upsampling,
     checked,
     model_checked,
+    unless_stopping,
     upsample,
 )
 from worldserve.engine.refusals import (
@@ -362,28 +362,10 @@ class EngineClient:
         UpsamplingFailed when it cannot (503 once the shutdown begins; ShuttingDownError when it had begun)."""
         backend = self.chat_worker.backend if self.chat_worker is not None else None
         chat = await built_upsampling_chat(backend, params, self.upsampler)  # off the chat worker's thread
-        prompt = await self._unless_stopping(upsample(self.chat_many, chat, self._meter))
+        prompt = await unless_stopping(upsample(self.chat_many, chat, self._meter), self._stopping)
         written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
         await asyncio.to_thread(checked, self.engine.backend.validate, written)  # e.g. its length in tokens
         return prompt
-
-    async def _unless_stopping(self, upsampling: Coroutine[Any, Any, str]) -> str:
-        """`upsampling`'s prompt; once the shutdown begins (_stop_upsampling) it is cancelled (its chat stops
-        at the next step) and UpsamplingFailed(503) is raised."""
-        task = asyncio.ensure_future(upsampling)
-        stopping = self._stopping
-        if stopping is None:  # (not started: nothing stops it)
-            return await task
-        waiting: set[asyncio.Future[Any]] = {task, stopping}
-        try:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # (also when the caller is cancelled: a DELETE, a client gone)
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():  # stopped by the shutdown, not by its caller
-            raise UpsamplingFailed(503, "the Reasoner failed: The server is shutting down.")
-        return task.result()
 
     async def _upsample_then_queue(
         self, job_id: str, params: VideoParams, encode: EncodeOptions, arrival: float

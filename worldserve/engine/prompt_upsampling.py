@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -228,6 +228,25 @@ def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams)
         field = params.field_name("max_sequence_length" if exc.param == "prompt" else exc.param)
         raise UpsamplingFailed(400, f"the prompt the Reasoner wrote does not fit this request: {reason}; raise "
                                f"{field}, or leave upsample_prompt off", field) from None  # fmt: skip
+
+
+async def unless_stopping(upsampling: Coroutine[Any, Any, str], stopping: asyncio.Future[None] | None) -> str:
+    """`upsampling`'s prompt; once `stopping` is settled (the server's shutdown began: EngineClient) it is
+    cancelled (its chat stops at the next step) and UpsamplingFailed(503) is raised. A request being upsampled
+    is a queued one, which no longer starts: it must not hold the shutdown as a running chat does."""
+    task = asyncio.ensure_future(upsampling)
+    if stopping is None:  # (a client not started: nothing stops it)
+        return await task
+    waiting: set[asyncio.Future[Any]] = {task, stopping}
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # (also when the caller is cancelled: a DELETE, a client gone)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():  # stopped by the shutdown, not by its caller
+        raise UpsamplingFailed(503, "the Reasoner failed: The server is shutting down.")
+    return task.result()
 
 
 async def built_upsampling_chat(
