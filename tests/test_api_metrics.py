@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from serving_helpers import make_client, serve_app, wait_until
+from websockets.sync.client import connect
 
 from worldserve.api.metrics_vllm import (
     ITERATION_TOKEN_BUCKETS,
@@ -352,7 +353,12 @@ def test_metrics_negotiate_the_format_and_filter_by_name(server):
         slash, post = client.get("/metrics/"), client.post("/metrics")
         zipped = client.get("/metrics", headers={"Accept-Encoding": "gzip"})
         unzipped = client.get("/metrics", headers={"Accept-Encoding": "identity"})
+        client.get("/v1/models")  # (one request counted in http_*, whichever tests ran before)
         served = client.get("/metrics").text.splitlines()
+    # a WebSocket handshake on the mount is closed (prometheus_client's app had raised on its scope)
+    with pytest.raises(Exception, match="HTTP 403"):
+        with connect(server.replace("http", "ws") + "/metrics", open_timeout=10):
+            pass
     assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert om.headers["content-type"].startswith("application/openmetrics-text")
     assert om.text.rstrip().endswith("# EOF") and not plain.text.rstrip().endswith("# EOF")
@@ -366,4 +372,3 @@ def test_metrics_negotiate_the_format_and_filter_by_name(server):
     assert zipped.headers["content-encoding"] == "gzip" and "content-encoding" not in unzipped.headers
     counted = [line for line in served if line.startswith("http_requests_total")]
     assert counted and not any("/metrics" in line for line in counted), counted
-

@@ -338,11 +338,17 @@ async def test_a_shutdown_stops_an_image_requests_upsampling_at_once(tmp_path, p
         client.begin_shutdown(600)
         answer = await asyncio.wait_for(image, 60)  # (a hang guard only)
         assert answer.status_code == 503, answer.text
-        assert answer.json()["error"]["message"] == (
-            "Prompt upsampling failed: the Reasoner failed: The server is shutting down."
-        )  # (its chat stopped: not the admission's refusal after a whole answer)
+        assert "shutting down" in answer.json()["error"]["message"], answer.text
         assert await _chat_stopped(chat_backend)
         assert client.num_waiting == 0
+        # its chat stopped (abort), not run to its end before the admission's refusal
+        metrics = (await http.get("/metrics")).text
+        assert re.search(
+            r'worldserve:chat_request_success_total\{[^}]*finish_reason="abort"[^}]*\} 1\.0', metrics
+        )
+        assert (
+            'worldserve:request_rejected_total{model_name="test-model",reason="shutting_down"} 1.0' in metrics
+        )
 
 
 @pytest.mark.anyio

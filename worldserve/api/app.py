@@ -30,6 +30,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import make_asgi_app
 from starlette.routing import Mount
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocketClose
 
 from worldserve import __version__, envs
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
@@ -188,14 +190,23 @@ def metrics_mount(metrics: Metrics) -> Mount:
     """/metrics as vLLM mounts it: prometheus_client's ASGI app on every path that starts with /metrics
     (/metrics/ too, any method), so a scrape gets the format its Accept header asks for (OpenMetrics or
     text), only the families it names with `?name[]=` and a gzip body when it accepts one."""
-    mount = Mount("/metrics", make_asgi_app(registry=metrics.registry))
+    exposition = make_asgi_app(registry=metrics.registry)
+
+    async def http_only(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await exposition(scope, receive, send)
+        else:  # (prometheus_client's app asserts an HTTP scope: a WebSocket handshake had raised there)
+            await WebSocketClose()(scope, receive, send)
+
+    mount = Mount("/metrics", http_only)
     # vLLM's override: without it /metrics answers a 307 to /metrics/
     mount.path_regex = re.compile("^/metrics(?P<path>.*)$")
     return mount
 
 
 def route_table(app: FastAPI) -> list[tuple[str, list[str]]]:
-    """(path, methods) of every HTTP route, for the startup log (included routers are expanded via OpenAPI)."""
+    """(path, methods) of every HTTP route, for the startup log (included routers are expanded via OpenAPI;
+    mounts, /metrics's, are left out as vLLM's route log leaves them)."""
     table: dict[str, set[str]] = defaultdict(set)  # a path served by several routes (GET + HEAD) lists all
     for r in app.routes:
         if (methods := getattr(r, "methods", None)) and hasattr(r, "path"):

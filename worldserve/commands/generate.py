@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
 MAX_TEXT_FILE_BYTES = 16 << 20
-"""--prompt-file's size at most (a prompt is at most --max-sequence-length tokens)."""
+"""--prompt-file's size at most (a prompt is at most --max-sequence-length tokens, or the upsampling
+Reasoner's context with --upsample-prompt)."""
 MAX_MEDIA_FILE_BYTES = 4 << 30
 """--image / --video file size at most (read whole before decoding)."""
 GENERATE_MODEL_FLAGS = (
@@ -91,8 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int64_seed, default=42, help="initial noise seed (default 42)")
     p.add_argument("--no-sound", action="store_true", help="no joint audio")
     p.add_argument("--max-sequence-length", type=int, default=DEFAULT_MAX_SEQUENCE_LENGTH,
-                   help="prompt tokens after templating; a longer prompt is an error (default "
-                   f"{DEFAULT_MAX_SEQUENCE_LENGTH})")  # fmt: skip
+                   help="prompt tokens after templating; a longer prompt is an error (with --upsample-prompt: "
+                   f"the prompt the Reasoner writes) (default {DEFAULT_MAX_SEQUENCE_LENGTH})")  # fmt: skip
     p.add_argument("--no-duration-template", action="store_true",
                    help="leave out the duration / fps sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
     p.add_argument("--no-resolution-template", action="store_true",
@@ -220,6 +221,8 @@ def _flag(param: str | None, args: argparse.Namespace) -> str:
     """The flag the user gave for request field `param` (VideoParams names the API's fields)."""
     if param == "input_reference":
         return "--video" if args.video is not None else "--image"
+    if param == "messages":  # (the upsampling chat's: its one message is the prompt)
+        param = "prompt"
     if param == "prompt" and args.prompt is None:
         return "--prompt-file"
     if param is None:

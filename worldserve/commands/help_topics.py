@@ -5,7 +5,7 @@
 - a group's title, in any case: that group's flags;
 - `page`: the whole help through a pager ($PAGER, else less / more; printed when stdout is not a terminal);
 - anything else: every flag whose option string contains it, in any case ("Parameters matching ...");
-  none matching is one line and exit 1, as in vLLM.
+  none matching is exit 1, as in vLLM (one line on stderr here).
 
 Plain `--help` / `-h` keep argparse's whole help.
 """

@@ -359,7 +359,7 @@ class EngineClient:
 
     async def upsampled_prompt(self, params: VideoParams) -> str:
         """The prompt the Reasoner writes for `params`, checked as a client's (engine/prompt_upsampling.py);
-        UpsamplingFailed when it cannot (503 once the shutdown begins; ShuttingDownError when it had begun)."""
+        UpsamplingFailed when it cannot (ShuttingDownError once the shutdown begins: unless_stopping)."""
         backend = self.chat_worker.backend if self.chat_worker is not None else None
         chat = await built_upsampling_chat(backend, params, self.upsampler)  # off the chat worker's thread
         prompt = await unless_stopping(upsample(self.chat_many, chat, self._meter), self._stopping)

@@ -29,6 +29,7 @@ from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, Structured
 from worldserve.engine.chat_metering import ChatEventSource, ChatMeter, metered
 from worldserve.engine.chat_worker import ChatEvents, ChatFailed
 from worldserve.engine.outputs import ChatBackend, ChatDelta
+from worldserve.engine.refusals import SHUTDOWN_REASON, ShuttingDownError
 from worldserve.params import ParamError, VideoParams
 
 
@@ -232,8 +233,9 @@ def checked(validate: Callable[[VideoParams], VideoParams], params: VideoParams)
 
 async def unless_stopping(upsampling: Coroutine[Any, Any, str], stopping: asyncio.Future[None] | None) -> str:
     """`upsampling`'s prompt; once `stopping` is settled (the server's shutdown began: EngineClient) it is
-    cancelled (its chat stops at the next step) and UpsamplingFailed(503) is raised. A request being upsampled
-    is a queued one, which no longer starts: it must not hold the shutdown as a running chat does."""
+    cancelled (its chat stops at the next step) and ShuttingDownError is raised, the refusal a request
+    arriving then gets. A request being upsampled is a queued one, which no longer starts: it must not hold
+    the shutdown as a running chat does."""
     task = asyncio.ensure_future(upsampling)
     if stopping is None:  # (a client not started: nothing stops it)
         return await task
@@ -244,8 +246,8 @@ async def unless_stopping(upsampling: Coroutine[Any, Any, str], stopping: asynci
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():  # stopped by the shutdown, not by its caller
-        raise UpsamplingFailed(503, "the Reasoner failed: The server is shutting down.")
+    if stopping.done() and task.cancelled():  # stopped by the shutdown, not by its caller
+        raise ShuttingDownError(SHUTDOWN_REASON)
     return task.result()
 
 

@@ -47,8 +47,8 @@ once it ignores them."""
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """HELD_SIGNALS blocked in the calling thread, whose mask the processes it starts inherit; one that comes
-    meanwhile is delivered as the block ends."""
+    """HELD_SIGNALS blocked in the calling thread (the one that starts the peers: serve's loader thread),
+    whose mask the processes it starts inherit; other threads, the main one among them, still take them."""
     from multiprocessing import resource_tracker
 
     # (first: the tracker's own start, with a process's first spawn, unblocks SIGINT and SIGTERM after it)
