@@ -94,6 +94,18 @@ def test_upsampled_prompt_is_the_one_generated_from(tiny_ckpt, tmp_path, monkeyp
     assert np.array_equal(np.load(up)["frames"], np.load(direct)["frames"])
 
 
+def test_a_brief_too_long_to_upsample_is_one_line_naming_the_prompt(tiny_ckpt, tmp_path):
+    """--upsample-prompt with a prompt that leaves the Reasoner's answer too little context: refused in one
+    line naming --prompt before the chat (it ran, and its cut answer failed as "not complete JSON"); past
+    --max-sequence-length alone it is not refused (the Reasoner's input, not the gen tower's)."""
+    proc = _generate(tiny_ckpt, "--prompt", "a red fox runs " * 3500, *SMALL, "--upsample-prompt",
+                     "--no-sound", "-o", tmp_path / "x.npz", check=False)  # fmt: skip
+    assert proc.returncode == 2 and "error: --prompt: the prompt is too long to upsample" in proc.stderr, (
+        proc.stderr
+    )
+    assert "upsampled prompt (" not in proc.stderr and not (tmp_path / "x.npz").exists()
+
+
 def test_v2v_npz(tiny_ckpt, tmp_path):
     from worldserve.media.video import encode_mp4
 

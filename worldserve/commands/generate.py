@@ -297,7 +297,7 @@ def _upsampled(
 
     import torch
 
-    from worldserve.engine.prompt_upsampling import upsample_with
+    from worldserve.engine.prompt_upsampling import UpsamplerConfig, check_upsampling, upsample_with
     from worldserve.runner.reasoner import Reasoner
 
     t0 = time.perf_counter()
@@ -305,6 +305,8 @@ def _upsampled(
                                         max_num_seqs=1, kv_cache_tokens=16384, enforce_eager=args.enforce_eager,
                                         chat_sm_margin=0)  # fmt: skip
     try:
+        # (a brief leaving the answer too little context: one line naming --prompt, as the server's 400)
+        check_upsampling(reasoner, params, UpsamplerConfig())
         prompt = upsample_with(reasoner, params)
     finally:
         del reasoner

@@ -180,7 +180,17 @@ def upsample_with(
     return prompt_from_answer("".join(pieces))
 
 
-def check_upsampling(reasoner: ChatBackend | None, params: VideoParams, config: UpsamplerConfig) -> None:
+class PromptContext(Protocol):
+    """What check_upsampling reads of a Reasoner (the chat worker's backend, or generate's own)."""
+
+    @property
+    def prompts(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+
+def check_upsampling(reasoner: PromptContext | None, params: VideoParams, config: UpsamplerConfig) -> None:
     """ParamError unless `reasoner` (the chat worker's Reasoner; None: this server runs none) can upsample
     `params`' prompt: the chat's prompt must leave `config.min_room` tokens of context for the answer
     (blocking: builds that prompt, the image through the ViT's preprocessing; a backend without its own
