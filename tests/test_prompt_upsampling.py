@@ -341,14 +341,17 @@ async def test_a_shutdown_stops_an_image_requests_upsampling_at_once(tmp_path, p
         assert "shutting down" in answer.json()["error"]["message"], answer.text
         assert await _chat_stopped(chat_backend)
         assert client.num_waiting == 0
-        # its chat stopped (abort), not run to its end before the admission's refusal
-        metrics = (await http.get("/metrics")).text
-        assert re.search(
-            r'worldserve:chat_request_success_total\{[^}]*finish_reason="abort"[^}]*\} 1\.0', metrics
-        )
-        assert (
-            'worldserve:request_rejected_total{model_name="test-model",reason="shutting_down"} 1.0' in metrics
-        )
+        # its chat stopped (abort, metered once its end reaches the loop), not run to its end before the
+        # admission's refusal
+        aborted = r'worldserve:chat_request_success_total\{[^}]*finish_reason="abort"[^}]*\} 1\.0'
+        for _ in range(250):
+            metrics = (await http.get("/metrics")).text
+            if re.search(aborted, metrics):
+                break
+            await asyncio.sleep(0.02)
+        assert re.search(aborted, metrics), metrics
+        rejected = 'worldserve:request_rejected_total{model_name="test-model",reason="shutting_down"} 1.0'
+        assert rejected in metrics
 
 
 @pytest.mark.anyio
