@@ -36,13 +36,18 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def chosen_verb(argv: list[str]) -> str | None:
+    """The verb `argv` names: its first word that is not a flag (None: none)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="worldserve", description="Serving engine for Cosmos3 world models")
     from worldserve import __version__
 
     parser.add_argument("-v", "--version", action="version", version=__version__)  # (as `vllm --version`)
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = chosen_verb(argv)
     for verb, (module, help_text) in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
         if verb == chosen:  # only the verb that runs imports its module
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = vllm_argv(sys.argv[1:] if argv is None else argv)  # (vLLM's underscore and dotted-key spellings)
     parser = build_parser(argv)
     if (topic := help_topic(argv)) is not None:  # (vLLM's --help=listgroup / =ModelConfig / =max / =page)
-        chosen = next((a for a in argv if not a.startswith("-")), None)
+        chosen = chosen_verb(argv)
         return show_help_topic(verb_parser(parser, chosen) if chosen in VERBS else parser, topic)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (named by the verb's parser: `worldserve serve: error: ... (see worldserve serve --help)`)

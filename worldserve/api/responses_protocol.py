@@ -122,8 +122,8 @@ def to_chat(
     continued = continues_final(items)  # a partial last message or reasoning item: the answer goes on with it
     chat = req.model_dump(exclude={"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
                                    "include", "top_logprobs", "store", "background", "previous_response_id",
-                                   "prompt", "service_tier", "reasoning", "metadata", "user", "truncation", "n", "stream_options",
-                                   "response_format"})  # fmt: skip
+                                   "prompt", "service_tier", "reasoning", "metadata", "user", "truncation", "n",
+                                   "stream_options", "response_format"})  # fmt: skip
     chat.update(messages=messages, max_tokens=req.max_output_tokens, logprobs=req.logprobs,
                 top_logprobs=req.top_logprobs if req.logprobs else None, tools=_tools(req.tools),
                 tool_choice=_tool_choice(req.tool_choice), response_format=_format(req.text),
