@@ -153,11 +153,12 @@ def test_a_rendezvous_that_runs_out_leaves_no_world_and_the_next_start_works(tmp
     """Rank 0's join is bounded (here 1 s, nobody coming); it raises, leaves no world behind, and a
     two-rank start after it runs (a rendezvous left hanging had broken every later one in the process)."""
     from worldserve.parallel import comm
-    from worldserve.runner.peers import PeerRanks, _free_port
+    from worldserve.runner.peers import PeerRanks
 
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="waiting for clients"):
-        comm.init_world("gloo", f"tcp://127.0.0.1:{_free_port()}", 0, 2, 60.0, join_timeout_s=1.0)
+    store, init_method = comm.host_store(2, 60.0)
+    with pytest.raises(RuntimeError, match="waiting for clients: 1 of the 1 other ranks did not join"):
+        comm.init_world("gloo", init_method, 0, 2, 60.0, join_timeout_s=1.0, store=store)
     # The bound is the behaviour (the join's 1 s, not the world's 60 s; both end in the same error) and
     # nothing else tells them apart: ~2 s here (the store rounds the 1 s up), so 15 s is over 5x that.
     assert time.monotonic() - t0 < 15 and not comm.world_initialized()

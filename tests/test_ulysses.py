@@ -4,8 +4,6 @@ with sound) gives every rank the single-process velocities."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -13,16 +11,15 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init(rank: int, rendezvous: str):
+    """A file rendezvous (no port to pick: a free port found here could be another xdist worker's store by the
+    time rank 0 binds it)."""
+    import torch.distributed as dist
 
+    from worldserve.parallel.groups import ParallelGroup
 
-def _init(rank: int, port: int):
-    from worldserve.parallel import comm
-
-    return comm.init_world("gloo", f"tcp://127.0.0.1:{port}", rank, WORLD, 60.0)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    return ParallelGroup(rank=rank, size=WORLD, group=None)
 
 
 def _inputs(model):
@@ -42,13 +39,13 @@ def _inputs(model):
     return GenBatch.pack(items, config=model.config, device="cpu")
 
 
-def _rank(rank: int, port: int, ckpt: str, out_dir: str) -> None:
+def _rank(rank: int, rendezvous: str, ckpt: str, out_dir: str) -> None:
     """One rank of both checks (one spawn for the module: a spawned process spends seconds importing torch):
     the all-to-alls on a known tensor, then the sharded forward."""
     from worldserve.parallel import comm, ulysses
     from worldserve.weights.loader import load_transformer
 
-    sp = _init(rank, port)
+    sp = _init(rank, rendezvous)
     full = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(6, 4, 3)  # [N, H, D], same on every rank
     mine = ulysses.shard(full, sp)  # my tokens, all heads
     heads = ulysses.seq_to_heads(mine, sp)  # all tokens, my heads
@@ -67,7 +64,7 @@ def _rank(rank: int, port: int, ckpt: str, out_dir: str) -> None:
 def ranks(tiny_ckpt, tmp_path_factory):
     """The folder of what the WORLD spawned ranks saved (`_rank`)."""
     out = tmp_path_factory.mktemp("ulysses")
-    mp.start_processes(_rank, args=(_port(), str(tiny_ckpt), str(out)), nprocs=WORLD, start_method="spawn",
+    mp.start_processes(_rank, args=(str(out / "rendezvous"), str(tiny_ckpt), str(out)), nprocs=WORLD, start_method="spawn",
                        join=True)  # fmt: skip
     return out
 

@@ -6,7 +6,8 @@ Point-to-point (`send_tensor` / `recv_tensor` / `send_object` / `recv_object`, u
 `PeerError` rather than hanging when the peer dies: NCCL isend / irecv are polled with an `alive()` check;
 gloo's only complete inside wait(), which raises once a dead peer's socket closes. NCCL needs tensors on the
 rank's GPU (`device`); gloo takes CPU tensors. `init_world` joins through a TCPStore of its own, so rank 0
-can bound the rendezvous apart from the world's (long) timeout.
+can bound the rendezvous apart from the world's (long) timeout; `host_store` binds rank 0's before its peers
+start (no free-port race).
 """
 
 from __future__ import annotations
@@ -76,21 +77,56 @@ def new_group(ranks: list[int], setup_timeout_s: float, timeout_s: float) -> Any
 
 
 # ---------------------------------------------------------------------------------------------- world
+def host_store(world_size: int, timeout_s: float) -> tuple[Any, str]:
+    """Rank 0's TCPStore, bound now on a port the OS picks -> (store, its init_method "tcp://127.0.0.1:PORT").
+    Bind it before the peers start and hand both to `init_world`: a port found free, closed and bound seconds
+    later (after the peers' spawn) could be another process's by then (another server's or test's store, which
+    the peers would join)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return store, f"tcp://127.0.0.1:{store.port}"
+
+
 def init_world(
     backend: str, init_method: str, rank: int, world_size: int, timeout_s: float,
-    join_timeout_s: float | None = None,
+    join_timeout_s: float | None = None, store: Any = None,
 ) -> ParallelGroup:  # fmt: skip
     """torch.distributed.init_process_group (the default group) over a TCPStore at `init_method`
-    ("tcp://host:port", hosted by rank 0) -> its ParallelGroup. Every rank of the world must join through
-    here (the same store layout). `join_timeout_s` bounds the rendezvous alone (rank 0's wait for the other
-    ranks to connect, or a rank's wait for rank 0's store), `timeout_s` (default for it) everything after."""
+    ("tcp://host:port", hosted by rank 0: `store` when `host_store` bound it, else bound here) -> its
+    ParallelGroup. Every rank of the world must join through here (the same store layout). `join_timeout_s`
+    bounds the rendezvous alone (rank 0's wait for every other rank to join, or a rank's wait for rank 0's
+    store), `timeout_s` (default for it) everything after."""
     import torch.distributed as dist
 
     url = urlparse(init_method)
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
     join = timedelta(seconds=timeout_s if join_timeout_s is None else min(join_timeout_s, timeout_s))
-    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=join)
+    if rank != 0:
+        store = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=join)
+        store.set(f"worldserve/joined/{rank}", "1")
+    else:
+        if store is None:
+            store = dist.TCPStore(
+                url.hostname, url.port, world_size, is_master=True, timeout=join, wait_for_workers=False
+            )
+        joined = [f"worldserve/joined/{r}" for r in range(1, world_size)]
+        try:
+            store.wait(joined, join)
+        except DistError as exc:
+            missing = world_size - 1 - sum(store.check([k]) for k in joined)
+            raise RuntimeError(
+                f"timed out after {join.total_seconds():g} s waiting for clients: {missing} of the {world_size - 1} "
+                "other ranks did not join the world"
+            ) from exc
     store.set_timeout(timedelta(seconds=timeout_s))  # later waits on it (new_group, NCCL ids) may be long
     dist.init_process_group(
         backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,

@@ -20,7 +20,6 @@ import atexit
 import functools
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -63,12 +62,6 @@ class PeerBranch(Protocol):
     def handlers(
         self, group: ParallelGroup, dev: torch.device, leader_alive: Callable[[], bool]
     ) -> dict[str, Callable[..., None]]: ...
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PeerRanks:
@@ -120,7 +113,7 @@ class PeerRanks:
             raise RuntimeError("a torch.distributed world already exists in this process (one at a time)")
         for k, v in NCCL_ENV.items():
             os.environ.setdefault(k, v)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        store, init_method = comm.host_store(len(devices), timeout_s)
         ctx = mp.get_context("spawn")
         pipes = StartupPipes(ctx, label, len(devices) - 1, timeout_s)
         procs: list = []
@@ -140,7 +133,9 @@ class PeerRanks:
             pipes.wait_for("joining", "before joining the world")
             backend = "nccl" if devices[0].type == "cuda" else "gloo"
             try:
-                group = comm.init_world(backend, init_method, 0, len(devices), timeout_s, JOIN_TIMEOUT_S)
+                group = comm.init_world(
+                    backend, init_method, 0, len(devices), timeout_s, JOIN_TIMEOUT_S, store=store
+                )
             except RuntimeError as exc:  # (the rendezvous timed out: a peer died right after saying joining)
                 pipes.check("while joining the world")
                 raise comm.PeerError(f"{label} ranks could not join the world: {exc}") from exc
