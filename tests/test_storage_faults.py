@@ -319,3 +319,71 @@ def test_a_restart_on_a_full_disk_starts_with_its_jobs_as_they_were(tmp_path, mo
     disk.db_full = False
     assert store.recover() == [running.id] and store.get(running.id).status is JobStatus.QUEUED
     store.close()
+
+
+def _unwritable(folder, monkeypatch) -> None:
+    """`folder` made read-only (0500), as an operator's chmod; as root (who may write there all the same) the
+    access checks are answered as they are for any other user."""
+    folder.chmod(0o500)
+    if os.geteuid() == 0:
+        real_access = os.access
+
+        def access(path, mode, **kw):
+            if os.path.samefile(path, folder) and mode & os.W_OK:
+                return bool(os.stat(path).st_mode & 0o200)
+            return real_access(path, mode, **kw)
+
+        monkeypatch.setattr(job_files.os, "access", access)
+
+
+async def test_a_videos_folder_made_unwritable_fails_queued_jobs_before_they_run(tmp_path, monkeypatch):
+    """videos/ chmod'ed read-only under a running server: every job would run to its end and fail saving its
+    video. A queued job fails at its admission (503, naming the folder, no step run), creates are refused
+    (the sync route's too: its video is saved as a job's) and /health says why (its reason names no path);
+    with the folder writable again a job completes."""
+    import threading
+
+    gate = threading.Event()
+    backend = FakeBackend(step_gate=gate)
+    root = tmp_path / "store"
+    async with asgi_server(root, backend=backend) as http:
+        form = {"prompt": "x", **SMALL_FORM, "num_inference_steps": "2"}
+        running = (await http.post("/v1/videos", data=form)).json()["id"]
+        queued = (await http.post("/v1/videos", data=form)).json()["id"]
+        wait_until(lambda: http.engine_client.store.get(running).status == JobStatus.IN_PROGRESS)
+        _unwritable(root / "videos", monkeypatch)
+        try:
+            gate.set()
+            done = await poll_job(http, queued)
+            assert done["status"] == "failed" and done["error"]["code"] == 503, done
+            assert done["error"]["message"].endswith(
+                "cannot keep the job's video: its videos folder is not writable by the server"
+            ), done
+            assert backend.steps_done <= 2, "the queued job ran no step"
+            r = await http.post("/v1/videos", data=form)
+            assert r.status_code == 503 and "videos folder is not writable" in r.json()["error"]["message"]
+            health = await http.get("/health")
+            assert health.status_code == 503, health.text
+            assert health.json()["reason"] == "storage: its videos folder is not writable by the server"
+            assert str(tmp_path) not in health.text and str(tmp_path) not in r.text
+            r = await http.post("/v1/videos/sync", data=form)  # (its video is a stored job's too)
+            assert r.status_code == 503 and "videos folder is not writable" in r.text, r.text
+        finally:
+            (root / "videos").chmod(0o700)
+        assert (await http.get("/health")).status_code == 200
+        job = (await http.post("/v1/videos", data=form)).json()["id"]
+        assert (await poll_job(http, job))["status"] == "completed"
+
+
+def test_a_store_whose_videos_folder_is_not_writable_is_refused_when_it_opens(tmp_path, monkeypatch):
+    """Kept from an earlier run and chmod'ed since: one StorageError naming the folder as the store opens (a
+    server found it when its first job's video failed to save)."""
+    JobStore(tmp_path).close()
+    _unwritable(tmp_path / "videos", monkeypatch)
+    try:
+        with pytest.raises(
+            StorageError, match=r"cannot use .* as the storage directory: .*videos is not writable"
+        ):
+            JobStore(tmp_path)
+    finally:
+        (tmp_path / "videos").chmod(0o700)

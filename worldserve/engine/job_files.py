@@ -6,7 +6,8 @@ beside its row (written atomically), and the storage folder's lock.
 submit and the client re-runs an interrupted job from it (the reference bytes decoded again). `write_atomic`
 writes a file so that readers see the old one or the whole new one, across a crash. `lock_storage` holds
 the folder for one process (two servers would re-run and delete each other's jobs); `database_gone` says
-when the database was removed under the running server; `remove_strays` clears what a crash left.
+when the database was removed under the running server, `folder_unwritable` when a folder's files cannot be
+written any more; `remove_strays` clears what a crash left.
 """
 
 from __future__ import annotations
@@ -102,6 +103,16 @@ def remove_strays(folder: Path, keep: set[str]) -> None:
                 path.unlink(missing_ok=True)
             except OSError as exc:  # (a folder made read-only: the server still starts, the file stays)
                 log.warning("could not remove the stray file %s: %s", path, exc)
+
+
+def folder_unwritable(folder: Path) -> str | None:
+    """Why `write_atomic` cannot create files in `folder` now (no write or search permission on it, or on its
+    parent when it was removed, where it is made again; a read-only filesystem), else None. Named, not by path
+    (the reason reaches clients, as `database_gone`'s does). (A root server passes any permission check.)"""
+    target = folder if folder.exists() else folder.parent
+    if os.access(target, os.W_OK | os.X_OK):
+        return None
+    return f"its {folder.name} folder is not writable by the server"
 
 
 def file_identity(path: Path) -> tuple[int, int]:

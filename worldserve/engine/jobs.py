@@ -39,6 +39,7 @@ from worldserve.engine.job_files import (
     StorageError,
     database_gone,
     file_identity,
+    folder_unwritable,
     lock_storage,
     remove_strays,
     write_atomic,
@@ -97,6 +98,9 @@ class JobStore:
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
             if not self.db_path.exists():  # (SQLite gives its WAL and shared-memory files the same mode)
                 os.close(os.open(self.db_path, os.O_WRONLY | os.O_CREAT, 0o600))
+            for d in (self.videos_dir, self.inputs_dir):  # (folders kept from an earlier run, chmod'ed since)
+                if folder_unwritable(d) is not None:
+                    raise PermissionError(f"{d} is not writable by this user")
         except OSError as exc:
             raise StorageError(f"cannot use {self.root} as the storage directory: {exc}") from None
         self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
@@ -179,9 +183,9 @@ class JobStore:
 
     # -- writes ---------------------------------------------------------------------------------------
     def problem(self) -> str | None:
-        """Why this store cannot keep what it is given any more (its database removed under the server),
-        else None."""
-        return database_gone(self.db_path, self._db_identity)
+        """Why this store cannot keep what it is given any more (its database removed under the server, or its
+        videos folder not writable: every job would run to its end and fail saving it), else None."""
+        return database_gone(self.db_path, self._db_identity) or folder_unwritable(self.videos_dir)
 
     def create(self, job: Job, inputs: dict[str, Any], reference: bytes | None) -> Job:
         """Persist a new queued job: its reference file first, then the row (the row is the commit); the job as
@@ -221,8 +225,11 @@ class JobStore:
         )
 
     def mark_in_progress(self, job_id: str, started_at: float) -> bool:
-        """False when the job is gone or no longer queued; StorageError when the disk refuses the write (the
+        """False when the job is gone or no longer queued; StorageError when the disk refuses the write or the
+        job's video could not be saved (`folder_unwritable`: found before the job runs, not at its end) (the
         engine then fails the job as any other failure of its admission)."""
+        if (unwritable := folder_unwritable(self.videos_dir)) is not None:
+            raise StorageError(f"the server's storage cannot keep the job's video: {unwritable}")
         return self._update(
             "UPDATE jobs SET status='in_progress', started_at=?, progress=0 WHERE id=? AND status='queued'",
             (started_at, job_id),
