@@ -282,6 +282,14 @@ class WanDecoder(nn.Module):
                 m.time_winograd = on
         return self
 
+    def set_split_input(self, on: bool) -> WanDecoder:
+        """Compiled Winograd convs: the activation computed inside the input transforms (the default) or
+        written out as the concatenated conv input first (`TimeWinogradConv3d.split_input`)."""
+        for m in self.modules():
+            if isinstance(m, TimeWinogradConv3d):
+                m.split_input = on
+        return self
+
     def compile(self, **kwargs: Any) -> WanDecoder:
         """torch.compile the hot blocks (residual, attention, upsample, head) with static shapes; meant for
         CUDA. `kwargs` go to torch.compile (e.g. mode=, backend=). The one-frame first chunk stays eager."""

@@ -36,6 +36,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._inductor import inductor_prims  # registers torch.ops.prims.inductor_force_stride_order
 
+CONTEXT_FRAMES = 2  # time kernel 3 - 1: what each causal conv sees of the previous chunk (diffusers CACHE_T)
+
+
+def causal_input(ctx: Tensor, x: Tensor) -> Tensor:
+    """A causal conv's input [B, C, 2 + T, H, W]: the context frames, then x, in ctx's memory format (a bare
+    cat falls back to contiguous when a one-frame x has ambiguous channels_last strides)."""
+    a = torch.cat([ctx, x], dim=2)
+    fmt = memory_format_of(ctx)
+    return a if a.is_contiguous(memory_format=fmt) else a.contiguous(memory_format=fmt)
+
 
 def memory_format_of(x: Tensor) -> torch.memory_format:
     """channels_last_3d (5-D x) / channels_last (4-D x) if x is laid out so (and not also plain contiguous),
@@ -146,6 +156,9 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__(in_dim, out_dim, (3, 3, 3))
         self.time_winograd = True
+        self.split_input = True
+        """Compiled: `forward_split` computes the activation where the input transforms read it; False writes
+        the concatenated input out first (the earlier form, ~4 % slower: bench/vae_decode.py --split-input)."""
         self._kernels = DerivedKernels(time_winograd_kernels)
 
     def forward(self, a: Tensor) -> Tensor:
@@ -153,11 +166,30 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         t = a.shape[2] - 2
         if not self.time_winograd or t % 2:
             return super().forward(a)
-        (k0, k1, k2, k3), bias = self._kernels.get(self.weight, self.bias)
-        b, _, _, h, w = a.shape
         fmt = memory_format_of(a)
         a = laid_out(a, fmt)
         d0, d1, d2, d3 = (a[:, :, i : i + t : 2] for i in range(4))  # [B, I, T/2, H, W]: frames i, i + 2, ...
+        return self._winograd(d0, d1, d2, d3, fmt)
+
+    def forward_split(self, ctx: Tensor, x: Tensor) -> Tensor:
+        """`forward(cat([ctx, x], time))` without the concatenated input: ctx [B, I, 2, H, W] (the context
+        frames), x [B, I, T, H, W]. Compiled with x an elementwise expression (the block's norm + SiLU), the
+        Winograd input transforms compute x where they read it, and the activation is never written out (it
+        was, once, as the conv's input `a`). Eager, or when the direct conv runs: `forward` of the concat."""
+        t = x.shape[2]
+        if not (torch.compiler.is_compiling() and self.split_input and self.time_winograd and t % 2 == 0):
+            return self(causal_input(ctx, x))
+        even, odd = x[:, :, 0::2], x[:, :, 1::2]  # [B, I, T/2, H, W]: input frames 2, 4, ... and 3, 5, ...
+        d0, d1 = (
+            _after(ctx[:, :, :1], even),
+            _after(ctx[:, :, 1:], odd),
+        )  # frames 0, 2, ..., T - 2 / 1, 3, ...
+        return self._winograd(d0, d1, even, odd, memory_format_of(ctx))
+
+    def _winograd(self, d0: Tensor, d1: Tensor, d2: Tensor, d3: Tensor, fmt: torch.memory_format) -> Tensor:
+        """The F(2, 3) conv from the input frames 2j + i (`di`, each [B, I, T/2, H, W]) -> [B, O, T, H, W]."""
+        (k0, k1, k2, k3), bias = self._kernels.get(self.weight, self.bias)
+        b, _, half, h, w = d0.shape
 
         def conv(x: Tensor, k: Tensor, bias: Tensor | None = None) -> Tensor:  # -> [B*T/2, O, H, W]
             return F.conv2d(frames_2d(x.contiguous(memory_format=fmt)), k, bias, padding=self.padding[1:])
@@ -165,9 +197,18 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         m0, m1, m2, m3 = conv(d0 - d2, k0), conv(d1 + d2, k1, bias), conv(d2 - d1, k2), conv(d1 - d3, k3)
         o = m0.shape[1]
         # one expression for both frames of each pair (compiled: one fused kernel reading each m once, laid
-        # out as `a` is), [B*T/2, 2, O, H, W]: frames 2j, 2j + 1 -> [B, T, O, H, W] -> [B, O, T, H, W]
+        # out as the input is), [B*T/2, 2, O, H, W]: frames 2j, 2j + 1 -> [B, T, O, H, W] -> [B, O, T, H, W]
         pairs = torch.stack([m0 + m1 + m2, m1 - m2 - m3], dim=1)
-        return laid_out(pairs.reshape(b, t, o, h, w).transpose(1, 2), fmt)
+        return laid_out(pairs.reshape(b, 2 * half, o, h, w).transpose(1, 2), fmt)
+
+
+def _after(first: Tensor, frames: Tensor) -> Tensor:
+    """[first, frames[:-1]] along time (first [B, C, 1, H, W], frames [B, C, N, H, W]) as one elementwise
+    expression: no cat, which inductor lowers by writing out its inputs (here the activation it should compute
+    where it is read)."""
+    n = frames.shape[2]
+    index = torch.arange(n, device=frames.device).view(1, 1, n, 1, 1)
+    return torch.where(index == 0, first, frames.roll(1, dims=2))
 
 
 class NearestUp2x(nn.Module):
