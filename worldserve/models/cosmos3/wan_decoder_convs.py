@@ -10,7 +10,8 @@
   so a chunk of T (even) output frames costs 2T frame-convs instead of 3T: 1.5x fewer FLOPs. Each m is one
   cuDNN 3x3 Conv2d over T/2 frames (an implicit GEMM as large as the 3-D one's, K = 9 C instead of 27 C);
   the input and output transforms are elementwise and fuse, compiled, into the norm / SiLU / residual
-  kernels around the conv. Exact in real arithmetic. In bfloat16 the transformed frames, the transformed
+  kernels around the conv (`forward_split`: the block's norm + SiLU computed where the input transforms read
+  it, the activation never written out). Exact in real arithmetic. In bfloat16 the transformed frames, the transformed
   taps and the 4 partial convs are each rounded once, where the direct conv rounds only its output: the
   decode's error against float32 grows a little (bench/vae_decode.py measures both); float32 matches the
   direct conv to ~1e-7. Odd frame counts (the one-frame first chunk, a short last chunk at the latent
