@@ -118,6 +118,26 @@ async def poll_job(http: httpx.AsyncClient, job_id: str, timeout: float = 20.0, 
     raise AssertionError(f"job {job_id} did not finish in {timeout}s")
 
 
+def served_port(log: Path, proc, timeout: float = 60.0) -> int:
+    """The port a `worldserve serve --port 0` process bound, read from its log's start line (a port picked
+    free beforehand could be another test's by the time the server binds it)."""
+    import re
+
+    found: list[int] = []
+
+    def started() -> bool:
+        assert proc.poll() is None, log.read_text() if log.exists() else "the server exited"
+        m = re.search(
+            r"Starting worldserve API server on https?://[^:]+:(\d+) ",
+            log.read_text() if log.exists() else "",
+        )
+        found.extend([int(m[1])] if m else [])
+        return bool(found)
+
+    wait_until(started, timeout=timeout, interval=0.05)
+    return found[0]
+
+
 def png_bytes(width: int = 24, height: int = 16, colour=(200, 30, 60)) -> bytes:
     from PIL import Image
 

@@ -12,7 +12,7 @@ import sys
 
 import httpx
 import pytest
-from serving_helpers import asgi_server, png_bytes, poll_job, wait_until
+from serving_helpers import asgi_server, png_bytes, poll_job, served_port, wait_until
 
 pytestmark = pytest.mark.anyio
 TINY = {"size": "32x32", "num_frames": "5", "num_inference_steps": "2", "fps": "8"}
@@ -119,16 +119,12 @@ async def test_model_validation_reaches_the_client(tmp_path, pipeline):
 
 
 def test_serve_without_model_uses_the_tiny_checkpoint_loudly_with_layerwise_offload(tmp_path):
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path / "serve.log"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--device", "cpu", "--omni", "--init-timeout", "300", "--enable-layerwise-offload",
            "--warmup-shapes", "32x32x5"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
 
     def ready():
         assert proc.poll() is None, log.read_text()
@@ -138,6 +134,7 @@ def test_serve_without_model_uses_the_tiny_checkpoint_loudly_with_layerwise_offl
             return False
 
     try:
+        url = f"http://127.0.0.1:{served_port(log, proc, timeout=120)}"
         wait_until(ready, timeout=120, interval=0.1)
         text = log.read_text()
         assert "TINY RANDOM" in text and "NOISE" in text

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import png_bytes, wait_until
+from serving_helpers import png_bytes, served_port, wait_until
 
 from worldserve.engine.jobs import JobStatus, JobStore
 
@@ -23,21 +22,15 @@ SMALL = {"size": "64x48", "num_frames": "5", "fps": "8"}
 CLEAN_EXIT = (0,)  # (uvicorn raises a SIGTERM again after its graceful shutdown: the serve command takes it)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     def __init__(self, storage: Path, log: Path, *extra: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--backend", "fake", "--host", "127.0.0.1",
-               "--port", str(self.port), "--storage-dir", str(storage), *extra]  # fmt: skip
+               "--port", "0", "--storage-dir", str(storage), *extra]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        self.port = served_port(log, self.proc)
+        self.url = f"http://127.0.0.1:{self.port}"
         wait_until(self._ready, timeout=60, interval=0.05)
 
     def _ready(self) -> bool:

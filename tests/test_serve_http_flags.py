@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from chat_fakes import ScriptedChatBackend
-from serving_helpers import SMALL_FORM, asgi_server, make_client
+from serving_helpers import SMALL_FORM, asgi_server, make_client, served_port
 
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
@@ -237,12 +237,6 @@ async def test_a_doubled_root_path_does_not_skip_the_api_key(tmp_path, anyio_bac
         assert keyed.status_code == 200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _idle_connection_closes_after(port: int, keep_alive_s: float) -> None:
     """A TLS keep-alive connection idle past `keep_alive_s` is closed by the server (uvicorn's default, 5 s,
     would keep it open: the read then times out)."""
@@ -312,16 +306,16 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
                     "cert.pem", "-days", "1", "-subj", "/CN=localhost"], cwd=tmp_path, check=True,
                    capture_output=True)  # fmt: skip
     (tmp_path / "c.yaml").write_text("api-key: sk-test\nserved-model-name: [cosmos, c3]\n")
-    port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1", "WORLDSERVE_HTTP_HEADER_TIMEOUT": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "worldserve.cli", "serve", "--backend", "fake", "--host", "127.0.0.1", "--port",
-           str(port), "--storage-dir", str(tmp_path / "s"), "--config", str(tmp_path / "c.yaml"), "--root-path",
+           "0", "--storage-dir", str(tmp_path / "s"), "--config", str(tmp_path / "c.yaml"), "--root-path",
            "/api", "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem"),
            "--middleware", "serve_middleware.stamp", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
            "--log-file", str(tmp_path / "serve.log")]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        port = served_port(tmp_path / "serve.log", proc)
         # a new connection a request: the server closes idle ones after 1 s here, so a reused one could be
         # closed just as a request goes out on a busy host (seen in CI at the 11th request)
         fresh = httpx.Limits(max_keepalive_connections=0)
