@@ -176,6 +176,32 @@ def test_a_compiled_decode_keeps_compiling_past_dynamo_s_default_limits(tiny_ckp
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("time_winograd", [False, True])
+def test_an_inductor_compiled_block_returns_two_frame_contexts_of_its_own(time_winograd):
+    """inductor (CPU), a two-frame chunk (the default chunk size's, at the lowest resolution): the contexts a
+    compiled block returns are 2 frames in their own storage, laid out as the ones it was given, so the next
+    chunk reuses the graph. With the direct conv (time_winograd off: a compiled decode with layerwise offload)
+    the context copied from the new frames was a view into the conv's concatenated 4-frame input."""
+    from worldserve.models.cosmos3.wan_decoder_blocks import ResidualBlock
+
+    torch._dynamo.reset()
+    block = ResidualBlock(8, 8).eval()
+    block.conv1.time_winograd = block.conv2.time_winograd = time_winograd
+    eager = copy.deepcopy(block)
+    block.compile(backend="inductor", dynamic=False, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    x, ctx1, ctx2 = (torch.randn(1, 8, 2, 4, 3, generator=g) for _ in range(3))
+    with torch.no_grad():
+        _, c1, c2 = block(x, ctx1, ctx2)
+        want = eager(x, ctx1, ctx2)
+        for got, ref in zip((c1, c2), want[1:], strict=True):
+            assert got.stride() == ref.stride() and got.untyped_storage().nbytes() == ref.numel() * 4
+            torch.testing.assert_close(got, ref)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            block(torch.randn(1, 8, 2, 4, 3, generator=g), c1, c2)
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (inductor's GPU kernels, cuDNN layouts)"

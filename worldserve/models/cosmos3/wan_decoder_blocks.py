@@ -43,7 +43,13 @@ def conv_split(conv: TimeWinogradConv3d, ctx: Tensor, x: Tensor) -> tuple[Tensor
     """Compiled: `conv` over its context frames `ctx` [B, C, 2, H, W] then the new frames x [B, C, T, H, W]
     (T >= 2) without their concatenation (`forward_split`: x, an elementwise expression, is computed where
     the Winograd input transforms read it, never written out) -> (its output, the next chunk's context: the
-    last 2 frames of x)."""
+    last 2 frames of x). When `conv` does not split (the direct conv: time_winograd off, an odd T; split_input
+    off) the concatenated input is made here and the context taken from it, as in eager: x's copy of a T = 2
+    x (all of it) fed to a cat was, under inductor, a strided view into the cat's [B, C, 4, H, W] buffer (the
+    cache kept twice the frames, and the next chunk recompiled on its strides)."""
+    if not conv.splits(x.shape[2]):
+        a = causal_input(ctx, x)
+        return conv(a), last_frames(a)
     return conv.forward_split(ctx, x), x[:, :, -CONTEXT_FRAMES:].clone(memory_format=memory_format_of(ctx))
 
 

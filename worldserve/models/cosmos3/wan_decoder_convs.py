@@ -178,7 +178,7 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         Winograd input transforms compute x where they read it, and the activation is never written out (it
         was, once, as the conv's input `a`). Eager, or when the direct conv runs: `forward` of the concat."""
         t = x.shape[2]
-        if not (torch.compiler.is_compiling() and self.split_input and self.time_winograd and t % 2 == 0):
+        if not self.splits(t):
             return self(causal_input(ctx, x))
         even, odd = x[:, :, 0::2], x[:, :, 1::2]  # [B, I, T/2, H, W]: input frames 2, 4, ... and 3, 5, ...
         d0, d1 = (
@@ -186,6 +186,11 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
             _after(ctx[:, :, 1:], odd),
         )  # frames 0, 2, ..., T - 2 / 1, 3, ...
         return self._winograd(d0, d1, even, odd, memory_format_of(ctx))
+
+    def splits(self, t: int) -> bool:
+        """Whether `forward_split` of T = `t` new frames takes them apart from the context (compiled, split_input,
+        the Winograd conv for an even count) rather than running `forward` of their concatenation."""
+        return torch.compiler.is_compiling() and self.split_input and self.time_winograd and t % 2 == 0
 
     def _winograd(self, d0: Tensor, d1: Tensor, d2: Tensor, d3: Tensor, fmt: torch.memory_format) -> Tensor:
         """The F(2, 3) conv from the input frames 2j + i (`di`, each [B, I, T/2, H, W]) -> [B, O, T, H, W]."""
