@@ -387,3 +387,20 @@ def test_a_store_whose_videos_folder_is_not_writable_is_refused_when_it_opens(tm
             JobStore(tmp_path)
     finally:
         (tmp_path / "videos").chmod(0o700)
+
+
+def test_a_videos_folder_without_read_permission_is_found_unwritable(tmp_path, monkeypatch):
+    """write_atomic opens the folder (O_RDONLY) to fsync it after the rename: a folder with write and search
+    but no read permission (0300) failed every video's save after its job had run, unnoticed by the check.
+    (Owner bits answered as for a user who is not root.)"""
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    monkeypatch.setattr(
+        job_files.os, "access", lambda path, mode, **kw: (os.stat(path).st_mode >> 6) & mode == mode
+    )
+    for mode, unwritable in ((0o700, False), (0o300, True), (0o500, True), (0o600, True)):
+        videos.chmod(mode)
+        assert (job_files.folder_unwritable(videos) is not None) is unwritable, oct(mode)
+    videos.chmod(0o700)
+    videos.rmdir()  # (made again by write_atomic: its parent's write and search permission is what counts)
+    assert job_files.folder_unwritable(videos) is None

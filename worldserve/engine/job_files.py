@@ -106,11 +106,14 @@ def remove_strays(folder: Path, keep: set[str]) -> None:
 
 
 def folder_unwritable(folder: Path) -> str | None:
-    """Why `write_atomic` cannot create files in `folder` now (no write or search permission on it, or on its
-    parent when it was removed, where it is made again; a read-only filesystem), else None. Named, not by path
-    (the reason reaches clients, as `database_gone`'s does). (A root server passes any permission check.)"""
-    target = folder if folder.exists() else folder.parent
-    if os.access(target, os.W_OK | os.X_OK):
+    """Why `write_atomic` cannot create files in `folder` now (no read, write or search permission on it: it
+    opens the folder to fsync it after the rename; no write or search permission on its parent when it was
+    removed, where it is made again; a read-only filesystem), else None. Named, not by path (the reason
+    reaches clients, as `database_gone`'s does). (A root server passes any permission check.)"""
+    if folder.exists():
+        if os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+            return None
+    elif os.access(folder.parent, os.W_OK | os.X_OK):
         return None
     return f"its {folder.name} folder is not writable by the server"
 
