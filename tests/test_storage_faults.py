@@ -404,3 +404,32 @@ def test_a_videos_folder_without_read_permission_is_found_unwritable(tmp_path, m
     videos.chmod(0o700)
     videos.rmdir()  # (made again by write_atomic: its parent's write and search permission is what counts)
     assert job_files.folder_unwritable(videos) is None
+
+
+def test_a_job_deleted_while_queued_is_gone_not_failed_when_the_videos_folder_is_unwritable(
+    tmp_path, monkeypatch
+):
+    """mark_in_progress keeps its False for a job no longer queued (the engine ends it as cancelled) with the
+    videos folder unwritable; a queued one is refused (StorageError)."""
+    store = JobStore(tmp_path)
+    gone, queued = (
+        Job(
+            id=new_job_id(),
+            status=JobStatus.QUEUED,
+            progress=0,
+            created_at=time.time(),
+            spec=job_spec(job_params()),
+        )
+        for _ in range(2)
+    )
+    for job in (gone, queued):
+        store.create(job, {"params": {}}, None)
+    store.delete(gone.id)
+    _unwritable(tmp_path / "videos", monkeypatch)
+    try:
+        assert store.mark_in_progress(gone.id, time.time()) is False
+        with pytest.raises(StorageError, match="videos folder is not writable"):
+            store.mark_in_progress(queued.id, time.time())
+    finally:
+        (tmp_path / "videos").chmod(0o700)
+        store.close()

@@ -229,6 +229,8 @@ class JobStore:
         job's video could not be saved (`folder_unwritable`: found before the job runs, not at its end) (the
         engine then fails the job as any other failure of its admission)."""
         if (unwritable := folder_unwritable(self.videos_dir)) is not None:
+            if (job := self.get(job_id)) is None or job.status is not JobStatus.QUEUED:
+                return False  # (deleted while it waited: the engine ends it as cancelled, not failed)
             raise StorageError(f"the server's storage cannot keep the job's video: {unwritable}")
         return self._update(
             "UPDATE jobs SET status='in_progress', started_at=?, progress=0 WHERE id=? AND status='queued'",
