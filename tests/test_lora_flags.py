@@ -93,7 +93,10 @@ def test_vllms_lora_flags_are_real_ones_now():
     ]
     text = " ".join(sub.choices["serve"].format_help().split())
     group = text[text.index("LoraConfig:") : text.index("MediaConfig:")]
-    assert "--enable-lora Let video and image requests name a LoRA adapter of their own" in group
+    assert (
+        "--enable-lora, --no-enable-lora Let video and image requests name a LoRA adapter of their own"
+        in group
+    )
     assert "--lora-path PATH A LoRA adapter" in group and "--lora-scale LORA_SCALE The scale of" in group
     with pytest.raises(ValueError, match=r"^--lora-modules .*--enable-lora.*--lora-path"):
         config("--lora-modules", "a=/srv/a")

@@ -467,3 +467,29 @@ def test_diffusion_cache_backend_in_the_environment_is_checked_as_the_flag(monke
     monkeypatch.setenv("DIFFUSION_CACHE_ADAPTER", "tea_cache")  # (its older name)
     with pytest.raises(ValueError, match="^environment variable DIFFUSION_CACHE_ADAPTER=tea_cache: "):
         config(*GENERATOR)
+
+
+def test_vllms_bool_flags_take_their_no_form(caplog):
+    """vLLM's bool fields are `--flag` / `--no-flag` pairs (arg_utils get_kwargs: BooleanOptionalAction), so a
+    pasted `--no-enforce-eager` or `--no-enable-lora` parses, to the default, last one winning as in vLLM; a
+    refused switch's --no- form is its default and is accepted; vLLM's store_true --disable-log-stats and
+    vLLM-Omni's store_true flags stay without one."""
+    no_forms = ["--no-enforce-eager", "--no-enable-lora", "--no-enable-log-requests", "--no-allow-credentials",
+                "--no-enable-server-load-tracking", "--no-enable-prompt-tokens-details",
+                "--no-return-tokens-as-token-ids", "--no-enable-force-include-usage", "--no-disable-fastapi-docs",
+                "--no-disable-uvicorn-access-log", "--no-trust-remote-code", "--no-enable-auto-tool-choice",
+                "--no-disable-custom-all-reduce", "--no-trust-request-chat-template", "--no-enable-sleep-mode"]  # fmt: skip
+    args = parse_args(*GENERATOR, "--enforce-eager", "--enable-lora", *no_forms)
+    assert not (args.disable_fastapi_docs or args.disable_uvicorn_access_log)
+    with caplog.at_level(logging.INFO, logger="worldserve.serve"):
+        cfg = serve.engine_config(args)
+        serve_compat.log_compat(args, cfg)
+    assert not (cfg.model.enforce_eager or cfg.lora.enable_lora or cfg.server.enable_log_requests)
+    assert not (cfg.server.allow_credentials or cfg.chat.return_tokens_as_token_ids)
+    assert "--enable-sleep-mode False: accepted, no effect: off is worldserve's only mode" in caplog.text
+    assert config(*GENERATOR, "--no-enforce-eager", "--enforce-eager").model.enforce_eager  # (the last wins)
+    with pytest.raises(ValueError, match="^--enable-sleep-mode: "):
+        config(*GENERATOR, "--no-enable-sleep-mode", "--enable-sleep-mode")
+    for store_true in ("--no-disable-log-stats", "--no-enable-layerwise-offload", "--no-vae-use-tiling"):
+        with pytest.raises(SystemExit):
+            parse_args(*GENERATOR, store_true)

@@ -64,7 +64,7 @@ class ModelConfig:
     """Weight and activation dtype (half: float16, float: float32, as vLLM); default (or auto): bfloat16 on GPU, float32 on CPU."""
     quantization: str | None = field(default=None, metadata={"choices": ("fp8",)})
     """fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy, halves those weights); default: none."""
-    fp8_attention: bool = False
+    fp8_attention: bool = field(default=False, metadata={"store_true": True})
     """Run the gen tower's attention in e4m3 through FlashAttention-3 (H100/H200 with `worldserve[hopper]`; lossy, about 1.2x a step)."""
     diffusion_attention_backend: str | None = field(
         default=None, metadata={"choices": ("FLASH_ATTN", "TORCH_SDPA", "CUDNN_ATTN", "auto")}
@@ -72,7 +72,7 @@ class ModelConfig:
     """Attention kernel: FLASH_ATTN (FlashAttention-3, from `pip install 'worldserve[hopper]'`), TORCH_SDPA / CUDNN_ATTN (PyTorch SDPA: cuDNN first for the gen tower, flash first for prompts and images); default: env DIFFUSION_ATTENTION_BACKEND, else FA3 where it runs (the gen tower FA4's cluster kernel where that runs too: FLASH_ATTN keeps FA3), else SDPA."""
     enforce_eager: bool = False
     """Run the transformer eagerly: by default on GPU the gen layers are torch.compile'd (the first request of a shape compiles, about 15 s) and the Reasoner's prefill and decode steps run as CUDA graphs."""
-    vae_tiling: bool = field(default=False, metadata={"aliases": ("--vae-use-tiling",)})
+    vae_tiling: bool = field(default=False, metadata={"aliases": ("--vae-use-tiling",), "store_true": True})
     """Decode the video in spatial tiles (less memory, a little slower)."""
     init_timeout: float = 600.0
     """Seconds allowed for loading the model before startup fails (the recipe uses 1800)."""
@@ -146,7 +146,7 @@ class ParallelConfig:
     """Ulysses sequence parallelism: split every denoising forward over this many GPUs (cuda:0..N-1; must divide the 32 query / 8 KV heads: 1, 2, 4, 8)."""
     cfg_parallel_size: int = 1
     """Run the CFG branches on separate GPUs: 1, or 2 (cond on the first half of the GPUs, uncond on the second; a full model on each GPU; combines with --ulysses-degree, using cfg x ulysses GPUs)."""
-    enable_layerwise_offload: bool = False
+    enable_layerwise_offload: bool = field(default=False, metadata={"store_true": True})  # (vLLM-Omni's)
     """Keep the transformer's 72 blocks (und + gen, 25.9 GiB on Nano) in pinned host memory and stream each to the GPU just before it runs, overlapped with compute: 24 GiB less GPU memory, same 720p/480p step time on an H200; a Reasoner decode step streams the 36 und blocks (~0.25 s a token)."""
 
     def __post_init__(self) -> None:
@@ -223,7 +223,7 @@ class ServerConfig:
     """CORS: request headers allowed in cross-origin requests, a JSON list."""
     allow_credentials: bool = False
     """CORS: allow cookies and Authorization headers on cross-origin requests (Access-Control-Allow-Credentials)."""
-    disable_log_stats: bool = False
+    disable_log_stats: bool = field(default=False, metadata={"store_true": True})  # (vLLM's is so)
     """Do not log the stats line (chat throughputs, running / waiting chats and videos, K/V cache usage, prefix cache hit rate, denoising steps) every $VLLM_LOG_STATS_INTERVAL seconds (10) while there is work (vLLM's flag; /metrics serves the same figures either way)."""
     enable_log_requests: bool = False
     """Log each generating request once accepted (chat, text completion, Responses, video, image, realtime session): its id, prompt and parameters, at INFO on the worldserve.requests logger (vLLM's flag; prompts are users' data: off by default)."""

@@ -1,7 +1,9 @@
 """The bridge between config.py's frozen dataclasses and argparse: one flag per field, its help the string
 written below the field (vLLM's way), its default the field's default, its type the field's; and back, a
 dataclass from the parsed flags. Field metadata may mark a flag positional, hidden or flagless, or give it
-choices, aliases or nargs."""
+choices, aliases or nargs. A bool field is a `--flag` / `--no-flag` pair, as vLLM's bool fields are
+(arg_utils.get_kwargs' BooleanOptionalAction), unless its metadata says store_true (`--flag` alone: flags
+that vLLM or vLLM-Omni define so, and worldserve's own switches)."""
 
 from __future__ import annotations
 
@@ -59,8 +61,8 @@ def add_config_arguments(
         if f.default not in (None, False, ""):
             text += f" (default: {f.default})"
         kwargs: dict[str, typing.Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else text}
-        if kind is bool:
-            kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        if kind is bool:  # vLLM's get_kwargs: a bool field is --flag / --no-flag; metadata store_true: --flag
+            kwargs["action"] = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction
         else:
             kwargs["type"] = kind
         if "choices" in meta:

@@ -61,6 +61,7 @@ POSITIVE_INT = checked(int, lambda v: v >= 1, "an integer >= 1")
 FLOAT = checked(float, math.isfinite, "a number")
 JSON = {"type": json_object, "metavar": "JSON"}
 ON = {"action": "store_true"}
+SWITCH = {"action": argparse.BooleanOptionalAction}  # (vLLM's bool fields: --flag / --no-flag, get_kwargs)
 NEVER: Callable[[Any], bool] = lambda v: False  # noqa: E731  (a flag that is refused whenever it is given)
 EMPTY: Callable[[Any], bool] = lambda v: v == {}  # noqa: E731
 GUARDRAIL_KEYS = {"guardrails", "offload_guardrail_models"}
@@ -118,7 +119,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     # vLLM-Omni basics
     C("--omni", "worldserve always serves the omni video API, beside the Reasoner's chat API", ON),
     C("--no-guardrails", "worldserve loads no guardrail models", ON),
-    C("--trust-remote-code", "worldserve runs its own Cosmos3 code, never code shipped with a checkpoint", ON),
+    C("--trust-remote-code", "worldserve runs its own Cosmos3 code, never code shipped with a checkpoint", SWITCH),
     C("--model-class-name", "worldserve has one Cosmos3 pipeline, its own, for every task", {"metavar": "NAME"}),
     C("--deploy-config", DEPLOY, {"metavar": "PATH"}),  # (recipes name vLLM-Omni's own files: not opened)
     C("--stage-configs-path", DEPLOY + "; vLLM-Omni deprecates this flag", {"metavar": "PATH"}),
@@ -213,8 +214,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
       "schedule in their own thread)", {"action": argparse.BooleanOptionalAction}),
     C("--enable-auto-tool-choice", "tool_choice auto (the default with tools) is always available: the "
-      "model's <tool_call> blocks are parsed as vLLM's hermes parser parses them", ON),
-    C("--trust-request-chat-template", "", ON, NEVER, "never", "worldserve renders only the checkpoint's chat "
+      "model's <tool_call> blocks are parsed as vLLM's hermes parser parses them", SWITCH),
+    C("--trust-request-chat-template", "", SWITCH, NEVER, "never", "worldserve renders only the checkpoint's chat "
       "template: a request's chat_template is a 400"),
     C("--tool-call-parser", "tool calls are parsed in Qwen's hermes format (<tool_call> JSON blocks), the one "
       "this checkpoint's chat template asks for", {"metavar": "NAME"}, lambda v: v == "hermes", "only as hermes",
@@ -237,7 +238,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--swap-space", "preempted chats are recomputed, not swapped",
       {"type": checked(float, lambda v: math.isfinite(v) and v >= 0, "a number of GiB >= 0")}),
     C("--max-seq-len-to-capture", "the decode step is captured for every context length", {"type": POSITIVE_INT}),
-    C("--disable-custom-all-reduce", "worldserve's collectives are torch.distributed's", ON),
+    C("--disable-custom-all-reduce", "worldserve's collectives are torch.distributed's", SWITCH),
     C("--data-parallel-size", "1 is one replica", {"type": POSITIVE_INT}, lambda v: v == 1, "only at 1",
       "worldserve is one replica: run several servers (each with its own --storage-dir) behind a load balancer",
       aliases=("-dp",)),
@@ -256,7 +257,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       {"type": POSITIVE_INT}),
     C("--max-lora-rank", "adapters of any rank are applied as they are (no buffers sized by rank)",
       {"type": POSITIVE_INT}),
-    C("--enable-sleep-mode", "", ON, NEVER, "never", "worldserve has no sleep mode (no /sleep, /wake_up routes)"),
+    C("--enable-sleep-mode", "", SWITCH, NEVER, "never", "worldserve has no sleep mode (no /sleep, /wake_up routes)"),
 )  # fmt: skip
 """vLLM / vLLM-Omni flags of pasted command lines, in serving-api.md §9 / §11.1 order. (--flow-shift, --dtype,
 --vae-use-tiling, -tp, --usp, the CORS flags, --enable-lora, --lora-path / --lora-scale, --max-cpu-loras... are
@@ -283,6 +284,8 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
         why = c.why.format(gpus="", max_batch_size="")
         if c.ok is None:
             text = f"Accepted, no effect: {why}."
+        elif c.ok is NEVER and c.kwargs is SWITCH:
+            text = f"Refused (--no-{c.flag[2:]}, the default, is accepted: no effect): {c.refusal}."
         elif c.ok is NEVER:
             text = f"Refused: {c.refusal}."
         else:
@@ -303,7 +306,8 @@ def check_compat_flags(args: argparse.Namespace) -> None:
     """FlagValueError (a ValueError) naming the first flag given at a value worldserve cannot honour, and why."""
     for c in COMPAT_FLAGS:
         value = getattr(args, c.dest, None)
-        if value is not None and c.ok is not None and not c.ok(value):
+        # (a SWITCH's --no- form, False, is its default: it asks for nothing worldserve lacks)
+        if value is not None and value is not False and c.ok is not None and not c.ok(value):
             raise FlagValueError(f"{c.flag}{_shown(value)}: {c.refusal}")
     backend = envs.cache_backend()  # --cache-backend's environment fallback: refused as the flag would be
     if getattr(args, "cache_backend", None) is None and backend is not None and backend[1].lower() != "none":
@@ -327,7 +331,8 @@ def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
     for c in COMPAT_FLAGS:
         value = getattr(args, c.dest, None)
         if value is not None:
-            log.log(c.level, "%s%s: accepted, no effect: %s", c.flag, _shown(value), c.why.format(**context))
+            why = c.why.format(**context) or "off is worldserve's only mode"  # (a refused SWITCH's --no-)
+            log.log(c.level, "%s%s: accepted, no effect: %s", c.flag, _shown(value), why)
 
 
 def log_to_file(path: str, log_format: str) -> logging.Handler:

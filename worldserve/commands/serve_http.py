@@ -44,10 +44,16 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ssl-cert-reqs", metavar="N", type=int, default=0,
                        help="Client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*).")  # fmt: skip
     group.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="No access log line a request."
+        "--disable-uvicorn-access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="No access log line a request.",
     )
     group.add_argument(
-        "--disable-fastapi-docs", action="store_true", help="Serve no /docs, /redoc, /openapi.json."
+        "--disable-fastapi-docs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Serve no /docs, /redoc, /openapi.json.",
     )
     group.add_argument("--middleware", metavar="DOTTED.NAME", action="append", default=[],
                        help="Add an ASGI middleware class or an `async def (request, call_next)` function, "
