@@ -99,6 +99,33 @@ def test_vllms_dotted_json_keys():
     assert vllm_argv(["serve", "-O.level", "3"]) == ["serve", "--compilation-config", '{"level": 3}']
 
 
+def test_vllms_dotted_keys_merge_as_vllm_merges_them():
+    """vLLM's FlexibleArgumentParser (recursive_dict_update) concatenates a list key given twice, `--flag.key+
+    a --flag.key+ b,c` being ["a", "b", "c"] (its own --help tip), merges an object given after keys below it,
+    and reads a value that is no JSON as a human-readable integer where it is one (1M, 80g)."""
+    from worldserve.commands.vllm_argv import vllm_argv
+
+    def objects(*argv: str) -> dict:
+        out = vllm_argv(["serve", *argv])
+        return {out[i]: json.loads(out[i + 1]) for i in range(1, len(out), 2)}
+
+    assert objects("--override-generation-config.stop+", "a", "--override-generation-config.stop+=b,c") == {
+        "--override-generation-config": {"stop": ["a", "b", "c"]}
+    }
+    assert objects("--media-io-kwargs.video.num_frames", "16", "--media-io-kwargs.video", '{"fps": 2}') == {
+        "--media-io-kwargs": {"video": {"num_frames": 16, "fps": 2}}
+    }
+    assert objects("--media-io-kwargs.video", "1", "--media-io-kwargs.video.fps", "2") == {
+        "--media-io-kwargs": {"video": {"fps": 2}}
+    }
+    assert objects("--mm-processor-kwargs.max_pixels", "1M", "--mm-processor-kwargs.size", "1.5K") == {
+        "--mm-processor-kwargs": {"max_pixels": 2**20, "size": "1.5K"}  # (no decimals with K: the text)
+    }
+    argv = vllm_argv(["serve", "--mm-processor-kwargs.max_pixels", "1M"])
+    cfg = serve.engine_config(build_parser(argv).parse_args(argv))
+    assert dict(cfg.media.mm_processor_kwargs) == {"max_pixels": 1048576}
+
+
 def test_vllm_dtype_spellings_and_several_served_names(caplog):
     assert serve.engine_config(parse_args("--dtype", "half")).model.dtype == "float16"
     assert serve.engine_config(parse_args("--dtype", "float")).model.dtype == "float32"

@@ -4,15 +4,19 @@ FlexibleArgumentParser accepts them, so a pasted `vllm serve` line must too):
 - underscores in a flag's name, `--max_model_len 16k` / `--tensor_parallel_size=2`: dashes (only the name up
   to its first `.`; a value, after `=` or in its own word, is left as it is);
 - a JSON flag's keys as dotted flags, `--media-io-kwargs.video.num_frames 16` (or `=16`): one
-  `--media-io-kwargs '{"video": {"num_frames": 16}}'` per flag, the keys of all its dotted flags merged; a
-  value is JSON where it parses (16, true, "x"), else the text; `--flag.key+ a,b` is the list ["a", "b"];
-  `-O.level 3` is `--compilation-config.level 3`.
+  `--media-io-kwargs '{"video": {"num_frames": 16}}'` per flag, the keys of all its dotted flags merged as
+  vLLM merges them (objects key by key, lists concatenated); a value is JSON where it parses (16, true, "x"),
+  else a human-readable integer (1M: 1048576, as vLLM's human_readable_int), else the text; `--flag.key+
+  a,b` is the list ["a", "b"], and a second `--flag.key+ c` adds to it; `-O.level 3` is
+  `--compilation-config.level 3`.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from worldserve.config_values import HumanInt
 
 
 def vllm_argv(argv: list[str]) -> list[str]:
@@ -43,17 +47,36 @@ def vllm_argv(argv: list[str]) -> list[str]:
         if keys.endswith("+"):
             keys, parsed = keys[:-1], value.split(",")
         else:
-            try:
-                parsed = json.loads(value)
-            except ValueError:
-                parsed = value
-        *path, last = keys.split(".")
-        node = objects.setdefault(head, {})
-        for key in path:
-            if not isinstance(node.get(key), dict):  # (a key given a value, then keys below it: the keys win)
-                node[key] = {}
-            node = node[key]
-        node[last] = parsed
+            parsed = _dotted_value(value)
+        for key in reversed(keys.split(".")):
+            parsed = {key: parsed}
+        _merge(objects.setdefault(head, {}), parsed)
     for flag, obj in objects.items():
         out += [flag, json.dumps(obj)]
     return out
+
+
+def _dotted_value(text: str) -> Any:
+    """A dotted key's value as vLLM reads it: JSON where it parses, else a human-readable integer (`80g`,
+    `1M`), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return int(HumanInt(text))
+    except ValueError:
+        return text
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    """`update` laid over `into` as vLLM merges dotted keys (recursive_dict_update): objects merge key by key,
+    lists are concatenated (`--flag.key+ a --flag.key+ b,c` is ["a", "b", "c"]), any other value replaces
+    the one before (a key given a value, then keys below it: the keys win)."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        elif isinstance(value, list) and isinstance(into.get(key), list):
+            into[key] = into[key] + value
+        else:
+            into[key] = value
