@@ -493,3 +493,10 @@ def test_vllms_bool_flags_take_their_no_form(caplog):
     for store_true in ("--no-disable-log-stats", "--no-enable-layerwise-offload", "--no-vae-use-tiling"):
         with pytest.raises(SystemExit):
             parse_args(*GENERATOR, store_true)
+
+
+def test_vllms_short_quantization_flag():
+    """vLLM's `-q` is --quantization (arg_utils: add_argument("--quantization", "-q", ...)); it was an
+    unrecognized argument here."""
+    assert config(*GENERATOR, "-q", "fp8").model.quantization == "fp8"
+    assert config(*GENERATOR, "-q=fp8").model.quantization == "fp8"

@@ -62,7 +62,7 @@ class ModelConfig:
         default=None, metadata={"choices": ("auto", "bfloat16", "float16", "half", "float32", "float")}
     )
     """Weight and activation dtype (half: float16, float: float32, as vLLM); default (or auto): bfloat16 on GPU, float32 on CPU."""
-    quantization: str | None = field(default=None, metadata={"choices": ("fp8",)})
+    quantization: str | None = field(default=None, metadata={"choices": ("fp8",), "aliases": ("-q",)})
     """fp8: gen-tower GEMMs in e4m3 with row-wise scales (H100/H200/B200 only; lossy, halves those weights); default: none."""
     fp8_attention: bool = field(default=False, metadata={"store_true": True})
     """Run the gen tower's attention in e4m3 through FlashAttention-3 (H100/H200 with `worldserve[hopper]`; lossy, about 1.2x a step)."""
