@@ -451,8 +451,10 @@ async def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
     assert (
         newer == limits
     )  # newer vLLM's per-modality objects: their count (the size keys size its profiling)
-    bad_values = ('{"audio": 1}', '{"image": -1}', '{"image": 1.5}', "[1]", '{"video": {"num_frames": 8}}',
-                  '{"image": {"count": -1}}', '{"image": {"count": 2, "fps": 2}}')  # fmt: skip
+    # an object without count counts 999, as vLLM's (vllm/config/multimodal.py BaseDummyOptions.count)
+    assert dict(MediaLimits('{"video": {"num_frames": 8}}')) == {"video": 999}
+    bad_values = ('{"audio": 1}', '{"image": -1}', '{"image": 1.5}', "[1]", '{"image": {"count": -1}}',
+                  '{"image": {"count": 2, "fps": 2}}', '{"video": {"count": 1.5}}')  # fmt: skip
     for bad in bad_values:
         with pytest.raises(FlagValueError):
             MediaLimits(bad)

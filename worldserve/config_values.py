@@ -102,6 +102,8 @@ class MediaLimits(tuple):
     __slots__ = ()
     MODALITIES = ("image", "video")
     SIZE_HINTS = ("width", "height", "num_frames")
+    DEFAULT_COUNT = 999
+    """The count of a per-modality object without one (vllm/config/multimodal.py: BaseDummyOptions.count)."""
 
     def __new__(cls, value: str | typing.Mapping[str, typing.Any] | _Pairs = ()) -> MediaLimits:
         if isinstance(value, str):
@@ -117,13 +119,14 @@ class MediaLimits(tuple):
 
     @classmethod
     def _count(cls, modality: str, value: typing.Any) -> typing.Any:
-        """A modality's count: the value, or a per-modality object's `count` (checked with the plain form)."""
+        """A modality's count: the value, or a per-modality object's `count` (checked with the plain form);
+        an object without one counts 999, as vLLM's (BaseDummyOptions.count's default)."""
         if not isinstance(value, typing.Mapping):
             return value
-        if "count" not in value or set(value) - {"count", *cls.SIZE_HINTS}:
+        if set(value) - {"count", *cls.SIZE_HINTS}:
             raise FlagValueError(f'expected {{"{modality}": {{"count": N}}}} (and only {", ".join(cls.SIZE_HINTS)} '
                                  f"besides), got {json.dumps(dict(value))}")  # fmt: skip
-        return value["count"]
+        return value.get("count", cls.DEFAULT_COUNT)
 
     def get(self, modality: str) -> int | None:
         """The limit for `modality`, or None (no limit)."""
