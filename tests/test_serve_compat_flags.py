@@ -500,3 +500,13 @@ def test_vllms_short_quantization_flag():
     unrecognized argument here."""
     assert config(*GENERATOR, "-q", "fp8").model.quantization == "fp8"
     assert config(*GENERATOR, "-q=fp8").model.quantization == "fp8"
+
+
+def test_vllms_newer_cuda_graph_sizes_name(caplog):
+    """vLLM renamed --cuda-graph-sizes --cudagraph-capture-sizes (the old name deprecated): both parse, to the
+    same accepted-without-effect flag."""
+    args = parse_args(*GENERATOR, "--cudagraph-capture-sizes", "1", "2", "4")
+    assert args.cuda_graph_sizes == [1, 2, 4]
+    with caplog.at_level(logging.INFO, logger="worldserve.serve"):
+        serve_compat.log_compat(args, serve.engine_config(args))
+    assert "--cuda-graph-sizes [1, 2, 4]: accepted, no effect" in caplog.text

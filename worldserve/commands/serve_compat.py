@@ -208,7 +208,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--scheduling-policy", "chats are admitted first come, first served", {"choices": ("fcfs", "priority")},
       lambda v: v == "fcfs", "only as fcfs", "worldserve admits chats in arrival order (no request priorities)"),
     C("--cuda-graph-sizes", "the Reasoner captures its own buckets (decode: 1, 2, 4, ... up to --max-num-seqs; "
-      "prefill: 16 to 2,048 tokens)", {"nargs": "+", "type": POSITIVE_INT}),
+      "prefill: 16 to 2,048 tokens)", {"nargs": "+", "type": POSITIVE_INT},
+      aliases=("--cudagraph-capture-sizes",)),  # (vLLM's newer name; --cuda-graph-sizes is deprecated there)
     C("--disable-chunked-mm-input", "an image cut by a chunk's end is encoded once (the encoder cache serves "
       "its second part)", {"action": argparse.BooleanOptionalAction}),
     C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
