@@ -315,7 +315,7 @@ ACCEPTED = [
     "--disable-log-requests",
     "--limit-mm-per-prompt", "{}", "--kv-cache-dtype", "auto", "--max-num-partial-prefills", "1",
     "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "0", "--scheduling-policy", "fcfs",
-    "--cuda-graph-sizes", "1", "2", "--disable-chunked-mm-input", "--max-loras", "2", "--max-lora-rank", "64",
+    "--cuda-graph-sizes", "1", "2", "--max-cudagraph-capture-size", "64", "--disable-chunked-mm-input", "--max-loras", "2", "--max-lora-rank", "64",
     "-asc", "1", "--dlo-no-use-allgather",  # (vLLM's alias, vLLM-Omni's own spelling)
 ]  # fmt: skip
 REAL_FLAGS = [  # §9 flags that are worldserve's own (config.py): honoured, never logged as compat lines
@@ -395,6 +395,7 @@ REFUSED = [
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3", "model's dtype"),
     (["--boundary-ratio", "0.875"], "--boundary-ratio 0.875", "Wan2.2"),
     (["--lora-modules", "a=/loras/a"], "--lora-modules", "--enable-lora"),
+    (["--default-mm-loras", '{"image": "/loras/a"}'], "--default-mm-loras", "no adapter by modality"),
     (["--max-generated-image-size", "1048576"], "--max-generated-image-size", "cap"),
     (["--worker-backend", "ray"], "--worker-backend ray", "no Ray"),
     (["--ray-address", "auto"], "--ray-address auto", "no Ray"),

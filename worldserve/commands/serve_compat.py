@@ -210,6 +210,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--cuda-graph-sizes", "the Reasoner captures its own buckets (decode: 1, 2, 4, ... up to --max-num-seqs; "
       "prefill: 16 to 2,048 tokens)", {"nargs": "+", "type": POSITIVE_INT},
       aliases=("--cudagraph-capture-sizes",)),  # (vLLM's newer name; --cuda-graph-sizes is deprecated there)
+    C("--max-cudagraph-capture-size", "the Reasoner captures its own buckets (decode: 1, 2, 4, ... up to "
+      "--max-num-seqs; prefill: 16 to 2,048 tokens)", {"type": POSITIVE_INT}),
     C("--disable-chunked-mm-input", "an image cut by a chunk's end is encoded once (the encoder cache serves "
       "its second part)", {"action": argparse.BooleanOptionalAction}),
     C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
@@ -254,6 +256,9 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--lora-modules", "", {"metavar": "SPEC", "nargs": "+"}, NEVER, "never",
       "worldserve registers no adapter names: video and image requests give an adapter by its path (with "
       "--enable-lora), or every request runs one static adapter (--lora-path)"),
+    C("--default-mm-loras", "", JSON, NEVER, "never", "worldserve applies no adapter by modality: video and "
+      "image requests give an adapter by its path (with --enable-lora), or every request runs one static adapter "
+      "(--lora-path)"),
     C("--max-loras", "one forward runs one adapter: requests batch by adapter, as by video shape",
       {"type": POSITIVE_INT}),
     C("--max-lora-rank", "adapters of any rank are applied as they are (no buffers sized by rank)",
