@@ -176,6 +176,15 @@ async def _one_waiting(http, upsampling) -> None:
     assert re.search(r"worldserve:num_requests_waiting\{[^}]*\} 1\.0", (await http.get("/metrics")).text)
 
 
+async def _chat_live(reasoner) -> bool:
+    """Whether the Reasoner holds a chat within ~4 s."""
+    for _ in range(200):
+        if reasoner._live > 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 async def _chat_stopped(reasoner) -> bool:
     """Whether the Reasoner has no chat left within ~4 s (a stopped chat leaves at its next step)."""
     for _ in range(200):
@@ -335,6 +344,9 @@ async def test_a_shutdown_stops_an_image_requests_upsampling_at_once(tmp_path, p
         image = asyncio.create_task(http.post("/v1/images/generations", json=body))
         client = http.engine_client
         await _one_waiting(http, lambda: client.jobless.upsampling)
+        # its chat running in the Reasoner (on a loaded machine the shutdown could otherwise begin before the
+        # chat was submitted: then no chat runs, none is stopped, and none is metered)
+        assert await _chat_live(chat_backend)
         client.begin_shutdown(600)
         answer = await asyncio.wait_for(image, 60)  # (a hang guard only)
         assert answer.status_code == 503, answer.text
