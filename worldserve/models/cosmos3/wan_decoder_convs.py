@@ -11,11 +11,11 @@
   cuDNN 3x3 Conv2d over T/2 frames (an implicit GEMM as large as the 3-D one's, K = 9 C instead of 27 C);
   the input and output transforms are elementwise and fuse, compiled, into the norm / SiLU / residual
   kernels around the conv (`forward_split`: the block's norm + SiLU computed where the input transforms read
-  it, the activation never written out). Exact in real arithmetic. In bfloat16 the transformed frames, the transformed
-  taps and the 4 partial convs are each rounded once, where the direct conv rounds only its output: the
-  decode's error against float32 grows a little (bench/vae_decode.py measures both); float32 matches the
-  direct conv to ~1e-7. Odd frame counts (the one-frame first chunk, a short last chunk at the latent
-  resolution) run the direct conv.
+  it, the activation never written out). Exact in real arithmetic. In bfloat16 the transformed frames, the
+  transformed taps and the 4 partial convs are each rounded once, where the direct conv rounds only its
+  output: the decode's error against float32 grows a little (bench/vae_decode.py measures both); float32
+  matches the direct conv to ~1e-7. Odd frame counts (the one-frame first chunk, a short last chunk at the
+  latent resolution) run the direct conv.
 - `SubpixelUp2xConv`: diffusers' spatial upsampler (nearest-exact 2x, then Conv2d 3x3) as ONE 2x2 conv with
   4x the output channels on the low-res frame padded by 1, then one interleaving copy: each of the 4
   output phases (row, column parity) of the 3x3 conv on the nearest-2x image is a 2x2 conv on the low-res
@@ -159,7 +159,8 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         self.time_winograd = True
         self.split_input = True
         """Compiled: `forward_split` computes the activation where the input transforms read it; False writes
-        the concatenated input out first (the earlier form, ~4 % slower: bench/vae_decode.py --split-input)."""
+        the concatenated input out first (the earlier form; predicted ~2 % slower a 720p decode, not yet
+        measured on a GPU: bench/vae_decode.py --split-input both)."""
         self._kernels = DerivedKernels(time_winograd_kernels)
 
     def forward(self, a: Tensor) -> Tensor:
@@ -176,10 +177,8 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         """`forward(cat([ctx, x], time))` without the concatenated input: ctx [B, I, 2, H, W] (the context
         frames), x [B, I, T, H, W]. Compiled with x an elementwise expression (the block's norm + SiLU), the
         Winograd input transforms compute x where they read it, and the activation is never written out (it
-        was, once, as the conv's input `a`). Eager, or when the direct conv runs: `forward` of the concat."""
-        t = x.shape[2]
-        if not self.splits(t):
-            return self(causal_input(ctx, x))
+        was, once, as the conv's input `a`). Only where `splits(T)` (the caller checks: wan_decoder_blocks.py
+        `conv_split`)."""
         even, odd = x[:, :, 0::2], x[:, :, 1::2]  # [B, I, T/2, H, W]: input frames 2, 4, ... and 3, 5, ...
         d0, d1 = (
             _after(ctx[:, :, :1], even),
@@ -188,8 +187,9 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         return self._winograd(d0, d1, even, odd, memory_format_of(ctx))
 
     def splits(self, t: int) -> bool:
-        """Whether `forward_split` of T = `t` new frames takes them apart from the context (compiled, split_input,
-        the Winograd conv for an even count) rather than running `forward` of their concatenation."""
+        """Whether `forward_split` of T = `t` new frames takes them apart from the context (compiled,
+        split_input, the Winograd conv for an even count) rather than running `forward` of their
+        concatenation."""
         return torch.compiler.is_compiling() and self.split_input and self.time_winograd and t % 2 == 0
 
     def _winograd(self, d0: Tensor, d1: Tensor, d2: Tensor, d3: Tensor, fmt: torch.memory_format) -> Tensor:
