@@ -100,7 +100,7 @@ def init_world(
     join_timeout_s: float | None = None, store: Any = None,
 ) -> ParallelGroup:  # fmt: skip
     """torch.distributed.init_process_group (the default group) over a TCPStore at `init_method`
-    ("tcp://host:port", hosted by rank 0: `store` when `host_store` bound it, else bound here) -> its
+    ("tcp://host:port", hosted by rank 0: the `store` that `host_store` bound, which rank 0 passes) -> its
     ParallelGroup. Every rank of the world must join through here (the same store layout). `join_timeout_s`
     bounds the rendezvous alone (rank 0's wait for every other rank to join, or a rank's wait for rank 0's
     store), `timeout_s` (default for it) everything after."""
@@ -115,17 +115,15 @@ def init_world(
         store.set(f"worldserve/joined/{rank}", "1")
     else:
         if store is None:
-            store = dist.TCPStore(
-                url.hostname, url.port, world_size, is_master=True, timeout=join, wait_for_workers=False
-            )
+            raise ValueError("rank 0 joins through the store host_store bound (pass store=)")
         joined = [f"worldserve/joined/{r}" for r in range(1, world_size)]
         try:
             store.wait(joined, join)
         except DistError as exc:
             missing = world_size - 1 - sum(store.check([k]) for k in joined)
             raise RuntimeError(
-                f"timed out after {join.total_seconds():g} s waiting for clients: {missing} of the {world_size - 1} "
-                "other ranks did not join the world"
+                f"timed out after {join.total_seconds():g} s waiting for clients: {missing} of the "
+                f"{world_size - 1} other ranks did not join the world"
             ) from exc
     store.set_timeout(timedelta(seconds=timeout_s))  # later waits on it (new_group, NCCL ids) may be long
     dist.init_process_group(
