@@ -113,6 +113,10 @@ DEPLOY = (
 )
 NO_DLO = "it applies only with --enable-distributed-layerwise-offload, which worldserve refuses"
 WEIGHT_LOAD = "worldserve streams the tensors one at a time from memory-mapped safetensors shards"
+REASONER_GRAPHS = ("the Reasoner captures its own buckets (decode: 1, 2, 4, ... up to --max-num-seqs; "
+                   "prefill: 16 to 2,048 tokens)")  # fmt: skip
+ADAPTERS_BY_PATH = ("video and image requests give an adapter by its path (with --enable-lora), or every "
+                    "request runs one static adapter (--lora-path)")  # fmt: skip
 HSDP = ("worldserve has no HSDP weight sharding: --tensor-parallel-size splits the weights, "
         "--enable-layerwise-offload keeps them in host memory")  # fmt: skip
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
@@ -207,11 +211,9 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       {"type": checked(int, lambda v: v >= 0, "an integer >= 0")}),
     C("--scheduling-policy", "chats are admitted first come, first served", {"choices": ("fcfs", "priority")},
       lambda v: v == "fcfs", "only as fcfs", "worldserve admits chats in arrival order (no request priorities)"),
-    C("--cuda-graph-sizes", "the Reasoner captures its own buckets (decode: 1, 2, 4, ... up to --max-num-seqs; "
-      "prefill: 16 to 2,048 tokens)", {"nargs": "+", "type": POSITIVE_INT},
+    C("--cuda-graph-sizes", REASONER_GRAPHS, {"nargs": "+", "type": POSITIVE_INT},
       aliases=("--cudagraph-capture-sizes",)),  # (vLLM's newer name; --cuda-graph-sizes is deprecated there)
-    C("--max-cudagraph-capture-size", "the Reasoner captures its own buckets (decode: 1, 2, 4, ... up to "
-      "--max-num-seqs; prefill: 16 to 2,048 tokens)", {"type": POSITIVE_INT}),
+    C("--max-cudagraph-capture-size", REASONER_GRAPHS, {"type": POSITIVE_INT}),
     C("--disable-chunked-mm-input", "an image cut by a chunk's end is encoded once (the encoder cache serves "
       "its second part)", {"action": argparse.BooleanOptionalAction}),
     C("--async-scheduling", "worldserve has one scheduling mode (the video engine and the chat worker each "
@@ -254,11 +256,9 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--download-dir", "", {"metavar": "PATH"}, NEVER, "never", "worldserve downloads into the Hugging Face "
       "cache: set HF_HOME (or HF_HUB_CACHE) instead"),
     C("--lora-modules", "", {"metavar": "SPEC", "nargs": "+"}, NEVER, "never",
-      "worldserve registers no adapter names: video and image requests give an adapter by its path (with "
-      "--enable-lora), or every request runs one static adapter (--lora-path)"),
-    C("--default-mm-loras", "", JSON, NEVER, "never", "worldserve applies no adapter by modality: video and "
-      "image requests give an adapter by its path (with --enable-lora), or every request runs one static adapter "
-      "(--lora-path)"),
+      f"worldserve registers no adapter names: {ADAPTERS_BY_PATH}"),
+    C("--default-mm-loras", "", JSON, NEVER, "never",
+      f"worldserve applies no adapter by modality: {ADAPTERS_BY_PATH}"),
     C("--max-loras", "one forward runs one adapter: requests batch by adapter, as by video shape",
       {"type": POSITIVE_INT}),
     C("--max-lora-rank", "adapters of any rank are applied as they are (no buffers sized by rank)",
