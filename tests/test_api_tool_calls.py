@@ -191,7 +191,7 @@ BAD = [
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "f", "arguments": json.dumps(_nested(200))}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
      "messages[1].tool_calls[0].function.arguments", "nested deeper than 128"),
-    ({"structured_outputs": {"json": _nested_text(990)}}, "structured_outputs.json", "nested too deeply"),
+    ({"structured_outputs": {"json": _nested_text(990)}}, "structured_outputs.json", "nested deeper than 128"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _nested(200)}}},
      "response_format", "nested deeper than 128"),
     # vLLM checks min_tokens against the max_tokens it defaults to the context's room

@@ -453,7 +453,11 @@ async def test_limit_mm_per_prompt_is_checked_before_loading(base_url):
     )  # newer vLLM's per-modality objects: their count (the size keys size its profiling)
     # an object without count counts 999, as vLLM's (vllm/config/multimodal.py BaseDummyOptions.count)
     assert dict(MediaLimits('{"video": {"num_frames": 8}}')) == {"video": 999}
-    bad_values = ('{"audio": 1}', '{"image": -1}', '{"image": 1.5}', "[1]", '{"image": {"count": -1}}',
+    # vLLM's other modality, which the Reasoner takes none of: 0 is accepted (and dropped), more is refused
+    assert MediaLimits('{"image": 1, "video": 0, "audio": 0}') == limits
+    with pytest.raises(FlagValueError, match="^audio: 1: the Reasoner takes images and videos only"):
+        MediaLimits('{"image": 1, "audio": 1}')
+    bad_values = ('{"audio": 1}', '{"audio": {"num_frames": 8}}', '{"speech": 0}', '{"image": -1}', '{"image": 1.5}', "[1]", '{"image": {"count": -1}}',
                   '{"image": {"count": 2, "fps": 2}}', '{"video": {"count": 1.5}}')  # fmt: skip
     for bad in bad_values:
         with pytest.raises(FlagValueError):

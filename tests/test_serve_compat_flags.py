@@ -355,7 +355,8 @@ def test_every_reference_flag_parses_and_accepted_ones_log_why(caplog):
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, cfg)
     logged = [flag_of(r) for r in caplog.records]
-    given = [c.flag for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]
+    given = [f"--no-{c.flag[2:]}" if getattr(args, c.dest) is False else c.flag
+             for c in serve_compat.COMPAT_FLAGS if getattr(args, c.dest) is not None]  # fmt: skip
     assert sorted(logged) == sorted(given) and len(given) >= 43
     assert dict(cfg.media.limit_mm_per_prompt) == {} and serve.app_settings(cfg).mm_limits == {}
     assert all("accepted, no effect: " in r.getMessage() for r in caplog.records)
@@ -479,7 +480,8 @@ def test_vllms_bool_flags_take_their_no_form(caplog):
                 "--no-enable-server-load-tracking", "--no-enable-prompt-tokens-details",
                 "--no-return-tokens-as-token-ids", "--no-enable-force-include-usage", "--no-disable-fastapi-docs",
                 "--no-disable-uvicorn-access-log", "--no-trust-remote-code", "--no-enable-auto-tool-choice",
-                "--no-disable-custom-all-reduce", "--no-trust-request-chat-template", "--no-enable-sleep-mode"]  # fmt: skip
+                "--no-disable-custom-all-reduce", "--no-trust-request-chat-template", "--no-enable-sleep-mode",
+                "--no-disable-log-requests"]  # fmt: skip
     args = parse_args(*GENERATOR, "--enforce-eager", "--enable-lora", *no_forms)
     assert not (args.disable_fastapi_docs or args.disable_uvicorn_access_log)
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
@@ -487,13 +489,35 @@ def test_vllms_bool_flags_take_their_no_form(caplog):
         serve_compat.log_compat(args, cfg)
     assert not (cfg.model.enforce_eager or cfg.lora.enable_lora or cfg.server.enable_log_requests)
     assert not (cfg.server.allow_credentials or cfg.chat.return_tokens_as_token_ids)
-    assert "--enable-sleep-mode False: accepted, no effect: off is worldserve's only mode" in caplog.text
+    assert "--no-enable-sleep-mode: accepted, no effect: off is worldserve's only mode" in caplog.text
+    assert "--no-disable-log-requests: accepted, no effect: request contents are logged only" in caplog.text
     assert config(*GENERATOR, "--no-enforce-eager", "--enforce-eager").model.enforce_eager  # (the last wins)
     with pytest.raises(ValueError, match="^--enable-sleep-mode: "):
         config(*GENERATOR, "--no-enable-sleep-mode", "--enable-sleep-mode")
     for store_true in ("--no-disable-log-stats", "--no-enable-layerwise-offload", "--no-vae-use-tiling"):
         with pytest.raises(SystemExit):
             parse_args(*GENERATOR, store_true)
+
+
+def test_vllms_none_reads_as_an_optional_flags_default():
+    """vLLM reads "None" (and "") as None for a field that may be None (arg_utils optional_type): `--seed None`,
+    `--max-log-len None`, `--revision None` (which here had named a revision "None"), `--dtype None` (choices:
+    None among them); a field that may not be None still refuses it, and a bad value still names the type."""
+    cfg = config(*GENERATOR, "--seed", "None", "--max-log-len", "None", "--revision", "None", "--dtype", "None",
+                 "--sync-timeout", "", "--mm-processor-kwargs", "None")  # fmt: skip
+    assert cfg.chat.seed is None and cfg.server.max_log_len is None and cfg.model.revision is None
+    assert cfg.model.dtype is None and cfg.video.sync_timeout is None
+    assert cfg.media.mm_processor_kwargs is None
+    assert config(*GENERATOR, "--seed", "7", "--revision", "main").chat.seed == 7
+    with pytest.raises(SystemExit):
+        parse_args(*GENERATOR, "--max-num-seqs", "None")  # (an int field with no None)
+    assert parse_args(*GENERATOR, "--max-log-len", "None", "--max-log-len", "40").max_log_len == 40
+
+
+def test_an_invalid_optional_int_still_names_its_type(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(*GENERATOR, "--max-log-len", "many")
+    assert "argument --max-log-len: invalid int value: 'many'" in capsys.readouterr().err
 
 
 def test_vllms_short_quantization_flag():

@@ -3,7 +3,8 @@ written below the field (vLLM's way), its default the field's default, its type 
 dataclass from the parsed flags. Field metadata may mark a flag positional, hidden or flagless, or give it
 choices, aliases or nargs. A bool field is a `--flag` / `--no-flag` pair, as vLLM's bool fields are
 (arg_utils.get_kwargs' BooleanOptionalAction), unless its metadata says store_true (`--flag` alone: flags
-that vLLM or vLLM-Omni define so, and worldserve's own switches)."""
+that vLLM or vLLM-Omni define so, and worldserve's own switches). A field that may be None reads "None" and
+"" as None, its default, as vLLM's optional_type does (`--seed None`, `--revision None`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ def _scalar_type(hint: object) -> type:
     return hint
 
 
+def _none_or(kind: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], typing.Any]:
+    """vLLM's optional_type: "None" and "" are None, any other text `kind(text)`; argparse's "invalid int
+    value" still names `kind`."""
+
+    def parse(text: str) -> typing.Any:
+        return None if text in ("", "None") else kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def _may_be_none(hint: object) -> bool:
+    """`int | None` and the like: a union with None in it."""
+    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    return is_union and type(None) in typing.get_args(hint)
+
+
 def add_config_arguments(
     parser: argparse.ArgumentParser, cls: type, only: typing.Collection[str] | None = None
 ) -> None:
@@ -63,10 +81,15 @@ def add_config_arguments(
         kwargs: dict[str, typing.Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else text}
         if kind is bool:  # vLLM's get_kwargs: a bool field is --flag / --no-flag; metadata store_true: --flag
             kwargs["action"] = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction
+        elif _may_be_none(hints[f.name]) and "nargs" not in meta and not meta.get("positional"):
+            kwargs["type"] = _none_or(kind)
         else:
             kwargs["type"] = kind
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
+            # (the None that "None" reads as is one of them, as in vLLM)
+            if kwargs.get("type") not in (None, kind):
+                kwargs["choices"] = (*meta["choices"], None)
         if "nargs" in meta:
             kwargs["nargs"] = meta["nargs"]
         if "metavar" in meta:

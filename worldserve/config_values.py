@@ -96,11 +96,14 @@ class MediaLimits(tuple):
     """vLLM's `--limit-mm-per-prompt '{"image": 4, "video": 1}'`: the most images / videos one chat request may
     carry; newer vLLM's per-modality objects (`{"video": {"count": 1, "num_frames": 32}}`) give the count as
     `count` (their size keys only size vLLM's start-up memory profiling, which worldserve does not run: they
-    are read and left unused). A tuple of sorted (modality, count) pairs, so the frozen configs stay
-    hashable; str() is the JSON of the counts."""
+    are read and left unused); `"audio": 0` is accepted and dropped. A tuple of sorted (modality, count)
+    pairs, so the frozen configs stay hashable; str() is the JSON of the counts."""
 
     __slots__ = ()
     MODALITIES = ("image", "video")
+    NOT_TAKEN = ("audio",)
+    """vLLM's other modality, which the Reasoner takes none of: accepted at 0 (vLLM command lines turn it off so),
+    refused above."""
     SIZE_HINTS = ("width", "height", "num_frames")
     DEFAULT_COUNT = 999
     """The count of a per-modality object without one (vllm/config/multimodal.py: BaseDummyOptions.count)."""
@@ -111,11 +114,17 @@ class MediaLimits(tuple):
         if not isinstance(value, typing.Mapping | tuple):
             raise FlagValueError(f'expected {{"image": N, "video": M}}, got {json.dumps(value)}')
         pairs = {k: cls._count(k, v) for k, v in dict(value).items()}
-        if set(pairs) - set(cls.MODALITIES) or not all(type(v) is int and v >= 0 for v in pairs.values()):
+        known = (*cls.MODALITIES, *cls.NOT_TAKEN)
+        if set(pairs) - set(known) or not all(type(v) is int and v >= 0 for v in pairs.values()):
             raise FlagValueError(
                 f'expected {{"image": N, "video": M}} with counts >= 0, got {json.dumps(pairs)}'
             )
-        return super().__new__(cls, sorted(pairs.items()))
+        taken = [f"{k}: {v}" for k, v in pairs.items() if k in cls.NOT_TAKEN and v]
+        if taken:
+            raise FlagValueError(
+                f"{', '.join(taken)}: the Reasoner takes images and videos only (0 is accepted)"
+            )
+        return super().__new__(cls, sorted((k, v) for k, v in pairs.items() if k in cls.MODALITIES))
 
     @classmethod
     def _count(cls, modality: str, value: typing.Any) -> typing.Any:

@@ -89,6 +89,12 @@ pydantic, a grammar compiler) must never meet a depth near Python's recursion li
 template's helpers spend ~2 a level): a 400 here instead of a RecursionError (500) there."""
 
 
+def too_deep(param: str) -> str:
+    """The 400's message for JSON nested deeper than MAX_JSON_DEPTH, whether check_depth found it or the parser
+    ran out of stack first (which happens first depends on the caller's own stack depth)."""
+    return f"{param}: JSON nested deeper than {MAX_JSON_DEPTH} levels"
+
+
 def check_depth(value: Any, where: str = "body") -> None:
     """A 400 naming the field when `value` (parsed JSON) nests deeper than MAX_JSON_DEPTH; iterative, and
     visiting containers only (a 90 MB body of numbers costs what its lists do, not a step per number)."""
@@ -99,8 +105,7 @@ def check_depth(value: Any, where: str = "body") -> None:
             path = _path_to_depth(value, MAX_JSON_DEPTH)
             inside = _path_text(path[:4])
             param = where if where != "body" or not isinstance(path[0], str) else path[0]
-            raise APIError(400, f"{param}: JSON nested deeper than {MAX_JSON_DEPTH} levels (at "
-                           f"{inside or where}...)", param=param)  # fmt: skip
+            raise APIError(400, f"{too_deep(param)} (at {inside or where}...)", param=param)
         children = item.values() if isinstance(item, dict) else item
         stack.extend((v, depth + 1) for v in children if isinstance(v, dict | list))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from worldserve.api.bodies import check_depth
+from worldserve.api.bodies import check_depth, too_deep
 from worldserve.chat_params import StructuredOutput
 from worldserve.params import ParamError
 from worldserve.sampling.grammar import check
@@ -141,7 +141,7 @@ def _constraint(kind: str, value: Any, field: str, **options: Any) -> Structured
             except ValueError as exc:
                 raise ParamError(field, f"{field} is not valid JSON: {exc}") from None
             except RecursionError:
-                raise ParamError(field, f"{field} is not valid JSON: nested too deeply") from None
+                raise ParamError(field, too_deep(field)) from None
             check_depth(value, field)
         if not isinstance(value, dict | bool) or (kind == "structural_tag" and not isinstance(value, dict)):
             raise ParamError(field, f"{field} must be a JSON object")

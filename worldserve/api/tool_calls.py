@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worldserve.api.bodies import check_depth, check_unicode
+from worldserve.api.bodies import check_depth, check_unicode, too_deep
 from worldserve.api.errors import APIError
 from worldserve.api.json_stream import canonical_json
 from worldserve.chat_params import StructuredOutput
@@ -183,7 +183,7 @@ def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tu
             except ValueError:
                 pass  # not JSON: handed over as the text it is
             except RecursionError:
-                raise ParamError(field, f"{field}: JSON nested too deeply") from None
+                raise ParamError(field, too_deep(field)) from None
             else:
                 check_depth(args, field)  # (the template renders them recursively)
                 try:

@@ -230,7 +230,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       {"type": checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")}),
     # common vLLM flags
     C("--disable-log-requests", "request contents are logged only with --enable-log-requests (off by default), "
-      "as in vLLM, which deprecates this flag", ON),
+      "as in vLLM, which deprecates this flag", SWITCH),
     C("--chat-template-content-format", "the chat template is handed each message as it expects",
       {"choices": ("auto", "string", "openai")}, lambda v: v == "auto", "only at auto",
       "worldserve renders message content the way the checkpoint's chat template expects it"),
@@ -338,7 +338,8 @@ def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
         value = getattr(args, c.dest, None)
         if value is not None:
             why = c.why.format(**context) or "off is worldserve's only mode"  # (a refused SWITCH's --no-)
-            log.log(c.level, "%s%s: accepted, no effect: %s", c.flag, _shown(value), why)
+            given = f"--no-{c.flag[2:]}" if value is False else c.flag + _shown(value)
+            log.log(c.level, "%s: accepted, no effect: %s", given, why)
 
 
 def log_to_file(path: str, log_format: str) -> logging.Handler:
