@@ -191,7 +191,7 @@ def test_cli_help_shows_quantization(verb, capsys):
     with pytest.raises(SystemExit):
         build_parser([verb, "--help"]).parse_args([verb, "--help"])
     out = capsys.readouterr().out
-    assert "--quantization {fp8}" in out
+    assert "--quantization {fp8,None}" in out  # ("None": unset, as vLLM's optional choices)
 
 
 def test_generate_quantization_fp8_on_cpu_exits_2(tiny_ckpt, tmp_path, capsys):

@@ -500,11 +500,12 @@ def test_vllms_bool_flags_take_their_no_form(caplog):
 
 
 def test_vllms_none_reads_as_an_optional_flags_default():
-    """vLLM reads "None" (and "") as None for a field that may be None (arg_utils optional_type): `--seed None`,
+    """vLLM reads "None" as None for a field that may be None (arg_utils optional_type): `--seed None`,
     `--max-log-len None`, `--revision None` (which here had named a revision "None"), `--dtype None` (choices:
-    None among them); a field that may not be None still refuses it, and a bad value still names the type."""
+    None among them); a field that may not be None still refuses it, and a bad value still names the type.
+    (vLLM reads "" so too; here an empty path stays refused: test_api_cli, test_lora_flags.)"""
     cfg = config(*GENERATOR, "--seed", "None", "--max-log-len", "None", "--revision", "None", "--dtype", "None",
-                 "--sync-timeout", "", "--mm-processor-kwargs", "None")  # fmt: skip
+                 "--sync-timeout", "None", "--mm-processor-kwargs", "None")  # fmt: skip
     assert cfg.chat.seed is None and cfg.server.max_log_len is None and cfg.model.revision is None
     assert cfg.model.dtype is None and cfg.video.sync_timeout is None
     assert cfg.media.mm_processor_kwargs is None

@@ -3,8 +3,8 @@ written below the field (vLLM's way), its default the field's default, its type 
 dataclass from the parsed flags. Field metadata may mark a flag positional, hidden or flagless, or give it
 choices, aliases or nargs. A bool field is a `--flag` / `--no-flag` pair, as vLLM's bool fields are
 (arg_utils.get_kwargs' BooleanOptionalAction), unless its metadata says store_true (`--flag` alone: flags
-that vLLM or vLLM-Omni define so, and worldserve's own switches). A field that may be None reads "None" and
-"" as None, its default, as vLLM's optional_type does (`--seed None`, `--revision None`)."""
+that vLLM or vLLM-Omni define so, and worldserve's own switches). A field that may be None reads "None" as
+None, its default, as vLLM's optional_type does (`--seed None`, `--revision None`)."""
 
 from __future__ import annotations
 
@@ -45,11 +45,12 @@ def _scalar_type(hint: object) -> type:
 
 
 def _none_or(kind: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], typing.Any]:
-    """vLLM's optional_type: "None" and "" are None, any other text `kind(text)`; argparse's "invalid int
-    value" still names `kind`."""
+    """vLLM's optional_type: "None" is None, any other text `kind(text)`; argparse's "invalid int value"
+    still names `kind`. Unlike vLLM, "" stays `kind("")`, which the configs refuse where it matters: an unset
+    variable in `--storage-dir "$DIR"` or `--lora-path "$ADAPTER"` is an error, not the default."""
 
     def parse(text: str) -> typing.Any:
-        return None if text in ("", "None") else kind(text)
+        return None if text == "None" else kind(text)
 
     parse.__name__ = getattr(kind, "__name__", "value")
     return parse
