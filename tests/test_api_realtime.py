@@ -6,6 +6,7 @@ data URL; and the same session on the tiny checkpoint's real pipeline."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -29,6 +30,7 @@ from serving_helpers import (
 )
 
 from worldserve.api import realtime, ws_protocol
+from worldserve.commands import serve_http
 from worldserve.engine.fake_backend import FAIL_MARKER, FakeBackend
 
 pytestmark = pytest.mark.anyio
@@ -181,8 +183,7 @@ async def test_bad_starts_get_an_error_naming_the_field_and_a_close(tmp_path, st
 
 async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path, monkeypatch):
     monkeypatch.setattr(realtime, "START_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(realtime, "MAX_START_BYTES", 200)
-    with uvicorn_thread(tmp_path, real_encoder=True) as (url, client):
+    with uvicorn_thread(tmp_path, real_encoder=True, app_kw={"max_upload_bytes": 200}) as (url, client):
         async with websockets.connect(ws_url(url)) as ws:
             assert json.loads(await ws.recv()) == {
                 "type": "error",
@@ -193,9 +194,8 @@ async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path,
                 await ws.recv()
         wide = json.dumps({"type": "session.start", "prompt": "é" * 90}, ensure_ascii=False)  # 129 characters
         for big in ({"type": "session.start", "prompt": "x" * 200}, wide):  # (the bytes count: 219 of them)
-            assert (await realtime_session(url, big))[0] == [
-                {"type": "error", "message": "session.start message too large", "code": 413}
-            ]
+            assert (await realtime_session(url, big))[0] == [{"type": "error", "code": 413, "message":
+                "session.start message exceeds the 0.000191 MiB limit (--max-upload-mb)"}]  # fmt: skip
         metrics = httpx.get(f"{url}/metrics").text  # (counted as POST /v1/videos counts a body too large)
         assert re.search(r'worldserve:request_rejected_total\{[^}]*reason="too_large"[^}]*\} 2\.0', metrics)
         failing = {"type": "session.start", "prompt": f"x {FAIL_MARKER}decode_stream", **SMALL}
@@ -217,6 +217,31 @@ async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path,
                              "code": 429, "retry_after_s": 1}]  # fmt: skip
         for job in jobs:
             httpx.delete(f"{url}/v1/videos/{job}")
+
+
+async def test_a_start_may_be_as_large_as_a_request_body(tmp_path):
+    """A session.start may be as large as --max-upload-mb lets a POST /v1/videos body be (an inline
+    reference); uvicorn's own 16 MiB WebSocket limit had closed one of 17 MiB with 1009 before the session
+    read it. Past the limit, up to OVERSIZE_BYTES more, the start gets the 413 naming the flag; larger, the
+    protocol's 1009 (message too big) closes the socket before it is buffered."""
+    pad = {"pad": "x" * (17 << 20)}  # (extra_params keys Cosmos3 does not read pass, as in vLLM-Omni)
+    big = json.dumps({"type": "session.start", "prompt": "x", **SMALL, "extra_params": pad})
+    with uvicorn_thread(tmp_path) as (url, _):  # (serve's WebSocket size for the default 100 MiB)
+        messages, _, _ = await realtime_session(url, big)
+    assert [messages[0]["type"], messages[-1]["type"]] == ["video.start", "session.done"]
+    limit = 1 << 16
+    options = serve_http.uvicorn_options(argparse.Namespace(), limit)
+    with uvicorn_thread(tmp_path, uvicorn_options=options, app_kw={"max_upload_bytes": limit}) as (url, _):
+        over = json.dumps({"type": "session.start", "prompt": "x" * limit})
+        assert (await realtime_session(url, over))[0] == [{"type": "error", "code": 413, "message":
+            "session.start message exceeds the 0.0625 MiB limit (--max-upload-mb)"}]  # fmt: skip
+        async with websockets.connect(ws_url(url), max_size=None) as ws:
+            await ws.send(
+                json.dumps({"type": "session.start", "prompt": "x" * (limit + realtime.OVERSIZE_BYTES)})
+            )
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
 
 
 async def test_a_running_request_without_progress_stalls(tmp_path, monkeypatch):

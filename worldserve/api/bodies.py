@@ -34,10 +34,15 @@ MAX_FORM_FIELDS = 1000
 had refused clients that vLLM-Omni serves)."""
 
 
-def too_large(max_bytes: int) -> APIError:
+def upload_limit(max_bytes: int) -> str:
+    """ "the 100 MiB limit (--max-upload-mb)", for the 413s of bodies and realtime session.starts."""
     mib = max_bytes / 2**20  # (a fraction of a MiB shown as given: 0.01, not its whole bytes' 0.00999928)
     shown = f"{mib:.3g}" if mib < 1 else f"{mib:g}"
-    return APIError(413, f"Request body exceeds the {shown} MiB limit (--max-upload-mb).")
+    return f"the {shown} MiB limit (--max-upload-mb)"
+
+
+def too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"Request body exceeds {upload_limit(max_bytes)}.")
 
 
 async def bounded_stream(request: Request, max_bytes: int) -> AsyncGenerator[bytes, None]:

@@ -3,7 +3,7 @@ streaming video output, serving-api.md §7.5).
 
 The protocol is vLLM-Omni's:
 - client -> server: first `{"type": "session.start", "format": "m4s", ...}` within START_TIMEOUT_S, at most
-  MAX_START_BYTES, holding the fields of a JSON `POST /v1/videos` body (`sampling_params`' keys fill the
+  `--max-upload-mb` (the JSON body `POST /v1/videos` takes, inline references included), holding its fields (`sampling_params`' keys fill the
   request fields not given, the rest go to `extra_params`); then `session.stop` (abort: `session.done` with
   `stopped` true) and `session.ping` (`session.pong`) at any time.
 - server -> client: `video.start {request_id, format, config}` (config: the validated request; with
@@ -43,7 +43,7 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from worldserve.api.bodies import parse_json
+from worldserve.api.bodies import parse_json, upload_limit
 from worldserve.api.errors import APIError
 from worldserve.api.realtime_start import merged_fields, sent_name
 from worldserve.api.state import AppState
@@ -68,8 +68,11 @@ router = APIRouter(tags=["videos"])
 START_TIMEOUT_S = 10.0
 STALL_TIMEOUT_S = 60.0
 SEND_TIMEOUT_S = 60.0
-MAX_START_BYTES = 4 * 2**20
 MAX_CONTROL_BYTES = 128 * 2**10
+OVERSIZE_BYTES = 2**20
+"""How far past `--max-upload-mb` a WebSocket message is still read (`ws_max_size`), so that a session.start
+just over the limit gets its 413 naming the flag; a larger message closes the socket with the protocol's
+1009 (message too big) before it is buffered."""
 POLL_S = 1.0
 START_POLL_S = 0.1
 """How often a session waiting for its session.start looks whether the server began shutting down (its 503
@@ -81,6 +84,12 @@ _Started = tuple[str, Request, "asyncio.Future[VideoResult]"]
 """The upsampled prompt, the queued request, its outcome."""
 
 log = logging.getLogger("worldserve.realtime")
+
+
+def ws_max_size(max_upload_bytes: int) -> int:
+    """uvicorn's `ws_max_size` for a server taking bodies of `max_upload_bytes` (uvicorn's own 16 MiB had
+    closed a session.start of an inline reference that POST /v1/videos takes with 1009)."""
+    return max_upload_bytes + OVERSIZE_BYTES
 
 
 async def _reaped(task: asyncio.Future) -> None:
@@ -290,9 +299,10 @@ class _Session:
         if raw is None:
             await self._error("session.start must be a JSON text message", 400)
             return None
-        if len(raw) > MAX_START_BYTES or len(raw.encode("utf-8", "surrogatepass")) > MAX_START_BYTES:
+        limit = self.st.settings.max_upload_bytes
+        if len(raw) > limit or len(raw.encode("utf-8", "surrogatepass")) > limit:
             self.st.metrics.on_rejected("too_large")  # (as POST /v1/videos counts a body too large)
-            await self._error("session.start message too large", 413)
+            await self._error(f"session.start message exceeds {upload_limit(limit)}", 413)
             return None
         try:
             return await self._inputs(raw)

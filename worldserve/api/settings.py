@@ -17,6 +17,9 @@ from worldserve.api.lora_field import LoraSettings
 from worldserve.api.request_log import RequestLog
 from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS
 
+DEFAULT_UPLOAD_BYTES = 100 * 2**20
+"""`--max-upload-mb`'s default (100), in bytes."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AppSettings:
@@ -24,7 +27,7 @@ class AppSettings:
     """`--api-key`: the bearer keys /v1 routes require (empty: open)."""
     sync_timeout_s: float = 600.0
     """`--sync-timeout`: seconds /v1/videos/sync (and the images route) wait before 504."""
-    max_upload_bytes: int = 100 * 2**20
+    max_upload_bytes: int = DEFAULT_UPLOAD_BYTES
     """`--max-upload-mb` in bytes: the largest request body (and one request's media downloads together)."""
     shutdown_timeout_s: float = 30.0
     """`--shutdown-timeout`: how long the lifespan's shutdown waits for running work."""

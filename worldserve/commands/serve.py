@@ -284,7 +284,7 @@ def _serve(
         timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
         # uvicorn annotates it int, but only ever passes it to loop.call_later: a fraction of a second works
         timeout_keep_alive=envs.http_timeout_keep_alive_s(),  # type: ignore[arg-type]
-        **serve_http.uvicorn_options(http_args),
+        **serve_http.uvicorn_options(http_args, server_cfg.max_upload_bytes),
     )  # fmt: skip
     host = server_cfg.host or "0.0.0.0"  # ('' binds every address); an IPv6 address goes in brackets in a URL
     log.info(

@@ -25,6 +25,7 @@ from typing import Any, NoReturn, cast
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from worldserve.api.settings import DEFAULT_UPLOAD_BYTES
 from worldserve.config import FlagValueError
 
 log = logging.getLogger("worldserve.serve")
@@ -103,9 +104,13 @@ def _import_middleware(name: str) -> Callable | type:
     return found
 
 
-def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+def uvicorn_options(args: argparse.Namespace, max_upload_bytes: int = DEFAULT_UPLOAD_BYTES) -> dict[str, Any]:
     """uvicorn.Config keywords of these flags (the root path is the app's, as vLLM sets it: see install), and
     the HTTP protocol (api/http_protocol.py: h11 with header and body deadlines and a header cap).
+
+    A WebSocket message may be as large as a request body (`max_upload_bytes`, --max-upload-mb) and a little
+    more (api/realtime.py: ws_max_size): uvicorn's 16 MiB had closed a realtime session.start carrying an
+    inline reference that POST /v1/videos takes with 1009.
 
     WebSockets never negotiate permessage-deflate (uvicorn's default offers it to every client that asks, as
     `websockets` clients do): /v1/realtime/video sends H.264 parts, which zlib cannot shrink (1.002x), and
@@ -114,12 +119,14 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     begins (api/ws_protocol.py): a realtime stream gets the grace a running request has."""
     from worldserve import envs
     from worldserve.api.http_protocol import H11_BUFFER_BYTES, header_guard_protocol
+    from worldserve.api.realtime import ws_max_size
     from worldserve.api.ws_protocol import graceful_ws_protocol
 
     return dict(
         http=header_guard_protocol(envs.http_header_timeout_s()),
         ws=graceful_ws_protocol(),
         ws_per_message_deflate=False,
+        ws_max_size=ws_max_size(max_upload_bytes),
         h11_max_incomplete_event_size=H11_BUFFER_BYTES,  # (the header cap answers first: http_protocol.py)
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
         ssl_keyfile=getattr(args, "ssl_keyfile", None), ssl_certfile=getattr(args, "ssl_certfile", None),
