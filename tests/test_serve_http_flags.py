@@ -24,6 +24,7 @@ from serving_helpers import SMALL_FORM, asgi_server, make_client, served_port
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
 from worldserve.commands import serve, serve_backend, serve_compat, serve_http
+from worldserve.commands.vllm_argv import vllm_argv
 
 TESTS = Path(__file__).parent
 
@@ -66,7 +67,6 @@ def test_vllms_underscore_flag_names(tmp_path, monkeypatch):
     """vLLM's parser takes `--max_model_len 16384` and `--tensor_parallel_size=1`; they were unrecognized
     arguments here. Values keep their underscores."""
     from worldserve.cli import main
-    from worldserve.commands.vllm_argv import vllm_argv
 
     argv = vllm_argv(["serve", "--max_model_len", "16k", "--served_model_name=my_model", "--api_key", "k_1"])
     assert argv == ["serve", "--max-model-len", "16k", "--served-model-name=my_model", "--api-key", "k_1"]
@@ -80,7 +80,6 @@ def test_vllms_underscore_flag_names(tmp_path, monkeypatch):
 def test_vllms_dotted_json_keys():
     """vLLM's `--json-flag.key value`: the keys of one flag merged into its JSON object (they were unrecognized
     arguments); a value is JSON where it parses, `key+ a,b` a list; keys keep their underscores."""
-    from worldserve.commands.vllm_argv import vllm_argv
 
     argv = vllm_argv(["serve", "--media-io-kwargs.video.num_frames", "-1", "--media_io_kwargs.video.fps=2.5",
                       "--mm-processor-kwargs.max_pixels", "1000000", "--limit-mm-per-prompt.image", "2",
@@ -97,13 +96,17 @@ def test_vllms_dotted_json_keys():
     assert dict(cfg.media.media_io_kwargs) == {"video": {"num_frames": -1, "fps": 2.5}}
     assert vllm_argv(["serve", "--x.y=text", "--z.k"]) == ["serve", "--z.k", "--x", '{"y": "text"}']
     assert vllm_argv(["serve", "-O.level", "3"]) == ["serve", "--compilation-config", '{"level": 3}']
+    # newest vLLM's optimization levels (FlexibleArgumentParser: -O<level> is --optimization-level <level>)
+    assert vllm_argv(["-O3", "-O=2", "-Odecode", "-O", "1"]) == [
+        "--optimization-level", "3", "--optimization-level", "2", "--optimization-level", "decode",
+        "--optimization-level", "1"]  # fmt: skip
+    assert vllm_argv(["-O", '{"level": 3}', "-O{}"]) == ["-O", '{"level": 3}', "-O{}"]
 
 
 def test_vllms_dotted_keys_merge_as_vllm_merges_them():
     """vLLM's FlexibleArgumentParser (recursive_dict_update) concatenates a list key given twice, `--flag.key+
     a --flag.key+ b,c` being ["a", "b", "c"] (its own --help tip), merges an object given after keys below it,
     and reads a value that is no JSON as a human-readable integer where it is one (1M, 80g)."""
-    from worldserve.commands.vllm_argv import vllm_argv
 
     def objects(*argv: str) -> dict:
         out = vllm_argv(["serve", *argv])
@@ -155,12 +158,12 @@ async def test_every_served_name_is_accepted(tmp_path, anyio_backend):
 
 
 @pytest.mark.parametrize("argv", [
-    ["-O", "3"], ["-O3"], ["--compilation-config", '{"level": 3}'],
+    ["-O", "3"], ["-O3"], ["-Odecode"], ["-O=2"], ["--compilation-config", '{"level": 3}'], ["-O", '{"level": 3}'],
     ["--block-size", "16"], ["--swap-space", "4"], ["-pp", "1"], ["--data-parallel-size", "1"],
     ["--load-format", "safetensors"], ["--tokenizer-mode", "auto"], ["--chat-template-content-format", "auto"],
 ])  # fmt: skip
 def test_accepted_flags_log_why_they_change_nothing(argv, caplog):
-    args = parse_args(*argv)
+    args = parse_args(*vllm_argv(argv))  # (as main() reads a command line)
     with caplog.at_level(logging.INFO, logger="worldserve.serve"):
         serve_compat.log_compat(args, serve.engine_config(args))
     assert "accepted, no effect: " in caplog.text

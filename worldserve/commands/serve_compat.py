@@ -117,6 +117,7 @@ REASONER_GRAPHS = ("the Reasoner captures its own buckets (decode: 1, 2, 4, ... 
                    "prefill: 16 to 2,048 tokens)")  # fmt: skip
 ADAPTERS_BY_PATH = ("video and image requests give an adapter by its path (with --enable-lora), or every "
                     "request runs one static adapter (--lora-path)")  # fmt: skip
+COMPILES = "worldserve compiles its own layers on GPU (--enforce-eager turns it off)"
 HSDP = ("worldserve has no HSDP weight sharding: --tensor-parallel-size splits the weights, "
         "--enable-layerwise-offload keeps them in host memory")  # fmt: skip
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
@@ -234,8 +235,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--chat-template-content-format", "the chat template is handed each message as it expects",
       {"choices": ("auto", "string", "openai")}, lambda v: v == "auto", "only at auto",
       "worldserve renders message content the way the checkpoint's chat template expects it"),
-    C("--compilation-config", "worldserve compiles its own layers on GPU (--enforce-eager turns it off)",
-      {"type": level_or_json, "metavar": "LEVEL|JSON"}, aliases=("-O",)),
+    C("--compilation-config", COMPILES, {"type": level_or_json, "metavar": "LEVEL|JSON"}, aliases=("-O",)),
+    C("--optimization-level", COMPILES, {"metavar": "LEVEL"}),  # (newest vLLM's -O3 / -Odecode: vllm_argv)
     C("--tokenizer", "", {"metavar": "NAME"}, NEVER, "never", "worldserve uses the checkpoint's text_tokenizer/"),
     C("--tokenizer-mode", "auto is the checkpoint's tokenizer", {"metavar": "MODE"}, lambda v: v == "auto",
       "only at auto", "worldserve uses the checkpoint's own (fast) tokenizer"),

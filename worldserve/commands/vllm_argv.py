@@ -8,7 +8,9 @@ FlexibleArgumentParser accepts them, so a pasted `vllm serve` line must too):
   vLLM merges them (objects key by key, lists concatenated); a value is JSON where it parses (16, true, "x"),
   else a human-readable integer (1M: 1048576, as vLLM's human_readable_int), else the text; `--flag.key+
   a,b` is the list ["a", "b"], and a second `--flag.key+ c` adds to it; `-O.level 3` is
-  `--compilation-config.level 3`.
+  `--compilation-config.level 3`;
+- newest vLLM's optimization levels: `-O3`, `-O=3`, `-Odecode` and `-O 3` (a digit 0-3 in its own word) are
+  `--optimization-level 3`; `-O '{"level": 3}'` stays `--compilation-config`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def vllm_argv(argv: list[str]) -> list[str]:
         i += 1
         if arg.startswith("-O."):  # (vLLM's -O is --compilation-config: its keys dotted too, -O.level 3)
             arg = "--compilation-config" + arg[2:]
+        elif arg.startswith("-O") and arg != "-O" and not arg.startswith(("-O{", "-O={")):
+            out += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
+            continue
+        elif arg == "-O" and i < len(argv) and argv[i] in ("0", "1", "2", "3"):
+            arg = "--optimization-level"
         if not arg.startswith("--") or arg == "--":
             out.append(arg)
             continue
