@@ -3,9 +3,9 @@ streaming video output, serving-api.md §7.5).
 
 The protocol is vLLM-Omni's:
 - client -> server: first `{"type": "session.start", "format": "m4s", ...}` within START_TIMEOUT_S, at most
-  `--max-upload-mb` (the JSON body `POST /v1/videos` takes, inline references included), holding its fields (`sampling_params`' keys fill the
-  request fields not given, the rest go to `extra_params`); then `session.stop` (abort: `session.done` with
-  `stopped` true) and `session.ping` (`session.pong`) at any time.
+  `--max-upload-mb` (as the JSON body of `POST /v1/videos`, inline references included), holding that body's
+  fields (`sampling_params`' keys fill the request fields not given, the rest go to `extra_params`); then
+  `session.stop` (abort: `session.done` with `stopped` true) and `session.ping` (`session.pong`) at any time.
 - server -> client: `video.start {request_id, format, config}` (config: the validated request; with
   `extra_params.upsample_prompt`, also `upsampled_prompt`, the prompt the Reasoner wrote first), then for
   each part a `video.chunk_metadata` JSON message followed by its bytes as one binary message, then
