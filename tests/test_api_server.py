@@ -154,6 +154,59 @@ def test_openai_client_videos_calls(tmp_path):
                 call()
 
 
+def test_openai_sdk_nested_extra_body_and_input_reference_objects(tmp_path, caplog):
+    """The SDK posts videos.create as multipart and writes a nested extra_body value key by key in brackets
+    (`extra_params[seed]=3`, `extra_params[video_codec_options][preset]=fast`); those fields had been
+    ignored as unknown ones, so the job ran without its extra_params, unsaid. They are now the object they
+    were, as OpenAI's `input_reference: {"image_url": ...}` is an image reference (in a JSON body too); an
+    unknown form field is logged as a JSON body's is."""
+    import base64
+    import json
+
+    openai = pytest.importorskip("openai")
+    small = {"num_frames": 5, "num_inference_steps": 2, "fps": 8}
+    extra = {"seed": 3, "generate_sound": False, "video_codec_options": {"preset": "fast"}}
+    image = "data:image/png;base64," + base64.b64encode(png_bytes(32, 24)).decode()  # (4:3: I2V's own size)
+    with uvicorn_thread(tmp_path) as (url, _), caplog.at_level("WARNING", logger="worldserve.api.bodies"):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+
+        def content(**body) -> dict:
+            video = client.videos.create_and_poll(
+                prompt="x", poll_interval_ms=20, extra_body={**small, **body}
+            )
+            assert video.status == "completed", video
+            return {**json.loads(client.videos.download_content(video.id).content[7:]), "size": video.size}
+
+        nested, as_text = (
+            content(size="64x48", extra_params=extra),
+            content(size="64x48", extra_params=json.dumps(extra)),
+        )
+        assert nested == as_text and nested["audio"] is None and nested["codec_options"] == {"preset": "fast"}
+        assert content(size="64x48", extra_params={"seed": 4})["first_pixel"] != nested["first_pixel"]
+        assert (
+            content(input_reference={"image_url": image})["size"] == "1104x816"
+        )  # (T2V's default: 1280x720)
+        r = httpx.post(
+            f"{url}/v1/videos", json={"prompt": "x", **small, "input_reference": {"image_url": image}}
+        )
+        assert r.status_code == 200 and r.json()["size"] == "1104x816", r.text
+        assert "ignored" not in caplog.text
+        for fields, param, needle in [
+            ({"input_reference[file_id]": "file_1"}, "input_reference", "file_id is not supported"),
+            ({"extra_params": "{}", "extra_params[seed]": "3"}, "extra_params", "sent both whole and as"),
+            ({"extra_params[seed]": "3", "extra_params[seed][x]": "4"}, "extra_params", "given twice, or beside"),
+            ({"extra_params[l][][a]": "1"}, "extra_params", "a list of objects"),
+            ({"extra_params[seed]": "x"}, "extra_params.seed", "seed"),
+        ]:  # fmt: skip
+            r = httpx.post(
+                f"{url}/v1/videos", files={"prompt": (None, "x"), **{k: (None, v) for k, v in fields.items()}}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert needle in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{url}/v1/videos", data={"prompt": "x", **small, "bogus": "1"}).status_code == 200
+    assert "The following fields were present in the request but ignored: {'bogus'}" in caplog.text
+
+
 def test_a_sync_client_that_disconnects_takes_its_job_with_it(tmp_path):
     """/v1/videos/sync: a client gone before the answer never learnt the job id; the job is deleted and its
     GPU work aborted (serving-api.md §14), and the server keeps serving."""

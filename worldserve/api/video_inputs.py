@@ -42,6 +42,7 @@ from worldserve.api.bodies import (
 )
 from worldserve.api.data_urls import data_url_bytes
 from worldserve.api.errors import APIError, validation_error
+from worldserve.api.form_brackets import BRACKETED, fold_brackets
 from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import MediaFetcher, is_http_url
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
@@ -140,6 +141,17 @@ async def read_fields(request: Request, max_bytes: int) -> dict[str, Any]:
     # Empty form values mean "not given" for every typed field (FastAPI's Form semantics).
     fields: dict[str, Any] = {k: v for k, v in form.items() if not (v == "" and k not in TEXT_FIELDS)
               and (k in FILE_FIELDS or not isinstance(v, UploadFile))}  # fmt: skip
+    folded = fold_brackets(form.multi_items(), known)  # (the OpenAI SDK's extra_body={"extra_params": {...}})
+    for head, nested in folded.items():
+        if head in fields:
+            raise APIError(
+                400, f"{head} was sent both whole and as {head}[...] fields: send it once", param=head
+            )
+        fields[head] = nested
+    fields = {
+        k: v for k, v in fields.items() if (m := BRACKETED.fullmatch(k)) is None or m.group(1) not in known
+    }
+    log_ignored_fields(VideoCreateRequest, {k: v for k, v in fields.items() if k not in FILE_FIELDS})
     if files := [v for v in form.getlist("input_references") if v != ""]:
         fields["input_references"] = files  # (a repeatable field: every part, where items() keeps the last)
     check_unicode({k: v for k, v in fields.items() if isinstance(v, str)})  # (form text is decoded UTF-8)
@@ -150,8 +162,8 @@ async def _json_fields(body: bytes) -> dict[str, Any]:
     data = await parse_json_body(body) if body.strip() else {}
     if not isinstance(data, dict):
         raise APIError(400, f"The JSON body must be an object, got {type(data).__name__}.")
-    # (a form's undeclared fields are ignored silently, as vLLM-Omni's; a JSON body's are said, as on the
-    # other JSON routes: a misplaced field, such as a top-level lora_path, would go unnoticed)
+    # (undeclared fields are ignored, as vLLM-Omni's, and said, as on the other JSON routes: a misplaced
+    # field, such as a top-level lora_path, would go unnoticed; a form's too)
     log_ignored_fields(VideoCreateRequest, {k: v for k, v in data.items() if k not in FILE_FIELDS})
     return json_body_fields(data)
 
@@ -215,7 +227,8 @@ async def build_inputs(
     # everything that needs no reference is checked before a reference URL is downloaded (a placeholder
     # image stands in for image_reference's: the size it implies is checked again with the real one; an
     # upload, image or video, is here already and is checked once decoded)
-    placeholder = np.zeros((9, 16, 3), np.uint8) if req.image_reference is not None else None
+    by_url = req.image_reference is not None or isinstance(upload, dict)
+    placeholder = np.zeros((9, 16, 3), np.uint8) if by_url else None
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
     defaults = defaults or {}
     resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults, adapter)
@@ -369,27 +382,35 @@ async def _reference_bytes(
         if not data:
             raise ParamError("input_reference", INVALID_REFERENCE_MESSAGE)
         return "input_reference", data
+    if isinstance(upload, dict):  # OpenAI's object form, {"image_url": ...} (a JSON body, or SDK brackets)
+        return "input_reference", await _url_reference(upload, "image", "input_reference", fetcher)
     if upload is not None:  # a plain text field named input_reference
-        raise ParamError("input_reference", "input_reference must be a file upload (multipart/form-data)")
+        raise ParamError("input_reference", "input_reference must be a file upload (multipart/form-data) or "
+                         'an object {"image_url": "data:... or http(s) URL"}')  # fmt: skip
     if req.image_reference is not None and req.video_reference is not None:
         raise ParamError(
             "video_reference", "Cosmos3 non-action generation accepts either image or video input, not both."
         )
     for raw, kind in ((req.image_reference, "image"), (req.video_reference, "video")):
-        if raw is None:
-            continue
-        field, url = f"{kind}_reference", _reference_url(raw, kind)
-        if url.startswith("data:"):
-            return field, data_url_bytes(
-                url, param=field, bad_payload=f"Invalid {field}.{kind}_url: bad base64 payload."
-            )
-        if fetcher is None:
-            raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download URLs; send a "
-                             "data URL or an input_reference upload.")  # fmt: skip
-        return field, await fetcher.fetch(
-            url, param=field, what=f"{field}.{kind}_url", kind=kind, timeout_s=REFERENCE_FETCH_TIMEOUT_S
-        )
+        if raw is not None:
+            field = f"{kind}_reference"
+            return field, await _url_reference(raw, kind, field, fetcher)
     return "", None
+
+
+async def _url_reference(raw: Any, kind: str, field: str, fetcher: MediaFetcher | None) -> bytes:
+    """The bytes of `{"<kind>_url": URL}` in `field`: a data URL's payload, or the http(s) URL downloaded."""
+    url = _reference_url(raw, kind, field)
+    if url.startswith("data:"):
+        return data_url_bytes(
+            url, param=field, bad_payload=f"Invalid {field}.{kind}_url: bad base64 payload."
+        )
+    if fetcher is None:
+        raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download URLs; send a "
+                         "data URL or an input_reference upload.")  # fmt: skip
+    return await fetcher.fetch(
+        url, param=field, what=f"{field}.{kind}_url", kind=kind, timeout_s=REFERENCE_FETCH_TIMEOUT_S
+    )
 
 
 def _decode_reference(
@@ -420,10 +441,10 @@ REFERENCE_FETCH_TIMEOUT_S = 60.0
 """vLLM-Omni's download timeout for http(s) reference URLs."""
 
 
-def _reference_url(raw: str | dict | list, kind: str) -> str:
-    """The URL of `{"<kind>_url": "data:..." | "http(s)://..."}` (image_reference / video_reference; an image
-    reference may also be a list of one such object)."""
-    field = f"{kind}_reference"
+def _reference_url(raw: str | dict | list, kind: str, field: str) -> str:
+    """The URL of `{"<kind>_url": "data:..." | "http(s)://..."}` in `field` (image_reference /
+    video_reference, or OpenAI's input_reference object; an image reference may also be a list of one such
+    object)."""
     raw = json_field(raw, field)
     if isinstance(raw, list) and kind == "image":  # newer vLLM-Omni builds take a list of references
         if len(raw) != 1:
