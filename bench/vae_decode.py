@@ -5,8 +5,7 @@ One diffusers `AutoencoderKLWan` with the real Nano config (`worldserve.bench.mo
 the device with its default random init (norm scales then set to 1 + 0.1 N(0, 1), so they matter) and cast
 to bf16; our decoders load the very same tensors from its state dict (`WanDecoder.from_diffusers`). Raw
 latents [1, 48, 48, 45, 80] (-> 189 x 720 x 1280 pixels) are decoded by (a) diffusers, (b) ours eager,
-(c) ours with `compile()`, (b) and (c) with the plain and / or the Winograd convs (`--time-winograd`; (c)
-also with the Winograd input written out before its transforms, `--split-input both`: `_joined`):
+(c) ours with `compile()`, (b) and (c) with the plain and / or the Winograd convs (`--time-winograd`):
 seconds as the median of --repeats after a warm-up (CUDA events), peak memory (`max_memory_allocated`,
 absolute and above what was resident before the call), and the relative L2 and max-abs difference of each
 of ours vs diffusers on the pixels. The warm-ups are short (diffusers decodes frame by frame; ours sees the
@@ -137,11 +136,6 @@ def main() -> None:
         "--accuracy-frames", type=int, default=13,
         help="latent frames of the float32 accuracy check (0: none): each bf16 decode vs ours in float32",
     )  # fmt: skip
-    ap.add_argument(
-        "--split-input", choices=("on", "off", "both"), default="on",
-        help="compiled Winograd convs: the activation computed in the input transforms (on) or written out as "
-        "the concatenated conv input first (off, `_joined`)",
-    )  # fmt: skip
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode for ours (default: default)")
     ap.add_argument(
         "--profile", type=Path, default=None, help="torch.profiler kernel table of our last variant"
@@ -221,11 +215,9 @@ def main() -> None:
         compiled: dict[str, WanDecoder] = {}
         if not args.no_compile:
             del ours  # each compiled variant is a decoder of its own (1.1 GB of weights)
-            splits = {"on": [True], "off": [False], "both": [False, True]}[args.split_input]
-            variants = [(w, sp) for w in winograd for sp in (splits if w else [True])]
-            for wino, split in variants:
-                key = f"ours_compiled_{name[wino]}" + ("" if split else "_joined")
-                dec = WanDecoder.from_diffusers(vae).set_time_winograd(wino).set_split_input(split)
+            for wino in winograd:
+                key = f"ours_compiled_{name[wino]}"
+                dec = WanDecoder.from_diffusers(vae).set_time_winograd(wino)
                 dec.compile(**({"mode": args.compile_mode} if args.compile_mode else {}))
                 res[key], out = timed(  # the warm-up compiles every chunk shape of the decode
                     key, lambda d=dec: d.decode(z, chunk_size=chunk),

@@ -181,7 +181,8 @@ def test_an_inductor_compiled_block_returns_two_frame_contexts_of_its_own(time_w
     """inductor (CPU), a two-frame chunk (the default chunk size's, at the lowest resolution): the contexts a
     compiled block returns are 2 frames in their own storage, laid out as the ones it was given, so the next
     chunk reuses the graph. With the direct conv (time_winograd off: a compiled decode with layerwise offload)
-    the context copied from the new frames was a view into the conv's concatenated 4-frame input."""
+    the context copied from the new frames was a view into the conv's concatenated 4-frame input (in the
+    forty-seventh session's forward_split, since withdrawn)."""
     from worldserve.models.cosmos3.wan_decoder_blocks import ResidualBlock
 
     torch._dynamo.reset()

@@ -277,19 +277,10 @@ class WanDecoder(nn.Module):
     def set_time_winograd(self, on: bool) -> WanDecoder:
         """The residual blocks' 3x3x3 convs as Winograd F(2, 3) along time (the default: 1.5x fewer FLOPs,
         `wan_decoder_convs.TimeWinogradConv3d`) or as plain Conv3d calls. Same parameters either way."""
-        for m in self._winograd_convs():
-            m.time_winograd = on
+        for m in self.modules():
+            if isinstance(m, TimeWinogradConv3d):
+                m.time_winograd = on
         return self
-
-    def set_split_input(self, on: bool) -> WanDecoder:
-        """Compiled Winograd convs: the activation computed inside the input transforms (the default) or
-        written out as the concatenated conv input first (`TimeWinogradConv3d.split_input`)."""
-        for m in self._winograd_convs():
-            m.split_input = on
-        return self
-
-    def _winograd_convs(self) -> Iterator[TimeWinogradConv3d]:
-        return (m for m in self.modules() if isinstance(m, TimeWinogradConv3d))
 
     def compile(self, **kwargs: Any) -> WanDecoder:
         """torch.compile the hot blocks (residual, attention, upsample, head) with static shapes; meant for

@@ -22,14 +22,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worldserve.models.cosmos3.wan_decoder_convs import (
-    CONTEXT_FRAMES,
     CausalConv3d,
     SubpixelUp2xConv,
     TimeWinogradConv3d,
-    causal_input,
     frames_2d,
     memory_format_of,
 )
+
+CONTEXT_FRAMES = 2  # time kernel 3 - 1: what each causal conv sees of the previous chunk (diffusers CACHE_T)
+
+
+def causal_input(ctx: Tensor, x: Tensor) -> Tensor:
+    """A causal conv's input [B, C, 2 + T, H, W]: the context frames, then x, in ctx's memory format (a bare
+    cat falls back to contiguous when a one-frame x has ambiguous channels_last strides)."""
+    a = torch.cat([ctx, x], dim=2)
+    fmt = memory_format_of(ctx)
+    return a if a.is_contiguous(memory_format=fmt) else a.contiguous(memory_format=fmt)
 
 
 def last_frames(a: Tensor) -> Tensor:
@@ -37,20 +45,6 @@ def last_frames(a: Tensor) -> Tensor:
     last 2 frames, copied so that the big input can be freed, with the canonical strides of a fresh
     2-frame tensor (as the zero context has: a compiled block then sees the same strides every chunk)."""
     return a[:, :, -CONTEXT_FRAMES:].clone(memory_format=memory_format_of(a))
-
-
-def conv_split(conv: TimeWinogradConv3d, ctx: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    """Compiled: `conv` over its context frames `ctx` [B, C, 2, H, W] then the new frames x [B, C, T, H, W]
-    (T >= 2) without their concatenation (`forward_split`: x, an elementwise expression, is computed where
-    the Winograd input transforms read it, never written out) -> (its output, the next chunk's context: the
-    last 2 frames of x). When `conv` does not split (the direct conv: time_winograd off, an odd T; split_input
-    off) the concatenated input is made here and the context taken from it, as in eager: x's copy of a T = 2
-    x (all of it) fed to a cat was, under inductor, a strided view into the cat's [B, C, 4, H, W] buffer (the
-    cache kept twice the frames, and the next chunk recompiled on its strides)."""
-    if not conv.splits(x.shape[2]):
-        a = causal_input(ctx, x)
-        return conv(a), last_frames(a)
-    return conv.forward_split(ctx, x), x[:, :, -CONTEXT_FRAMES:].clone(memory_format=memory_format_of(ctx))
 
 
 class CausalConvCache:
@@ -117,10 +111,6 @@ class ResidualBlock(nn.Module):
     def forward(self, x: Tensor, ctx1: Tensor, ctx2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, Cin, T, H, W], contexts [B, Cin | Cout, 2, H, W] -> ([B, Cout, T, H, W], new contexts)."""
         h = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        if torch.compiler.is_compiling() and x.shape[2] >= CONTEXT_FRAMES:  # (inductor frees what it can)
-            y, ctx1 = conv_split(self.conv1, ctx1, F.silu(self.norm1(x)))
-            out, ctx2 = conv_split(self.conv2, ctx2, F.silu(self.norm2(y)))
-            return out + h, ctx1, ctx2
         a = causal_input(ctx1, F.silu(self.norm1(x), inplace=True))  # [B, Cin, 2 + T, H, W]
         y, ctx1 = self.conv1(a), last_frames(a)
         del a  # the widest tensor of the block: free it before norm2 (eager peak memory)

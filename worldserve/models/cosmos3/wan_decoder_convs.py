@@ -10,12 +10,11 @@
   so a chunk of T (even) output frames costs 2T frame-convs instead of 3T: 1.5x fewer FLOPs. Each m is one
   cuDNN 3x3 Conv2d over T/2 frames (an implicit GEMM as large as the 3-D one's, K = 9 C instead of 27 C);
   the input and output transforms are elementwise and fuse, compiled, into the norm / SiLU / residual
-  kernels around the conv (`forward_split`: the block's norm + SiLU computed where the input transforms read
-  it, the activation never written out). Exact in real arithmetic. In bfloat16 the transformed frames, the
-  transformed taps and the 4 partial convs are each rounded once, where the direct conv rounds only its
-  output: the decode's error against float32 grows a little (bench/vae_decode.py measures both); float32
-  matches the direct conv to ~1e-7. Odd frame counts (the one-frame first chunk, a short last chunk at the
-  latent resolution) run the direct conv.
+  kernels around the conv. Exact in real arithmetic. In bfloat16 the transformed frames, the transformed
+  taps and the 4 partial convs are each rounded once, where the direct conv rounds only its output: the
+  decode's error against float32 grows a little (bench/vae_decode.py measures both); float32 matches the
+  direct conv to ~1e-7. Odd frame counts (the one-frame first chunk, a short last chunk at the latent
+  resolution) run the direct conv.
 - `SubpixelUp2xConv`: diffusers' spatial upsampler (nearest-exact 2x, then Conv2d 3x3) as ONE 2x2 conv with
   4x the output channels on the low-res frame padded by 1, then one interleaving copy: each of the 4
   output phases (row, column parity) of the 3x3 conv on the nearest-2x image is a 2x2 conv on the low-res
@@ -36,16 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._inductor import inductor_prims  # registers torch.ops.prims.inductor_force_stride_order
-
-CONTEXT_FRAMES = 2  # time kernel 3 - 1: what each causal conv sees of the previous chunk (diffusers CACHE_T)
-
-
-def causal_input(ctx: Tensor, x: Tensor) -> Tensor:
-    """A causal conv's input [B, C, 2 + T, H, W]: the context frames, then x, in ctx's memory format (a bare
-    cat falls back to contiguous when a one-frame x has ambiguous channels_last strides)."""
-    a = torch.cat([ctx, x], dim=2)
-    fmt = memory_format_of(ctx)
-    return a if a.is_contiguous(memory_format=fmt) else a.contiguous(memory_format=fmt)
 
 
 def memory_format_of(x: Tensor) -> torch.memory_format:
@@ -157,10 +146,6 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__(in_dim, out_dim, (3, 3, 3))
         self.time_winograd = True
-        self.split_input = True
-        """Compiled: `forward_split` computes the activation where the input transforms read it; False writes
-        the concatenated input out first (the earlier form; predicted ~2 % slower a 720p decode, not yet
-        measured on a GPU: bench/vae_decode.py --split-input both)."""
         self._kernels = DerivedKernels(time_winograd_kernels)
 
     def forward(self, a: Tensor) -> Tensor:
@@ -168,34 +153,11 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         t = a.shape[2] - 2
         if not self.time_winograd or t % 2:
             return super().forward(a)
+        (k0, k1, k2, k3), bias = self._kernels.get(self.weight, self.bias)
+        b, _, _, h, w = a.shape
         fmt = memory_format_of(a)
         a = laid_out(a, fmt)
         d0, d1, d2, d3 = (a[:, :, i : i + t : 2] for i in range(4))  # [B, I, T/2, H, W]: frames i, i + 2, ...
-        return self._winograd(d0, d1, d2, d3, fmt)
-
-    def forward_split(self, ctx: Tensor, x: Tensor) -> Tensor:
-        """`forward(cat([ctx, x], time))` without the concatenated input: ctx [B, I, 2, H, W] (the context
-        frames), x [B, I, T, H, W]. Compiled with x an elementwise expression (the block's norm + SiLU), the
-        Winograd input transforms compute x where they read it, and the activation is never written out (it
-        was, once, as the conv's input `a`). Only where `splits(T)` (the caller checks: wan_decoder_blocks.py
-        `conv_split`)."""
-        even, odd = x[:, :, 0::2], x[:, :, 1::2]  # [B, I, T/2, H, W]: input frames 2, 4, ... and 3, 5, ...
-        d0, d1 = (
-            _after(ctx[:, :, :1], even),
-            _after(ctx[:, :, 1:], odd),
-        )  # frames 0, 2, ..., T - 2 / 1, 3, ...
-        return self._winograd(d0, d1, even, odd, memory_format_of(ctx))
-
-    def splits(self, t: int) -> bool:
-        """Whether `forward_split` of T = `t` new frames takes them apart from the context (compiled,
-        split_input, the Winograd conv for an even count) rather than running `forward` of their
-        concatenation."""
-        return torch.compiler.is_compiling() and self.split_input and self.time_winograd and t % 2 == 0
-
-    def _winograd(self, d0: Tensor, d1: Tensor, d2: Tensor, d3: Tensor, fmt: torch.memory_format) -> Tensor:
-        """The F(2, 3) conv from the input frames 2j + i (`di`, each [B, I, T/2, H, W]) -> [B, O, T, H, W]."""
-        (k0, k1, k2, k3), bias = self._kernels.get(self.weight, self.bias)
-        b, _, half, h, w = d0.shape
 
         def conv(x: Tensor, k: Tensor, bias: Tensor | None = None) -> Tensor:  # -> [B*T/2, O, H, W]
             return F.conv2d(frames_2d(x.contiguous(memory_format=fmt)), k, bias, padding=self.padding[1:])
@@ -203,18 +165,9 @@ class TimeWinogradConv3d(_DerivedKernelsOwner, CausalConv3d):
         m0, m1, m2, m3 = conv(d0 - d2, k0), conv(d1 + d2, k1, bias), conv(d2 - d1, k2), conv(d1 - d3, k3)
         o = m0.shape[1]
         # one expression for both frames of each pair (compiled: one fused kernel reading each m once, laid
-        # out as the input is), [B*T/2, 2, O, H, W]: frames 2j, 2j + 1 -> [B, T, O, H, W] -> [B, O, T, H, W]
+        # out as `a` is), [B*T/2, 2, O, H, W]: frames 2j, 2j + 1 -> [B, T, O, H, W] -> [B, O, T, H, W]
         pairs = torch.stack([m0 + m1 + m2, m1 - m2 - m3], dim=1)
-        return laid_out(pairs.reshape(b, 2 * half, o, h, w).transpose(1, 2), fmt)
-
-
-def _after(first: Tensor, frames: Tensor) -> Tensor:
-    """[first, frames[:-1]] along time (first [B, C, 1, H, W], frames [B, C, N, H, W]) as one elementwise
-    expression: no cat, which inductor lowers by writing out its inputs (here the activation it should compute
-    where it is read)."""
-    n = frames.shape[2]
-    index = torch.arange(n, device=frames.device).view(1, 1, n, 1, 1)
-    return torch.where(index == 0, first, frames.roll(1, dims=2))
+        return laid_out(pairs.reshape(b, t, o, h, w).transpose(1, 2), fmt)
 
 
 class NearestUp2x(nn.Module):
