@@ -54,6 +54,9 @@ def test_the_openai_clients_parse_with_a_pydantic_model(reasoner_oai):
         ({"response_format": {"type": "json_object"}},
          lambda t: isinstance(json.loads(t), dict)),
         (COMPACT, lambda t: conforms(json.loads(t)) and not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', "", t))),
+        # structured_outputs' options alone shape response_format's schema (vLLM writes it into them)
+        ({"response_format": JSON_SCHEMA, "structured_outputs": {"disable_any_whitespace": True}},
+         lambda t: conforms(json.loads(t)) and not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', "", t))),
         ({"structured_outputs": {"regex": "[a-c]{2,4}-[0-9]{1,3}"}}, lambda t: re.fullmatch("[a-c]{2,4}-[0-9]{1,3}", t)),
         ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, lambda t: t in ("red", "green", "blue")),
         ({"structured_outputs": {"grammar": 'root ::= "A" ("b" | "c")* "."'}}, lambda t: re.fullmatch(r"A[bc]*\.", t)),

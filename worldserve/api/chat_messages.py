@@ -49,6 +49,8 @@ class ContentPart(BaseModel):
         if not isinstance(data, dict):
             return data
         kind = data.get("type")
+        if not isinstance(kind, str | None):  # (a list or an object: pydantic's 400 naming `type`, not a
+            return data  # TypeError from the lookups below, a 500)
         if kind is None:
             kind = next((k for k in ("image_url", "video_url") if data.get(k) is not None), None)
         elif kind in TEXT_PART_FIELDS:

@@ -7,7 +7,9 @@
 - `structured_outputs` (vLLM >= 0.10): exactly one of json (a schema, object or JSON text), regex, choice
   (a list of strings), grammar (Lark or GBNF / EBNF), json_object (true), structural_tag (JSON text); with
   the options disable_any_whitespace, disable_additional_properties, whitespace_pattern (disable_fallback
-  and backend choose among vLLM's backends: ignored, there is one).
+  and backend choose among vLLM's backends: ignored, there is one); options alone shape the constraint
+  another field gives (`response_format`, a tool choice, a guided_* field), as vLLM writes that one into
+  the structured_outputs sent.
 - vLLM's older top-level guided_json / guided_regex / guided_choice / guided_grammar / structural_tag, with
   guided_whitespace_pattern (guided_decoding_backend is ignored, as above).
 
@@ -18,6 +20,7 @@ with the tokenizer).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -48,8 +51,8 @@ def structured_output(
     (`grammar_compiler`), which compiles the grammar with its tokenizer, tries its first two tokens and keeps
     it for the chat (blocking: call this off the event loop); without one (no Reasoner, test fakes) the grammar
     is compiled alone. Raises ParamError."""
-    found = [so for so in (tools, _response_format(body.response_format), _structured_outputs(body.structured_outputs))
-             if so is not None]  # fmt: skip
+    own, options = _structured_outputs(body.structured_outputs)
+    found = [so for so in (tools, _response_format(body.response_format), own) if so is not None]
     pattern = body.guided_whitespace_pattern
     if pattern is not None and not isinstance(pattern, str):
         raise ParamError("guided_whitespace_pattern", "guided_whitespace_pattern must be a string")
@@ -63,6 +66,11 @@ def structured_output(
             found[1].field,
             f"only one structured output constraint may be given, got {found[0].field} and {found[1].field}",
         )
+    if own is None and is_set(body.structured_outputs):  # options alone: they shape the constraint given
+        if not found:  # elsewhere (vLLM writes response_format into the structured_outputs sent)
+            raise ParamError("structured_outputs", f"structured_outputs takes exactly one constraint of "
+                             f"{', '.join(CONSTRAINTS)}; none is given")  # fmt: skip
+        found[0] = dataclasses.replace(found[0], **options)
     if not found:
         return None
     if compiler is not None:
@@ -106,16 +114,17 @@ def _response_format(rf: dict[str, Any] | None) -> StructuredOutput | None:
     )
 
 
-def _structured_outputs(so: Any) -> StructuredOutput | None:
+def _structured_outputs(so: Any) -> tuple[StructuredOutput | None, dict[str, Any]]:
+    """`structured_outputs`' constraint (None when it gives none: its options may shape another field's
+    constraint) and its options, as StructuredOutput's keywords."""
     if not is_set(so):
-        return None
+        return None, {}
     if not isinstance(so, dict):
         raise ParamError("structured_outputs", "structured_outputs must be an object")
     given = [k for k in CONSTRAINTS if is_set(so.get(k))]
-    if len(given) != 1:
-        what = "none is" if not given else f"{len(given)} are ({', '.join(given)})"
+    if len(given) > 1:
         raise ParamError("structured_outputs", f"structured_outputs takes exactly one constraint of "
-                         f"{', '.join(CONSTRAINTS)}; {what} given")  # fmt: skip
+                         f"{', '.join(CONSTRAINTS)}; {len(given)} are ({', '.join(given)}) given")  # fmt: skip
     options: dict[str, Any] = {}
     for key, flag in (("disable_any_whitespace", "any_whitespace"),
                       ("disable_additional_properties", "additional_properties")):  # fmt: skip
@@ -127,7 +136,9 @@ def _structured_outputs(so: Any) -> StructuredOutput | None:
         if not isinstance(pattern, str):
             raise ParamError("structured_outputs.whitespace_pattern", "whitespace_pattern must be a string")
         options["whitespace_pattern"] = pattern
-    return _constraint(given[0], so[given[0]], f"structured_outputs.{given[0]}", **options)
+    if not given:
+        return None, options
+    return _constraint(given[0], so[given[0]], f"structured_outputs.{given[0]}", **options), options
 
 
 def _constraint(kind: str, value: Any, field: str, **options: Any) -> StructuredOutput:
