@@ -207,6 +207,19 @@ def test_openai_sdk_nested_extra_body_and_input_reference_objects(tmp_path, capl
     assert "The following fields were present in the request but ignored: {'bogus'}" in caplog.text
 
 
+def test_openai_sdk_retrieves_each_served_model(tmp_path):
+    """OpenAI's GET /v1/models/{model} (the SDK's models.retrieve, which some frameworks call to check a model;
+    vLLM serves only the list): each served name's card, a name with a slash too, else vLLM's 404."""
+    openai = pytest.importorskip("openai")
+    with uvicorn_thread(tmp_path, app_kw={"model_aliases": ("org/c3",)}) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        cards = [client.models.retrieve(name) for name in ("test-model", "org/c3")]
+        assert [c.id for c in cards] == ["test-model", "org/c3"] and cards[1].owned_by == "vllm"
+        assert httpx.get(f"{url}/v1/models/org%2Fc3").json()["id"] == "org/c3"
+        with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+            client.models.retrieve("nope")
+
+
 def test_a_sync_client_that_disconnects_takes_its_job_with_it(tmp_path):
     """/v1/videos/sync: a client gone before the answer never learnt the job id; the job is deleted and its
     GPU work aborted (serving-api.md §14), and the server keeps serving."""

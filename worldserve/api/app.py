@@ -35,6 +35,7 @@ from starlette.websockets import WebSocketClose
 
 from worldserve import __version__, envs
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
+from worldserve.api.chat import model_not_found
 from worldserve.api.chat import router as chat_router
 from worldserve.api.completions import router as completions_router
 from worldserve.api.errors import install_error_handlers
@@ -156,6 +157,13 @@ def build_app(
         # one card per --served-model-name, as vLLM lists them
         return ModelList(data=[ModelCard(id=n, created=created, root=settings.model_root or name, max_model_len=max_len,
                                          permission=[permission]) for n in (name, *settings.model_aliases)])  # fmt: skip
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, tags=["models"])
+    async def retrieve_model(model: str) -> ModelCard | JSONResponse:
+        """OpenAI's GET /v1/models/{model} (the SDK's models.retrieve; vLLM serves only the list): the card of
+        a served name, else vLLM's unknown-model 404 naming `model`."""
+        cards = (await list_models()).data
+        return next((card for card in cards if card.id == model), None) or model_not_found(model)
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:
