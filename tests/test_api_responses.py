@@ -67,6 +67,10 @@ def test_a_text_answer_equals_the_chat_completion(reasoner_oai):
     finished = chat.choices[0].finish_reason
     assert r.status == ("incomplete" if finished == "length" else "completed")
     assert (r.incomplete_details is not None) == (finished == "length") and r.store is True
+    # OpenAI's completed_at: a completed response's time, else null
+    assert (r.completed_at is None) == (finished == "length") and (
+        r.completed_at or r.created_at
+    ) >= r.created_at
     events, final = _stream(reasoner_oai, input="Describe a fox.", instructions="Be brief.", **kw)
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == final.output_text == r.output_text
@@ -76,6 +80,7 @@ def test_a_text_answer_equals_the_chat_completion(reasoner_oai):
     with reasoner_oai.responses.stream(**cut) as stream:
         short = stream.get_final_response()
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.completed_at is None
     kinds = [e.type for e in events]
     assert kinds[2:5] == [
         "response.output_item.added",

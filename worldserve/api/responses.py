@@ -229,7 +229,8 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool, defaults: ChatDef
         {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
     )
     return {
-        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+        "completed_at": None, "model": model,
         "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
@@ -401,6 +402,7 @@ class ResponseBuilder:
         cut = self.finish_reason == "length"
         self.body.update(
             status="incomplete" if cut else "completed",
+            completed_at=None if cut else int(time.time()),  # (OpenAI's: only when completed)
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
             usage={"input_tokens": self.prompt_tokens,
                    "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
