@@ -167,6 +167,7 @@ def test_profile_helpers_trace_copies_to_python_and_name_fused_kernels():
         (["--warmup", "-1"], "--warmup must be >= 0"),
         (["--e2e-steps", "0"], "--e2e-steps must be >= 1"),
         (["--text-tokens", "0"], "--text-tokens must be >= 1"),
+        (["--neg-text-tokens", "99999999"], "--neg-text-tokens must be <= 131072"),  # (it ran out of memory)
         (["--fps", "0"], "--fps must be in [1, 120]"),
         (["--fps", "1e-300"], "--fps must be in [1, 120]"),  # (a point's audio of 10^302 frames)
         (["--time-budget", "-1"], "--time-budget must be > 0"),
@@ -220,6 +221,8 @@ def test_bench_decode_phase_without_pyav_is_exit_2_before_any_work(tmp_path, cap
     argv = ["bench", "--tiny", "--device", "cpu", "--out-dir", str(out), "--phases", "transformer"]
     args = build_parser(argv).parse_args(argv)
     assert options(args).phases == frozenset({"transformer"})
+    # --tiny without --points: a small point (the full-size ones took the tiny CPU decode past ten minutes)
+    assert [(p.width, p.height, p.num_frames) for p in options(args).points] == [(64, 48, 9)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

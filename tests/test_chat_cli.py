@@ -179,3 +179,33 @@ def test_text_that_is_not_utf8_is_one_line(tiny_ckpt, capsys):
     assert out.returncode == 2 and "Traceback" not in err, err
     assert err.count("completion tokens") == 1
     assert err.endswith("worldserve chat: error: message: a stdin line is not valid UTF-8 text\n")
+
+
+def test_media_files_and_stdin_are_read_within_bounds(monkeypatch):
+    """--image / --video are read at most MAX_MEDIA_FILE_BYTES, as generate's (read_bytes had no bound:
+    --image /dev/zero ran the machine out of memory); a closed stdin is the end of the input (it was a
+    traceback after the model loaded); a Windows line's \\r does not reach the model; --seed None is random."""
+    from pathlib import Path
+
+    from worldserve.cli import build_parser
+    from worldserve.commands import chat
+    from worldserve.params import ParamError
+
+    monkeypatch.setattr(chat, "MAX_MEDIA_FILE_BYTES", 1 << 20)
+    with pytest.raises(ParamError, match="^/dev/zero is larger than 1 MiB") as error:
+        chat.media_parts([Path("/dev/zero")], [])
+    assert error.value.param == "--image"
+    monkeypatch.setattr("sys.stdin", None)
+    assert list(chat._stdin_turns()) == []
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\r\nthere\n\n"))
+    assert list(chat._stdin_turns()) == ["hi", "there"]
+    assert build_parser(["chat"]).parse_args(["chat", "--seed", "None"]).seed is None
+
+
+def test_a_broken_chat_template_or_component_config_is_one_line_naming_it(tiny_copy):
+    """Checked with the layout before any weight loads (they were a jinja2 / transformers traceback after the
+    model loaded, or "the chat template refused the messages", exit 2)."""
+    (tiny_copy / "text_tokenizer" / "chat_template.jinja").write_text("{% for m in messages %}{{ m }")
+    out = _chat(tiny_copy, "--message", "hi", "--max-tokens", 2)
+    assert out.returncode == 1 and "chat_template.jinja: not a valid Jinja template" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "Loading" not in out.stderr

@@ -233,6 +233,37 @@ def test_prompt_files(tmp_path, monkeypatch, capsys):
         assert err.startswith("worldserve generate: error: --prompt-file") and said in err, err
 
 
+def test_an_output_that_is_an_input_is_refused(tmp_path):
+    """-o naming the --prompt-file / --image / --video it reads (-o in.mp4 --video in.mp4 replaced the clip the
+    video was made from); refused before the model loads, the file unchanged."""
+    prompt = tmp_path / "fox.mp4"
+    prompt.write_text("a fox")
+    proc = _generate("--prompt-file", prompt, "-o", tmp_path / "." / "fox.mp4", check=False)
+    assert proc.returncode == 2 and "error: -o " in proc.stderr and "is the --prompt-file file" in proc.stderr
+    assert prompt.read_text() == "a fox"
+
+
+def test_read_input_bounds_files_and_streams(tmp_path, monkeypatch):
+    """cli_inputs.read_input: a regular file past the limit is refused from its size (no byte read), a stream
+    once past it (/dev/zero), a closed stdin by name; within the limit, the bytes."""
+    from pathlib import Path
+
+    from worldserve.commands.cli_inputs import read_input
+    from worldserve.params import ParamError
+
+    big = tmp_path / "big.bin"
+    with big.open("wb") as f:
+        f.truncate((64 << 30) + 1)  # (sparse: reading it would take minutes)
+    for path in (big, "/dev/zero"):
+        with pytest.raises(ParamError, match="is larger than 1 MiB"):
+            read_input(Path(path), "image", 1 << 20)
+    monkeypatch.setattr("sys.stdin", None)
+    with pytest.raises(ParamError, match="standard input is closed"):
+        read_input(Path("-"), "prompt_file", 1 << 20, stdin_for_dash=True)
+    (tmp_path / "ok").write_bytes(os.urandom(3000))
+    assert read_input(tmp_path / "ok", "image", 3000) == (tmp_path / "ok").read_bytes()
+
+
 def test_missing_checkpoint_is_one_line(tmp_path):
     proc = _generate(
         "nvidia/Cosmos3-Nano-missing", "--prompt", "a cat", "-o", tmp_path / "x.mp4", check=False

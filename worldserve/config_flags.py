@@ -44,7 +44,7 @@ def _scalar_type(hint: object) -> type:
     return hint
 
 
-def _none_or(kind: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], typing.Any]:
+def none_or(kind: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], typing.Any]:
     """vLLM's optional_type: "None" is None, any other text `kind(text)`; argparse's "invalid int value"
     still names `kind`. Unlike vLLM, "" stays `kind("")`, which the configs refuse where it matters: an unset
     variable in `--storage-dir "$DIR"` or `--lora-path "$ADAPTER"` is an error, not the default."""
@@ -83,7 +83,7 @@ def add_config_arguments(
         if kind is bool:  # vLLM's get_kwargs: a bool field is --flag / --no-flag; metadata store_true: --flag
             kwargs["action"] = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction
         elif _may_be_none(hints[f.name]) and "nargs" not in meta and not meta.get("positional"):
-            kwargs["type"] = _none_or(kind)
+            kwargs["type"] = none_or(kind)
         else:
             kwargs["type"] = kind
         if "choices" in meta:

@@ -23,14 +23,19 @@ if TYPE_CHECKING:
     from worldserve.bench.runner import BenchOptions
 
 DEFAULT_POINTS = "1280x720x189,832x480x121"
+TINY_POINTS = "64x48x9"
+"""--tiny's points when --points is not given: a smoke run of every phase in seconds on a CPU (the full-size
+points took the tiny model's CPU decode past ten minutes)."""
+MAX_TEXT_TOKENS = 131072
+"""--text-tokens / --neg-text-tokens at most: the largest max_sequence_length a request may set."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--points",
-        default=DEFAULT_POINTS,
+        default=None,
         help=f"comma-separated WIDTHxHEIGHTxFRAMES; the first also gets profile/decode/variants "
-        f"(default {DEFAULT_POINTS})",
+        f"(default {DEFAULT_POINTS}; with --tiny {TINY_POINTS})",
     )
     p.add_argument("--steps", type=int, default=3, help="timed denoising steps per point and implementation")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps (reported)")
@@ -118,6 +123,9 @@ def options(args: argparse.Namespace) -> BenchOptions:
                                ("--neg-text-tokens", args.neg_text_tokens, 1)):  # fmt: skip
         if value < least:
             raise ParamError(flag, f"{flag} must be >= {least}, got {value}")
+    for flag, value in (("--text-tokens", args.text_tokens), ("--neg-text-tokens", args.neg_text_tokens)):
+        if value > MAX_TEXT_TOKENS:  # (99999999 ran the machine out of memory building the prompt)
+            raise ParamError(flag, f"{flag} must be <= {MAX_TEXT_TOKENS}, got {value}")
     if not 1 <= args.fps <= MAX_FPS:  # (a request's range; the audio length divides by it)
         raise ParamError("fps", f"--fps must be in [1, {MAX_FPS}], got {args.fps}")
     if not args.time_budget > 0:
@@ -143,7 +151,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
         points = tuple(
             parse_point(s, fps=args.fps, sound=not args.no_sound, cond_text=args.text_tokens,
                         uncond_text=args.neg_text_tokens)
-            for s in args.points.split(",")
+            for s in (args.points or (TINY_POINTS if args.tiny else DEFAULT_POINTS)).split(",")
             if s.strip()
         )  # fmt: skip
     except ValueError as e:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, VideoSampling
-from worldserve.commands.cli_inputs import text_arg
+from worldserve.commands.cli_inputs import MAX_MEDIA_FILE_BYTES, read_input, text_arg
 from worldserve.config import ModelConfig, ParallelConfig
-from worldserve.config_flags import add_config_arguments, config_from_args
+from worldserve.config_flags import add_config_arguments, config_from_args, none_or
 from worldserve.config_values import TokenCount, int64_seed
 from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None,
                    help="-1 or 0: off (default: the generation config's, else 20)")  # fmt: skip
     p.add_argument("--presence-penalty", type=float, default=None, help="default 1.5")
-    p.add_argument("--seed", type=int64_seed, default=None, help="sampling seed (default: random)")
+    p.add_argument(
+        "--seed", type=none_or(int64_seed), default=None, help="sampling seed (default: random; None: random)"
+    )
     p.add_argument("--max-model-len", type=TokenCount, default=TokenCount(), metavar="N",
                    help="context length (prompt + completion), as serve's: 32768, 32k (32000), 32K, auto "
                    "(default: 32768)")  # fmt: skip
@@ -66,10 +68,7 @@ def media_parts(images: list[Path], videos: list[Path]) -> tuple[ChatPart, ...]:
     parts = []
     for flag, paths in (("--image", images), ("--video", videos)):
         for path in paths:
-            try:
-                data = path.read_bytes()
-            except OSError as e:
-                raise ParamError(flag, f"cannot read {path}: {e.strerror}") from e
+            data = read_input(path, flag, MAX_MEDIA_FILE_BYTES)  # (read_bytes had no bound: /dev/zero)
             if flag == "--image":
                 image = decode_image(data, param=flag)  # (its key: later turns reuse its resized patches)
                 parts.append(ChatPart(type="image", image=image, media_key=content_key(data)))
@@ -147,6 +146,9 @@ def _said(e: ParamError) -> str:
 
 
 def _stdin_turns() -> Iterator[str]:
+    """The user turns typed on stdin, one a line, to the first empty line or the end (a closed stdin: none)."""
+    if sys.stdin is None:  # (started with stdin closed: `<&-`, as the end of input)
+        return
     while True:
         if sys.stdin.isatty():
             print("> ", end="", file=sys.stderr, flush=True)
@@ -157,7 +159,7 @@ def _stdin_turns() -> Iterator[str]:
             raise ParamError("message", "a stdin line is not valid UTF-8 text") from None
         if not line.strip():
             return
-        yield line.rstrip("\n")
+        yield line.rstrip("\r\n")  # (a Windows line's \r went to the model)
 
 
 def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
@@ -169,7 +171,7 @@ def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
     from worldserve.runner.devices import check_device, default_device, default_dtype
     from worldserve.runner.reasoner import Reasoner
     from worldserve.runner.video_pipeline import load_configured_transformer
-    from worldserve.weights.checkpoint import resolve_model
+    from worldserve.weights.checkpoint import read_layout, resolve_model
 
     try:  # serve's checks of the same flags, before the checkpoint is resolved (an HF id may download it)
         model = config_from_args(ModelConfig, args)
@@ -179,6 +181,7 @@ def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
         print(f"worldserve chat: error: {e}", file=sys.stderr)
         return None
     root = resolve_model(model.model, model.revision)
+    read_layout(root)  # (a broken tokenizer, template or config is one line naming it, before any weight)
     if model.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its replies are noise", file=sys.stderr)
     kernels = model.kernel_options(enable_layerwise_offload=offload)

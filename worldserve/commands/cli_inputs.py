@@ -9,10 +9,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import stat
+import sys
 import tempfile
+import typing
 from pathlib import Path
 
 from worldserve.params import LoraRequest, ParamError
+
+MAX_MEDIA_FILE_BYTES = 4 << 30
+"""--image / --video file size at most (generate and chat read a file whole before decoding it)."""
+READ_CHUNK_BYTES = 1 << 20
 
 
 def check_writable(path: Path, param: str, flag: str, *, folder: bool = False) -> None:
@@ -68,3 +75,34 @@ def text_arg(value: str) -> str:
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
     return value
+
+
+def read_input(path: Path, param: str, limit: int, *, stdin_for_dash: bool = False) -> bytes:
+    """The file's bytes (standard input's for `-` with `stdin_for_dash`), at most `limit`: a regular file
+    larger is refused from its size, before a byte is read; a stream is read in chunks and refused once past
+    it (/dev/zero: `limit` bytes read, never more). ParamError naming `param`, also for a closed stdin."""
+    try:
+        if stdin_for_dash and str(path) == "-":
+            if sys.stdin is None:  # (started with stdin closed: `<&-`)
+                raise ParamError(param, "standard input is closed: give the file's path instead of -")
+            return _bounded(sys.stdin.buffer, path, param, limit)
+        with path.open("rb") as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISREG(info.st_mode) and info.st_size > limit:
+                raise _too_large(path, param, limit)
+            return _bounded(f, path, param, limit)
+    except OSError as e:
+        raise ParamError(param, f"cannot read {path}: {e.strerror}") from e
+
+
+def _bounded(f: typing.BinaryIO, path: Path, param: str, limit: int) -> bytes:
+    data = bytearray()
+    while chunk := f.read(min(READ_CHUNK_BYTES, limit + 1 - len(data))):
+        data += chunk
+        if len(data) > limit:
+            raise _too_large(path, param, limit)
+    return bytes(data)
+
+
+def _too_large(path: Path, param: str, limit: int) -> ParamError:
+    return ParamError(param, f"{path} is larger than {limit >> 20} MiB")

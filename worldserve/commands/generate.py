@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worldserve.commands.cli_inputs import check_writable, lora_arg, text_arg
+from worldserve.commands.cli_inputs import (
+    MAX_MEDIA_FILE_BYTES,
+    check_writable,
+    lora_arg,
+    read_input,
+    text_arg,
+)
 from worldserve.config import ModelConfig, ParallelConfig
 from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import int64_seed
@@ -38,8 +45,6 @@ OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
 MAX_TEXT_FILE_BYTES = 16 << 20
 """--prompt-file's size at most (a prompt is at most --max-sequence-length tokens, or the upsampling
 Reasoner's context with --upsample-prompt)."""
-MAX_MEDIA_FILE_BYTES = 4 << 30
-"""--image / --video file size at most (read whole before decoding)."""
 GENERATE_MODEL_FLAGS = (
     "revision", "device", "dtype", "quantization", "fp8_attention", "diffusion_attention_backend",
     "enforce_eager", "vae_tiling",
@@ -147,7 +152,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     if args.image is not None:
         from worldserve.media.image import decode_image
 
-        image = decode_image(_read_bytes(args.image, "image", MAX_MEDIA_FILE_BYTES), param="image")
+        image = decode_image(read_input(args.image, "image", MAX_MEDIA_FILE_BYTES), param="image")
     if args.video is None:  # (they were dropped in silence)
         for flag in ("condition_frames", "condition_video_keep"):
             if getattr(args, flag) is not None:
@@ -163,7 +168,7 @@ def build_params(args: argparse.Namespace) -> VideoParams:
             raise ParamError("video", "--image and --video are exclusive")
         budget = min(condition_budget(indexes), args.num_frames) if args.num_frames >= 1 else 1
         video = decode_video(
-            _read_bytes(args.video, "video", MAX_MEDIA_FILE_BYTES), budget, keep, param="video"
+            read_input(args.video, "video", MAX_MEDIA_FILE_BYTES), budget, keep, param="video"
         )
     if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
         raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
@@ -175,6 +180,13 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         raise ParamError("guidance", "--guidance 1 runs no uncond CFG branch, so --cfg-parallel-size 2 would "
                          "leave its uncond rank idle: drop --cfg-parallel-size, or give a scale above 1")  # fmt: skip
     _check_output(args.output, args.num_frames)
+    inputs = [(flag, path) for flag, path in (("--image", args.image), ("--video", args.video),
+              ("--prompt-file", args.prompt_file)) if path is not None and str(path) != "-"]  # fmt: skip
+    for name, output in (("output", args.output), ("save_latents", args.save_latents)):
+        for flag, path in inputs:  # (-o in_v.mp4 with --video in_v.mp4 replaced the clip it was made from)
+            if output is not None and os.path.realpath(output) == os.path.realpath(path):
+                raise ParamError(name, f"{FLAGS.get(name, '--save-latents')} {output} is the {flag} file: "
+                                 "name another output")  # fmt: skip
     if args.save_latents is not None:
         if args.save_latents.suffix.lower() != ".safetensors":  # (a .npz or .pt name got safetensors bytes)
             raise ParamError(
@@ -265,27 +277,9 @@ def _read_text(path: Path, param: str) -> str:
     """A UTF-8 text file (a leading byte-order mark dropped: an editor's BOM hid a JSON prompt's `{`), or
     standard input for `-`, at most MAX_TEXT_FILE_BYTES."""
     try:
-        return _read_bytes(path, param, stdin_for_dash=True).decode("utf-8-sig")
+        return read_input(path, param, MAX_TEXT_FILE_BYTES, stdin_for_dash=True).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ParamError(param, f"{path} is not UTF-8 text (byte {e.start})") from None
-
-
-def _read_bytes(
-    path: Path, param: str, limit: int = MAX_TEXT_FILE_BYTES, *, stdin_for_dash: bool = False
-) -> bytes:
-    """The file's bytes (standard input's for `-` with `stdin_for_dash`), at most `limit` (a larger one is
-    refused, also one that never ends: /dev/zero)."""
-    try:
-        if stdin_for_dash and str(path) == "-":
-            data = sys.stdin.buffer.read(limit + 1)
-        else:
-            with path.open("rb") as f:
-                data = f.read(limit + 1)
-    except OSError as e:
-        raise ParamError(param, f"cannot read {path}: {e.strerror}") from e
-    if len(data) > limit:
-        raise ParamError(param, f"{path} is larger than {limit >> 20} MiB")
-    return data
 
 
 def _upsampled(

@@ -227,7 +227,11 @@ def read_layout(root: Path) -> CheckpointLayout:
     ):  # (a cut file failed in transformers, naming none)
         if (tok / name).is_file():
             read_json_object(tok / name)
+    check_chat_template(tok / "chat_template.jinja")
     present = [c for c in GENERATION_COMPONENTS + OPTIONAL_COMPONENTS if (root / c).is_dir()]
+    for component in present:  # (a broken vision_encoder/config.json was transformers' traceback, even for a
+        if (root / component / "config.json").is_file():  # text-only chat)
+            read_json_object(root / component / "config.json")
     if "sound_tokenizer" in present and (index.get("sound_tokenizer") or [None])[0] is None:
         present.remove("sound_tokenizer")
     return CheckpointLayout(
@@ -236,6 +240,20 @@ def read_layout(root: Path) -> CheckpointLayout:
         model_index=index,
         transformer_config=read_transformer_config(root),
     )
+
+
+def check_chat_template(path: Path) -> None:
+    """CheckpointError naming `path` when the chat template there does not parse as Jinja (transformers
+    compiles it at the first prompt: a traceback after minutes of loading); nothing when it is absent."""
+    if not path.is_file():
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(path.read_text(encoding="utf-8"))
+    except (jinja2.TemplateSyntaxError, UnicodeDecodeError) as e:
+        where = f", line {e.lineno}" if isinstance(e, jinja2.TemplateSyntaxError) else ""
+        raise CheckpointError(f"{path}: not a valid Jinja template ({e}{where}); re-download it") from None
 
 
 def read_transformer_config(root: Path) -> Cosmos3Config:
