@@ -103,6 +103,25 @@ def test_make_tiny_refuses_a_folder_with_files_and_an_empty_dir(tmp_path, capsys
     assert "vision_encoder" not in run_cli("info", kept).stdout
 
 
+def test_an_interrupted_make_tiny_leaves_nothing(tmp_path, monkeypatch):
+    """A new DIR is written beside it and renamed when complete: Ctrl-C (or a failure) midway left a
+    half-written folder that info called "not a Cosmos3 checkpoint" and only --force could fill."""
+    from worldserve.weights import tiny
+
+    def interrupted(out, *a, **k):
+        (out / "transformer").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "make_tiny", interrupted)
+    assert run_cli("make-tiny", tmp_path / "new" / "ckpt").returncode == 130  # (main's "interrupted")
+    assert list((tmp_path / "new").iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / "empty").mkdir()  # (an empty DIR is filled the same way)
+    assert run_cli("make-tiny", tmp_path / "empty", "--no-vision", "--no-sound").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "new"]
+    assert run_cli("info", tmp_path / "empty").returncode == 0
+
+
 @pytest.mark.parametrize(
     "verb", [["make-tiny", "DIR"], ["chat", "--message", "hi"], ["generate", "--prompt", "x"]]
 )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -45,12 +47,24 @@ def run(args: argparse.Namespace) -> int:
     except ParamError as e:
         print(f"worldserve make-tiny: error: {e.message}", file=sys.stderr)
         return 2
+    target = Path(args.dir)
+    # a new (or empty) DIR is written beside it and renamed when complete: an interrupted or failed run
+    # leaves nothing (it left a half-written folder, "not a Cosmos3 checkpoint", that only --force could fill)
+    fresh = not (target.is_dir() and any(target.iterdir()))
+    folder = target.parent / f".{target.name}.partial-{os.getpid()}" if fresh else target
     try:
-        out = make_tiny(
-            args.dir, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
+        make_tiny(
+            folder, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
         )
+        if fresh:
+            if target.is_dir():
+                target.rmdir()  # (empty)
+            folder.rename(target)
     except OSError as exc:  # what the check could not foresee (a missing parent under /proc, a full disk)
         print(f"worldserve make-tiny: error: cannot write {args.dir}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    print(f"wrote a {args.shapes} random Cosmos3 checkpoint to {out} (its outputs are noise)")
+    finally:
+        if fresh and folder.exists():  # (failed or interrupted: Ctrl-C, SIGTERM)
+            shutil.rmtree(folder, ignore_errors=True)
+    print(f"wrote a {args.shapes} random Cosmos3 checkpoint to {target} (its outputs are noise)")
     return 0
