@@ -298,6 +298,8 @@ BROKEN = [  # (what to break, the file the one line must name) -- each ended in 
     (lambda r: _cut(r / "vae" / f"{PREFIX}.safetensors", 20), "vae"),
     (lambda r: (r / "text_tokenizer" / "tokenizer.json").unlink(), "text_tokenizer: no tokenizer.json"),
     (lambda r: (r / "text_tokenizer" / "tokenizer.json").write_text("xx"), "tokenizer.json: not valid JSON"),
+    # (info passed it, 0 parameters, exit 0; generate named the missing keys)
+    (lambda r: (r / "transformer" / f"{PREFIX}.safetensors.index.json").write_text('{"weight_map": {}}'), "missing keys"),
     # (these two loaded and failed later: a jinja2 traceback at the first prompt, transformers' at the ViT)
     (lambda r: (r / "text_tokenizer" / "chat_template.jinja").write_text("{% if %}"), "chat_template.jinja: not a valid Jinja"),
     (lambda r: (r / "vision_encoder" / "config.json").write_text("{"), "vision_encoder/config.json: not valid JSON"),

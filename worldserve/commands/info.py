@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def describe(root: Path, layout: CheckpointLayout | None = None) -> dict:
     """The checkpoint at `root` (its `read_layout`, when the caller has it already)."""
-    from worldserve.weights.loader import read_header  # (torch: not for `info --help`)
+    from worldserve.weights.loader import check_transformer_header, read_header  # (torch: not for --help)
 
     layout = layout if layout is not None else read_layout(root)
     components: dict[str, dict[str, Any]] = {}  # component -> its parameters, dtypes and files
@@ -49,6 +49,10 @@ def describe(root: Path, layout: CheckpointLayout | None = None) -> dict:
             components[name] = {}
             continue
         header = read_header(root / name, prefix)
+        if (
+            name == "transformer"
+        ):  # (the keys against the config, headers only: generate refused what info passed)
+            check_transformer_header(root, header)
         params = sum(_numel(s) for s in header.shapes.values())
         components[name] = {
             "parameters": params,

@@ -170,15 +170,25 @@ def load_transformer(
 ) -> Cosmos3Transformer:  # fmt: skip
     """Build the Cosmos3 transformer of checkpoint folder `root` and load its weights (with a tensor-parallel
     ParallelGroup `tp`: this rank's slices of the sharded linears)."""
-    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
-    from worldserve.weights.checkpoint import read_transformer_config
-
     folder = Path(root) / "transformer"
-    config = read_transformer_config(Path(root))
     header = read_header(folder, "diffusion_pytorch_model")
-    with torch.device("meta"):
-        model = Cosmos3Transformer(config, dtype=dtype, **({} if tp is None else {"tp": tp}))
-    check_checkpoint(header, model.checkpoint_shapes(), str(folder))
+    model = check_transformer_header(Path(root), header, dtype, tp)
     model = model.to_empty(device=device)
     load_into(model, header, model.loaded_shapes(), progress=progress)
     return model.eval().requires_grad_(False)
+
+
+def check_transformer_header(
+    root: Path, header: CheckpointHeader, dtype: torch.dtype = torch.bfloat16, tp: ParallelGroup | None = None
+) -> Cosmos3Transformer:
+    """The transformer of `root`'s config built on the meta device, its checkpoint `header` checked against it
+    (CheckpointError naming every missing, unexpected or mis-shaped key): no tensor is read."""
+    from worldserve.models.cosmos3.transformer import Cosmos3Transformer
+    from worldserve.weights.checkpoint import read_transformer_config
+
+    with torch.device("meta"):
+        model = Cosmos3Transformer(
+            read_transformer_config(root), dtype=dtype, **({} if tp is None else {"tp": tp})
+        )
+    check_checkpoint(header, model.checkpoint_shapes(), str(root / "transformer"))
+    return model
