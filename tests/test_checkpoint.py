@@ -484,6 +484,10 @@ def test_resolve_model_errors(tmp_path, monkeypatch):
     ):  # (the last two: huggingface_hub tracebacks)
         with pytest.raises(CheckpointError, match="neither an existing folder"):
             resolve_model(ref)
+    monkeypatch.chdir(tmp_path)  # (an empty model was the current folder)
+    for ref in ("", " "):
+        with pytest.raises(CheckpointError, match="the model is empty"):
+            resolve_model(ref)
 
 
 def test_a_revision_for_a_local_folder_is_said_to_do_nothing(tiny_ckpt, caplog):

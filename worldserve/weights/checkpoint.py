@@ -140,6 +140,9 @@ def resolve_model(ref: str | None, revision: str | None = None) -> Path:
     """A model reference -> a local checkpoint folder holding model_index.json."""
     if ref is None:
         return default_tiny_checkpoint()
+    if not ref.strip():  # (Path("") is the current folder: `info "$UNSET"` named it "." )
+        raise CheckpointError("the model is empty (an unset variable?): give a folder or a Hugging Face repo "
+                              "id, or leave it out for the embedded tiny checkpoint")  # fmt: skip
     local = Path(ref).expanduser()
     if local.exists():
         if not (local / "model_index.json").is_file():
