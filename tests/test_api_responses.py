@@ -94,6 +94,36 @@ def test_a_text_answer_equals_the_chat_completion(reasoner_oai):
     ]
 
 
+def test_a_stored_response_lists_its_input_items(reasoner_oai):
+    """OpenAI's GET /v1/responses/{id}/input_items (the SDK's input_items.list; vLLM serves none): the input as
+    items with ids, newest first by default, paged by limit / after; an unknown or unstored
+    response a 404, a bad limit a 400."""
+    import openai
+
+    given = [{"role": "user", "content": "First."}, {"role": "assistant", "content": "Noted."},
+             {"type": "message", "role": "user", "id": "msg_mine", "content": [{"type": "input_text", "text": "Then?"}]}]  # fmt: skip
+    r = reasoner_oai.responses.create(model=MODEL, input=given, max_output_tokens=2, temperature=0)
+    listed = reasoner_oai.responses.input_items.list(r.id)
+    items = list(listed)  # (newest first)
+    assert [i.role for i in items] == ["user", "assistant", "user"] and items[0].id == "msg_mine"
+    assert items[1].content[0].type == "output_text" and items[2].content[0].text == "First."
+    assert all(i.id.startswith("msg_") and i.status == "completed" and i.type == "message" for i in items)
+    asc = reasoner_oai.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.id for i in asc.data] == [items[2].id, items[1].id] and asc.has_more
+    assert [i.id for i in asc.data] == [asc.first_id, asc.last_id]
+    rest = reasoner_oai.responses.input_items.list(r.id, order="asc", after=asc.last_id)
+    assert [i.id for i in rest.data] == ["msg_mine"] and not rest.has_more
+    one = reasoner_oai.responses.create(model=MODEL, input="Hi.", max_output_tokens=1)
+    [item] = reasoner_oai.responses.input_items.list(one.id).data
+    assert item.content[0].type == "input_text" and item.content[0].text == "Hi."
+    unstored = reasoner_oai.responses.create(model=MODEL, input="Hi.", max_output_tokens=1, store=False)
+    for missing in (unstored.id, "resp_nope"):
+        with pytest.raises(openai.NotFoundError):
+            reasoner_oai.responses.input_items.list(missing)
+    with pytest.raises(openai.BadRequestError):
+        reasoner_oai.responses.input_items.list(r.id, limit=101)
+
+
 def test_items_images_and_a_tool_turn_render_as_the_chat(reasoner_oai):
     image = _png()
     items = [

@@ -48,6 +48,7 @@ from worldserve.api.origins import OriginGuardMiddleware
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.realtime import router as realtime_router
 from worldserve.api.responses import router as responses_router
+from worldserve.api.responses_items import router as responses_items_router
 from worldserve.api.responses_store import ResponseStore
 from worldserve.api.server_load import ServerLoad, ServerLoadMiddleware
 from worldserve.api.settings import AppSettings
@@ -143,6 +144,7 @@ def build_app(
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(responses_router)
+    app.include_router(responses_items_router)
     app.include_router(tokenize_router)
     app.include_router(images_router)
     app.include_router(invocations_router)

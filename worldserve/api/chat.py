@@ -39,9 +39,9 @@ import threading
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import fits_context, openapi_body, read_model
@@ -66,7 +66,7 @@ from worldserve.api.chat_stream import (
 )
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
-from worldserve.api.state import AppState, app_state
+from worldserve.api.state import AppState, State, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput, VideoSampling
@@ -79,7 +79,6 @@ if TYPE_CHECKING:
     from worldserve.engine.client import ChatEvents
 
 router = APIRouter(tags=["chat"])
-State = Annotated[AppState, Depends(app_state)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -22,9 +22,9 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.bodies import openapi_body, read_model
@@ -35,7 +35,7 @@ from worldserve.api.completions_stream import Completion, collect, sse
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.request_log import sampling
-from worldserve.api.state import AppState, app_state
+from worldserve.api.state import AppState, State
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tokenize import reasoner_prompts
 from worldserve.chat_params import ChatParams, StructuredOutput
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from worldserve.runner.chat_prompt import ChatPromptBuilder
 
 router = APIRouter(tags=["completions"])
-State = Annotated[AppState, Depends(app_state)]
 
 
 def tokenize_prompts(

@@ -36,9 +36,9 @@ import time
 import uuid
 import zipfile
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field
 
@@ -47,7 +47,7 @@ from worldserve.api.disconnect import ClientGone, unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.lora_field import LoraSettings
 from worldserve.api.protocol import NumbersNotBooleans
-from worldserve.api.state import AppState, app_state
+from worldserve.api.state import AppState, State
 from worldserve.api.video_inputs import parse_extra_params, structured_texts
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
 from worldserve.params import DEFAULT_MAX_SEQUENCE_LENGTH, IMAGE_DEFAULTS, INT64, VideoParams, choice_seed
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from worldserve.engine.client import VideoResult
 
 router = APIRouter(tags=["images"])
-State = Annotated[AppState, Depends(app_state)]
 
 DEFAULT_SIZE = f"{IMAGE_DEFAULTS.width}x{IMAGE_DEFAULTS.height}"
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}

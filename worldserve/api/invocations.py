@@ -8,15 +8,15 @@ keyed server must not open by a second door.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from worldserve.api.bodies import read_json_object_again
 from worldserve.api.chat import create_chat_completion
 from worldserve.api.completions import create_completion
 from worldserve.api.errors import APIError
-from worldserve.api.state import AppState, app_state
+from worldserve.api.state import State
 
 if TYPE_CHECKING:
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from worldserve.api.completions_protocol import CompletionResponse
 
 router = APIRouter(tags=["server"])
-State = Annotated[AppState, Depends(app_state)]
 
 HANDLERS = (("messages", "ChatCompletionRequest", create_chat_completion),
             ("prompt", "CompletionRequest", create_completion))  # fmt: skip

@@ -26,9 +26,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from worldserve.api.bodies import fits_context, read_model
@@ -38,9 +38,10 @@ from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.reasoning import split_reasoning
 from worldserve.api.responses_input import InputItem
+from worldserve.api.responses_items import input_items
 from worldserve.api.responses_protocol import ResponsesRequest, to_chat
 from worldserve.api.responses_truncation import fit_by_items, prompt_tokens
-from worldserve.api.state import AppState, app_state
+from worldserve.api.state import AppState, State
 from worldserve.api.tokenize import reasoner_prompts
 from worldserve.api.tool_stream import final_message
 from worldserve.engine.client import ChatDelta, ChatFailed
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
     from worldserve.engine.client import ChatEvents
 
 router = APIRouter(tags=["responses"])
-State = Annotated[AppState, Depends(app_state)]
 NOT_KEPT = "(stored responses live in the server's memory: a restart, --responses-store-mb or store=false leave none)"
 """Why a stored response or item may be gone: the tail of their 404s."""
 
@@ -133,7 +133,10 @@ async def create_response(request: Request, st: State) -> Response:
             st.settings.request_log.chat(
                 skeleton["id"], chat.messages, choices[0], 1, firsts[0].prompt_tokens
             )
-        keep = (lambda body: store.put(body, conversation)) if store is not None else (lambda body: None)
+        inputs = input_items(req.input) if store is not None else []
+        keep = (
+            (lambda body: store.put(body, conversation, inputs)) if store is not None else (lambda body: None)
+        )
         if req.stream:
             return StreamingResponse(
                 _events(streams[0], builder(parsing), keep), media_type="text/event-stream"

@@ -1,6 +1,6 @@
 """Stored responses of the Responses API (`store`, OpenAI's default): kept in this process's memory, most
 recently used first, within a byte budget, so that `previous_response_id` can continue a conversation and
-`GET` / `DELETE /v1/responses/{id}` find a response. vLLM keeps them in memory too (behind a flag, unbounded);
+`GET` / `DELETE /v1/responses/{id}` (and its `/input_items`) find a response. vLLM keeps them in memory too (behind a flag, unbounded);
 here the oldest are dropped past `--responses-store-mb` (default 256 MiB). A restart forgets them.
 
 Each entry holds the conversation as the chat messages the response answered (its instructions left out, as
@@ -30,23 +30,30 @@ class ResponseStore:
 
     def __init__(self, max_bytes: int = 256 * 2**20) -> None:
         self.max_bytes = max_bytes
-        # id -> (the conversation's JSON, the response's JSON, its output items' ids)
-        self._entries: OrderedDict[str, tuple[bytes, bytes, list[str]]] = OrderedDict()
+        # id -> (the conversation's JSON, the response's JSON, its output items' ids, its input items' JSON)
+        self._entries: OrderedDict[str, tuple[bytes, bytes, list[str], bytes]] = OrderedDict()
         self._items: dict[str, str] = {}  # output item id -> the stored response that holds it
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    def put(
+        self,
+        response: dict[str, Any],
+        messages: list[dict[str, Any]],
+        inputs: list[dict[str, Any]] | None = None,
+    ) -> None:
         """Keep `response` and the conversation it ends (`messages`: its input as chat messages, without its
-        instructions), its output appended; the least recently used entries go past the budget."""
+        instructions), its output appended, and its input items as listed (`inputs`:
+        api/responses_items.py); the least recently used entries go past the budget."""
         history = json.dumps([*messages, *output_messages(response["output"])]).encode()
         body = json.dumps(response).encode()
+        listed = json.dumps(inputs or []).encode()
         items = [o["id"] for o in response["output"] if "id" in o]
         with self._lock:
             self._drop(response["id"], self._entries.pop(response["id"], None))
-            self._entries[response["id"]] = (history, body, items)
+            self._entries[response["id"]] = (history, body, items, listed)
             self._items.update((item, response["id"]) for item in items)
-            self._bytes += _size(history, body)
+            self._bytes += _size(history, body, listed)
             while self._bytes > self.max_bytes and self._entries:
                 self._drop(*self._entries.popitem(last=False))
 
@@ -58,6 +65,12 @@ class ResponseStore:
                 return None
             self._entries.move_to_end(response_id)
         return json.loads(entry[0]), json.loads(entry[1])
+
+    def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
+        """A stored response's input items, oldest first, or None."""
+        with self._lock:
+            entry = self._entries.get(response_id)
+        return None if entry is None else json.loads(entry[3])
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         """A stored response's output item by its id, or None."""
@@ -73,17 +86,17 @@ class ResponseStore:
             self._drop(response_id, entry)
             return entry is not None
 
-    def _drop(self, response_id: str, entry: tuple[bytes, bytes, list[str]] | None) -> None:
+    def _drop(self, response_id: str, entry: tuple[bytes, bytes, list[str], bytes] | None) -> None:
         """Forget a removed entry's bytes and items (under the lock)."""
         if entry is not None:
-            self._bytes -= _size(entry[0], entry[1])
+            self._bytes -= _size(entry[0], entry[1], entry[3])
             for item in entry[2]:
                 if self._items.get(item) == response_id:  # (a later response may hold the same id)
                     del self._items[item]
 
 
-def _size(history: bytes, body: bytes) -> int:
-    return len(history) + len(body) + ENTRY_OVERHEAD_BYTES
+def _size(history: bytes, body: bytes, inputs: bytes) -> int:
+    return len(history) + len(body) + len(inputs) + ENTRY_OVERHEAD_BYTES
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -6,8 +6,9 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
+from fastapi import Depends
 from starlette.requests import Request
 
 from worldserve.api.errors import APIError
@@ -96,3 +97,7 @@ class AppState:
 
 def app_state(request: Request) -> AppState:
     return request.app.state.ws
+
+
+State = Annotated[AppState, Depends(app_state)]
+"""A route's application state as FastAPI hands it (`st: State`)."""

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from worldserve.api.bodies import fits_context, openapi_body, read_json_object, read_model
@@ -38,7 +38,7 @@ from worldserve.api.completions_protocol import (
 )  # fmt: skip
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
-from worldserve.api.state import AppState, app_state
+from worldserve.api.state import AppState, State
 from worldserve.engine.client import NO_REASONER
 from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.work_pool import on_request_pool
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from worldserve.runner.chat_prompt import ChatPromptBuilder
 
 router = APIRouter(tags=["tokenize"])
-State = Annotated[AppState, Depends(app_state)]
 
 
 def reasoner_prompts(st: AppState) -> tuple[ChatPromptBuilder, int]:

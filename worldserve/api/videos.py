@@ -18,7 +18,7 @@ import os
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
@@ -27,12 +27,11 @@ from worldserve.api.auth import request_id_of
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.protocol import ErrorResponse, VideoCreateRequest, VideoDeleted, VideoList, VideoObject
-from worldserve.api.state import AppState, app_state
+from worldserve.api.state import AppState, State
 from worldserve.api.video_inputs import VideoInputs, build_inputs, read_fields
 from worldserve.engine.client import Job, JobStatus, QueueFullError, ShuttingDownError, StorageError
 
 router = APIRouter(tags=["videos"])
-State = Annotated[AppState, Depends(app_state)]
 NOT_FOUND = "Video not found"
 POLL_AFTER_MS = "500"
 
