@@ -209,3 +209,14 @@ def test_a_broken_chat_template_or_component_config_is_one_line_naming_it(tiny_c
     out = _chat(tiny_copy, "--message", "hi", "--max-tokens", 2)
     assert out.returncode == 1 and "chat_template.jinja: not a valid Jinja template" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "Loading" not in out.stderr
+
+
+def test_media_on_a_checkpoint_without_a_vision_encoder_names_the_flag_before_loading(tiny_copy, tmp_path):
+    """(it was "messages: this checkpoint has no vision_encoder/" after the transformer loaded)"""
+    import shutil
+
+    shutil.rmtree(tiny_copy / "vision_encoder")
+    Image.new("RGB", (32, 24)).save(tmp_path / "a.png")
+    out = _chat(tiny_copy, "--message", "hi", "--image", tmp_path / "a.png", "--max-tokens", 2)
+    assert out.returncode == 2 and "error: --image: this checkpoint has no vision_encoder/" in out.stderr
+    assert "Loading" not in out.stderr, out.stderr

@@ -181,7 +181,14 @@ def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
         print(f"worldserve chat: error: {e}", file=sys.stderr)
         return None
     root = resolve_model(model.model, model.revision)
-    read_layout(root)  # (a broken tokenizer, template or config is one line naming it, before any weight)
+    layout = read_layout(
+        root
+    )  # (a broken tokenizer, template or config: one line naming it, before any weight)
+    media = [flag for flag, given in (("--image", args.image), ("--video", args.video)) if given]
+    if media and "vision_encoder" not in layout.components:  # (it was "messages: ..." after the load)
+        print(f"worldserve chat: error: {media[0]}: this checkpoint has no vision_encoder/ to read images and "
+              "videos with", file=sys.stderr)  # fmt: skip
+        return None
     if model.model is None:
         print(f"using the embedded tiny random checkpoint {root}: its replies are noise", file=sys.stderr)
     kernels = model.kernel_options(enable_layerwise_offload=offload)
