@@ -551,3 +551,35 @@ def test_help_topics_as_vllm_reads_them():
     assert whole.returncode == 0 and "--port" in whole.stdout and "--max-num-seqs" in whole.stdout
     missing = run_cli("serve", "--help=no-such-flag")
     assert missing.returncode == 1 and "no group or parameter matching 'no-such-flag'" in missing.stderr
+
+
+def test_an_abandoned_load_leaves_the_program_at_once(monkeypatch):
+    """serve's --init-timeout expiring (or a signal during the load) left the load's torch C++ state to the
+    interpreter's exit, which aborted the process (SIGABRT, exit 134, "terminate called without an active
+    exception"): load_backend_within marks the load abandoned and the console entry then leaves with
+    os._exit and main()'s status."""
+    import time
+
+    from worldserve import cli
+    from worldserve.commands import serve_backend
+    from worldserve.config import ModelConfig
+
+    monkeypatch.setattr(serve_backend, "load_backend", lambda *a: time.sleep(2))
+    monkeypatch.setattr(serve_backend.LOAD_ABANDONED, "_flag", False)
+    assert serve_backend.load_backend_within(ModelConfig(init_timeout=0.1)) is None
+    assert serve_backend.LOAD_ABANDONED.is_set()
+
+    class Left(Exception):
+        pass
+
+    def leave(rc):
+        raise Left(rc)
+
+    monkeypatch.setattr(cli, "main", lambda: 143)
+    monkeypatch.setattr(cli.os, "_exit", leave)
+    with pytest.raises(Left, match="143"):
+        cli.console()
+    serve_backend.LOAD_ABANDONED.clear()
+    with pytest.raises(SystemExit) as normal:
+        cli.console()
+    assert normal.value.code == 143

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -150,5 +151,21 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def console() -> NoReturn:
+    """The `worldserve` program: main()'s exit status. After a model load it stopped waiting for (serve's
+    --init-timeout expired, or a signal came during the load) the interpreter's exit aborts the process in
+    torch's C++ teardown (SIGABRT, exit 134, "terminate called without an active exception"): the program
+    then leaves at once with main()'s status, its output flushed."""
+    from worldserve.commands.serve_backend import LOAD_ABANDONED
+
+    rc = main()
+    if LOAD_ABANDONED.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

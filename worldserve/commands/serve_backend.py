@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING, Any
 from worldserve.config import LoraConfig, ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 from worldserve.sampling.chat_defaults import ChatDefaults
 
+LOAD_ABANDONED = threading.Event()
+"""Set when load_backend_within stops waiting for a load still running (--init-timeout, or a signal): the
+interpreter's exit then aborts the process in torch's C++ teardown (SIGABRT, exit 134), so cli.console leaves
+at once instead."""
+
 if TYPE_CHECKING:
     from worldserve.params import LoraRequest
     from worldserve.runner.parallel_pipeline import ParallelPipeline
@@ -225,8 +230,13 @@ def load_backend_within(
     started = time.monotonic()
     loader = threading.Thread(target=target, name="worldserve-load", daemon=True)
     loader.start()
-    loader.join(cfg.init_timeout)
+    try:
+        loader.join(cfg.init_timeout)
+    except BaseException:  # (SIGTERM / Ctrl-C during the load)
+        LOAD_ABANDONED.set()
+        raise
     if loader.is_alive():
+        LOAD_ABANDONED.set()
         log.error(
             "Orchestrator did not become ready within %gs (vLLM-Omni's words: the model did not load within "
             "--init-timeout); raise it for cold caches",
