@@ -98,13 +98,16 @@ def test_vllm_omni_memory_flags():
      ["--device", "banana"], ["--revision", "v1"],
      # an empty key served /v1 open (`--api-key "$KEY"` with KEY unset), an empty name the default one
      ["--api-key", ""], ["--api-key", "k", ""], ["--served-model-name", ""],
+     # a blank key (or one ending in blanks, which HTTP strips from the header) could never match a token
+     ["--api-key", " "], ["--api-key", "k", "\t"], ["--api-key", "k "],
      # an empty folder fell back to the default one, no domain meant every host
      ["--storage-dir", ""], ["--allowed-media-domains", ""], ["--allowed-media-domains", ","]],
 )  # fmt: skip
 def test_unsupported_or_bad_values_are_refused(argv):
     with pytest.raises(
         ValueError,
-        match="not supported|must be|runs alone|needs a MODEL|protects nothing|must not|empty path|no domain",
+        match="not supported|must be|runs alone|needs a MODEL|protects nothing|can never match|must not|empty path"
+        "|no domain",
     ):
         parse(*argv)
 
@@ -185,6 +188,22 @@ def test_resolve_env_fallbacks(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="VLLM_OMNI_VIDEO_SYNC_TIMEOUT"):
         parse().resolve()
+
+
+@pytest.mark.parametrize("name", ["WORLDSERVE_API_KEY", "VLLM_API_KEY"])
+def test_a_blank_api_key_in_the_environment_is_refused_naming_it(monkeypatch, name):
+    """`VLLM_API_KEY=" "` (or a key with a trailing newline) served /v1 refusing every request: HTTP strips the
+    blanks ending the Authorization header. An empty one stays unset (/v1 open), as before."""
+    for other in ("WORLDSERVE_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(other, raising=False)
+    for value in (" ", "sk-key\n"):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"environment variable {name} is .*can match"):
+            parse().resolve()
+    monkeypatch.setenv(name, "")
+    assert parse().resolve().server.api_key is None
+    monkeypatch.setenv(name, " sk-key")  # (a leading blank stays in the header's value: it can match)
+    assert parse().resolve().server.api_key == (" sk-key",)
 
 
 def test_vllm_omni_storage_variables(monkeypatch, tmp_path):

@@ -1,12 +1,17 @@
 """`worldserve serve`'s start-up order, checked before the minutes-long model load: the device (one GPU per
-rank of a parallel layout), flags worldserve refuses, the socket (bound as vLLM binds its API socket; a busy
-port or bad host is one line, exit 2; a port taken during the load too) and the storage directory (unusable
-or in use by another server: one line); the load itself is replaced by a recorder.
+rank of a parallel layout), flags worldserve refuses (an encrypted --ssl-keyfile, a --config key that is not
+a flag), the socket (bound as vLLM binds its API socket; a busy port or bad host is one line, exit 2; a port
+taken during the load too), the storage directory (unusable or in use by another server: one line) and the
+cache folder the embedded tiny checkpoint is written to; the load itself is replaced by a recorder.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -231,3 +236,97 @@ def test_every_loader_names_a_broken_transformer_config(tiny_copy):
     for load in loads:
         with pytest.raises(CheckpointError, match="transformer/config.json"):
             load()
+
+
+@pytest.mark.parametrize("verb", ["serve", "generate", "chat", "info"])
+def test_an_unusable_cache_folder_is_one_line_naming_it(tmp_path, monkeypatch, capsys, caplog, verb):
+    """No MODEL: the embedded tiny checkpoint is written under $XDG_CACHE_HOME/worldserve. XDG_CACHE_HOME a
+    regular file ended every verb writing it in an OSError's traceback; now one line naming the folder, the
+    reason and XDG_CACHE_HOME, exit 1 (serve: logged, as its other checkpoint errors, before the port binds)."""
+    from worldserve.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "afile"))
+    loads = []
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
+    argv = {"serve": ["--device", "cpu", "--storage-dir", str(tmp_path / "s"), "--port", "0"],
+            "generate": ["--prompt", "x", "-o", str(tmp_path / "o.mp4")], "chat": ["--message", "hi"],
+            "info": []}[verb]  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        rc = main([verb, *argv])
+    err = capsys.readouterr().err
+    said = caplog.text if verb == "serve" else err
+    assert rc == 1 and "Traceback" not in err and not loads, err
+    assert (
+        f"the cache folder {tmp_path / 'afile' / 'worldserve'} (XDG_CACHE_HOME={tmp_path / 'afile'})" in said
+    )
+    assert "cannot hold the embedded tiny checkpoint: Not a directory; set XDG_CACHE_HOME" in said, said
+    assert len(said.strip().splitlines()) == 1 and not list(tmp_path.glob("**/*.tmp*"))
+
+
+def _encrypted_key_pair(folder) -> tuple[str, str]:
+    """A self-signed certificate and its passphrase-protected key (`secret`), made by the `openssl` binary
+    (the passphrase given on its command line, stdin closed: it cannot prompt) or by `cryptography`."""
+    if shutil.which("openssl"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-passout", "pass:secret", "-keyout",
+                        "key.pem", "-out", "cert.pem", "-days", "1", "-subj", "/CN=localhost"], cwd=folder,
+                       check=True, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)  # fmt: skip
+        return str(folder / "key.pem"), str(folder / "cert.pem")
+    if importlib.util.find_spec("cryptography") is None:
+        pytest.skip("neither the openssl binary nor the cryptography package is here to make a key")
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))  # fmt: skip
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.BestAvailableEncryption(b"secret")))  # fmt: skip
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(folder / "key.pem"), str(folder / "cert.pem")
+
+
+def test_an_encrypted_ssl_key_is_refused_before_the_load_without_a_prompt(tmp_path):
+    """A passphrase-protected --ssl-keyfile: OpenSSL prompted on the terminal for the passphrase in the
+    pre-load check, and uvicorn again after the load (blocking where there is no terminal). Now one line naming
+    the flag and how to decrypt the key, exit 2, no prompt. Run as the console script with no terminal to
+    prompt on (a new session, stdin closed) and a timeout, so that a prompt fails the test, never hangs it."""
+    key, cert = _encrypted_key_pair(tmp_path)
+    argv = [
+        "serve",
+        "--ssl-keyfile",
+        key,
+        "--ssl-certfile",
+        cert,
+        "--port",
+        "0",
+        "--storage-dir",
+        str(tmp_path / "s"),
+    ]
+    done = subprocess.run([sys.executable, "-m", "worldserve.cli", *argv], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, start_new_session=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert f"--ssl-keyfile {key}: the private key is encrypted" in line, line
+    assert f"openssl pkey -in {key} -out {key}.plain" in line and "PEM" not in line, line
+    assert not (tmp_path / "s").exists(), "refused before the store opened (and the model loaded)"
+
+
+@pytest.mark.parametrize("key", ["help", "version", "h", "max-model"])
+def test_a_config_file_key_that_is_no_flag_is_refused(tmp_path, caplog, monkeypatch, key):
+    """`help: true` in a --config file printed serve's help and exited 0 (argparse took it as --help); an
+    abbreviation (`max-model`) was taken as the flag it abbreviates. A key must be a flag's exact name: anything
+    else is one line naming the key and the file, exit 2 (as the file's other errors), before the load."""
+    (tmp_path / "c.yaml").write_text(f"{key}: true\n")
+    loads = []
+    monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
+    with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
+        rc = serve.run(parse_args("--config", str(tmp_path / "c.yaml"), "--storage-dir", str(tmp_path / "s")))
+    assert rc == 2 and not loads
+    assert f"--config {tmp_path / 'c.yaml'}: {key!r} is not a `worldserve serve` option" in caplog.text

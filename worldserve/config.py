@@ -240,6 +240,11 @@ class ServerConfig:
             if not all(keys):  # (`--api-key "$KEY"` with KEY unset served /v1 open, its log saying "***")
                 raise ValueError("--api-key: an empty key protects nothing; give a key, or leave the flag out "
                                  "to serve /v1 without one")  # fmt: skip
+            for key in keys:  # (HTTP strips a header's trailing blanks: `Bearer <key>` could never match)
+                if key != key.rstrip():
+                    what = "a key of only blanks" if not key.strip() else f"the key ending in {key[-1]!r}"
+                    raise ValueError(f"--api-key: {what} can never match a request's bearer token (HTTP "
+                                     "strips the blanks ending a header); give a key without them")  # fmt: skip
             object.__setattr__(self, "api_key", tuple(keys))
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")

@@ -116,8 +116,18 @@ def media_fetch_timeout_s(kind: str) -> float:
 
 
 def api_key() -> str | None:
-    """`WORLDSERVE_API_KEY`, else vLLM's `VLLM_API_KEY`; None (no auth) when neither is set."""
-    return os.environ.get("WORLDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    """`WORLDSERVE_API_KEY`, else vLLM's `VLLM_API_KEY`; None (no auth) when neither is set (or set empty).
+    ValueError naming the variable for a key ending in blanks, a blank one included: HTTP strips them from
+    the Authorization header, so no request could carry it (every /v1 request was refused)."""
+    for name in ("WORLDSERVE_API_KEY", "VLLM_API_KEY"):
+        key = os.environ.get(name)
+        if key and key != key.rstrip():
+            what = "only blanks" if not key.strip() else "a key ending in blanks"
+            raise ValueError(f"environment variable {name} is {what}, which no request's bearer token can "
+                             "match (HTTP strips the blanks ending a header): unset it or give the key alone")  # fmt: skip
+        if key:
+            return key
+    return None
 
 
 def cache_dir() -> Path:

@@ -19,6 +19,7 @@ import json
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, cast
 
@@ -78,19 +79,41 @@ def check_http_arguments(args: argparse.Namespace) -> list[Callable | type]:
         raise FlagValueError("--ssl-ca-certs and --ssl-cert-reqs check clients over HTTPS: they need "
                              "--ssl-certfile and --ssl-keyfile")  # fmt: skip
     if getattr(args, "ssl_certfile", None):
-        from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
-
-        try:  # as uvicorn will load them (its default protocol and ciphers)
-            context = create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None, SSL_PROTOCOL_VERSION,
-                                         cert_reqs, None, "TLSv1")  # fmt: skip
-        except (OSError, ValueError) as exc:
-            raise FlagValueError(f"--ssl-certfile / --ssl-keyfile: cannot load them ({exc})") from None
+        context = _load_certificate(args.ssl_certfile, args.ssl_keyfile)
         if ca_certs:
             try:
                 context.load_verify_locations(ca_certs)
             except (OSError, ValueError) as exc:
                 raise FlagValueError(f"--ssl-ca-certs {ca_certs}: cannot load it ({exc})") from None
     return [_import_middleware(name) for name in getattr(args, "middleware", None) or ()]
+
+
+class _EncryptedKey(Exception):
+    """Raised by the password callback: OpenSSL asked for the key's passphrase."""
+
+
+def _no_passphrase() -> NoReturn:
+    raise _EncryptedKey
+
+
+def _load_certificate(certfile: str, keyfile: str) -> ssl.SSLContext:
+    """The certificate and key loaded as uvicorn will load them (its default protocol and ciphers), but with a
+    password callback that refuses: OpenSSL's own prompted on the terminal for an encrypted key's passphrase
+    here, and uvicorn's prompted (or, with no terminal, blocked) again after the model load; worldserve has
+    no passphrase flag (nor has vLLM), so an encrypted key is refused, with how to decrypt it."""
+    from uvicorn.config import SSL_PROTOCOL_VERSION
+
+    context = ssl.SSLContext(SSL_PROTOCOL_VERSION)
+    try:
+        context.load_cert_chain(certfile, keyfile, password=_no_passphrase)
+    except _EncryptedKey:
+        raise FlagValueError(f"--ssl-keyfile {keyfile}: the private key is encrypted (passphrase-protected) "
+                             "and the server has no way to take its passphrase; decrypt it (openssl pkey -in "
+                             f"{keyfile} -out {keyfile}.plain) and pass the decrypted file") from None  # fmt: skip
+    except (OSError, ValueError) as exc:
+        raise FlagValueError(f"--ssl-certfile / --ssl-keyfile: cannot load them ({exc})") from None
+    context.set_ciphers("TLSv1")
+    return context
 
 
 def _import_middleware(name: str) -> Callable | type:
@@ -204,6 +227,13 @@ def _config_argv(path: str, data: dict, parser: argparse.ArgumentParser, model_g
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
         action = parser._option_string_actions.get(flag)
+        if flag not in ("--model", "--config") and (
+            action is None or isinstance(action, argparse._HelpAction | argparse._VersionAction)
+        ):
+            # (exactly a flag's name: argparse took `help: true` as --help, printed it and exited 0, and an
+            # abbreviation as the flag it abbreviates)
+            raise FlagValueError(f"--config {path}: {key!r} is not a `worldserve serve` option (a key is a "
+                                 "flag's name without its --, as `worldserve serve --help` lists them)")  # fmt: skip
         if flag == "--model" and not model_given:
             argv.insert(0, str(value))  # the positional MODEL
         elif flag in ("--model", "--config"):

@@ -113,21 +113,38 @@ def check_weights_match(
 
 
 def default_tiny_checkpoint() -> Path:
-    """The embedded default model: a tiny random checkpoint, written once (atomically) and reused."""
+    """The embedded default model: a tiny random checkpoint, written once (atomically) and reused. A cache
+    folder that cannot hold it (XDG_CACHE_HOME a file, a read-only home, a full disk) is a CheckpointError
+    naming the folder, the reason and how to pick another (it had been an OSError's traceback)."""
+    import shutil
+
     from worldserve.weights.tiny import make_tiny
 
     target = envs.cache_dir() / f"tiny-cosmos3-v{TINY_LAYOUT}-seed{TINY_SEED}"
-    if (target / "model_index.json").is_file():
-        return target
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    make_tiny(tmp, seed=TINY_SEED)
+    try:
+        if (target / "model_index.json").is_file():  # (is_file raises on a folder it may not search)
+            return target
+        make_tiny(tmp, seed=TINY_SEED)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _unusable_cache(exc) from None
     try:
         tmp.rename(target)
-    except OSError:  # another process won the race; its copy is identical
-        import shutil
-
+    except OSError as exc:  # another process won the race (its copy is identical), or the rename failed
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "model_index.json").is_file():
+            raise _unusable_cache(exc) from None
     return target
+
+
+def _unusable_cache(exc: OSError) -> CheckpointError:
+    """The one-line error of a cache folder the embedded tiny checkpoint cannot be written to."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    where = f"{envs.cache_dir()} (XDG_CACHE_HOME={base})" if base else str(envs.cache_dir())
+    return CheckpointError(f"the cache folder {where} cannot hold the embedded tiny checkpoint: "
+                           f"{exc.strerror or exc}; set XDG_CACHE_HOME to a writable folder (the cache is "
+                           "$XDG_CACHE_HOME/worldserve, else ~/.cache/worldserve), or give a MODEL")  # fmt: skip
 
 
 def _hf_cache_dir() -> Path:
