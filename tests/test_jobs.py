@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
+from worldserve.engine.job_schema import new_job_id
+from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore
 
 SPEC = JobSpec(model="m", prompt="p", size="64x64", seconds="1", quality="default", fps=24.0, num_frames=9)
 

@@ -150,7 +150,7 @@ async def test_a_delete_while_upsampling_stops_the_chat(tmp_path, pipeline, chat
         created = await http.post("/v1/videos", data={"prompt": "a fox", **TINY,
                                                       "extra_params": '{"upsample_prompt": true}'})  # fmt: skip
         job_id = created.json()["id"]
-        assert created.json()["status"] == "queued" and job_id in client._upsampling
+        assert created.json()["status"] == "queued" and job_id in client.jobs._upsampling
         await asyncio.sleep(0.3)
         assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 200
         assert await _chat_stopped(chat_backend)  # the chat left the Reasoner
@@ -205,7 +205,8 @@ async def _completes_on_restart(storage, pipeline, chat_backend, job_id: str) ->
 def _store_unupsampled_job(store) -> str:
     """A job stored as submit stores it, its upsampling never started (a server stopped right after); its id."""
     from worldserve.engine.job_files import inputs_record
-    from worldserve.engine.jobs import Job, JobSpec, JobStatus, new_job_id
+    from worldserve.engine.job_schema import new_job_id
+    from worldserve.engine.jobs import Job, JobSpec, JobStatus
     from worldserve.engine.request import EncodeOptions
 
     params = VideoParams(prompt="a fox", width=32, height=32, num_frames=5, num_inference_steps=2, fps=8,
@@ -394,8 +395,8 @@ async def test_a_stopped_chat_worker_fails_the_job_and_a_delete_answers_the_sync
         data = {"prompt": "a fox", **TINY, "extra_params": '{"upsample_prompt": true}'}
         sync = asyncio.create_task(http.post("/v1/videos/sync", data=data))
         client = http.engine_client
-        await _one_waiting(http, lambda: client._upsampling)
-        (job_id,) = client._upsampling
+        await _one_waiting(http, lambda: client.jobs._upsampling)
+        (job_id,) = client.jobs._upsampling
         assert (await http.delete(f"/v1/videos/{job_id}")).status_code == 200
         answer = await asyncio.wait_for(sync, 10)
         assert answer.status_code == 404, answer.text

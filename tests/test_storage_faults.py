@@ -20,7 +20,8 @@ from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, poll_
 from worldserve.engine import job_files
 from worldserve.engine.client import Job, JobStatus, StorageError
 from worldserve.engine.fake_backend import FakeBackend
-from worldserve.engine.jobs import JobStore, new_job_id
+from worldserve.engine.job_schema import new_job_id
+from worldserve.engine.jobs import JobStore
 
 pytestmark = pytest.mark.anyio
 

@@ -1,18 +1,18 @@
 """EngineClient: the asyncio-side handle on the engine and the job store; the only thing `api/` talks to.
 
-The HTTP event loop never waits on GPU work: `create_job` persists a queued job and drops a `Request` into
-the engine's inbox, then returns (`submit` / `delete` are the synchronous forms of `create_job` /
-`delete_job`, for callers off the event loop: the engine tests). Completion comes back from the engine
-thread as `on_done(job_id)`, bridged into the loop with `loop.call_soon_threadsafe`, which resolves the
-futures of `wait(job_id)` (the sync route; job_waiters.py).
-Store reads are short SQLite queries on a connection of their own and run inline; creates and deletes write
-on a thread (`create_job`, `delete_job`: a locked database or a slow fsync holds their requests only).
+The HTTP event loop never waits on GPU work: `create_job` admits a job (the queue bound, the shutdown), then
+its `jobs` (VideoJobs, engine/video_jobs.py) persist it queued and drop a `Request` into the engine's inbox
+(`submit` / `delete` are the synchronous forms of `create_job` / `delete_job`, for callers off the event loop:
+the engine tests). Completion comes back from the engine thread as `on_done(job_id)`, bridged into the loop
+with `loop.call_soon_threadsafe`, which resolves the futures of `wait(job_id)` (the sync route;
+job_waiters.py). Store reads are short SQLite queries on a connection of their own and run inline; creates
+and deletes write on a thread (a locked database or a slow fsync holds their requests only).
 
 Lifecycle: `start()` re-submits every job the store reports unfinished (a crash or shutdown left it queued
 or in progress; it re-runs from its persisted inputs, or fails with a reason: job_recovery.py), then starts
-the engine thread and, with a TTL, the expiry sweep. `begin_shutdown()` stops intake
-(submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the engine
-and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
+the engine thread and, with a TTL, the expiry sweep (VideoJobs.expire_forever). `begin_shutdown()` stops
+intake (submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the
+engine and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
 Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat_many(choices)` starts a
 request's choices together and gives a `ChatEvents` async iterator for each (ChatStarted, ChatDelta..., or
 ChatFailed), bridged with call_soon_threadsafe. Shutdown gives running chats the same timeout as jobs, then
@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -47,10 +46,9 @@ from worldserve.engine.chat_worker import (
 )
 from worldserve.engine.engine import Engine
 from worldserve.engine.ephemeral import JoblessRequests
-from worldserve.engine.job_files import StorageError, inputs_record
-from worldserve.engine.job_recovery import restored_jobs
+from worldserve.engine.job_files import StorageError
 from worldserve.engine.job_waiters import JobWaiters
-from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore, new_job_id
+from worldserve.engine.jobs import Job, JobSpec, JobStatus, JobStore
 from worldserve.engine.observer import EngineObserver, HeldFinish
 from worldserve.engine.outputs import ChatBackend, ChatDelta, TokenLogprob, VideoResult, crash_reason
 from worldserve.engine.prompt_upsampling import (
@@ -71,6 +69,7 @@ from worldserve.engine.refusals import (
     error_for,
 )
 from worldserve.engine.request import EncodeOptions, Request
+from worldserve.engine.video_jobs import VideoJobs
 from worldserve.params import ParamError, VideoParams
 
 __all__ = [
@@ -119,11 +118,20 @@ class EngineClient:
         self.upsampler = upsampler or UpsamplerConfig()
         self.restored_check = restored_check
         """The server's own check of a job stored before a restart (its LoRA settings), before validate."""
-        self._upsampling: dict[str, asyncio.Task] = {}  # job id -> its prompt upsampling, before the queue
         # settled on the loop when the shutdown begins: the prompts being upsampled stop then (upsampled_prompt)
         self._stopping: asyncio.Future[None] | None = None
-        self._storing = 0  # jobs admitted whose row and reference are being written (create_job)
         self._meter: ChatMeter | None = None  # where the upsampling chats are counted (observe)
+        # video jobs: stored, then queued (their prompt upsampled first when asked), deleted, restored,
+        # expired; `upsampled_prompt` looked up at each call, as the client's own (a test may replace it)
+        self.jobs = VideoJobs(
+            engine,
+            store,
+            self._waiters,
+            ttl_s=job_ttl_s,
+            loop=lambda: self.loop,
+            accepting=lambda: self.accepting,
+            write_prompt=lambda params: self.upsampled_prompt(params),
+        )
         # images and realtime streams: through the engine without a job, admitted as jobs are
         self.jobless = JoblessRequests(engine, self._check_admission, self.upsampled_prompt)
 
@@ -151,7 +159,8 @@ class EngineClient:
             self.chat_worker.call_in_consumer = self._call_in_loop
             self.chat_worker.start()
         if self.job_ttl_s:
-            self._sweeper = asyncio.create_task(self._sweep_forever(self.job_ttl_s))
+            period = self.sweep_interval_s or min(SWEEP_PERIOD_MAX_S, max(0.05, self.job_ttl_s / 2))
+            self._sweeper = asyncio.create_task(self.jobs.expire_forever(period))
         self.accepting = True
 
     def begin_shutdown(self, timeout_s: float) -> None:
@@ -216,8 +225,7 @@ class EngineClient:
             await asyncio.to_thread(self.chat_worker.stop, timeout_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for upsampling in list(self._upsampling.values()):
-            upsampling.cancel()  # its job stays queued, upsampled at the next start
+        self.jobs.cancel_upsampling()  # their jobs stay queued, upsampled at the next start
         self._waiters.fail(ShuttingDownError(SHUTDOWN_REASON))
         self.store.close()
         self._started = False
@@ -242,29 +250,15 @@ class EngineClient:
         return True, None
 
     def _recover(self) -> int:
-        resumed = 0
+        """The unfinished jobs queued again (VideoJobs.restore), each checked as the server checks a job
+        stored before a restart; how many."""
 
         def validate(params: VideoParams) -> VideoParams:
             if self.restored_check is not None:
                 self.restored_check(params)
             return self.validate(params)
 
-        for job_id, params, encode in restored_jobs(
-            self.store, self.job_ttl_s, validate, self.engine.observer
-        ):
-            self._queue(job_id, params, encode)
-            resumed += 1
-        return resumed
-
-    async def _sweep_forever(self, ttl_s: float) -> None:
-        period = self.sweep_interval_s or min(SWEEP_PERIOD_MAX_S, max(0.05, ttl_s / 2))
-        while True:
-            await asyncio.sleep(period)
-            try:  # off the loop, in batches (100k expired jobs took the loop for 39 s); finished jobs: no abort
-                for job_id in await asyncio.to_thread(self.store.delete_expired, time.time()):
-                    self._waiters.wake(job_id)
-            except Exception:
-                log.exception("expiry sweep failed")
+        return self.jobs.restore(validate)
 
     # -- jobs -----------------------------------------------------------------------------------------
     def validate(self, params: VideoParams) -> VideoParams:
@@ -290,8 +284,7 @@ class EngineClient:
     @property
     def num_waiting(self) -> int:
         """Jobs and streamed requests waiting: in the engine's queue or having their prompt upsampled."""
-        waiting = self.engine.num_waiting + len(self._upsampling) + self._storing
-        return waiting + self.jobless.upsampling
+        return self.engine.num_waiting + self.jobs.waiting + self.jobless.upsampling
 
     @property
     def num_running(self) -> int:
@@ -320,42 +313,16 @@ class EngineClient:
     async def create_job(
         self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
     ) -> Job:
-        """`submit` from the event loop: the store's writes (its row, the reference's fsync'd file) run on a
-        thread, so a slow disk or a locked database holds this request, not every route. The job counts as
-        waiting from its admission; once stored it is queued even if the caller is cancelled meanwhile."""
+        """The job stored and queued (VideoJobs.create_job) once admitted: QueueFullError or
+        ShuttingDownError when it cannot queue now."""
         self._check_admission(1, "jobs")
-        job = _queued_job(spec)
-        self._storing += 1
-        stored: asyncio.Future[Job] = asyncio.ensure_future(
-            asyncio.to_thread(self.store.create, job, inputs_record(params, encode), reference)
-        )
-
-        def queue(done: asyncio.Future) -> None:
-            self._storing -= 1
-            if not done.cancelled() and done.exception() is None:
-                self._queue(job.id, params, encode)
-
-        stored.add_done_callback(queue)
-        return await asyncio.shield(stored)
+        return await self.jobs.create_job(params, spec, encode, reference)
 
     def submit(
         self, params: VideoParams, spec: JobSpec, encode: EncodeOptions, reference: bytes | None
     ) -> Job:
         self._check_admission(1, "jobs")
-        job = self.store.create(_queued_job(spec), inputs_record(params, encode), reference)
-        self._queue(job.id, params, encode)
-        return job
-
-    def _queue(self, job_id: str, params: VideoParams, encode: EncodeOptions) -> None:
-        """Hand a stored queued job to the engine; one whose prompt is to be upsampled goes to the Reasoner
-        first (a task on the loop: the job stays queued meanwhile, counted as waiting)."""
-        arrival = time.monotonic()
-        if params.upsample_prompt:
-            task = self.loop.create_task(self._upsample_then_queue(job_id, params, encode, arrival))
-            self._upsampling[job_id] = task
-            task.add_done_callback(lambda _: self._upsampling.pop(job_id, None))
-            return
-        self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
+        return self.jobs.submit(params, spec, encode, reference)
 
     async def upsampled_prompt(self, params: VideoParams) -> str:
         """The prompt the Reasoner writes for `params`, checked as a client's (engine/prompt_upsampling.py);
@@ -367,33 +334,6 @@ class EngineClient:
         await asyncio.to_thread(checked, self.engine.backend.validate, written)  # e.g. its length in tokens
         return prompt
 
-    async def _upsample_then_queue(
-        self, job_id: str, params: VideoParams, encode: EncodeOptions, arrival: float
-    ) -> None:
-        """The Reasoner writes the job's prompt, the store records it (a restart then goes on with it), the
-        engine gets the job (its queue time counted from `arrival`). A failed upsampling fails the job (the
-        chat's status, else 500, and the reason; so too on a server restarted without a Reasoner); one stopped
-        by the shutdown leaves it queued, to upsample at the next start."""
-        try:
-            prompt = await self.upsampled_prompt(params)
-        except Exception as exc:
-            if not self.accepting:
-                return  # the shutdown stopped it
-            code = exc.status if isinstance(exc, UpsamplingFailed) else 500
-            if self.store.fail(job_id, code, f"Prompt upsampling failed: {exc}", completed_at=time.time(),
-                               ttl_s=self.job_ttl_s, param=getattr(exc, "param", None)):  # fmt: skip
-                self.engine.observer.on_failed(code)
-                self._waiters.wake(job_id)
-            return
-        params = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-        job = self.store.get(job_id)
-        if job is None or not self.store.set_upsampled(
-            job_id, dataclasses.replace(job.spec, upsampled_prompt=prompt), inputs_record(params, encode)
-        ):
-            return  # deleted (or failed) meanwhile
-        self._upsampling.pop(job_id, None)  # counted as waiting by the engine from now on, not twice
-        self.engine.add_request(Request(job_id=job_id, params=params, encode=encode, arrival_time=arrival))
-
     def get(self, job_id: str) -> Job | None:
         return self.store.get(job_id)
 
@@ -401,32 +341,12 @@ class EngineClient:
         return self.store.list(after=after, limit=limit, order=order)
 
     async def delete_job(self, job_id: str) -> Job | None:
-        """`delete` from the event loop: the store's writes on a thread (as create_job's); the job is aborted
-        once removed even if the caller is cancelled meanwhile."""
-        removed = asyncio.ensure_future(asyncio.to_thread(self.store.delete, job_id))
-
-        def stop(done: asyncio.Future) -> None:
-            if not done.cancelled() and done.exception() is None:
-                self._deleted(job_id, done.result())
-
-        removed.add_done_callback(stop)
-        return await asyncio.shield(removed)
+        """`delete` from the event loop (VideoJobs.delete_job)."""
+        return await self.jobs.delete_job(job_id)
 
     def delete(self, job_id: str) -> Job | None:
         """Remove the job and its files; a queued or running one is aborted at the next step boundary."""
-        job = self.store.delete(job_id)
-        self._deleted(job_id, job)
-        return job
-
-    def _deleted(self, job_id: str, job: Job | None) -> None:
-        """After the store removed `job_id` (`job`: what it was, None when unknown): stop its work."""
-        if (upsampling := self._upsampling.pop(job_id, None)) is not None:
-            upsampling.cancel()  # its chat stops at the next step
-            self.engine.observer.on_cancelled()
-        if job is not None and not job.status.terminal:
-            self.engine.abort(job_id)
-        # a sync request waiting on it answers now (404), also while its MP4 is encoded
-        self._waiters.wake(job_id)
+        return self.jobs.delete(job_id)
 
     def video_path(self, job_id: str) -> Path:
         return self.store.video_path(job_id)
@@ -465,8 +385,3 @@ class EngineClient:
     async def wait(self, job_id: str) -> Job | None:
         """Wait until the job is completed or failed; None if it was deleted meanwhile."""
         return await self._waiters.wait(job_id)
-
-
-def _queued_job(spec: JobSpec) -> Job:
-    """A new job, queued now."""
-    return Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=spec)

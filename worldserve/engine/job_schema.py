@@ -1,18 +1,27 @@
-"""What a video job is (JobStatus, JobSpec, Job) and how the job table stores it: the schema, its migration
-(older databases gain `interrupted`, `error_param`) and the row <-> Job conversion. The store itself is jobs.py.
+"""What a video job is (JobStatus, JobSpec, Job, its id) and how the job table stores it: the schema, its
+migration (older databases gain `interrupted`, `error_param`) and the row <-> Job conversion. The store itself
+is jobs.py (on its folder and database: job_database.py).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 import sqlite3
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from worldserve.engine.job_files import StorageError
 
 SCHEMA_VERSION = 3  # v2: `interrupted`, v3: `error_param` (older databases gain them when opened)
+JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
+"""A job id; the store names no file, and reads no row, for an id that does not match it."""
+
+
+def new_job_id() -> str:
+    return f"video_gen_{uuid.uuid4().hex}"
 
 
 class JobStatus(enum.StrEnum):

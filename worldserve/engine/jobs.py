@@ -1,62 +1,51 @@
-"""Durable video jobs: one SQLite database (stdlib sqlite3, WAL) plus files under the storage folder.
+"""Durable video jobs: JobStore, their rows in one SQLite database plus their files under the storage folder
+(the folder, its lock, the connections and the write discipline: job_database.py).
 
-Layout: `<root>/jobs.sqlite3`, `<root>/videos/<id>.mp4` (the output), `<root>/inputs/<id>.ref` (the uploaded
-reference, image or video, kept so that an interrupted job can be re-run). Files are written atomically (temp file,
-fsync, rename, fsync of the folder); a row turns `completed` only after its file is in place, so a crash
-never leaves a completed job without its video.
+Files are written atomically (temp file, fsync, rename, fsync of the folder); a row turns `completed` only
+after its file is in place, so a crash never leaves a completed job without its video.
 
 Lifecycle: `queued -> in_progress -> completed | failed`. DELETE removes the row and its files (as vLLM-Omni
 does), so there is no `cancelled` status. After a crash or a shutdown, `recover()` turns every `in_progress`
 row back into `queued` (progress 0): the server re-runs it from its persisted inputs, unless the process
 has died MAX_INTERRUPTIONS times while running it (a job that crashes the server, e.g. out of host memory,
-would otherwise take it down on every start): then it fails with a message saying so. One process per
-storage folder (an exclusive lock on `<root>/.lock`). Updates are guarded by
+would otherwise take it down on every start): then it fails with a message saying so. Updates are guarded by
 the current status, so a job deleted while its video was being encoded is never resurrected. A disk that
 refuses a write while serving (full, an I/O error) raises StorageError naming what was not saved
 (job_faults.py), never a half-written file; progress is then skipped and a failure kept until it can be written.
-Thread-safe: one connection behind a lock, shared by the event loop, the engine thread and the encoders.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-import os
-import re
 import sqlite3
-import threading
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from worldserve.engine.job_faults import StorageFull, UnsavedFailures, storage_failure
+from worldserve.engine.job_database import JobDatabase
+from worldserve.engine.job_faults import StorageFull, storage_failure
 from worldserve.engine.job_files import (
     StorageError,
-    database_gone,
-    file_identity,
     folder_unwritable,
-    lock_storage,
     remove_strays,
     write_atomic,
 )
 from worldserve.engine.job_schema import (
+    JOB_ID_PATTERN,
     SCHEMA_VERSION,
     Job,
     JobSpec,
     JobStatus,
     job_from_row,
-    prepared,
     spec_record,
 )
 
-__all__ = ["SCHEMA_VERSION", "Job", "JobSpec", "JobStatus", "JobStore", "StorageError", "new_job_id"]
+__all__ = ["SCHEMA_VERSION", "Job", "JobSpec", "JobStatus", "JobStore", "StorageError"]
 
-JOB_ID_PATTERN = re.compile(r"^video_gen_[0-9a-f]{32}$")
 log = logging.getLogger(__name__)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
@@ -66,12 +55,6 @@ GONE_CURSORS = 10_000
 _UNFINISHED = ("queued", "in_progress")
 EXPIRY_BATCH = 500
 """Expired jobs deleted per transaction by the TTL sweep."""
-
-
-def new_job_id() -> str:
-    return f"video_gen_{uuid.uuid4().hex}"
-
-
 LISTED_COLUMNS = (
     "id, status, progress, created_at, spec, started_at, completed_at, expires_at, error_code, error_message, "
     "error_param, file_name, inference_time_s, stage_durations, peak_memory_mb"
@@ -81,112 +64,18 @@ LIST_BATCH_ROWS = 1000
 """Rows a listing reads under the read lock at a time (100k jobs held it for ~2 s in one fetch)."""
 
 
-class JobStore:
-    """SQLite rows + files; every write is one short transaction under `_lock`. Reads (`get`, `list`) go
-    through a second connection under `_read_lock`: in WAL mode they see the last commit without waiting for
-    a write, so a write stuck on a locked database (another process, a slow fsync) holds no status read."""
+class JobStore(JobDatabase):
+    """The jobs' rows and files through their lifecycle: created, run, finished, deleted, recovered after a
+    restart, expired; read one at a time or a page at a time (job_database.py: the connections and locks)."""
 
     def __init__(self, root: str | Path):
-        """Open (or create) the store in `root`; StorageError, naming the folder or file, when it cannot be
-        used (not a folder, not writable, a database that is not one, another server holding it)."""
-        self.root = Path(root)
-        self.videos_dir = self.root / "videos"
-        self.inputs_dir = self.root / "inputs"
-        self.db_path = self.root / "jobs.sqlite3"
-        try:  # (folders and files it creates are the server user's alone: prompts, references, videos)
-            for d in (self.root, self.videos_dir, self.inputs_dir):
-                d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not self.db_path.exists():  # (SQLite gives its WAL and shared-memory files the same mode)
-                os.close(os.open(self.db_path, os.O_WRONLY | os.O_CREAT, 0o600))
-            for d in (self.videos_dir, self.inputs_dir):  # (folders kept from an earlier run, chmod'ed since)
-                if folder_unwritable(d) is not None:
-                    raise PermissionError(f"{d} is not writable by this user")
-        except OSError as exc:
-            raise StorageError(f"cannot use {self.root} as the storage directory: {exc}") from None
-        self._owner = lock_storage(self.root)  # held until close(): one server per storage directory
-        self._lock = threading.Lock()
-        self._read_lock = threading.Lock()
+        """Open (or create) the store in `root` (JobDatabase: StorageError when it cannot be used)."""
+        super().__init__(root)
         self._gone: OrderedDict[str, tuple[float, int]] = OrderedDict()
         """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
-        self._unsaved = UnsavedFailures()  # failures the database refused (a full disk), shown by the reads
         self._progress_refused = False  # logged once until a progress write goes through again
-        try:
-            self._db = self._open_database(self.db_path)
-            self._reader = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
-            self._reader.row_factory = sqlite3.Row
-            self._reader.execute("PRAGMA query_only=1")
-            self._db_identity = file_identity(self.db_path)
-            newest = self._db.execute("SELECT MAX(created_at) FROM jobs").fetchone()[0]
-        except (sqlite3.Error, OSError, StorageError) as exc:
-            if hasattr(self, "_db"):
-                self._db.close()
-            self._owner.close()
-            raise StorageError(f"cannot use the job database {self.db_path}: {exc}") from None
-        self._newest_created = float(newest or 0.0)
-        """The latest created_at stored: a job committed after another is never stamped before it (create)."""
-
-    def _open_database(self, path: Path) -> sqlite3.Connection:
-        """The job table at `path`, created or migrated to SCHEMA_VERSION (closed again on any failure)."""
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        try:
-            return prepared(db)
-        except BaseException:
-            db.close()
-            raise
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """BEGIN ... COMMIT, rolled back on any error (an open transaction would swallow later writes)."""
-        self._db.execute("BEGIN")
-        try:
-            yield
-            self._db.execute("COMMIT")
-        except BaseException:
-            if self._db.in_transaction:  # (a COMMIT the disk refused may or may not have rolled back)
-                self._db.execute("ROLLBACK")
-            raise
-
-    @contextlib.contextmanager
-    def _writing(self, what: str) -> Iterator[None]:
-        """Under `_lock`, after writing the failures still unsaved: a write the disk refuses (full, an I/O
-        error) raises StorageError saying what was not saved."""
-        with self._lock:
-            try:
-                self._write_unsaved()
-                yield
-            except (OSError, sqlite3.OperationalError) as exc:
-                raise storage_failure(exc, what) from exc
-
-    def _write_unsaved(self) -> None:
-        """Under `_lock`: the failures still unsaved, written if the disk takes them now (else kept)."""
-        if self._unsaved:
-            with contextlib.suppress(sqlite3.OperationalError):
-                with self._transaction():
-                    self._unsaved.write(self._db)
-                self._unsaved.clear()  # once committed (a COMMIT the disk refuses is rolled back: kept)
-
-    def close(self) -> None:
-        with self._lock, self._read_lock:
-            self._write_unsaved()  # (space back since: a restart must not run those jobs again)
-            self._reader.close()
-            self._db.close()
-            self._owner.close()  # releases the directory's lock
-
-    # -- paths ----------------------------------------------------------------------------------------
-    def video_path(self, job_id: str) -> Path:
-        assert JOB_ID_PATTERN.match(job_id), job_id  # ids never reach the disk unchecked
-        return self.videos_dir / f"{job_id}.mp4"
-
-    def reference_path(self, job_id: str) -> Path:
-        assert JOB_ID_PATTERN.match(job_id), job_id
-        return self.inputs_dir / f"{job_id}.ref"
 
     # -- writes ---------------------------------------------------------------------------------------
-    def problem(self) -> str | None:
-        """Why this store cannot keep what it is given any more (its database removed under the server, or its
-        videos folder not writable: every job would run to its end and fail saving it), else None."""
-        return database_gone(self.db_path, self._db_identity) or folder_unwritable(self.videos_dir)
-
     def create(self, job: Job, inputs: dict[str, Any], reference: bytes | None) -> Job:
         """Persist a new queued job: its reference file first, then the row (the row is the commit); the job as
         stored. Its created_at is raised, if needed, to the latest one stored: the list pages by (created_at,
@@ -325,10 +214,6 @@ class JobStore:
             self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
             self._forget(job_id, row["created_at"], row["seq"])
         return job_from_row(row)
-
-    def _remove_files(self, job_id: str) -> None:
-        self.video_path(job_id).unlink(missing_ok=True)
-        self.reference_path(job_id).unlink(missing_ok=True)
 
     def recover(
         self,
@@ -483,7 +368,3 @@ class JobStore:
         if limit is None:
             return jobs, False
         return jobs[:limit], len(jobs) > limit
-
-    def _update(self, sql: str, args: tuple) -> bool:
-        with self._writing("the job's state"):
-            return self._db.execute(sql, args).rowcount > 0
