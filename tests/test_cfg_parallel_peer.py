@@ -160,17 +160,18 @@ def _echo_peer(rank: int, link, world: int, timeout_s: float) -> None:
 
 
 def test_an_idle_peer_outlives_the_world_timeout():
-    """A peer waiting for its next message longer than the world's timeout (here 4 s; 1800 s in the server)
+    """A peer waiting for its next message longer than the world's timeout (here 8 s; 1800 s in the server)
     is kept alive by pings (was: its receive timed out and it exited, so the next job after an idle half hour
-    found the peer gone)."""
+    found the peer gone). (8 s, not less: the world's timeout bounds the spawned peer's start too, whose
+    imports take ~3.5 s on an idle CI core and failed a 4 s world under load.)"""
     from worldserve.runner.peers import PeerRanks
 
     cpu = torch.device("cpu")
     peers, _ = PeerRanks.start(
-        "test", _echo_peer, lambda r, init: (r, init, 2, 4.0), [cpu, cpu], lambda: None, timeout_s=4.0
+        "test", _echo_peer, lambda r, init: (r, init, 2, 8.0), [cpu, cpu], lambda: None, timeout_s=8.0
     )
     try:
-        time.sleep(6.5)  # (past 1.5x the timeout: without pings the receive had timed out at 4 s)
+        time.sleep(12.5)  # (past 1.5x the timeout: without pings the receive had timed out at 8 s)
         with peers.lock:
             peers.send(("echo", 7))
             assert peers.recv_object(1) == ("echo", 7)
