@@ -134,6 +134,9 @@ async def test_control_messages_beside_a_running_request(tmp_path):
                           "WebSocket messages must be JSON objects",
                           "The session has started: one session.start per session"]  # fmt: skip
     assert all(m["code"] == 400 for m in messages if m["type"] == "error")
+    # the messages whose `type` is wrong name it, as a bad session.start's error names its field
+    params = [m.get("param") for m in messages if m["type"] == "error"]
+    assert params == ["type", "type", None, None, None, "type"]
     assert messages[-1]["stopped"] is False and probe_mp4(data).num_frames == 33
 
 

@@ -28,7 +28,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import make_asgi_app
 from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketClose
@@ -44,6 +43,7 @@ from worldserve.api.images import router as images_router
 from worldserve.api.invocations import router as invocations_router
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
+from worldserve.api.metrics_exposition import exposition_app
 from worldserve.api.origins import OriginGuardMiddleware
 from worldserve.api.protocol import ModelCard, ModelList, ModelPermission
 from worldserve.api.realtime import router as realtime_router
@@ -199,8 +199,9 @@ def build_app(
 def metrics_mount(metrics: Metrics) -> Mount:
     """/metrics as vLLM mounts it: prometheus_client's ASGI app on every path that starts with /metrics
     (/metrics/ too, any method), so a scrape gets the format its Accept header asks for (OpenMetrics or
-    text), only the families it names with `?name[]=` and a gzip body when it accepts one."""
-    exposition = make_asgi_app(registry=metrics.registry)
+    text), only the families it names with `?name[]=` and a gzip body when it accepts one (the app's
+    OpenMetrics sample names fixed: api/metrics_exposition.py)."""
+    exposition = exposition_app(metrics.registry)
 
     async def http_only(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -387,11 +387,11 @@ class _Session:
                 await self._send({"type": "session.pong"})
             elif kind == "session.interaction":
                 await self._error("session.interaction is not supported: Cosmos3 generates the whole video in "
-                                  "one pass, so its prompt cannot change while it runs", 400)  # fmt: skip
+                                  "one pass, so its prompt cannot change while it runs", 400, "type")  # fmt: skip
             elif kind == "session.start":
-                await self._error("The session has started: one session.start per session", 400)
-            else:
-                await self._error(f"Unknown message type: {kind}", 400)
+                await self._error("The session has started: one session.start per session", 400, "type")
+            else:  # (a missing or unknown type named, as session.start's)
+                await self._error(f"Unknown message type: {kind}", 400, "type")
 
     async def _send(self, *messages: dict[str, Any] | bytes) -> None:
         """Send `messages` together (a dict as JSON text, bytes as one binary message); _Stop("gone") when
