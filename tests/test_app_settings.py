@@ -27,3 +27,14 @@ def test_two_apps_built_from_one_settings_value_each_start_the_seed_sequence(tmp
     fresh = RequestSeeds(5)
     assert seeds_first == [fresh.next(), fresh.next()]
     assert seeds_again == seeds_first  # (now: the shared sequence's 3rd and 4th seeds)
+
+
+def test_the_route_log_lists_each_path_once(tmp_path):
+    """serve's "Route: ..." log (route_table) merged the app's routes with the OpenAPI paths, and the two
+    spell a path parameter's converter differently: GET /v1/models/{model} was listed twice, once as
+    `{model:path}`."""
+    from worldserve.api.app import route_table
+
+    paths = [path for path, _ in route_table(build_app(make_client(tmp_path)))]
+    assert "/v1/models/{model}" in paths and not [p for p in paths if ":" in p]
+    assert len(paths) == len(set(paths))

@@ -221,7 +221,8 @@ def route_table(app: FastAPI) -> list[tuple[str, list[str]]]:
     table: dict[str, set[str]] = defaultdict(set)  # a path served by several routes (GET + HEAD) lists all
     for r in app.routes:
         if (methods := getattr(r, "methods", None)) and hasattr(r, "path"):
-            table[r.path] |= methods
+            # `{model:path}` as OpenAPI writes it, `{model}` (it was listed twice)
+            table[re.sub(r"\{(\w+):\w+\}", r"{\1}", r.path)] |= methods
     for path, operations in app.openapi()["paths"].items():
         table[path] |= {m.upper() for m in operations}
     return sorted((path, sorted(methods)) for path, methods in table.items())
