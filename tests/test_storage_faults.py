@@ -434,3 +434,19 @@ def test_a_job_deleted_while_queued_is_gone_not_failed_when_the_videos_folder_is
     finally:
         (tmp_path / "videos").chmod(0o700)
         store.close()
+
+
+def test_a_kept_failure_is_written_by_the_delete_that_frees_the_disk(tmp_path, monkeypatch):
+    """A job failed on a disk full of videos (its failure kept in memory), then DELETE of a finished job frees
+    the space: that delete writes the kept failure too (it tried before its files were gone, while the disk
+    was still full), so a crash right after does not run again a job whose client was told it failed."""
+    store = JobStore(tmp_path)
+    done, running = _completed_job(store), _running_job(store)
+    FullOfVideos(store, monkeypatch).fill(store.videos_dir)
+    assert store.fail(
+        running.id, 507, "Video generation failed: disk full", completed_at=time.time(), ttl_s=None
+    )
+    assert store.delete(done.id) is not None  # the disk has space again
+    row = store._db.execute("SELECT status FROM jobs WHERE id=?", (running.id,)).fetchone()
+    assert row["status"] == "failed"  # on disk now, not only in memory
+    store.close()

@@ -97,13 +97,15 @@ class JobDatabase:
     @contextlib.contextmanager
     def _writing(self, what: str) -> Iterator[None]:
         """Under `_lock`, after writing the failures still unsaved: a write the disk refuses (full, an I/O
-        error) raises StorageError saying what was not saved."""
+        error) raises StorageError saying what was not saved. Those still unsaved after the write are tried
+        once more: a deletion frees the space they need only once its files are gone."""
         with self._lock:
             try:
                 self._write_unsaved()
                 yield
             except (OSError, sqlite3.OperationalError) as exc:
                 raise storage_failure(exc, what) from exc
+            self._write_unsaved()
 
     def _write_unsaved(self) -> None:
         """Under `_lock`: the failures still unsaved, written if the disk takes them now (else kept)."""
