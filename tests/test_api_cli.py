@@ -270,7 +270,7 @@ async def test_job_ttl_removes_finished_jobs_and_files(tmp_path, anyio_backend):
         assert done["expires_at"] is not None and done["expires_at"] >= done["completed_at"]
         assert (tmp_path / "videos" / f"{job['id']}.mp4").exists()
         for _ in range(300):
-            if (await http.get(f"/v1/videos/{job['id']}")).status_code == 404:
+            if not (tmp_path / "videos" / f"{job['id']}.mp4").exists():
                 break
             await asyncio.sleep(0.02)
         assert (await http.get(f"/v1/videos/{job['id']}")).status_code == 404
@@ -280,8 +280,9 @@ async def test_job_ttl_removes_finished_jobs_and_files(tmp_path, anyio_backend):
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_sweep_interval_delays_the_expiry_sweep(tmp_path, anyio_backend):
-    """With VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL's 30 s, a job past its 0.2 s TTL stays until the next
-    sweep (without it the sweep runs every 0.1 s: the test above)."""
+    """With VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL's 30 s, the files of a job past its 0.2 s TTL stay
+    until the next sweep (without it the sweep runs every 0.1 s: the test above); the job itself is gone at
+    its expires_at (it was retrieved and downloaded until the sweep)."""
     import asyncio
 
     async with asgi_server(tmp_path, job_ttl_s=0.2, sweep_interval_s=30) as http:
@@ -289,7 +290,10 @@ async def test_a_sweep_interval_delays_the_expiry_sweep(tmp_path, anyio_backend)
                                                    "num_inference_steps": "1"})).json()  # fmt: skip
         await poll_job(http, job["id"])
         await asyncio.sleep(0.6)
-        assert (await http.get(f"/v1/videos/{job['id']}")).status_code == 200
+        assert (await http.get(f"/v1/videos/{job['id']}")).status_code == 404
+        assert (await http.get(f"/v1/videos/{job['id']}/content")).status_code == 404
+        assert (await http.get("/v1/videos")).json()["data"] == []
+        assert (tmp_path / "videos" / f"{job['id']}.mp4").exists()
 
 
 def test_init_timeout_bounds_model_loading(monkeypatch, caplog):

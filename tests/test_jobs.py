@@ -164,7 +164,7 @@ def test_expiry_and_bad_ids(tmp_path):
     job = _job()
     store.create(job, {}, None)
     store.mark_in_progress(job.id, time.time())
-    _complete(store, job.id, ttl=0.01)
+    _complete(store, job.id, ttl=1000.0)
     at = store.get(job.id).expires_at
     assert at is not None and store.delete_expired(math.nextafter(at, 0)) == []  # not before its instant
     assert store.delete_expired(at) == [job.id]  # at it
@@ -172,6 +172,26 @@ def test_expiry_and_bad_ids(tmp_path):
         assert store.get(bad) is None and store.delete(bad) is None
     with pytest.raises(AssertionError):
         store.video_path("../x")
+
+
+def test_an_expired_job_is_gone_before_the_sweep_takes_it(tmp_path):
+    """A job past its expires_at was still retrieved, listed and downloadable until the next sweep (up to a
+    minute, or half the TTL, later): reads now leave it out; the sweep still deletes it."""
+    store = JobStore(tmp_path)
+    old, fresh = _job(created_at=time.time() - 1), _job()
+    for job in (old, fresh):
+        store.create(job, {}, None)
+        store.mark_in_progress(job.id, time.time())
+    assert store.complete(old.id, b"mp4", completed_at=time.time() - 10, ttl_s=5.0, inference_time_s=1.5,
+                          stage_durations={}, peak_memory_mb=0.0)  # fmt: skip
+    _complete(store, fresh.id, ttl=1000.0)
+    assert store.get(old.id) is None and store.get(fresh.id) is not None
+    assert [j.id for j in store.list(order="asc")[0]] == [fresh.id]
+    assert store.list(limit=1, order="asc") == ([store.get(fresh.id)], False)
+    assert [j.id for j in store.list(after=old.id, order="asc")[0]] == [
+        fresh.id
+    ]  # (a cursor on it still pages)
+    assert store.delete_expired(time.time()) == [old.id]
 
 
 def test_the_sweep_deletes_expired_jobs_in_batches(tmp_path):
@@ -214,7 +234,7 @@ def test_a_restart_without_a_ttl_clears_the_expiries(tmp_path):
     job = _job()
     store.create(job, {}, None)
     store.mark_in_progress(job.id, time.time())
-    _complete(store, job.id, ttl=0.001)
+    _complete(store, job.id, ttl=1000.0)
     assert store.get(job.id).expires_at is not None
     store.close()
     store = JobStore(tmp_path)

@@ -326,7 +326,9 @@ class JobStore(JobDatabase):
             return None
         with self._read_lock:
             row = self._reader.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
-        return self._unsaved.shown(job_from_row(row)) if row is not None else None
+        job = self._unsaved.shown(job_from_row(row)) if row is not None else None
+        # (an expired job not yet swept is gone already: its expires_at said so)
+        return None if job is None or expired(job, time.time()) else job
 
     def load_inputs(self, job_id: str) -> tuple[dict[str, Any], bytes | None]:
         """The persisted request inputs; raises FileNotFoundError if the reference file is gone."""
@@ -343,15 +345,16 @@ class JobStore(JobDatabase):
         """One page in `created_at` order, starting after the job `after` (also one deleted since the previous
         page was read, while this process remembers it); returns (jobs, has_more)."""
         assert order in ("asc", "desc")
-        where, args = "", []
+        now = time.time()  # (expired jobs not yet swept are left out, as get leaves them)
+        where, args = "WHERE (expires_at IS NULL OR expires_at > ?)", [now]
         with self._read_lock:
             if after is not None:
                 row = self._reader.execute("SELECT created_at, seq FROM jobs WHERE id=?", (after,)).fetchone()
                 anchor = (row["created_at"], row["seq"]) if row is not None else self._gone.get(after)
                 if anchor is None:
                     return [], False
-                where = f"WHERE (created_at, seq) {'>' if order == 'asc' else '<'} (?, ?)"
-                args = list(anchor)
+                where += f" AND (created_at, seq) {'>' if order == 'asc' else '<'} (?, ?)"
+                args += list(anchor)
             # (not `inputs`: a listing shows none of it, and it is the rows' largest column)
             sql = f"SELECT {LISTED_COLUMNS} FROM jobs {where} ORDER BY created_at {order}, seq {order}"
             if limit is not None:
@@ -364,7 +367,12 @@ class JobStore(JobDatabase):
                 rows = cursor.fetchmany(LIST_BATCH_ROWS)
             if not rows:
                 break
-            jobs += [self._unsaved.shown(job_from_row(r)) for r in rows]
+            jobs += [job for r in rows if not expired(job := self._unsaved.shown(job_from_row(r)), now)]
         if limit is None:
             return jobs, False
         return jobs[:limit], len(jobs) > limit
+
+
+def expired(job: Job, now: float) -> bool:
+    """Whether `job` is past its expires_at (the sweep deletes it within its period; reads hide it now)."""
+    return job.expires_at is not None and job.expires_at <= now
