@@ -6,10 +6,12 @@ image_reference is a URL."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.server
 import socket
 import threading
 import time
+import zlib
 
 import pytest
 from serving_helpers import png_bytes, wait_until
@@ -21,6 +23,15 @@ from worldserve.params import ParamError
 
 pytestmark = pytest.mark.anyio
 PNG = png_bytes(64, 48)
+
+
+ENCODED = {
+    "/gzipped.png": ("gzip", gzip.compress(PNG)),
+    "/deflated.png": ("deflate", zlib.compress(PNG)),
+    "/bomb.png": ("gzip", gzip.compress(bytes(8 << 20))),  # 8 MiB of zeros in ~8 KB
+    "/broken.png": ("gzip", PNG),
+    "/brotli.png": ("br", PNG),
+}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -39,6 +50,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", "http://media.example.org/ref.png")
             self.end_headers()
+        elif self.path in ENCODED:  # compressed although http.client asks for identity (as S3 serves a
+            encoding, body = ENCODED[self.path]  # gzipped object)
+            self.send_response(200)
+            self.send_header("Content-Encoding", encoding)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         elif self.path == "/chunked":  # no Content-Length: the limit is enforced while reading
             self.send_response(200)
             self.end_headers()
@@ -85,6 +103,23 @@ async def test_failures_are_400s_naming_the_field(base_url, path, fetcher, messa
         await _fetch(fetcher, base_url + path)
     assert err.value.param == "image_reference" and message in err.value.message
     assert err.value.message.startswith("Invalid image_reference.image_url: ")
+
+
+async def test_a_compressed_body_is_decoded_within_the_limit(base_url):
+    """A server that compresses the body unasked (Content-Encoding gzip or deflate): the image, as vLLM's
+    download (aiohttp) decodes it; it had been the compressed bytes, "not a valid image". The decoded bytes
+    count against the limit (a gzip bomb stops there); an encoding not decoded is a 400 that names it."""
+    fetcher = MediaFetcher(max_bytes=1 << 20)
+    assert await _fetch(fetcher, f"{base_url}/gzipped.png") == PNG
+    assert await _fetch(fetcher, f"{base_url}/deflated.png") == PNG
+    for path, message in [
+        ("/bomb.png", "larger than what is left of this server's 1 MiB upload limit"),
+        ("/broken.png", "its body is not the compressed data its Content-Encoding says"),
+        ("/brotli.png", "Content-Encoding 'br', which this server does not decode"),
+    ]:
+        with pytest.raises(ParamError) as err:
+            await _fetch(fetcher, base_url + path)
+        assert err.value.param == "image_reference" and message in err.value.message
 
 
 async def test_an_unreachable_host_is_a_400():

@@ -125,6 +125,19 @@ def test_decode_chat_video_samples_and_resizes_an_mp4():
     assert e.value.param == "messages"
 
 
+def test_a_chat_videos_display_rotation_is_applied():
+    """A phone's portrait clip in a video_url part reaches the Reasoner upright (OpenCV, vLLM's loader, turns
+    it by its display matrix), sized as the portrait clip it is: it had been sampled sideways."""
+    from test_v2v import ROTATE_90, _marked_clip, rotated_mp4
+
+    video = decode_chat_video(rotated_mp4(_marked_clip(8), ROTATE_90), VideoSampling())
+    height, width = video.frames.shape[1:3]
+    assert (height, width) == VideoSampling().frame_size(4, 48, 32) and height > width
+    top_right = video.frames[:, : height // 4, -width // 4 :]
+    assert (top_right[..., 0] > 200).all() and (top_right[..., 2] < 60).all()
+    assert (video.frames[:, -height // 4 :, : width // 4, 2] > 200).all()
+
+
 def test_a_chat_video_frame_above_the_pixel_limit_is_refused_before_it_is_converted(monkeypatch):
     from PIL import Image
 

@@ -5,6 +5,7 @@ checkpoint (same settings as tests/test_pipeline_parity.py: templates off, same 
 from __future__ import annotations
 
 import io
+import struct
 
 import numpy as np
 import pytest
@@ -68,6 +69,46 @@ def test_an_image_pillow_refuses_is_not_a_one_frame_video():
         decode_reference(cut, max_frames=5)
     assert err.value.message == INVALID_REFERENCE_MESSAGE
     assert decode_video(cut, 5, param="video_reference").shape == (1, 32, 48, 3)
+
+
+def rotated_mp4(frames: np.ndarray, matrix: tuple[int, ...]) -> bytes:
+    """`frames` as an MP4 whose track header carries the display matrix `matrix` (16.16 fixed point, as a phone
+    writes it: a portrait clip is stored landscape with the matrix turning it upright on display)."""
+    data = bytearray(encode_mp4(frames, fps=24.0, audio=None, crf=0))
+    identity = struct.pack(">9i", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
+    at = data.index(identity, data.index(b"tkhd"))
+    data[at : at + 36] = struct.pack(">9i", *matrix)
+    return bytes(data)
+
+
+ROTATE_90 = (0, 0x10000, 0, -0x10000, 0, 0, 0, 0, 0x40000000)
+"""A phone's portrait clip: shown turned 90 degrees clockwise (ffprobe: "rotation of -90.00 degrees")."""
+ROTATE_180 = (-0x10000, 0, 0, 0, -0x10000, 0, 0, 0, 0x40000000)
+
+
+def _marked_clip(frames: int = 6) -> np.ndarray:
+    """32x48 (HxW) frames: the top-left quarter red, the rest blue (large flat areas H.264 keeps)."""
+    clip = np.zeros((frames, 32, 48, 3), np.uint8)
+    clip[..., 2] = 255
+    clip[:, :16, :24] = (255, 0, 0)
+    return clip
+
+
+def test_a_clips_display_rotation_is_applied():
+    """A phone's portrait video (stored landscape, a display matrix turning it) decodes upright, as FFmpeg's
+    players, OpenCV (vLLM's video loader) and diffusers' load_video show it: V2V had generated from (and, with
+    no size, at the aspect ratio of) the sideways frames."""
+    clip = _marked_clip()
+    upright = decode_video(rotated_mp4(clip, ROTATE_90), 5)
+    assert upright.shape == (5, 48, 32, 3)  # portrait
+    # turned clockwise: the stored top-left corner is now the top-right one
+    assert (upright[:, :12, -8:, 0] > 200).all() and (upright[:, :12, -8:, 2] < 60).all()
+    assert (upright[:, -12:, :8, 2] > 200).all()
+    flipped = decode_video(rotated_mp4(clip, ROTATE_180), 5, "last")
+    assert flipped.shape == (5, 32, 48, 3)
+    assert (flipped[:, -8:, -12:, 0] > 200).all() and (flipped[:, :8, :12, 2] > 200).all()
+    _, video = decode_reference(rotated_mp4(clip, ROTATE_90), max_frames=5)
+    assert video is not None and video.shape == (5, 48, 32, 3)
 
 
 @pytest.mark.parametrize("size", [(48, 64), (32, 48), (80, 48), (32, 64)])

@@ -36,6 +36,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -213,6 +214,7 @@ class MediaFetcher:
             declared = resp.getheader("Content-Length")
             if declared is not None and declared.strip().isdigit() and int(declared) > budget.left:
                 raise _Failed(self._too_large(what, kind))
+            decoder = _body_decoder(resp.getheader("Content-Encoding"), what)
             chunks = []
             # From Python 3.12 the response closes itself, and the socket's file, once its Content-Length is
             # read: a settimeout after that is EBADF (every download failed on 3.12 before this check).
@@ -228,6 +230,8 @@ class MediaFetcher:
                         raise _Failed(f"Invalid {what}: the server closed the connection {resp.length} bytes "
                                       f"before the end of the {kind} it announced.")  # fmt: skip
                     break
+                if decoder is not None:  # (at most one byte past the budget: a bomb stops there)
+                    chunk = _decoded(decoder, chunk, budget.left + 1, what)
                 if not budget.take(len(chunk)):
                     raise _Failed(self._too_large(what, kind))
                 taken += len(chunk)
@@ -243,6 +247,32 @@ class MediaFetcher:
     def _too_large(self, what: str, kind: str) -> str:
         return (f"Invalid {what}: the {kind} is larger than what is left of this server's {self.max_bytes >> 20} MiB "
                 "upload limit (one request's downloads share it).")  # fmt: skip
+
+
+def _body_decoder(encoding: str | None, what: str) -> zlib._Decompress | None:
+    """A decompressor for a body the server sent compressed (`Content-Encoding` gzip or deflate), None for
+    one sent as it is. http.client asks for `identity`, but some servers compress regardless (an S3 object
+    stored gzipped is served so): vLLM's download (aiohttp) decodes gzip and deflate, and so does this one.
+    Another encoding (br, zstd, ...) is a _Failed that names it."""
+    name = (encoding or "").strip().lower()
+    if name in ("", "identity"):
+        return None
+    if name in ("gzip", "x-gzip", "deflate"):
+        return zlib.decompressobj(zlib.MAX_WBITS | 32)  # (gzip or zlib headers, told apart by their bytes)
+    raise _Failed(f"Invalid {what}: the server sent it with Content-Encoding {encoding!r}, which this server "
+                  "does not decode (gzip and deflate are).")  # fmt: skip
+
+
+def _decoded(decoder: zlib._Decompress, chunk: bytes, limit: int, what: str) -> bytes:
+    """`chunk` of a compressed body decompressed, at most `limit` bytes of it (`limit` reached: the caller's
+    budget refuses it, so a small body that inflates to gigabytes is never held); _Failed when it is not
+    the compressed data its Content-Encoding says."""
+    try:
+        return decoder.decompress(chunk, limit)
+    except zlib.error:
+        raise _Failed(
+            f"Invalid {what}: its body is not the compressed data its Content-Encoding says."
+        ) from None
 
 
 class DownloadBudget:
