@@ -276,6 +276,17 @@ async def test_a_reference_far_from_the_videos_aspect_ratio_is_a_400_before_any_
         assert (await http.get("/v1/videos")).json()["data"] == []
 
 
+async def test_a_data_url_scheme_is_read_in_any_case_as_chat_reads_it(tmp_path):
+    """`DATA:image/png;base64,...` and one with a blank before it: the chat routes read them (urlsplit), the
+    video routes refused them ("must be an http(s) URL or data URL")."""
+    payload = base64.b64encode(png_bytes()).decode()
+    async with asgi_server(tmp_path) as http:
+        for url in (f"DATA:image/png;base64,{payload}", f" Data:image/png;base64,{payload}"):
+            r = await http.post("/v1/videos", json={**OK, "image_reference": {"image_url": url}})
+            assert r.status_code == 200, r.text
+            assert (await poll_job(http, r.json()["id"]))["status"] == "completed"
+
+
 async def test_bad_bodies_uploads_ids_keys_and_sizes(tmp_path):
     async with asgi_server(tmp_path, api_key="k", max_upload_bytes=4096) as http:
         auth = {"Authorization": "Bearer k"}

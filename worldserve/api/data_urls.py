@@ -11,12 +11,22 @@ from worldserve.params import ParamError
 NOT_BASE64 = "Only base64 data URLs are supported for now."
 
 
+URL_BLANKS = "".join(map(chr, range(0x21)))
+"""What a URL parser strips before the scheme (WHATWG's C0 controls and space: urllib.parse's urlsplit)."""
+
+
+def is_data_url(url: str) -> bool:
+    """Whether `url` is a `data:` URL, its scheme in any case and blanks before it (as the chat routes read
+    them through urlsplit: `DATA:` and ` data:` were refused by the video routes only)."""
+    return url.lstrip(URL_BLANKS)[:5].lower() == "data:"
+
+
 def data_url_bytes(url: str, *, param: str, bad_payload: str) -> bytes:
     """The bytes of `data:<mime>;base64,<payload>`; ParamError(param, ...) when it is not base64 (or has no
     comma) or `bad_payload` when the payload does not decode. A payload wrapped into lines (MIME base64, as
     `base64 file.mp4` writes it; vLLM's video path takes it) decodes with its whitespace dropped; any other
     character outside the alphabet is refused."""
-    header, sep, payload = url.removeprefix("data:").partition(",")
+    header, sep, payload = url.lstrip(URL_BLANKS)[len("data:") :].partition(",")
     if not sep or not header.endswith(";base64"):
         raise ParamError(param, NOT_BASE64)
     try:

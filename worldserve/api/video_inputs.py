@@ -40,7 +40,7 @@ from worldserve.api.bodies import (
     parse_json_body,
     parse_urlencoded,
 )
-from worldserve.api.data_urls import data_url_bytes
+from worldserve.api.data_urls import data_url_bytes, is_data_url
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.form_brackets import BRACKETED, fold_brackets
 from worldserve.api.lora_field import LoraSettings
@@ -401,7 +401,7 @@ async def _reference_bytes(
 async def _url_reference(raw: Any, kind: str, field: str, fetcher: MediaFetcher | None) -> bytes:
     """The bytes of `{"<kind>_url": URL}` in `field`: a data URL's payload, or the http(s) URL downloaded."""
     url = _reference_url(raw, kind, field)
-    if url.startswith("data:"):
+    if is_data_url(url):
         return data_url_bytes(
             url, param=field, bad_payload=f"Invalid {field}.{kind}_url: bad base64 payload."
         )
@@ -460,6 +460,6 @@ def _reference_url(raw: str | dict | list, kind: str, field: str) -> str:
     url = raw.get(f"{kind}_url")
     if isinstance(url, dict):  # OpenAI-style {"image_url": {"url": ...}}
         url = url.get("url")
-    if not isinstance(url, str) or not (url.startswith("data:") or is_http_url(url)):
+    if not isinstance(url, str) or not (is_data_url(url) or is_http_url(url)):
         raise ParamError(field, f"Invalid {field}.{kind}_url: must be an http(s) URL or data URL.")
     return url
