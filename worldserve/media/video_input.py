@@ -183,8 +183,9 @@ def decode_chat_video(
     bad = ParamError(param, f"Invalid {param}: provided content is not a valid video.")
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise ParamError(param, f"Invalid {param}: the file has no video stream (audio only?).")
+            if not container.streams.video:  # (no stream at all: a damaged container, e.g. an MP4's moov)
+                raise ParamError(param, f"Invalid {param}: the file has no video stream (audio only)."
+                                 if container.streams.audio else bad.message)  # fmt: skip
             stream = container.streams.video[0]
             size = (0, 0)
             if stream.codec_context is not None:
