@@ -19,6 +19,9 @@ from worldserve.runner.reasoner_session import ReasonerSession, TokenTexts
 from worldserve.sampling.tokens import TokenSampler
 
 EOS = 301
+"""The tokenizer's end-of-sequence id (stop_reason None)."""
+ENDOFTEXT = 302
+"""Another end-of-sequence id of the model (a generation config's <|endoftext|>: stop_reason its id)."""
 MERGED = {300: b"P\xe4"}
 STOPS = [(), ("STOP",), ("ab", "ba"), ("aba", "bab", "abab"), ("\u4e2d",), ("P\u4e2d", "OK")]
 
@@ -41,7 +44,8 @@ class NoPrefixCache:
 class FakeReasoner:
     tokenizer = ByteTokenizer()
     token_texts = TokenTexts(tokenizer)
-    stop_token_ids = frozenset({EOS})
+    stop_token_ids = frozenset({EOS, ENDOFTEXT})
+    reported_stop_ids = frozenset({ENDOFTEXT})
     prefiller = NoPrefixCache()
 
     def forget(self, session):
@@ -128,6 +132,14 @@ def test_a_stop_token_id_is_output_as_vllm_outputs_it():
         assert (s.finish_reason, s.stop_reason, s.completion_tokens) == ("stop", reason, 4)
         assert s.token_ids == [*b"abc"]
         assert [e.token for d in deltas for e in d.logprobs] == ["a", "b", "c", "X"]
+
+
+def test_the_models_other_end_of_sequence_id_is_the_stop_reason():
+    """vLLM adds the generation config's end-of-sequence ids other than the tokenizer's eos to a request's
+    stop_token_ids: a chat Qwen's <|endoftext|> ends has that id as its stop_reason (it was None, as for the
+    tokenizer's <|im_end|>)."""
+    for end, reason in ((EOS, None), (ENDOFTEXT, ENDOFTEXT)):
+        assert run_session([*b"ab", end], (), 9) == ("ab", "stop", reason, 3)
 
 
 def test_stop_strings_end_the_answer_not_its_thoughts():

@@ -126,6 +126,9 @@ class Reasoner(ChatAdmission):
         vocab = transformer.config.vocab_size  # (the generation config's, as vLLM stops on them)
         stops |= {i for i in sampling_defaults.eos_token_ids if i < vocab}
         self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
+        # (vLLM stops on the tokenizer's eos with stop_reason None, and adds the generation config's other
+        # end-of-sequence ids to the request's stop_token_ids: ended by one of those, stop_reason is its id)
+        self.reported_stop_ids = self.stop_token_ids - {tokenizer.eos_token_id}
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill  # long prompts prefill chunk by chunk (step_all)

@@ -243,9 +243,10 @@ class ReasonerSession:
         cut, matched = self._find_stop(view, before) if searched else (-1, None)
         if finished or cut >= 0:
             self.finish_reason = "stop"
-            # vLLM's stop_reason: the matched stop string, the id of a request's stop token, None for an
-            # end-of-sequence token
-            self.stop_reason = matched if cut >= 0 else token if token in self.stop_token_ids else None
+            # vLLM's stop_reason: the matched stop string, the id of a request's stop token or of the model's
+            # end-of-sequence ids besides the tokenizer's eos (<|endoftext|>), None for the tokenizer's eos
+            ended_by_id = token in self.stop_token_ids or token in self._r.reported_stop_ids
+            self.stop_reason = matched if cut >= 0 else token if ended_by_id else None
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is None:
