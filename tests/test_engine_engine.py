@@ -505,6 +505,43 @@ def test_a_decode_running_at_the_shutdown_deadline_stops_and_its_job_is_queued_a
     assert JobStore(tmp_path).get(job.id).status is JobStatus.QUEUED
 
 
+def test_a_step_hung_past_the_shutdown_deadline_is_abandoned_and_its_job_queued_again(tmp_path, monkeypatch):
+    """A step that never ends (a multi-GPU pipeline's peer rank hung: SIGSTOP, a stuck GPU) held the shutdown
+    for the collectives' timeout, minutes after SIGTERM and --shutdown-timeout; now STEP_STOP_GRACE_S past the
+    deadline the engine calls the backend's abandon_step (ParallelPipeline kills its peers, which fails the
+    stuck exchange with BackendLost), and the job is queued again for the next start."""
+    from worldserve.engine import engine as engine_module
+    from worldserve.engine.jobs import JobStore
+    from worldserve.engine.outputs import BackendLost
+
+    monkeypatch.setattr(engine_module, "STEP_STOP_GRACE_S", 0.2, raising=False)
+    hung, abandoned = threading.Event(), threading.Event()
+
+    class HangingBackend(FakeBackend):
+        def denoise(self, states):
+            hung.set()
+            if not abandoned.wait(30):  # (a hang guard: the stop below asserts that it came well before)
+                raise AssertionError("the step was never abandoned")
+            raise BackendLost("the peer ranks were killed at the shutdown (a step had hung)")
+
+        def abandon_step(self):
+            abandoned.set()
+
+    backend = HangingBackend()
+
+    async def main():
+        client = make_client(tmp_path, backend=backend)
+        await client.start()
+        job = submit_job(client, job_params(steps=3))
+        await asyncio.to_thread(hung.wait, 10)
+        await asyncio.wait_for(client.shutdown(0.1), 15)
+        return job
+
+    job = run(main())
+    assert abandoned.is_set()
+    assert JobStore(tmp_path).get(job.id).status is JobStatus.QUEUED
+
+
 def test_a_restart_without_enable_lora_refuses_the_queued_jobs_own_adapters(tmp_path):
     """Jobs queued on an --enable-lora server ran their own adapters after a restart without it (the paths
     are read from the server's disk: the operator's choice); now they fail with the 400 a new request gets,

@@ -41,6 +41,10 @@ from worldserve.engine.scheduler import Scheduler
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority, read_beside
 
 log = logging.getLogger(__name__)
+STEP_STOP_GRACE_S = 10.0
+"""How long a shutdown past its deadline waits for the step in progress to end before the backend's
+`abandon_step` (a multi-GPU pipeline: its peer ranks killed, which ends an exchange stuck on a hung peer; the
+stop had waited on it for the collectives' timeout, minutes, with the job unchanged)."""
 
 
 class Engine:
@@ -111,15 +115,25 @@ class Engine:
             self._cv.notify()
 
     def stop(self, timeout_s: float) -> None:
-        """Drain for up to `timeout_s`, then stop at the next step boundary, or a decode in progress at its next
-        chunk of frames (its job is queued again: a long decode had kept the process up for ~45 s past the
-        timeout); waits for the encoders."""
+        """Drain for up to `timeout_s` (less after a stop_now), then stop at the next step boundary, or a decode
+        in progress at its next chunk of frames (its job is queued again: a long decode had kept the process up
+        for ~45 s past the timeout); a step still running STEP_STOP_GRACE_S later is abandoned where the backend
+        can (a hung peer rank); waits for the encoders."""
         self.drain()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and not self._hard_stop and (left := deadline - time.monotonic()) > 0:
+            self._thread.join(min(left, 0.1))  # (until the deadline, or a second interrupt's stop_now)
         if self._thread.is_alive():
             self.stop_now()
-            self._thread.join()
+            self._thread.join(STEP_STOP_GRACE_S)
+        abandon = getattr(self.backend, "abandon_step", None)
+        if self._thread.is_alive() and abandon is not None:
+            log.warning(
+                "shutdown: the step in progress did not end within %gs of the deadline; abandoning it",
+                STEP_STOP_GRACE_S,
+            )
+            abandon()
+        self._thread.join()
         self._pool.shutdown(wait=True)
 
     def stop_now(self) -> None:

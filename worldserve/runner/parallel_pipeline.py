@@ -91,6 +91,7 @@ class ParallelPipeline:
         self._lock = peers.lock  # one conversation with the peers at a time
         self._cond_peers = list(range(1, layout.per_branch))
         self._uncond_peers = list(range(layout.per_branch, layout.world)) if layout.cfg == 2 else []
+        self._abandoned: str | None = None  # why abandon_step killed the peers
 
     @classmethod
     def from_pretrained(
@@ -199,8 +200,10 @@ class ParallelPipeline:
             except ParamError:  # a bad input, answered with the peers still in step (prepare)
                 raise
             except Exception as exc:
-                gone = self.peers.gone(PEER_EXIT_WAIT_S)  # (a peer that died is the cause: its own log says
-                log.error(  # why, no traceback here; anything else is a failure of this rank's, with it)
+                # (a dead peer is the cause: its own log says why, no traceback here; anything else is a
+                # failure of this rank's, with it; abandon_step's kill: the shutdown's reason)
+                gone = self._abandoned or self.peers.gone(PEER_EXIT_WAIT_S)
+                log.error(
                     "%s: failed inside an exchange with the peer ranks%s", self.layout.flags,
                     f" ({gone})" if gone else "", exc_info=None if gone else exc,
                 )  # fmt: skip
@@ -297,6 +300,14 @@ class ParallelPipeline:
             self._cfg_remote.discard(state.request_id)
             if holders and not self.peers.closed and self.peers.alive():
                 self.peers.send(("release", state.request_id), holders)
+
+    def abandon_step(self) -> None:
+        """The engine's shutdown, past its deadline with a step still running (a peer hung: stopped, or stuck
+        in its GPU): kill the peers, without the lock that exchange holds, so that it fails now (BackendLost,
+        its job queued again) instead of after the collectives' timeout. The exchange tears the group down."""
+        self._abandoned = "the peer ranks were killed at the shutdown (a step had hung)"
+        for p in self.peers.processes:
+            p.kill()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the peers and tear the process group down (runner/peers.py)."""
