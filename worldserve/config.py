@@ -57,7 +57,9 @@ class ModelConfig:
     served_model_aliases: tuple[str, ...] = field(default=(), metadata={"no_flag": True})
     """The names after the first of `--served-model-name A B ...` (set from that flag)."""
     device: str | None = None
-    """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu."""
+    """Device to run on (cuda, cuda:1, cpu); default: cuda when available, else cpu (a multi-rank run,
+    --cfg-parallel-size / --ulysses-degree / --tensor-parallel-size, takes cuda:0..N-1; its ranks run on the
+    CPU only with --device cpu)."""
     dtype: str | None = field(
         default=None, metadata={"choices": ("auto", "bfloat16", "float16", "half", "float32", "float")}
     )
