@@ -96,6 +96,7 @@ BAD = [
     ("scale bool", '{"name": "a", "path": "/a", "scale": true}', "scale must be a finite number, got a boolean"),
     ("scale list", '{"name": "a", "path": "/a", "scale": [1]}', "scale must be a finite number, got an array"),
     ("int_id text", '{"name": "a", "path": "/a", "int_id": "1"}', "int_id must be an integer, got '1'"),
+    ("a URL", '{"name": "a", "path": "https://huggingface.co/org/style"}', "path must be a file or folder on the server, not a URL"),
     ("int_id float", '{"name": "a", "path": "/a", "lora_int_id": 1.5}', "int_id must be an integer, got 1.5"),
 ]  # fmt: skip
 

@@ -166,6 +166,9 @@ def _pair(out_f: int, in_f: int, r: int = 2) -> tuple[torch.Tensor, torch.Tensor
         ("rank-vs-config", "has rank 2, its config says 3"),
         ("pickle", "adapter_model.bin (pickle"),
         ("int-weights", "must be floating point"),
+        ("rank-0", "has rank 0"),
+        ("rank-0-kohya", "has rank 0"),
+        ("twice", "has two A tensors"),
     ],
 )
 def test_refusals_name_lora(ours, tmp_path, case, message):
@@ -187,6 +190,13 @@ def test_refusals_name_lora(ours, tmp_path, case, message):
         "rank-vs-config": lambda: _write_adapter(tmp_path / "r", good, {"r": 3}),
         "pickle": lambda: _pickled_peft_folder(tmp_path / "p"),
         "int-weights": lambda: _write_adapter(tmp_path / "i", {k: v.to(torch.int32) for k, v in good.items()}),
+        # (rank 0 without a config, or with a kohya alpha: a ZeroDivisionError, a 500)
+        "rank-0": lambda: _write_adapter(tmp_path / "z", {k: v[:0] if "lora_A" in k else v[:, :0] for k, v in good.items()}),
+        "rank-0-kohya": lambda: _write_adapter(tmp_path / "zk", {
+            "layers.0.mlp.up_proj.lora_down.weight": torch.randn(0, 64), "layers.0.mlp.up_proj.lora_up.weight": torch.randn(128, 0),
+            "layers.0.mlp.up_proj.alpha": torch.tensor(1.0)}),
+        # (the same module under two prefixes: one pair ran, the other was dropped in silence)
+        "twice": lambda: _write_adapter(tmp_path / "t", {**good, **{f"transformer.{k}": v.clone() for k, v in good.items()}}),
     }[case]()  # fmt: skip
     with pytest.raises(ParamError) as err:
         inspect_adapter(path, ours.config)

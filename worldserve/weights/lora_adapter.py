@@ -270,7 +270,12 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
         if m is None:
             strange.append(key)
         else:
-            pairs[m["module"]]["alpha" if m["alpha"] else _PART[m["ab"] or m["du"]]] = key
+            part = "alpha" if m["alpha"] else _PART[m["ab"] or m["du"]]
+            # (one module's part twice, under two prefixes or as lora_A and lora_down: which one ran
+            # depended on the header's order, the other dropped in silence)
+            if (twin := pairs[m["module"]].get(part)) is not None:
+                raise _refuse(path, f"module {m['module']!r} has two {part} tensors ({twin!r} and {key!r})")
+            pairs[m["module"]][part] = key
     if strange:
         raise _refuse(path, f"keys that are not LoRA weights (lora_A / lora_B, lora_down / lora_up, alpha): {strange[:3]}"
                       f"{f' (and {len(strange) - 3} more)' if len(strange) > 3 else ''}")  # fmt: skip
@@ -304,6 +309,8 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             raise _refuse(
                 path, f"module {module!r}: lora weights must be floating point ({a_dtype}, {b_dtype})"
             )
+        if a_shape[0] < 1:  # (no rows: nothing to apply, and lora_alpha / r divides by zero)
+            raise _refuse(path, f"module {module!r}: lora_A {list(a_shape)} has rank 0")
         rank = a_shape[0]  # (with a config, its values, or PEFT's LoraConfig defaults: r 8, lora_alpha 8)
         if (
             peft is not None
