@@ -118,7 +118,8 @@ class SamplingRequest(NullsAsDefaults):
     priority: int = 0
     """vLLM's request priority: only 0, as vLLM's default first-come-first-served scheduler takes."""
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    """vLLM's: keep only the prompt's last this-many tokens (-1: max_model_len); text prompts only."""
+    """vLLM's: keep only the prompt's last this-many tokens (-1: max_model_len); a prompt of text or token ids,
+    not one with images or videos."""
     return_token_ids: bool | None = None
     """vLLM's: the prompt's and each choice's token ids beside the text (`prompt_token_ids`, `token_ids`;
     streamed: the prompt's in the first chunk, each chunk's own sampled ids)."""
