@@ -63,6 +63,10 @@ def test_a_missing_adapter_stops_the_start_before_the_model_loads(tmp_path, monk
     LoraConfig(lora_path=str(tmp_path)).check_path()  # (a folder that is there passes)
     with pytest.raises(ValueError, match="--lora-path"):
         LoraConfig(lora_path=str(missing)).check_path()
+    with pytest.raises(
+        ValueError, match="^--lora-path hf://o/a: a URL: give the adapter's local file or folder$"
+    ):
+        LoraConfig(lora_path="hf://o/a").check_path()  # (it said "no such file or folder")
 
 
 @pytest.mark.anyio
@@ -112,6 +116,7 @@ def generate(tmp_path, *argv: str):
     ("argv", "flag", "message"),
     [
         (["--lora", "/no/such/adapter"], "--lora", "/no/such/adapter: no such file or folder"),
+        (["--lora", "https://hf.co/x/y"], "--lora", "https:/hf.co/x/y: a URL: give the adapter's local file"),
         (["--lora-scale", "0.5"], "--lora-scale", "--lora-scale scales a --lora adapter: give --lora too"),
         (["--lora", ".", "--lora-scale", "nan"], "--lora-scale", "--lora-scale must be a finite number, got nan"),
         (["--lora", ".", "--lora-scale", "inf"], "--lora-scale", "--lora-scale must be a finite number, got inf"),

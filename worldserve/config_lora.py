@@ -63,4 +63,11 @@ class LoraConfig:
     def check_path(self) -> None:
         """ValueError naming --lora-path when nothing is there (serve's startup, before the model loads)."""
         if self.lora_path is not None and not os.path.exists(self.lora_path):
-            raise ValueError(f"--lora-path {self.lora_path}: no such file or folder")
+            from worldserve.params import URL_SCHEME
+
+            what = (
+                "a URL: give the adapter's local file or folder"
+                if URL_SCHEME.match(self.lora_path)
+                else "no such file or folder"
+            )
+            raise ValueError(f"--lora-path {self.lora_path}: {what}")

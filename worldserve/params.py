@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -156,6 +157,11 @@ def default_flow_shift(width: int, height: int) -> float:
     """10 at 720p, 5 at 480p, 3 at 256p (the training shift table); 10 for the images above the 720p area."""
     area = width * height
     return next((tier[3] for tier in RESOLUTION_TIERS if area <= tier[1]), RESOLUTION_TIERS[-1][3])
+
+
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
+"""A text that starts as a URL does (https://, hf://, s3://, file://; `scheme:/` too, as pathlib.Path leaves
+`https://host` when a flag's text is read as a path): LoRA adapters are read from the server's disk only."""
 
 
 @dataclass(frozen=True, slots=True)

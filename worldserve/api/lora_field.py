@@ -16,19 +16,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from worldserve.params import LoraRequest, ParamError, VideoParams, shown
+from worldserve.params import URL_SCHEME, LoraRequest, ParamError, VideoParams, shown
 
 NAME_KEYS = ("name", "lora_name", "adapter")
 PATH_KEYS = ("local_path", "path", "lora_path", "lora_local_path")
 """vLLM-Omni's order (its parse_lora_request): a `local_path` wins over a `path`."""
 SCALE_KEYS = ("scale", "lora_scale")
 INT_ID_KEYS = ("int_id", "lora_int_id")
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-"""A path given as a URL (https://, hf://, s3://, file://): adapters are read from the server's disk only."""
 PER_REQUEST_OFF = "per-request LoRA adapters are off on this server: start it with --enable-lora"
 
 
@@ -51,7 +48,7 @@ def parse_lora(raw: Any) -> LoraRequest | None:
         raise ParamError("lora", "Invalid lora object: both name and path are required.")
     if not (isinstance(name, str) and isinstance(path, str)):
         raise ParamError("lora", "Invalid lora object: name and path must be strings.")
-    if _URL.match(path):  # (made absolute, "https://host/a" had been refused as "/cwd/https:/host/a")
+    if URL_SCHEME.match(path):  # (made absolute, "https://host/a" had been refused as "/cwd/https:/host/a")
         raise ParamError("lora", f"Invalid lora object: path must be a file or folder on the server, not a URL "
                          f"({_quoted(path)}).")  # fmt: skip
     int_id = _given(raw, INT_ID_KEYS)
