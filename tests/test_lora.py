@@ -232,20 +232,23 @@ def test_lm_head_is_skipped_and_parts_are_fused(ours, tmp_path):
 
 def test_kohya_style_file_matches_its_peft_folder(ours, tiny_ckpt, tmp_path):
     """A trainer's kohya-style file (`diffusion_model.` prefix, lora_down / lora_up, a scalar alpha per module,
-    no config) is the same adapter as the PEFT folder with that lora_alpha: the same scalings and deltas."""
+    float or integer, no config) is the same adapter as the PEFT folder with that lora_alpha: the same scalings
+    and deltas (an integer alpha, which diffusers reads, had been refused: "must be one finite float")."""
     from pipeline_helpers import write_random_adapter
 
     folder = write_random_adapter(tmp_path / "peft", tiny_ckpt, rank=4, alpha=6.0)
     tensors = load_file(f"{folder}/adapter_model.safetensors")
-    kohya = {}
-    for key, value in tensors.items():
-        module, part = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
-        kohya[f"diffusion_model.{module}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
-        kohya[f"diffusion_model.{module}.alpha"] = torch.tensor(6.0)
-    (tmp_path / "kohya").mkdir()
-    save_file(kohya, str(tmp_path / "kohya" / "style.safetensors"))
-    want, got = inspect_adapter(folder, ours.config), inspect_adapter(str(tmp_path / "kohya"), ours.config)
-    assert got.modules == want.modules and next(iter(got.modules.values())) == (4, 1.5)
+    want = inspect_adapter(folder, ours.config)
+    for alpha in (torch.tensor(6.0), torch.tensor(6, dtype=torch.int64)):
+        kohya = {}
+        for key, value in tensors.items():
+            module, part = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+            kohya[f"diffusion_model.{module}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+            kohya[f"diffusion_model.{module}.alpha"] = alpha.clone()
+        (tmp_path / f"kohya-{alpha.dtype}").mkdir()
+        save_file(kohya, str(tmp_path / f"kohya-{alpha.dtype}" / "style.safetensors"))
+        got = inspect_adapter(str(tmp_path / f"kohya-{alpha.dtype}"), ours.config)
+        assert got.modules == want.modules and next(iter(got.modules.values())) == (4, 1.5)
     cpu = torch.device("cpu")
     a = load_adapter(want, 1.0, ours.config, dtype=torch.float32, device=cpu)
     b = load_adapter(got, 1.0, ours.config, dtype=torch.float32, device=cpu)

@@ -324,8 +324,10 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
         )
         if "alpha" in ab:  # (a kohya-style file's own alpha for the module: its scaling is alpha / r)
             value = alphas[ab["alpha"]]
-            if value.numel() != 1 or not value.is_floating_point() or not math.isfinite(float(value)):
-                raise _refuse(path, f"module {module!r}: its alpha must be one finite float")
+            # (a float or an integer, as trainers store it and diffusers reads it: `.item()`)
+            numeric = value.is_floating_point() or not (value.dtype.is_complex or value.dtype == torch.bool)
+            if value.numel() != 1 or not numeric or not math.isfinite(float(value)):
+                raise _refuse(path, f"module {module!r}: its alpha must be one finite number")
             alpha = float(value)
         rs = bool(peft and peft.get("use_rslora"))
         modules[module] = (rank, float(alpha) / (math.sqrt(rank) if rs else rank))
