@@ -178,3 +178,18 @@ def test_an_idle_peer_outlives_the_world_timeout():
     finally:
         peers.close()
     assert peers.processes[0].exitcode == 0
+
+
+def test_an_abandoned_load_kills_its_peers_before_leaving(tiny_ckpt, tmp_path):
+    """--init-timeout expiring while CFG-parallel peers load: rank 0 leaves with os._exit (cli.console), which
+    runs no exit hook, so its peers were left to find it gone on their own and each said so at ERROR, twice;
+    they are killed before it leaves now (runner/peers.py kill_peers_left)."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "worldserve.cli", "serve", str(tiny_ckpt), "--cfg-parallel-size", "2",
+            "--device", "cpu", "--init-timeout", "0.5", "--port", "0", "--storage-dir", str(tmp_path / "s")]  # fmt: skip
+    # (a spawned peer imports torch for seconds: the 0.5 s expire while it loads, whatever the machine)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stderr
+    assert "did not become ready within 0.5s" in proc.stderr and "is gone" not in proc.stderr, proc.stderr

@@ -155,11 +155,13 @@ def console() -> NoReturn:
     """The `worldserve` program: main()'s exit status. After a model load it stopped waiting for (serve's
     --init-timeout expired, or a signal came during the load) the interpreter's exit aborts the process in
     torch's C++ teardown (SIGABRT, exit 134, "terminate called without an active exception"): the program
-    then leaves at once with main()'s status, its output flushed."""
+    then leaves at once with main()'s status, its output flushed, its multi-GPU peer ranks killed first."""
     from worldserve.commands.serve_backend import LOAD_ABANDONED
 
     rc = main()
     if LOAD_ABANDONED.is_set():
+        if (peers := sys.modules.get("worldserve.runner.peers")) is not None:  # (no exit hook runs below)
+            peers.kill_peers_left()
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

@@ -128,6 +128,7 @@ class PeerRanks:
             # with SIGTERM then joins them without a timeout: a rank 0 leaving any other way than close() /
             # kill() (Ctrl-C or --init-timeout during the load, an unhandled error) killed them first.
             atexit.register(_kill_left, procs, os.getpid())
+            _STARTED.append((procs, os.getpid()))
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
             pipes.wait_for("joining", "before joining the world")
@@ -247,6 +248,18 @@ class PeerRanks:
                 log.warning("%s peer rank %d did not stop within %gs; killing it", self.label, r, timeout_s)
                 p.kill()
                 p.join(5)
+
+
+_STARTED: list[tuple[Sequence, int]] = []
+"""(peer processes, the rank 0 pid that owns them) of every start: `kill_peers_left`'s."""
+
+
+def kill_peers_left() -> None:
+    """SIGKILL every peer still alive, now: the exit hooks' work (_kill_left), for a rank 0 leaving with
+    os._exit, which runs none (cli.console after an abandoned load). Its peers had each found rank 0 gone on
+    their own and said so at ERROR, twice, after a mere --init-timeout or Ctrl-C during the load."""
+    for procs, owner in _STARTED:
+        _kill_left(procs, owner)
 
 
 def _kill_left(procs: Sequence, owner: int) -> None:
