@@ -63,11 +63,6 @@ class LoraConfig:
     def check_path(self) -> None:
         """ValueError naming --lora-path when nothing is there (serve's startup, before the model loads)."""
         if self.lora_path is not None and not os.path.exists(self.lora_path):
-            from worldserve.params import URL_SCHEME
+            from worldserve.params import missing_adapter
 
-            what = (
-                "a URL: give the adapter's local file or folder"
-                if URL_SCHEME.match(self.lora_path)
-                else "no such file or folder"
-            )
-            raise ValueError(f"--lora-path {self.lora_path}: {what}")
+            raise ValueError(f"--lora-path {self.lora_path}: {missing_adapter(self.lora_path)}")

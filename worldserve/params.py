@@ -164,6 +164,15 @@ URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
 `https://host` when a flag's text is read as a path): LoRA adapters are read from the server's disk only."""
 
 
+def missing_adapter(path: str) -> str:
+    """Why nothing is at a LoRA adapter `path` a flag gave (--lora, --lora-path): a URL, or nothing there."""
+    return (
+        "a URL: give the adapter's local file or folder"
+        if URL_SCHEME.match(path)
+        else "no such file or folder"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class LoraRequest:
     """A LoRA adapter a generation runs with (vLLM-Omni's `lora` object, `--lora-path` / `--lora-scale`): a

@@ -181,9 +181,8 @@ def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
         print(f"worldserve chat: error: {e}", file=sys.stderr)
         return None
     root = resolve_model(model.model, model.revision)
-    layout = read_layout(
-        root
-    )  # (a broken tokenizer, template or config: one line naming it, before any weight)
+    # (a broken tokenizer, template or config: one line naming it, before any weight)
+    layout = read_layout(root)
     media = [flag for flag, given in (("--image", args.image), ("--video", args.video)) if given]
     if media and "vision_encoder" not in layout.components:  # (it was "messages: ..." after the load)
         print(f"worldserve chat: error: {media[0]}: this checkpoint has no vision_encoder/ to read images and "

@@ -15,7 +15,7 @@ import tempfile
 import typing
 from pathlib import Path
 
-from worldserve.params import URL_SCHEME, LoraRequest, ParamError
+from worldserve.params import LoraRequest, ParamError, missing_adapter
 
 MAX_MEDIA_FILE_BYTES = 4 << 30
 """--image / --video file size at most (generate and chat read a file whole before decoding it)."""
@@ -59,12 +59,7 @@ def lora_arg(path: Path | None, scale: float | None) -> LoraRequest | None:
             )
         return None
     if not path.exists():
-        what = (
-            "a URL: give the adapter's local file or folder"
-            if URL_SCHEME.match(str(path))
-            else "no such file or folder"
-        )
-        raise ParamError("lora", f"{path}: {what}")
+        raise ParamError("lora", f"{path}: {missing_adapter(str(path))}")
     if scale is not None and not math.isfinite(scale):
         raise ParamError("lora_scale", f"--lora-scale must be a finite number, got {scale}")
     full = Path(os.path.abspath(path))

@@ -49,9 +49,8 @@ def describe(root: Path, layout: CheckpointLayout | None = None) -> dict:
             components[name] = {}
             continue
         header = read_header(root / name, prefix)
-        if (
-            name == "transformer"
-        ):  # (the keys against the config, headers only: generate refused what info passed)
+        # (the transformer's keys against the config, headers only: generate refused what info passed)
+        if name == "transformer":
             check_transformer_header(root, header)
         params = sum(_numel(s) for s in header.shapes.values())
         components[name] = {
