@@ -29,9 +29,10 @@ from serving_helpers import (
     ws_url,
 )
 
-from worldserve.api import realtime, ws_protocol
+from worldserve.api import realtime, realtime_start, ws_protocol
 from worldserve.commands import serve_http
 from worldserve.engine.fake_backend import FAIL_MARKER, FakeBackend
+from worldserve.params import VideoParams
 
 pytestmark = pytest.mark.anyio
 SMALL = {"size": "64x48", "num_frames": 33, "fps": 8, "num_inference_steps": 2}
@@ -48,10 +49,12 @@ async def test_a_session_streams_one_mp4_in_parts(tmp_path):
     assert first["type"] == "video.start" and first["format"] == "m4s"
     assert first["request_id"].startswith("video_stream-")
     # vLLM-Omni's merge: sampling_params fill the request fields it omits (seed, flow_shift); the rest go to
-    # extra_params (whose keys win over the top level, as for POST /v1/videos)
+    # extra_params, whose keys win over the top level, as for POST /v1/videos: the config shows the 5 steps
+    # the video is made with (it had echoed the top level's 2)
     config = first["config"]
-    assert (config["seed"], config["flow_shift"], config["num_inference_steps"]) == (3, 7.0, 2)
-    assert config["extra_params"] == {"num_inference_steps": 5, "guidance_interval": [0.5, 1.0]}
+    assert (config["seed"], config["flow_shift"], config["num_inference_steps"]) == (3, 7.0, 5)
+    assert config["extra_params"]["num_inference_steps"] == 5
+    assert config["extra_params"]["guidance_interval"] == [0.5, 1.0]
     assert first["config"]["prompt"] == '{"subjects":["a cat"]}'
     assert done == {"type": "session.done", "request_id": first["request_id"], "chunks": len(chunks),
                     "stopped": False}  # fmt: skip
@@ -185,7 +188,7 @@ async def test_bad_starts_get_an_error_naming_the_field_and_a_close(tmp_path, st
 
 
 async def test_start_timeout_size_limit_queue_full_and_a_failed_decode(tmp_path, monkeypatch):
-    monkeypatch.setattr(realtime, "START_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(realtime_start, "START_TIMEOUT_S", 0.2)
     with uvicorn_thread(tmp_path, real_encoder=True, app_kw={"max_upload_bytes": 200}) as (url, client):
         async with websockets.connect(ws_url(url)) as ws:
             assert json.loads(await ws.recv()) == {
@@ -245,6 +248,70 @@ async def test_a_start_may_be_as_large_as_a_request_body(tmp_path):
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await ws.recv()
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+
+
+async def test_a_start_too_big_for_the_socket_counts_as_a_rejection(tmp_path):
+    """A session.start past the socket's size (`ws_max_size`) is closed by the protocol with 1009 before the
+    app reads it: it was counted nowhere, where the same body on POST /v1/videos counts as a too_large
+    rejection (as the 413 of a start just past --max-upload-mb does). A control message too big for the
+    socket, once the request is queued, is no rejection: its request is cancelled."""
+    limit = 1 << 16
+    options = serve_http.uvicorn_options(argparse.Namespace(), limit)
+    rejected = re.compile(r'worldserve:request_rejected_total\{[^}]*reason="too_large"[^}]*\} (\d+)\.0')
+    backend = FakeBackend(step_delay=0.05)
+    with uvicorn_thread(tmp_path, backend=backend, uvicorn_options=options,
+                        app_kw={"max_upload_bytes": limit}) as (url, _):  # fmt: skip
+        assert rejected.search(httpx.get(f"{url}/metrics").text).group(1) == "0"  # (exported from the start)
+        huge = "x" * (limit + realtime.OVERSIZE_BYTES)
+        async with websockets.connect(ws_url(url), max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.start", "prompt": huge}))
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+        wait_until(lambda: rejected.search(httpx.get(f"{url}/metrics").text).group(1) == "1")
+        async with websockets.connect(ws_url(url), max_size=None) as ws:
+            await ws.send(
+                json.dumps({"type": "session.start", "prompt": "x", **SMALL, "num_inference_steps": 200})
+            )
+            assert json.loads(await ws.recv())["type"] == "video.start"
+            await ws.send(json.dumps({"type": "session.ping", "pad": huge}))
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                while True:
+                    await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+        cancelled = re.compile(r"worldserve:request_cancelled_total\{[^}]*\} 1\.0")
+        wait_until(lambda: cancelled.search(httpx.get(f"{url}/metrics").text))
+        assert rejected.search(httpx.get(f"{url}/metrics").text).group(1) == "1"
+
+
+async def test_video_start_echoes_the_request_as_its_video_is_made(tmp_path):
+    """video.start's config had echoed the request model as the client sent it (vLLM-Omni's model_dump): the
+    server's defaults, the frames `seconds` makes, the width and height of `size` left out, and a value that
+    extra_params overrode shown as sent at the top level. It now shows the values the video is made with;
+    the fields the HTTP job object has, as GET /v1/videos/{id} shows them for the same request."""
+    fields = {"prompt": "a cat", "size": "64x48", "seconds": "2", "fps": "8", "guidance_scale": "0",
+              "seed": "7", "extra_params": {"seed": 9}}  # fmt: skip
+    with uvicorn_thread(tmp_path, app_kw={"video_defaults": {"num_inference_steps": 3}}) as (url, _):
+        messages, _, _ = await realtime_session(url, {"type": "session.start", **fields})
+        job = httpx.post(f"{url}/v1/videos", json=fields).json()
+        httpx.delete(f"{url}/v1/videos/{job['id']}")
+    assert messages[0]["type"] == "video.start", messages
+    config = messages[0]["config"]
+    resolved = {
+        "model": "test-model", "prompt": "a cat", "size": "64x48", "width": 64, "height": 48, "seconds": "2",
+        # (2 s x 8 fps, to the nearest 4k+1; guidance 0 is Cosmos3's "not given"; extra_params' seed wins)
+        "num_frames": 17, "fps": 8.0, "quality": "default", "num_inference_steps": 3, "guidance_scale": 6.0,
+        "seed": 9, "flow_shift": VideoParams(prompt="x", width=64, height=48).resolved_flow_shift(),
+        "max_sequence_length": VideoParams(prompt="x").max_sequence_length, "generate_sound": True,
+    }  # fmt: skip
+    assert {k: config.get(k) for k in resolved} == resolved
+    shown = ("model", "prompt", "size", "seconds", "quality", "fps", "num_frames")
+    assert {k: config[k] for k in shown} == {k: job[k] for k in shown}
+    assert "negative_prompt" not in config and "lora" not in config
+    extra = config["extra_params"]
+    assert extra["seed"] == 9 and extra["video_codec_options"] == {"tune": "zerolatency"}
+    assert (extra["use_duration_template"], extra["negative_metadata_mode"], extra["upsample_prompt"]) == (
+        True, "same", False)  # fmt: skip
 
 
 async def test_a_running_request_without_progress_stalls(tmp_path, monkeypatch):

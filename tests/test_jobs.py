@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
 
 import pytest
@@ -426,6 +427,10 @@ def test_a_listing_reads_its_rows_in_batches(tmp_path, monkeypatch):
             assert store._read_lock.locked()
             return rows
 
+        def close(self):
+            assert store._read_lock.locked()
+            self.cursor.close()
+
     def execute(sql, args=()):
         cursor = real_execute(sql, args)
         return Cursor(cursor) if sql.startswith("SELECT id, status") else cursor
@@ -433,7 +438,52 @@ def test_a_listing_reads_its_rows_in_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "_reader", type("R", (), {"execute": staticmethod(execute)})())
     jobs, more = store.list(order="asc")
     assert [j.id for j in jobs] == ids and not more and fetched == [2, 2, 2, 1, 0]
+    fetched.clear()
     page, more = store.list(order="desc", limit=3)
-    assert [j.id for j in page] == ids[::-1][:3] and more
+    # (the page and the one row saying there is more: 4 rows read, not the whole table)
+    assert [j.id for j in page] == ids[::-1][:3] and more and fetched == [2, 2]
     monkeypatch.undo()
+    store.close()
+
+
+class RefusedWrites:
+    """The store's writing connection on a full disk: every write fails as SQLite fails it (SQLITE_FULL),
+    reads go through (as tests/test_storage_faults.py's FullDisk, without its file side)."""
+
+    def __init__(self, db):
+        self._db = db
+
+    def execute(self, sql, *args):
+        if sql.split()[0].upper() in ("INSERT", "UPDATE", "DELETE", "COMMIT"):
+            exc = sqlite3.OperationalError("database or disk is full")
+            exc.sqlite_errorcode, exc.sqlite_errorname = sqlite3.SQLITE_FULL, "SQLITE_FULL"
+            raise exc
+        return self._db.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_a_page_is_full_when_a_kept_failure_has_expired(tmp_path, order):
+    """A failure kept in memory (the disk refused it) carries an expiry the database does not hold: once it
+    has passed, the listing hides the row after SQL picked it. The page read `limit + 1` rows and came back
+    one short, with has_more false, although more jobs followed; it now reads on until it is full."""
+    store = JobStore(tmp_path)
+    ids = [store.create(_job(created_at=1_700_000_000.0 + i), {}, None).id for i in range(6)]
+    ordered = ids if order == "asc" else ids[::-1]
+    hidden = ordered[1]
+    store.mark_in_progress(hidden, time.time())
+    writer, store._db = store._db, RefusedWrites(store._db)
+    assert store.fail(hidden, 507, "disk full", completed_at=time.time() - 10, ttl_s=5.0)
+    store._db = writer
+    shown = [i for i in ordered if i != hidden]
+    assert store.get(hidden) is None and [j.id for j in store.list(order=order)[0]] == shown
+    page, more = store.list(order=order, limit=2)
+    assert [j.id for j in page] == shown[:2] and more
+    page, more = store.list(order=order, limit=2, after=page[-1].id)
+    assert [j.id for j in page] == shown[2:4] and more
+    page, more = store.list(order=order, limit=1, after=page[-1].id)
+    assert [j.id for j in page] == shown[4:] and not more
+    assert store.list(order=order, limit=4, after=ordered[0]) == ([store.get(i) for i in shown[1:]], False)
     store.close()

@@ -1,13 +1,16 @@
 """WebSocket /v1/realtime/video: one video sent as a fragmented MP4 ("m4s") while it is decoded (vLLM-Omni's
-streaming video output, serving-api.md §7.5).
+streaming video output, serving-api.md §7.5). Here the session once started: its request queued, its parts
+streamed beside the client's control messages, its end; its start is api/realtime_start.py's.
 
 The protocol is vLLM-Omni's:
 - client -> server: first `{"type": "session.start", "format": "m4s", ...}` within START_TIMEOUT_S, at most
   `--max-upload-mb` (as the JSON body of `POST /v1/videos`, inline references included), holding that body's
-  fields (`sampling_params`' keys fill the request fields not given, the rest go to `extra_params`); then
-  `session.stop` (abort: `session.done` with `stopped` true) and `session.ping` (`session.pong`) at any time.
-- server -> client: `video.start {request_id, format, config}` (config: the validated request; with
-  `extra_params.upsample_prompt`, also `upsampled_prompt`, the prompt the Reasoner wrote first), then for
+  fields (`sampling_params`' keys fill the request fields not given, the rest go to `extra_params`): read and
+  checked in api/realtime_start.py; then `session.stop` (abort: `session.done` with `stopped` true) and
+  `session.ping` (`session.pong`) at any time.
+- server -> client: `video.start {request_id, format, config}` (config: the request as its video is made,
+  defaults and overrides resolved: realtime_start.py `stream_config`; with `extra_params.upsample_prompt`,
+  also `upsampled_prompt`, the prompt the Reasoner wrote first), then for
   each part a `video.chunk_metadata` JSON message followed by its bytes as one binary message, then
   `session.done {request_id, chunks, stopped}`; `{"type": "error", "message", "code"}` for anything wrong.
   A bad session.start gets an error (code: the HTTP status `POST /v1/videos` would answer, `param` the
@@ -43,11 +46,10 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from worldserve.api.bodies import parse_json, upload_limit
+from worldserve.api.bodies import parse_json
 from worldserve.api.errors import APIError
-from worldserve.api.realtime_start import merged_fields, sent_name
+from worldserve.api.realtime_start import StreamStart, read_start
 from worldserve.api.state import AppState
-from worldserve.api.video_inputs import build_inputs, checked_codec_options, json_body_fields
 from worldserve.api.ws_protocol import ABORT_AFTER_S, abort_connection
 from worldserve.engine.client import (
     SHUTDOWN_REASON,
@@ -62,10 +64,9 @@ from worldserve.engine.client import (
 )
 from worldserve.media.fragments import encode_fragments
 from worldserve.media.frame_stream import FramesCancelled, FramesLost, FrameStream
-from worldserve.params import ParamError, VideoParams
+from worldserve.params import ParamError
 
 router = APIRouter(tags=["videos"])
-START_TIMEOUT_S = 10.0
 STALL_TIMEOUT_S = 60.0
 SEND_TIMEOUT_S = 60.0
 MAX_CONTROL_BYTES = 128 * 2**10
@@ -74,12 +75,6 @@ OVERSIZE_BYTES = 2**20
 just over the limit gets its 413 naming the flag; a larger message closes the socket with the protocol's
 1009 (message too big) before it is buffered."""
 POLL_S = 1.0
-START_POLL_S = 0.1
-"""How often a session waiting for its session.start looks whether the server began shutting down (its 503
-comes within this; at most START_TIMEOUT_S / START_POLL_S looks a session)."""
-STREAM_CODEC_OPTIONS = {"tune": "zerolatency"}
-"""x264 hands out each frame's packet at once (no frame threads' delay), as vLLM-Omni's stream encodes."""
-REFERENCES = ("image_reference", "video_reference")
 _Started = tuple[str, Request, "asyncio.Future[VideoResult]"]
 """The upsampled prompt, the queued request, its outcome."""
 
@@ -139,15 +134,17 @@ class _Session:
 
     async def run(self) -> None:
         try:
-            start = await self._start()
-        except (WebSocketDisconnect, _Stop):
+            start = await read_start(self.ws, self.st)
+        except WebSocketDisconnect:
             return
-        if start is None:
+        except (APIError, ParamError) as exc:
+            # (the status the same request gets from POST /v1/videos: a ParamError is its 400)
+            await self._error(exc.message, exc.status if isinstance(exc, APIError) else 400, exc.param)
             await self._close()
             return
         control = asyncio.create_task(self._control())
         try:
-            if await self._queue(*start, control):
+            if await self._queue(start, control):
                 await self._stream(control)
         except _Stop as exc:  # stopped, stalled, or the client left
             if exc.reason == "stall" and self.request is not None:  # (a failure: counted as a 504)
@@ -183,11 +180,11 @@ class _Session:
         if self.done is not None and not self.done.done():
             self.st.client.jobless.abort(self.request_id)
 
-    async def _queue(self, params: VideoParams, encode: EncodeOptions, config: dict[str, Any],
-                     control: asyncio.Task) -> bool:  # fmt: skip
+    async def _queue(self, start: StreamStart, control: asyncio.Task) -> bool:
         """Queue the request (its prompt upsampled first when asked), send video.start; False once an error
         was sent (the queue is full, the server is stopping, the prompt could not be written)."""
-        on_frames = partial(_encode_parts, asyncio.get_running_loop(), self.parts, encode, self.ended)
+        params, config = start.params, start.config
+        on_frames = partial(_encode_parts, asyncio.get_running_loop(), self.parts, start.encode, self.ended)
         client = self.st.client
         if params.upsample_prompt:
             started = await self._upsampled(
@@ -276,73 +273,6 @@ class _Session:
         await self._send(metadata, data)  # the metadata and its bytes go out together
         self.sent += 1
         self.last_progress = time.monotonic()
-
-    async def _start(self) -> tuple[VideoParams, EncodeOptions, dict[str, Any]] | None:
-        """The validated request of the session.start message, or None once an error was sent (also when the
-        server begins shutting down first)."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if not self.st.client.accepting:
-                await self._refused(ShuttingDownError(SHUTDOWN_REASON))
-                return None
-            if (left := deadline - time.monotonic()) <= 0:
-                await self._error("Timeout waiting for session.start", 408)
-                return None
-            try:
-                message = await asyncio.wait_for(self.ws.receive(), min(left, START_POLL_S))
-                break
-            except TimeoutError:
-                continue
-        if message["type"] == "websocket.disconnect":
-            raise WebSocketDisconnect(message.get("code", 1000))
-        raw = message.get("text")
-        if raw is None:
-            await self._error("session.start must be a JSON text message", 400)
-            return None
-        limit = self.st.settings.max_upload_bytes
-        if len(raw) > limit or len(raw.encode("utf-8", "surrogatepass")) > limit:
-            self.st.metrics.on_rejected("too_large")  # (as POST /v1/videos counts a body too large)
-            await self._error(f"session.start message exceeds {upload_limit(limit)}", 413)
-            return None
-        try:
-            return await self._inputs(raw)
-        except APIError as exc:
-            await self._error(exc.message, exc.status, exc.param)
-        except ParamError as exc:
-            await self._error(exc.message, 400, exc.param)
-        return None
-
-    async def _inputs(self, raw: str) -> tuple[VideoParams, EncodeOptions, dict[str, Any]]:
-        msg = parse_json(raw, "JSON in session.start")
-        if not isinstance(msg, dict):
-            raise APIError(400, "session.start must be a JSON object")
-        if msg.get("type") != "session.start":
-            raise APIError(400, f"Expected session.start, got: {msg.get('type')}", param="type")
-        if msg.get("format", "m4s") != "m4s":
-            raise APIError(400, "Invalid session.start format: expected 'm4s'.", param="format")
-        fields, origins = merged_fields(msg)
-        try:
-            return await self._checked(json_body_fields(fields))
-        except (APIError, ParamError) as exc:  # named as session.start named the value
-            exc.param = sent_name(exc.param, origins)
-            raise
-
-    async def _checked(self, fields: dict[str, Any]) -> tuple[VideoParams, EncodeOptions, dict[str, Any]]:
-        st = self.st
-        inputs = await build_inputs(fields, served_model=st.served_model_name,
-                                    model_aliases=st.settings.model_aliases, has_sound=st.client.has_sound,
-                                    defaults=st.settings.video_defaults, fetcher=st.media,
-                                    decode_pixels=st.settings.video_decode_pixels, lora=st.settings.lora)  # fmt: skip
-        # video.start's config: the request as validated (vLLM-Omni's), less the references' bytes
-        request = inputs.request.model_dump(exclude_none=True)
-        config = {k: v for k, v in request.items() if k not in REFERENCES}
-        codec = {**STREAM_CODEC_OPTIONS, **(inputs.encode.codec_options or {})}
-        if int(checked_codec_options(codec, inputs.encode.crf).get("bf", 0)) > 0:
-            raise ParamError("extra_params.video_codec_options", "video_codec_options.bf must be 0 on "
-                             "/v1/realtime/video: its fragments have no B-frames (they would start the video "
-                             "after its audio).")  # fmt: skip
-        await asyncio.to_thread(st.client.validate, inputs.params)  # tokenises: off the event loop
-        return inputs.params, EncodeOptions(crf=inputs.encode.crf, codec_options=codec), config
 
     async def _control(self) -> str:
         """Read the client's messages until it stops the session ("stop"), leaves ("gone"), the running

@@ -355,19 +355,27 @@ class JobStore(JobDatabase):
                     return [], False
                 where += f" AND (created_at, seq) {'>' if order == 'asc' else '<'} (?, ?)"
                 args += list(anchor)
-            # (not `inputs`: a listing shows none of it, and it is the rows' largest column)
+            # (not `inputs`: a listing shows none of it, and it is the rows' largest column). No SQL LIMIT:
+            # a row the reads hide (a failure kept in memory whose expiry has passed) would leave the page
+            # short; the index order streams the rows and the loop below stops once the page is full.
             sql = f"SELECT {LISTED_COLUMNS} FROM jobs {where} ORDER BY created_at {order}, seq {order}"
-            if limit is not None:
-                sql += " LIMIT ?"
-                args.append(limit + 1)
             cursor = self._reader.execute(sql, args)
+        # one row more than the page says whether it has more
+        wanted = None if limit is None else limit + 1
         jobs: list[Job] = []
-        while True:  # a batch at a time: single-job reads (a GET, a sync request's wake-up) go between them
+        try:
+            while wanted is None or len(jobs) < wanted:
+                # a batch at a time: single-job reads (a GET, a sync request's wake-up) go between them
+                batch = LIST_BATCH_ROWS if wanted is None else min(LIST_BATCH_ROWS, wanted - len(jobs))
+                with self._read_lock:
+                    rows = cursor.fetchmany(batch)
+                if not rows:
+                    break
+                jobs += [job for r in rows if not expired(job := self._unsaved.shown(job_from_row(r)), now)]
+        finally:
+            # a listing stopped before its last row ends its statement here (and its read snapshot)
             with self._read_lock:
-                rows = cursor.fetchmany(LIST_BATCH_ROWS)
-            if not rows:
-                break
-            jobs += [job for r in rows if not expired(job := self._unsaved.shown(job_from_row(r)), now)]
+                cursor.close()
         if limit is None:
             return jobs, False
         return jobs[:limit], len(jobs) > limit
