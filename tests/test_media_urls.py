@@ -342,13 +342,13 @@ def https_url(tmp_path_factory):
 def test_https_checks_the_certificate(https_url, monkeypatch):
     import ssl
 
-    from worldserve.api import media_urls
+    from worldserve.api import media_connect
 
     url, cert = https_url
     with pytest.raises(ParamError, match="failed to download"):  # self-signed: not trusted by default
         MediaFetcher(1 << 20).fetch_blocking(url + "/ref.png", param="p", kind="image", timeout_s=5)
     trusting = ssl.create_default_context(cafile=str(cert))
-    monkeypatch.setattr(media_urls, "_tls_context", lambda: trusting)
+    monkeypatch.setattr(media_connect, "tls_context", lambda: trusting)
     assert MediaFetcher(1 << 20).fetch_blocking(url + "/moved", param="p", kind="image", timeout_s=5) == PNG
 
 

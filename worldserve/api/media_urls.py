@@ -13,7 +13,9 @@ redirect hop, the headers and the body: a timer shuts the sockets down when it p
 trickles bytes is cut off too. Bodies are limited to `max_bytes` (the upload limit), redirects followed
 (at most 10, each target checked again) unless `VLLM_MEDIA_URL_ALLOW_REDIRECTS=0`. Every failure is a
 ParamError (a 400) naming the field, in vLLM-Omni's words: `Invalid image_reference.image_url: failed to
-download image.`, `... server returned HTTP 404.`, `... redirect response was rejected ...`.
+download image.`, `... server returned HTTP 404.`, `... redirect response was rejected ...`. A body sent
+compressed (gzip; deflate, zlib-wrapped or raw) is decoded within the same byte limit (api/content_encoding.py).
+The name lookup, the address checks and the connect live in api/media_connect.py.
 
 Security: like vLLM, `--allowed-media-domains` names the hosts allowed, exactly (any other host, a subdomain
 of a named one and redirects included, is a 400). Stricter than vLLM (which fetches any address by default: vllm-project/vllm#57157), a host that
@@ -29,10 +31,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import http.client
-import ipaddress
 import logging
 import socket
-import ssl
 import threading
 import time
 import urllib.parse
@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from worldserve import __version__, envs
+from worldserve.api.content_encoding import BodyDecoder, UnsupportedEncoding, body_decoder
+from worldserve.api.media_connect import blocked_address, connect, expire, resolve, time_left, tls_context
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -50,11 +52,6 @@ CHUNK = 1 << 16
 MAX_REDIRECTS = 10
 FETCH_THREADS = 32
 """Downloads in flight at once, all requests together (more wait for a thread, their deadline running)."""
-MAX_LOOKUPS = 64
-"""Name lookups in flight at once. A lookup is waited for only until its download's deadline, but its thread
-runs until the system resolver answers; past this bound a download fails at once instead of queueing behind
-hung lookups (so hosts whose DNS hangs cannot hold up the downloads of other hosts)."""
-_lookups = threading.BoundedSemaphore(MAX_LOOKUPS)
 
 
 def is_http_url(url: str) -> bool:
@@ -172,27 +169,26 @@ class MediaFetcher:
         """One GET: (status, redirect location or None, body). Past `deadline` it fails: the name lookup,
         each connect attempt and the TLS handshake get the time left, and a timer shuts the socket down under
         any blocked read, which also gets at most the time left."""
-        remaining = _time_left(deadline)
+        remaining = time_left(deadline)
         assert parts.hostname is not None  # check() refused a URL without a host
         host = parts.hostname.rstrip(".")
         https = parts.scheme.lower() == "https"
         port = parts.port or (443 if https else 80)
         conn: http.client.HTTPConnection
         if https:  # (given the context: its own default one would load the CA store again, unused)
-            conn = http.client.HTTPSConnection(host, port, context=_tls_context())
+            conn = http.client.HTTPSConnection(host, port, context=tls_context())
         else:
             conn = http.client.HTTPConnection(host, port)
         held: list[socket.socket] = []  # the sockets made (the response may own the last one)
         expired = threading.Event()
-        stop = functools.partial(_expire, held, expired)
+        stop = functools.partial(expire, held, expired)
         if not budget.attach(stop):
             raise _Failed(f"Invalid {what}: cancelled (another download of the request failed).")
         timer = threading.Timer(remaining, stop)
         timer.daemon = True
         timer.start()
-        taken = 0
         try:
-            addresses = _resolve(host, port, deadline)
+            addresses = resolve(host, port, deadline)
             private = self.block_private and not self._named(host)
             if private and (blocked := [a[4][0] for a in addresses if blocked_address(a[4][0])]):
                 log.warning("%s: %s resolves to %s: not downloaded (a private, loopback or link-local address; "
@@ -201,7 +197,7 @@ class MediaFetcher:
                 raise _Failed(f"Invalid {what}: its host resolves to a private, loopback or link-local address, "
                               "which this server does not download from.")  # fmt: skip
             # (connected here, to the addresses checked: http.client connects no more)
-            conn.sock = sock = _connect(host, addresses, https, deadline, held)
+            conn.sock = sock = connect(host, addresses, https, deadline, held)
             if expired.is_set() or time.monotonic() > deadline:  # the timer fired before there was a socket
                 raise TimeoutError
             path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
@@ -215,13 +211,37 @@ class MediaFetcher:
             if declared is not None and declared.strip().isdigit() and int(declared) > budget.left:
                 raise _Failed(self._too_large(what, kind))
             decoder = _body_decoder(resp.getheader("Content-Encoding"), what)
-            chunks = []
+            return (
+                resp.status,
+                None,
+                self._read_body(resp, sock, decoder, deadline, expired, budget, what, kind),
+            )
+        finally:
+            budget.detach(stop)
+            timer.cancel()
+            conn.close()
+
+    def _read_body(
+        self, resp: http.client.HTTPResponse, sock: socket.socket, decoder: BodyDecoder | None, deadline: float,
+        expired: threading.Event, budget: DownloadBudget, what: str, kind: str,
+    ) -> bytes:  # fmt: skip
+        """The body, decoded by `decoder` (its Content-Encoding's), its bytes taken from `budget` as they
+        come (all given back when it fails: a failed download frees what it had taken); each read gets the
+        time left to `deadline`, and the timer's shutdown (`expired`) is a TimeoutError."""
+        chunks: list[bytes] = []
+
+        def keep(data: bytes) -> None:
+            if not budget.take(len(data)):
+                raise _Failed(self._too_large(what, kind))
+            chunks.append(data)
+
+        try:
             # From Python 3.12 the response closes itself, and the socket's file, once its Content-Length is
             # read: a settimeout after that is EBADF (every download failed on 3.12 before this check).
             while not resp.isclosed():
                 if expired.is_set():
                     raise TimeoutError
-                sock.settimeout(_time_left(deadline))
+                sock.settimeout(time_left(deadline))
                 chunk = resp.read1(CHUNK)
                 if not chunk:  # the end, or the timer's shutdown, or the server hung up early
                     if expired.is_set():
@@ -230,45 +250,37 @@ class MediaFetcher:
                         raise _Failed(f"Invalid {what}: the server closed the connection {resp.length} bytes "
                                       f"before the end of the {kind} it announced.")  # fmt: skip
                     break
-                if decoder is not None:  # (at most one byte past the budget: a bomb stops there)
-                    chunk = _decoded(decoder, chunk, budget.left + 1, what)
-                if not budget.take(len(chunk)):
-                    raise _Failed(self._too_large(what, kind))
-                taken += len(chunk)
-                chunks.append(chunk)
-            taken = 0  # kept: the bytes stay counted against the request
-            return resp.status, None, b"".join(chunks)
-        finally:
-            budget.give_back(taken)  # a failed download frees what it had taken
-            budget.detach(stop)
-            timer.cancel()
-            conn.close()
+                # (a compressed chunk inflates to at most one byte past the budget: a bomb stops there)
+                keep(chunk if decoder is None else _decoded(decoder, chunk, budget.left + 1, what))
+            if decoder is not None:
+                keep(_decoded(decoder, None, budget.left + 1, what))
+        except BaseException:
+            budget.give_back(sum(map(len, chunks)))
+            raise
+        return b"".join(chunks)
 
     def _too_large(self, what: str, kind: str) -> str:
         return (f"Invalid {what}: the {kind} is larger than what is left of this server's {self.max_bytes >> 20} MiB "
                 "upload limit (one request's downloads share it).")  # fmt: skip
 
 
-def _body_decoder(encoding: str | None, what: str) -> zlib._Decompress | None:
-    """A decompressor for a body the server sent compressed (`Content-Encoding` gzip or deflate), None for
-    one sent as it is. http.client asks for `identity`, but some servers compress regardless (an S3 object
-    stored gzipped is served so): vLLM's download (aiohttp) decodes gzip and deflate, and so does this one.
-    Another encoding (br, zstd, ...) is a _Failed that names it."""
-    name = (encoding or "").strip().lower()
-    if name in ("", "identity"):
-        return None
-    if name in ("gzip", "x-gzip", "deflate"):
-        return zlib.decompressobj(zlib.MAX_WBITS | 32)  # (gzip or zlib headers, told apart by their bytes)
-    raise _Failed(f"Invalid {what}: the server sent it with Content-Encoding {encoding!r}, which this server "
-                  "does not decode (gzip and deflate are).")  # fmt: skip
-
-
-def _decoded(decoder: zlib._Decompress, chunk: bytes, limit: int, what: str) -> bytes:
-    """`chunk` of a compressed body decompressed, at most `limit` bytes of it (`limit` reached: the caller's
-    budget refuses it, so a small body that inflates to gigabytes is never held); _Failed when it is not
-    the compressed data its Content-Encoding says."""
+def _body_decoder(encoding: str | None, what: str) -> BodyDecoder | None:
+    """The decoder of a body sent with `Content-Encoding: encoding` (api/content_encoding.py: gzip, and
+    deflate with or without its zlib header), None for one sent as it is; another encoding (br, zstd, ...) is
+    a _Failed that names it."""
     try:
-        return decoder.decompress(chunk, limit)
+        return body_decoder(encoding)
+    except UnsupportedEncoding:
+        raise _Failed(f"Invalid {what}: the server sent it with Content-Encoding {encoding!r}, which this "
+                      "server does not decode (gzip and deflate are).") from None  # fmt: skip
+
+
+def _decoded(decoder: BodyDecoder, chunk: bytes | None, limit: int, what: str) -> bytes:
+    """`chunk` of a compressed body decompressed (None: what is left once the body has ended), at most
+    `limit` bytes of it (`limit` reached: the caller's budget refuses it, so a small body that inflates to
+    gigabytes is never held); _Failed when it is not the compressed data its Content-Encoding says."""
+    try:
+        return decoder.decode(chunk, limit) if chunk is not None else decoder.finish(limit)
     except zlib.error:
         raise _Failed(
             f"Invalid {what}: its body is not the compressed data its Content-Encoding says."
@@ -282,7 +294,7 @@ class DownloadBudget:
     def __init__(self, total: int) -> None:
         self.left = total
         self._lock = threading.Lock()
-        self._stops: set[functools.partial] = set()  # each live download's _expire
+        self._stops: set[functools.partial] = set()  # each live download's media_connect.expire
         self.cancelled = False
 
     def attach(self, stop: functools.partial) -> bool:
@@ -313,113 +325,6 @@ class DownloadBudget:
     def give_back(self, n: int) -> None:
         with self._lock:
             self.left += n
-
-
-def _connect(
-    host: str, addresses: list, https: bool, deadline: float, held: list[socket.socket]
-) -> socket.socket:
-    """A socket connected to `host` at one of its `addresses` (_resolve's; TLS-wrapped, certificate and name
-    checked, for https) before `deadline`; every socket made goes into `held` at once, so the deadline's timer
-    can break a connect or a handshake.
-
-    Each address of the name is tried in turn (IPv6 ones where this host has no IPv6 too), each attempt and
-    the handshake with the time left; a certificate that fails its check ends the download."""
-    error: OSError = OSError(f"no address for {host}")
-    for family, kind, proto, _, address in addresses:
-        sock = None
-        try:
-            sock = socket.socket(family, kind, proto)
-            held.append(sock)
-            sock.settimeout(_time_left(deadline))
-            sock.connect(address)
-            if https:
-                sock = _tls_context().wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
-                held.append(sock)
-                sock.settimeout(_time_left(deadline))
-                sock.do_handshake()
-            return sock
-        except ssl.SSLCertVerificationError:
-            assert sock is not None  # (raised by the handshake: the socket exists)
-            sock.close()
-            raise
-        except OSError as exc:
-            if sock is not None:
-                sock.close()
-            if isinstance(exc, TimeoutError):
-                raise
-            error = exc
-    raise error
-
-
-BLOCKED_EXTRA_NETWORKS = tuple(
-    ipaddress.ip_network(n) for n in ("100.64.0.0/10", "2002::/16", "64:ff9b::/96")
-)
-"""Refused beyond what `ipaddress` calls private: carrier-grade NAT, and IPv6 6to4 / NAT64 (they embed an
-IPv4 destination)."""
-
-
-def blocked_address(ip: str) -> bool:
-    """Whether a media download must not connect to `ip` (unless its host is allowed by name): loopback,
-    private (RFC 1918, fc00::/7), link-local (169.254.169.254, the cloud metadata service), reserved,
-    multicast, unspecified, IPv6 site-local (fec0::/10), BLOCKED_EXTRA_NETWORKS; an IPv4-mapped IPv6 address
-    judged as its IPv4 one."""
-    addr = ipaddress.ip_address(ip.partition("%")[0])  # (an IPv6 address may carry a %scope)
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return (
-        addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_reserved or addr.is_multicast
-        or addr.is_unspecified or getattr(addr, "is_site_local", False)
-        or any(addr in net for net in BLOCKED_EXTRA_NETWORKS)
-    )  # fmt: skip
-
-
-def _resolve(host: str, port: int, deadline: float) -> list:
-    """getaddrinfo(host, port), waited for until `deadline` (getaddrinfo takes no timeout of its own, so it
-    runs on a thread of its own, bounded by MAX_LOOKUPS)."""
-    if not _lookups.acquire(blocking=False):
-        raise OSError(f"more than {MAX_LOOKUPS} name lookups in flight")
-    answer: list = []
-    done = threading.Event()
-
-    def lookup() -> None:
-        try:
-            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-        except Exception as exc:  # handed to the waiting download (gaierror, UnicodeError of a bad name...)
-            answer.append(exc)
-        finally:
-            _lookups.release()
-            done.set()
-
-    threading.Thread(target=lookup, name="media-dns", daemon=True).start()
-    if not done.wait(_time_left(deadline)):
-        raise TimeoutError
-    if isinstance(answer[0], Exception):
-        raise answer[0]
-    return answer[0]
-
-
-def _time_left(deadline: float) -> float:
-    """Seconds to `deadline`; TimeoutError when it has passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    return left
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """The system's default verifying context, built once (loading the CA store takes ~20 ms)."""
-    return ssl.create_default_context()
-
-
-def _expire(held: list[socket.socket], expired: threading.Event) -> None:
-    """The deadline: mark it, and break a blocked read (the reading thread then fails with an OSError)."""
-    expired.set()
-    for sock in held:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def allowed_domains(values: Sequence[str] | None) -> tuple[str, ...]:

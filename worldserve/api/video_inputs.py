@@ -3,12 +3,12 @@
 Bodies: multipart/form-data (the recipe's `curl -F`, the OpenAI SDK), x-www-form-urlencoded, and, beyond
 vLLM-Omni, application/json with the same field names (there `prompt` may also be a JSON object: it is sent
 as its compact serialisation). The body is read through a byte counter: above `--max-upload-mb` -> 413.
-References: an `input_reference` upload is sniffed image first (I2V), then video (PyAV, V2V:
-`max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); an `input_references`
-upload (vLLM-Omni's plural field, which it keeps as reference videos for models such as Cosmos3) is a
-reference video, one file, alone (vLLM-Omni's 400 beside any other reference); JSON
+References (api/video_references.py): an `input_reference` upload is sniffed image first (I2V), then video
+(PyAV, V2V: `max(condition_frame_indexes_vision)*4+1` frames from the `condition_video_keep` end); an
+`input_references` upload (vLLM-Omni's plural field, which it keeps as reference videos for models such as
+Cosmos3) is a reference video, one file, alone (vLLM-Omni's 400 beside any other reference); JSON
 `image_reference` / `video_reference` take base64 data URLs or http(s) URLs (downloaded:
-api/media_urls.py). The fields then resolve into VideoParams as vLLM-Omni resolves them
+api/media_urls.py). Fields holding JSON are parsed by api/json_form_fields.py. The fields then resolve into VideoParams as vLLM-Omni resolves them
 (api/video_fields.py); everything omitted takes the model defaults of `VideoParams`. Any problem raises an
 APIError / ParamError that becomes a 400 naming the field the value came in. Nothing here touches the
 engine but `validate`.
@@ -34,23 +34,21 @@ from worldserve.api.bodies import (
     MAX_FORM_FIELDS,
     FormParts,
     bounded_stream,
-    check_depth,
     check_unicode,
     log_ignored_fields,
     parse_json_body,
     parse_urlencoded,
 )
-from worldserve.api.data_urls import data_url_bytes, is_data_url
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.form_brackets import BRACKETED, fold_brackets
+from worldserve.api.json_form_fields import json_object_field
 from worldserve.api.lora_field import LoraSettings
-from worldserve.api.media_urls import MediaFetcher, is_http_url
+from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
 from worldserve.api.video_fields import resolve_video_params
+from worldserve.api.video_references import decode_reference_media, reference_bytes, references_upload
 from worldserve.engine.client import EncodeOptions, JobSpec
 from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS, DecodeBudget
-from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image
-from worldserve.media.video_input import condition_budget, decode_reference, decode_video
 from worldserve.media.work_pool import on_request_pool
 from worldserve.params import (
     ParamError,
@@ -61,13 +59,6 @@ _Model = TypeVar("_Model", bound=BaseModel)
 
 QUALITY_CRF = {"default": 18, "high": 10, "lossless": 0}
 """x264 crf per job quality; a request names "high" or "lossless" (vLLM-Omni's levels), else "default"."""
-REFERENCE_CONFLICT = (
-    "Provide only one of input_reference, image_reference, or video_reference when using input_reference; "
-    "image_reference and video_reference may be combined."
-)
-REFERENCES_ALONE = (
-    "Provide input_references alone, without input_reference, image_reference, or video_reference."
-)
 UNSUPPORTED_EXTRA = ("action_mode", "edge", "blur", "depth", "seg", "wsm", "control_guidance")
 TEXT_FIELDS = ("prompt", "negative_prompt")
 
@@ -234,14 +225,14 @@ async def build_inputs(
     resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults, adapter)
     reference: bytes | None
     if uploads not in (None, []):  # (an empty string never gets here: the body readers drop them)
-        source, reference = "input_references", await _references_upload(req, upload, uploads)
+        source, reference = "input_references", await references_upload(req, upload, uploads)
     else:
-        source, reference = await _reference_bytes(req, upload, fetcher)
+        source, reference = await reference_bytes(req, upload, fetcher)
     image = video = None
     if reference is not None:
         budget = DecodeBudget(decode_pixels)
         image, video = await on_request_pool(
-            _decode_reference, source, reference, extra, budget, stop=budget.stop
+            decode_reference_media, source, reference, extra, budget, stop=budget.stop
         )
     params = resolve_video_params(req, video_params, extra, image, video, source, defaults, adapter)
     if params.generate_sound is None and defaults.get("generate_sound") is not None and params.num_frames > 1:
@@ -303,29 +294,6 @@ def refuse_unsupported(req: VideoCreateRequest) -> None:
         )
 
 
-def json_field(raw: Any, field: str) -> Any:
-    """A field that holds JSON: a JSON body's value as it is, a form field's text parsed (a 400 with
-    vLLM-Omni's message when it is not JSON, or nested too deep to parse)."""
-    if not isinstance(raw, str):
-        return raw
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):  # bad JSON, or a number past Python's int-from-text digit limit
-        raise APIError(400, "Invalid JSON in form field.", param=field) from None
-    check_depth(value, field)  # as deep as the same value sent as an object may be
-    return value
-
-
-def json_object_field(raw: str | dict | None, field: str) -> dict | None:
-    """A field that holds a JSON object (json_field); a non-object is a 400 with vLLM-Omni's message. A JSON
-    body's null is the field left out; a form's text `null` is a non-object (NoneType), as for the references."""
-    value = json_field(raw, field)
-    if not isinstance(value, dict) and (value is not None or isinstance(raw, str)):
-        raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(value).__name__}.",
-                       param=field)  # fmt: skip
-    return value
-
-
 def _validated(model: type[_Model], raw: dict, field: str) -> _Model:
     """`model` validated from `raw`, pydantic's errors as a 400 located under `field`."""
     try:
@@ -351,115 +319,3 @@ def parse_extra_params(raw: str | dict | None) -> ExtraParams:
                 f"extra_params.{key}", f"extra_params.{key}: transfer/action modes are not supported yet"
             )
     return _validated(ExtraParams, raw, "extra_params")
-
-
-async def _references_upload(req: VideoCreateRequest, upload: Any, uploads: Any) -> bytes:
-    """The bytes of an `input_references` upload: one reference video (vLLM-Omni keeps these uploads as
-    reference videos on models that take no mixed references, as Cosmos3); ParamError / APIError naming
-    the field for a text value, more than one file, or another reference beside it."""
-    files = uploads if isinstance(uploads, list) else [uploads]
-    if not all(isinstance(f, UploadFile) for f in files):
-        raise ParamError("input_references", "input_references must be file uploads (multipart/form-data)")
-    if upload is not None or req.image_reference is not None or req.video_reference is not None:
-        raise APIError(400, REFERENCES_ALONE, param="input_references")
-    if len(files) > 1:
-        raise ParamError("input_references", f"Cosmos3 conditions on one reference video: send one "
-                         f"input_references file, got {len(files)}")  # fmt: skip
-    data = await files[0].read()
-    if not data:
-        raise ParamError("input_references", INVALID_REFERENCE_MESSAGE)
-    return data
-
-
-async def _reference_bytes(
-    req: VideoCreateRequest, upload: Any, fetcher: MediaFetcher | None
-) -> tuple[str, bytes | None]:
-    """(source field, raw bytes) of the request's reference, or ("", None) without one."""
-    if upload is not None and (req.image_reference is not None or req.video_reference is not None):
-        raise APIError(400, REFERENCE_CONFLICT, param="input_reference")
-    if isinstance(upload, UploadFile):
-        data = await upload.read()
-        if not data:
-            raise ParamError("input_reference", INVALID_REFERENCE_MESSAGE)
-        return "input_reference", data
-    if isinstance(upload, dict):  # OpenAI's object form, {"image_url": ...} (a JSON body, or SDK brackets)
-        return "input_reference", await _url_reference(upload, "image", "input_reference", fetcher)
-    if upload is not None:  # a plain text field named input_reference
-        raise ParamError("input_reference", "input_reference must be a file upload (multipart/form-data) or "
-                         'an object {"image_url": "data:... or http(s) URL"}')  # fmt: skip
-    if req.image_reference is not None and req.video_reference is not None:
-        raise ParamError(
-            "video_reference", "Cosmos3 non-action generation accepts either image or video input, not both."
-        )
-    for raw, kind in ((req.image_reference, "image"), (req.video_reference, "video")):
-        if raw is not None:
-            field = f"{kind}_reference"
-            return field, await _url_reference(raw, kind, field, fetcher)
-    return "", None
-
-
-async def _url_reference(raw: Any, kind: str, field: str, fetcher: MediaFetcher | None) -> bytes:
-    """The bytes of `{"<kind>_url": URL}` in `field`: a data URL's payload, or the http(s) URL downloaded."""
-    url = _reference_url(raw, kind, field)
-    if is_data_url(url):
-        return data_url_bytes(
-            url, param=field, bad_payload=f"Invalid {field}.{kind}_url: bad base64 payload."
-        )
-    if fetcher is None:
-        raise ParamError(field, f"Invalid {field}.{kind}_url: this server does not download URLs; send a "
-                         "data URL or an input_reference upload.")  # fmt: skip
-    return await fetcher.fetch(
-        url, param=field, what=f"{field}.{kind}_url", kind=kind, timeout_s=REFERENCE_FETCH_TIMEOUT_S
-    )
-
-
-def _decode_reference(
-    source: str, data: bytes, extra: ExtraParams, budget: DecodeBudget
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(image, video) of a reference: the image path for image_reference, the video path for
-    video_reference, image-then-video sniffing for an upload."""
-    if source == "image_reference":
-        return decode_image(data, param=source), None
-    indexes = extra.condition_frame_indexes_vision
-    if indexes is not None and (not indexes or min(indexes) < 0):
-        raise ParamError(
-            "extra_params.condition_frame_indexes_vision",
-            "condition_frame_indexes_vision must be a non-empty list of non-negative ints, e.g. [0, 1]",
-        )
-    frames = min(condition_budget(indexes or (0, 1)), MAX_CONDITION_FRAMES)
-    keep = extra.condition_video_keep or "first"
-    if source in ("video_reference", "input_references"):
-        return None, decode_video(data, frames, keep, param=source, budget=budget)
-    return decode_reference(data, max_frames=frames, keep=keep, param=source, budget=budget)
-
-
-MAX_CONDITION_FRAMES = 401
-"""A decode cap above any tier's frame limit; larger index lists fail validation anyway."""
-
-
-REFERENCE_FETCH_TIMEOUT_S = 60.0
-"""vLLM-Omni's download timeout for http(s) reference URLs."""
-
-
-def _reference_url(raw: str | dict | list, kind: str, field: str) -> str:
-    """The URL of `{"<kind>_url": "data:..." | "http(s)://..."}` in `field` (image_reference /
-    video_reference, or OpenAI's input_reference object; an image reference may also be a list of one such
-    object)."""
-    raw = json_field(raw, field)
-    if isinstance(raw, list) and kind == "image":  # newer vLLM-Omni builds take a list of references
-        if len(raw) != 1:
-            raise ParamError(
-                field, f"Cosmos3 image-to-video takes one image_reference; got a list of {len(raw)}."
-            )
-        raw = raw[0]
-    if not isinstance(raw, dict):
-        raise APIError(400, f"Invalid JSON in form field: expected dict, got {type(raw).__name__}.",
-                       param=field)  # fmt: skip
-    if "file_id" in raw:
-        raise ParamError(field, f"Invalid {field}: file_id is not supported yet.")
-    url = raw.get(f"{kind}_url")
-    if isinstance(url, dict):  # OpenAI-style {"image_url": {"url": ...}}
-        url = url.get("url")
-    if not isinstance(url, str) or not (is_data_url(url) or is_http_url(url)):
-        raise ParamError(field, f"Invalid {field}.{kind}_url: must be an http(s) URL or data URL.")
-    return url

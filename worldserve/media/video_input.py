@@ -4,8 +4,8 @@
   first or the last `max_frames` frames (serving-api.md §4.3: the V2V decode budget is
   `max(condition_frame_indexes_vision)*4 + 1` frames, from the `first` or `last` end). Anything that
   yields no video frame raises ParamError with the OpenAI-shaped `input_reference` message. Frames come out
-  upright: a display matrix's rotation (a phone's portrait clip) is applied, as players and OpenCV do
-  (`quarter_turns`; chat videos' too).
+  as a player shows them: a display matrix's quarter turn (a phone's portrait clip) and mirror (a front
+  camera's) are applied, as FFmpeg's autorotate does (media/display_matrix.py; chat videos' too).
 - `decode_reference(data, ...)`: an `input_reference` upload sniffed image first (Pillow), then video (an image
   file Pillow refuses is not read as a one-frame clip: `is_still_image` names FFmpeg's image demuxers).
 - `condition_budget(indexes)`: the pixel frames a V2V request needs from its clip.
@@ -39,6 +39,7 @@ from PIL import Image
 
 from worldserve.chat_params import ChatVideo, VideoSampling
 from worldserve.media.decode_budget import DecodeBudget
+from worldserve.media.display_matrix import display_orientation
 from worldserve.media.image import (
     ImageTooLarge,
     decode_image,
@@ -121,33 +122,18 @@ def decode_video(
         # A clip truncated after some good frames: keep what decoded, as FFmpeg players do.
     if not frames or frames[0].width == 0 or frames[0].height == 0:
         raise bad
-    turns = quarter_turns(frames[0])  # (a stream's display matrix: one for all its frames)
-    height, width = frames[0].height, frames[0].width
-    if turns % 2:
-        height, width = width, height
-    out = np.empty((len(frames), height, width, 3), np.uint8)  # [F, H, W, 3], upright
+    # (a stream's display matrix: one for all its frames)
+    orientation = display_orientation(frames[0])
+    height, width = orientation.shown_size(frames[0].height, frames[0].width)
+    out = np.empty((len(frames), height, width, 3), np.uint8)  # [F, H, W, 3], as shown
     for i in range(len(out)):  # frame by frame, each freed once converted: the peak stays ~1x the clip
         frame = frames.popleft()
         budget.charge_conversion(frame.width, frame.height, param)
         try:
-            out[i] = np.rot90(frame.to_ndarray(format="rgb24"), turns)
+            out[i] = orientation.apply(frame.to_ndarray(format="rgb24"))
         except (av.FFmpegError, ValueError) as exc:  # (a pixel format FFmpeg cannot convert)
             raise bad from exc
     return out
-
-
-def quarter_turns(frame: av.VideoFrame) -> int:
-    """Counterclockwise quarter turns (np.rot90's k) that show `frame` upright: its display matrix's rotation,
-    as FFmpeg's players, OpenCV (vLLM's video loader) and diffusers' load_video (imageio's ffmpeg) apply it. A
-    phone's portrait clip is stored landscape with a matrix that turns it 90 degrees on display (PyAV:
-    `rotation == -90`, counterclockwise degrees: one clockwise turn). 0 without one, or for an angle that is not
-    a multiple of 90 degrees (or a singular matrix: PyAV's NaN-as-int), which FFmpeg's players do not turn
-    either. A mirroring matrix's flip is not applied (its rotation is)."""
-    angle = getattr(frame, "rotation", 0)  # (PyAV >= 14)
-    if not isinstance(angle, int | float) or not abs(angle) <= 360:  # (NaN fails too)
-        return 0
-    turns = round(angle / 90)
-    return turns % 4 if abs(angle - 90 * turns) < 1 else 0
 
 
 def stated_frames(stream: VideoStream, data: bytes) -> int:
@@ -300,8 +286,8 @@ def _sample(
             seen = i + 1
             budget.charge(frame.width, frame.height, param, sampled=i in want)
             if i in want:
-                upright = np.rot90(frame.to_ndarray(format="rgb24"), quarter_turns(frame))
-                resized = _resized(upright, sampling, len(wanted))
+                shown = display_orientation(frame).apply(frame.to_ndarray(format="rgb24"))
+                resized = _resized(shown, sampling, len(wanted))
                 if kept and kept[0].shape != resized.shape:
                     raise ParamError(param, f"{param}: the video changes size mid-stream ({kept[0].shape[1]}x"
                                      f"{kept[0].shape[0]} -> {resized.shape[1]}x{resized.shape[0]} once resized); "

@@ -1,0 +1,82 @@
+"""A downloaded body's `Content-Encoding` undone as it streams in (api/media_urls.py reads media URLs with it).
+
+http.client asks for `identity`, but some servers compress regardless (an S3 object stored gzipped is served
+so): vLLM's download (aiohttp), browsers, curl and httpx decode gzip and deflate, and so does this one. Each
+chunk inflates to at most the `limit` the caller gives (what is left of the request's download budget, plus
+one byte), so a small body that inflates to gigabytes (a compression bomb) is refused there, never held.
+
+`deflate` is the zlib format (RFC 9110), but some servers send bare deflate data (RFC 1951, no zlib header)
+under that name. The body's first bytes are tried as zlib (a gzip header is read too) and, when they are no
+such header, read again as raw deflate (wbits -15): urllib3's and curl's fallback (aiohttp switches on the
+first byte's compression-method nibble; a raw stream's first byte would need non-zero padding bits to pass
+for a zlib header). The bytes held until that is judged are the header's two. A deflate body that stops
+inside its stream is refused, as aiohttp refuses it. Another encoding (br, zstd, ...) is an
+UnsupportedEncoding; data that does not inflate is a zlib.error.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+ZLIB_HEADER_BYTES = 2
+"""A zlib header's length (CMF, FLG): zlib judges it as soon as it has both."""
+GZIP_OR_ZLIB_WBITS = zlib.MAX_WBITS | 32
+"""zlib's automatic header detection: a gzip or a zlib header, told apart by their bytes."""
+RAW_DEFLATE_WBITS = -zlib.MAX_WBITS
+
+
+class UnsupportedEncoding(ValueError):
+    """A Content-Encoding this server does not decode (its name is the message)."""
+
+
+class BodyDecoder:
+    """One body's decompression, chunk by chunk. `raw_fallback` (Content-Encoding deflate): a body whose
+    first bytes are no zlib header is read as raw deflate."""
+
+    def __init__(self, *, raw_fallback: bool) -> None:
+        self._inflater = zlib.decompressobj(GZIP_OR_ZLIB_WBITS)
+        self._head: bytearray | None = bytearray() if raw_fallback else None
+        """The body's first bytes, kept until its format is judged (None: judged, or no fallback)."""
+        self._must_end = raw_fallback
+        """deflate: a body that stops inside its stream is refused (aiohttp's check at the end, for deflate)."""
+        self._received = False
+
+    def decode(self, chunk: bytes, limit: int) -> bytes:
+        """The next decompressed bytes, at most `limit` (>= 1) of them; zlib.error for data that does not
+        inflate."""
+        self._received = self._received or bool(chunk)
+        if self._head is None:
+            return self._inflater.decompress(chunk, limit)
+        self._head += chunk
+        if len(self._head) < ZLIB_HEADER_BYTES:
+            return b""
+        return self._judge(limit)
+
+    def finish(self, limit: int) -> bytes:
+        """What is left once the body has ended: a body shorter than a zlib header is judged now; zlib.error
+        for a deflate body cut short (bytes received, its stream not ended: a one-byte body is one)."""
+        rest = self._judge(limit) if self._head else b""
+        if self._must_end and self._received and not self._inflater.eof:
+            raise zlib.error("the deflate stream ends before its last block")
+        return rest
+
+    def _judge(self, limit: int) -> bytes:
+        """The held first bytes decompressed as zlib (or gzip), else as raw deflate."""
+        assert self._head is not None
+        head, self._head = bytes(self._head), None
+        try:
+            return self._inflater.decompress(head, limit)
+        except zlib.error:
+            self._inflater = zlib.decompressobj(RAW_DEFLATE_WBITS)
+            return self._inflater.decompress(head, limit)
+
+
+def body_decoder(encoding: str | None) -> BodyDecoder | None:
+    """The decoder of a body sent with this `Content-Encoding`, None for one sent as it is (none, or
+    `identity`); UnsupportedEncoding for one not decoded here."""
+    name = (encoding or "").strip().lower()
+    if name in ("", "identity"):
+        return None
+    if name in ("gzip", "x-gzip", "deflate"):
+        return BodyDecoder(raw_fallback=name == "deflate")
+    raise UnsupportedEncoding(encoding)
