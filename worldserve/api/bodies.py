@@ -269,8 +269,9 @@ async def _json_object(request: Request, max_bytes: int, keep: bool = False) -> 
     """(the body's JSON object, its size in bytes); `keep`: the body kept to be read again."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
-        raise APIError(400, f"Unsupported content type {ctype or 'none'!r}: send application/json",
-                       request_validation=True)  # fmt: skip
+        # (no header at all is said so: it read "Unsupported content type 'none'", a type no client sent)
+        given = f"Unsupported content type {ctype!r}" if ctype else "No Content-Type header"
+        raise APIError(400, f"{given}: send application/json", request_validation=True)
     body = b"".join([chunk async for chunk in bounded_stream(request, max_bytes)])
     if keep:
         request._body = body  # (Starlette's own cache, which request.stream() and .body() read first)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http
 import logging
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -134,7 +135,7 @@ def validation_error(
         elif isinstance(value, bytes) and len(value) > MAX_INPUT_REPR:  # (str + bytes raised a TypeError)
             value = value[:MAX_INPUT_REPR] + b"..."
         elif not isinstance(value, str | bytes | int | float | bool | type(None)):
-            value = repr(value)[:MAX_INPUT_REPR]
+            value = _shown(value)
         items.append({"type": err.get("type"), "loc": loc, "msg": err.get("msg"), "input": value})
     n = len(items)
     message = f"{n} validation error{'s' if n != 1 else ''}:\n" + "\n".join(f"  {item}" for item in items)
@@ -149,6 +150,21 @@ def validation_error(
         # (Responses' `input` items the same)
         param = max((_field_path(item["loc"][1:]) for item in items), key=lambda path: path.count("."))
     return APIError(400, message, param=param, request_validation=True)
+
+
+SHALLOW_REPR = reprlib.Repr()
+"""The repr of an input nested too deep for `repr`: its default depth (six levels, then "..."), containers'
+items cut to a few."""
+
+
+def _shown(value: Any) -> str:
+    """An offending input's repr, cut to MAX_INPUT_REPR characters. A value nested past Python's recursion
+    limit (a form's bracketed fields build one from a name of 3,000 `[a]`s) made `repr` raise RecursionError,
+    which turned the 400 into a 500: it is shown a few levels deep instead."""
+    try:
+        return repr(value)[:MAX_INPUT_REPR]
+    except RecursionError:
+        return SHALLOW_REPR.repr(value)[:MAX_INPUT_REPR]
 
 
 def _field_path(loc: Sequence[Any]) -> str:

@@ -6,7 +6,9 @@
 `extra_params[l][]=1`, `extra_params[l][]=2` and `extra_params[d][x]=y`. A form's unknown fields are ignored
 (FastAPI's, so vLLM-Omni's, way), so such a request had run without its extra_params, in silence.
 `fold_brackets` gives those fields of the request's own names back as the objects they were: each value a
-JSON number or true / false where it is one (the SDK writes 3, 2.0, true), else its text.
+JSON number or true / false where it is one (the SDK writes 3, 2.0, true), else its text. The objects
+are held to the JSON bodies' depth (bodies.MAX_JSON_DEPTH): a name of 3,000 `[a]`s built an object too deep
+for what reads it recursively (the 400 naming a bad key became a 500).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from worldserve.api.bodies import check_depth
 from worldserve.api.errors import APIError
 
 BRACKETED = re.compile(r"([^\[\]]+)((?:\[[^\[\]]*\])+)")
@@ -25,7 +28,8 @@ _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 
 def fold_brackets(items: Iterable[tuple[str, Any]], known: Collection[str]) -> dict[str, dict[str, Any]]:
     """{field: object} of the bracketed text items (name, value) whose field is in `known`; a 400 naming
-    the field when one key is given twice, both a value and keys below it, or a list of objects."""
+    the field when one key is given twice, both a value and keys below it, a list of objects, or keys nested
+    deeper than a JSON body may nest."""
     folded: dict[str, dict[str, Any]] = {}
     for name, value in items:
         match = BRACKETED.fullmatch(name)
@@ -33,6 +37,8 @@ def fold_brackets(items: Iterable[tuple[str, Any]], known: Collection[str]) -> d
             continue
         head, keys = match.group(1), _KEY.findall(match.group(2))
         _insert(folded, name, [head, *keys], _scalar(value))
+    # as deep as the same fields in a JSON body (`{"extra_params": {...}}`), and named the same way
+    check_depth(folded)
     return folded
 
 

@@ -24,7 +24,8 @@ An answer the client reads nothing of gets the same time: writing paused (the so
 buffers full) for `header_timeout_s` without a byte taken, the connection is dropped (a client that never
 read a video's content held its descriptors, and the file of a deleted video, for as long as it liked; a
 slow reader that takes bytes now and then is never cut).
-Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431. After either refusal, and
+Headers are also capped at MAX_HEADER_BYTES (request line included) with a 431; bytes h11 cannot read as a
+request get their 400 in the error envelope, naming h11's reason (uvicorn's was bare text). After a 408 or a 431, and
 whenever the connection closes while its client still sends a request's body (an answer given before the body
 was read, such as a 401 or a 413, on a `Connection: close` request), the client's bytes are read and dropped
 until it has been silent for LINGER_S (at most LINGER_MAX_S) before the close, so the client reads the answer
@@ -48,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +77,8 @@ TIMEOUT_RESPONSE = _closing_error(
     408, "The request did not arrive in time (its headers or body stopped coming)"
 )
 TOO_LARGE_RESPONSE = _closing_error(431, f"The request's line and headers are over {MAX_HEADER_BYTES} bytes")
+MAX_REASON_CHARS = 200
+"""At most this much of h11's reason for refusing a request goes into its 400 (it may quote the request)."""
 H11_BUFFER_BYTES = MAX_HEADER_BYTES + 2**20
 """uvicorn.Config's h11_max_incomplete_event_size (serve_http.uvicorn_options): h11 refuses headers past it with
 a 400 and an abrupt close; above the cap plus one socket read (256 KiB), the cap answers first."""
@@ -102,6 +106,23 @@ class HeaderGuard(H11Protocol):
         self.dropping = False  # lingering (after a 408 / 431, an early answer): what comes is dropped
         self._linger_end = 0.0
         self.upgraded = False
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 cannot read as a request (a bad request line or header, no Host, a
+        malformed Content-Length), in the error envelope every other error has and naming what h11 refused
+        (uvicorn wrote a bare text/plain "Invalid HTTP request received."); h11's status hint is kept (501
+        for a transfer coding other than chunked). uvicorn calls it inside its `except RemoteProtocolError`,
+        where the exception is the one being handled. The connection then closes, as uvicorn closes it."""
+        refused = sys.exc_info()[1]
+        status = getattr(refused, "error_status_hint", 400)
+        message = msg.rstrip(".") + (f": {str(refused)[:MAX_REASON_CHARS]}" if refused is not None else ".")
+        body = json.dumps(error_body(status, message)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]  # fmt: skip
+        for event in (h11.Response(status_code=status, headers=headers, reason=reason_phrase(status).encode()),
+                      h11.Data(data=body), h11.EndOfMessage()):  # fmt: skip
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
 
     def pause_writing(self) -> None:
         """The client takes no more of the answer for now: it has `header_timeout_s` to take some."""
