@@ -1,7 +1,8 @@
 """Limits of chat requests on a real uvicorn (the tiny Reasoner): video sampling options out of range are a 400
 naming `media_io_kwargs` / `mm_processor_kwargs` as the request is read (before any download; never a 500 from
-a float overflow or an infinite frame count), a fps above the clip's own rate takes every frame, and a text
-with more bytes than the context can hold is refused by its byte count, untokenized (tens of seconds before).
+a float overflow or an infinite frame count), a fps above the clip's own rate takes every frame, a text
+with more bytes than the context can hold is refused by its byte count, untokenized (tens of seconds before),
+and a prompt and budget past the context get vLLM's current renderer refusal, word for word.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def test_a_text_longer_than_the_context_can_hold_is_refused_untokenized(reasoner
     r = httpx.post(
         reasoner_url + "/v1/chat/completions", json=fits, timeout=60
     )  # under the bound: tokenized, too long
-    assert r.status_code == 400 and calls == [1] and r.json()["error"]["param"] == "messages", r.text
-    assert "in the messages, 1 in the completion" in r.json()["error"]["message"]
+    assert r.status_code == 400 and calls == [1] and r.json()["error"]["param"] == "input_tokens", r.text
+    assert "requested 1 output tokens and your prompt contains" in r.json()["error"]["message"]
 
 
 def test_more_messages_than_the_context_has_tokens_are_refused_before_validation(reasoner_url, monkeypatch):
@@ -135,3 +136,50 @@ def test_more_messages_than_the_context_has_tokens_are_refused_before_validation
     for body in (small, large):
         assert httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     assert len(threads) == 2 and threads[0] != threads[1], threads  # (the loop's thread, then a worker's)
+
+
+VLLM_CONTEXT = (
+    "This model's maximum context length is 4096 tokens. However, you requested {out} output tokens and your "
+    "prompt contains {n} input tokens, for a total of {total} tokens. Please reduce the length of the input "
+    "prompt or the number of requested output tokens. (parameter=input_tokens, value={n})"
+)
+"""vLLM's renderer refusal of a prompt and budget past the context (its VLLMValidationError's text)."""
+
+
+def test_a_prompt_and_budget_past_the_context_get_vllm_s_current_refusal(reasoner_url):
+    """Chat (streamed or not) and text completions: a prompt plus max_tokens over max_model_len is vLLM's
+    renderer 400 word for word (type, param `input_tokens`, code), the exact prompt count (the /tokenize
+    count: the prompt the chat renders); no budget sent counts 0; a budget past the whole context is refused
+    before the prompt, naming the field sent."""
+    messages = [{"role": "user", "content": "hello " * 300}]
+    n = httpx.post(
+        reasoner_url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60
+    ).json()["count"]
+    out = 4097 - n + 5
+    for stream in (False, True):
+        body = {"model": MODEL, "messages": messages, "max_completion_tokens": out, "stream": stream}
+        r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        message = VLLM_CONTEXT.format(out=out, n=n, total=n + out)
+        assert r.json() == {"error": {"message": message, "type": "BadRequestError", "param": "input_tokens",
+                                      "code": 400}}  # fmt: skip
+    long = [{"role": "user", "content": "hello " * 5000}]
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json={"model": MODEL, "messages": long}, timeout=60)
+    assert r.status_code == 400 and "requested 0 output tokens" in r.json()["error"]["message"], r.text
+    r = httpx.post(reasoner_url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 4000, "max_tokens": 100},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": VLLM_CONTEXT.format(out=100, n=4000, total=4100),
+                                 "type": "BadRequestError", "param": "input_tokens", "code": 400}  # fmt: skip
+    for route, body in (
+        ("/v1/chat/completions", {"messages": messages}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ):
+        r = httpx.post(reasoner_url + route, json={"model": MODEL, "max_tokens": 5000, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": "max_tokens=5000 cannot be greater than max_model_len=max_total_tokens"
+                                     "=4096. Please request fewer output tokens. (parameter=max_tokens, value=5000)",
+                                     "type": "BadRequestError", "param": "max_tokens", "code": 400}  # fmt: skip
+    # the whole context, exactly: taken
+    fits = {"model": MODEL, "prompt": [5] * 4090, "max_tokens": 6}
+    assert httpx.post(reasoner_url + "/v1/completions", json=fits, timeout=60).status_code == 200

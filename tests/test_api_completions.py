@@ -353,8 +353,9 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, re
         ("/v1/completions", {"prompt": DROP, "prompt_embeds": ["AAAA"]}, 400, "prompt_embeds", "not supported"),
         ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens", "at least 1"),
         ("/v1/completions", {"n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy sampling"),
-        ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": [5] * 4096}, 400, "prompt",
-         "maximum context length is 4096"),
+        # (echo alone generates one token, which counts)
+        ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": [5] * 4096}, 400, "input_tokens",
+         "requested 1 output tokens and your prompt contains 4096 input tokens"),
         ("/v1/completions", {"echo": True, "max_tokens": 0, "min_tokens": 3}, 400, "min_tokens", "max_tokens"),
         ("/v1/completions", {"echo": True, "max_tokens": 0, "prompt": "<|image_pad|> hi"}, 400, "prompt",
          "cannot carry images"),
@@ -364,9 +365,10 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, re
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "at least one token"),
         ("/v1/completions", {"prompt": []}, 400, "prompt", "must not be empty"),
         ("/v1/completions", {"prompt": None}, 400, "prompt", "validation error"),
-        ("/v1/completions", {"prompt": [5] * 4096}, 400, "prompt", "maximum context length is 4096"),
-        ("/v1/completions", {"max_tokens": 5000}, 400, "max_tokens", "maximum context length"),
-        ("/v1/completions", {"max_tokens": int("9" * 4300)}, 400, "max_tokens", "more than 10^18"),  # (was a 500)
+        ("/v1/completions", {"prompt": [5] * 4096}, 400, "input_tokens", "maximum context length is 4096"),
+        ("/v1/completions", {"max_tokens": 5000}, 400, "max_tokens", "max_tokens=5000 cannot be greater than"),
+        ("/v1/completions", {"max_tokens": 4096}, 400, "input_tokens", "requested 4096 output tokens"),
+        ("/v1/completions", {"max_tokens": int("9" * 4300)}, 400, "max_tokens", "cannot be greater"),  # (was a 500)
         ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt", "more than the context of 4096 tokens"),
         ("/v1/completions", {"prompt": "<|image_pad|> hi"}, 400, "prompt", "cannot carry images"),
         ("/v1/completions", {"n": 17}, 400, "n", "n must be between 1 and 16"),

@@ -1,7 +1,8 @@
 """Structured outputs over real HTTP (uvicorn, the tiny Reasoner, the openai client): `response_format`
 json_schema / json_object, vLLM's `structured_outputs` (json, regex, choice, grammar) and its older
 `guided_*` fields on chat and text completions, streamed or not, and the openai client's own
-`chat.completions.parse` with a pydantic model; each malformed constraint is a 400 naming its field.
+`chat.completions.parse` with a pydantic model; each malformed constraint is a 400 naming its field; with
+allowed_token_ids and min_tokens they combine as vLLM combines them.
 """
 
 from __future__ import annotations
@@ -140,3 +141,44 @@ def test_malformed_constraints_are_400s_naming_the_field(reasoner_url, route, ex
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+
+
+def _ids(url: str, text: str) -> list[int]:
+    """`text`'s token ids as the Reasoner tokenizes it (special tokens' texts as their ids)."""
+    body = {"model": MODEL, "prompt": text, "add_special_tokens": False}
+    return httpx.post(url + "/tokenize", json=body, timeout=30).json()["tokens"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_allowed_token_ids_and_a_grammar_apply_together_or_are_refused(reasoner_url, route):
+    """vLLM masks each step with both: ids the grammar takes are sampled under both (the grammar's text
+    comes out); ids none of which may start the grammar's text would leave no token (vLLM fails such a
+    request mid-answer): a 400 naming allowed_token_ids before any model work (the grammar won before)."""
+    ends = _ids(reasoner_url, "<|im_end|><|endoftext|>")
+    base = {"model": MODEL, "max_tokens": 8, "seed": 0, "structured_outputs": {"choice": ["green", "blue"]}}
+    base.update({"messages": HI} if route == "/v1/chat/completions" else {"prompt": "hi"})
+    r = httpx.post(reasoner_url + route, json={**base, "allowed_token_ids": _ids(reasoner_url, "green") + ends},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice.get("text") or choice.get("message", {}).get("content")) == "green", choice
+    r = httpx.post(
+        reasoner_url + route, json={**base, "allowed_token_ids": _ids(reasoner_url, "zzz")}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "allowed_token_ids" and "structured_outputs.choice" in err["message"], err
+
+
+def test_min_tokens_gives_way_once_the_grammar_allows_only_the_end(reasoner_url):
+    """vLLM's rule since its PR #54218: min_tokens holds the end back while the grammar allows other tokens;
+    once it allows only the end (a choice written out), the end wins, short of min_tokens, with "stop"."""
+    body = {"model": MODEL, "messages": HI, "max_tokens": 20, "min_tokens": 15, "seed": 0,
+            "structured_outputs": {"choice": ["ok"]}}  # fmt: skip
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert (
+        answer["choices"][0]["message"]["content"] == "ok" and answer["choices"][0]["finish_reason"] == "stop"
+    )
+    assert answer["usage"]["completion_tokens"] < 15, answer

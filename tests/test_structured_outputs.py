@@ -436,3 +436,16 @@ def test_grammars_tokenize_forced_text_without_the_shared_tokenizer(compiler, mo
         StructuredOutput(kind="choice", spec='["<think>ok"]'),
     ):
         assert fresh.compile(so) is not None
+
+
+def test_allows_first_reads_the_grammar_s_first_mask(reasoner, compiler):
+    """The ids a request's allowed_token_ids give are checked against the grammar's first mask: its text's
+    first tokens and its end (a grammar that may write nothing) pass, others fail; with think, <think> passes
+    too; ids past the logits' width never do."""
+    tok = reasoner.tokenizer
+    so = StructuredOutput(kind="choice", spec='["green"]')
+    assert compiler.allows_first(so, tok.encode("green", add_special_tokens=False))
+    assert not compiler.allows_first(so, tok.encode("zzz", add_special_tokens=False) + [10**9, -1])
+    assert not compiler.allows_first(so, [compiler.think_ids[0]])
+    assert compiler.allows_first(so, [compiler.think_ids[0]], think=True)
+    assert compiler.allows_first(StructuredOutput(kind="choice", spec='["", "a"]'), compiler.end_ids)

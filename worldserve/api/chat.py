@@ -21,8 +21,10 @@ routed as transformers' processor routes them (a flat key to every modality that
 {shortest_edge, longest_edge} (pixel budgets, images and videos), `min_pixels` / `max_pixels` (images),
 `fps` / `num_frames` (videos); any other key is a 400 naming it. `chat_template_kwargs` go to the chat
 template (a key it does not use changes nothing, as in vLLM); keys that are apply_chat_template's own
-arguments are a 400. Both reach the Reasoner on `ChatParams`. A completion budget past the context names the
-field the client sent (`max_completion_tokens` wins over `max_tokens`, as in vLLM).
+arguments are a 400. Both reach the Reasoner on `ChatParams`. The context is checked as vLLM's renderer checks
+it, in its words (api/context_fit.py): a completion budget past the whole context before any other work (a 400
+naming the field the client sent: `max_completion_tokens` wins over `max_tokens`, as in vLLM), a prompt and
+budget past it once the prompt is built (a 400 naming `input_tokens`).
 Streaming: per choice, the first chunk carries the role (then, with vLLM's `echo`, the continued message),
 then one chunk per text piece (with tools: content and `tool_calls` deltas, api/tool_stream.py ToolStream),
 a final chunk with `delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from worldserve.api.answer_fields import TokenView, prompt_logprob_rows
 from worldserve.api.bodies import fits_context, openapi_body, read_model
 from worldserve.api.chat_media import (
     ImageBudget,
@@ -55,15 +58,8 @@ from worldserve.api.chat_media import (
 )
 from worldserve.api.chat_options import MediaDefaults, pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
-from worldserve.api.chat_stream import (
-    TextParsing,
-    TokenView,
-    close_all,
-    collect,
-    prompt_logprob_rows,
-    sse,
-    start_all,
-)
+from worldserve.api.chat_stream import TextParsing, close_all, collect, sse, start_all
+from worldserve.api.context_fit import check_output_budget, check_prompt_fits
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.state import AppState, State, app_state
@@ -99,11 +95,13 @@ class RequestOptions:
 
 
 def request_options(
-    body: ChatCompletionRequest, compiler: Any = None, media: MediaDefaults = MediaDefaults()
-) -> RequestOptions:
+    body: ChatCompletionRequest, compiler: Any = None, media: MediaDefaults = MediaDefaults(),
+    thinks: bool = False,
+) -> RequestOptions:  # fmt: skip
     """`mm_processor_kwargs`, `media_io_kwargs` (over the server's `media` defaults), `chat_template_kwargs`, the
     tools and the structured output fields checked (no media work; a grammar compiles, with the Reasoner's
-    `compiler` when given): ParamError naming the field, as soon as the request is read."""
+    `compiler` when given; `thinks`: the answer may open with <think>, --reasoning-parser): ParamError naming
+    the field, as soon as the request is read."""
     media_io, mm = media.under(body.media_io_kwargs, body.mm_processor_kwargs)
     image_opts, video_opts = processor_kwargs(mm)
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -113,7 +111,7 @@ def request_options(
         image_background=image_background(media_io),
         chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
         tools=tools,
-        structured=structured_output(body, tool_constraint(tools), compiler),
+        structured=structured_output(body, tool_constraint(tools), compiler, thinks),
     )
 
 
@@ -227,6 +225,22 @@ def name_sent_field(body: ChatCompletionRequest, exc: APIError) -> None:
         exc.param = "max_completion_tokens"
 
 
+def sent_budget(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """(the completion budget, the field it came in): max_completion_tokens wins over max_tokens (vLLM's)."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+def check_rendered_prompt(body: ChatCompletionRequest, params: ChatParams, max_model_len: int | None) -> None:
+    """vLLM's refusal of a prompt and budget past the context (api/context_fit.py), once the prompt is built
+    (`params.prebuilt`: none without a Reasoner). With truncate_prompt_tokens the Reasoner cuts the prompt
+    first and checks the cut (runner/chat_prompt.py), as vLLM truncates before its check."""
+    if params.prebuilt is None or body.truncate_prompt_tokens is not None:
+        return
+    check_prompt_fits(len(params.prebuilt.input_ids), sent_budget(body)[0], max_model_len)
+
+
 def model_not_found(model: str) -> JSONResponse:
     return JSONResponse(
         error_body(404, f"The model `{model}` does not exist.", "model", vllm=True), status_code=404
@@ -260,7 +274,9 @@ async def create_chat_completion(
     async def work() -> (
         ChatCompletionResponse | StreamingResponse
     ):  # (watched from the start: a client leaving during its media's downloads stops them)
+        check_output_budget(*sent_budget(body), st.max_model_len)
         choices, options = await chat_choices(st, body)
+        check_rendered_prompt(body, choices[0], st.max_model_len)
         answer_id = body.answer_id("chatcmpl", request.headers.get("x-request-id"))
         return await _answer(st, body, choices, opened, options.tools, answer_id)
 
@@ -284,7 +300,8 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
                        "tool_choice", param=field)  # fmt: skip
     compiler = grammar_compiler(st.client.chat_worker)
     # a grammar compiles there: off the event loop
-    options = await asyncio.to_thread(request_options, body, compiler, st.settings.media_defaults)
+    thinks = st.settings.reasoning_parser is not None
+    options = await asyncio.to_thread(request_options, body, compiler, st.settings.media_defaults, thinks)
     fetched = await prefetch_media(body, st.media, st.settings.mm_limits)
     if next(media_parts(body), None) is None:
         params = await asyncio.to_thread(prepared_params, st, body, fetched, options)

@@ -15,11 +15,11 @@ the prompt and that chunk's choice's completion tokens (0 on the role chunk), co
 without a reasoning parser (with one vLLM counts the thoughts so far; those come at the answer's end here, so
 the field is left out), no prompt_tokens_details; only the final chunk sums them. Chunks carry the fields
 vLLM's do (chat_protocol.SSEChunk: what vLLM does not set is left out, e.g. stop_reason before the final chunk).
-vLLM's token-id options (`TokenView`): return_token_ids puts the prompt's ids on the answer (a stream: its
-first chunk) and each choice's sampled ids on it (a stream: each chunk's own); return_tokens_as_token_ids names
-logprobs' tokens "token_id:<id>".
-`start_all` (start a request's choices together, each up to its first event), `run_all`, `sse_events`,
-`make_usage` and `chunk_usage` serve the text completions too (api/completions.py, api/completions_stream.py).
+vLLM's token-id options (api/answer_fields.py `TokenView`, which also makes the logprobs and usage objects):
+return_token_ids puts the prompt's ids on the answer (a stream: its first chunk) and each choice's sampled ids
+on it (a stream: each chunk's own); return_tokens_as_token_ids names logprobs' tokens "token_id:<id>".
+`start_all` (start a request's choices together, each up to its first event), `run_all` and `sse_events` serve
+the text completions too (api/completions.py, api/completions_stream.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, I
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from worldserve.api.answer_fields import TokenView, chunk_usage, logprob_items, make_usage
 from worldserve.api.chat_protocol import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -39,12 +40,6 @@ from worldserve.api.chat_protocol import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
-    CompletionTokensDetails,
-    PromptLogprob,
-    PromptTokensDetails,
-    TokenLogprobOut,
-    TopLogprob,
-    Usage,
 )  # fmt: skip
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.reasoning import ReasoningStream, split_reasoning
@@ -60,12 +55,8 @@ from worldserve.engine.client import (
 )
 
 if TYPE_CHECKING:
-    from worldserve.api.chat_protocol import SamplingRequest
     from worldserve.chat_params import ChatParams
     from worldserve.engine.client import ChatEvent, ChatEvents, ChatMeter, EngineClient, TokenLogprob
-
-LOGPROB_FLOOR = -9999.0
-"""Log-probabilities are floored here in JSON answers (JSON has no -inf)."""
 
 log = logging.getLogger(__name__)
 
@@ -76,64 +67,6 @@ class ChatStream(Protocol):
     def __aiter__(self) -> AsyncIterator[Any]: ...
 
     async def aclose(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class TokenView:
-    """vLLM's token-id options of a request."""
-
-    ids: bool = False
-    """return_token_ids: the prompt's and the choices' token ids beside the text."""
-    as_ids: bool = False
-    """return_tokens_as_token_ids: logprobs name their tokens "token_id:<id>"."""
-
-    @classmethod
-    def of(cls, body: SamplingRequest, as_ids: bool = False) -> TokenView:
-        """A chat or text completion request's (chat_protocol.SamplingRequest) options; `as_ids`: the server's
-        --return-tokens-as-token-ids, for a request that sends no return_tokens_as_token_ids."""
-        own = body.return_tokens_as_token_ids
-        return cls(ids=bool(body.return_token_ids), as_ids=as_ids if own is None else own)
-
-    def names(self, entry: TokenLogprob) -> tuple[str, list[str]]:
-        """A TokenLogprob's token and its alternatives as this request shows them."""
-        if self.as_ids:
-            return f"token_id:{entry.token_id}", [f"token_id:{i}" for i in entry.top_ids]
-        return entry.token, [t for t, _ in entry.top]
-
-
-def logprob_items(entries: Iterable[TokenLogprob], view: TokenView = TokenView()) -> list[TokenLogprobOut]:
-    """engine TokenLogprobs -> the OpenAI `logprobs.content` items (with each token's UTF-8 bytes); a token a
-    structured output's grammar forbids (-inf) is listed at LOGPROB_FLOOR, as vLLM lists it."""
-    items = []
-    for e in entries:
-        token, tops = view.names(e)
-        assert e.logprob is not None  # (a sampled token's: None only for a prompt's first token)
-        items.append(TokenLogprobOut(
-            token=token, logprob=max(e.logprob, LOGPROB_FLOOR), bytes=list(token.encode()),
-            top_logprobs=[TopLogprob(token=t, logprob=max(lp, LOGPROB_FLOOR), bytes=list(t.encode()))
-                          for t, (_, lp) in zip(tops, e.top, strict=True)],
-        ))  # fmt: skip
-    return items
-
-
-def make_usage(
-    prompt_tokens: int, completion: int, cached: int | None = None, reasoning: int | None = None
-) -> Usage:
-    """The `usage` object: the prompt counted once plus `completion` tokens; with `cached` (the prompt's
-    tokens found in the prefix cache, --enable-prompt-tokens-details), its prompt_tokens_details; with
-    `reasoning` (the thought tokens, --reasoning-parser), its completion_tokens_details."""
-    details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
-    thoughts = None if reasoning is None else CompletionTokensDetails(reasoning_tokens=reasoning)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=details, completion_tokens_details=thoughts)  # fmt: skip
-
-
-def chunk_usage(prompt_tokens: int, completion: int, **details: Any) -> Usage:
-    """The usage a streamed chunk carries with continuous_usage_stats, set as vLLM sets it: the counts, and
-    `details` (a chat's completion_tokens_details); never the prompt's details, which vLLM sets on the final
-    usage only (SSEChunk leaves out what is not set)."""
-    total = prompt_tokens + completion
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=total, **details)
 
 
 async def start_all(
@@ -415,20 +348,3 @@ async def sse(
         roles += [chunk(index, {"content": parsing.echo}) for index in range(len(streams))]
     async for text in sse_events(streams, render, tail, head=roles):
         yield text
-
-
-def prompt_logprob_rows(entries: Sequence | None, k: int | None) -> list | None:
-    """vLLM's `prompt_logprobs` from a prompt's TokenLogprobs (ChatStarted.prompt_logprobs): per prompt token
-    after the first (None), its own entry first (as vLLM orders them) and the `k` most likely tokens, keyed by
-    token id."""
-    if k is None or not entries:
-        return None
-    out: list = [None]
-    for e in entries[1:]:
-        row = {str(e.token_id): PromptLogprob(logprob=max(e.logprob, LOGPROB_FLOOR), rank=e.rank,
-                                              decoded_token=e.token)}  # fmt: skip
-        ranked = zip(e.top_ids[:k], e.top[:k], range(1, k + 1), strict=False)
-        for i, (t, v), r in ranked:
-            row.setdefault(str(i), PromptLogprob(logprob=max(v, LOGPROB_FLOOR), rank=r, decoded_token=t))
-        out.append(row)
-    return out

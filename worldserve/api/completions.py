@@ -6,9 +6,10 @@ tokenized raw, no chat template (`add_special_tokens`, default true, as vLLM), i
 `ChatParams(prompt_ids=...)` (choice j of a prompt samples with seed + j) -> `EngineClient.chat_many` starts
 every choice of every prompt together, the chat's own path: the ChatWorker's continuous batching, the chat
 metrics (engine/chat_metering.py `metered`), a client gone stops them (api/disconnect.py), 503 while shutting
-down. The Reasoner checks the ids (outside the vocabulary, or vision placeholders: a 400 naming `prompt`)
-and the context (a prompt that leaves no room is a 400 naming `prompt`; a max_tokens past the room names
-`max_tokens`). api/completions_stream.py builds the answer: the `text_completion` object or SSE chunks.
+down. The Reasoner checks the ids (outside the vocabulary, or vision placeholders: a 400 naming `prompt`);
+the context is checked here as vLLM's renderer checks it, in its words (api/context_fit.py): a max_tokens past
+the whole context before the prompts are read (a 400 naming `max_tokens`), then each prompt with max_tokens (a
+400 naming `input_tokens`). api/completions_stream.py builds the answer: the `text_completion` object or SSE chunks.
 `echo` with `max_tokens: 0` answers each prompt's text alone, as vLLM does: one token is generated (so every
 check of a generating request applies, and usage counts it, as vLLM's does) and left out of the text.
 `echo` with `logprobs` (lm-eval's loglikelihood requests) also scores the prompt: each prompt token's
@@ -27,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from worldserve.api.answer_fields import TokenView
 from worldserve.api.bodies import openapi_body, read_model
 from worldserve.api.chat import model_not_found
-from worldserve.api.chat_stream import TokenView, close_all, start_all
+from worldserve.api.chat_stream import close_all, start_all
 from worldserve.api.completions_protocol import CompletionRequest, CompletionResponse
 from worldserve.api.completions_stream import Completion, collect, sse
+from worldserve.api.context_fit import check_output_budget, check_prompt_fits
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.request_log import sampling
@@ -109,6 +112,8 @@ async def create_completion(
     if (refused := body.refused()) is not None:
         raise APIError(400, refused[1], param=refused[0])
     prompts, max_model_len = reasoner_prompts(st)
+    # vLLM's renderer refuses a budget past the whole context before it reads any prompt
+    check_output_budget(body.max_tokens, "max_tokens", max_model_len)
     compiler = grammar_compiler(st.client.chat_worker)
     structured = await asyncio.to_thread(structured_output, body, None, compiler)  # a grammar compiles
     tokenized = await asyncio.to_thread(tokenize_prompts, prompts, body, body.text_bound(max_model_len))
@@ -118,6 +123,10 @@ async def create_completion(
     echo_only = body.max_tokens == 0  # with echo (refused() made sure): the prompt alone, as vLLM answers it
     if echo_only:  # vLLM's way: one token generated (every check of a generating request applies) and dropped
         body = body.model_copy(update={"max_tokens": 1})
+    # with truncate_prompt_tokens the Reasoner cuts each prompt first, then checks the cut (as vLLM)
+    if body.truncate_prompt_tokens is None:
+        for ids, _ in tokenized:
+            check_prompt_fits(len(ids), body.max_tokens, max_model_len)
     choices = [
         choice
         for ids, _ in tokenized

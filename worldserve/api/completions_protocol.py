@@ -3,7 +3,7 @@
 Completions request: `prompt` (a string, a list of strings, a list of token ids or a list of lists of ids:
 one set of `n` choices per prompt; at most VLLM_MAX_COMPLETION_PROMPTS of them), `max_tokens` (vLLM's default 16, also for null), the chat's
 sampling fields (`temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`, penalties and vLLM's token rules: see
-api/chat_protocol.py SamplingRequest), `logprobs` (an int:
+api/sampling_request.py SamplingRequest), `logprobs` (an int:
 that many alternatives per position, 0 to 20), `echo`, `stream` / `stream_options`, vLLM's
 `add_special_tokens` (default true); `echo` with `logprobs`, and vLLM's `prompt_logprobs`, score the prompt
 too; structured outputs as the chat's (`response_format`, `structured_outputs`, `guided_*`). `suffix` and
@@ -29,10 +29,10 @@ from worldserve.api.chat_protocol import (
     ChatCompletionRequest,
     ChatMessageIn,
     PromptLogprob,
-    SamplingRequest,
     SSEChunk,
     Usage,
 )  # fmt: skip
+from worldserve.api.sampling_request import SamplingRequest
 from worldserve.api.tool_calls import ToolIn
 
 MAX_LOGPROBS = 20

@@ -19,16 +19,14 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from worldserve.api.chat_stream import (
+from worldserve.api.answer_fields import (
     LOGPROB_FLOOR,
-    ChatStream,
     TokenView,
     chunk_usage,
     make_usage,
     prompt_logprob_rows,
-    run_all,
-    sse_events,
 )
+from worldserve.api.chat_stream import ChatStream, run_all, sse_events
 from worldserve.api.completions_protocol import (
     CompletionChoice,
     CompletionLogprobs,

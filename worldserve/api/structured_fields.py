@@ -16,6 +16,11 @@
 At most one of these may constrain a request (a 400 naming the second, as vLLM refuses several); each
 malformed value, or grammar that does not compile or fails at its first two tokens, is a 400 naming its field (sampling/grammar.py builds the grammar, sampling/token_grammar.py compiles it
 with the tokenizer).
+With other token rules, as vLLM combines them: `allowed_token_ids` and the grammar both mask each step (a
+token must pass both); ids none of which the grammar takes first are a 400 naming `allowed_token_ids`, as
+vLLM's sampling would have no token left (it fails such a request mid-answer). `min_tokens` holds the end
+back while the grammar allows any other token; once the grammar allows only the end, the end wins and the
+answer stops short of min_tokens (vLLM's since its PR #54218: before, the empty mask failed the request).
 """
 
 from __future__ import annotations
@@ -43,14 +48,15 @@ def is_set(value: Any) -> bool:
 
 
 def structured_output(
-    body: Any, tools: StructuredOutput | None = None, compiler: Any = None
+    body: Any, tools: StructuredOutput | None = None, compiler: Any = None, thinks: bool = False
 ) -> StructuredOutput | None:
     """The request's one structured-output constraint, checked, or None for free text. `body`: a chat or text
-    completion request (api/chat_protocol.py SamplingRequest); `tools`: a required or named tool choice's
+    completion request (api/sampling_request.py SamplingRequest); `tools`: a required or named tool choice's
     constraint (api/tool_calls.py), which counts as one; `compiler`: the Reasoner's GrammarCompiler
     (`grammar_compiler`), which compiles the grammar with its tokenizer, tries its first two tokens and keeps
-    it for the chat (blocking: call this off the event loop); without one (no Reasoner, test fakes) the grammar
-    is compiled alone. Raises ParamError."""
+    it for the chat (blocking: call this off the event loop), and checks the request's allowed_token_ids
+    against it (`thinks`: the answer may open with <think>, --reasoning-parser); without one (no Reasoner, test
+    fakes) the grammar is compiled alone. Raises ParamError."""
     own, options = _structured_outputs(body.structured_outputs)
     found = [so for so in (tools, _response_format(body.response_format), own) if so is not None]
     pattern = body.guided_whitespace_pattern
@@ -75,9 +81,21 @@ def structured_output(
         return None
     if compiler is not None:
         compiler.compile(found[0])
+        _check_allowed_ids(found[0], body.allowed_token_ids, compiler, thinks)
     else:
         check(found[0])
     return found[0]
+
+
+def _check_allowed_ids(so: StructuredOutput, allowed: list[int] | None, compiler: Any, thinks: bool) -> None:
+    """ParamError("allowed_token_ids") when none of the request's allowed_token_ids may start the answer
+    under `so`'s grammar. vLLM applies both masks to every step's logits (each token must pass both); where
+    they leave no token it samples from nothing and fails the request (finish_reason "error", or a 500).
+    Refused here, before any model work, when it shows at the first token."""
+    if allowed and not compiler.allows_first(so, allowed, thinks):
+        raise ParamError("allowed_token_ids", f"allowed_token_ids holds no token the structured output "
+                         f"({so.field}) allows as the answer's first token: each token must pass both, so "
+                         "none could be sampled")  # fmt: skip
 
 
 def grammar_compiler(worker: Any) -> Any:

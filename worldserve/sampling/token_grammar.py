@@ -2,7 +2,8 @@
 
 `GrammarCompiler` (one per Reasoner: the tokenizer's byte-level vocabulary, built once) makes a
 `TokenGrammar` per chat: `constrain(logits [V])` sets every token the grammar forbids next to -inf (the end
-ids only once the grammar is complete), `accept(token)` advances it. The mask is computed on the host (a
+ids only once the grammar is complete), `accept(token)` advances it; `allows_first` says whether a set of ids
+(a request's allowed_token_ids) holds a token the grammar takes first. The mask is computed on the host (a
 bit per token, ~19 KB on Qwen's 151,936-id vocabulary) and unpacked on the logits' device.
 `constrain_rows(logits [B, V], grammars)` masks a batch at once (one copy to the device, one pass); the
 Reasoner calls it right after it launches a decode step, so that the host's share of the work (the masks:
@@ -86,6 +87,14 @@ class GrammarCompiler:
         has those two tokens."""
         return TokenGrammar(self.compile(so).deep_copy(), self.vocab_size, self.end_ids,
                             self.think_ids if think else None)  # fmt: skip
+
+    def allows_first(self, so: StructuredOutput, token_ids: Sequence[int], think: bool = False) -> bool:
+        """Whether any of `token_ids` may be an answer's first token under `so`'s grammar (with `think`, as
+        `grammar` has it, <think> too); ids outside the logits' width never may."""
+        # [W]: bit j of word w allows token 32 w + j
+        bits = self.grammar(so, think).words.view(np.uint32)
+        width = min(len(bits) * 32, self.vocab_size)
+        return any(0 <= t < width and bool(bits[t // 32] >> np.uint32(t % 32) & 1) for t in token_ids)
 
 
 def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, end_ids: Sequence[int]) -> llguidance.LLTokenizer:
