@@ -13,7 +13,8 @@ import pytest
 from serving_helpers import asgi_server, poll_job
 
 from worldserve.cli import build_parser
-from worldserve.config import TINY_SERVED_NAME, EngineConfig, ParallelConfig, ServerConfig
+from worldserve.config import TINY_SERVED_NAME, EngineConfig, ParallelConfig
+from worldserve.config_server import ServerConfig
 
 API_DIR = Path(__file__).resolve().parents[1] / "worldserve" / "api"
 

@@ -16,7 +16,8 @@ from worldserve.api.images import ImageGenerationRequest, build_params
 from worldserve.api.video_inputs import build_inputs
 from worldserve.media import video_input
 from worldserve.media.image import ImageTooLarge
-from worldserve.params import ParamError, aspect_size
+from worldserve.params import ParamError
+from worldserve.resolution_tiers import aspect_size
 
 pytestmark = pytest.mark.anyio
 

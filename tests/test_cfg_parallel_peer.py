@@ -148,7 +148,7 @@ def test_a_peer_dying_mid_job_stops_the_engine_and_keeps_the_jobs(tiny_ckpt, tmp
 def _echo_peer(rank: int, link, world: int, timeout_s: float) -> None:
     """A peer that answers ("echo", x) to ("echo", x)."""
     from worldserve.parallel import comm
-    from worldserve.runner.peers import LEADER, run_peer, serve_messages
+    from worldserve.runner.peer_process import LEADER, run_peer, serve_messages
 
     def serve(_loaded, group, dev, leader_alive):
         def echo(x):

@@ -510,11 +510,11 @@ def test_a_step_hung_past_the_shutdown_deadline_is_abandoned_and_its_job_queued_
     for the collectives' timeout, minutes after SIGTERM and --shutdown-timeout; now STEP_STOP_GRACE_S past the
     deadline the engine calls the backend's abandon_step (ParallelPipeline kills its peers, which fails the
     stuck exchange with BackendLost), and the job is queued again for the next start."""
-    from worldserve.engine import engine as engine_module
+    from worldserve.engine import engine_shutdown
     from worldserve.engine.jobs import JobStore
     from worldserve.engine.outputs import BackendLost
 
-    monkeypatch.setattr(engine_module, "STEP_STOP_GRACE_S", 0.2, raising=False)
+    monkeypatch.setattr(engine_shutdown, "STEP_STOP_GRACE_S", 0.2)
     hung, abandoned = threading.Event(), threading.Event()
 
     class HangingBackend(FakeBackend):

@@ -79,7 +79,7 @@ def test_the_runtime_is_taken_from_the_environment_then_the_installed_libs(monke
 
 
 def test_auto_gives_the_gen_layers_the_cluster_kernel_and_the_und_layers_fa3(tiny_ckpt, monkeypatch):
-    from worldserve.models.cosmos3 import transformer as tr
+    from worldserve.models.cosmos3 import transformer_setup as tr
     from worldserve.weights.loader import load_transformer
 
     model = load_transformer(tiny_ckpt, dtype=torch.float32, progress=False)

@@ -154,7 +154,7 @@ def test_a_still_takes_the_images_routes_defaults_and_a_video_the_videos():
     from worldserve.api.images import ImageGenerationRequest
     from worldserve.api.images import build_params as image_params
     from worldserve.cli import build_parser
-    from worldserve.commands.generate import build_params
+    from worldserve.commands.generate_params import build_params
 
     def params(*argv):
         argv = ["generate", "--prompt", "a lighthouse", "-o", "out.npz", *argv]
@@ -216,7 +216,7 @@ def test_prompt_files(tmp_path, monkeypatch, capsys):
     import io
 
     from worldserve.cli import build_parser, main
-    from worldserve.commands.generate import build_params
+    from worldserve.commands.generate_params import build_params
 
     def params(*argv):
         return build_params(build_parser(["generate"]).parse_args(["generate", *argv, "-o", "x.mp4"]))

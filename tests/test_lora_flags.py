@@ -136,7 +136,7 @@ def test_generates_lora_flags_become_the_requests_adapter(tmp_path, monkeypatch)
     """--lora PATH [--lora-scale S]: named after its folder (a file: its name less the suffix), at its absolute
     path, scale 1.0 by default; no --lora: the base model."""
     from worldserve.cli import build_parser
-    from worldserve.commands.generate import build_params
+    from worldserve.commands.generate_params import build_params
 
     def lora(*argv: str) -> LoraRequest | None:
         argv = ("generate", "--prompt", "a cat", "-o", "x.mp4", *argv)

@@ -1,4 +1,4 @@
-"""Peer ranks when rank 0 is gone or the checkpoint is bad (runner/peers.py `run_peer`, runner/peer_start.py
+"""Peer ranks when rank 0 is gone or the checkpoint is bad (runner/peer_process.py `run_peer`, runner/peer_start.py
 `watch_leader`), on gloo CPU ranks.
 
 Rank 0 killed outright (SIGKILL, or SIGTERM's default exit, which runs no clean-up) while its peers load or
@@ -39,7 +39,7 @@ def _wait_for(path: Path, timeout_s: float) -> None:
 # ------------------------------------------------------------------------------------ processes (spawned)
 def _peer(rank: int, link, folder: str, load_s: float) -> None:
     """A peer that writes its pid, then loads for `load_s` seconds (rank 0 is killed meanwhile)."""
-    from worldserve.runner.peers import run_peer, serve_messages
+    from worldserve.runner.peer_process import run_peer, serve_messages
 
     Path(folder, f"peer{rank}.pid").write_text(str(os.getpid()))
 
@@ -103,7 +103,7 @@ def test_peers_exit_at_once_when_rank0_is_killed(tmp_path, stall_join, stage):
 
 
 def _peer_with_a_bad_checkpoint(rank: int, link) -> None:
-    from worldserve.runner.peers import run_peer
+    from worldserve.runner.peer_process import run_peer
     from worldserve.weights.checkpoint import CheckpointError
 
     def load(_dev) -> None:
@@ -136,7 +136,7 @@ def test_a_bad_checkpoint_is_one_line_from_the_peer(capfd):
 # ------------------------------------------------------------------------------------ rank 0's set-up
 def _peer_dying_after_it_joins(rank: int, link) -> None:
     """Joins the world, then dies (as if killed) before its collective set-up."""
-    from worldserve.runner.peers import run_peer
+    from worldserve.runner.peer_process import run_peer
 
     run_peer(rank, link, 2, "cpu", "test", lambda _dev: os._exit(5), lambda *_: None, 60.0)
 

@@ -118,7 +118,7 @@ def test_a_peer_dying_before_it_joins_the_world_fails_at_once():
 
 
 def _peer_loading_with_rank0(rank: int, link, marker: str) -> None:
-    from worldserve.runner.peers import run_peer, serve_messages
+    from worldserve.runner.peer_process import run_peer, serve_messages
 
     def load(_dev) -> None:
         open(marker, "w").close()

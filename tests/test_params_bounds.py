@@ -10,7 +10,8 @@ import math
 import pytest
 
 from worldserve.api.request_log import RequestLog
-from worldserve.params import INT64, MAX_FPS, MAX_SECONDS, ParamError, VideoParams
+from worldserve.params import INT64, MAX_FPS, ParamError, VideoParams
+from worldserve.resolution_tiers import MAX_SECONDS
 
 SMALL = {"prompt": "a fox", "width": 64, "height": 48, "num_frames": 9}
 

@@ -5,27 +5,35 @@ Glossary (used in every module):
 - `latents`: (B, C, F, H, W) video latents; `tokens`: packed (N, D) rows.
 - `request`, `step` (one denoising step), `plan` (what the engine asks the runner to do), `result`.
 
-Public API: `VideoParams` / `ParamError` (per-request parameters), `VideoPipeline` (load a checkpoint and
-generate; imported lazily because it pulls in torch), `resolve_model` (model reference -> folder).
+Public API: `VideoParams` / `ParamError` (per-request parameters; a bad one is a ParamError, a ValueError
+naming the field), `VideoPipeline` (load a checkpoint and generate), `resolve_model` (model reference ->
+folder; None: the embedded tiny checkpoint) and `CheckpointError` (what the last two raise for a bad model).
+The last three import lazily: they pull in torch and huggingface_hub.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
-from worldserve.params import ParamError, VideoParams
+from worldserve.param_errors import ParamError
+from worldserve.params import VideoParams
 
 __version__ = "0.1.0"
-__all__ = ["ParamError", "VideoParams", "VideoPipeline", "resolve_model", "__version__"]
+_LAZY = {
+    "VideoPipeline": "worldserve.runner.video_pipeline",
+    "resolve_model": "worldserve.weights.checkpoint",
+    "CheckpointError": "worldserve.weights.checkpoint",
+}
+__all__ = ["CheckpointError", "ParamError", "VideoParams", "VideoPipeline", "resolve_model", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "VideoPipeline":
-        from worldserve.runner.video_pipeline import VideoPipeline
-
-        return VideoPipeline
-    if name == "resolve_model":
-        from worldserve.weights.checkpoint import resolve_model
-
-        return resolve_model
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'worldserve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # (the lazy names too: dir() and a REPL's completion had shown neither VideoPipeline nor resolve_model)
+    return sorted({*globals(), *__all__})

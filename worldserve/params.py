@@ -1,14 +1,9 @@
 """Per-request immutable parameters: VideoParams (generation) with validation that runs before any GPU work.
 
-The API layer and the `generate` CLI build a VideoParams; `validate()` raises `ParamError` naming the
-offending field (the API turns it into a 400 with `param` set). Defaults are the Cosmos3 model defaults
-(1280x720, 189 frames, 24 fps, 35 steps, CFG 6, seed 42), never generic ones.
-
-Resolution policy: width and height must be multiples of 16; the pixel area picks the model's tier
-(256p / 480p / 720p, the largest being 1280x720-sized) and each tier caps num_frames as cosmos-framework
-does (400 / 300 / 200). Any multiple-of-16 size inside the 720p area is accepted (diffusers accepts any);
-an image (num_frames 1) may go up to the 1024x1024 area (vLLM-Omni's text-to-image default), with the
-720p tier's default flow shift (the images route passes 3.0).
+The API layer and the `generate` CLI build a VideoParams; `validate()` raises `ParamError` (param_errors.py)
+naming the offending field (the API turns it into a 400 with `param` set). Defaults are the Cosmos3 model
+defaults (1280x720, 189 frames, 24 fps, 35 steps, CFG 6, seed 42), never generic ones. The sizes, frame
+counts and flow shifts it takes are the resolution policy of resolution_tiers.py.
 """
 
 from __future__ import annotations
@@ -21,12 +16,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# (tier name, max pixel area, max frames, default flow shift). Areas: 320x256, 640x640, 1280x720.
-RESOLUTION_TIERS: tuple[tuple[str, int, int, float], ...] = (
-    ("256", 320 * 256, 400, 3.0),
-    ("480", 640 * 640, 300, 5.0),
-    ("720", 1280 * 720, 200, 10.0),
+# (the `name as name` imports: re-exported until api/chat.py, api/completions.py, api/responses_protocol.py,
+# api/tool_calls.py, chat_params.py (InvalidRequest), api/responses_truncation.py, runner/chat_prompt.py
+# (TextTooLong) and api/video_fields.py (aspect_size, MAX_SIDE) import them from where they moved)
+from worldserve.param_errors import InvalidRequest as InvalidRequest
+from worldserve.param_errors import ParamError, shown
+from worldserve.param_errors import TextTooLong as TextTooLong
+from worldserve.resolution_tiers import (
+    FLOW_SHIFT_RANGE,
+    IMAGE_MAX_AREA,
+    MAX_SECONDS,
+    RESOLUTION_TIERS,
+    V2V_FLOW_SHIFT,
+    check_side,
+    default_flow_shift,
+    flow_shift_ok,
+    resolution_tier,
 )
+from worldserve.resolution_tiers import MAX_SIDE as MAX_SIDE
+from worldserve.resolution_tiers import aspect_size as aspect_size
+
 INT64 = 2**63
 """Seeds are int64: [-INT64, INT64) (torch.Generator.manual_seed; vLLM's range)."""
 
@@ -37,17 +46,11 @@ def choice_seed(seed: int, i: int) -> int:
     return (seed + i + INT64) % (2 * INT64) - INT64
 
 
-MAX_SIDE = 1280
-SIZE_MULTIPLE = 16
 MAX_FPS = 120
-MAX_SECONDS = max(tier[2] for tier in RESOLUTION_TIERS)
-"""No tier makes a longer video (its most frames at the lowest fps, 1)."""
 NEGATIVE_METADATA_MODES = ("same", "inverse", "none")
 """VideoParams.negative_metadata's values (vLLM-Omni's extra_params.negative_metadata_mode)."""
 DEFAULT_MAX_SEQUENCE_LENGTH = 4096
 """A prompt's tokens after templating, at most, by default (vLLM-Omni's)."""
-IMAGE_MAX_AREA = 1024 * 1024
-"""Images (num_frames 1) may go up to 1024x1024, vLLM-Omni's Cosmos3 text-to-image default (above the 720p area)."""
 
 
 @dataclass(frozen=True)
@@ -65,98 +68,6 @@ class ImageDefaults:
 
 
 IMAGE_DEFAULTS = ImageDefaults()
-
-
-MIN_FLOW_SHIFT, MAX_FLOW_SHIFT = 1e-3, 100.0
-"""The flow shifts taken (Cosmos3 uses 3-10; below ~1e-11 the shifted float32 sigmas underflow to 0 and no
-schedule exists, which failed a job after it was accepted)."""
-FLOW_SHIFT_RANGE = f"[{MIN_FLOW_SHIFT:g}, {MAX_FLOW_SHIFT:g}]"
-
-
-def flow_shift_ok(value: float) -> bool:
-    """Whether `value` is a flow shift in [MIN_FLOW_SHIFT, MAX_FLOW_SHIFT] (a request's, or --flow-shift)."""
-    return math.isfinite(value) and MIN_FLOW_SHIFT <= value <= MAX_FLOW_SHIFT
-
-
-class ParamError(ValueError):
-    """A request parameter is invalid. `param` names the field, as in the OpenAI error JSON."""
-
-    request_validation = False
-    """Refused as a request model's validation refuses it (`api.errors.APIError` has the same attribute): typed
-    "Bad Request" on vLLM's routes too."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-        self.message = message
-
-
-class InvalidRequest(ParamError):
-    """A ParamError that vLLM raises from its request model's validators (stream_options without stream,
-    top_logprobs without logprobs, tool_choice without tools, both template switches): on vLLM's routes its
-    error type is the reason phrase "Bad Request", as for any request validation, not "BadRequestError"."""
-
-    request_validation = True
-
-
-class TextTooLong(ParamError):
-    """A text refused by its byte size alone: more than the context's tokens can hold (before tokenizing)."""
-
-
-def resolution_tier(width: int, height: int) -> tuple[str, int, int, float]:
-    area = width * height
-    for tier in RESOLUTION_TIERS:
-        if area <= tier[1]:
-            return tier
-    raise ParamError(
-        "size",
-        f"size {width}x{height} is above the model's largest resolution tier (720p: at most "
-        f"{RESOLUTION_TIERS[-1][1]} pixels, e.g. 1280x720, 960x960, 720x1280)",
-    )
-
-
-def check_side(name: str, value: int, param: str = "size") -> None:
-    """A ParamError naming `param` unless `value` (the `name` side: width or height) is a multiple of
-    SIZE_MULTIPLE in [16, MAX_SIDE]."""
-    if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE or value > MAX_SIDE:
-        why = f" (it is above {MAX_SIDE})" if value > MAX_SIDE and value % SIZE_MULTIPLE == 0 else ""
-        raise ParamError(
-            param, f"{name}={shown(value)} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]{why}"
-        )
-
-
-def shown(value: object) -> str:
-    """A number as error messages quote it: as it is, or its digit count past 20 characters (a request may
-    send thousands of digits)."""
-    text = str(value)
-    sign = "a negative " if text.startswith("-") else "a "
-    return text if len(text) <= 20 else f"{sign}{len(text.lstrip('-'))}-digit number"
-
-
-def aspect_size(src_width: int, src_height: int) -> tuple[int, int]:
-    """(width, height) for an I2V request that gives no size (serving-api.md §4.3): the image's aspect
-    ratio at the 720p pixel area, each side rounded down to a multiple of 16; for an image wider (taller)
-    than 16:9 (9:16) the long side is capped at MAX_SIDE and the short one follows the ratio."""
-    ratio = src_width / src_height
-    area = RESOLUTION_TIERS[-1][1]
-    width, height = math.sqrt(area * ratio), math.sqrt(area / ratio)
-    shrink = min(1.0, MAX_SIDE / width, MAX_SIDE / height)
-    return _floor_to_multiple(width * shrink), _floor_to_multiple(height * shrink)
-
-
-def _floor_to_multiple(side: float) -> int:
-    return max(SIZE_MULTIPLE, int(side) // SIZE_MULTIPLE * SIZE_MULTIPLE)
-
-
-V2V_FLOW_SHIFT = 10.0
-"""Video-to-video's default flow shift at every size (vLLM-Omni's COSMOS3_V2V_DEFAULT_FLOW_SHIFT; serving-api.md
-§4.2, §4.4)."""
-
-
-def default_flow_shift(width: int, height: int) -> float:
-    """10 at 720p, 5 at 480p, 3 at 256p (the training shift table); 10 for the images above the 720p area."""
-    area = width * height
-    return next((tier[3] for tier in RESOLUTION_TIERS if area <= tier[1]), RESOLUTION_TIERS[-1][3])
 
 
 URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")

@@ -5,32 +5,26 @@ Bad input fails before the model loads, with the field named (exit code 2). Outp
 audio, fps, sample rate). `--save-latents F.safetensors` also writes the final video and audio latents.
 Conditioning: `--image F` (image-to-video) or `--video F` (video-to-video: `--condition-frames 0,1` latent
 frames held clean, taken from the `--condition-video-keep first|last` end of the clip). `--lora PATH
-[--lora-scale S]` runs with a LoRA adapter (merged into the weights as they load).
+[--lora-scale S]` runs with a LoRA adapter (merged into the weights as they load). The flags become a
+VideoParams in commands/generate_params.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from worldserve.commands.cli_inputs import (
-    MAX_MEDIA_FILE_BYTES,
-    check_writable,
-    lora_arg,
-    read_input,
-    text_arg,
-)
+from worldserve.commands.cli_inputs import text_arg
+from worldserve.commands.generate_params import build_params, flag_for
 from worldserve.config import ModelConfig, ParallelConfig
 from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import int64_seed
 from worldserve.params import (
     DEFAULT_MAX_SEQUENCE_LENGTH,
-    IMAGE_DEFAULTS,
     NEGATIVE_METADATA_MODES,
     ParamError,
     VideoParams,
@@ -41,10 +35,6 @@ if TYPE_CHECKING:
     from worldserve.runner.parallel_pipeline import ParallelPipeline
     from worldserve.runner.video_pipeline import VideoPipeline
 
-OUTPUT_SUFFIXES = (".mp4", ".png", ".npz")
-MAX_TEXT_FILE_BYTES = 16 << 20
-"""--prompt-file's size at most (a prompt is at most --max-sequence-length tokens, or the upsampling
-Reasoner's context with --upsample-prompt)."""
 GENERATE_MODEL_FLAGS = (
     "revision", "device", "dtype", "quantization", "fp8_attention", "diffusion_attention_backend",
     "enforce_eager", "vae_tiling",
@@ -121,167 +111,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ParallelConfig)
 
 
-def parse_size(size: str) -> tuple[int, int]:
-    parts = size.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ParamError("size", f"size {size!r} must look like 1280x720")
-    return int(parts[0]), int(parts[1])
-
-
-def _defaults(num_frames: int) -> dict[str, Any]:
-    """The values of the flags left out: a video's (VideoParams' defaults), or a still's (--num-frames 1) the
-    text-to-image ones /v1/images/generations takes (1024x1024, 50 steps, guidance 7 in [400, 1000], shift 3)."""
-    if num_frames == 1:
-        d = IMAGE_DEFAULTS
-        return {"size": f"{d.width}x{d.height}", "steps": d.num_inference_steps, "guidance": d.guidance_scale,
-                "flow_shift": d.flow_shift, "guidance_interval": d.guidance_interval}  # fmt: skip
-    v = VideoParams(prompt="-")
-    return {"size": f"{v.width}x{v.height}", "steps": v.num_inference_steps, "guidance": v.guidance_scale,
-            "flow_shift": None, "guidance_interval": None}  # fmt: skip
-
-
-def build_params(args: argparse.Namespace) -> VideoParams:
-    prompt = args.prompt if args.prompt is not None else _read_text(args.prompt_file, "prompt_file")
-    left_out = _defaults(args.num_frames)
-    given = lambda flag: left_out[flag] if getattr(args, flag) is None else getattr(args, flag)  # noqa: E731
-    width, height = parse_size(given("size"))
-    steps, guidance, flow_shift = given("steps"), given("guidance"), given("flow_shift")
-    interval = _parse_interval(args.guidance_interval) or left_out["guidance_interval"]
-    lora = lora_arg(args.lora, args.lora_scale)
-    image = None
-    if args.image is not None:
-        from worldserve.media.image import decode_image
-
-        image = decode_image(read_input(args.image, "image", MAX_MEDIA_FILE_BYTES), param="image")
-    if args.video is None:  # (they were dropped in silence)
-        for flag in ("condition_frames", "condition_video_keep"):
-            if getattr(args, flag) is not None:
-                raise ParamError(flag, f"--{flag.replace('_', '-')} conditions a --video clip: give --video, or "
-                                 "leave it out")  # fmt: skip
-    indexes = _parse_indexes("0,1" if args.condition_frames is None else args.condition_frames)
-    keep = args.condition_video_keep or "first"
-    video = None
-    if args.video is not None:
-        from worldserve.media.video_input import condition_budget, decode_video
-
-        if image is not None:
-            raise ParamError("video", "--image and --video are exclusive")
-        budget = min(condition_budget(indexes), args.num_frames) if args.num_frames >= 1 else 1
-        video = decode_video(
-            read_input(args.video, "video", MAX_MEDIA_FILE_BYTES), budget, keep, param="video"
-        )
-    if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
-        raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
-                         "(not with --tensor-parallel-size > 1)")  # fmt: skip
-    if guidance == 0:  # (the API takes 0 as "not given", its default 6.0; here it would drop the prompt)
-        raise ParamError("guidance", "--guidance 0 would generate without the prompt; use 1 for the prompt's "
-                         "branch alone (no CFG), or a scale above 1")  # fmt: skip
-    if guidance == 1 and args.cfg_parallel_size == 2:  # (its second rank would load the model and wait)
-        raise ParamError("guidance", "--guidance 1 runs no uncond CFG branch, so --cfg-parallel-size 2 would "
-                         "leave its uncond rank idle: drop --cfg-parallel-size, or give a scale above 1")  # fmt: skip
-    _check_output(args.output, args.num_frames)
-    inputs = [(flag, path) for flag, path in (("--image", args.image), ("--video", args.video),
-              ("--prompt-file", args.prompt_file)) if path is not None and str(path) != "-"]  # fmt: skip
-    for name, output in (("output", args.output), ("save_latents", args.save_latents)):
-        for flag, path in inputs:  # (-o in_v.mp4 with --video in_v.mp4 replaced the clip it was made from)
-            if output is not None and os.path.realpath(output) == os.path.realpath(path):
-                raise ParamError(name, f"{FLAGS.get(name, '--save-latents')} {output} is the {flag} file: "
-                                 "name another output")  # fmt: skip
-    if args.save_latents is not None:
-        if args.save_latents.suffix.lower() != ".safetensors":  # (a .npz or .pt name got safetensors bytes)
-            raise ParamError(
-                "save_latents", "--save-latents writes a safetensors file: name it *.safetensors"
-            )
-        check_writable(args.save_latents, "save_latents", "--save-latents")
-    return VideoParams(
-        prompt=prompt,
-        negative_prompt=args.negative_prompt,
-        width=width,
-        height=height,
-        num_frames=args.num_frames,
-        fps=args.fps,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        flow_shift=flow_shift,
-        seed=args.seed,
-        generate_sound=False if args.no_sound else None,
-        max_sequence_length=args.max_sequence_length,
-        image=image,
-        video=video,
-        condition_frame_indexes=indexes,
-        condition_video_keep=keep,
-        guidance_interval=interval,
-        add_duration_template=not args.no_duration_template,
-        add_resolution_template=not args.no_resolution_template,
-        negative_metadata=args.negative_metadata,
-        use_system_prompt=args.use_system_prompt,
-        system_prompt=args.system_prompt,
-        upsample_prompt=args.upsample_prompt,
-        lora=lora,
-    ).validate()
-
-
-FLAGS = {
-    "num_inference_steps": "--steps", "guidance_scale": "--guidance", "output": "-o",
-    "extra_params.condition_frame_indexes_vision": "--condition-frames", "condition_frames": "--condition-frames",
-    "extra_params.condition_video_keep": "--condition-video-keep", "generate_sound": "--no-sound",
-}  # fmt: skip
-"""A request field's flag where its name is not the flag's (the API's names are what VideoParams reports)."""
-
-
-def _flag(param: str | None, args: argparse.Namespace) -> str:
-    """The flag the user gave for request field `param` (VideoParams names the API's fields)."""
-    if param == "input_reference":
-        return "--video" if args.video is not None else "--image"
-    if param == "messages":  # (the upsampling chat's: its one message is the prompt)
-        param = "prompt"
-    if param == "prompt" and args.prompt is None:
-        return "--prompt-file"
-    if param is None:
-        return "error"
-    return FLAGS.get(param, "--" + param.removeprefix("extra_params.").replace("_", "-"))
-
-
-def _check_output(path: Path, num_frames: int) -> None:
-    """An output this run can write, checked before the model loads (not after minutes of generation)."""
-    if path.suffix.lower() not in OUTPUT_SUFFIXES:
-        raise ParamError("output", f"-o must end in one of {', '.join(OUTPUT_SUFFIXES)}")
-    if path.suffix.lower() == ".png" and num_frames != 1:
-        raise ParamError("output", "a .png output needs --num-frames 1")
-    check_writable(path, "output", "-o")
-
-
-def _parse_interval(text: str | None) -> tuple[float, float] | None:
-    if text is None:
-        return None
-    try:
-        lo, hi = (float(v) for v in text.split(","))
-    except ValueError:
-        raise ParamError(
-            "guidance_interval", f"--guidance-interval must be LO,HI (e.g. 400,1000), got {text!r}"
-        ) from None
-    return lo, hi
-
-
-def _parse_indexes(text: str) -> tuple[int, ...]:
-    try:
-        indexes = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ParamError("condition_frames", f"--condition-frames {text!r} must be ints like 0,1") from None
-    if not indexes or min(indexes) < 0:
-        raise ParamError("condition_frames", "--condition-frames must be non-negative ints like 0,1")
-    return indexes
-
-
-def _read_text(path: Path, param: str) -> str:
-    """A UTF-8 text file (a leading byte-order mark dropped: an editor's BOM hid a JSON prompt's `{`), or
-    standard input for `-`, at most MAX_TEXT_FILE_BYTES."""
-    try:
-        return read_input(path, param, MAX_TEXT_FILE_BYTES, stdin_for_dash=True).decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ParamError(param, f"{path} is not UTF-8 text (byte {e.start})") from None
-
-
 def _upsampled(
     args: argparse.Namespace, params: VideoParams, pipe: VideoPipeline | ParallelPipeline, root: Path
 ) -> VideoParams:
@@ -355,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = build_params(args)
     except ParamError as e:
-        flag = _flag(e.param, args)
+        flag = flag_for(e.param, args)
         said = e.message if e.message.startswith(f"{flag} ") else f"{flag}: {e.message}"  # (not "-o: -o ...")
         print(f"worldserve generate: error: {said}", file=sys.stderr)
         return 2
@@ -422,7 +251,7 @@ def _generate(
             params = checked(pipe.validate, _upsampled(args, params, pipe, root))
     except (ParamError, UpsamplingFailed, ValueError) as e:
         named = isinstance(e, (ParamError, UpsamplingFailed))
-        where = f"{_flag(getattr(e, 'param', None), args)}: {e}" if named else str(e)
+        where = f"{flag_for(getattr(e, 'param', None), args)}: {e}" if named else str(e)
         print(f"worldserve generate: error: {where}", file=sys.stderr)
         return 2
     stream = streams_to(args.output)  # the VAE decode then runs in write_output, beside the mux

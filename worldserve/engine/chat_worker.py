@@ -12,9 +12,9 @@ without the lock, so chats keep decoding while a video step runs (one token per 
 cannot take yet (ChatBackpressure: its K/V cache is full) stays first in line and is tried again after the
 next step; cancelled and failed chats are closed, which hands their K/V blocks back at once.
 
-Events go to the caller's `emit` callback from this thread (EngineClient bridges them into asyncio):
-`ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token, the last one with
-its finish_reason (a `coalesce` handle, a non-streaming caller's: the first delta, then the rest as one);
+Events (engine/chat_events.py) go to the caller's `emit` callback from this thread (EngineClient bridges
+them into asyncio): `ChatStarted(prompt_tokens)` once after prefill, then one `ChatDelta` per sampled token,
+the last one with its finish_reason (a `coalesce` handle, a non-streaming caller's: the first delta, then the rest as one);
 or `ChatFailed(status, message, param)` (400 for a ParamError, 500 otherwise) if the chat fails. `ChatHandle.cancel()` (client gone;
 each chat's handle: chat_handle.py) stops a chat at the next step boundary.
 `submit_many` queues the `n` choices of one request as one entry, so they are admitted (and prefilled, their
@@ -30,18 +30,21 @@ end, and a preempted one (the backend took its K/V blocks back) waits again unti
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
+from worldserve.engine.chat_events import ChatEvent, ChatFailed, ChatStarted
+
+# Re-exported until engine/client.py and engine/prompt_upsampling.py import it from engine/chat_events.py,
+# where it moved.
+from worldserve.engine.chat_events import ChatEvents as ChatEvents
 from worldserve.engine.chat_handle import ChatHandle
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
 from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta, ChatSession
@@ -49,29 +52,6 @@ from worldserve.failures import release_frames
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ChatStarted:
-    prompt_tokens: int
-    """Tokens of the rendered prompt (image placeholders expanded)."""
-    prompt_logprobs: tuple | None = None
-    """With ChatParams.prompt_logprobs: each prompt token's TokenLogprob (the first one's logprob None)."""
-    cached_tokens: int = 0
-    """Prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)."""
-    prompt_token_ids: tuple[int, ...] | None = None
-    """With ChatParams.return_token_ids: the rendered prompt's token ids (image placeholders expanded)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatFailed:
-    status: int
-    """HTTP-like status: 400 for a bad request, 500 for a server error."""
-    message: str
-    param: str | None = None
-
-
-ChatEvent = ChatStarted | ChatDelta | ChatFailed
 
 
 ABORT_JOIN_S = 10.0
@@ -408,26 +388,3 @@ class ChatWorker:
             log.exception("chat completion failed", exc_info=exc)
             release_frames(exc)  # (the record keeps no step's tensors: failures.py)
             handle.emit(ChatFailed(500, f"Chat completion failed: {type(exc).__name__}: {exc}"))
-
-
-class ChatEvents:
-    """One chat's events as an async iterator: ChatStarted, ChatDelta... (the last with its finish_reason), or
-    ChatFailed. `aclose()` (also on one never iterated) cancels the chat at its next step; idempotent."""
-
-    def __init__(self, events: asyncio.Queue, handle: ChatHandle):
-        self._events, self._handle, self._done = events, handle, False
-
-    def __aiter__(self) -> ChatEvents:
-        return self
-
-    async def __anext__(self) -> ChatEvent:
-        if self._done:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if isinstance(event, ChatFailed) or (isinstance(event, ChatDelta) and event.finish_reason):
-            self._done = True
-        return event
-
-    async def aclose(self) -> None:
-        self._done = True
-        self._handle.cancel()

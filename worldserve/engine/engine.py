@@ -16,7 +16,8 @@ under `model_lock`, which the chat worker (chat_worker.py) also takes around eac
 so chat and video share the model step by step, unless the chat backend runs beside video steps on its own
 CUDA stream (runner/chat_share.py: then it takes no lock). How a request ends (its MP4 saved, its result
 handed over, its failure or cancellation reported, `on_done(job_id)` called so the HTTP side can wake
-waiters) is endings.py's, from this thread or the encode pool.
+waiters) is endings.py's, from this thread or the encode pool; how the engine stops (drain, stop, stop_now,
+the running jobs parked when the loop ends) is engine_shutdown.py's, Engine's base class.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 from worldserve.config import SchedulerConfig
 from worldserve.engine.endings import Encoder, Endings, default_encoder
+from worldserve.engine.engine_shutdown import EngineShutdown
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
 from worldserve.engine.outputs import BackendLost, VideoBackend
@@ -41,13 +43,9 @@ from worldserve.engine.scheduler import Scheduler
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority, read_beside
 
 log = logging.getLogger(__name__)
-STEP_STOP_GRACE_S = 10.0
-"""How long a shutdown past its deadline waits for the step in progress to end before the backend's
-`abandon_step` (a multi-GPU pipeline: its peer ranks killed, which ends an exchange stuck on a hung peer; the
-stop had waited on it for the collectives' timeout, minutes, with the job unchanged)."""
 
 
-class Engine:
+class Engine(EngineShutdown):
     def __init__(
         self,
         backend: VideoBackend,
@@ -107,51 +105,6 @@ class Engine:
             if (decoding := self._decode_stops.get(job_id)) is not None:
                 decoding[0].set()
             self._cv.notify()
-
-    def drain(self) -> None:
-        """Stop admitting; the loop exits once the running requests are done (queued jobs stay queued)."""
-        with self._cv:
-            self._draining = True
-            self._cv.notify()
-
-    def stop(self, timeout_s: float) -> None:
-        """Drain for up to `timeout_s` (less after a stop_now), then stop at the next step boundary, or a decode
-        in progress at its next chunk of frames (its job is queued again: a long decode had kept the process up
-        for ~45 s past the timeout); a step still running STEP_STOP_GRACE_S later is abandoned where the backend
-        can (a hung peer rank); waits for the encoders."""
-        self.drain()
-        deadline = time.monotonic() + timeout_s
-        while self._thread.is_alive() and not self._hard_stop and (left := deadline - time.monotonic()) > 0:
-            self._thread.join(min(left, 0.1))  # (until the deadline, or a second interrupt's stop_now)
-        if self._thread.is_alive():
-            self.stop_now()
-            self._thread.join(STEP_STOP_GRACE_S)
-        abandon = getattr(self.backend, "abandon_step", None)
-        if self._thread.is_alive() and abandon is not None:
-            log.warning(
-                "shutdown: the step in progress did not end within %gs of the deadline; abandoning it",
-                STEP_STOP_GRACE_S,
-            )
-            abandon()
-        self._thread.join()
-        self._pool.shutdown(wait=True)
-
-    def stop_now(self) -> None:
-        """Stop the loop at its next step boundary and a decode in progress at its next chunk (the shutdown's
-        deadline, or a second interrupt before it); `stop` still waits for the loop and the encoders."""
-        with self._cv:
-            if self._hard_stop:
-                return
-            self._draining = self._hard_stop = True
-            for stop, request in self._decode_stops.values():
-                request.stop_reason = SHUTDOWN_REASON  # (before its reader sees the stop)
-                stop.set()
-            decoding = len(self._decode_stops)
-            # (a request decodes inside its last step's iteration: still counted running until it ends)
-            stepping = max(self._num_running - decoding, 0)
-            self._cv.notify()
-        log.warning("shutdown: stopping %d request(s) in their steps and %d in their decode; jobs are queued "
-                    "again, image and stream requests end with a 503", stepping, decoding)  # fmt: skip
 
     @property
     def observer(self) -> EngineObserver:
@@ -369,37 +322,3 @@ class Engine:
             self.backend.release(state)
         except Exception:
             log.exception("backend.release failed for %s", request.job_id)
-
-    def _cancel_waiting_ephemeral(self, late: list[Request], reason: str) -> None:
-        """Cancel the ephemeral requests still waiting, and `late` (taken from the inbox), for `reason`: the
-        engine is stopping, so they are never admitted (a job stays queued for the next start; they cannot)."""
-        for request in [r for r in self._sched.waiting if r.ephemeral]:
-            self._sched.waiting.remove(request)
-            late.append(request)
-        with self._cv:
-            self._waiting_ids.difference_update(r.job_id for r in late)
-        for request in late:
-            request.deliver(CancelledRequest(request.job_id, reason))
-
-    def _park_running(self, reason: str) -> None:
-        """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
-        requests, running or waiting, are cancelled for `reason` (they cannot resume)."""
-        self._stop_reason = reason
-        parked = list(self._sched.running)
-        for request in parked:
-            self._sched.finish(request)
-            self._release(request)
-            if request.ephemeral:  # nothing to resume it from: its caller gets the stop
-                request.deliver(CancelledRequest(request.job_id, reason))
-        with self._cv:  # also what arrived after the loop's last look at its inbox
-            self._stopped = True
-            late = [r for r in self._inbox if isinstance(r, Request) and r.ephemeral]
-            self._inbox = [r for r in self._inbox if not (isinstance(r, Request) and r.ephemeral)]
-        self._cancel_waiting_ephemeral(late, reason)
-        parked = [r for r in parked if not r.ephemeral]
-        if parked:
-            self.store.requeue([r.job_id for r in parked])
-            log.warning(
-                "stopped with %d running job(s); they are queued again and resume at restart", len(parked)
-            )
-        self._num_running = 0

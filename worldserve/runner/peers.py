@@ -1,5 +1,5 @@
-"""Peer ranks of a multi-GPU pipeline: spawn, connect, message, watch and stop them (rank 0's side), and
-the peer process's own start-up / shutdown frame (`run_peer`).
+"""Peer ranks of a multi-GPU pipeline, rank 0's side: spawn, connect, message, watch and stop them; and what
+the video pipeline's peers load and exchange (`peer_worker_main`, the denoise step's inputs).
 
 Used by CFG-parallel (one peer runs the uncond branch) and Ulysses (P - 1 peers run the same forward on
 their share of the tokens). Every rank holds a full transformer on its own device (cuda:r; cpu with gloo
@@ -7,11 +7,11 @@ for tests). Messages are small pickled tuples plus tensors through parallel/comm
 peer processes, so a dead peer raises `PeerError` (a RuntimeError) instead of hanging. Start-up: every rank
 joins the world first and then loads its weights (all at once), and the peers tell rank 0 on a plain pipe
 (runner/peer_start.py) that they are joining, then that they are ready: rank 0 never waits inside
-torch.distributed on a peer that may be dead or still loading. A peer serves until ("stop",), then exits
-without the interpreter's slow teardown; it exits on its own within a second once rank 0 is gone, whatever it
-is doing (runner/peer_start.py `watch_leader`). A peer left without a message for a while gets ("ping",): its
-pending receive would otherwise time out after the world's timeout (gloo's wait, NCCL's watchdog) and end
-it, while the server sat idle.
+torch.distributed on a peer that may be dead or still loading. A peer (runner/peer_process.py `run_peer`)
+serves until ("stop",), then exits without the interpreter's slow teardown; it exits on its own within a
+second once rank 0 is gone, whatever it is doing (runner/peer_start.py `watch_leader`). A peer left without
+a message for a while gets ("ping",): its pending receive would otherwise time out after the world's timeout
+(gloo's wait, NCCL's watchdog) and end it, while the server sat idle.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import atexit
 import functools
 import logging
 import os
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -32,21 +30,14 @@ import torch
 
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
-from worldserve.runner.peer_start import (
-    JOIN_TIMEOUT_S,
-    PeerLink,
-    StartupPipes,
-    ignore_held_signals,
-    watch_leader,
-)
+from worldserve.runner.peer_process import INIT_TIMEOUT_S, LEADER, run_peer, serve_messages, wait_until
+from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes
 
 if TYPE_CHECKING:
     from worldserve.runner.kernel_options import KernelOptions
 
 log = logging.getLogger("worldserve.peers")
 _Local = TypeVar("_Local")  # what PeerRanks.start's load_local returns on rank 0
-LEADER = 0
-INIT_TIMEOUT_S = 1800.0
 KEEPALIVE_S = 60.0
 """A peer that has had no message for this long (at most a quarter of the world timeout) gets ("ping",)."""
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -175,7 +166,7 @@ class PeerRanks:
     def gone(self, wait_s: float = 0.0) -> str | None:
         """Why a peer is gone (the first dead one), None while all live: cheap, for health checks. `wait_s`:
         how long to wait for one dying (a failed exchange: its transport closes before it is reaped)."""
-        _wait_for(lambda: not all(p.is_alive() for p in self.processes), wait_s)
+        wait_until(lambda: not all(p.is_alive() for p in self.processes), wait_s)
         for r, p in enumerate(self.processes, 1):
             if not p.is_alive():
                 return f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log above"
@@ -276,71 +267,11 @@ def _kill_left(procs: Sequence, owner: int) -> None:
             pass
 
 
-def run_peer(
-    rank: int, link: PeerLink, world_size: int, device: str, label: str,
-    load: Callable[[torch.device], object], serve: Callable[[object, ParallelGroup, torch.device, Callable], None],
-    timeout_s: float = INIT_TIMEOUT_S,
-) -> None:  # fmt: skip
-    """A peer process: say ("joining",) on `link`, join the world, `load(device)`, say ("ready",), then
-    `serve(loaded, group, device, leader_alive)` until it returns (after ("stop",)); exit code 1 on any error
-    (a bad checkpoint: one line, as rank 0 says it; anything else: its traceback), or once rank 0 is gone."""
-    from worldserve.weights.checkpoint import CheckpointError
-
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [{label} rank {rank}] %(message)s")
-    # Rank 0 owns the shutdown: a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process
-    # group, and a peer that died of it cut the running jobs' grace short (rank 0 lost its peers mid-step).
-    # A peer ends when rank 0 says ("stop",), or within LEADER_POLL_S of rank 0 being gone (watch_leader).
-    # (It started with them held: runner/peer_start.py StartupPipes.spawn.)
-    ignore_held_signals()
-    watch_leader(link, label, rank)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    leader_alive = link.leader_alive
-
-    try:
-        link.conn.send(("joining",))
-        group = comm.init_world(
-            "nccl" if dev.type == "cuda" else "gloo", link.init_method, rank, world_size, timeout_s
-        )
-        loaded = load(dev)
-        link.conn.send(("ready",))
-        link.conn.close()
-        serve(loaded, group, dev, leader_alive)
-    except comm.PeerError as exc:
-        log.error("rank 0 is gone (%s); exiting", exc)
-        sys.exit(1)
-    except (BrokenPipeError, ConnectionResetError):  # a start-up word to a rank 0 that has exited
-        log.error("rank 0 is gone (its start-up pipe is closed); exiting")
-        sys.exit(1)
-    except CheckpointError as exc:  # the user's to fix, and the same files rank 0 reads: no traceback
-        log.error("could not load the model: %s", exc)
-        sys.exit(1)
-    except BaseException as exc:
-        if not leader_alive() or (
-            isinstance(exc, RuntimeError) and _wait_for(lambda: not leader_alive(), 1.0)
-        ):
-            # (rank 0 vanished mid-collective: the transport's error is only the symptom)
-            log.error("rank 0 is gone (%s); exiting", type(exc).__name__)
-        else:
-            traceback.print_exc()
-        sys.stderr.flush()
-        sys.exit(1)
-    finally:
-        comm.destroy_world()
-    # A clean stop: nothing left to flush but the logs. Skip the interpreter's teardown (torch.compile's
-    # worker pools, CUDA context) that kept a 2-GPU peer alive past the leader's 30 s join.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 # ---------------------------------------------------------------------------------------------- step inputs
 def step_plan(states: Sequence) -> list[tuple]:
     """What a peer needs to rebuild these requests' GenItems this step (the tensors follow separately),
     including whether each request runs its uncond branch this step (its guidance interval)."""
-    from worldserve.runner.video_pipeline import guided
+    from worldserve.runner.video_state import guided
 
     return [
         (s.request_id, s.schedule.timesteps[s.step_index].cpu(), float(s.params.fps), tuple(s.clean_frames),
@@ -374,26 +305,6 @@ def recv_step(
             )
         out.append((request_id, timestep, fps, clean, lat, snd, is_guided))
     return out
-
-
-def serve_messages(
-    group: ParallelGroup,
-    dev: torch.device,
-    leader_alive: Callable[[], bool],
-    handlers: dict[str, Callable[..., None]],
-    label: str,
-) -> None:
-    """A peer's loop: receive rank 0's messages and call handlers[kind](*args) until ("stop",); ("ping",) is
-    only there to end an idle wait before it times out."""
-    while True:
-        kind, *args = comm.recv_object(LEADER, group, dev, leader_alive)
-        if kind == "stop":
-            return
-        if kind == "ping":
-            continue
-        if kind not in handlers:
-            raise ValueError(f"unknown {label} message {kind!r}")
-        handlers[kind](*args)
 
 
 # ---------------------------------------------------------------------------------------------- peer processes
@@ -432,14 +343,3 @@ def _serve_branch(
     label: str, branch: PeerBranch, group: ParallelGroup, dev: torch.device, leader_alive: Callable[[], bool]
 ) -> None:
     serve_messages(group, dev, leader_alive, branch.handlers(group, dev, leader_alive), label)
-
-
-def _wait_for(done: Callable[[], bool], wait_s: float) -> bool:
-    """Whether `done()` holds within `wait_s` (asked every 50 ms): a transport's error can come before the
-    process at its other end has finished dying."""
-    deadline = time.monotonic() + wait_s
-    while not done():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True

@@ -13,7 +13,8 @@ decode:   Wan2.2 VAE (video) and AVAE (audio, trimmed to the video length) -> ho
 The sampling state is float32 (diffusers' `sampling_dtype`); the transformer runs in its own dtype.
 Kernels (runner/kernel_options.py): compiled gen layers on CUDA, the gen tower's FA4 cluster kernel and
 FlashAttention-3 where they run (else cuDNN-first SDPA); opt-in fp8 GEMMs / fp8 attention on Hopper only,
-refused elsewhere before anything loads.
+refused elsewhere before anything loads. A request's state and its per-step rules (adapter, CFG interval,
+caches) are runner/video_state.py's; its initial noise and conditioning latents runner/video_conditioning.py's.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,9 +39,21 @@ from worldserve.params import ParamError, VideoParams
 from worldserve.runner.devices import check_device, default_device, default_dtype
 from worldserve.runner.kernel_options import KernelOptions
 from worldserve.runner.lora_cache import DEFAULT_MAX_LOADED, LoraCache
+from worldserve.runner.video_conditioning import encode_image, encode_video, initial_noise
 from worldserve.runner.video_decode import decode_video
-from worldserve.sampling.flow import FlowSchedule, SolverState, unipc_step
-from worldserve.sampling.guidance import cfg_combine, guided_at, needs_uncond
+from worldserve.runner.video_state import (
+    VideoRequestState,
+    branch_items,
+    step_caches,
+    step_lora,
+)
+
+# Re-exported until runner/parallel_worker.py (gen_item) and runner/parallel_pipeline.py (guided) import them
+# from runner/video_state.py, where they moved.
+from worldserve.runner.video_state import gen_item as gen_item
+from worldserve.runner.video_state import guided as guided
+from worldserve.sampling.flow import FlowSchedule, unipc_step
+from worldserve.sampling.guidance import cfg_combine, needs_uncond
 from worldserve.weights.checkpoint import read_layout
 from worldserve.weights.loader import load_transformer
 
@@ -50,84 +61,9 @@ if TYPE_CHECKING:  # the VAEs import diffusers, which a peer rank (transformer o
     from worldserve.models.cosmos3.audio_vae import AudioVAE
     from worldserve.models.cosmos3.transformer import Cosmos3Transformer
     from worldserve.models.cosmos3.vae import VideoVAE
-    from worldserve.models.layers.attention import KVCache
     from worldserve.runner.parallel_pipeline import ParallelPipeline
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class VideoRequestState:
-    """One request's denoising state (implements engine.outputs.DenoiseState)."""
-
-    request_id: str
-    params: VideoParams
-    schedule: FlowSchedule
-    latents: Tensor
-    """float32 [48, T, h, w] on the device."""
-    sound: Tensor | None
-    """float32 [64, T_s] or None."""
-    und_caches: list
-    """[cond] or [cond, uncond] prompt K/V caches."""
-    clean_frames: tuple[int, ...]
-    """Latent frames held clean (I2V: (0,); V2V: the condition frame indexes)."""
-    lora: LoraWeights | None = None
-    """The LoRA adapter the request runs with (runner/lora_cache.py), None for the base model."""
-    video_solver: SolverState = field(default_factory=SolverState)
-    sound_solver: SolverState = field(default_factory=SolverState)
-    step_index: int = 0
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def num_steps(self) -> int:
-        return self.schedule.num_steps
-
-    @property
-    def batch_key(self) -> tuple:
-        snd = 0 if self.sound is None else self.sound.shape[1]
-        return (tuple(self.latents.shape), snd, None if self.lora is None else self.lora.key)
-
-    @property
-    def done(self) -> bool:
-        return self.step_index >= self.num_steps
-
-
-def step_lora(states: Sequence[VideoRequestState]) -> LoraWeights | None:
-    """The one LoRA adapter (or None) that every state of a denoising step runs with: a forward applies one
-    adapter, so the engine batches requests by `batch_key`, which holds the adapter's key; a mix is a bug."""
-    keys = {None if s.lora is None else s.lora.key for s in states}
-    if len(keys) > 1:
-        raise ValueError("one denoising step cannot mix LoRA adapters: batch the requests by batch_key")
-    return states[0].lora
-
-
-def guided(s: VideoRequestState) -> bool:
-    """Whether the current step of `s` runs its uncond branch (its guidance scale and interval)."""
-    p = s.params
-    return guided_at(p.guidance_scale, p.guidance_interval, s.schedule.timesteps[s.step_index])
-
-
-def step_caches(s: VideoRequestState) -> list:
-    """The und caches of the branches `s` runs here this step: all of them, or the cond one alone outside its
-    guidance interval."""
-    return list(s.und_caches) if guided(s) else list(s.und_caches[:1])
-
-
-def branch_items(s: VideoRequestState, caches: Sequence) -> list[GenItem]:
-    """The GenItems of one request's current step, one per und cache (CFG branch) in `caches`."""
-    timestep = s.schedule.timesteps[s.step_index]
-    return [gen_item(s.latents, timestep, c, s.params.fps, s.clean_frames, s.sound) for c in caches]
-
-
-def gen_item(
-    latents: Tensor, timestep: Tensor | float, cache: KVCache, fps: float, clean_frames: Iterable[int],
-    sound: Tensor | None,
-) -> GenItem:  # fmt: skip
-    """One branch of one request at one timestep (shared with the CFG-parallel peer)."""
-    return GenItem(
-        latents=latents, timestep=timestep, und_cache=cache, fps=float(fps),
-        clean_frames=tuple(clean_frames), sound=sound,
-    )  # fmt: skip
 
 
 def load_configured_transformer(
@@ -283,13 +219,15 @@ class VideoPipeline:
         )  # (und deltas shape the K/V)
         caches = self.transformer.prefill_und(prompts, lora=lora)
         t1 = time.perf_counter()
-        latents, sound = self._initial_noise(params)
+        latents, sound = initial_noise(
+            params, self.vae, self.audio_vae, self.sound_enabled(params), self.device
+        )
         clean: tuple[int, ...] = ()
         if params.image is not None:
-            latents[:, 0] = self._encode_image(params.image, params)
+            latents[:, 0] = encode_image(self.vae, params.image, params, self.device)
             clean = (0,)
         elif params.video is not None:
-            cond = self._encode_video(params.video, params)  # [48, max(idx)+1, h, w]
+            cond = encode_video(self.vae, params.video, params, self.device)  # [48, max(idx)+1, h, w]
             clean = tuple(sorted(set(params.condition_frame_indexes)))
             for i in clean:
                 latents[:, i] = cond[:, i]
@@ -306,48 +244,6 @@ class VideoPipeline:
         state.stage_seconds["prefill"] = t1 - t0
         state.stage_seconds["prepare_latents"] = time.perf_counter() - t1
         return state
-
-    def _initial_noise(self, params: VideoParams) -> tuple[Tensor, Tensor | None]:
-        """fp32 noise from a CPU generator seeded per request: video [48,T,h,w] first, then sound [64,T_s]."""
-        gen = torch.Generator(device="cpu").manual_seed(params.seed)
-        c, t, h, w = self.vae.latent_shape(params.num_frames, params.height, params.width)
-        latents = torch.randn((c, t, h, w), generator=gen, dtype=torch.float32)
-        sound = None
-        if self.sound_enabled(params):
-            if self.audio_vae is None:  # (validate refuses this; a prepare without it gets the same answer)
-                raise ParamError(
-                    "generate_sound",
-                    "generate_sound was requested but this checkpoint has no sound tokenizer",
-                )
-            n = self.audio_vae.latent_frames(params.num_frames, params.fps)
-            sound = torch.randn((self.audio_vae.latent_channels, n), generator=gen, dtype=torch.float32)
-            sound = sound.to(self.device)
-        return latents.to(self.device), sound
-
-    def _encode_image(self, image: np.ndarray, params: VideoParams) -> Tensor:
-        """I2V: `image` (params.image) -> latent frame 0 [48, h, w] on the device."""
-        from worldserve.media.image import resize_center_crop
-
-        image = resize_center_crop(image, params.width, params.height)
-        # The VAE is causal in time: latent frame 0 depends on pixel frame 0 only, so encoding one frame
-        # equals frame 0 of encoding the image repeated over the whole clip, at a fraction of the cost.
-        cond = self.vae.encode_condition(image, params.num_frames, first_frame_only=True)  # [1, 48, 1, h, w]
-        return cond[0, :, 0].to(self.device)
-
-    def _encode_video(self, video: np.ndarray, params: VideoParams) -> Tensor:
-        """diffusers' V2V conditioning (`video`: params.video): the clip's first (or last) max(idx)*4+1 frames, resized, the last
-        frame repeated when the clip is shorter, VAE-encoded. diffusers encodes the whole `num_frames`
-        video (the tail repeat-padded); the VAE is causal, so the latent frames up to max(idx) are the
-        same from this prefix alone."""
-        from worldserve.media.video_input import condition_budget, resize_video
-
-        n = condition_budget(params.condition_frame_indexes, self.vae.scale_factor_temporal)
-        clip = video[:n] if params.condition_video_keep == "first" else video[-n:]
-        clip = resize_video(clip, params.width, params.height)
-        if clip.shape[0] < n:
-            pad = np.repeat(clip[-1:], n - clip.shape[0], axis=0)
-            clip = np.concatenate([clip, pad], axis=0)
-        return self.vae.encode_video(clip)[0].to(self.device)
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[VideoRequestState]) -> None:

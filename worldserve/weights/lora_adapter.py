@@ -19,7 +19,8 @@ line. Anything else (DoRA, LoRA biases, fan_in_fan_out, embeddings, unknown modu
 the model) is refused naming it: a request never runs with part of its adapter silently dropped.
 
 `inspect_adapter` reads headers (and kohya-style alphas, scalars) only: the API's check before a job is
-accepted; `load_adapter` reads the tensors and builds this rank's LoraWeights on the device.
+accepted; `load_adapter` reads the tensors and builds this rank's LoraWeights on the device. Which file a path
+names and its LoraConfig (PEFT's, or diffusers' header metadata): weights/lora_adapter_files.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -43,14 +43,19 @@ from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.cosmos3.weights import checkpoint_target, layer_linear_rows
 from worldserve.models.layers.lora import TOP_LINEARS, LoraWeights
 from worldserve.parallel.groups import SINGLE, ParallelGroup
-from worldserve.params import ParamError
 from worldserve.weights.loader import FLOAT_DTYPES
+from worldserve.weights.lora_adapter_files import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    check_peft_config,
+    find_adapter_files,
+    metadata_config,
+    pattern_value,
+    refuse_adapter,
+)
 
 log = logging.getLogger(__name__)
 
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
-DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
 _PREFIXES = ("base_model.model.", "transformer.", "diffusion_model.")
 _KEY_RE = re.compile(
     r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])\.weight|lora_(?P<du>down|up)\.weight|(?P<alpha>alpha))$"
@@ -59,10 +64,6 @@ _PART = {"A": "A", "B": "B", "down": "A", "up": "B"}
 """Key suffix -> pair part: PEFT's lora_A / lora_B, the kohya-style trainers' lora_down / lora_up."""
 _SKIPPED = ("lm_head",)
 """Modules an adapter may carry that generation never runs (the Reasoner's vocabulary head)."""
-
-
-def _refuse(path: str, why: str) -> ParamError:
-    return ParamError("lora", f"LoRA adapter {path!r}: {why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,154 +79,6 @@ class AdapterSpec:
     """module -> (rank, lora_alpha / r scaling) of every module applied."""
     keys: dict[str, tuple[str, str]]
     """module -> (its A key, its B key) in the file."""
-
-
-def find_adapter_files(path: str) -> tuple[Path, dict | None]:
-    """(the safetensors file, the PEFT config or None) of the adapter at `path`; ParamError naming `lora`."""
-    p = Path(path)
-    try:
-        exists = p.exists()
-    except OSError as exc:  # (a name the file system refuses: too long, ...)
-        raise _refuse(path, f"not a usable path on the server ({exc.strerror})") from None
-    if not exists:
-        raise _refuse(path, "no such file or folder on the server")
-    if p.name == PEFT_WEIGHTS:
-        _check_regular(p.parent / PEFT_CONFIG, path)
-    if p.is_dir():
-        _check_regular(p / PEFT_CONFIG, path)
-    if p.is_file() and p.name == PEFT_WEIGHTS and (p.parent / PEFT_CONFIG).is_file():
-        return p, _read_config(
-            p.parent / PEFT_CONFIG, path
-        )  # (a PEFT folder's weights named: its config too)
-    if p.is_dir():
-        if (p / PEFT_CONFIG).is_file():
-            if not (p / PEFT_WEIGHTS).is_file():
-                found = (
-                    "adapter_model.bin (pickle: convert it to safetensors)"
-                    if (p / "adapter_model.bin").exists()
-                    else "none"
-                )
-                raise _refuse(
-                    path, f"a PEFT folder needs {PEFT_WEIGHTS} beside {PEFT_CONFIG} (found {found})"
-                )
-            return p / PEFT_WEIGHTS, _read_config(p / PEFT_CONFIG, path)
-        candidates = (
-            [p / DIFFUSERS_WEIGHTS] if (p / DIFFUSERS_WEIGHTS).is_file() else sorted(p.glob("*.safetensors"))
-        )
-        if len(candidates) != 1:
-            raise _refuse(path, f"expected {PEFT_CONFIG} + {PEFT_WEIGHTS}, {DIFFUSERS_WEIGHTS}, or one .safetensors "
-                          f"file in the folder; found {len(candidates)} .safetensors files")  # fmt: skip
-        p = candidates[0]
-    if p.suffix != ".safetensors":
-        raise _refuse(path, "adapter weights must be a .safetensors file")
-    if not p.is_file():  # (a FIFO or a device would block the open, and every thread with it: safetensors
-        raise _refuse(path, f"{p.name} is not a regular file")  # holds the GIL there)
-    return p, None
-
-
-def _check_regular(config: Path, path: str) -> None:
-    """A PEFT config that is there in another form than a regular file (a dangling link, a folder, a FIFO) is
-    refused: read as no config, the adapter would run at another strength (lora_alpha = r)."""
-    if os.path.lexists(config) and not config.is_file():
-        raise _refuse(path, f"{config.name} is there but is not a readable regular file")
-
-
-def _read_config(file: Path, path: str) -> dict:
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _refuse(path, f"{file.name} is not readable JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise _refuse(path, f"{file.name} is not a JSON object")
-    return config
-
-
-def _pattern_value(patterns: dict | None, module: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module name."""
-    for pattern, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            return value
-    return default
-
-
-_VARIANTS = {
-    "use_dora": "DoRA adapters are not supported", "lora_bias": "LoRA biases are not supported",
-    "fan_in_fan_out": "fan_in_fan_out weights are not supported", "use_qalora": "QALoRA adapters are not supported",
-    "use_bdlora": "BD-LoRA adapters are not supported", "alora_invocation_tokens": "aLoRA adapters are not supported",
-    "velora_config": "VeLoRA adapters are not supported", "monteclora_config": "MonteCLoRA adapters are not supported",
-    "arrow_config": "Arrow routing is not supported", "kasa_config": "KaSA adapters are not supported",
-    "layer_replication": "layer_replication is not supported",
-    "trainable_token_indices": "trainable tokens are not supported",
-    "target_parameters": "LoRA on parameters (target_parameters) is not supported",
-    "modules_to_save": "modules_to_save (whole modules saved beside the adapter) is not supported",
-}  # fmt: skip
-"""PEFT LoraConfig keys whose set values change what an adapter computes beyond a scaled (x A^T) B^T."""
-
-
-def _check_config(config: dict, path: str) -> None:
-    if config.get("peft_type", "LORA") != "LORA":
-        raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
-    for key, why in _VARIANTS.items():
-        if config.get(key):
-            raise _refuse(path, why)
-    if config.get("bias", "none") != "none":
-        raise _refuse(path, f"bias {config.get('bias')!r} is not supported (only 'none')")
-    _check_values(config, path)
-
-
-def _finite_number(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:  # (an int past a float's range)
-        return False
-
-
-def _check_values(config: dict, path: str) -> None:
-    """The config's numbers and patterns as PEFT would take them: r a positive integer, lora_alpha a finite
-    number, rank_pattern / alpha_pattern objects of regular expressions to such values (else a 400 naming
-    lora; they had been TypeErrors, regex errors or a NaN scaling: 500s and black videos)."""
-    if "r" in config and (
-        isinstance(config["r"], bool) or not isinstance(config["r"], int) or config["r"] < 1
-    ):
-        raise _refuse(path, f"its config's r must be a positive integer, not {json.dumps(config['r'])[:40]}")
-    if "lora_alpha" in config and not _finite_number(config["lora_alpha"]):
-        raise _refuse(path, f"its config's lora_alpha must be a finite number, not "
-                      f"{json.dumps(config['lora_alpha'])[:40]}")  # fmt: skip
-    for key in ("rank_pattern", "alpha_pattern"):
-        patterns = config.get(key)
-        if patterns is None:
-            continue
-        if not isinstance(patterns, dict):
-            raise _refuse(path, f"its config's {key} must be an object of patterns")
-        for pattern, value in patterns.items():
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise _refuse(path, f"its config's {key} key {pattern[:60]!r} is not a regular expression "
-                              f"({exc})") from None  # fmt: skip
-            if not _finite_number(value) or (key == "rank_pattern" and (value != int(value) or value < 1)):
-                raise _refuse(path, f"its config's {key}[{pattern[:60]!r}] must be a "
-                              + ("positive integer" if key == "rank_pattern" else "finite number"))  # fmt: skip
-
-
-def _metadata_config(metadata: dict, path: str) -> dict | None:
-    """The LoraConfig diffusers wrote into the header (`lora_adapter_metadata`): a transformer's own
-    (`save_lora_adapter`), or a pipeline's with its keys prefixed `transformer.` (`save_lora_weights`)."""
-    if "lora_adapter_metadata" not in metadata:
-        return None
-    try:
-        config = json.loads(metadata["lora_adapter_metadata"])
-    except json.JSONDecodeError:
-        raise _refuse(path, "its lora_adapter_metadata is not JSON") from None
-    if not isinstance(config, dict):
-        raise _refuse(path, "its lora_adapter_metadata is not a JSON object")
-    if any(k.startswith("transformer.") for k in config):  # (a pipeline's: the transformer's part of it)
-        config = {
-            k.removeprefix("transformer."): v for k, v in config.items() if k.startswith("transformer.")
-        }
-    return config
 
 
 def adaptable_modules(config: Cosmos3Config) -> dict[str, tuple[int, int]]:
@@ -258,10 +111,10 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
             alphas = {k: f.get_tensor(k) for k in header if k.endswith(".alpha")}  # (scalars: kohya's alphas)
     except (SafetensorError, OSError) as exc:
-        raise _refuse(path, f"{weights.name} is not a readable safetensors file ({exc})") from None
+        raise refuse_adapter(path, f"{weights.name} is not a readable safetensors file ({exc})") from None
     if peft is None:
-        peft = _metadata_config(metadata, path)
-    _check_config(peft or {}, path)
+        peft = metadata_config(metadata, path)
+    check_peft_config(peft or {}, path)
     pairs: dict[str, dict[str, str]] = defaultdict(dict)
     strange = []
     for key in header:
@@ -274,18 +127,20 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             # (one module's part twice, under two prefixes or as lora_A and lora_down: which one ran
             # depended on the header's order, the other dropped in silence)
             if (twin := pairs[m["module"]].get(part)) is not None:
-                raise _refuse(path, f"module {m['module']!r} has two {part} tensors ({twin!r} and {key!r})")
+                raise refuse_adapter(
+                    path, f"module {m['module']!r} has two {part} tensors ({twin!r} and {key!r})"
+                )
             pairs[m["module"]][part] = key
     if strange:
-        raise _refuse(path, f"keys that are not LoRA weights (lora_A / lora_B, lora_down / lora_up, alpha): {strange[:3]}"
+        raise refuse_adapter(path, f"keys that are not LoRA weights (lora_A / lora_B, lora_down / lora_up, alpha): {strange[:3]}"
                       f"{f' (and {len(strange) - 3} more)' if len(strange) > 3 else ''}")  # fmt: skip
     if not pairs:
-        raise _refuse(path, "it holds no LoRA weights")
+        raise refuse_adapter(path, "it holds no LoRA weights")
     shapes = adaptable_modules(config)
     modules, keys, unknown = {}, {}, []
     for module, ab in sorted(pairs.items()):
         if set(ab) - {"alpha"} != {"A", "B"}:
-            raise _refuse(path, f"module {module!r} has lora_{''.join(sorted(set(ab) - {'alpha'}))} but not both "
+            raise refuse_adapter(path, f"module {module!r} has lora_{''.join(sorted(set(ab) - {'alpha'}))} but not both "
                           "lora_A and lora_B")  # fmt: skip
         if module in _SKIPPED:
             log.info("LoRA adapter %s: %s is not used by generation, skipped", path, module)
@@ -303,37 +158,37 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
             or b_shape[0] != out_f
             or a_shape[0] != b_shape[1]
         ):
-            raise _refuse(path, f"module {module!r}: lora_A {list(a_shape)} / lora_B {list(b_shape)} do not fit its "
+            raise refuse_adapter(path, f"module {module!r}: lora_A {list(a_shape)} / lora_B {list(b_shape)} do not fit its "
                           f"weight [{out_f}, {in_f}] (A [r, {in_f}], B [{out_f}, r])")  # fmt: skip
         if a_dtype not in FLOAT_DTYPES or b_dtype not in FLOAT_DTYPES:
-            raise _refuse(
+            raise refuse_adapter(
                 path, f"module {module!r}: lora weights must be floating point ({a_dtype}, {b_dtype})"
             )
         if a_shape[0] < 1:  # (no rows: nothing to apply, and lora_alpha / r divides by zero)
-            raise _refuse(path, f"module {module!r}: lora_A {list(a_shape)} has rank 0")
+            raise refuse_adapter(path, f"module {module!r}: lora_A {list(a_shape)} has rank 0")
         rank = a_shape[0]  # (with a config, its values, or PEFT's LoraConfig defaults: r 8, lora_alpha 8)
         if (
             peft is not None
-            and (said := _pattern_value(peft.get("rank_pattern"), module, peft.get("r", 8))) != rank
+            and (said := pattern_value(peft.get("rank_pattern"), module, peft.get("r", 8))) != rank
         ):
-            raise _refuse(path, f"module {module!r} has rank {rank}, its config says {said}")
+            raise refuse_adapter(path, f"module {module!r} has rank {rank}, its config says {said}")
         alpha = (
             rank
             if peft is None
-            else _pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", 8))
+            else pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", 8))
         )
         if "alpha" in ab:  # (a kohya-style file's own alpha for the module: its scaling is alpha / r)
             value = alphas[ab["alpha"]]
             # (a float or an integer, as trainers store it and diffusers reads it: `.item()`)
             numeric = value.is_floating_point() or not (value.dtype.is_complex or value.dtype == torch.bool)
             if value.numel() != 1 or not numeric or not math.isfinite(float(value)):
-                raise _refuse(path, f"module {module!r}: its alpha must be one finite number")
+                raise refuse_adapter(path, f"module {module!r}: its alpha must be one finite number")
             alpha = float(value)
         rs = bool(peft and peft.get("use_rslora"))
         modules[module] = (rank, float(alpha) / (math.sqrt(rank) if rs else rank))
         keys[module] = (ab["A"], ab["B"])
     if unknown:
-        raise _refuse(path, f"it targets modules worldserve's Cosmos3 transformer does not apply LoRA to: "
+        raise refuse_adapter(path, f"it targets modules worldserve's Cosmos3 transformer does not apply LoRA to: "
                       f"{unknown[:4]}{f' (and {len(unknown) - 4} more)' if len(unknown) > 4 else ''}")  # fmt: skip
     return AdapterSpec(
         path=path, weights=weights, identity=_identity(weights, modules), modules=modules, keys=keys
@@ -356,7 +211,7 @@ def load_adapter(
             b = f.get_tensor(b_key).float() * (scaling * scale)  # [out, r]
             pair_dtype = torch.float32 if module.startswith("time_embedder.") else dtype
             if not (a.to(pair_dtype).isfinite().all() and b.to(pair_dtype).isfinite().all()):
-                raise _refuse(spec.path, f"module {module!r}: its weights, B times the scaling "
+                raise refuse_adapter(spec.path, f"module {module!r}: its weights, B times the scaling "
                               f"({scaling:g} x scale {scale:g}), are not all finite in {str(pair_dtype)[6:]} "
                               "(NaN or inf in the file, or a scale too large)")  # fmt: skip
             if module in TOP_LINEARS:
@@ -365,7 +220,7 @@ def load_adapter(
             target = checkpoint_target(f"{module}.weight", config, tp.size)
             fused[target.name.removesuffix(".weight")].append((target, a, b))
     if _identity(spec.weights, spec.modules) != spec.identity:  # (replaced between the check and the read)
-        raise _refuse(spec.path, "its weights file changed while it was read; send the request again")
+        raise refuse_adapter(spec.path, "its weights file changed while it was read; send the request again")
     layers: list[dict[str, dict]] = [{} for _ in range(config.num_hidden_layers)]
     for name, parts in fused.items():
         _, layer, tower, linear = name.split(".")  # layers.<i>.<und|gen>.<linear>
