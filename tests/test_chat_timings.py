@@ -17,7 +17,8 @@ from chat_fakes import ScriptedChatBackend, ScriptedChatSession
 from serving_helpers import wait_until
 
 from worldserve.chat_params import ChatMessage, ChatParams
-from worldserve.engine.chat_worker import ChatFailed, ChatStarted, ChatWorker
+from worldserve.engine.chat_events import ChatFailed, ChatStarted
+from worldserve.engine.chat_worker import ChatWorker
 from worldserve.engine.outputs import ChatDelta
 
 

@@ -11,7 +11,8 @@ import threading
 from chat_fakes import ScriptedChatBackend, ScriptedChatSession
 
 from worldserve.chat_params import ChatMessage, ChatParams
-from worldserve.engine.chat_worker import ChatFailed, ChatStarted, ChatWorker
+from worldserve.engine.chat_events import ChatFailed, ChatStarted
+from worldserve.engine.chat_worker import ChatWorker
 from worldserve.engine.outputs import ChatBackpressure, ChatDelta
 from worldserve.params import ParamError
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from worldserve.params import InvalidRequest, ParamError, choice_seed, shown
+from worldserve.param_errors import InvalidRequest, ParamError, shown
+from worldserve.params import choice_seed
 
 THINK_START, THINK_END = "<think>", "</think>"
 """The tags of a Qwen3 answer's thoughts (as --reasoning-parser qwen3 reads them: api/reasoning.py; the

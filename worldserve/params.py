@@ -16,12 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# (the `name as name` imports: re-exported until api/chat.py, api/completions.py, api/responses_protocol.py,
-# api/tool_calls.py, chat_params.py (InvalidRequest), api/responses_truncation.py, runner/chat_prompt.py
-# (TextTooLong) and api/video_fields.py (aspect_size, MAX_SIDE) import them from where they moved)
-from worldserve.param_errors import InvalidRequest as InvalidRequest
 from worldserve.param_errors import ParamError, shown
-from worldserve.param_errors import TextTooLong as TextTooLong
 from worldserve.resolution_tiers import (
     FLOW_SHIFT_RANGE,
     IMAGE_MAX_AREA,
@@ -33,8 +28,6 @@ from worldserve.resolution_tiers import (
     flow_shift_ok,
     resolution_tier,
 )
-from worldserve.resolution_tiers import MAX_SIDE as MAX_SIDE
-from worldserve.resolution_tiers import aspect_size as aspect_size
 
 INT64 = 2**63
 """Seeds are int64: [-INT64, INT64) (torch.Generator.manual_seed; vLLM's range)."""

@@ -68,7 +68,7 @@ from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput, VideoSampling
 from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.work_pool import map_in_order, on_request_pool
-from worldserve.params import InvalidRequest
+from worldserve.param_errors import InvalidRequest
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 if TYPE_CHECKING:

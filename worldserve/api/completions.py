@@ -42,7 +42,7 @@ from worldserve.api.state import AppState, State
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tokenize import reasoner_prompts
 from worldserve.chat_params import ChatParams, StructuredOutput
-from worldserve.params import InvalidRequest, ParamError
+from worldserve.param_errors import InvalidRequest, ParamError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 if TYPE_CHECKING:

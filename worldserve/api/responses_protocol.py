@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from worldserve.api.chat_protocol import ChatCompletionRequest, SamplingRequest
 from worldserve.api.errors import APIError, validation_error
 from worldserve.api.responses_input import ChatPaths, InputItem, continues_final, input_messages
-from worldserve.params import InvalidRequest
+from worldserve.param_errors import InvalidRequest
 
 LOGPROBS = "message.output_text.logprobs"
 INCLUDES = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url")

@@ -21,7 +21,7 @@ from worldserve.api.chat_media import media_parts
 from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.errors import APIError
 from worldserve.api.responses_input import ChatPaths
-from worldserve.params import ParamError, TextTooLong
+from worldserve.param_errors import ParamError, TextTooLong
 
 if TYPE_CHECKING:
     from worldserve.runner.chat_prompt import ChatPromptBuilder

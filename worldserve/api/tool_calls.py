@@ -29,7 +29,7 @@ from worldserve.api.bodies import check_depth, check_unicode, too_deep
 from worldserve.api.errors import APIError
 from worldserve.api.json_stream import canonical_json
 from worldserve.chat_params import StructuredOutput
-from worldserve.params import InvalidRequest, ParamError
+from worldserve.param_errors import InvalidRequest, ParamError
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 """A hermes call block's tags (an unterminated last block, a length cut or a missing end tag, runs to the end

@@ -17,17 +17,9 @@ from typing import Any
 import numpy as np
 
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
-from worldserve.params import (
-    MAX_FPS,
-    MAX_SECONDS,
-    MAX_SIDE,
-    LoraRequest,
-    ParamError,
-    VideoParams,
-    aspect_size,
-    check_side,
-    shown,
-)
+from worldserve.param_errors import ParamError, shown
+from worldserve.params import MAX_FPS, LoraRequest, VideoParams
+from worldserve.resolution_tiers import MAX_SECONDS, MAX_SIDE, aspect_size, check_side
 
 
 def resolve_video_params(

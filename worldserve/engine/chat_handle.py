@@ -20,7 +20,7 @@ from worldserve.engine.chat_observer import ChatTimes
 from worldserve.engine.outputs import ChatDelta
 
 if TYPE_CHECKING:
-    from worldserve.engine.chat_worker import ChatEvent
+    from worldserve.engine.chat_events import ChatEvent
 
 
 @dataclass(slots=True, eq=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol, runtime_checkable
 
-from worldserve.engine.chat_worker import ChatEvent, ChatStarted
+from worldserve.engine.chat_events import ChatEvent, ChatStarted
 from worldserve.engine.outputs import ChatDelta
 
 
@@ -29,7 +29,7 @@ class ChatMeter(Protocol):
 
 
 class ChatEventSource(Protocol):
-    """A chat's events, closed by its reader (chat_worker.ChatEvents, or `metered`'s pass-through)."""
+    """A chat's events, closed by its reader (chat_events.ChatEvents, or `metered`'s pass-through)."""
 
     def __aiter__(self) -> AsyncIterator[ChatEvent]: ...
 

@@ -41,10 +41,6 @@ from functools import partial
 from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.chat_events import ChatEvent, ChatFailed, ChatStarted
-
-# Re-exported until engine/client.py and engine/prompt_upsampling.py import it from engine/chat_events.py,
-# where it moved.
-from worldserve.engine.chat_events import ChatEvents as ChatEvents
 from worldserve.engine.chat_handle import ChatHandle
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
 from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta, ChatSession

@@ -35,15 +35,10 @@ from pathlib import Path
 
 from worldserve.chat_params import ChatParams
 from worldserve.config import DEFAULT_MAX_NUM_SEQS
+from worldserve.engine.chat_events import ChatEvent, ChatEvents, ChatFailed, ChatStarted
 from worldserve.engine.chat_metering import ChatMeter, metered
 from worldserve.engine.chat_observer import ChatObserver, ChatTimes
-from worldserve.engine.chat_worker import (
-    ChatEvent,
-    ChatEvents,
-    ChatFailed,
-    ChatStarted,
-    ChatWorker,
-)
+from worldserve.engine.chat_worker import ChatWorker
 from worldserve.engine.engine import Engine
 from worldserve.engine.ephemeral import JoblessRequests
 from worldserve.engine.job_files import StorageError

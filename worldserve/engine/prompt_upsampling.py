@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from worldserve.chat_params import ChatMessage, ChatParams, ChatPart, StructuredOutput
+from worldserve.engine.chat_events import ChatEvents, ChatFailed
 from worldserve.engine.chat_metering import ChatEventSource, ChatMeter, metered
-from worldserve.engine.chat_worker import ChatEvents, ChatFailed
 from worldserve.engine.outputs import ChatBackend, ChatDelta
 from worldserve.engine.refusals import SHUTDOWN_REASON, ShuttingDownError
 from worldserve.params import ParamError, VideoParams

@@ -42,7 +42,7 @@ from worldserve.models.cosmos3.vision import (
     video_inputs,
     video_timestamps,
 )
-from worldserve.params import ParamError, TextTooLong
+from worldserve.param_errors import ParamError, TextTooLong
 from worldserve.runner.prefix_hashes import media_digests
 
 IMAGE_PAD = "<|image_pad|>"

@@ -45,14 +45,8 @@ from worldserve.runner.parallel_layout import ParallelLayout
 from worldserve.runner.parallel_worker import BranchRank
 from worldserve.runner.peer_start import PeerLink
 from worldserve.runner.peers import PeerRanks, peer_worker_main, send_step
-from worldserve.runner.video_pipeline import (
-    VideoPipeline,
-    VideoRequestState,
-    branch_items,
-    guided,
-    step_caches,
-    step_lora,
-)
+from worldserve.runner.video_pipeline import VideoPipeline
+from worldserve.runner.video_state import VideoRequestState, branch_items, guided, step_caches, step_lora
 from worldserve.sampling.guidance import needs_uncond
 from worldserve.weights.checkpoint import read_transformer_config
 

@@ -28,7 +28,7 @@ from worldserve.params import LoraRequest
 from worldserve.runner.lora_cache import DEFAULT_MAX_LOADED, LoraCache
 from worldserve.runner.parallel_layout import COND, ParallelLayout
 from worldserve.runner.peers import LEADER, recv_step
-from worldserve.runner.video_pipeline import gen_item
+from worldserve.runner.video_state import gen_item
 
 if TYPE_CHECKING:
     from worldserve.models.cosmos3.config import Cosmos3Config

@@ -24,7 +24,7 @@ from worldserve.params import ParamError
 if TYPE_CHECKING:  # the VAEs import diffusers: a peer rank, which only runs the transformer, never needs them
     from worldserve.models.cosmos3.audio_vae import AudioVAE
     from worldserve.models.cosmos3.vae import VideoVAE
-    from worldserve.runner.video_pipeline import VideoRequestState
+    from worldserve.runner.video_state import VideoRequestState
 
 
 @torch.inference_mode()

@@ -47,11 +47,6 @@ from worldserve.runner.video_state import (
     step_caches,
     step_lora,
 )
-
-# Re-exported until runner/parallel_worker.py (gen_item) and runner/parallel_pipeline.py (guided) import them
-# from runner/video_state.py, where they moved.
-from worldserve.runner.video_state import gen_item as gen_item
-from worldserve.runner.video_state import guided as guided
 from worldserve.sampling.flow import FlowSchedule, unipc_step
 from worldserve.sampling.guidance import cfg_combine, needs_uncond
 from worldserve.weights.checkpoint import read_layout

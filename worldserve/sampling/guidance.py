@@ -6,7 +6,7 @@ which see the same latents and timestep (cosmos3-model.md §5.5). Output: one gu
 Rule (diffusers' Cosmos3 pipeline, `do_classifier_free_guidance = guidance_scale != 1.0`): a scale of
 exactly 1.0 runs and returns only the conditional branch; any other scale (0 and < 1 included) runs both,
 at every step, or only at the steps whose timestep lies in a guidance interval (`guided_at`). A request's
-branches sit next to each other in a batch, [cond, uncond] (runner/video_pipeline.py `branch_items`).
+branches sit next to each other in a batch, [cond, uncond] (runner/video_state.py `branch_items`).
 """
 
 from __future__ import annotations

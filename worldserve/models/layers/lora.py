@@ -93,7 +93,7 @@ class LoraWeights:
 
     key: tuple
     """What identifies this adapter at this scale (its files and the scale): requests whose keys are equal
-    may share a forward (runner/video_pipeline.py batch_key)."""
+    may share a forward (runner/video_state.py batch_key)."""
     layers: tuple[Mapping[str, Mapping[str, LoraPair]], ...]
     """layers[i]["und" | "gen"][linear] -> (A, B)."""
     top: Mapping[str, LoraPair] = field(default_factory=dict)
