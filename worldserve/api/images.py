@@ -3,7 +3,7 @@
 JSON only. Validate (400s with `param`) -> `n` one-frame requests through the engine's scheduler (seeds
 seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by step) with no job in the store
 -> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
-"output_format", "size"}` (+ `metrics` with `return_stage_metrics`), or with vLLM-Omni's `response_format:
+"output_format", "size", "usage"}` (+ `metrics` with `return_stage_metrics`), or with vLLM-Omni's `response_format:
 "file"` the image itself as an attachment (n > 1: a ZIP of `image_<i>.<ext>`). `n: null` and OpenAI's
 `size: "auto"` take the defaults. OpenAI's fields: `output_compression` (0-100) sets a JPEG's or lossy WebP's
 quality (without it JPEG quality 95, WebP lossless); `background` "transparent" is a 400 (the model draws
@@ -18,6 +18,9 @@ upsample_prompt: the prompt the Reasoner writes comes back as each image's `revi
 over a top-level field; `lora` is the video routes' adapter object (api/lora_field.py). Prompt templates and
 system message follow worldserve's defaults
 (NVIDIA's reference), not vLLM-Omni's (use `extra_params` to switch them).
+`usage` is OpenAI's gpt-image shape (`image_usage`): input tokens the prompt's text tokens as the transformer
+saw them (template included, counted once for the n images, as vLLM counts a prompt its n choices share; no
+image tokens: there is no image input), output tokens the gen tokens denoised for the images.
 Past the sync timeout the requests are aborted and the answer is 504; a client that disconnects aborts them too.
 The metrics count the HTTP request once whatever its `n` (succeeded, failed or cancelled: engine/observer.py
 RequestGroup), as vLLM-Omni counts one request of num_outputs_per_prompt n; an engine failure's body carries
@@ -304,7 +307,7 @@ async def create_images(request: Request, st: State) -> Response:
         return image_file(images, fmt, request_id, headers)
     if req.stream:
         return StreamingResponse(
-            completed_events(req, images, f"{params[0].width}x{params[0].height}", revised),
+            completed_events(req, images, f"{params[0].width}x{params[0].height}", revised, results),
             media_type="text/event-stream", headers=headers,
         )  # fmt: skip
     body: dict[str, Any] = {
@@ -314,6 +317,7 @@ async def create_images(request: Request, st: State) -> Response:
         ],
         "output_format": "jpeg" if fmt == "jpg" else fmt,
         "size": f"{params[0].width}x{params[0].height}",
+        "usage": image_usage(results[0].prompt_tokens, [r.gen_tokens for r in results], details=True),
     }
     if req.return_stage_metrics:
         body["metrics"] = {
@@ -323,21 +327,41 @@ async def create_images(request: Request, st: State) -> Response:
     return JSONResponse(body, headers=headers)
 
 
+def image_usage(prompt_tokens: int, gen_tokens: list[int], *, details: bool = False) -> dict[str, Any]:
+    """OpenAI's image `usage`: the prompt's text tokens in, the images' gen tokens out (`details`: with
+    ImagesResponse's `output_tokens_details`, which the completed event's usage does not have)."""
+    output = sum(gen_tokens)
+    usage: dict[str, Any] = {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"text_tokens": prompt_tokens, "image_tokens": 0},
+        "output_tokens": output,
+        "total_tokens": prompt_tokens + output,
+    }
+    if details:
+        usage["output_tokens_details"] = {"image_tokens": output, "text_tokens": 0}
+    return usage
+
+
 EVENT_QUALITIES = ("low", "medium", "high", "xhigh", "max", "auto")
 """The `quality` values OpenAI's completed event takes (a request's "standard" / "hd" is reported "auto")."""
 
 
 async def completed_events(
-    req: ImageGenerationRequest, images: list[bytes], size: str, revised: str | None
+    req: ImageGenerationRequest,
+    images: list[bytes],
+    size: str,
+    revised: str | None,
+    results: list[VideoResult],
 ) -> AsyncIterator[str]:
     """OpenAI's streamed answer: an `image_generation.completed` server-sent event per image (no partials;
-    `return_stage_metrics` has no place in it)."""
+    `return_stage_metrics` has no place in it), each with its own image's `usage`."""
     fmt = req.output_format or "png"
-    for image in images:
+    for image, result in zip(images, results, strict=True):
         event = {
             "type": "image_generation.completed", "b64_json": base64.b64encode(image).decode("ascii"),
             "background": "opaque", "created_at": int(time.time()), "output_format": "jpeg" if fmt == "jpg" else fmt,
             "quality": req.quality if req.quality in EVENT_QUALITIES else "auto", "size": size,
+            "usage": image_usage(result.prompt_tokens, [result.gen_tokens]),
         }  # fmt: skip
         # (not in OpenAI's event: the prompt the Reasoner wrote, as b64_json's data carries it)
         if revised is not None:

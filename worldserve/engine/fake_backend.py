@@ -11,6 +11,9 @@ A test that must hold a step or a decode chunk in progress (to see what happens 
 passes `step_gate` / `chunk_gate`: each denoise call, and each streamed chunk after frame 0, then waits for
 that event to be set before it ends (`steps_done` counts the denoise calls completed).
 It never changes the outputs of one request because of another one in its batch.
+Token counts (VideoResult.prompt_tokens / gen_tokens, the image route's `usage`) are modelled, not measured:
+the prompt through a byte tokenizer (its UTF-8 bytes), the gen tokens from Cosmos3-Nano's geometry (Wan2.2
+VAE 16x spatial / 4x temporal, 2x2 patches, sound latents at 48 kHz / 1920), as the real pipeline counts them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from worldserve.params import ParamError, VideoParams
 
 FAIL_MARKER = "__fail__:"
 SAMPLE_RATE = 48000
+VAE_SPATIAL, VAE_TEMPORAL, PATCH, SOUND_HOP = 16, 4, 2, 1920
+"""Cosmos3-Nano's latent geometry, for the modelled gen token count (`gen_tokens`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +41,8 @@ class FakeState:
     step_index: int
     num_steps: int
     params: VideoParams
+    prompt_tokens: int = 0
+    gen_tokens: int = 0
 
     @property
     def batch_key(self) -> Hashable:
@@ -86,7 +93,10 @@ class FakeBackend:
         _maybe_fail(params, "prepare")
         with self._lock:
             self.live.add(request_id)
-        return FakeState(request_id, 0, params.num_inference_steps, params)
+        return FakeState(
+            request_id, 0, params.num_inference_steps, params, prompt_tokens=len(params.prompt.encode("utf-8")),
+            gen_tokens=gen_tokens(params, self._sound(params)),
+        )  # fmt: skip
 
     def denoise(self, states: Sequence[FakeState]) -> None:
         assert len({s.batch_key for s in states}) == 1, "a batch mixes batch keys"
@@ -109,15 +119,19 @@ class FakeBackend:
         colours = rng.integers(0, 256, size=(p.num_frames, 1, 1, 3), dtype=np.uint8)
         frames = np.broadcast_to(colours, (p.num_frames, p.height, p.width, 3))
         audio = None
-        sound = self.has_sound if p.generate_sound is None else p.generate_sound
-        if sound:
+        if self._sound(p):
             n = int(p.num_frames / p.fps * SAMPLE_RATE)
             t = np.arange(n, dtype=np.float32) / SAMPLE_RATE
             freq = 220.0 + float(rng.integers(0, 440))
             tone = 0.2 * np.sin(2 * np.pi * freq * t, dtype=np.float32)
             audio = np.stack([tone, tone * 0.5]).astype(np.float32)
         out = FrameStream(p.num_frames, p.height, p.width, self._chunks(frames, p)) if stream else frames
-        return VideoResult(frames=out, fps=p.fps, audio=audio, sample_rate=SAMPLE_RATE)
+        return VideoResult(frames=out, fps=p.fps, audio=audio, sample_rate=SAMPLE_RATE,
+                           prompt_tokens=state.prompt_tokens, gen_tokens=state.gen_tokens)  # fmt: skip
+
+    def _sound(self, params: VideoParams) -> bool:
+        """Whether a request gets audio: its generate_sound, else whether the backend has sound."""
+        return self.has_sound if params.generate_sound is None else bool(params.generate_sound)
 
     def release(self, state: FakeState) -> None:
         with self._lock:
@@ -136,6 +150,21 @@ class FakeBackend:
                 self.chunk_gate.wait()
             self.decoded_chunks += 1
             yield frames[start : start + 16]
+
+
+def gen_tokens(params: VideoParams, sound: bool) -> int:
+    """The gen tokens Cosmos3-Nano denoises for `params` (runner/video_state.py count_gen_tokens): the
+    patches of its latent frames but the clean conditioning ones, plus its sound latents with `sound`."""
+    frames = (params.num_frames - 1) // VAE_TEMPORAL + 1
+    per_frame = -(-params.height // VAE_SPATIAL // PATCH) * -(-params.width // VAE_SPATIAL // PATCH)
+    if params.image is not None:
+        clean = {0}
+    elif params.video is not None:
+        clean = {i for i in params.condition_frame_indexes if 0 <= i < frames}
+    else:
+        clean = set()
+    samples = int(params.num_frames / params.fps * SAMPLE_RATE)
+    return (frames - len(clean)) * per_frame + (-(-samples // SOUND_HOP) if sound else 0)
 
 
 def _maybe_fail(params: VideoParams, stage: str) -> None:

@@ -36,6 +36,12 @@ class VideoResult:
     """Wall time per stage (prefill, diffuse, vae.decode, audio.decode, ...)."""
     peak_memory_mb: float = 0.0
     """Peak accelerator memory during the request (0 on CPU)."""
+    prompt_tokens: int = 0
+    """Token ids of the cond prompt the transformer's und tower prefilled (chat template, system message and
+    resolution / duration templates included: what the tokenizer made of it); usage's input tokens."""
+    gen_tokens: int = 0
+    """Gen tokens the transformer denoised for the output: its noisy latent patches (clean I2V / V2V
+    condition frames left out) plus its sound tokens; usage's output tokens."""
 
 
 class DenoiseState(Protocol):

@@ -28,7 +28,8 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -48,7 +49,7 @@ from worldserve.runner.peers import PeerRanks, peer_worker_main, send_step
 from worldserve.runner.video_pipeline import VideoPipeline
 from worldserve.runner.video_state import VideoRequestState, branch_items, guided, step_caches, step_lora
 from worldserve.sampling.guidance import needs_uncond
-from worldserve.weights.checkpoint import read_transformer_config
+from worldserve.weights.checkpoint import read_transformer_config, resolve_model
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -89,13 +90,17 @@ class ParallelPipeline:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, layout: ParallelLayout, device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None, kernels: KernelOptions | None = None, **kwargs: Any,
+        cls, path: str | Path | None, layout: ParallelLayout, device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None, kernels: KernelOptions | None = None, *, revision: str | None = None,
+        **kwargs: Any,
     ) -> ParallelPipeline:  # fmt: skip
         """Check the layout against the checkpoint, spawn the peers, join the world with them, load the full
         pipeline here while each peer loads the transformer on its GPU, and wait for every peer's "ready"
-        (runner/peers.py). A peer that dies meanwhile: PeerError, one line naming the layout, rank, exit code."""
-        config = read_transformer_config(Path(path))
+        (runner/peers.py). A peer that dies meanwhile: PeerError, one line naming the layout, rank, exit code.
+        `path` / `revision` as VideoPipeline.from_pretrained's (weights/checkpoint.py resolve_model), resolved
+        once here: every rank loads that folder."""
+        root = resolve_model(None if path is None else str(path), revision)
+        config = read_transformer_config(root)
         check_checkpoint_layout(config, ulysses=layout.ulysses, tp=layout.tp)
         devices = rank_devices(device, layout.world, layout.flags)
         if dtype is None:
@@ -110,7 +115,7 @@ class ParallelPipeline:
                 r,
                 link,
                 layout.world,
-                str(path),
+                str(root),
                 str(devices[r]),
                 dtype,
                 kernels,
@@ -122,7 +127,7 @@ class ParallelPipeline:
         def load_local() -> VideoPipeline:
             sp = layout.branch_group(0)  # collective: with the peers' own calls, before any rank loads
             local = VideoPipeline.from_pretrained(
-                path, device=devices[0], dtype=dtype, kernels=kernels, tp=layout.tp_group(0), **kwargs
+                root, device=devices[0], dtype=dtype, kernels=kernels, tp=layout.tp_group(0), **kwargs
             )
             local.sp = sp
             return local
@@ -304,6 +309,15 @@ class ParallelPipeline:
             p.kill()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the peers and tear the process group down (runner/peers.py)."""
+        """Stop the peers and tear the process group down (runner/peers.py). Idempotent: a second call, or
+        one after the peers were killed, does nothing."""
         with self._lock:
             self.peers.close(timeout_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

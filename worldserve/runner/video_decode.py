@@ -56,6 +56,7 @@ def decode_video(
     result = VideoResult(
         frames=frames, fps=float(p.fps), audio=audio, stage_seconds=stages,
         sample_rate=audio_vae.sample_rate if audio_vae is not None else 48000,
+        prompt_tokens=state.prompt_tokens, gen_tokens=state.gen_tokens,
     )  # fmt: skip
     frames.chunks = _timed_chunks(vae, latents, result)
     if not stream:

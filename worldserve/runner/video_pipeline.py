@@ -24,7 +24,8 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, Self
 
 import torch
 from torch import Tensor
@@ -44,12 +45,13 @@ from worldserve.runner.video_decode import decode_video
 from worldserve.runner.video_state import (
     VideoRequestState,
     branch_items,
+    count_gen_tokens,
     step_caches,
     step_lora,
 )
 from worldserve.sampling.flow import FlowSchedule, unipc_step
 from worldserve.sampling.guidance import cfg_combine, needs_uncond
-from worldserve.weights.checkpoint import read_layout
+from worldserve.weights.checkpoint import read_layout, resolve_model
 from worldserve.weights.loader import load_transformer
 
 if TYPE_CHECKING:  # the VAEs import diffusers, which a peer rank (transformer only) never needs
@@ -116,7 +118,7 @@ class VideoPipeline:
     @classmethod
     def from_pretrained(
         cls,
-        path: str | Path,
+        path: str | Path | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         vae_tiling: bool = False,
@@ -124,8 +126,14 @@ class VideoPipeline:
         kernels: KernelOptions | None = None,
         tp: ParallelGroup = SINGLE,
         max_loras: int = DEFAULT_MAX_LOADED,
+        *,
+        revision: str | None = None,
     ) -> VideoPipeline:
         """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint.
+
+        `path` as the CLI's MODEL (weights/checkpoint.py resolve_model): a checkpoint folder, a Hugging Face
+        repo id found in the HF cache (downloaded unless HF_HUB_OFFLINE=1) at `revision`, or None for the
+        embedded tiny checkpoint (noise).
 
         `kernels` (default KernelOptions()): compile on CUDA, fp8 GEMMs / attention, attention backend; an
         option that cannot run here (fp8 off Hopper, FLASH_ATTN without FA3) is a ValueError before any
@@ -133,7 +141,7 @@ class VideoPipeline:
         it decodes with plain Conv3d calls (the Winograd convs' transformed frames add ~6.4 GiB to a 720p
         decode's peak). `tp`: this rank's tensor-parallel group (ParallelPipeline; every rank of it must then
         run the same transformer calls). `max_loras`: LoRA adapters kept read in host memory (runner/lora_cache.py)."""
-        root = Path(path)
+        root = resolve_model(None if path is None else str(path), revision)
         layout = read_layout(root)
         dev: torch.device = torch.device(device) if device is not None else default_device()
         if dtype is None:
@@ -235,6 +243,8 @@ class VideoPipeline:
             und_caches=caches,
             clean_frames=clean,
             lora=lora,
+            prompt_tokens=len(cond_ids),
+            gen_tokens=count_gen_tokens(latents, sound, clean, self.config.latent_patch_size),
         )
         state.stage_seconds["prefill"] = t1 - t0
         state.stage_seconds["prepare_latents"] = time.perf_counter() - t1
@@ -314,6 +324,14 @@ class VideoPipeline:
     def close(self) -> None:
         """Nothing to stop in one process (ParallelPipeline stops its peers)."""
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ one-shot
     def generate(
         self: SteppedBackend,
@@ -324,7 +342,13 @@ class VideoPipeline:
         stream: bool = False,
     ) -> tuple[VideoResult, VideoRequestState]:
         """Validate, prepare, run every step, decode (`stream`: as `decode`'s; read the frames before the
-        next call). `on_step(done, total)` after each step."""
+        next call). `on_step(done, total)` after each step. `params.upsample_prompt` is refused: the Reasoner
+        writes the prompt in the server's engine (or `worldserve generate --upsample-prompt`), before a
+        request reaches a pipeline; here it had been ignored in silence."""
+        if params.upsample_prompt:
+            raise ParamError("upsample_prompt", "VideoPipeline.generate does not upsample prompts (the server's "
+                             "engine and `worldserve generate --upsample-prompt` do, with the Reasoner): "
+                             "give the written prompt with upsample_prompt=False")  # fmt: skip
         self.validate(params)
         state = self.prepare(request_id, params)
         while not state.done:
@@ -336,16 +360,18 @@ class VideoPipeline:
 
 
 def load_pipeline(
-    path: str | Path,
+    path: str | Path | None = None,
     *,
     cfg_parallel_size: int = 1,
     ulysses_degree: int = 1,
     tensor_parallel_size: int = 1,
     **kwargs: Any,
 ) -> VideoPipeline | ParallelPipeline:
-    """`VideoPipeline.from_pretrained(path, **kwargs)` on one device; with `cfg_parallel_size == 2`,
-    `ulysses_degree > 1` or `tensor_parallel_size > 1` a ParallelPipeline over the product of them in ranks
-    (runner/parallel_layout.py). Callers `close()` it."""
+    """`VideoPipeline.from_pretrained(path, **kwargs)` on one device (`path`, and a `revision` among `kwargs`,
+    resolved as there: None is the embedded tiny checkpoint, a repo id the HF cache); with
+    `cfg_parallel_size == 2`, `ulysses_degree > 1` or `tensor_parallel_size > 1` a ParallelPipeline over the
+    product of them in ranks (runner/parallel_layout.py). Callers `close()` it (or use it as a context
+    manager)."""
     from worldserve.runner.parallel_layout import ParallelLayout
 
     layout = ParallelLayout(cfg=cfg_parallel_size, ulysses=ulysses_degree, tp=tensor_parallel_size)

@@ -47,6 +47,10 @@ class VideoRequestState:
     sound_solver: SolverState = field(default_factory=SolverState)
     step_index: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    """Token ids of the cond prompt prefilled (VideoResult.prompt_tokens)."""
+    gen_tokens: int = 0
+    """Gen tokens denoised each step for one branch (`count_gen_tokens`; VideoResult.gen_tokens)."""
 
     @property
     def num_steps(self) -> int:
@@ -60,6 +64,16 @@ class VideoRequestState:
     @property
     def done(self) -> bool:
         return self.step_index >= self.num_steps
+
+
+def count_gen_tokens(latents: Tensor, sound: Tensor | None, clean_frames: Iterable[int], patch: int) -> int:
+    """The gen tokens one branch of a request denoises: its noisy latent frames' patches (GenBatch's
+    `patch` x `patch` patchify, odd latent sizes padded) plus its sound tokens; `clean_frames` are held
+    clean, not generated."""
+    _, frames, height, width = latents.shape  # [48, T, h, w]
+    per_frame = -(-height // patch) * -(-width // patch)
+    noisy = frames - len({i for i in clean_frames if 0 <= i < frames})
+    return noisy * per_frame + (0 if sound is None else int(sound.shape[1]))
 
 
 def step_lora(states: Sequence[VideoRequestState]) -> LoraWeights | None:
