@@ -369,7 +369,7 @@ def test_vllm_end_controls_ignore_eos_min_tokens_stop_token_ids(reasoner_url, re
         ("/v1/completions", {"max_tokens": 5000}, 400, "max_tokens", "max_tokens=5000 cannot be greater than"),
         ("/v1/completions", {"max_tokens": 4096}, 400, "input_tokens", "requested 4096 output tokens"),
         ("/v1/completions", {"max_tokens": int("9" * 4300)}, 400, "max_tokens", "cannot be greater"),  # (was a 500)
-        ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt", "more than the context of 4096 tokens"),
+        ("/v1/completions", {"prompt": "x" * 3_000_000}, 400, "prompt", "bytes in the prompt (more than"),
         ("/v1/completions", {"prompt": "<|image_pad|> hi"}, 400, "prompt", "cannot carry images"),
         ("/v1/completions", {"n": 17}, 400, "n", "n must be between 1 and 16"),
         ("/v1/completions", {"prompt": ["a"] * 1025}, 400, "prompt", "prompt list length 1025 exceeds the maximum "

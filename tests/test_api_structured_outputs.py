@@ -182,3 +182,23 @@ def test_min_tokens_gives_way_once_the_grammar_allows_only_the_end(reasoner_url)
         answer["choices"][0]["message"]["content"] == "ok" and answer["choices"][0]["finish_reason"] == "stop"
     )
     assert answer["usage"]["completion_tokens"] < 15, answer
+
+
+def test_rules_left_with_no_token_mid_answer_fail_the_request(reasoner_url):
+    """allowed_token_ids "a" and "b" with the regex a[0-9]: "a" starts the answer under both, then neither id
+    is a digit: vLLM fails the request; here a 400 naming allowed_token_ids, or in a stream already started
+    an error event and [DONE] (the rules had been set aside, then it ended with finish_reason "error")."""
+    ids = _ids(reasoner_url, "a") + _ids(reasoner_url, "b")
+    body = {"model": MODEL, "messages": HI, "max_tokens": 8, "temperature": 0, "allowed_token_ids": ids,
+            "structured_outputs": {"regex": "a[0-9]"}}  # fmt: skip
+    r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "allowed_token_ids" and "structured output" in err["message"], err
+    with httpx.stream("POST", reasoner_url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as s:  # fmt: skip
+        assert s.status_code == 200
+        events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["param"] == "allowed_token_ids" and error["code"] == 400, error

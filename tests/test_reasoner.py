@@ -214,7 +214,7 @@ def test_context_limit_and_stop_strings(reasoner):
     msgs = (ChatMessage(role="user", content="hello"),)
     with pytest.raises(ParamError) as err:
         reasoner.start(ChatParams(messages=msgs, max_tokens=10**6))
-    assert err.value.param == "max_tokens" and "maximum context length" in err.value.message
+    assert err.value.param == "max_tokens" and "cannot be greater than max_model_len" in err.value.message
     with pytest.raises(ParamError):
         reasoner.start(ChatParams(messages=()))
     s = reasoner.start(ChatParams(messages=msgs, temperature=1.0, seed=3, max_tokens=40))

@@ -7,6 +7,7 @@ boundary; a bad value raises ParamError naming the request field (params.py).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from worldserve.param_errors import InvalidRequest, ParamError, shown
+from worldserve.param_types import check_bool, check_int, check_items, check_real, is_int, type_name
 from worldserve.params import choice_seed
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -290,7 +292,17 @@ class ChatParams:
             raise ParamError("n", f"n must be 1 when using greedy sampling, got {n}.")
         return self.choices(n)
 
+    def __post_init__(self) -> None:
+        # vLLM's SamplingParams takes a string `stop` as one stop string (iterated, "END" was "E", "N", "D")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        # a numpy integer seed as the int it is: torch's manual_seed and choice_seed's int64 wrap take no other
+        seed: Any = self.seed
+        if is_int(seed) and not isinstance(seed, int):
+            object.__setattr__(self, "seed", operator.index(seed))
+
     def validate(self) -> ChatParams:
+        self._validate_types()
         if self.prompt_ids is not None:
             if not self.prompt_ids:
                 raise ParamError("prompt", "the prompt must contain at least one token")
@@ -337,3 +349,37 @@ class ChatParams:
             raise ParamError("repetition_penalty", "repetition_penalty must be a finite number greater than zero "
                              f"(at least {MIN_REPETITION_PENALTY:g}), got {self.repetition_penalty}")  # fmt: skip
         return self
+
+    def _validate_types(self) -> None:
+        """Each field's type before any comparison (param_types.py), named as the request names it: a wrong
+        one had been a raw TypeError, or accepted (`max_tokens=2.5`, `seed=1.5`) to fail in the sampler."""
+        check_items("prompt", "prompt", self.prompt_ids, "int", optional=True)
+        if not isinstance(self.messages, (list, tuple)):
+            raise ParamError("messages", f"messages must be a list, got {type_name(self.messages)}")
+        for i, msg in enumerate(self.messages):
+            if not isinstance(msg, ChatMessage):
+                raise ParamError("messages", f"messages[{i}] must be a ChatMessage, got {type_name(msg)}")
+            if not isinstance(msg.role, str):
+                raise ParamError(
+                    "messages", f"messages[{i}].role must be a string, got {type_name(msg.role)}"
+                )
+            parts = msg.content
+            if not (isinstance(parts, str) or (
+                isinstance(parts, (list, tuple)) and all(isinstance(p, ChatPart) for p in parts)
+            )):  # fmt: skip
+                raise ParamError("messages", f"messages[{i}].content must be a string or a list of ChatParts, "
+                                 f"got {type_name(parts)}")  # fmt: skip
+        for name in ("max_tokens", "seed", "prompt_logprobs", "truncate_prompt_tokens"):
+            check_int(name, name, getattr(self, name), optional=True)
+        for name in ("top_k", "top_logprobs", "min_tokens"):
+            check_int(name, name, getattr(self, name))
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_p"):  # fmt: skip
+            check_real(name, name, getattr(self, name))
+        for name in ("stop", "bad_words"):
+            check_items(name, name, getattr(self, name), "str")
+        check_items("stop_token_ids", "stop_token_ids", self.stop_token_ids, "int")
+        check_items("allowed_token_ids", "allowed_token_ids", self.allowed_token_ids, "int", optional=True)
+        for name in ("logprobs", "return_token_ids", "ignore_eos", "include_stop_str_in_output",
+                     "skip_special_tokens", "add_generation_prompt", "continue_final_message"):  # fmt: skip
+            check_bool(name, name, getattr(self, name))

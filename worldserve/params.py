@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from worldserve.param_errors import ParamError, shown
+from worldserve.param_types import check_bool, check_int, check_real, check_real_pair, check_str, is_int
 from worldserve.resolution_tiers import (
     FLOW_SHIFT_RANGE,
     IMAGE_MAX_AREA,
@@ -134,7 +135,8 @@ class VideoParams:
     seed: int = 42
     """Initial-noise seed; the same seed gives the same output whatever else is batched."""
     generate_sound: bool | None = None
-    """None: on when the checkpoint has a sound tokenizer."""
+    """None: on for a video when the checkpoint has a sound tokenizer, off for an image (num_frames == 1, where
+    True is a ParamError: a single frame has no sound)."""
     max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH
     """Cap on the prompt's tokens after templating (and a given negative prompt's; not the default one); longer
     ones are an error."""
@@ -189,6 +191,7 @@ class VideoParams:
 
     def validate(self) -> VideoParams:
         """Raise ParamError naming the first bad field; return self for chaining."""
+        self._validate_types()
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise ParamError("prompt", "prompt must be a non-empty string")
         check_side("width", self.width)
@@ -279,6 +282,27 @@ class VideoParams:
         """`exc` naming the request field its field's value came in."""
         return ParamError(self.field_name(exc.param), exc.message)
 
+    def _validate_types(self) -> None:
+        """Each field's type before any comparison (param_types.py): a wrong one had been a raw TypeError, or
+        accepted (`num_frames=5.0`, `seed=1.5`) to fail after the prompt's prefill. Width and height are named
+        `size`, as the API names them."""
+        check_str("prompt", "prompt", self.prompt)
+        check_str("negative_prompt", "negative_prompt", self.negative_prompt, optional=True)
+        for name in ("width", "height"):
+            check_int("size", name, getattr(self, name))
+        for name in ("num_frames", "num_inference_steps", "seed", "max_sequence_length"):
+            check_int(name, name, getattr(self, name))
+        for name in ("fps", "guidance_scale"):
+            check_real(name, name, getattr(self, name))
+        for name in ("flow_shift", "sound_duration"):
+            check_real(name, name, getattr(self, name), optional=True)
+        check_bool("generate_sound", "generate_sound", self.generate_sound, optional=True)
+        for name in ("server_negative_prompt", "add_duration_template", "add_resolution_template",
+                     "upsample_prompt", "use_system_prompt"):  # fmt: skip
+            check_bool(name, name, getattr(self, name))
+        if self.guidance_interval is not None:
+            check_real_pair("guidance_interval", "guidance_interval", self.guidance_interval)
+
     def _validate_video(self) -> None:
         if self.image is not None:
             raise ParamError(
@@ -303,7 +327,7 @@ class VideoParams:
         name = "extra_params.condition_frame_indexes_vision"
         if not isinstance(idx, tuple) or not idx:
             raise ParamError(name, "condition_frame_indexes_vision must contain at least one index")
-        bad = [i for i in idx if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+        bad = [i for i in idx if not is_int(i) or i < 0]
         if bad:
             raise ParamError(
                 name,

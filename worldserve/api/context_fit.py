@@ -14,56 +14,29 @@ API server, before the engine sees it, and raises VLLMValidationError, whose tex
 
 vLLM tokenizes a text prompt only up to one token past the room and then writes "at least N" (N the room
 plus one); worldserve counts the whole prompt, so its message carries the exact count, in the wording vLLM
-uses for a prompt whose count it knows (token ids). The replaced wording ("you requested T tokens (N in the
-messages, M in the completion)") is vLLM's before its renderer, still what runner/chat_prompt.py raises for
-in-process callers.
+uses for a prompt whose count it knows (token ids). The words live in worldserve/context_limits.py, which the
+Reasoner's own check (runner/chat_prompt.py `completion_budget`) uses too.
 """
 
 from __future__ import annotations
 
 from worldserve.api.errors import APIError
+from worldserve.context_limits import ContextRefusal, output_budget_refusal, prompt_fit_refusal
 
 
-def _shown(value: int) -> str:
-    """An int as vLLM's f-string prints it; past Python's int-to-text limit (4,300 digits, which a JSON body
-    may reach) its size instead (printing it raised a 500)."""
-    try:
-        return str(value)
-    except ValueError:
-        return "more than 10^4300"
-
-
-def _refusal(message: str, parameter: str, value: int) -> APIError:
-    """The 400 vLLM answers for a VLLMValidationError: its text with the parameter and value appended."""
-    return APIError(400, f"{message} (parameter={parameter}, value={_shown(value)})", param=parameter)
+def _raise(refusal: ContextRefusal | None) -> None:
+    """The 400 vLLM answers for a VLLMValidationError, when there is one."""
+    if refusal is not None:
+        raise APIError(400, refusal.message, param=refusal.param)
 
 
 def check_output_budget(max_tokens: int | None, field: str, max_model_len: int | None) -> None:
     """APIError (400 naming `field`) when the completion budget `max_tokens` (as sent in `field`) is larger than
     the whole context `max_model_len` (None: unbounded), as vLLM refuses it before rendering the prompt."""
-    if max_tokens is None or max_model_len is None or max_tokens <= max_model_len:
-        return
-    raise _refusal(
-        f"{field}={_shown(max_tokens)} cannot be greater than max_model_len=max_total_tokens={max_model_len}. "
-        "Please request fewer output tokens.",
-        field,
-        max_tokens,
-    )
+    _raise(output_budget_refusal(max_tokens, field, max_model_len))
 
 
 def check_prompt_fits(prompt_tokens: int, max_tokens: int | None, max_model_len: int | None) -> None:
     """APIError (400 naming `input_tokens`) when a prompt of `prompt_tokens` tokens and the completion budget
     `max_tokens` (None: none sent, counted 0 as vLLM counts it) exceed `max_model_len` together."""
-    if max_model_len is None:
-        return
-    output = max_tokens or 0
-    if prompt_tokens + output <= max_model_len:
-        return
-    raise _refusal(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{_shown(output)} output tokens and your prompt contains {prompt_tokens} input tokens, for a total of "
-        f"{_shown(prompt_tokens + output)} tokens. Please reduce the length of the input prompt or the number "
-        "of requested output tokens.",
-        "input_tokens",
-        prompt_tokens,
-    )
+    _raise(prompt_fit_refusal(prompt_tokens, max_tokens, max_model_len))

@@ -11,7 +11,9 @@ response.output_item.added, response.content_part.added, response.output_text.de
 openai client's `responses.stream(...).get_final_response()` needs that event), response.failed when the chat
 failed), each with its
 `sequence_number`; usage's `output_tokens_details.reasoning_tokens` is the thought tokens' count the chat's
-last delta carries (with --reasoning-parser; 0 without). Errors name the Responses field the client sent. A response is stored (`store`, OpenAI's
+last delta carries (with --reasoning-parser; 0 without). Errors name the Responses field the client sent; the context is checked as vLLM's renderer checks it, in its words
+(api/context_fit.py): `max_output_tokens` past the whole context before any other work, a prompt and budget
+past it once the prompt is built (`input_tokens`). A response is stored (`store`, OpenAI's
 default; in memory, api/responses_store.py) for `previous_response_id` to continue, `item_reference` input
 items to name its output items by id, and GET / DELETE /v1/responses/{id} to find. `truncation: "auto"` drops
 whole input items from the conversation's start, as OpenAI's does (api/responses_truncation.py).
@@ -32,8 +34,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from worldserve.api.bodies import fits_context, read_model
-from worldserve.api.chat import chat_choices, model_not_found, request_options
+from worldserve.api.chat import chat_choices, check_rendered_prompt, model_not_found, request_options
 from worldserve.api.chat_stream import ChatStream, TextParsing, close_all, logprob_items, start_all
+from worldserve.api.context_fit import check_output_budget
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.reasoning import split_reasoning
@@ -80,6 +83,8 @@ async def create_response(request: Request, st: State) -> Response:
     )
     if req.model is not None and not st.serves(req.model):  # (None: not given, the served model)
         return model_not_found(req.model)
+    # vLLM's renderer refusal, in its words, before any other work
+    check_output_budget(req.max_output_tokens, "max_output_tokens", st.max_model_len)
     history: list = []
     if req.previous_response_id is not None:
         found = st.responses.get(req.previous_response_id) if st.responses is not None else None
@@ -107,6 +112,11 @@ async def create_response(request: Request, st: State) -> Response:
     store = st.responses if req.store is not False else None
     try:
         choices, options = await chat_choices(st, chat)
+        try:
+            check_rendered_prompt(chat, choices[0], context)
+        except APIError as exc:  # (with truncation "auto", what could not be cut is the input's: OpenAI's)
+            exc.param = "input" if req.truncation == "auto" else exc.param
+            raise
     except (APIError, ParamError) as exc:
         raise paths.rename(exc) from None
     opened: list[ChatEvents] = []  # the chat's events, to cancel if the client goes away at any point

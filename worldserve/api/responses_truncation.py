@@ -80,8 +80,11 @@ def prompt_tokens(
     """The tokens of a text-only chat's prompt through the Reasoner's builder `prompts` (`options`: the
     request's, checked once: they do not depend on its messages), or None when its text is more than `room`
     tokens can hold (refused by its byte size, before tokenizing)."""
+    # (the builder checks the size against the room the chat's own max_tokens leaves in the context it is
+    # given: the context, when max_output_tokens set the room)
+    context = room + (chat.max_tokens or 0)
     try:
-        return len(prompts.build(build_params(chat, None, options=options), max_tokens=room).input_ids)
+        return len(prompts.build(build_params(chat, None, options=options), max_tokens=context).input_ids)
     except TextTooLong:
         return None
 

@@ -321,10 +321,17 @@ class ChatWorker:
         idle = [not (d.text or d.logprobs or d.finish_reason) and d.completion_tokens == h._tokens_seen
                 for (h, _), d in zip(active, deltas, strict=True)]  # fmt: skip
         sampled = self._timed(active, deltas)
+        # a chat its own rules left with no next token (runner/reasoner_session.py `fail`): its ParamError,
+        # not its "error" delta (a 400 before a stream starts, an error event in one: vLLM fails the request)
+        failed = {
+            handle: session.failure
+            for (handle, session), delta in zip(active, deltas, strict=True)
+            if delta.finish_reason == "error" and session.failure is not None
+        }
         pairs = [
             (handle, out)
             for (handle, _), delta, quiet in zip(active, deltas, idle, strict=True)
-            if not quiet and (out := handle.outgoing(delta)) is not None
+            if handle not in failed and not quiet and (out := handle.outgoing(delta)) is not None
         ]
         hop = self.call_in_consumer
         if hop is not None and (batched := [(h.receive, d) for h, d in pairs if h.receive is not None]):
@@ -332,6 +339,8 @@ class ChatWorker:
         for handle, delta in pairs:
             if hop is None or handle.receive is None:
                 handle.emit(delta)
+        for handle, failure in failed.items():
+            self._fail(handle, failure)
         return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None], sampled
 
     def _timed(self, active: list[tuple[ChatHandle, ChatSession]], deltas: list[ChatDelta]) -> int:

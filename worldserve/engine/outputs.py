@@ -18,6 +18,7 @@ import numpy as np
 from worldserve.chat_params import ChatParams
 from worldserve.media.frame_stream import FrameStream
 from worldserve.media.processor_cache import ProcessorCache
+from worldserve.param_errors import ParamError
 from worldserve.params import VideoParams
 from worldserve.sampling.chat_defaults import ChatDefaults
 
@@ -166,6 +167,8 @@ class ChatSession(Protocol):
     """Prompt tokens found in the prefix cache rather than computed (usage's cached_tokens)."""
     preempted: bool
     """Whether its K/V cache blocks went to other chats: it idles (no token) until it is recomputed."""
+    failure: ParamError | None
+    """Why it ended with finish_reason "error" (its rules left no next token), read by the chat worker."""
 
     def step(self) -> ChatDelta: ...
 

@@ -15,9 +15,9 @@ passes it), `add_generation_prompt` / `continue_final_message` (chat_template_kw
 truncate_prompt_tokens; `bad_word_ids` tokenizes vLLM's bad_words. A raw prompt (`ChatParams.prompt_ids`, /v1/completions) skips the template:
 its ids are checked against the vocabulary (no vision placeholders: there is no media) and get text positions
 (k, k, k). `encode` / `decode` / `check_ids` are the tokenizer as /tokenize, /detokenize and /v1/completions use it.
-Given `max_tokens` (the context), `build` and `encode` refuse a text whose byte count alone is more than that
-many tokens can hold (models/cosmos3/prompt.py's TextSizeBound), in vLLM's context-length words, before
-tokenizing it (megabytes take tens of seconds).
+Given `max_tokens` (the context), `build` and `encode` refuse a text whose byte count alone is more than the
+room the completion budget leaves can hold (models/cosmos3/prompt.py's TextSizeBound), in the shape of vLLM's
+character-based check (worldserve/context_limits.py), before tokenizing it (megabytes take tens of seconds).
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ from jinja2 import TemplateError
 from torch import Tensor
 
 from worldserve.chat_params import ChatParams, ChatVideo
+from worldserve.context_limits import (
+    no_room_refusal,
+    output_budget_refusal,
+    prompt_fit_refusal,
+    text_size_refusal,
+)
 from worldserve.media.processor_cache import ProcessorCache
 from worldserve.models.cosmos3.prompt import TextSizeBound
 from worldserve.models.cosmos3.vision import (
@@ -107,23 +113,29 @@ class ChatPromptBuilder:
         return len(self.tokenizer)
 
     def encode(
-        self, text: str, *, add_special_tokens: bool = True, max_tokens: int | None = None
-    ) -> list[int]:
+        self, text: str, *, add_special_tokens: bool = True, max_tokens: int | None = None,
+        output_tokens: int | None = None,
+    ) -> list[int]:  # fmt: skip
         """A raw text's token ids (`add_special_tokens`: the tokenizer's BOS / EOS rules, as vLLM's default).
-        With `max_tokens`, a text with more bytes than that many tokens can hold is a ParamError("prompt")
-        before tokenizing (megabytes take seconds to tokenize, only to be refused for the context)."""
+        With `max_tokens` (the context), a text with more bytes than the room `output_tokens` (None: not known,
+        the whole context) leaves can hold is a ParamError("prompt") before tokenizing (megabytes take seconds
+        to tokenize, only to be refused for the context)."""
         if max_tokens is not None:
-            self.check_size(text, max_tokens, "prompt")
+            self.check_size(text, max_tokens, "prompt", output_tokens)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def check_size(self, text: str, max_tokens: int, where: str) -> None:
-        """TextTooLong(where) when `text` has more UTF-8 bytes than `max_tokens` tokens can hold (TextSizeBound),
-        in vLLM's context-length wording."""
-        if (size := self.text_bound.size_over(text, max_tokens)) is not None:
-            raise TextTooLong(where, f"This model's maximum context length is {max_tokens} tokens. However, you "
-                             f"sent {size} bytes in the {where}, more than the context of {max_tokens} tokens "
-                             f"can hold (a token stands for at most {self.text_bound.bytes_per_token} bytes "
-                             f"here). Please reduce the length of the {where}.")  # fmt: skip
+    def check_size(self, text: str, max_tokens: int, where: str, output_tokens: int | None = None) -> None:
+        """TextTooLong(where) when `text` has more UTF-8 bytes than the room `output_tokens` (None: not known
+        here, 0) leaves in a `max_tokens`-token context can hold (TextSizeBound), in the shape of vLLM's
+        character-based check (worldserve/context_limits.py)."""
+        room = max(0, max_tokens - (output_tokens or 0))
+        bound = self.text_bound
+        if bound.bytes_per_token is None or (size := bound.size_over(text, room)) is None:
+            return
+        # (TextSizeBound's own limit: its 64-token margin for a template over the room)
+        limit = (room + 64) * bound.bytes_per_token
+        refusal = text_size_refusal(size, limit, room, output_tokens, max_tokens, where)
+        raise TextTooLong(refusal.param, refusal.message)
 
     @functools.cached_property
     def text_bound(self) -> TextSizeBound:
@@ -211,7 +223,7 @@ class ChatPromptBuilder:
             conversation, options, params.add_generation_prompt, params.continue_final_message
         )
         if max_tokens is not None:
-            self.check_size(text, max_tokens, "messages")
+            self.check_size(text, max_tokens, "messages", params.max_tokens)
         vision = video = None
         if (images or videos) and (self.vision is None or self.preprocess is None):
             raise ParamError(
@@ -393,19 +405,17 @@ def _decoded(media: _Media | None, kind: str) -> _Media:
 
 def completion_budget(params: ChatParams, n: int, max_model_len: int) -> int:
     """The completion tokens a chat may produce after its `n`-token prompt (its max_tokens, else the room the
-    context leaves; at most its max_tokens_bound); ParamError, in vLLM's words, when the prompt or max_tokens
-    (or min_tokens) do not fit."""
+    context leaves; at most its max_tokens_bound); ParamError, in vLLM's words (worldserve/context_limits.py),
+    when max_tokens is past the whole context, the prompt and max_tokens do not fit together, the prompt
+    leaves no room for a budget that was not sent, or min_tokens is past the budget."""
+    refusal = output_budget_refusal(params.max_tokens, "max_tokens", max_model_len) or prompt_fit_refusal(
+        n, params.max_tokens, max_model_len
+    )
     room = max_model_len - n
-    if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-        asked, where = n + (params.max_tokens or 1), "messages" if params.prompt_ids is None else "prompt"
-        # (a JSON max_tokens may have 4,300 digits, past what Python prints: the sum has one more)
-        total, completion = (asked, asked - n) if asked < 10**18 else ("more than 10^18",) * 2
-        raise ParamError(
-            "max_tokens" if params.max_tokens is not None and room >= 1 else where,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{total} tokens ({n} in the {where}, {completion} in the completion). Please reduce the length "
-            f"of the {where} or completion.",
-        )
+    if refusal is None and room < 1:
+        refusal = no_room_refusal()
+    if refusal is not None:
+        raise ParamError(refusal.param, refusal.message)
     budget = params.max_tokens if params.max_tokens is not None else room
     bound = params.max_tokens_bound
     bounded = bound is not None and bound < budget

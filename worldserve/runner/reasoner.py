@@ -46,6 +46,7 @@ from worldserve.media.processor_cache import DEFAULT_PROCESSOR_CACHE_GB, Process
 from worldserve.models.cosmos3.vision import QWEN3VL_MAX_PIXELS, QWEN3VL_MIN_PIXELS, VisionEncoder
 from worldserve.models.layers.compile_limits import limits_in_this_thread
 from worldserve.models.layers.paged_kv import DEFAULT_BLOCK_SIZE, PagedSequence, PoolExhausted
+from worldserve.param_errors import ParamError
 from worldserve.runner.chat_admission import ChatAdmission
 from worldserve.runner.chat_prompt import IMAGE_PAD, VIDEO_PAD, ChatPrompt, ChatPromptBuilder
 from worldserve.runner.chat_share import DEFAULT_CHAT_SM_MARGIN, ChatGpuShare
@@ -281,8 +282,13 @@ class Reasoner(ChatAdmission):
         """Sample every ready session's token at once, then one batched decode of the unfinished ones."""
         ready = [s for s in sessions if not (s.preempted or s.prefilling)]
         logprobs: dict = {}
+        conflicts: list[int] = []  # rows of `ready` whose rules left no token: those chats fail
         if ready:
-            drawn = sample_tokens([s.sampler for s in ready], torch.stack([s.pending_logits for s in ready]))
+            drawn = sample_tokens(
+                [s.sampler for s in ready],
+                torch.stack([s.pending_logits for s in ready]),
+                conflicts=conflicts,
+            )
             tokens = dict(zip(map(id, ready), drawn, strict=True))
             wanting = [
                 (s, t, s.top_logprobs)
@@ -294,9 +300,13 @@ class Reasoner(ChatAdmission):
                                          [t for _, t, _ in wanting], [top for _, _, top in wanting])  # fmt: skip
                 logprobs = {id(s): e for (s, _, _), e in zip(wanting, entries, strict=True)}
         deltas, pending = [], []
+        failed = {id(ready[row]) for row in conflicts}
         for s in sessions:
             if s.preempted or s.prefilling:
                 deltas.append(s.idle_delta())
+                continue
+            if id(s) in failed:
+                deltas.append(s.fail(_no_token_left(s)))
                 continue
             delta, decode = s.advance(tokens[id(s)], logprobs.get(id(s)))
             deltas.append(delta)
@@ -390,3 +400,16 @@ class Reasoner(ChatAdmission):
         _ = self.grammars.tokenizer  # structured outputs' view of the vocabulary (about a second on Qwen's)
         if self.decoder.use_graphs:  # eager decode steps (--enforce-eager) keep taking turns with video
             self.share.mark_ready()
+
+
+def _no_token_left(session: ReasonerSession) -> ParamError:
+    """Why a chat cannot go on: its allowed_token_ids (or bad_words) leave no token the structured output's
+    grammar (or min_tokens, holding the ends back) allows next. vLLM fails such a request mid-answer (its
+    grammar rejects the token drawn: finish_reason "error"); the rules are not set aside."""
+    rules = session.sampler
+    param = "allowed_token_ids" if rules.allowed_token_ids is not None else "bad_words"
+    where = (
+        "the structured output" if session.grammar is not None else "min_tokens (which holds the ends back)"
+    )
+    return ParamError(param, f"{param} leave no token that {where} allows after {session.completion_tokens} "
+                      "tokens of the answer: the answer cannot go on. Allow more tokens, or drop one of the rules.")  # fmt: skip

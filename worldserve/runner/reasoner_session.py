@@ -45,6 +45,7 @@ from torch import Tensor
 from worldserve.chat_params import THINK_END, THINK_START
 from worldserve.engine.outputs import ChatDelta, TokenLogprob
 from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
+from worldserve.param_errors import ParamError
 from worldserve.sampling.tokens import TokenSampler, host_to
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class ReasonerSession:
         self.token_ids: list[int] = []  # without the token that ended it (end-of-sequence or stop token id)
         self._ended_by_token = False  # that token came: it counts as output (vLLM's completion tokens)
         self.finish_reason: str | None = None
+        self.failure: ParamError | None = None
+        """Why the chat ended with finish_reason "error" (`fail`): the request's rules allow no next token."""
         self.stop_reason: str | int | None = None
         self._text = ""  # detokenized so far, up to the last token boundary outside a character
         self._tail = ""  # complete characters decoded after it, held while a character is unfinished
@@ -181,6 +184,13 @@ class ReasonerSession:
     def idle_delta(self) -> ChatDelta:
         """The step outcome of a preempted or still prefilling session: no text yet."""
         return ChatDelta(text="", finish_reason=None, completion_tokens=self.completion_tokens)
+
+    def fail(self, failure: ParamError) -> ChatDelta:
+        """End the chat with vLLM's finish_reason "error" (its rules allow no next token): `failure` says why,
+        for the worker to answer (a 400 before any text, an error event in a started stream)."""
+        self.failure, self.finish_reason, self._logits = failure, "error", None
+        self.close()
+        return ChatDelta(text="", finish_reason="error", completion_tokens=self.completion_tokens)
 
     def close(self) -> None:
         """Give the K/V blocks back and leave the Reasoner's books (cancelled, failed or finished); idempotent."""

@@ -9,6 +9,7 @@ request from, plain functions of the VAEs and the request's params. Everything i
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +28,8 @@ def initial_noise(
 ) -> tuple[Tensor, Tensor | None]:
     """fp32 noise from a CPU generator seeded per request: video [48,T,h,w] first, then sound [64,T_s] when
     `with_sound` (VideoPipeline.sound_enabled)."""
-    gen = torch.Generator(device="cpu").manual_seed(params.seed)
+    # (operator.index: manual_seed takes no numpy integer, which VideoParams accepts as an int)
+    gen = torch.Generator(device="cpu").manual_seed(operator.index(params.seed))
     c, t, h, w = vae.latent_shape(params.num_frames, params.height, params.width)
     latents = torch.randn((c, t, h, w), generator=gen, dtype=torch.float32)
     sound = None

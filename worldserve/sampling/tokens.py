@@ -19,7 +19,8 @@ sampled token counts as output for the next call; its count also lives on the lo
 per batch of penalized rows, updated in place while the batch stays the same), so the penalties of a step cost no host work
 that grows with the text or kernels that grow with the batch. Only the drawn tokens are read back (and, with
 top-k, one tie count): the rules add no host sync. A row its allowed_token_ids / bad_words / logit_bias would
-leave with no token keeps its scores for that token (chosen on the device; the warning is read afterwards).
+leave with no token keeps its scores for that token (chosen on the device; read afterwards): `sample_tokens`
+reports those rows to a caller that asks (the Reasoner fails their chats), else logs a warning.
 """
 
 from __future__ import annotations
@@ -309,9 +310,13 @@ def _restrict(samplers: Sequence[TokenSampler], scores: Tensor) -> tuple[list[in
     return rows, stepped_aside
 
 
-def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]:
+def sample_tokens(
+    samplers: Sequence[TokenSampler], logits: Tensor, *, conflicts: list[int] | None = None
+) -> list[int]:
     """logits [B, V] (any float dtype, any device) -> one token id per row, row b drawn by samplers[b] and
-    recorded as its output. One pass over all rows on the logits' device, one host sync."""
+    recorded as its output. One pass over all rows on the logits' device, one host sync. The rows whose rules
+    left no token are drawn with the rules set aside: given `conflicts`, their indexes are appended to it (the
+    caller fails those requests, as vLLM does: runner/reasoner.py); without it, a warning names them."""
     if len(samplers) != logits.shape[0]:
         raise ValueError(f"{len(samplers)} samplers for {logits.shape[0]} rows of logits")
     scores = logits.detach().to(torch.float32, copy=True)  # [B, V]: one copy, whatever the dtype
@@ -345,8 +350,12 @@ def sample_tokens(samplers: Sequence[TokenSampler], logits: Tensor) -> list[int]
         torch.cuda.current_stream(tokens.device).synchronize()
     out = tokens.tolist()
     if stepped_aside is not None and any(aside := stepped_aside.tolist()):  # no wait: the GPU is done
-        log.warning("allowed_token_ids / bad_words / logit_bias leave no token allowed in rows %s: not applied",
-                    [row for row, a in zip(restricted, aside, strict=True) if a])  # fmt: skip
+        rows = [row for row, a in zip(restricted, aside, strict=True) if a]
+        if conflicts is not None:
+            conflicts.extend(rows)
+        else:
+            log.warning("allowed_token_ids / bad_words / logit_bias leave no token allowed in rows %s: not "
+                        "applied", rows)  # fmt: skip
     for s, t in zip(samplers, out, strict=True):
         s.record(t)
     return out
