@@ -56,6 +56,7 @@ class Timer:
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
+    import worldserve.runner.chat_stepping as stepping_mod
     import worldserve.runner.reasoner as reasoner_mod
     from worldserve.bench.models import build_our_transformer
     from worldserve.bench.report import environment
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> dict:
     r = reasoner_mod.Reasoner(model, tok, None, image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                               max_model_len=4096, max_num_seqs=max(batches))  # fmt: skip
     r.warm_up()
-    constrain, sample = Timer(reasoner_mod.constrain_rows), Timer(reasoner_mod.sample_tokens)
-    reasoner_mod.constrain_rows, reasoner_mod.sample_tokens = constrain, sample
+    constrain, sample = Timer(stepping_mod.constrain_rows), Timer(stepping_mod.sample_tokens)
+    stepping_mod.constrain_rows, stepping_mod.sample_tokens = constrain, sample
     so = StructuredOutput(kind="json", spec=json.dumps(SCHEMA))
     res: dict = {
         "environment": environment(device),

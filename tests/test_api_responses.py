@@ -339,7 +339,7 @@ def test_an_answer_without_text_still_has_its_message():
     """A chat whose tokens decode to nothing (e.g. ids past the tokenizer) answers an empty message item,
     opened and closed in the stream, not an empty output."""
     from worldserve.api.chat_stream import TextParsing
-    from worldserve.api.responses import ResponseBuilder
+    from worldserve.api.responses_output import ResponseBuilder
     from worldserve.api.responses_protocol import ResponsesRequest
     from worldserve.engine.client import ChatDelta
 

@@ -15,7 +15,8 @@ import random
 
 import torch
 
-from worldserve.runner.reasoner_session import ReasonerSession, TokenTexts
+from worldserve.runner.chat_logprobs import TokenTexts
+from worldserve.runner.reasoner_session import ReasonerSession
 from worldserve.sampling.tokens import TokenSampler
 
 EOS = 301

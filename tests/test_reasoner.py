@@ -334,7 +334,7 @@ def test_penalized_rows_batched_as_chats_come_and_go_equal_each_row_alone(device
 def test_batched_logprobs_equal_each_rows_log_softmax(reasoner, device):
     """batch_logprobs (every chat's sampled-token logprobs in one pass): each row's value and its own number
     of alternatives, as log_softmax of that row alone gives them."""
-    from worldserve.runner.reasoner_session import TokenTexts, batch_logprobs
+    from worldserve.runner.chat_logprobs import TokenTexts, batch_logprobs
 
     g = torch.Generator().manual_seed(2)
     vocab = len(reasoner.tokenizer)
@@ -397,8 +397,8 @@ def test_warm_up_runs_a_prefill_and_a_decode_step_and_frees_its_blocks(reasoner,
 def test_prompt_logprobs_on_cuda_equal_the_cpu(tiny_ckpt, reasoner):
     """A prompt's log-probabilities (ChatParams.prompt_logprobs, computed PROMPT_LOGPROB_ROWS rows at a time
     on the device) on CUDA equal the CPU's, over a prompt long enough for several chunks."""
+    from worldserve.runner.chat_logprobs import PROMPT_LOGPROB_ROWS
     from worldserve.runner.reasoner import Reasoner
-    from worldserve.runner.reasoner_session import PROMPT_LOGPROB_ROWS
     from worldserve.weights.loader import load_transformer
 
     model = load_transformer(tiny_ckpt, dtype=torch.float32, device="cuda", progress=False)

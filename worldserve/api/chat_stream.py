@@ -216,7 +216,7 @@ class AnswerStream:
     """One streamed answer's text deltas -> its parsed deltas: {"reasoning_content": ...} (the thoughts, under
     --reasoning-parser), {"content": ...} and {"tool_calls": [...]} (the content through the tools' parser),
     adding up to what a finished answer's split_reasoning + final_message give. The chat chunks and the
-    Responses API's events (api/responses.py) are both made from these."""
+    Responses API's events (api/responses_output.py) are both made from these."""
 
     def __init__(self, parsing: TextParsing) -> None:
         tools = parsing.tools

@@ -2,8 +2,8 @@
 
 The request becomes a chat completion request (api/responses_protocol.py) and goes through the chat route's
 checks, media, grammar and prompt (api/chat.py `chat_choices`); its one chat's text deltas become the
-Responses output items (`ResponseBuilder`): with `--reasoning-parser` a `reasoning` item (its thoughts as
-`reasoning_text`), a `message` item (`output_text`, with logprobs when `include` asks for them), and a
+Responses output items (`ResponseBuilder`, api/responses_output.py): with `--reasoning-parser` a `reasoning`
+item (its thoughts as `reasoning_text`), a `message` item (`output_text`, with logprobs when `include` asks for them), and a
 `function_call` item per tool call (the chat's hermes / required / named tool parsing). Non-streaming: the
 `response` object; `stream: true`: the semantic events (response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta, ..., response.completed
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -35,13 +34,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from worldserve.api.bodies import fits_context, read_model
 from worldserve.api.chat import chat_choices, check_rendered_prompt, model_not_found, request_options
-from worldserve.api.chat_stream import ChatStream, TextParsing, close_all, logprob_items, start_all
+from worldserve.api.chat_stream import ChatStream, TextParsing, close_all, start_all
 from worldserve.api.context_fit import check_output_budget
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError
 from worldserve.api.reasoning import split_reasoning
 from worldserve.api.responses_input import InputItem
 from worldserve.api.responses_items import input_items
+from worldserve.api.responses_output import ResponseBuilder
 from worldserve.api.responses_protocol import ResponsesRequest, to_chat
 from worldserve.api.responses_truncation import fit_by_items, prompt_tokens
 from worldserve.api.state import AppState, State
@@ -256,179 +256,3 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool, defaults: ChatDef
         "top_logprobs": req.top_logprobs,  # (echoed, as OpenAI and vLLM do)
         "service_tier": req.service_tier,
     }  # fmt: skip
-
-
-class ResponseBuilder:
-    """One chat's deltas -> the Responses output items, and the stream's events (SSE text) as they open, grow
-    and close. Text goes through the same parsers as a chat answer's: reasoning, then tool calls."""
-
-    def __init__(
-        self,
-        skeleton: dict[str, Any],
-        parsing: TextParsing,
-        logprobs: bool,
-        prompt_tokens: int,
-        cached: int = 0,
-    ):
-        self.body, self.logprobs, self.prompt_tokens = skeleton, logprobs, prompt_tokens
-        self.cached_tokens = cached  # prompt tokens found in the prefix cache
-        self.answer, self.keep_thoughts, self.parsing = parsing.stream(), parsing.include_reasoning, parsing
-        self.seq = 0
-        self.item: dict[str, Any] | None = None  # the open output item
-        self.completion_tokens, self.reasoning_tokens = 0, 0
-        self.finish_reason: str | None = None
-        self.pending: list = []  # logprob entries of tokens whose text is not out yet (a partial character)
-
-    # ---------------------------------------------------------------- events
-    def _event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
-
-    def head(self) -> list[str]:
-        return [
-            self._event("response.created", response=self.body),
-            self._event("response.in_progress", response=self.body),
-        ]
-
-    def feed(self, delta: ChatDelta) -> list[str]:
-        """The events of one delta (its text through the reasoning and tool parsers)."""
-        finished = delta.finish_reason is not None
-        self.completion_tokens, self.finish_reason = delta.completion_tokens, delta.finish_reason
-        # the thought tokens come on the last delta (0 without --reasoning-parser, as vLLM reports them then)
-        self.reasoning_tokens = self.parsing.reasoning_tokens(delta.reasoning_tokens) or 0
-        self.pending += delta.logprobs
-        out: list[str] = []
-        for d in self.answer.feed(delta.text, finished):
-            if "reasoning_content" in d:
-                self.pending = []  # thought tokens: no output_text logprobs (kept or dropped)
-                out += self._reasoning(d["reasoning_content"]) if self.keep_thoughts else []
-            else:
-                out += self._text(d["content"]) if "content" in d else self._call(d["tool_calls"][0])
-        if finished and not self.body["output"]:  # an answer with no text still has its (empty) message
-            out += self._text("", empty=True)
-        if finished:
-            if self.item is not None and self.item["type"] == "message" and self.logprobs and self.pending:
-                out += self._textless()
-            out += self._close(last=True)
-        return out
-
-    def _textless(self) -> list[str]:
-        """The logprobs of the message's last tokens, which wrote no text (the token that ended the chat, those
-        of a stop string cut from it): an output_text.delta with an empty delta carries them, as vLLM's last
-        delta (its text "") carries the ending token's."""
-        lp = [e.model_dump() for e in logprob_items(self.pending)]
-        self.pending = []
-        self._opened()["content"][0]["logprobs"] += lp
-        return [
-            self._event("response.output_text.delta", **self._where(), content_index=0, delta="", logprobs=lp)
-        ]
-
-    def _open(self, item: dict[str, Any], announced: dict[str, Any] | None = None) -> list[str]:
-        """Open `item` (closing the open one); `announced`: fields shown otherwise in its added event (a
-        message's parts come in their own content_part.added events)."""
-        out = self._close()
-        self.item = item
-        self.body["output"].append(item)
-        return out + [self._event("response.output_item.added", output_index=len(self.body["output"]) - 1,
-                                  item={**item, **(announced or {})})]  # fmt: skip
-
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self._opened()["id"], "output_index": len(self.body["output"]) - 1}
-
-    def _opened(self) -> dict[str, Any]:
-        """The open output item, which a delta adds to (each item is opened before its deltas)."""
-        assert self.item is not None
-        return self.item
-
-    def _reasoning(self, text: str) -> list[str]:
-        out = [] if self.item is not None and self.item["type"] == "reasoning" else self._open(
-            {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-             "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})  # fmt: skip
-        self._opened()["content"][0]["text"] += text
-        return out + [
-            self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
-        ]
-
-    def _text(self, text: str, empty: bool = False) -> list[str]:
-        """Output text: the message item (opened on the first), with the logprobs of the tokens that wrote it."""
-        if not text and not empty:
-            return []
-        out: list[str] = []
-        if self.item is None or self.item["type"] != "message":
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out += self._open({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
-                               "status": "in_progress", "content": [part]}, announced={"content": []})  # fmt: skip
-            out.append(self._event("response.content_part.added", **self._where(), content_index=0,
-                                   part=dict(part)))  # fmt: skip
-        lp = [e.model_dump() for e in logprob_items(self.pending)] if self.logprobs and text else []
-        if text:
-            self.pending = []
-        part = self._opened()["content"][0]
-        part["text"] += text
-        part["logprobs"] += lp
-        if not text:
-            return out
-        return out + [self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                  logprobs=lp)]  # fmt: skip
-
-    def _call(self, call: dict[str, Any]) -> list[str]:
-        """A tool-call delta from ToolStream: a new call (id, name, arguments so far) or more arguments."""
-        self.pending = []  # call tokens: no output_text logprobs
-        out: list[str] = []
-        if "id" in call:
-            out += self._open({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                               "name": call["function"]["name"], "arguments": "", "status": "in_progress"})  # fmt: skip
-        args = call["function"].get("arguments") or ""
-        if args:
-            self._opened()["arguments"] += args
-            out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=args))
-        return out
-
-    def _close(self, last: bool = False) -> list[str]:
-        """Close the open item: its done events. An item that another followed is complete; the `last` one is
-        "incomplete" when max_output_tokens cut the answer (the same whether the deltas came one by one or in
-        one piece: the status had followed the finish reason known when the item closed)."""
-        item, self.item = self.item, None
-        if item is None:
-            return []
-        where = {"item_id": item["id"], "output_index": self.body["output"].index(item)}
-        item["status"] = "incomplete" if last and self.finish_reason == "length" else "completed"
-        out = []
-        if item["type"] == "message":
-            part = item["content"][0]
-            out += [self._event("response.output_text.done", **where, content_index=0, text=part["text"],
-                                logprobs=part["logprobs"]),
-                    self._event("response.content_part.done", **where, content_index=0, part=part)]  # fmt: skip
-        elif item["type"] == "reasoning":
-            out.append(self._event("response.reasoning_text.done", **where, content_index=0,
-                                   text=item["content"][0]["text"]))  # fmt: skip
-        else:
-            out.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                   arguments=item["arguments"]))  # fmt: skip
-        return out + [self._event("response.output_item.done", output_index=where["output_index"], item=item)]
-
-    # ---------------------------------------------------------------- the end
-    def response(self) -> dict[str, Any]:
-        """The finished response object."""
-        self._close(last=True)
-        cut = self.finish_reason == "length"
-        self.body.update(
-            status="incomplete" if cut else "completed",
-            completed_at=None if cut else int(time.time()),  # (OpenAI's: only when completed)
-            incomplete_details={"reason": "max_output_tokens"} if cut else None,
-            usage={"input_tokens": self.prompt_tokens,
-                   "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
-                   "output_tokens": self.completion_tokens,
-                   "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                   "total_tokens": self.prompt_tokens + self.completion_tokens},
-        )  # fmt: skip
-        return self.body
-
-    def done(self) -> str:
-        return self._event("response.completed", response=self.response())
-
-    def failed(self, status: int, message: str) -> str:
-        self.body.update(status="failed", error={"code": "server_error" if status >= 500 else "invalid_prompt",
-                                                 "message": message})  # fmt: skip
-        return self._event("response.failed", response=self.body)

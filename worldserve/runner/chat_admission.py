@@ -29,9 +29,10 @@ from worldserve.chat_params import ChatParams
 from worldserve.engine.outputs import ChatBackpressure
 from worldserve.failures import release_frames
 from worldserve.models.layers.paged_kv import PagedSequence, PoolExhausted
+from worldserve.runner.chat_logprobs import prompt_logprobs
 from worldserve.runner.chat_prompt import ChatPrompt, completion_budget
 from worldserve.runner.prefix_hashes import block_hashes, shared_blocks
-from worldserve.runner.reasoner_session import ReasonerSession, prompt_logprobs
+from worldserve.runner.reasoner_session import ReasonerSession
 from worldserve.sampling.tokens import TokenSampler
 
 log = logging.getLogger("worldserve.reasoner")

@@ -316,7 +316,7 @@ def sample_tokens(
     """logits [B, V] (any float dtype, any device) -> one token id per row, row b drawn by samplers[b] and
     recorded as its output. One pass over all rows on the logits' device, one host sync. The rows whose rules
     left no token are drawn with the rules set aside: given `conflicts`, their indexes are appended to it (the
-    caller fails those requests, as vLLM does: runner/reasoner.py); without it, a warning names them."""
+    caller fails those requests, as vLLM does: runner/chat_stepping.py); without it, a warning names them."""
     if len(samplers) != logits.shape[0]:
         raise ValueError(f"{len(samplers)} samplers for {logits.shape[0]} rows of logits")
     scores = logits.detach().to(torch.float32, copy=True)  # [B, V]: one copy, whatever the dtype
