@@ -1,6 +1,6 @@
 """The public Python API as a user meets it: what `import worldserve` offers (names, dir(), the errors its
 functions raise) and the README's Python examples, run as written in a fresh interpreter on the embedded tiny
-checkpoint, their MP4 / PNG outputs decoded with PyAV and Pillow.
+checkpoint (the Engine's and VideoPipeline's), their MP4 / PNG outputs decoded with PyAV and Pillow.
 """
 
 from __future__ import annotations
@@ -34,14 +34,22 @@ def test_public_names_resolve_and_dir_lists_the_lazy_ones(tmp_path):
     # caught from the package itself (it was only importable from worldserve.weights.checkpoint)
     with pytest.raises(worldserve.CheckpointError, match="model_index.json"):
         worldserve.resolve_model(str(tmp_path))
-    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
-        _ = worldserve.Engine
+    # design.md §3.2's public API: Engine, EngineConfig, VideoParams, ChatParams (Engine had been missing)
+    from worldserve.chat_params import ChatParams
+    from worldserve.config import EngineConfig
+    from worldserve.offline.engine import Engine
+
+    exported = (worldserve.Engine, worldserve.EngineConfig, worldserve.ChatParams)
+    assert exported == (Engine, EngineConfig, ChatParams)
+    with pytest.raises(AttributeError, match="no attribute 'LLM'"):
+        _ = worldserve.LLM
 
 
 def test_readme_python_examples_run_as_written(tiny_ckpt, tmp_path):
     """The example had loaded nvidia/Cosmos3-Nano at the model's defaults: a CheckpointError offline, and tens of
     minutes of CPU on the tiny checkpoint. It now runs on the embedded tiny checkpoint (linked here where
-    resolve_model(None) looks for it) and writes a T2V MP4 with audio, a PNG and an I2V MP4."""
+    resolve_model(None) looks for it) and writes a T2V MP4 with audio, a PNG and an I2V MP4; the Engine's block
+    its own T2V and I2V MP4s (and chats)."""
     import av
     from PIL import Image
 
@@ -59,7 +67,7 @@ def test_readme_python_examples_run_as_written(tiny_ckpt, tmp_path):
         assert run.returncode == 0 and "Traceback" not in run.stderr, (
             f"README python block {i}:\n{run.stderr}"
         )
-    for name in ("fox.mp4", "more.mp4"):
+    for name in ("fox.mp4", "more.mp4", "engine_fox.mp4", "engine_i2v.mp4"):
         with av.open(str(tmp_path / name)) as container:
             video, audio = container.streams.video[0], container.streams.audio[0]
             assert (video.codec_context.name, audio.codec_context.name) == ("h264", "aac")

@@ -5,10 +5,12 @@ Glossary (used in every module):
 - `latents`: (B, C, F, H, W) video latents; `tokens`: packed (N, D) rows.
 - `request`, `step` (one denoising step), `plan` (what the engine asks the runner to do), `result`.
 
-Public API: `VideoParams` / `ParamError` (per-request parameters; a bad one is a ParamError, a ValueError
-naming the field), `VideoPipeline` (load a checkpoint and generate), `resolve_model` (model reference ->
-folder; None: the embedded tiny checkpoint) and `CheckpointError` (what the last two raise for a bad model).
-The last three import lazily: they pull in torch and huggingface_hub.
+Public API: `Engine` (the model `worldserve serve` serves, in this process: `generate_video` -> `VideoOutput`,
+`chat` -> `ChatOutput`, `stream_chat`; offline/engine.py), built from options or an `EngineConfig`;
+`VideoParams` / `ChatParams` / `ParamError` (per-request parameters; a bad one is a ParamError, a ValueError
+naming the field), `VideoPipeline` (one request at a time, frames and audio as arrays), `resolve_model` (model
+reference -> folder; None: the embedded tiny checkpoint) and `CheckpointError` (what loading raises for a bad
+model). All but VideoParams and ParamError import lazily: they pull in torch, huggingface_hub or the engine.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ from worldserve.params import VideoParams
 
 __version__ = "0.1.0"
 _LAZY = {
+    "Engine": "worldserve.offline.engine",
+    "EngineConfig": "worldserve.config",
+    "ChatParams": "worldserve.chat_params",
+    "VideoOutput": "worldserve.offline.outputs",
+    "ChatOutput": "worldserve.offline.outputs",
     "VideoPipeline": "worldserve.runner.video_pipeline",
     "resolve_model": "worldserve.weights.checkpoint",
     "CheckpointError": "worldserve.weights.checkpoint",
 }
-__all__ = ["CheckpointError", "ParamError", "VideoParams", "VideoPipeline", "resolve_model", "__version__"]
+__all__ = [
+    "ChatOutput", "ChatParams", "CheckpointError", "Engine", "EngineConfig", "ParamError", "VideoOutput", "VideoParams",
+    "VideoPipeline", "resolve_model", "__version__",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

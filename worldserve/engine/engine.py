@@ -184,18 +184,20 @@ class Engine(EngineShutdown):
     def _iterate(self) -> None:
         admitted = self._sched.admit()
         self._num_running = len(self._sched.running) + len(admitted)  # (counted before they stop waiting)
+        # all of them stop waiting together: one by one, the ones not yet prepared (a prefill each) were
+        # counted running and waiting at once
+        with self._cv:
+            self._waiting_ids.difference_update(request.job_id for request in admitted)
         for request in admitted:
             request.admitted = True
         for i, request in enumerate(admitted):
-            with self._cv:
-                self._waiting_ids.discard(request.job_id)
             try:
                 self._prepare(request)
             except BackendLost:  # the loop stops: this one and the ones not yet prepared wait again
                 if not request.ephemeral:
                     self.store.requeue([request.job_id])
                 with self._cv:
-                    self._waiting_ids.add(request.job_id)
+                    self._waiting_ids.update(waiting.job_id for waiting in admitted[i:])
                 for waiting in admitted[i:]:
                     waiting.admitted = False
                 self._sched.waiting.extendleft(reversed(admitted[i:]))

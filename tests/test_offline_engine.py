@@ -1,0 +1,227 @@
+"""worldserve.Engine, the offline Python API, on the tiny random checkpoint (CPU, float32): T2V and I2V MP4s
+decoded back with PyAV, chats (whole and streamed, an image part read as the HTTP route reads it), calls from
+several threads running in the engine together, bad fields named, close() twice, the context manager, and an
+interpreter that exits with an Engine left open.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import io
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from media_probe import probe_mp4
+from serving_helpers import png_bytes
+
+TINY = {"width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 2, "fps": 8}
+OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 2048, "max_batch_size": 2}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    from worldserve import Engine
+
+    with Engine(tiny_ckpt, **OPTIONS) as engine:
+        yield engine
+
+
+def test_text_and_image_to_video_mp4s(engine, tmp_path):
+    """T2V and I2V (the image as an array and as PNG bytes) give MP4s with H.264 and AAC 48 kHz stereo, the
+    seed and stage timings reported, `save` writing the same bytes."""
+    t2v = engine.generate_video("A red fox runs through fresh snow", seed=7, **TINY)
+    p = probe_mp4(t2v.video, decode=True)
+    assert (p.video_codec, p.width, p.height, p.num_frames, p.fps) == ("h264", 64, 64, 5, 8)
+    assert (p.audio_codec, p.sample_rate, p.channels) == ("aac", 48000, 2)
+    assert t2v.seed == 7 and t2v.params.num_inference_steps == 2
+    assert {"prepare", "diffuse", "vae.decode", "encode"} <= set(t2v.stage_seconds)
+    t2v.save(tmp_path / "fox.mp4")
+    assert (tmp_path / "fox.mp4").read_bytes() == t2v.video
+
+    first = p.frames[-1]
+    from_array = engine.generate_video("The fox turns around", image=first, **TINY)
+    from_png = engine.generate_video(
+        "The fox turns around", image=png_bytes(80, 48), generate_sound=False, **TINY
+    )
+    assert probe_mp4(from_array.video).num_frames == 5
+    png = probe_mp4(from_png.video)
+    assert (png.video_codec, png.num_frames, png.audio_codec) == ("h264", 5, None)
+    assert from_array.params.image is not None and from_array.params.image.shape == first.shape
+
+
+def test_mp4_is_the_servers_for_the_same_request(engine, tmp_path):
+    """The Engine's MP4 is byte for byte what POST /v1/videos/sync answers for the same fields on the same
+    pipeline: the same params, encoder and encode options."""
+    import asyncio
+
+    from serving_helpers import asgi_server
+
+    async def served() -> bytes:
+        async with asgi_server(tmp_path, backend=engine._parts.backend, real_encoder=True) as http:
+            fields = {"prompt": "a cat", "size": "64x64", "num_frames": "5", "num_inference_steps": "2",
+                      "fps": "8", "seed": "5"}  # fmt: skip
+            r = await http.post("/v1/videos/sync", data=fields)
+            assert r.status_code == 200, r.text
+            return r.content
+
+    assert engine.generate_video("a cat", seed=5, **TINY).video == asyncio.run(served())
+
+
+def test_chat_and_stream_chat(engine):
+    """A greedy chat and the same chat streamed give the same text; usage counts the tokens; an image part
+    (a base64 data: URL, as the HTTP route takes it) reaches the Reasoner's prompt."""
+    messages = [{"role": "user", "content": "Describe a fox."}]
+    answer = engine.chat(messages, max_tokens=6, temperature=0)
+    assert answer.finish_reason == "length" and answer.usage.completion_tokens == 6
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 6 and len(answer.token_ids) == 6
+    pieces = list(engine.stream_chat(messages, max_tokens=6, temperature=0))
+    assert "".join(pieces) == answer.text and len(pieces) > 1
+
+    from worldserve import ChatParams
+
+    # a whole ChatParams instead of sampling fields: the same greedy answer
+    assert engine.chat(messages, ChatParams(max_tokens=6, temperature=0)).text == answer.text
+    # a stream left early cancels its chat: nothing stays running in the engine
+    stream = engine.stream_chat(messages, max_tokens=500, temperature=0)
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 60
+    while engine.num_unfinished_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_unfinished_requests == 0
+
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(64, 64)).decode()
+    seen = engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                     {"type": "text", "text": "Describe a fox."}]}],
+                       max_tokens=2, temperature=0)  # fmt: skip
+    assert seen.usage.prompt_tokens > answer.usage.prompt_tokens  # (the image's vision tokens)
+    # vLLM's offline spelling of an image part: a PIL image, read as that PNG
+    from PIL import Image
+
+    pil = Image.open(io.BytesIO(png_bytes(64, 64)))
+    same = engine.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": pil},
+                                                     {"type": "text", "text": "Describe a fox."}]}],
+                       max_tokens=2, temperature=0)  # fmt: skip
+    assert (same.usage.prompt_tokens, same.text) == (seen.usage.prompt_tokens, seen.text)
+
+
+def test_threads_run_in_the_engine_together(engine):
+    """Two generate_video calls from two threads are both in the engine at once (with the model held, neither
+    can finish: a lock around whole calls would keep the second out), then each gets its own result."""
+    results: dict[int, object] = {}
+
+    def generate(i: int) -> None:
+        results[i] = engine.generate_video(f"prompt {i}", seed=i, **TINY)
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
+    model_lock = engine._parts.client.engine.model_lock
+    with model_lock:  # (the engine's model calls wait)
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while engine.num_unfinished_requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # (2, or 3 while the engine counts a pair it admitted together as both running and one still waiting)
+        assert engine.num_unfinished_requests >= 2
+    for t in threads:
+        t.join(300)
+    assert [results[i].seed for i in range(2)] == [0, 1]
+    assert [results[i].prompt for i in range(2)] == ["prompt 0", "prompt 1"]
+    assert results[0].video != results[1].video
+    assert engine.num_unfinished_requests == 0
+
+
+def test_bad_inputs_name_the_field(engine):
+    from worldserve import ParamError
+
+    with pytest.raises(ParamError, match="width=65") as bad:
+        engine.generate_video("a fox", **{**TINY, "width": 65})
+    # (the keyword passed, where VideoParams names the HTTP field, `size`)
+    assert isinstance(bad.value, ValueError) and bad.value.param == "width"
+    with pytest.raises(ParamError) as bad:
+        engine.generate_video("a fox", steps=2)
+    assert bad.value.param == "steps"
+    with pytest.raises(ParamError) as bad:
+        engine.generate_video("a fox", image="/no/such/image.png", **TINY)
+    assert bad.value.param == "image"
+    with pytest.raises(ParamError) as bad:
+        engine.chat("hi", temperature=-1)
+    assert bad.value.param == "temperature"
+    with pytest.raises(ParamError) as bad:
+        engine.chat("hi", max_tokenz=3)
+    assert bad.value.param == "max_tokenz"
+    with pytest.raises(ParamError) as bad:
+        broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        engine.chat([{"role": "user", "content": [broken]}])
+    assert bad.value.param == "messages[0].content[0].image_url"
+    with pytest.raises(ParamError) as bad:
+        list(engine.stream_chat("hi", n=2))
+    assert bad.value.param == "n"
+
+
+def test_unknown_options_are_refused_before_loading():
+    from worldserve import Engine
+
+    with pytest.raises(TypeError, match="max_batch"):
+        Engine(None, max_batch=2)
+    with pytest.raises(TypeError, match="HTTP server"):
+        Engine(None, port=8000)
+    with pytest.raises(ValueError, match="--max-batch-size"):
+        Engine(None, max_batch_size=0)
+
+
+def test_close_twice_context_manager_and_exit_without_close(tiny_ckpt, tmp_path):
+    """In a fresh interpreter: `with Engine(...)` closes it (a later call is a RuntimeError, close() again
+    nothing); `Engine.from_config` works the same; an Engine left open does not hold the exit, and leaves no
+    storage folder behind."""
+    script = textwrap.dedent(f"""
+        import tempfile
+        from worldserve import Engine, EngineConfig
+        from worldserve.config import ModelConfig, ReasonerConfig
+
+        with Engine({str(tiny_ckpt)!r}, device="cpu", dtype="float32", max_model_len=1024) as engine:
+            print(engine.chat("hi", max_tokens=2).finish_reason)
+        engine.close()
+        try:
+            engine.chat("hi", max_tokens=2)
+        except RuntimeError as exc:
+            print("after close:", exc)
+        config = EngineConfig(model=ModelConfig(model={str(tiny_ckpt)!r}, device="cpu", dtype="float32"),
+                              reasoner=ReasonerConfig(max_model_len=1024))
+        left_open = Engine.from_config(config)
+        print(left_open.generate_video("a fox", width=32, height=32, num_frames=5, num_inference_steps=1).seed)
+        print("leaving")
+    """)
+    env = {"TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    import os
+
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})  # fmt: skip
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert run.stdout.split("\n")[:4] == ["length", "after close: this Engine is closed", "42", "leaving"]
+    assert not list(tmp_path.glob("worldserve-offline-*"))
+
+
+def test_only_front_ends_import_the_offline_engine():
+    """The offline Engine sits beside the HTTP layer, over the engine: engine/, runner/, api/ and media/
+    never import it (it may reuse api/'s request parsing; the engine side never imports api/)."""
+    package = Path(__file__).resolve().parents[1] / "worldserve"
+    offenders = []
+    for folder in ("engine", "runner", "api", "media", "models", "sampling"):
+        for path in sorted((package / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names.append(node.module)
+                banned = ["worldserve.offline"] + (
+                    ["worldserve.api"] if folder in ("engine", "runner") else []
+                )
+                offenders += [f"{path.relative_to(package)} imports {n}" for n in names
+                              if any(n == b or n.startswith(b + ".") for b in banned)]  # fmt: skip
+    assert not offenders, "; ".join(offenders)

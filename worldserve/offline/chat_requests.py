@@ -1,0 +1,140 @@
+"""The offline Engine's chats: `chat` / `stream_chat`'s arguments read by the HTTP route's own code, then run
+on the engine's chat worker.
+
+The messages (OpenAI's format: roles, string or part content, `image_url` / `video_url` parts with base64
+`data:` URLs, `file://` paths under the engine's `allowed_local_media_path`, http(s) URLs) and the sampling
+fields (the chat completion request's: temperature, max_tokens, stop, seed, response_format, tools, ...) are
+validated as a `ChatCompletionRequest` body and turned into ChatParams by api/chat.py's `chat_choices`, the code
+POST /v1/chat/completions runs: the same checks, media loading and prompt building, and the same sampling
+defaults (the checkpoint's generation config). vLLM's `LLM.chat` shares its server's message parsing the same
+way (vllm/entrypoints/chat_utils.py). A bad field is a ParamError (a ValueError) naming it as the HTTP 400 would
+(`messages[0].content[1].image_url`, `temperature`). A whole ChatParams may be passed instead of sampling
+fields: its sampling is used as it is, the messages still read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from worldserve.chat_params import ChatParams
+from worldserve.engine.client import ChatDelta, ChatEvents, ChatFailed, ChatStarted, EngineClient
+from worldserve.param_errors import ParamError
+
+if TYPE_CHECKING:
+    from worldserve.api.state import AppState
+    from worldserve.config import EngineConfig
+
+REFUSED_FIELDS = {
+    "stream": "use stream_chat() for a streamed answer",
+    "stream_options": "use stream_chat() for a streamed answer",
+    "model": "the Engine serves one model",
+    "n": "one answer a call: call chat() again (each with its own seed) for more",
+}
+"""Chat completion fields with no meaning for one offline call, and what to do instead."""
+
+
+def chat_state(client: EngineClient, config: EngineConfig) -> AppState:
+    """What the chat route reads from its app (api/state.py AppState): the client, the settings of `config`
+    (as `worldserve serve` derives them: media options, --allowed-local-media-path, --reasoning-parser,
+    --seed's request seeds...) and a media fetcher for http(s) URLs."""
+    from worldserve import envs
+    from worldserve.api.media_urls import MediaFetcher
+    from worldserve.api.metrics import Metrics
+    from worldserve.api.state import AppState
+    from worldserve.commands.serve import app_settings
+    from worldserve.sampling.chat_defaults import RequestSeeds
+
+    settings = app_settings(config)
+    return AppState(
+        client=client, metrics=Metrics(client.model_name), served_model_name=client.model_name, settings=settings,
+        media=MediaFetcher(settings.max_upload_bytes, settings.allowed_media_domains,
+                           envs.media_url_allow_redirects()),
+        request_seeds=None if settings.seed is None else RequestSeeds(settings.seed),
+    )  # fmt: skip
+
+
+def request_body(messages: str | Sequence[Mapping[str, Any]], sampling: Mapping[str, Any]) -> Any:
+    """The call as a ChatCompletionRequest (api/chat_protocol.py), validated as the route validates a JSON
+    body: ParamError naming the first bad field; a field the request has no use for (or no such field) too,
+    where the route would ignore it: a misspelt keyword argument must not pass in silence."""
+    from pydantic import ValidationError
+
+    from worldserve.api.chat_protocol import ChatCompletionRequest
+    from worldserve.api.errors import validation_error
+
+    for name in sampling:
+        if name in REFUSED_FIELDS:
+            raise ParamError(name, f"{name} is not taken here: {REFUSED_FIELDS[name]}")
+        if name == "messages" or name not in ChatCompletionRequest.model_fields:
+            raise ParamError(name, f"{name!r} is not a chat completion field")
+    if isinstance(messages, str):  # (one user turn, as LLM.generate takes a prompt)
+        messages = [{"role": "user", "content": messages}]
+    elif not isinstance(messages, Sequence) or isinstance(messages, (bytes, bytearray)):
+        given = type(messages).__name__
+        raise ParamError("messages", f"messages must be a list of messages or a string, got {given}")
+    data = {"messages": [_pil_parts(m) for m in messages], **sampling}
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        refused = validation_error(exc.errors(include_url=False))
+        raise ParamError(refused.param or "messages", refused.message) from None
+
+
+def _pil_parts(message: Any) -> Any:
+    """A message whose `image_pil` parts (vLLM's offline spelling: a PIL image) are PNG `data:` URL image_url
+    parts, which the route reads; other messages as they are."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list) or not any(isinstance(p, Mapping) and "image_pil" in p for p in content):
+        return message
+    import base64
+    import io
+
+    parts = []
+    for part in content:
+        if isinstance(part, Mapping) and "image_pil" in part:
+            buffer = io.BytesIO()
+            part["image_pil"].save(buffer, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+            part = {"type": "image_url", "image_url": {"url": url}}
+        parts.append(part)
+    return {**message, "content": parts}
+
+
+async def start_chat(
+    st: AppState, body: Any, params: ChatParams | None, *, coalesce: bool
+) -> tuple[ChatParams, ChatEvents]:
+    """On the client's loop: the route's checks and ChatParams (api/chat.py chat_choices: media fetched and
+    decoded, the prompt built; `params` given: its sampling over the messages read here), then the chat
+    started on the worker; (its params, its events). ParamError naming a bad field."""
+    from worldserve.api.chat import chat_choices, check_rendered_prompt, sent_budget
+    from worldserve.api.context_fit import check_output_budget
+    from worldserve.api.errors import APIError
+
+    try:
+        check_output_budget(*sent_budget(body), st.max_model_len)
+        choices, _ = await chat_choices(st, body)
+        chosen = choices[0]
+        if params is None:
+            check_rendered_prompt(body, chosen, st.max_model_len)
+        else:  # (its own tools / template options: the worker builds its prompt)
+            chosen = dataclasses.replace(params, messages=chosen.messages, prebuilt=None).validate()
+    except APIError as exc:
+        if exc.status != 400:
+            raise RuntimeError(exc.message) from None
+        raise ParamError(exc.param or "messages", exc.message) from None
+    return chosen, st.client.chat_many([chosen], coalesce=coalesce)[0]
+
+
+async def next_event(events: ChatEvents) -> ChatStarted | ChatDelta | None:
+    """The chat's next event (None after its last delta); ParamError / RuntimeError for a ChatFailed."""
+    try:
+        event = await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    if isinstance(event, ChatFailed):
+        if event.status == 400:
+            raise ParamError(event.param or "messages", event.message)
+        raise RuntimeError(f"the chat failed ({event.status}): {event.message}")
+    return event

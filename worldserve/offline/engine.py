@@ -1,0 +1,269 @@
+"""`worldserve.Engine`: the model `worldserve serve` serves, in this process, with no HTTP: vLLM's `LLM` for
+Cosmos3 (videos and Reasoner chats from one load).
+
+`Engine(model=None | folder | repo id, **options)` (options: serve's flags without dashes, offline/options.py)
+or `Engine.from_config(EngineConfig)` loads what the server loads (commands/serve_backend.py `load_backend`:
+the video pipeline, the startup warm-up shapes, the Reasoner sharing the transformer's und tower) and runs the
+server's engine around it: the video engine thread (engine/engine.py: scheduler, batching of same-shape
+requests, the MP4 encode pool) and the chat worker (continuous batching), driven through an `EngineClient`
+on a private event loop thread (offline/loop_thread.py). Every call blocks its own thread only: calls from
+several threads run concurrently in the engine, each getting its own result.
+
+- `generate_video(prompt | VideoParams, **fields) -> VideoOutput` (offline/video_requests.py);
+- `chat(messages, params=None, **sampling) -> ChatOutput` and `stream_chat(...)` yielding the text as it is
+  sampled (offline/chat_requests.py: the HTTP route's own parsing and checks);
+- `close()`: stops the engine, the chat worker and a multi-GPU pipeline's peer processes; idempotent, also
+  `with Engine(...) as engine:`. An engine never closed is stopped when it is collected or at the
+  interpreter's exit, without waiting for its requests.
+Bad input is a ParamError (a ValueError whose `.param` names the field) before any model work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from worldserve.chat_params import ChatParams
+from worldserve.config import EngineConfig
+from worldserve.engine.client import ChatDelta, ChatStarted, EncodeOptions, EngineClient
+from worldserve.offline.chat_requests import chat_state, next_event, request_body, start_chat
+from worldserve.offline.loop_thread import LoopThread
+from worldserve.offline.options import engine_config
+from worldserve.offline.outputs import ChatOutput, ChatUsage, VideoOutput
+from worldserve.offline.video_requests import run_video, video_params
+from worldserve.params import VideoParams
+
+IDLE_STOP_S = 5.0
+"""How long an idle engine stopped at exit may take to drain (it ends at once: nothing runs)."""
+
+
+class Engine:
+    """One loaded model serving video generation and Reasoner chats to the threads of this process."""
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, **options: Any):
+        """Load `model` (a checkpoint folder or a Hugging Face repo id; None: the embedded tiny random
+        checkpoint, whose output is noise) with `worldserve serve`'s options by their field names
+        (`device="cpu"`, `dtype="float32"`, `max_batch_size=2`, `max_model_len=4096`,
+        `warmup_shapes="none"`, `default_sampling_params={"0": {"num_inference_steps": 20}}`, ...)."""
+        self._start(engine_config(None if model is None else os.fspath(model), options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """An Engine of a whole EngineConfig (its `server` section, the HTTP server's, is not used)."""
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"from_config takes an EngineConfig, got {type(config).__name__}")
+        engine = cls.__new__(cls)
+        engine._start(config)
+        return engine
+
+    def _start(self, config: EngineConfig) -> None:
+        from worldserve.commands.serve_backend import load_backend
+        from worldserve.engine.engine import Engine as VideoEngine
+        from worldserve.engine.jobs import JobStore
+
+        # (the configuration it runs with: environment defaults resolved)
+        self.config = config = config.resolve()
+        backend, _, *chat = load_backend(config.model, config.parallel, config.scheduler, config.reasoner,
+                                         config.lora)  # fmt: skip
+        served = config.model.served_model_name
+        assert served is not None, "resolve() names the model"
+        try:
+            # the client keeps a job store; no job is made here: a folder of its own, removed at close
+            storage = tempfile.mkdtemp(prefix="worldserve-offline-")
+            store = JobStore(storage)
+            engine = VideoEngine(backend, store, config.scheduler)
+            client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
+                                  chat_backend=chat[0] if chat else None, max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
+        except BaseException:
+            if hasattr(backend, "close"):  # (a multi-GPU pipeline's peer processes)
+                backend.close()
+            raise
+        loop = LoopThread()
+        self._parts = _Parts(client=client, loop=loop, backend=backend, storage=storage)
+        # collected or left open at the interpreter's exit: stopped without waiting (no thread started then)
+        self._finalizer = weakref.finalize(self, self._parts.stop_at_once)
+        try:
+            loop.run(client.start())
+            # what the chat route reads (a bad media option fails the start here, as serve's does)
+            self._chat_state = chat_state(client, config) if client.chat_worker is not None else None
+        except BaseException:
+            self.close()
+            raise
+
+    # -- video ----------------------------------------------------------------------------------------------
+    def generate_video(
+        self, prompt: str | VideoParams, *, timeout: float | None = None, **fields: Any
+    ) -> VideoOutput:
+        """One video (or image: num_frames=1) from `prompt` (text or Cosmos3's JSON prompt) or a VideoParams,
+        with VideoParams fields by name (`width=1280, height=720, num_frames=189, num_inference_steps=35,
+        guidance_scale=6.0, seed=42, fps=24, negative_prompt=..., generate_sound=...`; `image=` an array, PIL
+        image, bytes or path for image-to-video; `video=` a uint8 (F, H, W, 3) clip for video-to-video);
+        fields left out take the engine's `default_sampling_params`, then Cosmos3's defaults. Blocks until its
+        MP4 is made; other threads' requests run meanwhile (same-shape ones batched up to max_batch_size).
+        `timeout` (seconds): TimeoutError after aborting it. ParamError naming a bad field."""
+        config = self.config
+        params = video_params(
+            prompt, fields, defaults=config.video.video_defaults, static_lora=config.lora.static_lora,
+            per_request_lora=config.lora.enable_lora,
+        )  # fmt: skip
+        parts = self._open()
+        return parts.loop.run(run_video(parts.client, params, EncodeOptions()), timeout)
+
+    # -- chat -----------------------------------------------------------------------------------------------
+    def chat(
+        self, messages: str | Sequence[Mapping[str, Any]], params: ChatParams | None = None, **sampling: Any
+    ) -> ChatOutput:
+        """The Reasoner's answer to `messages` (OpenAI chat messages; a string: one user turn), sampled with
+        the chat completion fields in `sampling` (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`,
+        `response_format`, ...; left out: the checkpoint's generation config, as the server's) or a whole
+        ChatParams. Images and videos as the HTTP route takes them: `image_url` / `video_url` parts with a
+        base64 `data:` URL, a `file://` path under `allowed_local_media_path`, or an http(s) URL; and
+        vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`."""
+        deltas: list[ChatDelta] = []
+        started = None
+        for event in self._events(messages, params, sampling, coalesce=True):
+            if isinstance(event, ChatStarted):
+                started = event
+            else:
+                deltas.append(event)
+        last = ChatDelta.joined(deltas) if deltas else None
+        assert started is not None and last is not None and last.finish_reason is not None
+        return ChatOutput(
+            text=last.text, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+            usage=ChatUsage(prompt_tokens=started.prompt_tokens, completion_tokens=last.completion_tokens,
+                            cached_tokens=started.cached_tokens),
+            token_ids=last.token_ids,
+        )  # fmt: skip
+
+    def stream_chat(
+        self, messages: str | Sequence[Mapping[str, Any]], params: ChatParams | None = None, **sampling: Any
+    ) -> Iterator[str]:
+        """`chat`, its text yielded piece by piece as it is sampled. Closing the iterator early (a `break`)
+        cancels the chat at its next step. The request is checked when iteration starts."""
+        for event in self._events(messages, params, sampling, coalesce=False):
+            if isinstance(event, ChatDelta) and event.text:
+                yield event.text
+
+    def _events(
+        self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any], *, coalesce: bool
+    ) -> Iterator[ChatStarted | ChatDelta]:
+        """The chat's events (ChatStarted, then ChatDelta to the last), read from this thread; the chat
+        cancelled when the reader stops early."""
+        if params is not None and not isinstance(params, ChatParams):
+            raise TypeError(f"params must be a ChatParams, got {type(params).__name__}")
+        parts = self._open()
+        if self._chat_state is None:
+            raise RuntimeError("this Engine runs no Reasoner (tensor_parallel_size > 1, or the fake backend)")
+        body = request_body(messages if messages is not None else "", sampling)
+        _, events = parts.loop.run(start_chat(self._chat_state, body, params, coalesce=coalesce))
+        finished = False
+        try:
+            while (event := parts.loop.run(next_event(events))) is not None:
+                yield event
+                finished = isinstance(event, ChatDelta) and event.finish_reason is not None
+                if finished:
+                    return
+        finally:
+            if not finished and parts.loop.running:
+                parts.loop.run(events.aclose())
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def _open(self) -> _Parts:
+        parts = self._parts
+        if parts.closed:
+            raise RuntimeError("this Engine is closed")
+        return parts
+
+    def close(self) -> None:
+        """Stop the engine: running requests get `shutdown_timeout` seconds (the option; 30 by default) to
+        finish, later ones fail; the chat worker, the engine thread and a multi-GPU pipeline's peer processes
+        stop. Idempotent."""
+        parts = getattr(self, "_parts", None)
+        if parts is not None:
+            parts.close(self.config.scheduler.shutdown_timeout)
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def has_sound(self) -> bool:
+        """Whether the checkpoint makes audio with its videos (a sound tokenizer)."""
+        return self._parts.client.has_sound
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Video requests queued or running and chats waiting or running (vLLM's LLM.get_num_unfinished...)."""
+        client = self._parts.client
+        worker = client.chat_worker
+        chats = 0 if worker is None else worker.num_waiting + worker.num_running
+        return client.num_waiting + client.num_running + chats
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Parts:
+    """What an Engine started, to stop once (explicitly, or by its finalizer: no reference to the Engine)."""
+
+    client: EngineClient
+    loop: LoopThread
+    backend: Any
+    storage: str
+    closed: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def _take(self) -> bool:
+        """Whether this call is the one that stops them (the first)."""
+        with self.lock:
+            first, self.closed = not self.closed, True
+        return first
+
+    def close(self, timeout_s: float) -> None:
+        """The server's shutdown (EngineClient.shutdown on the loop), then the loop, the peers, the folder."""
+        if not self._take():
+            return
+        try:
+            if self.loop.running:
+                self.loop.run(self.client.shutdown(timeout_s))
+        finally:
+            self._release()
+
+    def stop_at_once(self) -> None:
+        """At collection or the interpreter's exit: the engine stopped at its next step, synchronously (the
+        exit allows no new thread or executor task: EngineClient.shutdown would start both)."""
+        if not self._take():
+            return
+        try:
+            self.client.accepting = False
+            worker = self.client.chat_worker
+            if worker is not None:
+                worker.stop(0.0)
+            engine = self.client.engine
+            # idle: it ends as soon as it drains; else at its next step (nobody waits for the results now)
+            engine.stop(IDLE_STOP_S if engine.num_running + engine.num_waiting == 0 else 0.0)
+        finally:
+            self._release()
+            self.client.store.close()
+
+    def _release(self) -> None:
+        try:
+            self.loop.stop()
+        finally:
+            try:
+                if hasattr(self.backend, "close"):  # CFG-parallel / Ulysses / TP: the peer ranks
+                    self.backend.close()
+            finally:
+                shutil.rmtree(self.storage, ignore_errors=True)

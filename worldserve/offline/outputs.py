@@ -1,0 +1,70 @@
+"""What the offline Engine's calls return: `VideoOutput` (the MP4 a video request made, as the server writes it,
+with its seed and stage timings) and `ChatOutput` (a Reasoner answer's text, finish reason and token usage, as
+vLLM's `RequestOutput` / an OpenAI chat completion's choice and usage carry them). Plain frozen dataclasses: no
+torch, nothing to release.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from worldserve.params import VideoParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoOutput:
+    video: bytes
+    """The MP4: H.264 video, with AAC 48 kHz stereo audio when the request made sound (the server's bytes for
+    the same request: the same encoder and options)."""
+    params: VideoParams
+    """The request as it ran (the engine's defaults filled in; its prompt the upsampled one, if asked)."""
+    seconds: float
+    """Wall time from submission to the MP4 (queueing included)."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Per stage: prepare, diffuse (its steps together), decode (vae.decode, audio.decode), encode (the mux,
+    overlapping the decode)."""
+    peak_memory_mb: float = 0.0
+    """Peak accelerator memory during the request (0 on the CPU)."""
+
+    @property
+    def seed(self) -> int:
+        """The initial-noise seed: the same seed and params give the same video."""
+        return self.params.seed
+
+    @property
+    def prompt(self) -> str:
+        return self.params.prompt
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the MP4 to `path`."""
+        with open(path, "wb") as f:
+            f.write(self.video)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatUsage:
+    """Token counts, as an OpenAI chat completion's `usage`."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose K/V came from the prefix cache."""
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatOutput:
+    text: str
+    """The answer as the model wrote it (thoughts and tool-call tags included: no parser runs here, as in
+    vLLM's `LLM.chat`)."""
+    finish_reason: str
+    """"stop" (an end token or a stop string) or "length" (max_tokens or the context)."""
+    usage: ChatUsage
+    stop_reason: str | int | None = None
+    """With finish_reason "stop": the stop string or stop token id that ended it; None for an end token."""
+    token_ids: tuple[int, ...] = ()
+    """The completion's token ids."""
