@@ -46,8 +46,11 @@ def test_layouts_that_cannot_run_are_refused(tiny_ckpt, tmp_path):
         load_pipeline(tiny_ckpt, tensor_parallel_size=4, device="cpu", progress=False)
     with pytest.raises(ValueError, match="runs alone"):
         ParallelConfig(tensor_parallel_size=2, ulysses_degree=2)
-    odd = tmp_path / "odd-mlp"  # the config is checked before anything loads: it is all the folder needs
+    # the config is checked before anything loads: it (and the model_index.json that marks a checkpoint
+    # folder) is all the folder needs
+    odd = tmp_path / "odd-mlp"
     (odd / "transformer").mkdir(parents=True)
+    (odd / "model_index.json").write_text("{}")
     config = json.loads((Path(tiny_ckpt) / "transformer" / "config.json").read_text())
     (odd / "transformer" / "config.json").write_text(json.dumps({**config, "intermediate_size": 63}))
     with pytest.raises(ValueError, match="--tensor-parallel-size 2 must divide intermediate_size=63"):

@@ -5,8 +5,8 @@ Bad input fails before the model loads, with the field named (exit code 2). Outp
 audio, fps, sample rate). `--save-latents F.safetensors` also writes the final video and audio latents.
 Conditioning: `--image F` (image-to-video) or `--video F` (video-to-video: `--condition-frames 0,1` latent
 frames held clean, taken from the `--condition-video-keep first|last` end of the clip). `--lora PATH
-[--lora-scale S]` runs with a LoRA adapter (merged into the weights as they load). The flags become a
-VideoParams in commands/generate_params.py.
+[--lora-scale S]` runs with a LoRA adapter (merged into the weights as they load; `--max-lora-rank N`, serve's
+flag, refuses one of a higher rank). The flags become a VideoParams in commands/generate_params.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from worldserve.commands.cli_inputs import text_arg
 from worldserve.commands.generate_params import build_params, flag_for
-from worldserve.config import ModelConfig, ParallelConfig
+from worldserve.config import LoraConfig, ModelConfig, ParallelConfig
 from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import int64_seed
 from worldserve.params import (
@@ -109,6 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # the model, kernel and parallel flags are serve's own (config.py)
     add_config_arguments(p, ModelConfig, only=GENERATE_MODEL_FLAGS)
     add_config_arguments(p, ParallelConfig)
+    add_config_arguments(p, LoraConfig, only=("max_lora_rank",))  # (serve's bound on --lora's rank)
 
 
 def _upsampled(
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kernels = model.kernel_options(enable_layerwise_offload=par.enable_layerwise_offload)
         if params.lora is not None:  # the run's only adapter: merged into the weights as they load
-            check_adapter_fits(root, params.lora, "--lora")
+            check_adapter_fits(root, params.lora, "--lora", args.max_lora_rank)
             kernels = dataclasses.replace(kernels, merged_lora=params.lora)
         pipe = load_pipeline(
             root, cfg_parallel_size=par.cfg_parallel_size, ulysses_degree=par.ulysses_degree,

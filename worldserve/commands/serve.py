@@ -148,7 +148,7 @@ def _check_against_checkpoint(config: EngineConfig) -> None:
     if (static := config.lora.static_lora) is not None:  # (its files against the transformer's shapes)
         from worldserve.runner.lora_cache import check_adapter_fits
 
-        check_adapter_fits(root, static, "--lora-path")
+        check_adapter_fits(root, static, "--lora-path", config.lora.max_lora_rank)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,7 +68,7 @@ def load_backend(
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     kernels = cfg.kernel_options(enable_layerwise_offload=parallel.enable_layerwise_offload)
     if (static := lora.static_lora) is not None:
-        check_adapter_fits(path, static, "--lora-path")
+        check_adapter_fits(path, static, "--lora-path", lora.max_lora_rank)
         kernels = dataclasses.replace(kernels, merged_lora=lora.merged_lora)
     pipeline = load_pipeline(
         path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
@@ -76,6 +76,7 @@ def load_backend(
         vae_tiling=cfg.vae_tiling,
         kernels=kernels, max_loras=lora.max_cpu_loras,
     )  # fmt: skip
+    pipeline.loras.max_rank = lora.max_lora_rank  # (rank 0's cache: every request's `validate` passes there)
     load_static_lora(pipeline, lora)
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
@@ -132,7 +133,8 @@ def load_static_lora(pipeline: VideoPipeline | ParallelPipeline, lora: LoraConfi
     if (static := lora.static_lora) is None:
         return
     try:
-        inspect_adapter(static.path, pipeline.transformer.config)  # (also at scale 0, which loads nothing)
+        # (also at scale 0, which loads nothing)
+        inspect_adapter(static.path, pipeline.transformer.config, max_rank=lora.max_lora_rank)
         pipeline.loras.get(static)
     except ParamError as exc:
         raise ValueError(f"--lora-path: {exc.message}") from None

@@ -260,15 +260,13 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       f"worldserve registers no adapter names: {ADAPTERS_BY_PATH}"),
     C("--default-mm-loras", "", JSON, NEVER, "never",
       f"worldserve applies no adapter by modality: {ADAPTERS_BY_PATH}"),
-    C("--max-loras", "one forward runs one adapter: requests batch by adapter, as by video shape",
-      {"type": POSITIVE_INT}),
-    C("--max-lora-rank", "adapters of any rank are applied as they are (no buffers sized by rank)",
-      {"type": POSITIVE_INT}),
+    C("--max-loras", "vLLM's bound on the adapters of one batch; here one forward runs one adapter: requests "
+      "batch by adapter, as by video shape (--max-cpu-loras bounds the adapters kept read)", {"type": POSITIVE_INT}),
     C("--enable-sleep-mode", "", SWITCH, NEVER, "never", "worldserve has no sleep mode (no /sleep, /wake_up routes)"),
 )  # fmt: skip
 """vLLM / vLLM-Omni flags of pasted command lines, in serving-api.md §9 / §11.1 order. (--flow-shift, --dtype,
---vae-use-tiling, -tp, --usp, the CORS flags, --enable-lora, --lora-path / --lora-scale, --max-cpu-loras... are
-real worldserve flags, in config.py and config_lora.py.)"""
+--vae-use-tiling, -tp, --usp, the CORS flags, --enable-lora, --lora-path / --lora-scale, --max-cpu-loras,
+--max-lora-rank... are real worldserve flags, in config.py and config_lora.py.)"""
 
 
 def add_compat_arguments(parser: argparse.ArgumentParser) -> None:

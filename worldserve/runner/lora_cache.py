@@ -2,10 +2,10 @@
 on the device only while requests run with them.
 
 `check(request)` reads the adapter's headers against the model (weights/lora_adapter.py inspect_adapter; the
-API calls it through the backend's `validate` before a job is accepted, so a bad path or an adapter that does
-not fit is a 400 naming `lora`). `get(request)` returns the adapter's LoraWeights on the model's device at
-the request's scale (this rank's tensor-parallel slices), or None for no adapter or a scale of 0 (the base
-model). The last `max_loaded` adapter / scale pairs read stay in host memory (pinned on a CUDA machine:
+API calls it through the backend's `validate` before a job is accepted, so a bad path, an adapter that does
+not fit, or one with a module above `max_rank` (serve's --max-lora-rank) is a 400 naming `lora`).
+`get(request)` returns the adapter's LoraWeights on the model's device at the request's scale (this rank's
+tensor-parallel slices), or None for no adapter or a scale of 0 (the base model). The last `max_loaded` adapter / scale pairs read stay in host memory (pinned on a CUDA machine:
 vLLM's --max-cpu-loras), so a request of one of them copies it to the device (~40 ms for 1 GB) rather than
 reading its files again; the device copy is shared by the requests running with it and freed once the last
 of them releases it (GPU memory holds only adapters in use). An adapter whose files changed since it was read
@@ -45,13 +45,22 @@ of Cosmos3-Nano's layers takes ~1 GB in bf16 here, the block-diagonal B of fused
 
 
 class LoraCache:
-    """One rank's adapters for `transformer` (its config, dtype, device and tensor-parallel group)."""
+    """One rank's adapters for `transformer` (its config, dtype, device and tensor-parallel group). `max_rank`:
+    the highest module rank `check` lets through (--max-lora-rank; None: no bound); serve sets it on the
+    pipeline's cache once loaded (commands/serve_backend.py), rank 0's, whose `check` every request passes
+    before it is accepted."""
 
-    def __init__(self, transformer: Cosmos3Transformer, max_loaded: int = DEFAULT_MAX_LOADED) -> None:
+    def __init__(
+        self,
+        transformer: Cosmos3Transformer,
+        max_loaded: int = DEFAULT_MAX_LOADED,
+        max_rank: int | None = None,
+    ) -> None:
         if max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.transformer = transformer
         self.max_loaded = max_loaded
+        self.max_rank = max_rank
         self._loaded: OrderedDict[tuple, LoraWeights] = (
             OrderedDict()
         )  # host copies, least recently used first
@@ -64,7 +73,7 @@ class LoraCache:
         (its files were read at load; what runs is what was merged)."""
         if self._merged(request) is not None or request is None or not request.active:
             return None
-        return inspect_adapter(request.validate().path, self.transformer.config)
+        return inspect_adapter(request.validate().path, self.transformer.config, max_rank=self.max_rank)
 
     def get(self, request: LoraRequest | None) -> LoraWeights | None:
         """The request's adapter on the device (None: the base model): the copy requests running with it
@@ -168,13 +177,16 @@ def merge_lora(
     return whole, total, worst
 
 
-def check_adapter_fits(root: str | Path, request: LoraRequest, flag: str) -> None:
+def check_adapter_fits(
+    root: str | Path, request: LoraRequest, flag: str, max_rank: int | None = None
+) -> None:
     """ValueError naming `flag` unless `request`'s adapter fits the transformer of the checkpoint at `root`
-    (its headers against the config): before minutes of weights load, not after."""
+    (its headers against the config) and, with `max_rank` (--max-lora-rank), no module's rank is above it:
+    before minutes of weights load, not after."""
     from worldserve.weights.checkpoint import read_transformer_config
 
     config = read_transformer_config(Path(root))
     try:
-        inspect_adapter(request.validate().path, config)
+        inspect_adapter(request.validate().path, config, max_rank=max_rank)
     except ParamError as exc:
         raise ValueError(f"{flag}: {exc.message}") from None

@@ -19,8 +19,9 @@ line. Anything else (DoRA, LoRA biases, fan_in_fan_out, embeddings, unknown modu
 the model) is refused naming it: a request never runs with part of its adapter silently dropped.
 
 `inspect_adapter` reads headers (and kohya-style alphas, scalars) only: the API's check before a job is
-accepted; `load_adapter` reads the tensors and builds this rank's LoraWeights on the device. Which file a path
-names and its LoraConfig (PEFT's, or diffusers' header metadata): weights/lora_adapter_files.py.
+accepted, --max-lora-rank's bound on every module's rank included (`check_rank`); `load_adapter` reads the
+tensors and builds this rank's LoraWeights on the device. Which file a path names and its LoraConfig (PEFT's,
+or diffusers' header metadata): weights/lora_adapter_files.py.
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ def _identity(weights: Path, modules: dict) -> tuple:
     return (*files, tuple(sorted(modules.items())))
 
 
-def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
+def inspect_adapter(path: str, config: Cosmos3Config, *, max_rank: int | None = None) -> AdapterSpec:
     """The adapter at `path` checked against the model (headers only, no tensor read): every key a LoRA A or
-    B of a module the model has and worldserve applies, shapes fitting the module, float dtypes."""
+    B of a module the model has and worldserve applies, shapes fitting the module, float dtypes, and with
+    `max_rank` (--max-lora-rank) no module of a higher rank (`check_rank`)."""
     weights, peft = find_adapter_files(path)
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -190,9 +192,23 @@ def inspect_adapter(path: str, config: Cosmos3Config) -> AdapterSpec:
     if unknown:
         raise refuse_adapter(path, f"it targets modules worldserve's Cosmos3 transformer does not apply LoRA to: "
                       f"{unknown[:4]}{f' (and {len(unknown) - 4} more)' if len(unknown) > 4 else ''}")  # fmt: skip
+    check_rank(path, modules, max_rank)
     return AdapterSpec(
         path=path, weights=weights, identity=_identity(weights, modules), modules=modules, keys=keys
     )
+
+
+def check_rank(path: str, modules: dict[str, tuple[int, float]], max_rank: int | None) -> None:
+    """vLLM's --max-lora-rank bound: ParamError naming `lora`, in vLLM's words ("LoRA rank R is greater than
+    max_lora_rank N."), when a module applied has more than `max_rank` rows in its lora_A (None: no bound).
+    vLLM compares the config's r; this compares every module's own rank (A's rows, the loader's), so a
+    rank_pattern entry above the bound is refused too, and a kohya-style file without a config is bounded."""
+    if max_rank is None or not modules:
+        return
+    module, (rank, _) = max(modules.items(), key=lambda item: item[1][0])
+    if rank > max_rank:
+        raise refuse_adapter(path, f"LoRA rank {rank} is greater than max_lora_rank {max_rank} (module "
+                             f"{module!r}; the server's --max-lora-rank)")  # fmt: skip
 
 
 def load_adapter(
