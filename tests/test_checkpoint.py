@@ -519,16 +519,9 @@ def test_an_unreachable_hub_is_not_blamed_on_hf_hub_offline(tmp_path, monkeypatc
 
 
 def test_resolve_model_finds_an_hf_cache_snapshot(tiny_ckpt, tmp_path, monkeypatch):
-    import shutil
+    from hf_cache import hf_cache_snapshot
 
-    cache = tmp_path / "hub"
-    repo = cache / "models--nvidia--Cosmos3-Nano"
-    snap = repo / "snapshots" / ("a" * 40)
-    shutil.copytree(tiny_ckpt, snap)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("a" * 40)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    snap = hf_cache_snapshot(tiny_ckpt, tmp_path, monkeypatch)
     assert resolve_model("nvidia/Cosmos3-Nano") == snap
 
 

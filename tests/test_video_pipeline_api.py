@@ -4,11 +4,10 @@ prompt upsampling it cannot do, the token counts a result carries, and use as a 
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
+from hf_cache import hf_cache_snapshot
 
 from worldserve.params import ParamError, VideoParams
 from worldserve.runner.video_pipeline import VideoPipeline
@@ -25,19 +24,6 @@ def _embedded_default(tiny_ckpt, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
 
 
-def _hf_cache_with(tiny_ckpt, tmp_path, monkeypatch, repo_id: str = "nvidia/Cosmos3-Nano"):
-    """An offline Hugging Face cache holding the tiny checkpoint as `repo_id`'s main snapshot; its folder."""
-    cache = tmp_path / "hub"
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / ("a" * 40)
-    shutil.copytree(tiny_ckpt, snap)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("a" * 40)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    return snap
-
-
 def test_from_pretrained_without_a_path_loads_the_embedded_tiny_checkpoint(tiny_ckpt, tmp_path, monkeypatch):
     """No path had been a TypeError; the CLI's MODEL left out is the embedded tiny checkpoint."""
     _embedded_default(tiny_ckpt, tmp_path, monkeypatch)
@@ -48,7 +34,7 @@ def test_from_pretrained_without_a_path_loads_the_embedded_tiny_checkpoint(tiny_
 
 def test_from_pretrained_finds_a_repo_id_in_the_hf_cache(tiny_ckpt, tmp_path, monkeypatch, ours_pipeline):
     """A repo id had been read as a folder: 'nvidia/Cosmos3-Nano: model_index.json is missing'."""
-    _hf_cache_with(tiny_ckpt, tmp_path, monkeypatch)
+    hf_cache_snapshot(tiny_ckpt, tmp_path, monkeypatch)
     pipe = VideoPipeline.from_pretrained(
         "nvidia/Cosmos3-Nano", revision="main", device="cpu", dtype=torch.float32, progress=False
     )

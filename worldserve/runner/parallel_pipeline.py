@@ -28,11 +28,11 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from worldserve.closeable import Closeable
 from worldserve.engine.outputs import BackendLost
 from worldserve.models.cosmos3.config import Cosmos3Config
 from worldserve.models.layers.compile_limits import limits_in_this_thread
@@ -77,7 +77,7 @@ def check_checkpoint_layout(config: Cosmos3Config, *, ulysses: int = 1, tp: int 
         )
 
 
-class ParallelPipeline:
+class ParallelPipeline(Closeable):
     """VideoBackend on rank 0 of C x U ranks."""
 
     def __init__(self, local: VideoPipeline, peers: PeerRanks, layout: ParallelLayout):
@@ -313,11 +313,3 @@ class ParallelPipeline:
         one after the peers were killed, does nothing."""
         with self._lock:
             self.peers.close(timeout_s)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

@@ -24,12 +24,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, Self
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import torch
 from torch import Tensor
 
+from worldserve.closeable import Closeable
 from worldserve.engine.outputs import VideoResult
 from worldserve.models.cosmos3.batch import GenBatch, GenItem, GenOutput
 from worldserve.models.cosmos3.prompt import PromptEncoder
@@ -100,7 +100,7 @@ READ_ADAPTER: Final = _Sentinel.READ_ADAPTER
 """VideoPipeline.prepare's `adapter` default: read the request's adapter there."""
 
 
-class VideoPipeline:
+class VideoPipeline(Closeable):
     """Loaded Cosmos3 generation components behind the VideoBackend protocol."""
 
     def __init__(
@@ -323,14 +323,6 @@ class VideoPipeline:
 
     def close(self) -> None:
         """Nothing to stop in one process (ParallelPipeline stops its peers)."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ one-shot
     def generate(
