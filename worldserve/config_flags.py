@@ -35,8 +35,10 @@ def attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _scalar_type(hint: object) -> type:
-    """`int | None` -> int; the type argparse converts the flag's text with."""
+def scalar_type(hint: object) -> type:
+    """A config field's type hint without its `| None`: `int | None` -> int, `HumanInt` -> HumanInt. The type
+    argparse converts the flag's text with, and the one the offline Engine (offline/options.py) converts a
+    keyword argument's value to; an assertion error for a hint that is no type (a list[str] field has nargs)."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return inner
@@ -75,7 +77,7 @@ def add_config_arguments(
         meta = f.metadata
         if meta.get("no_flag") or (only is not None and f.name not in only):
             continue
-        kind = str if "nargs" in meta else _scalar_type(hints[f.name])  # nargs: a list of strings
+        kind = str if "nargs" in meta else scalar_type(hints[f.name])  # nargs: a list of strings
         text = docs.get(f.name, "")
         if f.default not in (None, False, ""):
             text += f" (default: {f.default})"

@@ -31,6 +31,7 @@ REFUSED_FIELDS = {
     "stream_options": "use stream_chat() for a streamed answer",
     "model": "the Engine serves one model",
     "n": "one answer a call: call chat() again (each with its own seed) for more",
+    "timeout": "a chat takes no timeout: bound it with max_tokens (or leave a stream_chat early)",
 }
 """Chat completion fields with no meaning for one offline call, and what to do instead."""
 
@@ -78,8 +79,20 @@ def request_body(messages: str | Sequence[Mapping[str, Any]], sampling: Mapping[
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
-        refused = validation_error(exc.errors(include_url=False))
-        raise ParamError(refused.param or "messages", refused.message) from None
+        errors = exc.errors(include_url=False)
+        param = validation_error(errors).param or "messages"
+        # (the first error's words: the HTTP 400's message is the whole list, as JSON reprs)
+        raise ParamError(param, f"{param}: {errors[0]['msg']}") from None
+
+
+def is_conversation_batch(messages: Any) -> bool:
+    """Whether chat()'s `messages` is a list of conversations (each a list of messages), vLLM's batched
+    `LLM.chat` call, rather than one conversation."""
+    if isinstance(messages, (str, bytes, bytearray, Mapping)) or not isinstance(messages, Sequence):
+        return False
+    return len(messages) > 0 and all(
+        isinstance(m, Sequence) and not isinstance(m, (str, bytes, bytearray)) for m in messages
+    )
 
 
 def _pil_parts(message: Any) -> Any:

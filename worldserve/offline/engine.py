@@ -3,15 +3,17 @@ Cosmos3 (videos and Reasoner chats from one load).
 
 `Engine(model=None | folder | repo id, **options)` (options: serve's flags without dashes, offline/options.py)
 or `Engine.from_config(EngineConfig)` loads what the server loads (commands/serve_backend.py `load_backend`:
-the video pipeline, the startup warm-up shapes, the Reasoner sharing the transformer's und tower) and runs the
-server's engine around it: the video engine thread (engine/engine.py: scheduler, batching of same-shape
-requests, the MP4 encode pool) and the chat worker (continuous batching), driven through an `EngineClient`
-on a private event loop thread (offline/loop_thread.py). Every call blocks its own thread only: calls from
-several threads run concurrently in the engine, each getting its own result.
+the video pipeline, the startup warm-up shapes, the Reasoner sharing the transformer's und tower; within
+`init_timeout`, offline/loading.py) and runs the server's engine around it: the video engine thread
+(engine/engine.py: scheduler, batching of same-shape requests, the MP4 encode pool) and the chat worker
+(continuous batching), driven through an `EngineClient` on a private event loop thread
+(offline/loop_thread.py). Every call blocks its own thread only: calls from several threads run concurrently
+in the engine, each getting its own result.
 
 - `generate_video(prompt | VideoParams, **fields) -> VideoOutput` (offline/video_requests.py);
-- `chat(messages, params=None, **sampling) -> ChatOutput` and `stream_chat(...)` yielding the text as it is
-  sampled (offline/chat_requests.py: the HTTP route's own parsing and checks);
+- `chat(messages, params=None, **sampling) -> ChatOutput` (a list of conversations: a list of them) and
+  `stream_chat(...)` yielding the text as it is sampled (offline/chat_requests.py: the HTTP route's own
+  parsing and checks);
 - `close()`: stops the engine, the chat worker and a multi-GPU pipeline's peer processes; idempotent, also
   `with Engine(...) as engine:`. An engine never closed is stopped when it is collected or at the
   interpreter's exit, without waiting for its requests.
@@ -25,26 +27,38 @@ import os
 import shutil
 import tempfile
 import threading
+import typing
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from types import TracebackType
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from worldserve.chat_params import ChatParams
+from worldserve.closeable import Closeable
 from worldserve.config import EngineConfig
 from worldserve.engine.client import ChatDelta, ChatStarted, EncodeOptions, EngineClient
-from worldserve.offline.chat_requests import chat_state, next_event, request_body, start_chat
+from worldserve.offline.chat_requests import (
+    chat_state,
+    is_conversation_batch,
+    next_event,
+    request_body,
+    start_chat,
+)
+from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
 from worldserve.offline.options import engine_config
 from worldserve.offline.outputs import ChatOutput, ChatUsage, VideoOutput
-from worldserve.offline.video_requests import run_video, video_params
+from worldserve.offline.video_requests import check_timeout, run_video, video_params
+from worldserve.param_errors import ParamError
 from worldserve.params import VideoParams
 
+MAX_BATCH_THREADS = 64
+"""The most threads a batched chat() runs its conversations from (more wait their turn)."""
 IDLE_STOP_S = 5.0
 """How long an idle engine stopped at exit may take to drain (it ends at once: nothing runs)."""
 
 
-class Engine:
+class Engine(Closeable):
     """One loaded model serving video generation and Reasoner chats to the threads of this process."""
 
     def __init__(self, model: str | os.PathLike[str] | None = None, **options: Any):
@@ -64,14 +78,13 @@ class Engine:
         return engine
 
     def _start(self, config: EngineConfig) -> None:
-        from worldserve.commands.serve_backend import load_backend
         from worldserve.engine.engine import Engine as VideoEngine
         from worldserve.engine.jobs import JobStore
 
         # (the configuration it runs with: environment defaults resolved)
         self.config = config = config.resolve()
-        backend, _, *chat = load_backend(config.model, config.parallel, config.scheduler, config.reasoner,
-                                         config.lora)  # fmt: skip
+        # (as serve's load: bounded by init_timeout, a TimeoutError past it)
+        backend, _, *chat = load_within(config)
         served = config.model.served_model_name
         assert served is not None, "resolve() names the model"
         try:
@@ -108,6 +121,7 @@ class Engine:
         fields left out take the engine's `default_sampling_params`, then Cosmos3's defaults. Blocks until its
         MP4 is made; other threads' requests run meanwhile (same-shape ones batched up to max_batch_size).
         `timeout` (seconds): TimeoutError after aborting it. ParamError naming a bad field."""
+        check_timeout(timeout)
         config = self.config
         params = video_params(
             prompt, fields, defaults=config.video.video_defaults, static_lora=config.lora.static_lora,
@@ -117,15 +131,35 @@ class Engine:
         return parts.loop.run(run_video(parts.client, params, EncodeOptions()), timeout)
 
     # -- chat -----------------------------------------------------------------------------------------------
+    @typing.overload
     def chat(
         self, messages: str | Sequence[Mapping[str, Any]], params: ChatParams | None = None, **sampling: Any
-    ) -> ChatOutput:
+    ) -> ChatOutput: ...
+    @typing.overload
+    def chat(
+        self,
+        messages: Sequence[Sequence[Mapping[str, Any]]],
+        params: ChatParams | None = None,
+        **sampling: Any,
+    ) -> list[ChatOutput]: ...
+    def chat(
+        self, messages: Any, params: ChatParams | None = None, **sampling: Any
+    ) -> ChatOutput | list[ChatOutput]:
         """The Reasoner's answer to `messages` (OpenAI chat messages; a string: one user turn), sampled with
         the chat completion fields in `sampling` (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`,
         `response_format`, ...; left out: the checkpoint's generation config, as the server's) or a whole
         ChatParams. Images and videos as the HTTP route takes them: `image_url` / `video_url` parts with a
         base64 `data:` URL, a `file://` path under `allowed_local_media_path`, or an http(s) URL; and
-        vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`."""
+        vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`.
+
+        A list of conversations (each a list of messages) is a batch, as vLLM's `LLM.chat` takes: all are
+        checked first (ParamError naming `messages[i]...`), then run together (one thread each, batched by
+        the chat worker), answered as a list in their order."""
+        if is_conversation_batch(messages):
+            return self._chat_batch(messages, params, sampling)
+        return self._chat_one(messages, params, sampling)
+
+    def _chat_one(self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any]) -> ChatOutput:
         deltas: list[ChatDelta] = []
         started = None
         for event in self._events(messages, params, sampling, coalesce=True):
@@ -151,6 +185,23 @@ class Engine:
             if isinstance(event, ChatDelta) and event.text:
                 yield event.text
 
+    def _chat_batch(
+        self, conversations: Sequence[Any], params: ChatParams | None, sampling: Mapping[str, Any]
+    ) -> list[ChatOutput]:
+        """chat() of each conversation, from threads of its own (the chat worker batches them), after all are
+        read (a bad one fails the call before any runs)."""
+        self._open()
+        for i, conversation in enumerate(conversations):
+            try:
+                request_body(conversation, sampling)
+            except ParamError as exc:
+                inner = exc.param.removeprefix("messages")
+                raise ParamError(f"messages[{i}]{inner}", exc.message) from None
+        workers = min(len(conversations), MAX_BATCH_THREADS)
+        with ThreadPoolExecutor(workers, thread_name_prefix="worldserve-offline-chat") as pool:
+            answers = [pool.submit(self._chat_one, c, params, sampling) for c in conversations]
+            return [answer.result() for answer in answers]
+
     def _events(
         self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any], *, coalesce: bool
     ) -> Iterator[ChatStarted | ChatDelta]:
@@ -161,7 +212,9 @@ class Engine:
         parts = self._open()
         if self._chat_state is None:
             raise RuntimeError("this Engine runs no Reasoner (tensor_parallel_size > 1, or the fake backend)")
-        body = request_body(messages if messages is not None else "", sampling)
+        if is_conversation_batch(messages):
+            raise ParamError("messages", "stream_chat takes one conversation: chat() takes a list of them")
+        body = request_body(messages, sampling)
         _, events = parts.loop.run(start_chat(self._chat_state, body, params, coalesce=coalesce))
         finished = False
         try:
@@ -192,13 +245,16 @@ class Engine:
         if finalizer is not None:
             finalizer.detach()
 
-    def __enter__(self) -> Engine:
-        return self
+    def __repr__(self) -> str:
+        parts = getattr(self, "_parts", None)
+        state = "closed" if parts is None or parts.closed else "open"
+        model = self.config.model
+        return f"Engine(model={model.model!r}, device={model.device!r}, dtype={model.dtype!r}, {state})"
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "an Engine cannot be pickled (it holds a loaded model and threads): build one in each process"
+        )
 
     @property
     def has_sound(self) -> bool:

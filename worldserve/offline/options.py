@@ -17,7 +17,7 @@ import typing
 from typing import Any
 
 from worldserve.config import EngineConfig
-from worldserve.config_flags import _scalar_type
+from worldserve.config_flags import scalar_type
 
 SECTIONS = ("model", "reasoner", "parallel", "scheduler", "video", "lora", "media", "chat")
 """EngineConfig's sections whose fields are options here (not `server`: the HTTP server's, which no
@@ -79,7 +79,7 @@ def _converted(cls: type, name: str, value: Any) -> Any:
     text first, an int its digits. Other values go to the dataclass as they are (it checks them)."""
     if value is None:
         return None
-    kind = _scalar_type(typing.get_type_hints(cls)[name])
+    kind = scalar_type(typing.get_type_hints(cls)[name])
     flag_type = kind.__module__ in ("worldserve.config_values", "worldserve.config_server")
     if not flag_type or isinstance(value, kind):
         return value

@@ -63,6 +63,8 @@ def video_params(
         params = VideoParams(prompt=request, **omitted, **given, server_negative_prompt=server_negative)
     else:
         raise ParamError("prompt", f"prompt must be a string or a VideoParams, got {type(request).__name__}")
+    # (numpy scalars as Python's: the request's JSON, logs and outputs see plain ints, floats and bools)
+    params = dataclasses.replace(params, **python_scalars(params))
     if params.lora is None and static_lora is not None:
         params = dataclasses.replace(params, lora=static_lora)
     # (an adapter of its own needs enable_lora, as the server's routes require: the same check)
@@ -75,10 +77,38 @@ def video_params(
         raise python_named(exc) from None
 
 
+def check_timeout(timeout: Any) -> None:
+    """generate_video's `timeout`: None or a positive number of seconds; ParamError naming `timeout`."""
+    if timeout is None:
+        return
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(
+        timeout, (int, float, np.integer, np.floating)
+    ):
+        raise ParamError(
+            "timeout", f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    if not timeout > 0 or timeout == float("inf"):
+        raise ParamError(
+            "timeout", f"timeout={timeout} must be a positive finite number of seconds (or None)"
+        )
+
+
+def python_scalars(params: VideoParams) -> dict[str, Any]:
+    """The fields of `params` that are numpy scalars (`seed=np.int64(3)`, `guidance_scale=np.float32(5)`), as
+    the Python int / float / bool of the same kind (`.item()`: np.float64(64.0) stays a float, refused as a
+    width). VideoParams takes them as they are; kept, they would reach VideoOutput.seed, the engine's JSON
+    and logs as numpy values."""
+    return {
+        f.name: value.item()
+        for f in dataclasses.fields(params)
+        if isinstance(value := getattr(params, f.name), np.generic)
+    }
+
+
 def python_named(exc: ParamError) -> ParamError:
     """`exc` naming the keyword argument the caller passed: VideoParams names a bad width or height `size`,
-    the HTTP request's field (its message says which side)."""
-    side = exc.message.partition("=")[0]
+    the HTTP request's field (its message starts with the side: "width=65 ...", "height must be ...")."""
+    side = exc.message.replace("=", " ").partition(" ")[0]
     if exc.param == "size" and side in ("width", "height"):
         return ParamError(side, exc.message)
     return exc

@@ -1,0 +1,127 @@
+"""worldserve.Engine's edges, on the tiny random checkpoint (CPU, float32): numpy scalar fields turned into
+Python's, `timeout` and `messages` checked up front, a list of conversations answered as a list (vLLM's batched
+`LLM.chat`), repr / pickle, and `init_timeout` bounding the load as `worldserve serve`'s does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+TINY = {"width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 2, "fps": 8}
+OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "max_batch_size": 2}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    from worldserve import Engine
+
+    with Engine(tiny_ckpt, **OPTIONS) as engine:
+        yield engine
+
+
+def test_numpy_scalar_fields_become_python_values(engine):
+    """seed=np.int64(3), width=np.int64(64)... run as the Python values would (the same MP4) and come back
+    as ints, floats and bools: VideoOutput.seed an int, the params JSON-serialisable."""
+    from worldserve import ParamError, VideoParams
+
+    fields = {k: np.int64(v) for k, v in TINY.items()}
+    out = engine.generate_video(
+        "a fox", seed=np.int64(3), guidance_scale=np.float32(5.0), generate_sound=np.bool_(False), **fields
+    )
+    assert type(out.seed) is int and out.seed == 3
+    assert type(out.params.width) is int and type(out.params.fps) is int
+    assert type(out.params.guidance_scale) is float and out.params.generate_sound is False
+    plain = {f.name: getattr(out.params, f.name) for f in dataclasses.fields(out.params)}
+    json.dumps({k: v for k, v in plain.items() if not isinstance(v, np.ndarray)}, default=str)
+    same = engine.generate_video("a fox", seed=3, guidance_scale=5.0, generate_sound=False, **TINY)
+    assert out.video == same.video
+    # a whole VideoParams with a numpy seed too
+    assert type(engine.generate_video(VideoParams(prompt="a fox", seed=np.int64(4), **TINY)).seed) is int
+    # a float width stays refused, named as the keyword passed
+    with pytest.raises(ParamError) as bad:
+        engine.generate_video("a fox", **{**TINY, "width": np.float64(64.0)})
+    assert bad.value.param == "width"
+
+
+def test_width_of_the_wrong_type_names_width(engine):
+    from worldserve import ParamError
+
+    with pytest.raises(ParamError, match="width must be an integer") as bad:
+        engine.generate_video("a fox", **{**TINY, "width": "64"})
+    assert bad.value.param == "width"
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, "5", True, float("inf"), float("nan")])
+def test_bad_timeout_is_a_param_error(engine, timeout):
+    from worldserve import ParamError
+
+    with pytest.raises(ParamError) as bad:
+        engine.generate_video("a fox", timeout=timeout, **TINY)
+    assert bad.value.param == "timeout"
+    assert engine.num_unfinished_requests == 0
+
+
+def test_messages_checked_with_readable_messages(engine):
+    from worldserve import ParamError
+
+    with pytest.raises(ParamError, match="got NoneType") as bad:
+        engine.chat(None)
+    assert bad.value.param == "messages"
+    with pytest.raises(ParamError) as bad:
+        engine.chat([])
+    assert bad.value.param == "messages" and "{'type'" not in str(bad.value)
+    with pytest.raises(ParamError, match=r"^messages\[0\]\.role: Field required$") as bad:
+        engine.chat([{"content": "hi"}])
+    # generate_video's timeout has no chat counterpart: said so, not "no such field"
+    with pytest.raises(ParamError, match="max_tokens") as bad:
+        engine.chat("hi", timeout=5)
+    assert bad.value.param == "timeout"
+
+
+def test_a_list_of_conversations_is_answered_as_a_list(engine):
+    """vLLM's LLM.chat(list of conversations): one ChatOutput each, in order, the same greedy answers as one
+    call each; a bad conversation is named (messages[i]...) before any runs; stream_chat takes one."""
+    from worldserve import ParamError
+
+    first = [{"role": "user", "content": "Describe a fox."}]
+    second = [{"role": "user", "content": "Describe a cat."}]
+    answers = engine.chat([first, second], max_tokens=4, temperature=0)
+    assert [a.text for a in answers] == [
+        engine.chat(c, max_tokens=4, temperature=0).text for c in (first, second)
+    ]
+    with pytest.raises(ParamError) as bad:
+        engine.chat([first, [{"content": "no role"}]], max_tokens=4)
+    assert bad.value.param == "messages[1][0].role"
+    with pytest.raises(ParamError) as bad:
+        next(engine.stream_chat([first, second]))
+    assert bad.value.param == "messages"
+    assert engine.num_unfinished_requests == 0
+
+
+def test_repr_and_pickle(engine, tiny_ckpt):
+    assert repr(engine) == f"Engine(model={str(tiny_ckpt)!r}, device='cpu', dtype='float32', open)"
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(engine)
+
+
+def test_init_timeout_bounds_the_load(tiny_ckpt, engine):
+    """A load longer than init_timeout is a TimeoutError naming it (serve's load_backend_within bound); the
+    abandoned load ends on its own, and the process can load the model again."""
+    from worldserve import Engine
+
+    # (a load reads and builds a whole checkpoint: never within a microsecond)
+    with pytest.raises(TimeoutError, match="init_timeout=1e-06"):
+        Engine(tiny_ckpt, **{**OPTIONS, "init_timeout": 1e-6})
+    loaders = [t for t in threading.enumerate() if t.name == "worldserve-offline-load"]
+    for loader in loaders:
+        loader.join(120)
+    assert not any(t.is_alive() for t in loaders)
+    with Engine(tiny_ckpt, **OPTIONS) as again:
+        assert again.chat("hi", max_tokens=2).usage.completion_tokens == 2
+    assert repr(again).endswith("closed)")
