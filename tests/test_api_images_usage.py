@@ -12,7 +12,7 @@ import pytest
 import torch
 from serving_helpers import asgi_server, uvicorn_thread
 
-from worldserve.engine.fake_backend import FakeBackend
+from worldserve.engine.fake_backend import FakeBackend, gen_tokens
 from worldserve.params import VideoParams
 
 SMALL = {"num_inference_steps": 2}
@@ -90,8 +90,6 @@ async def test_the_fake_backend_reports_its_modelled_counts(tmp_path):
 
 def test_fake_gen_tokens_follow_the_real_geometry():
     """Frames, conditioning frames held clean and sound latents, as the real pipeline counts them."""
-    from worldserve.engine.fake_backend import gen_tokens
-
     video = VideoParams(prompt="x", width=64, height=32, num_frames=17, fps=24.0)
     # 5 latent frames of 2x4 latents -> 1x2 patches each; 17 / 24 s of 48 kHz in hops of 1920: 18 sound latents
     assert gen_tokens(video, sound=False) == 5 * 2
@@ -100,3 +98,15 @@ def test_fake_gen_tokens_follow_the_real_geometry():
     assert (
         gen_tokens(VideoParams(prompt="x", width=64, height=32, num_frames=17, image=first), sound=False) == 8
     )
+
+
+def test_fake_one_frame_request_gets_no_sound_by_default():
+    """VideoPipeline.sound_enabled: an unset generate_sound is on for a video only, so a one-frame request
+    (an image) denoises and decodes no sound latents; the fake had counted 2 of them for 64x64 at 24 fps."""
+    backend = FakeBackend(has_sound=True)
+    image = VideoParams(prompt="x", width=64, height=64, num_frames=1, fps=24.0)
+    state = backend.prepare("one-frame", image)
+    assert state.gen_tokens == gen_tokens(image, sound=False) == 2 * 2
+    assert backend.decode(state).audio is None
+    video = VideoParams(prompt="x", width=64, height=64, num_frames=17, fps=24.0)
+    assert backend.prepare("video", video).gen_tokens == gen_tokens(video, sound=True)

@@ -130,8 +130,11 @@ class FakeBackend:
                            prompt_tokens=state.prompt_tokens, gen_tokens=state.gen_tokens)  # fmt: skip
 
     def _sound(self, params: VideoParams) -> bool:
-        """Whether a request gets audio: its generate_sound, else whether the backend has sound."""
-        return self.has_sound if params.generate_sound is None else bool(params.generate_sound)
+        """Whether a request gets audio: its generate_sound, else whether the backend has sound and the
+        request is a video (VideoPipeline.sound_enabled: none for one frame, an image)."""
+        if params.generate_sound is None:
+            return self.has_sound and params.num_frames > 1
+        return bool(params.generate_sound)
 
     def release(self, state: FakeState) -> None:
         with self._lock:
