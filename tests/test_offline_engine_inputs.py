@@ -104,6 +104,70 @@ def test_a_list_of_conversations_is_answered_as_a_list(engine):
     assert engine.num_unfinished_requests == 0
 
 
+def test_a_failing_conversation_cancels_the_rest_of_its_batch(engine):
+    """A batch whose first conversation fails when it starts (a file:// image with no
+    allowed_local_media_path): the ParamError comes and the other conversation, asked for 1000 tokens with
+    ignore_eos, is cancelled (it had run to its last token before the error was raised, as an interrupt's
+    KeyboardInterrupt had waited for the whole batch)."""
+    from worldserve import ParamError
+    from worldserve.engine.chat_observer import NullChatObserver
+
+    class Tokens(NullChatObserver):
+        generated = 0
+
+        def on_chat_generated(self, tokens: int) -> None:
+            Tokens.generated += tokens
+
+    worker = engine._parts.client.chat_worker
+    worker.observer = Tokens()
+    local = {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}
+    bad = [{"role": "user", "content": [local, {"type": "text", "text": "What is this?"}]}]
+    long = [{"role": "user", "content": "Count to a thousand."}]
+    try:
+        with pytest.raises(ParamError, match="allowed-local-media-path"):
+            engine.chat([bad, long], max_tokens=1000, ignore_eos=True, temperature=0)
+        ended = threading.Event()
+        for _ in range(6000):  # (the cancel lands at the chat's next step: a hang guard, no timing asserted)
+            if engine.num_unfinished_requests == 0:
+                ended.set()
+                break
+            ended.wait(0.01)
+        assert ended.is_set()
+    finally:
+        worker.observer = NullChatObserver()
+    assert Tokens.generated < 1000
+
+
+def test_sampling_fields_beside_a_chat_params_are_refused(engine):
+    """chat(messages, ChatParams(...), max_tokens=5): a TypeError (the ChatParams' sampling was used and the
+    fields dropped in silence: 2 tokens came for max_tokens=5); each alone still works."""
+    from worldserve import ChatParams
+
+    with pytest.raises(TypeError, match="not both"):
+        engine.chat("hi", ChatParams(max_tokens=2, temperature=0.0), max_tokens=5)
+    with pytest.raises(TypeError, match="not both"):
+        next(engine.stream_chat("hi", ChatParams(max_tokens=2), temperature=0))
+    assert engine.chat("hi", ChatParams(max_tokens=2, temperature=0.0)).usage.completion_tokens == 2
+    assert engine.chat("hi", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+
+
+def test_a_start_that_fails_after_the_load_leaves_no_folder(tiny_ckpt, tmp_path, monkeypatch):
+    """The job store's temporary folder is removed when the engine's parts fail to build (it was left)."""
+    import tempfile
+
+    from worldserve import Engine
+    from worldserve.offline import engine as offline_engine
+
+    def broken(*args, **kwargs):
+        raise OSError("no client today")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(offline_engine, "EngineClient", broken)
+    with pytest.raises(OSError, match="no client today"):
+        Engine(tiny_ckpt, **OPTIONS)
+    assert not list(tmp_path.glob("worldserve-offline-*"))
+
+
 def test_repr_and_pickle(engine, tiny_ckpt):
     assert repr(engine) == f"Engine(model={str(tiny_ckpt)!r}, device='cpu', dtype='float32', open)"
     with pytest.raises(TypeError, match="cannot be pickled"):

@@ -62,3 +62,15 @@ def test_sample_tokens_reports_the_rows_left_with_no_token_to_a_caller_that_asks
         logger.removeHandler(handler)
     assert conflicts == [0] and warnings == []
     assert tokens[1:] == [41, int(logits[2].argmax())]
+
+
+def test_allowed_ids_all_banned_by_bad_words_name_bad_words_not_min_tokens(reasoner):
+    """allowed_token_ids ("a" alone) that bad_words bans, with no grammar and no min_tokens: the failure
+    names the two rules that conflict (it had blamed min_tokens, which the request never set)."""
+    only_a = (_id(reasoner, "a"),)
+    stuck = reasoner.start(ChatParams(messages=HI, allowed_token_ids=only_a, bad_words=("a",), max_tokens=4,
+                                      temperature=0.0))  # fmt: skip
+    (delta,) = reasoner.step_all([stuck])
+    assert delta.finish_reason == "error" and stuck.failure is not None
+    assert stuck.failure.param == "allowed_token_ids"
+    assert "that bad_words allows" in stuck.failure.message and "min_tokens" not in stuck.failure.message

@@ -10,16 +10,21 @@ defaults (the checkpoint's generation config). vLLM's `LLM.chat` shares its serv
 way (vllm/entrypoints/chat_utils.py). A bad field is a ParamError (a ValueError) naming it as the HTTP 400 would
 (`messages[0].content[1].image_url`, `temperature`). A whole ChatParams may be passed instead of sampling
 fields: its sampling is used as it is, the messages still read here.
+
+`chat_answer` runs one chat to its ChatOutput on the engine's loop, `chat_answers` a batch of them (vLLM's
+list of conversations) together: the first failure, or an interrupt of the caller, cancels the rest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from worldserve.chat_params import ChatParams
 from worldserve.engine.client import ChatDelta, ChatEvents, ChatFailed, ChatStarted, EngineClient
+from worldserve.offline.outputs import ChatOutput, ChatUsage
 from worldserve.param_errors import ParamError
 
 if TYPE_CHECKING:
@@ -151,3 +156,48 @@ async def next_event(events: ChatEvents) -> ChatStarted | ChatDelta | None:
             raise ParamError(event.param or "messages", event.message)
         raise RuntimeError(f"the chat failed ({event.status}): {event.message}")
     return event
+
+
+async def chat_answer(st: AppState, body: Any, params: ChatParams | None) -> ChatOutput:
+    """On the client's loop: one whole chat (start_chat, then its events to the last) as a ChatOutput. A
+    cancellation (the caller interrupted; a chat of the same batch failed) cancels the chat at its next step."""
+    _, events = await start_chat(st, body, params, coalesce=True)
+    started: ChatStarted | None = None
+    deltas: list[ChatDelta] = []
+    try:
+        while (event := await next_event(events)) is not None:
+            if isinstance(event, ChatStarted):
+                started = event
+            else:
+                deltas.append(event)
+    finally:
+        if not deltas or deltas[-1].finish_reason is None:
+            await events.aclose()
+    last = ChatDelta.joined(deltas) if deltas else None
+    assert started is not None and last is not None and last.finish_reason is not None
+    return ChatOutput(
+        text=last.text, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+        usage=ChatUsage(prompt_tokens=started.prompt_tokens, completion_tokens=last.completion_tokens,
+                        cached_tokens=started.cached_tokens),
+        token_ids=last.token_ids,
+    )  # fmt: skip
+
+
+async def chat_answers(
+    st: AppState, bodies: Sequence[Any], params: ChatParams | None, at_once: int
+) -> list[ChatOutput]:
+    """chat_answer of each body (at most `at_once` started at a time; the chat worker batches them), in their
+    order. The first failure cancels the others (not left to run to their ends before it is raised), as does
+    a cancellation of the whole (an interrupt in the caller)."""
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(body: Any) -> ChatOutput:
+        async with gate:
+            return await chat_answer(st, body, params)
+
+    tasks = [asyncio.ensure_future(one(body)) for body in bodies]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -30,7 +30,6 @@ import threading
 import typing
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from worldserve.chat_params import ChatParams
@@ -38,6 +37,8 @@ from worldserve.closeable import Closeable
 from worldserve.config import EngineConfig
 from worldserve.engine.client import ChatDelta, ChatStarted, EncodeOptions, EngineClient
 from worldserve.offline.chat_requests import (
+    chat_answer,
+    chat_answers,
     chat_state,
     is_conversation_batch,
     next_event,
@@ -47,13 +48,13 @@ from worldserve.offline.chat_requests import (
 from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
 from worldserve.offline.options import engine_config
-from worldserve.offline.outputs import ChatOutput, ChatUsage, VideoOutput
+from worldserve.offline.outputs import ChatOutput, VideoOutput
 from worldserve.offline.video_requests import check_timeout, run_video, video_params
 from worldserve.param_errors import ParamError
 from worldserve.params import VideoParams
 
-MAX_BATCH_THREADS = 64
-"""The most threads a batched chat() runs its conversations from (more wait their turn)."""
+MAX_BATCH_CHATS = 64
+"""The most conversations of a batched chat() started at once (more wait their turn)."""
 IDLE_STOP_S = 5.0
 """How long an idle engine stopped at exit may take to drain (it ends at once: nothing runs)."""
 
@@ -87,14 +88,15 @@ class Engine(Closeable):
         backend, _, *chat = load_within(config)
         served = config.model.served_model_name
         assert served is not None, "resolve() names the model"
+        # the client keeps a job store; no job is made here: a folder of its own, removed at close
+        storage = tempfile.mkdtemp(prefix="worldserve-offline-")
         try:
-            # the client keeps a job store; no job is made here: a folder of its own, removed at close
-            storage = tempfile.mkdtemp(prefix="worldserve-offline-")
             store = JobStore(storage)
             engine = VideoEngine(backend, store, config.scheduler)
             client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
                                   chat_backend=chat[0] if chat else None, max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
         except BaseException:
+            shutil.rmtree(storage, ignore_errors=True)
             if hasattr(backend, "close"):  # (a multi-GPU pipeline's peer processes)
                 backend.close()
             raise
@@ -148,74 +150,71 @@ class Engine(Closeable):
         """The Reasoner's answer to `messages` (OpenAI chat messages; a string: one user turn), sampled with
         the chat completion fields in `sampling` (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`,
         `response_format`, ...; left out: the checkpoint's generation config, as the server's) or a whole
-        ChatParams. Images and videos as the HTTP route takes them: `image_url` / `video_url` parts with a
-        base64 `data:` URL, a `file://` path under `allowed_local_media_path`, or an http(s) URL; and
-        vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`.
+        ChatParams (not both: a TypeError). Images and videos as the HTTP route takes them: `image_url` /
+        `video_url` parts with a base64 `data:` URL, a `file://` path under `allowed_local_media_path`, or an
+        http(s) URL; and vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`.
 
         A list of conversations (each a list of messages) is a batch, as vLLM's `LLM.chat` takes: all are
-        checked first (ParamError naming `messages[i]...`), then run together (one thread each, batched by
-        the chat worker), answered as a list in their order."""
+        checked first (ParamError naming `messages[i]...`), then run together on the engine's loop (batched
+        by the chat worker), answered as a list in their order; the first to fail, or an interrupt, cancels
+        the others."""
+        parts, state = self._chat_parts(params, sampling)
         if is_conversation_batch(messages):
-            return self._chat_batch(messages, params, sampling)
-        return self._chat_one(messages, params, sampling)
-
-    def _chat_one(self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any]) -> ChatOutput:
-        deltas: list[ChatDelta] = []
-        started = None
-        for event in self._events(messages, params, sampling, coalesce=True):
-            if isinstance(event, ChatStarted):
-                started = event
-            else:
-                deltas.append(event)
-        last = ChatDelta.joined(deltas) if deltas else None
-        assert started is not None and last is not None and last.finish_reason is not None
-        return ChatOutput(
-            text=last.text, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-            usage=ChatUsage(prompt_tokens=started.prompt_tokens, completion_tokens=last.completion_tokens,
-                            cached_tokens=started.cached_tokens),
-            token_ids=last.token_ids,
-        )  # fmt: skip
+            return self._chat_batch(parts, state, messages, params, sampling)
+        return parts.loop.run(chat_answer(state, request_body(messages, sampling), params))
 
     def stream_chat(
         self, messages: str | Sequence[Mapping[str, Any]], params: ChatParams | None = None, **sampling: Any
     ) -> Iterator[str]:
         """`chat`, its text yielded piece by piece as it is sampled. Closing the iterator early (a `break`)
         cancels the chat at its next step. The request is checked when iteration starts."""
-        for event in self._events(messages, params, sampling, coalesce=False):
+        for event in self._events(messages, params, sampling):
             if isinstance(event, ChatDelta) and event.text:
                 yield event.text
 
+    @staticmethod
     def _chat_batch(
-        self, conversations: Sequence[Any], params: ChatParams | None, sampling: Mapping[str, Any]
+        parts: _Parts,
+        state: Any,
+        conversations: Sequence[Any],
+        params: ChatParams | None,
+        sampling: Mapping[str, Any],
     ) -> list[ChatOutput]:
-        """chat() of each conversation, from threads of its own (the chat worker batches them), after all are
-        read (a bad one fails the call before any runs)."""
-        self._open()
+        """chat() of each conversation, together on the loop (the chat worker batches them), after all are read
+        (a bad one fails the call before any runs)."""
+        bodies = []
         for i, conversation in enumerate(conversations):
             try:
-                request_body(conversation, sampling)
+                bodies.append(request_body(conversation, sampling))
             except ParamError as exc:
                 inner = exc.param.removeprefix("messages")
                 raise ParamError(f"messages[{i}]{inner}", exc.message) from None
-        workers = min(len(conversations), MAX_BATCH_THREADS)
-        with ThreadPoolExecutor(workers, thread_name_prefix="worldserve-offline-chat") as pool:
-            answers = [pool.submit(self._chat_one, c, params, sampling) for c in conversations]
-            return [answer.result() for answer in answers]
+        return parts.loop.run(chat_answers(state, bodies, params, MAX_BATCH_CHATS))
 
-    def _events(
-        self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any], *, coalesce: bool
-    ) -> Iterator[ChatStarted | ChatDelta]:
-        """The chat's events (ChatStarted, then ChatDelta to the last), read from this thread; the chat
-        cancelled when the reader stops early."""
+    def _chat_parts(self, params: ChatParams | None, sampling: Mapping[str, Any]) -> tuple[_Parts, Any]:
+        """The open engine's parts and its chat route state, or the error of a call that cannot chat."""
         if params is not None and not isinstance(params, ChatParams):
             raise TypeError(f"params must be a ChatParams, got {type(params).__name__}")
+        if params is not None and sampling:
+            # (the ChatParams' sampling is used as it is: the fields would have been dropped in silence)
+            raise TypeError(
+                f"pass sampling fields or a ChatParams, not both (got params and {', '.join(sampling)})"
+            )
         parts = self._open()
         if self._chat_state is None:
             raise RuntimeError("this Engine runs no Reasoner (tensor_parallel_size > 1, or the fake backend)")
+        return parts, self._chat_state
+
+    def _events(
+        self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any]
+    ) -> Iterator[ChatStarted | ChatDelta]:
+        """The chat's events (ChatStarted, then one ChatDelta a token to the last), read from this thread; the
+        chat cancelled when the reader stops early."""
+        parts, state = self._chat_parts(params, sampling)
         if is_conversation_batch(messages):
             raise ParamError("messages", "stream_chat takes one conversation: chat() takes a list of them")
         body = request_body(messages, sampling)
-        _, events = parts.loop.run(start_chat(self._chat_state, body, params, coalesce=coalesce))
+        _, events = parts.loop.run(start_chat(state, body, params, coalesce=False))
         finished = False
         try:
             while (event := parts.loop.run(next_event(events))) is not None:

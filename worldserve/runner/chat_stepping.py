@@ -161,13 +161,16 @@ class ChatStepping:
 
 
 def _no_token_left(session: ReasonerSession) -> ParamError:
-    """Why a chat cannot go on: its allowed_token_ids (or bad_words) leave no token the structured output's
-    grammar (or min_tokens, holding the ends back) allows next. vLLM fails such a request mid-answer (its
-    grammar rejects the token drawn: finish_reason "error"); the rules are not set aside."""
+    """Why a chat cannot go on: its allowed_token_ids (or bad_words) leave no token that the structured
+    output's grammar, min_tokens (holding the ends back) or its bad_words allow next. vLLM fails such a request
+    mid-answer (its grammar rejects the token drawn: finish_reason "error"); the rules are not set aside."""
     rules = session.sampler
     param = "allowed_token_ids" if rules.allowed_token_ids is not None else "bad_words"
-    where = (
-        "the structured output" if session.grammar is not None else "min_tokens (which holds the ends back)"
-    )
+    if session.grammar is not None:
+        where = "the structured output"
+    elif session.completion_tokens < session.min_tokens:
+        where = "min_tokens (which holds the ends back)"
+    else:  # (allowed_token_ids all banned by bad_words: no other rule narrowed the row)
+        where = "bad_words"
     return ParamError(param, f"{param} leave no token that {where} allows after {session.completion_tokens} "
                       "tokens of the answer: the answer cannot go on. Allow more tokens, or drop one of the rules.")  # fmt: skip
