@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worldserve.commands.bounded_load import LoadTimeout, bounded_load
 from worldserve.config import LoraConfig, ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 from worldserve.sampling.chat_defaults import ChatDefaults
 
@@ -219,25 +220,15 @@ def load_backend_within(
     on failure."""
     from worldserve.weights.checkpoint import CheckpointError
 
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = load_backend(
-                cfg, parallel, scheduler or SchedulerConfig(), chat or ReasonerConfig(), lora or LoraConfig()
-            )
-        except BaseException as exc:
-            outcome["error"] = exc
+    def load() -> tuple[Any, ...]:
+        return load_backend(
+            cfg, parallel, scheduler or SchedulerConfig(), chat or ReasonerConfig(), lora or LoraConfig()
+        )
 
     started = time.monotonic()
-    loader = threading.Thread(target=target, name="worldserve-load", daemon=True)
-    loader.start()
     try:
-        loader.join(cfg.init_timeout)
-    except BaseException:  # (SIGTERM / Ctrl-C during the load)
-        LOAD_ABANDONED.set()
-        raise
-    if loader.is_alive():
+        loaded = bounded_load(load, cfg.init_timeout, thread_name="worldserve-load", release=release_loaded)
+    except LoadTimeout:
         LOAD_ABANDONED.set()
         log.error(
             "Orchestrator did not become ready within %gs (vLLM-Omni's words: the model did not load within "
@@ -245,8 +236,8 @@ def load_backend_within(
             cfg.init_timeout,
         )
         return None
-    if "error" in outcome:
-        err = outcome["error"]
+    except Exception as exc:
+        err: Exception = exc
         # A bad checkpoint or an unsupported option is the user's to fix, a peer rank that died at start-up
         # has its own log above: one line; anything else: traceback.
         from worldserve.parallel.comm import PeerError
@@ -257,5 +248,16 @@ def load_backend_within(
             err = ValueError(f"--lora-path: {err.message}")
         log.error("could not load the model: %s", err, exc_info=None if expected else err)
         return None
+    except BaseException:  # (SIGTERM / Ctrl-C during the load)
+        LOAD_ABANDONED.set()
+        raise
     log.info("model ready in %.1fs", time.monotonic() - started)
-    return outcome["value"]
+    return loaded
+
+
+def release_loaded(loaded: tuple[Any, ...]) -> None:
+    """What an abandoned load_backend returned, let go: its backend closed (a multi-GPU pipeline's peer
+    processes stopped; one process has nothing to stop)."""
+    backend = loaded[0]
+    if hasattr(backend, "close"):
+        backend.close()
