@@ -105,3 +105,11 @@ def test_a_numpy_seed_samples_as_its_int_and_its_choices_wrap_as_int64():
     assert seeds == [3, 3]
     last = ChatParams(messages=HELLO, seed=np.int64(INT64 - 1)).validate()
     assert [c.seed for c in last.choices(2)] == [INT64 - 1, -INT64]
+
+
+def test_none_list_fields_are_empty_as_in_vllm():
+    """vLLM's SamplingParams takes stop / stop_token_ids / bad_words None as none (they were refused)."""
+    p = ChatParams(messages=(ChatMessage(role="user", content="hi"),), stop=None, stop_token_ids=None,
+                   bad_words=None)  # fmt: skip
+    p.validate()
+    assert (p.stop, p.stop_token_ids, p.bad_words) == ((), (), ())

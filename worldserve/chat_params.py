@@ -296,6 +296,10 @@ class ChatParams:
         # vLLM's SamplingParams takes a string `stop` as one stop string (iterated, "END" was "E", "N", "D")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        # and None for its list fields as none (its dataclass defaults them to None, then to [])
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         # a numpy integer seed as the int it is: torch's manual_seed and choice_seed's int64 wrap take no other
         seed: Any = self.seed
         if is_int(seed) and not isinstance(seed, int):

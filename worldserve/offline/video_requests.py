@@ -1,9 +1,9 @@
 """The offline Engine's video requests: `video_params` turns `generate_video`'s arguments into a checked
 VideoParams, `run_video` runs one through the engine and returns its MP4.
 
-A request is the prompt (or a whole VideoParams) plus VideoParams fields by name; the fields it leaves out take
-the engine's `default_sampling_params` / `flow_shift` (what `worldserve serve` gives the HTTP requests that omit
-them), then Cosmos3's defaults. Its adapter is the engine's `lora_path` unless it names one (which needs
+A request is the prompt (or a whole VideoParams) plus VideoParams fields by name; with a text prompt, the fields
+it leaves out take the engine's `default_sampling_params` / `flow_shift` (what `worldserve serve` gives the HTTP
+requests that omit them), then Cosmos3's defaults; a whole VideoParams keeps its own values. Its adapter is the engine's `lora_path` unless it names one (which needs
 `enable_lora`, as the server's routes check: api/lora_field.py). An image for image-to-video may be a uint8
 (H, W, 3) array, a PIL image, encoded bytes or a file path: files and bytes are decoded as the HTTP route's
 `input_reference` is (Pillow, EXIF orientation: media/image.py).
