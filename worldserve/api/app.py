@@ -32,7 +32,7 @@ from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
-from worldserve import __version__, envs
+from worldserve import __version__
 from worldserve.api.auth import APIKeyMiddleware, RequestIdMiddleware
 from worldserve.api.chat import model_not_found
 from worldserve.api.chat import router as chat_router
@@ -41,7 +41,6 @@ from worldserve.api.errors import install_error_handlers
 from worldserve.api.http_metrics import HTTPMetricsMiddleware
 from worldserve.api.images import router as images_router
 from worldserve.api.invocations import router as invocations_router
-from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.metrics import Metrics
 from worldserve.api.metrics_exposition import exposition_app
 from worldserve.api.origins import OriginGuardMiddleware
@@ -57,7 +56,6 @@ from worldserve.api.stats_log import StatsLog
 from worldserve.api.tokenize import router as tokenize_router
 from worldserve.api.videos import router as videos_router
 from worldserve.engine.client import EngineClient
-from worldserve.sampling.chat_defaults import RequestSeeds
 
 
 def build_app(
@@ -116,14 +114,10 @@ def build_app(
         lifespan=lifespan,
         **docs,
     )
-    app.state.ws = AppState(
-        client=client, metrics=metrics, served_model_name=client.model_name, settings=settings,
-        # (the environment is read here, at startup: a malformed timeout stops the start)
-        media=MediaFetcher(settings.max_upload_bytes, settings.allowed_media_domains,
-                           envs.media_url_allow_redirects()),
+    app.state.ws = AppState.serving(
+        client, metrics, settings,
         responses=ResponseStore(settings.responses_store_bytes) if settings.responses_store_bytes > 0 else None,
         load=load if settings.server_load_tracking else None,
-        request_seeds=None if settings.seed is None else RequestSeeds(settings.seed),
     )  # fmt: skip
     install_error_handlers(app)
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)

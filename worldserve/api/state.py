@@ -44,6 +44,24 @@ class AppState:
     """`--enable-server-load-tracking`'s count (api/server_load.py: async video jobs count until they end);
     None: off."""
 
+    @classmethod
+    def serving(
+        cls, client: EngineClient, metrics: Metrics, settings: AppSettings, *,
+        responses: ResponseStore | None = None, load: ServerLoad | None = None,
+    ) -> AppState:  # fmt: skip
+        """The state of an app serving `client` with `settings`: the media fetcher and the request seeds they
+        call for (the environment read now: a malformed media timeout stops the start), with `responses` and
+        `load`. build_app's and the offline Engine's chat calls' (offline/chat_requests.py)."""
+        from worldserve import envs
+
+        return cls(
+            client=client, metrics=metrics, served_model_name=client.model_name, settings=settings,
+            media=MediaFetcher(settings.max_upload_bytes, settings.allowed_media_domains,
+                               envs.media_url_allow_redirects()),
+            request_seeds=None if settings.seed is None else RequestSeeds(settings.seed), responses=responses,
+            load=load,
+        )  # fmt: skip
+
     @property
     def max_model_len(self) -> int | None:
         """The Reasoner's context length in tokens; None where no chat is served."""

@@ -45,20 +45,11 @@ def chat_state(client: EngineClient, config: EngineConfig) -> AppState:
     """What the chat route reads from its app (api/state.py AppState): the client, the settings of `config`
     (as `worldserve serve` derives them: media options, --allowed-local-media-path, --reasoning-parser,
     --seed's request seeds...) and a media fetcher for http(s) URLs."""
-    from worldserve import envs
-    from worldserve.api.media_urls import MediaFetcher
     from worldserve.api.metrics import Metrics
     from worldserve.api.state import AppState
     from worldserve.commands.serve import app_settings
-    from worldserve.sampling.chat_defaults import RequestSeeds
 
-    settings = app_settings(config)
-    return AppState(
-        client=client, metrics=Metrics(client.model_name), served_model_name=client.model_name, settings=settings,
-        media=MediaFetcher(settings.max_upload_bytes, settings.allowed_media_domains,
-                           envs.media_url_allow_redirects()),
-        request_seeds=None if settings.seed is None else RequestSeeds(settings.seed),
-    )  # fmt: skip
+    return AppState.serving(client, Metrics(client.model_name), app_settings(config))
 
 
 def request_body(messages: str | Sequence[Mapping[str, Any]], sampling: Mapping[str, Any]) -> Any:
