@@ -191,6 +191,7 @@ def test_rules_left_with_no_token_mid_answer_fail_the_request(reasoner_url):
     ids = _ids(reasoner_url, "a") + _ids(reasoner_url, "b")
     body = {"model": MODEL, "messages": HI, "max_tokens": 8, "temperature": 0, "allowed_token_ids": ids,
             "structured_outputs": {"regex": "a[0-9]"}}  # fmt: skip
+    errors = _finished_errors(reasoner_url)
     r = httpx.post(reasoner_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -202,3 +203,13 @@ def test_rules_left_with_no_token_mid_answer_fail_the_request(reasoner_url):
     assert events[-1] == "[DONE]", events
     error = json.loads(events[-2])["error"]
     assert error["param"] == "allowed_token_ids" and error["code"] == 400, error
+    # each a finished request, as vLLM counts one: request_success_total{finished_reason="error"}
+    assert _finished_errors(reasoner_url) == errors + 2
+
+
+def _finished_errors(url: str) -> float:
+    """vllm:request_success_total{finished_reason="error"} of the server at `url`."""
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="error"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError('no vllm:request_success_total{finished_reason="error"} sample')

@@ -52,6 +52,8 @@ async def _metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[
                 finish = event.finish_reason
             elif not started and event.status < 500:  # (a ChatFailed: its request was refused)
                 refused = True
+            elif event.status < 500:  # its rules left no next token mid-answer: vLLM's finish_reason "error"
+                finish = "error"
             # a server error: vLLM's finished_reason "error" (503, a shutdown's end, stays an abort, as vLLM
             # counts one)
             elif event.status >= 500 and event.status != 503:
