@@ -126,7 +126,9 @@ def test_a_refused_chat_is_one_line(tiny_ckpt):
         line for line in out.stderr.splitlines() if line and "Loading safetensors" not in line
     ]  # (the bar)
     assert out.returncode == 2 and len(lines) == 1, out.stderr
-    assert lines[0].startswith("worldserve chat: error: --max-tokens: max_tokens=100000 cannot be greater than")
+    assert lines[0].startswith(
+        "worldserve chat: error: --max-tokens: max_tokens=100000 cannot be greater than"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -57,7 +57,9 @@ def load_backend(
         bar = "=" * 88
         log.warning(bar)
         log.warning("No MODEL given: serving the embedded TINY RANDOM Cosmos3 checkpoint at %s", path)
-        log.warning("Its videos and audio are NOISE. For real output: worldserve serve nvidia/Cosmos3-Nano (or Engine(\"nvidia/Cosmos3-Nano\"))")
+        log.warning(
+            'Its videos and audio are NOISE. For real output: worldserve serve nvidia/Cosmos3-Nano (or Engine("nvidia/Cosmos3-Nano"))'
+        )
         log.warning(bar)
     import torch
 
