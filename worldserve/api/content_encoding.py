@@ -10,7 +10,9 @@ under that name. The body's first bytes are tried as zlib (a gzip header is read
 such header, read again as raw deflate (wbits -15): urllib3's and curl's fallback (aiohttp switches on the
 first byte's compression-method nibble; a raw stream's first byte would need non-zero padding bits to pass
 for a zlib header). The bytes held until that is judged are the header's two. A deflate body that stops
-inside its stream is refused, as aiohttp refuses it. Another encoding (br, zstd, ...) is an
+inside its stream is refused, as aiohttp refuses it. A gzip body of several members (files gzipped one after
+another and joined, which `gzip -c a b` writes) is decoded whole, as Python's gzip, curl and browsers decode it
+(zlib stops at the first member's end). Another encoding (br, zstd, ...) is an
 UnsupportedEncoding; data that does not inflate is a zlib.error.
 """
 
@@ -31,10 +33,12 @@ class UnsupportedEncoding(ValueError):
 
 class BodyDecoder:
     """One body's decompression, chunk by chunk. `raw_fallback` (Content-Encoding deflate): a body whose
-    first bytes are no zlib header is read as raw deflate."""
+    first bytes are no zlib header is read as raw deflate; `gzip`: every member of a multi-member body read."""
 
-    def __init__(self, *, raw_fallback: bool) -> None:
+    def __init__(self, *, raw_fallback: bool, gzip: bool = False) -> None:
         self._inflater = zlib.decompressobj(GZIP_OR_ZLIB_WBITS)
+        self._gzip = gzip
+        """gzip: a member ended with bytes after it starts the next member."""
         self._head: bytearray | None = bytearray() if raw_fallback else None
         """The body's first bytes, kept until its format is judged (None: judged, or no fallback)."""
         self._must_end = raw_fallback
@@ -46,11 +50,19 @@ class BodyDecoder:
         inflate."""
         self._received = self._received or bool(chunk)
         if self._head is None:
-            return self._inflater.decompress(chunk, limit)
+            return self._members(self._inflater.decompress(chunk, limit), limit)
         self._head += chunk
         if len(self._head) < ZLIB_HEADER_BYTES:
             return b""
-        return self._judge(limit)
+        return self._members(self._judge(limit), limit)
+
+    def _members(self, out: bytes, limit: int) -> bytes:
+        """`out` and what the gzip members after the ended one give, up to `limit` bytes in all."""
+        while self._gzip and self._inflater.eof and self._inflater.unused_data and len(out) < limit:
+            rest = self._inflater.unused_data
+            self._inflater = zlib.decompressobj(GZIP_OR_ZLIB_WBITS)
+            out += self._inflater.decompress(rest, limit - len(out))
+        return out
 
     def finish(self, limit: int) -> bytes:
         """What is left once the body has ended: a body shorter than a zlib header is judged now; zlib.error
@@ -78,5 +90,5 @@ def body_decoder(encoding: str | None) -> BodyDecoder | None:
     if name in ("", "identity"):
         return None
     if name in ("gzip", "x-gzip", "deflate"):
-        return BodyDecoder(raw_fallback=name == "deflate")
+        return BodyDecoder(raw_fallback=name == "deflate", gzip=name != "deflate")
     raise UnsupportedEncoding(encoding)
