@@ -127,3 +127,24 @@ def test_kill9_restart_then_sigterm(tmp_path):
     log = (tmp_path / "fifth.log").read_text()
     assert "second interrupt: stopping now" in log and "Traceback" not in log, (code, log[-3000:])
     assert "worldserve serve stopped" in log
+
+
+def test_a_listing_paged_across_a_kill9_goes_on_after_a_deleted_cursor(tmp_path):
+    """GET /v1/videos?after=<id>: the cursor job deleted between two pages and the server killed (-9) and
+    started again: the next page goes on after it (its anchor was committed with the row's deletion), not an
+    empty page with has_more false."""
+    storage = tmp_path / "store"
+    first = ServerProcess(storage, tmp_path / "first.log")
+    with httpx.Client(base_url=first.url, timeout=10) as http:
+        form = {"prompt": "x", **SMALL, "num_inference_steps": "2"}
+        ids = [http.post("/v1/videos", data=form).json()["id"] for _ in range(4)]
+        page = http.get("/v1/videos", params={"order": "asc", "limit": 2}).json()
+        assert [j["id"] for j in page["data"]] == ids[:2] and page["has_more"]
+        assert http.delete(f"/v1/videos/{page['last_id']}").status_code == 200
+    first.kill()
+    second = ServerProcess(storage, tmp_path / "second.log", "--shutdown-timeout", "0.3")
+    with httpx.Client(base_url=second.url, timeout=10) as http:
+        page = http.get("/v1/videos", params={"order": "asc", "limit": 2, "after": ids[1]}).json()
+        assert [j["id"] for j in page["data"]] == ids[2:] and not page["has_more"], page
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.proc.wait(20) in CLEAN_EXIT

@@ -1,6 +1,7 @@
 """What a video job is (JobStatus, JobSpec, Job, its id) and how the job table stores it: the schema, its
-migration (older databases gain `interrupted`, `error_param`) and the row <-> Job conversion. The store itself
-is jobs.py (on its folder and database: job_database.py).
+migration (older databases gain `interrupted`, `error_param`, and the `list_anchors` table of deleted jobs'
+places in the list order: job_anchors.py) and the row <-> Job conversion. The store itself is jobs.py (on its
+folder and database: job_database.py).
 """
 
 from __future__ import annotations
@@ -90,7 +91,16 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_by_time ON jobs (created_at, seq);
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status);
 CREATE INDEX IF NOT EXISTS jobs_by_expiry ON jobs (expires_at) WHERE expires_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS list_anchors (
+    id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    seq INTEGER NOT NULL,
+    deleted_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS list_anchors_by_age ON list_anchors (deleted_at);
 """
+# (`list_anchors` came without a version: a database of any version gains it as it opens, and an older
+# worldserve reads a database holding it as before, only writing no anchors)
 
 
 def prepared(db: sqlite3.Connection) -> sqlite3.Connection:

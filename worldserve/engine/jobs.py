@@ -12,6 +12,7 @@ would otherwise take it down on every start): then it fails with a message sayin
 the current status, so a job deleted while its video was being encoded is never resurrected. A disk that
 refuses a write while serving (full, an I/O error) raises StorageError naming what was not saved
 (job_faults.py), never a half-written file; progress is then skipped and a failure kept until it can be written.
+A deleted job's place in the list order is kept (job_anchors.py): a listing paged with it as `after` goes on.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import json
 import logging
 import sqlite3
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from worldserve.engine.job_anchors import ListAnchors
 from worldserve.engine.job_database import JobDatabase
 from worldserve.engine.job_faults import StorageFull, storage_failure
 from worldserve.engine.job_files import (
@@ -49,9 +50,6 @@ __all__ = ["SCHEMA_VERSION", "Job", "JobSpec", "JobStatus", "JobStore", "Storage
 log = logging.getLogger(__name__)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
-GONE_CURSORS = 10_000
-"""Deleted jobs whose place in the list order is remembered, so that a client paging with one as `after`
-(deleted, or expired, between two pages) goes on where it was instead of getting an empty last page."""
 _UNFINISHED = ("queued", "in_progress")
 EXPIRY_BATCH = 500
 """Expired jobs deleted per transaction by the TTL sweep."""
@@ -71,7 +69,7 @@ class JobStore(JobDatabase):
     def __init__(self, root: str | Path):
         """Open (or create) the store in `root` (JobDatabase: StorageError when it cannot be used)."""
         super().__init__(root)
-        self._gone: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._anchors = ListAnchors()
         """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         self._progress_refused = False  # logged once until a progress write goes through again
 
@@ -211,8 +209,7 @@ class JobStore(JobDatabase):
             if row is None:
                 return None
             self._remove_files(job_id)
-            self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
-            self._forget(job_id, row["created_at"], row["seq"])
+            self._delete_rows([row], time.time())
         return job_from_row(row)
 
     def recover(
@@ -302,10 +299,7 @@ class JobStore(JobDatabase):
                         gone.append(r)
                     except OSError as exc:
                         kept = kept or (r["id"], exc)
-                with self._transaction():
-                    self._db.executemany("DELETE FROM jobs WHERE id=?", [(r["id"],) for r in gone])
-                    for r in gone:
-                        self._forget(r["id"], r["created_at"], r["seq"])
+                self._delete_rows(gone, now)
             deleted += [r["id"] for r in gone]
             if kept is not None:  # (the next batch would meet it again: the sweep ends here)
                 log.warning("expired job %s kept: its files could not be removed (%s)", *kept)
@@ -313,12 +307,24 @@ class JobStore(JobDatabase):
             if len(rows) < batch:
                 return deleted
 
-    def _forget(self, job_id: str, created_at: float, seq: int) -> None:
-        """A deleted job (under `_lock`): its place in the list order is remembered for `after` cursors."""
-        self._unsaved.discard(job_id)
-        self._gone[job_id] = (created_at, seq)
-        if len(self._gone) > GONE_CURSORS:
-            self._gone.popitem(last=False)
+    def _delete_rows(self, rows: Sequence[sqlite3.Row], now: float) -> None:
+        """Under `_lock`, their files gone: the jobs' rows deleted and their list anchors stored, in one
+        transaction. When the disk refuses it (full), the rows alone, as before the anchors were stored (their
+        anchors then in memory only: a restart forgets them); a refusal of that raises, as it did."""
+        ids = [(r["id"],) for r in rows]
+        try:
+            with self._transaction():
+                self._db.executemany("DELETE FROM jobs WHERE id=?", ids)
+                self._anchors.write(self._db, rows, now)
+        except sqlite3.OperationalError as exc:
+            with self._transaction():
+                self._db.executemany("DELETE FROM jobs WHERE id=?", ids)
+            if rows:
+                log.warning("list anchors not saved, kept in memory only: %d job(s) (%s)", len(rows), exc)
+        # (a failure still kept for a deleted job is moot)
+        for r in rows:
+            self._unsaved.discard(r["id"])
+            self._anchors.remember(r["id"], r["created_at"], r["seq"])
 
     # -- reads ----------------------------------------------------------------------------------------
     def get(self, job_id: str) -> Job | None:
@@ -343,14 +349,19 @@ class JobStore(JobDatabase):
         self, *, after: str | None = None, limit: int | None = None, order: str = "desc"
     ) -> tuple[list[Job], bool]:
         """One page in `created_at` order, starting after the job `after` (also one deleted since the previous
-        page was read, while this process remembers it); returns (jobs, has_more)."""
+        page was read, across a restart too: job_anchors.py); returns (jobs, has_more)."""
         assert order in ("asc", "desc")
         now = time.time()  # (expired jobs not yet swept are left out, as get leaves them)
         where, args = "WHERE (expires_at IS NULL OR expires_at > ?)", [now]
         with self._read_lock:
             if after is not None:
                 row = self._reader.execute("SELECT created_at, seq FROM jobs WHERE id=?", (after,)).fetchone()
-                anchor = (row["created_at"], row["seq"]) if row is not None else self._gone.get(after)
+                anchor: tuple[float, int] | None
+                if row is not None:
+                    anchor = (row["created_at"], row["seq"])
+                else:
+                    # deleted (or expired) since the client's previous page
+                    anchor = self._anchors.lookup(self._reader, after)
                 if anchor is None:
                     return [], False
                 where += f" AND (created_at, seq) {'>' if order == 'asc' else '<'} (?, ?)"
