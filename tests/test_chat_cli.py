@@ -107,7 +107,9 @@ def test_sampling_left_out_follows_the_checkpoint_s_generation_config(tiny_copy,
     flags.temperature = 0.3
     assert turn_params(flags, msg, defaults).temperature == 0.3
     p = turn_params(argparse.Namespace(seed=None, **dict.fromkeys(SUGGESTED)), msg)
-    assert {k: getattr(p, k) for k in SUGGESTED} == SUGGESTED
+    # (SUGGESTED's budget too is a bound, not a max_tokens sent: test_a_budget_left_out_is_cut_by_the_room)
+    assert {k: getattr(p, k) for k in SUGGESTED} == SUGGESTED | {"max_tokens": None}
+    assert (p.max_tokens, p.max_tokens_bound) == (None, SUGGESTED["max_tokens"])
     # a max_new_tokens past the context is a bound the room cuts, not a refused request
     (tiny_copy / "generation_config.json").write_text(
         json.dumps({"temperature": 0.0, "max_new_tokens": 40000})
@@ -129,6 +131,30 @@ def test_a_refused_chat_is_one_line(tiny_ckpt):
     assert lines[0].startswith(
         "worldserve chat: error: --max-tokens: max_tokens=100000 cannot be greater than"
     )
+
+
+def test_a_budget_left_out_is_cut_by_the_room(tiny_ckpt):
+    """--max-tokens left out (no generation config: NVIDIA's suggested 512) bounds the reply, as serve's
+    default does: a --max-model-len under 512 answers within the room left (it was refused, naming the
+    --max-tokens never given)."""
+    out = _chat(tiny_ckpt, "--message", "hi", "--device", "cpu", "--max-model-len", 24, "--seed", 0)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"\[\d+ prompt \+ \d+ completion tokens, (length|stop)", out.stderr), out.stderr
+
+
+def test_a_conversation_past_the_context_names_the_message(tiny_ckpt):
+    """A prompt the context cannot hold is named by where its text came from (--message, or the stdin turn),
+    not by vLLM's `input_tokens` field, with and without --max-tokens; --max-tokens past the context still
+    names --max-tokens."""
+    long = "hello there how are you today my friend"
+    base = (tiny_ckpt, "--device", "cpu", "--max-model-len", 16)
+    for extra in ((), ("--max-tokens", 4)):
+        out = _chat(*base, "--message", long, *extra)
+        assert out.returncode == 2 and "worldserve chat: error: --message: This model's maximum context length is 16" in out.stderr, out.stderr  # fmt: skip
+    typed = _chat(*base, stdin=long + "\n")
+    assert typed.returncode == 2 and "error: stdin turn: This model's maximum context length" in typed.stderr
+    over = _chat(*base, "--message", "hi", "--max-tokens", 17)
+    assert over.returncode == 2 and "error: --max-tokens: max_tokens=17 cannot be greater" in over.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -97,10 +97,15 @@ def turn_params(
         return getattr(defaults, name) if name in defaults.given else SUGGESTED[name]
 
     sampling = {name: pick(name) for name in SUGGESTED if name != "max_tokens"}
-    # (the config's budget comes as the bound of a request that sends none)
-    sent = None if args.max_tokens is None and "max_tokens" in defaults.given else pick("max_tokens")
+    # a budget left out (the config's, else SUGGESTED's 512) is the bound of a request that sends none, as
+    # serve's: the room a short --max-model-len leaves cuts it (it was sent, and refused naming --max-tokens)
+    sent = args.max_tokens
+    bound = defaults.budget(sent)
+    if sent is None and "max_tokens" not in defaults.given:
+        suggested = int(SUGGESTED["max_tokens"])
+        bound = suggested if bound is None else min(bound, suggested)
     return ChatParams(
-        messages=tuple(messages), **sampling, max_tokens=sent, max_tokens_bound=defaults.budget(sent),
+        messages=tuple(messages), **sampling, max_tokens=sent, max_tokens_bound=bound,
         seed=args.seed, min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
     ).validate()  # fmt: skip
 
@@ -115,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         first = args.message if args.message is not None else "(stdin)"
         turn_params(args, [*messages, ChatMessage(role="user", content=first)])
     except ParamError as e:
-        print(f"worldserve chat: error: {_said(e)}", file=sys.stderr)
+        print(f"worldserve chat: error: {_said(e, args)}", file=sys.stderr)
         return 2
     loaded = _load(args)
     if loaded is None:
@@ -130,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
             reply = _answer(reasoner, turn_params(args, messages, defaults))
             messages.append(ChatMessage(role="assistant", content=reply))
     except ParamError as e:
-        print(f"worldserve chat: error: {_said(e)}", file=sys.stderr)
+        print(f"worldserve chat: error: {_said(e, args)}", file=sys.stderr)
         return 2
     return 0
 
@@ -139,9 +144,20 @@ SAMPLING_FLAGS = (*SUGGESTED, "seed")
 """ChatParams fields set by the flag of the same name (--max-tokens ...)."""
 
 
-def _said(e: ParamError) -> str:
-    """The error as a line, named by the flag that set the field (ChatParams names the API's fields)."""
-    name = "--" + e.param.replace("_", "-") if e.param in SAMPLING_FLAGS else e.param
+PROMPT_FIELDS = ("input_tokens", "messages")
+"""The fields a context refusal names for the conversation itself (worldserve/context_limits.py: vLLM's
+`input_tokens` for a prompt and budget past the context, `messages` for a text past its byte bound)."""
+
+
+def _said(e: ParamError, args: argparse.Namespace) -> str:
+    """The error as a line, named by the flag that set the field (ChatParams names the API's fields): a
+    refusal of the conversation's length names --message (or the stdin turn), and so does a budget refusal
+    when --max-tokens was left out (no room left for the default one)."""
+    about_prompt = e.param in PROMPT_FIELDS or (e.param == "max_tokens" and args.max_tokens is None)
+    if about_prompt:
+        name = "--message" if args.message is not None else "stdin turn"
+    else:
+        name = "--" + e.param.replace("_", "-") if e.param in SAMPLING_FLAGS else e.param
     return f"{name}: {e.message}"
 
 
