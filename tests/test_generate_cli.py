@@ -209,6 +209,27 @@ def test_bad_input_names_the_field(tiny_ckpt, tmp_path, args, field):
     assert not (tmp_path / "x.mp4").exists()
 
 
+def test_the_model_s_refusals_name_flags_not_api_fields(tiny_ckpt, tmp_path):
+    """A check the model makes after the load words its limits as the API's fields: the line says the flags
+    (it said "raise max_sequence_length" to a user who had typed --max-sequence-length)."""
+    proc = _generate(tiny_ckpt, "--prompt", "a red fox runs through the snow", "--max-sequence-length", "5",
+                     *SMALL, "-o", tmp_path / "x.mp4", check=False)  # fmt: skip
+    assert proc.returncode == 2 and "--max-sequence-length" in proc.stderr, proc.stderr
+    assert "max_sequence_length" not in proc.stderr, proc.stderr
+
+
+def test_flags_said_rewrites_only_request_fields():
+    from argparse import Namespace
+
+    from worldserve.commands.generate_params import flags_said
+
+    args = Namespace(video=None, prompt="x")
+    said = flags_said("above max_sequence_length=3; extra_params.condition_frame_indexes_vision index 9; "
+                      "leave upsample_prompt off; my_clip_file.mp4; see --max-sequence-length", args)  # fmt: skip
+    assert said == ("above --max-sequence-length=3; --condition-frames index 9; leave --upsample-prompt off; "
+                    "my_clip_file.mp4; see --max-sequence-length")  # fmt: skip
+
+
 def test_prompt_files(tmp_path, monkeypatch, capsys):
     """--prompt-file: an editor's byte-order mark is dropped (it hid a JSON prompt's `{`: the prompt went in as
     text, its metadata keys not injected); `-` reads standard input; a file past 16 MiB, or one that never

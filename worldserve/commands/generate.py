@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from worldserve.commands.cli_inputs import text_arg
-from worldserve.commands.generate_params import build_params, flag_for
+from worldserve.commands.generate_params import build_params, flag_for, flags_said
 from worldserve.config import LoraConfig, ModelConfig, ParallelConfig
 from worldserve.config_flags import add_config_arguments, config_from_args
 from worldserve.config_values import int64_seed
@@ -252,7 +252,9 @@ def _generate(
             params = checked(pipe.validate, _upsampled(args, params, pipe, root))
     except (ParamError, UpsamplingFailed, ValueError) as e:
         named = isinstance(e, (ParamError, UpsamplingFailed))
-        where = f"{flag_for(getattr(e, 'param', None), args)}: {e}" if named else str(e)
+        where = (
+            f"{flag_for(getattr(e, 'param', None), args)}: {flags_said(str(e), args)}" if named else str(e)
+        )
         print(f"worldserve generate: error: {where}", file=sys.stderr)
         return 2
     stream = streams_to(args.output)  # the VAE decode then runs in write_output, beside the mux

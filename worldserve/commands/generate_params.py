@@ -11,7 +11,9 @@ ones of /v1/images/generations (IMAGE_DEFAULTS). The conditioning inputs (`--ima
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +135,7 @@ FLAGS = {
     "num_inference_steps": "--steps", "guidance_scale": "--guidance", "output": "-o",
     "extra_params.condition_frame_indexes_vision": "--condition-frames", "condition_frames": "--condition-frames",
     "extra_params.condition_video_keep": "--condition-video-keep", "generate_sound": "--no-sound",
+    "condition_frame_indexes_vision": "--condition-frames",
 }  # fmt: skip
 """A request field's flag where its name is not the flag's (the API's names are what VideoParams reports)."""
 
@@ -148,6 +151,26 @@ def flag_for(param: str | None, args: argparse.Namespace) -> str:
     if param is None:
         return "error"
     return FLAGS.get(param, "--" + param.removeprefix("extra_params.").replace("_", "-"))
+
+
+def flags_said(message: str, args: argparse.Namespace) -> str:
+    """`message` with the request fields it names (snake_case: `max_sequence_length`,
+    `condition_frame_indexes_vision`) written as the flags the user gave (the model's checks word them as
+    the API's fields)."""
+
+    def said(m: re.Match[str]) -> str:
+        word = m.group(0)
+        return flag_for(word, args) if word.removeprefix("extra_params.") in _SNAKE_FIELDS else word
+
+    return _FIELD_WORD.sub(said, message)
+
+
+_SNAKE_FIELDS = frozenset(
+    {f.name for f in dataclasses.fields(VideoParams) if "_" in f.name}
+    | {"condition_frame_indexes_vision", "condition_video_keep"}
+)
+"""The request fields whose names can be told from prose (a plain word like `prompt` or `seed` cannot)."""
+_FIELD_WORD = re.compile(r"(?<![\w.-])(?:extra_params\.)?[a-z]+(?:_[a-z]+)+\b")
 
 
 def _check_output(path: Path, num_frames: int) -> None:
