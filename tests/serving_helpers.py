@@ -138,6 +138,24 @@ def served_port(log: Path, proc, timeout: float = 60.0) -> int:
     return found[0]
 
 
+def served_url(log: Path, proc, timeout: float = 60.0) -> str:
+    """The http URL of a `worldserve serve --port 0` process (served_port) once its /health answers 200; the
+    process dying meanwhile fails with its log."""
+    import httpx
+
+    url = f"http://127.0.0.1:{served_port(log, proc, timeout)}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text()
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(healthy, timeout=timeout, interval=0.05)
+    return url
+
+
 def png_bytes(width: int = 24, height: int = 16, colour=(200, 30, 60)) -> bytes:
     from PIL import Image
 

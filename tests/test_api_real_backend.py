@@ -12,7 +12,7 @@ import sys
 
 import httpx
 import pytest
-from serving_helpers import asgi_server, png_bytes, poll_job, served_port, wait_until
+from serving_helpers import asgi_server, png_bytes, poll_job, served_url
 
 pytestmark = pytest.mark.anyio
 TINY = {"size": "32x32", "num_frames": "5", "num_inference_steps": "2", "fps": "8"}
@@ -125,17 +125,8 @@ def test_serve_without_model_uses_the_tiny_checkpoint_loudly_with_layerwise_offl
            "--device", "cpu", "--omni", "--init-timeout", "300", "--enable-layerwise-offload",
            "--warmup-shapes", "32x32x5"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-    def ready():
-        assert proc.poll() is None, log.read_text()
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        url = f"http://127.0.0.1:{served_port(log, proc, timeout=120)}"
-        wait_until(ready, timeout=120, interval=0.1)
+        url = served_url(log, proc, timeout=120)
         text = log.read_text()
         assert "TINY RANDOM" in text and "NOISE" in text
         assert (tmp_path / "cache" / "worldserve" / "storage" / "jobs.sqlite3").is_file(), (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import png_bytes, served_port, wait_until
+from serving_helpers import png_bytes, served_url, wait_until
 
 from worldserve.engine.jobs import JobStatus, JobStore
 
@@ -29,16 +29,7 @@ class ServerProcess:
                "--port", "0", "--storage-dir", str(storage), *extra]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-        self.port = served_port(log, self.proc)
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_until(self._ready, timeout=60, interval=0.05)
-
-    def _ready(self) -> bool:
-        assert self.proc.poll() is None, self.log.read_text()
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
+        self.url = served_url(log, self.proc)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -12,10 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 from media_probe import probe_mp4
-from serving_helpers import served_port, wait_until
+from serving_helpers import served_url
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 COVERED = {"offline_video.py", "offline_chat.py", "openai_video_client.py", "openai_chat_client.py",
@@ -51,18 +50,8 @@ def server_url(tiny_ckpt, tmp_path_factory):
            "--device", "cpu", "--storage-dir", tmp / "storage", "--max-model-len", "2048"]  # fmt: skip
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(list(map(str, cmd)), stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-    def healthy() -> bool:
-        assert proc.poll() is None, log.read_text()
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        url = f"http://127.0.0.1:{served_port(log, proc, timeout=180)}"
-        wait_until(healthy, timeout=180, interval=0.1)
-        yield url
+        yield served_url(log, proc, timeout=180)
     finally:
         proc.terminate()
         proc.wait(30)
