@@ -29,6 +29,7 @@ from worldserve.engine.client import EncodeOptions, EngineClient, VideoResult
 from worldserve.engine.endings import default_encoder
 from worldserve.engine.refusals import CancelledRequest
 from worldserve.offline.outputs import VideoOutput
+from worldserve.param_types import is_real
 from worldserve.params import LoraRequest, ParamError, VideoParams
 
 INTERNAL_FIELDS = frozenset({"field_names", "server_negative_prompt"})
@@ -81,9 +82,7 @@ def check_timeout(timeout: Any) -> None:
     """generate_video's `timeout`: None or a positive number of seconds; ParamError naming `timeout`."""
     if timeout is None:
         return
-    if isinstance(timeout, (bool, np.bool_)) or not isinstance(
-        timeout, (int, float, np.integer, np.floating)
-    ):
+    if not is_real(timeout):
         raise ParamError(
             "timeout", f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
         )
@@ -131,11 +130,9 @@ def conditioning_image(image: Any) -> np.ndarray | None:
         except OSError as exc:
             raise ParamError("image", f"cannot read {os.fspath(image)!r}: {exc.strerror or exc}") from None
         return decode_image(data, param="image")
-    try:
-        from PIL import Image, ImageOps
-    except ImportError:  # pragma: no cover  (Pillow is a dependency)
-        Image = None  # type: ignore[assignment]
-    if Image is not None and isinstance(image, Image.Image):
+    from PIL import Image, ImageOps
+
+    if isinstance(image, Image.Image):
         return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
     given = type(image).__name__
     raise ParamError(
