@@ -1,6 +1,6 @@
 """VideoParams.validate checks each field's type first (worldserve/param_types.py): a wrong type through the
-public Python API is a ParamError naming the field as the HTTP layer names it (`size` for width / height), not a
-raw TypeError from a comparison, nor a value accepted to fail after the prompt's prefill (`width=64.0`,
+public Python API is a ParamError naming the field (the keyword: `width`, `height`; the HTTP layer renames a side
+that came in `size`), not a raw TypeError from a comparison, nor a value accepted to fail after the prompt's prefill (`width=64.0`,
 `seed=1.5`) or to be used as it is (`num_inference_steps=2.5`, `generate_sound="yes"`). Numpy scalars are taken
 wherever ints and floats are (as vLLM and torch take them), through a whole generation on the tiny checkpoint.
 """
@@ -17,10 +17,10 @@ from worldserve import ParamError, VideoParams
 SMALL = {"prompt": "a fox", "width": 64, "height": 48, "num_frames": 9, "num_inference_steps": 2}
 
 REFUSED = [  # (field, value, the error's param, its message)
-    ("width", "64", "size", "width must be an integer, got str"),
-    ("width", 64.0, "size", "width must be an integer, got float"),
-    ("width", True, "size", "width must be an integer, got bool"),
-    ("height", None, "size", "height must be an integer, got None"),
+    ("width", "64", "width", "width must be an integer, got str"),
+    ("width", 64.0, "width", "width must be an integer, got float"),
+    ("width", True, "width", "width must be an integer, got bool"),
+    ("height", None, "height", "height must be an integer, got None"),
     ("num_frames", "5", "num_frames", "num_frames must be an integer, got str"),
     ("num_frames", 5.0, "num_frames", "num_frames must be an integer, got float"),
     ("num_inference_steps", None, "num_inference_steps", "num_inference_steps must be an integer, got None"),
@@ -56,6 +56,18 @@ def test_a_wrong_type_is_a_param_error_naming_the_field(field, value, param, mes
     with pytest.raises(ParamError) as error:
         VideoParams(**{**SMALL, field: value}).validate()
     assert (error.value.param, error.value.message) == (param, message)
+
+
+@pytest.mark.parametrize(("side", "value"), [("width", 100), ("height", 0), ("height", 1296)])
+def test_a_bad_side_is_named_by_its_keyword_or_by_the_field_it_came_in(side, value):
+    """VideoParams (the Python API's VideoPipeline / Engine) names the keyword; the routes' field_names map
+    both sides to `size`, the field a WIDTHxHEIGHT came in."""
+    with pytest.raises(ParamError) as error:
+        VideoParams(**{**SMALL, side: value}).validate()
+    assert (error.value.param, error.value.message.split("=")[0]) == (side, side)
+    with pytest.raises(ParamError) as error:
+        VideoParams(**{**SMALL, side: value}).validate_as({"width": "size", "height": "size"})
+    assert error.value.param == "size"
 
 
 def test_a_type_error_is_named_as_the_request_field_the_value_came_in():

@@ -284,13 +284,10 @@ class VideoParams:
 
     def _validate_types(self) -> None:
         """Each field's type before any comparison (param_types.py): a wrong one had been a raw TypeError, or
-        accepted (`num_frames=5.0`, `seed=1.5`) to fail after the prompt's prefill. Width and height are named
-        `size`, as the API names them."""
+        accepted (`num_frames=5.0`, `seed=1.5`) to fail after the prompt's prefill."""
         check_str("prompt", "prompt", self.prompt)
         check_str("negative_prompt", "negative_prompt", self.negative_prompt, optional=True)
-        for name in ("width", "height"):
-            check_int("size", name, getattr(self, name))
-        for name in ("num_frames", "num_inference_steps", "seed", "max_sequence_length"):
+        for name in ("width", "height", "num_frames", "num_inference_steps", "seed", "max_sequence_length"):
             check_int(name, name, getattr(self, name))
         for name in ("fps", "guidance_scale"):
             check_real(name, name, getattr(self, name))

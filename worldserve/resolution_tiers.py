@@ -53,13 +53,15 @@ def resolution_tier(width: int, height: int) -> tuple[str, int, int, float]:
     )
 
 
-def check_side(name: str, value: int, param: str = "size") -> None:
-    """A ParamError naming `param` unless `value` (the `name` side: width or height) is a multiple of
-    SIZE_MULTIPLE in [16, MAX_SIDE]."""
+def check_side(name: str, value: int, param: str | None = None) -> None:
+    """A ParamError naming `param` (default: the side's own name, `width` or `height`: VideoParams' fields;
+    the HTTP routes name the field the side came in, `size`, through VideoParams.field_names) unless `value`
+    is a multiple of SIZE_MULTIPLE in [16, MAX_SIDE]."""
     if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE or value > MAX_SIDE:
         why = f" (it is above {MAX_SIDE})" if value > MAX_SIDE and value % SIZE_MULTIPLE == 0 else ""
         raise ParamError(
-            param, f"{name}={shown(value)} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]{why}"
+            param or name,
+            f"{name}={shown(value)} must be a multiple of {SIZE_MULTIPLE} in [16, {MAX_SIDE}]{why}",
         )
 
 

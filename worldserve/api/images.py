@@ -153,6 +153,8 @@ def build_params(
     size = DEFAULT_SIZE if req.size in (None, "auto") else req.size
     width, height = (int(v) for v in size.split("x"))
     origin = {
+        "width": "size",
+        "height": "size",
         "system_prompt": "extra_params.system_prompt",
         "negative_metadata": "extra_params.negative_metadata_mode",
     }

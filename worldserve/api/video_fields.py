@@ -83,6 +83,8 @@ def resolve_video_params(
     size = _frame_size(req, vp, image if image is not None or video is None else video[0], default_size)
     if size is not None:
         kw["width"], kw["height"] = size
+    if req.size is not None:  # (VideoParams names a bad side `width` / `height`: here it came in `size`)
+        origin["width"] = origin["height"] = "size"
     fps = kw.setdefault("fps", defaults.get("fps", VideoParams.__dataclass_fields__["fps"].default))
     if fps > MAX_FPS:  # (bounded before seconds x fps: 1e308 would overflow)
         raise ParamError(origin.get("fps", "fps"), f"fps={shown(fps)} must be a number in [1, {MAX_FPS}]")

@@ -72,10 +72,7 @@ def video_params(
     from worldserve.api.lora_field import LoraSettings
 
     LoraSettings(per_request_lora, static_lora).check_restored(params)
-    try:
-        return params.validate()
-    except ParamError as exc:
-        raise python_named(exc) from None
+    return params.validate()
 
 
 def check_timeout(timeout: Any) -> None:
@@ -102,15 +99,6 @@ def python_scalars(params: VideoParams) -> dict[str, Any]:
         for f in dataclasses.fields(params)
         if isinstance(value := getattr(params, f.name), np.generic)
     }
-
-
-def python_named(exc: ParamError) -> ParamError:
-    """`exc` naming the keyword argument the caller passed: VideoParams names a bad width or height `size`,
-    the HTTP request's field (its message starts with the side: "width=65 ...", "height must be ...")."""
-    side = exc.message.replace("=", " ").partition(" ")[0]
-    if exc.param == "size" and side in ("width", "height"):
-        return ParamError(side, exc.message)
-    return exc
 
 
 def conditioning_image(image: Any) -> np.ndarray | None:
