@@ -167,9 +167,9 @@ def test_validate_refuses_a_bad_adapter(ours_pipeline, tmp_path):
     assert err.value.param == "lora" and "no such file or folder" in err.value.message
     with pytest.raises(ParamError, match="finite"):
         VideoParams(**BASE, lora=LoraRequest("x", str(tmp_path), float("nan"))).validate()
-    ours_pipeline.validate(
-        VideoParams(**BASE, lora=LoraRequest("x", str(tmp_path / "missing"), 0.0))
-    )  # (unused)
+    # (scale 0 runs the base model, but the adapter it names is checked all the same)
+    with pytest.raises(ParamError, match="no such file or folder"):
+        ours_pipeline.validate(VideoParams(**BASE, lora=LoraRequest("x", str(tmp_path / "missing"), 0.0)))
 
 
 @pytest.mark.gpu

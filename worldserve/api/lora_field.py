@@ -8,7 +8,8 @@ each read in vLLM-Omni's key order, the first non-empty value winning. The scale
 numeric string as float() reads it; 0 runs the base model); int_id is accepted for compatibility (an int) and
 unused. `LoraSettings` is the server's side: a request's own adapter only under --enable-lora (adapters are read
 from the server's disk), else --lora-path's, else none. Every error is a ParamError naming `lora` (a 400); the
-adapter's files are the backend's to check (its validate), not this module's.
+adapter's files are the backend's to check (its validate, at every scale, 0 included: runner/lora_cache.py),
+not this module's.
 """
 
 from __future__ import annotations

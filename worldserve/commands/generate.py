@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
             root, cfg_parallel_size=par.cfg_parallel_size, ulysses_degree=par.ulysses_degree,
             tensor_parallel_size=par.tensor_parallel_size, device=model.device,
             dtype=getattr(torch, model.dtype) if model.dtype else None, vae_tiling=model.vae_tiling,
-            kernels=kernels,
+            kernels=kernels, max_lora_rank=args.max_lora_rank,
         )  # fmt: skip
     except ValueError as e:  # e.g. --quantization fp8 without fp8 GEMMs, --cfg-parallel-size 2 on 1 GPU
         print(f"worldserve generate: error: {e}", file=sys.stderr)

@@ -77,9 +77,8 @@ def load_backend(
         path, cfg_parallel_size=parallel.cfg_parallel_size, ulysses_degree=parallel.ulysses_degree,
         tensor_parallel_size=parallel.tensor_parallel_size, device=cfg.device, dtype=dtype,
         vae_tiling=cfg.vae_tiling,
-        kernels=kernels, max_loras=lora.max_cpu_loras,
+        kernels=kernels, max_loras=lora.max_cpu_loras, max_lora_rank=lora.max_lora_rank,
     )  # fmt: skip
-    pipeline.loras.max_rank = lora.max_lora_rank  # (rank 0's cache: every request's `validate` passes there)
     load_static_lora(pipeline, lora)
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):

@@ -3,9 +3,16 @@ on the device only while requests run with them.
 
 `check(request)` reads the adapter's headers against the model (weights/lora_adapter.py inspect_adapter; the
 API calls it through the backend's `validate` before a job is accepted, so a bad path, an adapter that does
-not fit, or one with a module above `max_rank` (serve's --max-lora-rank) is a 400 naming `lora`).
+not fit, or one with a module above `max_rank` (serve's --max-lora-rank) is a 400 naming `lora`), at a scale
+of 0 too: that request runs the base model, but an adapter reference that is wrong is a bad input whatever
+its scale (as diffusers' `set_adapters` refuses an adapter it does not hold at weight 0, and as --lora-path
+is checked at --lora-scale 0; vLLM-Omni's diffusion LoRA manager skips a scale-0 adapter unchecked).
+`max_rank` is given when the cache is made, on every rank alike (rank 0's VideoPipeline and each peer's
+BranchRank take it from the same --max-lora-rank), so a peer that reads an adapter checks the bound rank 0
+checked.
 `get(request)` returns the adapter's LoraWeights on the model's device at the request's scale (this rank's
-tensor-parallel slices), or None for no adapter or a scale of 0 (the base model). The last `max_loaded` adapter / scale pairs read stay in host memory (pinned on a CUDA machine:
+tensor-parallel slices), or None for no adapter or a scale of 0 (the base model: no weights are read). The
+last `max_loaded` adapter / scale pairs read stay in host memory (pinned on a CUDA machine:
 vLLM's --max-cpu-loras), so a request of one of them copies it to the device (~40 ms for 1 GB) rather than
 reading its files again; the device copy is shared by the requests running with it and freed once the last
 of them releases it (GPU memory holds only adapters in use). An adapter whose files changed since it was read
@@ -46,9 +53,8 @@ of Cosmos3-Nano's layers takes ~1 GB in bf16 here, the block-diagonal B of fused
 
 class LoraCache:
     """One rank's adapters for `transformer` (its config, dtype, device and tensor-parallel group). `max_rank`:
-    the highest module rank `check` lets through (--max-lora-rank; None: no bound); serve sets it on the
-    pipeline's cache once loaded (commands/serve_backend.py), rank 0's, whose `check` every request passes
-    before it is accepted."""
+    the highest module rank `check` lets through (--max-lora-rank; None: no bound), fixed when the cache is
+    made: every rank's cache is built with it (VideoPipeline's and BranchRank's `max_lora_rank`)."""
 
     def __init__(
         self,
@@ -60,20 +66,31 @@ class LoraCache:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.transformer = transformer
         self.max_loaded = max_loaded
-        self.max_rank = max_rank
+        self._max_rank = max_rank
         self._loaded: OrderedDict[tuple, LoraWeights] = (
             OrderedDict()
         )  # host copies, least recently used first
         self._on_device: weakref.WeakValueDictionary[tuple, LoraWeights] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # (the API's validate and the engine thread's prepare may overlap)
 
+    @property
+    def max_rank(self) -> int | None:
+        """--max-lora-rank's bound (None: none); read-only, as every rank's cache must keep the one it was
+        made with."""
+        return self._max_rank
+
     def check(self, request: LoraRequest | None) -> AdapterSpec | None:
-        """The adapter's files checked against the model (headers only); ParamError naming `lora`. None for no
-        adapter or a scale of 0 (the base model: nothing is read), and for the adapter merged into the model
-        (its files were read at load; what runs is what was merged)."""
-        if self._merged(request) is not None or request is None or not request.active:
+        """The adapter's files checked against the model (headers only); ParamError naming `lora`. At a scale
+        of 0 too (the request runs the base model, but names an adapter that must be one this server could
+        run: its headers are read, its weights are not). None for no adapter, and for the adapter merged into
+        the model (its files were read at load; what runs is what was merged)."""
+        if self._merged(request) is not None or request is None:
             return None
-        return inspect_adapter(request.validate().path, self.transformer.config, max_rank=self.max_rank)
+        return self._inspect(request)
+
+    def _inspect(self, request: LoraRequest) -> AdapterSpec:
+        """`request`'s adapter checked against the model and this cache's bound (headers only)."""
+        return inspect_adapter(request.validate().path, self.transformer.config, max_rank=self._max_rank)
 
     def get(self, request: LoraRequest | None) -> LoraWeights | None:
         """The request's adapter on the device (None: the base model): the copy requests running with it
@@ -81,9 +98,10 @@ class LoraCache:
         und deltas (None when it has none)."""
         if (merged := self._merged(request)) is not None:
             return merged.rest
-        spec = self.check(request)
-        if request is None or spec is None:  # (check gives None for no request)
+        # (the base model: no weights read; a scale of 0's adapter was checked by the request's validate)
+        if request is None or not request.active:
             return None
+        spec = self._inspect(request)
         key = (spec.identity, float(request.scale))
         device = self.transformer.device
         with self._lock:

@@ -92,13 +92,14 @@ class ParallelPipeline(Closeable):
     def from_pretrained(
         cls, path: str | Path | None, layout: ParallelLayout, device: str | torch.device | None = None,
         dtype: torch.dtype | None = None, kernels: KernelOptions | None = None, *, revision: str | None = None,
-        **kwargs: Any,
+        max_loras: int = DEFAULT_MAX_LOADED, max_lora_rank: int | None = None, **kwargs: Any,
     ) -> ParallelPipeline:  # fmt: skip
         """Check the layout against the checkpoint, spawn the peers, join the world with them, load the full
         pipeline here while each peer loads the transformer on its GPU, and wait for every peer's "ready"
         (runner/peers.py). A peer that dies meanwhile: PeerError, one line naming the layout, rank, exit code.
         `path` / `revision` as VideoPipeline.from_pretrained's (weights/checkpoint.py resolve_model), resolved
-        once here: every rank loads that folder."""
+        once here: every rank loads that folder. `max_loras` / `max_lora_rank` (--max-cpu-loras /
+        --max-lora-rank) make every rank's LoRA cache: rank 0's and each peer's take the same bound."""
         root = resolve_model(None if path is None else str(path), revision)
         config = read_transformer_config(root)
         check_checkpoint_layout(config, ulysses=layout.ulysses, tp=layout.tp)
@@ -109,7 +110,7 @@ class ParallelPipeline(Closeable):
 
         def peer_args(r: int, link: PeerLink) -> tuple:
             branch = functools.partial(
-                BranchRank, layout=layout, rank=r, max_loras=kwargs.get("max_loras", DEFAULT_MAX_LOADED)
+                BranchRank, layout=layout, rank=r, max_loras=max_loras, max_lora_rank=max_lora_rank
             )
             return (
                 r,
@@ -127,8 +128,9 @@ class ParallelPipeline(Closeable):
         def load_local() -> VideoPipeline:
             sp = layout.branch_group(0)  # collective: with the peers' own calls, before any rank loads
             local = VideoPipeline.from_pretrained(
-                root, device=devices[0], dtype=dtype, kernels=kernels, tp=layout.tp_group(0), **kwargs
-            )
+                root, device=devices[0], dtype=dtype, kernels=kernels, tp=layout.tp_group(0), max_loras=max_loras,
+                max_lora_rank=max_lora_rank, **kwargs,
+            )  # fmt: skip
             local.sp = sp
             return local
 

@@ -8,9 +8,10 @@ parallelism its transformer holds 1/T of every weight, and prefill and forward a
 runs at the same time); the first rank
 of the uncond group sends the uncond velocities (video, then sound, per CFG request in plan order) to rank
 0. "lora" loads a request's unmerged adapter before its prefill and answers rank 0 (None, or why it could not:
-rank 0 then fails that request alone). "release" drops a request's caches. Started by runner/peers.py `peer_worker_main`, which handles errors
-and shutdown: it builds the BranchRank right after joining the world (its Ulysses group is created with every
-rank's, before any of them loads), then loads the transformer into it.
+rank 0 then fails that request alone); its cache is made with rank 0's --max-lora-rank, so the adapter a peer
+reads is held to the bound rank 0's was. "release" drops a request's caches. Started by runner/peers.py
+`peer_worker_main`, which handles errors and shutdown: it builds the BranchRank right after joining the world
+(its Ulysses group is created with every rank's, before any of them loads), then loads the transformer into it.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ class BranchRank:
     """A peer's model (whole, or its tensor-parallel slices), branch, Ulysses group and per-request und caches."""
 
     def __init__(
-        self, device: torch.device, layout: ParallelLayout, rank: int, max_loras: int = DEFAULT_MAX_LOADED
-    ):
+        self, device: torch.device, layout: ParallelLayout, rank: int, max_loras: int = DEFAULT_MAX_LOADED,
+        max_lora_rank: int | None = None,
+    ):  # fmt: skip
         self.device = device
         self.layout, self.rank = layout, rank
         self.branch = layout.branch(rank)
         self.caches: dict[str, list] = {}
-        self.max_loras = max_loras
+        # (rank 0's bounds: --max-cpu-loras, --max-lora-rank; the cache is made with them in `load`)
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.loras: LoraCache | None = None  # (made with the transformer it loads adapters for)
         self.lora_of: dict[str, LoraWeights | None] = {}  # request id -> its adapter, as rank 0's
         self.sp: ParallelGroup = layout.branch_group(rank)  # collective: every rank, right after joining
@@ -55,7 +58,7 @@ class BranchRank:
     def load(self, transformer: Cosmos3Transformer) -> BranchRank:
         """Take the loaded transformer (whole, or this rank's tensor-parallel slices)."""
         self.transformer, self.config = transformer, transformer.config
-        self.loras = LoraCache(transformer, self.max_loras)
+        self.loras = LoraCache(transformer, self.max_loras, self.max_lora_rank)
         return self
 
     def _loaded(self) -> tuple[Cosmos3Transformer, LoraCache]:

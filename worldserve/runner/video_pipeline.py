@@ -105,10 +105,10 @@ class VideoPipeline(Closeable):
 
     def __init__(
         self, transformer: Cosmos3Transformer, vae: VideoVAE, audio_vae: AudioVAE | None, encoder: PromptEncoder,
-        device: str | torch.device, max_loras: int = DEFAULT_MAX_LOADED,
+        device: str | torch.device, max_loras: int = DEFAULT_MAX_LOADED, max_lora_rank: int | None = None,
     ) -> None:  # fmt: skip
         self.transformer = transformer
-        self.loras = LoraCache(transformer, max_loras)
+        self.loras = LoraCache(transformer, max_loras, max_lora_rank)
         self.vae = vae
         self.audio_vae = audio_vae
         self.encoder = encoder
@@ -127,6 +127,7 @@ class VideoPipeline(Closeable):
         tp: ParallelGroup = SINGLE,
         max_loras: int = DEFAULT_MAX_LOADED,
         *,
+        max_lora_rank: int | None = None,
         revision: str | None = None,
     ) -> VideoPipeline:
         """Load transformer, VAE, audio VAE (when the checkpoint has one) and tokenizer from a checkpoint.
@@ -140,7 +141,9 @@ class VideoPipeline(Closeable):
         loading. The compiled VAE decoder follows `kernels.compile`; under layerwise offload (memory is short)
         it decodes with plain Conv3d calls (the Winograd convs' transformed frames add ~6.4 GiB to a 720p
         decode's peak). `tp`: this rank's tensor-parallel group (ParallelPipeline; every rank of it must then
-        run the same transformer calls). `max_loras`: LoRA adapters kept read in host memory (runner/lora_cache.py)."""
+        run the same transformer calls). `max_loras`: LoRA adapters kept read in host memory; `max_lora_rank`:
+        the highest module rank of an adapter its requests may name (--max-lora-rank; None: no bound; runner/
+        lora_cache.py)."""
         root = resolve_model(None if path is None else str(path), revision)
         layout = read_layout(root)
         dev: torch.device = torch.device(device) if device is not None else default_device()
@@ -160,7 +163,7 @@ class VideoPipeline(Closeable):
         audio_vae = None
         if layout.has_sound:
             audio_vae = AudioVAE.from_pretrained(root / "sound_tokenizer", dtype=dtype, device=dev)
-        return cls(transformer, vae, audio_vae, prompts, dev, max_loras)
+        return cls(transformer, vae, audio_vae, prompts, dev, max_loras, max_lora_rank)
 
     # ------------------------------------------------------------------ VideoBackend
     @property
@@ -185,7 +188,7 @@ class VideoPipeline(Closeable):
 
     def validate(self, params: VideoParams) -> VideoParams:
         """Field checks plus model checks (sound available, prompts within max_sequence_length, a LoRA adapter
-        that fits the transformer)."""
+        that fits the transformer and --max-lora-rank, at a scale of 0 too: headers only)."""
         params.validate()
         self.loras.check(params.lora)
         if self.sound_enabled(params):
