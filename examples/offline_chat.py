@@ -1,5 +1,6 @@
 """Chat with the Cosmos3 Reasoner in your own process with `worldserve.Engine`: a text question answered
-whole (`Engine.chat`), then a question about an image streamed as it is sampled (`Engine.stream_chat`).
+whole (`Engine.chat`), the same question sampled several times at once (`n`), then a question about an image
+streamed as it is sampled (`Engine.stream_chat`).
 
 Run it as it is (the embedded tiny random checkpoint: seconds on a CPU, its answers are random tokens):
 
@@ -41,6 +42,9 @@ def parse_args() -> argparse.Namespace:
         help="0 is greedy (default: the checkpoint's generation_config.json)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--samples", type=int, default=3, help="answers sampled at once for the text question (n; 1 to 16)"
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     return parser.parse_args()
 
@@ -74,6 +78,15 @@ def main() -> None:
             f"({answer.finish_reason}; {answer.usage.prompt_tokens} prompt + "
             f"{answer.usage.completion_tokens} completion tokens)"
         )
+
+        # 1b. n answers to the same question, sampled together (one prefill, decoded as a batch; sample i
+        # seeded seed + i, as the HTTP route's n choices): `outputs` holds them all, usage counts the prompt
+        # once and every sample's tokens (n > 1 needs sampling: greedy answers would all be the same)
+        if args.samples > 1 and args.temperature != 0:
+            several = engine.chat(args.question, n=args.samples, **sampling)
+            for sample in several.outputs:
+                print(f"sample {sample.index}: {sample.text!r} ({sample.finish_reason})")
+            print(f"({len(several.outputs)} samples; {several.usage.completion_tokens} completion tokens)")
 
         # 2. image + text, streamed: the image part is what the HTTP route takes (a data: URL here; a
         # {"type": "image_pil", "image_pil": PIL.Image} part works too)

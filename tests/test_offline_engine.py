@@ -32,6 +32,17 @@ def engine(tiny_ckpt):
         yield engine
 
 
+@pytest.fixture(scope="module")
+def served(engine):
+    """What `worldserve serve` loads for the engine's options (serve_backend.load_backend: (the video
+    pipeline, a memory reader, the Reasoner)), loaded on its own: the routes the tests compare with answer
+    from it, as a server would (not from the Engine's own model)."""
+    from worldserve.commands.serve_backend import load_backend
+
+    config = engine.config
+    return load_backend(config.model, config.parallel, config.scheduler, config.reasoner, config.lora)
+
+
 def test_text_and_image_to_video_mp4s(engine, tmp_path):
     """T2V and I2V (the image as an array and as PNG bytes) give MP4s with H.264 and AAC 48 kHz stereo, the
     seed and stage timings reported, `save` writing the same bytes."""
@@ -55,22 +66,22 @@ def test_text_and_image_to_video_mp4s(engine, tmp_path):
     assert from_array.params.image is not None and from_array.params.image.shape == first.shape
 
 
-def test_mp4_is_the_servers_for_the_same_request(engine, tmp_path):
-    """The Engine's MP4 is byte for byte what POST /v1/videos/sync answers for the same fields on the same
-    pipeline: the same params, encoder and encode options."""
+def test_mp4_is_the_servers_for_the_same_request(engine, served, tmp_path):
+    """The Engine's MP4 is byte for byte what POST /v1/videos/sync answers for the same fields from the
+    pipeline a server loads for the same options: the same params, encoder and encode options."""
     import asyncio
 
     from serving_helpers import asgi_server
 
-    async def served() -> bytes:
-        async with asgi_server(tmp_path, backend=engine._parts.backend, real_encoder=True) as http:
+    async def sync_route() -> bytes:
+        async with asgi_server(tmp_path, backend=served[0], real_encoder=True) as http:
             fields = {"prompt": "a cat", "size": "64x64", "num_frames": "5", "num_inference_steps": "2",
                       "fps": "8", "seed": "5"}  # fmt: skip
             r = await http.post("/v1/videos/sync", data=fields)
             assert r.status_code == 200, r.text
             return r.content
 
-    assert engine.generate_video("a cat", seed=5, **TINY).video == asyncio.run(served())
+    assert engine.generate_video("a cat", seed=5, **TINY).video == asyncio.run(sync_route())
 
 
 def test_chat_and_stream_chat(engine):
@@ -80,6 +91,8 @@ def test_chat_and_stream_chat(engine):
     answer = engine.chat(messages, max_tokens=6, temperature=0)
     assert answer.finish_reason == "length" and answer.usage.completion_tokens == 6
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + 6 and len(answer.token_ids) == 6
+    # (one sample: outputs holds it, text & co. are its own)
+    assert [(c.index, c.text, c.token_ids) for c in answer.outputs] == [(0, answer.text, answer.token_ids)]
     pieces = list(engine.stream_chat(messages, max_tokens=6, temperature=0))
     assert "".join(pieces) == answer.text and len(pieces) > 1
 
@@ -120,6 +133,8 @@ def test_threads_run_in_the_engine_together(engine):
         results[i] = engine.generate_video(f"prompt {i}", seed=i, **TINY)
 
     threads = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
+    # (private: holding the engine's model is the only way, short of a timing race, to keep both requests
+    # unfinished while num_unfinished_requests, the public count, is read; the Engine offers no such hook)
     model_lock = engine._parts.client.engine.model_lock
     with model_lock:  # (the engine's model calls wait)
         for t in threads:
@@ -160,9 +175,82 @@ def test_bad_inputs_name_the_field(engine):
         broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         engine.chat([{"role": "user", "content": [broken]}])
     assert bad.value.param == "messages[0].content[0].image_url"
-    with pytest.raises(ParamError) as bad:
+    with pytest.raises(ParamError, match=r"n=2: stream_chat yields one answer's text.*chat\(\)") as bad:
         list(engine.stream_chat("hi", n=2))
     assert bad.value.param == "n"
+
+
+def test_n_and_best_of_refusals(engine):
+    """n past the route's 1..16, or n > 1 greedy, is the route's ParamError naming `n` (with a ChatParams too:
+    its temperature decides); best_of is refused with what to do instead; n beside a ChatParams is no
+    sampling field dropped in silence, other fields still are refused."""
+    from worldserve import ChatParams, ParamError
+    from worldserve.offline.outputs import ChatOutput, ChatUsage
+
+    for fields in ({"n": 17}, {"n": 0}, {"n": 2, "temperature": 0}):
+        with pytest.raises(ParamError) as bad:
+            engine.chat("hi", max_tokens=2, **fields)
+        assert bad.value.param == "n", fields
+    for n in (17, 2):
+        with pytest.raises(ParamError, match="greedy" if n == 2 else "between 1 and 16") as bad:
+            engine.chat("hi", ChatParams(max_tokens=2, temperature=0.0), n=n)
+        assert bad.value.param == "n"
+    with pytest.raises(ParamError, match="pass n and choose among") as bad:
+        engine.chat("hi", best_of=2)
+    assert bad.value.param == "best_of"
+    with pytest.raises(TypeError, match=r"got params and max_tokens\)"):
+        engine.chat("hi", ChatParams(max_tokens=2), max_tokens=3, n=2)
+    with pytest.raises(ValueError, match="at least one sample"):
+        ChatOutput(outputs=(), usage=ChatUsage(prompt_tokens=1, completion_tokens=0))
+    assert engine.num_unfinished_requests == 0
+
+
+def test_n_samples_are_the_chat_routes_choices(engine, served, tmp_path):
+    """chat(n=3, seed=11) gives byte for byte the choices POST /v1/chat/completions answers for the same body
+    (sample i seeded seed + i, on a server's own load of the same options): their texts, endings and token
+    ids in index order, `text` & co. the first's, the route's usage (the prompt once, every sample's tokens).
+    A list of conversations gives each one the route's choices; n beside a ChatParams the same samples."""
+    import asyncio
+
+    from serving_helpers import asgi_server
+
+    from worldserve import ChatParams
+
+    fields = {"max_tokens": 5, "temperature": 1.0, "seed": 11, "n": 3, "return_token_ids": True}
+    fox = [{"role": "user", "content": "Describe a fox."}]
+    cat = [{"role": "user", "content": "Describe a cat."}]
+
+    async def chat_route() -> list[dict]:
+        async with asgi_server(tmp_path, backend=served[0], chat_backend=served[2]) as http:
+            answers = []
+            for messages in (fox, cat):
+                r = await http.post("/v1/chat/completions", json={"messages": messages, **fields})
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+            return answers
+
+    def choices(answer: dict) -> list[tuple]:
+        return [(c["index"], c["message"]["content"], c["finish_reason"], c["stop_reason"], tuple(c["token_ids"]))
+                for c in answer["choices"]]  # fmt: skip
+
+    def samples(output) -> list[tuple]:
+        return [(c.index, c.text, c.finish_reason, c.stop_reason, c.token_ids) for c in output.outputs]
+
+    routed = asyncio.run(chat_route())
+    out = engine.chat(fox, **fields)
+    assert samples(out) == choices(routed[0]) and len(out.outputs) == 3
+    assert len({c.token_ids for c in out.outputs}) == 3  # (three samples, not one thrice)
+    # (text & co.: the first sample's)
+    assert (out.text, out.finish_reason, out.stop_reason, out.token_ids) == samples(out)[0][1:]
+    counts = (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens)
+    assert counts == tuple(
+        routed[0]["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    )
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in out.outputs)
+    batch = engine.chat([fox, cat], **fields)
+    assert [samples(answer) for answer in batch] == [choices(answer) for answer in routed]
+    sampling = ChatParams(max_tokens=5, temperature=1.0, seed=11)
+    assert engine.chat(fox, sampling, n=3).outputs == out.outputs
 
 
 def test_unknown_options_are_refused_before_loading():

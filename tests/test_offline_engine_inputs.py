@@ -118,6 +118,8 @@ def test_a_failing_conversation_cancels_the_rest_of_its_batch(engine):
         def on_chat_generated(self, tokens: int) -> None:
             Tokens.generated += tokens
 
+    # (private: a cancelled chat returns nothing, and the Engine has no metrics; the chat worker's observer
+    # is the only count of the tokens it made before it stopped, short of a timing assertion)
     worker = engine._parts.client.chat_worker
     worker.observer = Tokens()
     local = {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}

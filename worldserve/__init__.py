@@ -28,12 +28,13 @@ _LAZY = {
     "ChatParams": "worldserve.chat_params",
     "VideoOutput": "worldserve.offline.outputs",
     "ChatOutput": "worldserve.offline.outputs",
+    "ChatChoice": "worldserve.offline.outputs",
     "VideoPipeline": "worldserve.runner.video_pipeline",
     "resolve_model": "worldserve.weights.checkpoint",
     "CheckpointError": "worldserve.weights.checkpoint",
 }
 __all__ = [
-    "ChatOutput", "ChatParams", "CheckpointError", "Engine", "EngineConfig", "ParamError", "VideoOutput", "VideoParams",
+    "ChatChoice", "ChatOutput", "ChatParams", "CheckpointError", "Engine", "EngineConfig", "ParamError", "VideoOutput", "VideoParams",
     "VideoPipeline", "resolve_model", "__version__",
 ]  # fmt: skip
 

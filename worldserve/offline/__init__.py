@@ -6,6 +6,6 @@ it pulls in torch)."""
 from __future__ import annotations
 
 from worldserve.offline.engine import Engine
-from worldserve.offline.outputs import ChatOutput, ChatUsage, VideoOutput
+from worldserve.offline.outputs import ChatChoice, ChatOutput, ChatUsage, VideoOutput
 
-__all__ = ["ChatOutput", "ChatUsage", "Engine", "VideoOutput"]
+__all__ = ["ChatChoice", "ChatOutput", "ChatUsage", "Engine", "VideoOutput"]

@@ -11,6 +11,9 @@ way (vllm/entrypoints/chat_utils.py). A bad field is a ParamError (a ValueError)
 (`messages[0].content[1].image_url`, `temperature`). A whole ChatParams may be passed instead of sampling
 fields: its sampling is used as it is, the messages still read here.
 
+`n` (1 to 16) samples a conversation n times, as the route's `n` choices: started together (one prefill,
+batched decode), sample i seeded seed + i, so a seeded call gives the route's choices byte for byte. `best_of`
+is refused (REFUSED_FIELDS), and so is n > 1 in a stream (one text stream cannot carry n answers).
 `chat_answer` runs one chat to its ChatOutput on the engine's loop, `chat_answers` a batch of them (vLLM's
 list of conversations) together: the first failure, or an interrupt of the caller, cancels the rest.
 """
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from worldserve.chat_params import ChatParams
 from worldserve.engine.client import ChatDelta, ChatEvents, ChatFailed, ChatStarted, EngineClient
-from worldserve.offline.outputs import ChatOutput, ChatUsage
+from worldserve.offline.outputs import ChatChoice, ChatOutput, ChatUsage
 from worldserve.param_errors import ParamError
 
 if TYPE_CHECKING:
@@ -35,10 +38,16 @@ REFUSED_FIELDS = {
     "stream": "use stream_chat() for a streamed answer",
     "stream_options": "use stream_chat() for a streamed answer",
     "model": "the Engine serves one model",
-    "n": "one answer a call: call chat() again (each with its own seed) for more",
+    "best_of": "every sample is returned: pass n and choose among the ChatOutput's outputs (vLLM's V1 dropped "
+    "best_of for the same; the chat route takes none)",
     "timeout": "a chat takes no timeout: bound it with max_tokens (or leave a stream_chat early)",
 }
-"""Chat completion fields with no meaning for one offline call, and what to do instead."""
+"""Fields with no meaning for an offline call (the chat completion's; vLLM's best_of), and what to do instead."""
+
+STREAMED_SAMPLES = (
+    "stream_chat yields one answer's text: for n samples call chat(), whose outputs hold them all"
+)
+"""Why stream_chat refuses n > 1."""
 
 
 def chat_state(client: EngineClient, config: EngineConfig) -> AppState:
@@ -111,29 +120,35 @@ def _pil_parts(message: Any) -> Any:
     return {**message, "content": parts}
 
 
-async def start_chat(
+async def start_chats(
     st: AppState, body: Any, params: ChatParams | None, *, coalesce: bool
-) -> tuple[ChatParams, ChatEvents]:
-    """On the client's loop: the route's checks and ChatParams (api/chat.py chat_choices: media fetched and
-    decoded, the prompt built; `params` given: its sampling over the messages read here), then the chat
-    started on the worker; (its params, its events). ParamError naming a bad field."""
-    from worldserve.api.chat import chat_choices, check_rendered_prompt, sent_budget
+) -> list[ChatEvents]:
+    """On the client's loop: the route's checks and ChatParams of the body's `n` samples (api/chat.py
+    chat_choices: media fetched and decoded, the prompt built, sample i seeded seed + i; `params` given: its
+    sampling over the messages read here, its `n` samples made the same way), then all started together on
+    the worker (one prefill of their shared prompt, decoded batched); their events, in index order. ParamError
+    naming a bad field."""
+    from worldserve.api.chat import MAX_CHOICES, chat_choices, check_rendered_prompt, sent_budget
     from worldserve.api.context_fit import check_output_budget
     from worldserve.api.errors import APIError
 
     try:
         check_output_budget(*sent_budget(body), st.max_model_len)
-        choices, _ = await chat_choices(st, body)
-        chosen = choices[0]
         if params is None:
-            check_rendered_prompt(body, chosen, st.max_model_len)
+            choices, _ = await chat_choices(st, body)
+            check_rendered_prompt(body, choices[0], st.max_model_len)
         else:  # (its own tools / template options: the worker builds its prompt)
-            chosen = dataclasses.replace(params, messages=chosen.messages, prebuilt=None).validate()
+            if not 1 <= body.n <= MAX_CHOICES:
+                raise ParamError("n", f"n must be between 1 and {MAX_CHOICES}, got {body.n}")
+            # (n=1 here: whether n > 1 may sample is the ChatParams' temperature's to say, not the defaults')
+            read, _ = await chat_choices(st, body.model_copy(update={"n": 1}))
+            chosen = dataclasses.replace(params, messages=read[0].messages, prebuilt=None).validate()
+            choices = chosen.request_choices(body.n)
     except APIError as exc:
         if exc.status != 400:
             raise RuntimeError(exc.message) from None
         raise ParamError(exc.param or "messages", exc.message) from None
-    return chosen, st.client.chat_many([chosen], coalesce=coalesce)[0]
+    return st.client.chat_many(choices, coalesce=coalesce)
 
 
 async def next_event(events: ChatEvents) -> ChatStarted | ChatDelta | None:
@@ -150,28 +165,39 @@ async def next_event(events: ChatEvents) -> ChatStarted | ChatDelta | None:
 
 
 async def chat_answer(st: AppState, body: Any, params: ChatParams | None) -> ChatOutput:
-    """On the client's loop: one whole chat (start_chat, then its events to the last) as a ChatOutput. A
-    cancellation (the caller interrupted; a chat of the same batch failed) cancels the chat at its next step."""
-    _, events = await start_chat(st, body, params, coalesce=True)
+    """On the client's loop: one whole chat (start_chats, then each sample's events to the last) as a
+    ChatOutput: its samples in index order, the prompt counted once and their completion tokens summed (the
+    route's usage; cached tokens as the first sample, which prefilled the prompt, found them). A cancellation
+    (the caller interrupted; a chat of the same batch failed) or a failed sample stops every sample at its
+    next step."""
+    streams = await start_chats(st, body, params, coalesce=True)
+    try:
+        samples = [await _run_sample(index, events) for index, events in enumerate(streams)]
+    finally:
+        for events in streams:  # (those already ended: nothing to stop)
+            await events.aclose()
+    first = samples[0][0]
+    usage = ChatUsage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(n for _, _, n in samples),
+                      cached_tokens=first.cached_tokens)  # fmt: skip
+    return ChatOutput(outputs=tuple(choice for _, choice, _ in samples), usage=usage)
+
+
+async def _run_sample(index: int, events: ChatEvents) -> tuple[ChatStarted, ChatChoice, int]:
+    """Sample `index`'s ChatStarted, its ChatChoice (its deltas joined: ChatDelta.joined) and its completion
+    tokens."""
     started: ChatStarted | None = None
     deltas: list[ChatDelta] = []
-    try:
-        while (event := await next_event(events)) is not None:
-            if isinstance(event, ChatStarted):
-                started = event
-            else:
-                deltas.append(event)
-    finally:
-        if not deltas or deltas[-1].finish_reason is None:
-            await events.aclose()
-    last = ChatDelta.joined(deltas) if deltas else None
-    assert started is not None and last is not None and last.finish_reason is not None
-    return ChatOutput(
-        text=last.text, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-        usage=ChatUsage(prompt_tokens=started.prompt_tokens, completion_tokens=last.completion_tokens,
-                        cached_tokens=started.cached_tokens),
-        token_ids=last.token_ids,
-    )  # fmt: skip
+    while (event := await next_event(events)) is not None:
+        if isinstance(event, ChatStarted):
+            started = event
+        else:
+            deltas.append(event)
+    assert started is not None and deltas, "a chat's events end with a finished delta"
+    last = ChatDelta.joined(deltas)
+    assert last.finish_reason is not None
+    choice = ChatChoice(index=index, text=last.text, finish_reason=last.finish_reason,
+                        stop_reason=last.stop_reason, token_ids=last.token_ids)  # fmt: skip
+    return started, choice, last.completion_tokens
 
 
 async def chat_answers(

@@ -11,9 +11,9 @@ the video pipeline, the startup warm-up shapes, the Reasoner sharing the transfo
 in the engine, each getting its own result.
 
 - `generate_video(prompt | VideoParams, **fields) -> VideoOutput` (offline/video_requests.py);
-- `chat(messages, params=None, **sampling) -> ChatOutput` (a list of conversations: a list of them) and
-  `stream_chat(...)` yielding the text as it is sampled (offline/chat_requests.py: the HTTP route's own
-  parsing and checks);
+- `chat(messages, params=None, **sampling) -> ChatOutput` (a list of conversations: a list of them; `n`
+  samples each: `ChatOutput.outputs`) and `stream_chat(...)` yielding one sample's text as it is sampled
+  (offline/chat_requests.py: the HTTP route's own parsing and checks);
 - `close()`: stops the engine, the chat worker and a multi-GPU pipeline's peer processes; idempotent, also
   `with Engine(...) as engine:`. An engine never closed is stopped when it is collected or at the
   interpreter's exit, without waiting for its requests.
@@ -37,13 +37,14 @@ from worldserve.closeable import Closeable
 from worldserve.config import EngineConfig
 from worldserve.engine.client import ChatDelta, ChatStarted, EncodeOptions, EngineClient
 from worldserve.offline.chat_requests import (
+    STREAMED_SAMPLES,
     chat_answer,
     chat_answers,
     chat_state,
     is_conversation_batch,
     next_event,
     request_body,
-    start_chat,
+    start_chats,
 )
 from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
@@ -150,9 +151,13 @@ class Engine(Closeable):
         """The Reasoner's answer to `messages` (OpenAI chat messages; a string: one user turn), sampled with
         the chat completion fields in `sampling` (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`,
         `response_format`, ...; left out: the checkpoint's generation config, as the server's) or a whole
-        ChatParams (not both: a TypeError). Images and videos as the HTTP route takes them: `image_url` /
-        `video_url` parts with a base64 `data:` URL, a `file://` path under `allowed_local_media_path`, or an
-        http(s) URL; and vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`.
+        ChatParams (not both: a TypeError; `n` goes with either). Images and videos as the HTTP route takes
+        them: `image_url` / `video_url` parts with a base64 `data:` URL, a `file://` path under
+        `allowed_local_media_path`, or an http(s) URL; and vLLM's `{"type": "image_pil", "image_pil": PIL.Image}`.
+
+        `n=k` (1 to 16; not with greedy sampling) samples the answer k times, as the route's `n` choices (one
+        prefill, decoded batched; sample i seeded seed + i): `ChatOutput.outputs` holds them in order, its
+        `text` & co. are the first's, its usage counts the prompt once and every sample's tokens.
 
         A list of conversations (each a list of messages) is a batch, as vLLM's `LLM.chat` takes: all are
         checked first (ParamError naming `messages[i]...`), then run together on the engine's loop (batched
@@ -166,8 +171,9 @@ class Engine(Closeable):
     def stream_chat(
         self, messages: str | Sequence[Mapping[str, Any]], params: ChatParams | None = None, **sampling: Any
     ) -> Iterator[str]:
-        """`chat`, its text yielded piece by piece as it is sampled. Closing the iterator early (a `break`)
-        cancels the chat at its next step. The request is checked when iteration starts."""
+        """`chat`, its text yielded piece by piece as it is sampled (one sample: n > 1 is a ParamError naming
+        `n`). Closing the iterator early (a `break`) cancels the chat at its next step. The request is checked
+        when iteration starts."""
         for event in self._events(messages, params, sampling):
             if isinstance(event, ChatDelta) and event.text:
                 yield event.text
@@ -195,10 +201,12 @@ class Engine(Closeable):
         """The open engine's parts and its chat route state, or the error of a call that cannot chat."""
         if params is not None and not isinstance(params, ChatParams):
             raise TypeError(f"params must be a ChatParams, got {type(params).__name__}")
-        if params is not None and sampling:
+        # (n is the request's, not a sampling field: the ChatParams' samples are made with it)
+        dropped = [name for name in sampling if name != "n"]
+        if params is not None and dropped:
             # (the ChatParams' sampling is used as it is: the fields would have been dropped in silence)
             raise TypeError(
-                f"pass sampling fields or a ChatParams, not both (got params and {', '.join(sampling)})"
+                f"pass sampling fields or a ChatParams, not both (got params and {', '.join(dropped)})"
             )
         parts = self._open()
         if self._chat_state is None:
@@ -214,7 +222,9 @@ class Engine(Closeable):
         if is_conversation_batch(messages):
             raise ParamError("messages", "stream_chat takes one conversation: chat() takes a list of them")
         body = request_body(messages, sampling)
-        _, events = parts.loop.run(start_chat(state, body, params, coalesce=False))
+        if body.n > 1:
+            raise ParamError("n", f"n={body.n}: {STREAMED_SAMPLES}")
+        (events,) = parts.loop.run(start_chats(state, body, params, coalesce=False))
         finished = False
         try:
             while (event := parts.loop.run(next_event(events))) is not None:

@@ -1,7 +1,7 @@
 """What the offline Engine's calls return: `VideoOutput` (the MP4 a video request made, as the server writes it,
-with its seed and stage timings) and `ChatOutput` (a Reasoner answer's text, finish reason and token usage, as
-vLLM's `RequestOutput` / an OpenAI chat completion's choice and usage carry them). Plain frozen dataclasses: no
-torch, nothing to release.
+with its seed and stage timings) and `ChatOutput` (a Reasoner answer's samples, `ChatChoice`s: text, finish
+reason, token ids; and their token usage, as vLLM's `RequestOutput` / an OpenAI chat completion's choices and
+usage carry them). Plain frozen dataclasses: no torch, nothing to release.
 """
 
 from __future__ import annotations
@@ -57,14 +57,50 @@ class ChatUsage:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ChatOutput:
+class ChatChoice:
+    """One sample of a chat (vLLM's `CompletionOutput`, an OpenAI chat completion's choice)."""
+
+    index: int
+    """Its place among the call's `n` samples (0 first); with a seed, sample i draws with seed + i, as the HTTP
+    route's choice i does."""
     text: str
     """The answer as the model wrote it (thoughts and tool-call tags included: no parser runs here, as in
     vLLM's `LLM.chat`)."""
     finish_reason: str
     """"stop" (an end token or a stop string) or "length" (max_tokens or the context)."""
-    usage: ChatUsage
     stop_reason: str | int | None = None
     """With finish_reason "stop": the stop string or stop token id that ended it; None for an end token."""
     token_ids: tuple[int, ...] = ()
     """The completion's token ids."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatOutput:
+    """A chat's answer: every sample (`outputs`, `n` of them) and the usage of them all, as vLLM's
+    `RequestOutput` holds its `CompletionOutput`s. `text`, `finish_reason`, `stop_reason` and `token_ids` are
+    the first sample's (all there is with n=1)."""
+
+    outputs: tuple[ChatChoice, ...]
+    """The samples in index order (one unless `n` was given)."""
+    usage: ChatUsage
+    """The prompt counted once, the completion tokens of every sample summed (OpenAI's usage for n > 1)."""
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            raise ValueError("a ChatOutput holds at least one sample")
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
