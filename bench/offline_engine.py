@@ -5,7 +5,7 @@ steps: the step itself is `worldserve bench`'s), against a random full-size Nano
 (bench/parallel_step.py `write_random_checkpoint`): the Engine's load (the server's: pipeline, warm-up,
 Reasoner sharing the und tower), `generate_video` text-to-video and image-to-video with each MP4 decoded back
 (H.264 frames, AAC 48 kHz stereo samples), `chat` (one conversation, then a batch of 8 together), `stream_chat`
-(time to the first piece). Prints a short table last; `--out` writes the JSON.
+(time to the first piece), `chat(n=4)`. Prints a short table last; `--out` writes the JSON.
 
     PYTHONPATH=. python bench/offline_engine.py --random-nano /tmp/nano-random --steps 2 --out $OUT/offline.json
     PYTHONPATH=. python bench/offline_engine.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/o.json  # CPU
@@ -97,6 +97,15 @@ def main() -> None:
         tokens = sum(a.usage.completion_tokens for a in answers)
         result["chat_batch8"] = {"seconds": took, "completion_tokens": tokens}
         rows.append(("chat, 8 conversations together", f"{took:.2f} s, {tokens / took:.0f} tok/s"))
+        t = time.perf_counter()
+        sampled = engine.chat(
+            "Name an animal of the snow.", n=4, max_tokens=args.max_tokens, temperature=0.8, seed=1
+        )
+        took = time.perf_counter() - t
+        result["chat_n4"] = {"seconds": took, "completion_tokens": sampled.usage.completion_tokens,
+                             "distinct_texts": len({o.text for o in sampled.outputs})}  # fmt: skip
+        rows.append(("chat, n=4 samples", f"{took:.2f} s, {len(sampled.outputs)} samples, "
+                     f"{result['chat_n4']['distinct_texts']} distinct"))  # fmt: skip
         t, first = time.perf_counter(), None
         pieces = 0
         for _ in engine.stream_chat("Describe snow.", max_tokens=args.max_tokens, temperature=0):
