@@ -112,8 +112,9 @@ def main() -> None:
             first = first if first is not None else time.perf_counter() - t
             pieces += 1
         result["stream_chat"] = {"first_piece_s": first, "seconds": time.perf_counter() - t, "pieces": pieces}
+        shown = "no piece (an end token first)" if first is None else f"{first:.3f} s"
         rows.append(
-            ("stream_chat, first piece / whole", f"{first:.3f} / {result['stream_chat']['seconds']:.2f} s")
+            ("stream_chat, first piece / whole", f"{shown} / {result['stream_chat']['seconds']:.2f} s")
         )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
