@@ -97,7 +97,12 @@ def test_a_list_of_conversations_is_answered_as_a_list(engine):
     ]
     with pytest.raises(ParamError) as bad:
         engine.chat([first, [{"content": "no role"}]], max_tokens=4)
-    assert bad.value.param == "messages[1][0].role"
+    assert (bad.value.param, str(bad.value)) == ("messages[1][0].role", "messages[1][0].role: Field required")
+    # a sampling field is every conversation's: named as it is (it had been `messages[0]temperature`)
+    for fields, name in (({"temperature": -1}, "temperature"), ({"max_tokenz": 3}, "max_tokenz")):
+        with pytest.raises(ParamError) as bad:
+            engine.chat([first, second], **fields)
+        assert bad.value.param == name
     with pytest.raises(ParamError) as bad:
         next(engine.stream_chat([first, second]))
     assert bad.value.param == "messages"

@@ -133,7 +133,9 @@ class VideoParams:
     flow_shift: float | None = None
     """None: 10 / 5 / 3 by resolution tier."""
     seed: int = 42
-    """Initial-noise seed; the same seed gives the same output whatever else is batched."""
+    """Initial-noise seed: the same seed gives the same noise whatever else is batched, and the same output up
+    to a batched forward's rounding (another batch size picks other GEMM kernels: ~1e-5 in float32 latents, a
+    level or so in a few pixels)."""
     generate_sound: bool | None = None
     """None: on for a video when the checkpoint has a sound tokenizer, off for an image (num_frames == 1, where
     True is a ParamError: a single frame has no sound)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -87,12 +87,19 @@ class Engine(EngineShutdown):
         self._thread.start()
 
     def add_request(self, request: Request) -> None:
+        self.add_requests((request,))
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue `requests` together: the loop takes them from the inbox in one piece, so same-shape ones
+        are admitted at the same step boundary and batch from their first step (added one by one, the loop
+        can wake between two and start the first alone)."""
         with self._cv:
-            if self._stopped and request.ephemeral:  # the loop is gone: nothing would ever run it
-                request.deliver(CancelledRequest(request.job_id, self._stop_reason))
-                return
-            self._inbox.append(request)
-            self._waiting_ids.add(request.job_id)
+            for request in requests:
+                if self._stopped and request.ephemeral:  # the loop is gone: nothing would ever run it
+                    request.deliver(CancelledRequest(request.job_id, self._stop_reason))
+                    continue
+                self._inbox.append(request)
+                self._waiting_ids.add(request.job_id)
             self._cv.notify()
 
     def abort(self, job_id: str) -> None:

@@ -60,10 +60,20 @@ class JoblessRequests:
         self, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None]
     ) -> tuple[Request, asyncio.Future[VideoResult]]:
         """Run one request whose frames go to `on_frames` while they are decoded (/v1/realtime/video;
-        `start_streamed`). QueueFullError / ShuttingDownError when it cannot be queued now. Its finish is
+        `streamed_request`). QueueFullError / ShuttingDownError when it cannot be queued now. Its finish is
         held for its session to report (the request's observer, a HeldFinish: delivered or not)."""
-        self._check_admission(1, "requests")
-        return start_streamed(self.engine, params, request_id, on_frames, HeldFinish(self.engine.observer))
+        return self.stream_many([(params, request_id, on_frames)])[0]
+
+    def stream_many(
+        self, items: Sequence[tuple[VideoParams, str, Callable[[VideoResult], None]]]
+    ) -> list[tuple[Request, asyncio.Future[VideoResult]]]:
+        """`stream` of each (params, request id, on_frames), queued together (Engine.add_requests: same-shape
+        ones batch from their first step; the offline Engine's lists). Admitted as a whole, or none is."""
+        self._check_admission(len(items), "requests")
+        started = [streamed_request(params, request_id, on_frames, HeldFinish(self.engine.observer))
+                   for params, request_id, on_frames in items]  # fmt: skip
+        self.engine.add_requests([request for request, _ in started])
+        return started
 
     async def admitted_upsampling(
         self, params: VideoParams, request_id: str, timeout_s: float, count: int = 1,
@@ -120,8 +130,7 @@ async def run_without_jobs(
     requests = [Request(job_id=request_id, params=params, arrival_time=now, on_result=_sink(loop, future),
                         observer=group)
                 for request_id, params, future in zip(ids, params_list, futures, strict=True)]  # fmt: skip
-    for request in requests:
-        engine.add_request(request)
+    engine.add_requests(requests)  # (together: the n images batch from their first step)
     gathered = asyncio.gather(*futures)
     try:
         return list(await asyncio.wait_for(gathered, timeout_s))
@@ -135,12 +144,12 @@ async def run_without_jobs(
         raise
 
 
-def start_streamed(
-    engine: Engine, params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None],
+def streamed_request(
+    params: VideoParams, request_id: str, on_frames: Callable[[VideoResult], None],
     observer: EngineObserver | None = None,
 ) -> tuple[Request, asyncio.Future[VideoResult]]:  # fmt: skip
-    """Queue one request whose frames go to `on_frames` as they are decoded (called in the engine's encode
-    pool with the result, its `frames` a FrameStream). Returns the request (its `steps_done` tells the
+    """A request whose frames go to `on_frames` as they are decoded (called in the engine's encode pool with
+    the result, its `frames` a FrameStream), not queued yet: the request (its `steps_done` tells the
     progress) and a future that settles on the caller's loop with the result once `on_frames` has returned,
     or with the exception that ended the request (CancelledRequest after `engine.abort(request_id)`)."""
     loop = asyncio.get_running_loop()
@@ -148,7 +157,6 @@ def start_streamed(
     future.add_done_callback(outcome_read)  # an aborted session leaves it unread: asyncio must not log that
     request = Request(job_id=request_id, params=params, arrival_time=time.monotonic(),
                       on_result=_sink(loop, future), on_frames=on_frames, observer=observer)  # fmt: skip
-    engine.add_request(request)
     return request, future
 
 

@@ -10,7 +10,8 @@ the video pipeline, the startup warm-up shapes, the Reasoner sharing the transfo
 (offline/loop_thread.py). Every call blocks its own thread only: calls from several threads run concurrently
 in the engine, each getting its own result.
 
-- `generate_video(prompt | VideoParams, **fields) -> VideoOutput` (offline/video_requests.py);
+- `generate_video(prompt | VideoParams, **fields) -> VideoOutput` (a list of them: a list, run together:
+  offline/video_requests.py);
 - `chat(messages, params=None, **sampling) -> ChatOutput` (a list of conversations: a list of them; `n`
   samples each: `ChatOutput.outputs`) and `stream_chat(...)` yielding one sample's text as it is sampled
   (offline/chat_requests.py: the HTTP route's own parsing and checks);
@@ -50,12 +51,22 @@ from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
 from worldserve.offline.options import engine_config
 from worldserve.offline.outputs import ChatOutput, VideoOutput
-from worldserve.offline.video_requests import check_timeout, run_video, video_params
+from worldserve.offline.video_requests import (
+    check_timeout,
+    is_request_list,
+    run_video,
+    run_videos,
+    video_params,
+    video_params_list,
+)
 from worldserve.param_errors import ParamError
 from worldserve.params import VideoParams
 
 MAX_BATCH_CHATS = 64
 """The most conversations of a batched chat() started at once (more wait their turn)."""
+BATCHES_IN_FLIGHT = 2
+"""A generate_video list keeps at most this many max_batch_size batches of its requests in the engine (queued
+or running): the next batch waits queued while one runs, the rest of the queue is left to other threads."""
 IDLE_STOP_S = 5.0
 """How long an idle engine stopped at exit may take to drain (it ends at once: nothing runs)."""
 
@@ -114,22 +125,48 @@ class Engine(Closeable):
             raise
 
     # -- video ----------------------------------------------------------------------------------------------
+    @typing.overload
     def generate_video(
         self, prompt: str | VideoParams, *, timeout: float | None = None, **fields: Any
-    ) -> VideoOutput:
+    ) -> VideoOutput: ...
+    @typing.overload
+    def generate_video(
+        self, prompt: Sequence[str | VideoParams], *, timeout: float | None = None, **fields: Any
+    ) -> list[VideoOutput]: ...
+    def generate_video(
+        self, prompt: Any, *, timeout: float | None = None, **fields: Any
+    ) -> VideoOutput | list[VideoOutput]:
         """One video (or image: num_frames=1) from `prompt` (text or Cosmos3's JSON prompt) or a VideoParams,
         with VideoParams fields by name (`width=1280, height=720, num_frames=189, num_inference_steps=35,
         guidance_scale=6.0, seed=42, fps=24, negative_prompt=..., generate_sound=...`; `image=` an array, PIL
         image, bytes or path for image-to-video; `video=` a uint8 (F, H, W, 3) clip for video-to-video);
         fields left out take the engine's `default_sampling_params`, then Cosmos3's defaults. Blocks until its
         MP4 is made; other threads' requests run meanwhile (same-shape ones batched up to max_batch_size).
-        `timeout` (seconds): TimeoutError after aborting it. ParamError naming a bad field."""
+        `timeout` (seconds): TimeoutError after aborting it. ParamError naming a bad field.
+
+        A list (of prompts and / or VideoParams) is a batch, as vLLM's `LLM.generate(prompts)` takes: the
+        fields apply to every item (a seed too: each item gets it, or the default 42, as a call of its own
+        does); all are checked first (ParamError naming `prompt[i]` or `prompt[i].<field>`, a keyword field
+        by its name), then queued together, same shapes next to each other so that they batch; the outputs
+        come as a list in their order, each byte for byte its own call's unless it shared a batched forward
+        (whose rounding can move a pixel by a level). The first to fail, `timeout` passing (it bounds the
+        whole list) or an interrupt aborts the others."""
         check_timeout(timeout)
         config = self.config
-        params = video_params(
-            prompt, fields, defaults=config.video.video_defaults, static_lora=config.lora.static_lora,
-            per_request_lora=config.lora.enable_lora,
-        )  # fmt: skip
+        static_lora, per_request_lora = config.lora.static_lora, config.lora.enable_lora
+        defaults = config.video.video_defaults
+        if is_request_list(prompt):
+            params_list = video_params_list(prompt, fields, defaults=defaults, static_lora=static_lora,
+                                            per_request_lora=per_request_lora)  # fmt: skip
+            parts = self._open()
+            if not params_list:
+                return []
+            scheduler = config.scheduler
+            at_once = min(BATCHES_IN_FLIGHT * scheduler.max_batch_size, scheduler.max_queued_requests)
+            batch = run_videos(parts.client, params_list, EncodeOptions(), at_once=at_once, keywords=fields)
+            return parts.loop.run(batch, timeout)
+        params = video_params(prompt, fields, defaults=defaults, static_lora=static_lora,
+                              per_request_lora=per_request_lora)  # fmt: skip
         parts = self._open()
         return parts.loop.run(run_video(parts.client, params, EncodeOptions()), timeout)
 
@@ -160,8 +197,8 @@ class Engine(Closeable):
         `text` & co. are the first's, its usage counts the prompt once and every sample's tokens.
 
         A list of conversations (each a list of messages) is a batch, as vLLM's `LLM.chat` takes: all are
-        checked first (ParamError naming `messages[i]...`), then run together on the engine's loop (batched
-        by the chat worker), answered as a list in their order; the first to fail, or an interrupt, cancels
+        checked first (ParamError naming `messages[i]...`; a bad sampling field by its name: every
+        conversation's), then run together on the engine's loop (batched by the chat worker), answered as a list in their order; the first to fail, or an interrupt, cancels
         the others."""
         parts, state = self._chat_parts(params, sampling)
         if is_conversation_batch(messages):
@@ -193,8 +230,14 @@ class Engine(Closeable):
             try:
                 bodies.append(request_body(conversation, sampling))
             except ParamError as exc:
-                inner = exc.param.removeprefix("messages")
-                raise ParamError(f"messages[{i}]{inner}", exc.message) from None
+                if not exc.param.startswith("messages"):  # a sampling field: every conversation's value
+                    raise
+                name = f"messages[{i}]{exc.param.removeprefix('messages')}"
+                # (the message names the field as found in the one conversation: the batch's name instead)
+                message = exc.message
+                if message.startswith(f"{exc.param}: "):
+                    message = name + message[len(exc.param) :]
+                raise type(exc)(name, message) from None
         return parts.loop.run(chat_answers(state, bodies, params, MAX_BATCH_CHATS))
 
     def _chat_parts(self, params: ChatParams | None, sampling: Mapping[str, Any]) -> tuple[_Parts, Any]:

@@ -20,7 +20,8 @@ class VideoOutput:
     params: VideoParams
     """The request as it ran (the engine's defaults filled in; its prompt the upsampled one, if asked)."""
     seconds: float
-    """Wall time from submission to the MP4 (queueing included)."""
+    """Wall time from submission to the MP4 (queueing included; an item of a list from when it was queued, the
+    list's checks before that not counted)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Per stage: prepare, diffuse (its steps together), decode (vae.decode, audio.decode), encode (the mux,
     overlapping the decode)."""
