@@ -145,6 +145,20 @@ def test_a_failing_conversation_cancels_the_rest_of_its_batch(engine):
     assert Tokens.generated < 1000
 
 
+def test_an_error_found_as_a_batched_conversation_starts_names_that_conversation(engine):
+    """chat([ok, bad]) where the second's file:// image is refused as it starts (its media read): the
+    ParamError names `messages[1][0]...` (conversation 1, its message 0), not the field as found inside the one
+    conversation (`messages[0]...`, conversation 0's name)."""
+    from worldserve import ParamError
+
+    local = {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}
+    bad = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, local]}]
+    ok = [{"role": "user", "content": "Hello"}]
+    with pytest.raises(ParamError) as error:
+        engine.chat([ok, bad], max_tokens=2)
+    assert error.value.param == "messages[1][0].content[1].image_url", error.value.param
+
+
 def test_sampling_fields_beside_a_chat_params_are_refused(engine):
     """chat(messages, ChatParams(...), max_tokens=5): a TypeError (the ChatParams' sampling was used and the
     fields dropped in silence: 2 tokens came for max_tokens=5); each alone still works."""

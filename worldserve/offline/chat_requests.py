@@ -200,6 +200,19 @@ async def _run_sample(index: int, events: ChatEvents) -> tuple[ChatStarted, Chat
     return started, choice, last.completion_tokens
 
 
+def conversation_error(index: int, exc: ParamError) -> ParamError:
+    """Conversation `index`'s error in a batch, said of it: a field of its messages is `messages[i]...`
+    (the message too, where it starts with the field); a sampling field, every conversation's value, keeps
+    its name."""
+    if not exc.param.startswith("messages"):
+        return exc
+    name = f"messages[{index}]{exc.param.removeprefix('messages')}"
+    message = exc.message
+    if message.startswith(f"{exc.param}: "):
+        message = name + message[len(exc.param) :]
+    return type(exc)(name, message)
+
+
 async def chat_answers(
     st: AppState, bodies: Sequence[Any], params: ChatParams | None, at_once: int
 ) -> list[ChatOutput]:
@@ -208,11 +221,14 @@ async def chat_answers(
     a cancellation of the whole (an interrupt in the caller)."""
     gate = asyncio.Semaphore(at_once)
 
-    async def one(body: Any) -> ChatOutput:
+    async def one(i: int, body: Any) -> ChatOutput:
         async with gate:
-            return await chat_answer(st, body, params)
+            try:
+                return await chat_answer(st, body, params)
+            except ParamError as exc:  # (found as it started: its media, its prompt's length)
+                raise conversation_error(i, exc) from None
 
-    tasks = [asyncio.ensure_future(one(body)) for body in bodies]
+    tasks = [asyncio.ensure_future(one(i, body)) for i, body in enumerate(bodies)]
     try:
         return list(await asyncio.gather(*tasks))
     finally:

@@ -42,6 +42,7 @@ from worldserve.offline.chat_requests import (
     chat_answer,
     chat_answers,
     chat_state,
+    conversation_error,
     is_conversation_batch,
     next_event,
     request_body,
@@ -230,14 +231,7 @@ class Engine(Closeable):
             try:
                 bodies.append(request_body(conversation, sampling))
             except ParamError as exc:
-                if not exc.param.startswith("messages"):  # a sampling field: every conversation's value
-                    raise
-                name = f"messages[{i}]{exc.param.removeprefix('messages')}"
-                # (the message names the field as found in the one conversation: the batch's name instead)
-                message = exc.message
-                if message.startswith(f"{exc.param}: "):
-                    message = name + message[len(exc.param) :]
-                raise type(exc)(name, message) from None
+                raise conversation_error(i, exc) from None
         return parts.loop.run(chat_answers(state, bodies, params, MAX_BATCH_CHATS))
 
     def _chat_parts(self, params: ChatParams | None, sampling: Mapping[str, Any]) -> tuple[_Parts, Any]:
