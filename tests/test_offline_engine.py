@@ -18,10 +18,8 @@ from pathlib import Path
 
 import pytest
 from media_probe import probe_mp4
+from offline_engines import OPTIONS, TINY
 from serving_helpers import png_bytes
-
-TINY = {"width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 2, "fps": 8}
-OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 2048, "max_batch_size": 2}
 
 
 @pytest.fixture(scope="module")

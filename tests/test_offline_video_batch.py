@@ -47,24 +47,26 @@ def fake_backend(engine):
 
 @contextlib.contextmanager
 def step_sizes(engine):
-    """The batch size of every denoising step the engine runs in the block. (Private: the offline Engine
-    has no metrics, vLLM's LLM.get_metrics(); the engine's observer, which the server's metrics are, is
-    the only record of how requests were batched.)"""
-    from worldserve.engine.observer import NullObserver
+    """The batch sizes of the denoising steps the engine runs in the block, as `Engine.get_metrics()`'s
+    `worldserve:step_batch_size` histogram tells them: the set of sizes seen, filled in at the block's end
+    ({1}: every step one request; {2}: every step two; both: some of each)."""
 
-    class Steps(NullObserver):
-        def __init__(self) -> None:
-            self.sizes: list[int] = []
+    def histogram() -> tuple[int, float, int]:
+        # (no series before the engine's first step)
+        for h in (m for m in engine.get_metrics() if m.name == "worldserve:step_batch_size"):
+            return h.count, h.sum, h.buckets["1.0"]
+        return 0, 0.0, 0
 
-        def on_step(self, seconds: float, batch_size: int) -> None:
-            self.sizes.append(batch_size)
-
-    video_engine = engine._parts.client.engine
-    previous, video_engine.observer = video_engine.observer, Steps()
-    try:
-        yield video_engine.observer.sizes
-    finally:
-        video_engine.observer = previous
+    sizes: set[int] = set()
+    count0, sum0, ones0 = histogram()
+    yield sizes
+    count, total, ones = histogram()
+    steps, requests, alone = count - count0, total - sum0, ones - ones0
+    if alone:
+        sizes.add(1)
+    if requests > alone:  # (the other steps: max_batch_size 2 here, so batches of two)
+        sizes.add(2)
+    assert steps == alone + (requests - alone) / 2, (steps, requests, alone)
 
 
 def wait_until_idle(engine) -> None:

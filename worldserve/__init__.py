@@ -6,7 +6,8 @@ Glossary (used in every module):
 - `request`, `step` (one denoising step), `plan` (what the engine asks the runner to do), `result`.
 
 Public API: `Engine` (the model `worldserve serve` serves, in this process: `generate_video` -> `VideoOutput`,
-`chat` -> `ChatOutput`, `stream_chat`; offline/engine.py), built from options or an `EngineConfig`;
+`chat` -> `ChatOutput`, `stream_chat`, `get_metrics` -> its /metrics families as worldserve.offline's
+`Counter` / `Gauge` / `Histogram`, vLLM's reader's records; offline/engine.py), built from options or an `EngineConfig`;
 `VideoParams` / `ChatParams` / `ParamError` (per-request parameters; a bad one is a ParamError, a ValueError
 naming the field), `VideoPipeline` (one request at a time, frames and audio as arrays), `resolve_model` (model
 reference -> folder; None: the embedded tiny checkpoint) and `CheckpointError` (what loading raises for a bad

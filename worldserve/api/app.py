@@ -71,25 +71,7 @@ def build_app(
     shutdown_timeout_s, stats_interval_s = settings.shutdown_timeout_s, settings.stats_interval_s
     metrics = metrics or Metrics(client.model_name)
     load = ServerLoad()
-    metrics.track_queue(lambda: client.num_waiting, lambda: client.num_running)
-    if client.chat_worker is not None:
-        chat = client.chat_worker.backend
-        metrics.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
-        if chat.prefix_cache_counts is not None:
-
-            def prefix_cache_counts() -> tuple[int, int]:
-                counts = chat.prefix_cache_counts
-                assert counts is not None  # (a backend has a prefix cache or not: checked above)
-                return counts
-
-            metrics.track_prefix_cache(prefix_cache_counts)
-        if chat.media_cache is not None:
-            metrics.track_mm_cache(chat.media_cache)
-        worker = client.chat_worker  # its queues as they are at each scrape (a preempted chat waits)
-        metrics.track_chat_queue(lambda: worker.num_waiting, lambda: worker.num_running)
-        if chat.max_model_len is not None:
-            metrics.track_chat_lengths(chat.max_model_len)
-    client.observe(metrics)
+    metrics.watch(client)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -37,7 +37,7 @@ from worldserve.api.http_metrics import HTTPMetrics
 from worldserve.api.metrics_vllm import ITERATION_TOKEN_BUCKETS, ReadCounter, VllmMirror
 
 if TYPE_CHECKING:
-    from worldserve.engine.client import ChatTimes
+    from worldserve.engine.client import ChatTimes, EngineClient
     from worldserve.media.processor_cache import ProcessorCache
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -163,6 +163,30 @@ class Metrics:
         )
         self.chat_running.labels(**self._label).set_function(running)
         self.vllm.chat_running.set_function(running)
+
+    def watch(self, client: EngineClient) -> None:
+        """Count `client`'s work: this object as its engine's and chat worker's observer, and its queues, K/V
+        cache, prefix and media caches and chat lengths read at each scrape (build_app's, the offline
+        Engine's: one wiring for both)."""
+        self.track_queue(lambda: client.num_waiting, lambda: client.num_running)
+        if client.chat_worker is not None:
+            chat = client.chat_worker.backend
+            self.track_kv_cache(chat.kv_cache_usage, lambda: chat.preemptions)
+            if chat.prefix_cache_counts is not None:
+
+                def prefix_cache_counts() -> tuple[int, int]:
+                    counts = chat.prefix_cache_counts
+                    assert counts is not None  # (a backend has a prefix cache or not: checked above)
+                    return counts
+
+                self.track_prefix_cache(prefix_cache_counts)
+            if chat.media_cache is not None:
+                self.track_mm_cache(chat.media_cache)
+            worker = client.chat_worker  # its queues as they are at each scrape (a preempted chat waits)
+            self.track_chat_queue(lambda: worker.num_waiting, lambda: worker.num_running)
+            if chat.max_model_len is not None:
+                self.track_chat_lengths(chat.max_model_len)
+        client.observe(self)
 
     def track_queue(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
         for gauge, read in ((self.waiting, waiting), (self.running, running), (self.vllm.video_waiting, waiting),

@@ -247,9 +247,7 @@ class ChatWorker:
                     going_on.append((handle, session))
             active[:] = going_on
             if active:
-                active[:], tokens = self._step(active)
-                if tokens:  # (vLLM's tokens per engine step: _timed)
-                    self.observer.on_chat_iteration(tokens)
+                active[:] = self._step(active)
 
     def _model(self) -> contextlib.AbstractContextManager[object]:
         """The model lock, or nothing when the backend runs beside video steps (re-read every call: a
@@ -299,10 +297,10 @@ class ChatWorker:
         except Exception:
             log.exception("closing a chat session failed")
 
-    def _step(
-        self, active: list[tuple[ChatHandle, ChatSession]]
-    ) -> tuple[list[tuple[ChatHandle, ChatSession]], int]:
-        """One batched step of every active chat: (the ones still generating, its tokens: _timed)."""
+    def _step(self, active: list[tuple[ChatHandle, ChatSession]]) -> list[tuple[ChatHandle, ChatSession]]:
+        """One batched step of every active chat: the ones still generating. Its tokens (vLLM's tokens per
+        engine step: _timed) are counted before any is delivered: a caller that has its answer finds the
+        metrics up to date."""
         try:
             with self._model():
                 deltas = self.backend.step_all([s for _, s in active])
@@ -311,7 +309,7 @@ class ChatWorker:
                 self._close(session)
                 self._ended(handle)
                 self._fail(handle, exc)
-            return [], 0
+            return []
         # the preempted chats count as waiting until they resume (set before any delivery: a client that has
         # its answer finds the gauges up to date)
         preempted = {h for h, s in active if s.preempted}
@@ -320,7 +318,8 @@ class ChatWorker:
         # a chat still prefilling (chunked) or preempted idles: no token, nothing to deliver
         idle = [not (d.text or d.logprobs or d.finish_reason) and d.completion_tokens == h._tokens_seen
                 for (h, _), d in zip(active, deltas, strict=True)]  # fmt: skip
-        sampled = self._timed(active, deltas)
+        if sampled := self._timed(active, deltas):
+            self.observer.on_chat_iteration(sampled)
         # a chat its own rules left with no next token (runner/reasoner_session.py `fail`): its ParamError,
         # not its "error" delta (a 400 before a stream starts, an error event in one: vLLM fails the request)
         failed = {
@@ -341,7 +340,7 @@ class ChatWorker:
                 handle.emit(delta)
         for handle, failure in failed.items():
             self._fail(handle, failure)
-        return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None], sampled
+        return [(h, s) for (h, s), d in zip(active, deltas, strict=True) if d.finish_reason is None]
 
     def _timed(self, active: list[tuple[ChatHandle, ChatSession]], deltas: list[ChatDelta]) -> int:
         """Report one step's inter-token gaps and the ends of the chats it finished; its tokens: those it sampled

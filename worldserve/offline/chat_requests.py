@@ -15,24 +15,25 @@ fields: its sampling is used as it is, the messages still read here.
 batched decode), sample i seeded seed + i, so a seeded call gives the route's choices byte for byte. `best_of`
 is refused (REFUSED_FIELDS), and so is n > 1 in a stream (one text stream cannot carry n answers).
 `chat_answer` runs one chat to its ChatOutput on the engine's loop, `chat_answers` a batch of them (vLLM's
-list of conversations) together: the first failure, or an interrupt of the caller, cancels the rest.
+list of conversations) together: the first failure, or an interrupt of the caller, cancels the rest. Each chat's
+events pass through the route's meter (engine/chat_metering.py `metered`) into the Engine's metrics: its prompt
+tokens and how it ended, as /metrics counts the route's (offline/metrics.py; the chat worker counts the rest).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from worldserve.chat_params import ChatParams
-from worldserve.engine.client import ChatDelta, ChatEvents, ChatFailed, ChatStarted, EngineClient
+from worldserve.engine.client import ChatDelta, ChatEvent, ChatFailed, ChatStarted, metered
 from worldserve.offline.outputs import ChatChoice, ChatOutput, ChatUsage
 from worldserve.param_errors import ParamError
 
 if TYPE_CHECKING:
     from worldserve.api.state import AppState
-    from worldserve.config import EngineConfig
 
 REFUSED_FIELDS = {
     "stream": "use stream_chat() for a streamed answer",
@@ -49,16 +50,9 @@ STREAMED_SAMPLES = (
 )
 """Why stream_chat refuses n > 1."""
 
-
-def chat_state(client: EngineClient, config: EngineConfig) -> AppState:
-    """What the chat route reads from its app (api/state.py AppState): the client, the settings of `config`
-    (as `worldserve serve` derives them: media options, --allowed-local-media-path, --reasoning-parser,
-    --seed's request seeds...) and a media fetcher for http(s) URLs."""
-    from worldserve.api.metrics import Metrics
-    from worldserve.api.state import AppState
-    from worldserve.commands.serve import app_settings
-
-    return AppState.serving(client, Metrics(client.model_name), app_settings(config))
+ChatStream = AsyncGenerator[ChatEvent, None]
+"""A started chat's events as the offline calls read them: metered (its start and end counted), closed by
+its reader."""
 
 
 def request_body(messages: str | Sequence[Mapping[str, Any]], sampling: Mapping[str, Any]) -> Any:
@@ -122,12 +116,12 @@ def _pil_parts(message: Any) -> Any:
 
 async def start_chats(
     st: AppState, body: Any, params: ChatParams | None, *, coalesce: bool
-) -> list[ChatEvents]:
+) -> list[ChatStream]:
     """On the client's loop: the route's checks and ChatParams of the body's `n` samples (api/chat.py
     chat_choices: media fetched and decoded, the prompt built, sample i seeded seed + i; `params` given: its
     sampling over the messages read here, its `n` samples made the same way), then all started together on
-    the worker (one prefill of their shared prompt, decoded batched); their events, in index order. ParamError
-    naming a bad field."""
+    the worker (one prefill of their shared prompt, decoded batched); their events, in index order, counted in
+    the state's metrics as the route counts its chats (each sample a chat). ParamError naming a bad field."""
     from worldserve.api.chat import MAX_CHOICES, chat_choices, check_rendered_prompt, sent_budget
     from worldserve.api.context_fit import check_output_budget
     from worldserve.api.errors import APIError
@@ -148,10 +142,10 @@ async def start_chats(
         if exc.status != 400:
             raise RuntimeError(exc.message) from None
         raise ParamError(exc.param or "messages", exc.message) from None
-    return st.client.chat_many(choices, coalesce=coalesce)
+    return [metered(events, st.metrics) for events in st.client.chat_many(choices, coalesce=coalesce)]
 
 
-async def next_event(events: ChatEvents) -> ChatStarted | ChatDelta | None:
+async def next_event(events: ChatStream) -> ChatStarted | ChatDelta | None:
     """The chat's next event (None after its last delta); ParamError / RuntimeError for a ChatFailed."""
     try:
         event = await events.__anext__()
@@ -182,7 +176,7 @@ async def chat_answer(st: AppState, body: Any, params: ChatParams | None) -> Cha
     return ChatOutput(outputs=tuple(choice for _, choice, _ in samples), usage=usage)
 
 
-async def _run_sample(index: int, events: ChatEvents) -> tuple[ChatStarted, ChatChoice, int]:
+async def _run_sample(index: int, events: ChatStream) -> tuple[ChatStarted, ChatChoice, int]:
     """Sample `index`'s ChatStarted, its ChatChoice (its deltas joined: ChatDelta.joined) and its completion
     tokens."""
     started: ChatStarted | None = None

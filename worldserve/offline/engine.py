@@ -15,6 +15,8 @@ in the engine, each getting its own result.
 - `chat(messages, params=None, **sampling) -> ChatOutput` (a list of conversations: a list of them; `n`
   samples each: `ChatOutput.outputs`) and `stream_chat(...)` yielding one sample's text as it is sampled
   (offline/chat_requests.py: the HTTP route's own parsing and checks);
+- `get_metrics()`: what `worldserve serve` exports at /metrics, for this Engine's requests, as vLLM's
+  `LLM.get_metrics()` returns its own (offline/metrics.py: the server's Metrics wired the server's way);
 - `close()`: stops the engine, the chat worker and a multi-GPU pipeline's peer processes; idempotent, also
   `with Engine(...) as engine:`. An engine never closed is stopped when it is collected or at the
   interpreter's exit, without waiting for its requests.
@@ -41,7 +43,6 @@ from worldserve.offline.chat_requests import (
     STREAMED_SAMPLES,
     chat_answer,
     chat_answers,
-    chat_state,
     conversation_error,
     is_conversation_batch,
     next_event,
@@ -50,6 +51,7 @@ from worldserve.offline.chat_requests import (
 )
 from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
+from worldserve.offline.metrics import Metric, metrics_snapshot, served_state
 from worldserve.offline.options import engine_config
 from worldserve.offline.outputs import ChatOutput, VideoOutput
 from worldserve.offline.video_requests import (
@@ -98,7 +100,7 @@ class Engine(Closeable):
         # (the configuration it runs with: environment defaults resolved)
         self.config = config = config.resolve()
         # (as serve's load: bounded by init_timeout, a TimeoutError past it)
-        backend, _, *chat = load_within(config)
+        backend, gpu_memory, *chat = load_within(config)
         served = config.model.served_model_name
         assert served is not None, "resolve() names the model"
         # the client keeps a job store; no job is made here: a folder of its own, removed at close
@@ -119,8 +121,9 @@ class Engine(Closeable):
         self._finalizer = weakref.finalize(self, self._parts.stop_at_once)
         try:
             loop.run(client.start())
-            # what the chat route reads (a bad media option fails the start here, as serve's does)
-            self._chat_state = chat_state(client, config) if client.chat_worker is not None else None
+            # what serve's routes read, its metrics observing the engine (a bad media option fails the start
+            # here, as serve's does)
+            self._state = served_state(client, config, gpu_memory)
         except BaseException:
             self.close()
             raise
@@ -246,9 +249,9 @@ class Engine(Closeable):
                 f"pass sampling fields or a ChatParams, not both (got params and {', '.join(dropped)})"
             )
         parts = self._open()
-        if self._chat_state is None:
+        if parts.client.chat_worker is None:
             raise RuntimeError("this Engine runs no Reasoner (tensor_parallel_size > 1, or the fake backend)")
-        return parts, self._chat_state
+        return parts, self._state
 
     def _events(
         self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any]
@@ -262,16 +265,24 @@ class Engine(Closeable):
         if body.n > 1:
             raise ParamError("n", f"n={body.n}: {STREAMED_SAMPLES}")
         (events,) = parts.loop.run(start_chats(state, body, params, coalesce=False))
-        finished = False
         try:
             while (event := parts.loop.run(next_event(events))) is not None:
                 yield event
-                finished = isinstance(event, ChatDelta) and event.finish_reason is not None
-                if finished:
+                if isinstance(event, ChatDelta) and event.finish_reason is not None:
                     return
         finally:
-            if not finished and parts.loop.running:
+            # (a finished chat's too: its end is counted as its stream closes, chat_requests.start_chats)
+            if parts.loop.running:
                 parts.loop.run(events.aclose())
+
+    # -- metrics --------------------------------------------------------------------------------------------
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of what `worldserve serve` would export at /metrics for this Engine's requests so far
+        (videos, chats, the Reasoner's prompt upsampling): its `worldserve:` and `vllm:` families as vLLM's
+        `LLM.get_metrics()` returns its own, a `Counter`, `Gauge` or `Histogram` (worldserve.offline) a series,
+        named as its family (`worldserve:request_success`, /metrics' `worldserve:request_success_total`). Each
+        Engine counts its own; read after close() too."""
+        return metrics_snapshot(self._state.metrics.registry)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def _open(self) -> _Parts:

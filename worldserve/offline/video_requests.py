@@ -294,6 +294,8 @@ def _frames_sink(encode: EncodeOptions, encoded: dict[str, Any]) -> Callable[[Vi
             crf=encode.crf, codec_options=encode.codec_options,
         )  # fmt: skip
         encoded["encode"] = time.monotonic() - started
+        # (the request's stage times, as a server job's mux reports its own: Engine.get_metrics counts it)
+        result.stage_seconds["encode"] = encoded["encode"]
 
     return on_frames
 
