@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import threading
 
 import pytest
 from offline_engines import OPTIONS, TINY
@@ -218,6 +219,30 @@ def test_a_failure_is_counted_as_the_server_counts_it(fake):
     assert counted(before, after, "vllm:omni_requests_failed", reason="error") == 1
     assert counted(before, after, "vllm:omni_requests_success", finished_reason="abort") == 1
     assert counted(before, after, "worldserve:request_success") == 0
+
+
+@pytest.mark.parametrize("stage", ["prepare", "decode"])
+def test_every_item_of_a_failing_list_is_counted_once(fake, stage):
+    """[ok, failing]: the failure counted as the server counts it, and the other item, finished or stopped
+    while the call failed, counted cancelled (the caller never got its MP4): every request of the list ends in
+    the metrics once (a finished item's finish had stayed held, counted nowhere)."""
+    endings = ("worldserve:request_success", "worldserve:request_failure", "worldserve:request_cancelled")
+    for _ in range(3):
+        before = fake.get_metrics()
+        with pytest.raises(RuntimeError):
+            fake.generate_video(["a fox", f"__fail__:{stage}"], **SMALL)
+        # (the finished item's end may still be on its way from the encode pool: a hang guard, no timing)
+        ended = threading.Event()
+        for _ in range(3000):
+            after = fake.get_metrics()
+            if sum(counted(before, after, name) for name in endings) >= 2:
+                break
+            ended.wait(0.01)
+        ended.wait(0.05)  # (nothing more comes: a third ending would show here)
+        after = fake.get_metrics()
+        assert counted(before, after, "worldserve:request_failure") == 1
+        assert counted(before, after, "worldserve:request_success") == 0
+        assert sum(counted(before, after, name) for name in endings) == 2
 
 
 def test_two_engines_count_their_own_and_read_after_close():

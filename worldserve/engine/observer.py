@@ -104,20 +104,27 @@ class HeldFinish(_ReportedOnce):
     """A streamed request's (/v1/realtime/video) ending as its client saw it: the engine finishing it (its parts
     all made) is held until the session has sent the last of them (`delivered`); a session that ends first
     (the client left, or read nothing until the send timed out: the parts were made into memory ahead of the
-    socket) reports it cancelled (`undelivered`). A failure or cancellation the engine reports passes at once.
-    One report in all; the engine's calls come from its thread and the encode pool, the session's from the
-    event loop: a lock orders them."""
+    socket) reports it cancelled (`undelivered`), also when the engine's finish comes after it (the caller
+    left while the last frames were still being encoded: the abort came too late to stop them). A failure or
+    cancellation the engine reports passes at once. One report in all; the engine's calls come from its thread
+    and the encode pool, the session's from the event loop: a lock orders them."""
 
     def __init__(self, observer: EngineObserver) -> None:
         super().__init__(observer)
         self._held: tuple[float, float, dict[str, float], float] | None = None
+        self._abandoned = False  # undelivered() came before the engine's finish
 
     def on_finished(
         self, e2e_s: float, queue_s: float, stages: dict[str, float], peak_memory_mb: float
     ) -> None:
         with self._lock:
-            if not self._ended:
+            if self._ended:
+                return
+            if not self._abandoned:
                 self._held = (e2e_s, queue_s, stages, peak_memory_mb)
+                return
+            self._ended = True
+        self._observer.on_cancelled()
 
     def delivered(self) -> None:
         """The session sent every part: a held finish is reported."""
@@ -128,9 +135,12 @@ class HeldFinish(_ReportedOnce):
             self._observer.on_finished(*held)
 
     def undelivered(self) -> None:
-        """The session ended without sending every part: a held finish is reported as cancelled."""
+        """The session ended without sending every part: a held finish is reported as cancelled, and one
+        still to come will be (the engine's own failure or cancellation, if that comes instead, is reported
+        as it is)."""
         with self._lock:
             held = self._held is not None and not self._ended
             self._ended = self._ended or held
+            self._abandoned = True
         if held:
             self._observer.on_cancelled()

@@ -248,8 +248,7 @@ async def run_videos(
         for task in tasks.values():
             task.cancel()
         for started in first.values():  # (queued: a task cancelled before it ran would not abort its own)
-            if not started.future.done():
-                client.jobless.abort(started.request_id)
+            _abandon(client, started)
         # (their aborts sent before the failure reaches the caller)
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         raise
@@ -335,6 +334,18 @@ async def _start(client: EngineClient, params: VideoParams, encode: EncodeOption
     return _Started(request_id, written, request, future, encoded, t0)
 
 
+def _abandon(client: EngineClient, started: _Started) -> None:
+    """Its caller will not take `started`'s MP4: the request aborted at its next step (unless it ended), and
+    counted as cancelled whenever the engine finishes it (HeldFinish.undelivered: an abort that came while its
+    last frames were encoded is too late to stop them; an item of a list that finished before another failed is
+    not the caller's either). Idempotent."""
+    if not started.future.done():
+        client.jobless.abort(started.request_id)
+    undelivered = getattr(started.request.observer, "undelivered", None)
+    if undelivered is not None:
+        undelivered()
+
+
 async def _finish(client: EngineClient, started: _Started) -> VideoOutput:
     """Wait for a queued request's MP4: its VideoOutput. A cancellation of the caller (an interrupt, its
     timeout) aborts the request at its next step."""
@@ -342,8 +353,10 @@ async def _finish(client: EngineClient, started: _Started) -> VideoOutput:
         result = await started.future
     except CancelledRequest as exc:  # the engine stopped (close(), or a crash) before it finished
         raise RuntimeError(f"the video request was cancelled: {exc}") from None
-    except BaseException:  # the caller went away (interrupt, timeout): stop it at its next step
-        client.jobless.abort(started.request_id)
+    except (
+        BaseException
+    ):  # the caller went away (interrupt, timeout, a failing list): stop it at its next step
+        _abandon(client, started)
         raise
     delivered = getattr(started.request.observer, "delivered", None)
     if delivered is not None:  # (its finish, held for the stream's delivery: it was delivered)
