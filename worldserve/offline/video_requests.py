@@ -339,8 +339,9 @@ def _abandon(client: EngineClient, started: _Started) -> None:
     counted as cancelled whenever the engine finishes it (HeldFinish.undelivered: an abort that came while its
     last frames were encoded is too late to stop them; an item of a list that finished before another failed is
     not the caller's either). Idempotent."""
-    if not started.future.done():
-        client.jobless.abort(started.request_id)
+    # (whatever its future says: a task cancelled while awaiting it cancels the future too; a request that
+    # already ended takes the abort as a no-op)
+    client.jobless.abort(started.request_id)
     undelivered = getattr(started.request.observer, "undelivered", None)
     if undelivered is not None:
         undelivered()
