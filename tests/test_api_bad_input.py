@@ -124,6 +124,12 @@ CASES = [
      "width and height must be given together (height is missing)"),
     ("video_params height 17", {**OK, "size": "", "video_params": '{"width": 32, "height": 17}'}, 400,
      "video_params", "height=17 must be a multiple of 16"),
+    # an area past the largest tier names the field the sides came in (both in range alone)
+    ("size area", {**OK, "size": "1280x1280"}, 400, "size", "above the model's largest resolution tier"),
+    ("width x height area", {**OK, "size": "", "width": "1280", "height": "1280"}, 400, "width",
+     "above the model's largest resolution tier"),
+    ("video_params area", {**OK, "size": "", "video_params": '{"width": 1280, "height": 1280}'}, 400,
+     "video_params", "above the model's largest resolution tier"),
     ("width 2**70", {**OK, "size": "", "width": str(2**70), "height": "16"}, 400, "width", "22-digit number"),
     ("height 8", {**OK, "size": "", "width": "16", "height": "8"}, 400, "height", "height=8 must be"),
     ("image_reference one frame", {**OK, "num_frames": "1", "image_reference": I2V_REF}, 400, "image_reference",

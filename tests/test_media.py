@@ -379,10 +379,10 @@ def test_an_image_far_from_the_videos_aspect_ratio_is_refused_before_its_resize(
     strip = np.zeros((80_000, 1, 3), np.uint8)  # [H, W, 3]
     with pytest.raises(ParamError, match="would be resized to 64x5120000") as err:
         VideoParams(prompt="x", width=64, height=64, num_frames=5, image=strip).validate()
-    assert err.value.param == "input_reference"
+    assert err.value.param == "image"
     named = VideoParams(prompt="x", width=64, height=64, num_frames=5, image=strip)
     with pytest.raises(ParamError) as err:
-        named.validate_as({"input_reference": "image_reference"})
+        named.validate_as({"image": "image_reference"})
     assert err.value.param == "image_reference"
     tallest = max_pixels() // 64 // 64  # the tallest 1-pixel-wide image whose cover resize stays in bounds
     VideoParams(

@@ -162,6 +162,11 @@ def test_every_item_is_checked_before_any_runs(fake):
         ((["a fox", "a cat", "x" * 300],), {"max_sequence_length": 4}, "prompt[2]", "prompt[2]: prompt is longer"),
         ((["a fox"],), {"timeout": 0}, "timeout", "timeout=0"),
         ((["a fox"],), {"image": "/no/such/image.png"}, "image", "cannot read"),
+        # keywords named as the keywords, not as the HTTP fields the routes take them in
+        ((["a fox", "a cat"],), {"width": 1280, "height": 1280}, "width", "prompt[0]: size 1280x1280 is above"),
+        ((["a fox", "a cat"],), {"condition_video_keep": "middle"}, "condition_video_keep", "prompt[0]: "),
+        ((["a fox", "a cat"],), {"upsample_prompt": True}, "upsample_prompt", "prompt[0]: prompt upsampling needs"),
+        ((["a fox"],), {"image": np.zeros((8, 8, 3), np.uint8), "num_frames": 1}, "image", "prompt[0]: image-to"),
     ]  # fmt: skip
     for args, fields, param, message in cases:
         with pytest.raises(ParamError) as bad:

@@ -133,14 +133,14 @@ def _params(**kw) -> VideoParams:
 @pytest.mark.parametrize(
     "kw, param",
     [
-        (dict(condition_frame_indexes=(0, 3)), "extra_params.condition_frame_indexes_vision"),
-        (dict(condition_frame_indexes=()), "extra_params.condition_frame_indexes_vision"),
-        (dict(condition_frame_indexes=(-1,)), "extra_params.condition_frame_indexes_vision"),
-        (dict(condition_video_keep="middle"), "extra_params.condition_video_keep"),
-        (dict(image=np.zeros((8, 8, 3), np.uint8)), "input_reference"),
-        (dict(num_frames=1), "input_reference"),
-        (dict(video=np.zeros((2, 8, 8), np.uint8)), "input_reference"),
-        (dict(video=np.zeros((0, 8, 8, 3), np.uint8)), "input_reference"),
+        (dict(condition_frame_indexes=(0, 3)), "condition_frame_indexes"),
+        (dict(condition_frame_indexes=()), "condition_frame_indexes"),
+        (dict(condition_frame_indexes=(-1,)), "condition_frame_indexes"),
+        (dict(condition_video_keep="middle"), "condition_video_keep"),
+        (dict(image=np.zeros((8, 8, 3), np.uint8)), "video"),
+        (dict(num_frames=1), "video"),
+        (dict(video=np.zeros((2, 8, 8), np.uint8)), "video"),
+        (dict(video=np.zeros((0, 8, 8, 3), np.uint8)), "video"),
     ],
 )
 def test_validation_errors(kw, param):

@@ -201,7 +201,7 @@ class VideoParams:
         if self.num_frames == 1 and self.width * self.height <= IMAGE_MAX_AREA:
             tier, max_frames = "image", 1
         elif self.num_frames == 1 and self.width * self.height > RESOLUTION_TIERS[-1][1]:
-            raise ParamError("size", f"size {self.width}x{self.height} is above the largest image "
+            raise ParamError("width", f"size {self.width}x{self.height} is above the largest image "
                              f"({IMAGE_MAX_AREA} pixels, e.g. 1024x1024, 1280x816)")  # fmt: skip
         else:
             tier, _, max_frames, _ = resolution_tier(self.width, self.height)
@@ -249,14 +249,12 @@ class VideoParams:
             if not (
                 isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
             ):
-                raise ParamError(
-                    "input_reference", "the conditioning image must be decoded to uint8 (H, W, 3)"
-                )
+                raise ParamError("image", "the conditioning image must be decoded to uint8 (H, W, 3)")
             if self.num_frames == 1:
-                raise ParamError("input_reference", "image-to-video needs num_frames > 1")
+                raise ParamError("image", "image-to-video needs num_frames > 1")
             from worldserve.media.image import check_cover_size  # (lazy: media/ imports this module)
 
-            check_cover_size(img.shape[1], img.shape[0], self.width, self.height, "input_reference")
+            check_cover_size(img.shape[1], img.shape[0], self.width, self.height, "image")
         if self.lora is not None:
             if not isinstance(self.lora, LoraRequest):
                 raise ParamError("lora", "Invalid lora object: expected a JSON object.")
@@ -305,25 +303,22 @@ class VideoParams:
     def _validate_video(self) -> None:
         if self.image is not None:
             raise ParamError(
-                "input_reference",
-                "Cosmos3 non-action generation accepts either image or video input, not both.",
+                "video", "Cosmos3 non-action generation accepts either image or video input, not both."
             )
         vid = self.video
         if not (
             isinstance(vid, np.ndarray) and vid.dtype == np.uint8 and vid.ndim == 4 and vid.shape[0] >= 1
             and vid.shape[1] >= 1 and vid.shape[2] >= 1 and vid.shape[3] == 3
         ):  # fmt: skip
-            raise ParamError(
-                "input_reference", "the conditioning video must be decoded to uint8 (F, H, W, 3)"
-            )
+            raise ParamError("video", "the conditioning video must be decoded to uint8 (F, H, W, 3)")
         if self.num_frames == 1:
-            raise ParamError("input_reference", "video-to-video needs num_frames > 1")
+            raise ParamError("video", "video-to-video needs num_frames > 1")
 
     def _validate_condition(self) -> None:
         """The V2V condition indexes and end, checked with or without a reference video: their range
         depends only on num_frames."""
         idx = self.condition_frame_indexes
-        name = "extra_params.condition_frame_indexes_vision"
+        name = "condition_frame_indexes"
         if not isinstance(idx, tuple) or not idx:
             raise ParamError(name, "condition_frame_indexes_vision must contain at least one index")
         bad = [i for i in idx if not is_int(i) or i < 0]
@@ -337,6 +332,4 @@ class VideoParams:
                              f"latent timeline (latent_frames={self.latent_frames} for num_frames="
                              f"{self.num_frames})")  # fmt: skip
         if self.condition_video_keep not in ("first", "last"):
-            raise ParamError(
-                "extra_params.condition_video_keep", "condition_video_keep must be 'first' or 'last'"
-            )
+            raise ParamError("condition_video_keep", "condition_video_keep must be 'first' or 'last'")

@@ -47,7 +47,7 @@ def resolution_tier(width: int, height: int) -> tuple[str, int, int, float]:
         if area <= tier[1]:
             return tier
     raise ParamError(
-        "size",
+        "width",  # (the area of both sides: VideoParams' width, which the routes name as the field it came in)
         f"size {width}x{height} is above the model's largest resolution tier (720p: at most "
         f"{RESOLUTION_TIERS[-1][1]} pixels, e.g. 1280x720, 960x960, 720x1280)",
     )

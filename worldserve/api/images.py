@@ -155,6 +155,7 @@ def build_params(
     origin = {
         "width": "size",
         "height": "size",
+        "upsample_prompt": "extra_params.upsample_prompt",
         "system_prompt": "extra_params.system_prompt",
         "negative_metadata": "extra_params.negative_metadata_mode",
     }
@@ -181,7 +182,7 @@ def build_params(
         use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
         upsample_prompt=bool(extra.upsample_prompt), lora=adapter,
     )  # fmt: skip
-    base.validate_as(origin)
+    base = base.validate_as(origin)  # (with its field_names: a later check names the request's fields too)
     return [base] + [dataclasses.replace(base, seed=choice_seed(base.seed, i)) for i in range(1, req.n or 1)]
 
 

@@ -42,7 +42,8 @@ def resolve_video_params(
     default fps before `seconds` becomes frames. `lora` is the adapter the request runs with (its own or the
     server's: api/lora_field.py)."""
     kw: dict[str, Any] = {"prompt": req.prompt, "lora": lora}
-    origin = {"input_reference": source} if source else {}
+    # (VideoParams names its own fields: the conditioning `image` / `video` came in the reference's field)
+    origin = {"image": source or "input_reference", "video": source or "input_reference"}
     top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
            "generate_sound", "fps", "num_frames")  # fmt: skip
     for name in top:
@@ -83,8 +84,11 @@ def resolve_video_params(
     size = _frame_size(req, vp, image if image is not None or video is None else video[0], default_size)
     if size is not None:
         kw["width"], kw["height"] = size
-    if req.size is not None:  # (VideoParams names a bad side `width` / `height`: here it came in `size`)
+    # (VideoParams names a bad side, or the area of both, `width` / `height`: the field they came in here)
+    if req.size is not None:
         origin["width"] = origin["height"] = "size"
+    elif req.width is None and vp.width is not None:
+        origin["width"] = origin["height"] = "video_params"
     fps = kw.setdefault("fps", defaults.get("fps", VideoParams.__dataclass_fields__["fps"].default))
     if fps > MAX_FPS:  # (bounded before seconds x fps: 1e308 would overflow)
         raise ParamError(origin.get("fps", "fps"), f"fps={shown(fps)} must be a number in [1, {MAX_FPS}]")
@@ -92,6 +96,8 @@ def resolve_video_params(
         kw["num_frames"], origin["num_frames"] = _frames_from_seconds(req.seconds, fps), "seconds"
     if "num_frames" in defaults:
         kw.setdefault("num_frames", defaults["num_frames"])
+    origin["condition_frame_indexes"] = "extra_params.condition_frame_indexes_vision"
+    origin["condition_video_keep"] = "extra_params.condition_video_keep"
     if extra.condition_frame_indexes_vision is not None:
         kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
     if extra.condition_video_keep is not None:

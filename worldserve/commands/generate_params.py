@@ -136,6 +136,7 @@ FLAGS = {
     "extra_params.condition_frame_indexes_vision": "--condition-frames", "condition_frames": "--condition-frames",
     "extra_params.condition_video_keep": "--condition-video-keep", "generate_sound": "--no-sound",
     "condition_frame_indexes_vision": "--condition-frames", "width": "--size", "height": "--size",
+    "condition_frame_indexes": "--condition-frames",
 }  # fmt: skip
 """A request field's flag where its name is not the flag's (the API's names are what VideoParams reports)."""
 

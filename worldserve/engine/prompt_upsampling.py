@@ -196,7 +196,7 @@ def check_upsampling(reasoner: PromptContext | None, params: VideoParams, config
     (blocking: builds that prompt, the image through the ViT's preprocessing; a backend without its own
     prompt builder is not checked: it builds the prompt when the chat starts)."""
     if reasoner is None:
-        raise ParamError("extra_params.upsample_prompt", "prompt upsampling needs the Reasoner, which this server "
+        raise ParamError("upsample_prompt", "prompt upsampling needs the Reasoner, which this server "
                          "does not run (the fake backend, or --tensor-parallel-size > 1)")  # fmt: skip
     if reasoner.prompts is None:
         return
