@@ -130,14 +130,12 @@ def load_static_lora(pipeline: VideoPipeline | ParallelPipeline, lora: LoraConfi
     loaded (LoraConfig.merged_lora; unless rounding would erase its deltas): its unmerged und deltas are what
     is left."""
     from worldserve.params import ParamError
-    from worldserve.weights.lora_adapter import inspect_adapter
 
     if (static := lora.static_lora) is None:
         return
     try:
-        # (also at scale 0, which loads nothing)
-        inspect_adapter(static.path, pipeline.transformer.config, max_rank=lora.max_lora_rank)
-        pipeline.loras.get(static)
+        # (also at scale 0, which loads nothing; its requests are not checked again)
+        pipeline.loras.load_static(static)
     except ParamError as exc:
         raise ValueError(f"--lora-path: {exc.message}") from None
     how = "merged into the weights" if pipeline.transformer.merged_lora is not None else "unmerged"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import typing
@@ -70,6 +71,10 @@ MAX_BATCH_CHATS = 64
 BATCHES_IN_FLIGHT = 2
 """A generate_video list keeps at most this many max_batch_size batches of its requests in the engine (queued
 or running): the next batch waits queued while one runs, the rest of the queue is left to other threads."""
+UNBOUNDED_QUEUE = sys.maxsize
+"""The EngineClient's `max_queued_requests` here: none. vLLM's `LLM` refuses no request for a full queue; the
+`max_queued_requests` option (serve's --max-queued-requests, HTTP 429 past it) is accepted for parity and
+unused: a Python caller's requests, from any number of threads, wait their turn."""
 IDLE_STOP_S = 5.0
 """How long an idle engine stopped at exit may take to drain (it ends at once: nothing runs)."""
 
@@ -108,7 +113,8 @@ class Engine(Closeable):
         try:
             store = JobStore(storage)
             engine = VideoEngine(backend, store, config.scheduler)
-            client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
+            # (no admission bound: a caller's requests wait their turn, never refused for a full queue)
+            client = EngineClient(engine, store, model_name=served, max_queued_requests=UNBOUNDED_QUEUE,
                                   chat_backend=chat[0] if chat else None, max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
         except BaseException:
             shutil.rmtree(storage, ignore_errors=True)
@@ -165,8 +171,7 @@ class Engine(Closeable):
             parts = self._open()
             if not params_list:
                 return []
-            scheduler = config.scheduler
-            at_once = min(BATCHES_IN_FLIGHT * scheduler.max_batch_size, scheduler.max_queued_requests)
+            at_once = BATCHES_IN_FLIGHT * config.scheduler.max_batch_size
             batch = run_videos(parts.client, params_list, EncodeOptions(), at_once=at_once, keywords=fields)
             return parts.loop.run(batch, timeout)
         params = video_params(prompt, fields, defaults=defaults, static_lora=static_lora,

@@ -6,7 +6,10 @@ API calls it through the backend's `validate` before a job is accepted, so a bad
 not fit, or one with a module above `max_rank` (serve's --max-lora-rank) is a 400 naming `lora`), at a scale
 of 0 too: that request runs the base model, but an adapter reference that is wrong is a bad input whatever
 its scale (as diffusers' `set_adapters` refuses an adapter it does not hold at weight 0, and as --lora-path
-is checked at --lora-scale 0; vLLM-Omni's diffusion LoRA manager skips a scale-0 adapter unchecked).
+is checked at --lora-scale 0; vLLM-Omni's diffusion LoRA manager skips a scale-0 adapter unchecked). The
+server's own adapter (--lora-path, which the API gives the requests that name none) is checked once, at the
+start (`load_static`): at scale 0 its requests read no files, so an adapter removed after the start does not
+turn every plain request into a 400 naming `lora` its caller never sent; only request-named ones are checked.
 `max_rank` is given when the cache is made, on every rank alike (rank 0's VideoPipeline and each peer's
 BranchRank take it from the same --max-lora-rank), so a peer that reads an adapter checks the bound rank 0
 checked.
@@ -72,6 +75,8 @@ class LoraCache:
         )  # host copies, least recently used first
         self._on_device: weakref.WeakValueDictionary[tuple, LoraWeights] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # (the API's validate and the engine thread's prepare may overlap)
+        # (--lora-path's adapter, checked at the start: load_static)
+        self._static: LoraRequest | None = None
 
     @property
     def max_rank(self) -> int | None:
@@ -79,12 +84,23 @@ class LoraCache:
         made with."""
         return self._max_rank
 
+    def load_static(self, request: LoraRequest) -> None:
+        """The server's own adapter (--lora-path at --lora-scale, the one requests naming none run with) checked
+        against the model and this cache's bound and read now (at scale 0 nothing is read; merged: its unmerged
+        rest); ParamError naming `lora`. Its scale-0 requests are not checked again (`check`)."""
+        self._inspect(request)
+        self.get(request)
+        self._static = request
+
     def check(self, request: LoraRequest | None) -> AdapterSpec | None:
         """The adapter's files checked against the model (headers only); ParamError naming `lora`. At a scale
         of 0 too (the request runs the base model, but names an adapter that must be one this server could
-        run: its headers are read, its weights are not). None for no adapter, and for the adapter merged into
-        the model (its files were read at load; what runs is what was merged)."""
+        run: its headers are read, its weights are not). None for no adapter, for the adapter merged into
+        the model (its files were read at load; what runs is what was merged), and for the server's own
+        adapter at scale 0 (`load_static` checked it at the start; its requests read nothing of it)."""
         if self._merged(request) is not None or request is None:
+            return None
+        if request == self._static and not request.active:
             return None
         return self._inspect(request)
 
