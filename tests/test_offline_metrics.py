@@ -262,3 +262,38 @@ def test_two_engines_count_their_own_and_read_after_close():
         first.close()
     assert one(first.get_metrics(), "worldserve:request_success").value == 2
     assert one(first.get_metrics(), "worldserve:num_requests_running").value == 0
+
+
+def test_requests_a_close_stops_are_counted_cancelled():
+    """A list of four held in its first step (two running, two waiting) when the Engine closes: the call
+    raises, and all four are counted cancelled, the waiting ones too (they had been counted nowhere)."""
+    from worldserve import Engine
+
+    engine = Engine(None, backend="fake", max_batch_size=2, shutdown_timeout=0)
+    backend = engine._parts.backend  # (private: the fake backend's step gate holds the first step, no clock)
+    backend.step_gate = held = threading.Event()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            engine.generate_video(["a", "b", "c", "d"], **SMALL)
+        except BaseException as exc:  # noqa: BLE001 (recorded for the assertion)
+            outcome.append(exc)
+
+    before = engine.get_metrics()
+    caller = threading.Thread(target=run)
+    caller.start()
+    for _ in range(3000):  # (a hang guard: until all four are in the engine)
+        if engine.num_unfinished_requests == 4:
+            break
+        held.wait(0.01)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    held.wait(0.2)  # (the close under way: its stop set before the held step ends)
+    held.set()
+    closing.join(30)
+    caller.join(30)
+    after = engine.get_metrics()
+    assert outcome and isinstance(outcome[0], RuntimeError), outcome
+    assert counted(before, after, "worldserve:request_cancelled") == 4
+    assert counted(before, after, "worldserve:request_success") == 0

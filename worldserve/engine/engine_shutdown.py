@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from worldserve.engine.endings import Endings
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.outputs import VideoBackend
 from worldserve.engine.refusals import SHUTDOWN_REASON, CancelledRequest
@@ -48,6 +49,7 @@ class EngineShutdown:
     _stopped: bool
     _stop_reason: str
     _release: Callable[[Request], None]
+    _ends: Endings
 
     def drain(self) -> None:
         """Stop admitting; the loop exits once the running requests are done (queued jobs stay queued)."""
@@ -103,7 +105,13 @@ class EngineShutdown:
         with self._cv:
             self._waiting_ids.difference_update(r.job_id for r in late)
         for request in late:
-            request.deliver(CancelledRequest(request.job_id, reason))
+            self._end_at_shutdown(request, reason)
+
+    def _end_at_shutdown(self, request: Request, reason: str) -> None:
+        """An ephemeral request the stop ends (it cannot resume): counted cancelled, as the server counts a
+        stopped stream, and its caller gets CancelledRequest."""
+        (request.observer or self._ends.observer).on_cancelled()
+        request.deliver(CancelledRequest(request.job_id, reason))
 
     def _park_running(self, reason: str) -> None:
         """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
@@ -114,7 +122,7 @@ class EngineShutdown:
             self._sched.finish(request)
             self._release(request)
             if request.ephemeral:  # nothing to resume it from: its caller gets the stop
-                request.deliver(CancelledRequest(request.job_id, reason))
+                self._end_at_shutdown(request, reason)
         with self._cv:  # also what arrived after the loop's last look at its inbox
             self._stopped = True
             late = [r for r in self._inbox if isinstance(r, Request) and r.ephemeral]
