@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import re
 
@@ -304,6 +305,27 @@ def test_video_reference_survives_a_restart_record():
     assert again.guidance_interval == (400.0, 1000.0) and not again.add_duration_template
     assert again.system_prompt == "You render documentaries." and again.negative_metadata == "none"
     np.testing.assert_array_equal(again.video, params.video)
+
+
+def test_a_record_written_before_videoparams_named_its_fields_restores_its_request_fields():
+    """Older records named the reference `input_reference` (its request field as the value) and the condition
+    fields not at all: a check failing as the job is restored names what its client sent, as at submit."""
+    from worldserve.engine.client import EncodeOptions
+    from worldserve.engine.job_files import inputs_from_record, inputs_record
+    from worldserve.media.image import decode_image
+    from worldserve.params import ParamError, VideoParams
+
+    params = VideoParams(prompt="x", num_frames=9, width=64, height=48, image=decode_image(png_bytes()))
+    record = json.loads(json.dumps(inputs_record(params, EncodeOptions())))
+    record["params"]["field_names"] = [
+        ["input_reference", "image_reference"]
+    ]  # (as an older server wrote it)
+    again, _ = inputs_from_record(record, png_bytes())
+    for change, param in (({"num_frames": 1}, "image_reference"),
+                          ({"condition_video_keep": "middle"}, "extra_params.condition_video_keep")):  # fmt: skip
+        with pytest.raises(ParamError) as error:
+            dataclasses.replace(again, **change).validate_as(dict(again.field_names))
+        assert error.value.param == param
 
 
 def test_a_reference_is_read_again_as_it_was_at_submit():

@@ -330,6 +330,38 @@ def test_ephemeral_requests_are_cancelled_at_shutdown_and_leave_the_queue_alone(
     assert store.get(job.id).status is JobStatus.QUEUED
 
 
+def test_a_request_a_stop_ends_is_counted_as_its_abort_says(tmp_path):
+    """An ephemeral request a stop ends: counted cancelled, or failed with its abort's status when one was set
+    (an image request whose timeout already answered 504, a stalled stream) as Endings.cancelled counts it;
+    a failing observer still lets its caller have the end."""
+    from worldserve.engine.observer import NullObserver
+    from worldserve.engine.refusals import CancelledRequest
+    from worldserve.engine.request import Request
+
+    seen: list[object] = []
+
+    class Recorded(NullObserver):
+        def on_failed(self, code: int) -> None:
+            seen.append(code)
+
+        def on_cancelled(self) -> None:
+            seen.append("cancelled")
+
+    class Broken(NullObserver):
+        def on_cancelled(self) -> None:
+            raise RuntimeError("metrics down")
+
+    client = make_client(tmp_path, backend=FakeBackend())
+    ends: list[object] = []
+    for status, observer in ((None, Recorded()), (504, Recorded()), (None, Broken())):
+        request = Request(job_id=f"r-{status}", params=job_params(), arrival_time=0.0, on_result=ends.append,
+                          observer=observer)  # fmt: skip
+        request.abort_status = status
+        client.engine._end_at_shutdown(request, "the server is shutting down")
+    assert seen == ["cancelled", 504]
+    assert len(ends) == 3 and all(isinstance(end, CancelledRequest) for end in ends)
+
+
 def test_an_ephemeral_request_after_the_loop_ended_is_cancelled_at_once(tmp_path):
     import time as _time
 

@@ -17,6 +17,7 @@ from cli_helpers import run_cli
 from media_probe import probe_mp4
 from PIL import Image
 from safetensors.torch import load_file
+from serving_helpers import mp4_bytes
 
 SMALL = ["--size", "80x48", "--num-frames", "9", "--steps", "2", "--negative-prompt", ""]
 
@@ -216,6 +217,17 @@ def test_the_model_s_refusals_name_flags_not_api_fields(tiny_ckpt, tmp_path):
                      *SMALL, "-o", tmp_path / "x.mp4", check=False)  # fmt: skip
     assert proc.returncode == 2 and "--max-sequence-length" in proc.stderr, proc.stderr
     assert "max_sequence_length" not in proc.stderr, proc.stderr
+
+
+def test_refusals_before_the_load_word_the_flags_too(tiny_ckpt, tmp_path):
+    """A bad --condition-frames index: the line names the flag and its prose does not say the API's
+    `condition_frame_indexes_vision`."""
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(mp4_bytes(frames=12))
+    proc = _generate(tiny_ckpt, "--prompt", "a cat", *SMALL, "--video", video, "--condition-frames", "9",
+                     "-o", tmp_path / "x.mp4", check=False)  # fmt: skip
+    assert proc.returncode == 2 and "error: --condition-frames index 9 is outside" in proc.stderr, proc.stderr
+    assert "condition_frame_indexes" not in proc.stderr, proc.stderr
 
 
 def test_flags_said_rewrites_only_request_fields():

@@ -185,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = build_params(args)
     except ParamError as e:
-        flag = flag_for(e.param, args)
-        said = e.message if e.message.startswith(f"{flag} ") else f"{flag}: {e.message}"  # (not "-o: -o ...")
+        flag, message = flag_for(e.param, args), flags_said(e.message, args)  # (prose: the flags' names too)
+        said = message if message.startswith(f"{flag} ") else f"{flag}: {message}"  # (not "-o: -o ...")
         print(f"worldserve generate: error: {said}", file=sys.stderr)
         return 2
     import torch

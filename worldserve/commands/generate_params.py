@@ -143,8 +143,6 @@ FLAGS = {
 
 def flag_for(param: str | None, args: argparse.Namespace) -> str:
     """The flag the user gave for request field `param` (VideoParams names the API's fields)."""
-    if param == "input_reference":
-        return "--video" if args.video is not None else "--image"
     if param == "messages":  # (the upsampling chat's: its one message is the prompt)
         param = "prompt"
     if param == "prompt" and args.prompt is None:

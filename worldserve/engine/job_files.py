@@ -42,12 +42,32 @@ def inputs_record(params: VideoParams, encode: EncodeOptions) -> dict[str, Any]:
     return {"params": fields, "crf": encode.crf, "codec_options": encode.codec_options, "reference": kind}
 
 
+LEGACY_FIELD_NAMES = {
+    "condition_frame_indexes": "extra_params.condition_frame_indexes_vision",
+    "condition_video_keep": "extra_params.condition_video_keep",
+}
+"""Where a video route takes VideoParams fields that records written before VideoParams named its own fields
+lack (it named these two by their request fields)."""
+
+
+def legacy_field_names(names: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """A record's field_names as VideoParams names its fields now: a record written before named the
+    conditioning reference `input_reference` (now `image` / `video`) and the condition fields by their request
+    fields (LEGACY_FIELD_NAMES): a check failing as the job is restored names what its client sent."""
+    if (reference := names.pop("input_reference", None)) is not None:
+        names.setdefault("image", reference)
+        names.setdefault("video", reference)
+    for field_name, request_field in LEGACY_FIELD_NAMES.items():
+        names.setdefault(field_name, request_field)
+    return tuple(names.items())
+
+
 def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple[VideoParams, EncodeOptions]:
     fields = dict(record["params"])
     for name in ("condition_frame_indexes", "guidance_interval"):  # JSON gave lists back
         if fields.get(name) is not None:
             fields[name] = tuple(fields[name])
-    fields["field_names"] = tuple(tuple(pair) for pair in fields.get("field_names", ()))
+    fields["field_names"] = legacy_field_names(dict(fields.get("field_names", ())))
     if fields.get("lora") is not None:
         fields["lora"] = LoraRequest(**fields["lora"])
     image = video = None

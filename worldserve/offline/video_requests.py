@@ -354,9 +354,8 @@ async def _finish(client: EngineClient, started: _Started) -> VideoOutput:
         result = await started.future
     except CancelledRequest as exc:  # the engine stopped (close(), or a crash) before it finished
         raise RuntimeError(f"the video request was cancelled: {exc}") from None
-    except (
-        BaseException
-    ):  # the caller went away (interrupt, timeout, a failing list): stop it at its next step
+    # the caller went away (interrupt, timeout, a failing list): stop it at its next step
+    except BaseException:
         _abandon(client, started)
         raise
     delivered = getattr(started.request.observer, "delivered", None)
