@@ -374,11 +374,20 @@ def test_an_ephemeral_request_after_the_loop_ended_is_cancelled_at_once(tmp_path
         await client.shutdown(0.1)
         return client
 
+    from worldserve.engine.observer import NullObserver
+
+    class Cancels(NullObserver):
+        counted = 0
+
+        def on_cancelled(self) -> None:
+            Cancels.counted += 1
+
     client = run(main())
     outcomes = []
     client.engine.add_request(Request(job_id="img-late", params=job_params(), arrival_time=_time.monotonic(),
-                                      on_result=outcomes.append))  # fmt: skip
+                                      on_result=outcomes.append, observer=Cancels()))  # fmt: skip
     assert len(outcomes) == 1 and isinstance(outcomes[0], CancelledRequest) and client.engine.num_waiting == 0
+    assert Cancels.counted == 1  # (as the requests the stop itself ended are)
 
 
 def test_deleted_queued_jobs_free_their_queue_slots_at_once(tmp_path):

@@ -37,7 +37,7 @@ from worldserve.engine.engine_shutdown import EngineShutdown
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
 from worldserve.engine.outputs import BackendLost, VideoBackend
-from worldserve.engine.refusals import SHUTDOWN_REASON, CancelledRequest
+from worldserve.engine.refusals import SHUTDOWN_REASON
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority, read_beside
@@ -96,7 +96,7 @@ class Engine(EngineShutdown):
         with self._cv:
             for request in requests:
                 if self._stopped and request.ephemeral:  # the loop is gone: nothing would ever run it
-                    request.deliver(CancelledRequest(request.job_id, self._stop_reason))
+                    self._end_at_shutdown(request, self._stop_reason)
                     continue
                 self._inbox.append(request)
                 self._waiting_ids.add(request.job_id)
