@@ -617,3 +617,36 @@ def test_a_restart_without_enable_lora_refuses_the_queued_jobs_own_adapters(tmp_
     assert (refused.status, refused.error_code) == (JobStatus.FAILED, 400)
     assert f"(lora): {PER_REQUEST_OFF}" in refused.error_message
     assert ran.status is JobStatus.COMPLETED
+
+
+def test_a_stream_whose_prompt_was_written_is_queued_without_a_second_admission():
+    """admitted_upsampling holds the request's queue slot while the Reasoner writes its prompt; the written
+    request then queues without being admitted again: a shutdown begun meanwhile had refused it with
+    ShuttingDownError, counted nowhere (the engine now ends it, counted, as the requests the stop ends)."""
+    from worldserve.engine.client import ShuttingDownError
+    from worldserve.engine.ephemeral import JoblessRequests
+    from worldserve.engine.observer import NullObserver
+
+    class Engine:
+        observer = NullObserver()
+        queued: list = []
+
+        def add_requests(self, requests) -> None:
+            self.queued.extend(requests)
+
+    checks: list[int] = []
+
+    def check_admission(count: int, what: str) -> None:
+        checks.append(count)
+        if len(checks) > 1:  # (the shutdown began while the prompt was written)
+            raise ShuttingDownError("the server is shutting down")
+
+    async def write_prompt(params) -> str:
+        return '{"caption": "a written prompt"}'
+
+    async def main():
+        jobless = JoblessRequests(Engine(), check_admission, write_prompt)
+        return await jobless.stream_upsampled(job_params(), "rt-1", lambda result: None, 5.0)
+
+    prompt, request, _ = run(main())
+    assert checks == [1] and Engine.queued == [request] and request.params.prompt == prompt

@@ -65,11 +65,17 @@ class JoblessRequests:
         return self.stream_many([(params, request_id, on_frames)])[0]
 
     def stream_many(
-        self, items: Sequence[tuple[VideoParams, str, Callable[[VideoResult], None]]]
+        self,
+        items: Sequence[tuple[VideoParams, str, Callable[[VideoResult], None]]],
+        *,
+        admitted: bool = False,
     ) -> list[tuple[Request, asyncio.Future[VideoResult]]]:
         """`stream` of each (params, request id, on_frames), queued together (Engine.add_requests: same-shape
-        ones batch from their first step; the offline Engine's lists). Admitted as a whole, or none is."""
-        self._check_admission(len(items), "requests")
+        ones batch from their first step; the offline Engine's lists). Admitted as a whole, or none is;
+        `admitted`: they were already (admitted_upsampling held their slots while their prompt was written:
+        checked again, a shutdown begun meanwhile refused them uncounted; the engine ends them instead, counted)."""
+        if not admitted:
+            self._check_admission(len(items), "requests")
         started = [streamed_request(params, request_id, on_frames, HeldFinish(self.engine.observer))
                    for params, request_id, on_frames in items]  # fmt: skip
         self.engine.add_requests([request for request, _ in started])
@@ -108,7 +114,7 @@ class JoblessRequests:
         prompt and the started request."""
         prompt = await self.admitted_upsampling(params, request_id, timeout_s)
         written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
-        return prompt, *self.stream(written, request_id, on_frames)
+        return prompt, *self.stream_many([(written, request_id, on_frames)], admitted=True)[0]
 
     def abort(self, request_id: str) -> None:
         """Stop a streamed request at its next step (or decode chunk); its future then settles with
