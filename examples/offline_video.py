@@ -9,7 +9,8 @@ Real weights (a Hugging Face repo id or a local folder) at the model's own defau
     python examples/offline_video.py --model nvidia/Cosmos3-Nano \\
         --size 1280x720 --num-frames 189 --steps 35 --fps 24
 
-Each MP4 holds H.264 video and, unless --no-sound, the jointly generated AAC 48 kHz stereo audio.
+Each MP4 holds H.264 video and, unless --no-sound, the jointly generated AAC 48 kHz stereo audio; --takes N
+more takes of the prompt (take0.mp4, ...) are made together, as one list.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from worldserve import Engine
+from worldserve import Engine, VideoParams
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fps", type=int, default=24)
     parser.add_argument("--seed", type=int, default=123)
     parser.add_argument("--no-sound", action="store_true", help="video only, no audio track")
+    parser.add_argument(
+        "--takes", type=int, default=2, help="takes of --prompt made together (take0.mp4, ...)"
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--output-dir", default=".", help="where t2v.mp4, i2v.mp4 (and first_frame.png) go")
     return parser.parse_args()
@@ -83,6 +87,18 @@ def main() -> None:
         i2v = engine.generate_video(args.i2v_prompt, image=image, **fields)
         i2v.save(out / "i2v.mp4")
         print(f"i2v.mp4: seed {i2v.seed}, {i2v.seconds:.1f} s")
+
+        # several takes at once (vLLM's LLM.generate(prompts)): a list of prompts and / or VideoParams, the
+        # same shapes batched up to max_batch_size; keyword fields apply to every item, so each take's own
+        # seed comes in its VideoParams
+        takes = engine.generate_video(
+            [VideoParams(prompt=args.prompt, **{**fields, "seed": args.seed + i}) for i in range(args.takes)]
+        )
+        for i, take in enumerate(takes):
+            take.save(out / f"take{i}.mp4")
+        # what `worldserve serve` would export at /metrics for these requests (vLLM's LLM.get_metrics())
+        done = {m.name: m.value for m in engine.get_metrics() if m.name == "worldserve:request_success"}
+        print(f"takes: seeds {[t.seed for t in takes]}; videos made so far {done}")
 
 
 if __name__ == "__main__":

@@ -61,10 +61,11 @@ def test_every_example_has_a_test():
     assert {p.name for p in EXAMPLES.glob("*.py")} == COVERED
 
 
-def test_offline_video_writes_t2v_and_i2v_mp4s(tiny_ckpt, tmp_path):
+def test_offline_video_writes_t2v_i2v_and_the_takes_mp4s(tiny_ckpt, tmp_path):
     run_example("offline_video.py", "--model", tiny_ckpt, "--output-dir", tmp_path / "out", cwd=tmp_path)
     assert video_of(tmp_path / "out" / "t2v.mp4") == DEFAULT_VIDEO
     assert video_of(tmp_path / "out" / "i2v.mp4") == DEFAULT_VIDEO
+    assert video_of(tmp_path / "out" / "take1.mp4") == DEFAULT_VIDEO  # (the list's takes)
 
 
 def test_offline_chat_answers_text_and_an_image(tiny_ckpt, tmp_path):
