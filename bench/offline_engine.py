@@ -5,10 +5,11 @@ steps: the step itself is `worldserve bench`'s), against a random full-size Nano
 (bench/parallel_step.py `write_random_checkpoint`): the Engine's load (the server's: pipeline, warm-up,
 Reasoner sharing the und tower), `generate_video` text-to-video and image-to-video with each MP4 decoded back
 (H.264 frames, AAC 48 kHz stereo samples), `chat` (one conversation, then a batch of 8 together), `stream_chat`
-(time to the first piece), `chat(n=4)`. Prints a short table last; `--out` writes the JSON.
+(time to the first piece), `chat(n=4)`, a list of two same-shape videos (`--list-shape`: batched, the
+requests a step held). Prints a short table last; `--out` writes the JSON.
 
     PYTHONPATH=. python bench/offline_engine.py --random-nano /tmp/nano-random --steps 2 --out $OUT/offline.json
-    PYTHONPATH=. python bench/offline_engine.py --tiny --size 64x48 --frames 9 --steps 2 --out /tmp/o.json  # CPU
+    PYTHONPATH=. python bench/offline_engine.py --tiny --size 64x48 --frames 9 --steps 2 --list-shape 64x48x9 --out /tmp/o.json  # CPU
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def decoded(mp4: bytes) -> dict:
     return info
 
 
+def batch_steps(engine) -> tuple[int, float]:
+    """(denoising steps run, the requests they held together) so far: `worldserve:step_batch_size`."""
+    for h in (m for m in engine.get_metrics() if m.name == "worldserve:step_batch_size"):
+        return h.count, h.sum
+    return 0, 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -55,12 +63,13 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=189)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--list-shape", default="832x480x121", help="WxHxF of the two-video list")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     import torch
 
-    from worldserve import Engine
+    from worldserve import Engine, VideoParams
 
     width, height = (int(s) for s in args.size.split("x"))
     root = None if args.tiny else write_random_checkpoint(args.random_nano)
@@ -70,7 +79,7 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", **fields}  # fmt: skip
 
     t0 = time.perf_counter()
-    with Engine(root) as engine:
+    with Engine(root, max_batch_size=2) as engine:  # (the list below batches its two videos)
         result["load_s"] = time.perf_counter() - t0
         rows.append(("Engine load (pipeline, warm-up, Reasoner)", f"{result['load_s']:.1f} s"))
         image = np.zeros((height, width, 3), np.uint8)
@@ -83,6 +92,19 @@ def main() -> None:
             rows.append((f"{name} {args.size} x {args.frames}, {args.steps} steps", f"{out.seconds:.1f} s"))
             rows.append((f"{name} MP4 decoded", f"{check['frames']} {check['video_codec']} frames {check['size']}, "
                          f"{check.get('audio_codec')} {check.get('rate')} Hz x {check.get('channels')}"))  # fmt: skip
+        # a list of two same-shape videos (a smaller shape: two 720p x 189 would not fit one 80 GB card)
+        lw, lh, lf = (int(v) for v in args.list_shape.split("x"))
+        listed = [VideoParams(prompt=PROMPT, width=lw, height=lh, num_frames=lf, num_inference_steps=args.steps,
+                              seed=seed) for seed in (1, 2)]  # fmt: skip
+        before = batch_steps(engine)
+        t = time.perf_counter()
+        takes = engine.generate_video(listed)
+        took = time.perf_counter() - t
+        steps, held = (a - b for a, b in zip(batch_steps(engine), before, strict=True))
+        result["list2"] = {"seconds": took, "shape": args.list_shape, "steps": steps, "requests_per_step": held / steps,
+                           "frames": [decoded(o.video)["frames"] for o in takes]}  # fmt: skip
+        rows.append((f"generate_video([2 x {args.list_shape}]), {args.steps} steps", f"{took:.1f} s, "
+                     f"{held / steps:.1f} videos a step"))  # fmt: skip
         t = time.perf_counter()
         answer = engine.chat("What does a red fox eat in winter?", max_tokens=args.max_tokens, temperature=0)
         result["chat"] = {"seconds": time.perf_counter() - t, "finish_reason": answer.finish_reason,
