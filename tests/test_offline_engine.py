@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from media_probe import probe_mp4
-from offline_engines import OPTIONS, TINY
+from offline_engines import OPTIONS, TINY, served_backend
 from serving_helpers import png_bytes
 
 
@@ -32,13 +32,7 @@ def engine(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def served(engine):
-    """What `worldserve serve` loads for the engine's options (serve_backend.load_backend: (the video
-    pipeline, a memory reader, the Reasoner)), loaded on its own: the routes the tests compare with answer
-    from it, as a server would (not from the Engine's own model)."""
-    from worldserve.commands.serve_backend import load_backend
-
-    config = engine.config
-    return load_backend(config.model, config.parallel, config.scheduler, config.reasoner, config.lora)
+    return served_backend(engine)
 
 
 def test_text_and_image_to_video_mp4s(engine, tmp_path):

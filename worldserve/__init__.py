@@ -6,12 +6,13 @@ Glossary (used in every module):
 - `request`, `step` (one denoising step), `plan` (what the engine asks the runner to do), `result`.
 
 Public API: `Engine` (the model `worldserve serve` serves, in this process: `generate_video` -> `VideoOutput`,
-`chat` -> `ChatOutput`, `stream_chat`, `get_metrics` -> its /metrics families as worldserve.offline's
-`Counter` / `Gauge` / `Histogram`, vLLM's reader's records; offline/engine.py), built from options or an `EngineConfig`;
-`VideoParams` / `ChatParams` / `ParamError` (per-request parameters; a bad one is a ParamError, a ValueError
-naming the field), `VideoPipeline` (one request at a time, frames and audio as arrays), `resolve_model` (model
-reference -> folder; None: the embedded tiny checkpoint) and `CheckpointError` (what loading raises for a bad
-model). All but VideoParams and ParamError import lazily: they pull in torch, huggingface_hub or the engine.
+`generate_image` -> `ImageOutput`s, `chat` -> `ChatOutput`, `stream_chat`, `get_metrics` -> its /metrics
+families as worldserve.offline's `Counter` / `Gauge` / `Histogram`, vLLM's reader's records;
+offline/engine.py), built from options or an `EngineConfig`; `VideoParams` / `ChatParams` / `ParamError`
+(per-request parameters; a bad one is a ParamError, a ValueError naming the field), `VideoPipeline` (one
+request at a time, frames and audio as arrays), `resolve_model` (model reference -> folder; None: the embedded
+tiny checkpoint) and `CheckpointError` (what loading raises for a bad model). All but VideoParams and
+ParamError import lazily: they pull in torch, huggingface_hub or the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _LAZY = {
     "EngineConfig": "worldserve.config",
     "ChatParams": "worldserve.chat_params",
     "VideoOutput": "worldserve.offline.outputs",
+    "ImageOutput": "worldserve.offline.outputs",
     "ChatOutput": "worldserve.offline.outputs",
     "ChatChoice": "worldserve.offline.outputs",
     "VideoPipeline": "worldserve.runner.video_pipeline",
@@ -35,7 +37,7 @@ _LAZY = {
     "CheckpointError": "worldserve.weights.checkpoint",
 }
 __all__ = [
-    "ChatChoice", "ChatOutput", "ChatParams", "CheckpointError", "Engine", "EngineConfig", "ParamError", "VideoOutput", "VideoParams",
+    "ChatChoice", "ChatOutput", "ChatParams", "CheckpointError", "Engine", "EngineConfig", "ImageOutput", "ParamError", "VideoOutput", "VideoParams",
     "VideoPipeline", "resolve_model", "__version__",
 ]  # fmt: skip
 

@@ -12,6 +12,8 @@ in the engine, each getting its own result.
 
 - `generate_video(prompt | VideoParams, **fields) -> VideoOutput` (a list of them: a list, run together:
   offline/video_requests.py);
+- `generate_image(prompt, n=1, **fields) -> list[ImageOutput]`: text-to-image as POST /v1/images/generations
+  makes it (its defaults and seeds, the n images batched: offline/image_requests.py);
 - `chat(messages, params=None, **sampling) -> ChatOutput` (a list of conversations: a list of them; `n`
   samples each: `ChatOutput.outputs`) and `stream_chat(...)` yielding one sample's text as it is sampled
   (offline/chat_requests.py: the HTTP route's own parsing and checks);
@@ -50,11 +52,12 @@ from worldserve.offline.chat_requests import (
     request_body,
     start_chats,
 )
+from worldserve.offline.image_requests import image_params, run_images
 from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
 from worldserve.offline.metrics import Metric, metrics_snapshot, served_state
 from worldserve.offline.options import engine_config
-from worldserve.offline.outputs import ChatOutput, VideoOutput
+from worldserve.offline.outputs import ChatOutput, ImageOutput, VideoOutput
 from worldserve.offline.video_requests import (
     check_timeout,
     is_request_list,
@@ -179,6 +182,21 @@ class Engine(Closeable):
         parts = self._open()
         return parts.loop.run(run_video(parts.client, params, EncodeOptions()), timeout)
 
+    def generate_image(
+        self, prompt: str, *, n: int = 1, timeout: float | None = None, **fields: Any
+    ) -> list[ImageOutput]:
+        """`n` (1 to 10) images of the text `prompt`, as POST /v1/images/generations makes them: its defaults
+        (1024x1024, 50 steps, guidance 7.0, flow shift 3.0 or the `flow_shift` option, a random seed; not
+        `default_sampling_params`), image i seeded seed + i, the n batched together. VideoParams fields by name
+        (`width`, `height`, `seed`, `num_inference_steps`, ...; video-only ones, num_frames other than 1 and
+        generate_sound are refused). `timeout` as generate_video's. ParamError naming a bad field."""
+        check_timeout(timeout)
+        lora = self.config.lora
+        params_list = image_params(prompt, n, fields, default_flow_shift=self.config.video.flow_shift,
+                                   static_lora=lora.static_lora, per_request_lora=lora.enable_lora)  # fmt: skip
+        parts = self._open()
+        return parts.loop.run(run_images(parts.client, params_list), timeout)
+
     # -- chat -----------------------------------------------------------------------------------------------
     @typing.overload
     def chat(
@@ -225,13 +243,8 @@ class Engine(Closeable):
                 yield event.text
 
     @staticmethod
-    def _chat_batch(
-        parts: _Parts,
-        state: Any,
-        conversations: Sequence[Any],
-        params: ChatParams | None,
-        sampling: Mapping[str, Any],
-    ) -> list[ChatOutput]:
+    def _chat_batch(parts: _Parts, state: Any, conversations: Sequence[Any], params: ChatParams | None,
+                    sampling: Mapping[str, Any]) -> list[ChatOutput]:  # fmt: skip
         """chat() of each conversation, together on the loop (the chat worker batches them), after all are read
         (a bad one fails the call before any runs)."""
         bodies = []
@@ -258,9 +271,8 @@ class Engine(Closeable):
             raise RuntimeError("this Engine runs no Reasoner (tensor_parallel_size > 1, or the fake backend)")
         return parts, self._state
 
-    def _events(
-        self, messages: Any, params: ChatParams | None, sampling: Mapping[str, Any]
-    ) -> Iterator[ChatStarted | ChatDelta]:
+    def _events(self, messages: Any, params: ChatParams | None,
+                sampling: Mapping[str, Any]) -> Iterator[ChatStarted | ChatDelta]:  # fmt: skip
         """The chat's events (ChatStarted, then one ChatDelta a token to the last), read from this thread; the
         chat cancelled when the reader stops early."""
         parts, state = self._chat_parts(params, sampling)

@@ -1,5 +1,6 @@
 """What the offline Engine's calls return: `VideoOutput` (the MP4 a video request made, as the server writes it,
-with its seed and stage timings) and `ChatOutput` (a Reasoner answer's samples, `ChatChoice`s: text, finish
+with its seed and stage timings), `ImageOutput` (one text-to-image frame as a PIL image, `save` encoding it as
+the image route does) and `ChatOutput` (a Reasoner answer's samples, `ChatChoice`s: text, finish
 reason, token ids; and their token usage, as vLLM's `RequestOutput` / an OpenAI chat completion's choices and
 usage carry them). Plain frozen dataclasses: no torch, nothing to release.
 """
@@ -8,39 +9,78 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from worldserve.param_errors import ParamError
 from worldserve.params import VideoParams
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VideoOutput:
-    video: bytes
-    """The MP4: H.264 video, with AAC 48 kHz stereo audio when the request made sound (the server's bytes for
-    the same request: the same encoder and options)."""
+class GeneratedOutput:
+    """What a video and an image output share: the request as it ran, its times and memory."""
+
     params: VideoParams
-    """The request as it ran (the engine's defaults filled in; its prompt the upsampled one, if asked)."""
+    """The request as it ran (the defaults filled in; its prompt the upsampled one, if asked)."""
     seconds: float
-    """Wall time from submission to the MP4 (queueing included; an item of a list from when it was queued, the
-    list's checks before that not counted)."""
+    """Wall time from submission to the output (queueing included; an item of a list from when it was queued,
+    the list's checks before that not counted; a call's `n` images are made together: the same for each)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Per stage: prepare, diffuse (its steps together), decode (vae.decode, audio.decode), encode (the mux,
-    overlapping the decode)."""
+    """Per stage: prepare, diffuse (its steps together), decode (vae.decode, audio.decode), encode (a video's
+    mux, overlapping the decode)."""
     peak_memory_mb: float = 0.0
     """Peak accelerator memory during the request (0 on the CPU)."""
 
     @property
     def seed(self) -> int:
-        """The initial-noise seed: the same seed and params give the same video."""
+        """The initial-noise seed: the same seed and params give the same output (image i of a call seeded
+        s: s + i, as the image route's n images)."""
         return self.params.seed
 
     @property
     def prompt(self) -> str:
         return self.params.prompt
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoOutput(GeneratedOutput):
+    """One video of `Engine.generate_video`."""
+
+    video: bytes
+    """The MP4: H.264 video, with AAC 48 kHz stereo audio when the request made sound (the server's bytes for
+    the same request: the same encoder and options)."""
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the MP4 to `path`."""
         with open(path, "wb") as f:
             f.write(self.video)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImageOutput(GeneratedOutput):
+    """One image of `Engine.generate_image` (the frame POST /v1/images/generations encodes for the same
+    request)."""
+
+    image: Image.Image
+    """The frame, a PIL image in RGB, params.width x params.height."""
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the image to `path` as its extension says (.png, .jpg / .jpeg, .webp), encoded as the image
+        route encodes that output_format (JPEG quality 95, lossless WebP); ParamError naming `path` for another
+        extension."""
+        from worldserve.api.images import FORMATS, encode_image
+
+        ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+        if ext not in FORMATS:
+            raise ParamError("path", f"cannot tell the image format of {os.fspath(path)!r}: end it in "
+                             f"{', '.join('.' + f for f in FORMATS)}")  # fmt: skip
+        import numpy as np
+
+        data = encode_image(np.asarray(self.image.convert("RGB")), ext)
+        with open(path, "wb") as f:
+            f.write(data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,160 @@
+"""The offline Engine's text-to-image: `image_params` turns `generate_image`'s arguments into the `n` checked
+one-frame VideoParams POST /v1/images/generations would make, `run_images` runs them through the engine
+together and returns each frame as a PIL image (`ImageOutput`).
+
+Defaults are the image route's (params.IMAGE_DEFAULTS, vLLM-Omni's Cosmos3 T2I: 1024x1024, 50 steps, guidance
+7.0 inside [400, 1000], flow shift 3.0 or the engine's `flow_shift` option, no sound, a random seed when none is
+given), not the engine's `default_sampling_params` (the route does not apply them either). Image i is seeded
+`choice_seed(seed, i)` (seed, seed + 1, ...), as the route seeds its `n` images. Fields that only mean something
+for a video (fps, image / video conditioning, the duration template, sound) are a ParamError naming the
+keyword, as the route answers a 400 naming them; so are num_frames other than 1 and generate_sound=True.
+
+`run_images` queues the `n` requests in one piece without a job (the route's `client.jobless.generate`), so
+they batch from their first step; with `upsample_prompt` the Reasoner writes the prompt once for all of them
+first (the route's way). A cancellation (the caller's timeout, an interrupt) aborts them at their next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from worldserve.engine.client import EngineClient, VideoResult
+from worldserve.engine.prompt_upsampling import UpsamplingFailed
+from worldserve.engine.refusals import CancelledRequest
+from worldserve.offline.outputs import ImageOutput
+from worldserve.offline.video_requests import FIELDS, python_scalars
+from worldserve.param_errors import ParamError
+from worldserve.param_types import is_real
+from worldserve.params import (
+    DEFAULT_MAX_SEQUENCE_LENGTH,
+    IMAGE_DEFAULTS,
+    LoraRequest,
+    VideoParams,
+    choice_seed,
+)
+
+MAX_IMAGES = 10
+"""The most images one call makes (the image route's `n` bound, OpenAI's)."""
+VIDEO_ONLY_FIELDS = frozenset(
+    {"fps", "image", "video", "condition_frame_indexes", "condition_video_keep", "add_duration_template",
+     "sound_duration"}
+)  # fmt: skip
+"""VideoParams fields that mean nothing for one generated image (the route's VIDEO_ONLY_EXTRA, by field name)."""
+
+
+def image_params(
+    prompt: Any,
+    n: Any,
+    fields: Mapping[str, Any],
+    *,
+    default_flow_shift: float | None = None,
+    static_lora: LoraRequest | None = None,
+    per_request_lora: bool = False,
+) -> list[VideoParams]:
+    """The `n` images' VideoParams (seed, seed + 1, ...: choice_seed), validated: ParamError naming `prompt`,
+    `n` or the first bad keyword field. `default_flow_shift` (the engine's `flow_shift` option, serve's
+    --flow-shift) replaces T2I's 3.0 when no flow_shift is given, as the route's does."""
+    if not isinstance(prompt, str):
+        raise ParamError("prompt", f"prompt must be a string, got {type(prompt).__name__}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_IMAGES:
+        raise ParamError(
+            "n", f"n must be an integer from 1 to {MAX_IMAGES} (the image route's bound), got {n!r}"
+        )
+    given = _image_fields(fields)
+    seed = given.pop("seed", None)
+    shift = IMAGE_DEFAULTS.flow_shift if default_flow_shift is None else default_flow_shift
+    values: dict[str, Any] = {
+        "width": IMAGE_DEFAULTS.width, "height": IMAGE_DEFAULTS.height,
+        "num_inference_steps": IMAGE_DEFAULTS.num_inference_steps, "guidance_scale": IMAGE_DEFAULTS.guidance_scale,
+        "flow_shift": shift, "guidance_interval": IMAGE_DEFAULTS.guidance_interval,
+        "max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
+        **given,
+        "num_frames": 1, "generate_sound": False,
+        "seed": random.randrange(2**32) if seed is None else seed,
+    }  # fmt: skip
+    base = VideoParams(prompt=prompt, **values)
+    # (numpy scalars as Python's, as generate_video's: outputs and logs see plain values)
+    base = dataclasses.replace(base, **python_scalars(base))
+    if base.lora is None and static_lora is not None:
+        base = dataclasses.replace(base, lora=static_lora)
+    from worldserve.api.lora_field import LoraSettings
+
+    # (an adapter of its own needs enable_lora, as the routes require)
+    LoraSettings(per_request_lora, static_lora).check_restored(base)
+    base = base.validate()
+    return [base] + [dataclasses.replace(base, seed=choice_seed(base.seed, i)) for i in range(1, n)]
+
+
+def _image_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword fields, each a VideoParams field that applies to an image: ParamError naming one that is
+    not, num_frames other than 1, or generate_sound asked for."""
+    for name in fields:
+        if name not in FIELDS:
+            known = ", ".join(sorted(FIELDS - VIDEO_ONLY_FIELDS))
+            raise ParamError(name, f"{name!r} is not a VideoParams field (fields: {known})")
+        if name in VIDEO_ONLY_FIELDS:
+            raise ParamError(name, f"{name} applies to videos, not images (generate_video makes videos)")
+    frames = fields.get("num_frames", 1)
+    if isinstance(frames, bool) or not is_real(frames) or frames != 1:
+        raise ParamError(
+            "num_frames",
+            f"an image is one frame: num_frames must be 1, got {frames!r} (generate_video makes videos)",
+        )
+    if fields.get("generate_sound"):
+        raise ParamError("generate_sound", "sound cannot be generated for an image")
+    return {k: v for k, v in fields.items() if k not in ("num_frames", "generate_sound")}
+
+
+async def run_images(client: EngineClient, params_list: Sequence[VideoParams]) -> list[ImageOutput]:
+    """Run the images' requests (image_params) through the engine together: their images in order. The
+    model's checks first (ParamError naming the field); the first failure is raised and aborts the others, as
+    does a cancellation of the call."""
+    t0 = time.monotonic()
+    # (tokenizes the prompts: off the loop, as the route does)
+    checked = await asyncio.to_thread(lambda: [client.validate(p) for p in params_list])
+    prefix = f"offline-image-{uuid.uuid4().hex}"
+    if checked[0].upsample_prompt:
+        checked = await _upsampled(client, checked, prefix)
+    try:
+        results = await client.jobless.generate(checked, prefix=prefix, timeout_s=1e9)
+    except CancelledRequest as exc:  # the engine stopped (close(), or a crash) before they finished
+        raise RuntimeError(f"the image request was cancelled: {exc}") from None
+    seconds = time.monotonic() - t0
+    from PIL import Image
+
+    return [
+        ImageOutput(
+            image=Image.fromarray(_frame(result)).convert("RGB"), params=params, seconds=seconds,
+            stage_seconds={k: round(float(v), 4) for k, v in result.stage_seconds.items()},
+            peak_memory_mb=float(result.peak_memory_mb),
+        )
+        for params, result in zip(checked, results, strict=True)
+    ]  # fmt: skip
+
+
+def _frame(result: VideoResult) -> np.ndarray:
+    """A one-frame request's frame, uint8 (H, W, 3) (decoded whole: no `on_frames`, so no FrameStream)."""
+    frames = result.frames
+    assert isinstance(frames, np.ndarray), "a jobless request's frames are decoded whole"
+    return frames[0]
+
+
+async def _upsampled(client: EngineClient, checked: list[VideoParams], prefix: str) -> list[VideoParams]:
+    """The requests with the prompt the Reasoner writes once for all of them (the first one's seed), as the
+    route's `revised_prompt`: a ParamError naming the field when the request's own limits refused it, else a
+    RuntimeError."""
+    try:
+        prompt = await client.jobless.admitted_upsampling(checked[0], prefix, 1e9, len(checked))
+    except UpsamplingFailed as exc:
+        if exc.status == 400:
+            raise ParamError(exc.param or "prompt", f"prompt upsampling failed: {exc}") from None
+        raise RuntimeError(f"prompt upsampling failed ({exc.status}): {exc}") from None
+    return [dataclasses.replace(p, prompt=prompt, upsample_prompt=False) for p in checked]
