@@ -34,7 +34,6 @@ import base64
 import dataclasses
 import io
 import json
-import random
 import time
 import uuid
 import zipfile
@@ -53,7 +52,8 @@ from worldserve.api.protocol import NumbersNotBooleans
 from worldserve.api.state import AppState, State
 from worldserve.api.video_inputs import parse_extra_params, structured_texts
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
-from worldserve.params import DEFAULT_MAX_SEQUENCE_LENGTH, IMAGE_DEFAULTS, INT64, VideoParams, choice_seed
+from worldserve.image_params import text_to_image_params
+from worldserve.params import IMAGE_DEFAULTS, INT64, VideoParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -167,23 +167,23 @@ def build_params(
             return getattr(extra, name)
         return default if getattr(req, name, None) is None else getattr(req, name)
 
-    seed = pick("seed", None)
-    shift = IMAGE_DEFAULTS.flow_shift if default_flow_shift is None else default_flow_shift
-    base = VideoParams(
-        prompt=req.prompt, negative_prompt=pick("negative_prompt", None), width=width, height=height, num_frames=1,
-        num_inference_steps=pick("num_inference_steps", IMAGE_DEFAULTS.num_inference_steps),
-        guidance_scale=pick("guidance_scale", IMAGE_DEFAULTS.guidance_scale) or IMAGE_DEFAULTS.guidance_scale,  # 0: the default
-        flow_shift=pick("flow_shift", shift),
-        seed=seed if seed is not None else random.randrange(2**32), generate_sound=False,
-        max_sequence_length=pick("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
-        guidance_interval=_floats(*pick("guidance_interval", IMAGE_DEFAULTS.guidance_interval)),
-        add_resolution_template=extra.use_resolution_template is not False,
-        negative_metadata=extra.negative_metadata_mode or "same",
-        use_system_prompt=bool(extra.use_system_prompt), system_prompt=extra.system_prompt,
-        upsample_prompt=bool(extra.upsample_prompt), lora=adapter,
-    )  # fmt: skip
-    base = base.validate_as(origin)  # (with its field_names: a later check names the request's fields too)
-    return [base] + [dataclasses.replace(base, seed=choice_seed(base.seed, i)) for i in range(1, req.n or 1)]
+    interval = pick("guidance_interval", None)
+    given = {
+        "negative_prompt": pick("negative_prompt", None), "width": width, "height": height,
+        "num_inference_steps": pick("num_inference_steps", None),
+        "guidance_scale": pick("guidance_scale", None) or None,  # (0: the default)
+        "flow_shift": pick("flow_shift", None), "seed": pick("seed", None),
+        "max_sequence_length": pick("max_sequence_length", None),
+        "guidance_interval": None if interval is None else _floats(*interval),
+        "add_resolution_template": extra.use_resolution_template is not False,
+        "negative_metadata": extra.negative_metadata_mode or "same",
+        "use_system_prompt": bool(extra.use_system_prompt), "system_prompt": extra.system_prompt,
+        "upsample_prompt": bool(extra.upsample_prompt), "lora": adapter,
+    }  # fmt: skip
+    # (validated with its field_names: a later check names the request's fields too)
+    return text_to_image_params(
+        req.prompt, req.n or 1, given, default_flow_shift=default_flow_shift, names=origin
+    )
 
 
 async def _generated(

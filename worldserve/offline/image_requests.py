@@ -2,10 +2,10 @@
 one-frame VideoParams POST /v1/images/generations would make, `run_images` runs them through the engine
 together and returns each frame as a PIL image (`ImageOutput`).
 
-Defaults are the image route's (params.IMAGE_DEFAULTS, vLLM-Omni's Cosmos3 T2I: 1024x1024, 50 steps, guidance
-7.0 inside [400, 1000], flow shift 3.0 or the engine's `flow_shift` option, no sound, a random seed when none is
-given), not the engine's `default_sampling_params` (the route does not apply them either). Image i is seeded
-`choice_seed(seed, i)` (seed, seed + 1, ...), as the route seeds its `n` images. Fields that only mean something
+Defaults and seeds are the image route's, from the one function both call (image_params.py
+`text_to_image_params`: Cosmos3's T2I defaults, the engine's `flow_shift` option as the route's --flow-shift,
+a random seed when none is given, image i seeded `choice_seed(seed, i)`), not the engine's
+`default_sampling_params` (the route does not apply them either). Fields that only mean something
 for a video (fps, image / video conditioning, the duration template, sound) are a ParamError naming the
 keyword, as the route answers a 400 naming them; so are num_frames other than 1 and generate_sound=True.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -29,16 +28,14 @@ import numpy as np
 from worldserve.engine.client import EngineClient, VideoResult
 from worldserve.engine.prompt_upsampling import UpsamplingFailed
 from worldserve.engine.refusals import CancelledRequest
+from worldserve.image_params import text_to_image_params
 from worldserve.offline.outputs import ImageOutput
-from worldserve.offline.video_requests import FIELDS, python_scalars
+from worldserve.offline.video_requests import FIELDS
 from worldserve.param_errors import ParamError
 from worldserve.param_types import is_real
 from worldserve.params import (
-    DEFAULT_MAX_SEQUENCE_LENGTH,
-    IMAGE_DEFAULTS,
     LoraRequest,
     VideoParams,
-    choice_seed,
 )
 
 MAX_IMAGES = 10
@@ -69,28 +66,16 @@ def image_params(
             "n", f"n must be an integer from 1 to {MAX_IMAGES} (the image route's bound), got {n!r}"
         )
     given = _image_fields(fields)
-    seed = given.pop("seed", None)
-    shift = IMAGE_DEFAULTS.flow_shift if default_flow_shift is None else default_flow_shift
-    values: dict[str, Any] = {
-        "width": IMAGE_DEFAULTS.width, "height": IMAGE_DEFAULTS.height,
-        "num_inference_steps": IMAGE_DEFAULTS.num_inference_steps, "guidance_scale": IMAGE_DEFAULTS.guidance_scale,
-        "flow_shift": shift, "guidance_interval": IMAGE_DEFAULTS.guidance_interval,
-        "max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH,
-        **given,
-        "num_frames": 1, "generate_sound": False,
-        "seed": random.randrange(2**32) if seed is None else seed,
-    }  # fmt: skip
-    base = VideoParams(prompt=prompt, **values)
     # (numpy scalars as Python's, as generate_video's: outputs and logs see plain values)
-    base = dataclasses.replace(base, **python_scalars(base))
-    if base.lora is None and static_lora is not None:
-        base = dataclasses.replace(base, lora=static_lora)
+    given = {name: value.item() if isinstance(value, np.generic) else value for name, value in given.items()}
+    if given.get("lora") is None and static_lora is not None:
+        given["lora"] = static_lora
     from worldserve.api.lora_field import LoraSettings
 
+    listed = text_to_image_params(prompt, n, given, default_flow_shift=default_flow_shift)
     # (an adapter of its own needs enable_lora, as the routes require)
-    LoraSettings(per_request_lora, static_lora).check_restored(base)
-    base = base.validate()
-    return [base] + [dataclasses.replace(base, seed=choice_seed(base.seed, i)) for i in range(1, n)]
+    LoraSettings(per_request_lora, static_lora).check_restored(listed[0])
+    return listed
 
 
 def _image_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
