@@ -127,13 +127,18 @@ class Endings:
         self.hand_over(request, result)
 
     def cancelled(self, request: Request) -> None:
+        self.count_cancelled(request)
+        if request.ephemeral:
+            request.deliver(CancelledRequest(request.job_id, request.stop_reason))
+        self.on_done(request.job_id)
+
+    def count_cancelled(self, request: Request) -> None:
+        """A request stopped before its end, in the metrics: failed with its abort's own status when one was
+        set (a timeout's 504, a stalled stream's), else cancelled."""
         if request.abort_status is not None:
             _observer(self, request).on_failed(request.abort_status)
         else:
             _observer(self, request).on_cancelled()
-        if request.ephemeral:
-            request.deliver(CancelledRequest(request.job_id, request.stop_reason))
-        self.on_done(request.job_id)
 
     def fail(self, request: Request, exc: BaseException) -> None:
         code, message, param = error_for(exc)

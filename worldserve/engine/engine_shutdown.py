@@ -110,12 +110,8 @@ class EngineShutdown:
     def _end_at_shutdown(self, request: Request, reason: str) -> None:
         """An ephemeral request the stop ends (it cannot resume): counted cancelled, as the server counts a
         stopped stream, and its caller gets CancelledRequest."""
-        observer = request.observer or self._ends.observer
-        try:  # (as Endings.cancelled: an abort's own status, e.g. a timeout's 504, is a failure)
-            if request.abort_status is not None:
-                observer.on_failed(request.abort_status)
-            else:
-                observer.on_cancelled()
+        try:
+            self._ends.count_cancelled(request)
         except Exception:  # the metrics' fault: the caller still gets its end, the jobs still requeue
             log.exception("observer failed for %s", request.job_id)
         request.deliver(CancelledRequest(request.job_id, reason))
