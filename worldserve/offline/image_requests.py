@@ -30,7 +30,7 @@ from worldserve.engine.prompt_upsampling import UpsamplingFailed
 from worldserve.engine.refusals import CancelledRequest
 from worldserve.image_params import text_to_image_params
 from worldserve.offline.outputs import ImageOutput
-from worldserve.offline.video_requests import FIELDS
+from worldserve.offline.video_requests import FIELDS, check_field_names, python_scalar, upsampling_error
 from worldserve.param_errors import ParamError
 from worldserve.param_types import is_real
 from worldserve.params import (
@@ -67,7 +67,7 @@ def image_params(
         )
     given = _image_fields(fields)
     # (numpy scalars as Python's, as generate_video's: outputs and logs see plain values)
-    given = {name: value.item() if isinstance(value, np.generic) else value for name, value in given.items()}
+    given = {name: python_scalar(value) for name, value in given.items()}
     if given.get("lora") is None and static_lora is not None:
         given["lora"] = static_lora
     from worldserve.api.lora_field import LoraSettings
@@ -81,10 +81,8 @@ def image_params(
 def _image_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword fields, each a VideoParams field that applies to an image: ParamError naming one that is
     not, num_frames other than 1, or generate_sound asked for."""
+    check_field_names(fields, known=FIELDS - VIDEO_ONLY_FIELDS)
     for name in fields:
-        if name not in FIELDS:
-            known = ", ".join(sorted(FIELDS - VIDEO_ONLY_FIELDS))
-            raise ParamError(name, f"{name!r} is not a VideoParams field (fields: {known})")
         if name in VIDEO_ONLY_FIELDS:
             raise ParamError(name, f"{name} applies to videos, not images (generate_video makes videos)")
     frames = fields.get("num_frames", 1)
@@ -139,7 +137,5 @@ async def _upsampled(client: EngineClient, checked: list[VideoParams], prefix: s
     try:
         prompt = await client.jobless.admitted_upsampling(checked[0], prefix, 1e9, len(checked))
     except UpsamplingFailed as exc:
-        if exc.status == 400:
-            raise ParamError(exc.param or "prompt", f"prompt upsampling failed: {exc}") from None
-        raise RuntimeError(f"prompt upsampling failed ({exc.status}): {exc}") from None
+        raise upsampling_error(exc) from None
     return [dataclasses.replace(p, prompt=prompt, upsample_prompt=False) for p in checked]

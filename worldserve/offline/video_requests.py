@@ -100,12 +100,18 @@ def item_error(index: int, exc: ParamError, keywords: Collection[str]) -> ParamE
     return type(exc)(param, f"prompt[{index}]: {exc.message}")
 
 
-def keyword_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword fields, each a VideoParams field (ParamError naming one that is not), the image decoded."""
+def check_field_names(fields: Mapping[str, Any], known: frozenset[str] = FIELDS) -> None:
+    """ParamError naming the first keyword that is no VideoParams field (`known`: the ones listed as taken)."""
     for name in fields:
         if name not in FIELDS:
-            known = ", ".join(sorted(FIELDS))
-            raise ParamError(name, f"{name!r} is not a VideoParams field (fields: {known})")
+            raise ParamError(
+                name, f"{name!r} is not a VideoParams field (fields: {', '.join(sorted(known))})"
+            )
+
+
+def keyword_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword fields, each a VideoParams field (ParamError naming one that is not), the image decoded."""
+    check_field_names(fields)
     given = {**fields}
     if "image" in given:
         given["image"] = conditioning_image(given["image"])
@@ -160,10 +166,23 @@ def python_scalars(params: VideoParams) -> dict[str, Any]:
     width). VideoParams takes them as they are; kept, they would reach VideoOutput.seed, the engine's JSON
     and logs as numpy values."""
     return {
-        f.name: value.item()
+        f.name: python_scalar(value)
         for f in dataclasses.fields(params)
         if isinstance(value := getattr(params, f.name), np.generic)
     }
+
+
+def python_scalar(value: Any) -> Any:
+    """A numpy scalar as the Python int / float / bool of its kind (`.item()`), anything else as it is."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def upsampling_error(exc: UpsamplingFailed) -> Exception:
+    """A failed prompt upsampling as the Python API raises it: a ParamError naming the field when the
+    request's own limits refused it (the route's 400), else a RuntimeError."""
+    if exc.status == 400:
+        return ParamError(exc.param or "prompt", f"prompt upsampling failed: {exc}")
+    return RuntimeError(f"prompt upsampling failed ({exc.status}): {exc}")
 
 
 def conditioning_image(image: Any) -> np.ndarray | None:
@@ -327,9 +346,7 @@ async def _start(client: EngineClient, params: VideoParams, encode: EncodeOption
             params, request_id, _frames_sink(encode, encoded), 1e9
         )
     except UpsamplingFailed as exc:
-        if exc.status == 400:
-            raise ParamError(exc.param or "prompt", f"prompt upsampling failed: {exc}") from None
-        raise RuntimeError(f"prompt upsampling failed ({exc.status}): {exc}") from None
+        raise upsampling_error(exc) from None
     written = dataclasses.replace(params, prompt=prompt, upsample_prompt=False)
     return _Started(request_id, written, request, future, encoded, t0)
 
