@@ -23,6 +23,8 @@ Why it is faster on a GPU (diffusers: 9.46 s at 720p x 189 frames on an H200, be
   2x2 taps are sums of the 3x3 ones, one kernel per output phase) and one interleaving copy; 4 taps
   instead of 9 per output pixel, so 2.25x fewer FLOPs there (~240 TFLOP less at 720p x 189 frames), and
   no 4x nearest-upsampled tensor is written and read back;
+- the head conv (256 -> 12 channels) is a Triton implicit GEMM with the clamp in its epilogue (`HeadConv3d`,
+  wan_head_conv.py): 1.04x cuDNN's, 18 ms of a 720p x 189 decode;
 - `compile()` torch.compiles the hot blocks so the RMS-norm / SiLU / context concat / residual elementwise
   work fuses, and the DupUp3D shortcut add with the upsampler's phase interleave. Static shapes: a
   shorter last chunk compiles its own graphs once (the first decode of that frame count; serve's warm-up
@@ -65,6 +67,7 @@ from worldserve.models.cosmos3.wan_decoder_blocks import (
     last_frames,
 )
 from worldserve.models.cosmos3.wan_decoder_convs import TimeWinogradConv3d
+from worldserve.models.cosmos3.wan_head_conv import HeadConv3d
 from worldserve.models.layers.compile_limits import recompile_limits
 
 DEFAULT_CHUNK_SIZE = 2
@@ -180,13 +183,13 @@ class Decoder3d(nn.Module):
             for i in range(n_up)
         )
         self.norm_out = RMSNorm(dims[-1])
-        self.conv_out = CausalConv3d(dims[-1], cfg.out_channels, (3, 3, 3))
+        self.conv_out = HeadConv3d(dims[-1], cfg.out_channels)
         self.head_fn = self.head  # replaced by a compiled version in WanDecoder.compile
 
     def head(self, x: Tensor, ctx: Tensor) -> tuple[Tensor, Tensor]:
         """x [B, C, T, H, W] -> (conv_out(SiLU(norm(x))) clamped to [-1, 1] [B, out, T, H, W], new context)."""
         a = causal_input(ctx, F.silu(self.norm_out(x), inplace=True))  # [B, C, 2 + T, H, W]
-        return self.conv_out(a).clamp_(-1.0, 1.0), last_frames(a)
+        return self.conv_out(a), last_frames(a)
 
     def forward(self, x: Tensor, cache: CausalConvCache, *, first_chunk: bool) -> Tensor:
         """One chunk: [B, z, T, h, w] -> [B, out_channels, T_pix, 8h, 8w] (T_pix = 1 for the first chunk)."""
