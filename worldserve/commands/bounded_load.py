@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from worldserve.weights.load_lock import is_waiting
+
 _Loaded = TypeVar("_Loaded")
 
 
@@ -51,7 +53,10 @@ def bounded_load(
             if not done:
                 outcome["abandoned"] = True
     if not done:
-        raise LoadTimeout(f"the model did not load within {timeout_s:g} s")
+        why = (
+            " (it waited all along for an earlier load in this process to end)" if is_waiting(loader) else ""
+        )
+        raise LoadTimeout(f"the model did not load within {timeout_s:g} s{why}")
     if "error" in outcome:
         raise outcome["error"]
     loaded: _Loaded = outcome["value"]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from worldserve.commands.bounded_load import LoadTimeout, bounded_load
 from worldserve.config import LoraConfig, ModelConfig, ParallelConfig, ReasonerConfig, SchedulerConfig
 from worldserve.sampling.chat_defaults import ChatDefaults
+from worldserve.weights.load_lock import model_loads
 
 LOAD_ABANDONED = threading.Event()
 """Set when load_backend_within stops waiting for a load still running (--init-timeout, or a signal): the
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("worldserve.serve")
 
 
+@model_loads("the model")
 def load_backend(
     cfg: ModelConfig,
     parallel: ParallelConfig,

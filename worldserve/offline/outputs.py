@@ -17,6 +17,9 @@ from worldserve.params import VideoParams
 if TYPE_CHECKING:
     from PIL import Image
 
+VIDEO_EXTENSIONS = (".mp4", ".m4v")
+"""The names `VideoOutput.save` writes its MP4 to."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GeneratedOutput:
@@ -53,7 +56,12 @@ class VideoOutput(GeneratedOutput):
     the same request: the same encoder and options)."""
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the MP4 to `path`."""
+        """Write the MP4 to `path` (ending in .mp4 or .m4v: ParamError naming `path` for another extension, since
+        these bytes are an MP4 whatever the name says)."""
+        if os.path.splitext(os.fspath(path))[1].lower() not in VIDEO_EXTENSIONS:
+            raise ParamError("path", f"{os.fspath(path)!r}: a VideoOutput is an MP4, so its name ends in "
+                             f"{' or '.join(VIDEO_EXTENSIONS)} (frames as PNG / NPZ: `worldserve generate -o`, "
+                             "or VideoPipeline.generate's arrays)")  # fmt: skip
         with open(path, "wb") as f:
             f.write(self.video)
 

@@ -56,6 +56,7 @@ from worldserve.runner.und_prefill import UndPrefill
 from worldserve.sampling.chat_defaults import ChatDefaults
 from worldserve.sampling.token_grammar import GrammarCompiler
 from worldserve.weights.checkpoint import read_json_object
+from worldserve.weights.load_lock import model_loads
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -171,6 +172,7 @@ class Reasoner(ChatAdmission, ChatStepping):
         self._open: list[ReasonerSession] = []
 
     @classmethod
+    @model_loads("Reasoner.from_pretrained")
     def from_pretrained(cls, root: str | Path, transformer: Any, tokenizer: Any, **options: Any) -> Reasoner:
         """Share `transformer` (already loaded); load the ViT from `<root>/vision_encoder` when present.
         `options`: the constructor's keyword options (max_model_len, max_num_seqs, kv_cache_tokens, ...)."""

@@ -52,6 +52,7 @@ from worldserve.runner.video_state import (
 from worldserve.sampling.flow import FlowSchedule, unipc_step
 from worldserve.sampling.guidance import cfg_combine, needs_uncond
 from worldserve.weights.checkpoint import read_layout, resolve_model
+from worldserve.weights.load_lock import model_loads
 from worldserve.weights.loader import load_transformer
 
 if TYPE_CHECKING:  # the VAEs import diffusers, which a peer rank (transformer only) never needs
@@ -116,6 +117,7 @@ class VideoPipeline(Closeable):
         self.config = transformer.config
 
     @classmethod
+    @model_loads("VideoPipeline.from_pretrained")
     def from_pretrained(
         cls,
         path: str | Path | None = None,

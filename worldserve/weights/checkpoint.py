@@ -19,6 +19,7 @@ from typing import Any
 
 from worldserve import envs
 from worldserve.models.cosmos3.config import Cosmos3Config
+from worldserve.weights.load_lock import model_loads
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def load_diffusers_component(model_cls: Any, folder: Path | str, **kwargs: Any) 
     level = library.level
     library.setLevel(logging.ERROR)
     try:
-        with readable_weights(folder):
+        with model_loads(model_cls.__name__), readable_weights(folder):
             model, info = model_cls.from_pretrained(str(folder), output_loading_info=True, **kwargs)
     finally:
         library.setLevel(level)
