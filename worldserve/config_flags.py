@@ -4,7 +4,8 @@ dataclass from the parsed flags. Field metadata may mark a flag positional, hidd
 choices, aliases or nargs. A bool field is a `--flag` / `--no-flag` pair, as vLLM's bool fields are
 (arg_utils.get_kwargs' BooleanOptionalAction), unless its metadata says store_true (`--flag` alone: flags
 that vLLM or vLLM-Omni define so, and worldserve's own switches). A field that may be None reads "None" as
-None, its default, as vLLM's optional_type does (`--seed None`, `--revision None`)."""
+None, its default, as vLLM's optional_type does (`--seed None`, `--revision None`). The offline Engine's options
+(offline/options.py) read a value given as text with the same types and choices (`parse_flag_text`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import inspect
 import textwrap
 import types
 import typing
+
+from worldserve.config_values import FlagValueError
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
@@ -58,10 +61,57 @@ def none_or(kind: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], 
     return parse
 
 
-def _may_be_none(hint: object) -> bool:
+def may_be_none(hint: object) -> bool:
     """`int | None` and the like: a union with None in it."""
     is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
     return is_union and type(None) in typing.get_args(hint)
+
+
+def value_kwargs(f: dataclasses.Field[typing.Any], hint: object) -> dict[str, typing.Any]:
+    """How the flag of field `f` (type hint `hint`) reads its value: argparse's action, type, choices, nargs
+    and metavar (add_config_arguments adds the help and default); the offline Engine's options read a value
+    given as text the same way (parse_flag_text)."""
+    meta = f.metadata
+    kind = str if "nargs" in meta else scalar_type(hint)  # nargs: a list of strings
+    kwargs: dict[str, typing.Any] = {}
+    if kind is bool:  # vLLM's get_kwargs: a bool field is --flag / --no-flag; metadata store_true: --flag
+        kwargs["action"] = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction
+    elif may_be_none(hint) and "nargs" not in meta and not meta.get("positional"):
+        kwargs["type"] = none_or(kind)
+    else:
+        kwargs["type"] = kind
+    if "choices" in meta:
+        kwargs["choices"] = meta["choices"]
+        # (the None that "None" reads as is one of them, as in vLLM)
+        if kwargs.get("type") not in (None, kind):
+            kwargs["choices"] = (*meta["choices"], None)
+    if "nargs" in meta:
+        kwargs["nargs"] = meta["nargs"]
+    if "metavar" in meta:
+        kwargs["metavar"] = meta["metavar"]
+    return kwargs
+
+
+def parse_flag_text(f: dataclasses.Field[typing.Any], hint: object, text: str) -> typing.Any:
+    """`text` read as `--flag text` reads it (a flag that takes one value): the flag's type, then its
+    choices; FlagValueError with argparse's message (`invalid int value: 'x'`, `invalid choice: ...`)."""
+    convert = value_kwargs(f, hint).get("type", str)
+    try:
+        value = convert(text)
+    except argparse.ArgumentTypeError as exc:  # (a FlagValueError too: its message as it is)
+        raise FlagValueError(str(exc)) from None
+    except (TypeError, ValueError):
+        raise FlagValueError(f"invalid {getattr(convert, '__name__', 'value')} value: {text!r}") from None
+    check_choice(f, hint, value)
+    return value
+
+
+def check_choice(f: dataclasses.Field[typing.Any], hint: object, value: typing.Any) -> None:
+    """FlagValueError with argparse's message unless `value` is one of the flag's choices (if it has any)."""
+    choices = value_kwargs(f, hint).get("choices")
+    if choices is not None and value not in choices:
+        listed = ", ".join(repr(c) for c in choices if c is not None)
+        raise FlagValueError(f"invalid choice: {value!r} (choose from {listed})")
 
 
 def add_config_arguments(
@@ -77,26 +127,11 @@ def add_config_arguments(
         meta = f.metadata
         if meta.get("no_flag") or (only is not None and f.name not in only):
             continue
-        kind = str if "nargs" in meta else scalar_type(hints[f.name])  # nargs: a list of strings
         text = docs.get(f.name, "")
         if f.default not in (None, False, ""):
             text += f" (default: {f.default})"
         kwargs: dict[str, typing.Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else text}
-        if kind is bool:  # vLLM's get_kwargs: a bool field is --flag / --no-flag; metadata store_true: --flag
-            kwargs["action"] = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction
-        elif _may_be_none(hints[f.name]) and "nargs" not in meta and not meta.get("positional"):
-            kwargs["type"] = none_or(kind)
-        else:
-            kwargs["type"] = kind
-        if "choices" in meta:
-            kwargs["choices"] = meta["choices"]
-            # (the None that "None" reads as is one of them, as in vLLM)
-            if kwargs.get("type") not in (None, kind):
-                kwargs["choices"] = (*meta["choices"], None)
-        if "nargs" in meta:
-            kwargs["nargs"] = meta["nargs"]
-        if "metavar" in meta:
-            kwargs["metavar"] = meta["metavar"]
+        kwargs.update(value_kwargs(f, hints[f.name]))
         if meta.get("positional"):
             group.add_argument(f.name, nargs="?", default=f.default, metavar=f.name.upper(), **kwargs)
         else:

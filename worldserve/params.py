@@ -257,7 +257,8 @@ class VideoParams:
             check_cover_size(img.shape[1], img.shape[0], self.width, self.height, "image")
         if self.lora is not None:
             if not isinstance(self.lora, LoraRequest):
-                raise ParamError("lora", "Invalid lora object: expected a JSON object.")
+                raise ParamError("lora", f"lora must be a LoraRequest (worldserve.params), got "
+                                 f"{type(self.lora).__name__}")  # fmt: skip
             self.lora.validate()
         if self.video is not None:
             self._validate_video()

@@ -9,7 +9,8 @@ numeric string as float() reads it; 0 runs the base model); int_id is accepted f
 unused. `LoraSettings` is the server's side: a request's own adapter only under --enable-lora (adapters are read
 from the server's disk), else --lora-path's, else none. Every error is a ParamError naming `lora` (a 400); the
 adapter's files are the backend's to check (its validate, at every scale, 0 included: runner/lora_cache.py),
-not this module's.
+not this module's. The offline Engine's `lora` argument (`lora_argument`) takes the same object as a dict,
+or a LoraRequest.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,8 @@ PATH_KEYS = ("local_path", "path", "lora_path", "lora_local_path")
 """vLLM-Omni's order (its parse_lora_request): a `local_path` wins over a `path`."""
 SCALE_KEYS = ("scale", "lora_scale")
 INT_ID_KEYS = ("int_id", "lora_int_id")
+LORA_EXAMPLE = '{"name": "style", "path": "/adapters/style", "scale": 1.0}'
+"""A `lora` object, as an error that asks for one shows it."""
 PER_REQUEST_OFF = "per-request LoRA adapters are off on this server: start it with --enable-lora"
 
 
@@ -60,6 +64,18 @@ def parse_lora(raw: Any) -> LoraRequest | None:
     return LoraRequest(
         name=name, path=os.path.abspath(path), scale=_scale(_given(raw, SCALE_KEYS))
     ).validate()
+
+
+def lora_argument(value: Any) -> LoraRequest | None:
+    """The offline Engine's `lora` (generate_video / generate_image): None, a `LoraRequest`, or a dict read as
+    the routes read their `lora` object (parse_lora: vLLM-Omni's keys, the scale defaulting to 1.0); a
+    ParamError naming `lora` for anything else, saying what it takes."""
+    if value is None or isinstance(value, LoraRequest):
+        return value
+    if isinstance(value, Mapping):
+        return parse_lora(dict(value))
+    raise ParamError("lora", f"lora must be a worldserve.params.LoraRequest or a dict such as {LORA_EXAMPLE} "
+                     f"(the HTTP routes' lora object), got {type(value).__name__}")  # fmt: skip
 
 
 def _given(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:

@@ -68,9 +68,13 @@ def image_params(
     given = _image_fields(fields)
     # (numpy scalars as Python's, as generate_video's: outputs and logs see plain values)
     given = {name: python_scalar(value) for name, value in given.items()}
+    from worldserve.api.lora_field import LoraSettings, lora_argument
+
+    # (a dict is the route's lora object, read as the route reads it)
+    if "lora" in given:
+        given["lora"] = lora_argument(given["lora"])
     if given.get("lora") is None and static_lora is not None:
         given["lora"] = static_lora
-    from worldserve.api.lora_field import LoraSettings
 
     listed = text_to_image_params(prompt, n, given, default_flow_shift=default_flow_shift)
     # (an adapter of its own needs enable_lora, as the routes require)

@@ -5,10 +5,10 @@ do the same for a list of requests (vLLM's `LLM.generate(prompts)`).
 A request is the prompt (or a whole VideoParams) plus VideoParams fields by name; with a text prompt, the fields
 it leaves out take the engine's `default_sampling_params` / `flow_shift` (what `worldserve serve` gives the HTTP
 requests that omit them), then Cosmos3's defaults; a whole VideoParams keeps its own values. Its adapter is the
-engine's `lora_path` unless it names one (which needs `enable_lora`, as the server's routes check:
-api/lora_field.py). An image for image-to-video may be a uint8 (H, W, 3) array, a PIL image, encoded bytes or a
-file path: files and bytes are decoded as the HTTP route's `input_reference` is (Pillow, EXIF orientation:
-media/image.py).
+engine's `lora_path` unless it names one, a LoraRequest or the routes' `lora` object as a dict (which needs
+`enable_lora`, as the server's routes check: api/lora_field.py). An image for image-to-video may be a uint8
+(H, W, 3) array, a PIL image, encoded bytes or a file path: files and bytes are decoded as the HTTP route's
+`input_reference` is (Pillow, EXIF orientation: media/image.py).
 
 `run_video` queues the request in the engine without a job (engine/ephemeral.py, the realtime route's way):
 the engine's scheduler batches it with the other requests in flight, and its frames stream, chunk by chunk as
@@ -137,11 +137,13 @@ def _checked_params(
         raise ParamError("prompt", f"prompt must be a string or a VideoParams, got {type(request).__name__}")
     # (numpy scalars as Python's: the request's JSON, logs and outputs see plain ints, floats and bools)
     params = dataclasses.replace(params, **python_scalars(params))
+    from worldserve.api.lora_field import LoraSettings, lora_argument
+
+    # (a dict is the HTTP routes' lora object, read as they read it)
+    params = dataclasses.replace(params, lora=lora_argument(params.lora))
     if params.lora is None and static_lora is not None:
         params = dataclasses.replace(params, lora=static_lora)
     # (an adapter of its own needs enable_lora, as the server's routes require: the same check)
-    from worldserve.api.lora_field import LoraSettings
-
     LoraSettings(per_request_lora, static_lora).check_restored(params)
     return params.validate()
 
