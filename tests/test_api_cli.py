@@ -303,8 +303,9 @@ def test_init_timeout_bounds_model_loading(monkeypatch, caplog):
     from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig
 
+    # (a load's tuple, as load_backend returns: the abandoned one's goes to release_loaded when it ends)
     monkeypatch.setattr(
-        serve_backend, "load_backend", lambda cfg, parallel, sched, chat, lora: _time.sleep(5)
+        serve_backend, "load_backend", lambda cfg, parallel, sched, chat, lora: (_time.sleep(5), None)
     )
     assert serve_backend.load_backend_within(ModelConfig(init_timeout=0.05)) is None
     assert "Orchestrator did not become ready within 0.05s" in caplog.text  # (vLLM-Omni's words)
