@@ -33,9 +33,10 @@ def test_a_call_made_while_stop_is_under_way_is_refused():
     assert not loop.running
 
 
-def test_a_call_the_stopped_loop_left_unfinished_is_answered():
+def test_a_call_the_stopped_loop_left_unfinished_is_answered(caplog):
     """A call whose coroutine's `finally` needs more than the one turn stop() gives: the caller gets a
-    RuntimeError when the loop ends."""
+    RuntimeError when the loop ends, and nothing is logged (its cancellation, handed to the loop after the loop
+    closed, logged an "Event loop is closed" traceback)."""
     loop = LoopThread()
     started = threading.Event()
 
@@ -61,3 +62,4 @@ def test_a_call_the_stopped_loop_left_unfinished_is_answered():
     caller.join()
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
     assert "closed while the call ran" in str(outcome[0])
+    assert "Event loop is closed" not in caplog.text

@@ -31,8 +31,8 @@ def parse_args(*argv: str):
 def test_an_unusable_storage_directory_is_one_line_before_the_model_loads(
     tmp_path, caplog, monkeypatch, where
 ):
-    """Not a folder, or a jobs.sqlite3 that cannot be one: a one-line error naming the path (exit 1), no
-    traceback, no model load."""
+    """Not a folder, or a jobs.sqlite3 that cannot be one: a one-line error naming the path, no
+    traceback, no model load; exit 2, as the other config errors found before serving (a busy --port)."""
     (tmp_path / "afile").write_text("x")
     store = {"a file": tmp_path / "afile", "under a file": tmp_path / "afile" / "sub"}.get(
         where, tmp_path / "s"
@@ -45,7 +45,7 @@ def test_an_unusable_storage_directory_is_one_line_before_the_model_loads(
     loads = []
     monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
-        assert serve.run(parse_args("--storage-dir", str(store), "--port", "0")) == 1
+        assert serve.run(parse_args("--storage-dir", str(store), "--port", "0")) == 2
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert record.exc_info is None and str(tmp_path) in record.getMessage() and not loads
 
@@ -176,7 +176,7 @@ def test_a_storage_directory_in_use_fails_the_start_before_the_model_loads(tmp_p
     loads = []
     monkeypatch.setattr(serve_backend, "load_backend_within", lambda *a, **k: loads.append(a))
     with caplog.at_level(logging.ERROR, logger="worldserve.serve"):
-        assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"), "--port", "0")) == 1
+        assert serve.run(parse_args("--storage-dir", str(tmp_path / "store"), "--port", "0")) == 2
     assert "in use by another worldserve server" in caplog.text and not loads
     held.close()
 

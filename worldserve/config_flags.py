@@ -67,6 +67,15 @@ def may_be_none(hint: object) -> bool:
     return is_union and type(None) in typing.get_args(hint)
 
 
+class ChoicesOrNone(tuple[typing.Any, ...]):
+    """A flag's choices and the None its "None" reads as: argparse's usage, help and invalid-choice message
+    list them without None (they iterate the choices: `{fp8,None}` read as if None were a value to type),
+    its check (`value in choices`) takes None."""
+
+    def __contains__(self, value: object) -> bool:
+        return value is None or super().__contains__(value)
+
+
 def value_kwargs(f: dataclasses.Field[typing.Any], hint: object) -> dict[str, typing.Any]:
     """How the flag of field `f` (type hint `hint`) reads its value: argparse's action, type, choices, nargs
     and metavar (add_config_arguments adds the help and default); the offline Engine's options read a value
@@ -82,9 +91,9 @@ def value_kwargs(f: dataclasses.Field[typing.Any], hint: object) -> dict[str, ty
         kwargs["type"] = kind
     if "choices" in meta:
         kwargs["choices"] = meta["choices"]
-        # (the None that "None" reads as is one of them, as in vLLM)
+        # (the None that "None" reads as is one of them, as in vLLM, but not listed)
         if kwargs.get("type") not in (None, kind):
-            kwargs["choices"] = (*meta["choices"], None)
+            kwargs["choices"] = ChoicesOrNone(meta["choices"])
     if "nargs" in meta:
         kwargs["nargs"] = meta["nargs"]
     if "metavar" in meta:
@@ -130,6 +139,9 @@ def add_config_arguments(
         text = docs.get(f.name, "")
         if f.default not in (None, False, ""):
             text += f" (default: {f.default})"
+        elif f.default is None and "choices" in meta and "default" not in text.lower():
+            # (its choices list no None: say what leaving it out means)
+            text += " (default: none)"
         kwargs: dict[str, typing.Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else text}
         kwargs.update(value_kwargs(f, hints[f.name]))
         if meta.get("positional"):

@@ -102,7 +102,7 @@ def load_media_url(
             raise ParamError(param, "Cannot load local files without `--allowed-local-media-path`.")
         parts = urlparse(url)
         if parts.netloc not in ("", "localhost"):  # (file://host/path is a file on that host: not ours)
-            raise ParamError(param, f"A file:// URL names a file of this server: its host must be empty or "
+            raise ParamError(param, f"A file:// URL names a local file: its host must be empty or "
                              f"localhost, not {parts.netloc[:100]!r} (file:///path).")  # fmt: skip
         given = unquote(parts.path)  # messages name it, never what its symlinks resolve to
         if not given:
@@ -125,7 +125,7 @@ def load_media_url(
     if scheme in ("http", "https") and fetched is not None and param in fetched:
         return fetched[param]
     if scheme in ("http", "https"):
-        raise ParamError(param, "this server does not download http(s) media; send a base64 data URL")
+        raise ParamError(param, "http(s) media are not downloaded here; send a base64 data URL")
     raise ParamError(param, f"Unsupported {kind} URL scheme {scheme!r}: use a base64 data URL, an http(s) URL "
                      "or a file:// URL (under --allowed-local-media-path)")  # fmt: skip
 
@@ -217,7 +217,7 @@ class ImageBudget:
             pixels = self.pixels
         if pixels > self.max_request_pixels:
             raise ParamError("messages", f"The request's images decode to {pixels:,} pixels or more (counted as "
-                             f"they load, the last {path}), above this server's limit of {self.max_request_pixels:,} "
+                             f"they load, the last {path}), above the limit of {self.max_request_pixels:,} "
                              "a request. Please send fewer or smaller images.")  # fmt: skip
         if self.tokens is None or self.max_model_len is None:
             return

@@ -97,9 +97,7 @@ class MediaFetcher:
         if parts.username is not None or parts.password is not None:
             raise ParamError(param, f"Invalid {what}: URLs with user info (user@host) are not fetched.")
         if self.allowed_domains and not self._named(host):
-            raise ParamError(
-                param, f"Invalid {what}: host {host!r} is not in the server's --allowed-media-domains."
-            )
+            raise ParamError(param, f"Invalid {what}: host {host!r} is not in --allowed-media-domains.")
         return parts
 
     def _named(self, host: str) -> bool:
@@ -195,7 +193,7 @@ class MediaFetcher:
                             "name the host in --allowed-media-domains, or set "
                             "WORLDSERVE_MEDIA_ALLOW_PRIVATE_ADDRESSES=1)", what, host, blocked[0])  # fmt: skip
                 raise _Failed(f"Invalid {what}: its host resolves to a private, loopback or link-local address, "
-                              "which this server does not download from.")  # fmt: skip
+                              "from which media are not downloaded.")  # fmt: skip
             # (connected here, to the addresses checked: http.client connects no more)
             conn.sock = sock = connect(host, addresses, https, deadline, held)
             if expired.is_set() or time.monotonic() > deadline:  # the timer fired before there was a socket
@@ -260,7 +258,7 @@ class MediaFetcher:
         return b"".join(chunks)
 
     def _too_large(self, what: str, kind: str) -> str:
-        return (f"Invalid {what}: the {kind} is larger than what is left of this server's {self.max_bytes >> 20} MiB "
+        return (f"Invalid {what}: the {kind} is larger than what is left of the {self.max_bytes >> 20} MiB "
                 "upload limit (one request's downloads share it).")  # fmt: skip
 
 
@@ -271,8 +269,8 @@ def _body_decoder(encoding: str | None, what: str) -> BodyDecoder | None:
     try:
         return body_decoder(encoding)
     except UnsupportedEncoding:
-        raise _Failed(f"Invalid {what}: the server sent it with Content-Encoding {encoding!r}, which this "
-                      "server does not decode (gzip and deflate are).") from None  # fmt: skip
+        raise _Failed(f"Invalid {what}: the server sent it with Content-Encoding {encoding!r}, which is not "
+                      "decoded here (gzip and deflate are).") from None  # fmt: skip
 
 
 def _decoded(decoder: BodyDecoder, chunk: bytes | None, limit: int, what: str) -> bytes:

@@ -203,9 +203,9 @@ def run(args: argparse.Namespace) -> int:
         assert config.video.storage_dir is not None, "resolve() sets the storage directory"
         try:
             store = JobStore(config.video.storage_dir)
-        except StorageError as exc:
+        except StorageError as exc:  # (--storage-dir's value: a config error, exit 2 as a busy --port's)
             log.error("%s", exc)
-            return 1
+            return 2
         loaded: tuple[Any, ...] | None = None
         try:  # (SIGTERM here, cli.Terminated, ends the start: the loader is a daemon thread, peers see us go)
             loaded = serve_backend.load_backend_within(

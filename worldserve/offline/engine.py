@@ -21,18 +21,17 @@ in the engine, each getting its own result.
   `LLM.get_metrics()` returns its own (offline/metrics.py: the server's Metrics wired the server's way);
 - `close()`: stops the engine, the chat worker and a multi-GPU pipeline's peer processes; idempotent, also
   `with Engine(...) as engine:`. An engine never closed is stopped when it is collected or at the
-  interpreter's exit, without waiting for its requests.
+  interpreter's exit, without waiting for its requests: at the exit, once the non-daemon threads calling it
+  are done, what daemon threads still ask is dropped quietly (offline/engine_parts.py).
 Bad input is a ParamError (a ValueError whose `.param` names the field) before any model work.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import typing
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +51,7 @@ from worldserve.offline.chat_requests import (
     request_body,
     start_chats,
 )
+from worldserve.offline.engine_parts import EngineParts
 from worldserve.offline.image_requests import image_params, run_images
 from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
@@ -78,8 +78,6 @@ UNBOUNDED_QUEUE = sys.maxsize
 """The EngineClient's `max_queued_requests` here: none. vLLM's `LLM` refuses no request for a full queue; the
 `max_queued_requests` option (serve's --max-queued-requests, HTTP 429 past it) is accepted for parity and
 unused: a Python caller's requests, from any number of threads, wait their turn."""
-IDLE_STOP_S = 5.0
-"""How long an idle engine stopped at exit may take to drain (it ends at once: nothing runs)."""
 
 
 class Engine(Closeable):
@@ -125,7 +123,7 @@ class Engine(Closeable):
                 backend.close()
             raise
         loop = LoopThread()
-        self._parts = _Parts(client=client, loop=loop, backend=backend, storage=storage)
+        self._parts = EngineParts(client=client, loop=loop, backend=backend, storage=storage)
         # collected or left open at the interpreter's exit: stopped without waiting (no thread started then)
         self._finalizer = weakref.finalize(self, self._parts.stop_at_once)
         try:
@@ -176,11 +174,11 @@ class Engine(Closeable):
                 return []
             at_once = BATCHES_IN_FLIGHT * config.scheduler.max_batch_size
             batch = run_videos(parts.client, params_list, EncodeOptions(), at_once=at_once, keywords=fields)
-            return parts.loop.run(batch, timeout)
+            return parts.run(batch, timeout)
         params = video_params(prompt, fields, defaults=defaults, static_lora=static_lora,
                               per_request_lora=per_request_lora)  # fmt: skip
         parts = self._open()
-        return parts.loop.run(run_video(parts.client, params, EncodeOptions()), timeout)
+        return parts.run(run_video(parts.client, params, EncodeOptions()), timeout)
 
     def generate_image(
         self, prompt: str, *, n: int = 1, timeout: float | None = None, **fields: Any
@@ -195,7 +193,7 @@ class Engine(Closeable):
         params_list = image_params(prompt, n, fields, default_flow_shift=self.config.video.flow_shift,
                                    static_lora=lora.static_lora, per_request_lora=lora.enable_lora)  # fmt: skip
         parts = self._open()
-        return parts.loop.run(run_images(parts.client, params_list), timeout)
+        return parts.run(run_images(parts.client, params_list), timeout)
 
     # -- chat -----------------------------------------------------------------------------------------------
     @typing.overload
@@ -230,7 +228,7 @@ class Engine(Closeable):
         parts, state = self._chat_parts(params, sampling)
         if is_conversation_batch(messages):
             return self._chat_batch(parts, state, messages, params, sampling)
-        return parts.loop.run(chat_answer(state, request_body(messages, sampling), params))
+        return parts.run(chat_answer(state, request_body(messages, sampling), params))
 
     def stream_chat(
         self, messages: str | Sequence[Mapping[str, Any]], params: ChatParams | None = None, **sampling: Any
@@ -243,7 +241,7 @@ class Engine(Closeable):
                 yield event.text
 
     @staticmethod
-    def _chat_batch(parts: _Parts, state: Any, conversations: Sequence[Any], params: ChatParams | None,
+    def _chat_batch(parts: EngineParts, state: Any, conversations: Sequence[Any], params: ChatParams | None,
                     sampling: Mapping[str, Any]) -> list[ChatOutput]:  # fmt: skip
         """chat() of each conversation, together on the loop (the chat worker batches them), after all are read
         (a bad one fails the call before any runs)."""
@@ -253,9 +251,9 @@ class Engine(Closeable):
                 bodies.append(request_body(conversation, sampling))
             except ParamError as exc:
                 raise conversation_error(i, exc) from None
-        return parts.loop.run(chat_answers(state, bodies, params, MAX_BATCH_CHATS))
+        return parts.run(chat_answers(state, bodies, params, MAX_BATCH_CHATS))
 
-    def _chat_parts(self, params: ChatParams | None, sampling: Mapping[str, Any]) -> tuple[_Parts, Any]:
+    def _chat_parts(self, params: ChatParams | None, sampling: Mapping[str, Any]) -> tuple[EngineParts, Any]:
         """The open engine's parts and its chat route state, or the error of a call that cannot chat."""
         if params is not None and not isinstance(params, ChatParams):
             raise TypeError(f"params must be a ChatParams, got {type(params).__name__}")
@@ -281,16 +279,16 @@ class Engine(Closeable):
         body = request_body(messages, sampling)
         if body.n > 1:
             raise ParamError("n", f"n={body.n}: {STREAMED_SAMPLES}")
-        (events,) = parts.loop.run(start_chats(state, body, params, coalesce=False))
+        (events,) = parts.run(start_chats(state, body, params, coalesce=False))
         try:
-            while (event := parts.loop.run(next_event(events))) is not None:
+            while (event := parts.run(next_event(events))) is not None:
                 yield event
                 if isinstance(event, ChatDelta) and event.finish_reason is not None:
                     return
         finally:
             # (a finished chat's too: its end is counted as its stream closes, chat_requests.start_chats)
             if parts.loop.running:
-                parts.loop.run(events.aclose())
+                parts.run(events.aclose())
 
     # -- metrics --------------------------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
@@ -302,10 +300,9 @@ class Engine(Closeable):
         return metrics_snapshot(self._state.metrics.registry)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    def _open(self) -> _Parts:
+    def _open(self) -> EngineParts:
         parts = self._parts
-        if parts.closed:
-            raise RuntimeError("this Engine is closed")
+        parts.check_open()
         return parts
 
     def close(self) -> None:
@@ -342,58 +339,3 @@ class Engine(Closeable):
         worker = client.chat_worker
         chats = 0 if worker is None else worker.num_waiting + worker.num_running
         return client.num_waiting + client.num_running + chats
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Parts:
-    """What an Engine started, to stop once (explicitly, or by its finalizer: no reference to the Engine)."""
-
-    client: EngineClient
-    loop: LoopThread
-    backend: Any
-    storage: str
-    closed: bool = False
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    def _take(self) -> bool:
-        """Whether this call is the one that stops them (the first)."""
-        with self.lock:
-            first, self.closed = not self.closed, True
-        return first
-
-    def close(self, timeout_s: float) -> None:
-        """The server's shutdown (EngineClient.shutdown on the loop), then the loop, the peers, the folder."""
-        if not self._take():
-            return
-        try:
-            if self.loop.running:
-                self.loop.run(self.client.shutdown(timeout_s))
-        finally:
-            self._release()
-
-    def stop_at_once(self) -> None:
-        """At collection or the interpreter's exit: the engine stopped at its next step, synchronously (the
-        exit allows no new thread or executor task: EngineClient.shutdown would start both)."""
-        if not self._take():
-            return
-        try:
-            self.client.accepting = False
-            worker = self.client.chat_worker
-            if worker is not None:
-                worker.stop(0.0)
-            engine = self.client.engine
-            # idle: it ends as soon as it drains; else at its next step (nobody waits for the results now)
-            engine.stop(IDLE_STOP_S if engine.num_running + engine.num_waiting == 0 else 0.0)
-        finally:
-            self._release()
-            self.client.store.close()
-
-    def _release(self) -> None:
-        try:
-            self.loop.stop()
-        finally:
-            try:
-                if hasattr(self.backend, "close"):  # CFG-parallel / Ulysses / TP: the peer ranks
-                    self.backend.close()
-            finally:
-                shutil.rmtree(self.storage, ignore_errors=True)

@@ -36,13 +36,15 @@ class LoopThread:
             self.loop.run_forever()
         finally:
             # (the tasks still pending were cancelled by stop(); their callbacks ran before the loop ended)
-            self.loop.close()
             with self._lock:
                 self._stopping = True
                 stranded = list(self._calls)
-            # a call whose task had not ended when the loop stopped: its caller would wait forever
+            # a call whose task had not ended when the loop stopped: its caller would wait forever. Cancelled
+            # before the loop closes: the cancellation's callback is handed to the loop (never to run), where
+            # a closed loop refused it with a logged "Event loop is closed" traceback.
             for future in stranded:
                 future.cancel()
+            self.loop.close()
 
     @property
     def running(self) -> bool:

@@ -1,0 +1,73 @@
+"""An interpreter exiting with an open worldserve.Engine still running requests, in a fresh interpreter on the
+tiny checkpoint: a daemon thread's request, stopped at once in its MP4 encode, ends without a word (rc 0, no
+traceback: the stop runs before concurrent.futures shuts its pools, and the daemon's call ends with a silent
+SystemExit); a non-daemon thread's request, which the exit waits for, is made in full.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+PRELUDE = """
+    import threading
+    import worldserve.media.video as video
+    from worldserve import Engine
+
+    # set when the first frame is converted for the MP4: the request is in its decode and encode
+    converting = threading.Event()
+    convert = video._to_yuv420p
+
+    def watched(*args):
+        converting.set()
+        return convert(*args)
+
+    video._to_yuv420p = watched
+    engine = Engine({ckpt!r}, device="cpu", dtype="float32", max_model_len=1024, warmup_shapes="none")
+    FIELDS = dict(width=64, height=64, num_frames=33, num_inference_steps=2, fps=8)
+"""
+
+
+def _run_script(tiny_ckpt, tmp_path, body: str) -> subprocess.CompletedProcess[str]:
+    script = textwrap.dedent(PRELUDE).format(ckpt=str(tiny_ckpt)) + textwrap.dedent(body)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+
+
+def test_exit_with_a_daemon_threads_video_encoding_is_quiet(tiny_ckpt, tmp_path):
+    """The main script ends while a daemon thread's generate_video is encoding its frames: rc 0, no traceback
+    (it was "cannot schedule new futures after interpreter shutdown" twice: the log's and the thread's), and
+    no storage folder left."""
+    run = _run_script(tiny_ckpt, tmp_path, """
+        def make():
+            engine.generate_video("a fox", **FIELDS)
+            print("not stopped")
+
+        threading.Thread(target=make, daemon=True).start()
+        converting.wait()
+        print("leaving")
+    """)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr and "Exception in thread" not in run.stderr, run.stderr
+    assert run.stdout.split("\n")[0] == "leaving"
+    assert not list(tmp_path.glob("worldserve-offline-*"))
+
+
+def test_exit_waits_for_a_non_daemon_threads_video(tiny_ckpt, tmp_path):
+    """The main script ends while a non-daemon thread's generate_video runs: the interpreter waits for that
+    thread, and its MP4 is made (its encode had been refused by the pools shut at exit)."""
+    run = _run_script(tiny_ckpt, tmp_path, """
+        def make():
+            print("made", engine.generate_video("a fox", **FIELDS).video[4:8])
+
+        threading.Thread(target=make).start()
+        converting.wait()
+        print("leaving")
+    """)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.stdout.split("\n")[:2] == ["leaving", "made b'ftyp'"], run.stdout
