@@ -37,7 +37,8 @@ PADDED_OUT = 16
 
 TILES = ((2, 128), (4, 64))
 """(BH, BW) output patches the autotuner tries (BH*BW pixels: the GEMM's M tile). 128-pixel patches (1 x 128
-... 8 x 16) were 4 % slower, 2-stage pipelines 2x (bench/results/README.md, fifty-second session)."""
+... 8 x 16) were 4 % slower, 2-stage pipelines 2x; these 4 with 3 stages were within 1 % of each other
+(bench/results/README.md, fifty-second session)."""
 
 
 def channel_slice(c: int) -> int | None:
@@ -99,7 +100,7 @@ def triton_kernels() -> tuple[Any, Any] | None:
         triton.Config({"BH": bh, "BW": bw}, num_warps=nw, num_stages=ns)
         for bh, bw in TILES
         for nw in (4, 8)
-        for ns in (3, 4)
+        for ns in (3,)
     ]
     tuned = triton.autotune(configs, key=["H", "W", "C", "CO"])(head_conv_kernel)
     return head_conv_kernel, tuned
