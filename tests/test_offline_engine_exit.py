@@ -1,7 +1,9 @@
 """An interpreter exiting with an open worldserve.Engine still running requests, in a fresh interpreter on the
 tiny checkpoint: a daemon thread's request, stopped at once in its MP4 encode, ends without a word (rc 0, no
 traceback: the stop runs before concurrent.futures shuts its pools, and the daemon's call ends with a silent
-SystemExit); a non-daemon thread's request, which the exit waits for, is made in full.
+SystemExit); a non-daemon thread's request in flight, which the exit waits for, is made in full; a thread
+that waits for the main thread to end does not hang the exit (the exit joins no thread); a non-daemon thread's
+call made after the exit began is refused aloud, never dropped without a word.
 """
 
 from __future__ import annotations
@@ -71,3 +73,54 @@ def test_exit_waits_for_a_non_daemon_threads_video(tiny_ckpt, tmp_path):
     assert run.returncode == 0, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     assert run.stdout.split("\n")[:2] == ["leaving", "made b'ftyp'"], run.stdout
+
+
+def test_a_thread_waiting_for_the_main_thread_to_end_does_not_hang_the_exit(tiny_ckpt, tmp_path):
+    """A worker that serves a queue while the main thread lives (it called the Engine before): the exit waits
+    for calls in flight only, so the worker sees the main thread end and stops (joining it hung forever)."""
+    run = _run_script(tiny_ckpt, tmp_path, """
+        import queue
+
+        jobs = queue.Queue()
+
+        def worker():
+            while threading.main_thread().is_alive():
+                try:
+                    prompt = jobs.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                print("made", engine.generate_video(prompt, **FIELDS).video[4:8], flush=True)
+            print("worker done", flush=True)
+
+        threading.Thread(target=worker).start()
+        jobs.put("a fox")
+        converting.wait()
+        print("leaving", flush=True)
+    """)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:3] == ["leaving", "made b'ftyp'", "worker done"], run.stdout
+
+
+def test_a_non_daemon_threads_call_after_the_exit_began_is_refused_aloud(tiny_ckpt, tmp_path):
+    """A non-daemon thread that calls only once the main script has ended: a RuntimeError saying the
+    interpreter is exiting, and a warning line (a thread pool's work item would keep it in an unread future)."""
+    run = _run_script(tiny_ckpt, tmp_path, """
+        started = threading.Event()
+
+        def late():
+            started.set()
+            while threading.main_thread().is_alive():
+                threading.Event().wait(0.05)
+            try:
+                engine.generate_video("a fox", **FIELDS)
+            except RuntimeError as exc:
+                print("refused:", exc, flush=True)
+
+        threading.Thread(target=late).start()
+        started.wait()
+        print("leaving", flush=True)
+    """)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["leaving", "refused: the interpreter is exiting: the Engine left "
+                                           "open was stopped without waiting for this call"], run.stdout  # fmt: skip
+    assert "the interpreter is exiting" in run.stderr

@@ -115,3 +115,20 @@ def test_a_video_params_lora_may_be_the_dict(engine, adapter):
     own = engine.generate_video("a fox", lora=LoraRequest("x", adapter, 1.0), **fields)
     params = VideoParams(prompt="a fox", lora={"name": "x", "path": adapter}, **fields)  # type: ignore[arg-type]
     assert engine.generate_video(params).video == own.video
+
+
+def test_an_engine_without_enable_lora_refuses_a_requests_adapter_in_its_own_words(tmp_path):
+    """Without enable_lora the refusal names the Engine's option (the server's names --enable-lora): for
+    generate_video's and generate_image's requests alike, before any model work."""
+    from worldserve import ParamError
+    from worldserve.offline.image_requests import image_params
+    from worldserve.offline.video_requests import video_params
+
+    lora = {"name": "x", "path": str(tmp_path)}
+    with pytest.raises(ParamError) as video:
+        video_params("a fox", {"lora": lora}, defaults={})
+    with pytest.raises(ParamError) as image:
+        image_params("a fox", 1, {"lora": lora})
+    for refused in (video.value, image.value):
+        assert refused.param == "lora"
+        assert "off on this Engine: build it with enable_lora=True" in str(refused), refused

@@ -39,6 +39,15 @@ def test_a_torch_dtype_is_its_flag_value():
         config(dtype=torch.int8)
 
 
+def test_numpy_scalars_are_taken_as_python_values():
+    np = pytest.importorskip("numpy")
+
+    cfg = config(vae_tiling=np.True_, max_batch_size=np.int64(3), init_timeout=np.float32(5))
+    assert cfg.model.vae_tiling is True and type(cfg.model.vae_tiling) is bool
+    assert cfg.scheduler.max_batch_size == 3 and type(cfg.scheduler.max_batch_size) is int
+    assert cfg.model.init_timeout == 5.0
+
+
 @pytest.mark.parametrize(
     "name, value, flag, shown",
     [("dtype", "int8", "--dtype", "'int8'"), ("quantization", "int4", "-q", "'int4'"),

@@ -69,11 +69,15 @@ def test_compiled_head_calls_the_op_and_equals_eager():
         torch.testing.assert_close(compiled(a), conv(a))
 
 
-def test_with_autograd_on_the_weight_it_runs_differentiable_torch_ops():
+def test_with_autograd_on_the_weight_or_the_input_it_runs_differentiable_torch_ops():
     conv = HeadConv3d(16, 12)
     a = torch.randn(1, 16, 2 + 1, 3, 4)
     conv(a).sum().backward()
     assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0
+    conv.requires_grad_(False)  # frozen weights, an input that needs its gradient
+    a.requires_grad_(True)
+    conv(a).sum().backward()
+    assert a.grad is not None and a.grad.abs().sum() > 0
 
 
 def test_the_kernel_is_not_chosen_where_it_cannot_run():

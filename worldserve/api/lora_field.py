@@ -32,6 +32,8 @@ INT_ID_KEYS = ("int_id", "lora_int_id")
 LORA_EXAMPLE = '{"name": "style", "path": "/adapters/style", "scale": 1.0}'
 """A `lora` object, as an error that asks for one shows it."""
 PER_REQUEST_OFF = "per-request LoRA adapters are off on this server: start it with --enable-lora"
+ENGINE_PER_REQUEST_OFF = "per-request LoRA adapters are off on this Engine: build it with enable_lora=True"
+"""PER_REQUEST_OFF as the offline Engine says it."""
 
 
 def parse_lora(raw: Any) -> LoraRequest | None:
@@ -117,13 +119,15 @@ class LoraSettings:
     """--enable-lora: a request may name an adapter of its own."""
     static: LoraRequest | None = None
     """--lora-path / --lora-scale: the adapter of requests that name none (None: the base model)."""
+    off: str = PER_REQUEST_OFF
+    """The refusal of a request's own adapter without per_request (the offline Engine's words its own)."""
 
     def check_restored(self, params: VideoParams) -> None:
         """A job stored before a restart runs again only with an adapter this server would give it (its own
         under --enable-lora, or this server's --lora-path): ParamError naming `lora` otherwise (a server restarted
         without --enable-lora had run the queued jobs' own adapters, read from paths the operator turned off)."""
         if params.lora is not None and params.lora != self.static and not self.per_request:
-            raise ParamError("lora", PER_REQUEST_OFF)
+            raise ParamError("lora", self.off)
 
     def for_request(self, raw: Any) -> LoraRequest | None:
         """The adapter a request whose `lora` field is `raw` runs with: its own (parse_lora; without
@@ -132,5 +136,5 @@ class LoraSettings:
         if own is None:
             return self.static
         if not self.per_request:
-            raise ParamError("lora", PER_REQUEST_OFF)
+            raise ParamError("lora", self.off)
         return own

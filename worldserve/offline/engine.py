@@ -21,8 +21,9 @@ in the engine, each getting its own result.
   `LLM.get_metrics()` returns its own (offline/metrics.py: the server's Metrics wired the server's way);
 - `close()`: stops the engine, the chat worker and a multi-GPU pipeline's peer processes; idempotent, also
   `with Engine(...) as engine:`. An engine never closed is stopped when it is collected or at the
-  interpreter's exit, without waiting for its requests: at the exit, once the non-daemon threads calling it
-  are done, what daemon threads still ask is dropped quietly (offline/engine_parts.py).
+  interpreter's exit, without waiting for its requests: at the exit, once the calls non-daemon threads have
+  in flight are done (offline/engine_parts.py); a daemon thread's call then ends silently, a non-daemon
+  thread's later call is a RuntimeError.
 Bad input is a ParamError (a ValueError whose `.param` names the field) before any model work.
 """
 

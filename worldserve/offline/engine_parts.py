@@ -1,24 +1,29 @@
 """What an offline Engine (offline/engine.py) started, stopped once: by close(), when the Engine is collected,
-or at the interpreter's exit; and the calls of its caller threads, which the exit must know about.
+or at the interpreter's exit; and the calls in flight, which the exit must know about.
 
 Python's exit runs `threading`'s exit hooks (newest first), then joins the non-daemon threads, then runs
 `atexit`'s. concurrent.futures' hook, registered when it is imported, shuts every ThreadPoolExecutor for good:
 from then on the engine's encode pool and the frame conversion pool refuse work, and a request decoding then
-failed with "cannot schedule new futures after interpreter shutdown" (its caller's thread printing the
-traceback). `stop_open_engines` is registered later, so it runs first: it waits for the non-daemon threads
-that called an Engine (Python waits for them anyway: their requests finish with the pools still up), then
-stops each Engine still open at once. What daemon threads were still asking is dropped without a word: their
-calls end with SystemExit, which ends a thread silently (the interpreter is exiting).
+failed with "cannot schedule new futures after interpreter shutdown" (a wall of tracebacks). `stop_open_engines`
+is registered later, so it runs first: it waits for the calls non-daemon threads have in flight (their requests
+end with the pools still up, as Python would wait for those threads anyway), then stops each Engine still open
+at once. It joins no thread: a thread that waits for the main thread to end (which it does only after these
+hooks) would hang the exit. After that, a daemon thread's call ends with SystemExit (silent: that thread dies
+with the interpreter, nobody can see its result); a non-daemon thread's later call is a RuntimeError saying the
+interpreter is exiting (work that Python waits for is never dropped without a word).
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures.thread
+
+# (imported first: its exit hook is registered before ours, so ours runs before it)
+import concurrent.futures.thread  # noqa: F401
 import dataclasses
+import logging
 import shutil
 import threading
-import weakref
+import typing
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -26,13 +31,14 @@ from worldserve.engine.client import EngineClient
 from worldserve.offline.loop_thread import LoopThread
 
 T = TypeVar("T")
+log = logging.getLogger("worldserve.offline")
 
 IDLE_STOP_S = 5.0
 """How long an idle engine stopped at exit may take to drain (it ends at once: nothing runs)."""
 ANSWER_WAIT_S = 2.0
 """How long a stop at exit waits for the calls it ended to be answered before it stops their loop."""
 EXITED = "the interpreter is exiting: the Engine left open was stopped without waiting for this call"
-"""The SystemExit a daemon thread's call ends with when the exit stops the Engine."""
+"""Why a call ends once the exit stopped the Engine (SystemExit in a daemon thread, else RuntimeError)."""
 
 _OPEN: set[EngineParts] = set()
 """The Engines not yet stopped, for the exit hook (the parts hold no reference to their Engine)."""
@@ -52,10 +58,9 @@ class EngineParts:
     closed: bool = False
     stopped_at_exit: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    # (guards in_call and callers; notified when a call ends)
+    # (guards in_call; notified when a call ends)
     calls: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     in_call: collections.Counter[threading.Thread] = dataclasses.field(default_factory=collections.Counter)
-    callers: weakref.WeakSet[threading.Thread] = dataclasses.field(default_factory=weakref.WeakSet)
 
     def __post_init__(self) -> None:
         _register_exit_hook()
@@ -63,16 +68,15 @@ class EngineParts:
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """`loop.run` for a caller thread, counted as in a call meanwhile; its failure because the exit stopped
-        the engine is SystemExit."""
+        the engine is `_exited`'s."""
         me = threading.current_thread()
         with self.calls:
-            self.callers.add(me)
             self.in_call[me] += 1
         try:
             return self.loop.run(coroutine, timeout_s)
         except BaseException:
             if self.stopped_at_exit:
-                raise SystemExit(EXITED) from None
+                _exited()
             raise
         finally:
             with self.calls:
@@ -82,9 +86,9 @@ class EngineParts:
                 self.calls.notify_all()
 
     def check_open(self) -> None:
-        """RuntimeError once closed (SystemExit once the exit stopped it)."""
+        """RuntimeError once closed (`_exited`'s once the exit stopped it)."""
         if self.stopped_at_exit:
-            raise SystemExit(EXITED)
+            _exited()
         if self.closed:
             raise RuntimeError("this Engine is closed")
 
@@ -108,7 +112,7 @@ class EngineParts:
     def stop_at_once(self) -> None:
         """At collection or the interpreter's exit: the engine stopped at its next step, synchronously (the
         exit allows no new thread or executor task: EngineClient.shutdown would start both). A call still
-        running can only be the exit's (a call holds its Engine): its caller gets SystemExit."""
+        running can only be the exit's (a call holds its Engine): its caller gets `_exited`'s error."""
         with self.lock:
             self.stopped_at_exit = not self.closed
         if not self._take():
@@ -129,23 +133,12 @@ class EngineParts:
             self._release()
             self.client.store.close()
 
-    def wait_for_lasting_callers(self) -> None:
-        """Until no non-daemon thread (other than this one) is in a call and those that called have ended:
-        the interpreter waits for them, so their requests are run, not dropped. Idle executor workers are
-        not waited for (only their calls): they end when concurrent.futures' own exit hook tells them to."""
+    def wait_for_lasting_calls(self) -> None:
+        """Until no non-daemon thread (other than this one) is inside a call: their requests end with the pools
+        still up. Threads are not joined (module docstring)."""
         me = threading.current_thread()
-        workers = getattr(concurrent.futures.thread, "_threads_queues", {})
-        while True:
-            with self.calls:
-                calling = [t for t in self.in_call if not t.daemon and t is not me and t.is_alive()]
-                lasting = [t for t in self.callers
-                           if not t.daemon and t is not me and t.is_alive() and t not in workers]  # fmt: skip
-                if not lasting:
-                    if not calling:
-                        return
-                    self.calls.wait(0.1)
-                    continue
-            lasting[0].join()
+        with self.calls:
+            self.calls.wait_for(lambda: not any(not t.daemon and t is not me for t in self.in_call))
 
     def _release(self) -> None:
         try:
@@ -158,10 +151,22 @@ class EngineParts:
                 shutil.rmtree(self.storage, ignore_errors=True)
 
 
+def _exited() -> typing.NoReturn:
+    """A call the exit's stop ended, or made after it: SystemExit in a daemon thread (it ends silently, as the
+    thread would at the exit), RuntimeError in another (Python waits for that thread: its work must not vanish
+    without a word)."""
+    if threading.current_thread().daemon:
+        raise SystemExit(EXITED)
+    # (also logged: a thread pool's work item keeps its error in a future its caller may never read)
+    log.warning("%s: %s", threading.current_thread().name, EXITED)
+    raise RuntimeError(EXITED)
+
+
 def stop_open_engines() -> None:
-    """The exit hook: the Engines still open, stopped at once once their non-daemon callers are done."""
+    """The exit hook: the Engines still open, stopped at once once the calls of their non-daemon threads in
+    flight have ended."""
     for parts in list(_OPEN):
-        parts.wait_for_lasting_callers()
+        parts.wait_for_lasting_calls()
     for parts in list(_OPEN):
         parts.stop_at_once()
 

@@ -68,7 +68,7 @@ def image_params(
     given = _image_fields(fields)
     # (numpy scalars as Python's, as generate_video's: outputs and logs see plain values)
     given = {name: python_scalar(value) for name, value in given.items()}
-    from worldserve.api.lora_field import LoraSettings, lora_argument
+    from worldserve.api.lora_field import ENGINE_PER_REQUEST_OFF, LoraSettings, lora_argument
 
     # (a dict is the route's lora object, read as the route reads it)
     if "lora" in given:
@@ -78,7 +78,7 @@ def image_params(
 
     listed = text_to_image_params(prompt, n, given, default_flow_shift=default_flow_shift)
     # (an adapter of its own needs enable_lora, as the routes require)
-    LoraSettings(per_request_lora, static_lora).check_restored(listed[0])
+    LoraSettings(per_request_lora, static_lora, ENGINE_PER_REQUEST_OFF).check_restored(listed[0])
     return listed
 
 

@@ -103,7 +103,7 @@ def _converted(cls: type, name: str, value: Any) -> Any:
     `check_choice`); TypeError / ValueError starting with `name` otherwise."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     hint = typing.get_type_hints(cls)[name]
-    value = _torch_value(value)
+    value = _plain_value(value)
     kind = str if "nargs" in f.metadata else scalar_type(hint)
     if value is None:
         if may_be_none(hint):
@@ -177,12 +177,16 @@ def _names(name: str, value: Any) -> list[str]:
     return list(names)
 
 
-def _torch_value(value: Any) -> Any:
+def _plain_value(value: Any) -> Any:
     """A `torch.dtype` or `torch.device` as its flag text (`torch.float16` -> "float16", `torch.device("cuda",
-    1)` -> "cuda:1"); other values as they are. (Neither exists unless torch was imported.)"""
+    1)` -> "cuda:1"), a numpy scalar as the Python int / float / bool of its kind (`np.True_` -> True); other
+    values as they are. (Neither library's types exist unless it was imported.)"""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.dtype | torch.device):
         return str(value).removeprefix("torch.")
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic):
+        return value.item()
     return value
 
 

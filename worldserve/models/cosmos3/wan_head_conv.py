@@ -179,8 +179,9 @@ def _(a: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 class HeadConv3d(CausalConv3d):
     """The decoder's conv_out: a causal 3x3x3 conv to few channels, its output clamped to [-1, 1]
-    (`wan_head_conv`, inference only: with autograd on for its weight it runs conv + clamp as separate torch
-    ops, as it does with `fused = False`, the GPU test's oracle). Same parameters and keys as CausalConv3d."""
+    (`wan_head_conv`, inference only: with autograd on for its weight or its input it runs conv + clamp as
+    separate torch ops, as it does with `fused = False`, the GPU test's oracle). Same parameters and keys as
+    CausalConv3d."""
 
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__(in_dim, out_dim, (3, 3, 3))
@@ -188,6 +189,6 @@ class HeadConv3d(CausalConv3d):
 
     def forward(self, a: Tensor) -> Tensor:
         """a [B, C, 2 + T, H, W] (context frames first) -> clamped [B, O, T, H, W]."""
-        if self.fused and not (torch.is_grad_enabled() and self.weight.requires_grad):
+        if self.fused and not (torch.is_grad_enabled() and (self.weight.requires_grad or a.requires_grad)):
             return torch.ops.worldserve.wan_head_conv(a, self.weight, self.bias)
         return super().forward(a).clamp_(-1.0, 1.0)
