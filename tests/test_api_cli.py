@@ -521,6 +521,7 @@ def test_sigterm_during_the_model_load_ends_serve_in_one_line(monkeypatch, tmp_p
     def slow_load(*args):
         loading.set()
         never.wait(30)  # (a daemon thread: left behind as the real loader is)
+        return None, None  # (a load's tuple: the abandoned one's goes to release_loaded)
 
     monkeypatch.setattr(serve_backend, "load_backend", slow_load)
     with socket.socket() as probe:
@@ -589,7 +590,7 @@ def test_an_abandoned_load_leaves_the_program_at_once(monkeypatch):
     from worldserve.commands import serve_backend
     from worldserve.config import ModelConfig
 
-    monkeypatch.setattr(serve_backend, "load_backend", lambda *a: time.sleep(2))
+    monkeypatch.setattr(serve_backend, "load_backend", lambda *a: (time.sleep(2), None))
     monkeypatch.setattr(serve_backend.LOAD_ABANDONED, "_flag", False)
     assert serve_backend.load_backend_within(ModelConfig(init_timeout=0.1)) is None
     assert serve_backend.LOAD_ABANDONED.is_set()

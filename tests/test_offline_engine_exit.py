@@ -124,3 +124,31 @@ def test_a_non_daemon_threads_call_after_the_exit_began_is_refused_aloud(tiny_ck
     assert run.stdout.split("\n")[:2] == ["leaving", "refused: the interpreter is exiting: the Engine left "
                                            "open was stopped without waiting for this call"], run.stdout  # fmt: skip
     assert "the interpreter is exiting" in run.stderr
+    assert "During handling of the above exception" not in run.stderr, run.stderr
+
+
+def test_an_engine_built_after_the_exit_began_is_refused_before_its_load(tiny_ckpt, tmp_path):
+    """A non-daemon thread that builds an Engine once the main script has ended: a RuntimeError saying so at
+    once (it was built, then failed in its first request with "cannot schedule new futures")."""
+    run = _run_script(tiny_ckpt, tmp_path, """
+        started = threading.Event()
+
+        def build():
+            started.set()
+            while threading.main_thread().is_alive():
+                threading.Event().wait(0.05)
+            try:
+                Engine({ckpt!r}, device="cpu", dtype="float32", max_model_len=1024, warmup_shapes="none")
+            except RuntimeError as exc:
+                print("refused:", exc, flush=True)
+
+        threading.Thread(target=build).start()
+        started.wait()
+        print("leaving", flush=True)
+    """.replace("{ckpt!r}", repr(str(tiny_ckpt))))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.split("\n")
+    assert lines[0] == "leaving" and lines[1].startswith("refused: the interpreter is exiting: no Engine"), (
+        lines
+    )
+    assert "Traceback" not in run.stderr, run.stderr

@@ -78,6 +78,9 @@ def test_with_autograd_on_the_weight_or_the_input_it_runs_differentiable_torch_o
     a.requires_grad_(True)
     conv(a).sum().backward()
     assert a.grad is not None and a.grad.abs().sum() > 0
+    conv.bias.requires_grad_(True)  # a bias-only fine-tune
+    conv(a.detach()).sum().backward()
+    assert conv.bias.grad is not None and conv.bias.grad.abs().sum() > 0
 
 
 def test_the_kernel_is_not_chosen_where_it_cannot_run():

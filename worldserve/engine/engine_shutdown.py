@@ -93,8 +93,8 @@ class EngineShutdown:
             # (a request decodes inside its last step's iteration: still counted running until it ends)
             stepping = max(self._num_running - decoding, 0)
             self._cv.notify()
-        log.warning("shutdown: stopping %d request(s) in their steps and %d in their decode; jobs are queued "
-                    "again, image and stream requests end with a 503", stepping, decoding)  # fmt: skip
+        log.warning("shutdown: stopping %d request(s) in their steps and %d in their decode (a job is queued "
+                    "again for the next start; other requests end cancelled)", stepping, decoding)  # fmt: skip
 
     def _cancel_waiting_ephemeral(self, late: list[Request], reason: str) -> None:
         """Cancel the ephemeral requests still waiting, and `late` (taken from the inbox), for `reason`: the

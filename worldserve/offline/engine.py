@@ -52,7 +52,7 @@ from worldserve.offline.chat_requests import (
     request_body,
     start_chats,
 )
-from worldserve.offline.engine_parts import EngineParts
+from worldserve.offline.engine_parts import EngineParts, check_not_exiting
 from worldserve.offline.image_requests import image_params, run_images
 from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
@@ -104,6 +104,7 @@ class Engine(Closeable):
         from worldserve.engine.engine import Engine as VideoEngine
         from worldserve.engine.jobs import JobStore
 
+        check_not_exiting()
         # (the configuration it runs with: environment defaults resolved)
         self.config = config = config.resolve()
         # (as serve's load: bounded by init_timeout, a TimeoutError past it)

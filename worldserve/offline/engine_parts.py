@@ -44,6 +44,8 @@ _OPEN: set[EngineParts] = set()
 """The Engines not yet stopped, for the exit hook (the parts hold no reference to their Engine)."""
 _hook_lock = threading.Lock()
 _hook_registered = False
+_exit_began = False
+"""Set by the exit hook as it begins (an Engine built after it is refused: check_not_exiting)."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -156,34 +158,48 @@ def _exited() -> typing.NoReturn:
     thread would at the exit), RuntimeError in another (Python waits for that thread: its work must not vanish
     without a word)."""
     if threading.current_thread().daemon:
-        raise SystemExit(EXITED)
+        raise SystemExit(EXITED) from None
     # (also logged: a thread pool's work item keeps its error in a future its caller may never read)
     log.warning("%s: %s", threading.current_thread().name, EXITED)
-    raise RuntimeError(EXITED)
+    raise RuntimeError(EXITED) from None
 
 
 def stop_open_engines() -> None:
     """The exit hook: the Engines still open, stopped at once once the calls of their non-daemon threads in
     flight have ended."""
+    global _exit_began
+    with _hook_lock:
+        _exit_began = True
     for parts in list(_OPEN):
         parts.wait_for_lasting_calls()
     for parts in list(_OPEN):
         parts.stop_at_once()
 
 
-def _register_exit_hook() -> None:
+def _register_exit_hook() -> bool:
     """`stop_open_engines` among threading's exit hooks, once, after concurrent.futures' (so it runs before
-    the executors are shut: the hooks run newest first). Once the exit has begun it is too late: atexit's
-    finalizer of each Engine still stops it."""
+    the executors are shut: the hooks run newest first). False once the exit has begun (too late: the pools
+    an Engine needs are shut or about to be)."""
     global _hook_registered
     with _hook_lock:
+        if _exit_began:
+            return False
         if _hook_registered:
-            return
+            return True
         register = getattr(threading, "_register_atexit", None)
         if register is None:
-            return
+            return True
         try:
             register(stop_open_engines)
         except RuntimeError:  # (the exit has begun)
-            return
+            return False
         _hook_registered = True
+        return True
+
+
+def check_not_exiting() -> None:
+    """RuntimeError when the interpreter's exit has begun: an Engine built then could not run one request
+    (its pools refuse work), so it is refused before its load."""
+    if not _register_exit_hook():
+        raise RuntimeError("the interpreter is exiting: no Engine can be built now (build it before the "
+                           "main script ends, or join the thread that builds it)")  # fmt: skip

@@ -179,7 +179,7 @@ def _(a: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 class HeadConv3d(CausalConv3d):
     """The decoder's conv_out: a causal 3x3x3 conv to few channels, its output clamped to [-1, 1]
-    (`wan_head_conv`, inference only: with autograd on for its weight or its input it runs conv + clamp as
+    (`wan_head_conv`, inference only: with autograd on for its input, weight or bias it runs conv + clamp as
     separate torch ops, as it does with `fused = False`, the GPU test's oracle). Same parameters and keys as
     CausalConv3d."""
 
@@ -189,6 +189,7 @@ class HeadConv3d(CausalConv3d):
 
     def forward(self, a: Tensor) -> Tensor:
         """a [B, C, 2 + T, H, W] (context frames first) -> clamped [B, O, T, H, W]."""
-        if self.fused and not (torch.is_grad_enabled() and (self.weight.requires_grad or a.requires_grad)):
+        differentiable = any(t is not None and t.requires_grad for t in (a, self.weight, self.bias))
+        if self.fused and not (torch.is_grad_enabled() and differentiable):
             return torch.ops.worldserve.wan_head_conv(a, self.weight, self.bias)
         return super().forward(a).clamp_(-1.0, 1.0)
