@@ -27,8 +27,25 @@ PRELUDE = """
         return convert(*args)
 
     video._to_yuv420p = watched
-    engine = Engine({ckpt!r}, device="cpu", dtype="float32", max_model_len=1024, warmup_shapes="none")
+    OPTIONS = dict(device="cpu", dtype="float32", max_model_len=1024, warmup_shapes="none")
+    engine = Engine({ckpt!r}, **OPTIONS)
     FIELDS = dict(width=64, height=64, num_frames=33, num_inference_steps=2, fps=8)
+
+    # fn run on a non-daemon thread once the main script has ended (the interpreter's exit begun)
+    def after_the_main_script(fn):
+        started = threading.Event()
+
+        def run():
+            started.set()
+            while threading.main_thread().is_alive():
+                threading.Event().wait(0.05)
+            try:
+                fn()
+            except RuntimeError as exc:
+                print("refused:", exc, flush=True)
+
+        threading.Thread(target=run).start()
+        started.wait()
 """
 
 
@@ -105,19 +122,7 @@ def test_a_non_daemon_threads_call_after_the_exit_began_is_refused_aloud(tiny_ck
     """A non-daemon thread that calls only once the main script has ended: a RuntimeError saying the
     interpreter is exiting, and a warning line (a thread pool's work item would keep it in an unread future)."""
     run = _run_script(tiny_ckpt, tmp_path, """
-        started = threading.Event()
-
-        def late():
-            started.set()
-            while threading.main_thread().is_alive():
-                threading.Event().wait(0.05)
-            try:
-                engine.generate_video("a fox", **FIELDS)
-            except RuntimeError as exc:
-                print("refused:", exc, flush=True)
-
-        threading.Thread(target=late).start()
-        started.wait()
+        after_the_main_script(lambda: engine.generate_video("a fox", **FIELDS))
         print("leaving", flush=True)
     """)  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -131,21 +136,9 @@ def test_an_engine_built_after_the_exit_began_is_refused_before_its_load(tiny_ck
     """A non-daemon thread that builds an Engine once the main script has ended: a RuntimeError saying so at
     once (it was built, then failed in its first request with "cannot schedule new futures")."""
     run = _run_script(tiny_ckpt, tmp_path, """
-        started = threading.Event()
-
-        def build():
-            started.set()
-            while threading.main_thread().is_alive():
-                threading.Event().wait(0.05)
-            try:
-                Engine({ckpt!r}, device="cpu", dtype="float32", max_model_len=1024, warmup_shapes="none")
-            except RuntimeError as exc:
-                print("refused:", exc, flush=True)
-
-        threading.Thread(target=build).start()
-        started.wait()
+        after_the_main_script(lambda: Engine(engine.config.model.model, **OPTIONS))
         print("leaving", flush=True)
-    """.replace("{ckpt!r}", repr(str(tiny_ckpt))))  # fmt: skip
+    """)  # fmt: skip
     assert run.returncode == 0, run.stderr
     lines = run.stdout.split("\n")
     assert lines[0] == "leaving" and lines[1].startswith("refused: the interpreter is exiting: no Engine"), (
