@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from worldserve import __version__, envs
 from worldserve.api.content_encoding import BodyDecoder, UnsupportedEncoding, body_decoder
 from worldserve.api.media_connect import blocked_address, connect, expire, resolve, time_left, tls_context
+from worldserve.lasting_pool import LastingThreadPool
 from worldserve.params import ParamError
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class MediaFetcher:
     block_private: bool = field(default_factory=lambda: not envs.media_allow_private_addresses())
     """Refuse hosts outside `allowed_domains` that resolve to a non-public address (blocked_address)."""
     pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="media-fetch"),
+        # (serving through the interpreter's exit: an offline Engine's chat in a thread Python waits for)
+        default_factory=lambda: LastingThreadPool(FETCH_THREADS, thread_name_prefix="media-fetch"),
         compare=False,
     )
 

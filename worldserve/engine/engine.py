@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -40,6 +39,7 @@ from worldserve.engine.outputs import BackendLost, VideoBackend
 from worldserve.engine.refusals import SHUTDOWN_REASON
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
+from worldserve.lasting_pool import LastingThreadPool
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority, read_beside
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,11 @@ class Engine(EngineShutdown):
         self._stop_reason = SHUTDOWN_REASON
         """Why the loop ended (once it has): what an ephemeral request arriving later is cancelled for."""
         self._stopped = False  # set when the loop has ended (ephemeral requests are refused from then on)
-        self._pool = ThreadPoolExecutor(
+        # the muxes yield the CPUs to this engine's thread, which feeds the GPU; the pool serves through the
+        # interpreter's exit (an offline Engine's request in a thread Python waits for: lasting_pool.py)
+        self._pool = LastingThreadPool(
             config.encode_workers, thread_name_prefix="worldserve-encode", initializer=lower_thread_priority
-        )  # the muxes yield the CPUs to this engine's thread, which feeds the GPU
+        )
         self._thread = threading.Thread(target=self._run, name="worldserve-engine", daemon=True)
         self.crashed: BaseException | None = None
         self.model_lock = threading.Lock()

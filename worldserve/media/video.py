@@ -30,6 +30,7 @@ import av
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
+from worldserve.lasting_pool import LastingThreadPool
 from worldserve.media.audio import AacTrack, fit_audio
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority
 from worldserve.params import ParamError
@@ -164,8 +165,9 @@ def conversion_workers() -> int:
 
 @cache
 def _conversion_pool(workers: int) -> ThreadPoolExecutor:
-    """One pool per size for the process (every concurrent encode shares it: at most `workers` threads)."""
-    return ThreadPoolExecutor(workers, thread_name_prefix="worldserve-yuv", initializer=lower_thread_priority)
+    """One pool per size for the process (every concurrent encode shares it: at most `workers` threads),
+    serving through the interpreter's exit (lasting_pool.py)."""
+    return LastingThreadPool(workers, thread_name_prefix="worldserve-yuv", initializer=lower_thread_priority)
 
 
 def yuv_frames(chunks: Iterable[np.ndarray], workers: int | None = None) -> Iterator[av.VideoFrame]:

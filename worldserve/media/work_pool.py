@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from worldserve.lasting_pool import LastingThreadPool
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -39,7 +41,8 @@ _lock = threading.Lock()
 def _named_pool(name: str) -> ThreadPoolExecutor:
     with _lock:
         if name not in _pools:
-            _pools[name] = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix=f"worldserve-{name}")
+            # (serving through the interpreter's exit: an offline Engine's chat in a thread Python waits for)
+            _pools[name] = LastingThreadPool(MAX_WORKERS, thread_name_prefix=f"worldserve-{name}")
         return _pools[name]
 
 

@@ -21,9 +21,9 @@ in the engine, each getting its own result.
   `LLM.get_metrics()` returns its own (offline/metrics.py: the server's Metrics wired the server's way);
 - `close()`: stops the engine, the chat worker and a multi-GPU pipeline's peer processes; idempotent, also
   `with Engine(...) as engine:`. An engine never closed is stopped when it is collected or at the
-  interpreter's exit, without waiting for its requests: at the exit, once the calls non-daemon threads have
-  in flight are done (offline/engine_parts.py); a daemon thread's call then ends silently, a non-daemon
-  thread's later call is a RuntimeError.
+  interpreter's exit, without waiting for its requests: Python's exit waits for the non-daemon threads first,
+  whose requests are made in full (offline/engine_parts.py, lasting_pool.py); a daemon thread's call still
+  running at the stop ends silently.
 Bad input is a ParamError (a ValueError whose `.param` names the field) before any model work.
 """
 
@@ -52,7 +52,7 @@ from worldserve.offline.chat_requests import (
     request_body,
     start_chats,
 )
-from worldserve.offline.engine_parts import EngineParts, check_not_exiting
+from worldserve.offline.engine_parts import EngineParts
 from worldserve.offline.image_requests import image_params, run_images
 from worldserve.offline.loading import load_within
 from worldserve.offline.loop_thread import LoopThread
@@ -104,7 +104,6 @@ class Engine(Closeable):
         from worldserve.engine.engine import Engine as VideoEngine
         from worldserve.engine.jobs import JobStore
 
-        check_not_exiting()
         # (the configuration it runs with: environment defaults resolved)
         self.config = config = config.resolve()
         # (as serve's load: bounded by init_timeout, a TimeoutError past it)

@@ -6,7 +6,8 @@ cancels the coroutine (its `finally` blocks abort the engine work it started). `
 joins the thread; idempotent. A call made once `stop()` has begun is refused (RuntimeError), and a call the
 stopped loop left unfinished is answered with one rather than waited on forever (a close() on another thread
 while a call was being submitted had stranded its caller). The thread is a daemon: an Engine never closed
-cannot hold the interpreter's exit.
+cannot hold the interpreter's exit. The loop's default executor (`asyncio.to_thread`: the client's off-loop
+work) is a LastingThreadPool, serving through the exit as long as the loop runs (lasting_pool.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from worldserve.lasting_pool import LastingThreadPool
+
 T = TypeVar("T")
 
 
 class LoopThread:
     def __init__(self, name: str = "worldserve-offline-loop"):
         self.loop = asyncio.new_event_loop()
+        self._executor = LastingThreadPool(thread_name_prefix=f"{name}-work")
+        self.loop.set_default_executor(self._executor)
         # guards _stopping and _calls: a call is submitted before stop() begins, or refused
         self._lock = threading.Lock()
         self._stopping = False
@@ -44,7 +49,7 @@ class LoopThread:
             # a closed loop refused it with a logged "Event loop is closed" traceback.
             for future in stranded:
                 future.cancel()
-            self.loop.close()
+            self.loop.close()  # (its default executor shut down with it)
 
     @property
     def running(self) -> bool:
