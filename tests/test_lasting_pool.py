@@ -66,3 +66,29 @@ def test_each_worker_runs_the_initializer_first_and_asyncio_takes_it_as_its_defa
     assert len(started) == 1
     with pytest.raises(RuntimeError):
         pool.submit(print)
+
+
+def test_a_pool_dropped_without_shutdown_ends_its_workers_after_its_queued_calls():
+    """Workers hold the pool weakly (as concurrent.futures' do): a pool nobody holds any more ends its threads
+    once the calls it had queued have run (an Engine's media-fetch pool kept 32 idle threads per Engine)."""
+    import gc
+
+    gate = threading.Event()
+    pool = LastingThreadPool(3, thread_name_prefix="dropped-pool")
+    futures = [pool.submit(gate.wait)] + [pool.submit(lambda i=i: i) for i in range(5)]
+    del pool
+    gc.collect()
+    gate.set()
+    assert [f.result(timeout=30) for f in futures[1:]] == list(range(5))
+    for thread in [t for t in threading.enumerate() if t.name.startswith("dropped-pool")]:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+def test_an_initializer_that_raises_even_systemexit_leaves_the_worker_serving():
+    def initializer() -> None:
+        raise SystemExit("no")
+
+    pool = LastingThreadPool(1, initializer=initializer)
+    assert pool.submit(lambda: 5).result(timeout=30) == 5
+    pool.shutdown()

@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -29,7 +30,7 @@ _Item = tuple[Future, Callable[..., Any], tuple, dict]
 
 class LastingThreadPool(ThreadPoolExecutor):
     """Up to `max_workers` daemon threads (started as work comes, each running `initializer` first) serving
-    `submit`ted calls in order, through the interpreter's exit, until `shutdown()`."""
+    `submit`ted calls in order, through the interpreter's exit, until `shutdown()` or the pool's collection."""
 
     def __init__(
         self,
@@ -58,32 +59,16 @@ class LastingThreadPool(ThreadPoolExecutor):
             self._items.put((future, fn, args, kwargs))
             # (an idle worker takes it; else a new one, up to the most)
             if not self._idle.acquire(timeout=0) and len(self._workers) < self._most:
+                # (the worker holds the pool weakly: a pool dropped unshut ends its workers, as the base's do)
+                items = self._items
+                pool = weakref.ref(self, lambda _: items.put(None))
                 worker = threading.Thread(
-                    target=self._serve, name=f"{self._prefix}_{len(self._workers)}", daemon=True
-                )
+                    target=_serve, args=(pool, items, self._idle, self._start),
+                    name=f"{self._prefix}_{len(self._workers)}", daemon=True,
+                )  # fmt: skip
                 self._workers.append(worker)
                 worker.start()
             return future
-
-    def _serve(self) -> None:
-        initializer, initargs = self._start
-        if initializer is not None:
-            try:
-                initializer(*initargs)
-            except Exception:  # (the base class marks the pool broken; here the thread works on without it)
-                log.exception("%s: its initializer failed", threading.current_thread().name)
-        while (item := self._items.get()) is not None:
-            future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as exc:
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
-            del item, future, fn, args, kwargs  # (nothing of the last call kept alive while idle)
-            self._idle.release()
-        self._items.put(None)  # (the next worker ends too)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new work; the queued calls run (or, with `cancel_futures`, are cancelled); `wait`: until the
@@ -104,3 +89,32 @@ class LastingThreadPool(ThreadPoolExecutor):
             for worker in workers:
                 if worker is not threading.current_thread():
                     worker.join()
+
+
+def _serve(
+    pool: weakref.ref[LastingThreadPool],
+    items: queue.SimpleQueue[_Item | None],
+    idle: threading.Semaphore,
+    start: tuple[Callable[..., object] | None, tuple],
+) -> None:
+    """A worker: the initializer, then the queued calls until a None (shutdown, or `pool` collected). It holds
+    the pool only weakly (`pool` is unused but for that: its callback queues the None)."""
+    initializer, initargs = start
+    if initializer is not None:
+        try:
+            initializer(*initargs)
+        except BaseException:  # (the base class marks the pool broken; here the thread works on without it)
+            log.exception("%s: its initializer failed", threading.current_thread().name)
+    while (item := items.get()) is not None:
+        future, fn, args, kwargs = item
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        del item, future, fn, args, kwargs  # (nothing of the last call kept alive while idle)
+        idle.release()
+    # (None: shutdown, or the pool collected, queued after the calls already submitted; the next worker ends too)
+    items.put(None)
