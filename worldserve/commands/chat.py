@@ -188,6 +188,7 @@ def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
     from worldserve.runner.reasoner import Reasoner
     from worldserve.runner.video_pipeline import load_configured_transformer
     from worldserve.weights.checkpoint import read_layout, resolve_model
+    from worldserve.weights.load_lock import model_loads
 
     try:  # serve's checks of the same flags, before the checkpoint is resolved (an HF id may download it)
         model = config_from_args(ModelConfig, args)
@@ -211,7 +212,8 @@ def _load(args: argparse.Namespace) -> tuple[Reasoner, ChatDefaults] | None:
     dtype = getattr(torch, model.dtype) if model.dtype else default_dtype(device)
     try:  # the transformer and the tokenizer only: no VAEs, nothing of video generation
         kernels.check(device, dtype)
-        transformer = load_configured_transformer(root, dtype, device, kernels)
+        with model_loads("the Reasoner's transformer"):  # (as every load: weights/load_lock.py)
+            transformer = load_configured_transformer(root, dtype, device, kernels)
         defaults = ChatDefaults.load("auto", root)  # (its eos_token_id ends chats too, as serve's)
         reasoner = Reasoner.from_pretrained(root, transformer, PromptEncoder.from_pretrained(root).tokenizer,
                                             max_model_len=args.max_model_len, max_num_seqs=1,
