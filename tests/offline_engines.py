@@ -1,4 +1,7 @@
-"""What the offline Engine's test files share: the tiny checkpoint's small video fields and the CPU options."""
+"""What the offline Engine's test files share: the tiny checkpoint's small video fields, the CPU options and
+the module-scoped `engine` / `served` fixtures built from them."""
+
+import pytest
 
 TINY = {"width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 2, "fps": 8}
 """A video of the tiny checkpoint that takes a fraction of a second on a CPU."""
@@ -14,3 +17,27 @@ def served_backend(engine):
 
     config = engine.config
     return load_backend(config.model, config.parallel, config.scheduler, config.reasoner, config.lora)
+
+
+def engine_fixture(options=OPTIONS):
+    """A module-scoped `engine` fixture: worldserve.Engine on the tiny checkpoint with `options`, closed after
+    the module's tests (`engine = engine_fixture()` in a test file)."""
+
+    @pytest.fixture(scope="module")
+    def engine(tiny_ckpt):
+        from worldserve import Engine
+
+        with Engine(tiny_ckpt, **options) as engine:
+            yield engine
+
+    return engine
+
+
+def served_fixture():
+    """A module-scoped `served` fixture: `served_backend` of the module's `engine`."""
+
+    @pytest.fixture(scope="module")
+    def served(engine):
+        return served_backend(engine)
+
+    return served

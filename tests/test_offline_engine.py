@@ -18,21 +18,13 @@ from pathlib import Path
 
 import pytest
 from media_probe import probe_mp4
-from offline_engines import OPTIONS, TINY, served_backend
+from offline_engines import TINY, engine_fixture, served_fixture
 from serving_helpers import png_bytes
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt):
-    from worldserve import Engine
-
-    with Engine(tiny_ckpt, **OPTIONS) as engine:
-        yield engine
+engine = engine_fixture()
 
 
-@pytest.fixture(scope="module")
-def served(engine):
-    return served_backend(engine)
+served = served_fixture()
 
 
 def test_text_and_image_to_video_mp4s(engine, tmp_path):

@@ -12,17 +12,13 @@ import threading
 
 import numpy as np
 import pytest
+from offline_engines import engine_fixture
 
 TINY = {"width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 2, "fps": 8}
 OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "max_batch_size": 2}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt):
-    from worldserve import Engine
-
-    with Engine(tiny_ckpt, **OPTIONS) as engine:
-        yield engine
+engine = engine_fixture(OPTIONS)
 
 
 def test_numpy_scalar_fields_become_python_values(engine):

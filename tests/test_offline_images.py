@@ -12,23 +12,16 @@ import io
 
 import numpy as np
 import pytest
-from offline_engines import OPTIONS, served_backend
+from offline_engines import engine_fixture, served_fixture
 
 SMALL = {"width": 64, "height": 64, "num_inference_steps": 2}
 """A tiny-checkpoint image that takes a fraction of a second on a CPU."""
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt):
-    from worldserve import Engine
-
-    with Engine(tiny_ckpt, **OPTIONS) as engine:
-        yield engine
+engine = engine_fixture()
 
 
-@pytest.fixture(scope="module")
-def served(engine):
-    return served_backend(engine)
+served = served_fixture()
 
 
 def route_pngs(tmp_path, backend, body: dict) -> list[np.ndarray]:

@@ -7,7 +7,7 @@ takes.
 from __future__ import annotations
 
 import pytest
-from offline_engines import TINY
+from offline_engines import TINY, engine_fixture
 from pipeline_helpers import write_random_adapter
 
 OPTIONS = {
@@ -20,12 +20,7 @@ OPTIONS = {
 IMAGE = {"width": 64, "height": 64, "num_inference_steps": 2, "seed": 5}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt):
-    from worldserve import Engine
-
-    with Engine(tiny_ckpt, **OPTIONS) as engine:
-        yield engine
+engine = engine_fixture(OPTIONS)
 
 
 @pytest.fixture(scope="module")

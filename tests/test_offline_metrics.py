@@ -14,17 +14,12 @@ import math
 import threading
 
 import pytest
-from offline_engines import OPTIONS, TINY
+from offline_engines import TINY, engine_fixture
 
 SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 3}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt):
-    from worldserve import Engine
-
-    with Engine(tiny_ckpt, **OPTIONS) as engine:
-        yield engine
+engine = engine_fixture()
 
 
 @pytest.fixture(scope="module")
