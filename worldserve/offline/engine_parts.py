@@ -11,7 +11,6 @@ thread dies with the interpreter; nobody can see its result), any other thread's
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import shutil
@@ -37,7 +36,7 @@ EXITED = "the interpreter is exiting: the Engine left open was stopped without w
 @dataclasses.dataclass(slots=True, eq=False)
 class EngineParts:
     """What an Engine started, to stop once (explicitly, or by its finalizer: no reference to the Engine), and
-    the threads calling it."""
+    how many calls it has in flight."""
 
     client: EngineClient
     loop: LoopThread
@@ -46,16 +45,15 @@ class EngineParts:
     closed: bool = False
     stopped_at_exit: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    # (guards in_call; notified when a call ends)
+    # (guards in_flight; notified when a call ends)
     calls: threading.Condition = dataclasses.field(default_factory=threading.Condition)
-    in_call: collections.Counter[threading.Thread] = dataclasses.field(default_factory=collections.Counter)
+    in_flight: int = 0
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """`loop.run` for a caller thread, counted as in a call meanwhile; its failure because the exit stopped
+        """`loop.run` for a caller thread, counted in flight meanwhile; its failure because the exit stopped
         the engine is `_exited`'s."""
-        me = threading.current_thread()
         with self.calls:
-            self.in_call[me] += 1
+            self.in_flight += 1
         try:
             return self.loop.run(coroutine, timeout_s)
         except BaseException:
@@ -64,9 +62,7 @@ class EngineParts:
             raise
         finally:
             with self.calls:
-                self.in_call[me] -= 1
-                if self.in_call[me] <= 0:
-                    del self.in_call[me]
+                self.in_flight -= 1
                 self.calls.notify_all()
 
     def check_open(self) -> None:
@@ -110,7 +106,7 @@ class EngineParts:
             engine.stop(IDLE_STOP_S if engine.num_running + engine.num_waiting == 0 else 0.0)
             # the calls the stop ended answered before their loop goes (one it strands is cancelled)
             with self.calls:
-                self.calls.wait_for(lambda: not self.in_call, ANSWER_WAIT_S)
+                self.calls.wait_for(lambda: self.in_flight == 0, ANSWER_WAIT_S)
         finally:
             self._release()
             self.client.store.close()
