@@ -126,7 +126,20 @@ class LoraSettings:
         """A job stored before a restart runs again only with an adapter this server would give it (its own
         under --enable-lora, or this server's --lora-path): ParamError naming `lora` otherwise (a server restarted
         without --enable-lora had run the queued jobs' own adapters, read from paths the operator turned off)."""
-        if params.lora is not None and params.lora != self.static and not self.per_request:
+        self._check_given(params.lora)
+
+    def for_argument(self, value: Any) -> LoraRequest | None:
+        """The adapter an offline Engine's request whose `lora` argument is `value` (lora_argument: None, a
+        LoraRequest or the routes' dict) runs with: its own (under per_request, or the static one named
+        again), else the static one, else None; ParamError naming `lora` otherwise."""
+        own = lora_argument(value)
+        if own is None:
+            return self.static
+        self._check_given(own)
+        return own
+
+    def _check_given(self, lora: LoraRequest | None) -> None:
+        if lora is not None and lora != self.static and not self.per_request:
             raise ParamError("lora", self.off)
 
     def for_request(self, raw: Any) -> LoraRequest | None:

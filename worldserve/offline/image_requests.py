@@ -68,18 +68,14 @@ def image_params(
     given = _image_fields(fields)
     # (numpy scalars as Python's, as generate_video's: outputs and logs see plain values)
     given = {name: python_scalar(value) for name, value in given.items()}
-    from worldserve.api.lora_field import ENGINE_PER_REQUEST_OFF, LoraSettings, lora_argument
+    from worldserve.api.lora_field import ENGINE_PER_REQUEST_OFF, LoraSettings
 
-    # (a dict is the route's lora object, read as the route reads it)
-    if "lora" in given:
-        given["lora"] = lora_argument(given["lora"])
-    if given.get("lora") is None and static_lora is not None:
-        given["lora"] = static_lora
-
-    listed = text_to_image_params(prompt, n, given, default_flow_shift=default_flow_shift)
-    # (an adapter of its own needs enable_lora, as the routes require)
-    LoraSettings(per_request_lora, static_lora, ENGINE_PER_REQUEST_OFF).check_restored(listed[0])
-    return listed
+    # (a dict is the route's lora object, read as the route reads it; an adapter of its own needs enable_lora,
+    # as the routes require)
+    lora = LoraSettings(per_request_lora, static_lora, ENGINE_PER_REQUEST_OFF).for_argument(given.get("lora"))
+    if lora is not None:
+        given["lora"] = lora
+    return text_to_image_params(prompt, n, given, default_flow_shift=default_flow_shift)
 
 
 def _image_fields(fields: Mapping[str, Any]) -> dict[str, Any]:

@@ -137,14 +137,12 @@ def _checked_params(
         raise ParamError("prompt", f"prompt must be a string or a VideoParams, got {type(request).__name__}")
     # (numpy scalars as Python's: the request's JSON, logs and outputs see plain ints, floats and bools)
     params = dataclasses.replace(params, **python_scalars(params))
-    from worldserve.api.lora_field import ENGINE_PER_REQUEST_OFF, LoraSettings, lora_argument
+    from worldserve.api.lora_field import ENGINE_PER_REQUEST_OFF, LoraSettings
 
-    # (a dict is the HTTP routes' lora object, read as they read it)
-    params = dataclasses.replace(params, lora=lora_argument(params.lora))
-    if params.lora is None and static_lora is not None:
-        params = dataclasses.replace(params, lora=static_lora)
-    # (an adapter of its own needs enable_lora, as the server's routes require: the same check)
-    LoraSettings(per_request_lora, static_lora, ENGINE_PER_REQUEST_OFF).check_restored(params)
+    # (a dict is the HTTP routes' lora object, read as they read it; an adapter of its own needs enable_lora,
+    # as the server's routes require: the same check)
+    settings = LoraSettings(per_request_lora, static_lora, ENGINE_PER_REQUEST_OFF)
+    params = dataclasses.replace(params, lora=settings.for_argument(params.lora))
     return params.validate()
 
 
