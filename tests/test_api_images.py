@@ -233,7 +233,7 @@ async def test_json_routes_refuse_bodies_past_the_upload_limit(tmp_path):
 def test_openai_s_streamed_images_compression_and_the_calls_not_served(tmp_path):
     """The SDK's `images.generate(stream=True)` gets an `image_generation.completed` event per image, the
     same bytes as the unstreamed answer (it had got a JSON body, which the SDK read as an empty stream);
-    `output_compression` sets a JPEG's quality; a structured prompt (a JSON object) is its compact text, as
+    `output_compression` sets a JPEG's quality (PNG takes only OpenAI's default 100); a structured prompt (a JSON object) is its compact text, as
     on the video routes; images.edit and create_variation get a 404 saying they are not served."""
     openai = pytest.importorskip("openai")
     body = {"prompt": "a red fox", "size": "64x48", "n": 2, "extra_body": {**SMALL, "seed": 4}}
@@ -249,6 +249,9 @@ def test_openai_s_streamed_images_compression_and_the_calls_not_served(tmp_path)
             out = client.images.generate(**body, output_format="jpeg", output_compression=compression)
             sizes[compression] = len(base64.b64decode(out.data[0].b64_json))
         assert sizes[10] < sizes[95]
+        # OpenAI's default compression (100) with PNG, as SDK wrappers send it, is taken: the same PNG
+        best = client.images.generate(**body, output_format="png", output_compression=100)
+        assert best.data[0].b64_json == whole.data[0].b64_json
         structured = {"subjects": [{"description": "a fox"}]}
         raw = {"prompt": structured, "size": "64x48", "n": 2, **SMALL, "seed": 4}
         as_object = httpx.post(f"{url}/v1/images/generations", json=raw, timeout=60)

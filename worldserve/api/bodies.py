@@ -1,4 +1,5 @@
-"""Request-body readers shared by the routes: a size-bounded stream (413 past `--max-upload-mb`), the JSON
+"""Request-body readers shared by the routes: a size-bounded stream (413 past `--max-upload-mb`; a gzip or
+deflate `Content-Encoding` undone as it streams in, api/content_encoding.py), the JSON
 object of the JSON-only routes (chat completions, image generations; vLLM's `validate_json_request`) and its
 validation as the route's model (`read_model`: parsed and validated off the event loop when large; the
 top-level fields the model ignores are named in one warning, vLLM's), and
@@ -14,6 +15,7 @@ import json
 import logging
 import re
 import sys
+import zlib
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote_to_bytes
@@ -23,6 +25,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartParser
 from starlette.requests import Request
 
+from worldserve.api.content_encoding import BodyDecoder, UnsupportedEncoding, body_decoder
 from worldserve.api.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -45,17 +48,58 @@ def too_large(max_bytes: int) -> APIError:
     return APIError(413, f"Request body exceeds {upload_limit(max_bytes)}.")
 
 
+DECODED_BODY = "worldserve.body_decoded"
+"""The request scope's mark of a body kept decoded (`read_json_object_again`): read again, it is not inflated
+a second time."""
+
+
 async def bounded_stream(request: Request, max_bytes: int) -> AsyncGenerator[bytes, None]:
-    """The body's chunks; a 413 as soon as they pass `max_bytes` (a declared Content-Length fails first)."""
+    """The body's chunks, its `Content-Encoding` (gzip, deflate) undone; a 413 as soon as they, sent or
+    inflated, pass `max_bytes` (a declared Content-Length fails first), a 415 for another encoding, a 400 for
+    a body that does not inflate. (vLLM reads a gzipped body as JSON and answers "Invalid JSON"; curl's
+    --compressed-request, httpx / requests with a gzipped body and proxies that compress uploads send it so.)"""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
         raise too_large(max_bytes)
-    total = 0
+    decoder = None if request.scope.get(DECODED_BODY) else _body_decoder(request)
+    sent = total = 0
     async for chunk in request.stream():
+        sent += len(chunk)
+        if sent > max_bytes:
+            raise too_large(max_bytes)
+        if decoder is not None:
+            chunk = _inflated(decoder, request, chunk, max_bytes - total + 1)
         total += len(chunk)
         if total > max_bytes:
             raise too_large(max_bytes)
-        yield chunk
+        if chunk:
+            yield chunk
+    if decoder is not None and (rest := _inflated(decoder, request, None, max_bytes - total + 1)):
+        if total + len(rest) > max_bytes:
+            raise too_large(max_bytes)
+        yield rest
+
+
+def _body_decoder(request: Request) -> BodyDecoder | None:
+    """The decoder of the request's `Content-Encoding` (None: identity); a 415 naming another one."""
+    encoding = request.headers.get("content-encoding")
+    try:
+        return body_decoder(encoding)
+    except UnsupportedEncoding:
+        raise APIError(415, f"Content-Encoding {encoding!r} is not decoded here: send the body as it is, or "
+                       "gzip / deflate it", param="Content-Encoding",
+                       headers={"Accept-Encoding": "gzip, deflate"}) from None  # fmt: skip
+
+
+def _inflated(decoder: BodyDecoder, request: Request, chunk: bytes | None, limit: int) -> bytes:
+    """`chunk` inflated (None: what is left once the body has ended), at most `limit` bytes; a 400 when the body
+    is not the compressed data its Content-Encoding says."""
+    try:
+        return decoder.decode(chunk, limit) if chunk is not None else decoder.finish(limit)
+    except zlib.error:
+        encoding = request.headers.get("content-encoding", "")
+        raise APIError(400, f"Invalid request body: it is not the {encoding.strip().lower()} data its "
+                       "Content-Encoding says", param="Content-Encoding") from None  # fmt: skip
 
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -275,6 +319,7 @@ async def _json_object(request: Request, max_bytes: int, keep: bool = False) -> 
     body = b"".join([chunk async for chunk in bounded_stream(request, max_bytes)])
     if keep:
         request._body = body  # (Starlette's own cache, which request.stream() and .body() read first)
+        request.scope[DECODED_BODY] = True
     data = await parse_json_body(body)
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object", request_validation=True)

@@ -6,9 +6,9 @@ seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by st
 "output_format", "size", "usage"}` (+ `metrics` with `return_stage_metrics`), or with vLLM-Omni's `response_format:
 "file"` the image itself as an attachment (n > 1: a ZIP of `image_<i>.<ext>`). `n: null` and OpenAI's
 `size: "auto"` take the defaults. OpenAI's fields: `output_compression` (0-100) sets a JPEG's or lossy WebP's
-quality (without it JPEG quality 95, WebP lossless); `background` "transparent" is a 400 (the model draws
-opaque images); `quality`, `style`, `moderation`, `user` are checked and have no effect; `stream: true`
-answers OpenAI's server-sent events, an `image_generation.completed` event per image once all are made
+quality (without it JPEG quality 95, WebP lossless; PNG takes only OpenAI's default 100); `background`
+"transparent" is a 400 (the model draws opaque images); `quality`, `style`, `moderation`, `user` are checked
+and have no effect; `stream: true` answers OpenAI's server-sent events, an `image_generation.completed` event per image once all are made
 (`partial_images` accepted, none sent: OpenAI's final image may come before its partials); a JSON object
 as the prompt (Cosmos3's structured prompt) is its compact text, as on the video routes. /v1/images/edits
 and /variations are 404s saying so (text-to-image only). Defaults as vLLM-Omni's Cosmos3 T2I:
@@ -137,9 +137,15 @@ def build_params(
     if req.background == "transparent":
         raise APIError(400, "background 'transparent' is not supported: Cosmos3 draws opaque images",
                        param="background")  # fmt: skip
-    if req.output_compression is not None and req.output_format in (None, "png"):
-        raise APIError(400, "output_compression applies to the jpeg and webp output formats",
-                       param="output_compression")  # fmt: skip
+    # (OpenAI's default is 100, which SDK wrappers send with PNG too: only a lower one is refused, as OpenAI's
+    # "Compression less than 100 is not supported for PNG output format")
+    if (
+        req.output_compression is not None
+        and req.output_compression < 100
+        and req.output_format in (None, "png")
+    ):
+        raise APIError(400, "output_compression less than 100 is not supported for the png output format (it "
+                       "applies to jpeg and webp)", param="output_compression")  # fmt: skip
     adapter = lora.for_request(req.lora)
     extra = parse_extra_params(req.extra_params)
     for key in ("generate_sound", "sound_gen"):  # (false or absent: the image route makes none anyway)
