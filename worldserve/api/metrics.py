@@ -77,7 +77,11 @@ class Metrics:
                                [*label, "stage"], buckets=STAGE_BUCKETS, registry=r)  # fmt: skip
         self.success = Counter("worldserve:request_success", "Jobs completed.", label, registry=r)
         self.failure = Counter(
-            "worldserve:request_failure", "Jobs failed, by error code.", [*label, "status"], registry=r
+            "worldserve:request_failure",
+            "Jobs failed once admitted, by error code (input refused before: "
+            "http_requests_total; a sync request's 504 leaves its job running, counted by its own end).",
+            [*label, "status"],
+            registry=r,
         )
         self.cancelled = Counter("worldserve:request_cancelled", "Video / image jobs deleted and realtime video "
                                  "streams stopped before their end (a chat stopped early counts in "

@@ -27,12 +27,14 @@ request_max_num_generation_tokens and cache_config_info.
 vLLM-Omni's pipeline families (vllm_omni/metrics/prometheus.py), labelled `model_name` only, count the video
 and image requests (their counters and latencies once a request: an image request of `n` images once, as
 vLLM-Omni runs it as one request with num_outputs_per_prompt n): omni_num_requests_running / _waiting, omni_requests_success_total{finished_reason}
-("stop", or "abort" for a failure, as its request_failed() does; both exported as 0 from the start, which
-vLLM-Omni leaves to the first request), omni_e2e_request_latency_seconds and the newer
+("stop", or "abort" for a failure, as its request_failed() does, and for a cancellation; both exported as 0
+from the start, which vLLM-Omni leaves to the first request), omni_e2e_request_latency_seconds and the newer
 name omni_e2e_request_latency_s, omni_request_queue_time_seconds; and omni_requests_failed_total{reason}, a
-failure counter by reason that vLLM-Omni itself does not define (worldserve's: "invalid_request" for a 4xx,
-"unavailable" for a 503, "timeout" for a 408 / 504, "error" for any other 5xx; every reason exported as 0
-from the start).
+failure counter by reason that vLLM-Omni itself does not define (worldserve's, for requests that fail once
+admitted: "invalid_request" for a 4xx the model gives, "unavailable" for a 503, "timeout" for a 408 / 504,
+"error" for any other 5xx; every reason exported as 0 from the start). A request the route refuses before
+admission (a bad field) counts in http_requests_total only, as in vLLM; a sync request's 504 leaves its job
+running, which counts by its own end.
 """
 
 from __future__ import annotations
@@ -99,10 +101,12 @@ class VllmMirror:
                                    omni, registry=r)  # fmt: skip
         self.video_waiting = Gauge("vllm:omni_num_requests_waiting", "Video jobs waiting (vLLM-Omni's name).",
                                    omni, registry=r)  # fmt: skip
-        self.video_success = Counter("vllm:omni_requests_success", "Video jobs by finish (stop: done, abort: failed).",
-                                     [*omni, "finished_reason"], registry=r)  # fmt: skip
-        self.video_failed = Counter("vllm:omni_requests_failed", "Video and image requests failed, by reason.",
-                                    [*omni, "reason"], registry=r)  # fmt: skip
+        self.video_success = Counter("vllm:omni_requests_success", "Video and image requests by finish (stop: "
+                                     "done; abort: failed or cancelled).", [*omni, "finished_reason"],
+                                     registry=r)  # fmt: skip
+        self.video_failed = Counter("vllm:omni_requests_failed", "Video and image requests failed once admitted, by "
+                                    "reason (input refused before: http_requests_total).", [*omni, "reason"],
+                                    registry=r)  # fmt: skip
         for reason in OMNI_FINISHED_REASONS:  # 0 from the start (as vLLM's request_success_total)
             self.video_success.labels(finished_reason=reason, **self.omni)
         for reason in FAILURE_REASONS:
