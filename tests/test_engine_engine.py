@@ -218,6 +218,12 @@ def test_queue_bound_and_shutdown_intake(tmp_path):
         with pytest.raises(QueueFullError) as full:
             submit_job(client, job_params())
         assert full.value.retry_after_s >= 1
+        # before any job has ended, the wait is the running job's own pace (100 steps of 0.05 s, 10-30 % done:
+        # >= 3.5 s left; it had said 1 s until a first job ended)
+        await asyncio.to_thread(wait_until, lambda: client.jobs.store.get(running.id).progress >= 10)
+        with pytest.raises(QueueFullError) as full:
+            submit_job(client, job_params())
+        assert full.value.retry_after_s >= 3, full.value.retry_after_s
         waiter = asyncio.create_task(client.wait(running.id))
         client.begin_shutdown(0.2)
         with pytest.raises(ShuttingDownError):

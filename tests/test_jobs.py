@@ -195,6 +195,19 @@ def test_an_expired_job_is_gone_before_the_sweep_takes_it(tmp_path):
     assert store.delete_expired(time.time()) == [old.id]
 
 
+def test_deleting_an_expired_job_not_yet_swept_is_no_such_job(tmp_path):
+    """GET, the list and the content say an expired job is gone before the sweep takes it; DELETE said it deleted
+    it (200): now None (the route's 404), its files and row removed all the same."""
+    store = JobStore(tmp_path)
+    job = _job()
+    store.create(job, {}, None)
+    store.mark_in_progress(job.id, time.time())
+    assert store.complete(job.id, b"mp4", completed_at=time.time() - 10, ttl_s=5.0, inference_time_s=1.5,
+                          stage_durations={}, peak_memory_mb=0.0)  # fmt: skip
+    assert store.get(job.id) is None and store.delete(job.id) is None
+    assert not store.video_path(job.id).exists() and store.delete_expired(time.time()) == []
+
+
 def test_the_sweep_deletes_expired_jobs_in_batches(tmp_path):
     """delete_expired takes every expired job (rows and files), a few per transaction, and leaves the rest;
     a client paging with a swept job as `after` goes on."""

@@ -145,9 +145,17 @@ class Engine(EngineShutdown):
         return self._num_running
 
     def estimated_slot_wait_s(self) -> float:
-        """Rough seconds until a queue slot frees: mean service time / batch size (1 s before any data)."""
+        """Rough seconds until a queue slot frees: mean service time / batch size; before any job has ended,
+        when the first running one will end at its own pace so far (its time since admission over the share of
+        its steps done: a 429 during the server's first long job had said 1 s), else 1 s."""
         ewma = self._ends.service_ewma_s
-        return 1.0 if ewma is None else ewma / self.config.max_batch_size
+        if ewma is not None:
+            return ewma / self.config.max_batch_size
+        now = time.monotonic()
+        # (a snapshot: the engine thread changes the list; a request's fields are plain reads)
+        paces = [(now - r.admitted_time) * (r.num_steps - r.steps_done) / r.steps_done
+                 for r in list(self._sched.running) if r.admitted_time is not None and r.steps_done > 0]  # fmt: skip
+        return min(paces, default=1.0)
 
     # -- the loop (engine thread) -----------------------------------------------------------------------
     def _run(self) -> None:

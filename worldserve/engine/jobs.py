@@ -208,9 +208,13 @@ class JobStore(JobDatabase):
             row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
                 return None
+            now = time.time()
+            job = self._unsaved.shown(job_from_row(row))
             self._remove_files(job_id)
-            self._delete_rows([row], time.time())
-        return job_from_row(row)
+            self._delete_rows([row], now)
+        # (an expired job not yet swept is gone already, as get() and the list say: its files go now, and the
+        # answer is "no such job")
+        return None if expired(job, now) else job
 
     def recover(
         self,
