@@ -9,8 +9,9 @@ seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by st
 quality (without it JPEG quality 95, WebP lossless; PNG takes only OpenAI's default 100); `background`
 "transparent" is a 400 (the model draws opaque images); `quality`, `style`, `moderation`, `user` are checked
 and have no effect; `stream: true` answers OpenAI's server-sent events, an `image_generation.completed`
-event per image once all are made (`partial_images` accepted, none sent: OpenAI's final image may come before its partials); a JSON object
-as the prompt (Cosmos3's structured prompt) is its compact text, as on the video routes. /v1/images/edits
+event per image once all are made (`partial_images` accepted, none sent: OpenAI's final image may come before
+its partials); a JSON object as the prompt (Cosmos3's structured prompt) is its compact text, as on the video
+routes. /v1/images/edits
 and /variations are 404s saying so (text-to-image only). Defaults as vLLM-Omni's Cosmos3 T2I:
 1024x1024, 50 steps, guidance 7.0 inside the timestep window [400, 1000], flow shift 3.0, no audio, a random
 seed; `extra_params` takes the video route's keys (guidance_interval, max_sequence_length, prompt switches,
