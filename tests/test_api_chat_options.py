@@ -210,6 +210,7 @@ def test_images_smart_resize_cannot_take_are_a_400_naming_the_part(url, h, w, st
     err = r.json()["error"]
     assert err["param"] == "messages[0].content[1].image_url" and err["type"] == "BadRequestError", err
     assert "aspect ratio" in err["message"] and "200" in err["message"] and f"{w}x{h}" in err["message"], err
+    assert err["message"].startswith(f"Invalid {err['param']}: "), err  # (as every other media error)
     assert _prompt_tokens(_chat(url, [_image_part(40, 56)])) > 0
 
 
@@ -236,6 +237,7 @@ def test_videos_smart_resize_cannot_take_are_a_400_naming_the_part(url):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages[0].content[1].video_url" and "aspect ratio" in err["message"], err
+    assert err["message"].startswith(f"Invalid {err['param']}: the video is 1000x4 pixels"), err
     assert _prompt_tokens(_chat(url, [_video_part(2, 2)])) > 0
 
 

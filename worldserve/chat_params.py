@@ -92,11 +92,16 @@ class VideoSampling:
         sized as the two frames its patches hold (patchify repeats the frame; transformers refuses it)."""
         f, tf = self.factor, self.temporal_patch
         num_frames = max(num_frames, tf)
+        given = f"{width}x{height}"
         if height < f or width < f:
             scale = max(f / height, f / width)
             height, width = int(height * scale), int(width * scale)
         if max(height, width) / min(height, width) > 200:
-            raise ParamError("messages", "video aspect ratio must be smaller than 200")
+            raise ParamError(
+                "messages",
+                f"the video is {given} pixels: its aspect ratio (longer side / "
+                f"shorter side) must be smaller than 200, got {max(height, width) / min(height, width):g}",
+            )
         h_bar, w_bar = round(height / f) * f, round(width / f) * f
         t_bar = round(num_frames / tf) * tf
         if t_bar * h_bar * w_bar > self.max_pixels:

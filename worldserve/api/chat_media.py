@@ -240,7 +240,8 @@ def check_image(image: np.ndarray, path: str) -> None:
     h, w = image.shape[:2]
     if max(h, w) > MAX_ASPECT_RATIO * min(h, w):
         raise ParamError(
-            path, f"image is {w}x{h} pixels: its aspect ratio (longer side / shorter side) must be at most "
+            path, f"Invalid {path}: the image is {w}x{h} pixels: its aspect ratio (longer side / shorter side) "
+            "must be at most "
             f"{MAX_ASPECT_RATIO}, got {max(h, w) / min(h, w):g}",
         )  # fmt: skip
 

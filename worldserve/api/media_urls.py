@@ -156,7 +156,7 @@ class MediaFetcher:
             if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:  # (the timer's shutdown: any)
                 log.warning("%s: GET from %s timed out", what, urllib.parse.urlsplit(url).hostname)
                 raise ParamError(param, f"Invalid {what}: the {kind} download timed out after {timeout_s:g}s "
-                                 "(the server did not answer in time).") from None  # fmt: skip
+                                 "(the server did not send it whole in time).") from None  # fmt: skip
             # the client hears only that it failed; the log keeps why (the host, not the URL's path or query)
             strerror = getattr(exc, "strerror", None)  # (OSError's; the others have none)
             why = f"{type(exc).__name__}: {strerror}" if strerror else type(exc).__name__

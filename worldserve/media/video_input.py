@@ -224,7 +224,7 @@ def decode_chat_frames(
                              f"{frame.shape[1]}x{frame.shape[0]}); send frames of one size")  # fmt: skip
         first = frame.shape[:2]
         budget.charge(frame.shape[1], frame.shape[0], param, sampled=True)
-        kept.extend([_resized(frame, sampling, len(wanted))] * want[i])
+        kept.extend([_resized(frame, sampling, len(wanted), param)] * want[i])
     return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=DEFAULT_SOURCE_FPS)
 
 
@@ -287,7 +287,7 @@ def _sample(
             budget.charge(frame.width, frame.height, param, sampled=i in want)
             if i in want:
                 shown = display_orientation(frame).apply(frame.to_ndarray(format="rgb24"))
-                resized = _resized(shown, sampling, len(wanted))
+                resized = _resized(shown, sampling, len(wanted), param)
                 if kept and kept[0].shape != resized.shape:
                     raise ParamError(param, f"{param}: the video changes size mid-stream ({kept[0].shape[1]}x"
                                      f"{kept[0].shape[0]} -> {resized.shape[1]}x{resized.shape[0]} once resized); "
@@ -300,10 +300,14 @@ def _sample(
     return ChatVideo(frames=np.stack(kept), indices=tuple(wanted), source_fps=fps), seen
 
 
-def _resized(frame: np.ndarray, sampling: VideoSampling, num_frames: int) -> np.ndarray:
+def _resized(frame: np.ndarray, sampling: VideoSampling, num_frames: int, param: str) -> np.ndarray:
     """A sampled RGB frame (uint8 [H, W, 3]) resized to the size Qwen3-VL's processor gives a clip of
-    `num_frames` frames, as its (torchvision) resize does: uint8 [h, w, 3] (`bicubic_antialiased`)."""
-    h, w = sampling.frame_size(num_frames, frame.shape[0], frame.shape[1])
+    `num_frames` frames, as its (torchvision) resize does: uint8 [h, w, 3] (`bicubic_antialiased`); a
+    ParamError naming `param` for a frame the processor refuses (an aspect ratio past 200)."""
+    try:
+        h, w = sampling.frame_size(num_frames, frame.shape[0], frame.shape[1])
+    except ParamError as exc:
+        raise ParamError(param, f"Invalid {param}: {exc.message}") from None
     return bicubic_antialiased(frame, w, h)
 
 
