@@ -51,6 +51,8 @@ def _defaults(num_frames: int) -> dict[str, Any]:
 
 
 def build_params(args: argparse.Namespace) -> VideoParams:
+    """The validated VideoParams of `generate`'s parsed flags, every input read and every output checked
+    before the model loads; ParamError naming the request field (flag_for: the flag) of what is refused."""
     prompt = args.prompt if args.prompt is not None else _read_text(args.prompt_file, "prompt_file")
     left_out = _defaults(args.num_frames)
     given = lambda flag: left_out[flag] if getattr(args, flag) is None else getattr(args, flag)  # noqa: E731
@@ -58,51 +60,9 @@ def build_params(args: argparse.Namespace) -> VideoParams:
     steps, guidance, flow_shift = given("steps"), given("guidance"), given("flow_shift")
     interval = _parse_interval(args.guidance_interval) or left_out["guidance_interval"]
     lora = lora_arg(args.lora, args.lora_scale)
-    image = None
-    if args.image is not None:
-        from worldserve.media.image import decode_image
-
-        image = decode_image(read_input(args.image, "image", MAX_MEDIA_FILE_BYTES), param="image")
-    if args.video is None:  # (they were dropped in silence)
-        for flag in ("condition_frames", "condition_video_keep"):
-            if getattr(args, flag) is not None:
-                raise ParamError(flag, f"--{flag.replace('_', '-')} conditions a --video clip: give --video, or "
-                                 "leave it out")  # fmt: skip
-    indexes = _parse_indexes("0,1" if args.condition_frames is None else args.condition_frames)
-    keep = args.condition_video_keep or "first"
-    video = None
-    if args.video is not None:
-        from worldserve.media.video_input import condition_budget, decode_video
-
-        if image is not None:
-            raise ParamError("video", "--image and --video are exclusive")
-        budget = min(condition_budget(indexes), args.num_frames) if args.num_frames >= 1 else 1
-        video = decode_video(
-            read_input(args.video, "video", MAX_MEDIA_FILE_BYTES), budget, keep, param="video"
-        )
-    if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
-        raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
-                         "(not with --tensor-parallel-size > 1)")  # fmt: skip
-    if guidance == 0:  # (the API takes 0 as "not given", its default 6.0; here it would drop the prompt)
-        raise ParamError("guidance", "--guidance 0 would generate without the prompt; use 1 for the prompt's "
-                         "branch alone (no CFG), or a scale above 1")  # fmt: skip
-    if guidance == 1 and args.cfg_parallel_size == 2:  # (its second rank would load the model and wait)
-        raise ParamError("guidance", "--guidance 1 runs no uncond CFG branch, so --cfg-parallel-size 2 would "
-                         "leave its uncond rank idle: drop --cfg-parallel-size, or give a scale above 1")  # fmt: skip
-    _check_output(args.output, args.num_frames)
-    inputs = [(flag, path) for flag, path in (("--image", args.image), ("--video", args.video),
-              ("--prompt-file", args.prompt_file)) if path is not None and str(path) != "-"]  # fmt: skip
-    for name, output in (("output", args.output), ("save_latents", args.save_latents)):
-        for flag, path in inputs:  # (-o in_v.mp4 with --video in_v.mp4 replaced the clip it was made from)
-            if output is not None and os.path.realpath(output) == os.path.realpath(path):
-                raise ParamError(name, f"{FLAGS.get(name, '--save-latents')} {output} is the {flag} file: "
-                                 "name another output")  # fmt: skip
-    if args.save_latents is not None:
-        if args.save_latents.suffix.lower() != ".safetensors":  # (a .npz or .pt name got safetensors bytes)
-            raise ParamError(
-                "save_latents", "--save-latents writes a safetensors file: name it *.safetensors"
-            )
-        check_writable(args.save_latents, "save_latents", "--save-latents")
+    image, video, indexes, keep = _conditioning_inputs(args)
+    _check_guidance_and_layout(args, guidance)
+    _check_output_paths(args)
     return VideoParams(
         prompt=prompt,
         negative_prompt=args.negative_prompt,
@@ -129,6 +89,69 @@ def build_params(args: argparse.Namespace) -> VideoParams:
         upsample_prompt=args.upsample_prompt,
         lora=lora,
     ).validate()
+
+
+def _conditioning_inputs(args: argparse.Namespace) -> tuple[Any, Any, tuple[int, ...], str]:
+    """(image, video clip, condition frame indexes, which frames of the clip to keep) of --image / --video /
+    --condition-frames / --condition-video-keep, the files read and decoded (the clip only to the frames the
+    indexes and --num-frames can use); ParamError for an unreadable input, the two inputs together, or a
+    clip's flag without --video."""
+    image = None
+    if args.image is not None:
+        from worldserve.media.image import decode_image
+
+        image = decode_image(read_input(args.image, "image", MAX_MEDIA_FILE_BYTES), param="image")
+    if args.video is None:  # (they were dropped in silence)
+        for flag in ("condition_frames", "condition_video_keep"):
+            if getattr(args, flag) is not None:
+                raise ParamError(flag, f"--{flag.replace('_', '-')} conditions a --video clip: give --video, or "
+                                 "leave it out")  # fmt: skip
+    indexes = _parse_indexes("0,1" if args.condition_frames is None else args.condition_frames)
+    keep = args.condition_video_keep or "first"
+    video = None
+    if args.video is not None:
+        from worldserve.media.video_input import condition_budget, decode_video
+
+        if image is not None:
+            raise ParamError("video", "--image and --video are exclusive")
+        budget = min(condition_budget(indexes), args.num_frames) if args.num_frames >= 1 else 1
+        video = decode_video(
+            read_input(args.video, "video", MAX_MEDIA_FILE_BYTES), budget, keep, param="video"
+        )
+    return image, video, indexes, keep
+
+
+def _check_guidance_and_layout(args: argparse.Namespace, guidance: float) -> None:
+    """ParamError for --upsample-prompt under tensor parallel, and for a guidance scale that would drop the
+    prompt (0) or leave --cfg-parallel-size 2's uncond rank idle (1)."""
+    if args.upsample_prompt and args.tensor_parallel_size > 1:  # the Reasoner needs its und tower whole here
+        raise ParamError("upsample_prompt", "--upsample-prompt needs the whole und tower in this process "
+                         "(not with --tensor-parallel-size > 1)")  # fmt: skip
+    if guidance == 0:  # (the API takes 0 as "not given", its default 6.0; here it would drop the prompt)
+        raise ParamError("guidance", "--guidance 0 would generate without the prompt; use 1 for the prompt's "
+                         "branch alone (no CFG), or a scale above 1")  # fmt: skip
+    if guidance == 1 and args.cfg_parallel_size == 2:  # (its second rank would load the model and wait)
+        raise ParamError("guidance", "--guidance 1 runs no uncond CFG branch, so --cfg-parallel-size 2 would "
+                         "leave its uncond rank idle: drop --cfg-parallel-size, or give a scale above 1")  # fmt: skip
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """-o and --save-latents: each writable, of a suffix this run writes, and not one of the input files
+    (--image, --video, --prompt-file); ParamError naming the output."""
+    _check_output(args.output, args.num_frames)
+    inputs = [(flag, path) for flag, path in (("--image", args.image), ("--video", args.video),
+              ("--prompt-file", args.prompt_file)) if path is not None and str(path) != "-"]  # fmt: skip
+    for name, output in (("output", args.output), ("save_latents", args.save_latents)):
+        for flag, path in inputs:  # (-o in_v.mp4 with --video in_v.mp4 replaced the clip it was made from)
+            if output is not None and os.path.realpath(output) == os.path.realpath(path):
+                raise ParamError(name, f"{FLAGS.get(name, '--save-latents')} {output} is the {flag} file: "
+                                 "name another output")  # fmt: skip
+    if args.save_latents is not None:
+        if args.save_latents.suffix.lower() != ".safetensors":  # (a .npz or .pt name got safetensors bytes)
+            raise ParamError(
+                "save_latents", "--save-latents writes a safetensors file: name it *.safetensors"
+            )
+        check_writable(args.save_latents, "save_latents", "--save-latents")
 
 
 FLAGS = {

@@ -37,6 +37,7 @@ from worldserve.api.media_urls import allowed_domains
 from worldserve.api.request_log import RequestLog
 from worldserve.api.settings import AppSettings
 from worldserve.commands import serve_backend, serve_http
+from worldserve.commands.serve_checks import check_device_and_checkpoint
 from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
 from worldserve.config import CONFIG_CLASSES, TINY_SERVED_NAME, EngineConfig, MediaConfig
 from worldserve.config_flags import add_config_arguments
@@ -110,77 +111,13 @@ def _check_model_not_taken(values: dict) -> None:
                              "MODEL was given: put MODEL first (serve MODEL --options)")  # fmt: skip
 
 
-def _check_kernels(config: EngineConfig) -> None:
-    """--quantization fp8 / --fp8-attention / FLASH_ATTN where they cannot run: ValueError before the model
-    loads (as generate; serve found it after loading, exit 1). Nano's head_dim: FA3's support does not vary
-    with the checkpoint's size otherwise."""
-    import torch
-
-    from worldserve.runner.devices import default_device, default_dtype
-
-    device = torch.device(config.model.device) if config.model.device else default_device()
-    dtype = getattr(torch, config.model.dtype) if config.model.dtype else default_dtype(device)
-    config.model.kernel_options(enable_layerwise_offload=config.parallel.enable_layerwise_offload).check(
-        device, dtype
-    )
-
-
-def _check_against_checkpoint(config: EngineConfig) -> None:
-    """The flags that a checkpoint's config.json bounds (the parallel degrees' head and MLP splits, the
-    context against its positions, the K/V pool against one context), checked before the model loads when the
-    checkpoint is on disk (a local folder or the embedded tiny one; a Hub name is checked as it loads)."""
-    from worldserve.runner.parallel_pipeline import check_checkpoint_layout
-    from worldserve.runner.reasoner import check_context
-    from worldserve.weights.checkpoint import read_transformer_config, resolve_model
-
-    model = config.model.model
-    if model is not None and not Path(model).expanduser().is_dir():
-        return
-    root = resolve_model(model)
-    par = config.parallel
-    # (read as the loader reads it: a broken checkpoint is a CheckpointError naming the file, exit 1)
-    check_checkpoint_layout(read_transformer_config(root), ulysses=par.ulysses_degree,
-                            tp=par.tensor_parallel_size)  # fmt: skip
-    if par.tensor_parallel_size == 1:  # (no Reasoner under tensor parallel: no context to check)
-        check_context(root, config.reasoner.max_model_len)
-        # (the load checks it again, for a Hub name; here a bad value is exit 2 before the port binds)
-        serve_backend.check_kv_cache_fits(config.model, config.reasoner, root)
-    if (static := config.lora.static_lora) is not None:  # (its files against the transformer's shapes)
-        from worldserve.runner.lora_cache import check_adapter_fits
-
-        check_adapter_fits(root, static, "--lora-path", config.lora.max_lora_rank)
-
-
 def run(args: argparse.Namespace) -> int:
+    """`worldserve serve`: its exit status (0 after serving; 1 when the checkpoint cannot be read or the model
+    did not load; 2 for a bad flag value, --host, --port or --storage-dir). The flags are checked
+    (`_checked_config`) and the socket is bound before the model loads; it stays bound to the end of serving."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
-    log_file = None
     try:
-        serve_http.apply_config_file(args, _fresh_parser)  # first: the file may name the --log-file
-        if getattr(args, "log_file", None):
-            log_file = log_to_file(args.log_file, LOG_FORMAT)
-        config = engine_config(args).resolve()
-        middlewares = serve_http.check_http_arguments(args)  # certificates load, middlewares import
-        media = config.media.allowed_local_media_path
-        if media and not Path(media).is_dir():  # (vLLM refuses it too; here every file:// URL got a 400)
-            raise ValueError(f"--allowed-local-media-path {media}: "
-                             + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
-        media_defaults(config.media)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
-        config.lora.check_path()  # (the adapter's own files are the backend's to check, per request)
-        # a bad --generation-config folder or value stops the start before the load
-        model = config.model.model
-        serve_backend.chat_defaults(config.reasoner, Path(model) if model and Path(model).is_dir() else None)
-        if config.model.backend != "fake":  # --device before anything binds, loads or downloads
-            from worldserve.runner.devices import check_layout_device
-
-            par = config.parallel
-            _check_against_checkpoint(config)
-            check_layout_device(
-                config.model.device,
-                cfg_parallel_size=par.cfg_parallel_size,
-                ulysses_degree=par.ulysses_degree,
-                tensor_parallel_size=par.tensor_parallel_size,
-            )
-            _check_kernels(config)
+        config, middlewares, log_file = _checked_config(args)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -189,9 +126,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
     log_compat(args, config)
-    from worldserve.engine.job_files import StorageError
-    from worldserve.engine.jobs import JobStore
-
     # before the (minutes-long) model load: a bad --host, a busy --port or an unusable storage directory
     # fails the start at once
     try:
@@ -200,41 +134,82 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     with listener:
-        assert config.video.storage_dir is not None, "resolve() sets the storage directory"
-        try:
-            store = JobStore(config.video.storage_dir)
-        except StorageError as exc:  # (--storage-dir's value: a config error, exit 2 as a busy --port's)
-            log.error("%s", exc)
-            return 2
-        loaded: tuple[Any, ...] | None = None
-        try:  # (SIGTERM here, cli.Terminated, ends the start: the loader is a daemon thread, peers see us go)
-            loaded = serve_backend.load_backend_within(
-                config.model, config.parallel, config.scheduler, config.reasoner, config.lora
-            )
-        finally:
-            if loaded is None:
-                store.close()
+        return _load_and_serve(config, listener, log_file=log_file, http=(args, middlewares))
+
+
+def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, list, logging.Handler | None]:
+    """(the resolved config, the HTTP middlewares, the --log-file handler or None) of the parsed flags, every
+    flag checked that can be before anything binds, loads or downloads: ValueError for a bad value (exit 2),
+    CheckpointError for a checkpoint on disk that cannot load (exit 1). --config's file is applied first: it
+    may name the --log-file, which then gets these checks' errors too."""
+    serve_http.apply_config_file(args, _fresh_parser)  # first: the file may name the --log-file
+    log_file = None
+    if getattr(args, "log_file", None):
+        log_file = log_to_file(args.log_file, LOG_FORMAT)
+    config = engine_config(args).resolve()
+    middlewares = serve_http.check_http_arguments(args)  # certificates load, middlewares import
+    media = config.media.allowed_local_media_path
+    if media and not Path(media).is_dir():  # (vLLM refuses it too; here every file:// URL got a 400)
+        raise ValueError(f"--allowed-local-media-path {media}: "
+                         + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
+    media_defaults(config.media)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
+    config.lora.check_path()  # (the adapter's own files are the backend's to check, per request)
+    # a bad --generation-config folder or value stops the start before the load
+    model = config.model.model
+    serve_backend.chat_defaults(config.reasoner, Path(model) if model and Path(model).is_dir() else None)
+    if config.model.backend != "fake":  # --device before anything binds, loads or downloads
+        check_device_and_checkpoint(config)
+    return config, middlewares, log_file
+
+
+def _load_and_serve(
+    config: EngineConfig,
+    listener: socket.socket,
+    *,
+    log_file: logging.Handler | None,
+    http: tuple[argparse.Namespace, list],
+) -> int:
+    """With `listener` bound: open the job store (exit 2 when it cannot be), load the model within
+    --init-timeout (exit 1 when it does not, the store closed), then serve (`_serve`); the backend is closed
+    (a parallel backend's peer ranks stopped) however serving ends."""
+    from worldserve.engine.job_files import StorageError
+    from worldserve.engine.jobs import JobStore
+
+    assert config.video.storage_dir is not None, "resolve() sets the storage directory"
+    try:
+        store = JobStore(config.video.storage_dir)
+    except StorageError as exc:  # (--storage-dir's value: a config error, exit 2 as a busy --port's)
+        log.error("%s", exc)
+        return 2
+    loaded: tuple[Any, ...] | None = None
+    try:  # (SIGTERM here, cli.Terminated, ends the start: the loader is a daemon thread, peers see us go)
+        loaded = serve_backend.load_backend_within(
+            config.model, config.parallel, config.scheduler, config.reasoner, config.lora
+        )
+    finally:
         if loaded is None:
-            return 1
-        backend, gpu_memory, *chat = loaded
-        try:
-            return _serve(
-                config,
-                store,
-                backend,
-                gpu_memory,
-                chat[0] if chat else None,
-                listener,
-                log_file=log_file,
-                http=(args, middlewares),
-            )
-        finally:
-            if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
-                backend.close()
-            log.info("worldserve serve stopped")
-            # the interpreter's exit collects every object left (the weights' modules, the compiled graphs):
-            # 3.5-6 s of an idle tiny server's exit went there; frozen objects are left out of it
-            gc.freeze()
+            store.close()
+    if loaded is None:
+        return 1
+    backend, gpu_memory, *chat = loaded
+    try:
+        return _serve(
+            config,
+            store,
+            backend,
+            gpu_memory,
+            chat[0] if chat else None,
+            listener,
+            log_file=log_file,
+            http=http,
+        )
+    finally:
+        if hasattr(backend, "close"):  # CFG-parallel / Ulysses: stop the peer ranks
+            backend.close()
+        log.info("worldserve serve stopped")
+        # the interpreter's exit collects every object left (the weights' modules, the compiled graphs):
+        # 3.5-6 s of an idle tiny server's exit went there; frozen objects are left out of it
+        gc.freeze()
 
 
 def _serve(
@@ -248,44 +223,14 @@ def _serve(
     log_file: logging.Handler | None = None,
     http: tuple[argparse.Namespace, list] | None = None,
 ) -> int:
-    from worldserve.api.app import build_app, route_table
-    from worldserve.api.metrics import Metrics
-    from worldserve.engine.client import EngineClient
-    from worldserve.engine.engine import Engine
-
-    server_cfg, video_cfg, served = config.server, config.video, config.model.served_model_name
-    assert served is not None, "resolve() names the served model"
-    log.info(
-        "job store: %s (ttl: %s)", store.root, f"{video_cfg.job_ttl:g}s" if video_cfg.job_ttl else "none"
-    )
-    metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
-    engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=video_cfg.job_ttl)
-    settings = app_settings(config)
-    client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
-                          job_ttl_s=video_cfg.job_ttl, sweep_interval_s=video_cfg.job_sweep_interval,
-                          chat_backend=chat_backend, max_num_seqs=config.scheduler.max_num_seqs,
-                          restored_check=settings.lora.check_restored)  # fmt: skip
-    if video_cfg.video_defaults.get("generate_sound") and not client.has_sound:
-        log.warning("--default-sampling-params generate_sound true: this checkpoint has no sound tokenizer, so "
-                    "videos are made without sound")  # fmt: skip
+    """Wire engine + client + app over the loaded `backend` and serve on the bound `listener` until shutdown:
+    0, or 2 when the socket cannot listen."""
+    server_cfg = config.server
     http_args, middlewares = http or (argparse.Namespace(), [])
-    app = build_app(client, settings, metrics=metrics,
-                    docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
-    serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
-    log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
-             config.scheduler.max_queued_requests, video_cfg.sync_timeout,
-             ", API key required on /v1" if server_cfg.api_key else ", no API key: /v1 is open to every client")  # fmt: skip
+    client, metrics, settings = _engine_client(config, store, backend, gpu_memory, chat_backend)
+    app = _http_app(config, client, metrics, settings, http_args, middlewares)
+    uv_config = _uvicorn_config(config, app, http_args)
     scheme = "https" if getattr(http_args, "ssl_certfile", None) else "http"
-    log.info("Available routes are:")
-    for path, methods in route_table(app):
-        log.info("Route: %s, Methods: %s", path, ", ".join(methods))
-    uv_config = uvicorn.Config(
-        app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
-        timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
-        # uvicorn annotates it int, but only ever passes it to loop.call_later: a fraction of a second works
-        timeout_keep_alive=envs.http_timeout_keep_alive_s(),  # type: ignore[arg-type]
-        **serve_http.uvicorn_options(http_args, server_cfg.max_upload_bytes),
-    )  # fmt: skip
     host = server_cfg.host or "0.0.0.0"  # ('' binds every address); an IPv6 address goes in brackets in a URL
     log.info(
         "Starting worldserve API server on %s://%s:%d (HTTP: h11, event loop: %s)", scheme,
@@ -302,6 +247,68 @@ def _serve(
         return 2
     serve_http.GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run(sockets=[listener])
     return 0
+
+
+def _engine_client(
+    config: EngineConfig, store: Any, backend: Any, gpu_memory: Any, chat_backend: Any
+) -> tuple[Any, Any, AppSettings]:
+    """(EngineClient, Metrics, AppSettings): the engine over `backend` and the job store, its metrics, and
+    the client the app serves (a warning when --default-sampling-params asks for sound the checkpoint cannot
+    make)."""
+    from worldserve.api.metrics import Metrics
+    from worldserve.engine.client import EngineClient
+    from worldserve.engine.engine import Engine
+
+    video_cfg, served = config.video, config.model.served_model_name
+    assert served is not None, "resolve() names the served model"
+    log.info(
+        "job store: %s (ttl: %s)", store.root, f"{video_cfg.job_ttl:g}s" if video_cfg.job_ttl else "none"
+    )
+    metrics = Metrics(served, gpu_memory_bytes=gpu_memory)
+    engine = Engine(backend, store, config.scheduler, observer=metrics, job_ttl_s=video_cfg.job_ttl)
+    settings = app_settings(config)
+    client = EngineClient(engine, store, model_name=served, max_queued_requests=config.scheduler.max_queued_requests,
+                          job_ttl_s=video_cfg.job_ttl, sweep_interval_s=video_cfg.job_sweep_interval,
+                          chat_backend=chat_backend, max_num_seqs=config.scheduler.max_num_seqs,
+                          restored_check=settings.lora.check_restored)  # fmt: skip
+    if video_cfg.video_defaults.get("generate_sound") and not client.has_sound:
+        log.warning("--default-sampling-params generate_sound true: this checkpoint has no sound tokenizer, so "
+                    "videos are made without sound")  # fmt: skip
+    return client, metrics, settings
+
+
+def _http_app(
+    config: EngineConfig, client: Any, metrics: Any, settings: AppSettings, http_args: argparse.Namespace,
+    middlewares: list,
+) -> Any:  # fmt: skip
+    """The FastAPI app over `client`, vLLM's HTTP-server options installed (serve_http.py), with the log lines
+    that name the model served and every route."""
+    from worldserve.api.app import build_app, route_table
+
+    server_cfg, video_cfg, served = config.server, config.video, config.model.served_model_name
+    app = build_app(client, settings, metrics=metrics,
+                    docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
+    serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
+    log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
+             config.scheduler.max_queued_requests, video_cfg.sync_timeout,
+             ", API key required on /v1" if server_cfg.api_key else ", no API key: /v1 is open to every client")  # fmt: skip
+    log.info("Available routes are:")
+    for path, methods in route_table(app):
+        log.info("Route: %s, Methods: %s", path, ", ".join(methods))
+    return app
+
+
+def _uvicorn_config(config: EngineConfig, app: Any, http_args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's config for `app`: --host / --port, the graceful shutdown's bound past --shutdown-timeout, and
+    vLLM's HTTP-server options (serve_http.uvicorn_options)."""
+    server_cfg = config.server
+    return uvicorn.Config(
+        app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.uvicorn_log_level,
+        timeout_graceful_shutdown=int(config.scheduler.shutdown_timeout) + 10,
+        # uvicorn annotates it int, but only ever passes it to loop.call_later: a fraction of a second works
+        timeout_keep_alive=envs.http_timeout_keep_alive_s(),  # type: ignore[arg-type]
+        **serve_http.uvicorn_options(http_args, server_cfg.max_upload_bytes),
+    )  # fmt: skip
 
 
 def app_settings(config: EngineConfig) -> AppSettings:

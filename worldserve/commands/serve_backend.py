@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ at once instead."""
 if TYPE_CHECKING:
     from worldserve.params import LoraRequest
     from worldserve.runner.parallel_pipeline import ParallelPipeline
+    from worldserve.runner.reasoner import Reasoner
     from worldserve.runner.video_pipeline import VideoPipeline
 
 log = logging.getLogger("worldserve.serve")
@@ -46,7 +48,8 @@ def load_backend(
     """(VideoBackend, GPU-memory reader or None[, chat backend: the Reasoner sharing the transformer, built
     with `chat`'s context, caches and sampling defaults]).
     `--cfg-parallel-size 2` and / or `--ulysses-degree N`, or `--tensor-parallel-size N` (no Reasoner then): a
-    ParallelPipeline over their product of GPUs."""
+    ParallelPipeline over their product of GPUs. The whole load holds the process's model-load lock (its steps
+    below run inside it)."""
     if cfg.backend == "fake":
         from worldserve.engine.fake_backend import FakeBackend
 
@@ -56,13 +59,35 @@ def load_backend(
 
     path = resolve_model(cfg.model, cfg.revision)
     if cfg.model is None:
-        bar = "=" * 88
-        log.warning(bar)
-        log.warning("No MODEL given: serving the embedded TINY RANDOM Cosmos3 checkpoint at %s", path)
-        log.warning(
-            'Its videos and audio are NOISE. For real output: worldserve serve nvidia/Cosmos3-Nano (or Engine("nvidia/Cosmos3-Nano"))'
-        )
-        log.warning(bar)
+        _warn_tiny_default(path)
+    pipeline = _load_video_pipeline(path, cfg, parallel, chat, lora)
+    gpu_memory = _gpu_memory_reader(cfg)
+    warm_up_shapes(pipeline, cfg.warmup_shape_list(on_gpu=pipeline.device.type == "cuda"), lora.static_lora)
+    if parallel.tensor_parallel_size > 1:
+        log.warning("--tensor-parallel-size %d: the Reasoner chat API is off (its und tower is sharded across "
+                    "the ranks); use --ulysses-degree to keep it", parallel.tensor_parallel_size)  # fmt: skip
+        return pipeline, gpu_memory
+    return pipeline, gpu_memory, _load_reasoner(path, pipeline, cfg, scheduler, chat)
+
+
+def _warn_tiny_default(path: Path) -> None:
+    """The loud warning that no MODEL was given: the embedded tiny random checkpoint at `path` makes noise."""
+    bar = "=" * 88
+    log.warning(bar)
+    log.warning("No MODEL given: serving the embedded TINY RANDOM Cosmos3 checkpoint at %s", path)
+    log.warning(
+        'Its videos and audio are NOISE. For real output: worldserve serve nvidia/Cosmos3-Nano (or Engine("nvidia/Cosmos3-Nano"))'
+    )
+    log.warning(bar)
+
+
+def _load_video_pipeline(
+    path: Path, cfg: ModelConfig, parallel: ParallelConfig, chat: ReasonerConfig, lora: LoraConfig
+) -> VideoPipeline | ParallelPipeline:
+    """The checkpoint at `path` loaded as the video pipeline with `cfg`'s kernel options and `parallel`'s
+    degrees and offload, and --lora-path's adapter loaded (merged as LoraConfig.merged_lora says); the
+    Reasoner's K/V pool size (unless tensor parallel) and the adapter's files are checked before the weights
+    load."""
     import torch
 
     from worldserve.runner.lora_cache import check_adapter_fits
@@ -82,15 +107,28 @@ def load_backend(
         kernels=kernels, max_loras=lora.max_cpu_loras, max_lora_rank=lora.max_lora_rank,
     )  # fmt: skip
     load_static_lora(pipeline, lora)
+    return pipeline
+
+
+def _gpu_memory_reader(cfg: ModelConfig) -> Callable[[], float] | None:
+    """The metrics' reader of the GPU memory the model's device holds allocated, in bytes (None: not on a
+    GPU)."""
+    import torch
+
     gpu_memory = None
     if torch.cuda.is_available() and (cfg.device is None or cfg.device.startswith("cuda")):
         device = torch.device(cfg.device or "cuda")
         gpu_memory = lambda: float(torch.cuda.memory_allocated(device))  # noqa: E731
-    warm_up_shapes(pipeline, cfg.warmup_shape_list(on_gpu=pipeline.device.type == "cuda"), lora.static_lora)
-    if parallel.tensor_parallel_size > 1:
-        log.warning("--tensor-parallel-size %d: the Reasoner chat API is off (its und tower is sharded across "
-                    "the ranks); use --ulysses-degree to keep it", parallel.tensor_parallel_size)  # fmt: skip
-        return pipeline, gpu_memory
+    return gpu_memory
+
+
+def _load_reasoner(
+    path: Path, pipeline: VideoPipeline | ParallelPipeline, cfg: ModelConfig, scheduler: SchedulerConfig,
+    chat: ReasonerConfig,
+) -> Reasoner:  # fmt: skip
+    """The Reasoner over `pipeline`'s transformer (its und tower shared, its ViT loaded from `path`), with
+    `chat`'s context, caches and sampling defaults (a warning naming those that differ from vLLM's neutral
+    ones), warmed up on a GPU."""
     from worldserve.runner.reasoner import Reasoner
 
     defaults = chat_defaults(chat, path)
@@ -123,7 +161,7 @@ def load_backend(
     share = reasoner.share
     log.info("chats %s", f"decode beside video steps (video leaves {share.sm_margin} SMs free while chats run)"
              if share.concurrent else f"take turns with video steps ({share.why_not or 'not warmed up'})")  # fmt: skip
-    return pipeline, gpu_memory, reasoner
+    return reasoner
 
 
 def load_static_lora(pipeline: VideoPipeline | ParallelPipeline, lora: LoraConfig) -> None:

@@ -85,6 +85,20 @@ def check_context(root: str | Path, max_model_len: int, cfg: dict | None = None)
                          f"(max_position_embeddings in {path})")  # fmt: skip
 
 
+def _stop_token_ids(
+    tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], sampling_defaults: ChatDefaults
+) -> tuple[frozenset[int], frozenset[int]]:
+    """(the ids that end a chat, those of them a finished chat reports as its stop_reason): <|im_end|>,
+    <|endoftext|>, the checkpoint config's eos and the generation config's (those within the vocabulary)."""
+    stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
+    # (the generation config's, as vLLM stops on them)
+    stops |= {i for i in sampling_defaults.eos_token_ids if i < vocab_size}
+    stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
+    # (vLLM stops on the tokenizer's eos with stop_reason None, and adds the generation config's other
+    # end-of-sequence ids to the request's stop_token_ids: ended by one of those, stop_reason is its id)
+    return stop_token_ids, stop_token_ids - {tokenizer.eos_token_id}
+
+
 class Reasoner(ChatAdmission, ChatStepping):
     """The Qwen3-VL view of a loaded Cosmos3Transformer + the ViT + the checkpoint tokenizer."""
 
@@ -112,6 +126,9 @@ class Reasoner(ChatAdmission, ChatStepping):
         sampling_defaults: ChatDefaults = ChatDefaults(),
         chat_template: str | None = None,
     ) -> None:
+        """The chat view of `transformer`'s und tower (shared, not copied) with `tokenizer` and the ViT `vision`
+        (None: text only); the options are serve's flags of the same names. ValueError when `kv_cache_tokens`
+        cannot hold one `max_model_len` chat."""
         self.transformer = transformer
         self.sampling_defaults = sampling_defaults  # what requests' omitted sampling fields take (API layer)
         self.share = ChatGpuShare(transformer, sm_margin=chat_sm_margin)  # chats beside video (chat_share.py)
@@ -122,27 +139,49 @@ class Reasoner(ChatAdmission, ChatStepping):
         self.video_token_id = (
             video_token_id if video_token_id is not None else tokenizer.convert_tokens_to_ids(VIDEO_PAD)
         )
-        stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | set(eos_token_ids)
-        vocab = transformer.config.vocab_size  # (the generation config's, as vLLM stops on them)
-        stops |= {i for i in sampling_defaults.eos_token_ids if i < vocab}
-        self.stop_token_ids = frozenset(i for i in stops if i is not None and i != tokenizer.unk_token_id)
-        # (vLLM stops on the tokenizer's eos with stop_reason None, and adds the generation config's other
-        # end-of-sequence ids to the request's stop_token_ids: ended by one of those, stop_reason is its id)
-        self.reported_stop_ids = self.stop_token_ids - {tokenizer.eos_token_id}
+        self.stop_token_ids, self.reported_stop_ids = _stop_token_ids(
+            tokenizer, transformer.config.vocab_size, eos_token_ids, sampling_defaults
+        )
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill  # long prompts prefill chunk by chunk (step_all)
         self.budget = StepBudget(max_num_batched_tokens, enable_chunked_prefill)  # one an iteration
         self.grammars = GrammarCompiler(tokenizer, transformer.config.vocab_size, sorted(self.stop_token_ids))
         self.media_cache = ProcessorCache(processor_cache_bytes)  # decoded / resized chat media, by content
+        self.prompts = self._prompt_builder(min_pixels, max_pixels, chat_template)
+        self.pool, self.decoder, self.prefiller = self._und_steps(
+            kv_cache_tokens, kv_block_size, max_num_seqs, enforce_eager, enable_prefix_caching
+        )
+        self._waiting: list[ReasonerSession] = []  # preempted sessions, oldest first
+        self._started = 0  # sessions started so far (their start order decides who is preempted)
+        self.preemptions = 0  # sessions preempted so far (their K/V recomputed later)
+        self._deferred: dict[int, tuple[ChatParams, ChatPrompt]] = {}  # chats refused for lack of room, by id
+        # sessions started and not closed: each may need a block for its next token
+        self._open: list[ReasonerSession] = []
+
+    def _prompt_builder(
+        self, min_pixels: int, max_pixels: int, chat_template: str | None
+    ) -> ChatPromptBuilder:
+        """The chat prompts' builder: the ViT's preprocessing (images resized within `min_pixels` and
+        `max_pixels`, through the media cache) when there is a ViT, `chat_template` (None: the tokenizer's)."""
+        vision = self.vision
         preprocess = (
             vision.preprocessor(min_pixels=min_pixels, max_pixels=max_pixels, cache=self.media_cache)
             if vision is not None else None
         )  # fmt: skip
-        self.prompts = ChatPromptBuilder(
-            tokenizer, vision, preprocess, image_token_id=image_token_id, video_token_id=self.video_token_id,
-            media_cache=self.media_cache, chat_template=chat_template,
+        return ChatPromptBuilder(
+            self.tokenizer, vision, preprocess, image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id, media_cache=self.media_cache, chat_template=chat_template,
         )  # fmt: skip
+
+    def _und_steps(
+        self, kv_cache_tokens: int | None, kv_block_size: int, max_num_seqs: int, enforce_eager: bool,
+        enable_prefix_caching: bool,
+    ) -> tuple[Any, UndDecoder, UndPrefill]:  # fmt: skip
+        """(the paged K/V pool, the decode step, the prefill) over the und tower: a pool of `kv_cache_tokens`
+        (None: default_kv_cache_tokens), ValueError when it cannot hold one max_model_len chat; on a GPU
+        unless --enforce-eager, the ViT's math compiled too."""
+        transformer, vision, max_model_len = self.transformer, self.vision, self.max_model_len
         if kv_cache_tokens is None:
             kv_cache_tokens = default_kv_cache_tokens(
                 max_model_len, layerwise_offload=transformer.und_blocks is not None
@@ -152,24 +191,19 @@ class Reasoner(ChatAdmission, ChatStepping):
                 f"the Reasoner's K/V cache holds {kv_cache_tokens} tokens, fewer than --max-model-len "
                 f"{max_model_len}: raise --kv-cache-memory-bytes or lower --max-model-len"
             )
-        self.pool = transformer.new_paged_pool(kv_cache_tokens, block_size=kv_block_size)
-        self.decoder = UndDecoder(
-            transformer, self.pool, max_batch=max_num_seqs, max_model_len=max_model_len,
+        pool = transformer.new_paged_pool(kv_cache_tokens, block_size=kv_block_size)
+        decoder = UndDecoder(
+            transformer, pool, max_batch=max_num_seqs, max_model_len=max_model_len,
             enforce_eager=enforce_eager,
         )  # fmt: skip
-        if vision is not None and self.decoder.use_graphs:  # on a GPU unless --enforce-eager
+        if vision is not None and decoder.use_graphs:  # on a GPU unless --enforce-eager
             vision.set_attention_backend(None)
             vision.tower.compile_math()
-        self.prefiller = UndPrefill(
-            transformer, self.pool, vision, image_token_id=image_token_id, video_token_id=self.video_token_id,
-            caching=enable_prefix_caching, math=self.decoder.math, graphed=self.decoder.use_graphs,
+        prefiller = UndPrefill(
+            transformer, pool, vision, image_token_id=self.image_token_id, video_token_id=self.video_token_id,
+            caching=enable_prefix_caching, math=decoder.math, graphed=decoder.use_graphs,
         )  # fmt: skip
-        self._waiting: list[ReasonerSession] = []  # preempted sessions, oldest first
-        self._started = 0  # sessions started so far (their start order decides who is preempted)
-        self.preemptions = 0  # sessions preempted so far (their K/V recomputed later)
-        self._deferred: dict[int, tuple[ChatParams, ChatPrompt]] = {}  # chats refused for lack of room, by id
-        # sessions started and not closed: each may need a block for its next token
-        self._open: list[ReasonerSession] = []
+        return pool, decoder, prefiller
 
     @classmethod
     @model_loads("Reasoner.from_pretrained")

@@ -107,6 +107,44 @@ def inspect_adapter(path: str, config: Cosmos3Config, *, max_rank: int | None = 
     B of a module the model has and worldserve applies, shapes fitting the module, float dtypes, and with
     `max_rank` (--max-lora-rank) no module of a higher rank (`check_rank`)."""
     weights, peft = find_adapter_files(path)
+    metadata, header, alphas = _read_header(path, weights)
+    if peft is None:
+        peft = metadata_config(metadata, path)
+    check_peft_config(peft or {}, path)
+    pairs = _pair_keys(path, header)
+    shapes = adaptable_modules(config)
+    modules, keys, unknown = {}, {}, []
+    for module, ab in sorted(pairs.items()):
+        if set(ab) - {"alpha"} != {"A", "B"}:
+            raise refuse_adapter(path, f"module {module!r} has lora_{''.join(sorted(set(ab) - {'alpha'}))} but not both "
+                          "lora_A and lora_B")  # fmt: skip
+        if module in _SKIPPED:
+            log.info("LoRA adapter %s: %s is not used by generation, skipped", path, module)
+            continue
+        target = shapes.get(module)
+        if target is None:
+            unknown.append(module)
+            continue
+        rank = _pair_rank(path, module, header[ab["A"]], header[ab["B"]], target, peft)
+        own_alpha = alphas[ab["alpha"]] if "alpha" in ab else None
+        modules[module] = (rank, _pair_scaling(path, module, rank, peft, own_alpha))
+        keys[module] = (ab["A"], ab["B"])
+    if unknown:
+        raise refuse_adapter(path, f"it targets modules worldserve's Cosmos3 transformer does not apply LoRA to: "
+                      f"{unknown[:4]}{f' (and {len(unknown) - 4} more)' if len(unknown) > 4 else ''}")  # fmt: skip
+    check_rank(path, modules, max_rank)
+    return AdapterSpec(
+        path=path, weights=weights, identity=_identity(weights, modules), modules=modules, keys=keys
+    )
+
+
+_Header = dict[str, tuple[tuple[int, ...], str]]
+"""key -> (shape, dtype name) of every tensor in a safetensors header."""
+
+
+def _read_header(path: str, weights: Path) -> tuple[dict[str, str], _Header, dict[str, Tensor]]:
+    """The weights file's (metadata, header, kohya-style alphas): no tensor read but the `.alpha` scalars;
+    ParamError naming `lora` when it is not a readable safetensors file."""
     try:
         with safe_open(str(weights), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -114,9 +152,12 @@ def inspect_adapter(path: str, config: Cosmos3Config, *, max_rank: int | None = 
             alphas = {k: f.get_tensor(k) for k in header if k.endswith(".alpha")}  # (scalars: kohya's alphas)
     except (SafetensorError, OSError) as exc:
         raise refuse_adapter(path, f"{weights.name} is not a readable safetensors file ({exc})") from None
-    if peft is None:
-        peft = metadata_config(metadata, path)
-    check_peft_config(peft or {}, path)
+    return metadata, header, alphas
+
+
+def _pair_keys(path: str, header: _Header) -> dict[str, dict[str, str]]:
+    """module -> {"A" / "B" / "alpha": its key} of every key in the header, their prefixes (_PREFIXES) dropped;
+    ParamError naming `lora` for a key that is no LoRA part, a part given twice, or no LoRA key at all."""
     pairs: dict[str, dict[str, str]] = defaultdict(dict)
     strange = []
     for key in header:
@@ -138,64 +179,57 @@ def inspect_adapter(path: str, config: Cosmos3Config, *, max_rank: int | None = 
                       f"{f' (and {len(strange) - 3} more)' if len(strange) > 3 else ''}")  # fmt: skip
     if not pairs:
         raise refuse_adapter(path, "it holds no LoRA weights")
-    shapes = adaptable_modules(config)
-    modules, keys, unknown = {}, {}, []
-    for module, ab in sorted(pairs.items()):
-        if set(ab) - {"alpha"} != {"A", "B"}:
-            raise refuse_adapter(path, f"module {module!r} has lora_{''.join(sorted(set(ab) - {'alpha'}))} but not both "
-                          "lora_A and lora_B")  # fmt: skip
-        if module in _SKIPPED:
-            log.info("LoRA adapter %s: %s is not used by generation, skipped", path, module)
-            continue
-        target = shapes.get(module)
-        if target is None:
-            unknown.append(module)
-            continue
-        (a_shape, a_dtype), (b_shape, b_dtype) = header[ab["A"]], header[ab["B"]]
-        out_f, in_f = target
-        if (
-            len(a_shape) != 2
-            or len(b_shape) != 2
-            or a_shape[1] != in_f
-            or b_shape[0] != out_f
-            or a_shape[0] != b_shape[1]
-        ):
-            raise refuse_adapter(path, f"module {module!r}: lora_A {list(a_shape)} / lora_B {list(b_shape)} do not fit its "
-                          f"weight [{out_f}, {in_f}] (A [r, {in_f}], B [{out_f}, r])")  # fmt: skip
-        if a_dtype not in FLOAT_DTYPES or b_dtype not in FLOAT_DTYPES:
-            raise refuse_adapter(
-                path, f"module {module!r}: lora weights must be floating point ({a_dtype}, {b_dtype})"
-            )
-        if a_shape[0] < 1:  # (no rows: nothing to apply, and lora_alpha / r divides by zero)
-            raise refuse_adapter(path, f"module {module!r}: lora_A {list(a_shape)} has rank 0")
-        rank = a_shape[0]  # (with a config, its values, or PEFT's LoraConfig defaults: r 8, lora_alpha 8)
-        if (
-            peft is not None
-            and (said := pattern_value(peft.get("rank_pattern"), module, peft.get("r", 8))) != rank
-        ):
-            raise refuse_adapter(path, f"module {module!r} has rank {rank}, its config says {said}")
-        alpha = (
-            rank
-            if peft is None
-            else pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", 8))
+    return pairs
+
+
+def _pair_rank(
+    path: str, module: str, a: tuple[tuple[int, ...], str], b: tuple[tuple[int, ...], str],
+    target: tuple[int, int], peft: dict | None,
+) -> int:  # fmt: skip
+    """The rank of `module`'s pair, from its lora_A's and lora_B's (shape, dtype) in the header: ParamError
+    naming `lora` unless they fit the module's weight `target` (out, in), are floating point, have a rank of
+    at least 1 and, with a config, the rank it says (its rank_pattern's, or r)."""
+    (a_shape, a_dtype), (b_shape, b_dtype) = a, b
+    out_f, in_f = target
+    if (
+        len(a_shape) != 2
+        or len(b_shape) != 2
+        or a_shape[1] != in_f
+        or b_shape[0] != out_f
+        or a_shape[0] != b_shape[1]
+    ):
+        raise refuse_adapter(path, f"module {module!r}: lora_A {list(a_shape)} / lora_B {list(b_shape)} do not fit its "
+                      f"weight [{out_f}, {in_f}] (A [r, {in_f}], B [{out_f}, r])")  # fmt: skip
+    if a_dtype not in FLOAT_DTYPES or b_dtype not in FLOAT_DTYPES:
+        raise refuse_adapter(
+            path, f"module {module!r}: lora weights must be floating point ({a_dtype}, {b_dtype})"
         )
-        if "alpha" in ab:  # (a kohya-style file's own alpha for the module: its scaling is alpha / r)
-            value = alphas[ab["alpha"]]
-            # (a float or an integer, as trainers store it and diffusers reads it: `.item()`)
-            numeric = value.is_floating_point() or not (value.dtype.is_complex or value.dtype == torch.bool)
-            if value.numel() != 1 or not numeric or not math.isfinite(float(value)):
-                raise refuse_adapter(path, f"module {module!r}: its alpha must be one finite number")
-            alpha = float(value)
-        rs = bool(peft and peft.get("use_rslora"))
-        modules[module] = (rank, float(alpha) / (math.sqrt(rank) if rs else rank))
-        keys[module] = (ab["A"], ab["B"])
-    if unknown:
-        raise refuse_adapter(path, f"it targets modules worldserve's Cosmos3 transformer does not apply LoRA to: "
-                      f"{unknown[:4]}{f' (and {len(unknown) - 4} more)' if len(unknown) > 4 else ''}")  # fmt: skip
-    check_rank(path, modules, max_rank)
-    return AdapterSpec(
-        path=path, weights=weights, identity=_identity(weights, modules), modules=modules, keys=keys
+    if a_shape[0] < 1:  # (no rows: nothing to apply, and lora_alpha / r divides by zero)
+        raise refuse_adapter(path, f"module {module!r}: lora_A {list(a_shape)} has rank 0")
+    rank = a_shape[0]  # (with a config, its values, or PEFT's LoraConfig defaults: r 8, lora_alpha 8)
+    if (
+        peft is not None
+        and (said := pattern_value(peft.get("rank_pattern"), module, peft.get("r", 8))) != rank
+    ):
+        raise refuse_adapter(path, f"module {module!r} has rank {rank}, its config says {said}")
+    return rank
+
+
+def _pair_scaling(path: str, module: str, rank: int, peft: dict | None, value: Tensor | None) -> float:
+    """`module`'s scaling, PEFT's: lora_alpha / r (rsLoRA: / sqrt(r)), lora_alpha from the config (its
+    alpha_pattern's, or lora_alpha; without a config, r) unless the file holds the module's own alpha `value`
+    (kohya-style); ParamError naming `lora` when that is not one finite number."""
+    alpha = (
+        rank if peft is None else pattern_value(peft.get("alpha_pattern"), module, peft.get("lora_alpha", 8))
     )
+    if value is not None:  # (a kohya-style file's own alpha for the module: its scaling is alpha / r)
+        # (a float or an integer, as trainers store it and diffusers reads it: `.item()`)
+        numeric = value.is_floating_point() or not (value.dtype.is_complex or value.dtype == torch.bool)
+        if value.numel() != 1 or not numeric or not math.isfinite(float(value)):
+            raise refuse_adapter(path, f"module {module!r}: its alpha must be one finite number")
+        alpha = float(value)
+    rs = bool(peft and peft.get("use_rslora"))
+    return float(alpha) / (math.sqrt(rank) if rs else rank)
 
 
 def check_rank(path: str, modules: dict[str, tuple[int, float]], max_rank: int | None) -> None:
