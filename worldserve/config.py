@@ -170,7 +170,7 @@ class SchedulerConfig:
     max_queued_requests: int = 256
     """Jobs waiting for admission beyond this answer 429 with Retry-After."""
     max_batch_size: int = 1
-    """Requests denoised together in one step (and held in memory at once); same-shape requests only."""
+    """Requests denoised together in one step (and held in memory at once); same-shape requests only. A seed gives the same video alone or batched up to float rounding (a batch's GEMMs sum in another order), as diffusers' and vLLM's batches do; 1 keeps every seeded request bit-identical to its run alone."""
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Reasoner chats decoded together (continuous batching); more wait for a free slot."""
     max_num_batched_tokens: HumanInt = HumanInt(8192)
