@@ -21,8 +21,8 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -68,10 +68,38 @@ def build_app(
     """The application over `client` with the server flags `settings` (api/settings.py; default: a bare
     server's), `changes` replacing some of their fields (`build_app(client, shutdown_timeout_s=1.0)`)."""
     settings = dataclasses.replace(settings or AppSettings(), **changes)
-    shutdown_timeout_s, stats_interval_s = settings.shutdown_timeout_s, settings.stats_interval_s
     metrics = metrics or Metrics(client.model_name)
     load = ServerLoad()
     metrics.watch(client)
+    docs: dict[str, Any] = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(
+        title="worldserve",
+        version=__version__,
+        description="vLLM-Omni / OpenAI-Videos-compatible video generation for Cosmos3 models.",
+        lifespan=_lifespan(client, metrics, settings),
+        **docs,
+    )
+    app.state.ws = AppState.serving(
+        client, metrics, settings,
+        responses=ResponseStore(settings.responses_store_bytes) if settings.responses_store_bytes > 0 else None,
+        load=load if settings.server_load_tracking else None,
+    )  # fmt: skip
+    install_error_handlers(app)
+    _add_middlewares(app, settings, metrics, load)
+    _include_routers(app)
+    _add_model_routes(app, client, settings)
+    _add_server_routes(app, client, load)
+    app.routes.append(metrics_mount(metrics))
+    return app
+
+
+def _lifespan(
+    client: EngineClient, metrics: Metrics, settings: AppSettings
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the client started (and the periodic stats log, unless --disable-log-stats) before
+    the first request; on exit the stats log stopped and the client shut down (waiting at most
+    --shutdown-timeout for running work)."""
+    shutdown_timeout_s, stats_interval_s = settings.shutdown_timeout_s, settings.stats_interval_s
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,33 +116,28 @@ def build_app(
                 stats.cancel()
             await client.shutdown(shutdown_timeout_s)
 
-    docs: dict[str, Any] = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(
-        title="worldserve",
-        version=__version__,
-        description="vLLM-Omni / OpenAI-Videos-compatible video generation for Cosmos3 models.",
-        lifespan=lifespan,
-        **docs,
-    )
-    app.state.ws = AppState.serving(
-        client, metrics, settings,
-        responses=ResponseStore(settings.responses_store_bytes) if settings.responses_store_bytes > 0 else None,
-        load=load if settings.server_load_tracking else None,
-    )  # fmt: skip
-    install_error_handlers(app)
+    return lifespan
+
+
+def _add_middlewares(app: FastAPI, settings: AppSettings, metrics: Metrics, load: ServerLoad) -> None:
+    """The middlewares in vLLM's order (the module docstring lists them, outermost first)."""
     # each add_middleware wraps the ones before it: CORS innermost, request ids outermost (vLLM's order)
     app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                        allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),
                        allow_headers=list(settings.allowed_headers))  # fmt: skip
-    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)  # inside auth: 401s not counted (vLLM's)
-    app.add_middleware(
-        OriginGuardMiddleware, allowed_origins=settings.allowed_origins
-    )  # (--allowed-origins kept)
+    # inside auth: 401s not counted (vLLM's)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)
+    # (--allowed-origins kept)
+    app.add_middleware(OriginGuardMiddleware, allowed_origins=settings.allowed_origins)
     app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     if settings.server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=load)
     if settings.request_id_headers:
         app.add_middleware(RequestIdMiddleware)
+
+
+def _include_routers(app: FastAPI) -> None:
+    """The API's routes, each module's router (in the order the route log and OpenAPI list them)."""
     app.include_router(videos_router)
     app.include_router(realtime_router)
     app.include_router(chat_router)
@@ -124,6 +147,10 @@ def build_app(
     app.include_router(tokenize_router)
     app.include_router(images_router)
     app.include_router(invocations_router)
+
+
+def _add_model_routes(app: FastAPI, client: EngineClient, settings: AppSettings) -> None:
+    """GET /v1/models (a card per served name, created when the app is built) and GET /v1/models/{model}."""
     created = int(time.time())
 
     @app.get("/v1/models", response_model=ModelList, tags=["models"])
@@ -142,6 +169,10 @@ def build_app(
         a served name, else vLLM's unknown-model 404 naming `model`."""
         cards = (await list_models()).data
         return next((card for card in cards if card.id == model), None) or model_not_found(model)
+
+
+def _add_server_routes(app: FastAPI, client: EngineClient, load: ServerLoad) -> None:
+    """The server's probes: /health, /ping (GET and POST), /load and /version."""
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:
@@ -167,9 +198,6 @@ def build_app(
     @app.get("/version", tags=["server"])
     async def version() -> dict[str, str]:
         return {"version": __version__}
-
-    app.routes.append(metrics_mount(metrics))
-    return app
 
 
 def metrics_mount(metrics: Metrics) -> Mount:

@@ -1,8 +1,8 @@
 """POST /v1/images/generations: Cosmos3 text-to-image with vLLM-Omni's fields and defaults (serving-api.md §7.1).
 
-JSON only. Validate (400s with `param`) -> `n` one-frame requests through the engine's scheduler (seeds
-seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by step) with no job in the store
--> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
+JSON only. Validate (400s with `param`: api/images_protocol.py) -> `n` one-frame requests through the engine's
+scheduler (seeds seed, seed + 1, ...; batched with whatever else runs, sharing the GPU step by step) with no
+job in the store -> encode each frame (PNG, JPEG or WebP) -> `{"created", "data": [{"b64_json", "revised_prompt"}],
 "output_format", "size", "usage"}` (+ `metrics` with `return_stage_metrics`), or with vLLM-Omni's `response_format:
 "file"` the image itself as an attachment (n > 1: a ZIP of `image_<i>.<ext>`). `n: null` and OpenAI's
 `size: "auto"` take the defaults. OpenAI's fields: `output_compression` (0-100) sets a JPEG's or lossy WebP's
@@ -39,22 +39,19 @@ import time
 import uuid
 import zipfile
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ConfigDict, Field
 
 from worldserve.api.bodies import read_model
 from worldserve.api.disconnect import ClientGone, unless_disconnected
 from worldserve.api.errors import APIError
-from worldserve.api.lora_field import LoraSettings
-from worldserve.api.protocol import NumbersNotBooleans
+from worldserve.api.images_protocol import ImageGenerationRequest, build_params
 from worldserve.api.state import AppState, State
-from worldserve.api.video_inputs import parse_extra_params, structured_texts
+from worldserve.api.video_inputs import structured_texts
 from worldserve.engine.client import QueueFullError, ShuttingDownError, UpsamplingFailed, error_for
-from worldserve.image_params import text_to_image_params
-from worldserve.params import IMAGE_DEFAULTS, INT64, VideoParams
+from worldserve.params import VideoParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,134 +60,7 @@ if TYPE_CHECKING:
 
 router = APIRouter(tags=["images"])
 
-DEFAULT_SIZE = f"{IMAGE_DEFAULTS.width}x{IMAGE_DEFAULTS.height}"
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
-VIDEO_ONLY_EXTRA = (
-    "sound_duration", "audio_duration", "video_codec_options", "condition_frame_indexes_vision",
-    "condition_video_keep", "use_duration_template",
-)  # fmt: skip
-"""`extra_params` keys of the video routes that mean nothing for one image: a 400 naming the key."""
-
-
-class ImageGenerationRequest(NumbersNotBooleans):
-    """vLLM-Omni's image generation fields; undeclared fields are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: str
-    model: str | None = None
-    n: int | None = Field(1, ge=1, le=10, description="null: 1")
-    size: str | None = Field(
-        None,
-        pattern=r"^([0-9]{1,5}x[0-9]{1,5}|auto)$",
-        description="WIDTHxHEIGHT; auto or absent: 1024x1024.",
-    )
-    response_format: Literal["b64_json", "url", "file"] | None = None
-    output_format: Literal["png", "jpeg", "jpg", "webp"] | None = None
-    negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(None, ge=1, le=200)
-    guidance_scale: float | None = Field(None, ge=0, le=20, allow_inf_nan=False)
-    true_cfg_scale: float | None = Field(
-        None, ge=0, le=20, allow_inf_nan=False, description="Accepted; Cosmos3 uses guidance_scale."
-    )
-    flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False)
-    max_sequence_length: int | None = Field(
-        None, ge=1, description="Cap on prompt tokens (as on the video routes)."
-    )
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    generator_device: str | None = Field(
-        None,
-        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
-        description="Accepted; noise is drawn on the CPU, as diffusers does.",
-    )
-    lora: Any = None  # (an object, or its JSON text: api/lora_field.py)
-    extra_params: Any = None  # (an object, or its JSON text; any other value: parse_extra_params names it)
-    return_stage_metrics: bool | None = None
-    # OpenAI's Images API fields
-    output_compression: int | None = Field(None, ge=0, le=100, description="JPEG / WebP quality (100: best).")
-    background: Literal["auto", "opaque", "transparent"] | None = None
-    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
-    style: Literal["vivid", "natural"] | None = None
-    moderation: Literal["auto", "low"] | None = None
-    user: str | None = None
-    stream: bool | None = None
-    partial_images: int | None = Field(None, ge=0, le=3, description="Accepted; no partial image is sent.")
-
-
-def _floats(lo: float, hi: float) -> tuple[float, float]:
-    """A guidance_interval (a pair: its field's type) as floats."""
-    return float(lo), float(hi)
-
-
-def build_params(
-    req: ImageGenerationRequest, default_flow_shift: float | None = None, lora: LoraSettings = LoraSettings()
-) -> list[VideoParams]:
-    """The `n` one-frame requests (seed, seed + 1, ...), validated (an error names `extra_params.<key>` for a
-    value from there); `default_flow_shift` (--flow-shift) replaces T2I's 3.0 for requests that send no
-    flow_shift; `lora` (--enable-lora, --lora-path) picks the adapter they run with (api/lora_field.py)."""
-    if req.response_format == "url":
-        raise APIError(400, "response_format 'url' is not supported: use 'b64_json' or 'file'",
-                       param="response_format")  # fmt: skip
-    if req.stream and req.response_format == "file":
-        raise APIError(
-            400, "response_format 'file' cannot be streamed: use 'b64_json'", param="response_format"
-        )
-    if req.background == "transparent":
-        raise APIError(400, "background 'transparent' is not supported: Cosmos3 draws opaque images",
-                       param="background")  # fmt: skip
-    # (OpenAI's default is 100, which SDK wrappers send with PNG too: only a lower one is refused, as OpenAI's
-    # "Compression less than 100 is not supported for PNG output format")
-    if (
-        req.output_compression is not None
-        and req.output_compression < 100
-        and req.output_format in (None, "png")
-    ):
-        raise APIError(400, "output_compression less than 100 is not supported for the png output format (it "
-                       "applies to jpeg and webp)", param="output_compression")  # fmt: skip
-    adapter = lora.for_request(req.lora)
-    extra = parse_extra_params(req.extra_params)
-    for key in ("generate_sound", "sound_gen"):  # (false or absent: the image route makes none anyway)
-        if getattr(extra, key):
-            raise APIError(400, "sound cannot be generated for an image", param=f"extra_params.{key}")
-    for key in VIDEO_ONLY_EXTRA:
-        if getattr(extra, key) is not None:
-            raise APIError(
-                400, f"extra_params.{key} applies to videos, not images", param=f"extra_params.{key}"
-            )
-    size = DEFAULT_SIZE if req.size in (None, "auto") else req.size
-    width, height = (int(v) for v in size.split("x"))
-    origin = {
-        "width": "size",
-        "height": "size",
-        "upsample_prompt": "extra_params.upsample_prompt",
-        "system_prompt": "extra_params.system_prompt",
-        "negative_metadata": "extra_params.negative_metadata_mode",
-    }
-
-    def pick(name: str, default: Any) -> Any:
-        """`extra_params` over the top-level field over the default, as the video routes resolve them."""
-        if getattr(extra, name, None) is not None:
-            origin[name] = f"extra_params.{name}"
-            return getattr(extra, name)
-        return default if getattr(req, name, None) is None else getattr(req, name)
-
-    interval = pick("guidance_interval", None)
-    given = {
-        "negative_prompt": pick("negative_prompt", None), "width": width, "height": height,
-        "num_inference_steps": pick("num_inference_steps", None),
-        "guidance_scale": pick("guidance_scale", None) or None,  # (0: the default)
-        "flow_shift": pick("flow_shift", None), "seed": pick("seed", None),
-        "max_sequence_length": pick("max_sequence_length", None),
-        "guidance_interval": None if interval is None else _floats(*interval),
-        "add_resolution_template": extra.use_resolution_template is not False,
-        "negative_metadata": extra.negative_metadata_mode or "same",
-        "use_system_prompt": bool(extra.use_system_prompt), "system_prompt": extra.system_prompt,
-        "upsample_prompt": bool(extra.upsample_prompt), "lora": adapter,
-    }  # fmt: skip
-    # (validated with its field_names: a later check names the request's fields too)
-    return text_to_image_params(
-        req.prompt, req.n or 1, given, default_flow_shift=default_flow_shift, names=origin
-    )
 
 
 async def _generated(
@@ -265,6 +135,36 @@ async def create_images(request: Request, st: State) -> Response:
     """Text-to-image (JSON body): `n` images as base64 in `data` (or as a file: `image_file`), generated
     with the video model."""
     request_id = f"img_gen-{uuid.uuid4().hex}"
+    req = await _read_request(request, st)
+    # tokenising the prompts (model-aware validation) runs off the event loop: a long prompt must not
+    # stall every other request
+    params = await asyncio.to_thread(
+        lambda: [
+            st.client.validate(p) for p in build_params(req, st.settings.default_flow_shift, st.settings.lora)
+        ]
+    )
+    headers = {"X-Request-Id": request_id}
+    revised, results = await _generate_images(request, st, params, request_id, headers)
+    fmt = req.output_format or "png"
+    # (arrays: a jobless request without a frame callback is decoded whole, never as a FrameStream)
+    images = await asyncio.gather(
+        *(
+            asyncio.to_thread(encode_image, cast("np.ndarray", r.frames)[0], fmt, req.output_compression)
+            for r in results
+        )
+    )
+    if req.response_format == "file":
+        return image_file(images, fmt, request_id, headers)
+    if req.stream:
+        return StreamingResponse(
+            completed_events(req, images, f"{params[0].width}x{params[0].height}", revised, results),
+            media_type="text/event-stream", headers=headers,
+        )  # fmt: skip
+    return JSONResponse(_images_body(req, params[0], fmt, images, revised, results), headers=headers)
+
+
+async def _read_request(request: Request, st: AppState) -> ImageGenerationRequest:
+    """The JSON body, its model the served one (else a 400) and its `n` within the server's queue."""
     # (a structured prompt, a JSON object, becomes its text as on the video routes)
     with st.counting_too_large():
         req = await read_model(
@@ -277,14 +177,14 @@ async def create_images(request: Request, st: State) -> Response:
         raise APIError(
             400, f"n={req.n} is above this server's queue ({st.client.max_queued_requests})", param="n"
         )
-    # tokenising the prompts (model-aware validation) runs off the event loop: a long prompt must not
-    # stall every other request
-    params = await asyncio.to_thread(
-        lambda: [
-            st.client.validate(p) for p in build_params(req, st.settings.default_flow_shift, st.settings.lora)
-        ]
-    )
-    headers = {"X-Request-Id": request_id}
+    return req
+
+
+async def _generate_images(
+    request: Request, st: AppState, params: list[VideoParams], request_id: str, headers: dict[str, str]
+) -> tuple[str | None, list[VideoResult]]:
+    """`_generated`'s (revised prompt, results) unless the client goes away; the request logged once
+    admitted; a failure answered as its HTTP error (with the X-Request-Id `headers`)."""
     log = st.settings.request_log
 
     def received() -> None:  # (logged once admitted, as a video job once created; the n differ by seeds only)
@@ -292,9 +192,7 @@ async def create_images(request: Request, st: State) -> Response:
             log.video(request_id, params[0])
 
     try:
-        revised, results = await unless_disconnected(
-            request, _generated(st, params, request_id, headers, received)
-        )
+        return await unless_disconnected(request, _generated(st, params, request_id, headers, received))
     except (ClientGone, APIError):
         raise
     except TimeoutError:
@@ -309,24 +207,21 @@ async def create_images(request: Request, st: State) -> Response:
     except Exception as exc:  # a failed request: its status and message, as a failed video job reports them
         code, message, param = error_for(exc, "Image generation")  # (an engine failure: error.request_id)
         raise APIError(code, message, param=param, headers=headers, engine_request_id=request_id) from None
-    fmt = req.output_format or "png"
-    images = await asyncio.gather(
-        *(asyncio.to_thread(encode_image, r.frames[0], fmt, req.output_compression) for r in results)
-    )
-    if req.response_format == "file":
-        return image_file(images, fmt, request_id, headers)
-    if req.stream:
-        return StreamingResponse(
-            completed_events(req, images, f"{params[0].width}x{params[0].height}", revised, results),
-            media_type="text/event-stream", headers=headers,
-        )  # fmt: skip
+
+
+def _images_body(
+    req: ImageGenerationRequest, first: VideoParams, fmt: str, images: list[bytes], revised: str | None,
+    results: list[VideoResult],
+) -> dict[str, Any]:  # fmt: skip
+    """The JSON answer: the images as base64 with the prompt the Reasoner wrote, their size (`first`'s: the n
+    share it), usage, and the stage metrics with `return_stage_metrics`."""
     body: dict[str, Any] = {
         "created": int(time.time()),
         "data": [
             {"b64_json": base64.b64encode(img).decode("ascii"), "revised_prompt": revised} for img in images
         ],
         "output_format": "jpeg" if fmt == "jpg" else fmt,
-        "size": f"{params[0].width}x{params[0].height}",
+        "size": f"{first.width}x{first.height}",
         "usage": image_usage(results[0].prompt_tokens, [r.gen_tokens for r in results], details=True),
     }
     if req.return_stage_metrics:
@@ -334,7 +229,7 @@ async def create_images(request: Request, st: State) -> Response:
             "stage_durations": {k: round(v, 4) for k, v in results[0].stage_seconds.items()},
             "peak_memory_mb": round(max(r.peak_memory_mb for r in results), 3),
         }
-    return JSONResponse(body, headers=headers)
+    return body
 
 
 def image_usage(prompt_tokens: int, gen_tokens: list[int], *, details: bool = False) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -52,6 +52,10 @@ from worldserve.params import ParamError
 from worldserve.sampling.chat_defaults import ChatDefaults
 
 if TYPE_CHECKING:
+    from worldserve.api.chat import RequestOptions
+    from worldserve.api.chat_protocol import ChatCompletionRequest
+    from worldserve.api.responses_input import ChatPaths
+    from worldserve.chat_params import ChatParams
     from worldserve.engine.client import ChatEvents
 
 router = APIRouter(tags=["responses"])
@@ -85,40 +89,14 @@ async def create_response(request: Request, st: State) -> Response:
         return model_not_found(req.model)
     # vLLM's renderer refusal, in its words, before any other work
     check_output_budget(req.max_output_tokens, "max_output_tokens", st.max_model_len)
-    history: list = []
-    if req.previous_response_id is not None:
-        found = st.responses.get(req.previous_response_id) if st.responses is not None else None
-        if found is None:
-            raise APIError(404, f"Response with id '{req.previous_response_id}' not found {NOT_KEPT}",
-                           param="previous_response_id")  # fmt: skip
-        history = found[0]
+    history = _history(st, req)
     if not isinstance(req.input, str):
         req.input = [_resolved(st, item, f"input[{i}]") for i, item in enumerate(req.input or ())]
     chat, paths, conversation = to_chat(req, history)
     context = st.max_model_len
-    if req.truncation == "auto" and chat.truncate_prompt_tokens is None and context is not None:
-        # OpenAI's: whole input items dropped from the conversation's start (the instructions stay) until the
-        # prompt leaves the answer its room
-        room = context - (req.max_output_tokens or min(4096, context // 8))
-        prompts, _ = reasoner_prompts(st)
-        try:
-            # (checked once, no grammar compiled: the counts need the tools' and templates' options only)
-            options = await asyncio.to_thread(request_options, chat)
-            chat, paths = await asyncio.to_thread(
-                fit_by_items, chat, paths, room, partial(prompt_tokens, prompts, options, room=room)
-            )
-        except (APIError, ParamError) as exc:
-            raise paths.rename(exc) from None
+    chat, paths = await _truncated(st, req, chat, paths, context)
     store = st.responses if req.store is not False else None
-    try:
-        choices, options = await chat_choices(st, chat)
-        try:
-            check_rendered_prompt(chat, choices[0], context)
-        except APIError as exc:  # (with truncation "auto", what could not be cut is the input's: OpenAI's)
-            exc.param = "input" if req.truncation == "auto" else exc.param
-            raise
-    except (APIError, ParamError) as exc:
-        raise paths.rename(exc) from None
+    choices, options = await _checked_choices(st, req, chat, paths, context)
     opened: list[ChatEvents] = []  # the chat's events, to cancel if the client goes away at any point
     parsing = TextParsing(tools=options.tools, reasoning=st.settings.reasoning_parser is not None,
                           include_reasoning=req.include_reasoning)  # fmt: skip
@@ -151,23 +129,85 @@ async def create_response(request: Request, st: State) -> Response:
             return StreamingResponse(
                 _events(streams[0], builder(parsing), keep), media_type="text/event-stream"
             )
-        deltas: list[ChatDelta] = []
-        try:
-            async for event in streams[0]:
-                if isinstance(event, ChatFailed):
-                    raise APIError(event.status, event.message, param=paths.field(event.param))
-                if isinstance(event, ChatDelta):
-                    deltas.append(event)
-        finally:
-            await close_all(streams)
-        whole = builder(_as_answered(parsing, deltas))
-        for delta in deltas:
-            whole.feed(delta)
-        body = whole.response()
+        body = await _whole_response(streams, parsing, builder, paths)
         keep(body)
         return JSONResponse(body)
 
     return await unless_disconnected(request, answer(), lambda: close_all(opened))
+
+
+def _history(st: AppState, req: ResponsesRequest) -> list:
+    """The stored conversation `previous_response_id` continues (none without one); a 404 when it is not
+    stored."""
+    if req.previous_response_id is None:
+        return []
+    found = st.responses.get(req.previous_response_id) if st.responses is not None else None
+    if found is None:
+        raise APIError(404, f"Response with id '{req.previous_response_id}' not found {NOT_KEPT}",
+                       param="previous_response_id")  # fmt: skip
+    return found[0]
+
+
+async def _truncated(
+    st: AppState, req: ResponsesRequest, chat: ChatCompletionRequest, paths: ChatPaths, context: int | None
+) -> tuple[ChatCompletionRequest, ChatPaths]:
+    """`chat` (and its `paths`) as `truncation` leaves it: with "auto" (unless the chat truncates its prompt
+    itself, or no chat is served: `context` None) cut to fit the `context` with the answer's room; errors
+    name the Responses field."""
+    if req.truncation == "auto" and chat.truncate_prompt_tokens is None and context is not None:
+        # OpenAI's: whole input items dropped from the conversation's start (the instructions stay) until the
+        # prompt leaves the answer its room
+        room = context - (req.max_output_tokens or min(4096, context // 8))
+        prompts, _ = reasoner_prompts(st)
+        try:
+            # (checked once, no grammar compiled: the counts need the tools' and templates' options only)
+            options = await asyncio.to_thread(request_options, chat)
+            chat, paths = await asyncio.to_thread(
+                fit_by_items, chat, paths, room, partial(prompt_tokens, prompts, options, room=room)
+            )
+        except (APIError, ParamError) as exc:
+            raise paths.rename(exc) from None
+    return chat, paths
+
+
+async def _checked_choices(
+    st: AppState, req: ResponsesRequest, chat: ChatCompletionRequest, paths: ChatPaths, context: int | None
+) -> tuple[list[ChatParams], RequestOptions]:
+    """The chat route's checks, media and prompt for `chat` (api/chat.py `chat_choices`), then vLLM's check of
+    the rendered prompt against the `context`; errors name the Responses field."""
+    try:
+        choices, options = await chat_choices(st, chat)
+        try:
+            check_rendered_prompt(chat, choices[0], context)
+        except APIError as exc:  # (with truncation "auto", what could not be cut is the input's: OpenAI's)
+            exc.param = "input" if req.truncation == "auto" else exc.param
+            raise
+    except (APIError, ParamError) as exc:
+        raise paths.rename(exc) from None
+    return choices, options
+
+
+async def _whole_response(
+    streams: Sequence[ChatStream],
+    parsing: TextParsing,
+    builder: Callable[[TextParsing], ResponseBuilder],
+    paths: ChatPaths,
+) -> dict[str, Any]:
+    """The unstreamed answer's response object, once the chat's deltas are all in (a failed chat: its status,
+    naming the Responses field); closes the chat's events."""
+    deltas: list[ChatDelta] = []
+    try:
+        async for event in streams[0]:
+            if isinstance(event, ChatFailed):
+                raise APIError(event.status, event.message, param=paths.field(event.param))
+            if isinstance(event, ChatDelta):
+                deltas.append(event)
+    finally:
+        await close_all(streams)
+    whole = builder(_as_answered(parsing, deltas))
+    for delta in deltas:
+        whole.feed(delta)
+    return whole.response()
 
 
 @router.get("/v1/responses/{response_id}")

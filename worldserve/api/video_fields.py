@@ -44,6 +44,26 @@ def resolve_video_params(
     kw: dict[str, Any] = {"prompt": req.prompt, "lora": lora}
     # (VideoParams names its own fields: the conditioning `image` / `video` came in the reference's field)
     origin = {"image": source or "input_reference", "video": source or "input_reference"}
+    _take_request_fields(req, vp, extra, kw, origin)
+    _take_server_defaults(defaults, kw)
+    if "guidance_interval" in kw:
+        kw["guidance_interval"] = tuple(float(v) for v in kw["guidance_interval"])
+    _take_size(req, vp, image, video, defaults, kw, origin)
+    _take_frames(req, defaults, kw, origin)
+    _take_conditioning(extra, kw, origin)
+    return VideoParams(**kw, image=image, video=video).validate_as(origin)
+
+
+def _take_request_fields(
+    req: VideoCreateRequest,
+    vp: VideoParamsObject,
+    extra: ExtraParams,
+    kw: dict[str, Any],
+    origin: dict[str, str],
+) -> None:
+    """Into `kw` (VideoParams fields) the request's values but the size's, and into `origin` the field each
+    came in when not its own: the top level, then `video_params`' fps / num_frames where still unset, then
+    `extra_params` keys over both; then the sound's duration (the first given of three fields)."""
     top = ("negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "max_sequence_length",
            "generate_sound", "fps", "num_frames")  # fmt: skip
     for name in top:
@@ -71,14 +91,25 @@ def resolve_video_params(
         if value is not None:  # (the top level first, as vLLM-Omni reads them)
             kw["sound_duration"], origin["sound_duration"] = value, name
             break
+
+
+def _take_server_defaults(defaults: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """Into `kw` the server's `defaults` for the fields the request left unset (but the size, fps, frames
+    and sound: see their steps)."""
     for name, value in defaults.items():
         if name in ("width", "height", "fps", "num_frames", "generate_sound") or name in kw:
-            continue  # the size, fps and frames below, with the request's; the sound in build_inputs
+            continue  # the size, fps and frames in their own steps, with the request's; the sound in build_inputs
         kw[name] = value
         if name == "negative_prompt":  # the server's text: not capped by the request's max_sequence_length
             kw["server_negative_prompt"] = True
-    if "guidance_interval" in kw:
-        kw["guidance_interval"] = tuple(float(v) for v in kw["guidance_interval"])
+
+
+def _take_size(
+    req: VideoCreateRequest, vp: VideoParamsObject, image: np.ndarray | None, video: np.ndarray | None,
+    defaults: Mapping[str, Any], kw: dict[str, Any], origin: dict[str, str],
+) -> None:  # fmt: skip
+    """Into `kw` the width and height `_frame_size` resolves (none: the model default), and into `origin` the
+    field they came in."""
     default_size = (defaults["width"], defaults["height"]) if "width" in defaults else None
     # (V2V: the clip's first frame sets the aspect ratio, as an I2V image does: vLLM-Omni's pre_process_func)
     size = _frame_size(req, vp, image if image is not None or video is None else video[0], default_size)
@@ -89,6 +120,13 @@ def resolve_video_params(
         origin["width"] = origin["height"] = "size"
     elif req.width is None and vp.width is not None:
         origin["width"] = origin["height"] = "video_params"
+
+
+def _take_frames(
+    req: VideoCreateRequest, defaults: Mapping[str, Any], kw: dict[str, Any], origin: dict[str, str]
+) -> None:
+    """Into `kw` the fps (the request's, else the server's, else the model's: bounded here) and, when still
+    unset, num_frames from `seconds` at that fps, else the server's default frames."""
     fps = kw.setdefault("fps", defaults.get("fps", VideoParams.__dataclass_fields__["fps"].default))
     if fps > MAX_FPS:  # (bounded before seconds x fps: 1e308 would overflow)
         raise ParamError(origin.get("fps", "fps"), f"fps={shown(fps)} must be a number in [1, {MAX_FPS}]")
@@ -96,13 +134,17 @@ def resolve_video_params(
         kw["num_frames"], origin["num_frames"] = _frames_from_seconds(req.seconds, fps), "seconds"
     if "num_frames" in defaults:
         kw.setdefault("num_frames", defaults["num_frames"])
+
+
+def _take_conditioning(extra: ExtraParams, kw: dict[str, Any], origin: dict[str, str]) -> None:
+    """Into `kw` `extra_params`' conditioning frames and kept-video switch, named by their `extra_params` keys
+    in `origin` (whether given or not)."""
     origin["condition_frame_indexes"] = "extra_params.condition_frame_indexes_vision"
     origin["condition_video_keep"] = "extra_params.condition_video_keep"
     if extra.condition_frame_indexes_vision is not None:
         kw["condition_frame_indexes"] = tuple(extra.condition_frame_indexes_vision)
     if extra.condition_video_keep is not None:
         kw["condition_video_keep"] = extra.condition_video_keep
-    return VideoParams(**kw, image=image, video=video).validate_as(origin)
 
 
 def _frame_size(
