@@ -196,70 +196,13 @@ class VideoParams:
         self._validate_types()
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise ParamError("prompt", "prompt must be a non-empty string")
-        check_side("width", self.width)
-        check_side("height", self.height)
-        if self.num_frames == 1 and self.width * self.height <= IMAGE_MAX_AREA:
-            tier, max_frames = "image", 1
-        elif self.num_frames == 1 and self.width * self.height > RESOLUTION_TIERS[-1][1]:
-            raise ParamError("width", f"size {self.width}x{self.height} is above the largest image "
-                             f"({IMAGE_MAX_AREA} pixels, e.g. 1024x1024, 1280x816)")  # fmt: skip
-        else:
-            tier, _, max_frames, _ = resolution_tier(self.width, self.height)
-        if self.num_frames < 1 or (self.num_frames - 1) % 4:
-            raise ParamError(
-                "num_frames", f"num_frames={shown(self.num_frames)} must be 1 or 4k+1 (e.g. 93, 121, 189)"
-            )
-        if self.num_frames > max_frames:
-            source = self.field_name("num_frames")  # ("seconds": the frames of seconds x fps)
-            came = "" if source == "num_frames" else f" (from {source} x fps {self.fps:g})"
-            raise ParamError("num_frames", f"num_frames={shown(self.num_frames)}{came} exceeds the {tier}p limit "
-                             f"of {max_frames} frames")  # fmt: skip
-        if not (math.isfinite(self.fps) and 1 <= self.fps <= MAX_FPS):
-            raise ParamError("fps", f"fps={self.fps} must be a number in [1, {MAX_FPS}]")
-        if not 1 <= self.num_inference_steps <= 200:
-            raise ParamError(
-                "num_inference_steps", f"num_inference_steps={self.num_inference_steps} must be in [1, 200]"
-            )
-        if not (math.isfinite(self.guidance_scale) and 0 <= self.guidance_scale <= 20):
-            raise ParamError("guidance_scale", f"guidance_scale={self.guidance_scale} must be in [0, 20]")
-        if self.flow_shift is not None and not flow_shift_ok(self.flow_shift):
-            raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in {FLOW_SHIFT_RANGE}")
-        if not -INT64 <= self.seed < INT64:
-            raise ParamError("seed", f"seed={self.seed} must be in [-2**63, 2**63) (int64)")
-        if self.guidance_interval is not None:
-            lo, hi = self.guidance_interval
-            if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi <= 1000):
-                raise ParamError(
-                    "guidance_interval", "guidance_interval must be [lo, hi] with 0 <= lo <= hi <= 1000"
-                )
-        if self.negative_metadata not in NEGATIVE_METADATA_MODES:
-            raise ParamError("negative_metadata",
-                             f"negative_metadata_mode must be one of {list(NEGATIVE_METADATA_MODES)}")  # fmt: skip
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise ParamError("system_prompt", "system_prompt must be a string")
-        if not 1 <= self.max_sequence_length <= 131072:
-            raise ParamError("max_sequence_length", "max_sequence_length must be in [1, 131072]")
-        if self.sound_duration is not None and not (
-            math.isfinite(self.sound_duration) and 1 / self.fps <= self.sound_duration <= MAX_SECONDS
-        ):
-            raise ParamError("sound_duration", f"sound_duration={shown(self.sound_duration)} must be in "
-                             f"[1 / fps, {MAX_SECONDS}] seconds ({1 / self.fps:.4g} at fps {self.fps:g})")  # fmt: skip
+        self._validate_size_and_frames()
+        self._validate_sampling()
+        self._validate_text_and_sound()
         if self.image is not None:
-            img = self.image
-            if not (
-                isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
-            ):
-                raise ParamError("image", "the conditioning image must be decoded to uint8 (H, W, 3)")
-            if self.num_frames == 1:
-                raise ParamError("image", "image-to-video needs num_frames > 1")
-            from worldserve.media.image import check_cover_size  # (lazy: media/ imports this module)
-
-            check_cover_size(img.shape[1], img.shape[0], self.width, self.height, "image")
+            self._validate_image()
         if self.lora is not None:
-            if not isinstance(self.lora, LoraRequest):
-                raise ParamError("lora", f"lora must be a LoraRequest (worldserve.params), got "
-                                 f"{type(self.lora).__name__}")  # fmt: skip
-            self.lora.validate()
+            self._validate_lora()
         if self.video is not None:
             self._validate_video()
         if self.num_frames > 1:  # (an image has no latent timeline to condition)
@@ -300,6 +243,86 @@ class VideoParams:
             check_bool(name, name, getattr(self, name))
         if self.guidance_interval is not None:
             check_real_pair("guidance_interval", "guidance_interval", self.guidance_interval)
+
+    def _validate_size_and_frames(self) -> None:
+        """width and height, then num_frames: its form (1 or 4k+1) and the limit of the size's tier (an image
+        when a single frame fits IMAGE_MAX_AREA)."""
+        check_side("width", self.width)
+        check_side("height", self.height)
+        if self.num_frames == 1 and self.width * self.height <= IMAGE_MAX_AREA:
+            tier, max_frames = "image", 1
+        elif self.num_frames == 1 and self.width * self.height > RESOLUTION_TIERS[-1][1]:
+            raise ParamError("width", f"size {self.width}x{self.height} is above the largest image "
+                             f"({IMAGE_MAX_AREA} pixels, e.g. 1024x1024, 1280x816)")  # fmt: skip
+        else:
+            tier, _, max_frames, _ = resolution_tier(self.width, self.height)
+        if self.num_frames < 1 or (self.num_frames - 1) % 4:
+            raise ParamError(
+                "num_frames", f"num_frames={shown(self.num_frames)} must be 1 or 4k+1 (e.g. 93, 121, 189)"
+            )
+        if self.num_frames > max_frames:
+            source = self.field_name("num_frames")  # ("seconds": the frames of seconds x fps)
+            came = "" if source == "num_frames" else f" (from {source} x fps {self.fps:g})"
+            raise ParamError("num_frames", f"num_frames={shown(self.num_frames)}{came} exceeds the {tier}p limit "
+                             f"of {max_frames} frames")  # fmt: skip
+
+    def _validate_sampling(self) -> None:
+        """fps, steps, guidance scale, flow shift, seed and guidance interval, in that order."""
+        if not (math.isfinite(self.fps) and 1 <= self.fps <= MAX_FPS):
+            raise ParamError("fps", f"fps={self.fps} must be a number in [1, {MAX_FPS}]")
+        if not 1 <= self.num_inference_steps <= 200:
+            raise ParamError(
+                "num_inference_steps", f"num_inference_steps={self.num_inference_steps} must be in [1, 200]"
+            )
+        if not (math.isfinite(self.guidance_scale) and 0 <= self.guidance_scale <= 20):
+            raise ParamError("guidance_scale", f"guidance_scale={self.guidance_scale} must be in [0, 20]")
+        if self.flow_shift is not None and not flow_shift_ok(self.flow_shift):
+            raise ParamError("flow_shift", f"flow_shift={self.flow_shift} must be in {FLOW_SHIFT_RANGE}")
+        if not -INT64 <= self.seed < INT64:
+            raise ParamError("seed", f"seed={self.seed} must be in [-2**63, 2**63) (int64)")
+        if self.guidance_interval is not None:
+            lo, hi = self.guidance_interval
+            if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi <= 1000):
+                raise ParamError(
+                    "guidance_interval", "guidance_interval must be [lo, hi] with 0 <= lo <= hi <= 1000"
+                )
+
+    def _validate_text_and_sound(self) -> None:
+        """The prompt templating's fields (negative metadata, system prompt, max_sequence_length), then the
+        sound's duration (its range depends on fps, checked before)."""
+        if self.negative_metadata not in NEGATIVE_METADATA_MODES:
+            raise ParamError("negative_metadata",
+                             f"negative_metadata_mode must be one of {list(NEGATIVE_METADATA_MODES)}")  # fmt: skip
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ParamError("system_prompt", "system_prompt must be a string")
+        if not 1 <= self.max_sequence_length <= 131072:
+            raise ParamError("max_sequence_length", "max_sequence_length must be in [1, 131072]")
+        if self.sound_duration is not None and not (
+            math.isfinite(self.sound_duration) and 1 / self.fps <= self.sound_duration <= MAX_SECONDS
+        ):
+            raise ParamError("sound_duration", f"sound_duration={shown(self.sound_duration)} must be in "
+                             f"[1 / fps, {MAX_SECONDS}] seconds ({1 / self.fps:.4g} at fps {self.fps:g})")  # fmt: skip
+
+    def _validate_image(self) -> None:
+        """The image-to-video frame: decoded to uint8 (H, W, 3), for a video (num_frames > 1), and large enough
+        to cover width x height (media/image.py `check_cover_size`)."""
+        img = self.image
+        if not (
+            isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
+        ):
+            raise ParamError("image", "the conditioning image must be decoded to uint8 (H, W, 3)")
+        if self.num_frames == 1:
+            raise ParamError("image", "image-to-video needs num_frames > 1")
+        from worldserve.media.image import check_cover_size  # (lazy: media/ imports this module)
+
+        check_cover_size(img.shape[1], img.shape[0], self.width, self.height, "image")
+
+    def _validate_lora(self) -> None:
+        """A LoraRequest (an object of another type is refused by name), itself valid."""
+        if not isinstance(self.lora, LoraRequest):
+            raise ParamError("lora", f"lora must be a LoraRequest (worldserve.params), got "
+                             f"{type(self.lora).__name__}")  # fmt: skip
+        self.lora.validate()
 
     def _validate_video(self) -> None:
         if self.image is not None:

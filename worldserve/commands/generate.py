@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from worldserve.engine.outputs import VideoResult
     from worldserve.runner.parallel_pipeline import ParallelPipeline
     from worldserve.runner.video_pipeline import VideoPipeline
+    from worldserve.runner.video_state import VideoRequestState
 
 GENERATE_MODEL_FLAGS = (
     "revision", "device", "dtype", "quantization", "fp8_attention", "diffusion_attention_backend",
@@ -44,6 +45,19 @@ are not)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`worldserve generate`'s flags, in --help's order."""
+    _add_input_arguments(p)
+    _add_sampling_arguments(p)
+    _add_prompt_template_arguments(p)
+    _add_adapter_and_output_arguments(p)
+    # the model, kernel and parallel flags are serve's own (config.py)
+    add_config_arguments(p, ModelConfig, only=GENERATE_MODEL_FLAGS)
+    add_config_arguments(p, ParallelConfig)
+    add_config_arguments(p, LoraConfig, only=("max_lora_rank",))  # (serve's bound on --lora's rank)
+
+
+def _add_input_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, the prompt and the conditioning inputs (image, video)."""
     p.add_argument(
         "model", nargs="?", default=None, help="folder or HF repo id (default: embedded tiny model)"
     )
@@ -65,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--condition-video-keep", default=None, choices=("first", "last"),
         help="V2V: take the conditioning frames from the first (default) or the last end of the clip",
     )  # fmt: skip
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """Size, frames and the sampler's knobs."""
     # an image (--num-frames 1) takes the text-to-image defaults of /v1/images/generations (IMAGE_DEFAULTS)
     p.add_argument(
         "--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default 1280x720; an image 1024x1024)"
@@ -89,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequence-length", type=int, default=DEFAULT_MAX_SEQUENCE_LENGTH,
                    help="prompt tokens after templating; a longer prompt is an error (with --upsample-prompt: "
                    f"the prompt the Reasoner writes) (default {DEFAULT_MAX_SEQUENCE_LENGTH})")  # fmt: skip
+
+
+def _add_prompt_template_arguments(p: argparse.ArgumentParser) -> None:
+    """What the reference adds to the prompts (templates, system message) and prompt upsampling."""
     p.add_argument("--no-duration-template", action="store_true",
                    help="leave out the duration / fps sentence (or JSON keys) the reference adds to the prompts")  # fmt: skip
     p.add_argument("--no-resolution-template", action="store_true",
@@ -100,16 +122,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt", type=text_arg, default=None, help="a system message of your own")
     p.add_argument("--upsample-prompt", action="store_true",
                    help="have the checkpoint's Reasoner rewrite the prompt into Cosmos3's JSON prompt first")  # fmt: skip
+
+
+def _add_adapter_and_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The LoRA adapter and the output files."""
     p.add_argument("--lora", type=Path, default=None, metavar="PATH",
                    help="run with this LoRA adapter: a PEFT folder, or a diffusers LoRA file or its folder")  # fmt: skip
     p.add_argument("--lora-scale", type=float, default=None,
                    help="the --lora adapter's scale (default 1.0; 0 runs the base model)")  # fmt: skip
     p.add_argument("-o", "--output", type=Path, required=True, help="out.mp4, out.png or out.npz")
     p.add_argument("--save-latents", type=Path, default=None, help="also write final latents (.safetensors)")
-    # the model, kernel and parallel flags are serve's own (config.py)
-    add_config_arguments(p, ModelConfig, only=GENERATE_MODEL_FLAGS)
-    add_config_arguments(p, ParallelConfig)
-    add_config_arguments(p, LoraConfig, only=("max_lora_rank",))  # (serve's bound on --lora's rank)
 
 
 def _upsampled(
@@ -241,22 +263,14 @@ def _generate(
     load_s: float,
     root: Path,
 ) -> int:
+    """Generate `params` on the loaded `pipe` and write `args.output` (and --save-latents): 0, or the exit
+    code after one line on stderr (2: the model refuses the params; 1: a peer rank died or a write failed)."""
     from tqdm.auto import tqdm
 
-    from worldserve.engine.prompt_upsampling import UpsamplingFailed, checked, model_checked
-
-    try:
-        model_checked(pipe.validate, params)
-        if params.upsample_prompt:
-            # (the written prompt past max_sequence_length: an error naming that limit, not the prompt)
-            params = checked(pipe.validate, _upsampled(args, params, pipe, root))
-    except (ParamError, UpsamplingFailed, ValueError) as e:
-        named = isinstance(e, (ParamError, UpsamplingFailed))
-        where = (
-            f"{flag_for(getattr(e, 'param', None), args)}: {flags_said(str(e), args)}" if named else str(e)
-        )
-        print(f"worldserve generate: error: {where}", file=sys.stderr)
+    checked_params = _model_checked(args, params, pipe, root)
+    if checked_params is None:
         return 2
+    params = checked_params
     stream = streams_to(args.output)  # the VAE decode then runs in write_output, beside the mux
     from worldserve.engine.outputs import BackendLost
 
@@ -266,24 +280,10 @@ def _generate(
     except BackendLost as e:  # a peer rank of a multi-GPU layout died: its own log holds the traceback
         print(f"worldserve generate: error: {e}", file=sys.stderr)
         return 1
-    from safetensors import SafetensorError
-
     # the writes' own failures (a full disk, a folder gone since the checks) are one line naming the flag; the
     # latents go first, so that a failed -o still leaves the denoised state to decode again
-    if args.save_latents is not None:
-        from safetensors.torch import save
-
-        tensors = {"video_latents": state.latents.cpu().contiguous()}
-        if state.sound is not None:
-            tensors["sound_latents"] = state.sound.cpu().contiguous()
-        try:
-            args.save_latents.parent.mkdir(parents=True, exist_ok=True)  # as -o's
-            # written as -o is (the umask's mode: save_file's temporary file left it 0600)
-            args.save_latents.write_bytes(save(tensors))
-        except (OSError, SafetensorError) as e:
-            print(f"worldserve generate: error: --save-latents {args.save_latents}: cannot write it ({e})",
-                  file=sys.stderr)  # fmt: skip
-            return 1
+    if args.save_latents is not None and not _save_latents(args.save_latents, state):
+        return 1
     t1 = time.perf_counter()
     try:
         write_output(args.output, result)
@@ -299,3 +299,45 @@ def _generate(
     for name, seconds in stages.items():
         print(f"  {name:16s} {seconds:8.3f} s")
     return 0
+
+
+def _model_checked(
+    args: argparse.Namespace, params: VideoParams, pipe: VideoPipeline | ParallelPipeline, root: Path
+) -> VideoParams | None:
+    """`params` checked against the model (and, with --upsample-prompt, rewritten by the Reasoner and checked
+    again); None once the refusal is printed, naming the flag."""
+    from worldserve.engine.prompt_upsampling import UpsamplingFailed, checked, model_checked
+
+    try:
+        model_checked(pipe.validate, params)
+        if params.upsample_prompt:
+            # (the written prompt past max_sequence_length: an error naming that limit, not the prompt)
+            params = checked(pipe.validate, _upsampled(args, params, pipe, root))
+    except (ParamError, UpsamplingFailed, ValueError) as e:
+        named = isinstance(e, (ParamError, UpsamplingFailed))
+        where = (
+            f"{flag_for(getattr(e, 'param', None), args)}: {flags_said(str(e), args)}" if named else str(e)
+        )
+        print(f"worldserve generate: error: {where}", file=sys.stderr)
+        return None
+    return params
+
+
+def _save_latents(path: Path, state: VideoRequestState) -> bool:
+    """The final video (and sound) latents as safetensors at `path` (--save-latents); False once a failed
+    write is printed."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save
+
+    tensors = {"video_latents": state.latents.cpu().contiguous()}
+    if state.sound is not None:
+        tensors["sound_latents"] = state.sound.cpu().contiguous()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as -o's
+        # written as -o is (the umask's mode: save_file's temporary file left it 0600)
+        path.write_bytes(save(tensors))
+    except (OSError, SafetensorError) as e:
+        print(f"worldserve generate: error: --save-latents {path}: cannot write it ({e})",
+              file=sys.stderr)  # fmt: skip
+        return False
+    return True

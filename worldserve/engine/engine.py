@@ -35,7 +35,7 @@ from worldserve.engine.endings import Encoder, Endings, default_encoder
 from worldserve.engine.engine_shutdown import EngineShutdown
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
-from worldserve.engine.outputs import BackendLost, VideoBackend
+from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
 from worldserve.engine.refusals import SHUTDOWN_REASON
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
@@ -272,38 +272,15 @@ class Engine(EngineShutdown):
         def decoded() -> None:
             request.stage_seconds["decode"] = time.monotonic() - t0
 
-        stop = threading.Event()
-        with self._cv:
-            self._decode_stops[request.job_id] = (stop, request)
-            if request.job_id in self._inbox:  # (an abort of it waits there)
-                stop.set()
-            elif self._hard_stop:  # (its last step ended after the stop: it is parked, not decoded)
-                request.stop_reason = SHUTDOWN_REASON
-                stop.set()
+        stop = self._watch_decode(request)
         streamed, failure = False, None
         try:
             if not stop.is_set():
-                with self.model_lock:
-                    stream = not request.ephemeral or request.on_frames is not None
-                    result = self.backend.decode(request.prepared, stream=stream)
-                    if stream:  # the decode runs here, chunk after chunk
-                        frames = result.frames
-                        if not isinstance(frames, FrameStream):  # (a backend that cannot stream)
-                            result.frames = frames = FrameStream.of(np.asarray(frames))
-                        reader = self._ends.hand_streamed if request.ephemeral else self._ends.encode_streamed
-                        read_beside(frames, partial(reader, request, result), self._pool,
-                                    before_end=decoded, stop=stop)  # fmt: skip
-                        streamed = True
+                result, streamed = self._run_decode(request, stop, decoded)
         except Exception as exc:  # (a streamed encode stops with FramesLost: the job fails here, once)
             failure = exc
         finally:
-            with self._cv:  # (abort() and stop() set the event under _cv: after this, the outcome is settled)
-                stopped = self._decode_stops.pop(request.job_id)[0].is_set()
-                user_abort = request.job_id in self._inbox
-            # the shutdown's deadline stopped it (not its caller), before its last chunk (else it just ends)
-            deadline = stopped and request.stop_reason is not None and not user_abort
-            parked = deadline and "decode" not in request.stage_seconds
-            cancelled = stopped and (parked or not deadline)
+            parked, cancelled = self._unwatch_decode(request)
             self._release(request)
         if parked and not request.ephemeral:  # as _park_running: queued again, resumed at the next start
             self.store.requeue([request.job_id])
@@ -324,6 +301,48 @@ class Engine(EngineShutdown):
             self._ends.hand_over(request, result)
             return
         self._pool.submit(self._ends.encode_and_save, request, result)
+
+    def _watch_decode(self, request: Request) -> threading.Event:
+        """The stop event of `request`'s decode, registered (abort() and stop() set it under _cv): already set
+        when an abort of it waits in the inbox, or when the engine is stopping hard."""
+        stop = threading.Event()
+        with self._cv:
+            self._decode_stops[request.job_id] = (stop, request)
+            if request.job_id in self._inbox:  # (an abort of it waits there)
+                stop.set()
+            elif self._hard_stop:  # (its last step ended after the stop: it is parked, not decoded)
+                request.stop_reason = SHUTDOWN_REASON
+                stop.set()
+        return stop
+
+    def _run_decode(
+        self, request: Request, stop: threading.Event, decoded: Callable[[], None]
+    ) -> tuple[VideoResult, bool]:
+        """(the backend's decode of `request`, whether its frames were streamed): under model_lock, a streamed
+        decode runs here chunk after chunk, its frames read beside it in the pool until the end or `stop`."""
+        with self.model_lock:
+            stream = not request.ephemeral or request.on_frames is not None
+            result = self.backend.decode(request.prepared, stream=stream)
+            if stream:  # the decode runs here, chunk after chunk
+                frames = result.frames
+                if not isinstance(frames, FrameStream):  # (a backend that cannot stream)
+                    result.frames = frames = FrameStream.of(np.asarray(frames))
+                reader = self._ends.hand_streamed if request.ephemeral else self._ends.encode_streamed
+                read_beside(frames, partial(reader, request, result), self._pool,
+                            before_end=decoded, stop=stop)  # fmt: skip
+        return result, stream
+
+    def _unwatch_decode(self, request: Request) -> tuple[bool, bool]:
+        """Unregister `request`'s decode stop event: (parked, cancelled). Parked: the shutdown's deadline
+        stopped it before its last chunk (it is queued again); cancelled: it stopped for any other reason."""
+        with self._cv:  # (abort() and stop() set the event under _cv: after this, the outcome is settled)
+            stopped = self._decode_stops.pop(request.job_id)[0].is_set()
+            user_abort = request.job_id in self._inbox
+        # the shutdown's deadline stopped it (not its caller), before its last chunk (else it just ends)
+        deadline = stopped and request.stop_reason is not None and not user_abort
+        parked = deadline and "decode" not in request.stage_seconds
+        cancelled = stopped and (parked or not deadline)
+        return parked, cancelled
 
     def _abort(self, job_id: str) -> None:
         request = self._sched.remove(job_id)

@@ -93,27 +93,8 @@ def decode_video(
     frames: collections.deque = collections.deque(maxlen=max_frames if keep == "last" else None)  # av frames
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            # (a stream FFmpeg can demux but has no decoder for, e.g. an SVG, has no codec context)
-            if not container.streams.video or container.streams.video[0].codec_context is None:
-                raise bad
-            if not still_images and is_still_image(container.format.name):
-                raise bad
-            stream = container.streams.video[0]
-            width, height = stream.codec_context.width, stream.codec_context.height
-            _check_frame_size(width, height, 1, param)
-            if (stated := stated_frames(stream, data)) > 0:  # (its whole decoding planned before a frame)
-                kept = min(stated, max_frames)
-                budget.plan(stated if keep == "last" else kept, kept, width, height, param)
-            for frame in container.decode(stream):
-                budget.charge(frame.width, frame.height, param, sampled=False)
-                _check_frame_size(frame.width, frame.height, min(len(frames) + 1, max_frames), param)
-                if frames and (frames[0].height, frames[0].width) != (frame.height, frame.width):
-                    first = frames[0]
-                    raise ParamError(param, f"{param}: the video changes size mid-stream ({first.width}x{first.height} "
-                                     f"-> {frame.width}x{frame.height}); send a clip of one frame size")  # fmt: skip
-                frames.append(frame)
-                if keep == "first" and len(frames) >= max_frames:
-                    break
+            stream = _conditioning_stream(container, bad, still_images)
+            _decode_kept(container, stream, data, frames, max_frames, keep, budget, param)
     except ParamError:
         raise
     except (av.FFmpegError, ValueError, OSError, EOFError, IndexError) as exc:
@@ -122,6 +103,49 @@ def decode_video(
         # A clip truncated after some good frames: keep what decoded, as FFmpeg players do.
     if not frames or frames[0].width == 0 or frames[0].height == 0:
         raise bad
+    return _shown_rgb(frames, budget, param, bad)
+
+
+def _conditioning_stream(container: InputContainer, bad: ParamError, still_images: bool) -> VideoStream:
+    """The container's first video stream; `bad` when it has none FFmpeg can decode, or when it is an image
+    file and `still_images` is off."""
+    # (a stream FFmpeg can demux but has no decoder for, e.g. an SVG, has no codec context)
+    if not container.streams.video or container.streams.video[0].codec_context is None:
+        raise bad
+    if not still_images and is_still_image(container.format.name):
+        raise bad
+    return container.streams.video[0]
+
+
+def _decode_kept(
+    container: InputContainer, stream: VideoStream, data: bytes, frames: collections.deque, max_frames: int,
+    keep: str, budget: DecodeBudget, param: str,
+) -> None:  # fmt: skip
+    """Decode `stream` into `frames` (av frames, as decoded; a deque bounded to `max_frames` for "last"),
+    planned against `budget` from the container's stated count and charged frame by frame; a frame too large
+    or of another size than the first is a ParamError(param). `frames` keeps what decoded when this raises."""
+    width, height = stream.codec_context.width, stream.codec_context.height
+    _check_frame_size(width, height, 1, param)
+    if (stated := stated_frames(stream, data)) > 0:  # (its whole decoding planned before a frame)
+        kept = min(stated, max_frames)
+        budget.plan(stated if keep == "last" else kept, kept, width, height, param)
+    for frame in container.decode(stream):
+        budget.charge(frame.width, frame.height, param, sampled=False)
+        _check_frame_size(frame.width, frame.height, min(len(frames) + 1, max_frames), param)
+        if frames and (frames[0].height, frames[0].width) != (frame.height, frame.width):
+            first = frames[0]
+            raise ParamError(param, f"{param}: the video changes size mid-stream ({first.width}x{first.height} "
+                             f"-> {frame.width}x{frame.height}); send a clip of one frame size")  # fmt: skip
+        frames.append(frame)
+        if keep == "first" and len(frames) >= max_frames:
+            break
+
+
+def _shown_rgb(frames: collections.deque, budget: DecodeBudget, param: str, bad: ParamError) -> np.ndarray:
+    """The kept av `frames` (emptied) -> uint8 RGB (F, H, W, 3) as a player shows them, each conversion
+    charged to `budget`; `bad` for a pixel format FFmpeg cannot convert."""
+    import av
+
     # (a stream's display matrix: one for all its frames)
     orientation = display_orientation(frames[0])
     height, width = orientation.shown_size(frames[0].height, frames[0].width)

@@ -34,6 +34,8 @@ from worldserve.runner.peer_process import INIT_TIMEOUT_S, LEADER, run_peer, ser
 from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes
 
 if TYPE_CHECKING:
+    from multiprocessing.context import SpawnContext
+
     from worldserve.runner.kernel_options import KernelOptions
 
 log = logging.getLogger("worldserve.peers")
@@ -109,34 +111,9 @@ class PeerRanks:
         pipes = StartupPipes(ctx, label, len(devices) - 1, timeout_s)
         procs: list = []
         try:
-            procs += [
-                ctx.Process(target=target, name=f"worldserve-{label}-rank{r}", daemon=True,
-                            args=peer_args(r, pipes.link(r, init_method)))
-                for r in range(1, len(devices))
-            ]  # fmt: skip
-            pipes.spawn(procs)
-            # Peers ignore SIGTERM (run_peer), and multiprocessing's exit hook terminates daemon children
-            # with SIGTERM then joins them without a timeout: a rank 0 leaving any other way than close() /
-            # kill() (Ctrl-C or --init-timeout during the load, an unhandled error) killed them first.
-            atexit.register(_kill_left, procs, os.getpid())
-            _STARTED.append((procs, os.getpid()))
-            if devices[0].type == "cuda":
-                torch.cuda.set_device(devices[0])
-            pipes.wait_for("joining", "before joining the world")
-            backend = "nccl" if devices[0].type == "cuda" else "gloo"
-            try:
-                group = comm.init_world(
-                    backend, init_method, 0, len(devices), timeout_s, JOIN_TIMEOUT_S, store=store
-                )
-            except RuntimeError as exc:  # (the rendezvous timed out: a peer died right after saying joining)
-                pipes.check("while joining the world")
-                raise comm.PeerError(f"{label} ranks could not join the world: {exc}") from exc
-            try:
-                local = load_local()
-            except comm.DistError:  # a collective set-up (new_group) that ran out waiting on a peer that died
-                pipes.check("while loading")
-                raise
-            pipes.wait_for("ready", "while loading")
+            _spawn_peers(procs, ctx, pipes, label, target, peer_args, len(devices), init_method)
+            group = _join_world(pipes, label, devices, init_method, timeout_s, store)
+            local = _load_beside_peers(pipes, load_local)
             self = cls(procs, group, devices[0], label)
             # Every peer's first message now, while each is known to wait for one (NCCL builds rank 0's
             # communicator with a peer on their first exchange, a wait that polls no liveness).
@@ -265,6 +242,54 @@ def _kill_left(procs: Sequence, owner: int) -> None:
                 p.join(5)
         except ValueError:  # (a Process already closed)
             pass
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+def _spawn_peers(
+    procs: list, ctx: SpawnContext, pipes: StartupPipes, label: str, target: Callable,
+    peer_args: Callable[[int, PeerLink], tuple], world_size: int, init_method: str,
+) -> None:  # fmt: skip
+    """Spawn `target(*peer_args(rank, link))` for ranks 1..world_size-1, appended to `procs` (the caller's
+    list: its clean-up kills what is there, this raising or not), and have them SIGKILLed at rank 0's exit."""
+    procs.extend([
+        ctx.Process(target=target, name=f"worldserve-{label}-rank{r}", daemon=True,
+                    args=peer_args(r, pipes.link(r, init_method)))
+        for r in range(1, world_size)
+    ])  # fmt: skip
+    pipes.spawn(procs)
+    # Peers ignore SIGTERM (run_peer), and multiprocessing's exit hook terminates daemon children
+    # with SIGTERM then joins them without a timeout: a rank 0 leaving any other way than close() /
+    # kill() (Ctrl-C or --init-timeout during the load, an unhandled error) killed them first.
+    atexit.register(_kill_left, procs, os.getpid())
+    _STARTED.append((procs, os.getpid()))
+
+
+def _join_world(
+    pipes: StartupPipes, label: str, devices: Sequence[torch.device], init_method: str, timeout_s: float,
+    store: Any,
+) -> ParallelGroup:  # fmt: skip
+    """Join the world as rank 0 once every peer says it is joining (a PeerError when one died instead, or
+    when the rendezvous fails)."""
+    if devices[0].type == "cuda":
+        torch.cuda.set_device(devices[0])
+    pipes.wait_for("joining", "before joining the world")
+    backend = "nccl" if devices[0].type == "cuda" else "gloo"
+    try:
+        return comm.init_world(backend, init_method, 0, len(devices), timeout_s, JOIN_TIMEOUT_S, store=store)
+    except RuntimeError as exc:  # (the rendezvous timed out: a peer died right after saying joining)
+        pipes.check("while joining the world")
+        raise comm.PeerError(f"{label} ranks could not join the world: {exc}") from exc
+
+
+def _load_beside_peers(pipes: StartupPipes, load_local: Callable[[], _Local]) -> _Local:
+    """`load_local()` here while the peers load theirs, then wait for every peer's ("ready",)."""
+    try:
+        local = load_local()
+    except comm.DistError:  # a collective set-up (new_group) that ran out waiting on a peer that died
+        pipes.check("while loading")
+        raise
+    pipes.wait_for("ready", "while loading")
+    return local
 
 
 # ---------------------------------------------------------------------------------------------- step inputs

@@ -238,37 +238,11 @@ class ReasonerSession:
             logprob = batch_logprobs(self._r.token_texts, [self._logits], [token], [self.top_logprobs])[0]
         logprobs = () if logprob is None else (logprob,)
         before = len(self._text) + len(self._tail)
-        if finished:
-            self._ended_by_token = True
-        else:
-            self.token_ids.append(token)
-            if self.grammar is not None:
-                self.grammar.accept(token)
-        # the ending token is detokenized only with include_stop_str_in_output (vLLM's skipped_stop_token_id)
-        self._detokenize(ending=(token,) if finished and self.keep_stop else ())
+        self._take(token, finished)
         view = self._text + self._tail  # all complete characters so far
-        # vLLM searches stop strings only once more than min_tokens tokens are out, and in the step a stop
-        # token ended only the text include_stop_str_in_output adds (none without it)
-        searched = self.completion_tokens > self.min_tokens and (self.keep_stop or not finished)
-        searched = searched and self._stop_search_start(view) is not None
-        cut, matched = self._find_stop(view, before) if searched else (-1, None)
-        if finished or cut >= 0:
-            self.finish_reason = "stop"
-            # vLLM's stop_reason: the matched stop string, the id of a request's stop token or of the model's
-            # end-of-sequence ids besides the tokenizer's eos (<|endoftext|>), None for the tokenizer's eos
-            ended_by_id = token in self.stop_token_ids or token in self._r.reported_stop_ids
-            self.stop_reason = matched if cut >= 0 else token if ended_by_id else None
-        elif len(self.token_ids) >= self.max_tokens:
-            self.finish_reason = "length"
-        if self.finish_reason is None:
-            end = len(view) - (0 if self.keep_stop else max((len(s) - 1 for s in self.stop), default=0))
-            self._logits = None  # until receive()
-            decode = (token, self._seq, self._position)
-        else:
-            end = (cut + len(matched) if self.keep_stop else cut) if matched is not None else len(view)
-            self._logits = None
-            self.close()
-            decode = None
+        cut, matched = self._stop_in(view, before, finished)
+        self._settle_finish(token, finished, cut, matched)
+        end, decode = self._next_decode(token, view, cut, matched)
         delta = view[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
         thoughts = 0  # counted once, at the end, for an answer that thinks (its text opens with <think>)
@@ -284,6 +258,54 @@ class ReasonerSession:
             token_ids=(token,),
         )
         return out, decode
+
+    def _take(self, token: int, finished: bool) -> None:
+        """Count `token` (an ending one only as output; any other joins token_ids and the grammar) and
+        detokenize the text it adds."""
+        if finished:
+            self._ended_by_token = True
+        else:
+            self.token_ids.append(token)
+            if self.grammar is not None:
+                self.grammar.accept(token)
+        # the ending token is detokenized only with include_stop_str_in_output (vLLM's skipped_stop_token_id)
+        self._detokenize(ending=(token,) if finished and self.keep_stop else ())
+
+    def _stop_in(self, view: str, before: int, finished: bool) -> tuple[int, str | None]:
+        """(index, string) of the stop string the text since `before` characters completes in `view`, or
+        (-1, None) when none does or none is searched this step."""
+        # vLLM searches stop strings only once more than min_tokens tokens are out, and in the step a stop
+        # token ended only the text include_stop_str_in_output adds (none without it)
+        searched = self.completion_tokens > self.min_tokens and (self.keep_stop or not finished)
+        searched = searched and self._stop_search_start(view) is not None
+        return self._find_stop(view, before) if searched else (-1, None)
+
+    def _settle_finish(self, token: int, finished: bool, cut: int, matched: str | None) -> None:
+        """finish_reason (and stop_reason) once `token` ended the chat, a stop string matched at `cut`, or
+        max_tokens are out; unchanged (None) otherwise."""
+        if finished or cut >= 0:
+            self.finish_reason = "stop"
+            # vLLM's stop_reason: the matched stop string, the id of a request's stop token or of the model's
+            # end-of-sequence ids besides the tokenizer's eos (<|endoftext|>), None for the tokenizer's eos
+            ended_by_id = token in self.stop_token_ids or token in self._r.reported_stop_ids
+            self.stop_reason = matched if cut >= 0 else token if ended_by_id else None
+        elif len(self.token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+
+    def _next_decode(
+        self, token: int, view: str, cut: int, matched: str | None
+    ) -> tuple[int, tuple[int, Any, int] | None]:
+        """(where the text that may be sent ends in `view`, the decode step to run next): a chat going on holds
+        back a possible stop-string prefix and waits for receive(); a finished one is cut at its stop string
+        (kept with include_stop_str_in_output) and closed."""
+        if self.finish_reason is None:
+            end = len(view) - (0 if self.keep_stop else max((len(s) - 1 for s in self.stop), default=0))
+            self._logits = None  # until receive()
+            return end, (token, self._seq, self._position)
+        end = (cut + len(matched) if self.keep_stop else cut) if matched is not None else len(view)
+        self._logits = None
+        self.close()
+        return end, None
 
     def _detokenize(self, *, ending: Sequence[int] = ()) -> None:
         """vLLM's incremental detokenization: decode [prefix_at, end) and [prefix_at, read_at), the difference
