@@ -15,7 +15,7 @@ Media (api/chat_media.py): image_url and video_url parts accept base64 `data:` U
 --allowed-local-media-path and http(s) URLs, downloaded at once on the media fetcher's own threads before
 the rest is decoded in a worker thread; videos are sampled as Qwen3-VL's processor samples them (2 fps by
 default; per request `media_io_kwargs: {"video": {"fps": F}}`, 0 < F <= 1000, or `{"num_frames": N}`,
-1 <= N <= 768, or both: the fewer frames; `{"image": {"rgba_background_color": [R, G, B]}}`); a bad part is a 400 naming it (`messages[i].content[j].image_url`), before any model work.
+1 <= N <= 768, or both: the fewer frames; `{"image": {"rgba_background_color": [R, G, B]}}`: api/media_io_options.py); a bad part is a 400 naming it (`messages[i].content[j].image_url`), before any model work.
 `mm_processor_kwargs` are
 routed as transformers' processor routes them (a flat key to every modality that takes it): `size`
 {shortest_edge, longest_edge} (pixel budgets, images and videos), `min_pixels` / `max_pixels` (images),
@@ -39,7 +39,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -48,20 +48,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.answer_fields import TokenView, prompt_logprob_rows
 from worldserve.api.bodies import fits_context, openapi_body, read_model
-from worldserve.api.chat_media import (
-    ImageBudget,
-    image_background,
-    media_parts,
-    part,
-    prefetch_media,
-    video_sampling,
-)
+from worldserve.api.chat_media import ImageBudget, media_parts, part, prefetch_media
+from worldserve.api.chat_messages import ContentPart
 from worldserve.api.chat_options import MediaDefaults, pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
 from worldserve.api.chat_stream import TextParsing, close_all, collect, sse, start_all
 from worldserve.api.context_fit import check_output_budget, check_prompt_fits
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body
+from worldserve.api.media_io_options import image_background, video_sampling
 from worldserve.api.state import AppState, State, app_state
 from worldserve.api.structured_fields import grammar_compiler, structured_output
 from worldserve.api.tool_calls import ToolMode, message_calls, tool_constraint, tool_mode
@@ -133,15 +128,7 @@ def build_params(
     if options.tools is not None and options.tools.choice == "auto":  # vLLM's hermes parser: the call tags
         sampling["skip_special_tokens"] = False  # stay in the text even where a tokenizer marks them special
     roles = ["system" if msg.role == "developer" else msg.role for msg in body.messages]
-    # each message's checked tool-call fields, in message order (no media work yet)
-    calls: list[dict[str, Any]] = []
-    for i, (msg, role) in enumerate(zip(body.messages, roles, strict=True)):
-        calls.append({
-            "tool_calls": message_calls(msg.tool_calls, f"messages[{i}]"),
-            "tool_call_id": msg.tool_call_id,
-            # vLLM passes earlier thoughts on for assistant turns only
-            "reasoning": msg.reasoning if role == "assistant" else None,
-        })  # fmt: skip
+    calls = _tool_call_fields(body, roles)
     parts = {(i, j): p for i, msg in enumerate(body.messages) if isinstance(msg.content, list)
              for j, p in enumerate(msg.content)}  # fmt: skip
 
@@ -151,12 +138,44 @@ def build_params(
         return part(parts[at], where, allowed_local_path, options.video, fetched, media_cache, image_budget,
                     options.image_background, video_budget)  # fmt: skip
 
+    loaded = _load_media(parts, load, video_budget)
+    messages = _chat_messages(body, roles, calls, loaded, load)
+    return _chat_params(body, messages, sampling, options, defaults)
+
+
+def _tool_call_fields(body: ChatCompletionRequest, roles: list[str]) -> list[dict[str, Any]]:
+    """Each message's checked tool-call fields, in message order (no media work yet): ChatMessage keywords."""
+    calls: list[dict[str, Any]] = []
+    for i, (msg, role) in enumerate(zip(body.messages, roles, strict=True)):
+        calls.append({
+            "tool_calls": message_calls(msg.tool_calls, f"messages[{i}]"),
+            "tool_call_id": msg.tool_call_id,
+            # vLLM passes earlier thoughts on for assistant turns only
+            "reasoning": msg.reasoning if role == "assistant" else None,
+        })  # fmt: skip
+    return calls
+
+
+def _load_media(
+    parts: Mapping[tuple[int, int], ContentPart], load: Callable[[tuple[int, int]], ChatPart],
+    video_budget: DecodeBudget,
+) -> dict[tuple[int, int], ChatPart]:  # fmt: skip
+    """The image / video parts of `parts` ((message, part) -> content part) loaded with `load`, all at once;
+    the first to fail stops the others' decoding (`video_budget`) and fails the request."""
     media = [at for at, p in parts.items() if p.type != "text"]  # decoded at once (media/work_pool.py)
     try:
-        loaded = dict(zip(media, map_in_order(load, media), strict=True))
+        return dict(zip(media, map_in_order(load, media), strict=True))
     except BaseException:  # the request is answered (a bad part): its other videos stop decoding
         video_budget.stop.set()
         raise
+
+
+def _chat_messages(
+    body: ChatCompletionRequest, roles: list[str], calls: list[dict[str, Any]],
+    loaded: Mapping[tuple[int, int], ChatPart], load: Callable[[tuple[int, int]], ChatPart],
+) -> tuple[ChatMessage, ...]:  # fmt: skip
+    """The request's messages as ChatMessages: their `roles`, tool-call fields (`calls`) and content, media
+    parts from `loaded`, text parts loaded (checked) here with `load`."""
     messages = []
     for i, (msg, role) in enumerate(zip(body.messages, roles, strict=True)):
         if msg.content is None or isinstance(msg.content, str):
@@ -166,9 +185,17 @@ def build_params(
                 loaded[i, j] if (i, j) in loaded else load((i, j)) for j in range(len(msg.content))
             )
             messages.append(ChatMessage(role=role, content=content, **calls[i]))
+    return tuple(messages)
+
+
+def _chat_params(
+    body: ChatCompletionRequest, messages: tuple[ChatMessage, ...], sampling: dict[str, Any],
+    options: RequestOptions, defaults: ChatDefaults,
+) -> ChatParams:  # fmt: skip
+    """The validated ChatParams of the request's `messages`, `sampling` options and checked `options`."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return ChatParams(
-        messages=tuple(messages),
+        messages=messages,
         max_tokens=max_tokens,
         max_tokens_bound=defaults.budget(max_tokens),
         **sampling,

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from worldserve.api.chat_messages import ContentPart, MediaURL
-from worldserve.api.chat_options import pixel_budget
 from worldserve.api.chat_protocol import ChatCompletionRequest
 from worldserve.api.data_urls import data_url_bytes, frame_list_bytes
+from worldserve.api.media_io_options import RGBA_BACKGROUND
 from worldserve.api.media_urls import DownloadBudget, MediaFetcher, is_http_url
-from worldserve.chat_params import MAX_VIDEO_FPS, ChatPart, VideoSampling
+from worldserve.chat_params import ChatPart, VideoSampling
 from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.image import decode_image, image_size, max_pixels
 from worldserve.media.processor_cache import ProcessorCache, content_key
@@ -182,8 +182,6 @@ def check_media_counts(body: ChatCompletionRequest, limits: Mapping[str, int]) -
 
 MAX_ASPECT_RATIO = 200
 """Qwen2-VL / Qwen3-VL `smart_resize` refuses a longer side over 200 times the shorter one."""
-RGBA_BACKGROUND = (255, 255, 255)
-"""What a chat image's transparent pixels show (vLLM's ImageMediaIO default `rgba_background_color`)."""
 
 
 MAX_REQUEST_PIXELS = 3 * max_pixels()
@@ -246,81 +244,6 @@ def check_image(image: np.ndarray, path: str) -> None:
         )  # fmt: skip
 
 
-MEDIA_IO_KINDS = ("image", "video")
-"""The `media_io_kwargs` keys this server reads (vLLM's are per modality; there is no audio here)."""
-
-
-def image_background(media_io_kwargs: dict | None) -> tuple[int, int, int]:
-    """`media_io_kwargs.image.rgba_background_color` (vLLM's ImageMediaIO option: what a transparent pixel
-    shows, [R, G, B] of 0-255), white by default; ParamError naming the field for another value, another
-    `image` key, or a `media_io_kwargs` key that is no modality here (each had been ignored)."""
-    for key in media_io_kwargs or {}:
-        if key not in MEDIA_IO_KINDS:
-            raise ParamError(f"media_io_kwargs.{key}", f"media_io_kwargs takes {' and '.join(MEDIA_IO_KINDS)} "
-                             f"options, not {key!r}")  # fmt: skip
-    image = (media_io_kwargs or {}).get("image")
-    image = {} if image is None else image
-    if not isinstance(image, dict) or set(image) - {"rgba_background_color"}:
-        raise ParamError(
-            "media_io_kwargs.image", 'media_io_kwargs.image takes {"rgba_background_color": [R, G, B]}'
-        )
-    color = image.get("rgba_background_color", RGBA_BACKGROUND)
-    if (not isinstance(color, list | tuple) or len(color) != 3
-            or not all(type(c) is int and 0 <= c <= 255 for c in color)):  # fmt: skip
-        raise ParamError("media_io_kwargs.image.rgba_background_color",
-                         "rgba_background_color must be [R, G, B], three integers from 0 to 255")  # fmt: skip
-    return tuple(color)
-
-
-def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
-    """`media_io_kwargs.video` ({"fps": F}, {"num_frames": N} or both) or fps / num_frames from `mm_processor_kwargs`, and
-    its pixel budget, over Qwen3-VL's defaults (2 fps); ParamError naming the field the values came from when
-    fps is not a number > 0 (above MAX_VIDEO_FPS it is taken as that) or num_frames not an integer in
-    [1, max_frames] (or -1)."""
-    video = (media_io_kwargs or {}).get("video")
-    video = {} if video is None else video
-    if not isinstance(video, dict) or set(video) - {"fps", "num_frames", "max_duration"}:
-        raise ParamError("media_io_kwargs", 'media_io_kwargs.video takes {"fps": F}, {"num_frames": N} or '
-                         'both (and "max_duration", which vLLM\'s default loader takes and does not use)')  # fmt: skip
-    if "max_duration" in video:  # (accepted for clients written against vLLM; nothing to limit here)
-        limit = video["max_duration"]
-        if type(limit) not in (int, float) or not limit > 0:
-            raise ParamError(
-                "media_io_kwargs.video.max_duration", "max_duration must be a number of seconds > 0"
-            )
-        video = {k: v for k, v in video.items() if k != "max_duration"}
-    if video.get("num_frames") == -1:  # vLLM's "decode every frame, let the processor sample": the default
-        video = {k: v for k, v in video.items() if k != "num_frames"}
-    mm_video = mm_video or {}
-    asked = {k: mm_video[k] for k in ("fps", "num_frames") if k in mm_video}
-    if asked and video:
-        raise ParamError("mm_processor_kwargs", "video sampling is set in media_io_kwargs.video: give fps / "
-                         "num_frames there or in mm_processor_kwargs, not both")  # fmt: skip
-    # Qwen3-VL's processor refuses both; vLLM's loader (media_io_kwargs.video) takes both
-    if "fps" in asked and "num_frames" in asked:
-        raise ParamError("mm_processor_kwargs", "mm_processor_kwargs fps and num_frames are mutually exclusive "
-                         "(media_io_kwargs.video takes both: the fewer frames)")  # fmt: skip
-    video = video or asked
-    lo, hi = pixel_budget(mm_video, "videos")
-    pixels = {k: v for k, v in (("min_pixels", lo), ("max_pixels", hi)) if v is not None}
-    param = "mm_processor_kwargs" if asked else "media_io_kwargs"
-    fps, num = video.get("fps"), video.get("num_frames")
-    if num == -1:
-        num = None
-    if (fps is not None and type(fps) not in (int, float)) or (num is not None and type(num) is not int):
-        raise ParamError(param, f"{param} video fps must be a number, num_frames an integer")
-    if fps is not None and fps > MAX_VIDEO_FPS:  # (compared before float(): an int past 1e308 overflows it)
-        fps = MAX_VIDEO_FPS  # a rate at or above the clip's own takes every frame anyway, as vLLM samples
-    try:
-        # checked before float(): an integer fps past 1e308 overflows it
-        VideoSampling(fps=fps, num_frames=num).validate()
-        if num is not None:
-            return VideoSampling(fps=None if fps is None else float(fps), num_frames=num, **pixels).validate()
-        return VideoSampling(fps=2.0 if fps is None else float(fps), **pixels).validate()
-    except ParamError as exc:
-        raise ParamError(param, f"{param}: {exc.message}") from None
-
-
 def part(
     part: ContentPart,
     path: str,
@@ -336,7 +259,6 @@ def part(
     video's decode work counted against `video_budget`, none: no limit; the same bytes, and for a video the
     same sampling, found in `cache` are not decoded again, at no cost; without a cache that keeps anything, no
     key is hashed); errors name `path` (messages[i].content[j])."""
-    keyed = cache is not None and cache.enabled
     if part.type == "text":
         if part.text is None:  # (OpenAI's 400; it had been rendered as empty text)
             raise ParamError(f"{path}.text", f"Missing required parameter: '{path}.text'.")
@@ -349,40 +271,61 @@ def part(
             param=path,
             fetched=fetched,
         )
-        key = content_key(data) if keyed else None
-        if key is not None and background != RGBA_BACKGROUND:  # other pixels from the same bytes: another key
-            key = content_key(key + bytes(background))
-        image = cache.get(("image", key)) if cache is not None and key is not None else None
-        if image_budget is not None:
-            size = image.shape[:2] if image is not None else image_size(data)
-            image_budget.charge(size, path, decoded=image is None)
-        if image is None:
-            image = decode_image(data, param=path, rgba_background=background)
-            check_image(image, path)
-            if cache is not None and key is not None:
-                image.flags.writeable = False  # shared by every request that finds it: a write would raise
-                cache.put(("image", key), image, image.nbytes)
-        return ChatPart(type="image", image=image, media_key=key)
+        return _image_part(data, path, cache, image_budget, background)
     if part.type == "video_url":
         path += ".video_url"
-        url = _url(part.video_url, "video", path)
-        frames = frame_list_bytes(url, param=path)  # vLLM's data:video/jpeg of separate frames, or None
-        data = url.encode() if frames is not None else load_media_url(
-            url, allowed_local_path, "video", param=path, fetched=fetched
-        )  # fmt: skip
-        video_key = ("video", content_key(data), sampling) if keyed else None
-        if cache is not None and video_key is not None and (video := cache.get(video_key)) is not None:
-            return ChatPart(type="video", video=video)
-        try:
-            if frames is not None:
-                video = decode_chat_frames(frames, sampling, param=path, budget=video_budget)
-            else:
-                video = decode_chat_video(data, sampling, param=path, budget=video_budget)
-        except ParamError as exc:
-            if exc.param == path:
-                raise
-            raise ParamError(path, exc.message) from None  # the frame-size check names no part
-        if cache is not None and video_key is not None:
-            cache.put(video_key, video, video.frames.nbytes)
-        return ChatPart(type="video", video=video)
+        return _video_part(_url(part.video_url, "video", path), path, allowed_local_path, sampling, fetched,
+                           cache, video_budget)  # fmt: skip
     raise ParamError(f"{path}.type", f"content parts of type {part.type!r} are not supported")
+
+
+def _image_part(
+    data: bytes, path: str, cache: ProcessorCache | None, budget: ImageBudget | None,
+    background: tuple[int, int, int],
+) -> ChatPart:  # fmt: skip
+    """An image part from its bytes: charged to `budget` by its size, then decoded over `background` and
+    checked, unless `cache` has it (then kept there once decoded); errors name `path` (...image_url)."""
+    keyed = cache is not None and cache.enabled
+    key = content_key(data) if keyed else None
+    if key is not None and background != RGBA_BACKGROUND:  # other pixels from the same bytes: another key
+        key = content_key(key + bytes(background))
+    image = cache.get(("image", key)) if cache is not None and key is not None else None
+    if budget is not None:
+        size = image.shape[:2] if image is not None else image_size(data)
+        budget.charge(size, path, decoded=image is None)
+    if image is None:
+        image = decode_image(data, param=path, rgba_background=background)
+        check_image(image, path)
+        if cache is not None and key is not None:
+            image.flags.writeable = False  # shared by every request that finds it: a write would raise
+            cache.put(("image", key), image, image.nbytes)
+    return ChatPart(type="image", image=image, media_key=key)
+
+
+def _video_part(
+    url: str, path: str, allowed_local_path: str | None, sampling: VideoSampling,
+    fetched: Mapping[str, bytes] | None, cache: ProcessorCache | None, budget: DecodeBudget | None,
+) -> ChatPart:  # fmt: skip
+    """A video part from its URL (vLLM's data:video/jpeg frame list, or a video file's bytes), decoded and
+    sampled as `sampling` says with its work counted against `budget`, unless `cache` has it with that
+    sampling (then kept there once decoded); errors name `path` (...video_url)."""
+    keyed = cache is not None and cache.enabled
+    frames = frame_list_bytes(url, param=path)  # vLLM's data:video/jpeg of separate frames, or None
+    data = url.encode() if frames is not None else load_media_url(
+        url, allowed_local_path, "video", param=path, fetched=fetched
+    )  # fmt: skip
+    video_key = ("video", content_key(data), sampling) if keyed else None
+    if cache is not None and video_key is not None and (video := cache.get(video_key)) is not None:
+        return ChatPart(type="video", video=video)
+    try:
+        if frames is not None:
+            video = decode_chat_frames(frames, sampling, param=path, budget=budget)
+        else:
+            video = decode_chat_video(data, sampling, param=path, budget=budget)
+    except ParamError as exc:
+        if exc.param == path:
+            raise
+        raise ParamError(path, exc.message) from None  # the frame-size check names no part
+    if cache is not None and video_key is not None:
+        cache.put(video_key, video, video.frames.nbytes)
+    return ChatPart(type="video", video=video)

@@ -29,7 +29,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from worldserve.api.answer_fields import TokenView, chunk_usage, logprob_items, make_usage
@@ -290,13 +290,49 @@ async def sse(
     """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
     each choice's text split and parsed as `parsing` says (AnswerStream: reasoning_content, content and
     tool_calls deltas)."""
-    completion, thoughts = [0] * len(streams), [0] * len(streams)
-    parsers = [parsing.stream() for _ in streams]
+    chunks = _ChoiceChunks(
+        request_id=request_id, created=created, model=model, prompt_tokens=prompt_tokens,
+        include_usage=include_usage, continuous_usage=continuous_usage, parsing=parsing, cached=cached,
+        view=view, prompt_ids=prompt_ids, choices=len(streams),
+    )  # fmt: skip
+    async for text in sse_events(streams, chunks.render, chunks.tail, head=chunks.head()):
+        yield text
+
+
+@dataclass(slots=True, kw_only=True)
+class _ChoiceChunks:
+    """The SSE chunks of one streamed chat answer of `choices` choices (sse): each choice's head (its role,
+    then vLLM's echo), its events' chunks as they come and the usage chunk at the end. Not frozen: it keeps
+    each choice's running token counts (the usage) and text parser."""
+
+    request_id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    include_usage: bool
+    continuous_usage: bool
+    parsing: TextParsing
+    cached: int | None
+    view: TokenView
+    prompt_ids: Sequence[int] | None
+    choices: int
+    completion: list[int] = field(init=False)
+    """Each choice's completion tokens so far."""
+    thoughts: list[int] = field(init=False)
+    """Each choice's reasoning tokens so far."""
+    parsers: list[AnswerStream] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completion, self.thoughts = [0] * self.choices, [0] * self.choices
+        self.parsers = [self.parsing.stream() for _ in range(self.choices)]
 
     def chunk(
-        index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Sequence[TokenLogprob] = (),
-        stop: str | int | None = None, ids: Sequence[int] | None = None, head: bool = False,
+        self, index: int, delta: dict[str, Any], finish: str | None = None,
+        logprobs: Sequence[TokenLogprob] = (), stop: str | int | None = None, ids: Sequence[int] | None = None,
+        head: bool = False,
     ) -> str:  # fmt: skip
+        """One choice chunk's SSE text (`head`: the answer's first, which carries the prompt's ids)."""
+        view = self.view
         lp = ChoiceLogprobs(content=logprob_items(logprobs, view)) if logprobs else None
         if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)
             delta = {"reasoning": delta["reasoning_content"], **delta}
@@ -308,43 +344,52 @@ async def sse(
         )
         # vLLM sets completion_tokens_details on a chunk's usage: null without --reasoning-parser, the thought
         # tokens so far with one (not known here before the answer's end: left out then)
-        thoughts = {} if parsing.reasoning else {"completion_tokens_details": None}
-        usage = chunk_usage(prompt_tokens, completion[index], **thoughts) if continuous_usage else None
-        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids or ())} if head and view.ids else {}
-        return ChatCompletionChunk(
-            id=request_id, created=created, model=model, choices=[choice], usage=usage, **prompt
-        ).sse()
+        thoughts = {} if self.parsing.reasoning else {"completion_tokens_details": None}
+        usage = None
+        if self.continuous_usage:
+            usage = chunk_usage(self.prompt_tokens, self.completion[index], **thoughts)
+        prompt: dict[str, Any] = (
+            {"prompt_token_ids": list(self.prompt_ids or ())} if head and view.ids else {}
+        )
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                                   usage=usage, **prompt).sse()  # fmt: skip
 
-    def render(index: int, event: ChatDelta) -> Iterator[str]:
-        completion[index], thoughts[index] = event.completion_tokens, event.reasoning_tokens
+    def head(self) -> list[str]:
+        """Every choice's first chunk (its role; the answer's first also carries the prompt's ids), then
+        each one's echo chunk."""
+        parsing = self.parsing
+        roles = [self.chunk(index, {"role": parsing.role, "content": ""}, head=index == 0)
+                 for index in range(self.choices)]  # fmt: skip
+        if parsing.echo:  # vLLM's chat echo: the continued message right after the role
+            roles += [self.chunk(index, {"content": parsing.echo}) for index in range(self.choices)]
+        return roles
+
+    def render(self, index: int, event: ChatDelta) -> Iterator[str]:
+        """The chunks of choice `index`'s `event`: its parsed deltas, then its final chunk when it ends."""
+        parsing, view, parser = self.parsing, self.view, self.parsers[index]
+        self.completion[index], self.thoughts[index] = event.completion_tokens, event.reasoning_tokens
         finish = event.finish_reason
-        deltas = [d for d in parsers[index].feed(event.text, finish is not None)
+        deltas = [d for d in parser.feed(event.text, finish is not None)
                   if parsing.include_reasoning or "reasoning_content" not in d]  # fmt: skip
         if finish is not None:
-            finish = parsers[index].finish_reason(finish)
+            finish = parser.finish_reason(finish)
         logprobs = () if parsing.hides_tokens else event.logprobs
         if (logprobs or (view.ids and event.token_ids)) and not deltas:
             deltas = [{"content": ""}]
         for i, delta in enumerate(deltas):
-            yield chunk(
+            yield self.chunk(
                 index, delta, logprobs=logprobs if i == 0 else (), ids=event.token_ids if i == 0 else ()
             )
         if finish is not None:
-            yield chunk(index, {}, finish, stop=event.stop_reason)
+            yield self.chunk(index, {}, finish, stop=event.stop_reason)
 
-    def tail() -> Iterator[str]:
-        if include_usage:
+    def tail(self) -> Iterator[str]:
+        """The usage chunk, when the request asked for it (`stream_options.include_usage`)."""
+        if self.include_usage:
             usage = make_usage(
-                prompt_tokens, sum(completion), cached, parsing.reasoning_tokens(sum(thoughts))
-            )
+                self.prompt_tokens, sum(self.completion), self.cached,
+                self.parsing.reasoning_tokens(sum(self.thoughts)),
+            )  # fmt: skip
             yield ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=[], usage=usage
+                id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
             ).sse()
-
-    roles = [
-        chunk(index, {"role": parsing.role, "content": ""}, head=index == 0) for index in range(len(streams))
-    ]
-    if parsing.echo:  # vLLM's chat echo: the continued message right after the role
-        roles += [chunk(index, {"content": parsing.echo}) for index in range(len(streams))]
-    async for text in sse_events(streams, render, tail, head=roles):
-        yield text

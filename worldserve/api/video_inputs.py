@@ -197,24 +197,14 @@ async def build_inputs(
     is abandoned; `lora` (--enable-lora, --lora-path) picks the adapter it runs with (api/lora_field.py)."""
     upload = fields.pop("input_reference", None)
     uploads = fields.pop("input_references", None)
-    try:
-        req = VideoCreateRequest.model_validate(fields)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
-    if req.model is not None and req.model != served_model and req.model not in model_aliases:
-        raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
-                       f"'{served_model}'.", param="model")  # fmt: skip
+    req = _create_request(fields, served_model, model_aliases)
     extra = parse_extra_params(req.extra_params)
     video_params = parse_video_params(req.video_params)
     # vLLM-Omni's JSON check of audio_reference, which Cosmos3 has no use for
     json_object_field(req.audio_reference, "audio_reference")
     refuse_unsupported(req)
     adapter = lora.for_request(req.lora)
-    quality = req.quality or "default"
-    if req.quality is not None and req.quality not in ("high", "lossless"):
-        raise ParamError(
-            "quality", "quality must be one of ['lossless', 'high'] (omit it for the default, crf 18)"
-        )
+    quality = _quality(req)
     # everything that needs no reference is checked before a reference URL is downloaded (a placeholder
     # image stands in for image_reference's: the size it implies is checked again with the real one; an
     # upload, image or video, is here already and is checked once decoded)
@@ -223,6 +213,48 @@ async def build_inputs(
     ref_field = "image_reference" if req.image_reference is not None else "input_reference"
     defaults = defaults or {}
     resolve_video_params(req, video_params, extra, placeholder, None, ref_field, defaults, adapter)
+    source, reference, image, video = await _reference_media(
+        req, upload, uploads, fetcher, extra, decode_pixels
+    )
+    params = resolve_video_params(req, video_params, extra, image, video, source, defaults, adapter)
+    if params.generate_sound is None and defaults.get("generate_sound") is not None and params.num_frames > 1:
+        # the server's sound default: for videos only (an image has none), and "on" only where there is sound
+        params = dataclasses.replace(params, generate_sound=defaults["generate_sound"] and has_sound)
+    spec = _job_spec(req, params, served_model, quality)
+    return VideoInputs(params, spec, _encode_options(extra, quality), reference, req)
+
+
+def _create_request(
+    fields: dict[str, Any], served_model: str, model_aliases: tuple[str, ...]
+) -> VideoCreateRequest:
+    """The fields validated as a create request whose `model`, if given, is the served one or an alias."""
+    try:
+        req = VideoCreateRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    if req.model is not None and req.model != served_model and req.model not in model_aliases:
+        raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
+                       f"'{served_model}'.", param="model")  # fmt: skip
+    return req
+
+
+def _quality(req: VideoCreateRequest) -> str:
+    """The job's quality, a QUALITY_CRF key: "high" or "lossless" as named, else "default"."""
+    quality = req.quality or "default"
+    if req.quality is not None and req.quality not in ("high", "lossless"):
+        raise ParamError(
+            "quality", "quality must be one of ['lossless', 'high'] (omit it for the default, crf 18)"
+        )
+    return quality
+
+
+async def _reference_media(
+    req: VideoCreateRequest, upload: Any, uploads: Any, fetcher: MediaFetcher | None, extra: ExtraParams,
+    decode_pixels: int | None,
+) -> tuple[str, bytes | None, np.ndarray | None, np.ndarray | None]:  # fmt: skip
+    """(the field the reference came in, its bytes, its decoded image, its decoded video) of the request's
+    reference, if any: an `input_references` upload, else an `input_reference` upload or a reference URL
+    (downloaded by `fetcher`); decoded off the event loop within `decode_pixels` of work."""
     reference: bytes | None
     if uploads not in (None, []):  # (an empty string never gets here: the body readers drop them)
         source, reference = "input_references", await references_upload(req, upload, uploads)
@@ -234,19 +266,23 @@ async def build_inputs(
         image, video = await on_request_pool(
             decode_reference_media, source, reference, extra, budget, stop=budget.stop
         )
-    params = resolve_video_params(req, video_params, extra, image, video, source, defaults, adapter)
-    if params.generate_sound is None and defaults.get("generate_sound") is not None and params.num_frames > 1:
-        # the server's sound default: for videos only (an image has none), and "on" only where there is sound
-        params = dataclasses.replace(params, generate_sound=defaults["generate_sound"] and has_sound)
+    return source, reference, image, video
+
+
+def _job_spec(req: VideoCreateRequest, params: VideoParams, served_model: str, quality: str) -> JobSpec:
+    """What the job records and echoes (the served model's name, its size, seconds and quality)."""
     seconds = req.seconds or str(max(1, round(params.num_frames / params.fps)))
-    spec = JobSpec(model=served_model, prompt=params.prompt, size=f"{params.width}x{params.height}",
+    return JobSpec(model=served_model, prompt=params.prompt, size=f"{params.width}x{params.height}",
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,
                    user=req.user)  # fmt: skip
+
+
+def _encode_options(extra: ExtraParams, quality: str) -> EncodeOptions:
+    """The MP4 encoding: the quality's crf and `extra_params.video_codec_options`, checked now."""
     codec = dict(extra.video_codec_options) if extra.video_codec_options else None
     if codec is not None:  # a bad option is a 400 now, not a failed job later
         checked_codec_options(codec, QUALITY_CRF[quality])
-    encode = EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec)
-    return VideoInputs(params, spec, encode, reference, req)
+    return EncodeOptions(crf=QUALITY_CRF[quality], codec_options=codec)
 
 
 def checked_codec_options(codec: Mapping[str, Any], crf: int) -> dict[str, str]:

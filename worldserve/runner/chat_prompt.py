@@ -116,31 +116,7 @@ class ChatPromptBuilder(ChatTokenizer):
     def _build(self, params: ChatParams, add_special_tokens: bool, max_tokens: int | None) -> ChatPrompt:
         if params.prompt_ids is not None:
             return self._raw(list(params.prompt_ids))
-        conversation: list[dict] = []
-        images: list[tuple[np.ndarray, bytes | None]] = []  # (pixels, media_key) of each image part
-        videos: list[ChatVideo] = []
-        for msg in params.messages:
-            extra = {
-                k: v
-                for k, v in (("tool_calls", list(msg.tool_calls)), ("tool_call_id", msg.tool_call_id))
-                if v
-            }
-            if msg.reasoning is not None:  # vLLM's keys for earlier thoughts: the new name and the old one
-                extra |= {"reasoning": msg.reasoning, "reasoning_content": msg.reasoning}
-            if isinstance(msg.content, str):
-                conversation.append({"role": msg.role, "content": msg.content, **extra})
-                continue
-            parts = []
-            for part in msg.content:
-                if part.type == "image":
-                    images.append((_decoded(part.image, "image"), part.media_key))
-                    parts.append({"type": "image"})
-                elif part.type == "video":
-                    videos.append(_decoded(part.video, "video"))
-                    parts.append({"type": "video"})
-                else:
-                    parts.append({"type": "text", "text": part.text})
-            conversation.append({"role": msg.role, "content": parts, **extra})
+        conversation, images, videos = _conversation(params)
         # the request's chat_template_kwargs over its own template arguments, as vLLM lays them
         options = ({"tools": list(params.tools)} if params.tools else {}) | dict(params.chat_template_kwargs)
         text = self._render(
@@ -155,32 +131,11 @@ class ChatPromptBuilder(ChatTokenizer):
             )
         merge = self.vision.merge_size if self.vision is not None else 2
         if images:
-            vision = self._preprocess(images, params)
-            counts = vision.tokens_per_image(merge)
-            pieces = text.split(IMAGE_PAD)
-            if len(pieces) != len(counts) + 1:
-                raise ParamError(
-                    "messages", "the chat template did not render one image placeholder per image"
-                )
-            text = pieces[0] + "".join(
-                IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
-            )
+            text, vision = self._expand_images(text, images, params, merge)
         if videos:
             text, video = self._expand_videos(text, videos)
         ids = self.encode(text, add_special_tokens=add_special_tokens)
-        grids = [] if vision is None else vision.grid_thw.tolist()
-        try:
-            positions, next_pos = chat_positions(
-                ids, self.image_token_id, grids, merge, video_token_id=self.video_token_id,
-                video_grids=[] if video is None else video.grid_thw.tolist(),
-            )  # fmt: skip
-        except (
-            ValueError
-        ) as exc:  # e.g. "<|image_pad|>" typed into the text: more placeholder runs than images
-            raise ParamError(
-                "messages", f"the messages do not match their images / videos ({exc}); text must not contain "
-                f"{IMAGE_PAD} or {VIDEO_PAD}",
-            ) from exc  # fmt: skip
+        positions, next_pos = self._positions(ids, vision, video, merge)
         media = media_digests(
             ids, vision, video, image_token_id=self.image_token_id, video_token_id=self.video_token_id,
             merge_size=merge,
@@ -193,6 +148,36 @@ class ChatPromptBuilder(ChatTokenizer):
             next_position=next_pos,
             media=media,
         )
+
+    def _expand_images(
+        self, text: str, images: list[tuple[np.ndarray, bytes | None]], params: ChatParams, merge: int
+    ) -> tuple[str, VisionInputs]:
+        """Preprocess the image parts and expand each image placeholder of `text` to its merged-patch count."""
+        vision = self._preprocess(images, params)
+        counts = vision.tokens_per_image(merge)
+        pieces = text.split(IMAGE_PAD)
+        if len(pieces) != len(counts) + 1:
+            raise ParamError("messages", "the chat template did not render one image placeholder per image")
+        text = pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
+        return text, vision
+
+    def _positions(
+        self, ids: list[int], vision: VisionInputs | None, video: VisionInputs | None, merge: int
+    ) -> tuple[Tensor, int]:
+        """The Qwen3-VL mRoPE positions of `ids` and the next one; a placeholder run without its image / video
+        is a ParamError."""
+        grids = [] if vision is None else vision.grid_thw.tolist()
+        try:
+            return chat_positions(
+                ids, self.image_token_id, grids, merge, video_token_id=self.video_token_id,
+                video_grids=[] if video is None else video.grid_thw.tolist(),
+            )  # fmt: skip
+        except ValueError as exc:
+            # e.g. "<|image_pad|>" typed into the text: more placeholder runs than images
+            raise ParamError(
+                "messages", f"the messages do not match their images / videos ({exc}); text must not contain "
+                f"{IMAGE_PAD} or {VIDEO_PAD}",
+            ) from exc  # fmt: skip
 
     @staticmethod
     def truncation_size(keep: int, max_model_len: int, max_tokens: int | None) -> int:
@@ -314,6 +299,37 @@ class ChatPromptBuilder(ChatTokenizer):
             digests=tuple(digests),
         )
         return "".join(out), merged
+
+
+def _conversation(
+    params: ChatParams,
+) -> tuple[list[dict], list[tuple[np.ndarray, bytes | None]], list[ChatVideo]]:
+    """The messages as the chat template takes them (image / video parts as bare {"type": ...} parts), with
+    the (pixels, media_key) of each image part and each video part, in prompt order."""
+    conversation: list[dict] = []
+    images: list[tuple[np.ndarray, bytes | None]] = []  # (pixels, media_key) of each image part
+    videos: list[ChatVideo] = []
+    for msg in params.messages:
+        extra = {
+            k: v for k, v in (("tool_calls", list(msg.tool_calls)), ("tool_call_id", msg.tool_call_id)) if v
+        }
+        if msg.reasoning is not None:  # vLLM's keys for earlier thoughts: the new name and the old one
+            extra |= {"reasoning": msg.reasoning, "reasoning_content": msg.reasoning}
+        if isinstance(msg.content, str):
+            conversation.append({"role": msg.role, "content": msg.content, **extra})
+            continue
+        parts = []
+        for part in msg.content:
+            if part.type == "image":
+                images.append((_decoded(part.image, "image"), part.media_key))
+                parts.append({"type": "image"})
+            elif part.type == "video":
+                videos.append(_decoded(part.video, "video"))
+                parts.append({"type": "video"})
+            else:
+                parts.append({"type": "text", "text": part.text})
+        conversation.append({"role": msg.role, "content": parts, **extra})
+    return conversation, images, videos
 
 
 _Media = TypeVar("_Media")
