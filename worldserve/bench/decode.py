@@ -57,13 +57,69 @@ def bench_decode(
 
     With `profile_file`, one default decode runs under torch.profiler.
     """
-    from worldserve.bench.models import build_audio_vae, build_video_vae, param_count
-
     res: dict = {"workload": w.label}
+    # one generator for the video latents, then the audio latents
     g = torch.Generator(device="cpu").manual_seed(1)
     latents = torch.randn(w.latent_shape, generator=g).to(device)  # normalised, as the sampler leaves them
+    video, frames = _bench_video_vae(
+        latents, w, device, dtype, tiny=tiny, repeats=repeats, log=log, profile_file=profile_file
+    )
+    res.update(video)
+    audio = None
+    if w.sound:
+        sound, audio = _bench_audio_vae(g, w, device, dtype, tiny=tiny, repeats=repeats, log=log)
+        res.update(sound)
+    res.update(_time_mux(frames, audio, w))
+    return res
+
+
+def _bench_video_vae(
+    latents: torch.Tensor,
+    w: Workload,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    tiny: bool,
+    repeats: int,
+    log: Callable[[str], None],
+    profile_file: Path | None,
+) -> tuple[dict, np.ndarray]:
+    """The video VAE's timings (decode, uint8 + copy to the host, decode overlapped with the mux, the optional
+    profile) and the decoded frames (F, H, W, 3) uint8. The VAE is dropped and the cache freed before it
+    returns, so the audio phase runs without it."""
+    from worldserve.bench.models import build_video_vae, param_count
+
     vae = build_video_vae(device, dtype, tiny=tiny, compile_decoder=device.type == "cuda")  # product default
-    res["vae_params"] = param_count(vae.model) + (param_count(vae.decoder) if vae.decoder is not None else 0)
+    res: dict = {
+        "vae_params": param_count(vae.model) + (param_count(vae.decoder) if vae.decoder is not None else 0)
+    }
+    pixels = _time_vae_decode(res, vae, latents, w, device, repeats=repeats, log=log)
+    frames = _time_postprocess(res, vae, pixels, device, repeats=repeats)
+    # the decoded clip is not kept through the overlapped decodes
+    pixels = None  # type: ignore[assignment]
+    res.update(overlap_decode_and_mux(vae, latents[0], w, log))
+    if profile_file is not None:
+        from worldserve.bench.variants import profile_step
+
+        log("profiling one VAE decode")
+        res["vae_profile"] = profile_step(lambda: vae.decode_pixels(latents), device, profile_file)
+    vae = None  # type: ignore[assignment]  # drop the decoder before the audio phase
+    free_memory(device)
+    return res, frames
+
+
+def _time_vae_decode(
+    res: dict,
+    vae: VideoVAE,
+    latents: torch.Tensor,
+    w: Workload,
+    device: torch.device,
+    *,
+    repeats: int,
+    log: Callable[[str], None],
+) -> torch.Tensor:
+    """Time `vae.decode_pixels(latents)` (one warm-up) and its peak memory above the memory resident before
+    it, into `res`; returns the last decode's pixels."""
     resident = allocated_gib(device)
     reset_peak(device)
     pixels_box: list[torch.Tensor] = []
@@ -78,6 +134,14 @@ def bench_decode(
     res["vae_peak_above_resident_gib"] = res["vae_peak_gib"] - resident
     pixels = pixels_box[0]
     res["decoded_shape"] = list(pixels.shape)
+    return pixels
+
+
+def _time_postprocess(
+    res: dict, vae: VideoVAE, pixels: torch.Tensor, device: torch.device, *, repeats: int
+) -> np.ndarray:
+    """Time the uint8 conversion and the copy to the host of `pixels` (one warm-up), into `res`; returns the
+    frames (F, H, W, 3) uint8 of the first clip."""
     frames_box: list[np.ndarray] = []
     t_post = time_region(
         lambda: frames_box.__setitem__(slice(None), [vae.pixels_to_uint8(pixels).cpu().numpy()]),
@@ -86,38 +150,44 @@ def bench_decode(
         repeats=repeats,
     )
     res["postprocess_d2h_s"] = t_post.to_dict()
-    frames = frames_box[0][0]
-    pixels = None
-    pixels_box.clear()
-    res.update(overlap_decode_and_mux(vae, latents[0], w, log))
-    if profile_file is not None:
-        from worldserve.bench.variants import profile_step
+    return frames_box[0][0]
 
-        log("profiling one VAE decode")
-        res["vae_profile"] = profile_step(lambda: vae.decode_pixels(latents), device, profile_file)
-    vae = None  # type: ignore[assignment]  # drop the decoder before the audio phase
-    free_memory(device)
 
-    audio = None
-    if w.sound:
-        avae = build_audio_vae(device, dtype, tiny=tiny)
-        res["audio_vae_params"] = param_count(avae.model.decoder)
-        snd = torch.randn((64, w.audio_frames), generator=g).to(device)
-        box: list[np.ndarray] = []
-        log(f"audio decode {w.audio_frames} latent frames")
-        ta = time_region(
-            lambda: box.__setitem__(slice(None), [avae.decode(snd, w.audio_samples)]),
-            device,
-            warmup=1,
-            repeats=max(repeats, 3),
-        )
-        res["audio_decode_s"] = ta.to_dict()
-        audio = box[0]
-        avae = None  # type: ignore[assignment]  # (dropped, as the video VAE)
+def _bench_audio_vae(
+    g: torch.Generator,
+    w: Workload,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    tiny: bool,
+    repeats: int,
+    log: Callable[[str], None],
+) -> tuple[dict, np.ndarray]:
+    """The audio VAE's timing on random latents drawn from `g` (one warm-up, at least 3 repeats) and its
+    decoded waveform; the audio VAE is dropped on return, as the video VAE."""
+    from worldserve.bench.models import build_audio_vae, param_count
 
+    avae = build_audio_vae(device, dtype, tiny=tiny)
+    res: dict = {"audio_vae_params": param_count(avae.model.decoder)}
+    snd = torch.randn((64, w.audio_frames), generator=g).to(device)
+    box: list[np.ndarray] = []
+    log(f"audio decode {w.audio_frames} latent frames")
+    ta = time_region(
+        lambda: box.__setitem__(slice(None), [avae.decode(snd, w.audio_samples)]),
+        device,
+        warmup=1,
+        repeats=max(repeats, 3),
+    )
+    res["audio_decode_s"] = ta.to_dict()
+    return res, box[0]
+
+
+def _time_mux(frames: np.ndarray, audio: np.ndarray | None, w: Workload) -> dict:
+    """Wall time and size of the MP4 mux of the decoded frames, then of a smooth synthetic clip of the same
+    size (x264 compresses random-weight noise far worse than real video), with the same audio."""
     from worldserve.media.video import encode_mp4
 
-    res["mux_encoder"] = "worldserve.media.video.encode_mp4"
+    res: dict = {"mux_encoder": "worldserve.media.video.encode_mp4"}
     for label, clip in (("decoded", frames), ("synthetic", synthetic_clip(w))):
         t0 = time.perf_counter()
         data = encode_mp4(clip, w.fps, audio)

@@ -109,66 +109,94 @@ def summary_rows(results: dict) -> list[tuple[str, str, str, str]]:
     var = results.get("variants", {})
     kernels = results.get("models", {}).get("ours_attention")
     for i, point in enumerate(results.get("points", [])):
-        label, floor = point["workload"], point["roofline_step_s"]
-        is_720 = label.startswith("1280x720x189")
-        runs = [("ours", f"ours ({kernels})" if kernels else "ours", point.get("ours"), is_720)]
-        for mode in ("eager", "compiled"):  # the variant in the other mode (first point only)
-            if i == 0 and "step_s" in var.get(mode, {}):
-                runs.append((f"ours_{mode}", f"ours {mode}", var[mode], False))
-        runs += [
-            ("diffusers", "diffusers (default SDPA)", point.get("diffusers"), False),
-            ("diffusers_cudnn", "diffusers (cuDNN SDPA)", point.get("diffusers_cudnn"), False),
-        ]
+        runs = _point_runs(point, var, kernels, first=i == 0)
         for _, name, r, target in runs:
             if r:
-                rows += _step_rows(label, name, r, floor, target)
-        ours_runs = [(n, r) for k, n, r, _ in runs if k.startswith("ours") and r]
-        for ref_key, ref_name in (("diffusers", "default"), ("diffusers_cudnn", "cuDNN")):
-            ref = point.get(ref_key)
-            for name, r in ours_runs if ref else ():
-                sp = ref["step_s"]["median"] / r["step_s"]["median"]
-                rows.append(
-                    (
-                        f"{label} speed-up {name} vs diffusers ({ref_name})",
-                        f"{sp:.3f}x",
-                        f">= {TARGETS['speedup_vs_diffusers']}x",
-                        "met" if sp >= TARGETS["speedup_vs_diffusers"] else "missed",
-                    )
-                )
+                rows += _step_rows(point["workload"], name, r, point["roofline_step_s"], target)
+        rows += _speedup_rows(point, runs)
     dec = results.get("decode")
     if dec:
-        v = dec["vae_decode_s"]["median"]
-        rows.append(
-            (
-                f"VAE decode {dec['workload']} (s)",
-                _f(v),
-                f"<= {TARGETS['vae_decode_s']}",
-                "met" if v <= TARGETS["vae_decode_s"] else "missed",
-            )
-        )
-        if "audio_decode_s" in dec:
-            rows.append(("audio decode (s)", _f(dec["audio_decode_s"]["median"]), "", ""))
-        rows.append(("uint8 + copy to host (s)", _f(dec["postprocess_d2h_s"]["median"]), "", ""))
-        rows.append(
-            (
-                "mux synthetic / decoded (s)",
-                f"{dec['mux_synthetic_s']:.2f} / {dec['mux_decoded_s']:.2f}",
-                "",
-                "",
-            )
-        )
-        if "decode_mux_overlapped_s" in dec:
-            rows.append(
-                (
-                    "decode + mux, one after the other / overlapped (s)",
-                    f"{dec['decode_mux_sequential_s']:.2f} / {dec['decode_mux_overlapped_s']:.2f}",
-                    "",
-                    "",
-                )
-            )
+        rows += _decode_rows(dec)
     for name, e2e in results.get("e2e_estimate", {}).items():
         rows.append(
             (f"E2E estimate, {name} (s)", f"{e2e['total_s']:.1f}", f"{e2e['steps']} steps + fixed", "")
+        )
+    return rows
+
+
+def _point_runs(
+    point: dict, var: dict, kernels: str | None, *, first: bool
+) -> list[tuple[str, str, dict | None, bool]]:
+    """(key, name, result, judged against the step target) of each step timed at `point`: ours as served,
+    at the `first` point also the variant in the other mode (from `var`, the variants phase's results),
+    then diffusers with its default SDPA and with cuDNN first. Only ours at 720p is judged."""
+    is_720 = point["workload"].startswith("1280x720x189")
+    runs = [("ours", f"ours ({kernels})" if kernels else "ours", point.get("ours"), is_720)]
+    for mode in ("eager", "compiled"):  # the variant in the other mode (first point only)
+        if first and "step_s" in var.get(mode, {}):
+            runs.append((f"ours_{mode}", f"ours {mode}", var[mode], False))
+    runs += [
+        ("diffusers", "diffusers (default SDPA)", point.get("diffusers"), False),
+        ("diffusers_cudnn", "diffusers (cuDNN SDPA)", point.get("diffusers_cudnn"), False),
+    ]
+    return runs
+
+
+def _speedup_rows(
+    point: dict, runs: list[tuple[str, str, dict | None, bool]]
+) -> list[tuple[str, str, str, str]]:
+    """Each of our runs against each diffusers run at `point` (default SDPA first), judged on the target."""
+    label = point["workload"]
+    rows = []
+    ours_runs = [(n, r) for k, n, r, _ in runs if k.startswith("ours") and r]
+    for ref_key, ref_name in (("diffusers", "default"), ("diffusers_cudnn", "cuDNN")):
+        ref = point.get(ref_key)
+        if not ref:
+            continue
+        for name, r in ours_runs:
+            sp = ref["step_s"]["median"] / r["step_s"]["median"]
+            rows.append(
+                (
+                    f"{label} speed-up {name} vs diffusers ({ref_name})",
+                    f"{sp:.3f}x",
+                    f">= {TARGETS['speedup_vs_diffusers']}x",
+                    "met" if sp >= TARGETS["speedup_vs_diffusers"] else "missed",
+                )
+            )
+    return rows
+
+
+def _decode_rows(dec: dict) -> list[tuple[str, str, str, str]]:
+    """The decode phase's rows: the VAE decode (judged), audio decode, uint8 + copy, the mux, and the decode
+    and mux one after the other against overlapped where that was measured."""
+    v = dec["vae_decode_s"]["median"]
+    rows = [
+        (
+            f"VAE decode {dec['workload']} (s)",
+            _f(v),
+            f"<= {TARGETS['vae_decode_s']}",
+            "met" if v <= TARGETS["vae_decode_s"] else "missed",
+        )
+    ]
+    if "audio_decode_s" in dec:
+        rows.append(("audio decode (s)", _f(dec["audio_decode_s"]["median"]), "", ""))
+    rows.append(("uint8 + copy to host (s)", _f(dec["postprocess_d2h_s"]["median"]), "", ""))
+    rows.append(
+        (
+            "mux synthetic / decoded (s)",
+            f"{dec['mux_synthetic_s']:.2f} / {dec['mux_decoded_s']:.2f}",
+            "",
+            "",
+        )
+    )
+    if "decode_mux_overlapped_s" in dec:
+        rows.append(
+            (
+                "decode + mux, one after the other / overlapped (s)",
+                f"{dec['decode_mux_sequential_s']:.2f} / {dec['decode_mux_overlapped_s']:.2f}",
+                "",
+                "",
+            )
         )
     return rows
 
@@ -235,98 +263,120 @@ def write(results: dict, out_dir: Path, stamp: str) -> str:
     return text
 
 
+CFG_BRANCHES = 2
+"""Forwards a step (cond and uncond): scales a per-layer micro-benchmark to a step, with the layer count."""
+
+
 def variant_rows(results: dict, var: dict, point: dict, base: float, n_layers: int) -> list[dict]:
-    rows = []
-    branches = 2
+    """The variants phase's table, one {change, predicted, measured} row a change in a fixed order: `var` is
+    that phase's results, `point` the first point's, `base` our step there (median, s) and `n_layers` the
+    gen layers a forward (the micro-benchmarks time one layer); `results` is not read."""
     ref = point.get("diffusers")
     pre = point["ours"]["prefill_s"]["median"]
-    rows.append(
-        {
-            "change": "text K/V once per branch (diffusers recomputes each forward)",
-            "predicted": PREDICTED["text_kv_cache"],
-            "measured": f"prefill of both prompts {pre * 1e3:.1f} ms = {100 * pre / base:.2f} % of a step",
-        }
-    )
+    rows = [
+        _variant_row(
+            "text K/V once per branch (diffusers recomputes each forward)",
+            "text_kv_cache",
+            f"prefill of both prompts {pre * 1e3:.1f} ms = {100 * pre / base:.2f} % of a step",
+        )
+    ]
     g = var.get("gemm")
     if g:
-        saved = (
-            (
-                (g["qkv_separate"]["ms"] - g["qkv_fused"]["ms"])
-                + (g["gate_up_separate"]["ms"] - g["gate_up_fused"]["ms"])
-            )
-            * n_layers
-            * branches
-            / 1e3
-        )
-        rows.append(
-            {
-                "change": "fused q|k|v and gate|up GEMMs",
-                "predicted": PREDICTED["fused_gemms"],
-                "measured": f"{saved * 1e3:.0f} ms a step = {100 * saved / base:.2f} %",
-            }
-        )
-    a = var.get("attention")
-    if a and "ms" in a.get("ours_token_major", {}) and "ms" in a.get("bhnd_cudnn_forced", {}):
-        d = (a["ours_token_major"]["ms"] - a["bhnd_cudnn_forced"]["ms"]) * n_layers * branches / 1e3
-        rows.append(
-            {
-                "change": "cuDNN SDPA on contiguous [B,H,N,D] vs our strided token-major views",
-                "predicted": PREDICTED["cudnn_bhnd"],
-                "measured": f"{a['ours_token_major']['tflops']:.0f} vs {a['bhnd_cudnn_forced']['tflops']:.0f}"
-                f" TF/s; {d * 1e3:+.0f} ms a step ({100 * d / base:+.2f} %)",
-            }
-        )
-    if a and "ms" in a.get("bhnd_cudnn_b2_per_item", {}) and "ms" in a.get("bhnd_cudnn_forced", {}):
-        d = (a["bhnd_cudnn_forced"]["ms"] - a["bhnd_cudnn_b2_per_item"]["ms"]) * n_layers * branches / 1e3
-        rows.append(
-            {
-                "change": "cuDNN attention over both CFG items at once (B=2) vs one item at a time",
-                "predicted": PREDICTED["attention_b2"],
-                "measured": f"{a['bhnd_cudnn_b2_per_item']['tflops']:.0f} vs {a['bhnd_cudnn_forced']['tflops']:.0f}"
-                f" TF/s; {d * 1e3:+.0f} ms a step saved ({100 * d / base:+.2f} %)",
-            }
-        )
+        rows.append(_fused_gemm_row(g, base, n_layers))
+    rows += _attention_rows(var.get("attention"), base, n_layers)
     s = var.get("cfg_sequential")
     if s:
         rows.append(
-            {
-                "change": "CFG batched in one GenBatch vs two forwards",
-                "predicted": PREDICTED["cfg_batched"],
-                "measured": f"{s['step_s']['median'] / base:.3f}x (sequential {s['step_s']['median']:.3f} s)",
-            }
+            _variant_row(
+                "CFG batched in one GenBatch vs two forwards",
+                "cfg_batched",
+                f"{s['step_s']['median'] / base:.3f}x (sequential {s['step_s']['median']:.3f} s)",
+            )
         )
     compiled, eager = var.get("compiled", {}), var.get("eager", {})
     if "step_s" in compiled or "step_s" in eager:  # ours ran in one mode, the variant in the other
-        c_s = compiled["step_s"]["median"] if "step_s" in compiled else base
-        e_s = eager["step_s"]["median"] if "step_s" in eager else base
-        first = (compiled if "step_s" in compiled else point["ours"])["step_s"]["warmup"]
-        rows.append(
-            {
-                "change": "torch.compile of the gen layer (default mode)",
-                "predicted": PREDICTED["compile"],
-                "measured": f"{e_s / c_s:.3f}x ({e_s:.3f} s eager -> {c_s:.3f} s compiled a step; "
-                f"compile warm-up {first[0]:.0f} s)",
-            }
-        )
+        rows.append(_compile_row(compiled, eager, point, base))
     dcu = point.get("diffusers_cudnn")
     if ref and dcu:
         rows.append(
-            {
-                "change": "diffusers with cuDNN-first SDPA (its default picks FA2 here) vs diffusers default",
-                "predicted": PREDICTED["diffusers_cudnn"],
-                "measured": f"{ref['step_s']['median']:.3f} -> {dcu['step_s']['median']:.3f} s a step; ours "
+            _variant_row(
+                "diffusers with cuDNN-first SDPA (its default picks FA2 here) vs diffusers default",
+                "diffusers_cudnn",
+                f"{ref['step_s']['median']:.3f} -> {dcu['step_s']['median']:.3f} s a step; ours "
                 f"= {point['speedup_vs_diffusers_cudnn']:.3f}x of it",
-            }
+            )
         )
     if ref:
         rows.append(
-            {
-                "change": "ours (all of the above, as served) vs diffusers",
-                "predicted": PREDICTED["overall"],
-                "measured": f"{point['speedup']:.3f}x",
-            }
+            _variant_row(
+                "ours (all of the above, as served) vs diffusers", "overall", f"{point['speedup']:.3f}x"
+            )
         )
     return rows
+
+
+def _variant_row(change: str, predicted: str, measured: str) -> dict:
+    """One row of the variants table; `predicted` is its key in PREDICTED."""
+    return {"change": change, "predicted": PREDICTED[predicted], "measured": measured}
+
+
+def _fused_gemm_row(g: dict, base: float, n_layers: int) -> dict:
+    """What the fused q|k|v and gate|up GEMMs save a step, from the one-layer GEMM micro-benchmark `g`."""
+    saved = (
+        (
+            (g["qkv_separate"]["ms"] - g["qkv_fused"]["ms"])
+            + (g["gate_up_separate"]["ms"] - g["gate_up_fused"]["ms"])
+        )
+        * n_layers
+        * CFG_BRANCHES
+        / 1e3
+    )
+    return _variant_row(
+        "fused q|k|v and gate|up GEMMs",
+        "fused_gemms",
+        f"{saved * 1e3:.0f} ms a step = {100 * saved / base:.2f} %",
+    )
+
+
+def _attention_rows(a: dict | None, base: float, n_layers: int) -> list[dict]:
+    """From the one-layer attention micro-benchmark `a`: cuDNN on contiguous [B,H,N,D] against our strided
+    views, then both CFG items at once against one at a time; each row only where both of its timings ran."""
+    rows = []
+    if a and "ms" in a.get("ours_token_major", {}) and "ms" in a.get("bhnd_cudnn_forced", {}):
+        d = (a["ours_token_major"]["ms"] - a["bhnd_cudnn_forced"]["ms"]) * n_layers * CFG_BRANCHES / 1e3
+        rows.append(
+            _variant_row(
+                "cuDNN SDPA on contiguous [B,H,N,D] vs our strided token-major views",
+                "cudnn_bhnd",
+                f"{a['ours_token_major']['tflops']:.0f} vs {a['bhnd_cudnn_forced']['tflops']:.0f}"
+                f" TF/s; {d * 1e3:+.0f} ms a step ({100 * d / base:+.2f} %)",
+            )
+        )
+    if a and "ms" in a.get("bhnd_cudnn_b2_per_item", {}) and "ms" in a.get("bhnd_cudnn_forced", {}):
+        d = (a["bhnd_cudnn_forced"]["ms"] - a["bhnd_cudnn_b2_per_item"]["ms"]) * n_layers * CFG_BRANCHES / 1e3
+        rows.append(
+            _variant_row(
+                "cuDNN attention over both CFG items at once (B=2) vs one item at a time",
+                "attention_b2",
+                f"{a['bhnd_cudnn_b2_per_item']['tflops']:.0f} vs {a['bhnd_cudnn_forced']['tflops']:.0f}"
+                f" TF/s; {d * 1e3:+.0f} ms a step saved ({100 * d / base:+.2f} %)",
+            )
+        )
+    return rows
+
+
+def _compile_row(compiled: dict, eager: dict, point: dict, base: float) -> dict:
+    """Eager over compiled whichever mode was served (`base` stands for the served one, the variants phase's
+    `compiled` / `eager` for the other) and the compile warm-up (the first compiled step)."""
+    c_s = compiled["step_s"]["median"] if "step_s" in compiled else base
+    e_s = eager["step_s"]["median"] if "step_s" in eager else base
+    first = (compiled if "step_s" in compiled else point["ours"])["step_s"]["warmup"]
+    return _variant_row(
+        "torch.compile of the gen layer (default mode)",
+        "compile",
+        f"{e_s / c_s:.3f}x ({e_s:.3f} s eager -> {c_s:.3f} s compiled a step; "
+        f"compile warm-up {first[0]:.0f} s)",
+    )
 
 
 def run_script(

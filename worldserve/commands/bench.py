@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from worldserve.bench.runner import BenchOptions
+    from worldserve.bench.workload import Workload
 
 DEFAULT_POINTS = "1280x720x189,832x480x121"
 TINY_POINTS = "64x48x9"
@@ -105,66 +106,17 @@ def run(args: argparse.Namespace) -> int:
 def options(args: argparse.Namespace) -> BenchOptions:
     """The BenchOptions of `args`; ParamError (its message naming the flag) for any value the run would trip on
     later (each was a traceback, some after minutes of timing, or a report of NaNs)."""
-    import torch
+    from worldserve.bench.runner import BenchOptions
 
-    from worldserve.bench.runner import PHASES, BenchOptions
-    from worldserve.bench.workload import parse_point
-    from worldserve.commands.cli_inputs import check_writable
-    from worldserve.params import ParamError
-    from worldserve.runner.devices import check_device
-
-    phases = frozenset(x.strip() for x in args.phases.split(",") if x.strip())
-    if bad := phases - set(PHASES):
-        raise ParamError("phases", f"--phases: unknown {sorted(bad)}; choose from {','.join(PHASES)}")
-    if not phases:
-        raise ParamError("phases", f"--phases names no phase; choose from {','.join(PHASES)}")
-    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                               ("--e2e-steps", args.e2e_steps, 1), ("--text-tokens", args.text_tokens, 1),
-                               ("--neg-text-tokens", args.neg_text_tokens, 1)):  # fmt: skip
-        if value < least:
-            raise ParamError(flag, f"{flag} must be >= {least}, got {value}")
-    for flag, value in (("--text-tokens", args.text_tokens), ("--neg-text-tokens", args.neg_text_tokens)):
-        if value > MAX_TEXT_TOKENS:  # (99999999 ran the machine out of memory building the prompt)
-            raise ParamError(flag, f"{flag} must be <= {MAX_TEXT_TOKENS}, got {value}")
-    if not 1 <= args.fps <= MAX_FPS:  # (a request's range; the audio length divides by it)
-        raise ParamError("fps", f"--fps must be in [1, {MAX_FPS}], got {args.fps}")
-    if not args.time_budget > 0:
-        raise ParamError("time_budget", f"--time-budget must be > 0 seconds, got {args.time_budget}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ParamError("device", f"--device {args.device}: worldserve bench needs a CUDA GPU (or --device "
-                         "cpu --tiny for a smoke run)")  # fmt: skip
-    try:
-        check_device(args.device)
-    except ValueError as e:
-        raise ParamError("device", str(e)) from None
-    device = torch.device(args.device)
-    if not args.tiny and device.type != "cuda":
-        raise ParamError("device", f"--device {args.device}: full-size models on the CPU would take hours; "
-                         "use --tiny with --device cpu")  # fmt: skip
+    # checked in this order: with several bad flags, the first one here is the one reported
+    phases = _parse_phases(args.phases)
+    _check_counts(args)
+    device = _check_device(args.device, args.tiny)
     if args.attention_backend == "FLASH_ATTN":
         _check_fa3(device, args.tiny)
-    if "decode" in phases and importlib.util.find_spec("av") is None:
-        # (the decode phase muxes the clip it decoded: without PyAV it failed after the transformer phase's minutes)
-        raise ParamError("phases", "--phases decode muxes an MP4 and needs PyAV (pip install av); "
-                         "leave decode out of --phases to run without it")  # fmt: skip
-    try:
-        points = tuple(
-            parse_point(s, fps=args.fps, sound=not args.no_sound, cond_text=args.text_tokens,
-                        uncond_text=args.neg_text_tokens)
-            for s in (args.points or (TINY_POINTS if args.tiny else DEFAULT_POINTS)).split(",")
-            if s.strip()
-        )  # fmt: skip
-    except ValueError as e:
-        raise ParamError("points", f"--points: {e}") from None
-    if not points:
-        raise ParamError("points", "--points names no WIDTHxHEIGHTxFRAMES point")
-    check_writable(args.out_dir, "out_dir", "--out-dir", folder=True)
-    try:  # made now: a folder that cannot be (under /proc, a full disk) failed with a traceback after the run
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ParamError(
-            "out_dir", f"--out-dir {args.out_dir}: cannot create it ({e.strerror or e})"
-        ) from None
+    _check_pyav(phases)
+    points = _parse_points(args)
+    _make_out_dir(args.out_dir)
     return BenchOptions(
         points=points,
         steps=args.steps,
@@ -181,6 +133,100 @@ def options(args: argparse.Namespace) -> BenchOptions:
         attention_backend=args.attention_backend,
         compile=not args.enforce_eager,
     )
+
+
+def _parse_phases(value: str) -> frozenset[str]:
+    """--phases as a set of known phase names (at least one)."""
+    from worldserve.bench.runner import PHASES
+    from worldserve.params import ParamError
+
+    phases = frozenset(x.strip() for x in value.split(",") if x.strip())
+    if bad := phases - set(PHASES):
+        raise ParamError("phases", f"--phases: unknown {sorted(bad)}; choose from {','.join(PHASES)}")
+    if not phases:
+        raise ParamError("phases", f"--phases names no phase; choose from {','.join(PHASES)}")
+    return phases
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """The step and token counts, --fps and --time-budget within the ranges the run can use."""
+    from worldserve.params import ParamError
+
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                               ("--e2e-steps", args.e2e_steps, 1), ("--text-tokens", args.text_tokens, 1),
+                               ("--neg-text-tokens", args.neg_text_tokens, 1)):  # fmt: skip
+        if value < least:
+            raise ParamError(flag, f"{flag} must be >= {least}, got {value}")
+    for flag, value in (("--text-tokens", args.text_tokens), ("--neg-text-tokens", args.neg_text_tokens)):
+        if value > MAX_TEXT_TOKENS:  # (99999999 ran the machine out of memory building the prompt)
+            raise ParamError(flag, f"{flag} must be <= {MAX_TEXT_TOKENS}, got {value}")
+    if not 1 <= args.fps <= MAX_FPS:  # (a request's range; the audio length divides by it)
+        raise ParamError("fps", f"--fps must be in [1, {MAX_FPS}], got {args.fps}")
+    if not args.time_budget > 0:
+        raise ParamError("time_budget", f"--time-budget must be > 0 seconds, got {args.time_budget}")
+
+
+def _check_device(name: str, tiny: bool) -> torch.device:
+    """--device as a torch.device that exists here and can run the models (full size: a CUDA GPU only)."""
+    import torch
+
+    from worldserve.params import ParamError
+    from worldserve.runner.devices import check_device
+
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ParamError("device", f"--device {name}: worldserve bench needs a CUDA GPU (or --device "
+                         "cpu --tiny for a smoke run)")  # fmt: skip
+    try:
+        check_device(name)
+    except ValueError as e:
+        raise ParamError("device", str(e)) from None
+    device = torch.device(name)
+    if not tiny and device.type != "cuda":
+        raise ParamError("device", f"--device {name}: full-size models on the CPU would take hours; "
+                         "use --tiny with --device cpu")  # fmt: skip
+    return device
+
+
+def _check_pyav(phases: frozenset[str]) -> None:
+    """PyAV importable where the decode phase runs."""
+    from worldserve.params import ParamError
+
+    if "decode" in phases and importlib.util.find_spec("av") is None:
+        # (the decode phase muxes the clip it decoded: without PyAV it failed after the transformer phase's minutes)
+        raise ParamError("phases", "--phases decode muxes an MP4 and needs PyAV (pip install av); "
+                         "leave decode out of --phases to run without it")  # fmt: skip
+
+
+def _parse_points(args: argparse.Namespace) -> tuple[Workload, ...]:
+    """--points (or the default points, --tiny's without it) as Workloads with the run's fps, sound and
+    prompt lengths; at least one."""
+    from worldserve.bench.workload import parse_point
+    from worldserve.params import ParamError
+
+    try:
+        points = tuple(
+            parse_point(s, fps=args.fps, sound=not args.no_sound, cond_text=args.text_tokens,
+                        uncond_text=args.neg_text_tokens)
+            for s in (args.points or (TINY_POINTS if args.tiny else DEFAULT_POINTS)).split(",")
+            if s.strip()
+        )  # fmt: skip
+    except ValueError as e:
+        raise ParamError("points", f"--points: {e}") from None
+    if not points:
+        raise ParamError("points", "--points names no WIDTHxHEIGHTxFRAMES point")
+    return points
+
+
+def _make_out_dir(out_dir: Path) -> None:
+    """--out-dir writable, and made now."""
+    from worldserve.commands.cli_inputs import check_writable
+    from worldserve.params import ParamError
+
+    check_writable(out_dir, "out_dir", "--out-dir", folder=True)
+    try:  # made now: a folder that cannot be (under /proc, a full disk) failed with a traceback after the run
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ParamError("out_dir", f"--out-dir {out_dir}: cannot create it ({e.strerror or e})") from None
 
 
 def _check_fa3(device: torch.device, tiny: bool) -> None:
