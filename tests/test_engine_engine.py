@@ -242,6 +242,31 @@ def test_queue_bound_and_shutdown_intake(tmp_path):
     assert sum(j.status is JobStatus.QUEUED for j in store.list()[0]) == 3
 
 
+def test_retry_after_follows_the_first_job_s_decode(tmp_path):
+    """Before any job has ended, a job past its last step (decoding: no longer among the running) still sets
+    the full queue's Retry-After (as long again as its decode has run; it said 1 s)."""
+    gate = threading.Event()
+    backend = FakeBackend(chunk_gate=gate)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_queued_requests=2)
+        await client.start()
+        try:
+            first = submit_job(client, job_params(steps=2, frames=17))
+            await asyncio.to_thread(wait_until, lambda: client.jobs.store.get(first.id).progress == 99)
+            submit_job(client, job_params())  # (both wait: the engine thread is in the held decode)
+            submit_job(client, job_params())
+            await asyncio.sleep(2.5)
+            with pytest.raises(QueueFullError) as full:
+                submit_job(client, job_params())
+            assert full.value.retry_after_s >= 2, full.value.retry_after_s
+        finally:
+            gate.set()
+            await client.shutdown(5)
+
+    run(main())
+
+
 def test_restart_resumes_unfinished_jobs(tmp_path):
     import io
 

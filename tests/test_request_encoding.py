@@ -104,3 +104,22 @@ async def test_another_encoding_is_a_415_and_bad_data_a_400_naming_the_header(tm
         r = await http.post("/v1/images/generations", content=image,
                             headers={**JSON, "Content-Encoding": "identity"})  # fmt: skip
         assert r.status_code == 200, r.text
+
+
+async def test_a_cut_gzip_body_is_a_400_and_a_list_of_codings_is_read(tmp_path):
+    """A gzip body cut before its end (a form's last field, a member without its CRC trailer) had run a job with
+    the cut prompt: now a 400 as a cut deflate body; RFC 9110's list of codings, `gzip, identity`, is read
+    (it was a 415); two stacked codings are a 415."""
+    form = b"size=64x48&num_frames=5&num_inference_steps=2&prompt=a+red+cat+and+then+NOT+TRUNCATED+END"
+    packed = gzip.compress(form)
+    async with asgi_server(tmp_path) as http:
+        for cut in (8, 16, 24, len(packed) - 1):
+            r = await http.post("/v1/videos", content=packed[:-cut], headers={
+                "Content-Type": "application/x-www-form-urlencoded", "Content-Encoding": "gzip"})  # fmt: skip
+            assert r.status_code == 400 and r.json()["error"]["param"] == "Content-Encoding", (cut, r.text)
+        r = await http.post("/v1/videos", content=packed, headers={
+            "Content-Type": "application/x-www-form-urlencoded", "Content-Encoding": "gzip, identity"})  # fmt: skip
+        assert r.status_code == 200 and r.json()["prompt"] == "a red cat and then NOT TRUNCATED END", r.text
+        r = await http.post("/v1/videos", content=gzip.compress(packed), headers={
+            "Content-Type": "application/x-www-form-urlencoded", "Content-Encoding": "gzip, gzip"})  # fmt: skip
+        assert r.status_code == 415, r.text

@@ -9,8 +9,8 @@ one byte), so a small body that inflates to gigabytes (a compression bomb) is re
 under that name. The body's first bytes are tried as zlib (a gzip header is read too) and, when they are no
 such header, read again as raw deflate (wbits -15): urllib3's and curl's fallback (aiohttp switches on the
 first byte's compression-method nibble; a raw stream's first byte would need non-zero padding bits to pass
-for a zlib header). The bytes held until that is judged are the header's two. A deflate body that stops
-inside its stream is refused, as aiohttp refuses it. A gzip body of several members (files gzipped one after
+for a zlib header). The bytes held until that is judged are the header's two. A body that stops inside its
+stream is refused, as aiohttp refuses a deflate one and Python's gzip and curl a gzip one. A gzip body of several members (files gzipped one after
 another and joined, which `gzip -c a b` writes) is decoded whole, as Python's gzip, curl and browsers decode it
 (zlib stops at the first member's end). Another encoding (br, zstd, ...) is an
 UnsupportedEncoding; data that does not inflate is a zlib.error.
@@ -41,8 +41,10 @@ class BodyDecoder:
         """gzip: a member ended with bytes after it starts the next member."""
         self._head: bytearray | None = bytearray() if raw_fallback else None
         """The body's first bytes, kept until its format is judged (None: judged, or no fallback)."""
-        self._must_end = raw_fallback
-        """deflate: a body that stops inside its stream is refused (aiohttp's check at the end, for deflate)."""
+        self._must_end = True
+        """A body that stops inside its stream is refused (aiohttp's check at the end, for deflate; Python's
+        gzip, curl and browsers refuse a gzip body cut before its trailer: a cut form had run a job with the
+        cut prompt)."""
         self._received = False
 
     def decode(self, chunk: bytes, limit: int) -> bytes:
@@ -66,10 +68,11 @@ class BodyDecoder:
 
     def finish(self, limit: int) -> bytes:
         """What is left once the body has ended: a body shorter than a zlib header is judged now; zlib.error
-        for a deflate body cut short (bytes received, its stream not ended: a one-byte body is one)."""
+        for a body cut short (bytes received, its stream not ended: a one-byte body is one; a gzip member
+        without its CRC / length trailer too)."""
         rest = self._judge(limit) if self._head else b""
         if self._must_end and self._received and not self._inflater.eof:
-            raise zlib.error("the deflate stream ends before its last block")
+            raise zlib.error("the compressed stream ends before its end")
         return rest
 
     def _judge(self, limit: int) -> bytes:
@@ -85,10 +88,11 @@ class BodyDecoder:
 
 def body_decoder(encoding: str | None) -> BodyDecoder | None:
     """The decoder of a body sent with this `Content-Encoding`, None for one sent as it is (none, or
-    `identity`); UnsupportedEncoding for one not decoded here."""
-    name = (encoding or "").strip().lower()
-    if name in ("", "identity"):
+    `identity`); a list of codings (RFC 9110 §8.4: "gzip, identity") is one coding and any `identity`s;
+    UnsupportedEncoding for another coding, or for two stacked (not decoded here)."""
+    names = [n for n in ((encoding or "").lower().replace(" ", "").split(",")) if n not in ("", "identity")]
+    if not names:
         return None
-    if name in ("gzip", "x-gzip", "deflate"):
-        return BodyDecoder(raw_fallback=name == "deflate", gzip=name != "deflate")
+    if len(names) == 1 and names[0] in ("gzip", "x-gzip", "deflate"):
+        return BodyDecoder(raw_fallback=names[0] == "deflate", gzip=names[0] != "deflate")
     raise UnsupportedEncoding(encoding)

@@ -147,14 +147,15 @@ class Engine(EngineShutdown):
     def estimated_slot_wait_s(self) -> float:
         """Rough seconds until a queue slot frees: mean service time / batch size; before any job has ended,
         when the first running one will end at its own pace so far (its time since admission over the share of
-        its steps done: a 429 during the server's first long job had said 1 s), else 1 s."""
+        its steps done, or as long again as its decode has run: a 429 during the server's first long job had said
+        1 s), else 1 s."""
         ewma = self._ends.service_ewma_s
         if ewma is not None:
             return ewma / self.config.max_batch_size
         now = time.monotonic()
-        # (a snapshot: the engine thread changes the list; a request's fields are plain reads)
-        paces = [(now - r.admitted_time) * (r.num_steps - r.steps_done) / r.steps_done
-                 for r in list(self._sched.running) if r.admitted_time is not None and r.steps_done > 0]  # fmt: skip
+        with self._cv:  # (the decodes' table changes under _cv; the running list is copied whole)
+            requests = [*self._sched.running, *(request for _, request in self._decode_stops.values())]
+        paces = [left for r in requests if (left := r.seconds_left(now)) is not None]
         return min(paces, default=1.0)
 
     # -- the loop (engine thread) -----------------------------------------------------------------------
@@ -267,7 +268,7 @@ class Engine(EngineShutdown):
         """Decode a finished request. A job's frames stream to its MP4 encode (in the pool) chunk by chunk
         while the decode runs; an ephemeral request (an image) gets the whole result. An abort that came
         during its last step skips the decode; one that comes during it stops it at the next chunk."""
-        t0 = time.monotonic()
+        request.decode_started = t0 = time.monotonic()
 
         def decoded() -> None:
             request.stage_seconds["decode"] = time.monotonic() - t0

@@ -45,6 +45,8 @@ class Request:
     an admitted one runs within the grace."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Engine-measured stage wall times: prepare, diffuse (sum of its steps), decode, encode."""
+    decode_started: float | None = None
+    """Monotonic clock when its decode started (None before)."""
     on_result: Callable[[VideoResult | BaseException], None] | None = None
     """Set for an ephemeral request (POST /v1/images/generations, /v1/realtime/video): no job in the store,
     no MP4; the decoded result, or the exception that ended it, goes here (from the engine thread or, after
@@ -99,6 +101,18 @@ class Request:
     @property
     def denoised(self) -> bool:
         return self.state is not None and self.state.step_index >= self.state.num_steps
+
+    def seconds_left(self, now: float) -> float | None:
+        """Rough seconds until it ends at its own pace so far (a full queue's Retry-After before any job has
+        ended): decoding, as long again as its decode has run; denoising, its time since admission over the
+        share of its steps done; None before its first step. Other threads call it: `state` is read once (the
+        engine thread may release it meanwhile)."""
+        if self.decode_started is not None:
+            return now - self.decode_started
+        state, admitted = self.state, self.admitted_time
+        if state is None or admitted is None or state.step_index <= 0:
+            return None
+        return (now - admitted) * max(0, state.num_steps - state.step_index) / state.step_index
 
     @property
     def progress(self) -> int:
