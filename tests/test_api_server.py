@@ -207,6 +207,36 @@ def test_openai_sdk_nested_extra_body_and_input_reference_objects(tmp_path, capl
     assert "The following fields were present in the request but ignored: {'bogus'}" in caplog.text
 
 
+def test_openai_failed_job_status_lets_the_sdk_poll_a_failed_job(tmp_path):
+    """vLLM-Omni answers a failed job's GET with its failure code, so the SDK's create_and_poll raises (after
+    retrying a 5xx); `--openai-failed-job-status` answers it 200 as OpenAI does: the SDK returns the failed
+    Video with its error. The flag reaches the app through serve's settings."""
+    openai = pytest.importorskip("openai")
+    from worldserve.cli import build_parser
+    from worldserve.commands.serve import app_settings, engine_config
+
+    argv = ["serve", "--openai-failed-job-status"]
+    assert app_settings(engine_config(build_parser(argv).parse_args(argv))).failed_jobs_ok
+    argv = ["serve"]
+    assert not app_settings(engine_config(build_parser(argv).parse_args(argv))).failed_jobs_ok
+    small = {"num_frames": 5, "num_inference_steps": 2, "fps": 8}
+    for failed_ok in (False, True):
+        with uvicorn_thread(tmp_path / str(failed_ok), app_kw={"failed_jobs_ok": failed_ok}) as (url, _):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+            body = {
+                "prompt": "__fail__:denoise",
+                "size": "64x48",
+                "poll_interval_ms": 20,
+                "extra_body": small,
+            }
+            if not failed_ok:
+                with pytest.raises(openai.InternalServerError):
+                    client.videos.create_and_poll(**body)
+                continue
+            video = client.videos.create_and_poll(**body)
+            assert video.status == "failed" and "injected failure" in video.error.message, video
+
+
 def test_openai_sdk_retrieves_each_served_model(tmp_path):
     """OpenAI's GET /v1/models/{model} (the SDK's models.retrieve, which some frameworks call to check a model;
     vLLM serves only the list): each served name's card, a name with a slash too, else vLLM's 404."""

@@ -88,6 +88,8 @@ class VideoApiConfig:
     """Seconds /v1/videos/sync waits before 504 (the job goes on); default: $VLLM_OMNI_VIDEO_SYNC_TIMEOUT or 600."""
     job_ttl: float | None = None
     """Delete finished jobs and their files this many seconds after completion; default: $VLLM_OMNI_SERVER_STORAGE__FILE_TTL, else keep forever."""
+    openai_failed_job_status: bool = False
+    """GET /v1/videos/{id} answers a failed job with 200 and its `status: "failed"` and `error`, as OpenAI does (the openai SDK's videos.retrieve / poll / create_and_poll then return it instead of raising); default: the failure's own status code, as vLLM-Omni answers it."""
     job_sweep_interval: float | None = field(default=None, metadata={"no_flag": True})
     """Seconds between two expiry sweeps (resolve: $VLLM_OMNI_SERVER_STORAGE__TTL_SWEEP_INTERVAL; None: half the
     TTL, at most a minute)."""

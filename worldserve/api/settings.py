@@ -52,6 +52,8 @@ class AppSettings:
     video_defaults: Mapping[str, Any] = field(default_factory=dict)
     """The values of the fields video requests omit (VideoApiConfig.video_defaults: --default-sampling-params,
     --flow-shift; VideoParams field names); absent: Cosmos3's defaults."""
+    failed_jobs_ok: bool = False
+    """`--openai-failed-job-status`: a failed job's GET answers 200, as OpenAI's (else its failure code)."""
     lora: LoraSettings = LoraSettings()
     """`--enable-lora` and `--lora-path` / `--lora-scale`: the adapter video and image requests run with."""
     allowed_media_domains: tuple[str, ...] = ()

@@ -7,7 +7,8 @@ job object. Sync = the same job, awaited up to the sync timeout: 200 video/mp4 w
 a client that disconnects first never got the job id, so its job is deleted and its GPU work aborted
 (serving-api.md §14; vLLM-Omni keeps running it).
 DELETE removes the job and its files and aborts its GPU work at the next step boundary. A failed job's GET
-answers with the failure's status code (vLLM-Omni quirk). Content supports HTTP Range (Starlette).
+answers with the failure's status code (vLLM-Omni quirk; 200 with --openai-failed-job-status, as OpenAI's).
+Content supports HTTP Range (Starlette).
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ async def _submit(request: Request, st: AppState) -> tuple[Job, VideoInputs]:
     return job, inputs
 
 
-def _job_response(job: Job) -> JSONResponse:
+def _job_response(job: Job, failed_ok: bool = False) -> JSONResponse:
+    """The job object; a failed one with its failure's status code (vLLM-Omni's), or 200 with `failed_ok`
+    (--openai-failed-job-status: OpenAI's)."""
     body = VideoObject.from_job(job).model_dump(mode="json")
-    if job.status is JobStatus.FAILED:
+    if job.status is JobStatus.FAILED and not failed_ok:
         code = job.error_code
         return JSONResponse(body, status_code=code if code is not None and 400 <= code < 600 else 500)
     headers = {} if job.status.terminal else {"openai-poll-after-ms": POLL_AFTER_MS}
@@ -181,11 +184,12 @@ async def list_videos(
 
 @router.get("/v1/videos/{video_id}", response_model=VideoObject, responses=ERRORS)
 async def retrieve_video(video_id: str, st: State) -> JSONResponse:
-    """Job status, progress (per denoising step) and metadata; a failed job answers with its error code."""
+    """Job status, progress (per denoising step) and metadata; a failed job answers with its error code
+    (with --openai-failed-job-status: 200, as OpenAI's)."""
     job = st.client.get(video_id)
     if job is None:
         raise APIError(404, NOT_FOUND, param="video_id")
-    return _job_response(job)
+    return _job_response(job, st.settings.failed_jobs_ok)
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)

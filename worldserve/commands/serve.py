@@ -331,6 +331,7 @@ def app_settings(config: EngineConfig) -> AppSettings:
         allowed_methods=server.allowed_methods, allowed_headers=server.allowed_headers,
         allow_credentials=server.allow_credentials, request_id_headers=server.enable_request_id_headers,
         default_flow_shift=video.flow_shift, video_defaults=video.video_defaults,
+        failed_jobs_ok=video.openai_failed_job_status,
         lora=LoraSettings(config.lora.enable_lora, config.lora.static_lora),
         reasoning_parser=chat.reasoning_parser,
         prompt_tokens_details=chat.enable_prompt_tokens_details, response_role=chat.response_role,

@@ -31,7 +31,13 @@ SECTIONS = ("model", "reasoner", "parallel", "scheduler", "video", "lora", "medi
 """EngineConfig's sections whose fields are options here (not `server`: the HTTP server's, which no
 offline Engine runs)."""
 
-SERVER_ONLY_VIDEO_FIELDS = ("storage_dir", "sync_timeout", "job_ttl", "job_sweep_interval")
+SERVER_ONLY_VIDEO_FIELDS = (
+    "storage_dir",
+    "sync_timeout",
+    "job_ttl",
+    "job_sweep_interval",
+    "openai_failed_job_status",
+)
 """VideoApiConfig fields about the HTTP server's job store and sync route: nothing here stores jobs."""
 
 
