@@ -262,7 +262,12 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
          "text.format.schema"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+        # two constraints: the message names text.format, not the chat's response_format
+        ({"input": "hi", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
+         "structured_outputs.regex"),
         ({"input": "hi", "reasoning": {"effort": "bogus"}}, "reasoning"),
+        # the chat's field here was dropped unsaid (free text where JSON was asked)
+        ({"input": "hi", "response_format": {"type": "json_object"}}, "response_format"),
         # a function_call item's own field, the second of two calls that make one assistant turn
         ({"input": [{"role": "user", "content": "hi"},
                     {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
@@ -275,6 +280,7 @@ def test_bad_requests_name_the_responses_field(reasoner_url, body, param):
     r = httpx.post(reasoner_url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+    assert "response_format" not in r.json()["error"]["message"] or param == "response_format", r.text
     # vLLM's typed name on its own routes, but its request validation's reason phrase for a request the
     # model's types or validators refuse
     message = r.json()["error"]["message"]
@@ -436,14 +442,26 @@ def test_item_references_name_stored_output_items(reasoner_oai, reasoner_url):
     for bare in ({"id": call.id}, {"type": None, "id": call.id}):  # the SDK's ItemReference: type optional
         same = reasoner_oai.responses.create(input=[turn[0], bare, turn[2]], **kw)
         assert same.output_text == full.output_text and same.usage.input_tokens == full.usage.input_tokens
+    # an input item by the id input_items listed (it was a 404: only output items were found), or its own
+    asked = next(i for i in reasoner_oai.responses.input_items.list(full.id).data if i.type == "message")
+    mine = reasoner_oai.responses.create(input=[{**turn[0], "id": "msg_mine", "type": "message"}, call.model_dump(),
+                                                turn[2]], **kw)  # fmt: skip
+    for item_id in (asked.id, "msg_mine"):
+        by_id = reasoner_oai.responses.create(
+            input=[{"type": "item_reference", "id": item_id}, call.model_dump(), turn[2]], **kw
+        )
+        assert by_id.output_text == full.output_text and by_id.usage.input_tokens == full.usage.input_tokens
+    assert mine.output_text == full.output_text
     r = httpx.post(
         reasoner_url + "/v1/responses",
         json={"model": MODEL, "input": [{"role": "system", "content": "Be brief."}]},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text  # nothing to answer
-    reasoner_oai.responses.delete(first.id)
+    # an item of a deleted response is gone (the call above lives on in the inputs of the later responses)
+    other = reasoner_oai.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    reasoner_oai.responses.delete(other.id)
     r = httpx.post(reasoner_url + "/v1/responses",
-                   json={"model": MODEL, "input": [{"type": "item_reference", "id": call.id}]})  # fmt: skip
+                   json={"model": MODEL, "input": [{"type": "item_reference", "id": other.output[0].id}]})  # fmt: skip
     assert r.status_code == 404 and r.json()["error"]["param"] == "input[0].id"
 
 

@@ -101,15 +101,19 @@ class ChatPaths:
         return renamed.get(head, head) + ("." + rest if rest else "")
 
     def rename(self, exc: _Named) -> _Named:
-        """`exc` (APIError or ParamError) naming the Responses field, its message too."""
+        """`exc` (APIError or ParamError) naming the Responses field, its message too (the chat's
+        response_format, named beside another field, as text.format)."""
         old = exc.param
         new = self.field(old)
+        message = exc.message.replace("response_format", "text.format")
         if old and new is not None and new != old:  # (a field is named again: never None)
             exc.param = new
             whole = " the instructions and input" if "instructions" in self.messages else " the input"
-            exc.message = exc.message.replace(" the messages", whole).replace(old, new)
+            message = message.replace(" the messages", whole).replace(old, new)
+        if message != exc.message:
+            exc.message = message
             if isinstance(exc, APIError):
-                exc.args = (exc.message,)
+                exc.args = (message,)
         return exc
 
 

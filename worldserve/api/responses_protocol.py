@@ -100,6 +100,9 @@ def to_chat(
         raise APIError(400, "background responses are not supported", param="background")
     if req.prompt is not None:  # (vLLM's request validator)
         raise InvalidRequest("prompt", "prompt template is not supported")
+    if req.response_format is not None:  # (it was dropped unsaid: a client porting a chat got free text)
+        raise APIError(400, "response_format is the chat completions field: the Responses API takes text.format",
+                       param="response_format")  # fmt: skip
     for value in req.include or ():
         if value not in INCLUDES:
             raise APIError(400, f"include value {value!r} is not supported (supported: {', '.join(INCLUDES)})",

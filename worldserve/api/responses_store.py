@@ -5,8 +5,9 @@ here the oldest are dropped past `--responses-store-mb` (default 256 MiB). A res
 
 Each entry holds the conversation as the chat messages the response answered (its instructions left out, as
 OpenAI does not carry them over) plus its output as assistant turns, and the response object itself. Its
-output items are found by their ids too (`item`): clients that replay a conversation each turn may name an
-earlier output (a function_call, a message) by an `item_reference` instead of sending it again.
+output and input items are found by their ids too (`item`): clients that replay a conversation each turn may
+name an earlier item (a function_call, a message; an input item by the id `input_items` listed, or its own)
+by an `item_reference` instead of sending it again.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ class ResponseStore:
 
     def __init__(self, max_bytes: int = 256 * 2**20) -> None:
         self.max_bytes = max_bytes
-        # id -> (the conversation's JSON, the response's JSON, its output items' ids, its input items' JSON)
+        # id -> (the conversation's JSON, the response's JSON, its output and input items' ids, its input items'
+        # JSON)
         self._entries: OrderedDict[str, tuple[bytes, bytes, list[str], bytes]] = OrderedDict()
-        self._items: dict[str, str] = {}  # output item id -> the stored response that holds it
+        self._items: dict[str, str] = {}  # output or input item id -> the stored response that holds it
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -48,7 +50,7 @@ class ResponseStore:
         history = json.dumps([*messages, *output_messages(response["output"])]).encode()
         body = json.dumps(response).encode()
         listed = json.dumps(inputs or []).encode()
-        items = [o["id"] for o in response["output"] if "id" in o]
+        items = [o["id"] for o in [*response["output"], *(inputs or ())] if "id" in o]
         with self._lock:
             self._drop(response["id"], self._entries.pop(response["id"], None))
             self._entries[response["id"]] = (history, body, items, listed)
@@ -73,12 +75,13 @@ class ResponseStore:
         return None if entry is None else json.loads(entry[3])
 
     def item(self, item_id: str) -> dict[str, Any] | None:
-        """A stored response's output item by its id, or None."""
+        """A stored response's output item by its id, else one of its input items (as listed), or None."""
         with self._lock:
             entry = self._entries.get(self._items.get(item_id, ""))
         if entry is None:
             return None
-        return next((o for o in json.loads(entry[1])["output"] if o.get("id") == item_id), None)
+        items = [*json.loads(entry[1])["output"], *json.loads(entry[3])]
+        return next((o for o in items if o.get("id") == item_id), None)
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
