@@ -183,7 +183,7 @@ def _add_server_routes(app: FastAPI, client: EngineClient, load: ServerLoad) -> 
 
     async def ping() -> Response:
         """vLLM's /ping (SageMaker-style probes): an empty 200 while healthy, else /health's 503."""
-        ok, reason = client.health()
+        ok, _ = client.health()
         return Response(status_code=200) if ok else await health()
 
     app.add_api_route("/ping", ping, methods=["GET"], tags=["server"], operation_id="ping_get")
