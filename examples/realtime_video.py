@@ -28,6 +28,7 @@ import os
 import time
 
 from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,5 +91,14 @@ async def stream_video(args: argparse.Namespace) -> None:
     raise SystemExit("the server closed the socket before session.done")
 
 
+def main() -> None:
+    try:
+        asyncio.run(stream_video(parse_args()))
+    except InvalidStatus as exc:  # the HTTP answer to the upgrade (401 without the server's API key)
+        status = exc.response.status_code
+        hint = ": pass --api-key (or set $OPENAI_API_KEY)" if status == 401 else ""
+        raise SystemExit(f"the server refused the WebSocket with HTTP {status}{hint}") from None
+
+
 if __name__ == "__main__":
-    asyncio.run(stream_video(parse_args()))
+    main()

@@ -93,6 +93,21 @@ def test_openai_chat_client_streams_an_answer_about_an_image(server_url, tmp_pat
     assert "16 completion tokens" in done.stderr, done.stderr
 
 
+def test_realtime_video_says_a_refused_key_in_one_line(tmp_path):
+    """A keyed server's 401 to the WebSocket upgrade: one line naming --api-key (it was a traceback)."""
+    from serving_helpers import uvicorn_thread
+
+    with uvicorn_thread(tmp_path, api_key="k") as (url, _):
+        done = subprocess.run([sys.executable, str(EXAMPLES / "realtime_video.py"), "--base-url", url],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"})  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        done.stderr.strip() == "the server refused the WebSocket with HTTP 401: pass --api-key (or set "
+        "$OPENAI_API_KEY)"
+    ), done.stderr
+
+
 def test_realtime_video_writes_the_streamed_fragmented_mp4(server_url, tmp_path):
     done = run_example("realtime_video.py", "--base-url", server_url, "--output", "rt.mp4", cwd=tmp_path)
     parts = re.search(r"done: (\d+) parts", done.stdout)

@@ -130,10 +130,14 @@ def api_key() -> str | None:
     return None
 
 
+def cache_home() -> str | None:
+    """XDG_CACHE_HOME as set (None: unset or empty)."""
+    return os.environ.get("XDG_CACHE_HOME") or None
+
+
 def cache_dir() -> Path:
     """The user cache folder: `$XDG_CACHE_HOME/worldserve`, else `~/.cache/worldserve`."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "worldserve"
+    return Path(cache_home() or str(Path.home() / ".cache")) / "worldserve"
 
 
 def hf_hub_offline() -> bool:
@@ -190,3 +194,9 @@ ATTENTION_BACKEND_VAR = "DIFFUSION_ATTENTION_BACKEND"
 def attention_backend() -> str | None:
     """vLLM-Omni's `DIFFUSION_ATTENTION_BACKEND` (FLASH_ATTN, TORCH_SDPA, CUDNN_ATTN); None: auto."""
     return os.environ.get(ATTENTION_BACKEND_VAR) or None
+
+
+def bench_commit() -> str | None:
+    """WORLDSERVE_COMMIT: the commit a `worldserve bench` report names, for a tree copied without its git
+    history (the GPU machine gets a `git archive`); None: read it from git."""
+    return os.environ.get("WORLDSERVE_COMMIT") or None

@@ -64,10 +64,11 @@ def environment(device: torch.device) -> dict:
 def _commit() -> str | None:
     """The code's git commit: $WORLDSERVE_COMMIT (set it where the tree travels without .git, as to the GPU
     machine), else `git rev-parse` with "+dirty" for uncommitted changes, else None."""
-    import os
     import subprocess
 
-    if commit := os.environ.get("WORLDSERVE_COMMIT"):
+    from worldserve import envs
+
+    if commit := envs.bench_commit():
         return commit
     root = Path(__file__).resolve().parents[2]
     try:

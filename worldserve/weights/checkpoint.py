@@ -141,7 +141,7 @@ def default_tiny_checkpoint() -> Path:
 
 def _unusable_cache(exc: OSError) -> CheckpointError:
     """The one-line error of a cache folder the embedded tiny checkpoint cannot be written to."""
-    base = os.environ.get("XDG_CACHE_HOME")
+    base = envs.cache_home()
     where = f"{envs.cache_dir()} (XDG_CACHE_HOME={base})" if base else str(envs.cache_dir())
     return CheckpointError(f"the cache folder {where} cannot hold the embedded tiny checkpoint: "
                            f"{exc.strerror or exc}; set XDG_CACHE_HOME to a writable folder (the cache is "
