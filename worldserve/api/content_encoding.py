@@ -41,11 +41,10 @@ class BodyDecoder:
         """gzip: a member ended with bytes after it starts the next member."""
         self._head: bytearray | None = bytearray() if raw_fallback else None
         """The body's first bytes, kept until its format is judged (None: judged, or no fallback)."""
-        self._must_end = True
-        """A body that stops inside its stream is refused (aiohttp's check at the end, for deflate; Python's
-        gzip, curl and browsers refuse a gzip body cut before its trailer: a cut form had run a job with the
-        cut prompt)."""
         self._received = False
+        """Bytes came: a body that then stops inside its stream is refused at `finish` (aiohttp's check at the
+        end, for deflate; Python's gzip, curl and browsers refuse a gzip body cut before its trailer: a cut
+        form had run a job with the cut prompt)."""
 
     def decode(self, chunk: bytes, limit: int) -> bytes:
         """The next decompressed bytes, at most `limit` (>= 1) of them; zlib.error for data that does not
@@ -71,7 +70,7 @@ class BodyDecoder:
         for a body cut short (bytes received, its stream not ended: a one-byte body is one; a gzip member
         without its CRC / length trailer too)."""
         rest = self._judge(limit) if self._head else b""
-        if self._must_end and self._received and not self._inflater.eof:
+        if self._received and not self._inflater.eof:
             raise zlib.error("the compressed stream ends before its end")
         return rest
 
