@@ -95,7 +95,7 @@ def _inflated(decoder: BodyDecoder, request: Request, chunk: bytes | None, limit
     """`chunk` inflated (None: what is left once the body has ended), at most `limit` bytes; a 400 when the body
     is not the compressed data its Content-Encoding says."""
     try:
-        return decoder.decode(chunk, limit) if chunk is not None else decoder.finish(limit)
+        return decoder.take(chunk, limit)
     except zlib.error:
         encoding = request.headers.get("content-encoding", "")
         raise APIError(400, f"Invalid request body: it is not the {encoding.strip().lower()} data its "

@@ -46,6 +46,10 @@ class BodyDecoder:
         end, for deflate; Python's gzip, curl and browsers refuse a gzip body cut before its trailer: a cut
         form had run a job with the cut prompt)."""
 
+    def take(self, chunk: bytes | None, limit: int) -> bytes:
+        """`decode(chunk)`, or with None (the body has ended) `finish()`: how a reader feeds it."""
+        return self.decode(chunk, limit) if chunk is not None else self.finish(limit)
+
     def decode(self, chunk: bytes, limit: int) -> bytes:
         """The next decompressed bytes, at most `limit` (>= 1) of them; zlib.error for data that does not
         inflate."""

@@ -280,7 +280,7 @@ def _decoded(decoder: BodyDecoder, chunk: bytes | None, limit: int, what: str) -
     `limit` bytes of it (`limit` reached: the caller's budget refuses it, so a small body that inflates to
     gigabytes is never held); _Failed when it is not the compressed data its Content-Encoding says."""
     try:
-        return decoder.decode(chunk, limit) if chunk is not None else decoder.finish(limit)
+        return decoder.take(chunk, limit)
     except zlib.error:
         raise _Failed(
             f"Invalid {what}: its body is not the compressed data its Content-Encoding says."
