@@ -154,7 +154,7 @@ async def test_response_format_file_answers_the_image_or_a_zip_of_them(tmp_path)
 
 async def test_openai_defaults_n_null_and_size_auto_are_the_route_defaults(tmp_path):
     """OpenAI's `n: null` is one image and `size: "auto"` the model's default size (1024x1024)."""
-    from worldserve.api.images import ImageGenerationRequest, build_params
+    from worldserve.api.images_protocol import ImageGenerationRequest, build_params
 
     [p] = build_params(ImageGenerationRequest(prompt="x", n=None, size="auto"))
     assert (p.width, p.height) == (1024, 1024)
@@ -208,7 +208,7 @@ async def test_n_above_the_queue_is_a_400_and_extra_params_win(tmp_path):
     async with asgi_server(tmp_path, max_queued_requests=2) as http:
         r = await http.post("/v1/images/generations", json={"prompt": "x", "n": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    from worldserve.api.images import ImageGenerationRequest, build_params
+    from worldserve.api.images_protocol import ImageGenerationRequest, build_params
 
     req = ImageGenerationRequest(
         prompt="x", num_inference_steps=7, seed=1, extra_params={"num_inference_steps": 9}

@@ -12,7 +12,7 @@ from PIL import Image
 from serving_helpers import asgi_server, mp4_bytes, png_bytes
 
 from worldserve.api.errors import APIError
-from worldserve.api.images import ImageGenerationRequest, build_params
+from worldserve.api.images_protocol import ImageGenerationRequest, build_params
 from worldserve.api.video_inputs import build_inputs
 from worldserve.media import video_input
 from worldserve.media.image import ImageTooLarge

@@ -152,8 +152,8 @@ def test_a_still_takes_the_images_routes_defaults_and_a_video_the_videos():
     """`generate --num-frames 1` with no --size / --steps / --guidance / --flow-shift / --guidance-interval
     makes the image /v1/images/generations makes (it took the video defaults: 35 steps, guidance 6 at every
     step, the 720p tier's shift 10); flags given win; a video keeps the video defaults."""
-    from worldserve.api.images import ImageGenerationRequest
-    from worldserve.api.images import build_params as image_params
+    from worldserve.api.images_protocol import ImageGenerationRequest
+    from worldserve.api.images_protocol import build_params as image_params
     from worldserve.cli import build_parser
     from worldserve.commands.generate_params import build_params
 

@@ -66,7 +66,7 @@ def test_defaults_and_seeds_are_the_image_routes():
     """With only a prompt, n and a seed, the n requests are the route's build_params' for the same request
     (1024x1024, 50 steps, guidance 7.0 in [400, 1000], flow shift 3.0 or the engine's flow_shift, no sound,
     seeds wrapping at int64 as choice_seed does); without a seed, a random one, the others following it."""
-    from worldserve.api.images import ImageGenerationRequest, build_params
+    from worldserve.api.images_protocol import ImageGenerationRequest, build_params
     from worldserve.offline.image_requests import image_params
     from worldserve.params import IMAGE_DEFAULTS, INT64
 

@@ -276,7 +276,7 @@ def test_flow_shift_out_of_range_is_refused(value):
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_flow_shift_is_the_default_of_requests_without_one(anyio_backend):
     """Video and image requests that send no flow_shift get --flow-shift; their own value wins."""
-    from worldserve.api.images import ImageGenerationRequest, build_params
+    from worldserve.api.images_protocol import ImageGenerationRequest, build_params
     from worldserve.api.video_inputs import build_inputs
 
     fields = {"prompt": "x", "size": "64x48", "num_frames": "5"}
