@@ -571,6 +571,9 @@ def test_logprobs_cover_every_token_and_output_items_round_trip(reasoner_oai, re
         assert long.status_code == 400 and long.json()["error"]["param"] == "input", (
             long.text
         )  # its last item
+    wordy = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={  # the instructions take the room
+        "instructions": "hello " * 6000, "input": "hi", "truncation": "auto", "max_output_tokens": 4})  # fmt: skip
+    assert wordy.status_code == 400 and wordy.json()["error"]["param"] == "instructions", wordy.text
     pictured = httpx.post(reasoner_url + "/v1/responses", timeout=60, json={
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello " * 6000},
                                                {"type": "input_image", "image_url": _png()}]}],

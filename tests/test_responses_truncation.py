@@ -58,3 +58,20 @@ def test_no_room_or_media_leave_it_whole_and_the_whole_ones_errors_stand():
     tools_only, paths = _chat(("assistant", "a" * 40), ("tool", "t"))
     with pytest.raises(ParamError, match="No user query"):  # the whole conversation's own error
         fit_by_items(tools_only, paths, 10, _count)
+
+
+def test_instructions_that_leave_no_room_are_named_not_the_input():
+    chat, paths = _chat(("system", "s" * 60), ("user", "a" * 40), ("user", "q" * 10))
+    paths.messages[0] = "instructions"
+    with pytest.raises(APIError) as err:  # the instructions alone (60) take more than the room (40)
+        fit_by_items(chat, paths, 40, _count)
+    assert err.value.param == "instructions" and "shorten the instructions" in err.value.message
+    with pytest.raises(
+        APIError
+    ) as err:  # the question is too long with them (70), not they alone: the input's
+        fit_by_items(chat, paths, 65, _count)
+    assert err.value.param == "input"
+    paths.messages[0] = "input[0]"  # a leading system item of the input
+    with pytest.raises(APIError) as err:
+        fit_by_items(chat, paths, 40, _count)
+    assert err.value.param == "input[0]"

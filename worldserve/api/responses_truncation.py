@@ -6,15 +6,16 @@ items after it are its tool calls and their outputs).
 `fit_by_items` finds the fewest leading messages to drop, cutting at user turns (a conversation kept from a
 user message on is one every template takes), by bisection over those cuts (each try renders the chat
 template and counts its tokens; fewer messages render fewer tokens), drops them from the chat request
-and from the ChatPaths that name each message's field, and refuses (400 naming `input`) a conversation whose
-last item alone is still too long. A conversation with images or videos is left whole: their token counts
-need their preprocessing, and the context check answers a 400 if it is too long.
+and from the ChatPaths that name each message's field, and refuses a conversation whose last item is still
+too long (400 naming `input`, or `instructions` when they alone leave no room). A conversation
+with images or videos is left whole: their token counts need their preprocessing, and the context check
+answers a 400 if it is too long.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from worldserve.api.chat import RequestOptions, build_params
 from worldserve.api.chat_media import media_parts
@@ -63,15 +64,42 @@ def fit_by_items(
     if not users:  # (no user message at all: any leading item may go, the last kept)
         cuts = list(range(1, most + 1))
     if not cuts or not fits(cuts[-1]):
-        raise APIError(400, f"The input does not fit the context with max_output_tokens' room ({room} tokens for "
-                       "the prompt), even with truncation 'auto' dropping every input item before the last "
-                       "user message (or the last item): shorten the input or lower max_output_tokens.",
-                       param="input")  # fmt: skip
+        _refuse(chat, paths, first, room, count)
     lo, hi = -1, len(cuts) - 1  # fits(cuts[hi]); cuts[lo] (no cut at -1) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(cuts[mid]) else (mid, hi)
     return _dropped(chat, first, cuts[hi]), _paths_dropped(paths, first, cuts[hi])
+
+
+def _refuse(
+    chat: ChatCompletionRequest,
+    paths: ChatPaths,
+    first: int,
+    room: int,
+    count: Callable[[ChatCompletionRequest], int | None],
+) -> NoReturn:
+    """The 400 for a conversation that does not fit with every item that may go dropped: naming the `first`
+    leading system / developer messages' field (`instructions`) when they alone, before an empty question,
+    leave the prompt no room (and the empty question has room without them), else `input`."""
+    param, what = "input", "The input does not fit"
+    if first > 0:
+        question = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": ""}]}
+        ).messages
+        try:
+            bare = count(chat.model_copy(update={"messages": question}))
+            alone = count(chat.model_copy(update={"messages": chat.messages[:first] + question}))
+        except ParamError:  # (a template that refuses that: the input's to answer)
+            bare = alone = 0
+        # (the template's own tokens past the room: max_output_tokens', named as the input's)
+        if bare is not None and bare <= room and (alone is None or alone > room):
+            leading = paths.messages[:first]
+            param = "instructions" if "instructions" in leading else (leading[0] if leading else "input")
+            what = f"The {param} alone do not fit"
+    raise APIError(400, f"{what} the context with max_output_tokens' room ({room} tokens for the prompt), even "
+                   "with truncation 'auto' dropping every input item before the last user message (or the last "
+                   f"item): shorten the {param} or lower max_output_tokens.", param=param)  # fmt: skip
 
 
 def prompt_tokens(
