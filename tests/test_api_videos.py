@@ -123,6 +123,10 @@ async def test_seconds_width_height_and_extra_params(tmp_path):
                                                 "fps": "10", "extra_params": '{"generate_sound": false}'})  # fmt: skip
         job = r.json()
         assert (job["num_frames"], job["size"], job["seconds"]) == (21, "32x32", "2")
+        r = await http.post("/v1/videos", data={"prompt": "x", "size": "32x32", "seconds": "3", "fps": "8",
+                                                "num_frames": "17"})  # fmt: skip
+        # num_frames wins over seconds: the echo is the video's length (17 frames at 8 fps), not the 3 asked
+        assert (r.json()["num_frames"], r.json()["seconds"]) == (17, "2"), r.text
         r = await http.post("/v1/videos", data={"prompt": "x", "extra_params": "[1]"})
         assert (
             r.status_code == 400

@@ -131,7 +131,7 @@ def _take_frames(
     if fps > MAX_FPS:  # (bounded before seconds x fps: 1e308 would overflow)
         raise ParamError(origin.get("fps", "fps"), f"fps={shown(fps)} must be a number in [1, {MAX_FPS}]")
     if "num_frames" not in kw and req.seconds is not None:
-        kw["num_frames"], origin["num_frames"] = _frames_from_seconds(req.seconds, fps), "seconds"
+        kw["num_frames"], origin["num_frames"] = frames_from_seconds(req.seconds, fps), "seconds"
     if "num_frames" in defaults:
         kw.setdefault("num_frames", defaults["num_frames"])
 
@@ -182,7 +182,7 @@ def _parse_size(size: str) -> tuple[int, int]:
     return int(sides[0]), int(sides[1])
 
 
-def _frames_from_seconds(seconds: str, fps: float) -> int:
+def frames_from_seconds(seconds: str, fps: float) -> int:
     """num_frames for `seconds` (digits, no leading zero: the request model checked) at `fps` (at most
     MAX_FPS), rounded to the nearest 4k+1; past MAX_SECONDS a 400 before any conversion, and a 400 when it
     rounds to one frame (a still image without sound, which a duration does not ask for)."""

@@ -16,6 +16,7 @@ engine but `validate`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections import Counter
@@ -45,7 +46,7 @@ from worldserve.api.json_form_fields import json_object_field
 from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import MediaFetcher
 from worldserve.api.protocol import ExtraParams, VideoCreateRequest, VideoParamsObject
-from worldserve.api.video_fields import resolve_video_params
+from worldserve.api.video_fields import frames_from_seconds, resolve_video_params
 from worldserve.api.video_references import decode_reference_media, reference_bytes, references_upload
 from worldserve.engine.client import EncodeOptions, JobSpec
 from worldserve.media.decode_budget import DEFAULT_MAX_PIXELS, DecodeBudget
@@ -270,8 +271,14 @@ async def _reference_media(
 
 
 def _job_spec(req: VideoCreateRequest, params: VideoParams, served_model: str, quality: str) -> JobSpec:
-    """What the job records and echoes (the served model's name, its size, seconds and quality)."""
-    seconds = req.seconds or str(max(1, round(params.num_frames / params.fps)))
+    """What the job records and echoes (the served model's name, its size, seconds and quality): the
+    request's `seconds` where they are the frames run, else the frames' length (num_frames won over them)."""
+    seconds = str(max(1, round(params.num_frames / params.fps)))
+    if req.seconds is not None:
+        with contextlib.suppress(ParamError):  # (seconds that give no video: num_frames won over them)
+            seconds = (
+                req.seconds if frames_from_seconds(req.seconds, params.fps) == params.num_frames else seconds
+            )
     return JobSpec(model=served_model, prompt=params.prompt, size=f"{params.width}x{params.height}",
                    seconds=seconds, quality=quality, fps=params.fps, num_frames=params.num_frames,
                    user=req.user)  # fmt: skip
