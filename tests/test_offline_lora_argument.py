@@ -127,3 +127,21 @@ def test_an_engine_without_enable_lora_refuses_a_requests_adapter_in_its_own_wor
     for refused in (video.value, image.value):
         assert refused.param == "lora"
         assert "off on this Engine: build it with enable_lora=True" in str(refused), refused
+
+
+def test_numpy_scales_are_numbers_and_a_wrong_type_is_named():
+    """A numpy scalar scale (as every other numeric field takes) is a Python float, in a dict or a LoraRequest;
+    a string in a LoraRequest is refused as a wrong type, not as "not finite, got 1"."""
+    import numpy as np
+
+    from worldserve import ParamError
+    from worldserve.api.lora_field import parse_lora
+    from worldserve.params import LoraRequest
+
+    for scale in (np.float32(0.5), np.int64(1), np.float64(0.25)):
+        for lora in (parse_lora({"name": "x", "path": "/a", "scale": scale}), LoraRequest("x", "/a", scale)):
+            assert type(lora.validate().scale) is float and lora.scale == float(scale)
+    with pytest.raises(ParamError, match="lora scale must be a number, got str"):
+        LoraRequest("x", "/a", "1").validate()  # type: ignore[arg-type]
+    with pytest.raises(ParamError, match="must be a finite number, got nan"):
+        LoraRequest("x", "/a", np.float32("nan")).validate()

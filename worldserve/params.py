@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from worldserve.param_errors import ParamError, shown
-from worldserve.param_types import check_bool, check_int, check_real, check_real_pair, check_str, is_int
+from worldserve.param_types import (
+    check_bool,
+    check_int,
+    check_real,
+    check_real_pair,
+    check_str,
+    is_int,
+    is_real,
+)
 from worldserve.resolution_tiers import (
     FLOW_SHIFT_RANGE,
     IMAGE_MAX_AREA,
@@ -90,15 +98,17 @@ class LoraRequest:
     path: str
     scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        if is_real(self.scale) and type(self.scale) not in (int, float):  # a numpy scalar: a Python float
+            object.__setattr__(self, "scale", float(self.scale))
+
     def validate(self) -> LoraRequest:
-        """ParamError naming `lora` unless the name and path are non-empty strings and the scale finite."""
+        """ParamError naming `lora` unless the name and path are non-empty strings and the scale a finite
+        number."""
         if not all(isinstance(v, str) and v for v in (self.name, self.path)):
             raise ParamError("lora", "Invalid lora object: both name and path are required.")
-        if (
-            isinstance(self.scale, bool)
-            or not isinstance(self.scale, (int, float))
-            or not math.isfinite(self.scale)
-        ):
+        check_real("lora", "lora scale", self.scale)
+        if not math.isfinite(self.scale):
             raise ParamError("lora", f"lora scale must be a finite number, got {shown(self.scale)}")
         return self
 

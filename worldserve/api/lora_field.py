@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worldserve.param_types import is_real
 from worldserve.params import URL_SCHEME, LoraRequest, ParamError, VideoParams, shown
 
 NAME_KEYS = ("name", "lora_name", "adapter")
@@ -91,7 +92,7 @@ def _scale(value: Any) -> float:
     if value is None:
         return 1.0
     scale = math.nan
-    if isinstance(value, int | float | str) and not isinstance(value, bool):
+    if is_real(value) or isinstance(value, str):  # (a number, numpy's too: the offline Engine's dicts)
         try:
             scale = float(value)
         except (ValueError, OverflowError):  # (OverflowError: an int past a float's range)
