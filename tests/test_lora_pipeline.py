@@ -94,7 +94,8 @@ def test_adapters_never_share_a_forward(ours_pipeline, adapter):
 def test_a_scale_that_overflows_the_activations_fails_naming_lora(ours_pipeline, adapter):
     """A scale of 1e30 passes the adapter's finite check (B x scale is finite) but overflows the activations:
     the latents went NaN and the request answered 200 with a black video (an audit's finding). The decode
-    now refuses them, naming `lora`; without an adapter the same divergence is a DivergedError."""
+    now refuses them, naming `lora`; without an adapter, or with the server's own, the same divergence is a
+    DivergedError."""
     from worldserve.runner.video_decode import DivergedError, check_finite
 
     params = VideoParams(**{**BASE, "num_inference_steps": 1}, generate_sound=False,
@@ -107,6 +108,12 @@ def test_a_scale_that_overflows_the_activations_fails_naming_lora(ours_pipeline,
     state.latents[0, 0, 0, 0] = float("nan")
     with pytest.raises(DivergedError):
         check_finite(state)
+    # the server's own adapter (--lora-path / --lora-scale) is the operator's: no request can lower it
+    state.params = params
+    with pytest.raises(DivergedError, match="the server needs a lower --lora-scale"):
+        check_finite(state, server_lora=LoraRequest("fox", adapter, 1e30))
+    with pytest.raises(ParamError, match="lower the scale"):  # another adapter than the server's
+        check_finite(state, server_lora=LoraRequest("fox", adapter, 1.0))
     ours_pipeline.release(state)
 
 

@@ -84,6 +84,11 @@ class LoraCache:
         made with."""
         return self._max_rank
 
+    @property
+    def static(self) -> LoraRequest | None:
+        """The server's own adapter (`load_static`'s), None without one."""
+        return self._static
+
     def load_static(self, request: LoraRequest) -> None:
         """The server's own adapter (--lora-path at --lora-scale, the one requests naming none run with) checked
         against the model and this cache's bound and read now (at scale 0 nothing is read; merged: its unmerged

@@ -19,7 +19,7 @@ import torch
 from worldserve.engine.outputs import VideoResult
 from worldserve.media.audio import fit_audio
 from worldserve.media.frame_stream import FrameStream
-from worldserve.params import ParamError
+from worldserve.params import LoraRequest, ParamError
 
 if TYPE_CHECKING:  # the VAEs import diffusers: a peer rank, which only runs the transformer, never needs them
     from worldserve.models.cosmos3.audio_vae import AudioVAE
@@ -29,14 +29,19 @@ if TYPE_CHECKING:  # the VAEs import diffusers: a peer rank, which only runs the
 
 @torch.inference_mode()
 def decode_video(
-    vae: VideoVAE, audio_vae: AudioVAE | None, state: VideoRequestState, *, stream: bool = False
+    vae: VideoVAE,
+    audio_vae: AudioVAE | None,
+    state: VideoRequestState,
+    *,
+    stream: bool = False,
+    server_lora: LoraRequest | None = None,
 ) -> VideoResult:
     """`state`'s latents and sound -> a VideoResult. `stream`: its frames are a FrameStream that decodes as
     it is read, to be read at once on this thread while `state` lives (the caller holds its model lock);
     the "vae.decode" stage and the peak device memory are filled in when its last chunk has been made.
     Otherwise the frames are one (F, H, W, 3) array, decoded here. A denoising that diverged fails here
-    (check_finite), not as a black video."""
-    check_finite(state)
+    (check_finite; `server_lora`: the server's own adapter), not as a black video."""
+    check_finite(state, server_lora)
     t0 = time.perf_counter()
     p, latents = state.params, state.latents  # latents [48, T, h, w]
     stages = dict(state.stage_seconds)
@@ -68,10 +73,12 @@ class DivergedError(RuntimeError):
     """The denoised latents hold NaN or inf: the request's output would decode to a black video."""
 
 
-def check_finite(state: VideoRequestState) -> None:
-    """ParamError naming `lora` when a request's denoising with a LoRA adapter diverged (a scale large enough to
-    overflow the activations: 1e30 passes the adapter's own finite check and made a black video, HTTP 200);
-    DivergedError without one. One device sync a request, before the decode that reads the latents anyway."""
+def check_finite(state: VideoRequestState, server_lora: LoraRequest | None = None) -> None:
+    """ParamError naming `lora` when a request's denoising with its own LoRA adapter diverged (a scale large
+    enough to overflow the activations: 1e30 passes the adapter's own finite check and made a black video, HTTP
+    200); DivergedError without one, or with the server's own adapter `server_lora` (the operator's
+    --lora-path / --lora-scale: no request can lower it). One device sync a request, before the decode that
+    reads the latents anyway."""
     finite = torch.isfinite(state.latents).all()
     if state.sound is not None:
         finite = finite & torch.isfinite(state.sound).all()
@@ -79,8 +86,13 @@ def check_finite(state: VideoRequestState) -> None:
         return
     lora = state.params.lora
     if lora is not None and lora.scale != 0:
-        raise ParamError("lora", f"the generation with LoRA adapter {lora.name!r} at scale {lora.scale:g} "
-                         "diverged (its latents are not finite): lower the scale")  # fmt: skip
+        said = f"LoRA adapter {lora.name!r} at scale {lora.scale:g}"
+        if lora == server_lora:
+            raise DivergedError(f"the server's own {said} ({lora.path}: --lora-path / --lora-scale) makes the "
+                                "generation diverge (its latents are not finite): the server needs a lower "
+                                "--lora-scale")  # fmt: skip
+        raise ParamError("lora", f"the generation with {said} diverged (its latents are not finite): lower the "
+                         "scale")  # fmt: skip
     raise DivergedError("the denoised latents are not finite (NaN or inf); the request cannot be decoded")
 
 

@@ -318,7 +318,7 @@ class VideoPipeline(Closeable):
     def decode(self, state: VideoRequestState, *, stream: bool = False) -> VideoResult:
         """The finished latents -> host frames + audio (runner/video_decode.py); `stream`: the frames as a
         FrameStream decoding as it is read (on this thread, under the caller's model lock, before `release`)."""
-        return decode_video(self.vae, self.audio_vae, state, stream=stream)
+        return decode_video(self.vae, self.audio_vae, state, stream=stream, server_lora=self.loras.static)
 
     def release(self, state: VideoRequestState) -> None:
         state.und_caches = []
