@@ -41,7 +41,7 @@ def _ends(fn, hang_s: float = 60.0):
     return out.get("result")
 
 
-def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
+def test_dead_peer_raises_instead_of_hanging(tiny_ckpt, caplog):
     from worldserve.parallel.comm import PeerError
     from worldserve.runner.video_pipeline import load_pipeline
 
@@ -56,7 +56,12 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt):
             _ends(lambda: pipe.peers.recv_object(1))
         pipe.process.join(10)
         # /health's question: answered from the processes, before any request meets the dead peer
-        assert "peer (rank 1, pid" in pipe.problem() and "exited with code" in pipe.problem()
+        with caplog.at_level(logging.ERROR, logger="worldserve.peers"):
+            problem = pipe.problem()  # killed by a signal: named, and no log of its own to point to
+            assert pipe.problem() == problem  # (asked again: logged once)
+        assert "peer (rank 1, pid" in problem and "exited: exit code -9 (SIGKILL)" in problem, problem
+        assert "see its log" not in problem
+        assert [r.getMessage() for r in caplog.records if r.name == "worldserve.peers"] == [problem]
         with pytest.raises(BackendLost, match="--cfg-parallel-size 2: .*peer .*(exited|gone)"):
             _ends(lambda: pipe.denoise([state]))
         # guidance-1 requests never touch the peer: they still run

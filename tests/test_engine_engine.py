@@ -506,10 +506,15 @@ def test_health_says_what_the_backend_reports_wrong_while_idle(tmp_path):
         client = make_client(tmp_path)
         await client.start()
         assert client.health() == (True, None)
-        client.engine.backend.problem = lambda: "--ulysses-degree 2 peer (rank 1, pid 7) exited with code -9"
-        assert client.health() == (False, "--ulysses-degree 2 peer (rank 1, pid 7) exited with code -9")
+        client.engine.backend.problem = lambda: (
+            "--ulysses-degree 2 peer (rank 1, pid 7) exited: exit code -9 (SIGKILL)"
+        )
+        assert client.health() == (
+            False,
+            "--ulysses-degree 2 peer (rank 1, pid 7) exited: exit code -9 (SIGKILL)",
+        )
         # and a new job is refused (503) rather than accepted for work nothing can do before a restart
-        with pytest.raises(ShuttingDownError, match="exited with code -9"):
+        with pytest.raises(ShuttingDownError, match="exited: exit code -9"):
             await client.create_job(job_params(), job_spec(job_params()), EncodeOptions(), None)
         await client.shutdown(1)
 

@@ -162,3 +162,26 @@ def test_a_job_being_prepared_counts_as_running(tmp_path):
 
     seen = asyncio.run(main())
     assert (0, 1) in seen and seen <= {(1, 0), (0, 1), (1, 1)}, seen
+
+
+def test_a_request_without_a_job_hears_why_the_engine_stopped(tmp_path):
+    """A jobless request (an image, the offline Engine's) running when the backend is lost is ended with the
+    crash's public reason (it said only "cancelled (the engine has stopped)": the caller read it as its own
+    cancellation)."""
+    from worldserve.engine.refusals import CancelledRequest
+
+    class Lost(FakeBackend):
+        def denoise(self, states):
+            raise BackendLost("--cfg-parallel-size 2: lost: rank 1 gone", "--cfg-parallel-size 2: lost")
+
+    async def main():
+        client = make_client(tmp_path, backend=Lost(step_delay=0.01))
+        await client.start()
+        try:
+            await client.jobless.generate([job_params("a", steps=5)], prefix="img", timeout_s=30)
+        except CancelledRequest as exc:
+            return str(exc)
+        finally:
+            await client.shutdown(1)
+
+    assert "the engine has stopped: --cfg-parallel-size 2: lost" in asyncio.run(main())

@@ -295,7 +295,7 @@ class EngineClient:
             raise ShuttingDownError(f"The server is shutting down and accepts no new {what}.")
         if not self.engine.alive:
             raise ShuttingDownError(
-                f"The engine has stopped (see the server log); no new {what} are accepted."
+                f"The engine has stopped (see the log for why); no new {what} are accepted."
             )
         # a peer rank that died while the engine idled: /health says so, and nothing could run a new request
         if (problem := self.engine.backend.problem()) is not None:

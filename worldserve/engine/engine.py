@@ -35,7 +35,7 @@ from worldserve.engine.endings import Encoder, Endings, default_encoder
 from worldserve.engine.engine_shutdown import EngineShutdown
 from worldserve.engine.jobs import JobStore
 from worldserve.engine.observer import EngineObserver, NullObserver
-from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult
+from worldserve.engine.outputs import BackendLost, VideoBackend, VideoResult, crash_reason
 from worldserve.engine.refusals import SHUTDOWN_REASON
 from worldserve.engine.request import Request
 from worldserve.engine.scheduler import Scheduler
@@ -190,7 +190,9 @@ class Engine(EngineShutdown):
                 log.exception("engine loop crashed")
         finally:
             try:
-                self._park_running(SHUTDOWN_REASON if crashed is None else "the engine has stopped")
+                self._park_running(
+                    SHUTDOWN_REASON if crashed is None else f"the engine has stopped: {crash_reason(crashed)}"
+                )
             finally:  # reported once the running jobs are queued again (health, alive, on_crash)
                 self.crashed = crashed
         if crashed is not None:

@@ -109,7 +109,7 @@ async def run_images(client: EngineClient, params_list: Sequence[VideoParams]) -
     try:
         results = await client.jobless.generate(checked, prefix=prefix, timeout_s=1e9)
     except CancelledRequest as exc:  # the engine stopped (close(), or a crash) before they finished
-        raise RuntimeError(f"the image request was cancelled: {exc}") from None
+        raise RuntimeError(f"the image request did not finish: {exc}") from None
     seconds = time.monotonic() - t0
     from PIL import Image
 

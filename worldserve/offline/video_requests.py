@@ -370,7 +370,7 @@ async def _finish(client: EngineClient, started: _Started) -> VideoOutput:
     try:
         result = await started.future
     except CancelledRequest as exc:  # the engine stopped (close(), or a crash) before it finished
-        raise RuntimeError(f"the video request was cancelled: {exc}") from None
+        raise RuntimeError(f"the video request did not finish: {exc}") from None
     # the caller went away (interrupt, timeout, a failing list): stop it at its next step
     except BaseException:
         _abandon(client, started)

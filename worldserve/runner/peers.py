@@ -31,7 +31,7 @@ import torch
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
 from worldserve.runner.peer_process import INIT_TIMEOUT_S, LEADER, run_peer, serve_messages, wait_until
-from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes
+from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes, exit_reason
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnContext
@@ -70,6 +70,7 @@ class PeerRanks:
         """Held over every exchange with the peers (one at a time; the keep-alive pings take it too)."""
         self._sent = dict.fromkeys(self.ranks, time.monotonic())  # rank -> when it last got a message
         self._stop = threading.Event()
+        self._reported: set[int] = set()  # the dead peers `gone` has logged
 
     def keep_alive(self, period_s: float) -> None:
         """Ping, every `period_s`, the peers that got no message meanwhile (a daemon thread)."""
@@ -146,12 +147,18 @@ class PeerRanks:
         wait_until(lambda: not all(p.is_alive() for p in self.processes), wait_s)
         for r, p in enumerate(self.processes, 1):
             if not p.is_alive():
-                return f"{self.label} peer (rank {r}, pid {p.pid}) exited with code {p.exitcode}; see its log above"
+                # (a peer killed by a signal wrote nothing: its own log has no reason to point to)
+                said = "" if p.exitcode is not None and p.exitcode < 0 else "; see its log above"
+                reason = f"{self.label} peer (rank {r}, pid {p.pid}) exited: {exit_reason(p.exitcode)}{said}"
+                if r not in self._reported:  # (once: /health asks again and again)
+                    self._reported.add(r)
+                    log.error("%s", reason)
+                return reason
         return None
 
     def _gone(self, r: int, exc: Exception) -> comm.PeerError:
         code = self.processes[r - 1].exitcode
-        return comm.PeerError(f"{self.label} peer (rank {r}) is gone (exit code {code}): {exc}")
+        return comm.PeerError(f"{self.label} peer (rank {r}) is gone ({exit_reason(code)}): {exc}")
 
     def send(self, msg: tuple[object, ...], to: Sequence[int] | None = None) -> None:
         """Pickled `msg` to the ranks `to`, or to every peer (nothing, and no liveness check, for `to=[]`)."""
