@@ -113,6 +113,18 @@ def test_unsupported_or_bad_values_are_refused(argv):
         parse(*argv)
 
 
+def test_allowed_media_domains_that_took_the_model_folder_are_refused(tmp_path):
+    """`serve --allowed-media-domains example.com ./ckpt`: the folder became a second domain and the tiny
+    random model was served."""
+    from worldserve.commands.serve import engine_config
+
+    argv = ["serve", "--allowed-media-domains", "example.com", str(tmp_path)]
+    with pytest.raises(ValueError, match="--allowed-media-domains took .*a folder.*put MODEL first"):
+        engine_config(build_parser(argv).parse_args(argv))
+    argv = ["serve", str(tmp_path), "--allowed-media-domains", "example.com"]
+    assert engine_config(build_parser(argv).parse_args(argv)).model.model == str(tmp_path)
+
+
 @pytest.mark.parametrize("flag", ["--api-key", "--served-model-name"])
 def test_a_many_valued_flag_that_took_the_model_folder_is_refused(tmp_path, flag):
     """`serve --api-key K ./ckpt`: argparse gave the folder to the flag and no MODEL was left; the tiny default

@@ -436,6 +436,26 @@ def test_log_file_receives_the_log(tmp_path, monkeypatch):
     assert serve.run(parse_args("--log-file", str(tmp_path / "missing" / "x.log"))) == 2
 
 
+def test_a_log_file_that_cannot_be_written_is_said_once_in_one_line(capsys):
+    """--log-file on a full disk (/dev/full): one stderr line, not logging's traceback for every line."""
+    import os
+    import stat
+
+    from worldserve.commands import serve, serve_compat
+
+    if not (os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)):
+        pytest.skip("no /dev/full device here")
+    handler = serve_compat.log_to_file("/dev/full", serve.LOG_FORMAT)
+    try:
+        for i in range(3):
+            logging.getLogger("worldserve.test").warning("line %d", i)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    err = capsys.readouterr().err
+    assert err.count("--log-file /dev/full: cannot write to it") == 1 and "Traceback" not in err, err
+
+
 def test_every_config_flag_has_its_own_help():
     """Each flag of the config classes is documented by the string right below its field (a field inserted
     between another and its docstring took that help and left the other flag without any)."""

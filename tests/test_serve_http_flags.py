@@ -236,6 +236,11 @@ def test_config_file_values_as_vllm_spells_them(tmp_path):
     with pytest.raises(ValueError, match="--config .*cut.yaml: cannot read it") as error:
         serve.engine_config(parse_args("--config", str(tmp_path / "cut.yaml")))
     assert "\n" not in str(error.value)
+    (tmp_path / "bin.yaml").write_bytes(
+        b"\xff\xfe\x00"
+    )  # not UTF-8: named as the file's, not a bare codec error
+    with pytest.raises(ValueError, match="--config .*bin.yaml: cannot read it \\(not UTF-8 text"):
+        serve.engine_config(parse_args("--config", str(tmp_path / "bin.yaml")))
 
 
 def test_config_file_log_file_gets_the_log(tmp_path):

@@ -91,12 +91,13 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 def _check_model_not_taken(values: dict) -> None:
     """No MODEL was parsed: ValueError when a many-valued flag took a checkpoint folder as one of its values
-    (`serve --api-key K ./ckpt`: the folder became a second key and the tiny default was served), or a Hub
+    (`serve --api-key K ./ckpt`: the folder became a second key and the tiny default was served; a second
+    domain of --allowed-media-domains likewise), or a Hub
     repo id as a --served-model-name value after its first on the command line (`serve --served-model-name foo
     nvidia/Cosmos3-Nano`: the tiny random model was served under both names; vLLM refuses that order too). A
     lone `--served-model-name org/name` without MODEL stays the tiny default's name."""
     given_here = values.get(serve_http.GIVEN, ())  # the flags the command line gave (not --config's)
-    for flag in ("api_key", "served_model_name"):
+    for flag in ("api_key", "served_model_name", "allowed_media_domains"):
         given = values.get(flag)
         for i, value in enumerate([given] if isinstance(given, str) else given or ()):
             if value and Path(value).is_dir():  # ("" is the current folder to Path: left to the flag's check)

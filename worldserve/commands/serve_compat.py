@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,9 +347,37 @@ def log_to_file(path: str, log_format: str) -> logging.Handler:
     to uvicorn's loggers, which do not propagate, once uvicorn has set them up); FlagValueError when it cannot
     be opened."""
     try:
-        handler = logging.FileHandler(path, encoding="utf-8")
+        handler = _LogFile(path, encoding="utf-8")
     except OSError as exc:
         raise FlagValueError(f"--log-file {path}: cannot open it ({exc.strerror or exc})") from None
     handler.setFormatter(logging.Formatter(log_format, datefmt="%m-%d %H:%M:%S"))
     logging.getLogger().addHandler(handler)
     return handler
+
+
+class _LogFile(logging.FileHandler):
+    """--log-file's handler: a line it cannot write (a full disk) is said once on stderr, in one line, not as
+    logging's "--- Logging error ---" traceback for every line."""
+
+    _failed = False
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as exc:
+            self._said(exc)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:  # (the buffered lines' last write, at exit)
+            self._said(exc)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        self._said(sys.exc_info()[1])
+
+    def _said(self, why: BaseException | None) -> None:
+        if not self._failed:
+            self._failed = True
+            sys.stderr.write(f"worldserve: --log-file {self.baseFilename}: cannot write to it ({why}); its "
+                             "lines from here on may be lost\n")  # fmt: skip

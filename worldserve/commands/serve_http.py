@@ -268,8 +268,9 @@ def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argpars
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         why = " ".join(str(exc).split())  # (YAML's errors span lines: one line, as every flag error)
+        why = f"not UTF-8 text: {why}" if isinstance(exc, UnicodeDecodeError) else why
         raise FlagValueError(f"--config {path}: cannot read it ({why})") from None
     if not isinstance(data, dict):
         raise FlagValueError(f"--config {path}: expected a mapping of flags to values")
