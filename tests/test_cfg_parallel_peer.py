@@ -76,6 +76,32 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt, caplog):
     assert not pipe.process.is_alive()
 
 
+def test_a_stuck_peer_is_given_up_on_within_the_exchange_timeout(tiny_ckpt):
+    """A peer alive but not answering (SIGSTOP: a deadlock, a wedged driver) was waited for until the world's
+    1800 s timeout, the job held and /health green; rank 0's exchanges now give it up after
+    `exchange_timeout_s` (300 s; 2 s here) as a lost backend."""
+    import os
+    import signal
+
+    from worldserve.runner.video_pipeline import load_pipeline
+
+    pipe = load_pipeline(tiny_ckpt, cfg_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
+    try:
+        state = pipe.prepare(
+            "r0", VideoParams(prompt="a fox", num_inference_steps=3, guidance_scale=6.0, **SMALL)
+        )
+        pipe.denoise([state])
+        pipe.peers.exchange_timeout_s = 2.0
+        os.kill(pipe.process.pid, signal.SIGSTOP)
+        with pytest.raises(BackendLost, match="no answer within 2 s"):
+            _ends(lambda: pipe.denoise([state]))
+    finally:
+        if pipe.process.is_alive():
+            os.kill(pipe.process.pid, signal.SIGCONT)
+        pipe.close()
+    assert not pipe.process.is_alive()
+
+
 def test_ctrl_c_inside_an_exchange_stops_the_peers_and_close_returns(tiny_ckpt):
     """A KeyboardInterrupt in the middle of an exchange leaves the peers out of step: they are killed then
     (only an Exception did that), so close() does not send its ("stop",) to a peer blocked on the step

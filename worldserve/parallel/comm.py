@@ -4,7 +4,8 @@ Every collective is the identity when the group has one rank, so single-device c
 tests can fake a world by handing in a group whose `size` is 1.
 Point-to-point (`send_tensor` / `recv_tensor` / `send_object` / `recv_object`, used by CFG-parallel) raises
 `PeerError` rather than hanging when the peer dies: NCCL isend / irecv are polled with an `alive()` check;
-gloo's only complete inside wait(), which raises once a dead peer's socket closes. NCCL needs tensors on the
+gloo's only complete inside wait(), which raises once a dead peer's socket closes. Rank 0's exchanges also
+give up on a peer that is alive but stuck (`timeout_s`). NCCL needs tensors on the
 rank's GPU (`device`); gloo takes CPU tensors. `init_world` joins through a TCPStore of its own, so rank 0
 can bound the rendezvous apart from the world's (long) timeout; `host_store` binds rank 0's before its peers
 start (no free-port race).
@@ -148,60 +149,77 @@ def world_initialized() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- p2p
-def _wait(start: Callable[[], Any], alive: Callable[[], bool] | None, what: str) -> None:
+def _wait(
+    start: Callable[[], Any], alive: Callable[[], bool] | None, what: str, timeout_s: float | None = None
+) -> None:
     """Start the work (`start()`: gloo raises there too once a peer's connection is closed) and poll it until
-    done; PeerError if `alive()` turns False or the transport fails."""
+    done; PeerError if `alive()` turns False, the transport fails, or (`timeout_s`) the peer, alive but stuck,
+    has not answered within that many seconds."""
     import torch.distributed as dist
 
+    t0 = time.monotonic()
     try:
         work = start()
         if alive is None or dist.get_backend() != "nccl":
             # gloo's p2p work only completes inside wait(); a dead peer's closed socket makes it raise
-            work.wait()
+            work.wait() if timeout_s is None else work.wait(timedelta(seconds=timeout_s))
             return
         while not work.is_completed():
             if not alive():
                 raise PeerError(f"peer exited while we waited to {what}")
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise PeerError(f"could not {what}: no answer within {timeout_s:g} s (the peer is stuck)")
             time.sleep(_POLL_S)
         work.wait()
     except PeerError:
         raise
-    except RuntimeError as exc:  # gloo: "Connection closed by peer", NCCL: aborted communicator
+    except RuntimeError as exc:  # gloo: "Connection closed by peer" or its wait's timeout, NCCL: aborted
+        if timeout_s is not None and time.monotonic() - t0 >= timeout_s:
+            raise PeerError(
+                f"could not {what}: no answer within {timeout_s:g} s (the peer is stuck)"
+            ) from exc
         raise PeerError(f"could not {what}: {exc}") from exc
 
 
-def send_tensor(x: Tensor, dst: int, group: ParallelGroup, alive: Callable[[], bool] | None = None) -> None:
+def send_tensor(
+    x: Tensor, dst: int, group: ParallelGroup, alive: Callable[[], bool] | None = None,
+    timeout_s: float | None = None,
+) -> None:  # fmt: skip
+    """Send `x` to `dst` (`alive`, `timeout_s`: as `_wait`'s)."""
     import torch.distributed as dist
 
     if alive is not None and not alive():
         raise PeerError(f"peer rank {dst} has exited")
     x = x.contiguous()
-    _wait(lambda: dist.isend(x, dst, group=group.group), alive, f"send to rank {dst}")
+    _wait(lambda: dist.isend(x, dst, group=group.group), alive, f"send to rank {dst}", timeout_s)
 
 
 def recv_tensor(
-    out: Tensor, src: int, group: ParallelGroup, alive: Callable[[], bool] | None = None
-) -> Tensor:
+    out: Tensor, src: int, group: ParallelGroup, alive: Callable[[], bool] | None = None,
+    timeout_s: float | None = None,
+) -> Tensor:  # fmt: skip
     """Receive into `out` (its shape, dtype and device must match the sender's tensor) and return it."""
     import torch.distributed as dist
 
-    _wait(lambda: dist.irecv(out, src, group=group.group), alive, f"receive from rank {src}")
+    _wait(lambda: dist.irecv(out, src, group=group.group), alive, f"receive from rank {src}", timeout_s)
     return out
 
 
 def send_object(
     obj: Any, dst: int, group: ParallelGroup, device: torch.device,
-    alive: Callable[[], bool] | None = None,
+    alive: Callable[[], bool] | None = None, timeout_s: float | None = None,
 ) -> None:  # fmt: skip
     """Pickle `obj` and send it (length first, then bytes) to `dst`."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    send_tensor(torch.tensor([data.numel()], dtype=torch.int64, device=device), dst, group, alive)
-    send_tensor(data, dst, group, alive)
+    send_tensor(torch.tensor([data.numel()], dtype=torch.int64, device=device), dst, group, alive, timeout_s)
+    send_tensor(data, dst, group, alive, timeout_s)
 
 
 def recv_object(
-    src: int, group: ParallelGroup, device: torch.device, alive: Callable[[], bool] | None = None
-) -> Any:
-    size = recv_tensor(torch.empty(1, dtype=torch.int64, device=device), src, group, alive)
-    data = recv_tensor(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src, group, alive)
-    return pickle.loads(data.cpu().numpy().tobytes())
+    src: int, group: ParallelGroup, device: torch.device, alive: Callable[[], bool] | None = None,
+    timeout_s: float | None = None,
+) -> Any:  # fmt: skip
+    """The object `send_object` sent from `src`."""
+    size = recv_tensor(torch.empty(1, dtype=torch.int64, device=device), src, group, alive, timeout_s)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)  # [size] the pickled bytes
+    return pickle.loads(recv_tensor(data, src, group, alive, timeout_s).cpu().numpy().tobytes())

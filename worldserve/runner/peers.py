@@ -30,6 +30,7 @@ import torch
 
 from worldserve.parallel import comm
 from worldserve.parallel.groups import ParallelGroup
+from worldserve.runner.parallel_layout import COLLECTIVE_TIMEOUT_S
 from worldserve.runner.peer_process import INIT_TIMEOUT_S, LEADER, run_peer, serve_messages, wait_until
 from worldserve.runner.peer_start import JOIN_TIMEOUT_S, PeerLink, StartupPipes, exit_reason
 
@@ -71,6 +72,9 @@ class PeerRanks:
         self._sent = dict.fromkeys(self.ranks, time.monotonic())  # rank -> when it last got a message
         self._stop = threading.Event()
         self._reported: set[int] = set()  # the dead peers `gone` has logged
+        self.exchange_timeout_s = COLLECTIVE_TIMEOUT_S
+        """How long an exchange waits on a peer that is alive but does not answer (stopped, deadlocked):
+        then a PeerError, as for a dead one (it waited the world's 30-minute timeout, /health green)."""
 
     def keep_alive(self, period_s: float) -> None:
         """Ping, every `period_s`, the peers that got no message meanwhile (a daemon thread)."""
@@ -168,7 +172,7 @@ class PeerRanks:
         for r in self.ranks if to is None else to:
             self._sent[r] = time.monotonic()
             try:
-                comm.send_object(msg, r, self.group, self.comm_device, self.alive)
+                comm.send_object(msg, r, self.group, self.comm_device, self.alive, self.exchange_timeout_s)
             except comm.PeerError as exc:
                 raise self._gone(r, exc) from exc
 
@@ -176,19 +180,19 @@ class PeerRanks:
         x = x.to(self.comm_device)
         for r in self.ranks if to is None else to:
             try:
-                comm.send_tensor(x, r, self.group, self.alive)
+                comm.send_tensor(x, r, self.group, self.alive, self.exchange_timeout_s)
             except comm.PeerError as exc:
                 raise self._gone(r, exc) from exc
 
     def recv_object(self, src: int) -> Any:
         try:
-            return comm.recv_object(src, self.group, self.comm_device, self.alive)
+            return comm.recv_object(src, self.group, self.comm_device, self.alive, self.exchange_timeout_s)
         except comm.PeerError as exc:
             raise self._gone(src, exc) from exc
 
     def recv_tensor(self, out: torch.Tensor, src: int) -> torch.Tensor:
         try:
-            return comm.recv_tensor(out, src, self.group, self.alive)
+            return comm.recv_tensor(out, src, self.group, self.alive, self.exchange_timeout_s)
         except comm.PeerError as exc:
             raise self._gone(src, exc) from exc
 
@@ -212,7 +216,7 @@ class PeerRanks:
         for r, p in enumerate(self.processes, 1):
             if p.is_alive():
                 try:
-                    comm.send_object(("stop",), r, self.group, self.comm_device, self.alive)
+                    comm.send_object(("stop",), r, self.group, self.comm_device, self.alive, timeout_s)
                 except comm.PeerError:
                     pass
         self.closed = True
