@@ -85,7 +85,9 @@ def test_a_directory_is_refused_and_leaves_no_descriptor_open(tmp_path):
         with pytest.raises(ParamError, match="not a regular file"):
             _load(url, tmp_path)
     after = set(os.listdir("/proc/self/fd"))
-    assert after <= before and len(after) <= len(before), "a descriptor opened by the refused loads stays open"
+    assert after <= before and len(after) <= len(before), (
+        "a descriptor opened by the refused loads stays open"
+    )
 
 
 @pytest.mark.parametrize("url", ["//[::1", "zz://[", "file://[::1/x"])

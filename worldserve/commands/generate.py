@@ -170,9 +170,11 @@ def streams_to(path: Path) -> bool:
 
 def write_output(path: Path, result: VideoResult) -> None:
     """`result` as `path` (.npz raw, .png the first frame, else MP4). A FrameStream's frames are muxed in
-    another thread while this one decodes them, as the server does (media/frame_stream.py)."""
+    another thread while this one decodes them, as the server does (media/frame_stream.py). Each is written
+    whole or not at all: a failed or interrupted write leaves `path` as it was (media/atomic_write.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from worldserve.media.atomic_write import write_atomically
     from worldserve.media.frame_stream import FrameStream, read_beside
     from worldserve.media.image import encode_png
     from worldserve.media.video import encode_mp4, write_npz
@@ -185,16 +187,16 @@ def write_output(path: Path, result: VideoResult) -> None:
             mux = read_beside(
                 frames, lambda f: encode_mp4(f, result.fps, result.audio, result.sample_rate), pool
             )
-            path.write_bytes(mux.result())
+            write_atomically(path, mux.result())
         return
     if isinstance(frames, FrameStream):  # (npz and PNG take whole frames)
         frames = frames.to_array()
     if suffix == ".npz":
         write_npz(path, frames, result.audio, result.fps, result.sample_rate)
     elif suffix == ".png":
-        path.write_bytes(encode_png(frames[0]))
+        write_atomically(path, encode_png(frames[0]))
     else:
-        path.write_bytes(encode_mp4(frames, result.fps, result.audio, result.sample_rate))
+        write_atomically(path, encode_mp4(frames, result.fps, result.audio, result.sample_rate))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -324,10 +326,12 @@ def _model_checked(
 
 
 def _save_latents(path: Path, state: VideoRequestState) -> bool:
-    """The final video (and sound) latents as safetensors at `path` (--save-latents); False once a failed
-    write is printed."""
+    """The final video (and sound) latents as safetensors at `path` (--save-latents), written whole or not at
+    all (media/atomic_write.py); False once a failed write is printed."""
     from safetensors import SafetensorError
     from safetensors.torch import save
+
+    from worldserve.media.atomic_write import write_atomically
 
     tensors = {"video_latents": state.latents.cpu().contiguous()}
     if state.sound is not None:
@@ -335,7 +339,7 @@ def _save_latents(path: Path, state: VideoRequestState) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # as -o's
         # written as -o is (the umask's mode: save_file's temporary file left it 0600)
-        path.write_bytes(save(tensors))
+        write_atomically(path, save(tensors))
     except (OSError, SafetensorError) as e:
         print(f"worldserve generate: error: --save-latents {path}: cannot write it ({e})",
               file=sys.stderr)  # fmt: skip

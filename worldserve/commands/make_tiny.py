@@ -32,8 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     from worldserve.commands.cli_inputs import check_writable
     from worldserve.params import ParamError
+    from worldserve.weights.checkpoint import write_failure_reason
     from worldserve.weights.tiny import make_tiny
 
     try:  # a DIR that is a file, or under one, or read-only: the argument's fault, argparse's exit code
@@ -60,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
             if target.is_dir():
                 target.rmdir()  # (empty)
             folder.rename(target)
-    except OSError as exc:  # what the check could not foresee (a missing parent under /proc, a full disk)
-        print(f"worldserve make-tiny: error: cannot write {args.dir}: {exc.strerror or exc}", file=sys.stderr)
+    except (OSError, SafetensorError) as exc:  # what the check could not foresee (a missing parent under
+        # /proc, a full disk: the weights' write fails in safetensors, a SafetensorError, not an OSError)
+        print(f"worldserve make-tiny: error: cannot write {args.dir}: {write_failure_reason(exc)}",
+              file=sys.stderr)  # fmt: skip
         return 1
     finally:
         if fresh and folder.exists():  # (failed or interrupted: Ctrl-C, SIGTERM)

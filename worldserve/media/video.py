@@ -31,6 +31,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
 from worldserve.lasting_pool import LastingThreadPool
+from worldserve.media.atomic_write import writing_atomically
 from worldserve.media.audio import AacTrack, fit_audio
 from worldserve.media.frame_stream import FrameStream, lower_thread_priority
 from worldserve.params import ParamError
@@ -298,7 +299,8 @@ def encode_mp4(
 def write_npz(
     path: str | Path, frames: np.ndarray, audio: np.ndarray | None, fps: float, sample_rate: int = 48000
 ) -> Path:
-    """Store frames (uint8), audio (float32 or absent), fps and sample_rate losslessly; atomic rename."""
+    """Store frames (uint8), audio (float32 or absent), fps and sample_rate losslessly at `path`: the whole
+    file or, when the write fails, `path` as it was (media/atomic_write.py)."""
     path = Path(path)
     arrays: dict[str, np.ndarray] = {
         "frames": np.ascontiguousarray(frames),
@@ -307,8 +309,6 @@ def write_npz(
     }
     if audio is not None:
         arrays["audio"] = np.ascontiguousarray(audio, dtype=np.float32)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    with writing_atomically(path) as fh:
         np.savez(fh, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle's bool
-    os.replace(tmp, path)
     return path

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,36 +116,56 @@ def check_weights_match(
 
 def default_tiny_checkpoint() -> Path:
     """The embedded default model: a tiny random checkpoint, written once (atomically) and reused. A cache
-    folder that cannot hold it (XDG_CACHE_HOME a file, a read-only home, a full disk) is a CheckpointError
-    naming the folder, the reason and how to pick another (it had been an OSError's traceback)."""
+    folder that cannot hold it (XDG_CACHE_HOME a file, a read-only home, a full disk: an OSError, or
+    safetensors' SafetensorError from the weights' write) is a CheckpointError naming the folder, the reason
+    and how to pick another (it had been a traceback). The folder being written is removed whatever stops
+    it (a failure, Ctrl-C, SIGTERM), so only a complete checkpoint is ever left in the cache."""
     import shutil
+
+    from safetensors import SafetensorError
 
     from worldserve.weights.tiny import make_tiny
 
     target = envs.cache_dir() / f"tiny-cosmos3-v{TINY_LAYOUT}-seed{TINY_SEED}"
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     try:
-        if (target / "model_index.json").is_file():  # (is_file raises on a folder it may not search)
-            return target
-        make_tiny(tmp, seed=TINY_SEED)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _unusable_cache(exc) from None
-    try:
-        tmp.rename(target)
-    except OSError as exc:  # another process won the race (its copy is identical), or the rename failed
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "model_index.json").is_file():
+        try:
+            if (target / "model_index.json").is_file():  # (is_file raises on a folder it may not search)
+                return target
+            make_tiny(tmp, seed=TINY_SEED)
+        except (OSError, SafetensorError) as exc:
             raise _unusable_cache(exc) from None
+        try:
+            tmp.rename(target)
+        except OSError as exc:  # another process won the race (its copy is identical), or the rename failed
+            if not (target / "model_index.json").is_file():
+                raise _unusable_cache(exc) from None
+    finally:
+        # (renamed: nothing there; anything else, KeyboardInterrupt included: the partial folder)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _unusable_cache(exc: OSError) -> CheckpointError:
+def write_failure_reason(exc: Exception) -> str:
+    """Why writing a file failed, in a few words: an OSError's strerror ("No space left on device"), else the
+    exception's text; safetensors' SafetensorError ("Error while serializing: I/O error: No space left on
+    device (os error 28)") as the OSError it wraps would say it."""
+    if strerror := getattr(exc, "strerror", None):
+        return strerror
+    text = str(exc)
+    # (Rust's io::Error as Display prints it, "... (os error 28)", or as Debug, "Os { code: 28, ... }")
+    if wrapped := re.search(r"\(os error (\d+)\)|\bOs \{ code: (\d+)", text):
+        return os.strerror(int(wrapped[1] or wrapped[2]))
+    return text or type(exc).__name__
+
+
+def _unusable_cache(exc: Exception) -> CheckpointError:
     """The one-line error of a cache folder the embedded tiny checkpoint cannot be written to."""
     base = envs.cache_home()
     where = f"{envs.cache_dir()} (XDG_CACHE_HOME={base})" if base else str(envs.cache_dir())
     return CheckpointError(f"the cache folder {where} cannot hold the embedded tiny checkpoint: "
-                           f"{exc.strerror or exc}; set XDG_CACHE_HOME to a writable folder (the cache is "
+                           f"{write_failure_reason(exc)}; set XDG_CACHE_HOME to a writable folder (the cache is "
                            "$XDG_CACHE_HOME/worldserve, else ~/.cache/worldserve), or give a MODEL")  # fmt: skip
 
 
