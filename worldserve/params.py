@@ -31,6 +31,7 @@ from worldserve.resolution_tiers import (
     IMAGE_MAX_AREA,
     MAX_SECONDS,
     RESOLUTION_TIERS,
+    SIZE_MULTIPLE,
     V2V_FLOW_SHIFT,
     check_side,
     default_flow_shift,
@@ -256,14 +257,20 @@ class VideoParams:
 
     def _validate_size_and_frames(self) -> None:
         """width and height, then num_frames: its form (1 or 4k+1) and the limit of the size's tier (an image
-        when a single frame fits IMAGE_MAX_AREA)."""
-        check_side("width", self.width)
-        check_side("height", self.height)
-        if self.num_frames == 1 and self.width * self.height <= IMAGE_MAX_AREA:
-            tier, max_frames = "image", 1
-        elif self.num_frames == 1 and self.width * self.height > RESOLUTION_TIERS[-1][1]:
+        when a single frame fits IMAGE_MAX_AREA). An image past the largest area is told so before a side past
+        MAX_SIDE (OpenAI's 1536x1024 preset: its area is what no side change fixes)."""
+        area = self.width * self.height
+        sides_fit = (
+            min(self.width, self.height) >= SIZE_MULTIPLE
+            and self.width % SIZE_MULTIPLE == self.height % SIZE_MULTIPLE == 0
+        )
+        if self.num_frames == 1 and area > max(IMAGE_MAX_AREA, RESOLUTION_TIERS[-1][1]) and sides_fit:
             raise ParamError("width", f"size {self.width}x{self.height} is above the largest image "
                              f"({IMAGE_MAX_AREA} pixels, e.g. 1024x1024, 1280x816)")  # fmt: skip
+        check_side("width", self.width)
+        check_side("height", self.height)
+        if self.num_frames == 1 and area <= IMAGE_MAX_AREA:
+            tier, max_frames = "image", 1
         else:
             tier, _, max_frames, _ = resolution_tier(self.width, self.height)
         if self.num_frames < 1 or (self.num_frames - 1) % 4:
