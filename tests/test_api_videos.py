@@ -77,6 +77,20 @@ async def test_create_multipart_then_poll_then_download(tmp_path):
             bad = await http.get(f"/v1/videos/{job['id']}/content",
                                  headers={"Range": header, "If-Range": content.headers["etag"]})  # fmt: skip
             assert bad.status_code == status and bad.json()["error"]["param"] == "Range", (header, bad.text)
+        # a revalidation (a browser's, a CDN's): 304 without the body while the copy is current
+        url, etag, modified = (
+            f"/v1/videos/{job['id']}/content",
+            content.headers["etag"],
+            content.headers["last-modified"],
+        )
+        for asked in ({"If-None-Match": etag}, {"If-None-Match": f'"x", W/{etag}'}, {"If-None-Match": "*"},
+                      {"If-Modified-Since": modified}):  # fmt: skip
+            kept = await http.get(url, headers=asked)
+            assert kept.status_code == 304 and kept.content == b"" and kept.headers["etag"] == etag, asked
+        for asked in ({"If-None-Match": '"other"', "If-Modified-Since": modified},  # (If-None-Match wins)
+                      {"If-Modified-Since": "Thu, 01 Jan 1970 00:00:00 GMT"}, {"If-Modified-Since": "garbage"}):  # fmt: skip
+            fresh = await http.get(url, headers=asked)
+            assert fresh.status_code == 200 and fresh.content == content.content, asked
         same = await http.get(f"/v1/videos/{job['id']}/content", params={"variant": "video"})
         assert same.content == content.content
         thumb = await http.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})

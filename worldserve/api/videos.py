@@ -17,6 +17,8 @@ import asyncio
 import json
 import os
 import uuid
+from collections.abc import Mapping
+from email.utils import parsedate_to_datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -214,8 +216,9 @@ async def delete_video(video_id: str, st: State) -> VideoDeleted:
         **ERRORS,
     },
 )
-async def download_video(video_id: str, request: Request, st: State) -> FileResponse:
-    """Download the MP4 (HTTP Range supported; HEAD answers the headers alone); OpenAI's `variant` other than
+async def download_video(video_id: str, request: Request, st: State) -> Response:
+    """Download the MP4 (HTTP Range supported; HEAD answers the headers alone; a revalidation whose
+    If-None-Match / If-Modified-Since still holds is a 304 without the body); OpenAI's `variant` other than
     video (thumbnail, spritesheet) is not offered: a 400 rather than the MP4 in their place."""
     job = st.client.get(video_id)
     if job is None:  # (before the variant: an unknown id is a 404 whatever is asked of it)
@@ -237,6 +240,10 @@ async def download_video(video_id: str, request: Request, st: State) -> FileResp
         response = OpenFileResponse(
             fd, media_type="video/mp4", filename=f"{video_id}.mp4", range_header=served
         )
+        if not_modified(request.headers, response.headers):
+            os.close(fd)
+            kept = {k: response.headers[k] for k in ("etag", "last-modified")}
+            return Response(status_code=304, headers=kept)
         if_range = request.headers.get("if-range")  # (one that no longer matches: the whole file, no Range)
         if if_range is None or response._should_use_range(if_range):
             _check_range(served, size)
@@ -244,6 +251,22 @@ async def download_video(video_id: str, request: Request, st: State) -> FileResp
         os.close(fd)
         raise
     return response
+
+
+def not_modified(asked: Mapping[str, str], served: Mapping[str, str]) -> bool:
+    """Whether a GET's preconditions say the client's copy is current (RFC 9110 §13.1.2-3, §13.2.2):
+    If-None-Match naming the file's ETag (a weak comparison; "*" any), else, without it, an If-Modified-Since
+    at or after its Last-Modified (an unreadable date is ignored)."""
+    if (match := asked.get("if-none-match")) is not None:
+        tags = [t.strip().removeprefix("W/") for t in match.split(",")]
+        return "*" in tags or served.get("etag", "").removeprefix("W/") in tags
+    since, modified = asked.get("if-modified-since"), served.get("last-modified")
+    if since is None or modified is None:
+        return False
+    try:
+        return parsedate_to_datetime(modified) <= parsedate_to_datetime(since)
+    except (TypeError, ValueError):  # (not an HTTP date)
+        return False
 
 
 def _served_range(header: str | None, size: int) -> str | None:
