@@ -17,7 +17,7 @@ import time
 import pytest
 from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, poll_job, wait_until
 
-from worldserve.engine import job_files
+from worldserve.engine import job_database, job_files
 from worldserve.engine.client import Job, JobStatus, StorageError
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.job_schema import new_job_id
@@ -28,13 +28,14 @@ pytestmark = pytest.mark.anyio
 
 class FullDisk:
     """Stands between the store and its disk: while `db_full`, SQLite writes fail as on a full disk; while
-    `files_full`, file writes fail at their fsync (ENOSPC)."""
+    `files_full`, file writes fail at their fsync (ENOSPC). `at_open`: full before the store opens."""
 
     WRITES = ("INSERT", "UPDATE", "DELETE", "COMMIT")
 
-    def __init__(self, store: JobStore, monkeypatch):
+    def __init__(self, store: JobStore | None, monkeypatch):
         self.db_full = self.files_full = False
-        self._db, store._db = store._db, self
+        if store is not None:
+            self._db, store._db = store._db, self
         real_fsync = os.fsync
 
         def fsync(fd: int) -> None:
@@ -43,6 +44,27 @@ class FullDisk:
             real_fsync(fd)
 
         monkeypatch.setattr(job_files.os, "fsync", fsync)
+
+    @classmethod
+    def at_open(cls, monkeypatch) -> FullDisk:
+        """A database disk full before the next store opens: the connection it prepares (its pragmas, its
+        schema) is this stub's, the store's from then on."""
+        disk = cls(None, monkeypatch)
+        disk.db_full = True
+        real_prepared = job_database.prepared
+
+        def prepared(db: sqlite3.Connection):
+            disk._db = db
+            return real_prepared(disk)
+
+        monkeypatch.setattr(job_database, "prepared", prepared)
+        return disk
+
+    def __setattr__(self, name, value) -> None:
+        if name == "row_factory":  # (set by prepared(): the connection's)
+            setattr(self._db, name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     @property
     def full(self) -> bool:
@@ -308,13 +330,14 @@ def test_a_file_that_cannot_be_removed_keeps_its_job(tmp_path, monkeypatch, capl
 
 def test_a_restart_on_a_full_disk_starts_with_its_jobs_as_they_were(tmp_path, monkeypatch, caplog):
     """recover() writes (unfinished jobs queued again): on a full disk the server died at start on SQLite's
-    error; it now starts, serves what is stored, and queues them at a restart with space."""
+    error; it now starts, serves what is stored, and queues them at a restart with space. The disk is full
+    as the store opens: opening a database at the current schema writes nothing (it wrote its version at
+    every open, a COMMIT the full disk refused before recover() ran)."""
     store = JobStore(tmp_path)
     done, running = _completed_job(store), _running_job(store)
     store.close()
+    disk = FullDisk.at_open(monkeypatch)
     store = JobStore(tmp_path)
-    disk = FullDisk(store, monkeypatch)
-    disk.db_full = True
     with caplog.at_level(logging.WARNING, logger="worldserve.engine.jobs"):
         assert store.recover() == []
     assert "cannot record this restart" in caplog.text

@@ -9,9 +9,11 @@ from __future__ import annotations
 import enum
 import json
 import re
+import shutil
 import sqlite3
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from worldserve.engine.job_files import StorageError
@@ -73,6 +75,11 @@ class Job:
     peak_memory_mb: float | None = None
 
 
+def expired(job: Job, now: float) -> bool:
+    """Whether `job` is past its expires_at (the sweep deletes it within its period; reads hide it now)."""
+    return job.expires_at is not None and job.expires_at <= now
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -104,30 +111,82 @@ CREATE INDEX IF NOT EXISTS list_anchors_by_age ON list_anchors (deleted_at);
 
 
 def prepared(db: sqlite3.Connection) -> sqlite3.Connection:
-    """`db` with its pragmas set and the job table created or migrated to SCHEMA_VERSION."""
+    """`db` with its pragmas set and the job table created or migrated to SCHEMA_VERSION. A database already
+    at SCHEMA_VERSION, its tables all there, is only read: a server stopped on a full disk starts again
+    (JobStore.recover() then serves what is stored and takes the DELETEs that free it). StorageError naming
+    the full disk, its folder and what to free when SQLite cannot open the database for want of space."""
     db.row_factory = sqlite3.Row
-    db.execute("PRAGMA journal_mode=WAL")
-    # FULL: a commit is on disk before it returns, so an acknowledged create survives a power loss too
-    # (NORMAL in WAL mode may lose the last commits then); one fsync per write, against ~5 s a step.
-    db.execute("PRAGMA synchronous=FULL")
-    db.execute("PRAGMA busy_timeout=5000")
-    damage = db.execute("PRAGMA quick_check(1)").fetchone()[0]  # (before the model loads, not after)
-    if damage != "ok":
-        raise StorageError(f"the database is damaged ({damage}); move it aside to start with no jobs, or "
-                           "restore it from a backup")  # fmt: skip
-    db.executescript(SCHEMA)
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    if not 0 <= version <= SCHEMA_VERSION:
-        raise StorageError(f"schema v{version}; this worldserve reads v1 to v{SCHEMA_VERSION}")
-    db.execute("BEGIN")  # the columns and the version together (DDL is transactional in SQLite)
-    columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
-    if "interrupted" not in columns:  # a v1 database
-        db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
-    if "error_param" not in columns:  # v1, v2
-        db.execute("ALTER TABLE jobs ADD COLUMN error_param TEXT")
-    db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-    db.execute("COMMIT")
+    try:
+        # (the first access: WAL mode sizes its 32 KiB -shm file here, an I/O error on a disk without room)
+        db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk before it returns, so an acknowledged create survives a power loss too
+        # (NORMAL in WAL mode may lose the last commits then); one fsync per write, against ~5 s a step.
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=5000")
+        damage = db.execute("PRAGMA quick_check(1)").fetchone()[0]  # (before the model loads, not after)
+        if damage != "ok":
+            raise StorageError(f"the database is damaged ({damage}); move it aside to start with no jobs, or "
+                               "restore it from a backup")  # fmt: skip
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if not 0 <= version <= SCHEMA_VERSION:
+            raise StorageError(f"schema v{version}; this worldserve reads v1 to v{SCHEMA_VERSION}")
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if version != SCHEMA_VERSION or not {"jobs", "list_anchors"} <= tables:
+            _migrate(db)
+    except sqlite3.OperationalError as exc:
+        if (full := _full_disk(db, exc)) is not None:
+            raise StorageError(full) from exc
+        raise
     return db
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """The tables created (a new database; `list_anchors` in one from before it), the columns added and the
+    version written, in one transaction (DDL is transactional in SQLite)."""
+    db.execute("BEGIN")
+    try:
+        for statement in SCHEMA.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+        if "interrupted" not in columns:  # a v1 database
+            db.execute("ALTER TABLE jobs ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
+        if "error_param" not in columns:  # v1, v2
+            db.execute("ALTER TABLE jobs ADD COLUMN error_param TEXT")
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+
+
+ROOM_TO_OPEN = 1 << 20
+"""Free bytes below which an I/O error opening the database is read as a full disk: WAL mode needs 32 KiB for
+its -shm file (SQLite writes each of its pages: SQLITE_IOERR_SHMSIZE, "disk I/O error", on a full tmpfs) and
+room for the WAL's first frames."""
+FULL_DISK_CODES = frozenset({sqlite3.SQLITE_FULL})
+
+
+def _full_disk(db: sqlite3.Connection, exc: sqlite3.OperationalError) -> str | None:
+    """Why the database could not be opened when it is for want of space (SQLITE_FULL, or an I/O error with
+    less than ROOM_TO_OPEN free in its folder), naming the folder and what to free; else None."""
+    # (the file's name needs no I/O: SQLite's pager has it)
+    folder = Path(db.execute("PRAGMA database_list").fetchone()[2]).parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    code = getattr(exc, "sqlite_errorcode", None) or 0
+    # (extended codes: the primary one in the low byte, e.g. SQLITE_IOERR_SHMSIZE)
+    io_error_without_room = code & 0xFF == sqlite3.SQLITE_IOERR and free < ROOM_TO_OPEN
+    if code & 0xFF not in FULL_DISK_CODES and not io_error_without_room:
+        return None
+    return (
+        f"the disk of the storage folder {folder} is full ({free} bytes free; SQLite: {exc}): free at least "
+        f"{ROOM_TO_OPEN >> 20} MiB on it and start again, e.g. by removing old videos from {folder / 'videos'} "
+        "(their jobs are deleted as the server starts)"
+    )
 
 
 def spec_record(spec: JobSpec) -> dict[str, Any]:

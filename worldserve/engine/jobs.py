@@ -5,10 +5,11 @@ Files are written atomically (temp file, fsync, rename, fsync of the folder); a 
 after its file is in place, so a crash never leaves a completed job without its video.
 
 Lifecycle: `queued -> in_progress -> completed | failed`. DELETE removes the row and its files (as vLLM-Omni
-does), so there is no `cancelled` status. After a crash or a shutdown, `recover()` turns every `in_progress`
-row back into `queued` (progress 0): the server re-runs it from its persisted inputs, unless the process
-has died MAX_INTERRUPTIONS times while running it (a job that crashes the server, e.g. out of host memory,
-would otherwise take it down on every start): then it fails with a message saying so. Updates are guarded by
+does), so there is no `cancelled` status (job_deletion.py: in which order, and a deletion a full disk
+refuses). After a crash or a shutdown, `recover()` turns every `in_progress` row back into `queued` (progress
+0): the server re-runs it from its persisted inputs, unless the process has died MAX_INTERRUPTIONS times while
+running it (a job that crashes the server, e.g. out of host memory, would otherwise take it down on every
+start): then it fails with a message saying so. Updates are guarded by
 the current status, so a job deleted while its video was being encoded is never resurrected. A disk that
 refuses a write while serving (full, an I/O error) raises StorageError naming what was not saved
 (job_faults.py), never a half-written file; progress is then skipped and a failure kept until it can be written.
@@ -26,8 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from worldserve.engine.job_anchors import ListAnchors
-from worldserve.engine.job_database import JobDatabase
+from worldserve.engine.job_deletion import JobRemoval
 from worldserve.engine.job_faults import StorageFull, storage_failure
 from worldserve.engine.job_files import (
     StorageError,
@@ -41,6 +41,7 @@ from worldserve.engine.job_schema import (
     Job,
     JobSpec,
     JobStatus,
+    expired,
     job_from_row,
     spec_record,
 )
@@ -51,8 +52,6 @@ log = logging.getLogger(__name__)
 MAX_INTERRUPTIONS = 3
 """Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
 _UNFINISHED = ("queued", "in_progress")
-EXPIRY_BATCH = 500
-"""Expired jobs deleted per transaction by the TTL sweep."""
 LISTED_COLUMNS = (
     "id, status, progress, created_at, spec, started_at, completed_at, expires_at, error_code, error_message, "
     "error_param, file_name, inference_time_s, stage_durations, peak_memory_mb"
@@ -62,15 +61,13 @@ LIST_BATCH_ROWS = 1000
 """Rows a listing reads under the read lock at a time (100k jobs held it for ~2 s in one fetch)."""
 
 
-class JobStore(JobDatabase):
+class JobStore(JobRemoval):
     """The jobs' rows and files through their lifecycle: created, run, finished, deleted, recovered after a
     restart, expired; read one at a time or a page at a time (job_database.py: the connections and locks)."""
 
     def __init__(self, root: str | Path):
         """Open (or create) the store in `root` (JobDatabase: StorageError when it cannot be used)."""
         super().__init__(root)
-        self._anchors = ListAnchors()
-        """(created_at, seq) of the jobs deleted lately: a list cursor (`after`) naming one still pages on."""
         self._progress_refused = False  # logged once until a progress write goes through again
 
     # -- writes ---------------------------------------------------------------------------------------
@@ -198,24 +195,6 @@ class JobStore(JobDatabase):
             self.reference_path(job_id).unlink(missing_ok=True)
         return done
 
-    def delete(self, job_id: str) -> Job | None:
-        """Remove every file of the job, then its row; None if there was no such job. Files first: on a disk
-        full of videos the row's deletion needs the space they free, and a file that cannot be removed (a
-        StorageError) leaves the job as it was, not a row gone with its file left behind."""
-        if not JOB_ID_PATTERN.match(job_id):
-            return None
-        with self._writing("the deletion"):
-            row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
-            if row is None:
-                return None
-            now = time.time()
-            job = self._unsaved.shown(job_from_row(row))
-            self._remove_files(job_id)
-            self._delete_rows([row], now)
-        # (an expired job not yet swept is gone already, as get() and the list say: its files go now, and the
-        # answer is "no such job")
-        return None if expired(job, now) else job
-
     def recover(
         self,
         *,
@@ -225,8 +204,11 @@ class JobStore(JobDatabase):
     ) -> list[str]:
         """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
         the job MAX_INTERRUPTIONS times (`on_failed(500)` for each: the metrics count it); finished jobs
-        without an expiry get one from `ttl_s` (without a TTL none keeps one: nothing expires); the store's stray temp files and orphans removed (only files
-        it writes: another file in its folders is left be).
+        without an expiry get one from `ttl_s` (without a TTL none keeps one: nothing expires); completed
+        jobs whose video is missing deleted (`delete_videoless`: a DELETE whose row a full disk refused, or a
+        video removed by hand); the store's stray temp files and orphans removed (only files it writes:
+        another file in its folders is left be). On a full disk the server starts all the same (reads and
+        DELETEs), its unfinished jobs left as they are until a start with space.
 
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
         """
@@ -265,6 +247,7 @@ class JobStore(JobDatabase):
             log.warning("the job store cannot record this restart (%s): its unfinished jobs stay as they are "
                         "until the server restarts with free space; DELETE old videos to free it", exc)  # fmt: skip
             given_up, unfinished = 0, []
+        self.delete_videoless(now)
         with self._lock:
             rows = self._db.execute("SELECT id, status FROM jobs").fetchall()
         remove_strays(self.videos_dir, keep={r["id"] for r in rows if r["status"] == "completed"})
@@ -285,60 +268,18 @@ class JobStore(JobDatabase):
         except StorageError as exc:  # they stay in_progress in the database: recover() queues them at start
             log.warning("%s", exc)
 
-    def delete_expired(self, now: float, batch: int = EXPIRY_BATCH) -> list[str]:
-        """Delete the jobs expired at `now` (rows and files), `batch` rows a transaction with the lock free
-        between them (the event loop's reads wait for one batch, not for the whole sweep); their ids."""
-        deleted: list[str] = []
-        while True:
-            with self._writing("the expired jobs' deletion"):
-                rows = self._db.execute(
-                    "SELECT id, created_at, seq FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?"
-                    " LIMIT ?",
-                    (now, batch),
-                ).fetchall()
-                gone, kept = [], None
-                for r in rows:  # files first, as `delete`: a job whose file stays keeps its row (swept again)
-                    try:
-                        self._remove_files(r["id"])
-                        gone.append(r)
-                    except OSError as exc:
-                        kept = kept or (r["id"], exc)
-                self._delete_rows(gone, now)
-            deleted += [r["id"] for r in gone]
-            if kept is not None:  # (the next batch would meet it again: the sweep ends here)
-                log.warning("expired job %s kept: its files could not be removed (%s)", *kept)
-                return deleted
-            if len(rows) < batch:
-                return deleted
-
-    def _delete_rows(self, rows: Sequence[sqlite3.Row], now: float) -> None:
-        """Under `_lock`, their files gone: the jobs' rows deleted and their list anchors stored, in one
-        transaction. When the disk refuses it (full), the rows alone, as before the anchors were stored (their
-        anchors then in memory only: a restart forgets them); a refusal of that raises, as it did."""
-        ids = [(r["id"],) for r in rows]
-        try:
-            with self._transaction():
-                self._db.executemany("DELETE FROM jobs WHERE id=?", ids)
-                self._anchors.write(self._db, rows, now)
-        except sqlite3.OperationalError as exc:
-            with self._transaction():
-                self._db.executemany("DELETE FROM jobs WHERE id=?", ids)
-            if rows:
-                log.warning("list anchors not saved, kept in memory only: %d job(s) (%s)", len(rows), exc)
-        # (a failure still kept for a deleted job is moot)
-        for r in rows:
-            self._unsaved.discard(r["id"])
-            self._anchors.remember(r["id"], r["created_at"], r["seq"])
-
     # -- reads ----------------------------------------------------------------------------------------
     def get(self, job_id: str) -> Job | None:
         if not JOB_ID_PATTERN.match(job_id):
             return None
         with self._read_lock:
             row = self._reader.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
-        job = self._unsaved.shown(job_from_row(row)) if row is not None else None
+        # (a deletion kept in memory, job_deletion.py: gone, as its DELETE was answered)
+        if row is None or job_id in self._unsaved_deletions:
+            return None
+        job = self._unsaved.shown(job_from_row(row))
         # (an expired job not yet swept is gone already: its expires_at said so)
-        return None if job is None or expired(job, time.time()) else job
+        return None if expired(job, time.time()) else job
 
     def load_inputs(self, job_id: str) -> tuple[dict[str, Any], bytes | None]:
         """The persisted request inputs; raises FileNotFoundError if the reference file is gone."""
@@ -386,7 +327,12 @@ class JobStore(JobDatabase):
                     rows = cursor.fetchmany(batch)
                 if not rows:
                     break
-                jobs += [job for r in rows if not expired(job := self._unsaved.shown(job_from_row(r)), now)]
+                jobs += [
+                    job
+                    for r in rows
+                    if r["id"] not in self._unsaved_deletions
+                    and not expired(job := self._unsaved.shown(job_from_row(r)), now)
+                ]
         finally:
             # a listing stopped before its last row ends its statement here (and its read snapshot)
             with self._read_lock:
@@ -394,8 +340,3 @@ class JobStore(JobDatabase):
         if limit is None:
             return jobs, False
         return jobs[:limit], len(jobs) > limit
-
-
-def expired(job: Job, now: float) -> bool:
-    """Whether `job` is past its expires_at (the sweep deletes it within its period; reads hide it now)."""
-    return job.expires_at is not None and job.expires_at <= now
