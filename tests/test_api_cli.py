@@ -123,6 +123,9 @@ def test_allowed_media_domains_that_took_the_model_folder_are_refused(tmp_path):
         engine_config(build_parser(argv).parse_args(argv))
     argv = ["serve", str(tmp_path), "--allowed-media-domains", "example.com"]
     assert engine_config(build_parser(argv).parse_args(argv)).model.model == str(tmp_path)
+    argv = ["serve", "--allowed-media-domains", "example.com", "nvidia/Cosmos3-Nano"]  # a Hub id: no domain
+    with pytest.raises(ValueError, match="--allowed-media-domains took .*a Hugging Face repo id"):
+        engine_config(build_parser(argv).parse_args(argv))
 
 
 @pytest.mark.parametrize("flag", ["--api-key", "--served-model-name"])

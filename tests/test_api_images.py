@@ -74,7 +74,7 @@ def test_openai_client_generates_images_equal_to_the_pipeline(tmp_path, pipeline
         ({"prompt": "x", "size": "65x64"}, "size"),
         ({"prompt": "x", "size": "big"}, "size"),
         ({"prompt": "x", "size": "1280x1280"}, "above the largest image (1048576 pixels"),
-        ({"prompt": "x", "size": "1536x1024"}, "above the largest image (1048576 pixels"),  # (OpenAI's preset)
+        ({"prompt": "x", "size": "1536x1024"}, "above the largest image (1048576 pixels"),
         ({"prompt": "x", "size": "9" * 5000 + "x64"}, "size"),
         ({"prompt": "x", "n": 11}, "n"),
         ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),

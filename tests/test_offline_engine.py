@@ -38,6 +38,22 @@ def test_text_and_image_to_video_mp4s(engine, tmp_path):
     assert {"prepare", "diffuse", "vae.decode", "encode"} <= set(t2v.stage_seconds)
     t2v.save(tmp_path / "fox.mp4")
     assert (tmp_path / "fox.mp4").read_bytes() == t2v.video
+    # a save that fails midway (a full disk found at the fsync) leaves the older file whole, no partial one
+    import errno
+    import os
+
+    from worldserve.media import atomic_write
+
+    (tmp_path / "fox.mp4").write_bytes(b"older")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(atomic_write.os, "fsync", full)
+        with pytest.raises(OSError, match="No space left"):
+            t2v.save(tmp_path / "fox.mp4")
+    assert (tmp_path / "fox.mp4").read_bytes() == b"older" and os.listdir(tmp_path) == ["fox.mp4"]
 
     first = p.frames[-1]
     from_array = engine.generate_video("The fox turns around", image=first, **TINY)

@@ -71,6 +71,11 @@ def test_instructions_that_leave_no_room_are_named_not_the_input():
     ) as err:  # the question is too long with them (70), not they alone: the input's
         fit_by_items(chat, paths, 65, _count)
     assert err.value.param == "input"
+    mixed, where = _chat(("system", "s" * 5), ("system", "x" * 60), ("user", "q" * 10))
+    where.messages[:2] = ["instructions", "input[0]"]  # brief instructions, then a long system item
+    with pytest.raises(APIError) as err:
+        fit_by_items(mixed, where, 40, _count)
+    assert err.value.param == "input[0]", err.value.message
     paths.messages[0] = "input[0]"  # a leading system item of the input
     with pytest.raises(APIError) as err:
         fit_by_items(chat, paths, 40, _count)

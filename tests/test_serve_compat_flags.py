@@ -456,6 +456,22 @@ def test_a_log_file_that_cannot_be_written_is_said_once_in_one_line(capsys):
     assert err.count("--log-file /dev/full: cannot write to it") == 1 and "Traceback" not in err, err
 
 
+def test_a_log_line_that_does_not_format_is_not_taken_for_a_full_disk(tmp_path, capsys):
+    """A bad format in a log call is logging's own report; the file still takes lines, and a later write
+    failure would still be said."""
+    from worldserve.commands import serve, serve_compat
+
+    path = tmp_path / "serve.log"
+    handler = serve_compat.log_to_file(str(path), serve.LOG_FORMAT)
+    try:  # (straight to the handler: pytest's own capture handler raises on the bad line)
+        for msg, args in (("bad %d", ("str",)), ("fine", ())):
+            handler.handle(logging.makeLogRecord({"msg": msg, "args": args, "levelno": logging.WARNING}))
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert "cannot write to it" not in capsys.readouterr().err and "fine" in path.read_text()
+
+
 def test_every_config_flag_has_its_own_help():
     """Each flag of the config classes is documented by the string right below its field (a field inserted
     between another and its docstring took that help and left the other flag without any)."""

@@ -79,24 +79,26 @@ def _refuse(
     room: int,
     count: Callable[[ChatCompletionRequest], int | None],
 ) -> NoReturn:
-    """The 400 for a conversation that does not fit with every item that may go dropped: naming the `first`
-    leading system / developer messages' field (`instructions`) when they alone, before an empty question,
-    leave the prompt no room (and the empty question has room without them), else `input`."""
+    """The 400 for a conversation that does not fit with every item that may go dropped: naming the field of
+    the first of the `first` leading system / developer messages with which they alone, before an empty
+    question, leave the prompt no room (`instructions`, or a system item `input[j]`; the empty question has
+    room without them), else `input`."""
     param, what = "input", "The input does not fit"
-    if first > 0:
-        question = ChatCompletionRequest.model_validate(
-            {"messages": [{"role": "user", "content": ""}]}
-        ).messages
+    question = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}]}).messages
+
+    def fits(leading: int) -> bool:  # the first `leading` system messages before an empty question
         try:
-            bare = count(chat.model_copy(update={"messages": question}))
-            alone = count(chat.model_copy(update={"messages": chat.messages[:first] + question}))
+            tokens = count(chat.model_copy(update={"messages": chat.messages[:leading] + question}))
         except ParamError:  # (a template that refuses that: the input's to answer)
-            bare = alone = 0
-        # (the template's own tokens past the room: max_output_tokens', named as the input's)
-        if bare is not None and bare <= room and (alone is None or alone > room):
-            leading = paths.messages[:first]
-            param = "instructions" if "instructions" in leading else (leading[0] if leading else "input")
-            what = f"The {param} alone do not fit"
+            return True
+        return tokens is not None and tokens <= room
+
+    # (the template's own tokens past the room: max_output_tokens', named as the input's)
+    if first > 0 and fits(0) and not fits(first):
+        # the leading message with which they stop fitting is the one named (instructions, or input[j])
+        culprit = next(k for k in range(1, first + 1) if not fits(k)) - 1
+        param = paths.messages[culprit] if culprit < len(paths.messages) else "input"
+        what = f"With the {param}, the prompt does not fit"
     raise APIError(400, f"{what} the context with max_output_tokens' room ({room} tokens for the prompt), even "
                    "with truncation 'auto' dropping every input item before the last user message (or the last "
                    f"item): shorten the {param} or lower max_output_tokens.", param=param)  # fmt: skip

@@ -102,9 +102,10 @@ def _check_model_not_taken(values: dict) -> None:
         for i, value in enumerate([given] if isinstance(given, str) else given or ()):
             if value and Path(value).is_dir():  # ("" is the current folder to Path: left to the flag's check)
                 what = "a folder"
-            elif (
-                flag == "served_model_name" and i > 0 and flag in given_here and HUB_ID.fullmatch(value or "")
-            ):
+            elif HUB_ID.fullmatch(value or "") and (
+                flag == "allowed_media_domains"
+                or (flag == "served_model_name" and i > 0 and flag in given_here)
+            ):  # (a domain has no "/": a repo id there is the MODEL, wherever it stands)
                 what = "a Hugging Face repo id"  # (an API key may be shaped so; a --config list has no order)
             else:
                 continue

@@ -374,7 +374,11 @@ class _LogFile(logging.FileHandler):
             self._said(exc)
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
-        self._said(sys.exc_info()[1])
+        why = sys.exc_info()[1]
+        if isinstance(why, OSError):
+            self._said(why)
+        else:  # (a line that does not format: logging's own report, the file is fine)
+            super().handleError(record)
 
     def _said(self, why: BaseException | None) -> None:
         if not self._failed:

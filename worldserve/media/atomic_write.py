@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 
 @contextlib.contextmanager
-def writing_atomically(path: str | Path) -> Iterator[BinaryIO]:
+def writing_atomically(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """A binary file to write `path`'s bytes into: on a clean exit they replace `path` in one rename; on
     any exception the temporary file is removed and `path` is left as it was."""
     target = Path(os.path.realpath(path))
@@ -51,7 +51,7 @@ def writing_atomically(path: str | Path) -> Iterator[BinaryIO]:
         raise
 
 
-def write_atomically(path: str | Path, data: bytes) -> None:
+def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
     """`data` as the whole of `path`, or `path` unchanged when the write fails (`writing_atomically`)."""
     with writing_atomically(path) as fh:
         fh.write(data)

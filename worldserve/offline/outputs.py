@@ -62,8 +62,9 @@ class VideoOutput(GeneratedOutput):
             raise ParamError("path", f"{os.fspath(path)!r}: a VideoOutput is an MP4, so its name ends in "
                              f"{' or '.join(VIDEO_EXTENSIONS)} (frames as PNG / NPZ: `worldserve generate -o`, "
                              "or VideoPipeline.generate's arrays)")  # fmt: skip
-        with open(path, "wb") as f:
-            f.write(self.video)
+        from worldserve.media.atomic_write import write_atomically
+
+        write_atomically(path, self.video)  # (whole or not at all: an older file there survives a failure)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,9 +87,9 @@ class ImageOutput(GeneratedOutput):
                              f"{', '.join('.' + f for f in FORMATS)}")  # fmt: skip
         import numpy as np
 
-        data = encode_image(np.asarray(self.image.convert("RGB")), ext)
-        with open(path, "wb") as f:
-            f.write(data)
+        from worldserve.media.atomic_write import write_atomically
+
+        write_atomically(path, encode_image(np.asarray(self.image.convert("RGB")), ext))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

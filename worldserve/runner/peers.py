@@ -162,6 +162,8 @@ class PeerRanks:
 
     def _gone(self, r: int, exc: Exception) -> comm.PeerError:
         code = self.processes[r - 1].exitcode
+        if code is None:  # (alive: stuck, or its transport failed)
+            return comm.PeerError(f"{self.label} peer (rank {r}) is not answering: {exc}")
         return comm.PeerError(f"{self.label} peer (rank {r}) is gone ({exit_reason(code)}): {exc}")
 
     def send(self, msg: tuple[object, ...], to: Sequence[int] | None = None) -> None:
