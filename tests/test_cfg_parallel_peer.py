@@ -91,9 +91,41 @@ def test_a_stuck_peer_is_given_up_on_within_the_exchange_timeout(tiny_ckpt):
             "r0", VideoParams(prompt="a fox", num_inference_steps=3, guidance_scale=6.0, **SMALL)
         )
         pipe.denoise([state])
-        pipe.peers.exchange_timeout_s = 2.0
+        pipe.peers.bound_waits(2.0)
         os.kill(pipe.process.pid, signal.SIGSTOP)
         with pytest.raises(BackendLost, match="no answer within 2 s"):
+            _ends(lambda: pipe.denoise([state]))
+    finally:
+        if pipe.process.is_alive():
+            os.kill(pipe.process.pid, signal.SIGCONT)
+        pipe.close()
+    assert not pipe.process.is_alive()
+
+
+def test_a_peer_stuck_inside_a_tensor_parallel_forward_is_given_up_on(tiny_ckpt):
+    """Tensor parallelism's all-reduces run on the world group, made with the 1,800 s start-up timeout: a peer
+    stopped inside a step held rank 0 that long. After the start rank 0's world waits are bounded as its
+    exchanges are (`bound_waits`: 300 s; 2 s here)."""
+    import os
+    import signal
+
+    from worldserve.runner.video_pipeline import load_pipeline
+
+    pipe = load_pipeline(tiny_ckpt, tensor_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
+    try:
+        state = pipe.prepare(
+            "r0", VideoParams(prompt="a fox", num_inference_steps=3, guidance_scale=6.0, **SMALL)
+        )
+        pipe.denoise([state])
+        pipe.peers.bound_waits(2.0)
+        forward = pipe.local.forward
+
+        def stop_the_peer_then_forward(*args, **kwargs):  # (the peer has its inputs: it stops mid-step)
+            os.kill(pipe.process.pid, signal.SIGSTOP)
+            return forward(*args, **kwargs)
+
+        pipe.local.forward = stop_the_peer_then_forward
+        with pytest.raises(BackendLost, match="Timed out waiting 2000ms"):
             _ends(lambda: pipe.denoise([state]))
     finally:
         if pipe.process.is_alive():

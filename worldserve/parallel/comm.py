@@ -77,6 +77,16 @@ def new_group(ranks: list[int], setup_timeout_s: float, timeout_s: float) -> Any
     return group
 
 
+def bound_world_waits(timeout_s: float) -> None:
+    """This process's waits on the world group (tensor-parallel all-reduces, a step's messages) give up after
+    `timeout_s` from now on (the world was made with the long start-up timeout that model loading needs)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    if dist.is_initialized():
+        _set_pg_timeout(timedelta(seconds=timeout_s))
+
+
 # ---------------------------------------------------------------------------------------------- world
 def host_store(world_size: int, timeout_s: float) -> tuple[Any, str]:
     """Rank 0's TCPStore, bound now on a port the OS picks -> (store, its init_method "tcp://127.0.0.1:PORT").

@@ -130,7 +130,14 @@ class PeerRanks:
         finally:
             pipes.close()
         self.keep_alive(min(KEEPALIVE_S, timeout_s / 4))
+        self.bound_waits(COLLECTIVE_TIMEOUT_S)
         return self, local
+
+    def bound_waits(self, timeout_s: float) -> None:
+        """Rank 0 gives a peer alive but stuck up after `timeout_s`: in an exchange (`exchange_timeout_s`) and
+        in a collective on the world group (tensor parallelism's all-reduces: they had the world's 1,800 s)."""
+        self.exchange_timeout_s = timeout_s
+        comm.bound_world_waits(timeout_s)
 
     @property
     def ranks(self) -> range:
