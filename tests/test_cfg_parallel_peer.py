@@ -76,56 +76,40 @@ def test_dead_peer_raises_instead_of_hanging(tiny_ckpt, caplog):
     assert not pipe.process.is_alive()
 
 
-def test_a_stuck_peer_is_given_up_on_within_the_exchange_timeout(tiny_ckpt):
+@pytest.mark.parametrize(
+    "layout, where, said",
+    [({"cfg_parallel_size": 2}, "between steps", "no answer within 2 s"),
+     ({"tensor_parallel_size": 2}, "inside a step", "Timed out waiting 2000ms")],
+)  # fmt: skip
+def test_a_stuck_peer_is_given_up_on_within_the_bounded_wait(tiny_ckpt, layout, where, said):
     """A peer alive but not answering (SIGSTOP: a deadlock, a wedged driver) was waited for until the world's
-    1800 s timeout, the job held and /health green; rank 0's exchanges now give it up after
-    `exchange_timeout_s` (300 s; 2 s here) as a lost backend."""
+    1,800 s timeout, the job held and /health green. After the start rank 0 gives it up as a lost backend
+    after `bound_waits` (300 s; 2 s here): in an exchange (CFG-parallel's velocities: the peer stopped between
+    steps) and in tensor parallelism's all-reduces on the world group (the peer stopped inside a step, its
+    inputs received)."""
     import os
     import signal
 
     from worldserve.runner.video_pipeline import load_pipeline
 
-    pipe = load_pipeline(tiny_ckpt, cfg_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
+    pipe = load_pipeline(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False, **layout)
     try:
         state = pipe.prepare(
             "r0", VideoParams(prompt="a fox", num_inference_steps=3, guidance_scale=6.0, **SMALL)
         )
         pipe.denoise([state])
         pipe.peers.bound_waits(2.0)
-        os.kill(pipe.process.pid, signal.SIGSTOP)
-        with pytest.raises(BackendLost, match="no answer within 2 s"):
-            _ends(lambda: pipe.denoise([state]))
-    finally:
-        if pipe.process.is_alive():
-            os.kill(pipe.process.pid, signal.SIGCONT)
-        pipe.close()
-    assert not pipe.process.is_alive()
-
-
-def test_a_peer_stuck_inside_a_tensor_parallel_forward_is_given_up_on(tiny_ckpt):
-    """Tensor parallelism's all-reduces run on the world group, made with the 1,800 s start-up timeout: a peer
-    stopped inside a step held rank 0 that long. After the start rank 0's world waits are bounded as its
-    exchanges are (`bound_waits`: 300 s; 2 s here)."""
-    import os
-    import signal
-
-    from worldserve.runner.video_pipeline import load_pipeline
-
-    pipe = load_pipeline(tiny_ckpt, tensor_parallel_size=2, device="cpu", dtype=torch.float32, progress=False)
-    try:
-        state = pipe.prepare(
-            "r0", VideoParams(prompt="a fox", num_inference_steps=3, guidance_scale=6.0, **SMALL)
-        )
-        pipe.denoise([state])
-        pipe.peers.bound_waits(2.0)
-        forward = pipe.local.forward
-
-        def stop_the_peer_then_forward(*args, **kwargs):  # (the peer has its inputs: it stops mid-step)
+        if where == "between steps":
             os.kill(pipe.process.pid, signal.SIGSTOP)
-            return forward(*args, **kwargs)
+        else:
+            forward = pipe.local.forward
 
-        pipe.local.forward = stop_the_peer_then_forward
-        with pytest.raises(BackendLost, match="Timed out waiting 2000ms"):
+            def stop_the_peer_then_forward(*args, **kwargs):
+                os.kill(pipe.process.pid, signal.SIGSTOP)
+                return forward(*args, **kwargs)
+
+            pipe.local.forward = stop_the_peer_then_forward
+        with pytest.raises(BackendLost, match=said):
             _ends(lambda: pipe.denoise([state]))
     finally:
         if pipe.process.is_alive():
