@@ -248,3 +248,25 @@ def test_write_failure_reason_reads_the_os_error_inside_a_safetensors_error():
     debug = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left" })'
     assert write_failure_reason(SafetensorError(debug)) == os.strerror(errno.ENOSPC)
     assert write_failure_reason(SafetensorError("header too large")) == "header too large"
+
+
+def test_make_tiny_force_over_a_checkpoint_that_fails_leaves_it_whole(tmp_path):
+    """--force over an existing checkpoint wrote into it in place: a full disk midway left one transformer
+    shard and no VAE. Now the new checkpoint is written beside and moved in whole: a failure leaves the older
+    one as it was; a success replaces its files (another file there stays, as --force kept it)."""
+    from safetensors import SafetensorError
+
+    target = tmp_path / "ckpt"
+    assert run_cli("make-tiny", target).returncode == 0
+    (target / "NOTES.txt").write_text("mine")
+    before = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    with pytest.MonkeyPatch.context() as patch:
+        _safetensors_disk_fills(patch, SafetensorError)
+        assert run_cli("make-tiny", "--force", target).returncode == 1
+    assert {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    r = run_cli("make-tiny", "--force", "--seed", "1", target)
+    assert r.returncode == 0, r.stderr
+    after = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    assert after.keys() == before.keys() and after != before and after[Path("NOTES.txt")] == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

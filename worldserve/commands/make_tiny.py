@@ -51,25 +51,49 @@ def run(args: argparse.Namespace) -> int:
         print(f"worldserve make-tiny: error: {e.message}", file=sys.stderr)
         return 2
     target = Path(args.dir)
-    # a new (or empty) DIR is written beside it and renamed when complete: an interrupted or failed run
-    # leaves nothing (it left a half-written folder, "not a Cosmos3 checkpoint", that only --force could fill)
-    fresh = not (target.is_dir() and any(target.iterdir()))
-    folder = target.parent / f".{target.name}.partial-{os.getpid()}" if fresh else target
+    # the checkpoint is written beside DIR and moved in when complete: an interrupted or failed run leaves DIR
+    # as it was (a new one: nothing; it left a half-written folder, "not a Cosmos3 checkpoint"; --force over
+    # a checkpoint: that checkpoint, where it left one shard of eight and no VAE)
+    folder = target.parent / f".{target.name}.partial-{os.getpid()}"
     try:
         make_tiny(
             folder, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
         )
-        if fresh:
-            if target.is_dir():
-                target.rmdir()  # (empty)
-            folder.rename(target)
+        _move_in(folder, target)
     except (OSError, SafetensorError) as exc:  # what the check could not foresee (a missing parent under
         # /proc, a full disk: the weights' write fails in safetensors, a SafetensorError, not an OSError)
         print(f"worldserve make-tiny: error: cannot write {args.dir}: {write_failure_reason(exc)}",
               file=sys.stderr)  # fmt: skip
         return 1
     finally:
-        if fresh and folder.exists():  # (failed or interrupted: Ctrl-C, SIGTERM)
+        if folder.exists():  # (failed or interrupted: Ctrl-C, SIGTERM)
             shutil.rmtree(folder, ignore_errors=True)
     print(f"wrote a {args.shapes} random Cosmos3 checkpoint to {target} (its outputs are noise)")
     return 0
+
+
+def _move_in(folder: Path, target: Path) -> None:
+    """The complete checkpoint `folder` as `target`: renamed to it when `target` is missing or empty, else
+    (--force) each of its entries renamed over `target`'s of that name and an earlier checkpoint's
+    components it has not removed (the older ones moved aside first, then deleted), `target`'s other files
+    left be, as --force writing into it left them."""
+    if not (target.is_dir() and any(target.iterdir())):
+        if target.is_dir():
+            target.rmdir()  # (empty)
+        folder.rename(target)
+        return
+    from worldserve.weights.tiny import COMPONENT_FOLDERS
+
+    aside = target.parent / f".{target.name}.older-{os.getpid()}"
+    aside.mkdir()
+    try:
+        # (an earlier checkpoint's component the new one has not, e.g. vision_encoder/ under --no-vision, goes)
+        replaced = {entry.name for entry in folder.iterdir()} | set(COMPONENT_FOLDERS)
+        for name in sorted(replaced):
+            older = target / name
+            if older.exists() or older.is_symlink():
+                older.rename(aside / name)
+            if (folder / name).exists():
+                (folder / name).rename(older)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
