@@ -47,3 +47,12 @@ async def test_every_escaping_writes_a_family_and_its_samples_alike(tmp_path):
     success = next(f for f in families if f.name == "vllm:omni__requests__success")
     assert "vllm:omni__requests__success_total" in {s.name for s in success.samples}
     assert {"model__name", "finished__reason"} <= set(success.samples[0].labels)
+
+
+@pytest.mark.parametrize("version", ["abc", "1.0.0-rc1"])
+async def test_an_openmetrics_version_that_does_not_parse_gets_the_text_format(tmp_path, version):
+    """prometheus_client compared the version's parts with ints: `version=abc` was a 500 on every scrape."""
+    async with asgi_server(tmp_path) as http:
+        r = await http.get("/metrics", headers={"Accept": f"application/openmetrics-text; version={version}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:200]
+    assert "vllm:num_requests_running" in r.text

@@ -52,8 +52,11 @@ def test_a_refused_value_is_quoted_as_it_came_not_rounded_into_range():
     assert "sound_duration=0.124999999" in str(error.value), str(error.value)
 
 
-def test_max_log_len_cuts_the_logged_negative_prompt_too(caplog):
+def test_max_log_len_cuts_the_logged_negative_and_system_prompts_too(caplog):
     with caplog.at_level(logging.INFO, logger="worldserve.requests"):
-        RequestLog(max_len=10).video("r", VideoParams(**SMALL, negative_prompt="blurry " * 100))
+        RequestLog(max_len=10).video(
+            "r", VideoParams(**SMALL, negative_prompt="blurry " * 100, system_prompt="SECRET " * 20)
+        )
     line = caplog.records[-1].getMessage()
     assert "negative_prompt='blurry blu'" in line and "blurry " * 3 not in line, line
+    assert "system_prompt='SECRET SEC'" in line and "SECRET " * 2 not in line, line  # (it was logged whole)

@@ -210,9 +210,15 @@ async def test_allowed_origins_refuse_other_pages_requests_not_only_their_readin
         assert evil.status_code == 403, evil.text
         assert "'https://evil.example' is not allowed (--allowed-origins)" in evil.json()["error"]["message"]
         assert (await http.get("/v1/videos")).json()["data"] == [], "no job was made"
-        for origin in ("https://app.example", "http://test", None):  # allowed; same origin; not a browser
-            headers = {"Origin": origin} if origin else {}
+        for origin in ("https://app.example", "http://127.0.0.1:8000", None):  # allowed; own page; no browser
+            headers = {"Origin": origin, "Host": "127.0.0.1:8000"} if origin else {}
             assert (await http.post("/v1/videos", data=small, headers=headers)).status_code == 200, origin
+        for host in ("[::1]:8000", "localhost:8000"):
+            own = {"Origin": f"http://{host}", "Host": host}
+            assert (await http.post("/v1/videos", data=small, headers=own)).status_code == 200, host
+        # DNS rebinding: another site's name resolving to this server sends its own Origin and Host, alike
+        rebound = {"Origin": "http://evil.example:8000", "Host": "evil.example:8000"}
+        assert (await http.post("/v1/videos", data=small, headers=rebound)).status_code == 403
         pre = await http.options("/v1/videos", headers=PREFLIGHT)  # the preflight stays CORS's
         assert pre.status_code == 200
     async with serving(tmp_path, monkeypatch) as http:

@@ -100,7 +100,7 @@ class VideoSampling:
             raise ParamError(
                 "messages",
                 f"the video is {given} pixels: its aspect ratio (longer side / "
-                f"shorter side) must be smaller than 200, got {max(height, width) / min(height, width):g}",
+                f"shorter side) must be at most 200, got {max(height, width) / min(height, width):g}",
             )
         h_bar, w_bar = round(height / f) * f, round(width / f) * f
         t_bar = round(num_frames / tf) * tf

@@ -63,6 +63,20 @@ class _Failed(Exception):
     """A download failure; its message is the client-facing reason."""
 
 
+URL_SAFE = "/%:@!$&'()*+,;=-._~?"
+"""What a request target keeps as it is (RFC 3986's reserved and unreserved characters and the % of an escape
+already there); a space, a non-ASCII character and the like are percent-encoded (UTF-8), as vLLM's, curl's and
+browsers' requests send them."""
+
+
+def request_target(parts: urllib.parse.SplitResult) -> str:
+    """The path and query of `parts` as the GET's request target: `/café.jpg` as `/caf%C3%A9.jpg` (it failed,
+    "failed to download", a UnicodeEncodeError in http.client; a space an InvalidURL)."""
+    path = urllib.parse.quote(parts.path or "/", safe=URL_SAFE)
+    query = urllib.parse.quote(parts.query, safe=URL_SAFE)
+    return path + ("?" + query if query else "")
+
+
 @dataclass(frozen=True, slots=True)
 class MediaFetcher:
     max_bytes: int
@@ -200,7 +214,7 @@ class MediaFetcher:
             conn.sock = sock = connect(host, addresses, https, deadline, held)
             if expired.is_set() or time.monotonic() > deadline:  # the timer fired before there was a socket
                 raise TimeoutError
-            path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+            path = request_target(parts)
             conn.request("GET", path, headers={"User-Agent": f"worldserve/{__version__}", "Accept": "*/*"})
             resp = conn.getresponse()
             if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):

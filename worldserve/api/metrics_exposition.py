@@ -51,8 +51,12 @@ def exposition_app(registry: CollectorRegistry) -> ASGIApp:
 
 def encoder_for(accept: str) -> tuple[Callable[[Collector], bytes], str]:
     """prometheus_client's choose_encoder, but an OpenMetrics scrape's names escaped alike in its metadata and
-    its samples."""
-    encoder, content_type = choose_encoder(accept)
+    its samples; an Accept whose OpenMetrics version does not parse (`version=abc`: prometheus_client's
+    comparison raised, a 500 on every scrape) gets the text format, as one naming no format does."""
+    try:
+        encoder, content_type = choose_encoder(accept)
+    except (TypeError, ValueError):
+        encoder, content_type = choose_encoder("")
     if not content_type.startswith(OPENMETRICS):
         return encoder, content_type
     params = dict(p.strip().split("=", 1) for p in content_type.split(";")[1:] if "=" in p)

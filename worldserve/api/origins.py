@@ -5,14 +5,15 @@ CORS alone (Starlette's middleware, vLLM's) only keeps such a page from reading 
 (`/v1/videos`, `/v1/videos/sync` take multipart and urlencoded bodies, which a browser sends cross-site without
 a preflight) still created a job, and a WebSocket handshake (`/v1/realtime/video`) is never checked against
 the list. Here, with a list of origins, any request (but the OPTIONS preflight, CORS's own) whose `Origin`
-header is neither one of them nor the server's own origin (scheme and Host of the request: its /docs page)
-is answered 403 with the error envelope naming the origin; a WebSocket handshake is refused the same way
+header is neither one of them nor the server's own origin (scheme and Host of the request, the Host an IP
+address or localhost: its /docs page; a name could be another site's under DNS rebinding) is answered 403 with the error envelope naming the origin; a WebSocket handshake is refused the same way
 (HTTP 403). Requests without `Origin` (curl, SDKs, servers) pass: browsers send it on every cross-origin
 POST and every WebSocket handshake. ["*"] (the default, vLLM's) leaves every request through.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 
 from starlette.datastructures import Headers
@@ -45,7 +46,18 @@ class OriginGuardMiddleware:
         await self.app(scope, receive, send)
 
 
-def _own_origin(scope: Scope, headers: Headers) -> str:
-    """The origin of a page this server served: the request's scheme (http for ws) and its Host header."""
+def _own_origin(scope: Scope, headers: Headers) -> str | None:
+    """The origin of a page this server served (its /docs): the request's scheme (http for ws) and its Host
+    header, when that Host is an IP address or `localhost`. A name is not taken on its word: under DNS
+    rebinding another site's name resolves to this server, and its page's Origin and Host then match
+    (`http://evil.example:8000` both); a server reached by name lists that origin in --allowed-origins."""
+    host = headers.get("host", "")
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    name = name.removeprefix("[").removesuffix("]").lower()
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        if name != "localhost":
+            return None
     scheme = scope.get("scheme", "http")
-    return f"{HTTP_SCHEMES.get(scheme, scheme)}://{headers.get('host', '')}"
+    return f"{HTTP_SCHEMES.get(scheme, scheme)}://{host}"

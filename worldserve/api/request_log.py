@@ -30,6 +30,10 @@ MEDIA = {"image_url": "<image>", "video_url": "<video>"}
 """How a chat's media parts show in its logged prompt."""
 
 
+PROMPT_TEXTS = ("negative_prompt", "system_prompt")
+"""VideoParams' texts besides the prompt that --max-log-len cuts as it cuts the prompt."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLog:
     """Where accepted requests are logged (`max_len`: --max-log-len, None: whole prompts)."""
@@ -71,8 +75,9 @@ class RequestLog:
             if f.name
             not in ("prompt", "field_names")  # (where the request's values came in: not one of them)
         }
-        if isinstance(fields.get("negative_prompt"), str) and self.max_len is not None:
-            fields["negative_prompt"] = fields["negative_prompt"][: self.max_len]
+        for text in PROMPT_TEXTS:  # (the request's own texts: cut as the prompt is, --max-log-len)
+            if isinstance(fields.get(text), str) and self.max_len is not None:
+                fields[text] = fields[text][: self.max_len]
         if reference is not None:
             fields["reference"] = f"<{len(reference)} bytes>"
         more = {"request_id": http_id} if http_id is not None and http_id != request_id else {}

@@ -271,7 +271,7 @@ class ChatPromptBuilder(ChatTokenizer):
                 images, keys=[key for _, key in parts], min_pixels=params.image_min_pixels,
                 max_pixels=params.image_max_pixels,
             )  # fmt: skip
-        except ValueError as exc:  # vision.smart_resize: "absolute aspect ratio must be smaller than 200"
+        except ValueError as exc:  # vision.smart_resize: "absolute aspect ratio must be at most 200"
             shapes = ", ".join(f"{i.shape[1]}x{i.shape[0]}" for i in images)
             raise ParamError("messages", f"an image cannot be preprocessed ({shapes}): {exc}") from exc
 

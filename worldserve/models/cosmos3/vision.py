@@ -115,7 +115,7 @@ def smart_resize(
     ratio) into [min_pixels, max_pixels]. ValueError past a 200:1 aspect ratio, as the reference raises."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(
-            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+            f"absolute aspect ratio must be at most 200, got {max(height, width) / min(height, width)}"
         )
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
