@@ -113,6 +113,11 @@ def test_a_part_with_neither_type_nor_media_is_still_a_400(reasoner_url):
         ({"type": "image_url", "image_url": 5}, "messages[0].content[0].image_url"),
         ({"type": "image_url", "image_url": {"url": None}}, "messages[0].content[0].image_url.url"),
         ({"type": "bogus"}, "messages[0].content[0].type"),
+        # (OpenAI's detail is one of three: "ultra" was taken silently)
+        (
+            {"type": "image_url", "image_url": {"url": "data:,", "detail": "ultra"}},
+            "messages[0].content[0].image_url.detail",
+        ),
         # (a list or an object as the type had been a TypeError in the part's spelling check: a 500)
         ({"type": [], "text": "hi"}, "messages[0].content[0].type"),
         ({"type": {"a": 1}, "text": "hi"}, "messages[0].content[0].type"),

@@ -14,6 +14,9 @@ from worldserve.api.tool_calls import ToolCallIn
 class MediaURL(BaseModel):
     model_config = ConfigDict(extra="ignore")
     url: str
+    detail: Literal["auto", "low", "high"] | None = None
+    """OpenAI's image detail, checked as OpenAI and vLLM check it (a 400 for another value); the image's pixel
+    budget is `mm_processor_kwargs`' here, as in vLLM."""
 
     @model_validator(mode="before")
     @classmethod
