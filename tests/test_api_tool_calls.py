@@ -235,3 +235,43 @@ def test_a_lone_surrogate_the_model_escapes_in_arguments_stays_escaped(reasoner_
         {"role": "tool", "tool_call_id": "c1", "content": "done"}]}  # fmt: skip
     again = httpx.post(reasoner_url + "/v1/chat/completions", json=replay, timeout=60)
     assert again.status_code == 200, again.text
+
+
+NODE = {"type": "function", "function": {"name": "node", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["name", "child"],
+    "properties": {"name": {"type": "string", "maxLength": 3}, "child": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}}}}  # fmt: skip
+PLACE = {"type": "function", "function": {"name": "place", "parameters": {  # (draft-07 `definitions`)
+    "type": "object", "additionalProperties": False, "required": ["loc"], "properties": {"loc": {"$ref": "#/definitions/Loc"}},
+    "definitions": {"Loc": {"type": "object", "additionalProperties": False, "required": ["x"],
+                            "properties": {"x": {"type": "integer"}}}}}}}  # fmt: skip
+
+
+def _node_ok(args: object) -> bool:
+    return (isinstance(args, dict) and set(args) == {"name", "child"} and isinstance(args["name"], str)
+            and len(args["name"]) <= 3 and (args["child"] is None or _node_ok(args["child"])))  # fmt: skip
+
+
+def test_required_keeps_each_tools_own_references(reasoner_url):
+    """tool_choice "required" nests each tool's parameters in a list of calls: a recursive "#" had pointed at
+    that list (a tool's argument became a list of calls), and draft-07 `definitions` were a 400 ("Pointer
+    '/definitions/Loc' does not exist"), where a named choice took both. Every finished call now satisfies
+    its tool's own schema."""
+    finished = 0
+    for seed in range(4):
+        r = httpx.post(reasoner_url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": ASK, "max_tokens": 1500, "seed": seed, "tools": [NODE, PLACE],
+            "tool_choice": "required", "structured_outputs": {"disable_any_whitespace": True}})  # fmt: skip
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] != "tool_calls":
+            continue
+        finished += 1
+        for call in choice["message"]["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "node":
+                assert _node_ok(args), args
+            else:
+                assert (
+                    set(args) == {"loc"} and set(args["loc"]) == {"x"} and isinstance(args["loc"]["x"], int)
+                ), args
+    assert finished, "no seed finished its calls within max_tokens"

@@ -98,23 +98,28 @@ def test_hermes_parse_of_a_finished_text():
     )
 
 
-def test_required_lifts_the_tools_defs_and_refuses_conflicting_ones():
+def test_required_keeps_each_tools_schema_whole_under_its_own_name():
+    """Each tool's parameters are one of the list schema's $defs, their own references rewritten to point
+    into them: two tools may define the same $defs name differently (it was a 400: "all tools share one set
+    of $defs"), a recursive "#" names the tool's parameters, not the list of calls."""
     item = {"type": "object", "properties": {"n": {"type": "integer"}}}
     tool = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "$defs": {"Item": item}}}}  # fmt: skip
-    so = tool_constraint(tool_mode([ToolIn.model_validate(tool), TOOLS[1]], "required"))
-    schema = json.loads(so.spec)
-    assert (
-        schema["$defs"] == {"Item": item}
-        and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
-    )
-    check(so)
+        "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}, "next": {"$ref": "#"}},
+        "$defs": {"Item": item}}}}  # fmt: skip
     other = json.loads(json.dumps(tool))
     other["function"]["name"] = "sub"
     other["function"]["parameters"]["$defs"]["Item"] = {"type": "string"}
-    with pytest.raises(ParamError) as info:
-        tool_constraint(tool_mode([ToolIn.model_validate(tool), ToolIn.model_validate(other)], "required"))
-    assert info.value.param == "tools" and "Item" in str(info.value)
+    so = tool_constraint(tool_mode([ToolIn.model_validate(tool), ToolIn.model_validate(other)], "required"))
+    schema = json.loads(so.spec)
+    assert [alt["properties"]["parameters"] for alt in schema["items"]["anyOf"]] == [
+        {"$ref": "#/$defs/tool0"}, {"$ref": "#/$defs/tool1"}]  # fmt: skip
+    add = schema["$defs"]["tool0"]
+    assert add["properties"] == {
+        "item": {"$ref": "#/$defs/tool0/$defs/Item"},
+        "next": {"$ref": "#/$defs/tool0"},
+    }
+    assert add["$defs"] == {"Item": item} and schema["$defs"]["tool1"]["$defs"]["Item"] == {"type": "string"}
+    check(so)
 
 
 def test_message_calls_hand_json_arguments_to_the_template_as_objects():

@@ -137,34 +137,48 @@ def parameters(tool: dict) -> dict:
 
 def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
     """The output constraint of a required or named choice (vLLM's): one call of the named function's
-    parameters, or a non-empty JSON list of {"name", "parameters"} of the tools."""
+    parameters, or a non-empty JSON list of {"name", "parameters"} of the tools (each tool's parameters one
+    of the list schema's $defs, so that their own references, recursive ones too, still name them)."""
     if mode is None or mode.choice in ("none", "auto"):
         return None
     if mode.choice == "named":
         tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
         schema = parameters(tool)
-    else:  # the tools' own $defs lifted to the list's top level, where their "#/$defs/..." refs now point
+    else:  # each tool's parameters a definition of their own, their "#..." refs rewritten to point into it
         defs: dict[str, Any] = {}
         alternatives = []
-        for t in mode.tools:
-            params = dict(parameters(t))
-            tool_defs = params.pop("$defs", {})
-            if not isinstance(tool_defs, dict):
+        for i, t in enumerate(mode.tools):
+            params = parameters(t)
+            if not isinstance(params.get("$defs", {}), dict):
                 raise ParamError(
                     "tools", f"Tool {t['function']['name']!r}: parameters.$defs must be an object"
                 )
-            for name, definition in tool_defs.items():
-                if defs.setdefault(name, definition) != definition:
-                    raise ParamError("tools", f"Tool definitions have conflicting $defs {name!r}: with "
-                                     'tool_choice "required" all tools share one set of $defs')  # fmt: skip
+            defs[f"tool{i}"] = _rooted(params, f"#/$defs/tool{i}")
             alternatives.append({"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                 "parameters": params}, "required": ["name", "parameters"]})  # fmt: skip
-        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+                                 "parameters": {"$ref": f"#/$defs/tool{i}"}},
+                                 "required": ["name", "parameters"]})  # fmt: skip
+        schema = {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "object", "anyOf": alternatives},
+            "$defs": defs,
+        }
         if not mode.parallel:
             schema["maxItems"] = 1
-        if defs:
-            schema["$defs"] = defs
     return StructuredOutput(kind="json", spec=json.dumps(schema), field="tools")
+
+
+def _rooted(schema: Any, root: str) -> Any:
+    """`schema` (a tool's parameters) with its references to its own document ("#", "#/$defs/X",
+    "#/definitions/X", "#/properties/...") pointing at `root`, where the required choice's list schema keeps
+    it: left at the list's root, a recursive "#" had made a tool's argument a list of calls, and draft-07
+    `definitions` were refused ("Pointer ... does not exist")."""
+    if isinstance(schema, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/"))
+                    else _rooted(v, root)) for k, v in schema.items()}  # fmt: skip
+    if isinstance(schema, list):
+        return [_rooted(v, root) for v in schema]
+    return schema
 
 
 def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tuple[dict, ...]:
