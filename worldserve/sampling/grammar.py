@@ -145,6 +145,9 @@ def closed_objects(schema: Any) -> Any:
 def structural_tag_grammar(tag: Any, field: str) -> str:
     """vLLM's structural tag {"structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text in
     which a trigger starts one of the structures, whose body then follows its JSON schema up to its end."""
+    if isinstance(tag, dict) and "format" in tag and "structures" not in tag:
+        raise ParamError(field, 'a structural tag\'s "format" form (xgrammar\'s newer one) is not supported: give '
+                         'its "structures" list and "triggers" (vLLM\'s structural tag)')  # fmt: skip
     if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag["structures"]:
         raise ParamError(field, 'a structural tag needs a non-empty "structures" list')
     triggers = tag.get("triggers")
