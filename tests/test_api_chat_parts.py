@@ -51,6 +51,11 @@ def test_vllms_part_spellings_render_as_the_canonical_parts(reasoner_url):
     assert _tokens(reasoner_url, responses_style) == want
     thinking = [{"role": "user", "content": [{"type": "thinking", "thinking": "Why"}, "not?"]}]
     assert _tokens(reasoner_url, thinking) == _tokens(reasoner_url, [canonical[2]])
+    for detail in ("auto", "low", "high", "original"):  # (the openai SDK's values: the same prompt)
+        detailed = [{**canonical[0], "content": [canonical[0]["content"][0],
+                                                 {"type": "image_url", "image_url": {"url": image, "detail": detail}}]},
+                    *canonical[1:]]  # fmt: skip
+        assert _tokens(reasoner_url, detailed) == want, detail
 
 
 def test_urls_are_read_without_their_surrounding_spaces():
@@ -113,7 +118,7 @@ def test_a_part_with_neither_type_nor_media_is_still_a_400(reasoner_url):
         ({"type": "image_url", "image_url": 5}, "messages[0].content[0].image_url"),
         ({"type": "image_url", "image_url": {"url": None}}, "messages[0].content[0].image_url.url"),
         ({"type": "bogus"}, "messages[0].content[0].type"),
-        # (OpenAI's detail is one of three: "ultra" was taken silently)
+        # (OpenAI's detail is auto / low / high / original: "ultra" was taken silently)
         (
             {"type": "image_url", "image_url": {"url": "data:,", "detail": "ultra"}},
             "messages[0].content[0].image_url.detail",

@@ -270,3 +270,30 @@ def test_make_tiny_force_over_a_checkpoint_that_fails_leaves_it_whole(tmp_path):
     after = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
     assert after.keys() == before.keys() and after != before and after[Path("NOTES.txt")] == b"mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_make_tiny_force_puts_the_older_checkpoint_back_when_moving_in_fails(tmp_path):
+    """A failure while the new checkpoint's folders are moved in (after some went in) puts the older ones back
+    (they had been deleted with the new ones: no transformer/ at all); a DIR that is a link writes its
+    temporary folders inside the folder it names (on that file system), none beside the link."""
+    target, real = tmp_path / "link", tmp_path / "real" / "ckpt"
+    real.parent.mkdir()
+    assert run_cli("make-tiny", real).returncode == 0
+    target.symlink_to(real)
+    before = {p.relative_to(real): p.read_bytes() for p in real.rglob("*") if p.is_file()}
+    rename = Path.rename
+
+    def failing(self, to):
+        if Path(to).name == "transformer" and ".partial-" in str(self):
+            raise OSError(16, "Device or resource busy")
+        return rename(self, to)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "rename", failing)
+        r = run_cli("make-tiny", "--force", "--seed", "1", target)
+    assert r.returncode == 1 and "Device or resource busy" in r.stderr, r.stderr
+    assert {p.relative_to(real): p.read_bytes() for p in real.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    assert run_cli("make-tiny", "--force", "--seed", "1", target).returncode == 0
+    assert {p.relative_to(real): p.read_bytes() for p in real.rglob("*") if p.is_file()} != before
+    assert sorted(p.name for p in real.iterdir() if p.name.startswith(".")) == []

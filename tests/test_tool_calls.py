@@ -120,6 +120,18 @@ def test_required_keeps_each_tools_schema_whole_under_its_own_name():
     }
     assert add["$defs"] == {"Item": item} and schema["$defs"]["tool1"]["$defs"]["Item"] == {"type": "string"}
     check(so)
+    # data is no schema (a {"$ref"} in const / enum stays as it is), a property may be named "default", and
+    # an $id goes (the rewritten pointers resolved against it: "Pointer ... does not exist")
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "$id": "https://x.example/q.json", "type": "object", "$defs": {"A": {"type": "integer"}},
+        "properties": {"ptr": {"const": {"$ref": "#/a"}}, "default": {"$ref": "#/$defs/A"},
+                       "e": {"enum": [{"$ref": "#"}]}}}}}  # fmt: skip
+    so = tool_constraint(tool_mode([ToolIn.model_validate(odd)], "required"))
+    rooted = json.loads(so.spec)["$defs"]["tool0"]
+    assert "$id" not in rooted and rooted["properties"] == {
+        "ptr": {"const": {"$ref": "#/a"}}, "default": {"$ref": "#/$defs/tool0/$defs/A"},
+        "e": {"enum": [{"$ref": "#"}]}}  # fmt: skip
+    check(so)
 
 
 def test_message_calls_hand_json_arguments_to_the_template_as_objects():

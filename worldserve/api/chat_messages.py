@@ -14,7 +14,7 @@ from worldserve.api.tool_calls import ToolCallIn
 class MediaURL(BaseModel):
     model_config = ConfigDict(extra="ignore")
     url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None
     """OpenAI's image detail, checked as OpenAI and vLLM check it (a 400 for another value); the image's pixel
     budget is `mm_processor_kwargs`' here, as in vLLM."""
 

@@ -153,7 +153,8 @@ def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
                 raise ParamError(
                     "tools", f"Tool {t['function']['name']!r}: parameters.$defs must be an object"
                 )
-            defs[f"tool{i}"] = _rooted(params, f"#/$defs/tool{i}")
+            # (an $id would make the rewritten pointers resolve against the tool's own document)
+            defs[f"tool{i}"] = _rooted({k: v for k, v in params.items() if k != "$id"}, f"#/$defs/tool{i}")
             alternatives.append({"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                  "parameters": {"$ref": f"#/$defs/tool{i}"}},
                                  "required": ["name", "parameters"]})  # fmt: skip
@@ -168,17 +169,32 @@ def tool_constraint(mode: ToolMode | None) -> StructuredOutput | None:
     return StructuredOutput(kind="json", spec=json.dumps(schema), field="tools")
 
 
+SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})
+"""JSON Schema keywords whose values are data, not schemas: a {"$ref": ...} there is left as it is."""
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose values map names to schemas: the names are no keywords (a property may be named "default")."""
+
+
 def _rooted(schema: Any, root: str) -> Any:
     """`schema` (a tool's parameters) with its references to its own document ("#", "#/$defs/X",
     "#/definitions/X", "#/properties/...") pointing at `root`, where the required choice's list schema keeps
     it: left at the list's root, a recursive "#" had made a tool's argument a list of calls, and draft-07
-    `definitions` were refused ("Pointer ... does not exist")."""
-    if isinstance(schema, dict):
-        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/"))
-                    else _rooted(v, root)) for k, v in schema.items()}  # fmt: skip
+    `definitions` were refused ("Pointer ... does not exist"). Data (`const`, `enum`, ...) is left as it is."""
     if isinstance(schema, list):
         return [_rooted(v, root) for v in schema]
-    return schema
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = root + v[1:]
+        elif k in SCHEMA_DATA:
+            out[k] = v
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _rooted(sub, root) for name, sub in v.items()}
+        else:
+            out[k] = _rooted(v, root)
+    return out
 
 
 def message_calls(calls: list[ToolCallIn] | None, where: str = "messages") -> tuple[dict, ...]:

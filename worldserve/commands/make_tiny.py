@@ -54,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
     # the checkpoint is written beside DIR and moved in when complete: an interrupted or failed run leaves DIR
     # as it was (a new one: nothing; it left a half-written folder, "not a Cosmos3 checkpoint"; --force over
     # a checkpoint: that checkpoint, where it left one shard of eight and no VAE)
-    folder = target.parent / f".{target.name}.partial-{os.getpid()}"
+    # (inside an existing DIR, on its file system: DIR may be a link to, or a mount of, another one)
+    inside = target.is_dir()
+    folder = (
+        (target / f".partial-{os.getpid()}")
+        if inside
+        else target.parent / f".{target.name}.partial-{os.getpid()}"
+    )
     try:
         make_tiny(
             folder, seed=args.seed, sound=not args.no_sound, vision=not args.no_vision, shapes=args.shapes
@@ -73,27 +79,36 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _move_in(folder: Path, target: Path) -> None:
-    """The complete checkpoint `folder` as `target`: renamed to it when `target` is missing or empty, else
-    (--force) each of its entries renamed over `target`'s of that name and an earlier checkpoint's
-    components it has not removed (the older ones moved aside first, then deleted), `target`'s other files
-    left be, as --force writing into it left them."""
-    if not (target.is_dir() and any(target.iterdir())):
-        if target.is_dir():
-            target.rmdir()  # (empty)
-        folder.rename(target)
-        return
+    """The complete checkpoint `folder` as `target`: renamed to it when `target` does not exist, else (an
+    empty DIR, or --force) each of its entries renamed over `target`'s of that name and an earlier
+    checkpoint's components it has not removed, the older ones moved aside first and deleted once all are in
+    (a failure midway puts them back), `target`'s other files left be, as --force writing into it left them."""
     from worldserve.weights.tiny import COMPONENT_FOLDERS
 
-    aside = target.parent / f".{target.name}.older-{os.getpid()}"
+    if not target.is_dir():
+        folder.rename(target)
+        return
+    aside = target / f".older-{os.getpid()}"
     aside.mkdir()
+    moved: list[str] = []
     try:
         # (an earlier checkpoint's component the new one has not, e.g. vision_encoder/ under --no-vision, goes)
-        replaced = {entry.name for entry in folder.iterdir()} | set(COMPONENT_FOLDERS)
-        for name in sorted(replaced):
+        names = {entry.name for entry in folder.iterdir()} | set(COMPONENT_FOLDERS)
+        for name in sorted(names):
             older = target / name
             if older.exists() or older.is_symlink():
                 older.rename(aside / name)
+            moved.append(name)
             if (folder / name).exists():
                 (folder / name).rename(older)
+    except BaseException:
+        for name in reversed(moved):  # the older checkpoint put back as it was
+            if (target / name).is_dir() and not (target / name).is_symlink():
+                shutil.rmtree(target / name, ignore_errors=True)
+            elif (target / name).exists():
+                (target / name).unlink()
+            if (aside / name).exists() or (aside / name).is_symlink():
+                (aside / name).rename(target / name)
+        raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)

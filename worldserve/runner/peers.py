@@ -134,10 +134,12 @@ class PeerRanks:
         return self, local
 
     def bound_waits(self, timeout_s: float) -> None:
-        """Rank 0 gives a peer alive but stuck up after `timeout_s`: in an exchange (`exchange_timeout_s`) and
-        in a collective on the world group (tensor parallelism's all-reduces: they had the world's 1,800 s)."""
+        """Rank 0 gives a peer alive but stuck up after `timeout_s` in an exchange (`exchange_timeout_s`: a
+        PeerError, the engine stopped as a crash), and its world group's collectives (tensor parallelism's
+        all-reduces: they had the world's 1,800 s) after twice that: later than an exchange, whose polling
+        must give up first, since NCCL's watchdog aborts the process at the group's timeout (gloo raises)."""
         self.exchange_timeout_s = timeout_s
-        comm.bound_world_waits(timeout_s)
+        comm.bound_world_waits(2 * timeout_s)
 
     @property
     def ranks(self) -> range:
