@@ -238,6 +238,8 @@ def test_json_schema_format_and_logprobs(reasoner_oai):
     ("body", "param"),
     [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,", "detail": "ultra"}]}]},
+         "input[0].content[0].detail"),  # (as the chat route's image_url.detail)
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
         ({"input": "hi", "max_output_tokens": int("9" * 4300)}, "max_output_tokens"),

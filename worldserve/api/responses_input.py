@@ -47,6 +47,8 @@ class InputPart(BaseModel):
     image_url: str | None = None
     video_url: str | None = None
     file_id: str | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None
+    """An input_image's detail, checked as the chat route checks it (OpenAI's values)."""
 
 
 class InputItem(BaseModel):
