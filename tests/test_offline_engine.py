@@ -198,6 +198,18 @@ def test_n_and_best_of_refusals(engine):
     with pytest.raises(ParamError, match="pass n and choose among") as bad:
         engine.chat("hi", best_of=2)
     assert bad.value.param == "best_of"
+    # what the ChatOutput cannot carry is refused, as keywords or in a ChatParams (it was computed and dropped)
+    for fields in ({"logprobs": True, "top_logprobs": 2}, {"prompt_logprobs": 1}, {"echo": True}):
+        with pytest.raises(ParamError, match="carries no logprobs") as bad:
+            engine.chat("hi", max_tokens=2, **fields)
+        assert bad.value.param == next(iter(fields)), fields
+    with pytest.raises(ParamError, match="carries no logprobs") as bad:
+        engine.chat("hi", ChatParams(max_tokens=2, logprobs=True))
+    assert bad.value.param == "logprobs"
+    bad_image = [{"role": "user", "content": [{"type": "image_pil", "image_pil": "notanimage"}, "x"]}]
+    with pytest.raises(ParamError, match="must be a PIL image, got str") as bad:  # (an AttributeError)
+        engine.chat(bad_image, max_tokens=2)
+    assert bad.value.param == "messages[0].content[0].image_pil"
     with pytest.raises(TypeError, match=r"got params and max_tokens\)"):
         engine.chat("hi", ChatParams(max_tokens=2), max_tokens=3, n=2)
     with pytest.raises(ValueError, match="at least one sample"):

@@ -206,3 +206,39 @@ def test_init_timeout_bounds_the_load(tiny_ckpt, engine):
     with Engine(tiny_ckpt, **OPTIONS) as again:
         assert again.chat("hi", max_tokens=2).usage.completion_tokens == 2
     assert repr(again).endswith("closed)")
+
+
+def test_an_interrupted_chat_stops_every_sample(engine):
+    """A KeyboardInterrupt during a chat with n=4 (asked for 1000 tokens each, ignore_eos) stops all four
+    samples at their next step: their streams were read one after another, and the three never read ran to
+    their last token, uncounted, after the interrupt (3,000 tokens more)."""
+    import signal
+
+    from worldserve.engine.chat_observer import NullChatObserver
+
+    main = threading.get_ident()
+
+    class Interrupting(NullChatObserver):
+        generated = 0
+
+        def on_chat_generated(self, tokens: int) -> None:
+            Interrupting.generated += tokens
+            if Interrupting.generated >= 8 and Interrupting.generated - tokens < 8:  # (once, early on)
+                signal.pthread_kill(main, signal.SIGINT)
+
+    # (private: the chat worker's observer is the only count of the tokens it made, as the test above's)
+    worker = engine._parts.client.chat_worker
+    worker.observer = Interrupting()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.chat("Count to a thousand.", n=4, max_tokens=1000, ignore_eos=True, temperature=1.0)
+        ended = threading.Event()
+        for _ in range(6000):  # (the cancels land at the chats' next step: a hang guard, no timing asserted)
+            if engine.num_unfinished_requests == 0:
+                ended.set()
+                break
+            ended.wait(0.01)
+        assert ended.is_set(), engine.num_unfinished_requests
+        assert Interrupting.generated < 1000, Interrupting.generated  # (not three samples to their end)
+    finally:
+        worker.observer = NullChatObserver()

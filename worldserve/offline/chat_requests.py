@@ -42,6 +42,10 @@ REFUSED_FIELDS = {
     "best_of": "every sample is returned: pass n and choose among the ChatOutput's outputs (vLLM's V1 dropped "
     "best_of for the same; the chat route takes none)",
     "timeout": "a chat takes no timeout: bound it with max_tokens (or leave a stream_chat early)",
+    **dict.fromkeys(
+        ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_tokens_as_token_ids"),
+        "the Engine's ChatOutput carries no logprobs or echoed prompt: ask /v1/chat/completions for them",
+    ),
 }
 """Fields with no meaning for an offline call (the chat completion's; vLLM's best_of), and what to do instead."""
 
@@ -74,7 +78,7 @@ def request_body(messages: str | Sequence[Mapping[str, Any]], sampling: Mapping[
     elif not isinstance(messages, Sequence) or isinstance(messages, (bytes, bytearray)):
         given = type(messages).__name__
         raise ParamError("messages", f"messages must be a list of messages or a string, got {given}")
-    data = {"messages": [_pil_parts(m) for m in messages], **sampling}
+    data = {"messages": [_pil_parts(i, m) for i, m in enumerate(messages)], **sampling}
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
@@ -94,18 +98,26 @@ def is_conversation_batch(messages: Any) -> bool:
     )
 
 
-def _pil_parts(message: Any) -> Any:
-    """A message whose `image_pil` parts (vLLM's offline spelling: a PIL image) are PNG `data:` URL image_url
-    parts, which the route reads; other messages as they are."""
+def _pil_parts(index: int, message: Any) -> Any:
+    """A message (messages[`index`]) whose `image_pil` parts (vLLM's offline spelling: a PIL image) are PNG
+    `data:` URL image_url parts, which the route reads; other messages as they are. A part whose image_pil is
+    no PIL image is a ParamError naming it (it was an AttributeError)."""
     content = message.get("content") if isinstance(message, Mapping) else None
     if not isinstance(content, list) or not any(isinstance(p, Mapping) and "image_pil" in p for p in content):
         return message
     import base64
     import io
 
+    from PIL import Image
+
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         if isinstance(part, Mapping) and "image_pil" in part:
+            if not isinstance(part["image_pil"], Image.Image):
+                field = f"messages[{index}].content[{j}].image_pil"
+                raise ParamError(
+                    field, f"{field} must be a PIL image, got {type(part['image_pil']).__name__}"
+                )
             buffer = io.BytesIO()
             part["image_pil"].save(buffer, format="PNG")
             url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -166,10 +178,17 @@ async def chat_answer(st: AppState, body: Any, params: ChatParams | None) -> Cha
     next step."""
     streams = await start_chats(st, body, params, coalesce=True)
     try:
-        samples = [await _run_sample(index, events) for index, events in enumerate(streams)]
+        # every sample read at once (as the worker makes them): a sample never read had its stream never
+        # started, and closing an async generator that never started runs none of it, so a cancellation
+        # stopped sample 0 only and the others ran to max_tokens, uncounted
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_run_sample(index, events)) for index, events in enumerate(streams)]
+    except BaseExceptionGroup as failed:  # (a failed sample: its own error, the others cancelled)
+        raise failed.exceptions[0] from None
     finally:
         for events in streams:  # (those already ended: nothing to stop)
             await events.aclose()
+    samples = [task.result() for task in tasks]
     first = samples[0][0]
     usage = ChatUsage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(n for _, _, n in samples),
                       cached_tokens=first.cached_tokens)  # fmt: skip

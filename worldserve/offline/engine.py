@@ -43,6 +43,7 @@ from worldserve.closeable import Closeable
 from worldserve.config import EngineConfig
 from worldserve.engine.client import ChatDelta, ChatStarted, EncodeOptions, EngineClient
 from worldserve.offline.chat_requests import (
+    REFUSED_FIELDS,
     STREAMED_SAMPLES,
     chat_answer,
     chat_answers,
@@ -265,6 +266,9 @@ class Engine(Closeable):
             raise TypeError(
                 f"pass sampling fields or a ChatParams, not both (got params and {', '.join(dropped)})"
             )
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):  # (what the ChatOutput cannot carry)
+            if params is not None and getattr(params, name) not in (None, False, 0):
+                raise ParamError(name, f"{name} is not taken here: {REFUSED_FIELDS[name]}")
         parts = self._open()
         if parts.client.chat_worker is None:
             raise RuntimeError("this Engine runs no Reasoner (tensor_parallel_size > 1, or the fake backend)")
