@@ -153,7 +153,8 @@ class Engine(Closeable):
         with VideoParams fields by name (`width=1280, height=720, num_frames=189, num_inference_steps=35,
         guidance_scale=6.0, seed=42, fps=24, negative_prompt=..., generate_sound=...`; `image=` an array, PIL
         image, bytes or path for image-to-video; `video=` a uint8 (F, H, W, 3) clip for video-to-video);
-        fields left out take the engine's `default_sampling_params`, then Cosmos3's defaults. Blocks until its
+        fields left out take the engine's `default_sampling_params`, then Cosmos3's defaults (the size too: an
+        image's or clip's aspect ratio sets it only over HTTP, where no size is 720p at that ratio). Blocks until its
         MP4 is made; other threads' requests run meanwhile (same-shape ones batched up to max_batch_size).
         `timeout` (seconds): TimeoutError after aborting it. ParamError naming a bad field.
 
