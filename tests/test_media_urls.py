@@ -208,6 +208,8 @@ def _trickle(data: bytes, gap: float):
      (lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 104),
       "closed the connection 99896 bytes before the end"),  # (had been reported as a timeout, at once)
      (lambda conn: conn.sendall(b"FOO BAR\r\n\r\n"), "failed to download"),
+     (lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nContent-Length: 8\r\n\r\nabcdefgh"),
+      "conflicting Content-Length headers \\(4, 8\\)"),  # (the first had been read: 4 bytes of 8)
      (lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nab"), "failed to download")],
 )  # fmt: skip
 def test_slow_or_broken_servers_are_400s_within_the_deadline(reply, message):

@@ -221,6 +221,10 @@ class MediaFetcher:
                 return resp.status, resp.getheader("Location"), b""
             if resp.status >= 400:
                 return resp.status, None, b""
+            lengths = {v.strip() for v in resp.msg.get_all("Content-Length") or ()}
+            if len(lengths) > 1:  # (RFC 9112 §6.3: an unrecoverable error; http.client read the first)
+                raise _Failed(f"Invalid {what}: the server sent conflicting Content-Length headers "
+                              f"({', '.join(sorted(lengths))[:100]}).")  # fmt: skip
             declared = resp.getheader("Content-Length")
             if declared is not None and declared.strip().isdigit() and int(declared) > budget.left:
                 raise _Failed(self._too_large(what, kind))
