@@ -17,11 +17,11 @@ import fcntl
 import logging
 import os
 import re
-import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
 from worldserve.engine.request import EncodeOptions
+from worldserve.media.atomic_write import write_atomically
 from worldserve.params import LoraRequest, VideoParams
 
 log = logging.getLogger(__name__)
@@ -89,23 +89,11 @@ def inputs_from_record(record: dict[str, Any], reference: bytes | None) -> tuple
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write, fsync, rename over `path`, fsync the folder: readers see the old file or the whole new one.
-    Its folder is made again if it was removed (not the folders above it: see `database_gone`)."""
+    """Write, fsync, rename over `path`, fsync the folder (media/atomic_write.py, private: 0600): readers see
+    the old file or the whole new one. Its folder is made again if it was removed (not the folders above it:
+    see `database_gone`)."""
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:  # (private)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(path, data, private=True)
 
 
 OWN_FILE = re.compile(r"(\.?)(video_gen_[0-9a-f]{32})\.(?:mp4|ref)(\.[0-9a-f]{32}\.tmp)?")

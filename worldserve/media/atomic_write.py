@@ -1,4 +1,5 @@
-"""Writing an output file whole or not at all: `generate`'s -o (MP4, PNG, npz) and --save-latents.
+"""Writing a file whole or not at all: `generate`'s -o (MP4, PNG, npz) and --save-latents, the offline
+Engine's saves, and the job store's videos and references (`private`).
 
 `writing_atomically(path)` hands out a temporary file beside `path` (`.NAME.<hex>.tmp`, in the mode of the
 file it replaces, else the umask's as a plain write gives), then fsyncs it and renames it over `path`. A
@@ -21,9 +22,11 @@ from typing import BinaryIO
 
 
 @contextlib.contextmanager
-def writing_atomically(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+def writing_atomically(path: str | os.PathLike[str], *, private: bool = False) -> Iterator[BinaryIO]:
     """A binary file to write `path`'s bytes into: on a clean exit they replace `path` in one rename; on
-    any exception the temporary file is removed and `path` is left as it was."""
+    any exception the temporary file is removed and `path` is left as it was. `private`: the file is made
+    0600 whatever it replaces, and the folder is fsynced after the rename, so that the rename itself
+    survives a power loss (the job store's videos and references: engine/job_files.py)."""
     target = Path(os.path.realpath(path))
     try:
         older: os.stat_result | None = target.stat()
@@ -37,8 +40,9 @@ def writing_atomically(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     tmp = target.with_name(f".{os.fsdecode(os.fsencode(target.name)[:200])}.{uuid.uuid4().hex}.tmp")
     try:
         # (mode 0o666 less the umask, as open() gives: mkstemp's 0600 had made outputs private)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:
-            if older is not None:
+        mode = 0o600 if private else 0o666
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fh:
+            if older is not None and not private:
                 # (the older file's mode, as writing over it in place kept it)
                 os.fchmod(fh.fileno(), stat.S_IMODE(older.st_mode))
             yield fh
@@ -49,9 +53,15 @@ def writing_atomically(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if private:
+        folder = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
-def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
+def write_atomically(path: str | os.PathLike[str], data: bytes, *, private: bool = False) -> None:
     """`data` as the whole of `path`, or `path` unchanged when the write fails (`writing_atomically`)."""
-    with writing_atomically(path) as fh:
+    with writing_atomically(path, private=private) as fh:
         fh.write(data)
