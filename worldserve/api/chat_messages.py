@@ -10,11 +10,14 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from worldserve.api.tool_calls import ToolCallIn
 
+ImageDetail = Literal["auto", "low", "high", "original"]
+"""OpenAI's image detail values (the openai SDK's), for the chat's image_url and the Responses' input_image."""
+
 
 class MediaURL(BaseModel):
     model_config = ConfigDict(extra="ignore")
     url: str
-    detail: Literal["auto", "low", "high", "original"] | None = None
+    detail: ImageDetail | None = None
     """OpenAI's image detail, checked as OpenAI and vLLM check it (a 400 for another value); the image's pixel
     budget is `mm_processor_kwargs`' here, as in vLLM."""
 

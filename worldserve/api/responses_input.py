@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from worldserve.api.chat_messages import ImageDetail
 from worldserve.api.errors import APIError
 from worldserve.params import ParamError
 
@@ -47,7 +48,7 @@ class InputPart(BaseModel):
     image_url: str | None = None
     video_url: str | None = None
     file_id: str | None = None
-    detail: Literal["auto", "low", "high", "original"] | None = None
+    detail: ImageDetail | None = None
     """An input_image's detail, checked as the chat route checks it (OpenAI's values)."""
 
 
