@@ -307,3 +307,60 @@ async def test_a_server_error_ends_a_chat_as_vllms_error_reason(events, ended):
 
     assert [e async for e in metered(Source(), Meter())] == events
     assert seen == ended
+
+
+@pytest.mark.anyio
+async def test_closing_a_metered_chat_stops_it_whether_or_not_it_was_read():
+    """A reader that closes a metered chat stops the chat, also one it never read (an async generator closed
+    before its first step ran none of its body: the chat ran on); counted an abort once it was asked for an
+    event, nowhere before, and once however often it is closed."""
+    import asyncio
+
+    from worldserve.engine.chat_metering import metered
+
+    class Meter:
+        def __init__(self) -> None:
+            self.ended: list = []
+
+        def on_chat_started(self, prompt_tokens: int) -> None:
+            pass
+
+        def on_chat_ended(self, finish_reason: str | None) -> None:
+            self.ended.append(finish_reason)
+
+    class Source:
+        def __init__(self) -> None:
+            self.closed, self.gate = 0, asyncio.Event()
+
+        def __aiter__(self):
+            return self._gen()
+
+        async def _gen(self):
+            yield ChatStarted(prompt_tokens=3)
+            await self.gate.wait()
+
+        async def aclose(self) -> None:
+            self.closed += 1
+
+    unread, meter = Source(), Meter()
+    await metered(unread, meter).aclose()
+    assert unread.closed == 1 and meter.ended == []
+
+    read, meter = Source(), Meter()
+    events = metered(read, meter)
+    assert isinstance(await anext(events), ChatStarted)
+    await events.aclose()
+    await events.aclose()
+    assert read.closed == 1 and meter.ended == [None]
+    with pytest.raises(StopAsyncIteration):
+        await anext(events)
+
+    waiting, meter = Source(), Meter()
+    events = metered(waiting, meter)
+    await anext(events)
+    task = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert waiting.closed == 1 and meter.ended == [None]

@@ -56,7 +56,8 @@ from worldserve.engine.client import (
 
 if TYPE_CHECKING:
     from worldserve.chat_params import ChatParams
-    from worldserve.engine.client import ChatEvent, ChatEvents, ChatMeter, EngineClient, TokenLogprob
+    from worldserve.engine.chat_metering import MeteredChatEvents
+    from worldserve.engine.client import ChatEvents, ChatMeter, EngineClient, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class ChatStream(Protocol):
 async def start_all(
     client: EngineClient, choices: Sequence[ChatParams], metrics: ChatMeter, *, coalesce: bool,
     opened: list[ChatEvents],
-) -> tuple[list[AsyncGenerator[ChatEvent, None]], list[ChatStarted]]:  # fmt: skip
+) -> tuple[list[MeteredChatEvents], list[ChatStarted]]:  # fmt: skip
     """Start `choices` (ChatParams) together on the chat worker (`opened` gets their event streams, so a
     caller watching for a disconnect can close them) and wait for each one's first event: (the metered
     streams, their ChatStarted events). A failed choice (its status), no Reasoner (400) or a shutdown (503)

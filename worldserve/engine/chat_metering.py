@@ -12,7 +12,7 @@ took fewer) and queue, prefill, decode and inference time (chat_worker.py, chat_
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
 from worldserve.engine.chat_events import ChatEvent, ChatStarted
@@ -36,30 +36,62 @@ class ChatEventSource(Protocol):
     async def aclose(self) -> None: ...
 
 
-def metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEvent, None]:
+def metered(events: ChatEventSource, meter: ChatMeter) -> MeteredChatEvents:
     """Pass a chat's events through, counting its prompt tokens and how it ended (tokens, finish reason)."""
-    return _metered(events, meter)
+    return MeteredChatEvents(events, meter)
 
 
-async def _metered(events: ChatEventSource, meter: ChatMeter) -> AsyncGenerator[ChatEvent, None]:
-    started, finish, refused = False, None, False
-    try:
-        async for event in events:
-            if isinstance(event, ChatStarted):
-                started = True
-                meter.on_chat_started(event.prompt_tokens)
-            elif isinstance(event, ChatDelta):
-                finish = event.finish_reason
-            elif not started and event.status < 500:  # (a ChatFailed: its request was refused)
-                refused = True
-            elif event.status < 500:  # its rules left no next token mid-answer: vLLM's finish_reason "error"
-                finish = "error"
-            # a server error: vLLM's finished_reason "error" (503, a shutdown's end, stays an abort, as vLLM
-            # counts one)
-            elif event.status >= 500 and event.status != 503:
-                finish = "error"
-            yield event
-    finally:
-        await events.aclose()
-        if not refused:
-            meter.on_chat_ended(finish)
+class MeteredChatEvents:
+    """`events` passed through and counted into `meter`: its start (ChatStarted's prompt tokens) and its end
+    (the last delta's finish reason, "error", or None for an abort), once, when the events end, fail, or the
+    reader closes it. `aclose()` always closes `events` (stopping the chat at its next step), also on one
+    never read: an async generator closed before its first step runs none of its body, so a reader that
+    closed an unread one left its chat running (a chat never asked for an event is counted nowhere, as before:
+    whether it would have been refused, a 4xx that is the route's and no finished request, is not known).
+    Idempotent."""
+
+    def __init__(self, events: ChatEventSource, meter: ChatMeter):
+        self._events, self._meter = events, meter
+        self._iterator: AsyncIterator[ChatEvent] | None = None
+        self._begun = self._started = self._refused = self._closed = False
+        self._finish: str | None = None
+
+    def __aiter__(self) -> MeteredChatEvents:
+        return self
+
+    async def __anext__(self) -> ChatEvent:
+        if self._closed:
+            raise StopAsyncIteration
+        if self._iterator is None:
+            self._iterator = aiter(self._events)
+        self._begun = True
+        try:
+            event = await anext(self._iterator)
+        except BaseException:  # (its end, a failure, a cancellation: the chat is over for this reader)
+            await self.aclose()
+            raise
+        self._count(event)
+        return event
+
+    def _count(self, event: ChatEvent) -> None:
+        if isinstance(event, ChatStarted):
+            self._started = True
+            self._meter.on_chat_started(event.prompt_tokens)
+        elif isinstance(event, ChatDelta):
+            self._finish = event.finish_reason
+        elif not self._started and event.status < 500:  # (a ChatFailed: its request was refused)
+            self._refused = True
+        elif event.status < 500:  # its rules left no next token mid-answer: vLLM's finish_reason "error"
+            self._finish = "error"
+        # a server error: vLLM's finished_reason "error" (503, a shutdown's end, stays an abort, as vLLM
+        # counts one)
+        elif event.status != 503:
+            self._finish = "error"
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._events.aclose()
+        if self._begun and not self._refused:
+            self._meter.on_chat_ended(self._finish)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from worldserve.chat_params import ChatParams
-from worldserve.engine.client import ChatDelta, ChatEvent, ChatFailed, ChatStarted, metered
+from worldserve.engine.chat_metering import MeteredChatEvents
+from worldserve.engine.client import ChatDelta, ChatFailed, ChatStarted, metered
 from worldserve.offline.outputs import ChatChoice, ChatOutput, ChatUsage
 from worldserve.param_errors import ParamError
 
@@ -54,7 +55,7 @@ STREAMED_SAMPLES = (
 )
 """Why stream_chat refuses n > 1."""
 
-ChatStream = AsyncGenerator[ChatEvent, None]
+ChatStream = MeteredChatEvents
 """A started chat's events as the offline calls read them: metered (its start and end counted), closed by
 its reader."""
 
@@ -178,9 +179,8 @@ async def chat_answer(st: AppState, body: Any, params: ChatParams | None) -> Cha
     next step."""
     streams = await start_chats(st, body, params, coalesce=True)
     try:
-        # every sample read at once (as the worker makes them): a sample never read had its stream never
-        # started, and closing an async generator that never started runs none of it, so a cancellation
-        # stopped sample 0 only and the others ran to max_tokens, uncounted
+        # every sample read at once, as the worker makes them (one read after another, the later ones'
+        # deltas would wait in their queues while sample 0 is read)
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(_run_sample(index, events)) for index, events in enumerate(streams)]
     except BaseExceptionGroup as failed:  # (a failed sample: its own error, the others cancelled)
