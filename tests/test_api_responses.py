@@ -491,6 +491,34 @@ def test_the_store_keeps_the_most_recent_within_its_budget():
     assert store.delete("resp_7") and store.item("msg_7") is None and store.item("msg_0") is not None
 
 
+def test_an_item_stays_found_while_any_stored_response_holds_it():
+    """A client that sends an earlier response's output back as input lists the same item id again: deleting
+    (or evicting) the later response had left the earlier, still stored one's item a 404."""
+    from worldserve.api.responses_store import ResponseStore
+
+    item = {
+        "type": "message",
+        "id": "msg_a",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "x"}],
+    }
+    store = ResponseStore()
+    store.put({"id": "resp_a", "output": [item]}, [{"role": "user", "content": "hi"}])
+    store.put({"id": "resp_b", "output": []}, [{"role": "user", "content": "more"}], inputs=[item])
+    assert store.delete("resp_b") and store.item("msg_a") == item
+    store.put({"id": "resp_c", "output": []}, [{"role": "user", "content": "more"}], inputs=[item])
+    assert store.delete("resp_a") and store.item("msg_a") == item  # (resp_c holds it still)
+    assert store.delete("resp_c") and store.item("msg_a") is None and store._items == {}
+
+
+def test_empty_instructions_add_no_system_turn(reasoner_oai):
+    """`instructions: ""` is no instructions (vLLM's construct_input_messages skips it): it had rendered an
+    empty system turn, a different prompt."""
+    kw = {"model": MODEL, "input": "hi", "max_output_tokens": 1, "store": False}
+    plain, empty = reasoner_oai.responses.create(**kw), reasoner_oai.responses.create(instructions="", **kw)
+    assert empty.usage.input_tokens == plain.usage.input_tokens and empty.instructions == ""
+
+
 def test_the_store_s_budget_is_the_memory_its_entries_take():
     """--responses-store-mb bounds memory: 200 responses of ~8 KB of JSON take about their accounted bytes
     (kept as dict trees they had taken 4-7x: a 256 MiB budget held 1-2 GB of RSS in an audit's soak); what a

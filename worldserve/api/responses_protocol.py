@@ -109,7 +109,7 @@ def to_chat(
                            param="include")  # fmt: skip
     paths = ChatPaths()
     messages: list[dict[str, Any]] = []
-    if req.instructions is not None:
+    if req.instructions:  # (an empty one is none, as vLLM's construct_input_messages reads it)
         messages.append({"role": "system", "content": req.instructions})
         paths.messages.append("instructions")
     messages += history
@@ -131,7 +131,7 @@ def to_chat(
                 top_logprobs=req.top_logprobs if req.logprobs else None, tools=_tools(req.tools),
                 tool_choice=_tool_choice(req.tool_choice), response_format=_format(req.text),
                 add_generation_prompt=not continued, continue_final_message=continued)  # fmt: skip
-    conversation = messages[1:] if req.instructions is not None else list(messages)
+    conversation = messages[1:] if req.instructions else list(messages)
     try:
         return ChatCompletionRequest.model_validate(chat), paths, conversation
     except ValidationError as exc:

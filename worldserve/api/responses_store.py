@@ -34,7 +34,10 @@ class ResponseStore:
         # id -> (the conversation's JSON, the response's JSON, its output and input items' ids, its input items'
         # JSON)
         self._entries: OrderedDict[str, tuple[bytes, bytes, list[str], bytes]] = OrderedDict()
-        self._items: dict[str, str] = {}  # output or input item id -> the stored response that holds it
+        # output or input item id -> the stored responses that hold it, oldest first (a client that sends an
+        # earlier response's output back as input lists the same id again: deleting the later one leaves the
+        # earlier one's item found)
+        self._items: dict[str, list[str]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -54,7 +57,8 @@ class ResponseStore:
         with self._lock:
             self._drop(response["id"], self._entries.pop(response["id"], None))
             self._entries[response["id"]] = (history, body, items, listed)
-            self._items.update((item, response["id"]) for item in items)
+            for item in items:
+                self._items.setdefault(item, []).append(response["id"])
             self._bytes += _size(history, body, listed)
             while self._bytes > self.max_bytes and self._entries:
                 self._drop(*self._entries.popitem(last=False))
@@ -77,7 +81,8 @@ class ResponseStore:
     def item(self, item_id: str) -> dict[str, Any] | None:
         """A stored response's output item by its id, else one of its input items (as listed), or None."""
         with self._lock:
-            entry = self._entries.get(self._items.get(item_id, ""))
+            holders = self._items.get(item_id, [])
+            entry = self._entries.get(holders[-1]) if holders else None  # (the latest that holds it)
         if entry is None:
             return None
         items = [*json.loads(entry[1])["output"], *json.loads(entry[3])]
@@ -94,8 +99,11 @@ class ResponseStore:
         if entry is not None:
             self._bytes -= _size(entry[0], entry[1], entry[3])
             for item in entry[2]:
-                if self._items.get(item) == response_id:  # (a later response may hold the same id)
-                    del self._items[item]
+                holders = self._items.get(item, [])
+                if response_id in holders:
+                    holders.remove(response_id)
+                if not holders:
+                    self._items.pop(item, None)
 
 
 def _size(history: bytes, body: bytes, inputs: bytes) -> int:
