@@ -242,12 +242,18 @@ async def test_a_part_header_over_the_parser_s_limit_is_told(tmp_path):
 
 async def test_a_long_bad_value_is_echoed_cut_to_200_characters(tmp_path):
     """The validation message quotes the value it refused, its first 200 characters and "...": a 10,000-
-    character value is not sent back whole."""
+    character value is not sent back whole; nor is a model name the server does not serve."""
     async with asgi_server(tmp_path) as http:
         r = await http.post("/v1/videos", data={"prompt": "x", "size": "7" * 10_000})
         assert r.status_code == 400 and r.json()["error"]["param"] == "size"
         message = r.json()["error"]["message"]
         assert f"'input': '{'7' * 200}...'" in message and "7" * 201 not in message, message[:500]
+        for route, body in (("/v1/videos", {"prompt": "x"}), ("/v1/images/generations", {"prompt": "x"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):  # fmt: skip
+            r = await http.post(route, json={**body, "model": "m" * 100_000})
+            error = r.json()["error"]
+            assert error["param"] == "model" and "m" * 200 + "..." in error["message"], (route, r.text[:300])
+            assert len(r.content) < 1_000, route  # (the whole name had come back)
 
 
 def test_a_long_bytes_value_is_echoed_cut_to_200_bytes():
@@ -387,6 +393,16 @@ async def test_cut_form_bodies_and_bad_form_text_are_400s(tmp_path):
         bad = _multipart(*fields[1:], ("prompt", b"\xff\xfe fox"))
         r = await http.post("/v1/videos", content=bad, headers=multipart)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        bogus = {"Content-Type": "multipart/form-data; charset=bogus; boundary=XyZ"}  # (Starlette: latin-1)
+        r = await http.post(
+            "/v1/videos", content=_multipart(*fields[1:], ("prompt", "日本".encode())), headers=bogus
+        )
+        assert r.status_code == 400 and "unknown charset 'bogus'" in r.json()["error"]["message"], r.text
+        sjis = {"Content-Type": "multipart/form-data; charset=shift_jis; boundary=XyZ"}
+        r = await http.post("/v1/videos", content=_multipart(*fields[1:], ("prompt", "日本".encode("shift_jis"))),
+                            headers=sjis)  # fmt: skip
+        assert r.status_code == 200 and r.json()["prompt"] == "日本", r.text
+        accepted.append(r.json())
         r = await http.post("/v1/videos", content=b"prompt=%ff%fe&size=64x48", headers=urlencoded)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         good = b"prompt=caf%C3%A9+au+lait&size=64x48&num_frames=5&num_inference_steps=1"

@@ -11,6 +11,7 @@ the OpenAPI requestBody of a route that reads its JSON itself (its models' schem
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import re
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote_to_bytes
 
 from pydantic import BaseModel
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartParser
 from starlette.requests import Request
@@ -346,6 +348,16 @@ class FormParts(MultiPartParser):
         super().on_end()
 
     async def parse(self) -> FormData:
+        # (Starlette reads an unknown charset as latin-1, which decodes any bytes: a UTF-8 prompt came out
+        # garbled, with no error)
+        _, params = parse_options_header(self.headers.get("Content-Type", ""))
+        charset = params.get(b"charset", b"utf-8").decode("latin-1")
+        try:
+            codecs.lookup(charset)
+        except LookupError:
+            raise APIError(
+                400, f"Invalid form body: unknown charset {charset!r} in its Content-Type."
+            ) from None
         form = await super().parse()
         if not self.closed:
             await form.close()

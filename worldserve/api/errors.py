@@ -157,6 +157,18 @@ SHALLOW_REPR = reprlib.Repr()
 items cut to a few."""
 
 
+def shown_name(name: str) -> str:
+    """A name a client sent (its `model`), as an error message quotes it: cut to MAX_INPUT_REPR characters
+    (a 10 MB model name had come back whole in the 400's body)."""
+    return name if len(name) <= MAX_INPUT_REPR else name[:MAX_INPUT_REPR] + "..."
+
+
+def model_mismatch(model: str, served_model: str) -> APIError:
+    """vLLM-Omni's 400 for a video or image request naming another model than the served one."""
+    return APIError(400, f"Model mismatch: request specifies '{shown_name(model)}' but server is running "
+                    f"'{served_model}'.", param="model")  # fmt: skip
+
+
 def _shown(value: Any) -> str:
     """An offending input's repr, cut to MAX_INPUT_REPR characters. A value nested past Python's recursion
     limit (a form's bracketed fields build one from a name of 3,000 `[a]`s) made `repr` raise RecursionError,

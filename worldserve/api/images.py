@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from worldserve.api.bodies import read_model
 from worldserve.api.disconnect import ClientGone, unless_disconnected
-from worldserve.api.errors import APIError
+from worldserve.api.errors import APIError, model_mismatch
 from worldserve.api.images_protocol import ImageGenerationRequest, build_params
 from worldserve.api.state import AppState, State
 from worldserve.api.video_inputs import structured_texts
@@ -171,8 +171,7 @@ async def _read_request(request: Request, st: AppState) -> ImageGenerationReques
             request, ImageGenerationRequest, st.settings.max_upload_bytes, structured_texts
         )
     if not st.serves(req.model):
-        raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
-                       f"'{st.served_model_name}'.", param="model")  # fmt: skip
+        raise model_mismatch(req.model or "", st.served_model_name)
     if (req.n or 1) > st.client.max_queued_requests:
         raise APIError(
             400, f"n={req.n} is above this server's queue ({st.client.max_queued_requests})", param="n"

@@ -40,7 +40,7 @@ from worldserve.api.bodies import (
     parse_json_body,
     parse_urlencoded,
 )
-from worldserve.api.errors import APIError, validation_error
+from worldserve.api.errors import APIError, model_mismatch, validation_error
 from worldserve.api.form_brackets import BRACKETED, fold_brackets
 from worldserve.api.json_form_fields import json_object_field
 from worldserve.api.lora_field import LoraSettings
@@ -234,8 +234,7 @@ def _create_request(
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
     if req.model is not None and req.model != served_model and req.model not in model_aliases:
-        raise APIError(400, f"Model mismatch: request specifies '{req.model}' but server is running "
-                       f"'{served_model}'.", param="model")  # fmt: skip
+        raise model_mismatch(req.model, served_model)
     return req
 
 
