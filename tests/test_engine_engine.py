@@ -267,6 +267,32 @@ def test_retry_after_follows_the_first_job_s_decode(tmp_path):
     run(main())
 
 
+def test_retry_after_follows_a_long_running_job_after_short_ones_ended(tmp_path):
+    """Once short jobs have ended, a long one running sets the full queue's Retry-After at its own pace (the
+    short jobs' mean service time had said ~1 s with most of its 100 steps left)."""
+    backend = FakeBackend(step_delay=0.05)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_queued_requests=2)
+        await client.start()
+        try:
+            for _ in range(2):
+                short = submit_job(client, job_params(steps=1, frames=1, generate_sound=False))
+                await client.wait(short.id)
+            assert client.engine._ends.service_ewma_s < 2
+            long = submit_job(client, job_params(steps=100))
+            await asyncio.to_thread(wait_until, lambda: client.jobs.store.get(long.id).progress >= 10)
+            submit_job(client, job_params())
+            submit_job(client, job_params())
+            with pytest.raises(QueueFullError) as full:
+                submit_job(client, job_params())
+            assert full.value.retry_after_s >= 3, full.value.retry_after_s
+        finally:
+            await client.shutdown(0.2)
+
+    run(main())
+
+
 def test_restart_resumes_unfinished_jobs(tmp_path):
     import io
 

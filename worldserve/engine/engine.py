@@ -145,18 +145,19 @@ class Engine(EngineShutdown):
         return self._num_running
 
     def estimated_slot_wait_s(self) -> float:
-        """Rough seconds until a queue slot frees: mean service time / batch size; before any job has ended,
-        when the first running one will end at its own pace so far (its time since admission over the share of
-        its steps done, or as long again as its decode has run: a 429 during the server's first long job had said
-        1 s), else 1 s."""
-        ewma = self._ends.service_ewma_s
-        if ewma is not None:
-            return ewma / self.config.max_batch_size
+        """Rough seconds until a queue slot frees: when the first running job will end at its own pace so far
+        (its time since admission over the share of its steps done, or as long again as its decode has run);
+        with none under way yet, the mean service time / batch size, else 1 s. The running jobs' own pace comes
+        first: after small jobs the mean said 4 s while a large one had 17 s left (the OpenAI SDK retries twice,
+        after the Retry-After it is given), and a 429 during the server's first long job had said 1 s."""
         now = time.monotonic()
         with self._cv:  # (the decodes' table changes under _cv; the running list is copied whole)
             requests = [*self._sched.running, *(request for _, request in self._decode_stops.values())]
         paces = [left for r in requests if (left := r.seconds_left(now)) is not None]
-        return min(paces, default=1.0)
+        if paces:
+            return min(paces)
+        ewma = self._ends.service_ewma_s
+        return 1.0 if ewma is None else ewma / self.config.max_batch_size
 
     # -- the loop (engine thread) -----------------------------------------------------------------------
     def _run(self) -> None:
