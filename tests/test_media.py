@@ -23,15 +23,10 @@ from worldserve.media.audio import fit_audio
 from worldserve.media.fragments import encode_fragments
 from worldserve.media.frame_stream import FrameStream
 from worldserve.media.image import INVALID_REFERENCE_MESSAGE, decode_image, encode_png, resize_center_crop
-from worldserve.media.video import encode_mp4, frame_rate, h264_options, write_npz
+from worldserve.media.video import clip_samples, encode_mp4, frame_rate, h264_options, write_npz
 from worldserve.params import ParamError
 
 SR = 48000
-
-
-def _audio_samples(num_frames: int, fps: float, sample_rate: int) -> int:
-    """Samples covering the frames, as the pipeline decodes them (AudioVAE.num_samples, cosmos3-model.md §4)."""
-    return int(num_frames / fps * sample_rate)
 
 
 def _frames(num_frames: int, height: int = 32, width: int = 48) -> np.ndarray:
@@ -54,7 +49,7 @@ def _sine(num_samples: int, freq: float = 440.0) -> np.ndarray:
 
 @pytest.mark.parametrize("num_frames", [5, 9, 17])
 def test_mp4_round_trip_with_audio(num_frames):
-    n = _audio_samples(num_frames, 24.0, SR)
+    n = clip_samples(num_frames, 24.0, SR)
     data = encode_mp4(_frames(num_frames), 24.0, _sine(n))
     p = probe_mp4(data, decode=True)
     assert data[4:8] == b"ftyp" and "mp4" in p.container_format
@@ -85,7 +80,7 @@ def test_mp4_colours_survive():
 def test_audio_is_aligned_at_pts_zero():
     """The AAC priming delay is hidden by the edit list: decoded audio lines up with the input sample for
     sample (a shift by the 1024-sample priming would put the 440 Hz sine far out of phase)."""
-    n = _audio_samples(17, 24.0, SR)
+    n = clip_samples(17, 24.0, SR)
     audio = _sine(n)
     p = probe_mp4(encode_mp4(_frames(17), 24.0, audio), decode=True)
 
@@ -106,7 +101,7 @@ def test_audio_is_aligned_at_pts_zero():
 def test_mp4_non_integer_fps(fps, expected):
     expected = expected or fps
     assert frame_rate(fps) == expected
-    n = _audio_samples(9, float(fps), SR)
+    n = clip_samples(9, float(fps), SR)
     p = probe_mp4(encode_mp4(_frames(9), fps, _sine(n)))
     assert p.num_frames == 9
     assert p.fps == expected
@@ -140,7 +135,7 @@ def test_mp4_without_audio_and_single_frame():
 def test_mp4_audio_keeps_its_own_length(extra):
     """The muxer keeps the track as long as it is (the pipeline fits it: the clip's length, or the request's
     sound_duration), shorter or longer than the video."""
-    n = _audio_samples(9, 24.0, SR)
+    n = clip_samples(9, 24.0, SR)
     p = probe_mp4(encode_mp4(_frames(9), 24.0, _sine(n + extra)), decode=True)
     assert abs(p.audio_duration - (n + extra) / SR) <= 1e-3 and abs(p.video_duration - 9 / 24) <= 1e-3
     assert n + extra <= p.audio_samples_decoded < n + extra + 1024
@@ -413,7 +408,7 @@ def test_fragments_join_into_the_same_video_as_encode_mp4(num_frames):
     """encode_fragments: an init segment, then whole fragments (each starting with its chunk's keyframe)
     once the next chunk is out; the joined parts decode to the frames and the audio encode_mp4's file has
     (the init segment's audio edit list trims AAC's 1,024 leading samples of encoder delay, as the file's)."""
-    frames, n = _frames(num_frames), _audio_samples(num_frames, 24.0, SR)
+    frames, n = _frames(num_frames), clip_samples(num_frames, 24.0, SR)
     parts = list(
         encode_fragments(_decode_chunks(frames), 24.0, _sine(n), codec_options={"tune": "zerolatency"})
     )
@@ -444,7 +439,7 @@ def test_fragments_have_no_b_frames_and_count_frames_from_their_bytes():
     audio starts; the frames a part holds are read from its `trun` boxes, also when fed byte by byte."""
     n = 41
     options = {"preset": "medium", "bf": 3, "tune": "film", "threads": 1}
-    parts = list(encode_fragments(_decode_chunks(_frames(n)), 24.0, _sine(_audio_samples(n, 24.0, SR)),
+    parts = list(encode_fragments(_decode_chunks(_frames(n)), 24.0, _sine(clip_samples(n, 24.0, SR)),
                                   codec_options=options))  # fmt: skip
     data = b"".join(part for part, _ in parts)
     assert sum(frames_in for _, frames_in in parts) == n  # (x264's lookahead holds medium's to the end)
@@ -467,3 +462,21 @@ def test_fragments_without_audio_or_zerolatency_and_their_checks():
         next(encode_fragments(_decode_chunks(_frames(5)), 8.0, codec_options={"tune": "loud"}))
     with pytest.raises(ValueError, match="even frame sizes"):
         next(encode_fragments(_decode_chunks(_frames(5, height=31)), 8.0))
+
+
+@pytest.mark.parametrize(
+    ("num_frames", "fps", "samples"),
+    [
+        (41, 10.0, 196_800),
+        (189, 10.0, 907_200),
+        (69, 30.0, 110_400),
+        (5, 7.0, 34_286),
+        (13, 29.97, 20_821),
+        (189, 24.0, 378_000),
+        (17, 30000 / 1001, 27_227),
+    ],
+)
+def test_the_audio_track_is_as_long_as_the_video_to_the_sample(num_frames, fps, samples):
+    """round(duration x 48 kHz) at the track's exact rate (serving-api.md §4.4): floats had cut whole lengths
+    one sample short (41 @ 10 fps: 196799) and truncated the others (5 @ 7 fps: 34285)."""
+    assert clip_samples(num_frames, fps, SR) == samples

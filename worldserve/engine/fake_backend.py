@@ -27,6 +27,7 @@ import numpy as np
 
 from worldserve.engine.outputs import VideoResult
 from worldserve.media.frame_stream import FrameStream
+from worldserve.media.video import clip_samples
 from worldserve.params import ParamError, VideoParams
 
 FAIL_MARKER = "__fail__:"
@@ -120,7 +121,7 @@ class FakeBackend:
         frames = np.broadcast_to(colours, (p.num_frames, p.height, p.width, 3))
         audio = None
         if self._sound(p):
-            n = int(p.num_frames / p.fps * SAMPLE_RATE)
+            n = clip_samples(p.num_frames, p.fps, SAMPLE_RATE)
             t = np.arange(n, dtype=np.float32) / SAMPLE_RATE
             freq = 220.0 + float(rng.integers(0, 440))
             tone = 0.2 * np.sin(2 * np.pi * freq * t, dtype=np.float32)

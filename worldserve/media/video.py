@@ -132,6 +132,14 @@ def frame_rate(fps: float | Fraction) -> Fraction:
     return rate
 
 
+def clip_samples(num_frames: int, fps: float | Fraction, sample_rate: int) -> int:
+    """Audio samples per channel as long as the clip's video track: round(num_frames / rate x sample_rate)
+    in exact arithmetic at the track's own rate (`frame_rate`), serving-api.md's round(duration x rate).
+    Floats had cut exact lengths one sample short (41 frames at 10 fps: 196799.99999999997 -> 196799 of
+    196800). The sound latent's length keeps diffusers' own float count (AudioVAE.latent_frames)."""
+    return round(num_frames * sample_rate / frame_rate(fps))
+
+
 def check_even_size(frames: FrameStream) -> None:
     height, width = frames.height, frames.width
     if height % 2 or width % 2:

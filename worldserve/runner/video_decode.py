@@ -19,6 +19,7 @@ import torch
 from worldserve.engine.outputs import VideoResult
 from worldserve.media.audio import fit_audio
 from worldserve.media.frame_stream import FrameStream
+from worldserve.media.video import clip_samples
 from worldserve.params import LoraRequest, ParamError
 
 if TYPE_CHECKING:  # the VAEs import diffusers: a peer rank, which only runs the transformer, never needs them
@@ -50,7 +51,7 @@ def decode_video(
         assert audio_vae is not None, "sound latents come only from a pipeline with an audio VAE"
         # the clip's length; a request's sound_duration then trims it or pads it with silence (the decoder's
         # output past the clip, up to a hop of it, is not silence)
-        audio = audio_vae.decode(state.sound, audio_vae.num_samples(p.num_frames, p.fps))
+        audio = audio_vae.decode(state.sound, clip_samples(p.num_frames, p.fps, audio_vae.sample_rate))
         if p.sound_duration is not None:
             audio = fit_audio(audio, round(p.sound_duration * audio_vae.sample_rate))
         stages["audio.decode"] = time.perf_counter() - t0

@@ -83,7 +83,9 @@ class AudioVAE:
         return int(self.model.config.dec_out_channels)
 
     def num_samples(self, num_frames: int, fps: float) -> int:
-        """Samples per channel that cover the video: `int(num_frames / fps * sample_rate)`."""
+        """Samples per channel that cover the video as diffusers counts them for the sound latent's length:
+        `int(num_frames / fps * sample_rate)`, in floats (the MP4's track is media/video.py's clip_samples,
+        exact: this count is one short where the float falls just under a whole number)."""
         return int(num_frames / fps * self.sample_rate)
 
     def latent_frames(self, num_frames: int, fps: float) -> int:
