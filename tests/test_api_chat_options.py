@@ -452,19 +452,3 @@ def test_server_media_defaults_lie_under_the_request_s_own(url, url_with_default
     )
     bad = _chat(url_with_defaults, video, media_io_kwargs="fast")  # the request's own bad value: its 400
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "media_io_kwargs", bad.text
-
-
-def test_media_defaults_merge_as_vllm_merges():
-    from worldserve.api.chat_options import MediaDefaults
-
-    d = MediaDefaults(
-        {"video": {"fps": 1.0}, "image": {"rgba_background_color": [0, 0, 0]}}, {"max_pixels": 9}
-    )
-    assert d.under(None, None) == ({"video": {"fps": 1.0}, "image": {"rgba_background_color": [0, 0, 0]}},
-                                   {"max_pixels": 9})  # fmt: skip
-    io, mm = d.under({"video": {"num_frames": 8}}, {"max_pixels": 100, "min_pixels": 4})
-    assert io["video"] == {"fps": 1.0, "num_frames": 8} and mm == {"max_pixels": 100, "min_pixels": 4}
-    io, mm = d.under(None, {"videos_kwargs": {"num_frames": 8}})
-    assert io["video"] == {} and mm == {"max_pixels": 9, "videos_kwargs": {"num_frames": 8}}
-    assert MediaDefaults({}, {"fps": 1}).under({"video": {"fps": 3}}, None)[1] is None  # (none left)
-    assert MediaDefaults().under(None, {"size": {}}) == (None, {"size": {}})

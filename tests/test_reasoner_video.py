@@ -195,7 +195,7 @@ def test_frame_resize_is_torchvisions(src, dst):
     level on under 0.1 % of values. Pillow's 8-bit resize, used before, rounds between its passes."""
     from PIL import Image
 
-    from worldserve.media.video_input import bicubic_antialiased
+    from worldserve.media.frame_resize import bicubic_antialiased
 
     frame = np.random.default_rng(sum(src)).integers(0, 256, (*src, 3), dtype=np.uint8)
     x = torch.from_numpy(frame).permute(2, 0, 1)[None].float()  # [1, 3, H, W]

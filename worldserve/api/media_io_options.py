@@ -2,12 +2,15 @@
 
 `image_background(media_io_kwargs)`: what an image's transparent pixels show (`image.rgba_background_color`,
 white by default); `video_sampling(media_io_kwargs, mm_video)`: how its videos' frames are sampled
-(`video.fps` / `video.num_frames`, or the same keys from `mm_processor_kwargs`, over Qwen3-VL's 2 fps) and
-their pixel budget. Both run before any media is fetched (api/chat.py `request_options`); the decoding
-itself is api/chat_media.py's. Errors are ParamErrors naming the field the value came in.
+(`video.fps` / `video.num_frames`, or the same keys from `mm_processor_kwargs`, over Qwen3-VL's 2 fps; with
+`mm_processor_kwargs.do_sample_frames=false` and no `video` sampling, every frame: `EveryFrame`) and their
+pixel budget. Both run before any media is fetched (api/chat.py `request_options`); the decoding itself is
+api/chat_media.py's. Errors are ParamErrors naming the field the value came in.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from worldserve.api.chat_options import pixel_budget
 from worldserve.chat_params import MAX_VIDEO_FPS, VideoSampling
@@ -18,6 +21,18 @@ RGBA_BACKGROUND = (255, 255, 255)
 
 MEDIA_IO_KINDS = ("image", "video")
 """The `media_io_kwargs` keys this server reads (vLLM's are per modality; there is no audio here)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EveryFrame(VideoSampling):
+    """`mm_processor_kwargs.do_sample_frames=false` where no `media_io_kwargs.video` sampling is set: the
+    clip's frames as decoded, every one (transformers' Qwen3-VL video processor skips `sample_frames` then,
+    with no min / max frame count), resized as a clip of that many frames is, timestamped by their index."""
+
+    fps: float | None = None
+
+    def indices(self, total_frames: int, source_fps: float) -> list[int]:
+        return list(range(total_frames))
 
 
 def image_background(media_io_kwargs: dict | None) -> tuple[int, int, int]:
@@ -44,9 +59,11 @@ def image_background(media_io_kwargs: dict | None) -> tuple[int, int, int]:
 
 def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -> VideoSampling:
     """`media_io_kwargs.video` ({"fps": F}, {"num_frames": N} or both) or fps / num_frames from `mm_processor_kwargs`, and
-    its pixel budget, over Qwen3-VL's defaults (2 fps); ParamError naming the field the values came from when
-    fps is not a number > 0 (above MAX_VIDEO_FPS it is taken as that) or num_frames not an integer in
-    [1, max_frames] (or -1)."""
+    its pixel budget, over Qwen3-VL's defaults (2 fps); do_sample_frames=false there: the `video` sampling
+    alone (the loader's frames, not sampled again), or with none every frame (`EveryFrame`). ParamError naming
+    the field the values came from when fps is not a number > 0 (above MAX_VIDEO_FPS it is taken as that),
+    num_frames not an integer in [1, max_frames] (or -1), or do_sample_frames=false comes with fps /
+    num_frames in `mm_processor_kwargs`."""
     video = (media_io_kwargs or {}).get("video")
     video = {} if video is None else video
     if not isinstance(video, dict) or set(video) - {"fps", "num_frames", "max_duration"}:
@@ -63,6 +80,11 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
         video = {k: v for k, v in video.items() if k != "num_frames"}
     mm_video = mm_video or {}
     asked = {k: mm_video[k] for k in ("fps", "num_frames") if k in mm_video}
+    every_frame = mm_video.get("do_sample_frames") is False
+    if asked and every_frame:
+        raise ParamError("mm_processor_kwargs", "mm_processor_kwargs do_sample_frames=false takes the clip's "
+                         "frames as decoded, unsampled, so it takes no fps / num_frames: give one or the other "
+                         "(media_io_kwargs.video samples them before the processor, as vLLM's loader does)")  # fmt: skip
     if asked and video:
         raise ParamError("mm_processor_kwargs", "video sampling is set in media_io_kwargs.video: give fps / "
                          "num_frames there or in mm_processor_kwargs, not both")  # fmt: skip
@@ -73,6 +95,8 @@ def video_sampling(media_io_kwargs: dict | None, mm_video: dict | None = None) -
     video = video or asked
     lo, hi = pixel_budget(mm_video, "videos")
     pixels = {k: v for k, v in (("min_pixels", lo), ("max_pixels", hi)) if v is not None}
+    if every_frame and not video:  # (with the loader's sampling, the processor takes the frames it decoded)
+        return EveryFrame(**pixels)
     param = "mm_processor_kwargs" if asked else "media_io_kwargs"
     fps, num = video.get("fps"), video.get("num_frames")
     if num == -1:

@@ -16,11 +16,13 @@
 - `decode_chat_video(data, sampling)`: a Reasoner video -> `ChatVideo`: the frames Qwen3-VL's video processor
   samples (`VideoSampling.indices`, 2 fps by default), each resized to the processor's `smart_resize` size
   as it is decoded (a long clip never sits in memory at full size) with torchvision's antialiased bicubic,
-  as transformers' video processor resizes (`bicubic_antialiased`: Pillow's float mode, within 1 level on
-  under 0.1 % of values); the sampling, sizes and timestamps are the same. The whole clip is decoded (the last frame is always sampled), so its decode work is
-  counted against the request's `DecodeBudget` (media/decode_budget.py): from the container's frame count
-  and size before decoding (a count the container lacks is its packets', demuxed, not decoded), then frame
-  by frame, each check also where an abandoned request's decode stops.
+  as transformers' video processor resizes (media/frame_resize.py `bicubic_antialiased`: Pillow's float
+  mode, within 1 level on under 0.1 % of values); the sampling, sizes and timestamps are the same. The whole
+  clip is decoded (the last frame is always sampled), so its decode work is counted against the request's
+  `DecodeBudget` (media/decode_budget.py): from the container's frame count and size before decoding (a
+  count the container lacks is its packets', demuxed, not decoded), then frame by frame, each check also
+  where an abandoned request's decode stops. An image file FFmpeg cannot read as a one-frame clip (a PNG
+  past its size limit) is decoded as an image part is, with that image's own errors.
 - `decode_chat_frames(images, sampling)`: vLLM's video of separate image frames, sampled and resized as a
   video's.
 Pillow and PyAV only: the API process can validate uploads without torch.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import warnings
 from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING
 
@@ -40,6 +43,7 @@ from PIL import Image
 from worldserve.chat_params import ChatVideo, VideoSampling
 from worldserve.media.decode_budget import DecodeBudget
 from worldserve.media.display_matrix import display_orientation
+from worldserve.media.frame_resize import bicubic_antialiased
 from worldserve.media.image import (
     ImageTooLarge,
     decode_image,
@@ -187,20 +191,50 @@ def decode_chat_video(
     """Video bytes -> the sampled, resized frames of a chat video part (ParamError when nothing decodes, or
     when the decode would take the request past its `budget`; DecodeCancelled once the budget's request is
     abandoned; no budget: no limit, a local caller's own file)."""
-    import av
-
     budget = budget if budget is not None else DecodeBudget(None)
     bad = ParamError(param, f"Invalid {param}: provided content is not a valid video.")
     try:
+        return _decode_chat_clip(data, sampling, param, budget, bad)
+    except ParamError as exc:
+        if exc is not bad or not _pillow_recognises(data):
+            raise
+    # An image file FFmpeg would not read as a one-frame clip (a PNG past FFmpeg's own size limit, whose
+    # stream then has no size): decoded as an image part is, so its errors are the image's (too large, corrupt).
+    return decode_chat_frames([data], sampling, param=param, budget=budget)
+
+
+def _pillow_recognises(data: bytes) -> bool:
+    """Whether Pillow reads the bytes' header as an image's (one too large to decode included)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)):
+                return True
+    except Image.DecompressionBombError:
+        return True
+    except Exception:  # (any failure of Pillow's header parsers on untrusted bytes: not an image it reads)
+        return False
+
+
+def _decode_chat_clip(
+    data: bytes, sampling: VideoSampling, param: str, budget: DecodeBudget, bad: ParamError
+) -> ChatVideo:
+    """decode_chat_video through FFmpeg: `bad` itself where nothing decodes."""
+    import av
+
+    try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:  # (no stream at all: a damaged container, e.g. an MP4's moov)
-                raise ParamError(param, f"Invalid {param}: the file has no video stream (audio only)."
-                                 if container.streams.audio else bad.message)  # fmt: skip
+                if container.streams.audio:
+                    raise ParamError(param, f"Invalid {param}: the file has no video stream (audio only).")
+                raise bad
             stream = container.streams.video[0]
             size = (0, 0)
             if stream.codec_context is not None:
                 size = (stream.codec_context.width, stream.codec_context.height)
-                _check_frame_pixels(*size, param)
+                _check_frame_pixels(
+                    *size, param, "the image" if is_still_image(container.format.name) else None
+                )
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else DEFAULT_SOURCE_FPS
             # the container does not say (WebM, MKV): its packets, a frame each, counted undecoded
@@ -234,6 +268,8 @@ def decode_chat_frames(
     wanted = sampling.indices(len(images), DEFAULT_SOURCE_FPS)
     want = collections.Counter(wanted)
     sizes = {image_size(images[i]) for i in want}
+    for h, w in (shape for shape in sizes if shape is not None):  # (decode_image's error before the budget's)
+        _check_frame_pixels(w, h, param, "the image")
     if (
         len(sizes) == 1 and (size := sizes.pop()) is not None
     ):  # (frames of several sizes: refused as they decode)
@@ -284,11 +320,12 @@ def _frames(data: bytes, param: str) -> Generator[av.VideoFrame, None, None]:
                 raise
 
 
-def _check_frame_pixels(width: int, height: int, param: str) -> None:
+def _check_frame_pixels(width: int, height: int, param: str, what: str | None = None) -> None:
     """A video frame above the image pixel limit is refused as an image that size is (a chat video's sampled
-    frames are converted at full size before they are resized)."""
+    frames are converted at full size before they are resized); `what` names it (an image file's frame:
+    "the image", as decode_image says)."""
     if width * height > max_pixels():
-        raise too_large(param, width * height, f"a video frame of {width}x{height}")
+        raise too_large(param, width * height, what or f"a video frame of {width}x{height}")
 
 
 def _sample(
@@ -333,22 +370,6 @@ def _resized(frame: np.ndarray, sampling: VideoSampling, num_frames: int, param:
     except ParamError as exc:
         raise ParamError(param, f"Invalid {param}: {exc.message}") from None
     return bicubic_antialiased(frame, w, h)
-
-
-def bicubic_antialiased(frame: np.ndarray, width: int, height: int) -> np.ndarray:
-    """uint8 [H, W, 3] -> [height, width, 3] as torchvision's `resize(bicubic, antialias=True)` of a uint8
-    tensor: the antialiased bicubic filter (a = -0.5, widened by the downscale) along the width, then the
-    height, on unrounded values, clamped and rounded once at the end. Pillow's 8-bit resize rounds and clips
-    between its two passes (on sharp detail up to ~20 levels from torchvision's); its float ("F") mode is the
-    same filter in double precision: within 1 level of torchvision's on under 0.1 % of values, at the speed
-    of the 8-bit resize (three planes; media/work_pool.py resizes a clip's frames on several cores)."""
-    planes = [
-        Image.fromarray(np.ascontiguousarray(frame[..., c], dtype=np.float32), "F").resize(
-            (width, height), resample=Image.Resampling.BICUBIC
-        )
-        for c in range(3)
-    ]
-    return np.clip(np.rint(np.stack([np.asarray(p) for p in planes], axis=-1)), 0, 255).astype(np.uint8)
 
 
 def _invalid(param: str) -> ParamError:
