@@ -25,12 +25,14 @@ arguments are a 400. Both reach the Reasoner on `ChatParams`. The context is che
 it, in its words (api/context_fit.py): a completion budget past the whole context before any other work (a 400
 naming the field the client sent: `max_completion_tokens` wins over `max_tokens`, as in vLLM), a prompt and
 budget past it once the prompt is built (a 400 naming `input_tokens`).
-Streaming: per choice, the first chunk carries the role (then, with vLLM's `echo`, the continued message),
-then one chunk per text piece (with tools: content and `tool_calls` deltas, api/tool_stream.py ToolStream),
-a final chunk with `delta: {}` and the finish_reason; then an optional usage chunk (`stream_options.include_usage`) and
-`data: [DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far. Errors before the
-first byte use the normal envelope; a failure mid-stream is sent as `data: {"error": ...}` followed by
-`data: [DONE]`.
+Streaming (api/chat_chunks.py) answers once the first choice has started (the worker admits the others as
+decode slots free up; they stream as they start, as vLLM's do): per choice, the first chunk carries the role
+(then, with vLLM's `echo`, the continued message), then one chunk per text piece (with tools: content and
+`tool_calls` deltas, api/tool_stream.py ToolStream), a final chunk with `delta: {}` and the finish_reason;
+then an optional usage chunk (`stream_options.include_usage`) and `data: [DONE]`; with
+`continuous_usage_stats` too, every chunk carries the usage so far. Errors before the first byte (the first
+choice's refusal included) use the normal envelope; a failure mid-stream (a later choice's too) is sent as
+`data: {"error": ...}` followed by `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from worldserve.api.answer_fields import TokenView, prompt_logprob_rows
 from worldserve.api.bodies import fits_context, openapi_body, read_model
+from worldserve.api.chat_chunks import sse
 from worldserve.api.chat_media import ImageBudget, media_parts, part, prefetch_media
 from worldserve.api.chat_messages import ContentPart
 from worldserve.api.chat_options import MediaDefaults, pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
-from worldserve.api.chat_stream import TextParsing, close_all, collect, sse, start_all
+from worldserve.api.chat_stream import TextParsing, close_all, collect, start_all
 from worldserve.api.context_fit import check_output_budget, check_prompt_fits
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body, shown_name
@@ -270,7 +273,8 @@ def check_rendered_prompt(body: ChatCompletionRequest, params: ChatParams, max_m
 
 def model_not_found(model: str) -> JSONResponse:
     return JSONResponse(
-        error_body(404, f"The model `{shown_name(model)}` does not exist.", "model", vllm=True), status_code=404
+        error_body(404, f"The model `{shown_name(model)}` does not exist.", "model", vllm=True),
+        status_code=404,
     )
 
 
@@ -346,8 +350,11 @@ async def _answer(
     tools: ToolMode | None,
     request_id: str,
 ) -> ChatCompletionResponse | StreamingResponse:
-    """Start the choices together (`opened` gets their event streams), wait for each one's first event,
-    then answer (its id `request_id`): SSE, or the whole completion."""
+    """Start the choices together (`opened` gets their event streams), wait for the first event of each
+    (the whole completion) or of the first one alone (SSE: the worker admits the choices as decode slots
+    free up, and a choice still queued must not hold back the others' chunks, as in vLLM), then answer (its
+    id `request_id`). A failure of a choice waited for is the request's error (a 4xx / 5xx envelope);
+    a later choice's, in a stream, is its error event."""
     role = (
         st.settings.response_role if body.add_generation_prompt else body.messages[-1].role
     )  # (vLLM's rule)
@@ -357,12 +364,13 @@ async def _answer(
     # merged at the end, which spares the event loop a wake-up per chat and token
     try:
         streams, firsts = await start_all(
-            st.client, choices, st.chat_meter(request_id), coalesce=not body.stream, opened=opened
-        )
+            st.client, choices, st.chat_meter(request_id), coalesce=not body.stream, opened=opened,
+            first_only=body.stream,
+        )  # fmt: skip
     except APIError as exc:
         name_sent_field(body, exc)
         raise
-    first = firsts[-1]
+    first = firsts[-1]  # (the choices share the prompt: any one's counts)
     created, model = int(time.time()), st.served_model_name
     cached = (
         firsts[0].cached_tokens if st.settings.prompt_tokens_details else None

@@ -1,25 +1,23 @@
-"""From Reasoner event streams to OpenAI chat responses: the non-streaming object and SSE chunks, for n choices.
+"""From Reasoner event streams to OpenAI chat responses, for n choices: starting them, the non-streaming object.
 
-Each choice is one chat on the ChatWorker (they decode batched together). `metered` counts every chat into
-the metrics; `collect` builds the `chat.completion` object (with tools, each text's calls parsed out:
-api/tool_stream.py final_message); `sse` merges the choices' events as they come (with tools, each through a
-ToolStream into content / tool_calls deltas; with vLLM's chat `echo`, the continued message after the role)
-(each chunk names its choice `index`), ends each choice with a `delta: {}` chunk carrying its finish_reason,
-adds the usage chunk when asked and closes with `data: [DONE]`. A failure mid-stream is sent as
-`data: {"error": ...}` then `data: [DONE]`. Closing any of these stops the chats at their next step.
+Each choice is one chat on the ChatWorker (they decode batched together; it admits a request's choices as
+decode slots free up, so the later ones may wait). `start_all` starts a request's choices and waits for the
+first event of each (a non-streamed answer) or of the first one alone (a stream: a queued choice must not
+hold back the others' chunks; the later choices' ChatStarted then come through their streams, which
+`sse_events` hands to its `started`); `metered` counts every chat into the metrics; `collect` builds the
+`chat.completion` object (with tools, each text's calls parsed out: api/tool_stream.py final_message);
+`sse_events` merges the choices' events as they come into SSE text (api/chat_chunks.py renders a chat's
+chunks, api/completions_stream.py a text completion's) and closes with `data: [DONE]`. A failure mid-stream
+(a later choice that fails to start too) is sent as `data: {"error": ...}` then `data: [DONE]`, the other
+choices closed. Closing any of these stops the chats at their next step.
 Usage counts the prompt once and the completion tokens of every choice (as vLLM does), and with a reasoning
-parser their thought tokens (completion_tokens_details.reasoning_tokens; in a stream, on the final usage
-chunk). With
-`continuous_usage_stats` every choice chunk also carries usage so far, as vLLM's serving_chat.py reports it:
-the prompt and that chunk's choice's completion tokens (0 on the role chunk), completion_tokens_details null
-without a reasoning parser (with one vLLM counts the thoughts so far; those come at the answer's end here, so
-the field is left out), no prompt_tokens_details; only the final chunk sums them. Chunks carry the fields
-vLLM's do (chat_protocol.SSEChunk: what vLLM does not set is left out, e.g. stop_reason before the final chunk).
+parser their thought tokens (completion_tokens_details.reasoning_tokens).
 vLLM's token-id options (api/answer_fields.py `TokenView`, which also makes the logprobs and usage objects):
-return_token_ids puts the prompt's ids on the answer (a stream: its first chunk) and each choice's sampled ids
-on it (a stream: each chunk's own); return_tokens_as_token_ids names logprobs' tokens "token_id:<id>".
-`start_all` (start a request's choices together, each up to its first event), `run_all` and `sse_events` serve
-the text completions too (api/completions.py, api/completions_stream.py).
+return_token_ids puts the prompt's ids on the answer and each choice's sampled ids on it;
+return_tokens_as_token_ids names logprobs' tokens "token_id:<id>".
+`start_all`, `run_all` and `sse_events` serve the text completions too (api/completions.py,
+api/completions_stream.py). `TextParsing` / `AnswerStream` (a streamed answer's text into its parsed
+deltas) serve the chat chunks and the Responses API's events.
 """
 
 from __future__ import annotations
@@ -28,19 +26,12 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from worldserve.api.answer_fields import TokenView, chunk_usage, logprob_items, make_usage
-from worldserve.api.chat_protocol import (
-    AssistantMessage,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
-)  # fmt: skip
+from worldserve.api.answer_fields import TokenView, logprob_items, make_usage
+from worldserve.api.chat_protocol import AssistantMessage, ChatCompletionResponse, Choice, ChoiceLogprobs
 from worldserve.api.errors import APIError, error_body
 from worldserve.api.reasoning import ReasoningStream, split_reasoning
 from worldserve.api.tool_calls import ToolMode
@@ -56,8 +47,7 @@ from worldserve.engine.client import (
 
 if TYPE_CHECKING:
     from worldserve.chat_params import ChatParams
-    from worldserve.engine.chat_metering import MeteredChatEvents
-    from worldserve.engine.client import ChatEvents, ChatMeter, EngineClient, TokenLogprob
+    from worldserve.engine.client import ChatEvents, ChatMeter, EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +62,21 @@ class ChatStream(Protocol):
 
 async def start_all(
     client: EngineClient, choices: Sequence[ChatParams], metrics: ChatMeter, *, coalesce: bool,
-    opened: list[ChatEvents],
-) -> tuple[list[MeteredChatEvents], list[ChatStarted]]:  # fmt: skip
+    opened: list[ChatEvents], first_only: bool = False,
+) -> tuple[list[ChatStream], list[ChatStarted]]:  # fmt: skip
     """Start `choices` (ChatParams) together on the chat worker (`opened` gets their event streams, so a
     caller watching for a disconnect can close them) and wait for each one's first event: (the metered
-    streams, their ChatStarted events). A failed choice (its status), no Reasoner (400) or a shutdown (503)
-    answers the request, after every choice started is stopped."""
+    streams, their ChatStarted events). `first_only` (a stream): wait for the first choice's alone (one
+    ChatStarted), the others' stay unread in their streams, to come as they are admitted. A failed choice
+    waited for (its status), no Reasoner (400) or a shutdown (503) answers the request, after every choice
+    started is stopped."""
     streams: list = []
     try:
         opened += client.chat_many(choices, coalesce=coalesce)
         streams = [metered(events, metrics) for events in opened]
         firsts = []
-        for events in streams:  # admitted and prefilled together: a request's prompt K/V is shared
+        # admitted in order, as decode slots allow (those admitted together share the prompt's K/V)
+        for events in streams[:1] if first_only else streams:
             first = await anext(events)
             if isinstance(first, ChatFailed):
                 raise APIError(first.status, first.message, param=first.param)
@@ -107,12 +100,13 @@ async def close_all(streams: Sequence[ChatStream]) -> None:
 
 async def run_to_end(events: ChatStream) -> ChatDelta:
     """One chat's remaining events as one delta (its text, log-probabilities and token ids, its ending and
-    counts: ChatDelta.joined); APIError if it fails."""
+    counts: ChatDelta.joined; a ChatStarted still unread is passed over); APIError if it fails."""
     deltas = []
     async for event in events:
         if isinstance(event, ChatFailed):
             raise APIError(event.status, event.message, param=event.param)
-        deltas.append(event)
+        if not isinstance(event, ChatStarted):
+            deltas.append(event)
     assert deltas and all(isinstance(d, ChatDelta) for d in deltas)
     return ChatDelta.joined(deltas)
 
@@ -129,9 +123,12 @@ async def run_all(streams: Sequence[ChatStream]) -> list[ChatDelta]:
 async def sse_events(
     streams: Sequence[ChatStream], render: Callable[[int, ChatDelta], Iterable[str]],
     tail: Callable[[], Iterable[str]], head: Iterable[str] = (),
+    started: Callable[[int, ChatStarted], None] | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """The SSE text of n choices: `head`, then `render(index, delta)` of each delta as it comes, `tail()` and
-    `data: [DONE]`; a failure mid-stream is `data: {"error": ...}` then `data: [DONE]`. Closes the streams."""
+    """The SSE text of n choices: `head`, then `render(index, delta)` of each delta as it comes (a choice's
+    ChatStarted still in its stream, start_all's `first_only`, goes to `started(index, event)`), `tail()`
+    and `data: [DONE]`; a failure mid-stream (also a choice that fails to start) is `data: {"error": ...}`
+    then `data: [DONE]`. Closes the streams."""
     try:
         for text in head:
             yield text
@@ -140,6 +137,10 @@ async def sse_events(
                 if isinstance(event, ChatFailed):
                     yield _error_event(event.status, event.message, event.param)
                     return
+                if isinstance(event, ChatStarted):
+                    if started is not None:
+                        started(index, event)
+                    continue
                 for text in render(index, event):
                     yield text
         for text in tail():
@@ -281,116 +282,3 @@ async def collect(
         choices=choices,
         usage=make_usage(prompt_tokens, completion, cached, parsing.reasoning_tokens(thoughts)),
     )
-
-
-async def sse(
-    streams: Sequence[ChatStream], request_id: str, created: int, model: str, prompt_tokens: int,
-    include_usage: bool, continuous_usage: bool = False, parsing: TextParsing = TextParsing(),
-    cached: int | None = None, view: TokenView = TokenView(), prompt_ids: Sequence[int] | None = None,
-) -> AsyncIterator[str]:  # fmt: skip
-    """The choices' events merged into SSE chunks as they arrive (`continuous_usage`: usage on each one);
-    each choice's text split and parsed as `parsing` says (AnswerStream: reasoning_content, content and
-    tool_calls deltas)."""
-    chunks = _ChoiceChunks(
-        request_id=request_id, created=created, model=model, prompt_tokens=prompt_tokens,
-        include_usage=include_usage, continuous_usage=continuous_usage, parsing=parsing, cached=cached,
-        view=view, prompt_ids=prompt_ids, choices=len(streams),
-    )  # fmt: skip
-    async for text in sse_events(streams, chunks.render, chunks.tail, head=chunks.head()):
-        yield text
-
-
-@dataclass(slots=True, kw_only=True)
-class _ChoiceChunks:
-    """The SSE chunks of one streamed chat answer of `choices` choices (sse): each choice's head (its role,
-    then vLLM's echo), its events' chunks as they come and the usage chunk at the end. Not frozen: it keeps
-    each choice's running token counts (the usage) and text parser."""
-
-    request_id: str
-    created: int
-    model: str
-    prompt_tokens: int
-    include_usage: bool
-    continuous_usage: bool
-    parsing: TextParsing
-    cached: int | None
-    view: TokenView
-    prompt_ids: Sequence[int] | None
-    choices: int
-    completion: list[int] = field(init=False)
-    """Each choice's completion tokens so far."""
-    thoughts: list[int] = field(init=False)
-    """Each choice's reasoning tokens so far."""
-    parsers: list[AnswerStream] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.completion, self.thoughts = [0] * self.choices, [0] * self.choices
-        self.parsers = [self.parsing.stream() for _ in range(self.choices)]
-
-    def chunk(
-        self, index: int, delta: dict[str, Any], finish: str | None = None,
-        logprobs: Sequence[TokenLogprob] = (), stop: str | int | None = None, ids: Sequence[int] | None = None,
-        head: bool = False,
-    ) -> str:  # fmt: skip
-        """One choice chunk's SSE text (`head`: the answer's first, which carries the prompt's ids)."""
-        view = self.view
-        lp = ChoiceLogprobs(content=logprob_items(logprobs, view)) if logprobs else None
-        if "reasoning_content" in delta:  # the thoughts under both names (AssistantMessage)
-            delta = {"reasoning": delta["reasoning_content"], **delta}
-        # set on the final chunk only, as vLLM
-        stop_reason: dict[str, Any] = {} if finish is None else {"stop_reason": stop}
-        token_ids: dict[str, Any] = {"token_ids": list(ids or ())} if view.ids else {}
-        choice = ChunkChoice(
-            index=index, delta=delta, finish_reason=finish, logprobs=lp, **stop_reason, **token_ids
-        )
-        # vLLM sets completion_tokens_details on a chunk's usage: null without --reasoning-parser, the thought
-        # tokens so far with one (not known here before the answer's end: left out then)
-        thoughts = {} if self.parsing.reasoning else {"completion_tokens_details": None}
-        usage = None
-        if self.continuous_usage:
-            usage = chunk_usage(self.prompt_tokens, self.completion[index], **thoughts)
-        prompt: dict[str, Any] = (
-            {"prompt_token_ids": list(self.prompt_ids or ())} if head and view.ids else {}
-        )
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
-                                   usage=usage, **prompt).sse()  # fmt: skip
-
-    def head(self) -> list[str]:
-        """Every choice's first chunk (its role; the answer's first also carries the prompt's ids), then
-        each one's echo chunk."""
-        parsing = self.parsing
-        roles = [self.chunk(index, {"role": parsing.role, "content": ""}, head=index == 0)
-                 for index in range(self.choices)]  # fmt: skip
-        if parsing.echo:  # vLLM's chat echo: the continued message right after the role
-            roles += [self.chunk(index, {"content": parsing.echo}) for index in range(self.choices)]
-        return roles
-
-    def render(self, index: int, event: ChatDelta) -> Iterator[str]:
-        """The chunks of choice `index`'s `event`: its parsed deltas, then its final chunk when it ends."""
-        parsing, view, parser = self.parsing, self.view, self.parsers[index]
-        self.completion[index], self.thoughts[index] = event.completion_tokens, event.reasoning_tokens
-        finish = event.finish_reason
-        deltas = [d for d in parser.feed(event.text, finish is not None)
-                  if parsing.include_reasoning or "reasoning_content" not in d]  # fmt: skip
-        if finish is not None:
-            finish = parser.finish_reason(finish)
-        logprobs = () if parsing.hides_tokens else event.logprobs
-        if (logprobs or (view.ids and event.token_ids)) and not deltas:
-            deltas = [{"content": ""}]
-        for i, delta in enumerate(deltas):
-            yield self.chunk(
-                index, delta, logprobs=logprobs if i == 0 else (), ids=event.token_ids if i == 0 else ()
-            )
-        if finish is not None:
-            yield self.chunk(index, {}, finish, stop=event.stop_reason)
-
-    def tail(self) -> Iterator[str]:
-        """The usage chunk, when the request asked for it (`stream_options.include_usage`)."""
-        if self.include_usage:
-            usage = make_usage(
-                self.prompt_tokens, sum(self.completion), self.cached,
-                self.parsing.reasoning_tokens(sum(self.thoughts)),
-            )  # fmt: skip
-            yield ChatCompletionChunk(
-                id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
-            ).sse()

@@ -9,7 +9,9 @@ metrics (engine/chat_metering.py `metered`), a client gone stops them (api/disco
 down. The Reasoner checks the ids (outside the vocabulary, or vision placeholders: a 400 naming `prompt`);
 the context is checked here as vLLM's renderer checks it, in its words (api/context_fit.py): a max_tokens past
 the whole context before the prompts are read (a 400 naming `max_tokens`), then each prompt with max_tokens (a
-400 naming `input_tokens`). api/completions_stream.py builds the answer: the `text_completion` object or SSE chunks.
+400 naming `input_tokens`). api/completions_stream.py builds the answer: the `text_completion` object once every
+choice has ended, or SSE chunks once the first choice has started (the others stream as the worker admits
+them, as vLLM's do).
 `echo` with `max_tokens: 0` answers each prompt's text alone, as vLLM does: one token is generated (so every
 check of a generating request applies, and usage counts it, as vLLM's does) and left out of the text.
 `echo` with `logprobs` (lm-eval's loglikelihood requests) also scores the prompt: each prompt token's
@@ -137,10 +139,23 @@ async def create_completion(
     echoes = await asyncio.to_thread(
         lambda: [_echoed(prompts, body, i, t, max_model_len) for i, t in tokenized]
     )
+    sizes = [_kept_tokens(prompts, body, ids, max_model_len) for ids, _ in tokenized]
     opened: list[ChatEvents] = []  # the request's ChatEvents, to cancel if the client goes away at any point
     answer_id = body.answer_id("cmpl", request.headers.get("x-request-id"))
-    work = _answer(st, body, choices, echoes, opened, echo_only, answer_id)
+    work = _answer(st, body, choices, echoes, opened, echo_only, answer_id, sizes)
     return await unless_disconnected(request, work, lambda: close_all(opened))
+
+
+def _kept_tokens(
+    prompts: ChatPromptBuilder, body: CompletionRequest, ids: tuple[int, ...], max_model_len: int
+) -> int:
+    """How many of a prompt's tokens the Reasoner keeps: all, or with truncate_prompt_tokens the last ones
+    it keeps (as it cuts them: -1 keeps max_model_len - max_tokens)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return len(ids)
+    keep = prompts.truncation_size(keep, max_model_len, body.max_tokens)
+    return keep if 0 < keep < len(ids) else len(ids)
 
 
 def _echoed(
@@ -151,38 +166,37 @@ def _echoed(
     max_model_len: int,
 ) -> str | None:
     """A prompt's echo: its text, or with truncate_prompt_tokens the text of the tokens the Reasoner keeps
-    (as it cuts them: -1 keeps max_model_len - max_tokens), so the echo and its logprobs' offsets match."""
-    keep = body.truncate_prompt_tokens
-    if text is None or keep is None:
+    (_kept_tokens), so the echo and its logprobs' offsets match."""
+    kept = _kept_tokens(prompts, body, ids, max_model_len)
+    if text is None or kept == len(ids):
         return text
-    keep = prompts.truncation_size(keep, max_model_len, body.max_tokens)
-    return prompts.decode(list(ids[-keep:]), param="prompt") if 0 < keep < len(ids) else text
+    return prompts.decode(list(ids[-kept:]), param="prompt")
 
 
 async def _answer(
     st: AppState, body: CompletionRequest, choices: list[ChatParams], echoes: list[str | None],
-    opened: list[ChatEvents], echo_only: bool, request_id: str,
+    opened: list[ChatEvents], echo_only: bool, request_id: str, prompt_sizes: list[int],
 ) -> StreamingResponse | CompletionResponse:  # fmt: skip
-    """Start every choice together, wait for each one's first event (a refusal or a bad prompt answers the
-    request), then answer (its id `request_id`): SSE, or the whole object."""
+    """Start every choice together, wait for the first event of each (the whole object) or of the first one
+    alone (SSE: the worker admits the choices as decode slots free up, and one still queued must not hold
+    back the others' chunks; each prompt's counts come with its choices' ChatStarted), then answer (its id
+    `request_id`). A refusal or a bad prompt of a choice waited for answers the request (its envelope); a
+    later choice's, in a stream, is its error event. `prompt_sizes`: each prompt's tokens as tokenized here."""
     streams, firsts = await start_all(
-        st.client, choices, st.chat_meter(request_id), coalesce=not body.stream, opened=opened
-    )
-    prompt_tokens = [first.prompt_tokens for first in firsts[:: body.n]]  # each prompt's n choices share it
-    cached = (
-        [first.cached_tokens for first in firsts[:: body.n]] if st.settings.prompt_tokens_details else None
-    )
-    c = Completion(
-        request_id, int(time.time()), st.served_model_name, echoes=echoes, n=body.n,
-        prompt_tokens=prompt_tokens, logprobs=body.logprobs, echo_only=echo_only, cached=cached,
-        prompt_entries=[first.prompt_logprobs for first in firsts[:: body.n]], prompt_logprobs=body.prompt_logprobs,
-        view=TokenView.of(body, st.settings.tokens_as_ids),
-        prompt_ids=[first.prompt_token_ids for first in firsts[:: body.n]],
+        st.client, choices, st.chat_meter(request_id), coalesce=not body.stream, opened=opened,
+        first_only=body.stream,
     )  # fmt: skip
+    c = Completion(
+        request_id, int(time.time()), st.served_model_name, echoes=echoes, n=body.n, logprobs=body.logprobs,
+        echo_only=echo_only, prompt_logprobs=body.prompt_logprobs, prompt_sizes=prompt_sizes,
+        details=st.settings.prompt_tokens_details, view=TokenView.of(body, st.settings.tokens_as_ids),
+    )  # fmt: skip
+    for index, first in enumerate(firsts):
+        c.started(index, first)
     if st.settings.request_log is not None:
         prompt = body.prompt if isinstance(body.prompt, str) else json.dumps(body.prompt)
         st.settings.request_log.received(c.request_id, prompt, {**sampling(choices[0]), "n": body.n},
-                                prompt_tokens=sum(prompt_tokens))  # fmt: skip
+                                prompt_tokens=sum(c.prompt_tokens))  # fmt: skip
     if body.stream:
         return StreamingResponse(
             sse(streams, c, *body.stream_usage(st.settings.force_include_usage)),

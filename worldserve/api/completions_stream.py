@@ -1,13 +1,15 @@
 """From Reasoner event streams to `text_completion` answers: the whole object, or SSE chunks (POST /v1/completions).
 
 Choices are numbered prompt-major, as vLLM numbers them: choice `i * n + j` is sample j of prompt i. Each
-choice is one chat on the ChatWorker (all started together, decoded batched). `collect` runs every choice to
-its end; `sse` sends each delta as a chunk `{"choices": [{"index", "text", "logprobs", "finish_reason"}]}` as
-it comes (the finish_reason rides on the choice's last chunk), then the usage chunk when asked and
-`data: [DONE]`; a failure mid-stream is `data: {"error": ...}` then `data: [DONE]`. With `echo`, a choice's
-text starts with its prompt's text. Usage sums every prompt's tokens and every choice's completion tokens;
-with `continuous_usage_stats` a chunk carries its prompt's and its choice's counts so far (no details, as
-vLLM's). Chunks carry the fields vLLM's do (chat_protocol.SSEChunk: the final usage chunk has no null field).
+choice is one chat on the ChatWorker (all queued together, admitted in order as decode slots free up,
+decoded batched). `collect` runs every choice to its end; `sse` (started once the first choice has, as
+vLLM streams each prompt's outputs as they come) sends each delta as a chunk `{"choices": [{"index", "text",
+"logprobs", "finish_reason"}]}` as it comes (the finish_reason rides on the choice's last chunk), then the
+usage chunk when asked and `data: [DONE]`; a failure mid-stream (a later choice that fails to start too) is
+`data: {"error": ...}` then `data: [DONE]`. With `echo`, a choice's text starts with its prompt's text. Usage
+sums every prompt's tokens and every choice's completion tokens; with `continuous_usage_stats` a chunk
+carries its prompt's and its choice's counts so far (no details, as vLLM's). Chunks carry the fields vLLM's
+do (chat_protocol.SSEChunk: the final usage chunk has no null field).
 Legacy logprobs (`legacy_logprobs`): per token its text (decoded alone), its log-probability, a dict of the
 sampled token and the top alternatives, and `text_offset`, the running sum of the token texts' lengths from
 the choice's text so far (vLLM's arithmetic); log-probabilities are floored at -9999 (JSON has no -inf).
@@ -35,7 +37,7 @@ from worldserve.api.completions_protocol import (
 
 if TYPE_CHECKING:
     from worldserve.api.chat_protocol import Usage
-    from worldserve.engine.client import ChatDelta
+    from worldserve.engine.client import ChatDelta, ChatStarted
 
 
 def legacy_logprobs(entries: Sequence, offset: int = 0, view: TokenView = TokenView()) -> CompletionLogprobs:
@@ -60,24 +62,43 @@ def legacy_logprobs(entries: Sequence, offset: int = 0, view: TokenView = TokenV
 
 
 class Completion:
-    """What every choice of one completions request shares: ids, echo texts, prompt sizes, options."""
+    """What every choice of one completions request shares: ids, echo texts, prompt sizes, options. Each
+    prompt's counts, ids and logprobs come from its choices' ChatStarted (`started`) as they start: a
+    stream answers once its first choice has started, so a prompt still queued has the route's count of
+    its tokens (`prompt_sizes`) until then, which only the request log line reads."""
 
     def __init__(
         self, request_id: str, created: int, model: str, *, echoes: Sequence[str | None], n: int,
-        prompt_tokens: Sequence[int], logprobs: int | None, echo_only: bool,
-        prompt_entries: Sequence[tuple | None], prompt_logprobs: int | None, cached: Sequence[int] | None = None,
-        view: TokenView = TokenView(), prompt_ids: Sequence[Sequence[int] | None] = (),
+        logprobs: int | None, echo_only: bool, prompt_logprobs: int | None, prompt_sizes: Sequence[int],
+        details: bool = False, view: TokenView = TokenView(),
     ) -> None:  # fmt: skip
         self.request_id, self.created, self.model = request_id, created, model
         self.echoes, self.n, self.logprobs = echoes, n, logprobs  # logprobs: the request's (None: none)
         self.echo_only = echo_only  # `echo` with max_tokens 0: the generated text is left out
-        self.prompt_entries = prompt_entries  # per prompt: its tokens' TokenLogprobs, when asked for
         self.prompt_logprobs = prompt_logprobs  # the request's vLLM field
-        self.prompt_tokens = prompt_tokens  # per prompt (counted once for its n choices)
-        # per prompt, its tokens found in the prefix cache (with --enable-prompt-tokens-details, else None)
-        self.cached = cached
         self.view = view  # vLLM's token-id options
-        self.prompt_ids = prompt_ids  # per prompt, its token ids (with return_token_ids)
+        prompts = len(echoes)
+        # per prompt (counted once for its n choices): its tokens, its tokens' TokenLogprobs (when asked
+        # for), its token ids (with return_token_ids)
+        self.prompt_tokens = list(prompt_sizes)
+        self.prompt_entries: list[tuple | None] = [None] * prompts
+        self.prompt_ids: list[Sequence[int] | None] = [None] * prompts
+        # per prompt, its tokens found in the prefix cache (with --enable-prompt-tokens-details, else None)
+        self.cached: list[int] | None = [0] * prompts if details else None
+        self._heard = [False] * prompts  # a ChatStarted of the prompt came
+
+    def started(self, index: int, event: ChatStarted) -> None:
+        """Choice `index` started: its prompt's counts, logprobs and ids from the first of its choices (the
+        one sampled with the prompt's own seed, whose prefill looked up the cached tokens; its other choices'
+        are the same prompt's, taken when one of them comes first)."""
+        prompt, leader = index // self.n, index % self.n == 0
+        if leader or not self._heard[prompt]:
+            self._heard[prompt] = True
+            self.prompt_tokens[prompt] = event.prompt_tokens
+            self.prompt_entries[prompt] = event.prompt_logprobs
+            self.prompt_ids[prompt] = event.prompt_token_ids
+        if leader and self.cached is not None:
+            self.cached[prompt] = event.cached_tokens
 
     def logprobs_of(self, index: int, entries: Sequence, offset: int) -> CompletionLogprobs | None:
         """Choice `index`'s legacy logprobs: its prompt's (with echo, once: `offset` 0) then its `entries`
@@ -135,7 +156,9 @@ async def collect(streams: Sequence[ChatStream], c: Completion) -> CompletionRes
 def sse(
     streams: Sequence[ChatStream], c: Completion, include_usage: bool, continuous_usage: bool = False
 ) -> AsyncIterator[str]:
-    """The choices' deltas as SSE chunks as they arrive, then the usage chunk (when asked) and [DONE]."""
+    """The choices' deltas as SSE chunks as they arrive, then the usage chunk (when asked) and [DONE]; a
+    choice's ChatStarted still in its stream (a stream answers once its first choice has started) gives its
+    prompt's counts (`c.started`) before any of its chunks."""
     completion = [0] * len(streams)
     sent = [0] * len(streams)  # characters of each choice's text sent so far (its next text_offset)
     started = [False] * len(streams)  # each choice's first chunk sent (its prompt's ids go there)
@@ -166,4 +189,4 @@ def sse(
         if include_usage:
             yield c.response([], c.usage(sum(completion))).sse()
 
-    return sse_events(streams, render, tail)
+    return sse_events(streams, render, tail, started=c.started)
