@@ -364,3 +364,46 @@ async def test_closing_a_metered_chat_stops_it_whether_or_not_it_was_read():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert waiting.closed == 1 and meter.ended == [None]
+
+
+@pytest.mark.anyio
+async def test_a_client_gone_as_its_answer_is_ready_counts_its_chats_aborted():
+    """`start_all`'s `opened` (what a route closes when its client leaves, also just as the answer became
+    ready) holds the metered streams: closing them stops the chats and counts the started ones aborted (it
+    held the engine's own streams, which stopped them uncounted)."""
+    from worldserve.api.chat_stream import close_all, start_all
+
+    ended: list = []
+
+    class Meter:
+        def on_chat_started(self, prompt_tokens: int) -> None:
+            pass
+
+        def on_chat_ended(self, finish_reason: str | None) -> None:
+            ended.append(finish_reason)
+
+    class Events:
+        def __init__(self) -> None:
+            self.closed = False
+            self._events = iter([ChatStarted(prompt_tokens=3)])
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            return next(self._events)
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    engine_streams = [Events(), Events()]
+
+    class Client:
+        def chat_many(self, choices, coalesce):
+            return engine_streams
+
+    opened: list = []
+    streams, firsts = await start_all(Client(), [None, None], Meter(), coalesce=False, opened=opened)
+    assert len(firsts) == 2 and opened == streams
+    await close_all(opened)
+    assert all(e.closed for e in engine_streams) and ended == [None, None]

@@ -55,7 +55,7 @@ from worldserve.api.chat_media import ImageBudget, media_parts, part, prefetch_m
 from worldserve.api.chat_messages import ContentPart
 from worldserve.api.chat_options import MediaDefaults, pixel_budget, processor_kwargs, template_kwargs
 from worldserve.api.chat_protocol import UNTRUSTED_TEMPLATE, ChatCompletionRequest, ChatCompletionResponse
-from worldserve.api.chat_stream import TextParsing, close_all, collect, start_all
+from worldserve.api.chat_stream import ChatStream, TextParsing, close_all, collect, start_all
 from worldserve.api.context_fit import check_output_budget, check_prompt_fits
 from worldserve.api.disconnect import unless_disconnected
 from worldserve.api.errors import APIError, error_body, shown_name
@@ -70,7 +70,7 @@ from worldserve.param_errors import InvalidRequest
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 if TYPE_CHECKING:
-    from worldserve.engine.client import ChatEvents
+    pass
 
 router = APIRouter(tags=["chat"])
 
@@ -300,7 +300,9 @@ async def create_chat_completion(
     body = await _read_body(request)
     if body.model is not None and not st.serves(body.model):  # (None: not given, the served model)
         return model_not_found(body.model)
-    opened: list[ChatEvents] = []  # the request's ChatEvents, to cancel if the client goes away at any point
+    opened: list[
+        ChatStream
+    ] = []  # the request's chat streams, to cancel if the client goes away at any point
 
     async def work() -> (
         ChatCompletionResponse | StreamingResponse
@@ -346,7 +348,7 @@ async def _answer(
     st: AppState,
     body: ChatCompletionRequest,
     choices: list[ChatParams],
-    opened: list[ChatEvents],
+    opened: list[ChatStream],
     tools: ToolMode | None,
     request_id: str,
 ) -> ChatCompletionResponse | StreamingResponse:

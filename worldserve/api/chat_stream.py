@@ -47,13 +47,13 @@ from worldserve.engine.client import (
 
 if TYPE_CHECKING:
     from worldserve.chat_params import ChatParams
-    from worldserve.engine.client import ChatEvents, ChatMeter, EngineClient
+    from worldserve.engine.client import ChatMeter, EngineClient
 
 log = logging.getLogger(__name__)
 
 
 class ChatStream(Protocol):
-    """A chat's events as the routes read and close them (the engine's ChatEvents, `metered`'s generator)."""
+    """A chat's events as the routes read and close them (the engine's ChatEvents, `metered`'s MeteredChatEvents)."""
 
     def __aiter__(self) -> AsyncIterator[Any]: ...
 
@@ -62,18 +62,20 @@ class ChatStream(Protocol):
 
 async def start_all(
     client: EngineClient, choices: Sequence[ChatParams], metrics: ChatMeter, *, coalesce: bool,
-    opened: list[ChatEvents], first_only: bool = False,
+    opened: list[ChatStream], first_only: bool = False,
 ) -> tuple[list[ChatStream], list[ChatStarted]]:  # fmt: skip
-    """Start `choices` (ChatParams) together on the chat worker (`opened` gets their event streams, so a
-    caller watching for a disconnect can close them) and wait for each one's first event: (the metered
+    """Start `choices` (ChatParams) together on the chat worker (`opened` gets their metered event streams,
+    so a caller watching for a disconnect can close them, counted as aborts) and wait for each one's first event: (the metered
     streams, their ChatStarted events). `first_only` (a stream): wait for the first choice's alone (one
     ChatStarted), the others' stay unread in their streams, to come as they are admitted. A failed choice
     waited for (its status), no Reasoner (400) or a shutdown (503) answers the request, after every choice
     started is stopped."""
     streams: list = []
     try:
-        opened += client.chat_many(choices, coalesce=coalesce)
-        streams = [metered(events, metrics) for events in opened]
+        # (the metered streams: a client gone just as the answer was ready closes these, its chats counted
+        # aborted; closing the engine's own streams had stopped them uncounted)
+        streams = [metered(events, metrics) for events in client.chat_many(choices, coalesce=coalesce)]
+        opened += streams
         firsts = []
         # admitted in order, as decode slots allow (those admitted together share the prompt's K/V)
         for events in streams[:1] if first_only else streams:
@@ -83,7 +85,7 @@ async def start_all(
             assert isinstance(first, ChatStarted)
             firsts.append(first)
     except BaseException as exc:  # stop whatever started: a failed choice, a refusal, a cancellation
-        await close_all([*streams, *opened])
+        await close_all(streams)
         if isinstance(exc, ChatUnavailableError):
             raise APIError(400, str(exc)) from None
         if isinstance(exc, ShuttingDownError):

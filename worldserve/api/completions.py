@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from worldserve.api.answer_fields import TokenView
 from worldserve.api.bodies import openapi_body, read_model
 from worldserve.api.chat import model_not_found
-from worldserve.api.chat_stream import close_all, start_all
+from worldserve.api.chat_stream import ChatStream, close_all, start_all
 from worldserve.api.completions_protocol import CompletionRequest, CompletionResponse
 from worldserve.api.completions_stream import Completion, collect, sse
 from worldserve.api.context_fit import check_output_budget, check_prompt_fits
@@ -48,7 +48,6 @@ from worldserve.param_errors import InvalidRequest, ParamError
 from worldserve.sampling.chat_defaults import NEUTRAL, ChatDefaults
 
 if TYPE_CHECKING:
-    from worldserve.engine.client import ChatEvents
     from worldserve.runner.chat_prompt import ChatPromptBuilder
 
 router = APIRouter(tags=["completions"])
@@ -140,7 +139,9 @@ async def create_completion(
         lambda: [_echoed(prompts, body, i, t, max_model_len) for i, t in tokenized]
     )
     sizes = [_kept_tokens(prompts, body, ids, max_model_len) for ids, _ in tokenized]
-    opened: list[ChatEvents] = []  # the request's ChatEvents, to cancel if the client goes away at any point
+    opened: list[
+        ChatStream
+    ] = []  # the request's chat streams, to cancel if the client goes away at any point
     answer_id = body.answer_id("cmpl", request.headers.get("x-request-id"))
     work = _answer(st, body, choices, echoes, opened, echo_only, answer_id, sizes)
     return await unless_disconnected(request, work, lambda: close_all(opened))
@@ -175,7 +176,7 @@ def _echoed(
 
 async def _answer(
     st: AppState, body: CompletionRequest, choices: list[ChatParams], echoes: list[str | None],
-    opened: list[ChatEvents], echo_only: bool, request_id: str, prompt_sizes: list[int],
+    opened: list[ChatStream], echo_only: bool, request_id: str, prompt_sizes: list[int],
 ) -> StreamingResponse | CompletionResponse:  # fmt: skip
     """Start every choice together, wait for the first event of each (the whole object) or of the first one
     alone (SSE: the worker admits the choices as decode slots free up, and one still queued must not hold

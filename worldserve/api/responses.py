@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from worldserve.api.chat_protocol import ChatCompletionRequest
     from worldserve.api.responses_input import ChatPaths
     from worldserve.chat_params import ChatParams
-    from worldserve.engine.client import ChatEvents
 
 router = APIRouter(tags=["responses"])
 NOT_KEPT = "(stored responses live in the server's memory: a restart, --responses-store-mb or store=false leave none)"
@@ -97,7 +96,7 @@ async def create_response(request: Request, st: State) -> Response:
     chat, paths = await _truncated(st, req, chat, paths, context)
     store = st.responses if req.store is not False else None
     choices, options = await _checked_choices(st, req, chat, paths, context)
-    opened: list[ChatEvents] = []  # the chat's events, to cancel if the client goes away at any point
+    opened: list[ChatStream] = []  # the chat's events, to cancel if the client goes away at any point
     parsing = TextParsing(tools=options.tools, reasoning=st.settings.reasoning_parser is not None,
                           include_reasoning=req.include_reasoning)  # fmt: skip
 
