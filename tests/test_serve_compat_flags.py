@@ -21,7 +21,7 @@ from serving_helpers import make_client
 
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
-from worldserve.commands import serve, serve_compat
+from worldserve.commands import serve, serve_compat, serve_logging
 from worldserve.config import EngineConfig
 
 pytestmark = pytest.mark.anyio
@@ -438,7 +438,7 @@ def test_log_file_receives_the_log(tmp_path, monkeypatch):
             handler.close()
     assert "--worker-backend ray: worldserve spawns its own worker processes" in path.read_text()
     with pytest.raises(ValueError, match="--log-file .*: cannot open it"):
-        serve_compat.log_to_file(str(tmp_path / "missing" / "serve.log"), serve.LOG_FORMAT)
+        serve_logging.log_to_file(str(tmp_path / "missing" / "serve.log"), serve.LOG_FORMAT)
     assert serve.run(parse_args("--log-file", str(tmp_path / "missing" / "x.log"))) == 2
 
 
@@ -447,11 +447,11 @@ def test_a_log_file_that_cannot_be_written_is_said_once_in_one_line(capsys):
     import os
     import stat
 
-    from worldserve.commands import serve, serve_compat
+    from worldserve.commands import serve, serve_logging
 
     if not (os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)):
         pytest.skip("no /dev/full device here")
-    handler = serve_compat.log_to_file("/dev/full", serve.LOG_FORMAT)
+    handler = serve_logging.log_to_file("/dev/full", serve.LOG_FORMAT)
     try:
         for i in range(3):
             logging.getLogger("worldserve.test").warning("line %d", i)
@@ -465,10 +465,10 @@ def test_a_log_file_that_cannot_be_written_is_said_once_in_one_line(capsys):
 def test_a_log_line_that_does_not_format_is_not_taken_for_a_full_disk(tmp_path, capsys):
     """A bad format in a log call is logging's own report; the file still takes lines, and a later write
     failure would still be said."""
-    from worldserve.commands import serve, serve_compat
+    from worldserve.commands import serve, serve_logging
 
     path = tmp_path / "serve.log"
-    handler = serve_compat.log_to_file(str(path), serve.LOG_FORMAT)
+    handler = serve_logging.log_to_file(str(path), serve.LOG_FORMAT)
     try:  # (straight to the handler: pytest's own capture handler raises on the bad line)
         for msg, args in (("bad %d", ("str",)), ("fine", ())):
             handler.handle(logging.makeLogRecord({"msg": msg, "args": args, "levelno": logging.WARNING}))

@@ -1,4 +1,4 @@
-"""The HTTP server's configuration and its video job API's: `ServerConfig` (address, API keys, body size, CORS,
+"""The HTTP server's configuration and its video job API's: `ServerConfig` (address or Unix socket, API keys, body size, CORS,
 request logging, load tracking, request id headers) and `VideoApiConfig` (job storage, /v1/videos/sync's
 wait, job expiry, the server's defaults for the video fields requests omit).
 
@@ -26,6 +26,8 @@ class ServerConfig:
     """Address to bind."""
     port: int = 8000
     """Port to bind."""
+    uds: str | None = field(default=None, metadata={"metavar": "PATH"})
+    """Serve on this Unix domain socket path instead of --host / --port (vLLM's flag; a stale socket file there is replaced)."""
     api_key: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+"})
     """Require `Authorization: Bearer KEY` on /v1/*, KEY one of these (vLLM's flag: several keys may be given); default: $WORLDSERVE_API_KEY or $VLLM_API_KEY, else open."""
     max_upload_mb: float = 100.0
@@ -66,6 +68,10 @@ class ServerConfig:
                     raise ValueError(f"--api-key: {what} can never match a request's bearer token (HTTP "
                                      "strips the blanks ending a header); give a key without them")  # fmt: skip
             object.__setattr__(self, "api_key", tuple(keys))
+        if self.uds == "":  # (`--uds "$SOCK"` with SOCK unset)
+            raise ValueError(
+                "--uds: an empty path; give a socket path, or leave the flag out for --host / --port"
+            )
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if not (math.isfinite(self.max_upload_mb) and self.max_upload_mb >= MIN_UPLOAD_MB):

@@ -2,10 +2,10 @@
 
 Same command line as the recipe's `vllm serve nvidia/Cosmos3-Nano --omni --port 8000 --init-timeout 1800`.
 Flags come from the config dataclasses (config.py). Startup: resolve the config and check --device, bind
---host / --port and open the job store (any of them failing stops the start before the model loads), load
-the model within --init-timeout (no MODEL: the embedded tiny random checkpoint, loudly), wire engine + client
-+ app, log the routes, then listen on the bound socket and run uvicorn ("Application startup complete." =
-ready).
+--host / --port (or --uds) and open the job store (any of them failing stops the start before the model
+loads), load the model within --init-timeout (no MODEL: the embedded tiny random checkpoint, loudly), wire
+engine + client + app, log the routes, then listen on the bound socket and run uvicorn ("Application startup
+complete." = ready).
 SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get --shutdown-timeout seconds
 to finish, anything unfinished stays queued in the store and is re-run at the next start. A second Ctrl-C
 ends the grace at once (uvicorn's force exit; the engine stops at its next step or decode chunk). The peer
@@ -14,7 +14,8 @@ SIGTERM during the start (the model load) ends it with one line, "worldserve ser
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
 vision_encoder/. `--backend fake` (hidden) serves numpy colour frames with no model and no chat: tests only.
 Pasted vLLM / vLLM-Omni command lines run too (serve_compat.py): `--model` and `--stage-init-timeout` fold
-into MODEL and --init-timeout (`engine_config`), `--log-file` is honoured; the other vLLM flags are accepted
+into MODEL and --init-timeout, `--disable-mm-preprocessor-cache` into --mm-processor-cache-gb 0
+(`engine_config`), `--log-file` is honoured (serve_logging.py); the other vLLM flags are accepted
 with no effect (one log line each saying why) or, at values worldserve cannot honour, refused before the
 model loads (exit 2).
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -36,9 +36,10 @@ from worldserve.api.lora_field import LoraSettings
 from worldserve.api.media_urls import allowed_domains
 from worldserve.api.request_log import RequestLog
 from worldserve.api.settings import AppSettings
-from worldserve.commands import serve_backend, serve_http
-from worldserve.commands.serve_checks import check_device_and_checkpoint
-from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat, log_to_file
+from worldserve.commands import serve_backend, serve_http, serve_logging
+from worldserve.commands.serve_checks import check_device_and_checkpoint, check_model_not_taken
+from worldserve.commands.serve_compat import add_compat_arguments, check_compat_flags, log_compat
+from worldserve.commands.serve_config_file import apply_config_file, record_given
 from worldserve.config import CONFIG_CLASSES, TINY_SERVED_NAME, EngineConfig, MediaConfig
 from worldserve.config_flags import add_config_arguments
 from worldserve.weights.checkpoint import CheckpointError
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_config_arguments(parser, cls)
     serve_http.add_http_arguments(parser)
     add_compat_arguments(parser)
-    serve_http.record_given(parser)  # --config fills only the flags the command line did not give
+    record_given(parser)  # --config fills only the flags the command line did not give
 
 
 def _fresh_parser() -> argparse.ArgumentParser:
@@ -65,10 +66,11 @@ def _fresh_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed `serve` flags, vLLM's aliases folded in: `--model M` is MODEL (both given and
-    different: ValueError) and `--stage-init-timeout S` raises --init-timeout to S when larger. A vLLM flag at a
+    different: ValueError), `--stage-init-timeout S` raises --init-timeout to S when larger and
+    `--disable-mm-preprocessor-cache` sets --mm-processor-cache-gb to 0. A vLLM flag at a
     value worldserve cannot honour is a ValueError naming it (serve_compat.check_compat_flags). `--config FILE`
     fills the flags the command line left at their defaults first."""
-    serve_http.apply_config_file(args, _fresh_parser)
+    apply_config_file(args, _fresh_parser)
     check_compat_flags(args)
     values = vars(args).copy()
     option = values.pop("model_option", None)
@@ -78,44 +80,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                              "pass it once, as the positional MODEL")  # fmt: skip
         values["model"] = option
     if values.get("model") is None:
-        _check_model_not_taken(values)
+        check_model_not_taken(values)
     stage_timeout = values.pop("stage_init_timeout", None)
     if stage_timeout is not None:
         values["init_timeout"] = max(values["init_timeout"], stage_timeout)
+    if values.pop("disable_mm_preprocessor_cache", None):  # (vLLM's deprecated spelling, winning as there)
+        values["mm_processor_cache_gb"] = 0.0
     return EngineConfig.from_args(argparse.Namespace(**values))
-
-
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-"""A Hugging Face repo id's shape (owner/name)."""
-
-
-def _check_model_not_taken(values: dict) -> None:
-    """No MODEL was parsed: ValueError when a many-valued flag took a checkpoint folder as one of its values
-    (`serve --api-key K ./ckpt`: the folder became a second key and the tiny default was served; a second
-    domain of --allowed-media-domains likewise), or a Hub
-    repo id as a --served-model-name value after its first on the command line (`serve --served-model-name foo
-    nvidia/Cosmos3-Nano`: the tiny random model was served under both names; vLLM refuses that order too). A
-    lone `--served-model-name org/name` without MODEL stays the tiny default's name."""
-    given_here = values.get(serve_http.GIVEN, ())  # the flags the command line gave (not --config's)
-    for flag in ("api_key", "served_model_name", "allowed_media_domains"):
-        given = values.get(flag)
-        for i, value in enumerate([given] if isinstance(given, str) else given or ()):
-            if value and Path(value).is_dir():  # ("" is the current folder to Path: left to the flag's check)
-                what = "a folder"
-            elif HUB_ID.fullmatch(value or "") and (
-                flag == "allowed_media_domains"
-                or (flag == "served_model_name" and i > 0 and flag in given_here)
-            ):  # (a domain has no "/": a repo id there is the MODEL, wherever it stands)
-                what = "a Hugging Face repo id"  # (an API key may be shaped so; a --config list has no order)
-            else:
-                continue
-            raise ValueError(f"--{flag.replace('_', '-')} took {value!r}, {what}, as one of its values, so no "
-                             "MODEL was given: put MODEL first (serve MODEL --options)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """`worldserve serve`: its exit status (0 after serving; 1 when the checkpoint cannot be read or the model
-    did not load; 2 for a bad flag value, --host, --port or --storage-dir). The flags are checked
+    did not load; 2 for a bad flag value, --host, --port, --uds or --storage-dir). The flags are checked
     (`_checked_config`) and the socket is bound before the model loads; it stays bound to the end of serving."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
     try:
@@ -128,14 +104,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("worldserve %s: serve %s", __version__, _non_default_args(args))
     log_compat(args, config)
-    # before the (minutes-long) model load: a bad --host, a busy --port or an unusable storage directory
-    # fails the start at once
+    # before the (minutes-long) model load: a bad --host, a busy --port or --uds, or an unusable storage
+    # directory fails the start at once
+    server = config.server
     try:
-        listener = serve_http.bind_listener(config.server.host, config.server.port)
+        if server.uds:
+            listener = serve_http.bind_unix_listener(server.uds)
+        else:
+            listener = serve_http.bind_listener(server.host, server.port)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    with listener:
+    with listener, serve_http.unix_socket_removed(listener):
         return _load_and_serve(config, listener, log_file=log_file, http=(args, middlewares))
 
 
@@ -144,10 +124,13 @@ def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, list, loggi
     flag checked that can be before anything binds, loads or downloads: ValueError for a bad value (exit 2),
     CheckpointError for a checkpoint on disk that cannot load (exit 1). --config's file is applied first: it
     may name the --log-file, which then gets these checks' errors too."""
-    serve_http.apply_config_file(args, _fresh_parser)  # first: the file may name the --log-file
+    apply_config_file(args, _fresh_parser)  # first: the file may name the --log-file
+    # (before --log-file: the file's root handlers would replace that one)
+    if getattr(args, "log_config_file", None):
+        serve_logging.apply_log_config(args.log_config_file)
     log_file = None
     if getattr(args, "log_file", None):
-        log_file = log_to_file(args.log_file, LOG_FORMAT)
+        log_file = serve_logging.log_to_file(args.log_file, LOG_FORMAT)
     config = engine_config(args).resolve()
     middlewares = serve_http.check_http_arguments(args)  # certificates load, middlewares import
     media = config.media.allowed_local_media_path
@@ -233,21 +216,23 @@ def _serve(
     app = _http_app(config, client, metrics, settings, http_args, middlewares)
     uv_config = _uvicorn_config(config, app, http_args)
     scheme = "https" if getattr(http_args, "ssl_certfile", None) else "http"
-    host = server_cfg.host or "0.0.0.0"  # ('' binds every address); an IPv6 address goes in brackets in a URL
-    log.info(
-        "Starting worldserve API server on %s://%s:%d (HTTP: h11, event loop: %s)", scheme,
-        f"[{host}]" if ":" in host else host, listener.getsockname()[1], serve_http.event_loop(uv_config),
-    )  # fmt: skip
+    log.info("Starting worldserve API server on %s (HTTP: h11, event loop: %s)",
+             serve_http.listen_address(listener, scheme, server_cfg.host), serve_http.event_loop(uv_config))  # fmt: skip
     if log_file is not None:  # uvicorn.Config has just (re)configured its loggers, which do not propagate
-        # (its access logger too, even with access_log off: the file then got what the console did not)
+        # (its access logger too, even with access_log off: the file then got what the console did not; a
+        # --log-config-file's loggers that propagate reach the file through the root logger already)
         for name in ("uvicorn", "uvicorn.access") if uv_config.access_log else ("uvicorn",):
-            logging.getLogger(name).addHandler(log_file)
+            if not logging.getLogger(name).propagate:
+                logging.getLogger(name).addHandler(log_file)
     try:
         serve_http.start_listening(listener, server_cfg.host)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    serve_http.GracefulServer(uv_config, client, config.scheduler.shutdown_timeout).run(sockets=[listener])
+    excluded = serve_logging.excluded_paths(getattr(http_args, "disable_access_log_for_endpoints", None))
+    server = serve_http.GracefulServer(uv_config, client, config.scheduler.shutdown_timeout)
+    with serve_logging.access_log_excluded(excluded, getattr(http_args, "root_path", None)):
+        server.run(sockets=[listener])
     return 0
 
 
@@ -290,7 +275,8 @@ def _http_app(
     server_cfg, video_cfg, served = config.server, config.video, config.model.served_model_name
     app = build_app(client, settings, metrics=metrics,
                     docs=not getattr(http_args, "disable_fastapi_docs", False))  # fmt: skip
-    serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares)
+    serve_http.install(app, root_path=getattr(http_args, "root_path", None), middlewares=middlewares,
+                       max_header_count=getattr(http_args, "h11_max_header_count", None))  # fmt: skip
     log.info("serving model %r (max batch %d, queue %d, sync timeout %gs%s)", served, config.scheduler.max_batch_size,
              config.scheduler.max_queued_requests, video_cfg.sync_timeout,
              ", API key required on /v1" if server_cfg.api_key else ", no API key: /v1 is open to every client")  # fmt: skip

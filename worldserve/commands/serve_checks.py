@@ -1,17 +1,20 @@
-"""`worldserve serve`'s checks of the model's device and checkpoint, before anything binds, loads or
-downloads (`check_device_and_checkpoint`, called by serve.run for every backend but `--backend fake`).
+"""`worldserve serve`'s checks before anything binds, loads or downloads: of the model's device and checkpoint
+(`check_device_and_checkpoint`, called by serve.run for every backend but `--backend fake`), and that no
+many-valued flag took the MODEL as one of its values (`check_model_not_taken`, called by serve.engine_config).
 
-Inputs: a resolved EngineConfig. Outputs: nothing, or the refusal: ValueError for a flag value the device or
-the checkpoint cannot take (serve's exit 2), CheckpointError for a checkpoint on disk that cannot be read
+Inputs: a resolved EngineConfig (the flags' values, for the second). Outputs: nothing, or the refusal:
+ValueError for a flag value the device or the checkpoint cannot take, or for a MODEL taken by a flag (serve's exit 2), CheckpointError for a checkpoint on disk that cannot be read
 (exit 1). The checkpoint is read only when it is on disk (a local folder or the embedded tiny one); a Hub name
 is checked as it loads. Separate from commands/serve.py, which parses the flags and runs the server.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from worldserve.commands import serve_backend
+from worldserve.commands.serve_config_file import GIVEN
 from worldserve.config import EngineConfig
 
 
@@ -70,3 +73,31 @@ def _check_against_checkpoint(config: EngineConfig) -> None:
         from worldserve.runner.lora_cache import check_adapter_fits
 
         check_adapter_fits(root, static, "--lora-path", config.lora.max_lora_rank)
+
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+"""A Hugging Face repo id's shape (owner/name)."""
+
+
+def check_model_not_taken(values: dict) -> None:
+    """No MODEL was parsed: ValueError when a many-valued flag took a checkpoint folder as one of its values
+    (`serve --api-key K ./ckpt`: the folder became a second key and the tiny default was served; a second
+    domain of --allowed-media-domains likewise), or a Hub
+    repo id as a --served-model-name value after its first on the command line (`serve --served-model-name foo
+    nvidia/Cosmos3-Nano`: the tiny random model was served under both names; vLLM refuses that order too). A
+    lone `--served-model-name org/name` without MODEL stays the tiny default's name."""
+    given_here = values.get(GIVEN, ())  # the flags the command line gave (not --config's)
+    for flag in ("api_key", "served_model_name", "allowed_media_domains"):
+        given = values.get(flag)
+        for i, value in enumerate([given] if isinstance(given, str) else given or ()):
+            if value and Path(value).is_dir():  # ("" is the current folder to Path: left to the flag's check)
+                what = "a folder"
+            elif HUB_ID.fullmatch(value or "") and (
+                flag == "allowed_media_domains"
+                or (flag == "served_model_name" and i > 0 and flag in given_here)
+            ):  # (a domain has no "/": a repo id there is the MODEL, wherever it stands)
+                what = "a Hugging Face repo id"  # (an API key may be shaped so; a --config list has no order)
+            else:
+                continue
+            raise ValueError(f"--{flag.replace('_', '-')} took {value!r}, {what}, as one of its values, so no "
+                             "MODEL was given: put MODEL first (serve MODEL --options)")  # fmt: skip

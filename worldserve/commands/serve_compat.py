@@ -5,8 +5,10 @@ COMPAT_FLAGS is the one table: a flag whose values all leave worldserve's behavi
 accepted with one startup log line saying why it has no effect; a flag with an `ok` test is accepted only at
 its default / no-op values, and `check_compat_flags` (called by `serve.engine_config`, so before the model
 loads) refuses any other value with one line naming the flag and why (exit 2, like argparse's errors).
-Malformed values are argparse errors. Honoured outside the table: `--model`, `--stage-init-timeout` (folded
-into MODEL / --init-timeout by serve.engine_config) and `--log-file` (log_to_file). Imports no torch.
+Malformed values are argparse errors. The rows' vocabulary (CompatFlag, argparse types) is compat_flag.py's.
+Honoured outside the table: `--model`, `--stage-init-timeout`, `--disable-mm-preprocessor-cache` (folded into
+MODEL / --init-timeout / --mm-processor-cache-gb 0 by serve.engine_config), `--log-file` (serve_logging.py)
+and vLLM's HTTP-server flags (serve_http.py). Imports no torch.
 """
 
 from __future__ import annotations
@@ -15,56 +17,26 @@ import argparse
 import json
 import logging
 import math
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from worldserve import envs
-from worldserve.config import EngineConfig, FlagValueError, json_flag
+from worldserve.commands.compat_flag import (
+    EMPTY,
+    FLOAT,
+    JSON,
+    NEVER,
+    ON,
+    POSITIVE_INT,
+    SWITCH,
+    CompatFlag,
+    checked,
+    level_or_json,
+)
+from worldserve.config import EngineConfig, FlagValueError
 
 log = logging.getLogger("worldserve.serve")
 
 
-def checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
-    """An argparse type: `kind(text)` when `ok` accepts it, else FlagValueError (argparse: exit 2, naming the flag)."""
-
-    def parse(text: str) -> Any:
-        """`kind(text)`, checked."""
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise FlagValueError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-def json_object(text: str) -> dict[str, Any]:
-    """An argparse type: a JSON object, as vLLM's `--hf-overrides '{"architectures": [...]}'`."""
-    value = json_flag(text, "a JSON object")
-    if not isinstance(value, dict):
-        raise FlagValueError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def level_or_json(text: str) -> int | dict[str, Any]:
-    """An argparse type: vLLM's `-O` / `--compilation-config`, an optimization level or a JSON object."""
-    try:
-        return int(text)
-    except ValueError:
-        return json_object(text)
-
-
-POSITIVE_INT = checked(int, lambda v: v >= 1, "an integer >= 1")
-FLOAT = checked(float, math.isfinite, "a number")
-JSON = {"type": json_object, "metavar": "JSON"}
-ON = {"action": "store_true"}
-SWITCH = {"action": argparse.BooleanOptionalAction}  # (vLLM's bool fields: --flag / --no-flag, get_kwargs)
-NEVER: Callable[[Any], bool] = lambda v: False  # noqa: E731  (a flag that is refused whenever it is given)
-EMPTY: Callable[[Any], bool] = lambda v: v == {}  # noqa: E731
 GUARDRAIL_KEYS = {"guardrails", "offload_guardrail_models"}
 
 
@@ -83,31 +55,6 @@ def _guardrails_off_only(overrides: dict[str, Any]) -> bool:
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class CompatFlag:
-    """One vLLM / vLLM-Omni flag that worldserve accepts (possibly only at some values) without an effect."""
-
-    flag: str
-    """Its vLLM spelling; the dest is its name in snake case."""
-    why: str
-    """Why an accepted value has no effect here ({gpus} / {max_batch_size}: filled in at startup)."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """argparse keywords (type, action, choices, metavar, nargs)."""
-    ok: Callable[[Any], bool] | None = None
-    """Which given values are accepted; None: all (that parse). The others are refused at startup."""
-    accepts: str = ""
-    """The accepted values, for --help (e.g. "only at none")."""
-    refusal: str = ""
-    """Why other values are refused, with what to do instead: the startup error after `--flag value: `."""
-    level: int = logging.INFO
-    """The log level of the accepted line (a warning where vLLM's meaning changes outputs)."""
-    aliases: tuple[str, ...] = ()
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-
 C = CompatFlag
 DEPLOY = (
     "worldserve reads no stage YAML: one process serves every stage, set up by flags (no guardrail models)"
@@ -119,6 +66,9 @@ REASONER_GRAPHS = ("the Reasoner captures its own buckets (decode: 1, 2, 4, ... 
 ADAPTERS_BY_PATH = ("video and image requests give an adapter by its path (with --enable-lora), or every "
                     "request runs one static adapter (--lora-path)")  # fmt: skip
 COMPILES = "worldserve compiles its own layers on GPU (--enforce-eager turns it off)"
+STRUCTURED = "structured outputs run on llguidance, vLLM's guidance backend"
+STRUCTURED_ONLY = ("worldserve's structured outputs run on llguidance (vLLM's guidance backend) with no "
+                   "server-wide options: give them per request (structured_outputs' disable_any_whitespace...)")  # fmt: skip
 HSDP = ("worldserve has no HSDP weight sharding: --tensor-parallel-size splits the weights, "
         "--enable-layerwise-offload keeps them in host memory")  # fmt: skip
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
@@ -264,6 +214,63 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     C("--max-loras", "vLLM's bound on the adapters of one batch; here one forward runs one adapter: requests "
       "batch by adapter, as by video shape (--max-cpu-loras bounds the adapters kept read)", {"type": POSITIVE_INT}),
     C("--enable-sleep-mode", "", SWITCH, NEVER, "never", "worldserve has no sleep mode (no /sleep, /wake_up routes)"),
+    C("--max-logprobs", "requests may ask for up to 20 logprobs a token, vLLM's default", {"type": int},
+      lambda v: v == 20, "only at 20", "worldserve caps logprobs, top_logprobs and prompt_logprobs at 20"),
+    C("--distributed-executor-backend", "worldserve spawns its own worker processes for a parallel layout (one "
+      "process on one GPU)", {"metavar": "BACKEND"}, lambda v: v in ("mp", "uni"), "only as mp or uni",
+      "worldserve spawns its own worker processes (torch.distributed): no Ray, no per-rank launcher"),
+    C("--hf-token", "downloads use the token of `hf auth login` (or $HF_TOKEN), huggingface_hub's default",
+      {"nargs": "?", "const": True, "metavar": "TOKEN"}, lambda v: v is True, "only as the bare flag (the "
+      "stored login)", "give the token as the environment variable HF_TOKEN (huggingface_hub reads it)",
+      shown=False),
+    C("--code-revision", "worldserve runs its own Cosmos3 code, never code from the checkpoint's repository",
+      {"metavar": "REV"}),
+    C("--tokenizer-revision", "the tokenizer is the checkpoint's text_tokenizer/, read at --revision",
+      {"metavar": "REV"}, lambda v: True, "only at --revision's value",
+      "the tokenizer is the checkpoint's text_tokenizer/, read at MODEL's --revision: give that one"),
+    C("--max-parallel-loading-workers", WEIGHT_LOAD, {"type": POSITIVE_INT}),
+    C("--cpu-offload-gb", "0 offloads nothing", {"type": checked(float, lambda v: math.isfinite(v) and v >= 0,
+      "a number of GiB >= 0")}, lambda v: v == 0, "only at 0", "worldserve offloads whole blocks, not a number "
+      "of GiB: use --enable-layerwise-offload"),
+    C("--speculative-config", "", JSON, EMPTY, "only as {}", "worldserve has no speculative decoding"),
+    C("--structured-outputs-config", STRUCTURED, JSON, lambda v: set(v) <= {"backend"} and v.get("backend",
+      "auto") in ("auto", "guidance"), "only as {} or with backend auto / guidance", STRUCTURED_ONLY),
+    C("--guided-decoding-backend", STRUCTURED, {"metavar": "NAME"}, lambda v: v in ("auto", "guidance"),
+      "only as auto or guidance", STRUCTURED_ONLY),
+    C("--model-impl", "worldserve runs its own Cosmos3 implementation", {"metavar": "IMPL"},
+      lambda v: v in ("auto", "vllm"), "only as auto or vllm", "worldserve runs its own Cosmos3 implementation, "
+      "not transformers' or another"),
+    C("--skip-tokenizer-init", "", SWITCH, NEVER, "never", "worldserve renders prompts and decodes tokens with "
+      "the checkpoint's tokenizer itself"),
+    C("--otlp-traces-endpoint", "", {"metavar": "URL"}, NEVER, "never", "worldserve exports no OpenTelemetry "
+      "traces: /metrics serves Prometheus metrics"),
+    # vLLM's OpenAI-server flags (the HTTP-server ones worldserve honours are serve_http.py's)
+    C("--enable-ssl-refresh", "", SWITCH, NEVER, "never", "worldserve loads the certificate files once, at "
+      "startup: restart it to serve renewed ones"),
+    C("--log-error-stack", "an unhandled error's 500 is logged with its stack trace always; a request's error "
+      "(4xx) is answered with its reason", SWITCH),
+    C("--enable-log-outputs", "", SWITCH, NEVER, "never", "worldserve logs requests (--enable-log-requests), "
+      "not what they generate"),
+    C("--enable-log-deltas", "it applies only with --enable-log-outputs, which worldserve refuses", SWITCH),
+    C("--enable-tokenizer-info-endpoint", "", SWITCH, NEVER, "never", "worldserve serves no /tokenizer_info "
+      "(/tokenize and /detokenize are served)"),
+    C("--enable-offline-docs", "", SWITCH, NEVER, "never", "worldserve's /docs loads Swagger UI's files from "
+      "their CDN (it bundles none); /openapi.json is served either way"),
+    C("--tokens-only", "", SWITCH, NEVER, "never", "worldserve has no tokens-only mode: it serves its whole API"),
+    C("--headless", "", ON, NEVER, "never", "worldserve has no headless (engine-only) mode: each server runs its "
+      "own engine and API"),
+    C("--enable-per-request-metrics", "", SWITCH, NEVER, "never", "worldserve's answers carry no per-request "
+      "timings: /metrics serves them as histograms"),
+    C("--default-chat-template-kwargs", "", JSON, EMPTY, "only as {}", "worldserve has no server default for "
+      "chat_template_kwargs yet: send them in each request's chat_template_kwargs"),
+    C("--exclude-tools-when-tool-choice-none", "", SWITCH, NEVER, "never", "worldserve renders a request's tools "
+      "into the prompt whatever its tool_choice (vLLM's default): send no tools to leave them out"),
+    C("--tool-parser-plugin", "none is the default", {"metavar": "PATH"}, lambda v: v == "", "only as ''",
+      "worldserve loads no tool parser plugins: it parses the hermes format (--tool-call-parser hermes)"),
+    C("--tool-server", "", {"metavar": "ADDRESSES"}, NEVER, "never", "worldserve runs no built-in or MCP tool "
+      "servers: tool calls go back to the client"),
+    C("--disable-frontend-multiprocessing", "worldserve's API server and engine share one process already (the "
+      "engine in its own thread, GPU ranks in worker processes)", ON),
 )  # fmt: skip
 """vLLM / vLLM-Omni flags of pasted command lines, in serving-api.md §9 / §11.1 order. (--flow-shift, --dtype,
 --vae-use-tiling, -tp, --usp, the CORS flags, --enable-lora, --lora-path / --lora-scale, --max-cpu-loras,
@@ -285,6 +292,9 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
                        "is bounded by the larger of it and --init-timeout.")  # fmt: skip
     group.add_argument("--log-file", metavar="PATH",
                        help="Also append worldserve's and uvicorn's log lines to PATH.")  # fmt: skip
+    group.add_argument("--disable-mm-preprocessor-cache", action=argparse.BooleanOptionalAction,
+                       help="vLLM's deprecated spelling of --mm-processor-cache-gb 0 (no cache of processed "
+                       "chat media; it wins over that flag, as in vLLM).")  # fmt: skip
     for c in COMPAT_FLAGS:
         kwargs = c.kwargs if "metavar" in c.kwargs or "type" not in c.kwargs else {**c.kwargs, "metavar": "N"}
         why = c.why.format(gpus="", max_batch_size="")
@@ -309,12 +319,18 @@ def _shown(value: Any) -> str:
 
 
 def check_compat_flags(args: argparse.Namespace) -> None:
-    """FlagValueError (a ValueError) naming the first flag given at a value worldserve cannot honour, and why."""
+    """FlagValueError (a ValueError) naming the first flag given at a value worldserve cannot honour, and why
+    (--tokenizer-revision: another revision than --revision's)."""
     for c in COMPAT_FLAGS:
         value = getattr(args, c.dest, None)
         # (a SWITCH's --no- form, False, is its default: it asks for nothing worldserve lacks)
-        if value is not None and value is not False and c.ok is not None and not c.ok(value):
-            raise FlagValueError(f"{c.flag}{_shown(value)}: {c.refusal}")
+        refused = value is not None and value is not False and c.ok is not None and not c.ok(value)
+        other_revision = c.dest == "tokenizer_revision" and value not in (
+            None,
+            getattr(args, "revision", None),
+        )
+        if refused or other_revision:
+            raise FlagValueError(f"{c.flag}{_shown(value) if c.shown else ''}: {c.refusal}")
     backend = envs.cache_backend()  # --cache-backend's environment fallback: refused as the flag would be
     if getattr(args, "cache_backend", None) is None and backend is not None and backend[1].lower() != "none":
         raise FlagValueError(f"environment variable {backend[0]}={backend[1]}: worldserve has no lossy "
@@ -340,48 +356,3 @@ def log_compat(args: argparse.Namespace, config: EngineConfig) -> None:
             why = c.why.format(**context) or "off is worldserve's only mode"  # (a refused SWITCH's --no-)
             given = f"--no-{c.flag[2:]}" if value is False else c.flag + _shown(value)
             log.log(c.level, "%s: accepted, no effect: %s", given, why)
-
-
-def log_to_file(path: str, log_format: str) -> logging.Handler:
-    """--log-file: a handler appending to `path`, added to the root logger (worldserve's lines; serve adds it
-    to uvicorn's loggers, which do not propagate, once uvicorn has set them up); FlagValueError when it cannot
-    be opened."""
-    try:
-        handler = _LogFile(path, encoding="utf-8")
-    except OSError as exc:
-        raise FlagValueError(f"--log-file {path}: cannot open it ({exc.strerror or exc})") from None
-    handler.setFormatter(logging.Formatter(log_format, datefmt="%m-%d %H:%M:%S"))
-    logging.getLogger().addHandler(handler)
-    return handler
-
-
-class _LogFile(logging.FileHandler):
-    """--log-file's handler: a line it cannot write (a full disk) is said once on stderr, in one line, not as
-    logging's "--- Logging error ---" traceback for every line."""
-
-    _failed = False
-
-    def flush(self) -> None:
-        try:
-            super().flush()
-        except OSError as exc:
-            self._said(exc)
-
-    def close(self) -> None:
-        try:
-            super().close()
-        except OSError as exc:  # (the buffered lines' last write, at exit)
-            self._said(exc)
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
-        why = sys.exc_info()[1]
-        if isinstance(why, OSError):
-            self._said(why)
-        else:  # (a line that does not format: logging's own report, the file is fine)
-            super().handleError(record)
-
-    def _said(self, why: BaseException | None) -> None:
-        if not self._failed:
-            self._failed = True
-            sys.stderr.write(f"worldserve: --log-file {self.baseFilename}: cannot write to it ({why}); its "
-                             "lines from here on may be lost\n")  # fmt: skip

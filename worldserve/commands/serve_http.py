@@ -1,11 +1,13 @@
 """The HTTP-server flags of `vllm serve` that worldserve honours as vLLM does: `--root-path` (served behind a
-proxy under a path prefix), `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs` / `--ssl-cert-reqs` (HTTPS,
-checked before the model loads), `--disable-uvicorn-access-log`, `--disable-fastapi-docs` (no /docs, /redoc,
-/openapi.json), `--middleware` (a class or `async def (request, call_next)` imported by its dotted name, added
-outermost, as vLLM adds it) and `--config FILE` (a YAML file of flags, keys spelled as the flags without `--`;
-a flag also given on the command line keeps the command line's value). Also the listening socket
-(`bind_listener` before the model loads, `start_listening` once the app is ready, as vLLM binds its API
-socket) and `GracefulServer`, uvicorn's server that stops job intake the moment a shutdown signal arrives.
+proxy under a path prefix), `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs` / `--ssl-cert-reqs` /
+`--ssl-ciphers` (HTTPS, checked before the model loads; a certfile may hold the key too), the h11 limits
+(`--h11-max-incomplete-event-size`, `--h11-max-header-count`), `--disable-uvicorn-access-log` /
+`--disable-access-log-for-endpoints`, `--log-config-file` (serve_logging.py), `--disable-fastapi-docs` (no
+/docs, /redoc, /openapi.json), `--middleware` (a class or `async def (request, call_next)` imported by its
+dotted name, added outermost, as vLLM adds it) and `--config FILE` (serve_config_file.py). Also the listening
+socket, TCP (--host / --port) or a Unix domain socket (--uds): bound before the model loads (`bind_listener`,
+`bind_unix_listener`), listening once the app is ready (`start_listening`), as vLLM binds its API socket; and
+`GracefulServer`, uvicorn's server that stops job intake the moment a shutdown signal arrives.
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ import contextlib
 import importlib
 import inspect
 import ipaddress
-import json
 import logging
+import os
 import signal
 import socket
 import ssl
+import stat
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worldserve.api.settings import DEFAULT_UPLOAD_BYTES
+from worldserve.commands.compat_flag import POSITIVE_INT
+from worldserve.commands.serve_logging import excluded_paths
 from worldserve.config import FlagValueError
 
 log = logging.getLogger("worldserve.serve")
@@ -37,20 +41,37 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE", help="A YAML file of flags (`max-model-len: 16384`, as "
                        "vLLM reads it); flags on the command line win.")  # fmt: skip
     group.add_argument("--root-path", metavar="PATH", help="The path prefix a proxy serves this server under "
-                       "(requests may come with or without it; /docs links carry it).")  # fmt: skip
+                       "(requests may come with or without it; /docs links and redirects carry it).")  # fmt: skip
     group.add_argument("--ssl-keyfile", metavar="PATH", help="Serve HTTPS with this private key.")
-    group.add_argument("--ssl-certfile", metavar="PATH", help="Serve HTTPS with this certificate.")
+    group.add_argument("--ssl-certfile", metavar="PATH", help="Serve HTTPS with this certificate (alone: a PEM "
+                       "file holding the certificate and its private key).")  # fmt: skip
     group.add_argument(
         "--ssl-ca-certs", metavar="PATH", help="CA certificates to verify client certificates."
     )
     group.add_argument("--ssl-cert-reqs", metavar="N", type=int, default=0,
                        help="Client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*).")  # fmt: skip
+    group.add_argument("--ssl-ciphers", metavar="CIPHERS", help="OpenSSL cipher list for TLS 1.2 and below "
+                       "(e.g. ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305); default: uvicorn's "
+                       "(TLSv1). TLS 1.3 suites are not affected.")  # fmt: skip
+    group.add_argument("--h11-max-incomplete-event-size", metavar="BYTES", type=POSITIVE_INT,
+                       help="h11's bound on a request's line and headers before they are complete (over it: "
+                       "a 400 and the close); default: 1 MiB + 64 KiB. Headers are capped at 64 KiB in any "
+                       "case (a 431).")  # fmt: skip
+    group.add_argument("--h11-max-header-count", metavar="N", type=POSITIVE_INT,
+                       help="Most headers a request may carry (more: a 431, a WebSocket handshake refused); "
+                       "default: no count (the 64 KiB cap on headers bounds them).")  # fmt: skip
     group.add_argument(
         "--disable-uvicorn-access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="No access log line a request.",
     )
+    group.add_argument("--disable-access-log-for-endpoints", metavar="PATHS",
+                       help="Comma-separated paths whose requests log no access line (e.g. /health,/metrics; "
+                       "a path matches with or without the --root-path prefix and any query).")  # fmt: skip
+    group.add_argument("--log-config-file", metavar="PATH", help="A logging configuration (JSON, or YAML by "
+                       "its .yaml name: Python's dictConfig schema) applied at startup to worldserve's and "
+                       "uvicorn's loggers, as vLLM applies it (loggers it does not name keep logging).")  # fmt: skip
     group.add_argument(
         "--disable-fastapi-docs",
         action=argparse.BooleanOptionalAction,
@@ -63,28 +84,41 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_http_arguments(args: argparse.Namespace) -> list[Callable | type]:
-    """Before the model loads: --root-path starts with "/", the --ssl-* files load (FlagValueError otherwise)
-    and every --middleware imports; the middlewares, in order."""
+    """Before the model loads: --root-path and --disable-access-log-for-endpoints' paths start with "/", the
+    --ssl-* files load and --ssl-ciphers names ciphers OpenSSL has (FlagValueError otherwise), and every
+    --middleware imports; the middlewares, in
+    order. A certfile alone is a PEM holding the key too (as uvicorn and vLLM take it); a keyfile alone is
+    refused."""
     root = getattr(args, "root_path", None)
     if root and not root.startswith("/"):  # (a prefix without its slash matched no request path)
         raise FlagValueError(f"--root-path {root!r} must start with '/' (e.g. /{root})")
-    if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
-        raise FlagValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS")
+    certfile, keyfile = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+    if keyfile and not certfile:
+        raise FlagValueError("--ssl-keyfile needs --ssl-certfile (the certificate) for HTTPS; a certfile "
+                             "alone may hold the key too")  # fmt: skip
     ca_certs, cert_reqs = getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0)
+    ciphers = getattr(args, "ssl_ciphers", None)
     if cert_reqs not in (0, 1, 2):
         raise FlagValueError(
             f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {cert_reqs}"
         )
-    if (ca_certs or cert_reqs) and not getattr(args, "ssl_certfile", None):  # (they were silently unused)
-        raise FlagValueError("--ssl-ca-certs and --ssl-cert-reqs check clients over HTTPS: they need "
-                             "--ssl-certfile and --ssl-keyfile")  # fmt: skip
-    if getattr(args, "ssl_certfile", None):
-        context = _load_certificate(args.ssl_certfile, args.ssl_keyfile)
+    if (ca_certs or cert_reqs or ciphers) and not certfile:  # (they were silently unused)
+        raise FlagValueError("--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers shape HTTPS: they need "
+                             "--ssl-certfile (and --ssl-keyfile unless the certfile holds the key)")  # fmt: skip
+    if certfile:
+        context = _load_certificate(certfile, keyfile)
         if ca_certs:
             try:
                 context.load_verify_locations(ca_certs)
             except (OSError, ValueError) as exc:
                 raise FlagValueError(f"--ssl-ca-certs {ca_certs}: cannot load it ({exc})") from None
+        if ciphers:
+            try:
+                context.set_ciphers(ciphers)
+            except ssl.SSLError:
+                raise FlagValueError(f"--ssl-ciphers {ciphers!r}: OpenSSL knows none of these ciphers (an "
+                                     "OpenSSL cipher list, e.g. ECDHE-RSA-AES256-GCM-SHA384)") from None  # fmt: skip
+    excluded_paths(getattr(args, "disable_access_log_for_endpoints", None))
     return [_import_middleware(name) for name in getattr(args, "middleware", None) or ()]
 
 
@@ -96,22 +130,30 @@ def _no_passphrase() -> NoReturn:
     raise _EncryptedKey
 
 
-def _load_certificate(certfile: str, keyfile: str) -> ssl.SSLContext:
-    """The certificate and key loaded as uvicorn will load them (its default protocol and ciphers), but with a
-    password callback that refuses: OpenSSL's own prompted on the terminal for an encrypted key's passphrase
-    here, and uvicorn's prompted (or, with no terminal, blocked) again after the model load; worldserve has
-    no passphrase flag (nor has vLLM), so an encrypted key is refused, with how to decrypt it."""
+def _load_certificate(certfile: str, keyfile: str | None) -> ssl.SSLContext:
+    """The certificate and key loaded as uvicorn will load them (its default protocol and ciphers; no
+    keyfile: the key is in the certfile), but with a password callback that refuses: OpenSSL's own prompted
+    on the terminal for an encrypted key's passphrase here, and uvicorn's prompted (or, with no terminal,
+    blocked) again after the model load; worldserve has no passphrase flag (nor has vLLM), so an encrypted
+    key is refused, with how to decrypt it."""
     from uvicorn.config import SSL_PROTOCOL_VERSION
 
     context = ssl.SSLContext(SSL_PROTOCOL_VERSION)
+    key = keyfile or certfile
     try:
         context.load_cert_chain(certfile, keyfile, password=_no_passphrase)
     except _EncryptedKey:
-        raise FlagValueError(f"--ssl-keyfile {keyfile}: the private key is encrypted (passphrase-protected) "
-                             "and the server has no way to take its passphrase; decrypt it (openssl pkey -in "
-                             f"{keyfile} -out {keyfile}.plain) and pass the decrypted file") from None  # fmt: skip
+        flag = "--ssl-keyfile" if keyfile else "--ssl-certfile"
+        raise FlagValueError(f"{flag} {key}: the private key is encrypted (passphrase-protected) and the "
+                             "server has no way to take its passphrase; decrypt it (openssl pkey -in "
+                             f"{key} -out {key}.plain) and pass the decrypted file") from None  # fmt: skip
     except (OSError, ValueError) as exc:
-        raise FlagValueError(f"--ssl-certfile / --ssl-keyfile: cannot load them ({exc})") from None
+        what = (
+            "--ssl-certfile / --ssl-keyfile: cannot load them"
+            if keyfile
+            else "--ssl-certfile: cannot load it"
+        )
+        raise FlagValueError(f"{what} ({exc})") from None
     context.set_ciphers("TLSv1")
     return context
 
@@ -139,21 +181,28 @@ def uvicorn_options(args: argparse.Namespace, max_upload_bytes: int = DEFAULT_UP
     `websockets` clients do): /v1/realtime/video sends H.264 parts, which zlib cannot shrink (1.002x), and
     deflating a 7 MB part on the event loop takes 0.27-0.47 s, more than the VAE takes to decode it (0.33 s),
     so the parts fell behind the decode. An open WebSocket is not closed the moment a graceful shutdown
-    begins (api/ws_protocol.py): a realtime stream gets the grace a running request has."""
+    begins (api/ws_protocol.py): a realtime stream gets the grace a running request has.
+
+    With --log-config-file, uvicorn configures no logging of its own (log_config None): the file, applied
+    at startup (serve_logging.py), configures its loggers too, as vLLM hands it to uvicorn."""
     from worldserve import envs
     from worldserve.api.http_protocol import H11_BUFFER_BYTES, header_guard_protocol
     from worldserve.api.realtime import ws_max_size
     from worldserve.api.ws_protocol import graceful_ws_protocol
 
+    tls = {"ssl_ciphers": args.ssl_ciphers} if getattr(args, "ssl_ciphers", None) else {}
+    logging_config = {"log_config": None} if getattr(args, "log_config_file", None) else {}
     return dict(
         http=header_guard_protocol(envs.http_header_timeout_s()),
         ws=graceful_ws_protocol(),
         ws_per_message_deflate=False,
         ws_max_size=ws_max_size(max_upload_bytes),
-        h11_max_incomplete_event_size=H11_BUFFER_BYTES,  # (the header cap answers first: http_protocol.py)
+        # (below the 64 KiB header cap, h11's 400 answers first; above it, the cap's 431: http_protocol.py)
+        h11_max_incomplete_event_size=getattr(args, "h11_max_incomplete_event_size", None) or H11_BUFFER_BYTES,
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
         ssl_keyfile=getattr(args, "ssl_keyfile", None), ssl_certfile=getattr(args, "ssl_certfile", None),
         ssl_ca_certs=getattr(args, "ssl_ca_certs", None), ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
+        **tls, **logging_config,
     )  # fmt: skip
 
 
@@ -163,137 +212,34 @@ def event_loop(config: Any) -> str:
     return "uvloop" if factory is not None and "uvloop" in factory.__module__ else "asyncio"
 
 
-def install(app: Any, *, root_path: str | None, middlewares: list[Callable | type]) -> None:
-    """Add the --middleware ones (outermost, in order), then the root path's prefix handling around all."""
+def install(
+    app: Any,
+    *,
+    root_path: str | None,
+    middlewares: list[Callable | type],
+    max_header_count: int | None = None,
+) -> None:
+    """Add the --middleware ones (outermost, in order), then --h11-max-header-count's limit around all, and
+    set the --root-path prefix.
+
+    The prefix is the app's root_path, as vLLM sets it: FastAPI puts it in every request's scope, and
+    Starlette matches routes on the path less the prefix when the path starts with it, on the path as it is
+    otherwise, so a request is served with or without it (the API key is checked on that same route path:
+    api/auth.py). The path itself is left whole: redirects (a trailing slash's 307), request.url (which a
+    --middleware sees) and the access log carry the prefix the client sent, and /docs points at
+    {prefix}/openapi.json, whose schema names {prefix} its server."""
+    from worldserve.api.header_count import HeaderCountLimit
+
     for middleware in middlewares:
         if inspect.isclass(middleware):
             app.add_middleware(middleware)
         else:
             app.middleware("http")(middleware)
+    if max_header_count is not None:
+        app.add_middleware(HeaderCountLimit, limit=max_header_count)
     root = (root_path or "").rstrip("/")
     if root:
-        app.root_path = (
-            root  # FastAPI: /docs points at {root}/openapi.json, the schema names {root} its server
-        )
-        app.add_middleware(RootPathMiddleware, root=root)
-
-
-class RootPathMiddleware:
-    """`--root-path /prefix`: a request for /prefix/v1/... is served (and checked for its API key, counted in
-    the metrics...) as /v1/..., one without the prefix as it is."""
-
-    def __init__(self, app: ASGIApp, root: str) -> None:
-        self.app, self.root = app, root
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] in ("http", "websocket") and (path == self.root or path.startswith(self.root + "/")):
-            scope = {**scope, "path": path[len(self.root) :] or "/", "root_path": self.root}
-            if "raw_path" in scope and scope["raw_path"] is not None:
-                scope["raw_path"] = scope["raw_path"][len(self.root.encode()) :] or b"/"
-        await self.app(scope, receive, send)
-
-
-GIVEN = "_given_on_command_line"
-"""The namespace attribute record_given fills: the dests of the flags the command line gave."""
-_RECORDING: dict[type, type] = {}
-
-
-def record_given(parser: argparse.ArgumentParser) -> None:
-    """Make every flag of `parser` note its dest in the namespace's GIVEN set when the command line gives it,
-    so that --config fills only the others (a flag given at its default value still wins, as in vLLM, where
-    the command line's flags come after the file's)."""
-    for action in parser._actions:
-        if action.option_strings and not isinstance(action, argparse._HelpAction):
-            cls = type(action)
-            if cls not in _RECORDING:
-                _RECORDING[cls] = type(cls.__name__, (cls,), {"__call__": _recorded})
-            action.__class__ = _RECORDING[cls]
-
-
-def _recorded(
-    self: argparse.Action, parser: Any, namespace: Any, values: Any, option_string: Any = None
-) -> None:
-    # record_given's subclass has one base, the flag's own Action class (store, append, BooleanOptional...)
-    base = cast(type[argparse.Action], type(self).__bases__[0])
-    base.__call__(self, parser, namespace, values, option_string)
-    setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), self.dest})
-
-
-def _config_argv(path: str, data: dict, parser: argparse.ArgumentParser, model_given: bool) -> list[str]:
-    """The flags of a --config mapping as command-line words, as vLLM spells them: true is the switch, false
-    the --no- form where the flag has one, a list the flag's values (repeated flag for a repeatable one)."""
-    argv: list[str] = []
-    for key, value in data.items():
-        flag = "--" + str(key).replace("_", "-")
-        action = parser._option_string_actions.get(flag)
-        if flag not in ("--model", "--config") and (
-            action is None or isinstance(action, argparse._HelpAction | argparse._VersionAction)
-        ):
-            # (exactly a flag's name: argparse took `help: true` as --help, printed it and exited 0, and an
-            # abbreviation as the flag it abbreviates)
-            raise FlagValueError(f"--config {path}: {key!r} is not a `worldserve serve` option (a key is a "
-                                 "flag's name without its --, as `worldserve serve --help` lists them)")  # fmt: skip
-        if flag == "--model" and not model_given:
-            argv.insert(0, str(value))  # the positional MODEL
-        elif flag in ("--model", "--config"):
-            continue  # the command line's MODEL wins; no nested config files
-        elif value is True:
-            argv.append(flag)
-        elif value is False:
-            if "--no-" + flag[2:] in parser._option_string_actions:
-                argv.append("--no-" + flag[2:])
-        elif isinstance(value, list):
-            words = [json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value]
-            if action is not None and action.nargs is None:  # one value a flag: each item its own flag
-                if len(words) > 1 and not isinstance(action, argparse._AppendAction):
-                    raise FlagValueError(f"--config {path}: {flag} takes one value, got the list {value}")
-                argv += [w for word in words for w in (flag, word)]
-            else:
-                argv += [flag, *words]
-        elif value is not None:
-            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return argv
-
-
-def apply_config_file(args: argparse.Namespace, parser_for: Callable[[], argparse.ArgumentParser]) -> None:
-    """--config FILE: its flags fill `args` where the command line gave none (vLLM: the command line wins;
-    a namespace from a parser without record_given: where the value is the default). FlagValueError naming
-    the file for a file that cannot be read or a flag that does not parse."""
-    path = getattr(args, "config", None)
-    if not path:
-        return
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        why = " ".join(str(exc).split())  # (YAML's errors span lines: one line, as every flag error)
-        why = f"not UTF-8 text: {why}" if isinstance(exc, UnicodeDecodeError) else why
-        raise FlagValueError(f"--config {path}: cannot read it ({why})") from None
-    if not isinstance(data, dict):
-        raise FlagValueError(f"--config {path}: expected a mapping of flags to values")
-    parser = parser_for()
-    argv = _config_argv(path, data, parser, getattr(args, "model", None) is not None)
-
-    def refuse(message: str) -> NoReturn:
-        raise FlagValueError(f"--config {path}: {message}")
-
-    # argparse would exit naming the wrong command; mypy refuses any assignment to a method, which Python allows
-    parser.error = refuse  # type: ignore[method-assign]
-    defaults, given = vars(parser.parse_args([])), vars(parser.parse_args(argv))
-    on_command_line = getattr(args, GIVEN, None)
-    for dest, value in given.items():
-        if dest == GIVEN or value == defaults.get(dest):
-            continue
-        if dest == "model" and getattr(args, "model", None) is not None:
-            continue  # the command line's MODEL
-        if dest in (on_command_line or ()) or (
-            on_command_line is None and getattr(args, dest, None) != defaults.get(dest)
-        ):
-            continue
-        setattr(args, dest, value)
+        app.root_path = root
 
 
 def bind_listener(host: str | None, port: int) -> socket.socket:
@@ -321,12 +267,67 @@ def bind_listener(host: str | None, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix_listener(path: str) -> socket.socket:
+    """--uds: the server's Unix domain socket, bound before the model loads like the TCP one (vLLM's flag:
+    --host and --port are then unused). A socket file left by a server that is gone (nothing accepts on it)
+    is removed first, as uvicorn (asyncio) removes it; ValueError naming --uds when a server still listens
+    there, when the path is another kind of file, or when it cannot be bound (a server bound there but still
+    loading its model refuses connections too, so it is taken for gone, as uvicorn takes it). The file gets
+    the process's umask permissions, as vLLM's does (uvicorn's own binding opens it to every local user)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise ValueError(f"--uds {path}: cannot use it ({exc.strerror or exc})") from None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        raise ValueError(f"--uds {path}: a file that is not a socket is there; remove it or give another one")
+    if mode is not None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise ValueError(f"--uds {path}: another server is listening on it")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # (stale: its server is gone)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:  # (a missing folder, no permission, a path over the 107 bytes AF_UNIX takes)
+        sock.close()
+        raise ValueError(f"--uds {path}: cannot bind it ({exc.strerror or exc})") from None
+    return sock
+
+
+@contextlib.contextmanager
+def unix_socket_removed(sock: socket.socket) -> Iterator[None]:
+    """A --uds socket's file is removed when serving ends (a TCP socket: nothing to do), unless another
+    server has bound the path meanwhile (its file is then another inode)."""
+    path = sock.getsockname() if sock.family == socket.AF_UNIX else None
+    inode = os.stat(path).st_ino if path else None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if path and os.stat(path).st_ino == inode:
+                os.unlink(path)
+
+
+def listen_address(sock: socket.socket, scheme: str, host: str | None) -> str:
+    """Where the server listens, as vLLM logs it: `unix:PATH`, or `SCHEME://HOST:PORT` (an IPv6 address in
+    brackets; every interface, '', as 0.0.0.0)."""
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
+    host = host or "0.0.0.0"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
+
+
 def start_listening(sock: socket.socket, host: str | None) -> None:
     """listen() on the bound socket (uvicorn's backlog); ValueError when another process bound the same port
     meanwhile (two sockets with SO_REUSEADDR can both bind it while neither listens)."""
     try:
         sock.listen(2048)
     except OSError as exc:
+        if sock.family == socket.AF_UNIX:
+            raise ValueError(f"cannot listen on --uds {sock.getsockname()}: {exc.strerror or exc}") from None
         raise _cannot_listen(host, sock.getsockname()[1], exc) from None
 
 
