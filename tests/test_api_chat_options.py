@@ -295,6 +295,36 @@ def test_bad_mm_processor_kwargs_are_a_400_naming_the_key(url, mm, param, needle
         assert r.status_code == 400 and r.json()["error"]["param"] == "media_io_kwargs", (video, r.text)
 
 
+def test_the_servers_default_chat_template_kwargs_lie_under_the_requests(url, reasoner, tmp_path):
+    """--default-chat-template-kwargs (vLLM's): every chat renders with them unless its own
+    chat_template_kwargs set the same key; /tokenize's chat form too. A bad one stops the start naming it."""
+    from worldserve.api.app import build_app
+    from worldserve.api.settings import AppSettings
+    from worldserve.commands.serve import template_defaults
+    from worldserve.config import SchedulerConfig
+    from worldserve.config_values import JsonObject
+    from worldserve.engine.client import EngineClient
+    from worldserve.engine.engine import Engine
+    from worldserve.engine.fake_backend import FakeBackend
+    from worldserve.engine.jobs import JobStore
+
+    plain = _prompt_tokens(_chat(url, "hi"))
+    off = _prompt_tokens(_chat(url, "hi", chat_template_kwargs={"enable_thinking": False}))
+    store = JobStore(tmp_path / "store")
+    engine = Engine(FakeBackend(), store, SchedulerConfig(max_batch_size=1), encoder=lambda *a, **k: b"")
+    client = EngineClient(engine, store, model_name=MODEL, max_queued_requests=16, chat_backend=reasoner)
+    settings = AppSettings(template_defaults=template_defaults(JsonObject('{"enable_thinking": false}')))
+    with serve_app(
+        build_app(client, settings, shutdown_timeout_s=1.0), name="test-template-defaults"
+    ) as other:
+        assert _prompt_tokens(_chat(other, "hi")) == off
+        assert _prompt_tokens(_chat(other, "hi", chat_template_kwargs={"enable_thinking": True})) == plain
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(other + "/tokenize", json=body, timeout=60).json()["count"] == off
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: chat_template_kwargs.tokenize"):
+        template_defaults(JsonObject('{"tokenize": false}'))
+
+
 def test_chat_template_kwargs_reach_the_template(url):
     """enable_thinking=false renders Qwen3's empty think block (more prompt tokens, through the openai
     client's extra_body too); a key the template does not use changes nothing; apply_chat_template's own

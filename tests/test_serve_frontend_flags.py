@@ -109,7 +109,7 @@ def test_disable_mm_preprocessor_cache_is_a_zero_cache():
 
 ACCEPTED = [
     "--log-error-stack", "--enable-log-deltas", "--no-enable-log-outputs", "--no-enable-ssl-refresh",
-    "--disable-frontend-multiprocessing", "--tool-parser-plugin", "", "--default-chat-template-kwargs", "{}",
+    "--disable-frontend-multiprocessing", "--tool-parser-plugin", "",
     "--max-logprobs", "20", "--distributed-executor-backend", "mp", "--hf-token", "--code-revision", "abc",
     "--max-parallel-loading-workers", "2", "--cpu-offload-gb", "0", "--speculative-config", "{}",
     "--structured-outputs-config", '{"backend": "guidance"}', "--guided-decoding-backend", "auto",
@@ -132,7 +132,6 @@ REFUSED = [
     (["--enable-ssl-refresh"], "restart it"), (["--enable-log-outputs"], "not what they generate"),
     (["--enable-tokenizer-info-endpoint"], "/tokenizer_info"), (["--enable-offline-docs"], "CDN"),
     (["--tokens-only"], "whole API"), (["--headless"], "headless"), (["--enable-per-request-metrics"], "/metrics"),
-    (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "each request's chat_template_kwargs"),
     (["--exclude-tools-when-tool-choice-none"], "send no tools"), (["--tool-parser-plugin", "p.py"], "hermes"),
     (["--tool-server", "demo"], "tool calls go back"), (["--max-logprobs", "5"], "at 20"),
     (["--distributed-executor-backend", "ray"], "no Ray"), (["--hf-token", "hf_secret"], "HF_TOKEN"),

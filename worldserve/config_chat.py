@@ -59,6 +59,8 @@ class ReasonerConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChatApiConfig:
+    default_chat_template_kwargs: JsonObject | None = None
+    """Chat template variables that every chat request's own chat_template_kwargs lay over, key by key (vLLM's flag): e.g. '{"enable_thinking": false}'; the chat, Responses and /tokenize (chat form) routes and the offline Engine's chats."""
     enable_prompt_tokens_details: bool = False
     """Chat and text completions' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the Reasoner's prefix cache (vLLM's flag; the Responses API always reports them)."""
     reasoning_parser: str | None = field(default=None, metadata={"choices": ("qwen3",)})

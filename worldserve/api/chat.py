@@ -94,12 +94,13 @@ class RequestOptions:
 
 def request_options(
     body: ChatCompletionRequest, compiler: Any = None, media: MediaDefaults = MediaDefaults(),
-    thinks: bool = False,
+    thinks: bool = False, template_defaults: Mapping[str, Any] | None = None,
 ) -> RequestOptions:  # fmt: skip
     """`mm_processor_kwargs`, `media_io_kwargs` (over the server's `media` defaults), `chat_template_kwargs`, the
     tools and the structured output fields checked (no media work; a grammar compiles, with the Reasoner's
     `compiler` when given; `thinks`: the answer may open with <think>, --reasoning-parser): ParamError naming
-    the field, as soon as the request is read."""
+    the field, as soon as the request is read. `template_defaults` (--default-chat-template-kwargs): what the
+    request's chat_template_kwargs lay over, key by key, as vLLM merges them."""
     media_io, mm = media.under(body.media_io_kwargs, body.mm_processor_kwargs)
     image_opts, video_opts = processor_kwargs(mm)
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -107,7 +108,9 @@ def request_options(
         image_pixels=pixel_budget(image_opts, "images"),
         video=video_sampling(media_io, video_opts),
         image_background=image_background(media_io),
-        chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
+        chat_template_kwargs=template_kwargs(
+            {**(template_defaults or {}), **(body.chat_template_kwargs or {})}
+        ),
         tools=tools,
         structured=structured_output(body, tool_constraint(tools), compiler, thinks),
     )
@@ -334,7 +337,9 @@ async def chat_choices(st: AppState, body: ChatCompletionRequest) -> tuple[list[
     compiler = grammar_compiler(st.client.chat_worker)
     # a grammar compiles there: off the event loop
     thinks = st.settings.reasoning_parser is not None
-    options = await asyncio.to_thread(request_options, body, compiler, st.settings.media_defaults, thinks)
+    options = await asyncio.to_thread(
+        request_options, body, compiler, st.settings.media_defaults, thinks, st.settings.template_defaults
+    )
     fetched = await prefetch_media(body, st.media, st.settings.mm_limits)
     if next(media_parts(body), None) is None:
         params = await asyncio.to_thread(prepared_params, st, body, fetched, options)

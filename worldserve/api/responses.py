@@ -160,7 +160,14 @@ async def _truncated(
         prompts, _ = reasoner_prompts(st)
         try:
             # (checked once, no grammar compiled: the counts need the tools' and templates' options only)
-            options = await asyncio.to_thread(request_options, chat)
+            options = await asyncio.to_thread(
+                partial(
+                    request_options,
+                    chat,
+                    media=st.settings.media_defaults,
+                    template_defaults=st.settings.template_defaults,
+                )  # fmt: skip
+            )
             chat, paths = await asyncio.to_thread(
                 fit_by_items, chat, paths, room, partial(prompt_tokens, prompts, options, room=room)
             )

@@ -83,6 +83,8 @@ class AppSettings:
     its own: AppState.request_seeds); None: random seeds."""
     media_defaults: MediaDefaults = MediaDefaults()
     """`--media-io-kwargs` / `--mm-processor-kwargs`: what chat requests' own media options lay over."""
+    template_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """`--default-chat-template-kwargs`: what chat requests' own chat_template_kwargs lay over, key by key."""
     responses_store_bytes: int = 256 * 2**20
     """`--responses-store-mb` in bytes: stored Responses API responses (0: none kept)."""
     docs: bool = True

@@ -105,7 +105,9 @@ async def tokenize(request: Request, st: State) -> TokenizeResponse | JSONRespon
         if body.chat_template is not None:
             raise ParamError("chat_template", UNTRUSTED_TEMPLATE)
         as_chat = body.as_chat()
-        options = request_options(as_chat, media=st.settings.media_defaults)
+        options = request_options(
+            as_chat, media=st.settings.media_defaults, template_defaults=st.settings.template_defaults
+        )
         fetched = await prefetch_media(as_chat, st.media, st.settings.mm_limits)
     # a chat form with media on the chat route's request pool (the default executor parses every route's large
     # bodies: a burst of video decodes here held them up)

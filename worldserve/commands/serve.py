@@ -42,6 +42,7 @@ from worldserve.commands.serve_compat import add_compat_arguments, check_compat_
 from worldserve.commands.serve_config_file import apply_config_file, record_given
 from worldserve.config import CONFIG_CLASSES, TINY_SERVED_NAME, EngineConfig, MediaConfig
 from worldserve.config_flags import add_config_arguments
+from worldserve.config_values import JsonObject
 from worldserve.weights.checkpoint import CheckpointError
 
 log = logging.getLogger("worldserve.serve")
@@ -138,6 +139,7 @@ def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, list, loggi
         raise ValueError(f"--allowed-local-media-path {media}: "
                          + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
     media_defaults(config.media)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
+    template_defaults(config.chat.default_chat_template_kwargs)  # (and a bad --default-chat-template-kwargs)
     config.lora.check_path()  # (the adapter's own files are the backend's to check, per request)
     # a bad --generation-config folder or value stops the start before the load
     model = config.model.model
@@ -327,7 +329,7 @@ def app_settings(config: EngineConfig) -> AppSettings:
         request_log=RequestLog(server.max_log_len) if server.enable_log_requests else None,
         stats_interval_s=None if server.disable_log_stats else envs.log_stats_interval_s(),
         seed=chat.seed,
-        media_defaults=media_defaults(media),
+        media_defaults=media_defaults(media), template_defaults=template_defaults(chat.default_chat_template_kwargs),
         responses_store_bytes=int(chat.responses_store_mb * 2**20),
     )  # fmt: skip
 
@@ -349,6 +351,18 @@ def media_defaults(media: MediaConfig) -> Any:
         except ParamError as exc:
             raise ValueError(f"{flag}: {exc.message}") from None
     return MediaDefaults(io, mm)
+
+
+def template_defaults(kwargs: JsonObject | None) -> dict[str, Any]:
+    """--default-chat-template-kwargs as the chat API's template defaults; ValueError naming the flag for what
+    a request's chat_template_kwargs would be refused for (checked before the model loads)."""
+    from worldserve.api.chat_options import template_kwargs
+    from worldserve.params import ParamError
+
+    try:
+        return template_kwargs(kwargs.as_dict() if kwargs is not None else None)
+    except ParamError as exc:
+        raise ValueError(f"--default-chat-template-kwargs: {exc.message}") from None
 
 
 def _non_default_args(args: argparse.Namespace) -> str:

@@ -261,8 +261,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
       "own engine and API"),
     C("--enable-per-request-metrics", "", SWITCH, NEVER, "never", "worldserve's answers carry no per-request "
       "timings: /metrics serves them as histograms"),
-    C("--default-chat-template-kwargs", "", JSON, EMPTY, "only as {}", "worldserve has no server default for "
-      "chat_template_kwargs yet: send them in each request's chat_template_kwargs"),
     C("--exclude-tools-when-tool-choice-none", "", SWITCH, NEVER, "never", "worldserve renders a request's tools "
       "into the prompt whatever its tool_choice (vLLM's default): send no tools to leave them out"),
     C("--tool-parser-plugin", "none is the default", {"metavar": "PATH"}, lambda v: v == "", "only as ''",
