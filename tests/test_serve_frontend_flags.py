@@ -163,3 +163,32 @@ def test_a_log_config_file_that_is_no_configuration_is_named(tmp_path):
         serve_logging.apply_log_config(str(tmp_path / "list.json"))
     with pytest.raises(ValueError, match="^--log-config-file .*cut.json: cannot read it"):
         serve_logging.apply_log_config(str(tmp_path / "cut.json"))
+
+
+def test_vllms_logging_config_path_variable_is_read_as_the_flag(tmp_path, monkeypatch):
+    """VLLM_LOGGING_CONFIG_PATH (vLLM's) configures logging as --log-config-file does, which wins; a bad file
+    stops the start naming the variable, before anything loads."""
+    import json
+
+    (tmp_path / "cut.json").write_text('{"version": 1,')
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "cut.json"))
+    with pytest.raises(ValueError, match="^VLLM_LOGGING_CONFIG_PATH .*cut.json: cannot read it"):
+        serve._checked_config(parse_args("--backend", "fake"))
+    good = {"version": 1, "handlers": {"f": {"class": "logging.FileHandler", "filename": str(tmp_path / "v.log")}},
+            "loggers": {"worldserve.test_env_log": {"handlers": ["f"], "level": "INFO"}}}  # fmt: skip
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "good.json"))
+    args = parse_args("--backend", "fake", "--storage-dir", str(tmp_path / "s"))
+    try:
+        serve._checked_config(args)
+        logging.getLogger("worldserve.test_env_log").info("configured by the variable")
+        assert args.log_config_file == str(tmp_path / "good.json")
+    finally:
+        for handler in logging.getLogger("worldserve.test_env_log").handlers:
+            handler.close()
+        logging.getLogger("worldserve.test_env_log").handlers.clear()
+    assert "configured by the variable" in (tmp_path / "v.log").read_text()
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "cut.json"))
+    flagged = parse_args("--backend", "fake", "--storage-dir", str(tmp_path / "s"), "--log-config-file",
+                         str(tmp_path / "good.json"))  # fmt: skip
+    serve._checked_config(flagged)  # (the flag wins: the variable's bad file is not read)

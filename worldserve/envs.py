@@ -130,6 +130,12 @@ def api_key() -> str | None:
     return None
 
 
+def logging_config_path() -> str | None:
+    """vLLM's `VLLM_LOGGING_CONFIG_PATH`: a logging configuration file, as `--log-config-file` (which wins);
+    None when unset or empty."""
+    return os.environ.get("VLLM_LOGGING_CONFIG_PATH") or None
+
+
 def cache_home() -> str | None:
     """XDG_CACHE_HOME as set (None: unset or empty)."""
     return os.environ.get("XDG_CACHE_HOME") or None

@@ -65,8 +65,8 @@ async def refuse(scope: Scope, receive: Receive, send: Send, response: Response,
 def route_path(scope: Scope) -> str:
     """The path the router matches: Starlette strips the scope's root_path (FastAPI's, `--root-path`) once
     when the path starts with it, so the key is checked on the same path (vLLM checks the URL path less the
-    root path). Checking scope["path"] alone let `/api/api/v1/...` through unchecked under `--root-path /api`
-    (serve_http.RootPathMiddleware strips one prefix, the router the second)."""
+    root path). Checking scope["path"] alone would let a path the router matches less its prefix through
+    unchecked."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
         return path[len(root) :]

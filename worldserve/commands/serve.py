@@ -129,6 +129,9 @@ def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, list, loggi
     # (before --log-file: the file's root handlers would replace that one)
     if getattr(args, "log_config_file", None):
         serve_logging.apply_log_config(args.log_config_file)
+    elif envs.logging_config_path():  # (vLLM's variable; uvicorn then configures no logging of its own)
+        args.log_config_file = envs.logging_config_path()
+        serve_logging.apply_log_config(args.log_config_file, "VLLM_LOGGING_CONFIG_PATH")
     log_file = None
     if getattr(args, "log_file", None):
         log_file = serve_logging.log_to_file(args.log_file, LOG_FORMAT)

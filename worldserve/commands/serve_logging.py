@@ -24,10 +24,11 @@ ACCESS_LOGGER = "uvicorn.access"
 """The logger of uvicorn's access lines (`'%s - "%s %s HTTP/%s" %d'`: client, method, path, version, status)."""
 
 
-def apply_log_config(path: str) -> None:
-    """--log-config-file: the file's configuration applied (logging.config.dictConfig). Loggers the file does
-    not name keep working unless it says `disable_existing_loggers: true` (dictConfig's own default would
-    silence every worldserve logger a configuration pasted from vLLM, naming `vllm`, leaves out)."""
+def apply_log_config(path: str, origin: str = "--log-config-file") -> None:
+    """--log-config-file: the file's configuration applied (logging.config.dictConfig; errors name `origin`,
+    the flag or vLLM's VLLM_LOGGING_CONFIG_PATH). Loggers the file does not name keep working unless it says
+    `disable_existing_loggers: true` (dictConfig's own default would silence every worldserve logger a
+    configuration pasted from vLLM, naming `vllm`, leaves out)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -39,15 +40,15 @@ def apply_log_config(path: str) -> None:
             config = json.loads(text)
     except (OSError, ValueError) as exc:  # (yaml.YAMLError and json's errors are ValueErrors)
         why = " ".join(str(getattr(exc, "strerror", None) or exc).split())
-        raise FlagValueError(f"--log-config-file {path}: cannot read it ({why})") from None
+        raise FlagValueError(f"{origin} {path}: cannot read it ({why})") from None
     if not isinstance(config, dict):
-        raise FlagValueError(f"--log-config-file {path}: expected a logging configuration (a JSON object with "
+        raise FlagValueError(f"{origin} {path}: expected a logging configuration (a JSON object with "
                              "version: 1, formatters, handlers, loggers)")  # fmt: skip
     config.setdefault("disable_existing_loggers", False)
     try:
         logging.config.dictConfig(config)
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
-        raise FlagValueError(f"--log-config-file {path}: {' '.join(str(exc).split())}") from None
+        raise FlagValueError(f"{origin} {path}: {' '.join(str(exc).split())}") from None
 
 
 def excluded_paths(text: str | None) -> frozenset[str]:
