@@ -64,6 +64,11 @@ def test_text_and_image_to_video_mp4s(engine, tmp_path):
     png = probe_mp4(from_png.video)
     assert (png.video_codec, png.num_frames, png.audio_codec) == ("h264", 5, None)
     assert from_array.params.image is not None and from_array.params.image.shape == first.shape
+    # a VideoParams item's image in any form image= takes (it had to be an array there)
+    from worldserve import VideoParams
+
+    item = VideoParams(prompt="The fox turns around", image=png_bytes(80, 48), generate_sound=False, **TINY)
+    assert engine.generate_video([item])[0].video == from_png.video
 
 
 def test_mp4_is_the_servers_for_the_same_request(engine, served, tmp_path):

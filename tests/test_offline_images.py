@@ -114,7 +114,7 @@ def test_save_writes_a_readable_image(engine, tmp_path):
 
     from worldserve import ParamError
 
-    (out,) = engine.generate_image("a fox", seed=3, **SMALL)
+    (out,) = engine.generate_image("a fox", seed=3, n=np.int64(1), **SMALL)  # (a numpy n, as other fields)
     out.save(tmp_path / "fox.png")
     with Image.open(tmp_path / "fox.png") as png:
         assert png.format == "PNG"

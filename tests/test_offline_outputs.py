@@ -29,3 +29,19 @@ def test_video_output_refuses_another_extension_naming_the_path(tmp_path, name):
         _output().save(tmp_path / name)
     assert info.value.param == "path" and ".mp4" in str(info.value)
     assert not (tmp_path / name).exists()
+
+
+def test_a_video_output_prints_its_mp4_by_size():
+    """print(output) / a notebook cell's echo: the MP4 by its size (its bytes literal had been ~3 characters a
+    byte, ~100 M for a 720p video), the rest as the dataclass shows it."""
+    out = VideoOutput(params=VideoParams(prompt="a fox"), seconds=1.0, video=b"\x00" * 5_000_000)
+    text = repr(out)
+    assert text.startswith("VideoOutput(video=<MP4, 5,000,000 bytes>, params=VideoParams(prompt='a fox'")
+    assert len(text) < 5_000 and "seconds=1.0" in text
+
+
+def test_saving_into_a_missing_folder_names_the_callers_path(tmp_path):
+    """(the error had named the hidden temporary file beside it)"""
+    with pytest.raises(FileNotFoundError) as info:
+        _output().save(tmp_path / "sub" / "clip.mp4")
+    assert info.value.filename == str(tmp_path / "sub" / "clip.mp4") and ".tmp" not in str(info.value)

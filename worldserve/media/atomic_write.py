@@ -41,7 +41,13 @@ def writing_atomically(path: str | os.PathLike[str], *, private: bool = False) -
     try:
         # (mode 0o666 less the umask, as open() gives: mkstemp's 0600 had made outputs private)
         mode = 0o600 if private else 0o666
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fh:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except (
+            OSError
+        ) as exc:  # (named as the caller's path: a missing folder had named the hidden temp file)
+            raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from None
+        with os.fdopen(fd, "wb") as fh:
             if older is not None and not private:
                 # (the older file's mode, as writing over it in place kept it)
                 os.fchmod(fh.fileno(), stat.S_IMODE(older.st_mode))

@@ -61,6 +61,8 @@ def image_params(
     --flow-shift) replaces T2I's 3.0 when no flow_shift is given, as the route's does."""
     if not isinstance(prompt, str):
         raise ParamError("prompt", f"prompt must be a string, got {type(prompt).__name__}")
+    if isinstance(n, np.integer):  # (numpy scalars as Python's, as the other numeric fields)
+        n = int(n)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_IMAGES:
         raise ParamError(
             "n", f"n must be an integer from 1 to {MAX_IMAGES} (the image route's bound), got {n!r}"

@@ -55,6 +55,12 @@ class VideoOutput(GeneratedOutput):
     """The MP4: H.264 video, with AAC 48 kHz stereo audio when the request made sound (the server's bytes for
     the same request: the same encoder and options)."""
 
+    def __repr__(self) -> str:
+        # (the MP4 by its size: a 720p video's bytes literal had been ~100 M characters, print() froze a notebook)
+        return (f"VideoOutput(video=<MP4, {len(self.video):,} bytes>, params={self.params!r}, "
+                f"seconds={self.seconds!r}, stage_seconds={self.stage_seconds!r}, "
+                f"peak_memory_mb={self.peak_memory_mb!r})")  # fmt: skip
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the MP4 to `path` (ending in .mp4 or .m4v: ParamError naming `path` for another extension, since
         these bytes are an MP4 whatever the name says)."""

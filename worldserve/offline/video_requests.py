@@ -128,6 +128,8 @@ def _checked_params(
     """The VideoParams of `request` with the keyword fields `given` (keyword_fields), validated."""
     if isinstance(request, VideoParams):
         params = dataclasses.replace(request, **given)
+        if "image" not in given and request.image is not None:  # (a PIL image, bytes or a path, as image=)
+            params = dataclasses.replace(params, image=conditioning_image(request.image))
     elif isinstance(request, str):
         omitted = {k: v for k, v in defaults.items() if k in FIELDS and k not in given}
         # the engine's default negative prompt is not capped by max_sequence_length (as the server's)
