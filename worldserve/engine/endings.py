@@ -6,19 +6,22 @@ it runs in the engine's CPU pool (the mux, an ephemeral request's `on_frames`), 
 off the engine thread: each touches only the request it is given, the job store (thread-safe), the metrics
 observer and `on_done`. A request ends exactly once: completed (`encode_and_save` / `hand_over`), failed
 (`fail`) or cancelled (`cancelled`); each of them calls `on_done(job_id)` so the HTTP side can wake waiters
-(an ephemeral request's caller learns through `request.on_result`).
+(an ephemeral request's caller learns through `request.on_result`). A job that the engine loop was running
+when it crashed is queued again (`park_after_crash`), or fails if the server has stopped running it too often.
+What the store meets on its disk ends the job too (a StorageError, 507 or 503): recording a failure never
+raises into the engine thread or the pool, so neither the loop nor a waiter's answer depends on the disk.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from worldserve.engine.jobs import JobStore
+from worldserve.engine.jobs import GIVEN_UP_MESSAGE, JobStore
 from worldserve.engine.observer import EngineObserver
 from worldserve.engine.outputs import VideoResult
 from worldserve.engine.refusals import CancelledRequest, error_for
@@ -150,11 +153,36 @@ class Endings:
         if request.ephemeral:
             _observer(self, request).on_failed(code)
             request.deliver(exc)
-        elif self.store.fail(
-            request.job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s, param=param
-        ):
+        elif self._record_failure(request.job_id, code, message, param):
             _observer(self, request).on_failed(code)
         self.on_done(request.job_id)
+
+    def _record_failure(self, job_id: str, code: int, message: str, param: str | None) -> bool:
+        """The store's `fail`; a fault of the store's own (it handles the disk's) is logged and the job still
+        ends here, counted failed (its row stays unfinished: a restart runs it again)."""
+        try:
+            return self.store.fail(
+                job_id, code, message, completed_at=time.time(), ttl_s=self._ttl_s, param=param
+            )
+        except Exception:
+            log.exception("job %s: its failure could not be recorded", job_id)
+            return True
+
+    def park_after_crash(self, requests: Sequence[Request]) -> set[str]:
+        """The jobs the engine loop was running when it crashed, queued again with the crash counted (jobs.py:
+        MAX_INTERRUPTIONS, as a death of the process counts); the ids of those the server has now stopped
+        that many times, failed instead (500, GIVEN_UP_MESSAGE): counted failed, their waiters woken."""
+        given_up = set(self.store.requeue([r.job_id for r in requests], crashed=True, ttl_s=self._ttl_s))
+        for request in requests:
+            if request.job_id not in given_up:
+                continue
+            log.error("job %s failed: %s", request.job_id, GIVEN_UP_MESSAGE)
+            try:
+                _observer(self, request).on_failed(500)
+            except Exception:  # the metrics' fault: the job still ends
+                log.exception("observer.on_failed failed for %s", request.job_id)
+            self.on_done(request.job_id)
+        return given_up
 
 
 def _observer(ends: Endings, request: Request) -> EngineObserver:

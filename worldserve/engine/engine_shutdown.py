@@ -1,8 +1,9 @@
 """How the video engine stops: `drain` (admit nothing more, end once the running requests are done), `stop`
 (drain until a deadline, then `stop_now`, then abandon a step still running after a grace period) and
 `stop_now` (stop at the next step boundary, a decode at its next chunk of frames); and, when the loop ends
-for any reason, `_park_running`: the running jobs released and queued again for the next start, the
-ephemeral requests (images, realtime streams: nothing to resume them from) cancelled with the reason.
+for any reason, `_park_running`: the running jobs released and queued again for the next start (after a crash
+of the loop, the crash counted against each: endings.py's `park_after_crash`), the ephemeral requests
+(images, realtime streams: nothing to resume them from) cancelled with the reason.
 
 Separate from engine.py, which runs the loop: this is Engine's base class, the shutdown path other threads
 call and the loop's last act. It shares the engine's state under its condition (`_cv`); the attributes
@@ -118,7 +119,9 @@ class EngineShutdown:
 
     def _park_running(self, reason: str) -> None:
         """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
-        requests, running or waiting, are cancelled for `reason` (they cannot resume)."""
+        requests, running or waiting, are cancelled for `reason` (they cannot resume). The loop ends for
+        SHUTDOWN_REASON when it was told to stop (drain, stop_now); any other reason is its crash, which
+        counts against the jobs it was running (a job that crashes it is failed after MAX_INTERRUPTIONS)."""
         self._stop_reason = reason
         parked = list(self._sched.running)
         for request in parked:
@@ -132,7 +135,12 @@ class EngineShutdown:
             self._inbox = [r for r in self._inbox if not (isinstance(r, Request) and r.ephemeral)]
         self._cancel_waiting_ephemeral(late, reason)
         parked = [r for r in parked if not r.ephemeral]
-        if parked:
+        if parked and reason != SHUTDOWN_REASON:
+            given_up = self._ends.park_after_crash(parked)
+            if len(given_up) < len(parked):
+                log.warning("crashed with %d running job(s); they are queued again and resume at restart (the "
+                            "crash counted against each)", len(parked) - len(given_up))  # fmt: skip
+        elif parked:
             self.store.requeue([r.job_id for r in parked])
             log.warning(
                 "stopped with %d running job(s); they are queued again and resume at restart", len(parked)

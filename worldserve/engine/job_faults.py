@@ -8,13 +8,20 @@ size, else 503. The route that met it answers that status; a job that met it fai
 commits too): reads show the job failed, with its reason, so a waiting sync request is answered and a poll
 sees the end, and the store writes them at its next write that succeeds (once space is back). Kept in memory
 only: if the process stops first, the row is still queued / in progress and the restart runs the job again.
+
+`remove_or_leave` removes a file the store no longer needs (a finished job's reference, a video no row
+names) where a refusal must not undo what was saved: a disk made read-only refuses unlinks too (EROFS, before
+the name is looked up: `missing_ok` does not cover it), and a job failing for that reason must still end. The
+file is logged and left: the start-up sweep (`remove_strays`), the job's DELETE or its expiry removes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import sqlite3
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from worldserve.engine.job_files import StorageError
@@ -22,6 +29,8 @@ from worldserve.engine.job_files import StorageError
 if TYPE_CHECKING:
     from worldserve.engine.job_schema import Job
 
+# (the store's logger: its operators and tests follow one name)
+log = logging.getLogger("worldserve.engine.jobs")
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 FULL_SQLITE_CODES = frozenset({13})  # SQLITE_FULL ("database or disk is full")
 
@@ -40,6 +49,20 @@ def storage_failure(exc: BaseException, what: str) -> StorageError:
         full, reason = getattr(exc, "sqlite_errorcode", None) in FULL_SQLITE_CODES, str(exc)
     kind = StorageFull if full else StorageError
     return kind(f"the server's storage could not save {what}: {reason}")
+
+
+def remove_or_leave(path: Path, job_id: str, what: str) -> bool:
+    """Remove `path` (job `job_id`'s `what`) if it is there; False, logged, when the disk refuses (the file
+    stays for the start-up sweep, the job's DELETE or its expiry)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        if not path.exists():  # (a read-only disk refuses the unlink of a missing file too: nothing left)
+            return True
+        log.warning("job %s: its %s could not be removed (%s); it is left for the next start's sweep",
+                    job_id, what, exc)  # fmt: skip
+        return False
+    return True
 
 
 class UnsavedFailures:

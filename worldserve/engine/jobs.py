@@ -7,12 +7,16 @@ after its file is in place, so a crash never leaves a completed job without its 
 Lifecycle: `queued -> in_progress -> completed | failed`. DELETE removes the row and its files (as vLLM-Omni
 does), so there is no `cancelled` status (job_deletion.py: in which order, and a deletion a full disk
 refuses). After a crash or a shutdown, `recover()` turns every `in_progress` row back into `queued` (progress
-0): the server re-runs it from its persisted inputs, unless the process has died MAX_INTERRUPTIONS times while
+0): the server re-runs it from its persisted inputs, unless the server has stopped MAX_INTERRUPTIONS times while
 running it (a job that crashes the server, e.g. out of host memory, would otherwise take it down on every
-start): then it fails with a message saying so. Updates are guarded by
+start): then it fails with a message saying so. A stop counts when the process died running the job (found by
+`recover()` at the next start) or when the engine loop crashed running it (`requeue(crashed=True)`: the
+loop's crash, not the process's, would otherwise crash it again at every restart); a clean shutdown that
+parks it does not count. Updates are guarded by
 the current status, so a job deleted while its video was being encoded is never resurrected. A disk that
 refuses a write while serving (full, an I/O error) raises StorageError naming what was not saved
-(job_faults.py), never a half-written file; progress is then skipped and a failure kept until it can be written.
+(job_faults.py), never a half-written file; progress is then skipped and a failure kept until it can be written,
+and a file it cannot remove any more (a read-only disk) is left for the start-up sweep.
 A deleted job's place in the list order is kept (job_anchors.py): a listing paged with it as `after` goes on.
 """
 
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from worldserve.engine.job_deletion import JobRemoval
-from worldserve.engine.job_faults import StorageFull, storage_failure
+from worldserve.engine.job_faults import StorageFull, remove_or_leave, storage_failure
 from worldserve.engine.job_files import (
     StorageError,
     folder_unwritable,
@@ -50,7 +54,13 @@ __all__ = ["SCHEMA_VERSION", "Job", "JobSpec", "JobStatus", "JobStore", "Storage
 
 log = logging.getLogger(__name__)
 MAX_INTERRUPTIONS = 3
-"""Starts that found a job in_progress (the process died running it) before recover() fails it instead."""
+"""Times the server may stop while running a job (the process died, or the engine loop crashed) before the job
+is failed (GIVEN_UP_MESSAGE) instead of run again."""
+GIVEN_UP_MESSAGE = (
+    f"The server stopped {MAX_INTERRUPTIONS} times while running this job (it may be what crashes it, "
+    "e.g. out of host memory); it is not run again."
+)
+"""The error of a job failed after MAX_INTERRUPTIONS stops (code 500)."""
 _UNFINISHED = ("queued", "in_progress")
 LISTED_COLUMNS = (
     "id, status, progress, created_at, spec, started_at, completed_at, expires_at, error_code, error_message, "
@@ -96,7 +106,7 @@ class JobStore(JobRemoval):
                 )  # fmt: skip
                 self._newest_created = job.created_at
         except StorageError:
-            self.reference_path(job.id).unlink(missing_ok=True)
+            remove_or_leave(self.reference_path(job.id), job.id, "reference file")
             raise
         return job
 
@@ -164,20 +174,25 @@ class JobStore(JobRemoval):
                  job_id),
             )  # fmt: skip
         except StorageError:  # the row stays unfinished: no file that no completed row names
-            path.unlink(missing_ok=True)
+            remove_or_leave(path, job_id, "video")
             raise
         if not done:
             if self.get(job_id) is None:  # deleted meanwhile; a row in another state keeps its file
-                path.unlink(missing_ok=True)
+                remove_or_leave(path, job_id, "video")
         else:
-            self.reference_path(job_id).unlink(missing_ok=True)
+            remove_or_leave(self.reference_path(job_id), job_id, "reference file")
         return done
 
     def fail(
         self, job_id: str, code: int, message: str, *, completed_at: float, ttl_s: float | None,
         param: str | None = None,
     ) -> bool:  # fmt: skip
+        """Fail the job if it is unfinished (False when it is gone or ended). A failure the database refuses
+        is kept in memory (job_faults.py) and so is the job's reference: a restart before it is written runs
+        the job again. A disk refusing writes (full, read-only) raises nothing: the engine ends the job all the
+        same."""
         expires = completed_at + ttl_s if ttl_s else None
+        written = True
         try:
             done = self._update(
                 "UPDATE jobs SET status='failed', error_code=?, error_message=?, error_param=?, completed_at=?,"
@@ -186,13 +201,14 @@ class JobStore(JobRemoval):
             )
         except StorageError as exc:  # shown failed now, written once the disk takes it (job_faults.py)
             log.warning("job %s: %s; its failure is kept in memory until it can be written", job_id, exc)
+            written = False
             with self._lock:  # (the check and the add as one: a concurrent write may be writing them)
                 row = self._db.execute("SELECT status FROM jobs WHERE id=?", (job_id,)).fetchone()
                 done = row is not None and row["status"] in _UNFINISHED and job_id not in self._unsaved
                 if done:
                     self._unsaved.add(job_id, (code, message, param, completed_at, expires))
-        if done:
-            self.reference_path(job_id).unlink(missing_ok=True)
+        if done and written:
+            remove_or_leave(self.reference_path(job_id), job_id, "reference file")
         return done
 
     def recover(
@@ -202,8 +218,9 @@ class JobStore(JobRemoval):
         ttl_s: float | None = None,
         on_failed: Callable[[int], None] | None = None,
     ) -> list[str]:
-        """After a restart: in_progress -> queued (progress 0), or failed once the process has died running
-        the job MAX_INTERRUPTIONS times (`on_failed(500)` for each: the metrics count it); finished jobs
+        """After a restart: in_progress -> queued (progress 0), or failed once the server has stopped running
+        the job MAX_INTERRUPTIONS times, this death of the process included (`on_failed(500)` for each: the
+        metrics count it); finished jobs
         without an expiry get one from `ttl_s` (without a TTL none keeps one: nothing expires); completed
         jobs whose video is missing deleted (`delete_videoless`: a DELETE whose row a full disk refused, or a
         video removed by hand); the store's stray temp files and orphans removed (only files it writes:
@@ -213,10 +230,6 @@ class JobStore(JobRemoval):
         Returns the ids of every unfinished job, oldest first: the caller re-submits them.
         """
         now = time.time() if now is None else now
-        message = (
-            f"The server stopped {MAX_INTERRUPTIONS} times while running this job (it may be what crashes it, "
-            "e.g. out of host memory); it is not run again."
-        )
         try:
             with self._lock, self._transaction():
                 if ttl_s:  # jobs finished with no TTL: this one counts from their completion (set ones stay)
@@ -231,7 +244,7 @@ class JobStore(JobRemoval):
                 given_up = self._db.execute(
                     "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?, expires_at=?"
                     " WHERE status='in_progress' AND interrupted >= ?",
-                    (message, now, now + ttl_s if ttl_s else None, MAX_INTERRUPTIONS),
+                    (GIVEN_UP_MESSAGE, now, now + ttl_s if ttl_s else None, MAX_INTERRUPTIONS),
                 ).rowcount
                 self._db.execute(
                     "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE status='in_progress'"
@@ -257,16 +270,42 @@ class JobStore(JobRemoval):
                 on_failed(500)
         return [r["id"] for r in unfinished]
 
-    def requeue(self, job_ids: Sequence[str]) -> None:
-        """Give in_progress jobs back to the queue (progress 0), e.g. when the engine stops mid-run."""
+    def requeue(
+        self, job_ids: Sequence[str], *, crashed: bool = False, ttl_s: float | None = None
+    ) -> list[str]:
+        """Give in_progress jobs back to the queue (progress 0), e.g. when the engine stops mid-run. `crashed`:
+        the engine loop crashed running them, which counts as a stop (MAX_INTERRUPTIONS) as a death of the
+        process does: those stopped that many times are failed instead (GIVEN_UP_MESSAGE, expiring after
+        `ttl_s`, their references removed); their ids are returned (the caller counts and reports them)."""
+        ids = [(i,) for i in job_ids]
+        given_up: list[str] = []
         try:
-            with self._writing("the requeued jobs"):
+            with self._writing("the requeued jobs"), self._transaction():
+                if crashed:
+                    self._db.executemany(
+                        "UPDATE jobs SET interrupted = interrupted + 1 WHERE id=? AND status='in_progress'",
+                        ids,
+                    )
+                    now = time.time()
+                    failure = (GIVEN_UP_MESSAGE, now, now + ttl_s if ttl_s else None, MAX_INTERRUPTIONS)
+                    for (job_id,) in ids:
+                        cursor = self._db.execute(
+                            "UPDATE jobs SET status='failed', error_code=500, error_message=?, completed_at=?,"
+                            " expires_at=? WHERE status='in_progress' AND interrupted >= ? AND id=?",
+                            (*failure, job_id),
+                        )
+                        if cursor.rowcount:
+                            given_up.append(job_id)
                 self._db.executemany(
                     "UPDATE jobs SET status='queued', progress=0, started_at=NULL WHERE id=? AND status='in_progress'",
-                    [(i,) for i in job_ids],
+                    ids,
                 )
-        except StorageError as exc:  # they stay in_progress in the database: recover() queues them at start
+        except StorageError as exc:  # they stay in_progress in the database: recover() counts and queues them
             log.warning("%s", exc)
+            return []
+        for job_id in given_up:
+            remove_or_leave(self.reference_path(job_id), job_id, "reference file")
+        return given_up
 
     # -- reads ----------------------------------------------------------------------------------------
     def get(self, job_id: str) -> Job | None:
