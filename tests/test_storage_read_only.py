@@ -250,3 +250,28 @@ async def test_a_store_fault_recording_a_failure_does_not_stop_the_engine(tmp_pa
         del store.fail
         r = await http.post("/v1/videos/sync", data={"prompt": "x", **SMALL_FORM})
         assert r.status_code == 200, r.text
+
+
+def test_a_crash_by_an_os_error_is_told_without_its_path():
+    """/health and the sync 503s quote the crash: an OSError by its errno's words (its str() names the file,
+    a storage path); a write that a read-only disk refuses keeps its own error, not the clean-up's."""
+    from worldserve.engine.outputs import crash_reason
+
+    reason = crash_reason(OSError(errno.EROFS, "Read-only file system", "/srv/storage/inputs/job.ref"))
+    assert reason == "OSError: Read-only file system"
+    assert crash_reason(RuntimeError("a bug")) == "a bug"
+
+
+def test_an_atomic_write_refused_keeps_its_own_error(tmp_path, monkeypatch):
+    from worldserve.media import atomic_write
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system (the clean-up)")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic_write.os, "fsync", full)
+    monkeypatch.setattr(atomic_write.Path, "unlink", refused)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write.write_atomically(tmp_path / "x.bin", b"data")

@@ -71,8 +71,13 @@ class BackendLost(RuntimeError):
 
 
 def crash_reason(exc: BaseException) -> str:
-    """An engine crash as HTTP clients hear of it (/health, the waiting sync requests)."""
-    return exc.public if isinstance(exc, BackendLost) else str(exc)
+    """An engine crash as HTTP clients hear of it (/health, the waiting sync requests): an OSError by its
+    errno's words alone (its str() names the file: a storage path is no client's business)."""
+    if isinstance(exc, BackendLost):
+        return exc.public
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return str(exc)
 
 
 class VideoBackend(Protocol):

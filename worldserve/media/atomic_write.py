@@ -57,7 +57,8 @@ def writing_atomically(path: str | os.PathLike[str], *, private: bool = False) -
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a read-only disk refuses this too: the first error is the one)
+            tmp.unlink(missing_ok=True)
         raise
     if private:
         folder = os.open(target.parent, os.O_RDONLY)
