@@ -312,7 +312,8 @@ def test_a_backend_that_runs_beside_video_steps_is_called_without_the_model_lock
 
 def test_a_failing_loop_closes_its_chats_and_answers_the_queued_and_later_ones():
     """A bug in the loop itself (here the delivery hop raising, as a closed event loop's does) closes the
-    running chats' sessions (their K/V back), fails them with a 500, and never leaves a chat waiting."""
+    running chats' sessions (their K/V back), fails them with a 500, and never leaves a chat waiting: a later
+    one gets a 503 saying the worker stopped and why (not "shutting down": nothing is), counted nowhere."""
     lock = threading.Lock()
     backend = ScriptedBackend(lock)
     worker = ChatWorker(backend, lock)
@@ -325,12 +326,15 @@ def test_a_failing_loop_closes_its_chats_and_answers_the_queued_and_later_ones()
     worker.submit(PARAMS, events.put, receive=events.put)
     worker.start()
     out = _drain(events)
-    assert out[0] == ChatStarted(prompt_tokens=7) and out[-1] == ChatFailed(500, "The chat worker stopped.")
+    why = "RuntimeError: Event loop is closed"
+    assert out[0] == ChatStarted(prompt_tokens=7)
+    assert out[-1] == ChatFailed(500, f"The Reasoner's chat worker stopped ({why}).")
     assert backend.sessions[0].closed
     worker._thread.join(5)
-    assert not worker.alive
+    assert not worker.alive and worker.stop_reason == why
     _, later = _collect(worker)
-    assert later.get(timeout=1) == ChatFailed(503, "The server is shutting down.")
+    message = f"The Reasoner's chat worker has stopped ({why}); no chat can run until the server restarts."
+    assert later.get(timeout=1) == ChatFailed(503, message, refused=True)
 
 
 def test_a_coalescing_chat_gets_its_first_delta_and_then_the_rest_merged():

@@ -130,6 +130,21 @@ def api_key() -> str | None:
     return None
 
 
+def keep_alive_on_engine_death() -> bool:
+    """vLLM's `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH` (an integer, default 0, read as vLLM reads it): non-zero keeps
+    `worldserve serve` up once its engine is dead (/health and every request answering 503) instead of
+    shutting it down with exit status 1 (commands/engine_death.py). ValueError for a value that is no integer
+    (vLLM's int() failed on it only once its engine had died)."""
+    raw = os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "").strip()
+    try:
+        return bool(int(raw or "0"))
+    except ValueError:
+        raise ValueError(
+            f"environment variable VLLM_KEEP_ALIVE_ON_ENGINE_DEATH={raw!r} must be an integer (0: stop the "
+            "server when its engine dies, the default; 1: keep it up, answering 503)"
+        ) from None
+
+
 def logging_config_path() -> str | None:
     """vLLM's `VLLM_LOGGING_CONFIG_PATH`: a logging configuration file, as `--log-config-file` (which wins);
     None when unset or empty."""

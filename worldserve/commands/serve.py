@@ -10,6 +10,8 @@ SIGTERM / Ctrl-C: intake stops at once (503 for new jobs), running requests get 
 to finish, anything unfinished stays queued in the store and is re-run at the next start. A second Ctrl-C
 ends the grace at once (uvicorn's force exit; the engine stops at its next step or decode chunk). The peer
 ranks of a parallel backend stop after that; the exit status is then 0 after SIGTERM, 130 after Ctrl-C.
+Engine death (the engine loop crashed, the Reasoner's chat worker stopped, a peer rank lost) stops the server
+as SIGTERM does, exit status 1, unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 (engine_death.py).
 SIGTERM during the start (the model load) ends it with one line, "worldserve serve: terminated", rc 143.
 The Reasoner (POST /v1/chat/completions) shares the loaded transformer's und tower; its ViT loads from
 vision_encoder/. `--backend fake` (hidden) serves numpy colour frames with no model and no chat: tests only.
@@ -91,8 +93,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`worldserve serve`: its exit status (0 after serving; 1 when the checkpoint cannot be read or the model
-    did not load; 2 for a bad flag value, --host, --port, --uds or --storage-dir). The flags are checked
+    """`worldserve serve`: its exit status (0 after serving; 1 when the checkpoint cannot be read, the model
+    did not load, or the engine died while serving (engine_death.py); 2 for a bad flag value or environment
+    variable, --host, --port, --uds or --storage-dir). The flags are checked
     (`_checked_config`) and the socket is bound before the model loads; it stays bound to the end of serving."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S")
     try:
@@ -142,6 +145,7 @@ def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, list, loggi
         raise ValueError(f"--allowed-local-media-path {media}: "
                          + ("not a directory" if Path(media).exists() else "does not exist"))  # fmt: skip
     media_defaults(config.media)  # a bad --media-io-kwargs / --mm-processor-kwargs stops the start here
+    envs.keep_alive_on_engine_death()  # (a malformed VLLM_KEEP_ALIVE_ON_ENGINE_DEATH too)
     template_defaults(config.chat.default_chat_template_kwargs)  # (and a bad --default-chat-template-kwargs)
     config.lora.check_path()  # (the adapter's own files are the backend's to check, per request)
     # a bad --generation-config folder or value stops the start before the load
@@ -214,7 +218,7 @@ def _serve(
     http: tuple[argparse.Namespace, list] | None = None,
 ) -> int:
     """Wire engine + client + app over the loaded `backend` and serve on the bound `listener` until shutdown:
-    0, or 2 when the socket cannot listen."""
+    0, 1 when an engine death stopped it (engine_death.py), or 2 when the socket cannot listen."""
     server_cfg = config.server
     http_args, middlewares = http or (argparse.Namespace(), [])
     client, metrics, settings = _engine_client(config, store, backend, gpu_memory, chat_backend)
@@ -235,10 +239,11 @@ def _serve(
         log.error("%s", exc)
         return 2
     excluded = serve_logging.excluded_paths(getattr(http_args, "disable_access_log_for_endpoints", None))
-    server = serve_http.GracefulServer(uv_config, client, config.scheduler.shutdown_timeout)
+    server = serve_http.GracefulServer(uv_config, client, config.scheduler.shutdown_timeout,
+                                       keep_alive_on_engine_death=envs.keep_alive_on_engine_death())  # fmt: skip
     with serve_logging.access_log_excluded(excluded, getattr(http_args, "root_path", None)):
         server.run(sockets=[listener])
-    return 0
+    return server.exit_status
 
 
 def _engine_client(

@@ -7,7 +7,8 @@ proxy under a path prefix), `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs
 dotted name, added outermost, as vLLM adds it) and `--config FILE` (serve_config_file.py). Also the listening
 socket, TCP (--host / --port) or a Unix domain socket (--uds): bound before the model loads (`bind_listener`,
 `bind_unix_listener`), listening once the app is ready (`start_listening`), as vLLM binds its API socket; and
-`GracefulServer`, uvicorn's server that stops job intake the moment a shutdown signal arrives.
+`GracefulServer`, uvicorn's server that stops job intake the moment a shutdown signal arrives, and stops as
+on one when the engine dies (engine_death.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import uvicorn
 
 from worldserve.api.settings import DEFAULT_UPLOAD_BYTES
 from worldserve.commands.compat_flag import POSITIVE_INT
+from worldserve.commands.engine_death import EngineDeathWatch
 from worldserve.commands.serve_logging import excluded_paths
 from worldserve.config import FlagValueError
 
@@ -336,12 +338,30 @@ def _cannot_listen(host: str | None, port: int, exc: OSError) -> ValueError:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server that stops job intake the moment a shutdown signal arrives (then uvicorn's own)."""
+    """uvicorn.Server that stops job intake the moment a shutdown signal arrives (then uvicorn's own), and
+    shuts down as on SIGTERM when the engine dies, unless `keep_alive_on_engine_death` (engine_death.py;
+    `exit_status` then 1)."""
 
-    def __init__(self, config: uvicorn.Config, client: Any, shutdown_timeout: float):
+    def __init__(
+        self, config: uvicorn.Config, client: Any, shutdown_timeout: float, *,
+        keep_alive_on_engine_death: bool = False,
+    ):  # fmt: skip
         super().__init__(config)
         self._client = client
         self._shutdown_timeout = shutdown_timeout
+        self.death = EngineDeathWatch(client, keep_alive=keep_alive_on_engine_death)
+
+    @property
+    def exit_status(self) -> int:
+        """`worldserve serve`'s exit status once `run` returns: 1 after an engine death stopped it, else 0."""
+        return self.death.exit_status
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s while serving), which first stops the server when the engine died."""
+        if not self.should_exit and self.death.check():
+            self._client.begin_shutdown(self._shutdown_timeout)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.should_exit:

@@ -6,7 +6,7 @@ Separate from engine/chat_worker.py, which produces them on its thread: these ar
 a chat shares (engine/client.py bridges them into asyncio, engine/chat_metering.py and the api/ routes
 read them, engine/prompt_upsampling.py waits on one) without the worker itself. `ChatFailed.status` is
 HTTP-like: 400 for a bad request (a ParamError, `param` naming its field), 500 for a server error, 503 when
-the server is shutting down or the K/V cache has no room.
+the server is shutting down, the K/V cache has no room or the chat worker has stopped (`refused`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class ChatFailed:
     """HTTP-like status: 400 for a bad request, 500 for a server error."""
     message: str
     param: str | None = None
+    refused: bool = False
+    """Refused before it reached the model, by no fault of its own (the chat worker had stopped): no finished
+    request, counted nowhere (engine/chat_metering.py), as vLLM counts none once its engine is dead."""
 
 
 ChatEvent = ChatStarted | ChatDelta | ChatFailed

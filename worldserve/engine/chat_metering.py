@@ -3,7 +3,8 @@ into a `ChatMeter` (the Prometheus metrics implement it; api/metrics.py): starte
 ended (its finish reason). A chat that ends before it started (cancelled while queued, failed by a shutdown or
 a full K/V cache) is counted ended without a finish reason ("abort", as vLLM counts an aborted waiting
 request); one that a server error ended, "error" (vLLM's FinishReason.ERROR); one refused with a 4xx before it
-started is the route's 400, not a finished request. What the chat worker knows better than a reader of the
+started is the route's 400, not a finished request, and one refused because the chat worker had stopped
+(ChatFailed.refused, a 503) none either (vLLM counts nothing once its engine is dead). What the chat worker knows better than a reader of the
 events is counted there: running and waiting chats (its queues, read at scrape time: a preempted chat waits),
 the time to first token (when the worker sampled it: the n choices of one request are read one after another),
 tokens per iteration, inter-token gaps, and each chat's lengths (the tokens it sampled: a reader that left
@@ -79,7 +80,8 @@ class MeteredChatEvents:
             self._meter.on_chat_started(event.prompt_tokens)
         elif isinstance(event, ChatDelta):
             self._finish = event.finish_reason
-        elif not self._started and event.status < 500:  # (a ChatFailed: its request was refused)
+        # (a ChatFailed: its request was refused, or never reached a chat worker that had stopped)
+        elif not self._started and (event.status < 500 or event.refused):
             self._refused = True
         elif event.status < 500:  # its rules left no next token mid-answer: vLLM's finish_reason "error"
             self._finish = "error"

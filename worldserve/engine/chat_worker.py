@@ -20,7 +20,9 @@ each chat's handle: chat_handle.py) stops a chat at the next step boundary.
 `submit_many` queues the `n` choices of one request as one entry, so they are admitted (and prefilled, their
 prompt K/V shared by the backend) together. `stop(timeout_s)` (server shutdown) takes no new chats, lets the
 running ones finish within the timeout and then fails those still running with a 503, so their callers
-answer with an error instead of being cut off when the HTTP server closes their connections.
+answer with an error instead of being cut off when the HTTP server closes their connections. A bug of the loop
+itself (a model call's failure fails only its chats) stops the worker for good (`stop_reason`: /health's 503):
+its running chats fail with a 500, every chat not started then or later gets an uncounted 503 naming it.
 Timings go to `observer` (chat_observer.py: tokens per loop iteration, each chat's time to first token,
 inter-token gaps, and each started chat's ChatTimes: end-to-end, queue, prefill, decode and inference time),
 measured on this thread with time.monotonic(). `num_running` / `num_waiting` (thread-safe, read by /metrics
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 
 ABORT_JOIN_S = 10.0
 """How long stop() waits, after failing the running chats, for the worker's current step to end."""
+SHUTTING_DOWN = "The server is shutting down."
 
 
 def _receive_all(pairs: Sequence[tuple[Callable[[ChatEvent], None], ChatEvent]]) -> None:
@@ -83,6 +86,9 @@ class ChatWorker:
         self._running: set[ChatHandle] = set()  # started (prefilled or prefilling), not ended
         self._preempted: set[ChatHandle] = set()  # of _running, those whose K/V the backend took back
         self._queues_lock = threading.Lock()
+        self.stop_reason: str | None = None
+        """Why the loop failed ("RuntimeError: ..."), set before it stops taking chats; None while it runs, and
+        after a stop (the shutdown's)."""
         self._thread = threading.Thread(target=self._run, name="worldserve-chat", daemon=True)
 
     def start(self) -> None:
@@ -134,9 +140,11 @@ class ChatWorker:
             for params, emit, receive in chats
         )
         if self._stopping.is_set():  # stopped (or the loop failed): nobody would read the queue
+            failed = self.stop_reason is not None  # (set before _stopping: a failed loop is told as one)
             for handle in handles:
-                self._ended(handle)
-                self._tell(handle, ChatFailed(503, "The server is shutting down."))
+                if not failed:
+                    self._ended(handle)
+                self._tell(handle, self._refused(failed))
         else:
             with self._queues_lock:
                 self._waiting.update(handles)
@@ -147,32 +155,41 @@ class ChatWorker:
         with self._queues_lock:
             self._waiting.difference_update(handles)
 
+    def _refused(self, failed: bool) -> ChatFailed:
+        """What a chat not started is told when the worker stops: the shutdown's 503, or (`failed`: the loop
+        failed) a 503 naming why, which no meter counts (ChatFailed.refused)."""
+        if not failed:
+            return ChatFailed(503, SHUTTING_DOWN)
+        return ChatFailed(503, f"The Reasoner's chat worker has stopped ({self.stop_reason}); no chat can "
+                          "run until the server restarts.", refused=True)  # fmt: skip
+
     def _run(self) -> None:
         active: list[tuple[ChatHandle, ChatSession]] = []
         deferred: list[ChatHandle] = []  # the backend had no room for them at the last try, in order
+        failed = False
         try:
             prepare = getattr(self.backend, "prepare_thread", None)  # (the decode step's per-thread settings)
             if prepare is not None:
                 prepare()
             self._loop(active, deferred)
-            message = "The server is shutting down."
-        except Exception:  # a bug of the loop (a delivery callback raising, ...): never leave sessions open
-            log.exception("the chat worker stopped")
+        except BaseException as exc:  # a bug of the loop (a delivery callback raising, ...): never leave
+            log.exception("the chat worker stopped")  # sessions open, nor a chat waiting on a dead thread
+            self.stop_reason, failed = f"{type(exc).__name__}: {exc}", True
             self._stopping.set()
-            message = "The chat worker stopped."
+            stopped = ChatFailed(500, f"The Reasoner's chat worker stopped ({self.stop_reason}).")
             for handle, session in active:
                 self._close(session)
                 self._ended(handle)
-                self._tell(handle, ChatFailed(500, message))
-        self._refuse_waiting(deferred, message)
+                self._tell(handle, stopped)
+        self._refuse_waiting(deferred, failed)
         with self._queues_lock:
             self._waiting.clear()
             self._running.clear()
             self._preempted.clear()
 
-    def _refuse_waiting(self, deferred: list[ChatHandle], message: str) -> None:
-        """Stopping: the chats not started (`deferred`, emptied, and those still queued) get a 503 now; none
-        of them would start."""
+    def _refuse_waiting(self, deferred: list[ChatHandle], failed: bool = False) -> None:
+        """Stopping: the chats not started (`deferred`, emptied, and those still queued) get a 503 now
+        (`_refused`; reported ended unless the loop `failed`); none of them would start."""
         handles, deferred[:] = list(deferred), []
         while True:
             try:
@@ -182,8 +199,9 @@ class ChatWorker:
             handles += entry or ()
         self._not_waiting(*handles)
         for handle in handles:
-            self._ended(handle)
-            self._tell(handle, ChatFailed(503, message))
+            if not failed:
+                self._ended(handle)
+            self._tell(handle, self._refused(failed))
 
     @staticmethod
     def _tell(handle: ChatHandle, event: ChatEvent) -> None:
@@ -199,14 +217,14 @@ class ChatWorker:
         told = False  # the chats not started got their 503 at the stop (not when the running ones end)
         while not stopping or active:
             if self._stopping.is_set() and not told:
-                self._refuse_waiting(deferred, "The server is shutting down.")
+                self._refuse_waiting(deferred)
                 told = stopping = True
             stopping = stopping or self._stopping.is_set()
             if self._abort.is_set():  # shutting down and out of time: the running chats end with a 503
                 for handle, session in active:
                     self._close(session)
                     self._ended(handle)
-                    self._tell(handle, ChatFailed(503, "The server is shutting down."))
+                    self._tell(handle, ChatFailed(503, SHUTTING_DOWN))
                 active.clear()
                 return
             batch: list[ChatHandle] = []

@@ -13,6 +13,8 @@ or in progress; it re-runs from its persisted inputs, or fails with a reason: jo
 the engine thread and, with a TTL, the expiry sweep (VideoJobs.expire_forever). `begin_shutdown()` stops
 intake (submit raises `ShuttingDownError` -> 503) and lets running requests finish; `shutdown()` stops the
 engine and wakes the remaining waiters with `ShuttingDownError` (their jobs stay queued for the next start).
+`death()` says why nothing here can serve again (the engine loop crashed, the chat worker's loop failed, a peer
+rank lost: /health's 503 too); `worldserve serve` then stops as on SIGTERM (commands/engine_death.py).
 Chat completions (when a chat backend is given) run in a ChatWorker thread; `chat_many(choices)` starts a
 request's choices together and gives a `ChatEvents` async iterator for each (ChatStarted, ChatDelta..., or
 ChatFailed), bridged with call_soon_threadsafe. Shutdown gives running chats the same timeout as jobs, then
@@ -236,6 +238,8 @@ class EngineClient:
         if not self.engine.alive:
             crashed = self.engine.crashed
             return False, "engine stopped" if crashed is None else f"engine crashed: {crash_reason(crashed)}"
+        if (stopped := self._chat_worker_failure()) is not None:
+            return False, stopped
         if not self.accepting:
             return False, "shutting down"
         if (problem := self.store.problem()) is not None:
@@ -243,6 +247,23 @@ class EngineClient:
         if (problem := self.engine.backend.problem()) is not None:  # (a multi-rank backend's peers)
             return False, problem
         return True, None
+
+    def death(self) -> str | None:
+        """Why nothing in this process can serve again, None while it can: the engine loop crashed, the
+        Reasoner's chat worker stopped (a bug of its loop), or the backend lost a peer rank (its `problem`,
+        seen here even while the engine idles). A shutdown's stop is none. `worldserve serve` stops on one."""
+        if not self._started:
+            return None
+        if (crashed := self.engine.crashed) is not None:
+            return f"engine crashed: {crash_reason(crashed)}"
+        if (stopped := self._chat_worker_failure()) is not None:
+            return stopped
+        return self.engine.backend.problem()
+
+    def _chat_worker_failure(self) -> str | None:
+        worker = self.chat_worker
+        reason = worker.stop_reason if worker is not None else None
+        return None if reason is None else f"the Reasoner's chat worker stopped: {reason}"
 
     def _recover(self) -> int:
         """The unfinished jobs queued again (VideoJobs.restore), each checked as the server checks a job
