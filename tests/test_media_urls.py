@@ -164,7 +164,7 @@ class RawServer:
     def __init__(self, reply):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
+        self.sock.listen(64)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/x.png"
         self.reply = reply
         self.accepted, self.ends = 0, []
@@ -465,7 +465,7 @@ async def test_a_download_waiting_for_a_thread_is_on_its_deadline_and_a_left_cli
     try:
         hung = asyncio.ensure_future(fetcher.fetch(server.url, param="a", kind="image", timeout_s=1.5))
         await asyncio.sleep(0.1)
-        with pytest.raises(ParamError, match="timed out after 0.5s"):  # (it got the thread only at 1.5 s)
+        with pytest.raises(ParamError, match="timed out after 0.5s"):  # (still waiting for the thread)
             await fetcher.fetch(f"{base_url}/ref.png", param="b", kind="image", timeout_s=0.5)
         with pytest.raises(ParamError, match="timed out after 1.5s"):
             await hung

@@ -3,9 +3,13 @@
 
 `MediaFetcher.fetch(url, ...)` downloads off the event loop, on its own thread pool (slow remote servers
 cannot starve the threads the rest of the API uses); `fetch_blocking` does the same on the calling thread.
-The deadline counts from the call, time spent waiting for a pool thread included. The downloads of one
-request share a `DownloadBudget`: its bytes, and `cancel()`, which ends every download of the request at
-once (its socket shut, the thread freed) when one has failed or the client has left. The standard library's
+The downloads of one request share a `DownloadBudget`: its bytes; its turns on the pool (at most
+REQUEST_FETCH_THREADS of its downloads hold a thread at once, so one request's slow hosts cannot take every
+thread from the others); and `cancel()`, which ends every download of the request at once (its socket shut,
+the thread freed) when one has failed or the client has left. `fetch` given no budget makes one of its own,
+cancelled when `fetch` is (a video request's reference, its client gone). The deadline counts from the
+download's turn in its request and is kept while waiting for a pool thread too: a download still waiting
+when it passes fails then, and never starts. The standard library's
 http.client does the HTTP (no new dependency; environment proxies are not used). A download has a total deadline, `timeout_s` (vLLM-Omni's 60 s for references; vLLM's
 `VLLM_IMAGE_FETCH_TIMEOUT` / `VLLM_VIDEO_FETCH_TIMEOUT` for chat media), enforced across the name lookup
 (on a thread of its own: getaddrinfo takes no timeout), each address's connect, the TLS handshake, every
@@ -53,6 +57,10 @@ CHUNK = 1 << 16
 MAX_REDIRECTS = 10
 FETCH_THREADS = 32
 """Downloads in flight at once, all requests together (more wait for a thread, their deadline running)."""
+REQUEST_FETCH_THREADS = 8
+"""Pool threads the downloads of one request hold at once (its others wait their turn, their deadlines running):
+a chat of 32 video URLs at a host that trickles its bytes held all FETCH_THREADS, and every other request's
+downloads waited behind it (vLLM's aiohttp fetch shares one session's 100 connections, no per-request share)."""
 
 
 def is_http_url(url: str) -> bool:
@@ -126,17 +134,35 @@ class MediaFetcher:
     ) -> bytes:  # fmt: skip
         """The body at `url`, downloaded on the fetcher's own threads; `kind` is the media ("image",
         "video"), `what` names the URL in messages (default `param`; e.g. "image_reference.image_url" for the
-        field "image_reference"), `budget` the bytes it shares with its request's other downloads.
-        ParamError(param) (a 400) on any failure. `timeout_s` counts from now, waiting for a thread included."""
+        field "image_reference"), `budget` the bytes and pool turns it shares with its request's other
+        downloads (none: a budget of its own, cancelled, its download stopped, when this is cancelled; a
+        shared one is its owner's to cancel). ParamError(param) (a 400) on any failure. `timeout_s` counts
+        from its request's turn (the request's own earlier downloads are not another's to wait for: a chat of
+        20 images from a slow host would have timed out its last ones), waiting for a pool thread included."""
         self.check(url, param, what)
-        deadline = time.monotonic() + timeout_s
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.pool,
-            lambda: self.fetch_blocking(
-                url, param=param, kind=kind, timeout_s=timeout_s, what=what, budget=budget, deadline=deadline
-            ),
-        )
+        own = budget is None
+        budget = DownloadBudget(self.max_bytes) if budget is None else budget
+        try:
+            async with budget.turns:
+                deadline = time.monotonic() + timeout_s
+                download = functools.partial(
+                    self.fetch_blocking, url, param=param, kind=kind, timeout_s=timeout_s, what=what,
+                    budget=budget, deadline=deadline,
+                )  # fmt: skip
+                # (cancelled while still queued, the job never runs: the pool drops a cancelled future; and
+                # past its deadline, or its budget cancelled, it would fail before connecting)
+                # (a second past it: one that started fails on its own deadline, with its own words)
+                return await asyncio.wait_for(
+                    asyncio.wrap_future(self.pool.submit(download)), timeout_s + 1.0
+                )
+        except TimeoutError:
+            # (still waiting for a thread: a download that had started fails on its own deadline)
+            log.warning("%s: timed out waiting for a download thread", what or param)
+            raise ParamError(param, _timed_out(what or param, kind, timeout_s)) from None
+        except asyncio.CancelledError:
+            if own:
+                budget.cancel()
+            raise
 
     def fetch_blocking(
         self, url: str, *, param: str, kind: str, timeout_s: float, what: str | None = None,
@@ -169,8 +195,7 @@ class MediaFetcher:
         except (OSError, ValueError, OverflowError, http.client.HTTPException) as exc:
             if isinstance(exc, TimeoutError) or time.monotonic() >= deadline:  # (the timer's shutdown: any)
                 log.warning("%s: GET from %s timed out", what, urllib.parse.urlsplit(url).hostname)
-                raise ParamError(param, f"Invalid {what}: the {kind} download timed out after {timeout_s:g}s "
-                                 "(the server did not send it whole in time).") from None  # fmt: skip
+                raise ParamError(param, _timed_out(what, kind, timeout_s)) from None
             # the client hears only that it failed; the log keeps why (the host, not the URL's path or query)
             strerror = getattr(exc, "strerror", None)  # (OSError's; the others have none)
             why = f"{type(exc).__name__}: {strerror}" if strerror else type(exc).__name__
@@ -282,6 +307,11 @@ class MediaFetcher:
                 "upload limit (one request's downloads share it).")  # fmt: skip
 
 
+def _timed_out(what: str, kind: str, timeout_s: float) -> str:
+    return (f"Invalid {what}: the {kind} download timed out after {timeout_s:g}s (the server did not send it "
+            "whole in time).")  # fmt: skip
+
+
 def _body_decoder(encoding: str | None, what: str) -> BodyDecoder | None:
     """The decoder of a body sent with `Content-Encoding: encoding` (api/content_encoding.py: gzip, and
     deflate with or without its zlib header), None for one sent as it is; another encoding (br, zstd, ...) is
@@ -307,10 +337,12 @@ def _decoded(decoder: BodyDecoder, chunk: bytes | None, limit: int, what: str) -
 
 class DownloadBudget:
     """What the downloads of one request share (thread-safe: they run concurrently): the bytes they may take
-    together, and `cancel()`, which stops them all (a download started after it fails at once)."""
+    together, their `turns` on the fetcher's pool (REQUEST_FETCH_THREADS at once; taken on the event loop),
+    and `cancel()`, which stops them all (a download started after it fails at once)."""
 
     def __init__(self, total: int) -> None:
         self.left = total
+        self.turns = asyncio.Semaphore(REQUEST_FETCH_THREADS)
         self._lock = threading.Lock()
         self._stops: set[functools.partial] = set()  # each live download's media_connect.expire
         self.cancelled = False

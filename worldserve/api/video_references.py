@@ -85,7 +85,8 @@ async def reference_bytes(
 
 
 async def url_reference(raw: Any, kind: str, field: str, fetcher: MediaFetcher | None) -> bytes:
-    """The bytes of `{"<kind>_url": URL}` in `field`: a data URL's payload, or the http(s) URL downloaded."""
+    """The bytes of `{"<kind>_url": URL}` in `field`: a data URL's payload, or the http(s) URL downloaded (on
+    a budget of the fetcher's own making: cancelled with the request, its client gone, the download stops)."""
     url = reference_url(raw, kind, field)
     if is_data_url(url):
         return data_url_bytes(
