@@ -163,6 +163,11 @@ def test_a_log_config_file_that_is_no_configuration_is_named(tmp_path):
         serve_logging.apply_log_config(str(tmp_path / "list.json"))
     with pytest.raises(ValueError, match="^--log-config-file .*cut.json: cannot read it"):
         serve_logging.apply_log_config(str(tmp_path / "cut.json"))
+    (tmp_path / "level.json").write_text('{"version": 1, "loggers": {"worldserve.x": {"level": "BOGUS"}}}')
+    with pytest.raises(
+        ValueError, match=r"Unable to configure logger 'worldserve.x' \(Unknown level: 'BOGUS'\)"
+    ):
+        serve_logging.apply_log_config(str(tmp_path / "level.json"))
 
 
 def test_vllms_logging_config_path_variable_is_read_as_the_flag(tmp_path, monkeypatch):

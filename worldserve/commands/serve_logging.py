@@ -48,7 +48,9 @@ def apply_log_config(path: str, origin: str = "--log-config-file") -> None:
     try:
         logging.config.dictConfig(config)
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
-        raise FlagValueError(f"{origin} {path}: {' '.join(str(exc).split())}") from None
+        # (dictConfig says which logger or handler, its __cause__ why: an unknown level, a missing folder)
+        why = f"{exc} ({exc.__cause__})" if exc.__cause__ is not None else str(exc)
+        raise FlagValueError(f"{origin} {path}: {' '.join(why.split())}") from None
 
 
 def excluded_paths(text: str | None) -> frozenset[str]:
