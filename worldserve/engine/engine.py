@@ -9,15 +9,16 @@ frames chunk by chunk, as the VAE makes them, to a CPU pool that muxes the MP4 m
 Invariants: only this thread calls the backend and touches the scheduler; other threads talk to it through
 `add_request` / `abort` / `drain` / `stop` (a condition-guarded inbox). An abort takes effect at the next
 step boundary (during a decode: at its next chunk of frames) and always releases the request's state. An
-exception inside a request (prepare, its denoise batch, decode, encode) fails only the jobs involved (status
-`failed`, error {code, message}); the loop itself never dies of one, except `BackendLost` (a multi-GPU
-pipeline lost a peer rank): then it stops as on a crash and its jobs wait in the store. Backend calls run
-under `model_lock`, which the chat worker (chat_worker.py) also takes around each chat prefill / decode step,
-so chat and video share the model step by step, unless the chat backend runs beside video steps on its own
-CUDA stream (runner/chat_share.py: then it takes no lock). How a request ends (its MP4 saved, its result
-handed over, its failure or cancellation reported, `on_done(job_id)` called so the HTTP side can wake
-waiters) is endings.py's, from this thread or the encode pool; how the engine stops (drain, stop, stop_now,
-the running jobs parked when the loop ends) is engine_shutdown.py's, Engine's base class.
+exception inside a request (prepare, its denoise step, decode, encode) fails only that job (status `failed`,
+error {code, message}; a failed batched step is tried again request by request: batch.py); the loop itself
+never dies of one, except `BackendLost` (a multi-GPU pipeline lost a peer rank): then it stops as on a crash
+and its jobs wait in the store. Backend calls run under `model_lock`, which the chat worker (chat_worker.py)
+also takes around each chat prefill / decode step, so chat and video share the model step by step, unless the
+chat backend runs beside video steps on its own CUDA stream (runner/chat_share.py: then it takes no lock).
+How a request ends (its MP4 saved, its result handed over, its failure or cancellation reported,
+`on_done(job_id)` called so the HTTP side can wake waiters) is endings.py's, from this thread or the encode
+pool; how the engine stops (drain, stop, stop_now, the running jobs parked when the loop ends) is
+engine_shutdown.py's, Engine's base class.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from functools import partial
 import numpy as np
 
 from worldserve.config import SchedulerConfig
+from worldserve.engine.batch import step_batch
 from worldserve.engine.endings import Encoder, Endings, default_encoder
 from worldserve.engine.engine_shutdown import EngineShutdown
 from worldserve.engine.jobs import JobStore
@@ -245,24 +247,18 @@ class Engine(EngineShutdown):
         self._sched.start(request)
 
     def _step(self, batch: list[Request]) -> None:
-        t0 = time.monotonic()
-        try:
-            with self.model_lock:
-                self.backend.denoise([r.prepared for r in batch])
-        except BackendLost:  # not the batch's fault: the loop crashes and its jobs are queued again
-            raise
-        except Exception as exc:  # the batch's states are undefined now: fail every member
-            for request in batch:
-                self._sched.finish(request)
-                self._release(request)
-                self._ends.fail(request, exc)
-            return
-        seconds = time.monotonic() - t0
-        self.observer.on_step(seconds, len(batch))
-        for request in batch:
+        """One denoising step of `batch`; a failure fails only the requests that fail alone (batch.py)."""
+        outcome = step_batch(self.backend, batch, self.model_lock)
+        for seconds, size in outcome.calls:
+            self.observer.on_step(seconds, size)
+        for request, exc in outcome.failed:
+            self._sched.finish(request)
+            self._release(request)
+            self._ends.fail(request, exc)
+        for request, seconds in outcome.stepped:
             request.stage_seconds["diffuse"] = request.stage_seconds.get("diffuse", 0.0) + seconds
-        self.store.set_progress([(r.job_id, r.progress) for r in batch if not r.ephemeral])
-        for request in batch:
+        self.store.set_progress([(r.job_id, r.progress) for r, _ in outcome.stepped if not r.ephemeral])
+        for request, _ in outcome.stepped:
             if request.denoised:
                 self._sched.finish(request)
                 self._decode(request)
