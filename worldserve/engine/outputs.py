@@ -95,7 +95,9 @@ class VideoBackend(Protocol):
     def prepare(self, request_id: str, params: VideoParams) -> DenoiseState: ...
 
     def denoise(self, states: Sequence[DenoiseState]) -> None:
-        """Advance every state by exactly one step."""
+        """Advance every state by exactly one step, each state's update whole, its `step_index` last: when the
+        call raises, a state whose step_index did not move is as it was, to be stepped again (engine/batch.py;
+        a backend may also have `free_cached_memory()`, called before such retries)."""
         ...
 
     def decode(self, state: DenoiseState, *, stream: bool = False) -> VideoResult:

@@ -189,6 +189,10 @@ class ParallelPipeline(Closeable):
     def decode(self, state: VideoRequestState, *, stream: bool = False) -> VideoResult:
         return self.local.decode(state, stream=stream)
 
+    def free_cached_memory(self) -> None:
+        """Rank 0's cached device blocks (a failed forward on the peers is a BackendLost: no retries there)."""
+        self.local.free_cached_memory()
+
     generate = VideoPipeline.generate  # validate -> prepare -> denoise... -> decode, through this class
 
     @contextmanager

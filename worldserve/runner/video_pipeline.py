@@ -303,17 +303,28 @@ class VideoPipeline(Closeable):
     def combine_and_step(
         self, s: VideoRequestState, v_video: list[Tensor], v_sound: list[Tensor] | None
     ) -> None:
-        """[cond] or [cond, uncond] velocities (model dtype) -> float32 CFG combine -> UniPC step."""
+        """[cond] or [cond, uncond] velocities (model dtype) -> float32 CFG combine -> UniPC step. The state's
+        update is whole or none: computed first, then assigned together, `step_index` last (a failure between
+        the video's and the sound's step had left the state half updated; engine/batch.py steps again alone a
+        state whose step_index did not move)."""
         g = s.params.guidance_scale
         v_video = [v.float() for v in v_video]
         velocity = cfg_combine(v_video[0], v_video[1], g) if len(v_video) == 2 else v_video[0]
-        s.latents, s.video_solver = unipc_step(s.schedule, s.video_solver, s.step_index, velocity, s.latents)
+        latents, video_solver = unipc_step(s.schedule, s.video_solver, s.step_index, velocity, s.latents)
+        sound, sound_solver = s.sound, s.sound_solver
         if s.sound is not None:
             assert v_sound is not None, "a request with sound needs its sound velocities"
             v_sound = [v.float() for v in v_sound]
             vs = cfg_combine(v_sound[0], v_sound[1], g) if len(v_sound) == 2 else v_sound[0]
-            s.sound, s.sound_solver = unipc_step(s.schedule, s.sound_solver, s.step_index, vs, s.sound)
+            sound, sound_solver = unipc_step(s.schedule, s.sound_solver, s.step_index, vs, s.sound)
+        s.latents, s.video_solver, s.sound, s.sound_solver = latents, video_solver, sound, sound_solver
         s.step_index += 1
+
+    def free_cached_memory(self) -> None:
+        """Give the device's cached free blocks back (engine/batch.py, before a failed batch's members step
+        alone: out of memory at the batch's size, each alone may fit)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def decode(self, state: VideoRequestState, *, stream: bool = False) -> VideoResult:
         """The finished latents -> host frames + audio (runner/video_decode.py); `stream`: the frames as a
