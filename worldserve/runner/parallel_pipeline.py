@@ -214,9 +214,10 @@ class ParallelPipeline(Closeable):
                 )  # fmt: skip
                 self.peers.kill()
                 lost = f"{self.layout.flags}: the peer ranks are stopped after an error"
-                raise BackendLost(
-                    f"{lost}: {gone or exc}", f"{lost} (the server log says which). Restart the server"
-                ) from exc
+                # (clients and /health hear which peer went, as /health says of one gone while idle; another
+                # error's text stays in the log)
+                public = f"{lost}: {gone}" if gone else f"{lost} (the server log says which)"
+                raise BackendLost(f"{lost}: {gone or exc}", f"{public}. Restart the server") from exc
             except (
                 BaseException
             ):  # Ctrl-C mid-exchange: the peers are out of step; close() would wait on them
