@@ -165,9 +165,9 @@ class StartupPipes:
     def _exited(self, r: int, stage: str) -> PeerError:
         p = self.procs[r - 1]
         p.join(5)  # (its pipe can close a moment before the process is reaped: then its exit code is known)
-        return PeerError(
-            f"{self.label} rank {r} exited {stage} ({exit_reason(p.exitcode)}); see its log above"
-        )
+        # (a signal, SIGKILL's above all, leaves no log of the peer's own to see)
+        said = "" if p.exitcode is not None and p.exitcode < 0 else "; see its log above"
+        return PeerError(f"{self.label} rank {r} exited {stage} ({exit_reason(p.exitcode)}){said}")
 
     def close(self) -> None:
         for ours, theirs in self._pipes:
