@@ -643,6 +643,12 @@ def test_a_step_hung_past_the_shutdown_deadline_is_abandoned_and_its_job_queued_
     job = run(main())
     assert abandoned.is_set()
     assert JobStore(tmp_path).get(job.id).status is JobStatus.QUEUED
+    # the abandoned step's BackendLost is the shutdown's: not counted against the job (three restarts during
+    # long steps had failed it as a poison job)
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        assert db.execute("SELECT interrupted FROM jobs WHERE id=?", (job.id,)).fetchone()[0] == 0
 
 
 def test_a_restart_without_enable_lora_refuses_the_queued_jobs_own_adapters(tmp_path):

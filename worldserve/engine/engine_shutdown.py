@@ -121,7 +121,8 @@ class EngineShutdown:
         """When the loop ends: release what is still running and give its jobs back to the queue; ephemeral
         requests, running or waiting, are cancelled for `reason` (they cannot resume). The loop ends for
         SHUTDOWN_REASON when it was told to stop (drain, stop_now); any other reason is its crash, which
-        counts against the jobs it was running (a job that crashes it is failed after MAX_INTERRUPTIONS)."""
+        counts against the jobs it was running (a job that crashes it is failed after MAX_INTERRUPTIONS),
+        unless the shutdown's hard stop caused it (abandon_step)."""
         self._stop_reason = reason
         parked = list(self._sched.running)
         for request in parked:
@@ -135,7 +136,9 @@ class EngineShutdown:
             self._inbox = [r for r in self._inbox if not (isinstance(r, Request) and r.ephemeral)]
         self._cancel_waiting_ephemeral(late, reason)
         parked = [r for r in parked if not r.ephemeral]
-        if parked and reason != SHUTDOWN_REASON:
+        # (a step the shutdown abandoned, its peers killed, ends in a BackendLost: the shutdown's, not the job's;
+        # counted, three rolling restarts during long multi-GPU steps had failed a healthy job)
+        if parked and reason != SHUTDOWN_REASON and not self._hard_stop:
             given_up = self._ends.park_after_crash(parked)
             if len(given_up) < len(parked):
                 log.warning("crashed with %d running job(s); they are queued again and resume at restart (the "

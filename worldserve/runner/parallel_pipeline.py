@@ -174,7 +174,7 @@ class ParallelPipeline(Closeable):
         /health says it at once, not only once a request has failed on it."""
         if self.peers.closed:
             return f"{self.layout.flags}: the peer ranks are stopped"
-        return self.peers.gone()
+        return self.peers.gone(public=True)
 
     def prepare_thread(self) -> None:
         """As VideoPipeline.prepare_thread (compile_limits.limits_in_this_thread)."""
@@ -208,6 +208,7 @@ class ParallelPipeline(Closeable):
                 # (a dead peer is the cause: its own log says why, no traceback here; anything else is a
                 # failure of this rank's, with it; abandon_step's kill: the shutdown's reason)
                 gone = self._abandoned or self.peers.gone(PEER_EXIT_WAIT_S)
+                told = self._abandoned or self.peers.gone(public=True)
                 log.error(
                     "%s: failed inside an exchange with the peer ranks%s", self.layout.flags,
                     f" ({gone})" if gone else "", exc_info=None if gone else exc,
@@ -216,7 +217,7 @@ class ParallelPipeline(Closeable):
                 lost = f"{self.layout.flags}: the peer ranks are stopped after an error"
                 # (clients and /health hear which peer went, as /health says of one gone while idle; another
                 # error's text stays in the log)
-                public = f"{lost}: {gone}" if gone else f"{lost} (the server log says which)"
+                public = f"{lost}: {told}" if told else f"{lost} (the server log says which)"
                 raise BackendLost(f"{lost}: {gone or exc}", f"{public}. Restart the server") from exc
             except (
                 BaseException

@@ -154,9 +154,11 @@ class PeerRanks:
         if (gone := self.gone()) is not None:
             raise comm.PeerError(gone)
 
-    def gone(self, wait_s: float = 0.0) -> str | None:
+    def gone(self, wait_s: float = 0.0, *, public: bool = False) -> str | None:
         """Why a peer is gone (the first dead one), None while all live: cheap, for health checks. `wait_s`:
-        how long to wait for one dying (a failed exchange: its transport closes before it is reaped)."""
+        how long to wait for one dying (a failed exchange: its transport closes before it is reaped).
+        `public`: as HTTP clients hear it (/health, the 503s): its rank and exit, no pid or log to see (the
+        log line, written once, has them)."""
         wait_until(lambda: not all(p.is_alive() for p in self.processes), wait_s)
         for r, p in enumerate(self.processes, 1):
             if not p.is_alive():
@@ -166,7 +168,7 @@ class PeerRanks:
                 if r not in self._reported:  # (once: /health asks again and again)
                     self._reported.add(r)
                     log.error("%s", reason)
-                return reason
+                return f"{self.label} peer rank {r} exited: {exit_reason(p.exitcode)}" if public else reason
         return None
 
     def _gone(self, r: int, exc: Exception) -> comm.PeerError:
