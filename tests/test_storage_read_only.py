@@ -260,6 +260,13 @@ def test_a_crash_by_an_os_error_is_told_without_its_path():
     reason = crash_reason(OSError(errno.EROFS, "Read-only file system", "/srv/storage/inputs/job.ref"))
     assert reason == "OSError: Read-only file system"
     assert crash_reason(RuntimeError("a bug")) == "a bug"
+    # the chat worker's stop reason (/health, its 503s) alike
+    from worldserve.engine.outputs import error_words
+
+    assert error_words(PermissionError(errno.EACCES, "Permission denied", "/srv/x")) == (
+        "PermissionError: Permission denied"
+    )
+    assert error_words(ValueError("zip() argument 2 is shorter")) == "ValueError: zip() argument 2 is shorter"
 
 
 def test_an_atomic_write_refused_keeps_its_own_error(tmp_path, monkeypatch):

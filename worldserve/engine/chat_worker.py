@@ -45,7 +45,7 @@ from worldserve.config import DEFAULT_MAX_NUM_SEQS
 from worldserve.engine.chat_events import ChatEvent, ChatFailed, ChatStarted
 from worldserve.engine.chat_handle import ChatHandle
 from worldserve.engine.chat_observer import ChatObserver, NullChatObserver
-from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta, ChatSession
+from worldserve.engine.outputs import ChatBackend, ChatBackpressure, ChatDelta, ChatSession, error_words
 from worldserve.failures import release_frames
 from worldserve.params import ParamError
 
@@ -174,7 +174,7 @@ class ChatWorker:
             self._loop(active, deferred)
         except BaseException as exc:  # a bug of the loop (a delivery callback raising, ...): never leave
             log.exception("the chat worker stopped")  # sessions open, nor a chat waiting on a dead thread
-            self.stop_reason, failed = f"{type(exc).__name__}: {exc}", True
+            self.stop_reason, failed = error_words(exc), True
             self._stopping.set()
             stopped = ChatFailed(500, f"The Reasoner's chat worker stopped ({self.stop_reason}).")
             for handle, session in active:

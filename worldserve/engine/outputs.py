@@ -75,9 +75,15 @@ def crash_reason(exc: BaseException) -> str:
     errno's words alone (its str() names the file: a storage path is no client's business)."""
     if isinstance(exc, BackendLost):
         return exc.public
+    return error_words(exc) if isinstance(exc, OSError) else str(exc)
+
+
+def error_words(exc: BaseException) -> str:
+    """`Type: message` of an error clients hear of; an OSError by its errno's words alone (its str() names
+    the file: a storage path is no client's business)."""
     if isinstance(exc, OSError) and exc.strerror:
         return f"{type(exc).__name__}: {exc.strerror}"
-    return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 class VideoBackend(Protocol):
