@@ -159,6 +159,7 @@ def test_out_of_memory_in_a_batch_frees_its_activations_before_each_steps_alone(
     outcome = step_batch(backend, batch, threading.Lock())
     assert not outcome.failed and [r for r, _ in outcome.stepped] == batch
     assert backend.seen_at_retry == [(1, False)] * 3, "freed once, the activations gone, before the retries"
+    assert outcome.too_large, "every member fine alone: the batch's size failed"
 
 
 def test_a_lost_backend_during_the_retries_stops_the_engine():
@@ -233,3 +234,40 @@ async def test_sync_and_async_requests_batched_with_a_failing_one_still_complete
     assert any(sorted(call) == ["a", "b", BAD, "c"] for call in backend.calls), (
         "the bad one batched with a, b, c"
     )
+
+
+def test_a_shape_whose_batch_fails_as_a_batch_steps_in_smaller_batches(tmp_path):
+    """Out of memory at a batch of 4 but not at 2 (each member fine alone): after the failed call and the
+    singles, that shape steps in batches of 2, not paying the failed batch of 4 again every step; a batch that
+    failed because of a member (the `__fail__` one failed alone too) changes no cap."""
+    sizes: list[int] = []
+
+    class FitsTwo(FakeBackend):
+        def denoise(self, states):
+            sizes.append(len(states))
+            if len(states) > 2:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            super().denoise(states)
+
+    backend = FitsTwo(step_delay=0.05)
+
+    async def main():
+        client = make_client(tmp_path, backend=backend, max_batch_size=4)
+        await client.start()
+        jobs = [submit_job(client, job_params(f"good {i}", steps=3)) for i in range(4)]
+        results = await asyncio.wait_for(asyncio.gather(*(client.wait(j.id) for j in jobs)), 30)
+        caps = dict(client.engine._sched.caps)
+        await client.shutdown(5)
+        return results, caps
+
+    results, caps = asyncio.run(main())
+    assert [r.status for r in results] == [JobStatus.COMPLETED] * 4
+    # (the four are usually admitted together; however they joined, the first batch over 2 fails once)
+    failed = next(i for i, n in enumerate(sizes) if n > 2)
+    after = sizes[failed + 1 + sizes[failed] :]
+    assert sizes[failed + 1 : failed + 1 + sizes[failed]] == [1] * sizes[failed], sizes
+    assert list(caps.values()) == [sizes[failed] // 2] and after and max(after) <= 2, sizes
+
+    backend = FakeBackend()
+    outcome = step_batch(backend, requests(backend, ["a", BAD, "b"]), threading.Lock())
+    assert len(outcome.failed) == 1 and not outcome.too_large

@@ -44,6 +44,9 @@ class BatchStep:
     """The requests whose step failed, each with its own error."""
     calls: list[tuple[float, int]] = field(default_factory=list)
     """(seconds, requests) of each denoise call that succeeded (the engine's step metrics)."""
+    too_large: bool = False
+    """The batch call failed and every member it left untouched then stepped alone: the failure was the
+    batch's size (out of memory at it), not a member's (the engine steps this shape in smaller batches)."""
 
 
 def step_batch(backend: VideoBackend, batch: Sequence[Request], lock: threading.Lock) -> BatchStep:
@@ -103,4 +106,5 @@ def _isolate(
         seconds = time.monotonic() - t0
         outcome.calls.append((seconds, 1))
         outcome.stepped.append((request, failed_s + seconds))
+    outcome.too_large = not outcome.failed
     return outcome

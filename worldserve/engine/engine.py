@@ -249,6 +249,10 @@ class Engine(EngineShutdown):
     def _step(self, batch: list[Request]) -> None:
         """One denoising step of `batch`; a failure fails only the requests that fail alone (batch.py)."""
         outcome = step_batch(self.backend, batch, self.model_lock)
+        if outcome.too_large:  # (out of memory at this size: not paid again every step)
+            self._sched.shrink(batch[0].prepared.batch_key, len(batch))
+            log.warning("a batch of %d failed as a batch and stepped alone: this shape now steps in batches of "
+                        "%d", len(batch), self._sched.caps[batch[0].prepared.batch_key])  # fmt: skip
         for seconds, size in outcome.calls:
             self.observer.on_step(seconds, size)
         for request, exc in outcome.failed:

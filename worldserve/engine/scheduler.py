@@ -6,7 +6,9 @@ Policy (first come, first served, at step granularity):
   the batch cap. New requests join at step boundaries; admission stops while the engine drains.
 - stepping: running requests are grouped by `state.batch_key` (same shapes batch in one forward); each
   iteration steps the group of the oldest running request, so the oldest work finishes first and a
-  newcomer with the same key rides along from its first step.
+  newcomer with the same key rides along from its first step. A shape whose batch failed as a batch (out of
+  memory at its size, each member fine alone: engine/batch.py) is stepped in batches of half that size
+  from then on (`shrink`), so the failed call is not paid again every step.
 Pure bookkeeping: no backend calls, no threads; the engine thread is its only user.
 """
 
@@ -22,6 +24,7 @@ class Scheduler:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.max_batch_size = max_batch_size
+        self.caps: dict[object, int] = {}  # batch_key -> its largest batch since one failed as a batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.admitting = True
@@ -54,7 +57,13 @@ class Scheduler:
         if not self.running:
             return []
         key = self.running[0].prepared.batch_key
-        return [r for r in self.running if r.prepared.batch_key == key][: self.max_batch_size]
+        return [r for r in self.running if r.prepared.batch_key == key][
+            : self.caps.get(key, self.max_batch_size)
+        ]
+
+    def shrink(self, key: object, failed_size: int) -> None:
+        """A batch of `failed_size` of this shape failed as a batch: step it in batches of half that size."""
+        self.caps[key] = min(self.caps.get(key, self.max_batch_size), max(1, failed_size // 2))
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
