@@ -22,7 +22,8 @@ from worldserve.engine.client import EncodeOptions, EngineClient, JobSpec
 from worldserve.engine.endings import default_encoder
 from worldserve.engine.engine import Engine
 from worldserve.engine.fake_backend import FakeBackend
-from worldserve.engine.jobs import JobStore
+from worldserve.engine.job_schema import new_job_id
+from worldserve.engine.jobs import Job, JobStatus, JobStore
 from worldserve.media.frame_stream import FrameStream
 from worldserve.params import VideoParams
 
@@ -298,6 +299,17 @@ def job_spec(p: VideoParams) -> JobSpec:
     """The job record a create route would write for `p`."""
     return JobSpec(model="test-model", prompt=p.prompt, size=f"{p.width}x{p.height}", seconds="1",
                    quality="default", fps=p.fps, num_frames=p.num_frames)  # fmt: skip
+
+
+def stored_job(store: JobStore, reference: bytes | None = None, *, running: bool = True) -> Job:
+    """A small job created in `store` (with `reference` as its reference file), marked in progress unless
+    `running` is False: what the job store's own tests start from."""
+    job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(),
+              spec=job_spec(job_params()))  # fmt: skip
+    store.create(job, {"params": {}}, reference)
+    if running:
+        assert store.mark_in_progress(job.id, time.time())
+    return job
 
 
 def submit_job(client: EngineClient, p: VideoParams, encode: EncodeOptions | None = None):

@@ -11,22 +11,21 @@ import threading
 import time
 
 import pytest
-from serving_helpers import SMALL_FORM, asgi_server, job_params, make_client, submit_job, wait_until
+from serving_helpers import (
+    SMALL_FORM,
+    asgi_server,
+    job_params,
+    make_client,
+    stored_job,
+    submit_job,
+    wait_until,
+)
 
 from worldserve.engine.fake_backend import FakeBackend
-from worldserve.engine.job_schema import new_job_id
-from worldserve.engine.jobs import GIVEN_UP_MESSAGE, MAX_INTERRUPTIONS, Job, JobSpec, JobStatus, JobStore
+from worldserve.engine.jobs import GIVEN_UP_MESSAGE, MAX_INTERRUPTIONS, JobStatus, JobStore
 from worldserve.engine.scheduler import Scheduler
 
-SPEC = JobSpec(model="m", prompt="p", size="64x64", seconds="1", quality="default", fps=24.0, num_frames=9)
 CRASHER = "crashes the loop"
-
-
-def _running(store: JobStore, reference: bytes | None = None) -> Job:
-    job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=SPEC)
-    store.create(job, {"params": {}}, reference)
-    assert store.mark_in_progress(job.id, time.time())
-    return job
 
 
 def _interrupted(root, job_id: str) -> int:
@@ -42,7 +41,7 @@ def test_a_crash_requeue_counts_and_fails_the_job_at_the_limit(tmp_path):
     restart gives, an expiry from the TTL, its reference removed) and its id is returned. A crash and a
     death of the process add up; a plain requeue (a clean shutdown) counts nothing."""
     store = JobStore(tmp_path)
-    job, parked = _running(store, b"ref"), _running(store)
+    job, parked = stored_job(store, b"ref"), stored_job(store)
     store.requeue([parked.id])  # a clean shutdown's park
     assert _interrupted(tmp_path, parked.id) == 0
     assert store.requeue([job.id], crashed=True, ttl_s=60.0) == []

@@ -15,7 +15,7 @@ import sqlite3
 import time
 
 import pytest
-from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, poll_job, wait_until
+from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, poll_job, stored_job, wait_until
 
 from worldserve.engine import job_database, job_files
 from worldserve.engine.client import Job, JobStatus, StorageError
@@ -103,25 +103,12 @@ class FullAtCommit(FullDisk):
         return verb == "COMMIT" or (verb in self.WRITES and not self._db.in_transaction)
 
 
-def _running_job(store: JobStore) -> Job:
-    job = Job(
-        id=new_job_id(),
-        status=JobStatus.QUEUED,
-        progress=0,
-        created_at=time.time(),
-        spec=job_spec(job_params()),
-    )
-    store.create(job, {"params": {}}, None)
-    assert store.mark_in_progress(job.id, time.time())
-    return job
-
-
 def test_a_kept_failure_outlives_a_refused_commit(tmp_path, monkeypatch):
     """A write whose COMMIT the full disk refuses rolls the kept failures back with it: they stay kept (the
     job stays failed, not back to in_progress for good) and are written once space is back."""
     store = JobStore(tmp_path)
     disk = FullAtCommit(store, monkeypatch)
-    job = _running_job(store)
+    job = stored_job(store)
     disk.db_full = True
     assert store.fail(job.id, 507, "Video generation failed: disk full", completed_at=time.time(), ttl_s=None)
     store.set_progress([(job.id, 5)])  # refused at its COMMIT, with the kept failure in its transaction
@@ -137,7 +124,7 @@ def test_a_kept_failure_is_written_at_close(tmp_path, monkeypatch):
     job whose client was told it failed."""
     store = JobStore(tmp_path)
     disk = FullDisk(store, monkeypatch)
-    job = _running_job(store)
+    job = stored_job(store)
     disk.db_full = True
     assert store.fail(job.id, 400, "too long", completed_at=time.time(), ttl_s=None, param="prompt")
     assert store.get(job.id).error_param == "prompt"  # shown from memory
@@ -154,7 +141,7 @@ def test_refused_progress_writes_are_logged_once(tmp_path, monkeypatch, caplog):
     """Progress is written every step: a full disk logs it once (and once more when writes go through)."""
     store = JobStore(tmp_path)
     disk = FullDisk(store, monkeypatch)
-    job = _running_job(store)
+    job = stored_job(store)
     disk.db_full = True
     with caplog.at_level(logging.INFO, logger="worldserve.engine.jobs"):
         for step in range(5):
@@ -275,7 +262,7 @@ class FullOfVideos(FullDisk):
 
 
 def _completed_job(store: JobStore, ttl_s: float | None = None) -> Job:
-    job = _running_job(store)
+    job = stored_job(store)
     assert store.complete(job.id, b"mp4", completed_at=time.time(), ttl_s=ttl_s, inference_time_s=1.0,
                           stage_durations={}, peak_memory_mb=1.0)  # fmt: skip
     return job
@@ -288,7 +275,7 @@ def test_a_disk_full_of_videos_is_freed_by_delete_and_by_the_sweep(tmp_path, mon
     jobs = [_completed_job(store), _completed_job(store, ttl_s=0.01), _completed_job(store, ttl_s=0.01)]
     FullOfVideos(store, monkeypatch).fill(store.videos_dir)
     with pytest.raises(StorageError):  # (the disk is full: a create is refused)
-        _running_job(store)
+        stored_job(store)
     assert store.delete(jobs[0].id).id == jobs[0].id  # its file freed the space its row's deletion needed
     assert store.get(jobs[0].id) is None
     assert sorted(store.delete_expired(time.time() + 1)) == sorted(j.id for j in jobs[1:])
@@ -334,7 +321,7 @@ def test_a_restart_on_a_full_disk_starts_with_its_jobs_as_they_were(tmp_path, mo
     as the store opens: opening a database at the current schema writes nothing (it wrote its version at
     every open, a COMMIT the full disk refused before recover() ran)."""
     store = JobStore(tmp_path)
-    done, running = _completed_job(store), _running_job(store)
+    done, running = _completed_job(store), stored_job(store)
     store.close()
     disk = FullDisk.at_open(monkeypatch)
     store = JobStore(tmp_path)
@@ -466,7 +453,7 @@ def test_a_kept_failure_is_written_by_the_delete_that_frees_the_disk(tmp_path, m
     the space: that delete writes the kept failure too (it tried before its files were gone, while the disk
     was still full), so a crash right after does not run again a job whose client was told it failed."""
     store = JobStore(tmp_path)
-    done, running = _completed_job(store), _running_job(store)
+    done, running = _completed_job(store), stored_job(store)
     FullOfVideos(store, monkeypatch).fill(store.videos_dir)
     assert store.fail(
         running.id, 507, "Video generation failed: disk full", completed_at=time.time(), ttl_s=None

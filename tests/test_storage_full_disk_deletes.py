@@ -13,8 +13,8 @@ import sqlite3
 import time
 
 import pytest
-from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, poll_job
-from test_storage_faults import FullDisk, _completed_job, _running_job
+from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, poll_job, stored_job
+from test_storage_faults import FullDisk, _completed_job
 
 from worldserve.engine.client import Job, JobStatus, StorageError
 from worldserve.engine.fake_backend import FakeBackend
@@ -178,7 +178,7 @@ def test_an_unfinished_job_is_deleted_row_first_on_a_full_disk(tmp_path, monkeyp
     job = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(),
               spec=job_spec(job_params()))  # fmt: skip
     store.create(job, {"params": {}}, b"reference bytes")
-    running = _running_job(store)
+    running = stored_job(store)
     disk = FullDisk(store, monkeypatch)
     disk.db_full = True
     for job_id in (job.id, running.id):

@@ -17,13 +17,22 @@ import os
 import time
 
 import pytest
-from serving_helpers import SMALL_FORM, asgi_server, job_params, job_spec, png_bytes, poll_job, wait_until
+from serving_helpers import (
+    SMALL_FORM,
+    asgi_server,
+    png_bytes,
+    poll_job,
+    stored_job,
+    wait_until,
+)  # fmt: skip
 from test_storage_faults import FullDisk
 
 from worldserve.engine.client import Job, JobStatus, StorageError
 from worldserve.engine.fake_backend import FakeBackend
 from worldserve.engine.job_schema import new_job_id
 from worldserve.engine.jobs import JobStore
+
+REFERENCE = b"reference bytes"
 
 
 class ReadOnlyDisk:
@@ -55,20 +64,6 @@ class ReadOnlyDisk:
         monkeypatch.setattr(os, "access", access)
 
 
-def _job(store: JobStore, reference: bytes | None = b"reference bytes", *, running: bool = True) -> Job:
-    job = Job(
-        id=new_job_id(),
-        status=JobStatus.QUEUED,
-        progress=0,
-        created_at=time.time(),
-        spec=job_spec(job_params()),
-    )
-    store.create(job, {"params": {}}, reference)
-    if running:
-        assert store.mark_in_progress(job.id, time.time())
-    return job
-
-
 def _complete(store: JobStore, job_id: str) -> bool:
     return store.complete(job_id, b"mp4", completed_at=time.time(), ttl_s=None, inference_time_s=1.0,
                           stage_durations={}, peak_memory_mb=1.0)  # fmt: skip
@@ -81,7 +76,7 @@ def test_the_store_ends_jobs_on_a_read_only_disk_and_leaves_their_files(tmp_path
     next start's sweep; a refused create raises its StorageError, not the EROFS of its clean-up."""
     store = JobStore(tmp_path)
     disk = ReadOnlyDisk(tmp_path, monkeypatch)
-    job, bare = _job(store), _job(store, None)
+    job, bare = stored_job(store, REFERENCE), stored_job(store)
     disk.on = True
     with caplog.at_level(logging.WARNING, logger="worldserve.engine.jobs"):  # (no reference: nothing to say)
         assert store.fail(
@@ -104,7 +99,7 @@ def test_the_store_ends_jobs_on_a_read_only_disk_and_leaves_their_files(tmp_path
     inputs.on = True
     queued = Job(id=new_job_id(), status=JobStatus.QUEUED, progress=0, created_at=time.time(), spec=job.spec)
     with pytest.raises(StorageError, match="could not save the job's reference file: Read-only file system"):
-        store.create(queued, {"params": {}}, b"reference bytes")
+        store.create(queued, {"params": {}}, REFERENCE)
     inputs.on = False
     store.close()
     store = JobStore(tmp_path)
@@ -116,7 +111,7 @@ def test_a_video_whose_row_is_refused_and_that_cannot_be_removed_is_left(tmp_pat
     """The video saved, its row refused (a full database), its removal refused too: complete raises the row's
     StorageError (507), not the EROFS of the removal; the file no completed row names goes at the next start."""
     store = JobStore(tmp_path)
-    job = _job(store, None)
+    job = stored_job(store)
     full, read_only = FullDisk(store, monkeypatch), ReadOnlyDisk(tmp_path / "videos", monkeypatch)
     full.db_full = True
 
@@ -142,7 +137,7 @@ def test_a_failure_kept_in_memory_keeps_the_reference_the_restart_runs_the_job_w
     restart runs the job again, so its reference stays (it was removed: the re-run failed, "its uploaded
     reference is missing")."""
     store = JobStore(tmp_path)
-    job = _job(store)
+    job = stored_job(store, REFERENCE)
     disk = FullDisk(store, monkeypatch)
     disk.db_full = True
     assert store.fail(job.id, 507, "Video generation failed: disk full", completed_at=time.time(), ttl_s=None)
@@ -151,7 +146,7 @@ def test_a_failure_kept_in_memory_keeps_the_reference_the_restart_runs_the_job_w
     disk.db_full = False
     store = JobStore(tmp_path)
     assert store.recover() == [job.id]
-    assert store.load_inputs(job.id) == ({"params": {}}, b"reference bytes")
+    assert store.load_inputs(job.id) == ({"params": {}}, REFERENCE)
     store.close()
 
 
