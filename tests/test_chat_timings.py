@@ -270,6 +270,19 @@ def test_every_ended_chat_reports_its_lengths_as_the_worker_counted_them():
     assert left.prompt_tokens == 5 and left.generation_tokens == recorder.generated >= 5
 
 
+class EndsMeter:
+    """A ChatMeter that keeps each chat's end (its finish reason; None: aborted) in `ended`."""
+
+    def __init__(self) -> None:
+        self.ended: list[str | None] = []
+
+    def on_chat_started(self, prompt_tokens: int) -> None:
+        pass
+
+    def on_chat_ended(self, finish_reason: str | None) -> None:
+        self.ended.append(finish_reason)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     ("events", "ended"),
@@ -285,14 +298,7 @@ async def test_a_server_error_ends_a_chat_as_vllms_error_reason(events, ended):
     leaving); a shutdown's 503 stays an abort, a refusal is not counted."""
     from worldserve.engine.chat_metering import metered
 
-    seen: list = []
-
-    class Meter:
-        def on_chat_started(self, prompt_tokens: int) -> None:
-            pass
-
-        def on_chat_ended(self, finish_reason: str | None) -> None:
-            seen.append(finish_reason)
+    meter = EndsMeter()
 
     class Source:
         def __aiter__(self):
@@ -305,8 +311,8 @@ async def test_a_server_error_ends_a_chat_as_vllms_error_reason(events, ended):
         async def aclose(self) -> None:
             pass
 
-    assert [e async for e in metered(Source(), Meter())] == events
-    assert seen == ended
+    assert [e async for e in metered(Source(), meter)] == events
+    assert meter.ended == ended
 
 
 @pytest.mark.anyio
@@ -317,16 +323,6 @@ async def test_closing_a_metered_chat_stops_it_whether_or_not_it_was_read():
     import asyncio
 
     from worldserve.engine.chat_metering import metered
-
-    class Meter:
-        def __init__(self) -> None:
-            self.ended: list = []
-
-        def on_chat_started(self, prompt_tokens: int) -> None:
-            pass
-
-        def on_chat_ended(self, finish_reason: str | None) -> None:
-            self.ended.append(finish_reason)
 
     class Source:
         def __init__(self) -> None:
@@ -342,11 +338,11 @@ async def test_closing_a_metered_chat_stops_it_whether_or_not_it_was_read():
         async def aclose(self) -> None:
             self.closed += 1
 
-    unread, meter = Source(), Meter()
+    unread, meter = Source(), EndsMeter()
     await metered(unread, meter).aclose()
     assert unread.closed == 1 and meter.ended == []
 
-    read, meter = Source(), Meter()
+    read, meter = Source(), EndsMeter()
     events = metered(read, meter)
     assert isinstance(await anext(events), ChatStarted)
     await events.aclose()
@@ -355,7 +351,7 @@ async def test_closing_a_metered_chat_stops_it_whether_or_not_it_was_read():
     with pytest.raises(StopAsyncIteration):
         await anext(events)
 
-    waiting, meter = Source(), Meter()
+    waiting, meter = Source(), EndsMeter()
     events = metered(waiting, meter)
     await anext(events)
     task = asyncio.ensure_future(anext(events))
@@ -373,14 +369,7 @@ async def test_a_client_gone_as_its_answer_is_ready_counts_its_chats_aborted():
     held the engine's own streams, which stopped them uncounted)."""
     from worldserve.api.chat_stream import close_all, start_all
 
-    ended: list = []
-
-    class Meter:
-        def on_chat_started(self, prompt_tokens: int) -> None:
-            pass
-
-        def on_chat_ended(self, finish_reason: str | None) -> None:
-            ended.append(finish_reason)
+    meter = EndsMeter()
 
     class Events:
         def __init__(self) -> None:
@@ -403,7 +392,7 @@ async def test_a_client_gone_as_its_answer_is_ready_counts_its_chats_aborted():
             return engine_streams
 
     opened: list = []
-    streams, firsts = await start_all(Client(), [None, None], Meter(), coalesce=False, opened=opened)
+    streams, firsts = await start_all(Client(), [None, None], meter, coalesce=False, opened=opened)
     assert len(firsts) == 2 and opened == streams
     await close_all(opened)
-    assert all(e.closed for e in engine_streams) and ended == [None, None]
+    assert all(e.closed for e in engine_streams) and meter.ended == [None, None]
