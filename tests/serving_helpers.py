@@ -145,16 +145,24 @@ def served_url(log: Path, proc, timeout: float = 60.0) -> str:
     import httpx
 
     url = f"http://127.0.0.1:{served_port(log, proc, timeout)}"
+    with httpx.Client(base_url=url, timeout=1) as http:
+        wait_healthy(http, proc, timeout, log)
+    return url
+
+
+def wait_healthy(http, proc, timeout: float = 60.0, log: Path | None = None) -> None:
+    """Until the served process's /health (through the httpx.Client `http`: TCP, TLS or a unix socket)
+    answers 200; the process dying meanwhile fails (with its `log`, if given)."""
+    import httpx
 
     def healthy() -> bool:
-        assert proc.poll() is None, log.read_text()
+        assert proc.poll() is None, log.read_text() if log is not None else "the server did not start"
         try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            return http.get("/health").status_code == 200
         except httpx.TransportError:
             return False
 
     wait_until(healthy, timeout=timeout, interval=0.05)
-    return url
 
 
 def png_bytes(width: int = 24, height: int = 16, colour=(200, 30, 60)) -> bytes:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from chat_fakes import ScriptedChatBackend
-from serving_helpers import SMALL_FORM, asgi_server, make_client, served_port
+from serving_helpers import SMALL_FORM, asgi_server, make_client, served_port, wait_healthy
 
 from worldserve.api.app import build_app
 from worldserve.cli import build_parser
@@ -361,14 +361,7 @@ def test_a_real_server_with_vllms_http_flags(tmp_path):
         with httpx.Client(
             base_url=f"https://127.0.0.1:{port}", verify=False, timeout=10, limits=fresh
         ) as http:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-                    time.sleep(0.2)
+            wait_healthy(http, proc)
             _idle_connection_closes_after(port, 1.0)
             _silent_connection_gets_408(port, 1.0)
             key = {"Authorization": "Bearer sk-test"}

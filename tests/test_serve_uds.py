@@ -14,11 +14,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from serving_helpers import wait_healthy
 
 from worldserve.commands import serve_http
 
@@ -68,18 +68,6 @@ LOG_CONFIG = {
 }
 
 
-def _wait_healthy(http: httpx.Client, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if http.get("/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
-
-
 def _unfinished_headers(path: Path, size: int) -> bytes:
     """The answer to `size` bytes of a request's headers that never end (h11 refuses them once they pass its
     --h11-max-incomplete-event-size; left at its 1 MiB default, the read would time out instead)."""
@@ -110,7 +98,7 @@ def test_a_real_server_on_a_unix_socket(tmp_path):
     try:
         transport = httpx.HTTPTransport(uds=str(path))
         with httpx.Client(transport=transport, base_url="http://localhost", timeout=10) as http:
-            _wait_healthy(http, proc)
+            wait_healthy(http, proc)
             assert http.get("/api/v1/models").status_code == 200
             redirect = http.get("/api/v1/videos/")
             assert redirect.status_code == 307
